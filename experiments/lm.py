@@ -1,0 +1,56 @@
+"""Causal Transformer LM on the shipped KJV corpus, byte or word level.
+
+The default experiment (README's first command) is the byte-level one:
+
+    python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_bytes
+    python -m hpnlp.main --config experiments/lm.py:words --workdir /tmp/hpnlp/lm_words
+    python -m hpnlp.main --config experiments/lm.py:bytes,local --workdir /tmp/hpnlp/smoke  # ~30 s
+
+Arguments (comma separated): `bytes` | `words` picks the tokenization; `local` shrinks
+the run to a quick smoke test (big_vision's `runlocal`).
+"""
+
+from hpnlp.config import default_configdict
+
+
+def get_config(arg: str = "bytes"):
+    args = set(arg.split(",")) if arg else {"bytes"}
+    words = "words" in args
+    cfg = default_configdict()
+    cfg.name = "lm_words" if words else "lm_bytes"
+
+    cfg.data.task = "word_lm" if words else "byte_lm"
+    cfg.data.seq_len = 128  # tokens per training row
+    cfg.data.batching = "pack"  # documents packed into rows with segment ids: no padding waste
+    cfg.data.word_vocab_size = 8000  # words: most frequent kept, the rest -> <unk>
+
+    cfg.model.kind = "lm"
+    cfg.model.width = 128  # d_model
+    cfg.model.depth = 2  # Transformer blocks
+    cfg.model.num_heads = 4
+    cfg.model.mlp_dim = 512
+    cfg.model.dropout = 0.0  # the corpus is large relative to this model and run
+    cfg.model.max_len = 128  # learned position table; >= data.seq_len
+
+    cfg.attention.name = "dense"  # see hpnlp.attention.names()
+    cfg.output.name = "full"  # see hpnlp.softmax.names()
+    cfg.output.tie_embeddings = True
+
+    cfg.train.steps = 1500
+    cfg.train.batch_size = 32
+    cfg.train.lr = 3e-3
+    cfg.train.warmup_steps = 100
+    cfg.train.schedule = "cosine"
+    cfg.train.log_every = 50
+    cfg.train.eval_every = 500
+    cfg.train.eval_batches = 40  # 40 x 32 rows x 128 tokens of held-out chapters
+    cfg.train.checkpoint_every = 500
+
+    if "local" in args:
+        cfg.train.steps = 60
+        cfg.train.warmup_steps = 10
+        cfg.train.log_every = 10
+        cfg.train.eval_every = 30
+        cfg.train.eval_batches = 4
+        cfg.train.checkpoint_every = 30
+    return cfg

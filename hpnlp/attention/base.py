@@ -1,0 +1,127 @@
+"""Registry, shared checks and the default key/value cache for attention variants.
+
+Shape letters: B batch, L query length, S key length, T cache length, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hpnlp.config import ConfigError
+
+_REGISTRY: dict[str, type["Attention"]] = {}
+
+
+def register(name: str):
+    """Class decorator: make an attention variant available as `get(name)`."""
+
+    def wrap(cls):
+        if name in _REGISTRY:
+            raise ValueError(f"attention variant {name!r} is registered twice")
+        cls.registry_name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> type["Attention"]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown attention variant {name!r}; choose one of {names()}") from None
+
+
+def check_inputs(q, k, v, mask) -> None:
+    """Shape checks that run at trace time, so a mistake fails before compiling."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"attention wants [batch, length, heads, head_dim] arrays; got q{q.shape} "
+            f"k{k.shape} v{v.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query and key head dims differ: q{q.shape} vs k{k.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"key and value disagree on [batch, length, heads]: k{k.shape} v{v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"query and key disagree on batch or heads: q{q.shape} k{k.shape}")
+    if mask is not None and mask.shape != q.shape[:2]:
+        raise ValueError(
+            f"mask must be segment ids of shape [batch, length] = {q.shape[:2]}; got {mask.shape}")
+
+
+def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=None):
+    """Boolean [B, 1, L, S] mask from segment ids (0 = padding) and, if causal, positions."""
+    B, L = q_seg_BL.shape
+    S = k_seg_BS.shape[1]
+    allowed = (q_seg_BL[:, :, None] == k_seg_BS[:, None, :]) & (k_seg_BS[:, None, :] != 0)
+    if causal:
+        qp = jnp.arange(L)[None, :] if q_pos_BL is None else q_pos_BL
+        kp = jnp.arange(S)[None, :] if k_pos_BS is None else k_pos_BS
+        allowed &= qp[:, :, None] >= kp[:, None, :]
+    return allowed[:, None, :, :]
+
+
+def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
+    """Exact softmax attention in float32; rows with no allowed key output zeros, not NaN."""
+    D = q_BLHD.shape[-1]
+    logits_BHLS = jnp.einsum("blhd,bshd->bhls", q_BLHD, k_BSHD,
+                             preferred_element_type=jnp.float32) / jnp.sqrt(D).astype(jnp.float32)
+    if allowed_B1LS is not None:
+        logits_BHLS = jnp.where(allowed_B1LS, logits_BHLS, -1e30)
+    m_BHL1 = jnp.max(logits_BHLS, axis=-1, keepdims=True)
+    p_BHLS = jnp.exp(logits_BHLS - jax.lax.stop_gradient(m_BHL1))
+    if allowed_B1LS is not None:
+        p_BHLS = jnp.where(allowed_B1LS, p_BHLS, 0.0)
+    denom_BHL1 = jnp.sum(p_BHLS, axis=-1, keepdims=True)
+    p_BHLS = p_BHLS / jnp.maximum(denom_BHL1, 1e-30)
+    out = jnp.einsum("bhls,bshd->blhd", p_BHLS, v_BSHD.astype(jnp.float32))
+    return out.astype(q_BLHD.dtype)
+
+
+class Attention(nn.Module):
+    """Base class of every variant.
+
+    Class attributes say what a variant can do, so configs are checked before compiling:
+    `supports_causal` (False: causal use is a config error) and `supports_segments`
+    (False: only right padding, i.e. one segment per row, so `data.batching='pack'` is
+    refused).
+
+    The default decode path is an exact key/value cache: `init_cache` makes zeros of
+    `[B, T, H, D]` and `decode_step` writes one token at `index` and attends to keys
+    `0..index`. Windowed and recurrent variants override both.
+    """
+
+    supports_causal: ClassVar[bool] = True
+    supports_segments: ClassVar[bool] = True
+    registry_name: ClassVar[str] = ""
+
+    @classmethod
+    def check_config(cls, options: dict[str, Any], *, seq_len: int, causal: bool,
+                     field: str = "attention.options") -> None:
+        if causal and not cls.supports_causal:
+            raise ConfigError(
+                f"attention variant {cls.registry_name!r} cannot be causal, but the model is a "
+                "causal LM; choose a causal-capable variant for model.kind='lm'")
+
+    def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype):
+        zeros = jnp.zeros((batch, max_len, num_heads, head_dim), dtype)
+        return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
+
+    def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
+        """One token: append k, v at cache['index'], attend to all cached keys so far."""
+        idx = cache["index"]
+        k_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_B1HD.astype(cache["k"].dtype), idx, 1)
+        v_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype), idx, 1)
+        T = k_BTHD.shape[1]
+        allowed_B1LS = (jnp.arange(T) <= idx)[None, None, None, :]
+        out = masked_softmax_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype),
+                                       v_BTHD.astype(q_B1HD.dtype), allowed_B1LS)
+        return out, {"k": k_BTHD, "v": v_BTHD, "index": idx + 1}

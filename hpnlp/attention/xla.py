@@ -1,0 +1,34 @@
+"""`xla`: `jax.nn.dot_product_attention`, JAX's own fused attention call.
+
+Padding travels as per-row lengths (`query_seq_lengths` / `key_value_seq_lengths`), the
+only mask form the call takes without a dense [L, L] matrix. So this variant assumes
+right padding (one segment per row) and refuses packed batches at config time. On a GPU
+the same call can take `implementation="cudnn"`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hpnlp.attention.base import Attention, check_inputs, register
+
+
+@register("xla")
+class XlaAttention(Attention):
+    """`jax.nn.dot_product_attention` (XLA's fused softmax attention) behind the hpnlp interface."""
+
+    implementation: str | None = None  # None: let JAX choose; "xla" or "cudnn" to force
+    supports_segments = False
+
+    def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
+        check_inputs(q, k, v, mask)
+        lengths = None if mask is None else jnp.sum(mask != 0, axis=-1).astype(jnp.int32)
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths, implementation=self.implementation)
+        if lengths is not None:
+            # Padding queries: the reference gives zeros; XLA gives an average. Match it.
+            valid = (jnp.arange(q.shape[1])[None, :] < lengths[:, None])[:, :, None, None]
+            out = jnp.where(valid, out, 0)
+        return out

@@ -1,0 +1,327 @@
+"""Experiment configs: an `ml_collections.ConfigDict` becomes frozen dataclasses here, once.
+
+Every experiment file in `experiments/` returns a ConfigDict with the groups below
+(`model`, `attention`, `output`, `train`, `data`, `mesh`). `from_configdict` turns it into
+a `Config` and `validate` checks it against the task and the devices *before* anything is
+compiled, so a bad field fails in a second with a message that names the field, the bad
+value and what is allowed.
+
+Eval variants are `dataclasses.replace(cfg.model, dropout=0.0)`; nothing mutates a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Mapping
+
+import flax.core
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A config field has a value hpnlp cannot run. The message names field, value and fix."""
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")
+
+
+def _check_choice(field: str, value: Any, choices) -> None:
+    if value not in choices:
+        _fail(field, value, f"choose one of {sorted(choices)}")
+
+
+def _check_positive(field: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        _fail(field, value, "must be a number " + (">= 0" if allow_zero else "> 0"))
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
+    width: int = 128  # d_model
+    depth: int = 2  # number of Transformer blocks
+    num_heads: int = 4
+    mlp_dim: int = 512
+    dropout: float = 0.1
+    max_len: int = 512  # size of the learned position table
+    pos_emb: str = "learned"  # "learned" | "sinusoidal"
+    pool: str = "mean"  # classifier pooling: "mean" over real tokens | "first" token
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; softmax and losses always run in float32
+    remat: str = "none"  # "none" | "full" | "dots_saveable"
+    # Filled from the task by `validate` when left at 0.
+    vocab_size: int = 0
+    num_classes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    name: str = "dense"
+    # Extra constructor fields of the chosen attention class (e.g. block sizes).
+    options: Mapping[str, Any] = dataclasses.field(default_factory=flax.core.FrozenDict)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    name: str = "full"
+    tie_embeddings: bool = False
+    options: Mapping[str, Any] = dataclasses.field(default_factory=flax.core.FrozenDict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 32  # global batch, summed over devices and processes
+    grad_accum: int = 1  # microbatches per optimizer step
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # "cosine" | "linear" | "constant" (after warmup)
+    end_lr_frac: float = 0.1  # final lr as a fraction of `lr`
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.98
+    clip_norm: float = 1.0  # global-norm clipping; 0 turns it off
+    log_every: int = 10
+    eval_every: int = 100  # 0: evaluate only at the end
+    eval_batches: int = 0  # 0: the whole eval split
+    checkpoint_every: int = 100  # 0: only at the end
+    keep_checkpoints: int = 2
+    early_stopping_patience: int = 0  # evals without improvement before stopping; 0: off
+    early_stopping_metric: str = "loss"  # an eval metric name
+    progress: bool = True  # tqdm bar
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    task: str = "listops"  # see hpnlp.data.task_names()
+    seq_len: int = 512  # every batch is [batch, seq_len] (bucketing may use shorter)
+    seed: int = 0
+    batching: str = "pad"  # "pad" | "bucket" | "pack" (pack: LM tasks only)
+    bucket_boundaries: tuple[int, ...] = ()  # empty: 4 boundaries up to seq_len
+    train_path: str = ""  # users' own file (ListOps TSV or plain text); "" = embedded
+    eval_path: str = ""
+    eval_batch_size: int = 0  # 0: same as train.batch_size
+    # ListOps generator (Long Range Arena recipe)
+    listops_num_train: int = 20000
+    listops_num_eval: int = 2000
+    listops_min_length: int = 16
+    listops_max_length: int = 512
+    listops_max_depth: int = 10
+    listops_max_args: int = 10
+    # Word-level LM: keep the most frequent words, the rest map to <unk>
+    word_vocab_size: int = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1: all devices left over
+    fsdp: int = 1
+    tensor: int = 1
+
+    def axis_sizes(self, num_devices: int) -> dict[str, int]:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        fixed = math.prod(v for v in sizes.values() if v != -1)
+        for k, v in sizes.items():
+            if v == -1:
+                sizes[k] = num_devices // fixed if fixed else 0
+        return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    attention: AttentionConfig
+    output: OutputConfig
+    train: TrainConfig
+    data: DataConfig
+    mesh: MeshConfig
+    seed: int = 0
+    name: str = "experiment"
+
+
+_GROUPS = {
+    "model": ModelConfig,
+    "attention": AttentionConfig,
+    "output": OutputConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "mesh": MeshConfig,
+}
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, ml_collections.ConfigDict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def default_configdict() -> ml_collections.ConfigDict:
+    """A ConfigDict holding every field at its default; experiments start from this."""
+    cfg = ml_collections.ConfigDict()
+    cfg.seed = 0
+    cfg.name = "experiment"
+    for group, cls in _GROUPS.items():
+        sub = ml_collections.ConfigDict()
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if isinstance(default, Mapping):
+                default = ml_collections.ConfigDict(dict(default))
+            setattr(sub, f.name, default)
+        setattr(cfg, group, sub)
+    return cfg
+
+
+def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
+    """ConfigDict (or nested dict) -> frozen `Config`; unknown fields are errors."""
+    plain = _to_plain(cd) if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
+    kwargs: dict[str, Any] = {}
+    for key, value in plain.items():
+        if key in _GROUPS:
+            cls = _GROUPS[key]
+            names = {f.name for f in dataclasses.fields(cls)}
+            value = dict(value or {})
+            for field_name in value:
+                if field_name not in names:
+                    _fail(f"{key}.{field_name}", value[field_name],
+                          f"unknown field; `{key}` has {sorted(names)}")
+            if "bucket_boundaries" in value:
+                value["bucket_boundaries"] = tuple(value["bucket_boundaries"])
+            if "options" in value:  # hashable: configs become flax module fields
+                value["options"] = flax.core.FrozenDict(value["options"] or {})
+            kwargs[key] = cls(**value)
+        elif key in ("seed", "name"):
+            kwargs[key] = value
+        else:
+            _fail(key, value, f"unknown group; a config has {sorted(_GROUPS) + ['name', 'seed']}")
+    for group, cls in _GROUPS.items():
+        kwargs.setdefault(group, cls())
+    return Config(**kwargs)
+
+
+def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
+    """Options must be constructor fields of the registered module class."""
+    params = inspect.signature(cls).parameters
+    allowed = sorted(p for p in params if p not in ("parent", "name"))
+    for key in options:
+        if key not in params or key in ("parent", "name"):
+            _fail(f"{field}.{key}", options[key],
+                  f"unknown option for {cls.__name__}; it takes {allowed}")
+
+
+def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
+             num_devices: int | None = None, num_processes: int = 1) -> Config:
+    """Check every field; returns the config with task-derived fields filled in.
+
+    `task_info` has `kind` ("lm" | "classify" | "match"), `vocab_size`, `num_classes`;
+    it comes from `hpnlp.data.task_info(cfg.data)` without building the data set.
+    """
+    from hpnlp import attention, softmax  # registries; imported late to avoid cycles
+
+    m, t, d = cfg.model, cfg.train, cfg.data
+    _check_choice("model.kind", m.kind, ("lm", "classifier", "dual_encoder"))
+    for name in ("width", "depth", "num_heads", "mlp_dim", "max_len"):
+        _check_positive(f"model.{name}", getattr(m, name))
+    if m.width % m.num_heads:
+        _fail("model.width", m.width,
+              f"must be divisible by model.num_heads={m.num_heads} (head_dim = width / heads)")
+    if not 0.0 <= m.dropout < 1.0:
+        _fail("model.dropout", m.dropout, "must be in [0, 1)")
+    _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal"))
+    _check_choice("model.pool", m.pool, ("mean", "first"))
+    _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+    _check_choice("model.dtype", m.dtype, DTYPES)
+    _check_choice("model.remat", m.remat, ("none", "full", "dots_saveable"))
+
+    # Attention: registry name, options, and the variant's own shape rules.
+    if cfg.attention.name not in attention.names():
+        _fail("attention.name", cfg.attention.name, f"choose one of {attention.names()}")
+    att_cls = attention.get(cfg.attention.name)
+    _check_options("attention.options", cfg.attention.options, att_cls)
+    causal = m.kind == "lm"
+    check = getattr(att_cls, "check_config", None)
+    if check is not None:
+        check(dict(cfg.attention.options), seq_len=d.seq_len, causal=causal,
+              field="attention.options")
+
+    if cfg.output.name not in softmax.names():
+        _fail("output.name", cfg.output.name, f"choose one of {softmax.names()}")
+    _check_options("output.options", cfg.output.options, softmax.get(cfg.output.name))
+
+    # Training.
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        _check_positive(f"train.{name}", getattr(t, name))
+    for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every",
+                 "clip_norm", "weight_decay", "early_stopping_patience"):
+        _check_positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    _check_positive("train.lr", t.lr)
+    _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    if t.warmup_steps > t.steps:
+        _fail("train.warmup_steps", t.warmup_steps, f"must be <= train.steps={t.steps}")
+
+    # Data.
+    from hpnlp import data as data_lib
+    if d.task not in data_lib.task_names():
+        _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
+    _check_positive("data.seq_len", d.seq_len)
+    _check_choice("data.batching", d.batching, ("pad", "bucket", "pack"))
+    if d.seq_len > m.max_len and m.pos_emb == "learned":
+        _fail("data.seq_len", d.seq_len,
+              f"must be <= model.max_len={m.max_len} (the learned position table); "
+              "raise model.max_len or use model.pos_emb='sinusoidal'")
+    if any(b <= 0 or b > d.seq_len for b in d.bucket_boundaries):
+        _fail("data.bucket_boundaries", d.bucket_boundaries,
+              f"every boundary must be in [1, data.seq_len={d.seq_len}]")
+
+    info = dict(task_info) if task_info is not None else data_lib.task_info(d)
+    want_kind = {"lm": "lm", "classifier": "classify", "dual_encoder": "match"}[m.kind]
+    if info["kind"] != want_kind:
+        kinds = {"lm": "lm", "classify": "classifier", "match": "dual_encoder"}
+        _fail("model.kind", m.kind,
+              f"data.task={d.task!r} is a {info['kind']!r} task and needs "
+              f"model.kind={kinds[info['kind']]!r}")
+    if d.batching == "pack" and info["kind"] != "lm":
+        _fail("data.batching", d.batching, "'pack' is for LM tasks; use 'pad' or 'bucket'")
+    if m.vocab_size and m.vocab_size < info["vocab_size"]:
+        _fail("model.vocab_size", m.vocab_size,
+              f"data.task={d.task!r} has {info['vocab_size']} token ids; use 0 to take it from the task")
+    model = dataclasses.replace(
+        m, vocab_size=m.vocab_size or info["vocab_size"],
+        num_classes=m.num_classes or info.get("num_classes", 0))
+
+    # Devices and batch.
+    import jax
+    n = jax.device_count() if num_devices is None else num_devices
+    mesh = cfg.mesh
+    for name in ("data", "fsdp", "tensor"):
+        v = getattr(mesh, name)
+        if v == 0 or v < -1:
+            _fail(f"mesh.{name}", v, "must be a positive axis size or -1 (fill the rest)")
+    if sum(getattr(mesh, a) == -1 for a in ("data", "fsdp", "tensor")) > 1:
+        _fail("mesh", (mesh.data, mesh.fsdp, mesh.tensor), "at most one axis may be -1")
+    sizes = mesh.axis_sizes(n)
+    if math.prod(sizes.values()) != n or 0 in sizes.values():
+        _fail("mesh", dataclasses.asdict(mesh),
+              f"the axis sizes must multiply to the device count {n} "
+              f"(got {sizes}); set one axis to -1 to fill the rest")
+    if m.num_heads % sizes["tensor"]:
+        _fail("mesh.tensor", sizes["tensor"], f"must divide model.num_heads={m.num_heads}")
+    shards = sizes["data"] * sizes["fsdp"]
+    per_step = t.grad_accum * math.lcm(shards, num_processes)
+    if t.batch_size % per_step:
+        _fail("train.batch_size", t.batch_size,
+              f"must be a multiple of train.grad_accum x data-parallel shards = "
+              f"{t.grad_accum} x lcm({shards} devices, {num_processes} processes) = {per_step}")
+    eval_bs = d.eval_batch_size or t.batch_size
+    if eval_bs % math.lcm(shards, num_processes):
+        _fail("data.eval_batch_size", eval_bs,
+              f"must be a multiple of {math.lcm(shards, num_processes)} (data-parallel shards)")
+    return dataclasses.replace(cfg, model=model)

@@ -1,0 +1,60 @@
+"""hpnlp command line: flags -> config -> training.
+
+    python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm
+    python -m hpnlp.main --config experiments/lra.py:listops --workdir /tmp/hpnlp/listops \\
+        --config.train.steps=200 --config.train.batch_size=16
+
+Reusing a workdir resumes from its newest checkpoint. Multi-host: add
+`--coordinator HOST:PORT --num_processes N --process_id I` (or set HPNLP_COORDINATOR,
+HPNLP_NUM_PROCESSES, HPNLP_PROCESS_ID).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, optionally with an argument: FILE[:ARG].",
+    lock_config=True)
+flags.DEFINE_string("workdir", None, "Output folder (metrics.jsonl, summary.json, TensorBoard "
+                    "events, checkpoints). Reusing it resumes the run.")
+flags.DEFINE_string("coordinator", os.environ.get("HPNLP_COORDINATOR"),
+                    "HOST:PORT of process 0, for multi-host runs (jax.distributed).")
+flags.DEFINE_integer("num_processes", int(os.environ.get("HPNLP_NUM_PROCESSES", "1")),
+                     "Number of processes in a multi-host run.")
+flags.DEFINE_integer("process_id", int(os.environ.get("HPNLP_PROCESS_ID", "0")),
+                     "This process's index in a multi-host run.")
+flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps to this folder "
+                    "(open it in TensorBoard's profile tab or Perfetto).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import jax
+
+    if FLAGS.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    from hpnlp.config import ConfigError
+    from hpnlp.train import NonFiniteLoss, run
+    from hpnlp.train.checkpoint import CheckpointMismatch
+
+    try:
+        summary = run(FLAGS.config, FLAGS.workdir, profile_dir=FLAGS.profile)
+    except (ConfigError, CheckpointMismatch, NonFiniteLoss) as e:
+        print(f"hpnlp: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if jax.process_index() == 0:
+        print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

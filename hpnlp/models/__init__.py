@@ -1,0 +1,28 @@
+"""Models: a Transformer trunk with registry attention, and task heads on top.
+
+    >>> model = hpnlp.models.build(cfg, deterministic=False)          # doctest: +SKIP
+    >>> sums = model.apply({"params": params}, batch, rngs={"dropout": key})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from hpnlp.config import Config
+from hpnlp.models.heads import Classifier, DualEncoder, TransformerLM  # noqa: F401
+from hpnlp.models.generate import generate  # noqa: F401
+
+MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEncoder}
+
+
+def build(cfg: Config, *, deterministic: bool, decode: bool = False):
+    """The model for `cfg.model.kind`; `deterministic=True` turns dropout off (eval)."""
+    cls = MODELS[cfg.model.kind]
+    if decode:
+        return cls(cfg, deterministic=True, decode=True)
+    return cls(cfg, deterministic=deterministic)
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -1,0 +1,161 @@
+"""Task models on the shared trunk: causal LM, classifier, dual encoder (matching).
+
+Each model's `__call__(batch)` returns metric *sums* plus their denominator `weight`
+(real tokens or real examples), so they add across devices and microbatches; the train
+step divides once. `evaluate(batch)` returns the same keys measured exactly (for the LM:
+the normalized log-probability of the output layer, whatever its training objective).
+
+Shape letters as in `transformer.py`; C classes, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hpnlp import softmax as softmax_lib
+from hpnlp.config import Config
+from hpnlp.models.transformer import Trunk, _init, dtypes, make_embed, positions_of
+
+
+def _output_layer(cfg: Config, embed: nn.Module | None):
+    """The registry output layer, given only the fields its class declares."""
+    cls = softmax_lib.get(cfg.output.name)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    dt, pdt = dtypes(cfg.model)
+    kwargs = dict(cfg.output.options)
+    kwargs["vocab_size"] = cfg.model.vocab_size
+    if cfg.output.tie_embeddings:
+        if "embed" not in fields:
+            raise ValueError(f"output.tie_embeddings=True, but output layer {cfg.output.name!r} "
+                             "cannot share the input embedding; set output.tie_embeddings=False")
+        kwargs["embed"] = embed
+    kwargs.update({k: v for k, v in (("dtype", dt), ("param_dtype", pdt)) if k in fields})
+    return cls(**kwargs, name="output")
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only causal LM. Batches: inputs, targets, segment_ids, positions [B, L]."""
+
+    cfg: Config
+    deterministic: bool = True
+    decode: bool = False
+
+    def setup(self):
+        m = self.cfg.model
+        self.embed = make_embed(m)
+        self.trunk = Trunk(m, self.cfg.attention, causal=True, deterministic=self.deterministic,
+                           decode=self.decode)
+        self.output = _output_layer(self.cfg, self.embed)
+        if self.decode:
+            self.position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+
+    def hidden(self, batch):
+        return self.trunk(self.embed, batch["inputs"], batch["segment_ids"], batch["positions"])
+
+    def __call__(self, batch):
+        mask_BL = batch["segment_ids"] > 0
+        loss_BL = self.output.loss(self.hidden(batch), batch["targets"], mask_BL,
+                                   deterministic=self.deterministic)
+        return {"loss": jnp.sum(loss_BL, dtype=jnp.float32),
+                "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
+
+    def evaluate(self, batch):
+        mask_BL = batch["segment_ids"] > 0
+        logp_BLV = self.output.log_prob(self.hidden(batch))
+        nll_BL = -jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0]
+        correct_BL = jnp.argmax(logp_BLV, axis=-1) == batch["targets"]
+        return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0)),
+                "correct": jnp.sum(correct_BL & mask_BL, dtype=jnp.float32),
+                "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
+
+    def log_probs(self, batch):
+        """[B, L, V] next-token log-probabilities (teacher forcing)."""
+        return self.output.log_prob(self.hidden(batch))
+
+    def decode_step(self, tokens_B1):
+        """One token per row at the cached position -> next-token log-probs [B, V]."""
+        pos = self.position.value
+        seg_B1 = jnp.ones_like(tokens_B1)
+        h_B1E = self.trunk(self.embed, tokens_B1, seg_B1, jnp.full_like(tokens_B1, pos))
+        if not self.is_initializing():
+            self.position.value = pos + 1
+        return self.output.log_prob(h_B1E[:, 0])
+
+
+def _pool(h_BLE, seg_BL, how: str):
+    if how == "first":
+        return h_BLE[:, 0]
+    mask_BL1 = (seg_BL > 0)[..., None].astype(jnp.float32)
+    return jnp.sum(h_BLE.astype(jnp.float32) * mask_BL1, axis=1) / jnp.maximum(mask_BL1.sum(1), 1.0)
+
+
+def _classification_sums(logits_BC, label_B, weight_B):
+    logp_BC = jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
+    nll_B = -jnp.take_along_axis(logp_BC, label_B[:, None], axis=-1)[:, 0]
+    correct_B = (jnp.argmax(logp_BC, axis=-1) == label_B).astype(jnp.float32)
+    return {"loss": jnp.sum(nll_B * weight_B), "correct": jnp.sum(correct_B * weight_B),
+            "weight": jnp.sum(weight_B)}
+
+
+class Classifier(nn.Module):
+    """Encoder + pooled linear head. Batches: inputs, segment_ids [B, L]; label, weight [B]."""
+
+    cfg: Config
+    deterministic: bool = True
+
+    def setup(self):
+        m = self.cfg.model
+        self.embed = make_embed(m)
+        self.trunk = Trunk(m, self.cfg.attention, causal=False, deterministic=self.deterministic)
+        dt, pdt = dtypes(m)
+        self.head = nn.Dense(m.num_classes, dtype=jnp.float32, param_dtype=pdt,
+                             kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
+                             bias_init=_init(nn.initializers.zeros, (None,)))
+
+    def logits(self, batch):
+        seg_BL = batch["segment_ids"]
+        h_BLE = self.trunk(self.embed, batch["inputs"], seg_BL, positions_of(seg_BL))
+        return self.head(_pool(h_BLE, seg_BL, self.cfg.model.pool))
+
+    def __call__(self, batch):
+        return _classification_sums(self.logits(batch), batch["label"], batch["weight"])
+
+    evaluate = __call__
+
+
+class DualEncoder(nn.Module):
+    """Siamese encoder for matching (LRA retrieval): one shared trunk encodes both texts;
+    the head sees [u, v, u*v, u-v]. Batches: inputs1/2, segment_ids1/2, label, weight."""
+
+    cfg: Config
+    deterministic: bool = True
+
+    def setup(self):
+        m = self.cfg.model
+        dt, pdt = dtypes(m)
+        self.embed = make_embed(m)
+        self.trunk = Trunk(m, self.cfg.attention, causal=False, deterministic=self.deterministic)
+        dense = lambda n, name: nn.Dense(n, dtype=jnp.float32, param_dtype=pdt, name=name,
+                                         kernel_init=_init(nn.initializers.lecun_normal(), (None, None)),
+                                         bias_init=_init(nn.initializers.zeros, (None,)))
+        self.mlp = dense(m.mlp_dim, "mlp")
+        self.head = dense(m.num_classes, "head")
+
+    def encode(self, tokens_BL, seg_BL):
+        h_BLE = self.trunk(self.embed, tokens_BL, seg_BL, positions_of(seg_BL))
+        return _pool(h_BLE, seg_BL, self.cfg.model.pool)
+
+    def logits(self, batch):
+        u_BE = self.encode(batch["inputs1"], batch["segment_ids1"])
+        v_BE = self.encode(batch["inputs2"], batch["segment_ids2"])
+        feats = jnp.concatenate([u_BE, v_BE, u_BE * v_BE, u_BE - v_BE], axis=-1)
+        return self.head(nn.gelu(self.mlp(feats)))
+
+    def __call__(self, batch):
+        return _classification_sums(self.logits(batch), batch["label"], batch["weight"])
+
+    evaluate = __call__

@@ -1,0 +1,165 @@
+"""Transformer trunk (pre-LayerNorm blocks) with attention taken from the registry.
+
+Shape letters: B batch, L length, E width (d_model), H heads, D head dim (E / H),
+F MLP width, T cache length (model.max_len).
+
+Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`) and
+activations `(batch, length, activation_embed)`, so the mesh rules in the config decide how they
+are sharded; the model code never names a device axis.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp import attention as attention_lib
+from hpnlp.config import AttentionConfig, ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def dtypes(m: ModelConfig):
+    """(compute dtype, parameter dtype) of a model config."""
+    return DTYPES[m.dtype], DTYPES[m.param_dtype]
+
+
+def _init(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class MultiHeadAttention(nn.Module):
+    """Fused QKV projection, a registry attention variant, output projection.
+
+    In decode mode it keeps the variant's cache in the `cache` collection and consumes
+    one token per call.
+    """
+
+    model: ModelConfig
+    attention: AttentionConfig
+    causal: bool
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x_BLE, seg_BL):
+        m = self.model
+        dt, pdt = dtypes(m)
+        H, D = m.num_heads, m.width // m.num_heads
+        qkv_BL3HD = nn.DenseGeneral(
+            (3, H, D), dtype=dt, param_dtype=pdt, use_bias=False, name="qkv",
+            kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None, "heads", "kv")))(x_BLE)
+        q_BLHD, k_BLHD, v_BLHD = (qkv_BL3HD[:, :, i] for i in range(3))
+        attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
+        if self.decode:
+            B = x_BLE.shape[0]
+            initialized = self.has_variable("cache", "state")
+            cache = self.variable("cache", "state", attn.init_cache, B, m.max_len, H, D, dt)
+            if initialized:
+                out_BLHD, cache.value = attn.decode_step(cache.value, q_BLHD, k_BLHD, v_BLHD)
+            else:  # shapes only, during init
+                out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, None, causal=True, deterministic=True)
+        else:
+            out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=self.causal,
+                            deterministic=self.deterministic)
+        return nn.DenseGeneral(
+            m.width, axis=(-2, -1), dtype=dt, param_dtype=pdt, use_bias=False, name="out",
+            kernel_init=_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")))(out_BLHD)
+
+
+class Block(nn.Module):
+    """x + Attn(LN(x)), then x + MLP(LN(x)) (pre-LN: trains without warmup tricks)."""
+
+    model: ModelConfig
+    attention: AttentionConfig
+    causal: bool
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x_BLE, seg_BL):
+        m = self.model
+        dt, pdt = dtypes(m)
+        norm = functools.partial(nn.LayerNorm, dtype=dt, param_dtype=pdt,
+                                 scale_init=_init(nn.initializers.ones, ("embed",)),
+                                 bias_init=_init(nn.initializers.zeros, ("embed",)))
+        drop = functools.partial(nn.Dropout, rate=m.dropout, deterministic=self.deterministic)
+        h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
+                                   name="attention")(norm(name="norm1")(x_BLE), seg_BL)
+        x_BLE = x_BLE + drop()(h_BLE)
+        h_BLE = norm(name="norm2")(x_BLE)
+        h_BLF = nn.Dense(m.mlp_dim, dtype=dt, param_dtype=pdt, name="mlp_in",
+                         kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                         bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
+        h_BLF = nn.with_logical_constraint(nn.gelu(h_BLF), ("batch", "length", "activation_mlp"))
+        h_BLE = nn.Dense(m.width, dtype=dt, param_dtype=pdt, name="mlp_out",
+                         kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                         bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
+        x_BLE = x_BLE + drop()(h_BLE)
+        return nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
+
+
+def sinusoidal_table(length: int, width: int) -> np.ndarray:
+    pos = np.arange(length)[:, None]
+    inv = 1.0 / (10000 ** (np.arange(0, width, 2) / width))
+    table = np.zeros((length, width), np.float32)
+    table[:, 0::2] = np.sin(pos * inv)
+    table[:, 1::2] = np.cos(pos * inv)[:, : width // 2]
+    return table
+
+
+class Trunk(nn.Module):
+    """Token + position embeddings, `depth` blocks, final LayerNorm -> hidden [B, L, E].
+
+    `embed` is passed in (not created here) so that a tied output layer can share it.
+    """
+
+    model: ModelConfig
+    attention: AttentionConfig
+    causal: bool
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, embed: nn.Module, tokens_BL, seg_BL, pos_BL):
+        m = self.model
+        dt, pdt = dtypes(m)
+        x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        if m.pos_emb == "learned":
+            table_TE = self.param("pos_embedding", _init(nn.initializers.normal(0.02), (None, "embed")),
+                                  (m.max_len, m.width), pdt)
+        else:
+            table_TE = jnp.asarray(sinusoidal_table(m.max_len, m.width))
+        x_BLE = x_BLE + jnp.take(table_TE, pos_BL, axis=0).astype(dt)
+        x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
+        x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
+        block_cls = Block
+        if m.remat != "none":
+            block_cls = nn.remat(Block, policy=REMAT_POLICIES[m.remat])
+        for i in range(m.depth):
+            x_BLE = block_cls(m, self.attention, self.causal, self.deterministic, self.decode,
+                              name=f"block_{i}")(x_BLE, seg_BL)
+        return nn.LayerNorm(dtype=dt, param_dtype=pdt, name="final_norm",
+                            scale_init=_init(nn.initializers.ones, ("embed",)),
+                            bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)
+
+
+def make_embed(m: ModelConfig, name: str = "embed") -> nn.Embed:
+    dt, pdt = dtypes(m)
+    # std 1/sqrt(E), scaled up by sqrt(E) on input: unit-scale inputs, O(1) tied logits.
+    return nn.Embed(m.vocab_size, m.width, dtype=dt, param_dtype=pdt, name=name,
+                    embedding_init=_init(nn.initializers.normal(m.width ** -0.5), ("vocab", "embed")))
+
+
+def positions_of(seg_BL) -> Any:
+    return jnp.broadcast_to(jnp.arange(seg_BL.shape[1], dtype=jnp.int32), seg_BL.shape)

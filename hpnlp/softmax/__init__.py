@@ -1,0 +1,10 @@
+"""Output layers over large vocabularies, chosen by name.
+
+Every method is a `flax.linen.Module` constructed with `vocab_size=V` and offering
+`loss(hidden, targets, mask, *, deterministic)` (per-token loss, zero where `mask` is 0),
+`log_prob(hidden)` (normalized log-probabilities over the vocabulary) and
+`top_k(hidden, k)`. Call them with `module.apply(vars, ..., method="loss")`.
+"""
+
+from hpnlp.softmax.base import register, names, get  # noqa: F401
+from hpnlp.softmax import full  # noqa: F401  (registration side effects)

@@ -1,0 +1,92 @@
+"""Orbax checkpoints holding everything a run needs to continue exactly.
+
+One checkpoint = train state (params, optimizer state, step, RNG key data), the data
+iterator's position, and the loop's own state (early-stopping counters), saved
+atomically by `ocp.CheckpointManager` (a step directory appears only once complete, so a
+run killed mid-save leaves the previous checkpoint intact) keeping the last K.
+`config.json` beside them records the model; a rerun whose model differs is refused
+before anything is overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointMismatch(ValueError):
+    """The workdir holds checkpoints of a different model."""
+
+
+# Fields that change parameter or optimizer-state shapes: a resume must agree on them.
+_SHAPE_FIELDS = {
+    "model": ("kind", "width", "depth", "num_heads", "mlp_dim", "max_len", "pos_emb",
+              "param_dtype", "vocab_size", "num_classes"),
+    "attention": ("name", "options"),
+    "output": ("name", "tie_embeddings", "options"),
+}
+
+
+def _shape_signature(cfg) -> dict:
+    sig = {}
+    for group, fields in _SHAPE_FIELDS.items():
+        sub = getattr(cfg, group)
+        for f in fields:
+            v = getattr(sub, f)
+            sig[f"{group}.{f}"] = dict(v) if f == "options" else v
+    return json.loads(json.dumps(sig, default=str))
+
+
+class Checkpointer:
+    def __init__(self, workdir: str, cfg, *, keep: int):
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
+        self._check_or_write_config(cfg)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    def _check_or_write_config(self, cfg) -> None:
+        sig = _shape_signature(cfg)
+        if os.path.exists(self.config_path):
+            with open(self.config_path) as f:
+                saved = json.load(f).get("shape_signature", {})
+            diff = {k: (saved.get(k), v) for k, v in sig.items() if saved.get(k) != v}
+            if diff and os.path.isdir(self.directory) and os.listdir(self.directory):
+                lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+                raise CheckpointMismatch(
+                    f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a different "
+                    f"model ({lines}). Use a new --workdir, or delete that one to start over.")
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
+            with open(self.config_path, "w") as f:
+                json.dump({"shape_signature": sig,
+                           "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))},
+                          f, indent=1)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, data_state: dict, loop_state: dict) -> None:
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            loop=ocp.args.JsonSave(loop_state)))
+
+    def restore(self, step: int, abstract_state):
+        """abstract_state: ShapeDtypeStructs carrying the target shardings."""
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=ocp.args.JsonRestore(),
+            loop=ocp.args.JsonRestore()))
+        return out["state"], out["data"], out["loop"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,270 @@
+"""The training loop: validate, build, resume, step, evaluate, checkpoint, summarize.
+
+The loop dispatches step N before it reads step N-1's metrics, so the host never stalls
+the device; at a checkpoint it first reads the step's own metrics, so a non-finite loss
+is never saved. Everything it needs to continue exactly (params, optimizer state, RNG,
+data position, early-stopping counters) is in each checkpoint, and a rerun with the
+same workdir resumes from the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp import data as data_lib
+from hpnlp import models
+from hpnlp.config import Config, from_configdict, validate
+from hpnlp.parallel import DEFAULT_RULES, batch_sharding, make_mesh, state_shardings
+from hpnlp.train.checkpoint import Checkpointer
+from hpnlp.train.metrics import MetricWriter
+from hpnlp.train.state import init_state, make_optimizer
+from hpnlp.train.step import finalize, make_eval_step, make_train_step
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+_MAXIMIZE = ("accuracy",)
+
+
+def dummy_batch(kind: str, batch: int, length: int) -> dict:
+    """Zero batch of the right keys and shapes, for `init` and shape inference."""
+    z = np.zeros((batch, length), np.int32)
+    one = np.ones((batch, length), np.int32)
+    if kind == "lm":
+        return {"inputs": z, "targets": z, "segment_ids": one, "positions": z}
+    rows = {"label": np.zeros((batch,), np.int32), "weight": np.ones((batch,), np.float32)}
+    if kind == "classify":
+        return {"inputs": z, "segment_ids": one, **rows}
+    return {"inputs1": z, "segment_ids1": one, "inputs2": z, "segment_ids2": one, **rows}
+
+
+def real_tokens(batch: dict) -> int:
+    return int(sum(np.count_nonzero(v) for k, v in batch.items() if k.startswith("segment_ids")))
+
+
+def _global(batch: dict, sharding) -> dict:
+    """This process's rows -> one global array per key, sharded over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def _peak_memory() -> dict:
+    out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
+    return out
+
+
+class Trainer:
+    """Holds what one run builds; `run()` is the whole loop. Split out so tests and
+    notebooks can build a trainer, take a few steps, and look inside."""
+
+    def __init__(self, cfg: Config, workdir: str):
+        self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
+        self.workdir = workdir
+        self.lm = cfg.model.kind == "lm"
+        self.task = data_lib.make_task(cfg.data)
+        pi, pc = jax.process_index(), jax.process_count()
+        self.iter_args = dict(process_index=pi, process_count=pc)
+        self.train_iter = data_lib.make_iterator(self.task, cfg.data, split="train",
+                                                 batch_size=cfg.train.batch_size, **self.iter_args)
+        self.mesh = make_mesh(cfg.mesh)
+        self.batch_sharding = batch_sharding(self.mesh)
+        tx = make_optimizer(cfg.train)
+        model = models.build(cfg, deterministic=False)
+        self.eval_model = models.build(cfg, deterministic=True)
+        init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len))
+        with self._context():
+            abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
+            self.state_sharding = state_shardings(abstract, self.mesh)
+            self._init = jax.jit(lambda key: nn.unbox(init(key)), out_shardings=self.state_sharding)
+            self.abstract_state = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                nn.unbox(abstract), self.state_sharding)
+            self.train_step = jax.jit(
+                make_train_step(model, tx, cfg.train),
+                in_shardings=(self.state_sharding, self.batch_sharding),
+                out_shardings=(self.state_sharding, None), donate_argnums=0)
+            self.eval_step = jax.jit(make_eval_step(self.eval_model),
+                                     in_shardings=(self.state_sharding.params, self.batch_sharding))
+        self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints)
+
+    def _context(self):
+        import contextlib
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(DEFAULT_RULES))
+        return stack
+
+    def initial_state(self):
+        """(state, loop_state): restored from the newest checkpoint, or fresh."""
+        step = self.checkpointer.latest_step()
+        if step is None:
+            with self._context():
+                return self._init(jax.random.key(self.cfg.seed)), {}
+        state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
+        self.train_iter.set_state(data_state)
+        return state, loop_state
+
+    def evaluate(self, params) -> dict:
+        cfg = self.cfg
+        it = data_lib.make_iterator(self.task, cfg.data, split="eval",
+                                    batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
+                                    **self.iter_args)
+        total = None
+        with self._context():
+            for i, batch in enumerate(it):
+                if cfg.train.eval_batches and i >= cfg.train.eval_batches:
+                    break
+                sums = self.eval_step(params, _global(batch, self.batch_sharding))
+                total = sums if total is None else jax.tree.map(np.add, total, sums)
+        return finalize(jax.device_get(total), lm=self.lm)
+
+    def run(self, *, profile_dir: str | None = None) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        state, loop = self.initial_state()
+        start = int(state.step)
+        resumed = start > 0
+        best = loop.get("best")
+        bad_evals = loop.get("bad_evals", 0)
+        writer = MetricWriter(self.workdir, resume_step=start if resumed else 0)
+        show = t.progress and jax.process_index() == 0
+        bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True)
+        window: dict[str, Any] = {"sums": None, "tokens": 0, "t0": time.perf_counter(), "n": 0}
+        timing = {"tokens": 0, "steps": 0, "t0": None}
+        last_eval: dict = {}
+        stopped_early = False
+        maximize = t.early_stopping_metric in _MAXIMIZE
+
+        def consume(step: int, metrics, tokens: int) -> None:
+            """Read one step's metrics on the host: check, accumulate, log."""
+            m = jax.device_get(metrics)
+            if not math.isfinite(float(m["loss"])):
+                good = self.checkpointer.latest_step()
+                self.checkpointer.wait()
+                writer.close()
+                bar.close()
+                where = (f"the last good checkpoint is step {good} in {self.checkpointer.directory}"
+                         f" (left intact)" if good is not None else "no checkpoint was saved yet")
+                raise NonFiniteLoss(
+                    f"training loss became {float(m['loss'])} at step {step}; {where}. "
+                    "Lower train.lr, raise train.warmup_steps, keep train.clip_norm > 0, "
+                    "or check the data.")
+            window["sums"] = m if window["sums"] is None else jax.tree.map(np.add, window["sums"], m)
+            window["tokens"] += tokens
+            window["n"] += 1
+            if step % t.log_every == 0 or step == t.steps:
+                now = time.perf_counter()
+                dt = max(now - window["t0"], 1e-9)
+                s = window["sums"]
+                line = finalize({**s, "grad_norm": s["grad_norm"] / window["n"], "lr": m["lr"]},
+                                lm=self.lm)
+                line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=window["tokens"] / dt)
+                writer.write(step, line)
+                bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
+                                tok_s=f"{line['tokens_per_sec']:.0f}")
+                window.update(sums=None, tokens=0, t0=now, n=0)
+
+        pending = None
+        step = start
+        profiling = False
+        with self._context():
+            for step in range(start + 1, t.steps + 1):
+                batch = next(self.train_iter)
+                tokens = real_tokens(batch)
+                if profile_dir and step == start + 3:
+                    jax.profiler.start_trace(profile_dir)
+                    profiling = True
+                state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
+                if pending is not None:
+                    consume(*pending)
+                pending = (step, metrics, tokens)
+                if timing["t0"] is None:  # exclude the first (compiling) step from throughput
+                    jax.block_until_ready(metrics)
+                    timing["t0"] = time.perf_counter()
+                else:
+                    timing["steps"] += 1
+                    timing["tokens"] += tokens
+                bar.update(1)
+                if profiling and step == start + 8:
+                    jax.block_until_ready(metrics)
+                    jax.profiler.stop_trace()
+                    profiling = False
+                do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+                do_ckpt = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps
+                if not (do_eval or do_ckpt):
+                    continue
+                consume(*pending)
+                pending = None
+                if do_eval:
+                    last_eval = self.evaluate(state.params)
+                    writer.write(step, last_eval, eval=True)
+                    score = last_eval.get(t.early_stopping_metric)
+                    if score is not None:
+                        if best is None or (score > best if maximize else score < best):
+                            best, bad_evals = score, 0
+                        else:
+                            bad_evals += 1
+                    if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
+                        stopped_early = True
+                        do_ckpt = True
+                if do_ckpt:
+                    self.checkpointer.save(step, state, self.train_iter.get_state(),
+                                           {"best": best, "bad_evals": bad_evals})
+                if stopped_early:
+                    break
+            if pending is not None:
+                consume(*pending)
+            if profiling:
+                jax.profiler.stop_trace()
+        jax.block_until_ready(state)
+        elapsed = time.perf_counter() - timing["t0"] if timing["t0"] else 0.0
+        bar.close()
+        self.checkpointer.close()
+        writer.close()
+        if not last_eval:  # resumed at the end: evaluate what was restored
+            last_eval = self.evaluate(state.params)
+        summary = {
+            "name": cfg.name,
+            "task": self.task.name,
+            "final_step": int(state.step),
+            "resumed_from_step": start if resumed else None,
+            "stopped_early": stopped_early,
+            "eval": last_eval,
+            "baseline": self.task.baseline,
+            "param_count": models.param_count(state.params),
+            "throughput": {
+                "steps_per_sec": timing["steps"] / elapsed if elapsed else None,
+                "tokens_per_sec": timing["tokens"] / elapsed if elapsed else None,
+            },
+            "peak_memory": _peak_memory(),
+            "devices": jax.device_count(),
+            "processes": jax.process_count(),
+        }
+        if jax.process_index() == 0:
+            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary
+
+
+def run(cfg, workdir: str, *, profile_dir: str | None = None) -> dict:
+    """Train (or resume) the experiment `cfg` (a ConfigDict or `Config`) in `workdir`."""
+    if not isinstance(cfg, Config):
+        cfg = from_configdict(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    return Trainer(cfg, workdir).run(profile_dir=profile_dir)
+
+
+__all__ = ["NonFiniteLoss", "Trainer", "run", "dummy_batch"]

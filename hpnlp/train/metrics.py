@@ -1,0 +1,58 @@
+"""Metrics to `metrics.jsonl` (one JSON object per logged step) and TensorBoard events.
+
+Train lines: `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "steps_per_sec": ...}`;
+eval lines carry `"eval": true`. Only process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+
+class MetricWriter:
+    def __init__(self, workdir: str, *, resume_step: int | None = None):
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        if not self.enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._truncate_after(resume_step)
+        self.file = open(self.path, "a")
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def _truncate_after(self, step: int | None) -> None:
+        """On resume drop lines logged after the restored checkpoint (they are redone)."""
+        if not os.path.exists(self.path):
+            return
+        keep = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+                if step is not None and rec.get("step", 0) <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+        with open(self.path, "w") as f:
+            f.writelines(keep)
+
+    def write(self, step: int, metrics: dict, *, eval: bool = False) -> None:
+        if not self.enabled:
+            return
+        rec = {"step": int(step), **({"eval": True} if eval else {}), **metrics}
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        prefix = "eval/" if eval else "train/"
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                self.tb.add_scalar(prefix + k, v, step)
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            self.tb.close()

@@ -1,0 +1,65 @@
+"""Train state and optimizer.
+
+`TrainState` is a pytree of step, params, optimizer state and the RNG key. The key is
+stored as raw key data (uint32) so checkpoints hold it like any array; every step draws
+`fold_in(key, step)`, so a resumed run gets the same dropout masks as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from hpnlp.config import TrainConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 [], optimizer steps taken
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32 key data of the run's base key
+
+    def step_key(self) -> jax.Array:
+        return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+
+
+def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `lr`, then cosine / linear decay to `lr * end_lr_frac`."""
+    end = t.lr * t.end_lr_frac
+    if t.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(t.steps, 1), end)
+    warm = optax.linear_schedule(0.0, t.lr, t.warmup_steps)
+    if t.schedule == "constant":
+        decay = optax.constant_schedule(t.lr)
+    else:
+        decay = optax.linear_schedule(t.lr, end, max(t.steps - t.warmup_steps, 1))
+    return optax.join_schedules([warm, decay], [t.warmup_steps])
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only, not on biases, norms or 1-D tables."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping (optax; nothing here is rewritten by hand)."""
+    adamw = optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2,
+                        weight_decay=t.weight_decay, mask=_decay_mask)
+    if t.clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(t.clip_norm), adamw)
+    return adamw
+
+
+def init_state(model, tx, rng: jax.Array, batch) -> TrainState:
+    """Parameters and optimizer state (still boxed with logical axis names)."""
+    params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
+    params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
+    import flax.linen as nn
+    opt_state = tx.init(nn.unbox(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                      rng=jax.random.key_data(run_rng))

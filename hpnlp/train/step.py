@@ -1,0 +1,81 @@
+"""The pure training and evaluation steps.
+
+`train_step(state, batch) -> (state, metrics)` computes gradients of the *summed* loss,
+accumulated over `grad_accum` microbatches inside one `lax.scan`, and divides once by
+the number of real tokens (or examples) in the whole batch: the update is the same as
+one big batch, and the step counter counts optimizer steps. Metrics come back as sums
+plus `weight`, so they add across devices and steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hpnlp.config import TrainConfig
+from hpnlp.train.state import TrainState, learning_rate_schedule
+
+
+def _split_microbatches(batch, n: int):
+    """[B, ...] -> [n, B/n, ...], microbatch i = rows i, i+n, ... (every device keeps a share)."""
+    def split(x):
+        return x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
+    schedule = learning_rate_schedule(t)
+
+    def sum_loss(params, batch, rng):
+        sums = model.apply({"params": params}, batch, rngs={"dropout": rng})
+        return sums["loss"], sums
+
+    grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        rng = state.step_key()
+        if t.grad_accum == 1:
+            (_, sums), grads = grad_fn(state.params, batch, rng)
+        else:
+            micro = _split_microbatches(batch, t.grad_accum)
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (_, sums0), _ = jax.eval_shape(grad_fn, state.params,
+                                           jax.tree.map(lambda x: x[0], micro), rng)
+            init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums0))
+
+            def body(carry, xs):
+                i, mb = xs
+                (_, s), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, carry, (g, s)), None
+
+            (grads, sums), _ = jax.lax.scan(body, init, (jnp.arange(t.grad_accum), micro))
+        denom = jnp.maximum(sums["weight"], 1.0)
+        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(sums, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(model):
+    def eval_step(params, batch):
+        return model.apply({"params": params}, batch, method="evaluate")
+    return eval_step
+
+
+def finalize(sums: dict, *, lm: bool) -> dict:
+    """Host-side: sums -> means. `loss` per real token / example; `ppl` for LMs."""
+    w = max(float(sums["weight"]), 1.0)
+    out = {"loss": float(sums["loss"]) / w}
+    if "correct" in sums:
+        out["accuracy"] = float(sums["correct"]) / w
+    if lm:
+        import math
+        out["ppl"] = math.exp(min(out["loss"], 50.0))
+    for k in ("grad_norm", "lr"):
+        if k in sums:
+            out[k] = float(sums[k])
+    return out

@@ -1,0 +1,47 @@
+"""hpnlp: fast neural NLP in JAX/Flax. `pip install -e .[test]`, then `pytest`."""
+import setuptools
+
+# Exact pins: JAX, Flax, optax and orbax change fast, and checkpoints that resume
+# exactly need the same numerics on every machine. Bump together, then rerun tests.
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "ml-collections==1.1.0",
+    "absl-py==2.5.1",
+    "chex==0.1.92",
+    "numpy>=2.0,<3",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "tensorboardX==2.6.5",
+    "psutil>=5.9",
+]
+
+EXTRAS = {
+    "test": [
+        "pytest>=8",
+        "pytest-xdist>=3.5",
+        "hypothesis>=6.100",
+        "nbformat>=5.9",
+        "nbclient>=0.10",
+        "ipykernel>=6.29",
+        "scipy>=1.11",
+    ],
+    # torch 2.13.0 is the CPU build that this machine's image ships; a looser pin would
+    # pull several GB of CUDA wheels.
+    "bench": ["torch==2.13.0"],
+}
+
+setuptools.setup(
+    name="hpnlp",
+    version="0.1.0",
+    description="High-performance NLP in JAX/Flax: efficient attention, approximate softmaxes, parallel training.",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["hpnlp", "hpnlp.*"]),
+    package_data={"hpnlp.data": ["corpus/*.xz"]},
+    include_package_data=True,
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
