@@ -288,6 +288,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.kind", m.kind,
               f"data.task={d.task!r} is a {info['kind']!r} task and needs "
               f"model.kind={kinds[info['kind']]!r}")
+    if d.batching == "pack" and not getattr(att_cls, "supports_segments", True):
+        _fail("data.batching", d.batching,
+              f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
+              "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
     if d.batching == "pack" and info["kind"] != "lm":
         _fail("data.batching", d.batching, "'pack' is for LM tasks; use 'pad' or 'bucket'")
     if m.vocab_size and m.vocab_size < info["vocab_size"]:

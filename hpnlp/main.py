@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
@@ -38,6 +38,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # Orbax logs every checkpoint step at INFO; keep the terminal for the progress bar.
+    logging.set_verbosity(logging.WARNING)
     import jax
 
     if FLAGS.coordinator:

@@ -56,9 +56,11 @@ class MultiHeadAttention(nn.Module):
         m = self.model
         dt, pdt = dtypes(m)
         H, D = m.num_heads, m.width // m.num_heads
-        qkv_BL3HD = nn.DenseGeneral(
-            (3, H, D), dtype=dt, param_dtype=pdt, use_bias=False, name="qkv",
-            kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None, "heads", "kv")))(x_BLE)
+        # Explicit kernels (not DenseGeneral, which flattens multi-axis kernels and so
+        # loses their logical axis names).
+        w_E3HD = self.param("qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
+                                         ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
+        qkv_BL3HD = jnp.einsum("ble,ekhd->blkhd", x_BLE.astype(dt), w_E3HD.astype(dt))
         q_BLHD, k_BLHD, v_BLHD = (qkv_BL3HD[:, :, i] for i in range(3))
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         if self.decode:
@@ -72,9 +74,9 @@ class MultiHeadAttention(nn.Module):
         else:
             out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=self.causal,
                             deterministic=self.deterministic)
-        return nn.DenseGeneral(
-            m.width, axis=(-2, -1), dtype=dt, param_dtype=pdt, use_bias=False, name="out",
-            kernel_init=_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")))(out_BLHD)
+        w_HDE = self.param("out", _init(nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
+                                        ("heads", "kv", "embed")), (H, D, m.width), pdt)
+        return jnp.einsum("blhd,hde->ble", out_BLHD.astype(dt), w_HDE.astype(dt))
 
 
 class Block(nn.Module):

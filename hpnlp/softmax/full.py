@@ -43,7 +43,8 @@ class FullSoftmax(nn.Module):
             logits_NV = self.embed.attend(hidden_NE.astype(self.dtype))
         else:
             logits_NV = self.proj(hidden_NE)
-        return logits_NV.astype(jnp.float32) + self.bias.astype(jnp.float32)
+        bias = self.bias.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
+        return logits_NV.astype(jnp.float32) + bias
 
     def log_prob(self, hidden_NE):
         logits_NV = self.logits(hidden_NE)

@@ -92,7 +92,8 @@ class Trainer:
             self._init = jax.jit(lambda key: nn.unbox(init(key)), out_shardings=self.state_sharding)
             self.abstract_state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                nn.unbox(abstract), self.state_sharding)
+                jax.eval_shape(lambda key: nn.unbox(init(key)), jax.random.key(cfg.seed)),
+                self.state_sharding)
             self.train_step = jax.jit(
                 make_train_step(model, tx, cfg.train),
                 in_shardings=(self.state_sharding, self.batch_sharding),

@@ -54,7 +54,7 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(sums, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+        metrics = dict(sums, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

@@ -1,0 +1,145 @@
+"""Every attention variant against the `dense` oracle, plus the interface contracts."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hpnlp.attention as A
+from hpnlp.attention.dense import dense_attention
+
+B, L, H, D = 2, 32, 2, 8
+EXACT = {"dense": {}, "xla": {}, "chunked": {"block_q": 8, "block_k": 16}}
+
+
+def _qkv(seed=0, dtype=jnp.float32, length=L):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return tuple(jax.random.normal(k, (B, length, H, D), dtype) for k in ks)
+
+
+def _padding(lengths, length=L):
+    return jnp.asarray((np.arange(length)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32))
+
+
+def _run(name, q, k, v, mask, causal):
+    return A.get(name)(**EXACT[name])(q, k, v, mask, causal=causal, deterministic=True)
+
+
+def test_registry_lists_and_rejects():
+    assert {"dense", "xla", "chunked"} <= set(A.names())
+    with pytest.raises(ValueError, match="choose one of .*dense"):
+        A.get("no_such_attention")
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_variants_match_dense(name, causal):
+    q, k, v = _qkv()
+    mask = _padding([L, 19])
+    ref = dense_attention(q, k, v, mask, causal=causal)
+    out = _run(name, q, k, v, mask, causal)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * _padding([L, 19])[:, :, None, None])
+
+    g_ref = jax.grad(loss(lambda q, k, v: dense_attention(q, k, v, mask, causal=causal)), (0, 1, 2))(q, k, v)
+    g = jax.grad(loss(lambda q, k, v: _run(name, q, k, v, mask, causal)), (0, 1, 2))(q, k, v)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_segments_do_not_mix():
+    q, k, v = _qkv()
+    seg = jnp.asarray(np.repeat([[1] * 12 + [2] * 12 + [0] * 8], B, axis=0))
+    for name in ("dense", "chunked"):
+        out = _run(name, q, k, v, seg, causal=True)
+        # Segment 2 alone, positions 12..23, must give the same result as inside the pack.
+        alone = dense_attention(q[:, 12:24], k[:, 12:24], v[:, 12:24], None, causal=True)
+        np.testing.assert_allclose(out[:, 12:24], alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_padding_invariance(name):
+    """Changing what sits in padded positions never changes the real outputs."""
+    q, k, v = _qkv()
+    mask = _padding([20, 27])
+    q2, k2, v2 = _qkv(seed=7)
+    pad = (mask == 0)[:, :, None, None]
+    mix = lambda a, b: jnp.where(pad, b, a)
+    out1 = _run(name, q, k, v, mask, False)
+    out2 = _run(name, mix(q, q2), mix(k, k2), mix(v, v2), mask, False)
+    np.testing.assert_allclose(jnp.where(pad, 0, out1), jnp.where(pad, 0, out2), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_causality_by_gradient(name):
+    q, k, v = _qkv()
+    t = 10
+
+    def out_t(k, v):
+        return jnp.sum(_run(name, q, k, v, None, True)[:, t])
+
+    gk, gv = jax.grad(out_t, (0, 1))(k, v)
+    assert float(jnp.abs(gk[:, t + 1:]).max()) == 0.0
+    assert float(jnp.abs(gv[:, t + 1:]).max()) == 0.0
+    assert float(jnp.abs(gv[:, : t + 1]).max()) > 0.0
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_fully_masked_rows_are_zero_not_nan(name):
+    q, k, v = _qkv()
+    mask = _padding([0, 5])
+    out = _run(name, q, k, v, mask, True)
+    chex.assert_tree_all_finite(out)
+    assert float(jnp.abs(out[0]).max()) == 0.0
+    g = jax.grad(lambda q: jnp.sum(_run(name, q, k, v, mask, True)))(q)
+    chex.assert_tree_all_finite(g)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_bfloat16_is_finite_and_close(name):
+    q, k, v = _qkv(dtype=jnp.bfloat16)
+    out = _run(name, q, k, v, _padding([L, 9]), True)
+    assert out.dtype == jnp.bfloat16
+    chex.assert_tree_all_finite(out)
+    ref = dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), _padding([L, 9]), causal=True)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_no_recompile_across_calls(name):
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def f(q, k, v, mask):
+        return _run(name, q, k, v, mask, True)
+
+    for seed in range(3):
+        q, k, v = _qkv(seed)
+        f(q, k, v, _padding([L, 3 + seed]))
+
+
+def test_decode_cache_matches_full_forward():
+    q, k, v = _qkv()
+    attn = A.get("dense")()
+    cache = attn.init_cache(B, L, H, D, jnp.float32)
+    outs = []
+    for t in range(L):
+        o, cache = attn.decode_step(cache, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), dense_attention(q, k, v, causal=True), atol=1e-5)
+
+
+def test_bad_inputs_have_clear_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="head dims differ"):
+        A.get("dense")()(q, k[..., :4], v, None, causal=False)
+    with pytest.raises(ValueError, match=r"\[batch, length, heads, head_dim\]"):
+        A.get("dense")()(q[0], k[0], v[0], None, causal=False)
+    with pytest.raises(ValueError, match="segment ids of shape"):
+        A.get("dense")()(q, k, v, jnp.ones((B, L, L)), causal=False)
+    with pytest.raises(ValueError, match="block_q=12 must divide"):
+        A.get("chunked")(block_q=12)(q, k, v, None, causal=False)

@@ -1,0 +1,109 @@
+"""Bad configs fail fast, before anything compiles, naming field, value and what is allowed."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpnlp.config import ConfigError, default_configdict, from_configdict, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def base(**groups):
+    cd = default_configdict()
+    cd.data.task = "byte_lm"
+    cd.data.seq_len = 64
+    cd.model.kind = "lm"
+    cd.model.max_len = 64
+    cd.train.batch_size = 8
+    for group, fields in groups.items():
+        for k, v in fields.items():
+            setattr(getattr(cd, group), k, v)
+    return from_configdict(cd)
+
+
+def test_default_experiments_validate():
+    import importlib.util
+    for path, arg in (("lm.py", "bytes"), ("lm.py", "words"), ("lra.py", "listops"),
+                      ("lra.py", "text"), ("lra.py", "retrieval")):
+        spec = importlib.util.spec_from_file_location("exp", os.path.join(ROOT, "experiments", path))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert mod.__doc__ and "python -m hpnlp.main --config experiments/" in mod.__doc__
+        cfg = validate(from_configdict(mod.get_config(arg)), num_devices=1)
+        assert cfg.model.vocab_size > 0
+
+
+def test_task_fields_are_filled_in():
+    cfg = validate(base(), num_devices=1)
+    assert cfg.model.vocab_size == 256
+
+
+@pytest.mark.parametrize("groups, field, hint", [
+    ({"attention": {"name": "fancy"}}, "attention.name", "dense"),
+    ({"output": {"name": "tiny"}}, "output.name", "full"),
+    ({"attention": {"name": "chunked", "options": {"block_q": 48}}},
+     "attention.options.block_q", "must divide data.seq_len=64"),
+    ({"attention": {"name": "chunked", "options": {"blocksize": 8}}},
+     "attention.options.blocksize", "block_q"),
+    ({"attention": {"name": "xla"}, "data": {"batching": "pack"}}, "data.batching", None),
+    ({"model": {"width": 30, "num_heads": 4}}, "model.width", "divisible by model.num_heads"),
+    ({"model": {"kind": "classifier"}}, "model.kind", "needs model.kind='lm'"),
+    ({"model": {"dtype": "float8"}}, "model.dtype", "bfloat16"),
+    ({"data": {"task": "imdb"}}, "data.task", "listops"),
+    ({"data": {"seq_len": 128}}, "data.seq_len", "model.max_len=64"),
+    ({"train": {"batch_size": 6, "grad_accum": 4}}, "train.batch_size", "multiple of"),
+    ({"train": {"batch_size": 0}}, "train.batch_size", "> 0"),
+    ({"train": {"warmup_steps": 5000, "steps": 10}}, "train.warmup_steps", "<= train.steps"),
+    ({"mesh": {"data": 3}}, "mesh", "multiply to the device count 1"),
+    ({"mesh": {"data": -1, "fsdp": -1}}, "mesh", "at most one axis"),
+])
+def test_bad_fields_name_field_value_and_fix(groups, field, hint):
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        validate(base(**groups), num_devices=1)
+    msg = str(e.value)
+    assert f"`{field}`" in msg, msg
+    if hint:
+        assert hint in msg, msg
+    assert time.perf_counter() - t0 < 5.0  # no data set built, nothing compiled
+
+
+def test_xla_attention_refuses_packing_by_name():
+    with pytest.raises(ConfigError, match="segment"):
+        validate(base(attention={"name": "xla"}, data={"batching": "pack"}), num_devices=1)
+
+
+def test_mesh_and_batch_against_devices_and_processes():
+    with pytest.raises(ConfigError, match="mesh"):
+        validate(base(mesh={"data": 4}), num_devices=8)
+    ok = validate(base(mesh={"data": -1, "tensor": 2}, model={"num_heads": 4}), num_devices=8)
+    assert ok.mesh.axis_sizes(8) == {"data": 4, "fsdp": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match="train.batch_size.*lcm"):
+        validate(base(train={"batch_size": 12}), num_devices=8)
+    with pytest.raises(ConfigError, match="2 processes"):
+        validate(base(train={"batch_size": 9}), num_devices=1, num_processes=2)
+
+
+def test_unknown_field_in_configdict():
+    cd = default_configdict()
+    cd.unlock()
+    cd.train.stepz = 3
+    with pytest.raises(ConfigError, match="`train.stepz`.*unknown field"):
+        from_configdict(cd)
+
+
+def test_cli_reports_bad_override_before_compiling(tmp_path):
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpnlp.main", "--config", "experiments/lm.py:bytes,local",
+         "--workdir", str(tmp_path / "w"), "--config.attention.name=nope"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "`attention.name` = 'nope'" in proc.stderr and "chunked" in proc.stderr
+    assert time.perf_counter() - t0 < 60
+    assert not (tmp_path / "w" / "checkpoints").exists()

@@ -1,0 +1,176 @@
+"""Models: shapes, finiteness, causality, padding invariance, decoding, dtypes, remat."""
+
+import dataclasses
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import models
+from hpnlp.config import AttentionConfig, ModelConfig, OutputConfig, default_configdict, from_configdict
+from hpnlp.models.transformer import Trunk, positions_of
+
+B, L, V = 2, 16, 40
+
+
+def make_cfg(kind="lm", attention="dense", **model_kw):
+    cfg = from_configdict(default_configdict())
+    model = dict(kind=kind, vocab_size=V, num_classes=3, width=32, depth=2, num_heads=4,
+                 mlp_dim=64, max_len=L, dropout=0.0)
+    model.update(model_kw)
+    opts = {"block_q": 8, "block_k": 8} if attention == "chunked" else {}
+    return dataclasses.replace(cfg, model=ModelConfig(**model),
+                               attention=AttentionConfig(attention, opts))
+
+
+def lm_batch(lengths=(L, 11), seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, V, (B, L)).astype(np.int32)
+    seg = (np.arange(L)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+    return {"inputs": toks, "targets": np.roll(toks, -1, 1), "segment_ids": seg,
+            "positions": np.asarray(positions_of(seg))}
+
+
+def cls_batch(lengths=(L, 9), seed=0):
+    b = lm_batch(lengths, seed)
+    return {"inputs": b["inputs"], "segment_ids": b["segment_ids"],
+            "label": np.array([0, 2], np.int32), "weight": np.ones(B, np.float32)}
+
+
+def match_batch():
+    a, b = cls_batch(seed=0), cls_batch((7, L), seed=1)
+    return {"inputs1": a["inputs"], "segment_ids1": a["segment_ids"], "inputs2": b["inputs"],
+            "segment_ids2": b["segment_ids"], "label": a["label"] % 2, "weight": a["weight"]}
+
+
+BATCHES = {"lm": lm_batch, "classifier": cls_batch, "dual_encoder": match_batch}
+
+
+def init(cfg, batch):
+    model = models.build(cfg, deterministic=True)
+    return model, nn.unbox(model.init(jax.random.key(0), batch)["params"])
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+@pytest.mark.parametrize("attention", ["dense", "xla", "chunked"])
+def test_sums_shapes_and_finite(kind, attention):
+    cfg = make_cfg(kind, attention)
+    batch = BATCHES[kind]()
+    model, params = init(cfg, batch)
+    sums = model.apply({"params": params}, batch)
+    chex.assert_tree_all_finite(sums)
+    chex.assert_shape(list(sums.values()), ())
+    expected_weight = batch["segment_ids"].sum() if kind == "lm" else B
+    assert float(sums["weight"]) == expected_weight
+    grads = jax.grad(lambda p: model.apply({"params": p}, batch)["loss"])(params)
+    chex.assert_trees_all_equal_shapes(grads, params)
+    chex.assert_tree_all_finite(grads)
+
+
+class _Identity(nn.Module):
+    """Stands in for the embedding so gradients can flow to per-position inputs."""
+
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize("attention", ["dense", "chunked"])
+def test_lm_causality_by_gradient(attention):
+    cfg = make_cfg("lm", attention)
+    trunk = Trunk(cfg.model, cfg.attention, causal=True)
+    x = jax.random.normal(jax.random.key(0), (B, L, cfg.model.width))
+    seg = jnp.ones((B, L), jnp.int32)
+    params = trunk.init(jax.random.key(1), _Identity(), x, seg, positions_of(seg))
+    t = 6
+    g = jax.grad(lambda x: jnp.sum(trunk.apply(params, _Identity(), x, seg, positions_of(seg))[:, t]))(x)
+    assert float(jnp.abs(g[:, t + 1:]).max()) == 0.0
+    assert float(jnp.abs(g[:, : t + 1]).max()) > 0.0
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_padding_tokens_change_nothing(kind):
+    cfg = make_cfg(kind)
+    batch = BATCHES[kind]()
+    model, params = init(cfg, batch)
+    other = dict(batch)
+    pad = batch["segment_ids"] == 0
+    other["inputs"] = np.where(pad, (batch["inputs"] + 7) % V, batch["inputs"])
+    if kind == "lm":
+        other["targets"] = np.where(pad, (batch["targets"] + 3) % V, batch["targets"])
+    a = model.apply({"params": params}, batch)
+    b = model.apply({"params": params}, other)
+    chex.assert_trees_all_close(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_matches_forward_and_greedy_generation(tie):
+    cfg = make_cfg("lm")
+    cfg = dataclasses.replace(cfg, output=OutputConfig("full", tie_embeddings=tie))
+    batch = lm_batch(lengths=(L, L))
+    model, params = init(cfg, batch)
+    full = model.apply({"params": params}, batch, method="log_probs")
+    dec = models.build(cfg, deterministic=True, decode=True)
+    cache = dec.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
+    steps = []
+    for t in range(L):
+        lp, upd = dec.apply({"params": params, "cache": cache}, batch["inputs"][:, t:t + 1],
+                            method="decode_step", mutable=["cache"])
+        cache = upd["cache"]
+        steps.append(lp)
+    np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
+
+    prompt = batch["inputs"][:, :4]
+    out = models.generate(cfg, params, prompt, jnp.array([4, 4]), length=10)
+    np.testing.assert_array_equal(out[:, :4], prompt)
+    # Greedy: each generated token is the argmax of the full forward pass on the prefix.
+    for t in range(4, 10):
+        b = lm_batch(lengths=(L, L))
+        b["inputs"] = np.zeros((B, L), np.int32)
+        b["inputs"][:, :t] = np.asarray(out[:, :t])
+        lp = model.apply({"params": params}, b, method="log_probs")
+        np.testing.assert_array_equal(out[:, t], jnp.argmax(lp[:, t - 1], -1))
+
+
+def test_tied_embeddings_drop_the_output_matrix():
+    batch = lm_batch()
+    _, untied = init(make_cfg("lm"), batch)
+    cfg = dataclasses.replace(make_cfg("lm"), output=OutputConfig("full", tie_embeddings=True))
+    _, tied = init(cfg, batch)
+    assert models.param_count(untied) - models.param_count(tied) == V * 32
+
+
+def test_bfloat16_compute_float32_params():
+    cfg = make_cfg("lm", dtype="bfloat16")
+    batch = lm_batch()
+    model, params = init(cfg, batch)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    sums = model.apply({"params": params}, batch)
+    assert sums["loss"].dtype == jnp.float32
+    chex.assert_tree_all_finite(sums)
+    ref = init(make_cfg("lm"), batch)[0].apply({"params": params}, batch)
+    np.testing.assert_allclose(sums["loss"], ref["loss"], rtol=3e-2)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+def test_remat_gives_same_gradients(policy):
+    batch = lm_batch()
+    model, params = init(make_cfg("lm"), batch)
+    remat_model = models.build(make_cfg("lm", remat=policy), deterministic=True)
+    g = jax.grad(lambda p: model.apply({"params": p}, batch)["loss"])(params)
+    g2 = jax.grad(lambda p: remat_model.apply({"params": p}, batch)["loss"])(params)
+    chex.assert_trees_all_close(g, g2, atol=1e-5)
+
+
+def test_dropout_is_active_only_in_training():
+    cfg = make_cfg("classifier", dropout=0.5)
+    batch = cls_batch()
+    _, params = init(cfg, batch)
+    train = models.build(cfg, deterministic=False)
+    a = train.apply({"params": params}, batch, rngs={"dropout": jax.random.key(1)})
+    b = train.apply({"params": params}, batch, rngs={"dropout": jax.random.key(2)})
+    assert float(a["loss"]) != float(b["loss"])
+    ev = models.build(cfg, deterministic=True)
+    chex.assert_trees_all_equal(ev.apply({"params": params}, batch), ev.apply({"params": params}, batch))

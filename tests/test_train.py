@@ -1,0 +1,167 @@
+"""Training loop: loss falls, files appear, resume is exact (even after SIGKILL),
+non-finite loss stops cleanly, gradient accumulation equals one big batch."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from hpnlp.config import default_configdict, from_configdict
+from hpnlp.train import NonFiniteLoss, Trainer, run
+from hpnlp.train.checkpoint import CheckpointMismatch
+from hpnlp.train.loop import _global
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(steps=30, **train):
+    cd = default_configdict()
+    cd.name = "tiny"
+    cd.data.task = "byte_lm"
+    cd.data.seq_len = 32
+    cd.data.batching = "pack"
+    cd.model.update(kind="lm", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32, dropout=0.1)
+    cd.train.update(steps=steps, batch_size=8, lr=3e-3, warmup_steps=3, log_every=5,
+                    eval_every=0, eval_batches=2, checkpoint_every=10, progress=False)
+    cd.train.update(**train)
+    return cd
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_tiny_run_learns_and_writes_everything(tmp_path):
+    summary = run(tiny(steps=40, eval_every=20), str(tmp_path))
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    train = [l for l in lines if not l.get("eval")]
+    evals = [l for l in lines if l.get("eval")]
+    assert [l["step"] for l in train] == list(range(5, 41, 5))
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert [l["step"] for l in evals] == [20, 40] and "accuracy" in evals[0]
+    for l in train:
+        assert {"loss", "grad_norm", "lr", "steps_per_sec", "tokens_per_sec"} <= set(l)
+    assert summary["param_count"] > 0 and summary["throughput"]["tokens_per_sec"] > 0
+    assert summary["peak_memory"]["host_peak_rss_bytes"] > 0
+    assert json.load(open(tmp_path / "summary.json"))["final_step"] == 40
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "40"]  # keep_checkpoints=2
+
+
+def test_rerun_resumes_and_continues_exactly(tmp_path):
+    # A constant schedule: the lr then does not depend on train.steps, which differs here.
+    whole = run(tiny(steps=30, schedule="constant"), str(tmp_path / "whole"))
+    run(tiny(steps=20, schedule="constant"), str(tmp_path / "split"))
+    resumed = run(tiny(steps=30, schedule="constant"), str(tmp_path / "split"))
+    assert resumed["resumed_from_step"] == 20
+    assert resumed["eval"] == whole["eval"]
+    a = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    b = read_jsonl(tmp_path / "split" / "metrics.jsonl")
+    # Train lines match; the first half's end-of-run eval line (step 20) is extra.
+    train = lambda lines: [(l["step"], l["loss"]) for l in lines if not l.get("eval")]
+    assert train(a) == train(b)
+
+
+def _cli(workdir, steps, *extra):
+    return [sys.executable, "-m", "hpnlp.main", "--config", "experiments/lm.py:bytes,local",
+            "--workdir", str(workdir), f"--config.train.steps={steps}",
+            "--config.train.checkpoint_every=10", "--config.train.eval_every=0",
+            "--config.train.eval_batches=2", "--config.data.seq_len=32", "--config.model.max_len=32",
+            "--config.model.width=32", "--config.model.depth=1", "--config.model.mlp_dim=64",
+            "--config.train.batch_size=8", "--config.train.log_every=1", *extra]
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+    steps = 120
+    ref = subprocess.run(_cli(tmp_path / "ref", steps), cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    proc = subprocess.Popen(_cli(tmp_path / "kill", steps), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / "kill" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists() and any(d.isdigit() and int(d) >= 30 for d in os.listdir(ckpt)):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "run finished before it could be killed; raise steps"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
+    assert killed_at < steps
+    again = subprocess.run(_cli(tmp_path / "kill", steps), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    s_ref = json.load(open(tmp_path / "ref" / "summary.json"))
+    s_kill = json.load(open(tmp_path / "kill" / "summary.json"))
+    assert s_kill["resumed_from_step"] is not None
+    assert s_kill["eval"] == s_ref["eval"]  # exactly, on CPU
+    ref_lines = [(l["step"], l["loss"]) for l in read_jsonl(tmp_path / "ref" / "metrics.jsonl")]
+    kill_lines = [(l["step"], l["loss"]) for l in read_jsonl(tmp_path / "kill" / "metrics.jsonl")]
+    assert kill_lines == ref_lines
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    cd = tiny(steps=40, lr=1e30, warmup_steps=0, schedule="constant", clip_norm=0.0,
+              checkpoint_every=1)
+    with pytest.raises(NonFiniteLoss, match=r"at step (\d+).*last good checkpoint is step") as e:
+        run(cd, str(tmp_path))
+    bad_step = int(e.value.args[0].split("at step ")[1].split(";")[0])
+    kept = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    assert kept and max(kept) < bad_step
+    trainer = Trainer(from_configdict(tiny(steps=40, lr=1e30, warmup_steps=0, schedule="constant",
+                                           clip_norm=0.0, checkpoint_every=1)), str(tmp_path))
+    state, _ = trainer.initial_state()
+    assert int(state.step) == max(kept)
+    chex.assert_tree_all_finite(state.params)
+
+
+def test_workdir_of_another_model_is_refused(tmp_path):
+    run(tiny(steps=10), str(tmp_path))
+    cd = tiny(steps=10)
+    cd.model.width = 64
+    with pytest.raises(CheckpointMismatch, match=r"model.width: saved 32, now 64.*new --workdir"):
+        run(cd, str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10"]
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path):
+    def one_step(accum):
+        cd = tiny(grad_accum=accum)
+        cd.model.dropout = 0.0
+        tr = Trainer(from_configdict(cd), str(tmp_path / f"a{accum}"))
+        state, _ = tr.initial_state()
+        batch = next(tr.train_iter)
+        with tr._context():
+            state, metrics = tr.train_step(state, _global(batch, tr.batch_sharding))
+        return jax.device_get(state.params), jax.device_get(metrics)
+
+    p1, m1 = one_step(1)
+    p4, m4 = one_step(4)
+    chex.assert_trees_all_close(p1, p4, atol=1e-6)
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
+    assert int(m1["weight"]) == int(m4["weight"])
+
+
+def test_train_step_compiles_once(tmp_path):
+    tr = Trainer(from_configdict(tiny()), str(tmp_path))
+    state, _ = tr.initial_state()
+    with tr._context():
+        for _ in range(4):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+    assert tr.train_step._cache_size() == 1
+
+
+def test_early_stopping_on_patience(tmp_path):
+    cd = tiny(steps=200, lr=1e-7, warmup_steps=0, eval_every=5, early_stopping_patience=2,
+              early_stopping_metric="accuracy")
+    summary = run(cd, str(tmp_path))
+    assert summary["stopped_early"] and summary["final_step"] < 200
