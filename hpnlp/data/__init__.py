@@ -1,0 +1,71 @@
+"""Embedded tasks, users' files and batching: everything a training run reads.
+
+    from hpnlp import data
+    task = data.make_task(cfg.data)                       # build once
+    it = data.make_iterator(task, cfg.data, split="train", batch_size=32)
+    batch = next(it)                                      # dict of numpy arrays
+
+Tasks (`task_names()`): `listops` (LRA ListOps, generated or from an LRA TSV),
+`byte_lm` / `word_lm` (language modelling on the shipped King James Bible or a user's
+text file), `doc_classify` / `doc_match` (byte-level long-document classification and
+matching over the Bible's 8 canonical sections). Nothing is downloaded. Batch keys:
+
+    classify: inputs, segment_ids [B, L]; label, weight [B]
+    match:    inputs1, segment_ids1, inputs2, segment_ids2 [B, L]; label, weight [B]
+    lm:       inputs, targets, segment_ids, positions [B, L]
+
+Padding is only in the masks (segment id 0, weight 0); padded slots hold id 0.
+"""
+
+from __future__ import annotations
+
+from hpnlp.data import listops, text_tasks
+from hpnlp.data.batching import BatchIterator
+from hpnlp.data.task import Examples, Task
+
+_TASKS = {
+    "doc_classify": (text_tasks.make_doc_task, text_tasks.info),
+    "doc_match": (text_tasks.make_doc_task, text_tasks.info),
+    "listops": (lambda cfg, name: listops.make_task(cfg), lambda cfg, name: listops.info(cfg)),
+    "byte_lm": (text_tasks.make_lm_task, text_tasks.info),
+    "word_lm": (text_tasks.make_lm_task, text_tasks.info),
+}
+
+
+def task_names() -> list[str]:
+    return list(_TASKS)
+
+
+def _entry(cfg):
+    if cfg.task not in _TASKS:
+        from hpnlp.config import ConfigError
+        raise ConfigError(f"config field `data.task` = {cfg.task!r} is not allowed: "
+                          f"choose one of {task_names()}")
+    if cfg.seq_len < 1:
+        from hpnlp.config import ConfigError
+        raise ConfigError(f"config field `data.seq_len` = {cfg.seq_len!r} is not allowed: must be >= 1")
+    return _TASKS[cfg.task]
+
+
+def task_info(cfg) -> dict:
+    """{"kind", "vocab_size", "num_classes"} without building the data set (for config
+    validation before anything compiles). word_lm on a user file reports
+    data.word_vocab_size, an upper bound on the vocabulary make_task will build."""
+    return _entry(cfg)[1](cfg, cfg.task)
+
+
+def make_task(cfg) -> Task:
+    """Build the task named by cfg.task (DataConfig); deterministic in cfg.seed."""
+    return _entry(cfg)[0](cfg, cfg.task)
+
+
+def make_iterator(task: Task, cfg, *, split: str, batch_size: int, process_index: int = 0,
+                  process_count: int = 1) -> BatchIterator:
+    """Batches of `split` ("train": infinite, shuffled; "eval": one pass). `batch_size` is
+    global: process p of n gets rows [p*B/n, (p+1)*B/n) of the same global batch."""
+    return BatchIterator(task, cfg, split=split, batch_size=batch_size,
+                         process_index=process_index, process_count=process_count)
+
+
+__all__ = ["BatchIterator", "Examples", "Task", "make_iterator", "make_task", "task_info",
+           "task_names"]

@@ -1,0 +1,525 @@
+"""Tests for hpnlp.data: tasks, loaders and batching. CPU only, numpy only, tiny sizes."""
+
+import collections
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+
+from hpnlp import data
+from hpnlp.config import ConfigError, DataConfig
+from hpnlp.data import batching, corpus, listops, text_tasks
+
+TINY_LISTOPS = dict(task="listops", seq_len=128, listops_num_train=200, listops_num_eval=50,
+                    listops_min_length=16, listops_max_length=128)
+
+
+def cfg_of(**kw) -> DataConfig:
+    return DataConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def listops_task():
+    return data.make_task(cfg_of(**TINY_LISTOPS))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """A small user corpus: 150 paragraphs of a few lines (some UTF-8), blank-line separated."""
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "épée", "naïve", "x", "the", "a", "of"]
+    paras = ["\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) + "."
+                       for _ in range(rng.randint(1, 5))) for _ in range(150)]
+    path = tmp_path_factory.mktemp("txt") / "corpus.txt"
+    path.write_text("\n\n".join(paras) + "\n", encoding="utf-8")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- ListOps
+
+
+def evaluate(tokens: list[str]) -> tuple[int, int, int]:
+    """Independent ListOps evaluator over token strings: (value, depth, max arity)."""
+    stack, depth, arity = [[None, []]], 0, 0
+    for tok in tokens:
+        if tok.startswith("["):
+            stack.append([tok, []])
+            depth = max(depth, len(stack) - 1)
+        elif tok == "]":
+            op, args = stack.pop()
+            assert len(args) >= 2, "an operator needs at least 2 arguments"
+            arity = max(arity, len(args))
+            value = {"[MIN": min(args), "[MAX": max(args), "[MED": int(np.median(args)),
+                     "[SM": int(np.sum(args)) % 10}[op]
+            stack[-1][1].append(value)
+        else:
+            stack[-1][1].append(int(tok))
+    assert len(stack) == 1 and len(stack[0][1]) == 1, "unbalanced expression"
+    return stack[0][1][0], depth + 1, arity  # LRA counts the leaves' level as a depth
+
+
+def lra_string(tokens: list[str]) -> str:
+    """Write tokens the way LRA's to_string does: every argument wrapped in ( ... )."""
+    def parse(i):
+        if not tokens[i].startswith("["):
+            return tokens[i], i + 1
+        t, i = tokens[i], i + 1
+        while tokens[i] != "]":
+            sub, i = parse(i)
+            t = f"( {t} {sub} )"
+        return f"( {t} ] )", i + 1
+    s, end = parse(0)
+    assert end == len(tokens)
+    return s
+
+
+def test_listops_deterministic_per_seed():
+    cfg = cfg_of(**TINY_LISTOPS)
+    a, la = listops.generate(cfg, 60, seed=3)
+    b, lb = listops.generate(cfg, 60, seed=3)
+    c, _ = listops.generate(cfg, 60, seed=4)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and np.array_equal(la, lb)
+    assert sum(np.array_equal(x, y) for x, y in zip(a, c)) < 5
+
+
+@pytest.mark.parametrize("lo,hi,depth,args", [(16, 128, 10, 10), (1, 20, 3, 3), (1500, 2048, 10, 10),
+                                              (40, 60, 6, 2)])
+def test_listops_lengths_labels_and_shape(lo, hi, depth, args):
+    cfg = cfg_of(**{**TINY_LISTOPS, "listops_min_length": lo, "listops_max_length": hi,
+                    "listops_max_depth": depth, "listops_max_args": args})
+    seqs, labels = listops.generate(cfg, 30, seed=0)
+    for ids, label in zip(seqs, labels):
+        assert lo <= len(ids) <= hi
+        value, d, a = evaluate(listops.decode(ids).split())
+        assert value == label and d <= depth and a <= args
+    assert len({s.tobytes() for s in seqs}) == len(seqs)
+
+
+def test_listops_task(listops_task):
+    t = listops_task
+    assert (t.kind, t.vocab_size, t.num_classes) == ("classify", 16, 10)
+    assert len(t.train) == 200 and len(t.eval) == 50
+    train = {t.train.example(i).tobytes() for i in range(len(t.train))}
+    assert not train & {t.eval.example(i).tobytes() for i in range(len(t.eval))}
+    for ex in (t.train, t.eval):
+        for i in range(len(ex)):
+            assert evaluate(listops.decode(ex.example(i)).split())[0] == ex.labels[i]
+    top = np.bincount(t.train.labels, minlength=10).argmax()
+    assert t.baseline["majority_accuracy"] == pytest.approx(np.mean(t.eval.labels == top))
+    assert 0 < t.baseline["majority_accuracy"] < 1
+
+
+def test_listops_impossible_lengths_fail_clearly():
+    cfg = cfg_of(**{**TINY_LISTOPS, "listops_max_depth": 2, "listops_max_args": 2})
+    with pytest.raises(ConfigError, match="listops_min_length=16.*listops_max_depth=2"):
+        data.make_task(cfg)
+
+
+def test_listops_tsv_round_trip(tmp_path, listops_task):
+    t = listops_task
+    paths = {}
+    for split, ex in (("train", t.train), ("eval", t.eval)):
+        rows = [f"{lra_string(listops.decode(ex.example(i)).split())}\t{ex.labels[i]}"
+                for i in range(len(ex))]
+        paths[split] = tmp_path / f"basic_{split}.tsv"
+        paths[split].write_text("Source\tTarget\n" + "\n".join(rows) + "\n")
+    assert "( ( ( [" in paths["train"].read_text()
+    loaded = data.make_task(cfg_of(**TINY_LISTOPS, train_path=str(paths["train"]),
+                                   eval_path=str(paths["eval"])))
+    for a, b in ((t.train, loaded.train), (t.eval, loaded.eval)):
+        assert np.array_equal(a.labels, b.labels)
+        assert all(np.array_equal(a.example(i), b.example(i)) for i in range(len(a)))
+    held = data.make_task(cfg_of(**TINY_LISTOPS, train_path=str(paths["train"])))
+    assert (len(held.train), len(held.eval)) == (180, 20)
+
+
+@pytest.mark.parametrize("content,where,what", [
+    (None, "", "no such file"),
+    ("", "", "file is empty"),
+    ("Src\tTgt\n[MAX 1 2 ]\t2\n", ":1:", "header"),
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAX 1 2 ]\t2\textra\n", ":3:", "2 tab-separated columns"),
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n\n[MAX 1 [FIRST 2 ] ]\t2\n", ":4:", "unknown token '[FIRST'"),
+    ("Source\tTarget\n[MAX 1 12 ]\t2\n", ":2:", "unknown token '12'"),
+    ("Source\tTarget\n[MAX 1 2 ]\ttwo\n", ":2:", "not an integer in 0..9"),
+    ("Source\tTarget\n[MAX 1 2 ]\t10\n", ":2:", "not an integer in 0..9"),
+    ("Source\tTarget\n( )\t1\n", ":2:", "no tokens"),
+    ("Source\tTarget\n", "", "no examples"),
+    (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN \xff 2 ]\t2\n", ":3:", "not UTF-8"),
+])
+def test_listops_tsv_errors_name_file_and_line(tmp_path, content, where, what):
+    path = tmp_path / "bad.tsv"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError) as e:
+        listops.load_tsv(str(path))
+    assert f"{path}{where}" in str(e.value) and what in str(e.value)
+
+
+# ------------------------------------------------------------------------------ corpus
+
+
+def test_corpus_parses_with_structure():
+    chapters = corpus.kjv_chapters()
+    assert len(chapters) == 1189 and len({c.book for c in chapters}) == 66
+    assert chapters[0].text.startswith("In the beginning God created the heaven and the earth.\n")
+    assert chapters[-1].book == "Revelation" and chapters[-1].number == 22
+    assert not any(line[:1].isdigit() for line in chapters[0].text.splitlines())
+    train, eval_ = corpus.kjv_splits()
+    assert len(eval_) == 118 and {c.index % 10 for c in eval_} == {9}
+    for split in (train, eval_):
+        assert {c.section for c in split} == set(range(8))
+
+
+def test_word_lm_vocab_sorted_by_frequency():
+    t = data.make_task(cfg_of(task="word_lm", seq_len=256, word_vocab_size=500))
+    counts = t.token_counts
+    assert t.vocab_size == 500 == len(counts) == data.task_info(cfg_of(task="word_lm", word_vocab_size=500))["vocab_size"]
+    assert np.all(np.diff(counts) <= 0) and counts[0] > 0
+    assert np.array_equal(counts, np.bincount(t.train.tokens, minlength=500))
+    words = t.meta["words"]
+    assert words[:3] == ("<unk>", ",", "the")  # 498 words kept: the cut-off tail outweighs ","
+    assert {"<eos>", "<unk>"} <= set(words)
+    assert counts[t.meta["unk_id"]] > 0  # words beyond the 498 kept ones
+    assert t.decode(t.encode("And God said\nlet there be light")) == "and god said\nlet there be light"
+    assert t.encode("zzyzx")[0] == t.meta["unk_id"]
+    assert 0 < t.baseline["unigram_loss"] < np.log(500)
+
+
+def test_word_lm_vocab_size_is_exact_without_reading_the_corpus():
+    cfg = cfg_of(task="word_lm", seq_len=512, word_vocab_size=100_000)
+    assert data.make_task(cfg).vocab_size == data.task_info(cfg)["vocab_size"]
+
+
+@pytest.mark.parametrize("name", ["doc_classify", "doc_match"])
+def test_doc_tasks_split_by_chapter(name):
+    t = data.make_task(cfg_of(task=name, seq_len=256))
+    train_ch, eval_ch = t.meta["train_chapters"], t.meta["eval_chapters"]
+    assert not set(train_ch.ravel()) & set(eval_ch.ravel())
+    assert set(np.unique(eval_ch)) == {c.index for c in corpus.kjv_splits()[1]}
+    chapters = corpus.kjv_chapters()
+    rng = np.random.default_rng(0)
+    for ex, ch in ((t.train, train_ch), (t.eval, eval_ch)):
+        for i in rng.integers(0, len(ex), 50):
+            sides = ex.example(i) if name == "doc_match" else (ex.example(i),)
+            for side, c in zip(sides, np.atleast_1d(ch[i])):
+                assert t.decode(side) in chapters[c].text and 0 < len(side) <= 256
+        if name == "doc_classify":
+            assert np.array_equal(ex.labels, [chapters[c].section for c in ch])
+    if name == "doc_match":
+        for split in ("train", "eval"):
+            ex, sec = getattr(t, split), t.meta[f"{split}_sections"]
+            assert np.array_equal(ex.labels, sec[:, 0] == sec[:, 1])
+            assert abs(ex.labels.mean() - 0.5) < 0.01
+            same_ch = t.meta[f"{split}_chapters"]
+            assert np.mean(same_ch[:, 0] == same_ch[:, 1]) < 0.01
+        again = data.make_task(cfg_of(task=name, seq_len=256))
+        assert np.array_equal(again.train.starts, t.train.starts)
+
+
+def test_byte_lm_chunks_cover_each_target_once():
+    t = data.make_task(cfg_of(task="byte_lm", seq_len=300))
+    texts = [c.text for c in corpus.kjv_splits()[1]]
+    assert t.decode(t.encode(texts[0])) == texts[0]
+    assert t.eval.lengths.max() == 301 and t.eval.lengths.min() >= 2
+    assert sum(len(x) - 1 for x in texts) == int((t.eval.lengths - 1).sum())
+    first_chunk = t.eval.example(0)
+    assert t.decode(first_chunk) == texts[0][:301]
+    assert t.decode(t.eval.example(1))[0] == texts[0][300]  # one-token overlap
+
+
+# ------------------------------------------------------------------------- user files
+
+
+def test_user_text_file_tasks(text_file):
+    lines = open(text_file, encoding="utf-8").read().split("\n")
+    for name in ("byte_lm", "word_lm"):
+        cfg = cfg_of(task=name, seq_len=64, train_path=text_file)
+        t = data.make_task(cfg)
+        info = data.task_info(cfg)
+        assert info["kind"] == t.kind == "lm" and info["vocab_size"] >= t.vocab_size
+        assert t.meta["train_documents"] > 1 and t.meta["eval_documents"] >= 1
+        real = [i for i, x in enumerate(lines) if x.strip()]
+        cut = real[len(real) - len(real) // 10]  # the last 10% of non-blank lines is eval
+        for ex, part in ((t.train, lines[:cut]), (t.eval, lines[cut:])):
+            paragraphs = "\n\n".join("\n".join(part).strip().split("\n\n")) + "\n"
+            assert t.decode(ex.tokens).replace("\n", "") == t.decode(t.encode(paragraphs)).replace("\n", "")
+        # Independent unigram baseline.
+        p = (t.token_counts + 1) / (t.token_counts.sum() + t.vocab_size)
+        targets = np.concatenate([t.eval.example(i)[1:] for i in range(len(t.eval))])
+        assert t.baseline["unigram_loss"] == pytest.approx(-np.log(p[targets]).mean())
+    assert data.make_task(cfg_of(task="byte_lm", seq_len=64, train_path=text_file,
+                                 eval_path=text_file)).eval.tokens.size > 1000
+
+
+@pytest.mark.parametrize("content,where,what", [
+    (None, "", "no such file"),
+    ("  \n\n", "", "file is empty"),
+    (b"fine line\nsecond \xe9 line\n", ":2:", "not UTF-8"),
+    ("only one line\n", "", "cannot be split"),
+])
+def test_user_text_file_errors(tmp_path, content, where, what):
+    path = tmp_path / "user.txt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    for name in ("byte_lm", "word_lm"):
+        with pytest.raises(ValueError) as e:
+            data.make_task(cfg_of(task=name, train_path=str(path)))
+        assert f"{path}{where}" in str(e.value) and what in str(e.value)
+
+
+def test_config_errors_name_the_field(text_file):
+    with pytest.raises(ConfigError, match="data.train_path"):
+        data.make_task(cfg_of(task="doc_classify", train_path=text_file))
+    with pytest.raises(ConfigError, match="data.eval_path"):
+        data.make_task(cfg_of(task="byte_lm", eval_path=text_file))
+    with pytest.raises(ConfigError, match="data.word_vocab_size"):
+        data.task_info(cfg_of(task="word_lm", word_vocab_size=2))
+    with pytest.raises(ConfigError, match="data.task"):
+        data.task_info(cfg_of(task="nope"))
+    with pytest.raises(ConfigError, match="data.bucket_boundaries"):
+        batching.bucket_boundaries(cfg_of(seq_len=64, bucket_boundaries=(32, 128)))
+
+
+def test_task_info_agrees_with_make_task(text_file):
+    for name in data.task_names():
+        cfg = cfg_of(**{**TINY_LISTOPS, "task": name, "seq_len": 512})
+        t, info = data.make_task(cfg), data.task_info(cfg)
+        assert (info["kind"], info["vocab_size"], info["num_classes"]) == (
+            t.kind, t.vocab_size, t.num_classes), name
+
+
+# ---------------------------------------------------------------------------- batching
+
+KEYS = {
+    "classify": {"inputs": np.int32, "segment_ids": np.int32, "label": np.int32, "weight": np.float32},
+    "match": {"inputs1": np.int32, "segment_ids1": np.int32, "inputs2": np.int32,
+              "segment_ids2": np.int32, "label": np.int32, "weight": np.float32},
+    "lm": {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32},
+}
+
+
+@pytest.fixture(scope="module")
+def tasks(listops_task, text_file):
+    return {
+        "classify": (listops_task, cfg_of(**TINY_LISTOPS)),
+        "match": (data.make_task(cfg_of(task="doc_match", seq_len=128)), cfg_of(task="doc_match", seq_len=128)),
+        "lm": (data.make_task(cfg_of(task="word_lm", seq_len=64, train_path=text_file)),
+               cfg_of(task="word_lm", seq_len=64, train_path=text_file)),
+    }
+
+
+CASES = [(k, m) for k in ("classify", "match", "lm") for m in ("pad", "bucket", "pack")
+         if m != "pack" or k == "lm"]
+
+
+def rows_of(batch, kind):
+    """Real content of each row: classify/match -> token tuples, lm -> per-segment chunks."""
+    out = []
+    if kind in ("classify", "match"):
+        sfx = ("",) if kind == "classify" else ("1", "2")
+        for r in np.flatnonzero(batch["weight"]):
+            out.append(tuple(tuple(batch["inputs" + s][r][batch["segment_ids" + s][r] > 0]) for s in sfx)
+                       + (int(batch["label"][r]),))
+        return out
+    for r in range(len(batch["inputs"])):
+        seg = batch["segment_ids"][r]
+        for k in np.unique(seg[seg > 0]):
+            cols = np.flatnonzero(seg == k)
+            assert np.array_equal(cols, np.arange(cols[0], cols[-1] + 1)), "segment not contiguous"
+            assert np.array_equal(batch["positions"][r, cols], np.arange(len(cols)))
+            chunk = tuple(batch["inputs"][r, cols]) + (batch["targets"][r, cols[-1]],)
+            assert np.array_equal(batch["targets"][r, cols[:-1]], batch["inputs"][r, cols[1:]])
+            out.append(chunk)
+    return out
+
+
+def examples_of(task, kind):
+    ex = task.eval
+    if kind == "classify":
+        return [(tuple(ex.example(i)), int(ex.labels[i])) for i in range(len(ex))]
+    if kind == "match":
+        return [tuple(tuple(s) for s in ex.example(i)) + (int(ex.labels[i]),) for i in range(len(ex))]
+    return [tuple(ex.example(i)) for i in range(len(ex))]
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_batch_keys_shapes_and_eval_pass_covers_each_example_once(tasks, kind, mode):
+    task, cfg = tasks[kind]
+    cfg = dataclasses.replace(cfg, batching=mode)
+    it = data.make_iterator(task, cfg, split="eval", batch_size=16)
+    seen, n = [], 0
+    for batch in it:
+        n += 1
+        assert set(batch) == set(KEYS[kind])
+        width = batch["inputs" if kind != "match" else "inputs1"].shape[1]
+        assert width <= cfg.seq_len
+        for key, dtype in KEYS[kind].items():
+            assert batch[key].dtype == dtype
+            assert batch[key].shape == ((16, width) if batch[key].ndim == 2 else (16,))
+        for sfx in ("", "1", "2"):
+            if "segment_ids" + sfx in batch:
+                assert np.all(batch["inputs" + sfx][batch["segment_ids" + sfx] == 0] == 0)
+        if kind == "lm":
+            assert np.all(batch["targets"][batch["segment_ids"] == 0] == 0)
+        seen += rows_of(batch, kind)
+    assert n == it.num_batches
+    assert collections.Counter(seen) == collections.Counter(examples_of(task, kind))
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_train_epochs_cover_every_example_and_reshuffle(tasks, kind, mode):
+    task, cfg = tasks[kind]
+    it = data.make_iterator(task, dataclasses.replace(cfg, batching=mode), split="train", batch_size=8)
+    n = len(task.train)
+    plans = [it._plan(e) for e in (0, 1)]
+    for plan in plans:
+        counts = np.bincount(plan.items, minlength=n)
+        if mode == "bucket":  # the last batch is completed with repeats
+            assert counts.min() == 1 and counts.sum() - n < 8 and plan.num_rows % 8 == 0
+        else:
+            assert np.all(counts == 1)
+    assert not np.array_equal(plans[0].items, plans[1].items)
+    steps = min(n // 8, 25)
+    rows = [r for _ in range(steps) for r in rows_of(next(it), kind)]
+    if mode == "pad":  # the first batches hold distinct examples of epoch 0, in plan order
+        want = [examples_of(dataclasses.replace(task, eval=task.train), kind)[i]
+                for i in plans[0].items[:steps * 8]] if kind != "match" else None
+        assert len(rows) == steps * 8 and (want is None or rows == want)
+    for _ in range(2 * it.num_batches):
+        next(it)  # the train stream does not end
+    assert it.get_state()["epoch"] >= 2
+
+
+def test_pad_vs_bucket_padding_stats(listops_task):
+    stats = {}
+    for mode in ("pad", "bucket"):
+        it = data.make_iterator(listops_task, cfg_of(**TINY_LISTOPS, batching=mode),
+                                split="eval", batch_size=8)
+        real = slots = 0
+        for b in it:
+            real += int(b["segment_ids"].sum())
+            slots += int(b["weight"].sum()) * b["inputs"].shape[1]
+        stats[mode] = it.stats()
+        assert stats[mode]["padding_fraction"] == pytest.approx(1 - real / slots)
+    assert stats["bucket"]["pad_mode_padding_fraction"] == pytest.approx(stats["pad"]["padding_fraction"])
+    assert stats["bucket"]["padding_fraction"] < stats["pad"]["padding_fraction"] - 0.1
+    assert len(stats["bucket"]["widths"]) > 1 and stats["pad"]["widths"] == [128]
+
+
+def test_packing_segments_positions_and_targets(tasks):
+    task, cfg = tasks["lm"]
+    it = data.make_iterator(task, dataclasses.replace(cfg, batching="pack"), split="train", batch_size=4)
+    chunks = {tuple(task.train.example(i)) for i in range(len(task.train))}
+    most = 0
+    for _ in range(10):
+        b = next(it)
+        for chunk in rows_of(b, "lm"):  # checks contiguity, positions, targets within segment
+            assert chunk in chunks
+        seg = b["segment_ids"]
+        starts = (seg > 0) & (np.diff(seg, prepend=0, axis=1) != 0)
+        assert np.all(b["positions"][starts] == 0)
+        for row in seg:  # ids 1..k in order, padding only at the end of the row
+            real = row[row > 0]
+            assert np.all(row[len(real):] == 0)
+            assert np.array_equal(np.unique(real), np.arange(1, real.max() + 1))
+            assert np.all(np.diff(real) >= 0)
+        most = max(most, seg.max())
+    assert most > 1  # some rows do hold several documents
+    stats = it.stats()
+    assert stats["padding_fraction"] < 0.1 < stats["pad_mode_padding_fraction"]
+
+
+def test_first_fit_matches_naive():
+    rng = random.Random(0)
+    for _ in range(20):
+        sizes = [rng.randint(1, 10) for _ in range(rng.randint(1, 60))]
+        bins, naive = [], []
+        for x in sizes:
+            j = next((j for j, free in enumerate(naive) if free >= x), len(naive))
+            if j == len(naive):
+                naive.append(10)
+            naive[j] -= x
+            bins.append(j)
+        assert batching.first_fit(sizes, 10).tolist() == bins
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_resume_gives_identical_batches(tasks, kind, mode, split):
+    task, cfg = tasks[kind]
+    cfg = dataclasses.replace(cfg, batching=mode)
+    it = data.make_iterator(task, cfg, split=split, batch_size=8)
+    k = 1 if split == "eval" else 30  # train crosses an epoch boundary (23 batches/epoch)
+    for _ in range(k):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = list(it) if split == "eval" else [next(it) for _ in range(30)]
+    restored = data.make_iterator(task, cfg, split=split, batch_size=8)
+    restored.set_state(state)
+    got = list(restored) if split == "eval" else [next(restored) for _ in range(30)]
+    assert len(got) == len(expected) > 0
+    for a, b in zip(expected, got):
+        assert all(np.array_equal(a[key], b[key]) for key in a)
+    other = data.make_iterator(task, dataclasses.replace(cfg, seed=1), split=split, batch_size=8)
+    with pytest.raises(ValueError, match="seed"):
+        other.set_state(state)
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_two_processes_concatenate_to_one(tasks, kind, mode, split):
+    task, cfg = tasks[kind]
+    cfg = dataclasses.replace(cfg, batching=mode)
+    whole = data.make_iterator(task, cfg, split=split, batch_size=8)
+    parts = [data.make_iterator(task, cfg, split=split, batch_size=8, process_index=p, process_count=2)
+             for p in range(2)]
+    steps = whole.num_batches if split == "eval" else 30  # train: past an epoch boundary
+    for _ in range(steps):
+        w, a, b = next(whole), next(parts[0]), next(parts[1])
+        for key in w:
+            assert np.array_equal(np.concatenate([a[key], b[key]]), w[key])
+    if split == "eval":
+        for it in [whole] + parts:
+            with pytest.raises(StopIteration):
+                next(it)
+    with pytest.raises(ValueError, match="divisible by process_count=3"):
+        data.make_iterator(task, cfg, split=split, batch_size=8, process_index=0, process_count=3)
+
+
+def test_iterator_rejects_mismatched_settings(tasks):
+    task, cfg = tasks["classify"]
+    with pytest.raises(ConfigError, match="data.batching"):
+        data.make_iterator(task, dataclasses.replace(cfg, batching="pack"), split="train", batch_size=4)
+    with pytest.raises(ValueError, match="make_task"):
+        data.make_iterator(task, dataclasses.replace(cfg, seq_len=64), split="train", batch_size=4)
+    with pytest.raises(ValueError, match="split"):
+        data.make_iterator(task, cfg, split="test", batch_size=4)
+
+
+def test_bucket_boundaries():
+    assert batching.default_boundaries(512) == [128, 256, 384, 512]
+    assert batching.default_boundaries(100) == [32, 56, 80, 100]
+    assert batching.bucket_boundaries(cfg_of(seq_len=64, bucket_boundaries=(16, 8))) == [8, 16, 64]
+
+
+def test_text_task_helpers():
+    assert text_tasks.word_tokens("The LORD's house,\nend") == [
+        "the", "lord", "'s", "house", ",", "<eos>", "end"]
+
+
+def test_listops_truncation_warns_and_tokenizer_rejects_unknown_tokens():
+    cfg = cfg_of(**{**TINY_LISTOPS, "seq_len": 32, "listops_max_length": 64})
+    with pytest.warns(UserWarning, match="data.seq_len=32"):
+        t = data.make_task(cfg)
+    assert t.train.lengths.max() == 32 and t.meta["truncated_examples"] > 0
+    assert t.encode("( [MAX 1 ( 2 ) ] )").tolist() == [12, 2, 3, 15]
+    with pytest.raises(ValueError, match="unknown ListOps token '\\[FIRST'"):
+        t.encode("[FIRST 1 2 ]")
