@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from typing import Any
 
@@ -142,7 +143,9 @@ class Trainer:
         bad_evals = loop.get("bad_evals", 0)
         writer = MetricWriter(self.workdir, resume_step=start if resumed else 0)
         show = t.progress and jax.process_index() == 0
-        bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True)
+        # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
+        bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
+                   mininterval=0.2 if sys.stderr.isatty() else 15.0)
         window: dict[str, Any] = {"sums": None, "tokens": 0, "t0": time.perf_counter(), "n": 0}
         timing = {"tokens": 0, "steps": 0, "t0": None}
         last_eval: dict = {}
