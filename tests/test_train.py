@@ -51,6 +51,8 @@ def test_tiny_run_learns_and_writes_everything(tmp_path):
         assert {"loss", "grad_norm", "lr", "steps_per_sec", "tokens_per_sec"} <= set(l)
     assert summary["param_count"] > 0 and summary["throughput"]["tokens_per_sec"] > 0
     assert summary["peak_memory"]["host_peak_rss_bytes"] > 0
+    data = summary["data"]  # packing: far less padding than padding each chunk would
+    assert data["batching"] == "pack" and data["padding_fraction"] < data["pad_mode_padding_fraction"]
     assert json.load(open(tmp_path / "summary.json"))["final_step"] == 40
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "40"]  # keep_checkpoints=2

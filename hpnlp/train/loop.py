@@ -254,6 +254,8 @@ class Trainer:
                 "tokens_per_sec": timing["tokens"] / elapsed if elapsed else None,
             },
             "peak_memory": _peak_memory(),
+            # Padding this run's batches carried, beside what plain padding would have cost.
+            "data": self.train_iter.stats(),
             "devices": jax.device_count(),
             "processes": jax.process_count(),
         }
