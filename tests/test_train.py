@@ -167,3 +167,18 @@ def test_early_stopping_on_patience(tmp_path):
               early_stopping_metric="accuracy")
     summary = run(cd, str(tmp_path))
     assert summary["stopped_early"] and summary["final_step"] < 200
+
+
+def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):
+    cd = tiny(steps=12)
+    cd.model.dtype = "bfloat16"
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    state, _ = tr.initial_state()
+    losses = []
+    with tr._context():
+        for _ in range(12):
+            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            losses.append(float(m["loss"]) / float(m["weight"]))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(state.opt_state) if hasattr(x, "dtype") and x.ndim} == {np.dtype("float32")}
