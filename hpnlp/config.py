@@ -251,6 +251,18 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if check is not None:
         check(dict(cfg.attention.options), seq_len=d.seq_len, causal=causal,
               field="attention.options")
+        if d.batching == "bucket":  # every bucket width is a sequence length the model sees
+            from hpnlp.data.batching import bucket_boundaries
+            for width in bucket_boundaries(d):
+                try:
+                    check(dict(cfg.attention.options), seq_len=width, causal=causal,
+                          field="attention.options")
+                except ConfigError as e:
+                    which = "data.bucket_boundaries" if d.bucket_boundaries else \
+                        "the default data.bucket_boundaries"
+                    raise ConfigError(
+                        f"{e} -- here the length is bucket width {width} from {which}; set "
+                        "data.bucket_boundaries to multiples of the block sizes") from None
 
     if cfg.output.name not in softmax.names():
         _fail("output.name", cfg.output.name, f"choose one of {softmax.names()}")
@@ -264,8 +276,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _check_positive(f"train.{name}", getattr(t, name), allow_zero=True)
     _check_positive("train.lr", t.lr)
     _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
-    if t.warmup_steps > t.steps:
-        _fail("train.warmup_steps", t.warmup_steps, f"must be <= train.steps={t.steps}")
+    if t.warmup_steps > t.steps or (t.schedule != "constant" and t.warmup_steps >= t.steps):
+        _fail("train.warmup_steps", t.warmup_steps,
+              f"must be < train.steps={t.steps} (the {t.schedule!r} decay needs steps after warmup)")
+    metrics = ("loss", "accuracy", "ppl") if m.kind == "lm" else ("loss", "accuracy")
+    _check_choice("train.early_stopping_metric", t.early_stopping_metric, metrics)
 
     # Data.
     from hpnlp import data as data_lib
@@ -297,6 +312,9 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.vocab_size and m.vocab_size < info["vocab_size"]:
         _fail("model.vocab_size", m.vocab_size,
               f"data.task={d.task!r} has {info['vocab_size']} token ids; use 0 to take it from the task")
+    if m.num_classes and m.num_classes < info.get("num_classes", 0):
+        _fail("model.num_classes", m.num_classes,
+              f"data.task={d.task!r} has {info['num_classes']} classes; use 0 to take it from the task")
     model = dataclasses.replace(
         m, vocab_size=m.vocab_size or info["vocab_size"],
         num_classes=m.num_classes or info.get("num_classes", 0))
@@ -316,8 +334,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("mesh", dataclasses.asdict(mesh),
               f"the axis sizes must multiply to the device count {n} "
               f"(got {sizes}); set one axis to -1 to fill the rest")
-    if m.num_heads % sizes["tensor"]:
-        _fail("mesh.tensor", sizes["tensor"], f"must divide model.num_heads={m.num_heads}")
+    # Every dimension a mesh axis shards (hpnlp.parallel.DEFAULT_RULES) must split evenly.
+    for axis, dims in (("tensor", {"model.num_heads": m.num_heads, "model.mlp_dim": m.mlp_dim,
+                                   "model.vocab_size": model.vocab_size}),
+                       ("fsdp", {"model.width": m.width})):
+        for name, dim in dims.items():
+            if dim % sizes[axis]:
+                _fail(f"mesh.{axis}", sizes[axis], f"must divide {name}={dim} (it shards that dimension)")
     shards = sizes["data"] * sizes["fsdp"]
     per_step = t.grad_accum * math.lcm(shards, num_processes)
     if t.batch_size % per_step:

@@ -4,6 +4,10 @@
     python -m hpnlp.main --config experiments/lra.py:listops --workdir /tmp/hpnlp/listops \\
         --config.train.steps=200 --config.train.batch_size=16
 
+Per-variant options that the config file does not list can still be set from the command
+line: `--config.attention.options.block_q=64` (values parsed as Python literals; unknown
+keys are rejected by name when the config is validated).
+
 Reusing a workdir resumes from its newest checkpoint. Multi-host: add
 `--coordinator HOST:PORT --num_processes N --process_id I` (or set HPNLP_COORDINATOR,
 HPNLP_NUM_PROCESSES, HPNLP_PROCESS_ID).
@@ -11,8 +15,10 @@ HPNLP_NUM_PROCESSES, HPNLP_PROCESS_ID).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -35,6 +41,30 @@ flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps 
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+_OPTION = re.compile(r"^--config\.(attention|output)\.options\.([A-Za-z_]\w*)=(.*)$")
+_option_overrides: list[tuple[str, str, object]] = []
+
+
+def _take_option_overrides(argv: list[str]) -> list[str]:
+    """Pull `--config.{attention,output}.options.KEY=VALUE` out of argv.
+
+    ml_collections cannot add a key to a ConfigDict from the command line, and the option
+    keys depend on the chosen variant, so they are applied after the config file loads.
+    """
+    rest = []
+    for arg in argv:
+        m = _OPTION.match(arg)
+        if not m:
+            rest.append(arg)
+            continue
+        try:
+            value = ast.literal_eval(m.group(3))
+        except (ValueError, SyntaxError):
+            value = m.group(3)
+        _option_overrides.append((m.group(1), m.group(2), value))
+    return rest
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -49,9 +79,14 @@ def main(argv) -> None:
     from hpnlp.train import NonFiniteLoss, run
     from hpnlp.train.checkpoint import CheckpointMismatch
 
+    cfg = FLAGS.config
+    for group, key, value in _option_overrides:
+        with cfg.unlocked():
+            getattr(cfg, group).options[key] = value
     try:
-        summary = run(FLAGS.config, FLAGS.workdir, profile_dir=FLAGS.profile)
-    except (ConfigError, CheckpointMismatch, NonFiniteLoss) as e:
+        summary = run(cfg, FLAGS.workdir, profile_dir=FLAGS.profile)
+    except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
+        # Config, data-file and checkpoint problems: one line saying what and how to fix.
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
     if jax.process_index() == 0:
@@ -59,4 +94,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = _take_option_overrides(sys.argv)  # config_flags reads sys.argv itself
     app.run(main)

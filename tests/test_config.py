@@ -58,8 +58,15 @@ def test_task_fields_are_filled_in():
     ({"data": {"seq_len": 128}}, "data.seq_len", "model.max_len=64"),
     ({"train": {"batch_size": 6, "grad_accum": 4}}, "train.batch_size", "multiple of"),
     ({"train": {"batch_size": 0}}, "train.batch_size", "> 0"),
-    ({"train": {"warmup_steps": 5000, "steps": 10}}, "train.warmup_steps", "<= train.steps"),
+    ({"train": {"warmup_steps": 5000, "steps": 10}}, "train.warmup_steps", "< train.steps"),
     ({"mesh": {"data": 3}}, "mesh", "multiply to the device count 1"),
+    ({"train": {"early_stopping_metric": "acc"}}, "train.early_stopping_metric", "accuracy"),
+    ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "decay needs steps"),
+    ({"model": {"num_classes": 2, "kind": "classifier"}, "data": {"task": "listops"}},
+     "model.num_classes", "has 10 classes"),
+    ({"attention": {"name": "chunked", "options": {"block_q": 64, "block_k": 64}},
+      "data": {"batching": "bucket", "seq_len": 64, "bucket_boundaries": (32, 64)}},
+     "attention.options.block_q", "bucket width 32"),
     ({"mesh": {"data": -1, "fsdp": -1}}, "mesh", "at most one axis"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
@@ -83,6 +90,9 @@ def test_mesh_and_batch_against_devices_and_processes():
         validate(base(mesh={"data": 4}), num_devices=8)
     ok = validate(base(mesh={"data": -1, "tensor": 2}, model={"num_heads": 4}), num_devices=8)
     assert ok.mesh.axis_sizes(8) == {"data": 4, "fsdp": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match=r"`mesh.tensor` = 3 .*model.num_heads=3|model.mlp_dim"):
+        validate(base(mesh={"data": 1, "tensor": 3}, model={"num_heads": 3, "width": 48}),
+                 num_devices=3)
     with pytest.raises(ConfigError, match="train.batch_size.*lcm"):
         validate(base(train={"batch_size": 12}), num_devices=8)
     with pytest.raises(ConfigError, match="2 processes"):

@@ -111,19 +111,27 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     assert kill_lines == ref_lines
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-    cd = tiny(steps=40, lr=1e30, warmup_steps=0, schedule="constant", clip_norm=0.0,
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # lr=1e39 in f32
+@pytest.mark.parametrize("lr", [1e30, 1e39])
+def test_non_finite_training_stops_and_no_checkpoint_holds_it(tmp_path, lr):
+    """lr=1e30 blows up the loss a few steps in; lr=1e39 makes the very first update
+    infinite while that step's loss is still finite. Neither may reach a checkpoint."""
+    cd = tiny(steps=40, lr=lr, warmup_steps=0, schedule="constant", clip_norm=0.0,
               checkpoint_every=1)
-    with pytest.raises(NonFiniteLoss, match=r"at step (\d+).*last good checkpoint is step") as e:
+    with pytest.raises(NonFiniteLoss, match=r"non-finite at step (\d+) \(") as e:
         run(cd, str(tmp_path))
-    bad_step = int(e.value.args[0].split("at step ")[1].split(";")[0])
+    bad_step = int(e.value.args[0].split("at step ")[1].split(" ")[0])
     kept = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
-    assert kept and max(kept) < bad_step
-    trainer = Trainer(from_configdict(tiny(steps=40, lr=1e30, warmup_steps=0, schedule="constant",
-                                           clip_norm=0.0, checkpoint_every=1)), str(tmp_path))
-    state, _ = trainer.initial_state()
-    assert int(state.step) == max(kept)
-    chex.assert_tree_all_finite(state.params)
+    assert all(k < bad_step for k in kept)
+    if lr == 1e30:
+        assert kept and "last good checkpoint is step" in str(e.value)
+        trainer = Trainer(from_configdict(cd), str(tmp_path))
+        state, _ = trainer.initial_state()
+        assert int(state.step) == max(kept)
+        chex.assert_tree_all_finite(state.params)
+        chex.assert_tree_all_finite(state.opt_state)
+    else:
+        assert not kept and "no checkpoint was saved yet" in str(e.value)
 
 
 def test_workdir_of_another_model_is_refused(tmp_path):
@@ -167,6 +175,9 @@ def test_early_stopping_on_patience(tmp_path):
               early_stopping_metric="accuracy")
     summary = run(cd, str(tmp_path))
     assert summary["stopped_early"] and summary["final_step"] < 200
+    again = run(cd, str(tmp_path))  # a rerun stays stopped
+    assert again["stopped_early"] and again["final_step"] == summary["final_step"]
+    assert again["eval"] == summary["eval"]
 
 
 def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):
@@ -182,3 +193,25 @@ def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(state.opt_state) if hasattr(x, "dtype") and x.ndim} == {np.dtype("float32")}
+
+
+def test_optimizer_state_is_sharded_like_params(tmp_path):
+    """FSDP over 2 simulated devices: Adam moments follow the params' shardings."""
+    code = """
+import jax, tempfile
+from hpnlp.config import default_configdict, from_configdict
+from hpnlp.train import Trainer
+cd = default_configdict(); cd.data.task = "byte_lm"; cd.data.seq_len = 32; cd.data.batching = "pack"
+cd.model.update(kind="lm", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32)
+cd.train.update(steps=3, batch_size=4, warmup_steps=1, progress=False)
+cd.mesh.data = 1; cd.mesh.fsdp = 2
+state, _ = Trainer(from_configdict(cd), tempfile.mkdtemp()).initial_state()
+p = state.params["trunk"]["block_0"]["attention"]["qkv"]
+mu = state.opt_state[1][0].mu["trunk"]["block_0"]["attention"]["qkv"]
+assert p.sharding.spec[0] == "fsdp" and mu.sharding.spec == p.sharding.spec, (p.sharding, mu.sharding)
+print("OK")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]

@@ -162,7 +162,8 @@ class BatchIterator:
     def _plan_bucket(self, epoch, order):
         """Group by bucket; a bucket's leftover (< B examples) moves up to the next bucket,
         where it still fits. Train completes the last leftover by repeating examples of the
-        epoch and shuffles batch order; eval fills it with empty rows and keeps order."""
+        epoch and shuffles batch order; eval fills it with empty rows and shuffles batch
+        order with a fixed seed."""
         B, bounds = self.batch_size, self._bounds
         bucket = np.searchsorted(bounds, self._need[order], side="left")
         batches, widths, carry = [], [], np.zeros(0, np.int64)
@@ -177,9 +178,10 @@ class BatchIterator:
                     else np.full(B - len(carry), -1))
             batches.append(np.concatenate([carry, fill]))
             widths.append(bounds[-1])
-        idx = np.arange(len(batches))
-        if self.split == "train":
-            idx = np.random.default_rng([self.seed % 2**32, epoch, 1]).permutation(len(batches))
+        # Shuffle batch order; eval with a fixed seed, so an `eval_batches` prefix mixes
+        # all bucket widths instead of measuring only the shortest examples.
+        key = [self.seed % 2**32, epoch, 1] if self.split == "train" else [20260101, 1]
+        idx = np.random.default_rng(key).permutation(len(batches))
         ids = np.stack(batches)[idx].ravel()
         real = ids >= 0
         row_ptr = np.concatenate([[0], np.cumsum(real)])

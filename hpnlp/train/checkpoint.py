@@ -38,6 +38,7 @@ def _shape_signature(cfg) -> dict:
         for f in fields:
             v = getattr(sub, f)
             sig[f"{group}.{f}"] = dict(v) if f == "options" else v
+    sig["train.clip_norm > 0"] = cfg.train.clip_norm > 0  # changes the optimizer-state tree
     return json.loads(json.dumps(sig, default=str))
 
 

@@ -51,10 +51,6 @@ def dummy_batch(kind: str, batch: int, length: int) -> dict:
     return {"inputs1": z, "segment_ids1": one, "inputs2": z, "segment_ids2": one, **rows}
 
 
-def real_tokens(batch: dict) -> int:
-    return int(sum(np.count_nonzero(v) for k, v in batch.items() if k.startswith("segment_ids")))
-
-
 def _global(batch: dict, sharding) -> dict:
     """This process's rows -> one global array per key, sharded over the batch axes."""
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
@@ -141,66 +137,79 @@ class Trainer:
         resumed = start > 0
         best = loop.get("best")
         bad_evals = loop.get("bad_evals", 0)
-        writer = MetricWriter(self.workdir, resume_step=start if resumed else 0)
+        writer = MetricWriter(self.workdir, resume_step=start if resumed else None)
         show = t.progress and jax.process_index() == 0
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
                    mininterval=0.2 if sys.stderr.isatty() else 15.0)
-        window: dict[str, Any] = {"sums": None, "tokens": 0, "t0": time.perf_counter(), "n": 0}
-        timing = {"tokens": 0, "steps": 0, "t0": None}
-        last_eval: dict = {}
-        stopped_early = False
+        # The partial log window is part of the checkpoint, so a resumed run logs the same
+        # averages as an uninterrupted one.
+        saved = loop.get("window") or {}
+        window: dict[str, Any] = {"sums": saved.get("sums"), "n": saved.get("n", 0),
+                                  "t0": time.perf_counter()}
+        timing = {"tokens": 0.0, "steps": 0, "t0": None}
+        last_eval: dict = loop.get("last_eval") or {}
+        stopped_early = bool(loop.get("stopped_early", False))
         maximize = t.early_stopping_metric in _MAXIMIZE
 
-        def consume(step: int, metrics, tokens: int) -> None:
+        def consume(step: int, metrics) -> None:
             """Read one step's metrics on the host: check, accumulate, log."""
             m = jax.device_get(metrics)
-            if not math.isfinite(float(m["loss"])):
+            if not (math.isfinite(float(m["loss"])) and float(m["finite"]) == 1.0):
                 good = self.checkpointer.latest_step()
                 self.checkpointer.wait()
                 writer.close()
                 bar.close()
                 where = (f"the last good checkpoint is step {good} in {self.checkpointer.directory}"
                          f" (left intact)" if good is not None else "no checkpoint was saved yet")
+                what = (f"loss = {float(m['loss'])}, gradients and updated params "
+                        f"{'all finite' if float(m['finite']) == 1.0 else 'not all finite'}")
                 raise NonFiniteLoss(
-                    f"training loss became {float(m['loss'])} at step {step}; {where}. "
+                    f"training became non-finite at step {step} ({what}); {where}. "
                     "Lower train.lr, raise train.warmup_steps, keep train.clip_norm > 0, "
                     "or check the data.")
             window["sums"] = m if window["sums"] is None else jax.tree.map(np.add, window["sums"], m)
-            window["tokens"] += tokens
             window["n"] += 1
+            if timing["t0"] is not None and step > start + 1:
+                timing["tokens"] += float(m["tokens"])
             if step % t.log_every == 0 or step == t.steps:
                 now = time.perf_counter()
                 dt = max(now - window["t0"], 1e-9)
                 s = window["sums"]
-                line = finalize({**s, "grad_norm": s["grad_norm"] / window["n"], "lr": m["lr"]},
-                                lm=self.lm)
-                line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=window["tokens"] / dt)
+                line = finalize({**s, "grad_norm": s["grad_norm"] / window["n"],
+                                 "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm)
+                line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
                 writer.write(step, line)
                 bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
                                 tok_s=f"{line['tokens_per_sec']:.0f}")
-                window.update(sums=None, tokens=0, t0=now, n=0)
+                window.update(sums=None, t0=now, n=0)
+
+        def paused(seconds: float) -> None:
+            """Eval and checkpoint time is not training time: keep it out of the rates."""
+            window["t0"] += seconds
+            if timing["t0"] is not None:
+                timing["t0"] += seconds
 
         pending = None
         step = start
         profiling = False
         with self._context():
             for step in range(start + 1, t.steps + 1):
+                if stopped_early:  # a rerun of a run that already stopped early
+                    break
                 batch = next(self.train_iter)
-                tokens = real_tokens(batch)
                 if profile_dir and step == start + 3:
                     jax.profiler.start_trace(profile_dir)
                     profiling = True
                 state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
                 if pending is not None:
                     consume(*pending)
-                pending = (step, metrics, tokens)
+                pending = (step, metrics)
                 if timing["t0"] is None:  # exclude the first (compiling) step from throughput
                     jax.block_until_ready(metrics)
                     timing["t0"] = time.perf_counter()
                 else:
                     timing["steps"] += 1
-                    timing["tokens"] += tokens
                 bar.update(1)
                 if profiling and step == start + 8:
                     jax.block_until_ready(metrics)
@@ -212,6 +221,7 @@ class Trainer:
                     continue
                 consume(*pending)
                 pending = None
+                t_pause = time.perf_counter()
                 if do_eval:
                     last_eval = self.evaluate(state.params)
                     writer.write(step, last_eval, eval=True)
@@ -225,8 +235,12 @@ class Trainer:
                         stopped_early = True
                         do_ckpt = True
                 if do_ckpt:
-                    self.checkpointer.save(step, state, self.train_iter.get_state(),
-                                           {"best": best, "bad_evals": bad_evals})
+                    win = None if window["sums"] is None else {
+                        "sums": {k: float(v) for k, v in window["sums"].items()}, "n": window["n"]}
+                    self.checkpointer.save(step, state, self.train_iter.get_state(), {
+                        "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
+                        "last_eval": last_eval, "window": win})
+                paused(time.perf_counter() - t_pause)
                 if stopped_early:
                     break
             if pending is not None:
@@ -259,8 +273,12 @@ class Trainer:
             "devices": jax.device_count(),
             "processes": jax.process_count(),
         }
+        path = os.path.join(self.workdir, "summary.json")
+        if timing["steps"] == 0 and os.path.exists(path):  # nothing trained now: keep old rates
+            with open(path) as f:
+                summary["throughput"] = json.load(f).get("throughput", summary["throughput"])
         if jax.process_index() == 0:
-            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+            with open(path, "w") as f:
                 json.dump(summary, f, indent=1)
         return summary
 

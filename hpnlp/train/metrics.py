@@ -22,7 +22,9 @@ class MetricWriter:
         self._truncate_after(resume_step)
         self.file = open(self.path, "a")
         from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        # On resume, purge events logged after the checkpoint (the steps are redone).
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                purge_step=None if resume_step is None else resume_step + 1)
 
     def _truncate_after(self, step: int | None) -> None:
         """On resume drop lines logged after the restored checkpoint (they are redone)."""

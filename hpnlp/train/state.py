@@ -60,6 +60,8 @@ def init_state(model, tx, rng: jax.Array, batch) -> TrainState:
     params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
     params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
     import flax.linen as nn
-    opt_state = tx.init(nn.unbox(params))
+    # From the boxed params: Adam moments inherit the logical axis names, so FSDP / tensor
+    # rules shard them like the parameters instead of replicating them.
+    opt_state = tx.init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                       rng=jax.random.key_data(run_rng))

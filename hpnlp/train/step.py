@@ -54,7 +54,16 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(sums, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
+        # `finite` checks the gradients and the *updated* params element by element (a norm
+        # can overflow while every value is finite): the loop refuses to checkpoint a state
+        # whose update blew up even when this step's loss was still finite.
+        all_finite = lambda tree: jnp.all(jnp.asarray(
+            [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+        tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
+                     if k.startswith("segment_ids"))
+        metrics = dict(sums, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
+                       finite=(all_finite(grads) & all_finite(params)).astype(jnp.float32),
+                       tokens=tokens, lr=schedule(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -75,7 +84,7 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     if lm:
         import math
         out["ppl"] = math.exp(min(out["loss"], 50.0))
-    for k in ("grad_norm", "lr"):
+    for k in ("grad_norm", "param_norm", "lr"):
         if k in sums:
             out[k] = float(sums[k])
     return out
