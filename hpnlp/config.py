@@ -39,7 +39,8 @@ def _check_positive(field: str, value: Any, *, allow_zero: bool = False) -> None
         _fail(field, value, "must be a number " + (">= 0" if allow_zero else "> 0"))
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float16 needs dynamic loss scaling, which hpnlp does not have yet; bfloat16 does not.
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,9 @@ class TrainConfig:
     early_stopping_patience: int = 0  # evals without improvement before stopping; 0: off
     early_stopping_metric: str = "loss"  # an eval metric name
     progress: bool = True  # tqdm bar
+    # Random-feature attention (Performer) draws its features from the `features` RNG
+    # stream, redrawn every this many steps (eval uses the current draw); 0 = never.
+    feature_redraw_every: int = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +276,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
         _check_positive(f"train.{name}", getattr(t, name))
     for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every",
-                 "clip_norm", "weight_decay", "early_stopping_patience"):
+                 "clip_norm", "weight_decay", "early_stopping_patience", "feature_redraw_every"):
         _check_positive(f"train.{name}", getattr(t, name), allow_zero=True)
     _check_positive("train.lr", t.lr)
     _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))

@@ -61,12 +61,14 @@ class Checkpointer:
                 raise CheckpointMismatch(
                     f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a different "
                     f"model ({lines}). Use a new --workdir, or delete that one to start over.")
-        if jax.process_index() == 0:
+        if jax.process_index() == 0:  # atomically: other processes may be reading it
             os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
-            with open(self.config_path, "w") as f:
+            tmp = self.config_path + ".tmp"
+            with open(tmp, "w") as f:
                 json.dump({"shape_signature": sig,
                            "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))},
                           f, indent=1)
+            os.replace(tmp, self.config_path)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -95,8 +95,8 @@ class Trainer:
                 make_train_step(model, tx, cfg.train),
                 in_shardings=(self.state_sharding, self.batch_sharding),
                 out_shardings=(self.state_sharding, None), donate_argnums=0)
-            self.eval_step = jax.jit(make_eval_step(self.eval_model),
-                                     in_shardings=(self.state_sharding.params, self.batch_sharding))
+            self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train),
+                                     in_shardings=(self.state_sharding, self.batch_sharding))
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints)
 
     def _context(self):
@@ -116,7 +116,7 @@ class Trainer:
         self.train_iter.set_state(data_state)
         return state, loop_state
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, state) -> dict:
         cfg = self.cfg
         it = data_lib.make_iterator(self.task, cfg.data, split="eval",
                                     batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
@@ -126,7 +126,7 @@ class Trainer:
             for i, batch in enumerate(it):
                 if cfg.train.eval_batches and i >= cfg.train.eval_batches:
                     break
-                sums = self.eval_step(params, _global(batch, self.batch_sharding))
+                sums = self.eval_step(state, _global(batch, self.batch_sharding))
                 total = sums if total is None else jax.tree.map(np.add, total, sums)
         return finalize(jax.device_get(total), lm=self.lm)
 
@@ -223,7 +223,7 @@ class Trainer:
                 pending = None
                 t_pause = time.perf_counter()
                 if do_eval:
-                    last_eval = self.evaluate(state.params)
+                    last_eval = self.evaluate(state)
                     writer.write(step, last_eval, eval=True)
                     score = last_eval.get(t.early_stopping_metric)
                     if score is not None:
@@ -253,7 +253,7 @@ class Trainer:
         self.checkpointer.close()
         writer.close()
         if not last_eval:  # resumed at the end: evaluate what was restored
-            last_eval = self.evaluate(state.params)
+            last_eval = self.evaluate(state)
         summary = {
             "name": cfg.name,
             "task": self.task.name,

@@ -27,6 +27,12 @@ class TrainState:
     def step_key(self) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
+    def features_key(self, redraw_every: int) -> jax.Array:
+        """Key of the `features` stream: constant between redraws, shared by train and eval."""
+        draw = self.step // redraw_every if redraw_every else jnp.zeros((), jnp.int32)
+        base = jax.random.fold_in(jax.random.wrap_key_data(self.rng), 2**31 - 1)  # not a step key
+        return jax.random.fold_in(base, draw)
+
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
     """Linear warmup from 0 to `lr`, then cosine / linear decay to `lr * end_lr_frac`."""

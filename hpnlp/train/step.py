@@ -27,26 +27,27 @@ def _split_microbatches(batch, n: int):
 def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
     schedule = learning_rate_schedule(t)
 
-    def sum_loss(params, batch, rng):
-        sums = model.apply({"params": params}, batch, rngs={"dropout": rng})
+    def sum_loss(params, batch, rng, features):
+        sums = model.apply({"params": params}, batch, rngs={"dropout": rng, "features": features})
         return sums["loss"], sums
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
 
     def train_step(state: TrainState, batch):
         rng = state.step_key()
+        features = state.features_key(t.feature_redraw_every)
         if t.grad_accum == 1:
-            (_, sums), grads = grad_fn(state.params, batch, rng)
+            (_, sums), grads = grad_fn(state.params, batch, rng, features)
         else:
             micro = _split_microbatches(batch, t.grad_accum)
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             (_, sums0), _ = jax.eval_shape(grad_fn, state.params,
-                                           jax.tree.map(lambda x: x[0], micro), rng)
+                                           jax.tree.map(lambda x: x[0], micro), rng, features)
             init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums0))
 
             def body(carry, xs):
                 i, mb = xs
-                (_, s), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+                (_, s), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), features)
                 return jax.tree.map(jnp.add, carry, (g, s)), None
 
             (grads, sums), _ = jax.lax.scan(body, init, (jnp.arange(t.grad_accum), micro))
@@ -69,9 +70,11 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
     return train_step
 
 
-def make_eval_step(model):
-    def eval_step(params, batch):
-        return model.apply({"params": params}, batch, method="evaluate")
+def make_eval_step(model, t: TrainConfig):
+    """eval_step(state, batch) -> sums, with the `features` draw current at state.step."""
+    def eval_step(state: TrainState, batch):
+        return model.apply({"params": state.params}, batch, method="evaluate",
+                           rngs={"features": state.features_key(t.feature_redraw_every)})
     return eval_step
 
 
