@@ -1,0 +1,40 @@
+"""`python -m hpnlp.bench ENTRY --out DIR [--quick] [--profile DIR]`.
+
+Each entry writes DIR/results.json, DIR/results.md and PNG plots. `--quick` runs a small
+version in a few minutes; `--profile DIR` also writes a jax.profiler trace of the run
+(open with TensorBoard's profile plugin or https://ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from hpnlp.bench import attention
+
+ENTRIES = {"attention": attention}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m hpnlp.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="entry", required=True)
+    for name, mod in ENTRIES.items():
+        sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        sp.add_argument("--out", required=True, help="output folder")
+        sp.add_argument("--quick", action="store_true", help="small sizes; a few minutes")
+        sp.add_argument("--profile", default=None, help="write a jax.profiler trace here")
+        mod.add_arguments(sp)
+    args = p.parse_args(argv)
+    ctx = contextlib.nullcontext()
+    if args.profile:
+        import jax
+        ctx = jax.profiler.trace(args.profile)
+    with ctx:
+        ENTRIES[args.entry].main(args)
+    print(f"wrote {args.out}/results.json, results.md and plots", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

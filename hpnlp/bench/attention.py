@@ -1,0 +1,268 @@
+"""`python -m hpnlp.bench attention`: every registered attention variant beside its peers.
+
+Forward and forward+backward time (median, min, max) and memory (compiled executable and
+peak RSS of a fresh process per configuration) at B=1, H=8, D=64 for L = 1K..16K (to 64K
+for the variants whose memory is linear in L), beside `jax.nn.dot_product_attention`,
+`flax.linen.dot_product_attention` (the core of `MultiHeadDotProductAttention`) and, when
+installed, PyTorch's CPU `scaled_dot_product_attention`, all in one run. Exact variants
+report achieved GFLOP/s and the fraction of this machine's measured matmul rate.
+
+FLOP convention: forward = 4·B·H·L²·D (QKᵀ and PV; halved when causal), backward = 2x
+forward, so forward+backward = 3x forward. Approximations are reported by time only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp import attention as attention_lib
+from hpnlp.bench import harness, report
+
+PEERS = ("jax.nn.dot_product_attention", "flax.linen.dot_product_attention",
+         "torch.scaled_dot_product_attention")
+# O(L^2) memory: never run past 16K. Everything else is measured to 64K in a full run.
+QUADRATIC = {"dense", "xla", "synthesizer", *PEERS}
+EXACT = {"dense", "xla", "chunked", *PEERS}
+REFERENCE = "jax.nn.dot_product_attention"
+
+
+def _inputs(L: int, *, B: int, H: int, D: int, seed: int = 0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    # Unit-variance logits, like trained attention: q, k scaled by D^-1/4 each.
+    return tuple(jax.random.normal(k, (B, L, H, D), jnp.float32) * (D ** -0.25) for k in ks)
+
+
+def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
+    """(forward fn of q, k, v) for a registry variant or a JAX/Flax peer."""
+    if impl == "jax.nn.dot_product_attention":
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    if impl == "flax.linen.dot_product_attention":
+        import flax.linen as nn
+        if causal:
+            mask = nn.make_causal_mask(jnp.ones((B, L)))
+            return lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask)
+        return lambda q, k, v: nn.dot_product_attention(q, k, v)
+    module = attention_lib.get(impl)()
+    q, k, v = _inputs(min(L, 64), B=B, H=H, D=D)
+    key = jax.random.key(0)
+    params = module.init({"params": key, "features": key}, *_inputs(L, B=B, H=H, D=D), None,
+                         causal=causal, deterministic=True)
+    return lambda q, k, v: module.apply(params, q, k, v, None, causal=causal, deterministic=True,
+                                        rngs={"features": key})
+
+
+def _flops(L: int, causal: bool, *, B, H, D) -> float:
+    f = 4.0 * B * H * L * L * D
+    return f / 2 if causal else f
+
+
+def measure(spec: dict) -> dict:
+    """One (implementation, length, mode) configuration; runs in the calling process."""
+    impl, L, mode, causal = spec["impl"], spec["L"], spec["mode"], spec["causal"]
+    B, H, D, repeats = spec["B"], spec["H"], spec["D"], spec["repeats"]
+    out = {"impl": impl, "L": L, "mode": mode, "causal": causal, "status": "ok"}
+    if impl.startswith("torch."):
+        torch = harness.torch_or_none()
+        if torch is None:
+            return {**out, "status": "skipped: torch not installed (pip install -e '.[bench]')"}
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, generator=g) * D ** -0.25 for _ in range(3))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if mode == "fwd":
+            def run():
+                with torch.no_grad():
+                    sdpa(q, k, v, is_causal=causal)
+        else:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+            def run():
+                sdpa(q, k, v, is_causal=causal).sum().backward()
+        t = harness.time_python(run, repeats=repeats, warmup=1, min_time_s=0.3)
+        out["time"] = t.as_dict()
+    else:
+        fwd = _jax_fn(impl, L, causal, B=B, H=H, D=D)
+        fn = fwd if mode == "fwd" else jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
+        args = _inputs(L, B=B, H=H, D=D)
+        out["compiled_memory"] = harness.compiled_memory(fn, *args)
+        out["time"] = harness.time_jax(fn, *args, repeats=repeats, warmup=1, min_time_s=0.3).as_dict()
+    if impl in EXACT:
+        flops = _flops(L, causal, B=B, H=H, D=D) * (1 if mode == "fwd" else 3)
+        out["gflops"] = flops / out["time"]["median_s"] / 1e9
+    out["peak_rss_bytes"] = harness.peak_rss_bytes()
+    return out
+
+
+def _estimated_bytes(impl: str, L: int, mode: str, *, B, H) -> float:
+    """Rough peak for the O(L^2) ones (score matrices), to skip what cannot fit."""
+    if impl not in QUADRATIC:
+        return 0.0
+    return B * H * L * L * 4.0 * (2 if mode == "fwd" else 5)
+
+
+def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
+        variants: list[str] | None = None, lengths: list[int] | None = None) -> dict:
+    B, H, D = (1, 4, 32) if quick else (1, 8, 64)
+    lengths = lengths or ([256, 512, 1024] if quick else
+                          [1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    repeats = 3 if quick else 5
+    isolate = (not quick) if isolate is None else isolate
+    names = variants or attention_lib.names()
+    unknown = [v for v in names if v not in attention_lib.names()]
+    if unknown:
+        raise SystemExit(f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
+    impls = list(PEERS) + [n for n in names if n not in ("xla",)]  # xla == the jax peer
+    if causal:
+        impls = [i for i in impls if i in PEERS or attention_lib.get(i).supports_causal]
+    os.makedirs(out_dir, exist_ok=True)
+    total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info = harness.machine_info()
+    rates = {"float32": harness.matmul_rate(jnp.float32),
+             "bfloat16": harness.matmul_rate(jnp.bfloat16)}
+    configs = []
+    for L in lengths:
+        for impl in impls:
+            if impl in QUADRATIC and L > 16384:
+                continue
+            for mode in ("fwd", "fwd_bwd"):
+                configs.append(dict(impl=impl, L=L, mode=mode, causal=causal, B=B, H=H, D=D,
+                                    repeats=repeats))
+    results = []
+    for spec in tqdm(configs, desc="attention bench", dynamic_ncols=True):
+        need = _estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H)
+        if need > 0.5 * total_mem:
+            results.append({**{k: spec[k] for k in ("impl", "L", "mode", "causal")},
+                            "status": f"skipped: needs ~{need / 2**30:.0f} GiB (machine has "
+                                      f"{total_mem / 2**30:.0f})"})
+            continue
+        if isolate:
+            res = harness.isolated("hpnlp.bench.attention", spec)
+            res = {**{k: spec[k] for k in ("impl", "L", "mode", "causal")}, **res}
+        else:
+            try:
+                res = measure(spec)
+                res.pop("peak_rss_bytes", None)  # shared process: not per configuration
+            except Exception as e:  # report, never crash the whole run
+                res = {**{k: spec[k] for k in ("impl", "L", "mode", "causal")},
+                       "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+        results.append(res)
+    payload = {"benchmark": "attention", "machine": info, "matmul_gflops": rates,
+               "shape": {"B": B, "H": H, "D": D, "causal": causal}, "isolated": isolate,
+               "results": results}
+    payload["summary"] = _summarize(payload, out_dir)
+    report.write(out_dir, "attention", payload, _markdown(payload))
+    return payload
+
+
+def _get(results, impl, L, mode):
+    for r in results:
+        if r["impl"] == impl and r["L"] == L and r["mode"] == mode and r.get("status") == "ok":
+            return r
+    return None
+
+
+def _summarize(payload: dict, out_dir: str) -> dict:
+    res = payload["results"]
+    impls = sorted({r["impl"] for r in res})
+    lengths = sorted({r["L"] for r in res})
+    summary = {"exponents": {}, "crossover_L": {}, "speedup_vs_reference": {}}
+    for mode in ("fwd", "fwd_bwd"):
+        series = {}
+        for impl in impls:
+            pts = [(L, (_get(res, impl, L, mode) or {}).get("time", {}).get("median_s")) for L in lengths]
+            series[impl] = ([p[0] for p in pts], [p[1] for p in pts])
+        shape = payload["shape"]
+        peak = payload["matmul_gflops"]["float32"] * 1e9
+        ceil_x = lengths
+        ceil_y = [_flops(L, shape["causal"], B=shape["B"], H=shape["H"], D=shape["D"]) *
+                  (1 if mode == "fwd" else 3) / peak for L in lengths]
+        exps = report.scaling_plot(
+            os.path.join(out_dir, f"attention_time_{mode}.png"), series, xlabel="sequence length L",
+            ylabel="seconds (median)", title=f"attention {mode.replace('_', '+')} time, B={shape['B']} "
+            f"H={shape['H']} D={shape['D']}", ceiling=(ceil_x, ceil_y),
+            ceiling_label="exact attention FLOPs at this machine's matmul rate")
+        summary["exponents"][mode] = exps
+        for impl in impls:
+            cross, speed = None, {}
+            for L in lengths:
+                a, r = _get(res, impl, L, mode), _get(res, REFERENCE, L, mode)
+                if a and r:
+                    s = r["time"]["median_s"] / a["time"]["median_s"]
+                    speed[L] = s
+                    if cross is None and s > 1.0 and impl != REFERENCE:
+                        cross = L
+            summary["crossover_L"].setdefault(mode, {})[impl] = cross
+            summary["speedup_vs_reference"].setdefault(mode, {})[impl] = speed
+    mem_series = {}
+    for impl in impls:
+        pts = [(L, (_get(res, impl, L, "fwd_bwd") or {}).get("compiled_memory", {}).get("total_bytes"))
+               for L in lengths]
+        mem_series[impl] = ([p[0] for p in pts], [p[1] / 2**20 if p[1] else None for p in pts])
+    report.scaling_plot(os.path.join(out_dir, "attention_memory.png"), mem_series,
+                        xlabel="sequence length L", ylabel="MiB (compiled, fwd+bwd)",
+                        title="attention forward+backward memory")
+    return summary
+
+
+def _markdown(payload: dict) -> str:
+    res, shape = payload["results"], payload["shape"]
+    peak = payload["matmul_gflops"]["float32"]
+    parts = [report.header_md(payload["machine"], payload["matmul_gflops"]), "",
+             f"Shape: B={shape['B']}, H={shape['H']}, D={shape['D']}, causal={shape['causal']}, "
+             f"float32. Times are medians (min–max) in ms; speedup is against `{REFERENCE}` "
+             f"at the same L in this run; memory is the compiled executable's (arguments + "
+             f"outputs + temporaries) and the peak RSS of a fresh process "
+             f"({'measured' if payload['isolated'] else 'not measured: --quick runs in one process'}).", ""]
+    sp = payload["summary"]["speedup_vs_reference"]
+    for L in sorted({r["L"] for r in res}):
+        rows = []
+        for r in sorted((r for r in res if r["L"] == L and r["mode"] == "fwd"), key=lambda r: r["impl"]):
+            b = _get(res, r["impl"], L, "fwd_bwd") or next(
+                (x for x in res if x["impl"] == r["impl"] and x["L"] == L and x["mode"] == "fwd_bwd"), {})
+            cells = [f"`{r['impl']}`"]
+            for x in (r, b):
+                t = x.get("time")
+                cells.append(f"{report.fmt(t['median_s'], 'ms')} ({report.fmt(t['min_s'], 'ms')}–"
+                             f"{report.fmt(t['max_s'], 'ms')})" if t else x.get("status", "–"))
+            cells.append(report.fmt(sp["fwd_bwd"].get(r["impl"], {}).get(L), "x"))
+            cells.append(report.fmt(b.get("compiled_memory", {}).get("total_bytes"), "MiB"))
+            cells.append(report.fmt(b.get("peak_rss_bytes"), "MiB"))
+            g = b.get("gflops")
+            cells.append(f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "–")
+            rows.append(cells)
+        parts += [f"### L = {L}", "", report.table(
+            ["impl", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup", "compiled MiB", "peak RSS MiB",
+             "fwd+bwd GFLOP/s (% of matmul)"], rows), ""]
+    exps = payload["summary"]["exponents"].get("fwd_bwd", {})
+    cross = payload["summary"]["crossover_L"].get("fwd_bwd", {})
+    parts += ["### Scaling (forward+backward)", "", report.table(
+        ["impl", "time ~ L^k", f"first L faster than `{REFERENCE}`"],
+        [[f"`{i}`", f"{e:.2f}" if e is not None else "–", str(cross.get(i) or "–")]
+         for i, e in sorted(exps.items())]), "",
+        "Plots: `attention_time_fwd.png`, `attention_time_fwd_bwd.png`, `attention_memory.png`."]
+    return "\n".join(parts)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--causal", action="store_true", help="causal attention (default: bidirectional)")
+    p.add_argument("--variants", default="", help="comma-separated registry names (default: all)")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="measure in this process (faster; no per-configuration peak RSS)")
+
+
+def main(args) -> dict:
+    return run(args.out, quick=args.quick, causal=args.causal,
+               isolate=False if args.no_isolate else None,
+               variants=[v for v in args.variants.split(",") if v] or None)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))

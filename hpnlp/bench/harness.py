@@ -1,0 +1,171 @@
+"""The timing harness every speed claim in hpnlp goes through.
+
+Rules it enforces: compile and warm up outside the timing; block until results are
+ready; repeat and report median with min and max; measure memory twice, from the
+compiled executable (`memory_analysis()`) and as the peak resident memory of a fresh
+process per configuration (`isolated`); compare only within one run, and state the
+machine it ran on (`machine_info`) and that machine's own matrix-product rate
+(`matmul_rate`), the ceiling that kernels are measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+    compile_s: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0) -> Timing:
+    """Time a jitted `fn(*args)`: compile first (timed separately), warm up, then repeat.
+
+    `min_time_s` raises the repeat count for very fast functions so the median is not
+    noise, up to 50 repeats.
+    """
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        _block(compiled(*args))
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_time_s and len(times) < 50):
+        t = time.perf_counter()
+        _block(compiled(*args))
+        times.append(time.perf_counter() - t)
+    return Timing(statistics.median(times), min(times), max(times), len(times), compile_s)
+
+
+def time_python(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0) -> Timing:
+    """Time a zero-argument callable that blocks on its own (e.g. a PyTorch call)."""
+    t0 = time.perf_counter()
+    fn()
+    compile_s = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        fn()
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_time_s and len(times) < 50):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return Timing(statistics.median(times), min(times), max(times), len(times), compile_s)
+
+
+def compiled_memory(fn: Callable, *args) -> dict:
+    """Bytes the compiled executable needs: arguments, outputs and temporaries."""
+    ma = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if ma is None:
+        return {}
+    out = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                              "temp_size_in_bytes", "alias_size_in_bytes")
+           if hasattr(ma, k)}
+    out["total_bytes"] = (out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0)
+                          + out.get("temp_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0))
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's dense matrix-product rate in GFLOP/s (the ceiling for kernels)."""
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype)
+    t = time_jax(lambda a, b: a @ b, a, b, repeats=repeats, min_time_s=0.5)
+    return 2 * n ** 3 / t.median_s / 1e9
+
+
+def _version(mod: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(mod)
+    except Exception:
+        return None
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "python": platform.python_version(),
+        "versions": {m: _version(m) for m in ("jax", "jaxlib", "flax", "optax", "numpy", "torch")},
+    }
+
+
+def torch_or_none():
+    """PyTorch if installed (the `bench` extra), else None: a peer is then 'skipped'."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    return torch
+
+
+def isolated(module: str, spec: dict, *, timeout_s: float = 600) -> dict:
+    """Run one configuration in a fresh Python process and return its JSON result.
+
+    The child runs `python -m <module> --worker '<json spec>'` and prints one JSON line;
+    its peak RSS is then the honest peak of that configuration alone. A crash, a kill by
+    the OOM killer or a timeout comes back as {"status": "failed: ..."}, never as a crash
+    of the whole benchmark.
+    """
+    cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": f"failed: timeout after {timeout_s:.0f} s"}
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        if proc.returncode in (-9, 137):
+            tail = ["killed (out of memory?)"]
+        return {"status": f"failed: {tail[0][:200]}"}
+    return json.loads(lines[-1])
+
+
+def fit_exponent(xs, ys) -> float | None:
+    """Slope of log(y) against log(x): time ~ x^slope."""
+    pts = [(x, y) for x, y in zip(xs, ys) if y and y > 0]
+    if len(pts) < 2:
+        return None
+    lx, ly = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+    return float(np.polyfit(lx, ly, 1)[0])

@@ -1,0 +1,53 @@
+"""The benchmark harness itself, on tiny sizes. No timing assertions: only that timings,
+tables and plots come out, and that a missing peer is reported, not a crash."""
+
+import json
+import os
+
+import jax.numpy as jnp
+
+from hpnlp.bench import attention as bench_attention
+from hpnlp.bench import harness
+
+
+def test_time_jax_returns_ordered_stats():
+    t = harness.time_jax(lambda x: x @ x, jnp.ones((64, 64)), repeats=3)
+    assert t.repeats >= 3 and 0 < t.min_s <= t.median_s <= t.max_s and t.compile_s > 0
+
+
+def test_compiled_memory_counts_temporaries():
+    m = harness.compiled_memory(lambda x: (x @ x.T).sum(), jnp.ones((256, 64)))
+    assert m["argument_size_in_bytes"] == 256 * 64 * 4 and m["total_bytes"] > 0
+
+
+def test_fit_exponent():
+    assert abs(harness.fit_exponent([1, 2, 4, 8], [3, 12, 48, 192]) - 2.0) < 1e-9
+
+
+def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "torch_or_none", lambda: None)
+    out = str(tmp_path / "b")
+    payload = bench_attention.run(out, quick=True, causal=False, isolate=False,
+                                  variants=["dense", "chunked"], lengths=[64, 128])
+    names = {r["impl"] for r in payload["results"]}
+    assert {"dense", "chunked", "jax.nn.dot_product_attention",
+            "flax.linen.dot_product_attention"} <= names
+    torch_rows = [r for r in payload["results"] if r["impl"].startswith("torch")]
+    assert torch_rows and all(r["status"].startswith("skipped: torch not installed") for r in torch_rows)
+    ok = [r for r in payload["results"] if r["status"] == "ok"]
+    assert all(r["time"]["median_s"] > 0 for r in ok)
+    assert all("gflops" in r for r in ok if r["impl"] in ("dense", "chunked"))
+    for f in ("results.json", "results.md", "attention_time_fwd.png",
+              "attention_time_fwd_bwd.png", "attention_memory.png"):
+        assert os.path.getsize(os.path.join(out, f)) > 0, f
+    md = open(os.path.join(out, "results.md")).read()
+    assert "matrix-product rate" in md and "`chunked`" in md and "skipped" in md
+    assert json.load(open(os.path.join(out, "results.json")))["machine"]["cores"] >= 1
+
+
+def test_isolated_run_reports_peak_rss_of_a_fresh_process():
+    spec = dict(impl="dense", L=64, mode="fwd", causal=False, B=1, H=2, D=8, repeats=2)
+    res = harness.isolated("hpnlp.bench.attention", spec, timeout_s=120)
+    assert res["status"] == "ok" and res["peak_rss_bytes"] > 10 * 2**20
+    bad = harness.isolated("hpnlp.bench.attention", dict(spec, impl="nope"), timeout_s=120)
+    assert bad["status"].startswith("failed:")
