@@ -51,3 +51,17 @@ def test_isolated_run_reports_peak_rss_of_a_fresh_process():
     assert res["status"] == "ok" and res["peak_rss_bytes"] > 10 * 2**20
     bad = harness.isolated("hpnlp.bench.attention", dict(spec, impl="nope"), timeout_s=120)
     assert bad["status"].startswith("failed:")
+
+
+def test_train_bench_reports_mfu_and_relative_speed(tmp_path, monkeypatch):
+    from hpnlp.bench import train as bench_train
+    monkeypatch.setattr(bench_train, "LM_SIZES_QUICK", [("lm-tiny", 32, 1, 2, 64)])
+    out = str(tmp_path / "t")
+    payload = bench_train.run(out, quick=True, isolate=False, variants=["chunked"], lengths=[64])
+    lm = payload["summary"]["lm"]["lm-tiny"]
+    assert lm["tokens_per_sec"] > 0 and 0 < lm["mfu"]
+    rel = payload["summary"]["encoder_relative_to_dense"]
+    assert rel["dense"][64]["relative_speed"] == 1.0 and "chunked" in rel
+    md = open(os.path.join(out, "results.md")).read()
+    assert "MFU" in md and "relative to the dense Transformer" in md
+    assert os.path.getsize(os.path.join(out, "train_encoder_steps.png")) > 0

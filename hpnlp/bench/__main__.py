@@ -11,9 +11,9 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention
+from hpnlp.bench import attention, train
 
-ENTRIES = {"attention": attention}
+ENTRIES = {"attention": attention, "train": train}
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,214 @@
+"""`python -m hpnlp.bench train`: whole training steps, as users run them.
+
+1. The causal LM at three widths: tokens/s and model FLOP utilization (MFU) against the
+   matrix-product rate measured at the start of the same run.
+2. The encoder classifier with every attention variant at L = 1K, 2K, 3K, 4K, reported
+   as the Long Range Arena paper reports it: steps/s and peak memory relative to the
+   vanilla (`dense`) Transformer at the same length.
+
+Model FLOPs per token follow PaLM (Chowdhery et al. 2022, app. B): 6·N for the
+parameters N outside the embeddings plus 12·depth·L·width for attention (halved for a
+causal LM). Steps run on synthetic token batches (no data loading in the timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp import attention as attention_lib
+from hpnlp import models
+from hpnlp.bench import harness, report
+from hpnlp.config import (AttentionConfig, Config, ModelConfig, TrainConfig, default_configdict,
+                          from_configdict)
+from hpnlp.train.state import init_state, make_optimizer
+from hpnlp.train.step import make_train_step
+
+# (name, width, depth, heads, mlp) at seq 256, batch 16: 4096 tokens a step.
+LM_SIZES = [("lm-256", 256, 4, 4, 1024), ("lm-512", 512, 4, 8, 2048), ("lm-768", 768, 4, 12, 3072)]
+LM_SIZES_QUICK = [("lm-128", 128, 2, 4, 512), ("lm-256", 256, 2, 4, 1024), ("lm-512", 512, 2, 8, 2048)]
+
+
+def _config(kind: str, width: int, depth: int, heads: int, mlp: int, L: int, vocab: int,
+            attention: str) -> Config:
+    cfg = from_configdict(default_configdict())
+    return dataclasses.replace(
+        cfg,
+        model=ModelConfig(kind=kind, width=width, depth=depth, num_heads=heads, mlp_dim=mlp,
+                          dropout=0.0, max_len=L, vocab_size=vocab, num_classes=10),
+        attention=AttentionConfig(attention),
+        train=TrainConfig(steps=1000, warmup_steps=10, batch_size=1))
+
+
+def _batch(kind: str, B: int, L: int, vocab: int):
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, vocab, (B, L)).astype(np.int32)
+    seg = np.ones((B, L), np.int32)
+    if kind == "lm":
+        return {"inputs": toks, "targets": np.roll(toks, -1, 1), "segment_ids": seg,
+                "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()}
+    return {"inputs": toks, "segment_ids": seg, "label": rng.integers(0, 10, B).astype(np.int32),
+            "weight": np.ones(B, np.float32)}
+
+
+def _non_embedding_params(params) -> int:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return int(sum(np.prod(x.shape) for p, x in flat
+                   if not any(getattr(k, "key", "") in ("embed", "pos_embedding") for k in p)))
+
+
+def measure(spec: dict) -> dict:
+    """One configuration: build, compile and time the jitted train step."""
+    kind, L, B = spec["kind"], spec["L"], spec["B"]
+    cfg = _config(kind, spec["width"], spec["depth"], spec["heads"], spec["mlp"], L,
+                  spec["vocab"], spec["attention"])
+    model = models.build(cfg, deterministic=False)
+    tx = make_optimizer(cfg.train)
+    batch = _batch(kind, B, L, spec["vocab"])
+    state = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch)))(jax.random.key(0))
+    step = make_train_step(model, tx, cfg.train)
+    out = {**spec, "status": "ok"}
+    out["compiled_memory"] = harness.compiled_memory(step, state, batch)
+    # Donation-free timing: the same state each call, so repeats do identical work.
+    t = harness.time_jax(step, state, batch, repeats=spec["repeats"], warmup=1, min_time_s=1.0)
+    out["time"] = t.as_dict()
+    n = _non_embedding_params(state.params)
+    attn = 12 * cfg.model.depth * L * cfg.model.width * (0.5 if kind == "lm" else 1.0)
+    flops = (6 * n + attn) * B * L
+    out.update(params_non_embedding=n, step_flops=flops, tokens_per_sec=B * L / t.median_s,
+               steps_per_sec=1.0 / t.median_s, model_gflops=flops / t.median_s / 1e9,
+               peak_rss_bytes=harness.peak_rss_bytes())
+    return out
+
+
+def _one(spec: dict, isolate: bool) -> dict:
+    if isolate:
+        return {**spec, **harness.isolated("hpnlp.bench.train", spec, timeout_s=900)}
+    try:
+        res = measure(spec)
+        res.pop("peak_rss_bytes", None)
+        return res
+    except Exception as e:
+        return {**spec, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+
+
+def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
+        variants: list[str] | None = None, lengths: list[int] | None = None) -> dict:
+    isolate = (not quick) if isolate is None else isolate
+    os.makedirs(out_dir, exist_ok=True)
+    info = harness.machine_info()
+    rates = {"float32": harness.matmul_rate(jnp.float32)}
+    repeats = 3 if quick else 5
+    lm_specs = [dict(group="lm", kind="lm", name=n, width=w, depth=d, heads=h, mlp=f, L=256,
+                     B=16, vocab=256, attention="dense", repeats=repeats)
+                for n, w, d, h, f in (LM_SIZES_QUICK if quick else LM_SIZES)]
+    lengths = lengths or ([256, 512] if quick else [1024, 2048, 3072, 4096])
+    names = variants or attention_lib.names()
+    names = ["dense"] + [n for n in names if n != "dense"]  # the baseline LRA divides by
+    enc_specs = []
+    for L in lengths:
+        for name in names:
+            # LRA's encoder: width 256, 4 layers, 4 heads, MLP 1024 (their byte-level setup), B=4.
+            enc_specs.append(dict(group="encoder", kind="classifier", name=name, width=128 if quick else 256,
+                                  depth=2 if quick else 4, heads=4, mlp=512 if quick else 1024, L=L,
+                                  B=2 if quick else 4, vocab=256, attention=name, repeats=repeats))
+    results = [_one(s, isolate) for s in tqdm(lm_specs + enc_specs, desc="train bench",
+                                              dynamic_ncols=True)]
+    payload = {"benchmark": "train", "machine": info, "matmul_gflops": rates,
+               "isolated": isolate, "results": results}
+    payload["summary"] = _summarize(payload)
+    _plot(payload, out_dir)
+    report.write(out_dir, "train", payload, _markdown(payload))
+    return payload
+
+
+def _ok(rows):
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def _summarize(payload: dict) -> dict:
+    peak = payload["matmul_gflops"]["float32"]
+    lm = {r["name"]: {"tokens_per_sec": r["tokens_per_sec"], "mfu": r["model_gflops"] / peak}
+          for r in _ok(payload["results"]) if r["group"] == "lm"}
+    rel = {}
+    enc = [r for r in payload["results"] if r["group"] == "encoder"]
+    for r in _ok(enc):
+        base = next((b for b in _ok(enc) if b["name"] == "dense" and b["L"] == r["L"]), None)
+        if base is None:
+            continue
+        mem = lambda x: x.get("peak_rss_bytes") or x["compiled_memory"].get("total_bytes")
+        rel.setdefault(r["name"], {})[r["L"]] = {
+            "relative_speed": r["steps_per_sec"] / base["steps_per_sec"],
+            "relative_memory": mem(r) / mem(base)}
+    return {"lm": lm, "encoder_relative_to_dense": rel}
+
+
+def _plot(payload: dict, out_dir: str) -> None:
+    enc = [r for r in _ok(payload["results"]) if r["group"] == "encoder"]
+    series = {}
+    for name in sorted({r["name"] for r in enc}):
+        pts = sorted((r["L"], r["steps_per_sec"]) for r in enc if r["name"] == name)
+        series[name] = ([p[0] for p in pts], [p[1] for p in pts])
+    report.scaling_plot(os.path.join(out_dir, "train_encoder_steps.png"), series,
+                        xlabel="sequence length L", ylabel="training steps / s",
+                        title="encoder training speed by attention variant")
+
+
+def _markdown(payload: dict) -> str:
+    peak = payload["matmul_gflops"]["float32"]
+    res = payload["results"]
+    parts = [report.header_md(payload["machine"], payload["matmul_gflops"]), "",
+             "### Causal LM training step (seq 256, batch 16, float32, AdamW)", ""]
+    rows = []
+    for r in (x for x in res if x["group"] == "lm"):
+        if r.get("status") != "ok":
+            rows.append([r["name"], r["status"]] + ["–"] * 4)
+            continue
+        rows.append([r["name"], f"{r['params_non_embedding'] / 1e6:.2f}M",
+                     f"{report.fmt(r['time']['median_s'], 'ms')} ({report.fmt(r['time']['min_s'], 'ms')}–"
+                     f"{report.fmt(r['time']['max_s'], 'ms')})",
+                     f"{r['tokens_per_sec']:,.0f}", f"{r['model_gflops']:.1f}",
+                     f"{100 * r['model_gflops'] / peak:.0f}%"])
+    parts += [report.table(["model", "params (non-emb.)", "step ms", "tokens/s", "model GFLOP/s",
+                            "MFU (of measured matmul)"], rows), ""]
+    rel = payload["summary"]["encoder_relative_to_dense"]
+    lengths = sorted({r["L"] for r in res if r["group"] == "encoder"})
+    parts += ["### Encoder training, relative to the dense Transformer (as in LRA, Tay et al. 2021, table 3)",
+              "", "Steps/s and peak memory divided by `dense` at the same length "
+              f"(memory: {'peak RSS of a fresh process' if payload['isolated'] else 'compiled executable'}).", ""]
+    rows = []
+    for name in sorted({r["name"] for r in res if r["group"] == "encoder"}):
+        cells = [f"`{name}`"]
+        for L in lengths:
+            x = rel.get(name, {}).get(L)
+            r = next((r for r in res if r["group"] == "encoder" and r["name"] == name and r["L"] == L), {})
+            cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x" if x
+                         else (r.get("status") or "–")[:60])
+        rows.append(cells)
+    parts += [report.table(["attention"] + [f"L={L} speed / memory" for L in lengths], rows), "",
+              "Plot: `train_encoder_steps.png`."]
+    return "\n".join(parts)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variants", default="", help="comma-separated attention names (default: all)")
+    p.add_argument("--no-isolate", action="store_true", help="measure in this process")
+
+
+def main(args) -> dict:
+    return run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
+               variants=[v for v in args.variants.split(",") if v] or None)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))
