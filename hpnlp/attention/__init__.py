@@ -13,4 +13,4 @@ dense `[L, L]` mask: that would undo every memory saving.
 """
 
 from hpnlp.attention.base import Attention, register, names, get  # noqa: F401
-from hpnlp.attention import chunked, dense, lsh, xla  # noqa: F401  (registration side effects)
+from hpnlp.attention import chunked, dense, lsh, sparse, xla  # noqa: F401  (registration side effects)
