@@ -13,4 +13,5 @@ dense `[L, L]` mask: that would undo every memory saving.
 """
 
 from hpnlp.attention.base import Attention, register, names, get  # noqa: F401
-from hpnlp.attention import chunked, dense, lsh, sparse, xla  # noqa: F401  (registration side effects)
+from hpnlp.attention import (  # noqa: F401  (registration side effects)
+    chunked, clustered, dense, linformer, lsh, sinkhorn, sparse, synthesizer, xla)

@@ -50,8 +50,9 @@ def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
             mask = nn.make_causal_mask(jnp.ones((B, L)))
             return lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask)
         return lambda q, k, v: nn.dot_product_attention(q, k, v)
-    module = attention_lib.get(impl)()
-    q, k, v = _inputs(min(L, 64), B=B, H=H, D=D)
+    # Variants with a learned length table must be sized for L.
+    opts = {"max_len": L} if "max_len" in attention_lib.get(impl).__dataclass_fields__ else {}
+    module = attention_lib.get(impl)(**opts)
     key = jax.random.key(0)
     params = module.init({"params": key, "features": key}, *_inputs(L, B=B, H=H, D=D), None,
                          causal=causal, deterministic=True)
