@@ -98,7 +98,7 @@ def performer_features(q_BLHD, k_BLHD, w_MD, valid_BL, *, causal: bool):
     valid_B1L = valid_BL[:, None, :]
     fmax_BHL = jnp.where(valid_B1L, jnp.max(f_BHLM, axis=-1), _FLOOR)
     if causal:
-        shift_BHL = jnp.broadcast_to(jnp.max(fmax_BHL, axis=2, keepdims=True), fmax_BHL.shape)
+        shift_BHL = jax.lax.cummax(fmax_BHL, axis=2)
     else:
         shift_BHL = jnp.broadcast_to(jnp.max(fmax_BHL, axis=2, keepdims=True), fmax_BHL.shape)
     shift_BHL = jax.lax.stop_gradient(shift_BHL)

@@ -15,8 +15,13 @@ from hpnlp.config import Config
 
 
 def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=None,
-             temperature: float = 1.0, greedy: bool = True):
-    """Returns tokens [B, length]: the prompt followed by generated tokens."""
+             temperature: float = 1.0, greedy: bool = True, features_key=None):
+    """Returns tokens [B, length]: the prompt followed by generated tokens.
+
+    `features_key`: the random-feature draw the model was trained with, for variants
+    that use the `features` stream (Performer); pass
+    `state.features_key(cfg.train.feature_redraw_every)`.
+    """
     from hpnlp.models import build
 
     B, P = prompt_BP.shape
@@ -28,12 +33,13 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=N
     cache = model.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
     prompt_BL = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
+    rngs = {} if features_key is None else {"features": features_key}
 
     def step(carry, t):
         cache, prev_B, rng = carry
         tok_B = jnp.where(t < prompt_len_B, prompt_BL[:, t], prev_B)
         logp_BV, upd = model.apply({"params": params, "cache": cache}, tok_B[:, None],
-                                   method="decode_step", mutable=["cache"])
+                                   method="decode_step", mutable=["cache"], rngs=rngs)
         rng, sub = jax.random.split(rng)
         if greedy:
             nxt_B = jnp.argmax(logp_BV, axis=-1)
