@@ -256,12 +256,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="", help="comma-separated registry names (default: all)")
     p.add_argument("--no-isolate", action="store_true",
                    help="measure in this process (faster; no per-configuration peak RSS)")
+    p.add_argument("--lengths", default="", help="comma-separated sequence lengths (default: "
+                   "1K..64K, or 256..1K with --quick)")
 
 
 def main(args) -> dict:
     return run(args.out, quick=args.quick, causal=args.causal,
                isolate=False if args.no_isolate else None,
-               variants=[v for v in args.variants.split(",") if v] or None)
+               variants=[v for v in args.variants.split(",") if v] or None,
+               lengths=[int(x) for x in args.lengths.split(",") if x] or None)
 
 
 if __name__ == "__main__":
