@@ -20,20 +20,14 @@ from hpnlp.attention.clustered import route
 from hpnlp.config import (AttentionConfig, ConfigError, ModelConfig, default_configdict,
                           from_configdict, validate)
 
+from attention_testlib import max_abs as _max_abs, rbg_key as _key, fill_params as _fill, call_attention as _call, apply_attention as _apply  # noqa: F401
+
 B, L, H, D = 2, 32, 2, 8
 C, W = 3, 4  # clusters and chunk size of the sparse cases
 
 def _qkv(seed=0, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((B, L, H, D)).astype(dtype) for _ in range(3))
-
-
-def _max_abs(x):
-    return float(np.abs(np.asarray(x, np.float32)).max())
-
-
-def _key(seed):
-    return jax.random.key(seed, impl="unsafe_rbg")  # compiles much faster than threefry
 
 
 def _padding(lengths):
@@ -44,30 +38,12 @@ def _module(**opts):
     return A.get("clustered")(**{"num_clusters": C, "chunk_size": W, **opts})
 
 
-def _fill(abstract, seed=1):
-    """Random values for an abstract parameter tree from `jax.eval_shape` (tracing checks
-    every shape; skipping the initializers' compile keeps the test fast)."""
-    rng = np.random.default_rng(seed)
-
-    def one(x):
-        scale = x.shape[-2] ** -0.5 if len(x.shape) >= 2 else 0.1
-        return (rng.standard_normal(x.shape) * scale).astype(x.dtype)
-
-    return jax.tree.map(one, nn.unbox(abstract))
-
-
 def _params(attn, seed=1):
     q, k, v = _qkv()
     abstract = jax.eval_shape(lambda: attn.init(_key(0), q, k, v, None, causal=True))
     return _fill(abstract.get("params", {}), seed)
 
 
-# Every test calls these two (mask always an array), so each configuration compiles once.
-def _call(attn, causal, params, q, k, v, mask):
-    return attn.apply({"params": params}, q, k, v, mask, causal=causal, deterministic=True)
-
-
-_apply = jax.jit(_call, static_argnums=(0, 1))
 
 
 @jax.jit

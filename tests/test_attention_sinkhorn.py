@@ -18,19 +18,13 @@ from hpnlp.attention.sinkhorn import gumbel_sinkhorn, sinkhorn_attention
 from hpnlp.config import (AttentionConfig, ConfigError, ModelConfig, default_configdict,
                           from_configdict, validate)
 
+from attention_testlib import max_abs as _max_abs, rbg_key as _key, fill_params as _fill  # noqa: F401
+
 B, L, H, D = 2, 32, 2, 8
 
 def _qkv(seed=0, dtype=jnp.float32, length=L):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((B, length, H, D)).astype(dtype) for _ in range(3))
-
-
-def _max_abs(x):
-    return float(np.abs(np.asarray(x, np.float32)).max())
-
-
-def _key(seed):
-    return jax.random.key(seed, impl="unsafe_rbg")  # compiles much faster than threefry
 
 
 def _padding(lengths, length=L):
@@ -39,18 +33,6 @@ def _padding(lengths, length=L):
 
 def _module(**opts):
     return A.get("sinkhorn")(**{"block_size": 8, **opts})
-
-
-def _fill(abstract, seed=1):
-    """Random values for an abstract parameter tree from `jax.eval_shape` (tracing checks
-    every shape; skipping the initializers' compile keeps the test fast)."""
-    rng = np.random.default_rng(seed)
-
-    def one(x):
-        scale = x.shape[-2] ** -0.5 if len(x.shape) >= 2 else 0.1
-        return (rng.standard_normal(x.shape) * scale).astype(x.dtype)
-
-    return jax.tree.map(one, nn.unbox(abstract))
 
 
 def _params(attn, seed=1):

@@ -19,6 +19,8 @@ from hpnlp.attention.dense import dense_attention
 from hpnlp.config import (AttentionConfig, ConfigError, ModelConfig, default_configdict,
                           from_configdict, validate)
 
+from attention_testlib import max_abs as _max_abs, rbg_key as _key, fill_params as _fill, call_attention as _call, apply_attention as _apply  # noqa: F401
+
 B, L, H, D, M = 2, 32, 2, 8, 48
 MODES = {"dense": {"mode": "dense"}, "random": {"mode": "random"},
          "factorized": {"mode": "factorized", "rank": 4},
@@ -30,14 +32,6 @@ def _qkv(seed=0, dtype=jnp.float32, length=L):
     return tuple(rng.standard_normal((B, length, H, D)).astype(dtype) for _ in range(3))
 
 
-def _max_abs(x):
-    return float(np.abs(np.asarray(x, np.float32)).max())
-
-
-def _key(seed):
-    return jax.random.key(seed, impl="unsafe_rbg")  # compiles much faster than threefry
-
-
 def _padding(lengths):
     return (np.arange(L)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
 
@@ -46,30 +40,12 @@ def _module(case="dense", **opts):
     return A.get("synthesizer")(**{"max_len": M, **MODES[case], **opts})
 
 
-def _fill(abstract, seed=1):
-    """Random values for an abstract parameter tree from `jax.eval_shape` (tracing checks
-    every shape; skipping the initializers' compile keeps the test fast)."""
-    rng = np.random.default_rng(seed)
-
-    def one(x):
-        scale = x.shape[-2] ** -0.5 if len(x.shape) >= 2 else 0.1
-        return (rng.standard_normal(x.shape) * scale).astype(x.dtype)
-
-    return jax.tree.map(one, nn.unbox(abstract))
-
-
 def _params(attn, seed=1):
     q, k, v = _qkv()
     abstract = jax.eval_shape(lambda: attn.init(_key(0), q, k, v, None, causal=True))
     return _fill(abstract.get("params", {}), seed)
 
 
-# Every test goes through these (mask always an array), so each configuration compiles once.
-def _call(attn, causal, params, q, k, v, mask):
-    return attn.apply({"params": params}, q, k, v, mask, causal=causal, deterministic=True)
-
-
-_apply = jax.jit(_call, static_argnums=(0, 1))
 
 
 def _weighted(fn):

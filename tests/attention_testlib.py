@@ -1,0 +1,33 @@
+"""Helpers shared by the per-variant attention test files (imported under their old names)."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+
+def max_abs(x):
+    return float(np.abs(np.asarray(x, np.float32)).max())
+
+
+def rbg_key(seed):
+    return jax.random.key(seed, impl="unsafe_rbg")  # compiles much faster than threefry
+
+
+def fill_params(abstract, seed=1):
+    """Random values for an abstract parameter tree from `jax.eval_shape` (tracing checks
+    every shape; skipping the initializers' compile keeps the tests fast)."""
+    rng = np.random.default_rng(seed)
+
+    def one(x):
+        scale = x.shape[-2] ** -0.5 if len(x.shape) >= 2 else 0.1
+        return (rng.standard_normal(x.shape) * scale).astype(x.dtype)
+
+    return jax.tree.map(one, nn.unbox(abstract))
+
+
+def call_attention(attn, causal, params, q, k, v, mask):
+    return attn.apply({"params": params}, q, k, v, mask, causal=causal, deterministic=True)
+
+
+# Every test goes through this (mask always an array), so each configuration compiles once.
+apply_attention = jax.jit(call_attention, static_argnums=(0, 1))
