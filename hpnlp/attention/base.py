@@ -12,32 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp.config import ConfigError
+from hpnlp.registry import Registry
 
-_REGISTRY: dict[str, type["Attention"]] = {}
-
-
-def register(name: str):
-    """Class decorator: make an attention variant available as `get(name)`."""
-
-    def wrap(cls):
-        if name in _REGISTRY:
-            raise ValueError(f"attention variant {name!r} is registered twice")
-        cls.registry_name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> type["Attention"]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown attention variant {name!r}; choose one of {names()}") from None
+_REGISTRY = Registry("attention variant")
+register = _REGISTRY.register  # class decorator: make a variant available as `get(name)`
+names = _REGISTRY.names
+get = _REGISTRY.get
 
 
 def check_inputs(q, k, v, mask) -> None:

@@ -6,6 +6,8 @@ in float32 whatever the input dtype. Fully masked rows (padding queries) give ze
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from hpnlp.attention.base import Attention, check_inputs, masked_softmax_attention, register, segment_mask
 
 
@@ -16,7 +18,6 @@ def dense_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal: bool = Fals
     S = k_BSHD.shape[1]
     if mask_BL is None and not causal:
         return masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, None)
-    import jax.numpy as jnp
     seg_q = jnp.ones((B, L), jnp.int32) if mask_BL is None else mask_BL
     seg_k = jnp.ones((B, S), jnp.int32) if mask_BL is None else mask_BL
     return masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD,

@@ -111,7 +111,7 @@ class Classifier(nn.Module):
         m = self.cfg.model
         self.embed = make_embed(m)
         self.trunk = Trunk(m, self.cfg.attention, causal=False, deterministic=self.deterministic)
-        dt, pdt = dtypes(m)
+        pdt = dtypes(m)[1]
         self.head = nn.Dense(m.num_classes, dtype=jnp.float32, param_dtype=pdt,
                              kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
                              bias_init=_init(nn.initializers.zeros, (None,)))
@@ -136,7 +136,7 @@ class DualEncoder(nn.Module):
 
     def setup(self):
         m = self.cfg.model
-        dt, pdt = dtypes(m)
+        pdt = dtypes(m)[1]
         self.embed = make_embed(m)
         self.trunk = Trunk(m, self.cfg.attention, causal=False, deterministic=self.deterministic)
         dense = lambda n, name: nn.Dense(n, dtype=jnp.float32, param_dtype=pdt, name=name,

@@ -51,7 +51,7 @@ class FullSoftmax(nn.Module):
         return jax.nn.log_softmax(logits_NV, axis=-1)
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N)
         logits_NV = self.logits(hidden_NE)
         lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
         target_logit_N = jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0]
