@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import softmax_testlib as lib
+
 import hpnlp.models.transformer as T
 import hpnlp.softmax as S
 from hpnlp.config import ModelConfig
@@ -64,3 +66,47 @@ def test_tied_embedding_shares_weights():
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
     kernels = [p for p, x in flat if x.ndim == 2 or (hasattr(x, "value") and x.value.ndim == 2)]
     assert len(kernels) == 1, kernels  # one [V, E] matrix serves both
+
+
+def test_full_contract_via_testlib():
+    layer = S.get("full")(vocab_size=lib.V)
+    lib.check_normalized(layer)
+    lib.check_exact_loss(layer)
+    lib.check_padding(layer)
+    lib.check_rejects_out_of_vocab(layer)
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_full_chunked_loss_matches_unchunked(z_loss):
+    """Token-chunked loss (remat per chunk) equals the plain loss, values and gradients."""
+    layer, params, h, t = _setup(z_loss=z_loss)
+    chunked = S.get("full")(vocab_size=V, z_loss=z_loss, chunk_tokens=4)  # 15 tokens: ragged last chunk
+    mask = jnp.arange(5)[None, :] < jnp.asarray([5, 3, 1])[:, None]
+
+    def total(layer):
+        return lambda p, h: jnp.sum(layer.apply(p, h, t, mask, method="loss"))
+
+    v0, g0 = jax.value_and_grad(total(layer), argnums=(0, 1))(params, h)
+    v1, g1 = jax.value_and_grad(total(chunked), argnums=(0, 1))(params, h)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
+
+
+def test_full_auto_chunking_keeps_logits_small():
+    from hpnlp.softmax.full import CHUNK_LOGITS_BYTES, auto_chunk
+    assert auto_chunk(8192, 32768) == 2048 and auto_chunk(100, 37) == 0
+    chunk = auto_chunk(8192, 2**20)
+    assert chunk * 2**20 * 4 <= CHUNK_LOGITS_BYTES and chunk >= 32
+
+
+def test_frequencies_checks():
+    f = S.Frequencies.of(np.array([5, 3, 3, 1]), 4)
+    assert f.is_sorted()
+    f.require_sorted("log_uniform")
+    with pytest.raises(ValueError, match="id 2 .* more frequent than id 1"):
+        S.Frequencies.of(np.array([5, 1, 3, 0]), 4).require_sorted("log_uniform")
+    with pytest.raises(ValueError, match="shape"):
+        S.Frequencies.of(np.ones(3), 4)
+    with pytest.raises(ValueError, match=">= 0"):
+        S.Frequencies.of(np.array([1.0, -1.0]), 2)
+    np.testing.assert_allclose(S.frequencies(None, 4).probs().sum(), 1.0)

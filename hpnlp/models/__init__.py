@@ -16,12 +16,18 @@ from hpnlp.models.generate import generate  # noqa: F401
 MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEncoder}
 
 
-def build(cfg: Config, *, deterministic: bool, decode: bool = False):
-    """The model for `cfg.model.kind`; `deterministic=True` turns dropout off (eval)."""
+def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_counts=None):
+    """The model for `cfg.model.kind`; `deterministic=True` turns dropout off (eval).
+
+    `token_counts` [V] (the task's train counts per id) feed the frequency-based output
+    layers (Huffman trees, frequency classes, unigram samplers); without them those
+    assume frequency-sorted ids.
+    """
     cls = MODELS[cfg.model.kind]
+    extra = {} if token_counts is None or cfg.model.kind != "lm" else {"token_counts": token_counts}
     if decode:
-        return cls(cfg, deterministic=True, decode=True)
-    return cls(cfg, deterministic=deterministic)
+        return cls(cfg, deterministic=True, decode=True, **extra)
+    return cls(cfg, deterministic=deterministic, **extra)
 
 
 def param_count(params) -> int:

@@ -15,12 +15,14 @@ from hpnlp.config import Config
 
 
 def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=None,
-             temperature: float = 1.0, greedy: bool = True, features_key=None):
+             temperature: float = 1.0, greedy: bool = True, features_key=None,
+             token_counts=None):
     """Returns tokens [B, length]: the prompt followed by generated tokens.
 
     `features_key`: the random-feature draw the model was trained with, for variants
     that use the `features` stream (Performer); pass
-    `state.features_key(cfg.train.feature_redraw_every)`.
+    `state.features_key(cfg.train.feature_redraw_every)`. `token_counts`: the train
+    counts the model was built with, for frequency-based output layers.
     """
     from hpnlp.models import build
 
@@ -29,7 +31,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=N
         raise ValueError(f"generate(length={length}) exceeds model.max_len={cfg.model.max_len}")
     if P > length:
         raise ValueError(f"prompt length {P} exceeds generate(length={length})")
-    model = build(cfg, deterministic=True, decode=True)
+    model = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     cache = model.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
     prompt_BL = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng

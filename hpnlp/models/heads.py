@@ -11,6 +11,7 @@ Shape letters as in `transformer.py`; C classes, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -21,8 +22,11 @@ from hpnlp.config import Config
 from hpnlp.models.transformer import Trunk, _init, dtypes, make_embed, positions_of
 
 
-def _output_layer(cfg: Config, embed: nn.Module | None):
-    """The registry output layer, given only the fields its class declares."""
+def _output_layer(cfg: Config, embed: nn.Module | None, token_counts=None):
+    """The registry output layer, given only the fields its class declares.
+
+    Frequency-based layers (a `counts` field) get the task's train counts per id.
+    """
     cls = softmax_lib.get(cfg.output.name)
     fields = {f.name for f in dataclasses.fields(cls)}
     dt, pdt = dtypes(cfg.model)
@@ -34,6 +38,8 @@ def _output_layer(cfg: Config, embed: nn.Module | None):
                              "cannot share the input embedding; set output.tie_embeddings=False")
         kwargs["embed"] = embed
     kwargs.update({k: v for k, v in (("dtype", dt), ("param_dtype", pdt)) if k in fields})
+    if "counts" in fields and token_counts is not None:
+        kwargs["counts"] = softmax_lib.frequencies(token_counts, cfg.model.vocab_size)
     return cls(**kwargs, name="output")
 
 
@@ -43,13 +49,14 @@ class TransformerLM(nn.Module):
     cfg: Config
     deterministic: bool = True
     decode: bool = False
+    token_counts: Any = None  # [V] train counts per id, for frequency-based output layers
 
     def setup(self):
         m = self.cfg.model
         self.embed = make_embed(m)
         self.trunk = Trunk(m, self.cfg.attention, causal=True, deterministic=self.deterministic,
                            decode=self.decode)
-        self.output = _output_layer(self.cfg, self.embed)
+        self.output = _output_layer(self.cfg, self.embed, self.token_counts)
         if self.decode:
             self.position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
 

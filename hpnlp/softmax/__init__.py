@@ -6,5 +6,5 @@ Every method is a `flax.linen.Module` constructed with `vocab_size=V` and offeri
 `top_k(hidden, k)`. Call them with `module.apply(vars, ..., method="loss")`.
 """
 
-from hpnlp.softmax.base import register, names, get  # noqa: F401
+from hpnlp.softmax.base import Frequencies, frequencies, register, names, get  # noqa: F401
 from hpnlp.softmax import full  # noqa: F401  (registration side effects)

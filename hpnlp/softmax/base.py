@@ -1,8 +1,16 @@
-"""Registry of output layers (see `hpnlp.softmax`)."""
+"""Registry of output layers and the pieces they share (see `hpnlp.softmax`).
+
+Shape letters: N any leading dims (tokens), E hidden width, V vocabulary, S samples.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hpnlp.registry import Registry
 
@@ -12,7 +20,165 @@ names = _REGISTRY.names
 get = _REGISTRY.get
 
 
-def check_targets(targets) -> None:
-    """Static check: targets must be integer ids (values are checked by the data layer)."""
+def check_targets(targets, vocab_size: int | None = None) -> None:
+    """Targets must be integer ids in [0, vocab_size).
+
+    The dtype is checked always; the range whenever the values are concrete (eager calls,
+    tests, notebooks). Inside `jit` the data layer has already checked every id.
+    """
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids; got dtype {targets.dtype}")
+    if vocab_size is None or isinstance(targets, jax.core.Tracer):
+        return
+    t = np.asarray(targets)
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+        bad = t[(t < 0) | (t >= vocab_size)].ravel()[0]
+        raise ValueError(f"target id {int(bad)} is outside the vocabulary [0, {vocab_size}); "
+                         "check model.vocab_size against the data's vocabulary")
+
+
+def masked(loss_N, mask_N):
+    """Zero the loss where `mask_N` is False (padding); `mask_N=None` keeps every token."""
+    return loss_N if mask_N is None else jnp.where(mask_N, loss_N, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Frequencies:
+    """Training counts per token id, `counts[V]`, for the frequency-based methods.
+
+    Held by a Module field, so it hashes by identity (the array can be a million long).
+    `Frequencies.zipf(V)` stands in when no counts are known: it assumes ids are sorted
+    by frequency, as word vocabularies usually are (and hpnlp's `word_lm` is).
+    """
+
+    counts: np.ndarray  # [V] float64, >= 0
+
+    @classmethod
+    def of(cls, counts, vocab_size: int) -> "Frequencies":
+        c = np.asarray(counts, np.float64)
+        if c.shape != (vocab_size,):
+            raise ValueError(f"token counts have shape {c.shape}; the output layer has "
+                             f"vocab_size={vocab_size}, so they must have shape ({vocab_size},)")
+        if not np.all(np.isfinite(c)) or np.any(c < 0):
+            raise ValueError("token counts must be finite and >= 0")
+        return cls(c)
+
+    @classmethod
+    def zipf(cls, vocab_size: int) -> "Frequencies":
+        return cls(1.0 / np.arange(1, vocab_size + 1, dtype=np.float64))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.counts.shape[0])
+
+    def is_sorted(self) -> bool:
+        """True when id 0 is the most frequent and counts never increase with the id."""
+        return bool(np.all(np.diff(self.counts) <= 0))
+
+    def require_sorted(self, who: str) -> None:
+        if not self.is_sorted():
+            first = int(np.argmax(np.diff(self.counts) > 0))
+            raise ValueError(
+                f"{who} assumes token ids sorted by descending frequency, but id {first + 1} "
+                f"(count {self.counts[first + 1]:.0f}) is more frequent than id {first} (count "
+                f"{self.counts[first]:.0f}); renumber the vocabulary by frequency (hpnlp's "
+                "word_lm already is) or pick a method that reads the counts themselves")
+
+    def probs(self, power: float = 1.0, floor: float = 0.0) -> np.ndarray:
+        """counts**power normalized; `floor` (a count) keeps unseen ids reachable."""
+        p = np.maximum(self.counts, floor) ** power
+        total = p.sum()
+        if total <= 0:
+            raise ValueError("token counts are all zero; nothing to build a distribution from")
+        return p / total
+
+
+def frequencies(counts: Frequencies | np.ndarray | None, vocab_size: int) -> Frequencies:
+    """The counts a layer was given, or Zipf's law over frequency-sorted ids."""
+    if counts is None:
+        return Frequencies.zipf(vocab_size)
+    if isinstance(counts, Frequencies):
+        if counts.vocab_size != vocab_size:
+            raise ValueError(f"token counts cover {counts.vocab_size} ids; the output layer "
+                             f"has vocab_size={vocab_size}")
+        return counts
+    return Frequencies.of(counts, vocab_size)
+
+
+def fan_in_init():
+    """Initializer for a [V, E] table used as E -> V weights (fan-in is E, the last axis)."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2)
+
+
+class _OutputTable(nn.Module):
+    """Output word vectors [V, E] and biases [V], created on first use once E is known."""
+
+    vocab_size: int
+    tied: bool
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, width: int):
+        kernel = None
+        if not self.tied:
+            kernel = self.param("kernel", nn.with_logical_partitioning(fan_in_init(), ("vocab", "embed")),
+                                (self.vocab_size, width), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                          (self.vocab_size,), self.param_dtype)
+        return kernel, bias
+
+
+class VocabLayer(nn.Module):
+    """Base of the output layers that score each id with a vector and a bias: h . w_v + b_v.
+
+    Subclasses add an objective; they all share `logits` (every id, float32), `rows` (a
+    subset of ids, for sampled objectives) and the exact `log_prob`, so a sampled objective
+    evaluates with the full softmax of the very weights it trained. With `embed` given,
+    the output vectors are the input embedding table (tied, Press & Wolf 2017).
+    """
+
+    vocab_size: int = 0
+    embed: nn.Module | None = None  # tied: output vectors = embed.embedding [V, E]
+    dtype: jnp.dtype = jnp.float32  # matmul input dtype; logits and losses are float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        if self.vocab_size <= 0:
+            raise ValueError(f"{type(self).__name__} needs vocab_size > 0; got {self.vocab_size}")
+        self.table = _OutputTable(self.vocab_size, self.embed is not None, self.param_dtype)
+
+    def weights(self, width: int):
+        """(W [V, E], b [V]) in the parameter dtype."""
+        kernel_VE, bias_V = self.table(width)
+        if self.embed is not None:
+            kernel_VE = self.embed.embedding
+            if kernel_VE.shape[-1] != width:
+                raise ValueError(f"tied output embedding has width {kernel_VE.shape[-1]}, hidden "
+                                 f"states have {width}")
+        return kernel_VE, bias_V
+
+    def logits(self, hidden_NE):
+        """float32 logits [N, V] for every id."""
+        kernel_VE, bias_V = self.weights(hidden_NE.shape[-1])
+        return scores(hidden_NE, kernel_VE, bias_V, self.dtype)
+
+    def rows(self, ids, width: int):
+        """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
+        kernel_VE, bias_V = self.weights(width)
+        return jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0)
+
+    def log_prob(self, hidden_NE):
+        return jax.nn.log_softmax(self.logits(hidden_NE), axis=-1)
+
+    def top_k(self, hidden_NE, k: int):
+        return jax.lax.top_k(self.log_prob(hidden_NE), k)
+
+    def __call__(self, hidden_NE):
+        return self.log_prob(hidden_NE)
+
+
+def scores(hidden_NE, kernel_VE, bias_V, dtype):
+    """hidden . kernel^T + bias, matmul in `dtype`, accumulated and returned in float32."""
+    logits_NV = jnp.einsum("...e,ve->...v", hidden_NE.astype(dtype), kernel_VE.astype(dtype),
+                           preferred_element_type=jnp.float32)
+    return logits_NV + bias_V.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))

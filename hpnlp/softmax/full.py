@@ -1,69 +1,82 @@
 """`full`: the exact softmax over the whole vocabulary, the reference for every approximation.
 
 Logits and the log-sum-exp run in float32 whatever the compute dtype. Options: tied input
-and output embeddings (Press & Wolf 2017; the model passes its `nn.Embed`), and z-loss
+and output embeddings (Press & Wolf 2017; the model passes its `nn.Embed`), z-loss
 (`z_loss * logsumexp^2`, PaLM) that pushes the normalizer towards 1 so that the
-unnormalized logit is usable as a log-probability.
+unnormalized logit is usable as a log-probability, and token chunking of the loss.
 
-Shape letters: N any leading dims, E hidden width, V vocabulary, K top-k.
+Token chunking is what lets the exact loss run where the logits cannot exist: 8K tokens
+x 1M classes is 32 GiB of float32 logits. The loss is a `lax.map` over chunks of tokens
+whose body is `jax.checkpoint`ed, so the forward keeps one chunk's logits at a time and
+the backward recomputes each chunk's logits instead of storing them: memory is
+O(chunk x V + V x E), the arithmetic the same as unchunked.
+
+Shape letters: N any leading dims, T flattened tokens, C tokens per chunk, E hidden
+width, V vocabulary, K top-k.
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.softmax.base import check_targets, register
+from hpnlp.softmax.base import VocabLayer, check_targets, masked, register, scores
+
+CHUNK_LOGITS_BYTES = 256 * 2**20  # auto chunking keeps one chunk's float32 logits under this
+
+
+def auto_chunk(num_tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk so that a chunk's float32 logits fit CHUNK_LOGITS_BYTES (0: no chunking)."""
+    if num_tokens * vocab_size * 4 <= CHUNK_LOGITS_BYTES:
+        return 0
+    chunk = max(1, CHUNK_LOGITS_BYTES // (vocab_size * 4))
+    return 1 << (chunk.bit_length() - 1)  # a power of two: divides typical token counts
+
+
+def chunked_nll(hidden_TE, targets_T, kernel_VE, bias_V, *, dtype, chunk: int, z_loss: float = 0.0):
+    """Per-token -log softmax(h W^T + b)[target] (+ z-loss), `chunk` tokens at a time."""
+    num_tokens, width = hidden_TE.shape
+    pad = (-num_tokens) % chunk
+    h_nCE = jnp.pad(hidden_TE, ((0, pad), (0, 0))).reshape(-1, chunk, width)
+    t_nC = jnp.pad(targets_T, (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h_CE, t_C = args
+        return _nll(scores(h_CE, kernel_VE, bias_V, dtype), t_C, z_loss)
+
+    return jax.lax.map(one_chunk, (h_nCE, t_nC)).reshape(-1)[:num_tokens]
+
+
+def _nll(logits_NV, targets_N, z_loss: float):
+    lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
+    loss_N = lse_N - jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0]
+    if z_loss:
+        loss_N = loss_N + z_loss * jnp.square(lse_N)
+    return loss_N
 
 
 @register("full")
-class FullSoftmax(nn.Module):
-    """Softmax over all V classes: loss = logsumexp(h W + b) - (h W + b)[target]."""
+class FullSoftmax(VocabLayer):
+    """Softmax over all V classes (the reference): loss = logsumexp(h W^T + b) - (h W^T + b)[target].
 
-    vocab_size: int = 0
+    Params: `table/kernel` [V, E] (absent when tied) and `table/bias` [V].
+    """
+
     z_loss: float = 0.0
-    embed: nn.Module | None = None  # tied: logits = h @ embed.embedding.T
-    dtype: jnp.dtype = jnp.float32  # matmul input dtype
-    param_dtype: jnp.dtype = jnp.float32
-
-    def setup(self):
-        if self.vocab_size <= 0:
-            raise ValueError(f"FullSoftmax needs vocab_size > 0; got {self.vocab_size}")
-        if self.embed is None:
-            self.proj = nn.DenseGeneral(
-                self.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")))
-        self.bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
-                               (self.vocab_size,), self.param_dtype)
-
-    def logits(self, hidden_NE):
-        """float32 logits [N, V]."""
-        if self.embed is not None:
-            logits_NV = self.embed.attend(hidden_NE.astype(self.dtype))
-        else:
-            logits_NV = self.proj(hidden_NE)
-        bias = self.bias.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
-        return logits_NV.astype(jnp.float32) + bias
-
-    def log_prob(self, hidden_NE):
-        logits_NV = self.logits(hidden_NE)
-        return jax.nn.log_softmax(logits_NV, axis=-1)
+    chunk_tokens: int = -1  # tokens per loss chunk; -1 = auto (chunk above 256 MiB of logits), 0 = never
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
-        check_targets(targets_N)
-        logits_NV = self.logits(hidden_NE)
-        lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
-        target_logit_N = jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0]
-        loss_N = lse_N - target_logit_N
-        if self.z_loss:
-            loss_N = loss_N + self.z_loss * jnp.square(lse_N)
-        if mask_N is not None:
-            loss_N = jnp.where(mask_N, loss_N, 0.0)
-        return loss_N
-
-    def top_k(self, hidden_NE, k: int):
-        return jax.lax.top_k(self.log_prob(hidden_NE), k)
-
-    def __call__(self, hidden_NE):
-        return self.log_prob(hidden_NE)
+        del deterministic  # the exact loss has no randomness
+        check_targets(targets_N, self.vocab_size)
+        lead, width = targets_N.shape, hidden_NE.shape[-1]
+        num_tokens = targets_N.size
+        chunk = auto_chunk(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
+        if chunk and chunk < num_tokens:
+            kernel_VE, bias_V = self.weights(width)
+            loss_N = chunked_nll(hidden_NE.reshape(num_tokens, width), targets_N.reshape(-1),
+                                 kernel_VE, bias_V, dtype=self.dtype, chunk=chunk,
+                                 z_loss=self.z_loss).reshape(lead)
+        else:
+            loss_N = _nll(self.logits(hidden_NE), targets_N, self.z_loss)
+        return masked(loss_N, mask_N)

@@ -80,8 +80,9 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
         tx = make_optimizer(cfg.train)
-        model = models.build(cfg, deterministic=False)
-        self.eval_model = models.build(cfg, deterministic=True)
+        counts = self.task.token_counts
+        model = models.build(cfg, deterministic=False, token_counts=counts)
+        self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
         init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len))
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))

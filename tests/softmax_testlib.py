@@ -1,0 +1,78 @@
+"""Checks every output layer must pass, shared by the per-method test files.
+
+`make(**kw)` builds a layer with vocab_size=V; the helpers init it on random hidden
+states [B, L, E] and check the DESIGN.md contract: normalized `log_prob`, `loss` zero
+(value and gradient) on padding, out-of-vocabulary targets rejected, and, for exact
+methods, loss == -log_prob[target].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+V, E, B, L = 37, 16, 3, 5
+
+
+def inputs(seed: int = 0, vocab: int = V, width: int = E):
+    h = jax.random.normal(jax.random.key(seed), (B, L, width))
+    t = jax.random.randint(jax.random.key(seed + 1), (B, L), 0, vocab)
+    return h, t
+
+
+RNGS = {"params": jax.random.key(2), "dropout": jax.random.key(3)}
+
+
+def init(layer, h, t):
+    """Params created through `loss` (so every parameter a training run uses exists)."""
+    return layer.init(RNGS, h, t, None, method="loss", deterministic=False)
+
+
+def check_normalized(layer, *, vocab: int = V, atol: float = 1e-5):
+    h, t = inputs(vocab=vocab)
+    params = init(layer, h, t)
+    logp = layer.apply(params, h, method="log_prob")
+    assert logp.shape == (B, L, vocab) and logp.dtype == jnp.float32
+    np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, atol=atol)
+    vals, idx = layer.apply(params, h, 3, method="top_k")
+    assert idx.shape == (B, L, 3)
+    np.testing.assert_array_equal(idx[..., 0], jnp.argmax(logp, -1))
+    return params, logp
+
+
+def check_exact_loss(layer, *, vocab: int = V, atol: float = 1e-5):
+    """Training loss is -log p(target) under `log_prob`."""
+    h, t = inputs(vocab=vocab)
+    params = init(layer, h, t)
+    logp = layer.apply(params, h, method="log_prob")
+    loss = layer.apply(params, h, t, None, method="loss", rngs={"dropout": jax.random.key(4)})
+    nll = -jnp.take_along_axis(logp, t[..., None], -1)[..., 0]
+    np.testing.assert_allclose(loss, nll, atol=atol, rtol=atol)
+
+
+def check_padding(layer, *, vocab: int = V, deterministic: bool = False):
+    """Masked tokens: zero loss and no gradient reaching their hidden states."""
+    h, t = inputs(vocab=vocab)
+    params = init(layer, h, t)
+    mask = jnp.asarray([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+
+    def total(h):
+        loss = layer.apply(params, h, t, mask, method="loss", deterministic=deterministic,
+                           rngs={"dropout": jax.random.key(4)})
+        return jnp.sum(loss), loss
+
+    (_, loss), g = jax.value_and_grad(total, has_aux=True)(h)
+    assert loss.shape == (B, L)
+    assert float(jnp.abs(jnp.where(mask, 0.0, loss)).max()) == 0.0
+    assert float(jnp.abs(jnp.where(mask[..., None], 0.0, g)).max()) == 0.0
+    assert bool(jnp.all(jnp.isfinite(loss)))
+
+
+def check_rejects_out_of_vocab(layer, *, vocab: int = V):
+    h, t = inputs(vocab=vocab)
+    params = init(layer, h, t)
+    bad = t.at[0, 0].set(vocab)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        layer.apply(params, h, bad, None, method="loss", rngs={"dropout": jax.random.key(4)})
