@@ -65,3 +65,26 @@ def test_train_bench_reports_mfu_and_relative_speed(tmp_path, monkeypatch):
     md = open(os.path.join(out, "results.md")).read()
     assert "MFU" in md and "relative to the dense Transformer" in md
     assert os.path.getsize(os.path.join(out, "train_encoder_steps.png")) > 0
+
+
+def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, monkeypatch):
+    from hpnlp.bench import softmax as bench_softmax
+    monkeypatch.setattr(harness, "torch_or_none", lambda: None)
+    out = str(tmp_path / "s")
+    payload = bench_softmax.run(out, quick=True, isolate=False, methods=["full"], vocabs=[256, 512])
+    rows = {(r["impl"], r["V"]): r for r in payload["results"]}
+    assert rows[("full", 512)]["status"] == "ok" and rows[("full", 512)]["gflops"] > 0
+    assert rows[(bench_softmax.TORCH_ADAPTIVE, 256)]["status"].startswith("skipped: torch")
+    assert payload["summary"]["speedup_vs_full"]["full"][256] == 1.0
+    for f in ("results.json", "results.md", "softmax_time.png", "softmax_memory.png"):
+        assert os.path.getsize(os.path.join(out, f)) > 0, f
+    assert "V = 512" in open(os.path.join(out, "results.md")).read()
+
+
+def test_time_jax_max_time_caps_repeats_of_slow_calls():
+    import time as _time
+
+    import jax
+    slow = lambda x: jax.pure_callback(lambda v: (_time.sleep(0.05), v)[1], x, x)  # noqa: E731
+    t = harness.time_jax(slow, jnp.ones(3), repeats=20, max_time_s=0.1)
+    assert 1 <= t.repeats <= 3

@@ -11,9 +11,9 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, train
+from hpnlp.bench import attention, softmax, train
 
-ENTRIES = {"attention": attention, "train": train}
+ENTRIES = {"attention": attention, "softmax": softmax, "train": train}
 
 
 def main(argv=None) -> None:

@@ -42,17 +42,22 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0) -> Timing:
+def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0,
+             max_time_s: float | None = None) -> Timing:
     """Time a jitted `fn(*args)`: compile first (timed separately), warm up, then repeat.
 
     `min_time_s` raises the repeat count for very fast functions so the median is not
-    noise, up to 50 repeats.
+    noise, up to 50 repeats; `max_time_s` lowers it (to at least 1) for calls so slow that
+    `repeats` of them would take longer, judged by the warm-up call.
     """
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
     for _ in range(warmup):
+        t = time.perf_counter()
         _block(compiled(*args))
+        if max_time_s is not None:
+            repeats = max(1, min(repeats, int(max_time_s / max(time.perf_counter() - t, 1e-9))))
     times: list[float] = []
     while len(times) < repeats or (sum(times) < min_time_s and len(times) < 50):
         t = time.perf_counter()

@@ -1,0 +1,253 @@
+"""`python -m hpnlp.bench softmax`: every registered output layer beside `full` and PyTorch.
+
+One training step of the output layer alone (loss forward + backward with respect to its
+parameters and the hidden states) for N tokens of width E over vocabularies V = 32K, 262K
+and 1M (N=8192, E=512), every method in `hpnlp.softmax.names()` and, when installed,
+PyTorch's `AdaptiveLogSoftmaxWithLoss` with the same cutoffs as `adaptive`, all in one run.
+Targets follow Zipf's law over frequency-sorted ids (as word tokens do) and the
+frequency-based methods get those counts. Times are medians (min, max); memory is the
+compiled executable's and the peak RSS of a fresh process per configuration. `full` also
+reports achieved GFLOP/s against this machine's matmul rate (6·N·V·E FLOPs per step).
+
+`--quality` instead trains the word-level LM on the shipped corpus once per method for the
+same wall-clock time as `full` and reports exact perplexity (see `quality.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp import softmax as softmax_lib
+from hpnlp.bench import harness, report
+
+TORCH_ADAPTIVE = "torch.AdaptiveLogSoftmaxWithLoss"
+REFERENCE = "full"
+
+
+def adaptive_cutoffs(V: int) -> list[int]:
+    """Shortlist V/128, then clusters up to V/16 and V/4 (with Zipf targets the shortlist
+    takes about 60% of tokens at V=262K)."""
+    return [V // 128, V // 16, V // 4]
+
+
+def bench_options(impl: str, V: int) -> dict:
+    """Per-method settings used in the benchmark (and the quality run): a budget of
+    negatives around V/32, capped at 8192, the paper defaults otherwise."""
+    negatives = min(8192, max(64, V // 32))
+    return {
+        "sampled": {"num_samples": negatives},
+        "nce": {"num_samples": negatives},
+        "negative_sampling": {"num_samples": negatives},
+        "adaptive": {"cutoffs": tuple(adaptive_cutoffs(V)), "div_value": 4.0},
+    }.get(impl, {})
+
+
+def _zipf_targets(V: int, N: int, seed: int = 0) -> np.ndarray:
+    p = 1.0 / np.arange(1, V + 1)
+    return np.random.default_rng(seed).choice(V, size=N, p=p / p.sum()).astype(np.int32)
+
+
+def _layer(impl: str, V: int, options: dict):
+    cls = softmax_lib.get(impl)
+    kw = dict(options)
+    if "counts" in cls.__dataclass_fields__:
+        kw["counts"] = softmax_lib.Frequencies.zipf(V)
+    return cls(vocab_size=V, **kw)
+
+
+def measure(spec: dict) -> dict:
+    """One (method, V) configuration; runs in the calling process."""
+    impl, V, N, E = spec["impl"], spec["V"], spec["N"], spec["E"]
+    out = {"impl": impl, "V": V, "status": "ok"}
+    targets = _zipf_targets(V, N)
+    hidden = np.random.default_rng(1).standard_normal((N, E)).astype(np.float32)
+    if impl == TORCH_ADAPTIVE:
+        torch = harness.torch_or_none()
+        if torch is None:
+            return {**out, "status": "skipped: torch not installed (pip install -e '.[bench]')"}
+        asm = torch.nn.AdaptiveLogSoftmaxWithLoss(E, V, adaptive_cutoffs(V), div_value=4.0)
+        h = torch.from_numpy(hidden).requires_grad_()
+        t = torch.from_numpy(targets.astype(np.int64))
+
+        def run():
+            asm.zero_grad(set_to_none=True)
+            asm(h, t).loss.backward()
+
+        out["time"] = harness.time_python(run, repeats=spec["repeats"], warmup=1, min_time_s=0.3).as_dict()
+    else:
+        layer = _layer(impl, V, spec["options"])
+        t_N = jnp.asarray(targets)
+        rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+        params = jax.jit(lambda h: layer.init(rngs, h, t_N[:8], None, method="loss",
+                                              deterministic=False))(jnp.asarray(hidden[:8]))
+
+        def step(params, h_NE, key):
+            def loss(params, h_NE):
+                l_N = layer.apply(params, h_NE, t_N, None, method="loss", deterministic=False,
+                                  rngs={"dropout": key})
+                return jnp.mean(l_N)
+            return jax.grad(loss, argnums=(0, 1))(params, h_NE)
+
+        args = (params, jnp.asarray(hidden), jax.random.key(2))
+        out["compiled_memory"] = harness.compiled_memory(step, *args)
+        out["time"] = harness.time_jax(step, *args, repeats=spec["repeats"], warmup=1,
+                                       min_time_s=0.3, max_time_s=spec.get("max_time_s")).as_dict()
+    if impl == REFERENCE:
+        out["gflops"] = 6.0 * N * V * E / out["time"]["median_s"] / 1e9
+    out["peak_rss_bytes"] = harness.peak_rss_bytes()
+    return out
+
+
+def _estimated_bytes(impl: str, V: int, N: int, E: int) -> float:
+    """Rough peak, to report what cannot fit instead of crashing the machine."""
+    table = 4.0 * V * E * 4  # params, gradient and two working copies
+    if impl == "hard_negative":  # scores every id for its top-k: O(N x V)
+        return table + 3.0 * 4 * N * V
+    return table
+
+
+def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list[str] | None = None,
+        vocabs: list[int] | None = None) -> dict:
+    N, E = (1024, 128) if quick else (8192, 512)
+    vocabs = vocabs or ([8192, 32768] if quick else [32768, 262144, 1048576])
+    repeats = 3 if quick else 5
+    isolate = (not quick) if isolate is None else isolate
+    names = methods or softmax_lib.names()
+    unknown = [m for m in names if m not in softmax_lib.names() and m != TORCH_ADAPTIVE]
+    if unknown:
+        raise SystemExit(f"unknown output layer(s) {unknown}; choose from {softmax_lib.names()}")
+    impls = [m for m in names if m != TORCH_ADAPTIVE] + [TORCH_ADAPTIVE]
+    os.makedirs(out_dir, exist_ok=True)
+    total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info = harness.machine_info()
+    rates = {"float32": harness.matmul_rate(jnp.float32)}
+    results = []
+    configs = [dict(impl=i, V=V, N=N, E=E, repeats=repeats, max_time_s=120.0,
+                    options=bench_options(i, V)) for V in vocabs for i in impls]
+    for spec in tqdm(configs, desc="softmax bench", dynamic_ncols=True):
+        head = {"impl": spec["impl"], "V": spec["V"], "options": spec["options"]}
+        need = _estimated_bytes(spec["impl"], spec["V"], N, E)
+        if need > 0.7 * total_mem:
+            results.append({**head, "status": f"skipped: needs ~{need / 2**30:.0f} GiB (machine has "
+                                              f"{total_mem / 2**30:.0f})"})
+            continue
+        if isolate:
+            res = {**head, **harness.isolated("hpnlp.bench.softmax", spec, timeout_s=1800)}
+        else:
+            try:
+                res = measure(spec)
+                res.pop("peak_rss_bytes", None)  # shared process: not per configuration
+            except Exception as e:  # report, never crash the whole run
+                res = {**head, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+            res = {**head, **res}
+        results.append(res)
+    payload = {"benchmark": "softmax", "machine": info, "matmul_gflops": rates,
+               "shape": {"N": N, "E": E}, "isolated": isolate, "results": results}
+    payload["summary"] = _summarize(payload, out_dir)
+    report.write(out_dir, "softmax", payload, _markdown(payload))
+    return payload
+
+
+def _get(results, impl, V):
+    for r in results:
+        if r["impl"] == impl and r["V"] == V and r.get("status") == "ok":
+            return r
+    return None
+
+
+def _summarize(payload: dict, out_dir: str) -> dict:
+    res = payload["results"]
+    impls = list(dict.fromkeys(r["impl"] for r in res))
+    vocabs = sorted({r["V"] for r in res})
+    speedup, vs_torch, series, mem = {}, {}, {}, {}
+    for impl in impls:
+        times = [(_get(res, impl, V) or {}).get("time", {}).get("median_s") for V in vocabs]
+        series[impl] = (vocabs, times)
+        mem[impl] = (vocabs, [((_get(res, impl, V) or {}).get("compiled_memory", {}).get("total_bytes")
+                               or 0) / 2**20 or None for V in vocabs])
+        for V, t in zip(vocabs, times):
+            ref, peer = _get(res, REFERENCE, V), _get(res, TORCH_ADAPTIVE, V)
+            if t and ref:
+                speedup.setdefault(impl, {})[V] = ref["time"]["median_s"] / t
+            if t and peer:
+                vs_torch.setdefault(impl, {})[V] = peer["time"]["median_s"] / t
+    shape = payload["shape"]
+    peak = payload["matmul_gflops"]["float32"] * 1e9
+    exps = report.scaling_plot(
+        os.path.join(out_dir, "softmax_time.png"), series, xlabel="vocabulary size V",
+        ylabel="seconds per step (median)",
+        title=f"output layer forward+backward, N={shape['N']} tokens, E={shape['E']}",
+        ceiling=(vocabs, [6.0 * shape["N"] * V * shape["E"] / peak for V in vocabs]),
+        ceiling_label="full softmax FLOPs at this machine's matmul rate")
+    report.scaling_plot(os.path.join(out_dir, "softmax_memory.png"), mem, xlabel="vocabulary size V",
+                        ylabel="MiB (compiled)", title="output layer forward+backward memory")
+    return {"speedup_vs_full": speedup, "speedup_vs_torch_adaptive": vs_torch, "exponents": exps}
+
+
+def _markdown(payload: dict) -> str:
+    res, shape, summ = payload["results"], payload["shape"], payload["summary"]
+    peak = payload["matmul_gflops"]["float32"]
+    parts = [report.header_md(payload["machine"], payload["matmul_gflops"]), "",
+             f"One output-layer training step (loss forward + backward w.r.t. parameters and "
+             f"hidden states), N={shape['N']} tokens, E={shape['E']}, float32, Zipf-distributed "
+             f"targets. Times: median (min–max) ms. Speedups are against `{REFERENCE}` (and "
+             f"`{TORCH_ADAPTIVE}`) at the same V in this run. Memory: compiled executable, and peak "
+             f"RSS of a fresh process ({'measured' if payload['isolated'] else 'not measured: --quick runs in one process'}).",
+             ""]
+    for V in sorted({r["V"] for r in res}):
+        rows = []
+        for r in (r for r in res if r["V"] == V):
+            t = r.get("time")
+            g = r.get("gflops")
+            opts = ", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items())
+            rows.append([f"`{r['impl']}`" + (f" ({opts})" if opts else ""),
+                         f"{report.fmt(t['median_s'], 'ms')} ({report.fmt(t['min_s'], 'ms')}–"
+                         f"{report.fmt(t['max_s'], 'ms')})" if t else r.get("status", "–"),
+                         report.fmt(summ["speedup_vs_full"].get(r["impl"], {}).get(V), "x"),
+                         report.fmt(summ["speedup_vs_torch_adaptive"].get(r["impl"], {}).get(V), "x"),
+                         report.fmt(r.get("compiled_memory", {}).get("total_bytes"), "MiB"),
+                         report.fmt(r.get("peak_rss_bytes"), "MiB"),
+                         f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "–"])
+        parts += [f"### V = {V}", "", report.table(
+            ["method", "step ms", f"speedup vs `{REFERENCE}`", "vs torch adaptive", "compiled MiB",
+             "peak RSS MiB", "GFLOP/s (% of matmul)"], rows), ""]
+    parts += ["### Scaling with V", "", report.table(
+        ["method", "time ~ V^k"], [[f"`{i}`", f"{e:.2f}" if e is not None else "–"]
+                                    for i, e in summ["exponents"].items()]), "",
+        "Plots: `softmax_time.png`, `softmax_memory.png`."]
+    return "\n".join(parts)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", default="", help="comma-separated output layers (default: all, "
+                   f"plus {TORCH_ADAPTIVE})")
+    p.add_argument("--vocabs", default="", help="comma-separated vocabulary sizes (default: "
+                   "32768,262144,1048576; 8192,32768 with --quick)")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="measure in this process (faster; no per-configuration peak RSS)")
+    p.add_argument("--quality", action="store_true",
+                   help="instead: train the word LM with each method for equal time, exact perplexity")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="--quality: training seconds per method (default 240, 20 with --quick)")
+
+
+def main(args) -> dict:
+    methods = [m for m in args.methods.split(",") if m] or None
+    if args.quality:
+        from hpnlp.bench import quality
+        return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds or None)
+    return run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
+               methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))
