@@ -11,9 +11,9 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, softmax, train
+from hpnlp.bench import attention, softmax, train, tricks
 
-ENTRIES = {"attention": attention, "softmax": softmax, "train": train}
+ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "tricks": tricks}
 
 
 def main(argv=None) -> None:

@@ -112,5 +112,34 @@ def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
         f"perplexity on {cfg.train.eval_batches} held-out batches.", "",
         report.table(["method", "perplexity", "vs full", f"within {WITHIN:.0%}", "steps",
                       "steps/s vs full"], rows)])
+    if full:
+        plot_tradeoff(os.path.join(out_dir, "softmax_quality.png"), results)
+        md += "\n\nPlot: `softmax_quality.png` (perplexity against speed)."
     report.write(out_dir, "softmax quality", payload, md)
     return payload
+
+
+def plot_tradeoff(path: str, results: list[dict]) -> None:
+    """Perplexity against steps/s relative to `full`, the 5% band shaded."""
+    import matplotlib.pyplot as plt
+    ok = [r for r in results if "speedup" in r]
+    full = next(r for r in ok if r["method"] == "full")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.axhspan(0, full["perplexity"] * (1 + WITHIN), color="tab:green", alpha=0.08,
+               label=f"within {WITHIN:.0%} of full")
+    for r in ok:
+        ax.scatter(r["speedup"], r["perplexity"], s=25)
+        ax.annotate(r["method"], (r["speedup"], r["perplexity"]), fontsize=8,
+                    xytext=(4, 3), textcoords="offset points")
+    ppl = [r["perplexity"] for r in ok]
+    ax.set_ylim(min(ppl) * 0.9, max(ppl) * 1.1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("training steps/s relative to full")
+    ax.set_ylabel("held-out perplexity (exact)")
+    ax.set_title("output layers at equal training time")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

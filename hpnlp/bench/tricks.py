@@ -1,0 +1,185 @@
+"""`python -m hpnlp.bench tricks`: the classic speed tricks of neural NLP, slow beside fast.
+
+Each trick is a pair of functions computing the same thing (the test suite checks they
+agree): the way a first implementation is usually written, and the way that is fast.
+Both run op by op ("eager", as in PyTorch or DyNet, where these tricks were learned) and,
+where the pair can be traced, under `jax.jit`, which shows how much of each trick the
+compiler recovers by itself from an unrolled loop (some, not all: the measured jit
+column is the answer on this machine). Host transfers and a loop over ragged examples
+cannot be traced into one program at all, so they are eager only.
+
+Shape letters: B examples, L words, E width, H hidden, V vocabulary, N vectors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp.bench import harness, report
+
+
+@dataclasses.dataclass(frozen=True)
+class Trick:
+    name: str
+    what: str  # one line: what is computed, and what the fast version does differently
+    inputs: Callable[[bool], tuple]  # quick -> args
+    slow: Callable
+    fast: Callable
+    jittable: bool = True
+
+
+# 1. Hoisting: a sentence-level vector combined with every word. The slow loop recomputes
+# the sentence projection for each word; the fast one computes it once per sentence.
+def _hoist_inputs(quick: bool):
+    L, E = (16, 32) if quick else (128, 512)
+    k = jax.random.split(jax.random.key(0), 4)
+    return (jax.random.normal(k[0], (L, E)), jax.random.normal(k[1], (E, E)) / E ** 0.5,
+            jax.random.normal(k[2], (E, E)) / E ** 0.5)
+
+
+def hoist_slow(words_LE, w_word_EE, w_sent_EE):
+    out = []
+    for i in range(words_LE.shape[0]):
+        sent_E = jnp.mean(words_LE, axis=0) @ w_sent_EE  # the same for every word
+        out.append(jnp.tanh(words_LE[i] @ w_word_EE + sent_E))
+    return jnp.stack(out)
+
+
+def hoist_fast(words_LE, w_word_EE, w_sent_EE):
+    sent_E = jnp.mean(words_LE, axis=0) @ w_sent_EE  # once per sentence
+    return jnp.tanh(words_LE @ w_word_EE + sent_E[None, :])
+
+
+# 2. One matrix-matrix product instead of one matrix-vector product per word.
+def _matmul_inputs(quick: bool):
+    L, E, H = (16, 32, 32) if quick else (256, 512, 512)
+    k = jax.random.split(jax.random.key(1), 2)
+    return jax.random.normal(k[0], (L, E)), jax.random.normal(k[1], (E, H)) / E ** 0.5
+
+
+def matvec_slow(x_LE, w_EH):
+    return jnp.stack([x_LE[i] @ w_EH for i in range(x_LE.shape[0])])
+
+
+def matvec_fast(x_LE, w_EH):
+    return x_LE @ w_EH
+
+
+# 3. One host-to-device transfer of the whole batch instead of one per word.
+def _transfer_inputs(quick: bool):
+    B, L = (4, 16) if quick else (64, 128)
+    return (np.random.default_rng(0).integers(0, 1000, size=(B, L)).astype(np.int32),)
+
+
+def transfer_slow(ids_BL):
+    rows = [jnp.stack([jax.device_put(ids_BL[b, i]) for i in range(ids_BL.shape[1])])
+            for b in range(ids_BL.shape[0])]
+    return jax.block_until_ready(jnp.stack(rows))
+
+
+def transfer_fast(ids_BL):
+    return jax.block_until_ready(jax.device_put(ids_BL))
+
+
+# 4. Bags of embeddings of different lengths: pad and mask instead of one example at a time.
+def _bags_inputs(quick: bool):
+    B, V, E, Lmax = (6, 50, 16, 9) if quick else (256, 10000, 256, 64)
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, Lmax + 1, size=B)
+    bags = [rng.integers(0, V, size=n).astype(np.int32) for n in lengths]
+    table_VE = jax.random.normal(jax.random.key(3), (V, E))
+    ids_BL = np.zeros((B, Lmax), np.int32)
+    for b, ids in enumerate(bags):
+        ids_BL[b, :len(ids)] = ids
+    return table_VE, tuple(bags), ids_BL, lengths.astype(np.int32)
+
+
+def bags_slow(table_VE, bags, ids_BL, lengths_B):
+    sums = [table_VE[jnp.asarray(ids)].sum(axis=0) for ids in bags]
+    means = [s / len(ids) for s, ids in zip(sums, bags)]
+    return jnp.stack(sums), jnp.stack(means)
+
+
+def bags_fast(table_VE, bags, ids_BL, lengths_B):
+    mask_BL = jnp.arange(ids_BL.shape[1])[None, :] < lengths_B[:, None]
+    emb_BLE = jnp.take(table_VE, ids_BL, axis=0) * mask_BL[..., None]
+    sum_BE = emb_BLE.sum(axis=1)
+    return sum_BE, sum_BE / lengths_B[:, None].astype(sum_BE.dtype)  # real length, not padded
+
+
+# 5. Scores of one vector against many: a batched dot product instead of multiply-and-sum.
+def _dots_inputs(quick: bool):
+    N, E = (64, 32) if quick else (50000, 512)
+    k = jax.random.split(jax.random.key(4), 2)
+    return jax.random.normal(k[0], (E,)), jax.random.normal(k[1], (N, E))
+
+
+def dots_slow(a_E, b_NE):
+    return jnp.sum(a_E[None, :] * b_NE, axis=-1)  # materializes the [N, E] product
+
+
+def dots_fast(a_E, b_NE):
+    return b_NE @ a_E
+
+
+TRICKS = (
+    Trick("hoist", "per-sentence projection computed once, not once per word",
+          _hoist_inputs, hoist_slow, hoist_fast),
+    Trick("matmul", "one [L,E]x[E,H] product instead of L [E]x[E,H] products",
+          _matmul_inputs, matvec_slow, matvec_fast),
+    Trick("transfer", "one host-to-device copy of the batch instead of one per word",
+          _transfer_inputs, transfer_slow, transfer_fast, jittable=False),
+    Trick("bags", "padded bags + mask (sum and length-correct mean) instead of a loop over examples",
+          _bags_inputs, bags_slow, bags_fast, jittable=False),
+    Trick("dots", "a @ B^T instead of elementwise multiply then sum",
+          _dots_inputs, dots_slow, dots_fast),
+)
+
+
+def run(out_dir: str, *, quick: bool) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    info = harness.machine_info()
+    results = []
+    for trick in tqdm(TRICKS, desc="tricks bench", dynamic_ncols=True):
+        args = trick.inputs(quick)
+        row = {"trick": trick.name, "what": trick.what}
+        for kind in ("slow", "fast"):
+            fn = getattr(trick, kind)
+            row[f"eager_{kind}"] = harness.time_python(lambda: jax.block_until_ready(fn(*args)),
+                                                       repeats=5, min_time_s=0.2).as_dict()
+            if trick.jittable:
+                row[f"jit_{kind}"] = harness.time_jax(fn, *args, repeats=5, min_time_s=0.2).as_dict()
+        row["eager_speedup"] = row["eager_slow"]["median_s"] / row["eager_fast"]["median_s"]
+        if trick.jittable:
+            row["jit_speedup"] = row["jit_slow"]["median_s"] / row["jit_fast"]["median_s"]
+        results.append(row)
+    payload = {"benchmark": "tricks", "machine": info, "quick": quick, "results": results}
+    rows = []
+    for r in results:
+        t = lambda k: report.fmt(r[k]["median_s"], "ms") if k in r else "–"  # noqa: E731
+        rows.append([f"`{r['trick']}`", r["what"], t("eager_slow"), t("eager_fast"),
+                     report.fmt(r["eager_speedup"], "x"), t("jit_slow"), t("jit_fast"),
+                     report.fmt(r.get("jit_speedup"), "x")])
+    md = "\n".join([report.header_md(info, {}), "",
+                    "Median ms; eager = op by op, jit = `jax.jit` of the same function.", "",
+                    report.table(["trick", "what", "eager slow", "eager fast", "eager speedup",
+                                  "jit slow", "jit fast", "jit speedup"], rows)])
+    report.write(out_dir, "tricks", payload, md)
+    return payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    del p  # no options beyond --out and --quick
+
+
+def main(args) -> dict:
+    return run(args.out, quick=args.quick)
+
