@@ -49,6 +49,7 @@ def test_tiny_run_learns_and_writes_everything(tmp_path):
     assert [l["step"] for l in evals] == [20, 40] and "accuracy" in evals[0]
     for l in train:
         assert {"loss", "grad_norm", "lr", "steps_per_sec", "tokens_per_sec"} <= set(l)
+        assert l["grad_norm_min"] <= l["grad_norm"] <= l["grad_norm_max"] and 0 <= l["clipped_frac"] <= 1
     assert summary["param_count"] > 0 and summary["throughput"]["tokens_per_sec"] > 0
     assert summary["peak_memory"]["host_peak_rss_bytes"] > 0
     data = summary["data"]  # packing: far less padding than padding each chunk would
@@ -68,7 +69,7 @@ def test_rerun_resumes_and_continues_exactly(tmp_path):
     a = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "split" / "metrics.jsonl")
     # Train lines match; the first half's end-of-run eval line (step 20) is extra.
-    train = lambda lines: [(l["step"], l["loss"]) for l in lines if not l.get("eval")]
+    train = lambda lines: [(l["step"], l["loss"], l["grad_norm_max"]) for l in lines if not l.get("eval")]
     assert train(a) == train(b)
 
 

@@ -147,7 +147,8 @@ class Trainer:
         # averages as an uninterrupted one.
         saved = loop.get("window") or {}
         window: dict[str, Any] = {"sums": saved.get("sums"), "n": saved.get("n", 0),
-                                  "t0": time.perf_counter()}
+                                  "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
+                                  "clipped": saved.get("clipped", 0), "t0": time.perf_counter()}
         timing = {"tokens": 0.0, "steps": 0, "t0": None}
         last_eval: dict = loop.get("last_eval") or {}
         stopped_early = bool(loop.get("stopped_early", False))
@@ -171,6 +172,12 @@ class Trainer:
                     "or check the data.")
             window["sums"] = m if window["sums"] is None else jax.tree.map(np.add, window["sums"], m)
             window["n"] += 1
+            # The gradient norm of every step (not only the window mean), so its usual range
+            # and its spikes are visible: TensorBoard gets each step, the log line the range.
+            g = float(m["grad_norm"])
+            window["gmin"], window["gmax"] = min(window["gmin"], g), max(window["gmax"], g)
+            window["clipped"] += int(bool(t.clip_norm) and g > t.clip_norm)
+            writer.scalar(step, "grad_norm_step", g)
             if timing["t0"] is not None and step > start + 1:
                 timing["tokens"] += float(m["tokens"])
             if step % t.log_every == 0 or step == t.steps:
@@ -179,11 +186,13 @@ class Trainer:
                 s = window["sums"]
                 line = finalize({**s, "grad_norm": s["grad_norm"] / window["n"],
                                  "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm)
-                line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
+                line.update(grad_norm_min=window["gmin"], grad_norm_max=window["gmax"],
+                            clipped_frac=window["clipped"] / window["n"],
+                            steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
                 writer.write(step, line)
                 bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
                                 tok_s=f"{line['tokens_per_sec']:.0f}")
-                window.update(sums=None, t0=now, n=0)
+                window.update(sums=None, t0=now, n=0, gmin=math.inf, gmax=0.0, clipped=0)
 
         def paused(seconds: float) -> None:
             """Eval and checkpoint time is not training time: keep it out of the rates."""
@@ -237,7 +246,8 @@ class Trainer:
                         do_ckpt = True
                 if do_ckpt:
                     win = None if window["sums"] is None else {
-                        "sums": {k: float(v) for k, v in window["sums"].items()}, "n": window["n"]}
+                        "sums": {k: float(v) for k, v in window["sums"].items()}, "n": window["n"],
+                        "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
                     self.checkpointer.save(step, state, self.train_iter.get_state(), {
                         "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
                         "last_eval": last_eval, "window": win})

@@ -1,6 +1,9 @@
 """Metrics to `metrics.jsonl` (one JSON object per logged step) and TensorBoard events.
 
-Train lines: `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "steps_per_sec": ...}`;
+Train lines: `{"step": s, "loss": ..., "grad_norm": ..., "grad_norm_min": ..., "grad_norm_max": ...,
+"clipped_frac": ..., "lr": ..., "steps_per_sec": ...}` (the gradient-norm range and the
+fraction of steps clipped over the log window; TensorBoard also gets `train/grad_norm_step`
+at every step);
 eval lines carry `"eval": true`. Only process 0 writes.
 """
 
@@ -53,6 +56,11 @@ class MetricWriter:
             if isinstance(v, (int, float)):
                 self.tb.add_scalar(prefix + k, v, step)
         self.tb.flush()
+
+    def scalar(self, step: int, name: str, value: float) -> None:
+        """A TensorBoard-only scalar (per-step series too dense for the JSON log)."""
+        if self.enabled:
+            self.tb.add_scalar("train/" + name, value, step)
 
     def close(self) -> None:
         if self.enabled:
