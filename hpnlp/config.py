@@ -39,8 +39,8 @@ def _check_positive(field: str, value: Any, *, allow_zero: bool = False) -> None
         _fail(field, value, "must be a number " + (">= 0" if allow_zero else "> 0"))
 
 
-# float16 needs dynamic loss scaling, which hpnlp does not have yet; bfloat16 does not.
-DTYPES = ("float32", "bfloat16")
+# float16 compute turns on dynamic loss scaling (train.loss_scale_*); bfloat16 needs none.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,11 @@ class TrainConfig:
     # Random-feature attention (Performer) draws its features from the `features` RNG
     # stream, redrawn every this many steps (eval uses the current draw); 0 = never.
     feature_redraw_every: int = 1000
+    # Dynamic loss scaling, active only when model.dtype = "float16": gradients of
+    # loss * scale; a step whose gradients overflow is skipped and halves the scale, and
+    # `loss_scale_period` good steps in a row double it (Micikevicius et al. 2018).
+    loss_scale_init: float = 2.0**15
+    loss_scale_period: int = 2000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +248,9 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_choice("model.pool", m.pool, ("mean", "first"))
     _check_choice("model.param_dtype", m.param_dtype, DTYPES)
     _check_choice("model.dtype", m.dtype, DTYPES)
+    if m.param_dtype == "float16":
+        _fail("model.param_dtype", m.param_dtype, "float16 master weights lose small updates; keep "
+              "model.param_dtype='float32' and set model.dtype='float16' (loss scaling is automatic)")
     _check_choice("model.remat", m.remat, ("none", "full", "dots_saveable"))
 
     # Attention: registry name, options, and the variant's own shape rules.
@@ -273,7 +281,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_options("output.options", cfg.output.options, softmax.get(cfg.output.name))
 
     # Training.
-    for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints",
+                 "loss_scale_init", "loss_scale_period"):
         _check_positive(f"train.{name}", getattr(t, name))
     for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every",
                  "clip_norm", "weight_decay", "early_stopping_patience", "feature_redraw_every"):

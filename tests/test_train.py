@@ -216,3 +216,38 @@ print("OK")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_float16_dynamic_loss_scaling_skips_overflow_and_adapts(tmp_path):
+    """float16 compute: an overflowing scale skips the step (state unchanged) and halves;
+    clean steps train with float32 master weights, and a full period of them doubles it."""
+    cd = tiny(steps=40, loss_scale_init=2.0**24, loss_scale_period=3)  # 2^24 overflows float16 grads
+    cd.model.dtype = "float16"
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    state, _ = tr.initial_state()
+    scales, skipped = [], []
+    with tr._context():
+        for _ in range(40):
+            before = jax.tree.map(np.asarray, state.params)  # the step donates its input
+            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            scales.append(float(m["loss_scale"]))
+            skipped.append(bool(m["skipped"]))
+            assert float(m["finite"]) == 1.0 and np.isfinite(float(m["loss"]))
+            if skipped[-1]:
+                jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+    assert skipped[0] and float(state.loss_scale) < 2.0**24
+    for i in range(39):  # the scale's rule, step by step
+        if skipped[i]:
+            assert scales[i + 1] == scales[i] / 2
+    runs = [i for i in range(2, 39) if not any(skipped[i - 2:i + 1])]  # 3 clean steps ending at i
+    assert runs, skipped
+    assert scales[runs[0] + 1] == 2 * scales[runs[0]]
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+
+
+def test_float16_master_weights_are_refused():
+    from hpnlp.config import ConfigError, validate
+    cd = tiny()
+    cd.model.param_dtype = "float16"
+    with pytest.raises(ConfigError, match="model.param_dtype"):
+        validate(from_configdict(cd))

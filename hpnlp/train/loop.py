@@ -83,7 +83,9 @@ class Trainer:
         counts = self.task.token_counts
         model = models.build(cfg, deterministic=False, token_counts=counts)
         self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
-        init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len))
+        scale = cfg.train.loss_scale_init if cfg.model.dtype == "float16" else None
+        init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len),
+                                      loss_scale=scale)
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
             self.state_sharding = state_shardings(abstract, self.mesh)
@@ -186,6 +188,8 @@ class Trainer:
                 s = window["sums"]
                 line = finalize({**s, "grad_norm": s["grad_norm"] / window["n"],
                                  "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm)
+                if "loss_scale" in m:  # float16: the current scale and the steps it skipped
+                    line.update(loss_scale=float(m["loss_scale"]), skipped_steps=int(s["skipped"]))
                 line.update(grad_norm_min=window["gmin"], grad_norm_max=window["gmax"],
                             clipped_frac=window["clipped"] / window["n"],
                             steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)

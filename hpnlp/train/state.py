@@ -23,6 +23,10 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32 key data of the run's base key
+    # Dynamic loss scaling (float16 compute only; None otherwise): the current scale and
+    # the number of overflow-free steps since it last changed.
+    loss_scale: Any = None  # float32 []
+    good_steps: Any = None  # int32 []
 
     def step_key(self) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
@@ -61,13 +65,18 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def init_state(model, tx, rng: jax.Array, batch) -> TrainState:
-    """Parameters and optimizer state (still boxed with logical axis names)."""
+def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None) -> TrainState:
+    """Parameters and optimizer state (still boxed with logical axis names).
+
+    `loss_scale`: the initial dynamic loss scale (float16 compute), None for no scaling.
+    """
     params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
     params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
     import flax.linen as nn
     # From the boxed params: Adam moments inherit the logical axis names, so FSDP / tensor
     # rules shard them like the parameters instead of replicating them.
     opt_state = tx.init(params)
+    scaling = {} if loss_scale is None else {"loss_scale": jnp.asarray(loss_scale, jnp.float32),
+                                             "good_steps": jnp.zeros((), jnp.int32)}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      rng=jax.random.key_data(run_rng))
+                      rng=jax.random.key_data(run_rng), **scaling)

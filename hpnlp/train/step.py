@@ -27,31 +27,33 @@ def _split_microbatches(batch, n: int):
 def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
     schedule = learning_rate_schedule(t)
 
-    def sum_loss(params, batch, rng, features):
+    def sum_loss(params, batch, rng, features, scale):
         sums = model.apply({"params": params}, batch, rngs={"dropout": rng, "features": features})
-        return sums["loss"], sums
+        return sums["loss"] * scale, sums
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
 
     def train_step(state: TrainState, batch):
         rng = state.step_key()
         features = state.features_key(t.feature_redraw_every)
+        scaling = state.loss_scale is not None
+        scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
         if t.grad_accum == 1:
-            (_, sums), grads = grad_fn(state.params, batch, rng, features)
+            (_, sums), grads = grad_fn(state.params, batch, rng, features, scale)
         else:
             micro = _split_microbatches(batch, t.grad_accum)
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             (_, sums0), _ = jax.eval_shape(grad_fn, state.params,
-                                           jax.tree.map(lambda x: x[0], micro), rng, features)
+                                           jax.tree.map(lambda x: x[0], micro), rng, features, scale)
             init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums0))
 
             def body(carry, xs):
                 i, mb = xs
-                (_, s), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), features)
+                (_, s), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), features, scale)
                 return jax.tree.map(jnp.add, carry, (g, s)), None
 
             (grads, sums), _ = jax.lax.scan(body, init, (jnp.arange(t.grad_accum), micro))
-        denom = jnp.maximum(sums["weight"], 1.0)
+        denom = jnp.maximum(sums["weight"], 1.0) * scale
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -60,12 +62,28 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
         # whose update blew up even when this step's loss was still finite.
         all_finite = lambda tree: jnp.all(jnp.asarray(
             [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+        grads_ok = all_finite(grads)
+        extra, new = {}, {}
+        if scaling:
+            # An overflow under scaling is expected, not fatal: skip the update, halve the
+            # scale; after `loss_scale_period` clean steps, try double.
+            keep = lambda new_tree, old_tree: jax.tree.map(  # noqa: E731
+                lambda a, b: jnp.where(grads_ok, a, b), new_tree, old_tree)
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            good = jnp.where(grads_ok, state.good_steps + 1, 0)
+            grow = good >= t.loss_scale_period
+            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
+                                           jnp.maximum(scale / 2, 1.0)),
+                   "good_steps": jnp.where(grow, 0, good)}
+            extra = {"loss_scale": scale, "skipped": 1.0 - grads_ok.astype(jnp.float32)}
+            grads_ok = jnp.ones((), bool)  # a skipped step leaves the state as it was: finite
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
-        metrics = dict(sums, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
-                       finite=(all_finite(grads) & all_finite(params)).astype(jnp.float32),
+        metrics = dict(sums, **extra, grad_norm=optax.tree.norm(grads),
+                       param_norm=optax.tree.norm(params),
+                       finite=(grads_ok & all_finite(params)).astype(jnp.float32),
                        tokens=tokens, lr=schedule(state.step))
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **new), metrics
 
     return train_step
 
@@ -87,7 +105,7 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     if lm:
         import math
         out["ppl"] = math.exp(min(out["loss"], 50.0))
-    for k in ("grad_norm", "param_norm", "lr"):
+    for k in ("grad_norm", "param_norm", "lr", "loss_scale"):
         if k in sums:
             out[k] = float(sums[k])
     return out
