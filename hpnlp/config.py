@@ -46,6 +46,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
+    arch: str = "transformer"  # "transformer" | "lstm" | "gru" (recurrent: see `cfg.rnn`)
     width: int = 128  # d_model
     depth: int = 2  # number of Transformer blocks
     num_heads: int = 4
@@ -74,6 +75,24 @@ class OutputConfig:
     name: str = "full"
     tie_embeddings: bool = False
     options: Mapping[str, Any] = dataclasses.field(default_factory=flax.core.FrozenDict)
+
+
+@dataclasses.dataclass(frozen=True)
+class RNNConfig:
+    """Recurrent trunks (model.arch = "lstm" | "gru"): model.width is the hidden size,
+    model.depth the number of layers, model.dropout standard dropout of the embeddings
+    and between layers. Rates are probabilities; all off at evaluation."""
+
+    combine: str = "last"  # "last" layer's outputs | "sum" of all layers | "residual"
+    layer_norm: bool = False  # layer-normalized gates (Ba et al. 2016)
+    bidirectional: bool = False  # encoders only (classifier, dual encoder)
+    learned_init: bool = False  # learned initial state instead of zeros
+    variational_dropout: float = 0.0  # one mask per sequence on inputs/outputs (Gal & Ghahramani)
+    state_dropout: float = 0.0  # one mask per sequence on h_{t-1} in the recurrence
+    recurrent_dropout: float = 0.0  # on the cell update, per step (Semeniuta et al.)
+    zoneout: float = 0.0  # keep units' previous values (Krueger et al.)
+    weight_drop: float = 0.0  # DropConnect on the recurrent matrix (Wan et al.; AWD-LSTM)
+    unroll: int = 1  # lax.scan unroll factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +170,7 @@ class Config:
     train: TrainConfig
     data: DataConfig
     mesh: MeshConfig
+    rnn: RNNConfig = RNNConfig()
     seed: int = 0
     name: str = "experiment"
 
@@ -161,6 +181,7 @@ _GROUPS = {
     "output": OutputConfig,
     "train": TrainConfig,
     "data": DataConfig,
+    "rnn": RNNConfig,
     "mesh": MeshConfig,
 }
 
@@ -252,6 +273,17 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.param_dtype", m.param_dtype, "float16 master weights lose small updates; keep "
               "model.param_dtype='float32' and set model.dtype='float16' (loss scaling is automatic)")
     _check_choice("model.remat", m.remat, ("none", "full", "dots_saveable"))
+    _check_choice("model.arch", m.arch, ("transformer", "lstm", "gru"))
+    r = cfg.rnn
+    _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
+    for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):
+        rate = getattr(r, name)
+        if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
+            _fail(f"rnn.{name}", rate, "must be a probability in [0, 1)")
+    _check_positive("rnn.unroll", r.unroll)
+    if m.arch != "transformer" and m.kind == "lm" and r.bidirectional:
+        _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
+              "layers are for model.kind='classifier' or 'dual_encoder'")
 
     # Attention: registry name, options, and the variant's own shape rules.
     if cfg.attention.name not in attention.names():

@@ -43,8 +43,21 @@ def _output_layer(cfg: Config, embed: nn.Module | None, token_counts=None):
     return cls(**kwargs, name="output")
 
 
+def make_trunk(cfg: Config, *, causal: bool, deterministic: bool, decode: bool = False):
+    """The Transformer trunk, or the recurrent one for model.arch = "lstm" | "gru"."""
+    if cfg.model.arch == "transformer":
+        return Trunk(cfg.model, cfg.attention, causal=causal, deterministic=deterministic,
+                     decode=decode)
+    if decode:
+        raise ValueError(f"incremental decoding (generate) is implemented for Transformer LMs; "
+                         f"model.arch={cfg.model.arch!r} has no decode cache yet")
+    from hpnlp.models.recurrent import RNNTrunk
+    return RNNTrunk(cfg.model, cfg.rnn, deterministic=deterministic)
+
+
 class TransformerLM(nn.Module):
-    """Decoder-only causal LM. Batches: inputs, targets, segment_ids, positions [B, L]."""
+    """Causal LM (decoder-only Transformer, or an LSTM/GRU for model.arch="lstm"|"gru").
+    Batches: inputs, targets, segment_ids, positions [B, L]."""
 
     cfg: Config
     deterministic: bool = True
@@ -54,8 +67,8 @@ class TransformerLM(nn.Module):
     def setup(self):
         m = self.cfg.model
         self.embed = make_embed(m)
-        self.trunk = Trunk(m, self.cfg.attention, causal=True, deterministic=self.deterministic,
-                           decode=self.decode)
+        self.trunk = make_trunk(self.cfg, causal=True, deterministic=self.deterministic,
+                                decode=self.decode)
         self.output = _output_layer(self.cfg, self.embed, self.token_counts)
         if self.decode:
             self.position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
@@ -117,7 +130,7 @@ class Classifier(nn.Module):
     def setup(self):
         m = self.cfg.model
         self.embed = make_embed(m)
-        self.trunk = Trunk(m, self.cfg.attention, causal=False, deterministic=self.deterministic)
+        self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
         pdt = dtypes(m)[1]
         self.head = nn.Dense(m.num_classes, dtype=jnp.float32, param_dtype=pdt,
                              kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
@@ -145,7 +158,7 @@ class DualEncoder(nn.Module):
         m = self.cfg.model
         pdt = dtypes(m)[1]
         self.embed = make_embed(m)
-        self.trunk = Trunk(m, self.cfg.attention, causal=False, deterministic=self.deterministic)
+        self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
         dense = lambda n, name: nn.Dense(n, dtype=jnp.float32, param_dtype=pdt, name=name,
                                          kernel_init=_init(nn.initializers.lecun_normal(), (None, None)),
                                          bias_init=_init(nn.initializers.zeros, (None,)))
