@@ -1,0 +1,427 @@
+"""Ensembles: seeds trained together under `vmap`, checkpoint ensembles, weight averaging.
+
+Three ways to combine several sets of weights, all evaluated the same way (each member,
+the members' mean, and the ensemble):
+
+* **Seed ensemble** (`EnsembleTrainer`; Lakshminarayanan et al. 2017, "Simple and Scalable
+  Predictive Uncertainty Estimation using Deep Ensembles"). M members with their own init
+  and dropout streams train in one jitted step: the one idea that makes it cheap is
+  `jax.vmap` of the plain train step over a TrainState whose params, optimizer state and
+  RNG carry a leading member axis, so M small models fill the device as one batched model
+  and every member sees the same batches. Member i is *exactly* the plain run with
+  `seed = cfg.seed + i` (same init key, same dropout key, same data): member 0 of any
+  ensemble is the plain run of `cfg.seed`. Seeds therefore overlap between ensembles of
+  neighbouring `cfg.seed`s; space them by >= M for disjoint ensembles.
+* **Checkpoint ensemble** (`checkpoint_ensemble`; Huang et al. 2017, "Snapshot Ensembles"):
+  the last K checkpoints of one plain run, each evaluated, and their predictions averaged.
+* **Weight averaging** (`weight_average`; Vaswani et al. 2017 average the last checkpoints'
+  weights; Polyak & Juditsky 1992): one model whose params are the uniform mean of the
+  last K checkpoints' params - the cost of one model at eval time.
+
+The ensemble predicts the mean of the members' probabilities, log p = logsumexp_m(log p_m)
+- log M. Its NLL is never above the members' mean NLL (Jensen: -log is convex); its
+accuracy can be either side. The eval step runs members one after another under
+`lax.scan`, keeping a running `logaddexp`, so memory does not grow with M.
+
+    python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
+        --workdir /tmp/hpnlp/ens --members 3            # train a 3-seed ensemble
+    python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
+        --workdir /tmp/hpnlp/smoke --from_checkpoints 2 \\
+        --config.train.keep_checkpoints=2               # combine an existing plain run
+
+Both print a table and write `ensemble.json` in the workdir.
+
+Shape letters: M members (or checkpoints); P prediction sites, [B, L] tokens for the LM
+or [B] examples for classifiers (one or two axes); O outcomes (V vocabulary or C classes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hpnlp import data as data_lib
+from hpnlp import models
+from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
+from hpnlp.train.checkpoint import CheckpointMismatch
+from hpnlp.train.loop import Trainer, _global
+from hpnlp.train.state import TrainState, make_optimizer
+from hpnlp.train.step import finalize, make_train_step
+
+MEMBERS_FILE = "members.json"  # in an ensemble's workdir: {"members": M, "seeds": [...]}
+
+
+class NotEnoughCheckpoints(ValueError):
+    """A checkpoint ensemble asked for more checkpoints than the run kept."""
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation of stacked members
+
+
+def _targets(kind: str, batch) -> tuple[jax.Array, jax.Array]:
+    """(target_P, weight_P) of a batch: next tokens and real-token mask, or label and weight."""
+    if kind == "lm":
+        return batch["targets"], (batch["segment_ids"] > 0).astype(jnp.float32)
+    return batch["label"], batch["weight"].astype(jnp.float32)
+
+
+def _sums(logp_PO, target_P, weight_P) -> dict:
+    """Summed NLL, correct predictions and weight: the keys `finalize` reads."""
+    nll_P = -jnp.take_along_axis(logp_PO, target_P[..., None], axis=-1)[..., 0]
+    correct_P = (jnp.argmax(logp_PO, axis=-1) == target_P).astype(jnp.float32)
+    real_P = weight_P > 0
+    return {"loss": jnp.sum(jnp.where(real_P, nll_P * weight_P, 0.0)),
+            "correct": jnp.sum(jnp.where(real_P, correct_P * weight_P, 0.0)),
+            "weight": jnp.sum(weight_P)}
+
+
+def make_ensemble_eval_step(model, t: TrainConfig, kind: str):
+    """eval_step(members, batch) -> {"members": sums with [M] leaves, "ensemble": sums}.
+
+    `members` is a TrainState whose step, params and rng all have a leading member axis
+    (opt_state is not read). `kind` is the task kind: "lm", "classify" or "match". Each
+    member's log-probabilities are the normalized ones its plain `evaluate` scores.
+    """
+    def log_probs(member: TrainState, batch):
+        rngs = {"features": member.features_key(t.feature_redraw_every)}
+        variables = {"params": member.params}
+        if kind == "lm":
+            logp = model.apply(variables, batch, method="log_probs", rngs=rngs)
+        else:
+            logits = model.apply(variables, batch, method="logits", rngs=rngs)
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return logp.astype(jnp.float32)
+
+    def eval_step(members: TrainState, batch):
+        target_P, weight_P = _targets(kind, batch)
+        members = TrainState(step=members.step, params=members.params, opt_state=None,
+                             rng=members.rng)  # what evaluation reads
+        num = members.step.shape[0]
+
+        def one(logsum_PO, member):
+            logp_PO = log_probs(member, batch)
+            return jnp.logaddexp(logsum_PO, logp_PO), _sums(logp_PO, target_P, weight_P)
+
+        shape = jax.eval_shape(log_probs, jax.tree.map(lambda x: x[0], members), batch)
+        init_PO = jnp.full(shape.shape, -jnp.inf, jnp.float32)
+        logsum_PO, per_member = jax.lax.scan(one, init_PO, members)
+        ensemble_PO = logsum_PO - jnp.log(jnp.float32(num))
+        return {"members": per_member, "ensemble": _sums(ensemble_PO, target_P, weight_P)}
+
+    return eval_step
+
+
+def _eval_sums(trainer: Trainer, eval_step, state) -> dict:
+    """Trainer.evaluate's pass over the eval split with another step; host sums."""
+    cfg = trainer.cfg
+    it = data_lib.make_iterator(trainer.task, cfg.data, split="eval",
+                                batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
+                                **trainer.iter_args)
+    total = None
+    with trainer._context():
+        for i, batch in enumerate(it):
+            if cfg.train.eval_batches and i >= cfg.train.eval_batches:
+                break
+            sums = eval_step(state, _global(batch, trainer.batch_sharding))
+            total = sums if total is None else jax.tree.map(np.add, total, sums)
+    return jax.device_get(total)
+
+
+def _report(sums: dict, *, lm: bool) -> dict:
+    """Host sums -> {ensemble metrics at top level, "members": [...], "member_mean": {...}}.
+
+    The ensemble's metrics sit at the top level so the training loop logs them and early
+    stopping watches them like a plain run's.
+    """
+    num = len(sums["members"]["weight"])
+    members = [finalize({k: v[i] for k, v in sums["members"].items()}, lm=lm) for i in range(num)]
+    mean = {k: float(np.mean([m[k] for m in members])) for k in members[0]}
+    return {**finalize(sums["ensemble"], lm=lm), "members": members, "member_mean": mean}
+
+
+def _stacked(sharding: NamedSharding) -> NamedSharding:
+    """The same layout with an unsharded leading member axis."""
+    return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+
+
+def _stack(*trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _member_fields() -> list[str]:
+    """TrainState fields with a member axis: all but the shared step counter (params,
+    opt_state, rng, and any per-member extras such as a dynamic loss scale)."""
+    return [f.name for f in dataclasses.fields(TrainState) if f.name != "step"]
+
+
+# ---------------------------------------------------------------------------------------
+# Seed ensemble
+
+
+def _reduce_members(metrics: dict) -> dict:
+    """[M] train metrics -> the scalars `Trainer.run` logs: the members' mean loss (summed
+    loss over summed weight; every member saw the same batch), mean norms, and `finite`
+    only if every member is finite."""
+    out = {}
+    for k, v in metrics.items():
+        if k in ("tokens", "lr"):  # the same for every member
+            out[k] = v[0]
+        elif k in ("grad_norm", "param_norm", "loss_scale"):
+            out[k] = jnp.mean(v)
+        elif k == "finite":
+            out[k] = jnp.min(v)
+        else:  # additive: the model's sums (loss, weight, correct), skipped member-steps
+            out[k] = jnp.sum(v)
+    return out
+
+
+def _check_members_file(workdir: str, members: int) -> None:
+    """Refuse a workdir whose checkpoints hold another number of members (or a plain run)."""
+    ckpt = os.path.join(workdir, "checkpoints")
+    has_ckpts = os.path.isdir(ckpt) and any(d.isdigit() for d in os.listdir(ckpt))
+    path = os.path.join(workdir, MEMBERS_FILE)
+    saved = None
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)["members"]
+    if has_ckpts and saved != members:
+        what = "a plain run" if saved is None else f"a {saved}-member ensemble"
+        hint = "" if saved is None else f", or --members {saved} to resume it"
+        raise CheckpointMismatch(
+            f"workdir {workdir} holds checkpoints of {what}, not of a {members}-member "
+            f"ensemble; use a new --workdir{hint}.")
+
+
+class EnsembleTrainer(Trainer):
+    """`members` seeds trained as one vmapped model; `run()` is `Trainer.run`.
+
+    The state is a TrainState whose fields have a leading [M] axis, all but the shared
+    step. Train metrics are the members' mean (grad_norm, and so clipped_frac, of the mean
+    gradient norm; float16's skipped_steps count member-steps); `evaluate` reports every
+    member, their mean and the ensemble (top level). Checkpoints hold the stacked state, so
+    a rerun resumes all members; `members.json` in the workdir records M. `param_count` in
+    the summary counts all members.
+    """
+
+    def __init__(self, cfg: Config, workdir: str, members: int):
+        if not isinstance(members, int) or members < 1:
+            raise ValueError(f"members = {members!r}: an ensemble needs an integer >= 1")
+        _check_members_file(workdir, members)
+        super().__init__(cfg, workdir)
+        cfg = self.cfg
+        self.members = members
+        self.seeds = [cfg.seed + i for i in range(members)]
+        # The plain trainer's pieces stay, for one member: init and evaluate.
+        self.member_sharding = single = self.state_sharding
+        self._member_init = self._init
+        fields = _member_fields()
+        self.state_sharding = single.replace(
+            **{k: jax.tree.map(_stacked, getattr(single, k)) for k in fields})
+        stack = lambda a, s: jax.ShapeDtypeStruct((members,) + a.shape, a.dtype, sharding=s)
+        abstract, sharding = self.abstract_state, self.state_sharding
+        self.abstract_state = abstract.replace(
+            **{k: jax.tree.map(stack, getattr(abstract, k), getattr(sharding, k)) for k in fields})
+        model = models.build(cfg, deterministic=False, token_counts=self.task.token_counts)
+        axes = TrainState(step=None, **{k: None if getattr(abstract, k) is None else 0
+                                        for k in fields})
+        vstep = jax.vmap(make_train_step(model, make_optimizer(cfg.train), cfg.train),
+                         in_axes=(axes, None), out_axes=(axes, 0))
+        estep = make_ensemble_eval_step(self.eval_model, cfg.train, self.task.kind)
+
+        def train_step(state, batch):
+            state, metrics_M = vstep(state, batch)
+            return state, _reduce_members(metrics_M)
+
+        with self._context():
+            self.train_step = jax.jit(
+                train_step, in_shardings=(self.state_sharding, self.batch_sharding),
+                out_shardings=(self.state_sharding, None), donate_argnums=0)
+            self._stack_members = jax.jit(
+                lambda *states: states[0].replace(
+                    **{k: _stack(*(getattr(s, k) for s in states)) for k in fields}),
+                out_shardings=self.state_sharding)
+            self.ensemble_eval_step = jax.jit(
+                lambda state, batch: estep(
+                    state.replace(step=jnp.broadcast_to(state.step, (members,))), batch),
+                in_shardings=(self.state_sharding, self.batch_sharding))
+            self._take = jax.jit(
+                lambda state, i: state.replace(
+                    **{k: jax.tree.map(lambda x: x[i], getattr(state, k)) for k in fields}),
+                out_shardings=single)
+        if jax.process_index() == 0:
+            os.makedirs(workdir, exist_ok=True)
+            path = os.path.join(workdir, MEMBERS_FILE)
+            with open(path + ".tmp", "w") as f:
+                json.dump({"members": members, "seeds": self.seeds}, f)
+            os.replace(path + ".tmp", path)
+
+    def initial_state(self):
+        """(stacked state, loop_state): restored from the newest checkpoint, or member i
+        initialized exactly as the plain run with seed cfg.seed + i."""
+        if self.checkpointer.latest_step() is not None:
+            return super().initial_state()
+        with self._context():
+            states = [self._member_init(jax.random.key(s)) for s in self.seeds]
+            return self._stack_members(*states), {}
+
+    def member_state(self, state, i: int) -> TrainState:
+        """Member i of a stacked state, as the plain TrainState of its own run."""
+        with self._context():
+            return self._take(state, jnp.int32(i))
+
+    def evaluate(self, state) -> dict:
+        return _report(_eval_sums(self, self.ensemble_eval_step, state), lm=self.lm)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoint ensemble and weight averaging of a plain run
+
+
+def _restore_last(cfg, workdir: str, last_k: int):
+    """(trainer, steps, states) of the last `last_k` checkpoints of a plain run."""
+    if not isinstance(cfg, Config):
+        cfg = from_configdict(cfg)
+    if not isinstance(last_k, int) or last_k < 1:
+        raise ValueError(f"last_k = {last_k!r}: the number of checkpoints to combine must be >= 1")
+    keep = cfg.train.keep_checkpoints
+    if keep < last_k:
+        raise ConfigError(
+            f"config field `train.keep_checkpoints` = {keep} is not allowed: a run keeps only its "
+            f"last {keep} checkpoints, fewer than the {last_k} asked for; train with "
+            f"--config.train.keep_checkpoints={last_k} (or more), or combine at most {keep}")
+    if os.path.exists(os.path.join(workdir, MEMBERS_FILE)):
+        raise CheckpointMismatch(
+            f"workdir {workdir} holds a seed ensemble (EnsembleTrainer); checkpoint ensembles and "
+            "weight averages combine the checkpoints of a plain run (python -m hpnlp.main)")
+    if not os.path.exists(os.path.join(workdir, "config.json")):
+        raise NotEnoughCheckpoints(
+            f"no run in workdir {workdir} (no config.json): train one there first with "
+            "python -m hpnlp.main --workdir ...")
+    trainer = Trainer(cfg, workdir)
+    steps = sorted(trainer.checkpointer.manager.all_steps())
+    if len(steps) < last_k:
+        trainer.checkpointer.close()
+        raise NotEnoughCheckpoints(
+            f"workdir {workdir} has {len(steps)} checkpoint(s) (steps {steps}), fewer than the "
+            f"{last_k} asked for; combine fewer, or train longer or with a smaller "
+            "train.checkpoint_every")
+    steps = steps[-last_k:]
+    states = [trainer.checkpointer.restore(s, trainer.abstract_state)[0] for s in steps]
+    trainer.checkpointer.close()
+    return trainer, steps, states
+
+
+def _ensemble_of(trainer: Trainer, states) -> dict:
+    single = trainer.state_sharding
+    stacked = TrainState(step=_stacked(single.step), params=jax.tree.map(_stacked, single.params),
+                         opt_state=None, rng=_stacked(single.rng))
+    estep = make_ensemble_eval_step(trainer.eval_model, trainer.cfg.train, trainer.task.kind)
+    with trainer._context():
+        members = jax.jit(lambda *s: TrainState(
+            step=_stack(*(x.step for x in s)), params=_stack(*(x.params for x in s)),
+            opt_state=None, rng=_stack(*(x.rng for x in s))), out_shardings=stacked)(*states)
+        step = jax.jit(estep, in_shardings=(stacked, trainer.batch_sharding))
+    return _report(_eval_sums(trainer, step, members), lm=trainer.lm)
+
+
+def checkpoint_ensemble(cfg, workdir: str, last_k: int) -> dict:
+    """Evaluate the last `last_k` checkpoints of the plain run in `workdir` and the mean of
+    their predictions: {ensemble metrics, "members", "member_mean", "steps"}."""
+    trainer, steps, states = _restore_last(cfg, workdir, last_k)
+    return {**_ensemble_of(trainer, states), "steps": steps}
+
+
+def weight_average(cfg, workdir: str, last_k: int):
+    """-> (report, params): the uniform mean of the last `last_k` checkpoints' params,
+    evaluated. `report` is `checkpoint_ensemble`'s (the members come from the same pass)
+    plus "weight_average": the averaged model's metrics. Params average in float32."""
+    trainer, steps, states = _restore_last(cfg, workdir, last_k)
+    report = {**_ensemble_of(trainer, states), "steps": steps}
+    mean = lambda *xs: (sum(x.astype(jnp.float32) for x in xs) / len(xs)).astype(xs[0].dtype)
+    with trainer._context():
+        params = jax.jit(lambda *p: jax.tree.map(mean, *p),
+                         out_shardings=trainer.state_sharding.params)(*(s.params for s in states))
+    # The newest checkpoint's step and RNG: random-feature layers use its current draw.
+    report["weight_average"] = trainer.evaluate(states[-1].replace(params=params))
+    return report, params
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def format_table(report: dict) -> str:
+    """Member / mean / ensemble (/ weight average) rows of a report, one per line."""
+    cols = [k for k in ("loss", "accuracy", "ppl") if k in report]
+    labels = ([f"seed {s}" for s in report["seeds"]] if "seeds" in report
+              else [f"step {s}" for s in report["steps"]])
+    rows = list(zip(labels, report["members"])) + [("member mean", report["member_mean"]),
+                                                   ("ensemble", report)]
+    if "weight_average" in report:
+        rows.append(("weight average", report["weight_average"]))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':{width}}  " + "  ".join(f"{c:>10}" for c in cols)]
+    lines += [f"{name:{width}}  " + "  ".join(f"{m[c]:10.4f}" for c in cols) for name, m in rows]
+    return "\n".join(lines)
+
+
+def _main(argv) -> None:
+    from absl import app, flags, logging
+
+    from hpnlp import main as cli
+    F = flags.FLAGS
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if (F.members > 0) == (F.from_checkpoints > 0):
+        raise app.UsageError("give exactly one of --members M (train a seed ensemble) and "
+                             "--from_checkpoints K (combine the last K checkpoints of a run)")
+    logging.set_verbosity(logging.WARNING)
+    if F.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(F.coordinator, F.num_processes, F.process_id)
+    cfg = F.config
+    for group, key, value in cli._option_overrides:
+        with cfg.unlocked():
+            getattr(cfg, group).options[key] = value
+    from hpnlp.train import NonFiniteLoss
+    try:
+        if F.members:
+            os.makedirs(F.workdir, exist_ok=True)
+            trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members)
+            report = {"mode": "seeds", "seeds": trainer.seeds,
+                      **trainer.run(profile_dir=F.profile)["eval"]}
+        else:
+            report = {"mode": "checkpoints",
+                      **weight_average(cfg, F.workdir, F.from_checkpoints)[0]}
+    except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
+        print(f"hpnlp: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if jax.process_index() == 0:
+        with open(os.path.join(F.workdir, "ensemble.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print(format_table(report))
+
+
+__all__ = ["EnsembleTrainer", "NotEnoughCheckpoints", "checkpoint_ensemble", "format_table",
+           "make_ensemble_eval_step", "weight_average"]
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    from hpnlp import main as cli  # its flags: --config, --workdir, --coordinator, --profile, ...
+    flags.DEFINE_integer("members", 0, "Train a seed ensemble of this many members "
+                         "(member i: seed config.seed + i) in --workdir.")
+    flags.DEFINE_integer("from_checkpoints", 0, "Combine the last K checkpoints of the plain "
+                         "run in --workdir: each, their mean prediction, their mean weights.")
+    sys.argv = cli._take_option_overrides(sys.argv)
+    app.run(_main)
+

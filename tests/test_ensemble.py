@@ -1,0 +1,207 @@
+"""Ensembles: a vmapped member equals its plain run; the ensemble's NLL obeys Jensen;
+checkpoint ensembles and weight averages combine a plain run's last checkpoints; the CLI.
+
+Compiles dominate on CPU, so the runs are module fixtures shared by the tests: one plain
+run (seed 1) and one 2-member seed ensemble (seed 0, so its member 1 is that run).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from hpnlp.config import ConfigError, default_configdict, from_configdict
+from hpnlp.train import Trainer, run
+from hpnlp.train.checkpoint import CheckpointMismatch
+from hpnlp.train.ensemble import (EnsembleTrainer, NotEnoughCheckpoints, checkpoint_ensemble,
+                                  weight_average)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Written into a config file for the CLI test; `tiny()` evaluates the same text.
+# Dropout is on, so equal members also need equal dropout streams.
+TINY = """
+from hpnlp.config import default_configdict
+
+def get_config(arg=""):
+    cd = default_configdict()
+    cd.name = "tiny"
+    cd.data.update(task="byte_lm", seq_len=32, batching="pack")
+    cd.model.update(kind="lm", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32, dropout=0.1)
+    cd.train.update(steps=4, batch_size=8, lr=3e-3, warmup_steps=1, log_every=2, eval_every=2,
+                    eval_batches=2, checkpoint_every=2, keep_checkpoints=3, progress=False)
+    return cd
+"""
+
+
+def tiny(seed=0, **train):
+    scope = {}
+    exec(TINY, scope)
+    cd = scope["get_config"]()
+    cd.seed = seed
+    cd.train.update(**train)
+    return from_configdict(cd)
+
+
+def lines(workdir, *, eval):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {l["step"]: l for l in map(json.loads, f) if bool(l.get("eval")) == eval}
+
+
+def check_report(report, members):
+    """Fields present; the mean-probability ensemble's NLL is at most the members' mean."""
+    assert len(report["members"]) == members
+    for m in report["members"] + [report["member_mean"], report]:
+        assert {"loss", "accuracy"} <= set(m) and 0.0 <= m["accuracy"] <= 1.0
+    mean = np.mean([m["loss"] for m in report["members"]])
+    assert report["member_mean"]["loss"] == pytest.approx(mean, rel=1e-6)
+    assert report["loss"] <= mean * (1 + 1e-6)  # Jensen, up to float32 rounding
+
+
+def check_members(members, plain_evals):
+    """Each member's metrics are its plain run's own evaluation."""
+    for member, expect in zip(members, plain_evals, strict=True):
+        assert member["loss"] == pytest.approx(expect["loss"], rel=1e-5)
+        assert member["accuracy"] == pytest.approx(expect["accuracy"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The plain run of seed 1 (member 1 of the ensemble below); checkpoints and evals at
+    steps 2 and 4."""
+    workdir = str(tmp_path_factory.mktemp("seed1"))
+    run(tiny(1), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory):
+    """A 2-member ensemble of seed 0: (workdir, trainer, summary)."""
+    workdir = str(tmp_path_factory.mktemp("ensemble"))
+    trainer = EnsembleTrainer(tiny(0), workdir, members=2)
+    return workdir, trainer, trainer.run()
+
+
+def test_members_equal_plain_runs(plain, ensemble):
+    """Member 1 of the vmapped ensemble is the plain run with seed cfg.seed + 1: params,
+    optimizer state, RNG and every evaluation (dropout is on)."""
+    workdir, ens, summary = ensemble
+    assert ens.seeds == [0, 1] and summary["final_step"] == 4
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
+    # A rerun resumes the stacked state.
+    state, _ = EnsembleTrainer(tiny(0), workdir, members=2).initial_state()
+    assert int(state.step) == 4 and state.rng.shape == (2, 2)
+    tr = Trainer(tiny(1), plain)
+    expect = jax.device_get(tr.checkpointer.restore(4, tr.abstract_state)[0])
+    tr.checkpointer.close()
+    member = jax.device_get(ens.member_state(state, 1))
+    chex.assert_trees_all_close(member.params, expect.params, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(member.opt_state, expect.opt_state, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(member.rng, expect.rng)
+    other = jax.tree.leaves(jax.device_get(ens.member_state(state, 0)).params)
+    assert not all(np.allclose(a, b) for a, b in zip(other, jax.tree.leaves(member.params)))
+    train = lines(workdir, eval=False)
+    assert sorted(train) == [2, 4] and all(np.isfinite(l["loss"]) for l in train.values())
+    evals, p_evals = lines(workdir, eval=True), lines(plain, eval=True)
+    assert sorted(evals) == [2, 4]
+    for step, report in evals.items():
+        check_report(report, 2)
+        check_members(report["members"][1:], [p_evals[step]])
+    assert evals[4]["loss"] == summary["eval"]["loss"]
+    assert ens.evaluate(state)["loss"] == pytest.approx(summary["eval"]["loss"], rel=1e-6)
+    # M copies of one member are that member: the logsumexp - log M normalization.
+    m1 = ens.member_state(state, 1)
+    with ens._context():
+        same = ens.evaluate(ens._stack_members(m1, m1))
+    assert same["loss"] == pytest.approx(evals[4]["members"][1]["loss"], rel=1e-6)
+    assert same["accuracy"] == pytest.approx(evals[4]["members"][1]["accuracy"], abs=1e-6)
+
+
+def test_workdir_must_hold_the_same_members(plain, ensemble):
+    workdir, _, _ = ensemble
+    with pytest.raises(CheckpointMismatch, match=r"2-member ensemble, not of a 3.*--members 2"):
+        EnsembleTrainer(tiny(), workdir, members=3)
+    with pytest.raises(CheckpointMismatch, match=r"a plain run, not of a 2-member ensemble"):
+        EnsembleTrainer(tiny(1), plain, members=2)
+    with pytest.raises(CheckpointMismatch, match="holds a seed ensemble"):
+        checkpoint_ensemble(tiny(), workdir, 2)
+    with pytest.raises(ValueError, match="members = 0"):
+        EnsembleTrainer(tiny(), workdir, members=0)
+
+
+def test_classifier_members_and_ensemble(tmp_path):
+    """Per-example predictions: members at their (different) inits, each equal to the
+    classifier's own evaluate."""
+    cd = default_configdict()
+    cd.data.update(task="listops", seq_len=64, listops_num_train=64, listops_num_eval=32,
+                   listops_min_length=16, listops_max_length=64)
+    cd.model.update(kind="classifier", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=64)
+    cd.train.update(steps=4, batch_size=8, warmup_steps=1, eval_batches=2, progress=False)
+    ens = EnsembleTrainer(from_configdict(cd), str(tmp_path), members=3)
+    state, _ = ens.initial_state()
+    report = ens.evaluate(state)
+    check_report(report, 3)
+    alone = [Trainer.evaluate(ens, ens.member_state(state, i)) for i in range(3)]
+    check_members(report["members"], alone)
+    assert len({m["loss"] for m in report["members"]}) == 3  # different seeds
+
+
+def test_checkpoint_ensemble(plain):
+    report = checkpoint_ensemble(tiny(1), plain, 2)
+    assert report["steps"] == [2, 4] and "weight_average" not in report
+    check_report(report, 2)
+    evals = lines(plain, eval=True)  # the run's own evaluations of those checkpoints
+    check_members(report["members"], [evals[2], evals[4]])
+
+
+@pytest.fixture(scope="module")
+def averaged(plain):
+    return weight_average(tiny(1), plain, 2)
+
+
+def test_weight_average_is_the_mean_of_the_restored_params(plain, averaged):
+    report, params = averaged
+    assert report["steps"] == [2, 4]
+    check_report(report, 2)
+    evals = lines(plain, eval=True)
+    check_members(report["members"], [evals[2], evals[4]])
+    tr = Trainer(tiny(1), plain)
+    states = [tr.checkpointer.restore(s, tr.abstract_state)[0] for s in (2, 4)]
+    tr.checkpointer.close()
+    manual = jax.tree.map(lambda a, b: (np.asarray(a) + np.asarray(b)) / 2,
+                          states[0].params, states[1].params)
+    chex.assert_trees_all_close(jax.device_get(params), manual, atol=1e-7, rtol=1e-6)
+    wa = report["weight_average"]
+    assert np.isfinite(wa["loss"]) and 0.0 <= wa["accuracy"] <= 1.0
+    assert wa["loss"] not in (evals[2]["loss"], evals[4]["loss"])
+
+
+def test_checkpoint_errors(plain, tmp_path):
+    with pytest.raises(ConfigError, match=r"train.keep_checkpoints` = 3 .*keep_checkpoints=4"):
+        checkpoint_ensemble(tiny(1), plain, 4)
+    with pytest.raises(NotEnoughCheckpoints, match=r"has 2 checkpoint\(s\) \(steps \[2, 4\]\)"):
+        weight_average(tiny(1, keep_checkpoints=5), plain, 3)
+    with pytest.raises(NotEnoughCheckpoints, match="no run in workdir"):
+        checkpoint_ensemble(tiny(), str(tmp_path / "nothing"), 2)
+    with pytest.raises(ValueError, match="last_k = 0"):
+        checkpoint_ensemble(tiny(1), plain, 0)
+
+
+def test_cli_from_checkpoints(plain, averaged, tmp_path):
+    config = tmp_path / "tiny_config.py"
+    config.write_text(TINY)
+    cmd = [sys.executable, "-m", "hpnlp.train.ensemble", "--config", str(config),
+           "--workdir", plain, "--config.seed=1", "--from_checkpoints", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for row in ("step 2", "step 4", "member mean", "ensemble", "weight average"):
+        assert row in proc.stdout
+    saved = json.load(open(os.path.join(plain, "ensemble.json")))
+    assert saved == {"mode": "checkpoints", **averaged[0]}
+    bad = subprocess.run(cmd[:-2], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "exactly one of --members" in bad.stderr
