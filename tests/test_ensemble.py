@@ -132,6 +132,8 @@ def test_workdir_must_hold_the_same_members(plain, ensemble):
         checkpoint_ensemble(tiny(), workdir, 2)
     with pytest.raises(ValueError, match="members = 0"):
         EnsembleTrainer(tiny(), workdir, members=0)
+    with pytest.raises(CheckpointMismatch, match=r"ensemble.members: saved 2, now 1"):
+        Trainer(tiny(), workdir)  # a plain run pointed at an ensemble
 
 
 def test_classifier_members_and_ensemble(tmp_path):

@@ -31,8 +31,8 @@ _SHAPE_FIELDS = {
 }
 
 
-def _shape_signature(cfg) -> dict:
-    sig = {}
+def _shape_signature(cfg, members: int = 1) -> dict:
+    sig = {"ensemble.members": members}  # a seed ensemble stacks M copies of every array
     for group, fields in _SHAPE_FIELDS.items():
         sub = getattr(cfg, group)
         for f in fields:
@@ -43,15 +43,15 @@ def _shape_signature(cfg) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, cfg, *, keep: int):
+    def __init__(self, workdir: str, cfg, *, keep: int, members: int = 1):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
-        self._check_or_write_config(cfg)
+        self._check_or_write_config(cfg, members)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
-    def _check_or_write_config(self, cfg) -> None:
-        sig = _shape_signature(cfg)
+    def _check_or_write_config(self, cfg, members: int) -> None:
+        sig = _shape_signature(cfg, members)
         if os.path.exists(self.config_path):
             with open(self.config_path) as f:
                 saved = json.load(f).get("shape_signature", {})

@@ -215,6 +215,7 @@ class EnsembleTrainer(Trainer):
         if not isinstance(members, int) or members < 1:
             raise ValueError(f"members = {members!r}: an ensemble needs an integer >= 1")
         _check_members_file(workdir, members)
+        self.members = members  # read by Trainer.__init__ for the checkpoint signature
         super().__init__(cfg, workdir)
         cfg = self.cfg
         self.members = members

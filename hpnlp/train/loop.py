@@ -100,7 +100,9 @@ class Trainer:
                 out_shardings=(self.state_sharding, None), donate_argnums=0)
             self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train),
                                      in_shardings=(self.state_sharding, self.batch_sharding))
-        self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints)
+        self.model, self.tx = model, tx
+        self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
+                                         members=getattr(self, "members", 1))
 
     def _context(self):
         import contextlib
