@@ -110,11 +110,9 @@ def measure(spec: dict) -> dict:
 
 
 def _estimated_bytes(impl: str, V: int, N: int, E: int) -> float:
-    """Rough peak, to report what cannot fit instead of crashing the machine."""
-    table = 4.0 * V * E * 4  # params, gradient and two working copies
-    if impl == "hard_negative":  # scores every id for its top-k: O(N x V)
-        return table + 3.0 * 4 * N * V
-    return table
+    """Rough peak, to report what cannot fit instead of crashing the machine. (`full` and
+    `hard_negative` score every id, but in token chunks: their O(N x V) is time, not memory.)"""
+    return 4.0 * V * E * 4  # params, gradient and two working copies
 
 
 def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list[str] | None = None,

@@ -7,4 +7,4 @@ Every method is a `flax.linen.Module` constructed with `vocab_size=V` and offeri
 """
 
 from hpnlp.softmax.base import Frequencies, frequencies, register, names, get  # noqa: F401
-from hpnlp.softmax import binary_code, full, tree  # noqa: F401  (registration side effects)
+from hpnlp.softmax import adaptive, binary_code, full, sampled, tree, vmf  # noqa: F401  (registration side effects)

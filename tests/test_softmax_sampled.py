@@ -1,0 +1,407 @@
+"""Sampled objectives: contract, sampler statistics, accidental hits, consistency with full softmax."""
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import softmax_testlib as lib
+
+import hpnlp.softmax as S
+import hpnlp.softmax.sampled as SM
+from hpnlp.softmax.base import Frequencies
+
+VARIANTS = [
+    ("sampled", {}),
+    ("nce", {"learn_normalizer": True, "unique": True, "num_samples": 8, "sampler": "log_uniform"}),
+    ("negative_sampling", {"shared": False, "unique": True, "sampler": "uniform", "num_samples": 8}),
+    ("hard_negative", {"approximate": True, "num_negatives": 3}),
+]
+
+
+@pytest.mark.parametrize("name,kw", VARIANTS)
+def test_contract(name, kw):
+    layer = S.get(name)(vocab_size=lib.V, **kw)
+    lib.check_normalized(layer)
+    lib.check_padding(layer)
+    lib.check_rejects_out_of_vocab(layer)
+
+
+def test_registered_and_log_prob_is_full_softmax():
+    assert {"sampled", "nce", "negative_sampling", "hard_negative"} <= set(S.names())
+    h, t = lib.inputs()
+    layer = S.get("nce")(vocab_size=lib.V)
+    params = jax.jit(lambda: lib.init(layer, h, t))()
+    full = S.get("full")(vocab_size=lib.V)
+    np.testing.assert_allclose(layer.apply(params, h, method="log_prob"),
+                               full.apply(params, h, method="log_prob"), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sampler
+
+def _counts(v, seed=0):
+    c = np.random.default_rng(seed).integers(0, 50, v).astype(np.float64)
+    c[3] = 0.0  # an unseen id must stay reachable
+    return Frequencies.of(c, v)
+
+
+@pytest.mark.parametrize("kind,counts", [("uniform", None), ("log_uniform", None),
+                                         ("unigram", None), ("unigram", "random")])
+def test_sampler_probs_normalized_and_alias_table_exact(kind, counts):
+    v = 29
+    freq = _counts(v) if counts else None
+    s = SM.make_sampler(kind, v, freq, 0.75)
+    p = s.probs()
+    np.testing.assert_allclose(p.sum(), 1.0, atol=1e-6)
+    assert np.all(p > 0)
+    if kind == "log_uniform":
+        i = np.arange(v)
+        np.testing.assert_allclose(p, np.log((i + 2) / (i + 1)) / np.log(v + 1), rtol=1e-6)
+    if kind == "unigram" and counts:
+        c = np.maximum(freq.counts, freq.counts[freq.counts > 0].min()) ** 0.75
+        np.testing.assert_allclose(p, c / c.sum(), rtol=1e-6)
+    if s.accept is not None:  # the alias tables encode exactly q
+        implied = (s.accept + np.bincount(s.alias, weights=1.0 - s.accept, minlength=v)) / v
+        np.testing.assert_allclose(implied, p, rtol=1e-5)
+
+
+def test_alias_table_on_skewed_distribution():
+    p = np.random.default_rng(1).random(5000) ** 12
+    p[:3] = 0.0
+    p /= p.sum()
+    accept, alias = SM.alias_table(p)
+    implied = (accept + np.bincount(alias, weights=1.0 - accept, minlength=p.size)) / p.size
+    np.testing.assert_allclose(implied, p, rtol=1e-5, atol=1e-12)
+
+
+def test_log_uniform_needs_sorted_counts():
+    unsorted = Frequencies.of(np.array([5.0, 9.0, 1.0, 1.0]), 4)
+    with pytest.raises(ValueError, match="renumber the vocabulary by frequency"):
+        SM.make_sampler("log_uniform", 4, unsorted)
+    layer = S.get("sampled")(vocab_size=4, sampler="log_uniform", counts=unsorted, num_samples=2)
+    h, t = jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="sampler='log_uniform' assumes token ids sorted"):
+        layer.init(lib.RNGS, h, t, method="loss")
+    SM.make_sampler("log_uniform", 4, Frequencies.of(np.array([9.0, 5.0, 1.0, 1.0]), 4))  # sorted: fine
+
+
+def _draws(sampler, num, unique, n_draws, prefix=()):
+    keys = jax.random.split(jax.random.key(7), n_draws)
+    return jax.jit(jax.vmap(lambda k: sampler.draw(k, prefix, num, unique)))(keys)
+
+
+def _within(observed, expected, sigma, slack=0.0):
+    """|observed - expected| below 5 standard deviations (a false alarm is ~1e-6 per id)."""
+    bad = np.abs(observed - expected) > 5 * sigma + slack
+    assert not bad.any(), (observed[bad], expected[bad])
+
+
+@pytest.mark.parametrize("kind", ["uniform", "log_uniform", "unigram"])
+def test_with_replacement_counts_match_expected(kind):
+    v, num, n_draws = 20, 50, 400
+    s = SM.make_sampler(kind, v, _counts(v) if kind == "unigram" else None)
+    draw = _draws(s, num, False, n_draws)
+    counts = np.bincount(np.asarray(draw.ids).ravel(), minlength=v)
+    expected = n_draws * np.exp(np.asarray(s.log_count(jnp.arange(v), draw, num, in_sample=True)))
+    np.testing.assert_allclose(expected, n_draws * num * s.probs(), rtol=1e-5)
+    _within(counts, expected, np.sqrt(expected))
+    np.testing.assert_allclose(np.exp(draw.log_count), num * s.probs()[np.asarray(draw.ids)], rtol=1e-5)
+
+
+def _inclusion(sampler, draw, v, num):
+    """Per draw and id: in the sample?, and pi_i given the other ids' noise."""
+    member = np.zeros((draw.ids.shape[0], v), bool)
+    np.put_along_axis(member, np.asarray(draw.ids), True, axis=1)
+    ids = jnp.broadcast_to(jnp.arange(v), member.shape)
+    pi = np.exp(np.asarray(jax.vmap(
+        lambda i, d, m: sampler.log_count(i, d, num, in_sample=m))(ids, draw, jnp.asarray(member))))
+    return member, pi
+
+
+def test_unique_inclusion_probability_matches_monte_carlo():
+    """Gumbel-top-2: pi_i(kappa) averages to the exact successive-sampling inclusion probability."""
+    v, num, n_draws = 7, 2, 40000
+    s = SM.make_sampler("unigram", v, Frequencies.of(np.array([1.0, 30, 4, 9, 2, 15, 6]), v), 1.0)
+    draw = _draws(s, num, True, n_draws)
+    ids = np.asarray(draw.ids)
+    assert np.all(ids[:, 0] != ids[:, 1])
+    p = s.probs()
+    exact = p + np.array([sum(p[j] * p[i] / (1 - p[j]) for j in range(v) if j != i) for i in range(v)])
+    member, pi = _inclusion(s, draw, v, num)
+    sigma = np.sqrt(exact * (1 - exact) / n_draws)
+    _within(member.mean(0), exact, sigma)  # the sampler draws without replacement correctly
+    _within(pi.mean(0), exact, sigma)  # and its inclusion probabilities are right on average
+    # Horvitz-Thompson: E[1{i in sample} / pi_i] = 1 for every id (unbiased importance weights).
+    ht = np.where(member, 1.0 / pi, 0.0)
+    _within(ht.mean(0), 1.0, ht.std(0) / np.sqrt(n_draws))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "log_uniform"])
+def test_unique_draws_are_distinct_and_unbiased(kind):
+    v, num, n_draws = 16, 5, 20000
+    s = SM.make_sampler(kind, v)
+    draw = _draws(s, num, True, n_draws, prefix=(1,))
+    draw = jax.tree_util.tree_map(lambda x: x[:, 0], draw)  # per-token prefix of one token
+    ids = np.sort(np.asarray(draw.ids), axis=1)
+    assert np.all(np.diff(ids, axis=1) > 0)
+    member, pi = _inclusion(s, draw, v, num)
+    if kind == "uniform":
+        np.testing.assert_allclose(pi, num / v, rtol=1e-6)
+    ht = np.where(member, 1.0 / pi, 0.0)
+    _within(ht.mean(0), 1.0, ht.std(0) / np.sqrt(n_draws))
+    _within(member.mean(0), pi.mean(0), np.sqrt(pi.mean(0) * (1 - pi.mean(0)) / n_draws))
+
+
+# ----------------------------------------------------------------------------- exact twins
+
+def _reference_loss(name, layer, params, h, t, draw, sampler, num, unique, log_z=0.0):
+    """Per-token loss by an explicit loop over tokens and negatives (hits removed by hand)."""
+    logits = layer.apply(params, h, method="logits").reshape(-1, layer.vocab_size)
+    t = np.asarray(t).ravel()
+    ids = np.asarray(draw.ids)
+    log_c = np.asarray(draw.log_count)
+    q = sampler.probs()
+    out = []
+    for n, target in enumerate(t):
+        ids_n = ids if ids.ndim == 1 else ids[n]
+        lc_n = log_c if log_c.ndim == 1 else log_c[n]
+        keep = [j for j in range(num) if ids_n[j] != target] if name != "nce" else list(range(num))
+        s_t, s_neg = logits[n, target], logits[n, ids_n[keep]]
+        if name == "sampled":
+            out.append(jax.nn.logsumexp(jnp.concatenate([s_t[None], s_neg - lc_n[keep]])) - s_t)
+        elif name == "negative_sampling":
+            out.append(jax.nn.softplus(-s_t) + jnp.sum(jax.nn.softplus(s_neg)))
+        else:
+            if not unique:
+                lc_t = np.log(num * q[target])
+            else:
+                kappa = draw.kappa_in if target in ids_n else draw.kappa_out
+                kappa = float(np.asarray(kappa) if np.ndim(kappa) == 0 else np.asarray(kappa)[n])
+                lc_t = np.log(-np.expm1(-np.exp(np.log(q[target]) - kappa)))
+            out.append(jax.nn.softplus(-(s_t - log_z - lc_t))
+                       + jnp.sum(jax.nn.softplus(s_neg - log_z - lc_n[keep])))
+    return jnp.stack(out)
+
+
+@pytest.mark.parametrize("name,shared,unique", [
+    ("sampled", True, False), ("sampled", False, True), ("negative_sampling", True, True),
+    ("nce", True, False), ("nce", False, True)])
+def test_loss_and_grads_match_explicit_computation(name, shared, unique):
+    """Tiny vocabulary, many samples: accidental hits are certain, and they must not count."""
+    v, width = 5, 6
+    num = 3 if unique else 12
+    kw = {"learn_normalizer": True, "log_normalizer": 0.3} if name == "nce" else {}
+    layer = S.get(name)(vocab_size=v, num_samples=num, unique=unique, shared=shared, **kw)
+    h = jax.random.normal(jax.random.key(0), (2, 3, width))
+    t = jax.random.randint(jax.random.key(1), (2, 3), 0, v)
+    params = jax.jit(lambda: lib.init(layer, h, t))()
+    draw = jax.jit(lambda p: layer.apply(p, t.size, method="negatives", deterministic=True))(params)
+    ids = np.asarray(draw.ids)
+    hits = (ids[None, :] if shared else ids) == np.asarray(t).reshape(-1, 1)
+    assert hits.any()  # the case under test really occurs
+    sampler = SM.make_sampler(layer.sampler, v, None, layer.power)
+
+    def fast(params, h):
+        return jnp.sum(layer.apply(params, h, t, None, method="loss", deterministic=True))
+
+    def slow(params, h):
+        log_z = nn.unbox(params)["params"]["log_z"] if name == "nce" else 0.0
+        return jnp.sum(_reference_loss(name, layer, params, h, t, draw, sampler, num, unique, log_z))
+
+    fast_and_slow = [jax.value_and_grad(f, (0, 1)) for f in (fast, slow)]
+    (lf, gf), (ls, gs) = jax.jit(lambda *a: [f(*a) for f in fast_and_slow])(params, h)
+    np.testing.assert_allclose(lf, ls, rtol=1e-5)
+    jax.tree_util.tree_map(partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5), gf, gs)
+
+
+def test_hits_only_negatives_give_exact_nll():
+    """When every negative is the target, the sampled loss is -log(1) = 0: nothing to compare with."""
+    layer = S.get("sampled")(vocab_size=2, num_samples=4, sampler="unigram",
+                             counts=Frequencies.of(np.array([1.0, 1e-30]), 2), power=1.0)
+    h, t = jnp.ones((3, 4)), jnp.zeros((3,), jnp.int32)
+    params = jax.jit(lambda: layer.init(lib.RNGS, h, t, method="loss"))()
+    ids, loss = jax.jit(lambda p: (layer.apply(p, 3, method="negatives").ids,
+                                   layer.apply(p, h, t, method="loss")))(params)
+    assert np.all(np.asarray(ids) == 0)
+    np.testing.assert_allclose(loss, 0.0, atol=1e-6)
+
+
+def test_sampled_gradient_approaches_full_softmax():
+    """Gradient w.r.t. params and hidden, against the full softmax's, at S = 8, 64, 512 (V = 50)."""
+    v, width, n, sizes = 50, 8, 16, (8, 64, 512)
+    full = S.get("full")(vocab_size=v)
+    h = jax.random.normal(jax.random.key(0), (n, width))
+    t = jax.random.randint(jax.random.key(1), (n,), 0, v)
+    params = jax.jit(full.init)(jax.random.key(2), h)
+    table = params["params"]["table"]  # a random bias too, so the model is far from the proposal
+    table["bias"] = table["bias"].replace_boxed(jax.random.normal(jax.random.key(3), (v,)))
+
+    def loss_and_grads(layer, rng):
+        def f(params, h):
+            return jnp.mean(layer.apply(params, h, t, method="loss", deterministic=False,
+                                        rngs={"dropout": rng}))
+        value, grads = jax.value_and_grad(f, (0, 1))(params, h)
+        return value, jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(grads)])
+
+    keys = jax.random.split(jax.random.key(11), 8)
+    layers = [S.get("sampled")(vocab_size=v, num_samples=num, sampler="unigram") for num in sizes]
+    (exact_loss, exact), sampled = jax.jit(lambda keys: (
+        loss_and_grads(full, keys[0]),
+        [jax.vmap(lambda k: loss_and_grads(layer, k))(keys) for layer in layers]))(keys)
+    norm = float(jnp.linalg.norm(exact))
+    errors = [float(jnp.mean(jnp.linalg.norm(g - exact[None], axis=-1))) / norm for _, g in sampled]
+    averaged = float(jnp.linalg.norm(sampled[-1][1].mean(0) - exact)) / norm
+    assert errors[0] > 1.5 * errors[1] > 2.25 * errors[2], errors  # ~1/sqrt(S): 0.78, 0.37, 0.15 here
+    assert errors[2] < 0.2 and averaged < 0.1, (errors, averaged)  # 8 keys averaged: 0.07
+    value = float(jnp.mean(sampled[-1][0]))
+    assert abs(value - float(exact_loss)) < 0.02 * float(exact_loss), (value, exact_loss)
+
+
+@pytest.mark.parametrize("learn", [False, True])
+def test_nce_recovers_maximum_likelihood_unigram(learn):
+    """A bias-only model (hidden = 0) trained by NCE with many noise samples. Both softmax(b)
+    and the self-normalized score b - log Z must match the data's distribution (the ML fit)."""
+    v, width = 10, 4
+    freq = np.array([25, 18, 14, 11, 9, 7, 6, 4, 3, 3])  # the known distribution, exactly
+    t = jax.random.permutation(jax.random.key(0), np.repeat(np.arange(v), freq))
+    p_hat = freq / freq.sum()
+    layer = S.get("nce")(vocab_size=v, num_samples=1024, counts=Frequencies.of(np.arange(v, 0, -1), v),
+                         learn_normalizer=learn, log_normalizer=1.0 if learn else 0.0)
+    h = jnp.zeros((t.size, width))
+    params = jax.jit(lambda: lib.init(layer, h, t))()
+
+    def step(params, args):
+        key, lr = args
+        g = jax.grad(lambda p: jnp.mean(layer.apply(p, h, t, method="loss", deterministic=False,
+                                                    rngs={"dropout": key})))(params)
+        return jax.tree_util.tree_map(lambda x, d: x - lr * d, params, g), None
+
+    steps = np.arange(500)
+    lrs = jnp.asarray(np.where(steps < 300, 1.5, np.where(steps < 400, 0.5, 0.15)))  # anneal the noise
+    keys = jax.random.split(jax.random.key(1), steps.size)
+    params, _ = jax.jit(lambda p: jax.lax.scan(step, p, (keys, lrs)))(params)
+    logp = layer.apply(params, h[:1], method="log_prob")[0]
+    np.testing.assert_allclose(np.exp(logp), p_hat, atol=0.01)
+    score = layer.apply(params, h[:1], method="self_normalized_log_prob")[0]
+    np.testing.assert_allclose(score, np.log(p_hat), atol=0.1)  # ~0.02 here
+    if learn:
+        assert abs(float(nn.unbox(params)["params"]["log_z"]) - 1.0) > 0.1  # log Z was trained
+
+
+# ----------------------------------------------------------------------------- layer details
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_shared_and_per_token_negative_shapes(shared):
+    layer = S.get("nce")(vocab_size=lib.V, num_samples=6, shared=shared)
+    h, t = lib.inputs()
+    params = jax.eval_shape(lambda: lib.init(layer, h, t))
+    draw = jax.eval_shape(lambda p: layer.apply(p, t.size, method="negatives"), params)
+    assert draw.ids.shape == ((6,) if shared else (t.size, 6)) and draw.ids.dtype == jnp.int32
+    assert draw.log_count.shape == draw.ids.shape
+    assert jax.eval_shape(lambda p: layer.apply(p, h, t, method="loss"), params).shape == t.shape
+
+
+def test_deterministic_uses_fixed_key_and_training_draws_vary():
+    layer = S.get("sampled")(vocab_size=lib.V, num_samples=4)
+    h, t = lib.inputs()
+    params = jax.jit(lambda: lib.init(layer, h, t))()
+    a = layer.apply(params, h, t, method="loss", deterministic=True)
+    b = layer.apply(params, h, t, method="loss", deterministic=True, rngs={"dropout": jax.random.key(9)})
+    np.testing.assert_array_equal(a, b)
+    c, d = (layer.apply(params, h, t, method="loss", deterministic=False,
+                        rngs={"dropout": jax.random.key(k)}) for k in (9, 10))
+    assert not np.allclose(c, d)
+
+
+def test_tied_embedding_receives_the_gradient():
+    v, width = 11, 6
+
+    class Tied(nn.Module):
+        def setup(self):
+            self.embed = nn.Embed(v, width)
+            self.out = S.get("sampled")(vocab_size=v, embed=self.embed, num_samples=5)
+
+        def __call__(self, tok, t):
+            return self.out.loss(self.embed(tok), t)
+
+    tok = jnp.arange(4) % v
+    t = (tok + 1) % v
+    variables = jax.jit(Tied().init)(jax.random.key(0), tok, t)
+    assert "kernel" not in variables["params"]["out"]["table"]
+    g = jax.jit(jax.grad(lambda p: jnp.sum(Tied().apply(p, tok, t))))(variables)
+    assert float(jnp.abs(g["params"]["embed"]["embedding"][np.asarray(t)]).sum()) > 0
+
+
+def test_bfloat16_compute_keeps_float32_loss():
+    layer = S.get("sampled")(vocab_size=lib.V, num_samples=8, dtype=jnp.bfloat16)
+    h, t = lib.inputs()
+    params = jax.jit(lambda: lib.init(layer, h, t))()
+    loss = layer.apply(params, h, t, method="loss")
+    ref = S.get("sampled")(vocab_size=lib.V, num_samples=8).apply(params, h, t, method="loss")
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss, ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("name,kw,match", [
+    ("sampled", {"sampler": "zipf"}, "choose one of"),
+    ("nce", {"unique": True, "num_samples": lib.V}, "lower num_samples"),
+    ("negative_sampling", {"num_samples": 0}, "num_samples=0"),
+    ("hard_negative", {"num_negatives": lib.V}, "num_negatives"),
+])
+def test_bad_fields_rejected_at_setup(name, kw, match):
+    h, t = lib.inputs()
+    with pytest.raises(ValueError, match=match):
+        lib.init(S.get(name)(vocab_size=lib.V, **kw), h, t)
+
+
+# ----------------------------------------------------------------------------- hard negatives
+
+def test_hard_negative_matches_explicit_top_k_and_approx_agrees():
+    layer = S.get("hard_negative")(vocab_size=lib.V, num_negatives=4, margin=2.0)
+    h, t = lib.inputs()
+    params = jax.jit(lambda: lib.init(layer, h, t))()
+    logits = np.asarray(layer.apply(params, h, method="logits")).reshape(-1, lib.V)
+    tf = np.asarray(t).ravel()
+    masked_logits = logits.copy()
+    masked_logits[np.arange(tf.size), tf] = -np.inf
+    ids = np.argsort(-masked_logits, axis=1)[:, :4]
+    hardest = layer.apply(params, h, t, method="hardest")
+    np.testing.assert_array_equal(np.asarray(hardest).reshape(-1, 4), ids)
+
+    def slow(params, h):
+        s = layer.apply(params, h, method="logits").reshape(-1, lib.V)
+        s_t = s[np.arange(tf.size), tf]
+        s_neg = jnp.take_along_axis(s, jnp.asarray(ids), axis=1)
+        return jnp.sum(jax.nn.relu(2.0 - s_t[:, None] + s_neg))
+
+    def fast(layer):
+        return lambda params, h: jnp.sum(layer.apply(params, h, t, method="loss"))
+
+    ref = jax.value_and_grad(slow, (0, 1))(params, h)
+    for other in (layer, layer.clone(approximate=True, recall_target=1.0), layer.clone(chunk_tokens=4)):
+        got = jax.value_and_grad(fast(other), (0, 1))(params, h)
+        jax.tree_util.tree_map(partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5), got, ref)
+
+
+def test_hard_negative_zero_when_target_wins_by_margin():
+    v, width = 8, 8
+    layer = S.get("hard_negative")(vocab_size=v, num_negatives=3, margin=1.0)
+    t = jnp.arange(v)
+    h = jax.nn.one_hot(t, v)
+    params = layer.init(lib.RNGS, h, t, method="loss")
+    params = jax.tree_util.tree_map(lambda x: x, params)
+    table = params["params"]["table"]
+    table["kernel"] = table["kernel"].replace_boxed(1.5 * jnp.eye(v))  # s_t = 1.5, others 0
+    table["bias"] = table["bias"].replace_boxed(jnp.zeros(v))
+
+    def total(params, h):
+        return jnp.sum(layer.apply(params, h, t, method="loss"))
+
+    loss, (gp, gh) = jax.jit(jax.value_and_grad(total, (0, 1)))(params, h)
+    assert float(loss) == 0.0
+    assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree_util.tree_leaves((gp, gh)))
+    table["kernel"] = table["kernel"].replace_boxed(0.5 * jnp.eye(v))  # margin violated by 0.5
+    np.testing.assert_allclose(layer.apply(params, h, t, method="loss"), 3 * 0.5, rtol=1e-6)

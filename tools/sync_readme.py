@@ -1,0 +1,68 @@
+"""Copy generated benchmark tables into README.md, so no number there is typed by hand.
+
+    python tools/sync_readme.py          # rewrite the marked blocks
+    python tools/sync_readme.py --check  # exit 1 if README.md is out of date
+
+README.md marks each generated block as
+
+    <!-- BEGIN generated: docs/benchmarks/softmax/results.md ### V = 262144 -->
+    ...
+    <!-- END generated -->
+
+The block is replaced by that file's text: the section under the given heading (up to the
+next heading of the same level), or the whole file after its title when no heading is
+given. The files themselves are written by `python -m hpnlp.bench ...` (see
+docs/benchmarks.md for the command behind each folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(r"(<!-- BEGIN generated: (\S+)(?: (#+ [^\n]*?))? -->\n)(.*?)(<!-- END generated -->)",
+                   re.S)
+
+
+def section(path: str, heading: str | None) -> str:
+    with open(os.path.join(ROOT, path)) as f:
+        lines = f.read().splitlines()
+    if heading is None:
+        body = lines[1:] if lines and lines[0].startswith("# ") else lines
+        return "\n".join(body).strip() + "\n"
+    level = heading.split(" ", 1)[0]
+    try:
+        start = lines.index(heading) + 1
+    except ValueError:
+        raise SystemExit(f"{path} has no line {heading!r}; rerun its benchmark or fix README.md")
+    end = next((i for i in range(start, len(lines))
+                if lines[i].startswith("#") and len(lines[i].split(" ", 1)[0]) <= len(level)), len(lines))
+    return "\n".join(lines[start:end]).strip() + "\n"
+
+
+def render(readme: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + section(m.group(2), m.group(3)) + m.group(5), readme)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    path = os.path.join(ROOT, "README.md")
+    with open(path) as f:
+        old = f.read()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print("README.md is out of date: run python tools/sync_readme.py", file=sys.stderr)
+            sys.exit(1)
+        return
+    with open(path, "w") as f:
+        f.write(new)
+
+
+if __name__ == "__main__":
+    main()
