@@ -11,9 +11,10 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, softmax, train, tricks
+from hpnlp.bench import attention, rnn, softmax, train, tricks
 
-ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "tricks": tricks}
+ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "rnn": rnn,
+           "tricks": tricks}
 
 
 def main(argv=None) -> None:

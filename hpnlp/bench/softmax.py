@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,11 +59,29 @@ def _zipf_targets(V: int, N: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).choice(V, size=N, p=p / p.sum()).astype(np.int32)
 
 
-def _layer(impl: str, V: int, options: dict):
+class _Tied(nn.Module):
+    """An input embedding table for the layers that predict it (`vmf`)."""
+
+    layer_cls: type
+    vocab_size: int
+    options: dict
+
+    def setup(self):
+        self.embed = nn.Embed(self.vocab_size, self.options.get("_width", 1))
+        self.out = self.layer_cls(vocab_size=self.vocab_size, embed=self.embed,
+                                  **{k: v for k, v in self.options.items() if k != "_width"})
+
+    def loss(self, *args, **kw):
+        return self.out.loss(*args, **kw)
+
+
+def _layer(impl: str, V: int, options: dict, width: int):
     cls = softmax_lib.get(impl)
     kw = dict(options)
     if "counts" in cls.__dataclass_fields__:
         kw["counts"] = softmax_lib.Frequencies.zipf(V)
+    if impl == "vmf":  # needs the (tied) input embedding it predicts
+        return _Tied(cls, V, {**kw, "_width": width})
     return cls(vocab_size=V, **kw)
 
 
@@ -86,7 +105,7 @@ def measure(spec: dict) -> dict:
 
         out["time"] = harness.time_python(run, repeats=spec["repeats"], warmup=1, min_time_s=0.3).as_dict()
     else:
-        layer = _layer(impl, V, spec["options"])
+        layer = _layer(impl, V, spec["options"], E)
         t_N = jnp.asarray(targets)
         rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
         params = jax.jit(lambda h: layer.init(rngs, h, t_N[:8], None, method="loss",

@@ -1,0 +1,191 @@
+"""`python -m hpnlp.bench rnn`: hpnlp's LSTM/GRU layers against `flax.linen.RNN` cells.
+
+Rows, all at one shape in one run: `hpnlp.rnn.RNNLayer` LSTM (input projection in chunks
+of 8 steps, the default; and in one product for all steps), its autodiff twin, and
+`flax.linen.RNN(OptimizedLSTMCell)`; `RNNLayer` GRU against `flax.linen.RNN(GRUCell)`.
+Forward and forward+backward (gradient of the output sum with respect to parameters and
+inputs) wall time (median, min, max), CPU time (process time, which other processes on a
+shared machine inflate far less than wall time), achieved GFLOP/s and its fraction of
+this machine's matmul rate, and the speedup over the flax peer in the same run.
+
+Full: B=32, L=256, E=H=512 (a few minutes). `--quick`: B=8, L=32, E=H=64 (seconds).
+
+FLOP convention: forward = 2·B·L·(E+H)·K·H (the input and recurrent products; K = 4 gates
+for the LSTM, 3 for the GRU), forward+backward = 3x forward; gate arithmetic is not
+counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from hpnlp import rnn
+from hpnlp.rnn import cells
+from hpnlp.bench import harness, report
+
+# name -> (cell kind, the flax peer it is compared with, module constructor of H)
+IMPLS = {
+    "hpnlp LSTM": ("lstm", "flax OptimizedLSTMCell", lambda H: rnn.RNNLayer(kind="lstm", hidden=H)),
+    "hpnlp LSTM (one product)": ("lstm", "flax OptimizedLSTMCell",
+                                lambda H: rnn.RNNLayer(kind="lstm", hidden=H, chunk=None)),
+    "hpnlp LSTM (autodiff)": ("lstm", "flax OptimizedLSTMCell",
+                             lambda H: rnn.RNNLayer(kind="lstm", hidden=H, fast_backward=False)),
+    "flax OptimizedLSTMCell": ("lstm", None, lambda H: nn.RNN(nn.OptimizedLSTMCell(H))),
+    "hpnlp GRU": ("gru", "flax GRUCell", lambda H: rnn.RNNLayer(kind="gru", hidden=H)),
+    "flax GRUCell": ("gru", None, lambda H: nn.RNN(nn.GRUCell(H))),
+}
+SIZES = {"full": dict(B=32, L=256, E=512, H=512), "quick": dict(B=8, L=32, E=64, H=64)}
+
+
+def _flops(kind: str, *, B, L, E, H) -> float:
+    return 2.0 * B * L * (E + H) * cells.NUM_GATES[kind] * H
+
+
+def _fn(name: str, H: int, x):
+    module = IMPLS[name][2](H)
+    params = module.init(jax.random.key(0), x)
+    if isinstance(module, rnn.RNNLayer):
+        return (lambda p, x: module.apply(p, x)[0]), params
+    return (lambda p, x: module.apply(p, x)), params
+
+
+def measure(name: str, *, B, L, E, H, repeats: int) -> list[dict]:
+    """Forward and forward+backward rows of one implementation (one init, one compile each)."""
+    kind = IMPLS[name][0]
+    x = jax.random.normal(jax.random.key(1), (B, L, E), jnp.float32)
+    fwd, params = _fn(name, H, x)
+    rows = []
+    for mode in ("fwd", "fwd_bwd"):
+        fn = fwd if mode == "fwd" else jax.grad(lambda p, x: jnp.sum(fwd(p, x)), (0, 1))
+        # Compiled once here (timed separately) and timed by the harness: warm-up, blocking,
+        # repeats. Then the process time of one call: what it costs in CPU, however busy
+        # the machine is.
+        c0 = time.perf_counter()
+        compiled = jax.jit(fn).lower(params, x).compile()
+        compile_s = time.perf_counter() - c0
+        call = lambda: jax.block_until_ready(compiled(params, x))
+        t = harness.time_python(call, repeats=repeats, warmup=1, min_time_s=0.3)
+        t.compile_s = compile_s
+        cpu = []
+        for _ in range(2):
+            c = time.process_time()
+            call()
+            cpu.append(time.process_time() - c)
+        flops = _flops(kind, B=B, L=L, E=E, H=H) * (1 if mode == "fwd" else 3)
+        rows.append({"impl": name, "cell": kind, "mode": mode, "status": "ok", "time": t.as_dict(),
+                     "cpu_s": min(cpu), "gflops": flops / t.median_s / 1e9})
+    return rows
+
+
+def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
+        impls: list[str] | None = None) -> dict:
+    shape = dict(sizes or SIZES["quick" if quick else "full"])
+    repeats = 3 if quick else 5
+    names = impls or list(IMPLS)
+    unknown = [n for n in names if n not in IMPLS]
+    if unknown:
+        raise SystemExit(f"unknown rnn implementation(s) {unknown}; choose from {list(IMPLS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    info = harness.machine_info()
+    rates = {"float32": harness.matmul_rate(jnp.float32, n=1024 if quick else 2048)}
+    results = []
+    for name in tqdm(names, desc="rnn bench", dynamic_ncols=True):
+        try:
+            results += measure(name, repeats=repeats, **shape)
+        except Exception as e:  # report, never crash the whole run
+            results += [{"impl": name, "cell": IMPLS[name][0], "mode": mode,
+                         "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+                        for mode in ("fwd", "fwd_bwd")]
+    payload = {"benchmark": "rnn", "machine": info, "matmul_gflops": rates, "shape": shape,
+               "results": results}
+    payload["summary"] = _summarize(payload, out_dir)
+    report.write(out_dir, "rnn", payload, _markdown(payload))
+    return payload
+
+
+def _get(results, impl, mode):
+    return next((r for r in results if r["impl"] == impl and r["mode"] == mode
+                 and r.get("status") == "ok"), None)
+
+
+def _summarize(payload: dict, out_dir: str) -> dict:
+    res = payload["results"]
+    speed = {}
+    for name, (_, peer, _) in IMPLS.items():
+        for mode in ("fwd", "fwd_bwd"):
+            a, p = _get(res, name, mode), _get(res, peer, mode) if peer else None
+            if a and p:
+                speed.setdefault(name, {})[mode] = {
+                    "vs": peer, "wall": p["time"]["median_s"] / a["time"]["median_s"],
+                    "cpu": p["cpu_s"] / a["cpu_s"]}
+    _plot(os.path.join(out_dir, "rnn_time.png"), payload)
+    return {"speedup_vs_flax": speed}
+
+
+def _plot(path: str, payload: dict) -> None:
+    import matplotlib.pyplot as plt
+    res = [r for r in payload["results"] if r.get("status") == "ok"]
+    names = list(dict.fromkeys(r["impl"] for r in res))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.38
+    for j, mode in enumerate(("fwd", "fwd_bwd")):
+        ys = [(_get(res, n, mode) or {}).get("time", {}).get("median_s", 0) * 1e3 for n in names]
+        ax.bar([i + (j - 0.5) * width for i in range(len(names))], ys, width,
+               label=mode.replace("_", "+"))
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("ms (median wall time)")
+    s = payload["shape"]
+    ax.set_title(f"RNN layers, B={s['B']} L={s['L']} E={s['E']} H={s['H']}, float32")
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _markdown(payload: dict) -> str:
+    res, s = payload["results"], payload["shape"]
+    peak = payload["matmul_gflops"]["float32"]
+    speed = payload["summary"]["speedup_vs_flax"]
+    rows = []
+    for r in res:
+        t = r.get("time")
+        sp = speed.get(r["impl"], {}).get(r["mode"])
+        rows.append([
+            f"`{r['impl']}`", r["mode"].replace("_", "+"),
+            f"{report.fmt(t['median_s'], 'ms')} ({report.fmt(t['min_s'], 'ms')}–"
+            f"{report.fmt(t['max_s'], 'ms')})" if t else r.get("status", "–"),
+            report.fmt(r.get("cpu_s"), "ms"),
+            f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r.get("gflops") else "–",
+            f"{sp['wall']:.2f}x / {sp['cpu']:.2f}x vs `{sp['vs']}`" if sp else "–"])
+    return "\n".join([
+        report.header_md(payload["machine"], payload["matmul_gflops"]), "",
+        f"Shape: B={s['B']}, L={s['L']}, E={s['E']}, H={s['H']}, float32, no padding. Wall times "
+        "are medians (min–max) in ms; CPU is the process time of one call; speedup "
+        "is the flax peer's time over ours in this run (wall / CPU).", "",
+        report.table(["impl", "mode", "wall ms", "CPU ms", "GFLOP/s (% of matmul)", "speedup"],
+                     rows), "", "Plot: `rnn_time.png`."])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impls", default="", help=f"comma-separated subset of {list(IMPLS)}")
+    p.add_argument("--quality", action="store_true",
+                   help="instead: word-LM perplexity of the LSTM with each trick, same steps")
+    p.add_argument("--steps", type=int, default=0, help="--quality: steps per run (default: the "
+                   "experiment's, 20 with --quick)")
+
+
+def main(args) -> dict:
+    if getattr(args, "quality", False):
+        from hpnlp.bench import rnn_quality
+        return rnn_quality.run(args.out, quick=args.quick, steps=args.steps or None)
+    return run(args.out, quick=args.quick,
+               impls=[v for v in getattr(args, "impls", "").split(",") if v] or None)

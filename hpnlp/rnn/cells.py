@@ -1,0 +1,257 @@
+"""LSTM and GRU recurrences as pure functions: the fast scan and its autodiff twin.
+
+The speed tricks, all by construction (the layer in `hpnlp.rnn.layers` feeds these):
+
+1. The input projection is taken out of the recurrence: ONE matrix product for all steps
+   ([L*B, E] x [E, K*H]), or one per block of T steps (`run_layer(chunk=T)`, [T*B, E] x
+   [E, K*H], which on CPU keeps the block in cache), so a step only does the recurrent
+   product.
+2. The K gates come from one fused product per step, [B, H] x [H, K*H] (K = 4 for the
+   LSTM, 3 for the GRU), laid out so that one `sigmoid` covers all sigmoid gates.
+3. Time-major inside the scan ([L, B, ...]) so each step reads one contiguous slice.
+4. A hand-written backward pass (`recurrence`, a `jax.custom_vjp`). Autodiff of a scan
+   accumulates the recurrent weight gradient step by step, an [H, B] x [B, K*H] product
+   and a [H, K*H] add per step; here the backward scan only emits each step's gate
+   gradient dz_BG and the weight gradient is one product over all steps at once,
+   dW = h_prev^T dz ([H, L*B] x [L*B, K*H]), the same trick as step 1 run backwards.
+   The pointwise part of a step is recomputed in the backward scan (cheap elementwise
+   work) instead of storing every gate.
+
+Everything else that is fixed for a sequence (dropout and zoneout masks, the weight-dropped
+recurrent matrix, the variational mask on the state) is made before the scan and streamed
+in; nothing is drawn or recomputed per step.
+
+Cells: the LSTM of Hochreiter & Schmidhuber (1997) with a forget gate (Gers et al. 2000),
+gates ordered (i, f, o, g); the GRU of Cho et al. (2014), gates (r, z, n) with
+n = tanh(W_in x + b_in + r * (W_hn h + b_hn)) as in cuDNN and `flax.linen.GRUCell`; both
+optionally layer-normalized (Ba et al. 2016, "Layer Normalization": LN of the recurrent
+pre-activation and, for the LSTM, of the cell before its output tanh; the LN of the input
+pre-activation is per step but does not depend on the state, so it is hoisted too).
+Recurrent dropout on the cell update (Semeniuta et al. 2016), zoneout (Krueger et al.
+2017) and length masking happen inside the step, from streamed masks.
+
+Shape letters: B batch, L length (time), E input width, H hidden width, K gates (4 LSTM,
+3 GRU), G = K*H. Carries are tuples: LSTM (c_BH, h_BH), GRU (h_BH,); h is always last.
+State and pointwise math are float32; matrix products take the compute dtype of their
+operands and accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hpnlp.rnn.dropout import zoneout_mix
+
+LN_EPS = 1e-5
+NUM_GATES = {"lstm": 4, "gru": 3}
+
+
+class StepInputs(NamedTuple):
+    """What one time step reads besides its input projection; None where unused.
+
+    valid_B1: 1.0 on real tokens, 0.0 on padding (padding keeps the state).
+    update_BH: recurrent-dropout mask on the cell update (already scaled by 1/(1-p)).
+    zone_c_BH, zone_h_BH: zoneout indicators, 1.0 = keep the previous value.
+    """
+    valid_B1: Any = None
+    update_BH: Any = None
+    zone_c_BH: Any = None
+    zone_h_BH: Any = None
+
+
+def _layer_norm(x, gain, bias=None):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + LN_EPS) * gain[None, :]
+    return y if bias is None else y + bias[None, :]
+
+
+def _mask_padding(new_carry, carry, out_BH, valid_B1):
+    if valid_B1 is None:
+        return new_carry, out_BH
+    keep = valid_B1 > 0
+    new_carry = tuple(jnp.where(keep, n, o) for n, o in zip(new_carry, carry))
+    return new_carry, jnp.where(keep, out_BH, 0.0)
+
+
+def lstm_step(pw: dict, xw_BG, z_BG, carry, ex: StepInputs, *, zoneout: float = 0.0):
+    """One LSTM step from its input projection xw_BG (bias included) and the recurrent
+    product z_BG = h_prev @ W_h. Gates (i, f, o, g): one sigmoid over the first 3H."""
+    c_BH, h_BH = carry
+    H = c_BH.shape[-1]
+    if "ln_h_gain" in pw:
+        z_BG = _layer_norm(z_BG, pw["ln_h_gain"])
+    pre_BG = xw_BG + z_BG
+    ifo_BG = jax.nn.sigmoid(pre_BG[:, :3 * H])
+    i_BH, f_BH, o_BH = ifo_BG[:, :H], ifo_BG[:, H:2 * H], ifo_BG[:, 2 * H:]
+    g_BH = jnp.tanh(pre_BG[:, 3 * H:])
+    if ex.update_BH is not None:
+        g_BH = g_BH * ex.update_BH
+    new_c = f_BH * c_BH + i_BH * g_BH
+    shown = _layer_norm(new_c, pw["ln_c_gain"], pw["ln_c_bias"]) if "ln_c_gain" in pw else new_c
+    new_h = o_BH * jnp.tanh(shown)
+    new_c = zoneout_mix(c_BH, new_c, ex.zone_c_BH, zoneout)
+    new_h = zoneout_mix(h_BH, new_h, ex.zone_h_BH, zoneout)
+    return _mask_padding((new_c, new_h), carry, new_h, ex.valid_B1)
+
+
+def gru_step(pw: dict, xw_BG, z_BG, carry, ex: StepInputs, *, zoneout: float = 0.0):
+    """One GRU step. Gates (r, z, n); the recurrent bias of n sits inside r * (...), so it
+    cannot be folded into the hoisted input projection and lives here."""
+    (h_BH,) = carry
+    H = h_BH.shape[-1]
+    if "ln_h_gain" in pw:
+        z_BG = _layer_norm(z_BG, pw["ln_h_gain"])
+    rz_BG = jax.nn.sigmoid(xw_BG[:, :2 * H] + z_BG[:, :2 * H])
+    r_BH, u_BH = rz_BG[:, :H], rz_BG[:, H:]
+    n_BH = jnp.tanh(xw_BG[:, 2 * H:] + r_BH * (z_BG[:, 2 * H:] + pw["hn_bias"][None, :]))
+    if ex.update_BH is not None:
+        n_BH = n_BH * ex.update_BH
+    new_h = n_BH + u_BH * (h_BH - n_BH)  # (1 - u) n + u h
+    new_h = zoneout_mix(h_BH, new_h, ex.zone_h_BH, zoneout)
+    return _mask_padding((new_h,), carry, new_h, ex.valid_B1)
+
+
+STEPS = {"lstm": lstm_step, "gru": gru_step}
+
+
+def _matmul(a, w):
+    return jnp.dot(a.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _hin(h_BH, state_mask_BH):
+    return h_BH if state_mask_BH is None else h_BH * state_mask_BH
+
+
+def recurrence_reference(step: Callable, pw, w_HG, xw_LBG, carry0, ex_L: StepInputs,
+                         state_mask_BH=None, *, unroll: int = 1):
+    """The slow twin: the same scan differentiated by JAX's autodiff.
+
+    Returns (final carry, outputs h_LBH). `state_mask_BH` (variational dropout of the
+    state entering the recurrent product, Gal & Ghahramani 2016) is shared by all steps.
+    """
+    def body(carry, xs):
+        xw_BG, ex = xs
+        z_BG = _matmul(_hin(carry[-1], state_mask_BH), w_HG)
+        return step(pw, xw_BG, z_BG, carry, ex)
+
+    return jax.lax.scan(body, carry0, (xw_LBG, ex_L), unroll=unroll)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7))
+def recurrence(step: Callable, pw, w_HG, xw_LBG, carry0, ex_L: StepInputs,
+               state_mask_BH=None, unroll: int = 1):
+    """The fast path: `recurrence_reference` with the hoisted backward pass (see top).
+
+    Same arguments and results; gradients flow to `pw`, `w_HG`, `xw_LBG` and `carry0`
+    (the masks in `ex_L` and `state_mask_BH` are constants).
+    """
+    return recurrence_reference(step, pw, w_HG, xw_LBG, carry0, ex_L, state_mask_BH,
+                                unroll=unroll)
+
+
+def _recurrence_fwd(step, pw, w_HG, xw_LBG, carry0, ex_L, state_mask_BH, unroll):
+    def body(carry, xs):
+        xw_BG, ex = xs
+        z_BG = _matmul(_hin(carry[-1], state_mask_BH), w_HG)
+        new_carry, out_BH = step(pw, xw_BG, z_BG, carry, ex)
+        # Residuals: the state entering the step and its recurrent product; the gates
+        # are recomputed from these in the backward scan.
+        return new_carry, (out_BH, carry, z_BG)
+
+    final, (out_LBH, carry_prev_L, z_LBG) = jax.lax.scan(body, carry0, (xw_LBG, ex_L),
+                                                         unroll=unroll)
+    res = (pw, w_HG, xw_LBG, ex_L, state_mask_BH, carry_prev_L, z_LBG)
+    return (final, out_LBH), res
+
+
+def _recurrence_bwd(step, unroll, res, cts):
+    pw, w_HG, xw_LBG, ex_L, state_mask_BH, carry_prev_L, z_LBG = res
+    d_final, d_out_LBH = cts
+    w_GH = w_HG.T  # transposed once, not per step
+
+    def body(acc, xs):
+        d_carry, d_pw = acc
+        xw_BG, z_BG, carry, ex, d_out_BH = xs
+        _, vjp = jax.vjp(lambda p, xw, z, c: step(p, xw, z, c, ex), pw, xw_BG, z_BG, carry)
+        dp, d_xw_BG, d_z_BG, d_prev = vjp((d_carry, d_out_BH))
+        d_hin_BH = _matmul(d_z_BG, w_GH)
+        if state_mask_BH is not None:
+            d_hin_BH = d_hin_BH * state_mask_BH
+        d_prev = d_prev[:-1] + (d_prev[-1] + d_hin_BH,)
+        d_pw = jax.tree_util.tree_map(jnp.add, d_pw, dp)
+        return (d_prev, d_pw), (d_xw_BG, d_z_BG)
+
+    d_carry = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), d_final)
+    zeros_pw = jax.tree_util.tree_map(jnp.zeros_like, pw)
+    (d_carry0, d_pw), (d_xw_LBG, d_z_LBG) = jax.lax.scan(
+        body, (d_carry, zeros_pw), (xw_LBG, z_LBG, carry_prev_L, ex_L, d_out_LBH),
+        reverse=True, unroll=unroll)
+    # The hoisted weight gradient: one product over all L*B rows.
+    hin_LBH = carry_prev_L[-1]
+    if state_mask_BH is not None:
+        hin_LBH = hin_LBH * state_mask_BH[None]
+    d_w_HG = jnp.einsum("lbh,lbg->hg", hin_LBH.astype(w_HG.dtype), d_z_LBG.astype(w_HG.dtype),
+                        preferred_element_type=jnp.float32).astype(w_HG.dtype)
+    d_carry0 = tuple(d.astype(c.dtype) for d, c in zip(d_carry0, carry_prev_L))
+    return (d_pw, d_w_HG, d_xw_LBG.astype(xw_LBG.dtype), d_carry0, None, None)
+
+
+recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+def flip_within_length(x, lengths_B=None, *, time_major: bool = False):
+    """Reverse each row's first `lengths_B[b]` steps; padding stays at the end, so the
+    backward direction starts at each row's last real token. `x` is [B, L, ...], or
+    [L, B, ...] with `time_major=True`."""
+    t_ax = 0 if time_major else 1
+    if lengths_B is None:
+        return jnp.flip(x, axis=t_ax)
+    L = x.shape[t_ax]
+    t_L = jnp.arange(L)
+    idx_BL = jnp.where(t_L[None, :] < lengths_B[:, None], lengths_B[:, None] - 1 - t_L[None, :],
+                       t_L[None, :])
+    idx = idx_BL.T if time_major else idx_BL
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=t_ax)
+
+
+def run_layer(step: Callable, project: Callable, pw, w_HG, x_LBE, carry0, ex_L: StepInputs,
+              state_mask_BH=None, *, chunk: int | None = None, unroll: int = 1,
+              fast_backward: bool = True):
+    """Input projection + recurrence over a time-major sequence x_LBE.
+
+    `project(x_TBE) -> xw_TBG` is the input projection (bias, and layer norm, included).
+    With `chunk=None` it runs once for all L steps, one [L*B, E] x [E, G] product. With
+    `chunk=T`, an outer scan projects T steps at a time ([T*B, E] x [E, G]) and runs their
+    recurrence before the next chunk, so the projected block is still in cache when the
+    steps read it (and the backward's weight-gradient products are [H, T*B] x [T*B, G]).
+    On CPU a product of a few hundred rows runs at a higher rate than one of L*B rows
+    whose output spills out of cache (`python -m hpnlp.bench rnn` measures both).
+    Returns (final carry, outputs h_LBH).
+    """
+    rec = recurrence if fast_backward else (
+        lambda *a: recurrence_reference(*a[:-1], unroll=a[-1]))
+    L, B = x_LBE.shape[:2]
+    if chunk is None or chunk >= L:
+        return rec(step, pw, w_HG, project(x_LBE), carry0, ex_L, state_mask_BH, unroll)
+    n = -(-L // chunk)
+    pad = n * chunk - L
+    if pad:  # padded steps are invalid: they keep the state and output zeros
+        if ex_L.valid_B1 is None:
+            ex_L = ex_L._replace(valid_B1=jnp.ones((L, B, 1), jnp.float32))
+        pad_t = lambda a: None if a is None else jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        ex_L = StepInputs(*(pad_t(a) for a in ex_L))
+        x_LBE = pad_t(x_LBE)
+    chunks = lambda a: None if a is None else a.reshape((n, chunk) + a.shape[1:])
+
+    def body(carry, xs):
+        x_TBE, ex_T = xs
+        return rec(step, pw, w_HG, project(x_TBE), carry, ex_T, state_mask_BH, unroll)
+
+    final, out_NTBH = jax.lax.scan(body, carry0, (chunks(x_LBE), StepInputs(*map(chunks, ex_L))))
+    return final, out_NTBH.reshape((n * chunk,) + out_NTBH.shape[2:])[:L]

@@ -1,0 +1,317 @@
+"""`RNNLayer` (LSTM or GRU, one or both directions) and `StackedRNN`.
+
+    layer = RNNLayer(kind="lstm", hidden=512, bidirectional=True, zoneout=0.1)
+    params = layer.init(jax.random.key(0), x_BLE, lengths_B)
+    out_BL2H, (c_B2H, h_B2H) = layer.apply(params, x_BLE, lengths_B, deterministic=False,
+                                           rngs={"dropout": key})
+
+The fast idea (details in `hpnlp.rnn.cells`): the input projection is taken out of the
+recurrence, one matrix product for all steps (`chunk=None`) or for each block of `chunk`
+steps (default 8: on CPU a cache-sized product runs faster than one [L*B, E] product); each
+step does one fused [B, H] x [H, K*H] product; and the backward pass forms the recurrent
+weight gradient as one product over all steps of a block instead of one per step. Both
+directions of a bidirectional layer run in the same scan. Against
+`flax.linen.RNN(OptimizedLSTMCell)` see `python -m hpnlp.bench rnn`.
+
+Options: layer normalization (Ba et al. 2016), bidirectional with the backward direction
+reversed within each row's length, a learned initial state, forget-gate bias 1 (LSTM,
+Gers et al. 2000; Jozefowicz et al. 2015) and reset-gate bias -1 (GRU), length masks
+(padding never changes the state; the final state is the last real step's; padded
+outputs are 0), and the dropout variants of `hpnlp.rnn.dropout` through fields.
+
+Parameters carry logical axis names ("embed" for the input width, "mlp" for the hidden
+units) so a mesh rule set can shard them; gates and directions are separate axes so a
+shard holds all gates of its units. Shape letters: B batch, L length, E input width, H
+hidden, D directions (1 or 2), K gates (4 LSTM, 3 GRU), G = K*H.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hpnlp.config import ConfigError
+from hpnlp.rnn import cells
+from hpnlp.rnn.dropout import (Dropout, RecurrentDropout, VariationalDropout, WeightDrop,
+                               Zoneout, check_rate)
+
+KINDS = tuple(cells.NUM_GATES)
+COMBINES = ("last", "sum", "residual")
+
+
+def _orthogonal_per_gate(key, shape, dtype=jnp.float32):
+    """[D, H, K, H] with every [H, H] gate block orthogonal (as flax's cells do per gate)."""
+    D, H, K, _ = shape
+    keys = jax.random.split(key, D * K)
+    blocks = jax.vmap(lambda k: nn.initializers.orthogonal()(k, (H, H), dtype))(keys)
+    return blocks.reshape(D, K, H, H).transpose(0, 2, 1, 3)
+
+
+def _gate_bias(kind: str):
+    """LSTM gates (i, f, o, g): forget bias 1. GRU gates (r, z, n): reset bias -1."""
+    gate, value = (1, 1.0) if kind == "lstm" else (0, -1.0)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jnp.zeros(shape, dtype).at[:, gate, :].set(value)
+    return init
+
+
+def _param(module, name, init, names, shape, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+def _check_fields(m) -> None:
+    if m.kind not in KINDS:
+        raise ConfigError(f"field `kind` = {m.kind!r} is not allowed: choose from {KINDS}")
+    if isinstance(m.hidden, bool) or not isinstance(m.hidden, int) or m.hidden <= 0:
+        raise ConfigError(f"field `hidden` = {m.hidden!r} is not allowed: a positive integer")
+    if isinstance(m.unroll, bool) or not isinstance(m.unroll, int) or m.unroll <= 0:
+        raise ConfigError(f"field `unroll` = {m.unroll!r} is not allowed: a positive integer")
+    if m.chunk is not None and (isinstance(m.chunk, bool) or not isinstance(m.chunk, int)
+                                or m.chunk <= 0):
+        raise ConfigError(f"field `chunk` = {m.chunk!r} is not allowed: a positive integer "
+                          "(steps projected per product) or None (all steps in one product)")
+    for f in ("dropout", "variational_dropout", "state_dropout", "recurrent_dropout", "zoneout",
+              "weight_drop"):
+        check_rate(f, getattr(m, f))
+
+
+class RNNLayer(nn.Module):
+    """One LSTM/GRU layer, unidirectional or bidirectional, with length masks and dropout.
+
+    `__call__(x_BLE, lengths_B=None, *, deterministic=True)` returns `(out_BLM, final)`
+    with M = H, or 2H when bidirectional (forward features first); padded outputs are 0.
+    `final` is the carry after each row's last real token: LSTM `(c, h)`, GRU `(h,)`,
+    each [B, M] (bidirectional: forward state, then the backward state after it has read
+    the whole row).
+
+    Dropout fields (rates; RNG stream "dropout"; all off when deterministic):
+      dropout: standard dropout of the layer's inputs, a fresh mask per element and step.
+      variational_dropout: dropout of the inputs with one mask per sequence (Gal &
+        Ghahramani 2016). Input masks are applied before the hoisted projection.
+      state_dropout: variational dropout of h_{t-1} where it enters the recurrent product
+        (Gal & Ghahramani 2016), one mask per sequence.
+      recurrent_dropout: per-step dropout of the cell update (Semeniuta et al. 2016).
+      zoneout: zoneout of c and h with independent masks (Krueger et al. 2017);
+        evaluation uses the expectation.
+      weight_drop: DropConnect of the recurrent matrix, one mask per forward pass
+        (Wan et al. 2013; AWD-LSTM, Merity et al. 2018).
+
+    `chunk`: steps whose input projection is one product (None: all L steps at once).
+    `fast_backward=False` runs the same scan under plain autodiff (the reference twin);
+    `unroll` is passed to `lax.scan`. Compute in `dtype` (matrix products), state and
+    gate math in float32, parameters in `param_dtype`.
+    """
+
+    kind: str = "lstm"
+    hidden: int = 256
+    layer_norm: bool = False
+    bidirectional: bool = False
+    learned_init: bool = False
+    dropout: float = 0.0
+    variational_dropout: float = 0.0
+    state_dropout: float = 0.0
+    recurrent_dropout: float = 0.0
+    zoneout: float = 0.0
+    weight_drop: float = 0.0
+    unroll: int = 1
+    chunk: int | None = 8
+    fast_backward: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BLE, lengths_B=None, *, deterministic: bool = True):
+        _check_fields(self)
+        if x_BLE.ndim != 3:
+            raise ValueError(f"RNNLayer expects inputs [batch, length, features], got shape "
+                             f"{x_BLE.shape}")
+        B, L, E = x_BLE.shape
+        if lengths_B is not None and tuple(lengths_B.shape) != (B,):
+            raise ValueError(f"`lengths_B` must have shape ({B},) (one length per row), got "
+                             f"{tuple(lengths_B.shape)}")
+        D, K, H = (2 if self.bidirectional else 1), cells.NUM_GATES[self.kind], self.hidden
+        G, pdt, dt = K * H, self.param_dtype, self.dtype
+
+        w_EDKH = _param(self, "input_kernel", nn.initializers.lecun_normal(in_axis=0, out_axis=(2, 3)),
+                        ("embed", None, None, "mlp"), (E, D, K, H), pdt)
+        w_DHKH = _param(self, "recurrent_kernel", _orthogonal_per_gate, (None, None, None, "mlp"),
+                        (D, H, K, H), pdt)
+        b_DKH = _param(self, "bias", _gate_bias(self.kind), (None, None, "mlp"), (D, K, H), pdt)
+        pw = {}
+        if self.kind == "gru":
+            pw["hn_bias"] = _param(self, "hn_bias", nn.initializers.zeros, (None, "mlp"), (D, H), pdt)
+        if self.layer_norm:
+            ones = nn.initializers.ones
+            ln_x_DG = _param(self, "ln_x_gain", ones, (None, None), (D, G), pdt)
+            pw["ln_h_gain"] = _param(self, "ln_h_gain", ones, (None, None), (D, G), pdt)
+            if self.kind == "lstm":
+                pw["ln_c_gain"] = _param(self, "ln_c_gain", ones, (None, "mlp"), (D, H), pdt)
+                pw["ln_c_bias"] = _param(self, "ln_c_bias", nn.initializers.zeros, (None, "mlp"),
+                                         (D, H), pdt)
+        pw = {k: v.astype(jnp.float32) for k, v in pw.items()}
+        carry_names = ("init_c", "init_h") if self.kind == "lstm" else ("init_h",)
+        if self.learned_init:
+            init_DH = [_param(self, n, nn.initializers.zeros, (None, "mlp"), (D, H), pdt)
+                       for n in carry_names]
+        else:
+            init_DH = [jnp.zeros((D, H), jnp.float32) for _ in carry_names]
+        carry0 = tuple(jnp.broadcast_to(c.astype(jnp.float32)[:, None, :], (D, B, H))
+                       for c in init_DH)
+
+        x_BLE = Dropout(self.dropout, name="dropout")(x_BLE, deterministic=deterministic)
+        x_BLE = VariationalDropout(self.variational_dropout, name="variational_dropout")(
+            x_BLE, deterministic=deterministic)
+        # Time-major, so that each scan step reads one contiguous slice; the backward
+        # direction reads each row reversed within its length.
+        x_LBE = jnp.swapaxes(x_BLE, 0, 1).astype(dt)
+        x_DLBE = x_LBE[None] if D == 1 else jnp.stack(
+            [x_LBE, cells.flip_within_length(x_LBE, lengths_B, time_major=True)])
+        w_DEG = jnp.swapaxes(w_EDKH.reshape(E, D, G), 0, 1).astype(dt)
+        b_DG = b_DKH.reshape(D, G).astype(jnp.float32)
+        ln_x_DG = ln_x_DG.astype(jnp.float32) if self.layer_norm else jnp.zeros((D, 0))
+        w_DHG = WeightDrop(self.weight_drop, name="weight_drop")(
+            w_DHKH.reshape(D, H, G), deterministic=deterministic).astype(dt)
+
+        valid_LB1 = None
+        if lengths_B is not None:
+            valid_LB1 = (jnp.arange(L)[:, None] < lengths_B[None, :]).astype(jnp.float32)[..., None]
+        shape_DLBH = (D, L, B, H)
+        zone = Zoneout(self.zoneout, name="zoneout")
+        ex = cells.StepInputs(
+            valid_B1=valid_LB1,
+            update_BH=RecurrentDropout(self.recurrent_dropout, name="recurrent_dropout").masks(
+                shape_DLBH, deterministic=deterministic),
+            zone_c_BH=zone.masks(shape_DLBH, deterministic=deterministic) if self.kind == "lstm"
+            else None,
+            zone_h_BH=zone.masks(shape_DLBH, deterministic=deterministic))
+        state_mask_DBH = None
+        if not deterministic and self.state_dropout > 0:
+            state_mask_DBH = VariationalDropout(self.state_dropout, time_axis=None,
+                                                name="state_dropout").mask((D, B, H))
+        step = functools.partial(cells.STEPS[self.kind],
+                                 zoneout=self.zoneout if deterministic else 0.0)
+        layer_norm = self.layer_norm
+
+        def one_direction(w_EG, b_G, ln_x_G, pw_d, w_HG, x_LBE, carry0_d, ex_d, mask_BH):
+            def project(x_TBE):
+                # ONE product for all (or a chunk of) the steps, outside the recurrence.
+                xw_TBG = jnp.einsum("tbe,eg->tbg", x_TBE, w_EG, preferred_element_type=jnp.float32)
+                if layer_norm:  # Ba et al.: LN(W_x x) is per step but state-free, so hoisted
+                    xw_TBG = cells._layer_norm(xw_TBG.reshape(-1, G), ln_x_G).reshape(xw_TBG.shape)
+                return xw_TBG + b_G[None, None]
+            return cells.run_layer(step, project, pw_d, w_HG, x_LBE, carry0_d, ex_d, mask_BH,
+                                   chunk=self.chunk, unroll=self.unroll,
+                                   fast_backward=self.fast_backward)
+
+        args = (w_DEG, b_DG, ln_x_DG, pw, w_DHG, x_DLBE, carry0)
+        if D == 1:
+            ex0 = cells.StepInputs(ex.valid_B1, *(None if a is None else a[0] for a in ex[1:]))
+            final, out_LBH = one_direction(
+                *jax.tree_util.tree_map(lambda a: a[0], args), ex0,
+                None if state_mask_DBH is None else state_mask_DBH[0])
+            out_DLBH = out_LBH[None]
+            final = tuple(f[None] for f in final)
+        else:
+            # Both directions in one scan (a batched product per step). The valid mask is
+            # shared: reversal within length keeps the padding at the end.
+            ex_axes = cells.StepInputs(None, *(None if a is None else 0 for a in ex[1:]))
+            final, out_DLBH = jax.vmap(one_direction, in_axes=(
+                0,) * len(args) + (ex_axes, None if state_mask_DBH is None else 0))(
+                *args, ex, state_mask_DBH)
+            out_DLBH = out_DLBH.at[1].set(cells.flip_within_length(out_DLBH[1], lengths_B,
+                                                                   time_major=True))
+        out_BLM = jnp.einsum("dlbh->bldh", out_DLBH).reshape(B, L, D * H).astype(dt)
+        final = tuple(jnp.einsum("dbh->bdh", f).reshape(B, D * H) for f in final)
+        return out_BLM, final
+
+
+class StackedRNN(nn.Module):
+    """`num_layers` RNNLayers. `combine`: "last" returns the top layer's outputs, "sum"
+    the sum of every layer's outputs, "residual" adds each layer's input to its output
+    from the second layer on (the first layer's input is usually a different width).
+
+    Every layer takes the dropout fields for its own input (so between layers); the
+    stack's output is dropped once more with the same `dropout` / `variational_dropout`,
+    as Gal & Ghahramani drop inputs and outputs. Returns (outputs, [final state per layer]).
+    """
+
+    num_layers: int = 2
+    combine: str = "last"
+    kind: str = "lstm"
+    hidden: int = 256
+    layer_norm: bool = False
+    bidirectional: bool = False
+    learned_init: bool = False
+    dropout: float = 0.0
+    variational_dropout: float = 0.0
+    state_dropout: float = 0.0
+    recurrent_dropout: float = 0.0
+    zoneout: float = 0.0
+    weight_drop: float = 0.0
+    unroll: int = 1
+    chunk: int | None = 8
+    fast_backward: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BLE, lengths_B=None, *, deterministic: bool = True):
+        if self.combine not in COMBINES:
+            raise ConfigError(f"field `combine` = {self.combine!r} is not allowed: choose from "
+                              f"{COMBINES}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
+                or self.num_layers <= 0:
+            raise ConfigError(f"field `num_layers` = {self.num_layers!r} is not allowed: a "
+                              "positive integer")
+        fields = {f: getattr(self, f) for f in (
+            "kind", "hidden", "layer_norm", "bidirectional", "learned_init", "dropout",
+            "variational_dropout", "state_dropout", "recurrent_dropout", "zoneout",
+            "weight_drop", "unroll", "chunk", "fast_backward", "dtype", "param_dtype")}
+        h, total, finals = x_BLE, None, []
+        for i in range(self.num_layers):
+            out, final = RNNLayer(**fields, name=f"layer_{i}")(h, lengths_B,
+                                                               deterministic=deterministic)
+            finals.append(final)
+            if self.combine == "residual" and i > 0:
+                out = out + h
+            total = out if total is None else total + out
+            h = out
+        y = total if self.combine == "sum" else h
+        y = Dropout(self.dropout, name="output_dropout")(y, deterministic=deterministic)
+        y = VariationalDropout(self.variational_dropout, name="output_variational_dropout")(
+            y, deterministic=deterministic)
+        return y, finals
+
+
+def _gates(blocks, axis):
+    """Per-gate [X, H] blocks (in our gate order) stacked into [..., K, H] with a
+    direction axis of size 1 at `axis`."""
+    return jnp.expand_dims(jnp.stack([jnp.asarray(b) for b in blocks], axis=-2), axis)
+
+
+def from_flax_lstm(cell_params: dict) -> dict:
+    """Parameters of `RNNLayer(kind="lstm")` (unidirectional, no layer norm) holding the
+    same weights as a `flax.linen.OptimizedLSTMCell` / `LSTMCell` parameter dict (the
+    cell's: `variables["params"]["cell"]` of an `nn.RNN`). Flax keeps one [X, H] block per
+    gate (ii/if/ig/io without bias, hi/hf/hg/ho with bias); ours fuses them in gate
+    order (i, f, o, g)."""
+    p, gates = cell_params, ("i", "f", "o", "g")
+    return {"input_kernel": _gates([p[f"i{g}"]["kernel"] for g in gates], 1),
+            "recurrent_kernel": _gates([p[f"h{g}"]["kernel"] for g in gates], 0),
+            "bias": _gates([p[f"h{g}"]["bias"] for g in gates], 0)}
+
+
+def from_flax_gru(cell_params: dict) -> dict:
+    """Parameters of `RNNLayer(kind="gru")` (unidirectional, no layer norm) holding the
+    same weights as a `flax.linen.GRUCell` parameter dict (ir/iz/in with bias, hr/hz
+    without, hn with bias); gate order (r, z, n)."""
+    p, gates = cell_params, ("r", "z", "n")
+    return {"input_kernel": _gates([p[f"i{g}"]["kernel"] for g in gates], 1),
+            "recurrent_kernel": _gates([p[f"h{g}"]["kernel"] for g in gates], 0),
+            "bias": _gates([p[f"i{g}"]["bias"] for g in gates], 0),
+            "hn_bias": jnp.asarray(p["hn"]["bias"])[None]}

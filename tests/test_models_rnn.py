@@ -1,0 +1,73 @@
+"""Recurrent trunks (model.arch = lstm | gru) inside the same LM / classifier / dual encoder."""
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from hpnlp.config import ConfigError, RNNConfig, from_configdict, validate, default_configdict
+from test_models import BATCHES, V, init, make_cfg
+
+
+def rnn_cfg(kind, arch="lstm", **rnn):
+    cfg = make_cfg(kind, arch=arch)
+    return dataclasses.replace(cfg, rnn=RNNConfig(**rnn))
+
+
+@pytest.mark.parametrize("kind, arch", [("lm", "lstm"), ("classifier", "gru"), ("dual_encoder", "lstm")])
+def test_rnn_models_give_finite_sums_and_gradients(kind, arch):
+    bidir = kind != "lm"
+    cfg = rnn_cfg(kind, arch, bidirectional=bidir, layer_norm=True, combine="sum")
+    batch = BATCHES[kind]()
+    model, params = init(cfg, batch)
+    sums, grads = jax.jit(jax.value_and_grad(lambda p: model.apply({"params": p}, batch)["loss"]))(params)
+    chex.assert_tree_all_finite(sums)
+    chex.assert_tree_all_finite(grads)
+    assert "rnn" in params["trunk"]
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_rnn_padding_tokens_change_nothing(kind):
+    cfg = rnn_cfg(kind, "lstm", bidirectional=kind != "lm")
+    batch = BATCHES[kind]()
+    model, params = init(cfg, batch)
+    other = dict(batch)
+    pad = batch["segment_ids"] == 0
+    other["inputs"] = np.where(pad, (batch["inputs"] + 7) % V, batch["inputs"])
+    if kind == "lm":
+        other["targets"] = np.where(pad, (batch["targets"] + 3) % V, batch["targets"])
+    apply = jax.jit(model.apply)
+    chex.assert_trees_all_close(apply({"params": params}, batch), apply({"params": params}, other),
+                                atol=1e-5)
+
+
+def test_rnn_lm_is_causal():
+    cfg = rnn_cfg("lm", "gru")
+    batch = BATCHES["lm"]()
+    model, params = init(cfg, batch)
+    log_probs = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))
+    base = log_probs(params, batch)
+    changed = dict(batch, inputs=batch["inputs"].copy())
+    changed["inputs"][:, 9] = (changed["inputs"][:, 9] + 1) % V
+    after = log_probs(params, changed)
+    np.testing.assert_allclose(after[:, :9], base[:, :9], atol=1e-6)
+    assert float(np.abs(after[:, 9:] - base[:, 9:]).max()) > 1e-4
+
+
+def test_rnn_config_errors_name_the_field():
+    cd = default_configdict()
+    cd.data.task, cd.data.seq_len, cd.model.max_len = "byte_lm", 64, 64
+    cd.model.arch = "lstm"
+    cd.rnn.bidirectional = True
+    with pytest.raises(ConfigError, match="rnn.bidirectional"):
+        validate(from_configdict(cd), num_devices=1)
+    cd.rnn.bidirectional = False
+    cd.rnn.zoneout = 1.5
+    with pytest.raises(ConfigError, match="rnn.zoneout"):
+        validate(from_configdict(cd), num_devices=1)
+    cd.rnn.zoneout = 0.0
+    cd.model.arch = "rnn"
+    with pytest.raises(ConfigError, match="model.arch"):
+        validate(from_configdict(cd), num_devices=1)
