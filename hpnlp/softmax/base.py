@@ -6,6 +6,7 @@ Shape letters: N any leading dims (tokens), E hidden width, V vocabulary, S samp
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -116,6 +117,7 @@ class _OutputTable(nn.Module):
     vocab_size: int
     tied: bool
     param_dtype: jnp.dtype
+    bias_init: Callable = nn.initializers.zeros
 
     @nn.compact
     def __call__(self, width: int):
@@ -123,7 +125,7 @@ class _OutputTable(nn.Module):
         if not self.tied:
             kernel = self.param("kernel", nn.with_logical_partitioning(fan_in_init(), ("vocab", "embed")),
                                 (self.vocab_size, width), self.param_dtype)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+        bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, ("vocab",)),
                           (self.vocab_size,), self.param_dtype)
         return kernel, bias
 
@@ -145,7 +147,12 @@ class VocabLayer(nn.Module):
     def setup(self):
         if self.vocab_size <= 0:
             raise ValueError(f"{type(self).__name__} needs vocab_size > 0; got {self.vocab_size}")
-        self.table = _OutputTable(self.vocab_size, self.embed is not None, self.param_dtype)
+        self.table = _OutputTable(self.vocab_size, self.embed is not None, self.param_dtype,
+                                  self.initial_bias())
+
+    def initial_bias(self) -> Callable:
+        """Initializer of the [V] bias; objectives that are not shift-invariant override it."""
+        return nn.initializers.zeros
 
     def weights(self, width: int):
         """(W [V, E], b [V]) in the parameter dtype."""
@@ -182,3 +189,13 @@ def scores(hidden_NE, kernel_VE, bias_V, dtype):
     logits_NV = jnp.einsum("...e,ve->...v", hidden_NE.astype(dtype), kernel_VE.astype(dtype),
                            preferred_element_type=jnp.float32)
     return logits_NV + bias_V.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
+
+
+def constant_vector(values: np.ndarray) -> Callable:
+    """An initializer returning `values` (a [V] float array computed at setup)."""
+    def init(key, shape, dtype=jnp.float32):
+        del key
+        if tuple(shape) != values.shape:
+            raise ValueError(f"bias shape {shape} does not match the {values.shape} initial values")
+        return jnp.asarray(values, dtype)
+    return init

@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, frequencies, masked,
-                                register, scores)
+from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, constant_vector,
+                                frequencies, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk
 
 SAMPLERS = ("uniform", "log_uniform", "unigram")
@@ -295,6 +295,14 @@ class SampledSoftmax(SampledObjective):
         return self._per_token(lse_T - s_T, targets_N, mask_N)
 
 
+def _log_unigram(counts, vocab_size: int) -> np.ndarray:
+    """log of the train unigram distribution, unseen ids given half the smallest seen count."""
+    c = frequencies(counts, vocab_size).counts
+    positive = c[c > 0]
+    c = c + 0.5 * (positive.min() if positive.size else 1.0)
+    return np.log(c / c.sum())
+
+
 @register("nce")
 class NCE(SampledObjective):
     """Noise-contrastive estimation (Gutmann & Hyvarinen 2010; Mnih & Teh 2012).
@@ -320,6 +328,12 @@ class NCE(SampledObjective):
             self.log_z = self.param(
                 "log_z", nn.with_logical_partitioning(nn.initializers.constant(self.log_normalizer), ()),
                 (), self.param_dtype)
+
+    def initial_bias(self):
+        """Start at the context-free optimum, s(w) = log unigram(w) (+ log Z): NCE is not
+        shift-invariant, and from zeros every word starts V times too likely; words that
+        are rarely seen or drawn would keep that score for thousands of steps."""
+        return constant_vector(_log_unigram(self.counts, self.vocab_size) + self.log_normalizer)
 
     def normalizer(self):
         return (self.log_z.astype(jnp.float32) if self.learn_normalizer
@@ -354,6 +368,12 @@ class NegativeSampling(SampledObjective):
     """
 
     num_samples: int = 64  # word2vec uses 5-20 per token; shared across a batch, a few more
+
+    def initial_bias(self):
+        """Start at the context-free optimum, s(w) = log(unigram(w) / (k q(w))) (see NCE)."""
+        q = make_sampler(self.sampler, self.vocab_size, self.counts, self.power).probs()
+        return constant_vector(_log_unigram(self.counts, self.vocab_size)
+                               - np.log(self.num_samples * q))
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         s_T, s_TS, _, hits_TS = self._scores(hidden_NE, targets_N, deterministic)
