@@ -130,7 +130,20 @@ class _OutputTable(nn.Module):
         return kernel, bias
 
 
-class VocabLayer(nn.Module):
+class LogitsDistribution:
+    """Mixin for layers whose evaluation distribution is a softmax of `logits(hidden)`."""
+
+    def log_prob(self, hidden_NE):
+        return jax.nn.log_softmax(self.logits(hidden_NE), axis=-1)
+
+    def top_k(self, hidden_NE, k: int):
+        return jax.lax.top_k(self.log_prob(hidden_NE), k)
+
+    def __call__(self, hidden_NE):
+        return self.log_prob(hidden_NE)
+
+
+class VocabLayer(LogitsDistribution, nn.Module):
     """Base of the output layers that score each id with a vector and a bias: h . w_v + b_v.
 
     Subclasses add an objective; they all share `logits` (every id, float32), `rows` (a
@@ -173,15 +186,6 @@ class VocabLayer(nn.Module):
         """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
         kernel_VE, bias_V = self.weights(width)
         return jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0)
-
-    def log_prob(self, hidden_NE):
-        return jax.nn.log_softmax(self.logits(hidden_NE), axis=-1)
-
-    def top_k(self, hidden_NE, k: int):
-        return jax.lax.top_k(self.log_prob(hidden_NE), k)
-
-    def __call__(self, hidden_NE):
-        return self.log_prob(hidden_NE)
 
 
 def scores(hidden_NE, kernel_VE, bias_V, dtype):

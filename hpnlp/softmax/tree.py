@@ -214,7 +214,7 @@ class ClassBasedSoftmax(VocabLayer):
 
     def log_prob(self, hidden_NE):
         """Exact: class log-prob plus the word's log-softmax within its class, for all V ids."""
-        lead, width = hidden_NE.shape[:-1], hidden_NE.shape[-1]
+        lead = hidden_NE.shape[:-1]
         class_lp_TC = self._class_log_probs(hidden_NE).reshape(-1, self.bins.num_classes)
         logits_VT = self.logits(hidden_NE).reshape(-1, self.vocab_size).T
         class_V, num_classes = jnp.asarray(self.bins.class_V), self.bins.num_classes

@@ -50,7 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.softmax.base import check_targets, masked, register
+from hpnlp.softmax.base import LogitsDistribution, check_targets, masked, register
 
 DEBYE_MIN_ORDER = 15.0  # orders below this recur down from order v + ceil(15 - v)
 SERIES_MAX_X = 20.0  # below DEBYE_MIN_ORDER: power series for x <= this
@@ -226,7 +226,7 @@ def unit_rows(table_VM):
 
 
 @register("vmf")
-class VMFOutput(nn.Module):
+class VMFOutput(LogitsDistribution, nn.Module):
     """Predicts an embedding ê = W h; trains with NLLvMF against the tied input embedding.
 
     Params: `proj/kernel` [E, M], M the tied embedding's width. The loss is not -log p of
@@ -287,12 +287,4 @@ class VMFOutput(nn.Module):
         return jnp.einsum("...m,vm->...v", pred_NM.astype(self.dtype), unit_VM.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
-    def log_prob(self, hidden_NE):
-        return jax.nn.log_softmax(self.logits(hidden_NE), axis=-1)
-
-    def top_k(self, hidden_NE, k: int):
-        return jax.lax.top_k(self.log_prob(hidden_NE), k)
-
-    def __call__(self, hidden_NE):
-        return self.log_prob(hidden_NE)
 

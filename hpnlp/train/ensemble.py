@@ -47,11 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hpnlp import data as data_lib
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.train.checkpoint import CheckpointMismatch
-from hpnlp.train.loop import Trainer, _global
+from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
 from hpnlp.train.step import finalize, make_train_step
 
@@ -117,22 +116,6 @@ def make_ensemble_eval_step(model, t: TrainConfig, kind: str):
         return {"members": per_member, "ensemble": _sums(ensemble_PO, target_P, weight_P)}
 
     return eval_step
-
-
-def _eval_sums(trainer: Trainer, eval_step, state) -> dict:
-    """Trainer.evaluate's pass over the eval split with another step; host sums."""
-    cfg = trainer.cfg
-    it = data_lib.make_iterator(trainer.task, cfg.data, split="eval",
-                                batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
-                                **trainer.iter_args)
-    total = None
-    with trainer._context():
-        for i, batch in enumerate(it):
-            if cfg.train.eval_batches and i >= cfg.train.eval_batches:
-                break
-            sums = eval_step(state, _global(batch, trainer.batch_sharding))
-            total = sums if total is None else jax.tree.map(np.add, total, sums)
-    return jax.device_get(total)
 
 
 def _report(sums: dict, *, lm: bool) -> dict:
@@ -279,7 +262,7 @@ class EnsembleTrainer(Trainer):
             return self._take(state, jnp.int32(i))
 
     def evaluate(self, state) -> dict:
-        return _report(_eval_sums(self, self.ensemble_eval_step, state), lm=self.lm)
+        return _report(self.eval_sums(state, self.ensemble_eval_step), lm=self.lm)
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,7 +313,7 @@ def _ensemble_of(trainer: Trainer, states) -> dict:
             step=_stack(*(x.step for x in s)), params=_stack(*(x.params for x in s)),
             opt_state=None, rng=_stack(*(x.rng for x in s))), out_shardings=stacked)(*states)
         step = jax.jit(estep, in_shardings=(stacked, trainer.batch_sharding))
-    return _report(_eval_sums(trainer, step, members), lm=trainer.lm)
+    return _report(trainer.eval_sums(members, step), lm=trainer.lm)
 
 
 def checkpoint_ensemble(cfg, workdir: str, last_k: int) -> dict:

@@ -121,8 +121,10 @@ class Trainer:
         self.train_iter.set_state(data_state)
         return state, loop_state
 
-    def evaluate(self, state) -> dict:
+    def eval_sums(self, state, eval_step=None) -> dict:
+        """Host sums of `eval_step` (default: this trainer's) over the eval batches."""
         cfg = self.cfg
+        eval_step = eval_step or self.eval_step
         it = data_lib.make_iterator(self.task, cfg.data, split="eval",
                                     batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
                                     **self.iter_args)
@@ -131,9 +133,12 @@ class Trainer:
             for i, batch in enumerate(it):
                 if cfg.train.eval_batches and i >= cfg.train.eval_batches:
                     break
-                sums = self.eval_step(state, _global(batch, self.batch_sharding))
+                sums = eval_step(state, _global(batch, self.batch_sharding))
                 total = sums if total is None else jax.tree.map(np.add, total, sums)
-        return finalize(jax.device_get(total), lm=self.lm)
+        return jax.device_get(total)
+
+    def evaluate(self, state) -> dict:
+        return finalize(self.eval_sums(state), lm=self.lm)
 
     def run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train
