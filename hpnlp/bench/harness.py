@@ -11,6 +11,7 @@ machine it ran on (`machine_info`) and that machine's own matrix-product rate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -165,6 +166,17 @@ def isolated(module: str, spec: dict, *, timeout_s: float = 600) -> dict:
             tail = ["killed (out of memory?)"]
         return {"status": f"failed: {tail[0][:200]}"}
     return json.loads(lines[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def experiment_module(filename: str):
+    """The experiment config file `experiments/<filename>` as a module (loaded once)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", filename)
+    spec = importlib.util.spec_from_file_location(f"hpnlp_experiment_{filename[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def fit_exponent(xs, ys) -> float | None:

@@ -25,14 +25,8 @@ WITHIN = 0.05  # "as good as full": perplexity within 5%
 
 
 def _config(method: str, quick: bool):
-    import importlib.util
-
     from hpnlp.config import from_configdict
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "lm.py")
-    spec = importlib.util.spec_from_file_location("hpnlp_lm_experiment", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.get_config("words")
+    cfg = harness.experiment_module("lm.py").get_config("words")
     cfg.name = f"quality_{method}"
     cfg.data.word_vocab_size = 12_070  # every train word: the output layer is the cost
     cfg.output.name = method

@@ -8,7 +8,6 @@ data, plus a seed ensemble of the plain model (members trained in one program wi
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import tempfile
@@ -17,15 +16,11 @@ from tqdm.auto import tqdm
 
 from hpnlp.bench import harness, report
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 ENSEMBLE_MEMBERS = 3
 
 
 def experiment_config(arg: str):
-    path = os.path.join(ROOT, "experiments", "rnn_lm.py")
-    spec = importlib.util.spec_from_file_location("hpnlp_rnn_lm_experiment", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = harness.experiment_module("rnn_lm.py")
     return mod, mod.get_config(arg)
 
 

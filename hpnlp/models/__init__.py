@@ -24,7 +24,12 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     assume frequency-sorted ids.
     """
     cls = MODELS[cfg.model.kind]
-    extra = {} if token_counts is None or cfg.model.kind != "lm" else {"token_counts": token_counts}
+    extra = {}
+    if token_counts is not None and cfg.model.kind == "lm":
+        # One Frequencies per model, not one per `setup` (which flax reruns on every
+        # apply): the output layers' table and sampler caches then hit.
+        from hpnlp.softmax import frequencies
+        extra["token_counts"] = frequencies(token_counts, cfg.model.vocab_size)
     if decode:
         return cls(cfg, deterministic=True, decode=True, **extra)
     return cls(cfg, deterministic=deterministic, **extra)

@@ -62,7 +62,7 @@ class TransformerLM(nn.Module):
     cfg: Config
     deterministic: bool = True
     decode: bool = False
-    token_counts: Any = None  # [V] train counts per id, for frequency-based output layers
+    token_counts: Any = None  # softmax.Frequencies (or [V] counts), for frequency-based output layers
 
     def setup(self):
         m = self.cfg.model

@@ -27,6 +27,7 @@ hidden, D directions (1 or 2), K gates (4 LSTM, 3 GRU), G = K*H.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -268,10 +269,9 @@ class StackedRNN(nn.Module):
                 or self.num_layers <= 0:
             raise ConfigError(f"field `num_layers` = {self.num_layers!r} is not allowed: a "
                               "positive integer")
-        fields = {f: getattr(self, f) for f in (
-            "kind", "hidden", "layer_norm", "bidirectional", "learned_init", "dropout",
-            "variational_dropout", "state_dropout", "recurrent_dropout", "zoneout",
-            "weight_drop", "unroll", "chunk", "fast_backward", "dtype", "param_dtype")}
+        # Every RNNLayer setting the stack shares (all of RNNLayer's fields: it declares them).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(RNNLayer)
+                  if f.name not in ("parent", "name")}
         h, total, finals = x_BLE, None, []
         for i in range(self.num_layers):
             out, final = RNNLayer(**fields, name=f"layer_{i}")(h, lengths_B,

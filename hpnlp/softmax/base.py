@@ -6,6 +6,8 @@ Shape letters: N any leading dims (tokens), E hidden width, V vocabulary, S samp
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from typing import Callable
 
 import flax.linen as nn
@@ -71,6 +73,11 @@ class Frequencies:
     @property
     def vocab_size(self) -> int:
         return int(self.counts.shape[0])
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """Hash of the counts' content (computed once), for caches keyed by content."""
+        return hashlib.blake2b(self.counts.tobytes(), digest_size=16).digest()
 
     def is_sorted(self) -> bool:
         """True when id 0 is the most frequent and counts never increase with the id."""
@@ -195,10 +202,12 @@ def scores(hidden_NE, kernel_VE, bias_V, dtype):
     return logits_NV + bias_V.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
 
 
-def constant_vector(values: np.ndarray) -> Callable:
-    """An initializer returning `values` (a [V] float array computed at setup)."""
+def computed_vector(make_values: Callable[[], np.ndarray]) -> Callable:
+    """An initializer returning `make_values()` (a [V] float array), computed only when the
+    parameter is created, not in every `setup`."""
     def init(key, shape, dtype=jnp.float32):
         del key
+        values = np.asarray(make_values())
         if tuple(shape) != values.shape:
             raise ValueError(f"bias shape {shape} does not match the {values.shape} initial values")
         return jnp.asarray(values, dtype)

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, constant_vector,
+from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
                                 frequencies, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk
 
@@ -333,7 +333,7 @@ class NCE(SampledObjective):
         """Start at the context-free optimum, s(w) = log unigram(w) (+ log Z): NCE is not
         shift-invariant, and from zeros every word starts V times too likely; words that
         are rarely seen or drawn would keep that score for thousands of steps."""
-        return constant_vector(_log_unigram(self.counts, self.vocab_size) + self.log_normalizer)
+        return computed_vector(lambda: _log_unigram(self.counts, self.vocab_size) + self.log_normalizer)
 
     def normalizer(self):
         return (self.log_z.astype(jnp.float32) if self.learn_normalizer
@@ -371,9 +371,10 @@ class NegativeSampling(SampledObjective):
 
     def initial_bias(self):
         """Start at the context-free optimum, s(w) = log(unigram(w) / (k q(w))) (see NCE)."""
-        q = make_sampler(self.sampler, self.vocab_size, self.counts, self.power).probs()
-        return constant_vector(_log_unigram(self.counts, self.vocab_size)
-                               - np.log(self.num_samples * q))
+        def values():
+            q = make_sampler(self.sampler, self.vocab_size, self.counts, self.power).probs()
+            return _log_unigram(self.counts, self.vocab_size) - np.log(self.num_samples * q)
+        return computed_vector(values)
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         s_T, s_TS, _, hits_TS = self._scores(hidden_NE, targets_N, deterministic)

@@ -25,7 +25,6 @@ D deepest Huffman path, P = 2V - 1 tree nodes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 
 import flax.linen as nn
@@ -44,11 +43,12 @@ _MAX_CACHED = 8
 def cached_tables(build, counts, vocab_size: int, *options):
     """`build(Frequencies, *options)`, memoized on the counts' content and the options.
 
-    Keyed by content, not identity: the model makes a fresh `Frequencies` in every `setup`,
-    and a Huffman tree over 1M ids is worth building once.
+    Keyed by content, not identity: equal counts held by different `Frequencies` objects
+    (two models, a rebuilt trainer) share one Huffman tree, which over 1M ids is worth
+    building once.
     """
     freqs = frequencies(counts, vocab_size)
-    digest = None if counts is None else hashlib.blake2b(freqs.counts.tobytes(), digest_size=16).digest()
+    digest = None if counts is None else freqs.digest
     key = (build.__module__, build.__qualname__, vocab_size, digest, options)
     if key not in _TABLES:
         if len(_TABLES) >= _MAX_CACHED:
