@@ -147,19 +147,59 @@ class DataConfig:
     word_vocab_size: int = 10000
 
 
+# Device mesh axes, in mesh order. Model code never names these; it names logical axes,
+# and `MeshConfig.rules` maps each logical name to mesh axes.
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert")
+
+# Logical axis names the models use -> mesh axes (a name, a tuple of names, or None:
+# replicated). Parameters: `vocab`, `embed`, `heads`, `kv`, `mlp`, `layers` (a stacked
+# layer axis), `expert`; activations: `batch`, `length`, `activation_embed`,
+# `activation_mlp`. With every mesh axis of size 1 this is plain single-device code.
+DEFAULT_RULES = {
+    "batch": ("data", "fsdp"),  # data parallel over both; fsdp also shards parameters
+    "length": "sequence",  # sequence (context) parallel: ring attention
+    "vocab": "tensor",  # Megatron: vocabulary, heads and MLP hidden split over tensor
+    "embed": "fsdp",  # ZeRO-3: parameters' model dim split over fsdp, gathered per layer
+    "heads": "tensor",
+    "kv": None,
+    "mlp": "tensor",
+    "layers": "pipeline",  # stacked blocks split into pipeline stages
+    "expert": "expert",
+    "activation_embed": None,
+    "activation_mlp": "tensor",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = -1  # -1: all devices left over
+    """Axis sizes (-1: all devices left over; at most one) and the logical-axis rules."""
+
+    data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    sequence: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    rules: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: flax.core.FrozenDict(DEFAULT_RULES))
 
     def axis_sizes(self, num_devices: int) -> dict[str, int]:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {a: getattr(self, a) for a in MESH_AXES}
         fixed = math.prod(v for v in sizes.values() if v != -1)
         for k, v in sizes.items():
             if v == -1:
                 sizes[k] = num_devices // fixed if fixed else 0
         return sizes
+
+    def rule_tuples(self) -> tuple[tuple[str, Any], ...]:
+        """The rules as flax wants them: ((logical, mesh axes), ...)."""
+        return tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)
+                     for k, v in self.rules.items())
+
+    def mesh_axes_of(self, logical: str) -> tuple[str, ...]:
+        """Mesh axes a logical name is split over (empty: replicated or unmapped)."""
+        v = self.rules.get(logical)
+        return () if v is None else ((v,) if isinstance(v, str) else tuple(v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +267,10 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                 value["bucket_boundaries"] = tuple(value["bucket_boundaries"])
             if "options" in value:  # hashable: configs become flax module fields
                 value["options"] = flax.core.FrozenDict(value["options"] or {})
+            if key == "mesh" and "rules" in value:  # given rules override the defaults one by one
+                given = {k: tuple(v) if isinstance(v, list) else v
+                         for k, v in dict(value["rules"] or {}).items()}
+                value["rules"] = flax.core.FrozenDict({**DEFAULT_RULES, **given})
             kwargs[key] = cls(**value)
         elif key in ("seed", "name"):
             kwargs[key] = value
@@ -368,25 +412,49 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     import jax
     n = jax.device_count() if num_devices is None else num_devices
     mesh = cfg.mesh
-    for name in ("data", "fsdp", "tensor"):
+    for name in MESH_AXES:
         v = getattr(mesh, name)
-        if v == 0 or v < -1:
+        if not isinstance(v, int) or v == 0 or v < -1:
             _fail(f"mesh.{name}", v, "must be a positive axis size or -1 (fill the rest)")
-    if sum(getattr(mesh, a) == -1 for a in ("data", "fsdp", "tensor")) > 1:
-        _fail("mesh", (mesh.data, mesh.fsdp, mesh.tensor), "at most one axis may be -1")
+    filled = [a for a in MESH_AXES if getattr(mesh, a) == -1]
+    if len(filled) > 1:
+        _fail("mesh", {a: -1 for a in filled}, "at most one axis may be -1")
     sizes = mesh.axis_sizes(n)
     if math.prod(sizes.values()) != n or 0 in sizes.values():
-        _fail("mesh", dataclasses.asdict(mesh),
-              f"the axis sizes must multiply to the device count {n} "
+        shown = {a: getattr(mesh, a) for a in MESH_AXES}
+        _fail("mesh", shown, f"the axis sizes must multiply to the device count {n} "
               f"(got {sizes}); set one axis to -1 to fill the rest")
-    # Every dimension a mesh axis shards (hpnlp.parallel.DEFAULT_RULES) must split evenly.
-    for axis, dims in (("tensor", {"model.num_heads": m.num_heads, "model.mlp_dim": m.mlp_dim,
-                                   "model.vocab_size": model.vocab_size}),
-                       ("fsdp", {"model.width": m.width})):
-        for name, dim in dims.items():
-            if dim % sizes[axis]:
-                _fail(f"mesh.{axis}", sizes[axis], f"must divide {name}={dim} (it shards that dimension)")
-    shards = sizes["data"] * sizes["fsdp"]
+    for logical, axes in mesh.rules.items():
+        if logical not in DEFAULT_RULES:
+            _fail(f"mesh.rules.{logical}", axes,
+                  f"unknown logical axis name; the models use {sorted(DEFAULT_RULES)}")
+        named = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        for a in named:
+            if a not in MESH_AXES:
+                _fail(f"mesh.rules.{logical}", axes,
+                      f"{a!r} is not a mesh axis; use None (replicated) or names from {list(MESH_AXES)}")
+        if len(set(named)) != len(named):
+            _fail(f"mesh.rules.{logical}", axes, "names a mesh axis twice")
+    # Every dimension the rules shard must split evenly over its mesh axes.
+    dims = {"heads": {"model.num_heads": m.num_heads}, "mlp": {"model.mlp_dim": m.mlp_dim},
+            "vocab": {"model.vocab_size": model.vocab_size}, "embed": {"model.width": m.width},
+            "kv": {"model.width / model.num_heads": m.width // m.num_heads},
+            "layers": {"model.depth": m.depth}}
+    for logical, named in dims.items():
+        split = math.prod(sizes[a] for a in mesh.mesh_axes_of(logical))
+        for name, dim in named.items():
+            if dim % split:
+                axes = " x ".join(f"mesh.{a}={sizes[a]}" for a in mesh.mesh_axes_of(logical))
+                _fail(f"mesh.rules.{logical}", mesh.rules.get(logical),
+                      f"it splits {name}={dim} over {axes} = {split}, which does not divide it; "
+                      "change the axis size or map the rule to None")
+    if sizes["sequence"] > 1 and cfg.attention.name != "ring":
+        _fail("mesh.sequence", sizes["sequence"],
+              "sequence parallelism splits every sequence over devices and needs "
+              "attention.name='ring' (exact attention passing key/value blocks around the ring)")
+    if sizes["sequence"] > 1 and d.seq_len % sizes["sequence"]:
+        _fail("data.seq_len", d.seq_len, f"must be a multiple of mesh.sequence={sizes['sequence']}")
+    shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
     per_step = t.grad_accum * math.lcm(shards, num_processes)
     if t.batch_size % per_step:
         _fail("train.batch_size", t.batch_size,

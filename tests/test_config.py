@@ -69,6 +69,10 @@ def test_task_fields_are_filled_in():
       "data": {"batching": "bucket", "seq_len": 64, "bucket_boundaries": (32, 64)}},
      "attention.options.block_q", "bucket width 32"),
     ({"mesh": {"data": -1, "fsdp": -1}}, "mesh", "at most one axis"),
+    ({"mesh": {"pipeline": 0}}, "mesh.pipeline", "positive axis size"),
+    ({"mesh": {"rules": {"embed": "model"}}}, "mesh.rules.embed", "'model' is not a mesh axis"),
+    ({"mesh": {"rules": {"batch": ("data", "data")}}}, "mesh.rules.batch", "twice"),
+    ({"mesh": {"rules": {"hidden": "tensor"}}}, "mesh.rules.hidden", "unknown logical axis"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()
@@ -90,10 +94,20 @@ def test_mesh_and_batch_against_devices_and_processes():
     with pytest.raises(ConfigError, match="mesh"):
         validate(base(mesh={"data": 4}), num_devices=8)
     ok = validate(base(mesh={"data": -1, "tensor": 2}, model={"num_heads": 4}), num_devices=8)
-    assert ok.mesh.axis_sizes(8) == {"data": 4, "fsdp": 1, "tensor": 2}
-    with pytest.raises(ConfigError, match=r"`mesh.tensor` = 3 .*model.num_heads=3|model.mlp_dim"):
+    assert ok.mesh.axis_sizes(8) == {"data": 4, "fsdp": 1, "tensor": 2, "sequence": 1,
+                                     "pipeline": 1, "expert": 1}
+    with pytest.raises(ConfigError, match=r"`mesh.rules.mlp` = 'tensor' .*model.mlp_dim=512 over mesh.tensor=3"):
         validate(base(mesh={"data": 1, "tensor": 3}, model={"num_heads": 3, "width": 48}),
                  num_devices=3)
+    with pytest.raises(ConfigError, match=r"`mesh.sequence` = 2 .*attention.name='ring'"):
+        validate(base(mesh={"data": 1, "sequence": 2}), num_devices=2)
+    ok = validate(base(mesh={"data": 2, "sequence": 4}, attention={"name": "ring"}), num_devices=8)
+    assert ok.mesh.axis_sizes(8)["sequence"] == 4
+    # Rules are the user's: map `embed` nowhere and fsdp no longer has to divide the width.
+    validate(base(mesh={"data": 1, "fsdp": 8, "rules": {"embed": None}}, model={"width": 36, "num_heads": 4}),
+             num_devices=8)
+    with pytest.raises(ConfigError, match=r"`mesh.rules.embed` = 'fsdp' .*model.width=36"):
+        validate(base(mesh={"data": 1, "fsdp": 8}, model={"width": 36, "num_heads": 4}), num_devices=8)
     with pytest.raises(ConfigError, match="train.batch_size.*lcm"):
         validate(base(train={"batch_size": 12}), num_devices=8)
     with pytest.raises(ConfigError, match="2 processes"):

@@ -14,4 +14,4 @@ dense `[L, L]` mask: that would undo every memory saving.
 
 from hpnlp.attention.base import Attention, register, names, get  # noqa: F401
 from hpnlp.attention import (  # noqa: F401  (registration side effects)
-    chunked, clustered, dense, kernel, linformer, lsh, sinkhorn, sparse, synthesizer, xla)
+    chunked, clustered, dense, kernel, linformer, lsh, ring, sinkhorn, sparse, synthesizer, xla)

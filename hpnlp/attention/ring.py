@@ -9,7 +9,11 @@ sum, as in `chunked`), so no device ever holds more than two key/value blocks an
 
 Used through `ring_attention(q, k, v, mask, causal=..., mesh=..., axis="sequence")`;
 `q, k, v` are global [B, L, H, D] arrays (sharded or not: shard_map lays them out by
-`axis`), `mask` segment ids [B, L] (0 = padding) or None.
+`axis`), `mask` segment ids [B, L] (0 = padding) or None. Only `axis` is manual inside
+the shard_map; the other mesh axes stay automatic, so batch stays split over `data` and
+heads over `tensor` as the rules say. In models, `attention.name = "ring"` with
+`mesh.sequence > 1` (sequence parallelism); with no sequence axis in the current mesh it
+is `chunked` attention, exact all the same.
 
 Shape letters: B batch, H heads, D head dim, Q local query block, K local key block.
 """
@@ -22,14 +26,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from hpnlp.attention.base import check_inputs
+from hpnlp.attention.base import Attention, check_inputs, register
+from hpnlp.attention.chunked import chunked_attention
 
 _NEG = -1e30
 
 
-def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool, mesh: Mesh,
-                   axis: str = "sequence"):
+def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
+                   mesh: Mesh | None = None, axis: str = "sequence"):
+    """`mesh` None: the current mesh (`jax.set_mesh`)."""
     check_inputs(q_BLHD, k_BLHD, v_BLHD, mask_BL)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis not in mesh.axis_names:
         raise ValueError(f"ring_attention: mesh has axes {mesh.axis_names}, not {axis!r}; "
                          "build the mesh with a sequence axis")
@@ -44,7 +51,7 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool, mesh: 
     spec, seg_spec = P(None, axis, None, None), P(None, axis)
 
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, spec, spec, seg_spec),
-                       out_specs=spec, check_vma=False)
+                       out_specs=spec, axis_names=frozenset({axis}), check_vma=False)
     def local(q_BQHD, k_BKHD, v_BKHD, seg_BQ):
         me = jax.lax.axis_index(axis)
         Q = q_BQHD.shape[1]
@@ -85,3 +92,18 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool, mesh: 
         return (acc_BQHD * inv.transpose(0, 2, 1)[..., None]).astype(q_BQHD.dtype)
 
     return local(q_BLHD, k_BLHD, v_BLHD, seg_BL)
+
+
+@register("ring")
+class RingAttention(Attention):
+    """Exact attention, sequence-parallel: each device holds L / n queries and passes its
+    key/value block around the ring (Liu et al. 2023). Set `mesh.sequence` > 1 to use it;
+    without a sequence axis in the mesh it runs as `chunked` (same result, one device)."""
+
+    axis: str = "sequence"
+
+    def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or self.axis not in mesh.axis_names or mesh.shape[self.axis] == 1:
+            return chunked_attention(q, k, v, mask, causal=causal)
+        return ring_attention(q, k, v, mask, causal=causal, mesh=mesh, axis=self.axis)

@@ -1,10 +1,12 @@
 """Mesh from the config, and logical axis names -> mesh axes.
 
-Model code names its axes logically (`embed`, `heads`, `mlp`, `vocab`, `kv` for
-parameters; `batch`, `length`, `activation_*` for activations). `DEFAULT_RULES` maps them
-onto the mesh axes `data`, `fsdp`, `tensor`: batch over data x fsdp, parameters' `embed`
+Model code names its axes logically (`embed`, `heads`, `mlp`, `vocab`, `kv`, `layers` for
+parameters; `batch`, `length`, `activation_*` for activations). `cfg.mesh.rules`
+(default `hpnlp.config.DEFAULT_RULES`) maps them onto the mesh axes `data`, `fsdp`,
+`tensor`, `sequence`, `pipeline`, `expert`: batch over data x fsdp, parameters' `embed`
 dim over fsdp (ZeRO-3 style: gathered per layer by GSPMD), heads / MLP / vocab over
-tensor (Megatron style). With every axis of size 1 this is plain single-device code.
+tensor (Megatron style), activations' length over sequence (ring attention), stacked
+layers over pipeline. With every axis of size 1 this is plain single-device code.
 """
 
 from __future__ import annotations
@@ -14,21 +16,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from hpnlp.config import MeshConfig
+from hpnlp.config import DEFAULT_RULES as _DEFAULT_RULE_MAP, MESH_AXES, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
-
-DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("mlp", "tensor"),
-    ("activation_embed", None),
-    ("activation_mlp", "tensor"),
-)
+AXES = MESH_AXES
+DEFAULT_RULES = MeshConfig().rule_tuples()
+assert dict(DEFAULT_RULES).keys() == _DEFAULT_RULE_MAP.keys()
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
@@ -45,6 +37,7 @@ def state_shardings(abstract_tree, mesh: Mesh, rules=DEFAULT_RULES):
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over data x fsdp; the rest replicated."""
-    return NamedSharding(mesh, P(("data", "fsdp")))
+def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+    """Leading (batch) dimension split over the mesh axes the `batch` rule names."""
+    axes = dict(rules).get("batch")
+    return NamedSharding(mesh, P(axes))

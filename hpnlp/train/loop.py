@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from hpnlp import data as data_lib
 from hpnlp import models
 from hpnlp.config import Config, from_configdict, validate
-from hpnlp.parallel import DEFAULT_RULES, batch_sharding, make_mesh, state_shardings
+from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.train.checkpoint import Checkpointer
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_state, make_optimizer
@@ -78,7 +78,8 @@ class Trainer:
         self.train_iter = data_lib.make_iterator(self.task, cfg.data, split="train",
                                                  batch_size=cfg.train.batch_size, **self.iter_args)
         self.mesh = make_mesh(cfg.mesh)
-        self.batch_sharding = batch_sharding(self.mesh)
+        self.rules = cfg.mesh.rule_tuples()
+        self.batch_sharding = batch_sharding(self.mesh, self.rules)
         tx = make_optimizer(cfg.train)
         counts = self.task.token_counts
         model = models.build(cfg, deterministic=False, token_counts=counts)
@@ -88,7 +89,7 @@ class Trainer:
                                       loss_scale=scale)
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
-            self.state_sharding = state_shardings(abstract, self.mesh)
+            self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
             self._init = jax.jit(lambda key: nn.unbox(init(key)), out_shardings=self.state_sharding)
             self.abstract_state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -108,7 +109,7 @@ class Trainer:
         import contextlib
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nn.logical_axis_rules(DEFAULT_RULES))
+        stack.enter_context(nn.logical_axis_rules(self.rules))
         return stack
 
     def initial_state(self):
