@@ -1,0 +1,110 @@
+"""Parallel modes on 8 simulated CPU devices equal the 1-device run.
+
+For data, FSDP, tensor and sequence parallelism and the combinations data x tensor,
+fsdp x tensor: five training steps (dropout on) give the same losses
+and parameters as one device, to 1e-5 in float32, and the compiled step's parameter and
+optimizer-state shardings are the ones `cfg.mesh.rules` says. (Pipeline parallelism:
+tests/test_pipeline.py.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODES = {  # name: (mesh axis sizes, attention)
+    "data": ({"data": 8}, "dense"),
+    "fsdp": ({"data": 1, "fsdp": 8}, "dense"),
+    "tensor": ({"data": 1, "tensor": 8}, "dense"),
+    "sequence": ({"data": 1, "sequence": 8}, "ring"),
+    "data_x_tensor": ({"data": 4, "tensor": 2}, "dense"),
+    "fsdp_x_tensor": ({"data": 1, "fsdp": 4, "tensor": 2}, "dense"),
+}
+
+CODE = r"""
+import json, sys, tempfile
+import flax.linen as nn
+import jax, numpy as np
+from hpnlp.config import default_configdict, from_configdict
+from hpnlp.train import Trainer
+from hpnlp.train.loop import _global
+
+out_dir, modes = sys.argv[1], json.loads(sys.argv[2])
+
+def config(mesh, attention):
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", seq_len=32, batching="pack")
+    cd.model.update(kind="lm", width=64, depth=2, num_heads=8, mlp_dim=128, max_len=32, dropout=0.1)
+    cd.attention.name = attention
+    cd.train.update(steps=5, batch_size=8, lr=3e-3, warmup_steps=1, eval_every=0, progress=False)
+    cd.mesh.update(**mesh)
+    return from_configdict(cd)
+
+for name, (mesh, attention) in modes.items():
+    tr = Trainer(config(mesh, attention), tempfile.mkdtemp())
+    state, _ = tr.initial_state()
+    losses = []
+    with tr._context():
+        for _ in range(5):
+            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            losses.append(float(m["loss"]) / float(m["weight"]))
+        compiled = tr.train_step.lower(tr.abstract_state, _global(next(tr.train_iter), tr.batch_sharding)).compile()
+    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    np.savez(f"{out_dir}/{name}.npz", **flat)
+    # Shardings: the compiled step's output state vs the rules' logical -> mesh mapping.
+    want = tr.state_sharding
+    got = compiled.output_shardings[0]
+    mismatched = [jax.tree_util.keystr(p) for (p, w), g, a in zip(
+        jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(tr.abstract_state))
+        if not w.is_equivalent_to(g, a.ndim)]
+    qkv = state.params["trunk"]["block_0"]["attention"]["qkv"]
+    mu = state.opt_state[1][0].mu["trunk"]["block_0"]["attention"]["qkv"]
+    emb = state.params["embed"]["embedding"]
+    json.dump({"losses": losses, "mismatched": mismatched,
+               "qkv": [str(a) for a in qkv.sharding.spec], "mu": [str(a) for a in mu.sharding.spec],
+               "embed": [str(a) for a in emb.sharding.spec]},
+              open(f"{out_dir}/{name}.json", "w"))
+print("PARALLEL OK")
+"""
+
+
+def _run(out_dir, modes, devices):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.run([sys.executable, "-c", CODE, str(out_dir), json.dumps(modes)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "PARALLEL OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_every_mode_matches_one_device_and_follows_the_rules(tmp_path):
+    import numpy as np
+
+    ref_dir, par_dir = tmp_path / "ref", tmp_path / "par"
+    ref_dir.mkdir(), par_dir.mkdir()
+    _run(ref_dir, {"dense": ({"data": 1}, "dense"), "ring": ({"data": 1}, "ring")}, devices=1)
+    _run(par_dir, MODES, devices=8)
+    for name, (mesh, attention) in MODES.items():
+        ref = json.load(open(ref_dir / f"{attention}.json"))
+        got = json.load(open(par_dir / f"{name}.json"))
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, err_msg=name)
+        assert got["losses"][-1] < got["losses"][0], name  # it trained
+        ref_p, got_p = np.load(ref_dir / f"{attention}.npz"), np.load(par_dir / f"{name}.npz")
+        assert sorted(ref_p.files) == sorted(got_p.files)
+        for k in ref_p.files:
+            np.testing.assert_allclose(got_p[k], ref_p[k], atol=1e-5, rtol=1e-5, err_msg=f"{name} {k}")
+        assert got["mismatched"] == [], (name, got["mismatched"])
+        assert got["mu"] == got["qkv"], name  # Adam moments sharded like their parameter
+        # qkv kernel [embed, 3, heads, kv]: embed over fsdp, heads over tensor.
+        want_qkv = ["fsdp" if mesh.get("fsdp", 1) > 1 else "None", "None",
+                    "tensor" if mesh.get("tensor", 1) > 1 else "None", "None"]
+        assert _effective(got["qkv"], mesh) == want_qkv, (name, got["qkv"])
+
+
+def _effective(spec, mesh):
+    """A spec as the devices see it: size-1 axes shard nothing; trailing Nones may be dropped."""
+    spec = [a if mesh.get(a, 1) > 1 else "None" for a in spec]
+    return spec + ["None"] * (4 - len(spec))
