@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from tqdm.auto import tqdm
 
 from hpnlp.bench import harness, report
@@ -130,6 +132,52 @@ def dots_fast(a_E, b_NE):
     return b_NE @ a_E
 
 
+# 6. Per-example gradient norms of a Transformer LM over examples of different lengths:
+# one vmapped program over the padded batch instead of a Python loop over examples
+# (hpnlp.train.per_example). The loop's calls are jitted too (one compile per length,
+# done in warmup), so the difference is B dispatches of small programs against one.
+def _per_example_inputs(quick: bool):
+    from hpnlp import models
+    from hpnlp.config import default_configdict, from_configdict, validate
+
+    B, L, E = (4, 16, 16) if quick else (32, 128, 128)
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", seq_len=L)
+    cd.model.update(kind="lm", width=E, depth=2, num_heads=4, mlp_dim=4 * E, max_len=L, dropout=0.0)
+    model = models.build(validate(from_configdict(cd), num_devices=1), deterministic=True)
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(L // 4, L + 1, size=B)
+    tokens = rng.integers(0, 256, size=(B, L + 1)).astype(np.int32)
+    seg = (np.arange(L)[None] < lengths[:, None]).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1] * seg, "targets": tokens[:, 1:] * seg, "segment_ids": seg,
+             "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()}
+    params = model.init(jax.random.key(0), jax.tree.map(lambda x: x[:1], batch))["params"]
+    return model, params, batch, lengths
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_norm_fns(model):
+    from hpnlp.train import per_example
+
+    def one(params, ex):  # ex: a batch of one, unpadded
+        sums = model.apply({"params": params}, ex)
+        return sums["loss"] / sums["weight"]
+    loop_fn = jax.jit(lambda p, ex: optax.tree.norm(jax.grad(one)(p, ex)))
+    vmap_fn = jax.jit(lambda p, b: per_example.per_example_grad_norms(model, p, b))
+    return loop_fn, vmap_fn
+
+
+def per_example_slow(model, params, batch, lengths_B):
+    loop_fn, _ = _grad_norm_fns(model)
+    return jnp.stack([loop_fn(params, {k: v[b:b + 1, :n] for k, v in batch.items()})
+                      for b, n in enumerate(lengths_B)])
+
+
+def per_example_fast(model, params, batch, lengths_B):
+    _, vmap_fn = _grad_norm_fns(model)
+    return vmap_fn(params, batch)
+
+
 TRICKS = (
     Trick("hoist", "per-sentence projection computed once, not once per word",
           _hoist_inputs, hoist_slow, hoist_fast),
@@ -141,6 +189,9 @@ TRICKS = (
           _bags_inputs, bags_slow, bags_fast, jittable=False),
     Trick("dots", "a @ B^T instead of elementwise multiply then sum",
           _dots_inputs, dots_slow, dots_fast),
+    Trick("per_example", "per-example gradient norms: one vmapped program instead of a loop "
+          "over ragged examples", _per_example_inputs, per_example_slow, per_example_fast,
+          jittable=False),
 )
 
 
