@@ -42,6 +42,9 @@ def _check_positive(field: str, value: Any, *, allow_zero: bool = False) -> None
 # float16 compute turns on dynamic loss scaling (train.loss_scale_*); bfloat16 needs none.
 DTYPES = ("float32", "bfloat16", "float16")
 
+# Block activations `model.remat = "names:a,b"` can keep (see models.transformer.Block).
+REMAT_NAMES = ("qkv", "context", "attention_out", "mlp_in", "mlp_out")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -57,7 +60,17 @@ class ModelConfig:
     pool: str = "mean"  # classifier pooling: "mean" over real tokens | "first" token
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and losses always run in float32
-    remat: str = "none"  # "none" | "full" | "dots_saveable"
+    # Per-block rematerialization: "none" | "full" | "dots_saveable" | "names:qkv,mlp_in"
+    # (save only these REMAT_NAMES activations, recompute the rest in the backward pass).
+    remat: str = "none"
+    # Reversible residual blocks (RevNet/Reformer, models/reversible.py): the backward pass
+    # recomputes each block's inputs from its outputs, so activation memory stops growing
+    # with depth (for ~1 extra forward pass of compute).
+    reversible: bool = False
+    # The `depth` blocks as ONE parameter tree with a leading `layers` axis, applied with
+    # nn.scan: one compiled block (faster compiles for deep models); needed for pipeline
+    # parallelism (mesh.pipeline > 1, parallel/pipeline.py), whose stages split that axis.
+    stack_layers: bool = False
     # Filled from the task by `validate` when left at 0.
     vocab_size: int = 0
     num_classes: int = 0
@@ -180,6 +193,10 @@ class MeshConfig:
     sequence: int = 1
     pipeline: int = 1
     expert: int = 1
+    # GPipe microbatches per step when pipeline > 1 (bubble (P-1)/(M+P-1)); 0: = pipeline.
+    pipeline_microbatches: int = 0
+    # logical name -> None | "axis" | ("a", "b"); in a ConfigDict (and on the command line)
+    # spelled as strings: "None", "tensor", "data,fsdp". Given rules override the defaults.
     rules: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: flax.core.FrozenDict(DEFAULT_RULES))
 
@@ -234,6 +251,21 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+def _rule_value(v: Any) -> Any:
+    """A rule's mesh axes as given in a file or on the command line: None, "None" or ""
+    (replicated), "axis", "a,b" or a list/tuple of axes."""
+    if isinstance(v, str):
+        names = tuple(a.strip() for a in v.split(",") if a.strip())
+        if not names or names in (("None",), ("none",)):
+            return None
+        return names[0] if len(names) == 1 else names
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _rule_string(v: Any) -> str:
+    return "None" if v is None else (v if isinstance(v, str) else ",".join(v))
+
+
 def default_configdict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field at its default; experiments start from this."""
     cfg = ml_collections.ConfigDict()
@@ -243,6 +275,10 @@ def default_configdict() -> ml_collections.ConfigDict:
         sub = ml_collections.ConfigDict()
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if group == "mesh" and f.name == "rules":
+                # Strings ("None", "data,fsdp"), so every rule can be overridden on the
+                # command line (ml_collections refuses None- and tuple-typed overrides).
+                default = {k: _rule_string(v) for k, v in default.items()}
             if isinstance(default, Mapping):
                 default = ml_collections.ConfigDict(dict(default))
             setattr(sub, f.name, default)
@@ -268,8 +304,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
             if "options" in value:  # hashable: configs become flax module fields
                 value["options"] = flax.core.FrozenDict(value["options"] or {})
             if key == "mesh" and "rules" in value:  # given rules override the defaults one by one
-                given = {k: tuple(v) if isinstance(v, list) else v
-                         for k, v in dict(value["rules"] or {}).items()}
+                given = {k: _rule_value(v) for k, v in dict(value["rules"] or {}).items()}
                 value["rules"] = flax.core.FrozenDict({**DEFAULT_RULES, **given})
             kwargs[key] = cls(**value)
         elif key in ("seed", "name"):
@@ -289,6 +324,17 @@ def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
         if key not in params or key in ("parent", "name"):
             _fail(f"{field}.{key}", options[key],
                   f"unknown option for {cls.__name__}; it takes {allowed}")
+
+
+def _check_remat(remat: Any) -> None:
+    if isinstance(remat, str) and remat.startswith("names:"):
+        names = [n.strip() for n in remat[len("names:"):].split(",")]
+        bad = [n for n in names if n not in REMAT_NAMES]
+        if bad:
+            _fail("model.remat", remat, f"unknown activation name(s) {bad}; after 'names:' list "
+                  f"comma-separated names from {list(REMAT_NAMES)}")
+        return
+    _check_choice("model.remat", remat, ("none", "full", "dots_saveable", "names:<a>,<b>"))
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
@@ -316,8 +362,24 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.param_dtype == "float16":
         _fail("model.param_dtype", m.param_dtype, "float16 master weights lose small updates; keep "
               "model.param_dtype='float32' and set model.dtype='float16' (loss scaling is automatic)")
-    _check_choice("model.remat", m.remat, ("none", "full", "dots_saveable"))
+    _check_remat(m.remat)
+    if not isinstance(m.reversible, bool):
+        _fail("model.reversible", m.reversible, "must be True or False")
+    if m.reversible and m.arch != "transformer":
+        _fail("model.reversible", True, f"reversible blocks are Transformer blocks; "
+              f"model.arch={m.arch!r} has none (set model.reversible=False)")
+    if m.reversible and m.remat != "none":
+        _fail("model.remat", m.remat, "model.reversible=True already recomputes each block in the "
+              "backward pass; set model.remat='none'")
     _check_choice("model.arch", m.arch, ("transformer", "lstm", "gru"))
+    if not isinstance(m.stack_layers, bool):
+        _fail("model.stack_layers", m.stack_layers, "must be True or False")
+    if m.stack_layers and m.arch != "transformer":
+        _fail("model.stack_layers", True, f"it stacks Transformer blocks; model.arch={m.arch!r} has "
+              "none (set model.stack_layers=False)")
+    if m.stack_layers and m.reversible:
+        _fail("model.stack_layers", True, "reversible blocks keep their own stack "
+              "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
     r = cfg.rnn
     _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
     for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):
@@ -464,4 +526,27 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if eval_bs % math.lcm(shards, num_processes):
         _fail("data.eval_batch_size", eval_bs,
               f"must be a multiple of {math.lcm(shards, num_processes)} (data-parallel shards)")
+    # Pipeline (GPipe, parallel/pipeline.py): stages split the stacked layer axis, and each
+    # batch the trunk sees splits into microbatches. model.depth % mesh.pipeline is the
+    # `layers` rule's check above.
+    stages, micro = sizes["pipeline"], mesh.pipeline_microbatches
+    if not isinstance(micro, int) or micro < 0:
+        _fail("mesh.pipeline_microbatches", micro, "must be an integer >= 0 (0: = mesh.pipeline)")
+    if stages > 1:
+        if m.arch != "transformer":
+            _fail("mesh.pipeline", stages, f"pipeline stages are Transformer blocks; model.arch="
+                  f"{m.arch!r} has none; set mesh.pipeline=1")
+        if not m.stack_layers:
+            _fail("mesh.pipeline", stages, "pipeline stages split the stacked layer axis; set "
+                  "model.stack_layers=True (or mesh.pipeline=1)")
+        if mesh.mesh_axes_of("layers") != ("pipeline",):
+            _fail("mesh.rules.layers", mesh.rules.get("layers"),
+                  "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")
+        n_micro = micro or stages
+        for field, rows in (("train.batch_size / train.grad_accum", t.batch_size // t.grad_accum),
+                            ("data.eval_batch_size (or train.batch_size)", eval_bs)):
+            if rows % n_micro:
+                _fail("mesh.pipeline_microbatches", micro,
+                      f"{n_micro} microbatches must divide the batch the model sees per step, "
+                      f"{field} = {rows}; choose a divisor of {rows}")
     return dataclasses.replace(cfg, model=model)

@@ -106,6 +106,10 @@ def test_mesh_and_batch_against_devices_and_processes():
     # Rules are the user's: map `embed` nowhere and fsdp no longer has to divide the width.
     validate(base(mesh={"data": 1, "fsdp": 8, "rules": {"embed": None}}, model={"width": 36, "num_heads": 4}),
              num_devices=8)
+    # Command-line spellings: "None" is replicated, "a,b" is a tuple of axes.
+    cli = base(mesh={"rules": {"embed": "None", "batch": "data,fsdp", "kv": "tensor"}})
+    assert (cli.mesh.rules["embed"], cli.mesh.rules["batch"], cli.mesh.rules["kv"]) == \
+        (None, ("data", "fsdp"), "tensor")
     with pytest.raises(ConfigError, match=r"`mesh.rules.embed` = 'fsdp' .*model.width=36"):
         validate(base(mesh={"data": 1, "fsdp": 8}, model={"width": 36, "num_heads": 4}), num_devices=8)
     with pytest.raises(ConfigError, match="train.batch_size.*lcm"):
