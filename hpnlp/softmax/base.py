@@ -202,6 +202,41 @@ def scores(hidden_NE, kernel_VE, bias_V, dtype):
     return logits_NV + bias_V.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
 
 
+def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
+    """`fn` on about `chunk` tokens at a time; per-token outputs shaped `lead` (+ fn's trailing dims).
+
+    `arrays` have leading dims `lead` (e.g. [B, L]); `fn` takes flat [C, ...] arrays. The
+    first lead dim (the batch, which data and FSDP parallelism shard) stays whole in every
+    chunk: chunks cut the other dims, so chunk i holds every device's own rows i*c..(i+1)*c
+    and no device gathers another's tokens (cutting the flattened tokens instead makes each
+    chunk live on one device, and every device then computes every chunk). `remat`: the
+    backward recomputes a chunk instead of storing it (`lax.map` of a `jax.checkpoint`).
+    `chunk == 0`, or no fewer tokens than `chunk`: one call on all tokens.
+    """
+    num_tokens = int(np.prod(lead))
+    flat = lambda a, n: a.reshape((n,) + a.shape[len(lead):])  # noqa: E731
+    if not chunk or chunk >= num_tokens:
+        out = fn(*(flat(a, num_tokens) for a in arrays))
+        return out.reshape(tuple(lead) + out.shape[1:])
+    B = lead[0] if len(lead) > 1 else 1
+    R = num_tokens // B
+    c = max(1, min(R, chunk // B))  # tokens per row per chunk
+    pad = (-R) % c
+
+    def split(a):  # [*lead, ...] -> [R/c, B, c, ...]
+        a = a.reshape((B, R) + a.shape[len(lead):])
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape((B, -1, c) + a.shape[2:]), 1, 0)
+
+    def body(xs):
+        return fn(*(x.reshape((B * c,) + x.shape[2:]) for x in xs))
+
+    out = jax.lax.map(jax.checkpoint(body) if remat else body, tuple(split(a) for a in arrays))
+    out = jnp.moveaxis(out.reshape((-1, B, c) + out.shape[2:]), 0, 1)  # [B, R/c, c, ...]
+    out = out.reshape((B, -1) + out.shape[3:])[:, :R]
+    return out.reshape(tuple(lead) + out.shape[2:])
+
+
 def computed_vector(make_values: Callable[[], np.ndarray]) -> Callable:
     """An initializer returning `make_values()` (a [V] float array), computed only when the
     parameter is created, not in every `setup`."""

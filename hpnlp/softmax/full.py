@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hpnlp.softmax.base import VocabLayer, check_targets, masked, register, scores
+from hpnlp.softmax.base import VocabLayer, check_targets, map_token_chunks, masked, register, scores
 
 CHUNK_LOGITS_BYTES = 256 * 2**20  # auto chunking keeps one chunk's float32 logits under this
 
@@ -33,19 +33,12 @@ def auto_chunk(num_tokens: int, vocab_size: int) -> int:
     return 1 << (chunk.bit_length() - 1)  # a power of two: divides typical token counts
 
 
-def chunked_nll(hidden_TE, targets_T, kernel_VE, bias_V, *, dtype, chunk: int, z_loss: float = 0.0):
-    """Per-token -log softmax(h W^T + b)[target] (+ z-loss), `chunk` tokens at a time."""
-    num_tokens, width = hidden_TE.shape
-    pad = (-num_tokens) % chunk
-    h_nCE = jnp.pad(hidden_TE, ((0, pad), (0, 0))).reshape(-1, chunk, width)
-    t_nC = jnp.pad(targets_T, (0, pad)).reshape(-1, chunk)
-
-    @jax.checkpoint
-    def one_chunk(args):
-        h_CE, t_C = args
+def chunked_nll(hidden_NE, targets_N, kernel_VE, bias_V, *, dtype, chunk: int, z_loss: float = 0.0):
+    """Per-token -log softmax(h W^T + b)[target] (+ z-loss), about `chunk` tokens at a time
+    (each chunk a slice of every row: see `base.map_token_chunks`)."""
+    def one_chunk(h_CE, t_C):
         return _nll(scores(h_CE, kernel_VE, bias_V, dtype), t_C, z_loss)
-
-    return jax.lax.map(one_chunk, (h_nCE, t_nC)).reshape(-1)[:num_tokens]
+    return map_token_chunks(one_chunk, targets_N.shape, chunk, hidden_NE, targets_N)
 
 
 def _nll(logits_NV, targets_N, z_loss: float):
@@ -69,14 +62,13 @@ class FullSoftmax(VocabLayer):
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the exact loss has no randomness
         check_targets(targets_N, self.vocab_size)
-        lead, width = targets_N.shape, hidden_NE.shape[-1]
+        width = hidden_NE.shape[-1]
         num_tokens = targets_N.size
         chunk = auto_chunk(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
         if chunk and chunk < num_tokens:
             kernel_VE, bias_V = self.weights(width)
-            loss_N = chunked_nll(hidden_NE.reshape(num_tokens, width), targets_N.reshape(-1),
-                                 kernel_VE, bias_V, dtype=self.dtype, chunk=chunk,
-                                 z_loss=self.z_loss).reshape(lead)
+            loss_N = chunked_nll(hidden_NE, targets_N, kernel_VE, bias_V, dtype=self.dtype,
+                                 chunk=chunk, z_loss=self.z_loss)
         else:
             loss_N = _nll(self.logits(hidden_NE), targets_N, self.z_loss)
         return masked(loss_N, mask_N)

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
-                                frequencies, masked, register, scores)
+                                frequencies, map_token_chunks, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk
 
 SAMPLERS = ("uniform", "log_uniform", "unigram")
@@ -413,13 +413,10 @@ class HardNegative(VocabLayer):
         """ids [N, K] of the K highest-scoring ids other than the target (no gradient)."""
         width = hidden_NE.shape[-1]
         kernel_VE, bias_V = jax.lax.stop_gradient(self.weights(width))
-        hidden_TE = jax.lax.stop_gradient(hidden_NE).reshape(-1, width)
-        targets_T = targets_N.reshape(-1)
-        num_tokens = targets_T.shape[0]
+        num_tokens = targets_N.size
         chunk = auto_chunk(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
 
-        def search(args):
-            h_CE, t_C = args
+        def search(h_CE, t_C):
             s_CV = scores(h_CE, kernel_VE, bias_V, self.dtype)
             ids_V = jnp.arange(self.vocab_size, dtype=t_C.dtype)
             s_CV = jnp.where(ids_V[None, :] == t_C[:, None], -jnp.inf, s_CV)
@@ -428,14 +425,8 @@ class HardNegative(VocabLayer):
                                             recall_target=self.recall_target)[1]
             return jax.lax.top_k(s_CV, self.num_negatives)[1]
 
-        if not chunk or chunk >= num_tokens:
-            ids_TK = search((hidden_TE, targets_T))
-        else:
-            pad = (-num_tokens) % chunk
-            h_nCE = jnp.pad(hidden_TE, ((0, pad), (0, 0))).reshape(-1, chunk, width)
-            t_nC = jnp.pad(targets_T, (0, pad)).reshape(-1, chunk)
-            ids_TK = jax.lax.map(search, (h_nCE, t_nC)).reshape(-1, self.num_negatives)[:num_tokens]
-        return ids_TK.reshape(targets_N.shape + (self.num_negatives,))
+        return map_token_chunks(search, targets_N.shape, chunk, jax.lax.stop_gradient(hidden_NE),
+                                targets_N, remat=False)
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the search is deterministic

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, fan_in_init, frequencies,
-                                masked, register, scores)
+                                map_token_chunks, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk
 
 _TABLES: dict = {}
@@ -76,22 +76,6 @@ class Vectors(nn.Module):
         bias_R = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axis,)),
                             (self.rows,), self.param_dtype)
         return kernel_RE, bias_R
-
-
-def map_tokens(fn, chunk: int, *args_T):
-    """`fn(*args)` on `chunk` tokens at a time (a rematerialized `lax.map`), per-token outputs [T].
-
-    Bounds the memory of per-token gathers ([T, M, E], [T, D, E]): the forward keeps one
-    chunk at a time and the backward recomputes it. `chunk == 0` runs all tokens at once.
-    """
-    num_tokens = args_T[0].shape[0]
-    if not chunk or chunk >= num_tokens:
-        return fn(*args_T)
-    pad = (-num_tokens) % chunk
-    split = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
-                  for a in args_T)
-    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), split)
-    return out.reshape(-1)[:num_tokens]
 
 
 def _tokens_per_chunk(chunk_tokens: int, num_tokens: int, floats_per_token: int) -> int:
@@ -203,10 +187,10 @@ class ClassBasedSoftmax(VocabLayer):
         class_nll_N = -jnp.take_along_axis(class_lp_NC, class_N[..., None], axis=-1)[..., 0]
         kernel_VE, bias_V = self.weights(width)
         chunk = _tokens_per_chunk(self.chunk_tokens, targets_N.size, self.bins.max_size * width)
-        member_nll_T = map_tokens(
-            lambda h, t: _member_nll(h, t, kernel_VE, bias_V, self.bins, self.dtype), chunk,
-            hidden_NE.reshape(-1, width), targets_N.reshape(-1))
-        return masked(class_nll_N + member_nll_T.reshape(lead), mask_N)
+        member_nll_N = map_token_chunks(
+            lambda h, t: _member_nll(h, t, kernel_VE, bias_V, self.bins, self.dtype), lead, chunk,
+            hidden_NE, targets_N)
+        return masked(class_nll_N + member_nll_N, mask_N)
 
     def _class_log_probs(self, hidden_NE):
         kernel_CE, bias_C = self.classes(hidden_NE.shape[-1])
@@ -354,8 +338,8 @@ class HierarchicalSoftmax(nn.Module):
             return -jnp.sum(jnp.where(sign_TD != 0, jax.nn.log_sigmoid(sign_TD * score_TD), 0.0), -1)
 
         chunk = _tokens_per_chunk(self.chunk_tokens, targets_N.size, self.tree.max_depth * width)
-        nll_T = map_tokens(path_nll, chunk, hidden_NE.reshape(-1, width), targets_N.reshape(-1))
-        return masked(nll_T.reshape(lead), mask_N)
+        nll_N = map_token_chunks(path_nll, lead, chunk, hidden_NE, targets_N)
+        return masked(nll_N, mask_N)
 
     def log_prob(self, hidden_NE):
         """Exact: one [T, V-1] node-score matmul, then every id's path summed one depth at a
