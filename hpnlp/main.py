@@ -10,7 +10,10 @@ keys are rejected by name when the config is validated).
 
 Reusing a workdir resumes from its newest checkpoint. Multi-host: add
 `--coordinator HOST:PORT --num_processes N --process_id I` (or set HPNLP_COORDINATOR,
-HPNLP_NUM_PROCESSES, HPNLP_PROCESS_ID).
+HPNLP_NUM_PROCESSES, HPNLP_PROCESS_ID) to the same command on every process, with one
+--workdir that all of them see (shared storage): every process saves its shards of each
+checkpoint, process 0 alone writes config.json, metrics and the summary. A checkpoint
+resumes under any process count (tests/test_multihost.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ config_flags.DEFINE_config_file(
     lock_config=True)
 flags.DEFINE_string("workdir", None, "Output folder (metrics.jsonl, summary.json, TensorBoard "
                     "events, checkpoints). Reusing it resumes the run.")
-flags.DEFINE_string("coordinator", os.environ.get("HPNLP_COORDINATOR"),
+flags.DEFINE_string("coordinator", os.environ.get("HPNLP_COORDINATOR") or None,
                     "HOST:PORT of process 0, for multi-host runs (jax.distributed).")
 flags.DEFINE_integer("num_processes", int(os.environ.get("HPNLP_NUM_PROCESSES", "1")),
                      "Number of processes in a multi-host run.")
@@ -39,6 +42,28 @@ flags.DEFINE_integer("process_id", int(os.environ.get("HPNLP_PROCESS_ID", "0")),
 flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps to this folder "
                     "(open it in TensorBoard's profile tab or Perfetto).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _valid_coordinator(value: str | None) -> bool:
+    if not value:
+        return True
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+# Checked when flags are parsed, so a typo fails at once instead of inside
+# jax.distributed.initialize (which would wait for a coordinator that never answers).
+flags.register_validator(
+    "coordinator", _valid_coordinator,
+    "must be HOST:PORT (port 1..65535), the address process 0 listens on, e.g. "
+    "--coordinator=10.0.0.1:8476 (HPNLP_COORDINATOR sets the default)")
+flags.register_multi_flags_validator(
+    ["coordinator", "num_processes", "process_id"],
+    lambda f: f["num_processes"] >= 1 and 0 <= f["process_id"] < f["num_processes"]
+    and (f["num_processes"] == 1 or bool(f["coordinator"])),
+    "--num_processes must be >= 1, --process_id in [0, num_processes), and a run of more "
+    "than one process needs --coordinator HOST:PORT (or HPNLP_NUM_PROCESSES, "
+    "HPNLP_PROCESS_ID, HPNLP_COORDINATOR)")
 
 
 _OPTION = re.compile(r"^--config\.(attention|output)\.options\.([A-Za-z_]\w*)=(.*)$")

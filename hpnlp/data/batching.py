@@ -288,7 +288,9 @@ class BatchIterator:
                 "num_examples": len(self._ex)}
 
     def get_state(self) -> dict:
-        """Small and JSON-serializable: where the stream is, plus what it must match."""
+        """Small and JSON-serializable: where the stream is, plus what it must match. The
+        position is in rows of the global stream, the same on every process, so it resumes
+        under any process count."""
         return {"epoch": self._epoch, "row": self._row, **self._fingerprint()}
 
     def set_state(self, state: dict) -> None:

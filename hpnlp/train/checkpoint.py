@@ -6,6 +6,11 @@ atomically by `ocp.CheckpointManager` (a step directory appears only once comple
 run killed mid-save leaves the previous checkpoint intact) keeping the last K.
 `config.json` beside them records the model; a rerun whose model differs is refused
 before anything is overwritten.
+
+Multi-process: every process calls `save`/`restore` (orbax coordinates them: each writes
+its own shards, the JSON items are the same everywhere and written once), and process 0
+alone writes `config.json`. Nothing saved depends on the process count, so a checkpoint
+restores under any number of processes and devices.
 """
 
 from __future__ import annotations

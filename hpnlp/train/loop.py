@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from hpnlp import data as data_lib
 from hpnlp import models
 from hpnlp.config import Config, from_configdict, validate
+from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.train.checkpoint import Checkpointer
 from hpnlp.train.metrics import MetricWriter
@@ -56,6 +57,26 @@ def _global(batch: dict, sharding) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
+def check_process_rows(sharding, batch_size: int) -> None:
+    """The data iterator gives process p of n rows [p*B/n, (p+1)*B/n) of each global
+    batch, and `_global` puts them where this process's devices sit in the mesh; refuse a
+    mesh where the two differ, which would silently drop or duplicate rows (e.g. a tensor
+    axis spanning processes replicates the batch over them)."""
+    pi, pc = jax.process_index(), jax.process_count()
+    per = batch_size // pc
+    held = set()
+    for idx in sharding.addressable_devices_indices_map((batch_size,)).values():
+        held.update(range(*idx[0].indices(batch_size)))
+    if held != set(range(pi * per, (pi + 1) * per)):
+        from hpnlp.config import ConfigError
+        raise ConfigError(
+            f"config field `mesh` does not split the batch over processes: process {pi} of {pc} "
+            f"reads rows {pi * per}..{(pi + 1) * per - 1} of each global batch of {batch_size}, but "
+            f"its devices hold rows {min(held)}..{max(held)} ({len(held)} rows). Keep the mesh axes "
+            "that `mesh.rules.batch` does not name (tensor, sequence, pipeline, expert) within one "
+            "process, so the batch axes split the processes evenly and in process order")
+
+
 def _peak_memory() -> dict:
     out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     stats = jax.local_devices()[0].memory_stats() or {}
@@ -80,13 +101,17 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh)
         self.rules = cfg.mesh.rule_tuples()
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
+        for bs in {cfg.train.batch_size, cfg.data.eval_batch_size or cfg.train.batch_size}:
+            check_process_rows(self.batch_sharding, bs)
         tx = make_optimizer(cfg.train)
         counts = self.task.token_counts
         model = models.build(cfg, deterministic=False, token_counts=counts)
         self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
         scale = cfg.train.loss_scale_init if cfg.model.dtype == "float16" else None
+        # Transformer-XL on a stream: the state carries each row's memory (models/transformer_xl.py).
+        memory = xl.boxed_memory(cfg, cfg.train.batch_size) if xl.carries_memory(cfg) else None
         init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len),
-                                      loss_scale=scale)
+                                      loss_scale=scale, memory=memory)
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
@@ -101,6 +126,16 @@ class Trainer:
                 out_shardings=(self.state_sharding, None), donate_argnums=0)
             self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train),
                                      in_shardings=(self.state_sharding, self.batch_sharding))
+            self.eval_memory = None
+            if xl.carries_memory(cfg):  # eval_sums threads the eval stream's own memory
+                eval_bs = cfg.data.eval_batch_size or cfg.train.batch_size
+                mem_sharding = xl.memory_sharding(cfg, eval_bs, self.mesh, self.rules)
+                self.eval_memory = jax.jit(lambda: nn.unbox(xl.boxed_memory(cfg, eval_bs)),
+                                           out_shardings=mem_sharding)
+                self.eval_memory_step = jax.jit(
+                    make_eval_step(self.eval_model, cfg.train, memory=True),
+                    in_shardings=(self.state_sharding, self.batch_sharding, mem_sharding),
+                    out_shardings=(None, mem_sharding))
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
                                          members=getattr(self, "members", 1))
@@ -110,6 +145,8 @@ class Trainer:
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(nn.logical_axis_rules(self.rules))
+        from hpnlp.parallel.pipeline import use_microbatches
+        stack.enter_context(use_microbatches(self.cfg.mesh.pipeline_microbatches))
         return stack
 
     def initial_state(self):
@@ -123,8 +160,10 @@ class Trainer:
         return state, loop_state
 
     def eval_sums(self, state, eval_step=None) -> dict:
-        """Host sums of `eval_step` (default: this trainer's) over the eval batches."""
+        """Host sums of `eval_step` (default: this trainer's, with memory for Transformer-XL
+        on a stream) over the eval batches."""
         cfg = self.cfg
+        memory = self.eval_memory() if eval_step is None and getattr(self, "eval_memory", None) else None
         eval_step = eval_step or self.eval_step
         it = data_lib.make_iterator(self.task, cfg.data, split="eval",
                                     batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
@@ -134,7 +173,11 @@ class Trainer:
             for i, batch in enumerate(it):
                 if cfg.train.eval_batches and i >= cfg.train.eval_batches:
                     break
-                sums = eval_step(state, _global(batch, self.batch_sharding))
+                if memory is not None:
+                    sums, memory = self.eval_memory_step(state, _global(batch, self.batch_sharding),
+                                                         memory)
+                else:
+                    sums = eval_step(state, _global(batch, self.batch_sharding))
                 total = sums if total is None else jax.tree.map(np.add, total, sums)
         return jax.device_get(total)
 

@@ -1,0 +1,165 @@
+"""Multi-host training with 2 real local processes (jax.distributed, gloo CPU collectives):
+the same losses as one process, checkpoints that move between process counts either way,
+no deadlock at the end, and clear errors for bad multi-host settings.
+
+Every run is `python -m hpnlp.main` in subprocesses, each process with its own timeout;
+whatever is still running when a test ends is killed.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, EVERY = 12, 6  # checkpoints at 6 and 12; the resumes restart from 6
+TIMEOUT = 360  # seconds per run, all its processes together (~30 s each on an idle machine)
+
+TINY = ["--config", "experiments/lm.py:bytes,local", f"--config.train.steps={STEPS}",
+        f"--config.train.checkpoint_every={EVERY}", "--config.train.eval_every=0",
+        "--config.train.eval_batches=2", "--config.train.warmup_steps=3",
+        "--config.train.log_every=1", "--config.train.batch_size=8", "--config.train.progress=False",
+        "--config.data.seq_len=32", "--config.model.max_len=32", "--config.model.width=32",
+        "--config.model.depth=1", "--config.model.mlp_dim=64", "--config.model.dropout=0.1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def launch():
+    """launch(workdir, processes=, devices=, extra=) starts one run and returns a handle
+    for `finish`; every process still alive at teardown is killed (by its own pid)."""
+    started = []
+
+    def start(workdir, *, processes=1, devices=1, extra=()):
+        # `devices` CPU devices per process.
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        multi = ["--coordinator", f"127.0.0.1:{_free_port()}",
+                 "--num_processes", str(processes)] if processes > 1 else []
+        procs = []
+        for i in range(processes):
+            log = open(f"{workdir}.p{i}.log", "w")
+            cmd = [sys.executable, "-m", "hpnlp.main", *TINY, *extra, "--workdir", str(workdir),
+                   *multi, *(["--process_id", str(i)] if multi else [])]
+            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), log))
+        started.extend(procs)
+        return procs, time.time() + TIMEOUT
+
+    yield start
+    for p, log in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+
+
+def finish(run, *, expect=0) -> list[str]:
+    """Wait for every process of a run (until the run's deadline) and return their logs.
+    Any other exit code than `expect`, or a timeout, kills the rest and fails with every
+    process's log tail."""
+    procs, deadline = run
+    codes = []
+    for p, log in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.time(), 0.1)))
+        except subprocess.TimeoutExpired:
+            codes.append("timeout")
+        log.close()
+    logs = [open(log.name).read() for _, log in procs]
+    if codes != [expect] * len(procs):
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        tails = "\n".join(f"--- process {i} (exit {c}):\n{t[-3000:]}"
+                          for i, (c, t) in enumerate(zip(codes, logs)))
+        pytest.fail(f"run {procs[0][1].name}: exit codes {codes}, expected {expect}:\n{tails}")
+    return logs
+
+
+def losses(workdir) -> list[tuple[int, float]]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(l["step"], l["loss"]) for l in map(json.loads, f) if not l.get("eval")]
+
+
+def summary(workdir) -> dict:
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
+def keep_first_checkpoint(src, dst):
+    """A copy of workdir `src` whose newest checkpoint is step EVERY (a run stopped there)."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(os.path.join(dst, "checkpoints", str(STEPS)))
+
+
+def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path, launch):
+    """The reference is 1 process with 2 simulated devices, so the 2-process runs (1 device
+    each) compile the same partitioned program; the only difference is that the cross-device
+    sum goes through gloo, and a sum of 2 floats does not depend on order: equal bitwise.
+    Dropout masks are drawn for the global batch (threefry is partitionable), so the
+    masks are the same too. A 1-process 1-device resume sums each batch on one device in
+    another order, which moves losses by ~2e-7 relative: compared at 1e-5."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_one = launch(one, devices=2)
+    run_two = launch(two, processes=2)
+    finish(run_one)
+    logs_two = finish(run_two)  # both processes exit: no one-sided final save or eval
+
+    ref = losses(one)
+    assert [s for s, _ in ref] == list(range(1, STEPS + 1))
+    # Process 0 alone writes metrics (no line twice), config.json and the summary.
+    assert losses(two) == ref
+    s_one, s_two = summary(one), summary(two)
+    assert (s_two["processes"], s_two["devices"], s_one["processes"]) == (2, 2, 1)
+    assert s_two["eval"] == s_one["eval"]
+    assert "final_step" in logs_two[0] and "final_step" not in logs_two[1]
+    assert os.path.exists(two / "config.json")
+    # Saved collectively: one checkpoint of both processes' shards per step.
+    assert sorted(map(int, os.listdir(two / "checkpoints"))) == [EVERY, STEPS]
+
+    # 2-process checkpoint -> 1 process (1 device); 1-process checkpoint -> 2 processes.
+    # Both continue from step EVERY, data position included, as the uninterrupted run did.
+    to_one, to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
+    keep_first_checkpoint(two, to_one)
+    keep_first_checkpoint(one, to_two)
+    run_to_one = launch(to_one, devices=1)
+    run_to_two = launch(to_two, processes=2)
+    finish(run_to_one)
+    finish(run_to_two)
+
+    for workdir in (to_one, to_two):
+        assert summary(workdir)["resumed_from_step"] == EVERY
+        assert [s for s, _ in losses(workdir)] == list(range(1, STEPS + 1))
+    assert losses(to_two) == ref
+    assert summary(to_two)["eval"] == s_one["eval"]
+    np.testing.assert_allclose([l for _, l in losses(to_one)], [l for _, l in ref], rtol=1e-5)
+    np.testing.assert_allclose(summary(to_one)["eval"]["loss"], s_one["eval"]["loss"], rtol=1e-5)
+
+
+def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
+    # A coordinator without a port is refused when flags are parsed, before
+    # jax.distributed.initialize could wait for it.
+    (bad,) = finish(launch(tmp_path / "bad", extra=["--coordinator", "127.0.0.1",
+                                                    "--num_processes", "2"]), expect=1)
+    assert "--coordinator=127.0.0.1: must be HOST:PORT" in bad
+    assert not os.path.exists(tmp_path / "bad")
+    # A tensor axis across the 2 processes would replicate the batch over them while each
+    # reads half of it: refused by both processes, before compiling, and neither hangs.
+    logs = finish(launch(tmp_path / "tensor", processes=2,
+                         extra=["--config.mesh.data=1", "--config.mesh.tensor=2"]), expect=1)
+    for i, log in enumerate(logs):
+        assert f"config field `mesh` does not split the batch over processes: process {i} of 2" \
+            in log, log[-2000:]
+    assert not os.path.exists(tmp_path / "tensor" / "checkpoints")
