@@ -15,6 +15,21 @@ import os
 import jax
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without dragging in torch (3+ s per process):
+    tensorboardX imports torch only to recognise torch tensors, and we log floats."""
+    import sys
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricWriter:
     def __init__(self, workdir: str, *, resume_step: int | None = None):
         self.enabled = jax.process_index() == 0
@@ -24,7 +39,7 @@ class MetricWriter:
         os.makedirs(workdir, exist_ok=True)
         self._truncate_after(resume_step)
         self.file = open(self.path, "a")
-        from tensorboardX import SummaryWriter
+        SummaryWriter = _summary_writer_class()
         # On resume, purge events logged after the checkpoint (the steps are redone).
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
                                 purge_step=None if resume_step is None else resume_step + 1)
