@@ -11,10 +11,10 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, rnn, softmax, train, tricks
+from hpnlp.bench import attention, memory, rnn, softmax, train, tricks
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "rnn": rnn,
-           "tricks": tricks}
+           "tricks": tricks, "memory": memory}
 
 
 def main(argv=None) -> None:
