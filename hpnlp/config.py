@@ -43,13 +43,13 @@ def _check_positive(field: str, value: Any, *, allow_zero: bool = False) -> None
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Block activations `model.remat = "names:a,b"` can keep (see models.transformer.Block).
-REMAT_NAMES = ("qkv", "context", "attention_out", "mlp_in", "mlp_out")
+REMAT_NAMES = ("qkv", "context", "attention_out", "mlp_in")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
-    arch: str = "transformer"  # "transformer" | "lstm" | "gru" (recurrent: see `cfg.rnn`)
+    arch: str = "transformer"  # "transformer" | "transformer_xl" | "lstm" | "gru" (recurrent: see `cfg.rnn`)
     width: int = 128  # d_model
     depth: int = 2  # number of Transformer blocks
     num_heads: int = 4
@@ -71,6 +71,9 @@ class ModelConfig:
     # nn.scan: one compiled block (faster compiles for deep models); needed for pipeline
     # parallelism (mesh.pipeline > 1, parallel/pipeline.py), whose stages split that axis.
     stack_layers: bool = False
+    # Transformer-XL (model.arch = "transformer_xl", models/transformer_xl.py): positions of
+    # the previous segment(s) each layer keeps as memory; 0: = data.seq_len.
+    mem_len: int = 0
     # Filled from the task by `validate` when left at 0.
     vocab_size: int = 0
     num_classes: int = 0
@@ -144,7 +147,9 @@ class DataConfig:
     task: str = "listops"  # see hpnlp.data.task_names()
     seq_len: int = 512  # every batch is [batch, seq_len] (bucketing may use shorter)
     seed: int = 0
-    batching: str = "pad"  # "pad" | "bucket" | "pack" (pack: LM tasks only)
+    # "pad" | "bucket" | "pack" (pack: LM tasks only) | "stream" (LM tasks only: row b of
+    # batch t continues row b of batch t-1, for Transformer-XL memory; data/stream.py)
+    batching: str = "pad"
     bucket_boundaries: tuple[int, ...] = ()  # empty: 4 boundaries up to seq_len
     train_path: str = ""  # users' own file (ListOps TSV or plain text); "" = embedded
     eval_path: str = ""
@@ -371,7 +376,19 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.reversible and m.remat != "none":
         _fail("model.remat", m.remat, "model.reversible=True already recomputes each block in the "
               "backward pass; set model.remat='none'")
-    _check_choice("model.arch", m.arch, ("transformer", "lstm", "gru"))
+    _check_choice("model.arch", m.arch, ("transformer", "transformer_xl", "lstm", "gru"))
+    if not isinstance(m.mem_len, int) or m.mem_len < 0:
+        _fail("model.mem_len", m.mem_len, "must be an integer >= 0 (0: = data.seq_len)")
+    if m.arch == "transformer_xl":
+        if m.kind != "lm":
+            _fail("model.arch", m.arch, "Transformer-XL memory is for causal LMs; set model.kind='lm'")
+        if cfg.attention.name != "dense":
+            _fail("attention.name", cfg.attention.name, "model.arch='transformer_xl' has its own "
+                  "exact relative-position attention; set attention.name='dense'")
+        if d.batching == "stream" and t.grad_accum != 1:
+            _fail("train.grad_accum", t.grad_accum, "Transformer-XL on stream batches carries each "
+                  "row's memory to the next step, which microbatches would break; set "
+                  "train.grad_accum=1")
     if not isinstance(m.stack_layers, bool):
         _fail("model.stack_layers", m.stack_layers, "must be True or False")
     if m.stack_layers and m.arch != "transformer":
@@ -438,8 +455,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if d.task not in data_lib.task_names():
         _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
     _check_positive("data.seq_len", d.seq_len)
-    _check_choice("data.batching", d.batching, ("pad", "bucket", "pack"))
-    if d.seq_len > m.max_len and m.pos_emb == "learned":
+    _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
+    if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch != "transformer_xl":
         _fail("data.seq_len", d.seq_len,
               f"must be <= model.max_len={m.max_len} (the learned position table); "
               "raise model.max_len or use model.pos_emb='sinusoidal'")
@@ -458,8 +475,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
               "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
-    if d.batching == "pack" and info["kind"] != "lm":
-        _fail("data.batching", d.batching, "'pack' is for LM tasks; use 'pad' or 'bucket'")
+    if d.batching in ("pack", "stream") and info["kind"] != "lm":
+        _fail("data.batching", d.batching, f"{d.batching!r} is for LM tasks; use 'pad' or 'bucket'")
     if m.vocab_size and m.vocab_size < info["vocab_size"]:
         _fail("model.vocab_size", m.vocab_size,
               f"data.task={d.task!r} has {info['vocab_size']} token ids; use 0 to take it from the task")
@@ -539,6 +556,9 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if not m.stack_layers:
             _fail("mesh.pipeline", stages, "pipeline stages split the stacked layer axis; set "
                   "model.stack_layers=True (or mesh.pipeline=1)")
+        if sizes["sequence"] > 1:  # ring attention's shard_map does not nest in the stages' yet
+            _fail("mesh.pipeline", stages, f"pipeline stages cannot yet run ring attention over "
+                  f"mesh.sequence={sizes['sequence']}; set mesh.sequence=1 or mesh.pipeline=1")
         if mesh.mesh_axes_of("layers") != ("pipeline",):
             _fail("mesh.rules.layers", mesh.rules.get("layers"),
                   "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")

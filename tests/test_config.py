@@ -73,6 +73,8 @@ def test_task_fields_are_filled_in():
     ({"mesh": {"rules": {"embed": "model"}}}, "mesh.rules.embed", "'model' is not a mesh axis"),
     ({"mesh": {"rules": {"batch": ("data", "data")}}}, "mesh.rules.batch", "twice"),
     ({"mesh": {"rules": {"hidden": "tensor"}}}, "mesh.rules.hidden", "unknown logical axis"),
+    ({"model": {"remat": "names:qkv,mlp_hidden"}}, "model.remat", "'attention_out'"),
+    ({"model": {"reversible": True, "remat": "full"}}, "model.remat", "model.reversible=True"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()

@@ -3,7 +3,8 @@
 Shape letters: B batch, L length, E width (d_model), H heads, D head dim (E / H),
 F MLP width, T cache length (model.max_len).
 
-Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`) and
+Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`; `layers` on
+the stacked blocks of `model.stack_layers`, which parallel/pipeline.py runs) and
 activations `(batch, length, activation_embed)`, so the mesh rules in the config decide how they
 are sharded; the model code never names a device axis.
 """
@@ -17,9 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import attention as attention_lib
-from hpnlp.config import AttentionConfig, ModelConfig
+from hpnlp.config import REMAT_NAMES, AttentionConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -27,6 +29,18 @@ REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def remat_policy(remat: str):
+    """`model.remat` -> a `jax.checkpoint` policy. "names:qkv,mlp_in" saves only the Block
+    activations tagged with those names (REMAT_NAMES, see `Block`) and recomputes the rest."""
+    if remat.startswith("names:"):
+        names = tuple(n.strip() for n in remat[len("names:"):].split(","))
+        unknown = sorted(set(names) - set(REMAT_NAMES))
+        if unknown:  # config.validate says this first; kept for models built without it
+            raise ValueError(f"model.remat={remat!r}: unknown names {unknown}; choose from {REMAT_NAMES}")
+        return jax.checkpoint_policies.save_only_these_names(*names)
+    return REMAT_POLICIES[remat]
 
 
 def dtypes(m: ModelConfig):
@@ -60,7 +74,8 @@ class MultiHeadAttention(nn.Module):
         # loses their logical axis names).
         w_E3HD = self.param("qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
                                          ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
-        qkv_BL3HD = jnp.einsum("ble,ekhd->blkhd", x_BLE.astype(dt), w_E3HD.astype(dt))
+        qkv_BL3HD = checkpoint_name(
+            jnp.einsum("ble,ekhd->blkhd", x_BLE.astype(dt), w_E3HD.astype(dt)), "qkv")
         q_BLHD, k_BLHD, v_BLHD = (qkv_BL3HD[:, :, i] for i in range(3))
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         if self.decode:
@@ -74,13 +89,48 @@ class MultiHeadAttention(nn.Module):
         else:
             out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=self.causal,
                             deterministic=self.deterministic)
+        out_BLHD = checkpoint_name(out_BLHD, "context")
         w_HDE = self.param("out", _init(nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
                                         ("heads", "kv", "embed")), (H, D, m.width), pdt)
-        return jnp.einsum("blhd,hde->ble", out_BLHD.astype(dt), w_HDE.astype(dt))
+        return checkpoint_name(jnp.einsum("blhd,hde->ble", out_BLHD.astype(dt), w_HDE.astype(dt)),
+                               "attention_out")
+
+
+def layer_norm(m: ModelConfig, name: str) -> nn.LayerNorm:
+    dt, pdt = dtypes(m)
+    return nn.LayerNorm(dtype=dt, param_dtype=pdt, name=name,
+                        scale_init=_init(nn.initializers.ones, ("embed",)),
+                        bias_init=_init(nn.initializers.zeros, ("embed",)))
+
+
+def mlp(m: ModelConfig, h_BLE):
+    """Dense -> gelu -> Dense. Call it inside a compact method: it creates the `mlp_in` and
+    `mlp_out` layers in the caller (so Block and the reversible blocks share it)."""
+    dt, pdt = dtypes(m)
+    h_BLF = nn.Dense(m.mlp_dim, dtype=dt, param_dtype=pdt, name="mlp_in",
+                     kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                     bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
+    h_BLF = checkpoint_name(h_BLF, "mlp_in")  # pre-activation: gelu is cheap to recompute
+    h_BLF = nn.with_logical_constraint(nn.gelu(h_BLF), ("batch", "length", "activation_mlp"))
+    h_BLE = nn.Dense(m.width, dtype=dt, param_dtype=pdt, name="mlp_out",
+                     kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                     bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
+    return h_BLE
 
 
 class Block(nn.Module):
-    """x + Attn(LN(x)), then x + MLP(LN(x)) (pre-LN: trains without warmup tricks)."""
+    """x + Attn(LN(x)), then x + MLP(LN(x)) (pre-LN: trains without warmup tricks).
+
+    Activations tagged for `model.remat = "names:..."` (`jax.ad_checkpoint.checkpoint_name`;
+    config.REMAT_NAMES), per block:
+      qkv [B, L, 3, H, D]    the fused Q/K/V projection
+      context [B, L, H, D]   the attention variant's output, before the output projection
+      attention_out [B, L, E] the attention sublayer's output (after the output projection)
+      mlp_in [B, L, F]       the MLP's first Dense, before gelu
+    e.g. "names:qkv,mlp_in" keeps the two big projections and recomputes the attention
+    scores, norms and gelu in the backward pass. The block input is always saved. (The MLP's
+    output has no name: the backward never needs it, only its sum with the residual.)
+    """
 
     model: ModelConfig
     attention: AttentionConfig
@@ -91,23 +141,11 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BLE, seg_BL):
         m = self.model
-        dt, pdt = dtypes(m)
-        norm = functools.partial(nn.LayerNorm, dtype=dt, param_dtype=pdt,
-                                 scale_init=_init(nn.initializers.ones, ("embed",)),
-                                 bias_init=_init(nn.initializers.zeros, ("embed",)))
         drop = functools.partial(nn.Dropout, rate=m.dropout, deterministic=self.deterministic)
         h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
-                                   name="attention")(norm(name="norm1")(x_BLE), seg_BL)
+                                   name="attention")(layer_norm(m, "norm1")(x_BLE), seg_BL)
         x_BLE = x_BLE + drop()(h_BLE)
-        h_BLE = norm(name="norm2")(x_BLE)
-        h_BLF = nn.Dense(m.mlp_dim, dtype=dt, param_dtype=pdt, name="mlp_in",
-                         kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
-                         bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
-        h_BLF = nn.with_logical_constraint(nn.gelu(h_BLF), ("batch", "length", "activation_mlp"))
-        h_BLE = nn.Dense(m.width, dtype=dt, param_dtype=pdt, name="mlp_out",
-                         kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
-                         bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
-        x_BLE = x_BLE + drop()(h_BLE)
+        x_BLE = x_BLE + drop()(mlp(m, layer_norm(m, "norm2")(x_BLE)))
         return nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
 
 
@@ -147,10 +185,21 @@ class Trunk(nn.Module):
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = Block
         if m.remat != "none":
-            block_cls = nn.remat(Block, policy=REMAT_POLICIES[m.remat])
-        for i in range(m.depth):
-            x_BLE = block_cls(m, self.attention, self.causal, self.deterministic, self.decode,
-                              name=f"block_{i}")(x_BLE, seg_BL)
+            block_cls = nn.remat(Block, policy=remat_policy(m.remat))
+        if m.reversible:  # backward recomputes block inputs from outputs (models/reversible.py)
+            from hpnlp.models.reversible import ReversibleStack  # it imports this module
+            x_BLE = ReversibleStack(m, self.attention, self.causal, self.deterministic, self.decode,
+                                    name="reversible")(x_BLE, seg_BL)
+        elif m.stack_layers:  # one [depth, ...] tree: nn.scan, or GPipe stages over `pipeline`
+            from hpnlp.parallel import pipeline
+            make = functools.partial(block_cls, m, self.attention, self.causal, self.deterministic,
+                                     self.decode)
+            x_BLE = pipeline.stacked_blocks(self, make, x_BLE, seg_BL, depth=m.depth,
+                                            decode=self.decode)
+        else:
+            for i in range(m.depth):
+                x_BLE = block_cls(m, self.attention, self.causal, self.deterministic, self.decode,
+                                  name=f"block_{i}")(x_BLE, seg_BL)
         return nn.LayerNorm(dtype=dt, param_dtype=pdt, name="final_norm",
                             scale_init=_init(nn.initializers.ones, ("embed",)),
                             bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)

@@ -1,0 +1,282 @@
+"""Stacked layers (model.stack_layers, nn.scan) and GPipe pipeline parallelism (mesh.pipeline).
+
+The stacked trunk is checked against the per-block trunk with the same weights; the
+pipelined training run against the 1-device run of the same stacked model (dropout off,
+float32); with dropout on, `gpipe` against its slow twin `gpipe_reference`.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import models
+from hpnlp.config import ConfigError, default_configdict, from_configdict, validate
+from hpnlp.train import Trainer
+from hpnlp.train.loop import _global
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 5
+
+
+def tiny(**model):
+    cd = default_configdict()
+    cd.name = "pipeline"
+    cd.data.update(task="byte_lm", seq_len=16, batching="pack")
+    cd.model.update(kind="lm", width=16, depth=4, num_heads=2, mlp_dim=32, max_len=16, dropout=0.0,
+                    stack_layers=True)
+    cd.model.update(**model)
+    cd.train.update(steps=STEPS, batch_size=8, lr=3e-3, warmup_steps=1, eval_every=0, eval_batches=1,
+                    progress=False)
+    return cd
+
+
+def stack_blocks(params, depth):
+    """Per-block trunk params (block_0 ... block_{depth-1}) -> one stacked `blocks` tree."""
+    trunk = {k: v for k, v in params["trunk"].items() if not k.startswith("block_")}
+    trunk["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs),
+                                   *[params["trunk"][f"block_{i}"] for i in range(depth)])
+    return dict(params, trunk=trunk)
+
+
+def random_params(model, *args, method=None, seed=0):
+    """Random weights of `model`'s shapes (no jitted init: XLA compiles RNG slowly on CPU)."""
+    shapes = nn.unbox(jax.eval_shape(functools.partial(model.init, method=method),
+                                     jax.random.key(0), *args)["params"])
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes)
+
+
+def lm_batch(B=4, L=16):
+    rng = np.random.default_rng(0)
+    seg = np.repeat([[1] * 10 + [2] * 4 + [0] * 2], B, 0)
+    return {"inputs": jnp.asarray(rng.integers(0, 256, (B, L)), jnp.int32),
+            "targets": jnp.asarray(rng.integers(0, 256, (B, L)), jnp.int32),
+            "segment_ids": jnp.asarray(seg, jnp.int32),
+            "positions": jnp.asarray(np.concatenate([np.arange(10), np.arange(6)])[None].repeat(B, 0),
+                                     jnp.int32)}
+
+
+def test_stacked_trunk_matches_per_block_trunk():
+    """nn.scan over one stacked tree (with and without remat inside the scan) == `depth`
+    separate blocks: log-probs and their vector-Jacobian product (all parameters' grads)."""
+    depth = 3
+    batch = lm_batch()
+    build = lambda **model: models.build(  # noqa: E731
+        validate(from_configdict(tiny(depth=depth, **model)), num_devices=1), deterministic=True)
+    m_plain, m_stacked, m_remat = build(stack_layers=False), build(), build(remat="full")
+    params = random_params(m_plain, batch)
+    converted = stack_blocks(params, depth)
+    boxed = jax.eval_shape(m_stacked.init, jax.random.key(0), batch)["params"]
+    assert jax.tree.structure(nn.unbox(boxed)) == jax.tree.structure(converted)
+    assert boxed["trunk"]["blocks"]["mlp_in"]["kernel"].names == ("layers", "embed", "mlp")
+    ct_BLV = jnp.asarray(np.random.default_rng(1).normal(size=(4, 16, 256)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def out_and_grads(model, p):
+        logp_BLV, vjp = jax.vjp(lambda p: model.apply({"params": p}, batch, method="log_probs"), p)
+        return logp_BLV, vjp(ct_BLV)[0]
+
+    want_logp, want_grads = out_and_grads(m_plain, params)
+    want_grads = stack_blocks(want_grads, depth)
+    for model in (m_stacked, m_remat):
+        logp, grads = out_and_grads(model, converted)
+        np.testing.assert_allclose(logp, want_logp, atol=1e-5, rtol=1e-5)
+        chex.assert_trees_all_close(grads, want_grads, atol=1e-5, rtol=1e-5)
+
+
+def test_stacked_trunk_decodes_like_per_block_trunk():
+    """Decode mode scans the stacked blocks over a stacked cache: same log-probs per token."""
+    depth, B = 2, 2
+    tok_B1 = jnp.zeros((B, 1), jnp.int32)
+    steps = []
+    for stack in (False, True):
+        cfg = validate(from_configdict(tiny(depth=depth, stack_layers=stack)), num_devices=1)
+        model = models.build(cfg, deterministic=True, decode=True)
+        shapes = jax.eval_shape(functools.partial(model.init, method="decode_step"),
+                                jax.random.key(0), tok_B1)
+        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])  # as init_cache
+        step = jax.jit(lambda p, c, t, model=model: model.apply(
+            {"params": p, "cache": c}, t, method="decode_step", mutable=["cache"]))
+        steps.append((step, cache))
+    params = random_params(models.build(validate(from_configdict(tiny(depth=depth, stack_layers=False)),
+                                                 num_devices=1), deterministic=True), lm_batch())
+    (step_p, cache_p), (step_s, cache_s) = steps
+    assert cache_s["trunk"]["blocks"]["attention"]["state"]["k"].shape[0] == depth
+    for tok in ([3, 7], [200, 1], [5, 5], [9, 0]):
+        t_B1 = jnp.asarray(tok, jnp.int32)[:, None]
+        logp_p, upd_p = step_p(params, cache_p, t_B1)
+        logp_s, upd_s = step_s(stack_blocks(params, depth), cache_s, t_B1)
+        np.testing.assert_allclose(logp_s, logp_p, atol=1e-5, rtol=1e-5)
+        cache_p, cache_s = upd_p["cache"], upd_s["cache"]
+
+
+# 8 simulated devices: pipeline x data meshes train the stacked model; report losses,
+# params, shardings, and whether the lowered step holds the stage-to-stage ppermute.
+_PIPELINED = r"""
+import json, sys, tempfile
+import jax, numpy as np
+from hpnlp.config import from_configdict
+from hpnlp.train import Trainer
+from hpnlp.train.loop import _global
+
+out_dir, base, meshes = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+
+def scan_lengths(jaxpr, inside=False):
+    # Lengths of the scans inside shard_map bodies: the tick loop and the layer loop.
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and inside:
+            found.add(eqn.params["length"])
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found |= scan_lengths(sub, inside or eqn.primitive.name == "shard_map")
+    return found
+
+for name, mesh in meshes.items():
+    cd = dict(base, mesh=dict(base["mesh"], **mesh))
+    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+    state, _ = tr.initial_state()
+    losses = []
+    with tr._context():
+        for _ in range(int(cd["train"]["steps"])):
+            batch = _global(next(tr.train_iter), tr.batch_sharding)
+            state, m = tr.train_step(state, batch)
+            losses.append(float(m["loss"]) / float(m["weight"]))
+        traced = tr.train_step.trace(tr.abstract_state, batch)
+        hlo = traced.lower().as_text()
+    eval_sums = tr.eval_sums(state)
+    kernel = state.params["trunk"]["blocks"]["mlp_in"]["kernel"]
+    mu = state.opt_state[1][0].mu["trunk"]["blocks"]["mlp_in"]["kernel"]
+    np.savez(f"{out_dir}/{name}.npz", **{jax.tree_util.keystr(p): np.asarray(x)
+                                        for p, x in jax.tree_util.tree_leaves_with_path(state.params)})
+    json.dump({"losses": losses, "eval_loss": float(eval_sums["loss"]), "kernel": [str(a) for a in kernel.sharding.spec],
+               "mu": [str(a) for a in mu.sharding.spec], "ppermute": "collective_permute" in hlo,
+               "scans": sorted(scan_lengths(traced.jaxpr.jaxpr))},
+              open(f"{out_dir}/{name}.json", "w"))
+
+# Dropout on: gpipe == its slow twin (each microbatch through all layers), masks included.
+import functools, jax.numpy as jnp
+from hpnlp.models.transformer import Block
+from hpnlp.parallel.pipeline import apply_layers, gpipe, gpipe_reference
+m = from_configdict(dict(cd, model=dict(cd["model"], dropout=0.3, vocab_size=256))).model
+stage = functools.partial(apply_layers, Block(m, tr.cfg.attention, True, deterministic=False))
+micro = tr.cfg.mesh.pipeline_microbatches
+x = jax.random.normal(jax.random.key(1), batch["segment_ids"].shape + (m.width,))
+ct = 0.01 * jax.random.normal(jax.random.key(2), x.shape)  # gradients O(1), as the 1e-5 assumes
+def out_and_grads(fn):
+    def run(p, x, key):
+        y, vjp = jax.vjp(lambda p, x: fn(stage, p, x, batch["segment_ids"], {"dropout": key},
+                                         microbatches=micro), p, x)
+        return y, vjp(ct)
+    return jax.jit(run)
+with tr._context():
+    blocks = state.params["trunk"]["blocks"]
+    fast, slow = out_and_grads(gpipe), out_and_grads(gpipe_reference)
+    (y, g), (y_ref, g_ref) = fast(blocks, x, jax.random.key(3)), slow(blocks, x, jax.random.key(3))
+    y_other, _ = fast(blocks, x, jax.random.key(4))
+np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), g, g_ref)
+assert not np.allclose(y, y_other), "another dropout key must give other masks"
+print("PIPELINE OK")
+"""
+
+# M = 8 != P (the count reaches the trunk from the config); 2 rows per microbatch, 1 per
+# data shard. (Each further mesh costs ~20 s of CPU, mostly compiling init and the step.)
+MESHES = {"pipe4_data2_m8": {"pipeline": 4, "data": 2, "pipeline_microbatches": 8}}
+
+
+def test_pipeline_training_matches_one_device(tmp_path):
+    """GPipe over 8 simulated devices (P=4 stages x 2 data shards, M=8) == the 1-device
+    stacked run: losses and parameters after 5 AdamW steps; stacked params and Adam moments
+    split over `pipeline` on the layer axis; and the step really runs M + P - 1 ticks of
+    depth / P layers, passing activations between stages."""
+    cd = tiny()
+    cd.train.batch_size = 16
+    out = str(tmp_path)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", _PIPELINED, out, json.dumps(cd.to_dict()),
+                             json.dumps(MESHES)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # The reference, meanwhile, in this process: no pipeline axis, so one nn.scan.
+        ref = Trainer(from_configdict(cd), str(tmp_path / "ref"))
+        state, _ = ref.initial_state()
+        losses = []
+        with ref._context():
+            for _ in range(STEPS):
+                state, m = ref.train_step(state, _global(next(ref.train_iter), ref.batch_sharding))
+                losses.append(float(m["loss"]) / float(m["weight"]))
+        want = {jax.tree_util.keystr(p): np.asarray(x)
+                for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+        eval_loss = float(ref.eval_sums(state)["loss"])
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "PIPELINE OK" in stdout, stderr[-3000:]
+    for name in MESHES:
+        info = json.load(open(os.path.join(out, f"{name}.json")))
+        np.testing.assert_allclose(info["losses"], losses, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(info["eval_loss"], eval_loss, rtol=1e-5, err_msg=name)
+        got = np.load(os.path.join(out, f"{name}.npz"))
+        assert set(got.files) == set(want)
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=1e-5, err_msg=f"{name} {key}")
+        assert info["kernel"][0] == "pipeline" and info["mu"] == info["kernel"], info
+        assert info["ppermute"], f"{name}: no collective_permute in the step, so no pipeline ran"
+        P = MESHES[name]["pipeline"]
+        M = MESHES[name]["pipeline_microbatches"] or P
+        assert info["scans"] == sorted({M + P - 1, 4 // P}), info  # ticks; layers per stage
+
+
+def _check(cd, field, match, num_devices=8):
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(from_configdict(cd), num_devices=num_devices)
+    assert f"`{field}`" in str(e.value)
+
+
+def test_pipeline_config_errors():
+    ok = tiny()
+    ok.mesh.update(pipeline=4, data=2)
+    assert validate(from_configdict(ok), num_devices=8).mesh.pipeline == 4
+    cd = tiny(stack_layers=False)
+    cd.mesh.update(pipeline=4, data=2)
+    _check(cd, "mesh.pipeline", r"model.stack_layers=True")
+    cd = tiny()
+    cd.mesh.update(pipeline=4, data=2, pipeline_microbatches=3)
+    _check(cd, "mesh.pipeline_microbatches", r"train.batch_size / train.grad_accum = 8")
+    cd = tiny()
+    cd.mesh.update(pipeline=2, data=4, pipeline_microbatches=4)
+    cd.train.grad_accum = 2  # 4 rows per step
+    validate(from_configdict(cd), num_devices=8)
+    cd.mesh.pipeline_microbatches = 8
+    _check(cd, "mesh.pipeline_microbatches", r"= 4; choose a divisor of 4")
+    cd = tiny(depth=3)  # depth % pipeline: the `layers` rule's divisibility check
+    cd.mesh.update(pipeline=2, data=4)
+    _check(cd, "mesh.rules.layers", r"model.depth=3 over mesh.pipeline=2")
+    cd = tiny()
+    cd.mesh.update(pipeline=2, data=4, rules={"layers": None})
+    _check(cd, "mesh.rules.layers", r"must be 'pipeline'")
+    cd = tiny()
+    cd.attention.name = "ring"
+    cd.mesh.update(pipeline=2, sequence=2, data=2)
+    _check(cd, "mesh.pipeline", r"set mesh.sequence=1 or mesh.pipeline=1")
+    cd = tiny(arch="lstm")
+    _check(cd, "model.stack_layers", r"model.arch='lstm'", num_devices=1)
+    cd = tiny(arch="lstm", stack_layers=False)
+    cd.mesh.update(pipeline=2, data=4)
+    _check(cd, "mesh.pipeline", r"model.arch='lstm'")
+    cd = tiny(reversible=True)
+    _check(cd, "model.stack_layers", r"model.reversible=False", num_devices=1)
