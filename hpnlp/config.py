@@ -49,7 +49,8 @@ REMAT_NAMES = ("qkv", "context", "attention_out", "mlp_in")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
-    arch: str = "transformer"  # "transformer" | "transformer_xl" | "lstm" | "gru" (recurrent: see `cfg.rnn`)
+    # "transformer" | "transformer_xl" (see `mem_len`) | "lstm" | "gru" (recurrent: see `cfg.rnn`)
+    arch: str = "transformer"
     width: int = 128  # d_model
     depth: int = 2  # number of Transformer blocks
     num_heads: int = 4

@@ -63,6 +63,10 @@ def make_iterator(task: Task, cfg, *, split: str, batch_size: int, process_index
                   process_count: int = 1) -> BatchIterator:
     """Batches of `split` ("train": infinite, shuffled; "eval": one pass). `batch_size` is
     global: process p of n gets rows [p*B/n, (p+1)*B/n) of the same global batch."""
+    if cfg.batching == "stream":  # rows continue across batches (Transformer-XL memory)
+        from hpnlp.data.stream import StreamIterator
+        return StreamIterator(task, cfg, split=split, batch_size=batch_size,
+                              process_index=process_index, process_count=process_count)
     return BatchIterator(task, cfg, split=split, batch_size=batch_size,
                          process_index=process_index, process_count=process_count)
 

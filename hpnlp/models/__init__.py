@@ -24,6 +24,8 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     assume frequency-sorted ids.
     """
     cls = MODELS[cfg.model.kind]
+    if cfg.model.arch == "transformer_xl":  # segment recurrence (validate: kind "lm" only)
+        from hpnlp.models.transformer_xl import TransformerXLLM as cls
     extra = {}
     if token_counts is not None and cfg.model.kind == "lm":
         # One Frequencies per model, not one per `setup` (which flax reruns on every

@@ -27,6 +27,9 @@ class TrainState:
     # the number of overflow-free steps since it last changed.
     loss_scale: Any = None  # float32 []
     good_steps: Any = None  # int32 []
+    # Transformer-XL on stream batches (models/transformer_xl.py): each row's memory of the
+    # previous segment, carried from step to step; None for every other model.
+    memory: Any = None
 
     def step_key(self) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
@@ -65,10 +68,12 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None) -> TrainState:
+def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None,
+               memory: Any = None) -> TrainState:
     """Parameters and optimizer state (still boxed with logical axis names).
 
     `loss_scale`: the initial dynamic loss scale (float16 compute), None for no scaling.
+    `memory`: the initial Transformer-XL memory (for the train batch size), or None.
     """
     params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
     params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
@@ -79,4 +84,4 @@ def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = N
     scaling = {} if loss_scale is None else {"loss_scale": jnp.asarray(loss_scale, jnp.float32),
                                              "good_steps": jnp.zeros((), jnp.int32)}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      rng=jax.random.key_data(run_rng), **scaling)
+                      rng=jax.random.key_data(run_rng), memory=memory, **scaling)

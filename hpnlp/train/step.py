@@ -33,12 +33,26 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
 
+    def memory_loss(params, batch, memory, rng, features, scale):
+        # Transformer-XL: this segment reads the previous one's memory and leaves its own
+        # (stop-gradient inside the model, so no gradient crosses the step boundary).
+        sums, memory = model.apply({"params": params}, batch, memory, method="loss_and_memory",
+                                   rngs={"dropout": rng, "features": features})
+        return sums["loss"] * scale, (sums, memory)
+
+    memory_grad_fn = jax.value_and_grad(memory_loss, has_aux=True)
+
     def train_step(state: TrainState, batch):
         rng = state.step_key()
         features = state.features_key(t.feature_redraw_every)
         scaling = state.loss_scale is not None
         scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
-        if t.grad_accum == 1:
+        carried = {}
+        if state.memory is not None:  # config.validate keeps grad_accum at 1 here
+            (_, (sums, memory)), grads = memory_grad_fn(state.params, batch, state.memory, rng,
+                                                        features, scale)
+            carried = {"memory": memory}
+        elif t.grad_accum == 1:
             (_, sums), grads = grad_fn(state.params, batch, rng, features, scale)
         else:
             micro = _split_microbatches(batch, t.grad_accum)
@@ -83,13 +97,23 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
                        param_norm=optax.tree.norm(params),
                        finite=(grads_ok & all_finite(params)).astype(jnp.float32),
                        tokens=tokens, lr=schedule(state.step))
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **new), metrics
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **new,
+                             **carried), metrics
 
     return train_step
 
 
-def make_eval_step(model, t: TrainConfig):
-    """eval_step(state, batch) -> sums, with the `features` draw current at state.step."""
+def make_eval_step(model, t: TrainConfig, *, memory: bool = False):
+    """eval_step(state, batch) -> sums, with the `features` draw current at state.step.
+
+    memory=True (Transformer-XL on a stream): eval_step(state, batch, memory) -> (sums,
+    memory), the eval stream's own memory threaded through the pass by the caller."""
+    if memory:
+        def eval_memory_step(state: TrainState, batch, mem):
+            return model.apply({"params": state.params}, batch, mem, method="evaluate_and_memory",
+                               rngs={"features": state.features_key(t.feature_redraw_every)})
+        return eval_memory_step
+
     def eval_step(state: TrainState, batch):
         return model.apply({"params": state.params}, batch, method="evaluate",
                            rngs={"features": state.features_key(t.feature_redraw_every)})

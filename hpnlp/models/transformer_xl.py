@@ -1,0 +1,309 @@
+"""Transformer-XL: segment recurrence with relative positions, for the causal LM.
+
+Dai et al. 2019, "Transformer-XL: Attentive Language Models Beyond a Fixed-Length
+Context". The idea that makes it cheap: each layer keeps the previous segment's hidden
+states as a *memory* (stop-gradient, so the backward pass never leaves the segment) and
+attends over [memory; current]. The context then reaches depth x M tokens back at the cost
+of one segment. Positions are *relative* (a score depends on the distance i - j, never on
+absolute positions), so cached states stay valid when reused at a new offset.
+
+Score of query i and key j at distance d = i - j (paper eq. 4, with q = W_q x_i,
+k = W_k x_j, R the sinusoidal table, u / v learned global biases):
+
+    (q + u) . k  +  (q + v) . W_R R_d
+
+The position term is computed for all K distances per query ([L, K], ordered d = K-1..0)
+and moved to key order with the pad-and-reshape "rel_shift" trick of the authors' code
+(`rel_shift`, one pad + reshape instead of a gather); `rel_gather` is its exact twin.
+
+Masking: a key is attended iff it is real (memory slots of a fresh memory, and padding,
+are not), at or before the query, and, inside the current segment, in the query's
+segment id. Memory keys are visible to every query of the row: stream batches
+(`data.batching = "stream"`, hpnlp/data/stream.py) have one document stream per row and no
+padding except at the very end of the stream, so packing across the memory boundary is
+not modelled.
+
+Shape letters: B batch, L segment length, M memory length (model.mem_len, 0: = data.seq_len),
+K = M + L keys, E width, H heads, D head dim (E / H), F MLP width, X layers (model.depth),
+V vocabulary.
+
+    >>> model = TransformerXLLM(cfg, deterministic=False)            # doctest: +SKIP
+    >>> memory = init_memory(cfg, batch_size)                        # doctest: +SKIP
+    >>> sums, memory = model.apply(variables, batch, memory, method="loss_and_memory")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from hpnlp.config import Config, ModelConfig
+from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_policy,
+                                      sinusoidal_table)
+
+
+class Memory(NamedTuple):
+    """What one segment leaves for the next (a pytree; carried across steps)."""
+
+    hidden_XBME: jax.Array  # each layer's *input* at the last M positions, stop-gradient
+    valid_BM: jax.Array  # bool: a real token (False: fresh memory, padding)
+
+
+def mem_len(cfg: Config) -> int:
+    return cfg.model.mem_len or cfg.data.seq_len
+
+
+def init_memory(cfg: Config, batch_size: int) -> Memory:
+    """An empty memory: nothing valid, so the first segment attends only to itself."""
+    m, M = cfg.model, mem_len(cfg)
+    return Memory(jnp.zeros((m.depth, batch_size, M, m.width), dtypes(m)[0]),
+                  jnp.zeros((batch_size, M), bool))
+
+
+def carries_memory(cfg: Config) -> bool:
+    """The Trainer carries memory across steps only on stream batches, where row b of the
+    next batch continues row b of this one; on other batchings every batch starts afresh."""
+    return cfg.model.arch == "transformer_xl" and cfg.data.batching == "stream"
+
+
+def boxed_memory(cfg: Config, batch_size: int) -> Memory:
+    """`init_memory` with logical axis names: its rows are split like the batch's."""
+    mem = init_memory(cfg, batch_size)
+    return Memory(nn.LogicallyPartitioned(mem.hidden_XBME, (None, "batch", None, "activation_embed")),
+                  nn.LogicallyPartitioned(mem.valid_BM, ("batch", None)))
+
+
+def memory_sharding(cfg: Config, batch_size: int, mesh, rules) -> Memory:
+    from hpnlp.parallel.mesh import state_shardings
+    return state_shardings(jax.eval_shape(lambda: boxed_memory(cfg, batch_size)), mesh, rules)
+
+
+# -- relative attention --------------------------------------------------------------------
+
+
+def rel_shift(x_BHLK):
+    """[.., L, K] indexed (query i, column r = distance K-1-r) -> (query i, key j), where
+    key j is at distance d = M + i - j (M = K - L memory slots before query 0).
+
+    Pad a zero column in front, view the [L, K+1] block as [K+1, L], drop the first row
+    and view it back as [L, K]: row i moves left by L-1-i. Entries with j > M + i (future
+    keys, always masked) hold garbage.
+    """
+    B, H, L, K = x_BHLK.shape
+    x_BHLK1 = jnp.pad(x_BHLK, ((0, 0), (0, 0), (0, 0), (1, 0)))
+    return x_BHLK1.reshape(B, H, K + 1, L)[:, :, 1:].reshape(B, H, L, K)
+
+
+def rel_gather(x_BHLK):
+    """The exact twin of `rel_shift` on every allowed entry: an explicit gather of column
+    r = L-1-i+j (future keys clipped to a valid column)."""
+    B, H, L, K = x_BHLK.shape
+    col_LK = np.clip(np.arange(K)[None, :] - np.arange(L)[:, None] + L - 1, 0, K - 1)
+    return jnp.take_along_axis(x_BHLK, jnp.broadcast_to(jnp.asarray(col_LK), x_BHLK.shape), axis=-1)
+
+
+def rel_attention(q_BLHD, k_BKHD, v_BKHD, r_KHD, u_HD, w_HD, allowed_BLK, *, shift=rel_shift):
+    """Exact softmax attention with Transformer-XL relative scores, in float32.
+
+    `r_KHD` is the projected relative table ordered by distance K-1..0; `u_HD` / `w_HD` are
+    the content / position biases (the paper's u and v). Rows with no allowed key give 0.
+    """
+    D = q_BLHD.shape[-1]
+    f32 = jnp.float32
+    q_BLHD = q_BLHD.astype(f32)
+    content_BHLK = jnp.einsum("blhd,bkhd->bhlk", q_BLHD + u_HD.astype(f32)[None, None],
+                              k_BKHD.astype(f32))
+    position_BHLK = shift(jnp.einsum("blhd,khd->bhlk", q_BLHD + w_HD.astype(f32)[None, None],
+                                     r_KHD.astype(f32)))
+    logits_BHLK = (content_BHLK + position_BHLK) / jnp.asarray(math.sqrt(D), f32)
+    allowed_B1LK = allowed_BLK[:, None]
+    logits_BHLK = jnp.where(allowed_B1LK, logits_BHLK, -1e30)
+    m_BHL1 = jax.lax.stop_gradient(jnp.max(logits_BHLK, axis=-1, keepdims=True))
+    p_BHLK = jnp.where(allowed_B1LK, jnp.exp(logits_BHLK - m_BHL1), 0.0)
+    p_BHLK = p_BHLK / jnp.maximum(jnp.sum(p_BHLK, axis=-1, keepdims=True), 1e-30)
+    out_BLHD = jnp.einsum("bhlk,bkhd->blhd", p_BHLK, v_BKHD.astype(f32))
+    return out_BLHD.astype(k_BKHD.dtype)
+
+
+def allowed_keys(seg_BL, valid_BM):
+    """[B, L, K] bool: real keys, causal, memory visible to all, current keys in the
+    query's segment."""
+    B, L = seg_BL.shape
+    M = valid_BM.shape[1]
+    K = M + L
+    valid_BK = jnp.concatenate([valid_BM, seg_BL > 0], axis=1)
+    seg_BK = jnp.concatenate([jnp.zeros((B, M), seg_BL.dtype), seg_BL], axis=1)
+    j_K, i_L = np.arange(K), np.arange(L)
+    causal_LK = jnp.asarray(j_K[None, :] <= M + i_L[:, None])
+    in_memory_K = jnp.asarray(j_K < M)
+    same_BLK = seg_BL[:, :, None] == seg_BK[:, None, :]
+    return (valid_BK[:, None, :] & causal_LK[None] &
+            (in_memory_K[None, None, :] | same_BLK))
+
+
+# -- layers ------------------------------------------------------------------------------
+
+
+class XLAttention(nn.Module):
+    """Fused QKV (queries from the segment, keys/values from [memory; segment]), the
+    relative projection W_R, relative attention, output projection. Same parameter names
+    and logical axes as transformer.MultiHeadAttention, plus `rel` [E, H, D]."""
+
+    model: ModelConfig
+
+    @nn.compact
+    def __call__(self, h_BKE, rel_KE, u_HD, w_HD, allowed_BLK):
+        m = self.model
+        dt, pdt = dtypes(m)
+        H, D = m.num_heads, m.width // m.num_heads
+        L = allowed_BLK.shape[1]
+        w_E3HD = self.param("qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
+                                         ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
+        w_EHD = self.param("rel", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
+                                        ("embed", "heads", "kv")), (m.width, H, D), pdt)
+        h_BKE = h_BKE.astype(dt)
+        q_BLHD = jnp.einsum("ble,ehd->blhd", h_BKE[:, -L:], w_E3HD[:, 0].astype(dt))
+        kv_BK2HD = checkpoint_name(jnp.einsum("bke,enhd->bknhd", h_BKE,
+                                              w_E3HD[:, 1:].astype(dt)), "qkv")
+        r_KHD = jnp.einsum("ke,ehd->khd", rel_KE.astype(dt), w_EHD.astype(dt))
+        out_BLHD = checkpoint_name(
+            rel_attention(q_BLHD, kv_BK2HD[:, :, 0], kv_BK2HD[:, :, 1], r_KHD, u_HD, w_HD,
+                          allowed_BLK), "context")
+        w_HDE = self.param("out", _init(nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
+                                        ("heads", "kv", "embed")), (H, D, m.width), pdt)
+        return checkpoint_name(jnp.einsum("blhd,hde->ble", out_BLHD.astype(dt), w_HDE.astype(dt)),
+                               "attention_out")
+
+
+class XLBlock(nn.Module):
+    """Pre-LN block like transformer.Block; the attention reads LN([memory; x])."""
+
+    model: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BLE, mem_BME, rel_KE, u_HD, w_HD, allowed_BLK):
+        m = self.model
+        drop = functools.partial(nn.Dropout, rate=m.dropout, deterministic=self.deterministic)
+        h_BKE = layer_norm(m, "norm1")(jnp.concatenate([mem_BME.astype(x_BLE.dtype), x_BLE], axis=1))
+        x_BLE = x_BLE + drop()(XLAttention(m, name="attention")(h_BKE, rel_KE, u_HD, w_HD,
+                                                                  allowed_BLK))
+        x_BLE = x_BLE + drop()(mlp(m, layer_norm(m, "norm2")(x_BLE)))
+        return nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
+
+
+class XLTrunk(nn.Module):
+    """Token embeddings (no absolute positions), `depth` XL blocks, final LayerNorm.
+
+    Returns (hidden [B, L, E], the new Memory). `window_LK` and `frozen_L` exist for the
+    reference twin only (tests): an extra key mask, and positions whose layer inputs are
+    stop-gradient (what a memory is).
+    """
+
+    model: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, embed: nn.Module, tokens_BL, seg_BL, memory: Memory, *,
+                 window_LK=None, frozen_L=None):
+        m = self.model
+        dt, pdt = dtypes(m)
+        H, D = m.num_heads, m.width // m.num_heads
+        B, L = tokens_BL.shape
+        M = memory.valid_BM.shape[1]
+        K = M + L
+        if memory.hidden_XBME.shape != (m.depth, B, M, m.width):
+            raise ValueError(f"memory holds {memory.hidden_XBME.shape}, expected [depth, batch, "
+                             f"mem_len, width] = {(m.depth, B, M, m.width)}; make it with init_memory")
+        # Shared by all layers (the paper's global u, v); zero init: training starts from
+        # plain content + position scores.
+        u_HD = self.param("u", _init(nn.initializers.zeros, ("heads", "kv")), (H, D), pdt)
+        w_HD = self.param("v", _init(nn.initializers.zeros, ("heads", "kv")), (H, D), pdt)
+        rel_KE = jnp.asarray(sinusoidal_table(K, m.width)[::-1].copy())  # distance K-1 .. 0
+        allowed_BLK = allowed_keys(seg_BL, memory.valid_BM)
+        if window_LK is not None:
+            allowed_BLK = allowed_BLK & window_LK[None]
+        x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
+        x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
+        block_cls = XLBlock
+        if m.remat != "none":
+            block_cls = nn.remat(XLBlock, policy=remat_policy(m.remat))
+        new_XBME = []
+        for i in range(m.depth):
+            if frozen_L is not None:
+                x_BLE = jnp.where(frozen_L[None, :, None], jax.lax.stop_gradient(x_BLE), x_BLE)
+            mem_BME = memory.hidden_XBME[i]
+            new_XBME.append(jax.lax.stop_gradient(
+                jnp.concatenate([mem_BME.astype(dt), x_BLE], axis=1)[:, K - M:]))
+            x_BLE = block_cls(m, self.deterministic, name=f"block_{i}")(
+                x_BLE, mem_BME, rel_KE, u_HD, w_HD, allowed_BLK)
+        valid_BM = jnp.concatenate([memory.valid_BM, seg_BL > 0], axis=1)[:, K - M:]
+        hidden_BLE = layer_norm(m, "final_norm")(x_BLE)
+        return hidden_BLE, Memory(jnp.stack(new_XBME).astype(memory.hidden_XBME.dtype), valid_BM)
+
+
+class TransformerXLLM(nn.Module):
+    """Causal LM on the XL trunk, with any registry output layer (heads._output_layer).
+
+    `loss_and_memory(batch, memory)` / `evaluate_and_memory(batch, memory)` carry the
+    memory; `__call__(batch)` / `evaluate(batch)` start every batch from an empty memory
+    (what the generic Trainer does: no state beyond the parameters). Batches: inputs,
+    targets, segment_ids [B, L] (positions, if present, are ignored: XL is relative).
+    """
+
+    cfg: Config
+    deterministic: bool = True
+    decode: bool = False
+    token_counts: Any = None
+
+    def setup(self):
+        from hpnlp.models.heads import _output_layer  # heads imports the model registry
+        if self.decode:
+            raise ValueError("model.arch='transformer_xl' has no incremental decode cache yet; "
+                             "generate with model.arch='transformer'")
+        self.embed = make_embed(self.cfg.model)
+        self.trunk = XLTrunk(self.cfg.model, self.deterministic)
+        self.output = _output_layer(self.cfg, self.embed, self.token_counts)
+
+    def _memory(self, batch, memory):
+        return init_memory(self.cfg, batch["inputs"].shape[0]) if memory is None else memory
+
+    def hidden(self, batch, memory=None, **reference):
+        return self.trunk(self.embed, batch["inputs"], batch["segment_ids"],
+                          self._memory(batch, memory), **reference)
+
+    def loss_and_memory(self, batch, memory=None, **reference):
+        """(sums {"loss", "weight"} like heads.TransformerLM, the new Memory)."""
+        mask_BL = batch["segment_ids"] > 0
+        h_BLE, new = self.hidden(batch, memory, **reference)
+        loss_BL = self.output.loss(h_BLE, batch["targets"], mask_BL, deterministic=self.deterministic)
+        return {"loss": jnp.sum(jnp.where(mask_BL, loss_BL, 0.0), dtype=jnp.float32),
+                "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, new
+
+    def evaluate_and_memory(self, batch, memory=None):
+        """Exact sums (the output layer's normalized log-probs) and the new Memory."""
+        mask_BL = batch["segment_ids"] > 0
+        h_BLE, new = self.hidden(batch, memory)
+        logp_BLV = self.output.log_prob(h_BLE)
+        nll_BL = -jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0]
+        correct_BL = jnp.argmax(logp_BLV, axis=-1) == batch["targets"]
+        return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0), dtype=jnp.float32),
+                "correct": jnp.sum(correct_BL & mask_BL, dtype=jnp.float32),
+                "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, new
+
+    def log_probs(self, batch, memory=None):
+        return self.output.log_prob(self.hidden(batch, memory)[0])
+
+    def __call__(self, batch):
+        return self.loss_and_memory(batch)[0]
+
+    def evaluate(self, batch):
+        return self.evaluate_and_memory(batch)[0]
