@@ -1,8 +1,19 @@
-"""Test settings: CPU only, strict rank promotion (catches silent broadcasting bugs)."""
+"""Test settings: CPU only, strict rank promotion (catches silent broadcasting bugs), and
+cheap compiles.
+
+Tests use tiny shapes, so XLA's compile time, not run time, is most of the suite; LLVM's
+expensive optimization passes are turned off (half the time of a typical file). That
+changes how fast the compiled code runs, not what it computes. Subprocesses inherit the
+flags (tests append their own, e.g. the simulated device count). Set HPNLP_TEST_FULL_OPT=1
+to test with the default optimization.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not os.environ.get("HPNLP_TEST_FULL_OPT"):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -44,7 +44,7 @@ def launch():
     def start(workdir, *, processes=1, devices=1, extra=()):
         # `devices` CPU devices per process.
         env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                   XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
         multi = ["--coordinator", f"127.0.0.1:{_free_port()}",
                  "--num_processes", str(processes)] if processes > 1 else []
         procs = []

@@ -72,9 +72,8 @@ print("PARALLEL OK")
 
 def _run(out_dir, modes, devices):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     proc = subprocess.run([sys.executable, "-c", CODE, str(out_dir), json.dumps(modes)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "PARALLEL OK" in proc.stdout, proc.stderr[-4000:]

@@ -204,7 +204,7 @@ def test_pipeline_training_matches_one_device(tmp_path):
     cd = tiny()
     cd.train.batch_size = 16
     out = str(tmp_path)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", _PIPELINED, out, json.dumps(cd.to_dict()),
                              json.dumps(MESHES)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -33,6 +33,30 @@ def auto_chunk(num_tokens: int, vocab_size: int) -> int:
     return 1 << (chunk.bit_length() - 1)  # a power of two: divides typical token counts
 
 
+def batch_shards() -> int:
+    """Devices the batch is split over in the current mesh and logical-axis rules (1 outside
+    a mesh). Automatic chunk sizes are per device: a data-parallel device holds only its
+    share of the tokens, so chunking by the global count would chunk (and, under GSPMD,
+    reduce the output layer's gradient inside the chunk loop) where nothing needs it."""
+    import flax.linen as nn
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = nn.logical_to_mesh_axes(("batch",))[0]
+    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    n = 1
+    for a in axes:
+        n *= mesh.shape.get(a, 1)
+    return n
+
+
+def auto_chunk_tokens(num_tokens: int, floats_per_token: int) -> int:
+    """`auto_chunk` of each device's tokens, as a global tokens-per-chunk count."""
+    shards = batch_shards()
+    return auto_chunk(num_tokens // shards, floats_per_token) * shards
+
+
 def chunked_nll(hidden_NE, targets_N, kernel_VE, bias_V, *, dtype, chunk: int, z_loss: float = 0.0):
     """Per-token -log softmax(h W^T + b)[target] (+ z-loss), about `chunk` tokens at a time
     (each chunk a slice of every row: see `base.map_token_chunks`)."""
@@ -64,7 +88,7 @@ class FullSoftmax(VocabLayer):
         check_targets(targets_N, self.vocab_size)
         width = hidden_NE.shape[-1]
         num_tokens = targets_N.size
-        chunk = auto_chunk(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
+        chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
         if chunk and chunk < num_tokens:
             kernel_VE, bias_V = self.weights(width)
             loss_N = chunked_nll(hidden_NE, targets_N, kernel_VE, bias_V, dtype=self.dtype,

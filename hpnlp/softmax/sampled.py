@@ -58,7 +58,7 @@ import numpy as np
 
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
                                 frequencies, map_token_chunks, masked, register, scores)
-from hpnlp.softmax.full import auto_chunk
+from hpnlp.softmax.full import auto_chunk_tokens
 
 SAMPLERS = ("uniform", "log_uniform", "unigram")
 _DROPPED = -1e30  # logit of a removed accidental hit: exp() is exactly 0, no inf arithmetic
@@ -414,7 +414,7 @@ class HardNegative(VocabLayer):
         width = hidden_NE.shape[-1]
         kernel_VE, bias_V = jax.lax.stop_gradient(self.weights(width))
         num_tokens = targets_N.size
-        chunk = auto_chunk(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
+        chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
 
         def search(h_CE, t_C):
             s_CV = scores(h_CE, kernel_VE, bias_V, self.dtype)

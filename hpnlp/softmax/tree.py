@@ -34,7 +34,7 @@ import numpy as np
 
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, fan_in_init, frequencies,
                                 map_token_chunks, masked, register, scores)
-from hpnlp.softmax.full import auto_chunk
+from hpnlp.softmax.full import auto_chunk_tokens
 
 _TABLES: dict = {}
 _MAX_CACHED = 8
@@ -79,7 +79,7 @@ class Vectors(nn.Module):
 
 
 def _tokens_per_chunk(chunk_tokens: int, num_tokens: int, floats_per_token: int) -> int:
-    return auto_chunk(num_tokens, floats_per_token) if chunk_tokens < 0 else chunk_tokens
+    return auto_chunk_tokens(num_tokens, floats_per_token) if chunk_tokens < 0 else chunk_tokens
 
 
 # ----------------------------------------------------------------------------- class-based
