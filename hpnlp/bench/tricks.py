@@ -199,15 +199,16 @@ def run(out_dir: str, *, quick: bool) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
     results = []
+    timing = dict(repeats=3, min_time_s=0.01) if quick else dict(repeats=5, min_time_s=0.2)
     for trick in tqdm(TRICKS, desc="tricks bench", dynamic_ncols=True):
         args = trick.inputs(quick)
         row = {"trick": trick.name, "what": trick.what}
         for kind in ("slow", "fast"):
             fn = getattr(trick, kind)
             row[f"eager_{kind}"] = harness.time_python(lambda: jax.block_until_ready(fn(*args)),
-                                                       repeats=5, min_time_s=0.2).as_dict()
+                                                       **timing).as_dict()
             if trick.jittable:
-                row[f"jit_{kind}"] = harness.time_jax(fn, *args, repeats=5, min_time_s=0.2).as_dict()
+                row[f"jit_{kind}"] = harness.time_jax(fn, *args, **timing).as_dict()
         row["eager_speedup"] = row["eager_slow"]["median_s"] / row["eager_fast"]["median_s"]
         if trick.jittable:
             row["jit_speedup"] = row["jit_slow"]["median_s"] / row["jit_fast"]["median_s"]
