@@ -136,11 +136,17 @@ def dots_fast(a_E, b_NE):
 # one vmapped program over the padded batch instead of a Python loop over examples
 # (hpnlp.train.per_example). The loop's calls are jitted too (one compile per length,
 # done in warmup), so the difference is B dispatches of small programs against one.
-def _per_example_inputs(quick: bool):
+def _per_example_inputs(quick: bool, *, long: bool = False):
+    """Many short examples (the DP-SGD regime: per-call overhead dominates the loop), or
+    with `long`, fewer long ones, where the padded batch's wasted work (lengths are drawn
+    from L/4..L) can outweigh the loop's overhead."""
     from hpnlp import models
     from hpnlp.config import default_configdict, from_configdict, validate
 
-    B, L, E = (4, 16, 16) if quick else (32, 128, 128)
+    if quick:
+        B, L, E = (2, 16, 16) if long else (4, 16, 16)
+    else:
+        B, L, E = (32, 128, 128) if long else (128, 32, 64)
     cd = default_configdict()
     cd.data.update(task="byte_lm", seq_len=L)
     cd.model.update(kind="lm", width=E, depth=2, num_heads=4, mlp_dim=4 * E, max_len=L, dropout=0.0)
@@ -189,9 +195,12 @@ TRICKS = (
           _bags_inputs, bags_slow, bags_fast, jittable=False),
     Trick("dots", "a @ B^T instead of elementwise multiply then sum",
           _dots_inputs, dots_slow, dots_fast),
-    Trick("per_example", "per-example gradient norms: one vmapped program instead of a loop "
-          "over ragged examples", _per_example_inputs, per_example_slow, per_example_fast,
+    Trick("per_example", "per-example gradient norms, 128 examples of 8..32 tokens: one vmapped "
+          "program instead of a loop", _per_example_inputs, per_example_slow, per_example_fast,
           jittable=False),
+    Trick("per_example_long", "the same, 32 examples of 32..128 tokens: padding waste against "
+          "loop overhead", functools.partial(_per_example_inputs, long=True), per_example_slow,
+          per_example_fast, jittable=False),
 )
 
 
