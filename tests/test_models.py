@@ -51,7 +51,8 @@ BATCHES = {"lm": lm_batch, "classifier": cls_batch, "dual_encoder": match_batch}
 
 def init(cfg, batch):
     model = models.build(cfg, deterministic=True)
-    return model, nn.unbox(model.init(jax.random.key(0), batch)["params"])
+    # jitted: an eager init runs the model op by op, compiling every primitive separately
+    return model, jax.jit(lambda key: nn.unbox(model.init(key, batch)["params"]))(jax.random.key(0))
 
 
 @pytest.mark.parametrize("kind", sorted(BATCHES))
@@ -60,12 +61,12 @@ def test_sums_shapes_and_finite(kind, attention):
     cfg = make_cfg(kind, attention)
     batch = BATCHES[kind]()
     model, params = init(cfg, batch)
-    sums = model.apply({"params": params}, batch)
+    sums, grads = jax.jit(lambda p: (model.apply({"params": p}, batch),
+                                     jax.grad(lambda p: model.apply({"params": p}, batch)["loss"])(p)))(params)
     chex.assert_tree_all_finite(sums)
     chex.assert_shape(list(sums.values()), ())
     expected_weight = batch["segment_ids"].sum() if kind == "lm" else B
     assert float(sums["weight"]) == expected_weight
-    grads = jax.grad(lambda p: model.apply({"params": p}, batch)["loss"])(params)
     chex.assert_trees_all_equal_shapes(grads, params)
     chex.assert_tree_all_finite(grads)
 
@@ -83,9 +84,9 @@ def test_lm_causality_by_gradient(attention):
     trunk = Trunk(cfg.model, cfg.attention, causal=True)
     x = jax.random.normal(jax.random.key(0), (B, L, cfg.model.width))
     seg = jnp.ones((B, L), jnp.int32)
-    params = trunk.init(jax.random.key(1), _Identity(), x, seg, positions_of(seg))
+    params = jax.jit(lambda k: trunk.init(k, _Identity(), x, seg, positions_of(seg)))(jax.random.key(1))
     t = 6
-    g = jax.grad(lambda x: jnp.sum(trunk.apply(params, _Identity(), x, seg, positions_of(seg))[:, t]))(x)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(trunk.apply(params, _Identity(), x, seg, positions_of(seg))[:, t])))(x)
     assert float(jnp.abs(g[:, t + 1:]).max()) == 0.0
     assert float(jnp.abs(g[:, : t + 1]).max()) > 0.0
 
@@ -115,13 +116,15 @@ def test_decode_matches_forward_and_greedy_generation(tie):
     cfg = dataclasses.replace(cfg, output=OutputConfig("full", tie_embeddings=tie))
     batch = lm_batch(lengths=(L, L))
     model, params = init(cfg, batch)
-    full = model.apply({"params": params}, batch, method="log_probs")
+    log_probs = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))
+    full = log_probs(params, batch)
     dec = models.build(cfg, deterministic=True, decode=True)
     cache = dec.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
+    step = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok, method="decode_step",
+                                              mutable=["cache"]))
     steps = []
     for t in range(L):
-        lp, upd = dec.apply({"params": params, "cache": cache}, batch["inputs"][:, t:t + 1],
-                            method="decode_step", mutable=["cache"])
+        lp, upd = step(params, cache, batch["inputs"][:, t:t + 1])
         cache = upd["cache"]
         steps.append(lp)
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
@@ -134,7 +137,7 @@ def test_decode_matches_forward_and_greedy_generation(tie):
         b = lm_batch(lengths=(L, L))
         b["inputs"] = np.zeros((B, L), np.int32)
         b["inputs"][:, :t] = np.asarray(out[:, :t])
-        lp = model.apply({"params": params}, b, method="log_probs")
+        lp = log_probs(params, b)
         np.testing.assert_array_equal(out[:, t], jnp.argmax(lp[:, t - 1], -1))
 
 
@@ -163,8 +166,8 @@ def test_remat_gives_same_gradients(policy):
     batch = lm_batch()
     model, params = init(make_cfg("lm"), batch)
     remat_model = models.build(make_cfg("lm", remat=policy), deterministic=True)
-    g = jax.grad(lambda p: model.apply({"params": p}, batch)["loss"])(params)
-    g2 = jax.grad(lambda p: remat_model.apply({"params": p}, batch)["loss"])(params)
+    g = jax.jit(jax.grad(lambda p: model.apply({"params": p}, batch)["loss"]))(params)
+    g2 = jax.jit(jax.grad(lambda p: remat_model.apply({"params": p}, batch)["loss"]))(params)
     chex.assert_trees_all_close(g, g2, atol=1e-5)
 
 

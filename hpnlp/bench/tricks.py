@@ -204,12 +204,14 @@ TRICKS = (
 )
 
 
-def run(out_dir: str, *, quick: bool) -> dict:
+def run(out_dir: str, *, quick: bool, names: tuple[str, ...] | None = None) -> dict:
+    """Time every trick (or those in `names`) slow against fast; write the report."""
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
     results = []
     timing = dict(repeats=3, min_time_s=0.01) if quick else dict(repeats=5, min_time_s=0.2)
-    for trick in tqdm(TRICKS, desc="tricks bench", dynamic_ncols=True):
+    chosen = [t for t in TRICKS if names is None or t.name in names]
+    for trick in tqdm(chosen, desc="tricks bench", dynamic_ncols=True):
         args = trick.inputs(quick)
         row = {"trick": trick.name, "what": trick.what}
         for kind in ("slow", "fast"):
