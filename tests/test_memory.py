@@ -21,11 +21,11 @@ from hpnlp import models
 from hpnlp.config import (REMAT_NAMES, AttentionConfig, ModelConfig, default_configdict,
                           from_configdict)
 from hpnlp.models.reversible import ReversibleStack
-from hpnlp.models.transformer import positions_of
 from hpnlp.train import Trainer
 from hpnlp.train.loop import _global
+from test_models import B, L, V, lm_batch
 
-B, L, V, E = 2, 16, 40, 16
+E = 16
 
 
 def make_cfg(**model_kw):
@@ -34,14 +34,6 @@ def make_cfg(**model_kw):
                  dropout=0.1)
     model.update(model_kw)
     return dataclasses.replace(cfg, model=ModelConfig(**model))
-
-
-def lm_batch(lengths=(L, 11), seed=0):
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, V, (B, L)).astype(np.int32)
-    seg = (np.arange(L)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
-    return {"inputs": toks, "targets": np.roll(toks, -1, 1), "segment_ids": seg,
-            "positions": np.asarray(positions_of(seg))}
 
 
 RNGS = {"dropout": jax.random.key(1), "features": jax.random.key(2)}

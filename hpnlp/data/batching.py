@@ -73,6 +73,16 @@ def first_fit(sizes: list[int], capacity: int) -> np.ndarray:
     return out
 
 
+def check_fingerprint(saved: dict, want: dict) -> None:
+    """Refuse an iterator state saved under different data settings (it would resume at
+    the wrong place in a different stream)."""
+    diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    if diff:
+        raise ValueError("data iterator state was saved with different settings "
+                         f"(saved, now): {diff}; resume with the same data config and batch "
+                         "size, or start the data stream afresh")
+
+
 class BatchIterator:
     """Batches of a Task split: dicts of numpy arrays, same keys and B every step.
 
@@ -294,12 +304,7 @@ class BatchIterator:
         return {"epoch": self._epoch, "row": self._row, **self._fingerprint()}
 
     def set_state(self, state: dict) -> None:
-        want = self._fingerprint()
-        diff = {k: (state.get(k), v) for k, v in want.items() if state.get(k) != v}
-        if diff:
-            raise ValueError("data iterator state was saved with different settings "
-                             f"(saved, now): {diff}; resume with the same data config and batch "
-                             "size, or start the data stream afresh")
+        check_fingerprint(state, self._fingerprint())
         self._epoch, self._row = int(state["epoch"]), int(state["row"])
 
     def stats(self) -> dict:

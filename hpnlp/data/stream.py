@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from hpnlp.data.batching import check_fingerprint
 from hpnlp.data.task import Task, ranges
 
 
@@ -116,12 +117,7 @@ class StreamIterator:
         return {"epoch": self._epoch, "batch": self._batch, **self._fingerprint()}
 
     def set_state(self, state: dict) -> None:
-        want = self._fingerprint()
-        diff = {k: (state.get(k), v) for k, v in want.items() if state.get(k) != v}
-        if diff:
-            raise ValueError("data iterator state was saved with different settings "
-                             f"(saved, now): {diff}; resume with the same data config and batch "
-                             "size, or start the data stream afresh")
+        check_fingerprint(state, self._fingerprint())
         self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
 
     def stats(self) -> dict:
