@@ -34,6 +34,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from hpnlp import linalg
 from hpnlp.attention.base import Attention, check_inputs, register
 from hpnlp.config import ConfigError
 
@@ -54,9 +55,9 @@ def orthogonal_random_features(key, num_features: int, dim: int):
     g = jax.random.normal(key, (n_blocks * dim * dim + num_features * dim,), jnp.float32)
     g_NDD = g[: n_blocks * dim * dim].reshape(n_blocks, dim, dim)
     norms_M = jnp.linalg.norm(g[n_blocks * dim * dim:].reshape(num_features, dim), axis=-1)
-    q_NDD, r_NDD = jnp.linalg.qr(g_NDD)
-    # Fixing the signs by diag(R) makes Q Haar-distributed rather than QR-convention-biased.
-    q_NDD = q_NDD * jnp.sign(jnp.diagonal(r_NDD, axis1=-2, axis2=-1))[:, None, :]
+    # Q of QR with diag(R) > 0 (Haar-distributed), by Gram-Schmidt: a LAPACK QR inside the
+    # training step's feature redraw can deadlock XLA's CPU thread pool (hpnlp/linalg.py).
+    q_NDD = jax.vmap(linalg.orthonormal_columns)(g_NDD)
     rows_MD = q_NDD.transpose(0, 2, 1).reshape(n_blocks * dim, dim)[:num_features]
     return rows_MD * norms_M[:, None]
 

@@ -35,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hpnlp import linalg
 from hpnlp.config import ConfigError
 from hpnlp.rnn import cells
 from hpnlp.rnn.dropout import (Dropout, RecurrentDropout, VariationalDropout, WeightDrop,
@@ -48,7 +49,9 @@ def _orthogonal_per_gate(key, shape, dtype=jnp.float32):
     """[D, H, K, H] with every [H, H] gate block orthogonal (as flax's cells do per gate)."""
     D, H, K, _ = shape
     keys = jax.random.split(key, D * K)
-    blocks = jax.vmap(lambda k: nn.initializers.orthogonal()(k, (H, H), dtype))(keys)
+    # hpnlp.linalg, not nn.initializers.orthogonal: a vmapped LAPACK QR can deadlock XLA's
+    # CPU thread pool (see hpnlp/linalg.py).
+    blocks = jax.vmap(lambda k: linalg.orthogonal(k, (H, H), dtype))(keys)
     return blocks.reshape(D, K, H, H).transpose(0, 2, 1, 3)
 
 
