@@ -27,6 +27,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Slow tests first (stable otherwise): with `-n auto` the workers then finish together
+    # instead of one waiting on a long test that happened to start last.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if jax.default_backend() == "cpu":
         skip = pytest.mark.skip(reason="needs an accelerator")
         for item in items:

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CODE = r"""
@@ -40,6 +42,7 @@ print("RING OK")
 """
 
 
+@pytest.mark.slow
 def test_ring_attention_matches_dense_on_8_devices():
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env, capture_output=True,

@@ -5,6 +5,7 @@ import json
 import os
 
 import jax.numpy as jnp
+import pytest
 
 from hpnlp.bench import attention as bench_attention
 from hpnlp.bench import harness
@@ -53,6 +54,7 @@ def test_isolated_run_reports_peak_rss_of_a_fresh_process():
     assert bad["status"].startswith("failed:")
 
 
+@pytest.mark.slow
 def test_train_bench_reports_mfu_and_relative_speed(tmp_path, monkeypatch):
     from hpnlp.bench import train as bench_train
     monkeypatch.setattr(bench_train, "LM_SIZES_QUICK", [("lm-tiny", 32, 1, 2, 64)])
@@ -88,3 +90,22 @@ def test_time_jax_max_time_caps_repeats_of_slow_calls():
     slow = lambda x: jax.pure_callback(lambda v: (_time.sleep(0.05), v)[1], x, x)  # noqa: E731
     t = harness.time_jax(slow, jnp.ones(3), repeats=20, max_time_s=0.1)
     assert 1 <= t.repeats <= 3
+
+
+@pytest.mark.slow
+def test_lra_bench_reports_accuracy_beside_baseline_and_relative_speed(tmp_path, monkeypatch):
+    from hpnlp.bench import lra
+    tiny = dict(lra.settings(True), seq_len={"listops": 32, "text": 32, "retrieval": 32}, width=16,
+                heads=2, mlp=32, batch=4, steps=3, eval_batches=2, listops_num_train=64,
+                listops_num_eval=16)
+    monkeypatch.setattr(lra, "settings", lambda quick: dict(tiny))
+    out = str(tmp_path / "lra")
+    payload = lra.run(out, quick=True, variants=["local"], tasks=["listops"], isolate=False)
+    assert [r["variant"] for r in payload["results"]] == ["dense", "local"]  # dense first, the base
+    assert all(r["status"] == "ok" and r["steps"] == 3 for r in payload["results"])
+    summ = payload["summary"]
+    assert summ["dense"]["listops"]["relative_speed"] == 1.0
+    assert 0.0 <= summ["local"]["listops"]["accuracy"] <= 1.0
+    md = open(os.path.join(out, "results.md")).read()
+    assert "`local`" in md and "majority class" in md and "listops acc." in md
+    assert os.path.getsize(os.path.join(out, "lra_accuracy_speed.png")) > 0

@@ -15,6 +15,7 @@ def test_there_are_notebooks():
     assert any(p.endswith("quickstart.ipynb") for p in NOTEBOOKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("HPNLP_NOTEBOOK_STEPS", "20")

@@ -87,6 +87,7 @@ def ensemble(tmp_path_factory):
     return workdir, trainer, trainer.run()
 
 
+@pytest.mark.slow
 def test_members_equal_plain_runs(plain, ensemble):
     """Member 1 of the vmapped ensemble is the plain run with seed cfg.seed + 1: params,
     optimizer state, RNG and every evaluation (dropout is on)."""

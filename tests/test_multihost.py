@@ -104,6 +104,7 @@ def keep_first_checkpoint(src, dst):
     shutil.rmtree(os.path.join(dst, "checkpoints", str(STEPS)))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path, launch):
     """The reference is 1 process with 2 simulated devices, so the 2-process runs (1 device
     each) compile the same partitioned program; the only difference is that the cross-device

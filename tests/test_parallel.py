@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {  # name: (mesh axis sizes, attention)
@@ -77,6 +79,7 @@ def _run(out_dir, modes, devices):
     assert proc.returncode == 0 and "PARALLEL OK" in proc.stdout, proc.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_every_mode_matches_one_device_and_follows_the_rules(tmp_path):
     import numpy as np
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from hpnlp import models
 from hpnlp.config import default_configdict, from_configdict, validate
@@ -41,6 +42,7 @@ def _loop_reference(model, params, batch, lengths):
     return [fn(params, _unpadded(batch, b, n)) for b, n in enumerate(lengths)]
 
 
+@pytest.mark.slow
 def test_vmapped_losses_and_grad_norms_equal_a_loop_over_unpadded_examples():
     model, params, batch, lengths = _model_and_batch()
     losses = jax.jit(lambda p, b: per_example_losses(model, p, b))(params, batch)

@@ -196,6 +196,7 @@ print("PIPELINE OK")
 MESHES = {"pipe4_data2_m8": {"pipeline": 4, "data": 2, "pipeline_microbatches": 8}}
 
 
+@pytest.mark.slow
 def test_pipeline_training_matches_one_device(tmp_path):
     """GPipe over 8 simulated devices (P=4 stages x 2 data shards, M=8) == the 1-device
     stacked run: losses and parameters after 5 AdamW steps; stacked params and Adam moments

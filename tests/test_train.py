@@ -59,6 +59,7 @@ def test_tiny_run_learns_and_writes_everything(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "40"]  # keep_checkpoints=2
 
 
+@pytest.mark.slow
 def test_rerun_resumes_and_continues_exactly(tmp_path):
     # A constant schedule: the lr then does not depend on train.steps, which differs here.
     whole = run(tiny(steps=30, schedule="constant"), str(tmp_path / "whole"))
@@ -82,6 +83,7 @@ def _cli(workdir, steps, *extra):
             "--config.train.batch_size=8", "--config.train.log_every=1", *extra]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     steps = 120
     ref = subprocess.run(_cli(tmp_path / "ref", steps), cwd=ROOT, capture_output=True, text=True,

@@ -24,8 +24,10 @@ def test_bags_mean_uses_real_lengths_not_padding():
     np.testing.assert_allclose(mean[b], np.asarray(table)[bags[b]].mean(0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tricks_bench_writes_table(tmp_path):
-    payload = tricks.run(str(tmp_path), quick=True)
-    assert {r["trick"] for r in payload["results"]} == {t.name for t in tricks.TRICKS}
+    names = ("hoist", "transfer", "dots")  # jittable and not; every trick's agreement is tested above
+    payload = tricks.run(str(tmp_path), quick=True, names=names)
+    assert [r["trick"] for r in payload["results"]] == list(names)
     assert all(r["eager_slow"]["median_s"] > 0 for r in payload["results"])
     assert "eager speedup" in (tmp_path / "results.md").read_text()

@@ -11,9 +11,9 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, memory, rnn, softmax, train, tricks
+from hpnlp.bench import attention, lra, memory, rnn, softmax, train, tricks
 
-ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "rnn": rnn,
+ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory}
 
 

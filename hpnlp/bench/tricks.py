@@ -157,7 +157,8 @@ def _per_example_inputs(quick: bool, *, long: bool = False):
     seg = (np.arange(L)[None] < lengths[:, None]).astype(np.int32)
     batch = {"inputs": tokens[:, :-1] * seg, "targets": tokens[:, 1:] * seg, "segment_ids": seg,
              "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()}
-    params = model.init(jax.random.key(0), jax.tree.map(lambda x: x[:1], batch))["params"]
+    # jitted: an eager init compiles every primitive on its own
+    params = jax.jit(model.init)(jax.random.key(0), jax.tree.map(lambda x: x[:1], batch))["params"]
     return model, params, batch, lengths
 
 
