@@ -1,7 +1,8 @@
 """Test settings: CPU only, strict rank promotion (catches silent broadcasting bugs), and
 cheap compiles.
 
-Tests use tiny shapes, so XLA's compile time, not run time, is most of the suite; LLVM's
+Tests use tiny shapes, so XLA's compile time, not run time, is most of the suite:
+compiled programs are shared through one persistent cache per run (below), and LLVM's
 expensive optimization passes are turned off (half the time of a typical file). That
 changes how fast the compiled code runs, not what it computes. Subprocesses inherit the
 flags (tests append their own, e.g. the simulated device count). Set HPNLP_TEST_FULL_OPT=1
@@ -9,8 +10,17 @@ to test with the default optimization.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run (xdist workers, and the subprocesses
+# and notebook kernels they start): the many tiny training runs with the same config
+# (resume, kill-and-resume, multi-host, notebooks) compile each program once. Programs
+# that compile in under 0.2 s are not worth a file.
+_run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"hpnlp-test-jax-cache-{_run_id}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 if not os.environ.get("HPNLP_TEST_FULL_OPT"):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                                " --xla_llvm_disable_expensive_passes=true").strip()
