@@ -20,7 +20,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from hpnlp import attention as attention_lib
@@ -50,9 +49,7 @@ def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
             mask = nn.make_causal_mask(jnp.ones((B, L)))
             return lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask)
         return lambda q, k, v: nn.dot_product_attention(q, k, v)
-    # Variants with a learned length table must be sized for L.
-    opts = {"max_len": L} if "max_len" in attention_lib.get(impl).__dataclass_fields__ else {}
-    module = attention_lib.get(impl)(**opts)
+    module = attention_lib.get(impl)(**harness.length_options(impl, L))
     key = jax.random.key(0)
     params = module.init({"params": key, "features": key}, *_inputs(L, B=B, H=H, D=D), None,
                          causal=causal, deterministic=True)

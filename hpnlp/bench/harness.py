@@ -168,6 +168,13 @@ def isolated(module: str, spec: dict, *, timeout_s: float = 600) -> dict:
     return json.loads(lines[-1])
 
 
+def length_options(attention: str, L: int) -> dict:
+    """Constructor options that size a variant for length L: those with a learned
+    [max_len, *] table (linformer, synthesizer) get max_len=L; the rest need nothing."""
+    from hpnlp import attention as attention_lib
+    return {"max_len": L} if "max_len" in attention_lib.get(attention).__dataclass_fields__ else {}
+
+
 @functools.lru_cache(maxsize=None)
 def experiment_module(filename: str):
     """The experiment config file `experiments/<filename>` as a module (loaded once)."""

@@ -53,9 +53,7 @@ def _config(task: str, variant: str, s: dict):
     cfg.data.listops_num_eval = s["listops_num_eval"]
     cfg.model.update(width=s["width"], depth=s["depth"], num_heads=s["heads"], mlp_dim=s["mlp"])
     cfg.attention.name = variant
-    # Variants with a learned [max_len, *] table are sized for this length.
-    fields = attention_lib.get(variant).__dataclass_fields__
-    cfg.attention.options = {"max_len": L} if "max_len" in fields else {}
+    cfg.attention.options = harness.length_options(variant, L)
     steps = s["steps"]
     cfg.train.update(steps=steps, batch_size=s["batch"], warmup_steps=max(steps // 10, 1),
                      eval_every=steps, eval_batches=s["eval_batches"], checkpoint_every=0,

@@ -45,9 +45,7 @@ def _config(kind: str, width: int, depth: int, heads: int, mlp: int, L: int, voc
         cfg,
         model=ModelConfig(kind=kind, width=width, depth=depth, num_heads=heads, mlp_dim=mlp,
                           dropout=0.0, max_len=L, vocab_size=vocab, num_classes=10),
-        # Variants with a learned [max_len, *] table (linformer, synthesizer) are sized for L.
-        attention=AttentionConfig(attention, {"max_len": L} if "max_len" in
-                                  attention_lib.get(attention).__dataclass_fields__ else {}),
+        attention=AttentionConfig(attention, harness.length_options(attention, L)),
         train=TrainConfig(steps=1000, warmup_steps=10, batch_size=1))
 
 
