@@ -61,8 +61,10 @@ def test_sums_shapes_and_finite(kind, attention):
     cfg = make_cfg(kind, attention)
     batch = BATCHES[kind]()
     model, params = init(cfg, batch)
-    sums, grads = jax.jit(lambda p: (model.apply({"params": p}, batch),
-                                     jax.grad(lambda p: model.apply({"params": p}, batch)["loss"])(p)))(params)
+    def loss_and_sums(p):
+        sums = model.apply({"params": p}, batch)
+        return sums["loss"], sums
+    (_, sums), grads = jax.jit(jax.value_and_grad(loss_and_sums, has_aux=True))(params)
     chex.assert_tree_all_finite(sums)
     chex.assert_shape(list(sums.values()), ())
     expected_weight = batch["segment_ids"].sum() if kind == "lm" else B

@@ -114,14 +114,15 @@ def _ok(results, task=None, variant=None):
 
 def _summarize(payload: dict) -> dict:
     res = payload["results"]
+    dense = {r["task"]: r for r in _ok(res, variant="dense")}  # what each task divides by
     out = {}
     for r in _ok(res):
-        base = _ok(res, r["task"], "dense")
+        base = dense.get(r["task"])
         row = {"accuracy": r["accuracy"]}
         if base:
-            row["relative_speed"] = r["steps_per_sec"] / base[0]["steps_per_sec"]
-            if r["peak_rss_bytes"] and base[0]["peak_rss_bytes"]:
-                row["relative_memory"] = r["peak_rss_bytes"] / base[0]["peak_rss_bytes"]
+            row["relative_speed"] = r["steps_per_sec"] / base["steps_per_sec"]
+            if r["peak_rss_bytes"] and base["peak_rss_bytes"]:
+                row["relative_memory"] = r["peak_rss_bytes"] / base["peak_rss_bytes"]
         out.setdefault(r["variant"], {})[r["task"]] = row
     for v, per_task in out.items():
         if all(t in per_task for t in payload["tasks"]):
