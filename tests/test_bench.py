@@ -14,6 +14,8 @@ from hpnlp.bench import harness
 def test_time_jax_returns_ordered_stats():
     t = harness.time_jax(lambda x: x @ x, jnp.ones((64, 64)), repeats=3)
     assert t.repeats >= 3 and 0 < t.min_s <= t.median_s <= t.max_s and t.compile_s > 0
+    # The memory of the same executable, from the one compile; not part of the timing dict.
+    assert t.memory["argument_size_in_bytes"] == 64 * 64 * 4 and "memory" not in t.as_dict()
 
 
 def test_compiled_memory_counts_temporaries():

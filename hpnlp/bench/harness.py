@@ -34,9 +34,12 @@ class Timing:
     max_s: float
     repeats: int
     compile_s: float
+    # The timed executable's `memory_analysis()` (see `compiled_memory`); None for Python
+    # callables. Kept out of `as_dict`: it is reported on its own.
+    memory: dict | None = dataclasses.field(default=None, compare=False)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "memory"}
 
 
 def _block(x):
@@ -49,11 +52,13 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
 
     `min_time_s` raises the repeat count for very fast functions so the median is not
     noise, up to 50 repeats; `max_time_s` lowers it (to at least 1) for calls so slow that
-    `repeats` of them would take longer, judged by the warm-up call.
+    `repeats` of them would take longer, judged by the warm-up call. The result's `memory`
+    is the timed executable's memory (as `compiled_memory` reports it), from the same compile.
     """
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
+    memory = _memory_dict(compiled)
     for _ in range(warmup):
         t = time.perf_counter()
         _block(compiled(*args))
@@ -64,7 +69,7 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
         t = time.perf_counter()
         _block(compiled(*args))
         times.append(time.perf_counter() - t)
-    return Timing(statistics.median(times), min(times), max(times), len(times), compile_s)
+    return Timing(statistics.median(times), min(times), max(times), len(times), compile_s, memory)
 
 
 def time_python(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0) -> Timing:
@@ -84,7 +89,11 @@ def time_python(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, min
 
 def compiled_memory(fn: Callable, *args) -> dict:
     """Bytes the compiled executable needs: arguments, outputs and temporaries."""
-    ma = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return _memory_dict(jax.jit(fn).lower(*args).compile())
+
+
+def _memory_dict(compiled) -> dict:
+    ma = compiled.memory_analysis()
     if ma is None:
         return {}
     out = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
