@@ -2,7 +2,10 @@
 
 Rows, all at one shape in one run: `hpnlp.rnn.RNNLayer` LSTM (input projection in chunks
 of 8 steps, the default; and in one product for all steps), its autodiff twin, and
-`flax.linen.RNN(OptimizedLSTMCell)`; `RNNLayer` GRU against `flax.linen.RNN(GRUCell)`.
+`flax.linen.RNN(OptimizedLSTMCell)`; `RNNLayer` GRU against `flax.linen.RNN(GRUCell)`; and
+the bound, "LSTM matrix products only": the products every LSTM layer of this shape must
+do, with no gate arithmetic, so its speedup over flax is the most any implementation
+built from XLA's products can reach on this machine.
 Forward and forward+backward (gradient of the output sum with respect to parameters and
 inputs) wall time (median, min, max), CPU time (process time, which other processes on a
 shared machine inflate far less than wall time), achieved GFLOP/s and its fraction of
@@ -40,6 +43,8 @@ IMPLS = {
     "flax OptimizedLSTMCell": ("lstm", None, lambda H: nn.RNN(nn.OptimizedLSTMCell(H))),
     "hpnlp GRU": ("gru", "flax GRUCell", lambda H: rnn.RNNLayer(kind="gru", hidden=H)),
     "flax GRUCell": ("gru", None, lambda H: nn.RNN(nn.GRUCell(H))),
+    # Not a layer: the bound. See `_products_only`.
+    "LSTM matrix products only": ("lstm", "flax OptimizedLSTMCell", None),
 }
 SIZES = {"full": dict(B=32, L=256, E=512, H=512), "quick": dict(B=8, L=32, E=64, H=64)}
 
@@ -48,22 +53,62 @@ def _flops(kind: str, *, B, L, E, H) -> float:
     return 2.0 * B * L * (E + H) * cells.NUM_GATES[kind] * H
 
 
+def _products_only(H: int, x):
+    """The matrix products an LSTM layer cannot avoid, done as `RNNLayer` does them, and
+    nothing else. Forward: per block of 8 steps one input product ([8*B, E] x [E, 4H]),
+    then 8 dependent recurrent products ([B, H] x [H, 4H]; each step's h is a slice of the
+    last product: no gate arithmetic). Backward: L dependent [B, 4H] x [4H, H] products
+    and the three whole-sequence ones (dW_h, dW_x, dx). Its time is about the floor for
+    an LSTM at this shape built from XLA's products on this machine, so its speedup over
+    flax bounds what any such implementation can reach."""
+    B, L, E = x.shape
+    G, T = 4 * H, 8
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w_x": jax.random.normal(k1, (E, G)) * E ** -0.5,
+              "w_h": jax.random.normal(k2, (H, G)) * H ** -0.5}
+
+    def fwd(p, x):
+        def block(h, x_TBE):
+            xw = x_TBE.reshape(T * B, E) @ p["w_x"]
+            h, hs = jax.lax.scan(lambda h, _: ((h @ p["w_h"])[:, :H],) * 2, h + xw[:B, :H],
+                                 None, length=T)
+            return h, (hs, xw)
+        x_NTBE = jnp.swapaxes(x, 0, 1).reshape(L // T, T, B, E)
+        _, (hs, xw) = jax.lax.scan(block, jnp.zeros((B, H)), x_NTBE)
+        return hs, xw.reshape(L * B, G)
+
+    def fwd_bwd(p, x):
+        hs, dz = fwd(p, x)  # dz: any [L*B, G] array serves as the gate gradients
+        w_ht = p["w_h"].T
+        dhs = jax.lax.scan(lambda d, _: ((jnp.tile(d @ w_ht, (1, 4)),) * 2), dz[:B], None,
+                           length=L)[1]
+        hs = hs.reshape(L * B, H)
+        return dhs, hs.T @ dz, x.reshape(B * L, E).T @ dz, dz @ p["w_x"].T
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}, params
+
+
 def _fn(name: str, H: int, x):
+    """({"fwd": f, "fwd_bwd": f}, params) with f(params, x)."""
+    if IMPLS[name][2] is None:
+        return _products_only(H, x)
     module = IMPLS[name][2](H)
     params = module.init(jax.random.key(0), x)
     if isinstance(module, rnn.RNNLayer):
-        return (lambda p, x: module.apply(p, x)[0]), params
-    return (lambda p, x: module.apply(p, x)), params
+        fwd = lambda p, x: module.apply(p, x)[0]  # noqa: E731
+    else:
+        fwd = lambda p, x: module.apply(p, x)  # noqa: E731
+    return {"fwd": fwd, "fwd_bwd": jax.grad(lambda p, x: jnp.sum(fwd(p, x)), (0, 1))}, params
 
 
 def measure(name: str, *, B, L, E, H, repeats: int) -> list[dict]:
     """Forward and forward+backward rows of one implementation (one init, one compile each)."""
     kind = IMPLS[name][0]
     x = jax.random.normal(jax.random.key(1), (B, L, E), jnp.float32)
-    fwd, params = _fn(name, H, x)
+    fns, params = _fn(name, H, x)
     rows = []
     for mode in ("fwd", "fwd_bwd"):
-        fn = fwd if mode == "fwd" else jax.grad(lambda p, x: jnp.sum(fwd(p, x)), (0, 1))
+        fn = fns[mode]
         # Compiled once here (timed separately) and timed by the harness: warm-up, blocking,
         # repeats. Then the process time of one call: what it costs in CPU, however busy
         # the machine is.

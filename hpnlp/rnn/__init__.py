@@ -10,7 +10,7 @@ and `python -m hpnlp.bench rnn` for the comparison with `flax.linen.RNN`.
 """
 
 from hpnlp.rnn.cells import (StepInputs, flip_within_length, gru_step, lstm_step,  # noqa: F401
-                             recurrence, recurrence_reference)
+                             run_layer)
 from hpnlp.rnn.dropout import (Dropout, RecurrentDropout, VariationalDropout,  # noqa: F401
                                WeightDrop, Zoneout, zoneout_mix)
 from hpnlp.rnn.layers import (COMBINES, KINDS, RNNLayer, StackedRNN, from_flax_gru,  # noqa: F401

@@ -9,11 +9,14 @@ The speed tricks, all by construction (the layer in `hpnlp.rnn.layers` feeds the
 2. The K gates come from one fused product per step, [B, H] x [H, K*H] (K = 4 for the
    LSTM, 3 for the GRU), laid out so that one `sigmoid` covers all sigmoid gates.
 3. Time-major inside the scan ([L, B, ...]) so each step reads one contiguous slice.
-4. A hand-written backward pass (`recurrence`, a `jax.custom_vjp`). Autodiff of a scan
-   accumulates the recurrent weight gradient step by step, an [H, B] x [B, K*H] product
-   and a [H, K*H] add per step; here the backward scan only emits each step's gate
-   gradient dz_BG and the weight gradient is one product over all steps at once,
-   dW = h_prev^T dz ([H, L*B] x [L*B, K*H]), the same trick as step 1 run backwards.
+4. A hand-written backward pass (`run_layer` -> `_fast_layer`, a `jax.custom_vjp`).
+   Autodiff of a scan accumulates the recurrent weight gradient step by step, an
+   [H, B] x [B, K*H] product and a [H, K*H] add per step, and of the chunked projection
+   one input-weight gradient per chunk. Here ONE reverse scan over all L steps only
+   emits each step's gate gradient dz_BG (one [B, K*H] x [K*H, H] product per step), and
+   every weight and input gradient is one product over all L*B rows afterwards:
+   dW_h = h_prev^T dz, dW_x = x^T dxw, dx = dxw W_x^T (the same trick as step 1 run
+   backwards). For the LSTM without layer norm dxw = dz (pre = xw + z), stored once.
    The pointwise part of a step is recomputed in the backward scan (cheap elementwise
    work) instead of storing every gate.
 
@@ -127,50 +130,59 @@ def _hin(h_BH, state_mask_BH):
     return h_BH if state_mask_BH is None else h_BH * state_mask_BH
 
 
-def recurrence_reference(step: Callable, pw, w_HG, xw_LBG, carry0, ex_L: StepInputs,
-                         state_mask_BH=None, *, unroll: int = 1):
-    """The slow twin: the same scan differentiated by JAX's autodiff.
-
-    Returns (final carry, outputs h_LBH). `state_mask_BH` (variational dropout of the
-    state entering the recurrent product, Gal & Ghahramani 2016) is shared by all steps.
-    """
-    def body(carry, xs):
-        xw_BG, ex = xs
-        z_BG = _matmul(_hin(carry[-1], state_mask_BH), w_HG)
-        return step(pw, xw_BG, z_BG, carry, ex)
-
-    return jax.lax.scan(body, carry0, (xw_LBG, ex_L), unroll=unroll)
+def _split(a, n: int, T: int):
+    """[n*T, ...] -> [n, T, ...] (None stays None)."""
+    return None if a is None else a.reshape((n, T) + a.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7))
-def recurrence(step: Callable, pw, w_HG, xw_LBG, carry0, ex_L: StepInputs,
-               state_mask_BH=None, unroll: int = 1):
-    """The fast path: `recurrence_reference` with the hoisted backward pass (see top).
+def _scan_chunks(step: Callable, project: Callable, pp, pw, w_HG, x_LBE, carry0,
+                 ex_L: StepInputs, state_mask_BH, T: int, unroll: int, save: bool):
+    """The forward pass: an outer scan over the L / T chunks projects each chunk's T steps
+    with ONE product, then an inner scan runs their recurrence (one fused [B, H] x [H, G]
+    product per step). Returns (final carry, outputs h_LBH); with `save`, also what the
+    hand-written backward pass needs: the carry entering every step, its recurrent
+    product z_LBG and the projection xw_LBG."""
+    L = x_LBE.shape[0]
+    n = L // T
 
-    Same arguments and results; gradients flow to `pw`, `w_HG`, `xw_LBG` and `carry0`
-    (the masks in `ex_L` and `state_mask_BH` are constants).
-    """
-    return recurrence_reference(step, pw, w_HG, xw_LBG, carry0, ex_L, state_mask_BH,
-                                unroll=unroll)
+    def chunk(carry, xs):
+        x_TBE, ex_T = xs
+        xw_TBG = project(pp, x_TBE)
+
+        def body(c, s):
+            xw_BG, ex = s
+            z_BG = _matmul(_hin(c[-1], state_mask_BH), w_HG)
+            new_c, out_BH = step(pw, xw_BG, z_BG, c, ex)
+            return new_c, ((out_BH, c, z_BG) if save else out_BH)
+
+        c, ys = jax.lax.scan(body, carry, (xw_TBG, ex_T), unroll=unroll)
+        return c, ((ys, xw_TBG) if save else ys)
+
+    final, ys = jax.lax.scan(chunk, carry0, (_split(x_LBE, n, T),
+                                             StepInputs(*(_split(a, n, T) for a in ex_L))))
+    return final, jax.tree_util.tree_map(lambda a: a.reshape((L,) + a.shape[2:]), ys)
 
 
-def _recurrence_fwd(step, pw, w_HG, xw_LBG, carry0, ex_L, state_mask_BH, unroll):
-    def body(carry, xs):
-        xw_BG, ex = xs
-        z_BG = _matmul(_hin(carry[-1], state_mask_BH), w_HG)
-        new_carry, out_BH = step(pw, xw_BG, z_BG, carry, ex)
-        # Residuals: the state entering the step and its recurrent product; the gates
-        # are recomputed from these in the backward scan.
-        return new_carry, (out_BH, carry, z_BG)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 9, 10, 11))
+def _fast_layer(step, project, pp, pw, w_HG, x_LBE, carry0, ex_L, state_mask_BH, T, unroll, tied):
+    """`_scan_chunks` with the hand-written backward pass (see the top of this module).
+    `tied`: the step's gradients for xw and z are equal (LSTM without layer norm:
+    pre = xw + z), so the backward scan emits one of them."""
+    return _scan_chunks(step, project, pp, pw, w_HG, x_LBE, carry0, ex_L, state_mask_BH, T,
+                        unroll, save=False)
 
-    final, (out_LBH, carry_prev_L, z_LBG) = jax.lax.scan(body, carry0, (xw_LBG, ex_L),
-                                                         unroll=unroll)
-    res = (pw, w_HG, xw_LBG, ex_L, state_mask_BH, carry_prev_L, z_LBG)
+
+def _fast_layer_fwd(step, project, pp, pw, w_HG, x_LBE, carry0, ex_L, state_mask_BH, T,
+                    unroll, tied):
+    final, ((out_LBH, carry_prev_L, z_LBG), xw_LBG) = _scan_chunks(
+        step, project, pp, pw, w_HG, x_LBE, carry0, ex_L, state_mask_BH, T, unroll, save=True)
+    # The gates are not stored: the backward scan recomputes them from xw, z and the carry.
+    res = (pp, pw, w_HG, x_LBE, ex_L, state_mask_BH, carry_prev_L, z_LBG, xw_LBG)
     return (final, out_LBH), res
 
 
-def _recurrence_bwd(step, unroll, res, cts):
-    pw, w_HG, xw_LBG, ex_L, state_mask_BH, carry_prev_L, z_LBG = res
+def _fast_layer_bwd(step, project, T, unroll, tied, res, cts):
+    pp, pw, w_HG, x_LBE, ex_L, state_mask_BH, carry_prev_L, z_LBG, xw_LBG = res
     d_final, d_out_LBH = cts
     w_GH = w_HG.T  # transposed once, not per step
 
@@ -179,29 +191,35 @@ def _recurrence_bwd(step, unroll, res, cts):
         xw_BG, z_BG, carry, ex, d_out_BH = xs
         _, vjp = jax.vjp(lambda p, xw, z, c: step(p, xw, z, c, ex), pw, xw_BG, z_BG, carry)
         dp, d_xw_BG, d_z_BG, d_prev = vjp((d_carry, d_out_BH))
-        d_hin_BH = _matmul(d_z_BG, w_GH)
+        d_hin_BH = _matmul(d_z_BG, w_GH)  # the only product left inside the loop
         if state_mask_BH is not None:
             d_hin_BH = d_hin_BH * state_mask_BH
         d_prev = d_prev[:-1] + (d_prev[-1] + d_hin_BH,)
         d_pw = jax.tree_util.tree_map(jnp.add, d_pw, dp)
-        return (d_prev, d_pw), (d_xw_BG, d_z_BG)
+        return (d_prev, d_pw), (d_xw_BG if tied else (d_xw_BG, d_z_BG))
 
     d_carry = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), d_final)
     zeros_pw = jax.tree_util.tree_map(jnp.zeros_like, pw)
-    (d_carry0, d_pw), (d_xw_LBG, d_z_LBG) = jax.lax.scan(
+    # One reverse scan over all L steps (the chunks are a forward-pass device only).
+    (d_carry0, d_pw), ys = jax.lax.scan(
         body, (d_carry, zeros_pw), (xw_LBG, z_LBG, carry_prev_L, ex_L, d_out_LBH),
         reverse=True, unroll=unroll)
-    # The hoisted weight gradient: one product over all L*B rows.
+    d_xw_LBG, d_z_LBG = (ys, ys) if tied else ys
+    # The hoisted weight gradients: one product over all L*B rows each.
     hin_LBH = carry_prev_L[-1]
     if state_mask_BH is not None:
         hin_LBH = hin_LBH * state_mask_BH[None]
     d_w_HG = jnp.einsum("lbh,lbg->hg", hin_LBH.astype(w_HG.dtype), d_z_LBG.astype(w_HG.dtype),
                         preferred_element_type=jnp.float32).astype(w_HG.dtype)
+    # The projection's own backward (dx = dxw W^T, dW = x^T dxw, db; its forward product is
+    # dead code here and dropped by XLA unless a layer norm needs it).
+    _, project_vjp = jax.vjp(project, pp, x_LBE)
+    d_pp, d_x_LBE = project_vjp(d_xw_LBG.astype(xw_LBG.dtype))
     d_carry0 = tuple(d.astype(c.dtype) for d, c in zip(d_carry0, carry_prev_L))
-    return (d_pw, d_w_HG, d_xw_LBG.astype(xw_LBG.dtype), d_carry0, None, None)
+    return (d_pp, d_pw, d_w_HG, d_x_LBE, d_carry0, None, None)
 
 
-recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+_fast_layer.defvjp(_fast_layer_fwd, _fast_layer_bwd)
 
 
 def flip_within_length(x, lengths_B=None, *, time_major: bool = False):
@@ -220,38 +238,38 @@ def flip_within_length(x, lengths_B=None, *, time_major: bool = False):
     return jnp.take_along_axis(x, idx, axis=t_ax)
 
 
-def run_layer(step: Callable, project: Callable, pw, w_HG, x_LBE, carry0, ex_L: StepInputs,
-              state_mask_BH=None, *, chunk: int | None = None, unroll: int = 1,
-              fast_backward: bool = True):
+def run_layer(step: Callable, project: Callable, pp, pw, w_HG, x_LBE, carry0,
+              ex_L: StepInputs, state_mask_BH=None, *, chunk: int | None = None,
+              unroll: int = 1, fast_backward: bool = True, tied: bool = False):
     """Input projection + recurrence over a time-major sequence x_LBE.
 
-    `project(x_TBE) -> xw_TBG` is the input projection (bias, and layer norm, included).
-    With `chunk=None` it runs once for all L steps, one [L*B, E] x [E, G] product. With
-    `chunk=T`, an outer scan projects T steps at a time ([T*B, E] x [E, G]) and runs their
-    recurrence before the next chunk, so the projected block is still in cache when the
-    steps read it (and the backward's weight-gradient products are [H, T*B] x [T*B, G]).
-    On CPU a product of a few hundred rows runs at a higher rate than one of L*B rows
-    whose output spills out of cache (`python -m hpnlp.bench rnn` measures both).
-    Returns (final carry, outputs h_LBH).
+    `project(pp, x_TBE) -> xw_TBG` is the input projection (bias, and layer norm,
+    included) with its parameters `pp`. With `chunk=None` it runs once for all L steps,
+    one [L*B, E] x [E, G] product. With `chunk=T` the forward pass projects T steps at a
+    time ([T*B, E] x [E, G]) and runs their recurrence before the next chunk, so the
+    projected block is still in cache when the steps read it; on CPU a product of a few
+    hundred rows runs at a higher rate than one of L*B rows whose output spills out of
+    cache (`python -m hpnlp.bench rnn` measures both). The backward pass (`fast_backward`)
+    is one reverse scan over all L steps followed by whole-sequence products for every
+    weight and input gradient; `fast_backward=False` differentiates the same forward
+    pass with JAX's autodiff (the reference twin). `tied`: see `_fast_layer`.
+    Returns (final carry, outputs h_LBH); gradients flow to `pp`, `pw`, `w_HG`, `x_LBE`
+    and `carry0` (the masks in `ex_L` and `state_mask_BH` are constants).
     """
-    rec = recurrence if fast_backward else (
-        lambda *a: recurrence_reference(*a[:-1], unroll=a[-1]))
     L, B = x_LBE.shape[:2]
-    if chunk is None or chunk >= L:
-        return rec(step, pw, w_HG, project(x_LBE), carry0, ex_L, state_mask_BH, unroll)
-    n = -(-L // chunk)
-    pad = n * chunk - L
+    T = L if chunk is None or chunk >= L else chunk
+    n = -(-L // T)
+    pad = n * T - L
     if pad:  # padded steps are invalid: they keep the state and output zeros
         if ex_L.valid_B1 is None:
             ex_L = ex_L._replace(valid_B1=jnp.ones((L, B, 1), jnp.float32))
         pad_t = lambda a: None if a is None else jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         ex_L = StepInputs(*(pad_t(a) for a in ex_L))
         x_LBE = pad_t(x_LBE)
-    chunks = lambda a: None if a is None else a.reshape((n, chunk) + a.shape[1:])
-
-    def body(carry, xs):
-        x_TBE, ex_T = xs
-        return rec(step, pw, w_HG, project(x_TBE), carry, ex_T, state_mask_BH, unroll)
-
-    final, out_NTBH = jax.lax.scan(body, carry0, (chunks(x_LBE), StepInputs(*map(chunks, ex_L))))
-    return final, out_NTBH.reshape((n * chunk,) + out_NTBH.shape[2:])[:L]
+    if fast_backward:
+        final, out_LBH = _fast_layer(step, project, pp, pw, w_HG, x_LBE, carry0, ex_L,
+                                     state_mask_BH, T, unroll, tied)
+    else:
+        final, out_LBH = _scan_chunks(step, project, pp, pw, w_HG, x_LBE, carry0, ex_L,
+                                      state_mask_BH, T, unroll, save=False)
+    return final, out_LBH[:L]

@@ -8,8 +8,9 @@
 The fast idea (details in `hpnlp.rnn.cells`): the input projection is taken out of the
 recurrence, one matrix product for all steps (`chunk=None`) or for each block of `chunk`
 steps (default 8: on CPU a cache-sized product runs faster than one [L*B, E] product); each
-step does one fused [B, H] x [H, K*H] product; and the backward pass forms the recurrent
-weight gradient as one product over all steps of a block instead of one per step. Both
+step does one fused [B, H] x [H, K*H] product; and the backward pass is one reverse scan
+with one product per step, after which every weight and input gradient is one product over
+all steps instead of one per step (or per block). Both
 directions of a bidirectional layer run in the same scan. Against
 `flax.linen.RNN(OptimizedLSTMCell)` see `python -m hpnlp.bench rnn`.
 
@@ -201,16 +202,21 @@ class RNNLayer(nn.Module):
                                  zoneout=self.zoneout if deterministic else 0.0)
         layer_norm = self.layer_norm
 
+        def project(pp, x_TBE):
+            # ONE product for all (or a chunk of) the steps, outside the recurrence.
+            w_EG, b_G, ln_x_G = pp
+            xw_TBG = jnp.einsum("tbe,eg->tbg", x_TBE, w_EG, preferred_element_type=jnp.float32)
+            if layer_norm:  # Ba et al.: LN(W_x x) is per step but state-free, so hoisted
+                xw_TBG = cells._layer_norm(xw_TBG.reshape(-1, G), ln_x_G).reshape(xw_TBG.shape)
+            return xw_TBG + b_G[None, None]
+
+        # The LSTM's pre-activation is xw + z unless z is layer-normalized: equal gradients.
+        tied = self.kind == "lstm" and not layer_norm
+
         def one_direction(w_EG, b_G, ln_x_G, pw_d, w_HG, x_LBE, carry0_d, ex_d, mask_BH):
-            def project(x_TBE):
-                # ONE product for all (or a chunk of) the steps, outside the recurrence.
-                xw_TBG = jnp.einsum("tbe,eg->tbg", x_TBE, w_EG, preferred_element_type=jnp.float32)
-                if layer_norm:  # Ba et al.: LN(W_x x) is per step but state-free, so hoisted
-                    xw_TBG = cells._layer_norm(xw_TBG.reshape(-1, G), ln_x_G).reshape(xw_TBG.shape)
-                return xw_TBG + b_G[None, None]
-            return cells.run_layer(step, project, pw_d, w_HG, x_LBE, carry0_d, ex_d, mask_BH,
-                                   chunk=self.chunk, unroll=self.unroll,
-                                   fast_backward=self.fast_backward)
+            return cells.run_layer(step, project, (w_EG, b_G, ln_x_G), pw_d, w_HG, x_LBE,
+                                   carry0_d, ex_d, mask_BH, chunk=self.chunk, unroll=self.unroll,
+                                   fast_backward=self.fast_backward, tied=tied)
 
         args = (w_DEG, b_DG, ln_x_DG, pw, w_DHG, x_DLBE, carry0)
         if D == 1:
