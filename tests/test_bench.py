@@ -18,6 +18,15 @@ def test_time_jax_returns_ordered_stats():
     assert t.memory["argument_size_in_bytes"] == 64 * 64 * 4 and "memory" not in t.as_dict()
 
 
+def test_time_interleaved_times_every_callable_in_rounds():
+    order = []
+    calls = {k: (lambda k=k: order.append(k)) for k in ("a", "b")}
+    out = harness.time_interleaved(calls, repeats=3, warmup=1)
+    assert order == ["a", "b"] * 4  # one warm-up each, then three rounds of a, b
+    assert all(t.repeats == 3 and 0 <= t.min_s <= t.median_s <= t.max_s and cpu >= 0
+               for t, cpu in out.values())
+
+
 def test_compiled_memory_counts_temporaries():
     m = harness.compiled_memory(lambda x: (x @ x.T).sum(), jnp.ones((256, 64)))
     assert m["argument_size_in_bytes"] == 256 * 64 * 4 and m["total_bytes"] > 0

@@ -87,6 +87,34 @@ def time_python(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, min
     return Timing(statistics.median(times), min(times), max(times), len(times), compile_s)
 
 
+def time_interleaved(calls: dict, *, repeats: int = 5, warmup: int = 1,
+                     min_time_s: float = 0.0) -> dict:
+    """Time several zero-argument blocking callables in rounds, one call of each per round,
+    so a machine whose speed drifts over minutes (a shared VM) slows every contender alike
+    and their ratios stay fair. Returns {key: (Timing, fastest process CPU seconds of a
+    call)}; `compile_s` is the first (warm-up) call's time. Rounds go on until every
+    callable has `repeats` calls and `min_time_s` of time in total (at most 50 rounds)."""
+    first = {}
+    for key, fn in calls.items():
+        t0 = time.perf_counter()
+        for _ in range(max(warmup, 1)):
+            fn()
+        first[key] = time.perf_counter() - t0
+    wall = {k: [] for k in calls}
+    cpu = {k: [] for k in calls}
+    rounds = 0
+    while calls and (rounds < repeats or (min(sum(v) for v in wall.values()) < min_time_s
+                                          and rounds < 50)):
+        rounds += 1
+        for key, fn in calls.items():
+            c, t = time.process_time(), time.perf_counter()
+            fn()
+            wall[key].append(time.perf_counter() - t)
+            cpu[key].append(time.process_time() - c)
+    return {k: (Timing(statistics.median(w), min(w), max(w), len(w), first[k]), min(cpu[k]))
+            for k, w in wall.items()}
+
+
 def compiled_memory(fn: Callable, *args) -> dict:
     """Bytes the compiled executable needs: arguments, outputs and temporaries."""
     return _memory_dict(jax.jit(fn).lower(*args).compile())

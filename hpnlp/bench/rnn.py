@@ -101,32 +101,45 @@ def _fn(name: str, H: int, x):
     return {"fwd": fwd, "fwd_bwd": jax.grad(lambda p, x: jnp.sum(fwd(p, x)), (0, 1))}, params
 
 
-def measure(name: str, *, B, L, E, H, repeats: int) -> list[dict]:
-    """Forward and forward+backward rows of one implementation (one init, one compile each)."""
+def compile_impl(name: str, *, B, L, E, H) -> dict:
+    """{mode: zero-argument blocking call} for one implementation (one init, one compile
+    per mode), with the compile time and FLOPs of each."""
     kind = IMPLS[name][0]
     x = jax.random.normal(jax.random.key(1), (B, L, E), jnp.float32)
     fns, params = _fn(name, H, x)
-    rows = []
+    out = {}
     for mode in ("fwd", "fwd_bwd"):
-        fn = fns[mode]
-        # Compiled once here (timed separately) and timed by the harness: warm-up, blocking,
-        # repeats. Then the process time of one call: what it costs in CPU, however busy
-        # the machine is.
         c0 = time.perf_counter()
-        compiled = jax.jit(fn).lower(params, x).compile()
-        compile_s = time.perf_counter() - c0
-        call = lambda: jax.block_until_ready(compiled(params, x))
-        t = harness.time_python(call, repeats=repeats, warmup=1, min_time_s=0.3)
-        t.compile_s = compile_s
-        cpu = []
-        for _ in range(2):
-            c = time.process_time()
-            call()
-            cpu.append(time.process_time() - c)
-        flops = _flops(kind, B=B, L=L, E=E, H=H) * (1 if mode == "fwd" else 3)
-        rows.append({"impl": name, "cell": kind, "mode": mode, "status": "ok", "time": t.as_dict(),
-                     "cpu_s": min(cpu), "gflops": flops / t.median_s / 1e9})
-    return rows
+        compiled = jax.jit(fns[mode]).lower(params, x).compile()
+        out[mode] = dict(call=lambda c=compiled: jax.block_until_ready(c(params, x)),
+                         compile_s=time.perf_counter() - c0,
+                         flops=_flops(kind, B=B, L=L, E=E, H=H) * (1 if mode == "fwd" else 3))
+    return out
+
+
+def measure(names: list[str], *, B, L, E, H, repeats: int) -> list[dict]:
+    """Forward and forward+backward rows of every implementation. All are compiled first,
+    then timed in interleaved rounds (`harness.time_interleaved`): on a machine whose speed
+    drifts, one after the other would hand the slow minutes to whichever ran then. Also
+    the process CPU time of one call (the fastest), which drift inflates less."""
+    built, rows = {}, []
+    for name in tqdm(names, desc="rnn bench: compile", dynamic_ncols=True):
+        try:
+            for mode, b in compile_impl(name, B=B, L=L, E=E, H=H).items():
+                built[(name, mode)] = b
+        except Exception as e:  # report, never crash the whole run
+            rows += [{"impl": name, "cell": IMPLS[name][0], "mode": mode,
+                      "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+                     for mode in ("fwd", "fwd_bwd")]
+    timed = harness.time_interleaved({k: b["call"] for k, b in built.items()}, repeats=repeats,
+                                     warmup=1, min_time_s=0.3)
+    for (name, mode), (t, cpu_s) in timed.items():
+        t.compile_s = built[(name, mode)]["compile_s"]
+        rows.append({"impl": name, "cell": IMPLS[name][0], "mode": mode, "status": "ok",
+                     "time": t.as_dict(), "cpu_s": cpu_s,
+                     "gflops": built[(name, mode)]["flops"] / t.median_s / 1e9})
+    order = {n: i for i, n in enumerate(names)}
+    return sorted(rows, key=lambda r: (order[r["impl"]], r["mode"]))
 
 
 def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
@@ -140,14 +153,7 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
     rates = {"float32": harness.matmul_rate(jnp.float32, n=1024 if quick else 2048)}
-    results = []
-    for name in tqdm(names, desc="rnn bench", dynamic_ncols=True):
-        try:
-            results += measure(name, repeats=repeats, **shape)
-        except Exception as e:  # report, never crash the whole run
-            results += [{"impl": name, "cell": IMPLS[name][0], "mode": mode,
-                         "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
-                        for mode in ("fwd", "fwd_bwd")]
+    results = measure(names, repeats=repeats, **shape)
     payload = {"benchmark": "rnn", "machine": info, "matmul_gflops": rates, "shape": shape,
                "results": results}
     payload["summary"] = _summarize(payload, out_dir)
