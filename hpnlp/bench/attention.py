@@ -89,7 +89,8 @@ def measure(spec: dict) -> dict:
         fwd = _jax_fn(impl, L, causal, B=B, H=H, D=D)
         fn = fwd if mode == "fwd" else jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
         args = _inputs(L, B=B, H=H, D=D)
-        t = harness.time_jax(fn, *args, repeats=repeats, warmup=1, min_time_s=0.3)
+        t = harness.time_jax(fn, *args, repeats=repeats, warmup=1, min_time_s=0.3,
+                             max_time_s=spec.get("max_time_s"))
         out["compiled_memory"], out["time"] = t.memory, t.as_dict()
     if impl in EXACT:
         flops = _flops(L, causal, B=B, H=H, D=D) * (1 if mode == "fwd" else 3)
@@ -130,8 +131,9 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
             if impl in QUADRATIC and L > 16384:
                 continue
             for mode in ("fwd", "fwd_bwd"):
+                # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
                 configs.append(dict(impl=impl, L=L, mode=mode, causal=causal, B=B, H=H, D=D,
-                                    repeats=repeats))
+                                    repeats=repeats, max_time_s=None if quick else 30.0))
     results = []
     for spec in tqdm(configs, desc="attention bench", dynamic_ncols=True):
         need = _estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H)
@@ -141,7 +143,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
                                       f"{total_mem / 2**30:.0f})"})
             continue
         if isolate:
-            res = harness.isolated("hpnlp.bench.attention", spec)
+            res = harness.isolated("hpnlp.bench.attention", spec, timeout_s=1800)
             res = {**{k: spec[k] for k in ("impl", "L", "mode", "causal")}, **res}
         else:
             try:
