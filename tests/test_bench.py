@@ -5,6 +5,7 @@ import json
 import os
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from hpnlp.bench import attention as bench_attention
@@ -48,13 +49,36 @@ def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, mon
     assert torch_rows and all(r["status"].startswith("skipped: torch not installed") for r in torch_rows)
     ok = [r for r in payload["results"] if r["status"] == "ok"]
     assert all(r["time"]["median_s"] > 0 for r in ok)
-    assert all("gflops" in r for r in ok if r["impl"] in ("dense", "chunked"))
+    assert all("gflops" in r for r in ok if r["impl"] in ("dense", "chunked", bench_attention.BOUND))
+    assert {r["mode"] for r in ok if r["impl"] == bench_attention.BOUND} == {"fwd", "fwd_bwd"}
     for f in ("results.json", "results.md", "attention_time_fwd.png",
               "attention_time_fwd_bwd.png", "attention_memory.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     md = open(os.path.join(out, "results.md")).read()
     assert "matrix-product rate" in md and "`chunked`" in md and "skipped" in md
     assert json.load(open(os.path.join(out, "results.json")))["machine"]["cores"] >= 1
+
+
+def test_chunked_products_only_bound_does_every_block_product(monkeypatch):
+    # The bound's loops against the same products written densely (no softmax: S stands in
+    # for P, dP for dS), with blocks small enough that there are 2 x 2 of them per head.
+    from hpnlp.attention import chunked as ch
+    monkeypatch.setattr(ch, "DEFAULT_BLOCK_Q", 16)
+    monkeypatch.setattr(ch, "DEFAULT_BLOCK_K", 16)
+    B, L, H, D = 1, 32, 2, 8
+    q, k, v = bench_attention._inputs(L, B=B, H=H, D=D)
+    fns = bench_attention._products_only(L, B=B, H=H, D=D)
+    heads = lambda x: x[0].transpose(1, 0, 2)  # [H, L, D]
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    s = qh @ kh.transpose(0, 2, 1)
+    dp = vh @ vh.transpose(0, 2, 1)  # dO = v
+    o, (dqt, dk, dv) = fns["fwd_bwd"](q, k, v)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(o, s @ vh, **tol)
+    np.testing.assert_allclose(fns["fwd"](q, k, v), s @ vh, **tol)
+    np.testing.assert_allclose(dqt.transpose(0, 2, 1), dp @ kh, **tol)
+    np.testing.assert_allclose(dk, dp.transpose(0, 2, 1) @ qh, **tol)
+    np.testing.assert_allclose(dv, s.transpose(0, 2, 1) @ vh, **tol)
 
 
 def test_isolated_run_reports_peak_rss_of_a_fresh_process():

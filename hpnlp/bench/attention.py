@@ -6,6 +6,9 @@ for the variants whose memory is linear in L), beside `jax.nn.dot_product_attent
 `flax.linen.dot_product_attention` (the core of `MultiHeadDotProductAttention`) and, when
 installed, PyTorch's CPU `scaled_dot_product_attention`, all in one run. Exact variants
 report achieved GFLOP/s and the fraction of this machine's measured matmul rate.
+Beside `chunked` (bidirectional runs) the row "chunked products only" times its block
+matrix products alone, without the softmax arithmetic: how close `chunked` is to what
+XLA's products allow here, and whether that floor is itself above PyTorch's time.
 
 FLOP convention: forward = 4·B·H·L²·D (QKᵀ and PV; halved when causal), backward = 2x
 forward, so forward+backward = 3x forward. Approximations are reported by time only.
@@ -28,8 +31,10 @@ from hpnlp.bench import harness, report
 PEERS = ("jax.nn.dot_product_attention", "flax.linen.dot_product_attention",
          "torch.scaled_dot_product_attention")
 # O(L^2) memory: never run past 16K. Everything else is measured to 64K in a full run.
+# Not an attention: the bound for `chunked` (see `_products_only`); bidirectional only.
+BOUND = "chunked products only"
 QUADRATIC = {"dense", "xla", "synthesizer", *PEERS}
-EXACT = {"dense", "xla", "chunked", *PEERS}
+EXACT = {"dense", "xla", "chunked", BOUND, *PEERS}
 REFERENCE = "jax.nn.dot_product_attention"
 
 
@@ -37,6 +42,59 @@ def _inputs(L: int, *, B: int, H: int, D: int, seed: int = 0):
     ks = jax.random.split(jax.random.key(seed), 3)
     # Unit-variance logits, like trained attention: q, k scaled by D^-1/4 each.
     return tuple(jax.random.normal(k, (B, L, H, D), jnp.float32) * (D ** -0.25) for k in ks)
+
+
+def _products_only(L: int, *, B, H, D):
+    """{mode: fn(q, k, v)}: the block products of `chunked` and nothing else. Forward
+    S = Q K^T and S V; backward S^T = K Q^T, dP^T = V dO^T, dQ^T += K^T dP^T, dK += dP^T Q,
+    dV += S^T dO; over the same blocks, layouts and loops (one head at a time), with each
+    product's output standing in for P and dS: no max, exp, sums or masks. Its time is
+    about the floor for `chunked`'s design built from XLA's products on this machine."""
+    from hpnlp.attention import chunked as ch
+    bq, bk = ch.auto_block(L, ch.DEFAULT_BLOCK_Q), ch.auto_block(L, ch.DEFAULT_BLOCK_K)
+    nq, nk = L // bq, L // bk
+    sl, put = ch._slice, jax.lax.dynamic_update_slice_in_dim
+
+    def fwd_head(q_LD, k_LD, v_LD):
+        def q_block(i, o_LD):
+            q_QD = sl(q_LD, i * bq, bq)
+            acc = jax.lax.fori_loop(0, nk, lambda j, a: a + (q_QD @ sl(k_LD, j * bk, bk).T)
+                                    @ sl(v_LD, j * bk, bk), jnp.zeros((bq, D)))
+            return put(o_LD, acc, i * bq, 0)
+        return jax.lax.fori_loop(0, nq, q_block, jnp.zeros((L, D)))
+
+    def bwd_head(q_LD, k_LD, v_LD, do_LD):
+        kt_DL = k_LD.T
+
+        def k_block(j, grads):
+            dqt_DL, dk_LD, dv_LD = grads
+            k_KD, v_KD, kt_DK = sl(k_LD, j * bk, bk), sl(v_LD, j * bk, bk), sl(kt_DL, j * bk, bk, 1)
+
+            def q_block(i, c):
+                dqt_DL, dk_KD, dv_KD = c
+                q_QD, do_QD = sl(q_LD, i * bq, bq), sl(do_LD, i * bq, bq)
+                st_KQ, dpt_KQ = k_KD @ q_QD.T, v_KD @ do_QD.T
+                dqt_DQ = sl(dqt_DL, i * bq, bq, 1) + kt_DK @ dpt_KQ
+                return put(dqt_DL, dqt_DQ, i * bq, 1), dk_KD + dpt_KQ @ q_QD, dv_KD + st_KQ @ do_QD
+
+            dqt_DL, dk_KD, dv_KD = jax.lax.fori_loop(
+                0, nq, q_block, (dqt_DL, jnp.zeros((bk, D)), jnp.zeros((bk, D))))
+            return dqt_DL, put(dk_LD, dk_KD, j * bk, 0), put(dv_LD, dv_KD, j * bk, 0)
+
+        return jax.lax.fori_loop(0, nk, k_block, (jnp.zeros((D, L)), jnp.zeros((L, D)),
+                                                  jnp.zeros((L, D))))
+
+    def heads(x):  # [B, L, H, D] -> [B*H, L, D], as chunked lays them out once
+        return x.transpose(0, 2, 1, 3).reshape(B * H, L, D)
+
+    def fwd(q, k, v):
+        return jax.lax.map(lambda a: fwd_head(*a), (heads(q), heads(k), heads(v)))
+
+    def fwd_bwd(q, k, v):  # v stands in for dO
+        return fwd(q, k, v), jax.lax.map(lambda a: bwd_head(*a),
+                                         (heads(q), heads(k), heads(v), heads(v)))
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
 
 
 def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
@@ -86,8 +144,11 @@ def measure(spec: dict) -> dict:
         t = harness.time_python(run, repeats=repeats, warmup=1, min_time_s=0.3)
         out["time"] = t.as_dict()
     else:
-        fwd = _jax_fn(impl, L, causal, B=B, H=H, D=D)
-        fn = fwd if mode == "fwd" else jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
+        if impl == BOUND:
+            fn = _products_only(L, B=B, H=H, D=D)[mode]
+        else:
+            fwd = _jax_fn(impl, L, causal, B=B, H=H, D=D)
+            fn = fwd if mode == "fwd" else jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
         args = _inputs(L, B=B, H=H, D=D)
         t = harness.time_jax(fn, *args, repeats=repeats, warmup=1, min_time_s=0.3,
                              max_time_s=spec.get("max_time_s"))
@@ -120,6 +181,8 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     impls = list(PEERS) + [n for n in names if n not in ("xla",)]  # xla == the jax peer
     if causal:
         impls = [i for i in impls if i in PEERS or attention_lib.get(i).supports_causal]
+    elif "chunked" in impls:
+        impls.append(BOUND)
     os.makedirs(out_dir, exist_ok=True)
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     info = harness.machine_info()
@@ -128,7 +191,8 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     configs = []
     for L in lengths:
         for impl in impls:
-            if impl in QUADRATIC and L > 16384:
+            # The bound matters beside the peers, which stop at 16K too.
+            if (impl in QUADRATIC or impl == BOUND) and L > 16384:
                 continue
             for mode in ("fwd", "fwd_bwd"):
                 # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
