@@ -102,6 +102,28 @@ def test_train_bench_reports_mfu_and_relative_speed(tmp_path, monkeypatch):
     md = open(os.path.join(out, "results.md")).read()
     assert "MFU" in md and "relative to the dense Transformer" in md
     assert os.path.getsize(os.path.join(out, "train_encoder_steps.png")) > 0
+    assert all(len(r["probe_gflops"]) == 2 for r in payload["results"])
+    assert "probed beside each row" in md
+
+
+def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
+    from hpnlp.bench import train as bench_train
+
+    def row(name, step_s, probe):
+        return dict(group="encoder", name=name, L=1024, status="ok", steps_per_sec=1 / step_s,
+                    peak_rss_bytes=2**30, compiled_memory={}, probe_gflops=probe)
+
+    payload = {"machine": harness.machine_info(), "matmul_gflops": {"float32": 200.0},
+               "isolated": True,
+               "results": [row("dense", 4.0, [200, 200]), row("local", 1.0, [210, 190]),
+                           row("linear", 1.0, [100, 120])]}
+    payload["summary"] = bench_train._summarize(payload)
+    rel = payload["summary"]["encoder_relative_to_dense"]
+    assert rel["local"][1024]["relative_speed"] == 4.0
+    assert rel["linear"][1024]["machine_speed_ratio"] == pytest.approx(110 / 200)
+    md = bench_train._markdown(payload)
+    assert "4.00x / 1.00x |" in md and "4.00x / 1.00x †" in md  # local clean, linear flagged
+    assert "ranged 110–200 GFLOP/s" in md and "the 1 ratio(s)" in md
 
 
 def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, monkeypatch):

@@ -137,16 +137,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5, min_time_s: float = 1.0) -> float:
     """This machine's dense matrix-product rate in GFLOP/s (the ceiling for kernels).
 
     A ceiling, so the best call counts: after three warm-up calls (the first calls of a
     process run slower while its thread pool starts), the fastest of at least 1 s of calls.
     This machine's speed drifts (a 2-core VM: the median of a short run read 145 and then
-    287 GFLOP/s minutes apart), so compare kernels with peers timed in the same run."""
+    287 GFLOP/s minutes apart), so compare kernels with peers timed in the same run, or
+    probe the rate again beside a timing that was not (a shorter `min_time_s`)."""
     a = jnp.ones((n, n), dtype)
     b = jnp.ones((n, n), dtype)
-    t = time_jax(lambda a, b: a @ b, a, b, repeats=repeats, warmup=3, min_time_s=1.0)
+    t = time_jax(lambda a, b: a @ b, a, b, repeats=repeats, warmup=3, min_time_s=min_time_s)
     return 2 * n ** 3 / t.min_s / 1e9
 
 

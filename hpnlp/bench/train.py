@@ -38,6 +38,9 @@ from hpnlp.train.step import make_train_step
 # 101-105 at batch 16 (`measure` of both, alternating, in one process).
 LM_SIZES = [("lm-256", 256, 4, 4, 1024), ("lm-512", 512, 4, 8, 2048), ("lm-768", 768, 4, 12, 3072)]
 LM_BATCH = 8
+PROBE_S = 0.3  # matrix-product rate probed for this long before and after each timing
+# Ratios of two rows whose probed machine speeds differ by more than this are flagged.
+DRIFT_FLAG = 1.2
 LM_SIZES_QUICK = [("lm-128", 128, 2, 4, 512), ("lm-256", 256, 2, 4, 1024), ("lm-512", 512, 2, 8, 2048)]
 
 
@@ -80,10 +83,18 @@ def measure(spec: dict) -> dict:
     state = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch)))(jax.random.key(0))
     step = make_train_step(model, tx, cfg.train)
     out = {**spec, "status": "ok"}
+    # This machine's speed drifts over minutes, and each configuration runs in its own
+    # process, so the matrix-product rate is probed beside each timing: the report flags
+    # ratios whose two rows ran at different machine speeds. (Timing the variants of one
+    # length interleaved in one process is no cure: there the dense step at L=4096 ran
+    # 35 s a step against 20 s in a process of its own, as memory from the other
+    # executables slowed its 14 GB of per-step allocations.)
+    probe = [harness.matmul_rate(jnp.float32, min_time_s=PROBE_S)]
     # Donation-free timing: the same state each call, so repeats do identical work.
     t = harness.time_jax(step, state, batch, repeats=spec["repeats"], warmup=1,
                          min_time_s=spec.get("min_time_s", 1.0), max_time_s=spec.get("max_time_s"))
-    out["compiled_memory"], out["time"] = t.memory, t.as_dict()
+    probe.append(harness.matmul_rate(jnp.float32, min_time_s=PROBE_S))
+    out["compiled_memory"], out["time"], out["probe_gflops"] = t.memory, t.as_dict(), probe
     n = _non_embedding_params(state.params)
     attn = 12 * cfg.model.depth * L * cfg.model.width * (0.5 if kind == "lm" else 1.0)
     flops = (6 * n + attn) * B * L
@@ -124,8 +135,9 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
             # LRA's encoder: width 256, 4 layers, 4 heads, MLP 1024 (their byte-level setup), B=4.
             enc_specs.append(dict(group="encoder", kind="classifier", name=name, width=128 if quick else 256,
                                   depth=2 if quick else 4, heads=4, mlp=512 if quick else 1024, L=L,
-                                  B=2 if quick else 4, vocab=256, attention=name, repeats=repeats,
-                                  min_time_s=min_time_s, max_time_s=60.0))
+                                  B=2 if quick else 4, vocab=256, attention=name,
+                                  repeats=min(repeats, 3), min_time_s=min_time_s,
+                                  max_time_s=30.0))
     results = [_one(s, isolate) for s in tqdm(lm_specs + enc_specs, desc="train bench",
                                               dynamic_ncols=True)]
     payload = {"benchmark": "train", "machine": info, "matmul_gflops": rates,
@@ -138,6 +150,17 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
 
 def _ok(rows):
     return [r for r in rows if r.get("status") == "ok"]
+
+
+def _probe(row: dict) -> float | None:
+    """Mean matrix-product rate probed around a row's timing (None in older results)."""
+    p = row.get("probe_gflops")
+    return sum(p) / len(p) if p else None
+
+
+def _drifted(x: dict) -> bool:
+    m = x.get("machine_speed_ratio")
+    return m is not None and max(m, 1 / m) > DRIFT_FLAG
 
 
 def _summarize(payload: dict) -> dict:
@@ -153,7 +176,8 @@ def _summarize(payload: dict) -> dict:
         mem = lambda x: x.get("peak_rss_bytes") or x["compiled_memory"].get("total_bytes")
         rel.setdefault(r["name"], {})[r["L"]] = {
             "relative_speed": r["steps_per_sec"] / base["steps_per_sec"],
-            "relative_memory": mem(r) / mem(base)}
+            "relative_memory": mem(r) / mem(base),
+            "machine_speed_ratio": _probe(r) / _probe(base) if _probe(r) and _probe(base) else None}
     return {"lm": lm, "encoder_relative_to_dense": rel}
 
 
@@ -176,15 +200,16 @@ def _markdown(payload: dict) -> str:
     rows = []
     for r in (x for x in res if x["group"] == "lm"):
         if r.get("status") != "ok":
-            rows.append([r["name"], r["status"]] + ["–"] * 4)
+            rows.append([r["name"], r["status"]] + ["–"] * 5)
             continue
         rows.append([r["name"], f"{r['params_non_embedding'] / 1e6:.2f}M",
                      f"{report.fmt(r['time']['median_s'], 'ms')} ({report.fmt(r['time']['min_s'], 'ms')}–"
                      f"{report.fmt(r['time']['max_s'], 'ms')})",
                      f"{r['tokens_per_sec']:,.0f}", f"{r['model_gflops']:.1f}",
-                     f"{100 * r['model_gflops'] / peak:.0f}%"])
+                     f"{100 * r['model_gflops'] / peak:.0f}%",
+                     f"{_probe(r):.0f}" if _probe(r) else "–"])
     parts += [report.table(["model", "params (non-emb.)", "step ms", "tokens/s", "model GFLOP/s",
-                            "MFU (of measured matmul)"], rows), ""]
+                            "MFU (of measured matmul)", "matmul GFLOP/s probed beside it"], rows), ""]
     rel = payload["summary"]["encoder_relative_to_dense"]
     lengths = sorted({r["L"] for r in res if r["group"] == "encoder"})
     parts += ["### Encoder training, relative to the dense Transformer (as in LRA, Tay et al. 2021, table 3)",
@@ -196,11 +221,18 @@ def _markdown(payload: dict) -> str:
         for L in lengths:
             x = rel.get(name, {}).get(L)
             r = next((r for r in res if r["group"] == "encoder" and r["name"] == name and r["L"] == L), {})
-            cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x" if x
-                         else (r.get("status") or "–")[:60])
+            cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x"
+                         f"{' †' if _drifted(x) else ''}" if x else (r.get("status") or "–")[:60])
         rows.append(cells)
-    parts += [report.table(["attention"] + [f"L={L} speed / memory" for L in lengths], rows), "",
-              "Plot: `train_encoder_steps.png`."]
+    parts += [report.table(["attention"] + [f"L={L} speed / memory" for L in lengths], rows), ""]
+    flagged = [x for v in rel.values() for x in v.values() if _drifted(x)]
+    probes = [_probe(r) for r in _ok(res) if _probe(r)]
+    if probes:
+        parts += [f"Every row runs in a process of its own, and the machine's matrix-product rate, "
+                  f"probed beside each row, ranged {min(probes):.0f}–{max(probes):.0f} GFLOP/s "
+                  f"over this run. † marks the {len(flagged)} ratio(s) whose row and `dense` row "
+                  f"ran at machine speeds more than {DRIFT_FLAG:.1f}x apart: read those as rough.", ""]
+    parts += ["Plot: `train_encoder_steps.png`."]
     return "\n".join(parts)
 
 
