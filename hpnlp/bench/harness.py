@@ -58,7 +58,7 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t0
-    memory = _memory_dict(compiled)
+    memory = executable_memory(compiled)
     for _ in range(warmup):
         t = time.perf_counter()
         _block(compiled(*args))
@@ -117,10 +117,11 @@ def time_interleaved(calls: dict, *, repeats: int = 5, warmup: int = 1,
 
 def compiled_memory(fn: Callable, *args) -> dict:
     """Bytes the compiled executable needs: arguments, outputs and temporaries."""
-    return _memory_dict(jax.jit(fn).lower(*args).compile())
+    return executable_memory(jax.jit(fn).lower(*args).compile())
 
 
-def _memory_dict(compiled) -> dict:
+def executable_memory(compiled) -> dict:
+    """`compiled.memory_analysis()` as a dict of byte counts, with their `total_bytes`."""
     ma = compiled.memory_analysis()
     if ma is None:
         return {}
@@ -145,10 +146,29 @@ def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5, min_time_s: 
     This machine's speed drifts (a 2-core VM: the median of a short run read 145 and then
     287 GFLOP/s minutes apart), so compare kernels with peers timed in the same run, or
     probe the rate again beside a timing that was not (a shorter `min_time_s`)."""
+    run, flops = matmul_call(dtype, n, calls=1)
+    t = time_python(run, repeats=repeats, warmup=3, min_time_s=min_time_s)
+    return flops / t.min_s / 1e9
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_matmul(dtype, n: int):
+    """Compiled once per process: rate probes beside every timing then cost no compile."""
     a = jnp.ones((n, n), dtype)
     b = jnp.ones((n, n), dtype)
-    t = time_jax(lambda a, b: a @ b, a, b, repeats=repeats, warmup=3, min_time_s=min_time_s)
-    return 2 * n ** 3 / t.min_s / 1e9
+    return jax.jit(lambda a, b: a @ b).lower(a, b).compile(), a, b
+
+
+def matmul_call(dtype=jnp.float32, n: int = 2048, calls: int = 3):
+    """(blocking zero-argument callable, its FLOPs): `calls` n x n products, the unit that
+    `matmul_rate` times, for timing the machine's rate interleaved with a kernel
+    (`time_interleaved`), so a drifting machine slows the kernel and its ceiling alike."""
+    mm, a, b = _compiled_matmul(jnp.dtype(dtype), n)
+
+    def run():
+        for _ in range(calls):
+            _block(mm(a, b))
+    return run, 2 * n ** 3 * calls
 
 
 def _version(mod: str) -> str | None:
