@@ -112,7 +112,8 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
 
     def row(name, step_s, probe):
         return dict(group="encoder", name=name, L=1024, status="ok", steps_per_sec=1 / step_s,
-                    peak_rss_bytes=2**30, compiled_memory={}, probe_gflops=probe)
+                    peak_rss_bytes=2**30, compiled_memory={}, probe_gflops=probe,
+                    time={"first_call_only": name == "dense"})
 
     payload = {"machine": harness.machine_info(), "matmul_gflops": {"float32": 200.0},
                "isolated": True,
@@ -125,6 +126,7 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
     md = bench_train._markdown(payload)
     assert "4.00x / 1.00x |" in md and "4.00x / 1.00x †" in md  # local clean, linear flagged
     assert "ranged 110–200 GFLOP/s" in md and "the 1 ratio(s)" in md
+    assert "first call after the compile: `dense` at 1024." in md
 
 
 def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, monkeypatch):
@@ -147,7 +149,13 @@ def test_time_jax_max_time_caps_repeats_of_slow_calls():
     import jax
     slow = lambda x: jax.pure_callback(lambda v: (_time.sleep(0.05), v)[1], x, x)  # noqa: E731
     t = harness.time_jax(slow, jnp.ones(3), repeats=20, max_time_s=0.1)
-    assert 1 <= t.repeats <= 3
+    assert 1 <= t.repeats <= 3 and not t.first_call_only
+    # A warm-up call alone past the cap is the timing: no second call.
+    calls = []
+    slower = lambda x: jax.pure_callback(  # noqa: E731
+        lambda v: (calls.append(1), _time.sleep(0.06), v)[2], x, x)
+    t = harness.time_jax(slower, jnp.ones(3), repeats=5, max_time_s=0.05)
+    assert t.first_call_only and t.repeats == 1 and len(calls) == 1 and t.median_s >= 0.05
 
 
 @pytest.mark.slow

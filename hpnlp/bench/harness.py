@@ -34,6 +34,8 @@ class Timing:
     max_s: float
     repeats: int
     compile_s: float
+    # True when the one timed call was the warm-up call itself (`time_jax`'s `max_time_s`).
+    first_call_only: bool = False
     # The timed executable's `memory_analysis()` (see `compiled_memory`); None for Python
     # callables. Kept out of `as_dict`: it is reported on its own.
     memory: dict | None = dataclasses.field(default=None, compare=False)
@@ -52,8 +54,11 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
 
     `min_time_s` raises the repeat count for very fast functions so the median is not
     noise, up to 50 repeats; `max_time_s` lowers it (to at least 1) for calls so slow that
-    `repeats` of them would take longer, judged by the warm-up call. The result's `memory`
-    is the timed executable's memory (as `compiled_memory` reports it), from the same compile.
+    `repeats` of them would take longer, judged by the warm-up call. A warm-up call that
+    alone takes `max_time_s` or more is the timing (`first_call_only`; the compile is still
+    outside it): on a machine whose speed drifts by more than a first call's extra cost,
+    one more such call would add minutes and tell little. The result's `memory` is the
+    timed executable's memory (as `compiled_memory` reports it), from the same compile.
     """
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
@@ -62,14 +67,18 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
     for _ in range(warmup):
         t = time.perf_counter()
         _block(compiled(*args))
+        dt = time.perf_counter() - t
         if max_time_s is not None:
-            repeats = max(1, min(repeats, int(max_time_s / max(time.perf_counter() - t, 1e-9))))
+            if dt >= max_time_s:
+                return Timing(dt, dt, dt, 1, compile_s, True, memory)
+            repeats = max(1, min(repeats, int(max_time_s / max(dt, 1e-9))))
     times: list[float] = []
     while len(times) < repeats or (sum(times) < min_time_s and len(times) < 50):
         t = time.perf_counter()
         _block(compiled(*args))
         times.append(time.perf_counter() - t)
-    return Timing(statistics.median(times), min(times), max(times), len(times), compile_s, memory)
+    return Timing(statistics.median(times), min(times), max(times), len(times), compile_s,
+                  memory=memory)
 
 
 def time_python(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0) -> Timing:
@@ -142,7 +151,7 @@ def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5, min_time_s: 
     """This machine's dense matrix-product rate in GFLOP/s (the ceiling for kernels).
 
     A ceiling, so the best call counts: after three warm-up calls (the first calls of a
-    process run slower while its thread pool starts), the fastest of at least 1 s of calls.
+    process run slower while its thread pool starts), the fastest of `min_time_s` of calls.
     This machine's speed drifts (a 2-core VM: the median of a short run read 145 and then
     287 GFLOP/s minutes apart), so compare kernels with peers timed in the same run, or
     probe the rate again beside a timing that was not (a shorter `min_time_s`)."""
