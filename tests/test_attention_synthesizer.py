@@ -126,6 +126,30 @@ def test_packed_segment_equals_the_segment_alone(case):
     np.testing.assert_allclose(packed[:, 12:24], alone, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["dense", "random"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_slice_path_matches_gather_path(case, causal, monkeypatch):
+    """Rows of one segment from index 0 take the slice (`at_key_positions`); forcing the
+    gather on the same padded batch must give the same outputs and gradients."""
+    from hpnlp.attention import synthesizer
+    attn = _module(case)
+    p = _params(attn)
+    q, k, v = _qkv()
+    mask = _padding([L, 19])
+    w = mask.astype(np.float32)
+    run = lambda: (_call(attn, causal, p, q, k, v, mask),  # noqa: E731 (not jitted: no cache)
+                   _weighted(lambda p, q, k, v: attn.apply({"params": p}, q, k, v, mask,
+                                                           causal=causal))(p, q, k, v, w))
+    pos = np.asarray(synthesizer.segment_positions(jnp.asarray(mask)))
+    assert np.all((pos == np.arange(L)[None]) | (mask == 0))  # so the slice is taken
+    out, grads = run()
+    monkeypatch.setattr(synthesizer, "at_key_positions", lambda simple, general, pos, seg: general())
+    out_g, grads_g = run()
+    np.testing.assert_allclose(out, out_g, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_g)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["dense", "factorized"])
 def test_padding_invariance(case):
     attn = _module(case)
