@@ -48,6 +48,13 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
+def compile_timed(fn: Callable, *args):
+    """(`jax.jit(fn)` compiled for `args`, seconds the lowering and compile took)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
 def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0,
              max_time_s: float | None = None) -> Timing:
     """Time a jitted `fn(*args)`: compile first (timed separately), warm up, then repeat.
@@ -60,9 +67,7 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
     one more such call would add minutes and tell little. The result's `memory` is the
     timed executable's memory (as `compiled_memory` reports it), from the same compile.
     """
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = compile_timed(fn, *args)
     memory = executable_memory(compiled)
     for _ in range(warmup):
         t = time.perf_counter()

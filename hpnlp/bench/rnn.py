@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import flax.linen as nn
 import jax
@@ -109,10 +108,9 @@ def compile_impl(name: str, *, B, L, E, H) -> dict:
     fns, params = _fn(name, H, x)
     out = {}
     for mode in ("fwd", "fwd_bwd"):
-        c0 = time.perf_counter()
-        compiled = jax.jit(fns[mode]).lower(params, x).compile()
+        compiled, compile_s = harness.compile_timed(fns[mode], params, x)
         out[mode] = dict(call=lambda c=compiled: jax.block_until_ready(c(params, x)),
-                         compile_s=time.perf_counter() - c0,
+                         compile_s=compile_s,
                          flops=_flops(kind, B=B, L=L, E=E, H=H) * (1 if mode == "fwd" else 3))
     return out
 

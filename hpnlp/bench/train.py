@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -98,9 +97,7 @@ def measure(spec: dict) -> dict:
         # MFU is a ratio of two rates, so both are timed in the same rounds: the step and
         # the n x n matrix product alternate (`harness.time_interleaved`), and a machine
         # whose speed drifts over minutes slows both alike.
-        c0 = time.perf_counter()
-        compiled = jax.jit(step).lower(state, batch).compile()
-        compile_s = time.perf_counter() - c0
+        compiled, compile_s = harness.compile_timed(step, state, batch)
         mm, mm_flops = harness.matmul_call(jnp.float32)
         timed = harness.time_interleaved(
             {"step": lambda: jax.block_until_ready(compiled(state, batch)), "matmul": mm},
@@ -222,10 +219,10 @@ def _plot(payload: dict, out_dir: str) -> None:
 
 
 def _markdown(payload: dict) -> str:
-    peak = payload["matmul_gflops"]["float32"]
     res = payload["results"]
     parts = [report.header_md(payload["machine"], payload["matmul_gflops"]), "",
              f"### Causal LM training step (seq 256, batch {LM_BATCH}, float32, AdamW)", ""]
+    mfu = payload["summary"]["lm"]
     rows = []
     for r in (x for x in res if x["group"] == "lm"):
         if r.get("status") != "ok":
@@ -236,9 +233,9 @@ def _markdown(payload: dict) -> str:
                      f"{report.fmt(r['time']['max_s'], 'ms')})",
                      f"{r['tokens_per_sec']:,.0f}", f"{r['model_gflops']:.1f}",
                      (f"{r['matmul_gflops_beside']:.1f}" if r.get("matmul_gflops_beside") else "–"),
-                     (f"**{100 * r['model_gflops'] / r['matmul_gflops_beside']:.0f}%**"
-                      if r.get("matmul_gflops_beside") else "–"),
-                     f"{100 * r['model_gflops'] / peak:.0f}%"])
+                     (f"**{100 * mfu[r['name']]['mfu_interleaved']:.0f}%**"
+                      if mfu[r["name"]]["mfu_interleaved"] else "–"),
+                     f"{100 * mfu[r['name']]['mfu']:.0f}%"])
     parts += [report.table(["model", "params (non-emb.)", "step ms", "tokens/s", "model GFLOP/s",
                             "matmul GFLOP/s in the same rounds", "MFU",
                             "MFU of the run's best-call ceiling"], rows), "",
