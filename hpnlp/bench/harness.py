@@ -48,15 +48,15 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-def compile_timed(fn: Callable, *args):
+def compile_timed(fn: Callable, *args, compiler_options: dict | None = None):
     """(`jax.jit(fn)` compiled for `args`, seconds the lowering and compile took)."""
     t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
+    compiled = jax.jit(fn, compiler_options=compiler_options).lower(*args).compile()
     return compiled, time.perf_counter() - t0
 
 
 def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0,
-             max_time_s: float | None = None) -> Timing:
+             max_time_s: float | None = None, compiler_options: dict | None = None) -> Timing:
     """Time a jitted `fn(*args)`: compile first (timed separately), warm up, then repeat.
 
     `min_time_s` raises the repeat count for very fast functions so the median is not
@@ -66,8 +66,9 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
     outside it): on a machine whose speed drifts by more than a first call's extra cost,
     one more such call would add minutes and tell little. The result's `memory` is the
     timed executable's memory (as `compiled_memory` reports it), from the same compile.
+    `compiler_options` go to `jax.jit` (e.g. `train.step.step_compiler_options()`).
     """
-    compiled, compile_s = compile_timed(fn, *args)
+    compiled, compile_s = compile_timed(fn, *args, compiler_options=compiler_options)
     memory = executable_memory(compiled)
     for _ in range(warmup):
         t = time.perf_counter()

@@ -32,7 +32,7 @@ from hpnlp.bench import harness, report
 from hpnlp.config import (AttentionConfig, Config, ModelConfig, TrainConfig, default_configdict,
                           from_configdict)
 from hpnlp.train.state import init_state, make_optimizer
-from hpnlp.train.step import make_train_step
+from hpnlp.train.step import make_train_step, step_compiler_options
 
 # (name, width, depth, heads, mlp) at seq 256, batch 8: 2048 tokens a step. Batch 8 is
 # chosen for this 2-core machine: at width 512 its step ran 104-118 model GFLOP/s against
@@ -97,7 +97,8 @@ def measure(spec: dict) -> dict:
         # MFU is a ratio of two rates, so both are timed in the same rounds: the step and
         # the n x n matrix product alternate (`harness.time_interleaved`), and a machine
         # whose speed drifts over minutes slows both alike.
-        compiled, compile_s = harness.compile_timed(step, state, batch)
+        compiled, compile_s = harness.compile_timed(step, state, batch,
+                                                     compiler_options=step_compiler_options())
         mm, mm_flops = harness.matmul_call(jnp.float32)
         timed = harness.time_interleaved(
             {"step": lambda: jax.block_until_ready(compiled(state, batch)), "matmul": mm},
@@ -115,7 +116,8 @@ def measure(spec: dict) -> dict:
         probe = [harness.matmul_rate(jnp.float32, min_time_s=PROBE_S)]
         # Donation-free timing: the same state each call, so repeats do identical work.
         t = harness.time_jax(step, state, batch, repeats=spec["repeats"], warmup=1,
-                             min_time_s=spec.get("min_time_s", 1.0), max_time_s=spec.get("max_time_s"))
+                             min_time_s=spec.get("min_time_s", 1.0), max_time_s=spec.get("max_time_s"),
+                             compiler_options=step_compiler_options())
         probe.append(harness.matmul_rate(jnp.float32, min_time_s=PROBE_S))
         out["probe_gflops"] = probe
     out["compiled_memory"], out["time"] = t.memory, t.as_dict()

@@ -52,7 +52,7 @@ from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.train.checkpoint import CheckpointMismatch
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
-from hpnlp.train.step import finalize, make_train_step
+from hpnlp.train.step import finalize, make_train_step, step_compiler_options
 
 MEMBERS_FILE = "members.json"  # in an ensemble's workdir: {"members": M, "seeds": [...]}
 
@@ -227,7 +227,8 @@ class EnsembleTrainer(Trainer):
         with self._context():
             self.train_step = jax.jit(
                 train_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                out_shardings=(self.state_sharding, None), donate_argnums=0)
+                out_shardings=(self.state_sharding, None), donate_argnums=0,
+                compiler_options=step_compiler_options())
             self._stack_members = jax.jit(
                 lambda *states: states[0].replace(
                     **{k: _stack(*(getattr(s, k) for s in states)) for k in fields}),

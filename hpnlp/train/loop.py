@@ -30,7 +30,7 @@ from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.train.checkpoint import Checkpointer
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_state, make_optimizer
-from hpnlp.train.step import finalize, make_eval_step, make_train_step
+from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_compiler_options
 
 
 class NonFiniteLoss(RuntimeError):
@@ -123,7 +123,8 @@ class Trainer:
             self.train_step = jax.jit(
                 make_train_step(model, tx, cfg.train),
                 in_shardings=(self.state_sharding, self.batch_sharding),
-                out_shardings=(self.state_sharding, None), donate_argnums=0)
+                out_shardings=(self.state_sharding, None), donate_argnums=0,
+                compiler_options=step_compiler_options())
             self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train),
                                      in_shardings=(self.state_sharding, self.batch_sharding))
             self.eval_memory = None

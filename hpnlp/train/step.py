@@ -17,6 +17,21 @@ from hpnlp.config import TrainConfig
 from hpnlp.train.state import TrainState, learning_rate_schedule
 
 
+# `jax.checkpoint` (`model.remat`) keeps a block's backward-pass recomputation apart from
+# its forward twin with optimization barriers. XLA's CPU pipeline (jaxlib 0.10.2) removes
+# those barriers before its CSE pass (`cse_barrier_expander`), and CSE then merges the
+# recomputation back into the forward pass: on CPU, remat saved no memory at all (same
+# temporaries, same dot count as without it). Train steps compile with that pass off;
+# a program without barriers compiles exactly as before. This was found and checked on
+# CPU only, so other backends keep XLA's default pipeline.
+CPU_REMAT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def step_compiler_options() -> dict | None:
+    """XLA options every train step is compiled with (`jax.jit(..., compiler_options=)`)."""
+    return dict(CPU_REMAT_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else None
+
+
 def _split_microbatches(batch, n: int):
     """[B, ...] -> [n, B/n, ...], microbatch i = rows i, i+n, ... (every device keeps a share)."""
     def split(x):
