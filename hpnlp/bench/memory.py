@@ -514,9 +514,8 @@ def _notes(res: list[dict], model: dict, devices: int) -> list[str]:
             f"{size(r, 'all-gather') / fsdp['formula_param_bytes']:.2f}·P, temporaries {_mib(temp(r))} MiB"
             for r in rem) + f" (no remat: {count(fsdp, 'all-gather')} all-gathers, temporaries "
             f"{_mib(temp(fsdp))} MiB). Recomputing a block gathers its parameters again."
-            + (" The temporaries do not fall with any policy: this CPU backend's buffer assignment does "
-               "not show remat's saving (a plain `jax.checkpoint` chain compiled here does not either), "
-               "so read these rows for remat's extra collectives, not for its memory on GPU/TPU."
+            + (" The temporaries do not fall with any policy: XLA merged the recomputation back into "
+               "the forward pass (on CPU, train steps need `hpnlp.train.step.step_compiler_options()`)."
                if all(temp(r) >= temp(fsdp) for r in rem) else ""))
     plain, chunked = find("data", remat=None, chunk_loss=None), find("data", chunk_loss=True)
     if plain and chunked:
