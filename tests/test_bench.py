@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hpnlp import attention as attention_lib
 from hpnlp.bench import attention as bench_attention
 from hpnlp.bench import harness
 
@@ -93,18 +94,22 @@ def test_isolated_run_reports_peak_rss_of_a_fresh_process():
 def test_train_bench_reports_mfu_and_relative_speed(tmp_path, monkeypatch):
     from hpnlp.bench import train as bench_train
     monkeypatch.setattr(bench_train, "LM_SIZES_QUICK", [("lm-tiny", 32, 1, 2, 64)])
+    monkeypatch.setattr(bench_train, "PROBE_S", 0.05)
     out = str(tmp_path / "t")
     payload = bench_train.run(out, quick=True, isolate=False, variants=["chunked"], lengths=[64])
     lm = payload["summary"]["lm"]["lm-tiny"]
     assert lm["tokens_per_sec"] > 0 and 0 < lm["mfu"]
     rel = payload["summary"]["encoder_relative_to_dense"]
     assert rel["dense"][64]["relative_speed"] == 1.0 and "chunked" in rel
+    # The bound row (attention replaced by its values) runs beside them, and leaves no trace
+    # in the registry.
+    assert bench_train.BOUND in rel and bench_train.BOUND not in attention_lib.names()
     md = open(os.path.join(out, "results.md")).read()
     assert "MFU" in md and "relative to the dense Transformer" in md
     assert os.path.getsize(os.path.join(out, "train_encoder_steps.png")) > 0
     assert all(len(r["probe_gflops"]) == 2 for r in payload["results"] if r["group"] == "encoder")
     assert 0 < lm["mfu_interleaved"] and payload["results"][0]["matmul_gflops_beside"] > 0
-    assert "probed beside each row" in md
+    assert "probed beside each row" in md and f"bound: {bench_train.BOUND}" in md
 
 
 def test_train_bench_flags_ratios_taken_at_different_machine_speeds():

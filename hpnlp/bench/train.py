@@ -15,6 +15,7 @@ causal LM). Steps run on synthetic token batches (no data loading in the timing)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,6 +49,27 @@ DRIFT_FLAG = 1.2
 # `--quick`: one variant of each family (the full run and the tests cover all of them).
 QUICK_VARIANTS = ["dense", "chunked", "local", "bigbird", "lsh", "performer", "linear", "linformer"]
 LM_SIZES_QUICK = [("lm-128", 128, 2, 4, 512), ("lm-256", 256, 2, 4, 1024), ("lm-512", 512, 2, 8, 2048)]
+# The bound row: the same encoder step with an attention that costs nothing (it returns
+# the values). Everything else in the step is shared by every variant, so no variant's
+# speed or memory relative to `dense` can beat this row's.
+BOUND = "(values only)"
+
+
+class _ValuesOnly(attention_lib.Attention):
+    """out = v: no attention at all. Registered only while the bound row is measured."""
+
+    def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
+        return v
+
+
+@contextlib.contextmanager
+def _bound_registered():
+    classes = attention_lib.base._REGISTRY._classes
+    classes[BOUND] = _ValuesOnly
+    try:
+        yield
+    finally:
+        classes.pop(BOUND, None)
 
 
 def _config(kind: str, width: int, depth: int, heads: int, mlp: int, L: int, vocab: int,
@@ -80,6 +102,13 @@ def _non_embedding_params(params) -> int:
 
 def measure(spec: dict) -> dict:
     """One configuration: build, compile and time the jitted train step."""
+    if spec.get("attention") == BOUND:
+        with _bound_registered():
+            return _measure(spec)
+    return _measure(spec)
+
+
+def _measure(spec: dict) -> dict:
     kind, L, B = spec["kind"], spec["L"], spec["B"]
     cfg = _config(kind, spec["width"], spec["depth"], spec["heads"], spec["mlp"], L,
                   spec["vocab"], spec["attention"])
@@ -154,7 +183,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
                 for n, w, d, h, f in (LM_SIZES_QUICK if quick else LM_SIZES)]
     lengths = lengths or ([512] if quick else [1024, 2048, 3072, 4096])
     names = variants or (QUICK_VARIANTS if quick else attention_lib.names())
-    names = ["dense"] + [n for n in names if n != "dense"]  # the baseline LRA divides by
+    names = ["dense"] + [n for n in names if n != "dense"] + [BOUND]  # LRA divides by dense
     enc_specs = []
     for L in lengths:
         for name in names:
@@ -251,8 +280,9 @@ def _markdown(payload: dict) -> str:
               "", "Steps/s and peak memory divided by `dense` at the same length "
               f"(memory: {'peak RSS of a fresh process' if payload['isolated'] else 'compiled executable'}).", ""]
     rows = []
-    for name in sorted({r["name"] for r in res if r["group"] == "encoder"}):
-        cells = [f"`{name}`"]
+    enc_names = sorted({r["name"] for r in res if r["group"] == "encoder"}, key=lambda n: (n == BOUND, n))
+    for name in enc_names:
+        cells = [f"bound: {name}" if name == BOUND else f"`{name}`"]
         for L in lengths:
             x = rel.get(name, {}).get(L)
             r = next((r for r in res if r["group"] == "encoder" and r["name"] == name and r["L"] == L), {})
@@ -260,6 +290,10 @@ def _markdown(payload: dict) -> str:
                          f"{' †' if _drifted(x) else ''}" if x else (r.get("status") or "–")[:60])
         rows.append(cells)
     parts += [report.table(["attention"] + [f"L={L} speed / memory" for L in lengths], rows), ""]
+    if BOUND in enc_names:
+        parts += [f"The bound row is the same step with attention replaced by its values (`out = v`, "
+                  "nothing computed): the rest of the step is shared by every variant, so no variant's "
+                  "ratio can beat this row's, in speed or in memory.", ""]
     flagged = [x for v in rel.values() for x in v.values() if _drifted(x)]
     probes = [_probe(r) for r in _ok(res) if _probe(r)]
     if probes:
