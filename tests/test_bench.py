@@ -123,7 +123,7 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
     payload = {"machine": harness.machine_info(), "matmul_gflops": {"float32": 200.0},
                "isolated": True,
                "results": [row("dense", 4.0, [200, 200]), row("local", 1.0, [210, 190]),
-                           row("linear", 1.0, [100, 120])]}
+                           row("linear", 1.0, [100, 120]), row(bench_train.BOUND, 1.25, [200, 200])]}
     payload["summary"] = bench_train._summarize(payload)
     rel = payload["summary"]["encoder_relative_to_dense"]
     assert rel["local"][1024]["relative_speed"] == 4.0
@@ -132,6 +132,9 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
     assert "4.00x / 1.00x |" in md and "4.00x / 1.00x †" in md  # local clean, linear flagged
     assert "ranged 110–200 GFLOP/s" in md and "the 1 ratio(s)" in md
     assert "first call after the compile: `dense` at 1024." in md
+    # The bound (3.2x here) is the table's last row; the two 4x ratios read past it.
+    assert md.index("`local`") < md.index("bound: (values only) | 3.20x")
+    assert "2 ratio(s) read past it (`linear` at 1024, `local` at 1024)" in md
 
 
 def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, monkeypatch):
