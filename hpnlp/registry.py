@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class Registry:
     """`register(name)` decorates a class; `get(name)` fails with the valid names listed."""
@@ -19,6 +21,16 @@ class Registry:
             return cls
 
         return wrap
+
+    @contextlib.contextmanager
+    def registered(self, name: str, cls: type):
+        """`cls` under `name` for the duration of a `with` block only (a benchmark's bound
+        row, say), then gone from `names()` again."""
+        self.register(name)(cls)
+        try:
+            yield cls
+        finally:
+            del self._classes[name]
 
     def names(self) -> list[str]:
         return sorted(self._classes)

@@ -30,6 +30,16 @@ def test_registry_lists_and_rejects():
     assert {"dense", "xla", "chunked"} <= set(A.names())
     with pytest.raises(ValueError, match="choose one of .*dense"):
         A.get("no_such_attention")
+    # `registered`: a variant for one `with` block, gone afterwards even on an error.
+    class Tmp(A.Attention):
+        pass
+    with pytest.raises(RuntimeError), A.registered("tmp_variant", Tmp):
+        assert A.get("tmp_variant") is Tmp and Tmp.registry_name == "tmp_variant"
+        raise RuntimeError
+    assert "tmp_variant" not in A.names()
+    with pytest.raises(ValueError, match="registered twice"), A.registered("dense", Tmp):
+        pass
+    assert A.get("dense") is not Tmp
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))

@@ -16,6 +16,7 @@ from hpnlp.registry import Registry
 
 _REGISTRY = Registry("attention variant")
 register = _REGISTRY.register  # class decorator: make a variant available as `get(name)`
+registered = _REGISTRY.registered  # context manager: a variant for one `with` block
 names = _REGISTRY.names
 get = _REGISTRY.get
 
