@@ -9,7 +9,6 @@ from typing import Any, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 from hpnlp.bench.harness import fit_exponent  # noqa: E402
 
@@ -59,6 +58,8 @@ def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str
                  title: str, ceiling: tuple[list, list] | None = None,
                  ceiling_label: str = "") -> dict[str, float | None]:
     """Log-log plot, one line per series, fitted exponent in each label. Returns exponents."""
+    import matplotlib.pyplot as plt  # here, not at import: a benchmark's worker processes never plot
+
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     exps = {}
     for label, (xs, ys) in series.items():
