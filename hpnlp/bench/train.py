@@ -288,7 +288,7 @@ def _markdown(payload: dict) -> str:
                 if L in bound and L in rel.get(n, {})
                 and (rel[n][L]["relative_speed"] > bound[L]["relative_speed"]
                      or rel[n][L]["relative_memory"] < bound[L]["relative_memory"])]
-        parts += [f"The bound row is the same step with attention replaced by its values (`out = v`, "
+        parts += ["The bound row is the same step with attention replaced by its values (`out = v`, "
                   "nothing computed): the rest of the step is shared by every variant, so no variant's "
                   "ratio can truly beat this row's, in speed or in memory."
                   + (f" In this run {len(beat)} ratio(s) read past it ({', '.join(beat)}): rows timed "
