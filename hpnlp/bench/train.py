@@ -62,8 +62,6 @@ class _ValuesOnly(attention_lib.Attention):
         return v
 
 
-
-
 def _config(kind: str, width: int, depth: int, heads: int, mlp: int, L: int, vocab: int,
             attention: str) -> Config:
     cfg = from_configdict(default_configdict())
@@ -112,14 +110,13 @@ def _measure(spec: dict) -> dict:
     # from an optimized init's in the last bits, which no timing depends on).
     init = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch))).lower(jax.random.key(0))
     state = init.compile(compiler_options={"xla_backend_optimization_level": 0})(jax.random.key(0))
-    step = make_train_step(model, tx, cfg.train)
+    step, options = make_train_step(model, tx, cfg.train), step_compiler_options()
     out = {**spec, "status": "ok"}
     if kind == "lm":
         # MFU is a ratio of two rates, so both are timed in the same rounds: the step and
         # the n x n matrix product alternate (`harness.time_interleaved`), and a machine
         # whose speed drifts over minutes slows both alike.
-        compiled, compile_s = harness.compile_timed(step, state, batch,
-                                                     compiler_options=step_compiler_options())
+        compiled, compile_s = harness.compile_timed(step, state, batch, compiler_options=options)
         mm, mm_flops = harness.matmul_call(jnp.float32)
         timed = harness.time_interleaved(
             {"step": lambda: jax.block_until_ready(compiled(state, batch)), "matmul": mm},
@@ -138,7 +135,7 @@ def _measure(spec: dict) -> dict:
         # Donation-free timing: the same state each call, so repeats do identical work.
         t = harness.time_jax(step, state, batch, repeats=spec["repeats"], warmup=1,
                              min_time_s=spec.get("min_time_s", 1.0), max_time_s=spec.get("max_time_s"),
-                             compiler_options=step_compiler_options())
+                             compiler_options=options)
         probe.append(harness.matmul_rate(jnp.float32, min_time_s=PROBE_S))
         out["probe_gflops"] = probe
     out["compiled_memory"], out["time"] = t.memory, t.as_dict()
