@@ -62,7 +62,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and losses always run in float32
     # Per-block rematerialization: "none" | "full" | "dots_saveable" | "names:qkv,mlp_in"
-    # (save only these REMAT_NAMES activations, recompute the rest in the backward pass).
+    # (save only these REMAT_NAMES activations, recompute the rest in the backward pass) |
+    # "elementwise" (recompute only the layer norms' and gelu's outputs, keep all else).
     remat: str = "none"
     # Reversible residual blocks (RevNet/Reformer, models/reversible.py): the backward pass
     # recomputes each block's inputs from its outputs, so activation memory stops growing
@@ -340,7 +341,8 @@ def _check_remat(remat: Any) -> None:
             _fail("model.remat", remat, f"unknown activation name(s) {bad}; after 'names:' list "
                   f"comma-separated names from {list(REMAT_NAMES)}")
         return
-    _check_choice("model.remat", remat, ("none", "full", "dots_saveable", "names:<a>,<b>"))
+    _check_choice("model.remat", remat, ("none", "full", "dots_saveable", "elementwise",
+                                         "names:<a>,<b>"))
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,

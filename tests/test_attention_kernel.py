@@ -19,6 +19,7 @@ import hpnlp.attention.kernel as K
 from hpnlp import models
 from hpnlp.attention.dense import dense_attention
 from hpnlp.config import AttentionConfig, ConfigError, ModelConfig, default_configdict, from_configdict
+from hpnlp.train.step import step_compiler_options
 
 B, L, H, D = 2, 40, 2, 8
 CHUNK = 16  # does not divide L: the padded last chunk is always exercised
@@ -210,6 +211,47 @@ def test_redraw_stream():
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_recompute_keeps_gradients_and_drops_the_features(name):
+    """`recompute` (the default) keeps only q, k, v and S for the backward pass. Through a
+    stack of layers: the same loss and gradients as without it, and compiled temporaries
+    that no longer hold every layer's phi(Q), phi(K) ([B, H, L, M] each). (Recompute's
+    gradients against the quadratic twin, causal too: `test_fast_path_matches_quadratic_twin`.)"""
+    Lm, M, layers = 512, 64, 4
+    ks = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(kk, (1, Lm, H, D)) for kk in ks)
+    mask = jnp.ones((1, Lm), jnp.int32)
+
+    def grad_fn(recompute):
+        mod = _module(name, recompute=recompute, **({"num_features": M} if name == "performer" else {}))
+
+        def loss(q, k, v):
+            for _ in range(layers):  # each layer's output feeds the next one's q, k and v
+                out = mod(q, k, v, mask)
+                q, k, v = q + out, k - out, v * jnp.cos(out)
+            return jnp.sum(jnp.sin(out))
+
+        return jax.value_and_grad(loss, (0, 1, 2))
+
+    # As every hpnlp train step is compiled: on CPU, XLA's default pipeline would merge the
+    # recomputation back into the forward pass (`train.step.step_compiler_options`). LLVM
+    # effort off: these compiles are for values and buffer sizes, never speed.
+    options = {**(step_compiler_options() or {}), "xla_backend_optimization_level": 0}
+
+    def compiled(fn):
+        return jax.jit(fn).lower(q, k, v).compile(compiler_options=options)
+
+    fns = {r: compiled(grad_fn(r)) for r in (True, False)}
+    (a, ga), (b, gb) = (fns[r](q, k, v) for r in (True, False))
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    for x, y in zip(ga, gb):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)  # 4 layers of rounding
+    temp = {r: fn.memory_analysis().temp_size_in_bytes for r, fn in fns.items()}
+    features = 2 * H * Lm * (M if name == "performer" else D) * 4  # phi(Q) and phi(K), float32
+    # Plain autodiff keeps every layer's; recompute holds one layer's during its backward.
+    assert temp[False] - temp[True] >= (layers - 2) * features, (temp, features)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_padding_invariance(name):
     q, k, v = _qkv()
     mask = _padding([20, 33])
@@ -302,7 +344,8 @@ def test_bad_inputs_have_clear_errors():
         _module("performer", num_features=0)(q, k, v, None, causal=False)
     cls = A.get("performer")
     for opts, field in (({"num_features": -1}, "num_features"), ({"chunk_size": 0}, "chunk_size"),
-                        ({"redraw": "yes"}, "redraw"), ({"seed": 1.5}, "seed")):
+                        ({"redraw": "yes"}, "redraw"), ({"seed": 1.5}, "seed"),
+                        ({"recompute": 1}, "recompute")):
         with pytest.raises(ConfigError, match=f"`attention.options.{field}` = .* is not allowed"):
             cls.check_config(opts, seq_len=64, causal=True)
     cls.check_config({"num_features": 64, "chunk_size": 48}, seq_len=100, causal=True)  # pads

@@ -117,7 +117,8 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
 
     def row(name, step_s, probe):
         return dict(group="encoder", name=name, L=1024, status="ok", steps_per_sec=1 / step_s,
-                    peak_rss_bytes=2**30, compiled_memory={}, probe_gflops=probe,
+                    peak_rss_bytes=2**30, probe_gflops=probe,
+                    compiled_memory={"total_bytes": 2**30 if name == "dense" else 2**28},
                     time={"first_call_only": name == "dense"})
 
     payload = {"machine": harness.machine_info(), "matmul_gflops": {"float32": 200.0},
@@ -129,7 +130,9 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
     assert rel["local"][1024]["relative_speed"] == 4.0
     assert rel["linear"][1024]["machine_speed_ratio"] == pytest.approx(110 / 200)
     md = bench_train._markdown(payload)
-    assert "4.00x / 1.00x |" in md and "4.00x / 1.00x †" in md  # local clean, linear flagged
+    # speed / RSS / compiled memory; local clean, linear flagged
+    assert "4.00x / 1.00x / 0.250x |" in md and "4.00x / 1.00x / 0.250x †" in md
+    assert "memory (compiled)" in md and "model.remat='elementwise'" in md
     assert "ranged 110–200 GFLOP/s" in md and "the 1 ratio(s)" in md
     assert "first call after the compile: `dense` at 1024." in md
     # The bound (3.2x here) is the table's last row; the two 4x ratios read past it.

@@ -37,7 +37,7 @@ def make_cfg(**model_kw):
 
 
 RNGS = {"dropout": jax.random.key(1), "features": jax.random.key(2)}
-POLICIES = ["full", "dots_saveable", "names:qkv,mlp_in"]
+POLICIES = ["full", "dots_saveable", "names:qkv,mlp_in", "elementwise"]
 
 
 # Compile-time savers (LLVM effort only; HLO passes and buffer assignment are untouched):
@@ -106,7 +106,7 @@ def test_each_remat_policy_saves_what_it_says(lm_params):
     batch = lm_batch()
     rest = "names:context,attention_out"
     kept = {p: saved(lambda params: lm_loss(p)(params, batch), lm_params)
-            for p in ["none", "full", "dots_saveable", "names:qkv,mlp_in", rest]}
+            for p in ["none", "full", "dots_saveable", "names:qkv,mlp_in", rest, "elementwise"]}
     depth = 2
     # Exactly the named activations are saved by name: qkv [B, L, 3, H, D] and mlp_in
     # [B, L, F] of every block, float32.
@@ -119,6 +119,9 @@ def test_each_remat_policy_saves_what_it_says(lm_params):
     assert kept["full"][0] < kept["names:qkv,mlp_in"][0] < kept["none"][0]
     assert kept["names:qkv,mlp_in"][0] - kept["full"][0] >= 0.9 * sum(kept["names:qkv,mlp_in"][1].values())
     assert kept["full"][0] < kept["dots_saveable"][0] < kept["none"][0]
+    # elementwise: at least both layer norms' outputs [B, L, E] and gelu's [B, L, F] of
+    # every block are no longer kept (their own intermediates go too).
+    assert kept["none"][0] - kept["elementwise"][0] >= depth * 4 * B * L * (2 * E + 32)
 
 
 def rev_stack(depth=2, recompute=True, causal=True, deterministic=False, dropout=0.1):

@@ -15,6 +15,14 @@ so the [L, L] score matrix never exists and the cost is O(L M D), not O(L^2 D).
   keeps the scan's per-chunk S as residuals, L M D / C floats, i.e. O(L M) for C ~ D.
   A length that C does not divide is padded automatically.
 * Decoding keeps only S, z (and the Performer's running stabilizer): O(1) per token.
+* Training memory (`recompute`, on by default): autodiff would keep phi(Q) and phi(K),
+  two [B, H, L, M] arrays per layer (M = 256 features is 4x the head dim), until the
+  backward pass. Instead the attention runs under `jax.checkpoint` and keeps only its
+  inputs (and, bidirectional, S and z: `KERNEL_STATE`, [B, H, M, D + 1]); the backward
+  pass recomputes the features from q, k (and, causal, the chunk scan): one more feature map per layer, for a training step whose memory
+  grows with depth by q, k, v alone (`bench train` shows the memory it takes at L = 4096).
+  On CPU this needs the train step's `train.step.step_compiler_options()`, which every
+  hpnlp step uses: XLA's default pipeline merges the recomputation back into the forward.
 
 Padding: `mask` != 0 marks real tokens. Padded keys are zeroed in feature space, so they
 count in no sum; padded queries output zeros. Packed rows (several segment ids per row)
@@ -33,11 +41,13 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import linalg
 from hpnlp.attention.base import Attention, check_inputs, register
 from hpnlp.config import ConfigError
 
+KERNEL_STATE = "kernel_state"  # checkpoint name of S, z: all that `recompute` keeps
 EPS = 1e-6  # added to every denominator; also what makes rows with no keys output 0, not NaN
 _FLOOR = -1e30  # stabilizer before any real key has been seen (finite, so no inf - inf)
 
@@ -143,7 +153,7 @@ def kernel_attention(phi_q_BHLM, phi_k_BHLM, v_BLHD, shift_BHL=None, *, causal: 
     """
     v_BHLE = _with_ones(v_BLHD)
     if not causal:
-        s_BHME = jnp.einsum("bhsm,bhse->bhme", phi_k_BHLM, v_BHLE)
+        s_BHME = checkpoint_name(jnp.einsum("bhsm,bhse->bhme", phi_k_BHLM, v_BHLE), KERNEL_STATE)
         return _ratio(jnp.einsum("bhlm,bhme->bhle", phi_q_BHLM, s_BHME))
     B, H, L, M = phi_q_BHLM.shape
     E = v_BHLE.shape[-1]
@@ -215,17 +225,27 @@ def _check_positive_int(options, name, default, field):
 class _KernelAttention(Attention):
     """Shared machinery: padding, the causal chunked prefix sums, and the O(1) decode state.
 
-    Subclasses define `_features(q, k, valid_BL, causal) -> (phi_q_BHLM, phi_k_BHLM,
-    shift_BHL | None)` and `_num_features(head_dim)`.
+    Subclasses define `_feature_params(head_dim)` (an array, e.g. the Performer's
+    projection, or None), `_feature_map(q, k, params, valid_BL, causal) -> (phi_q_BHLM,
+    phi_k_BHLM, shift_BHL | None)` (pure: no module state, so it can be recomputed) and
+    `_num_features(head_dim)`. `recompute` (default on): keep only q, k, v and the state S
+    for the backward pass and recompute the features there (module docstring).
     """
 
     supports_segments: ClassVar[bool] = False
     chunk_size: int = 64
+    recompute: bool = True
 
     @classmethod
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):
         super().check_config(options, seq_len=seq_len, causal=causal, field=field)
         _check_positive_int(options, "chunk_size", cls.chunk_size, field)
+        if not isinstance(options.get("recompute", True), bool):
+            raise ConfigError(f"config field `{field}.recompute` = {options['recompute']!r} is "
+                              "not allowed: must be True or False")
+
+    def _features(self, q, k, valid_BL, causal):
+        return self._feature_map(q, k, self._feature_params(q.shape[-1]), valid_BL, causal)
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         check_inputs(q, k, v, mask)
@@ -237,9 +257,16 @@ class _KernelAttention(Attention):
                              "positive integer")
         B, L = q.shape[:2]
         valid_BL = jnp.ones((B, L), bool) if mask is None else mask != 0
-        phi_q_BHLM, phi_k_BHLM, shift_BHL = self._features(q, k, valid_BL, causal)
-        out_BLHD = kernel_attention(phi_q_BHLM, phi_k_BHLM, v, shift_BHL if causal else None,
+
+        def attend(q, k, v, params):
+            phi_q_BHLM, phi_k_BHLM, shift_BHL = self._feature_map(q, k, params, valid_BL, causal)
+            return kernel_attention(phi_q_BHLM, phi_k_BHLM, v, shift_BHL if causal else None,
                                     causal=causal, chunk_size=self.chunk_size)
+
+        if self.recompute:
+            attend = jax.checkpoint(
+                attend, policy=jax.checkpoint_policies.save_only_these_names(KERNEL_STATE))
+        out_BLHD = attend(q, k, v, self._feature_params(q.shape[-1]))
         return jnp.where(valid_BL[:, :, None, None], out_BLHD, 0.0).astype(q.dtype)
 
     def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype):
@@ -321,8 +348,11 @@ class PerformerAttention(_KernelAttention):
             key = jax.random.key(self.seed)
         return orthogonal_random_features(key, self.num_features, head_dim)
 
-    def _features(self, q, k, valid_BL, causal):
-        return performer_features(q, k, self.projection(q.shape[-1]), valid_BL, causal=causal)
+    def _feature_params(self, head_dim: int):
+        return self.projection(head_dim)
+
+    def _feature_map(self, q, k, w_MD, valid_BL, causal):
+        return performer_features(q, k, w_MD, valid_BL, causal=causal)
 
 
 @register("linear")
@@ -337,6 +367,9 @@ class LinearAttention(_KernelAttention):
     def _num_features(self, head_dim: int) -> int:
         return head_dim
 
-    def _features(self, q, k, valid_BL, causal):
+    def _feature_params(self, head_dim: int):
+        return None
+
+    def _feature_map(self, q, k, params, valid_BL, causal):
         phi_q_BHLD, phi_k_BHLD = elu_features(q, k, valid_BL)
         return phi_q_BHLD, phi_k_BHLD, None

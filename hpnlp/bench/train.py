@@ -41,14 +41,19 @@ from hpnlp.train.step import make_train_step, step_compiler_options
 LM_SIZES = [("lm-256", 256, 4, 4, 1024), ("lm-512", 512, 4, 8, 2048), ("lm-768", 768, 4, 12, 3072)]
 LM_BATCH = 8
 # Encoder rows: at most this many seconds of timed steps; a step slower than this is
-# timed by its first call after the compile (`harness.time_jax`).
-MAX_TIME_S = 20.0
+# timed by its first call after the compile (`harness.time_jax`). (20 s made the full run
+# take 30-31 minutes; 12 s gives fewer repeats only to steps slower than 4 s.)
+MAX_TIME_S = 12.0
 PROBE_S = 0.3  # matrix-product rate probed for this long before and after each timing
 # Ratios of two rows whose probed machine speeds differ by more than this are flagged.
 DRIFT_FLAG = 1.2
 # `--quick`: one variant of each family (the full run and the tests cover all of them).
 QUICK_VARIANTS = ["dense", "chunked", "local", "bigbird", "lsh", "performer", "linear", "linformer"]
 LM_SIZES_QUICK = [("lm-128", 128, 2, 4, 512), ("lm-256", 256, 2, 4, 1024), ("lm-512", 512, 2, 8, 2048)]
+# Every encoder row (dense and the bound too) recomputes its layer norms' and gelu's
+# outputs in the backward pass (`model.remat`): the memory every variant shares shrinks,
+# and what is left of a row's memory is more nearly its attention's own.
+ENCODER_REMAT = "elementwise"
 # The bound row: the same encoder step with an attention that costs nothing (it returns
 # the values). Everything else in the step is shared by every variant, so no variant's
 # speed or memory relative to `dense` can beat this row's.
@@ -63,12 +68,12 @@ class _ValuesOnly(attention_lib.Attention):
 
 
 def _config(kind: str, width: int, depth: int, heads: int, mlp: int, L: int, vocab: int,
-            attention: str) -> Config:
+            attention: str, remat: str = "none") -> Config:
     cfg = from_configdict(default_configdict())
     return dataclasses.replace(
         cfg,
         model=ModelConfig(kind=kind, width=width, depth=depth, num_heads=heads, mlp_dim=mlp,
-                          dropout=0.0, max_len=L, vocab_size=vocab, num_classes=10),
+                          dropout=0.0, max_len=L, vocab_size=vocab, num_classes=10, remat=remat),
         attention=AttentionConfig(attention, harness.length_options(attention, L)),
         train=TrainConfig(steps=1000, warmup_steps=10, batch_size=1))
 
@@ -101,7 +106,7 @@ def measure(spec: dict) -> dict:
 def _measure(spec: dict) -> dict:
     kind, L, B = spec["kind"], spec["L"], spec["B"]
     cfg = _config(kind, spec["width"], spec["depth"], spec["heads"], spec["mlp"], L,
-                  spec["vocab"], spec["attention"])
+                  spec["vocab"], spec["attention"], spec.get("remat", "none"))
     model = models.build(cfg, deterministic=False)
     tx = make_optimizer(cfg.train)
     batch = _batch(kind, B, L, spec["vocab"])
@@ -179,7 +184,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
             # LRA's encoder: width 256, 4 layers, 4 heads, MLP 1024 (their byte-level setup), B=4.
             enc_specs.append(dict(group="encoder", kind="classifier", name=name, width=128 if quick else 256,
                                   depth=2 if quick else 4, heads=4, mlp=512 if quick else 1024, L=L,
-                                  B=2 if quick else 4, vocab=256, attention=name,
+                                  B=2 if quick else 4, vocab=256, attention=name, remat=ENCODER_REMAT,
                                   repeats=min(repeats, 3), min_time_s=min_time_s,
                                   max_time_s=MAX_TIME_S))
     results = [_one(s, isolate) for s in tqdm(lm_specs + enc_specs, desc="train bench",
@@ -220,9 +225,12 @@ def _summarize(payload: dict) -> dict:
         if base is None:
             continue
         mem = lambda x: x.get("peak_rss_bytes") or x["compiled_memory"].get("total_bytes")
+        compiled = lambda x: x["compiled_memory"].get("total_bytes")
         rel.setdefault(r["name"], {})[r["L"]] = {
             "relative_speed": r["steps_per_sec"] / base["steps_per_sec"],
             "relative_memory": mem(r) / mem(base),
+            "relative_compiled_memory": (compiled(r) / compiled(base)
+                                         if compiled(r) and compiled(base) else None),
             "machine_speed_ratio": _probe(r) / _probe(base) if _probe(r) and _probe(base) else None}
     return {"lm": lm, "encoder_relative_to_dense": rel}
 
@@ -265,9 +273,14 @@ def _markdown(payload: dict) -> str:
               "ceiling measured at the start of the run instead (the fastest product call).", ""]
     rel = payload["summary"]["encoder_relative_to_dense"]
     lengths = sorted({r["L"] for r in res if r["group"] == "encoder"})
+    isolated = payload["isolated"]
     parts += ["### Encoder training, relative to the dense Transformer (as in LRA, Tay et al. 2021, table 3)",
-              "", "Steps/s and peak memory divided by `dense` at the same length "
-              f"(memory: {'peak RSS of a fresh process' if payload['isolated'] else 'compiled executable'}).", ""]
+              "", "Steps/s and peak memory divided by `dense` at the same length. Memory: "
+              + ("the peak RSS of a fresh process (the Python and XLA runtime included), then the "
+                 "compiled executable's (arguments, outputs, temporaries: the part LRA's device "
+                 "memory measured)." if isolated else "the compiled executable's.")
+              + " Every row recomputes its layer norms' and gelu's outputs in the backward pass "
+              f"(`model.remat={ENCODER_REMAT!r}`).", ""]
     rows = []
     enc_names = sorted({r["name"] for r in res if r["group"] == "encoder"}, key=lambda n: (n == BOUND, n))
     for name in enc_names:
@@ -275,10 +288,13 @@ def _markdown(payload: dict) -> str:
         for L in lengths:
             x = rel.get(name, {}).get(L)
             r = next((r for r in res if r["group"] == "encoder" and r["name"] == name and r["L"] == L), {})
-            cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x"
+            compiled = (f" / {x['relative_compiled_memory']:.3f}x"
+                        if isolated and x and x.get("relative_compiled_memory") else "")
+            cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x{compiled}"
                          f"{' †' if _drifted(x) else ''}" if x else (r.get("status") or "–")[:60])
         rows.append(cells)
-    parts += [report.table(["attention"] + [f"L={L} speed / memory" for L in lengths], rows), ""]
+    what = "speed / memory (RSS) / memory (compiled)" if isolated else "speed / memory"
+    parts += [report.table(["attention"] + [f"L={L} {what}" for L in lengths], rows), ""]
     if BOUND in enc_names:
         bound = rel.get(BOUND, {})
         beat = [f"`{n}` at {L}" for n in enc_names if n != BOUND for L in lengths

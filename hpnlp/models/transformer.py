@@ -98,7 +98,8 @@ class MultiHeadAttention(nn.Module):
 
 def layer_norm(m: ModelConfig, name: str) -> nn.LayerNorm:
     dt, pdt = dtypes(m)
-    return nn.LayerNorm(dtype=dt, param_dtype=pdt, name=name,
+    cls = nn.remat(nn.LayerNorm) if m.remat == "elementwise" else nn.LayerNorm
+    return cls(dtype=dt, param_dtype=pdt, name=name,
                         scale_init=_init(nn.initializers.ones, ("embed",)),
                         bias_init=_init(nn.initializers.zeros, ("embed",)))
 
@@ -111,7 +112,8 @@ def mlp(m: ModelConfig, h_BLE):
                      kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
                      bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
     h_BLF = checkpoint_name(h_BLF, "mlp_in")  # pre-activation: gelu is cheap to recompute
-    h_BLF = nn.with_logical_constraint(nn.gelu(h_BLF), ("batch", "length", "activation_mlp"))
+    gelu = jax.checkpoint(nn.gelu) if m.remat == "elementwise" else nn.gelu
+    h_BLF = nn.with_logical_constraint(gelu(h_BLF), ("batch", "length", "activation_mlp"))
     h_BLE = nn.Dense(m.width, dtype=dt, param_dtype=pdt, name="mlp_out",
                      kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
                      bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
@@ -130,6 +132,9 @@ class Block(nn.Module):
     e.g. "names:qkv,mlp_in" keeps the two big projections and recomputes the attention
     scores, norms and gelu in the backward pass. The block input is always saved. (The MLP's
     output has no name: the backward never needs it, only its sum with the residual.)
+    `model.remat = "elementwise"` is not a block policy: it keeps everything but the two
+    layer norms' outputs and gelu's, which the backward pass recomputes from their inputs
+    (`layer_norm`, `mlp`).
     """
 
     model: ModelConfig
@@ -184,7 +189,7 @@ class Trunk(nn.Module):
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = Block
-        if m.remat != "none":
+        if m.remat not in ("none", "elementwise"):  # elementwise: inside the block
             block_cls = nn.remat(Block, policy=remat_policy(m.remat))
         if m.reversible:  # backward recomputes block inputs from outputs (models/reversible.py)
             from hpnlp.models.reversible import ReversibleStack  # it imports this module

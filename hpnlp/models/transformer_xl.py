@@ -234,7 +234,7 @@ class XLTrunk(nn.Module):
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = XLBlock
-        if m.remat != "none":
+        if m.remat not in ("none", "elementwise"):  # elementwise: inside the block
             block_cls = nn.remat(XLBlock, policy=remat_policy(m.remat))
         new_XBME = []
         for i in range(m.depth):
