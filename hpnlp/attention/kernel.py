@@ -18,9 +18,10 @@ so the [L, L] score matrix never exists and the cost is O(L M D), not O(L^2 D).
 * Training memory (`recompute`, on by default): autodiff would keep phi(Q) and phi(K),
   two [B, H, L, M] arrays per layer (M = 256 features is 4x the head dim), until the
   backward pass. Instead the attention runs under `jax.checkpoint` and keeps only its
-  inputs (and, bidirectional, S and z: `KERNEL_STATE`, [B, H, M, D + 1]); the backward
-  pass recomputes the features from q, k (and, causal, the chunk scan): one more feature map per layer, for a training step whose memory
-  grows with depth by q, k, v alone (`bench train` shows the memory it takes at L = 4096).
+  inputs and S, z (`KERNEL_STATE`: [B, H, M, D + 1], causally the one each chunk starts
+  from); the backward pass recomputes the features from q, k. That costs one more
+  feature map per layer, and a layer's training memory is then q, k, v and the S's
+  (`bench train` shows what it comes to at L = 4096).
   On CPU this needs the train step's `train.step.step_compiler_options()`, which every
   hpnlp step uses: XLA's default pipeline merges the recomputation back into the forward.
 
@@ -180,6 +181,7 @@ def kernel_attention(phi_q_BHLM, phi_k_BHLM, v_BLHD, shift_BHL=None, *, causal: 
     def chunk(s_BHME, xs):
         """S (keys of all earlier chunks, at scale prev) -> (S after this chunk, out)."""
         q_BHCM, k_BHCM, v_BHCE, sh_BHC, prev_BH, end_BH = xs
+        s_BHME = checkpoint_name(s_BHME, KERNEL_STATE)  # `recompute` keeps each chunk's S
         a_BHTS = jnp.einsum("bhtm,bhsm->bhts", q_BHCM, k_BHCM)  # the in-chunk quadratic form
         inter_BHCE = jnp.einsum("bhtm,bhme->bhte", q_BHCM, s_BHME)  # everything before the chunk
         if stabilized:  # bring key s (stored at scale sh_s) and S (at prev) to query t's scale

@@ -60,11 +60,12 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
     """Time a jitted `fn(*args)`: compile first (timed separately), warm up, then repeat.
 
     `min_time_s` raises the repeat count for very fast functions so the median is not
-    noise, up to 50 repeats; `max_time_s` lowers it (to at least 1) for calls so slow that
-    `repeats` of them would take longer, judged by the warm-up call. A warm-up call that
-    alone takes `max_time_s` or more is the timing (`first_call_only`; the compile is still
-    outside it): on a machine whose speed drifts by more than a first call's extra cost,
-    one more such call would add minutes and tell little. The result's `memory` is the
+    noise, up to 50 repeats; `max_time_s` bounds the warm-up and the repeats together,
+    judged by the warm-up call: the repeats are lowered (to at least 1) so that they and
+    the warm-up fit in it. A warm-up call that alone takes `max_time_s` or more is the
+    timing (`first_call_only`; the compile is still outside it): on a machine whose speed
+    drifts by more than a first call's extra cost, one more such call would add minutes
+    and tell little. The result's `memory` is the
     timed executable's memory (as `compiled_memory` reports it), from the same compile.
     `compiler_options` go to `jax.jit` (e.g. `train.step.step_compiler_options()`).
     """
@@ -77,7 +78,7 @@ def time_jax(fn: Callable, *args, repeats: int = 5, warmup: int = 1, min_time_s:
         if max_time_s is not None:
             if dt >= max_time_s:
                 return Timing(dt, dt, dt, 1, compile_s, True, memory)
-            repeats = max(1, min(repeats, int(max_time_s / max(dt, 1e-9))))
+            repeats = max(1, min(repeats, int((max_time_s - dt) / max(dt, 1e-9))))
     times: list[float] = []
     while len(times) < repeats or (sum(times) < min_time_s and len(times) < 50):
         t = time.perf_counter()
@@ -153,16 +154,18 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5, min_time_s: float = 1.0) -> float:
+def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5, min_time_s: float = 1.0,
+                warmup: int = 3) -> float:
     """This machine's dense matrix-product rate in GFLOP/s (the ceiling for kernels).
 
     A ceiling, so the best call counts: after three warm-up calls (the first calls of a
     process run slower while its thread pool starts), the fastest of `min_time_s` of calls.
     This machine's speed drifts (a 2-core VM: the median of a short run read 145 and then
     287 GFLOP/s minutes apart), so compare kernels with peers timed in the same run, or
-    probe the rate again beside a timing that was not (a shorter `min_time_s`)."""
+    probe the rate again beside a timing that was not (a shorter `min_time_s`, and fewer
+    `warmup` calls: the fastest call counts, so a slow first one changes nothing)."""
     run, flops = matmul_call(dtype, n, calls=1)
-    t = time_python(run, repeats=repeats, warmup=3, min_time_s=min_time_s)
+    t = time_python(run, repeats=repeats, warmup=warmup, min_time_s=min_time_s)
     return flops / t.min_s / 1e9
 
 

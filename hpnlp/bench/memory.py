@@ -76,10 +76,13 @@ def modes(n: int, model: dict) -> list[dict]:
     policies = list(REMAT_POLICIES)  # "none" is the fsdp row itself
     if {"qkv", "mlp_in"} <= set(getattr(config, "REMAT_NAMES", ())):  # save-by-name policies
         policies.append("names:qkv,mlp_in")
+    policies.append("elementwise")  # not a block policy: norms and gelu recomputed inside
     for policy in policies:
         out.append(dict(name=f"fsdp={n}, remat={policy}", kind="fsdp", mesh=dict(data=1, fsdp=n), remat=policy))
-    tokens = model["B_per_device"] * n * model["L"]
-    if 0 < auto_chunk(tokens, model["vocab"]) < tokens:  # only where the default would chunk
+    # Automatic chunk sizes are per device (`softmax.full.auto_chunk_tokens`), so the row
+    # is only worth compiling where one device's own tokens would be chunked.
+    tokens = model["B_per_device"] * model["L"]
+    if 0 < auto_chunk(tokens, model["vocab"]) < tokens:
         out.append(dict(name=f"replicated (data={n}), auto loss chunks", kind="data", mesh=dict(data=n),
                         chunk_loss=True))
     return out

@@ -40,9 +40,9 @@ from hpnlp.train.step import make_train_step, step_compiler_options
 # 101-105 at batch 16 (`measure` of both, alternating, in one process).
 LM_SIZES = [("lm-256", 256, 4, 4, 1024), ("lm-512", 512, 4, 8, 2048), ("lm-768", 768, 4, 12, 3072)]
 LM_BATCH = 8
-# Encoder rows: at most this many seconds of timed steps; a step slower than this is
-# timed by its first call after the compile (`harness.time_jax`). (20 s made the full run
-# take 30-31 minutes; 12 s gives fewer repeats only to steps slower than 4 s.)
+# Encoder rows: at most this many seconds of steps, warm-up included; a step slower than
+# this is timed by its first call after the compile (`harness.time_jax`). (20 s, without
+# the warm-up, made the full run take 30-31 minutes.)
 MAX_TIME_S = 12.0
 PROBE_S = 0.3  # matrix-product rate probed for this long before and after each timing
 # Ratios of two rows whose probed machine speeds differ by more than this are flagged.
@@ -136,12 +136,12 @@ def _measure(spec: dict) -> dict:
         # length interleaved in one process is no cure: there the dense step at L=4096
         # ran 35 s a step against 20 s in a process of its own, as memory held by the
         # other executables slowed its 14 GB of per-step allocations.)
-        probe = [harness.matmul_rate(jnp.float32, min_time_s=PROBE_S)]
+        probe = [harness.matmul_rate(jnp.float32, min_time_s=PROBE_S, warmup=1)]
         # Donation-free timing: the same state each call, so repeats do identical work.
         t = harness.time_jax(step, state, batch, repeats=spec["repeats"], warmup=1,
                              min_time_s=spec.get("min_time_s", 1.0), max_time_s=spec.get("max_time_s"),
                              compiler_options=options)
-        probe.append(harness.matmul_rate(jnp.float32, min_time_s=PROBE_S))
+        probe.append(harness.matmul_rate(jnp.float32, min_time_s=PROBE_S, warmup=1))
         out["probe_gflops"] = probe
     out["compiled_memory"], out["time"] = t.memory, t.as_dict()
     n = _non_embedding_params(state.params)
