@@ -35,9 +35,12 @@ biases and the scalars of the loss and gradient norm; the tables show the differ
 Full: width 512, depth 4, 8 heads, MLP 2048, word LM with a 12,000-word vocabulary,
 L = 512, B = 8 per device, float32, AdamW. `--quick`: width 64, depth 2, 8 heads, MLP 256,
 byte LM, L = 64, B = 2 per device. The loss runs unchunked
-(`output.options.chunk_tokens = 0`); one extra row keeps the default automatic chunking
-(`softmax.base.map_token_chunks`: every chunk takes a slice of every row, so each device
-chunks its own rows), to show what chunking costs in collectives and temporaries.
+(`output.options.chunk_tokens = 0`); where one device's own tokens would be chunked by
+default, one extra row keeps the automatic chunking (`softmax.base.map_token_chunks`:
+every chunk takes a slice of every row, so each device chunks its own rows), to show what
+chunking costs in collectives and temporaries. At the full size there is no such row: a
+device's 4,096 tokens x 12,000 words of float32 logits fit in one chunk
+(`softmax.full.CHUNK_LOGITS_BYTES`).
 """
 
 from __future__ import annotations
