@@ -186,8 +186,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     os.makedirs(out_dir, exist_ok=True)
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     info = harness.machine_info()
-    rates = {"float32": harness.matmul_rate(jnp.float32),
-             "bfloat16": harness.matmul_rate(jnp.bfloat16)}
+    rates = harness.ceiling_rates((jnp.float32, jnp.bfloat16), quick=quick)
     configs = []
     for L in lengths:
         for impl in impls:

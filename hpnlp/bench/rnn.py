@@ -150,7 +150,7 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
         raise SystemExit(f"unknown rnn implementation(s) {unknown}; choose from {list(IMPLS)}")
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
-    rates = {"float32": harness.matmul_rate(jnp.float32, n=1024 if quick else 2048)}
+    rates = harness.ceiling_rates(quick=quick)
     results = measure(names, repeats=repeats, **shape)
     payload = {"benchmark": "rnn", "machine": info, "matmul_gflops": rates, "shape": shape,
                "results": results}

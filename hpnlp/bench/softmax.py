@@ -148,7 +148,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     os.makedirs(out_dir, exist_ok=True)
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     info = harness.machine_info()
-    rates = {"float32": harness.matmul_rate(jnp.float32)}
+    rates = harness.ceiling_rates(quick=quick)
     results = []
     configs = [dict(impl=i, V=V, N=N, E=E, repeats=repeats, max_time_s=120.0,
                     options=bench_options(i, V)) for V in vocabs for i in impls]

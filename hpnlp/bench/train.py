@@ -136,12 +136,14 @@ def _measure(spec: dict) -> dict:
         # length interleaved in one process is no cure: there the dense step at L=4096
         # ran 35 s a step against 20 s in a process of its own, as memory held by the
         # other executables slowed its 14 GB of per-step allocations.)
-        probe = [harness.matmul_rate(jnp.float32, min_time_s=PROBE_S, warmup=1)]
+        rate = lambda: harness.matmul_rate(jnp.float32, n=spec.get("probe_n", 2048),  # noqa: E731
+                                           min_time_s=PROBE_S, warmup=1)
+        probe = [rate()]
         # Donation-free timing: the same state each call, so repeats do identical work.
         t = harness.time_jax(step, state, batch, repeats=spec["repeats"], warmup=1,
                              min_time_s=spec.get("min_time_s", 1.0), max_time_s=spec.get("max_time_s"),
                              compiler_options=options)
-        probe.append(harness.matmul_rate(jnp.float32, min_time_s=PROBE_S, warmup=1))
+        probe.append(rate())
         out["probe_gflops"] = probe
     out["compiled_memory"], out["time"] = t.memory, t.as_dict()
     n = _non_embedding_params(state.params)
@@ -169,7 +171,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
     isolate = (not quick) if isolate is None else isolate
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
-    rates = {"float32": harness.matmul_rate(jnp.float32)}
+    rates = harness.ceiling_rates(quick=quick)
     repeats, min_time_s = (3, 0.3) if quick else (5, 1.0)
     lm_specs = [dict(group="lm", kind="lm", name=n, width=w, depth=d, heads=h, mlp=f, L=256,
                      B=LM_BATCH, vocab=256, attention="dense", repeats=repeats,
@@ -185,6 +187,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
             enc_specs.append(dict(group="encoder", kind="classifier", name=name, width=128 if quick else 256,
                                   depth=2 if quick else 4, heads=4, mlp=512 if quick else 1024, L=L,
                                   B=2 if quick else 4, vocab=256, attention=name, remat=ENCODER_REMAT,
+                                  probe_n=1024 if quick else 2048,
                                   repeats=min(repeats, 3), min_time_s=min_time_s,
                                   max_time_s=MAX_TIME_S))
     results = [_one(s, isolate) for s in tqdm(lm_specs + enc_specs, desc="train bench",
