@@ -223,12 +223,12 @@ def _summarize(payload: dict) -> dict:
           for r in _ok(payload["results"]) if r["group"] == "lm"}
     rel = {}
     enc = [r for r in payload["results"] if r["group"] == "encoder"]
+    compiled = lambda x: x["compiled_memory"].get("total_bytes")  # noqa: E731
+    mem = lambda x: x.get("peak_rss_bytes") or compiled(x)  # noqa: E731
     for r in _ok(enc):
         base = next((b for b in _ok(enc) if b["name"] == "dense" and b["L"] == r["L"]), None)
         if base is None:
             continue
-        mem = lambda x: x.get("peak_rss_bytes") or x["compiled_memory"].get("total_bytes")
-        compiled = lambda x: x["compiled_memory"].get("total_bytes")
         rel.setdefault(r["name"], {})[r["L"]] = {
             "relative_speed": r["steps_per_sec"] / base["steps_per_sec"],
             "relative_memory": mem(r) / mem(base),

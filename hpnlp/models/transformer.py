@@ -43,6 +43,14 @@ def remat_policy(remat: str):
     return REMAT_POLICIES[remat]
 
 
+def remat_block(block_cls, m: ModelConfig):
+    """`block_cls` under `model.remat`'s block policy, or as is for "none" and for
+    "elementwise" (which recomputes inside the block: `layer_norm`, `mlp`)."""
+    if m.remat in ("none", "elementwise"):
+        return block_cls
+    return nn.remat(block_cls, policy=remat_policy(m.remat))
+
+
 def dtypes(m: ModelConfig):
     """(compute dtype, parameter dtype) of a model config."""
     return DTYPES[m.dtype], DTYPES[m.param_dtype]
@@ -188,9 +196,7 @@ class Trunk(nn.Module):
         x_BLE = x_BLE + jnp.take(table_TE, pos_BL, axis=0).astype(dt)
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
-        block_cls = Block
-        if m.remat not in ("none", "elementwise"):  # elementwise: inside the block
-            block_cls = nn.remat(Block, policy=remat_policy(m.remat))
+        block_cls = remat_block(Block, m)
         if m.reversible:  # backward recomputes block inputs from outputs (models/reversible.py)
             from hpnlp.models.reversible import ReversibleStack  # it imports this module
             x_BLE = ReversibleStack(m, self.attention, self.causal, self.deterministic, self.decode,

@@ -45,7 +45,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp.config import Config, ModelConfig
-from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_policy,
+from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_block,
                                       sinusoidal_table)
 
 
@@ -233,9 +233,7 @@ class XLTrunk(nn.Module):
         x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
-        block_cls = XLBlock
-        if m.remat not in ("none", "elementwise"):  # elementwise: inside the block
-            block_cls = nn.remat(XLBlock, policy=remat_policy(m.remat))
+        block_cls = remat_block(XLBlock, m)
         new_XBME = []
         for i in range(m.depth):
             if frozen_L is not None:
