@@ -40,7 +40,7 @@ setuptools.setup(
     description="High-performance NLP in JAX/Flax: efficient attention, approximate softmaxes, parallel training.",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["hpnlp", "hpnlp.*"]),
-    package_data={"hpnlp.data": ["corpus/*.xz"]},
+    package_data={"hpnlp.data": ["corpus/*.xz"], "hpnlp.rnn": ["*.cc"]},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -111,6 +111,9 @@ class RNNConfig:
     zoneout: float = 0.0  # keep units' previous values (Krueger et al.)
     weight_drop: float = 0.0  # DropConnect on the recurrent matrix (Wan et al.; AWD-LSTM)
     unroll: int = 1  # lax.scan unroll factor
+    # "auto": the fused C++ LSTM kernel where it can run (hpnlp.rnn.fused), else the XLA
+    # scan | "scan" | "fused" (an error where it cannot run)
+    impl: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +410,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
             _fail(f"rnn.{name}", rate, "must be a probability in [0, 1)")
     _check_positive("rnn.unroll", r.unroll)
+    _check_choice("rnn.impl", r.impl, ("auto", "scan", "fused"))
     if m.arch != "transformer" and m.kind == "lm" and r.bidirectional:
         _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
               "layers are for model.kind='classifier' or 'dual_encoder'")

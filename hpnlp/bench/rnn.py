@@ -35,8 +35,10 @@ from hpnlp.bench import harness, report
 # name -> (cell kind, the flax peer it is compared with, module constructor of H)
 IMPLS = {
     "hpnlp LSTM": ("lstm", "flax OptimizedLSTMCell", lambda H: rnn.RNNLayer(kind="lstm", hidden=H)),
-    "hpnlp LSTM (one product)": ("lstm", "flax OptimizedLSTMCell",
-                                lambda H: rnn.RNNLayer(kind="lstm", hidden=H, chunk=None)),
+    "hpnlp LSTM (scan)": ("lstm", "flax OptimizedLSTMCell",
+                          lambda H: rnn.RNNLayer(kind="lstm", hidden=H, impl="scan")),
+    "hpnlp LSTM (scan, one product)": ("lstm", "flax OptimizedLSTMCell", lambda H: rnn.RNNLayer(
+        kind="lstm", hidden=H, impl="scan", chunk=None)),
     "hpnlp LSTM (autodiff)": ("lstm", "flax OptimizedLSTMCell",
                              lambda H: rnn.RNNLayer(kind="lstm", hidden=H, fast_backward=False)),
     "flax OptimizedLSTMCell": ("lstm", None, lambda H: nn.RNN(nn.OptimizedLSTMCell(H))),

@@ -43,6 +43,6 @@ class RNNTrunk(nn.Module):
             layer_norm=r.layer_norm, bidirectional=r.bidirectional, learned_init=r.learned_init,
             dropout=m.dropout if m.depth > 1 else 0.0, variational_dropout=r.variational_dropout,
             state_dropout=r.state_dropout, recurrent_dropout=r.recurrent_dropout, zoneout=r.zoneout,
-            weight_drop=r.weight_drop, unroll=r.unroll, dtype=dt, param_dtype=pdt,
+            weight_drop=r.weight_drop, unroll=r.unroll, impl=r.impl, dtype=dt, param_dtype=pdt,
             name="rnn")(x_BLE, lengths_B, deterministic=self.deterministic)
         return h_BLE

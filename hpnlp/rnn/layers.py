@@ -38,12 +38,13 @@ import jax.numpy as jnp
 
 from hpnlp import linalg
 from hpnlp.config import ConfigError
-from hpnlp.rnn import cells
+from hpnlp.rnn import cells, fused
 from hpnlp.rnn.dropout import (Dropout, RecurrentDropout, VariationalDropout, WeightDrop,
                                Zoneout, check_rate)
 
 KINDS = tuple(cells.NUM_GATES)
 COMBINES = ("last", "sum", "residual")
+IMPLS = ("auto", "scan", "fused")
 
 
 def _orthogonal_per_gate(key, shape, dtype=jnp.float32):
@@ -83,6 +84,31 @@ def _check_fields(m) -> None:
     for f in ("dropout", "variational_dropout", "state_dropout", "recurrent_dropout", "zoneout",
               "weight_drop"):
         check_rate(f, getattr(m, f))
+    if m.impl not in IMPLS:
+        raise ConfigError(f"field `impl` = {m.impl!r} is not allowed: choose from {IMPLS}")
+
+
+def _fused_blocker(m, deterministic: bool) -> str | None:
+    """Why the fused kernel (`hpnlp.rnn.fused`) cannot run this layer; None if it can."""
+    if m.kind != "lstm":
+        return f"kind={m.kind!r} (the kernel is an LSTM)"
+    if m.layer_norm:
+        return "layer_norm=True"
+    if m.zoneout > 0:
+        return "zoneout > 0"
+    if not deterministic and (m.recurrent_dropout > 0 or m.state_dropout > 0):
+        return "recurrent_dropout or state_dropout in training"
+    if not m.fast_backward:
+        return "fast_backward=False (the autodiff twin of the scan)"
+    if jnp.dtype(m.dtype) != jnp.float32:
+        return f"dtype={jnp.dtype(m.dtype).name} (the kernel computes in float32)"
+    if not fused.supports(m.hidden):
+        return f"hidden={m.hidden} (the kernel needs a multiple of 16)"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return (f"a mesh of {mesh.size} devices (XLA cannot partition the kernel's call; the "
+                "scan shards like any XLA program)")
+    return fused.unavailable_reason()
 
 
 class RNNLayer(nn.Module):
@@ -108,7 +134,12 @@ class RNNLayer(nn.Module):
 
     `chunk`: steps whose input projection is one product (None: all L steps at once).
     `fast_backward=False` runs the same scan under plain autodiff (the reference twin);
-    `unroll` is passed to `lax.scan`. Compute in `dtype` (matrix products), state and
+    `unroll` is passed to `lax.scan`.
+    `impl`: "scan" runs the recurrence as an XLA `lax.scan` (`hpnlp.rnn.cells`); "fused"
+    as one C++ kernel call per pass (`hpnlp.rnn.fused`: LSTM in float32 without layer
+    norm, zoneout, or recurrent/state dropout in training, hidden a multiple of 16, one
+    device; an error says which condition fails); "auto" (default) is "fused" wherever it
+    can run and "scan" elsewhere. Both give the same outputs and gradients. Compute in `dtype` (matrix products), state and
     gate math in float32, parameters in `param_dtype`.
     """
 
@@ -126,12 +157,18 @@ class RNNLayer(nn.Module):
     unroll: int = 1
     chunk: int | None = 8
     fast_backward: bool = True
+    impl: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x_BLE, lengths_B=None, *, deterministic: bool = True):
         _check_fields(self)
+        blocker = None if self.impl == "scan" else _fused_blocker(self, deterministic)
+        if self.impl == "fused" and blocker is not None:
+            raise ConfigError(f"field `impl` = 'fused' cannot run this layer: {blocker}. Use "
+                              "impl='auto' (fused where it can run) or 'scan'")
+        use_fused = self.impl != "scan" and blocker is None
         if x_BLE.ndim != 3:
             raise ValueError(f"RNNLayer expects inputs [batch, length, features], got shape "
                              f"{x_BLE.shape}")
@@ -214,6 +251,11 @@ class RNNLayer(nn.Module):
         tied = self.kind == "lstm" and not layer_norm
 
         def one_direction(w_EG, b_G, ln_x_G, pw_d, w_HG, x_LBE, carry0_d, ex_d, mask_BH):
+            if use_fused:  # plain LSTM: no per-step masks, pw and mask_BH are empty
+                valid_LB = (jnp.ones((L, B), jnp.float32) if ex_d.valid_B1 is None
+                            else ex_d.valid_B1[..., 0])
+                return fused.lstm_layer(project, (w_EG, b_G, ln_x_G), w_HG, x_LBE, carry0_d,
+                                        valid_LB)
             return cells.run_layer(step, project, (w_EG, b_G, ln_x_G), pw_d, w_HG, x_LBE,
                                    carry0_d, ex_d, mask_BH, chunk=self.chunk, unroll=self.unroll,
                                    fast_backward=self.fast_backward, tied=tied)
@@ -266,6 +308,7 @@ class StackedRNN(nn.Module):
     unroll: int = 1
     chunk: int | None = 8
     fast_backward: bool = True
+    impl: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 

@@ -1,0 +1,202 @@
+"""The LSTM recurrence as one fused CPU kernel per direction of the pass (`fused_lstm.cc`).
+
+    final, out_LBH = lstm_layer(project, pp, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB)
+
+is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks, with
+the same hoisting (one input-projection product for all steps before the recurrence, and
+every weight and input gradient one product over all steps after it), but the L
+recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
+`while` loop with several kernel launches per step. The kernel's threads each own a
+slice of the hidden units and compute that slice's four gates in registers, with the
+gate arithmetic applied straight to the accumulators (see the top of `fused_lstm.cc`).
+
+The kernel is C++ compiled on first use with the machine's `g++` (`-O3 -march=native`)
+against the XLA FFI headers that ship with jaxlib, and cached in `HPNLP_KERNEL_CACHE`
+(default `~/.cache/hpnlp/kernels`), keyed by the source, jaxlib version and CPU. Where
+there is no compiler or the platform is not a CPU, `available()` is False with the
+reason in `unavailable_reason()`, and `RNNLayer(impl="auto")` uses the XLA scan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_lstm.cc")
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
+          "-fno-math-errno"]
+_TARGETS = {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd"}
+# Below this many multiply-adds per step one thread is faster than several meeting at a
+# barrier every step.
+_MIN_PARALLEL_MACS = 1 << 20
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path() -> str:
+    cache = os.environ.get("HPNLP_KERNEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hpnlp", "kernels")
+    with open(_SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + jax.__version__.encode() + " ".join(_FLAGS).encode()
+                             + platform.machine().encode() + _cpu_id().encode()).hexdigest()[:16]
+    return os.path.join(cache, f"fused_lstm-{key}.so")
+
+
+def _build(path: str) -> None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {_SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, path)  # atomic: concurrent builders (test workers) never see half a file
+
+
+def _load() -> str | None:
+    """Build (once per machine) and register the kernels; the reason if they can't be."""
+    with _lock:
+        if "reason" not in _state:
+            try:
+                if jax.default_backend() != "cpu":
+                    raise RuntimeError(f"the fused LSTM is a CPU kernel; the backend is "
+                                       f"{jax.default_backend()!r}")
+                path = _library_path()
+                if not os.path.exists(path):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path + ".lock", "w") as lock:  # one builder per machine at a time
+                        fcntl.flock(lock, fcntl.LOCK_EX)
+                        if not os.path.exists(path):
+                            _build(path)
+                lib = ctypes.cdll.LoadLibrary(path)
+                for target, symbol in _TARGETS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                                platform="cpu")
+                _state["reason"] = None
+            except (OSError, RuntimeError) as e:
+                _state["reason"] = str(e)
+        return _state["reason"]
+
+
+def available() -> bool:
+    """Whether the fused kernel can run here (compiles it on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def supports(hidden: int) -> bool:
+    """The kernel works on tiles of 16 hidden units."""
+    return hidden % 16 == 0
+
+
+def default_threads(B: int, H: int) -> int:
+    if B * H * 4 * H < _MIN_PARALLEL_MACS:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, H // 16))
+
+
+def _call(target: str, out_shapes, *args, threads: int):
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"the fused LSTM kernel is unavailable: {reason}. Use "
+                           "impl='scan' (the XLA recurrence) instead.")
+    out_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes]
+    return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(
+        *args, threads=np.int64(threads))
+
+
+def lstm_forward(xw_LBG, w_HG, c0_BH, h0_BH, valid_LB, *, threads: int | None = None):
+    """The recurrence forward: (out_LBH, hc_LBH, cc_LBH, act_LBG); hc and cc are the carry
+    after every step, act the activated gates (i, f, o, g)."""
+    L, B, G = xw_LBG.shape
+    H = G // 4
+    threads = default_threads(B, H) if threads is None else threads
+    f32 = lambda a: a.astype(jnp.float32)
+    return _call("hpnlp_lstm_fwd", [(L, B, H)] * 3 + [(L, B, G)], f32(xw_LBG), f32(w_HG),
+                 f32(c0_BH), f32(h0_BH), f32(valid_LB), threads=threads)
+
+
+def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH, d_h_BH, d_c_BH, *,
+                  threads: int | None = None):
+    """The recurrence backward: (dz_LBG, d_h0_BH, d_c0_BH), dz the gradient of the gate
+    pre-activations (equal to that of the input projection xw)."""
+    L, B, G = act_LBG.shape
+    H = G // 4
+    threads = default_threads(B, H) if threads is None else threads
+    f32 = lambda a: a.astype(jnp.float32)
+    return _call("hpnlp_lstm_bwd", [(L, B, G), (B, H), (B, H)], act_LBG, cc_LBH, f32(c0_BH),
+                 f32(w_HG), f32(valid_LB), f32(d_out_LBH), f32(d_h_BH), f32(d_c_BH),
+                 threads=threads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def lstm_layer(project, pp, w_HG, x_LBE, carry0, valid_LB, threads=None):
+    """Input projection + LSTM recurrence; returns ((c_BH, h_BH) final carry, out_LBH).
+    `project(pp, x_TBE) -> xw_TBG` as in `cells.run_layer`; `valid_LB` is 1.0 on real
+    tokens and 0.0 on padding (padding keeps the state and outputs 0)."""
+    return _forward(project, pp, w_HG, x_LBE, carry0, valid_LB, threads)[0]
+
+
+def _forward(project, pp, w_HG, x_LBE, carry0, valid_LB, threads):
+    c0_BH, h0_BH = carry0
+    xw_LBG = project(pp, x_LBE)
+    out_LBH, hc_LBH, cc_LBH, act_LBG = lstm_forward(xw_LBG, w_HG, c0_BH, h0_BH, valid_LB,
+                                                    threads=threads)
+    final = (cc_LBH[-1].astype(c0_BH.dtype), hc_LBH[-1].astype(h0_BH.dtype))
+    return (final, out_LBH), (hc_LBH, cc_LBH, act_LBG)
+
+
+def _lstm_layer_fwd(project, pp, w_HG, x_LBE, carry0, valid_LB, threads):
+    out, (hc_LBH, cc_LBH, act_LBG) = _forward(project, pp, w_HG, x_LBE, carry0, valid_LB,
+                                              threads)
+    return out, (pp, w_HG, x_LBE, carry0, valid_LB, hc_LBH, cc_LBH, act_LBG)
+
+
+def _lstm_layer_bwd(project, threads, res, cts):
+    pp, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hc_LBH, cc_LBH, act_LBG = res
+    (d_c_BH, d_h_BH), d_out_LBH = cts
+    dz_LBG, d_h0_BH, d_c0_BH = lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH,
+                                             d_h_BH, d_c_BH, threads=threads)
+    # As in cells._fast_layer_bwd: every weight and input gradient is one product over all
+    # L*B rows. The state entering step t is h0, then the carry after t-1.
+    h_prev_LBH = jnp.concatenate([h0_BH[None].astype(jnp.float32), hc_LBH[:-1]])
+    d_w_HG = jnp.einsum("lbh,lbg->hg", h_prev_LBH.astype(w_HG.dtype), dz_LBG.astype(w_HG.dtype),
+                        preferred_element_type=jnp.float32).astype(w_HG.dtype)
+    _, project_vjp = jax.vjp(project, pp, x_LBE)
+    d_pp, d_x_LBE = project_vjp(dz_LBG)
+    return (d_pp, d_w_HG, d_x_LBE, (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)),
+            jnp.zeros_like(valid_LB))
+
+
+lstm_layer.defvjp(_lstm_layer_fwd, _lstm_layer_bwd)

@@ -1,0 +1,419 @@
+// The LSTM recurrence as two XLA FFI CPU kernels: the forward scan and the backward scan.
+//
+// Why: in an XLA-built scan every time step is several kernel launches (the [B, H] x
+// [H, 4H] product, then the gate arithmetic as separate fusions), each a dispatch to the
+// thread pool and a round trip of the [B, 4H] pre-activations through memory. Here one
+// call runs all L steps: each thread owns a slice of the hidden units, computes the four
+// gates of its units for a block of rows in registers (a register-blocked product over
+// the recurrent matrix, packed once per call so that every step streams it
+// contiguously), applies the gate arithmetic to the accumulators directly, and meets the
+// other threads at one barrier per step (the next step needs every unit of h).
+// The backward scan does the same with the transposed matrix: each thread turns the
+// incoming gradient of its units into the gate gradient dz (elementwise), and after the
+// barrier computes dz @ W^T for its units.
+//
+// Gates are ordered (i, f, o, g) as in hpnlp.rnn.cells: pre = xw + h_prev @ W,
+// i, f, o = sigmoid(pre[:3H]), g = tanh(pre[3H:]), c = f c_prev + i g, h = o tanh(c).
+// Rows with valid == 0 keep their state and output 0 (padding).
+//
+// Plain C++17 with GCC vector extensions: -march=native gives AVX-512 registers where the
+// machine has them, two AVX2 registers per vector where it does not.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int NR = 16;  // units per tile: one vector
+typedef float vf __attribute__((vector_size(NR * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t))));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) to about 2 ulp for x in [-87, 88] (Cephes expf): 2^n * p(r), r = x - n ln 2.
+inline vf vexp(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  vf t = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(t, vi);          // truncates toward zero
+  vf nf = __builtin_convertvector(n, vf);
+  vi too_big = nf > t;                             // -1 where truncation rounded up
+  n = n + too_big;
+  nf = __builtin_convertvector(n, vf);             // floor(x log2 e + 1/2)
+  vf r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline vf vsigmoid(vf x) { return 1.0f / (1.0f + vexp(-x)); }
+
+inline vf vtanh(vf x) {
+  vf ax = x < 0.0f ? -x : x;
+  vf e = vexp(-2.0f * ax);
+  vf big = (1.0f - e) / (1.0f + e);
+  big = x < 0.0f ? -big : big;
+  vf x2 = x * x;  // |x| < 0.0625: the series, where 1 - e would cancel
+  vf small = x * (1.0f + x2 * (-1.0f / 3 + x2 * (2.0f / 15 + x2 * (-17.0f / 315))));
+  return ax < 0.0625f ? small : big;
+}
+
+// A barrier for a fixed set of threads: spin briefly, then yield (the kernels run beside
+// other processes in a test run; a pure spin would starve them).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    if (n_ == 1) return;
+    int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    for (int spin = 0; gen_.load(std::memory_order_acquire) == gen; ++spin) {
+      if (spin > 4000) std::this_thread::yield();
+#if defined(__x86_64__)
+      else __builtin_ia32_pause();
+#endif
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<int> gen_{0};
+};
+
+// Run fn(thread_index) on `threads` threads (the caller is thread 0) and join.
+template <class F>
+void parallel(int threads, F&& fn) {
+  std::vector<std::thread> pool;
+  for (int p = 1; p < threads; ++p) pool.emplace_back([&fn, p] { fn(p); });
+  fn(0);
+  for (auto& t : pool) t.join();
+}
+
+// Tiles [begin, end) of `tiles` for thread p of `threads`.
+inline void share(int tiles, int threads, int p, int* begin, int* end) {
+  *begin = static_cast<int>(int64_t(tiles) * p / threads);
+  *end = static_cast<int>(int64_t(tiles) * (p + 1) / threads);
+}
+
+constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
+constexpr int KC = 128;  // k per cache block: a 128 x 64 panel block (32 KB) stays in L1
+
+// acc[r][q] (+)= sum over k in [k0, k1) of a[r * lda + k] * p[(k * 4 + q) * NR ...]: four
+// vectors of a packed panel per k, each row's value a broadcast operand of the FMA.
+template <int R>
+inline void micro(vf (&acc)[R][4], const float* a, size_t lda, const float* p, int k0, int k1) {
+  p += size_t(k0) * 4 * NR;
+  for (int k = k0; k < k1; ++k, p += 4 * NR) {
+    vf b0 = load(p), b1 = load(p + NR), b2 = load(p + 2 * NR), b3 = load(p + 3 * NR);
+    for (int r = 0; r < R; ++r) {
+      const float x = a[r * lda + k];
+      acc[r][0] += x * b0;
+      acc[r][1] += x * b1;
+      acc[r][2] += x * b2;
+      acc[r][3] += x * b3;
+    }
+  }
+}
+
+// C[rows, 4 NR] = A[rows, K] P[K, 4 NR] for all B rows, one register block of rows at a
+// time, K in cache blocks (partial sums wait in `part`, [B][4][NR]); `done(r0, R, acc)`
+// receives each finished block of rows. Rows are split into near-equal blocks of <= MR.
+template <class Done>
+void panel_product(const float* a, size_t lda, const float* p, int B, int K, float* part,
+                   Done&& done) {
+  const int blocks = (B + MR - 1) / MR;
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    const int k1 = std::min(K, k0 + KC);
+    for (int i = 0, r0 = 0; i < blocks; ++i) {
+      const int R = B / blocks + (i < B % blocks);
+      auto run = [&](auto rows) {
+        constexpr int RR = decltype(rows)::value;
+        vf acc[RR][4];
+        for (int r = 0; r < RR; ++r)
+          for (int q = 0; q < 4; ++q)
+            acc[r][q] = k0 == 0 ? vf{} : load(part + (size_t(r0 + r) * 4 + q) * NR);
+        micro<RR>(acc, a + size_t(r0) * lda, lda, p, k0, k1);
+        if (k1 == K) {
+          done(r0, RR, &acc[0][0]);
+        } else {
+          for (int r = 0; r < RR; ++r)
+            for (int q = 0; q < 4; ++q) store(part + (size_t(r0 + r) * 4 + q) * NR, acc[r][q]);
+        }
+      };
+      switch (R) {
+        case 6: run(std::integral_constant<int, 6>{}); break;
+        case 5: run(std::integral_constant<int, 5>{}); break;
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
+      }
+      r0 += R;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- forward
+
+struct Fwd {
+  int L, B, H;
+  const float *xw, *w, *c0, *h0, *valid;
+  float *out, *hc, *cc, *act;
+  std::vector<float> wp;  // per unit tile: [H][4 gates][NR]
+};
+
+// Unit tile u of step t: z = h_prev W for the 4 gates of its NR units, then the cell
+// update straight from the accumulators.
+void fwd_tile(const Fwd& s, int t, int u, const float* h_prev, const float* c_prev, float* part) {
+  const int H = s.H, G = 4 * H, j = u * NR;
+  panel_product(h_prev, H, s.wp.data() + size_t(u) * H * 4 * NR, s.B, H, part,
+                [&](int r0, int R, const vf* acc) {
+    for (int r = 0; r < R; ++r, acc += 4) {
+      const int b = r0 + r;
+      const size_t row_g = (size_t(t) * s.B + b) * G, row_h = (size_t(t) * s.B + b) * H;
+      const float* xw = s.xw + row_g;
+      vf i = vsigmoid(acc[0] + load(xw + j));
+      vf f = vsigmoid(acc[1] + load(xw + H + j));
+      vf o = vsigmoid(acc[2] + load(xw + 2 * H + j));
+      vf g = vtanh(acc[3] + load(xw + 3 * H + j));
+      float* act = s.act + row_g;
+      store(act + j, i);
+      store(act + H + j, f);
+      store(act + 2 * H + j, o);
+      store(act + 3 * H + j, g);
+      vf cp = load(c_prev + size_t(b) * H + j), hp = load(h_prev + size_t(b) * H + j);
+      if (s.valid[size_t(t) * s.B + b] > 0.0f) {
+        vf c = f * cp + i * g;
+        vf h = o * vtanh(c);
+        store(s.cc + row_h + j, c);
+        store(s.hc + row_h + j, h);
+        store(s.out + row_h + j, h);
+      } else {
+        store(s.cc + row_h + j, cp);
+        store(s.hc + row_h + j, hp);
+        store(s.out + row_h + j, vf{});
+      }
+    }
+  });
+}
+
+void run_fwd(Fwd& s, int threads) {
+  const int H = s.H, G = 4 * H, tiles = H / NR;
+  s.wp.resize(size_t(H) * G);
+  Barrier barrier(threads);
+  parallel(threads, [&](int p) {
+    int u0, u1;
+    share(tiles, threads, p, &u0, &u1);
+    std::vector<float> part(size_t(s.B) * 4 * NR);
+    for (int u = u0; u < u1; ++u)  // pack this thread's tiles: [k][gate][unit]
+      for (int k = 0; k < H; ++k)
+        for (int g = 0; g < 4; ++g)
+          std::memcpy(&s.wp[((size_t(u) * H + k) * 4 + g) * NR], s.w + size_t(k) * G + g * H + u * NR,
+                      NR * sizeof(float));
+    for (int t = 0; t < s.L; ++t) {
+      const float* h_prev = t == 0 ? s.h0 : s.hc + size_t(t - 1) * s.B * H;
+      const float* c_prev = t == 0 ? s.c0 : s.cc + size_t(t - 1) * s.B * H;
+      for (int u = u0; u < u1; ++u) fwd_tile(s, t, u, h_prev, c_prev, part.data());
+      barrier.wait();  // every unit of h_t is written before any thread reads it
+    }
+  });
+}
+
+// --------------------------------------------------------------------------- backward
+
+struct Bwd {
+  int L, B, H;
+  const float *act, *cc, *c0, *w, *valid, *d_out;
+  float *dz, *dh, *dc;  // dh, dc: the running carry gradients [B, H] (start as d_final)
+};
+
+// The gate gradients of unit tile u, all rows, step t; the carry gradients move to t-1
+// (the c part here, the h part in bwd_group).
+void bwd_gates(Bwd& s, int t, int u) {
+  const int H = s.H, G = 4 * H, j = u * NR;
+  for (int b = 0; b < s.B; ++b) {
+    const size_t row_g = (size_t(t) * s.B + b) * G, row_h = (size_t(t) * s.B + b) * H;
+    float* dz = s.dz + row_g;
+    float* dh_p = s.dh + size_t(b) * H + j;
+    float* dc_p = s.dc + size_t(b) * H + j;
+    if (!(s.valid[size_t(t) * s.B + b] > 0.0f)) {  // the state passed through unchanged
+      for (int g = 0; g < 4; ++g) store(dz + g * H + j, vf{});
+      continue;
+    }
+    const float* act = s.act + row_g;
+    vf i = load(act + j), f = load(act + H + j), o = load(act + 2 * H + j), g = load(act + 3 * H + j);
+    vf c = load(s.cc + row_h + j);
+    vf cp = load((t == 0 ? s.c0 : s.cc + size_t(t - 1) * s.B * H) + size_t(b) * H + j);
+    vf dh = load(dh_p) + load(s.d_out + row_h + j);
+    vf tc = vtanh(c);
+    vf dc = load(dc_p) + dh * o * (1.0f - tc * tc);
+    vf do_ = dh * tc, di = dc * g, dg = dc * i, df = dc * cp;
+    store(dz + j, di * i * (1.0f - i));
+    store(dz + H + j, df * f * (1.0f - f));
+    store(dz + 2 * H + j, do_ * o * (1.0f - o));
+    store(dz + 3 * H + j, dg * (1.0f - g * g));
+    store(dc_p, dc * f);
+  }
+}
+
+// dh_{t-1} = dz_t W^T for the n <= 4 unit tiles from u (packed panel wt) on valid rows;
+// invalid rows keep dh (their h passed through unchanged).
+void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
+  const int H = s.H, G = 4 * H;
+  panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part,
+                [&](int r0, int R, const vf* acc) {
+    for (int r = 0; r < R; ++r, acc += 4) {
+      const int b = r0 + r;
+      if (!(s.valid[size_t(t) * s.B + b] > 0.0f)) continue;
+      for (int q = 0; q < n; ++q) store(s.dh + size_t(b) * H + (u + q) * NR, acc[q]);
+    }
+  });
+}
+
+void run_bwd(Bwd& s, int threads) {
+  const int H = s.H, G = 4 * H, tiles = H / NR;
+  Barrier barrier(threads);
+  parallel(threads, [&](int p) {
+    int u0, u1;
+    share(tiles, threads, p, &u0, &u1);
+    std::vector<float> part(size_t(s.B) * 4 * NR);
+    // This thread's tiles of W^T in groups of 4: [group][k in G][tile q][unit], zeros
+    // where a last group is short.
+    const int groups = (u1 - u0 + 3) / 4;
+    std::vector<float> wt(size_t(groups) * G * 4 * NR, 0.0f);
+    for (int gi = 0; gi < groups; ++gi) {
+      const int u = u0 + 4 * gi, n = std::min(4, u1 - u);
+      float* dst = wt.data() + size_t(gi) * G * 4 * NR;
+      for (int k = 0; k < G; ++k)
+        for (int q = 0; q < n; ++q)
+          for (int m = 0; m < NR; ++m)
+            dst[(size_t(k) * 4 + q) * NR + m] = s.w[size_t((u + q) * NR + m) * G + k];
+    }
+    for (int t = s.L - 1; t >= 0; --t) {
+      for (int u = u0; u < u1; ++u) bwd_gates(s, t, u);
+      barrier.wait();  // all of dz_t is written
+      for (int gi = 0; gi < groups; ++gi) {
+        const int u = u0 + 4 * gi;
+        bwd_group(s, t, u, std::min(4, u1 - u), wt.data() + size_t(gi) * G * 4 * NR, part.data());
+      }
+    }
+  });
+}
+
+int clamp_threads(int64_t threads, int tiles) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+}
+
+ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vector<int64_t> want) {
+  if (dims.size() != want.size() || !std::equal(want.begin(), want.end(), dims.begin()))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("fused LSTM: bad shape of ") + what);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// xw [L, B, 4H] (input projection + bias), w [H, 4H], c0, h0 [B, H], valid [L, B] ->
+// out [L, B, H] (0 on padding), hc, cc [L, B, H] (the carry after each step),
+// act [L, B, 4H] (the activated gates, for the backward pass).
+ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ffi::F32> w,
+                       ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> h0,
+                       ffi::Buffer<ffi::F32> valid, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::ResultBuffer<ffi::F32> hc, ffi::ResultBuffer<ffi::F32> cc,
+                       ffi::ResultBuffer<ffi::F32> act) {
+  auto d = xw.dimensions();
+  if (d.size() != 3 || d[2] % (4 * NR) != 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "fused LSTM: xw must be [L, B, 4H] with H a multiple of 16");
+  const int64_t L = d[0], B = d[1], H = d[2] / 4;
+  for (auto e : {check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("c0", c0.dimensions(), {B, H}),
+                 check_dims("h0", h0.dimensions(), {B, H}), check_dims("valid", valid.dimensions(), {L, B})})
+    if (e.failure()) return e;
+  if (L == 0 || B == 0) return ffi::Error::Success();
+  Fwd s{int(L), int(B), int(H), xw.typed_data(), w.typed_data(), c0.typed_data(), h0.typed_data(),
+        valid.typed_data(), out->typed_data(), hc->typed_data(), cc->typed_data(), act->typed_data(), {}};
+  run_fwd(s, clamp_threads(threads, int(H / NR)));
+  return ffi::Error::Success();
+}
+
+// act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [L, B, H],
+// d_h, d_c [B, H] (gradients of the final carry) -> dz [L, B, 4H] (gradient of the
+// pre-activations), d_h0, d_c0 [B, H].
+ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::F32> cc,
+                       ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w,
+                       ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
+                       ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
+                       ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> d_h0,
+                       ffi::ResultBuffer<ffi::F32> d_c0) {
+  auto d = act.dimensions();
+  if (d.size() != 3 || d[2] % (4 * NR) != 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "fused LSTM: act must be [L, B, 4H] with H a multiple of 16");
+  const int64_t L = d[0], B = d[1], H = d[2] / 4;
+  for (auto e : {check_dims("cc", cc.dimensions(), {L, B, H}), check_dims("c0", c0.dimensions(), {B, H}),
+                 check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("valid", valid.dimensions(), {L, B}),
+                 check_dims("d_out", d_out.dimensions(), {L, B, H}),
+                 check_dims("d_h", d_h.dimensions(), {B, H}), check_dims("d_c", d_c.dimensions(), {B, H})})
+    if (e.failure()) return e;
+  std::memcpy(d_h0->typed_data(), d_h.typed_data(), sizeof(float) * B * H);
+  std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
+  if (L == 0 || B == 0) return ffi::Error::Success();
+  Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
+        valid.typed_data(), d_out.typed_data(), dz->typed_data(), d_h0->typed_data(),
+        d_c0->typed_data()};
+  run_bwd(s, clamp_threads(threads, int(H / NR)));
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmBwd, LstmBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,112 @@
+"""The fused C++ LSTM kernel (`hpnlp.rnn.fused`) against the XLA scan it replaces: the
+same outputs, final state and gradients, with padding (a row of length 0 too), both
+directions, dropout in training, one thread and several (the threads split the hidden
+units, and the rows fall in register blocks of up to 6); and the layer's `impl` field."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import rnn
+from hpnlp.config import ConfigError
+from hpnlp.rnn import cells, fused
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="needs a C++ compiler: "
+                                f"{fused.unavailable_reason()}")
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _close(a, b):
+    jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, **TOL), a, b)
+
+
+def _project(pp, x_TBE):
+    w_EG, b_G = pp
+    return jnp.einsum("tbe,eg->tbg", x_TBE, w_EG, preferred_element_type=jnp.float32) + b_G[None, None]
+
+
+# H = 144: 9 tiles of 16 units, so two threads get 4 and 5 (one full group of 4 in the
+# backward product and a short one); B = 7: row blocks of 4 and 3.
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_the_scan_with_padding(threads):
+    L, B, E, H = 5, 7, 12, 144
+    k = jax.random.split(jax.random.key(0), 8)
+    pp = (0.3 * jax.random.normal(k[0], (E, 4 * H)), 0.1 * jax.random.normal(k[1], (4 * H,)))
+    w_HG = 0.1 * jax.random.normal(k[2], (H, 4 * H))
+    x = jax.random.normal(k[3], (L, B, E))
+    carry0 = tuple(0.5 * jax.random.normal(kk, (B, H)) for kk in k[4:6])
+    valid = (jnp.arange(L)[:, None] < jnp.array([5, 3, 0, 5, 1, 4, 2])[None]).astype(jnp.float32)
+    d_out, d_c, d_h = (jax.random.normal(kk, s) for kk, s in zip(
+        jax.random.split(k[6], 3), [(L, B, H), (B, H), (B, H)]))
+
+    def loss(layer, pp, w_HG, x, carry0):
+        (c, h), out = layer(pp, w_HG, x, carry0)
+        return jnp.sum(out * d_out) + jnp.sum(c * d_c) + jnp.sum(h * d_h), (c, h, out)
+
+    scan = lambda pp, w, x, c0: cells.run_layer(  # noqa: E731
+        functools.partial(cells.lstm_step, zoneout=0.0), _project, pp, {}, w, x, c0,
+        cells.StepInputs(valid[..., None]), chunk=None, tied=True)
+    kernel = lambda pp, w, x, c0: fused.lstm_layer(_project, pp, w, x, c0, valid, threads)  # noqa: E731
+
+    @jax.jit
+    def both(*args):
+        return [jax.value_and_grad(functools.partial(loss, f), (0, 1, 2, 3), has_aux=True)(*args)
+                for f in (scan, kernel)]
+
+    (ref, g_ref), (got, g_got) = both(pp, w_HG, x, carry0)
+    _close(ref, got)
+    _close(g_ref, g_got)
+    assert float(jnp.abs(g_got[3][0]).max()) > 0  # the initial cell state gets its gradient
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(bidirectional=True, learned_init=True, weight_drop=0.3,
+                                               variational_dropout=0.2, dropout=0.1)],
+                         ids=["plain", "bidirectional,dropout"])
+def test_layer_fused_equals_scan(cfg):
+    B, L, E, H = 3, 6, 5, 16
+    x = jax.random.normal(jax.random.key(1), (B, L, E))
+    lengths = jnp.array([6, 2, 4])
+    layers = [rnn.RNNLayer(kind="lstm", hidden=H, impl=impl, **cfg) for impl in ("scan", "fused")]
+    params = layers[0].init(jax.random.key(0), x, lengths)
+    params = jax.tree_util.tree_map(lambda a: a + 0.2, params)  # nonzero biases and init state
+    rngs = {"dropout": jax.random.key(3)}
+
+    def loss(layer, p, x):
+        out, final = layer.apply(p, x, lengths, deterministic=False, rngs=rngs)
+        return jnp.sum(jnp.sin(out)) + sum(jnp.sum(jnp.cos(f)) for f in final), (out, final)
+
+    @jax.jit
+    def both(p, x):
+        return [jax.value_and_grad(functools.partial(loss, m), (0, 1), has_aux=True)(p, x)
+                for m in layers]
+
+    (ref, g_ref), (got, g_got) = both(params, x)
+    _close(ref, got)
+    _close(g_ref, g_got)
+
+
+def test_auto_picks_the_kernel_only_where_it_runs_and_fused_says_why_not():
+    x = jnp.ones((2, 3, 4))
+
+    def ops(layer):
+        return str(jax.make_jaxpr(lambda x: layer.init_with_output(jax.random.key(0), x)[0])(x))
+
+    assert "hpnlp_lstm_fwd" in ops(rnn.RNNLayer(kind="lstm", hidden=16))
+    assert "hpnlp_lstm_fwd" not in ops(rnn.RNNLayer(kind="lstm", hidden=16, impl="scan"))
+    assert "hpnlp_lstm_fwd" not in ops(rnn.RNNLayer(kind="lstm", hidden=16, layer_norm=True))
+    for kw, why in [(dict(kind="gru"), "kind='gru'"), (dict(layer_norm=True), "layer_norm"),
+                    (dict(hidden=20), "hidden=20"), (dict(zoneout=0.1), "zoneout"),
+                    (dict(dtype=jnp.bfloat16), "dtype=bfloat16")]:
+        with pytest.raises(ConfigError, match=f"`impl` = 'fused' cannot run this layer: .*{why}"):
+            rnn.RNNLayer(**{"hidden": 16, "impl": "fused", **kw}).init(jax.random.key(0), x)
+    with pytest.raises(ConfigError, match="`impl` = 'cuda'"):
+        rnn.RNNLayer(hidden=16, impl="cuda").init(jax.random.key(0), x)
+
+
+def test_kernel_rejects_a_hidden_size_it_cannot_tile():
+    with pytest.raises(Exception, match="multiple of 16"):
+        fused.lstm_forward(jnp.zeros((2, 1, 40)), jnp.zeros((10, 40)), jnp.zeros((1, 10)),
+                           jnp.zeros((1, 10)), jnp.ones((2, 1)), threads=1)
