@@ -38,7 +38,7 @@ out_dir, modes = sys.argv[1], json.loads(sys.argv[2])
 def config(mesh, attention):
     cd = default_configdict()
     cd.data.update(task="byte_lm", seq_len=32, batching="pack")
-    cd.model.update(kind="lm", width=64, depth=2, num_heads=8, mlp_dim=128, max_len=32, dropout=0.1)
+    cd.model.update(kind="lm", width=64, depth=1, num_heads=8, mlp_dim=128, max_len=32, dropout=0.1)
     cd.attention.name = attention
     cd.train.update(steps=5, batch_size=8, lr=3e-3, warmup_steps=1, eval_every=0, progress=False)
     cd.mesh.update(**mesh)

@@ -49,7 +49,7 @@ def test_kernel_matches_the_scan_with_padding(threads):
     scan = lambda pp, w, x, c0: cells.run_layer(  # noqa: E731
         functools.partial(cells.lstm_step, zoneout=0.0), _project, pp, {}, w, x, c0,
         cells.StepInputs(valid[..., None]), chunk=None, tied=True)
-    kernel = lambda pp, w, x, c0: fused.lstm_layer(_project, pp, w, x, c0, valid, threads)  # noqa: E731
+    kernel = lambda pp, w, x, c0: fused.lstm_layer(*pp, w, x, c0, valid, threads)  # noqa: E731
 
     @jax.jit
     def both(*args):
@@ -108,5 +108,5 @@ def test_auto_picks_the_kernel_only_where_it_runs_and_fused_says_why_not():
 
 def test_kernel_rejects_a_hidden_size_it_cannot_tile():
     with pytest.raises(Exception, match="multiple of 16"):
-        fused.lstm_forward(jnp.zeros((2, 1, 40)), jnp.zeros((10, 40)), jnp.zeros((1, 10)),
-                           jnp.zeros((1, 10)), jnp.ones((2, 1)), threads=1)
+        fused.lstm_forward(jnp.zeros((2, 1, 40)), jnp.zeros((40,)), jnp.zeros((10, 40)),
+                           jnp.zeros((1, 10)), jnp.zeros((1, 10)), jnp.ones((2, 1)), threads=1)

@@ -1,6 +1,6 @@
 """The LSTM recurrence as one fused CPU kernel per direction of the pass (`fused_lstm.cc`).
 
-    final, out_LBH = lstm_layer(project, pp, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB)
+    final, out_LBH = lstm_layer(w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB)
 
 is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks, with
 the same hoisting (one input-projection product for all steps before the recurrence, and
@@ -136,67 +136,75 @@ def _call(target: str, out_shapes, *args, threads: int):
         *args, threads=np.int64(threads))
 
 
-def lstm_forward(xw_LBG, w_HG, c0_BH, h0_BH, valid_LB, *, threads: int | None = None):
-    """The recurrence forward: (out_LBH, hc_LBH, cc_LBH, act_LBG); hc and cc are the carry
-    after every step, act the activated gates (i, f, o, g)."""
+def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, threads: int | None = None):
+    """The recurrence forward from the input projection xw (without the bias b):
+    (out_LBH, hc_LBH, cc_LBH, act_LBG); hc and cc are the carry after every step, act the
+    activated gates (i, f, o, g)."""
     L, B, G = xw_LBG.shape
     H = G // 4
     threads = default_threads(B, H) if threads is None else threads
-    f32 = lambda a: a.astype(jnp.float32)
-    return _call("hpnlp_lstm_fwd", [(L, B, H)] * 3 + [(L, B, G)], f32(xw_LBG), f32(w_HG),
-                 f32(c0_BH), f32(h0_BH), f32(valid_LB), threads=threads)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    return _call("hpnlp_lstm_fwd", [(L, B, H)] * 3 + [(L, B, G)], f32(xw_LBG), f32(b_G),
+                 f32(w_HG), f32(c0_BH), f32(h0_BH), f32(valid_LB), threads=threads)
 
 
 def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH, d_h_BH, d_c_BH, *,
                   threads: int | None = None):
-    """The recurrence backward: (dz_LBG, d_h0_BH, d_c0_BH), dz the gradient of the gate
-    pre-activations (equal to that of the input projection xw)."""
+    """The recurrence backward: (dz_LBG, dz^T [G, L*B], db_G, d_h0_BH, d_c0_BH), dz the
+    gradient of the gate pre-activations (equal to that of the input projection), db its
+    sum over steps and rows (the bias gradient)."""
     L, B, G = act_LBG.shape
     H = G // 4
     threads = default_threads(B, H) if threads is None else threads
-    f32 = lambda a: a.astype(jnp.float32)
-    return _call("hpnlp_lstm_bwd", [(L, B, G), (B, H), (B, H)], act_LBG, cc_LBH, f32(c0_BH),
-                 f32(w_HG), f32(valid_LB), f32(d_out_LBH), f32(d_h_BH), f32(d_c_BH),
-                 threads=threads)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    return _call("hpnlp_lstm_bwd", [(L, B, G), (G, L * B), (G,), (B, H), (B, H)], act_LBG,
+                 cc_LBH, f32(c0_BH), f32(w_HG), f32(valid_LB), f32(d_out_LBH), f32(d_h_BH),
+                 f32(d_c_BH), threads=threads)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
-def lstm_layer(project, pp, w_HG, x_LBE, carry0, valid_LB, threads=None):
-    """Input projection + LSTM recurrence; returns ((c_BH, h_BH) final carry, out_LBH).
-    `project(pp, x_TBE) -> xw_TBG` as in `cells.run_layer`; `valid_LB` is 1.0 on real
-    tokens and 0.0 on padding (padding keeps the state and outputs 0)."""
-    return _forward(project, pp, w_HG, x_LBE, carry0, valid_LB, threads)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def lstm_layer(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads=None):
+    """Input projection (x W_x + b) and LSTM recurrence over a time-major x_LBE; returns
+    ((c_BH, h_BH) final carry, out_LBH). `valid_LB` is 1.0 on real tokens and 0.0 on
+    padding (padding keeps the state and outputs 0)."""
+    return _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads)[0]
 
 
-def _forward(project, pp, w_HG, x_LBE, carry0, valid_LB, threads):
+def _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads):
     c0_BH, h0_BH = carry0
-    xw_LBG = project(pp, x_LBE)
-    out_LBH, hc_LBH, cc_LBH, act_LBG = lstm_forward(xw_LBG, w_HG, c0_BH, h0_BH, valid_LB,
+    # ONE product for all steps; the bias is added inside the kernel.
+    xw_LBG = jnp.einsum("lbe,eg->lbg", x_LBE, w_EG, preferred_element_type=jnp.float32)
+    out_LBH, hc_LBH, cc_LBH, act_LBG = lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB,
                                                     threads=threads)
     final = (cc_LBH[-1].astype(c0_BH.dtype), hc_LBH[-1].astype(h0_BH.dtype))
     return (final, out_LBH), (hc_LBH, cc_LBH, act_LBG)
 
 
-def _lstm_layer_fwd(project, pp, w_HG, x_LBE, carry0, valid_LB, threads):
-    out, (hc_LBH, cc_LBH, act_LBG) = _forward(project, pp, w_HG, x_LBE, carry0, valid_LB,
-                                              threads)
-    return out, (pp, w_HG, x_LBE, carry0, valid_LB, hc_LBH, cc_LBH, act_LBG)
+def _lstm_layer_fwd(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads):
+    out, (hc_LBH, cc_LBH, act_LBG) = _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads)
+    return out, (w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, hc_LBH, cc_LBH, act_LBG)
 
 
-def _lstm_layer_bwd(project, threads, res, cts):
-    pp, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hc_LBH, cc_LBH, act_LBG = res
+def _lstm_layer_bwd(threads, res, cts):
+    w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hc_LBH, cc_LBH, act_LBG = res
     (d_c_BH, d_h_BH), d_out_LBH = cts
-    dz_LBG, d_h0_BH, d_c0_BH = lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH,
-                                             d_h_BH, d_c_BH, threads=threads)
-    # As in cells._fast_layer_bwd: every weight and input gradient is one product over all
-    # L*B rows. The state entering step t is h0, then the carry after t-1.
-    h_prev_LBH = jnp.concatenate([h0_BH[None].astype(jnp.float32), hc_LBH[:-1]])
-    d_w_HG = jnp.einsum("lbh,lbg->hg", h_prev_LBH.astype(w_HG.dtype), dz_LBG.astype(w_HG.dtype),
-                        preferred_element_type=jnp.float32).astype(w_HG.dtype)
-    _, project_vjp = jax.vjp(project, pp, x_LBE)
-    d_pp, d_x_LBE = project_vjp(dz_LBG)
-    return (d_pp, d_w_HG, d_x_LBE, (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)),
-            jnp.zeros_like(valid_LB))
+    L, B, E = x_LBE.shape
+    dz_LBG, dzt_GN, db_G, d_h0_BH, d_c0_BH = lstm_backward(
+        act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH, d_h_BH, d_c_BH, threads=threads)
+    # As in cells._fast_layer_bwd, every weight and input gradient is one product over all
+    # L*B rows; with dz^T from the kernel the weight gradients are plain [G, N] x [N, .]
+    # products (no transposed copy of the [N, G] gate gradients). The state entering step t
+    # is h0, then the carry after t-1.
+    h_prev_NH = jnp.concatenate([h0_BH[None].astype(jnp.float32), hc_LBH[:-1]]).reshape(L * B, -1)
+    # (The barrier keeps XLA from folding the small [G, .] transposes into the products,
+    # which turns them into transposed-operand products that run slower on CPU.)
+    mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+    d_w_GH, d_w_GE = jax.lax.optimization_barrier(
+        (mm(dzt_GN, h_prev_NH), mm(dzt_GN, x_LBE.reshape(L * B, E).astype(jnp.float32))))
+    d_w_HG, d_w_EG = d_w_GH.T.astype(w_HG.dtype), d_w_GE.T.astype(w_EG.dtype)
+    d_x_LBE = jnp.einsum("lbg,eg->lbe", dz_LBG, w_EG.astype(jnp.float32)).astype(x_LBE.dtype)
+    return (d_w_EG, db_G.astype(b_G.dtype), d_w_HG, d_x_LBE,
+            (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)), jnp.zeros_like(valid_LB))
 
 
 lstm_layer.defvjp(_lstm_layer_fwd, _lstm_layer_bwd)

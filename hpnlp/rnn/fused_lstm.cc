@@ -28,6 +28,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -121,6 +125,17 @@ inline void share(int tiles, int threads, int p, int* begin, int* end) {
   *end = static_cast<int>(int64_t(tiles) * (p + 1) / threads);
 }
 
+// Ask for huge pages on a large output before its first touch: XLA hands the kernels freshly
+// mapped buffers, and faulting 64 MB in 4 KB pages costs more than writing it.
+inline void huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
 constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
 constexpr int KC = 128;  // k per cache block: a 128 x 64 panel block (32 KB) stays in L1
 
@@ -183,7 +198,7 @@ void panel_product(const float* a, size_t lda, const float* p, int B, int K, flo
 
 struct Fwd {
   int L, B, H;
-  const float *xw, *w, *c0, *h0, *valid;
+  const float *xw, *bias, *w, *c0, *h0, *valid;
   float *out, *hc, *cc, *act;
   std::vector<float> wp;  // per unit tile: [H][4 gates][NR]
 };
@@ -197,11 +212,11 @@ void fwd_tile(const Fwd& s, int t, int u, const float* h_prev, const float* c_pr
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
       const size_t row_g = (size_t(t) * s.B + b) * G, row_h = (size_t(t) * s.B + b) * H;
-      const float* xw = s.xw + row_g;
-      vf i = vsigmoid(acc[0] + load(xw + j));
-      vf f = vsigmoid(acc[1] + load(xw + H + j));
-      vf o = vsigmoid(acc[2] + load(xw + 2 * H + j));
-      vf g = vtanh(acc[3] + load(xw + 3 * H + j));
+      const float *xw = s.xw + row_g, *bias = s.bias;
+      vf i = vsigmoid(acc[0] + load(xw + j) + load(bias + j));
+      vf f = vsigmoid(acc[1] + load(xw + H + j) + load(bias + H + j));
+      vf o = vsigmoid(acc[2] + load(xw + 2 * H + j) + load(bias + 2 * H + j));
+      vf g = vtanh(acc[3] + load(xw + 3 * H + j) + load(bias + 3 * H + j));
       float* act = s.act + row_g;
       store(act + j, i);
       store(act + H + j, f);
@@ -250,20 +265,26 @@ void run_fwd(Fwd& s, int threads) {
 struct Bwd {
   int L, B, H;
   const float *act, *cc, *c0, *w, *valid, *d_out;
-  float *dz, *dh, *dc;  // dh, dc: the running carry gradients [B, H] (start as d_final)
+  float *dz, *dzt, *db;  // dz [L, B, G], its transpose [G, L*B], and its sum over L, B
+  float *dh, *dc;  // the running carry gradients [B, H] (start as d_final)
 };
 
-// The gate gradients of unit tile u, all rows, step t; the carry gradients move to t-1
-// (the c part here, the h part in bwd_group).
-void bwd_gates(Bwd& s, int t, int u) {
-  const int H = s.H, G = 4 * H, j = u * NR;
-  for (int b = 0; b < s.B; ++b) {
-    const size_t row_g = (size_t(t) * s.B + b) * G, row_h = (size_t(t) * s.B + b) * H;
+// The gate gradients of unit tile u, all rows, step t (dz, its transpose, and their sum
+// over rows in db); the carry gradients move to t-1 (the c part here, the h part in
+// bwd_group).
+void bwd_gates(Bwd& s, int t, int u, float* tbuf) {
+  const int H = s.H, G = 4 * H, j = u * NR, B = s.B;
+  vf db[4] = {vf{}, vf{}, vf{}, vf{}};
+  for (int b = 0; b < B; ++b) {
+    const size_t row_g = (size_t(t) * B + b) * G, row_h = (size_t(t) * B + b) * H;
     float* dz = s.dz + row_g;
     float* dh_p = s.dh + size_t(b) * H + j;
     float* dc_p = s.dc + size_t(b) * H + j;
-    if (!(s.valid[size_t(t) * s.B + b] > 0.0f)) {  // the state passed through unchanged
-      for (int g = 0; g < 4; ++g) store(dz + g * H + j, vf{});
+    if (!(s.valid[size_t(t) * B + b] > 0.0f)) {  // the state passed through unchanged
+      for (int q = 0; q < 4; ++q) {
+        store(dz + q * H + j, vf{});
+        for (int n = 0; n < NR; ++n) tbuf[(q * NR + n) * B + b] = 0.0f;
+      }
       continue;
     }
     const float* act = s.act + row_g;
@@ -274,11 +295,22 @@ void bwd_gates(Bwd& s, int t, int u) {
     vf tc = vtanh(c);
     vf dc = load(dc_p) + dh * o * (1.0f - tc * tc);
     vf do_ = dh * tc, di = dc * g, dg = dc * i, df = dc * cp;
-    store(dz + j, di * i * (1.0f - i));
-    store(dz + H + j, df * f * (1.0f - f));
-    store(dz + 2 * H + j, do_ * o * (1.0f - o));
-    store(dz + 3 * H + j, dg * (1.0f - g * g));
+    const vf d[4] = {di * i * (1.0f - i), df * f * (1.0f - f), do_ * o * (1.0f - o),
+                     dg * (1.0f - g * g)};
+    for (int q = 0; q < 4; ++q) {
+      store(dz + q * H + j, d[q]);
+      db[q] += d[q];
+      for (int n = 0; n < NR; ++n) tbuf[(q * NR + n) * B + b] = d[q][n];
+    }
     store(dc_p, dc * f);
+  }
+  // dz^T: each of the tile's 4 NR rows gets this step's B values as one contiguous run.
+  const size_t LB = size_t(s.L) * B;
+  for (int q = 0; q < 4; ++q) {
+    store(s.db + q * H + j, load(s.db + q * H + j) + db[q]);
+    for (int n = 0; n < NR; ++n)
+      std::memcpy(s.dzt + (size_t(q) * H + j + n) * LB + size_t(t) * B, tbuf + (q * NR + n) * B,
+                  B * sizeof(float));
   }
 }
 
@@ -299,10 +331,11 @@ void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
 void run_bwd(Bwd& s, int threads) {
   const int H = s.H, G = 4 * H, tiles = H / NR;
   Barrier barrier(threads);
+  std::fill(s.db, s.db + G, 0.0f);
   parallel(threads, [&](int p) {
     int u0, u1;
     share(tiles, threads, p, &u0, &u1);
-    std::vector<float> part(size_t(s.B) * 4 * NR);
+    std::vector<float> part(size_t(s.B) * 4 * NR), tbuf(size_t(s.B) * 4 * NR);
     // This thread's tiles of W^T in groups of 4: [group][k in G][tile q][unit], zeros
     // where a last group is short.
     const int groups = (u1 - u0 + 3) / 4;
@@ -316,7 +349,7 @@ void run_bwd(Bwd& s, int threads) {
             dst[(size_t(k) * 4 + q) * NR + m] = s.w[size_t((u + q) * NR + m) * G + k];
     }
     for (int t = s.L - 1; t >= 0; --t) {
-      for (int u = u0; u < u1; ++u) bwd_gates(s, t, u);
+      for (int u = u0; u < u1; ++u) bwd_gates(s, t, u, tbuf.data());
       barrier.wait();  // all of dz_t is written
       for (int gi = 0; gi < groups; ++gi) {
         const int u = u0 + 4 * gi;
@@ -338,10 +371,11 @@ ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vect
 
 }  // namespace
 
-// xw [L, B, 4H] (input projection + bias), w [H, 4H], c0, h0 [B, H], valid [L, B] ->
+// xw [L, B, 4H] (input projection), bias [4H], w [H, 4H], c0, h0 [B, H], valid [L, B] ->
 // out [L, B, H] (0 on padding), hc, cc [L, B, H] (the carry after each step),
 // act [L, B, 4H] (the activated gates, for the backward pass).
-ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ffi::F32> w,
+ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ffi::F32> bias,
+                       ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> h0,
                        ffi::Buffer<ffi::F32> valid, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> hc, ffi::ResultBuffer<ffi::F32> cc,
@@ -351,11 +385,13 @@ ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ff
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "fused LSTM: xw must be [L, B, 4H] with H a multiple of 16");
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
-  for (auto e : {check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("c0", c0.dimensions(), {B, H}),
+  for (auto e : {check_dims("bias", bias.dimensions(), {4 * H}),
+                 check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("c0", c0.dimensions(), {B, H}),
                  check_dims("h0", h0.dimensions(), {B, H}), check_dims("valid", valid.dimensions(), {L, B})})
     if (e.failure()) return e;
   if (L == 0 || B == 0) return ffi::Error::Success();
-  Fwd s{int(L), int(B), int(H), xw.typed_data(), w.typed_data(), c0.typed_data(), h0.typed_data(),
+  for (auto* r : {&out, &hc, &cc, &act}) huge_pages((*r)->untyped_data(), (*r)->size_bytes());
+  Fwd s{int(L), int(B), int(H), xw.typed_data(), bias.typed_data(), w.typed_data(), c0.typed_data(), h0.typed_data(),
         valid.typed_data(), out->typed_data(), hc->typed_data(), cc->typed_data(), act->typed_data(), {}};
   run_fwd(s, clamp_threads(threads, int(H / NR)));
   return ffi::Error::Success();
@@ -363,12 +399,14 @@ ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ff
 
 // act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [L, B, H],
 // d_h, d_c [B, H] (gradients of the final carry) -> dz [L, B, 4H] (gradient of the
-// pre-activations), d_h0, d_c0 [B, H].
+// pre-activations), dzt [4H, L*B] (its transpose, for the weight gradients as plain
+// products), db [4H] (its sum: the bias gradient), d_h0, d_c0 [B, H].
 ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::F32> cc,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
                        ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
-                       ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> d_h0,
+                       ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> dzt,
+                       ffi::ResultBuffer<ffi::F32> db, ffi::ResultBuffer<ffi::F32> d_h0,
                        ffi::ResultBuffer<ffi::F32> d_c0) {
   auto d = act.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
@@ -382,10 +420,13 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
     if (e.failure()) return e;
   std::memcpy(d_h0->typed_data(), d_h.typed_data(), sizeof(float) * B * H);
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
+  std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);
   if (L == 0 || B == 0) return ffi::Error::Success();
+  huge_pages(dz->untyped_data(), dz->size_bytes());
+  huge_pages(dzt->untyped_data(), dzt->size_bytes());
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
-        valid.typed_data(), d_out.typed_data(), dz->typed_data(), d_h0->typed_data(),
-        d_c0->typed_data()};
+        valid.typed_data(), d_out.typed_data(), dz->typed_data(), dzt->typed_data(),
+        db->typed_data(), d_h0->typed_data(), d_c0->typed_data()};
   run_bwd(s, clamp_threads(threads, int(H / NR)));
   return ffi::Error::Success();
 }
@@ -393,6 +434,7 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -414,6 +456,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmBwd, LstmBwdImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -254,8 +254,7 @@ class RNNLayer(nn.Module):
             if use_fused:  # plain LSTM: no per-step masks, pw and mask_BH are empty
                 valid_LB = (jnp.ones((L, B), jnp.float32) if ex_d.valid_B1 is None
                             else ex_d.valid_B1[..., 0])
-                return fused.lstm_layer(project, (w_EG, b_G, ln_x_G), w_HG, x_LBE, carry0_d,
-                                        valid_LB)
+                return fused.lstm_layer(w_EG, b_G, w_HG, x_LBE, carry0_d, valid_LB)
             return cells.run_layer(step, project, (w_EG, b_G, ln_x_G), pw_d, w_HG, x_LBE,
                                    carry0_d, ex_d, mask_BH, chunk=self.chunk, unroll=self.unroll,
                                    fast_backward=self.fast_backward, tied=tied)
