@@ -126,29 +126,35 @@ def default_threads(B: int, H: int) -> int:
     return max(1, min(cores, H // 16))
 
 
-def _call(target: str, out_shapes, *args, threads: int):
+def _call(target: str, out_shapes, *args, threads: int, **attrs):
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"the fused LSTM kernel is unavailable: {reason}. Use "
                            "impl='scan' (the XLA recurrence) instead.")
     out_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes]
     return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(
-        *args, threads=np.int64(threads))
+        *args, threads=np.int64(threads), **attrs)
 
 
-def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, threads: int | None = None):
+def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True,
+                 threads: int | None = None):
     """The recurrence forward from the input projection xw (without the bias b):
-    (out_LBH, hc_LBH, cc_LBH, act_LBG); hc and cc are the carry after every step, act the
-    activated gates (i, f, o, g)."""
+    (out_BLH, (c_BH, h_BH) final state, hp_LBH, cc_LBH, act_LBG) with, when `save`, what
+    the backward pass reads: h entering every step, c after it, and the activated gates
+    (i, f, o, g); without `save` those three are empty (a forward pass only)."""
     L, B, G = xw_LBG.shape
     H = G // 4
     threads = default_threads(B, H) if threads is None else threads
+    n = L if save else 0
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    return _call("hpnlp_lstm_fwd", [(L, B, H)] * 3 + [(L, B, G)], f32(xw_LBG), f32(b_G),
-                 f32(w_HG), f32(c0_BH), f32(h0_BH), f32(valid_LB), threads=threads)
+    out, c, h, hp, cc, act = _call(
+        "hpnlp_lstm_fwd", [(B, L, H), (B, H), (B, H), (n, B, H), (n, B, H), (n, B, G)],
+        f32(xw_LBG), f32(b_G), f32(w_HG), f32(c0_BH), f32(h0_BH), f32(valid_LB), threads=threads,
+        save=save)
+    return out, (c, h), hp, cc, act
 
 
-def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH, d_h_BH, d_c_BH, *,
+def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, *,
                   threads: int | None = None):
     """The recurrence backward: (dz_LBG, dz^T [G, L*B], db_G, d_h0_BH, d_c0_BH), dz the
     gradient of the gate pre-activations (equal to that of the input projection), db its
@@ -158,7 +164,7 @@ def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH, d_h_BH, d_c
     threads = default_threads(B, H) if threads is None else threads
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     return _call("hpnlp_lstm_bwd", [(L, B, G), (G, L * B), (G,), (B, H), (B, H)], act_LBG,
-                 cc_LBH, f32(c0_BH), f32(w_HG), f32(valid_LB), f32(d_out_LBH), f32(d_h_BH),
+                 cc_LBH, f32(c0_BH), f32(w_HG), f32(valid_LB), f32(d_out_BLH), f32(d_h_BH),
                  f32(d_c_BH), threads=threads)
 
 
@@ -167,35 +173,35 @@ def lstm_layer(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads=None):
     """Input projection (x W_x + b) and LSTM recurrence over a time-major x_LBE; returns
     ((c_BH, h_BH) final carry, out_LBH). `valid_LB` is 1.0 on real tokens and 0.0 on
     padding (padding keeps the state and outputs 0)."""
-    return _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads)[0]
+    return _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads, save=False)[0]
 
 
-def _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads):
+def _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads, *, save):
     c0_BH, h0_BH = carry0
     # ONE product for all steps; the bias is added inside the kernel.
     xw_LBG = jnp.einsum("lbe,eg->lbg", x_LBE, w_EG, preferred_element_type=jnp.float32)
-    out_LBH, hc_LBH, cc_LBH, act_LBG = lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB,
-                                                    threads=threads)
-    final = (cc_LBH[-1].astype(c0_BH.dtype), hc_LBH[-1].astype(h0_BH.dtype))
-    return (final, out_LBH), (hc_LBH, cc_LBH, act_LBG)
+    out_BLH, (c, h), *res = lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, save=save,
+                                         threads=threads)
+    final = (c.astype(c0_BH.dtype), h.astype(h0_BH.dtype))
+    return (final, jnp.swapaxes(out_BLH, 0, 1)), res
 
 
 def _lstm_layer_fwd(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads):
-    out, (hc_LBH, cc_LBH, act_LBG) = _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads)
-    return out, (w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, hc_LBH, cc_LBH, act_LBG)
+    out, res = _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads, save=True)
+    return out, (w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, *res)
 
 
 def _lstm_layer_bwd(threads, res, cts):
-    w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hc_LBH, cc_LBH, act_LBG = res
+    w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hp_LBH, cc_LBH, act_LBG = res
     (d_c_BH, d_h_BH), d_out_LBH = cts
     L, B, E = x_LBE.shape
     dz_LBG, dzt_GN, db_G, d_h0_BH, d_c0_BH = lstm_backward(
-        act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_LBH, d_h_BH, d_c_BH, threads=threads)
+        act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, jnp.swapaxes(d_out_LBH, 0, 1), d_h_BH, d_c_BH,
+        threads=threads)
     # As in cells._fast_layer_bwd, every weight and input gradient is one product over all
     # L*B rows; with dz^T from the kernel the weight gradients are plain [G, N] x [N, .]
-    # products (no transposed copy of the [N, G] gate gradients). The state entering step t
-    # is h0, then the carry after t-1.
-    h_prev_NH = jnp.concatenate([h0_BH[None].astype(jnp.float32), hc_LBH[:-1]]).reshape(L * B, -1)
+    # products (no transposed copy of the [N, G] gate gradients).
+    h_prev_NH = hp_LBH.reshape(L * B, -1)
     # (The barrier keeps XLA from folding the small [G, .] transposes into the products,
     # which turns them into transposed-operand products that run slower on CPU.)
     mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)

@@ -198,15 +198,21 @@ void panel_product(const float* a, size_t lda, const float* p, int B, int K, flo
 
 struct Fwd {
   int L, B, H;
-  const float *xw, *bias, *w, *c0, *h0, *valid;
-  float *out, *hc, *cc, *act;
+  bool save;  // write hp, cc and act (what the backward pass reads)
+  const float *xw, *bias, *w, *valid;
+  float *out;            // [B, L, H], batch-major like the layer's output
+  float *hp, *cc, *act;  // [L, B, H] h entering each step, [L, B, H] c after it, [L, B, 4H]
+  float *h, *c;          // the state, double-buffered: [2][B, H] each
   std::vector<float> wp;  // per unit tile: [H][4 gates][NR]
 };
 
 // Unit tile u of step t: z = h_prev W for the 4 gates of its NR units, then the cell
 // update straight from the accumulators.
-void fwd_tile(const Fwd& s, int t, int u, const float* h_prev, const float* c_prev, float* part) {
+void fwd_tile(const Fwd& s, int t, int u, float* part) {
   const int H = s.H, G = 4 * H, j = u * NR;
+  const size_t BH = size_t(s.B) * H;
+  const float *h_prev = s.h + (t & 1) * BH, *c_prev = s.c + (t & 1) * BH;
+  float *h_next = s.h + ((t + 1) & 1) * BH, *c_next = s.c + ((t + 1) & 1) * BH;
   panel_product(h_prev, H, s.wp.data() + size_t(u) * H * 4 * NR, s.B, H, part,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
@@ -217,22 +223,24 @@ void fwd_tile(const Fwd& s, int t, int u, const float* h_prev, const float* c_pr
       vf f = vsigmoid(acc[1] + load(xw + H + j) + load(bias + H + j));
       vf o = vsigmoid(acc[2] + load(xw + 2 * H + j) + load(bias + 2 * H + j));
       vf g = vtanh(acc[3] + load(xw + 3 * H + j) + load(bias + 3 * H + j));
-      float* act = s.act + row_g;
-      store(act + j, i);
-      store(act + H + j, f);
-      store(act + 2 * H + j, o);
-      store(act + 3 * H + j, g);
       vf cp = load(c_prev + size_t(b) * H + j), hp = load(h_prev + size_t(b) * H + j);
-      if (s.valid[size_t(t) * s.B + b] > 0.0f) {
-        vf c = f * cp + i * g;
-        vf h = o * vtanh(c);
+      vf c = cp, h = hp, y = vf{};
+      if (s.valid[size_t(t) * s.B + b] > 0.0f) {  // padding keeps the state, outputs 0
+        c = f * cp + i * g;
+        h = o * vtanh(c);
+        y = h;
+      }
+      store(c_next + size_t(b) * H + j, c);
+      store(h_next + size_t(b) * H + j, h);
+      store(s.out + (size_t(b) * s.L + t) * H + j, y);
+      if (s.save) {
+        float* act = s.act + row_g;
+        store(act + j, i);
+        store(act + H + j, f);
+        store(act + 2 * H + j, o);
+        store(act + 3 * H + j, g);
+        store(s.hp + row_h + j, hp);
         store(s.cc + row_h + j, c);
-        store(s.hc + row_h + j, h);
-        store(s.out + row_h + j, h);
-      } else {
-        store(s.cc + row_h + j, cp);
-        store(s.hc + row_h + j, hp);
-        store(s.out + row_h + j, vf{});
       }
     }
   });
@@ -252,9 +260,7 @@ void run_fwd(Fwd& s, int threads) {
           std::memcpy(&s.wp[((size_t(u) * H + k) * 4 + g) * NR], s.w + size_t(k) * G + g * H + u * NR,
                       NR * sizeof(float));
     for (int t = 0; t < s.L; ++t) {
-      const float* h_prev = t == 0 ? s.h0 : s.hc + size_t(t - 1) * s.B * H;
-      const float* c_prev = t == 0 ? s.c0 : s.cc + size_t(t - 1) * s.B * H;
-      for (int u = u0; u < u1; ++u) fwd_tile(s, t, u, h_prev, c_prev, part.data());
+      for (int u = u0; u < u1; ++u) fwd_tile(s, t, u, part.data());
       barrier.wait();  // every unit of h_t is written before any thread reads it
     }
   });
@@ -264,7 +270,7 @@ void run_fwd(Fwd& s, int threads) {
 
 struct Bwd {
   int L, B, H;
-  const float *act, *cc, *c0, *w, *valid, *d_out;
+  const float *act, *cc, *c0, *w, *valid, *d_out;  // d_out [B, L, H]
   float *dz, *dzt, *db;  // dz [L, B, G], its transpose [G, L*B], and its sum over L, B
   float *dh, *dc;  // the running carry gradients [B, H] (start as d_final)
 };
@@ -291,7 +297,7 @@ void bwd_gates(Bwd& s, int t, int u, float* tbuf) {
     vf i = load(act + j), f = load(act + H + j), o = load(act + 2 * H + j), g = load(act + 3 * H + j);
     vf c = load(s.cc + row_h + j);
     vf cp = load((t == 0 ? s.c0 : s.cc + size_t(t - 1) * s.B * H) + size_t(b) * H + j);
-    vf dh = load(dh_p) + load(s.d_out + row_h + j);
+    vf dh = load(dh_p) + load(s.d_out + (size_t(b) * s.L + t) * H + j);
     vf tc = vtanh(c);
     vf dc = load(dc_p) + dh * o * (1.0f - tc * tc);
     vf do_ = dh * tc, di = dc * g, dg = dc * i, df = dc * cp;
@@ -372,13 +378,15 @@ ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vect
 }  // namespace
 
 // xw [L, B, 4H] (input projection), bias [4H], w [H, 4H], c0, h0 [B, H], valid [L, B] ->
-// out [L, B, H] (0 on padding), hc, cc [L, B, H] (the carry after each step),
-// act [L, B, 4H] (the activated gates, for the backward pass).
-ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ffi::F32> bias,
-                       ffi::Buffer<ffi::F32> w,
+// out [B, L, H] (0 on padding), c, h [B, H] (the final state) and, with save, hp [L, B, H]
+// (h entering each step), cc [L, B, H] (c after each step), act [L, B, 4H] (the activated
+// gates), which the backward pass reads; without save those three are empty.
+ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
+                       ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> h0,
                        ffi::Buffer<ffi::F32> valid, ffi::ResultBuffer<ffi::F32> out,
-                       ffi::ResultBuffer<ffi::F32> hc, ffi::ResultBuffer<ffi::F32> cc,
+                       ffi::ResultBuffer<ffi::F32> c_fin, ffi::ResultBuffer<ffi::F32> h_fin,
+                       ffi::ResultBuffer<ffi::F32> hp, ffi::ResultBuffer<ffi::F32> cc,
                        ffi::ResultBuffer<ffi::F32> act) {
   auto d = xw.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
@@ -387,17 +395,29 @@ ffi::Error LstmFwdImpl(int64_t threads, ffi::Buffer<ffi::F32> xw, ffi::Buffer<ff
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
   for (auto e : {check_dims("bias", bias.dimensions(), {4 * H}),
                  check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("c0", c0.dimensions(), {B, H}),
-                 check_dims("h0", h0.dimensions(), {B, H}), check_dims("valid", valid.dimensions(), {L, B})})
+                 check_dims("h0", h0.dimensions(), {B, H}), check_dims("valid", valid.dimensions(), {L, B}),
+                 check_dims("out", out->dimensions(), {B, L, H}),
+                 check_dims("hp", hp->dimensions(), {save ? L : 0, B, H}),
+                 check_dims("cc", cc->dimensions(), {save ? L : 0, B, H}),
+                 check_dims("act", act->dimensions(), {save ? L : 0, B, 4 * H})})
     if (e.failure()) return e;
-  if (L == 0 || B == 0) return ffi::Error::Success();
-  for (auto* r : {&out, &hc, &cc, &act}) huge_pages((*r)->untyped_data(), (*r)->size_bytes());
-  Fwd s{int(L), int(B), int(H), xw.typed_data(), bias.typed_data(), w.typed_data(), c0.typed_data(), h0.typed_data(),
-        valid.typed_data(), out->typed_data(), hc->typed_data(), cc->typed_data(), act->typed_data(), {}};
-  run_fwd(s, clamp_threads(threads, int(H / NR)));
+  std::vector<float> h(size_t(2) * B * H), c(size_t(2) * B * H);
+  std::memcpy(h.data(), h0.typed_data(), sizeof(float) * B * H);
+  std::memcpy(c.data(), c0.typed_data(), sizeof(float) * B * H);
+  if (L > 0 && B > 0) {
+    for (auto* r : {&out, &hp, &cc, &act}) huge_pages((*r)->untyped_data(), (*r)->size_bytes());
+    Fwd s{int(L), int(B), int(H), save, xw.typed_data(), bias.typed_data(), w.typed_data(),
+          valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
+          act->typed_data(), h.data(), c.data(), {}};
+    run_fwd(s, clamp_threads(threads, int(H / NR)));
+  }
+  const size_t last = size_t(L & 1) * B * H;  // the buffer step L-1 wrote
+  std::memcpy(h_fin->typed_data(), h.data() + last, sizeof(float) * B * H);
+  std::memcpy(c_fin->typed_data(), c.data() + last, sizeof(float) * B * H);
   return ffi::Error::Success();
 }
 
-// act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [L, B, H],
+// act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [B, L, H],
 // d_h, d_c [B, H] (gradients of the final carry) -> dz [L, B, 4H] (gradient of the
 // pre-activations), dzt [4H, L*B] (its transpose, for the weight gradients as plain
 // products), db [4H] (its sum: the bias gradient), d_h0, d_c0 [B, H].
@@ -415,7 +435,7 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
   for (auto e : {check_dims("cc", cc.dimensions(), {L, B, H}), check_dims("c0", c0.dimensions(), {B, H}),
                  check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("valid", valid.dimensions(), {L, B}),
-                 check_dims("d_out", d_out.dimensions(), {L, B, H}),
+                 check_dims("d_out", d_out.dimensions(), {B, L, H}),
                  check_dims("d_h", d_h.dimensions(), {B, H}), check_dims("d_c", d_c.dimensions(), {B, H})})
     if (e.failure()) return e;
   std::memcpy(d_h0->typed_data(), d_h.typed_data(), sizeof(float) * B * H);
@@ -434,12 +454,15 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("threads")
+                                  .Attr<bool>("save")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
