@@ -55,8 +55,10 @@ def init(cfg, batch):
     return model, jax.jit(lambda key: nn.unbox(model.init(key, batch)["params"]))(jax.random.key(0))
 
 
-@pytest.mark.parametrize("kind", sorted(BATCHES))
-@pytest.mark.parametrize("attention", ["dense", "xla", "chunked"])
+# Every model kind with the reference attention; the other two in the causal LM and the
+# padded classifier (every variant runs inside the models in its own test file too).
+@pytest.mark.parametrize("kind,attention", [(k, "dense") for k in sorted(BATCHES)] + [
+    ("lm", "xla"), ("classifier", "xla"), ("lm", "chunked"), ("classifier", "chunked")])
 def test_sums_shapes_and_finite(kind, attention):
     cfg = make_cfg(kind, attention)
     batch = BATCHES[kind]()
