@@ -411,6 +411,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail(f"rnn.{name}", rate, "must be a probability in [0, 1)")
     _check_positive("rnn.unroll", r.unroll)
     _check_choice("rnn.impl", r.impl, ("auto", "scan", "fused"))
+    if r.impl == "fused" and m.arch in ("lstm", "gru"):
+        blocker = ("model.arch='gru'" if m.arch == "gru" else "rnn.layer_norm=True" if r.layer_norm
+                   else "rnn.zoneout > 0" if r.zoneout > 0 else None)
+        if blocker:
+            _fail("rnn.impl", "fused", f"the fused kernel is a plain LSTM and {blocker}; use "
+                  "rnn.impl='auto' (the kernel where it applies) or 'scan'")
     if m.arch != "transformer" and m.kind == "lm" and r.bidirectional:
         _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
               "layers are for model.kind='classifier' or 'dual_encoder'")

@@ -61,3 +61,13 @@ def test_rnn_config_errors_name_the_field():
     cd.model.arch = "rnn"
     with pytest.raises(ConfigError, match="model.arch"):
         validate(from_configdict(cd), num_devices=1)
+    cd.model.arch = "gru"
+    cd.rnn.impl = "fused"
+    with pytest.raises(ConfigError, match="rnn.impl.*model.arch='gru'"):
+        validate(from_configdict(cd), num_devices=1)
+    cd.model.arch, cd.rnn.layer_norm = "lstm", True
+    with pytest.raises(ConfigError, match="rnn.impl.*rnn.layer_norm=True"):
+        validate(from_configdict(cd), num_devices=1)
+    cd.rnn.impl = "cuda"
+    with pytest.raises(ConfigError, match="rnn.impl"):
+        validate(from_configdict(cd), num_devices=1)

@@ -11,7 +11,8 @@ steps (default 8: on CPU a cache-sized product runs faster than one [L*B, E] pro
 step does one fused [B, H] x [H, K*H] product; and the backward pass is one reverse scan
 with one product per step, after which every weight and input gradient is one product over
 all steps instead of one per step (or per block). Both
-directions of a bidirectional layer run in the same scan. Against
+directions of a bidirectional layer run in the same scan. On CPU the plain LSTM runs its
+recurrence as a fused C++ kernel instead (`hpnlp.rnn.fused`, field `impl`). Against
 `flax.linen.RNN(OptimizedLSTMCell)` see `python -m hpnlp.bench rnn`.
 
 Options: layer normalization (Ba et al. 2016), bidirectional with the backward direction
@@ -139,8 +140,9 @@ class RNNLayer(nn.Module):
     as one C++ kernel call per pass (`hpnlp.rnn.fused`: LSTM in float32 without layer
     norm, zoneout, or recurrent/state dropout in training, hidden a multiple of 16, one
     device; an error says which condition fails); "auto" (default) is "fused" wherever it
-    can run and "scan" elsewhere. Both give the same outputs and gradients. Compute in `dtype` (matrix products), state and
-    gate math in float32, parameters in `param_dtype`.
+    can run and "scan" elsewhere. Both give the same outputs and gradients (`chunk` and
+    `unroll` shape the scan only). Compute in `dtype` (matrix products), state and gate
+    math in float32, parameters in `param_dtype`.
     """
 
     kind: str = "lstm"
