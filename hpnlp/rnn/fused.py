@@ -156,16 +156,16 @@ def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True
 
 def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, *,
                   threads: int | None = None):
-    """The recurrence backward: (dz_LBG, dz^T [G, L*B], db_G, d_h0_BH, d_c0_BH), dz the
-    gradient of the gate pre-activations (equal to that of the input projection), db its
-    sum over steps and rows (the bias gradient)."""
+    """The recurrence backward: (dz^T [G, L*B], db_G, d_h0_BH, d_c0_BH), dz the gradient
+    of the gate pre-activations (equal to that of the input projection), transposed, and
+    db its sum over steps and rows (the bias gradient)."""
     L, B, G = act_LBG.shape
     H = G // 4
     threads = default_threads(B, H) if threads is None else threads
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    return _call("hpnlp_lstm_bwd", [(L, B, G), (G, L * B), (G,), (B, H), (B, H)], act_LBG,
-                 cc_LBH, f32(c0_BH), f32(w_HG), f32(valid_LB), f32(d_out_BLH), f32(d_h_BH),
-                 f32(d_c_BH), threads=threads)
+    return _call("hpnlp_lstm_bwd", [(G, L * B), (G,), (B, H), (B, H)], act_LBG, cc_LBH,
+                 f32(c0_BH), f32(w_HG), f32(valid_LB), f32(d_out_BLH), f32(d_h_BH), f32(d_c_BH),
+                 threads=threads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -195,21 +195,21 @@ def _lstm_layer_bwd(threads, res, cts):
     w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hp_LBH, cc_LBH, act_LBG = res
     (d_c_BH, d_h_BH), d_out_LBH = cts
     L, B, E = x_LBE.shape
-    dz_LBG, dzt_GN, db_G, d_h0_BH, d_c0_BH = lstm_backward(
+    dzt_GN, db_G, d_h0_BH, d_c0_BH = lstm_backward(
         act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, jnp.swapaxes(d_out_LBH, 0, 1), d_h_BH, d_c_BH,
         threads=threads)
     # As in cells._fast_layer_bwd, every weight and input gradient is one product over all
-    # L*B rows; with dz^T from the kernel the weight gradients are plain [G, N] x [N, .]
-    # products (no transposed copy of the [N, G] gate gradients).
-    h_prev_NH = hp_LBH.reshape(L * B, -1)
-    # (The barrier keeps XLA from folding the small [G, .] transposes into the products,
-    # which turns them into transposed-operand products that run slower on CPU.)
+    # N = L*B rows, here all three from dz^T as plain products: dW_h^T = dz^T h_prev,
+    # dW_x^T = dz^T x, dx^T = W_x dz^T. The barrier keeps XLA from folding the transposes
+    # back into the products (which makes them transposed-operand products, slower on CPU).
     mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
-    d_w_GH, d_w_GE = jax.lax.optimization_barrier(
-        (mm(dzt_GN, h_prev_NH), mm(dzt_GN, x_LBE.reshape(L * B, E).astype(jnp.float32))))
-    d_w_HG, d_w_EG = d_w_GH.T.astype(w_HG.dtype), d_w_GE.T.astype(w_EG.dtype)
-    d_x_LBE = jnp.einsum("lbg,eg->lbe", dz_LBG, w_EG.astype(jnp.float32)).astype(x_LBE.dtype)
-    return (d_w_EG, db_G.astype(b_G.dtype), d_w_HG, d_x_LBE,
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    d_w_GH, d_w_GE, d_x_EN = jax.lax.optimization_barrier((
+        mm(dzt_GN, hp_LBH.reshape(L * B, -1)), mm(dzt_GN, f32(x_LBE.reshape(L * B, E))),
+        mm(f32(w_EG), dzt_GN)))
+    d_x_LBE = d_x_EN.reshape(E, L, B).transpose(1, 2, 0)
+    return (d_w_GE.T.astype(w_EG.dtype), db_G.astype(b_G.dtype), d_w_GH.T.astype(w_HG.dtype),
+            d_x_LBE.astype(x_LBE.dtype),
             (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)), jnp.zeros_like(valid_LB))
 
 

@@ -7,7 +7,8 @@
 // gates of its units for a block of rows in registers (a register-blocked product over
 // the recurrent matrix, packed once per call so that every step streams it
 // contiguously), applies the gate arithmetic to the accumulators directly, and meets the
-// other threads at one barrier per step (the next step needs every unit of h).
+// other threads at one barrier per step (the next step needs every unit of h). Threads
+// take a step's tiles from a shared counter, so a preempted thread holds up one tile.
 // The backward scan does the same with the transposed matrix: each thread turns the
 // incoming gradient of its units into the gate gradient dz (elementwise), and after the
 // barrier computes dz @ W^T for its units.
@@ -24,13 +25,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -125,16 +124,19 @@ inline void share(int tiles, int threads, int p, int* begin, int* end) {
   *end = static_cast<int>(int64_t(tiles) * (p + 1) / threads);
 }
 
-// Ask for huge pages on a large output before its first touch: XLA hands the kernels freshly
-// mapped buffers, and faulting 64 MB in 4 KB pages costs more than writing it.
-inline void huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#endif
-}
+// One counter per phase of the run: threads take the next tile (or group) of a step from
+// it instead of owning a fixed share, so a thread that the OS preempts mid-step delays the
+// step by one tile, not by its whole share (every step ends at a barrier).
+class Counters {
+ public:
+  explicit Counters(size_t n) : next_(new std::atomic<int>[n]) {
+    for (size_t i = 0; i < n; ++i) next_[i].store(0, std::memory_order_relaxed);
+  }
+  int take(size_t phase) { return next_[phase].fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::unique_ptr<std::atomic<int>[]> next_;
+};
 
 constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
 constexpr int KC = 128;  // k per cache block: a 128 x 64 panel block (32 KB) stays in L1
@@ -250,17 +252,19 @@ void run_fwd(Fwd& s, int threads) {
   const int H = s.H, G = 4 * H, tiles = H / NR;
   s.wp.resize(size_t(H) * G);
   Barrier barrier(threads);
+  Counters next(s.L);
   parallel(threads, [&](int p) {
     int u0, u1;
     share(tiles, threads, p, &u0, &u1);
     std::vector<float> part(size_t(s.B) * 4 * NR);
-    for (int u = u0; u < u1; ++u)  // pack this thread's tiles: [k][gate][unit]
+    for (int u = u0; u < u1; ++u)  // pack a share of the tiles: [k][gate][unit]
       for (int k = 0; k < H; ++k)
         for (int g = 0; g < 4; ++g)
           std::memcpy(&s.wp[((size_t(u) * H + k) * 4 + g) * NR], s.w + size_t(k) * G + g * H + u * NR,
                       NR * sizeof(float));
+    barrier.wait();  // all packed
     for (int t = 0; t < s.L; ++t) {
-      for (int u = u0; u < u1; ++u) fwd_tile(s, t, u, part.data());
+      for (int u; (u = next.take(t)) < tiles;) fwd_tile(s, t, u, part.data());
       barrier.wait();  // every unit of h_t is written before any thread reads it
     }
   });
@@ -271,7 +275,8 @@ void run_fwd(Fwd& s, int threads) {
 struct Bwd {
   int L, B, H;
   const float *act, *cc, *c0, *w, *valid, *d_out;  // d_out [B, L, H]
-  float *dz, *dzt, *db;  // dz [L, B, G], its transpose [G, L*B], and its sum over L, B
+  float *dz;        // this step's gate gradients [B, G] (scratch)
+  float *dzt, *db;  // all steps' gate gradients transposed [G, L*B], and their sum over L, B
   float *dh, *dc;  // the running carry gradients [B, H] (start as d_final)
 };
 
@@ -283,7 +288,7 @@ void bwd_gates(Bwd& s, int t, int u, float* tbuf) {
   vf db[4] = {vf{}, vf{}, vf{}, vf{}};
   for (int b = 0; b < B; ++b) {
     const size_t row_g = (size_t(t) * B + b) * G, row_h = (size_t(t) * B + b) * H;
-    float* dz = s.dz + row_g;
+    float* dz = s.dz + size_t(b) * G;
     float* dh_p = s.dh + size_t(b) * H + j;
     float* dc_p = s.dc + size_t(b) * H + j;
     if (!(s.valid[size_t(t) * B + b] > 0.0f)) {  // the state passed through unchanged
@@ -324,7 +329,7 @@ void bwd_gates(Bwd& s, int t, int u, float* tbuf) {
 // invalid rows keep dh (their h passed through unchanged).
 void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
   const int H = s.H, G = 4 * H;
-  panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part,
+  panel_product(s.dz, G, wt, s.B, G, part,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
@@ -335,32 +340,33 @@ void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
 }
 
 void run_bwd(Bwd& s, int threads) {
-  const int H = s.H, G = 4 * H, tiles = H / NR;
+  const int H = s.H, G = 4 * H, tiles = H / NR, groups = (tiles + 3) / 4;
   Barrier barrier(threads);
+  Counters next(2 * size_t(s.L));  // per step: the gate phase, then the product phase
   std::fill(s.db, s.db + G, 0.0f);
+  // W^T in groups of 4 unit tiles: [group][k in G][tile q][unit], zeros where the last
+  // group is short.
+  std::vector<float> wt(size_t(groups) * G * 4 * NR, 0.0f);
   parallel(threads, [&](int p) {
-    int u0, u1;
-    share(tiles, threads, p, &u0, &u1);
+    int g0, g1;
+    share(groups, threads, p, &g0, &g1);
     std::vector<float> part(size_t(s.B) * 4 * NR), tbuf(size_t(s.B) * 4 * NR);
-    // This thread's tiles of W^T in groups of 4: [group][k in G][tile q][unit], zeros
-    // where a last group is short.
-    const int groups = (u1 - u0 + 3) / 4;
-    std::vector<float> wt(size_t(groups) * G * 4 * NR, 0.0f);
-    for (int gi = 0; gi < groups; ++gi) {
-      const int u = u0 + 4 * gi, n = std::min(4, u1 - u);
+    for (int gi = g0; gi < g1; ++gi) {  // pack a share of the groups
+      const int u = 4 * gi, n = std::min(4, tiles - u);
       float* dst = wt.data() + size_t(gi) * G * 4 * NR;
       for (int k = 0; k < G; ++k)
         for (int q = 0; q < n; ++q)
           for (int m = 0; m < NR; ++m)
             dst[(size_t(k) * 4 + q) * NR + m] = s.w[size_t((u + q) * NR + m) * G + k];
     }
+    barrier.wait();  // all packed
     for (int t = s.L - 1; t >= 0; --t) {
-      for (int u = u0; u < u1; ++u) bwd_gates(s, t, u, tbuf.data());
+      for (int u; (u = next.take(2 * size_t(t))) < tiles;) bwd_gates(s, t, u, tbuf.data());
       barrier.wait();  // all of dz_t is written
-      for (int gi = 0; gi < groups; ++gi) {
-        const int u = u0 + 4 * gi;
-        bwd_group(s, t, u, std::min(4, u1 - u), wt.data() + size_t(gi) * G * 4 * NR, part.data());
-      }
+      for (int gi; (gi = next.take(2 * size_t(t) + 1)) < groups;)
+        bwd_group(s, t, 4 * gi, std::min(4, tiles - 4 * gi), wt.data() + size_t(gi) * G * 4 * NR,
+                  part.data());
+      barrier.wait();  // all of dh_{t-1} is written before the gates of t-1 read it
     }
   });
 }
@@ -405,7 +411,6 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
   std::memcpy(h.data(), h0.typed_data(), sizeof(float) * B * H);
   std::memcpy(c.data(), c0.typed_data(), sizeof(float) * B * H);
   if (L > 0 && B > 0) {
-    for (auto* r : {&out, &hp, &cc, &act}) huge_pages((*r)->untyped_data(), (*r)->size_bytes());
     Fwd s{int(L), int(B), int(H), save, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
@@ -418,15 +423,14 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
 }
 
 // act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [B, L, H],
-// d_h, d_c [B, H] (gradients of the final carry) -> dz [L, B, 4H] (gradient of the
-// pre-activations), dzt [4H, L*B] (its transpose, for the weight gradients as plain
-// products), db [4H] (its sum: the bias gradient), d_h0, d_c0 [B, H].
+// d_h, d_c [B, H] (gradients of the final carry) -> dzt [4H, L*B] (the gradient of the
+// gate pre-activations, transposed: every weight and input gradient is then a plain
+// product), db [4H] (its sum: the bias gradient), d_h0, d_c0 [B, H].
 ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::F32> cc,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
                        ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
-                       ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> dzt,
-                       ffi::ResultBuffer<ffi::F32> db, ffi::ResultBuffer<ffi::F32> d_h0,
+                       ffi::ResultBuffer<ffi::F32> dzt, ffi::ResultBuffer<ffi::F32> db, ffi::ResultBuffer<ffi::F32> d_h0,
                        ffi::ResultBuffer<ffi::F32> d_c0) {
   auto d = act.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
@@ -442,10 +446,9 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
   std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);
   if (L == 0 || B == 0) return ffi::Error::Success();
-  huge_pages(dz->untyped_data(), dz->size_bytes());
-  huge_pages(dzt->untyped_data(), dzt->size_bytes());
+  std::vector<float> dz(size_t(B) * 4 * H);
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
-        valid.typed_data(), d_out.typed_data(), dz->typed_data(), dzt->typed_data(),
+        valid.typed_data(), d_out.typed_data(), dz.data(), dzt->typed_data(),
         db->typed_data(), d_h0->typed_data(), d_c0->typed_data()};
   run_bwd(s, clamp_threads(threads, int(H / NR)));
   return ffi::Error::Success();
@@ -479,7 +482,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmBwd, LstmBwdImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
