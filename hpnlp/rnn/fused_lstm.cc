@@ -3,15 +3,15 @@
 // Why: in an XLA-built scan every time step is several kernel launches (the [B, H] x
 // [H, 4H] product, then the gate arithmetic as separate fusions), each a dispatch to the
 // thread pool and a round trip of the [B, 4H] pre-activations through memory. Here one
-// call runs all L steps: each thread owns a slice of the hidden units, computes the four
-// gates of its units for a block of rows in registers (a register-blocked product over
-// the recurrent matrix, packed once per call so that every step streams it
-// contiguously), applies the gate arithmetic to the accumulators directly, and meets the
-// other threads at one barrier per step (the next step needs every unit of h). Threads
-// take a step's tiles from a shared counter, so a preempted thread holds up one tile.
-// The backward scan does the same with the transposed matrix: each thread turns the
-// incoming gradient of its units into the gate gradient dz (elementwise), and after the
-// barrier computes dz @ W^T for its units.
+// call runs all L steps. In a step the threads take tiles of 16 hidden units from a
+// shared counter (a preempted thread then holds up one tile, not a fixed share), compute
+// a tile's four gates for a block of rows in registers (a register-blocked product over
+// the recurrent matrix, packed once per call so that every step streams it contiguously),
+// apply the gate arithmetic to the accumulators directly, and meet at one barrier per
+// step (the next step needs every unit of h). The backward scan does the same with the
+// transposed matrix: the threads turn the incoming gradient of a tile into its gate
+// gradient dz (elementwise, also written out transposed for the weight gradients), and
+// after a barrier compute dz @ W^T for groups of 4 tiles.
 //
 // Gates are ordered (i, f, o, g) as in hpnlp.rnn.cells: pre = xw + h_prev @ W,
 // i, f, o = sigmoid(pre[:3H]), g = tanh(pre[3H:]), c = f c_prev + i g, h = o tanh(c).
