@@ -6,9 +6,10 @@ is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks
 the same hoisting (one input-projection product for all steps before the recurrence, and
 every weight and input gradient one product over all steps after it), but the L
 recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
-`while` loop with several kernel launches per step. Within a step the kernel's threads
-take tiles of 16 hidden units and compute each tile's four gates in registers, with the
-gate arithmetic applied straight to the accumulators (see the top of `fused_lstm.cc`).
+`while` loop with several kernel launches per step. Each of the kernel's threads owns a
+share of the hidden units, in tiles of 16, and computes a tile's four gates in
+registers, with the gate arithmetic applied straight to the accumulators (see the top of
+`fused_lstm.cc`).
 
 The kernel is C++ compiled on first use with the machine's `g++` (`-O3 -march=native`)
 against the XLA FFI headers that ship with jaxlib, and cached in `HPNLP_KERNEL_CACHE`
