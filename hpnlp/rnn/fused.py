@@ -127,14 +127,16 @@ def default_threads(B: int, H: int) -> int:
     return max(1, min(cores, H // 16))
 
 
-def _call(target: str, out_shapes, *args, threads: int, **attrs):
+def _call(target: str, out_shapes, *args, B: int, H: int, threads: int | None, **attrs):
+    """The FFI call on float32 operands; `threads` None: `default_threads(B, H)`."""
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"the fused LSTM kernel is unavailable: {reason}. Use "
                            "impl='scan' (the XLA recurrence) instead.")
+    threads = default_threads(B, H) if threads is None else threads
     out_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes]
     return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(
-        *args, threads=np.int64(threads), **attrs)
+        *(a.astype(jnp.float32) for a in args), threads=np.int64(threads), **attrs)
 
 
 def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True,
@@ -144,14 +146,10 @@ def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True
     the backward pass reads: h entering every step, c after it, and the activated gates
     (i, f, o, g); without `save` those three are empty (a forward pass only)."""
     L, B, G = xw_LBG.shape
-    H = G // 4
-    threads = default_threads(B, H) if threads is None else threads
-    n = L if save else 0
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    H, n = G // 4, L if save else 0
     out, c, h, hp, cc, act = _call(
         "hpnlp_lstm_fwd", [(B, L, H), (B, H), (B, H), (n, B, H), (n, B, H), (n, B, G)],
-        f32(xw_LBG), f32(b_G), f32(w_HG), f32(c0_BH), f32(h0_BH), f32(valid_LB), threads=threads,
-        save=save)
+        xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, B=B, H=H, threads=threads, save=save)
     return out, (c, h), hp, cc, act
 
 
@@ -162,11 +160,8 @@ def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c
     db its sum over steps and rows (the bias gradient)."""
     L, B, G = act_LBG.shape
     H = G // 4
-    threads = default_threads(B, H) if threads is None else threads
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    return _call("hpnlp_lstm_bwd", [(G, L * B), (G,), (B, H), (B, H)], act_LBG, cc_LBH,
-                 f32(c0_BH), f32(w_HG), f32(valid_LB), f32(d_out_BLH), f32(d_h_BH), f32(d_c_BH),
-                 threads=threads)
+    return _call("hpnlp_lstm_bwd", [(G, L * B), (G,), (B, H), (B, H)], act_LBG, cc_LBH, c0_BH,
+                 w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, B=B, H=H, threads=threads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

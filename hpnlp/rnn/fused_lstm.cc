@@ -23,13 +23,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
 #include <type_traits>
 #include <vector>
-
 
 #include "xla/ffi/api/ffi.h"
 
@@ -326,7 +324,6 @@ void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
 void run_bwd(Bwd& s, int threads) {
   const int H = s.H, G = 4 * H, tiles = H / NR, groups = (tiles + 3) / 4;
   Barrier barrier(threads);
-  std::fill(s.db, s.db + G, 0.0f);
   // W^T in groups of 4 unit tiles: [group][k in G][tile q][unit], zeros where the last
   // group is short.
   std::vector<float> wt(size_t(groups) * G * 4 * NR, 0.0f);
@@ -353,8 +350,10 @@ void run_bwd(Bwd& s, int threads) {
   });
 }
 
-int clamp_threads(int64_t threads, int tiles) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+// At least 1, and at most one thread per share of work (tiles forward, groups of 4 tiles
+// backward).
+int clamp_threads(int64_t threads, int64_t shares) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(threads, shares)));
 }
 
 ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vector<int64_t> want) {
@@ -396,7 +395,7 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
     Fwd s{int(L), int(B), int(H), save, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
-    run_fwd(s, clamp_threads(threads, int(H / NR)));
+    run_fwd(s, clamp_threads(threads, H / NR));
   }
   const size_t last = size_t(L & 1) * B * H;  // the buffer step L-1 wrote
   std::memcpy(h_fin->typed_data(), h.data() + last, sizeof(float) * B * H);
@@ -412,8 +411,8 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
                        ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
-                       ffi::ResultBuffer<ffi::F32> dzt, ffi::ResultBuffer<ffi::F32> db, ffi::ResultBuffer<ffi::F32> d_h0,
-                       ffi::ResultBuffer<ffi::F32> d_c0) {
+                       ffi::ResultBuffer<ffi::F32> dzt, ffi::ResultBuffer<ffi::F32> db,
+                       ffi::ResultBuffer<ffi::F32> d_h0, ffi::ResultBuffer<ffi::F32> d_c0) {
   auto d = act.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -426,13 +425,13 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
     if (e.failure()) return e;
   std::memcpy(d_h0->typed_data(), d_h.typed_data(), sizeof(float) * B * H);
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
-  std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);
+  std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);  // run_bwd adds to it
   if (L == 0 || B == 0) return ffi::Error::Success();
   std::vector<float> dz(size_t(B) * 4 * H);
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
         valid.typed_data(), d_out.typed_data(), dz.data(), dzt->typed_data(),
         db->typed_data(), d_h0->typed_data(), d_c0->typed_data()};
-  run_bwd(s, clamp_threads(threads, int(H / NR)));
+  run_bwd(s, clamp_threads(threads, (H / NR + 3) / 4));
   return ffi::Error::Success();
 }
 
