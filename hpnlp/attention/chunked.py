@@ -18,9 +18,15 @@ ids, and a block in which no query may see any key (all padding, or different pa
 segments) is skipped by `lax.cond`. Rows with no visible key (padding queries) output
 zeros, not NaN.
 
-Block sizes given explicitly must divide the lengths. Left at `None`, they are chosen
-here (the tuned size, shrunk so blocks split the length evenly) and a length they do not
-divide is padded inside the call with masked keys, then sliced back.
+Two implementations compute the same thing. On a CPU the default (`impl="auto"`) is one
+fused C++ kernel forward and one backward (`flash_cpu.py`: the same algorithm, with every
+tile kept in its core's cache and the softmax done on the hot tile), wherever it can run:
+the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. The XLA
+program below (`impl="xla"`) runs everywhere else and is the kernel's tested twin.
+
+Block sizes (XLA path) given explicitly must divide the lengths. Left at `None`, they are
+chosen here (the tuned size, shrunk so blocks split the length evenly) and a length they
+do not divide is padded inside the call with masked keys, then sliced back.
 
 Shape letters: B batch, L query length, S key length, H heads, D head dim,
 Q query block, K key block.
@@ -33,8 +39,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hpnlp.attention import flash_cpu
 from hpnlp.attention.base import Attention, check_inputs, register
 from hpnlp.config import ConfigError
+
+IMPLS = ("auto", "kernel", "xla")
 
 # Tuned on an idle 2-core AVX-512 Xeon at B=1, H=8, D=64, L=4096, forward+backward
 # (`harness.time_jax` of the gradient, median):
@@ -246,16 +255,36 @@ def _flash_bwd(causal, bq, bk, res, do_BHLD):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def kernel_blocker(head_dim: int, impl: str, block_q, block_k) -> str | None:
+    """Why `impl` does not run the fused kernel here; None if it does."""
+    if impl not in IMPLS:
+        raise ValueError(f"chunked attention: impl={impl!r} is not one of {IMPLS}")
+    if impl == "xla":
+        return "impl='xla'"
+    if impl == "auto" and (block_q is not None or block_k is not None):
+        return "explicit block sizes (they tune the XLA program)"
+    return flash_cpu.blocker(head_dim)
+
+
 def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
-                      block_q: int | None = None, block_k: int | None = None):
-    """Exact softmax attention in O(L) memory. `block_q` / `block_k` None: chosen here, and
-    lengths they do not divide are padded inside the call."""
+                      block_q: int | None = None, block_k: int | None = None,
+                      impl: str = "auto"):
+    """Exact softmax attention in O(L) memory. `impl`: "auto" (the CPU kernel where it can
+    run, else XLA), "kernel" (the CPU kernel or a clear error) or "xla". `block_q` /
+    `block_k` (XLA path) None: chosen here, and lengths they do not divide are padded
+    inside the call."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, mask_BL)
     B, L, H, D = q_BLHD.shape
     S = k_BSHD.shape[1]
     if mask_BL is not None and L != S:
         raise ValueError(f"chunked attention: segment ids [B, L] serve queries and keys alike, so "
                          f"query length {L} must equal key length {S}; pass mask=None")
+    blocker = kernel_blocker(D, impl, block_q, block_k)
+    if impl == "kernel" and blocker is not None:
+        raise ValueError(f"chunked attention: impl='kernel' cannot run here: {blocker}. Use "
+                         "impl='auto' (the kernel where it can run) or impl='xla'")
+    if blocker is None:
+        return flash_cpu.flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL, mask_BL, causal=causal)
     for name, block, n in (("block_q", block_q, L), ("block_k", block_k, S)):
         if block is not None and (block <= 0 or n % block):
             raise ValueError(f"chunked attention: {name}={block} must divide the sequence length "
@@ -285,14 +314,20 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
 @register("chunked")
 class ChunkedAttention(Attention):
     """Exact softmax attention, O(L) memory in forward and backward: online softmax over key
-    blocks (Rabe & Staats 2021) with a recomputing custom VJP (FlashAttention-2)."""
+    blocks (Rabe & Staats 2021) with a recomputing custom VJP (FlashAttention-2); on a CPU
+    one fused kernel per pass (`flash_cpu`)."""
 
-    block_q: int | None = None  # None: about DEFAULT_BLOCK_Q, any length (padded inside)
-    block_k: int | None = None  # None: about DEFAULT_BLOCK_K, any length (padded inside)
+    block_q: int | None = None  # XLA path; None: about DEFAULT_BLOCK_Q, any length (padded)
+    block_k: int | None = None  # XLA path; None: about DEFAULT_BLOCK_K, any length (padded)
+    impl: str = "auto"  # "auto": CPU kernel where it can run, else XLA; "kernel"; "xla"
 
     @classmethod
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):
         super().check_config(options, seq_len=seq_len, causal=causal, field=field)
+        impl = options.get("impl", cls.impl)
+        if impl not in IMPLS:
+            raise ConfigError(f"config field `{field}.impl` = {impl!r} is not allowed: choose one "
+                              f"of {list(IMPLS)} (auto: the CPU kernel where it can run)")
         for name in ("block_q", "block_k"):
             block = options.get(name, getattr(cls, name))
             if block is None:
@@ -311,4 +346,4 @@ class ChunkedAttention(Attention):
         def fit(block, n):
             return None if block is None else min(block, n)
         return chunked_attention(q, k, v, mask, causal=causal, block_q=fit(self.block_q, q.shape[1]),
-                                 block_k=fit(self.block_k, k.shape[1]))
+                                 block_k=fit(self.block_k, k.shape[1]), impl=self.impl)

@@ -11,105 +11,40 @@ share of the hidden units, in tiles of 16, and computes a tile's four gates in
 registers, with the gate arithmetic applied straight to the accumulators (see the top of
 `fused_lstm.cc`).
 
-The kernel is C++ compiled on first use with the machine's `g++` (`-O3 -march=native`)
-against the XLA FFI headers that ship with jaxlib, and cached in `HPNLP_KERNEL_CACHE`
-(default `~/.cache/hpnlp/kernels`), keyed by the source, jaxlib version and CPU. Where
-there is no compiler or the platform is not a CPU, `available()` is False with the
-reason in `unavailable_reason()`, and `RNNLayer(impl="auto")` uses the XLA scan.
+The kernel is C++ compiled on first use (`hpnlp.kernels`: the machine's `g++`, cached per
+source, jaxlib version and CPU). Where there is no compiler or the platform is not a
+CPU, `available()` is False with the reason in `unavailable_reason()`, and
+`RNNLayer(impl="auto")` uses the XLA scan.
 """
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_lstm.cc")
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
-          "-fno-math-errno"]
-_TARGETS = {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd"}
+from hpnlp import kernels
+
 # Below this many multiply-adds per step one thread is faster than several meeting at a
 # barrier every step.
 _MIN_PARALLEL_MACS = 1 << 20
 
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _library_path() -> str:
-    cache = os.environ.get("HPNLP_KERNEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "hpnlp", "kernels")
-    with open(_SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + jax.__version__.encode() + " ".join(_FLAGS).encode()
-                             + platform.machine().encode() + _cpu_id().encode()).hexdigest()[:16]
-    return os.path.join(cache, f"fused_lstm-{key}.so")
-
-
-def _build(path: str) -> None:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {_SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-    os.replace(tmp, path)  # atomic: concurrent builders (test workers) never see half a file
-
-
-def _load() -> str | None:
-    """Build (once per machine) and register the kernels; the reason if they can't be."""
-    with _lock:
-        if "reason" not in _state:
-            try:
-                if jax.default_backend() != "cpu":
-                    raise RuntimeError(f"the fused LSTM is a CPU kernel; the backend is "
-                                       f"{jax.default_backend()!r}")
-                path = _library_path()
-                if not os.path.exists(path):
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    with open(path + ".lock", "w") as lock:  # one builder per machine at a time
-                        fcntl.flock(lock, fcntl.LOCK_EX)
-                        if not os.path.exists(path):
-                            _build(path)
-                lib = ctypes.cdll.LoadLibrary(path)
-                for target, symbol in _TARGETS.items():
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                                platform="cpu")
-                _state["reason"] = None
-            except (OSError, RuntimeError) as e:
-                _state["reason"] = str(e)
-        return _state["reason"]
+KERNEL = kernels.CpuKernel(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_lstm.cc"),
+    {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd"}, what="the fused LSTM")
+_load = KERNEL.load
 
 
 def available() -> bool:
     """Whether the fused kernel can run here (compiles it on the first call)."""
-    return _load() is None
+    return KERNEL.available()
 
 
 def unavailable_reason() -> str | None:
-    return _load()
+    return KERNEL.unavailable_reason()
 
 
 def supports(hidden: int) -> bool:
@@ -120,11 +55,7 @@ def supports(hidden: int) -> bool:
 def default_threads(B: int, H: int) -> int:
     if B * H * 4 * H < _MIN_PARALLEL_MACS:
         return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, H // 16))
+    return max(1, min(kernels.cores(), H // 16))
 
 
 def _call(target: str, out_shapes, *args, B: int, H: int, threads: int | None, **attrs):

@@ -18,55 +18,16 @@
 // i, f, o = sigmoid(pre[:3H]), g = tanh(pre[3H:]), c = f c_prev + i g, h = o tanh(c).
 // Rows with valid == 0 keep their state and output 0 (padding).
 //
-// Plain C++17 with GCC vector extensions: -march=native gives AVX-512 registers where the
-// machine has them, two AVX2 registers per vector where it does not.
+// The vector type, exp, threads and barrier come from hpnlp/kernels/simd.h.
 
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <thread>
 #include <type_traits>
-#include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "simd.h"
 
 namespace ffi = xla::ffi;
+using namespace hpnlp;  // NOLINT: the kernel's vocabulary (vf, load, vexp, ...)
 
 namespace {
-
-constexpr int NR = 16;  // units per tile: one vector
-typedef float vf __attribute__((vector_size(NR * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t))));
-
-inline vf splat(float x) { return vf{} + x; }
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-// exp(x) to about 2 ulp for x in [-87, 88] (Cephes expf): 2^n * p(r), r = x - n ln 2.
-inline vf vexp(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  vf t = x * 1.44269504088896341f + 0.5f;
-  vi n = __builtin_convertvector(t, vi);          // truncates toward zero
-  vf nf = __builtin_convertvector(n, vf);
-  vi too_big = nf > t;                             // -1 where truncation rounded up
-  n = n + too_big;
-  nf = __builtin_convertvector(n, vf);             // floor(x log2 e + 1/2)
-  vf r = x - nf * 0.693359375f;
-  r = r - nf * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 inline vf vsigmoid(vf x) { return 1.0f / (1.0f + vexp(-x)); }
 
@@ -78,42 +39,6 @@ inline vf vtanh(vf x) {
   vf x2 = x * x;  // |x| < 0.0625: the series, where 1 - e would cancel
   vf small = x * (1.0f + x2 * (-1.0f / 3 + x2 * (2.0f / 15 + x2 * (-17.0f / 315))));
   return ax < 0.0625f ? small : big;
-}
-
-// A barrier for a fixed set of threads: spin briefly, then yield (the kernels run beside
-// other processes in a test run; a pure spin would starve them).
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    if (n_ == 1) return;
-    int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_acq_rel);
-      return;
-    }
-    for (int spin = 0; gen_.load(std::memory_order_acquire) == gen; ++spin) {
-      if (spin > 4000) std::this_thread::yield();
-#if defined(__x86_64__)
-      else __builtin_ia32_pause();
-#endif
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0};
-  std::atomic<int> gen_{0};
-};
-
-// Run fn(thread_index) on `threads` threads (the caller is thread 0) and join.
-template <class F>
-void parallel(int threads, F&& fn) {
-  std::vector<std::thread> pool;
-  for (int p = 1; p < threads; ++p) pool.emplace_back([&fn, p] { fn(p); });
-  fn(0);
-  for (auto& t : pool) t.join();
 }
 
 // Tiles [begin, end) of `tiles` for thread p of `threads`.
@@ -352,14 +277,8 @@ void run_bwd(Bwd& s, int threads) {
 
 // At least 1, and at most one thread per share of work (tiles forward, groups of 4 tiles
 // backward).
-int clamp_threads(int64_t threads, int64_t shares) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(threads, shares)));
-}
-
 ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vector<int64_t> want) {
-  if (dims.size() != want.size() || !std::equal(want.begin(), want.end(), dims.begin()))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("fused LSTM: bad shape of ") + what);
-  return ffi::Error::Success();
+  return hpnlp::check_dims("fused LSTM", what, dims, std::move(want));
 }
 
 }  // namespace

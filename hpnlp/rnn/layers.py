@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp import linalg
+from hpnlp import kernels, linalg
 from hpnlp.config import ConfigError
 from hpnlp.rnn import cells, fused
 from hpnlp.rnn.dropout import (Dropout, RecurrentDropout, VariationalDropout, WeightDrop,
@@ -105,11 +105,7 @@ def _fused_blocker(m, deterministic: bool) -> str | None:
         return f"dtype={jnp.dtype(m.dtype).name} (the kernel computes in float32)"
     if not fused.supports(m.hidden):
         return f"hidden={m.hidden} (the kernel needs a multiple of 16)"
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        return (f"a mesh of {mesh.size} devices (XLA cannot partition the kernel's call; the "
-                "scan shards like any XLA program)")
-    return fused.unavailable_reason()
+    return kernels.single_device_reason() or fused.unavailable_reason()
 
 
 class RNNLayer(nn.Module):

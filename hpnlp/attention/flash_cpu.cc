@@ -1,0 +1,460 @@
+// Exact softmax attention on the CPU as two XLA FFI kernels, forward and backward
+// (FlashAttention-2, Dao 2023): O(L) memory, no [L, S] matrix, one pass over the keys
+// per block of queries forward, one pass over the queries per block of keys backward.
+//
+// Why a kernel: built from XLA ops, each [Q, K] tile is a separate product, a separate
+// exp fusion and another product, each a round trip through memory and a parallel
+// region split over both cores. Here one thread owns a (batch, head) or a block of its
+// queries at a time, so every tile it makes stays in its core's cache between the product
+// that makes it and the ones that read it, and the softmax arithmetic runs on the tile
+// while it is hot.
+//
+// Tiles are key-major: S^T = K Q^T is [keys, queries], so the keys are the rows of every
+// product (any number of them) and the queries are the vector lanes: the softmax's
+// per-query max, sums, logsumexp and delta are lane-wise vector operations, with no
+// horizontal reductions. Every product is C (+)= A B with B row-major and A read by
+// broadcasts from any strides, so a transposed left operand (P in O += P V, dS in
+// dQ += dS K) costs nothing: no tile is ever transposed in memory. Only a block of
+// queries (and dO) is packed, transposed and scaled, [D, Q], once per tile row.
+//
+// Masks: causal (query i sees keys <= i) and segment ids (0 = padding; a query sees keys
+// of its own nonzero segment). A tile that no query may see is skipped, a tile that all
+// may see runs unmasked, and only the tiles the diagonal or a segment edge crosses are
+// masked elementwise. Rows that see no key output zeros, with logsumexp +inf.
+//
+// Layouts: q, o, dq [B, L, H, D]; k, v, dk, dv [B, S, H, D]; lse [B, H, L]; segment ids
+// [B, L] and [B, S] int32 (or empty: no padding). D a multiple of 16.
+
+#include <array>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace ffi = xla::ffi;
+using namespace hpnlp;  // NOLINT: the kernel's vocabulary (vf, load, ...)
+
+namespace {
+
+constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
+constexpr int KC = 256;  // k per cache block of a product
+
+// C[R, NV*NR] (+)= A[R, K] B[K, NV*NR]; A(i, k) = a[i*ar + k*ac], B row-major (ldb).
+// `Acc` (add to C) is a template argument: a runtime choice makes GCC keep the
+// accumulators on the stack around the loop.
+template <int R, int NV, bool Acc>
+void tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b, ptrdiff_t ldb,
+          float* c, ptrdiff_t ldc) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};
+  const float* pa[R];
+  for (int r = 0; r < R; ++r) pa[r] = a + r * ar;
+  for (int k = 0; k < K; ++k, b += ldb) {
+    vf bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load(b + v * NR);
+    const ptrdiff_t o = k * ac;
+    for (int r = 0; r < R; ++r) {
+      const float x = pa[r][o];
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * NR, acc[r][v]);
+}
+
+using TileFn = void (*)(const float*, ptrdiff_t, ptrdiff_t, int, const float*, ptrdiff_t,
+                        float*, ptrdiff_t);
+
+// kTiles[acc][NV - 1][R - 1]
+template <bool Acc, int NV, int... R>
+constexpr std::array<TileFn, MR> row_table(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, NV, Acc>...};
+}
+
+template <bool Acc, int... NV>
+constexpr std::array<std::array<TileFn, MR>, 4> nv_table(std::integer_sequence<int, NV...>) {
+  return {row_table<Acc, NV + 1>(std::make_integer_sequence<int, MR>{})...};
+}
+
+constexpr std::array<std::array<std::array<TileFn, MR>, 4>, 2> kTiles = {
+    nv_table<false>(std::make_integer_sequence<int, 4>{}),
+    nv_table<true>(std::make_integer_sequence<int, 4>{})};
+
+// C[M, N] (+)= A[M, K] B[K, N] with A(i, k) = a[i*ar + k*ac], B row-major, N % NR == 0.
+// Register blocks of MR rows x 4 vectors; k in blocks of KC, so a block of B (at most
+// KC x 64 floats) stays in L1 while every block of rows passes over it.
+void gemm(int M, int N, int K, const float* a, ptrdiff_t ar, ptrdiff_t ac, const float* b,
+          ptrdiff_t ldb, float* c, ptrdiff_t ldc, bool accumulate) {
+  if (K == 0) {
+    if (!accumulate)
+      for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
+    return;
+  }
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    const int kc = std::min(KC, K - k0);
+    const bool acc_in = accumulate || k0 > 0;
+    for (int n0 = 0; n0 < N; n0 += 4 * NR) {
+      const auto& fns = kTiles[acc_in][std::min(4, (N - n0) / NR) - 1];
+      for (int i = 0; i < M; i += MR)
+        fns[std::min(MR, M - i) - 1](a + i * ar + k0 * ac, ar, ac, kc, b + k0 * ldb + n0, ldb,
+                                     c + i * ldc + n0, ldc);
+    }
+  }
+}
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct Problem {
+  int64_t B, L, S, H, D;
+  bool causal;
+  float scale;
+  const float *q, *k, *v;        // [B, L, H, D], [B, S, H, D] x2
+  const int32_t *qseg, *kseg;    // [B, L], [B, S], or null
+  int bq, bk;                    // block sizes; bq a multiple of NR
+  // Row r of head (b, h) of a [B, n, H, D] array.
+  size_t row(int64_t b, int64_t n, int64_t h, int64_t r) const { return ((b * n + r) * H + h) * D; }
+};
+
+enum class Vis { kSkip, kFull, kPartial };
+
+// Which pairs of query block [q0, q0+nq) and key block [k0, k0+nk) of batch row b may attend.
+Vis classify(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk) {
+  bool full = true;
+  if (p.causal) {
+    if (k0 > q0 + nq - 1) return Vis::kSkip;
+    full = k0 + nk - 1 <= q0;
+  }
+  if (p.qseg == nullptr) return full ? Vis::kFull : Vis::kPartial;
+  const int32_t* qs = p.qseg + b * p.L + q0;
+  const int32_t* ks = p.kseg + b * p.S + k0;
+  int32_t qmin = qs[0], qmax = qs[0];
+  for (int i = 1; i < nq; ++i) qmin = std::min(qmin, qs[i]), qmax = std::max(qmax, qs[i]);
+  bool any_key = false, any_pad = false;
+  int32_t kmin = 0, kmax = 0;
+  for (int i = 0; i < nk; ++i) {
+    if (ks[i] == 0) { any_pad = true; continue; }
+    kmin = any_key ? std::min(kmin, ks[i]) : ks[i];
+    kmax = any_key ? std::max(kmax, ks[i]) : ks[i];
+    any_key = true;
+  }
+  if (!any_key || qmax < kmin || qmin > kmax) return Vis::kSkip;
+  if (full && !any_pad && qmin == qmax && kmin == kmax && qmin == kmin) return Vis::kFull;
+  return Vis::kPartial;
+}
+
+// Set S^T [nk, ldt] to -inf where key k0+r may not be seen by query q0+c (c < nq; the
+// padding columns past nq are left alone, their rows never reach an output).
+void mask_tile(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk, float* st,
+               int ldt) {
+  const int32_t* qs = p.qseg ? p.qseg + b * p.L + q0 : nullptr;
+  const int32_t* ks = p.kseg ? p.kseg + b * p.S + k0 : nullptr;
+  for (int r = 0; r < nk; ++r) {
+    float* row = st + size_t(r) * ldt;
+    for (int c = 0; c < nq; ++c) {
+      bool ok = !p.causal || q0 + c >= k0 + r;
+      if (qs) ok = ok && ks[r] != 0 && qs[c] == ks[r];
+      if (!ok) row[c] = -kInf;
+    }
+  }
+}
+
+// Head (b, h) of x [B, len, H, D] as contiguous rows, out [len, D]. Rows H*D apart map
+// to a few L1 sets (a 2 KB stride at H*D = 512), so every operand a product streams is
+// copied contiguous first.
+void gather_head(const Problem& p, const float* x, int64_t len, int64_t b, int64_t h, float* out) {
+  for (int64_t r = 0; r < len; ++r)
+    std::memcpy(out + r * p.D, x + p.row(b, len, h, r), sizeof(float) * p.D);
+}
+
+// Rows [0, n) of x [n, D] (contiguous), transposed and scaled into out [D, ld]; columns
+// past n are zero.
+void pack_t(const float* x, int n, int64_t D, float scale, float* out, int ld) {
+  for (int64_t d = 0; d < D; ++d) std::fill(out + d * ld + n, out + (d + 1) * ld, 0.0f);
+  for (int c = 0; c < n; ++c)
+    for (int64_t d = 0; d < D; ++d) out[d * ld + c] = x[c * D + d] * scale;
+}
+
+// ---------------------------------------------------------------------------- forward
+
+// Query block i of head bh, from the head's contiguous keys and values kh, vh [S, D]: its
+// output rows and logsumexp.
+void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kh, const float* vh,
+                   float* o, float* lse, std::vector<float>& scratch) {
+  const int64_t b = bh / p.H, h = bh % p.H, D = p.D;
+  const int bq = p.bq, q0 = int(i * bq), nq = int(std::min<int64_t>(bq, p.L - q0));
+  scratch.resize(size_t(D) * bq * 2 + size_t(p.bk) * bq + size_t(bq) * D + 2 * bq);
+  float* qh = scratch.data();                      // [bq, D] this block's queries
+  float* qt = qh + size_t(D) * bq;                 // [D, bq] scaled and transposed
+  float* st = qt + size_t(D) * bq;                 // [bk, bq] S^T, then P^T
+  float* acc = st + size_t(p.bk) * bq;             // [bq, D] unnormalized output
+  float* m = acc + size_t(bq) * D;                 // [bq] running max
+  float* l = m + bq;                               // [bq] running sum
+  for (int c = 0; c < nq; ++c)
+    std::memcpy(qh + c * D, p.q + p.row(b, p.L, h, q0 + c), sizeof(float) * D);
+  pack_t(qh, nq, D, p.scale, qt, bq);
+  std::fill(acc, acc + size_t(bq) * D, 0.0f);
+  std::fill(m, m + bq, -kInf);
+  std::fill(l, l + bq, 0.0f);
+  for (int64_t k0 = 0; k0 < p.S; k0 += p.bk) {
+    const int nk = int(std::min<int64_t>(p.bk, p.S - k0));
+    const Vis vis = classify(p, b, q0, nq, k0, nk);
+    if (vis == Vis::kSkip) continue;
+    gemm(nk, bq, int(D), kh + k0 * D, D, 1, qt, bq, st, bq, false);  // S^T = K Q^T
+    if (vis == Vis::kPartial) mask_tile(p, b, q0, nq, k0, nk, st, bq);
+    for (int c = 0; c < bq; c += NR) {
+      vf mx = splat(-kInf);
+      for (int r = 0; r < nk; ++r) {
+        vf s = load(st + size_t(r) * bq + c);
+        mx = s > mx ? s : mx;
+      }
+      const vf m_old = load(m + c);
+      vf m_new = mx > m_old ? mx : m_old;
+      // A query that has seen nothing yet: subtract 0, not -inf (exp(-inf + inf) is NaN).
+      const vf m_sub = m_new == splat(-kInf) ? vf{} : m_new;
+      const vf corr = vexp0(m_old - m_sub);
+      vf sum = vf{};
+      for (int r = 0; r < nk; ++r) {
+        vf e = vexp0(load(st + size_t(r) * bq + c) - m_sub);
+        store(st + size_t(r) * bq + c, e);
+        sum += e;
+      }
+      store(l + c, load(l + c) * corr + sum);
+      store(m + c, m_new);
+      for (int j = 0; j < NR && c + j < nq; ++j) {
+        const float cj = corr[j];
+        if (cj != 1.0f)
+          for (int64_t d = 0; d < D; d += NR) store(acc + (c + j) * D + d, load(acc + (c + j) * D + d) * cj);
+      }
+    }
+    // acc[Q, D] += P V with P(q, r) = st[r * bq + q]: a transposed read, by broadcasts.
+    gemm(nq, int(D), nk, st, 1, bq, vh + k0 * D, D, acc, D, true);
+  }
+  for (int c = 0; c < nq; ++c) {
+    float* out = o + p.row(b, p.L, h, q0 + c);
+    const float lc = l[c];
+    if (lc > 0.0f) {
+      const float inv = 1.0f / lc;
+      for (int64_t d = 0; d < D; ++d) out[d] = acc[c * D + d] * inv;
+      lse[bh * p.L + q0 + c] = m[c] + std::log(lc);
+    } else {  // no visible key: zeros, and P = exp(s - inf) = 0 in the backward pass
+      std::fill(out, out + D, 0.0f);
+      lse[bh * p.L + q0 + c] = kInf;
+    }
+  }
+}
+
+// --------------------------------------------------------------------------- backward
+
+struct Grads {
+  const float *o, *lse, *d_o;
+  float *dq, *dk, *dv;
+};
+
+// Head bh: dq, dk, dv by key blocks (dK, dV accumulate in scratch for the block) and,
+// inside, query blocks (dQ accumulates over all key blocks in a contiguous [L, D]).
+void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<float>& scratch) {
+  const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
+  const int bq = p.bq, bk = p.bk;
+  scratch.resize(size_t(D) * (4 * L + 2 * S + 2 * bq + 2 * bk) + 2 * size_t(bk) * bq + 2 * bq + L);
+  float* qh = scratch.data();             // [L, D] this head's queries
+  float* doh = qh + L * D;                // [L, D] its output gradient
+  float* dqh = doh + L * D;               // [L, D] dQ (unscaled)
+  float* kh = dqh + L * D;                // [S, D]
+  float* vh = kh + S * D;                 // [S, D]
+  float* qt = vh + S * D;                 // [D, bq] scaled Q^T of a query block
+  float* dot = qt + D * bq;               // [D, bq] dO^T
+  float* pt = dot + D * bq;               // [bk, bq] P^T
+  float* dst = pt + size_t(bk) * bq;      // [bk, bq] dP^T, then dS^T
+  float* dk = dst + size_t(bk) * bq;      // [bk, D]
+  float* dv = dk + size_t(bk) * D;        // [bk, D]
+  float* lse_b = dv + size_t(bk) * D;     // [bq]
+  float* delta_b = lse_b + bq;            // [bq]
+  float* delta = delta_b + bq;            // [L] rowsum(dO * O) = rowsum(P * dP)
+  gather_head(p, p.q, L, b, h, qh);
+  gather_head(p, g.d_o, L, b, h, doh);
+  gather_head(p, p.k, S, b, h, kh);
+  gather_head(p, p.v, S, b, h, vh);
+  std::fill(dqh, dqh + L * D, 0.0f);
+  for (int64_t r = 0; r < L; ++r) {
+    const float* orow = g.o + p.row(b, L, h, r);
+    vf s = vf{};
+    for (int64_t d = 0; d < D; d += NR) s += load(orow + d) * load(doh + r * D + d);
+    float t = 0.0f;
+    for (int j = 0; j < NR; ++j) t += s[j];
+    delta[r] = t;
+  }
+  const float* lse = g.lse + bh * L;
+  for (int64_t k0 = 0; k0 < S; k0 += bk) {
+    const int nk = int(std::min<int64_t>(bk, S - k0));
+    const float *kb = kh + k0 * D, *vb = vh + k0 * D;
+    std::fill(dk, dk + size_t(bk) * D, 0.0f);
+    std::fill(dv, dv + size_t(bk) * D, 0.0f);
+    for (int64_t q0 = 0; q0 < L; q0 += bq) {
+      const int nq = int(std::min<int64_t>(bq, L - q0));
+      const Vis vis = classify(p, b, q0, nq, k0, nk);
+      if (vis == Vis::kSkip) continue;
+      const float *qb = qh + q0 * D, *dob = doh + q0 * D;
+      pack_t(qb, nq, D, p.scale, qt, bq);
+      pack_t(dob, nq, D, 1.0f, dot, bq);
+      for (int c = 0; c < bq; ++c) {  // padding columns: P = 0, dS = 0
+        lse_b[c] = c < nq ? lse[q0 + c] : kInf;
+        delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
+      }
+      gemm(nk, bq, int(D), kb, D, 1, qt, bq, pt, bq, false);    // S^T = K Q^T
+      if (vis == Vis::kPartial) mask_tile(p, b, q0, nq, k0, nk, pt, bq);
+      gemm(nk, bq, int(D), vb, D, 1, dot, bq, dst, bq, false);  // dP^T = V dO^T
+      for (int r = 0; r < nk; ++r) {
+        float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
+        for (int c = 0; c < bq; c += NR) {
+          vf pv = vexp0(load(prow + c) - load(lse_b + c));
+          store(prow + c, pv);
+          store(drow + c, pv * (load(drow + c) - load(delta_b + c)));
+        }
+      }
+      gemm(nk, int(D), nq, pt, bq, 1, dob, D, dv, D, true);             // dV += P^T dO
+      gemm(nk, int(D), nq, dst, bq, 1, qb, D, dk, D, true);             // dK += dS^T Q
+      gemm(nq, int(D), nk, dst, 1, bq, kb, D, dqh + q0 * D, D, true);   // dQ += dS K
+    }
+    for (int r = 0; r < nk; ++r) {
+      float *dkr = g.dk + p.row(b, S, h, k0 + r), *dvr = g.dv + p.row(b, S, h, k0 + r);
+      for (int64_t d = 0; d < D; ++d) {
+        dkr[d] = dk[r * D + d] * p.scale;  // Q entered S unscaled here
+        dvr[d] = dv[r * D + d];
+      }
+    }
+  }
+  for (int64_t r = 0; r < L; ++r) {
+    float* row = g.dq + p.row(b, L, h, r);
+    for (int64_t d = 0; d < D; ++d) row[d] = dqh[r * D + d] * p.scale;
+  }
+}
+
+// ------------------------------------------------------------------------------- FFI
+
+ffi::Error make_problem(const char* kernel, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                        ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::S32>& qseg,
+                        ffi::Buffer<ffi::S32>& kseg, bool causal, float scale, int64_t block_q,
+                        int64_t block_k, Problem* p) {
+  auto d = q.dimensions();
+  if (d.size() != 4 || d[3] % NR != 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string(kernel) + ": q must be [B, L, H, D] with D a multiple of 16");
+  if (block_q <= 0 || block_q % NR != 0 || block_k <= 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string(kernel) + ": block_q must be a positive multiple of 16, block_k positive");
+  const int64_t B = d[0], L = d[1], H = d[2], D = d[3];
+  auto kd = k.dimensions();
+  if (kd.size() != 4)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(kernel) + ": k must be 4-D");
+  const int64_t S = kd[1];
+  const bool segs = qseg.element_count() > 0;
+  for (auto e : {check_dims(kernel, "k", kd, {B, S, H, D}), check_dims(kernel, "v", v.dimensions(), {B, S, H, D}),
+                 check_dims(kernel, "qseg", qseg.dimensions(), {segs ? B : 0, segs ? L : 0}),
+                 check_dims(kernel, "kseg", kseg.dimensions(), {segs ? B : 0, segs ? S : 0})})
+    if (e.failure()) return e;
+  *p = Problem{B, L, S, H, D, causal, scale, q.typed_data(), k.typed_data(), v.typed_data(),
+               segs ? qseg.typed_data() : nullptr, segs ? kseg.typed_data() : nullptr,
+               int(block_q), int(block_k)};
+  return ffi::Error::Success();
+}
+
+// Work items 0..n-1 over `threads` threads, each taking the next from a shared counter.
+template <class F>
+void for_items(int threads, int64_t n, F&& fn) {
+  std::atomic<int64_t> next{0};
+  parallel(clamp_threads(threads, n), [&](int) {
+    std::vector<float> scratch;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, scratch);
+  });
+}
+
+ffi::Error FwdImpl(bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
+                   ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
+                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
+  const char* kernel = "flash attention forward";
+  Problem p;
+  if (auto e = make_problem(kernel, q, k, v, qseg, kseg, causal, scale, block_q, block_k, &p);
+      e.failure())
+    return e;
+  for (auto e : {check_dims(kernel, "o", o->dimensions(), {p.B, p.L, p.H, p.D}),
+                 check_dims(kernel, "lse", lse->dimensions(), {p.B, p.H, p.L})})
+    if (e.failure()) return e;
+  // Every head's keys and values made contiguous once, then (head, query block) items.
+  const int64_t nqb = (p.L + p.bq - 1) / p.bq, SD = p.S * p.D;
+  std::vector<float> kv(size_t(2) * p.B * p.H * SD);
+  for_items(int(threads), p.B * p.H, [&](int64_t bh, std::vector<float>&) {
+    gather_head(p, p.k, p.S, bh / p.H, bh % p.H, kv.data() + 2 * bh * SD);
+    gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kv.data() + (2 * bh + 1) * SD);
+  });
+  float *out = o->typed_data(), *lse_out = lse->typed_data();
+  for_items(int(threads), p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
+    const float* kh = kv.data() + 2 * (item / nqb) * SD;
+    forward_block(p, item / nqb, item % nqb, kh, kh + SD, out, lse_out, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdImpl(bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
+                   ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
+                   ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_o,
+                   ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                   ffi::ResultBuffer<ffi::F32> dv) {
+  const char* kernel = "flash attention backward";
+  Problem p;
+  if (auto e = make_problem(kernel, q, k, v, qseg, kseg, causal, scale, block_q, block_k, &p);
+      e.failure())
+    return e;
+  for (auto e : {check_dims(kernel, "o", o.dimensions(), {p.B, p.L, p.H, p.D}),
+                 check_dims(kernel, "lse", lse.dimensions(), {p.B, p.H, p.L}),
+                 check_dims(kernel, "do", d_o.dimensions(), {p.B, p.L, p.H, p.D}),
+                 check_dims(kernel, "dq", dq->dimensions(), {p.B, p.L, p.H, p.D}),
+                 check_dims(kernel, "dk", dk->dimensions(), {p.B, p.S, p.H, p.D}),
+                 check_dims(kernel, "dv", dv->dimensions(), {p.B, p.S, p.H, p.D})})
+    if (e.failure()) return e;
+  Grads g{o.typed_data(), lse.typed_data(), d_o.typed_data(), dq->typed_data(), dk->typed_data(),
+          dv->typed_data()};
+  for_items(int(threads), p.B * p.H, [&](int64_t bh, std::vector<float>& scratch) {
+    backward_head(p, g, bh, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashFwd, FwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashBwd, BwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,114 @@
+"""Exact attention as one fused CPU kernel forward and one backward (`flash_cpu.cc`).
+
+    out_BLHD = flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL, kseg_BS, causal=True)
+
+computes what `chunked` computes (FlashAttention-2: online softmax over key blocks
+forward, P recomputed from the logsumexp backward, O(L) memory both ways), but each
+thread owns a (batch, head) or a block of its queries at a time and keeps every tile in
+its core's cache from the product that makes it to the ones that read it, with the
+softmax arithmetic on the hot tile: XLA's CPU backend runs each of those steps as a
+separate product or fusion split over all cores. See the top of `flash_cpu.cc`.
+
+`chunked` uses this kernel wherever it can run (`impl="auto"`): on the CPU backend, one
+device, head dim a multiple of 16. Its XLA twin (`impl="xla"`) stays the reference the
+tests compare it with, outputs and gradients.
+
+Shape letters: B batch, L query length, S key length, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp import kernels
+
+KERNEL = kernels.CpuKernel(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "flash_cpu.cc"),
+    {"hpnlp_flash_fwd": "HpnlpFlashFwd", "hpnlp_flash_bwd": "HpnlpFlashBwd"},
+    what="flash attention")
+
+# Tiles (queries x keys) tuned on a 2-core AVX-512 Xeon at B=1, H=8, D=64, L=4096: a
+# [keys, queries] score tile of 128 x 128 (forward) or 256 x 128 (backward) floats stays
+# in L2 beside the packed operands; the query block is a multiple of 16 (vector lanes).
+FWD_BLOCKS = (128, 128)
+BWD_BLOCKS = (128, 256)
+
+
+def blocker(head_dim: int) -> str | None:
+    """Why the kernel cannot run attention with this head dim here; None if it can."""
+    if head_dim % 16:
+        return f"head dim {head_dim} (the kernel needs a multiple of 16)"
+    return kernels.single_device_reason() or KERNEL.unavailable_reason()
+
+
+def _segments(segs, B, L, S):
+    if segs is None:
+        empty = jnp.zeros((0, 0), jnp.int32)
+        return empty, empty
+    qseg_BL, kseg_BS = segs
+    return qseg_BL.astype(jnp.int32), kseg_BS.astype(jnp.int32)
+
+
+def _attrs(causal, scale, blocks, threads):
+    return dict(causal=bool(causal), scale=np.float32(scale), block_q=np.int64(blocks[0]),
+                block_k=np.int64(blocks[1]),
+                threads=np.int64(kernels.cores() if threads is None else threads))
+
+
+def _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
+    B, L, H, _ = q_BLHD.shape
+    qseg, kseg = _segments(segs, B, L, k_BSHD.shape[1])
+    return jax.ffi.ffi_call(
+        "hpnlp_flash_fwd", [jax.ShapeDtypeStruct(q_BLHD.shape, jnp.float32),
+                            jax.ShapeDtypeStruct((B, H, L), jnp.float32)],
+        vmap_method="sequential")(q_BLHD, k_BSHD, v_BSHD, qseg, kseg,
+                                  **_attrs(causal, scale, FWD_BLOCKS, threads))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
+    return _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads)[0]
+
+
+def _flash_fwd(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
+    o_BLHD, lse_BHL = _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads)
+    return o_BLHD, (q_BLHD, k_BSHD, v_BSHD, segs, o_BLHD, lse_BHL)
+
+
+def _flash_bwd(causal, scale, threads, res, do_BLHD):
+    q_BLHD, k_BSHD, v_BSHD, segs, o_BLHD, lse_BHL = res
+    B, L, _, _ = q_BLHD.shape
+    qseg, kseg = _segments(segs, B, L, k_BSHD.shape[1])
+    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
+    dq, dk, dv = jax.ffi.ffi_call(
+        "hpnlp_flash_bwd", [f32(q_BLHD), f32(k_BSHD), f32(v_BSHD)], vmap_method="sequential")(
+        q_BLHD, k_BSHD, v_BSHD, qseg, kseg, o_BLHD, lse_BHL, do_BLHD.astype(jnp.float32),
+        **_attrs(causal, scale, BWD_BLOCKS, threads))
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causal=False,
+                    threads: int | None = None):
+    """softmax(q k^T / sqrt(D)) v in float32, over [B, L, H, D] arrays, returned in q's
+    dtype. Segment ids (0 = padding; both or neither): a query sees keys of its own
+    nonzero segment. Causal: query i sees keys <= i. A query that sees no key outputs 0.
+    `threads` None: every core this process may use."""
+    reason = blocker(q_BLHD.shape[-1])
+    if reason is not None:
+        raise RuntimeError(f"the flash attention kernel cannot run here: {reason}. Use "
+                           "chunked attention with impl='xla' (the XLA twin) instead.")
+    if (qseg_BL is None) != (kseg_BS is None):
+        raise ValueError("flash attention: give both qseg_BL and kseg_BS, or neither")
+    segs = None if qseg_BL is None else (qseg_BL, kseg_BS)
+    scale = 1.0 / float(np.sqrt(q_BLHD.shape[-1]))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out = _flash(f32(q_BLHD), f32(k_BSHD), f32(v_BSHD), segs, causal, scale, threads)
+    return out.astype(q_BLHD.dtype)

@@ -1,0 +1,129 @@
+"""hpnlp's hand-written CPU kernels: C++ sources compiled on first use, as XLA FFI targets.
+
+    kernel = CpuKernel("hpnlp/attention/flash_cpu.cc", {"ffi_target": "HandlerSymbol"})
+    if kernel.available():
+        jax.ffi.ffi_call("ffi_target", ...)
+
+A source is compiled with the machine's `g++` (`-O3 -march=native`) against the XLA FFI
+headers that ship with jaxlib and this folder's `simd.h`, and cached in
+`HPNLP_KERNEL_CACHE` (default `~/.cache/hpnlp/kernels`), keyed by the sources, the jaxlib
+version, the flags and the CPU. A file lock keeps concurrent processes (test workers)
+from building the same library twice. Where there is no compiler or the backend is not a
+CPU, `available()` is False and `unavailable_reason()` says why; callers then use their
+XLA twin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+
+HEADER_DIR = os.path.dirname(os.path.abspath(__file__))
+_HEADERS = [os.path.join(HEADER_DIR, "simd.h")]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
+         "-fno-math-errno"]
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def cores() -> int:
+    """CPU cores this process may run on: the default thread count of every kernel."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class CpuKernel:
+    """One C++ source and the FFI targets it defines ({target name: handler symbol})."""
+
+    def __init__(self, source: str, targets: dict[str, str], *, what: str):
+        self.source = source
+        self.targets = dict(targets)
+        self.what = what  # for messages: "the fused LSTM", "flash attention"
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._loaded = False
+
+    def library_path(self) -> str:
+        cache = os.environ.get("HPNLP_KERNEL_CACHE") or os.path.join(
+            os.path.expanduser("~"), ".cache", "hpnlp", "kernels")
+        digest = hashlib.sha256()
+        for path in (self.source, *_HEADERS):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        digest.update(jax.__version__.encode() + " ".join(FLAGS).encode()
+                      + platform.machine().encode() + _cpu_id().encode())
+        stem = os.path.splitext(os.path.basename(self.source))[0]
+        return os.path.join(cache, f"{stem}-{digest.hexdigest()[:16]}.so")
+
+    def _build(self, path: str) -> None:
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        if cxx is None:
+            raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", HEADER_DIR, self.source, "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {self.source} failed ({' '.join(cmd)}):\n"
+                               f"{proc.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: concurrent builders never see half a file
+
+    def load(self) -> str | None:
+        """Build (once per machine) and register the targets; the reason if they can't be."""
+        with self._lock:
+            if not self._loaded:
+                try:
+                    if jax.default_backend() != "cpu":
+                        raise RuntimeError(f"{self.what} is a CPU kernel; the backend is "
+                                           f"{jax.default_backend()!r}")
+                    path = self.library_path()
+                    if not os.path.exists(path):
+                        os.makedirs(os.path.dirname(path), exist_ok=True)
+                        with open(path + ".lock", "w") as lock:  # one builder at a time
+                            fcntl.flock(lock, fcntl.LOCK_EX)
+                            if not os.path.exists(path):
+                                self._build(path)
+                    lib = ctypes.cdll.LoadLibrary(path)
+                    for target, symbol in self.targets.items():
+                        jax.ffi.register_ffi_target(
+                            target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    self._reason = None
+                except (OSError, RuntimeError) as e:
+                    self._reason = str(e)
+                self._loaded = True
+            return self._reason
+
+    def available(self) -> bool:
+        """Whether the kernel can run here (compiles it on the first call)."""
+        return self.load() is None
+
+    def unavailable_reason(self) -> str | None:
+        return self.load()
+
+
+def single_device_reason() -> str | None:
+    """Why an FFI kernel should not run in the current trace: XLA cannot partition a
+    custom call, so on a mesh of several devices it would gather every operand."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return (f"a mesh of {mesh.size} devices (XLA cannot partition the kernel's call; the "
+                "XLA path shards like any XLA program)")
+    return None

@@ -1,0 +1,139 @@
+// What hpnlp's CPU kernels share: a vector type, a fast exp, a thread pool of the moment
+// and the shape checks of an FFI handler.
+//
+// Plain C++17 with GCC vector extensions: -march=native gives AVX-512 registers where the
+// machine has them, two AVX2 registers per vector where it does not.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace hpnlp {
+
+namespace ffi = xla::ffi;
+
+constexpr int NR = 16;  // floats per vector
+typedef float vf __attribute__((vector_size(NR * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t))));
+
+inline vf splat(float x) { return vf{} + x; }
+// Unaligned vector access through a type of alignment 4 (not memcpy: GCC then bounces
+// register blocks through the stack).
+typedef float vf_u __attribute__((vector_size(NR * sizeof(float)), aligned(alignof(float))));
+inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
+
+// exp(x) to about 2 ulp for x in [-87, 88] (Cephes expf): 2^n * p(r), r = x - n ln 2.
+// Below -87 it returns exp(-87), not 0; `vexp0` is the variant that flushes to 0.
+inline vf vexp(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  vf t = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(t, vi);          // truncates toward zero
+  vf nf = __builtin_convertvector(n, vf);
+  vi too_big = nf > t;                             // -1 where truncation rounded up
+  n = n + too_big;
+  nf = __builtin_convertvector(n, vf);             // floor(x log2 e + 1/2)
+  vf r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// exp(x), exactly 0 below -87 (so exp(-inf) = 0: masked scores weigh nothing), to about
+// 2 ulp. With AVX-512: x = n ln 2 + r (two-step reduction, |r| <= ln 2 / 2), e^r by its
+// degree-7 Taylor polynomial, and 2^n applied by one vscalefps: 13 instructions a vector.
+inline vf vexp0(vf x) {
+#if defined(__AVX512F__)
+  const __m512 xv = reinterpret_cast<__m512>(x < splat(-87.0f) ? splat(-87.0f) : x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xv);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const vf e = reinterpret_cast<vf>(_mm512_scalef_ps(p, n));
+  return x < splat(-87.0f) ? vf{} : e;
+#else
+  return x < splat(-87.0f) ? vf{} : vexp(x);
+#endif
+}
+
+// A barrier for a fixed set of threads: spin briefly, then yield (the kernels run beside
+// other processes in a test run; a pure spin would starve them).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    if (n_ == 1) return;
+    int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    for (int spin = 0; gen_.load(std::memory_order_acquire) == gen; ++spin) {
+      if (spin > 4000) std::this_thread::yield();
+#if defined(__x86_64__)
+      else __builtin_ia32_pause();
+#endif
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<int> gen_{0};
+};
+
+// Run fn(thread_index) on `threads` threads (the caller is thread 0) and join.
+template <class F>
+void parallel(int threads, F&& fn) {
+  std::vector<std::thread> pool;
+  for (int p = 1; p < threads; ++p) pool.emplace_back([&fn, p] { fn(p); });
+  fn(0);
+  for (auto& t : pool) t.join();
+}
+
+inline int clamp_threads(int64_t threads, int64_t shares) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(threads, shares)));
+}
+
+// An InvalidArgument error naming the kernel and the operand unless dims == want.
+inline ffi::Error check_dims(const char* kernel, const char* what, ffi::Span<const int64_t> dims,
+                             std::vector<int64_t> want) {
+  if (dims.size() != want.size() || !std::equal(want.begin(), want.end(), dims.begin()))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string(kernel) + ": bad shape of " + what);
+  return ffi::Error::Success();
+}
+
+}  // namespace hpnlp

@@ -1,0 +1,172 @@
+"""The fused CPU kernel behind `chunked` (`flash_cpu`) against the `dense` oracle and its
+XLA twin: outputs and dq, dk, dv in float32 to 1e-5, causal and not, with random padding
+and packed segments, lengths no block divides, several tiles per pass (small blocks), one
+and two threads; plus padding invariance, causality by gradients, fully masked rows,
+bfloat16, vmap, no recompiles, and clear errors where it cannot run."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hpnlp.attention as A
+import hpnlp.attention.chunked as C
+import hpnlp.attention.flash_cpu as F
+from hpnlp.attention.dense import dense_attention
+
+pytestmark = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
+
+H = 2
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """16-query x 8-key tiles, so tiny lengths cross many tiles, diagonals and edges."""
+    monkeypatch.setattr(F, "FWD_BLOCKS", (16, 8))
+    monkeypatch.setattr(F, "BWD_BLOCKS", (16, 24))
+
+
+def _qkv(B, L, S, D, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q, k, v, w = (jax.random.normal(kk, (B, n, H, D)) for kk, n in zip(ks, (L, S, S, L)))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), w
+
+
+def _segments(B, L, seed):
+    """Random right padding per row (one row all padding), and packed segments in row 1."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((B, L), np.int32)
+    for b in range(B):
+        seg[b, :rng.integers(1, L + 1)] = 1
+    seg[0] = 0
+    if B > 1:
+        a, c = sorted(rng.choice(np.arange(2, L - 2), 2, replace=False))
+        seg[1, :a], seg[1, a:c], seg[1, c:L - 1] = 1, 2, 3
+        seg[1, L - 1] = 0
+    return jnp.asarray(seg)
+
+
+def _out_and_grads(fn, q, k, v, w):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(w)
+
+
+def _assert_close(got, want, tol=1e-5):
+    for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("out", "dq", "dk", "dv")):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("B, L, D", [(3, 37, 16), (2, 70, 64), (2, 33, 48)])
+def test_matches_dense(B, L, D, masked, causal, threads):
+    q, k, v, w = _qkv(B, L, L, D, seed=L + D)
+    seg = _segments(B, L, seed=L) if masked else None
+    kernel = jax.jit(lambda q, k, v: F.flash_attention(q, k, v, seg, seg, causal=causal,
+                                                       threads=threads))
+    got = _out_and_grads(kernel, q, k, v, w)
+    want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal), q, k, v, w)
+    _assert_close(got, want)
+    chex.assert_tree_all_finite(got)
+    if masked:  # row 0 is all padding: zeros, not NaN, and no gradient
+        for x in jax.tree.leaves(got):
+            assert float(jnp.abs(x[0]).max()) == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_attention_lengths_differ(causal):
+    q, k, v, w = _qkv(2, 21, 45, 32, seed=7)
+    got = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v, causal=causal), q, k, v, w)
+    want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, None, causal=causal), q, k, v, w)
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_matches_its_xla_twin(causal):
+    """`chunked` impl='kernel' against impl='xla' on one tile size the XLA path also uses."""
+    q, k, v, w = _qkv(2, 64, 64, 32, seed=3)
+    seg = _segments(2, 64, seed=5)
+    run = lambda impl: _out_and_grads(  # noqa: E731
+        lambda q, k, v: C.chunked_attention(q, k, v, seg, causal=causal, impl=impl), q, k, v, w)
+    _assert_close(run("kernel"), run("xla"))
+
+
+def test_auto_uses_the_kernel_where_it_can():
+    q, k, v, _ = _qkv(1, 16, 16, 16)
+    hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q, k, v).as_text()
+    assert "hpnlp_flash_fwd" in hlo
+    for kwargs in ({"impl": "xla"}, {"block_q": 16, "block_k": 16}):
+        hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v, **kwargs)).lower(q, k, v).as_text()
+        assert "hpnlp_flash" not in hlo, kwargs
+    q8, k8, v8, _ = _qkv(1, 16, 16, 8)  # head dim 8: not a multiple of 16, so XLA
+    hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q8, k8, v8).as_text()
+    assert "hpnlp_flash" not in hlo
+
+
+def test_padding_invariance_and_causality_by_gradient():
+    B, L, D = 2, 40, 16
+    q, k, v, _ = _qkv(B, L, L, D, seed=11)
+    seg = jnp.asarray(np.r_[np.ones(25), np.zeros(15)][None].repeat(B, 0).astype(np.int32))
+    attn = A.get("chunked")()
+    out = attn(q, k, v, seg, causal=False)
+    noise = jax.random.normal(jax.random.key(1), q.shape) * (seg == 0)[:, :, None, None]
+    out2 = attn(q + noise, k + noise, v + noise, seg, causal=False)
+    np.testing.assert_allclose(out[:, :25], out2[:, :25], atol=1e-6)
+    # Causal: output t depends on no input after t.
+    t = 17
+    g = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, None, causal=True)[:, t]), (0, 1, 2))(q, k, v)
+    for x in g:
+        assert float(jnp.abs(x[:, t + 1:]).max()) == 0.0
+        assert float(jnp.abs(x[:, :t + 1]).max()) > 0.0
+
+
+def test_bfloat16_vmap_and_no_recompile():
+    q, k, v, _ = _qkv(2, 24, 24, 16, seed=2, dtype=jnp.bfloat16)
+    out = F.flash_attention(q, k, v, causal=True)
+    assert out.dtype == jnp.bfloat16
+    ref = dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), None, causal=True)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2)
+    # vmap over a leading axis (ensembles): the kernel runs once per member.
+    qs = jnp.stack([q, q * 2]).astype(jnp.float32)
+    got = jax.vmap(lambda q: F.flash_attention(q, k, v))(qs)
+    for i in range(2):
+        np.testing.assert_allclose(got[i], F.flash_attention(qs[i], k, v), atol=1e-6)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(q, k, v):
+        return jax.grad(lambda q: jnp.sum(F.flash_attention(q, k, v, causal=True)))(q)
+
+    for s in range(3):
+        chex.assert_tree_all_finite(step(q.astype(jnp.float32) + s, k, v))
+
+
+def test_errors_say_what_and_how():
+    q, k, v, _ = _qkv(1, 16, 16, 8)
+    with pytest.raises(ValueError, match=r"impl='kernel' cannot run here: head dim 8 .* impl='xla'"):
+        C.chunked_attention(q, k, v, impl="kernel")
+    with pytest.raises(ValueError, match="impl='fast' is not one of"):
+        C.chunked_attention(q, k, v, impl="fast")
+    with pytest.raises(RuntimeError, match="head dim 8"):
+        F.flash_attention(q, k, v)
+    q, k, v, _ = _qkv(1, 16, 16, 16)
+    with pytest.raises(ValueError, match="both qseg_BL and kseg_BS"):
+        F.flash_attention(q, k, v, jnp.ones((1, 16), jnp.int32))
+
+
+@functools.lru_cache(None)
+def _grad_temp_bytes(length):
+    q = jnp.zeros((1, length, 1, 16), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(F.flash_attention(q, k, v, causal=True))  # noqa: E731
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, q, q).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_forward_backward_memory_is_linear_in_length():
+    small, big = _grad_temp_bytes(2048), _grad_temp_bytes(8192)
+    assert big / small < 5.0, (small, big)
+    assert big < 8192 * 8192 * 4 / 16, big
