@@ -24,9 +24,9 @@ H = 2
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    """16-query x 8-key tiles, so tiny lengths cross many tiles, diagonals and edges."""
-    monkeypatch.setattr(F, "FWD_BLOCKS", (16, 8))
-    monkeypatch.setattr(F, "BWD_BLOCKS", (16, 24))
+    """16-query x 16- or 32-key tiles, so tiny lengths cross many tiles, diagonals and edges."""
+    monkeypatch.setattr(F, "FWD_BLOCKS", (16, 16))
+    monkeypatch.setattr(F, "BWD_BLOCKS", (16, 32))
 
 
 def _qkv(B, L, S, D, seed=0, dtype=jnp.float32):

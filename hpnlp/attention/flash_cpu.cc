@@ -144,20 +144,20 @@ Vis classify(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk
   return Vis::kPartial;
 }
 
-// Set S^T [nk, ldt] to -inf where key k0+r may not be seen by query q0+c (c < nq; the
-// padding columns past nq are left alone, their rows never reach an output).
-void mask_tile(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk, float* st,
-               int ldt) {
+// Set the scores of pairs that may not attend to -inf: query q0+c, key k0+r at
+// t[r * ld + c] (KeysAreRows: an S^T tile) or t[c * ld + r] (an S tile). Padding lanes
+// past nq or nk are left alone.
+template <bool KeysAreRows>
+void mask_tile(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk, float* t,
+               int ld) {
   const int32_t* qs = p.qseg ? p.qseg + b * p.L + q0 : nullptr;
   const int32_t* ks = p.kseg ? p.kseg + b * p.S + k0 : nullptr;
-  for (int r = 0; r < nk; ++r) {
-    float* row = st + size_t(r) * ldt;
-    for (int c = 0; c < nq; ++c) {
+  for (int c = 0; c < nq; ++c)
+    for (int r = 0; r < nk; ++r) {
       bool ok = !p.causal || q0 + c >= k0 + r;
       if (qs) ok = ok && ks[r] != 0 && qs[c] == ks[r];
-      if (!ok) row[c] = -kInf;
+      if (!ok) t[KeysAreRows ? size_t(r) * ld + c : size_t(c) * ld + r] = -kInf;
     }
-  }
 }
 
 // Head (b, h) of x [B, len, H, D] as contiguous rows, out [len, D]. Rows H*D apart map
@@ -178,58 +178,72 @@ void pack_t(const float* x, int n, int64_t D, float scale, float* out, int ld) {
 
 // ---------------------------------------------------------------------------- forward
 
-// Query block i of head bh, from the head's contiguous keys and values kh, vh [S, D]: its
-// output rows and logsumexp.
-void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kh, const float* vh,
+// Head (b, h) of x [B, len, H, D] transposed in blocks of bk rows, out [ceil(len/bk), D, bk]
+// (columns past len zero): the right-hand operand of S = Q K^T, a block at a time.
+void gather_head_t(const Problem& p, const float* x, int64_t len, int64_t b, int64_t h, int bk,
+                   float* out) {
+  const int64_t blocks = (len + bk - 1) / bk;
+  std::fill(out + (blocks - 1) * p.D * bk, out + blocks * p.D * bk, 0.0f);
+  for (int64_t r = 0; r < len; ++r) {
+    const float* src = x + p.row(b, len, h, r);
+    float* dst = out + (r / bk) * p.D * bk + r % bk;
+    for (int64_t d = 0; d < p.D; ++d) dst[d * bk] = src[d];
+  }
+}
+
+// Query block i of head bh, from the head's blocked K^T (`kt`, see gather_head_t) and
+// contiguous values vh [S, D]: its output rows and logsumexp. The forward tile is
+// query-major, S = Q K^T [Q, K], so that both of its products read their left operand
+// by rows (a column-wise read of the left operand runs ~15% slower).
+void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kt, const float* vh,
                    float* o, float* lse, std::vector<float>& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D;
-  const int bq = p.bq, q0 = int(i * bq), nq = int(std::min<int64_t>(bq, p.L - q0));
-  scratch.resize(size_t(D) * bq * 2 + size_t(p.bk) * bq + size_t(bq) * D + 2 * bq);
-  float* qh = scratch.data();                      // [bq, D] this block's queries
-  float* qt = qh + size_t(D) * bq;                 // [D, bq] scaled and transposed
-  float* st = qt + size_t(D) * bq;                 // [bk, bq] S^T, then P^T
-  float* acc = st + size_t(p.bk) * bq;             // [bq, D] unnormalized output
+  const int bq = p.bq, bk = p.bk, q0 = int(i * bq), nq = int(std::min<int64_t>(bq, p.L - q0));
+  scratch.resize(size_t(bq) * (2 * D + bk + 2));
+  float* qs = scratch.data();                      // [bq, D] scaled queries
+  float* st = qs + size_t(bq) * D;                 // [bq, bk] S, then P
+  float* acc = st + size_t(bq) * bk;               // [bq, D] unnormalized output
   float* m = acc + size_t(bq) * D;                 // [bq] running max
   float* l = m + bq;                               // [bq] running sum
-  for (int c = 0; c < nq; ++c)
-    std::memcpy(qh + c * D, p.q + p.row(b, p.L, h, q0 + c), sizeof(float) * D);
-  pack_t(qh, nq, D, p.scale, qt, bq);
+  for (int c = 0; c < nq; ++c) {
+    const float* src = p.q + p.row(b, p.L, h, q0 + c);
+    for (int64_t d = 0; d < D; ++d) qs[c * D + d] = src[d] * p.scale;
+  }
   std::fill(acc, acc + size_t(bq) * D, 0.0f);
   std::fill(m, m + bq, -kInf);
   std::fill(l, l + bq, 0.0f);
-  for (int64_t k0 = 0; k0 < p.S; k0 += p.bk) {
-    const int nk = int(std::min<int64_t>(p.bk, p.S - k0));
+  for (int64_t k0 = 0; k0 < p.S; k0 += bk) {
+    const int nk = int(std::min<int64_t>(bk, p.S - k0)), lanes = (nk + NR - 1) / NR * NR;
     const Vis vis = classify(p, b, q0, nq, k0, nk);
     if (vis == Vis::kSkip) continue;
-    gemm(nk, bq, int(D), kh + k0 * D, D, 1, qt, bq, st, bq, false);  // S^T = K Q^T
-    if (vis == Vis::kPartial) mask_tile(p, b, q0, nq, k0, nk, st, bq);
-    for (int c = 0; c < bq; c += NR) {
+    gemm(nq, lanes, int(D), qs, D, 1, kt + (k0 / bk) * D * bk, bk, st, bk, false);  // S = Q K^T
+    if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
+    for (int c = 0; c < nq; ++c) {
+      float* row = st + size_t(c) * bk;
+      for (int r = nk; r < lanes; ++r) row[r] = -kInf;  // keys past S
       vf mx = splat(-kInf);
-      for (int r = 0; r < nk; ++r) {
-        vf s = load(st + size_t(r) * bq + c);
-        mx = s > mx ? s : mx;
+      for (int r = 0; r < lanes; r += NR) {
+        const vf x = load(row + r);
+        mx = x > mx ? x : mx;
       }
-      const vf m_old = load(m + c);
-      vf m_new = mx > m_old ? mx : m_old;
-      // A query that has seen nothing yet: subtract 0, not -inf (exp(-inf + inf) is NaN).
-      const vf m_sub = m_new == splat(-kInf) ? vf{} : m_new;
-      const vf corr = vexp0(m_old - m_sub);
+      const float m_new = std::max(m[c], hmax(mx));
+      if (m_new == -kInf) {  // nothing visible yet: P = 0 (the row holds -inf)
+        std::fill(row, row + lanes, 0.0f);
+        continue;
+      }
       vf sum = vf{};
-      for (int r = 0; r < nk; ++r) {
-        vf e = vexp0(load(st + size_t(r) * bq + c) - m_sub);
-        store(st + size_t(r) * bq + c, e);
+      for (int r = 0; r < lanes; r += NR) {
+        const vf e = vexp0(load(row + r) - m_new);
+        store(row + r, e);
         sum += e;
       }
-      store(l + c, load(l + c) * corr + sum);
-      store(m + c, m_new);
-      for (int j = 0; j < NR && c + j < nq; ++j) {
-        const float cj = corr[j];
-        if (cj != 1.0f)
-          for (int64_t d = 0; d < D; d += NR) store(acc + (c + j) * D + d, load(acc + (c + j) * D + d) * cj);
-      }
+      const float corr = m[c] == -kInf ? 0.0f : std::exp(m[c] - m_new);
+      l[c] = l[c] * corr + hsum(sum);
+      m[c] = m_new;
+      if (corr != 1.0f)
+        for (int64_t d = 0; d < D; d += NR) store(acc + c * D + d, load(acc + c * D + d) * corr);
     }
-    // acc[Q, D] += P V with P(q, r) = st[r * bq + q]: a transposed read, by broadcasts.
-    gemm(nq, int(D), nk, st, 1, bq, vh + k0 * D, D, acc, D, true);
+    gemm(nq, int(D), nk, st, bk, 1, vh + k0 * D, D, acc, D, true);  // acc += P V
   }
   for (int c = 0; c < nq; ++c) {
     float* out = o + p.row(b, p.L, h, q0 + c);
@@ -281,9 +295,7 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<flo
     const float* orow = g.o + p.row(b, L, h, r);
     vf s = vf{};
     for (int64_t d = 0; d < D; d += NR) s += load(orow + d) * load(doh + r * D + d);
-    float t = 0.0f;
-    for (int j = 0; j < NR; ++j) t += s[j];
-    delta[r] = t;
+    delta[r] = hsum(s);
   }
   const float* lse = g.lse + bh * L;
   for (int64_t k0 = 0; k0 < S; k0 += bk) {
@@ -303,7 +315,7 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<flo
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
       }
       gemm(nk, bq, int(D), kb, D, 1, qt, bq, pt, bq, false);    // S^T = K Q^T
-      if (vis == Vis::kPartial) mask_tile(p, b, q0, nq, k0, nk, pt, bq);
+      if (vis == Vis::kPartial) mask_tile<true>(p, b, q0, nq, k0, nk, pt, bq);
       gemm(nk, bq, int(D), vb, D, 1, dot, bq, dst, bq, false);  // dP^T = V dO^T
       for (int r = 0; r < nk; ++r) {
         float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
@@ -341,9 +353,9 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<ffi::F32>& q, ffi::Buffe
   if (d.size() != 4 || d[3] % NR != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string(kernel) + ": q must be [B, L, H, D] with D a multiple of 16");
-  if (block_q <= 0 || block_q % NR != 0 || block_k <= 0)
+  if (block_q <= 0 || block_q % NR != 0 || block_k <= 0 || block_k % NR != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string(kernel) + ": block_q must be a positive multiple of 16, block_k positive");
+                      std::string(kernel) + ": block_q and block_k must be positive multiples of 16");
   const int64_t B = d[0], L = d[1], H = d[2], D = d[3];
   auto kd = k.dimensions();
   if (kd.size() != 4)
@@ -382,17 +394,19 @@ ffi::Error FwdImpl(bool causal, float scale, int64_t block_q, int64_t block_k, i
   for (auto e : {check_dims(kernel, "o", o->dimensions(), {p.B, p.L, p.H, p.D}),
                  check_dims(kernel, "lse", lse->dimensions(), {p.B, p.H, p.L})})
     if (e.failure()) return e;
-  // Every head's keys and values made contiguous once, then (head, query block) items.
-  const int64_t nqb = (p.L + p.bq - 1) / p.bq, SD = p.S * p.D;
-  std::vector<float> kv(size_t(2) * p.B * p.H * SD);
+  // Every head's K^T (in blocks) and V made contiguous once, then (head, query block) items.
+  const int64_t nqb = (p.L + p.bq - 1) / p.bq;
+  const int64_t KT = (p.S + p.bk - 1) / p.bk * p.bk * p.D, SD = p.S * p.D;
+  std::vector<float> kv(size_t(p.B * p.H) * (KT + SD));
   for_items(int(threads), p.B * p.H, [&](int64_t bh, std::vector<float>&) {
-    gather_head(p, p.k, p.S, bh / p.H, bh % p.H, kv.data() + 2 * bh * SD);
-    gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kv.data() + (2 * bh + 1) * SD);
+    float* kt = kv.data() + bh * (KT + SD);
+    gather_head_t(p, p.k, p.S, bh / p.H, bh % p.H, p.bk, kt);
+    gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kt + KT);
   });
   float *out = o->typed_data(), *lse_out = lse->typed_data();
   for_items(int(threads), p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
-    const float* kh = kv.data() + 2 * (item / nqb) * SD;
-    forward_block(p, item / nqb, item % nqb, kh, kh + SD, out, lse_out, scratch);
+    const float* kt = kv.data() + (item / nqb) * (KT + SD);
+    forward_block(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
   });
   return ffi::Error::Success();
 }
