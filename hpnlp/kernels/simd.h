@@ -35,6 +35,16 @@ typedef float vf_u __attribute__((vector_size(NR * sizeof(float)), aligned(align
 inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
 inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
+// A non-temporal store (past the cache, no read for ownership) to a 64-byte aligned p:
+// for large outputs that nothing reads again soon.
+inline void stream(float* p, vf v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, reinterpret_cast<__m512>(v));
+#else
+  store(p, v);
+#endif
+}
+inline bool aligned64(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
 
 // exp(x) to about 2 ulp for x in [-87, 88] (Cephes expf): 2^n * p(r), r = x - n ln 2.
 // Below -87 it returns exp(-87), not 0; `vexp0` is the variant that flushes to 0.

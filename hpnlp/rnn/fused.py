@@ -86,12 +86,12 @@ def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True
 
 def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, *,
                   threads: int | None = None):
-    """The recurrence backward: (dz^T [G, L*B], db_G, d_h0_BH, d_c0_BH), dz the gradient
-    of the gate pre-activations (equal to that of the input projection), transposed, and
-    db its sum over steps and rows (the bias gradient)."""
+    """The recurrence backward: (dz_LBG, db_G, d_h0_BH, d_c0_BH), dz the gradient of the
+    gate pre-activations (equal to that of the input projection) and db its sum over
+    steps and rows (the bias gradient)."""
     L, B, G = act_LBG.shape
     H = G // 4
-    return _call("hpnlp_lstm_bwd", [(G, L * B), (G,), (B, H), (B, H)], act_LBG, cc_LBH, c0_BH,
+    return _call("hpnlp_lstm_bwd", [(L, B, G), (G,), (B, H), (B, H)], act_LBG, cc_LBH, c0_BH,
                  w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, B=B, H=H, threads=threads)
 
 
@@ -122,21 +122,19 @@ def _lstm_layer_bwd(threads, res, cts):
     w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hp_LBH, cc_LBH, act_LBG = res
     (d_c_BH, d_h_BH), d_out_LBH = cts
     L, B, E = x_LBE.shape
-    dzt_GN, db_G, d_h0_BH, d_c0_BH = lstm_backward(
+    dz_LBG, db_G, d_h0_BH, d_c0_BH = lstm_backward(
         act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, jnp.swapaxes(d_out_LBH, 0, 1), d_h_BH, d_c_BH,
         threads=threads)
     # As in cells._fast_layer_bwd, every weight and input gradient is one product over all
-    # N = L*B rows, here all three from dz^T as plain products: dW_h^T = dz^T h_prev,
-    # dW_x^T = dz^T x, dx^T = W_x dz^T. The barrier keeps XLA from folding the transposes
-    # back into the products (which makes them transposed-operand products, slower on CPU).
-    mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    d_w_GH, d_w_GE, d_x_EN = jax.lax.optimization_barrier((
-        mm(dzt_GN, hp_LBH.reshape(L * B, -1)), mm(dzt_GN, f32(x_LBE.reshape(L * B, E))),
-        mm(f32(w_EG), dzt_GN)))
-    d_x_LBE = d_x_EN.reshape(E, L, B).transpose(1, 2, 0)
-    return (d_w_GE.T.astype(w_EG.dtype), db_G.astype(b_G.dtype), d_w_GH.T.astype(w_HG.dtype),
-            d_x_LBE.astype(x_LBE.dtype),
+    # N = L*B rows: dW_h = h_prev^T dz, dW_x = x^T dz, dx = dz W_x^T.
+    N = L * B
+    dz_NG = dz_LBG.reshape(N, -1)
+    mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    d_w_HG = mm("nh,ng->hg", hp_LBH.reshape(N, -1), dz_NG)
+    d_w_EG = mm("ne,ng->eg", x_LBE.reshape(N, E), dz_NG)
+    d_x_NE = mm("ng,eg->ne", dz_NG, w_EG)
+    return (d_w_EG.astype(w_EG.dtype), db_G.astype(b_G.dtype), d_w_HG.astype(w_HG.dtype),
+            d_x_NE.reshape(L, B, E).astype(x_LBE.dtype),
             (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)), jnp.zeros_like(valid_LB))
 
 

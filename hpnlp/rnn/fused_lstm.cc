@@ -11,8 +11,10 @@
 // gate arithmetic to the accumulators directly, and meets the others at one barrier per
 // step (the next step needs every unit of h). The backward scan does the same with the
 // transposed matrix: a thread turns the incoming gradient of its tiles into their gate
-// gradient dz (elementwise, also written out transposed for the weight gradients), and
-// after a barrier computes dz @ W^T for the same tiles, in groups of 4.
+// gradient dz (elementwise, written straight into the [L, B, 4H] output that the weight
+// gradients read: writing it transposed instead, 4H scattered runs per step, cost a third
+// of the backward kernel in TLB misses), and after a barrier computes dz @ W^T for the
+// same tiles, in groups of 4.
 //
 // Gates are ordered (i, f, o, g) as in hpnlp.rnn.cells: pre = xw + h_prev @ W,
 // i, f, o = sigmoid(pre[:3H]), g = tanh(pre[3H:]), c = f c_prev + i g, h = o tanh(c).
@@ -109,7 +111,8 @@ void panel_product(const float* a, size_t lda, const float* p, int B, int K, flo
 
 struct Fwd {
   int L, B, H;
-  bool save;  // write hp, cc and act (what the backward pass reads)
+  bool save;    // write hp, cc and act (what the backward pass reads)
+  bool stream;  // out, hp, cc, act are 64-byte aligned: non-temporal stores
   const float *xw, *bias, *w, *valid;
   float *out;            // [B, L, H], batch-major like the layer's output
   float *hp, *cc, *act;  // [L, B, H] h entering each step, [L, B, H] c after it, [L, B, 4H]
@@ -143,15 +146,17 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
       }
       store(c_next + size_t(b) * H + j, c);
       store(h_next + size_t(b) * H + j, h);
-      store(s.out + (size_t(b) * s.L + t) * H + j, y);
+      // Outputs nothing in this call reads again: streamed past the cache when aligned.
+      auto put = s.stream ? stream : store;
+      put(s.out + (size_t(b) * s.L + t) * H + j, y);
       if (s.save) {
         float* act = s.act + row_g;
-        store(act + j, i);
-        store(act + H + j, f);
-        store(act + 2 * H + j, o);
-        store(act + 3 * H + j, g);
-        store(s.hp + row_h + j, hp);
-        store(s.cc + row_h + j, c);
+        put(act + j, i);
+        put(act + H + j, f);
+        put(act + 2 * H + j, o);
+        put(act + 3 * H + j, g);
+        put(s.hp + row_h + j, hp);
+        put(s.cc + row_h + j, c);
       }
     }
   });
@@ -174,6 +179,9 @@ void run_fwd(Fwd& s, int threads) {
       for (int u = u0; u < u1; ++u) fwd_tile(s, t, u, part.data());
       barrier.wait();  // every unit of h_t is written before any thread reads it
     }
+#if defined(__x86_64__)
+    if (s.stream) __builtin_ia32_sfence();  // the streamed outputs are visible on return
+#endif
   });
 }
 
@@ -182,27 +190,22 @@ void run_fwd(Fwd& s, int threads) {
 struct Bwd {
   int L, B, H;
   const float *act, *cc, *c0, *w, *valid, *d_out;  // d_out [B, L, H]
-  float *dz;        // this step's gate gradients [B, G] (scratch)
-  float *dzt, *db;  // all steps' gate gradients transposed [G, L*B], and their sum over L, B
+  float *dz, *db;  // every step's gate gradients [L, B, G], and their sum over L, B
   float *dh, *dc;  // the running carry gradients [B, H] (start as d_final)
 };
 
-// The gate gradients of unit tile u, all rows, step t (dz, its transpose, and their sum
-// over rows in db); the carry gradients move to t-1 (the c part here, the h part in
-// bwd_group).
-void bwd_gates(Bwd& s, int t, int u, float* tbuf) {
+// The gate gradients of unit tile u, all rows, step t (dz, and their sum over rows in
+// db); the carry gradients move to t-1 (the c part here, the h part in bwd_group).
+void bwd_gates(Bwd& s, int t, int u) {
   const int H = s.H, G = 4 * H, j = u * NR, B = s.B;
   vf db[4] = {vf{}, vf{}, vf{}, vf{}};
   for (int b = 0; b < B; ++b) {
     const size_t row_g = (size_t(t) * B + b) * G, row_h = (size_t(t) * B + b) * H;
-    float* dz = s.dz + size_t(b) * G;
+    float* dz = s.dz + (size_t(t) * B + b) * G;
     float* dh_p = s.dh + size_t(b) * H + j;
     float* dc_p = s.dc + size_t(b) * H + j;
     if (!(s.valid[size_t(t) * B + b] > 0.0f)) {  // the state passed through unchanged
-      for (int q = 0; q < 4; ++q) {
-        store(dz + q * H + j, vf{});
-        for (int n = 0; n < NR; ++n) tbuf[(q * NR + n) * B + b] = 0.0f;
-      }
+      for (int q = 0; q < 4; ++q) store(dz + q * H + j, vf{});
       continue;
     }
     const float* act = s.act + row_g;
@@ -218,25 +221,17 @@ void bwd_gates(Bwd& s, int t, int u, float* tbuf) {
     for (int q = 0; q < 4; ++q) {
       store(dz + q * H + j, d[q]);
       db[q] += d[q];
-      for (int n = 0; n < NR; ++n) tbuf[(q * NR + n) * B + b] = d[q][n];
     }
     store(dc_p, dc * f);
   }
-  // dz^T: each of the tile's 4 NR rows gets this step's B values as one contiguous run.
-  const size_t LB = size_t(s.L) * B;
-  for (int q = 0; q < 4; ++q) {
-    store(s.db + q * H + j, load(s.db + q * H + j) + db[q]);
-    for (int n = 0; n < NR; ++n)
-      std::memcpy(s.dzt + (size_t(q) * H + j + n) * LB + size_t(t) * B, tbuf + (q * NR + n) * B,
-                  B * sizeof(float));
-  }
+  for (int q = 0; q < 4; ++q) store(s.db + q * H + j, load(s.db + q * H + j) + db[q]);
 }
 
 // dh_{t-1} = dz_t W^T for the n <= 4 unit tiles from u (packed panel wt) on valid rows;
 // invalid rows keep dh (their h passed through unchanged).
 void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
   const int H = s.H, G = 4 * H;
-  panel_product(s.dz, G, wt, s.B, G, part,
+  panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
@@ -255,7 +250,7 @@ void run_bwd(Bwd& s, int threads) {
   parallel(threads, [&](int p) {
     int g0, g1;
     share(groups, threads, p, &g0, &g1);
-    std::vector<float> part(size_t(s.B) * 4 * NR), tbuf(size_t(s.B) * 4 * NR);
+    std::vector<float> part(size_t(s.B) * 4 * NR);
     for (int gi = g0; gi < g1; ++gi) {  // pack this thread's groups
       const int u = 4 * gi, n = std::min(4, tiles - u);
       float* dst = wt.data() + size_t(gi) * G * 4 * NR;
@@ -265,7 +260,7 @@ void run_bwd(Bwd& s, int threads) {
             dst[(size_t(k) * 4 + q) * NR + m] = s.w[size_t((u + q) * NR + m) * G + k];
     }
     for (int t = s.L - 1; t >= 0; --t) {
-      for (int u = 4 * g0; u < std::min(tiles, 4 * g1); ++u) bwd_gates(s, t, u, tbuf.data());
+      for (int u = 4 * g0; u < std::min(tiles, 4 * g1); ++u) bwd_gates(s, t, u);
       barrier.wait();  // all of dz_t is written
       for (int gi = g0; gi < g1; ++gi)  // the same tiles as the gates above
         bwd_group(s, t, 4 * gi, std::min(4, tiles - 4 * gi), wt.data() + size_t(gi) * G * 4 * NR,
@@ -311,7 +306,9 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
   std::memcpy(h.data(), h0.typed_data(), sizeof(float) * B * H);
   std::memcpy(c.data(), c0.typed_data(), sizeof(float) * B * H);
   if (L > 0 && B > 0) {
-    Fwd s{int(L), int(B), int(H), save, xw.typed_data(), bias.typed_data(), w.typed_data(),
+    const bool stream = aligned64(out->typed_data()) && (!save || (aligned64(hp->typed_data()) &&
+                        aligned64(cc->typed_data()) && aligned64(act->typed_data())));
+    Fwd s{int(L), int(B), int(H), save, stream, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
     run_fwd(s, clamp_threads(threads, H / NR));
@@ -323,14 +320,15 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
 }
 
 // act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [B, L, H],
-// d_h, d_c [B, H] (gradients of the final carry) -> dzt [4H, L*B] (the gradient of the
-// gate pre-activations, transposed: every weight and input gradient is then a plain
-// product), db [4H] (its sum: the bias gradient), d_h0, d_c0 [B, H].
+// d_h, d_c [B, H] (gradients of the final carry) -> dz [L, B, 4H] (the gradient of the
+// gate pre-activations, written step by step where the backward scan makes it; every
+// weight and input gradient is then one product over all steps), db [4H] (its sum: the
+// bias gradient), d_h0, d_c0 [B, H].
 ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::F32> cc,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
                        ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
-                       ffi::ResultBuffer<ffi::F32> dzt, ffi::ResultBuffer<ffi::F32> db,
+                       ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> db,
                        ffi::ResultBuffer<ffi::F32> d_h0, ffi::ResultBuffer<ffi::F32> d_c0) {
   auto d = act.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
@@ -340,16 +338,16 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   for (auto e : {check_dims("cc", cc.dimensions(), {L, B, H}), check_dims("c0", c0.dimensions(), {B, H}),
                  check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("valid", valid.dimensions(), {L, B}),
                  check_dims("d_out", d_out.dimensions(), {B, L, H}),
-                 check_dims("d_h", d_h.dimensions(), {B, H}), check_dims("d_c", d_c.dimensions(), {B, H})})
+                 check_dims("d_h", d_h.dimensions(), {B, H}), check_dims("d_c", d_c.dimensions(), {B, H}),
+                 check_dims("dz", dz->dimensions(), {L, B, 4 * H})})
     if (e.failure()) return e;
   std::memcpy(d_h0->typed_data(), d_h.typed_data(), sizeof(float) * B * H);
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
   std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);  // run_bwd adds to it
   if (L == 0 || B == 0) return ffi::Error::Success();
-  std::vector<float> dz(size_t(B) * 4 * H);
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
-        valid.typed_data(), d_out.typed_data(), dz.data(), dzt->typed_data(),
-        db->typed_data(), d_h0->typed_data(), d_c0->typed_data()};
+        valid.typed_data(), d_out.typed_data(), dz->typed_data(), db->typed_data(),
+        d_h0->typed_data(), d_c0->typed_data()};
   run_bwd(s, clamp_threads(threads, (H / NR + 3) / 4));
   return ffi::Error::Success();
 }
