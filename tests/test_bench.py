@@ -51,7 +51,8 @@ def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, mon
     ok = [r for r in payload["results"] if r["status"] == "ok"]
     assert all(r["time"]["median_s"] > 0 for r in ok)
     assert all("gflops" in r for r in ok if r["impl"] in ("dense", "chunked", bench_attention.BOUND))
-    assert {r["mode"] for r in ok if r["impl"] == bench_attention.BOUND} == {"fwd", "fwd_bwd"}
+    for row in (bench_attention.BOUND, bench_attention.XLA_TWIN):  # beside `chunked`'s kernel
+        assert {r["mode"] for r in ok if r["impl"] == row} == {"fwd", "fwd_bwd"}, row
     for f in ("results.json", "results.md", "attention_time_fwd.png",
               "attention_time_fwd_bwd.png", "attention_memory.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0, f

@@ -32,11 +32,14 @@ from hpnlp.bench import harness, report
 
 PEERS = ("jax.nn.dot_product_attention", "flax.linen.dot_product_attention",
          "torch.scaled_dot_product_attention")
-# O(L^2) memory: never run past 16K. Everything else is measured to 64K in a full run.
 # Not an attention: the bound for `chunked` (see `_products_only`); bidirectional only.
 BOUND = "chunked products only"
 XLA_TWIN = "chunked (xla)"  # `chunked` with impl='xla': its kernel's XLA twin
-QUADRATIC = {"dense", "xla", "synthesizer", *PEERS}
+# O(L^2) memory (the estimate below skips what cannot fit). PyTorch's CPU SDPA is a flash
+# kernel, O(L): it runs at 16K too.
+QUADRATIC = {"dense", "xla", "synthesizer", *PEERS} - {"torch.scaled_dot_product_attention"}
+# Never run past 16K: the quadratic ones, and the peers and XLA rows beside them.
+SHORT = QUADRATIC | set(PEERS) | {BOUND, XLA_TWIN}
 EXACT = {"dense", "xla", "chunked", XLA_TWIN, BOUND, *PEERS}
 REFERENCE = "jax.nn.dot_product_attention"
 
@@ -196,8 +199,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     configs = []
     for L in lengths:
         for impl in impls:
-            # The XLA rows matter beside the peers, which stop at 16K too.
-            if (impl in QUADRATIC or impl in (BOUND, XLA_TWIN)) and L > 16384:
+            if impl in SHORT and L > 16384:
                 continue
             for mode in ("fwd", "fwd_bwd"):
                 # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
