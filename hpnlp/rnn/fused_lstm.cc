@@ -308,6 +308,15 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
   if (L > 0 && B > 0) {
     const bool stream = aligned64(out->typed_data()) && (!save || (aligned64(hp->typed_data()) &&
                         aligned64(cc->typed_data()) && aligned64(act->typed_data())));
+    // Fault the saved activations in up front (see populate in simd.h): 18% of the
+    // forward call here.
+    const int pt = clamp_threads(threads, H / NR);
+    populate(out->typed_data(), size_t(B) * L * H, pt);
+    if (save) {
+      populate(hp->typed_data(), size_t(L) * B * H, pt);
+      populate(cc->typed_data(), size_t(L) * B * H, pt);
+      populate(act->typed_data(), size_t(L) * B * 4 * H, pt);
+    }
     Fwd s{int(L), int(B), int(H), save, stream, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
@@ -345,6 +354,7 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
   std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);  // run_bwd adds to it
   if (L == 0 || B == 0) return ffi::Error::Success();
+  populate(dz->typed_data(), size_t(L) * B * 4 * H, clamp_threads(threads, (H / NR + 3) / 4));
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
         valid.typed_data(), d_out.typed_data(), dz->typed_data(), db->typed_data(),
         d_h0->typed_data(), d_c0->typed_data()};
