@@ -404,6 +404,7 @@ ffi::Error FwdImpl(bool causal, float scale, int64_t block_q, int64_t block_k, i
     gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kt + KT);
   });
   float *out = o->typed_data(), *lse_out = lse->typed_data();
+  populate(out, size_t(p.B) * p.L * p.H * p.D, clamp_threads(threads, p.B * p.H));
   for_items(int(threads), p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
     const float* kt = kv.data() + (item / nqb) * (KT + SD);
     forward_block(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
@@ -431,6 +432,10 @@ ffi::Error BwdImpl(bool causal, float scale, int64_t block_q, int64_t block_k, i
     if (e.failure()) return e;
   Grads g{o.typed_data(), lse.typed_data(), d_o.typed_data(), dq->typed_data(), dk->typed_data(),
           dv->typed_data()};
+  const int pt = clamp_threads(threads, p.B * p.H);
+  populate(g.dq, size_t(p.B) * p.L * p.H * p.D, pt);
+  populate(g.dk, size_t(p.B) * p.S * p.H * p.D, pt);
+  populate(g.dv, size_t(p.B) * p.S * p.H * p.D, pt);
   for_items(int(threads), p.B * p.H, [&](int64_t bh, std::vector<float>& scratch) {
     backward_head(p, g, bh, scratch);
   });
