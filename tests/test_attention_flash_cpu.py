@@ -85,6 +85,46 @@ def test_cross_attention_lengths_differ(causal):
     _assert_close(got, want)
 
 
+def test_tuned_tiles_several_column_blocks_and_threads():
+    """The production tiles (not the small ones of the other tests), a head dim of 128 (two
+    64-column register blocks), lengths no tile divides, padding, both directions."""
+    F.FWD_BLOCKS, F.BWD_BLOCKS = (128, 128), (128, 256)  # restored by the fixture
+    B, L, D = 1, 300, 128
+    q, k, v, w = _qkv(B, L, L, D, seed=21)
+    seg = _segments(2, L, seed=4)[1:]  # packed segments and a padded tail
+    for causal in (False, True):
+        got = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v, seg, seg, causal=causal,
+                                                               threads=2), q, k, v, w)
+        want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal),
+                              q, k, v, w)
+        _assert_close(got, want)
+
+
+def test_value_head_dim_other_than_the_query_s_is_refused():
+    q, k, _, _ = _qkv(1, 16, 16, 16)
+    v = jnp.ones((1, 16, H, 32))
+    assert "value head dim 32" in C.kernel_blocker(16, 32, "auto", None, None)
+    with pytest.raises(RuntimeError, match="value head dim 32"):
+        F.flash_attention(q, k, v)
+
+
+def test_empty_lengths():
+    """No keys: every query sees nothing (zeros, no gradient); no queries: empty output."""
+    q, k, v, w = _qkv(1, 20, 20, 16, seed=9)
+    out, (dq, dk, dv) = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v),
+                                       q, k[:, :0], v[:, :0], w)
+    assert out.shape == q.shape and float(jnp.abs(out).max()) == 0.0
+    assert float(jnp.abs(dq).max()) == 0.0 and dk.shape == (1, 0, H, 16)
+    out, grads = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v), q[:, :0], k, v, w[:, :0])
+    assert out.shape == (1, 0, H, 16) and float(jnp.abs(grads[1]).max()) == 0.0
+    seg = jnp.ones((1, 20), jnp.int32)  # segment ids with no queries at all
+    out, grads = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v, seg[:, :0], seg),
+                                q[:, :0], k, v, w[:, :0])
+    assert out.shape == (1, 0, H, 16) and float(jnp.abs(grads[2]).max()) == 0.0
+    with pytest.raises(ValueError, match="segment ids must be"):
+        F.flash_attention(q, k, v, seg[:, :5], seg)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_matches_its_xla_twin(causal):
     """`chunked` impl='kernel' against impl='xla' on one tile size the XLA path also uses."""

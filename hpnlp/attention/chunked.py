@@ -255,7 +255,7 @@ def _flash_bwd(causal, bq, bk, res, do_BHLD):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def kernel_blocker(head_dim: int, impl: str, block_q, block_k) -> str | None:
+def kernel_blocker(head_dim: int, value_dim: int, impl: str, block_q, block_k) -> str | None:
     """Why `impl` does not run the fused kernel here; None if it does."""
     if impl not in IMPLS:
         raise ValueError(f"chunked attention: impl={impl!r} is not one of {IMPLS}")
@@ -263,7 +263,7 @@ def kernel_blocker(head_dim: int, impl: str, block_q, block_k) -> str | None:
         return "impl='xla'"
     if impl == "auto" and (block_q is not None or block_k is not None):
         return "explicit block sizes (they tune the XLA program)"
-    return flash_cpu.blocker(head_dim)
+    return flash_cpu.blocker(head_dim, value_dim)
 
 
 def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
@@ -279,7 +279,7 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
     if mask_BL is not None and L != S:
         raise ValueError(f"chunked attention: segment ids [B, L] serve queries and keys alike, so "
                          f"query length {L} must equal key length {S}; pass mask=None")
-    blocker = kernel_blocker(D, impl, block_q, block_k)
+    blocker = kernel_blocker(D, v_BSHD.shape[-1], impl, block_q, block_k)
     if impl == "kernel" and blocker is not None:
         raise ValueError(f"chunked attention: impl='kernel' cannot run here: {blocker}. Use "
                          "impl='auto' (the kernel where it can run) or impl='xla'")

@@ -26,27 +26,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp import kernels
+from hpnlp.attention.base import check_inputs
 
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "flash_cpu.cc"),
     {"hpnlp_flash_fwd": "HpnlpFlashFwd", "hpnlp_flash_bwd": "HpnlpFlashBwd"},
     what="flash attention")
 
-# Tiles (queries x keys) tuned on a 2-core AVX-512 Xeon at B=1, H=8, D=64, L=4096: a
-# [keys, queries] score tile of 128 x 128 (forward) or 256 x 128 (backward) floats stays
-# in L2 beside the packed operands; the query block is a multiple of 16 (vector lanes).
+# Tiles (queries x keys), multiples of 16, tuned on a 2-core AVX-512 Xeon at B=1, H=8,
+# D=64, L=4096: the forward's [queries, keys] score tile of 128 x 128 and the backward's
+# [keys, queries] tiles of 256 x 128 stay in L2 beside the packed operands (a forward key
+# block of 256 ran slower: its K^T rows, 1 KB apart, crowd a few L1 sets).
 FWD_BLOCKS = (128, 128)
 BWD_BLOCKS = (128, 256)
 
 
-def blocker(head_dim: int) -> str | None:
-    """Why the kernel cannot run attention with this head dim here; None if it can."""
+def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
+    """Why the kernel cannot run attention with these head dims here; None if it can."""
     if head_dim % 16:
         return f"head dim {head_dim} (the kernel needs a multiple of 16)"
+    if value_dim is not None and value_dim != head_dim:
+        return f"value head dim {value_dim} differs from the query's {head_dim}"
     return kernels.single_device_reason() or KERNEL.unavailable_reason()
 
 
-def _segments(segs, B, L, S):
+def _segments(segs):
     if segs is None:
         empty = jnp.zeros((0, 0), jnp.int32)
         return empty, empty
@@ -54,20 +58,20 @@ def _segments(segs, B, L, S):
     return qseg_BL.astype(jnp.int32), kseg_BS.astype(jnp.int32)
 
 
-def _attrs(causal, scale, blocks, threads):
-    return dict(causal=bool(causal), scale=np.float32(scale), block_q=np.int64(blocks[0]),
-                block_k=np.int64(blocks[1]),
+def _attrs(segs, causal, scale, blocks, threads):
+    return dict(segments=segs is not None, causal=bool(causal), scale=np.float32(scale),
+                block_q=np.int64(blocks[0]), block_k=np.int64(blocks[1]),
                 threads=np.int64(kernels.cores() if threads is None else threads))
 
 
 def _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
     B, L, H, _ = q_BLHD.shape
-    qseg, kseg = _segments(segs, B, L, k_BSHD.shape[1])
+    qseg, kseg = _segments(segs)
     return jax.ffi.ffi_call(
         "hpnlp_flash_fwd", [jax.ShapeDtypeStruct(q_BLHD.shape, jnp.float32),
                             jax.ShapeDtypeStruct((B, H, L), jnp.float32)],
         vmap_method="sequential")(q_BLHD, k_BSHD, v_BSHD, qseg, kseg,
-                                  **_attrs(causal, scale, FWD_BLOCKS, threads))
+                                  **_attrs(segs, causal, scale, FWD_BLOCKS, threads))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -82,13 +86,12 @@ def _flash_fwd(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
 
 def _flash_bwd(causal, scale, threads, res, do_BLHD):
     q_BLHD, k_BSHD, v_BSHD, segs, o_BLHD, lse_BHL = res
-    B, L, _, _ = q_BLHD.shape
-    qseg, kseg = _segments(segs, B, L, k_BSHD.shape[1])
+    qseg, kseg = _segments(segs)
     f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
     dq, dk, dv = jax.ffi.ffi_call(
         "hpnlp_flash_bwd", [f32(q_BLHD), f32(k_BSHD), f32(v_BSHD)], vmap_method="sequential")(
         q_BLHD, k_BSHD, v_BSHD, qseg, kseg, o_BLHD, lse_BHL, do_BLHD.astype(jnp.float32),
-        **_attrs(causal, scale, BWD_BLOCKS, threads))
+        **_attrs(segs, causal, scale, BWD_BLOCKS, threads))
     return dq, dk, dv, None
 
 
@@ -101,12 +104,17 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
     dtype. Segment ids (0 = padding; both or neither): a query sees keys of its own
     nonzero segment. Causal: query i sees keys <= i. A query that sees no key outputs 0.
     `threads` None: every core this process may use."""
-    reason = blocker(q_BLHD.shape[-1])
+    check_inputs(q_BLHD, k_BSHD, v_BSHD, None)
+    reason = blocker(q_BLHD.shape[-1], v_BSHD.shape[-1])
     if reason is not None:
         raise RuntimeError(f"the flash attention kernel cannot run here: {reason}. Use "
                            "chunked attention with impl='xla' (the XLA twin) instead.")
     if (qseg_BL is None) != (kseg_BS is None):
         raise ValueError("flash attention: give both qseg_BL and kseg_BS, or neither")
+    if qseg_BL is not None and (qseg_BL.shape != q_BLHD.shape[:2] or
+                                kseg_BS.shape != k_BSHD.shape[:2]):
+        raise ValueError(f"flash attention: segment ids must be [B, L] = {q_BLHD.shape[:2]} and "
+                         f"[B, S] = {k_BSHD.shape[:2]}; got {qseg_BL.shape} and {kseg_BS.shape}")
     segs = None if qseg_BL is None else (qseg_BL, kseg_BS)
     scale = 1.0 / float(np.sqrt(q_BLHD.shape[-1]))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731

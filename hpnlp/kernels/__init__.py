@@ -1,6 +1,7 @@
 """hpnlp's hand-written CPU kernels: C++ sources compiled on first use, as XLA FFI targets.
 
-    kernel = CpuKernel("hpnlp/attention/flash_cpu.cc", {"ffi_target": "HandlerSymbol"})
+    kernel = CpuKernel("hpnlp/attention/flash_cpu.cc", {"ffi_target": "HandlerSymbol"},
+                       what="flash attention")
     if kernel.available():
         jax.ffi.ffi_call("ffi_target", ...)
 
@@ -29,8 +30,10 @@ import jax
 
 HEADER_DIR = os.path.dirname(os.path.abspath(__file__))
 _HEADERS = [os.path.join(HEADER_DIR, "simd.h")]
+# -fno-semantic-interposition: simd.h's helpers are called directly, not through the PLT
+# (an out-of-line `store` called through it spilled every live vector around the call).
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
-         "-fno-math-errno"]
+         "-fno-math-errno", "-fno-semantic-interposition"]
 
 
 def _cpu_id() -> str:

@@ -10,8 +10,12 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <new>
+#include <initializer_list>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <sys/mman.h>
@@ -36,7 +40,6 @@ inline vf splat(float x) { return vf{} + x; }
 typedef float vf_u __attribute__((vector_size(NR * sizeof(float)), aligned(alignof(float))));
 inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-inline vi loadi(const int32_t* p) { vi v; std::memcpy(&v, p, sizeof v); return v; }
 // A non-temporal store (past the cache, no read for ownership) to a 64-byte aligned p:
 // for large outputs that nothing reads again soon.
 inline void stream(float* p, vf v) {
@@ -74,10 +77,11 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
-// exp(x), exactly 0 below -87 (so exp(-inf) = 0: masked scores weigh nothing), to about
-// 1 ulp. With AVX-512: x = n ln 2 + r (two-step reduction, |r| <= ln 2 / 2), e^r by its
+// exp(x), exactly 0 below -87 (so exp(-inf) = 0: masked scores weigh nothing). With
+// AVX-512, to about 1 ulp: x = n ln 2 + r (two-step reduction, |r| <= ln 2 / 2), e^r by its
 // degree-6 Taylor polynomial (error r^7/7! < 1.3e-7), 2^n applied by one vscalefps, and
 // the final select (not a clamp up front) covers x < -87, -inf included: 12 instructions.
+// Elsewhere `vexp` (about 2 ulp) with the same select.
 inline vf vexp0(vf x) {
 #if defined(__AVX512F__)
   const __m512 xv = reinterpret_cast<__m512>(x);
@@ -152,38 +156,73 @@ class Barrier {
   std::atomic<int> gen_{0};
 };
 
-// Run fn(thread_index) on `threads` threads (the caller is thread 0) and join.
+// Run fn(thread_index) on `threads` threads (the caller is thread 0) and join. An
+// exception in any of them (std::bad_alloc of a scratch buffer, say) is rethrown here,
+// after the join, for the FFI handler to turn into an error instead of std::terminate.
 template <class F>
 void parallel(int threads, F&& fn) {
-  std::vector<std::thread> pool;
-  for (int p = 1; p < threads; ++p) pool.emplace_back([&fn, p] { fn(p); });
-  fn(0);
-  for (auto& t : pool) t.join();
-}
-
-// Fault in the whole pages inside [p, p + bytes) with one system call per share, split
-// over `threads` threads (the caller's included). XLA maps large buffers fresh on every
-// call; touching such a buffer page by page costs a trap per 4 KB, which for the
-// recurrences' saved activations took as long as their gate arithmetic. Where the kernel
-// lacks MADV_POPULATE_WRITE (Linux < 5.14) this does nothing and the pages fault on first
-// touch as before.
-inline void populate(float* p, size_t floats, int threads) {
-#ifdef MADV_POPULATE_WRITE
-  const uintptr_t page = 4096, begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1),
-                  end = reinterpret_cast<uintptr_t>(p + floats) & ~(page - 1);
-  if (end <= begin) return;
-  const uintptr_t pages = (end - begin) / page;
-  auto run = [&](int i) {
-    const uintptr_t a = begin + pages * i / threads * page, b = begin + pages * (i + 1) / threads * page;
-    if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  auto guarded = [&](int p) {
+    try {
+      fn(p);
+    } catch (...) {
+      if (!failed.exchange(true)) error = std::current_exception();
+    }
   };
   std::vector<std::thread> pool;
-  for (int i = 1; i < threads; ++i) pool.emplace_back(run, i);
-  run(0);
+  for (int p = 1; p < threads; ++p) pool.emplace_back(guarded, p);
+  guarded(0);
   for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// Items [begin, end) of `items` for thread p of `threads` (near-equal static shares).
+inline void share(int items, int threads, int p, int* begin, int* end) {
+  *begin = static_cast<int>(int64_t(items) * p / threads);
+  *end = static_cast<int>(int64_t(items) * (p + 1) / threads);
+}
+
+// Fault in the whole pages of several buffers ({pointer, floats} each) with one
+// MADV_POPULATE_WRITE system call per thread and buffer. XLA maps large buffers fresh on
+// every call; touching one page by page costs a trap per 4 KB, which for the LSTM's
+// saved activations took as long as their gate arithmetic. Where the system lacks
+// MADV_POPULATE_WRITE (Linux < 5.14) the call fails and the pages fault on first touch,
+// as without it.
+inline void populate(std::initializer_list<std::pair<float*, size_t>> buffers, int threads) {
+#ifdef MADV_POPULATE_WRITE
+  constexpr uintptr_t kPage = 4096;
+  parallel(threads, [&](int i) {
+    for (const auto& [p, floats] : buffers) {
+      const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1),
+                      end = reinterpret_cast<uintptr_t>(p + floats) & ~(kPage - 1);
+      if (end <= begin) continue;
+      const uintptr_t pages = (end - begin) / kPage;
+      const uintptr_t a = begin + pages * i / threads * kPage,
+                      b = begin + pages * (i + 1) / threads * kPage;
+      if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
+    }
+  });
 #else
-  (void)p, (void)floats, (void)threads;
+  (void)buffers, (void)threads;
 #endif
+}
+
+// Inside a catch: the caught exception as an FFI error naming the kernel (handlers are
+// function-try-blocks, so a failed scratch allocation or thread start becomes a Python
+// exception instead of std::terminate).
+inline ffi::Error exception_error(const char* kernel) {
+  try {
+    throw;
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(kernel) + ": out of memory for its scratch buffers; use a "
+                      "smaller batch or sequence length");
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kernel) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(kernel) + ": unknown error");
+  }
 }
 
 inline int clamp_threads(int64_t threads, int64_t shares) {

@@ -35,7 +35,6 @@ _MIN_PARALLEL_MACS = 1 << 20
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_lstm.cc"),
     {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd"}, what="the fused LSTM")
-_load = KERNEL.load
 
 
 def available() -> bool:
@@ -60,7 +59,7 @@ def default_threads(B: int, H: int) -> int:
 
 def _call(target: str, out_shapes, *args, B: int, H: int, threads: int | None, **attrs):
     """The FFI call on float32 operands; `threads` None: `default_threads(B, H)`."""
-    reason = _load()
+    reason = KERNEL.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"the fused LSTM kernel is unavailable: {reason}. Use "
                            "impl='scan' (the XLA recurrence) instead.")

@@ -43,12 +43,6 @@ inline vf vtanh(vf x) {
   return ax < 0.0625f ? small : big;
 }
 
-// Tiles [begin, end) of `tiles` for thread p of `threads`.
-inline void share(int tiles, int threads, int p, int* begin, int* end) {
-  *begin = static_cast<int>(int64_t(tiles) * p / threads);
-  *end = static_cast<int>(int64_t(tiles) * (p + 1) / threads);
-}
-
 constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
 constexpr int KC = 128;  // k per cache block: a 128 x 64 panel block (32 KB) stays in L1
 
@@ -121,7 +115,10 @@ struct Fwd {
 };
 
 // Unit tile u of step t: z = h_prev W for the 4 gates of its NR units, then the cell
-// update straight from the accumulators.
+// update straight from the accumulators. Stream: the outputs that nothing in this call
+// reads again go past the cache (a template argument: chosen at run time, the store
+// was an indirect call that spilled the gates around it).
+template <bool Stream>
 void fwd_tile(const Fwd& s, int t, int u, float* part) {
   const int H = s.H, G = 4 * H, j = u * NR;
   const size_t BH = size_t(s.B) * H;
@@ -146,8 +143,9 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
       }
       store(c_next + size_t(b) * H + j, c);
       store(h_next + size_t(b) * H + j, h);
-      // Outputs nothing in this call reads again: streamed past the cache when aligned.
-      auto put = s.stream ? stream : store;
+      auto put = [](float* p, vf v) {
+        if constexpr (Stream) stream(p, v); else store(p, v);
+      };
       put(s.out + (size_t(b) * s.L + t) * H + j, y);
       if (s.save) {
         float* act = s.act + row_g;
@@ -176,7 +174,8 @@ void run_fwd(Fwd& s, int threads) {
           std::memcpy(&s.wp[((size_t(u) * H + k) * 4 + g) * NR], s.w + size_t(k) * G + g * H + u * NR,
                       NR * sizeof(float));
     for (int t = 0; t < s.L; ++t) {
-      for (int u = u0; u < u1; ++u) fwd_tile(s, t, u, part.data());
+      for (int u = u0; u < u1; ++u)
+        s.stream ? fwd_tile<true>(s, t, u, part.data()) : fwd_tile<false>(s, t, u, part.data());
       barrier.wait();  // every unit of h_t is written before any thread reads it
     }
 #if defined(__x86_64__)
@@ -262,16 +261,16 @@ void run_bwd(Bwd& s, int threads) {
     for (int t = s.L - 1; t >= 0; --t) {
       for (int u = 4 * g0; u < std::min(tiles, 4 * g1); ++u) bwd_gates(s, t, u);
       barrier.wait();  // all of dz_t is written
-      for (int gi = g0; gi < g1; ++gi)  // the same tiles as the gates above
+      // dh_{t-1} for the same tiles as the gates above. No second barrier: the gates of
+      // t-1 read only this thread's tiles of dh and write dz_{t-1}, not the dz_t that
+      // other threads may still be reading.
+      for (int gi = g0; gi < g1; ++gi)
         bwd_group(s, t, 4 * gi, std::min(4, tiles - 4 * gi), wt.data() + size_t(gi) * G * 4 * NR,
                   part.data());
-      barrier.wait();  // all of dh_{t-1} is written before the gates of t-1 read it
     }
   });
 }
 
-// At least 1, and at most one thread per share of work (tiles forward, groups of 4 tiles
-// backward).
 ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vector<int64_t> want) {
   return hpnlp::check_dims("fused LSTM", what, dims, std::move(want));
 }
@@ -288,7 +287,7 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
                        ffi::Buffer<ffi::F32> valid, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> c_fin, ffi::ResultBuffer<ffi::F32> h_fin,
                        ffi::ResultBuffer<ffi::F32> hp, ffi::ResultBuffer<ffi::F32> cc,
-                       ffi::ResultBuffer<ffi::F32> act) {
+                       ffi::ResultBuffer<ffi::F32> act) try {
   auto d = xw.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -310,13 +309,9 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
                         aligned64(cc->typed_data()) && aligned64(act->typed_data())));
     // Fault the saved activations in up front (see populate in simd.h): 18% of the
     // forward call here.
-    const int pt = clamp_threads(threads, H / NR);
-    populate(out->typed_data(), size_t(B) * L * H, pt);
-    if (save) {
-      populate(hp->typed_data(), size_t(L) * B * H, pt);
-      populate(cc->typed_data(), size_t(L) * B * H, pt);
-      populate(act->typed_data(), size_t(L) * B * 4 * H, pt);
-    }
+    const size_t n = save ? size_t(L) * B * H : 0;
+    populate({{out->typed_data(), size_t(B) * L * H}, {hp->typed_data(), n},
+              {cc->typed_data(), n}, {act->typed_data(), 4 * n}}, clamp_threads(threads, H / NR));
     Fwd s{int(L), int(B), int(H), save, stream, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
@@ -326,6 +321,8 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
   std::memcpy(h_fin->typed_data(), h.data() + last, sizeof(float) * B * H);
   std::memcpy(c_fin->typed_data(), c.data() + last, sizeof(float) * B * H);
   return ffi::Error::Success();
+} catch (...) {
+  return exception_error("fused LSTM");
 }
 
 // act [L, B, 4H], cc [L, B, H], c0 [B, H], w [H, 4H], valid [L, B], d_out [B, L, H],
@@ -338,7 +335,7 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
                        ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
                        ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
                        ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> db,
-                       ffi::ResultBuffer<ffi::F32> d_h0, ffi::ResultBuffer<ffi::F32> d_c0) {
+                       ffi::ResultBuffer<ffi::F32> d_h0, ffi::ResultBuffer<ffi::F32> d_c0) try {
   auto d = act.dimensions();
   if (d.size() != 3 || d[2] % (4 * NR) != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -354,12 +351,14 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
   std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);  // run_bwd adds to it
   if (L == 0 || B == 0) return ffi::Error::Success();
-  populate(dz->typed_data(), size_t(L) * B * 4 * H, clamp_threads(threads, (H / NR + 3) / 4));
+  populate({{dz->typed_data(), size_t(L) * B * 4 * H}}, clamp_threads(threads, (H / NR + 3) / 4));
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
         valid.typed_data(), d_out.typed_data(), dz->typed_data(), db->typed_data(),
         d_h0->typed_data(), d_c0->typed_data()};
   run_bwd(s, clamp_threads(threads, (H / NR + 3) / 4));
   return ffi::Error::Success();
+} catch (...) {
+  return exception_error("fused LSTM");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
