@@ -116,7 +116,7 @@ struct Problem {
   float scale;
   const float *q, *k, *v;        // [B, L, H, D], [B, S, H, D] x2
   const int32_t *qseg, *kseg;    // [B, L], [B, S], or null
-  int bq, bk;                    // block sizes; bq a multiple of NR
+  int bq, bk;                    // block sizes, multiples of NR
   // Row r of head (b, h) of a [B, n, H, D] array.
   size_t row(int64_t b, int64_t n, int64_t h, int64_t r) const { return ((b * n + r) * H + h) * D; }
 };
@@ -336,13 +336,13 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<flo
         }
       }
       gemm(nk, int(D), nq, pt, bq, 1, dob, D, dv, D, true);             // dV += P^T dO
-      gemm(nk, int(D), nq, dst, bq, 1, qb, D, dk, D, true);             // dK += dS^T Q
+      gemm(nk, int(D), nq, dst, bq, 1, qb, D, dk, D, true);             // dK += dS^T Q (unscaled)
       gemm(nq, int(D), nk, dst, 1, bq, kb, D, dqh + q0 * D, D, true);   // dQ += dS K
     }
     for (int r = 0; r < nk; ++r) {
       float *dkr = g.dk + p.row(b, S, h, k0 + r), *dvr = g.dv + p.row(b, S, h, k0 + r);
       for (int64_t d = 0; d < D; ++d) {
-        dkr[d] = dk[r * D + d] * p.scale;  // Q entered S unscaled here
+        dkr[d] = dk[r * D + d] * p.scale;  // dK = dS^T (scale Q); the product used Q
         dvr[d] = dv[r * D + d];
       }
     }

@@ -47,7 +47,7 @@ def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
         return f"head dim {head_dim} (the kernel needs a multiple of 16)"
     if value_dim is not None and value_dim != head_dim:
         return f"value head dim {value_dim} differs from the query's {head_dim}"
-    return kernels.single_device_reason() or KERNEL.unavailable_reason()
+    return KERNEL.blocker()
 
 
 def _segments(segs):

@@ -121,6 +121,11 @@ class CpuKernel:
     def unavailable_reason(self) -> str | None:
         return self.load()
 
+    def blocker(self) -> str | None:
+        """Why the kernel should not run in the current trace (a multi-device mesh, or it
+        cannot be built here); None if it can."""
+        return single_device_reason() or self.unavailable_reason()
+
 
 def single_device_reason() -> str | None:
     """Why an FFI kernel should not run in the current trace: XLA cannot partition a

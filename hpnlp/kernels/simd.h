@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <new>
 #include <initializer_list>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -105,15 +105,20 @@ inline vf vexp0(vf x) {
 
 // Horizontal sum and max of a vector, as trees (a lane-by-lane loop is a chain of 16
 // dependent scalar operations: GCC may not reassociate float arithmetic).
+template <class Op>
+inline float htree(vf v, Op op) {
+  float t[NR];
+  std::memcpy(t, &v, sizeof t);
+  for (int w = NR / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) t[j] = op(t[j], t[j + w]);
+  return t[0];
+}
+
 inline float hsum(vf v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
 #else
-  float t[NR];
-  std::memcpy(t, &v, sizeof t);
-  for (int w = NR / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) t[j] += t[j + w];
-  return t[0];
+  return htree(v, [](float a, float b) { return a + b; });
 #endif
 }
 
@@ -121,11 +126,7 @@ inline float hmax(vf v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
 #else
-  float t[NR];
-  std::memcpy(t, &v, sizeof t);
-  for (int w = NR / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) t[j] = std::max(t[j], t[j + w]);
-  return t[0];
+  return htree(v, [](float a, float b) { return std::max(a, b); });
 #endif
 }
 

@@ -200,7 +200,7 @@ void bwd_gates(Bwd& s, int t, int u) {
   vf db[4] = {vf{}, vf{}, vf{}, vf{}};
   for (int b = 0; b < B; ++b) {
     const size_t row_g = (size_t(t) * B + b) * G, row_h = (size_t(t) * B + b) * H;
-    float* dz = s.dz + (size_t(t) * B + b) * G;
+    float* dz = s.dz + row_g;
     float* dh_p = s.dh + size_t(b) * H + j;
     float* dc_p = s.dc + size_t(b) * H + j;
     if (!(s.valid[size_t(t) * B + b] > 0.0f)) {  // the state passed through unchanged
@@ -307,15 +307,16 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
   if (L > 0 && B > 0) {
     const bool stream = aligned64(out->typed_data()) && (!save || (aligned64(hp->typed_data()) &&
                         aligned64(cc->typed_data()) && aligned64(act->typed_data())));
+    const int nt = clamp_threads(threads, H / NR);
     // Fault the saved activations in up front (see populate in simd.h): 18% of the
     // forward call here.
     const size_t n = save ? size_t(L) * B * H : 0;
     populate({{out->typed_data(), size_t(B) * L * H}, {hp->typed_data(), n},
-              {cc->typed_data(), n}, {act->typed_data(), 4 * n}}, clamp_threads(threads, H / NR));
+              {cc->typed_data(), n}, {act->typed_data(), 4 * n}}, nt);
     Fwd s{int(L), int(B), int(H), save, stream, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
-    run_fwd(s, clamp_threads(threads, H / NR));
+    run_fwd(s, nt);
   }
   const size_t last = size_t(L & 1) * B * H;  // the buffer step L-1 wrote
   std::memcpy(h_fin->typed_data(), h.data() + last, sizeof(float) * B * H);
@@ -351,11 +352,12 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   std::memcpy(d_c0->typed_data(), d_c.typed_data(), sizeof(float) * B * H);
   std::fill(db->typed_data(), db->typed_data() + 4 * H, 0.0f);  // run_bwd adds to it
   if (L == 0 || B == 0) return ffi::Error::Success();
-  populate({{dz->typed_data(), size_t(L) * B * 4 * H}}, clamp_threads(threads, (H / NR + 3) / 4));
+  const int nt = clamp_threads(threads, (H / NR + 3) / 4);
+  populate({{dz->typed_data(), size_t(L) * B * 4 * H}}, nt);
   Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
         valid.typed_data(), d_out.typed_data(), dz->typed_data(), db->typed_data(),
         d_h0->typed_data(), d_c0->typed_data()};
-  run_bwd(s, clamp_threads(threads, (H / NR + 3) / 4));
+  run_bwd(s, nt);
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("fused LSTM");

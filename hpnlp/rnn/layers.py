@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp import kernels, linalg
+from hpnlp import linalg
 from hpnlp.config import ConfigError
 from hpnlp.rnn import cells, fused
 from hpnlp.rnn.dropout import (Dropout, RecurrentDropout, VariationalDropout, WeightDrop,
@@ -105,7 +105,7 @@ def _fused_blocker(m, deterministic: bool) -> str | None:
         return f"dtype={jnp.dtype(m.dtype).name} (the kernel computes in float32)"
     if not fused.supports(m.hidden):
         return f"hidden={m.hidden} (the kernel needs a multiple of 16)"
-    return kernels.single_device_reason() or fused.unavailable_reason()
+    return fused.KERNEL.blocker()
 
 
 class RNNLayer(nn.Module):
