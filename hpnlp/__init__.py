@@ -9,4 +9,8 @@
 
 __version__ = "0.1.0"
 
+from hpnlp import xla_workarounds as _xla_workarounds  # noqa: E402
+
+_xla_workarounds.apply()  # before JAX reads XLA_FLAGS (docs/xla_defects.md)
+
 from hpnlp import attention, config, data, models, softmax, train  # noqa: F401,E402

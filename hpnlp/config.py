@@ -488,6 +488,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
               "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
+    if d.batching == "stream" and m.arch == "transformer":
+        _fail("data.batching", d.batching, "stream batches continue each row across batches for "
+              "Transformer-XL memory, so positions grow past model.max_len, and a plain "
+              "Transformer has absolute positions and no memory; use data.batching='pack' or "
+              "'pad', or model.arch='transformer_xl'")
     if d.batching in ("pack", "stream") and info["kind"] != "lm":
         _fail("data.batching", d.batching, f"{d.batching!r} is for LM tasks; use 'pad' or 'bucket'")
     if m.vocab_size and m.vocab_size < info["vocab_size"]:
@@ -499,6 +504,15 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     model = dataclasses.replace(
         m, vocab_size=m.vocab_size or info["vocab_size"],
         num_classes=m.num_classes or info.get("num_classes", 0))
+    if m.kind == "lm" and cfg.output.tie_embeddings:
+        tieable = [n for n in softmax.names()
+                   if "embed" in {f.name for f in dataclasses.fields(softmax.get(n))}]
+        if cfg.output.name not in tieable:
+            _fail("output.tie_embeddings", True, f"output layer {cfg.output.name!r} cannot share the "
+                  f"input embedding; set output.tie_embeddings=False, or use one of {tieable}")
+    if m.kind == "lm":  # the output layer's own rules, now that the vocabulary is known
+        softmax.check_config(cfg.output.name, cfg.output.options, vocab_size=model.vocab_size,
+                             frequency_sorted=info.get("frequency_sorted"))
 
     # Devices and batch.
     import jax

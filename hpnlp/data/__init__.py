@@ -48,8 +48,9 @@ def _entry(cfg):
 
 
 def task_info(cfg) -> dict:
-    """{"kind", "vocab_size", "num_classes"} without building the data set (for config
-    validation before anything compiles). word_lm on a user file reports
+    """{"kind", "vocab_size", "num_classes"} (and, for LM tasks, "frequency_sorted": whether
+    id 0 is the most frequent token and counts fall with the id) without building the data
+    set (for config validation before anything compiles). word_lm on a user file reports
     data.word_vocab_size, an upper bound on the vocabulary make_task will build."""
     return _entry(cfg)[1](cfg, cfg.task)
 

@@ -203,10 +203,10 @@ def info(cfg, name: str) -> dict:
     if name in ("doc_classify", "doc_match"):
         return {"kind": "classify" if name == "doc_classify" else "match", "vocab_size": 256,
                 "num_classes": len(corpus.SECTIONS) if name == "doc_classify" else 2}
-    if name == "byte_lm":
-        return {"kind": "lm", "vocab_size": 256, "num_classes": 0}
+    if name == "byte_lm":  # byte values, not ranked by frequency
+        return {"kind": "lm", "vocab_size": 256, "num_classes": 0, "frequency_sorted": False}
     _check_word_vocab(cfg)
     # A user file's vocabulary is unknown until read: the configured size is an upper
     # bound (the model may have a few unused output rows), which is all validation needs.
     size = cfg.word_vocab_size if cfg.train_path else min(cfg.word_vocab_size, KJV_TRAIN_WORDS + 2)
-    return {"kind": "lm", "vocab_size": size, "num_classes": 0}
+    return {"kind": "lm", "vocab_size": size, "num_classes": 0, "frequency_sorted": True}

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import Frequencies, check_targets, frequencies, masked, register
+from hpnlp.softmax.base import (Frequencies, check_targets, config_error, frequencies, masked,
+                                register)
 
 DEFAULT_MASS = (0.6, 0.8, 0.9)  # default cutoffs: the head covers 60% of tokens, the tails split the rest
 
@@ -111,6 +112,26 @@ class AdaptiveSoftmax(nn.Module):
     chunk_logits: int = 1 << 21  # float32 tail logits per chunk: chunk tokens = this // size
     dtype: jnp.dtype = jnp.float32  # matmul input dtype; logits and losses are float32
     param_dtype: jnp.dtype = jnp.float32
+
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        if frequency_sorted is False:
+            raise config_error("output.name", "adaptive", "its cutoffs split ids by frequency, and "
+                               "this task's ids are not ranked by frequency (bytes); use a task "
+                               "with frequency-sorted ids (data.task='word_lm') or another output "
+                               "layer (e.g. 'full', 'hierarchical')")
+        mode = options.get("mode", cls.mode)
+        if mode not in ("sorted", "dense"):
+            raise config_error(f"{field}.mode", mode, "choose 'sorted' or 'dense'")
+        if not options.get("div_value", cls.div_value) > 0:
+            raise config_error(f"{field}.div_value", options["div_value"], "must be > 0")
+        cuts = options.get("cutoffs")
+        if cuts is not None:
+            cuts = tuple(cuts)
+            if (any(int(c) != c for c in cuts) or list(cuts) != sorted(set(cuts))
+                    or (cuts and (cuts[0] <= 0 or cuts[-1] >= vocab_size))):
+                raise config_error(f"{field}.cutoffs", cuts, "must be strictly increasing integers "
+                                   f"in (0, model.vocab_size={vocab_size})")
 
     def setup(self):
         V = self.vocab_size

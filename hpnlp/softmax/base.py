@@ -23,6 +23,23 @@ names = _REGISTRY.names
 get = _REGISTRY.get
 
 
+def check_config(name: str, options, *, vocab_size: int, frequency_sorted: bool | None,
+                 field: str = "output.options") -> None:
+    """Config-time checks of output layer `name` with `options` (run by `config.validate`
+    before anything is built): a layer class may define
+    `check_config(options, *, vocab_size, frequency_sorted, field)` raising ConfigError.
+    `frequency_sorted`: whether the task's ids are ranked by frequency (None: unknown)."""
+    check = getattr(get(name), "check_config", None)
+    if check is not None:
+        check(dict(options), vocab_size=vocab_size, frequency_sorted=frequency_sorted, field=field)
+
+
+def config_error(field: str, value, allowed: str):
+    """The ConfigError of one bad option, in `config.validate`'s words."""
+    from hpnlp.config import ConfigError
+    return ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")
+
+
 def check_targets(targets, vocab_size: int | None = None) -> None:
     """Targets must be integer ids in [0, vocab_size).
 

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
+from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector, config_error,
                                 frequencies, map_token_chunks, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk_tokens
 
@@ -217,6 +217,25 @@ class SampledObjective(VocabLayer):
     num_samples: int = 1024  # S negatives per draw
     unique: bool = False  # draw S distinct ids (Gumbel-top-k) instead of S with replacement
     shared: bool = True  # one draw for the whole batch (Zoph et al. 2016) or one per token
+
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        get = lambda k: options.get(k, getattr(cls, k))  # noqa: E731
+        sampler, num, unique = get("sampler"), get("num_samples"), get("unique")
+        if sampler not in SAMPLERS:
+            raise config_error(f"{field}.sampler", sampler, f"choose one of {list(SAMPLERS)}")
+        if not isinstance(num, int) or num < 1:
+            raise config_error(f"{field}.num_samples", num, "must be an integer >= 1")
+        if unique and num >= vocab_size:
+            raise config_error(f"{field}.num_samples", num, f"unique=True draws distinct ids, so it "
+                               f"must be below model.vocab_size={vocab_size}; lower it or set "
+                               f"{field}.unique=False")
+        if not get("power") >= 0:
+            raise config_error(f"{field}.power", get("power"), "must be >= 0")
+        if sampler == "log_uniform" and frequency_sorted is False:
+            raise config_error(f"{field}.sampler", sampler, "the log-uniform (Zipf) proposal assumes "
+                               "ids ranked by frequency, and this task's ids are not (bytes); use "
+                               "sampler='unigram', which reads the counts")
 
     def setup(self):
         super().setup()
@@ -402,6 +421,13 @@ class HardNegative(VocabLayer):
     approximate: bool = False  # jax.lax.approx_max_k instead of jax.lax.top_k
     recall_target: float = 0.95  # approx_max_k's recall target
     chunk_tokens: int = -1  # tokens per search chunk; -1 = auto (as `full`), 0 = never
+
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        k = options.get("num_negatives", cls.num_negatives)
+        if not isinstance(k, int) or not 1 <= k < vocab_size:
+            raise config_error(f"{field}.num_negatives", k, f"must be an integer in [1, "
+                               f"model.vocab_size={vocab_size})")
 
     def setup(self):
         super().setup()

@@ -1,0 +1,95 @@
+"""Crash-hunt worker: runs hpnlp configurations one after another in this process.
+
+    python tests/hunt_worker.py < configs.jsonl
+
+Reads one JSON object per line from stdin (a nested config dict, as `from_configdict`
+takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
+
+- `refused`: `validate` rejected the config with a `ConfigError` (`message`, one line).
+- `ok`: init, `train.steps` steps, eval and checkpoints ran through `hpnlp.train.run`,
+  every logged loss and the eval loss finite; then, for a Transformer LM, greedy and
+  sampled decoding (`hpnlp.models.generate`) from the initial parameters.
+- `error`: anything else raised (`message` and the traceback's tail).
+
+A crash of the process (a signal, an abort inside XLA or a kernel) leaves no reply: the
+parent (`tests/test_crash_hunt.py`) sees the pipe close and reports the configuration it
+was running. The parent sets the simulated device count (XLA_FLAGS) when it starts this.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import traceback
+
+REPLY = "HUNT "
+
+
+def run_one(overrides: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hpnlp.config import ConfigError, from_configdict, validate
+    from hpnlp.models import generate
+    from hpnlp.train import run
+
+    try:
+        cfg = from_configdict(overrides)
+        full = validate(cfg, num_processes=1)
+    except ConfigError as e:
+        return {"status": "refused", "message": str(e)}
+    with tempfile.TemporaryDirectory() as workdir:
+        summary = run(cfg, workdir)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            losses = [json.loads(line)["loss"] for line in f]
+    bad = [x for x in losses + [summary["eval"]["loss"]] if not math.isfinite(x)]
+    if bad or not losses:
+        return {"status": "error", "message": f"non-finite or missing losses: {losses}, "
+                                              f"eval {summary['eval']['loss']}"}
+    out = {"status": "ok", "loss": losses[-1], "eval_loss": summary["eval"]["loss"]}
+    if full.model.kind == "lm" and full.model.arch == "transformer":
+        from hpnlp.models import build
+        from hpnlp.train.loop import dummy_batch
+        import flax.linen as nn
+
+        model = build(full, deterministic=True)
+        params = jax.jit(lambda k: nn.unbox(model.init(
+            k, dummy_batch("lm", 1, full.data.seq_len))["params"]))(jax.random.key(1))
+        length = min(full.data.seq_len, full.model.max_len)
+        prompt = jnp.asarray(np.arange(8, dtype=np.int32).reshape(2, 4) % full.model.vocab_size)
+        for greedy in (True, False):
+            toks = jax.jit(lambda p, pr: generate(full, p, pr, jnp.array([4, 2]), length=length,
+                                                  greedy=greedy, rng=jax.random.key(2)))(params, prompt)
+            toks = np.asarray(toks)
+            if toks.shape != (2, length) or toks.min() < 0 or toks.max() >= full.model.vocab_size:
+                return {"status": "error", "message": f"decode produced {toks.shape} tokens in "
+                                                      f"[{toks.min()}, {toks.max()}]"}
+        out["decoded"] = True
+    return out
+
+
+def main() -> None:
+    import hpnlp  # noqa: F401  (its XLA workarounds before JAX starts)
+    import jax
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    print(REPLY + json.dumps({"status": "ready", "devices": jax.device_count()}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            reply = run_one(json.loads(line))
+        except Exception as e:  # noqa: BLE001 - every failure is a finding, reported whole
+            reply = {"status": "error", "message": f"{type(e).__name__}: {e}"[:2000],
+                     "traceback": traceback.format_exc()[-3000:]}
+        print(REPLY + json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

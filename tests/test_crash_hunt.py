@@ -1,0 +1,253 @@
+"""Crash hunt: small configurations drawn across the whole configuration space must either
+train, evaluate and decode with finite losses, or be refused by `validate` in one line.
+
+Each configuration runs in a worker process (`tests/hunt_worker.py`), so a segmentation
+fault or an abort is reported as this test's failure, with its configuration, instead of
+killing the suite. A worker serves many configurations (one JAX start-up); after a crash
+a fresh one takes the next. Configurations with a multi-device mesh go to a worker with 4
+simulated CPU devices.
+
+The default run draws a fixed-seed handful (`HUNT_EXAMPLES`); the `slow` run explores
+many more (`HPNLP_HUNT_EXAMPLES` overrides both). Workers run with the suite's cheap
+compile flags. The large-shape smoke run (`tests/test_large_shapes.py`) runs at XLA's
+full optimization, where the pad over-read of docs/xla_defects.md showed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HUNT_EXAMPLES = 10
+SLOW_HUNT_EXAMPLES = 120
+TIMEOUT_S = 300
+MESH_DEVICES = 4
+
+# ----------------------------------------------------------------------------- strategy
+
+SEQ = (16, 32)
+ATTENTION_OPTIONS = {
+    "dense": st.just({}),
+    "xla": st.just({}),
+    "chunked": st.fixed_dictionaries({"block_q": st.sampled_from([8, 16]),
+                                      "block_k": st.sampled_from([8, 16]),
+                                      "impl": st.sampled_from(["auto", "xla"])}),
+    "local": st.fixed_dictionaries({"block_size": st.sampled_from([8, 16]), "prev_block": st.booleans()}),
+    "sliding_window": st.fixed_dictionaries({"block_size": st.just(8), "window": st.sampled_from([8, 16])}),
+    "strided": st.fixed_dictionaries({"block_size": st.just(8), "stride": st.just(8),
+                                      "mode": st.sampled_from(["strided", "fixed"]),
+                                      "num_summary": st.just(2)}),
+    "bigbird": st.fixed_dictionaries({"block_size": st.just(4), "num_window_blocks": st.just(3),
+                                      "num_global_blocks": st.just(1), "num_random_blocks": st.just(1)}),
+    "clustered": st.fixed_dictionaries({"num_clusters": st.sampled_from([1, 2]), "chunk_size": st.just(8)}),
+    "lsh": st.fixed_dictionaries({"num_hashes": st.sampled_from([1, 2]), "num_buckets": st.just(4),
+                                  "chunk_size": st.just(8)}),
+    "performer": st.fixed_dictionaries({"chunk_size": st.just(8), "num_features": st.just(16),
+                                        "recompute": st.booleans()}),
+    "linear": st.fixed_dictionaries({"chunk_size": st.just(8), "recompute": st.booleans()}),
+    "linformer": st.fixed_dictionaries({"proj_len": st.just(8), "max_len": st.just(32)}),
+    "sinkhorn": st.fixed_dictionaries({"block_size": st.just(8), "sinkhorn_iters": st.just(2)}),
+    "synthesizer": st.fixed_dictionaries({"mode": st.sampled_from(["dense", "random", "factorized_random"]),
+                                          "max_len": st.just(32), "rank": st.just(4)}),
+    "ring": st.just({}),
+}
+SAMPLED = st.fixed_dictionaries({"sampler": st.sampled_from(["uniform", "log_uniform", "unigram"]),
+                                 "num_samples": st.sampled_from([8, 32]),
+                                 "unique": st.booleans(), "shared": st.booleans()})
+OUTPUT_OPTIONS = {
+    "full": st.fixed_dictionaries({"chunk_tokens": st.sampled_from([-1, 0, 16]),
+                                   "z_loss": st.sampled_from([0.0, 1e-4])}),
+    "sampled": SAMPLED,
+    "nce": SAMPLED.map(lambda o: {**o, "learn_normalizer": o["unique"]}),
+    "negative_sampling": SAMPLED,
+    "hard_negative": st.fixed_dictionaries({"num_negatives": st.sampled_from([1, 4]),
+                                            "approximate": st.booleans(),
+                                            "chunk_tokens": st.sampled_from([-1, 16])}),
+    "adaptive": st.fixed_dictionaries({"mode": st.sampled_from(["sorted", "dense"])}),
+    "hierarchical": st.fixed_dictionaries({"chunk_tokens": st.sampled_from([-1, 16])}),
+    "class_based": st.fixed_dictionaries({"chunk_tokens": st.sampled_from([-1, 16])}),
+    "binary_code": st.fixed_dictionaries({"mode": st.sampled_from(["plain", "ecoc"])}),
+    "vmf": st.just({}),
+}
+TASKS = {"lm": ["byte_lm", "word_lm"], "classifier": ["doc_classify", "listops"],
+         "dual_encoder": ["doc_match"]}
+MESHES = [{}, {"data": -1}, {"fsdp": 2, "data": -1}, {"tensor": 2, "data": -1},
+          {"sequence": 2, "data": -1}, {"pipeline": 2, "data": -1}]
+
+
+@st.composite
+def configs(draw) -> dict:
+    """A small nested config dict; many are valid, some must be refused."""
+    kind = draw(st.sampled_from(sorted(TASKS)))
+    task = draw(st.sampled_from(TASKS[kind]))
+    arch = draw(st.sampled_from(["transformer", "transformer", "transformer", "transformer_xl",
+                                 "lstm", "gru"]))
+    seq_len = draw(st.sampled_from(SEQ))
+    attention = draw(st.sampled_from(sorted(ATTENTION_OPTIONS)))
+    mesh = dict(draw(st.sampled_from(MESHES)))
+    if not mesh:
+        mesh = {"data": 1}  # the single-device worker
+    model = {"kind": kind, "arch": arch, "width": 16, "depth": draw(st.sampled_from([1, 2])),
+             "num_heads": 2, "mlp_dim": 32, "max_len": 32, "dropout": draw(st.sampled_from([0.0, 0.1])),
+             "dtype": draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+             "remat": draw(st.sampled_from(["none", "full", "dots_saveable", "names:qkv,mlp_in",
+                                            "elementwise"])),
+             "pos_emb": draw(st.sampled_from(["learned", "sinusoidal"])),
+             "pool": draw(st.sampled_from(["mean", "first"])),
+             "reversible": draw(st.booleans()) if arch == "transformer" else False,
+             "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans()))}
+    if model["reversible"] and model["stack_layers"]:
+        model["reversible"] = False
+    if model["reversible"]:
+        model["remat"] = "none"
+    batching = draw(st.sampled_from(["pad", "bucket", "pack", "stream"] if kind == "lm" else ["pad", "bucket"]))
+    data = {"task": task, "seq_len": seq_len, "batching": batching, "word_vocab_size": 300,
+            "listops_num_train": 64, "listops_num_eval": 16, "listops_min_length": 8,
+            "listops_max_length": seq_len, "listops_max_depth": 3}
+    if batching == "bucket":
+        data["bucket_boundaries"] = [seq_len // 2, seq_len]
+    out_name = draw(st.sampled_from(sorted(OUTPUT_OPTIONS))) if kind == "lm" else "full"
+    output = {"name": out_name, "options": draw(OUTPUT_OPTIONS[out_name]) if kind == "lm" else {},
+              "tie_embeddings": draw(st.booleans()) if kind == "lm" else False}
+    rnn = {}
+    if arch in ("lstm", "gru"):
+        rnn = {"impl": draw(st.sampled_from(["auto", "scan"])),
+               "bidirectional": kind != "lm" and draw(st.booleans()),
+               "combine": draw(st.sampled_from(["last", "sum", "residual"])),
+               "variational_dropout": draw(st.sampled_from([0.0, 0.2])),
+               "weight_drop": draw(st.sampled_from([0.0, 0.2]))}
+    train = {"steps": 3, "batch_size": 8, "grad_accum": draw(st.sampled_from([1, 2])),
+             "warmup_steps": 1, "log_every": 1, "eval_every": 0, "eval_batches": 1,
+             "checkpoint_every": 0, "progress": False}
+    return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model,
+            "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
+            "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn}
+
+
+def devices_for(config: dict) -> int:
+    return 1 if config["mesh"] == {"data": 1} else MESH_DEVICES
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+class Worker:
+    """One `hunt_worker.py` process with a given simulated device count."""
+
+    def __init__(self, devices: int):
+        env = dict(os.environ)
+        if devices > 1:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                                f" --xla_force_host_platform_device_count={devices}").strip()
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="hunt-")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "hunt_worker.py")],
+                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+        ready = self._reply(TIMEOUT_S)
+        assert ready and ready.get("status") == "ready", f"hunt worker did not start: {self._log_tail()}"
+
+    def _log_tail(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def _reply(self, timeout: float) -> dict | None:
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:
+                self.proc.kill()
+                return {"status": "timeout"}
+            line = self.proc.stdout.readline()
+            if not line:
+                return None  # the process died
+            if line.startswith("HUNT "):
+                return json.loads(line[5:])
+
+    def run(self, config: dict) -> dict:
+        self.proc.stdin.write(json.dumps(config) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply(TIMEOUT_S)
+        if reply is None:
+            code = self.proc.wait()
+            return {"status": "crash", "returncode": code, "log": self._log_tail()}
+        if reply["status"] == "timeout":
+            reply["log"] = self._log_tail()
+        return reply
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        self.log.close()
+
+
+class Pool:
+    def __init__(self):
+        self.workers: dict[int, Worker] = {}
+        self.outcomes: list[tuple[dict, dict]] = []
+
+    def run(self, config: dict) -> dict:
+        n = devices_for(config)
+        w = self.workers.get(n)
+        if w is None or not w.alive():
+            w = self.workers[n] = Worker(n)
+        reply = w.run(config)
+        self.outcomes.append((config, reply))
+        return reply
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool()
+    yield p
+    p.close()
+
+
+def check(pool: Pool, config: dict) -> None:
+    reply = pool.run(config)
+    status = reply["status"]
+    shown = json.dumps(config, sort_keys=True)
+    if status == "refused":
+        msg = reply["message"]
+        assert "\n" not in msg and msg.startswith("config field"), f"refusal not one line: {msg!r}\n{shown}"
+        return
+    assert status == "ok", (f"configuration {shown}\n{status}: {reply.get('message', '')}\n"
+                            f"{reply.get('traceback', '')}{reply.get('log', '')[-2000:]}"
+                            + (f"\nexit code {reply.get('returncode')}" if status == "crash" else ""))
+
+
+def _examples(default: int) -> int:
+    return int(os.environ.get("HPNLP_HUNT_EXAMPLES", default))
+
+
+@seed(19)
+@settings(max_examples=_examples(HUNT_EXAMPLES), deadline=None, derandomize=False,
+          suppress_health_check=list(HealthCheck), database=None)
+@given(config=configs())
+def test_hunt(pool, config):
+    check(pool, config)
+
+
+@pytest.mark.slow
+@seed(2026)
+@settings(max_examples=_examples(SLOW_HUNT_EXAMPLES), deadline=None,
+          suppress_health_check=list(HealthCheck), database=None)
+@given(config=configs())
+def test_hunt_wide(pool, config):
+    check(pool, config)
