@@ -75,6 +75,17 @@ def test_task_fields_are_filled_in():
     ({"mesh": {"rules": {"hidden": "tensor"}}}, "mesh.rules.hidden", "unknown logical axis"),
     ({"model": {"remat": "names:qkv,mlp_hidden"}}, "model.remat", "'attention_out'"),
     ({"model": {"reversible": True, "remat": "full"}}, "model.remat", "model.reversible=True"),
+    # Found by the crash hunt (tests/test_crash_hunt.py): each failed at init or went NaN.
+    ({"output": {"name": "adaptive"}}, "output.name", "not ranked by frequency"),
+    ({"output": {"name": "sampled", "options": {"sampler": "log_uniform"}}},
+     "output.options.sampler", "sampler='unigram'"),
+    ({"output": {"name": "nce", "options": {"unique": True, "num_samples": 256}}},
+     "output.options.num_samples", "below model.vocab_size=256"),
+    ({"output": {"name": "hard_negative", "options": {"num_negatives": 256}}},
+     "output.options.num_negatives", "[1, model.vocab_size=256)"),
+    ({"output": {"name": "hierarchical", "tie_embeddings": True}}, "output.tie_embeddings",
+     "'full'"),
+    ({"data": {"batching": "stream"}}, "data.batching", "model.arch='transformer_xl'"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()

@@ -1,0 +1,79 @@
+"""Large-shape smoke run (slow): every output layer at V = 262,144 and 1,048,576 with
+2,048 tokens, every attention variant at the longest length its benchmark reports
+(docs/benchmarks/attention, one head), the fused kernels on shapes no tile divides, and
+issue 19's reproduction, each called several times in a row in its own process at XLA's
+full optimization (the suite's cheap compile flags hid issue 19's crash). A crash is this
+test's failure with the process's exit status and output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hpnlp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def run_case(*args, timeout=900):
+    env = dict(os.environ)
+    # Full optimization: drop the suite's cheap-compile flags, keep the rest.
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith(("--xla_backend_optimization_level",
+                                                     "--xla_llvm_disable_expensive_passes")))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "large_shape_worker.py"),
+                           *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, f"{args}: exit status {proc.returncode}\n{out}"
+    assert proc.stdout.strip().splitlines()[-1] == "ok", out
+
+
+def test_issue19_sampled_softmax_repeated():
+    run_case("issue19")
+
+
+@pytest.mark.parametrize("vocab", [262144, 1048576])
+@pytest.mark.parametrize("name", sorted(hpnlp.softmax.names()))
+def test_output_layer_large_vocabulary(name, vocab):
+    run_case("softmax", name, vocab)
+
+
+def _longest_lengths():
+    with open(os.path.join(ROOT, "docs", "benchmarks", "attention", "results.json")) as f:
+        results = json.load(f)["results"]
+    longest = {}
+    for r in results:
+        if r["status"] == "ok" and r["mode"] == "fwd_bwd" and r["impl"] in hpnlp.attention.names():
+            longest[r["impl"]] = max(longest.get(r["impl"], 0), r["L"])
+    return longest
+
+
+LONGEST = _longest_lengths()
+
+
+@pytest.mark.parametrize("name", sorted(hpnlp.attention.names()))
+def test_attention_longest_benchmarked_length(name):
+    assert name in LONGEST, f"{name} has no fwd_bwd row in docs/benchmarks/attention/results.json"
+    run_case("attention", name, LONGEST[name])
+
+
+def test_chunked_causal_long():
+    run_case("attention", "chunked", 16384, "causal")
+
+
+@pytest.mark.parametrize("length,batch", [(1000, 2), (77, 4)])
+def test_flash_kernel_ragged_shapes(length, batch):
+    run_case("flash", length, batch)
+
+
+@pytest.mark.parametrize("hidden", [16, 208])
+def test_fused_lstm_ragged_shapes(hidden):
+    run_case("lstm", hidden)
