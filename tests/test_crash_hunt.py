@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HUNT_EXAMPLES = 10
-SLOW_HUNT_EXAMPLES = 120
+HUNT_EXAMPLES = 8
+SLOW_HUNT_EXAMPLES = 64
+SLOW_PARTS = 4
 TIMEOUT_S = 300
 MESH_DEVICES = 4
 
@@ -236,18 +237,17 @@ def _examples(default: int) -> int:
     return int(os.environ.get("HPNLP_HUNT_EXAMPLES", default))
 
 
-@seed(19)
-@settings(max_examples=_examples(HUNT_EXAMPLES), deadline=None, derandomize=False,
-          suppress_health_check=list(HealthCheck), database=None)
-@given(config=configs())
-def test_hunt(pool, config):
+def _hunt(pool, config):
     check(pool, config)
 
 
-@pytest.mark.slow
-@seed(2026)
-@settings(max_examples=_examples(SLOW_HUNT_EXAMPLES), deadline=None,
-          suppress_health_check=list(HealthCheck), database=None)
-@given(config=configs())
-def test_hunt_wide(pool, config):
-    check(pool, config)
+# The default run: a fixed-seed handful.
+test_hunt = seed(19)(settings(max_examples=_examples(HUNT_EXAMPLES), deadline=None, database=None,
+                              suppress_health_check=list(HealthCheck))(given(config=configs())(_hunt)))
+
+# The slow run: more draws, in parts with their own seeds so pytest-xdist spreads them.
+for _part in range(SLOW_PARTS):
+    globals()[f"test_hunt_wide_{_part}"] = pytest.mark.slow(seed(2026 + _part)(settings(
+        max_examples=_examples(SLOW_HUNT_EXAMPLES // SLOW_PARTS), deadline=None, database=None,
+        suppress_health_check=list(HealthCheck))(given(config=configs())(
+            lambda pool, config: check(pool, config)))))
