@@ -504,6 +504,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     model = dataclasses.replace(
         m, vocab_size=m.vocab_size or info["vocab_size"],
         num_classes=m.num_classes or info.get("num_classes", 0))
+    if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
+            and not cfg.output.tie_embeddings:
+        _fail("output.tie_embeddings", False, f"output layer {cfg.output.name!r} predicts the "
+              "target's input embedding, so it needs the tied table; set "
+              "output.tie_embeddings=True")
     if m.kind == "lm" and cfg.output.tie_embeddings:
         tieable = [n for n in softmax.names()
                    if "embed" in {f.name for f in dataclasses.fields(softmax.get(n))}]

@@ -35,13 +35,32 @@ def zipf_targets(key, T: int, V: int):
     return jnp.clip(jnp.exp(u).astype(jnp.int32) - 1, 0, V - 1)
 
 
+def _Tied(name: str, V: int, E: int):
+    """Output layer `name` tied to an input embedding [V, E] (for the layers that need one)."""
+    import flax.linen as nn
+    import hpnlp.softmax as S
+
+    class Tied(nn.Module):
+        def setup(self):
+            self.embed = nn.Embed(V, E)
+            self.out = S.get(name)(vocab_size=V, embed=self.embed)
+
+        def loss(self, *args, **kw):
+            return self.out.loss(*args, **kw)
+
+        def top_k(self, *args, **kw):
+            return self.out.top_k(*args, **kw)
+
+    return Tied()
+
+
 def softmax(name: str, V: int, T: int = 2048, E: int = 64, calls: int = CALLS) -> None:
     import hpnlp.softmax as S
 
     h = jax.random.normal(jax.random.key(3), (T, E))
     t = zipf_targets(jax.random.key(4), T, V)
     mask = jnp.ones((T,), bool).at[-7:].set(False)
-    m = S.get(name)(vocab_size=V)
+    m = _Tied(name, V, E) if getattr(S.get(name), "requires_tied", False) else S.get(name)(vocab_size=V)
     rngs = lambda k: {n: jax.random.fold_in(k, i) for i, n in enumerate(("params", "dropout"))}  # noqa: E731
     variables = jax.jit(lambda k: m.init(rngs(k), h, t, mask, deterministic=False, method="loss"))(
         jax.random.key(0))
@@ -129,8 +148,8 @@ def lstm(H: int) -> None:
 
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    if what == "softmax":
-        softmax(args[0], int(args[1]))
+    if what == "softmax":  # a call at V = 1M of `full` takes ~45 s here: two of those
+        softmax(args[0], int(args[1]), calls=CALLS if int(args[1]) < 1 << 20 else 2)
     elif what == "issue19":
         issue19()
     elif what == "attention":

@@ -86,6 +86,7 @@ def test_task_fields_are_filled_in():
     ({"output": {"name": "hierarchical", "tie_embeddings": True}}, "output.tie_embeddings",
      "'full'"),
     ({"data": {"batching": "stream"}}, "data.batching", "model.arch='transformer_xl'"),
+    ({"output": {"name": "vmf"}}, "output.tie_embeddings", "needs the tied table"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()

@@ -100,6 +100,7 @@ def configs(draw) -> dict:
     model = {"kind": kind, "arch": arch, "width": 16, "depth": draw(st.sampled_from([1, 2])),
              "num_heads": 2, "mlp_dim": 32, "max_len": 32, "dropout": draw(st.sampled_from([0.0, 0.1])),
              "dtype": draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+             "param_dtype": draw(st.sampled_from(["float32", "float32", "bfloat16"])),
              "remat": draw(st.sampled_from(["none", "full", "dots_saveable", "names:qkv,mlp_in",
                                             "elementwise"])),
              "pos_emb": draw(st.sampled_from(["learned", "sinusoidal"])),
@@ -246,8 +247,14 @@ test_hunt = seed(19)(settings(max_examples=_examples(HUNT_EXAMPLES), deadline=No
                               suppress_health_check=list(HealthCheck))(given(config=configs())(_hunt)))
 
 # The slow run: more draws, in parts with their own seeds so pytest-xdist spreads them.
-for _part in range(SLOW_PARTS):
-    globals()[f"test_hunt_wide_{_part}"] = pytest.mark.slow(seed(2026 + _part)(settings(
+def _wide_part(part: int):
+    def test_hunt_wide(pool, config):
+        check(pool, config)
+    test_hunt_wide.__name__ = f"test_hunt_wide_{part}"
+    return pytest.mark.slow(seed(2026 + part)(settings(
         max_examples=_examples(SLOW_HUNT_EXAMPLES // SLOW_PARTS), deadline=None, database=None,
-        suppress_health_check=list(HealthCheck))(given(config=configs())(
-            lambda pool, config: check(pool, config)))))
+        suppress_health_check=list(HealthCheck))(given(config=configs())(test_hunt_wide))))
+
+
+for _part in range(SLOW_PARTS):
+    globals()[f"test_hunt_wide_{_part}"] = _wide_part(_part)

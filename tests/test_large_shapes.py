@@ -49,10 +49,13 @@ def test_output_layer_large_vocabulary(name, vocab):
 def _longest_lengths():
     with open(os.path.join(ROOT, "docs", "benchmarks", "attention", "results.json")) as f:
         results = json.load(f)["results"]
+    # `xla` is `jax.nn.dot_product_attention` behind hpnlp's interface: its peer's row.
+    alias = {"jax.nn.dot_product_attention": "xla"}
     longest = {}
     for r in results:
-        if r["status"] == "ok" and r["mode"] == "fwd_bwd" and r["impl"] in hpnlp.attention.names():
-            longest[r["impl"]] = max(longest.get(r["impl"], 0), r["L"])
+        name = alias.get(r["impl"], r["impl"])
+        if r["status"] == "ok" and r["mode"] == "fwd_bwd" and name in hpnlp.attention.names():
+            longest[name] = max(longest.get(name, 0), r["L"])
     return longest
 
 

@@ -42,6 +42,8 @@ expansion terms.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import functools
 import math
 from fractions import Fraction
@@ -233,6 +235,8 @@ class VMFOutput(LogitsDistribution, nn.Module):
     `log_prob` (a continuous-output objective); `log_prob` is the vMF restricted to the
     vocabulary, exactly normalized.
     """
+
+    requires_tied: ClassVar[bool] = True  # validate: output.tie_embeddings must be True
 
     vocab_size: int = 0
     embed: nn.Module | None = None  # required: targets are its rows, normalized, stop-gradient
