@@ -24,8 +24,13 @@ class ConfigError(ValueError):
     """A config field has a value hpnlp cannot run. The message names field, value and fix."""
 
 
+def config_error(field: str, value: Any, allowed: str) -> ConfigError:
+    """The error for one bad field, in the words every config check uses."""
+    return ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")
+
+
 def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")
+    raise config_error(field, value, allowed)
 
 
 def _check_choice(field: str, value: Any, choices) -> None:
@@ -510,8 +515,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               "target's input embedding, so it needs the tied table; set "
               "output.tie_embeddings=True")
     if m.kind == "lm" and cfg.output.tie_embeddings:
-        tieable = [n for n in softmax.names()
-                   if "embed" in {f.name for f in dataclasses.fields(softmax.get(n))}]
+        tieable = [n for n in softmax.names() if softmax.can_tie(n)]
         if cfg.output.name not in tieable:
             _fail("output.tie_embeddings", True, f"output layer {cfg.output.name!r} cannot share the "
                   f"input embedding; set output.tie_embeddings=False, or use one of {tieable}")

@@ -22,8 +22,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"hpnlp-test-jax-cache-{_run_id}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 if not os.environ.get("HPNLP_TEST_FULL_OPT"):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_llvm_disable_expensive_passes=true").strip()
+    from envlib import CHEAP_COMPILE_FLAGS  # noqa: E402
+
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *CHEAP_COMPILE_FLAGS]).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -16,21 +16,16 @@ import sys
 import pytest
 
 import hpnlp
+from envlib import full_optimization_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def run_case(*args, timeout=900):
-    env = dict(os.environ)
-    # Full optimization: drop the suite's cheap-compile flags, keep the rest.
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith(("--xla_backend_optimization_level",
-                                                     "--xla_llvm_disable_expensive_passes")))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "large_shape_worker.py"),
-                           *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                           *map(str, args)], cwd=ROOT, env=full_optimization_env(),
+                          capture_output=True, text=True, timeout=timeout)
     out = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"{args}: exit status {proc.returncode}\n{out}"
     assert proc.stdout.strip().splitlines()[-1] == "ok", out

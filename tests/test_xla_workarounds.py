@@ -7,26 +7,18 @@ import sys
 
 import pytest
 
+from envlib import full_optimization_env
 from hpnlp import xla_workarounds as xw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPRO = os.path.join(ROOT, "docs", "repro", "xla_cpu_pad_overread.py")
-
-
-def _full_opt_env(**extra):
-    """This environment without the suite's cheap-compile flags (the defect needs LLVM's
-    optimizations) and without hpnlp's own flag, so each case starts as a user would."""
-    env = dict(os.environ, **extra)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith((
-        "--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes", xw.ISA_FLAG)))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    return env
+# Each case starts as a user's process would: full optimization, no hpnlp flag inherited.
 
 
 def test_repro_runs_clean_after_importing_hpnlp():
     code = f"import hpnlp, runpy; runpy.run_path({REPRO!r}, run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", code], env=_full_opt_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], env=full_optimization_env(xw.ISA_FLAG),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
 
@@ -34,8 +26,8 @@ def test_repro_crashes_without_the_workaround_where_it_applies():
     """The defect the workaround exists for is real here (and would tell us once XLA fixes it)."""
     if xw.pad_overread_flag() is None and not xw.APPLIED:
         pytest.skip("the workaround does not apply to this jaxlib/CPU")
-    proc = subprocess.run([sys.executable, REPRO], env=_full_opt_env(HPNLP_XLA_WORKAROUNDS="0"),
-                          capture_output=True, text=True, timeout=300)
+    env = full_optimization_env(xw.ISA_FLAG, HPNLP_XLA_WORKAROUNDS="0")
+    proc = subprocess.run([sys.executable, REPRO], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode == 0:
         pytest.skip("the over-read does not fault on this CPU (the unmasked load was not emitted)")
     assert proc.returncode in (-11, 139), (proc.returncode, proc.stderr[-2000:])

@@ -33,7 +33,7 @@ def _output_layer(cfg: Config, embed: nn.Module | None, token_counts=None):
     kwargs = dict(cfg.output.options)
     kwargs["vocab_size"] = cfg.model.vocab_size
     if cfg.output.tie_embeddings:
-        if "embed" not in fields:
+        if not softmax_lib.can_tie(cfg.output.name):
             raise ValueError(f"output.tie_embeddings=True, but output layer {cfg.output.name!r} "
                              "cannot share the input embedding; set output.tie_embeddings=False")
         kwargs["embed"] = embed

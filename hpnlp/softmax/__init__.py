@@ -6,6 +6,6 @@ Every method is a `flax.linen.Module` constructed with `vocab_size=V` and offeri
 `top_k(hidden, k)`. Call them with `module.apply(vars, ..., method="loss")`.
 """
 
-from hpnlp.softmax.base import (Frequencies, check_config, frequencies, get, map_token_chunks,  # noqa: F401
+from hpnlp.softmax.base import (Frequencies, can_tie, check_config, frequencies, get, map_token_chunks,  # noqa: F401
                                 names, register)
 from hpnlp.softmax import adaptive, binary_code, full, sampled, tree, vmf  # noqa: F401  (registration side effects)

@@ -44,8 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import (Frequencies, check_targets, config_error, frequencies, masked,
-                                register)
+from hpnlp.config import config_error
+from hpnlp.softmax.base import Frequencies, check_targets, frequencies, masked, register
+
+def _valid_cutoffs(cuts: tuple, vocab_size: int) -> bool:
+    """Strictly increasing integers in (0, vocab_size)."""
+    return not (any(int(c) != c for c in cuts) or list(cuts) != sorted(set(cuts))
+                or (cuts and (cuts[0] <= 0 or cuts[-1] >= vocab_size)))
+
 
 DEFAULT_MASS = (0.6, 0.8, 0.9)  # default cutoffs: the head covers 60% of tokens, the tails split the rest
 
@@ -128,8 +134,7 @@ class AdaptiveSoftmax(nn.Module):
         cuts = options.get("cutoffs")
         if cuts is not None:
             cuts = tuple(cuts)
-            if (any(int(c) != c for c in cuts) or list(cuts) != sorted(set(cuts))
-                    or (cuts and (cuts[0] <= 0 or cuts[-1] >= vocab_size))):
+            if not _valid_cutoffs(cuts, vocab_size):
                 raise config_error(f"{field}.cutoffs", cuts, "must be strictly increasing integers "
                                    f"in (0, model.vocab_size={vocab_size})")
 
@@ -148,8 +153,7 @@ class AdaptiveSoftmax(nn.Module):
             raise ValueError(f"adaptive: chunk_logits={self.chunk_logits} must be >= 1")
         cuts = default_cutoffs(freqs) if self.cutoffs is None else self.cutoffs
         cuts = tuple(cuts)
-        if (any(int(c) != c for c in cuts) or list(cuts) != sorted(set(cuts))
-                or (cuts and (cuts[0] <= 0 or cuts[-1] >= V))):
+        if not _valid_cutoffs(cuts, V):
             raise ValueError(f"adaptive: cutoffs={cuts} must be strictly increasing integers in "
                              f"(0, vocab_size={V}), e.g. (2000, 10000, 50000) for a large vocabulary")
         self.bounds = tuple(int(c) for c in cuts) + (V,)

@@ -34,10 +34,9 @@ def check_config(name: str, options, *, vocab_size: int, frequency_sorted: bool 
         check(dict(options), vocab_size=vocab_size, frequency_sorted=frequency_sorted, field=field)
 
 
-def config_error(field: str, value, allowed: str):
-    """The ConfigError of one bad option, in `config.validate`'s words."""
-    from hpnlp.config import ConfigError
-    return ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")
+def can_tie(name: str) -> bool:
+    """Whether output layer `name` can use the input embedding as its table (an `embed` field)."""
+    return "embed" in {f.name for f in dataclasses.fields(get(name))}
 
 
 def check_targets(targets, vocab_size: int | None = None) -> None:

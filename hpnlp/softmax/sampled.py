@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector, config_error,
+from hpnlp.config import config_error
+from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
                                 frequencies, map_token_chunks, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk_tokens
 
