@@ -29,6 +29,7 @@
 // [B, L] and [B, S] int32 (used when the attribute `segments` is set). D a multiple of 16.
 
 #include <array>
+#include <chrono>
 #include <memory>
 #include <cmath>
 #include <limits>
@@ -276,9 +277,12 @@ struct Grads {
   float *dq, *dk, *dv;
 };
 
-// Head bh: dq, dk, dv by key blocks (dK, dV accumulate in scratch for the block) and,
-// inside, query blocks (dQ accumulates over all key blocks in a contiguous [L, D]).
-void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<float>& scratch) {
+// Head bh, key blocks [kb0, kb1): dk, dv of those keys by key blocks (dK, dV accumulate in
+// scratch for the block) and, inside, query blocks (dQ accumulates over the key blocks in a
+// contiguous [L, D]). dQ goes to g.dq (scaled) when the range is all key blocks, else to
+// dq_part [L, D] (unscaled), this range's share, which `run_backward` sums.
+void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, int64_t kb1,
+                   float* dq_part, std::vector<float>& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
   const int bq = p.bq, bk = p.bk;
   scratch.resize(size_t(D) * (3 * L + 2 * S + 2 * bq + 2 * bk) + 2 * size_t(bk) * bq + 2 * bq + L);
@@ -308,7 +312,7 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<flo
     delta[r] = hsum(s);
   }
   const float* lse = g.lse + bh * L;
-  for (int64_t k0 = 0; k0 < S; k0 += bk) {
+  for (int64_t k0 = kb0 * bk; k0 < std::min(S, kb1 * bk); k0 += bk) {
     const int nk = int(std::min<int64_t>(bk, S - k0));
     const float *kb = kh + k0 * D, *vb = vh + k0 * D;
     std::fill(dk, dk + size_t(bk) * D, 0.0f);
@@ -346,6 +350,10 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, std::vector<flo
         dvr[d] = dv[r * D + d];
       }
     }
+  }
+  if (dq_part != nullptr) {
+    std::memcpy(dq_part, dqh, sizeof(float) * L * D);
+    return;
   }
   for (int64_t r = 0; r < L; ++r) {
     float* row = g.dq + p.row(b, L, h, r);
@@ -391,6 +399,67 @@ void for_items(int threads, int64_t n, F&& fn) {
   });
 }
 
+// The forward pass: every head's K^T (in blocks) and V made contiguous once, then
+// (head, query block) items.
+void run_forward(const Problem& p, float* out, float* lse_out, int threads) {
+  const int64_t nqb = (p.L + p.bq - 1) / p.bq;
+  const int64_t KT = (p.S + p.bk - 1) / p.bk * p.bk * p.D, SD = p.S * p.D;
+  std::unique_ptr<float[]> kv(new float[size_t(p.B * p.H) * (KT + SD)]);  // all overwritten
+  for_items(threads, p.B * p.H, [&](int64_t bh, std::vector<float>&) {
+    float* kt = kv.get() + bh * (KT + SD);
+    gather_head_t(p, p.k, p.S, bh / p.H, bh % p.H, p.bk, kt);
+    gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kt + KT);
+  });
+  populate({{out, size_t(p.B) * p.L * p.H * p.D}}, clamp_threads(threads, p.B * p.H));
+  for_items(threads, p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
+    const float* kt = kv.get() + (item / nqb) * (KT + SD);
+    forward_block(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
+  });
+}
+
+// How many ranges of key blocks each head's backward is split into. One per head while
+// the heads share out evenly over the threads; with fewer heads than threads (or an
+// uneven share) a thread would idle, so each head's key blocks are split into ranges
+// whose dQ shares are summed after.
+int64_t key_splits(const Problem& p, int threads) {
+  const int64_t BH = p.B * p.H, nkb = (p.S + p.bk - 1) / p.bk;
+  if (threads <= 1 || BH % threads == 0 || BH >= 4 * threads) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(nkb, (4 * threads + BH - 1) / BH));
+}
+
+void run_backward(const Problem& p, const Grads& g, int threads) {
+  const int64_t BH = p.B * p.H, L = p.L, D = p.D, nkb = (p.S + p.bk - 1) / p.bk;
+  const size_t nq = size_t(p.B) * L * p.H * D, nk = size_t(p.B) * p.S * p.H * D;
+  const int64_t splits = key_splits(p, threads);
+  populate({{g.dq, nq}, {g.dk, nk}, {g.dv, nk}}, clamp_threads(threads, BH * splits));
+  if (splits == 1) {
+    for_items(threads, BH, [&](int64_t bh, std::vector<float>& scratch) {
+      backward_head(p, g, bh, 0, nkb, nullptr, scratch);
+    });
+    return;
+  }
+  std::unique_ptr<float[]> part(new float[size_t(BH * splits) * L * D]);  // all overwritten
+  for_items(threads, BH * splits, [&](int64_t item, std::vector<float>& scratch) {
+    const int64_t c = item % splits;
+    backward_head(p, g, item / splits, c * nkb / splits, (c + 1) * nkb / splits,
+                  part.get() + size_t(item) * L * D, scratch);
+  });
+  constexpr int64_t kRows = 64;  // dQ = scale * the sum of the shares, by blocks of rows
+  const int64_t blocks = (L + kRows - 1) / kRows;
+  for_items(threads, BH * blocks, [&](int64_t item, std::vector<float>&) {
+    const int64_t bh = item / blocks, r0 = item % blocks * kRows, r1 = std::min(L, r0 + kRows);
+    const float* base = part.get() + size_t(bh * splits) * L * D;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = g.dq + p.row(bh / p.H, L, bh % p.H, r);
+      for (int64_t d = 0; d < D; d += NR) {
+        vf s = load(base + r * D + d);
+        for (int64_t c = 1; c < splits; ++c) s += load(base + (c * L + r) * D + d);
+        store(row + d, s * p.scale);
+      }
+    }
+  });
+}
+
 ffi::Error FwdImpl(bool segments, bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
                    ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
@@ -403,21 +472,7 @@ ffi::Error FwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
   for (auto e : {check_dims(kernel, "o", o->dimensions(), {p.B, p.L, p.H, p.D}),
                  check_dims(kernel, "lse", lse->dimensions(), {p.B, p.H, p.L})})
     if (e.failure()) return e;
-  // Every head's K^T (in blocks) and V made contiguous once, then (head, query block) items.
-  const int64_t nqb = (p.L + p.bq - 1) / p.bq;
-  const int64_t KT = (p.S + p.bk - 1) / p.bk * p.bk * p.D, SD = p.S * p.D;
-  std::unique_ptr<float[]> kv(new float[size_t(p.B * p.H) * (KT + SD)]);  // all overwritten
-  for_items(int(threads), p.B * p.H, [&](int64_t bh, std::vector<float>&) {
-    float* kt = kv.get() + bh * (KT + SD);
-    gather_head_t(p, p.k, p.S, bh / p.H, bh % p.H, p.bk, kt);
-    gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kt + KT);
-  });
-  float *out = o->typed_data(), *lse_out = lse->typed_data();
-  populate({{out, size_t(p.B) * p.L * p.H * p.D}}, clamp_threads(threads, p.B * p.H));
-  for_items(int(threads), p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
-    const float* kt = kv.get() + (item / nqb) * (KT + SD);
-    forward_block(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
-  });
+  run_forward(p, o->typed_data(), lse->typed_data(), int(threads));
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("flash attention forward");
@@ -443,17 +498,43 @@ ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
     if (e.failure()) return e;
   Grads g{o.typed_data(), lse.typed_data(), d_o.typed_data(), dq->typed_data(), dk->typed_data(),
           dv->typed_data()};
-  const size_t nq = size_t(p.B) * p.L * p.H * p.D, nk = size_t(p.B) * p.S * p.H * p.D;
-  populate({{g.dq, nq}, {g.dk, nk}, {g.dv, nk}}, clamp_threads(threads, p.B * p.H));
-  for_items(int(threads), p.B * p.H, [&](int64_t bh, std::vector<float>& scratch) {
-    backward_head(p, g, bh, scratch);
-  });
+  run_backward(p, g, int(threads));
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("flash attention backward");
 }
 
 }  // namespace
+
+// The tuning probe (hpnlp.kernels.tuning): seconds for one forward (backward = 0) or
+// backward pass with blocks (bq, bk) on `threads` threads, over fixed pseudo-random
+// [B, L, H, D] inputs of unit-variance logits, bidirectional. Plain C: called through
+// ctypes, without XLA. Negative on failure.
+extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, int64_t bq,
+                                    int64_t bk, int64_t backward, int64_t threads) try {
+  if (D % NR != 0 || bq <= 0 || bq % NR != 0 || bk <= 0 || bk % NR != 0) return -1.0;
+  const size_t n = size_t(B) * L * H * D;
+  std::vector<float> q(n), k(n), v(n), o(n), d_o(n), dq(n), dk(n), dv(n), lse(size_t(B) * H * L);
+  uint32_t state = 12345;
+  const float amp = std::pow(float(D), -0.25f) * 1.7320508f;  // uniform, variance D^-1/2
+  for (auto* x : {&q, &k, &v, &d_o})
+    for (float& e : *x) {
+      state = state * 1664525u + 1013904223u;
+      e = amp * (float(state >> 8) * (2.0f / 16777216.0f) - 1.0f);
+    }
+  Problem p{B, L, L, H, D, false, 1.0f / std::sqrt(float(D)), q.data(), k.data(), v.data(),
+            nullptr, nullptr, int(bq), int(bk)};
+  const auto start = std::chrono::steady_clock::now();
+  if (backward) {
+    run_backward(p, Grads{o.data(), lse.data(), d_o.data(), dq.data(), dk.data(), dv.data()},
+                 int(threads));
+  } else {
+    run_forward(p, o.data(), lse.data(), int(threads));
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+} catch (...) {
+  return -1.0;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashFwd, FwdImpl,
                               ffi::Ffi::Bind()

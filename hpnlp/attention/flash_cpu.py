@@ -18,6 +18,7 @@ Shape letters: B batch, L query length, S key length, H heads, D head dim.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp import kernels
+from hpnlp.kernels import tuning
 from hpnlp.attention.base import check_inputs
 
 KERNEL = kernels.CpuKernel(
@@ -33,12 +35,43 @@ KERNEL = kernels.CpuKernel(
     {"hpnlp_flash_fwd": "HpnlpFlashFwd", "hpnlp_flash_bwd": "HpnlpFlashBwd"},
     what="flash attention")
 
-# Tiles (queries x keys), multiples of 16, tuned on a 2-core AVX-512 Xeon at B=1, H=8,
-# D=64, L=4096: the forward's [queries, keys] score tile of 128 x 128 and the backward's
-# [keys, queries] tiles of 256 x 128 stay in L2 beside the packed operands (a forward key
-# block of 256 ran slower: its K^T rows, 1 KB apart, crowd a few L1 sets).
+# Tiles (queries x keys), multiples of 16. The defaults were tuned on a 2-core AVX-512
+# Xeon at B=1, H=8, D=64, L=4096: the forward's [queries, keys] score tile of 128 x 128 and
+# the backward's [keys, queries] tiles of 256 x 128 stay in L2 beside the packed operands.
+# Each CPU gets its own choice among the candidates, measured on first use and cached
+# (`hpnlp.kernels.tuning`); `flash_attention(fwd_blocks=..., bwd_blocks=...)` overrides.
 FWD_BLOCKS = (128, 128)
 BWD_BLOCKS = (128, 256)
+_SIZES = (64, 128, 256)
+PROBE = dict(B=1, L=2048, H=4, D=64)
+
+
+def _probe(backward: bool):
+    def run(lib, cfg):
+        lib.hpnlp_flash_probe.restype = ctypes.c_double
+        args = [PROBE["B"], PROBE["L"], PROBE["H"], PROBE["D"], cfg["bq"], cfg["bk"],
+                int(backward), kernels.cores()]
+        seconds = lib.hpnlp_flash_probe(*(ctypes.c_int64(a) for a in args))
+        if seconds < 0:
+            raise RuntimeError(f"flash attention's tuning probe failed at {cfg}")
+        return seconds
+    return run
+
+
+def _tuning(name, default, backward):
+    return tuning.Tuning(KERNEL, name, default=dict(bq=default[0], bk=default[1]),
+                         candidates=[dict(bq=q, bk=k) for q in _SIZES for k in _SIZES],
+                         probe=_probe(backward), shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
+
+
+FWD_TUNING = _tuning("fwd", FWD_BLOCKS, False)
+BWD_TUNING = _tuning("bwd", BWD_BLOCKS, True)
+
+
+def tuned_blocks() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(forward, backward) (queries, keys) blocks for this CPU: measured once, cached."""
+    f, b = FWD_TUNING.config(), BWD_TUNING.config()
+    return (f["bq"], f["bk"]), (b["bq"], b["bk"])
 
 
 def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
@@ -64,34 +97,34 @@ def _attrs(segs, causal, scale, blocks, threads):
                 threads=np.int64(kernels.cores() if threads is None else threads))
 
 
-def _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
+def _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks):
     B, L, H, _ = q_BLHD.shape
     qseg, kseg = _segments(segs)
     return jax.ffi.ffi_call(
         "hpnlp_flash_fwd", [jax.ShapeDtypeStruct(q_BLHD.shape, jnp.float32),
                             jax.ShapeDtypeStruct((B, H, L), jnp.float32)],
         vmap_method="sequential")(q_BLHD, k_BSHD, v_BSHD, qseg, kseg,
-                                  **_attrs(segs, causal, scale, FWD_BLOCKS, threads))
+                                  **_attrs(segs, causal, scale, blocks[0], threads))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
-    return _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks):
+    return _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks)[0]
 
 
-def _flash_fwd(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads):
-    o_BLHD, lse_BHL = _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads)
+def _flash_fwd(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks):
+    o_BLHD, lse_BHL = _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks)
     return o_BLHD, (q_BLHD, k_BSHD, v_BSHD, segs, o_BLHD, lse_BHL)
 
 
-def _flash_bwd(causal, scale, threads, res, do_BLHD):
+def _flash_bwd(causal, scale, threads, blocks, res, do_BLHD):
     q_BLHD, k_BSHD, v_BSHD, segs, o_BLHD, lse_BHL = res
     qseg, kseg = _segments(segs)
     f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
     dq, dk, dv = jax.ffi.ffi_call(
         "hpnlp_flash_bwd", [f32(q_BLHD), f32(k_BSHD), f32(v_BSHD)], vmap_method="sequential")(
         q_BLHD, k_BSHD, v_BSHD, qseg, kseg, o_BLHD, lse_BHL, do_BLHD.astype(jnp.float32),
-        **_attrs(segs, causal, scale, BWD_BLOCKS, threads))
+        **_attrs(segs, causal, scale, blocks[1], threads))
     return dq, dk, dv, None
 
 
@@ -99,11 +132,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causal=False,
-                    threads: int | None = None):
+                    threads: int | None = None, fwd_blocks: tuple[int, int] | None = None,
+                    bwd_blocks: tuple[int, int] | None = None):
     """softmax(q k^T / sqrt(D)) v in float32, over [B, L, H, D] arrays, returned in q's
     dtype. Segment ids (0 = padding; both or neither): a query sees keys of its own
     nonzero segment. Causal: query i sees keys <= i. A query that sees no key outputs 0.
-    `threads` None: every core this process may use."""
+    `threads` None: every core this process may use. `fwd_blocks`, `bwd_blocks`: the
+    (queries, keys) tile of each pass, multiples of 16; None: this CPU's tuned choice."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, None)
     reason = blocker(q_BLHD.shape[-1], v_BSHD.shape[-1])
     if reason is not None:
@@ -115,8 +150,16 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                                 kseg_BS.shape != k_BSHD.shape[:2]):
         raise ValueError(f"flash attention: segment ids must be [B, L] = {q_BLHD.shape[:2]} and "
                          f"[B, S] = {k_BSHD.shape[:2]}; got {qseg_BL.shape} and {kseg_BS.shape}")
+    if fwd_blocks is None or bwd_blocks is None:
+        tuned_fwd, tuned_bwd = tuned_blocks()
+        fwd_blocks, bwd_blocks = fwd_blocks or tuned_fwd, bwd_blocks or tuned_bwd
+    blocks = (tuple(int(x) for x in fwd_blocks), tuple(int(x) for x in bwd_blocks))
+    for name, blk in zip(("fwd_blocks", "bwd_blocks"), blocks):
+        if len(blk) != 2 or any(x <= 0 or x % 16 for x in blk):
+            raise ValueError(f"flash attention: {name} must be two positive multiples of 16 "
+                             f"(queries, keys); got {blk}")
     segs = None if qseg_BL is None else (qseg_BL, kseg_BS)
     scale = 1.0 / float(np.sqrt(q_BLHD.shape[-1]))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    out = _flash(f32(q_BLHD), f32(k_BSHD), f32(v_BSHD), segs, causal, scale, threads)
+    out = _flash(f32(q_BLHD), f32(k_BSHD), f32(v_BSHD), segs, causal, scale, threads, blocks)
     return out.astype(q_BLHD.dtype)

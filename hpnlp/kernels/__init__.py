@@ -12,6 +12,12 @@ version, the flags and the CPU. A file lock keeps concurrent processes (test wor
 from building the same library twice. Where there is no compiler or the backend is not a
 CPU, `available()` is False and `unavailable_reason()` says why; callers then use their
 XLA twin.
+
+`-march=native` lets a source choose its instructions by the CPU's features at build time
+(`#if defined(__AVX512BF16__)`, ...), with a portable path where a feature is missing.
+`HPNLP_KERNEL_MARCH` replaces `native` (`x86-64-v3`: AVX2 without AVX-512), which is how
+the tests run the portable paths on a machine that has the features. Block sizes are
+chosen per CPU by a short measurement on first use (`hpnlp.kernels.tuning`).
 """
 
 from __future__ import annotations
@@ -32,8 +38,17 @@ HEADER_DIR = os.path.dirname(os.path.abspath(__file__))
 _HEADERS = [os.path.join(HEADER_DIR, "simd.h")]
 # -fno-semantic-interposition: simd.h's helpers are called directly, not through the PLT
 # (an out-of-line `store` called through it spilled every live vector around the call).
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
          "-fno-math-errno", "-fno-semantic-interposition"]
+
+
+def march() -> str:
+    """The -march the kernels are built for: `native` unless HPNLP_KERNEL_MARCH says."""
+    return os.environ.get("HPNLP_KERNEL_MARCH") or "native"
+
+
+def flags() -> list[str]:
+    return [*FLAGS, f"-march={march()}"]
 
 
 def _cpu_id() -> str:
@@ -62,6 +77,7 @@ class CpuKernel:
         self._lock = threading.Lock()
         self._reason: str | None = None
         self._loaded = False
+        self._lib: ctypes.CDLL | None = None
 
     def library_path(self) -> str:
         cache = os.environ.get("HPNLP_KERNEL_CACHE") or os.path.join(
@@ -70,7 +86,7 @@ class CpuKernel:
         for path in (self.source, *_HEADERS):
             with open(path, "rb") as f:
                 digest.update(f.read())
-        digest.update(jax.__version__.encode() + " ".join(FLAGS).encode()
+        digest.update(jax.__version__.encode() + " ".join(flags()).encode()
                       + platform.machine().encode() + _cpu_id().encode())
         stem = os.path.splitext(os.path.basename(self.source))[0]
         return os.path.join(cache, f"{stem}-{digest.hexdigest()[:16]}.so")
@@ -81,7 +97,7 @@ class CpuKernel:
             raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
-        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", HEADER_DIR, self.source, "-o", tmp]
+        cmd = [cxx, *flags(), "-I", jax.ffi.include_dir(), "-I", HEADER_DIR, self.source, "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
@@ -104,7 +120,7 @@ class CpuKernel:
                             fcntl.flock(lock, fcntl.LOCK_EX)
                             if not os.path.exists(path):
                                 self._build(path)
-                    lib = ctypes.cdll.LoadLibrary(path)
+                    lib = self._lib = ctypes.cdll.LoadLibrary(path)
                     for target, symbol in self.targets.items():
                         jax.ffi.register_ffi_target(
                             target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
@@ -113,6 +129,13 @@ class CpuKernel:
                     self._reason = str(e)
                 self._loaded = True
             return self._reason
+
+    def library(self) -> ctypes.CDLL:
+        """The loaded library (for its plain C entry points, such as the tuning probes)."""
+        reason = self.load()
+        if reason is not None:
+            raise RuntimeError(f"{self.what} is unavailable: {reason}")
+        return self._lib
 
     def available(self) -> bool:
         """Whether the kernel can run here (compiles it on the first call)."""

@@ -1,0 +1,171 @@
+"""Per-CPU tuning of a kernel's block sizes: measured once, cached beside the build.
+
+    FWD = Tuning(KERNEL, "fwd", default={"bq": 128, "bk": 128},
+                 candidates=[{"bq": q, "bk": k} for q in (64, 128, 256) for k in (64, 128, 256)],
+                 probe=lambda lib, cfg: lib.hpnlp_flash_probe(...),  # seconds, one run
+                 shape="B=1 H=4 L=2048 D=64")
+    blocks = FWD.config()  # {"bq": ..., "bk": ...}
+
+The best tile sizes depend on the CPU (an AMD EPYC's 32 KB L1 against a Xeon's 48 KB, the
+L2 size, how many loads a cycle), so a kernel does not ship one choice. The first time a
+kernel runs on a CPU, `config()` times every candidate on a fixed probe problem through
+the library's plain C entry point (no XLA, no compile: about a second), keeps the
+fastest, and writes it beside the library as `<library>.<name>.tune.json`. The library's
+name already carries the source, jaxlib, flags and CPU (`CpuKernel.library_path`), so a
+changed kernel or another CPU gets its own file.
+
+The search is bounded and steady: every candidate is timed `repeats` times after a warmup
+and scored by its fastest run, the default wins unless another candidate beats it by more
+than `MARGIN` (so two runs agree within noise), and a search stops early past `budget_s`.
+
+A cache file is used only when it parses, its checksum matches its contents, its key
+matches this kernel build, probe and candidate list, and its choice is one of the
+candidates; otherwise (a truncated write, a hand edit, a file copied from another
+machine or kernel version) it is reported, re-measured and rewritten, never used.
+
+`HPNLP_KERNEL_TUNE=0` skips tuning (the defaults run); the kernels' Python wrappers take
+explicit block sizes, which override both.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+import warnings
+from typing import Callable
+
+VERSION = 1
+MARGIN = 0.03  # another candidate must beat the default by 3% to replace it
+
+REGISTRY: list["Tuning"] = []
+
+
+def enabled() -> bool:
+    return os.environ.get("HPNLP_KERNEL_TUNE", "1") != "0"
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class Tuning:
+    """The tunable block sizes of one kernel pass, chosen per CPU (see the module doc)."""
+
+    def __init__(self, kernel, name: str, *, default: dict[str, int],
+                 candidates: list[dict[str, int]], probe: Callable[[object, dict], float],
+                 shape: str, repeats: int = 3, budget_s: float = 20.0):
+        candidates = [default, *(c for c in candidates if c != default)]  # the default first
+        self.kernel, self.name = kernel, name
+        self.default, self.candidates = dict(default), [dict(c) for c in candidates]
+        self.probe, self.shape = probe, shape
+        self.repeats, self.budget_s = repeats, budget_s
+        self._lock = threading.Lock()
+        self._config: dict | None = None
+        self.source: str | None = None  # "default", "cache" or "tuned", once resolved
+        REGISTRY.append(self)
+
+    def path(self) -> str:
+        return f"{os.path.splitext(self.kernel.library_path())[0]}.{self.name}.tune.json"
+
+    def key(self) -> str:
+        """What a cached choice is valid for: the build, this pass, probe and candidates."""
+        return _checksum({"version": VERSION, "library": os.path.basename(self.kernel.library_path()),
+                          "name": self.name, "shape": self.shape, "default": self.default,
+                          "candidates": self.candidates})
+
+    def config(self) -> dict[str, int]:
+        """The block sizes to run with on this CPU (tuned on first use, then cached)."""
+        with self._lock:
+            if self._config is None:
+                if not enabled() or not self.kernel.available():
+                    self._config, self.source = dict(self.default), "default"
+                else:
+                    self._config = self._resolve()
+            return dict(self._config)
+
+    def check(self, data) -> str | None:
+        """Why a cache file's contents may not be used (None: they may)."""
+        if not isinstance(data, dict) or not {"key", "config", "timings", "checksum"} <= set(data):
+            return "malformed"
+        body = {k: v for k, v in data.items() if k != "checksum"}
+        if data["checksum"] != _checksum(body):
+            return "corrupted (its checksum does not match its contents)"
+        if data["key"] != self.key():
+            return "stale (written for another kernel build, probe or candidate list)"
+        if data["config"] not in self.candidates:
+            return "invalid (its choice is not a candidate)"
+        return None
+
+    def _read(self, *, quiet: bool = False) -> dict | None:
+        path = self.path()
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            reason = f"unreadable ({type(e).__name__})"
+        else:
+            reason = self.check(data)
+            if reason is None:
+                return data
+        if not quiet:
+            warnings.warn(f"hpnlp: the kernel tuning cache {path} is {reason}; measuring again "
+                          "and rewriting it", RuntimeWarning, stacklevel=4)
+        return None
+
+    def _resolve(self) -> dict[str, int]:
+        data = self._read()
+        if data is None:
+            with open(self.path() + ".lock", "w") as lock:  # one process measures at a time
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                data = self._read(quiet=True)  # another process may have measured meanwhile
+                if data is None:
+                    data = self.search()
+                    self._write(data)
+                    self.source = "tuned"
+                    return dict(data["config"])
+        self.source = "cache"
+        return dict(data["config"])
+
+    def search(self) -> dict:
+        """Time every candidate on the probe problem; the cache file's contents."""
+        lib = self.kernel.library()
+        start = time.perf_counter()
+        timings = []
+        for cfg in self.candidates:  # the default first
+            self.probe(lib, cfg)  # warmup: pages, caches, frequency
+            best = min(self.probe(lib, cfg) for _ in range(self.repeats))
+            timings.append({"config": cfg, "seconds": best})
+            if time.perf_counter() - start > self.budget_s:
+                break
+        base = timings[0]["seconds"]
+        fastest = min(timings, key=lambda t: t["seconds"])
+        choice = fastest if fastest["seconds"] < (1 - MARGIN) * base else timings[0]
+        body = {"key": self.key(), "kernel": self.kernel.what, "pass": self.name,
+                "shape": self.shape, "config": choice["config"], "timings": timings,
+                "search_s": time.perf_counter() - start}
+        return {**body, "checksum": _checksum(body)}
+
+    def _write(self, data: dict) -> None:
+        path = self.path()
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def summary() -> dict[str, dict]:
+    """Every registered tuning's choice on this CPU ({"kernel/pass": {config, source,
+    default, cache}}), resolving them (measuring where not cached): for benchmark reports."""
+    out = {}
+    for t in REGISTRY:
+        cfg = t.config()
+        out[f"{t.kernel.what}/{t.name}"] = {"config": cfg, "source": t.source,
+                                            "default": t.default, "cache": t.path()}
+    return out
