@@ -19,6 +19,7 @@ CPU, `available()` is False with the reason in `unavailable_reason()`, and
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp import kernels
+from hpnlp.kernels import tuning
 
 # Below this many multiply-adds per step one thread is faster than several meeting at a
 # barrier every step.
@@ -35,6 +37,39 @@ _MIN_PARALLEL_MACS = 1 << 20
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_lstm.cc"),
     {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd"}, what="the fused LSTM")
+
+
+# The products' blocking, per pass: kc (k per cache block; a kc x 64 panel block should
+# stay in L1) and mr (rows per register block, <= 6). Defaults tuned on a 2-core AVX-512
+# Xeon; each CPU gets its own choice, measured on first use at the probe shape and cached
+# (`hpnlp.kernels.tuning`); `blocking=` overrides.
+DEFAULT_BLOCKING = {"kc": 128, "mr": 6}
+PROBE = dict(B=32, H=512, L=16)
+
+
+def _probe(backward: bool):
+    def run(lib, cfg):
+        lib.hpnlp_lstm_probe.restype = ctypes.c_double
+        args = [PROBE["B"], PROBE["H"], PROBE["L"], cfg["kc"], cfg["mr"], int(backward),
+                default_threads(PROBE["B"], PROBE["H"])]
+        seconds = lib.hpnlp_lstm_probe(*(ctypes.c_int64(a) for a in args))
+        if seconds < 0:
+            raise RuntimeError(f"the fused LSTM's tuning probe failed at {cfg}")
+        return seconds
+    return run
+
+
+TUNINGS = {name: tuning.Tuning(
+    KERNEL, name, default=DEFAULT_BLOCKING, probe=_probe(name == "bwd"),
+    candidates=[{"kc": kc, "mr": mr} for kc in (32, 64, 128, 256) for mr in (4, 5, 6)],
+    shape=" ".join(f"{k}={v}" for k, v in PROBE.items())) for name in ("fwd", "bwd")}
+
+
+def _blocking(name: str, given: dict | None) -> dict:
+    cfg = dict(given) if given is not None else TUNINGS[name].config()
+    if set(cfg) != {"kc", "mr"} or cfg["kc"] <= 0 or not 1 <= cfg["mr"] <= 6:
+        raise ValueError(f"fused LSTM: blocking must be {{'kc': > 0, 'mr': 1..6}}; got {given}")
+    return {k: np.int64(v) for k, v in cfg.items()}
 
 
 def available() -> bool:
@@ -70,7 +105,7 @@ def _call(target: str, out_shapes, *args, B: int, H: int, threads: int | None, *
 
 
 def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, blocking: dict | None = None):
     """The recurrence forward from the input projection xw (without the bias b):
     (out_BLH, (c_BH, h_BH) final state, hp_LBH, cc_LBH, act_LBG) with, when `save`, what
     the backward pass reads: h entering every step, c after it, and the activated gates
@@ -79,19 +114,21 @@ def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True
     H, n = G // 4, L if save else 0
     out, c, h, hp, cc, act = _call(
         "hpnlp_lstm_fwd", [(B, L, H), (B, H), (B, H), (n, B, H), (n, B, H), (n, B, G)],
-        xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, B=B, H=H, threads=threads, save=save)
+        xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, B=B, H=H, threads=threads, save=save,
+        **_blocking("fwd", blocking))
     return out, (c, h), hp, cc, act
 
 
 def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, *,
-                  threads: int | None = None):
+                  threads: int | None = None, blocking: dict | None = None):
     """The recurrence backward: (dz_LBG, db_G, d_h0_BH, d_c0_BH), dz the gradient of the
     gate pre-activations (equal to that of the input projection) and db its sum over
     steps and rows (the bias gradient)."""
     L, B, G = act_LBG.shape
     H = G // 4
     return _call("hpnlp_lstm_bwd", [(L, B, G), (G,), (B, H), (B, H)], act_LBG, cc_LBH, c0_BH,
-                 w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, B=B, H=H, threads=threads)
+                 w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, B=B, H=H, threads=threads,
+                 **_blocking("bwd", blocking))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

@@ -22,6 +22,8 @@
 //
 // The vector type, exp, threads and barrier come from hpnlp/kernels/simd.h.
 
+#include <chrono>
+#include <cmath>
 #include <type_traits>
 
 #include "simd.h"
@@ -43,8 +45,14 @@ inline vf vtanh(vf x) {
   return ax < 0.0625f ? small : big;
 }
 
-constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
-constexpr int KC = 128;  // k per cache block: a 128 x 64 panel block (32 KB) stays in L1
+constexpr int MR = 6;  // the most rows per register block: 6 x 4 accumulators + 4 panel vectors
+
+// The blocking of the products, chosen per CPU (hpnlp.kernels.tuning): k per cache block
+// (a kc x 64 panel block should stay in L1: 32 KB at kc = 128, all of an EPYC's L1) and
+// rows per register block (<= MR).
+struct Blocking {
+  int kc, mr;
+};
 
 // acc[r][q] (+)= sum over k in [k0, k1) of a[r * lda + k] * p[(k * 4 + q) * NR ...]: four
 // vectors of a packed panel per k, each row's value a broadcast operand of the FMA.
@@ -65,13 +73,13 @@ inline void micro(vf (&acc)[R][4], const float* a, size_t lda, const float* p, i
 
 // C[rows, 4 NR] = A[rows, K] P[K, 4 NR] for all B rows, one register block of rows at a
 // time, K in cache blocks (partial sums wait in `part`, [B][4][NR]); `done(r0, R, acc)`
-// receives each finished block of rows. Rows are split into near-equal blocks of <= MR.
+// receives each finished block of rows. Rows are split into near-equal blocks of <= mr.
 template <class Done>
 void panel_product(const float* a, size_t lda, const float* p, int B, int K, float* part,
-                   Done&& done) {
-  const int blocks = (B + MR - 1) / MR;
-  for (int k0 = 0; k0 < K; k0 += KC) {
-    const int k1 = std::min(K, k0 + KC);
+                   Blocking blk, Done&& done) {
+  const int blocks = (B + blk.mr - 1) / blk.mr;
+  for (int k0 = 0; k0 < K; k0 += blk.kc) {
+    const int k1 = std::min(K, k0 + blk.kc);
     for (int i = 0, r0 = 0; i < blocks; ++i) {
       const int R = B / blocks + (i < B % blocks);
       auto run = [&](auto rows) {
@@ -107,6 +115,7 @@ struct Fwd {
   int L, B, H;
   bool save;    // write hp, cc and act (what the backward pass reads)
   bool stream;  // out, hp, cc, act are 64-byte aligned: non-temporal stores
+  Blocking blk;
   const float *xw, *bias, *w, *valid;
   float *out;            // [B, L, H], batch-major like the layer's output
   float *hp, *cc, *act;  // [L, B, H] h entering each step, [L, B, H] c after it, [L, B, 4H]
@@ -124,7 +133,7 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
   const size_t BH = size_t(s.B) * H;
   const float *h_prev = s.h + (t & 1) * BH, *c_prev = s.c + (t & 1) * BH;
   float *h_next = s.h + ((t + 1) & 1) * BH, *c_next = s.c + ((t + 1) & 1) * BH;
-  panel_product(h_prev, H, s.wp.data() + size_t(u) * H * 4 * NR, s.B, H, part,
+  panel_product(h_prev, H, s.wp.data() + size_t(u) * H * 4 * NR, s.B, H, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
@@ -188,6 +197,7 @@ void run_fwd(Fwd& s, int threads) {
 
 struct Bwd {
   int L, B, H;
+  Blocking blk;
   const float *act, *cc, *c0, *w, *valid, *d_out;  // d_out [B, L, H]
   float *dz, *db;  // every step's gate gradients [L, B, G], and their sum over L, B
   float *dh, *dc;  // the running carry gradients [B, H] (start as d_final)
@@ -230,7 +240,7 @@ void bwd_gates(Bwd& s, int t, int u) {
 // invalid rows keep dh (their h passed through unchanged).
 void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
   const int H = s.H, G = 4 * H;
-  panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part,
+  panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
@@ -281,7 +291,16 @@ ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vect
 // out [B, L, H] (0 on padding), c, h [B, H] (the final state) and, with save, hp [L, B, H]
 // (h entering each step), cc [L, B, H] (c after each step), act [L, B, 4H] (the activated
 // gates), which the backward pass reads; without save those three are empty.
-ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
+// Blocking attributes checked: kc > 0, 1 <= mr <= MR.
+ffi::Error check_blocking(int64_t kc, int64_t mr, Blocking* blk) {
+  if (kc <= 0 || mr < 1 || mr > MR)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "fused LSTM: kc must be positive and mr in [1, 6]");
+  *blk = Blocking{int(kc), int(mr)};
+  return ffi::Error::Success();
+}
+
+ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::Buffer<ffi::F32> xw,
                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> h0,
                        ffi::Buffer<ffi::F32> valid, ffi::ResultBuffer<ffi::F32> out,
@@ -293,7 +312,8 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "fused LSTM: xw must be [L, B, 4H] with H a multiple of 16");
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
-  for (auto e : {check_dims("bias", bias.dimensions(), {4 * H}),
+  Blocking blk;
+  for (auto e : {check_blocking(kc, mr, &blk), check_dims("bias", bias.dimensions(), {4 * H}),
                  check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("c0", c0.dimensions(), {B, H}),
                  check_dims("h0", h0.dimensions(), {B, H}), check_dims("valid", valid.dimensions(), {L, B}),
                  check_dims("out", out->dimensions(), {B, L, H}),
@@ -313,7 +333,7 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
     const size_t n = save ? size_t(L) * B * H : 0;
     populate({{out->typed_data(), size_t(B) * L * H}, {hp->typed_data(), n},
               {cc->typed_data(), n}, {act->typed_data(), 4 * n}}, nt);
-    Fwd s{int(L), int(B), int(H), save, stream, xw.typed_data(), bias.typed_data(), w.typed_data(),
+    Fwd s{int(L), int(B), int(H), save, stream, blk, xw.typed_data(), bias.typed_data(), w.typed_data(),
           valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
           act->typed_data(), h.data(), c.data(), {}};
     run_fwd(s, nt);
@@ -331,7 +351,7 @@ ffi::Error LstmFwdImpl(int64_t threads, bool save, ffi::Buffer<ffi::F32> xw,
 // gate pre-activations, written step by step where the backward scan makes it; every
 // weight and input gradient is then one product over all steps), db [4H] (its sum: the
 // bias gradient), d_h0, d_c0 [B, H].
-ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::F32> cc,
+ffi::Error LstmBwdImpl(int64_t threads, int64_t kc, int64_t mr, ffi::Buffer<ffi::F32> act, ffi::Buffer<ffi::F32> cc,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> valid, ffi::Buffer<ffi::F32> d_out,
                        ffi::Buffer<ffi::F32> d_h, ffi::Buffer<ffi::F32> d_c,
@@ -342,7 +362,8 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "fused LSTM: act must be [L, B, 4H] with H a multiple of 16");
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
-  for (auto e : {check_dims("cc", cc.dimensions(), {L, B, H}), check_dims("c0", c0.dimensions(), {B, H}),
+  Blocking blk;
+  for (auto e : {check_blocking(kc, mr, &blk), check_dims("cc", cc.dimensions(), {L, B, H}), check_dims("c0", c0.dimensions(), {B, H}),
                  check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("valid", valid.dimensions(), {L, B}),
                  check_dims("d_out", d_out.dimensions(), {B, L, H}),
                  check_dims("d_h", d_h.dimensions(), {B, H}), check_dims("d_c", d_c.dimensions(), {B, H}),
@@ -354,7 +375,7 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   if (L == 0 || B == 0) return ffi::Error::Success();
   const int nt = clamp_threads(threads, (H / NR + 3) / 4);
   populate({{dz->typed_data(), size_t(L) * B * 4 * H}}, nt);
-  Bwd s{int(L), int(B), int(H), act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
+  Bwd s{int(L), int(B), int(H), blk, act.typed_data(), cc.typed_data(), c0.typed_data(), w.typed_data(),
         valid.typed_data(), d_out.typed_data(), dz->typed_data(), db->typed_data(),
         d_h0->typed_data(), d_c0->typed_data()};
   run_bwd(s, nt);
@@ -363,9 +384,48 @@ ffi::Error LstmBwdImpl(int64_t threads, ffi::Buffer<ffi::F32> act, ffi::Buffer<f
   return exception_error("fused LSTM");
 }
 
+// The tuning probe (hpnlp.kernels.tuning): seconds for one forward (backward = 0, saving
+// what the backward reads) or backward scan of L steps at [B, H] with blocking (kc, mr)
+// on `threads` threads, over fixed pseudo-random inputs. Plain C, called through ctypes.
+// Negative on failure.
+extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, int64_t mr,
+                                   int64_t backward, int64_t threads) try {
+  if (H % NR != 0 || kc <= 0 || mr < 1 || mr > MR) return -1.0;
+  const size_t BH = size_t(B) * H, G = 4 * size_t(H);
+  std::vector<float> w(H * G), bias(G), xw(L * B * G), valid(L * B, 1.0f), out(BH * L);
+  std::vector<float> hp(L * BH), cc(L * BH), act(L * B * G), h(2 * BH), c(2 * BH);
+  std::vector<float> dz(L * B * G), db(G), dh(BH), dc(BH), d_out(BH * L), c0(BH);
+  uint32_t state = 12345;
+  auto fill = [&](std::vector<float>& x, float lo, float hi) {
+    for (float& e : x) {
+      state = state * 1664525u + 1013904223u;
+      e = lo + (hi - lo) * float(state >> 8) * (1.0f / 16777216.0f);
+    }
+  };
+  const float a = 1.0f / std::sqrt(float(H));
+  fill(w, -a, a), fill(xw, -1, 1), fill(act, 0, 1), fill(cc, -1, 1), fill(d_out, -1, 1);
+  const Blocking blk{int(kc), int(mr)};
+  const int nt = clamp_threads(threads, backward ? (H / NR + 3) / 4 : H / NR);
+  const auto start = std::chrono::steady_clock::now();
+  if (backward) {
+    Bwd s{int(L), int(B), int(H), blk, act.data(), cc.data(), c0.data(), w.data(), valid.data(),
+          d_out.data(), dz.data(), db.data(), dh.data(), dc.data()};
+    run_bwd(s, nt);
+  } else {
+    Fwd s{int(L), int(B), int(H), true, false, blk, xw.data(), bias.data(), w.data(), valid.data(),
+          out.data(), hp.data(), cc.data(), act.data(), h.data(), c.data(), {}};
+    run_fwd(s, nt);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+} catch (...) {
+  return -1.0;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("kc")
+                                  .Attr<int64_t>("mr")
                                   .Attr<bool>("save")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -383,6 +443,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmBwd, LstmBwdImpl,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("kc")
+                                  .Attr<int64_t>("mr")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
