@@ -22,11 +22,14 @@ pytestmark = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.un
 H = 2
 
 
+SMALL = ((16, 16), (16, 32))
+
+
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    """16-query x 16- or 32-key tiles, so tiny lengths cross many tiles, diagonals and edges."""
-    monkeypatch.setattr(F, "FWD_BLOCKS", (16, 16))
-    monkeypatch.setattr(F, "BWD_BLOCKS", (16, 32))
+    """16-query x 16- or 32-key tiles in place of this CPU's tuned ones, so tiny lengths
+    cross many tiles, diagonals and edges."""
+    monkeypatch.setattr(F, "tuned_blocks", lambda bf16=False: SMALL)
 
 
 def _qkv(B, L, S, D, seed=0, dtype=jnp.float32):
@@ -85,15 +88,15 @@ def test_cross_attention_lengths_differ(causal):
 
 
 def test_tuned_tiles_several_column_blocks_and_threads():
-    """The production tiles (not the small ones of the other tests), a head dim of 128 (two
-    64-column register blocks), lengths no tile divides, padding, both directions."""
-    F.FWD_BLOCKS, F.BWD_BLOCKS = (128, 128), (128, 256)  # restored by the fixture
+    """The default production tiles (not the small ones of the other tests), a head dim of
+    128 (two 64-column register blocks), lengths no tile divides, padding, both directions."""
     B, L, D = 1, 300, 128
     q, k, v, w = _qkv(B, L, L, D, seed=21)
     seg = _segments(2, L, seed=4)[1:]  # packed segments and a padded tail
     for causal in (False, True):
-        got = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v, seg, seg, causal=causal,
-                                                               threads=2), q, k, v, w)
+        got = _out_and_grads(lambda q, k, v: F.flash_attention(
+            q, k, v, seg, seg, causal=causal, threads=2, fwd_blocks=F.FWD_BLOCKS,
+            bwd_blocks=F.BWD_BLOCKS), q, k, v, w)
         want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal),
                               q, k, v, w)
         _assert_close(got, want)

@@ -115,9 +115,10 @@ struct Problem {
   int64_t B, L, S, H, D;
   bool causal;
   float scale;
-  const float *q, *k, *v;        // [B, L, H, D], [B, S, H, D] x2
+  const float *q, *k, *v;        // [B, L, H, D], [B, S, H, D] x2 (float32 kernel)
   const int32_t *qseg, *kseg;    // [B, L], [B, S], or null
   int bq, bk;                    // block sizes, multiples of NR
+  const bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;  // the same (bfloat16 kernel)
   // Row r of head (b, h) of a [B, n, H, D] array.
   size_t row(int64_t b, int64_t n, int64_t h, int64_t r) const { return ((b * n + r) * H + h) * D; }
 };
@@ -272,10 +273,17 @@ void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kt, con
 
 // --------------------------------------------------------------------------- backward
 
-struct Grads {
-  const float *o, *lse, *d_o;
-  float *dq, *dk, *dv;
+template <class T>  // float or bf16: the inputs' and gradients' type
+struct GradsT {
+  const T* o;
+  const float* lse;
+  const T* d_o;
+  T *dq, *dk, *dv;
 };
+using Grads = GradsT<float>;
+
+inline void put(float* dst, vf v) { store(dst, v); }
+inline void put(bf16* dst, vf v) { store_bf16(dst, v); }
 
 // Head bh, key blocks [kb0, kb1): dk, dv of those keys by key blocks (dK, dV accumulate in
 // scratch for the block) and, inside, query blocks (dQ accumulates over the key blocks in a
@@ -363,8 +371,9 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
 
 // ------------------------------------------------------------------------------- FFI
 
-ffi::Error make_problem(const char* kernel, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
-                        ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::S32>& qseg,
+template <ffi::DataType T>  // F32 or BF16
+ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k,
+                        ffi::Buffer<T>& v, ffi::Buffer<ffi::S32>& qseg,
                         ffi::Buffer<ffi::S32>& kseg, bool segs, bool causal, float scale, int64_t block_q,
                         int64_t block_k, Problem* p) {
   auto d = q.dimensions();
@@ -383,9 +392,14 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<ffi::F32>& q, ffi::Buffe
                  check_dims(kernel, "qseg", qseg.dimensions(), {segs ? B : 0, segs ? L : 0}),
                  check_dims(kernel, "kseg", kseg.dimensions(), {segs ? B : 0, segs ? S : 0})})
     if (e.failure()) return e;
-  *p = Problem{B, L, S, H, D, causal, scale, q.typed_data(), k.typed_data(), v.typed_data(),
+  *p = Problem{B, L, S, H, D, causal, scale, nullptr, nullptr, nullptr,
                segs ? qseg.typed_data() : nullptr, segs ? kseg.typed_data() : nullptr,
                int(block_q), int(block_k)};
+  if constexpr (T == ffi::DataType::BF16) {
+    p->q16 = q.typed_data(), p->k16 = k.typed_data(), p->v16 = v.typed_data();
+  } else {
+    p->q = q.typed_data(), p->k = k.typed_data(), p->v = v.typed_data();
+  }
   return ffi::Error::Success();
 }
 
@@ -417,6 +431,302 @@ void run_forward(const Problem& p, float* out, float* lse_out, int threads) {
   });
 }
 
+// -------------------------------------------------------------------------- bfloat16
+//
+// The same two passes on bfloat16 q, k, v, o and dO: every product takes bfloat16 operands
+// in pairs along its k (vdpbf16ps with AVX-512 BF16, see dot2 in simd.h) and accumulates in
+// float32; the softmax statistics (max, sum, logsumexp, delta) and the tiles S, P, dP, dS
+// are float32, and P and dS are rounded to bfloat16 only as operands of the products that
+// follow (as FlashAttention does on GPUs). The scale is applied to the float32 S.
+//
+// Layouts: a product's left operand is bfloat16 rows, read a pair at a time; its right
+// operand is packed in pairs of k, row k2 holding (B(2 k2, n), B(2 k2 + 1, n)) for every n,
+// so one 64-byte load feeds 16 lanes of a vdpbf16ps. Every k of a product is even (D, the
+// block sizes; a tail block's pairs are padded with zeros).
+
+// C[R, NV*NR] (+)= A[R, K] B[K, NV*NR] with A(i, k) = a[i*ar + k] and B in pairs of k
+// (`ldb` bfloat16 per pair row), K even.
+template <int R, int NV, bool Acc>
+void tile2(const bf16* a, ptrdiff_t ar, int K, const bf16* b, ptrdiff_t ldb, float* c,
+           ptrdiff_t ldc) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};
+  for (int k = 0; k < K; k += 2, b += ldb) {
+    vf bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load(reinterpret_cast<const float*>(b) + v * NR);
+    for (int r = 0; r < R; ++r) {
+      const vf x = splat_pair(a + r * ar + k);
+      for (int v = 0; v < NV; ++v) acc[r][v] = dot2(acc[r][v], x, bv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * NR, acc[r][v]);
+}
+
+using Tile2Fn = void (*)(const bf16*, ptrdiff_t, int, const bf16*, ptrdiff_t, float*, ptrdiff_t);
+
+template <bool Acc, int NV, int... R>
+constexpr std::array<Tile2Fn, MR> row_table2(std::integer_sequence<int, R...>) {
+  return {&tile2<R + 1, NV, Acc>...};
+}
+
+template <bool Acc, int... NV>
+constexpr std::array<std::array<Tile2Fn, MR>, 4> nv_table2(std::integer_sequence<int, NV...>) {
+  return {row_table2<Acc, NV + 1>(std::make_integer_sequence<int, MR>{})...};
+}
+
+constexpr std::array<std::array<std::array<Tile2Fn, MR>, 4>, 2> kTiles2 = {
+    nv_table2<false>(std::make_integer_sequence<int, 4>{}),
+    nv_table2<true>(std::make_integer_sequence<int, 4>{})};
+
+// C[M, N] (+)= A[M, K] B[K, N], A bfloat16 rows (row stride ar), B in pairs of k (ldb
+// bfloat16 per pair row, >= 2 N), K even, N % NR == 0.
+void gemm2(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
+           float* c, ptrdiff_t ldc, bool accumulate) {
+  if (K == 0) {
+    if (!accumulate)
+      for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
+    return;
+  }
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    const int kc = std::min(KC, K - k0);
+    const bool acc_in = accumulate || k0 > 0;
+    for (int n0 = 0; n0 < N; n0 += 4 * NR) {
+      const auto& fns = kTiles2[acc_in][std::min(4, (N - n0) / NR) - 1];
+      for (int i = 0; i < M; i += MR)
+        fns[std::min(MR, M - i) - 1](a + i * ar + k0, ar, kc, b + (k0 / 2) * ldb + 2 * n0, ldb,
+                                     c + i * ldc + n0, ldc);
+    }
+  }
+}
+
+// Rows [0, n) of x (row stride ld, `cols` wide) in pairs of rows: out[r/2][c][r%2] =
+// x[r][c], rows n..n_pad-1 zero (n_pad even).
+void pack_row_pairs(const bf16* x, ptrdiff_t ld, int n, int n_pad, int64_t cols, bf16* out) {
+  for (int r = 0; r < n_pad; ++r) {
+    bf16* dst = out + size_t(r / 2) * 2 * cols + (r & 1);
+    if (r < n) {
+      const bf16* src = x + r * ld;
+      for (int64_t c = 0; c < cols; ++c) dst[2 * c] = src[c];
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[2 * c] = 0;
+    }
+  }
+}
+
+// Rows [0, n) of x (row stride ld, D wide) transposed into pairs of d: out[d/2][j][d%2] =
+// x[j][d], for j < n_pad (zero past n). A 32-bit transpose: each pair moves whole.
+void pack_col_pairs(const bf16* x, ptrdiff_t ld, int n, int n_pad, int64_t D, bf16* out) {
+  auto* dst = reinterpret_cast<bf16x2_u*>(out);
+  for (int j = 0; j < n_pad; ++j) {
+    const auto* src = reinterpret_cast<const bf16x2_u*>(x + j * ld);
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) dst[d2 * n_pad + j] = j < n ? src[d2] : 0u;
+  }
+}
+
+inline int even(int n) { return (n + 1) & ~1; }
+
+// Query block i of head bh: kt holds the head's key blocks packed in pairs of d (each
+// block [D/2][bk][2]), vp its values in pairs of keys ([S_pad/2][D][2]).
+void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt, const bf16* vp,
+                        bf16* o, float* lse, std::vector<float>& scratch) {
+  const int64_t b = bh / p.H, h = bh % p.H, D = p.D;
+  const int bq = p.bq, bk = p.bk;
+  const int64_t q0 = i * bq;
+  const int nq = int(std::min<int64_t>(bq, p.L - q0));
+  scratch.resize(size_t(bq) * (D + bk + bk / 2 + D / 2 + 2));
+  float* st = scratch.data();                                  // [bq, bk] S
+  float* acc = st + size_t(bq) * bk;                           // [bq, D] unnormalized output
+  float* m = acc + size_t(bq) * D;                             // [bq] running max
+  float* l = m + bq;                                           // [bq] running sum
+  bf16* pb = reinterpret_cast<bf16*>(l + bq);                  // [bq, bk] P in bfloat16
+  bf16* qs = pb + size_t(bq) * bk;                             // [bq, D] the queries
+  for (int c = 0; c < nq; ++c)
+    std::memcpy(qs + c * D, p.q16 + p.row(b, p.L, h, q0 + c), sizeof(bf16) * D);
+  std::fill(acc, acc + size_t(bq) * D, 0.0f);
+  std::fill(m, m + bq, -kInf);
+  std::fill(l, l + bq, 0.0f);
+  const vf scale = splat(p.scale);
+  for (int64_t k0 = 0; k0 < p.S; k0 += bk) {
+    const int nk = int(std::min<int64_t>(bk, p.S - k0)), lanes = (nk + NR - 1) / NR * NR;
+    const Vis vis = classify(p, b, q0, nq, k0, nk);
+    if (vis == Vis::kSkip) {
+      if (p.causal && k0 > q0 + nq - 1) break;
+      continue;
+    }
+    gemm2(nq, lanes, int(D), qs, D, kt + (k0 / bk) * D * bk, 2 * bk, st, bk, false);  // S = Q K^T
+    if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
+    for (int c = 0; c < nq; ++c) {
+      float* row = st + size_t(c) * bk;
+      bf16* prow = pb + size_t(c) * bk;
+      for (int r = nk; r < lanes; ++r) row[r] = -kInf;  // keys past S
+      vf mx = splat(-kInf);
+      for (int r = 0; r < lanes; r += NR) {
+        const vf x = load(row + r) * scale;
+        store(row + r, x);
+        mx = x > mx ? x : mx;
+      }
+      const float m_new = std::max(m[c], hmax(mx));
+      if (m_new == -kInf) {  // nothing visible yet: P = 0
+        std::fill(prow, prow + lanes, bf16(0));
+        continue;
+      }
+      vf sum = vf{};
+      for (int r = 0; r < lanes; r += NR) {
+        const vf e = vexp0(load(row + r) - m_new);
+        store_bf16(prow + r, e);
+        sum += e;
+      }
+      const float corr = m[c] == -kInf ? 0.0f : std::exp(m[c] - m_new);
+      l[c] = l[c] * corr + hsum(sum);
+      m[c] = m_new;
+      if (corr != 1.0f)
+        for (int64_t d = 0; d < D; d += NR) store(acc + c * D + d, load(acc + c * D + d) * corr);
+    }
+    gemm2(nq, int(D), lanes, pb, bk, vp + k0 * D, 2 * D, acc, D, true);  // acc += P V
+  }
+  for (int c = 0; c < nq; ++c) {
+    bf16* out = o + p.row(b, p.L, h, q0 + c);
+    const float lc = l[c];
+    if (lc > 0.0f) {
+      const vf inv = splat(1.0f / lc);
+      for (int64_t d = 0; d < D; d += NR) store_bf16(out + d, load(acc + c * D + d) * inv);
+      lse[bh * p.L + q0 + c] = m[c] + std::log(lc);
+    } else {
+      std::fill(out, out + D, bf16(0));
+      lse[bh * p.L + q0 + c] = kInf;
+    }
+  }
+}
+
+void run_forward_bf16(const Problem& p, bf16* out, float* lse_out, int threads) {
+  const int64_t nqb = (p.L + p.bq - 1) / p.bq, nkb = (p.S + p.bk - 1) / p.bk;
+  const int64_t KT = nkb * p.bk * p.D, VP = nkb * p.bk * p.D;  // bfloat16 per head, each
+  std::unique_ptr<bf16[]> kv(new bf16[size_t(p.B * p.H) * (KT + VP)]);
+  for_items(threads, p.B * p.H, [&](int64_t bh, std::vector<float>&) {
+    const int64_t b = bh / p.H, h = bh % p.H;
+    bf16 *kt = kv.get() + bh * (KT + VP), *vp = kt + KT;
+    const ptrdiff_t ld = p.H * p.D;
+    for (int64_t j = 0; j < nkb; ++j) {
+      const int nk = int(std::min<int64_t>(p.bk, p.S - j * p.bk));
+      pack_col_pairs(p.k16 + p.row(b, p.S, h, j * p.bk), ld, nk, p.bk, p.D, kt + j * p.D * p.bk);
+      pack_row_pairs(p.v16 + p.row(b, p.S, h, j * p.bk), ld, nk, p.bk, p.D, vp + j * p.bk * p.D);
+    }
+  });
+  populate({{reinterpret_cast<float*>(out), size_t(p.B) * p.L * p.H * p.D / 2}},
+           clamp_threads(threads, p.B * p.H));
+  for_items(threads, p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
+    const bf16* kt = kv.get() + (item / nqb) * (KT + VP);
+    forward_block_bf16(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
+  });
+}
+
+// Head bh, key blocks [kb0, kb1), as backward_head with bfloat16 operands.
+void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int64_t kb0,
+                        int64_t kb1, float* dq_part, std::vector<float>& scratch) {
+  const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
+  const int bq = p.bq, bk = p.bk;
+  const int64_t S2 = even(int(S));
+  // float32 part, then bfloat16 part (counted in floats: two per float)
+  const size_t f32n = size_t(D) * (L + 2 * bk) + 2 * size_t(bk) * bq + 2 * bq + L;
+  const size_t b16n = size_t(D) * (2 * L + 2 * S + S2 + 4 * bq) + 3 * size_t(bk) * bq;
+  scratch.resize(f32n + (b16n + 1) / 2);
+  float* dqh = scratch.data();            // [L, D] dQ (unscaled)
+  float* pt = dqh + L * D;                // [bk, bq] S^T, then P^T
+  float* dst = pt + size_t(bk) * bq;      // [bk, bq] dP^T
+  float* dk = dst + size_t(bk) * bq;      // [bk, D]
+  float* dv = dk + size_t(bk) * D;        // [bk, D]
+  float* lse_b = dv + size_t(bk) * D;     // [bq]
+  float* delta_b = lse_b + bq;            // [bq]
+  float* delta = delta_b + bq;            // [L]
+  bf16* qh = reinterpret_cast<bf16*>(scratch.data() + f32n);  // [L, D]
+  bf16* doh = qh + L * D;                 // [L, D]
+  bf16* kh = doh + L * D;                 // [S, D]
+  bf16* vh = kh + S * D;                  // [S, D]
+  bf16* kp = vh + S * D;                  // [S2/2, D, 2] keys in pairs (dQ += dS K)
+  bf16* qt = kp + S2 * D;                 // [D/2, bq, 2] Q^T in pairs of d
+  bf16* dot = qt + D * bq;                // [D/2, bq, 2] dO^T
+  bf16* qp = dot + D * bq;                // [bq/2, D, 2] Q in pairs of queries
+  bf16* dop = qp + D * bq;                // [bq/2, D, 2] dO
+  bf16* ptb = dop + D * bq;               // [bk, bq] P^T
+  bf16* dstb = ptb + size_t(bk) * bq;     // [bk, bq] dS^T
+  bf16* dsb = dstb + size_t(bk) * bq;     // [bq, bk] dS
+  for (int64_t r = 0; r < L; ++r) {
+    std::memcpy(qh + r * D, p.q16 + p.row(b, L, h, r), sizeof(bf16) * D);
+    std::memcpy(doh + r * D, g.d_o + p.row(b, L, h, r), sizeof(bf16) * D);
+  }
+  for (int64_t r = 0; r < S; ++r) {
+    std::memcpy(kh + r * D, p.k16 + p.row(b, S, h, r), sizeof(bf16) * D);
+    std::memcpy(vh + r * D, p.v16 + p.row(b, S, h, r), sizeof(bf16) * D);
+  }
+  pack_row_pairs(kh, D, int(S), int(S2), D, kp);
+  std::fill(dqh, dqh + L * D, 0.0f);
+  for (int64_t r = 0; r < L; ++r) {
+    const bf16* orow = g.o + p.row(b, L, h, r);
+    vf s = vf{};
+    for (int64_t d = 0; d < D; d += NR) s += load_bf16(orow + d) * load_bf16(doh + r * D + d);
+    delta[r] = hsum(s);
+  }
+  const float* lse = g.lse + bh * L;
+  const vf scale = splat(p.scale);
+  for (int64_t k0 = kb0 * bk; k0 < std::min(S, kb1 * bk); k0 += bk) {
+    const int nk = int(std::min<int64_t>(bk, S - k0)), nk2 = even(nk);
+    const bf16 *kb = kh + k0 * D, *vb = vh + k0 * D;
+    std::fill(dk, dk + size_t(bk) * D, 0.0f);
+    std::fill(dv, dv + size_t(bk) * D, 0.0f);
+    for (int64_t q0 = 0; q0 < L; q0 += bq) {
+      const int nq = int(std::min<int64_t>(bq, L - q0));
+      const Vis vis = classify(p, b, q0, nq, k0, nk);
+      if (vis == Vis::kSkip) continue;
+      const bf16 *qb = qh + q0 * D, *dob = doh + q0 * D;
+      pack_col_pairs(qb, D, nq, bq, D, qt);
+      pack_col_pairs(dob, D, nq, bq, D, dot);
+      pack_row_pairs(qb, D, nq, bq, D, qp);
+      pack_row_pairs(dob, D, nq, bq, D, dop);
+      for (int c = 0; c < bq; ++c) {  // padding columns: P = 0, dS = 0
+        lse_b[c] = c < nq ? lse[q0 + c] : kInf;
+        delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
+      }
+      gemm2(nk, bq, int(D), kb, D, qt, 2 * bq, pt, bq, false);   // S^T = K Q^T (unscaled)
+      if (vis == Vis::kPartial) mask_tile<true>(p, b, q0, nq, k0, nk, pt, bq);
+      gemm2(nk, bq, int(D), vb, D, dot, 2 * bq, dst, bq, false);  // dP^T = V dO^T
+      for (int r = 0; r < nk; ++r) {
+        const float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
+        bf16 *pbr = ptb + size_t(r) * bq, *dbr = dstb + size_t(r) * bq;
+        for (int c = 0; c < bq; c += NR) {
+          const vf pv = vexp0(load(prow + c) * scale - load(lse_b + c));
+          store_bf16(pbr + c, pv);
+          store_bf16(dbr + c, pv * (load(drow + c) - load(delta_b + c)));
+        }
+      }
+      gemm2(nk, int(D), bq, ptb, bq, dop, 2 * D, dv, D, true);  // dV += P^T dO
+      gemm2(nk, int(D), bq, dstb, bq, qp, 2 * D, dk, D, true);  // dK += dS^T Q (unscaled)
+      for (int c = 0; c < nq; ++c) {                       // dS = (dS^T)^T, keys past nk zero
+        bf16* row = dsb + size_t(c) * bk;
+        for (int r = 0; r < nk; ++r) row[r] = dstb[size_t(r) * bq + c];
+        if (nk2 > nk) row[nk] = 0;
+      }
+      gemm2(nq, int(D), nk2, dsb, bk, kp + k0 * D, 2 * D, dqh + q0 * D, D, true);  // dQ += dS K
+    }
+    for (int r = 0; r < nk; ++r) {
+      bf16 *dkr = g.dk + p.row(b, S, h, k0 + r), *dvr = g.dv + p.row(b, S, h, k0 + r);
+      for (int64_t d = 0; d < D; d += NR) {
+        store_bf16(dkr + d, load(dk + r * D + d) * scale);
+        store_bf16(dvr + d, load(dv + r * D + d));
+      }
+    }
+  }
+  if (dq_part != nullptr) {
+    std::memcpy(dq_part, dqh, sizeof(float) * L * D);
+    return;
+  }
+  for (int64_t r = 0; r < L; ++r) {
+    bf16* row = g.dq + p.row(b, L, h, r);
+    for (int64_t d = 0; d < D; d += NR) store_bf16(row + d, load(dqh + r * D + d) * scale);
+  }
+}
+
 // How many ranges of key blocks each head's backward is split into. One per head while
 // the heads share out evenly over the threads; with fewer heads than threads (or an
 // uneven share) a thread would idle, so each head's key blocks are split into ranges
@@ -427,11 +737,15 @@ int64_t key_splits(const Problem& p, int threads) {
   return std::max<int64_t>(1, std::min<int64_t>(nkb, (4 * threads + BH - 1) / BH));
 }
 
-void run_backward(const Problem& p, const Grads& g, int threads) {
+template <class T, class Head>
+void run_backward(const Problem& p, const GradsT<T>& g, int threads, Head&& backward_head) {
   const int64_t BH = p.B * p.H, L = p.L, D = p.D, nkb = (p.S + p.bk - 1) / p.bk;
   const size_t nq = size_t(p.B) * L * p.H * D, nk = size_t(p.B) * p.S * p.H * D;
   const int64_t splits = key_splits(p, threads);
-  populate({{g.dq, nq}, {g.dk, nk}, {g.dv, nk}}, clamp_threads(threads, BH * splits));
+  auto floats = [](T* x) { return reinterpret_cast<float*>(x); };  // populate counts floats
+  const size_t fq = nq * sizeof(T) / sizeof(float), fk = nk * sizeof(T) / sizeof(float);
+  populate({{floats(g.dq), fq}, {floats(g.dk), fk}, {floats(g.dv), fk}},
+           clamp_threads(threads, BH * splits));
   if (splits == 1) {
     for_items(threads, BH, [&](int64_t bh, std::vector<float>& scratch) {
       backward_head(p, g, bh, 0, nkb, nullptr, scratch);
@@ -450,20 +764,21 @@ void run_backward(const Problem& p, const Grads& g, int threads) {
     const int64_t bh = item / blocks, r0 = item % blocks * kRows, r1 = std::min(L, r0 + kRows);
     const float* base = part.get() + size_t(bh * splits) * L * D;
     for (int64_t r = r0; r < r1; ++r) {
-      float* row = g.dq + p.row(bh / p.H, L, bh % p.H, r);
+      T* row = g.dq + p.row(bh / p.H, L, bh % p.H, r);
       for (int64_t d = 0; d < D; d += NR) {
         vf s = load(base + r * D + d);
         for (int64_t c = 1; c < splits; ++c) s += load(base + (c * L + r) * D + d);
-        store(row + d, s * p.scale);
+        put(row + d, s * p.scale);
       }
     }
   });
 }
 
+template <ffi::DataType T>  // F32 or BF16 q, k, v, o
 ffi::Error FwdImpl(bool segments, bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
-                   ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
-                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) try {
+                   ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse) try {
   const char* kernel = "flash attention forward";
   Problem p;
   if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k, &p);
@@ -472,18 +787,22 @@ ffi::Error FwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
   for (auto e : {check_dims(kernel, "o", o->dimensions(), {p.B, p.L, p.H, p.D}),
                  check_dims(kernel, "lse", lse->dimensions(), {p.B, p.H, p.L})})
     if (e.failure()) return e;
-  run_forward(p, o->typed_data(), lse->typed_data(), int(threads));
+  if constexpr (T == ffi::DataType::BF16)
+    run_forward_bf16(p, o->typed_data(), lse->typed_data(), int(threads));
+  else
+    run_forward(p, o->typed_data(), lse->typed_data(), int(threads));
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("flash attention forward");
 }
 
+template <ffi::DataType T>  // F32 or BF16 q, k, v, o, do and the gradients
 ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
-                   ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
-                   ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_o,
-                   ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                   ffi::ResultBuffer<ffi::F32> dv) try {
+                   ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> d_o,
+                   ffi::ResultBuffer<T> dq, ffi::ResultBuffer<T> dk,
+                   ffi::ResultBuffer<T> dv) try {
   const char* kernel = "flash attention backward";
   Problem p;
   if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k, &p);
@@ -496,9 +815,13 @@ ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
                  check_dims(kernel, "dk", dk->dimensions(), {p.B, p.S, p.H, p.D}),
                  check_dims(kernel, "dv", dv->dimensions(), {p.B, p.S, p.H, p.D})})
     if (e.failure()) return e;
-  Grads g{o.typed_data(), lse.typed_data(), d_o.typed_data(), dq->typed_data(), dk->typed_data(),
-          dv->typed_data()};
-  run_backward(p, g, int(threads));
+  GradsT<std::remove_cv_t<std::remove_pointer_t<decltype(q.typed_data())>>> g{
+      o.typed_data(), lse.typed_data(), d_o.typed_data(), dq->typed_data(), dk->typed_data(),
+      dv->typed_data()};
+  if constexpr (T == ffi::DataType::BF16)
+    run_backward(p, g, int(threads), backward_head_bf16);
+  else
+    run_backward(p, g, int(threads), backward_head);
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("flash attention backward");
@@ -511,7 +834,8 @@ ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
 // [B, L, H, D] inputs of unit-variance logits, bidirectional. Plain C: called through
 // ctypes, without XLA. Negative on failure.
 extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, int64_t bq,
-                                    int64_t bk, int64_t backward, int64_t threads) try {
+                                    int64_t bk, int64_t backward, int64_t threads,
+                                    int64_t bfloat16) try {
   if (D % NR != 0 || bq <= 0 || bq % NR != 0 || bk <= 0 || bk % NR != 0) return -1.0;
   const size_t n = size_t(B) * L * H * D;
   std::vector<float> q(n), k(n), v(n), o(n), d_o(n), dq(n), dk(n), dv(n), lse(size_t(B) * H * L);
@@ -524,10 +848,25 @@ extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, 
     }
   Problem p{B, L, L, H, D, false, 1.0f / std::sqrt(float(D)), q.data(), k.data(), v.data(),
             nullptr, nullptr, int(bq), int(bk)};
+  if (bfloat16) {  // the same values rounded; o and the gradients in bfloat16 too
+    std::vector<bf16> h(7 * n);
+    for (size_t i = 0; i < n; ++i)
+      h[i] = float_to_bf16(q[i]), h[n + i] = float_to_bf16(k[i]), h[2 * n + i] = float_to_bf16(v[i]),
+      h[3 * n + i] = float_to_bf16(d_o[i]);
+    p.q16 = h.data(), p.k16 = h.data() + n, p.v16 = h.data() + 2 * n;
+    bf16 *o16 = h.data() + 4 * n, *grads = h.data() + 5 * n;  // dq, dk, dv share: timing only
+    const auto start = std::chrono::steady_clock::now();
+    if (backward)
+      run_backward(p, GradsT<bf16>{o16, lse.data(), h.data() + 3 * n, grads, grads, grads},
+                   int(threads), backward_head_bf16);
+    else
+      run_forward_bf16(p, o16, lse.data(), int(threads));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   const auto start = std::chrono::steady_clock::now();
   if (backward) {
     run_backward(p, Grads{o.data(), lse.data(), d_o.data(), dq.data(), dk.data(), dv.data()},
-                 int(threads));
+                 int(threads), backward_head);
   } else {
     run_forward(p, o.data(), lse.data(), int(threads));
   }
@@ -536,38 +875,51 @@ extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, 
   return -1.0;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashFwd, FwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Attr<bool>("segments")
-                                  .Attr<bool>("causal")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("threads")
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// q, k, v in T (F32 or BF16), segment ids -> o in T, lse float32.
+template <ffi::DataType T>
+auto fwd_binding() {
+  return ffi::Ffi::Bind()
+      .template Attr<bool>("segments")
+      .template Attr<bool>("causal")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("block_q")
+      .template Attr<int64_t>("block_k")
+      .template Attr<int64_t>("threads")
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<T>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashBwd, BwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Attr<bool>("segments")
-                                  .Attr<bool>("causal")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("threads")
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// q, k, v, segment ids, o, lse (float32), do -> dq, dk, dv, all in T but lse.
+template <ffi::DataType T>
+auto bwd_binding() {
+  return ffi::Ffi::Bind()
+      .template Attr<bool>("segments")
+      .template Attr<bool>("causal")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("block_q")
+      .template Attr<int64_t>("block_k")
+      .template Attr<int64_t>("threads")
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Ret<ffi::Buffer<T>>()
+      .template Ret<ffi::Buffer<T>>()
+      .template Ret<ffi::Buffer<T>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashFwd, FwdImpl<ffi::DataType::F32>, fwd_binding<ffi::DataType::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashBwd, BwdImpl<ffi::DataType::F32>, bwd_binding<ffi::DataType::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashFwdBf16, FwdImpl<ffi::DataType::BF16>,
+                              fwd_binding<ffi::DataType::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpFlashBwdBf16, BwdImpl<ffi::DataType::BF16>,
+                              bwd_binding<ffi::DataType::BF16>());

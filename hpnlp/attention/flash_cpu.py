@@ -32,7 +32,8 @@ from hpnlp.attention.base import check_inputs
 
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "flash_cpu.cc"),
-    {"hpnlp_flash_fwd": "HpnlpFlashFwd", "hpnlp_flash_bwd": "HpnlpFlashBwd"},
+    {"hpnlp_flash_fwd": "HpnlpFlashFwd", "hpnlp_flash_bwd": "HpnlpFlashBwd",
+     "hpnlp_flash_fwd_bf16": "HpnlpFlashFwdBf16", "hpnlp_flash_bwd_bf16": "HpnlpFlashBwdBf16"},
     what="flash attention")
 
 # Tiles (queries x keys), multiples of 16. The defaults were tuned on a 2-core AVX-512
@@ -46,11 +47,11 @@ _SIZES = (64, 128, 256)
 PROBE = dict(B=1, L=2048, H=4, D=64)
 
 
-def _probe(backward: bool):
+def _probe(backward: bool, bf16: bool):
     def run(lib, cfg):
         lib.hpnlp_flash_probe.restype = ctypes.c_double
         args = [PROBE["B"], PROBE["L"], PROBE["H"], PROBE["D"], cfg["bq"], cfg["bk"],
-                int(backward), kernels.cores()]
+                int(backward), kernels.cores(), int(bf16)]
         seconds = lib.hpnlp_flash_probe(*(ctypes.c_int64(a) for a in args))
         if seconds < 0:
             raise RuntimeError(f"flash attention's tuning probe failed at {cfg}")
@@ -58,19 +59,24 @@ def _probe(backward: bool):
     return run
 
 
-def _tuning(name, default, backward):
+def _tuning(name, default, backward, bf16):
     return tuning.Tuning(KERNEL, name, default=dict(bq=default[0], bk=default[1]),
                          candidates=[dict(bq=q, bk=k) for q in _SIZES for k in _SIZES],
-                         probe=_probe(backward), shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
+                         probe=_probe(backward, bf16),
+                         shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
 
 
-FWD_TUNING = _tuning("fwd", FWD_BLOCKS, False)
-BWD_TUNING = _tuning("bwd", BWD_BLOCKS, True)
+# {(pass, bfloat16): its tuning}; the bfloat16 kernel is tuned on first bfloat16 use.
+TUNINGS = {("fwd", False): _tuning("fwd", FWD_BLOCKS, False, False),
+           ("bwd", False): _tuning("bwd", BWD_BLOCKS, True, False),
+           ("fwd", True): _tuning("fwd_bf16", FWD_BLOCKS, False, True),
+           ("bwd", True): _tuning("bwd_bf16", BWD_BLOCKS, True, True)}
 
 
-def tuned_blocks() -> tuple[tuple[int, int], tuple[int, int]]:
-    """(forward, backward) (queries, keys) blocks for this CPU: measured once, cached."""
-    f, b = FWD_TUNING.config(), BWD_TUNING.config()
+def tuned_blocks(bf16: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(forward, backward) (queries, keys) blocks for this CPU and dtype: measured once,
+    cached."""
+    f, b = TUNINGS["fwd", bf16].config(), TUNINGS["bwd", bf16].config()
     return (f["bq"], f["bk"]), (b["bq"], b["bk"])
 
 
@@ -97,12 +103,16 @@ def _attrs(segs, causal, scale, blocks, threads):
                 threads=np.int64(kernels.cores() if threads is None else threads))
 
 
+def _target(name: str, dtype) -> str:
+    return f"{name}_bf16" if dtype == jnp.bfloat16 else name
+
+
 def _forward(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks):
     B, L, H, _ = q_BLHD.shape
     qseg, kseg = _segments(segs)
     return jax.ffi.ffi_call(
-        "hpnlp_flash_fwd", [jax.ShapeDtypeStruct(q_BLHD.shape, jnp.float32),
-                            jax.ShapeDtypeStruct((B, H, L), jnp.float32)],
+        _target("hpnlp_flash_fwd", q_BLHD.dtype),
+        [jax.ShapeDtypeStruct(q_BLHD.shape, q_BLHD.dtype), jax.ShapeDtypeStruct((B, H, L), jnp.float32)],
         vmap_method="sequential")(q_BLHD, k_BSHD, v_BSHD, qseg, kseg,
                                   **_attrs(segs, causal, scale, blocks[0], threads))
 
@@ -120,10 +130,11 @@ def _flash_fwd(q_BLHD, k_BSHD, v_BSHD, segs, causal, scale, threads, blocks):
 def _flash_bwd(causal, scale, threads, blocks, res, do_BLHD):
     q_BLHD, k_BSHD, v_BSHD, segs, o_BLHD, lse_BHL = res
     qseg, kseg = _segments(segs)
-    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     dq, dk, dv = jax.ffi.ffi_call(
-        "hpnlp_flash_bwd", [f32(q_BLHD), f32(k_BSHD), f32(v_BSHD)], vmap_method="sequential")(
-        q_BLHD, k_BSHD, v_BSHD, qseg, kseg, o_BLHD, lse_BHL, do_BLHD.astype(jnp.float32),
+        _target("hpnlp_flash_bwd", q_BLHD.dtype), [like(q_BLHD), like(k_BSHD), like(v_BSHD)],
+        vmap_method="sequential")(
+        q_BLHD, k_BSHD, v_BSHD, qseg, kseg, o_BLHD, lse_BHL, do_BLHD.astype(q_BLHD.dtype),
         **_attrs(segs, causal, scale, blocks[1], threads))
     return dq, dk, dv, None
 
@@ -134,8 +145,10 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causal=False,
                     threads: int | None = None, fwd_blocks: tuple[int, int] | None = None,
                     bwd_blocks: tuple[int, int] | None = None):
-    """softmax(q k^T / sqrt(D)) v in float32, over [B, L, H, D] arrays, returned in q's
-    dtype. Segment ids (0 = padding; both or neither): a query sees keys of its own
+    """softmax(q k^T / sqrt(D)) v over [B, L, H, D] arrays, returned in q's dtype. When q,
+    k and v are all bfloat16 the bfloat16 kernel runs (bfloat16 products, float32
+    accumulation and softmax statistics; gradients in bfloat16); otherwise everything is
+    float32. Segment ids (0 = padding; both or neither): a query sees keys of its own
     nonzero segment. Causal: query i sees keys <= i. A query that sees no key outputs 0.
     `threads` None: every core this process may use. `fwd_blocks`, `bwd_blocks`: the
     (queries, keys) tile of each pass, multiples of 16; None: this CPU's tuned choice."""
@@ -150,8 +163,9 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                                 kseg_BS.shape != k_BSHD.shape[:2]):
         raise ValueError(f"flash attention: segment ids must be [B, L] = {q_BLHD.shape[:2]} and "
                          f"[B, S] = {k_BSHD.shape[:2]}; got {qseg_BL.shape} and {kseg_BS.shape}")
+    bf16 = all(x.dtype == jnp.bfloat16 for x in (q_BLHD, k_BSHD, v_BSHD))
     if fwd_blocks is None or bwd_blocks is None:
-        tuned_fwd, tuned_bwd = tuned_blocks()
+        tuned_fwd, tuned_bwd = tuned_blocks(bf16)
         fwd_blocks, bwd_blocks = fwd_blocks or tuned_fwd, bwd_blocks or tuned_bwd
     blocks = (tuple(int(x) for x in fwd_blocks), tuple(int(x) for x in bwd_blocks))
     for name, blk in zip(("fwd_blocks", "bwd_blocks"), blocks):
@@ -160,6 +174,6 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                              f"(queries, keys); got {blk}")
     segs = None if qseg_BL is None else (qseg_BL, kseg_BS)
     scale = 1.0 / float(np.sqrt(q_BLHD.shape[-1]))
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    out = _flash(f32(q_BLHD), f32(k_BSHD), f32(v_BSHD), segs, causal, scale, threads, blocks)
+    cast = lambda x: x.astype(jnp.bfloat16 if bf16 else jnp.float32)  # noqa: E731
+    out = _flash(cast(q_BLHD), cast(k_BSHD), cast(v_BSHD), segs, causal, scale, threads, blocks)
     return out.astype(q_BLHD.dtype)

@@ -20,7 +20,7 @@
 
 #include <sys/mman.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -101,6 +101,81 @@ inline vf vexp0(vf x) {
 #else
   return x < splat(-87.0f) ? vf{} : vexp(x);
 #endif
+}
+
+// ------------------------------------------------------------------------- bfloat16
+// bfloat16 values are uint16_t (the upper half of a float's bits). Products take them in
+// pairs: `dot2(acc, a, b)` adds a.lo * b.lo + a.hi * b.hi per lane, where every 32-bit lane
+// of a and b holds two bfloat16 (the lower address in the low half), in float32. With
+// AVX-512 BF16 that is one vdpbf16ps; elsewhere the pairs are widened to float and take
+// two FMAs (the same products; the sums may round differently).
+typedef uint16_t bf16;
+typedef uint32_t bf16x2_u __attribute__((may_alias, aligned(2)));  // a pair, from any even address
+
+inline float bf16_to_float(bf16 x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even (finite inputs; a NaN stays a NaN, infinities stay).
+inline bf16 float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40);  // NaN stays quiet NaN
+  return bf16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// 16 floats to 16 bfloat16 at dst (round to nearest even).
+inline void store_bf16(bf16* dst, vf v) {
+#if defined(__AVX512BF16__)
+  const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
+  std::memcpy(dst, &h, sizeof h);
+#else
+  vi u;
+  std::memcpy(&u, &v, sizeof u);
+  const vi nan = (u & 0x7fffffff) > 0x7f800000;
+  vi r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  r = nan ? ((u >> 16) | 0x40) : r;
+  for (int i = 0; i < NR; ++i) dst[i] = bf16(r[i]);
+#endif
+}
+
+// 16 bfloat16 at src to floats.
+inline vf load_bf16(const bf16* src) {
+  vi u;
+  for (int i = 0; i < NR; ++i) u[i] = int32_t(uint32_t(src[i]) << 16);
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+inline vf dot2(vf acc, vf a, vf b) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
+                                               reinterpret_cast<__m512bh>(a),
+                                               reinterpret_cast<__m512bh>(b)));
+#else
+  vi ai, bi;
+  std::memcpy(&ai, &a, sizeof ai);
+  std::memcpy(&bi, &b, sizeof bi);
+  const vi ahi = ai & int32_t(0xffff0000u), bhi = bi & int32_t(0xffff0000u);
+  const vi alo = ai << 16, blo = bi << 16;
+  vf al, bl, ah, bh;
+  std::memcpy(&al, &alo, sizeof al), std::memcpy(&bl, &blo, sizeof bl);
+  std::memcpy(&ah, &ahi, sizeof ah), std::memcpy(&bh, &bhi, sizeof bh);
+  return acc + al * bl + ah * bh;
+#endif
+}
+
+// A pair of bfloat16 (32 bits at an even address) in every lane.
+inline vf splat_pair(const bf16* p) {
+  const uint32_t bits = *reinterpret_cast<const bf16x2_u*>(p);
+  vi u = vi{} + int32_t(bits);
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
 }
 
 // Horizontal sum and max of a vector, as trees (a lane-by-lane loop is a chain of 16

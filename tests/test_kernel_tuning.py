@@ -1,0 +1,239 @@
+"""Per-CPU kernel tuning (`hpnlp.kernels.tuning`) and what it feeds: the cache is used only
+when it is sound (corrupted, stale or foreign files are measured again, never used), the
+tuned blocks compute what the defaults compute (outputs and gradients to 1e-5), the
+attention backward split over key blocks for few heads, and the bfloat16 attention kernel
+against the float32 reference (bfloat16 tolerance, no NaN on fully masked rows). The
+portable build (no AVX-512) runs the same checks in a subprocess (slow)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hpnlp.attention.flash_cpu as F
+from hpnlp.attention.dense import dense_attention
+from hpnlp.kernels import tuning
+from hpnlp.rnn import fused
+
+
+class FakeKernel:
+    """What Tuning needs of a CpuKernel, with its cache in a temporary folder."""
+
+    what = "fake kernel"
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def library_path(self):
+        return os.path.join(self.folder, "fake-0123456789abcdef.so")
+
+    def available(self):
+        return True
+
+    def library(self):
+        return None
+
+
+def _tuning(folder, seconds, calls, candidates=None):
+    def probe(_lib, cfg):
+        calls.append(cfg["b"])
+        return seconds[cfg["b"]]
+    cands = candidates or [{"b": b} for b in sorted(seconds)]
+    t = tuning.Tuning(FakeKernel(folder), "pass", default={"b": 128}, candidates=cands,
+                      probe=probe, shape="test")
+    tuning.REGISTRY.remove(t)
+    return t
+
+
+def test_search_caches_and_keeps_the_default_within_noise(tmp_path):
+    calls = []
+    t = _tuning(tmp_path, {64: 1.0, 128: 1.02, 256: 1.5}, calls)  # 64 is 2% faster: noise
+    assert t.config() == {"b": 128} and t.source == "tuned"
+    assert calls[:4] == [128] * 4  # the default first: warmup + 3 repeats
+    calls.clear()
+    again = _tuning(tmp_path, {64: 1.0, 128: 1.02, 256: 1.5}, calls)
+    assert again.config() == {"b": 128} and again.source == "cache" and calls == []
+    faster = _tuning(tmp_path / "other", {64: 0.5, 128: 1.0, 256: 1.5}, [])
+    os.makedirs(tmp_path / "other")
+    assert faster.config() == {"b": 64}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "stale", "not a candidate"])
+def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage):
+    seconds = {64: 0.5, 128: 1.0, 256: 1.5}
+    _tuning(tmp_path, seconds, []).config()
+    path = _tuning(tmp_path, seconds, []).path()
+    with open(path) as f:
+        text = f.read()
+    data = json.loads(text)
+    if damage == "garbage":
+        text = "\x00\x13 not json"
+    elif damage == "truncated":
+        text = text[: len(text) // 2]
+    elif damage == "checksum":  # a hand edit: the choice changed, the checksum not
+        data["config"] = {"b": 256}
+        text = json.dumps(data)
+    elif damage == "stale":  # written for another candidate list (or kernel build)
+        data["key"] = "0" * 64
+        body = {k: v for k, v in data.items() if k != "checksum"}
+        text = json.dumps({**body, "checksum": tuning._checksum(body)})
+    else:  # consistent, but its choice is no candidate
+        data["config"] = {"b": 48}
+        body = {k: v for k, v in data.items() if k != "checksum"}
+        text = json.dumps({**body, "checksum": tuning._checksum(body)})
+    with open(path, "w") as f:
+        f.write(text)
+    calls = []
+    t = _tuning(tmp_path, seconds, calls)
+    with pytest.warns(RuntimeWarning, match="tuning cache .* is .*measuring again"):
+        assert t.config() == {"b": 64}
+    assert t.source == "tuned" and calls  # measured again
+    with open(path) as f:
+        assert t.check(json.load(f)) is None  # and rewritten sound
+
+
+def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
+    calls = []
+    t = _tuning(tmp_path, {64: 0.5, 128: 1.0}, calls)
+    assert t.config() == {"b": 128} and t.source == "default" and calls == []
+
+
+needs_flash = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
+needs_lstm = pytest.mark.skipif(not fused.available(), reason=str(fused.unavailable_reason()))
+
+
+def _qkv(B, L, H, D, seed, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q, k, v, w = (jax.random.normal(kk, (B, L, H, D)) for kk in ks)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), w
+
+
+def _segments(B, L):
+    """Row 0: packed segments, a padded tail and padded queries at the start (rows that
+    see no key); other rows one segment."""
+    seg = np.ones((B, L), np.int32)
+    seg[0, :5], seg[0, L // 2:], seg[0, -7:] = 0, 2, 0
+    return jnp.asarray(seg)
+
+
+def _out_and_grads(fn, q, k, v, w):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(w.astype(out.dtype)))
+
+
+@needs_flash
+@pytest.mark.parametrize("causal", [False, True])
+def test_tuned_attention_blocks_compute_what_the_defaults_do(causal):
+    (tf, tb), defaults = F.tuned_blocks(), (F.FWD_BLOCKS, F.BWD_BLOCKS)
+    q, k, v, w = _qkv(2, 300, 2, 64, seed=1)
+    seg = _segments(2, 300)
+    run = lambda fb, bb: _out_and_grads(  # noqa: E731
+        lambda q, k, v: F.flash_attention(q, k, v, seg, seg, causal=causal, fwd_blocks=fb,
+                                          bwd_blocks=bb), q, k, v, w)
+    for a, b in zip(run(tf, tb), run(*defaults)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_flash
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_head_on_two_threads_splits_its_key_blocks(causal):
+    """B*H = 1 < 2 threads: the backward splits the head's key blocks over the threads and
+    sums their dQ shares; the same as one thread and as the dense oracle."""
+    q, k, v, w = _qkv(1, 200, 1, 32, seed=2)
+    seg = _segments(1, 200)
+    blocks = dict(fwd_blocks=(32, 32), bwd_blocks=(32, 32))  # 7 key blocks to split
+    run = lambda t: _out_and_grads(lambda q, k, v: F.flash_attention(  # noqa: E731
+        q, k, v, seg, seg, causal=causal, threads=t, **blocks), q, k, v, w)
+    two, one = run(2), run(1)
+    want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal), q, k, v, w)
+    for a, b, c in zip(two, one, want):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(a, c, atol=1e-5, rtol=1e-5)
+
+
+def check_bfloat16(blocks=None):
+    """The bfloat16 kernel against the float32 oracle on the same (bfloat16) inputs: outputs
+    and gradients within bfloat16 tolerance, no NaN, and exact zeros on rows that see no
+    key. Shared with the portable-build subprocess below."""
+    for causal in (False, True):
+        q, k, v, w = _qkv(2, 150, 2, 32, seed=3, dtype=jnp.bfloat16)
+        seg = _segments(2, 150)
+        got = _out_and_grads(lambda q, k, v: F.flash_attention(
+            q, k, v, seg, seg, causal=causal, threads=2, **(blocks or {})), q, k, v, w)
+        assert all(x.dtype == jnp.bfloat16 for x in got)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal), *f32, w)
+        for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
+            a = np.asarray(a.astype(jnp.float32))
+            assert np.isfinite(a).all(), name
+            scale = float(np.abs(b).max())
+            np.testing.assert_allclose(a, b, atol=2e-2 * scale, err_msg=name)
+        out, dq = np.asarray(got[0].astype(jnp.float32)), np.asarray(got[1].astype(jnp.float32))
+        assert (out[0, :5] == 0).all() and (dq[0, :5] == 0).all()  # padded queries: zeros
+
+
+@needs_flash
+def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
+    hlo = jax.jit(lambda q: F.flash_attention(q, q, q)).lower(
+        jnp.zeros((1, 16, 1, 16), jnp.bfloat16)).as_text()
+    assert "hpnlp_flash_fwd_bf16" in hlo
+    check_bfloat16(dict(fwd_blocks=(32, 64), bwd_blocks=(32, 48)))  # tails, odd key counts
+    check_bfloat16()  # this CPU's tuned blocks
+
+
+@needs_lstm
+def test_tuned_lstm_blocking_computes_what_the_default_does():
+    L, B, H = 5, 11, 48
+    ks = jax.random.split(jax.random.key(0), 7)
+    xw = jax.random.normal(ks[0], (L, B, 4 * H))
+    b, w = jax.random.normal(ks[1], (4 * H,)) * 0.1, jax.random.normal(ks[2], (H, 4 * H)) / H ** 0.5
+    c0, h0 = jax.random.normal(ks[3], (B, H)), jax.random.normal(ks[4], (B, H))
+    valid = (jax.random.uniform(ks[5], (L, B)) > 0.2).astype(jnp.float32)
+    d_out = jax.random.normal(ks[6], (B, L, H))
+    tuned = {n: t.config() for n, t in fused.TUNINGS.items()}
+    results = []
+    for fwd_blk, bwd_blk in ((tuned["fwd"], tuned["bwd"]),
+                             (fused.DEFAULT_BLOCKING, fused.DEFAULT_BLOCKING),
+                             ({"kc": 16, "mr": 1}, {"kc": 32, "mr": 4})):
+        out, (c, h), hp, cc, act = fused.lstm_forward(xw, b, w, c0, h0, valid, blocking=fwd_blk)
+        grads = fused.lstm_backward(act, cc, c0, w, valid, d_out, h, c, blocking=bwd_blk)
+        results.append((out, c, h, *grads))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="blocking must be"):
+        fused.lstm_forward(xw, b, w, c0, h0, valid, blocking={"kc": 64, "mr": 9})
+
+
+PORTABLE = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import hpnlp.attention.flash_cpu as F
+from hpnlp.rnn import fused
+assert F.KERNEL.available(), F.KERNEL.unavailable_reason()
+assert "-march=x86-64-v3" in " ".join(__import__("hpnlp.kernels").kernels.flags())
+import test_kernel_tuning as T
+T.check_bfloat16()
+T.test_one_head_on_two_threads_splits_its_key_blocks(True)
+T.test_tuned_lstm_blocking_computes_what_the_default_does()
+print("portable ok")
+"""
+
+
+@pytest.mark.slow
+@needs_flash
+def test_portable_build_without_avx512(tmp_path):
+    """Built for x86-64-v3 (AVX2, no AVX-512, no BF16): the fallback paths compute the same."""
+    env = dict(os.environ, HPNLP_KERNEL_MARCH="x86-64-v3", HPNLP_KERNEL_TUNE="0",
+               HPNLP_KERNEL_CACHE=str(tmp_path))
+    code = PORTABLE.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "portable ok" in proc.stdout, proc.stderr[-3000:]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tune.json")]  # tuning was off
