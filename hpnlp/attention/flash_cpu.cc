@@ -37,6 +37,11 @@
 
 #include "simd.h"
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace ffi = xla::ffi;
 using namespace hpnlp;  // NOLINT: the kernel's vocabulary (vf, load, ...)
 
@@ -481,9 +486,9 @@ constexpr std::array<std::array<std::array<Tile2Fn, MR>, 4>, 2> kTiles2 = {
     nv_table2<true>(std::make_integer_sequence<int, 4>{})};
 
 // C[M, N] (+)= A[M, K] B[K, N], A bfloat16 rows (row stride ar), B in pairs of k (ldb
-// bfloat16 per pair row, >= 2 N), K even, N % NR == 0.
-void gemm2(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
-           float* c, ptrdiff_t ldc, bool accumulate) {
+// bfloat16 per pair row, >= 2 N), K even, N % NR == 0: vector registers.
+void gemm2_vec(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
+               float* c, ptrdiff_t ldc, bool accumulate) {
   if (K == 0) {
     if (!accumulate)
       for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
@@ -499,6 +504,102 @@ void gemm2(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrd
                                      c + i * ldc + n0, ldc);
     }
   }
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// AMX (Intel Sapphire Rapids and later): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile
+// by a 32 x 16 one (16 pair rows, the layout gemm2's B already has) into 16 x 16 float32,
+// 16 times the work of a vdpbf16ps. Linux grants the tile state per process on request
+// (arch_prctl, kernel >= 5.16); each thread loads the tile configuration once. Where the
+// request fails, gemm2 keeps to vector registers.
+bool amx_ready() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  if (!permitted) return false;
+  struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  };
+  // Palette 1: 8 tiles of 16 rows x 64 bytes. A static table: a stack copy built at run
+  // time was partly optimized away (the compiler does not see ldtilecfg read it).
+  static const TileConfig config = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                    {16, 16, 16, 16, 16, 16, 16, 16}};
+  thread_local bool configured = false;
+  if (!configured) {
+    _tile_loadconfig(&config);
+    configured = true;
+  }
+  return true;
+}
+
+// Rows [i, i + 16 NI) x columns [n, n + 16 NJ) of C over k in [0, K), K % 32 == 0: tiles 0-3
+// accumulate, 4-5 hold A, 6-7 hold B.
+template <int NI, int NJ>
+void amx_block(int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb, float* c,
+               ptrdiff_t ldc, bool accumulate) {
+  const ptrdiff_t sa = ar * 2, sb = ldb * 2, sc = ldc * 4;
+  float* c1 = c + 16 * ldc;
+  if (accumulate) {
+    _tile_loadd(0, c, sc);
+    if constexpr (NJ == 2) _tile_loadd(1, c + 16, sc);
+    if constexpr (NI == 2) _tile_loadd(2, c1, sc);
+    if constexpr (NI == 2 && NJ == 2) _tile_loadd(3, c1 + 16, sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (NJ == 2) _tile_zero(1);
+    if constexpr (NI == 2) _tile_zero(2);
+    if constexpr (NI == 2 && NJ == 2) _tile_zero(3);
+  }
+  for (int k = 0; k < K; k += 32) {
+    const bf16* bk = b + (k / 2) * ldb;
+    _tile_loadd(4, a + k, sa);
+    _tile_loadd(6, bk, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NJ == 2) {
+      _tile_loadd(7, bk + 32, sb);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NI == 2) {
+      _tile_loadd(5, a + 16 * ar + k, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NJ == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, sc);
+  if constexpr (NJ == 2) _tile_stored(1, c + 16, sc);
+  if constexpr (NI == 2) _tile_stored(2, c1, sc);
+  if constexpr (NI == 2 && NJ == 2) _tile_stored(3, c1 + 16, sc);
+}
+#endif
+
+// gemm2_vec's product: rows and k in whole tiles on AMX where the CPU has it, the rest
+// (a tail of rows, a tail of k) in vector registers.
+void gemm2(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
+           float* c, ptrdiff_t ldc, bool accumulate) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  const int M16 = M / 16 * 16, K32 = K / 32 * 32;
+  if (M16 > 0 && K32 > 0 && amx_ready()) {
+    for (int i = 0; i < M16; i += 32) {
+      const bool two_i = i + 32 <= M16;
+      for (int n = 0; n < N; n += 32) {
+        const bool two_n = n + 32 <= N;
+        const bf16* ai = a + i * ar;
+        const bf16* bn = b + 2 * n;
+        float* cin = c + i * ldc + n;
+        if (two_i && two_n) amx_block<2, 2>(K32, ai, ar, bn, ldb, cin, ldc, accumulate);
+        else if (two_i) amx_block<2, 1>(K32, ai, ar, bn, ldb, cin, ldc, accumulate);
+        else if (two_n) amx_block<1, 2>(K32, ai, ar, bn, ldb, cin, ldc, accumulate);
+        else amx_block<1, 1>(K32, ai, ar, bn, ldb, cin, ldc, accumulate);
+      }
+    }
+    if (K32 < K) gemm2_vec(M16, N, K - K32, a + K32, ar, b + (K32 / 2) * ldb, ldb, c, ldc, true);
+    if (M16 < M)
+      gemm2_vec(M - M16, N, K, a + M16 * ar, ar, b, ldb, c + M16 * ldc, ldc, accumulate);
+    return;
+  }
+#endif
+  gemm2_vec(M, N, K, a, ar, b, ldb, c, ldc, accumulate);
 }
 
 // Rows [0, n) of x (row stride ld, `cols` wide) in pairs of rows: out[r/2][c][r%2] =
