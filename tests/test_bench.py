@@ -10,7 +10,7 @@ import pytest
 
 from hpnlp import attention as attention_lib
 from hpnlp.bench import attention as bench_attention
-from hpnlp.bench import harness
+from hpnlp.bench import harness, report
 
 
 def test_time_jax_returns_ordered_stats():
@@ -51,13 +51,18 @@ def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, mon
     ok = [r for r in payload["results"] if r["status"] == "ok"]
     assert all(r["time"]["median_s"] > 0 for r in ok)
     assert all("gflops" in r for r in ok if r["impl"] in ("dense", "chunked", bench_attention.BOUND))
-    for row in (bench_attention.BOUND, bench_attention.XLA_TWIN):  # beside `chunked`'s kernel
+    for row in (bench_attention.BOUND, bench_attention.XLA_TWIN,  # beside `chunked`'s kernel
+                bench_attention.BF16_CHUNKED):
         assert {r["mode"] for r in ok if r["impl"] == row} == {"fwd", "fwd_bwd"}, row
+    assert all(r["status"].startswith("skipped: torch") for r in payload["results"]
+               if r["impl"] == bench_attention.BF16_TORCH)
+    assert "targets" not in payload  # L=4096 was not run: no target could be measured
     for f in ("results.json", "results.md", "attention_time_fwd.png",
               "attention_time_fwd_bwd.png", "attention_memory.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     md = open(os.path.join(out, "results.md")).read()
     assert "matrix-product rate" in md and "`chunked`" in md and "skipped" in md
+    assert "bfloat16 q, k, v and gradients: `chunked (bfloat16)`" in md
     assert json.load(open(os.path.join(out, "results.json")))["machine"]["cores"] >= 1
 
 
@@ -187,3 +192,105 @@ def test_lra_bench_reports_accuracy_beside_baseline_and_relative_speed(tmp_path,
     md = open(os.path.join(out, "results.md")).read()
     assert "`local`" in md and "majority class" in md and "listops acc." in md
     assert os.path.getsize(os.path.join(out, "lra_accuracy_speed.png")) > 0
+
+
+def test_target_meets_its_bound_and_not_measured_never_does():
+    assert report.target(0.7, 0.8, "<=") == {"value": 0.7, "bound": 0.8, "op": "<=", "met": True}
+    assert not report.target(0.81, 0.8, "<=")["met"] and report.target(2.0, 2.0, ">=")["met"]
+    assert report.target(None, 2.0, ">=") == {"value": None, "bound": 2.0, "op": ">=", "met": False}
+    assert report.ratio(1.0, None) is None and report.ratio(None, 2.0) is None
+    with pytest.raises(ValueError, match="op"):
+        report.target(1.0, 1.0, ">")
+
+
+def test_targets_table_renders_measured_bound_and_met():
+    md = report.targets_md({"fast": report.target(0.5, 0.8, "<="),
+                            "slow": report.target(3.0, 2.0, "<="),
+                            "missing": report.target(None, 1.5, ">=")})
+    assert md.startswith("### Targets\n\n| target | measured | bound | met |")
+    assert "| `fast` | 0.500 | <= 0.8 | yes |" in md and "| `slow` | 3.000 | <= 2.0 | NO |" in md
+    assert "| `missing` | not measured | >= 1.5 | NO |" in md
+    assert report.targets_md(None) == "" and report.targets_md({}) == ""
+
+
+def _attention_row(impl, L, mode, median_s=None, status="ok"):
+    row = {"impl": impl, "L": L, "mode": mode, "causal": False, "status": status}
+    if median_s is not None:
+        row["time"] = {"median_s": median_s, "min_s": median_s, "max_s": median_s}
+        row["gflops"] = 1.0
+    return row
+
+
+def test_attention_targets_are_chunked_over_torch_at_4096():
+    ba = bench_attention
+    res = [_attention_row("chunked", 4096, "fwd_bwd", 0.4),
+           _attention_row("torch.scaled_dot_product_attention", 4096, "fwd_bwd", 0.5),
+           _attention_row("chunked", 1024, "fwd_bwd", 0.01),  # another L: not a target
+           _attention_row(ba.BF16_CHUNKED, 4096, "fwd_bwd", 0.3),
+           _attention_row(ba.BF16_TORCH, 4096, "fwd_bwd", status="skipped: torch not installed")]
+    t = ba._targets(res)
+    assert set(t) == {"chunked_vs_torch_f32", "chunked_vs_torch_bf16"}
+    assert t["chunked_vs_torch_f32"] == {"value": pytest.approx(0.8), "bound": 0.8, "op": "<=",
+                                         "met": True}
+    assert t["chunked_vs_torch_bf16"] == {"value": None, "bound": 0.8, "op": "<=", "met": False}
+    res[3:] = [_attention_row(ba.BF16_TORCH, 4096, "fwd_bwd", 0.2)]  # bf16 chunked failed
+    assert ba._targets(res)["chunked_vs_torch_bf16"]["value"] is None
+    res.append(_attention_row(ba.BF16_CHUNKED, 4096, "fwd_bwd", 0.3))
+    assert ba._targets(res)["chunked_vs_torch_bf16"] == {"value": pytest.approx(1.5), "bound": 0.8,
+                                                         "op": "<=", "met": False}
+
+
+def test_attention_markdown_shows_targets_and_bf16_rows():
+    ba = bench_attention
+    res = [_attention_row(i, 4096, m, s) for i, s in (("chunked", 0.4), (ba.BF16_CHUNKED, 0.3))
+           for m in ("fwd", "fwd_bwd")]
+    payload = {"machine": harness.machine_info(), "isolated": False,
+               "matmul_gflops": {"float32": 100.0, "bfloat16": 50.0},
+               "shape": {"B": 1, "H": 8, "D": 64, "causal": False}, "results": res,
+               "summary": {"speedup_vs_reference": {"fwd_bwd": {}}, "exponents": {},
+                           "crossover_L": {}},
+               "targets": ba._targets(res)}
+    md = ba._markdown(payload)
+    assert "float32 (bfloat16 q, k, v and gradients: `chunked (bfloat16)`;" in md
+    assert "| `chunked (bfloat16)` |" in md and "1.0 (2%)" in md  # 1 GFLOP/s of the bf16 50
+    assert "### Targets" in md and "| `chunked_vs_torch_f32` | not measured | <= 0.8 | NO |" in md
+    del payload["targets"]
+    assert "### Targets" not in ba._markdown(payload)
+
+
+def test_machine_info_names_the_cpu_precisely(tmp_path):
+    info = harness.machine_info()
+    if not os.path.exists("/proc/cpuinfo") or info["machine"] not in ("x86_64", "AMD64"):
+        pytest.skip("cpu_detail's vendor and family come from an x86 Linux /proc/cpuinfo")
+    d = info["cpu_detail"]
+    assert d["vendor"] in ("GenuineIntel", "AuthenticAMD") and isinstance(d["family"], int)
+    assert isinstance(d["features"], list) and set(d["features"]) <= set(harness.KERNEL_ISA)
+    assert d["features"] == sorted(d["features"])
+    line = report.cpu_md(info)
+    assert line.startswith(f"- CPU: {info['cpu']}; {d['vendor']} family {d['family']}")
+    assert "- CPU: " in report.header_md(info, {})
+    # Missing files: fields absent, no error; results recorded before cpu_detail still render.
+    assert harness.cpu_detail(str(tmp_path / "no"), str(tmp_path / "no")) == {}
+    old = {k: v for k, v in info.items() if k != "cpu_detail"}
+    assert report.cpu_md(old) is None and "- machine: " in report.header_md(old, {})
+
+
+def test_cpu_detail_reads_the_first_processor_and_its_caches(tmp_path):
+    (tmp_path / "cpuinfo").write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC 9654\nstepping\t: 1\nflags\t\t: fpu avx2 fma avx512f "
+        "avx512_bf16 sse\n\nprocessor\t: 1\nvendor_id\t: other\n")
+    for i, (level, kind, size) in enumerate([("1", "Data", "32K"), ("1", "Instruction", "32K"),
+                                             ("2", "Unified", "1024K"), ("3", "Unified", "32M")]):
+        d = tmp_path / "cache" / f"index{i}"
+        d.mkdir(parents=True)
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (d / name).write_text(text + "\n")
+    d = harness.cpu_detail(str(tmp_path / "cpuinfo"), str(tmp_path / "cache"))
+    assert d == {"vendor": "AuthenticAMD", "family": 25, "model": 17, "stepping": 1,
+                 "features": ["avx2", "avx512_bf16", "avx512f", "fma"],
+                 "cache_bytes": {"l1d": 32 * 2**10, "l2": 2**20, "l3": 32 * 2**20}}
+    line = report.cpu_md({"cpu": "AMD EPYC 9654", "cpu_detail": d})
+    assert line == ("- CPU: AMD EPYC 9654; AuthenticAMD family 25, model 17, stepping 1; ISA: avx2, "
+                    "avx512_bf16, avx512f, fma; caches: L1d 32 KiB per core, L2 1 MiB per core, "
+                    "L3 32 MiB")

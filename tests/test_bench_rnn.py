@@ -4,6 +4,8 @@ out. No timing assertions."""
 import json
 import os
 
+import pytest
+
 from hpnlp.bench import rnn as bench_rnn
 
 
@@ -22,3 +24,28 @@ def test_rnn_bench_writes_results_table_and_plot(tmp_path):
     md = open(os.path.join(out, "results.md")).read()
     assert "matrix-product rate" in md and "`flax GRUCell`" in md and "vs `flax" in md
     assert json.load(open(os.path.join(out, "results.json")))["shape"]["L"] == 8
+    assert "targets" not in payload  # the LSTM rows were not asked for
+
+
+def _row(impl, mode, median_s=None):
+    if median_s is None:
+        return {"impl": impl, "cell": "lstm", "mode": mode, "status": "failed: X"}
+    return {"impl": impl, "cell": "lstm", "mode": mode, "status": "ok", "cpu_s": median_s,
+            "gflops": 1.0, "time": {"median_s": median_s, "min_s": median_s, "max_s": median_s}}
+
+
+def test_rnn_targets_are_flax_time_over_ours():
+    res = [_row("hpnlp LSTM", "fwd", 1.0), _row("hpnlp LSTM", "fwd_bwd", None),
+           _row("flax OptimizedLSTMCell", "fwd", 1.6), _row("flax OptimizedLSTMCell", "fwd_bwd", 5.0)]
+    t = bench_rnn._targets(res)
+    assert t == {"lstm_fwd_bwd_vs_flax": {"value": None, "bound": 2.0, "op": ">=", "met": False},
+                 "lstm_fwd_vs_flax": {"value": pytest.approx(1.6), "bound": 1.5, "op": ">=",
+                                      "met": True}}
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},  # recorded before cpu_detail
+               "matmul_gflops": {"float32": 100.0}, "shape": dict(B=2, L=8, E=8, H=8),
+               "results": res, "targets": t,
+               "summary": {"speedup_vs_flax": {}}}
+    md = bench_rnn._markdown(payload)
+    assert "| `lstm_fwd_bwd_vs_flax` | not measured | >= 2.0 | NO |" in md
+    assert "| `lstm_fwd_vs_flax` | 1.600 | >= 1.5 | yes |" in md and "- CPU:" not in md

@@ -10,7 +10,15 @@ report achieved GFLOP/s and the fraction of this machine's measured matmul rate.
 "chunked (xla)" times the same algorithm as the XLA program it runs off the CPU, and
 (bidirectional runs) the row "chunked products only" times that program's block matrix
 products alone, without the softmax arithmetic: the floor of any XLA-built design here,
-which the kernel gets under by keeping each tile in its core's cache.
+which the kernel gets under by keeping each tile in its core's cache. Beside `chunked`
+also run "chunked (bfloat16)" (the registry's `chunked`, default options, on the same
+q, k, v cast to bfloat16; its gradients are bfloat16) and PyTorch's SDPA on bfloat16
+tensors, "torch.scaled_dot_product_attention (bfloat16)".
+
+Targets (`targets` in results.json, a "### Targets" table in results.md; bidirectional
+runs that include `chunked` and L=4096): `chunked` forward+backward time over PyTorch
+SDPA's at L=4096, float32 (`chunked_vs_torch_f32`) and bfloat16 (`chunked_vs_torch_bf16`),
+each <= 0.8.
 
 FLOP convention: forward = 4·B·H·L²·D (QKᵀ and PV; halved when causal), backward = 2x
 forward, so forward+backward = 3x forward. Approximations are reported by time only.
@@ -35,19 +43,33 @@ PEERS = ("jax.nn.dot_product_attention", "flax.linen.dot_product_attention",
 # Not an attention: the bound for `chunked` (see `_products_only`); bidirectional only.
 BOUND = "chunked products only"
 XLA_TWIN = "chunked (xla)"  # `chunked` with impl='xla': its kernel's XLA twin
+# bfloat16 q, k, v (and gradients): `chunked` and PyTorch's SDPA, beside their float32 rows.
+BF16_CHUNKED = "chunked (bfloat16)"
+BF16_TORCH = "torch.scaled_dot_product_attention (bfloat16)"
+BF16 = {BF16_CHUNKED, BF16_TORCH}
 # O(L^2) memory (the estimate below skips what cannot fit). PyTorch's CPU SDPA is a flash
 # kernel, O(L): it runs at 16K too.
 QUADRATIC = {"dense", "xla", "synthesizer", *PEERS} - {"torch.scaled_dot_product_attention"}
-# Never run past 16K: the quadratic ones, and the peers and XLA rows beside them.
-SHORT = QUADRATIC | set(PEERS) | {BOUND, XLA_TWIN}
-EXACT = {"dense", "xla", "chunked", XLA_TWIN, BOUND, *PEERS}
+# Never run past 16K: the quadratic ones, and the peers, XLA and bfloat16 rows beside them.
+SHORT = QUADRATIC | set(PEERS) | {BOUND, XLA_TWIN} | BF16
+EXACT = {"dense", "xla", "chunked", XLA_TWIN, BOUND, *PEERS, *BF16}
 REFERENCE = "jax.nn.dot_product_attention"
+TARGET_L = 4096
+# name -> (our row, PyTorch's row, bound on the fwd_bwd time ratio ours / PyTorch's).
+TARGETS = {"chunked_vs_torch_f32": ("chunked", "torch.scaled_dot_product_attention", 0.8),
+           "chunked_vs_torch_bf16": (BF16_CHUNKED, BF16_TORCH, 0.8)}
 
 
-def _inputs(L: int, *, B: int, H: int, D: int, seed: int = 0):
+def _inputs(L: int, *, B: int, H: int, D: int, seed: int = 0, dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(seed), 3)
-    # Unit-variance logits, like trained attention: q, k scaled by D^-1/4 each.
-    return tuple(jax.random.normal(k, (B, L, H, D), jnp.float32) * (D ** -0.25) for k in ks)
+    # Unit-variance logits, like trained attention: q, k scaled by D^-1/4 each. Other
+    # dtypes get the same values, rounded.
+    return tuple((jax.random.normal(k, (B, L, H, D), jnp.float32) * (D ** -0.25)).astype(dtype)
+                 for k in ks)
+
+
+def _dtype(impl: str):
+    return jnp.bfloat16 if impl in BF16 else jnp.float32
 
 
 def _products_only(L: int, *, B, H, D):
@@ -115,10 +137,13 @@ def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
         return lambda q, k, v: nn.dot_product_attention(q, k, v)
     if impl == XLA_TWIN:
         module = attention_lib.get("chunked")(impl="xla")
+    elif impl == BF16_CHUNKED:
+        module = attention_lib.get("chunked")()
     else:
         module = attention_lib.get(impl)(**harness.length_options(impl, L))
     key = jax.random.key(0)
-    params = module.init({"params": key, "features": key}, *_inputs(L, B=B, H=H, D=D), None,
+    params = module.init({"params": key, "features": key},
+                         *_inputs(L, B=B, H=H, D=D, dtype=_dtype(impl)), None,
                          causal=causal, deterministic=True)
     return lambda q, k, v: module.apply(params, q, k, v, None, causal=causal, deterministic=True,
                                         rngs={"features": key})
@@ -140,6 +165,8 @@ def measure(spec: dict) -> dict:
             return {**out, "status": "skipped: torch not installed (pip install -e '.[bench]')"}
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, generator=g) * D ** -0.25 for _ in range(3))
+        if impl == BF16_TORCH:
+            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if mode == "fwd":
             def run():
@@ -158,7 +185,7 @@ def measure(spec: dict) -> dict:
         else:
             fwd = _jax_fn(impl, L, causal, B=B, H=H, D=D)
             fn = fwd if mode == "fwd" else jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
-        args = _inputs(L, B=B, H=H, D=D)
+        args = _inputs(L, B=B, H=H, D=D, dtype=_dtype(impl))
         t = harness.time_jax(fn, *args, repeats=repeats, warmup=1, min_time_s=0.3,
                              max_time_s=spec.get("max_time_s"))
         out["compiled_memory"], out["time"] = t.memory, t.as_dict()
@@ -191,7 +218,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     if causal:
         impls = [i for i in impls if i in PEERS or attention_lib.get(i).supports_causal]
     if "chunked" in impls:
-        impls += [XLA_TWIN] if causal else [XLA_TWIN, BOUND]
+        impls += ([XLA_TWIN] if causal else [XLA_TWIN, BOUND]) + [BF16_CHUNKED, BF16_TORCH]
     os.makedirs(out_dir, exist_ok=True)
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     info = harness.machine_info()
@@ -227,6 +254,8 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     payload = {"benchmark": "attention", "machine": info, "matmul_gflops": rates,
                "shape": {"B": B, "H": H, "D": D, "causal": causal}, "isolated": isolate,
                "results": results}
+    if "chunked" in impls and TARGET_L in lengths and not causal:
+        payload["targets"] = _targets(results)
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "attention", payload, _markdown(payload))
     return payload
@@ -237,6 +266,15 @@ def _get(results, impl, L, mode):
         if r["impl"] == impl and r["L"] == L and r["mode"] == mode and r.get("status") == "ok":
             return r
     return None
+
+
+def _targets(results: list[dict]) -> dict:
+    """The issue's targets, from this run's rows at `TARGET_L`: a row that did not run
+    (torch missing, a failure) leaves its target not measured (value None, not met)."""
+    def median(impl):
+        return ((_get(results, impl, TARGET_L, "fwd_bwd") or {}).get("time") or {}).get("median_s")
+    return {name: report.target(report.ratio(median(ours), median(peer)), bound, "<=")
+            for name, (ours, peer, bound) in TARGETS.items()}
 
 
 def _summarize(payload: dict, out_dir: str) -> dict:
@@ -284,10 +322,13 @@ def _summarize(payload: dict, out_dir: str) -> dict:
 
 def _markdown(payload: dict) -> str:
     res, shape = payload["results"], payload["shape"]
-    peak = payload["matmul_gflops"]["float32"]
-    parts = [report.header_md(payload["machine"], payload["matmul_gflops"]), "",
+    rates = payload["matmul_gflops"]
+    bf16_rows = sorted({r["impl"] for r in res} & BF16)
+    dtypes = "float32" + (f" (bfloat16 q, k, v and gradients: {', '.join(f'`{i}`' for i in bf16_rows)};"
+                          " their % of matmul is of the bfloat16 rate)" if bf16_rows else "")
+    parts = [report.header_md(payload["machine"], rates), "",
              f"Shape: B={shape['B']}, H={shape['H']}, D={shape['D']}, causal={shape['causal']}, "
-             f"float32. Times are medians (min–max) in ms; speedup is against `{REFERENCE}` "
+             f"{dtypes}. Times are medians (min–max) in ms; speedup is against `{REFERENCE}` "
              f"at the same L in this run; memory is the compiled executable's (arguments + "
              f"outputs + temporaries) and the peak RSS of a fresh process "
              f"({'measured' if payload['isolated'] else 'not measured: --quick runs in one process'}).", ""]
@@ -306,11 +347,15 @@ def _markdown(payload: dict) -> str:
             cells.append(report.fmt(b.get("compiled_memory", {}).get("total_bytes"), "MiB"))
             cells.append(report.fmt(b.get("peak_rss_bytes"), "MiB"))
             g = b.get("gflops")
+            peak = rates.get(jnp.dtype(_dtype(r["impl"])).name, rates["float32"])
             cells.append(f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "–")
             rows.append(cells)
         parts += [f"### L = {L}", "", report.table(
             ["impl", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup", "compiled MiB", "peak RSS MiB",
              "fwd+bwd GFLOP/s (% of matmul)"], rows), ""]
+    if payload.get("targets"):
+        parts += [report.targets_md(payload["targets"]), "",
+                  f"Each ratio is our forward+backward median over PyTorch's at L = {TARGET_L}.", ""]
     exps = payload["summary"]["exponents"].get("fwd_bwd", {})
     cross = payload["summary"]["crossover_L"].get("fwd_bwd", {})
     parts += ["### Scaling (forward+backward)", "", report.table(

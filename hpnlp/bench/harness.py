@@ -205,6 +205,65 @@ def _version(mod: str) -> str | None:
         return None
 
 
+# The instruction-set extensions hpnlp's kernels choose paths by (`/proc/cpuinfo` flags).
+KERNEL_ISA = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_vpopcntdq", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def _cache_bytes(size: str) -> int:
+    """A sysfs cache size ("48K", "2048K", "32M" or plain bytes) in bytes."""
+    size = size.strip()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:].upper(), 1)
+    return int(size[:-1] if scale > 1 else size) * scale
+
+
+def cpu_detail(cpuinfo: str = "/proc/cpuinfo",
+               cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
+    """The first CPU's identity, the `KERNEL_ISA` extensions it has and its cache sizes:
+    {"vendor", "family", "model", "stepping", "features": sorted list, "cache_bytes":
+    {"l1d", "l2", "l3"}}. The model name alone cannot tell a VM's Xeon generations apart
+    ("Intel(R) Xeon(R) Processor"). Fails soft: what a file does not say is left out."""
+    out: dict = {}
+    fields = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block only
+                k, _, v = line.partition(":")
+                fields.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    for key, name in (("vendor_id", "vendor"), ("cpu family", "family"), ("model", "model"),
+                      ("stepping", "stepping")):
+        if key in fields:
+            out[name] = int(fields[key]) if fields[key].isdigit() else fields[key]
+    flags = fields.get("flags", fields.get("Features"))
+    if flags is not None:
+        have = set(flags.split())
+        out["features"] = sorted(x for x in KERNEL_ISA if x in have)
+    def read(*path):
+        with open(os.path.join(cache_dir, *path)) as f:
+            return f.read().strip()
+
+    caches = {}
+    try:
+        entries = sorted(e for e in os.listdir(cache_dir) if e.startswith("index"))
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
+            name = {("1", "Data"): "l1d", ("2", "Unified"): "l2", ("3", "Unified"): "l3"}.get(
+                (read(entry, "level"), read(entry, "type")))
+            if name:
+                caches[name] = _cache_bytes(read(entry, "size"))
+        except (OSError, ValueError):
+            continue
+    if caches:
+        out["cache_bytes"] = caches
+    return out
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or ""
     try:
@@ -217,6 +276,7 @@ def machine_info() -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": platform.machine(),
         "cpu": cpu,
+        "cpu_detail": cpu_detail(),
         "cores": os.cpu_count(),
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()],

@@ -13,12 +13,42 @@ matplotlib.use("Agg")
 from hpnlp.bench.harness import fit_exponent  # noqa: E402
 
 
+def _bytes_short(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def cpu_md(info: dict) -> str | None:
+    """The CPU line: model name, vendor, family/model/stepping, the kernels' ISA
+    extensions and the cache sizes (`harness.cpu_detail`), so a reader can tell one Xeon
+    generation, or an EPYC, from another. None for results recorded without `cpu_detail`."""
+    d = info.get("cpu_detail")
+    if not d:
+        return None
+    parts = [info.get("cpu") or "?"]
+    ident = ", ".join(f"{k} {d[k]}" for k in ("family", "model", "stepping") if k in d)
+    parts.append(" ".join(x for x in (d.get("vendor"), ident) if x))
+    if "features" in d:
+        parts.append("ISA: " + (", ".join(d["features"]) or "none of the kernels' extensions"))
+    c = d.get("cache_bytes", {})
+    caches = [f"{label} {_bytes_short(c[k])}{' per core' if k != 'l3' else ''}"
+              for k, label in (("l1d", "L1d"), ("l2", "L2"), ("l3", "L3")) if k in c]
+    if caches:
+        parts.append("caches: " + ", ".join(caches))
+    return "- CPU: " + "; ".join(p for p in parts if p)
+
+
 def header_md(info: dict, rates: dict) -> str:
     v = info["versions"]
     vers = ", ".join(f"{k} {x}" for k, x in v.items() if x)
     lines = [f"- date: {info['date']}",
-             f"- machine: {info['cpu']} ({info['machine']}), {info['cores']} cores, backend `{info['backend']}`",
-             f"- versions: {vers}"]
+             f"- machine: {info['cpu']} ({info['machine']}), {info['cores']} cores, backend `{info['backend']}`"]
+    cpu = cpu_md(info)
+    if cpu:
+        lines.append(cpu)
+    lines.append(f"- versions: {vers}")
     for name, r in rates.items():
         lines.append(f"- measured {name} matrix-product rate: {r:.1f} GFLOP/s")
     return "\n".join(lines)
@@ -44,6 +74,33 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
+
+
+TARGET_OPS = (">=", "<=")
+
+
+def target(value: float | None, bound: float, op: str) -> dict:
+    """One entry of a results.json `targets` map: the measured `value` (None: not
+    measured, which never meets its target), the issue's `bound` and `op`, and `met`."""
+    if op not in TARGET_OPS:
+        raise ValueError(f"target op {op!r} is not one of {TARGET_OPS}")
+    met = value is not None and (value >= bound if op == ">=" else value <= bound)
+    return {"value": value, "bound": bound, "op": op, "met": bool(met)}
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, or None when either was not measured."""
+    return num / den if num is not None and den else None
+
+
+def targets_md(targets: dict | None) -> str:
+    """The "### Targets" table of a payload's `targets` map ("" when it has none)."""
+    if not targets:
+        return ""
+    rows = [[f"`{name}`", "not measured" if t["value"] is None else f"{t['value']:.3f}",
+             f"{t['op']} {t['bound']}", "yes" if t["met"] else "NO"]
+            for name, t in targets.items()]
+    return "### Targets\n\n" + table(["target", "measured", "bound", "met"], rows)
 
 
 def write(out_dir: str, name: str, payload: dict, markdown: str) -> None:

@@ -13,6 +13,10 @@ this machine's matmul rate, and the speedup over the flax peer in the same run.
 
 Full: B=32, L=256, E=H=512 (a few minutes). `--quick`: B=8, L=32, E=H=64 (seconds).
 
+Targets (`targets` in results.json, a "### Targets" table in results.md; runs that include
+both rows): the flax `OptimizedLSTMCell` layer's median time over `hpnlp LSTM`'s,
+forward+backward >= 2.0 (`lstm_fwd_bwd_vs_flax`) and forward >= 1.5 (`lstm_fwd_vs_flax`).
+
 FLOP convention: forward = 2·B·L·(E+H)·K·H (the input and recurrent products; K = 4 gates
 for the LSTM, 3 for the GRU), forward+backward = 3x forward; gate arithmetic is not
 counted.
@@ -48,6 +52,9 @@ IMPLS = {
     "LSTM matrix products only": ("lstm", "flax OptimizedLSTMCell", None),
 }
 SIZES = {"full": dict(B=32, L=256, E=512, H=512), "quick": dict(B=8, L=32, E=64, H=64)}
+# name -> (mode, bound on the speedup flax time / ours; "hpnlp LSTM" against flax's cell).
+TARGET_ROWS = ("hpnlp LSTM", "flax OptimizedLSTMCell")
+TARGETS = {"lstm_fwd_bwd_vs_flax": ("fwd_bwd", 2.0), "lstm_fwd_vs_flax": ("fwd", 1.5)}
 
 
 def _flops(kind: str, *, B, L, E, H) -> float:
@@ -156,6 +163,8 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
     results = measure(names, repeats=repeats, **shape)
     payload = {"benchmark": "rnn", "machine": info, "matmul_gflops": rates, "shape": shape,
                "results": results}
+    if set(TARGET_ROWS) <= set(names):
+        payload["targets"] = _targets(results)
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "rnn", payload, _markdown(payload))
     return payload
@@ -164,6 +173,18 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
 def _get(results, impl, mode):
     return next((r for r in results if r["impl"] == impl and r["mode"] == mode
                  and r.get("status") == "ok"), None)
+
+
+def _targets(results: list[dict]) -> dict:
+    """The issue's targets from this run's rows; a row that failed leaves its target not
+    measured (value None, not met)."""
+    ours, flax_row = TARGET_ROWS
+
+    def median(impl, mode):
+        return ((_get(results, impl, mode) or {}).get("time") or {}).get("median_s")
+    return {name: report.target(report.ratio(median(flax_row, mode), median(ours, mode)),
+                                bound, ">=")
+            for name, (mode, bound) in TARGETS.items()}
 
 
 def _summarize(payload: dict, out_dir: str) -> dict:
@@ -217,13 +238,16 @@ def _markdown(payload: dict) -> str:
             report.fmt(r.get("cpu_s"), "ms"),
             f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r.get("gflops") else "–",
             f"{sp['wall']:.2f}x / {sp['cpu']:.2f}x vs `{sp['vs']}`" if sp else "–"])
+    targets = [report.targets_md(payload["targets"]), "",
+               f"Each is `{TARGET_ROWS[1]}`'s median wall time over `{TARGET_ROWS[0]}`'s.", ""] \
+        if payload.get("targets") else []
     return "\n".join([
         report.header_md(payload["machine"], payload["matmul_gflops"]), "",
         f"Shape: B={s['B']}, L={s['L']}, E={s['E']}, H={s['H']}, float32, no padding. Wall times "
         "are medians (min–max) in ms; CPU is the process time of one call; speedup "
         "is the flax peer's time over ours in this run (wall / CPU).", "",
         report.table(["impl", "mode", "wall ms", "CPU ms", "GFLOP/s (% of matmul)", "speedup"],
-                     rows), "", "Plot: `rnn_time.png`."])
+                     rows), "", *targets, "Plot: `rnn_time.png`."])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
