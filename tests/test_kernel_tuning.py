@@ -17,6 +17,7 @@ import pytest
 
 import hpnlp.attention.flash_cpu as F
 from hpnlp.attention.dense import dense_attention
+from hpnlp import kernels
 from hpnlp.kernels import tuning
 from hpnlp.rnn import fused
 
@@ -185,6 +186,11 @@ def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
     assert "hpnlp_flash_fwd_bf16" in hlo
     check_bfloat16(dict(fwd_blocks=(32, 64), bwd_blocks=(32, 48)))  # tails, odd key counts
     check_bfloat16()  # this CPU's tuned blocks
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    if "avx512_bf16" in flags and kernels.march() == "native":  # the products this CPU has
+        assert F.bf16_products() in (("amx", "avx512_bf16") if "amx_bf16" in flags
+                                     else ("avx512_bf16",))
 
 
 @needs_lstm
@@ -217,9 +223,11 @@ sys.path.insert(0, {tests!r})
 import hpnlp.attention.flash_cpu as F
 from hpnlp.rnn import fused
 assert F.KERNEL.available(), F.KERNEL.unavailable_reason()
-assert "-march=x86-64-v3" in " ".join(__import__("hpnlp.kernels").kernels.flags())
+from hpnlp import kernels
+assert "-march=x86-64-v3" in " ".join(kernels.flags())
 import test_kernel_tuning as T
 T.check_bfloat16()
+assert F.bf16_products() == "float32", F.bf16_products()
 T.test_one_head_on_two_threads_splits_its_key_blocks(True)
 T.test_tuned_lstm_blocking_computes_what_the_default_does()
 print("portable ok")

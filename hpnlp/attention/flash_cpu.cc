@@ -51,22 +51,21 @@ constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 pane
 constexpr int KC = 256;  // k per cache block of a product
 
 // C[R, NV*NR] (+)= A[R, K] B[K, NV*NR]; A(i, k) = a[i*ar + k*ac], B row-major (ldb).
-// `Acc` (add to C) is a template argument: a runtime choice makes GCC keep the
-// accumulators on the stack around the loop.
-template <int R, int NV, bool Acc>
-void tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b, ptrdiff_t ldb,
+// `Acc` (add to C) and `Rows` (ac == 1: A read along its rows) are template arguments: a
+// runtime choice makes GCC keep the accumulators on the stack around the loop, or version
+// the loop and merge the versions' accumulators through the stack after it.
+template <int R, int NV, bool Acc, bool Rows>
+void tile(const float* a, ptrdiff_t ar, ptrdiff_t ac_arg, int K, const float* b, ptrdiff_t ldb,
           float* c, ptrdiff_t ldc) {
+  const ptrdiff_t ac = Rows ? 1 : ac_arg;
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};
-  const float* pa[R];
-  for (int r = 0; r < R; ++r) pa[r] = a + r * ar;
   for (int k = 0; k < K; ++k, b += ldb) {
     vf bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = load(b + v * NR);
-    const ptrdiff_t o = k * ac;
     for (int r = 0; r < R; ++r) {
-      const float x = pa[r][o];
+      const float x = a[r * ar + k * ac];
       for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
     }
   }
@@ -76,25 +75,30 @@ void tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b, ptr
 
 using TileFn = void (*)(const float*, ptrdiff_t, ptrdiff_t, int, const float*, ptrdiff_t,
                         float*, ptrdiff_t);
+using TileTable = std::array<std::array<std::array<TileFn, MR>, 4>, 2>;  // [acc][NV - 1][R - 1]
 
-// kTiles[acc][NV - 1][R - 1]
-template <bool Acc, int NV, int... R>
+template <bool Acc, bool Rows, int NV, int... R>
 constexpr std::array<TileFn, MR> row_table(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1, NV, Acc>...};
+  return {&tile<R + 1, NV, Acc, Rows>...};
 }
 
-template <bool Acc, int... NV>
+template <bool Acc, bool Rows, int... NV>
 constexpr std::array<std::array<TileFn, MR>, 4> nv_table(std::integer_sequence<int, NV...>) {
-  return {row_table<Acc, NV + 1>(std::make_integer_sequence<int, MR>{})...};
+  return {row_table<Acc, Rows, NV + 1>(std::make_integer_sequence<int, MR>{})...};
 }
 
-constexpr std::array<std::array<std::array<TileFn, MR>, 4>, 2> kTiles = {
-    nv_table<false>(std::make_integer_sequence<int, 4>{}),
-    nv_table<true>(std::make_integer_sequence<int, 4>{})};
+template <bool Rows>
+constexpr TileTable tile_table() {
+  return {nv_table<false, Rows>(std::make_integer_sequence<int, 4>{}),
+          nv_table<true, Rows>(std::make_integer_sequence<int, 4>{})};
+}
+
+constexpr TileTable kRowTiles = tile_table<true>(), kColTiles = tile_table<false>();
 
 // C[M, N] (+)= A[M, K] B[K, N] with A(i, k) = a[i*ar + k*ac], B row-major, N % NR == 0.
-// Register blocks of MR rows x 4 vectors; k in blocks of KC, so a block of B (at most
-// KC x 64 floats) stays in L1 while every block of rows passes over it.
+// Register blocks of up to MR rows (near-equal: 128 rows are 18 blocks of 6 and 4 of 5,
+// not 21 of 6 and one of 2) x 4 vectors; k in blocks of KC, so a block of B (at most KC x
+// 64 floats) stays in L1 while every block of rows passes over it.
 void gemm(int M, int N, int K, const float* a, ptrdiff_t ar, ptrdiff_t ac, const float* b,
           ptrdiff_t ldb, float* c, ptrdiff_t ldc, bool accumulate) {
   if (K == 0) {
@@ -102,14 +106,19 @@ void gemm(int M, int N, int K, const float* a, ptrdiff_t ar, ptrdiff_t ac, const
       for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
     return;
   }
+  const TileTable& table = ac == 1 ? kRowTiles : kColTiles;
+  const int blocks = (M + MR - 1) / MR;
   for (int k0 = 0; k0 < K; k0 += KC) {
     const int kc = std::min(KC, K - k0);
     const bool acc_in = accumulate || k0 > 0;
     for (int n0 = 0; n0 < N; n0 += 4 * NR) {
-      const auto& fns = kTiles[acc_in][std::min(4, (N - n0) / NR) - 1];
-      for (int i = 0; i < M; i += MR)
-        fns[std::min(MR, M - i) - 1](a + i * ar + k0 * ac, ar, ac, kc, b + k0 * ldb + n0, ldb,
-                                     c + i * ldc + n0, ldc);
+      const auto& fns = table[acc_in][std::min(4, (N - n0) / NR) - 1];
+      for (int blk = 0, i = 0; blk < blocks; ++blk) {
+        const int rows = M / blocks + (blk < M % blocks);
+        fns[rows - 1](a + i * ar + k0 * ac, ar, ac, kc, b + k0 * ldb + n0, ldb, c + i * ldc + n0,
+                      ldc);
+        i += rows;
+      }
     }
   }
 }
@@ -929,6 +938,19 @@ ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
 }
 
 }  // namespace
+
+// How the bfloat16 kernel's products run in this process: 2 on AMX tiles, 1 by vdpbf16ps
+// (AVX-512 BF16), 0 by widening to float32 (the portable path).
+extern "C" int64_t hpnlp_flash_bf16_products() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (amx_ready()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // The tuning probe (hpnlp.kernels.tuning): seconds for one forward (backward = 0) or
 // backward pass with blocks (bq, bk) on `threads` threads, over fixed pseudo-random

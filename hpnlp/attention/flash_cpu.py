@@ -80,6 +80,15 @@ def tuned_blocks(bf16: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
     return (f["bq"], f["bk"]), (b["bq"], b["bk"])
 
 
+def bf16_products() -> str:
+    """How the bfloat16 kernel's products run here: "amx" (AMX tiles), "avx512_bf16"
+    (vdpbf16ps) or "float32" (bfloat16 widened, the portable path). AMX needs the OS to
+    grant the tile state (Linux >= 5.16), which it refuses to a process whose signal
+    stacks are too small for it (a small sigaltstack, as faulthandler installs): the
+    kernel then uses vdpbf16ps."""
+    return ("float32", "avx512_bf16", "amx")[KERNEL.library().hpnlp_flash_bf16_products()]
+
+
 def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
     """Why the kernel cannot run attention with these head dims here; None if it can."""
     if head_dim % 16:

@@ -221,7 +221,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
         impls += ([XLA_TWIN] if causal else [XLA_TWIN, BOUND]) + [BF16_CHUNKED, BF16_TORCH]
     os.makedirs(out_dir, exist_ok=True)
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    info = harness.machine_info()
+    info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates((jnp.float32, jnp.bfloat16), quick=quick)
     configs = []
     for L in lengths:

@@ -264,6 +264,20 @@ def cpu_detail(cpuinfo: str = "/proc/cpuinfo",
     return out
 
 
+def kernel_info() -> dict:
+    """What hpnlp's CPU kernels run with on this machine: each kernel pass's block sizes
+    (tuned per CPU, or the defaults; resolving them measures them if not cached) and how
+    the bfloat16 attention kernel's products run. Empty where the kernels cannot build."""
+    from hpnlp.attention import flash_cpu
+    from hpnlp.kernels import tuning
+    from hpnlp.rnn import fused  # noqa: F401  (registers its tunings)
+    if not flash_cpu.KERNEL.available():
+        return {}
+    return {"tuning": {name: {"config": t["config"], "source": t["source"]}
+                       for name, t in tuning.summary().items()},
+            "bf16_products": flash_cpu.bf16_products()}
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or ""
     try:

@@ -49,6 +49,12 @@ def header_md(info: dict, rates: dict) -> str:
     if cpu:
         lines.append(cpu)
     lines.append(f"- versions: {vers}")
+    kernels = info.get("kernels")
+    if kernels:
+        blocks = "; ".join(f"{name} {', '.join(f'{k}={v}' for k, v in t['config'].items())} "
+                           f"({t['source']})" for name, t in kernels["tuning"].items())
+        lines.append(f"- kernels: bfloat16 attention products on {kernels['bf16_products']}; "
+                     f"blocks: {blocks}")
     for name, r in rates.items():
         lines.append(f"- measured {name} matrix-product rate: {r:.1f} GFLOP/s")
     return "\n".join(lines)

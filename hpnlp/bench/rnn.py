@@ -158,7 +158,7 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
     if unknown:
         raise SystemExit(f"unknown rnn implementation(s) {unknown}; choose from {list(IMPLS)}")
     os.makedirs(out_dir, exist_ok=True)
-    info = harness.machine_info()
+    info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates(quick=quick)
     results = measure(names, repeats=repeats, **shape)
     payload = {"benchmark": "rnn", "machine": info, "matmul_gflops": rates, "shape": shape,
