@@ -417,13 +417,17 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k
   return ffi::Error::Success();
 }
 
+void release_tiles();
+
 // Work items 0..n-1 over `threads` threads, each taking the next from a shared counter.
+// Each thread gives back the AMX tile state it may have taken when it is done.
 template <class F>
 void for_items(int threads, int64_t n, F&& fn) {
   std::atomic<int64_t> next{0};
   parallel(clamp_threads(threads, n), [&](int) {
     std::vector<float> scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, scratch);
+    release_tiles();
   });
 }
 
@@ -519,8 +523,13 @@ void gemm2_vec(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, 
 // AMX (Intel Sapphire Rapids and later): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile
 // by a 32 x 16 one (16 pair rows, the layout gemm2's B already has) into 16 x 16 float32,
 // 16 times the work of a vdpbf16ps. Linux grants the tile state per process on request
-// (arch_prctl, kernel >= 5.16); each thread loads the tile configuration once. Where the
+// (arch_prctl, kernel >= 5.16). A thread loads the tile configuration on its first product
+// of a pass and releases the tiles when its share of the pass is done (for_items), so a
+// pass never relies on a configuration another library may have loaded in that thread
+// since, and XLA's threads do not keep 8 KB of tile state live between calls. Where the
 // request fails, gemm2 keeps to vector registers.
+thread_local bool amx_configured = false;
+
 bool amx_ready() {
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                         18 /* XFEATURE_XTILEDATA */) == 0;
@@ -534,12 +543,18 @@ bool amx_ready() {
   // time was partly optimized away (the compiler does not see ldtilecfg read it).
   static const TileConfig config = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
                                     {16, 16, 16, 16, 16, 16, 16, 16}};
-  thread_local bool configured = false;
-  if (!configured) {
+  if (!amx_configured) {
     _tile_loadconfig(&config);
-    configured = true;
+    amx_configured = true;
   }
   return true;
+}
+
+void release_tiles() {
+  if (amx_configured) {
+    _tile_release();
+    amx_configured = false;
+  }
 }
 
 // Rows [i, i + 16 NI) x columns [n, n + 16 NJ) of C over k in [0, K), K % 32 == 0: tiles 0-3
@@ -580,6 +595,8 @@ void amx_block(int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
   if constexpr (NI == 2) _tile_stored(2, c1, sc);
   if constexpr (NI == 2 && NJ == 2) _tile_stored(3, c1 + 16, sc);
 }
+#else
+void release_tiles() {}
 #endif
 
 // gemm2_vec's product: rows and k in whole tiles on AMX where the CPU has it, the rest
@@ -943,7 +960,10 @@ ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
 // (AVX-512 BF16), 0 by widening to float32 (the portable path).
 extern "C" int64_t hpnlp_flash_bf16_products() {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (amx_ready()) return 2;
+  if (amx_ready()) {
+    release_tiles();
+    return 2;
+  }
 #endif
 #if defined(__AVX512BF16__)
   return 1;
@@ -998,40 +1018,33 @@ extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, 
   return -1.0;
 }
 
-// q, k, v in T (F32 or BF16), segment ids -> o in T, lse float32.
+// Both passes' attributes, then q, k, v in T (F32 or BF16) and the segment ids.
 template <ffi::DataType T>
-auto fwd_binding() {
+auto common_binding() {
   return ffi::Ffi::Bind()
-      .template Attr<bool>("segments")
-      .template Attr<bool>("causal")
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("block_q")
-      .template Attr<int64_t>("block_k")
-      .template Attr<int64_t>("threads")
+      .Attr<bool>("segments")
+      .Attr<bool>("causal")
+      .Attr<float>("scale")
+      .Attr<int64_t>("block_q")
+      .Attr<int64_t>("block_k")
+      .Attr<int64_t>("threads")
       .template Arg<ffi::Buffer<T>>()
       .template Arg<ffi::Buffer<T>>()
       .template Arg<ffi::Buffer<T>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::Buffer<T>>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
+      .template Arg<ffi::Buffer<ffi::S32>>();
 }
 
-// q, k, v, segment ids, o, lse (float32), do -> dq, dk, dv, all in T but lse.
+// -> o in T, lse float32.
+template <ffi::DataType T>
+auto fwd_binding() {
+  return common_binding<T>().template Ret<ffi::Buffer<T>>().template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+// + o, lse (float32), do -> dq, dk, dv, all in T.
 template <ffi::DataType T>
 auto bwd_binding() {
-  return ffi::Ffi::Bind()
-      .template Attr<bool>("segments")
-      .template Attr<bool>("causal")
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("block_q")
-      .template Attr<int64_t>("block_k")
-      .template Attr<int64_t>("threads")
-      .template Arg<ffi::Buffer<T>>()
-      .template Arg<ffi::Buffer<T>>()
-      .template Arg<ffi::Buffer<T>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
+  return common_binding<T>()
       .template Arg<ffi::Buffer<T>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<T>>()
