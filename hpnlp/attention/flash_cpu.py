@@ -83,9 +83,8 @@ def tuned_blocks(bf16: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
 def bf16_products() -> str:
     """How the bfloat16 kernel's products run here: "amx" (AMX tiles), "avx512_bf16"
     (vdpbf16ps) or "float32" (bfloat16 widened, the portable path). AMX needs the OS to
-    grant the tile state (Linux >= 5.16), which it refuses to a process whose signal
-    stacks are too small for it (a small sigaltstack, as faulthandler installs): the
-    kernel then uses vdpbf16ps."""
+    grant the tile state (Linux >= 5.16; it may refuse a process whose alternate signal
+    stacks are too small for the state): where it does not, the kernel uses vdpbf16ps."""
     return ("float32", "avx512_bf16", "amx")[KERNEL.library().hpnlp_flash_bf16_products()]
 
 
