@@ -245,3 +245,15 @@ def test_portable_build_without_avx512(tmp_path):
                           timeout=600)
     assert proc.returncode == 0 and "portable ok" in proc.stdout, proc.stderr[-3000:]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tune.json")]  # tuning was off
+
+
+def test_the_command_lists_every_pass(monkeypatch, capsys):
+    """`python -m hpnlp.kernels` (here with tuning off: the defaults, nothing measured)."""
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
+    fresh = [tuning.Tuning(t.kernel, t.name, default=t.default, candidates=t.candidates,
+                           probe=t.probe, shape=t.shape) for t in list(tuning.REGISTRY)]
+    monkeypatch.setattr(tuning, "REGISTRY", fresh)  # unresolved copies: the env applies
+    assert tuning.main([]) == 0
+    out = capsys.readouterr().out
+    for t in fresh:
+        assert f"{t.kernel.what}/{t.name}: {t.default} (default)" in out

@@ -207,7 +207,7 @@ def main(argv=None) -> int:
             os.unlink(t.path())
         cfg = t.config()
         name = f"{t.kernel.what}/{t.name}"
-        data = t._read(quiet=True)
+        data = t._read(quiet=True) if t.source != "default" else None
         if data is None:
             print(f"{name}: {cfg} ({t.source})")
             continue
