@@ -98,6 +98,17 @@ def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage)
         assert t.check(json.load(f)) is None  # and rewritten sound
 
 
+def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path):
+    def probe(_lib, cfg):
+        raise RuntimeError("probe failed")
+    t = tuning.Tuning(FakeKernel(tmp_path), "pass", default={"b": 128}, candidates=[{"b": 64}],
+                      probe=probe, shape="test")
+    tuning.REGISTRY.remove(t)
+    with pytest.warns(RuntimeWarning, match="tuning fake kernel/pass failed .*default blocks"):
+        assert t.config() == {"b": 128}
+    assert t.source == "default" and not os.path.exists(t.path())
+
+
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
     calls = []

@@ -133,7 +133,14 @@ class Tuning:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 data = self._read(quiet=True)  # another process may have measured meanwhile
                 if data is None:
-                    data = self.search()
+                    try:
+                        data = self.search()
+                    except (OSError, RuntimeError) as e:  # a probe failed: run the defaults
+                        warnings.warn(f"hpnlp: tuning {self.kernel.what}/{self.name} failed "
+                                      f"({e}); using its default blocks {self.default}",
+                                      RuntimeWarning, stacklevel=4)
+                        self.source = "default"
+                        return dict(self.default)
                     self._write(data)
                     self.source = "tuned"
                     return dict(data["config"])
