@@ -198,6 +198,64 @@ void pack_t(const float* x, int n, int64_t D, float scale, float* out, int ld) {
 
 // ---------------------------------------------------------------------------- forward
 
+inline void put(float* dst, vf v) { store(dst, v); }
+inline void put(bf16* dst, vf v) { store_bf16(dst, v); }
+
+// One query row of a forward tile, online softmax: row holds its scores S (`lanes` wide,
+// keys past nk set to -inf here; multiplied by `scale` first when Scale), P = exp(S - m)
+// goes to prow (float or bfloat16; 0 while no key is visible), the running max m and sum
+// l move on, and the row's unnormalized output acc_row [D] is rescaled to the new max.
+template <bool Scale, class T>
+void softmax_row(float* row, T* prow, int nk, int lanes, float scale, float& m, float& l,
+                 float* acc_row, int64_t D) {
+  for (int r = nk; r < lanes; ++r) row[r] = -kInf;  // keys past S
+  vf mx = splat(-kInf);
+  for (int r = 0; r < lanes; r += NR) {
+    vf x = load(row + r);
+    if constexpr (Scale) {
+      x *= scale;
+      store(row + r, x);
+    }
+    mx = x > mx ? x : mx;
+  }
+  const float m_new = std::max(m, hmax(mx));
+  if (m_new == -kInf) {  // nothing visible yet: P = 0 (the row holds -inf)
+    std::fill(prow, prow + lanes, T(0));
+    return;
+  }
+  vf sum = vf{};
+  for (int r = 0; r < lanes; r += NR) {
+    const vf e = vexp0(load(row + r) - m_new);
+    put(prow + r, e);
+    sum += e;
+  }
+  const float corr = m == -kInf ? 0.0f : std::exp(m - m_new);
+  l = l * corr + hsum(sum);
+  m = m_new;
+  if (corr != 1.0f)
+    for (int64_t d = 0; d < D; d += NR) store(acc_row + d, load(acc_row + d) * corr);
+}
+
+// The finished rows [0, nq) of query block q0 of head bh: out = acc / l and the
+// logsumexp; a row that saw no key outputs zeros with logsumexp +inf (so that P =
+// exp(s - inf) = 0 in the backward pass).
+template <class T>
+void finish_rows(const Problem& p, int64_t bh, int64_t q0, int nq, const float* acc,
+                 const float* m, const float* l, T* o, float* lse) {
+  const int64_t D = p.D;
+  for (int c = 0; c < nq; ++c) {
+    T* out = o + p.row(bh / p.H, p.L, bh % p.H, q0 + c);
+    if (l[c] > 0.0f) {
+      const vf inv = splat(1.0f / l[c]);
+      for (int64_t d = 0; d < D; d += NR) put(out + d, load(acc + c * D + d) * inv);
+      lse[bh * p.L + q0 + c] = m[c] + std::log(l[c]);
+    } else {
+      std::fill(out, out + D, T(0));
+      lse[bh * p.L + q0 + c] = kInf;
+    }
+  }
+}
+
 // Head (b, h) of x [B, len, H, D] transposed in blocks of bk rows, out [ceil(len/bk), D, bk]
 // (columns past len zero): the right-hand operand of S = Q K^T, a block at a time.
 void gather_head_t(const Problem& p, const float* x, int64_t len, int64_t b, int64_t h, int bk,
@@ -244,45 +302,13 @@ void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kt, con
     }
     gemm(nq, lanes, int(D), qs, D, 1, kt + (k0 / bk) * D * bk, bk, st, bk, false);  // S = Q K^T
     if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
-    for (int c = 0; c < nq; ++c) {
+    for (int c = 0; c < nq; ++c) {  // P over S in place (the queries came scaled)
       float* row = st + size_t(c) * bk;
-      for (int r = nk; r < lanes; ++r) row[r] = -kInf;  // keys past S
-      vf mx = splat(-kInf);
-      for (int r = 0; r < lanes; r += NR) {
-        const vf x = load(row + r);
-        mx = x > mx ? x : mx;
-      }
-      const float m_new = std::max(m[c], hmax(mx));
-      if (m_new == -kInf) {  // nothing visible yet: P = 0 (the row holds -inf)
-        std::fill(row, row + lanes, 0.0f);
-        continue;
-      }
-      vf sum = vf{};
-      for (int r = 0; r < lanes; r += NR) {
-        const vf e = vexp0(load(row + r) - m_new);
-        store(row + r, e);
-        sum += e;
-      }
-      const float corr = m[c] == -kInf ? 0.0f : std::exp(m[c] - m_new);
-      l[c] = l[c] * corr + hsum(sum);
-      m[c] = m_new;
-      if (corr != 1.0f)
-        for (int64_t d = 0; d < D; d += NR) store(acc + c * D + d, load(acc + c * D + d) * corr);
+      softmax_row<false>(row, row, nk, lanes, 1.0f, m[c], l[c], acc + c * D, D);
     }
     gemm(nq, int(D), nk, st, bk, 1, vh + k0 * D, D, acc, D, true);  // acc += P V
   }
-  for (int c = 0; c < nq; ++c) {
-    float* out = o + p.row(b, p.L, h, q0 + c);
-    const float lc = l[c];
-    if (lc > 0.0f) {
-      const float inv = 1.0f / lc;
-      for (int64_t d = 0; d < D; ++d) out[d] = acc[c * D + d] * inv;
-      lse[bh * p.L + q0 + c] = m[c] + std::log(lc);
-    } else {  // no visible key: zeros, and P = exp(s - inf) = 0 in the backward pass
-      std::fill(out, out + D, 0.0f);
-      lse[bh * p.L + q0 + c] = kInf;
-    }
-  }
+  finish_rows(p, bh, q0, nq, acc, m, l, o, lse);
 }
 
 // --------------------------------------------------------------------------- backward
@@ -296,8 +322,7 @@ struct GradsT {
 };
 using Grads = GradsT<float>;
 
-inline void put(float* dst, vf v) { store(dst, v); }
-inline void put(bf16* dst, vf v) { store_bf16(dst, v); }
+
 
 // Head bh, key blocks [kb0, kb1): dk, dv of those keys by key blocks (dK, dV accumulate in
 // scratch for the block) and, inside, query blocks (dQ accumulates over the key blocks in a
@@ -674,7 +699,6 @@ void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt,
   std::fill(acc, acc + size_t(bq) * D, 0.0f);
   std::fill(m, m + bq, -kInf);
   std::fill(l, l + bq, 0.0f);
-  const vf scale = splat(p.scale);
   for (int64_t k0 = 0; k0 < p.S; k0 += bk) {
     const int nk = int(std::min<int64_t>(bk, p.S - k0)), lanes = (nk + NR - 1) / NR * NR;
     const Vis vis = classify(p, b, q0, nq, k0, nk);
@@ -684,47 +708,12 @@ void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt,
     }
     gemm2(nq, lanes, int(D), qs, D, kt + (k0 / bk) * D * bk, 2 * bk, st, bk, false);  // S = Q K^T
     if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
-    for (int c = 0; c < nq; ++c) {
-      float* row = st + size_t(c) * bk;
-      bf16* prow = pb + size_t(c) * bk;
-      for (int r = nk; r < lanes; ++r) row[r] = -kInf;  // keys past S
-      vf mx = splat(-kInf);
-      for (int r = 0; r < lanes; r += NR) {
-        const vf x = load(row + r) * scale;
-        store(row + r, x);
-        mx = x > mx ? x : mx;
-      }
-      const float m_new = std::max(m[c], hmax(mx));
-      if (m_new == -kInf) {  // nothing visible yet: P = 0
-        std::fill(prow, prow + lanes, bf16(0));
-        continue;
-      }
-      vf sum = vf{};
-      for (int r = 0; r < lanes; r += NR) {
-        const vf e = vexp0(load(row + r) - m_new);
-        store_bf16(prow + r, e);
-        sum += e;
-      }
-      const float corr = m[c] == -kInf ? 0.0f : std::exp(m[c] - m_new);
-      l[c] = l[c] * corr + hsum(sum);
-      m[c] = m_new;
-      if (corr != 1.0f)
-        for (int64_t d = 0; d < D; d += NR) store(acc + c * D + d, load(acc + c * D + d) * corr);
-    }
+    for (int c = 0; c < nq; ++c)  // P in bfloat16 beside the float32 S
+      softmax_row<true>(st + size_t(c) * bk, pb + size_t(c) * bk, nk, lanes, p.scale, m[c], l[c],
+                        acc + c * D, D);
     gemm2(nq, int(D), lanes, pb, bk, vp + k0 * D, 2 * D, acc, D, true);  // acc += P V
   }
-  for (int c = 0; c < nq; ++c) {
-    bf16* out = o + p.row(b, p.L, h, q0 + c);
-    const float lc = l[c];
-    if (lc > 0.0f) {
-      const vf inv = splat(1.0f / lc);
-      for (int64_t d = 0; d < D; d += NR) store_bf16(out + d, load(acc + c * D + d) * inv);
-      lse[bh * p.L + q0 + c] = m[c] + std::log(lc);
-    } else {
-      std::fill(out, out + D, bf16(0));
-      lse[bh * p.L + q0 + c] = kInf;
-    }
-  }
+  finish_rows(p, bh, q0, nq, acc, m, l, o, lse);
 }
 
 void run_forward_bf16(const Problem& p, bf16* out, float* lse_out, int threads) {

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -82,14 +83,19 @@ class CpuKernel:
     def library_path(self) -> str:
         cache = os.environ.get("HPNLP_KERNEL_CACHE") or os.path.join(
             os.path.expanduser("~"), ".cache", "hpnlp", "kernels")
+        return os.path.join(cache, self._library_name(tuple(flags())))
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (a few kernels, alive all process long)
+    def _library_name(self, build_flags: tuple[str, ...]) -> str:
+        """The library's file name: the sources, jaxlib, flags and CPU, read once."""
         digest = hashlib.sha256()
         for path in (self.source, *_HEADERS):
             with open(path, "rb") as f:
                 digest.update(f.read())
-        digest.update(jax.__version__.encode() + " ".join(flags()).encode()
+        digest.update(jax.__version__.encode() + " ".join(build_flags).encode()
                       + platform.machine().encode() + _cpu_id().encode())
         stem = os.path.splitext(os.path.basename(self.source))[0]
-        return os.path.join(cache, f"{stem}-{digest.hexdigest()[:16]}.so")
+        return f"{stem}-{digest.hexdigest()[:16]}.so"
 
     def _build(self, path: str) -> None:
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
