@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 from typing import Any, Mapping
 
@@ -27,6 +28,18 @@ class ConfigError(ValueError):
 def config_error(field: str, value: Any, allowed: str) -> ConfigError:
     """The error for one bad field, in the words every config check uses."""
     return ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")
+
+
+def to_json(cfg: "Config") -> dict:
+    """The config as plain JSON (option and rule mappings as objects), which
+    `from_configdict` reads back: a run's config.json."""
+    def plain(v):
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+    return json.loads(json.dumps(plain(dataclasses.asdict(cfg)), default=str))
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -49,6 +62,47 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # Block activations `model.remat = "names:a,b"` can keep (see models.transformer.Block).
 REMAT_NAMES = ("qkv", "context", "attention_out", "mlp_in")
+
+
+# Products `quant.layers` names (hpnlp.compress.qlinear): the Transformer's fused QKV
+# projection, attention output projection, MLP, output layer (and tied embedding),
+# classifier / dual-encoder heads, and the LSTM/GRU input projection and recurrent product.
+QUANT_LAYERS = ("qkv", "out", "mlp", "output", "head", "input", "recurrent")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Quantization of the model's matrix products (hpnlp.compress; `quant.*` on any
+    experiment). Set on a training run it is quantization-aware training: fake
+    quantization in the forward pass, straight-through gradients, float shadow weights.
+    `python -m hpnlp.compress quantize` applies it after training (PTQ)."""
+
+    # "none" | "int8" | "int4" | "fp8" | "binary" | "ternary" | "pow2" (hpnlp.compress.formats):
+    # per-output-channel scales (int4: per group of `group_size` along the contraction).
+    weights: str = "none"
+    # "none" | "int8" | "fp8" | "binary" (XNOR-Net: with binary weights)
+    activations: str = "none"
+    # "dynamic": a scale per token, from the token itself | "static": one calibrated range
+    # per product (PTQ calibration: hpnlp.compress.ptq)
+    act_scale: str = "dynamic"
+    group_size: int = 0  # int4 weights: scale groups along the contraction; 0 = per channel
+    # Weight clipping range per channel: "absmax" | "percentile" | "mse" (calibrate.py); PTQ
+    # uses the same methods for static activation ranges.
+    calibration: str = "absmax"
+    percentile: float = 99.99  # for calibration = "percentile"
+    # Which products: "all" or a comma list of QUANT_LAYERS (e.g. "qkv,out,mlp" keeps the
+    # output layer in float, as low-bit recipes usually do).
+    layers: str = "all"
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none" or self.activations != "none"
+
+    def applies(self, kind: str) -> bool:
+        """Whether products of this kind (a QUANT_LAYERS name) are quantized."""
+        if not self.enabled:
+            return False
+        return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +138,8 @@ class ModelConfig:
     # Filled from the task by `validate` when left at 0.
     vocab_size: int = 0
     num_classes: int = 0
+    # The config's `quant` group (hpnlp.compress): every product the model builds reads it.
+    quant: QuantConfig = QuantConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +302,10 @@ class Config:
     seed: int = 0
     name: str = "experiment"
 
+    @property
+    def quant(self) -> QuantConfig:
+        return self.model.quant
+
 
 _GROUPS = {
     "model": ModelConfig,
@@ -289,6 +349,8 @@ def default_configdict() -> ml_collections.ConfigDict:
     for group, cls in _GROUPS.items():
         sub = ml_collections.ConfigDict()
         for f in dataclasses.fields(cls):
+            if group == "model" and f.name == "quant":  # its own group, `quant.*`
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if group == "mesh" and f.name == "rules":
                 # Strings ("None", "data,fsdp"), so every rule can be overridden on the
@@ -298,6 +360,8 @@ def default_configdict() -> ml_collections.ConfigDict:
                 default = ml_collections.ConfigDict(dict(default))
             setattr(sub, f.name, default)
         setattr(cfg, group, sub)
+    cfg.quant = ml_collections.ConfigDict(
+        {f.name: f.default for f in dataclasses.fields(QuantConfig)})
     return cfg
 
 
@@ -305,11 +369,22 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
     """ConfigDict (or nested dict) -> frozen `Config`; unknown fields are errors."""
     plain = _to_plain(cd) if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
     kwargs: dict[str, Any] = {}
+    quant = None
     for key, value in plain.items():
-        if key in _GROUPS:
+        if key == "quant":  # the user's `quant.*` group lives in ModelConfig.quant
+            names = {f.name for f in dataclasses.fields(QuantConfig)}
+            value = dict(value or {})
+            for field_name in value:
+                if field_name not in names:
+                    _fail(f"quant.{field_name}", value[field_name],
+                          f"unknown field; `quant` has {sorted(names)}")
+            quant = QuantConfig(**value)
+        elif key in _GROUPS:
             cls = _GROUPS[key]
             names = {f.name for f in dataclasses.fields(cls)}
             value = dict(value or {})
+            if key == "model" and isinstance(value.get("quant"), Mapping):  # a saved config.json
+                quant = quant or QuantConfig(**value.pop("quant"))
             for field_name in value:
                 if field_name not in names:
                     _fail(f"{key}.{field_name}", value[field_name],
@@ -328,6 +403,8 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
             _fail(key, value, f"unknown group; a config has {sorted(_GROUPS) + ['name', 'seed']}")
     for group, cls in _GROUPS.items():
         kwargs.setdefault(group, cls())
+    if quant is not None:
+        kwargs["model"] = dataclasses.replace(kwargs["model"], quant=quant)
     return Config(**kwargs)
 
 
@@ -351,6 +428,38 @@ def _check_remat(remat: Any) -> None:
         return
     _check_choice("model.remat", remat, ("none", "full", "dots_saveable", "elementwise",
                                          "names:<a>,<b>"))
+
+
+def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
+    """The `quant` group: formats, the int4 group size against every contraction width."""
+    from hpnlp.compress import calibrate, formats  # light modules: numerics only
+
+    _check_choice("quant.weights", q.weights, ("none", *formats.FORMATS))
+    _check_choice("quant.activations", q.activations, ("none", *formats.ACTIVATION_FORMATS))
+    _check_choice("quant.act_scale", q.act_scale, ("dynamic", "static"))
+    _check_choice("quant.calibration", q.calibration, calibrate.METHODS)
+    if not (isinstance(q.percentile, (int, float)) and 50.0 < q.percentile <= 100.0):
+        _fail("quant.percentile", q.percentile, "must be in (50, 100]")
+    if q.activations == "binary" and q.weights != "binary":
+        _fail("quant.activations", q.activations, "binary activations are XNOR-Net's binary "
+              "products and need quant.weights='binary'")
+    if q.layers != "all":
+        names = [n.strip() for n in q.layers.split(",")]
+        bad = [n for n in names if n not in QUANT_LAYERS]
+        if bad or not names:
+            _fail("quant.layers", q.layers, f"'all' or a comma list of {list(QUANT_LAYERS)} "
+                  f"(unknown: {bad})")
+    if not isinstance(q.group_size, int) or q.group_size < 0:
+        _fail("quant.group_size", q.group_size, "must be an integer >= 0 (0: per channel)")
+    if q.group_size and q.weights != "int4":
+        _fail("quant.group_size", q.group_size, f"group scales are for quant.weights='int4' "
+              f"(got {q.weights!r}); set quant.group_size=0")
+    if q.group_size:  # every contraction the quantized products sum over must split evenly
+        widths = {"model.width": m.width, "model.mlp_dim": m.mlp_dim}
+        for name, width in widths.items():
+            if width % q.group_size:
+                _fail("quant.group_size", q.group_size, f"must divide {name}={width} (int4 "
+                      "groups split each product's contraction); choose a divisor of it")
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
@@ -408,6 +517,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.stack_layers and m.reversible:
         _fail("model.stack_layers", True, "reversible blocks keep their own stack "
               "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
+    _check_quant(m.quant, m)
     r = cfg.rnn
     _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
     for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp import softmax as softmax_lib
+from hpnlp.compress.qlinear import Dense
 from hpnlp.config import Config
 from hpnlp.models.transformer import Trunk, _init, dtypes, make_embed, positions_of
 
@@ -37,7 +38,8 @@ def _output_layer(cfg: Config, embed: nn.Module | None, token_counts=None):
             raise ValueError(f"output.tie_embeddings=True, but output layer {cfg.output.name!r} "
                              "cannot share the input embedding; set output.tie_embeddings=False")
         kwargs["embed"] = embed
-    kwargs.update({k: v for k, v in (("dtype", dt), ("param_dtype", pdt)) if k in fields})
+    kwargs.update({k: v for k, v in (("dtype", dt), ("param_dtype", pdt),
+                                     ("quant", cfg.model.quant)) if k in fields})
     if "counts" in fields and token_counts is not None:
         kwargs["counts"] = softmax_lib.frequencies(token_counts, cfg.model.vocab_size)
     return cls(**kwargs, name="output")
@@ -66,7 +68,7 @@ class TransformerLM(nn.Module):
 
     def setup(self):
         m = self.cfg.model
-        self.embed = make_embed(m)
+        self.embed = make_embed(m, tied=self.cfg.output.tie_embeddings)
         self.trunk = make_trunk(self.cfg, causal=True, deterministic=self.deterministic,
                                 decode=self.decode)
         self.output = _output_layer(self.cfg, self.embed, self.token_counts)
@@ -132,9 +134,10 @@ class Classifier(nn.Module):
         self.embed = make_embed(m)
         self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
         pdt = dtypes(m)[1]
-        self.head = nn.Dense(m.num_classes, dtype=jnp.float32, param_dtype=pdt,
-                             kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
-                             bias_init=_init(nn.initializers.zeros, (None,)))
+        self.head = Dense(m.num_classes, quant=m.quant, kind="head", dtype=jnp.float32,
+                          param_dtype=pdt,
+                          kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
+                          bias_init=_init(nn.initializers.zeros, (None,)))
 
     def logits(self, batch):
         seg_BL = batch["segment_ids"]
@@ -159,9 +162,10 @@ class DualEncoder(nn.Module):
         pdt = dtypes(m)[1]
         self.embed = make_embed(m)
         self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
-        dense = lambda n, name: nn.Dense(n, dtype=jnp.float32, param_dtype=pdt, name=name,
-                                         kernel_init=_init(nn.initializers.lecun_normal(), (None, None)),
-                                         bias_init=_init(nn.initializers.zeros, (None,)))
+        dense = lambda n, name: Dense(n, quant=m.quant, kind="head", dtype=jnp.float32,
+                                      param_dtype=pdt, name=name,
+                                      kernel_init=_init(nn.initializers.lecun_normal(), (None, None)),
+                                      bias_init=_init(nn.initializers.zeros, (None,)))
         self.mlp = dense(m.mlp_dim, "mlp")
         self.head = dense(m.num_classes, "head")
 

@@ -44,5 +44,6 @@ class RNNTrunk(nn.Module):
             dropout=m.dropout if m.depth > 1 else 0.0, variational_dropout=r.variational_dropout,
             state_dropout=r.state_dropout, recurrent_dropout=r.recurrent_dropout, zoneout=r.zoneout,
             weight_drop=r.weight_drop, unroll=r.unroll, impl=r.impl, dtype=dt, param_dtype=pdt,
+            quant=m.quant,
             name="rnn")(x_BLE, lengths_B, deterministic=self.deterministic)
         return h_BLE

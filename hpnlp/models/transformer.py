@@ -21,6 +21,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import attention as attention_lib
+from hpnlp.compress.qlinear import Dense, param, qeinsum
 from hpnlp.config import REMAT_NAMES, AttentionConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -80,10 +81,11 @@ class MultiHeadAttention(nn.Module):
         H, D = m.num_heads, m.width // m.num_heads
         # Explicit kernels (not DenseGeneral, which flattens multi-axis kernels and so
         # loses their logical axis names).
-        w_E3HD = self.param("qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
+        w_E3HD = param(self, "qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
                                          ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
         qkv_BL3HD = checkpoint_name(
-            jnp.einsum("ble,ekhd->blkhd", x_BLE.astype(dt), w_E3HD.astype(dt)), "qkv")
+            qeinsum(self, "qkv", "ble,ekhd->blkhd", x_BLE, w_E3HD, m.quant, kind="qkv", dtype=dt),
+            "qkv")
         q_BLHD, k_BLHD, v_BLHD = (qkv_BL3HD[:, :, i] for i in range(3))
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         if self.decode:
@@ -98,10 +100,10 @@ class MultiHeadAttention(nn.Module):
             out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=self.causal,
                             deterministic=self.deterministic)
         out_BLHD = checkpoint_name(out_BLHD, "context")
-        w_HDE = self.param("out", _init(nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
+        w_HDE = param(self, "out", _init(nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
                                         ("heads", "kv", "embed")), (H, D, m.width), pdt)
-        return checkpoint_name(jnp.einsum("blhd,hde->ble", out_BLHD.astype(dt), w_HDE.astype(dt)),
-                               "attention_out")
+        return checkpoint_name(qeinsum(self, "out", "blhd,hde->ble", out_BLHD, w_HDE, m.quant,
+                                       kind="out", dtype=dt), "attention_out")
 
 
 def layer_norm(m: ModelConfig, name: str) -> nn.LayerNorm:
@@ -116,13 +118,13 @@ def mlp(m: ModelConfig, h_BLE):
     """Dense -> gelu -> Dense. Call it inside a compact method: it creates the `mlp_in` and
     `mlp_out` layers in the caller (so Block and the reversible blocks share it)."""
     dt, pdt = dtypes(m)
-    h_BLF = nn.Dense(m.mlp_dim, dtype=dt, param_dtype=pdt, name="mlp_in",
+    h_BLF = Dense(m.mlp_dim, quant=m.quant, dtype=dt, param_dtype=pdt, name="mlp_in",
                      kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
                      bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
     h_BLF = checkpoint_name(h_BLF, "mlp_in")  # pre-activation: gelu is cheap to recompute
     gelu = jax.checkpoint(nn.gelu) if m.remat == "elementwise" else nn.gelu
     h_BLF = nn.with_logical_constraint(gelu(h_BLF), ("batch", "length", "activation_mlp"))
-    h_BLE = nn.Dense(m.width, dtype=dt, param_dtype=pdt, name="mlp_out",
+    h_BLE = Dense(m.width, quant=m.quant, dtype=dt, param_dtype=pdt, name="mlp_out",
                      kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
                      bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
     return h_BLE
@@ -216,11 +218,39 @@ class Trunk(nn.Module):
                             bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)
 
 
-def make_embed(m: ModelConfig, name: str = "embed") -> nn.Embed:
+class Embed(nn.Embed):
+    """`nn.Embed` whose table may be quantized: when it is the tied output layer's weight
+    (`quant.layers` has "output"), lookups read the same quantized rows the output
+    product uses (fake-quantized in training, decoded from a packed QWeight after PTQ)."""
+
+    quant_rows: bool = False  # set by make_embed for a tied, quantized table
+    quant: Any = None
+
+    def setup(self):
+        self.embedding = param(self, "embedding", self.embedding_init,
+                               (self.num_embeddings, self.features), self.param_dtype)
+
+    def __call__(self, inputs):
+        table_VE = self.table()
+        return jnp.take(table_VE, inputs, axis=0).astype(self.dtype)
+
+    def table(self):
+        """The [V, E] table as the model uses it (quantized rows where configured)."""
+        from hpnlp.compress.qlinear import QWeight, quant_weight
+        if isinstance(self.embedding, QWeight):  # packed as [E, V]: contraction first
+            return self.embedding.dequantize().T
+        if self.quant_rows:
+            return quant_weight(self.embedding.T, 1, self.quant, self, "embedding").T
+        return self.embedding
+
+
+def make_embed(m: ModelConfig, name: str = "embed", *, tied: bool = False) -> nn.Embed:
     dt, pdt = dtypes(m)
     # std 1/sqrt(E), scaled up by sqrt(E) on input: unit-scale inputs, O(1) tied logits.
-    return nn.Embed(m.vocab_size, m.width, dtype=dt, param_dtype=pdt, name=name,
-                    embedding_init=_init(nn.initializers.normal(m.width ** -0.5), ("vocab", "embed")))
+    return Embed(m.vocab_size, m.width, dtype=dt, param_dtype=pdt, name=name,
+                 quant_rows=tied and m.quant.applies("output") and m.quant.weights != "none",
+                 quant=m.quant,
+                 embedding_init=_init(nn.initializers.normal(m.width ** -0.5), ("vocab", "embed")))
 
 
 def positions_of(seg_BL) -> Any:

@@ -68,7 +68,8 @@ def _gate_bias(kind: str):
 
 
 def _param(module, name, init, names, shape, dtype):
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+    from hpnlp.compress.qlinear import param  # a packed quantized weight, where one is
+    return param(module, name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
 def _check_fields(m) -> None:
@@ -158,6 +159,10 @@ class RNNLayer(nn.Module):
     impl: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    # config.QuantConfig (hpnlp.compress): "input" quantizes the input projection (weights
+    # and the layer's inputs), "recurrent" the recurrent matrix (weights only: the state
+    # h_{t-1} stays float32, which keeps the fused kernel usable).
+    quant: Any = None
 
     @nn.compact
     def __call__(self, x_BLE, lengths_B=None, *, deterministic: bool = True):
@@ -206,6 +211,7 @@ class RNNLayer(nn.Module):
         x_BLE = Dropout(self.dropout, name="dropout")(x_BLE, deterministic=deterministic)
         x_BLE = VariationalDropout(self.variational_dropout, name="variational_dropout")(
             x_BLE, deterministic=deterministic)
+        w_EDKH, w_DHKH, x_BLE = self._quantized(w_EDKH, w_DHKH, x_BLE)
         # Time-major, so that each scan step reads one contiguous slice; the backward
         # direction reads each row reversed within its length.
         x_LBE = jnp.swapaxes(x_BLE, 0, 1).astype(dt)
@@ -279,6 +285,23 @@ class RNNLayer(nn.Module):
         return out_BLM, final
 
 
+    def _quantized(self, w_EDKH, w_DHKH, x_BLE):
+        """The input and recurrent products' operands under `quant` (hpnlp.compress)."""
+        from hpnlp.compress.qlinear import QWeight, quant_act, quant_weight
+        q = self.quant
+        if q is not None and (q.applies("input") or isinstance(w_EDKH, QWeight)):
+            w_EDKH = quant_weight(w_EDKH, 1, q, self, "input_kernel")
+            if q.applies("input"):
+                x_BLE = quant_act(self, "input", x_BLE, (-1,), q)
+        if q is not None and (q.applies("recurrent") or isinstance(w_DHKH, QWeight)):
+            # contraction (the H of h_{t-1}) first: [H, D, K, H], per-channel (D, K, H)
+            packed = isinstance(w_DHKH, QWeight)
+            w_HDKH = quant_weight(w_DHKH if packed else jnp.swapaxes(w_DHKH, 0, 1), 1, q, self,
+                                  "recurrent_kernel")
+            w_DHKH = jnp.swapaxes(w_HDKH, 0, 1)
+        return w_EDKH, w_DHKH, x_BLE
+
+
 class StackedRNN(nn.Module):
     """`num_layers` RNNLayers. `combine`: "last" returns the top layer's outputs, "sum"
     the sum of every layer's outputs, "residual" adds each layer's input to its output
@@ -308,6 +331,10 @@ class StackedRNN(nn.Module):
     impl: str = "auto"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    # config.QuantConfig (hpnlp.compress): "input" quantizes the input projection (weights
+    # and the layer's inputs), "recurrent" the recurrent matrix (weights only: the state
+    # h_{t-1} stays float32, which keeps the fused kernel usable).
+    quant: Any = None
 
     @nn.compact
     def __call__(self, x_BLE, lengths_B=None, *, deterministic: bool = True):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Callable
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -146,8 +146,9 @@ class _OutputTable(nn.Module):
     def __call__(self, width: int):
         kernel = None
         if not self.tied:
-            kernel = self.param("kernel", nn.with_logical_partitioning(fan_in_init(), ("vocab", "embed")),
-                                (self.vocab_size, width), self.param_dtype)
+            from hpnlp.compress.qlinear import param  # a packed quantized weight, where one is
+            kernel = param(self, "kernel", nn.with_logical_partitioning(fan_in_init(), ("vocab", "embed")),
+                           (self.vocab_size, width), self.param_dtype)
         bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, ("vocab",)),
                           (self.vocab_size,), self.param_dtype)
         return kernel, bias
@@ -179,6 +180,9 @@ class VocabLayer(LogitsDistribution, nn.Module):
     embed: nn.Module | None = None  # tied: output vectors = embed.embedding [V, E]
     dtype: jnp.dtype = jnp.float32  # matmul input dtype; logits and losses are float32
     param_dtype: jnp.dtype = jnp.float32
+    # config.QuantConfig (hpnlp.compress), when `quant.layers` covers "output": the table
+    # fake-quantized per row (or decoded from a packed QWeight), the hidden states per token.
+    quant: Any = None
 
     def setup(self):
         if self.vocab_size <= 0:
@@ -194,21 +198,42 @@ class VocabLayer(LogitsDistribution, nn.Module):
         """(W [V, E], b [V]) in the parameter dtype."""
         kernel_VE, bias_V = self.table(width)
         if self.embed is not None:
-            kernel_VE = self.embed.embedding
+            kernel_VE = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
             if kernel_VE.shape[-1] != width:
                 raise ValueError(f"tied output embedding has width {kernel_VE.shape[-1]}, hidden "
                                  f"states have {width}")
+        elif self.quantized() or _is_packed(kernel_VE):
+            from hpnlp.compress.qlinear import quant_weight
+            kernel_VE = quant_weight(kernel_VE if _is_packed(kernel_VE) else kernel_VE.T, 1,
+                                     self.quant, self.table, "kernel").T  # per row: E first
         return kernel_VE, bias_V
+
+    def quantized(self) -> bool:
+        return self.quant is not None and self.quant.applies("output")
+
+    def quant_hidden(self, hidden_NE):
+        """Hidden states as the output product reads them: per-token fake quantization when
+        `quant.activations` is set for the output layer (always dynamic: a calibrated static
+        range covers the trunk's products)."""
+        if not self.quantized() or self.quant.activations == "none":
+            return hidden_NE
+        from hpnlp.compress.formats import fake_quant
+        return fake_quant(hidden_NE, self.quant.activations, (-1,))
 
     def logits(self, hidden_NE):
         """float32 logits [N, V] for every id."""
         kernel_VE, bias_V = self.weights(hidden_NE.shape[-1])
-        return scores(hidden_NE, kernel_VE, bias_V, self.dtype)
+        return scores(self.quant_hidden(hidden_NE), kernel_VE, bias_V, self.dtype)
 
     def rows(self, ids, width: int):
         """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
         kernel_VE, bias_V = self.weights(width)
         return jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0)
+
+
+def _is_packed(w) -> bool:
+    from hpnlp.compress.qlinear import QWeight
+    return isinstance(w, QWeight)
 
 
 def scores(hidden_NE, kernel_VE, bias_V, dtype):

@@ -91,7 +91,7 @@ class FullSoftmax(VocabLayer):
         chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
         if chunk and chunk < num_tokens:
             kernel_VE, bias_V = self.weights(width)
-            loss_N = chunked_nll(hidden_NE, targets_N, kernel_VE, bias_V, dtype=self.dtype,
+            loss_N = chunked_nll(self.quant_hidden(hidden_NE), targets_N, kernel_VE, bias_V, dtype=self.dtype,
                                  chunk=chunk, z_loss=self.z_loss)
         else:
             loss_N = _nll(self.logits(hidden_NE), targets_N, self.z_loss)

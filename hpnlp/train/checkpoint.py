@@ -15,12 +15,13 @@ restores under any number of processes and devices.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import jax
 import orbax.checkpoint as ocp
+
+from hpnlp.config import to_json
 
 
 class CheckpointMismatch(ValueError):
@@ -71,7 +72,7 @@ class Checkpointer:
             tmp = self.config_path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"shape_signature": sig,
-                           "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))},
+                           "config": to_json(cfg)},
                           f, indent=1)
             os.replace(tmp, self.config_path)
 

@@ -1,0 +1,67 @@
+"""`python -m hpnlp.compress COMMAND`: model compression of trained hpnlp runs.
+
+    python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights int8 --activations int8
+    python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights int4 --group_size 32
+    python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights bfloat16
+
+`quantize` is post-training quantization (hpnlp.compress.ptq): it calibrates, packs,
+evaluates with the task's metric, reloads, and writes DIR/summary.json. Errors (an unknown
+format, a group size that does not divide a width, a workdir with no checkpoint) are one
+line naming the field or file, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    from hpnlp.compress import calibrate, formats, ptq
+
+    p = argparse.ArgumentParser(prog="python -m hpnlp.compress", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize", help="post-training quantization of a trained run")
+    q.add_argument("--workdir", required=True, help="a trained run (python -m hpnlp.main)")
+    q.add_argument("--out", required=True, help="folder for quantized.npz, quant.json, summary.json")
+    q.add_argument("--weights", default="int8",
+                   help=f"one of {sorted(formats.FORMATS) + list(ptq.FLOAT_FORMATS)}")
+    q.add_argument("--activations", default="none",
+                   help=f"none or one of {list(formats.ACTIVATION_FORMATS)}")
+    q.add_argument("--act_scale", default="dynamic", help="dynamic (per token) | static (calibrated)")
+    q.add_argument("--group_size", type=int, default=0, help="int4 scale groups; 0 = per channel")
+    q.add_argument("--calibration", default="absmax", help=f"one of {list(calibrate.METHODS)}")
+    q.add_argument("--percentile", type=float, default=99.99)
+    q.add_argument("--layers", default="all", help="all, or a comma list of products")
+    q.add_argument("--calib_batches", type=int, default=8, help="training batches to calibrate on")
+    q.add_argument("--eval_batches", type=int, default=None,
+                   help="held-out batches to evaluate (default: the run's train.eval_batches)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from hpnlp.compress import ptq
+    from hpnlp.config import ConfigError, QuantConfig
+
+    try:
+        if args.weights in ptq.FLOAT_FORMATS:
+            summary = ptq.quantize(args.workdir, args.out, float_dtype=args.weights,
+                                   calib_batches=args.calib_batches, eval_batches=args.eval_batches)
+        else:
+            q = QuantConfig(weights=args.weights, activations=args.activations,
+                            act_scale=args.act_scale, group_size=args.group_size,
+                            calibration=args.calibration, percentile=args.percentile,
+                            layers=args.layers)
+            summary = ptq.quantize(args.workdir, args.out, q, calib_batches=args.calib_batches,
+                                   eval_batches=args.eval_batches)
+    except (ConfigError, ptq.NoCheckpoint, ValueError) as e:
+        print(f"hpnlp.compress: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""Quantized CPU products (`qgemm.cc`), each beside its exact XLA twin.
+
+    w = prepare_int8_weight(q_KxN, scale_N)       # once, at load time
+    y_MxN = int8_linear(x_MxK, w)                 # w8a8: per-token int8 activations
+    b = prepare_binary_weight(bits_KbxN, alpha_N, k=K)
+    y_MxN = binary_linear(x_MxK, b)               # XNOR-Net: sign(x) . sign(w)
+    q = prepare_int4_weight(packed_KhxN, scale_GxN, k=K)
+    y_MxN = int4_linear(x_MxK, q)                 # weight-only int4, groups along K
+
+Three XLA FFI CPU kernels, inference only (no gradients):
+
+- int8 x int8 -> int32 (`int8_matmul`, exact), and `int8_linear`, which quantizes the
+  activations per token inside the kernel (scale max|row| / 127, round to nearest even,
+  clip to [-127, 127]) and rescales the int32 product by both scales. AVX-512 VNNI
+  (`vpdpbusd` on x + 128 as u8, minus 128 colsum(w)) or AVX2 (int16 `vpmaddwd`); see the
+  top of `qgemm.cc` for why not `vpmaddubsw`.
+- binary (`binary_matmul` on packed bits, exact: K - 2 popcount(x xor w); `binary_linear`
+  binarizes x by sign with XNOR-Net's per-token scale beta = mean|x|). VPOPCNTDQ or the
+  AVX2 nibble-LUT popcount (Mula).
+- int4 weight-only (`int4_linear`): nibbles unpacked and scaled in registers, float
+  accumulation; for memory-bound decoding (the weight is an eighth of float32's bytes).
+
+Each kernel's instructions are chosen at build time by the CPU's features
+(`hpnlp.kernels`: `-march=native`, cached per source, jaxlib and CPU). Weights are packed
+once (`prepare_*`) into the build's panel layout (`layout()`); a prepared weight keeps the
+canonical packed form (`hpnlp.compress.packing`) too, which its XLA twin reads. The
+wrappers take `impl="auto"|"kernel"|"xla"`: "auto" runs the kernel where it can
+(`KERNEL.blocker()`: a CPU backend, a compiler, one device) and the twin elsewhere.
+Prepared weights are runtime objects, not a storage format: a panel layout belongs to one
+build.
+
+`python -m hpnlp.compress.kernels` times the [2048, 1024 -> 4096] layer and int4
+decoding against float32 XLA (`time_linear`).
+
+Shape letters: M rows (tokens), K contraction, N output channels, Kb = ceil(K/8) packed
+bytes of bits, Kh = ceil(K/2) packed int4 pairs, G scale groups along K.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp import kernels
+from hpnlp.compress import packing
+from hpnlp.kernels import tuning
+
+KERNEL = kernels.CpuKernel(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "qgemm.cc"),
+    {"hpnlp_int8_matmul": "HpnlpInt8Matmul", "hpnlp_int8_linear": "HpnlpInt8Linear",
+     "hpnlp_binary_matmul": "HpnlpBinaryMatmul", "hpnlp_binary_linear": "HpnlpBinaryLinear",
+     "hpnlp_int4_linear": "HpnlpInt4Linear"},
+    what="quantized GEMM")
+
+IMPLS = ("auto", "kernel", "xla")
+# Below this many multiply-adds one thread beats starting more (a thread start costs tens
+# of microseconds: a 512 x 512 int4 matvec takes 30).
+_MIN_PARALLEL_MACS = 1 << 21
+
+# Blocking of the int8 and binary products: mc rows per work item (a thread keeps their
+# activations in L2 while it walks its weight panels) and mr rows per register block.
+# Chosen per CPU on first use at the probe shape (`hpnlp.kernels.tuning`); `blocking=`
+# overrides. mr candidates are valid on every build (int8 allows 6 rows, 8 with VNNI;
+# binary 4, 8 with VPOPCNTDQ).
+DEFAULT_BLOCKING = {"int8": {"mc": 128, "mr": 6}, "binary": {"mc": 128, "mr": 4}}
+_MR = {"int8": (4, 6), "binary": (2, 4)}
+PROBE = dict(M=512, K=1024, N=1024)
+
+
+def _probe(kind: int):
+    def run(lib, cfg):
+        lib.hpnlp_qgemm_probe.restype = ctypes.c_double
+        args = [kind, PROBE["M"], PROBE["K"], PROBE["N"], cfg["mc"], cfg["mr"], kernels.cores()]
+        seconds = lib.hpnlp_qgemm_probe(*(ctypes.c_int64(a) for a in args))
+        if seconds < 0:
+            raise RuntimeError(f"the quantized GEMM's tuning probe failed at {cfg}")
+        return seconds
+    return run
+
+
+TUNINGS = {name: tuning.Tuning(
+    KERNEL, name, default=DEFAULT_BLOCKING[name], probe=_probe(kind),
+    candidates=[{"mc": mc, "mr": mr} for mc in (64, 128, 256, 512) for mr in _MR[name]],
+    shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
+    for kind, name in enumerate(("int8", "binary"))}
+
+
+def available() -> bool:
+    """Whether the kernels can run here (compiles them on the first call)."""
+    return KERNEL.available()
+
+
+def unavailable_reason() -> str | None:
+    return KERNEL.unavailable_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def layout() -> dict[str, int | str]:
+    """The build's instruction paths and panel layouts (see `hpnlp_qgemm_layout`)."""
+    lib = KERNEL.library()
+    lib.hpnlp_qgemm_layout.restype = ctypes.c_int64
+    v = [lib.hpnlp_qgemm_layout(ctypes.c_int64(i)) for i in range(9)]
+    return {"int8_path": ("portable", "avx2", "avx512_vnni")[v[0]], "int8_kp": v[1],
+            "int8_nb": v[2], "int8_max_mr": v[3],
+            "binary_path": ("portable", "avx2", "avx512_vpopcntdq")[v[4]], "binary_nb": v[5],
+            "binary_max_mr": v[6], "int4_nb": v[7], "binary_xw": v[8]}
+
+
+def _register(cls, data, meta):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    return cls
+
+
+class Int8Weight:
+    """An int8 weight for `int8_matmul` / `int8_linear`: q_KxN (the twin's operand),
+    scale_N, and the kernel's panels [P, ceil(K/kp), nb, kp] (int16 on AVX2, int8 with
+    VNNI) with colsum_N (None where the kernel cannot run)."""
+    q_KxN: jax.Array
+    scale_N: jax.Array
+    panels: jax.Array | None
+    colsum: jax.Array | None
+
+
+class BinaryWeight:
+    """A binary weight for `binary_matmul` / `binary_linear`: bits_KbxN (packing.pack_bits
+    along K, the twin's operand), alpha_N, and the kernel's panels [P, ceil(K/64), xw,
+    nb, 8] (each column's 64-bit words along K, as bytes; xw = 2 on AVX2: the words'
+    low and high nibbles, for the vpshufb popcount)."""
+    bits_KbxN: jax.Array
+    alpha_N: jax.Array
+    panels: jax.Array | None
+    k: int
+
+
+class Int4Weight:
+    """An int4 weight for `int4_linear`: packed_KhxN (packing.pack_int4 along K, the twin's
+    operand), scale_GxN (group g = K / G along K), and the kernel's panels
+    [P, Kh, nb] uint8 with panel_scales [P, G, nb]."""
+    packed_KhxN: jax.Array
+    scale_GxN: jax.Array
+    panels: jax.Array | None
+    panel_scales: jax.Array | None
+    k: int
+
+
+Int8Weight = _register(Int8Weight, ["q_KxN", "scale_N", "panels", "colsum"], [])
+BinaryWeight = _register(BinaryWeight, ["bits_KbxN", "alpha_N", "panels"], ["k"])
+Int4Weight = _register(Int4Weight, ["packed_KhxN", "scale_GxN", "panels", "panel_scales"], ["k"])
+
+
+# ------------------------------------------------------------------------------ checks
+
+def _check(what: str, name: str, a, *, ndim: int, dtype, shape=None):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise ValueError(f"{what}: {name} must be an array; got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise ValueError(f"{what}: {name} must have {ndim} dims; got shape {tuple(a.shape)}")
+    if jnp.dtype(a.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"{what}: {name} must be {jnp.dtype(dtype).name}; got {a.dtype}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: {name} must have shape {tuple(shape)}; got {tuple(a.shape)}")
+
+
+def _check_impl(what: str, impl: str):
+    if impl not in IMPLS:
+        raise ValueError(f"{what}: impl must be one of {IMPLS}; got {impl!r}")
+
+
+def _use_kernel(what: str, impl: str, panels) -> bool:
+    _check_impl(what, impl)
+    if impl == "xla":
+        return False
+    reason = KERNEL.blocker()
+    if reason is None and panels is None:
+        reason = "the weight was prepared without the kernel's panels"
+    if reason is not None and impl == "kernel":
+        raise RuntimeError(f"{what}: the quantized GEMM kernel cannot run here: {reason}. Use "
+                           "impl='xla' (the XLA twin) instead.")
+    return reason is None
+
+
+def _threads(threads: int | None, M: int, K: int, N: int) -> np.int64:
+    if threads is None:
+        threads = 1 if M * K * N < _MIN_PARALLEL_MACS else kernels.cores()
+    if int(threads) < 1:
+        raise ValueError(f"threads must be >= 1; got {threads}")
+    return np.int64(threads)
+
+
+def _blocking(name: str, given: dict | None) -> dict:
+    cfg = dict(given) if given is not None else TUNINGS[name].config()
+    top = layout()[f"{name}_max_mr"]
+    if set(cfg) != {"mc", "mr"} or cfg["mc"] <= 0 or not 1 <= cfg["mr"] <= top:
+        raise ValueError(f"{name} kernel: blocking must be {{'mc': > 0, 'mr': 1..{top}}}; "
+                         f"got {given}")
+    return {k: np.int64(v) for k, v in cfg.items()}
+
+
+def _pad_to(a, rows: int, cols: int):
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+
+def _can_pack() -> bool:
+    return KERNEL.available()
+
+
+# -------------------------------------------------------------------------------- int8
+
+def prepare_int8_weight(q_KxN, scale_N=None) -> Int8Weight:
+    """Pack an int8 weight (values in [-127, 127]) and its per-output-channel scales
+    (default ones) once, for `int8_matmul` / `int8_linear`."""
+    q_KxN = jnp.asarray(q_KxN)
+    _check("prepare_int8_weight", "q_KxN", q_KxN, ndim=2, dtype=jnp.int8)
+    K, N = q_KxN.shape
+    scale_N = jnp.ones((N,), jnp.float32) if scale_N is None else jnp.asarray(scale_N)
+    _check("prepare_int8_weight", "scale_N", scale_N, ndim=1, dtype=jnp.float32, shape=(N,))
+    panels = colsum = None
+    if _can_pack():
+        lay = layout()
+        kp, nb = lay["int8_kp"], lay["int8_nb"]
+        P, kq = -(-N // nb), -(-K // kp)
+        w = _pad_to(q_KxN, kq * kp, P * nb).reshape(kq, kp, P, nb).transpose(2, 0, 3, 1)
+        panels = w.astype(jnp.int8 if lay["int8_path"] == "avx512_vnni" else jnp.int16)
+        colsum = jnp.pad(jnp.sum(q_KxN, axis=0, dtype=jnp.int32), (0, P * nb - N))
+    return Int8Weight(q_KxN, scale_N, panels, colsum)
+
+
+def _as_int8_weight(w) -> Int8Weight:
+    return w if isinstance(w, Int8Weight) else prepare_int8_weight(w)
+
+
+def quantize_rows_int8(x_MxK):
+    """Per-row (per-token) symmetric int8: (q_MxK int8, scale_M) with scale = max|row| /
+    127 and q = clip(round(x * (127 / max|row|)), -127, 127) (round half to even); a row of
+    zeros has scale 0. The int8 kernel computes exactly this."""
+    amax_M1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True)
+    inv_M1 = jnp.where(amax_M1 > 0, 127.0 / jnp.where(amax_M1 > 0, amax_M1, 1.0), 0.0)
+    q_MxK = jnp.clip(jnp.round(x_MxK * inv_M1), -127, 127).astype(jnp.int8)
+    return q_MxK, (amax_M1 / 127.0)[:, 0]
+
+
+def int8_matmul_xla(x_MxK, q_KxN):
+    """The XLA twin of `int8_matmul`: an exact int32 product."""
+    return jax.lax.dot_general(x_MxK, q_KxN, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.int32)
+
+
+def int8_linear_xla(x_MxK, weight: Int8Weight):
+    """The XLA twin of `int8_linear`, operation for operation."""
+    q_MxK, scale_M = quantize_rows_int8(x_MxK.astype(jnp.float32))
+    acc_MxN = int8_matmul_xla(q_MxK, weight.q_KxN)
+    return acc_MxN.astype(jnp.float32) * scale_M[:, None] * weight.scale_N[None, :]
+
+
+def _check_int8(what: str, x_MxK, w: Int8Weight, dtype):
+    _check(what, "x_MxK", x_MxK, ndim=2, dtype=dtype)
+    if x_MxK.shape[1] != w.q_KxN.shape[0]:
+        raise ValueError(f"{what}: x_MxK has K = {x_MxK.shape[1]} but the weight has K = "
+                         f"{w.q_KxN.shape[0]}")
+
+
+def int8_matmul(x_MxK, w, *, impl: str = "auto", threads: int | None = None,
+                blocking: dict | None = None):
+    """x_MxK int8 @ w int8 [K, N] -> int32 [M, N], exact (values in [-127, 127]). `w` is an
+    `Int8Weight` (pack once with `prepare_int8_weight`) or a raw int8 [K, N] array (packed
+    on every call). `threads` None: every core (one for tiny products)."""
+    w = _as_int8_weight(w)
+    _check_int8("int8_matmul", x_MxK, w, jnp.int8)
+    if not _use_kernel("int8_matmul", impl, w.panels):
+        return int8_matmul_xla(x_MxK, w.q_KxN)
+    (M, K), N = x_MxK.shape, w.q_KxN.shape[1]
+    return jax.ffi.ffi_call("hpnlp_int8_matmul", jax.ShapeDtypeStruct((M, N), jnp.int32),
+                            vmap_method="sequential")(
+        x_MxK, w.panels, w.colsum, threads=_threads(threads, M, K, N),
+        **_blocking("int8", blocking))
+
+
+def int8_linear(x_MxK, weight: Int8Weight, *, impl: str = "auto", threads: int | None = None,
+                blocking: dict | None = None):
+    """w8a8 linear layer: float32 x_MxK, quantized per token to int8 inside the kernel,
+    times the prepared int8 weight, rescaled to float32: acc * x_scale[m] * w_scale[n]."""
+    if not isinstance(weight, Int8Weight):
+        raise ValueError("int8_linear: weight must be an Int8Weight (prepare_int8_weight); got "
+                         f"{type(weight).__name__}")
+    _check_int8("int8_linear", x_MxK, weight, jnp.float32)
+    if not _use_kernel("int8_linear", impl, weight.panels):
+        return int8_linear_xla(x_MxK, weight)
+    (M, K), N = x_MxK.shape, weight.q_KxN.shape[1]
+    return jax.ffi.ffi_call("hpnlp_int8_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                            vmap_method="sequential")(
+        x_MxK, weight.panels, weight.colsum, weight.scale_N,
+        threads=_threads(threads, M, K, N), **_blocking("int8", blocking))
+
+
+# ------------------------------------------------------------------------------ binary
+
+def prepare_binary_weight(bits_KbxN, alpha_N=None, *, k: int) -> BinaryWeight:
+    """Re-lay packed sign bits ([ceil(k/8), N] uint8, `packing.pack_bits` along K) and the
+    per-output-channel scales (default ones) once, for `binary_matmul` / `binary_linear`."""
+    bits_KbxN = jnp.asarray(bits_KbxN)
+    if int(k) < 0:
+        raise ValueError(f"prepare_binary_weight: k must be >= 0; got {k}")
+    k = int(k)
+    _check("prepare_binary_weight", "bits_KbxN", bits_KbxN, ndim=2, dtype=jnp.uint8)
+    if bits_KbxN.shape[0] != -(-k // 8):
+        raise ValueError(f"prepare_binary_weight: bits_KbxN must have ceil(k/8) = {-(-k // 8)} "
+                         f"rows for k = {k}; got shape {tuple(bits_KbxN.shape)}")
+    N = bits_KbxN.shape[1]
+    alpha_N = jnp.ones((N,), jnp.float32) if alpha_N is None else jnp.asarray(alpha_N)
+    _check("prepare_binary_weight", "alpha_N", alpha_N, ndim=1, dtype=jnp.float32, shape=(N,))
+    panels = None
+    if _can_pack():
+        nb = layout()["binary_nb"]
+        P, kw = -(-N // nb), -(-k // 64)
+        w = _pad_to(bits_KbxN, kw * 8, P * nb)  # zero bytes: padding bits stay 0
+        panels = w.reshape(kw, 8, P, nb).transpose(2, 0, 3, 1)[:, :, None]  # [P, kw, 1, nb, 8]
+        if layout()["binary_xw"] == 2:  # AVX2: the popcount LUT's nibbles, split once here
+            panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=2)
+    return BinaryWeight(bits_KbxN, alpha_N, panels, k)
+
+
+def binary_matmul_xla(x_bits_MxKb, w_bits_KbxN, k: int):
+    """The XLA twin of `binary_matmul`: bits unpacked to +-1 and an exact int32 product."""
+    x_MxK = packing.unpack_bits(x_bits_MxKb, k, axis=1, dtype=jnp.int8)
+    w_KxN = packing.unpack_bits(w_bits_KbxN, k, axis=0, dtype=jnp.int8)
+    return int8_matmul_xla(x_MxK, w_KxN)
+
+
+def binary_linear_xla(x_MxK, weight: BinaryWeight):
+    """The XLA twin of `binary_linear`."""
+    x_MxK = x_MxK.astype(jnp.float32)
+    s_MxK = jnp.where(x_MxK > 0, 1, -1).astype(jnp.int8)
+    w_KxN = packing.unpack_bits(weight.bits_KbxN, weight.k, axis=0, dtype=jnp.int8)
+    beta_M = jnp.mean(jnp.abs(x_MxK), axis=1)
+    acc_MxN = int8_matmul_xla(s_MxK, w_KxN)
+    return acc_MxN.astype(jnp.float32) * beta_M[:, None] * weight.alpha_N[None, :]
+
+
+def _check_binary_weight(what: str, weight):
+    if not isinstance(weight, BinaryWeight):
+        raise ValueError(f"{what}: weight must be a BinaryWeight (prepare_binary_weight); got "
+                         f"{type(weight).__name__}")
+
+
+def binary_matmul(x_bits_MxKb, weight: BinaryWeight, *, impl: str = "auto",
+                  threads: int | None = None, blocking: dict | None = None):
+    """Packed sign bits x [M, ceil(K/8)] (`packing.pack_bits` along axis 1) times a
+    prepared binary weight: int32 [M, N] = sum_k x_k w_k over +-1 values, exactly
+    K - 2 popcount(x xor w)."""
+    _check_binary_weight("binary_matmul", weight)
+    k = weight.k
+    _check("binary_matmul", "x_bits_MxKb", x_bits_MxKb, ndim=2, dtype=jnp.uint8)
+    if x_bits_MxKb.shape[1] != -(-k // 8):
+        raise ValueError(f"binary_matmul: x_bits_MxKb must have ceil(K/8) = {-(-k // 8)} "
+                         f"columns for the weight's K = {k}; got {tuple(x_bits_MxKb.shape)}")
+    if not _use_kernel("binary_matmul", impl, weight.panels):
+        return binary_matmul_xla(x_bits_MxKb, weight.bits_KbxN, k)
+    M, N = x_bits_MxKb.shape[0], weight.bits_KbxN.shape[1]
+    return jax.ffi.ffi_call("hpnlp_binary_matmul", jax.ShapeDtypeStruct((M, N), jnp.int32),
+                            vmap_method="sequential")(
+        x_bits_MxKb, weight.panels, threads=_threads(threads, M, k // 32, N),
+        k=np.int64(k), **_blocking("binary", blocking))
+
+
+def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
+                  threads: int | None = None, blocking: dict | None = None):
+    """XNOR-Net linear layer: sign(x) (x > 0: +1, else -1) with per-token scale beta =
+    mean|x_row|, times the prepared binary weight: popcount product * beta[m] * alpha[n]."""
+    _check_binary_weight("binary_linear", weight)
+    _check("binary_linear", "x_MxK", x_MxK, ndim=2, dtype=jnp.float32)
+    if x_MxK.shape[1] != weight.k:
+        raise ValueError(f"binary_linear: x_MxK has K = {x_MxK.shape[1]} but the weight has "
+                         f"K = {weight.k}")
+    if not _use_kernel("binary_linear", impl, weight.panels):
+        return binary_linear_xla(x_MxK, weight)
+    (M, K), N = x_MxK.shape, weight.bits_KbxN.shape[1]
+    return jax.ffi.ffi_call("hpnlp_binary_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                            vmap_method="sequential")(
+        x_MxK, weight.panels, weight.alpha_N, threads=_threads(threads, M, K // 32, N),
+        **_blocking("binary", blocking))
+
+
+# -------------------------------------------------------------------------------- int4
+
+def prepare_int4_weight(packed_KhxN, scale_GxN, *, k: int) -> Int4Weight:
+    """Re-lay a packed int4 weight ([ceil(k/2), N] uint8, `packing.pack_int4` along K) and
+    its group scales [G, N] (group g = k / G rows of K each) once, for `int4_linear`."""
+    packed_KhxN, scale_GxN = jnp.asarray(packed_KhxN), jnp.asarray(scale_GxN)
+    k = int(k)
+    _check("prepare_int4_weight", "packed_KhxN", packed_KhxN, ndim=2, dtype=jnp.uint8)
+    if k < 1 or packed_KhxN.shape[0] != -(-k // 2):
+        raise ValueError(f"prepare_int4_weight: packed_KhxN must have ceil(k/2) rows for k = "
+                         f"{k} >= 1; got shape {tuple(packed_KhxN.shape)}")
+    N = packed_KhxN.shape[1]
+    _check("prepare_int4_weight", "scale_GxN", scale_GxN, ndim=2, dtype=jnp.float32)
+    G = scale_GxN.shape[0]
+    if scale_GxN.shape[1] != N or G < 1 or k % G:
+        raise ValueError(f"prepare_int4_weight: scale_GxN must be [G, N = {N}] with G dividing "
+                         f"k = {k} (group size k / G); got shape {tuple(scale_GxN.shape)}")
+    panels = panel_scales = None
+    if _can_pack():
+        nb = layout()["int4_nb"]
+        P = -(-N // nb)
+        panels = _pad_to(packed_KhxN, packed_KhxN.shape[0], P * nb).reshape(-1, P, nb)
+        panels = panels.transpose(1, 0, 2)  # [P, Kh, nb]
+        panel_scales = _pad_to(scale_GxN, G, P * nb).reshape(G, P, nb).transpose(1, 0, 2)
+    return Int4Weight(packed_KhxN, scale_GxN, panels, panel_scales, k)
+
+
+def dequantize_int4(weight: Int4Weight):
+    """The float32 weight [K, N] = int4 value * its group's scale (what the twin multiplies
+    by; the kernel never stores it)."""
+    q_KxN = packing.unpack_int4(weight.packed_KhxN, weight.k, axis=0).astype(jnp.float32)
+    g = weight.k // weight.scale_GxN.shape[0]
+    return q_KxN * jnp.repeat(weight.scale_GxN, g, axis=0)
+
+
+def int4_linear_xla(x_MxK, weight: Int4Weight):
+    """The XLA twin of `int4_linear`: dequantize, then a float32 product."""
+    return jnp.dot(x_MxK.astype(jnp.float32), dequantize_int4(weight),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
+def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int | None = None):
+    """Weight-only int4 linear layer: float32 x_MxK @ (int4 weight * group scales), the
+    nibbles unpacked in registers (never a float weight in memory)."""
+    if not isinstance(weight, Int4Weight):
+        raise ValueError("int4_linear: weight must be an Int4Weight (prepare_int4_weight); got "
+                         f"{type(weight).__name__}")
+    _check("int4_linear", "x_MxK", x_MxK, ndim=2, dtype=jnp.float32)
+    if x_MxK.shape[1] != weight.k:
+        raise ValueError(f"int4_linear: x_MxK has K = {x_MxK.shape[1]} but the weight has "
+                         f"K = {weight.k}")
+    if not _use_kernel("int4_linear", impl, weight.panels):
+        return int4_linear_xla(x_MxK, weight)
+    (M, K), N = x_MxK.shape, weight.packed_KhxN.shape[1]
+    return jax.ffi.ffi_call("hpnlp_int4_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                            vmap_method="sequential")(
+        x_MxK, weight.panels, weight.panel_scales, threads=_threads(threads, M, K, N))
+
+
+# ------------------------------------------------------------------------------ timing
+
+def _best_time(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_linear(M: int, K: int, N: int, *, repeats: int = 5, group: int = 128,
+                impls: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Seconds (best of `repeats`) of one linear layer [M, K] x [K, N] per implementation:
+    "f32_xla" (jnp.dot), "int8_xla" / "int8_kernel" (w8a8 with per-token activation
+    quantization), "binary_xla" / "binary_kernel" (XNOR-Net), "int4_xla" / "int4_kernel"
+    (weight-only, group scales of `group` rows). Kernels missing here are left out."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((M, K), np.float32))
+    w = rng.standard_normal((K, N), np.float32)
+    q8 = prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8),
+                             jnp.full((N,), 0.01, jnp.float32))
+    qb = prepare_binary_weight(packing.pack_bits(w), jnp.full((N,), 0.01, jnp.float32), k=K)
+    g = group if K % group == 0 else K
+    q4 = prepare_int4_weight(packing.pack_int4(rng.integers(-8, 8, (K, N), dtype=np.int8)),
+                             jnp.full((K // g, N), 0.01, jnp.float32), k=K)
+    cases = {
+        "f32_xla": (jax.jit(jnp.dot), (x, jnp.asarray(w))),
+        "int8_xla": (jax.jit(functools.partial(int8_linear, impl="xla")), (x, q8)),
+        "int8_kernel": (jax.jit(functools.partial(int8_linear, impl="kernel")), (x, q8)),
+        "binary_xla": (jax.jit(functools.partial(binary_linear, impl="xla")), (x, qb)),
+        "binary_kernel": (jax.jit(functools.partial(binary_linear, impl="kernel")), (x, qb)),
+        "int4_xla": (jax.jit(functools.partial(int4_linear, impl="xla")), (x, q4)),
+        "int4_kernel": (jax.jit(functools.partial(int4_linear, impl="kernel")), (x, q4)),
+    }
+    out = {}
+    for name, (fn, args) in cases.items():
+        if impls is not None and name not in impls:
+            continue
+        if name.endswith("_kernel") and KERNEL.blocker() is not None:
+            continue
+        out[name] = _best_time(fn, args, repeats)
+    return out
+
+
+def main() -> None:
+    """Print the layer times, GOP/s and ratios against float32 XLA."""
+    print(f"paths: {layout() if available() else unavailable_reason()}")
+    for M, K, N in ((2048, 1024, 4096), (1, 512, 512), (1, 1024, 1024), (1, 2048, 2048),
+                    (16, 2048, 2048)):
+        secs = time_linear(M, K, N, repeats=5 if M > 1 else 50)
+        base = secs["f32_xla"]
+        print(f"[{M} x {K} -> {N}]")
+        for name, s in secs.items():
+            print(f"  {name:14s} {s * 1e3:9.3f} ms {2 * M * K * N / s / 1e9:8.1f} GOP/s "
+                  f"{base / s:6.2f}x f32")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Post-training quantization of a trained run: calibrate, pack, evaluate, reload, report.
+
+    python -m hpnlp.compress quantize --workdir /tmp/hpnlp/lm --out /tmp/hpnlp/lm_w8a8 \\
+        --weights int8 --activations int8 --act_scale static --calibration percentile
+
+1. The run's config (`WORKDIR/config.json`) and newest checkpoint are restored, and the
+   float model is evaluated on the held-out split with the task's own metric.
+2. The `quant.*` settings are checked (one line naming the field) before anything compiles.
+3. Calibration (`act_scale=static`): `--calib_batches` training batches, in order from the
+   start of the split (deterministic), run through the model with activations in float;
+   each product records its input's range per batch (`calibrate.choose_range`) and the
+   batches combine by `calibrate.combine`. Those ranges are the `quant` collection.
+4. Export: one pass with the `qexport` collection mutable makes every product weight's
+   packed `QWeight` (int4 two per byte, binary eight per byte) at its parameter's path.
+5. The packed model is evaluated, saved to `OUT/quantized.npz` + `OUT/quant.json`,
+   reloaded, and checked to give identical outputs; `OUT/summary.json` reports size on
+   disk, the eval metric and forward speed beside the float model.
+
+bfloat16 / float16 inference is the same command with `--weights bfloat16|float16`:
+parameters cast and the model computing in that dtype (no integer codes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import flax.traverse_util as traverse
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.compress.qlinear import QWeight
+from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
+                          validate)
+
+FLOAT_FORMATS = ("bfloat16", "float16")
+
+
+class NoCheckpoint(FileNotFoundError):
+    """The workdir has no trained run to quantize."""
+
+
+def load_run_config(workdir: str) -> Config:
+    """The config a run in `workdir` was trained with (its config.json)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise NoCheckpoint(f"no run in workdir {workdir} (no config.json): train one there first "
+                           "with python -m hpnlp.main --config ... --workdir ...")
+    with open(path) as f:
+        saved = json.load(f)["config"]
+    if any(isinstance(saved.get(g, {}).get(k), str) for g, k in (("attention", "options"),
+                                                                  ("output", "options"))):
+        raise NoCheckpoint(f"{path} was written before configs were saved readably (options as "
+                           "text); retrain the run, or resume it once to rewrite config.json")
+    ckpt = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+        raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {ckpt}: train (or resume) the "
+                           "run until it saves one, then quantize")
+    return from_configdict(saved)
+
+
+def _is_qweight(x) -> bool:
+    return isinstance(x, QWeight)
+
+
+def with_quant(cfg: Config, q: QuantConfig) -> Config:
+    """`cfg` with its model's `quant` replaced, validated (ConfigError names the field)."""
+    if q.act_scale == "static" and q.activations not in ("int8", "fp8"):
+        raise config_error("quant.act_scale", "static", "static (calibrated) ranges are for "
+                           "int8/fp8 activations; use quant.act_scale='dynamic'")
+    return validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant=q)))
+
+
+def packed_params(model, params, batch, quant_vars=None):
+    """`params` with every quantized product weight replaced by its packed QWeight."""
+    variables = {"quant": quant_vars} if quant_vars else {}
+    _, export = jax.jit(lambda p, b: model.apply({"params": p, **variables}, b, method="evaluate",
+                                                 mutable=["qexport"]))(params, batch)
+    packed = traverse.flatten_dict(export.get("qexport", {}), is_leaf=lambda _, x: _is_qweight(x))
+    flat = traverse.flatten_dict(params)
+    for path, qw in packed.items():
+        if path not in flat:
+            raise RuntimeError(f"exported weight {'/'.join(path)} is not a parameter")
+        flat[path] = qw
+    return traverse.unflatten_dict(flat)
+
+
+def calibrate_ranges(model, params, batches, method: str):
+    """The `quant` collection: each product's activation range over `batches` (step 3)."""
+    from hpnlp.compress import calibrate
+
+    run = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate",
+                                           mutable=["calib"])[1]["calib"])
+    per_batch = [run(params, b) for b in batches]
+    return jax.tree.map(lambda *r: calibrate.combine(jnp.stack(r), method), *per_batch)
+
+
+# ---------------------------------------------------------------- the packed file format
+
+def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
+    """OUT/quantized.npz (every array, packed codes as stored) + OUT/quant.json; returns
+    the npz's size in bytes."""
+    os.makedirs(out, exist_ok=True)
+    arrays, layout, views = {}, {}, {}
+
+    def put(key, a):  # npz knows no bfloat16 / float8: store their bytes, note the dtype
+        a = np.asarray(a)
+        if a.dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            views[key] = a.dtype.name
+            a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
+        arrays[key] = a
+
+    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: _is_qweight(x))
+    for path, leaf in flat.items():
+        key = "params/" + "/".join(path)
+        if _is_qweight(leaf):
+            put(key + "/codes", leaf.codes)
+            put(key + "/scale", leaf.scale)
+            layout[key] = {"fmt": leaf.fmt, "shape": list(leaf.shape), "k_dims": leaf.k_dims}
+        else:
+            put(key, leaf)
+    for path, leaf in traverse.flatten_dict(quant_vars or {}).items():
+        put("quant/" + "/".join(path), leaf)
+    path = os.path.join(out, "quantized.npz")
+    np.savez(path, **arrays)
+    manifest = {"config": to_json(cfg), "weights": layout, "dtypes": views, **meta}
+    with open(os.path.join(out, "quant.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return os.path.getsize(path)
+
+
+def load(out: str, cfg: Config | None = None):
+    """(config, params with QWeights, quant collection) saved by `save`. `cfg`, when given,
+    must be the model the file was made for."""
+    mpath, npath = os.path.join(out, "quant.json"), os.path.join(out, "quantized.npz")
+    for p in (mpath, npath):
+        if not os.path.exists(p):
+            raise NoCheckpoint(f"no quantized checkpoint in {out} ({os.path.basename(p)} missing): "
+                               "make one with python -m hpnlp.compress quantize --out ...")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    saved = from_configdict(manifest["config"])
+    if cfg is not None:
+        from hpnlp.train.checkpoint import _shape_signature
+        a, b = _shape_signature(saved), _shape_signature(cfg)
+        diff = {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
+        if diff or saved.model.quant != cfg.model.quant:
+            lines = "; ".join(f"{k}: saved {x!r}, given {y!r}" for k, (x, y) in diff.items()) or \
+                f"quant: saved {saved.model.quant}, given {cfg.model.quant}"
+            raise ConfigError(f"the quantized checkpoint in {out} is of a different model ({lines}); "
+                              "load it with its own config (hpnlp.compress.ptq.load(out))")
+    npz = np.load(npath)
+    views = manifest.get("dtypes", {})
+
+    def get(key):
+        a = npz[key]
+        return jnp.asarray(a.view(jnp.dtype(views[key])) if key in views else a)
+
+    flat, quant = {}, {}
+    for key in npz.files:
+        if key.startswith("quant/"):
+            quant[tuple(key.split("/")[1:])] = get(key)
+    for key, info in manifest["weights"].items():
+        flat[tuple(key.split("/")[1:])] = QWeight(
+            codes=get(key + "/codes"), scale=get(key + "/scale"), fmt=info["fmt"],
+            shape=tuple(info["shape"]), k_dims=info["k_dims"])
+    for key in npz.files:
+        if key.startswith("params/") and key.rsplit("/", 1)[0] not in manifest["weights"]:
+            flat[tuple(key.split("/")[1:])] = get(key)
+    return saved, traverse.unflatten_dict(flat), traverse.unflatten_dict(quant) if quant else {}
+
+
+# ---------------------------------------------------------------- the whole command
+
+def _forward_seconds(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtype: str | None = None,
+             calib_batches: int = 8, eval_batches: int | None = None, repeats: int = 5) -> dict:
+    """Quantize the run in `workdir` with `q` (or cast it to `float_dtype`) into `out`;
+    returns the summary also written to OUT/summary.json (module doc)."""
+    from hpnlp import data as data_lib
+    from hpnlp import models
+    from hpnlp.train import Trainer
+    from hpnlp.train.step import finalize
+
+    if (q is None) == (float_dtype is None):
+        raise ValueError("give a QuantConfig or a float_dtype (bfloat16 | float16), not both")
+    if float_dtype is not None and float_dtype not in FLOAT_FORMATS:
+        raise config_error("weights", float_dtype, f"float formats are {list(FLOAT_FORMATS)}")
+    if calib_batches <= 0:
+        raise config_error("calib_batches", calib_batches, "must be > 0")
+    cfg = load_run_config(workdir)
+    if eval_batches is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
+    if float_dtype is not None:
+        cfg_q = validate(dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, dtype=float_dtype, param_dtype=float_dtype)))
+    else:
+        cfg_q = with_quant(cfg, q)  # fails here, before anything compiles
+    os.makedirs(out, exist_ok=True)
+
+    trainer = Trainer(cfg, workdir)
+    step = trainer.checkpointer.latest_step()
+    state, _ = trainer.initial_state()
+    trainer.checkpointer.close()
+    lm = trainer.lm
+    float_eval = trainer.evaluate(state)
+    params = state.params
+    batches = data_lib.make_iterator(trainer.task, cfg.data, split="train",
+                                     batch_size=cfg.train.batch_size)
+    calib = [next(batches) for _ in range(calib_batches)]
+    eval_batch = next(iter(data_lib.make_iterator(
+        trainer.task, cfg.data, split="eval",
+        batch_size=cfg.data.eval_batch_size or cfg.train.batch_size)))
+
+    model_q = models.build(cfg_q, deterministic=True, token_counts=trainer.task.token_counts)
+    quant_vars = {}
+    if float_dtype is not None:
+        dt = jnp.dtype(float_dtype)
+        packed = jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                              params)
+    else:
+        if q.act_scale == "static":
+            quant_vars = calibrate_ranges(model_q, params, calib, q.calibration)
+        packed = packed_params(model_q, params, calib[0], quant_vars)
+
+    def variables(p, qv):
+        return {"params": p, **({"quant": qv} if qv else {})}
+
+    eval_q = jax.jit(lambda p, qv, b: model_q.apply(variables(p, qv), b, method="evaluate"))
+    quant_eval = finalize(trainer.eval_sums(
+        state, eval_step=lambda _, b: eval_q(packed, quant_vars, b)), lm=lm)
+
+    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
+    size = save(out, cfg_q, packed, quant_vars, meta)
+    _, reloaded, reloaded_quant = load(out, cfg_q)
+    out_before = eval_q(packed, quant_vars, eval_batch)
+    out_after = eval_q(reloaded, reloaded_quant, eval_batch)
+    identical = all(bool(jnp.array_equal(a, b)) for a, b in
+                    zip(jax.tree.leaves(out_before), jax.tree.leaves(out_after)))
+
+    model_f = trainer.eval_model
+    eval_f = jax.jit(lambda p, b: model_f.apply({"params": p}, b, method="evaluate"))
+    tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
+    t_float = _forward_seconds(eval_f, params, eval_batch, repeats=repeats)
+    t_quant = _forward_seconds(eval_q, packed, quant_vars, eval_batch, repeats=repeats)
+    float_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+    metric = "loss"
+    summary = {
+        "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,
+        "format": float_dtype or {"weights": q.weights, "activations": q.activations,
+                                  "act_scale": q.act_scale, "group_size": q.group_size,
+                                  "calibration": q.calibration, "layers": q.layers},
+        "calib_batches": calib_batches if (q is not None and q.act_scale == "static") else 0,
+        "eval": {"float32": float_eval, "quantized": quant_eval,
+                 "loss_rel_increase": quant_eval[metric] / float_eval[metric] - 1.0},
+        "size_bytes": {"float32_params": float_bytes, "quantized_file": size,
+                       "ratio": float_bytes / size},
+        "forward": {"batch_tokens": tokens, "float32_s": t_float, "quantized_s": t_quant,
+                    "speedup": t_float / t_quant,
+                    "how": "XLA: packed weights decoded in the jitted forward (no integer "
+                           "kernel on this path yet)"},
+        "reload_identical": identical,
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if not identical:
+        raise RuntimeError(f"the quantized checkpoint in {out} did not reload to identical outputs")
+    return summary

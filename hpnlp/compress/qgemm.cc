@@ -1,0 +1,832 @@
+// Quantized products as XLA FFI CPU kernels (inference only): int8 x int8 -> int32 (w8a8),
+// binary x binary (XNOR-popcount) and float x int4 weight-only. hpnlp/compress/kernels.py
+// wraps them, packs the weights once into the panels below, and keeps their XLA twins.
+//
+// All three are register-blocked GEMMs over weight *panels*: a weight is packed once (in
+// Python) into [panels][k groups][NB columns][KP], so the kernel streams a panel
+// contiguously while a block of activation rows broadcasts into it. Work items are
+// (row chunk of mc rows, panel) pairs, in row-chunk-major order, shared among threads in
+// contiguous ranges: a thread keeps one chunk of activations in its core's L2 while it
+// walks the panels, and a panel's k-run stays in L1 across the chunk's register blocks.
+// Each item covers the whole contraction (no partial sums in memory), so the epilogue
+// (the int32 result, or its float rescaling) writes every output once.
+//
+// Paths, chosen at build time by the CPU's features (-march=native):
+//   int8:   AVX-512 VNNI  vpdpbusd on (x + 128) as u8 times w as s8, 4 k a lane, minus
+//                         128 * colsum(w) (precomputed at packing): exact.
+//           AVX2          x and w widened to int16 (w at packing, x once per call) and
+//                         vpmaddwd: 2 k a lane, exact. vpmaddubsw (u8 x s8 -> s16, 4 k a
+//                         lane) saturates for full-range operands (2 * 255 * 127 > 32767);
+//                         the |x| / sign(w, x) trick that avoids it needs vpsignb +
+//                         vpmaddubsw + vpmaddwd(1) + vpaddd per 32 products against
+//                         vpmaddwd + vpaddd per 16, the same multiply-port count, plus
+//                         an extra instruction: no faster on Zen 3 and more code.
+//           portable      plain loops over the AVX2 layout.
+//   binary: AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words.
+//           AVX2          nibble-LUT popcount (vpshufb, Mula): x's nibbles split once per
+//                         call, w's per k-word per register block; byte counts summed by
+//                         vpsadbw every 31 words (31 * 8 <= 255). Scalar popcnt measured
+//                         slower (3 ALU ops per 64 bits against 6 vector ops per 256).
+//           portable      __builtin_popcountll.
+//   int4:   GCC vector types (vf: one zmm or two ymm): 16 packed bytes sign-extended to
+//           int32, low nibble by (v << 28) >> 28 and high by v >> 4, to float, times the
+//           group scale, FMA into the accumulators. Nothing float is stored.
+//
+// The vector type, threads and FFI checks come from hpnlp/kernels/simd.h.
+
+#include <chrono>
+#include <cmath>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace ffi = xla::ffi;
+using namespace hpnlp;  // NOLINT: the kernels' vocabulary (vf, parallel, share, ...)
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HPNLP_I8_VNNI 1
+constexpr int I8_KP = 4, I8_NB = 32, I8_MR = 8, I8_PATH = 2;
+typedef int8_t I8W;   // packed weight element
+typedef uint8_t I8X;  // activation element (x + 128)
+#define HPNLP_I8W_FFI ffi::S8
+inline I8X i8_x(int q) { return static_cast<uint8_t>(q + 128); }
+#else
+constexpr int I8_KP = 2, I8_NB = 16, I8_MR = 6;
+#if defined(__AVX2__)
+constexpr int I8_PATH = 1;
+#else
+constexpr int I8_PATH = 0;
+#endif
+typedef int16_t I8W;
+typedef int16_t I8X;
+#define HPNLP_I8W_FFI ffi::S16
+inline I8X i8_x(int q) { return static_cast<int16_t>(q); }
+#endif
+
+#if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__)
+constexpr int B_PATH = 2, B_MR = 8, B_XW = 1;  // words per k-word: x scratch, weight panel
+#elif defined(__AVX2__)
+constexpr int B_PATH = 1, B_MR = 4, B_XW = 2;  // (low nibbles, high nibbles)
+#else
+constexpr int B_PATH = 0, B_MR = 4, B_XW = 1;
+#endif
+constexpr int B_NB = 8;  // columns per binary panel: one zmm of words, two ymm
+
+constexpr int I4_NB = 16, I4_MR = 4;  // columns per int4 panel: one vf
+constexpr int I4_MC = 64;             // rows per int4 work item
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline uint64_t load_u64(const void* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Calls f(std::integral_constant<int, R>) for r = R in [1, MAX].
+template <int MAX, class F>
+inline void dispatch(int r, F&& f) {
+  if constexpr (MAX == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    if (r == MAX) return f(std::integral_constant<int, MAX>{});
+    dispatch<MAX - 1>(r, f);
+  }
+}
+
+// Rows [m0, m1) in near-equal register blocks of <= mr rows: f(r0, integral_constant R).
+template <int MAX, class F>
+inline void row_blocks(int m0, int m1, int mr, F&& f) {
+  const int rows = m1 - m0, blocks = (rows + mr - 1) / mr;
+  for (int i = 0, r0 = m0; i < blocks; ++i) {
+    const int R = rows / blocks + (i < rows % blocks);
+    dispatch<MAX>(R, [&](auto rr) { f(r0, rr); });
+    r0 += R;
+  }
+}
+
+// Items (row chunk, panel), row-chunk-major, shared among nt threads; fn(t) runs setup
+// (rows of the activation scratch), then, after a barrier, each item's rows and panel.
+template <class Setup, class Item>
+void run_items(int M, int P, int mc, int threads, Setup&& setup, Item&& item) {
+  const int chunks = (M + mc - 1) / mc;
+  const int64_t items = int64_t(chunks) * P;
+  const int nt = clamp_threads(threads, std::max<int64_t>(items, 1));
+  Barrier barrier(nt);
+  parallel(nt, [&](int t) {
+    int r0, r1;
+    share(M, nt, t, &r0, &r1);
+    setup(r0, r1);
+    barrier.wait();
+    int i0, i1;
+    share(int(items), nt, t, &i0, &i1);
+    for (int i = i0; i < i1; ++i) {
+      const int c = i / P, p = i % P;
+      item(c * mc, std::min(M, (c + 1) * mc), p);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------ int8
+
+// t[r][c] = sum over the panel's kq k-groups of x[r] . w[:, c], for R rows at x (row
+// stride ldx elements) and the panel at p.
+template <int R>
+inline void i8_block(const I8X* x, size_t ldx, const I8W* p, int kq, int32_t (*t)[I8_NB]) {
+#if defined(HPNLP_I8_VNNI)
+  __m512i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int k = 0; k < kq; ++k, p += I8_NB * I8_KP) {
+    const __m512i b0 = _mm512_loadu_si512(p), b1 = _mm512_loadu_si512(p + 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(load_i32(x + r * ldx + size_t(k) * 4));
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_si512(t[r], acc[r][0]);
+    _mm512_storeu_si512(t[r] + 16, acc[r][1]);
+  }
+#elif defined(__AVX2__)
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int k = 0; k < kq; ++k, p += I8_NB * I8_KP) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_set1_epi32(load_i32(x + r * ldx + size_t(k) * 2));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, b0));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, b1));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r]), acc[r][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r] + 8), acc[r][1]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < I8_NB; ++c) t[r][c] = 0;
+  for (int k = 0; k < kq; ++k, p += I8_NB * I8_KP)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < I8_NB; ++c)
+        for (int j = 0; j < I8_KP; ++j)
+          t[r][c] += int32_t(x[r * ldx + size_t(k) * I8_KP + j]) * int32_t(p[c * I8_KP + j]);
+#endif
+}
+
+struct I8Gemm {
+  int M, K, N, kq, P;
+  int mc, mr;
+  const I8W* w;           // [P][kq][I8_NB][I8_KP]
+  const int32_t* colsum;  // [P * I8_NB]: sum over k of w (the VNNI offset's correction)
+  I8X* xq;                // [M][kq * I8_KP] scratch
+  int32_t* out_i;         // [M, N] (int8_matmul) or null
+  float* out_f;           // [M, N] (int8_linear) or null
+  const float* ws;        // [N] weight scales (int8_linear)
+  float* xs;              // [M] activation scales (int8_linear, scratch)
+};
+
+void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
+  const size_t ldx = size_t(g.kq) * I8_KP;
+  const I8W* p = g.w + size_t(panel) * g.kq * I8_NB * I8_KP;
+  const int n0 = panel * I8_NB, nn = std::min(I8_NB, g.N - n0);
+  row_blocks<I8_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
+    constexpr int R = decltype(rr)::value;
+    alignas(64) int32_t t[R][I8_NB];
+    i8_block<R>(g.xq + size_t(r0) * ldx, ldx, p, g.kq, t);
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(r0 + r) * g.N + n0;
+      int32_t v[I8_NB];
+      for (int c = 0; c < I8_NB; ++c)
+        v[c] = t[r][c] - (I8_PATH == 2 ? 128 * g.colsum[n0 + c] : 0);
+      if (g.out_i) {
+        std::memcpy(g.out_i + row, v, sizeof(int32_t) * nn);
+      } else if (nn == I8_NB) {
+        const float xs = g.xs[r0 + r];
+        for (int c = 0; c < I8_NB; ++c) g.out_f[row + c] = float(v[c]) * xs * g.ws[n0 + c];
+      } else {
+        const float xs = g.xs[r0 + r];
+        for (int c = 0; c < nn; ++c) g.out_f[row + c] = float(v[c]) * xs * g.ws[n0 + c];
+      }
+    }
+  });
+}
+
+// max |x| over n floats (order-free: exact however it is split).
+inline float absmax(const float* x, int n) {
+  int k = 0;
+  float m = 0.0f;
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (; k + 16 <= n; k += 16) {
+    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    b = _mm256_max_ps(b, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 8)));
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_max_ps(a, b));
+  for (float v : t) m = std::max(m, v);
+#endif
+  for (; k < n; ++k) m = std::max(m, std::fabs(x[k]));
+  return m;
+}
+
+// sum |x| over n floats, in 16 interleaved partial sums.
+inline float abssum(const float* x, int n) {
+  int k = 0;
+  vf acc = vf{};
+  for (; k + NR <= n; k += NR) {
+    const vf v = load(x + k);
+    acc += v < 0.0f ? -v : v;
+  }
+  float s = hsum(acc);
+  for (; k < n; ++k) s += std::fabs(x[k]);
+  return s;
+}
+
+// The per-row int8 scale (max |x| / 127, 0 for a row of zeros) into *scale; returns the
+// factor that quantizes: 127 / max |x| (0 for zeros).
+inline float quantize_scale(const float* x, int n, float* scale) {
+  const float amax = absmax(x, n);
+  *scale = amax / 127.0f;
+  return amax > 0.0f ? 127.0f / amax : 0.0f;
+}
+
+// Sign bits of 64 floats from x (element b of the word: x[b] > 0), n <= 64 of them real.
+inline uint64_t sign_word(const float* x, int n) {
+  uint64_t word = 0;
+  int b = 0;
+#if defined(__AVX2__)
+  const __m256 zero = _mm256_setzero_ps();
+  for (; b + 8 <= n; b += 8)
+    word |= uint64_t(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + b), zero, _CMP_GT_OQ))) << b;
+#endif
+  for (; b < n; ++b) word |= uint64_t(x[b] > 0.0f) << b;
+  return word;
+}
+
+// Activations to the kernel's operand: int8 values as they are, float rows quantized per
+// row (scale max|x| / 127, round to nearest even, clip to [-127, 127]): what the XLA twin
+// computes, operation for operation.
+void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0, int r1) {
+  const size_t ldx = size_t(g.kq) * I8_KP;
+  for (int m = r0; m < r1; ++m) {
+    I8X* q = g.xq + m * ldx;
+    if (x8) {
+      const int8_t* xr = x8 + size_t(m) * g.K;
+      for (int k = 0; k < g.K; ++k) q[k] = i8_x(xr[k]);
+    } else {
+      const float* xr = xf + size_t(m) * g.K;
+      const float inv = quantize_scale(xr, g.K, &g.xs[m]);
+      int k = 0;
+#if defined(__AVX2__)
+      // cvtps rounds by the current mode (to nearest even, as nearbyint below and XLA's
+      // round); the clip comes first, which rounding an integer bound does not change.
+      const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+      for (; k + 8 <= g.K; k += 8) {
+        const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv)));
+        const __m256i q32 = _mm256_cvtps_epi32(v);
+        __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+        if constexpr (sizeof(I8X) == 2) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), q16);
+        } else {
+          q16 = _mm_add_epi16(q16, _mm_set1_epi16(128));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packus_epi16(q16, q16));
+        }
+      }
+#endif
+      for (; k < g.K; ++k) {
+        const float v = std::min(127.0f, std::max(-127.0f, xr[k] * inv));
+        q[k] = i8_x(int(std::nearbyint(v)));
+      }
+    }
+    for (size_t k = g.K; k < ldx; ++k) q[k] = i8_x(0);
+  }
+}
+
+void i8_run(I8Gemm& g, const int8_t* x8, const float* xf, int threads) {
+  std::vector<I8X> xq(size_t(g.M) * g.kq * I8_KP);
+  std::vector<float> xs(g.M);
+  g.xq = xq.data(), g.xs = xs.data();
+  run_items(g.M, g.P, g.mc, threads,
+            [&](int r0, int r1) { i8_quantize_rows(g, x8, xf, r0, r1); },
+            [&](int m0, int m1, int p) { i8_item(g, m0, m1, p); });
+}
+
+ffi::Error check_blocking(const char* kernel, int64_t mc, int64_t mr, int max_mr) {
+  if (mc <= 0 || mr < 1 || mr > max_mr)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string(kernel) + ": mc must be positive and mr in [1, " +
+                          std::to_string(max_mr) + "]");
+  return ffi::Error::Success();
+}
+
+ffi::Error i8_setup(I8Gemm* g, ffi::Span<const int64_t> x, ffi::Span<const int64_t> w,
+                    ffi::Span<const int64_t> colsum, ffi::Span<const int64_t> out, int64_t mc,
+                    int64_t mr) {
+  const char* kernel = "int8 matmul";
+  if (x.size() != 2 || out.size() != 2 || out[0] != x[0])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "int8 matmul: bad shape of x or out");
+  const int64_t M = x[0], K = x[1], N = out[1], P = (N + I8_NB - 1) / I8_NB;
+  const int64_t kq = (K + I8_KP - 1) / I8_KP;
+  for (auto e : {check_blocking(kernel, mc, mr, I8_MR),
+                 check_dims(kernel, "the packed weight", w, {P, kq, I8_NB, I8_KP}),
+                 check_dims(kernel, "colsum", colsum, {P * I8_NB})})
+    if (e.failure()) return e;
+  *g = I8Gemm{int(M), int(K), int(N), int(kq), int(P), int(mc), int(mr), nullptr, nullptr,
+              nullptr, nullptr, nullptr, nullptr, nullptr};
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------- binary
+
+// t[r][c] = popcount over kw words of x[r] xor w[:, c], for R rows of the x scratch (row
+// stride ldx uint64, B_XW words per k-word) and the panel at p ([kw][B_XW][B_NB] words).
+template <int R>
+inline void b_block(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int32_t (*t)[B_NB]) {
+  if constexpr (B_PATH == 2) {
+#if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__)
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int k = 0; k < kw; ++k) {
+      const __m512i w = _mm512_loadu_si512(p + size_t(k) * B_NB * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m512i a = _mm512_set1_epi64(static_cast<long long>(x[r * ldx + k]));
+        acc[r] = _mm512_add_epi64(acc[r], _mm512_popcnt_epi64(_mm512_xor_si512(a, w)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(64) int64_t s[8];
+      _mm512_store_si512(s, acc[r]);
+      for (int c = 0; c < B_NB; ++c) t[r][c] = int32_t(s[c]);
+    }
+#endif
+  } else if constexpr (B_PATH == 1) {
+#if defined(__AVX2__)
+    const __m256i lut = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2,
+                                         1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i tot[R][2];  // int64 counts of columns 0-3 and 4-7
+    for (int r = 0; r < R; ++r) tot[r][0] = tot[r][1] = zero;
+    for (int k0 = 0; k0 < kw; k0 += 31) {  // byte counts grow by <= 8 a word
+      const int k1 = std::min(kw, k0 + 31);
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero;
+      for (int k = k0; k < k1; ++k) {
+        // The weight's nibbles were split at packing: [low words of 8 columns][high
+        // words], read as memory operands of the xors (registers stay for accumulators).
+        const __m256i* pk = reinterpret_cast<const __m256i*>(p + size_t(k) * 2 * B_NB * 8);
+        for (int r = 0; r < R; ++r) {
+          const uint64_t* xr = x + r * ldx + size_t(k) * 2;
+          const __m256i al = _mm256_set1_epi64x(static_cast<long long>(xr[0]));
+          const __m256i ah = _mm256_set1_epi64x(static_cast<long long>(xr[1]));
+          acc[r][0] = _mm256_add_epi8(acc[r][0], _mm256_add_epi8(
+              _mm256_shuffle_epi8(lut, _mm256_xor_si256(al, _mm256_loadu_si256(pk))),
+              _mm256_shuffle_epi8(lut, _mm256_xor_si256(ah, _mm256_loadu_si256(pk + 2)))));
+          acc[r][1] = _mm256_add_epi8(acc[r][1], _mm256_add_epi8(
+              _mm256_shuffle_epi8(lut, _mm256_xor_si256(al, _mm256_loadu_si256(pk + 1))),
+              _mm256_shuffle_epi8(lut, _mm256_xor_si256(ah, _mm256_loadu_si256(pk + 3)))));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) tot[r][h] = _mm256_add_epi64(tot[r][h], _mm256_sad_epu8(acc[r][h], zero));
+    }
+    // Columns 0-3 in the even dwords, 4-7 in the odd ones, then in order.
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int r = 0; r < R; ++r) {
+      const __m256i both = _mm256_blend_epi32(tot[r][0], _mm256_slli_epi64(tot[r][1], 32), 0xAA);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r]), _mm256_permutevar8x32_epi32(both, order));
+    }
+#endif
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < B_NB; ++c) {
+        int32_t s = 0;
+        for (int k = 0; k < kw; ++k)
+          s += __builtin_popcountll(x[r * ldx + k] ^ load_u64(p + (size_t(k) * B_NB + c) * 8));
+        t[r][c] = s;
+      }
+  }
+}
+
+struct BGemm {
+  int M, K, N, kw, P;
+  int mc, mr;
+  const uint8_t* w;  // [P][kw][B_XW][B_NB][8 bytes]: column c's k-word (bit j = element
+                     // 64 kw + j), as (low, high) nibbles where B_XW = 2
+  uint64_t* xw;      // [M][kw][B_XW] scratch
+  int32_t* out_i;
+  float* out_f;
+  const float* alpha;  // [N]
+  float* beta;         // [M] scratch
+};
+
+void b_item(const BGemm& g, int m0, int m1, int panel) {
+  const size_t ldx = size_t(g.kw) * B_XW;
+  const uint8_t* p = g.w + size_t(panel) * g.kw * B_XW * B_NB * 8;
+  const int n0 = panel * B_NB, nn = std::min(B_NB, g.N - n0);
+  row_blocks<B_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
+    constexpr int R = decltype(rr)::value;
+    int32_t t[R][B_NB];
+    b_block<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, t);
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(r0 + r) * g.N + n0;
+      int32_t v[B_NB];
+      for (int c = 0; c < B_NB; ++c) v[c] = g.K - 2 * t[r][c];  // padding bits are 0 in both
+      if (g.out_i) {
+        std::memcpy(g.out_i + row, v, sizeof(int32_t) * nn);
+      } else if (nn == B_NB) {
+        const float beta = g.beta[r0 + r];
+        for (int c = 0; c < B_NB; ++c) g.out_f[row + c] = float(v[c]) * beta * g.alpha[n0 + c];
+      } else {
+        const float beta = g.beta[r0 + r];
+        for (int c = 0; c < nn; ++c) g.out_f[row + c] = float(v[c]) * beta * g.alpha[n0 + c];
+      }
+    }
+  });
+}
+
+// Row m's k-word j into the scratch (split into nibbles for the AVX2 popcount).
+inline void b_put(const BGemm& g, int m, int j, uint64_t word) {
+  uint64_t* q = g.xw + (size_t(m) * g.kw + j) * B_XW;
+  if constexpr (B_XW == 2) {
+    q[0] = word & 0x0f0f0f0f0f0f0f0full;
+    q[1] = (word >> 4) & 0x0f0f0f0f0f0f0f0full;
+  } else {
+    q[0] = word;
+  }
+}
+
+// Packed rows ([M, ceil(K/8)] bytes) or float rows (sign bits, beta = mean |x|).
+void b_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) {
+  const int kb = (g.K + 7) / 8;
+  for (int m = r0; m < r1; ++m) {
+    if (xb) {
+      const uint8_t* xr = xb + size_t(m) * kb;
+      for (int j = 0; j < g.kw; ++j) {
+        uint8_t bytes[8] = {};
+        std::memcpy(bytes, xr + 8 * j, std::min(8, kb - 8 * j));
+        b_put(g, m, j, load_u64(bytes));
+      }
+    } else {
+      const float* xr = xf + size_t(m) * g.K;
+      g.beta[m] = abssum(xr, g.K) / float(g.K);
+      for (int j = 0; j < g.kw; ++j) b_put(g, m, j, sign_word(xr + 64 * j, std::min(64, g.K - 64 * j)));
+    }
+  }
+}
+
+void b_run(BGemm& g, const uint8_t* xb, const float* xf, int threads) {
+  std::vector<uint64_t> xw(size_t(g.M) * g.kw * B_XW);
+  std::vector<float> beta(g.M);
+  g.xw = xw.data(), g.beta = beta.data();
+  run_items(g.M, g.P, g.mc, threads, [&](int r0, int r1) { b_rows(g, xb, xf, r0, r1); },
+            [&](int m0, int m1, int p) { b_item(g, m0, m1, p); });
+}
+
+ffi::Error b_setup(BGemm* g, int64_t M, int64_t K, ffi::Span<const int64_t> w,
+                   ffi::Span<const int64_t> out, int64_t mc, int64_t mr) {
+  const char* kernel = "binary matmul";
+  if (out.size() != 2 || out[0] != M || K < 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "binary matmul: bad shape of out");
+  const int64_t N = out[1], P = (N + B_NB - 1) / B_NB, kw = (K + 63) / 64;
+  for (auto e : {check_blocking(kernel, mc, mr, B_MR),
+                 check_dims(kernel, "the packed weight", w, {P, kw, B_XW, B_NB, 8})})
+    if (e.failure()) return e;
+  *g = BGemm{int(M), int(K), int(N), int(kw), int(P), int(mc), int(mr), nullptr, nullptr,
+             nullptr, nullptr, nullptr, nullptr};
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------------------ int4
+
+struct I4Gemm {
+  int M, K, N, kh, G, g, P;
+  const float* x;      // [M, K]
+  const uint8_t* w;    // [P][kh][I4_NB]: byte = row 2i (low nibble), 2i + 1 (high)
+  const float* scale;  // [P][G][I4_NB]
+  float* out;          // [M, N]
+};
+
+// One register block: R rows times the panel's 16 columns over all of K. A single row
+// (decoding) keeps the low- and high-nibble rows in separate accumulators, for twice the
+// independent FMA chains. Vectors of 16 lanes: one zmm, or two ymm (written out: GCC's
+// generic 16-lane vectors on AVX2 went through the stack here, 50x slower).
+#if defined(__AVX512F__)
+constexpr int I4_V = 1;
+typedef __m512 I4F;
+inline void i4_unpack(const uint8_t* p, const float* s_lo, const float* s_hi, I4F* lo, I4F* hi) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28)),
+                        _mm512_loadu_ps(s_lo));
+  hi[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4)), _mm512_loadu_ps(s_hi));
+}
+inline I4F i4_fma(float x, I4F w, I4F acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
+inline I4F i4_zero() { return _mm512_setzero_ps(); }
+inline I4F i4_add(I4F a, I4F b) { return _mm512_add_ps(a, b); }
+inline void i4_store(float* dst, const I4F* v, int n) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v[0]);
+  std::memcpy(dst, t, sizeof(float) * n);
+}
+#elif defined(__AVX2__)
+constexpr int I4_V = 2;
+typedef __m256 I4F;
+inline void i4_unpack(const uint8_t* p, const float* s_lo, const float* s_hi, I4F* lo, I4F* hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i v[2] = {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))};
+  for (int j = 0; j < 2; ++j) {
+    lo[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v[j], 28), 28)),
+                          _mm256_loadu_ps(s_lo + 8 * j));
+    hi[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v[j], 4)),
+                          _mm256_loadu_ps(s_hi + 8 * j));
+  }
+}
+inline I4F i4_fma(float x, I4F w, I4F acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
+inline I4F i4_zero() { return _mm256_setzero_ps(); }
+inline I4F i4_add(I4F a, I4F b) { return _mm256_add_ps(a, b); }
+inline void i4_store(float* dst, const I4F* v, int n) {
+  alignas(32) float t[16];
+  _mm256_store_ps(t, v[0]);
+  _mm256_store_ps(t + 8, v[1]);
+  std::memcpy(dst, t, sizeof(float) * n);
+}
+#else
+constexpr int I4_V = 16;  // one float a "vector"
+typedef float I4F;
+inline void i4_unpack(const uint8_t* p, const float* s_lo, const float* s_hi, I4F* lo, I4F* hi) {
+  for (int j = 0; j < 16; ++j) {
+    const int v = int8_t(p[j]);
+    lo[j] = float(int8_t(uint8_t(v << 4)) >> 4) * s_lo[j];
+    hi[j] = float(v >> 4) * s_hi[j];
+  }
+}
+inline I4F i4_fma(float x, I4F w, I4F acc) { return acc + x * w; }
+inline I4F i4_zero() { return 0.0f; }
+inline I4F i4_add(I4F a, I4F b) { return a + b; }
+inline void i4_store(float* dst, const I4F* v, int n) { std::memcpy(dst, v, sizeof(float) * n); }
+#endif
+
+template <int R>
+inline void i4_block(const I4Gemm& s, int r0, int panel) {
+  constexpr int S = R == 1 ? 2 : 1;
+  const float* x = s.x + size_t(r0) * s.K;
+  const uint8_t* p = s.w + size_t(panel) * s.kh * I4_NB;
+  const float* sc = s.scale + size_t(panel) * s.G * I4_NB;
+  I4F acc[S][R][I4_V];
+  for (int j = 0; j < S; ++j)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < I4_V; ++v) acc[j][r][v] = i4_zero();
+  const int pairs = s.K / 2;
+  int grp = 0, left = s.g;  // the group of row 2i and the rows left in it
+  for (int i = 0; i < pairs; ++i) {
+    const float* s_lo = sc + size_t(grp) * I4_NB;
+    if (--left == 0) ++grp, left = s.g;
+    const float* s_hi = sc + size_t(grp) * I4_NB;
+    if (--left == 0) ++grp, left = s.g;
+    I4F lo[I4_V], hi[I4_V];
+    i4_unpack(p + size_t(i) * I4_NB, s_lo, s_hi, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      const float xl = x[r * s.K + 2 * i], xh = x[r * s.K + 2 * i + 1];
+      for (int v = 0; v < I4_V; ++v) {
+        acc[0][r][v] = i4_fma(xl, lo[v], acc[0][r][v]);
+        acc[S - 1][r][v] = i4_fma(xh, hi[v], acc[S - 1][r][v]);
+      }
+    }
+  }
+  if (s.K % 2) {  // the last row, alone in its byte's low nibble (the high one is 0)
+    const float* s_lo = sc + size_t(grp) * I4_NB;
+    I4F lo[I4_V], hi[I4_V];
+    i4_unpack(p + size_t(pairs) * I4_NB, s_lo, s_lo, lo, hi);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < I4_V; ++v) acc[0][r][v] = i4_fma(x[r * s.K + s.K - 1], lo[v], acc[0][r][v]);
+  }
+  const int n0 = panel * I4_NB, nn = std::min(I4_NB, s.N - n0);
+  for (int r = 0; r < R; ++r) {
+    if constexpr (S == 2)
+      for (int v = 0; v < I4_V; ++v) acc[0][r][v] = i4_add(acc[0][r][v], acc[1][r][v]);
+    i4_store(s.out + size_t(r0 + r) * s.N + n0, acc[0][r], nn);
+  }
+}
+
+void i4_run(const I4Gemm& s, int threads) {
+  run_items(s.M, s.P, I4_MC, threads, [](int, int) {}, [&](int m0, int m1, int p) {
+    row_blocks<I4_MR>(m0, m1, I4_MR, [&](int r0, auto rr) {
+      i4_block<decltype(rr)::value>(s, r0, p);
+    });
+  });
+}
+
+// ----------------------------------------------------------------------------- probe
+
+struct Lcg {
+  uint32_t state = 12345;
+  uint32_t next() { return state = state * 1664525u + 1013904223u; }
+  float uniform() { return float(next() >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f; }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+// The build's layouts, for the Python packers: 0 the int8 path (2 VNNI, 1 AVX2, 0
+// portable), 1 its k per lane group (KP), 2 its panel columns (NB), 3 its most rows per
+// register block; 4 the binary path (2 VPOPCNTDQ, 1 AVX2, 0 portable), 5 its panel columns,
+// 6 its most rows; 7 the int4 panel columns; 8 the binary words per k-word (2: nibbles).
+extern "C" int64_t hpnlp_qgemm_layout(int64_t what) {
+  const int64_t v[] = {I8_PATH, I8_KP, I8_NB, I8_MR, B_PATH, B_NB, B_MR, I4_NB, B_XW};
+  return what >= 0 && what < int64_t(sizeof v / sizeof v[0]) ? v[what] : -1;
+}
+
+// The tuning probe (hpnlp.kernels.tuning): seconds for one float linear layer [M, K] x
+// [K, N] with blocking (mc, mr) on `threads` threads, on fixed pseudo-random operands
+// (the packed weight filled directly: its layout does not change the time). kind 0: int8
+// (quantizing x), 1: binary (binarizing x), 2: int4 (mc, mr unused). Plain C, called through ctypes. Negative on
+// failure.
+extern "C" double hpnlp_qgemm_probe(int64_t kind, int64_t M, int64_t K, int64_t N, int64_t mc,
+                                    int64_t mr, int64_t threads) try {
+  Lcg rng;
+  std::vector<float> x(size_t(M) * K), out(size_t(M) * N), scale(N, 0.01f);
+  for (float& e : x) e = rng.uniform();
+  if (kind == 0) {
+    if (mc <= 0 || mr < 1 || mr > I8_MR) return -1.0;
+    const int64_t P = (N + I8_NB - 1) / I8_NB, kq = (K + I8_KP - 1) / I8_KP;
+    std::vector<I8W> w(size_t(P) * kq * I8_NB * I8_KP);
+    for (I8W& e : w) e = I8W(int(rng.next() % 255) - 127);
+    std::vector<int32_t> colsum(P * I8_NB, 0);
+    I8Gemm g{int(M), int(K), int(N), int(kq), int(P), int(mc), int(mr), w.data(), colsum.data(),
+             nullptr, nullptr, out.data(), scale.data(), nullptr};
+    const auto start = std::chrono::steady_clock::now();
+    i8_run(g, nullptr, x.data(), int(threads));
+    return seconds_since(start);
+  }
+  if (kind == 1) {
+    if (mc <= 0 || mr < 1 || mr > B_MR) return -1.0;
+    const int64_t P = (N + B_NB - 1) / B_NB, kw = (K + 63) / 64;
+    std::vector<uint8_t> w(size_t(P) * kw * B_XW * B_NB * 8);
+    for (uint8_t& e : w) e = uint8_t(rng.next() >> 24);
+    BGemm g{int(M), int(K), int(N), int(kw), int(P), int(mc), int(mr), w.data(), nullptr,
+            nullptr, out.data(), scale.data(), nullptr};
+    const auto start = std::chrono::steady_clock::now();
+    b_run(g, nullptr, x.data(), int(threads));
+    return seconds_since(start);
+  }
+  if (kind == 2) {  // int4, groups of 128 rows or one group (mc, mr unused)
+    const int64_t P = (N + I4_NB - 1) / I4_NB, kh = (K + 1) / 2, G = K % 128 ? 1 : K / 128;
+    std::vector<uint8_t> w(size_t(P) * kh * I4_NB);
+    for (uint8_t& e : w) e = uint8_t(rng.next() >> 24);
+    std::vector<float> sc(size_t(P) * G * I4_NB, 0.01f);
+    const I4Gemm s{int(M), int(K), int(N), int(kh), int(G), int(K / G), int(P), x.data(), w.data(),
+                   sc.data(), out.data()};
+    const auto start = std::chrono::steady_clock::now();
+    i4_run(s, int(threads));
+    return seconds_since(start);
+  }
+  return -1.0;
+} catch (...) {
+  return -1.0;
+}
+
+// x [M, K] int8, w packed [P, kq, NB, KP], colsum [P * NB] -> [M, N] int32 exact.
+ffi::Error Int8MatmulImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<ffi::S8> x,
+                          ffi::Buffer<HPNLP_I8W_FFI> w, ffi::Buffer<ffi::S32> colsum,
+                          ffi::ResultBuffer<ffi::S32> out) try {
+  I8Gemm g;
+  auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
+  if (e.failure()) return e;
+  g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_i = out->typed_data();
+  if (g.M > 0 && g.N > 0) i8_run(g, x.typed_data(), nullptr, int(threads));
+  return ffi::Error::Success();
+} catch (...) {
+  return exception_error("int8 matmul");
+}
+
+// x [M, K] float32 (quantized per row inside), w packed, colsum, w_scale [N] -> [M, N]
+// float32 = acc * x_scale[m] * w_scale[n].
+ffi::Error Int8LinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<HPNLP_I8W_FFI> w, ffi::Buffer<ffi::S32> colsum,
+                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> out) try {
+  I8Gemm g;
+  auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
+  if (e.failure()) return e;
+  e = check_dims("int8 linear", "w_scale", w_scale.dimensions(), {g.N});
+  if (e.failure()) return e;
+  g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_f = out->typed_data();
+  g.ws = w_scale.typed_data();
+  if (g.M > 0 && g.N > 0) i8_run(g, nullptr, x.typed_data(), int(threads));
+  return ffi::Error::Success();
+} catch (...) {
+  return exception_error("int8 linear");
+}
+
+// x [M, ceil(K/8)] packed bits, w packed [P, kw, XW, NB, 8] -> [M, N] int32 = K - 2 popcount.
+ffi::Error BinaryMatmulImpl(int64_t threads, int64_t mc, int64_t mr, int64_t k,
+                            ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::U8> w,
+                            ffi::ResultBuffer<ffi::S32> out) try {
+  auto d = x.dimensions();
+  if (d.size() != 2 || d[1] != (k + 7) / 8)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "binary matmul: bad shape of x");
+  BGemm g;
+  auto e = b_setup(&g, d[0], k, w.dimensions(), out->dimensions(), mc, mr);
+  if (e.failure()) return e;
+  g.w = w.typed_data(), g.out_i = out->typed_data();
+  if (g.M > 0 && g.N > 0) b_run(g, x.typed_data(), nullptr, int(threads));
+  return ffi::Error::Success();
+} catch (...) {
+  return exception_error("binary matmul");
+}
+
+// x [M, K] float32 (binarized by sign inside, beta = mean |x| per row), w packed, alpha
+// [N] -> [M, N] float32 = (K - 2 popcount) * beta[m] * alpha[n].
+ffi::Error BinaryLinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> alpha,
+                            ffi::ResultBuffer<ffi::F32> out) try {
+  auto d = x.dimensions();
+  if (d.size() != 2)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "binary linear: bad shape of x");
+  BGemm g;
+  auto e = b_setup(&g, d[0], d[1], w.dimensions(), out->dimensions(), mc, mr);
+  if (e.failure()) return e;
+  e = check_dims("binary linear", "alpha", alpha.dimensions(), {g.N});
+  if (e.failure()) return e;
+  g.w = w.typed_data(), g.out_f = out->typed_data(), g.alpha = alpha.typed_data();
+  if (g.M > 0 && g.N > 0) b_run(g, nullptr, x.typed_data(), int(threads));
+  return ffi::Error::Success();
+} catch (...) {
+  return exception_error("binary linear");
+}
+
+// x [M, K] float32, w packed [P, ceil(K/2), NB] int4 pairs, scales [P, G, NB] (group
+// g = K / G) -> [M, N] float32 = x @ (w * scale).
+ffi::Error Int4LinearImpl(int64_t threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) try {
+  const char* kernel = "int4 linear";
+  auto d = x.dimensions(), o = out->dimensions(), sd = scale.dimensions();
+  if (d.size() != 2 || o.size() != 2 || o[0] != d[0] || sd.size() != 3 || sd[1] < 1 ||
+      d[1] % sd[1] != 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "int4 linear: bad shape of x, out or scale");
+  const int64_t M = d[0], K = d[1], N = o[1], P = (N + I4_NB - 1) / I4_NB, G = sd[1];
+  for (auto e : {check_dims(kernel, "the packed weight", w.dimensions(), {P, (K + 1) / 2, I4_NB}),
+                 check_dims(kernel, "scale", sd, {P, G, I4_NB})})
+    if (e.failure()) return e;
+  I4Gemm s{int(M), int(K), int(N), int((K + 1) / 2), int(G), int(K / G), int(P), x.typed_data(),
+           w.typed_data(), scale.typed_data(), out->typed_data()};
+  if (M > 0 && N > 0) {
+    if (K == 0) {
+      std::fill(s.out, s.out + size_t(M) * N, 0.0f);
+    } else {
+      i4_run(s, int(threads));
+    }
+  }
+  return ffi::Error::Success();
+} catch (...) {
+  return exception_error("int4 linear");
+}
+
+#define HPNLP_BLOCKED_ATTRS \
+  .Attr<int64_t>("threads").Attr<int64_t>("mc").Attr<int64_t>("mr")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<HPNLP_I8W_FFI>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Linear, Int8LinearImpl,
+                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<HPNLP_I8W_FFI>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpBinaryMatmul, BinaryMatmulImpl,
+                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                                  .Attr<int64_t>("k")
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpBinaryLinear, BinaryLinearImpl,
+                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt4Linear, Int4LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

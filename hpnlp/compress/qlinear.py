@@ -1,0 +1,217 @@
+"""Quantized products: where every model's matrix products meet the `quant.*` config.
+
+    y_BLKHD = qeinsum(self, "qkv", "ble,ekhd->blkhd", x_BLE, w_E3HD, m.quant, kind="qkv", dtype=dt)
+
+A model module calls `qeinsum` instead of `jnp.einsum` for each product `quant.layers`
+can name (config.QUANT_LAYERS). What it computes depends on the config and on what the
+weight is:
+
+- quantization off for this kind: the plain einsum;
+- a float weight (training, QAT, or a float checkpoint evaluated under PTQ settings): the
+  weight is fake-quantized per output channel (contraction axes share a scale; int4:
+  groups along the contraction) and the activations per token (`dynamic`) or by the
+  product's calibrated range (`static`, the `quant` variable collection), both with the
+  straight-through estimator (`formats.fake_quant`), then the float einsum;
+- a `QWeight` (a packed quantized checkpoint, `hpnlp.compress.ptq`): the same values,
+  decoded from the packed integers, or an integer kernel where one serves the format.
+
+In calibration (the `calib` collection mutable) a product records its input's range for
+this batch (`calibrate.choose_range`, per tensor) and leaves activations in float.
+
+Specs must read "x_free + contraction, w_contraction + w_free -> x_free + w_free" in that
+order (every product in hpnlp does): a weight is then a [K, N] matrix after moving its
+contraction axes to the front, which is how it is quantized and packed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.compress import calibrate, formats, packing
+from hpnlp.config import QuantConfig
+
+
+def parse_spec(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(x contraction axes, w contraction axes) of "x,w->out"; checks the order rule."""
+    ins, out = spec.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    lead = ""
+    if xs.startswith("..."):  # "...k,kn->...n"
+        xs, out, lead = xs[3:], out[3:], "..."
+    contract = [c for c in xs if c in ws and c not in out]
+    x_free = [c for c in xs if c not in contract]
+    w_free = [c for c in ws if c not in contract]
+    w_axes = tuple(ws.index(c) for c in contract)
+    ok = (out == "".join(x_free + w_free) and xs.endswith("".join(contract))
+          and ws.startswith("".join(contract)) and lead in ("", "..."))
+    if not ok:
+        raise ValueError(f"quantized product {spec!r}: hpnlp's products read "
+                         "'x_free contraction, contraction w_free -> x_free w_free'")
+    x_axes = tuple(range(-len(contract), 0))
+    return x_axes, w_axes
+
+
+@flax.struct.dataclass
+class QWeight:
+    """A packed quantized weight in a parameter tree (see packing.py for layouts).
+
+    codes: int8 [K, N] (int8, ternary, pow2), uint8 [ceil(K/2), N] (int4), uint8
+    [ceil(K/8), N] (binary), float8_e4m3fn [K, N] (fp8); scale: float32 [G, N] with G
+    = K / group (1 without groups). The float weight had `shape`, its first `k_dims` axes
+    the contraction (K = their product)."""
+
+    codes: jax.Array
+    scale: jax.Array
+    fmt: str = flax.struct.field(pytree_node=False)
+    shape: tuple = flax.struct.field(pytree_node=False)
+    k_dims: int = flax.struct.field(pytree_node=False, default=1)
+
+    @property
+    def k(self) -> int:
+        return math.prod(self.shape[:self.k_dims])
+
+    def codes_KxN(self):
+        """Unpacked integer (or fp8) codes [K, N]."""
+        if self.fmt == "int4":
+            return packing.unpack_int4(self.codes, self.k)
+        if self.fmt == "binary":
+            return packing.unpack_bits(self.codes, self.k)
+        return self.codes
+
+    def dequantize(self, dtype=jnp.float32):
+        c_KN = self.codes_KxN()
+        K, N = c_KN.shape
+        G = self.scale.shape[0]
+        f = formats.get(self.fmt)
+        w = f.decode(c_KN.reshape(G, K // G, N), self.scale[:, None, :]).reshape(K, N)
+        return w.reshape(self.shape).astype(dtype)
+
+    def nbytes(self) -> int:
+        return int(self.codes.size * self.codes.dtype.itemsize + self.scale.size * 4)
+
+
+def param(module: nn.Module, name: str, *args):
+    """`module.param(name, *args)`, or the packed QWeight a quantized checkpoint holds there
+    (flax's own check would compare the packed codes' shape with the float weight's)."""
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if isinstance(value, QWeight):
+            return value
+    return module.param(name, *args)
+
+
+def _mutable(module: nn.Module, collection: str) -> bool:
+    """Whether an apply asked for `collection` (init makes every collection mutable)."""
+    return module.is_mutable_collection(collection) and not module.is_initializing()
+
+
+def _weight_KxN(w, k_dims: int):
+    return w.reshape(math.prod(w.shape[:k_dims]), -1)
+
+
+def pack_weight(w, q: QuantConfig, k_dims: int) -> QWeight:
+    """A float weight (contraction axes first) -> its packed QWeight under `q`."""
+    w_KN = _weight_KxN(jnp.asarray(w, jnp.float32), k_dims)
+    f = formats.get(q.weights)
+    rng = calibrate.choose_range(w_KN, q.weights, (0,), q.calibration, percentile=q.percentile,
+                                 group=q.group_size)
+    codes, scale = f.encode(w_KN, (0,), group=q.group_size, rng=rng if f.uses_range else None)
+    K, N = w_KN.shape
+    codes = codes.reshape(K, N)
+    scale = scale.reshape(-1, N)
+    if q.weights == "int4":
+        codes = packing.pack_int4(codes)
+    elif q.weights == "binary":
+        codes = packing.pack_bits(codes)
+    return QWeight(codes=codes, scale=scale.astype(jnp.float32), fmt=q.weights,
+                   shape=tuple(w.shape), k_dims=k_dims)
+
+
+def quant_weight(w, k_dims: int, q: QuantConfig, module: nn.Module | None = None,
+                 name: str | None = None):
+    """Fake-quantized float weight (contraction axes first), or a QWeight decoded.
+
+    `module`/`name`: the parameter's owner and name. In export (the `qexport` collection
+    mutable) the packed QWeight is put there, at the parameter's own path, which is how
+    `hpnlp.compress.ptq` learns which parameters are product weights and how they lie."""
+    if isinstance(w, QWeight):
+        return w.dequantize()
+    if q.weights == "none":
+        return w
+    if module is not None and _mutable(module, "qexport"):
+        module.put_variable("qexport", name, pack_weight(w, q, k_dims))
+    w_KN = _weight_KxN(w, k_dims)
+    rng = None
+    if formats.get(q.weights).uses_range and q.calibration != "absmax":
+        rng = jax.lax.stop_gradient(calibrate.choose_range(
+            w_KN, q.weights, (0,), q.calibration, percentile=q.percentile, group=q.group_size))
+    return formats.fake_quant(w_KN, q.weights, (0,), group=q.group_size, rng=rng).reshape(w.shape)
+
+
+def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: QuantConfig):
+    """Activations under `q`: fake-quantized per token (`dynamic`) or by the product's
+    calibrated range (`static`); recorded, not quantized, in calibration."""
+    if q.activations == "none":
+        return x
+    if _mutable(module, "calib"):
+        r = calibrate.choose_range(jax.lax.stop_gradient(x), q.activations, tuple(range(x.ndim)),
+                                   q.calibration, percentile=q.percentile).reshape(())
+        module.variable("calib", name, lambda: jnp.zeros((), jnp.float32)).value = r
+        return x
+    if q.act_scale == "static" and formats.get(q.activations).uses_range:
+        if module.is_initializing() or not module.has_variable("quant", name):
+            if not module.is_initializing():
+                raise ValueError(
+                    f"quant.act_scale='static' but product {'/'.join(module.path)}/{name} has no "
+                    "calibrated range: quantize with `python -m hpnlp.compress quantize` (it "
+                    "calibrates), or use quant.act_scale='dynamic'")
+            return x
+        r = module.get_variable("quant", name)
+        return formats.fake_quant(x, q.activations, tuple(range(x.ndim)), rng=r)
+    return formats.fake_quant(x, q.activations, x_axes)
+
+
+def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
+            dtype, preferred_element_type=None):
+    """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module doc)."""
+    if not q.applies(kind) and not isinstance(w, QWeight):
+        return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                          preferred_element_type=preferred_element_type)
+    x_axes, w_axes = parse_spec(spec)
+    if q.applies(kind):
+        x = quant_act(module, name, x, x_axes, q)
+    w = quant_weight(w, len(w_axes), q, module, name)
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                      preferred_element_type=preferred_element_type)
+
+
+class Dense(nn.Module):
+    """`flax.linen.Dense` (same `kernel` [in, out] and `bias` params and initializers) whose
+    product is a `qeinsum` of kind `kind`."""
+
+    features: int
+    quant: QuantConfig = QuantConfig()
+    kind: str = "mlp"
+    dtype: object = jnp.float32
+    param_dtype: object = jnp.float32
+    kernel_init: object = nn.initializers.lecun_normal()
+    bias_init: object = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = param(self, "kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        y = qeinsum(self, "kernel", "...k,kn->...n", x, kernel, self.quant, kind=self.kind,
+                    dtype=self.dtype)
+        return y + bias.astype(self.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def float_bytes(tree) -> int:
+    """Bytes of a float parameter tree's arrays as stored."""
+    return int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(tree)))

@@ -1,0 +1,238 @@
+"""hpnlp.compress: formats, STE, calibration, packing, QAT through the config, PTQ end to end."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp.compress import calibrate, formats, packing, ptq
+from hpnlp.compress.qlinear import QWeight, pack_weight, parse_spec
+from hpnlp.config import ConfigError, QuantConfig, default_configdict, from_configdict, validate
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "pow2"])
+def test_quantize_dequantize_error_within_half_a_step(fmt):
+    x = jnp.asarray(RNG.standard_normal((13, 6)), jnp.float32)
+    f = formats.get(fmt)
+    codes, scale = f.encode(x, (0,))
+    err = jnp.abs(f.decode(codes, scale) - x)
+    if fmt in ("int8", "int4"):
+        assert float(jnp.max(err / scale)) <= 0.5 + 1e-5  # half a step of the uniform grid
+        assert int(jnp.max(jnp.abs(codes))) <= f.qmax
+    elif fmt == "fp8":  # e4m3: 3 mantissa bits, half an ulp relative (normal range)
+        rel = err / jnp.maximum(jnp.abs(x), 1e-3)
+        assert float(jnp.max(jnp.where(jnp.abs(x / scale) > 2 ** -6, rel, 0.0))) <= 2 ** -4 + 1e-6
+    else:  # powers of two: geometric rounding is within a factor sqrt(2) of the value
+        x_hat = f.decode(codes, scale)
+        big = jnp.abs(x) > scale * 2.0 ** (-f.kmax)
+        ratio = jnp.where(big, jnp.abs(x_hat) / jnp.abs(x), 1.0)
+        assert float(jnp.max(ratio)) <= 2 ** 0.5 + 1e-5 and float(jnp.min(ratio)) >= 2 ** -0.5 - 1e-5
+        u = jnp.abs(x_hat) / scale  # every nonzero value a power of two
+        np.testing.assert_allclose(u, jnp.where(codes != 0, 2.0 ** jnp.round(jnp.log2(u)), 0.0),
+                                   rtol=1e-6)
+
+
+def test_int4_groups_have_their_own_scales():
+    x = jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32).at[:4].multiply(100.0)
+    codes, scale = formats.get("int4").encode(x, (0,), group=4)
+    assert scale.shape == (2, 1, 3)
+    np.testing.assert_allclose(scale[:, 0], formats.absmax(x, (0,), 4)[:, 0] / 7, rtol=1e-6)
+    with pytest.raises(ValueError, match="does not divide"):
+        formats.get("int4").encode(x, (0,), group=3)
+
+
+def test_binary_and_ternary_scales_are_the_papers():
+    w = jnp.asarray(RNG.standard_normal((32, 4)), jnp.float32)
+    codes, a = formats.get("binary").encode(w, (0,))
+    np.testing.assert_allclose(a[0], jnp.mean(jnp.abs(w), axis=0), rtol=1e-6)  # XNOR-Net alpha
+    assert set(np.unique(codes)) <= {-1, 1}
+    codes, s = formats.get("ternary").encode(w, (0,))
+    t = 0.7 * jnp.mean(jnp.abs(w), axis=0, keepdims=True)
+    np.testing.assert_array_equal(codes != 0, jnp.abs(w) > t)
+    keep = jnp.abs(w) > t
+    np.testing.assert_allclose(s[0], jnp.sum(jnp.abs(w) * keep, 0) / jnp.sum(keep, 0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "binary", "ternary"])
+def test_ste_identity_inside_range_zero_outside(fmt):
+    x = jnp.asarray([-3.0, -0.5, 0.2, 0.9, 2.5])
+    rng = jnp.asarray(1.0)
+    g = jax.grad(lambda v: jnp.sum(formats.fake_quant(v, fmt, (0,), rng=rng) * jnp.arange(5.0)))(x)
+    inside = jnp.abs(x) <= 1.0
+    want = jnp.where(inside, jnp.arange(5.0), 0.0) if formats.get(fmt).uses_range else jnp.arange(5.0)
+    np.testing.assert_array_equal(g, want)
+    # absmax ranges clip nothing: the gradient is the identity everywhere
+    g = jax.grad(lambda v: jnp.sum(formats.fake_quant(v, fmt, (0,))))(x)
+    np.testing.assert_array_equal(g, jnp.ones(5))
+
+
+@pytest.mark.parametrize("k", [1, 7, 8, 13])
+def test_packed_int4_and_binary_round_trip(k):
+    q = RNG.integers(-8, 8, (k, 5)).astype(np.int8)
+    assert packing.pack_int4(q).shape == ((k + 1) // 2, 5)
+    np.testing.assert_array_equal(packing.unpack_int4(packing.pack_int4(q), k), q)
+    np.testing.assert_array_equal(np.asarray(packing.unpack_int4(packing.pack_int4(jnp.asarray(q)), k)), q)
+    s = RNG.standard_normal((3, k))
+    b = packing.pack_bits(s, axis=1)
+    assert b.shape == (3, (k + 7) // 8)
+    np.testing.assert_array_equal(packing.unpack_bits(b, k, axis=1), np.where(s > 0, 1, -1))
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 4), ("binary", 0), ("ternary", 0),
+                                       ("pow2", 0), ("fp8", 0)])
+def test_packed_weight_decodes_to_the_fake_quantized_weight(fmt, group):
+    from hpnlp.compress.qlinear import quant_weight
+    w = jnp.asarray(RNG.standard_normal((12, 2, 3)), jnp.float32)  # contraction first, N = 6
+    q = QuantConfig(weights=fmt, group_size=group)
+    packed = pack_weight(w, q, 1)
+    np.testing.assert_allclose(packed.dequantize(), quant_weight(w, 1, q), rtol=1e-6, atol=1e-7)
+    bits = {"int4": 4, "binary": 1}.get(fmt, 8)
+    assert packed.codes.size * packed.codes.dtype.itemsize == -(-12 * bits // 8) * 6
+
+
+def test_calibration_methods():
+    x = jnp.asarray(np.concatenate([RNG.standard_normal(4000), [60.0]]), jnp.float32)
+    amax = calibrate.choose_range(x, "int8", (0,), "absmax")
+    pct = calibrate.choose_range(x, "int8", (0,), "percentile", percentile=99.9)
+    mse = calibrate.choose_range(x, "int4", (0,), "mse")
+    assert float(amax[0]) == 60.0 and float(pct[0]) < 5.0 and float(mse[0]) < 60.0
+    # deterministic: the same data gives the same range
+    assert float(calibrate.choose_range(x, "int4", (0,), "mse")[0]) == float(mse[0])
+    with pytest.raises(ValueError, match="unknown calibration"):
+        calibrate.choose_range(x, "int8", (0,), "kl")
+
+
+def test_spec_order_rule():
+    assert parse_spec("ble,ekhd->blkhd") == ((-1,), (0,))
+    assert parse_spec("blhd,hde->ble") == ((-2, -1), (0, 1))
+    with pytest.raises(ValueError, match="x_free"):
+        parse_spec("bhd,ehd->be")  # contraction not leading in w
+
+
+def _cfg(**quant):
+    cd = default_configdict()
+    cd.data.task = "byte_lm"
+    cd.model.kind = "lm"
+    for k, v in quant.items():
+        setattr(cd.quant, k, v)
+    return from_configdict(cd)
+
+
+@pytest.mark.parametrize("quant,field", [
+    ({"weights": "int3"}, "quant.weights"),
+    ({"weights": "int8", "activations": "binary"}, "quant.activations"),
+    ({"weights": "int4", "group_size": 48}, "quant.group_size"),
+    ({"weights": "int8", "group_size": 32}, "quant.group_size"),
+    ({"weights": "int8", "layers": "qkv,ffn"}, "quant.layers"),
+    ({"weights": "int8", "calibration": "kl"}, "quant.calibration"),
+])
+def test_bad_quant_config_names_the_field(quant, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        validate(_cfg(**quant), num_devices=1)
+
+
+def test_unknown_quant_field_and_config_round_trip():
+    cd = default_configdict()
+    cd.quant.weights = "int4"
+    cd.quant.group_size = 32
+    cfg = from_configdict(cd)
+    assert cfg.quant == cfg.model.quant and cfg.quant.group_size == 32
+    from hpnlp.config import to_json
+    assert from_configdict(to_json(cfg)) == cfg
+    with pytest.raises(ConfigError, match="quant.bits"):
+        from_configdict({"quant": {"bits": 4}})
+
+
+def _train(workdir, arch="transformer", **quant):
+    from hpnlp.train import run
+    cd = default_configdict()
+    cd.data.task, cd.data.seq_len, cd.data.batching = "byte_lm", 32, "pack"
+    cd.model.update(kind="lm", arch=arch, width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32,
+                    dropout=0.0)
+    cd.output.tie_embeddings = True
+    cd.train.update(steps=12, batch_size=8, warmup_steps=2, lr=3e-3, log_every=4, eval_every=0,
+                    eval_batches=2, checkpoint_every=0, progress=False)
+    for k, v in quant.items():
+        setattr(cd.quant, k, v)
+    return run(cd, workdir)
+
+
+def test_qat_trains_with_float_shadow_weights(tmp_path):
+    """QAT: the loss falls; the checkpoint holds float weights (the shadow) that are not
+    themselves on the quantized grid; the summary's metric is the quantized model's."""
+    summary = _train(str(tmp_path / "qat"), weights="int4", group_size=16, activations="int8")
+    lines = [json.loads(x) for x in open(tmp_path / "qat" / "metrics.jsonl")]
+    losses = [x["loss"] for x in lines if not x.get("eval")]
+    assert losses[-1] < losses[0]
+    assert np.isfinite(summary["eval"]["loss"])
+    from hpnlp.train.checkpoint import Checkpointer
+    cfg = ptq.load_run_config(str(tmp_path / "qat"))
+    assert cfg.quant.weights == "int4"
+    ck = Checkpointer(str(tmp_path / "qat"), cfg, keep=2)
+    state = ck.manager.restore(ck.latest_step())["state"]
+    ck.close()
+    w = np.asarray(state["params"]["trunk"]["block_0"]["mlp_in"]["kernel"])
+    assert w.dtype == np.float32 and len(np.unique(w)) > 16 * w.shape[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("ptq") / "run")
+    _train(workdir)
+    return workdir
+
+
+def test_ptq_end_to_end_and_reload(trained, tmp_path):
+    out = str(tmp_path / "w8a8")
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static", calibration="percentile")
+    s = ptq.quantize(trained, out, q, calib_batches=2, eval_batches=2, repeats=1)
+    # a tiny model: float position table, norms and biases keep the ratio under 4
+    assert s["reload_identical"] and s["size_bytes"]["ratio"] > 2.0
+    assert abs(s["eval"]["loss_rel_increase"]) < 0.05
+    cfg, params, quant_vars = ptq.load(out)
+    assert isinstance(params["trunk"]["block_0"]["attention"]["qkv"], QWeight)
+    assert quant_vars["trunk"]["block_0"]["attention"]["qkv"].shape == ()
+    # calibration is deterministic: a second run writes the same ranges and codes
+    s2 = ptq.quantize(trained, str(tmp_path / "again"), q, calib_batches=2, eval_batches=2, repeats=1)
+    a, b = np.load(os.path.join(out, "quantized.npz")), np.load(str(tmp_path / "again" / "quantized.npz"))
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert s2["eval"]["quantized"] == s["eval"]["quantized"]
+    # a quantized checkpoint loaded as a different model is refused by name
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, width=64))
+    with pytest.raises(ConfigError, match="model.width"):
+        ptq.load(out, other)
+
+
+def test_ptq_binary_packs_eight_per_byte_and_bf16_switch(trained, tmp_path):
+    s = ptq.quantize(trained, str(tmp_path / "bin"), QuantConfig(weights="binary", layers="qkv,out,mlp"),
+                     calib_batches=1, eval_batches=1, repeats=1)
+    assert s["reload_identical"]
+    _, params, _ = ptq.load(str(tmp_path / "bin"))
+    qkv = params["trunk"]["block_0"]["attention"]["qkv"]
+    assert qkv.codes.dtype == np.uint8 and qkv.codes.shape == (32 // 8, 3 * 32)
+    assert not isinstance(params["embed"]["embedding"], QWeight)  # "output" not in layers
+    s = ptq.quantize(trained, str(tmp_path / "bf16"), float_dtype="bfloat16", eval_batches=1,
+                     repeats=1)
+    assert s["size_bytes"]["ratio"] > 1.5 and abs(s["eval"]["loss_rel_increase"]) < 0.02
+
+
+def test_cli_errors_are_one_line(trained, tmp_path, capsys):
+    from hpnlp.compress.__main__ import main
+    assert main(["quantize", "--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
+                 "int4", "--group_size", "48"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "`quant.group_size`" in err and "\n" not in err
+    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
+                 "int5"]) == 1
+    assert "`quant.weights`" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o" / "quantized.npz")

@@ -1,0 +1,254 @@
+"""The quantized CPU kernels (hpnlp.compress.kernels) against their XLA twins: exact on
+integer accumulation, 1e-5 after rescaling, on shapes no tile divides, one and two
+threads."""
+
+import os
+import subprocess
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import kernels
+from hpnlp.compress import kernels as qk
+from hpnlp.compress import packing
+
+needs_kernel = pytest.mark.skipif(not qk.available(), reason=f"no kernel: {qk.unavailable_reason()}")
+
+# (M, K, N): M = 1 (decoding), K = 1, odd K not a multiple of 8 or 64, N past a panel.
+SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40)]
+BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many items, odd blocks
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning(monkeypatch):
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
+
+
+def _rng(*shape_key):
+    return np.random.default_rng(zlib.crc32(repr(shape_key).encode()))
+
+
+def _close(a, b, rtol=1e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    scale = max(float(np.abs(b).max()), 1e-30)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
+
+
+def _int8_operands(M, K, N):
+    rng = _rng("int8", M, K, N)
+    x = rng.integers(-127, 128, (M, K), dtype=np.int8)
+    w = rng.integers(-127, 128, (K, N), dtype=np.int8)
+    scale = rng.uniform(0.001, 0.02, N).astype(np.float32)
+    return jnp.asarray(x), qk.prepare_int8_weight(w, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_int8_matmul_is_exact(M, K, N, threads):
+    x, w = _int8_operands(M, K, N)
+    want = qk.int8_matmul(x, w, impl="xla")
+    np.testing.assert_array_equal(qk.int8_matmul(x, w, impl="kernel", threads=threads), want)
+    np.testing.assert_array_equal(
+        qk.int8_matmul(x, w, impl="kernel", threads=threads, blocking=BLOCKING["int8"]), want)
+    ref = np.asarray(x, np.int64) @ np.asarray(w.q_KxN, np.int64)
+    np.testing.assert_array_equal(want, ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("value", [127, -127])
+def test_int8_extremes_do_not_saturate(value):
+    """All +-127 over a long K: every int16 pair sum would saturate in vpmaddubsw."""
+    M, K, N = 5, 515, 19
+    x = jnp.full((M, K), value, jnp.int8)
+    w = qk.prepare_int8_weight(jnp.full((K, N), 127, jnp.int8))
+    out = qk.int8_matmul(x, w, impl="kernel", threads=2)
+    np.testing.assert_array_equal(out, np.full((M, N), value * 127 * K, np.int32))
+    mixed = jnp.asarray(np.where(np.arange(K) % 2, 127, -127).astype(np.int8))[None, :]
+    np.testing.assert_array_equal(qk.int8_matmul(mixed, w, impl="kernel"),
+                                  qk.int8_matmul(mixed, w, impl="xla"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_int8_linear_matches_twin(M, K, N, threads):
+    _, w = _int8_operands(M, K, N)
+    x = _rng("x", M, K).standard_normal((M, K)).astype(np.float32)
+    x[0, 0] = 0.0
+    if M > 2:
+        x[2] = 0.0  # a row of zeros has scale 0
+    x = jnp.asarray(x)
+    want = qk.int8_linear(x, w, impl="xla")
+    _close(qk.int8_linear(x, w, impl="kernel", threads=threads), want)
+    _close(qk.int8_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["int8"]), want)
+    # The kernel quantizes exactly as quantize_rows_int8 does.
+    q, s = qk.quantize_rows_int8(x)
+    _close(qk.int8_matmul(q, w, impl="kernel").astype(jnp.float32) * s[:, None]
+           * w.scale_N[None, :], want)
+
+
+def _binary_operands(M, K, N):
+    rng = _rng("binary", M, K, N)
+    w = rng.standard_normal((K, N))
+    alpha = rng.uniform(0.1, 1.0, N).astype(np.float32)
+    return qk.prepare_binary_weight(packing.pack_bits(w), alpha, k=K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,K,N", SHAPES + [(2, 2100, 9)])  # K past 31 words: byte flushes
+def test_binary_matmul_is_exact(M, K, N, threads):
+    w = _binary_operands(M, K, N)
+    x = jnp.asarray(packing.pack_bits(_rng("bx", M, K).standard_normal((M, K)), axis=1))
+    want = qk.binary_matmul(x, w, impl="xla")
+    np.testing.assert_array_equal(qk.binary_matmul(x, w, impl="kernel", threads=threads), want)
+    np.testing.assert_array_equal(
+        qk.binary_matmul(x, w, impl="kernel", threads=threads, blocking=BLOCKING["binary"]), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("xbit,wbit", [(1, 1), (0, 0), (1, 0), (0, 1)])
+def test_binary_all_ones_and_minus_ones(xbit, wbit):
+    M, K, N = 3, 1000, 11
+    x = jnp.asarray(packing.pack_bits(np.full((M, K), 2 * xbit - 1), axis=1))
+    w = qk.prepare_binary_weight(packing.pack_bits(np.full((K, N), 2 * wbit - 1)), k=K)
+    want = K if xbit == wbit else -K
+    np.testing.assert_array_equal(qk.binary_matmul(x, w, impl="kernel", threads=2),
+                                  np.full((M, N), want, np.int32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_binary_linear_matches_twin(M, K, N, threads):
+    w = _binary_operands(M, K, N)
+    x = _rng("blx", M, K).standard_normal((M, K)).astype(np.float32)
+    x[0, 0] = 0.0  # zero binarizes to -1
+    x = jnp.asarray(x)
+    want = qk.binary_linear(x, w, impl="xla")
+    _close(qk.binary_linear(x, w, impl="kernel", threads=threads), want)
+    _close(qk.binary_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["binary"]),
+           want)
+
+
+def _int4_operands(M, K, N, groups):
+    rng = _rng("int4", M, K, N, groups)
+    q = rng.integers(-8, 8, (K, N), dtype=np.int8)
+    scale = rng.uniform(0.01, 0.1, (groups, N)).astype(np.float32)
+    return qk.prepare_int4_weight(packing.pack_int4(q), scale, k=K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M,K,N,groups", [(3, 13, 5, 1), (1, 1, 1, 1), (1, 70, 17, 5),
+                                          (7, 129, 33, 3), (1, 64, 40, 64), (9, 96, 20, 3)])
+def test_int4_linear_matches_twin(M, K, N, groups, threads):
+    w = _int4_operands(M, K, N, groups)
+    x = jnp.asarray(_rng("x4", M, K).standard_normal((M, K)).astype(np.float32))
+    want = qk.int4_linear(x, w, impl="xla")
+    _close(qk.int4_linear(x, w, impl="kernel", threads=threads), want)
+    ref = np.asarray(x, np.float64) @ np.asarray(qk.dequantize_int4(w), np.float64)
+    _close(want, ref)
+
+
+@needs_kernel
+def test_auto_is_the_kernel_and_jit_works():
+    x, w8 = _int8_operands(4, 33, 18)
+    xf = jnp.asarray(_rng("auto", 4, 33).standard_normal((4, 33)).astype(np.float32))
+    for fn, args in [(qk.int8_matmul, (x, w8)), (qk.int8_linear, (xf, w8)),
+                     (qk.binary_linear, (xf, _binary_operands(4, 33, 18))),
+                     (qk.int4_linear, (xf, _int4_operands(4, 33, 18, 3)))]:
+        got = jax.jit(fn)(*args)
+        np.testing.assert_array_equal(got, fn(*args, impl="kernel"))
+        _close(fn(*args, impl="xla"), got)
+
+
+def test_xla_fallback_without_kernel(monkeypatch):
+    """Where the kernel cannot run (here: as if on a mesh), auto is the twin and "kernel"
+    says why."""
+    x, w = _int8_operands(3, 13, 5)
+    monkeypatch.setattr(qk.KERNEL, "blocker", lambda: "a mesh of 2 devices")
+    np.testing.assert_array_equal(qk.int8_matmul(x, w), qk.int8_matmul(x, w, impl="xla"))
+    with pytest.raises(RuntimeError, match="a mesh of 2 devices.*impl='xla'"):
+        qk.int8_matmul(x, w, impl="kernel")
+
+
+def test_bad_inputs_name_the_argument():
+    x, w = _int8_operands(3, 13, 5)
+    with pytest.raises(ValueError, match="x_MxK must be int8"):
+        qk.int8_matmul(x.astype(jnp.int32), w)
+    with pytest.raises(ValueError, match="x_MxK has K = 12 but the weight has K = 13"):
+        qk.int8_matmul(x[:, :12], w)
+    with pytest.raises(ValueError, match="x_MxK must have 2 dims"):
+        qk.int8_linear(jnp.zeros((2, 3, 13), jnp.float32), w)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        qk.int8_matmul(x, w, impl="fast")
+    with pytest.raises(ValueError, match="scale_N must have shape"):
+        qk.prepare_int8_weight(w.q_KxN, jnp.ones((4,), jnp.float32))
+    with pytest.raises(ValueError, match="bits_KbxN must have ceil"):
+        qk.prepare_binary_weight(jnp.zeros((3, 4), jnp.uint8), k=13)
+    with pytest.raises(ValueError, match="x_bits_MxKb must have"):
+        qk.binary_matmul(jnp.zeros((2, 3), jnp.uint8), _binary_operands(2, 13, 4))
+    with pytest.raises(ValueError, match="G dividing"):
+        qk.prepare_int4_weight(jnp.zeros((7, 4), jnp.uint8), jnp.ones((2, 4), jnp.float32), k=13)
+    with pytest.raises(ValueError, match="weight must be an Int4Weight"):
+        qk.int4_linear(jnp.zeros((2, 13), jnp.float32), w)
+    if qk.available():
+        with pytest.raises(ValueError, match="blocking must be"):
+            qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 8, "mr": 99})
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            qk.int8_matmul(x, w, impl="kernel", threads=0)
+
+
+@needs_kernel
+def test_tuning_probes_run():
+    for name, t in qk.TUNINGS.items():
+        assert t.probe(qk.KERNEL.library(), t.default) > 0, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["sapphirerapids", "x86-64-v3", "x86-64"])
+def test_every_instruction_path_compiles(march, tmp_path):
+    """The AVX-512 VNNI / VPOPCNTDQ paths (not run on a CPU without them), the AVX2 and the
+    portable paths all compile."""
+    cmd = [os.environ.get("CXX") or "g++", *kernels.FLAGS, f"-march={march}", "-c", "-I",
+           jax.ffi.include_dir(), "-I", kernels.HEADER_DIR, qk.KERNEL.source, "-o",
+           str(tmp_path / "qgemm.o")]
+    cmd.remove("-shared")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+PORTABLE = """
+import numpy as np, jax.numpy as jnp
+from hpnlp.compress import kernels as qk, packing
+assert qk.layout()["int8_path"] == "portable" and qk.layout()["binary_path"] == "portable"
+rng = np.random.default_rng(0)
+for M, K, N in [(3, 13, 5), (7, 129, 33)]:
+    x8 = jnp.asarray(rng.integers(-127, 128, (M, K), dtype=np.int8))
+    w8 = qk.prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8))
+    xf = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    wb = qk.prepare_binary_weight(packing.pack_bits(rng.standard_normal((K, N))), k=K)
+    w4 = qk.prepare_int4_weight(packing.pack_int4(rng.integers(-8, 8, (K, N), dtype=np.int8)),
+                                jnp.ones((1, N), jnp.float32), k=K)
+    for fn, args, exact in [(qk.int8_matmul, (x8, w8), True), (qk.int8_linear, (xf, w8), False),
+                            (qk.binary_linear, (xf, wb), False), (qk.int4_linear, (xf, w4), False)]:
+        a, b = np.asarray(fn(*args, impl="kernel", threads=2)), np.asarray(fn(*args, impl="xla"))
+        assert np.array_equal(a, b) if exact else np.allclose(a, b, rtol=1e-5, atol=1e-5 * abs(b).max())
+print("portable ok")
+"""
+
+
+@pytest.mark.slow
+def test_portable_build_computes_the_same(tmp_path):
+    """Built for plain x86-64 (no AVX2): the portable loops equal the twins."""
+    import sys
+    env = dict(os.environ, HPNLP_KERNEL_MARCH="x86-64", HPNLP_KERNEL_TUNE="0",
+               HPNLP_KERNEL_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", PORTABLE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "portable ok" in proc.stdout, proc.stderr[-3000:]
