@@ -130,7 +130,13 @@ def configs(draw) -> dict:
     train = {"steps": 3, "batch_size": 8, "grad_accum": draw(st.sampled_from([1, 2])),
              "warmup_steps": 1, "log_every": 1, "eval_every": 0, "eval_batches": 1,
              "checkpoint_every": 0, "progress": False}
-    return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model,
+    weights = draw(st.sampled_from(["none", "none", "int8", "int4", "fp8", "binary", "ternary", "pow2"]))
+    quant = {"weights": weights,
+             "activations": draw(st.sampled_from(["none", "int8", "fp8", "binary"])),
+             "group_size": draw(st.sampled_from([0, 8])) if weights == "int4" else 0,
+             "calibration": draw(st.sampled_from(["absmax", "percentile", "mse"])),
+             "layers": draw(st.sampled_from(["all", "qkv,out,mlp,input,recurrent"]))}
+    return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,
             "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn}
 

@@ -12,9 +12,11 @@
    batches combine by `calibrate.combine`. Those ranges are the `quant` collection.
 4. Export: one pass with the `qexport` collection mutable makes every product weight's
    packed `QWeight` (int4 two per byte, binary eight per byte) at its parameter's path.
-5. The packed model is evaluated, saved to `OUT/quantized.npz` + `OUT/quant.json`,
-   reloaded, and checked to give identical outputs; `OUT/summary.json` reports size on
-   disk, the eval metric and forward speed beside the float model.
+5. The packed model is prepared for the integer kernels where they compute the format
+   (`serve`: w8a8 with per-token activations, binary x binary, int4 weight-only; the rest
+   decode in XLA), evaluated, saved to `OUT/quantized.npz` + `OUT/quant.json`, reloaded,
+   and checked to give identical outputs; `OUT/summary.json` reports size on disk, the eval
+   metric and forward speed beside the float model.
 
 bfloat16 / float16 inference is the same command with `--weights bfloat16|float16`:
 parameters cast and the model computing in that dtype (no integer codes).
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.compress.qlinear import QWeight
+from hpnlp.compress.qlinear import QWeight, Served
 from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
                           validate)
 
@@ -74,18 +76,30 @@ def with_quant(cfg: Config, q: QuantConfig) -> Config:
     return validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant=q)))
 
 
+def _put_back(model, params, batch, quant_vars, collection: str):
+    """`params` with the leaves one pass with `collection` mutable put at their paths."""
+    variables = {"quant": quant_vars} if quant_vars else {}
+    _, got = jax.jit(lambda p, b: model.apply({"params": p, **variables}, b, method="evaluate",
+                                              mutable=[collection]))(params, batch)
+    is_leaf = lambda _, x: isinstance(x, (QWeight, Served))  # noqa: E731
+    new = traverse.flatten_dict(got.get(collection, {}), is_leaf=is_leaf)
+    flat = traverse.flatten_dict(params, is_leaf=is_leaf)
+    for path, leaf in new.items():
+        if path not in flat:
+            raise RuntimeError(f"{collection} weight {'/'.join(path)} is not a parameter")
+        flat[path] = leaf
+    return traverse.unflatten_dict(flat)
+
+
 def packed_params(model, params, batch, quant_vars=None):
     """`params` with every quantized product weight replaced by its packed QWeight."""
-    variables = {"quant": quant_vars} if quant_vars else {}
-    _, export = jax.jit(lambda p, b: model.apply({"params": p, **variables}, b, method="evaluate",
-                                                 mutable=["qexport"]))(params, batch)
-    packed = traverse.flatten_dict(export.get("qexport", {}), is_leaf=lambda _, x: _is_qweight(x))
-    flat = traverse.flatten_dict(params)
-    for path, qw in packed.items():
-        if path not in flat:
-            raise RuntimeError(f"exported weight {'/'.join(path)} is not a parameter")
-        flat[path] = qw
-    return traverse.unflatten_dict(flat)
+    return _put_back(model, params, batch, quant_vars, "qexport")
+
+
+def serve(model, params, batch, quant_vars=None):
+    """Packed `params` with every QWeight an integer kernel computes (`qlinear.kernel_for`)
+    prepared for it (`Served`, at load time: its layout belongs to this build)."""
+    return _put_back(model, params, batch, quant_vars, "qserve")
 
 
 def calibrate_ranges(model, params, batches, method: str):
@@ -238,14 +252,21 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     def variables(p, qv):
         return {"params": p, **({"quant": qv} if qv else {})}
 
+    # What a user of the file runs: integer kernels where they serve the format (`serve`),
+    # packed weights decoded in XLA elsewhere.
+    served = packed if float_dtype else serve(model_q, packed, calib[0], quant_vars)
+    kernel_products = sum(isinstance(x, Served) for x in jax.tree.leaves(
+        served, is_leaf=lambda x: isinstance(x, Served)))
     eval_q = jax.jit(lambda p, qv, b: model_q.apply(variables(p, qv), b, method="evaluate"))
     quant_eval = finalize(trainer.eval_sums(
-        state, eval_step=lambda _, b: eval_q(packed, quant_vars, b)), lm=lm)
+        state, eval_step=lambda _, b: eval_q(served, quant_vars, b)), lm=lm)
 
     meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
     size = save(out, cfg_q, packed, quant_vars, meta)
     _, reloaded, reloaded_quant = load(out, cfg_q)
-    out_before = eval_q(packed, quant_vars, eval_batch)
+    if not float_dtype:
+        reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)
+    out_before = eval_q(served, quant_vars, eval_batch)
     out_after = eval_q(reloaded, reloaded_quant, eval_batch)
     identical = all(bool(jnp.array_equal(a, b)) for a, b in
                     zip(jax.tree.leaves(out_before), jax.tree.leaves(out_after)))
@@ -254,7 +275,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     eval_f = jax.jit(lambda p, b: model_f.apply({"params": p}, b, method="evaluate"))
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
     t_float = _forward_seconds(eval_f, params, eval_batch, repeats=repeats)
-    t_quant = _forward_seconds(eval_q, packed, quant_vars, eval_batch, repeats=repeats)
+    t_quant = _forward_seconds(eval_q, served, quant_vars, eval_batch, repeats=repeats)
     float_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
     metric = "loss"
     summary = {
@@ -269,8 +290,10 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                        "ratio": float_bytes / size},
         "forward": {"batch_tokens": tokens, "float32_s": t_float, "quantized_s": t_quant,
                     "speedup": t_float / t_quant,
-                    "how": "XLA: packed weights decoded in the jitted forward (no integer "
-                           "kernel on this path yet)"},
+                    "kernel_products": kernel_products,
+                    "how": ("integer kernels (hpnlp.compress.kernels) for the products they "
+                            "serve, the rest decoded in XLA" if kernel_products else
+                            "packed weights decoded in the jitted forward (XLA)")},
         "reload_identical": identical,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:

@@ -13,7 +13,10 @@ weight is:
   product's calibrated range (`static`, the `quant` variable collection), both with the
   straight-through estimator (`formats.fake_quant`), then the float einsum;
 - a `QWeight` (a packed quantized checkpoint, `hpnlp.compress.ptq`): the same values,
-  decoded from the packed integers, or an integer kernel where one serves the format.
+  decoded from the packed integers in XLA;
+- a `Served` weight (`ptq.serve` made it from a QWeight at load time): an integer kernel
+  (`hpnlp.compress.kernels`) computes the product, quantizing the activations itself the
+  way `q` says (`kernel_for`).
 
 In calibration (the `calib` collection mutable) a product records its input's range for
 this batch (`calibrate.choose_range`, per tensor) and leaves activations in float.
@@ -101,7 +104,7 @@ def param(module: nn.Module, name: str, *args):
     (flax's own check would compare the packed codes' shape with the float weight's)."""
     if module.has_variable("params", name):
         value = module.get_variable("params", name)
-        if isinstance(value, QWeight):
+        if isinstance(value, (QWeight, Served)):
             return value
     return module.param(name, *args)
 
@@ -109,6 +112,56 @@ def param(module: nn.Module, name: str, *args):
 def _mutable(module: nn.Module, collection: str) -> bool:
     """Whether an apply asked for `collection` (init makes every collection mutable)."""
     return module.is_mutable_collection(collection) and not module.is_initializing()
+
+
+@flax.struct.dataclass
+class Served:
+    """A packed weight prepared for one of `hpnlp.compress.kernels`' products (its panel
+    layout belongs to this build: made at load time by `serve`, never saved)."""
+
+    w: object  # kernels.Int8Weight | BinaryWeight | Int4Weight
+    fmt: str = flax.struct.field(pytree_node=False)
+    shape: tuple = flax.struct.field(pytree_node=False)
+    k_dims: int = flax.struct.field(pytree_node=False, default=1)
+
+
+def kernel_for(q: QuantConfig, fmt: str) -> str | None:
+    """The integer kernel that computes a product exactly as `q` defines it, if any:
+    int8 weights with per-token int8 activations, binary weights with binary activations
+    (XNOR-Net), int4 weights with float activations."""
+    if fmt == "int8" and q.activations == "int8" and q.act_scale == "dynamic":
+        return "int8"
+    if fmt == "binary" and q.activations == "binary":
+        return "binary"
+    if fmt == "int4" and q.activations == "none":
+        return "int4"
+    return None
+
+
+def prepare(qw: QWeight, q: QuantConfig) -> "Served | QWeight":
+    """A QWeight as its kernel's prepared weight (`kernel_for`), or unchanged."""
+    from hpnlp.compress import kernels
+    which = kernel_for(q, qw.fmt)
+    if which is None or not kernels.available():
+        return qw
+    N = math.prod(qw.shape[qw.k_dims:])
+    if which == "int8":
+        w = kernels.prepare_int8_weight(qw.codes, qw.scale.reshape(N))
+    elif which == "binary":
+        w = kernels.prepare_binary_weight(qw.codes, qw.scale.reshape(N), k=qw.k)
+    else:
+        w = kernels.prepare_int4_weight(qw.codes, qw.scale, k=qw.k)
+    return Served(w=w, fmt=qw.fmt, shape=qw.shape, k_dims=qw.k_dims)
+
+
+def _served_product(x, w: Served, n_contract: int, dtype):
+    from hpnlp.compress import kernels
+    lead, K = x.shape[:x.ndim - n_contract], math.prod(x.shape[x.ndim - n_contract:])
+    x_MK = x.reshape(-1, K).astype(jnp.float32)
+    fn = {"int8": kernels.int8_linear, "binary": kernels.binary_linear,
+          "int4": kernels.int4_linear}[w.fmt]
+    y_MN = fn(x_MK, w.w)
+    return y_MN.reshape(lead + w.shape[w.k_dims:]).astype(dtype)
 
 
 def _weight_KxN(w, k_dims: int):
@@ -180,6 +233,10 @@ def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: Quant
 def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
             dtype, preferred_element_type=None):
     """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module doc)."""
+    if isinstance(w, Served):  # an integer kernel computes the whole product
+        return _served_product(x, w, len(parse_spec(spec)[0]), dtype)
+    if isinstance(w, QWeight) and _mutable(module, "qserve"):
+        module.put_variable("qserve", name, prepare(w, q))
     if not q.applies(kind) and not isinstance(w, QWeight):
         return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                           preferred_element_type=preferred_element_type)
