@@ -449,6 +449,12 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
         if bad or not names:
             _fail("quant.layers", q.layers, f"'all' or a comma list of {list(QUANT_LAYERS)} "
                   f"(unknown: {bad})")
+    if q.enabled and m.arch == "transformer_xl":
+        _fail("quant.weights", q.weights, "Transformer-XL's relative-position attention has its "
+              "own products, not yet quantizable; quantize model.arch='transformer' or an LSTM/GRU")
+    if q.act_scale == "static" and m.reversible:
+        _fail("quant.act_scale", "static", "reversible blocks recompute themselves functionally and "
+              "hold no calibrated ranges; use quant.act_scale='dynamic'")
     if not isinstance(q.group_size, int) or q.group_size < 0:
         _fail("quant.group_size", q.group_size, "must be an integer >= 0 (0: per channel)")
     if q.group_size and q.weights != "int4":

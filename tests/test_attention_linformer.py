@@ -169,7 +169,7 @@ def _cfg(kind, **opts):
 
 
 def test_bad_input_and_config_errors():
-    with pytest.raises(ConfigError, match="attention variant 'linformer' cannot be causal"):
+    with pytest.raises(ConfigError, match="`attention.name` = 'linformer' is not allowed: this variant cannot be causal"):
         validate(_cfg("lm"), num_devices=1)
     with pytest.raises(ConfigError, match=r"`attention.options.max_len` = 32 .*data.seq_len=64"):
         validate(_cfg("classifier", max_len=32), num_devices=1)

@@ -207,7 +207,7 @@ def _cfg(kind, **opts):
 
 
 def test_bad_input_and_config_errors():
-    with pytest.raises(ConfigError, match="attention variant 'sinkhorn' cannot be causal"):
+    with pytest.raises(ConfigError, match="`attention.name` = 'sinkhorn' is not allowed: this variant cannot be causal"):
         validate(_cfg("lm"), num_devices=1)
     with pytest.raises(ConfigError, match=r"`attention.options.temperature` = 0"):
         validate(_cfg("classifier", temperature=0), num_devices=1)

@@ -294,3 +294,33 @@ def test_cpu_detail_reads_the_first_processor_and_its_caches(tmp_path):
     assert line == ("- CPU: AMD EPYC 9654; AuthenticAMD family 25, model 17, stepping 1; ISA: avx2, "
                     "avx512_bf16, avx512f, fma; caches: L1d 32 KiB per core, L2 1 MiB per core, "
                     "L3 32 MiB")
+
+
+def test_quant_bench_targets_and_table_from_a_payload():
+    from hpnlp.bench import quant
+    ms = lambda s: {"median_s": s, "min_s": s, "max_s": s, "repeats": 1, "compile_s": 0.0,  # noqa: E731
+                    "first_call_only": False}
+    linear = [{"impl": n, "time": ms(t), "gops": 1.0, "frac_of_f32_rate": 0.5}
+              for n, t in (("float32 (XLA)", 0.30), ("int8 w8a8 (kernel)", 0.10),
+                           ("binary (kernel)", 0.01), ("torch quantize_dynamic int8 Linear", 0.2))]
+    lm = [{"variant": v, "prefill_s": p, "prefill_tokens_per_s": 1.0 / p,
+           "decode_b1_tokens_per_s": d, "decode_b16_tokens_per_s": d}
+          for v, p, d in (("float32", 0.4, 100.0), ("w8a8 (int8 kernel)", 0.1, 150.0),
+                          ("int4 weight-only (int4 kernel)", 0.2, 250.0))]
+    quality = [{"model": "byte LM", "variant": v, "eval": {"loss": 2.0 * (1 + r)}, "accuracy": None,
+                "loss_rel_increase": r, "size_bytes": 1024, "forward_s": 0.01}
+               for v, r in (("float32", 0.0), ("PTQ w8a8", 0.004), ("QAT int4", 0.03))]
+    t = quant._targets(linear, lm, quality)
+    assert t["int8_kernel_vs_f32"]["value"] == pytest.approx(3.0) and t["int8_kernel_vs_f32"]["met"]
+    assert t["binary_kernel_vs_f32"]["value"] == pytest.approx(30.0)
+    assert t["int8_kernel_vs_torch"]["value"] == pytest.approx(2.0)
+    assert t["int4_decode_vs_f32"]["value"] == pytest.approx(2.5) and t["int4_decode_vs_f32"]["met"]
+    assert t["w8a8_forward_vs_f32"]["value"] == pytest.approx(4.0)
+    assert t["w8a8_loss_rel_increase"]["met"] and not t["qat_int4_loss_rel_increase"]["met"]
+    payload = {"sizes": quant.SIZES["quick"], "machine": {
+        "date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu", "versions": {}},
+        "f32_rate": 100.0, "kernel_layout": {}, "linear": linear, "lm": lm, "quality": quality,
+        "targets": t, "_f32_time": 0.30}
+    md = quant._markdown(payload)
+    assert "### Targets" in md and "`qat_int4_loss_rel_increase`" in md and "| NO |" in md
+    assert "3.00x" in md  # int8 kernel vs float32 in the layer table

@@ -115,10 +115,11 @@ def test_spec_order_rule():
         parse_spec("bhd,ehd->be")  # contraction not leading in w
 
 
-def _cfg(**quant):
+def _cfg(arch="transformer", **quant):
     cd = default_configdict()
     cd.data.task = "byte_lm"
     cd.model.kind = "lm"
+    cd.model.arch = arch
     for k, v in quant.items():
         setattr(cd.quant, k, v)
     return from_configdict(cd)
@@ -131,6 +132,7 @@ def _cfg(**quant):
     ({"weights": "int8", "group_size": 32}, "quant.group_size"),
     ({"weights": "int8", "layers": "qkv,ffn"}, "quant.layers"),
     ({"weights": "int8", "calibration": "kl"}, "quant.calibration"),
+    ({"weights": "int8", "arch": "transformer_xl"}, "quant.weights"),
 ])
 def test_bad_quant_config_names_the_field(quant, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):
@@ -179,6 +181,14 @@ def test_qat_trains_with_float_shadow_weights(tmp_path):
     ck.close()
     w = np.asarray(state["params"]["trunk"]["block_0"]["mlp_in"]["kernel"])
     assert w.dtype == np.float32 and len(np.unique(w)) > 16 * w.shape[1]
+    # export at the end: the run's own quant settings, packed; config.json left as it was
+    before = open(tmp_path / "qat" / "config.json").read()
+    s = ptq.quantize(str(tmp_path / "qat"), str(tmp_path / "packed"), eval_batches=1, repeats=1)
+    assert s["format"]["weights"] == "int4" and s["reload_identical"]
+    assert open(tmp_path / "qat" / "config.json").read() == before
+    _, params, _ = ptq.load(str(tmp_path / "packed"))
+    kernel = params["trunk"]["block_0"]["mlp_in"]["kernel"]
+    assert kernel.fmt == "int4" and kernel.codes.shape == (16, 64)  # K = 32 two per byte
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +245,8 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
                  "int5"]) == 1
     assert "`quant.weights`" in capsys.readouterr().err
+    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o")]) == 1
+    assert "trained without quantization" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o" / "quantized.npz")
 
 

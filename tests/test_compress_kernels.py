@@ -2,6 +2,7 @@
 integer accumulation, 1e-5 after rescaling, on shapes no tile divides, one and two
 threads."""
 
+import functools
 import os
 import subprocess
 import zlib
@@ -18,7 +19,7 @@ from hpnlp.compress import packing
 needs_kernel = pytest.mark.skipif(not qk.available(), reason=f"no kernel: {qk.unavailable_reason()}")
 
 # (M, K, N): M = 1 (decoding), K = 1, odd K not a multiple of 8 or 64, N past a panel.
-SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40)]
+SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40), (45, 64, 48)]
 BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many items, odd blocks
 
 
@@ -145,7 +146,8 @@ def _int4_operands(M, K, N, groups):
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("M,K,N,groups", [(3, 13, 5, 1), (1, 1, 1, 1), (1, 70, 17, 5),
-                                          (7, 129, 33, 3), (1, 64, 40, 64), (9, 96, 20, 3)])
+                                          (7, 129, 33, 3), (1, 64, 40, 64), (9, 96, 20, 3),
+                                          (70, 256, 50, 2), (5, 131, 9, 1)])
 def test_int4_linear_matches_twin(M, K, N, groups, threads):
     w = _int4_operands(M, K, N, groups)
     x = jnp.asarray(_rng("x4", M, K).standard_normal((M, K)).astype(np.float32))
@@ -153,6 +155,29 @@ def test_int4_linear_matches_twin(M, K, N, groups, threads):
     _close(qk.int4_linear(x, w, impl="kernel", threads=threads), want)
     ref = np.asarray(x, np.float64) @ np.asarray(qk.dequantize_int4(w), np.float64)
     _close(want, ref)
+
+
+@needs_kernel
+def test_concurrent_calls_share_the_thread_pool():
+    """Kernels called from several threads at once (XLA runs independent ops so): the one
+    that finds the helper pool busy runs alone; every result still equals its twin."""
+    import concurrent.futures
+    x8, w8 = _int8_operands(37, 300, 70)
+    w4 = _int4_operands(37, 256, 70, 2)
+    xf = jnp.asarray(_rng("pool", 37, 300).standard_normal((37, 300)).astype(np.float32))
+    want8, want4 = qk.int8_matmul(x8, w8, impl="xla"), qk.int4_linear(xf[:, :256], w4, impl="xla")
+    f8 = jax.jit(functools.partial(qk.int8_matmul, impl="kernel", threads=2))
+    f4 = jax.jit(functools.partial(qk.int4_linear, impl="kernel", threads=2))
+
+    def run(i):
+        for _ in range(20):
+            if i % 2:
+                np.testing.assert_array_equal(f8(x8, w8), want8)
+            else:
+                _close(f4(xf[:, :256], w4), want4)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, range(4)))
 
 
 @needs_kernel

@@ -150,3 +150,12 @@ def test_cli_reports_bad_override_before_compiling(tmp_path):
     assert "`attention.name` = 'nope'" in proc.stderr and "chunked" in proc.stderr
     assert time.perf_counter() - t0 < 60
     assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_binary_code_mode_is_checked_before_anything_is_built():
+    """Found by the crash hunt: an unknown mode failed at init, not in validate."""
+    cd = default_configdict()
+    cd.data.task, cd.model.kind, cd.output.name = "byte_lm", "lm", "binary_code"
+    cd.output.options = {"mode": "ecoc"}
+    with pytest.raises(ConfigError, match="`output.options.mode` = 'ecoc'"):
+        validate(from_configdict(cd), num_devices=1)

@@ -76,7 +76,7 @@ OUTPUT_OPTIONS = {
     "adaptive": st.fixed_dictionaries({"mode": st.sampled_from(["sorted", "dense"])}),
     "hierarchical": st.fixed_dictionaries({"chunk_tokens": st.sampled_from([-1, 16])}),
     "class_based": st.fixed_dictionaries({"chunk_tokens": st.sampled_from([-1, 16])}),
-    "binary_code": st.fixed_dictionaries({"mode": st.sampled_from(["plain", "ecoc"])}),
+    "binary_code": st.fixed_dictionaries({"mode": st.sampled_from(["plain", "hybrid", "ecc"])}),
     "vmf": st.just({}),
 }
 TASKS = {"lm": ["byte_lm", "word_lm"], "classifier": ["doc_classify", "listops"],

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.config import ConfigError
+from hpnlp.config import config_error
 from hpnlp.registry import Registry
 
 _REGISTRY = Registry("attention variant")
@@ -88,9 +88,9 @@ class Attention(nn.Module):
     def check_config(cls, options: dict[str, Any], *, seq_len: int, causal: bool,
                      field: str = "attention.options") -> None:
         if causal and not cls.supports_causal:
-            raise ConfigError(
-                f"attention variant {cls.registry_name!r} cannot be causal, but the model is a "
-                "causal LM; choose a causal-capable variant for model.kind='lm'")
+            raise config_error("attention.name", cls.registry_name, "this variant cannot be "
+                               "causal, but the model is a causal LM; choose a causal-capable "
+                               "variant for model.kind='lm'")
 
     def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype):
         zeros = jnp.zeros((batch, max_len, num_heads, head_dim), dtype)

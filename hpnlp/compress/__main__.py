@@ -3,6 +3,7 @@
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights int8 --activations int8
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights int4 --group_size 32
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights bfloat16
+    python -m hpnlp.compress quantize --workdir QAT_RUN --out DIR   # export a QAT run as trained
 
 `quantize` is post-training quantization (hpnlp.compress.ptq): it calibrates, packs,
 evaluates with the task's metric, reloads, and writes DIR/summary.json. Errors (an unknown
@@ -25,8 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="post-training quantization of a trained run")
     q.add_argument("--workdir", required=True, help="a trained run (python -m hpnlp.main)")
     q.add_argument("--out", required=True, help="folder for quantized.npz, quant.json, summary.json")
-    q.add_argument("--weights", default="int8",
-                   help=f"one of {sorted(formats.FORMATS) + list(ptq.FLOAT_FORMATS)}")
+    q.add_argument("--weights", default=None,
+                   help=f"one of {sorted(formats.FORMATS) + list(ptq.FLOAT_FORMATS)}; left out, "
+                        "the run's own quant.* settings (exports a QAT run)")
     q.add_argument("--activations", default="none",
                    help=f"none or one of {list(formats.ACTIVATION_FORMATS)}")
     q.add_argument("--act_scale", default="dynamic", help="dynamic (per token) | static (calibrated)")
@@ -46,7 +48,10 @@ def main(argv=None) -> int:
     from hpnlp.config import ConfigError, QuantConfig
 
     try:
-        if args.weights in ptq.FLOAT_FORMATS:
+        if args.weights is None:  # a QAT run's own settings
+            summary = ptq.quantize(args.workdir, args.out, calib_batches=args.calib_batches,
+                                   eval_batches=args.eval_batches)
+        elif args.weights in ptq.FLOAT_FORMATS:
             summary = ptq.quantize(args.workdir, args.out, float_dtype=args.weights,
                                    calib_batches=args.calib_batches, eval_batches=args.eval_batches)
         else:

@@ -60,8 +60,10 @@ KERNEL = kernels.CpuKernel(
     what="quantized GEMM")
 
 IMPLS = ("auto", "kernel", "xla")
-# Below this many multiply-adds one thread beats starting more (a thread start costs tens
-# of microseconds: a 512 x 512 int4 matvec takes 30).
+# Below this many multiply-adds one thread beats waking more. The helpers are parked
+# threads that persist across calls (`Pool` in qgemm.cc) and work is claimed dynamically,
+# so a parallel call costs a wake-up of a few microseconds and never waits for a helper
+# that a busy machine has not scheduled (a 512 x 512 int4 matvec takes 30 us).
 _MIN_PARALLEL_MACS = 1 << 21
 
 # Blocking of the int8 and binary products: mc rows per work item (a thread keeps their

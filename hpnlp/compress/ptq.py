@@ -70,6 +70,10 @@ def _is_qweight(x) -> bool:
 
 def with_quant(cfg: Config, q: QuantConfig) -> Config:
     """`cfg` with its model's `quant` replaced, validated (ConfigError names the field)."""
+    if cfg.model.reversible:
+        raise config_error("model.reversible", True, "reversible blocks apply their weights "
+                           "functionally, so they cannot be packed yet; quantize a run with "
+                           "model.reversible=False (QAT works on reversible blocks)")
     if q.act_scale == "static" and q.activations not in ("int8", "fp8"):
         raise config_error("quant.act_scale", "static", "static (calibrated) ranges are for "
                            "int8/fp8 activations; use quant.act_scale='dynamic'")
@@ -202,13 +206,19 @@ def _forward_seconds(fn, *args, repeats: int = 5) -> float:
 def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtype: str | None = None,
              calib_batches: int = 8, eval_batches: int | None = None, repeats: int = 5) -> dict:
     """Quantize the run in `workdir` with `q` (or cast it to `float_dtype`) into `out`;
-    returns the summary also written to OUT/summary.json (module doc)."""
+    returns the summary also written to OUT/summary.json (module doc). `q` None and no
+    `float_dtype`: the run's own `quant.*` settings, which exports a QAT run."""
+    if q is None and float_dtype is None:
+        q = load_run_config(workdir).quant
+        if not q.enabled:
+            raise config_error("quant.weights", "none", f"the run in {workdir} trained without "
+                               "quantization; give the format to quantize it to (--weights ...)")
     from hpnlp import data as data_lib
     from hpnlp import models
     from hpnlp.train import Trainer
     from hpnlp.train.step import finalize
 
-    if (q is None) == (float_dtype is None):
+    if q is not None and float_dtype is not None:
         raise ValueError("give a QuantConfig or a float_dtype (bfloat16 | float16), not both")
     if float_dtype is not None and float_dtype not in FLOAT_FORMATS:
         raise config_error("weights", float_dtype, f"float formats are {list(FLOAT_FORMATS)}")
@@ -224,7 +234,9 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         cfg_q = with_quant(cfg, q)  # fails here, before anything compiles
     os.makedirs(out, exist_ok=True)
 
-    trainer = Trainer(cfg, workdir)
+    # The float model of the run's weights (a QAT run's float shadow weights), read only.
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant=QuantConfig()))
+    trainer = Trainer(cfg, workdir, read_only=True)
     step = trainer.checkpointer.latest_step()
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()

@@ -5,9 +5,9 @@
 // All three are register-blocked GEMMs over weight *panels*: a weight is packed once (in
 // Python) into [panels][k groups][NB columns][KP], so the kernel streams a panel
 // contiguously while a block of activation rows broadcasts into it. Work items are
-// (row chunk of mc rows, panel) pairs, in row-chunk-major order, shared among threads in
-// contiguous ranges: a thread keeps one chunk of activations in its core's L2 while it
-// walks the panels, and a panel's k-run stays in L1 across the chunk's register blocks.
+// (row chunk of mc rows, panel) pairs, in row-chunk-major order, claimed one at a time by
+// the threads: all walk one chunk's panels together (its activations stay in each core's
+// L2), and a panel's k-run stays in L1 across the chunk's register blocks.
 // Each item covers the whole contraction (no partial sums in memory), so the epilogue
 // (the int32 result, or its float rescaling) writes every output once.
 //
@@ -28,14 +28,22 @@
 //                         vpsadbw every 31 words (31 * 8 <= 255). Scalar popcnt measured
 //                         slower (3 ALU ops per 64 bits against 6 vector ops per 256).
 //           portable      __builtin_popcountll.
-//   int4:   GCC vector types (vf: one zmm or two ymm): 16 packed bytes sign-extended to
-//           int32, low nibble by (v << 28) >> 28 and high by v >> 4, to float, times the
-//           group scale, FMA into the accumulators. Nothing float is stored.
+//   int4:   one zmm or two ymm of 16 columns: 16 packed bytes sign-extended to int32,
+//           the low nibble kept in place as n * 2^28 (v << 28) and the high as n * 16
+//           (v & ~15), to float, FMA with activations pre-scaled by 2^-28 and 2^-4 (exact)
+//           into per-group accumulators, times the group scale once a group. Nothing float
+//           is stored.
 //
-// The vector type, threads and FFI checks come from hpnlp/kernels/simd.h.
+// Threads: a pool of parked helpers that persists across calls (Pool), work claimed one
+// item at a time, so a call never waits for a helper the OS has not yet scheduled.
+// Activation scratch is reused across calls by the calling thread (scratch()).
+// The vector type and FFI checks come from hpnlp/kernels/simd.h.
 
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <type_traits>
 
 #include "simd.h"
@@ -110,26 +118,157 @@ inline void row_blocks(int m0, int m1, int mr, F&& f) {
   }
 }
 
-// Items (row chunk, panel), row-chunk-major, shared among nt threads; fn(t) runs setup
-// (rows of the activation scratch), then, after a barrier, each item's rows and panel.
+// Helper threads that live across calls. Starting threads per call (std::thread in
+// hpnlp::parallel) cost 0.15-3 ms a call on a loaded 2-core machine: the caller joins a
+// helper that the scheduler starts only after another process's time slice, which made a
+// [64, 128 -> 256] int8 layer 10x slower than float XLA. Here a call only wakes parked
+// helpers and never waits for one to arrive: the work is claimed dynamically (below), a
+// late helper finds none left, and the caller waits only for helpers that joined (and so
+// are running claimed work). A caller that finds the pool busy (another XLA thread's
+// kernel) runs alone.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool;  // never destroyed: parked helpers outlive main()
+    return *pool;
+  }
+
+  // fn(t) on the caller (t = 0) and on up to threads - 1 helpers (t >= 1) that join.
+  template <class F>
+  void run(int threads, F&& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (threads <= 1 || !busy.owns_lock()) return fn(0);
+    std::exception_ptr error;
+    std::function<void(int)> job = [&](int t) {
+      try {
+        fn(t);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!error) error = std::current_exception();
+      }
+    };
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      while (int(helpers_.size()) < threads - 1)
+        helpers_.emplace_back([this] { loop(); }), helpers_.back().detach();
+      job_ = &job, want_ = threads - 1, joined_ = 0, ++gen_;
+    }
+    wake_.notify_all();
+    job(0);
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      job_ = nullptr;
+      done_.wait(lk, [&] { return active_ == 0; });
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      wake_.wait(lk, [&] { return gen_ != seen; });
+      seen = gen_;
+      if (!job_ || joined_ >= want_) continue;
+      const std::function<void(int)>* job = job_;
+      const int t = ++joined_;
+      ++active_;
+      lk.unlock();
+      (*job)(t);
+      lk.lock();
+      if (--active_ == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex busy_, mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> helpers_;
+  const std::function<void(int)>* job_ = nullptr;
+  uint64_t gen_ = 0;
+  int want_ = 0, joined_ = 0, active_ = 0;
+};
+
+// Spin, then yield, until *v >= target (a helper finishing the rows it claimed).
+inline void await_at_least(const std::atomic<int>& v, int target) {
+  for (int spin = 0; v.load(std::memory_order_acquire) < target; ++spin) {
+    if (spin > 2000) std::this_thread::yield();
+#if defined(__x86_64__)
+    else __builtin_ia32_pause();
+#endif
+  }
+}
+
+// Setup of the activation scratch in chunks of SETUP_ROWS rows, then items (row chunk of
+// mc rows, panel) in row-chunk-major order, both claimed one at a time from shared
+// counters by up to `threads` threads: both cores walk the same row chunk's panels (its
+// activations stay in each core's L2), and no thread waits for a helper that has not
+// started. setup(r0, r1) fills rows [r0, r1); item(m0, m1, panel) computes them.
+constexpr int SETUP_ROWS = 16;
 template <class Setup, class Item>
 void run_items(int M, int P, int mc, int threads, Setup&& setup, Item&& item) {
   const int chunks = (M + mc - 1) / mc;
   const int64_t items = int64_t(chunks) * P;
   const int nt = clamp_threads(threads, std::max<int64_t>(items, 1));
-  Barrier barrier(nt);
-  parallel(nt, [&](int t) {
-    int r0, r1;
-    share(M, nt, t, &r0, &r1);
-    setup(r0, r1);
-    barrier.wait();
-    int i0, i1;
-    share(int(items), nt, t, &i0, &i1);
-    for (int i = i0; i < i1; ++i) {
-      const int c = i / P, p = i % P;
+  if (nt == 1) {
+    setup(0, M);
+    for (int64_t i = 0; i < items; ++i) {
+      const int c = int(i / P), p = int(i % P);
+      item(c * mc, std::min(M, (c + 1) * mc), p);
+    }
+    return;
+  }
+  std::atomic<int> next_rows{0}, rows_done{0};
+  std::atomic<int64_t> next_item{0};
+  Pool::get().run(nt, [&](int) {
+    for (int r0; (r0 = next_rows.fetch_add(SETUP_ROWS, std::memory_order_relaxed)) < M;) {
+      const int r1 = std::min(M, r0 + SETUP_ROWS);
+      setup(r0, r1);
+      rows_done.fetch_add(r1 - r0, std::memory_order_release);
+    }
+    await_at_least(rows_done, M);
+    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int c = int(i / P), p = int(i % P);
       item(c * mc, std::min(M, (c + 1) * mc), p);
     }
   });
+}
+
+// Fault in the pages of an output buffer up front, 1 MB at a time claimed by the threads
+// (one MADV_POPULATE_WRITE each), before the kernel writes it. XLA's large outputs are
+// fresh mappings every call; faulting a [2048, 4096] float32 output page by page took
+// 20 ms here, as long as the binary product itself. Small outputs are left alone.
+inline void populate_out(void* p, size_t bytes, int threads) {
+#ifdef MADV_POPULATE_WRITE
+  constexpr uintptr_t kPage = 4096, kChunk = uintptr_t(1) << 20;
+  if (bytes < 16 * kPage) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1),
+                  end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kPage - 1);
+  if (end <= begin) return;
+  const int chunks = int((end - begin + kChunk - 1) / kChunk);
+  std::atomic<int> next{0};
+  Pool::get().run(clamp_threads(threads, chunks), [&](int) {
+    for (int c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      const uintptr_t a = begin + uintptr_t(c) * kChunk, b = std::min(end, a + kChunk);
+      madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
+    }
+  });
+#else
+  (void)p, (void)bytes, (void)threads;
+#endif
+}
+
+// A scratch buffer of at least n elements, reused by the calling thread across calls
+// (a fresh multi-megabyte vector per call is a fresh mapping: a page fault per 4 KB).
+template <class T, int TAG>
+T* scratch(size_t n) {
+  static thread_local std::vector<T> buf;
+  if (buf.size() < n) {
+    buf.clear();
+    buf.shrink_to_fit();
+    buf.resize(n);
+  }
+  return buf.data();
 }
 
 // ------------------------------------------------------------------------------ int8
@@ -154,17 +293,31 @@ inline void i8_block(const I8X* x, size_t ldx, const I8W* p, int kq, int32_t (*t
     _mm512_storeu_si512(t[r] + 16, acc[r][1]);
   }
 #elif defined(__AVX2__)
-  __m256i acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  for (int k = 0; k < kq; ++k, p += I8_NB * I8_KP) {
+  // Rows unrolled by hand, two (and the k step) at a time: with a loop over rows and an
+  // accumulator array GCC kept 8 of R = 6's 12 accumulators on the stack (a load and a
+  // store each, every k step), which made mr = 6 slower than 4.
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+          c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const I8X* x0 = x;
+  for (int k = 0; k < kq; ++k, p += I8_NB * I8_KP, x0 += 2) {
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = _mm256_set1_epi32(load_i32(x + r * ldx + size_t(k) * 2));
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(a, b0));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(a, b1));
+#define HPNLP_I8_ROW(r, lo, hi)                                          \
+    if constexpr (R > r) {                                               \
+      const __m256i a = _mm256_set1_epi32(load_i32(x0 + r * ldx));       \
+      lo = _mm256_add_epi32(lo, _mm256_madd_epi16(a, b0));               \
+      hi = _mm256_add_epi32(hi, _mm256_madd_epi16(a, b1));               \
     }
+    HPNLP_I8_ROW(0, c00, c01)
+    HPNLP_I8_ROW(1, c10, c11)
+    HPNLP_I8_ROW(2, c20, c21)
+    HPNLP_I8_ROW(3, c30, c31)
+    HPNLP_I8_ROW(4, c40, c41)
+    HPNLP_I8_ROW(5, c50, c51)
+#undef HPNLP_I8_ROW
   }
+  const __m256i acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  static_assert(R <= 6, "the AVX2 int8 block unrolls at most 6 rows");
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r]), acc[r][0]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r] + 8), acc[r][1]);
@@ -311,9 +464,8 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
 }
 
 void i8_run(I8Gemm& g, const int8_t* x8, const float* xf, int threads) {
-  std::vector<I8X> xq(size_t(g.M) * g.kq * I8_KP);
-  std::vector<float> xs(g.M);
-  g.xq = xq.data(), g.xs = xs.data();
+  g.xq = scratch<I8X, 0>(size_t(g.M) * g.kq * I8_KP);
+  g.xs = scratch<float, 1>(g.M);
   run_items(g.M, g.P, g.mc, threads,
             [&](int r0, int r1) { i8_quantize_rows(g, x8, xf, r0, r1); },
             [&](int m0, int m1, int p) { i8_item(g, m0, m1, p); });
@@ -483,9 +635,8 @@ void b_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) 
 }
 
 void b_run(BGemm& g, const uint8_t* xb, const float* xf, int threads) {
-  std::vector<uint64_t> xw(size_t(g.M) * g.kw * B_XW);
-  std::vector<float> beta(g.M);
-  g.xw = xw.data(), g.beta = beta.data();
+  g.xw = scratch<uint64_t, 2>(size_t(g.M) * g.kw * B_XW);
+  g.beta = scratch<float, 3>(g.M);
   run_items(g.M, g.P, g.mc, threads, [&](int r0, int r1) { b_rows(g, xb, xf, r0, r1); },
             [&](int m0, int m1, int p) { b_item(g, m0, m1, p); });
 }
@@ -512,7 +663,19 @@ struct I4Gemm {
   const uint8_t* w;    // [P][kh][I4_NB]: byte = row 2i (low nibble), 2i + 1 (high)
   const float* scale;  // [P][G][I4_NB]
   float* out;          // [M, N]
+  float* x_ps = nullptr;  // [M, K] scratch: x pre-scaled for i4_unpack_raw
 };
+
+// Rows [r0, r1) of x into x_ps: even k times 2^-28, odd k times 2^-4.
+void i4_prescale(const I4Gemm& s, int r0, int r1) {
+  for (int m = r0; m < r1; ++m) {
+    const float* x = s.x + size_t(m) * s.K;
+    float* y = s.x_ps + size_t(m) * s.K;
+    int k = 0;
+    for (; k + 1 < s.K; k += 2) y[k] = x[k] * 0x1p-28f, y[k + 1] = x[k + 1] * 0x1p-4f;
+    if (k < s.K) y[k] = x[k] * 0x1p-28f;
+  }
+}
 
 // One register block: R rows times the panel's 16 columns over all of K. A single row
 // (decoding) keeps the low- and high-nibble rows in separate accumulators, for twice the
@@ -527,6 +690,14 @@ inline void i4_unpack(const uint8_t* p, const float* s_lo, const float* s_hi, I4
                         _mm512_loadu_ps(s_lo));
   hi[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4)), _mm512_loadu_ps(s_hi));
 }
+inline void i4_unpack_raw(const uint8_t* p, I4F* lo, I4F* hi) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo[0] = _mm512_cvtepi32_ps(_mm512_slli_epi32(v, 28));
+  hi[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(~15)));
+}
+inline I4F i4_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void i4_storev(float* p, I4F v) { _mm512_storeu_ps(p, v); }
+inline I4F i4_fmav(I4F a, I4F b, I4F c) { return _mm512_fmadd_ps(a, b, c); }
 inline I4F i4_fma(float x, I4F w, I4F acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
 inline I4F i4_zero() { return _mm512_setzero_ps(); }
 inline I4F i4_add(I4F a, I4F b) { return _mm512_add_ps(a, b); }
@@ -548,6 +719,17 @@ inline void i4_unpack(const uint8_t* p, const float* s_lo, const float* s_hi, I4
                           _mm256_loadu_ps(s_hi + 8 * j));
   }
 }
+// Sign-extending loads (vpmovsxbd ymm, m64) of 8 bytes each: no shuffle of a 16-byte load.
+inline void i4_unpack_raw(const uint8_t* p, I4F* lo, I4F* hi) {
+  for (int j = 0; j < 2; ++j) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+    lo[j] = _mm256_cvtepi32_ps(_mm256_slli_epi32(v, 28));
+    hi[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(~15)));
+  }
+}
+inline I4F i4_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void i4_storev(float* p, I4F v) { _mm256_storeu_ps(p, v); }
+inline I4F i4_fmav(I4F a, I4F b, I4F c) { return _mm256_fmadd_ps(a, b, c); }
 inline I4F i4_fma(float x, I4F w, I4F acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
 inline I4F i4_zero() { return _mm256_setzero_ps(); }
 inline I4F i4_add(I4F a, I4F b) { return _mm256_add_ps(a, b); }
@@ -567,6 +749,16 @@ inline void i4_unpack(const uint8_t* p, const float* s_lo, const float* s_hi, I4
     hi[j] = float(v >> 4) * s_hi[j];
   }
 }
+inline void i4_unpack_raw(const uint8_t* p, I4F* lo, I4F* hi) {
+  for (int j = 0; j < 16; ++j) {
+    const int v = int8_t(p[j]);
+    lo[j] = float(int32_t(uint32_t(v) << 28));
+    hi[j] = float(v & ~15);
+  }
+}
+inline I4F i4_load(const float* p) { return *p; }
+inline void i4_storev(float* p, I4F v) { *p = v; }
+inline I4F i4_fmav(I4F a, I4F b, I4F c) { return c + a * b; }
 inline I4F i4_fma(float x, I4F w, I4F acc) { return acc + x * w; }
 inline I4F i4_zero() { return 0.0f; }
 inline I4F i4_add(I4F a, I4F b) { return a + b; }
@@ -615,10 +807,73 @@ inline void i4_block(const I4Gemm& s, int r0, int panel) {
   }
 }
 
-void i4_run(const I4Gemm& s, int threads) {
-  run_items(s.M, s.P, I4_MC, threads, [](int, int) {}, [&](int m0, int m1, int p) {
+// i4_unpack_raw leaves each nibble n where it lies, as a float: the low one as n * 2^28
+// (a shift left), the high one as n * 16 (a mask), two instructions fewer than moving
+// both down. The activations come pre-scaled to match (x_ps below: even k times 2^-28,
+// odd k times 2^-4, exact powers of two), so every product is the same float as x * n.
+//
+// The same block with the scales applied per group, not per weight: the group's raw
+// nibble products accumulate in registers (no scale load or multiply a weight), then
+// acc += group sum * scale into a small array in L1 once a group. For groups of an even
+// number of rows (pairs never straddle two groups) or a single group; i4_block does the
+// rest.
+template <int R>
+inline void i4_block_grouped(const I4Gemm& s, int r0, int panel) {
+  constexpr int S = R == 1 ? 2 : 1;
+  const float* x = s.x_ps + size_t(r0) * s.K;
+  const uint8_t* p = s.w + size_t(panel) * s.kh * I4_NB;
+  const float* sc = s.scale + size_t(panel) * s.G * I4_NB;
+  alignas(64) float acc[R][I4_NB] = {};
+  const int pairs = s.K / 2, per_group = s.G == 1 ? pairs + 1 : s.g / 2;
+  for (int grp = 0; grp < s.G; ++grp) {
+    I4F ga[S][R][I4_V];
+    for (int j = 0; j < S; ++j)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < I4_V; ++v) ga[j][r][v] = i4_zero();
+    const int i0 = grp * per_group, i1 = std::min(pairs, i0 + per_group);
+    for (int i = i0; i < i1; ++i) {
+      I4F lo[I4_V], hi[I4_V];
+      i4_unpack_raw(p + size_t(i) * I4_NB, lo, hi);
+      for (int r = 0; r < R; ++r) {
+        const float xl = x[r * s.K + 2 * i], xh = x[r * s.K + 2 * i + 1];
+        for (int v = 0; v < I4_V; ++v) {
+          ga[0][r][v] = i4_fma(xl, lo[v], ga[0][r][v]);
+          ga[S - 1][r][v] = i4_fma(xh, hi[v], ga[S - 1][r][v]);
+        }
+      }
+    }
+    if (s.K % 2 && grp == s.G - 1) {  // the last row, alone in its byte's low nibble
+      I4F lo[I4_V], hi[I4_V];
+      i4_unpack_raw(p + size_t(pairs) * I4_NB, lo, hi);
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < I4_V; ++v) ga[0][r][v] = i4_fma(x[r * s.K + s.K - 1], lo[v], ga[0][r][v]);
+    }
+    constexpr int W = I4_NB / I4_V;  // floats a vector
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < I4_V; ++v) {
+        I4F t = ga[0][r][v];
+        if constexpr (S == 2) t = i4_add(t, ga[1][r][v]);
+        i4_storev(acc[r] + W * v, i4_fmav(t, i4_load(sc + size_t(grp) * I4_NB + W * v),
+                                          i4_load(acc[r] + W * v)));
+      }
+  }
+  const int n0 = panel * I4_NB, nn = std::min(I4_NB, s.N - n0);
+  for (int r = 0; r < R; ++r) std::memcpy(s.out + size_t(r0 + r) * s.N + n0, acc[r], sizeof(float) * nn);
+}
+
+void i4_run(I4Gemm s, int threads) {
+  const bool grouped = s.G == 1 || s.g % 2 == 0;
+  if (grouped) s.x_ps = scratch<float, 4>(size_t(s.M) * s.K);
+  run_items(s.M, s.P, I4_MC, threads, [&](int r0, int r1) {
+    if (grouped) i4_prescale(s, r0, r1);
+  }, [&](int m0, int m1, int p) {
     row_blocks<I4_MR>(m0, m1, I4_MR, [&](int r0, auto rr) {
-      i4_block<decltype(rr)::value>(s, r0, p);
+      constexpr int R = decltype(rr)::value;
+      if (grouped) {
+        i4_block_grouped<R>(s, r0, p);
+      } else {
+        i4_block<R>(s, r0, p);
+      }
     });
   });
 }
@@ -703,6 +958,7 @@ ffi::Error Int8MatmulImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<f
   auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
   g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_i = out->typed_data();
+  populate_out(g.out_i, sizeof(int32_t) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) i8_run(g, x.typed_data(), nullptr, int(threads));
   return ffi::Error::Success();
 } catch (...) {
@@ -721,6 +977,7 @@ ffi::Error Int8LinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<f
   if (e.failure()) return e;
   g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_f = out->typed_data();
   g.ws = w_scale.typed_data();
+  populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) i8_run(g, nullptr, x.typed_data(), int(threads));
   return ffi::Error::Success();
 } catch (...) {
@@ -738,6 +995,7 @@ ffi::Error BinaryMatmulImpl(int64_t threads, int64_t mc, int64_t mr, int64_t k,
   auto e = b_setup(&g, d[0], k, w.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
   g.w = w.typed_data(), g.out_i = out->typed_data();
+  populate_out(g.out_i, sizeof(int32_t) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) b_run(g, x.typed_data(), nullptr, int(threads));
   return ffi::Error::Success();
 } catch (...) {
@@ -758,6 +1016,7 @@ ffi::Error BinaryLinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer
   e = check_dims("binary linear", "alpha", alpha.dimensions(), {g.N});
   if (e.failure()) return e;
   g.w = w.typed_data(), g.out_f = out->typed_data(), g.alpha = alpha.typed_data();
+  populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) b_run(g, nullptr, x.typed_data(), int(threads));
   return ffi::Error::Success();
 } catch (...) {
@@ -783,6 +1042,7 @@ ffi::Error Int4LinearImpl(int64_t threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     if (K == 0) {
       std::fill(s.out, s.out + size_t(M) * N, 0.0f);
     } else {
+      populate_out(s.out, sizeof(float) * M * size_t(N), int(threads));
       i4_run(s, int(threads));
     }
   }

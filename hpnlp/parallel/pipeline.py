@@ -87,7 +87,9 @@ def scan_blocks(block: nn.Module, x_BLE, seg_BL, *, length: int):
     its own params, dropout and features keys (split_rngs) and decode cache (variable_axes).
     """
     scan = nn.scan(lambda blk, x, seg: (blk(x, seg), None),
-                   variable_axes={"params": 0, "cache": 0},
+                   # quant / calib / qexport / qserve: hpnlp.compress, one entry per layer
+                   variable_axes={"params": 0, "cache": 0, "quant": 0, "calib": 0, "qexport": 0,
+                                  "qserve": 0},
                    split_rngs={"params": True, "dropout": True, "features": True},
                    in_axes=nn.broadcast, length=length,
                    metadata_params={nn.PARTITION_NAME: "layers"})
@@ -136,7 +138,13 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
         raise ValueError(f"pipeline: model.depth={depth} layers do not split over mesh.{axis}={P}")
     per_stage = depth // P
     rngs = dict(rngs or {})
-    x_MbLE, seg_MbL = _to_micro(x_BLE, M), _to_micro(seg_BL, M)
+    # The pipeline carries, sends and returns activations in float32 whatever the compute
+    # dtype: in bfloat16, the backward pass's all-reduce of the replicated inputs' cotangent
+    # crashed XLA:CPU's compiler (jaxlib 0.10.2: AllReducePromotion clones a reducer whose
+    # root is a copy, "Invalid binary instruction opcode copy"; found by the crash hunt).
+    # The stages still compute in the model's dtype.
+    dtype = x_BLE.dtype
+    x_MbLE, seg_MbL = _to_micro(x_BLE.astype(jnp.float32), M), _to_micro(seg_BL, M)
     # Inputs are replicated over stages (only stage 0 reads them) and every stage returns an
     # [M, b, L, E] buffer of which the last stage's is kept: simple, at the cost of moving
     # B x L x E activations twice per step besides the stage-to-stage sends.
@@ -155,8 +163,8 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
             in_bLE = jnp.where(stage == 0, x_MbLE[i], held_bLE)
             # Segment ids are replicated over stages: each stage reads its microbatch's rows
             # (no transfer). Positions only feed the embedding, before the pipeline.
-            y_bLE = stage_fn(params_local, in_bLE, seg_MbL[i], rngs,
-                             first_layer=stage * per_stage, microbatch=i)
+            y_bLE = stage_fn(params_local, in_bLE.astype(dtype), seg_MbL[i], rngs,
+                             first_layer=stage * per_stage, microbatch=i).astype(jnp.float32)
             # Bubble ticks (mb outside [0, M)) compute on stale inputs; their results are
             # dropped here, so they get no gradient.
             keep = (mb >= 0) & (mb < M)
@@ -170,7 +178,7 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
         return out_MbLE  # every stage's; only the last stage's are finished
 
     out_PMbLE = run(params, x_MbLE, seg_MbL, rngs)
-    return _from_micro(out_PMbLE[(P - 1) * M:])
+    return _from_micro(out_PMbLE[(P - 1) * M:]).astype(dtype)
 
 
 def gpipe_reference(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *,

@@ -128,6 +128,14 @@ class BinaryCode(nn.Module):
     dtype: jnp.dtype = jnp.float32  # matmul input dtype; scores and losses are float32
     param_dtype: jnp.dtype = jnp.float32
 
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        del vocab_size, frequency_sorted
+        mode = options.get("mode", cls.mode)
+        if mode not in MODES:
+            from hpnlp.config import config_error
+            raise config_error(f"{field}.mode", mode, f"choose one of {list(MODES)}")
+
     def setup(self):
         vocab_size = self.vocab_size
         if vocab_size <= 0:

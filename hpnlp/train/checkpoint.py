@@ -49,14 +49,16 @@ def _shape_signature(cfg, members: int = 1) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, cfg, *, keep: int, members: int = 1):
+    def __init__(self, workdir: str, cfg, *, keep: int, members: int = 1, read_only: bool = False):
+        """`read_only`: a tool reading the run (PTQ, ensembles of checkpoints) checks the
+        model against config.json but leaves the run's files as they are."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
-        self._check_or_write_config(cfg, members)
+        self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
-    def _check_or_write_config(self, cfg, members: int) -> None:
+    def _check_or_write_config(self, cfg, members: int, write: bool = True) -> None:
         sig = _shape_signature(cfg, members)
         if os.path.exists(self.config_path):
             with open(self.config_path) as f:
@@ -67,7 +69,7 @@ class Checkpointer:
                 raise CheckpointMismatch(
                     f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a different "
                     f"model ({lines}). Use a new --workdir, or delete that one to start over.")
-        if jax.process_index() == 0:  # atomically: other processes may be reading it
+        if write and jax.process_index() == 0:  # atomically: other processes may be reading it
             os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
             tmp = self.config_path + ".tmp"
             with open(tmp, "w") as f:

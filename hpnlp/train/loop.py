@@ -89,7 +89,9 @@ class Trainer:
     """Holds what one run builds; `run()` is the whole loop. Split out so tests and
     notebooks can build a trainer, take a few steps, and look inside."""
 
-    def __init__(self, cfg: Config, workdir: str):
+    def __init__(self, cfg: Config, workdir: str, *, read_only: bool = False):
+        """`read_only`: build the run to read it (restore, evaluate) without writing to
+        `workdir` (hpnlp.compress uses this)."""
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
         self.workdir = workdir
         self.lm = cfg.model.kind == "lm"
@@ -139,7 +141,7 @@ class Trainer:
                     out_shardings=(None, mem_sharding))
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
-                                         members=getattr(self, "members", 1))
+                                         members=getattr(self, "members", 1), read_only=read_only)
 
     def _context(self):
         import contextlib
