@@ -31,6 +31,7 @@ Scales are constants to the gradient.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Sequence
 
@@ -59,10 +60,6 @@ def _grouped(x, axes: tuple[int, ...], group: int):
     return x, (a + 1,) + shifted
 
 
-def _ungroup(x, shape):
-    return x.reshape(shape)
-
-
 def absmax(x, axes: Sequence[int], group: int = 0):
     """max |x| over `axes` (keepdims; `group` as in the module doc), in float32."""
     axes = _canon(axes, x.ndim)
@@ -71,7 +68,7 @@ def absmax(x, axes: Sequence[int], group: int = 0):
 
 
 @dataclasses.dataclass(frozen=True)
-class Format:
+class Format(abc.ABC):
     """One quantization format (see the module doc). Subclasses define `_codes`."""
 
     name: str
@@ -90,8 +87,9 @@ class Format:
     def decode(self, codes, scale):
         return codes.astype(jnp.float32) * scale
 
+    @abc.abstractmethod
     def _codes(self, x, red, r):
-        raise NotImplementedError
+        """(codes, scale) of x (grouped shape) reduced over `red`, given the range r."""
 
 
 class Uniform(Format):
@@ -169,7 +167,7 @@ def quantize_dequantize(x, fmt: str, axes: Sequence[int], *, group: int = 0, rng
     """decode(encode(x)) in x's shape and dtype: the forward value of `fake_quant`."""
     f = get(fmt)
     codes, scale = f.encode(x, axes, group=group, rng=rng)
-    return _ungroup(f.decode(codes, scale), x.shape).astype(x.dtype)
+    return f.decode(codes, scale).reshape(x.shape).astype(x.dtype)
 
 
 def fake_quant(x, fmt: str, axes: Sequence[int], *, group: int = 0, rng=None):

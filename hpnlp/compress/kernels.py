@@ -262,11 +262,11 @@ def int8_linear_xla(x_MxK, weight: Int8Weight):
     return acc_MxN.astype(jnp.float32) * scale_M[:, None] * weight.scale_N[None, :]
 
 
-def _check_int8(what: str, x_MxK, w: Int8Weight, dtype):
+def _check_x(what: str, x_MxK, k: int, dtype):
+    """The activations: [M, K] of `dtype`, K the weight's."""
     _check(what, "x_MxK", x_MxK, ndim=2, dtype=dtype)
-    if x_MxK.shape[1] != w.q_KxN.shape[0]:
-        raise ValueError(f"{what}: x_MxK has K = {x_MxK.shape[1]} but the weight has K = "
-                         f"{w.q_KxN.shape[0]}")
+    if x_MxK.shape[1] != k:
+        raise ValueError(f"{what}: x_MxK has K = {x_MxK.shape[1]} but the weight has K = {k}")
 
 
 def int8_matmul(x_MxK, w, *, impl: str = "auto", threads: int | None = None,
@@ -275,7 +275,7 @@ def int8_matmul(x_MxK, w, *, impl: str = "auto", threads: int | None = None,
     `Int8Weight` (pack once with `prepare_int8_weight`) or a raw int8 [K, N] array (packed
     on every call). `threads` None: every core (one for tiny products)."""
     w = _as_int8_weight(w)
-    _check_int8("int8_matmul", x_MxK, w, jnp.int8)
+    _check_x("int8_matmul", x_MxK, w.q_KxN.shape[0], jnp.int8)
     if not _use_kernel("int8_matmul", impl, w.panels):
         return int8_matmul_xla(x_MxK, w.q_KxN)
     (M, K), N = x_MxK.shape, w.q_KxN.shape[1]
@@ -292,7 +292,7 @@ def int8_linear(x_MxK, weight: Int8Weight, *, impl: str = "auto", threads: int |
     if not isinstance(weight, Int8Weight):
         raise ValueError("int8_linear: weight must be an Int8Weight (prepare_int8_weight); got "
                          f"{type(weight).__name__}")
-    _check_int8("int8_linear", x_MxK, weight, jnp.float32)
+    _check_x("int8_linear", x_MxK, weight.q_KxN.shape[0], jnp.float32)
     if not _use_kernel("int8_linear", impl, weight.panels):
         return int8_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.q_KxN.shape[1]
@@ -377,10 +377,7 @@ def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
     """XNOR-Net linear layer: sign(x) (x > 0: +1, else -1) with per-token scale beta =
     mean|x_row|, times the prepared binary weight: popcount product * beta[m] * alpha[n]."""
     _check_binary_weight("binary_linear", weight)
-    _check("binary_linear", "x_MxK", x_MxK, ndim=2, dtype=jnp.float32)
-    if x_MxK.shape[1] != weight.k:
-        raise ValueError(f"binary_linear: x_MxK has K = {x_MxK.shape[1]} but the weight has "
-                         f"K = {weight.k}")
+    _check_x("binary_linear", x_MxK, weight.k, jnp.float32)
     if not _use_kernel("binary_linear", impl, weight.panels):
         return binary_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.bits_KbxN.shape[1]
@@ -437,10 +434,7 @@ def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int |
     if not isinstance(weight, Int4Weight):
         raise ValueError("int4_linear: weight must be an Int4Weight (prepare_int4_weight); got "
                          f"{type(weight).__name__}")
-    _check("int4_linear", "x_MxK", x_MxK, ndim=2, dtype=jnp.float32)
-    if x_MxK.shape[1] != weight.k:
-        raise ValueError(f"int4_linear: x_MxK has K = {x_MxK.shape[1]} but the weight has "
-                         f"K = {weight.k}")
+    _check_x("int4_linear", x_MxK, weight.k, jnp.float32)
     if not _use_kernel("int4_linear", impl, weight.panels):
         return int4_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.packed_KhxN.shape[1]

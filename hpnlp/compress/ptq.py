@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import QWeight, Served
 from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
                           validate)
@@ -288,7 +289,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
     t_float = _forward_seconds(eval_f, params, eval_batch, repeats=repeats)
     t_quant = _forward_seconds(eval_q, served, quant_vars, eval_batch, repeats=repeats)
-    float_bytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)))
+    float_bytes = qlinear.float_bytes(params)
     metric = "loss"
     summary = {
         "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,

@@ -95,9 +95,6 @@ class QWeight:
         w = f.decode(c_KN.reshape(G, K // G, N), self.scale[:, None, :]).reshape(K, N)
         return w.reshape(self.shape).astype(dtype)
 
-    def nbytes(self) -> int:
-        return int(self.codes.size * self.codes.dtype.itemsize + self.scale.size * 4)
-
 
 def param(module: nn.Module, name: str, *args):
     """`module.param(name, *args)`, or the packed QWeight a quantized checkpoint holds there
@@ -218,13 +215,13 @@ def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: Quant
         module.variable("calib", name, lambda: jnp.zeros((), jnp.float32)).value = r
         return x
     if q.act_scale == "static" and formats.get(q.activations).uses_range:
-        if module.is_initializing() or not module.has_variable("quant", name):
-            if not module.is_initializing():
-                raise ValueError(
-                    f"quant.act_scale='static' but product {'/'.join(module.path)}/{name} has no "
-                    "calibrated range: quantize with `python -m hpnlp.compress quantize` (it "
-                    "calibrates), or use quant.act_scale='dynamic'")
+        if module.is_initializing():
             return x
+        if not module.has_variable("quant", name):
+            raise ValueError(
+                f"quant.act_scale='static' but product {'/'.join(module.path)}/{name} has no "
+                "calibrated range: quantize with `python -m hpnlp.compress quantize` (it "
+                "calibrates), or use quant.act_scale='dynamic'")
         r = module.get_variable("quant", name)
         return formats.fake_quant(x, q.activations, tuple(range(x.ndim)), rng=r)
     return formats.fake_quant(x, q.activations, x_axes)
