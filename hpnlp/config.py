@@ -178,6 +178,54 @@ class RNNConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Knowledge distillation (hpnlp.compress.distill; `train.distill.*`): the student (this
+    run's model) trains against a frozen teacher inside the same jitted step."""
+
+    teacher: str = ""  # workdir of a trained hpnlp run of the same task and vocabulary; "" = off
+    # loss = (1 - alpha) * hard-label loss + alpha * T^2 * KL(teacher_T || student_T), the
+    # soft targets at temperature T (Hinton et al. 2015)
+    alpha: float = 0.5
+    temperature: float = 2.0
+    # LM soft loss over the vocabulary: tokens per chunk (teacher and student logits exist one
+    # chunk at a time, as output `full` chunks its loss); -1 = automatic, 0 = never
+    chunk_tokens: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneConfig:
+    """Pruning (hpnlp.compress.prune; `train.prune.*`): masks in the train state, applied
+    after every optimizer update so pruned weights stay exactly zero."""
+
+    method: str = "none"  # "none" | "magnitude" | "random" (the control)
+    sparsity: float = 0.5  # final fraction of each pruned weight set to zero, in [0, 1)
+    # "layer": every weight to `sparsity` | "global": one magnitude threshold over them all
+    scope: str = "layer"
+    # "unstructured" | "N:M" (e.g. "2:4": N kept in every M consecutive weights along the
+    # contraction; the sparsity is then 1 - N/M)
+    structure: str = "unstructured"
+    # "oneshot": prune at `start_step` | "cubic": gradual, from 0 at `start_step` to
+    # `sparsity` at `end_step`, masks recomputed every `every` steps (Zhu & Gupta 2017)
+    schedule: str = "oneshot"
+    start_step: int = 0
+    end_step: int = 0  # 0: train.steps
+    every: int = 100
+    # which products (QUANT_LAYERS names, comma list, or "all"); embeddings and the output
+    # layer are left dense by default, as pruning recipes usually do
+    layers: str = "qkv,out,mlp,input,recurrent"
+
+    def nm(self) -> tuple[int, int] | None:
+        """(N, M) for an "N:M" structure, else None."""
+        if self.structure == "unstructured":
+            return None
+        n, m = self.structure.split(":")
+        return int(n), int(m)
+
+    def applies(self, kind: str) -> bool:
+        return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
     batch_size: int = 32  # global batch, summed over devices and processes
@@ -206,6 +254,8 @@ class TrainConfig:
     # `loss_scale_period` good steps in a row double it (Micikevicius et al. 2018).
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 2000
+    distill: DistillConfig = DistillConfig()  # `train.distill.*`: a frozen teacher (hpnlp.compress)
+    prune: PruneConfig = PruneConfig()  # `train.prune.*`: masks kept in the train state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,6 +408,8 @@ def default_configdict() -> ml_collections.ConfigDict:
                 default = {k: _rule_string(v) for k, v in default.items()}
             if isinstance(default, Mapping):
                 default = ml_collections.ConfigDict(dict(default))
+            if dataclasses.is_dataclass(default):  # a subgroup (train.distill, train.prune)
+                default = ml_collections.ConfigDict(dataclasses.asdict(default))
             setattr(sub, f.name, default)
         setattr(cfg, group, sub)
     cfg.quant = ml_collections.ConfigDict(
@@ -389,6 +441,9 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                 if field_name not in names:
                     _fail(f"{key}.{field_name}", value[field_name],
                           f"unknown field; `{key}` has {sorted(names)}")
+            for f in dataclasses.fields(cls):  # subgroups: train.distill, train.prune
+                if dataclasses.is_dataclass(f.default) and f.name in value:
+                    value[f.name] = _subgroup(f"{key}.{f.name}", type(f.default), value[f.name])
             if "bucket_boundaries" in value:
                 value["bucket_boundaries"] = tuple(value["bucket_boundaries"])
             if "options" in value:  # hashable: configs become flax module fields
@@ -406,6 +461,18 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
     if quant is not None:
         kwargs["model"] = dataclasses.replace(kwargs["model"], quant=quant)
     return Config(**kwargs)
+
+
+def _subgroup(field: str, cls: type, value: Any):
+    """A nested group (`train.distill`) from a mapping; unknown fields are errors."""
+    if isinstance(value, cls):
+        return value
+    value = dict(value or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name in value:
+        if name not in names:
+            _fail(f"{field}.{name}", value[name], f"unknown field; `{field}` has {sorted(names)}")
+    return cls(**value)
 
 
 def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
@@ -468,6 +535,63 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
                       "groups split each product's contraction); choose a divisor of it")
 
 
+def _check_compress(cfg: Config) -> None:
+    """`train.distill` and `train.prune` (hpnlp.compress): fields, and what they combine with."""
+    dist, p, m = cfg.train.distill, cfg.train.prune, cfg.model
+    if dist.teacher:
+        if not 0.0 <= dist.alpha <= 1.0:
+            _fail("train.distill.alpha", dist.alpha, "the soft-target weight must be in [0, 1]")
+        _check_positive("train.distill.temperature", dist.temperature)
+        if not isinstance(dist.chunk_tokens, int) or dist.chunk_tokens < -1:
+            _fail("train.distill.chunk_tokens", dist.chunk_tokens, "-1 (automatic), 0 (never) or "
+                  "a positive number of tokens")
+        if m.arch == "transformer_xl" and cfg.data.batching == "stream":
+            _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
+                  "memory through its loss and cannot distill yet; use data.batching='pack'")
+    _check_choice("train.prune.method", p.method, ("none", "magnitude", "random"))
+    if p.method == "none":
+        return
+    if not (isinstance(p.sparsity, (int, float)) and 0.0 <= p.sparsity < 1.0):
+        _fail("train.prune.sparsity", p.sparsity, "the fraction pruned must be in [0, 1)")
+    _check_choice("train.prune.scope", p.scope, ("layer", "global"))
+    _check_choice("train.prune.schedule", p.schedule, ("oneshot", "cubic"))
+    for name in ("start_step", "end_step"):
+        v = getattr(p, name)
+        if not isinstance(v, int) or v < 0:
+            _fail(f"train.prune.{name}", v, "must be an integer >= 0")
+    if not isinstance(p.every, int) or p.every < 1:
+        _fail("train.prune.every", p.every, "must be an integer >= 1 (steps between mask updates)")
+    if m.stack_layers or m.reversible:
+        _fail("model.stack_layers" if m.stack_layers else "model.reversible", True, "pruning "
+              "masks are per layer; prune a model with model.stack_layers=False and "
+              "model.reversible=False")
+    end = p.end_step or cfg.train.steps
+    if p.schedule == "cubic" and end <= p.start_step:
+        _fail("train.prune.end_step", p.end_step, f"the cubic schedule needs end_step (0: "
+              f"train.steps={cfg.train.steps}) after start_step={p.start_step}")
+    names = [n.strip() for n in p.layers.split(",")]
+    if p.layers != "all" and (not names or any(n not in QUANT_LAYERS for n in names)):
+        _fail("train.prune.layers", p.layers, f"'all' or a comma list of {list(QUANT_LAYERS)}")
+    if p.structure != "unstructured":
+        try:
+            n, mm = (int(v) for v in p.structure.split(":"))
+        except ValueError:
+            n = mm = None
+        if n is None or not 0 < n < mm:
+            _fail("train.prune.structure", p.structure, "'unstructured' or 'N:M' with 0 < N < M "
+                  "(e.g. '2:4': 2 kept in every 4 weights along the contraction)")
+        if p.scope != "layer":
+            _fail("train.prune.scope", p.scope, "N:M groups are pruned each on its own; set "
+                  "train.prune.scope='layer'")
+        if p.schedule != "oneshot":
+            _fail("train.prune.schedule", p.schedule, "N:M masks are made once, at start_step; "
+                  "set train.prune.schedule='oneshot'")
+        for field, width in (("model.width", m.width), ("model.mlp_dim", m.mlp_dim)):
+            if width % mm:
+                _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
+                      "(groups split each product's contraction)")
+
+
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
              num_devices: int | None = None, num_processes: int = 1) -> Config:
     """Check every field; returns the config with task-derived fields filled in.
@@ -524,6 +648,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.stack_layers", True, "reversible blocks keep their own stack "
               "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
     _check_quant(m.quant, m)
+    _check_compress(cfg)
     r = cfg.rnn
     _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
     for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):

@@ -136,6 +136,15 @@ def configs(draw) -> dict:
              "group_size": draw(st.sampled_from([0, 8])) if weights == "int4" else 0,
              "calibration": draw(st.sampled_from(["absmax", "percentile", "mse"])),
              "layers": draw(st.sampled_from(["all", "qkv,out,mlp,input,recurrent"]))}
+    nm = draw(st.sampled_from(["unstructured", "unstructured", "2:4"]))
+    method = draw(st.sampled_from(["none", "none", "magnitude", "random"]))
+    if model["stack_layers"] or model["reversible"]:  # validate refuses: masks are per layer
+        method = "none"
+    train["prune"] = {"method": method, "sparsity": draw(st.sampled_from([0.5, 0.9])),
+                      "structure": nm,
+                      "scope": "layer" if nm != "unstructured" else draw(st.sampled_from(["layer", "global"])),
+                      "schedule": "oneshot" if nm != "unstructured" else draw(st.sampled_from(["oneshot", "cubic"])),
+                      "every": 1, "layers": draw(st.sampled_from(["qkv,out,mlp,input,recurrent", "all"]))}
     return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,
             "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn}

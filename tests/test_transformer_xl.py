@@ -307,7 +307,7 @@ def test_trainer_carries_memory_and_learns(tmp_path):
     train = [x for x in lines if not x.get("eval")]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, train
     state, _ = Trainer(from_configdict(cd), str(tmp_path)).initial_state()  # restored
-    assert state.memory.hidden_XBME.shape == (2, 8, 32, 32) and bool(jnp.all(state.memory.valid_BM))
+    assert state.carry["memory"].hidden_XBME.shape == (2, 8, 32, 32) and bool(jnp.all(state.carry["memory"].valid_BM))
     with_memory = summary["eval"]["loss"]
     reset = trainer.eval_sums(state, trainer.eval_step)  # memoryless: every segment from scratch
     reset_loss = float(reset["loss"]) / float(reset["weight"])

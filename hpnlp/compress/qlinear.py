@@ -112,6 +112,35 @@ def _mutable(module: nn.Module, collection: str) -> bool:
 
 
 @flax.struct.dataclass
+class Product:
+    """What the `products` collection says of a product weight at its parameter's path:
+    its kind (a QUANT_LAYERS name) and its contraction axes as the parameter is stored."""
+
+    kind: str = flax.struct.field(pytree_node=False)
+    contraction: tuple = flax.struct.field(pytree_node=False)
+
+
+def note_product(module: nn.Module, name: str, kind: str, contraction: tuple[int, ...]) -> None:
+    """Record parameter `name` of `module` as a product weight (when an apply asked for the
+    `products` collection): how hpnlp.compress's pruning and factorization find every
+    product weight of any model without a table of parameter names."""
+    if _mutable(module, "products"):
+        module.put_variable("products", name, Product(kind, tuple(contraction)))
+
+
+def products(model, params, batch, method: str = "evaluate") -> dict:
+    """{parameter path (tuple): Product} of every product weight `model` uses on `batch`
+    (shapes only: nothing is computed)."""
+    import flax.traverse_util as traverse
+    key = jax.random.key(0)  # dropout and random features take keys; only shapes come back
+    got = jax.eval_shape(lambda p: model.apply({"params": p}, batch, method=method,
+                                               rngs={"dropout": key, "features": key},
+                                               mutable=["products"])[1], params)
+    flat = traverse.flatten_dict(got.get("products", {}), is_leaf=lambda _, x: isinstance(x, Product))
+    return dict(flat)
+
+
+@flax.struct.dataclass
 class Served:
     """A packed weight prepared for one of `hpnlp.compress.kernels`' products (its panel
     layout belongs to this build: made at load time by `serve`, never saved)."""
@@ -230,6 +259,7 @@ def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: Quant
 def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
             dtype, preferred_element_type=None):
     """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module doc)."""
+    note_product(module, name, kind, parse_spec(spec)[1])
     if isinstance(w, Served):  # an integer kernel computes the whole product
         return _served_product(x, w, len(parse_spec(spec)[0]), dtype)
     if isinstance(w, QWeight) and _mutable(module, "qserve"):

@@ -287,7 +287,9 @@ class RNNLayer(nn.Module):
 
     def _quantized(self, w_EDKH, w_DHKH, x_BLE):
         """The input and recurrent products' operands under `quant` (hpnlp.compress)."""
-        from hpnlp.compress.qlinear import QWeight, quant_act, quant_weight
+        from hpnlp.compress.qlinear import QWeight, note_product, quant_act, quant_weight
+        note_product(self, "input_kernel", "input", (0,))  # [E, D, 4, H]
+        note_product(self, "recurrent_kernel", "recurrent", (1,))  # [D, H, 4, H]
         q = self.quant
         if q is not None and (q.applies("input") or isinstance(w_EDKH, QWeight)):
             w_EDKH = quant_weight(w_EDKH, 1, q, self, "input_kernel")

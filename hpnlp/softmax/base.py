@@ -197,6 +197,11 @@ class VocabLayer(LogitsDistribution, nn.Module):
     def weights(self, width: int):
         """(W [V, E], b [V]) in the parameter dtype."""
         kernel_VE, bias_V = self.table(width)
+        from hpnlp.compress.qlinear import note_product
+        if self.embed is not None:
+            note_product(self.embed, "embedding", "output", (1,))  # [V, E], tied
+        else:
+            note_product(self.table, "kernel", "output", (1,))  # [V, E]
         if self.embed is not None:
             kernel_VE = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
             if kernel_VE.shape[-1] != width:

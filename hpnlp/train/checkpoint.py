@@ -101,3 +101,24 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def restore_params(workdir: str, like):
+    """The parameters of the newest checkpoint in `workdir`, in the shapes, dtypes and
+    shardings of `like` (a parameter tree of arrays), read without the rest of the state
+    (Orbax partial restore). Used for a distillation teacher (hpnlp.compress.distill)."""
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    manager = ocp.CheckpointManager(directory)
+    step = manager.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"workdir {workdir} has no checkpoint in {directory}: train (or "
+                                "resume) that run until it saves one")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            like)
+    item = {"params": abstract}
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)))
+    manager.close()
+    return out["state"]["params"]
+

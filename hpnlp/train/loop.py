@@ -27,6 +27,7 @@ from hpnlp import models
 from hpnlp.config import Config, from_configdict, validate
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
+from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import Checkpointer
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_state, make_optimizer
@@ -110,10 +111,11 @@ class Trainer:
         model = models.build(cfg, deterministic=False, token_counts=counts)
         self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
         scale = cfg.train.loss_scale_init if cfg.model.dtype == "float16" else None
-        # Transformer-XL on a stream: the state carries each row's memory (models/transformer_xl.py).
-        memory = xl.boxed_memory(cfg, cfg.train.batch_size) if xl.carries_memory(cfg) else None
+        # What methods carry between steps (XL memory, a teacher, pruning masks): train/carry.py.
+        self.carries = carry_lib.for_config(cfg, token_counts=counts)
         init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len),
-                                      loss_scale=scale, memory=memory)
+                                      loss_scale=scale, carries=self.carries,
+                                      batch_size=cfg.train.batch_size)
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
@@ -123,7 +125,7 @@ class Trainer:
                 jax.eval_shape(lambda key: nn.unbox(init(key)), jax.random.key(cfg.seed)),
                 self.state_sharding)
             self.train_step = jax.jit(
-                make_train_step(model, tx, cfg.train),
+                make_train_step(model, tx, cfg.train, self.carries),
                 in_shardings=(self.state_sharding, self.batch_sharding),
                 out_shardings=(self.state_sharding, None), donate_argnums=0,
                 compiler_options=step_compiler_options())
@@ -157,7 +159,9 @@ class Trainer:
         step = self.checkpointer.latest_step()
         if step is None:
             with self._context():
-                return self._init(jax.random.key(self.cfg.seed)), {}
+                state = self._init(jax.random.key(self.cfg.seed))
+                carry = {c.name: c.start(state.carry[c.name]) for c in self.carries}
+                return state.replace(carry=jax.device_put(carry, self.state_sharding.carry)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
         self.train_iter.set_state(data_state)
         return state, loop_state

@@ -27,9 +27,9 @@ class TrainState:
     # the number of overflow-free steps since it last changed.
     loss_scale: Any = None  # float32 []
     good_steps: Any = None  # int32 []
-    # Transformer-XL on stream batches (models/transformer_xl.py): each row's memory of the
-    # previous segment, carried from step to step; None for every other model.
-    memory: Any = None
+    # What methods carry from step to step (hpnlp.train.carry): name -> pytree, e.g. the
+    # Transformer-XL memory, a distillation teacher's parameters, pruning masks.
+    carry: Any = flax.struct.field(default_factory=dict)
 
     def step_key(self) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
@@ -69,11 +69,11 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
 
 def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None,
-               memory: Any = None) -> TrainState:
+               carries=(), batch_size: int = 1) -> TrainState:
     """Parameters and optimizer state (still boxed with logical axis names).
 
     `loss_scale`: the initial dynamic loss scale (float16 compute), None for no scaling.
-    `memory`: the initial Transformer-XL memory (for the train batch size), or None.
+    `carries`: hpnlp.train.carry entries, initialized for `batch_size` (the train batch).
     """
     params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
     params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
@@ -84,4 +84,6 @@ def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = N
     scaling = {} if loss_scale is None else {"loss_scale": jnp.asarray(loss_scale, jnp.float32),
                                              "good_steps": jnp.zeros((), jnp.int32)}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      rng=jax.random.key_data(run_rng), memory=memory, **scaling)
+                      rng=jax.random.key_data(run_rng),
+                      carry={c.name: c.init(model, params, batch, batch_size) for c in carries},
+                      **scaling)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from hpnlp.config import TrainConfig
+from hpnlp.train import carry as carry_lib
 from hpnlp.train.state import TrainState, learning_rate_schedule
 
 
@@ -39,53 +40,45 @@ def _split_microbatches(batch, n: int):
     return jax.tree.map(split, batch)
 
 
-def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
+def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, carries=()):
+    """The jittable step; `carries` (hpnlp.train.carry) wrap its loss and follow its update."""
     schedule = learning_rate_schedule(t)
+    loss_fn = carry_lib.objective(model, list(carries))
 
-    def sum_loss(params, batch, rng, features, scale):
-        sums = model.apply({"params": params}, batch, rngs={"dropout": rng, "features": features})
-        return sums["loss"] * scale, sums
+    def sum_loss(params, carry, batch, rng, features, scale):
+        sums, carry = loss_fn(params, carry, batch, {"dropout": rng, "features": features})
+        return sums["loss"] * scale, (sums, carry)
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
-
-    def memory_loss(params, batch, memory, rng, features, scale):
-        # Transformer-XL: this segment reads the previous one's memory and leaves its own
-        # (stop-gradient inside the model, so no gradient crosses the step boundary).
-        sums, memory = model.apply({"params": params}, batch, memory, method="loss_and_memory",
-                                   rngs={"dropout": rng, "features": features})
-        return sums["loss"] * scale, (sums, memory)
-
-    memory_grad_fn = jax.value_and_grad(memory_loss, has_aux=True)
 
     def train_step(state: TrainState, batch):
         rng = state.step_key()
         features = state.features_key(t.feature_redraw_every)
         scaling = state.loss_scale is not None
         scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
-        carried = {}
-        if state.memory is not None:  # config.validate keeps grad_accum at 1 here
-            (_, (sums, memory)), grads = memory_grad_fn(state.params, batch, state.memory, rng,
-                                                        features, scale)
-            carried = {"memory": memory}
-        elif t.grad_accum == 1:
-            (_, sums), grads = grad_fn(state.params, batch, rng, features, scale)
-        else:
+        if t.grad_accum == 1:
+            (_, (sums, carry)), grads = grad_fn(state.params, state.carry, batch, rng, features, scale)
+        else:  # config.validate keeps carries that cannot accumulate (XL memory) at 1 here
             micro = _split_microbatches(batch, t.grad_accum)
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (_, sums0), _ = jax.eval_shape(grad_fn, state.params,
-                                           jax.tree.map(lambda x: x[0], micro), rng, features, scale)
+            (_, (sums0, _)), _ = jax.eval_shape(grad_fn, state.params, state.carry,
+                                                jax.tree.map(lambda x: x[0], micro), rng, features,
+                                                scale)
             init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums0))
 
-            def body(carry, xs):
+            def body(acc, xs):
                 i, mb = xs
-                (_, s), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), features, scale)
-                return jax.tree.map(jnp.add, carry, (g, s)), None
+                (_, (s, _)), g = grad_fn(state.params, state.carry, mb, jax.random.fold_in(rng, i),
+                                         features, scale)
+                return jax.tree.map(jnp.add, acc, (g, s)), None
 
             (grads, sums), _ = jax.lax.scan(body, init, (jnp.arange(t.grad_accum), micro))
+            carry = state.carry
         denom = jnp.maximum(sums["weight"], 1.0) * scale
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        params, carry = carry_lib.after_update(carries, carry, params, grads, state.step)
         # `finite` checks the gradients and the *updated* params element by element (a norm
         # can overflow while every value is finite): the loop refuses to checkpoint a state
         # whose update blew up even when this step's loss was still finite.
@@ -99,6 +92,7 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
             keep = lambda new_tree, old_tree: jax.tree.map(  # noqa: E731
                 lambda a, b: jnp.where(grads_ok, a, b), new_tree, old_tree)
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            carry = keep(carry, state.carry)
             good = jnp.where(grads_ok, state.good_steps + 1, 0)
             grow = good >= t.loss_scale_period
             new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
@@ -113,7 +107,7 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig):
                        finite=(grads_ok & all_finite(params)).astype(jnp.float32),
                        tokens=tokens, lr=schedule(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **new,
-                             **carried), metrics
+                             carry=carry), metrics
 
     return train_step
 
@@ -144,6 +138,9 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     if lm:
         import math
         out["ppl"] = math.exp(min(out["loss"], 50.0))
+    for k in sums:  # a method's parts of the loss (distillation: loss_hard, loss_soft)
+        if k.startswith("loss_") and k != "loss_scale":
+            out[k] = float(sums[k]) / w
     for k in ("grad_norm", "param_norm", "lr", "loss_scale"):
         if k in sums:
             out[k] = float(sums[k])

@@ -1,0 +1,200 @@
+"""Pruning: masks in the train state, applied after every optimizer update (`train.prune.*`).
+
+    python -m hpnlp.main --config experiments/byte_lm.py --workdir /tmp/pruned \\
+        --config.train.prune.method=magnitude --config.train.prune.sparsity=0.75 \\
+        --config.train.prune.schedule=cubic
+
+The masks are the `prune` carry of the train state (hpnlp.train.carry), saved in every
+checkpoint with the rest of it. After each optimizer update the step multiplies every pruned
+weight by its mask, so a pruned weight is exactly zero in every step's parameters and in
+every checkpoint, whatever the optimizer's moments would have made of it. (jaxpruner, the
+field's JAX pruning library, does the same with a `post_gradient_update` after the optax
+update; it is not on the package registry this project installs from, so this is hpnlp's
+own, in its shape.)
+
+Which weights: the product weights the model declares (`qlinear.note_product`, the same
+record quantization uses), of the kinds `train.prune.layers` names. Biases, norms and
+(by default) embeddings and the output layer stay dense.
+
+- Criteria: `magnitude` (|W|) and `random` (a fixed random score per weight: the control).
+  A pruned weight's score is -inf, so masks only ever lose entries: gradual schedules nest.
+- Scope: `layer` (each weight pruned to the target on its own) or `global` (one ranking of
+  every pruned weight's |W|; layers end at different sparsities).
+- Structure: unstructured, or N:M (N kept in every M consecutive weights along the
+  contraction, as 2:4 sparse hardware wants); N:M masks are made once, at `start_step`.
+- Schedules: `oneshot` (the target after the update of step `start_step`) and `cubic`
+  (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1,
+  masks recomputed every `every` steps and at t1.
+
+Counts are exact: a target s prunes round(s * n) of a weight's n entries (ties broken by
+position), or round(s * total) of all of them in global scope.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import flax.traverse_util as traverse
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.compress import qlinear
+from hpnlp.config import Config, PruneConfig
+
+
+def sparsity_at(p: PruneConfig, step, total_steps: int):
+    """Target sparsity after the update of step `step` (0-based; a traced int works)."""
+    if p.nm() is not None:
+        n, m = p.nm()
+        final = 1.0 - n / m
+    else:
+        final = p.sparsity
+    t0 = p.start_step
+    if p.schedule == "oneshot":
+        return jnp.where(step >= t0, final, 0.0).astype(jnp.float32)
+    t1 = p.end_step or total_steps
+    frac = jnp.clip((step - t0) / max(t1 - t0, 1), 0.0, 1.0)
+    return (final * (1.0 - (1.0 - frac) ** 3)).astype(jnp.float32)
+
+
+def updates_at(p: PruneConfig, step, total_steps: int):
+    """Whether masks are recomputed after the update of step `step` (module doc)."""
+    t0 = p.start_step
+    if p.schedule == "oneshot" or p.nm() is not None:
+        return step == t0
+    t1 = p.end_step or total_steps
+    inside = (step >= t0) & (step <= t1)
+    return inside & (((step - t0) % p.every == 0) | (step == t1))
+
+
+def _keep_top(score_n, prune_count):
+    """Mask over a flat score vector keeping all but the `prune_count` lowest (ties: the
+    earlier position is pruned first)."""
+    rank = jnp.argsort(jnp.argsort(score_n, stable=True), stable=True)
+    return rank >= prune_count
+
+
+def nm_mask(score, contraction: tuple[int, ...], n: int, m: int):
+    """Keep the N highest scores in every M consecutive entries along the contraction axes
+    (moved first and flattened)."""
+    k_axes = tuple(a % score.ndim for a in contraction)
+    rest = tuple(a for a in range(score.ndim) if a not in k_axes)
+    moved = jnp.transpose(score, k_axes + rest)
+    K = math.prod(moved.shape[:len(k_axes)])
+    groups = moved.reshape(K // m, m, -1)
+    order = jnp.argsort(-groups, axis=1, stable=True)  # highest first
+    rank = jnp.argsort(order, axis=1, stable=True)
+    keep = (rank < n).reshape(moved.shape)
+    return jnp.transpose(keep, np.argsort(k_axes + rest))
+
+
+def scores(method: str, weights: dict, seed: int) -> dict:
+    """Per-weight criterion: |W| (`magnitude`) or a fixed uniform draw per entry (`random`)."""
+    if method == "magnitude":
+        return {k: jnp.abs(w.astype(jnp.float32)) for k, w in weights.items()}
+    base = jax.random.key(seed)
+    return {k: jax.random.uniform(jax.random.fold_in(base, i), w.shape)
+            for i, (k, w) in enumerate(sorted(weights.items()))}
+
+
+def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products: dict,
+                  seed: int) -> dict:
+    """New masks for `weights` (path -> array) at target `sparsity`, never reviving an entry
+    `masks` already pruned."""
+    s = scores(p.method, weights, seed)
+    s = {k: jnp.where(masks[k], v, -jnp.inf) for k, v in s.items()}
+    if p.nm() is not None:
+        n, m = p.nm()
+        return {k: nm_mask(v, products[k], n, m) & masks[k] for k, v in s.items()}
+    if p.scope == "layer":
+        return {k: _keep_top(v.reshape(-1), jnp.round(sparsity * v.size).astype(jnp.int32)
+                             ).reshape(v.shape) for k, v in s.items()}
+    keys = sorted(s)
+    flat = jnp.concatenate([s[k].reshape(-1) for k in keys])
+    keep = _keep_top(flat, jnp.round(sparsity * flat.size).astype(jnp.int32))
+    out, at = {}, 0
+    for k in keys:
+        out[k] = keep[at:at + s[k].size].reshape(s[k].shape)
+        at += s[k].size
+    return out
+
+
+def _path(key: str) -> tuple[str, ...]:
+    return tuple(key.split("/"))
+
+
+def targets(cfg: Config, model, params, batch) -> dict:
+    """{"a/b/kernel": Product} of the weights `train.prune` prunes."""
+    p = cfg.train.prune
+    found = qlinear.products(model, params, batch)
+    return {"/".join(k): v for k, v in sorted(found.items()) if p.applies(v.kind)}
+
+
+def apply_masks(params, masks: dict):
+    """`params` with every masked weight multiplied by its mask (exact zeros)."""
+    flat = traverse.flatten_dict(params)
+    for k, mask in masks.items():
+        path = _path(k)
+        flat[path] = jnp.where(mask, flat[path], jnp.zeros((), flat[path].dtype))
+    return traverse.unflatten_dict(flat)
+
+
+def sparsity_report(params, masks: dict) -> dict:
+    """{path: fraction of exact zeros} for every pruned weight, and "total"."""
+    flat = traverse.flatten_dict(params)
+    out, zeros, size = {}, 0, 0
+    for k in masks:
+        w = np.asarray(flat[_path(k)])
+        z = int(np.sum(w == 0))
+        out[k] = z / w.size
+        zeros, size = zeros + z, size + w.size
+    out["total"] = zeros / max(size, 1)
+    return out
+
+
+class PruneCarry:
+    """The `prune` entry of the train state: {"masks": {path: bool mask}} (module doc)."""
+
+    name = "prune"
+    accumulates = True
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.p = cfg, cfg.train.prune
+        self.products: dict = {}
+
+    def init(self, model, params, batch, batch_size: int):
+        del batch_size
+        self.products = {k: v.contraction for k, v in
+                         targets(self.cfg, model, nn.unbox(params), batch).items()}
+        if not self.products:
+            from hpnlp.config import config_error
+            raise config_error("train.prune.layers", self.p.layers, "names no product this model "
+                               "has; choose from the kinds it uses (e.g. 'mlp' or 'all')")
+        flat = traverse.flatten_dict(params)
+        masks = {}
+        for k in self.products:
+            w = flat[_path(k)]
+            ones = jnp.ones(nn.unbox(w).shape, bool)
+            masks[k] = w.replace_boxed(ones) if isinstance(w, nn.meta.AxisMetadata) else ones
+        return {"masks": masks}
+
+    def start(self, value):
+        return value
+
+    def loss(self, model, inner):
+        return inner
+
+    def after_update(self, value, params, grads, step):
+        del grads  # magnitude and random need only the weights
+        flat = traverse.flatten_dict(params)
+        weights = {k: flat[_path(k)] for k in value["masks"]}
+
+        def recompute(masks):
+            s = sparsity_at(self.p, step, self.cfg.train.steps)
+            return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed)
+
+        masks = jax.lax.cond(updates_at(self.p, step, self.cfg.train.steps), recompute,
+                             lambda m: m, value["masks"])
+        return apply_masks(params, masks), {"masks": masks}

@@ -1,0 +1,93 @@
+"""State beyond parameters: the one mechanism for what a method carries from step to step.
+
+`TrainState.carry` maps a name to a pytree. Each entry belongs to a `Carry`, chosen by the
+config (`for_config`); the train step and the Trainer know only this interface, so a new
+method is one class here or beside its own code, not a new branch in the loop:
+
+- `init(model, params, batch, batch_size)`: the entry's initial value, with logical axis
+  names where it should be sharded (traced inside the state's init after the parameters,
+  which it may read, so it gets shardings like them; `batch` is the init batch);
+- `start(value)`: its value at a fresh start, on the host, after init (the distillation
+  teacher's trained parameters are restored here); resumed runs read it from the checkpoint;
+- `loss(model, inner)`: wraps the loss `inner(params, carry, batch, rngs) -> (sums, carry)`
+  (Transformer-XL threads its memory through it; distillation adds the teacher's terms);
+- `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
+  update (pruning applies and advances its masks here).
+
+Entries are saved in every checkpoint with the rest of the state, so a resumed run continues
+exactly. The carries in use today: `memory` (Transformer-XL on a stream,
+models/transformer_xl.py), `teacher` (hpnlp.compress.distill), `prune`
+(hpnlp.compress.prune).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hpnlp.config import Config
+
+LossFn = Callable[..., tuple[dict, dict]]  # (params, carry, batch, rngs) -> (sums, carry)
+
+
+class Carry:
+    """A method's entry in `TrainState.carry` (module doc). Subclasses override what they
+    use; a carry defined beside a model (transformer_xl.MemoryCarry) has the same methods
+    without importing this module."""
+
+    name: str = ""
+
+    def init(self, model, params, batch, batch_size: int) -> Any:
+        raise TypeError(f"{type(self).__name__} must define init")
+
+    def start(self, value):
+        return value
+
+    def loss(self, model, inner: LossFn) -> LossFn:
+        return inner
+
+    def after_update(self, value, params, grads, step):
+        return params, value
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the loss may run over microbatches (train.grad_accum > 1) with this entry."""
+        return True
+
+
+def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:
+    """The carries `cfg` asks for, in the order their losses wrap the model's."""
+    from hpnlp.models import transformer_xl as xl
+
+    out: list[Carry] = []
+    if xl.carries_memory(cfg):
+        out.append(xl.MemoryCarry(cfg))
+    if cfg.train.distill.teacher:
+        from hpnlp.compress.distill import TeacherCarry
+        out.append(TeacherCarry(cfg, token_counts=token_counts))
+    if cfg.train.prune.method != "none":
+        from hpnlp.compress.prune import PruneCarry
+        out.append(PruneCarry(cfg))
+    return out
+
+
+def model_loss(model) -> LossFn:
+    """The plain objective: the model's summed loss, carry unchanged."""
+    def loss(params, carry, batch, rngs):
+        return model.apply({"params": params}, batch, rngs=rngs), carry
+    return loss
+
+
+def objective(model, carries: list[Carry]) -> LossFn:
+    """The model's loss wrapped by every carry's `loss`, in order."""
+    fn = model_loss(model)
+    for c in carries:
+        fn = c.loss(model, fn)
+    return fn
+
+
+def after_update(carries: list[Carry], carry: dict, params, grads, step):
+    """Every carry's post-update step, in order -> (params, carry)."""
+    carry = dict(carry)
+    for c in carries:
+        params, carry[c.name] = c.after_update(carry[c.name], params, grads, step)
+    return params, carry

@@ -1,0 +1,206 @@
+"""hpnlp.compress pruning and distillation: masks, schedules, the teacher carry, bad input."""
+
+import dataclasses
+import os
+
+import flax.linen as nn
+import flax.traverse_util as traverse
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import models
+from hpnlp.compress import distill, prune
+from hpnlp.config import ConfigError, PruneConfig, default_configdict, from_configdict, validate
+from hpnlp.train import carry as carry_lib
+from hpnlp.train.loop import _global, dummy_batch
+
+RNG = np.random.default_rng(0)
+
+
+def tiny(kind="lm", **train):
+    cd = default_configdict()
+    cd.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, max_len=16, dropout=0.0)
+    if kind == "lm":
+        cd.data.update(task="byte_lm", seq_len=16)
+    else:
+        cd.model.kind = "classifier"
+        cd.data.update(task="doc_classify", seq_len=16)
+    cd.train.update(steps=6, batch_size=4, warmup_steps=1, eval_every=0, checkpoint_every=3,
+                    log_every=3, progress=False, eval_batches=1)
+    for group, fields in train.items():
+        getattr(cd.train, group).update(fields)
+    return cd
+
+
+# ---------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("structure,contraction,shape", [
+    ("2:4", (0,), (8, 5)), ("1:4", (0, 1), (2, 4, 3)), ("3:8", (1,), (2, 16, 3))])
+def test_nm_masks_keep_exactly_n_of_every_m_along_the_contraction(structure, contraction, shape):
+    n, m = (int(v) for v in structure.split(":"))
+    w = jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+    keep = prune.nm_mask(jnp.abs(w), contraction, n, m)
+    rest = tuple(a for a in range(w.ndim) if a not in contraction)
+    moved = np.transpose(np.asarray(keep), contraction + rest).reshape(-1, m, int(np.prod([shape[a] for a in rest])))
+    assert (moved.sum(axis=1) == n).all()
+    # the kept ones are the largest of their group
+    mag = np.transpose(np.abs(np.asarray(w)), contraction + rest).reshape(moved.shape)
+    assert (np.where(moved, mag, np.inf).min(1) >= np.where(moved, -np.inf, mag).max(1)).all()
+
+
+def test_layer_and_global_scopes_prune_exact_counts_and_never_revive():
+    w = {"a": jnp.asarray(RNG.standard_normal((10, 7))), "b": 3 * jnp.asarray(RNG.standard_normal((5, 4)))}
+    ones = {k: jnp.ones(v.shape, bool) for k, v in w.items()}
+    layer = PruneConfig(method="magnitude", scope="layer")
+    m = prune.compute_masks(layer, w, ones, 0.5, {}, 0)
+    assert int((~m["a"]).sum()) == 35 and int((~m["b"]).sum()) == 10
+    assert float(jnp.abs(w["a"])[~m["a"]].max()) <= float(jnp.abs(w["a"])[m["a"]].min())
+    m2 = prune.compute_masks(layer, w, m, 0.75, {}, 0)
+    assert not bool(jnp.any(m2["a"] & ~m["a"]))  # nested: nothing pruned comes back
+    g = prune.compute_masks(dataclasses.replace(layer, scope="global"), w, ones, 0.5, {}, 0)
+    assert int((~g["a"]).sum() + (~g["b"]).sum()) == 45
+    allw = jnp.concatenate([jnp.abs(w["a"]).ravel(), jnp.abs(w["b"]).ravel()])
+    allk = jnp.concatenate([g["a"].ravel(), g["b"].ravel()])
+    assert float(allw[~allk].max()) <= float(allw[allk].min())
+    r = prune.compute_masks(dataclasses.replace(layer, method="random"), w, ones, 0.5, {}, 0)
+    assert int((~r["a"]).sum()) == 35
+    r2 = prune.compute_masks(dataclasses.replace(layer, method="random"), w, r, 0.8, {}, 0)
+    assert not bool(jnp.any(r2["a"] & ~r["a"]))
+
+
+def test_cubic_schedule_is_zhu_and_gupta():
+    p = PruneConfig(method="magnitude", sparsity=0.8, schedule="cubic", start_step=10,
+                    end_step=20, every=5)
+    got = [float(prune.sparsity_at(p, t, 100)) for t in (0, 10, 15, 20, 50)]
+    np.testing.assert_allclose(got, [0.0, 0.0, 0.8 * (1 - 0.5 ** 3), 0.8, 0.8], rtol=1e-6)
+    assert [bool(prune.updates_at(p, t, 100)) for t in (9, 10, 12, 15, 20, 25)] == \
+        [False, True, False, True, True, False]
+
+
+def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_path):
+    from hpnlp.train import Trainer
+    cfg = from_configdict(tiny(prune=dict(method="magnitude", sparsity=0.75, schedule="cubic",
+                                          start_step=0, end_step=2, every=1)))
+    tr = Trainer(cfg, str(tmp_path))
+    state, _ = tr.initial_state()
+    with tr._context():
+        for i in range(4):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            masks = state.carry["prune"]["masks"]
+            flat = traverse.flatten_dict(state.params)
+            for k, mask in masks.items():  # every masked weight is exactly zero
+                assert not np.any(np.asarray(flat[tuple(k.split("/"))])[~np.asarray(mask)])
+            rep = prune.sparsity_report(state.params, masks)
+            expect = float(prune.sparsity_at(cfg.train.prune, i, cfg.train.steps))
+            np.testing.assert_allclose(rep["total"], expect, atol=0.02)
+    assert set(masks) == {"trunk/block_0/attention/qkv", "trunk/block_0/attention/out",
+                          "trunk/block_0/mlp_in/kernel", "trunk/block_0/mlp_out/kernel"}
+    tr.checkpointer.save(4, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.wait()
+    back, _ = Trainer(cfg, str(tmp_path)).initial_state()
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def _teacher_workdir(path, cd):
+    """A workdir holding a run's config.json and a checkpoint of its initial state."""
+    from hpnlp.train.checkpoint import Checkpointer
+    from hpnlp.train.state import init_state, make_optimizer
+    cfg = validate(from_configdict(cd))
+    model = models.build(cfg, deterministic=True)
+    kind = "lm" if cfg.model.kind == "lm" else "classify"
+    tx = make_optimizer(cfg.train)
+    state = nn.unbox(init_state(model, tx, jax.random.key(7), dummy_batch(kind, 1, cfg.data.seq_len)))
+    ck = Checkpointer(str(path), cfg, keep=1)
+    ck.save(1, state, {}, {})
+    ck.close()
+    return cfg, model, state.params
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_path, kind):
+    tcd = tiny(kind)
+    tcd.model.width = 32  # a wider teacher: the student need not match its shapes
+    tcfg, teacher, tparams = _teacher_workdir(tmp_path, tcd)
+    scd = tiny(kind, distill=dict(teacher=str(tmp_path), alpha=1.0, temperature=1.0, chunk_tokens=8))
+    cfg = validate(from_configdict(scd))
+    student = models.build(cfg, deterministic=True)
+    tk = "lm" if kind == "lm" else "classify"
+    rng = np.random.default_rng(1)
+    if kind == "lm":
+        batch = dummy_batch(tk, 2, 16)
+        batch["inputs"] = rng.integers(0, 256, (2, 16)).astype(np.int32)
+        batch["targets"] = rng.integers(0, 256, (2, 16)).astype(np.int32)
+        batch["segment_ids"][1, 11:] = 0  # padding counts nowhere
+    else:
+        batch = dummy_batch(tk, 3, 16)
+        batch["inputs"] = rng.integers(0, 256, (3, 16)).astype(np.int32)
+        batch["label"] = np.array([0, 1, 0], np.int32)
+        batch["weight"] = np.array([1.0, 1.0, 0.0], np.float32)
+    (c,) = carry_lib.for_config(cfg)
+    params = student.init(jax.random.key(0), batch)["params"]
+    loss_fn = carry_lib.objective(student, [c])
+    carry = {"teacher": c.start(nn.unbox(c.init(student, params, batch, 2)))}
+
+    def ours(p):
+        return loss_fn(p, carry, batch, {})[0]["loss"]
+
+    def reference(p):  # plain cross-entropy against the teacher's distribution
+        if kind == "lm":
+            lp_t = teacher.apply({"params": tparams}, batch, method="log_probs")
+            lp_s = student.apply({"params": p}, batch, method="log_probs")
+            w = batch["segment_ids"] > 0
+        else:
+            lp_t = jax.nn.log_softmax(teacher.apply({"params": tparams}, batch, method="logits"))
+            lp_s = jax.nn.log_softmax(student.apply({"params": p}, batch, method="logits"))
+            w = batch["weight"]
+        return jnp.sum(-jnp.sum(jnp.exp(lp_t) * lp_s, -1) * w)
+
+    (l1, g1), (l2, g2) = jax.jit(lambda p: (jax.value_and_grad(ours)(p),
+                                            jax.value_and_grad(reference)(p)))(params)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # the teacher's own parameters as the student: the soft term is at its minimum
+    if kind == "lm":
+        same = jax.jit(jax.grad(lambda p: distill.lm_soft_loss(
+            teacher, p, teacher, tparams, teacher.apply({"params": p}, batch, method="hidden"),
+            teacher.apply({"params": tparams}, batch, method="hidden"), batch["segment_ids"] > 0,
+            temperature=2.0, chunk=8)))(tparams)
+        assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(same)) < 1e-5
+
+
+def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path):
+    _teacher_workdir(tmp_path, tiny("classifier"))
+    cfg = validate(from_configdict(tiny("lm", distill=dict(teacher=str(tmp_path)))))
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*data\.task='doc_classify'"):
+        carry_lib.for_config(cfg)
+    empty = tmp_path / "none"
+    os.makedirs(empty)
+    with pytest.raises(FileNotFoundError, match="no run in workdir"):
+        carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(teacher=str(empty))))))
+
+
+@pytest.mark.parametrize("group,fields,match", [
+    ("prune", dict(method="magnitude", sparsity=1.0), r"train\.prune\.sparsity"),
+    ("prune", dict(method="magnitude", sparsity=-0.1), r"train\.prune\.sparsity"),
+    ("prune", dict(method="magnitude", structure="4:4"), r"train\.prune\.structure.*0 < N < M"),
+    ("prune", dict(method="magnitude", structure="2:3"), r"M=3 must divide model\.width"),
+    ("prune", dict(method="magnitude", structure="2:4", scope="global"), r"train\.prune\.scope"),
+    ("prune", dict(method="movement"), r"train\.prune\.method"),
+    ("prune", dict(method="magnitude", layers="mlp,attn"), r"train\.prune\.layers"),
+    ("prune", dict(method="random", schedule="cubic", start_step=6), r"train\.prune\.end_step"),
+    ("distill", dict(teacher="x", alpha=1.5), r"train\.distill\.alpha"),
+    ("distill", dict(teacher="x", temperature=0.0), r"train\.distill\.temperature"),
+])
+def test_bad_compression_settings_name_the_field(group, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(from_configdict(tiny("lm", **{group: fields})))
+    with pytest.raises(ConfigError, match=r"train\.prune\.nope"):
+        from_configdict(tiny("lm", prune=dict(nope=1)))
