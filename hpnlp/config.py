@@ -254,6 +254,9 @@ class TrainConfig:
     # `loss_scale_period` good steps in a row double it (Micikevicius et al. 2018).
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 2000
+    # Fine-tuning: workdir of a trained run of the same model shape whose newest checkpoint's
+    # parameters start this run (the optimizer, step and data start fresh); "" = random init
+    init_from: str = ""
     distill: DistillConfig = DistillConfig()  # `train.distill.*`: a frozen teacher (hpnlp.compress)
     prune: PruneConfig = PruneConfig()  # `train.prune.*`: masks kept in the train state
 

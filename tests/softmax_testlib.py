@@ -27,7 +27,9 @@ RNGS = {"params": jax.random.key(2), "dropout": jax.random.key(3)}
 
 def init(layer, h, t):
     """Params created through `loss` (so every parameter a training run uses exists)."""
-    return layer.init(RNGS, h, t, None, method="loss", deterministic=False)
+    # jitted: one compile instead of one per eager op (most of a tiny test's time)
+    return jax.jit(lambda r, h, t: layer.init(r, h, t, None, method="loss", deterministic=False))(
+        RNGS, h, t)
 
 
 def check_normalized(layer, *, vocab: int = V, atol: float = 1e-5):

@@ -38,6 +38,7 @@ def test_fit_exponent():
     assert abs(harness.fit_exponent([1, 2, 4, 8], [3, 12, 48, 192]) - 2.0) < 1e-9
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "torch_or_none", lambda: None)
     out = str(tmp_path / "b")

@@ -74,6 +74,7 @@ def test_collective_counter_on_handwritten_hlo():
 TINY = dict(task="byte_lm", vocab=256, width=32, depth=1, heads=8, mlp=64, L=16, B_per_device=1)
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_memory_entry_on_8_simulated_devices(tmp_path):
     out = str(tmp_path / "memory")
     payload = memory.run(out, quick=True, devices=8, model=TINY,

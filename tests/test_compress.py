@@ -165,6 +165,7 @@ def _train(workdir, arch="transformer", **quant):
     return run(cd, workdir)
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_qat_trains_with_float_shadow_weights(tmp_path):
     """QAT: the loss falls; the checkpoint holds float weights (the shadow) that are not
     themselves on the quantized grid; the summary's metric is the quantized model's."""
@@ -221,6 +222,7 @@ def test_ptq_end_to_end_and_reload(trained, tmp_path):
         ptq.load(out, other)
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_ptq_binary_packs_eight_per_byte_and_bf16_switch(trained, tmp_path):
     s = ptq.quantize(trained, str(tmp_path / "bin"), QuantConfig(weights="binary", layers="qkv,out,mlp"),
                      calib_batches=1, eval_batches=1, repeats=1)

@@ -116,7 +116,8 @@ def _teacher_workdir(path, cd):
     model = models.build(cfg, deterministic=True)
     kind = "lm" if cfg.model.kind == "lm" else "classify"
     tx = make_optimizer(cfg.train)
-    state = nn.unbox(init_state(model, tx, jax.random.key(7), dummy_batch(kind, 1, cfg.data.seq_len)))
+    batch = dummy_batch(kind, 1, cfg.data.seq_len)
+    state = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch)))(jax.random.key(7))
     ck = Checkpointer(str(path), cfg, keep=1)
     ck.save(1, state, {}, {})
     ck.close()
@@ -144,9 +145,9 @@ def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_pat
         batch["label"] = np.array([0, 1, 0], np.int32)
         batch["weight"] = np.array([1.0, 1.0, 0.0], np.float32)
     (c,) = carry_lib.for_config(cfg)
-    params = student.init(jax.random.key(0), batch)["params"]
+    params = jax.jit(student.init)(jax.random.key(0), batch)["params"]
     loss_fn = carry_lib.objective(student, [c])
-    carry = {"teacher": c.start(nn.unbox(c.init(student, params, batch, 2)))}
+    carry = {"teacher": c.start(jax.jit(lambda: nn.unbox(c.init(student, params, batch, 2)))())}
 
     def ours(p):
         return loss_fn(p, carry, batch, {})[0]["loss"]
@@ -204,3 +205,18 @@ def test_bad_compression_settings_name_the_field(group, fields, match):
         validate(from_configdict(tiny("lm", **{group: fields})))
     with pytest.raises(ConfigError, match=r"train\.prune\.nope"):
         from_configdict(tiny("lm", prune=dict(nope=1)))
+
+
+def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_path):
+    from hpnlp.train import Trainer
+    _, _, base = _teacher_workdir(tmp_path / "base", tiny("lm"))
+    cd = tiny("lm", prune=dict(method="magnitude", sparsity=0.5))
+    cd.train.init_from = str(tmp_path / "base")
+    state, _ = Trainer(from_configdict(cd), str(tmp_path / "tuned")).initial_state()
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cd.model.mlp_dim = 64
+    with pytest.raises(ConfigError, match=r"train\.init_from.*mlp_in/kernel: saved \(16, 32\), "
+                                          r"this run \(16, 64\)"):
+        Trainer(from_configdict(cd), str(tmp_path / "other"))
+    assert not os.path.exists(tmp_path / "other" / "config.json")  # refused before writing

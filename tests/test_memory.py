@@ -72,6 +72,7 @@ def lm_params():
     return random_params(models.build(make_cfg(), deterministic=True), lm_batch())
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_every_remat_policy_gives_the_same_loss_and_gradients(lm_params):
     # One compile for all policies (each compile costs seconds on a busy CPU).
     out = run_fast(lambda p, b: {pol: jax.value_and_grad(lm_loss(pol))(p, b)
@@ -196,6 +197,7 @@ def test_reversible_decode_matches_forward():
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_reversible_compiled_memory_below_plain_autodiff():
     depth = 8
     params, x_BLE, seg_BL = rev_inputs(depth)
@@ -229,6 +231,7 @@ def test_tiny_reversible_model_trains(tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3, losses
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_remat_lowers_the_compiled_train_steps_memory(tmp_path):
     """Saved residuals (above) are what JAX asks for; this checks what XLA compiles. On CPU
     XLA used to strip remat's optimization barriers and CSE the recomputation back into

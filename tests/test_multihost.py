@@ -149,6 +149,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path, lau
     np.testing.assert_allclose(summary(to_one)["eval"]["loss"], s_one["eval"]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     # A coordinator without a port is refused when flags are parsed, before
     # jax.distributed.initialize could wait for it.

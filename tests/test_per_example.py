@@ -56,6 +56,7 @@ def test_vmapped_losses_and_grad_norms_equal_a_loop_over_unpadded_examples():
     assert len({round(float(x), 4) for x in losses}) == len(lengths)
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_mean_of_per_example_grads_weighted_by_tokens_is_the_batch_gradient():
     model, params, batch, lengths = _model_and_batch()
     grads = jax.jit(lambda p, b: per_example_grads(model, p, b))(params, batch)

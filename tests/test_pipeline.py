@@ -65,6 +65,7 @@ def lm_batch(B=4, L=16):
                                      jnp.int32)}
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_stacked_trunk_matches_per_block_trunk():
     """nn.scan over one stacked tree (with and without remat inside the scan) == `depth`
     separate blocks: log-probs and their vector-Jacobian product (all parameters' grads)."""

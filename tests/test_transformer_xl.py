@@ -291,6 +291,7 @@ def test_stream_resumes_and_splits_over_processes(text_file):
 # -- training ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_trainer_carries_memory_and_learns(tmp_path):
     """A tiny XL LM on the byte_lm stream: loss falls; the memory is in the (checkpointed)
     state; eval with memory vs memory reset at every segment."""

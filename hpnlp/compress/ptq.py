@@ -36,33 +36,10 @@ import numpy as np
 
 from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import QWeight, Served
-from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
-                          validate)
+from hpnlp.config import Config, ConfigError, QuantConfig, config_error, from_configdict, to_json, validate
+from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
 
 FLOAT_FORMATS = ("bfloat16", "float16")
-
-
-class NoCheckpoint(FileNotFoundError):
-    """The workdir has no trained run to quantize."""
-
-
-def load_run_config(workdir: str) -> Config:
-    """The config a run in `workdir` was trained with (its config.json)."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise NoCheckpoint(f"no run in workdir {workdir} (no config.json): train one there first "
-                           "with python -m hpnlp.main --config ... --workdir ...")
-    with open(path) as f:
-        saved = json.load(f)["config"]
-    if any(isinstance(saved.get(g, {}).get(k), str) for g, k in (("attention", "options"),
-                                                                  ("output", "options"))):
-        raise NoCheckpoint(f"{path} was written before configs were saved readably (options as "
-                           "text); retrain the run, or resume it once to rewrite config.json")
-    ckpt = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
-        raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {ckpt}: train (or resume) the "
-                           "run until it saves one, then quantize")
-    return from_configdict(saved)
 
 
 def _is_qweight(x) -> bool:
@@ -120,8 +97,8 @@ def calibrate_ranges(model, params, batches, method: str):
 # ---------------------------------------------------------------- the packed file format
 
 def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
-    """OUT/quantized.npz (every array, packed codes as stored) + OUT/quant.json; returns
-    the npz's size in bytes."""
+    """OUT/quantized.npz (every array, packed codes as stored, zip-deflated: the zeros of a
+    pruned model take almost no room) + OUT/quant.json; returns the npz's size in bytes."""
     os.makedirs(out, exist_ok=True)
     arrays, layout, views = {}, {}, {}
 
@@ -144,7 +121,7 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
     for path, leaf in traverse.flatten_dict(quant_vars or {}).items():
         put("quant/" + "/".join(path), leaf)
     path = os.path.join(out, "quantized.npz")
-    np.savez(path, **arrays)
+    np.savez_compressed(path, **arrays)
     manifest = {"config": to_json(cfg), "weights": layout, "dtypes": views, **meta}
     with open(os.path.join(out, "quant.json"), "w") as f:
         json.dump(manifest, f, indent=1)

@@ -21,7 +21,30 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from hpnlp.config import to_json
+from hpnlp.config import Config, from_configdict, to_json
+
+
+class NoCheckpoint(FileNotFoundError):
+    """The workdir has no trained run to read (to quantize, distill from or fine-tune)."""
+
+
+def load_run_config(workdir: str) -> Config:
+    """The config a run in `workdir` was trained with (its config.json)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise NoCheckpoint(f"no run in workdir {workdir} (no config.json): train one there first "
+                           "with python -m hpnlp.main --config ... --workdir ...")
+    with open(path) as f:
+        saved = json.load(f)["config"]
+    if any(isinstance(saved.get(g, {}).get(k), str) for g, k in (("attention", "options"),
+                                                                  ("output", "options"))):
+        raise NoCheckpoint(f"{path} was written before configs were saved readably (options as "
+                           "text); retrain the run, or resume it once to rewrite config.json")
+    ckpt = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+        raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {ckpt}: train (or resume) the "
+                           "run until it saves one, then use it")
+    return from_configdict(saved)
 
 
 class CheckpointMismatch(ValueError):
@@ -103,16 +126,44 @@ class Checkpointer:
         self.manager.close()
 
 
-def restore_params(workdir: str, like):
-    """The parameters of the newest checkpoint in `workdir`, in the shapes, dtypes and
-    shardings of `like` (a parameter tree of arrays), read without the rest of the state
-    (Orbax partial restore). Used for a distillation teacher (hpnlp.compress.distill)."""
+def _newest(workdir: str):
     directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     manager = ocp.CheckpointManager(directory)
     step = manager.latest_step()
     if step is None:
-        raise FileNotFoundError(f"workdir {workdir} has no checkpoint in {directory}: train (or "
-                                "resume) that run until it saves one")
+        manager.close()
+        raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {directory}: train (or resume) "
+                           "that run until it saves one")
+    return manager, step
+
+
+def check_params_match(workdir: str, like, *, field: str) -> None:
+    """Refuse (naming `field`) when the newest checkpoint in `workdir` holds parameters of
+    other names or shapes than `like` (arrays or ShapeDtypeStructs), before any restore."""
+    import flax.traverse_util as traverse
+    from hpnlp.config import config_error
+
+    manager, step = _newest(workdir)
+    manager.close()
+    meta = ocp.PyTreeCheckpointer().metadata(os.path.join(manager.directory, str(step), "state"))
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+    saved = {k: tuple(v.shape) for k, v in traverse.flatten_dict(tree["params"]).items()}
+    mine = {k: tuple(v.shape) for k, v in traverse.flatten_dict(like).items()}
+    diff = sorted(set(saved) ^ set(mine)) + sorted(k for k in set(saved) & set(mine)
+                                                   if saved[k] != mine[k])
+    if diff:
+        shown = "; ".join(f"{'/'.join(k)}: saved {saved.get(k)}, this run {mine.get(k)}"
+                          for k in diff[:4])
+        raise config_error(field, workdir, f"its parameters differ from this run's ({len(diff)} "
+                           f"arrays: {shown}); it must be a run of the same model shape")
+
+
+def restore_params(workdir: str, like):
+    """The parameters of the newest checkpoint in `workdir`, in the shapes, dtypes and
+    shardings of `like` (a parameter tree of arrays), read without the rest of the state
+    (Orbax partial restore): a distillation teacher (hpnlp.compress.distill), or the start
+    of a fine-tuning run (`train.init_from`)."""
+    manager, step = _newest(workdir)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                             like)
     item = {"params": abstract}
@@ -121,4 +172,3 @@ def restore_params(workdir: str, like):
         partial_restore=True)))
     manager.close()
     return out["state"]["params"]
-

@@ -28,7 +28,7 @@ from hpnlp.config import Config, from_configdict, validate
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.train import carry as carry_lib
-from hpnlp.train.checkpoint import Checkpointer
+from hpnlp.train.checkpoint import Checkpointer, check_params_match, restore_params
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_state, make_optimizer
 from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_compiler_options
@@ -141,6 +141,9 @@ class Trainer:
                     make_eval_step(self.eval_model, cfg.train, memory=True),
                     in_shardings=(self.state_sharding, self.batch_sharding, mem_sharding),
                     out_shardings=(None, mem_sharding))
+        if cfg.train.init_from:  # refused here, before any compile, if the shapes differ
+            check_params_match(cfg.train.init_from, self.abstract_state.params,
+                               field="train.init_from")
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
                                          members=getattr(self, "members", 1), read_only=read_only)
@@ -160,6 +163,9 @@ class Trainer:
         if step is None:
             with self._context():
                 state = self._init(jax.random.key(self.cfg.seed))
+                if self.cfg.train.init_from:
+                    state = state.replace(params=restore_params(self.cfg.train.init_from,
+                                                                state.params))
                 carry = {c.name: c.start(state.carry[c.name]) for c in self.carries}
                 return state.replace(carry=jax.device_put(carry, self.state_sharding.carry)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
