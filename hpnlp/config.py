@@ -213,6 +213,9 @@ class PruneConfig:
     # which products (QUANT_LAYERS names, comma list, or "all"); embeddings and the output
     # layer are left dense by default, as pruning recipes usually do
     layers: str = "qkv,out,mlp,input,recurrent"
+    # L1-regularized training: l1 * sum |W| over the pruned products added to the per-token
+    # loss, driving weights towards zero before (and while) the masks take them
+    l1: float = 0.0
 
     def nm(self) -> tuple[int, int] | None:
         """(N, M) for an "N:M" structure, else None."""
@@ -562,6 +565,7 @@ def _check_compress(cfg: Config) -> None:
         v = getattr(p, name)
         if not isinstance(v, int) or v < 0:
             _fail(f"train.prune.{name}", v, "must be an integer >= 0")
+    _check_positive("train.prune.l1", p.l1, allow_zero=True)
     if not isinstance(p.every, int) or p.every < 1:
         _fail("train.prune.every", p.every, "must be an integer >= 1 (steps between mask updates)")
     if m.stack_layers or m.reversible:

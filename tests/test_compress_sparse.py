@@ -220,3 +220,21 @@ def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_p
                                           r"this run \(16, 64\)"):
         Trainer(from_configdict(cd), str(tmp_path / "other"))
     assert not os.path.exists(tmp_path / "other" / "config.json")  # refused before writing
+
+
+def test_l1_penalty_is_l1_times_the_pruned_weights_abs_sum_per_token():
+    cfg = validate(from_configdict(tiny("lm", prune=dict(method="magnitude", l1=1e-3))))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 2, 16)
+    batch["segment_ids"][1, 9:] = 0
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
+    (c,) = carry_lib.for_config(cfg)
+    carry = {"prune": jax.jit(lambda: nn.unbox(c.init(model, params, batch, 2)))()}
+    plain, _ = carry_lib.objective(model, [])(params, carry, batch, {})
+    sums, _ = carry_lib.objective(model, [c])(params, carry, batch, {})
+    flat = traverse.flatten_dict(params)
+    l1 = sum(float(jnp.abs(flat[tuple(k.split("/"))]).sum()) for k in carry["prune"]["masks"])
+    tokens = float(plain["weight"])
+    assert tokens == 2 * 16 - 7
+    np.testing.assert_allclose(float(sums["loss"]) - float(plain["loss"]), 1e-3 * l1 * tokens,
+                               rtol=1e-4)

@@ -16,7 +16,9 @@ Which weights: the product weights the model declares (`qlinear.note_product`, t
 record quantization uses), of the kinds `train.prune.layers` names. Biases, norms and
 (by default) embeddings and the output layer stay dense.
 
-- Criteria: `magnitude` (|W|) and `random` (a fixed random score per weight: the control).
+- Criteria: `magnitude` (|W|) and `random` (a fixed random score per weight: the control);
+  L1-regularized training adds `l1 * sum |W|` over the pruned products to the per-token
+  loss (`train.prune.l1`, logged as `loss_l1`), so magnitude masks find what it drove to zero.
   A pruned weight's score is -inf, so masks only ever lose entries: gradual schedules nest.
 - Scope: `layer` (each weight pruned to the target on its own) or `global` (one ranking of
   every pruned weight's |W|; layers end at different sparsities).
@@ -184,7 +186,18 @@ class PruneCarry:
         return value
 
     def loss(self, model, inner):
-        return inner
+        if not self.p.l1:
+            return inner
+
+        def l1_loss(params, carry, batch, rngs):
+            # the step divides the summed loss by the real tokens: scale the penalty by them
+            sums, carry = inner(params, carry, batch, rngs)
+            flat = traverse.flatten_dict(params)
+            l1 = sum(jnp.sum(jnp.abs(flat[_path(k)].astype(jnp.float32)))
+                     for k in carry["prune"]["masks"])
+            return dict(sums, loss=sums["loss"] + self.p.l1 * l1 * sums["weight"],
+                        loss_l1=l1 * sums["weight"]), carry
+        return l1_loss
 
     def after_update(self, value, params, grads, step):
         del grads  # magnitude and random need only the weights

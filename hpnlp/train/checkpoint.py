@@ -145,7 +145,14 @@ def check_params_match(workdir: str, like, *, field: str) -> None:
 
     manager, step = _newest(workdir)
     manager.close()
-    meta = ocp.PyTreeCheckpointer().metadata(os.path.join(manager.directory, str(step), "state"))
+    import logging
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # the item has no step-level metadata file; its tree is what we read
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(manager.directory, str(step), "state"))
+    finally:
+        absl.setLevel(level)
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
     saved = {k: tuple(v.shape) for k, v in traverse.flatten_dict(tree["params"]).items()}
     mine = {k: tuple(v.shape) for k, v in traverse.flatten_dict(like).items()}
