@@ -197,7 +197,9 @@ class PruneConfig:
     """Pruning (hpnlp.compress.prune; `train.prune.*`): masks in the train state, applied
     after every optimizer update so pruned weights stay exactly zero."""
 
-    method: str = "none"  # "none" | "magnitude" | "random" (the control)
+    # "none" | "magnitude" | "random" (the control) | "movement" (Sanh et al. 2020: scores
+    # learned through a straight-through mask; pruned weights may come back)
+    method: str = "none"
     sparsity: float = 0.5  # final fraction of each pruned weight set to zero, in [0, 1)
     # "layer": every weight to `sparsity` | "global": one magnitude threshold over them all
     scope: str = "layer"
@@ -554,7 +556,7 @@ def _check_compress(cfg: Config) -> None:
         if m.arch == "transformer_xl" and cfg.data.batching == "stream":
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
                   "memory through its loss and cannot distill yet; use data.batching='pack'")
-    _check_choice("train.prune.method", p.method, ("none", "magnitude", "random"))
+    _check_choice("train.prune.method", p.method, ("none", "magnitude", "random", "movement"))
     if p.method == "none":
         return
     if not (isinstance(p.sparsity, (int, float)) and 0.0 <= p.sparsity < 1.0):

@@ -147,7 +147,8 @@ def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_pat
     (c,) = carry_lib.for_config(cfg)
     params = jax.jit(student.init)(jax.random.key(0), batch)["params"]
     loss_fn = carry_lib.objective(student, [c])
-    carry = {"teacher": c.start(jax.jit(lambda: nn.unbox(c.init(student, params, batch, 2)))())}
+    carry = {"teacher": c.start(jax.jit(lambda: nn.unbox(c.init(student, params, batch, 2)))(),
+                                params)}
 
     def ours(p):
         return loss_fn(p, carry, batch, {})[0]["loss"]
@@ -194,7 +195,7 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     ("prune", dict(method="magnitude", structure="4:4"), r"train\.prune\.structure.*0 < N < M"),
     ("prune", dict(method="magnitude", structure="2:3"), r"M=3 must divide model\.width"),
     ("prune", dict(method="magnitude", structure="2:4", scope="global"), r"train\.prune\.scope"),
-    ("prune", dict(method="movement"), r"train\.prune\.method"),
+    ("prune", dict(method="lottery"), r"train\.prune\.method"),
     ("prune", dict(method="magnitude", layers="mlp,attn"), r"train\.prune\.layers"),
     ("prune", dict(method="random", schedule="cubic", start_step=6), r"train\.prune\.end_step"),
     ("distill", dict(teacher="x", alpha=1.5), r"train\.distill\.alpha"),
@@ -238,3 +239,54 @@ def test_l1_penalty_is_l1_times_the_pruned_weights_abs_sum_per_token():
     assert tokens == 2 * 16 - 7
     np.testing.assert_allclose(float(sums["loss"]) - float(plain["loss"]), 1e-3 * l1 * tokens,
                                rtol=1e-4)
+
+
+def test_movement_scores_take_the_straight_through_gradient():
+    """Between mask updates, movement pruning moves each score by -dL/dS of the explicit
+    straight-through formulation W' = W * (M + S - stop_gradient(S)) (Sanh et al. 2020),
+    keeps the dense weight of a pruned entry and zeroes the parameter."""
+    cfg = validate(from_configdict(tiny("lm", prune=dict(method="movement", sparsity=0.5,
+                                                         schedule="cubic", end_step=4, every=2))))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = np.random.default_rng(3).integers(0, 256, (2, 16)).astype(np.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
+    (c,) = carry_lib.for_config(cfg)
+    value = c.start(jax.jit(lambda: nn.unbox(c.init(model, params, batch, 2)))(), params)
+    flat = traverse.flatten_dict(params)
+    rng = np.random.default_rng(0)
+    for k in value["masks"]:  # a half-pruned state with some scores already
+        value["masks"][k] = jnp.asarray(rng.random(value["masks"][k].shape) < 0.5)
+        value["scores"][k] = jnp.asarray(rng.standard_normal(value["masks"][k].shape), jnp.float32)
+    dense = {k: flat[tuple(k.split("/"))] for k in value["masks"]}
+    value["dense"] = dense
+    loss = lambda p: model.apply({"params": p}, batch)["loss"]  # noqa: E731
+
+    def with_masks(scores):  # the explicit straight-through model
+        f = traverse.flatten_dict(params)
+        for k, w in dense.items():
+            m = value["masks"][k].astype(jnp.float32)
+            f[tuple(k.split("/"))] = w * (m + scores[k] - jax.lax.stop_gradient(scores[k]))
+        return traverse.unflatten_dict(f)
+
+    masked = with_masks(value["scores"])
+    grads = jax.grad(loss)(masked)
+    d_scores = jax.grad(lambda s: loss(with_masks(s)))(value["scores"])
+    updated = jax.tree.map(lambda p: p + 0.01, masked)  # what an optimizer step left
+    out, new = c.after_update(value, updated, grads, jnp.int32(1))  # no mask update at step 1
+    out_flat, up_flat = traverse.flatten_dict(out), traverse.flatten_dict(updated)
+    for k in value["masks"]:
+        path, m = tuple(k.split("/")), np.asarray(value["masks"][k])
+        np.testing.assert_allclose(new["scores"][k], value["scores"][k] - d_scores[k], rtol=1e-5,
+                                   atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(new["dense"][k])[~m], np.asarray(dense[k])[~m])
+        np.testing.assert_array_equal(np.asarray(new["dense"][k])[m], np.asarray(up_flat[path])[m])
+        assert not np.any(np.asarray(out_flat[path])[~m])
+    # a mask update ranks the scores afresh: some pruned entries come back
+    out, new = c.after_update(value, updated, grads, jnp.int32(2))
+    k = "trunk/block_0/mlp_in/kernel"
+    revived = np.asarray(new["masks"][k]) & ~np.asarray(value["masks"][k])
+    assert revived.any()
+    path = tuple(k.split("/"))
+    np.testing.assert_array_equal(np.asarray(traverse.flatten_dict(out)[path])[revived],
+                                  np.asarray(dense[k])[revived])

@@ -10,9 +10,12 @@ In one run on this CPU:
    and forward time relative to the teacher. `gap closed` = (scratch - distilled) /
    (scratch - teacher) on the eval metric.
 2. Pruning (`prune`): the byte-LM teacher fine-tuned for the same steps at 50/75/90/95%
-   sparsity with magnitude and random (the control) masks, one-shot at the first step,
-   beside the dense fine-tune of the same steps. Unstructured sparsity saves size only
-   (a pruned model runs at its dense speed on XLA:CPU, which has no sparse product).
+   sparsity with magnitude, movement (Sanh et al. 2020) and random (the control) masks, all
+   on the same gradual cubic schedule (0 at the first step to the target at three quarters
+   of the steps, masks recomputed every 5 steps), beside the dense fine-tune of the same
+   steps. The paper's claim to check: movement beats magnitude at high sparsity during
+   fine-tuning. Unstructured sparsity saves size only (a pruned model runs at its dense
+   speed on XLA:CPU, which has no sparse product).
 3. Pipeline (`pipeline`, Deep Compression's order): the distilled LM student pruned to 50%
    while fine-tuned, then int8 weights by `python -m hpnlp.compress quantize`: its
    quantized file on disk against the float32 teacher's parameters.
@@ -128,7 +131,8 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
     if not os.path.exists(os.path.join(tdir, "summary.json")):
         run(experiment(model, s), tdir)
     jobs = [("dense fine-tune", 0.0, None)] + [
-        (f"{method}", sp, method) for sp in s["sparsities"] for method in ("magnitude", "random")]
+        (f"{method}", sp, method) for sp in s["sparsities"]
+        for method in ("magnitude", "movement", "random")]
     rows = []
     for name, sp, method in tqdm(jobs, desc="prune", leave=False):
         cd = experiment(model, s)
@@ -136,7 +140,8 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
         cd.train.lr = cd.train.lr * 0.3
         cd.train.init_from = tdir
         if method:
-            cd.train.prune.update(method=method, sparsity=sp, schedule="oneshot", start_step=0)
+            cd.train.prune.update(method=method, sparsity=sp, schedule="cubic", start_step=0,
+                                  end_step=max(1, 3 * s["prune_steps"] // 4), every=5)
         out = os.path.join(workdir, f"prune_{name.replace(' ', '_')}_{sp}")
         r = _row(model, "prune " + name if method else name, f"{sp:.0%}", run(cd, out), out, metric)
         r["sparsity"] = sp

@@ -101,8 +101,9 @@ class TeacherCarry:
         del model, params, batch_size  # placeholders of the right shapes; `start` fills them
         return self.teacher.init({"params": jax.random.key(0)}, batch)["params"]
 
-    def start(self, value):
+    def start(self, value, params):
         """The teacher's trained parameters, restored into `value`'s shapes and shardings."""
+        del params
         from hpnlp.train.checkpoint import restore_params
         return restore_params(self.workdir, value)
 

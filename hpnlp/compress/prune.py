@@ -16,7 +16,10 @@ Which weights: the product weights the model declares (`qlinear.note_product`, t
 record quantization uses), of the kinds `train.prune.layers` names. Biases, norms and
 (by default) embeddings and the output layer stay dense.
 
-- Criteria: `magnitude` (|W|) and `random` (a fixed random score per weight: the control);
+- Criteria: `magnitude` (|W|), `random` (a fixed random score per weight: the control) and
+  `movement` (Sanh et al. 2020: scores learned by the straight-through estimator,
+  `movement_update`; the carry then also holds the scores and the dense weights, and a
+  pruned weight can come back);
   L1-regularized training adds `l1 * sum |W|` over the pruned products to the per-token
   loss (`train.prune.l1`, logged as `loss_l1`), so magnitude masks find what it drove to zero.
   A pruned weight's score is -inf, so masks only ever lose entries: gradual schedules nest.
@@ -92,8 +95,11 @@ def nm_mask(score, contraction: tuple[int, ...], n: int, m: int):
     return jnp.transpose(keep, np.argsort(k_axes + rest))
 
 
-def scores(method: str, weights: dict, seed: int) -> dict:
-    """Per-weight criterion: |W| (`magnitude`) or a fixed uniform draw per entry (`random`)."""
+def scores(method: str, weights: dict, seed: int, movement: dict | None = None) -> dict:
+    """Per-weight criterion: |W| (`magnitude`), a fixed uniform draw per entry (`random`), or
+    the accumulated movement scores (`movement`, passed in)."""
+    if method == "movement":
+        return movement
     if method == "magnitude":
         return {k: jnp.abs(w.astype(jnp.float32)) for k, w in weights.items()}
     base = jax.random.key(seed)
@@ -102,14 +108,17 @@ def scores(method: str, weights: dict, seed: int) -> dict:
 
 
 def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products: dict,
-                  seed: int) -> dict:
-    """New masks for `weights` (path -> array) at target `sparsity`, never reviving an entry
-    `masks` already pruned."""
-    s = scores(p.method, weights, seed)
-    s = {k: jnp.where(masks[k], v, -jnp.inf) for k, v in s.items()}
+                  seed: int, movement: dict | None = None) -> dict:
+    """New masks for `weights` (path -> array) at target `sparsity`. Magnitude and random
+    masks never revive an entry `masks` already pruned; movement masks are the top scores
+    afresh each time (a pruned weight whose score climbs comes back, as in Sanh et al.)."""
+    s = scores(p.method, weights, seed, movement)
+    if p.method != "movement":
+        s = {k: jnp.where(masks[k], v, -jnp.inf) for k, v in s.items()}
     if p.nm() is not None:
         n, m = p.nm()
-        return {k: nm_mask(v, products[k], n, m) & masks[k] for k, v in s.items()}
+        keep = masks if p.method != "movement" else {k: True for k in s}
+        return {k: nm_mask(v, products[k], n, m) & keep[k] for k, v in s.items()}
     if p.scope == "layer":
         return {k: _keep_top(v.reshape(-1), jnp.round(sparsity * v.size).astype(jnp.int32)
                              ).reshape(v.shape) for k, v in s.items()}
@@ -175,14 +184,31 @@ class PruneCarry:
             raise config_error("train.prune.layers", self.p.layers, "names no product this model "
                                "has; choose from the kinds it uses (e.g. 'mlp' or 'all')")
         flat = traverse.flatten_dict(params)
-        masks = {}
+
+        def like(w, value):  # sharded like the weight
+            return w.replace_boxed(value) if isinstance(w, nn.meta.AxisMetadata) else value
+
+        value = {"masks": {}}
+        if self.p.method == "movement":
+            value.update(scores={}, dense={})
         for k in self.products:
             w = flat[_path(k)]
-            ones = jnp.ones(nn.unbox(w).shape, bool)
-            masks[k] = w.replace_boxed(ones) if isinstance(w, nn.meta.AxisMetadata) else ones
-        return {"masks": masks}
+            shape = nn.unbox(w).shape
+            value["masks"][k] = like(w, jnp.ones(shape, bool))
+            if self.p.method == "movement":
+                value["scores"][k] = like(w, jnp.zeros(shape, jnp.float32))
+                value["dense"][k] = like(w, jnp.zeros(shape, nn.unbox(w).dtype))  # `start` sets it
+        return value
 
-    def start(self, value):
+    def start(self, value, params):
+        """Movement: the dense weights start as the run's first parameters (its init, or
+        the run `train.init_from` names)."""
+        if self.p.method == "movement":
+            flat = traverse.flatten_dict(params)
+            # copies: the state donates its buffers to the step, and one buffer may not be
+            # donated twice (as a parameter and as its dense weight)
+            value = dict(value, dense={k: jnp.array(flat[_path(k)], copy=True)
+                                       for k in value["dense"]})
         return value
 
     def loss(self, model, inner):
@@ -200,14 +226,42 @@ class PruneCarry:
         return l1_loss
 
     def after_update(self, value, params, grads, step):
-        del grads  # magnitude and random need only the weights
         flat = traverse.flatten_dict(params)
         weights = {k: flat[_path(k)] for k in value["masks"]}
+        new = dict(value)
+        if self.p.method == "movement":
+            weights, new["scores"] = movement_update(value, weights, grads)
+            new["dense"] = weights
 
         def recompute(masks):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
-            return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed)
+            return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed,
+                                 new.get("scores"))
 
         masks = jax.lax.cond(updates_at(self.p, step, self.cfg.train.steps), recompute,
                              lambda m: m, value["masks"])
-        return apply_masks(params, masks), {"masks": masks}
+        new["masks"] = masks
+        if self.p.method == "movement":  # pruned entries of the parameters are zero; revived
+            flat = traverse.flatten_dict(params)  # ones come back with their dense value
+            for k, w in weights.items():
+                flat[_path(k)] = w
+            params = traverse.unflatten_dict(flat)
+        return apply_masks(params, masks), new
+
+
+def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
+    """(dense weights, scores) after one step of movement pruning (Sanh et al. 2020).
+
+    The model computes with W' = W * M. The straight-through estimator takes the mask's
+    gradient as if M were the scores S, so dL/dS = dL/dW' * W: the scores move by
+    -dL/dW' * W each step (SGD with unit rate: only their order matters), and a weight
+    gains score while the gradient moves it away from zero. The dense W behind a kept entry
+    is the parameter the optimizer just updated; behind a pruned one it stays as it was
+    (dL/dW = dL/dW' * M is zero there). `value["dense"]` is W before this update."""
+    g = traverse.flatten_dict(grads)
+    dense, scores_ = {}, {}
+    for k, w in weights.items():
+        before = value["dense"][k]
+        scores_[k] = value["scores"][k] - g[_path(k)].astype(jnp.float32) * before.astype(jnp.float32)
+        dense[k] = jnp.where(value["masks"][k], w, before)
+    return dense, scores_

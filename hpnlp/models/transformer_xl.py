@@ -94,7 +94,7 @@ class MemoryCarry:
     def init(self, model, params, batch, batch_size: int) -> Memory:
         return boxed_memory(self.cfg, batch_size)
 
-    def start(self, value):
+    def start(self, value, params):
         return value
 
     def loss(self, model, inner):

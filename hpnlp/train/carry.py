@@ -7,8 +7,9 @@ method is one class here or beside its own code, not a new branch in the loop:
 - `init(model, params, batch, batch_size)`: the entry's initial value, with logical axis
   names where it should be sharded (traced inside the state's init after the parameters,
   which it may read, so it gets shardings like them; `batch` is the init batch);
-- `start(value)`: its value at a fresh start, on the host, after init (the distillation
-  teacher's trained parameters are restored here); resumed runs read it from the checkpoint;
+- `start(value, params)`: its value at a fresh start, on the host, after init and after
+  `train.init_from` restored the parameters (the distillation teacher's trained parameters
+  are restored here); resumed runs read it from the checkpoint;
 - `loss(model, inner)`: wraps the loss `inner(params, carry, batch, rngs) -> (sums, carry)`
   (Transformer-XL threads its memory through it; distillation adds the teacher's terms);
 - `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
@@ -39,7 +40,7 @@ class Carry:
     def init(self, model, params, batch, batch_size: int) -> Any:
         raise TypeError(f"{type(self).__name__} must define init")
 
-    def start(self, value):
+    def start(self, value, params):
         return value
 
     def loss(self, model, inner: LossFn) -> LossFn:

@@ -166,7 +166,7 @@ class Trainer:
                 if self.cfg.train.init_from:
                     state = state.replace(params=restore_params(self.cfg.train.init_from,
                                                                 state.params))
-                carry = {c.name: c.start(state.carry[c.name]) for c in self.carries}
+                carry = {c.name: c.start(state.carry[c.name], state.params) for c in self.carries}
                 return state.replace(carry=jax.device_put(carry, self.state_sharding.carry)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
         self.train_iter.set_state(data_state)
