@@ -105,6 +105,23 @@ class QuantConfig:
         return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
 
 
+LOWRANK_LAYERS = ("qkv", "out", "mlp", "head")  # products model.lowrank can factorize
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankConfig:
+    """Low-rank factorization of product weights (hpnlp.compress.lowrank; `model.lowrank.*`):
+    each chosen weight W [K, N] is a real two-product layer U [K, r] V [r, N]."""
+
+    rank: int = 0  # r; 0 = off
+    layers: str = "qkv,out,mlp"  # comma list of LOWRANK_LAYERS, or "all"
+
+    def applies(self, kind: str) -> bool:
+        if not self.rank:
+            return False
+        return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
@@ -140,6 +157,7 @@ class ModelConfig:
     num_classes: int = 0
     # The config's `quant` group (hpnlp.compress): every product the model builds reads it.
     quant: QuantConfig = QuantConfig()
+    lowrank: LowRankConfig = LowRankConfig()  # `model.lowrank.*`: factorized products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,6 +561,36 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
                       "groups split each product's contraction); choose a divisor of it")
 
 
+def _check_lowrank(cfg: Config) -> None:
+    """`model.lowrank`: the rank against every chosen product's shape, what it combines with."""
+    lr, m = cfg.model.lowrank, cfg.model
+    if not isinstance(lr.rank, int) or lr.rank < 0:
+        _fail("model.lowrank.rank", lr.rank, "must be an integer >= 0 (0: no factorization)")
+    if not lr.rank:
+        return
+    names = [n.strip() for n in lr.layers.split(",")]
+    if lr.layers != "all" and (not names or any(n not in LOWRANK_LAYERS for n in names)):
+        _fail("model.lowrank.layers", lr.layers, f"'all' or a comma list of {list(LOWRANK_LAYERS)}")
+    if m.arch != "transformer" and any(lr.applies(k) for k in ("qkv", "out", "mlp")):
+        _fail("model.lowrank.layers", lr.layers, f"model.arch={m.arch!r} has no qkv/out/mlp "
+              "products; factorize a Transformer, or set model.lowrank.layers='head'")
+    shapes = {"qkv": (m.width, 3 * m.width), "out": (m.width, m.width),
+              "mlp": (m.width, m.mlp_dim), "head": (m.width, m.num_classes or m.width)}
+    for kind, (k, n) in shapes.items():
+        if lr.applies(kind) and lr.rank > min(k, n):
+            _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
+                  f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
+                  f"rank or drop {kind!r} from model.lowrank.layers")
+    for field, on in (("quant.weights", m.quant.enabled), ("train.prune.method",
+                                                          cfg.train.prune.method != "none"),
+                      ("model.stack_layers", m.stack_layers), ("model.reversible", m.reversible)):
+        if on:
+            _fail(field, getattr(m.quant, "weights") if field.startswith("quant") else
+                  (cfg.train.prune.method if field.startswith("train") else True),
+                  "is not combined with model.lowrank yet; factorize (and fine-tune) first, "
+                  "or set model.lowrank.rank=0")
+
+
 def _check_compress(cfg: Config) -> None:
     """`train.distill` and `train.prune` (hpnlp.compress): fields, and what they combine with."""
     dist, p, m = cfg.train.distill, cfg.train.prune, cfg.model
@@ -658,6 +706,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
     _check_quant(m.quant, m)
     _check_compress(cfg)
+    _check_lowrank(cfg)
     r = cfg.rnn
     _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
     for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):

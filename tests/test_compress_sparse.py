@@ -290,3 +290,59 @@ def test_movement_scores_take_the_straight_through_gradient():
     path = tuple(k.split("/"))
     np.testing.assert_array_equal(np.asarray(traverse.flatten_dict(out)[path])[revived],
                                   np.asarray(dense[k])[revived])
+
+
+# ---------------------------------------------------------------- low-rank
+
+
+def test_svd_at_full_rank_reproduces_the_layer_and_lower_ranks_are_eckart_young():
+    from hpnlp.compress import lowrank, qlinear
+    from hpnlp.config import QuantConfig
+    w = jnp.asarray(RNG.standard_normal((6, 2, 5)), jnp.float32)  # contraction (6, 2): K = 12
+    x = jnp.asarray(RNG.standard_normal((3, 4, 6, 2)), jnp.float32)
+
+    class Product(nn.Module):
+        @nn.compact
+        def __call__(self, x, w):
+            return qlinear.qeinsum(self, "w", "blhd,hdn->bln", x, w, QuantConfig(), kind="out",
+                                   dtype=jnp.float32)
+
+    dense = Product().apply({}, x, w)
+    full = lowrank.svd_factors(w, 2, 5)
+    assert full.u.shape == (6, 2, 5) and full.v.shape == (5, 5)
+    np.testing.assert_allclose(full.dense(), w, atol=1e-5)
+    np.testing.assert_allclose(Product().apply({}, x, full), dense, atol=1e-5)
+    low = lowrank.svd_factors(w, 2, 2)
+    s = np.linalg.svd(np.asarray(w).reshape(12, 5), compute_uv=False)
+    err = np.linalg.norm(np.asarray(low.dense() - w).ravel())
+    np.testing.assert_allclose(err ** 2, np.sum(s[2:] ** 2), rtol=1e-4)  # the optimal rank-2 error
+    assert lowrank.rank_for_energy(w, 2, 1.0) == 5
+    assert lowrank.kept_energy(w, 2, 2) == pytest.approx(np.sum(s[:2] ** 2) / np.sum(s ** 2), rel=1e-5)
+
+
+def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
+    from hpnlp.compress import lowrank
+    from hpnlp.train import Trainer
+    _, _, base = _teacher_workdir(tmp_path / "base", tiny("lm"))
+    cd = tiny("lm")
+    cd.model.lowrank.rank = 4
+    cd.train.init_from = str(tmp_path / "base")
+    tr = Trainer(from_configdict(cd), str(tmp_path / "lr"))
+    state, _ = tr.initial_state()
+    got = lowrank.report(state.params)
+    assert got["trunk/block_0/mlp_in/kernel"] == (4, (16, 32))
+    assert got["trunk/block_0/attention/qkv"] == (4, (16, 3, 2, 8))
+    f = state.params["trunk"]["block_0"]["mlp_in"]["kernel"]
+    w = base["trunk"]["block_0"]["mlp_in"]["kernel"]
+    np.testing.assert_allclose(f.dense(), lowrank.svd_factors(w, 1, 4).dense(), atol=1e-5)
+    u0 = np.asarray(f.u)  # the step donates the state's buffers
+    with tr._context():  # trains, and the factors are what it updates
+        for _ in range(2):  # the first step's learning rate is 0 (warmup)
+            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+        state2 = state
+    assert np.isfinite(float(m["loss"]))
+    assert not np.allclose(state2.params["trunk"]["block_0"]["mlp_in"]["kernel"].u, u0)
+    with pytest.raises(ConfigError, match=r"model\.lowrank\.rank.*qkv product is \[16, 48\], of rank "
+                                          r"at most 16"):
+        cd.model.lowrank.rank = 17
+        validate(from_configdict(cd))

@@ -96,12 +96,36 @@ class QWeight:
         return w.reshape(self.shape).astype(dtype)
 
 
+@flax.struct.dataclass
+class Factored:
+    """A product weight as two factors (hpnlp.compress.lowrank): W = U V with U
+    [*contraction shape, r] and V [r, *free shape], the weight's contraction axes first (as
+    every qeinsum weight is stored). `qeinsum` computes x U, then (x U) V."""
+
+    u: jax.Array
+    v: jax.Array
+
+    @property
+    def rank(self) -> int:
+        return self.u.shape[-1]
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.u.shape[:-1]) + tuple(self.v.shape[1:])
+
+    def dense(self):
+        """U V as the weight it replaces."""
+        r = self.rank
+        return (self.u.reshape(-1, r) @ self.v.reshape(r, -1)).reshape(self.shape)
+
+
 def param(module: nn.Module, name: str, *args):
-    """`module.param(name, *args)`, or the packed QWeight a quantized checkpoint holds there
-    (flax's own check would compare the packed codes' shape with the float weight's)."""
+    """`module.param(name, *args)`, or the packed QWeight (or the low-rank Factored weight)
+    a checkpoint holds there (flax's own check would compare their shapes with the float
+    weight's)."""
     if module.has_variable("params", name):
         value = module.get_variable("params", name)
-        if isinstance(value, (QWeight, Served)):
+        if isinstance(value, (QWeight, Served, Factored)):
             return value
     return module.param(name, *args)
 
@@ -262,6 +286,14 @@ def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, ki
     note_product(module, name, kind, parse_spec(spec)[1])
     if isinstance(w, Served):  # an integer kernel computes the whole product
         return _served_product(x, w, len(parse_spec(spec)[0]), dtype)
+    if isinstance(w, Factored):  # two products through the rank: x U, then (x U) V
+        n_contract = len(parse_spec(spec)[0])
+        lead, r = x.shape[:x.ndim - n_contract], w.rank
+        t = jnp.einsum("mk,kr->mr", x.reshape(-1, math.prod(x.shape[len(lead):])).astype(dtype),
+                       w.u.reshape(-1, r).astype(dtype), preferred_element_type=preferred_element_type)
+        y = jnp.einsum("mr,rn->mn", t.astype(dtype), w.v.reshape(r, -1).astype(dtype),
+                       preferred_element_type=preferred_element_type)
+        return y.reshape(lead + tuple(w.v.shape[1:]))
     if isinstance(w, QWeight) and _mutable(module, "qserve"):
         module.put_variable("qserve", name, prepare(w, q))
     if not q.applies(kind) and not isinstance(w, QWeight):

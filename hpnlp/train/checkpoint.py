@@ -15,6 +15,7 @@ restores under any number of processes and devices.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -68,6 +69,14 @@ def _shape_signature(cfg, members: int = 1) -> dict:
             v = getattr(sub, f)
             sig[f"{group}.{f}"] = dict(v) if f == "options" else v
     sig["train.clip_norm > 0"] = cfg.train.clip_norm > 0  # changes the optimizer-state tree
+    # Factorized products and the train state's carries change the state's arrays too; the
+    # keys appear only when set, so runs saved before they existed still resume.
+    if cfg.model.lowrank.rank:
+        sig["model.lowrank"] = dataclasses.asdict(cfg.model.lowrank)
+    if cfg.train.prune.method != "none":
+        sig["train.prune.method"] = cfg.train.prune.method
+    if cfg.train.distill.teacher:
+        sig["train.distill"] = "on"
     return json.loads(json.dumps(sig, default=str))
 
 
@@ -86,7 +95,8 @@ class Checkpointer:
         if os.path.exists(self.config_path):
             with open(self.config_path) as f:
                 saved = json.load(f).get("shape_signature", {})
-            diff = {k: (saved.get(k), v) for k, v in sig.items() if saved.get(k) != v}
+            diff = {k: (saved.get(k), sig.get(k)) for k in {**saved, **sig}
+                    if saved.get(k) != sig.get(k)}
             if diff and os.path.isdir(self.directory) and os.listdir(self.directory):
                 lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
                 raise CheckpointMismatch(
@@ -171,7 +181,8 @@ def restore_params(workdir: str, like):
     (Orbax partial restore): a distillation teacher (hpnlp.compress.distill), or the start
     of a fine-tuning run (`train.init_from`)."""
     manager, step = _newest(workdir)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                           sharding=getattr(a, "sharding", None)),
                             like)
     item = {"params": abstract}
     out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(

@@ -113,9 +113,19 @@ class Trainer:
         scale = cfg.train.loss_scale_init if cfg.model.dtype == "float16" else None
         # What methods carry between steps (XL memory, a teacher, pruning masks): train/carry.py.
         self.carries = carry_lib.for_config(cfg, token_counts=counts)
-        init = lambda key: init_state(model, tx, key, dummy_batch(self.task.kind, 1, cfg.data.seq_len),
-                                      loss_scale=scale, carries=self.carries,
-                                      batch_size=cfg.train.batch_size)
+        batch1 = dummy_batch(self.task.kind, 1, cfg.data.seq_len)
+        transform = None
+        if cfg.model.lowrank.rank:  # factorized products (hpnlp.compress.lowrank)
+            from hpnlp.compress import lowrank
+            transform = lowrank.init_transform(cfg, model, batch1)
+        init = lambda key: init_state(model, tx, key, batch1, loss_scale=scale,  # noqa: E731
+                                      carries=self.carries, batch_size=cfg.train.batch_size,
+                                      transform=transform)
+        # The parameters as the model initializes them (before any factorization): what a
+        # run named by train.init_from holds.
+        self.model_params = jax.eval_shape(
+            lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
+            jax.random.key(0))
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
@@ -142,8 +152,7 @@ class Trainer:
                     in_shardings=(self.state_sharding, self.batch_sharding, mem_sharding),
                     out_shardings=(None, mem_sharding))
         if cfg.train.init_from:  # refused here, before any compile, if the shapes differ
-            check_params_match(cfg.train.init_from, self.abstract_state.params,
-                               field="train.init_from")
+            check_params_match(cfg.train.init_from, self.model_params, field="train.init_from")
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
                                          members=getattr(self, "members", 1), read_only=read_only)
@@ -164,13 +173,26 @@ class Trainer:
             with self._context():
                 state = self._init(jax.random.key(self.cfg.seed))
                 if self.cfg.train.init_from:
-                    state = state.replace(params=restore_params(self.cfg.train.init_from,
-                                                                state.params))
+                    state = state.replace(params=self._params_from(self.cfg.train.init_from,
+                                                                   state.params))
                 carry = {c.name: c.start(state.carry[c.name], state.params) for c in self.carries}
                 return state.replace(carry=jax.device_put(carry, self.state_sharding.carry)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
         self.train_iter.set_state(data_state)
         return state, loop_state
+
+    def _params_from(self, workdir: str, like):
+        """The newest parameters of the run in `workdir` as this run starts from them: read
+        into `like`'s shardings, or (model.lowrank) read as the model's weights and then
+        factorized by truncated SVD."""
+        if not self.cfg.model.lowrank.rank:
+            return restore_params(workdir, like)
+        from hpnlp.compress import lowrank
+        dense = restore_params(workdir, self.model_params)
+        batch1 = dummy_batch(self.task.kind, 1, self.cfg.data.seq_len)
+        found = lowrank.targets(self.cfg, self.model, dense, batch1)
+        factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank))(dense)
+        return jax.device_put(factored, self.state_sharding.params)
 
     def eval_sums(self, state, eval_step=None) -> dict:
         """Host sums of `eval_step` (default: this trainer's, with memory for Transformer-XL

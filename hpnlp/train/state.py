@@ -69,14 +69,18 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
 
 def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None,
-               carries=(), batch_size: int = 1) -> TrainState:
+               carries=(), batch_size: int = 1, transform=None) -> TrainState:
     """Parameters and optimizer state (still boxed with logical axis names).
 
     `loss_scale`: the initial dynamic loss scale (float16 compute), None for no scaling.
     `carries`: hpnlp.train.carry entries, initialized for `batch_size` (the train batch).
+    `transform`: maps the model's initial (boxed) parameters to the ones the run trains
+    (low-rank factorization: hpnlp.compress.lowrank.init_transform).
     """
     params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
     params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
+    if transform is not None:
+        params = transform(params)
     import flax.linen as nn
     # From the boxed params: Adam moments inherit the logical axis names, so FSDP / tensor
     # rules shard them like the parameters instead of replicating them.

@@ -1,0 +1,106 @@
+"""Low-rank factorization: product weights as two products through a rank r (`model.lowrank.*`).
+
+    python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_r32 \\
+        --config.model.lowrank.rank=32 --config.train.init_from=/tmp/hpnlp/lm_bytes \\
+        --config.train.steps=200
+
+A chosen weight W (contraction axes first, flattened to [K, N]) becomes `qlinear.Factored`
+U [K, r], V [r, N] in the parameter tree, at W's own path; `qeinsum` computes x U and then
+(x U) V, so the layer's arithmetic and parameters fall from K N to r (K + N), and both
+factors train like any parameter (their logical axes are W's: U keeps the contraction's,
+V the output's).
+
+- Fine-tuning a trained run (`train.init_from` with `model.lowrank.rank`): the run's float
+  weights are restored and factorized by truncated SVD, U = U_r sqrt(S_r) and
+  V = sqrt(S_r) V_r^T, the best rank-r approximation in Frobenius norm (Eckart-Young); at
+  full rank it reproduces W.
+- From scratch: the model's random init factorized the same way.
+- `kept_energy` / `rank_for_energy`: the fraction of sum(S^2) a rank keeps, and the smallest
+  rank keeping a given fraction (per layer; `model.lowrank.rank` is one rank for all).
+
+Kinds: the Transformer's `qkv`, `out`, `mlp` and the classifier heads (`model.lowrank.layers`).
+The embedding, the output layer and the LSTM's products stay dense for now.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import flax.traverse_util as traverse
+import jax
+import jax.numpy as jnp
+
+from hpnlp.compress import qlinear
+from hpnlp.compress.qlinear import Factored
+
+
+def _matrix(w, k_dims: int):
+    return w.reshape(math.prod(w.shape[:k_dims]), -1).astype(jnp.float32)
+
+
+def singular_values(w, k_dims: int):
+    return jnp.linalg.svd(_matrix(w, k_dims), compute_uv=False)
+
+
+def svd_factors(w, k_dims: int, rank: int) -> Factored:
+    """Truncated SVD of W (contraction axes first) at `rank`: the best rank-r W = U V."""
+    u, s, vt = jnp.linalg.svd(_matrix(w, k_dims), full_matrices=False)
+    root = jnp.sqrt(s[:rank])
+    U = (u[:, :rank] * root[None, :]).reshape(tuple(w.shape[:k_dims]) + (rank,))
+    V = (root[:, None] * vt[:rank]).reshape((rank,) + tuple(w.shape[k_dims:]))
+    return Factored(u=U.astype(w.dtype), v=V.astype(w.dtype))
+
+
+def kept_energy(w, k_dims: int, rank: int) -> float:
+    s2 = jnp.square(singular_values(w, k_dims))
+    return float(jnp.sum(s2[:rank]) / jnp.sum(s2))
+
+
+def rank_for_energy(w, k_dims: int, energy: float) -> int:
+    """Smallest r whose truncated SVD keeps `energy` of sum(S^2)."""
+    s2 = jnp.square(singular_values(w, k_dims))
+    frac = jnp.cumsum(s2) / jnp.sum(s2)
+    return int(jnp.searchsorted(frac, energy - 1e-7) + 1)
+
+
+def targets(cfg, model, params, batch) -> dict:
+    """{path tuple: Product} of the weights `model.lowrank` factorizes."""
+    found = qlinear.products(model, params, batch)
+    return {k: v for k, v in found.items() if cfg.model.lowrank.applies(v.kind)}
+
+
+def factorize(params, products: dict, rank: int):
+    """`params` (arrays, or boxed with logical axis names) with every weight in `products`
+    replaced by its rank-`rank` Factored (boxed like the weight: U keeps the contraction's
+    names, V the output's)."""
+    flat = traverse.flatten_dict(params)
+    for path, prod in products.items():
+        w = flat[path]
+        k = len(prod.contraction)
+        if isinstance(w, nn.LogicallyPartitioned):
+            f = svd_factors(w.value, k, rank)
+            names = tuple(w.names)
+            flat[path] = Factored(u=nn.LogicallyPartitioned(f.u, names[:k] + (None,)),
+                                  v=nn.LogicallyPartitioned(f.v, (None,) + names[k:]))
+        else:
+            flat[path] = svd_factors(w, k, rank)
+    return traverse.unflatten_dict(flat)
+
+
+def init_transform(cfg, model, batch):
+    """For `init_state`: the model's initial parameters with `model.lowrank`'s weights
+    factorized (the same shapes a factorized checkpoint has)."""
+    def transform(params):
+        return factorize(params, targets(cfg, model, nn.unbox(params), batch), cfg.model.lowrank.rank)
+    return transform
+
+
+def is_factored(x) -> bool:
+    return isinstance(x, Factored)
+
+
+def report(params) -> dict:
+    """{path: (rank, shape)} of the factorized weights in a parameter tree."""
+    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: is_factored(x))
+    return {"/".join(k): (v.rank, v.shape) for k, v in flat.items() if is_factored(v)}
