@@ -270,10 +270,11 @@ def test_movement_scores_take_the_straight_through_gradient():
         return traverse.unflatten_dict(f)
 
     masked = with_masks(value["scores"])
-    grads = jax.grad(loss)(masked)
-    d_scores = jax.grad(lambda s: loss(with_masks(s)))(value["scores"])
+    grads, d_scores = jax.jit(lambda m, s: (jax.grad(loss)(m), jax.grad(
+        lambda s: loss(with_masks(s)))(s)))(masked, value["scores"])
     updated = jax.tree.map(lambda p: p + 0.01, masked)  # what an optimizer step left
-    out, new = c.after_update(value, updated, grads, jnp.int32(1))  # no mask update at step 1
+    after = jax.jit(c.after_update)
+    out, new = after(value, updated, grads, jnp.int32(1))  # no mask update at step 1
     out_flat, up_flat = traverse.flatten_dict(out), traverse.flatten_dict(updated)
     for k in value["masks"]:
         path, m = tuple(k.split("/")), np.asarray(value["masks"][k])
@@ -283,7 +284,7 @@ def test_movement_scores_take_the_straight_through_gradient():
         np.testing.assert_array_equal(np.asarray(new["dense"][k])[m], np.asarray(up_flat[path])[m])
         assert not np.any(np.asarray(out_flat[path])[~m])
     # a mask update ranks the scores afresh: some pruned entries come back
-    out, new = c.after_update(value, updated, grads, jnp.int32(2))
+    out, new = after(value, updated, grads, jnp.int32(2))
     k = "trunk/block_0/mlp_in/kernel"
     revived = np.asarray(new["masks"][k]) & ~np.asarray(value["masks"][k])
     assert revived.any()
