@@ -70,6 +70,11 @@ REMAT_NAMES = ("qkv", "context", "attention_out", "mlp_in")
 QUANT_LAYERS = ("qkv", "out", "mlp", "output", "head", "input", "recurrent")
 
 
+def layers_name(layers: str, kind: str) -> bool:
+    """Whether a `layers` field ("all" or a comma list of product kinds) names `kind`."""
+    return layers == "all" or kind in (n.strip() for n in layers.split(","))
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """Quantization of the model's matrix products (hpnlp.compress; `quant.*` on any
@@ -100,9 +105,7 @@ class QuantConfig:
 
     def applies(self, kind: str) -> bool:
         """Whether products of this kind (a QUANT_LAYERS name) are quantized."""
-        if not self.enabled:
-            return False
-        return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
+        return self.enabled and layers_name(self.layers, kind)
 
 
 LOWRANK_LAYERS = ("qkv", "out", "mlp", "head")  # products model.lowrank can factorize
@@ -117,9 +120,7 @@ class LowRankConfig:
     layers: str = "qkv,out,mlp"  # comma list of LOWRANK_LAYERS, or "all"
 
     def applies(self, kind: str) -> bool:
-        if not self.rank:
-            return False
-        return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
+        return bool(self.rank) and layers_name(self.layers, kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +246,7 @@ class PruneConfig:
         return int(n), int(m)
 
     def applies(self, kind: str) -> bool:
-        return self.layers == "all" or kind in (n.strip() for n in self.layers.split(","))
+        return layers_name(self.layers, kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,12 +537,7 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
     if q.activations == "binary" and q.weights != "binary":
         _fail("quant.activations", q.activations, "binary activations are XNOR-Net's binary "
               "products and need quant.weights='binary'")
-    if q.layers != "all":
-        names = [n.strip() for n in q.layers.split(",")]
-        bad = [n for n in names if n not in QUANT_LAYERS]
-        if bad or not names:
-            _fail("quant.layers", q.layers, f"'all' or a comma list of {list(QUANT_LAYERS)} "
-                  f"(unknown: {bad})")
+    _check_layers("quant.layers", q.layers, QUANT_LAYERS)
     if q.enabled and m.arch == "transformer_xl":
         _fail("quant.weights", q.weights, "Transformer-XL's relative-position attention has its "
               "own products, not yet quantizable; quantize model.arch='transformer' or an LSTM/GRU")
@@ -561,6 +557,16 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
                       "groups split each product's contraction); choose a divisor of it")
 
 
+def _check_layers(field: str, layers: str, allowed) -> None:
+    """A `layers` field: "all" or a comma list of `allowed` product kinds."""
+    if layers == "all":
+        return
+    names = [n.strip() for n in layers.split(",")]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        _fail(field, layers, f"'all' or a comma list of {list(allowed)} (unknown: {bad})")
+
+
 def _check_lowrank(cfg: Config) -> None:
     """`model.lowrank`: the rank against every chosen product's shape, what it combines with."""
     lr, m = cfg.model.lowrank, cfg.model
@@ -568,9 +574,7 @@ def _check_lowrank(cfg: Config) -> None:
         _fail("model.lowrank.rank", lr.rank, "must be an integer >= 0 (0: no factorization)")
     if not lr.rank:
         return
-    names = [n.strip() for n in lr.layers.split(",")]
-    if lr.layers != "all" and (not names or any(n not in LOWRANK_LAYERS for n in names)):
-        _fail("model.lowrank.layers", lr.layers, f"'all' or a comma list of {list(LOWRANK_LAYERS)}")
+    _check_layers("model.lowrank.layers", lr.layers, LOWRANK_LAYERS)
     if m.arch != "transformer" and any(lr.applies(k) for k in ("qkv", "out", "mlp")):
         _fail("model.lowrank.layers", lr.layers, f"model.arch={m.arch!r} has no qkv/out/mlp "
               "products; factorize a Transformer, or set model.lowrank.layers='head'")
@@ -581,14 +585,14 @@ def _check_lowrank(cfg: Config) -> None:
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
                   f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
                   f"rank or drop {kind!r} from model.lowrank.layers")
-    for field, on in (("quant.weights", m.quant.enabled), ("train.prune.method",
-                                                          cfg.train.prune.method != "none"),
-                      ("model.stack_layers", m.stack_layers), ("model.reversible", m.reversible)):
+    for field, value, on in (("quant.weights", m.quant.weights, m.quant.enabled),
+                             ("train.prune.method", cfg.train.prune.method,
+                              cfg.train.prune.method != "none"),
+                             ("model.stack_layers", True, m.stack_layers),
+                             ("model.reversible", True, m.reversible)):
         if on:
-            _fail(field, getattr(m.quant, "weights") if field.startswith("quant") else
-                  (cfg.train.prune.method if field.startswith("train") else True),
-                  "is not combined with model.lowrank yet; factorize (and fine-tune) first, "
-                  "or set model.lowrank.rank=0")
+            _fail(field, value, "is not combined with model.lowrank yet; factorize (and "
+                  "fine-tune) first, or set model.lowrank.rank=0")
 
 
 def _check_compress(cfg: Config) -> None:
@@ -626,9 +630,7 @@ def _check_compress(cfg: Config) -> None:
     if p.schedule == "cubic" and end <= p.start_step:
         _fail("train.prune.end_step", p.end_step, f"the cubic schedule needs end_step (0: "
               f"train.steps={cfg.train.steps}) after start_step={p.start_step}")
-    names = [n.strip() for n in p.layers.split(",")]
-    if p.layers != "all" and (not names or any(n not in QUANT_LAYERS for n in names)):
-        _fail("train.prune.layers", p.layers, f"'all' or a comma list of {list(QUANT_LAYERS)}")
+    _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
     if p.structure != "unstructured":
         try:
             n, mm = (int(v) for v in p.structure.split(":"))

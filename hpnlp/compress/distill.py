@@ -1,7 +1,7 @@
 """Knowledge distillation: a student trains against a frozen teacher in the same jitted step.
 
-    python -m hpnlp.main --config experiments/byte_lm.py --workdir /tmp/student \\
-        --config.model.depth=2 --config.train.distill.teacher=/tmp/hpnlp/byte_lm
+    python -m hpnlp.main --config experiments/lm.py --workdir /tmp/student \\
+        --config.model.depth=1 --config.train.distill.teacher=/tmp/hpnlp/lm_bytes
 
 The teacher is any hpnlp run of the same task and vocabulary (its `config.json` and newest
 checkpoint). Its parameters are the `teacher` carry of the student's train state
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config, config_error, validate
+from hpnlp.train.carry import Carry
 
 
 def soft_cross_entropy(logp_teacher, logp_student, temperature: float):
@@ -70,15 +71,14 @@ def lm_soft_loss(student, params, teacher, teacher_params, h_BLE, t_BLE, mask_BL
     return jnp.sum(jnp.where(mask_BL, soft_BL, 0.0))
 
 
-class TeacherCarry:
+class TeacherCarry(Carry):
     """The `teacher` entry of the train state: the teacher's parameters (module doc)."""
 
     name = "teacher"
-    accumulates = True
 
     def __init__(self, cfg: Config, *, token_counts=None):
         from hpnlp import models
-        from hpnlp.compress.ptq import load_run_config
+        from hpnlp.train.checkpoint import load_run_config
 
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
@@ -98,7 +98,9 @@ class TeacherCarry:
         self.teacher = models.build(tcfg, deterministic=True, token_counts=token_counts)
 
     def init(self, model, params, batch, batch_size: int):
-        del model, params, batch_size  # placeholders of the right shapes; `start` fills them
+        """The teacher's parameters as its model initializes them: the entry's shapes and
+        logical axes (so shardings); `start` restores the trained values into them."""
+        del model, params, batch_size
         return self.teacher.init({"params": jax.random.key(0)}, batch)["params"]
 
     def start(self, value, params):
@@ -137,6 +139,3 @@ class TeacherCarry:
                         loss_hard=hard["loss"], loss_soft=soft)
             return sums, carry
         return distill_loss
-
-    def after_update(self, value, params, grads, step):
-        return params, value

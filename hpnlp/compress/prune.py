@@ -1,6 +1,6 @@
 """Pruning: masks in the train state, applied after every optimizer update (`train.prune.*`).
 
-    python -m hpnlp.main --config experiments/byte_lm.py --workdir /tmp/pruned \\
+    python -m hpnlp.main --config experiments/lm.py --workdir /tmp/pruned \\
         --config.train.prune.method=magnitude --config.train.prune.sparsity=0.75 \\
         --config.train.prune.schedule=cubic
 
@@ -47,6 +47,7 @@ import numpy as np
 
 from hpnlp.compress import qlinear
 from hpnlp.config import Config, PruneConfig
+from hpnlp.train.carry import Carry
 
 
 def sparsity_at(p: PruneConfig, step, total_steps: int):
@@ -165,11 +166,10 @@ def sparsity_report(params, masks: dict) -> dict:
     return out
 
 
-class PruneCarry:
+class PruneCarry(Carry):
     """The `prune` entry of the train state: {"masks": {path: bool mask}} (module doc)."""
 
     name = "prune"
-    accumulates = True
 
     def __init__(self, cfg: Config):
         self.cfg, self.p = cfg, cfg.train.prune
@@ -242,8 +242,7 @@ class PruneCarry:
                              lambda m: m, value["masks"])
         new["masks"] = masks
         if self.p.method == "movement":  # pruned entries of the parameters are zero; revived
-            flat = traverse.flatten_dict(params)  # ones come back with their dense value
-            for k, w in weights.items():
+            for k, w in weights.items():  # ones come back with their dense value
                 flat[_path(k)] = w
             params = traverse.unflatten_dict(flat)
         return apply_masks(params, masks), new

@@ -45,6 +45,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp.config import Config, ModelConfig
+from hpnlp.train.carry import Carry
 from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_block,
                                       sinusoidal_table)
 
@@ -80,13 +81,12 @@ def boxed_memory(cfg: Config, batch_size: int) -> Memory:
                   nn.LogicallyPartitioned(mem.valid_BM, ("batch", None)))
 
 
-class MemoryCarry:
+class MemoryCarry(Carry):
     """The memory as the train state's `memory` carry (hpnlp.train.carry): each step's
     segment reads the previous one's memory and leaves its own (stop-gradient inside the
     model, so no gradient crosses the step boundary)."""
 
-    name = "memory"
-    accumulates = False  # row b of a batch continues row b of the last: no microbatches
+    name = "memory"  # validate keeps train.grad_accum at 1: row b continues row b of the last batch
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -94,20 +94,14 @@ class MemoryCarry:
     def init(self, model, params, batch, batch_size: int) -> Memory:
         return boxed_memory(self.cfg, batch_size)
 
-    def start(self, value, params):
-        return value
-
     def loss(self, model, inner):
         del inner  # the memory replaces the model's plain loss (validate: nothing else wraps it)
 
         def memory_loss(params, carry, batch, rngs):
             sums, memory = model.apply({"params": params}, batch, carry["memory"],
-                                            method="loss_and_memory", rngs=rngs)
+                                       method="loss_and_memory", rngs=rngs)
             return sums, {**carry, "memory": memory}
         return memory_loss
-
-    def after_update(self, value, params, grads, step):
-        return params, value
 
 
 def memory_sharding(cfg: Config, batch_size: int, mesh, rules) -> Memory:

@@ -31,9 +31,7 @@ LossFn = Callable[..., tuple[dict, dict]]  # (params, carry, batch, rngs) -> (su
 
 
 class Carry:
-    """A method's entry in `TrainState.carry` (module doc). Subclasses override what they
-    use; a carry defined beside a model (transformer_xl.MemoryCarry) has the same methods
-    without importing this module."""
+    """A method's entry in `TrainState.carry` (module doc). Subclasses override what they use."""
 
     name: str = ""
 
@@ -48,11 +46,6 @@ class Carry:
 
     def after_update(self, value, params, grads, step):
         return params, value
-
-    @property
-    def accumulates(self) -> bool:
-        """Whether the loss may run over microbatches (train.grad_accum > 1) with this entry."""
-        return True
 
 
 def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:

@@ -122,10 +122,12 @@ class Trainer:
                                       carries=self.carries, batch_size=cfg.train.batch_size,
                                       transform=transform)
         # The parameters as the model initializes them (before any factorization): what a
-        # run named by train.init_from holds.
-        self.model_params = jax.eval_shape(
-            lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
-            jax.random.key(0))
+        # run named by train.init_from holds (traced only for such a run).
+        self.model_params = None
+        if cfg.train.init_from:
+            self.model_params = jax.eval_shape(
+                lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
+                jax.random.key(0))
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
