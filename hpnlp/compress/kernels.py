@@ -30,7 +30,8 @@ Prepared weights are runtime objects, not a storage format: a panel layout belon
 build.
 
 `python -m hpnlp.compress.kernels` times the [2048, 1024 -> 4096] layer and int4
-decoding against float32 XLA (`time_linear`).
+decoding against float32 XLA (`time_linear`), with freed buffers kept for reuse
+(`hpnlp.kernels.reuse_freed_memory`; `--malloc default` shows glibc's page faults).
 
 Shape letters: M rows (tokens), K contraction, N output channels, Kb = ceil(K/8) packed
 bytes of bits, Kh = ceil(K/2) packed int4 pairs, G scale groups along K.
@@ -69,10 +70,10 @@ _MIN_PARALLEL_MACS = 1 << 21
 # Blocking of the int8 and binary products: mc rows per work item (a thread keeps their
 # activations in L2 while it walks its weight panels) and mr rows per register block.
 # Chosen per CPU on first use at the probe shape (`hpnlp.kernels.tuning`); `blocking=`
-# overrides. mr candidates are valid on every build (int8 allows 6 rows, 8 with VNNI;
-# binary 4, 8 with VPOPCNTDQ).
+# overrides. The defaults run on every build; wider register blocks only where the build
+# has them (int8: 6 rows, 8 with VNNI; binary: 4, 6 with VPOPCNTDQ's 32-column panels).
 DEFAULT_BLOCKING = {"int8": {"mc": 128, "mr": 6}, "binary": {"mc": 128, "mr": 4}}
-_MR = {"int8": (4, 6), "binary": (2, 4)}
+_MR = {"int8": (4, 6, 8), "binary": (2, 3, 4, 6)}
 PROBE = dict(M=512, K=1024, N=1024)
 
 
@@ -90,7 +91,8 @@ def _probe(kind: int):
 TUNINGS = {name: tuning.Tuning(
     KERNEL, name, default=DEFAULT_BLOCKING[name], probe=_probe(kind),
     candidates=[{"mc": mc, "mr": mr} for mc in (64, 128, 256, 512) for mr in _MR[name]],
-    shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
+    shape=" ".join(f"{k}={v}" for k, v in PROBE.items()),
+    applies=lambda lib, cfg, name=name: cfg["mr"] <= layout()[f"{name}_max_mr"])
     for kind, name in enumerate(("int8", "binary"))}
 
 
@@ -489,9 +491,18 @@ def time_linear(M: int, K: int, N: int, *, repeats: int = 5, group: int = 128,
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     """Print the layer times, GOP/s and ratios against float32 XLA."""
-    print(f"paths: {layout() if available() else unavailable_reason()}")
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m hpnlp.compress.kernels")
+    p.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
+                   help="reuse: freed large buffers stay mapped (hpnlp.kernels.reuse_freed_memory, "
+                        "as the benchmarks run); default: glibc's own (every large output "
+                        "page-faults in again each call)")
+    args = p.parse_args(argv)
+    if args.malloc == "reuse":
+        kernels.reuse_freed_memory()
+    print(f"paths: {layout() if available() else unavailable_reason()}; malloc: {args.malloc}")
     for M, K, N in ((2048, 1024, 4096), (1, 512, 512), (1, 1024, 1024), (1, 2048, 2048),
                     (16, 2048, 2048)):
         secs = time_linear(M, K, N, repeats=5 if M > 1 else 50)

@@ -73,14 +73,16 @@ typedef int16_t I8X;
 inline I8X i8_x(int q) { return static_cast<int16_t>(q); }
 #endif
 
+// B_NB columns per binary panel: four zmm of 64-bit words with VPOPCNTDQ (a register
+// block of R rows x 32 columns loads each x word once for four popcounts, so broadcasts
+// and the epilogue are spread over 4x the products), two ymm on AVX2.
 #if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__)
-constexpr int B_PATH = 2, B_MR = 8, B_XW = 1;  // words per k-word: x scratch, weight panel
+constexpr int B_PATH = 2, B_MR = 6, B_XW = 1, B_NB = 32;  // B_XW: words per k-word
 #elif defined(__AVX2__)
-constexpr int B_PATH = 1, B_MR = 4, B_XW = 2;  // (low nibbles, high nibbles)
+constexpr int B_PATH = 1, B_MR = 4, B_XW = 2, B_NB = 8;  // (low nibbles, high nibbles)
 #else
-constexpr int B_PATH = 0, B_MR = 4, B_XW = 1;
+constexpr int B_PATH = 0, B_MR = 4, B_XW = 1, B_NB = 8;
 #endif
-constexpr int B_NB = 8;  // columns per binary panel: one zmm of words, two ymm
 
 constexpr int I4_NB = 16, I4_MR = 4;  // columns per int4 panel: one vf
 constexpr int I4_MC = 64;             // rows per int4 work item
@@ -504,20 +506,22 @@ template <int R>
 inline void b_block(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int32_t (*t)[B_NB]) {
   if constexpr (B_PATH == 2) {
 #if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__)
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    constexpr int C = B_NB / 8;  // zmm of 8 columns' words
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
     for (int k = 0; k < kw; ++k) {
-      const __m512i w = _mm512_loadu_si512(p + size_t(k) * B_NB * 8);
+      __m512i w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(p + (size_t(k) * B_NB + 8 * c) * 8);
       for (int r = 0; r < R; ++r) {
         const __m512i a = _mm512_set1_epi64(static_cast<long long>(x[r * ldx + k]));
-        acc[r] = _mm512_add_epi64(acc[r], _mm512_popcnt_epi64(_mm512_xor_si512(a, w)));
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = _mm512_add_epi64(acc[r][c], _mm512_popcnt_epi64(_mm512_xor_si512(a, w[c])));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      alignas(64) int64_t s[8];
-      _mm512_store_si512(s, acc[r]);
-      for (int c = 0; c < B_NB; ++c) t[r][c] = int32_t(s[c]);
-    }
+    for (int r = 0; r < R; ++r)  // counts <= K < 2^31: the low dwords
+      for (int c = 0; c < C; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r] + 8 * c), _mm512_cvtepi64_epi32(acc[r][c]));
 #endif
   } else if constexpr (B_PATH == 1) {
 #if defined(__AVX2__)
@@ -589,6 +593,17 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
     b_block<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, t);
     for (int r = 0; r < R; ++r) {
       const size_t row = size_t(r0 + r) * g.N + n0;
+#if defined(__AVX2__)
+      if (nn == B_NB && g.out_f && g.K < (1 << 24)) {  // 8 columns a step: (K - 2 count) * beta * alpha
+        const __m256 beta = _mm256_set1_ps(g.beta[r0 + r]), kf = _mm256_set1_ps(float(g.K));
+        for (int c = 0; c < B_NB; c += 8) {
+          const __m256 cnt = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[r] + c)));
+          const __m256 v = _mm256_fnmadd_ps(_mm256_set1_ps(2.0f), cnt, kf);  // exact: |v| <= K < 2^24
+          _mm256_storeu_ps(g.out_f + row + c, _mm256_mul_ps(_mm256_mul_ps(v, beta), _mm256_loadu_ps(g.alpha + n0 + c)));
+        }
+        continue;
+      }
+#endif
       int32_t v[B_NB];
       for (int c = 0; c < B_NB; ++c) v[c] = g.K - 2 * t[r][c];  // padding bits are 0 in both
       if (g.out_i) {

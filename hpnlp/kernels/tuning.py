@@ -65,11 +65,15 @@ class Tuning:
 
     def __init__(self, kernel, name: str, *, default: dict[str, int],
                  candidates: list[dict[str, int]], probe: Callable[[object, dict], float],
-                 shape: str, repeats: int = 3, budget_s: float = 20.0):
+                 shape: str, repeats: int = 3, budget_s: float = 20.0,
+                 applies: Callable[[object, dict], bool] | None = None):
         candidates = [default, *(c for c in candidates if c != default)]  # the default first
         self.kernel, self.name = kernel, name
         self.default, self.candidates = dict(default), [dict(c) for c in candidates]
         self.probe, self.shape = probe, shape
+        # applies(lib, cfg): whether this build can run cfg (a register block past the
+        # build's widest is skipped, not timed); the default must always apply.
+        self.applies = applies
         self.repeats, self.budget_s = repeats, budget_s
         self._lock = threading.Lock()
         self._config: dict | None = None
@@ -153,6 +157,8 @@ class Tuning:
         start = time.perf_counter()
         timings = []
         for cfg in self.candidates:  # the default first
+            if self.applies is not None and not self.applies(lib, cfg):
+                continue
             first = self.probe(lib, cfg)  # also the warmup: pages, caches, frequency
             runs = max(self.repeats, min(50, int(MIN_TIME_S / max(first, 1e-6))))
             best = min(self.probe(lib, cfg) for _ in range(runs))
