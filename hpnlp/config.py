@@ -131,6 +131,10 @@ class ModelConfig:
     width: int = 128  # d_model
     depth: int = 2  # number of Transformer blocks
     num_heads: int = 4
+    # Size of each head's queries, keys and values; 0: width / num_heads. Set explicitly by
+    # structured pruning's shrink (hpnlp.compress.prune.shrink), which removes heads and keeps
+    # their size.
+    head_dim: int = 0
     mlp_dim: int = 512
     dropout: float = 0.1
     max_len: int = 512  # size of the learned position table
@@ -159,6 +163,10 @@ class ModelConfig:
     # The config's `quant` group (hpnlp.compress): every product the model builds reads it.
     quant: QuantConfig = QuantConfig()
     lowrank: LowRankConfig = LowRankConfig()  # `model.lowrank.*`: factorized products
+
+    def dims_per_head(self) -> int:
+        """D, each head's size: `head_dim`, or width / num_heads when it is 0."""
+        return self.head_dim or self.width // self.num_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +231,9 @@ class PruneConfig:
     # "layer": every weight to `sparsity` | "global": one magnitude threshold over them all
     scope: str = "layer"
     # "unstructured" | "N:M" (e.g. "2:4": N kept in every M consecutive weights along the
-    # contraction; the sparsity is then 1 - N/M)
+    # contraction; the sparsity is then 1 - N/M) | "structured": whole attention heads (when
+    # `layers` names qkv or out) and MLP neurons (mlp), `sparsity` of each block's heads and
+    # of its neurons; `python -m hpnlp.compress shrink` then removes them
     structure: str = "unstructured"
     # "oneshot": prune at `start_step` | "cubic": gradual, from 0 at `start_step` to
     # `sparsity` at `end_step`, masks recomputed every `every` steps (Zhu & Gupta 2017)
@@ -240,7 +250,7 @@ class PruneConfig:
 
     def nm(self) -> tuple[int, int] | None:
         """(N, M) for an "N:M" structure, else None."""
-        if self.structure == "unstructured":
+        if self.structure in ("unstructured", "structured"):
             return None
         n, m = self.structure.split(":")
         return int(n), int(m)
@@ -631,14 +641,32 @@ def _check_compress(cfg: Config) -> None:
         _fail("train.prune.end_step", p.end_step, f"the cubic schedule needs end_step (0: "
               f"train.steps={cfg.train.steps}) after start_step={p.start_step}")
     _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
-    if p.structure != "unstructured":
+    if p.structure == "structured":
+        if m.arch != "transformer":
+            _fail("train.prune.structure", p.structure, "structured pruning removes Transformer "
+                  f"heads and MLP neurons; model.arch={m.arch!r} has none (LSTM/GRU hidden units "
+                  "cannot be removed yet): use 'unstructured' or 'N:M'")
+        if p.method not in ("magnitude", "random"):
+            _fail("train.prune.method", p.method, "structured pruning ranks whole heads and "
+                  "neurons by 'magnitude' (their weights' L2 norm) or 'random'")
+        if p.scope != "layer":
+            _fail("train.prune.scope", p.scope, "structured pruning removes the same number of "
+                  "heads and neurons from every block (so the shrunk model is one config); set "
+                  "train.prune.scope='layer'")
+        extra = sorted(k for k in QUANT_LAYERS if layers_name(p.layers, k)
+                       and k not in ("qkv", "out", "mlp", "input", "recurrent"))
+        if extra:
+            _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out) "
+                  f"and MLP neurons (mlp); {extra} have no such units")
+    elif p.structure != "unstructured":
         try:
             n, mm = (int(v) for v in p.structure.split(":"))
         except ValueError:
             n = mm = None
         if n is None or not 0 < n < mm:
-            _fail("train.prune.structure", p.structure, "'unstructured' or 'N:M' with 0 < N < M "
-                  "(e.g. '2:4': 2 kept in every 4 weights along the contraction)")
+            _fail("train.prune.structure", p.structure, "'unstructured', 'structured' (heads and "
+                  "MLP neurons) or 'N:M' with 0 < N < M (e.g. '2:4': 2 kept in every 4 weights "
+                  "along the contraction)")
         if p.scope != "layer":
             _fail("train.prune.scope", p.scope, "N:M groups are pruned each on its own; set "
                   "train.prune.scope='layer'")
@@ -664,9 +692,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_choice("model.kind", m.kind, ("lm", "classifier", "dual_encoder"))
     for name in ("width", "depth", "num_heads", "mlp_dim", "max_len"):
         _check_positive(f"model.{name}", getattr(m, name))
-    if m.width % m.num_heads:
+    if not isinstance(m.head_dim, int) or m.head_dim < 0:
+        _fail("model.head_dim", m.head_dim, "must be an integer >= 0 (0: width / num_heads)")
+    if not m.head_dim and m.width % m.num_heads:
         _fail("model.width", m.width,
-              f"must be divisible by model.num_heads={m.num_heads} (head_dim = width / heads)")
+              f"must be divisible by model.num_heads={m.num_heads} (head_dim = width / heads), "
+              "or set model.head_dim")
     if not 0.0 <= m.dropout < 1.0:
         _fail("model.dropout", m.dropout, "must be in [0, 1)")
     _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal"))
@@ -854,7 +885,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     # Every dimension the rules shard must split evenly over its mesh axes.
     dims = {"heads": {"model.num_heads": m.num_heads}, "mlp": {"model.mlp_dim": m.mlp_dim},
             "vocab": {"model.vocab_size": model.vocab_size}, "embed": {"model.width": m.width},
-            "kv": {"model.width / model.num_heads": m.width // m.num_heads},
+            "kv": {"model.head_dim": m.dims_per_head()},
             "layers": {"model.depth": m.depth}}
     for logical, named in dims.items():
         split = math.prod(sizes[a] for a in mesh.mesh_axes_of(logical))

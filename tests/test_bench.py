@@ -330,24 +330,32 @@ def test_quant_bench_targets_and_table_from_a_payload():
 def test_compress_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import compress
 
-    def row(model, method, value, params=1000, fwd=0.02, **kw):
+    def row(model, method, value, params=1000, fwd=0.02, teacher_fwd=0.04, **kw):
         return {"model": model, "method": method, "setting": "", "params": params,
                 "size_bytes": params * 4, "metric": "loss" if model == "byte LM" else "accuracy",
-                "value": value, "eval": {}, "forward_s": fwd, **kw}
+                "value": value, "eval": {}, "forward_s": fwd, "teacher_forward_s": teacher_fwd, **kw}
     distill = [row("byte LM", "teacher", 1.5, 4000, 0.04), row("byte LM", "student, scratch", 2.1),
                row("byte LM", "student, distilled", 1.7),
                row("text classifier", "teacher", 0.80), row("text classifier", "student, scratch", 0.60),
                row("text classifier", "student, distilled", 0.65)]
     pipeline = [row("byte LM", "distill + prune 50% + int8", 1.8, teacher_size_bytes=16000)]
     pipeline[0]["size_bytes"] = 1000
-    t = compress._targets(distill, pipeline)
+    structured = [row("byte LM", "structured prune + shrink", 1.53, 2000, fwd=0.025,
+                      half_params=True, teacher_value=1.5),
+                  row("byte LM", "dense, scratch", 1.6, 2000, fwd=0.025, teacher_value=1.5)]
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "distill": distill, "prune": [], "structured": structured, "pipeline": pipeline}
+    t = payload["targets"] = compress._targets(payload)
     assert t["distill_gap_closed_lm"]["value"] == pytest.approx(0.4 / 0.6)  # loss: lower is better
     assert t["distill_gap_closed_lm"]["met"]
     assert t["distill_gap_closed_text"]["value"] == pytest.approx(0.25)  # accuracy: higher is better
     assert not t["distill_gap_closed_text"]["met"]
     assert t["pipeline_size_ratio"]["value"] == pytest.approx(16.0) and t["pipeline_size_ratio"]["met"]
-    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
-                           "versions": {}},
-               "distill": distill, "prune": [], "pipeline": pipeline, "targets": t}
+    assert t["structured_half_params_speedup"]["value"] == pytest.approx(1.6)
+    assert t["structured_half_params_loss_rel"]["value"] == pytest.approx(0.02)
+    assert t["lowrank_half_params_speedup"]["value"] is None  # not run: never met
+    assert not t["lowrank_half_params_speedup"]["met"]
     md = compress._markdown(payload)
     assert "`distill_gap_closed_text`" in md and "| NO |" in md and "2.00x" in md  # student vs teacher
+    assert "structured prune + shrink" in md and "1.60x" in md

@@ -105,6 +105,49 @@ def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_same_model(tmp_path):
+    """Heads and MLP neurons pruned as units (every weight a unit owns exactly zero through
+    steps), then `shrink_run` writes a smaller dense run that computes what the masked one
+    computed, and refuses a run that was not pruned structurally."""
+    from hpnlp.compress.__main__ import main as compress_main
+    from hpnlp.train import Trainer
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.5, structure="structured",
+                         schedule="oneshot", start_step=1))
+    cd.model.update(num_heads=4, depth=2)  # head_dim 4; 2 of 4 heads and 16 of 32 neurons go
+    cfg = from_configdict(cd)
+    tr = Trainer(cfg, str(tmp_path / "pruned"))
+    state, _ = tr.initial_state()
+    with tr._context():
+        for _ in range(3):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+    groups = {k: np.asarray(v) for k, v in state.carry["prune"]["groups"].items()}
+    assert sorted(groups) == [f"trunk/block_{i}/{u}" for i in (0, 1) for u in ("heads", "neurons")]
+    assert all(int(g.sum()) == g.size // 2 for g in groups.values())
+    flat = traverse.flatten_dict(state.params)
+    qkv, out = (np.asarray(flat[("trunk", "block_1", "attention", n)]) for n in ("qkv", "out"))
+    gone = ~groups["trunk/block_1/heads"]
+    assert not qkv[:, :, gone].any() and not out[gone].any() and qkv[:, :, ~gone].all()
+    gone = ~groups["trunk/block_0/neurons"]
+    for path, ax in ((("mlp_in", "kernel"), 1), (("mlp_in", "bias"), 0), (("mlp_out", "kernel"), 0)):
+        w = np.moveaxis(np.asarray(flat[("trunk", "block_0") + path]), ax, 0)
+        assert not w[gone].any()
+    tr.checkpointer.save(3, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+
+    summary = prune.shrink_run(str(tmp_path / "pruned"), str(tmp_path / "small"), eval_batches=1)
+    assert summary["model"] == {"num_heads": [4, 2], "head_dim": 4, "mlp_dim": [32, 16]}
+    assert summary["params"]["shrunk"] < summary["params"]["pruned"]
+    np.testing.assert_allclose(summary["eval"]["loss"], summary["eval_masked"]["loss"], rtol=1e-6)
+    layout = next(c for c in tr.carries if c.name == "prune").layout
+    cfg2, params2 = prune.shrink(tr.cfg, state.params, groups, layout)
+    batch = next(iter(tr.train_iter))
+    h = tr.eval_model.apply({"params": state.params}, batch, method="hidden")
+    h2 = models.build(cfg2, deterministic=True).apply({"params": params2}, batch, method="hidden")
+    np.testing.assert_allclose(np.asarray(h2), np.asarray(h), rtol=1e-5, atol=1e-5)
+    assert compress_main(["shrink", "--workdir", str(tmp_path / "small"), "--out",
+                          str(tmp_path / "again")]) == 1  # not pruned structurally: one line
+
+
 # ---------------------------------------------------------------- distillation
 
 
@@ -198,6 +241,11 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     ("prune", dict(method="lottery"), r"train\.prune\.method"),
     ("prune", dict(method="magnitude", layers="mlp,attn"), r"train\.prune\.layers"),
     ("prune", dict(method="random", schedule="cubic", start_step=6), r"train\.prune\.end_step"),
+    ("prune", dict(method="movement", structure="structured"), r"train\.prune\.method.*'magnitude'"),
+    ("prune", dict(method="magnitude", structure="structured", scope="global"),
+     r"train\.prune\.scope.*same number of\s+heads"),
+    ("prune", dict(method="magnitude", structure="structured", layers="mlp,head"),
+     r"train\.prune\.layers.*\['head'\] have no such units"),
     ("distill", dict(teacher="x", alpha=1.5), r"train\.distill\.alpha"),
     ("distill", dict(teacher="x", temperature=0.0), r"train\.distill\.temperature"),
 ])

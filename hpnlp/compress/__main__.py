@@ -4,11 +4,16 @@
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights int4 --group_size 32
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights bfloat16
     python -m hpnlp.compress quantize --workdir QAT_RUN --out DIR   # export a QAT run as trained
+    python -m hpnlp.compress shrink --workdir PRUNED --out DIR      # remove pruned heads/neurons
 
 `quantize` is post-training quantization (hpnlp.compress.ptq): it calibrates, packs,
 evaluates with the task's metric, reloads, and writes DIR/summary.json. Errors (an unknown
 format, a group size that does not divide a width, a workdir with no checkpoint) are one
 line naming the field or file, before anything compiles.
+
+`shrink` takes a run pruned with `train.prune.structure=structured` (whole attention heads
+and MLP neurons) and writes the smaller dense Transformer it amounts to as a new run in DIR
+(hpnlp.compress.prune.shrink_run): fewer heads and a narrower MLP, the same outputs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--calib_batches", type=int, default=8, help="training batches to calibrate on")
     q.add_argument("--eval_batches", type=int, default=None,
                    help="held-out batches to evaluate (default: the run's train.eval_batches)")
+    s = sub.add_parser("shrink", help="remove a structurally pruned run's heads and neurons")
+    s.add_argument("--workdir", required=True, help="a run trained with train.prune.structure=structured")
+    s.add_argument("--out", required=True, help="new folder for the smaller run")
+    s.add_argument("--eval_batches", type=int, default=None,
+                   help="held-out batches to evaluate (default: the run's train.eval_batches)")
     return p
 
 
@@ -48,7 +58,10 @@ def main(argv=None) -> int:
     from hpnlp.config import ConfigError, QuantConfig
 
     try:
-        if args.weights is None:  # a QAT run's own settings
+        if args.command == "shrink":
+            from hpnlp.compress import prune
+            summary = prune.shrink_run(args.workdir, args.out, eval_batches=args.eval_batches)
+        elif args.weights is None:  # a QAT run's own settings
             summary = ptq.quantize(args.workdir, args.out, calib_batches=args.calib_batches,
                                    eval_batches=args.eval_batches)
         elif args.weights in ptq.FLOAT_FORMATS:

@@ -27,6 +27,14 @@ record quantization uses), of the kinds `train.prune.layers` names. Biases, norm
   every pruned weight's |W|; layers end at different sparsities).
 - Structure: unstructured, or N:M (N kept in every M consecutive weights along the
   contraction, as 2:4 sparse hardware wants); N:M masks are made once, at `start_step`.
+  Or `structured`: whole attention heads and MLP neurons (`group_layout`), the same
+  fraction of each block's heads and of its neurons (at least one of each kept), ranked
+  by the L2 norm of all the weights a unit owns (a head: its slices of qkv and out; a
+  neuron: its mlp_in column and bias and its mlp_out row) or at random. The carry then also
+  holds each block's unit masks (`groups`), and `shrink` / `python -m hpnlp.compress shrink`
+  removes what they pruned: a smaller dense Transformer of the same config class
+  (`model.num_heads`, `model.mlp_dim` smaller, `model.head_dim` kept) computing what the
+  masked model computed.
 - Schedules: `oneshot` (the target after the update of step `start_step`) and `cubic`
   (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1,
   masks recomputed every `every` steps and at t1.
@@ -166,8 +174,117 @@ def sparsity_report(params, masks: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- structured pruning
+
+# A product kind -> the logical axis its units lie along (parameters carry logical axis
+# names, hpnlp.models.transformer), and what a unit of that axis is called.
+GROUP_AXIS = {"qkv": "heads", "out": "heads", "mlp": "mlp"}
+UNIT_NAME = {"heads": "heads", "mlp": "neurons"}
+
+
+def group_layout(products: dict, boxed_params) -> dict:
+    """{group key: (axis name, units, {member path: axis index})}: every block's heads and
+    MLP neurons as `structured` pruning sees them. A group is one module's parent (a
+    Transformer block) and a logical axis ("heads" or "mlp"); its members are the parameters
+    of that block's modules (qkv, out; mlp_in's kernel and bias, mlp_out's kernel) whose
+    logical names hold the axis. `products` maps parameter paths (tuples) to Products."""
+    flat = traverse.flatten_dict(boxed_params)
+    out = {}
+    for path, prod in sorted(products.items()):
+        axis = GROUP_AXIS.get(prod.kind)
+        if axis is None:
+            raise ValueError(f"train.prune.structure='structured': a {prod.kind!r} product "
+                             f"({'/'.join(path)}) has no heads or neurons to remove; set "
+                             "train.prune.layers to qkv,out,mlp")
+        parent = path[:-2]
+        key = "/".join(parent + (UNIT_NAME[axis],))
+        if key in out:
+            continue
+        members, sizes = {}, set()
+        for p, leaf in flat.items():
+            names = tuple(getattr(leaf, "names", ()) or ())
+            if p[:len(parent)] == parent and len(p) == len(parent) + 2 and axis in names:
+                members["/".join(p)] = names.index(axis)
+                sizes.add(nn.unbox(leaf).shape[names.index(axis)])
+        if len(sizes) != 1:
+            raise ValueError(f"the {UNIT_NAME[axis]} of {'/'.join(parent)} have no single size "
+                             f"across {sorted(members)}")
+        out[key] = (axis, sizes.pop(), members)
+    return out
+
+
+def group_scores(method: str, flat: dict, layout: dict, seed: int) -> dict:
+    """{group key: [units] score} (`flat`: {"a/b/kernel": weight}): the sum of squares of
+    every weight a unit owns (`magnitude`) or a fixed uniform draw per unit (`random`)."""
+    out = {}
+    base = jax.random.key(seed)
+    for i, (key, (_, units, members)) in enumerate(sorted(layout.items())):
+        if method == "random":
+            out[key] = jax.random.uniform(jax.random.fold_in(base, i), (units,))
+            continue
+        total = jnp.zeros((units,), jnp.float32)
+        for path, ax in members.items():
+            w = jnp.square(flat[path].astype(jnp.float32))
+            total = total + jnp.sum(w, axis=tuple(a for a in range(w.ndim) if a != ax))
+        out[key] = total
+    return out
+
+
+def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity, seed: int) -> dict:
+    """New unit masks at `sparsity` of each group's units (rounded; never all of them);
+    units already pruned stay pruned."""
+    s = group_scores(p.method, flat, layout, seed)
+    out = {}
+    for key, (_, units, _) in layout.items():
+        count = jnp.minimum(jnp.round(sparsity * units).astype(jnp.int32), units - 1)
+        out[key] = _keep_top(jnp.where(groups[key], s[key], -jnp.inf), count)
+    return out
+
+
+def expand_groups(groups: dict, layout: dict, shapes: dict) -> dict:
+    """{member path: bool mask of the member's shape} from the unit masks."""
+    out = {}
+    for key, (_, units, members) in layout.items():
+        for path, ax in members.items():
+            shape = shapes[path]
+            view = [1] * len(shape)
+            view[ax] = units
+            out[path] = jnp.broadcast_to(groups[key].reshape(view), shape)
+    return out
+
+
+def shrink(cfg: Config, params, groups: dict, layout: dict):
+    """(config, parameters) of the smaller dense model: every pruned head and neuron removed
+    (module doc). Each block must keep the same number of heads and of neurons, as
+    `train.prune.scope='layer'` makes it."""
+    import dataclasses
+
+    from hpnlp.config import DistillConfig
+    kept = {k: np.flatnonzero(np.asarray(m)) for k, m in groups.items()}
+    counts: dict[str, set] = {}
+    for key, (axis, _, _) in layout.items():
+        counts.setdefault(axis, set()).add(len(kept[key]))
+    for axis, c in counts.items():
+        if len(c) != 1:
+            raise ValueError(f"blocks keep different numbers of {UNIT_NAME[axis]} ({sorted(c)}): "
+                             "a shrunk Transformer needs one model.num_heads and model.mlp_dim")
+    flat = dict(traverse.flatten_dict(params))
+    for key, (_, _, members) in layout.items():
+        for path, ax in members.items():
+            flat[_path(path)] = jnp.take(flat[_path(path)], jnp.asarray(kept[key]), axis=ax)
+    m = cfg.model
+    model = dataclasses.replace(m, head_dim=m.dims_per_head(),
+                                num_heads=counts.get("heads", {m.num_heads}).pop(),
+                                mlp_dim=counts.get("mlp", {m.mlp_dim}).pop())
+    train = dataclasses.replace(cfg.train, prune=PruneConfig(), distill=DistillConfig(),
+                                init_from="")
+    return dataclasses.replace(cfg, model=model, train=train), traverse.unflatten_dict(flat)
+
+
 class PruneCarry(Carry):
-    """The `prune` entry of the train state: {"masks": {path: bool mask}} (module doc)."""
+    """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores" and
+    "dense" (movement) or "groups" (structured: {block/heads|neurons: bool [units]}) beside
+    them (module doc)."""
 
     name = "prune"
 
@@ -177,8 +294,8 @@ class PruneCarry(Carry):
 
     def init(self, model, params, batch, batch_size: int):
         del batch_size
-        self.products = {k: v.contraction for k, v in
-                         targets(self.cfg, model, nn.unbox(params), batch).items()}
+        found = targets(self.cfg, model, nn.unbox(params), batch)
+        self.products = {k: v.contraction for k, v in found.items()}
         if not self.products:
             from hpnlp.config import config_error
             raise config_error("train.prune.layers", self.p.layers, "names no product this model "
@@ -188,6 +305,13 @@ class PruneCarry(Carry):
         def like(w, value):  # sharded like the weight
             return w.replace_boxed(value) if isinstance(w, nn.meta.AxisMetadata) else value
 
+        if self.p.structure == "structured":
+            self.layout = group_layout({_path(k): v for k, v in found.items()}, params)
+            groups = {k: jnp.ones((u,), bool) for k, (_, u, _) in self.layout.items()}
+            masks = expand_groups(groups, self.layout,
+                                  {"/".join(k): nn.unbox(w).shape for k, w in flat.items()})
+            return {"groups": groups,
+                    "masks": {k: like(flat[_path(k)], v) for k, v in masks.items()}}
         value = {"masks": {}}
         if self.p.method == "movement":
             value.update(scores={}, dense={})
@@ -226,6 +350,8 @@ class PruneCarry(Carry):
         return l1_loss
 
     def after_update(self, value, params, grads, step):
+        if self.p.structure == "structured":
+            return self._structured_update(value, params, step)
         flat = traverse.flatten_dict(params)
         weights = {k: flat[_path(k)] for k in value["masks"]}
         new = dict(value)
@@ -248,6 +374,19 @@ class PruneCarry(Carry):
         return apply_masks(params, masks), new
 
 
+    def _structured_update(self, value, params, step):
+        flat = {"/".join(k): v for k, v in traverse.flatten_dict(params).items()}
+
+        def recompute(groups):
+            s = sparsity_at(self.p, step, self.cfg.train.steps)
+            return group_masks(self.p, flat, self.layout, groups, s, self.cfg.seed)
+
+        groups = jax.lax.cond(updates_at(self.p, step, self.cfg.train.steps), recompute,
+                              lambda g: g, value["groups"])
+        masks = expand_groups(groups, self.layout, {k: flat[k].shape for k in value["masks"]})
+        return apply_masks(params, masks), {"groups": groups, "masks": masks}
+
+
 def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
     """(dense weights, scores) after one step of movement pruning (Sanh et al. 2020).
 
@@ -264,3 +403,59 @@ def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
         scores_[k] = value["scores"][k] - g[_path(k)].astype(jnp.float32) * before.astype(jnp.float32)
         dense[k] = jnp.where(value["masks"][k], w, before)
     return dense, scores_
+
+
+def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> dict:
+    """`python -m hpnlp.compress shrink`: the structurally pruned run in `workdir` as a
+    smaller dense run in `out` (config.json and a checkpoint at step 0 holding the shrunk
+    parameters: `train.init_from=OUT` fine-tunes it, `quantize --workdir OUT` packs it).
+    Both models are evaluated on the held-out split; OUT/summary.json has the two metrics,
+    the parameter counts and the new model sizes."""
+    import dataclasses
+    import json
+    import os
+
+    from hpnlp import models
+    from hpnlp.config import config_error
+    from hpnlp.train import Trainer
+    from hpnlp.train.checkpoint import load_run_config
+
+    cfg = load_run_config(workdir)
+    if cfg.train.prune.method == "none" or cfg.train.prune.structure != "structured":
+        raise config_error("train.prune.structure", cfg.train.prune.structure, f"the run in "
+                           f"{workdir} was not pruned with train.prune.structure='structured', so "
+                           "it has no heads or neurons to remove")
+    if os.path.abspath(out) == os.path.abspath(workdir):
+        raise ValueError(f"--out {out} is the pruned run itself; give a new folder")
+    ckpt = os.path.join(out, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        raise ValueError(f"{out} already holds a run's checkpoints; give a new folder")
+    if eval_batches is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
+    pruned = Trainer(cfg, workdir, read_only=True)
+    step = pruned.checkpointer.latest_step()
+    state, _ = pruned.initial_state()
+    pruned.checkpointer.close()
+    carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
+    masked_eval = pruned.evaluate(state)
+    cfg2, params2 = shrink(pruned.cfg, jax.device_get(state.params),
+                           jax.device_get(state.carry["prune"]["groups"]), carry.layout)
+    small = Trainer(cfg2, out)
+    fresh, _ = small.initial_state()
+    state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
+    small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
+    small.checkpointer.wait()
+    small.checkpointer.close()
+    shrunk_eval = small.evaluate(state2)
+    summary = {
+        "source": {"workdir": os.path.abspath(workdir), "step": step},
+        "model": {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
+                  "head_dim": cfg2.model.head_dim,
+                  "mlp_dim": [cfg.model.mlp_dim, cfg2.model.mlp_dim]},
+        "params": {"pruned": models.param_count(state.params),
+                   "shrunk": models.param_count(params2)},
+        "eval": shrunk_eval, "eval_masked": masked_eval,
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary

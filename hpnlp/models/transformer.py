@@ -78,7 +78,7 @@ class MultiHeadAttention(nn.Module):
     def __call__(self, x_BLE, seg_BL):
         m = self.model
         dt, pdt = dtypes(m)
-        H, D = m.num_heads, m.width // m.num_heads
+        H, D = m.num_heads, m.dims_per_head()
         # Explicit kernels (not DenseGeneral, which flattens multi-axis kernels and so
         # loses their logical axis names).
         w_E3HD = param(self, "qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),

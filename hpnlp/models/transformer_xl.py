@@ -186,7 +186,7 @@ class XLAttention(nn.Module):
     def __call__(self, h_BKE, rel_KE, u_HD, w_HD, allowed_BLK):
         m = self.model
         dt, pdt = dtypes(m)
-        H, D = m.num_heads, m.width // m.num_heads
+        H, D = m.num_heads, m.dims_per_head()
         L = allowed_BLK.shape[1]
         w_E3HD = self.param("qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
                                          ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
@@ -239,7 +239,7 @@ class XLTrunk(nn.Module):
                  window_LK=None, frozen_L=None):
         m = self.model
         dt, pdt = dtypes(m)
-        H, D = m.num_heads, m.width // m.num_heads
+        H, D = m.num_heads, m.dims_per_head()
         B, L = tokens_BL.shape
         M = memory.valid_BM.shape[1]
         K = M + L

@@ -71,6 +71,8 @@ def _shape_signature(cfg, members: int = 1) -> dict:
     sig["train.clip_norm > 0"] = cfg.train.clip_norm > 0  # changes the optimizer-state tree
     # Factorized products and the train state's carries change the state's arrays too; the
     # keys appear only when set, so runs saved before they existed still resume.
+    if cfg.model.head_dim:
+        sig["model.head_dim"] = cfg.model.head_dim
     if cfg.model.lowrank.rank:
         sig["model.lowrank"] = dataclasses.asdict(cfg.model.lowrank)
     if cfg.train.prune.method != "none":
