@@ -217,6 +217,14 @@ class DistillConfig:
     # LM soft loss over the vocabulary: tokens per chunk (teacher and student logits exist one
     # chunk at a time, as output `full` chunks its loss); -1 = automatic, 0 = never
     chunk_tokens: int = -1
+    # Hidden-state matching (TinyBERT / MobileBERT): weight of the mean squared error between
+    # each student block's output and its teacher block's (student block i of Ls matches
+    # teacher block (i + 1) Lt / Ls - 1), per real token; needs the teacher's model.width
+    hidden: float = 0.0
+    # "none" | "every_other": the student's blocks start as the teacher's blocks
+    # 0, Lt/Ls, 2 Lt/Ls, ... (DistilBERT: one layer of two), its embeddings, position table,
+    # final norm and output layer as the teacher's; needs the teacher's shapes but its depth
+    init: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -615,6 +623,12 @@ def _check_compress(cfg: Config) -> None:
         if not isinstance(dist.chunk_tokens, int) or dist.chunk_tokens < -1:
             _fail("train.distill.chunk_tokens", dist.chunk_tokens, "-1 (automatic), 0 (never) or "
                   "a positive number of tokens")
+        _check_positive("train.distill.hidden", dist.hidden, allow_zero=True)
+        _check_choice("train.distill.init", dist.init, ("none", "every_other"))
+        if (dist.hidden or dist.init != "none") and (m.kind == "dual_encoder" or m.arch != "transformer"):
+            _fail("train.distill.hidden" if dist.hidden else "train.distill.init",
+                  dist.hidden or dist.init, "matches Transformer blocks of an LM or classifier; "
+                  f"this run has model.kind={m.kind!r}, model.arch={m.arch!r}")
         if m.arch == "transformer_xl" and cfg.data.batching == "stream":
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
                   "memory through its loss and cannot distill yet; use data.batching='pack'")

@@ -221,6 +221,56 @@ def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_pat
         assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(same)) < 1e-5
 
 
+def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_the_teacher(tmp_path):
+    from hpnlp.train import Trainer
+    assert distill.layer_map(1, 2) == [1] and distill.layer_map(2, 4) == [1, 3]
+    assert distill.init_map(1, 2) == [0] and distill.init_map(3, 6) == [0, 2, 4]
+    tcd = tiny("lm")
+    tcd.model.depth = 2
+    _, teacher, tparams = _teacher_workdir(tmp_path / "t", tcd)
+    # DistilBERT: the one-block student starts as the teacher's block 0 and everything else
+    scd = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="every_other", hidden=1.0))
+    state, _ = Trainer(from_configdict(scd), str(tmp_path / "s")).initial_state()
+    flat_s, flat_t = traverse.flatten_dict(state.params), traverse.flatten_dict(tparams)
+    assert len(flat_s) == len(flat_t) - len([k for k in flat_t if k[1] == "block_1"])
+    for path, w in flat_s.items():
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(flat_t[path]))
+    # the hidden-state loss: zero when the student is the teacher, positive otherwise
+    cd2 = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), hidden=1.0))
+    cd2.model.depth = 2
+    cfg = validate(from_configdict(cd2))
+    (c,) = carry_lib.for_config(cfg)
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["segment_ids"][1, 9:] = 0
+    loss_fn = carry_lib.objective(teacher, [c])
+    sums = jax.jit(lambda p: loss_fn(p, {"teacher": tparams}, batch, {})[0])(tparams)
+    assert float(sums["loss_hidden"]) < 1e-9  # zero but for the two passes' float rounding
+    other = jax.tree.map(lambda w: w * 1.1, tparams)
+    assert float(jax.jit(lambda p: loss_fn(p, {"teacher": tparams}, batch, {})[0])(other)["loss_hidden"]) > 0
+    # a narrower student matches through a learned projection, trained beside the model
+    narrow = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), hidden=1.0))
+    narrow.model.update(width=8, num_heads=2, mlp_dim=16)
+    tr = Trainer(from_configdict(narrow), str(tmp_path / "n"))
+    state, _ = tr.initial_state()
+    proj = np.asarray(state.params["carry_teacher"]["hidden_proj"])
+    assert proj.shape == (8, 16)
+    state2 = state
+    with tr._context():  # two steps: the warmup's first has learning rate 0
+        for _ in range(2):
+            state2, metrics = tr.train_step(state2, _global(next(tr.train_iter), tr.batch_sharding))
+    assert float(metrics["loss_hidden"]) > 0
+    assert not np.array_equal(np.asarray(state2.params["carry_teacher"]["hidden_proj"]), proj)
+    assert "carry_teacher" not in carry_lib.model_params(state2.params)
+    bad = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="every_other"))
+    bad.model.mlp_dim = 64
+    with pytest.raises(ConfigError, match=r"train\.distill\.init.*model\.mlp_dim must be the teacher's \(32\)"):
+        carry_lib.for_config(validate(from_configdict(bad)))
+    bad.model.update(mlp_dim=32, width=8)
+    with pytest.raises(ConfigError, match=r"train\.distill\.init.*model\.width must be the teacher's \(16\)"):
+        carry_lib.for_config(validate(from_configdict(bad)))
+
+
 def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path):
     _teacher_workdir(tmp_path, tiny("classifier"))
     cfg = validate(from_configdict(tiny("lm", distill=dict(teacher=str(tmp_path)))))

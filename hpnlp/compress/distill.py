@@ -21,15 +21,32 @@ distills and is distilled; log_softmax(log_prob / T) is log_softmax(logits / T).
 the soft term runs over chunks of tokens (`train.distill.chunk_tokens`) inside a
 `jax.checkpoint`ed `lax.map`, so teacher and student [tokens, V] exist one chunk at a time,
 as output `full` chunks its loss. The sums report `loss_hard` and `loss_soft` beside `loss`.
+
+Beside the soft targets (Transformer students of the teacher's width):
+
+- `train.distill.hidden` (TinyBERT / MobileBERT): plus `hidden` times the squared error
+  between each student block's output and its teacher block's (`layer_map`), mean over
+  features and block pairs, per real token (`loss_hidden` in the sums). Block outputs are
+  read with flax's `capture_intermediates`, so no model code changes. Where the widths
+  differ the student's states go through a learned projection W_h [student width, teacher
+  width] (TinyBERT), this carry's trainable entry (hpnlp.train.carry): trained with the
+  student, saved in its checkpoints, left out of its size and of anything exported.
+- `train.distill.init = "every_other"` (DistilBERT): the student starts as the teacher with
+  one block of every Lt / Ls (`init_map`): embeddings, positions, norms and output layer
+  copied, so its shapes must be the teacher's but for depth.
+
+Attention-map matching (KL between attention distributions) is not built yet.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config, config_error, validate
-from hpnlp.train.carry import Carry
+from hpnlp.train.carry import TRAINABLE_PREFIX, Carry
 
 
 def soft_cross_entropy(logp_teacher, logp_student, temperature: float):
@@ -71,6 +88,56 @@ def lm_soft_loss(student, params, teacher, teacher_params, h_BLE, t_BLE, mask_BL
     return jnp.sum(jnp.where(mask_BL, soft_BL, 0.0))
 
 
+def layer_map(student_depth: int, teacher_depth: int) -> list[int]:
+    """The teacher block each student block's output matches (TinyBERT's uniform mapping:
+    student block i of Ls, 0-based, to teacher block (i + 1) Lt / Ls - 1, rounded down)."""
+    return [(i + 1) * teacher_depth // student_depth - 1 for i in range(student_depth)]
+
+
+def init_map(student_depth: int, teacher_depth: int) -> list[int]:
+    """The teacher block each student block starts as (`train.distill.init='every_other'`:
+    DistilBERT's one of every Lt / Ls, from the first: 0, Lt/Ls, ...)."""
+    return [i * teacher_depth // student_depth for i in range(student_depth)]
+
+
+def _is_block(module, method_name: str) -> bool:
+    return method_name == "__call__" and (module.name or "").startswith("block_")
+
+
+def block_outputs(module_def, variables, batch, method, **kw):
+    """(method's output, [each Transformer block's output, in order]) of one apply."""
+    out, state = module_def.apply(variables, batch, method=method, capture_intermediates=_is_block,
+                                  mutable=["intermediates"], **kw)
+    found = {}
+
+    def walk(tree):
+        for name, sub in tree.items():
+            if not isinstance(sub, Mapping):
+                continue
+            if name.startswith("block_") and "__call__" in sub:
+                found[int(name[len("block_"):])] = sub["__call__"][0]
+            else:
+                walk(sub)
+    walk(state.get("intermediates", {}))
+    return out, [found[i] for i in sorted(found)]
+
+
+def hidden_loss(student_blocks, teacher_blocks, token_weight, proj=None):
+    """Summed over real tokens (weighted by `token_weight` [B, L]) of the mean over mapped
+    block pairs of the squared error per teacher feature, mean over features; `proj`
+    [student width, teacher width] maps the student's states first (widths that differ)."""
+    pairs = layer_map(len(student_blocks), len(teacher_blocks))
+    total = 0.0
+    for s_BLE, j in zip(student_blocks, pairs):
+        t_BLT = jax.lax.stop_gradient(teacher_blocks[j]).astype(jnp.float32)
+        s_BLT = s_BLE.astype(jnp.float32)
+        if proj is not None:
+            s_BLT = s_BLT @ proj.astype(jnp.float32)
+        err_BL = jnp.mean(jnp.square(s_BLT - t_BLT), axis=-1)
+        total = total + jnp.sum(err_BL * token_weight)
+    return total / len(pairs)
+
+
 class TeacherCarry(Carry):
     """The `teacher` entry of the train state: the teacher's parameters (module doc)."""
 
@@ -95,6 +162,35 @@ class TeacherCarry(Carry):
         if tcfg.model.arch == "transformer_xl":
             raise config_error("train.distill.teacher", self.workdir, "a Transformer-XL teacher "
                                "needs its memory; distill from a model.arch='transformer' run")
+        sm, tm = cfg.model, tcfg.model
+        if self.d.hidden or self.d.init != "none":
+            field = "train.distill.hidden" if self.d.hidden else "train.distill.init"
+            if tm.arch != "transformer" or tm.stack_layers or tm.reversible or sm.stack_layers \
+                    or sm.reversible:
+                raise config_error(field, self.d.hidden or self.d.init, "matches the blocks of "
+                                   "plain Transformers (model.stack_layers and model.reversible "
+                                   "off, in the teacher and the student)")
+            if self.d.init != "none" and sm.width != tm.width:
+                raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
+                                   f"blocks, so model.width must be the teacher's ({tm.width}); "
+                                   f"this run has {sm.width}")
+            if sm.depth > tm.depth:
+                raise config_error(field, self.d.hidden or self.d.init, f"the student "
+                                   f"(model.depth={sm.depth}) is deeper than the teacher "
+                                   f"({tm.depth})")
+        if self.d.init != "none":
+            for f in ("num_heads", "mlp_dim", "max_len", "pos_emb"):
+                if getattr(sm, f) != getattr(tm, f) or sm.dims_per_head() != tm.dims_per_head():
+                    f = f if getattr(sm, f) != getattr(tm, f) else "head_dim"
+                    raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
+                                       f"blocks, so model.{f} must be the teacher's "
+                                       f"({getattr(tm, f, tm.dims_per_head())!r}); this run has "
+                                       f"{getattr(sm, f, sm.dims_per_head())!r}")
+            if (tcfg.output.name, tcfg.output.tie_embeddings) != (cfg.output.name,
+                                                                  cfg.output.tie_embeddings):
+                raise config_error("train.distill.init", self.d.init, "copies the teacher's "
+                                   "output layer, so output.name and output.tie_embeddings must "
+                                   "be the teacher's")
         self.teacher = models.build(tcfg, deterministic=True, token_counts=token_counts)
 
     def init(self, model, params, batch, batch_size: int):
@@ -109,6 +205,36 @@ class TeacherCarry(Carry):
         from hpnlp.train.checkpoint import restore_params
         return restore_params(self.workdir, value)
 
+    def trainable(self, model, params, batch, key):
+        """The hidden-state projection [student width, teacher width] (TinyBERT's W_h, one for
+        every block pair), trained with the student, when the widths differ."""
+        del model, params, batch
+        e_s, e_t = self.cfg.model.width, self.teacher_cfg.model.width
+        if not self.d.hidden or e_s == e_t:
+            return None
+        return {"hidden_proj": jax.random.normal(key, (e_s, e_t), jnp.float32) * e_s ** -0.5}
+
+    def start_params(self, value, params):
+        """`train.distill.init='every_other'`: the student's parameters as the teacher's, block
+        i from teacher block `init_map(...)[i]` (DistilBERT)."""
+        if self.d.init == "none":
+            return params
+        import flax.traverse_util as traverse
+        src = init_map(self.cfg.model.depth, self.teacher_cfg.model.depth)
+        teacher = traverse.flatten_dict(value)
+        out = {}
+        for path, w in traverse.flatten_dict(params).items():
+            tpath = tuple(f"block_{src[int(p[len('block_'):])]}" if p.startswith("block_") else p
+                          for p in path)
+            t = teacher.get(tpath)
+            if t is None or t.shape != w.shape:
+                from hpnlp.config import config_error
+                raise config_error("train.distill.init", self.d.init, f"the student's "
+                                   f"{'/'.join(path)} {w.shape} has no teacher twin of its shape "
+                                   f"({None if t is None else t.shape})")
+            out[path] = jnp.array(t, dtype=w.dtype, copy=True)
+        return traverse.unflatten_dict(out)
+
     def loss(self, student, inner):
         del inner  # the distillation loss contains the student's own hard-label loss
         d, lm = self.d, self.cfg.model.kind == "lm"
@@ -116,11 +242,21 @@ class TeacherCarry(Carry):
 
         def distill_loss(params, carry, batch, rngs):
             tparams = carry["teacher"]
+            extra = {}
+            own = params.get(TRAINABLE_PREFIX + self.name) or {}
+            proj = own.get("hidden_proj")
             if lm:
-                hard, h_BLE = student.apply({"params": params}, batch, method=_lm_hidden_and_hard,
-                                            rngs=rngs)
-                t_BLE = jax.lax.stop_gradient(teacher.apply({"params": tparams}, batch,
-                                                            method="hidden"))
+                if d.hidden:
+                    (hard, h_BLE), s_blocks = block_outputs(student, {"params": params}, batch,
+                                                            _lm_hidden_and_hard, rngs=rngs)
+                    t_BLE, t_blocks = block_outputs(teacher, {"params": tparams}, batch, "hidden")
+                    mask_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+                    extra["loss_hidden"] = hidden_loss(s_blocks, t_blocks, mask_BL, proj)
+                else:
+                    hard, h_BLE = student.apply({"params": params}, batch,
+                                                method=_lm_hidden_and_hard, rngs=rngs)
+                    t_BLE = teacher.apply({"params": tparams}, batch, method="hidden")
+                t_BLE = jax.lax.stop_gradient(t_BLE)
                 mask_BL = batch["segment_ids"] > 0
                 chunk = d.chunk_tokens
                 if chunk < 0:
@@ -130,12 +266,23 @@ class TeacherCarry(Carry):
                                     temperature=d.temperature, chunk=chunk)
             else:
                 from hpnlp.models.heads import _classification_sums
-                z_s = student.apply({"params": params}, batch, method=_logits, rngs=rngs)
-                z_t = jax.lax.stop_gradient(teacher.apply({"params": tparams}, batch,
-                                                          method=_logits))
+                if d.hidden:
+                    z_s, s_blocks = block_outputs(student, {"params": params}, batch, _logits,
+                                                  rngs=rngs)
+                    z_t, t_blocks = block_outputs(teacher, {"params": tparams}, batch, _logits)
+                    real_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+                    per_token = batch["weight"][:, None] * real_BL / jnp.maximum(
+                        real_BL.sum(1, keepdims=True), 1.0)  # each example's tokens weigh 1
+                    extra["loss_hidden"] = hidden_loss(s_blocks, t_blocks, per_token, proj)
+                else:
+                    z_s = student.apply({"params": params}, batch, method=_logits, rngs=rngs)
+                    z_t = teacher.apply({"params": tparams}, batch, method=_logits)
+                z_t = jax.lax.stop_gradient(z_t)
                 hard = _classification_sums(z_s, batch["label"], batch["weight"])
                 soft = jnp.sum(soft_cross_entropy(z_t, z_s, d.temperature) * batch["weight"])
-            sums = dict(hard, loss=(1.0 - d.alpha) * hard["loss"] + d.alpha * soft,
-                        loss_hard=hard["loss"], loss_soft=soft)
+            total = (1.0 - d.alpha) * hard["loss"] + d.alpha * soft
+            if d.hidden:
+                total = total + d.hidden * extra["loss_hidden"]
+            sums = dict(hard, loss=total, loss_hard=hard["loss"], loss_soft=soft, **extra)
             return sums, carry
         return distill_loss

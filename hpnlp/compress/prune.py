@@ -438,7 +438,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     pruned.checkpointer.close()
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
     masked_eval = pruned.evaluate(state)
-    cfg2, params2 = shrink(pruned.cfg, jax.device_get(state.params),
+    from hpnlp.train.carry import model_params
+    cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
                            jax.device_get(state.carry["prune"]["groups"]), carry.layout)
     small = Trainer(cfg2, out)
     fresh, _ = small.initial_state()
@@ -452,7 +453,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         "model": {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
                   "head_dim": cfg2.model.head_dim,
                   "mlp_dim": [cfg.model.mlp_dim, cfg2.model.mlp_dim]},
-        "params": {"pruned": models.param_count(state.params),
+        "params": {"pruned": models.param_count(model_params(state.params)),
                    "shrunk": models.param_count(params2)},
         "eval": shrunk_eval, "eval_masked": masked_eval,
     }

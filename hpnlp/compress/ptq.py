@@ -220,7 +220,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     trainer.checkpointer.close()
     lm = trainer.lm
     float_eval = trainer.evaluate(state)
-    params = state.params
+    from hpnlp.train.carry import model_params
+    params = model_params(state.params)  # without what a method trained beside the model
     batches = data_lib.make_iterator(trainer.task, cfg.data, split="train",
                                      batch_size=cfg.train.batch_size)
     calib = [next(batches) for _ in range(calib_batches)]

@@ -13,7 +13,15 @@ method is one class here or beside its own code, not a new branch in the loop:
 - `loss(model, inner)`: wraps the loss `inner(params, carry, batch, rngs) -> (sums, carry)`
   (Transformer-XL threads its memory through it; distillation adds the teacher's terms);
 - `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
-  update (pruning applies and advances its masks here).
+  update (pruning applies and advances its masks here);
+- `start_params(value, params) -> params`: the parameters a fresh run starts from, after
+  `start` (distillation's DistilBERT initialization copies teacher blocks here);
+- `trainable(model, params, batch, key)`: parameters the method trains beside the model's
+  (distillation's hidden-state projection), or None. They sit in the state's parameters
+  under `carry_<name>` (`TRAINABLE_PREFIX`), so the optimizer, the gradient and the
+  checkpoints treat them like any other; the model ignores keys it does not define, and
+  `model_params` strips them wherever the model alone is wanted (its size, `train.init_from`,
+  export).
 
 Entries are saved in every checkpoint with the rest of the state, so a resumed run continues
 exactly. The carries in use today: `memory` (Transformer-XL on a stream,
@@ -28,6 +36,18 @@ from typing import Any, Callable
 from hpnlp.config import Config
 
 LossFn = Callable[..., tuple[dict, dict]]  # (params, carry, batch, rngs) -> (sums, carry)
+
+TRAINABLE_PREFIX = "carry_"  # no model names a top-level module so
+
+
+def model_params(params):
+    """`params` without the carries' trainable entries (module doc): the model's own."""
+    return {k: v for k, v in params.items() if not str(k).startswith(TRAINABLE_PREFIX)}
+
+
+def trainable_params(params) -> dict:
+    """The carries' trainable entries of `params`: {"carry_<name>": tree}."""
+    return {k: v for k, v in params.items() if str(k).startswith(TRAINABLE_PREFIX)}
 
 
 class Carry:
@@ -46,6 +66,12 @@ class Carry:
 
     def after_update(self, value, params, grads, step):
         return params, value
+
+    def start_params(self, value, params):
+        return params
+
+    def trainable(self, model, params, batch, key):
+        return None
 
 
 def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:

@@ -77,8 +77,8 @@ def _shape_signature(cfg, members: int = 1) -> dict:
         sig["model.lowrank"] = dataclasses.asdict(cfg.model.lowrank)
     if cfg.train.prune.method != "none":
         sig["train.prune.method"] = cfg.train.prune.method
-    if cfg.train.distill.teacher:
-        sig["train.distill"] = "on"
+    if cfg.train.distill.teacher:  # a hidden-state projection is a trained parameter
+        sig["train.distill"] = "hidden" if cfg.train.distill.hidden else "on"
     return json.loads(json.dumps(sig, default=str))
 
 

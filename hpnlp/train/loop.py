@@ -177,7 +177,12 @@ class Trainer:
                 if self.cfg.train.init_from:
                     state = state.replace(params=self._params_from(self.cfg.train.init_from,
                                                                    state.params))
-                carry = {c.name: c.start(state.carry[c.name], state.params) for c in self.carries}
+                carry, params = {}, state.params
+                for c in self.carries:  # in order: a teacher's initialization before pruning's start
+                    carry[c.name] = c.start(state.carry[c.name], params)
+                    params = c.start_params(carry[c.name], params)
+                if params is not state.params:
+                    state = state.replace(params=jax.device_put(params, self.state_sharding.params))
                 return state.replace(carry=jax.device_put(carry, self.state_sharding.carry)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
         self.train_iter.set_state(data_state)
@@ -187,6 +192,9 @@ class Trainer:
         """The newest parameters of the run in `workdir` as this run starts from them: read
         into `like`'s shardings, or (model.lowrank) read as the model's weights and then
         factorized by truncated SVD."""
+        from hpnlp.train.carry import model_params, trainable_params
+        if trainable_params(like):  # a method's own parameters start fresh
+            return {**self._params_from(workdir, model_params(like)), **trainable_params(like)}
         if not self.cfg.model.lowrank.rank:
             return restore_params(workdir, like)
         from hpnlp.compress import lowrank
@@ -365,7 +373,7 @@ class Trainer:
             "stopped_early": stopped_early,
             "eval": last_eval,
             "baseline": self.task.baseline,
-            "param_count": models.param_count(state.params),
+            "param_count": models.param_count(carry_lib.model_params(state.params)),
             "throughput": {
                 "steps_per_sec": timing["steps"] / elapsed if elapsed else None,
                 "tokens_per_sec": timing["tokens"] / elapsed if elapsed else None,

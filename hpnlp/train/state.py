@@ -81,7 +81,14 @@ def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = N
     params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
     if transform is not None:
         params = transform(params)
-    import flax.linen as nn
+    from hpnlp.train.carry import TRAINABLE_PREFIX
+    extra = {}
+    for i, c in enumerate(carries):  # what methods train beside the model (carry.py)
+        value = c.trainable(model, params, batch, jax.random.fold_in(params_rng, 1 + i))
+        if value is not None:
+            extra[TRAINABLE_PREFIX + c.name] = value
+    if extra:
+        params = {**params, **extra}
     # From the boxed params: Adam moments inherit the logical axis names, so FSDP / tensor
     # rules shard them like the parameters instead of replicating them.
     opt_state = tx.init(params)
