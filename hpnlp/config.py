@@ -221,6 +221,10 @@ class DistillConfig:
     # each student block's output and its teacher block's (student block i of Ls matches
     # teacher block (i + 1) Lt / Ls - 1), per real token; needs the teacher's model.width
     hidden: float = 0.0
+    # Attention-map matching (TinyBERT / MobileBERT): weight of the KL between the teacher's
+    # and the student's attention distributions of the same block pairs, per real query;
+    # both must use an attention variant that returns its probabilities ('dense')
+    attention: float = 0.0
     # "none" | "every_other": the student's blocks start as the teacher's blocks
     # 0, Lt/Ls, 2 Lt/Ls, ... (DistilBERT: one layer of two), its embeddings, position table,
     # final norm and output layer as the teacher's; needs the teacher's shapes but its depth
@@ -624,10 +628,20 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.distill.chunk_tokens", dist.chunk_tokens, "-1 (automatic), 0 (never) or "
                   "a positive number of tokens")
         _check_positive("train.distill.hidden", dist.hidden, allow_zero=True)
+        _check_positive("train.distill.attention", dist.attention, allow_zero=True)
+        if dist.attention:
+            from hpnlp import attention as attention_lib
+            if not attention_lib.get(cfg.attention.name).returns_probabilities:
+                _fail("train.distill.attention", dist.attention, f"attention variant "
+                      f"{cfg.attention.name!r} does not return its probabilities; use "
+                      "attention.name='dense' for attention-map distillation")
         _check_choice("train.distill.init", dist.init, ("none", "every_other"))
-        if (dist.hidden or dist.init != "none") and (m.kind == "dual_encoder" or m.arch != "transformer"):
-            _fail("train.distill.hidden" if dist.hidden else "train.distill.init",
-                  dist.hidden or dist.init, "matches Transformer blocks of an LM or classifier; "
+        if (dist.hidden or dist.attention or dist.init != "none") and (
+                m.kind == "dual_encoder" or m.arch != "transformer"):
+            _fail("train.distill.hidden" if dist.hidden else "train.distill.attention"
+                  if dist.attention else "train.distill.init",
+                  dist.hidden or dist.attention or dist.init, "matches Transformer blocks of an "
+                  "LM or classifier; "
                   f"this run has model.kind={m.kind!r}, model.arch={m.arch!r}")
         if m.arch == "transformer_xl" and cfg.data.batching == "stream":
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "

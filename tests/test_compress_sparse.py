@@ -236,7 +236,7 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     for path, w in flat_s.items():
         np.testing.assert_array_equal(np.asarray(w), np.asarray(flat_t[path]))
     # the hidden-state loss: zero when the student is the teacher, positive otherwise
-    cd2 = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), hidden=1.0))
+    cd2 = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), hidden=1.0, attention=1.0))
     cd2.model.depth = 2
     cfg = validate(from_configdict(cd2))
     (c,) = carry_lib.for_config(cfg)
@@ -246,8 +246,18 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     loss_fn = carry_lib.objective(teacher, [c])
     sums = jax.jit(lambda p: loss_fn(p, {"teacher": tparams}, batch, {})[0])(tparams)
     assert float(sums["loss_hidden"]) < 1e-9  # zero but for the two passes' float rounding
+    assert abs(float(sums["loss_attention"])) < 1e-6
     other = jax.tree.map(lambda w: w * 1.1, tparams)
-    assert float(jax.jit(lambda p: loss_fn(p, {"teacher": tparams}, batch, {})[0])(other)["loss_hidden"]) > 0
+    sums = jax.jit(lambda p: loss_fn(p, {"teacher": tparams}, batch, {})[0])(other)
+    assert float(sums["loss_hidden"]) > 0 and float(sums["loss_attention"]) > 1e-4
+    # the attention term is the KL of each real query's distributions, mean over heads
+    s_p = [RNG.dirichlet(np.ones(5), size=(2, 2, 4)) for _ in range(2)]
+    t_p = [RNG.dirichlet(np.ones(5), size=(2, 2, 4)) for _ in range(2)]
+    w = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], np.float32)
+    got = distill.attention_loss([jnp.asarray(x) for x in s_p], [jnp.asarray(x) for x in t_p],
+                                 jnp.asarray(w))
+    kl = [np.sum(t * np.log(t / s_), -1).mean(1) for s_, t in zip(s_p, t_p)]  # [B, L] per pair
+    np.testing.assert_allclose(float(got), np.mean([np.sum(k * w) for k in kl]), rtol=1e-5)
     # a narrower student matches through a learned projection, trained beside the model
     narrow = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), hidden=1.0))
     narrow.model.update(width=8, num_heads=2, mlp_dim=16)
@@ -297,6 +307,8 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     ("prune", dict(method="magnitude", structure="structured", layers="mlp,head"),
      r"train\.prune\.layers.*\['head'\] have no such units"),
     ("distill", dict(teacher="x", alpha=1.5), r"train\.distill\.alpha"),
+    ("distill", dict(teacher="x", hidden=-1.0), r"train\.distill\.hidden"),
+    ("distill", dict(teacher="x", init="every_third"), r"train\.distill\.init"),
     ("distill", dict(teacher="x", temperature=0.0), r"train\.distill\.temperature"),
 ])
 def test_bad_compression_settings_name_the_field(group, fields, match):
@@ -445,3 +457,27 @@ def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
                                           r"at most 16"):
         cd.model.lowrank.rank = 17
         validate(from_configdict(cd))
+
+
+def test_attention_map_distillation_needs_variants_that_return_probabilities(tmp_path):
+    cd = tiny("lm", distill=dict(teacher="x", attention=1.0))
+    cd.attention.name = "chunked"
+    with pytest.raises(ConfigError, match=r"train\.distill\.attention.*'chunked' does not return"):
+        validate(from_configdict(cd))
+    tcd = tiny("lm")
+    tcd.attention.name = "chunked"
+    _teacher_workdir(tmp_path, tcd)
+    cfg = validate(from_configdict(tiny("lm", distill=dict(teacher=str(tmp_path), attention=1.0))))
+    with pytest.raises(ConfigError, match=r"train\.distill\.attention.*teacher's attention variant"):
+        carry_lib.for_config(cfg)
+    # asking dense attention for its probabilities leaves its output as it was
+    from hpnlp.attention.dense import DenseAttention
+    q, k, v = (jnp.asarray(RNG.standard_normal((2, 6, 2, 4)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 2, 2, 2, 2]])
+    att = DenseAttention()
+    plain = att.apply({}, q, k, v, seg, causal=True)
+    out, got = att.apply({}, q, k, v, seg, causal=True, mutable=["attention_probs"])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=1e-6, atol=1e-7)
+    p = np.asarray(got["attention_probs"]["probs"][0])
+    assert p.shape == (2, 2, 6, 6) and np.allclose(p[:, :, :4].sum(-1), 1.0)
+    assert not p[1, :, 2:, :2].any()  # segment 2 never sees segment 1

@@ -52,6 +52,14 @@ def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=No
 
 def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
     """Exact softmax attention in float32; rows with no allowed key output zeros, not NaN."""
+    p_BHLS = softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS)
+    out = jnp.einsum("bhls,bshd->blhd", p_BHLS, v_BSHD.astype(jnp.float32))
+    return out.astype(q_BLHD.dtype)
+
+
+def softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS=None):
+    """The attention distributions [B, H, L, S] of `masked_softmax_attention`, in float32
+    (rows with no allowed key are all zeros)."""
     D = q_BLHD.shape[-1]
     logits_BHLS = jnp.einsum("blhd,bshd->bhls", q_BLHD, k_BSHD,
                              preferred_element_type=jnp.float32) / jnp.sqrt(D).astype(jnp.float32)
@@ -62,9 +70,7 @@ def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
     if allowed_B1LS is not None:
         p_BHLS = jnp.where(allowed_B1LS, p_BHLS, 0.0)
     denom_BHL1 = jnp.sum(p_BHLS, axis=-1, keepdims=True)
-    p_BHLS = p_BHLS / jnp.maximum(denom_BHL1, 1e-30)
-    out = jnp.einsum("bhls,bshd->blhd", p_BHLS, v_BSHD.astype(jnp.float32))
-    return out.astype(q_BLHD.dtype)
+    return p_BHLS / jnp.maximum(denom_BHL1, 1e-30)
 
 
 class Attention(nn.Module):
@@ -82,6 +88,9 @@ class Attention(nn.Module):
 
     supports_causal: ClassVar[bool] = True
     supports_segments: ClassVar[bool] = True
+    # True: when an apply makes the `attention_probs` collection mutable, the variant sows
+    # its [B, H, L, S] distributions there as "probs" (attention-map distillation)
+    returns_probabilities: ClassVar[bool] = False
     registry_name: ClassVar[str] = ""
 
     @classmethod

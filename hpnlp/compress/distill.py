@@ -35,7 +35,12 @@ Beside the soft targets (Transformer students of the teacher's width):
   one block of every Lt / Ls (`init_map`): embeddings, positions, norms and output layer
   copied, so its shapes must be the teacher's but for depth.
 
-Attention-map matching (KL between attention distributions) is not built yet.
+- `train.distill.attention` (TinyBERT / MobileBERT): plus `attention` times the KL between
+  the teacher's and the student's attention distributions of each mapped block pair, per
+  real query, mean over heads (head-averaged maps where the head counts differ;
+  `loss_attention`). Variants that return their probabilities (`returns_probabilities`:
+  `dense`) sow them when an apply asks for the `attention_probs` collection; any other
+  variant, in the teacher or the student, is refused with one line.
 """
 
 from __future__ import annotations
@@ -104,22 +109,53 @@ def _is_block(module, method_name: str) -> bool:
     return method_name == "__call__" and (module.name or "").startswith("block_")
 
 
-def block_outputs(module_def, variables, batch, method, **kw):
-    """(method's output, [each Transformer block's output, in order]) of one apply."""
-    out, state = module_def.apply(variables, batch, method=method, capture_intermediates=_is_block,
-                                  mutable=["intermediates"], **kw)
-    found = {}
+def intermediates(module_def, variables, batch, method, *, blocks: bool = False,
+                  probs: bool = False, **kw):
+    """(method's output, {"blocks": [each Transformer block's output], "probs": [each block's
+    attention distributions [B, H, L, S]]}, in block order) of one apply; what is not asked
+    for is not collected (and the apply is the plain one)."""
+    if not (blocks or probs):
+        return module_def.apply(variables, batch, method=method, **kw), {}
+    mutable = (["intermediates"] if blocks else []) + (["attention_probs"] if probs else [])
+    out, state = module_def.apply(variables, batch, method=method, mutable=mutable,
+                                  capture_intermediates=_is_block if blocks else False, **kw)
 
-    def walk(tree):
-        for name, sub in tree.items():
-            if not isinstance(sub, Mapping):
-                continue
-            if name.startswith("block_") and "__call__" in sub:
-                found[int(name[len("block_"):])] = sub["__call__"][0]
-            else:
-                walk(sub)
-    walk(state.get("intermediates", {}))
-    return out, [found[i] for i in sorted(found)]
+    def collect(tree, leaf_name):
+        found = {}
+
+        def walk(t, block):
+            for name, sub in t.items():
+                if name == leaf_name and block is not None:
+                    found[block] = sub[0]
+                elif isinstance(sub, Mapping):
+                    walk(sub, int(name[len("block_"):]) if name.startswith("block_") else block)
+        walk(tree, None)
+        return [found[i] for i in sorted(found)]
+
+    got = {}
+    if blocks:
+        got["blocks"] = collect(state["intermediates"], "__call__")
+    if probs:
+        got["probs"] = collect(state["attention_probs"], "probs")
+    return out, got
+
+
+def attention_loss(student_probs, teacher_probs, query_weight):
+    """Summed over real queries (weighted by `query_weight` [B, L]) of the mean over mapped
+    block pairs and heads of KL(teacher || student) between each query's distributions over
+    the keys (TinyBERT / MobileBERT); where the head counts differ, of the head-averaged
+    distributions."""
+    pairs = layer_map(len(student_probs), len(teacher_probs))
+    total = 0.0
+    for s_BHLS, j in zip(student_probs, pairs):
+        t_BHLS = jax.lax.stop_gradient(teacher_probs[j]).astype(jnp.float32)
+        s_BHLS = s_BHLS.astype(jnp.float32)
+        if s_BHLS.shape[1] != t_BHLS.shape[1]:
+            s_BHLS, t_BHLS = s_BHLS.mean(1, keepdims=True), t_BHLS.mean(1, keepdims=True)
+        log_ratio = jnp.log(jnp.maximum(t_BHLS, 1e-30)) - jnp.log(jnp.maximum(s_BHLS, 1e-30))
+        kl_BHL = jnp.sum(jnp.where(t_BHLS > 0, t_BHLS * log_ratio, 0.0), axis=-1)
+        total = total + jnp.sum(jnp.mean(kl_BHL, axis=1) * query_weight)
+    return total / len(pairs)
 
 
 def hidden_loss(student_blocks, teacher_blocks, token_weight, proj=None):
@@ -163,11 +199,19 @@ class TeacherCarry(Carry):
             raise config_error("train.distill.teacher", self.workdir, "a Transformer-XL teacher "
                                "needs its memory; distill from a model.arch='transformer' run")
         sm, tm = cfg.model, tcfg.model
-        if self.d.hidden or self.d.init != "none":
-            field = "train.distill.hidden" if self.d.hidden else "train.distill.init"
+        if self.d.attention:
+            from hpnlp import attention as attention_lib
+            if not attention_lib.get(tcfg.attention.name).returns_probabilities:
+                raise config_error("train.distill.attention", self.d.attention, f"the teacher's "
+                                   f"attention variant {tcfg.attention.name!r} does not return its "
+                                   "probabilities; distill attention maps from a 'dense' teacher")
+        if self.d.hidden or self.d.attention or self.d.init != "none":
+            field = ("train.distill.hidden" if self.d.hidden else "train.distill.attention"
+                     if self.d.attention else "train.distill.init")
             if tm.arch != "transformer" or tm.stack_layers or tm.reversible or sm.stack_layers \
                     or sm.reversible:
-                raise config_error(field, self.d.hidden or self.d.init, "matches the blocks of "
+                raise config_error(field, self.d.hidden or self.d.attention or self.d.init,
+                                   "matches the blocks of "
                                    "plain Transformers (model.stack_layers and model.reversible "
                                    "off, in the teacher and the student)")
             if self.d.init != "none" and sm.width != tm.width:
@@ -175,7 +219,8 @@ class TeacherCarry(Carry):
                                    f"blocks, so model.width must be the teacher's ({tm.width}); "
                                    f"this run has {sm.width}")
             if sm.depth > tm.depth:
-                raise config_error(field, self.d.hidden or self.d.init, f"the student "
+                raise config_error(field, self.d.hidden or self.d.attention or self.d.init,
+                                   f"the student "
                                    f"(model.depth={sm.depth}) is deeper than the teacher "
                                    f"({tm.depth})")
         if self.d.init != "none":
@@ -242,20 +287,13 @@ class TeacherCarry(Carry):
 
         def distill_loss(params, carry, batch, rngs):
             tparams = carry["teacher"]
-            extra = {}
             own = params.get(TRAINABLE_PREFIX + self.name) or {}
-            proj = own.get("hidden_proj")
+            want = dict(blocks=bool(d.hidden), probs=bool(d.attention))
+            real_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
             if lm:
-                if d.hidden:
-                    (hard, h_BLE), s_blocks = block_outputs(student, {"params": params}, batch,
-                                                            _lm_hidden_and_hard, rngs=rngs)
-                    t_BLE, t_blocks = block_outputs(teacher, {"params": tparams}, batch, "hidden")
-                    mask_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
-                    extra["loss_hidden"] = hidden_loss(s_blocks, t_blocks, mask_BL, proj)
-                else:
-                    hard, h_BLE = student.apply({"params": params}, batch,
-                                                method=_lm_hidden_and_hard, rngs=rngs)
-                    t_BLE = teacher.apply({"params": tparams}, batch, method="hidden")
+                (hard, h_BLE), s_int = intermediates(student, {"params": params}, batch,
+                                                     _lm_hidden_and_hard, rngs=rngs, **want)
+                t_BLE, t_int = intermediates(teacher, {"params": tparams}, batch, "hidden", **want)
                 t_BLE = jax.lax.stop_gradient(t_BLE)
                 mask_BL = batch["segment_ids"] > 0
                 chunk = d.chunk_tokens
@@ -264,25 +302,27 @@ class TeacherCarry(Carry):
                     chunk = auto_chunk_tokens(mask_BL.size, 2 * self.cfg.model.vocab_size)
                 soft = lm_soft_loss(student, params, teacher, tparams, h_BLE, t_BLE, mask_BL,
                                     temperature=d.temperature, chunk=chunk)
+                token_weight = real_BL
             else:
                 from hpnlp.models.heads import _classification_sums
-                if d.hidden:
-                    z_s, s_blocks = block_outputs(student, {"params": params}, batch, _logits,
-                                                  rngs=rngs)
-                    z_t, t_blocks = block_outputs(teacher, {"params": tparams}, batch, _logits)
-                    real_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
-                    per_token = batch["weight"][:, None] * real_BL / jnp.maximum(
-                        real_BL.sum(1, keepdims=True), 1.0)  # each example's tokens weigh 1
-                    extra["loss_hidden"] = hidden_loss(s_blocks, t_blocks, per_token, proj)
-                else:
-                    z_s = student.apply({"params": params}, batch, method=_logits, rngs=rngs)
-                    z_t = teacher.apply({"params": tparams}, batch, method=_logits)
+                z_s, s_int = intermediates(student, {"params": params}, batch, _logits,
+                                           rngs=rngs, **want)
+                z_t, t_int = intermediates(teacher, {"params": tparams}, batch, _logits, **want)
                 z_t = jax.lax.stop_gradient(z_t)
                 hard = _classification_sums(z_s, batch["label"], batch["weight"])
                 soft = jnp.sum(soft_cross_entropy(z_t, z_s, d.temperature) * batch["weight"])
+                token_weight = batch["weight"][:, None] * real_BL / jnp.maximum(
+                    real_BL.sum(1, keepdims=True), 1.0)  # each example's tokens weigh 1 in all
             total = (1.0 - d.alpha) * hard["loss"] + d.alpha * soft
+            extra = {}
             if d.hidden:
+                extra["loss_hidden"] = hidden_loss(s_int["blocks"], t_int["blocks"], token_weight,
+                                                   own.get("hidden_proj"))
                 total = total + d.hidden * extra["loss_hidden"]
+            if d.attention:
+                extra["loss_attention"] = attention_loss(s_int["probs"], t_int["probs"],
+                                                         token_weight)
+                total = total + d.attention * extra["loss_attention"]
             sums = dict(hard, loss=total, loss_hard=hard["loss"], loss_soft=soft, **extra)
             return sums, carry
         return distill_loss
