@@ -248,11 +248,17 @@ class PruneConfig:
     # of its neurons; `python -m hpnlp.compress shrink` then removes them
     structure: str = "unstructured"
     # "oneshot": prune at `start_step` | "cubic": gradual, from 0 at `start_step` to
-    # `sparsity` at `end_step`, masks recomputed every `every` steps (Zhu & Gupta 2017)
+    # `sparsity` at `end_step`, masks recomputed every `every` steps (Zhu & Gupta 2017) |
+    # "imp": iterative magnitude pruning with rewinding (`rounds`, `rewind_step`)
     schedule: str = "oneshot"
     start_step: int = 0
     end_step: int = 0  # 0: train.steps
     every: int = 100
+    # schedule "imp": iterative magnitude pruning with weight rewinding (lottery tickets) in
+    # one run: `rounds` prunings, survivors reset each time to their values after
+    # `rewind_step` updates (hpnlp.compress.prune.imp_boundaries)
+    rounds: int = 3
+    rewind_step: int = 0
     # which products (QUANT_LAYERS names, comma list, or "all"); embeddings and the output
     # layer are left dense by default, as pruning recipes usually do
     layers: str = "qkv,out,mlp,input,recurrent"
@@ -652,7 +658,19 @@ def _check_compress(cfg: Config) -> None:
     if not (isinstance(p.sparsity, (int, float)) and 0.0 <= p.sparsity < 1.0):
         _fail("train.prune.sparsity", p.sparsity, "the fraction pruned must be in [0, 1)")
     _check_choice("train.prune.scope", p.scope, ("layer", "global"))
-    _check_choice("train.prune.schedule", p.schedule, ("oneshot", "cubic"))
+    _check_choice("train.prune.schedule", p.schedule, ("oneshot", "cubic", "imp"))
+    if p.schedule == "imp":
+        for name in ("rounds", "rewind_step"):
+            v = getattr(p, name)
+            if not isinstance(v, int) or v < (1 if name == "rounds" else 0):
+                _fail(f"train.prune.{name}", v, "must be an integer >= "
+                      + ("1 (pruning rounds)" if name == "rounds" else "0"))
+        if (cfg.train.steps - p.rewind_step) < p.rounds + 1:
+            _fail("train.prune.rounds", p.rounds, f"train.steps={cfg.train.steps} after "
+                  f"rewind_step={p.rewind_step} cannot make rounds + 1 training segments")
+        if p.method not in ("magnitude", "random") or p.structure != "unstructured":
+            _fail("train.prune.schedule", p.schedule, "iterative pruning with rewinding takes "
+                  "method 'magnitude' (or 'random', the control) and structure 'unstructured'")
     for name in ("start_step", "end_step"):
         v = getattr(p, name)
         if not isinstance(v, int) or v < 0:

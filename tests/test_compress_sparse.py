@@ -307,6 +307,9 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     ("prune", dict(method="magnitude", structure="structured", layers="mlp,head"),
      r"train\.prune\.layers.*\['head'\] have no such units"),
     ("distill", dict(teacher="x", alpha=1.5), r"train\.distill\.alpha"),
+    ("prune", dict(method="movement", schedule="imp"), r"train\.prune\.schedule.*'magnitude'"),
+    ("prune", dict(method="magnitude", schedule="imp", rounds=3, rewind_step=3),
+     r"train\.prune\.rounds.*rounds \+ 1 training segments"),
     ("distill", dict(teacher="x", hidden=-1.0), r"train\.distill\.hidden"),
     ("distill", dict(teacher="x", init="every_third"), r"train\.distill\.init"),
     ("distill", dict(teacher="x", temperature=0.0), r"train\.distill\.temperature"),
@@ -481,3 +484,39 @@ def test_attention_map_distillation_needs_variants_that_return_probabilities(tmp
     p = np.asarray(got["attention_probs"]["probs"][0])
     assert p.shape == (2, 2, 6, 6) and np.allclose(p[:, :, :4].sum(-1), 1.0)
     assert not p[1, :, 2:, :2].any()  # segment 2 never sees segment 1
+
+
+def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
+    """Lottery tickets in one run: after each round's last update the masks prune the same
+    share of what remains, by magnitude, and every survivor goes back to its value after
+    `rewind_step` updates."""
+    from hpnlp.train import Trainer
+    p = PruneConfig(method="magnitude", sparsity=0.75, schedule="imp", rounds=2, rewind_step=2)
+    assert prune.imp_boundaries(p, 8) == [3, 5]
+    got = [float(prune.sparsity_at(p, t, 8)) for t in (2, 3, 4, 5, 7)]
+    np.testing.assert_allclose(got, [0.0, 0.5, 0.5, 0.75, 0.75], rtol=1e-6)
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.75, schedule="imp", rounds=2,
+                         rewind_step=2, layers="mlp"))
+    cd.train.steps = 8
+    cfg = from_configdict(cd)
+    tr = Trainer(cfg, str(tmp_path))
+    state, _ = tr.initial_state()
+    key = "trunk/block_0/mlp_in/kernel"
+    seen = []
+    with tr._context():
+        for _ in range(6):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            w = np.asarray(traverse.flatten_dict(state.params)[tuple(key.split("/"))])
+            seen.append((w, np.asarray(state.carry["prune"]["masks"][key])))
+    w2 = seen[1][0]  # after 2 updates: the rewind point
+    np.testing.assert_array_equal(np.asarray(state.carry["prune"]["rewind"][key]), w2)
+    for i, frac in ((3, 0.5), (5, 0.75)):  # after the updates of steps 3 and 5
+        w, m = seen[i]
+        assert (~m).mean() == pytest.approx(frac, abs=1e-3)
+        np.testing.assert_array_equal(w[m], w2[m])  # survivors rewound
+        assert not w[~m].any()
+        before = seen[i - 1][0]  # pruned by the magnitude the round ended with
+        kept = np.abs(before[m & seen[i - 1][1]])
+        assert np.abs(before[~m & seen[i - 1][1]]).max() <= kept.min()
+    assert not (seen[5][1] & ~seen[3][1]).any()  # nested
+    assert not np.array_equal(seen[4][0][seen[4][1]], w2[seen[4][1]])  # trains between rounds

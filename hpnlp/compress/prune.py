@@ -35,9 +35,16 @@ record quantization uses), of the kinds `train.prune.layers` names. Biases, norm
   removes what they pruned: a smaller dense Transformer of the same config class
   (`model.num_heads`, `model.mlp_dim` smaller, `model.head_dim` kept) computing what the
   masked model computed.
-- Schedules: `oneshot` (the target after the update of step `start_step`) and `cubic`
+- Schedules: `oneshot` (the target after the update of step `start_step`), `cubic`
   (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1,
-  masks recomputed every `every` steps and at t1.
+  masks recomputed every `every` steps and at t1, and `imp`: iterative magnitude pruning
+  with weight rewinding (lottery tickets: Frankle & Carbin 2019, Frankle et al. 2020) in
+  one run. The weights after `rewind_step` updates are kept in the carry; the steps after
+  them split into `rounds` + 1 segments (`imp_boundaries`), and at the end of each but the
+  last the masks prune the same share of what remains (round j of n ends at sparsity
+  1 - (1 - s)^(j/n)) and every surviving weight goes back to its kept value. Unlike the
+  papers' separate runs per round, the learning-rate schedule and the optimizer's moments
+  run on through the rounds rather than restarting.
 
 Counts are exact: a target s prunes round(s * n) of a weight's n entries (ties broken by
 position), or round(s * total) of all of them in global scope.
@@ -68,6 +75,9 @@ def sparsity_at(p: PruneConfig, step, total_steps: int):
     t0 = p.start_step
     if p.schedule == "oneshot":
         return jnp.where(step >= t0, final, 0.0).astype(jnp.float32)
+    if p.schedule == "imp":  # round j of n ends at 1 - (1 - s)^(j / n): the same share each round
+        done = jnp.sum(step >= jnp.asarray(imp_boundaries(p, total_steps)))
+        return (1.0 - (1.0 - final) ** (done / p.rounds)).astype(jnp.float32)
     t1 = p.end_step or total_steps
     frac = jnp.clip((step - t0) / max(t1 - t0, 1), 0.0, 1.0)
     return (final * (1.0 - (1.0 - frac) ** 3)).astype(jnp.float32)
@@ -78,9 +88,19 @@ def updates_at(p: PruneConfig, step, total_steps: int):
     t0 = p.start_step
     if p.schedule == "oneshot" or p.nm() is not None:
         return step == t0
+    if p.schedule == "imp":
+        return jnp.any(step == jnp.asarray(imp_boundaries(p, total_steps)))
     t1 = p.end_step or total_steps
     inside = (step >= t0) & (step <= t1)
     return inside & (((step - t0) % p.every == 0) | (step == t1))
+
+
+def imp_boundaries(p: PruneConfig, total_steps: int) -> list[int]:
+    """The steps (0-based) after whose update iterative magnitude pruning prunes and rewinds:
+    the steps after `rewind_step` split into `rounds` + 1 equal segments, a boundary at the
+    end of each but the last."""
+    seg = (total_steps - p.rewind_step) // (p.rounds + 1)
+    return [p.rewind_step + j * seg - 1 for j in range(1, p.rounds + 1)]
 
 
 def _keep_top(score_n, prune_count):
@@ -315,6 +335,8 @@ class PruneCarry(Carry):
         value = {"masks": {}}
         if self.p.method == "movement":
             value.update(scores={}, dense={})
+        if self.p.schedule == "imp":
+            value["rewind"] = {}
         for k in self.products:
             w = flat[_path(k)]
             shape = nn.unbox(w).shape
@@ -322,17 +344,22 @@ class PruneCarry(Carry):
             if self.p.method == "movement":
                 value["scores"][k] = like(w, jnp.zeros(shape, jnp.float32))
                 value["dense"][k] = like(w, jnp.zeros(shape, nn.unbox(w).dtype))  # `start` sets it
+            if self.p.schedule == "imp":  # the weights survivors go back to (`start` / step k)
+                value["rewind"][k] = like(w, jnp.zeros(shape, nn.unbox(w).dtype))
         return value
 
     def start(self, value, params):
         """Movement: the dense weights start as the run's first parameters (its init, or
         the run `train.init_from` names)."""
+        flat = traverse.flatten_dict(params)
+        # copies: the state donates its buffers to the step, and one buffer may not be
+        # donated twice (as a parameter and as its dense or rewind weight)
         if self.p.method == "movement":
-            flat = traverse.flatten_dict(params)
-            # copies: the state donates its buffers to the step, and one buffer may not be
-            # donated twice (as a parameter and as its dense weight)
             value = dict(value, dense={k: jnp.array(flat[_path(k)], copy=True)
                                        for k in value["dense"]})
+        if self.p.schedule == "imp" and self.p.rewind_step == 0:
+            value = dict(value, rewind={k: jnp.array(flat[_path(k)], copy=True)
+                                        for k in value["rewind"]})
         return value
 
     def loss(self, model, inner):
@@ -364,15 +391,21 @@ class PruneCarry(Carry):
             return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed,
                                  new.get("scores"))
 
-        masks = jax.lax.cond(updates_at(self.p, step, self.cfg.train.steps), recompute,
-                             lambda m: m, value["masks"])
+        prune_now = updates_at(self.p, step, self.cfg.train.steps)
+        masks = jax.lax.cond(prune_now, recompute, lambda m: m, value["masks"])
         new["masks"] = masks
+        if self.p.schedule == "imp":  # Frankle et al.: survivors rewind to their step-k values
+            if self.p.rewind_step > 0:
+                new["rewind"] = {k: jnp.where(step + 1 == self.p.rewind_step, w, value["rewind"][k])
+                                 for k, w in weights.items()}
+            for k in weights:
+                flat[_path(k)] = jnp.where(prune_now, new["rewind"][k], weights[k])
+            params = traverse.unflatten_dict(flat)
         if self.p.method == "movement":  # pruned entries of the parameters are zero; revived
             for k, w in weights.items():  # ones come back with their dense value
                 flat[_path(k)] = w
             params = traverse.unflatten_dict(flat)
         return apply_masks(params, masks), new
-
 
     def _structured_update(self, value, params, step):
         flat = {"/".join(k): v for k, v in traverse.flatten_dict(params).items()}
