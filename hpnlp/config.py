@@ -116,11 +116,23 @@ class LowRankConfig:
     """Low-rank factorization of product weights (hpnlp.compress.lowrank; `model.lowrank.*`):
     each chosen weight W [K, N] is a real two-product layer U [K, r] V [r, N]."""
 
-    rank: int = 0  # r; 0 = off
+    rank: int = 0  # r for every chosen weight; 0 = off (or `energy`)
+    # Rank by kept energy: each weight's r is the smallest whose truncated SVD keeps this
+    # fraction of sum(S^2) of the weight `train.init_from` holds; resolved when the run is
+    # built into `ranks`, which config.json keeps (so a reload builds the same shapes)
+    energy: float = 0.0
+    ranks: Mapping[str, int] = dataclasses.field(default_factory=flax.core.FrozenDict)
     layers: str = "qkv,out,mlp"  # comma list of LOWRANK_LAYERS, or "all"
 
+    def enabled(self) -> bool:
+        return bool(self.rank or self.energy or self.ranks)
+
     def applies(self, kind: str) -> bool:
-        return bool(self.rank) and layers_name(self.layers, kind)
+        return self.enabled() and layers_name(self.layers, kind)
+
+    def rank_of(self, path: str) -> int:
+        """The rank of the weight at `path` ("a/b/kernel")."""
+        return int(self.ranks.get(path, self.rank))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,6 +539,9 @@ def _subgroup(field: str, cls: type, value: Any):
     for name in value:
         if name not in names:
             _fail(f"{field}.{name}", value[name], f"unknown field; `{field}` has {sorted(names)}")
+    for f in dataclasses.fields(cls):  # hashable: configs become flax module fields
+        if f.name in value and f.default_factory is flax.core.FrozenDict:
+            value[f.name] = flax.core.FrozenDict(dict(value[f.name] or {}))
     return cls(**value)
 
 
@@ -600,16 +615,26 @@ def _check_lowrank(cfg: Config) -> None:
     lr, m = cfg.model.lowrank, cfg.model
     if not isinstance(lr.rank, int) or lr.rank < 0:
         _fail("model.lowrank.rank", lr.rank, "must be an integer >= 0 (0: no factorization)")
-    if not lr.rank:
+    if not isinstance(lr.energy, (int, float)) or not 0.0 <= lr.energy <= 1.0:
+        _fail("model.lowrank.energy", lr.energy, "the kept fraction of sum(S^2) must be in (0, 1] "
+              "(0: off)")
+    if lr.rank and lr.energy:
+        _fail("model.lowrank.energy", lr.energy, "give a fixed model.lowrank.rank or a kept "
+              "energy, not both")
+    if lr.energy and not lr.ranks and not cfg.train.init_from:
+        _fail("model.lowrank.energy", lr.energy, "measures the energy of trained weights: set "
+              "train.init_from to the run to factorize")
+    if not lr.enabled():
         return
     _check_layers("model.lowrank.layers", lr.layers, LOWRANK_LAYERS)
     if m.arch != "transformer" and any(lr.applies(k) for k in ("qkv", "out", "mlp")):
         _fail("model.lowrank.layers", lr.layers, f"model.arch={m.arch!r} has no qkv/out/mlp "
               "products; factorize a Transformer, or set model.lowrank.layers='head'")
-    shapes = {"qkv": (m.width, 3 * m.width), "out": (m.width, m.width),
+    hd = m.num_heads * m.dims_per_head()
+    shapes = {"qkv": (m.width, 3 * hd), "out": (hd, m.width),
               "mlp": (m.width, m.mlp_dim), "head": (m.width, m.num_classes or m.width)}
     for kind, (k, n) in shapes.items():
-        if lr.applies(kind) and lr.rank > min(k, n):
+        if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
                   f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
                   f"rank or drop {kind!r} from model.lowrank.layers")

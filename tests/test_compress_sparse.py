@@ -460,6 +460,24 @@ def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
                                           r"at most 16"):
         cd.model.lowrank.rank = 17
         validate(from_configdict(cd))
+    # rank by kept energy: each weight its own rank, from the run it fine-tunes, in config.json
+    cd.model.lowrank.update(rank=0, energy=0.9)
+    tr = Trainer(from_configdict(cd), str(tmp_path / "energy"))
+    state, _ = tr.initial_state()
+    got = lowrank.report(state.params)
+    flat = traverse.flatten_dict(base)
+    for path, (r, _) in got.items():
+        w = flat[tuple(path.split("/"))]
+        k = 1 if not path.endswith("out") else 2
+        assert lowrank.kept_energy(w, k, r) >= 0.9 - 1e-6 > lowrank.kept_energy(w, k, r - 1)
+    assert len({r for r, _ in got.values()}) > 1  # per weight, not one rank
+    import json
+    with open(tmp_path / "energy" / "config.json") as f:
+        saved = from_configdict(json.load(f)["config"])
+    assert dict(saved.model.lowrank.ranks) == {k: r for k, (r, _) in got.items()}
+    cd.train.init_from = ""
+    with pytest.raises(ConfigError, match=r"model\.lowrank\.energy.*set\s+train\.init_from"):
+        validate(from_configdict(cd))
 
 
 def test_attention_map_distillation_needs_variants_that_return_probabilities(tmp_path):

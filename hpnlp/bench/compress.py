@@ -255,7 +255,7 @@ def param_count(cd) -> int:
 
     def init(key):
         p = model.init(key, batch)["params"]
-        if cfg.model.lowrank.rank:
+        if cfg.model.lowrank.enabled():
             from hpnlp.compress import lowrank
             p = lowrank.init_transform(cfg, model, batch)(p)
         return nn.unbox(p)

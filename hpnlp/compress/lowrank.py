@@ -16,7 +16,9 @@ V the output's).
   full rank it reproduces W.
 - From scratch: the model's random init factorized the same way.
 - `kept_energy` / `rank_for_energy`: the fraction of sum(S^2) a rank keeps, and the smallest
-  rank keeping a given fraction (per layer; `model.lowrank.rank` is one rank for all).
+  rank keeping a given fraction. `model.lowrank.rank` is one rank for all; with
+  `model.lowrank.energy` each weight gets its own (`resolve_energy`, from the weights
+  `train.init_from` holds, when the run is built; `model.lowrank.ranks` in its config.json).
 
 Kinds: the Transformer's `qkv`, `out`, `mlp` and the classifier heads (`model.lowrank.layers`).
 The embedding, the output layer and the LSTM's products stay dense for now.
@@ -70,14 +72,16 @@ def targets(cfg, model, params, batch) -> dict:
     return {k: v for k, v in found.items() if cfg.model.lowrank.applies(v.kind)}
 
 
-def factorize(params, products: dict, rank: int):
+def factorize(params, products: dict, rank):
     """`params` (arrays, or boxed with logical axis names) with every weight in `products`
     replaced by its rank-`rank` Factored (boxed like the weight: U keeps the contraction's
-    names, V the output's)."""
+    names, V the output's). `rank`: one int, or a function of the path ("a/b/kernel")."""
+    rank_of = rank if callable(rank) else (lambda _: rank)
     flat = traverse.flatten_dict(params)
     for path, prod in products.items():
         w = flat[path]
         k = len(prod.contraction)
+        rank = rank_of("/".join(path))
         if isinstance(w, nn.LogicallyPartitioned):
             f = svd_factors(w.value, k, rank)
             names = tuple(w.names)
@@ -92,8 +96,24 @@ def init_transform(cfg, model, batch):
     """For `init_state`: the model's initial parameters with `model.lowrank`'s weights
     factorized (the same shapes a factorized checkpoint has)."""
     def transform(params):
-        return factorize(params, targets(cfg, model, nn.unbox(params), batch), cfg.model.lowrank.rank)
+        return factorize(params, targets(cfg, model, nn.unbox(params), batch),
+                         cfg.model.lowrank.rank_of)
     return transform
+
+
+def resolve_energy(cfg, model, batch, dense):
+    """`cfg` with `model.lowrank.ranks` filled from `model.lowrank.energy`: each chosen
+    weight of `dense` (the run `train.init_from` names) at the smallest rank keeping that
+    fraction of its sum(S^2)."""
+    import dataclasses
+
+    import flax
+    lr = cfg.model.lowrank
+    flat = traverse.flatten_dict(dense)
+    ranks = {"/".join(path): rank_for_energy(flat[path], len(prod.contraction), lr.energy)
+             for path, prod in targets(cfg, model, dense, batch).items()}
+    lr = dataclasses.replace(lr, ranks=flax.core.FrozenDict(ranks))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lowrank=lr))
 
 
 def is_factored(x) -> bool:

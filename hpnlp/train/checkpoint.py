@@ -73,8 +73,10 @@ def _shape_signature(cfg, members: int = 1) -> dict:
     # keys appear only when set, so runs saved before they existed still resume.
     if cfg.model.head_dim:
         sig["model.head_dim"] = cfg.model.head_dim
-    if cfg.model.lowrank.rank:
-        sig["model.lowrank"] = dataclasses.asdict(cfg.model.lowrank)
+    if cfg.model.lowrank.enabled():
+        lr = cfg.model.lowrank  # energy and ranks only when used: older runs still resume
+        sig["model.lowrank"] = {"rank": lr.rank, "layers": lr.layers, **(
+            {"energy": lr.energy, "ranks": dict(lr.ranks)} if lr.energy or lr.ranks else {})}
     if cfg.train.prune.method != "none":
         sig["train.prune.method"] = cfg.train.prune.method
     if cfg.train.distill.teacher:  # a hidden-state projection is a trained parameter

@@ -115,8 +115,14 @@ class Trainer:
         self.carries = carry_lib.for_config(cfg, token_counts=counts)
         batch1 = dummy_batch(self.task.kind, 1, cfg.data.seq_len)
         transform = None
-        if cfg.model.lowrank.rank:  # factorized products (hpnlp.compress.lowrank)
+        if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
             from hpnlp.compress import lowrank
+            if cfg.model.lowrank.energy and not cfg.model.lowrank.ranks:  # ranks from the run
+                abstract = jax.eval_shape(lambda key: nn.unbox(model.init(
+                    {"params": key, "dropout": key}, batch1)["params"]), jax.random.key(0))
+                check_params_match(cfg.train.init_from, abstract, field="train.init_from")
+                dense = restore_params(cfg.train.init_from, abstract)
+                self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, dense)
             transform = lowrank.init_transform(cfg, model, batch1)
         init = lambda key: init_state(model, tx, key, batch1, loss_scale=scale,  # noqa: E731
                                       carries=self.carries, batch_size=cfg.train.batch_size,
@@ -195,13 +201,13 @@ class Trainer:
         from hpnlp.train.carry import model_params, trainable_params
         if trainable_params(like):  # a method's own parameters start fresh
             return {**self._params_from(workdir, model_params(like)), **trainable_params(like)}
-        if not self.cfg.model.lowrank.rank:
+        if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
         from hpnlp.compress import lowrank
         dense = restore_params(workdir, self.model_params)
         batch1 = dummy_batch(self.task.kind, 1, self.cfg.data.seq_len)
         found = lowrank.targets(self.cfg, self.model, dense, batch1)
-        factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank))(dense)
+        factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank_of))(dense)
         return jax.device_put(factored, self.state_sharding.params)
 
     def eval_sums(self, state, eval_step=None) -> dict:
