@@ -593,7 +593,8 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
         _fail("quant.group_size", q.group_size, f"group scales are for quant.weights='int4' "
               f"(got {q.weights!r}); set quant.group_size=0")
     if q.group_size:  # every contraction the quantized products sum over must split evenly
-        widths = {"model.width": m.width, "model.mlp_dim": m.mlp_dim}
+        widths = {"model.width": m.width, "model.mlp_dim": m.mlp_dim,
+                  "model.num_heads * head size": m.num_heads * m.dims_per_head()}
         for name, width in widths.items():
             if width % q.group_size:
                 _fail("quant.group_size", q.group_size, f"must divide {name}={width} (int4 "
@@ -621,6 +622,12 @@ def _check_lowrank(cfg: Config) -> None:
     if lr.rank and lr.energy:
         _fail("model.lowrank.energy", lr.energy, "give a fixed model.lowrank.rank or a kept "
               "energy, not both")
+    if lr.ranks and not lr.energy:
+        _fail("model.lowrank.ranks", dict(lr.ranks), "is filled from model.lowrank.energy when "
+              "the run is built; set model.lowrank.energy (or one model.lowrank.rank) instead")
+    bad = {k: v for k, v in lr.ranks.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        _fail("model.lowrank.ranks", bad, "ranks must be integers >= 1")
     if lr.energy and not lr.ranks and not cfg.train.init_from:
         _fail("model.lowrank.energy", lr.energy, "measures the energy of trained weights: set "
               "train.init_from to the run to factorize")
@@ -724,6 +731,13 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.prune.scope", p.scope, "structured pruning removes the same number of "
                   "heads and neurons from every block (so the shrunk model is one config); set "
                   "train.prune.scope='layer'")
+        from hpnlp import attention as attention_lib
+        heads = layers_name(p.layers, "qkv") or layers_name(p.layers, "out")
+        if heads and not attention_lib.get(cfg.attention.name).heads_independent:
+            _fail("train.prune.structure", p.structure, f"attention variant "
+                  f"{cfg.attention.name!r} has per-head parameters or random draws, so its heads "
+                  "cannot be removed; use a variant whose heads are independent (dense, chunked, "
+                  "xla, ring, local, sliding_window, strided) or set train.prune.layers='mlp'")
         extra = sorted(k for k in QUANT_LAYERS if layers_name(p.layers, k)
                        and k not in ("qkv", "out", "mlp", "input", "recurrent"))
         if extra:
@@ -744,7 +758,8 @@ def _check_compress(cfg: Config) -> None:
         if p.schedule != "oneshot":
             _fail("train.prune.schedule", p.schedule, "N:M masks are made once, at start_step; "
                   "set train.prune.schedule='oneshot'")
-        for field, width in (("model.width", m.width), ("model.mlp_dim", m.mlp_dim)):
+        for field, width in (("model.width", m.width), ("model.mlp_dim", m.mlp_dim),
+                             ("model.num_heads * head size", m.num_heads * m.dims_per_head())):
             if width % mm:
                 _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
                       "(groups split each product's contraction)")

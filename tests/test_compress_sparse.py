@@ -272,6 +272,15 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     assert float(metrics["loss_hidden"]) > 0
     assert not np.array_equal(np.asarray(state2.params["carry_teacher"]["hidden_proj"]), proj)
     assert "carry_teacher" not in carry_lib.model_params(state2.params)
+    tr.checkpointer.save(2, state2, tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+    tuned = tiny("lm")  # fine-tuning the student starts from its model parameters alone
+    tuned.model.update(width=8, num_heads=2, mlp_dim=16)
+    tuned.train.init_from = str(tmp_path / "n")
+    state3, _ = Trainer(from_configdict(tuned), str(tmp_path / "ft")).initial_state()
+    for a, b in zip(jax.tree.leaves(state3.params),
+                    jax.tree.leaves(carry_lib.model_params(state2.params))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     bad = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="every_other"))
     bad.model.mlp_dim = 64
     with pytest.raises(ConfigError, match=r"train\.distill\.init.*model\.mlp_dim must be the teacher's \(32\)"):
@@ -524,12 +533,15 @@ def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
     with tr._context():
         for _ in range(6):
             state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
-            w = np.asarray(traverse.flatten_dict(state.params)[tuple(key.split("/"))])
-            seen.append((w, np.asarray(state.carry["prune"]["masks"][key])))
+            flat = traverse.flatten_dict(state.params)
+            w = np.asarray(flat[tuple(key.split("/"))])
+            seen.append((w, np.asarray(state.carry["prune"]["masks"][key]),
+                         np.asarray(flat[("embed", "embedding")])))
     w2 = seen[1][0]  # after 2 updates: the rewind point
     np.testing.assert_array_equal(np.asarray(state.carry["prune"]["rewind"][key]), w2)
     for i, frac in ((3, 0.5), (5, 0.75)):  # after the updates of steps 3 and 5
-        w, m = seen[i]
+        w, m, emb = seen[i]
+        np.testing.assert_array_equal(emb, seen[1][2])  # every weight rewinds, not only pruned ones
         assert (~m).mean() == pytest.approx(frac, abs=1e-3)
         np.testing.assert_array_equal(w[m], w2[m])  # survivors rewound
         assert not w[~m].any()
@@ -537,4 +549,18 @@ def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
         kept = np.abs(before[m & seen[i - 1][1]])
         assert np.abs(before[~m & seen[i - 1][1]]).max() <= kept.min()
     assert not (seen[5][1] & ~seen[3][1]).any()  # nested
+    assert not np.array_equal(seen[4][2], seen[1][2])
     assert not np.array_equal(seen[4][0][seen[4][1]], w2[seen[4][1]])  # trains between rounds
+
+
+def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
+    cd = tiny(prune=dict(method="magnitude", structure="structured"))
+    cd.attention.name = "synthesizer"
+    with pytest.raises(ConfigError, match=r"train\.prune\.structure.*'synthesizer' has per-head"):
+        validate(from_configdict(cd))
+    cd.train.prune.layers = "mlp"  # its MLP neurons can go
+    validate(from_configdict(cd))
+    cfg = from_configdict(tiny())
+    lr = dataclasses.replace(cfg.model.lowrank, ranks={"trunk/block_0/mlp_in/kernel": 4})
+    with pytest.raises(ConfigError, match=r"model\.lowrank\.ranks.*set model\.lowrank\.energy"):
+        validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lowrank=lr)))

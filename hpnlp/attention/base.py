@@ -91,6 +91,9 @@ class Attention(nn.Module):
     # True: when an apply makes the `attention_probs` collection mutable, the variant sows
     # its [B, H, L, S] distributions there as "probs" (attention-map distillation)
     returns_probabilities: ClassVar[bool] = False
+    # True: each head attends on its own, with no parameters or random draws that depend on
+    # the number of heads, so structured pruning may remove heads (hpnlp.compress.prune)
+    heads_independent: ClassVar[bool] = False
     registry_name: ClassVar[str] = ""
 
     @classmethod

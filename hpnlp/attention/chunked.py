@@ -317,6 +317,8 @@ class ChunkedAttention(Attention):
     blocks (Rabe & Staats 2021) with a recomputing custom VJP (FlashAttention-2); on a CPU
     one fused kernel per pass (`flash_cpu`)."""
 
+    heads_independent = True
+
     block_q: int | None = None  # XLA path; None: about DEFAULT_BLOCK_Q, any length (padded)
     block_k: int | None = None  # XLA path; None: about DEFAULT_BLOCK_K, any length (padded)
     impl: str = "auto"  # "auto": CPU kernel where it can run, else XLA; "kernel"; "xla"

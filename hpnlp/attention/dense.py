@@ -32,6 +32,8 @@ def dense_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal: bool = Fals
 class DenseAttention(Attention):
     """Vaswani et al. 2017, "Attention Is All You Need": softmax(QK^T / sqrt(D)) V, exactly."""
 
+    heads_independent = True
+
     returns_probabilities = True
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):

@@ -100,6 +100,8 @@ class RingAttention(Attention):
     key/value block around the ring (Liu et al. 2023). Set `mesh.sequence` > 1 to use it;
     without a sequence axis in the mesh it runs as `chunked` (same result, one device)."""
 
+    heads_independent = True
+
     axis: str = "sequence"
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):

@@ -263,6 +263,8 @@ class LocalAttention(_RingBufferDecode, BlockSparseAttention):
     of block_size (or 2 * block_size) keys.
     """
 
+    heads_independent = True
+
     block_size: int = 64
     prev_block: bool = False  # also attend to the previous block (both causal and not)
 
@@ -310,6 +312,8 @@ class SlidingWindowAttention(_RingBufferDecode, BlockSparseAttention):
     window edge is a token-level mask inside them. Decoding keeps a ring buffer of
     `window` keys with their positions.
     """
+
+    heads_independent = True
 
     _positive = ("block_size", "window")
     block_size: int = 64
@@ -362,6 +366,8 @@ class StridedAttention(BlockSparseAttention):
     Cost O(L * (b + L / s)) for "strided", O(L * (b + L * c / s)) for "fixed".
     Decoding uses the exact full cache with this mask applied.
     """
+
+    heads_independent = True
 
     _positive = ("block_size", "stride", "num_summary")
     block_size: int = 64

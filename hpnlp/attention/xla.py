@@ -18,6 +18,8 @@ from hpnlp.attention.base import Attention, check_inputs, register
 class XlaAttention(Attention):
     """`jax.nn.dot_product_attention` (XLA's fused softmax attention) behind the hpnlp interface."""
 
+    heads_independent = True
+
     implementation: str | None = None  # None: let JAX choose; "xla" or "cudnn" to force
     supports_segments = False
 

@@ -157,14 +157,17 @@ def _train(cd, out: str) -> dict:
     from hpnlp.train import run
     from hpnlp.train.checkpoint import load_run_config
     done = os.path.join(out, "summary.json")
-    if os.path.exists(done):
+    if os.path.exists(out):
         try:
             same = validate(load_run_config(out)) == validate(from_configdict(cd))
-        except Exception:  # noqa: BLE001 (an unreadable run is retrained)
+        except Exception:  # noqa: BLE001 (an unreadable or unfinished run is retrained)
             same = False
-        if same:
+        if same and os.path.exists(done):
             with open(done) as f:
                 return json.load(f)
+        if not same:  # another config's run: start afresh rather than resume it
+            import shutil
+            shutil.rmtree(out)
     return run(cd, out)
 
 
@@ -339,17 +342,17 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
                           **prune_schedule(s))
     pdir, sdir = os.path.join(workdir, "structured_pruned"), os.path.join(workdir, "structured_shrunk")
     _train(cd, pdir)
-    if os.path.exists(os.path.join(sdir, "summary.json")):  # shrunk by an earlier run
-        import json
-        with open(os.path.join(sdir, "summary.json")) as f:
-            summ = json.load(f)
-    else:
-        summ = prune.shrink_run(pdir, sdir)
-    small = structured_config(experiment(model, s), sp).model
-    shape = f"heads {small.num_heads}, MLP {small.mlp_dim}"
+    if os.path.exists(sdir):  # shrunk afresh from the pruned run of this config
+        import shutil
+        shutil.rmtree(sdir)
+    summ = prune.shrink_run(pdir, sdir)
+    small = summ["model"]
+    shape = f"heads {small['num_heads'][1]}, MLP {small['mlp_dim'][1]}"
     rows = [_row(model, "structured prune + shrink", f"{sp:.0%}: {shape}", summ, sdir, metric)]
     rows[0].update(half_params=True, masked_eval=summ["eval_masked"])
-    scratch = structured_config(experiment(model, s), sp)
+    scratch = experiment(model, s)  # the shrunk model's own config, trained from scratch
+    scratch.model.update(num_heads=small["num_heads"][1], head_dim=small["head_dim"],
+                         mlp_dim=small["mlp_dim"][1])
     odir = os.path.join(workdir, "structured_scratch")
     rows.append(_row(model, "dense, scratch", f"{shape}, same size", _train(scratch, odir), odir, metric))
     for row in rows:

@@ -39,10 +39,11 @@ record quantization uses), of the kinds `train.prune.layers` names. Biases, norm
   (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1,
   masks recomputed every `every` steps and at t1, and `imp`: iterative magnitude pruning
   with weight rewinding (lottery tickets: Frankle & Carbin 2019, Frankle et al. 2020) in
-  one run. The weights after `rewind_step` updates are kept in the carry; the steps after
-  them split into `rounds` + 1 segments (`imp_boundaries`), and at the end of each but the
-  last the masks prune the same share of what remains (round j of n ends at sparsity
-  1 - (1 - s)^(j/n)) and every surviving weight goes back to its kept value. Unlike the
+  one run. The model's weights after `rewind_step` updates are kept in the carry; the steps
+  after them split into `rounds` + 1 segments (`imp_boundaries`), and at the end of each but
+  the last the masks prune the same share of what remains (round j of n ends at sparsity
+  1 - (1 - s)^(j/n)), ranked by the weights the round ended with, and every weight (pruned
+  products' survivors, embeddings, norms, biases) goes back to its kept value. Unlike the
   papers' separate runs per round, the learning-rate schedule and the optimizer's moments
   run on through the rounds rather than restarting.
 
@@ -220,6 +221,12 @@ def group_layout(products: dict, boxed_params) -> dict:
         key = "/".join(parent + (UNIT_NAME[axis],))
         if key in out:
             continue
+        module = path[:-1]
+        inner = sorted("/".join(p) for p in flat if p[:len(module)] == module
+                       and len(p) > len(module) + 1)
+        if axis == "heads" and inner:  # config.validate refuses such variants first
+            raise ValueError(f"structured pruning cannot remove heads of {'/'.join(module)}: its "
+                             f"attention variant has parameters of its own ({inner[:3]})")
         members, sizes = {}, set()
         for p, leaf in flat.items():
             names = tuple(getattr(leaf, "names", ()) or ())
@@ -335,8 +342,10 @@ class PruneCarry(Carry):
         value = {"masks": {}}
         if self.p.method == "movement":
             value.update(scores={}, dense={})
-        if self.p.schedule == "imp":
-            value["rewind"] = {}
+        if self.p.schedule == "imp":  # every model weight goes back (`start` / step k sets them)
+            from hpnlp.train.carry import model_params
+            value["rewind"] = {"/".join(k): like(w, jnp.zeros(nn.unbox(w).shape, nn.unbox(w).dtype))
+                               for k, w in traverse.flatten_dict(model_params(params)).items()}
         for k in self.products:
             w = flat[_path(k)]
             shape = nn.unbox(w).shape
@@ -344,8 +353,6 @@ class PruneCarry(Carry):
             if self.p.method == "movement":
                 value["scores"][k] = like(w, jnp.zeros(shape, jnp.float32))
                 value["dense"][k] = like(w, jnp.zeros(shape, nn.unbox(w).dtype))  # `start` sets it
-            if self.p.schedule == "imp":  # the weights survivors go back to (`start` / step k)
-                value["rewind"][k] = like(w, jnp.zeros(shape, nn.unbox(w).dtype))
         return value
 
     def start(self, value, params):
@@ -394,12 +401,13 @@ class PruneCarry(Carry):
         prune_now = updates_at(self.p, step, self.cfg.train.steps)
         masks = jax.lax.cond(prune_now, recompute, lambda m: m, value["masks"])
         new["masks"] = masks
-        if self.p.schedule == "imp":  # Frankle et al.: survivors rewind to their step-k values
+        if self.p.schedule == "imp":  # Frankle et al.: every weight back to its step-k value
+            now = {k: flat[_path(k)] for k in value["rewind"]}
             if self.p.rewind_step > 0:
                 new["rewind"] = {k: jnp.where(step + 1 == self.p.rewind_step, w, value["rewind"][k])
-                                 for k, w in weights.items()}
-            for k in weights:
-                flat[_path(k)] = jnp.where(prune_now, new["rewind"][k], weights[k])
+                                 for k, w in now.items()}
+            for k, w in now.items():
+                flat[_path(k)] = jnp.where(prune_now, new["rewind"][k], w)
             params = traverse.unflatten_dict(flat)
         if self.p.method == "movement":  # pruned entries of the parameters are zero; revived
             for k, w in weights.items():  # ones come back with their dense value

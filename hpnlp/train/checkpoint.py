@@ -79,6 +79,9 @@ def _shape_signature(cfg, members: int = 1) -> dict:
             {"energy": lr.energy, "ranks": dict(lr.ranks)} if lr.energy or lr.ranks else {})}
     if cfg.train.prune.method != "none":
         sig["train.prune.method"] = cfg.train.prune.method
+        for f, value in (("structure", "structured"), ("schedule", "imp")):  # other carry trees
+            if getattr(cfg.train.prune, f) == value:
+                sig[f"train.prune.{f}"] = value
     if cfg.train.distill.teacher:  # a hidden-state projection is a trained parameter
         sig["train.distill"] = "hidden" if cfg.train.distill.hidden else "on"
     return json.loads(json.dumps(sig, default=str))
@@ -168,7 +171,8 @@ def check_params_match(workdir: str, like, *, field: str) -> None:
     finally:
         absl.setLevel(level)
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    saved = {k: tuple(v.shape) for k, v in traverse.flatten_dict(tree["params"]).items()}
+    from hpnlp.train.carry import model_params  # a method's own parameters are not the model's
+    saved = {k: tuple(v.shape) for k, v in traverse.flatten_dict(model_params(tree["params"])).items()}
     mine = {k: tuple(v.shape) for k, v in traverse.flatten_dict(like).items()}
     diff = sorted(set(saved) ^ set(mine)) + sorted(k for k in set(saved) & set(mine)
                                                    if saved[k] != mine[k])

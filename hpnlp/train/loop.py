@@ -208,7 +208,7 @@ class Trainer:
         batch1 = dummy_batch(self.task.kind, 1, self.cfg.data.seq_len)
         found = lowrank.targets(self.cfg, self.model, dense, batch1)
         factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank_of))(dense)
-        return jax.device_put(factored, self.state_sharding.params)
+        return jax.device_put(factored, carry_lib.model_params(self.state_sharding.params))
 
     def eval_sums(self, state, eval_step=None) -> dict:
         """Host sums of `eval_step` (default: this trainer's, with memory for Transformer-XL
