@@ -124,8 +124,8 @@ def _forward_fn(workdir: str, quantized: str | None = None):
 def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 9) -> None:
     """Each row's `forward_s` and its teacher's `teacher_forward_s` (`teachers`: model ->
     teacher workdir), measured together at the end of the run: every model compiled and
-    warmed, then `rounds` rounds timing each once in turn (the median of its rounds), so
-    slow drift of the machine falls on every model alike."""
+    warmed, then `rounds` rounds timing each in turn (about 0.1 s of calls per turn; the
+    median of its rounds), so slow drift of the machine falls on every model alike."""
     from hpnlp.kernels import reuse_freed_memory
     reuse_freed_memory()
     keys = {(r["model"], r["workdir"], r.get("quantized")) for r in rows}
@@ -134,18 +134,27 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 9) -> Non
     for key in tqdm(sorted(keys, key=str), desc="load and compile", leave=False):
         _, fn, args = _forward_fn(key[1], key[2])
         jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        fns[key] = (fn, args)
+        # calls per turn: about 0.1 s of them, so a small model's turn is not one short call
+        # that the model timed before it (its caches, the thread pool's wake-up) dominates
+        calls = max(1, round(0.1 / max(time.perf_counter() - t0, 1e-4)))
+        fns[key] = (fn, args, calls)
     times = {k: [] for k in fns}
     for _ in tqdm(range(rounds), desc="forward timing", leave=False):
-        for k, (fn, args) in fns.items():
+        for k, (fn, args, calls) in fns.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[k].append(time.perf_counter() - t0)
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / calls)
     med = {k: float(np.median(v)) for k, v in times.items()}
     for r in rows:
         r["forward_s"] = med[(r["model"], r["workdir"], r.get("quantized"))]
         r["teacher_forward_s"] = med[(r["model"], teachers[r["model"]], None)]
+
+
+REUSED: list[str] = []  # runs `_train` found finished in --workdir (not trained this time)
 
 
 def _train(cd, out: str) -> dict:
@@ -163,6 +172,7 @@ def _train(cd, out: str) -> dict:
         except Exception:  # noqa: BLE001 (an unreadable or unfinished run is retrained)
             same = False
         if same and os.path.exists(done):
+            REUSED.append(out)
             with open(done) as f:
                 return json.load(f)
         if not same:  # another config's run: start afresh rather than resume it
@@ -456,8 +466,10 @@ def _markdown(p: dict) -> str:
                     f"{report.fmt(_gap_closed(p['distill'], 'text classifier', method))}"
                     + (" (the targets' row)." if method == DISTILLED else "."), ""]
     if p.get("seconds"):
+        reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
+                  "training is not in these times." if p.get("reused_runs") else "")
         out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in p["seconds"].items())
-                + ".", ""]
+                + "." + reused, ""]
     out += [report.targets_md(p["targets"])]
     return "\n".join(out)
 
@@ -505,6 +517,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                     for m in MODELS}
         measure_forward(_rows(payload), teachers)
         payload["seconds"]["forward timing"] = time.perf_counter() - t0
+    payload["reused_runs"] = len(REUSED)
     payload["targets"] = _targets(payload)
     report.write(out_dir, "compress", payload, _markdown(payload))
     _plot(payload, out_dir)
