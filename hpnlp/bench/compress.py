@@ -121,11 +121,12 @@ def _forward_fn(workdir: str, quantized: str | None = None):
     return params, fn, (served, qv, batch)
 
 
-def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 9) -> None:
+def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> None:
     """Each row's `forward_s` and its teacher's `teacher_forward_s` (`teachers`: model ->
     teacher workdir), measured together at the end of the run: every model compiled and
-    warmed, then `rounds` rounds timing each in turn (about 0.1 s of calls per turn; the
-    median of its rounds), so slow drift of the machine falls on every model alike."""
+    warmed, then `rounds` rounds timing each in turn (about 0.1 s of calls per turn, in a
+    new order each round; the median of its rounds), so slow drift of the machine and what
+    the model before it left in the caches fall on every model alike."""
     from hpnlp.kernels import reuse_freed_memory
     reuse_freed_memory()
     keys = {(r["model"], r["workdir"], r.get("quantized")) for r in rows}
@@ -141,8 +142,12 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 9) -> Non
         calls = max(1, round(0.1 / max(time.perf_counter() - t0, 1e-4)))
         fns[key] = (fn, args, calls)
     times = {k: [] for k in fns}
+    order = list(fns)
+    rng = np.random.default_rng(0)
     for _ in tqdm(range(rounds), desc="forward timing", leave=False):
-        for k, (fn, args, calls) in fns.items():
+        rng.shuffle(order)  # a new order each round: no model always follows the same one
+        for k in order:
+            fn, args, calls = fns[k]
             t0 = time.perf_counter()
             for _ in range(calls):
                 out = fn(*args)
@@ -454,8 +459,8 @@ def _markdown(p: dict) -> str:
                [r["model"], r["method"], r["setting"], f"{r['params']:,}",
                 f"{r['size_bytes'] / 1024:.0f}", f"{r['metric']} {r['value']:.4f}", rel(r)]
                for r in _rows(p)]), "",
-           "Forward: one eval batch, every model timed in turn over the same rounds at the end "
-           "of the run (median), as a speed-up over its teacher. Unstructured and N:M sparsity "
+           "Forward: one eval batch, every model timed in turn (a new order each round) over the "
+           "same rounds at the end of the run (median), as a speed-up over its teacher. Unstructured and N:M sparsity "
            "save size only: a pruned model computes its dense products on XLA:CPU, and its "
            "rows show the timing noise (about 1.00x). Size KiB: float32 parameters (the "
            "pipeline: its int8 file on disk).", ""]
