@@ -480,22 +480,31 @@ def _markdown(p: dict) -> str:
 
 
 def _plot(p: dict, out_dir: str) -> None:
+    """Quality against size per model: one colour and marker per method, its settings
+    (sparsities, ranks) joined by a line, the legend beside the axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    markers = "os^vDP*Xph<>"
     for ax, model in zip(axes, MODELS):
-        rows = [r for r in _rows(p) if r["model"] == model]
-        for r in rows:
-            size = r["size_bytes"] * (1 - r.get("sparsity", 0.0))  # nonzeros, as float32
-            ax.scatter(size / 1024, r["value"], label=f"{r['method']} {r['setting']}".strip())
+        by_method: dict[str, list] = {}
+        for r in _rows(p):
+            if r["model"] == model:
+                size = r["size_bytes"] * (1 - r.get("sparsity", 0.0))  # nonzeros, as float32
+                by_method.setdefault(r["method"], []).append((size / 1024, r["value"]))
+        for i, (method, pts) in enumerate(by_method.items()):
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker=markers[i % len(markers)],
+                    color=plt.cm.tab20(i % 20), linestyle="-" if len(pts) > 1 else "none",
+                    label=method)
         ax.set_xscale("log")
         ax.set_xlabel("KiB (float32 nonzeros; the pipeline: its int8 file)")
         ax.set_ylabel(MODELS[model][2])
         ax.set_title(model)
-        if rows:
-            ax.legend(fontsize=6)
+        if by_method:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "quality_vs_size.png"), dpi=120)
     plt.close(fig)
