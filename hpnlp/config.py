@@ -476,7 +476,9 @@ def default_configdict() -> ml_collections.ConfigDict:
             if isinstance(default, Mapping):
                 default = ml_collections.ConfigDict(dict(default))
             if dataclasses.is_dataclass(default):  # a subgroup (train.distill, train.prune)
-                default = ml_collections.ConfigDict(dataclasses.asdict(default))
+                default = ml_collections.ConfigDict({  # plain dicts: to_dict() stays JSON
+                    k: dict(v) if isinstance(v, Mapping) else v
+                    for k, v in dataclasses.asdict(default).items()})
             setattr(sub, f.name, default)
         setattr(cfg, group, sub)
     cfg.quant = ml_collections.ConfigDict(
