@@ -60,9 +60,9 @@ from hpnlp.bench import harness, report
 
 SIZES = {
     "full": dict(lm_steps=None, cls_steps=600, cls_len=256, prune_steps=200,
-                 sparsities=(0.5, 0.75, 0.9, 0.95), eval_batches=None),
+                 sparsities=(0.5, 0.75, 0.9, 0.95), eval_batches=None, timing_rounds=15),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, sparsities=(0.5, 0.9),
-                  eval_batches=2),
+                  eval_batches=2, timing_rounds=3),
 }
 MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "text", "accuracy")}
 
@@ -529,7 +529,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
         t0 = time.perf_counter()
         teachers = {m: os.path.abspath(os.path.join(wd, f"{m.replace(' ', '_')}_teacher"))
                     for m in MODELS}
-        measure_forward(_rows(payload), teachers)
+        measure_forward(_rows(payload), teachers, rounds=s["timing_rounds"])
         payload["seconds"]["forward timing"] = time.perf_counter() - t0
     payload["reused_runs"] = len(REUSED)
     payload["targets"] = _targets(payload)
