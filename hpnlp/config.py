@@ -242,6 +242,14 @@ class DistillConfig:
     # final norm and output layer as the teacher's; needs the teacher's shapes but its depth
     init: str = "none"
 
+    def matches_blocks(self) -> tuple[str, Any] | None:
+        """(field, value) of the first option set that reads the student's Transformer
+        blocks against the teacher's (hidden, attention, init), or None."""
+        for name in ("hidden", "attention"):
+            if getattr(self, name):
+                return f"train.distill.{name}", getattr(self, name)
+        return ("train.distill.init", self.init) if self.init != "none" else None
+
 
 @dataclasses.dataclass(frozen=True)
 class PruneConfig:
@@ -676,13 +684,10 @@ def _check_compress(cfg: Config) -> None:
                       f"{cfg.attention.name!r} does not return its probabilities; use "
                       "attention.name='dense' for attention-map distillation")
         _check_choice("train.distill.init", dist.init, ("none", "every_other"))
-        if (dist.hidden or dist.attention or dist.init != "none") and (
-                m.kind == "dual_encoder" or m.arch != "transformer"):
-            _fail("train.distill.hidden" if dist.hidden else "train.distill.attention"
-                  if dist.attention else "train.distill.init",
-                  dist.hidden or dist.attention or dist.init, "matches Transformer blocks of an "
-                  "LM or classifier; "
-                  f"this run has model.kind={m.kind!r}, model.arch={m.arch!r}")
+        blocks = dist.matches_blocks()
+        if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
+            _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "
+                  f"model.kind={m.kind!r}, model.arch={m.arch!r}")
         if m.arch == "transformer_xl" and cfg.data.batching == "stream":
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
                   "memory through its loss and cannot distill yet; use data.batching='pack'")
@@ -736,10 +741,11 @@ def _check_compress(cfg: Config) -> None:
         from hpnlp import attention as attention_lib
         heads = layers_name(p.layers, "qkv") or layers_name(p.layers, "out")
         if heads and not attention_lib.get(cfg.attention.name).heads_independent:
+            free = [n for n in attention_lib.names() if attention_lib.get(n).heads_independent]
             _fail("train.prune.structure", p.structure, f"attention variant "
                   f"{cfg.attention.name!r} has per-head parameters or random draws, so its heads "
-                  "cannot be removed; use a variant whose heads are independent (dense, chunked, "
-                  "xla, ring, local, sliding_window, strided) or set train.prune.layers='mlp'")
+                  f"cannot be removed; use a variant whose heads are independent ({', '.join(free)}) "
+                  "or set train.prune.layers='mlp'")
         extra = sorted(k for k in QUANT_LAYERS if layers_name(p.layers, k)
                        and k not in ("qkv", "out", "mlp", "input", "recurrent"))
         if extra:

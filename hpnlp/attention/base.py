@@ -52,9 +52,12 @@ def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=No
 
 def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
     """Exact softmax attention in float32; rows with no allowed key output zeros, not NaN."""
-    p_BHLS = softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS)
-    out = jnp.einsum("bhls,bshd->blhd", p_BHLS, v_BSHD.astype(jnp.float32))
-    return out.astype(q_BLHD.dtype)
+    return attend(softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS), v_BSHD, q_BLHD.dtype)
+
+
+def attend(p_BHLS, v_BSHD, dtype):
+    """The values weighted by attention distributions [B, H, L, S], in float32, as `dtype`."""
+    return jnp.einsum("bhls,bshd->blhd", p_BHLS, v_BSHD.astype(jnp.float32)).astype(dtype)
 
 
 def softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS=None):

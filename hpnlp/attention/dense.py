@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hpnlp.attention.base import (Attention, check_inputs, masked_softmax_attention, register,
-                                  segment_mask, softmax_probabilities)
+from hpnlp.attention.base import (Attention, attend, check_inputs, masked_softmax_attention,
+                                  register, segment_mask, softmax_probabilities)
 
 
 def _allowed(q_BLHD, k_BSHD, mask_BL, causal: bool):
@@ -33,7 +33,6 @@ class DenseAttention(Attention):
     """Vaswani et al. 2017, "Attention Is All You Need": softmax(QK^T / sqrt(D)) V, exactly."""
 
     heads_independent = True
-
     returns_probabilities = True
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
@@ -41,6 +40,5 @@ class DenseAttention(Attention):
             check_inputs(q, k, v, mask)
             p_BHLS = softmax_probabilities(q, k, _allowed(q, k, mask, causal))
             self.sow("attention_probs", "probs", p_BHLS)
-            out = jnp.einsum("bhls,bshd->blhd", p_BHLS, v.astype(jnp.float32))
-            return out.astype(q.dtype)
+            return attend(p_BHLS, v, q.dtype)
         return dense_attention(q, k, v, mask, causal=causal)

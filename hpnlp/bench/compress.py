@@ -94,7 +94,7 @@ def student(cd):
 
 
 def _forward_fn(workdir: str, quantized: str | None = None):
-    """(parameters, jitted forward on one eval batch, its arguments) of a trained run, or of
+    """(jitted forward on one eval batch, its arguments) of a trained run, or of
     the packed model `python -m hpnlp.compress quantize` wrote to `quantized` (served by the
     integer kernels where they apply, as its user runs it)."""
     from hpnlp import data as data_lib
@@ -107,18 +107,16 @@ def _forward_fn(workdir: str, quantized: str | None = None):
     tr.checkpointer.close()
     batch = next(iter(data_lib.make_iterator(tr.task, tr.cfg.data, split="eval",
                                              batch_size=tr.cfg.train.batch_size)))
-    from hpnlp.train.carry import model_params
-    params = models.param_count(model_params(state.params))
     if quantized is None:
         fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"))
-        return params, fn, (state.params, batch)
+        return fn, (state.params, batch)
     from hpnlp.compress import ptq
     cfg_q, packed, qv = ptq.load(quantized)
     model_q = models.build(cfg_q, deterministic=True, token_counts=tr.task.token_counts)
     served = ptq.serve(model_q, packed, batch, qv)
     fn = jax.jit(lambda p, q, b: model_q.apply({"params": p, **({"quant": q} if q else {})}, b,
                                                method="evaluate"))
-    return params, fn, (served, qv, batch)
+    return fn, (served, qv, batch)
 
 
 def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> None:
@@ -133,7 +131,7 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> No
     keys |= {(m, w, None) for m, w in teachers.items() if any(r["model"] == m for r in rows)}
     fns = {}
     for key in tqdm(sorted(keys, key=str), desc="load and compile", leave=False):
-        _, fn, args = _forward_fn(key[1], key[2])
+        fn, args = _forward_fn(key[1], key[2])
         jax.block_until_ready(fn(*args))
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
@@ -187,9 +185,9 @@ def _train(cd, out: str) -> dict:
 
 
 def _row(model: str, method: str, setting: str, summary: dict, workdir: str, metric: str) -> dict:
-    """A table row of a trained run (its forward time is measured by `measure_forward`)."""
-    from hpnlp.train.checkpoint import load_run_config
-    params = param_count(load_run_config(workdir))
+    """A table row of a trained run from its summary (its forward time is measured by
+    `measure_forward`)."""
+    params = summary["param_count"]
     ev = summary["eval"]
     return {"model": model, "method": method, "setting": setting, "params": params,
             "size_bytes": params * 4, "metric": metric, "value": ev.get(metric),
@@ -231,14 +229,13 @@ def prune_schedule(s: dict) -> dict:
 
 
 def _teacher(s: dict, workdir: str, model: str = "byte LM") -> str:
+    """The teacher's workdir, trained there unless `_train` finds it finished."""
     tdir = os.path.join(workdir, f"{model.replace(' ', '_')}_teacher")
-    if not os.path.exists(os.path.join(tdir, "summary.json")):
-        _train(experiment(model, s), tdir)
+    _train(experiment(model, s), tdir)
     return tdir
 
 
 def prune_rows(s: dict, workdir: str) -> list[dict]:
-
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
     jobs = [("dense fine-tune", 0.0, None)] + [
@@ -281,7 +278,6 @@ def param_count(cd) -> int:
 
 
 def lowrank_rows(s: dict, workdir: str) -> list[dict]:
-
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
     base = experiment(model, s)
@@ -316,8 +312,9 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     out = os.path.join(workdir, f"dense_width_{width}")
     rows.append(_row(model, "dense, scratch", f"width {width}, same size", _train(dense_of(width), out),
                      out, metric))
+    value = _teacher_value(tdir, metric)
     for row in rows:
-        row["teacher_value"] = _teacher_value(tdir, metric)
+        row["teacher_value"] = value
     return rows
 
 
@@ -363,15 +360,17 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
     summ = prune.shrink_run(pdir, sdir)
     small = summ["model"]
     shape = f"heads {small['num_heads'][1]}, MLP {small['mlp_dim'][1]}"
-    rows = [_row(model, "structured prune + shrink", f"{sp:.0%}: {shape}", summ, sdir, metric)]
+    rows = [_row(model, "structured prune + shrink", f"{sp:.0%}: {shape}",
+                 dict(summ, param_count=summ["params"]["shrunk"]), sdir, metric)]
     rows[0].update(half_params=True, masked_eval=summ["eval_masked"])
     scratch = experiment(model, s)  # the shrunk model's own config, trained from scratch
     scratch.model.update(num_heads=small["num_heads"][1], head_dim=small["head_dim"],
                          mlp_dim=small["mlp_dim"][1])
     odir = os.path.join(workdir, "structured_scratch")
     rows.append(_row(model, "dense, scratch", f"{shape}, same size", _train(scratch, odir), odir, metric))
+    value = _teacher_value(tdir, metric)
     for row in rows:
-        row["teacher_value"] = _teacher_value(tdir, metric)
+        row["teacher_value"] = value
     return rows
 
 
@@ -383,10 +382,9 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     model = "byte LM"
     ddir = os.path.join(workdir, "byte_LM_distilled")
     tdir = _teacher(s, workdir)
-    if not os.path.exists(os.path.join(ddir, "summary.json")):
-        cd = student(experiment(model, s))
-        cd.train.distill.update(teacher=tdir, alpha=0.5, temperature=2.0)
-        _train(cd, ddir)
+    cd = student(experiment(model, s))  # the distill part's student: reused when it ran
+    cd.train.distill.update(teacher=tdir, alpha=0.5, temperature=2.0)
+    _train(cd, ddir)
     cd = student(experiment(model, s))
     cd.train.steps, cd.train.warmup_steps, cd.train.lr = s["prune_steps"], 1, cd.train.lr * 0.3
     cd.train.init_from = ddir

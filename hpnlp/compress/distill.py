@@ -205,32 +205,26 @@ class TeacherCarry(Carry):
                 raise config_error("train.distill.attention", self.d.attention, f"the teacher's "
                                    f"attention variant {tcfg.attention.name!r} does not return its "
                                    "probabilities; distill attention maps from a 'dense' teacher")
-        if self.d.hidden or self.d.attention or self.d.init != "none":
-            field = ("train.distill.hidden" if self.d.hidden else "train.distill.attention"
-                     if self.d.attention else "train.distill.init")
+        blocks = self.d.matches_blocks()
+        if blocks:
             if tm.arch != "transformer" or tm.stack_layers or tm.reversible or sm.stack_layers \
                     or sm.reversible:
-                raise config_error(field, self.d.hidden or self.d.attention or self.d.init,
-                                   "matches the blocks of "
-                                   "plain Transformers (model.stack_layers and model.reversible "
-                                   "off, in the teacher and the student)")
-            if self.d.init != "none" and sm.width != tm.width:
-                raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
-                                   f"blocks, so model.width must be the teacher's ({tm.width}); "
-                                   f"this run has {sm.width}")
+                raise config_error(*blocks, "matches the blocks of plain Transformers "
+                                   "(model.stack_layers and model.reversible off, in the teacher "
+                                   "and the student)")
             if sm.depth > tm.depth:
-                raise config_error(field, self.d.hidden or self.d.attention or self.d.init,
-                                   f"the student "
-                                   f"(model.depth={sm.depth}) is deeper than the teacher "
-                                   f"({tm.depth})")
+                raise config_error(*blocks, f"the student (model.depth={sm.depth}) is deeper "
+                                   f"than the teacher ({tm.depth})")
         if self.d.init != "none":
-            for f in ("num_heads", "mlp_dim", "max_len", "pos_emb"):
-                if getattr(sm, f) != getattr(tm, f) or sm.dims_per_head() != tm.dims_per_head():
-                    f = f if getattr(sm, f) != getattr(tm, f) else "head_dim"
+            def shapes(m):
+                return {"width": m.width, "num_heads": m.num_heads, "head_dim": m.dims_per_head(),
+                        "mlp_dim": m.mlp_dim, "max_len": m.max_len, "pos_emb": m.pos_emb}
+            mine, theirs = shapes(sm), shapes(tm)
+            for f in mine:
+                if mine[f] != theirs[f]:
                     raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
                                        f"blocks, so model.{f} must be the teacher's "
-                                       f"({getattr(tm, f, tm.dims_per_head())!r}); this run has "
-                                       f"{getattr(sm, f, sm.dims_per_head())!r}")
+                                       f"({theirs[f]!r}); this run has {mine[f]!r}")
             if (tcfg.output.name, tcfg.output.tie_embeddings) != (cfg.output.name,
                                                                   cfg.output.tie_embeddings):
                 raise config_error("train.distill.init", self.d.init, "copies the teacher's "

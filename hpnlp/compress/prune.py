@@ -208,14 +208,15 @@ def group_layout(products: dict, boxed_params) -> dict:
     MLP neurons as `structured` pruning sees them. A group is one module's parent (a
     Transformer block) and a logical axis ("heads" or "mlp"); its members are the parameters
     of that block's modules (qkv, out; mlp_in's kernel and bias, mlp_out's kernel) whose
-    logical names hold the axis. `products` maps parameter paths (tuples) to Products."""
+    logical names hold the axis. `products` maps parameter paths ("a/b/kernel") to Products."""
     flat = traverse.flatten_dict(boxed_params)
     out = {}
-    for path, prod in sorted(products.items()):
+    for key_path, prod in sorted(products.items()):
+        path = _path(key_path)
         axis = GROUP_AXIS.get(prod.kind)
         if axis is None:
             raise ValueError(f"train.prune.structure='structured': a {prod.kind!r} product "
-                             f"({'/'.join(path)}) has no heads or neurons to remove; set "
+                             f"({key_path}) has no heads or neurons to remove; set "
                              "train.prune.layers to qkv,out,mlp")
         parent = path[:-2]
         key = "/".join(parent + (UNIT_NAME[axis],))
@@ -310,8 +311,9 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
 
 class PruneCarry(Carry):
     """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores" and
-    "dense" (movement) or "groups" (structured: {block/heads|neurons: bool [units]}) beside
-    them (module doc)."""
+    "dense" (movement) or "rewind" (imp) beside them; structured pruning keeps only
+    {"groups": {block/heads|neurons: bool [units]}}, its weights' masks follow from them
+    (module doc)."""
 
     name = "prune"
 
@@ -332,13 +334,9 @@ class PruneCarry(Carry):
         def like(w, value):  # sharded like the weight
             return w.replace_boxed(value) if isinstance(w, nn.meta.AxisMetadata) else value
 
-        if self.p.structure == "structured":
-            self.layout = group_layout({_path(k): v for k, v in found.items()}, params)
-            groups = {k: jnp.ones((u,), bool) for k, (_, u, _) in self.layout.items()}
-            masks = expand_groups(groups, self.layout,
-                                  {"/".join(k): nn.unbox(w).shape for k, w in flat.items()})
-            return {"groups": groups,
-                    "masks": {k: like(flat[_path(k)], v) for k, v in masks.items()}}
+        if self.p.structure == "structured":  # the unit masks; weight masks derive from them
+            self.layout = group_layout(found, params)
+            return {"groups": {k: jnp.ones((u,), bool) for k, (_, u, _) in self.layout.items()}}
         value = {"masks": {}}
         if self.p.method == "movement":
             value.update(scores={}, dense={})
@@ -377,8 +375,7 @@ class PruneCarry(Carry):
             # the step divides the summed loss by the real tokens: scale the penalty by them
             sums, carry = inner(params, carry, batch, rngs)
             flat = traverse.flatten_dict(params)
-            l1 = sum(jnp.sum(jnp.abs(flat[_path(k)].astype(jnp.float32)))
-                     for k in carry["prune"]["masks"])
+            l1 = sum(jnp.sum(jnp.abs(flat[_path(k)].astype(jnp.float32))) for k in self.products)
             return dict(sums, loss=sums["loss"] + self.p.l1 * l1 * sums["weight"],
                         loss_l1=l1 * sums["weight"]), carry
         return l1_loss
@@ -424,8 +421,8 @@ class PruneCarry(Carry):
 
         groups = jax.lax.cond(updates_at(self.p, step, self.cfg.train.steps), recompute,
                               lambda g: g, value["groups"])
-        masks = expand_groups(groups, self.layout, {k: flat[k].shape for k in value["masks"]})
-        return apply_masks(params, masks), {"groups": groups, "masks": masks}
+        masks = expand_groups(groups, self.layout, {k: w.shape for k, w in flat.items()})
+        return apply_masks(params, masks), {"groups": groups}
 
 
 def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:

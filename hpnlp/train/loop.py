@@ -114,26 +114,26 @@ class Trainer:
         # What methods carry between steps (XL memory, a teacher, pruning masks): train/carry.py.
         self.carries = carry_lib.for_config(cfg, token_counts=counts)
         batch1 = dummy_batch(self.task.kind, 1, cfg.data.seq_len)
-        transform = None
-        if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
-            from hpnlp.compress import lowrank
-            if cfg.model.lowrank.energy and not cfg.model.lowrank.ranks:  # ranks from the run
-                abstract = jax.eval_shape(lambda key: nn.unbox(model.init(
-                    {"params": key, "dropout": key}, batch1)["params"]), jax.random.key(0))
-                check_params_match(cfg.train.init_from, abstract, field="train.init_from")
-                dense = restore_params(cfg.train.init_from, abstract)
-                self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, dense)
-            transform = lowrank.init_transform(cfg, model, batch1)
-        init = lambda key: init_state(model, tx, key, batch1, loss_scale=scale,  # noqa: E731
-                                      carries=self.carries, batch_size=cfg.train.batch_size,
-                                      transform=transform)
         # The parameters as the model initializes them (before any factorization): what a
-        # run named by train.init_from holds (traced only for such a run).
+        # run named by train.init_from holds (traced only for such a run), refused here,
+        # before any compile, if the shapes differ.
         self.model_params = None
+        self._restored = None  # train.init_from's parameters when already read (lowrank.energy)
         if cfg.train.init_from:
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
+            check_params_match(cfg.train.init_from, self.model_params, field="train.init_from")
+        transform = None
+        if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
+            from hpnlp.compress import lowrank
+            if cfg.model.lowrank.energy and not cfg.model.lowrank.ranks:  # ranks from the run
+                self._restored = restore_params(cfg.train.init_from, self.model_params)
+                self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, self._restored)
+            transform = lowrank.init_transform(cfg, model, batch1)
+        init = lambda key: init_state(model, tx, key, batch1, loss_scale=scale,  # noqa: E731
+                                      carries=self.carries, batch_size=cfg.train.batch_size,
+                                      transform=transform)
         with self._context():
             abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
@@ -159,8 +159,6 @@ class Trainer:
                     make_eval_step(self.eval_model, cfg.train, memory=True),
                     in_shardings=(self.state_sharding, self.batch_sharding, mem_sharding),
                     out_shardings=(None, mem_sharding))
-        if cfg.train.init_from:  # refused here, before any compile, if the shapes differ
-            check_params_match(cfg.train.init_from, self.model_params, field="train.init_from")
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
                                          members=getattr(self, "members", 1), read_only=read_only)
@@ -198,13 +196,15 @@ class Trainer:
         """The newest parameters of the run in `workdir` as this run starts from them: read
         into `like`'s shardings, or (model.lowrank) read as the model's weights and then
         factorized by truncated SVD."""
-        from hpnlp.train.carry import model_params, trainable_params
-        if trainable_params(like):  # a method's own parameters start fresh
-            return {**self._params_from(workdir, model_params(like)), **trainable_params(like)}
+        own = carry_lib.trainable_params(like)
+        if own:  # a method's own parameters start fresh
+            return {**self._params_from(workdir, carry_lib.model_params(like)), **own}
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
         from hpnlp.compress import lowrank
-        dense = restore_params(workdir, self.model_params)
+        dense, self._restored = self._restored, None  # read once: lowrank.energy read it
+        if dense is None:
+            dense = restore_params(workdir, self.model_params)
         batch1 = dummy_batch(self.task.kind, 1, self.cfg.data.seq_len)
         found = lowrank.targets(self.cfg, self.model, dense, batch1)
         factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank_of))(dense)
