@@ -135,6 +135,50 @@ class LowRankConfig:
         return int(self.ranks.get(path, self.rank))
 
 
+MOE_ROUTERS = ("top_k", "switch", "expert_choice")  # hpnlp.moe.routing.ROUTERS
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (hpnlp.moe; `model.moe.*`): the chosen blocks' MLP becomes
+    `num_experts` expert MLPs and a router that sends each token to `top_k` of them."""
+
+    num_experts: int = 0  # X; 0 = off (every block keeps its dense MLP)
+    every: int = 1  # MoE in every n-th block (blocks n-1, 2n-1, ...; 2 = Switch's every other)
+    top_k: int = 1  # experts per token (expert_choice: the mean experts per token)
+    mlp_dim: int = 0  # each expert's hidden width; 0 = model.mlp_dim
+    # "switch": top-1, gate = the router probability (Fedus et al. 2021) | "top_k": token
+    # choice, gates = softmax over the k chosen logits (Shazeer et al. 2017; top_k >= 2) |
+    # "expert_choice": each expert takes its top-C tokens (Zhou et al. 2022; it sees every
+    # token of its routing group, so in a causal LM a token's route depends on later tokens)
+    router: str = "switch"
+    noisy: bool = False  # noisy top-k gating in training (Shazeer et al. 2017): + N(0,1) softplus(x W_noise)
+    # "capacity": C = ceil(capacity_factor * S * top_k / X) slots per expert and routing group of
+    # S tokens; choices past capacity are dropped (first choices before second choices, then in
+    # token order) and pass through the residual (GShard, Switch) | "dropless": every choice is
+    # computed (tokens sorted by expert, products over padded blocks; hpnlp.moe.dispatch)
+    dispatch: str = "capacity"
+    capacity_factor: float = 1.25  # training
+    eval_capacity_factor: float = 2.0  # evaluation (decoding is always dropless)
+    shared_experts: int = 0  # experts every token uses besides its routed ones (DeepSeekMoE)
+    balance_loss: float = 0.01  # weight of X * sum_i fraction_i * prob_i (Switch), per MoE layer
+    z_loss: float = 0.001  # weight of mean logsumexp(router logits)^2 (ST-MoE)
+    # Routing groups (capacity is per group): the batch's rows split into this many blocks;
+    # 0 = one per data-parallel shard (what each device holds), as GShard's groups
+    groups: int = 0
+    block_size: int = 0  # dropless: rows per padded block of one expert; 0 = automatic
+
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def applies(self, block: int) -> bool:
+        """Whether Transformer block `block` (0-based) is an MoE block."""
+        return self.enabled() and block % self.every == self.every - 1
+
+    def expert_dim(self, m: "ModelConfig") -> int:
+        return self.mlp_dim or m.mlp_dim
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
@@ -175,6 +219,7 @@ class ModelConfig:
     # The config's `quant` group (hpnlp.compress): every product the model builds reads it.
     quant: QuantConfig = QuantConfig()
     lowrank: LowRankConfig = LowRankConfig()  # `model.lowrank.*`: factorized products
+    moe: MoEConfig = MoEConfig()  # `model.moe.*`: mixture-of-experts MLPs (hpnlp.moe)
 
     def dims_per_head(self) -> int:
         """D, each head's size: `head_dim`, or width / num_heads when it is 0."""
@@ -365,7 +410,8 @@ MESH_AXES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert")
 # layer axis), `expert`; activations: `batch`, `length`, `activation_embed`,
 # `activation_mlp`. With every mesh axis of size 1 this is plain single-device code.
 DEFAULT_RULES = {
-    "batch": ("data", "fsdp"),  # data parallel over both; fsdp also shards parameters
+    # data parallel over all three: fsdp also shards parameters, expert also shards experts
+    "batch": ("data", "fsdp", "expert"),
     "length": "sequence",  # sequence (context) parallel: ring attention
     "vocab": "tensor",  # Megatron: vocabulary, heads and MLP hidden split over tensor
     "embed": "fsdp",  # ZeRO-3: parameters' model dim split over fsdp, gathered per layer
@@ -663,6 +709,99 @@ def _check_lowrank(cfg: Config) -> None:
         if on:
             _fail(field, value, "is not combined with model.lowrank yet; factorize (and "
                   "fine-tune) first, or set model.lowrank.rank=0")
+
+
+def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """`model.moe`: fields, the mesh's expert axis, what MoE combines with (hpnlp.moe)."""
+    c, m, t, d = cfg.model.moe, cfg.model, cfg.train, cfg.data
+    if not isinstance(c.num_experts, int) or c.num_experts < 0:
+        _fail("model.moe.num_experts", c.num_experts, "must be an integer >= 0 (0: no MoE)")
+    if not c.enabled():
+        if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
+            _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
+                  "the batch, and mesh.rules.batch does not name it; add 'expert' to "
+                  "mesh.rules.batch or set mesh.expert=1")
+        return
+    X = c.num_experts
+    _check_choice("model.moe.router", c.router, MOE_ROUTERS)
+    _check_choice("model.moe.dispatch", c.dispatch, ("capacity", "dropless"))
+    for name in ("every", "top_k"):
+        if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+            _fail(f"model.moe.{name}", getattr(c, name), "must be an integer >= 1")
+    for name in ("mlp_dim", "shared_experts", "groups", "block_size"):
+        if not isinstance(getattr(c, name), int) or getattr(c, name) < 0:
+            _fail(f"model.moe.{name}", getattr(c, name), "must be an integer >= 0")
+    if c.top_k > X:
+        _fail("model.moe.top_k", c.top_k, f"a token cannot choose more than the "
+              f"model.moe.num_experts={X} experts; lower top_k or add experts")
+    if c.router == "switch" and c.top_k != 1:
+        _fail("model.moe.router", c.router, f"Switch routing is top-1 (model.moe.top_k="
+              f"{c.top_k}); use router='top_k' for k >= 2")
+    if c.router == "top_k" and c.top_k == 1:
+        _fail("model.moe.router", c.router, "top_k gates are a softmax over the chosen logits, "
+              "which is 1 for a single choice (the router would learn nothing); use "
+              "router='switch' for top-1")
+    if c.router == "expert_choice" and c.dispatch != "capacity":
+        _fail("model.moe.dispatch", c.dispatch, "expert-choice routing fills each expert's "
+              "capacity by construction; use dispatch='capacity'")
+    if c.noisy and c.router == "expert_choice":
+        _fail("model.moe.noisy", True, "noisy gating is for token-choice routers (top_k, switch)")
+    for name in ("capacity_factor", "eval_capacity_factor"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or v <= 0:
+            _fail(f"model.moe.{name}", v, "must be > 0 (slots per expert = factor x tokens x "
+                  "top_k / experts); use model.moe.dispatch='dropless' for no capacity limit")
+    _check_positive("model.moe.balance_loss", c.balance_loss, allow_zero=True)
+    _check_positive("model.moe.z_loss", c.z_loss, allow_zero=True)
+    if m.arch != "transformer":
+        _fail("model.moe.num_experts", X, f"MoE replaces Transformer MLPs; model.arch={m.arch!r} "
+              "has none (use model.arch='transformer' or num_experts=0)")
+    if c.every > m.depth:
+        _fail("model.moe.every", c.every, f"no block of model.depth={m.depth} would be MoE; "
+              f"choose every <= {m.depth}")
+    for field, value, on, why in (
+            ("model.reversible", True, m.reversible, "reversible blocks recompute themselves "
+             "in a custom backward pass that cannot report the router's losses"),
+            ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
+             "their layers functionally and cannot report the router's losses"),
+            ("quant.weights", m.quant.weights, m.quant.enabled, "expert products are not "
+             "quantizable yet"),
+            ("train.prune.method", t.prune.method, t.prune.method != "none", "expert products "
+             "are not prunable yet"),
+            ("model.lowrank.rank", m.lowrank.rank, m.lowrank.enabled(), "expert products are not "
+             "factorizable yet")):
+        if on:
+            _fail(field, value, f"cannot be combined with model.moe: {why}")
+    if m.stack_layers and c.every != 1:
+        _fail("model.moe.every", c.every, "stacked layers (model.stack_layers=True) are one "
+              "block repeated; use every=1 or model.stack_layers=False")
+    ep = sizes["expert"]
+    if X % ep:
+        _fail("model.moe.num_experts", X, f"must be divisible by mesh.expert={ep} (each "
+              f"device holds num_experts / mesh.expert experts)")
+    batch_axes = cfg.mesh.mesh_axes_of("batch")
+    shards = math.prod(sizes[a] for a in batch_axes)
+    if ep > 1:
+        if "expert" not in batch_axes:
+            _fail("mesh.rules.batch", cfg.mesh.rules.get("batch"), "expert parallelism sends "
+                  "each device's own tokens to the experts' devices, so the batch must be split "
+                  "over the expert axis too: add 'expert' to mesh.rules.batch")
+        if c.dispatch != "capacity":
+            _fail("model.moe.dispatch", c.dispatch, f"expert parallelism (mesh.expert={ep}) moves "
+                  "fixed-size capacity buffers with all-to-all; use dispatch='capacity'")
+        if sizes["sequence"] > 1:
+            _fail("mesh.sequence", sizes["sequence"], "expert parallelism routes whole rows; "
+                  "set mesh.sequence=1 with mesh.expert > 1")
+    groups = c.groups or shards
+    rows = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
+            "data.eval_batch_size (or train.batch_size)": d.eval_batch_size or t.batch_size}
+    for field, n in rows.items():
+        if n % groups:
+            _fail("model.moe.groups", c.groups, f"{groups} routing groups must divide the rows the "
+                  f"model sees per step, {field} = {n}")
+    if groups % shards and (c.dispatch == "capacity" and shards > 1):
+        _fail("model.moe.groups", c.groups, f"must be a multiple of the {shards} data-parallel "
+              "shards (each device routes whole groups)")
 
 
 def _check_compress(cfg: Config) -> None:
@@ -995,6 +1134,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               "attention.name='ring' (exact attention passing key/value blocks around the ring)")
     if sizes["sequence"] > 1 and d.seq_len % sizes["sequence"]:
         _fail("data.seq_len", d.seq_len, f"must be a multiple of mesh.sequence={sizes['sequence']}")
+    _check_moe(cfg, sizes)
     shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
     per_step = t.grad_accum * math.lcm(shards, num_processes)
     if t.batch_size % per_step:

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config, config_error, validate
-from hpnlp.train.carry import TRAINABLE_PREFIX, Carry
+from hpnlp.train.carry import AUX, TRAINABLE_PREFIX, Carry, fold_aux
 
 
 def soft_cross_entropy(logp_teacher, logp_student, temperature: float):
@@ -110,13 +110,15 @@ def _is_block(module, method_name: str) -> bool:
 
 
 def intermediates(module_def, variables, batch, method, *, blocks: bool = False,
-                  probs: bool = False, **kw):
+                  probs: bool = False, aux: bool = False, **kw):
     """(method's output, {"blocks": [each Transformer block's output], "probs": [each block's
-    attention distributions [B, H, L, S]]}, in block order) of one apply; what is not asked
-    for is not collected (and the apply is the plain one)."""
-    if not (blocks or probs):
+    attention distributions [B, H, L, S]], "aux": what layers reported (MoE routers;
+    hpnlp.train.carry.fold_aux)}, in block order) of one apply; what is not asked for is not
+    collected (and the apply is the plain one)."""
+    if not (blocks or probs or aux):
         return module_def.apply(variables, batch, method=method, **kw), {}
-    mutable = (["intermediates"] if blocks else []) + (["attention_probs"] if probs else [])
+    mutable = ((["intermediates"] if blocks else []) + (["attention_probs"] if probs else [])
+               + ([AUX] if aux else []))
     out, state = module_def.apply(variables, batch, method=method, mutable=mutable,
                                   capture_intermediates=_is_block if blocks else False, **kw)
 
@@ -132,7 +134,7 @@ def intermediates(module_def, variables, batch, method, *, blocks: bool = False,
         walk(tree, None)
         return [found[i] for i in sorted(found)]
 
-    got = {}
+    got = {"aux": state.get(AUX)} if aux else {}
     if blocks:
         got["blocks"] = collect(state["intermediates"], "__call__")
     if probs:
@@ -286,7 +288,8 @@ class TeacherCarry(Carry):
             real_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
             if lm:
                 (hard, h_BLE), s_int = intermediates(student, {"params": params}, batch,
-                                                     _lm_hidden_and_hard, rngs=rngs, **want)
+                                                     _lm_hidden_and_hard, rngs=rngs, aux=True,
+                                                     **want)
                 t_BLE, t_int = intermediates(teacher, {"params": tparams}, batch, "hidden", **want)
                 t_BLE = jax.lax.stop_gradient(t_BLE)
                 mask_BL = batch["segment_ids"] > 0
@@ -300,7 +303,7 @@ class TeacherCarry(Carry):
             else:
                 from hpnlp.models.heads import _classification_sums
                 z_s, s_int = intermediates(student, {"params": params}, batch, _logits,
-                                           rngs=rngs, **want)
+                                           rngs=rngs, aux=True, **want)
                 z_t, t_int = intermediates(teacher, {"params": tparams}, batch, _logits, **want)
                 z_t = jax.lax.stop_gradient(z_t)
                 hard = _classification_sums(z_s, batch["label"], batch["weight"])
@@ -318,5 +321,5 @@ class TeacherCarry(Carry):
                                                          token_weight)
                 total = total + d.attention * extra["loss_attention"]
             sums = dict(hard, loss=total, loss_hard=hard["loss"], loss_soft=soft, **extra)
-            return sums, carry
+            return fold_aux(sums, s_int["aux"]), carry  # an MoE student's router losses
         return distill_loss

@@ -130,6 +130,16 @@ def mlp(m: ModelConfig, h_BLE):
     return h_BLE
 
 
+def feed_forward(m: ModelConfig, h_BLE, seg_BL, *, index: int, deterministic: bool,
+                 decode: bool):
+    """Block `index`'s feed-forward sublayer: the dense `mlp`, or in the blocks `model.moe`
+    names a mixture of experts (hpnlp.moe), created in the caller as "moe"."""
+    if m.moe.applies(index):
+        from hpnlp.moe.layer import MoE
+        return MoE(m, deterministic, decode, name="moe")(h_BLE, seg_BL)
+    return mlp(m, h_BLE)
+
+
 class Block(nn.Module):
     """x + Attn(LN(x)), then x + MLP(LN(x)) (pre-LN: trains without warmup tricks).
 
@@ -152,6 +162,7 @@ class Block(nn.Module):
     causal: bool
     deterministic: bool = True
     decode: bool = False
+    index: int = 0  # which block (model.moe picks its MoE blocks by it)
 
     @nn.compact
     def __call__(self, x_BLE, seg_BL):
@@ -160,7 +171,9 @@ class Block(nn.Module):
         h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
                                    name="attention")(layer_norm(m, "norm1")(x_BLE), seg_BL)
         x_BLE = x_BLE + drop()(h_BLE)
-        x_BLE = x_BLE + drop()(mlp(m, layer_norm(m, "norm2")(x_BLE)))
+        x_BLE = x_BLE + drop()(feed_forward(m, layer_norm(m, "norm2")(x_BLE), seg_BL,
+                                            index=self.index, deterministic=self.deterministic,
+                                            decode=self.decode))
         return nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
 
 
@@ -212,7 +225,7 @@ class Trunk(nn.Module):
         else:
             for i in range(m.depth):
                 x_BLE = block_cls(m, self.attention, self.causal, self.deterministic, self.decode,
-                                  name=f"block_{i}")(x_BLE, seg_BL)
+                                  index=i, name=f"block_{i}")(x_BLE, seg_BL)
         return nn.LayerNorm(dtype=dt, param_dtype=pdt, name="final_norm",
                             scale_init=_init(nn.initializers.ones, ("embed",)),
                             bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)

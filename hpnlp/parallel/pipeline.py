@@ -88,8 +88,9 @@ def scan_blocks(block: nn.Module, x_BLE, seg_BL, *, length: int):
     """
     scan = nn.scan(lambda blk, x, seg: (blk(x, seg), None),
                    # quant / calib / qexport / qserve: hpnlp.compress, one entry per layer
+                   # aux: what a layer reports (hpnlp.moe), one entry per layer
                    variable_axes={"params": 0, "cache": 0, "quant": 0, "calib": 0, "qexport": 0,
-                                  "qserve": 0},
+                                  "qserve": 0, "aux": 0},
                    split_rngs={"params": True, "dropout": True, "features": True},
                    in_axes=nn.broadcast, length=length,
                    metadata_params={nn.PARTITION_NAME: "layers"})

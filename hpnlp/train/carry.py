@@ -33,6 +33,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from hpnlp.config import Config
 
 LossFn = Callable[..., tuple[dict, dict]]  # (params, carry, batch, rngs) -> (sums, carry)
@@ -90,10 +94,54 @@ def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:
     return out
 
 
+AUX = "aux"  # the collection layers `sow` auxiliary losses and statistics into (hpnlp.moe)
+AUX_LOSS = "loss_aux"  # their summed loss in the sums: the train step minimizes loss + loss_aux
+
+
+def _natural(path) -> list:
+    import re
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", jax.tree_util.keystr(path))]
+
+
+def fold_aux(sums: dict, aux, *, add_loss: bool = True) -> dict:
+    """The model's sums with what its layers reported in the `aux` collection.
+
+    Each reporting layer sows one dict per call: `loss`, a per-token mean the train step adds
+    to the model's loss, summed over the layers into `loss_aux` (times `weight`, like every
+    sum) when `add_loss` (`loss` itself stays the task's); `loss_*` parts, logged as their mean
+    over the layers (times `weight`); any other key a sum. Scalars are summed over the
+    layers; a vector statistic (an MoE layer's load per expert) is kept per layer, [layers,
+    ...], in block order. A stacked (scanned) block reports once per layer along its leading
+    axis.
+    """
+    if not aux:
+        return sums
+    entries: dict[str, list] = {}
+    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(aux)[0],
+                             key=lambda pl: _natural(pl[0])):
+        entries.setdefault(str(path[-1].key), []).append(leaf)
+    layers = sum(int(np.size(x)) for x in entries["loss"])
+    out, w = dict(sums), sums["weight"]
+    for key, leaves in entries.items():
+        per_layer = jnp.concatenate([jnp.reshape(x, (-1,)) for x in leaves]).reshape(layers, -1)
+        if key == "loss":
+            if add_loss:
+                out[AUX_LOSS] = jnp.sum(per_layer) * w
+        elif key.startswith("loss_"):
+            out[key] = jnp.mean(per_layer) * w
+        elif per_layer.shape[1] == 1:
+            out[key] = jnp.sum(per_layer)
+        else:
+            out[key] = per_layer
+    return out
+
+
 def model_loss(model) -> LossFn:
-    """The plain objective: the model's summed loss, carry unchanged."""
+    """The plain objective: the model's summed loss (with its layers' auxiliary losses),
+    carry unchanged."""
     def loss(params, carry, batch, rngs):
-        return model.apply({"params": params}, batch, rngs=rngs), carry
+        sums, aux = model.apply({"params": params}, batch, rngs=rngs, mutable=[AUX])
+        return fold_aux(sums, aux.get(AUX)), carry
     return loss
 
 

@@ -250,7 +250,8 @@ class Trainer:
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
         saved = loop.get("window") or {}
-        window: dict[str, Any] = {"sums": saved.get("sums"), "n": saved.get("n", 0),
+        window: dict[str, Any] = {"sums": saved.get("sums") and {  # vectors: MoE loads
+                                      k: np.asarray(v) for k, v in saved["sums"].items()}, "n": saved.get("n", 0),
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
                                   "clipped": saved.get("clipped", 0), "t0": time.perf_counter()}
         timing = {"tokens": 0.0, "steps": 0, "t0": None}
@@ -352,7 +353,8 @@ class Trainer:
                         do_ckpt = True
                 if do_ckpt:
                     win = None if window["sums"] is None else {
-                        "sums": {k: float(v) for k, v in window["sums"].items()}, "n": window["n"],
+                        "sums": {k: np.asarray(v).tolist() for k, v in window["sums"].items()},
+                        "n": window["n"],
                         "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
                     self.checkpointer.save(step, state, self.train_iter.get_state(), {
                         "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,

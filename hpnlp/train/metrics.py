@@ -30,6 +30,16 @@ def _summary_writer_class():
     return SummaryWriter
 
 
+def _cells(table, prefix=""):
+    """(index path "i/j", value) of every number in a nested list."""
+    for i, v in enumerate(table):
+        idx = f"{prefix}{i}"
+        if isinstance(v, list):
+            yield from _cells(v, idx + "/")
+        else:
+            yield idx, float(v)
+
+
 class MetricWriter:
     def __init__(self, workdir: str, *, resume_step: int | None = None):
         self.enabled = jax.process_index() == 0
@@ -70,6 +80,9 @@ class MetricWriter:
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 self.tb.add_scalar(prefix + k, v, step)
+            elif isinstance(v, list):  # a table (MoE load [layer][expert]): one series per cell
+                for idx, x in _cells(v):
+                    self.tb.add_scalar(f"{prefix}{k}/{idx}", x, step)
         self.tb.flush()
 
     def scalar(self, step: int, name: str, value: float) -> None:

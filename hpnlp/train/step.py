@@ -47,7 +47,8 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
 
     def sum_loss(params, carry, batch, rng, features, scale):
         sums, carry = loss_fn(params, carry, batch, {"dropout": rng, "features": features})
-        return sums["loss"] * scale, (sums, carry)
+        objective = sums["loss"] + sums.get(carry_lib.AUX_LOSS, 0.0)  # layers' auxiliary losses
+        return objective * scale, (sums, carry)
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
 
@@ -124,8 +125,10 @@ def make_eval_step(model, t: TrainConfig, *, memory: bool = False):
         return eval_memory_step
 
     def eval_step(state: TrainState, batch):
-        return model.apply({"params": state.params}, batch, method="evaluate",
-                           rngs={"features": state.features_key(t.feature_redraw_every)})
+        sums, aux = model.apply({"params": state.params}, batch, method="evaluate",
+                                rngs={"features": state.features_key(t.feature_redraw_every)},
+                                mutable=[carry_lib.AUX])
+        return carry_lib.fold_aux(sums, aux.get(carry_lib.AUX), add_loss=False)  # the task's loss
     return eval_step
 
 
@@ -144,4 +147,6 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     for k in ("grad_norm", "param_norm", "lr", "loss_scale"):
         if k in sums:
             out[k] = float(sums[k])
+    from hpnlp.moe import summarize  # routing statistics of MoE layers, when there are any
+    out.update(summarize(sums))
     return out

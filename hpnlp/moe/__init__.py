@@ -1,0 +1,26 @@
+"""Mixture of experts: routers (`routing`), dispatch (`dispatch`: capacity and dropless),
+the layer with expert parallelism (`layer`), and its metrics (`summarize`).
+
+    >>> cfg.model.moe.num_experts = 8        # doctest: +SKIP  (a ConfigDict: every block is MoE)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpnlp.moe.layer import MoE  # noqa: F401
+
+
+def summarize(sums: dict) -> dict:
+    """Host-side: MoE sums (per MoE layer, summed over steps) -> metrics: the fraction of
+    choices dropped, the router's mean entropy (nats), each layer's load per expert as
+    fractions of its routed choices, and the largest expert's load over the mean."""
+    if "moe_tokens" not in sums:
+        return {}
+    load_LX = np.asarray(sums["moe_load"], np.float64).reshape(-1, np.shape(sums["moe_load"])[-1])
+    frac_LX = load_LX / np.maximum(load_LX.sum(-1, keepdims=True), 1.0)
+    mean = load_LX.mean(-1, keepdims=True)
+    return {"moe_dropped_frac": float(np.sum(sums["moe_dropped"]) / max(np.sum(sums["moe_assigned"]), 1.0)),
+            "moe_router_entropy": float(np.sum(sums["moe_entropy"]) / max(np.sum(sums["moe_tokens"]), 1.0)),
+            "moe_load_max_vs_mean": float(np.max(load_LX / np.maximum(mean, 1e-9))),
+            "moe_load": np.round(frac_LX, 5).tolist()}

@@ -1,0 +1,171 @@
+"""The MoE feed-forward layer: a router, X expert MLPs, dispatch, combine, statistics.
+
+Shape letters as in `routing.py` (B batch, L length too). The Transformer block asks
+`hpnlp.models.transformer.feed_forward` for its MLP, which is this layer in the blocks
+`model.moe` names.
+
+Routing groups are the batch's rows split into G equal blocks (`model.moe.groups`, default
+one per data-parallel shard), and capacity is per group, so a run routes the same way on
+one device and on many. With `mesh.expert` > 1 the experts are sharded over the `expert`
+mesh axis and the capacity buffers move by all-to-all inside `shard_map` (GShard): each
+device routes its own groups, sends each expert's slots to the device holding it, runs
+its X / mesh.expert experts on every device's slots, and sends the results back.
+
+Every call reports into the `aux` collection (`sow`, read by hpnlp.train.carry's
+`fold_aux`): the auxiliary loss to add (per-token mean, weighted by the config), and sums
+for the metrics: routed load per expert, dropped choices, router entropy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from hpnlp.config import ModelConfig
+from hpnlp.moe import dispatch, routing
+
+from hpnlp.train.carry import AUX  # the collection layers report auxiliary losses into
+
+
+def _init(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+def batch_shards() -> int:
+    """Data-parallel shards of the current mesh and logical rules (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = nn.logical_to_mesh_axes(("batch",))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a] if a in mesh.axis_names else 1
+    return n
+
+
+def _expert_axis() -> tuple[int, tuple[str, ...]]:
+    """(experts' shards over the `expert` mesh axis, the batch's mesh axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "expert" not in mesh.axis_names or mesh.shape["expert"] == 1:
+        return 1, ()
+    axes = nn.logical_to_mesh_axes(("batch",))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return mesh.shape["expert"], axes
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts MLP (Shazeer et al. 2017; Switch, GShard): parameters grow with
+    the experts, the compute per token stays that of `top_k` expert MLPs."""
+
+    model: ModelConfig
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x_BLM, seg_BL):
+        m, c = self.model, self.model.moe
+        from hpnlp.models.transformer import dtypes
+        dt, pdt = dtypes(m)
+        if self.decode and c.router == "expert_choice":
+            raise ValueError("model.moe.router='expert_choice' ranks each expert's tokens over a "
+                             "whole group, which one decoded token at a time does not have; "
+                             "generate with a token-choice router ('switch' or 'top_k')")
+        B, L, M = x_BLM.shape
+        X, F = c.num_experts, c.expert_dim(m)
+        lecun = functools.partial(nn.initializers.lecun_normal, in_axis=1, out_axis=2)
+        w_router = self.param("router", _init(nn.initializers.normal(0.02), ("embed", None)),
+                              (M, X), jnp.float32)
+        wi = self.param("wi", _init(lecun(), ("expert", "embed", "mlp")), (X, M, F), pdt)
+        bi = self.param("bi", _init(nn.initializers.zeros, ("expert", "mlp")), (X, F), pdt)
+        wo = self.param("wo", _init(lecun(), ("expert", "mlp", "embed")), (X, F, M), pdt)
+        bo = self.param("bo", _init(nn.initializers.zeros, ("expert", "embed")), (X, M), pdt)
+        experts = [w.astype(dt) for w in (wi, bi, wo, bo)]
+        x_BLM = x_BLM.astype(dt)
+
+        # One group per row block; decoding (one token per row) routes the batch as one.
+        G = 1 if self.decode else (c.groups or batch_shards())
+        S = B * L // G
+        x_GSM = x_BLM.reshape(G, S, M)
+        valid_GS = (seg_BL > 0).reshape(G, S)
+        logits_GSX = jnp.einsum("gsm,mx->gsx", x_GSM.astype(jnp.float32), w_router)
+        if c.noisy:  # trained through the noise it scales; used in training only
+            w_noise = self.param("noise", _init(nn.initializers.zeros, ("embed", None)), (M, X),
+                                 jnp.float32)
+            if not self.deterministic:
+                std_GSX = jax.nn.softplus(jnp.einsum("gsm,mx->gsx", x_GSM.astype(jnp.float32),
+                                                     w_noise))
+                logits_GSX = logits_GSX + std_GSX * jax.random.normal(
+                    self.make_rng("dropout"), logits_GSX.shape)
+        probs_GSX = jax.nn.softmax(logits_GSX, axis=-1)
+
+        stats = {"moe_tokens": jnp.sum(valid_GS, dtype=jnp.float32),
+                 "moe_entropy": routing.entropy_sum(probs_GSX, valid_GS),
+                 "loss_moe_z": routing.z_loss(logits_GSX, valid_GS)}
+        aux = c.z_loss * stats["loss_moe_z"]
+        factor = c.capacity_factor if not self.deterministic else c.eval_capacity_factor
+        C = routing.capacity(S, experts=X, top_k=c.top_k, factor=factor)
+        if c.router == "expert_choice":
+            slots = routing.expert_choice(probs_GSX, valid_GS, slots=C)
+            filled_GX = jnp.sum(slots.token_GXC < S, -1)
+            chosen_GS = jnp.zeros((G, S + 1), jnp.int32).at[
+                jnp.arange(G)[:, None], slots.token_GXC.reshape(G, -1)].add(1)[:, :S]
+            stats.update(moe_load=jnp.sum(filled_GX, 0).astype(jnp.float32),
+                         moe_assigned=stats["moe_tokens"],
+                         moe_dropped=jnp.sum(valid_GS & (chosen_GS == 0), dtype=jnp.float32))
+        else:
+            choices = routing.ROUTERS[c.router](probs_GSX, top_k=c.top_k)
+            w_GS = valid_GS.astype(jnp.float32)
+            stats["moe_load"] = jnp.sum(jax.nn.one_hot(choices.expert_GSK, X)
+                                        * w_GS[..., None, None], axis=(0, 1, 2))
+            stats["moe_assigned"] = stats["moe_tokens"] * c.top_k
+            stats["loss_moe_balance"] = routing.balance_loss(probs_GSX, choices.expert_GSK, valid_GS)
+            aux = aux + c.balance_loss * stats["loss_moe_balance"]
+        if c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode):
+            rows = dispatch.sort_rows(jax.tree.map(lambda a: a.reshape(G * S, -1), choices),
+                                      valid_GS.reshape(-1), experts=X, block=c.block_size)
+            y_GSM = dispatch.dropless(x_GSM.reshape(G * S, M), rows, *experts).reshape(G, S, M)
+            stats["moe_dropped"] = jnp.zeros((), jnp.float32)
+        else:
+            if c.router != "expert_choice":
+                slots, kept_GSK = routing.slots_from_choices(choices, valid_GS, experts=X, slots=C)
+                stats["moe_dropped"] = jnp.sum(valid_GS[..., None] & ~kept_GSK, dtype=jnp.float32)
+            y_GSM = self._capacity_experts(x_GSM, slots, experts)
+        y_BLM = y_GSM.reshape(B, L, M)
+        if c.shared_experts:  # DeepSeekMoE: experts every token uses, as one wider MLP
+            from hpnlp.compress.qlinear import Dense
+            width = c.shared_experts * F
+            h = Dense(width, dtype=dt, param_dtype=pdt, name="shared_in",
+                      kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                      bias_init=_init(nn.initializers.zeros, ("mlp",)))(x_BLM)
+            y_BLM = y_BLM + Dense(M, dtype=dt, param_dtype=pdt, name="shared_out",
+                                  kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                                  bias_init=_init(nn.initializers.zeros, ("embed",)))(nn.gelu(h))
+        self.sow(AUX, "moe", {"loss": aux, **stats})
+        return y_BLM
+
+    def _capacity_experts(self, x_GSM, slots: routing.Slots, experts):
+        """Slot buffers through the experts and back to tokens; over the expert mesh axis
+        (all-to-all in shard_map) when `mesh.expert` > 1."""
+        S = x_GSM.shape[1]
+
+        def local(x_GSM, token_GXC, gate_GXC, wi, bi, wo, bo, *, ep: int):
+            buf_GXCM = dispatch.gather(x_GSM, token_GXC)
+            if ep > 1:  # my groups' slots of every expert -> every group's slots of my experts
+                buf_GXCM = jax.lax.all_to_all(buf_GXCM, "expert", 1, 0, tiled=True)
+            out_GXCM = dispatch.expert_mlp(buf_GXCM, wi, bi, wo, bo)
+            if ep > 1:
+                out_GXCM = jax.lax.all_to_all(out_GXCM, "expert", 0, 1, tiled=True)
+            return dispatch.combine(out_GXCM, token_GXC, gate_GXC, S)
+
+        ep, batch_axes = _expert_axis()
+        if ep == 1 or self.decode:
+            return local(x_GSM, *slots, *experts, ep=1)
+        g, e = P(batch_axes), P("expert")
+        fn = jax.shard_map(functools.partial(local, ep=ep), in_specs=(g, g, g, e, e, e, e),
+                           out_specs=g, axis_names=frozenset(batch_axes) | {"expert"})
+        return fn(x_GSM, *slots, *experts)

@@ -1,0 +1,120 @@
+"""Routers: which experts each token goes to, and with what gate. All in float32.
+
+Shape letters: G routing groups, S tokens per group, M model width, X experts, K choices per
+token, C slots per expert and group (capacity).
+
+A token-choice router (`switch`, `top_k`) gives each token K (expert, gate) choices;
+`capacity.slots` then fills each expert's C slots. The expert-choice router fills the
+slots itself: each expert takes the C tokens that score it highest (Zhou et al. 2022), so
+every expert is exactly full and a token may get any number of experts, zero included.
+Padding tokens (`valid` False) are chosen by no router and enter no statistic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Choices(NamedTuple):
+    """A token-choice router's decision."""
+
+    expert_GSK: jax.Array  # int32 expert of each choice, best first
+    gate_GSK: jax.Array  # float32 weight of each choice's output
+
+
+class Slots(NamedTuple):
+    """Each expert's slots in each group: which token fills it (S: empty) and its gate."""
+
+    token_GXC: jax.Array  # int32 in [0, S]
+    gate_GXC: jax.Array  # float32, 0 for an empty slot
+
+
+def capacity(tokens: int, *, experts: int, top_k: int, factor: float) -> int:
+    """C = ceil(factor * tokens * top_k / experts) slots per expert, at least 1 and at most
+    `tokens` (an expert never holds a token twice)."""
+    return max(1, min(tokens, math.ceil(factor * tokens * top_k / experts)))
+
+
+def switch(probs_GSX, *, top_k: int) -> Choices:
+    """Switch (Fedus et al. 2021): the top-1 expert, gated by its probability (so the router
+    learns from the task loss through the gate)."""
+    gate_GSK, expert_GSK = jax.lax.top_k(probs_GSX, top_k)
+    return Choices(expert_GSK.astype(jnp.int32), gate_GSK)
+
+
+def top_k(probs_GSX, *, top_k: int) -> Choices:
+    """Token choice (Shazeer et al. 2017): the k best experts, gates a softmax over their
+    logits (= their probabilities renormalized to sum to 1)."""
+    gate_GSK, expert_GSK = jax.lax.top_k(probs_GSX, top_k)
+    return Choices(expert_GSK.astype(jnp.int32), gate_GSK / jnp.sum(gate_GSK, -1, keepdims=True))
+
+
+ROUTERS = {"switch": switch, "top_k": top_k}  # token choice; "expert_choice" below
+
+
+def expert_choice(probs_GSX, valid_GS, *, slots: int) -> Slots:
+    """Expert choice (Zhou et al. 2022): expert x takes the `slots` valid tokens with the
+    highest probability of x (ties: the earlier token); gate = that probability."""
+    S = probs_GSX.shape[1]
+    score_GXS = jnp.where(valid_GS[:, None, :], jnp.swapaxes(probs_GSX, 1, 2), -1.0)
+    gate_GXC, token_GXC = jax.lax.top_k(score_GXS, slots)
+    taken = gate_GXC >= 0.0  # a padding token only when fewer valid tokens than slots
+    return Slots(jnp.where(taken, token_GXC, S).astype(jnp.int32), jnp.where(taken, gate_GXC, 0.0))
+
+
+def slots_from_choices(choices: Choices, valid_GS, *, experts: int, slots: int
+                       ) -> tuple[Slots, jax.Array]:
+    """Token choices -> each expert's slots, at most `slots` per expert and group.
+
+    Priority (who gets a slot when an expert is over capacity): every token's first choice
+    before any token's second choice, and within one choice rank, the earlier token (GShard).
+    Returns the slots and `kept_GSK` (a choice that got its slot; padding never does).
+    """
+    expert_GSK, gate_GSK = choices
+    G, S, K = expert_GSK.shape
+    X, C = experts, slots
+    hot_GKSX = jax.nn.one_hot(jnp.swapaxes(expert_GSK, 1, 2), X, dtype=jnp.int32) \
+        * valid_GS[:, None, :, None].astype(jnp.int32)
+    # Place in the expert's queue: choice-major, then token order.
+    queue_GKSX = jnp.cumsum(hot_GKSX.reshape(G, K * S, X), axis=1).reshape(G, K, S, X) - 1
+    pos_GSK = jnp.swapaxes(jnp.sum(queue_GKSX * hot_GKSX, -1), 1, 2)
+    kept_GSK = valid_GS[..., None] & (pos_GSK < C)
+    slot_GSK = jnp.where(kept_GSK, expert_GSK * C + pos_GSK, X * C)  # X * C: nowhere
+    g_GSK = jnp.broadcast_to(jnp.arange(G)[:, None, None], slot_GSK.shape)
+    s_GSK = jnp.broadcast_to(jnp.arange(S)[None, :, None], slot_GSK.shape)
+    token_GP = jnp.full((G, X * C + 1), S, jnp.int32).at[g_GSK, slot_GSK].set(s_GSK)
+    gate_GP = jnp.zeros((G, X * C + 1), jnp.float32).at[g_GSK, slot_GSK].set(gate_GSK)
+    return Slots(token_GP[:, :-1].reshape(G, X, C), gate_GP[:, :-1].reshape(G, X, C)), kept_GSK
+
+
+# -- Losses and statistics, over valid tokens only ---------------------------------------
+
+def balance_loss(probs_GSX, expert_GSK, valid_GS):
+    """Switch's load-balancing loss X * sum_i f_i P_i: f_i the fraction of (valid) choices
+    routed to expert i, P_i the mean router probability of i. A uniform router gives 1 (and
+    its gradient then vanishes whatever the routing); one collapsed onto an expert gives X."""
+    X = probs_GSX.shape[-1]
+    w_GS = valid_GS.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w_GS), 1.0)
+    routed_X = jnp.sum(jax.nn.one_hot(expert_GSK, X) * w_GS[..., None, None], axis=(0, 1, 2))
+    f_X = routed_X / (n * expert_GSK.shape[-1])
+    p_X = jnp.sum(probs_GSX * w_GS[..., None], axis=(0, 1)) / n
+    return X * jnp.sum(f_X * p_X)
+
+
+def z_loss(logits_GSX, valid_GS):
+    """ST-MoE's router z-loss: mean over valid tokens of logsumexp(logits)^2 (keeps the
+    router's logits small, so its softmax stays out of float32 round-off)."""
+    w_GS = valid_GS.astype(jnp.float32)
+    z_GS = jax.nn.logsumexp(logits_GSX, axis=-1)
+    return jnp.sum(z_GS ** 2 * w_GS) / jnp.maximum(jnp.sum(w_GS), 1.0)
+
+
+def entropy_sum(probs_GSX, valid_GS):
+    """Sum over valid tokens of the router distribution's entropy (nats)."""
+    h_GS = -jnp.sum(probs_GSX * jnp.log(jnp.maximum(probs_GSX, 1e-30)), -1)
+    return jnp.sum(jnp.where(valid_GS, h_GS, 0.0))
