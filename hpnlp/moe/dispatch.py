@@ -45,8 +45,8 @@ def combine(y_GXCM, token_GXC, gate_GXC, tokens: int):
 
 def expert_mlp(x_GXCM, wi_XMF, bi_XF, wo_XFM, bo_XM):
     """Each expert's MLP on its slots: gelu(x wi + bi) wo + bo."""
-    h = jnp.einsum("gxcm,xmf->gxcf", x_GXCM, wi_XMF) + bi_XF[:, None]
-    return jnp.einsum("gxcf,xfm->gxcm", jax.nn.gelu(h), wo_XFM) + bo_XM[:, None]
+    h = jnp.einsum("gxcm,xmf->gxcf", x_GXCM, wi_XMF) + bi_XF[None, :, None]
+    return jnp.einsum("gxcf,xfm->gxcm", jax.nn.gelu(h), wo_XFM) + bo_XM[None, :, None]
 
 
 class Rows(NamedTuple):
@@ -105,6 +105,6 @@ def dropless(x_TM, rows: Rows, wi_XMF, bi_XF, wo_XFM, bo_XM):
 def reference(x_TM, combine_TX, wi_XMF, bi_XF, wo_XFM, bo_XM):
     """The exact twin: every expert on every token, summed with weights [T, X] (a choice's
     gate where it was kept, else 0). Costs X dense MLPs; for tests."""
-    h = jnp.einsum("tm,xmf->txf", x_TM, wi_XMF) + bi_XF
-    y_TXM = jnp.einsum("txf,xfm->txm", jax.nn.gelu(h), wo_XFM) + bo_XM
+    h = jnp.einsum("tm,xmf->txf", x_TM, wi_XMF) + bi_XF[None]
+    y_TXM = jnp.einsum("txf,xfm->txm", jax.nn.gelu(h), wo_XFM) + bo_XM[None]
     return jnp.einsum("txm,tx->tm", y_TXM, combine_TX.astype(y_TXM.dtype))

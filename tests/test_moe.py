@@ -1,0 +1,412 @@
+"""Mixture of experts (hpnlp.moe): routing, dispatch and combine against per-token loops,
+capacity priority, dropless, the balance loss, padding, the models, training, config errors.
+(Expert parallelism on 8 simulated devices: test_moe_parallel.py.)"""
+
+import dataclasses
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import models
+from hpnlp.config import ConfigError, MoEConfig, ModelConfig, from_configdict, validate
+from hpnlp.moe import dispatch, routing
+from hpnlp.moe.layer import MoE
+from hpnlp.train.carry import AUX
+
+B, L, M, F, X = 2, 8, 8, 16, 4  # rows, length, width, expert width, experts
+
+
+def layer(**moe):
+    moe = {"num_experts": X, "capacity_factor": 1.0, "eval_capacity_factor": 1.0,
+           "groups": B, **moe}
+    m = ModelConfig(width=M, mlp_dim=F, dropout=0.0, moe=MoEConfig(**moe))
+    return MoE(m, deterministic=False)
+
+
+def inputs(lengths=(L, L), seed=0):
+    x = jax.random.normal(jax.random.key(seed), (B, L, M))
+    seg = (np.arange(L)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+    return x, jnp.asarray(seg)
+
+
+def init_params(mod, x, seg, router_scale=1.0):
+    """Parameters with a router sharp enough that choices are well separated (no ties)."""
+    p = jax.jit(mod.init)(jax.random.key(1), x, seg)["params"]
+    p = jax.tree.map(lambda a: a.unbox() if hasattr(a, "unbox") else a, p,
+                     is_leaf=lambda a: hasattr(a, "unbox"))
+    ks = jax.random.split(jax.random.key(2), 2)
+    p = dict(p, router=jax.random.normal(ks[0], (M, X)) * router_scale,
+             bi=jax.random.normal(ks[1], (X, F)) * 0.1)
+    return p
+
+
+def apply(mod, p, x, seg):
+    """(output, the layer's reported dict), jitted."""
+    y, aux = jax.jit(lambda p, x, seg: mod.apply({"params": p}, x, seg, mutable=[AUX]))(p, x, seg)
+    return y, jax.tree.map(lambda a: a, aux[AUX]["moe"][0])
+
+
+def expert(p, e, x_M):
+    return jax.nn.gelu(x_M @ p["wi"][e] + p["bi"][e]) @ p["wo"][e] + p["bo"][e]
+
+
+def loop_choices(p, x, seg, *, k, capacity, groups=B):
+    """Per-token Python loop, part 1 (not differentiated): top-k by numpy, and the capacity
+    priority simulated (first choices of every token, then second choices; token order
+    within each). -> (choice [G, S, k], kept [G, S, k])."""
+    probs = jax.nn.softmax(jnp.einsum("blm,mx->blx", x, p["router"]), -1)
+    pn = np.asarray(probs).reshape(groups, -1, X)
+    valid = np.asarray(seg).reshape(groups, -1) > 0
+    S = pn.shape[1]
+    choice = np.argsort(-pn, axis=-1, kind="stable")[..., :k]
+    kept = np.zeros((groups, S, k), bool)
+    for g in range(groups):
+        used = [0] * X
+        for j in range(k):
+            for s in range(S):
+                e = choice[g, s, j]
+                if valid[g, s] and (capacity is None or used[e] < capacity):
+                    kept[g, s, j] = True
+                    used[e] += 1
+    return choice, kept
+
+
+def loop_reference(p, x, choice, kept, *, renormalize):
+    """Part 2, differentiable in p and x: y_t = sum over kept choices of gate * expert(x_t)."""
+    groups, S, k = choice.shape
+    xs = x.reshape(groups, S, M)
+    ps = jax.nn.softmax(jnp.einsum("gsm,mx->gsx", xs, p["router"]), -1)
+    rows = []
+    for g in range(groups):
+        for s in range(S):
+            chosen = ps[g, s, choice[g, s]]
+            gate = chosen / jnp.sum(chosen) if renormalize else chosen
+            y = jnp.zeros((M,))
+            for j in range(k):
+                if kept[g, s, j]:
+                    y = y + gate[j] * expert(p, choice[g, s, j], xs[g, s])
+            rows.append(y)
+    return jnp.stack(rows).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dispatch_kind", ["capacity", "dropless"])
+def test_all_experts_unlimited_capacity_equals_gate_weighted_sum(dispatch_kind):
+    mod = layer(router="top_k", top_k=X, dispatch=dispatch_kind)
+    x, seg = inputs()
+    p = init_params(mod, x, seg)
+    y, _ = apply(mod, p, x, seg)
+    probs = jax.nn.softmax(x.reshape(-1, M) @ p["router"], -1)  # top_k = X: gates = probs
+    want = dispatch.reference(x.reshape(-1, M), probs, p["wi"], p["bi"], p["wo"], p["bo"])
+    np.testing.assert_allclose(y.reshape(-1, M), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("router,k,dispatch_kind,factor", [
+    ("switch", 1, "capacity", 1.0), ("top_k", 2, "capacity", 0.75), ("top_k", 2, "dropless", 1.0)])
+def test_dispatch_and_combine_equal_a_per_token_loop(router, k, dispatch_kind, factor):
+    """Outputs and gradients (input, router, experts), padding and drops included."""
+    mod = layer(router=router, top_k=k, dispatch=dispatch_kind, capacity_factor=factor)
+    x, seg = inputs(lengths=(L, 5))
+    p = init_params(mod, x, seg)
+    S = L
+    cap = None if dispatch_kind == "dropless" else routing.capacity(S, experts=X, top_k=k,
+                                                                    factor=factor)
+    r = jax.random.normal(jax.random.key(3), x.shape)
+    y, stats = apply(mod, p, x, seg)
+    choice, kept = loop_choices(p, x, seg, k=k, capacity=cap)
+    y_ref = loop_reference(p, x, choice, kept, renormalize=router == "top_k")
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+    valid = int(np.sum(seg))
+    assert float(stats["moe_dropped"]) == valid * k - kept.sum()
+    if cap is not None and factor < 1.0:
+        assert kept.sum() < valid * k  # this case does drop
+
+    def loss(p, x):
+        return jnp.sum(mod.apply({"params": p}, x, seg, mutable=[AUX])[0] * r)
+
+    def loss_ref(p, x):
+        return jnp.sum(loop_reference(p, x, choice, kept, renormalize=router == "top_k") * r)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
+    g_ref = jax.grad(loss_ref, argnums=(0, 1))(p, x)
+    chex.assert_trees_all_close(g, g_ref, atol=1e-5)
+
+
+def test_capacity_drops_exactly_the_choices_past_capacity_in_priority_order():
+    """Every token prefers expert 0: its C slots go to the first C tokens of each group
+    (first choices before second choices), the rest are dropped; dropless drops none."""
+    x, seg = inputs()
+    for kind in ("capacity", "dropless"):
+        mod = layer(router="top_k", top_k=2, dispatch=kind, capacity_factor=1.0)
+        p = init_params(mod, x, seg)
+        router = np.zeros((M, X), np.float32)
+        p = dict(p, router=jnp.asarray(router))
+        x_skew = x.at[..., 0].set(10.0)  # logits = 10 * row 0 of the router
+        router[0] = [3.0, 2.0, -1.0, -2.0]  # every token: expert 0, then expert 1
+        p["router"] = jnp.asarray(router)
+        y, stats = apply(mod, p, x_skew, seg)
+        C = routing.capacity(L, experts=X, top_k=2, factor=1.0)  # = 4 of 8 tokens
+        choice, kept = loop_choices(p, x_skew, seg, k=2, capacity=None if kind == "dropless" else C)
+        y_ref = loop_reference(p, x_skew, choice, kept, renormalize=True)
+        np.testing.assert_allclose(y, y_ref, atol=1e-5)
+        if kind == "dropless":
+            assert float(stats["moe_dropped"]) == 0.0 and kept.all()
+        else:
+            first, second = kept[..., 0], kept[..., 1]
+            first_c = np.broadcast_to(np.arange(L) < C, (B, L))  # the first C tokens of a group
+            np.testing.assert_array_equal(first, first_c)  # expert 0's slots
+            np.testing.assert_array_equal(second, first_c)  # expert 1's
+            assert float(stats["moe_dropped"]) == 2 * B * (L - C)
+        np.testing.assert_allclose(stats["moe_load"], [B * L, B * L, 0, 0])  # demand, not kept
+
+
+def test_slots_fill_in_priority_order():
+    """routing.slots_from_choices against a hand-worked case: expert 0 has 2 slots."""
+    expert = jnp.array([[[0, 1], [0, 2], [1, 0], [0, 1]]])  # [G=1, S=4, K=2]
+    gate = jnp.full((1, 4, 2), 0.5)
+    valid = jnp.array([[True, True, False, True]])
+    slots, kept = routing.slots_from_choices(routing.Choices(expert, gate), valid, experts=3,
+                                             slots=2)
+    # Expert 0: first choices of tokens 0, 1 (token 2 is padding, token 3 is past capacity).
+    np.testing.assert_array_equal(slots.token_GXC[0], [[0, 1], [0, 3], [1, 4]])
+    np.testing.assert_array_equal(kept[0], [[1, 1], [1, 1], [0, 0], [0, 1]])
+
+
+def test_expert_choice_takes_each_experts_top_tokens():
+    mod = layer(router="expert_choice", top_k=1, capacity_factor=1.0)
+    x, seg = inputs(lengths=(L, 6))
+    p = init_params(mod, x, seg)
+    y, stats = apply(mod, p, x, seg)
+    probs = np.asarray(jax.nn.softmax(jnp.einsum("blm,mx->blx", x, p["router"]), -1))
+    C = routing.capacity(L, experts=X, top_k=1, factor=1.0)
+    want = np.zeros((B, L, M), np.float32)
+    unchosen = 0
+    for b in range(B):
+        valid = np.asarray(seg[b]) > 0
+        chosen = np.zeros(L, bool)
+        for e in range(X):
+            score = np.where(valid, probs[b, :, e], -1.0)
+            for t in np.argsort(-score, kind="stable")[:C]:
+                if valid[t]:
+                    want[b, t] += probs[b, t, e] * np.asarray(expert(p, e, x[b, t]))
+                    chosen[t] = True
+        unchosen += int(np.sum(valid & ~chosen))
+    np.testing.assert_allclose(y, want, atol=1e-5)
+    assert float(stats["moe_dropped"]) == unchosen
+    # Every expert fills min(C, valid tokens) slots in each group.
+    np.testing.assert_allclose(stats["moe_load"], [min(C, L) + min(C, 6)] * X)
+
+
+def test_balance_loss_formula_uniform_and_collapsed():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 16, X)).astype(np.float32) * 2
+    valid = rng.random((2, 16)) > 0.2
+    probs = jax.nn.softmax(jnp.asarray(logits), -1)
+    ch = routing.top_k(probs, top_k=2)
+    got = float(routing.balance_loss(probs, ch.expert_GSK, jnp.asarray(valid)))
+    pv, ev = np.asarray(probs)[valid], np.asarray(ch.expert_GSK)[valid]
+    f = np.array([(ev == i).sum() for i in range(X)]) / ev.size
+    np.testing.assert_allclose(got, X * np.sum(f * pv.mean(0)), rtol=1e-5)
+
+    uniform = jnp.full((2, 16, X), 1.0 / X)
+    spread = jnp.asarray(np.arange(32).reshape(2, 16, 1) % X)  # balanced routing
+    assert float(routing.balance_loss(uniform, spread, jnp.ones((2, 16), bool))) == pytest.approx(1.0)
+    # At the uniform router the loss is stationary (its gradient in the logits vanishes).
+    g = jax.grad(lambda z: routing.balance_loss(jax.nn.softmax(z, -1), spread,
+                                                jnp.ones((2, 16), bool)))(jnp.zeros((2, 16, X)))
+    assert float(jnp.abs(g).max()) < 1e-7
+    collapsed = jax.nn.softmax(jnp.zeros((2, 16, X)).at[..., 0].set(30.0), -1)
+    assert float(routing.balance_loss(collapsed, jnp.zeros((2, 16, 1), jnp.int32),
+                                      jnp.ones((2, 16), bool))) == pytest.approx(X, rel=1e-4)
+    # Random routers sit above the uniform one.
+    for seed in range(5):
+        z = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 256, X)) * 2)
+        pr = jax.nn.softmax(z, -1)
+        assert float(routing.balance_loss(pr, routing.switch(pr, top_k=1).expert_GSK,
+                                          jnp.ones((1, 256), bool))) > 1.0
+
+
+@pytest.mark.parametrize("router,k,kind", [("switch", 1, "capacity"), ("top_k", 2, "dropless"),
+                                           ("expert_choice", 1, "capacity")])
+def test_padding_is_routed_nowhere_and_counts_in_no_statistic(router, k, kind):
+    mod = layer(router=router, top_k=k, dispatch=kind, capacity_factor=1.0)
+    x, seg = inputs(lengths=(L, 5))
+    p = init_params(mod, x, seg)
+    y, stats = apply(mod, p, x, seg)
+    pad = np.asarray(seg) == 0
+    assert float(jnp.abs(y[pad]).max()) == 0.0  # the residual alone
+    x2 = jnp.where(pad[..., None], 100.0 * jax.random.normal(jax.random.key(9), x.shape), x)
+    y2, stats2 = apply(mod, p, x2, seg)
+    np.testing.assert_allclose(y2, y, atol=1e-6)
+    chex.assert_trees_all_close(stats2, stats, atol=1e-5)
+    valid = int(np.sum(seg))
+    assert float(stats["moe_tokens"]) == valid
+    if router != "expert_choice":  # the demand of valid tokens only (expert choice: above)
+        assert float(np.sum(stats["moe_load"])) == valid * k
+
+
+# -- Models and training ------------------------------------------------------------------
+
+from test_models import BATCHES, V, init, lm_batch, make_cfg  # noqa: E402
+
+
+def moe_model(kind="lm", **moe):
+    moe = {"num_experts": X, "every": 2, "eval_capacity_factor": float(X), **moe}
+    cfg = make_cfg(kind, moe=MoEConfig(**moe))
+    return cfg
+
+
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_every_model_kind_takes_moe_blocks(kind):
+    cfg = moe_model(kind, shared_experts=1)
+    batch = BATCHES[kind]()
+    model, params = init(cfg, batch)
+    blocks = params["trunk"]
+    assert "mlp_in" in blocks["block_0"] and "moe" in blocks["block_1"]
+    assert set(blocks["block_1"]["moe"]) == {"router", "wi", "bi", "wo", "bo", "shared_in", "shared_out"}
+    sums, aux = jax.jit(lambda p: model.apply({"params": p}, batch, mutable=[AUX]))(params)
+    chex.assert_tree_all_finite((sums, aux))
+    calls = 2 if kind == "dual_encoder" else 1  # the dual encoder's trunk encodes two texts
+    assert len(aux[AUX]["trunk"]["block_1"]["moe"]["moe"]) == calls
+
+
+def test_decode_with_moe_matches_the_forward_pass_and_generates():
+    """Decoding routes each token alone (dropless); with eval capacity for every token the
+    teacher-forced forward pass routes the same, so their log-probs agree."""
+    cfg = moe_model("lm", router="top_k", top_k=2)
+    batch = lm_batch(lengths=(16, 16))
+    model, params = init(cfg, batch)
+    full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
+    dec = models.build(cfg, deterministic=True, decode=True)
+    cache = dec.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
+    step = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok, method="decode_step",
+                                              mutable=["cache"]))
+    got = []
+    for t in range(16):
+        lp, upd = step(params, cache, batch["inputs"][:, t:t + 1])
+        cache = upd["cache"]
+        got.append(lp)
+    np.testing.assert_allclose(jnp.stack(got, 1), full, atol=2e-5)
+    out = models.generate(cfg, params, batch["inputs"][:, :4], jnp.array([4, 4]), length=8)
+    assert out.shape == (B, 8) and int(out.max()) < V
+
+
+def tensorboard_tags(directory) -> set:
+    """Scalar tags in the TensorBoard event files of `directory` (TFRecord framing: length,
+    its CRC, an Event proto, its CRC), read with tensorboardX's own protos."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    tags = set()
+    for name in os.listdir(directory):
+        data = open(os.path.join(directory, name), "rb").read()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            tags.update(v.tag for v in event.summary.value)
+            i += 12 + n + 4
+    return tags
+
+
+def _tiny_moe(**moe):
+    from test_train import tiny
+    cd = tiny(steps=12, log_every=4, checkpoint_every=6)
+    cd.model.depth = 2
+    cd.model.moe.update(num_experts=X, every=2, **moe)
+    return cd
+
+
+def test_training_logs_routing_statistics_and_resumes_exactly(tmp_path):
+    """A tiny MoE LM trains; metrics.jsonl and TensorBoard carry the router losses, drops,
+    entropy and per-expert load; the compiled step is reused (no recompiles); a run stopped
+    at a checkpoint mid-window resumes to the same log lines."""
+    from hpnlp.train import Trainer
+    from test_train import read_jsonl
+    cd = _tiny_moe(router="top_k", top_k=2)
+    tr = Trainer(from_configdict(cd), str(tmp_path / "full"))
+    summary = tr.run()
+    assert tr.train_step._cache_size() == 1  # one compile for every step
+    lines = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    train = [l for l in lines if not l.get("eval")]
+    ev = [l for l in lines if l.get("eval")][-1]
+    assert train[-1]["loss"] < train[0]["loss"]
+    for l in train + [ev]:
+        assert {"loss_moe_balance", "loss_moe_z", "moe_dropped_frac", "moe_router_entropy",
+                "moe_load_max_vs_mean"} <= set(l)
+        load = np.asarray(l["moe_load"])
+        assert load.shape == (1, X) and abs(load.sum() - 1.0) < 1e-3
+        assert 0.0 <= l["moe_dropped_frac"] <= 1.0 and 0.0 < l["moe_router_entropy"] <= np.log(X)
+    assert "loss_aux" in train[0] and "loss_aux" not in ev  # eval reports the task's loss
+    tags = tensorboard_tags(tmp_path / "full" / "tensorboard")
+    assert {"train/moe_load/0/0", "train/loss_moe_balance", "eval/moe_dropped_frac"} <= tags
+    assert summary["final_step"] == 12
+
+    # Lose everything after the step-6 checkpoint (inside the second log window), resume.
+    import shutil
+    shutil.rmtree(tmp_path / "full" / "checkpoints" / "12")
+    Trainer(from_configdict(cd), str(tmp_path / "full")).run()
+    resumed = [l for l in read_jsonl(tmp_path / "full" / "metrics.jsonl") if not l.get("eval")]
+    for a, b in zip(train, resumed, strict=True):
+        for key in ("loss", "loss_moe_balance", "moe_dropped_frac", "moe_load"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
+
+
+def test_balance_loss_reaches_the_gradient(tmp_path):
+    """The router's auxiliary losses are part of the objective: its gradient changes with the
+    balance weight, the experts' does not (the task loss alone reaches them)."""
+    from hpnlp.train import Trainer
+    from hpnlp.train.loop import _global
+    grads = {}
+    for w in (0.0, 1.0):
+        cd = _tiny_moe(balance_loss=w, z_loss=0.0)
+        cd.model.dropout = 0.0
+        tr = Trainer(from_configdict(cd), str(tmp_path / str(w)))
+        state, _ = tr.initial_state()
+        batch = _global(next(tr.train_iter), tr.batch_sharding)
+        from hpnlp.train import carry as carry_lib
+        loss_fn = carry_lib.objective(tr.model, tr.carries)
+
+        def objective(p):
+            sums, _ = loss_fn(p, state.carry, batch, {"dropout": jax.random.key(0)})
+            return sums["loss"] + sums["loss_aux"]
+        grads[w] = jax.jit(jax.grad(objective))(state.params)["trunk"]["block_1"]["moe"]
+    assert float(jnp.abs(grads[1.0]["router"] - grads[0.0]["router"]).max()) > 1e-6
+    np.testing.assert_allclose(grads[1.0]["wi"], grads[0.0]["wi"], atol=1e-7)
+
+
+# -- Config errors, one line before anything compiles ------------------------------------
+
+@pytest.mark.parametrize("moe,mesh,field", [
+    ({"top_k": 5}, {}, "model.moe.top_k"),
+    ({"router": "hash"}, {}, "model.moe.router"),
+    ({"capacity_factor": 0.0}, {}, "model.moe.capacity_factor"),
+    ({"eval_capacity_factor": -1.0}, {}, "model.moe.eval_capacity_factor"),
+    ({"router": "top_k", "top_k": 1}, {}, "model.moe.router"),
+    ({"router": "switch", "top_k": 2}, {}, "model.moe.router"),
+    ({"num_experts": 6}, {"data": 1, "expert": 4}, "model.moe.num_experts"),
+    ({"dispatch": "dropless"}, {"data": 2, "expert": 2}, "model.moe.dispatch"),
+    ({"groups": 3}, {}, "model.moe.groups"),
+])
+def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
+    from test_train import tiny
+    cd = tiny()
+    cd.model.moe.update(**{"num_experts": X, **moe})
+    cd.mesh.update(**mesh)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
+        validate(from_configdict(cd), num_devices=4)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_statistics_summary():
+    from hpnlp.moe import summarize
+    sums = {"moe_tokens": 10.0, "moe_entropy": 5.0, "moe_assigned": 20.0, "moe_dropped": 2.0,
+            "moe_load": np.array([[8.0, 4.0, 4.0, 4.0], [5.0, 5.0, 5.0, 5.0]])}
+    out = summarize(sums)
+    assert out["moe_dropped_frac"] == 0.1 and out["moe_router_entropy"] == 0.5
+    assert out["moe_load_max_vs_mean"] == pytest.approx(8.0 / 5.0)
+    assert out["moe_load"][0] == [0.4, 0.2, 0.2, 0.2]
+    json.dumps(out)
+    assert dataclasses.is_dataclass(MoEConfig())
