@@ -5,9 +5,12 @@ The default experiment (README's first command) is the byte-level one:
     python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_bytes
     python -m hpnlp.main --config experiments/lm.py:words --workdir /tmp/hpnlp/lm_words
     python -m hpnlp.main --config experiments/lm.py:bytes,local --workdir /tmp/hpnlp/smoke  # ~30 s
+    python -m hpnlp.main --config experiments/lm.py:bytes,moe --workdir /tmp/hpnlp/lm_moe
 
-Arguments (comma separated): `bytes` | `words` picks the tokenization; `local` shrinks
-the run to a quick smoke test (big_vision's `runlocal`).
+Arguments (comma separated): `bytes` | `words` picks the tokenization; `moe` makes every
+block's MLP a Switch mixture of 8 experts of the same width (hpnlp.moe: 8x the MLP
+parameters, the same compute per token); `local` shrinks the run to a quick smoke test
+(big_vision's `runlocal`).
 """
 
 from hpnlp.config import default_configdict
@@ -45,6 +48,16 @@ def get_config(arg: str = "bytes"):
     cfg.train.eval_every = 400
     cfg.train.eval_batches = 25  # 25 x 32 rows x 128 tokens = 100K held-out tokens
     cfg.train.checkpoint_every = 200
+
+    if "moe" in args:  # Switch Transformer (Fedus et al. 2021) at this size
+        cfg.name += "_moe"
+        cfg.model.moe.num_experts = 8
+        cfg.model.moe.every = 1  # two blocks: both MoE (Switch: every other of many)
+        cfg.model.moe.top_k = 1
+        cfg.model.moe.router = "switch"
+        cfg.model.moe.capacity_factor = 1.25
+        cfg.model.moe.balance_loss = 0.01
+        cfg.model.moe.z_loss = 0.001
 
     if "local" in args:
         cfg.train.steps = 60

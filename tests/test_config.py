@@ -28,7 +28,7 @@ def base(**groups):
 
 def test_default_experiments_validate():
     import importlib.util
-    for path, arg in (("lm.py", "bytes"), ("lm.py", "words"), ("lra.py", "listops"),
+    for path, arg in (("lm.py", "bytes"), ("lm.py", "words"), ("lm.py", "bytes,moe"), ("lra.py", "listops"),
                       ("lra.py", "text"), ("lra.py", "retrieval"), ("rnn_lm.py", ""),
                       ("rnn_lm.py", "gru,layer_norm,variational,recurrent,zoneout,weight_drop")):
         spec = importlib.util.spec_from_file_location("exp", os.path.join(ROOT, "experiments", path))
