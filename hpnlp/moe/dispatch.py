@@ -35,18 +35,31 @@ def gather(x_GSM, token_GXC):
     return rows.reshape(G, X, C, x_GSM.shape[-1])
 
 
-def combine(y_GXCM, token_GXC, gate_GXC, tokens: int):
-    """[G, X, C, M] slot outputs -> [G, S, M]: sum over a token's slots of gate * output."""
+def combine(y_GXCM, slot_GSJ, gate_GSJ):
+    """[G, X, C, M] slot outputs -> [G, S, M]: sum over a token's slots of gate * output.
+
+    A gather by each token's slots, not a scatter-add by each slot's token (XLA:CPU runs a
+    scatter serially: forward, 8192 tokens of width 256, 1.9 ms gathered, 2.7 ms scattered)."""
     G, X, C, M = y_GXCM.shape
-    w_GPM = (y_GXCM * gate_GXC[..., None].astype(y_GXCM.dtype)).reshape(G, X * C, M)
-    seg = jax.vmap(lambda w, t: jax.ops.segment_sum(w, t, num_segments=tokens + 1))
-    return seg(w_GPM, token_GXC.reshape(G, X * C))[:, :tokens]
+    S, J = slot_GSJ.shape[1:]
+    y_pad = jnp.concatenate([y_GXCM.reshape(G, X * C, M), jnp.zeros_like(y_GXCM[:, 0, :1])], 1)
+    y_GSJM = jnp.take_along_axis(y_pad, slot_GSJ.reshape(G, S * J, 1), axis=1).reshape(G, S, J, M)
+    return jnp.einsum("gsjm,gsj->gsm", y_GSJM, gate_GSJ.astype(y_GXCM.dtype))
 
 
 def expert_mlp(x_GXCM, wi_XMF, bi_XF, wo_XFM, bo_XM):
-    """Each expert's MLP on its slots: gelu(x wi + bi) wo + bo."""
-    h = jnp.einsum("gxcm,xmf->gxcf", x_GXCM, wi_XMF) + bi_XF[None, :, None]
-    return jnp.einsum("gxcf,xfm->gxcm", jax.nn.gelu(h), wo_XFM) + bo_XM[None, :, None]
+    """Each expert's MLP on its slots: gelu(x wi + bi) wo + bo.
+
+    One plain product per expert, not one batched einsum over the expert axis: XLA:CPU
+    runs the batched product's backward pass ~1.4x slower than the same work as X separate
+    products (forward + backward, 8 experts, 8192 slots, 256 -> 1024: 259 ms batched, 184 ms
+    per expert, 186 ms for the dense MLP of the same work)."""
+    G, X, C, M = x_GXCM.shape
+
+    def one(e):
+        h = jax.nn.gelu(x_GXCM[:, e].reshape(G * C, M) @ wi_XMF[e] + bi_XF[e][None])
+        return (h @ wo_XFM[e] + bo_XM[e][None]).reshape(G, C, M)
+    return jnp.stack([one(e) for e in range(X)], axis=1)
 
 
 class Rows(NamedTuple):

@@ -111,12 +111,10 @@ class MoE(nn.Module):
         C = routing.capacity(S, experts=X, top_k=c.top_k, factor=factor)
         if c.router == "expert_choice":
             slots = routing.expert_choice(probs_GSX, valid_GS, slots=C)
-            filled_GX = jnp.sum(slots.token_GXC < S, -1)
-            chosen_GS = jnp.zeros((G, S + 1), jnp.int32).at[
-                jnp.arange(G)[:, None], slots.token_GXC.reshape(G, -1)].add(1)[:, :S]
-            stats.update(moe_load=jnp.sum(filled_GX, 0).astype(jnp.float32),
-                         moe_assigned=stats["moe_tokens"],
-                         moe_dropped=jnp.sum(valid_GS & (chosen_GS == 0), dtype=jnp.float32))
+            chosen_GS = jnp.any(slots.slot_GSJ < X * C, axis=-1)
+            stats.update(moe_load=jnp.sum(slots.token_GXC < S, axis=(0, 2), dtype=jnp.float32),
+                         moe_assigned=stats["moe_tokens"],  # dropped: tokens no expert took
+                         moe_dropped=jnp.sum(valid_GS & ~chosen_GS, dtype=jnp.float32))
         else:
             choices = routing.ROUTERS[c.router](probs_GSX, top_k=c.top_k)
             w_GS = valid_GS.astype(jnp.float32)
@@ -151,21 +149,19 @@ class MoE(nn.Module):
     def _capacity_experts(self, x_GSM, slots: routing.Slots, experts):
         """Slot buffers through the experts and back to tokens; over the expert mesh axis
         (all-to-all in shard_map) when `mesh.expert` > 1."""
-        S = x_GSM.shape[1]
-
-        def local(x_GSM, token_GXC, gate_GXC, wi, bi, wo, bo, *, ep: int):
+        def local(x_GSM, token_GXC, slot_GSJ, gate_GSJ, wi, bi, wo, bo, *, ep: int):
             buf_GXCM = dispatch.gather(x_GSM, token_GXC)
             if ep > 1:  # my groups' slots of every expert -> every group's slots of my experts
                 buf_GXCM = jax.lax.all_to_all(buf_GXCM, "expert", 1, 0, tiled=True)
             out_GXCM = dispatch.expert_mlp(buf_GXCM, wi, bi, wo, bo)
             if ep > 1:
                 out_GXCM = jax.lax.all_to_all(out_GXCM, "expert", 0, 1, tiled=True)
-            return dispatch.combine(out_GXCM, token_GXC, gate_GXC, S)
+            return dispatch.combine(out_GXCM, slot_GSJ, gate_GSJ)
 
         ep, batch_axes = _expert_axis()
         if ep == 1 or self.decode:
             return local(x_GSM, *slots, *experts, ep=1)
         g, e = P(batch_axes), P("expert")
-        fn = jax.shard_map(functools.partial(local, ep=ep), in_specs=(g, g, g, e, e, e, e),
+        fn = jax.shard_map(functools.partial(local, ep=ep), in_specs=(g, g, g, g, e, e, e, e),
                            out_specs=g, axis_names=frozenset(batch_axes) | {"expert"})
         return fn(x_GSM, *slots, *experts)

@@ -4,7 +4,7 @@ Shape letters: G routing groups, S tokens per group, M model width, X experts, K
 token, C slots per expert and group (capacity).
 
 A token-choice router (`switch`, `top_k`) gives each token K (expert, gate) choices;
-`capacity.slots` then fills each expert's C slots. The expert-choice router fills the
+`slots_from_choices` then fills each expert's C slots. The expert-choice router fills the
 slots itself: each expert takes the C tokens that score it highest (Zhou et al. 2022), so
 every expert is exactly full and a token may get any number of experts, zero included.
 Padding tokens (`valid` False) are chosen by no router and enter no statistic.
@@ -27,10 +27,13 @@ class Choices(NamedTuple):
 
 
 class Slots(NamedTuple):
-    """Each expert's slots in each group: which token fills it (S: empty) and its gate."""
+    """Each expert's slots in each group, both ways: the token in each slot (dispatch reads
+    it) and each token's slots with their gates (combine reads them). J is a token's most
+    slots: K for token choice, X for expert choice."""
 
-    token_GXC: jax.Array  # int32 in [0, S]
-    gate_GXC: jax.Array  # float32, 0 for an empty slot
+    token_GXC: jax.Array  # int32 in [0, S]; S: an empty slot
+    slot_GSJ: jax.Array  # int32 flat slot x * C + c in [0, X * C]; X * C: none (dropped)
+    gate_GSJ: jax.Array  # float32 gate of each of those slots, 0 for none
 
 
 def capacity(tokens: int, *, experts: int, top_k: int, factor: float) -> int:
@@ -63,7 +66,16 @@ def expert_choice(probs_GSX, valid_GS, *, slots: int) -> Slots:
     score_GXS = jnp.where(valid_GS[:, None, :], jnp.swapaxes(probs_GSX, 1, 2), -1.0)
     gate_GXC, token_GXC = jax.lax.top_k(score_GXS, slots)
     taken = gate_GXC >= 0.0  # a padding token only when fewer valid tokens than slots
-    return Slots(jnp.where(taken, token_GXC, S).astype(jnp.int32), jnp.where(taken, gate_GXC, 0.0))
+    token_GXC = jnp.where(taken, token_GXC, S).astype(jnp.int32)
+    # The other way: token s's slot with expert x (if x took it), J = X.
+    G, X, C = token_GXC.shape
+    g = jnp.arange(G)[:, None, None]
+    x = jnp.arange(X)[None, :, None]
+    flat_GXC = (x * C + jnp.arange(C)[None, None, :]).astype(jnp.int32)
+    slot_GSX = jnp.full((G, S + 1, X), X * C, jnp.int32).at[g, token_GXC, x].set(flat_GXC)
+    gate_GSX = jnp.zeros((G, S + 1, X), jnp.float32).at[g, token_GXC, x].set(
+        jnp.where(taken, gate_GXC, 0.0))
+    return Slots(token_GXC, slot_GSX[:, :S], gate_GSX[:, :S])
 
 
 def slots_from_choices(choices: Choices, valid_GS, *, experts: int, slots: int
@@ -87,8 +99,8 @@ def slots_from_choices(choices: Choices, valid_GS, *, experts: int, slots: int
     g_GSK = jnp.broadcast_to(jnp.arange(G)[:, None, None], slot_GSK.shape)
     s_GSK = jnp.broadcast_to(jnp.arange(S)[None, :, None], slot_GSK.shape)
     token_GP = jnp.full((G, X * C + 1), S, jnp.int32).at[g_GSK, slot_GSK].set(s_GSK)
-    gate_GP = jnp.zeros((G, X * C + 1), jnp.float32).at[g_GSK, slot_GSK].set(gate_GSK)
-    return Slots(token_GP[:, :-1].reshape(G, X, C), gate_GP[:, :-1].reshape(G, X, C)), kept_GSK
+    return Slots(token_GP[:, :-1].reshape(G, X, C), slot_GSK.astype(jnp.int32),
+                 jnp.where(kept_GSK, gate_GSK, 0.0)), kept_GSK
 
 
 # -- Losses and statistics, over valid tokens only ---------------------------------------
