@@ -231,10 +231,10 @@ def ep_measure(mesh: dict) -> dict:
     for line in hlo.splitlines():
         if " all-to-all(" not in line:
             continue
-        shape = re.search(r"= \(?(\w+)\[([\d,]*)\]", line)
-        if shape:
-            dims = [int(d) for d in shape.group(2).split(",") if d]
-            ops.append(int(np.prod(dims)) * sizes.get(shape.group(1), 4))
+        # The result: one array, or a tuple of one piece per peer device.
+        result = line.split(" = ", 1)[1].split(" all-to-all(", 1)[0]
+        ops.append(sum(int(np.prod([int(d) for d in dims.split(",") if d])) * sizes.get(dt, 4)
+                       for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)))
     m, c = tr.cfg.model, tr.cfg.model.moe
     shards = np.prod([v for a, v in tr.cfg.mesh.axis_sizes(jax.device_count()).items()
                       if a in tr.cfg.mesh.mesh_axes_of("batch")])
