@@ -51,7 +51,9 @@ def run_one(overrides: dict) -> dict:
         return {"status": "error", "message": f"non-finite or missing losses: {losses}, "
                                               f"eval {summary['eval']['loss']}"}
     out = {"status": "ok", "loss": losses[-1], "eval_loss": summary["eval"]["loss"]}
-    if full.model.kind == "lm" and full.model.arch == "transformer":
+    # Expert-choice routing ranks a whole group's tokens, which one decoded token is not.
+    if (full.model.kind == "lm" and full.model.arch == "transformer"
+            and not (full.model.moe.enabled() and full.model.moe.router == "expert_choice")):
         from hpnlp.models import build
         from hpnlp.train.loop import dummy_batch
         import flax.linen as nn

@@ -360,3 +360,32 @@ def test_compress_bench_targets_and_table_from_a_payload():
     md = compress._markdown(payload)
     assert "`distill_gap_closed_text`" in md and "| NO |" in md and "2.00x" in md  # student vs teacher
     assert "structured prune + shrink" in md and "1.60x" in md
+
+
+def test_moe_bench_targets_and_table_from_a_payload():
+    from hpnlp.bench import moe
+
+    def lm(name, experts, loss, loads=()):
+        return {"name": name, "experts": experts, "top_k": 1, "params": 1000 * (experts or 1),
+                "eval_loss": loss, "tokens_per_sec": 1e4, "eval_loss_equal_time": loss + 0.1,
+                "step_equal_time": 100, "evals": [{"step": 200, "loss": loss, "train_s": 10.0}],
+                "load": [{"step": s, "load": [[0.5, 0.5]], "max_vs_mean": v, "dropped": 0.0}
+                         for s, v in loads], "warmup_steps": 10}
+    layer = [{"tokens": 8192, "dispatch": "dense MLP", "total_s": 0.2, "vs_dense": 1.0},
+             {"tokens": 8192, "dispatch": "capacity 1.0", "total_s": 0.24, "vs_dense": 1.2,
+              "split_s": {"routing": 0.01, "dispatch": 0.01, "experts": 0.2, "combine": 0.02}},
+             {"tokens": 8192, "dispatch": "dropless", "total_s": 0.3, "vs_dense": 1.5,
+              "split_s": {"routing": 0.01, "dispatch": 0.01, "experts + combine": 0.28}}]
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "lm": [lm("dense", 0, 2.0), lm("E=8 top-1", 8, 1.95, [(5, 9.0), (20, 1.5), (30, 1.7)])],
+               "layer": layer, "parallel": [{"mesh": {"expert": 8}, "all_to_all_ops": 8,
+                                             "hlo_bytes_per_device": 100, "formula_bytes_per_device": 100,
+                                             "sent_off_device_bytes": 87}]}
+    t = payload["targets"] = moe._targets(payload)
+    assert t["moe_layer_overhead_vs_dense_8k"] == {"value": 1.2, "bound": 1.3, "op": "<=", "met": True}
+    assert t["moe_e8_top1_eval_loss_vs_dense"]["value"] == pytest.approx(-0.05)
+    assert t["moe_e8_top1_eval_loss_vs_dense"]["met"]
+    assert t["max_expert_load_vs_mean"]["value"] == 1.7  # the window at step 5 is warmup
+    md = moe._markdown(payload)
+    assert "-0.0500" in md and "1.20x" in md and "(in experts)" in md and "### Targets" in md

@@ -82,7 +82,7 @@ OUTPUT_OPTIONS = {
 TASKS = {"lm": ["byte_lm", "word_lm"], "classifier": ["doc_classify", "listops"],
          "dual_encoder": ["doc_match"]}
 MESHES = [{}, {"data": -1}, {"fsdp": 2, "data": -1}, {"tensor": 2, "data": -1},
-          {"sequence": 2, "data": -1}, {"pipeline": 2, "data": -1}]
+          {"sequence": 2, "data": -1}, {"pipeline": 2, "data": -1}, {"expert": 2, "data": -1}]
 
 
 @st.composite
@@ -145,6 +145,15 @@ def configs(draw) -> dict:
                       "scope": "layer" if nm != "unstructured" else draw(st.sampled_from(["layer", "global"])),
                       "schedule": "oneshot" if nm != "unstructured" else draw(st.sampled_from(["oneshot", "cubic"])),
                       "every": 1, "layers": draw(st.sampled_from(["qkv,out,mlp,input,recurrent", "all"]))}
+    experts = draw(st.sampled_from([0, 0, 2, 4]))
+    router = draw(st.sampled_from(["switch", "top_k", "expert_choice"]))
+    top_k = 1 if router == "switch" else 2 if router == "top_k" else draw(st.sampled_from([1, 2]))
+    model["moe"] = {"num_experts": experts, "router": router, "top_k": top_k,
+                    "every": draw(st.sampled_from([1, 2])),
+                    "dispatch": draw(st.sampled_from(["capacity", "dropless"])),
+                    "capacity_factor": draw(st.sampled_from([0.5, 1.25])),
+                    "shared_experts": draw(st.sampled_from([0, 1])),
+                    "noisy": router != "expert_choice" and draw(st.booleans())}
     return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,
             "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn}

@@ -410,3 +410,22 @@ def test_moe_statistics_summary():
     assert out["moe_load"][0] == [0.4, 0.2, 0.2, 0.2]
     json.dumps(out)
     assert dataclasses.is_dataclass(MoEConfig())
+
+
+def test_route_reports_where_tokens_went():
+    """hpnlp.moe.route: per token, the kept choices' gates on their experts; padding nowhere."""
+    from hpnlp.moe import route
+    cfg = moe_model("lm", eval_capacity_factor=0.5)  # tight: some choices dropped
+    batch = lm_batch(lengths=(16, 11))
+    model, params = init(cfg, batch)
+    routes = route(cfg, params, batch)
+    assert list(routes) == [1]
+    w, probs = routes[1]["weights"], routes[1]["probs"]
+    assert w.shape == probs.shape == (B, 16, X)
+    pad = batch["segment_ids"] == 0
+    assert np.all(w[pad] == 0.0)
+    routed = (w > 0).sum(-1)
+    assert routed.max() == 1 and 0 < routed.sum() < (~pad).sum()  # top-1, some dropped
+    top = probs.argmax(-1)
+    np.testing.assert_allclose(w.max(-1)[routed == 1], probs.max(-1)[routed == 1], rtol=1e-6)
+    assert np.all(w.argmax(-1)[routed == 1] == top[routed == 1])

@@ -8,7 +8,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpnlp.moe.layer import MoE  # noqa: F401
+from hpnlp.moe.layer import ROUTES, MoE  # noqa: F401
+
+
+def route(cfg, params, batch) -> dict:
+    """Where each MoE block sends the tokens of `batch` in evaluation (eval capacity):
+    {block index: {"weights": [B, L, X] weight of each expert's output in each token (0: not
+    routed, or dropped past capacity), "probs": [B, L, X] router probabilities}}.
+
+        >>> routes = hpnlp.moe.route(cfg, state.params, batch)   # doctest: +SKIP
+        >>> expert_BL = routes[1]["weights"].argmax(-1)           # top-1: each token's expert
+    """
+    from hpnlp import models
+    model = models.build(cfg, deterministic=True)
+    _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES])
+    out = {}
+    for name, sub in got[ROUTES]["trunk"].items():
+        moe = sub["moe"]
+        out[int(name[len("block_"):])] = {k: np.asarray(v[0]) for k, v in moe.items()}
+    return dict(sorted(out.items()))
 
 
 def summarize(sums: dict) -> dict:

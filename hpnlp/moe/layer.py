@@ -58,6 +58,18 @@ def _expert_axis() -> tuple[int, tuple[str, ...]]:
     return mesh.shape["expert"], axes
 
 
+ROUTES = "moe_routes"  # what `hpnlp.moe.route` reads: each token's weight on each expert
+
+
+def _weights(slots: routing.Slots, experts: int):
+    """[G, S, X] weight of each expert's output in each token (0: not routed or dropped)."""
+    X, (G, S, J) = experts, slots.slot_GSJ.shape
+    C = slots.token_GXC.shape[-1]
+    expert_GSJ = jnp.minimum(slots.slot_GSJ // C, X - 1)
+    return jnp.einsum("gsjx,gsj->gsx", jax.nn.one_hot(expert_GSJ, X),
+                      jnp.where(slots.slot_GSJ < X * C, slots.gate_GSJ, 0.0))
+
+
 class MoE(nn.Module):
     """Mixture-of-experts MLP (Shazeer et al. 2017; Switch, GShard): parameters grow with
     the experts, the compute per token stays that of `top_k` expert MLPs."""
@@ -128,11 +140,18 @@ class MoE(nn.Module):
                                       valid_GS.reshape(-1), experts=X, block=c.block_size)
             y_GSM = dispatch.dropless(x_GSM.reshape(G * S, M), rows, *experts).reshape(G, S, M)
             stats["moe_dropped"] = jnp.zeros((), jnp.float32)
+            weights = lambda: jnp.einsum(  # noqa: E731
+                "gskx,gsk->gsx", jax.nn.one_hot(choices.expert_GSK, X),
+                choices.gate_GSK * valid_GS[..., None])
         else:
             if c.router != "expert_choice":
                 slots, kept_GSK = routing.slots_from_choices(choices, valid_GS, experts=X, slots=C)
                 stats["moe_dropped"] = jnp.sum(valid_GS[..., None] & ~kept_GSK, dtype=jnp.float32)
             y_GSM = self._capacity_experts(x_GSM, slots, experts)
+            weights = lambda: _weights(slots, X)  # noqa: E731
+        if self.is_mutable_collection(ROUTES):  # asked for (hpnlp.moe.route): what went where
+            self.sow(ROUTES, "weights", weights().reshape(B, L, X))
+            self.sow(ROUTES, "probs", probs_GSX.reshape(B, L, X))
         y_BLM = y_GSM.reshape(B, L, M)
         if c.shared_experts:  # DeepSeekMoE: experts every token uses, as one wider MLP
             from hpnlp.compress.qlinear import Dense
