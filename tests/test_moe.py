@@ -429,3 +429,21 @@ def test_route_reports_where_tokens_went():
     top = probs.argmax(-1)
     np.testing.assert_allclose(w.max(-1)[routed == 1], probs.max(-1)[routed == 1], rtol=1e-6)
     assert np.all(w.argmax(-1)[routed == 1] == top[routed == 1])
+
+
+def test_fold_aux_keeps_vectors_per_layer_and_scalars_summed():
+    """fold_aux: scalars summed over the reporting calls, a vector kept per call (even of
+    length 1), a scanned block's leading layer axis split into its layers."""
+    from hpnlp.train.carry import fold_aux
+    one = {"loss": jnp.float32(0.5), "loss_moe_z": jnp.float32(2.0), "n": jnp.float32(3.0),
+           "load": jnp.ones((1,))}
+    scanned = {"loss": jnp.array([0.25, 0.25]), "loss_moe_z": jnp.array([1.0, 3.0]),
+               "n": jnp.array([1.0, 1.0]), "load": jnp.full((2, 1), 2.0)}
+    aux = {"block_10": {"moe": {"moe": (one,)}}, "block_2": {"moe": {"moe": (one,)}},
+           "stack": {"moe": {"moe": (scanned,)}}}
+    out = fold_aux({"loss": jnp.float32(7.0), "weight": jnp.float32(4.0)}, aux)
+    assert float(out["loss"]) == 7.0 and float(out["loss_aux"]) == pytest.approx(1.5 * 4.0)
+    assert float(out["loss_moe_z"]) == pytest.approx((2 + 2 + 1 + 3) / 4 * 4.0)
+    assert float(out["n"]) == 8.0
+    np.testing.assert_array_equal(out["load"], [[1.0], [1.0], [2.0], [2.0]])
+    assert "loss_aux" not in fold_aux({"loss": 1.0, "weight": 1.0}, aux, add_loss=False)

@@ -345,7 +345,7 @@ def _plot(p: dict, out_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
     for r in p.get("lm") or []:
         xs = [e["train_s"] for e in r["evals"] if e["train_s"] is not None]
         ys = [e["loss"] for e in r["evals"] if e["train_s"] is not None]
@@ -357,7 +357,7 @@ def _plot(p: dict, out_dir: str) -> None:
     axes[1].axhline(2.0, color="red", ls="--", lw=1)
     axes[1].set(xlabel="step", ylabel="max expert load / mean", title="load balance per log window")
     for ax in axes[:2]:
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     for name in ("dense MLP", "capacity 1.0", "capacity 1.25", "dropless"):
         pts = [(r["tokens"], r["total_s"] * 1e3) for r in p.get("layer") or [] if r["dispatch"] == name]
@@ -367,6 +367,14 @@ def _plot(p: dict, out_dir: str) -> None:
                 title="MoE layer vs dense MLP")
     if axes[2].lines:
         axes[2].legend(fontsize=7)
+    e8 = next((r for r in p.get("lm") or [] if r["name"] == "E=8 top-1" and r["load"]), None)
+    if e8:  # each expert's share of block 0's routed tokens, per log window
+        share = np.asarray([w["load"][0] for w in e8["load"]])
+        axes[3].stackplot([w["step"] for w in e8["load"]], share.T,
+                          labels=[f"expert {i}" for i in range(share.shape[1])])
+        axes[3].set(xlabel="step", ylabel="share of routed tokens", ylim=(0, 1),
+                    title="E=8 top-1, block 0: load per expert")
+        axes[3].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "moe.png"), dpi=120)
     plt.close(fig)

@@ -116,20 +116,24 @@ def fold_aux(sums: dict, aux, *, add_loss: bool = True) -> dict:
     """
     if not aux:
         return sums
-    entries: dict[str, list] = {}
+    reports: dict[tuple, dict] = {}  # one dict per reporting call site, in block order
     for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(aux)[0],
                              key=lambda pl: _natural(pl[0])):
-        entries.setdefault(str(path[-1].key), []).append(leaf)
-    layers = sum(int(np.size(x)) for x in entries["loss"])
+        reports.setdefault(tuple(path[:-1]), {})[str(path[-1].key)] = leaf
+    entries: dict[str, list] = {}
+    for report in reports.values():
+        lead = jnp.ndim(report["loss"])  # a scanned block's leading layer axis, or none
+        for key, leaf in report.items():  # -> [layers, ...] with the statistic's own shape
+            entries.setdefault(key, []).append(jnp.reshape(leaf, (-1,) + jnp.shape(leaf)[lead:]))
     out, w = dict(sums), sums["weight"]
     for key, leaves in entries.items():
-        per_layer = jnp.concatenate([jnp.reshape(x, (-1,)) for x in leaves]).reshape(layers, -1)
+        per_layer = jnp.concatenate(leaves)
         if key == "loss":
             if add_loss:
                 out[AUX_LOSS] = jnp.sum(per_layer) * w
         elif key.startswith("loss_"):
             out[key] = jnp.mean(per_layer) * w
-        elif per_layer.shape[1] == 1:
+        elif per_layer.ndim == 1:
             out[key] = jnp.sum(per_layer)
         else:
             out[key] = per_layer
