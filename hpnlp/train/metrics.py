@@ -31,12 +31,13 @@ def _summary_writer_class():
 
 
 def _cells(table, prefix=""):
-    """(index path "i/j", value) of every number in a nested list."""
+    """(index path "i/j", value) of every number in a nested list (other entries, such as an
+    ensemble's per-member dicts, are not TensorBoard scalars)."""
     for i, v in enumerate(table):
         idx = f"{prefix}{i}"
         if isinstance(v, list):
             yield from _cells(v, idx + "/")
-        else:
+        elif isinstance(v, (int, float)):
             yield idx, float(v)
 
 
