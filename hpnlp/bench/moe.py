@@ -320,7 +320,8 @@ def _markdown(p: dict) -> str:
                     for r in p["layer"]]), "",
                 "Stages by prefix timing: each is the difference between forward + backward of "
                 "the layer up to it and up to the stage before (dropless: its products and "
-                "combine are one step).", ""]
+                "combine are one step); a negative difference is a stage below the timing "
+                "noise (dispatch's gather).", ""]
     if p.get("parallel"):
         out += ["### Expert parallelism, 8 simulated devices: all-to-all per train step", "",
                 report.table(["mesh", "all-to-all ops", "HLO bytes / device", "formula bytes / device",
