@@ -799,7 +799,7 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
         if n % groups:
             _fail("model.moe.groups", c.groups, f"{groups} routing groups must divide the rows the "
                   f"model sees per step, {field} = {n}")
-    if groups % shards and (c.dispatch == "capacity" and shards > 1):
+    if shards > 1 and c.dispatch == "capacity" and groups % shards:
         _fail("model.moe.groups", c.groups, f"must be a multiple of the {shards} data-parallel "
               "shards (each device routes whole groups)")
 

@@ -7,14 +7,10 @@ same losses, dropped-choice counts and parameters as one device routing the same
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_parallel import _run as run_modes
 
 MODES = {
     "expert": {"data": 1, "expert": 8},
@@ -60,12 +56,7 @@ print("MOE PARALLEL OK")
 
 
 def _run(out_dir, modes, devices):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    if devices > 1:
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    proc = subprocess.run([sys.executable, "-c", CODE, str(out_dir), json.dumps(modes)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "MOE PARALLEL OK" in proc.stdout, proc.stderr[-4000:]
+    run_modes(out_dir, modes, devices, code=CODE, done="MOE PARALLEL OK")
 
 
 @pytest.mark.slow

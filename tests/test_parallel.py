@@ -70,13 +70,14 @@ print("PARALLEL OK")
 """
 
 
-def _run(out_dir, modes, devices):
+def _run(out_dir, modes, devices, code=CODE, done="PARALLEL OK"):
+    """`code` in a fresh process on `devices` simulated CPU devices; it must print `done`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if devices > 1:
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    proc = subprocess.run([sys.executable, "-c", CODE, str(out_dir), json.dumps(modes)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", code, str(out_dir), json.dumps(modes)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "PARALLEL OK" in proc.stdout, proc.stderr[-4000:]
+    assert proc.returncode == 0 and done in proc.stdout, proc.stderr[-4000:]
 
 
 @pytest.mark.slow

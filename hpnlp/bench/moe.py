@@ -204,7 +204,7 @@ def lm_rows(s: dict, workdir: str) -> list[dict]:
 # ------------------------------------------------------------------------- expert parallel
 
 EP_CODE = r"""
-import json, re, sys
+import json, sys
 from hpnlp.bench.moe import ep_measure
 print(json.dumps(ep_measure(json.loads(sys.argv[1]))))
 """
@@ -212,8 +212,6 @@ print(json.dumps(ep_measure(json.loads(sys.argv[1]))))
 
 def ep_measure(mesh: dict) -> dict:
     """(In a process with 8 devices) the compiled train step's all-to-all buffers."""
-    import tempfile as tf
-
     from hpnlp.config import from_configdict
     from hpnlp.train import Trainer
     from hpnlp.train.loop import _global
@@ -221,7 +219,7 @@ def ep_measure(mesh: dict) -> dict:
     cd.train.batch_size = 16
     cd.model.moe.groups = 0  # one routing group per device
     cd.mesh.update(**mesh)
-    tr = Trainer(from_configdict(cd), tf.mkdtemp())
+    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
     state, _ = tr.initial_state()
     with tr._context():
         batch = _global(next(tr.train_iter), tr.batch_sharding)

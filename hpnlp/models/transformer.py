@@ -114,17 +114,18 @@ def layer_norm(m: ModelConfig, name: str) -> nn.LayerNorm:
                         bias_init=_init(nn.initializers.zeros, ("embed",)))
 
 
-def mlp(m: ModelConfig, h_BLE):
-    """Dense -> gelu -> Dense. Call it inside a compact method: it creates the `mlp_in` and
-    `mlp_out` layers in the caller (so Block and the reversible blocks share it)."""
+def mlp(m: ModelConfig, h_BLE, *, width: int | None = None, name: str = "mlp"):
+    """Dense -> gelu -> Dense of hidden width `width` (default model.mlp_dim). Call it inside
+    a compact method: it creates the `<name>_in` and `<name>_out` layers in the caller (so
+    Block, the reversible blocks and MoE's shared experts share it)."""
     dt, pdt = dtypes(m)
-    h_BLF = Dense(m.mlp_dim, quant=m.quant, dtype=dt, param_dtype=pdt, name="mlp_in",
+    h_BLF = Dense(width or m.mlp_dim, quant=m.quant, dtype=dt, param_dtype=pdt, name=f"{name}_in",
                      kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
                      bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
     h_BLF = checkpoint_name(h_BLF, "mlp_in")  # pre-activation: gelu is cheap to recompute
     gelu = jax.checkpoint(nn.gelu) if m.remat == "elementwise" else nn.gelu
     h_BLF = nn.with_logical_constraint(gelu(h_BLF), ("batch", "length", "activation_mlp"))
-    h_BLE = Dense(m.width, quant=m.quant, dtype=dt, param_dtype=pdt, name="mlp_out",
+    h_BLE = Dense(m.width, quant=m.quant, dtype=dt, param_dtype=pdt, name=f"{name}_out",
                      kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
                      bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
     return h_BLE

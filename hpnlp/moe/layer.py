@@ -19,6 +19,7 @@ for the metrics: routed load per expert, dropped choices, router entropy.
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -26,26 +27,22 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hpnlp.config import ModelConfig
+from hpnlp.models.transformer import _init, dtypes, mlp
 from hpnlp.moe import dispatch, routing
-
 from hpnlp.train.carry import AUX  # the collection layers report auxiliary losses into
 
 
-def _init(init, names):
-    return nn.with_logical_partitioning(init, names)
+def _batch_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the `batch` logical rule splits the batch over, in this mesh."""
+    axes = nn.logical_to_mesh_axes(("batch",))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return tuple(a for a in axes if a in mesh.axis_names)
 
 
 def batch_shards() -> int:
     """Data-parallel shards of the current mesh and logical rules (1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    axes = nn.logical_to_mesh_axes(("batch",))[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a] if a in mesh.axis_names else 1
-    return n
+    return 1 if mesh.empty else math.prod(mesh.shape[a] for a in _batch_axes(mesh))
 
 
 def _expert_axis() -> tuple[int, tuple[str, ...]]:
@@ -53,9 +50,7 @@ def _expert_axis() -> tuple[int, tuple[str, ...]]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "expert" not in mesh.axis_names or mesh.shape["expert"] == 1:
         return 1, ()
-    axes = nn.logical_to_mesh_axes(("batch",))[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return mesh.shape["expert"], axes
+    return mesh.shape["expert"], _batch_axes(mesh)
 
 
 ROUTES = "moe_routes"  # what `hpnlp.moe.route` reads: each token's weight on each expert
@@ -63,8 +58,7 @@ ROUTES = "moe_routes"  # what `hpnlp.moe.route` reads: each token's weight on ea
 
 def _weights(slots: routing.Slots, experts: int):
     """[G, S, X] weight of each expert's output in each token (0: not routed or dropped)."""
-    X, (G, S, J) = experts, slots.slot_GSJ.shape
-    C = slots.token_GXC.shape[-1]
+    X, C = experts, slots.token_GXC.shape[-1]
     expert_GSJ = jnp.minimum(slots.slot_GSJ // C, X - 1)
     return jnp.einsum("gsjx,gsj->gsx", jax.nn.one_hot(expert_GSJ, X),
                       jnp.where(slots.slot_GSJ < X * C, slots.gate_GSJ, 0.0))
@@ -81,7 +75,6 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x_BLM, seg_BL):
         m, c = self.model, self.model.moe
-        from hpnlp.models.transformer import dtypes
         dt, pdt = dtypes(m)
         if self.decode and c.router == "expert_choice":
             raise ValueError("model.moe.router='expert_choice' ranks each expert's tokens over a "
@@ -154,14 +147,7 @@ class MoE(nn.Module):
             self.sow(ROUTES, "probs", probs_GSX.reshape(B, L, X))
         y_BLM = y_GSM.reshape(B, L, M)
         if c.shared_experts:  # DeepSeekMoE: experts every token uses, as one wider MLP
-            from hpnlp.compress.qlinear import Dense
-            width = c.shared_experts * F
-            h = Dense(width, dtype=dt, param_dtype=pdt, name="shared_in",
-                      kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
-                      bias_init=_init(nn.initializers.zeros, ("mlp",)))(x_BLM)
-            y_BLM = y_BLM + Dense(M, dtype=dt, param_dtype=pdt, name="shared_out",
-                                  kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
-                                  bias_init=_init(nn.initializers.zeros, ("embed",)))(nn.gelu(h))
+            y_BLM = y_BLM + mlp(m, x_BLM, width=c.shared_experts * F, name="shared")
         self.sow(AUX, "moe", {"loss": aux, **stats})
         return y_BLM
 

@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hpnlp.config import Config
 

@@ -250,8 +250,8 @@ class Trainer:
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
         saved = loop.get("window") or {}
-        window: dict[str, Any] = {"sums": saved.get("sums") and {  # vectors: MoE loads
-                                      k: np.asarray(v) for k, v in saved["sums"].items()}, "n": saved.get("n", 0),
+        sums = saved.get("sums") and {k: np.asarray(v) for k, v in saved["sums"].items()}
+        window: dict[str, Any] = {"sums": sums, "n": saved.get("n", 0),  # sums: MoE loads are vectors
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
                                   "clipped": saved.get("clipped", 0), "t0": time.perf_counter()}
         timing = {"tokens": 0.0, "steps": 0, "t0": None}
