@@ -28,7 +28,12 @@ EXTRAS = {
         "nbclient>=0.10",
         "ipykernel>=6.29",
         "scipy>=1.11",
+        # the retrieval adapters' tests (faiss flat equals exact, save/load round trips)
+        "faiss-cpu==1.15.1",
+        "scann==1.4.2",
     ],
+    # similarity search libraries behind hpnlp.retrieval's adapters (faiss_*, scann)
+    "retrieval": ["faiss-cpu==1.15.1", "scann==1.4.2"],
     # torch 2.13.0 is the CPU build that this machine's image ships; a looser pin would
     # pull several GB of CUDA wheels.
     "bench": ["torch==2.13.0"],

@@ -1,0 +1,17 @@
+"""Retrieval and memory: vector indexes behind one interface, the kNN-LM.
+
+    >>> from hpnlp import retrieval
+    >>> index = retrieval.make("exact", 128)        # or "ivf", "faiss_flat", "faiss_ivf",
+    >>> index.add(vectors_ND)                       #    "faiss_hnsw", "scann"
+    >>> scores_QK, ids_QK = index.search(queries_QD, k=10)   # doctest: +SKIP
+    >>> index.save("/tmp/idx"); index = retrieval.load("/tmp/idx", dim=128)
+
+Every index numbers vectors in add order and ranks ties by the lower id; `exact` and
+`faiss_flat` are exact, the others approximate (recall against `exact` is what the
+retrieval benchmark measures).
+"""
+
+from hpnlp.retrieval.base import Index, RetrievalError, get, load, make, names, read_header, register  # noqa: F401
+from hpnlp.retrieval import exact, external, ivf  # noqa: F401  (registration side effects)
+from hpnlp.retrieval.exact import blocked_top_k, exact_reference  # noqa: F401
+from hpnlp.retrieval.external import available  # noqa: F401

@@ -1,0 +1,44 @@
+"""`python -m hpnlp.retrieval COMMAND`: retrieval on trained hpnlp runs.
+
+    python -m hpnlp.retrieval knnlm --workdir TRAINED_LM --datastore DIR [--index exact] [--out DIR]
+
+`knnlm` (hpnlp.retrieval.knnlm): builds the run's training-split datastore in DIR (once;
+reused by later calls, refused if another model built it), searches the neighbours of the
+held-out targets, tunes k / temperature / lambda on half of them and reports the
+perplexity with and without the datastore on the other half (printed, and OUT/summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpnlp.retrieval", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    k = sub.add_parser("knnlm", help="kNN-LM perplexity of a trained LM")
+    k.add_argument("--workdir", required=True, help="a trained LM run (python -m hpnlp.main)")
+    k.add_argument("--datastore", required=True, help="folder of the datastore (built if empty)")
+    k.add_argument("--index", default="exact", help="an hpnlp.retrieval index name")
+    k.add_argument("--index_options", default="{}", help='JSON, e.g. \'{"nprobe": 32}\'')
+    k.add_argument("--metric", default="l2", help="l2 (the paper's) | ip")
+    k.add_argument("--max_eval_tokens", type=int, default=0, help="0: the whole held-out split")
+    k.add_argument("--out", default=None, help="folder for summary.json")
+    args = p.parse_args(argv)
+    from hpnlp.config import ConfigError
+    from hpnlp.retrieval import RetrievalError, knnlm
+    try:
+        options = json.loads(args.index_options)
+        summary = knnlm.run(args.workdir, args.datastore, index=args.index, index_options=options,
+                            metric=args.metric, max_eval_tokens=args.max_eval_tokens, out=args.out)
+    except (RetrievalError, ConfigError, FileNotFoundError, json.JSONDecodeError) as e:
+        print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

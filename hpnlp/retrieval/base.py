@@ -1,0 +1,171 @@
+"""The `Index` interface every search method shares, its file format, and its checks.
+
+An index holds vectors of one dimension, numbered 0, 1, 2, ... in the order they were
+added, and answers maximum-inner-product queries: `search(Q_QxD, k)` -> (scores [Q, k]
+float32 best first, ids [Q, k] int64). Ties rank the lower id first everywhere, so the
+exact indexes agree with a brute-force `numpy` sort to the last id. (For cosine
+similarity, add and query unit vectors.)
+
+On disk an index is a folder: `index.json` (format, version, kind, dimension, count and
+the options it was built with) beside the method's own arrays or library file. `load`
+reads the header first and refuses a folder of another format version, kind or
+dimension in one line, before anything large is read.
+
+Shape letters: N database vectors, Q queries, D dimension, K results per query.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from hpnlp.registry import Registry
+
+FORMAT = "hpnlp.retrieval.index"
+VERSION = 1
+HEADER = "index.json"
+
+_registry = Registry("index")
+register, names = _registry.register, _registry.names
+
+
+def get(name: str) -> type:
+    return _registry.get(name)
+
+
+class RetrievalError(ValueError):
+    """Bad input to an index (wrong dimension, k too large, a foreign file): one line
+    naming what was wrong and the fix."""
+
+
+class Index:
+    """Base class: dimension and count checks, the header, `save`.
+
+    Subclasses implement `_add(X_NxD float32)`, `_search(Q_QxD float32, k)`, `_arrays()`
+    (what `save` writes, a dict of numpy arrays, or `_save_files(folder)` for a library's
+    own file) and `_restore(folder, header)`.
+    """
+
+    registry_name = "index"
+    exact = False  # True where results equal brute force (ties included)
+
+    def __init__(self, dim: int, **options: Any):
+        if int(dim) <= 0:
+            raise RetrievalError(f"index dimension {dim} must be a positive integer")
+        self.dim = int(dim)
+        self.options = options
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}(dim={self.dim}, count={self.count}{', ' if opts else ''}{opts})"
+
+    # -- checks -------------------------------------------------------------------------
+    def _vectors(self, x, what: str) -> np.ndarray:
+        x = np.asarray(x)
+        if x.ndim == 1:
+            x = x[None]
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise RetrievalError(f"{what} of shape {tuple(np.shape(x))} do not fit this {self.registry_name!r} "
+                              f"index of dimension {self.dim}; give [n, {self.dim}] arrays (the "
+                              f"same encoder, or rebuild the index with dim={np.shape(x)[-1]})")
+        if not np.issubdtype(x.dtype, np.floating) and not np.issubdtype(x.dtype, np.integer):
+            raise RetrievalError(f"{what} have dtype {x.dtype}; give floating-point vectors")
+        x = np.ascontiguousarray(x, np.float32)
+        if not np.all(np.isfinite(x)):
+            raise RetrievalError(f"{what} contain NaN or infinity (row {int(np.argmin(np.isfinite(x).all(1)))}); "
+                              "search needs finite vectors")
+        return x
+
+    def add(self, vectors) -> None:
+        """Append `vectors` [N, D]; they get ids count, count + 1, ..."""
+        x = self._vectors(vectors, "vectors to add")
+        if len(x):
+            self._add(x)
+            self.count += len(x)
+
+    def search(self, queries, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-`k` inner products of each query: (scores [Q, K] float32, ids [Q, K] int64),
+        best first; ties rank the lower id first."""
+        q = self._vectors(queries, "queries")
+        k = int(k)
+        if k <= 0:
+            raise RetrievalError(f"k={k}: ask for at least one result")
+        if k > self.count:
+            raise RetrievalError(f"k={k} is larger than the {self.count} vectors in this "
+                              f"{self.registry_name!r} index; ask for k <= {self.count} or add vectors")
+        scores, ids = self._search(q, k)
+        return np.asarray(scores, np.float32), np.asarray(ids, np.int64)
+
+    # -- files --------------------------------------------------------------------------
+    def header(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "kind": self.registry_name,
+                "dim": self.dim, "count": self.count, "options": self.options}
+
+    def save(self, folder: str) -> str:
+        """Write the index to `folder` (created); returns the folder."""
+        os.makedirs(folder, exist_ok=True)
+        self._save_files(folder)
+        tmp = os.path.join(folder, HEADER + ".tmp")  # the header last: a folder with one is whole
+        with open(tmp, "w") as f:
+            json.dump(self.header(), f, indent=1)
+        os.replace(tmp, os.path.join(folder, HEADER))
+        return folder
+
+    def _save_files(self, folder: str) -> None:
+        np.savez(os.path.join(folder, "arrays.npz"), **self._arrays())
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _restore(self, folder: str, header: dict) -> None:
+        raise NotImplementedError
+
+    def _add(self, x_ND: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _search(self, q_QD: np.ndarray, k: int):
+        raise NotImplementedError
+
+
+def read_header(folder: str, *, dim: int | None = None, kind: str | None = None) -> dict:
+    path = os.path.join(folder, HEADER)
+    if not os.path.isfile(path):
+        raise RetrievalError(f"{folder}: no {HEADER}; not a saved hpnlp index (save one with "
+                          "index.save(folder))")
+    try:
+        with open(path) as f:
+            header = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise RetrievalError(f"{path}: unreadable index header ({e}); save the index again") from None
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise RetrievalError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}; "
+                          f"this hpnlp reads {FORMAT!r} version {VERSION}: rebuild the index "
+                          "with this version")
+    if dim is not None and header.get("dim") != dim:
+        raise RetrievalError(f"{path}: an index of dimension {header.get('dim')}, but dimension {dim} "
+                          "was asked for; load the index built from this encoder, or rebuild it")
+    if kind is not None and header.get("kind") != kind:
+        raise RetrievalError(f"{path}: a {header.get('kind')!r} index, not {kind!r}")
+    return header
+
+
+def load(folder: str, *, dim: int | None = None, kind: str | None = None) -> Index:
+    """The index saved in `folder`; `dim` / `kind`, when given, must match its header."""
+    header = read_header(folder, dim=dim, kind=kind)
+    cls = get(header["kind"])
+    index = cls(header["dim"], **header.get("options", {}))
+    index._restore(folder, header)
+    index.count = int(header["count"])
+    return index
+
+
+def make(name: str, dim: int, **options) -> Index:
+    """A new empty index of the registered `name` (see `names()`)."""
+    return get(name)(dim, **options)

@@ -1,0 +1,166 @@
+"""Adapters to the search libraries people already use, behind hpnlp's `Index` interface:
+faiss (`faiss-cpu`: flat, IVF, HNSW, all with inner product) and ScaNN (Guo et al. 2020:
+partitioning + anisotropic quantization + reordering). Each is registered only in name
+when its library is missing; building one then says what to install.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from hpnlp.retrieval.base import Index, RetrievalError, register
+
+
+def _import(module: str, package: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise RetrievalError(f"this index needs {package}: pip install {package} "
+                             "(or pip install -e .[retrieval])") from None
+
+
+def available(name: str) -> bool:
+    """Whether the library behind index `name` imports here."""
+    module = {"faiss": "faiss", "scann": "scann"}.get(name.split("_")[0])
+    if module is None:
+        return True
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+class _Faiss(Index):
+    """A faiss index with METRIC_INNER_PRODUCT; faiss numbers vectors in add order too."""
+
+    def __init__(self, dim: int, **options):
+        super().__init__(dim, **options)
+        self.faiss = _import("faiss", "faiss-cpu")
+        self.index = self._build()
+
+    def _build(self):
+        raise NotImplementedError
+
+    def _add(self, x_ND):
+        if not self.index.is_trained:
+            self.index.train(x_ND)
+        self.index.add(x_ND)
+
+    def _search(self, q_QD, k):
+        self._tune()
+        scores, ids = self.index.search(q_QD, k)
+        return scores, ids
+
+    def _tune(self) -> None:
+        pass
+
+    def _save_files(self, folder):
+        self.faiss.write_index(self.index, os.path.join(folder, "faiss.index"))
+
+    def _restore(self, folder, header):
+        self.index = self.faiss.read_index(os.path.join(folder, "faiss.index"))
+        if self.index.d != self.dim or self.index.ntotal != header["count"]:
+            raise RetrievalError(f"{folder}: faiss.index holds {self.index.ntotal} vectors of dimension "
+                                 f"{self.index.d}, the header {header['count']} of {self.dim}; save it again")
+
+
+@register("faiss_flat")
+class FaissFlat(_Faiss):
+    """faiss IndexFlatIP: exact brute force (BLAS products + heaps)."""
+
+    def _build(self):
+        return self.faiss.IndexFlatIP(self.dim)
+
+
+@register("faiss_ivf")
+class FaissIVF(_Faiss):
+    """faiss IndexIVFFlat over inner-product cells. Options: `lists` (cells; 0: 4 sqrt(N)
+    at the first add), `nprobe` cells scanned per query."""
+
+    def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16):
+        super().__init__(dim, lists=lists, nprobe=nprobe)
+
+    def _build(self):
+        return None  # the cell count may depend on the first add
+
+    def _add(self, x_ND):
+        if self.index is None:
+            lists = self.options["lists"] or int(max(1, min(len(x_ND) // 39, round(4 * np.sqrt(len(x_ND))))))
+            self.options["lists"] = lists
+            quantizer = self.faiss.IndexFlatIP(self.dim)
+            self.index = self.faiss.IndexIVFFlat(quantizer, self.dim, lists,
+                                                 self.faiss.METRIC_INNER_PRODUCT)
+            self._quantizer = quantizer  # faiss does not own it from Python
+        super()._add(x_ND)
+
+    def _tune(self):
+        self.index.nprobe = int(self.options["nprobe"])
+
+
+@register("faiss_hnsw")
+class FaissHNSW(_Faiss):
+    """faiss IndexHNSWFlat (Malkov & Yashunin 2018) with inner product. Options: `m` links
+    per node, `ef_construction`, `ef_search` (the recall/speed knob)."""
+
+    def __init__(self, dim: int, *, m: int = 32, ef_construction: int = 80, ef_search: int = 64):
+        super().__init__(dim, m=m, ef_construction=ef_construction, ef_search=ef_search)
+
+    def _build(self):
+        index = self.faiss.IndexHNSWFlat(self.dim, int(self.options["m"]), self.faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = int(self.options["ef_construction"])
+        return index
+
+    def _tune(self):
+        self.index.hnsw.efSearch = int(self.options["ef_search"])
+
+
+@register("scann")
+class ScaNN(Index):
+    """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product.
+    Built on the first search from everything added (ScaNN indexes are not incremental).
+    Options: `leaves` (0: 2 sqrt(N)), `leaves_to_search`, `reorder` candidates rescored
+    exactly."""
+
+    def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100):
+        super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder)
+        self.scann = _import("scann", "scann")
+        self._host: list[np.ndarray] = []
+        self.searcher = None
+
+    def _add(self, x_ND):
+        self._host.append(x_ND)
+        self.searcher = None
+
+    def _build(self):
+        x = np.concatenate(self._host) if len(self._host) > 1 else self._host[0]
+        self._host = [x]
+        o = self.options
+        leaves = o["leaves"] or int(max(1, min(len(x) // 100, round(2 * np.sqrt(len(x))))))
+        o["leaves"] = leaves
+        builder = self.scann.scann_ops_pybind.builder(x, 10, "dot_product")
+        builder = builder.tree(num_leaves=leaves, num_leaves_to_search=min(o["leaves_to_search"], leaves),
+                               training_sample_size=min(len(x), 250_000))
+        builder = builder.score_ah(2, anisotropic_quantization_threshold=0.2)
+        self.searcher = builder.reorder(o["reorder"]).build()
+
+    def _search(self, q_QD, k):
+        if self.searcher is None:
+            self._build()
+        o = self.options
+        ids, scores = self.searcher.search_batched(q_QD, final_num_neighbors=k,
+                                                   leaves_to_search=min(o["leaves_to_search"], o["leaves"]),
+                                                   pre_reorder_num_neighbors=max(o["reorder"], k))
+        return scores, ids
+
+    def _save_files(self, folder):
+        if self.searcher is None:
+            self._build()
+        path = os.path.join(folder, "scann")
+        os.makedirs(path, exist_ok=True)
+        self.searcher.serialize(path)
+
+    def _restore(self, folder, header):
+        self.searcher = self.scann.scann_ops_pybind.load_searcher(os.path.join(folder, "scann"))

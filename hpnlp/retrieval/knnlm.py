@@ -1,0 +1,338 @@
+"""kNN-LM (Khandelwal et al. 2020): interpolate a trained LM with a nearest-neighbour
+distribution over a datastore of (context vector, next token) pairs from its training split.
+
+    python -m hpnlp.retrieval knnlm --workdir TRAINED_LM --datastore DIR [--index exact]
+
+1. **Datastore** (`build_datastore`): the trained LM reads its training split in order, one
+   chunk per row exactly as training saw it; every target token's context vector (the final
+   hidden state the output layer reads) is a key, stored memory-mapped as float16
+   (`keys.f16`, [N, E]), with the next token as its value (`values.i32`). `datastore.json`
+   names the model (a digest of its parameters), so a datastore from another model is
+   refused in one line.
+2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2;
+   MIPS serves it exactly by the usual augmentation, key [k, |k|^2] against query
+   [2q, -1], whose inner product is |q|^2 - |q - k|^2.
+3. **Interpolation**: p(y) = lambda p_kNN(y) + (1 - lambda) p_LM(y), with p_kNN(y) the softmax
+   of -distance / T over the k nearest keys, summed over those whose value is y. k, T and
+   lambda are tuned on a validation half of the held-out chunks and reported on the other
+   half; lambda = 0 is the LM exactly.
+
+Shape letters: N datastore entries, E key width, T held-out tokens, K neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.retrieval.base import Index, RetrievalError, make
+
+DATASTORE = "datastore.json"
+VERSION = 1
+
+
+# -- the LM's context vectors ----------------------------------------------------------------
+
+def ordered_batches(ex, *, rows: int, seq_len: int, select=None):
+    """In-order LM batches of a split's chunks (one chunk per row, as training packs them),
+    with the targets' flat positions. `select`: chunk indices to read (default all)."""
+    chunks = np.arange(len(ex)) if select is None else np.asarray(select)
+    for lo in range(0, len(chunks), rows):
+        idx = chunks[lo:lo + rows]
+        inputs = np.zeros((rows, seq_len), np.int32)
+        targets = np.zeros((rows, seq_len), np.int32)
+        seg = np.zeros((rows, seq_len), np.int32)
+        for r, c in enumerate(idx):
+            s, n = int(ex.starts[c]), int(ex.lengths[c])
+            inputs[r, :n - 1] = ex.tokens[s:s + n - 1]
+            targets[r, :n - 1] = ex.tokens[s + 1:s + n]
+            seg[r, :n - 1] = 1
+        pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy()
+        yield {"inputs": inputs, "targets": targets, "segment_ids": seg, "positions": pos}
+
+
+def _forward(model):
+    """Jitted (params, batch) -> (hidden [B, L, E] float32, log p(target) [B, L])."""
+    def run(module, batch):
+        h_BLE = module.hidden(batch)
+        logp_BLV = module.output.log_prob(h_BLE)
+        return (h_BLE.astype(jnp.float32),
+                jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0])
+    return jax.jit(lambda params, batch: model.apply({"params": params}, batch, method=run))
+
+
+def params_digest(params) -> str:
+    """A short digest of a model's parameters (which model made a datastore)."""
+    h = hashlib.sha1()
+    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(params)[0], key=lambda t: str(t[0])):
+        h.update(str(path).encode())
+        h.update(np.ascontiguousarray(np.asarray(leaf, np.float32)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, mininterval=2.0)
+
+
+def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int = 64,
+                    meta: dict | None = None) -> "Datastore":
+    """Write the (key, value) datastore of split `ex` under `folder` (progress bar); keys
+    float16 memory-mapped. Written to temporary names and renamed, so an interrupted build
+    leaves no datastore that looks whole."""
+    os.makedirs(folder, exist_ok=True)
+    n = int(np.sum(ex.lengths - 1))
+    probe = next(ordered_batches(ex, rows=1, seq_len=seq_len, select=[0]))
+    forward = _forward(model)
+    width = int(forward(params, probe)[0].shape[-1])
+    keys = np.lib.format.open_memmap(os.path.join(folder, "keys.tmp.npy"), mode="w+",
+                                     dtype=np.float16, shape=(n, width))
+    values = np.empty((n,), np.int32)
+    at = 0
+    with _progress(n, "datastore") as bar:
+        for batch in ordered_batches(ex, rows=rows, seq_len=seq_len):
+            h_BLE, _ = forward(params, batch)
+            real = batch["segment_ids"] > 0
+            got = np.asarray(h_BLE)[real]
+            keys[at:at + len(got)] = got.astype(np.float16)
+            values[at:at + len(got)] = batch["targets"][real]
+            at += len(got)
+            bar.update(len(got))
+    assert at == n, (at, n)
+    keys.flush()
+    del keys
+    np.save(os.path.join(folder, "values.tmp.npy"), values)
+    os.replace(os.path.join(folder, "keys.tmp.npy"), os.path.join(folder, "keys.npy"))
+    os.replace(os.path.join(folder, "values.tmp.npy"), os.path.join(folder, "values.npy"))
+    header = {"format": "hpnlp.retrieval.datastore", "version": VERSION, "entries": n,
+              "width": width, "model": params_digest(params), **(meta or {})}
+    with open(os.path.join(folder, DATASTORE), "w") as f:
+        json.dump(header, f, indent=1)
+    return Datastore.open(folder)
+
+
+@dataclasses.dataclass
+class Datastore:
+    folder: str
+    header: dict
+    keys: np.ndarray  # [N, E] float16, memory-mapped
+    values: np.ndarray  # [N] int32
+
+    @classmethod
+    def open(cls, folder: str, *, params=None) -> "Datastore":
+        """Open the datastore in `folder`; with `params`, refuse one built by another model."""
+        path = os.path.join(folder, DATASTORE)
+        if not os.path.isfile(path):
+            raise RetrievalError(f"{folder}: no {DATASTORE}; build the datastore first "
+                                 "(python -m hpnlp.retrieval knnlm --workdir RUN --datastore DIR)")
+        with open(path) as f:
+            header = json.load(f)
+        if header.get("version") != VERSION:
+            raise RetrievalError(f"{path}: datastore version {header.get('version')}, this hpnlp reads "
+                                 f"{VERSION}; delete the folder and build it again")
+        if params is not None and header["model"] != params_digest(params):
+            raise RetrievalError(f"{folder}: this datastore was built by another model (parameters "
+                                 f"{header['model']}, from {header.get('workdir', '?')} step "
+                                 f"{header.get('step', '?')}); build one for this run in a new folder")
+        keys = np.load(os.path.join(folder, "keys.npy"), mmap_mode="r")
+        values = np.load(os.path.join(folder, "values.npy"))
+        return cls(folder, header, keys, values)
+
+    def index(self, name: str = "exact", *, metric: str = "l2", block: int = 1 << 20, **options) -> Index:
+        """An index over the keys (augmented for L2, see the module docstring), filled in
+        blocks from the memory map."""
+        index = make(name, self.keys.shape[1] + (metric == "l2"), **options)
+        for lo in range(0, len(self.keys), block):
+            k = np.asarray(self.keys[lo:lo + block], np.float32)
+            index.add(augment_keys(k) if metric == "l2" else k)
+        return index
+
+
+def augment_keys(k_NE):
+    return np.concatenate([k_NE, np.sum(k_NE * k_NE, axis=1, keepdims=True)], axis=1)
+
+
+def augment_queries(q_TE):
+    return np.concatenate([2.0 * q_TE, -np.ones((len(q_TE), 1), q_TE.dtype)], axis=1)
+
+
+# -- evaluation ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Neighbours:
+    """What interpolation needs for T held-out tokens: the LM's log p(target) [T], the K
+    nearest keys' distances [T, K] (ascending) and whether each one's value is the target."""
+
+    lm_logp: np.ndarray
+    dist: np.ndarray
+    hit: np.ndarray
+    search_s: float = 0.0  # seconds spent searching
+    lm_s: float = 0.0  # seconds in the LM forward
+
+
+def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: int, k: int,
+               metric: str = "l2", select=None, rows: int = 64, query_block: int = 4096) -> Neighbours:
+    """The LM and its k nearest datastore entries for every target of the chosen chunks."""
+    forward = _forward(model)
+    lm, dist, hit = [], [], []
+    t_lm = t_search = 0.0
+    total = int(np.sum(ex.lengths[np.arange(len(ex)) if select is None else select] - 1))
+    with _progress(total, "kNN-LM eval") as bar:
+        for batch in ordered_batches(ex, rows=rows, seq_len=seq_len, select=select):
+            t0 = time.perf_counter()
+            h_BLE, logp_BL = jax.block_until_ready(forward(params, batch))
+            t_lm += time.perf_counter() - t0
+            real = batch["segment_ids"] > 0
+            q_TE, target_T = np.asarray(h_BLE)[real], batch["targets"][real]
+            # The keys are float16: round the queries the same way (a key is its own nearest).
+            q_TE = q_TE.astype(np.float16).astype(np.float32)
+            t0 = time.perf_counter()
+            for lo in range(0, len(q_TE), query_block):
+                q = q_TE[lo:lo + query_block]
+                s, ids = index.search(augment_queries(q) if metric == "l2" else q, k)
+                d = (np.sum(q * q, axis=1, keepdims=True) - s) if metric == "l2" else -s
+                dist.append(np.maximum(d, 0.0) if metric == "l2" else d)
+                hit.append(store.values[ids] == target_T[lo:lo + query_block, None])
+            t_search += time.perf_counter() - t0
+            lm.append(np.asarray(logp_BL)[real])
+            bar.update(len(target_T))
+    return Neighbours(np.concatenate(lm), np.concatenate(dist), np.concatenate(hit),
+                      search_s=t_search, lm_s=t_lm)
+
+
+def interpolate(nb: Neighbours, *, k: int, temperature: float, lam: float) -> np.ndarray:
+    """log p(target) [T] of the interpolated model with the first k neighbours."""
+    if not 0.0 <= lam <= 1.0:
+        raise RetrievalError(f"lambda={lam} must be in [0, 1]")
+    if k > nb.dist.shape[1]:
+        raise RetrievalError(f"k={k} but only {nb.dist.shape[1]} neighbours were searched")
+    logits_TK = -nb.dist[:, :k].astype(np.float64) / temperature
+    logits_TK -= logits_TK.max(axis=1, keepdims=True)
+    w_TK = np.exp(logits_TK)
+    p_knn_T = np.sum(w_TK * nb.hit[:, :k], axis=1) / np.sum(w_TK, axis=1)
+    with np.errstate(divide="ignore"):
+        return np.logaddexp(np.log(lam) + np.log(p_knn_T), np.log1p(-lam) + nb.lm_logp.astype(np.float64))
+
+
+def perplexity(logp_T) -> float:
+    return float(np.exp(-np.mean(np.asarray(logp_T, np.float64))))
+
+
+GRID = {"k": (8, 16, 32, 64), "temperature": (1.0, 3.0, 10.0, 30.0, 100.0),
+        "lam": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5)}
+
+
+def tune(nb: Neighbours, grid: dict = GRID) -> dict:
+    """The (k, temperature, lambda) of the grid with the lowest perplexity on `nb`."""
+    best = None
+    for k in grid["k"]:
+        if k > nb.dist.shape[1]:
+            continue
+        for t in grid["temperature"]:
+            for lam in grid["lam"]:
+                ppl = perplexity(interpolate(nb, k=k, temperature=t, lam=lam))
+                if best is None or ppl < best["ppl"]:
+                    best = {"k": k, "temperature": t, "lam": lam, "ppl": ppl}
+    return best
+
+
+def split_halves(n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out chunks -> (validation, test): alternate chunks, so both halves span the
+    whole held-out corpus."""
+    idx = np.arange(n_chunks)
+    return idx[0::2], idx[1::2]
+
+
+def take(nb: Neighbours, rows) -> Neighbours:
+    return Neighbours(nb.lm_logp[rows], nb.dist[rows], nb.hit[rows], nb.search_s, nb.lm_s)
+
+
+# -- a trained run, end to end ---------------------------------------------------------------
+
+def load_lm(workdir: str):
+    """(cfg, eval model, params, task, step) of the LM trained in `workdir`."""
+    from hpnlp.train.carry import model_params
+    from hpnlp.train.checkpoint import load_run_config
+    from hpnlp.train.loop import Trainer
+    cfg = load_run_config(workdir)
+    if cfg.model.kind != "lm":
+        raise RetrievalError(f"{workdir}: a {cfg.model.kind!r} run; the kNN-LM needs a language "
+                             "model (model.kind='lm')")
+    trainer = Trainer(cfg, workdir, read_only=True)
+    step = trainer.checkpointer.latest_step()
+    if step is None:
+        raise RetrievalError(f"{workdir}: no checkpoint to read; train the LM first "
+                             "(python -m hpnlp.main --config experiments/lm.py --workdir ...)")
+    state, _ = trainer.initial_state()
+    trainer.checkpointer.close()
+    return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
+
+
+def run(workdir: str, datastore: str, *, index: str = "exact", index_options: dict | None = None,
+        metric: str = "l2", max_eval_tokens: int = 0, max_datastore_tokens: int = 0,
+        k_max: int = 64, grid: dict = GRID, out: str | None = None) -> dict:
+    """kNN-LM on a trained LM: the datastore (built unless `datastore` holds this model's),
+    neighbours of the held-out targets, k / T / lambda tuned on the validation half and the
+    perplexity with and without the datastore on the test half. `max_eval_tokens` > 0 reads
+    only the first chunks of each half (about that many tokens in all);
+    `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
+    if metric not in ("l2", "ip"):
+        raise RetrievalError(f"metric={metric!r}; choose 'l2' (the paper's) or 'ip'")
+    cfg, model, params, task, step = load_lm(workdir)
+    L = cfg.data.seq_len
+    meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
+    t0 = time.perf_counter()
+    if os.path.isfile(os.path.join(datastore, DATASTORE)):
+        store = Datastore.open(datastore, params=params)
+        built = False
+    else:
+        train = task.train
+        if max_datastore_tokens:
+            from hpnlp.data.task import Examples
+            n = int(np.searchsorted(np.cumsum(train.lengths - 1), max_datastore_tokens)) + 1
+            train = Examples(train.tokens, train.starts[:n], train.lengths[:n])
+        store = build_datastore(model, params, train, datastore, seq_len=L, meta=meta)
+        built = True
+    t_store = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    idx = store.index(index, metric=metric, **(index_options or {}))
+    t_index = time.perf_counter() - t0
+    valid, test = split_halves(len(task.eval))
+    if max_eval_tokens:
+        per_chunk = max(1.0, float(np.mean(task.eval.lengths - 1)))
+        n = max(1, int(max_eval_tokens / 2 / per_chunk))
+        valid, test = valid[:n], test[:n]
+    kk = min(k_max, len(store.keys))
+    nb_valid = neighbours(model, params, task.eval, store, idx, seq_len=L, k=kk, metric=metric,
+                          select=valid)
+    nb_test = neighbours(model, params, task.eval, store, idx, seq_len=L, k=kk, metric=metric,
+                         select=test)
+    best = tune(nb_valid, grid)
+    lm_ppl = perplexity(nb_test.lm_logp)
+    knn_ppl = perplexity(interpolate(nb_test, k=best["k"], temperature=best["temperature"],
+                                     lam=best["lam"]))
+    tokens = len(nb_test.lm_logp)
+    summary = {
+        "workdir": os.path.abspath(workdir), "step": step, "task": task.name,
+        "datastore": {"folder": os.path.abspath(datastore), "entries": int(len(store.keys)),
+                      "width": int(store.keys.shape[1]), "built": built, "seconds": t_store,
+                      "bytes": int(store.keys.nbytes + store.values.nbytes)},
+        "index": {"name": index, "options": idx.options, "metric": metric, "build_s": t_index},
+        "tuned_on_validation": best,
+        "test": {"tokens": tokens, "lm_ppl": lm_ppl, "knn_lm_ppl": knn_ppl,
+                 "ppl_reduction": 1.0 - knn_ppl / lm_ppl,
+                 "lm_ms_per_token": 1e3 * nb_test.lm_s / tokens,
+                 "search_ms_per_token": 1e3 * nb_test.search_s / tokens},
+    }
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary

@@ -1,0 +1,218 @@
+"""hpnlp.retrieval: every index against brute force, save/load, the adapters, bad input,
+and the kNN-LM's pieces (L2 through MIPS, interpolation, lambda 0 = the LM, datastore)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpnlp import retrieval
+from hpnlp.retrieval import RetrievalError, knnlm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ties(n=700, q=23, d=8, seed=0):
+    """Small-integer vectors: products are exact in float32 and full of ties."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(-2, 3, (n, d)).astype(np.float32), rng.integers(-2, 3, (q, d)).astype(np.float32))
+
+
+@pytest.mark.parametrize("opts", [dict(block=64, group=4), dict(block=64, group=1), dict(block=1024)])
+def test_exact_equals_numpy_top_k_ties_included(opts):
+    x, q = _ties()
+    index = retrieval.make("exact", 8, query_block=8, **opts)
+    index.add(x[:300])
+    index.add(x[300:])  # ids continue across adds
+    for k in (1, 5, 17):
+        s, i = index.search(q, k)
+        rs, ri = retrieval.exact_reference(q, x, k)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_array_equal(s, rs)
+
+
+def test_exact_sharded_over_devices_equals_numpy(tmp_path):
+    code = r"""
+import numpy as np, jax, sys
+from hpnlp import retrieval
+rng = np.random.default_rng(0)
+x = rng.integers(-2, 3, (1001, 8)).astype(np.float32); q = rng.integers(-2, 3, (9, 8)).astype(np.float32)
+index = retrieval.make("exact", 8, block=64, group=4, shards=4); index.add(x)
+s, i = index.search(q, 7)
+rs, ri = retrieval.exact_reference(q, x, 7)
+assert index._blocks().sharding.spec[0] == "db", index._blocks().sharding
+np.testing.assert_array_equal(i, ri); np.testing.assert_array_equal(s, rs)
+print("SHARDED OK")
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_blocked_top_k_is_jittable_and_skips_padding():
+    import jax
+    import jax.numpy as jnp
+    x, q = _ties(n=100)
+    blocks = np.zeros((2, 64, 8), np.float32)
+    blocks.reshape(128, 8)[:100] = x
+    blocks.reshape(128, 8)[100:] = 50.0  # padding rows that would win every query
+    s, i = jax.jit(lambda q, b: retrieval.blocked_top_k(q, b, 100, 5, group=4))(jnp.asarray(q), blocks)
+    rs, ri = retrieval.exact_reference(q, x, 5)
+    np.testing.assert_array_equal(np.asarray(i), ri)
+
+
+def _floats(n=2000, q=31, d=16, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, d)).astype(np.float32), rng.standard_normal((q, d)).astype(np.float32)
+
+
+def test_faiss_flat_equals_exact():
+    x, q = _floats()
+    got = retrieval.make("faiss_flat", 16)
+    got.add(x)
+    s, i = got.search(q, 10)
+    rs, ri = retrieval.exact_reference(q, x, 10)
+    np.testing.assert_array_equal(i, ri)
+    np.testing.assert_allclose(s, rs, rtol=1e-5, atol=1e-5)
+
+
+def test_ivf_scanning_every_chunk_is_exact_and_fewer_probes_trade_recall():
+    x, q = _floats()
+    ivf = retrieval.make("ivf", 16, lists=16, nprobe=1000, iters=4, query_block=8)
+    ivf.add(x)
+    s, i = ivf.search(q, 10)
+    rs, ri = retrieval.exact_reference(q, x, 10)
+    np.testing.assert_array_equal(i, ri)
+    np.testing.assert_allclose(s, rs, rtol=1e-5, atol=1e-5)
+    ivf.options["nprobe"] = 2
+    _, i2 = ivf.search(q, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(i2, ri)])
+    assert 0.0 < recall < 1.0
+    # vectors added after training join their nearest cell and are found
+    ivf.options["nprobe"] = 1000
+    ivf.add(q * 10)
+    _, i3 = ivf.search(q, 3)
+    np.testing.assert_array_equal(i3, retrieval.exact_reference(q, np.concatenate([x, q * 10]), 3)[1])
+    assert np.all(i3[:, 0] >= len(x))
+
+
+@pytest.mark.parametrize("name", retrieval.names())
+def test_save_load_round_trip(name, tmp_path):
+    x, q = _floats(n=1500)
+    index = retrieval.make(name, 16)
+    index.add(x)
+    s, i = index.search(q, 5)
+    index.save(str(tmp_path / name))
+    back = retrieval.load(str(tmp_path / name), dim=16)
+    assert type(back) is type(index) and len(back) == len(x)
+    s2, i2 = back.search(q, 5)
+    np.testing.assert_array_equal(i2, i)
+    np.testing.assert_allclose(s2, s, rtol=1e-6)
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    x, q = _floats(n=50)
+    index = retrieval.make("exact", 16)
+    index.add(x)
+    with pytest.raises(RetrievalError, match=r"shape \(31, 8\).*dimension 16"):
+        index.search(q[:, :8], 3)
+    with pytest.raises(RetrievalError, match="k=51 is larger than the 50 vectors"):
+        index.search(q, 51)
+    with pytest.raises(RetrievalError, match="NaN"):
+        index.add(np.full((2, 16), np.nan))
+    folder = index.save(str(tmp_path / "idx"))
+    with pytest.raises(RetrievalError, match="dimension 16, but dimension 32 was asked for"):
+        retrieval.load(folder, dim=32)
+    header = json.load(open(os.path.join(folder, "index.json")))
+    header["version"] = 0
+    json.dump(header, open(os.path.join(folder, "index.json"), "w"))
+    with pytest.raises(RetrievalError, match="version 0.*rebuild the index"):
+        retrieval.load(folder)
+    with pytest.raises(RetrievalError, match="no index.json"):
+        retrieval.load(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown index 'annoy'"):
+        retrieval.make("annoy", 16)
+
+
+def test_l2_through_mips_augmentation_is_exact():
+    x, q = _floats(n=300)
+    index = retrieval.make("exact", 17, block=64)
+    index.add(knnlm.augment_keys(x))
+    s, i = index.search(knnlm.augment_queries(q), 4)
+    d_QN = ((q[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_array_equal(i, np.argsort(d_QN, axis=1, kind="stable")[:, :4])
+    np.testing.assert_allclose(np.sum(q * q, 1, keepdims=True) - s,
+                               np.take_along_axis(d_QN, i, 1), rtol=1e-4, atol=1e-3)
+
+
+def test_interpolation_formula_and_lambda_zero_is_the_lm():
+    nb = knnlm.Neighbours(lm_logp=np.log(np.array([0.5, 0.1])),
+                          dist=np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 5.0]]),
+                          hit=np.array([[True, False, True], [False, False, False]]))
+    w = np.exp(-np.array([1.0, 2.0, 3.0]) / 2.0)
+    p_knn = (w[0] + w[2]) / w.sum()
+    got = knnlm.interpolate(nb, k=3, temperature=2.0, lam=0.25)
+    np.testing.assert_allclose(np.exp(got), [0.25 * p_knn + 0.75 * 0.5, 0.75 * 0.1], rtol=1e-12)
+    np.testing.assert_array_equal(knnlm.interpolate(nb, k=2, temperature=2.0, lam=0.0), nb.lm_logp)
+    with pytest.raises(RetrievalError, match="lambda=1.5"):
+        knnlm.interpolate(nb, k=2, temperature=1.0, lam=1.5)
+
+
+def _tiny_lm():
+    """A random-init 1-block LM over a 40-token vocabulary and synthetic documents."""
+    import dataclasses
+
+    import flax.linen as nn
+    import jax
+    from hpnlp import models
+    from hpnlp.config import ModelConfig, default_configdict, from_configdict
+    from hpnlp.data.task import lm_chunks
+    cd = default_configdict()
+    cd.data.seq_len = 16
+    cfg = from_configdict(cd)
+    cfg = dataclasses.replace(cfg, model=ModelConfig(kind="lm", vocab_size=40, width=16, depth=1,
+                                                     num_heads=2, mlp_dim=32, max_len=16, dropout=0.0))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 40, n).astype(np.int32) for n in rng.integers(5, 60, 14)]
+    train, held = lm_chunks(docs[:10], 16), lm_chunks(docs[10:], 16)
+    model = models.build(cfg, deterministic=True)
+    batch = next(knnlm.ordered_batches(train, rows=2, seq_len=16))
+    params = nn.unbox(model.init(jax.random.key(0), batch)["params"])
+    return cfg, model, params, train, held
+
+
+def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path):
+    import jax
+    cfg, model, params, train, held = _tiny_lm()
+    L = cfg.data.seq_len
+    store = knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=L)
+    assert store.keys.dtype == np.float16 and len(store.keys) == int(np.sum(train.lengths - 1))
+    np.testing.assert_array_equal(store.values, np.concatenate(
+        [train.tokens[s + 1:s + n] for s, n in zip(train.starts, train.lengths)]))
+    index = store.index("exact")
+    nb = knnlm.neighbours(model, params, held, store, index, seq_len=L, k=8, rows=4)
+    # the LM part is the model's own evaluation of the same tokens
+    sums = {"loss": 0.0, "weight": 0.0}
+    for batch in knnlm.ordered_batches(held, rows=4, seq_len=L):
+        got = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate"))(params, batch)
+        sums = {k: sums[k] + float(got[k]) for k in sums}
+    assert len(nb.lm_logp) == sums["weight"]
+    np.testing.assert_allclose(-nb.lm_logp.sum(), sums["loss"], rtol=1e-5)
+    np.testing.assert_array_equal(knnlm.interpolate(nb, k=8, temperature=10.0, lam=0.0), nb.lm_logp)
+    assert np.all(np.diff(nb.dist, axis=1) >= -1e-3)  # nearest first
+    # a training chunk's own contexts find themselves (distance ~0, the true next token)
+    nb_train = knnlm.neighbours(model, params, train, store, index, seq_len=L, k=1, rows=4, select=[0])
+    assert nb_train.hit[:, 0].mean() > 0.9 and nb_train.dist[:, 0].max() < 1e-2
+    best = knnlm.tune(nb, {"k": (1, 8), "temperature": (1.0, 10.0), "lam": (0.0, 0.5)})
+    assert best["ppl"] <= knnlm.perplexity(nb.lm_logp) + 1e-9  # lambda 0 is on the grid
+    # a datastore from another model is refused
+    other = jax.tree.map(lambda p: p + 1.0, params)
+    with pytest.raises(RetrievalError, match="built by another model"):
+        knnlm.Datastore.open(str(tmp_path / "ds"), params=other)
+    with pytest.raises(RetrievalError, match="no datastore.json"):
+        knnlm.Datastore.open(str(tmp_path / "nothing"))
