@@ -122,7 +122,8 @@ class ScaNN(Index):
     """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product.
     Built on the first search from everything added (ScaNN indexes are not incremental).
     Options: `leaves` (0: 2 sqrt(N)), `leaves_to_search`, `reorder` candidates rescored
-    exactly."""
+    exactly (on the LM's context vectors, which are far from unit norm, recall@10 is set by
+    `reorder`: 0.46 at 100, 0.96 at 1000 on 20K of them, whatever the leaves searched)."""
 
     def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100):
         super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder)

@@ -225,8 +225,8 @@ def perplexity(logp_T) -> float:
     return float(np.exp(-np.mean(np.asarray(logp_T, np.float64))))
 
 
-GRID = {"k": (8, 16, 32, 64), "temperature": (1.0, 3.0, 10.0, 30.0, 100.0),
-        "lam": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5)}
+GRID = {"k": (8, 16, 32, 64), "temperature": (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0),
+        "lam": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)}
 
 
 def tune(nb: Neighbours, grid: dict = GRID) -> dict:
