@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hpnlp.retrieval.base import Index, register
+from hpnlp.retrieval.base import Index, RetrievalError, register
 
 
 def exact_reference(q_QD, x_ND, k: int):
@@ -110,7 +110,6 @@ class ExactIndex(Index):
         super().__init__(dim, block=block, group=group, query_block=query_block, shards=shards,
                          dtype=dtype)
         if shards > len(jax.devices()):
-            from hpnlp.retrieval.base import RetrievalError
             raise RetrievalError(f"shards={shards} but only {len(jax.devices())} devices are visible; "
                                  "use shards <= jax.device_count()")
         self._host: list[np.ndarray] = []
