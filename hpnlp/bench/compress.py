@@ -48,6 +48,7 @@ least 1.6x faster than the teacher (`structured_half_params_speedup`,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -509,9 +510,6 @@ def _plot(p: dict, out_dir: str) -> None:
 
 
 def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -> dict:
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise ValueError(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
     s = SIZES["quick" if quick else "full"]
     makers = {"distill": distill_rows, "prune": prune_rows, "structured": structured_rows,
               "lowrank": lowrank_rows, "pipeline": pipeline_rows}
@@ -519,11 +517,8 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                "machine": harness.machine_info(), "seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         wd = workdir or tmp
-        for part in PARTS:
-            t0 = time.perf_counter()
-            payload[part] = makers[part](s, wd) if part in parts else []
-            if part in parts:
-                payload["seconds"][part] = time.perf_counter() - t0
+        harness.run_parts(payload, {name: functools.partial(make, s, wd) for name, make in makers.items()},
+                          parts)
         t0 = time.perf_counter()
         teachers = {m: os.path.abspath(os.path.join(wd, f"{m.replace(' ', '_')}_teacher"))
                     for m in MODELS}
@@ -537,9 +532,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--workdir", default=None, help="keep the runs' workdirs here")
+    harness.add_parts_arguments(p, PARTS, workdir_help="keep the runs' workdirs here")
 
 
-def main(args) -> dict:
-    return run(args.out, quick=args.quick, parts=tuple(args.parts.split(",")), workdir=args.workdir)
+main = harness.parts_main(run)

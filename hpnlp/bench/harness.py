@@ -356,3 +356,33 @@ def fit_exponent(xs, ys) -> float | None:
         return None
     lx, ly = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
     return float(np.polyfit(lx, ly, 1)[0])
+
+
+# ------------------------------------------------------------------ benches made of parts
+
+def add_parts_arguments(p, parts, *, workdir_help: str) -> None:
+    """`--parts` (a comma list of `parts`, all by default) and `--workdir` (runs kept and
+    reused there) for a bench made of parts."""
+    p.add_argument("--parts", default=",".join(parts), help=f"comma list of {', '.join(parts)}")
+    p.add_argument("--workdir", default=None, help=workdir_help)
+
+
+def parts_main(run):
+    """`main(args)` of a bench whose `run(out, *, quick, parts, workdir)` takes those flags."""
+    return lambda args: run(args.out, quick=args.quick, parts=tuple(args.parts.split(",")),
+                            workdir=args.workdir)
+
+
+def run_parts(payload: dict, makers: dict, parts) -> None:
+    """`payload[name] = makers[name]()` for each part asked for (in `makers`' order; [] for
+    the rest), its seconds in `payload["seconds"]`; an unknown part fails first."""
+    unknown = sorted(set(parts) - set(makers))
+    if unknown:
+        raise ValueError(f"--parts: unknown {unknown}; choose from {list(makers)}")
+    for name, make in makers.items():
+        if name not in parts:
+            payload[name] = []
+            continue
+        t0 = time.perf_counter()
+        payload[name] = make()
+        payload.setdefault("seconds", {})[name] = time.perf_counter() - t0

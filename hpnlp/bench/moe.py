@@ -35,7 +35,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -380,20 +379,12 @@ def _plot(p: dict, out_dir: str) -> None:
 
 
 def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -> dict:
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise ValueError(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
     s = SIZES["quick" if quick else "full"]
     payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                "layer_shape": LAYER, "machine": harness.machine_info(), "seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        makers = {"lm": lambda: lm_rows(s, workdir or tmp), "layer": lambda: layer_rows(s),
-                  "parallel": parallel_rows}
-        for part in PARTS:
-            t0 = time.perf_counter()
-            payload[part] = makers[part]() if part in parts else []
-            if part in parts:
-                payload["seconds"][part] = time.perf_counter() - t0
+        harness.run_parts(payload, {"lm": lambda: lm_rows(s, workdir or tmp),
+                                    "layer": lambda: layer_rows(s), "parallel": parallel_rows}, parts)
     payload["targets"] = _targets(payload)
     report.write(out_dir, "moe", payload, _markdown(payload))
     _plot(payload, out_dir)
@@ -401,9 +392,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--workdir", default=None, help="keep the LM runs' workdirs here (reused)")
+    harness.add_parts_arguments(p, PARTS, workdir_help="keep the LM runs' workdirs here (reused)")
 
 
-def main(args) -> dict:
-    return run(args.out, quick=args.quick, parts=tuple(args.parts.split(",")), workdir=args.workdir)
+main = harness.parts_main(run)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from hpnlp.bench import harness, report
 
-PARTS = ("knnlm", "search")
+PARTS = ("knnlm", "search")  # in the order they run
 SIZES = {
     "full": dict(lm_steps=None, databases=(100_000, 1_000_000), queries=2000, repeats=2,
                  knn_tokens={"bytes": 32_000, "words": 40_000}, datastore_tokens=0,
@@ -90,10 +90,7 @@ def _vectors(s: dict, workdir: str):
     run = _trained(s, "bytes", workdir)
     folder = os.path.join(workdir, "datastore_bytes")
     cfg, model, params, task, _ = knnlm.load_lm(run)
-    if os.path.isfile(os.path.join(folder, knnlm.DATASTORE)):
-        store = knnlm.Datastore.open(folder, params=params)
-    else:
-        store = knnlm.build_datastore(model, params, task.train, folder, seq_len=cfg.data.seq_len)
+    store, _ = knnlm.datastore_for(model, params, task.train, folder, seq_len=cfg.data.seq_len)
     n = min(max(s["databases"]), len(store.keys))
     rng = np.random.default_rng(0)
     x = np.asarray(store.keys[np.sort(rng.choice(len(store.keys), n, replace=False))], np.float32)
@@ -123,10 +120,10 @@ def _recall(ids, truth) -> float:
     return float(np.mean([len(set(a) & set(b)) / truth.shape[1] for a, b in zip(ids, truth)]))
 
 
-def search_rows(s: dict, workdir: str) -> tuple[list[dict], dict]:
+def search_rows(s: dict, workdir: str) -> list[dict]:
     from hpnlp import retrieval
     x_all, q = _vectors(s, workdir)
-    rows, rates = [], {}
+    rows = []
     for n in tqdm(s["databases"], desc="databases", leave=False):
         x = x_all[:n]
         rate = harness.matmul_rate(min_time_s=0.5)
@@ -137,7 +134,6 @@ def search_rows(s: dict, workdir: str) -> tuple[list[dict], dict]:
         build = time.perf_counter() - t0
         (_, truth), t_exact = _timed_search(exact, q, K, s["repeats"])
         rate = max(rate, harness.matmul_rate(min_time_s=0.5))
-        rates[n] = rate
         flops = 2.0 * n * x.shape[1] * len(q)
         rows.append({"n": n, "index": "exact", "knob": None, "value": None, "build_s": build,
                      "qps": len(q) / t_exact, "recall": 1.0, "gflops": flops / t_exact / 1e9,
@@ -164,7 +160,7 @@ def search_rows(s: dict, workdir: str) -> tuple[list[dict], dict]:
                 rows.append({"n": n, "index": name, "knob": knob, "value": v, "build_s": build,
                              "qps": len(q) / t, "recall": _recall(ids, truth)})
             del index
-    return rows, rates
+    return rows
 
 
 def _targets(p: dict) -> dict:
@@ -242,25 +238,13 @@ def _plot(p: dict, out_dir: str) -> None:
 
 
 def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -> dict:
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise ValueError(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
     s = SIZES["quick" if quick else "full"]
     payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                "machine": harness.machine_info(), "seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         wd = workdir or tmp
-        for part in PARTS:
-            t0 = time.perf_counter()
-            if part not in parts:
-                payload[part] = []
-            elif part == "knnlm":
-                payload[part] = knnlm_rows(s, wd)
-            else:
-                payload[part], rates = search_rows(s, wd)
-                payload["matmul_gflops"] = {str(k): v for k, v in rates.items()}
-            if part in parts:
-                payload["seconds"][part] = time.perf_counter() - t0
+        harness.run_parts(payload, {"knnlm": lambda: knnlm_rows(s, wd),
+                                    "search": lambda: search_rows(s, wd)}, parts)
     payload["targets"] = _targets(payload)
     report.write(out_dir, "retrieval", payload, _markdown(payload))
     _plot(payload, out_dir)
@@ -268,9 +252,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--workdir", default=None, help="keep the LMs and datastores here (reused)")
+    harness.add_parts_arguments(p, PARTS, workdir_help="keep the LMs and datastores here (reused)")
 
 
-def main(args) -> dict:
-    return run(args.out, quick=args.quick, parts=tuple(args.parts.split(",")), workdir=args.workdir)
+main = harness.parts_main(run)

@@ -16,6 +16,7 @@ Shape letters: N database vectors, Q queries, D dimension, K results per query.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 from typing import Any
@@ -41,16 +42,14 @@ class RetrievalError(ValueError):
     naming what was wrong and the fix."""
 
 
-class Index:
+class Index(abc.ABC):
     """Base class: dimension and count checks, the header, `save`.
 
-    Subclasses implement `_add(X_NxD float32)`, `_search(Q_QxD float32, k)`, `_arrays()`
-    (what `save` writes, a dict of numpy arrays, or `_save_files(folder)` for a library's
-    own file) and `_restore(folder, header)`.
+    Subclasses implement `_add(X_NxD float32)`, `_search(Q_QxD float32, k)`,
+    `_save_files(folder)` (everything but the header) and `_restore(folder, header)`.
     """
 
     registry_name = "index"
-    exact = False  # True where results equal brute force (ties included)
 
     def __init__(self, dim: int, **options: Any):
         if int(dim) <= 0:
@@ -118,20 +117,54 @@ class Index:
         os.replace(tmp, os.path.join(folder, HEADER))
         return folder
 
+    @abc.abstractmethod
+    def _save_files(self, folder: str) -> None: ...
+
+    @abc.abstractmethod
+    def _restore(self, folder: str, header: dict) -> None: ...
+
+    @abc.abstractmethod
+    def _add(self, x_ND: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def _search(self, q_QD: np.ndarray, k: int): ...
+
+
+class HostIndex(Index):
+    """An index that keeps the added vectors on the host and builds what it searches from
+    them on demand (`vectors()`); `_stale(x_ND)` is told of every add. Saved as
+    `arrays.npz`: the vectors and whatever `_arrays()` adds; `_restored(npz)` reads those."""
+
+    def __init__(self, dim: int, **options: Any):
+        super().__init__(dim, **options)
+        self._host: list[np.ndarray] = []
+
+    def _add(self, x_ND):
+        self._host.append(x_ND)
+        self._stale(x_ND)
+
+    def _stale(self, x_ND) -> None:
+        """Called after `x_ND` was appended: drop (or extend) what was built."""
+
+    def vectors(self) -> np.ndarray:
+        """All vectors [N, D] in id order."""
+        if len(self._host) > 1:
+            self._host = [np.concatenate(self._host)]
+        return self._host[0] if self._host else np.zeros((0, self.dim), np.float32)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"vectors": self.vectors()}
+
     def _save_files(self, folder: str) -> None:
         np.savez(os.path.join(folder, "arrays.npz"), **self._arrays())
 
-    def _arrays(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
     def _restore(self, folder: str, header: dict) -> None:
-        raise NotImplementedError
+        with np.load(os.path.join(folder, "arrays.npz")) as f:
+            self._host = [f["vectors"]]
+            self._restored(f)
 
-    def _add(self, x_ND: np.ndarray) -> None:
-        raise NotImplementedError
-
-    def _search(self, q_QD: np.ndarray, k: int):
-        raise NotImplementedError
+    def _restored(self, npz) -> None:
+        """Read what `_arrays` added to the vectors."""
 
 
 def read_header(folder: str, *, dim: int | None = None, kind: str | None = None) -> dict:

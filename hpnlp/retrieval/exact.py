@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hpnlp.retrieval.base import Index, RetrievalError, register
+from hpnlp.retrieval.base import HostIndex, RetrievalError, register
 
 
 def exact_reference(q_QD, x_ND, k: int):
@@ -94,7 +94,7 @@ def _pad_rows(n: int, chunk: int) -> int:
 
 
 @register("exact")
-class ExactIndex(Index):
+class ExactIndex(HostIndex):
     """Exact MIPS by blocked products (see the module docstring).
 
     Options: `block` database rows per step (default 16384), `group` scores per group of the
@@ -103,8 +103,6 @@ class ExactIndex(Index):
     "float16"; the products accumulate in float32).
     """
 
-    exact = True
-
     def __init__(self, dim: int, *, block: int = 16384, group: int = 32, query_block: int = 1024,
                  shards: int = 1, dtype: str = "float32"):
         super().__init__(dim, block=block, group=group, query_block=query_block, shards=shards,
@@ -112,18 +110,10 @@ class ExactIndex(Index):
         if shards > len(jax.devices()):
             raise RetrievalError(f"shards={shards} but only {len(jax.devices())} devices are visible; "
                                  "use shards <= jax.device_count()")
-        self._host: list[np.ndarray] = []
         self._device = None  # [n, B, D] padded blocks, built on the first search after an add
 
-    def _add(self, x_ND):
-        self._host.append(x_ND)
+    def _stale(self, x_ND):
         self._device = None
-
-    def vectors(self) -> np.ndarray:
-        """All vectors [N, D] in id order (host copy)."""
-        if len(self._host) > 1:
-            self._host = [np.concatenate(self._host)]
-        return self._host[0] if self._host else np.zeros((0, self.dim), np.float32)
 
     def _blocks(self):
         if self._device is None:
@@ -153,14 +143,6 @@ class ExactIndex(Index):
         group = max(1, min(o["group"], x_nBD.shape[1] // (8 * k)))
         s, i = _search_fn(k, group, qb, o["shards"])(jnp.asarray(q), x_nBD, self.count)
         return np.asarray(s)[:nq], np.asarray(i)[:nq]
-
-    def _arrays(self):
-        return {"vectors": self.vectors()}
-
-    def _restore(self, folder, header):
-        import os
-        with np.load(os.path.join(folder, "arrays.npz")) as f:
-            self._host = [f["vectors"]]
 
 
 @functools.lru_cache(maxsize=None)

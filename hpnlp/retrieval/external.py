@@ -6,11 +6,12 @@ when its library is missing; building one then says what to install.
 
 from __future__ import annotations
 
+import abc
 import os
 
 import numpy as np
 
-from hpnlp.retrieval.base import Index, RetrievalError, register
+from hpnlp.retrieval.base import HostIndex, Index, RetrievalError, register
 
 
 def _import(module: str, package: str):
@@ -41,8 +42,9 @@ class _Faiss(Index):
         self.faiss = _import("faiss", "faiss-cpu")
         self.index = self._build()
 
+    @abc.abstractmethod
     def _build(self):
-        raise NotImplementedError
+        """The faiss index for `self.options` (None: made at the first add)."""
 
     def _add(self, x_ND):
         if not self.index.is_trained:
@@ -118,7 +120,7 @@ class FaissHNSW(_Faiss):
 
 
 @register("scann")
-class ScaNN(Index):
+class ScaNN(HostIndex):
     """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product.
     Built on the first search from everything added (ScaNN indexes are not incremental).
     Options: `leaves` (0: 2 sqrt(N)), `leaves_to_search`, `reorder` candidates rescored
@@ -128,16 +130,13 @@ class ScaNN(Index):
     def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100):
         super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder)
         self.scann = _import("scann", "scann")
-        self._host: list[np.ndarray] = []
         self.searcher = None
 
-    def _add(self, x_ND):
-        self._host.append(x_ND)
+    def _stale(self, x_ND):
         self.searcher = None
 
     def _build(self):
-        x = np.concatenate(self._host) if len(self._host) > 1 else self._host[0]
-        self._host = [x]
+        x = self.vectors()
         o = self.options
         leaves = o["leaves"] or int(max(1, min(len(x) // 100, round(2 * np.sqrt(len(x))))))
         o["leaves"] = leaves
@@ -157,11 +156,14 @@ class ScaNN(Index):
         return scores, ids
 
     def _save_files(self, folder):
+        """The vectors (so that a reloaded index can take more) and the built searcher."""
         if self.searcher is None:
             self._build()
+        super()._save_files(folder)
         path = os.path.join(folder, "scann")
         os.makedirs(path, exist_ok=True)
         self.searcher.serialize(path)
 
     def _restore(self, folder, header):
+        super()._restore(folder, header)
         self.searcher = self.scann.scann_ops_pybind.load_searcher(os.path.join(folder, "scann"))

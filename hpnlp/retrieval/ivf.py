@@ -19,13 +19,12 @@ P probes, K results.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.retrieval.base import Index, RetrievalError, register
+from hpnlp.retrieval.base import HostIndex, RetrievalError, register
 
 
 def _nearest(x_ND, c_CD, block: int = 16384):
@@ -87,7 +86,7 @@ def _search_fn(k: int, nprobe: int, query_block: int):
 
 
 @register("ivf")
-class IVFIndex(Index):
+class IVFIndex(HostIndex):
     """Inverted file over k-means cells (see the module docstring).
 
     Options: `lists` k-means cells (default: about 4 sqrt(N), set on the first search),
@@ -101,18 +100,11 @@ class IVFIndex(Index):
                  iters: int = 15, query_block: int = 32, dtype: str = "float32", seed: int = 0):
         super().__init__(dim, lists=lists, nprobe=nprobe, chunk=chunk, iters=iters,
                          query_block=query_block, dtype=dtype, seed=seed)
-        self._host: list[np.ndarray] = []
         self.centroids = None  # [C, D]
         self._cell = np.zeros((0,), np.int32)  # [N] cell of every vector
         self._device = None
 
-    def vectors(self) -> np.ndarray:
-        if len(self._host) > 1:
-            self._host = [np.concatenate(self._host)]
-        return self._host[0] if self._host else np.zeros((0, self.dim), np.float32)
-
-    def _add(self, x_ND):
-        self._host.append(x_ND)
+    def _stale(self, x_ND):
         if self.centroids is not None:
             self._cell = np.concatenate([self._cell, np.asarray(
                 _nearest(jnp.asarray(x_ND), jnp.asarray(self.centroids)), np.int32)])
@@ -173,8 +165,7 @@ class IVFIndex(Index):
     def _arrays(self):
         if self.centroids is None:
             self.train()
-        return {"vectors": self.vectors(), "centroids": self.centroids, "cell": self._cell}
+        return {**super()._arrays(), "centroids": self.centroids, "cell": self._cell}
 
-    def _restore(self, folder, header):
-        with np.load(os.path.join(folder, "arrays.npz")) as f:
-            self._host, self.centroids, self._cell = [f["vectors"]], f["centroids"], f["cell"]
+    def _restored(self, npz):
+        self.centroids, self._cell = npz["centroids"], npz["cell"]

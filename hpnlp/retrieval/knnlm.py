@@ -23,6 +23,7 @@ Shape letters: N datastore entries, E key width, T held-out tokens, K neighbours
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -58,8 +59,10 @@ def ordered_batches(ex, *, rows: int, seq_len: int, select=None):
         yield {"inputs": inputs, "targets": targets, "segment_ids": seg, "positions": pos}
 
 
+@functools.lru_cache(maxsize=8)
 def _forward(model):
-    """Jitted (params, batch) -> (hidden [B, L, E] float32, log p(target) [B, L])."""
+    """Jitted (params, batch) -> (hidden [B, L, E] float32, log p(target) [B, L]); one per
+    model, so the datastore and both held-out halves share its compile."""
     def run(module, batch):
         h_BLE = module.hidden(batch)
         logp_BLV = module.output.log_prob(h_BLE)
@@ -116,6 +119,14 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     with open(os.path.join(folder, DATASTORE), "w") as f:
         json.dump(header, f, indent=1)
     return Datastore.open(folder)
+
+
+def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | None = None):
+    """(datastore, built): the one in `folder` if this model built it (another model's is
+    refused), else a new one of split `ex`."""
+    if os.path.isfile(os.path.join(folder, DATASTORE)):
+        return Datastore.open(folder, params=params), False
+    return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta), True
 
 
 @dataclasses.dataclass
@@ -250,8 +261,6 @@ def split_halves(n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
     return idx[0::2], idx[1::2]
 
 
-def take(nb: Neighbours, rows) -> Neighbours:
-    return Neighbours(nb.lm_logp[rows], nb.dist[rows], nb.hit[rows], nb.search_s, nb.lm_s)
 
 
 # -- a trained run, end to end ---------------------------------------------------------------
@@ -289,17 +298,12 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     L = cfg.data.seq_len
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()
-    if os.path.isfile(os.path.join(datastore, DATASTORE)):
-        store = Datastore.open(datastore, params=params)
-        built = False
-    else:
-        train = task.train
-        if max_datastore_tokens:
-            from hpnlp.data.task import Examples
-            n = int(np.searchsorted(np.cumsum(train.lengths - 1), max_datastore_tokens)) + 1
-            train = Examples(train.tokens, train.starts[:n], train.lengths[:n])
-        store = build_datastore(model, params, train, datastore, seq_len=L, meta=meta)
-        built = True
+    train = task.train
+    if max_datastore_tokens:
+        from hpnlp.data.task import Examples
+        n = int(np.searchsorted(np.cumsum(train.lengths - 1), max_datastore_tokens)) + 1
+        train = Examples(train.tokens, train.starts[:n], train.lengths[:n])
+    store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta)
     t_store = time.perf_counter() - t0
     t0 = time.perf_counter()
     idx = store.index(index, metric=metric, **(index_options or {}))
