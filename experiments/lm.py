@@ -6,11 +6,14 @@ The default experiment (README's first command) is the byte-level one:
     python -m hpnlp.main --config experiments/lm.py:words --workdir /tmp/hpnlp/lm_words
     python -m hpnlp.main --config experiments/lm.py:bytes,local --workdir /tmp/hpnlp/smoke  # ~30 s
     python -m hpnlp.main --config experiments/lm.py:bytes,moe --workdir /tmp/hpnlp/lm_moe
+    python -m hpnlp.main --config experiments/lm.py:bytes,compressive --workdir /tmp/hpnlp/lm_comp
 
 Arguments (comma separated): `bytes` | `words` picks the tokenization; `moe` makes every
 block's MLP a Switch mixture of 8 experts of the same width (hpnlp.moe: 8x the MLP
-parameters, the same compute per token); `local` shrinks the run to a quick smoke test
-(big_vision's `runlocal`).
+parameters, the same compute per token); `compressive` makes it a Compressive Transformer
+(Rae et al. 2020: Transformer-XL on stream batches whose evicted memory is compressed 4 to 1
+by a learned convolution into a second memory, models/transformer_xl.py); `local` shrinks
+the run to a quick smoke test (big_vision's `runlocal`).
 """
 
 from hpnlp.config import default_configdict
@@ -58,6 +61,16 @@ def get_config(arg: str = "bytes"):
         cfg.model.moe.capacity_factor = 1.25
         cfg.model.moe.balance_loss = 0.01
         cfg.model.moe.z_loss = 0.001
+
+    if "compressive" in args:  # Rae et al. 2020, at this size
+        cfg.name += "_compressive"
+        cfg.model.arch = "transformer_xl"  # relative positions, segment memory
+        cfg.data.batching = "stream"  # row b of each batch continues row b of the last one
+        cfg.model.mem_len = 128  # memory: the previous segment's layer inputs
+        cfg.model.comp_mem_len = 128  # compressed slots: 4 x 128 = 512 more tokens back
+        cfg.model.comp_rate = 4  # divides data.seq_len and mem_len
+        cfg.model.comp_fn = "conv"  # learned, trained by the attention-reconstruction loss only
+        cfg.model.comp_loss_weight = 1.0
 
     if "local" in args:
         cfg.train.steps = 60

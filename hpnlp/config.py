@@ -179,10 +179,57 @@ class MoEConfig:
         return self.mlp_dim or m.mlp_dim
 
 
+ENCODER_LOSSES = ("in_batch", "triplet")  # hpnlp.models.bi_encoder
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """The bi-encoder (`model.kind = "bi_encoder"`, hpnlp.models.bi_encoder; `model.encoder.*`):
+    texts embedded to unit vectors, trained to bring each pair's two sides together."""
+
+    # "in_batch": softmax over the batch's other sides (and mined negatives) at `temperature`,
+    # both directions averaged when `symmetric` | "triplet": max(0, margin + s(q, neg) - s(q, pos))
+    # with neg the mined negative, or the hardest in-batch one when nothing is mined
+    loss: str = "in_batch"
+    temperature: float = 0.05
+    symmetric: bool = True
+    margin: float = 0.2
+    bag: str = "mean"  # model.arch = "bag" (StarSpace-style bag of embeddings): "mean" | "sum"
+    # Hard negatives mined from the whole train pool with hpnlp.retrieval's exact search every
+    # `mine_every` steps (0: none), one per pair drawn from its `mine_depth` nearest non-positives.
+    mine_every: int = 0
+    mine_depth: int = 10
+
+
+MEMORY_PREDICTIONS = ("memory", "head")  # what model.memory.predict may score as `accuracy`
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """The classifier's key-value memory with ages (Kaiser et al. 2017, "Learning to Remember
+    Rare Events"; hpnlp.retrieval.memory; `model.memory.*`): a normalized projection of the
+    pooled encoding queries S (key, label) slots, trained with the margin loss beside the
+    head's, the memory updated every step by the paper's rule and kept in the train state."""
+
+    size: int = 0  # S slots; 0 = off
+    key_dim: int = 64  # width of the keys and queries
+    k: int = 16  # nearest keys the margin loss looks at (the paper's choose_k; <= size)
+    margin: float = 0.1  # the margin loss's alpha
+    loss_weight: float = 1.0  # the margin loss's weight beside the head's cross-entropy
+    # What `correct` (so `accuracy`) scores: "memory" (the nearest key's value, the paper's
+    # prediction) | "head" (the softmax head); both are reported as accuracy_memory and
+    # accuracy_head
+    predict: str = "memory"
+
+    def enabled(self) -> bool:
+        return self.size > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "lm"  # "lm" | "classifier" | "dual_encoder"
+    kind: str = "lm"  # "lm" | "classifier" | "dual_encoder" | "bi_encoder"
     # "transformer" | "transformer_xl" (see `mem_len`) | "lstm" | "gru" (recurrent: see `cfg.rnn`)
+    # | "bag" (bi_encoder only: a bag of embeddings, `encoder.bag`)
     arch: str = "transformer"
     width: int = 128  # d_model
     depth: int = 2  # number of Transformer blocks
@@ -213,6 +260,15 @@ class ModelConfig:
     # Transformer-XL (model.arch = "transformer_xl", models/transformer_xl.py): positions of
     # the previous segment(s) each layer keeps as memory; 0: = data.seq_len.
     mem_len: int = 0
+    # Compressive Transformer (Rae et al. 2020, same file): slots of a second, compressed memory
+    # per layer (0: off, plain Transformer-XL; needs data.batching = "stream"). The positions
+    # each segment pushes out of the memory are compressed `comp_rate` to a slot by `comp_fn`
+    # ("pool": strided mean | "conv": a learned 1-D convolution, kernel = stride = comp_rate),
+    # which only the attention-reconstruction loss trains, weighted `comp_loss_weight`.
+    comp_mem_len: int = 0
+    comp_rate: int = 3  # must divide data.seq_len and the memory length
+    comp_fn: str = "conv"
+    comp_loss_weight: float = 1.0
     # Filled from the task by `validate` when left at 0.
     vocab_size: int = 0
     num_classes: int = 0
@@ -220,6 +276,14 @@ class ModelConfig:
     quant: QuantConfig = QuantConfig()
     lowrank: LowRankConfig = LowRankConfig()  # `model.lowrank.*`: factorized products
     moe: MoEConfig = MoEConfig()  # `model.moe.*`: mixture-of-experts MLPs (hpnlp.moe)
+    memory: MemoryConfig = MemoryConfig()  # `model.memory.*`: the classifier's key-value memory
+    encoder: EncoderConfig = EncoderConfig()  # `model.encoder.*`: the bi-encoder's loss and mining
+    # Input-embedding gradients scaled per row by token frequency (rare ids get a stronger
+    # signal; models/transformer.py `scaled_take`): "none" | "batch" (PyTorch's
+    # `scale_grad_by_freq`: each row's gradient divided by its id's count in the batch) |
+    # "corpus" (a fixed table: divided by the id's expected count in a batch, from the task's
+    # train counts, at least 1)
+    embed_grad_scale: str = "none"
 
     def dims_per_head(self) -> int:
         """D, each head's size: `head_dim`, or width / num_heads when it is 0."""
@@ -711,6 +775,72 @@ def _check_lowrank(cfg: Config) -> None:
                   "fine-tune) first, or set model.lowrank.rank=0")
 
 
+def _check_compressive(cfg: Config) -> None:
+    """`model.comp_*`: the Compressive Transformer's memory (models/transformer_xl.py)."""
+    m, d = cfg.model, cfg.data
+    if not isinstance(m.comp_mem_len, int) or m.comp_mem_len < 0:
+        _fail("model.comp_mem_len", m.comp_mem_len, "must be an integer >= 0 (0: no compressed memory)")
+    if not isinstance(m.comp_rate, int) or m.comp_rate < 1:
+        _fail("model.comp_rate", m.comp_rate, "must be an integer >= 1 (positions per compressed slot)")
+    _check_choice("model.comp_fn", m.comp_fn, ("pool", "conv"))
+    _check_positive("model.comp_loss_weight", m.comp_loss_weight, allow_zero=True)
+    if not m.comp_mem_len:
+        return
+    if m.arch != "transformer_xl":
+        _fail("model.comp_mem_len", m.comp_mem_len, f"the compressed memory extends Transformer-XL's; "
+              f"set model.arch='transformer_xl' (got {m.arch!r}) or model.comp_mem_len=0")
+    if d.batching != "stream":
+        _fail("data.batching", d.batching, "the compressed memory is carried from batch to batch; "
+              "set data.batching='stream' (or model.comp_mem_len=0)")
+    mem = m.mem_len or d.seq_len
+    for name, n in (("data.seq_len", d.seq_len), ("model.mem_len", mem)):
+        if n % m.comp_rate:
+            _fail("model.comp_rate", m.comp_rate, f"must divide {name}={n} (each segment compresses "
+                  "the positions it pushes out of the memory in whole groups); pick a divisor")
+
+
+def _check_encoder(cfg: Config) -> None:
+    """`model.encoder` (the bi-encoder, hpnlp.models.bi_encoder)."""
+    e, m = cfg.model.encoder, cfg.model
+    _check_choice("model.encoder.loss", e.loss, ENCODER_LOSSES)
+    _check_choice("model.encoder.bag", e.bag, ("mean", "sum"))
+    _check_positive("model.encoder.temperature", e.temperature)
+    _check_positive("model.encoder.margin", e.margin, allow_zero=True)
+    for name in ("mine_every", "mine_depth"):
+        if not isinstance(getattr(e, name), int) or getattr(e, name) < (name == "mine_depth"):
+            _fail(f"model.encoder.{name}", getattr(e, name),
+                  "must be an integer >= " + ("1" if name == "mine_depth" else "0 (0: no mining)"))
+    if e.mine_every and m.kind != "bi_encoder":
+        _fail("model.encoder.mine_every", e.mine_every, "hard negatives are mined for the "
+              "bi-encoder; set model.kind='bi_encoder' or model.encoder.mine_every=0")
+
+
+def _check_memory(cfg: Config) -> None:
+    """`model.memory` (hpnlp.retrieval.memory): fields, and what the memory combines with."""
+    mm, m, t = cfg.model.memory, cfg.model, cfg.train
+    if not isinstance(mm.size, int) or mm.size < 0:
+        _fail("model.memory.size", mm.size, "must be an integer >= 0 (0: no memory)")
+    if not mm.size:
+        return
+    if m.kind != "classifier":
+        _fail("model.memory.size", mm.size, f"the key-value memory answers with a class label, for "
+              f"model.kind='classifier' (this run has {m.kind!r}); set model.memory.size=0")
+    if not isinstance(mm.key_dim, int) or mm.key_dim < 1:
+        _fail("model.memory.key_dim", mm.key_dim, "must be an integer >= 1")
+    if not isinstance(mm.k, int) or not 1 <= mm.k <= mm.size:
+        _fail("model.memory.k", mm.k, f"must be an integer in [1, model.memory.size={mm.size}]")
+    _check_positive("model.memory.margin", mm.margin, allow_zero=True)
+    _check_positive("model.memory.loss_weight", mm.loss_weight, allow_zero=True)
+    _check_choice("model.memory.predict", mm.predict, MEMORY_PREDICTIONS)
+    if t.grad_accum != 1:
+        _fail("train.grad_accum", t.grad_accum, "the key-value memory is updated from each step's "
+              "whole batch, which microbatches would drop; set train.grad_accum=1 (or "
+              "model.memory.size=0)")
+    if t.distill.teacher:
+        _fail("train.distill.teacher", t.distill.teacher, "distillation and the key-value memory "
+              "both replace the model's loss; set model.memory.size=0 or train.distill.teacher=''")
+
+
 def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
     """`model.moe`: fields, the mesh's expert axis, what MoE combines with (hpnlp.moe)."""
     c, m, t, d = cfg.model.moe, cfg.model, cfg.train, cfg.data
@@ -922,7 +1052,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     from hpnlp import attention, softmax  # registries; imported late to avoid cycles
 
     m, t, d = cfg.model, cfg.train, cfg.data
-    _check_choice("model.kind", m.kind, ("lm", "classifier", "dual_encoder"))
+    _check_choice("model.kind", m.kind, ("lm", "classifier", "dual_encoder", "bi_encoder"))
     for name in ("width", "depth", "num_heads", "mlp_dim", "max_len"):
         _check_positive(f"model.{name}", getattr(m, name))
     if not isinstance(m.head_dim, int) or m.head_dim < 0:
@@ -949,7 +1079,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.reversible and m.remat != "none":
         _fail("model.remat", m.remat, "model.reversible=True already recomputes each block in the "
               "backward pass; set model.remat='none'")
-    _check_choice("model.arch", m.arch, ("transformer", "transformer_xl", "lstm", "gru"))
+    _check_choice("model.arch", m.arch, ("transformer", "transformer_xl", "lstm", "gru", "bag"))
+    if m.arch == "bag" and m.kind != "bi_encoder":
+        _fail("model.arch", m.arch, "a bag of embeddings has no sequence model, only the "
+              "bi-encoder pools one; set model.kind='bi_encoder' or another model.arch")
+    _check_choice("model.embed_grad_scale", m.embed_grad_scale, ("none", "batch", "corpus"))
+    _check_encoder(cfg)
     if not isinstance(m.mem_len, int) or m.mem_len < 0:
         _fail("model.mem_len", m.mem_len, "must be an integer >= 0 (0: = data.seq_len)")
     if m.arch == "transformer_xl":
@@ -962,6 +1097,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("train.grad_accum", t.grad_accum, "Transformer-XL on stream batches carries each "
                   "row's memory to the next step, which microbatches would break; set "
                   "train.grad_accum=1")
+    _check_compressive(cfg)
     if not isinstance(m.stack_layers, bool):
         _fail("model.stack_layers", m.stack_layers, "must be True or False")
     if m.stack_layers and m.arch != "transformer":
@@ -973,6 +1109,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_quant(m.quant, m)
     _check_compress(cfg)
     _check_lowrank(cfg)
+    _check_memory(cfg)
     r = cfg.rnn
     _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
     for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):
@@ -1048,7 +1185,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               f"every boundary must be in [1, data.seq_len={d.seq_len}]")
 
     info = dict(task_info) if task_info is not None else data_lib.task_info(d)
-    want_kind = {"lm": "lm", "classifier": "classify", "dual_encoder": "match"}[m.kind]
+    want_kind = {"lm": "lm", "classifier": "classify", "dual_encoder": "match",
+                 "bi_encoder": "match"}[m.kind]
     if info["kind"] != want_kind:
         kinds = {"lm": "lm", "classify": "classifier", "match": "dual_encoder"}
         _fail("model.kind", m.kind,

@@ -30,7 +30,9 @@ def test_default_experiments_validate():
     import importlib.util
     for path, arg in (("lm.py", "bytes"), ("lm.py", "words"), ("lm.py", "bytes,moe"), ("lra.py", "listops"),
                       ("lra.py", "text"), ("lra.py", "retrieval"), ("rnn_lm.py", ""),
-                      ("rnn_lm.py", "gru,layer_norm,variational,recurrent,zoneout,weight_drop")):
+                      ("rnn_lm.py", "gru,layer_norm,variational,recurrent,zoneout,weight_drop"),
+                      ("lm.py", "bytes,compressive"), ("encoder.py", ""), ("encoder.py", "bag,mine"),
+                      ("encoder.py", "lstm,triplet,batch_freq"), ("rare_events.py", "memory")):
         spec = importlib.util.spec_from_file_location("exp", os.path.join(ROOT, "experiments", path))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)

@@ -299,7 +299,7 @@ def test_task_info_agrees_with_make_task(text_file):
 KEYS = {
     "classify": {"inputs": np.int32, "segment_ids": np.int32, "label": np.int32, "weight": np.float32},
     "match": {"inputs1": np.int32, "segment_ids1": np.int32, "inputs2": np.int32,
-              "segment_ids2": np.int32, "label": np.int32, "weight": np.float32},
+              "segment_ids2": np.int32, "label": np.int32, "weight": np.float32, "index": np.int32},
     "lm": {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32},
 }
 

@@ -1,16 +1,27 @@
-"""`python -m hpnlp.bench retrieval`: maximum inner product search and the kNN-LM, every
-index against exact search in one run on this CPU.
+"""`python -m hpnlp.bench retrieval`: embedding models, maximum inner product search and the
+kNN-LM, every index against exact search in one run on this CPU.
 
-1. LMs and kNN-LM (`knnlm`): the default byte LM and word LM (experiments/lm.py) trained
+1. Bi-encoders (`encoder`): experiments/encoder.py on verse_pairs (a bag of bytes with and
+   without corpus-frequency gradient scaling; a Transformer with in-batch negatives, the
+   triplet loss and mined hard negatives), the same steps each; recall@1, recall@10
+   and MRR of every held-out verse searched among all held-out next verses.
+2. LMs and kNN-LM (`knnlm`): the default byte LM and word LM (experiments/lm.py) trained
    for their default steps; each builds its training-split datastore (hpnlp.retrieval.knnlm,
    float16 keys) and is evaluated with and without it on held-out chunks: k, temperature
    and lambda tuned on one half, perplexity reported on the other, exact L2 search.
-2. Search (`search`): the byte LM's context vectors (dimension 128; a random sample of its
+3. Compressive memory (`compressive`, hpnlp.bench.compressive): the Compressive Transformer
+   against Transformer-XL with the same keys per query on the default byte LM.
+4. Key-value memory (`memory`, hpnlp.bench.kv_memory): the rare-event task `verse_book`
+   classified with and without the memory (Kaiser et al. 2017), same steps: accuracy on the
+   rare and the frequent books.
+5. Search (`search`): the byte LM's context vectors (dimension 128; a random sample of its
    datastore) as the database at 100K and 1M vectors, held-out context vectors as the
    queries. Every index (`exact`, hpnlp's `ivf`, faiss flat / IVF / HNSW, ScaNN) is built
    and timed; the approximate ones over their recall knob. recall@10 is against `exact`;
    queries/s is one batch of all queries, best of repeats; the f32 matrix-product rate
    (2048^3) is timed beside exact search.
+
+The parts run in this order, the timing-sensitive search last.
 
 Targets (issue 23; `targets` in results.json), at the largest database: exact search at
 least 70% of the matrix-product rate (`exact_search_matmul_fraction`); hpnlp's approximate
@@ -31,17 +42,19 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from hpnlp.bench import harness, report
+from hpnlp.bench import compressive, harness, kv_memory, report
 
-PARTS = ("knnlm", "search")  # in the order they run
+# in the order they run: the timing-sensitive search last
+PARTS = ("encoder", "knnlm", "compressive", "memory", "search")
 SIZES = {
     "full": dict(lm_steps=None, databases=(100_000, 1_000_000), queries=2000, repeats=2,
+                 encoder_steps=300,
                  knn_tokens={"bytes": 32_000, "words": 40_000}, datastore_tokens=0,
                  sweep={"ivf": ("nprobe", (2, 4, 8, 16, 32, 64)),
                         "faiss_ivf": ("nprobe", (1, 2, 4, 8, 16, 32, 64)),
                         "faiss_hnsw": ("ef_search", (16, 32, 64, 128, 256)),
                         "scann": ("reorder", (100, 300, 1000, 3000))}),
-    "quick": dict(lm_steps=60, databases=(20_000,), queries=256, repeats=1,
+    "quick": dict(lm_steps=60, databases=(20_000,), queries=256, repeats=1, encoder_steps=40,
                   knn_tokens={"bytes": 2000, "words": 2000}, datastore_tokens=100_000,
                   sweep={"ivf": ("nprobe", (2, 8)), "faiss_ivf": ("nprobe", (2, 8)),
                          "faiss_hnsw": ("ef_search", (16, 64)),
@@ -78,6 +91,44 @@ def knnlm_rows(s: dict, workdir: str) -> list[dict]:
                         max_eval_tokens=s["knn_tokens"][tokens],
                         max_datastore_tokens=s["datastore_tokens"])
         rows.append({"lm": tokens, **got})
+    return rows
+
+
+# ----------------------------------------------------------------------------- encoders
+
+ENCODERS = (  # (row name, experiments/encoder.py arguments)
+    ("bag of bytes (StarSpace), in-batch", "bag"),
+    ("bag of bytes, in-batch, corpus-frequency gradients", "bag,corpus_freq"),
+    ("Transformer, in-batch", "transformer"),
+    ("Transformer, triplet", "transformer,triplet"),
+    ("Transformer, in-batch + mined negatives", "transformer,mine"),
+)
+
+
+def encoder_config(s: dict, args: str):
+    cd = harness.experiment_module("encoder.py").get_config(args)
+    cd.train.steps = s["encoder_steps"]
+    cd.train.warmup_steps = min(cd.train.warmup_steps, s["encoder_steps"] // 5)
+    cd.train.eval_every = cd.train.checkpoint_every = s["encoder_steps"]
+    if cd.model.encoder.mine_every:
+        cd.model.encoder.mine_every = max(1, s["encoder_steps"] // 3)  # mined twice
+    cd.train.progress = False
+    return cd
+
+
+def encoder_rows(s: dict, workdir: str) -> list[dict]:
+    """Each bi-encoder trained on verse_pairs for the same steps; recall@1/10 and MRR of the
+    held-out verses against the whole held-out pool (hpnlp.retrieval.encoder)."""
+    from hpnlp.bench.compress import _train
+    from hpnlp.retrieval import encoder
+    rows = []
+    for name, args in tqdm(ENCODERS, desc="encoders", leave=False):
+        cd = encoder_config(s, args)
+        out = os.path.join(workdir, cd.name)
+        summary = _train(cd, out)
+        rows.append({"encoder": name, "args": args, "steps": cd.train.steps,
+                     "steps_per_sec": summary["throughput"]["steps_per_sec"],
+                     "param_count": summary["param_count"], **encoder.evaluate(out)})
     return rows
 
 
@@ -184,6 +235,14 @@ def _targets(p: dict) -> dict:
 
 def _markdown(p: dict) -> str:
     out = [report.header_md(p["machine"], {}), ""]
+    if p.get("encoder"):
+        e = p["encoder"]
+        out += [f"### Bi-encoders on verse_pairs: each verse of the held-out chapters searched among "
+                f"all {e[0]['pool']:,} held-out next verses ({e[0]['steps']} training steps each)", "",
+                report.table(["encoder", "recall@1", "recall@10", "MRR", "parameters", "train steps/s"],
+                             [[r["encoder"], f"{r['recall@1']:.3f}", f"{r['recall@10']:.3f}",
+                               f"{r['mrr']:.3f}", f"{r['param_count']:,}",
+                               report.fmt(r["steps_per_sec"], "")] for r in e]), ""]
     if p.get("knnlm"):
         out += ["### kNN-LM (held-out test half; k, T, lambda tuned on the validation half)", "",
                 report.table(["LM", "datastore", "test tokens", "LM ppl", "kNN-LM ppl", "reduction",
@@ -207,6 +266,10 @@ def _markdown(p: dict) -> str:
         out += ["Exact search: " + "; ".join(f"N={r['n']:,}: {r['gflops']:.0f} GFLOP/s of a "
                                              f"{r['matmul_gflops']:.0f} GFLOP/s matrix product"
                                              for r in ex), ""]
+    if p.get("compressive"):
+        out += [compressive.markdown(p["compressive"]), ""]
+    if p.get("memory"):
+        out += [kv_memory.markdown(p["memory"]), ""]
     missing = sorted({r["index"] for r in p.get("search") or [] if r.get("missing")})
     if missing:
         out += [f"Not installed here: {', '.join(missing)} (pip install -e .[retrieval]).", ""]
@@ -243,7 +306,10 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                "machine": harness.machine_info(), "seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         wd = workdir or tmp
-        harness.run_parts(payload, {"knnlm": lambda: knnlm_rows(s, wd),
+        harness.run_parts(payload, {"encoder": lambda: encoder_rows(s, wd),
+                                    "knnlm": lambda: knnlm_rows(s, wd),
+                                    "compressive": lambda: compressive.rows(quick, wd),
+                                    "memory": lambda: kv_memory.rows(quick, wd),
                                     "search": lambda: search_rows(s, wd)}, parts)
     payload["targets"] = _targets(payload)
     report.write(out_dir, "retrieval", payload, _markdown(payload))

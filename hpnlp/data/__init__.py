@@ -8,10 +8,14 @@
 Tasks (`task_names()`): `listops` (LRA ListOps, generated or from an LRA TSV),
 `byte_lm` / `word_lm` (language modelling on the shipped King James Bible or a user's
 text file), `doc_classify` / `doc_match` (byte-level long-document classification and
-matching over the Bible's 8 canonical sections). Nothing is downloaded. Batch keys:
+matching over the Bible's 8 canonical sections), `verse_pairs` (neighbouring verses as
+positive pairs, for the bi-encoder), `verse_book` (a verse's book, most books with only
+2-5 train verses: rare events for the key-value memory; data/rare_events.py). Nothing is
+downloaded. Batch keys:
 
     classify: inputs, segment_ids [B, L]; label, weight [B]
-    match:    inputs1, segment_ids1, inputs2, segment_ids2 [B, L]; label, weight [B]
+    match:    inputs1, segment_ids1, inputs2, segment_ids2 [B, L]; label, weight, index [B]
+              (index: the pair's example number in its split, -1 on a filler row)
     lm:       inputs, targets, segment_ids, positions [B, L]
 
 Padding is only in the masks (segment id 0, weight 0); padded slots hold id 0.
@@ -19,7 +23,7 @@ Padding is only in the masks (segment id 0, weight 0); padded slots hold id 0.
 
 from __future__ import annotations
 
-from hpnlp.data import listops, text_tasks
+from hpnlp.data import listops, rare_events, text_tasks
 from hpnlp.data.batching import BatchIterator
 from hpnlp.data.task import Examples, Task
 
@@ -29,6 +33,8 @@ _TASKS = {
     "listops": (lambda cfg, name: listops.make_task(cfg), lambda cfg, name: listops.info(cfg)),
     "byte_lm": (text_tasks.make_lm_task, text_tasks.info),
     "word_lm": (text_tasks.make_lm_task, text_tasks.info),
+    "verse_book": (rare_events.make_task, rare_events.info),
+    "verse_pairs": (text_tasks.make_pairs_task, text_tasks.info),
 }
 
 

@@ -271,6 +271,9 @@ class BatchIterator:
             out.update({k: np.zeros((B, width), np.int32) for k in ("inputs", "segment_ids")})
             self._scatter(out, "", row, 0, ex.starts[items], self._lengths[items], 1)
         else:
+            index = np.full(B, -1, np.int32)  # the pair's example number (mined negatives)
+            index[row] = items
+            out["index"] = index
             for side in (0, 1):
                 sfx = str(side + 1)
                 out.update({k + sfx: np.zeros((B, width), np.int32) for k in ("inputs", "segment_ids")})

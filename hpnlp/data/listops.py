@@ -362,6 +362,7 @@ def make_task(cfg) -> task_lib.Task:
         name="listops", kind="classify", vocab_size=len(VOCAB), num_classes=NUM_CLASSES,
         seq_len=cfg.seq_len, train=splits[0], eval=splits[1],
         baseline=task_lib.majority_baseline(train_y, eval_y, NUM_CLASSES),
+        token_counts=np.bincount(splits[0].tokens, minlength=len(VOCAB)).astype(np.int64),
         encode=encode, decode=decode,
         meta={"source": source, "vocab": VOCAB, "truncated_examples": truncated,
               "class_names": tuple(str(i) for i in range(10))})

@@ -48,8 +48,8 @@ class Task:
     `baseline` is what a model must beat to have learned anything: classify/match
     `{"majority_accuracy"}` (majority class of train, scored on eval); lm
     `{"unigram_loss", "unigram_ppl"}` (add-one-smoothed train unigram, nats per eval
-    target token). `token_counts` [vocab_size] are train counts per id (lm tasks), for
-    frequency-aware samplers. `meta` holds task-specific facts (class names, source).
+    target token). `token_counts` [vocab_size] are train counts per id, for frequency-aware
+    samplers and `model.embed_grad_scale = "corpus"`. `meta` holds task-specific facts (class names, source).
     """
 
     name: str

@@ -195,11 +195,46 @@ def make_doc_task(cfg, name: str) -> task_lib.Task:
         name=name, kind="classify" if name == "doc_classify" else "match", vocab_size=256,
         num_classes=num_classes, seq_len=cfg.seq_len, train=splits[0], eval=splits[1],
         baseline=task_lib.majority_baseline(splits[0].labels, splits[1].labels, num_classes),
+        token_counts=np.bincount(splits[0].tokens, minlength=256).astype(np.int64),
         encode=byte_encode, decode=byte_decode,
         meta={"source": "King James Bible (shipped)", "class_names": names, **chapters})
 
 
+def make_pairs_task(cfg, name: str) -> task_lib.Task:
+    """`verse_pairs`: each chapter's verses taken two by two, (1, 2), (3, 4), ..., as the two
+    sides of a matching pair (a verse and the one after it share speaker, topic and names), for
+    the bi-encoder (hpnlp.models.bi_encoder). Every pair is a positive (label 1); a chapter's
+    odd last verse is left out. Eval pairs come from the held-out chapters, so retrieval is
+    measured against a pool of text no model trained on."""
+    if cfg.train_path or cfg.eval_path:
+        from hpnlp.config import ConfigError
+        raise ConfigError(f"config field `data.train_path` = {cfg.train_path!r} is not allowed for "
+                          f"data.task={name!r}: it is built from the shipped corpus")
+    splits, meta = [], {}
+    for split, chaps in zip(("train", "eval"), corpus.kjv_splits()):
+        verses, chapter = [], []
+        for c in chaps:
+            lines = c.text.split("\n")[:-1]
+            even = len(lines) // 2 * 2
+            verses += lines[:even]
+            chapter += [c.index] * (even // 2)
+        tokens, starts, lengths = task_lib.concat([byte_encode(v) for v in verses])
+        pairs = len(verses) // 2
+        splits.append(task_lib.Examples(tokens, starts.reshape(pairs, 2), lengths.reshape(pairs, 2),
+                                        np.ones(pairs, np.int32)))
+        meta[f"{split}_chapters"] = np.array(chapter, np.int32)
+    counts = np.bincount(splits[0].tokens, minlength=256).astype(np.int64)
+    return task_lib.Task(
+        name=name, kind="match", vocab_size=256, num_classes=2, seq_len=cfg.seq_len,
+        train=splits[0], eval=splits[1], baseline={"random_recall_at_1": 1.0 / len(splits[1])},
+        token_counts=counts, encode=byte_encode, decode=byte_decode,
+        meta={"source": "King James Bible (shipped)", "class_names": ("different", "same"),
+              "positives_only": True, **meta})
+
+
 def info(cfg, name: str) -> dict:
+    if name == "verse_pairs":
+        return {"kind": "match", "vocab_size": 256, "num_classes": 2, "positives_only": True}
     if name in ("doc_classify", "doc_match"):
         return {"kind": "classify" if name == "doc_classify" else "match", "vocab_size": 256,
                 "num_classes": len(corpus.SECTIONS) if name == "doc_classify" else 2}

@@ -11,22 +11,29 @@ import numpy as np
 
 from hpnlp.config import Config
 from hpnlp.models.heads import Classifier, DualEncoder, TransformerLM  # noqa: F401
+from hpnlp.models.bi_encoder import BiEncoder  # noqa: F401
 from hpnlp.models.generate import generate  # noqa: F401
 
-MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEncoder}
+MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEncoder,
+          "bi_encoder": BiEncoder}
 
 
 def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_counts=None):
     """The model for `cfg.model.kind`; `deterministic=True` turns dropout off (eval).
 
     `token_counts` [V] (the task's train counts per id) feed the frequency-based output
-    layers (Huffman trees, frequency classes, unigram samplers); without them those
-    assume frequency-sorted ids.
+    layers (Huffman trees, frequency classes, unigram samplers; without them those
+    assume frequency-sorted ids) and the fixed gradient table of
+    `model.embed_grad_scale = "corpus"`.
     """
     cls = MODELS[cfg.model.kind]
     if cfg.model.arch == "transformer_xl":  # segment recurrence (validate: kind "lm" only)
         from hpnlp.models.transformer_xl import TransformerXLLM as cls
     extra = {}
+    if cfg.model.embed_grad_scale == "corpus" and token_counts is not None:
+        from hpnlp.models.transformer import RowWeights, corpus_count_weights
+        per_call = cfg.train.batch_size * cfg.data.seq_len  # tokens one embedding lookup reads
+        extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_call))
     if token_counts is not None and cfg.model.kind == "lm":
         # One Frequencies per model, not one per `setup` (which flax reruns on every
         # apply): the output layers' table and sampler caches then hit.

@@ -65,10 +65,11 @@ class TransformerLM(nn.Module):
     deterministic: bool = True
     decode: bool = False
     token_counts: Any = None  # softmax.Frequencies (or [V] counts), for frequency-based output layers
+    embed_weights: Any = None  # RowWeights of model.embed_grad_scale="corpus" (models.build)
 
     def setup(self):
         m = self.cfg.model
-        self.embed = make_embed(m, tied=self.cfg.output.tie_embeddings)
+        self.embed = make_embed(m, tied=self.cfg.output.tie_embeddings, grad_weights=self.embed_weights)
         self.trunk = make_trunk(self.cfg, causal=True, deterministic=self.deterministic,
                                 decode=self.decode)
         self.output = _output_layer(self.cfg, self.embed, self.token_counts)
@@ -123,31 +124,100 @@ def _classification_sums(logits_BC, label_B, weight_B):
             "weight": jnp.sum(weight_B)}
 
 
+def _memory_sums(logits_BC, q_BQ, batch, memory, mc):
+    """The head's sums, plus the key-value memory's: `correct_memory` (its nearest key's value
+    is the label), `correct_head`, `loss_memory` (the margin loss, summed like `loss`), and
+    `correct` as `mc.predict` chooses. The memory gets no gradient."""
+    from hpnlp.retrieval import memory as kv
+    label_B, weight_B = batch["label"], batch["weight"]
+    sums = _classification_sums(logits_BC, label_B, weight_B)
+    memory = jax.lax.stop_gradient(memory)
+    hit_B = (kv.predict(memory, q_BQ) == label_B).astype(jnp.float32)
+    loss_B = kv.margin_loss(memory, q_BQ, label_B, k=mc.k, margin=mc.margin)
+    sums.update(correct_head=sums["correct"], correct_memory=jnp.sum(hit_B * weight_B),
+                loss_memory=jnp.sum(loss_B * weight_B))
+    if mc.predict == "memory":
+        sums["correct"] = sums["correct_memory"]
+    return sums
+
+
 class Classifier(nn.Module):
-    """Encoder + pooled linear head. Batches: inputs, segment_ids [B, L]; label, weight [B]."""
+    """Encoder + pooled linear head. Batches: inputs, segment_ids [B, L]; label, weight [B].
+
+    With `model.memory.size` > 0 it also queries a key-value memory with ages (Kaiser et al.
+    2017, hpnlp.retrieval.memory; Q = model.memory.key_dim): the query is the normalized
+    projection of the pooled encoding. The memory is not a parameter: it is passed in
+    (`loss_and_memory`, `evaluate`; the train state's `kv_memory` carry holds it), and a call
+    without one sees an empty memory."""
 
     cfg: Config
     deterministic: bool = True
+    embed_weights: Any = None  # RowWeights of model.embed_grad_scale="corpus" (models.build)
 
     def setup(self):
         m = self.cfg.model
-        self.embed = make_embed(m)
+        self.embed = make_embed(m, grad_weights=self.embed_weights)
         self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
         pdt = dtypes(m)[1]
         self.head = Dense(m.num_classes, quant=m.quant, kind="head", dtype=jnp.float32,
                           param_dtype=pdt,
                           kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
                           bias_init=_init(nn.initializers.zeros, (None,)))
+        if m.memory.size:  # the key-value memory's query projection
+            self.memory_query = nn.Dense(
+                m.memory.key_dim, dtype=jnp.float32, param_dtype=pdt,
+                kernel_init=_init(nn.initializers.lecun_normal(), ("embed", None)),
+                bias_init=_init(nn.initializers.zeros, (None,)))
 
-    def logits(self, batch):
+    def pooled(self, batch):
+        """The pooled encoding [B, E] the head (and the memory's query) reads."""
         seg_BL = batch["segment_ids"]
         h_BLE = self.trunk(self.embed, batch["inputs"], seg_BL, positions_of(seg_BL))
-        return self.head(_pool(h_BLE, seg_BL, self.cfg.model.pool))
+        return _pool(h_BLE, seg_BL, self.cfg.model.pool)
+
+    def logits(self, batch):
+        return self.head(self.pooled(batch))
+
+    def query(self, h_BE):
+        """The memory's unit query [B, Q] of pooled encodings."""
+        from hpnlp.retrieval import memory as kv
+        return kv.normalize(self.memory_query(h_BE))
+
+    def _memory(self, memory):
+        from hpnlp.retrieval import memory as kv
+        mc = self.cfg.model.memory
+        return kv.empty(mc.size, mc.key_dim) if memory is None else memory
 
     def __call__(self, batch):
-        return _classification_sums(self.logits(batch), batch["label"], batch["weight"])
+        if not self.cfg.model.memory.size:
+            return _classification_sums(self.logits(batch), batch["label"], batch["weight"])
+        return self.evaluate(batch)
 
-    evaluate = __call__
+    def loss_and_memory(self, batch, memory=None):
+        """(sums, the memory updated by the batch's examples in order); the sums measure the
+        memory as it was before this batch."""
+        from hpnlp.retrieval import memory as kv
+        h_BE = self.pooled(batch)
+        q_BQ, memory = self.query(h_BE), self._memory(memory)
+        sums = _memory_sums(self.head(h_BE), q_BQ, batch, memory, self.cfg.model.memory)
+        return sums, kv.update(memory, q_BQ, batch["label"], batch["weight"])
+
+    def evaluate(self, batch, memory=None):
+        if not self.cfg.model.memory.size:
+            return _classification_sums(self.logits(batch), batch["label"], batch["weight"])
+        h_BE = self.pooled(batch)
+        return _memory_sums(self.head(h_BE), self.query(h_BE), batch, self._memory(memory),
+                            self.cfg.model.memory)
+
+    def predictions(self, batch, memory=None):
+        """{"head": the head's class [B], and with a memory "memory": its nearest key's value
+        [B] (-1 while the memory is empty)}."""
+        h_BE = self.pooled(batch)
+        out = {"head": jnp.argmax(self.head(h_BE), axis=-1).astype(jnp.int32)}
+        if self.cfg.model.memory.size:
+            from hpnlp.retrieval import memory as kv
+            out["memory"] = kv.predict(self._memory(memory), self.query(h_BE))
+        return out
 
 
 class DualEncoder(nn.Module):
@@ -156,11 +226,12 @@ class DualEncoder(nn.Module):
 
     cfg: Config
     deterministic: bool = True
+    embed_weights: Any = None  # RowWeights of model.embed_grad_scale="corpus" (models.build)
 
     def setup(self):
         m = self.cfg.model
         pdt = dtypes(m)[1]
-        self.embed = make_embed(m)
+        self.embed = make_embed(m, grad_weights=self.embed_weights)
         self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
         dense = lambda n, name: Dense(n, quant=m.quant, kind="head", dtype=jnp.float32,
                                       param_dtype=pdt, name=name,

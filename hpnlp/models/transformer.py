@@ -11,6 +11,7 @@ are sharded; the model code never names a device axis.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -232,13 +233,63 @@ class Trunk(nn.Module):
                             bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)
 
 
+@jax.custom_vjp
+def scaled_take(table_VE, ids, row_weight_V):
+    """`table_VE[ids]`, whose gradient into row v is multiplied by `row_weight_V[v]` (no
+    gradient flows to `row_weight_V` or `ids`)."""
+    return jnp.take(table_VE, ids, axis=0)
+
+
+def _scaled_take_fwd(table_VE, ids, row_weight_V):
+    like = jnp.zeros((), table_VE.dtype)  # residuals must be arrays: the table's dtype
+    return jnp.take(table_VE, ids, axis=0), (ids, row_weight_V, like)
+
+
+def _scaled_take_bwd(res, g):
+    ids, w_V, like = res
+    g_NE = g.reshape(-1, g.shape[-1]).astype(jnp.float32)
+    grad_VE = jnp.zeros((w_V.shape[0], g.shape[-1]), jnp.float32).at[ids.reshape(-1)].add(g_NE)
+    return (grad_VE * w_V[:, None]).astype(like.dtype), None, None
+
+
+scaled_take.defvjp(_scaled_take_fwd, _scaled_take_bwd)
+
+
+def batch_count_weights(ids, vocab_size: int):
+    """PyTorch's `scale_grad_by_freq`: 1 / (count of each id among `ids`), 1 for absent ids."""
+    counts_V = jnp.zeros((vocab_size,), jnp.float32).at[ids.reshape(-1)].add(1.0)
+    return 1.0 / jnp.maximum(counts_V, 1.0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowWeights:
+    """A [V] table of per-id gradient weights, held by a Module field (hashed by identity)."""
+
+    weights: np.ndarray
+
+
+def corpus_count_weights(counts_V, tokens_per_batch: int) -> np.ndarray:
+    """The fixed-table twin of `batch_count_weights`: 1 / max(1, the id's expected count in a
+    batch of `tokens_per_batch` tokens drawn at the corpus frequencies `counts_V`)."""
+    c = np.asarray(counts_V, np.float64)
+    expected = c * tokens_per_batch / max(c.sum(), 1.0)
+    return (1.0 / np.maximum(expected, 1.0)).astype(np.float32)
+
+
 class Embed(nn.Embed):
     """`nn.Embed` whose table may be quantized: when it is the tied output layer's weight
     (`quant.layers` has "output"), lookups read the same quantized rows the output
-    product uses (fake-quantized in training, decoded from a packed QWeight after PTQ)."""
+    product uses (fake-quantized in training, decoded from a packed QWeight after PTQ).
+
+    `grad_scale` ("none" | "batch" | "corpus", `model.embed_grad_scale`) scales each row's
+    gradient by token frequency (`scaled_take`): "batch" divides it by the id's count among
+    this call's ids, exactly PyTorch's `scale_grad_by_freq`; "corpus" by `row_weights` (a
+    fixed table, `corpus_count_weights`)."""
 
     quant_rows: bool = False  # set by make_embed for a tied, quantized table
     quant: Any = None
+    grad_scale: str = "none"
+    row_weights: Any = None  # RowWeights ("corpus")
 
     def setup(self):
         self.embedding = param(self, "embedding", self.embedding_init,
@@ -246,7 +297,13 @@ class Embed(nn.Embed):
 
     def __call__(self, inputs):
         table_VE = self.table()
-        return jnp.take(table_VE, inputs, axis=0).astype(self.dtype)
+        if self.grad_scale == "batch":
+            out = scaled_take(table_VE, inputs, batch_count_weights(inputs, self.num_embeddings))
+        elif self.grad_scale == "corpus":
+            out = scaled_take(table_VE, inputs, jnp.asarray(self.row_weights.weights, jnp.float32))
+        else:
+            out = jnp.take(table_VE, inputs, axis=0)
+        return out.astype(self.dtype)
 
     def table(self):
         """The [V, E] table as the model uses it (quantized rows where configured)."""
@@ -258,12 +315,20 @@ class Embed(nn.Embed):
         return self.embedding
 
 
-def make_embed(m: ModelConfig, name: str = "embed", *, tied: bool = False) -> nn.Embed:
+def make_embed(m: ModelConfig, name: str = "embed", *, tied: bool = False,
+               grad_weights=None) -> nn.Embed:
+    """The input embedding of `m`; `grad_weights` (RowWeights, made by `models.build`) is the
+    fixed table of `model.embed_grad_scale = "corpus"`."""
     dt, pdt = dtypes(m)
+    if m.embed_grad_scale == "corpus" and grad_weights is None:
+        raise ValueError("model.embed_grad_scale='corpus' needs the task's train token counts, and "
+                         "this model was built without them; pass token_counts to models.build "
+                         "(a task with token_counts) or use model.embed_grad_scale='batch'")
     # std 1/sqrt(E), scaled up by sqrt(E) on input: unit-scale inputs, O(1) tied logits.
     return Embed(m.vocab_size, m.width, dtype=dt, param_dtype=pdt, name=name,
                  quant_rows=tied and m.quant.applies("output") and m.quant.weights != "none",
-                 quant=m.quant,
+                 quant=m.quant, grad_scale=m.embed_grad_scale,
+                 row_weights=grad_weights if m.embed_grad_scale == "corpus" else None,
                  embedding_init=_init(nn.initializers.normal(m.width ** -0.5), ("vocab", "embed")))
 
 

@@ -23,8 +23,28 @@ segment id. Memory keys are visible to every query of the row: stream batches
 padding except at the very end of the stream, so packing across the memory boundary is
 not modelled.
 
+**Compressive Transformer** (Rae et al. 2020, "Compressive Transformers for Long-Range
+Sequence Modelling"; model.comp_mem_len > 0). Instead of dropping what falls out of the
+memory, each layer compresses it R to one slot (`pool_compress`, strided mean, or
+`ConvCompress`, a learned convolution with kernel = stride = R) into a second FIFO memory of
+C slots, and attends over [compressed memory; memory; segment]: the context reaches
+depth x (M + R C) tokens back for the cost of C + M keys. A compressed slot takes one
+relative position, like any key (the authors' layout), so with R = 1 and pooling the model
+*is* XL with memory C + M (the twin tests/test_compressive.py checks). A slot is valid iff
+all R of its positions were (a group is never split by a fresh memory's edge, as R divides
+L and M, so only the padding at a stream's end drops a slot). The compressed memory is
+stop-gradient and made after the segment's loss reads it, so the LM loss never trains the
+compressor; the *attention-reconstruction loss* does (paper sec 3.2, Algorithm 1,
+`reconstruction_loss`): per layer, the squared error between the layer's content attention
+over the evicted positions and over their compressed slots, queries from the segment's layer
+inputs, with those inputs and the attention's parameters stop-gradient. Layers report it in
+the `aux` collection (hpnlp.train.carry.fold_aux) as `loss_recon` (mean over layers), added
+to the objective times model.comp_loss_weight (summed over layers).
+
 Shape letters: B batch, L segment length, M memory length (model.mem_len, 0: = data.seq_len),
-K = M + L keys, E width, H heads, D head dim (E / H), F MLP width, X layers (model.depth),
+C compressed memory length (model.comp_mem_len), R compression rate (model.comp_rate),
+G = L / R slots each segment compresses into, N = C + M keys before the segment,
+K = N + L keys, E width, H heads, D head dim (E / H), F MLP width, X layers (model.depth),
 V vocabulary.
 
     >>> model = TransformerXLLM(cfg, deterministic=False)            # doctest: +SKIP
@@ -45,16 +65,19 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp.config import Config, ModelConfig
-from hpnlp.train.carry import Carry
+from hpnlp.train.carry import AUX, Carry, fold_aux
 from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_block,
                                       sinusoidal_table)
 
 
 class Memory(NamedTuple):
-    """What one segment leaves for the next (a pytree; carried across steps)."""
+    """What one segment leaves for the next (a pytree; carried across steps). The compressed
+    fields are None unless model.comp_mem_len > 0."""
 
     hidden_XBME: jax.Array  # each layer's *input* at the last M positions, stop-gradient
     valid_BM: jax.Array  # bool: a real token (False: fresh memory, padding)
+    comp_XBCE: jax.Array | None = None  # each layer's compressed memory, oldest first, stop-gradient
+    comp_valid_BC: jax.Array | None = None  # bool: built from R real tokens
 
 
 def mem_len(cfg: Config) -> int:
@@ -63,9 +86,12 @@ def mem_len(cfg: Config) -> int:
 
 def init_memory(cfg: Config, batch_size: int) -> Memory:
     """An empty memory: nothing valid, so the first segment attends only to itself."""
-    m, M = cfg.model, mem_len(cfg)
-    return Memory(jnp.zeros((m.depth, batch_size, M, m.width), dtypes(m)[0]),
-                  jnp.zeros((batch_size, M), bool))
+    m, M, C = cfg.model, mem_len(cfg), cfg.model.comp_mem_len
+    dt = dtypes(m)[0]
+    comp = ((jnp.zeros((m.depth, batch_size, C, m.width), dt), jnp.zeros((batch_size, C), bool))
+            if C else (None, None))
+    return Memory(jnp.zeros((m.depth, batch_size, M, m.width), dt),
+                  jnp.zeros((batch_size, M), bool), *comp)
 
 
 def carries_memory(cfg: Config) -> bool:
@@ -76,15 +102,16 @@ def carries_memory(cfg: Config) -> bool:
 
 def boxed_memory(cfg: Config, batch_size: int) -> Memory:
     """`init_memory` with logical axis names: its rows are split like the batch's."""
-    mem = init_memory(cfg, batch_size)
-    return Memory(nn.LogicallyPartitioned(mem.hidden_XBME, (None, "batch", None, "activation_embed")),
-                  nn.LogicallyPartitioned(mem.valid_BM, ("batch", None)))
+    hidden, valid = (None, "batch", None, "activation_embed"), ("batch", None)
+    return Memory(*(None if x is None else nn.LogicallyPartitioned(x, names)
+                    for x, names in zip(init_memory(cfg, batch_size), (hidden, valid, hidden, valid))))
 
 
 class MemoryCarry(Carry):
     """The memory as the train state's `memory` carry (hpnlp.train.carry): each step's
     segment reads the previous one's memory and leaves its own (stop-gradient inside the
-    model, so no gradient crosses the step boundary)."""
+    model, so no gradient crosses the step boundary). The layers' reports (the compressive
+    memory's reconstruction loss) fold into the sums like model_loss's."""
 
     name = "memory"  # validate keeps train.grad_accum at 1: row b continues row b of the last batch
 
@@ -98,9 +125,9 @@ class MemoryCarry(Carry):
         del inner  # the memory replaces the model's plain loss (validate: nothing else wraps it)
 
         def memory_loss(params, carry, batch, rngs):
-            sums, memory = model.apply({"params": params}, batch, carry["memory"],
-                                       method="loss_and_memory", rngs=rngs)
-            return sums, {**carry, "memory": memory}
+            (sums, memory), aux = model.apply({"params": params}, batch, carry["memory"],
+                                              method="loss_and_memory", rngs=rngs, mutable=[AUX])
+            return fold_aux(sums, aux.get(AUX)), {**carry, "memory": memory}
         return memory_loss
 
 
@@ -172,6 +199,78 @@ def allowed_keys(seg_BL, valid_BM):
             (in_memory_K[None, None, :] | same_BLK))
 
 
+# -- compressive memory ------------------------------------------------------------------
+
+
+def pool_compress(old_BLE, rate: int):
+    """Strided mean pooling: each run of `rate` positions -> one slot, [B, L / rate, E]."""
+    B, L, E = old_BLE.shape
+    old_BGRE = old_BLE.astype(jnp.float32).reshape(B, L // rate, rate, E)
+    return jnp.mean(old_BGRE, axis=2).astype(old_BLE.dtype)
+
+
+class ConvCompress(nn.Module):
+    """The paper's best compression function: a 1-D convolution with kernel = stride = R, one
+    per layer (slot g = b + sum_r W_r old[g R + r]). It starts as mean pooling (W_r = I / R),
+    so the compressed memory is useful from the first step; only the reconstruction loss
+    trains it."""
+
+    model: ModelConfig
+
+    @nn.compact
+    def __call__(self, old_BLE):
+        m = self.model
+        dt, pdt = dtypes(m)
+        R, E = m.comp_rate, m.width
+        B, L, _ = old_BLE.shape
+
+        def mean_pool(key, shape, dtype):
+            return jnp.broadcast_to(jnp.eye(E, dtype=dtype) / R, shape)
+
+        w_REE = self.param("kernel", _init(mean_pool, (None, "embed", None)), (R, E, E), pdt)
+        b_E = self.param("bias", _init(nn.initializers.zeros, (None,)), (E,), pdt)
+        old_BGRE = old_BLE.astype(dt).reshape(B, L // R, R, E)
+        return jnp.einsum("bgre,ref->bgf", old_BGRE, w_REE.astype(dt)) + b_E.astype(dt)[None, None]
+
+
+def content_attention(block, m: ModelConfig, h_BLE, kv_BNE, valid_BN):
+    """Algorithm 1's attn(h, mem) with an XL block's parameters `block` (its `norm1` and
+    query/key/value projections): plain content softmax over `kv` (no positions, and no
+    causal mask: the memory precedes every query), each head's output [B, L, H, D] before
+    the output projection, in float32. Rows with no valid key give 0."""
+    f32 = jnp.float32
+    norm = nn.LayerNorm(dtype=f32, param_dtype=dtypes(m)[1], parent=None)
+    ln = lambda x: norm.apply({"params": block["norm1"]}, x.astype(f32))  # noqa: E731
+    w_E3HD = block["attention"]["qkv"].astype(f32)
+    q_BLHD = jnp.einsum("ble,ehd->blhd", ln(h_BLE), w_E3HD[:, 0])
+    kv_BN2HD = jnp.einsum("bne,ejhd->bnjhd", ln(kv_BNE), w_E3HD[:, 1:])
+    logits_BHLN = jnp.einsum("blhd,bnhd->bhln", q_BLHD, kv_BN2HD[:, :, 0]) / jnp.asarray(
+        math.sqrt(q_BLHD.shape[-1]), f32)
+    valid_B11N = valid_BN[:, None, None, :]
+    logits_BHLN = jnp.where(valid_B11N, logits_BHLN, -1e30)
+    p_BHLN = jnp.where(valid_B11N, jnp.exp(logits_BHLN - jnp.max(logits_BHLN, -1, keepdims=True)), 0.0)
+    p_BHLN = p_BHLN / jnp.maximum(jnp.sum(p_BHLN, axis=-1, keepdims=True), 1e-30)
+    return jnp.einsum("bhln,bnhd->blhd", p_BHLN, kv_BN2HD[:, :, 1])
+
+
+def reconstruction_loss(block, m: ModelConfig, h_BLE, old_BLE, new_BGE, valid_BG, query_BL):
+    """The attention-reconstruction loss of one layer (paper sec 3.2, Algorithm 1):
+    || attn(h, old) - attn(h, compressed(old)) ||^2, the mean over real queries, heads and
+    dims. `h` (the segment's layer inputs), `old` (the evicted positions) and the block's
+    parameters are stop-gradient, so only the compressor that made `new` learns from it.
+    The evicted positions are read under their slots' validity, so both sides see the same
+    tokens."""
+    sg = jax.lax.stop_gradient
+    block, h_BLE, old_BLE = jax.tree.map(sg, (block, h_BLE, old_BLE))
+    R = old_BLE.shape[1] // new_BGE.shape[1]
+    target_BLHD = content_attention(block, m, h_BLE, old_BLE, jnp.repeat(valid_BG, R, axis=1))
+    got_BLHD = content_attention(block, m, h_BLE, new_BGE, valid_BG)
+    err_BL = jnp.sum(jnp.square(got_BLHD - target_BLHD), axis=(2, 3))
+    w_BL = query_BL.astype(jnp.float32)
+    H, D = target_BLHD.shape[2:]
+    return jnp.sum(err_BL * w_BL) / (jnp.maximum(jnp.sum(w_BL), 1.0) * H * D)
+
+
 # -- layers ------------------------------------------------------------------------------
 
 
@@ -207,7 +306,8 @@ class XLAttention(nn.Module):
 
 
 class XLBlock(nn.Module):
-    """Pre-LN block like transformer.Block; the attention reads LN([memory; x])."""
+    """Pre-LN block like transformer.Block; the attention reads LN([memory; x]) (`mem_BME`:
+    every key before the segment, [compressed; memory] for the Compressive Transformer)."""
 
     model: ModelConfig
     deterministic: bool = True
@@ -226,9 +326,11 @@ class XLBlock(nn.Module):
 class XLTrunk(nn.Module):
     """Token embeddings (no absolute positions), `depth` XL blocks, final LayerNorm.
 
-    Returns (hidden [B, L, E], the new Memory). `window_LK` and `frozen_L` exist for the
-    reference twin only (tests): an extra key mask, and positions whose layer inputs are
-    stop-gradient (what a memory is).
+    Returns (hidden [B, L, E], the new Memory). With a compressed memory, each layer also
+    compresses the L positions it evicts (the oldest of [memory; segment]) and, when the
+    `aux` collection is mutable (training), reports its reconstruction loss there.
+    `window_LK` and `frozen_L` exist for the reference twin only (tests): an extra key mask,
+    and positions whose layer inputs are stop-gradient (what a memory is).
     """
 
     model: ModelConfig
@@ -242,34 +344,68 @@ class XLTrunk(nn.Module):
         H, D = m.num_heads, m.dims_per_head()
         B, L = tokens_BL.shape
         M = memory.valid_BM.shape[1]
-        K = M + L
+        comp = memory.comp_XBCE is not None
+        C = memory.comp_XBCE.shape[2] if comp else 0
+        K = C + M + L
         if memory.hidden_XBME.shape != (m.depth, B, M, m.width):
             raise ValueError(f"memory holds {memory.hidden_XBME.shape}, expected [depth, batch, "
                              f"mem_len, width] = {(m.depth, B, M, m.width)}; make it with init_memory")
+        if bool(m.comp_mem_len) != comp:
+            raise ValueError(f"model.comp_mem_len={m.comp_mem_len} but the memory "
+                             f"{'has' if comp else 'has no'} compressed part; make it with init_memory")
         # Shared by all layers (the paper's global u, v); zero init: training starts from
         # plain content + position scores.
         u_HD = self.param("u", _init(nn.initializers.zeros, ("heads", "kv")), (H, D), pdt)
         w_HD = self.param("v", _init(nn.initializers.zeros, ("heads", "kv")), (H, D), pdt)
         rel_KE = jnp.asarray(sinusoidal_table(K, m.width)[::-1].copy())  # distance K-1 .. 0
-        allowed_BLK = allowed_keys(seg_BL, memory.valid_BM)
+        # Keys [compressed; memory; segment]: the compressed slots are more memory to allowed_keys.
+        read_valid_BN = (jnp.concatenate([memory.comp_valid_BC, memory.valid_BM], axis=1) if comp
+                         else memory.valid_BM)
+        allowed_BLK = allowed_keys(seg_BL, read_valid_BN)
+        window_valid_BW = jnp.concatenate([memory.valid_BM, seg_BL > 0], axis=1)  # W = M + L
+        if comp:
+            R = m.comp_rate
+            slot_valid_BG = jnp.all(window_valid_BW[:, :L].reshape(B, L // R, R), axis=-1)
+            recon = self.is_mutable_collection(AUX)
         if window_LK is not None:
             allowed_BLK = allowed_BLK & window_LK[None]
         x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = remat_block(XLBlock, m)
-        new_XBME = []
+        new_XBME, new_XBCE = [], []
         for i in range(m.depth):
             if frozen_L is not None:
                 x_BLE = jnp.where(frozen_L[None, :, None], jax.lax.stop_gradient(x_BLE), x_BLE)
-            mem_BME = memory.hidden_XBME[i]
-            new_XBME.append(jax.lax.stop_gradient(
-                jnp.concatenate([mem_BME.astype(dt), x_BLE], axis=1)[:, K - M:]))
-            x_BLE = block_cls(m, self.deterministic, name=f"block_{i}")(
-                x_BLE, mem_BME, rel_KE, u_HD, w_HD, allowed_BLK)
-        valid_BM = jnp.concatenate([memory.valid_BM, seg_BL > 0], axis=1)[:, K - M:]
+            mem_BME = memory.hidden_XBME[i].astype(dt)
+            window_BWE = jnp.concatenate([mem_BME, x_BLE], axis=1)
+            new_XBME.append(jax.lax.stop_gradient(window_BWE[:, L:]))
+            read_BNE = mem_BME
+            if comp:  # the L oldest of [memory; segment] leave the memory: compress them
+                cmem_BCE = memory.comp_XBCE[i].astype(dt)
+                read_BNE = jnp.concatenate([cmem_BCE, mem_BME], axis=1)
+                old_BLE = jax.lax.stop_gradient(window_BWE[:, :L])
+                new_BGE = (pool_compress(old_BLE, R) if m.comp_fn == "pool" else
+                           ConvCompress(m, name=f"compress_{i}")(old_BLE)).astype(dt)
+                new_XBCE.append(jax.lax.stop_gradient(
+                    jnp.concatenate([cmem_BCE, new_BGE], axis=1)[:, -C:]))
+            x_next_BLE = block_cls(m, self.deterministic, name=f"block_{i}")(
+                x_BLE, read_BNE, rel_KE, u_HD, w_HD, allowed_BLK)
+            if comp and recon:
+                block = nn.unbox(self.variables["params"][f"block_{i}"])
+                loss = reconstruction_loss(block, m, x_BLE, old_BLE, new_BGE, slot_valid_BG,
+                                           seg_BL > 0)
+                self.sow(AUX, "reconstruction", {"loss": m.comp_loss_weight * loss,
+                                                 "loss_recon": loss})
+            x_BLE = x_next_BLE
+        valid_BM = window_valid_BW[:, L:]
         hidden_BLE = layer_norm(m, "final_norm")(x_BLE)
-        return hidden_BLE, Memory(jnp.stack(new_XBME).astype(memory.hidden_XBME.dtype), valid_BM)
+        new = Memory(jnp.stack(new_XBME).astype(memory.hidden_XBME.dtype), valid_BM)
+        if comp:
+            new = new._replace(
+                comp_XBCE=jnp.stack(new_XBCE).astype(memory.comp_XBCE.dtype),
+                comp_valid_BC=jnp.concatenate([memory.comp_valid_BC, slot_valid_BG], axis=1)[:, -C:])
+        return hidden_BLE, new
 
 
 class TransformerXLLM(nn.Module):
@@ -278,20 +414,23 @@ class TransformerXLLM(nn.Module):
     `loss_and_memory(batch, memory)` / `evaluate_and_memory(batch, memory)` carry the
     memory; `__call__(batch)` / `evaluate(batch)` start every batch from an empty memory
     (what the generic Trainer does: no state beyond the parameters). Batches: inputs,
-    targets, segment_ids [B, L] (positions, if present, are ignored: XL is relative).
+    targets, segment_ids [B, L] (positions, if present, are ignored: XL is relative). With
+    model.comp_mem_len > 0 the memory carries the compressed memory too, and an apply with
+    the `aux` collection mutable gets the reconstruction loss there (MemoryCarry folds it in).
     """
 
     cfg: Config
     deterministic: bool = True
     decode: bool = False
     token_counts: Any = None
+    embed_weights: Any = None  # RowWeights of model.embed_grad_scale="corpus" (models.build)
 
     def setup(self):
         from hpnlp.models.heads import _output_layer  # heads imports the model registry
         if self.decode:
             raise ValueError("model.arch='transformer_xl' has no incremental decode cache yet; "
                              "generate with model.arch='transformer'")
-        self.embed = make_embed(self.cfg.model)
+        self.embed = make_embed(self.cfg.model, grad_weights=self.embed_weights)
         self.trunk = XLTrunk(self.cfg.model, self.deterministic)
         self.output = _output_layer(self.cfg, self.embed, self.token_counts)
 

@@ -9,6 +9,10 @@
 Every index numbers vectors in add order and ranks ties by the lower id; `exact` and
 `faiss_flat` are exact, the others approximate (recall against `exact` is what the
 retrieval benchmark measures).
+
+`hpnlp.retrieval.memory` is a key-value memory with ages (Kaiser et al. 2017, "Learning to
+Remember Rare Events"): exact lookup, the margin loss and the update rule, as pure jittable
+functions; the classifier uses it with `model.memory.size` > 0.
 """
 
 from hpnlp.retrieval.base import Index, RetrievalError, get, load, make, names, read_header, register  # noqa: F401

@@ -1,11 +1,15 @@
 """`python -m hpnlp.retrieval COMMAND`: retrieval on trained hpnlp runs.
 
     python -m hpnlp.retrieval knnlm --workdir TRAINED_LM --datastore DIR [--index exact] [--out DIR]
+    python -m hpnlp.retrieval encoder --workdir TRAINED_BI_ENCODER [--out DIR]
 
 `knnlm` (hpnlp.retrieval.knnlm): builds the run's training-split datastore in DIR (once;
 reused by later calls, refused if another model built it), searches the neighbours of the
 held-out targets, tunes k / temperature / lambda on half of them and reports the
 perplexity with and without the datastore on the other half (printed, and OUT/summary.json).
+
+`encoder` (hpnlp.retrieval.encoder): recall@1, recall@10 and MRR of a trained bi-encoder's
+held-out pairs searched against the whole held-out pool (printed, and OUT/summary.json).
 """
 
 from __future__ import annotations
@@ -26,13 +30,20 @@ def main(argv=None) -> int:
     k.add_argument("--metric", default="l2", help="l2 (the paper's) | ip")
     k.add_argument("--max_eval_tokens", type=int, default=0, help="0: the whole held-out split")
     k.add_argument("--out", default=None, help="folder for summary.json")
+    e = sub.add_parser("encoder", help="held-out recall@1/10 and MRR of a trained bi-encoder")
+    e.add_argument("--workdir", required=True, help="a trained bi-encoder run (experiments/encoder.py)")
+    e.add_argument("--out", default=None, help="folder for summary.json")
     args = p.parse_args(argv)
     from hpnlp.config import ConfigError
-    from hpnlp.retrieval import RetrievalError, knnlm
+    from hpnlp.retrieval import RetrievalError, encoder, knnlm
     try:
-        options = json.loads(args.index_options)
-        summary = knnlm.run(args.workdir, args.datastore, index=args.index, index_options=options,
-                            metric=args.metric, max_eval_tokens=args.max_eval_tokens, out=args.out)
+        if args.command == "encoder":
+            summary = encoder.evaluate(args.workdir, out=args.out)
+        else:
+            options = json.loads(args.index_options)
+            summary = knnlm.run(args.workdir, args.datastore, index=args.index,
+                                index_options=options, metric=args.metric,
+                                max_eval_tokens=args.max_eval_tokens, out=args.out)
     except (RetrievalError, ConfigError, FileNotFoundError, json.JSONDecodeError) as e:
         print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
         return 1

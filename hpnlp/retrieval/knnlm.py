@@ -265,23 +265,28 @@ def split_halves(n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
 
 # -- a trained run, end to end ---------------------------------------------------------------
 
-def load_lm(workdir: str):
-    """(cfg, eval model, params, task, step) of the LM trained in `workdir`."""
+def load_run(workdir: str, kind: str, hint: str):
+    """(cfg, eval model, params, task, step) of the `kind` run trained in `workdir`; `hint`
+    says how to train one."""
     from hpnlp.train.carry import model_params
     from hpnlp.train.checkpoint import load_run_config
     from hpnlp.train.loop import Trainer
     cfg = load_run_config(workdir)
-    if cfg.model.kind != "lm":
-        raise RetrievalError(f"{workdir}: a {cfg.model.kind!r} run; the kNN-LM needs a language "
-                             "model (model.kind='lm')")
+    if cfg.model.kind != kind:
+        raise RetrievalError(f"{workdir}: a {cfg.model.kind!r} run; this needs model.kind={kind!r} "
+                             f"({hint})")
     trainer = Trainer(cfg, workdir, read_only=True)
     step = trainer.checkpointer.latest_step()
     if step is None:
-        raise RetrievalError(f"{workdir}: no checkpoint to read; train the LM first "
-                             "(python -m hpnlp.main --config experiments/lm.py --workdir ...)")
+        raise RetrievalError(f"{workdir}: no checkpoint to read; train it first ({hint})")
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()
     return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
+
+
+def load_lm(workdir: str):
+    """(cfg, eval model, params, task, step) of the LM trained in `workdir`."""
+    return load_run(workdir, "lm", "python -m hpnlp.main --config experiments/lm.py --workdir ...")
 
 
 def run(workdir: str, datastore: str, *, index: str = "exact", index_options: dict | None = None,

@@ -12,6 +12,9 @@ method is one class here or beside its own code, not a new branch in the loop:
   are restored here); resumed runs read it from the checkpoint;
 - `loss(model, inner)`: wraps the loss `inner(params, carry, batch, rngs) -> (sums, carry)`
   (Transformer-XL threads its memory through it; distillation adds the teacher's terms);
+- `evaluate(model, inner)`: wraps the evaluation `inner(params, carry, batch, rngs) -> sums`
+  (the eval step's, with the eval model and the state's carry): what a method's model needs
+  at evaluation from its entry (the classifier's key-value memory reads the trained memory);
 - `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
   update (pruning applies and advances its masks here);
 - `start_params(value, params) -> params`: the parameters a fresh run starts from, after
@@ -24,9 +27,12 @@ method is one class here or beside its own code, not a new branch in the loop:
   export).
 
 Entries are saved in every checkpoint with the rest of the state, so a resumed run continues
-exactly. The carries in use today: `memory` (Transformer-XL on a stream,
-models/transformer_xl.py), `teacher` (hpnlp.compress.distill), `prune`
-(hpnlp.compress.prune).
+exactly. The carries in use today: `memory` (Transformer-XL on a stream, with the
+Compressive Transformer's compressed memory when model.comp_mem_len > 0,
+models/transformer_xl.py; its evaluation threads the eval stream's own fresh memory, so the
+Trainer keeps a separate eval step for it), `teacher` (hpnlp.compress.distill), `prune`
+(hpnlp.compress.prune), `kv_memory` (the classifier's key-value memory with ages,
+hpnlp.retrieval.memory).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 from hpnlp.config import Config
 
 LossFn = Callable[..., tuple[dict, dict]]  # (params, carry, batch, rngs) -> (sums, carry)
+EvalFn = Callable[..., dict]  # (params, carry, batch, rngs) -> sums
 
 TRAINABLE_PREFIX = "carry_"  # no model names a top-level module so
 
@@ -67,6 +74,9 @@ class Carry:
     def loss(self, model, inner: LossFn) -> LossFn:
         return inner
 
+    def evaluate(self, model, inner: EvalFn) -> EvalFn:
+        return inner
+
     def after_update(self, value, params, grads, step):
         return params, value
 
@@ -84,9 +94,15 @@ def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:
     out: list[Carry] = []
     if xl.carries_memory(cfg):
         out.append(xl.MemoryCarry(cfg))
+    if cfg.model.memory.size:  # the classifier's key-value memory: it replaces the model's loss,
+        from hpnlp.retrieval.memory import KVMemoryCarry  # so it comes first (prune's L1 wraps it)
+        out.append(KVMemoryCarry(cfg))
     if cfg.train.distill.teacher:
         from hpnlp.compress.distill import TeacherCarry
         out.append(TeacherCarry(cfg, token_counts=token_counts))
+    if cfg.model.kind == "bi_encoder" and cfg.model.encoder.mine_every:
+        from hpnlp.retrieval.mining import NegativesCarry
+        out.append(NegativesCarry(cfg))
     if cfg.train.prune.method != "none":
         from hpnlp.compress.prune import PruneCarry
         out.append(PruneCarry(cfg))
@@ -153,6 +169,24 @@ def objective(model, carries: list[Carry]) -> LossFn:
     fn = model_loss(model)
     for c in carries:
         fn = c.loss(model, fn)
+    return fn
+
+
+def model_eval(model) -> EvalFn:
+    """The plain evaluation: the model's `evaluate` sums (its layers' statistics folded in,
+    the task's loss alone), carry unused."""
+    def evaluate(params, carry, batch, rngs):
+        sums, aux = model.apply({"params": params}, batch, method="evaluate", rngs=rngs,
+                                mutable=[AUX])
+        return fold_aux(sums, aux.get(AUX), add_loss=False)
+    return evaluate
+
+
+def evaluation(model, carries: list[Carry]) -> EvalFn:
+    """The model's evaluation wrapped by every carry's `evaluate`, in order."""
+    fn = model_eval(model)
+    for c in carries:
+        fn = c.evaluate(model, fn)
     return fn
 
 

@@ -50,7 +50,8 @@ def dummy_batch(kind: str, batch: int, length: int) -> dict:
     rows = {"label": np.zeros((batch,), np.int32), "weight": np.ones((batch,), np.float32)}
     if kind == "classify":
         return {"inputs": z, "segment_ids": one, **rows}
-    return {"inputs1": z, "segment_ids1": one, "inputs2": z, "segment_ids2": one, **rows}
+    return {"inputs1": z, "segment_ids1": one, "inputs2": z, "segment_ids2": one,
+            "index": np.zeros((batch,), np.int32), **rows}
 
 
 def _global(batch: dict, sharding) -> dict:
@@ -147,7 +148,8 @@ class Trainer:
                 in_shardings=(self.state_sharding, self.batch_sharding),
                 out_shardings=(self.state_sharding, None), donate_argnums=0,
                 compiler_options=step_compiler_options())
-            self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train),
+            self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train,
+                                                    carries=self.carries),
                                      in_shardings=(self.state_sharding, self.batch_sharding))
             self.eval_memory = None
             if xl.carries_memory(cfg):  # eval_sums threads the eval stream's own memory
@@ -233,7 +235,14 @@ class Trainer:
         return jax.device_get(total)
 
     def evaluate(self, state) -> dict:
-        return finalize(self.eval_sums(state), lm=self.lm)
+        out = finalize(self.eval_sums(state), lm=self.lm)
+        # A model may measure the whole eval split at once (the bi-encoder: each held-out
+        # query searched against the whole held-out pool), beside the batch sums.
+        split_metrics = getattr(type(self.eval_model), "split_metrics", None)
+        if split_metrics is not None and jax.process_count() == 1:
+            params = jax.device_get(carry_lib.model_params(state.params))
+            out.update(split_metrics(self.cfg, self.eval_model, params, self.task))
+        return out
 
     def run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train

@@ -113,8 +113,10 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
     return train_step
 
 
-def make_eval_step(model, t: TrainConfig, *, memory: bool = False):
-    """eval_step(state, batch) -> sums, with the `features` draw current at state.step.
+def make_eval_step(model, t: TrainConfig, *, memory: bool = False, carries=()):
+    """eval_step(state, batch) -> sums, with the `features` draw current at state.step;
+    `carries` (hpnlp.train.carry) wrap the evaluation and read their entries of state.carry
+    (the classifier's key-value memory answers from the trained memory).
 
     memory=True (Transformer-XL on a stream): eval_step(state, batch, memory) -> (sums,
     memory), the eval stream's own memory threaded through the pass by the caller."""
@@ -124,11 +126,11 @@ def make_eval_step(model, t: TrainConfig, *, memory: bool = False):
                                rngs={"features": state.features_key(t.feature_redraw_every)})
         return eval_memory_step
 
+    evaluate = carry_lib.evaluation(model, list(carries))  # sums with the task's loss alone
+
     def eval_step(state: TrainState, batch):
-        sums, aux = model.apply({"params": state.params}, batch, method="evaluate",
-                                rngs={"features": state.features_key(t.feature_redraw_every)},
-                                mutable=[carry_lib.AUX])
-        return carry_lib.fold_aux(sums, aux.get(carry_lib.AUX), add_loss=False)  # the task's loss
+        return evaluate(state.params, state.carry, batch,
+                        {"features": state.features_key(t.feature_redraw_every)})
     return eval_step
 
 
@@ -138,6 +140,9 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     out = {"loss": float(sums["loss"]) / w}
     if "correct" in sums:
         out["accuracy"] = float(sums["correct"]) / w
+    for k in sums:  # other predictions' hits (the memory's and the head's): accuracy_<name>
+        if k.startswith("correct_"):
+            out["accuracy_" + k[len("correct_"):]] = float(sums[k]) / w
     if lm:
         import math
         out["ppl"] = math.exp(min(out["loss"], 50.0))

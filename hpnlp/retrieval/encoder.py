@@ -1,0 +1,78 @@
+"""Search with a trained bi-encoder (hpnlp.models.bi_encoder): its held-out retrieval
+metrics, and an index over any texts.
+
+    python -m hpnlp.retrieval encoder --workdir RUN [--out DIR]    # recall@1/10, MRR
+
+    >>> search = TextSearch.from_run("/tmp/hpnlp/encoder")         # doctest: +SKIP
+    >>> search.add(verses)                                         # doctest: +SKIP
+    >>> search.search(["Blessed are the meek"], k=5)               # doctest: +SKIP
+    [[(0.83, 'Blessed are the meek: for they shall inherit the earth.'), ...]]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from hpnlp.models import bi_encoder as be
+from hpnlp.retrieval import base
+from hpnlp.retrieval.knnlm import load_run
+
+HINT = "python -m hpnlp.main --config experiments/encoder.py --workdir ..."
+
+
+def load_encoder(workdir: str):
+    """(cfg, eval model, params, task, step) of the bi-encoder trained in `workdir`."""
+    return load_run(workdir, "bi_encoder", HINT)
+
+
+def evaluate(workdir: str, *, out: str | None = None) -> dict:
+    """recall@1, recall@10 and MRR of the held-out pairs against the whole held-out pool
+    (hpnlp.models.bi_encoder.evaluate_pool); also written to OUT/summary.json."""
+    cfg, model, params, task, step = load_encoder(workdir)
+    summary = {"workdir": workdir, "step": int(step), "task": task.name, "arch": cfg.model.arch,
+               "loss": cfg.model.encoder.loss, "mined": bool(cfg.model.encoder.mine_every),
+               **be.evaluate_pool(cfg, model, params, task)}
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+class TextSearch:
+    """Texts embedded by a bi-encoder into an hpnlp.retrieval index (any name; exact by
+    default), searched by text."""
+
+    def __init__(self, cfg, model, params, encode_text, *, index: str = "exact", **options):
+        self.cfg, self.model, self.params, self.encode_text = cfg, model, params, encode_text
+        self.index = base.make(index, cfg.model.width, **options)
+        self.texts: list[str] = []
+
+    @classmethod
+    def from_run(cls, workdir: str, *, index: str = "exact", **options) -> "TextSearch":
+        cfg, model, params, task, _ = load_encoder(workdir)
+        return cls(cfg, model, params, task.encode, index=index, **options)
+
+    def embed(self, texts) -> np.ndarray:
+        """Unit vectors [n, E] of `texts` (each cut to data.seq_len tokens)."""
+        L = self.cfg.data.seq_len
+        ids = [np.asarray(self.encode_text(t))[:L] for t in texts]
+        tokens = np.zeros((len(ids), L), np.int32)
+        seg = np.zeros((len(ids), L), np.int32)
+        for i, x in enumerate(ids):
+            tokens[i, :len(x)], seg[i, :len(x)] = x, 1
+        return be.embed_texts(self.model, self.params, tokens, seg)
+
+    def add(self, texts) -> None:
+        texts = list(texts)
+        self.index.add(self.embed(texts))
+        self.texts += texts
+
+    def search(self, queries, k: int = 5) -> list[list[tuple[float, str]]]:
+        """For each query text, its k nearest added texts as (cosine, text), nearest first."""
+        scores, ids = self.index.search(self.embed(list(queries)), k)
+        return [[(float(s), self.texts[i]) for s, i in zip(srow, irow)]
+                for srow, irow in zip(scores, ids)]

@@ -1,0 +1,125 @@
+"""Hard negatives for the bi-encoder, mined from the whole train pool with exact search.
+
+Every `model.encoder.mine_every` steps (not after the last) the current encoder embeds every
+train pair's two sides; each first side q_i is searched (hpnlp.retrieval's `blocked_top_k`, exact) against
+all second sides, and its negative is drawn uniformly from its `mine_depth` nearest second
+sides that are not its positive: never d_i itself, nor any d_j whose text (as the model
+reads it, truncated to data.seq_len) equals d_i's, which would be a positive under another
+number. Until the first mining no pair has a negative (-1).
+
+This is a train-state carry (hpnlp.train.carry) named `negatives`: [pairs] int32, saved
+with every checkpoint. Its `loss` adds each batch row's negative as the batch's third side
+(`inputs3`, `segment_ids3`, `neg_weight`) for the model's loss (hpnlp.models.bi_encoder);
+its `after_update` re-mines, inside the jitted step, under a `lax.cond`, so the steps
+between minings pay nothing.
+
+Shape letters: P train pairs, L length, E width, K candidates searched per query.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.config import Config
+from hpnlp.train.carry import Carry
+
+QUERY_BLOCK = 512  # queries embedded / searched per pass
+DB_BLOCK = 2048  # pool rows per search block
+
+
+def duplicate_groups(tokens_PL, seg_PL) -> np.ndarray:
+    """[P] int32: the same number for rows holding the same text (first row's index)."""
+    keys = [t[s > 0].tobytes() for t, s in zip(tokens_PL, seg_PL)]
+    first: dict[bytes, int] = {}
+    return np.array([first.setdefault(k, i) for i, k in enumerate(keys)], np.int32)
+
+
+def pick_negatives(ids_PK, group_P, depth: int, key):
+    """Per query i, a uniform draw among the first `depth` candidates of row i (ranked
+    nearest first) whose group differs from group_P[i]; -1 where there is none."""
+    ok_PK = group_P[ids_PK] != group_P[:, None]
+    rank_PK = jnp.cumsum(ok_PK, axis=1) - 1
+    avail_P = jnp.minimum(jnp.sum(ok_PK, axis=1), depth)
+    r_P = jax.random.randint(key, avail_P.shape, 0, jnp.maximum(avail_P, 1))
+    hit_PK = ok_PK & (rank_PK == r_P[:, None])
+    chosen = jnp.take_along_axis(ids_PK, jnp.argmax(hit_PK, axis=1)[:, None], axis=1)[:, 0]
+    return jnp.where(avail_P > 0, chosen, -1).astype(jnp.int32)
+
+
+def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, depth: int, key):
+    """[P] int32 negatives (module doc); `encode(params, tokens, seg) -> [n, E]` unit vectors.
+
+    The token arrays are padded to a multiple of QUERY_BLOCK rows (pad rows never match)."""
+    from hpnlp.retrieval.exact import blocked_top_k
+    P = group_P.shape[0]
+    rows = q_tok.shape[0]
+
+    def embed(tok, seg):
+        blocks = (tok.reshape(-1, QUERY_BLOCK, tok.shape[1]), seg.reshape(-1, QUERY_BLOCK, seg.shape[1]))
+        return jax.lax.map(lambda ts: encode(params, *ts), blocks).reshape(rows, -1)
+
+    q_PE, d_PE = embed(q_tok, q_seg), embed(d_tok, d_seg)
+    pad = -(-rows // DB_BLOCK) * DB_BLOCK - rows
+    d_nBE = jnp.pad(d_PE, ((0, pad), (0, 0))).reshape(-1, DB_BLOCK, d_PE.shape[1])
+    # the positive and its duplicates can take places ahead of the negatives: search past them
+    k = min(P, depth + int(np.max(np.bincount(np.asarray(group_P)))))
+    search = lambda q: blocked_top_k(q, d_nBE, P, k)[1]  # noqa: E731
+    ids = jax.lax.map(search, q_PE.reshape(-1, QUERY_BLOCK, q_PE.shape[1])).reshape(rows, k)[:P]
+    return pick_negatives(ids, jnp.asarray(group_P), depth, key)
+
+
+class NegativesCarry(Carry):
+    """The `negatives` entry of the train state (module doc)."""
+
+    name = "negatives"
+
+    def __init__(self, cfg: Config, *, token_counts=None):
+        from hpnlp import data, models
+        from hpnlp.models.bi_encoder import side_arrays
+        self.cfg = cfg
+        task = data.make_task(cfg.data)
+        self.encoder = models.build(cfg, deterministic=True, token_counts=task.token_counts)
+        ex = task.train
+        L = cfg.data.seq_len
+        sides = [side_arrays(ex, s, L) for s in (0, 1)]
+        self.pairs = len(ex)
+        self.group = duplicate_groups(*sides[1])
+        rows = -(-self.pairs // QUERY_BLOCK) * QUERY_BLOCK
+        pad = lambda a: np.pad(a, ((0, rows - len(a)), (0, 0)))  # noqa: E731
+        (self.q_tok, self.q_seg), (self.d_tok, self.d_seg) = [(pad(t), pad(s)) for t, s in sides]
+
+    def init(self, model, params, batch, batch_size: int):
+        return jnp.full((self.pairs,), -1, jnp.int32)
+
+    def loss(self, model, inner):
+        d_tok, d_seg = jnp.asarray(self.d_tok), jnp.asarray(self.d_seg)
+
+        def with_negatives(params, carry, batch, rngs):
+            idx_B = batch["index"]
+            neg_B = jnp.where(idx_B >= 0, carry[self.name][jnp.maximum(idx_B, 0)], -1)
+            ok_B = neg_B >= 0
+            row_B = jnp.maximum(neg_B, 0)
+            width = batch["inputs2"].shape[1]  # bucketed batches may be narrower than seq_len
+            extra = {"inputs3": d_tok[row_B, :width],
+                     "segment_ids3": d_seg[row_B, :width] * ok_B[:, None],
+                     "neg_weight": ok_B.astype(jnp.float32)}
+            return inner(params, carry, {**batch, **extra}, rngs)
+        return with_negatives
+
+    def after_update(self, value, params, grads, step):
+        e = self.cfg.model.encoder
+        encoder = self.encoder
+
+        def encode(p, tok, seg):
+            return encoder.apply({"params": p}, tok, seg, method="encode")
+
+        def remine(_):
+            key = jax.random.fold_in(jax.random.key(self.cfg.seed + 7919), step)
+            return mine(encode, params, jnp.asarray(self.q_tok), jnp.asarray(self.q_seg),
+                        jnp.asarray(self.d_tok), jnp.asarray(self.d_seg), self.group,
+                        e.mine_depth, key)
+        # every mine_every steps, but not after the last (nothing would train on them)
+        due = ((step + 1) % e.mine_every == 0) & (step + 1 < self.cfg.train.steps)
+        return params, jax.lax.cond(due, remine, lambda _: value, None)

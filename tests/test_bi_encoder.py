@@ -1,0 +1,202 @@
+"""The bi-encoder (hpnlp.models.bi_encoder), hard-negative mining (hpnlp.retrieval.mining),
+inverse-frequency embedding gradients (models/transformer.py) and the verse_pairs task."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import data
+from hpnlp.config import ConfigError, DataConfig, from_configdict, validate
+from hpnlp.models import bi_encoder as be
+from hpnlp.models.transformer import batch_count_weights, corpus_count_weights, scaled_take
+from hpnlp.retrieval import mining
+
+
+def _unit(rng, *shape):
+    x = rng.normal(size=shape).astype(np.float32)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _lse(x, axis):
+    m = x.max(axis=axis, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))).squeeze(axis)
+
+
+def test_in_batch_loss_equals_its_formula():
+    rng = np.random.default_rng(0)
+    q, d, n = _unit(rng, 6, 8), _unit(rng, 6, 8), _unit(rng, 6, 8)
+    valid = np.array([1, 1, 1, 1, 1, 0], bool)  # a filler row: a candidate for nobody
+    pos = valid & np.array([1, 1, 0, 1, 1, 1], bool)  # row 2 a label-0 pair: a candidate only
+    nv = np.array([1, 0, 1, 1, 0, 0], bool)
+    T = 0.1
+    got = be.in_batch_loss(q, d, valid, pos, T, symmetric=True, n_NE=n, n_valid_N=nv)
+    s = q @ d.T / T
+    want = np.zeros(6)
+    for i in np.flatnonzero(pos):
+        cand_q = np.concatenate([s[i, valid], (q[i] @ n.T / T)[nv]])
+        cand_d = s[valid, i]
+        want[i] = 0.5 * ((_lse(cand_q, 0) - s[i, i]) + (_lse(cand_d, 0) - s[i, i]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    one_way = be.in_batch_loss(q, d, valid, pos, T, symmetric=False)
+    want1 = [(_lse(s[i, valid], 0) - s[i, i]) if pos[i] else 0.0 for i in range(6)]
+    np.testing.assert_allclose(one_way, want1, rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda q: be.in_batch_loss(q, d, valid, pos, T).sum())(jnp.asarray(q))
+    assert np.isfinite(np.asarray(g)).all()
+
+
+def test_triplet_loss_equals_its_formula():
+    rng = np.random.default_rng(1)
+    q, d, n = _unit(rng, 5, 4), _unit(rng, 5, 4), _unit(rng, 5, 4)
+    valid = np.array([1, 1, 1, 1, 0], bool)
+    nv = np.array([1, 0, 0, 1, 0], bool)
+    m = 0.3
+    got = be.triplet_loss(q, d, valid, valid, m, n_NE=n, n_valid_N=nv)
+    s = q @ d.T
+    want = np.zeros(5)
+    for i in range(4):
+        neg = q[i] @ n[i] if nv[i] else max(s[i, j] for j in range(4) if j != i)
+        want[i] = max(0.0, m + neg - s[i, i])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_frequency_scaling_equals_pytorch_scale_grad_by_freq():
+    rng = np.random.default_rng(2)
+    V, E = 11, 4
+    table = rng.normal(size=(V, E)).astype(np.float32)
+    ids = np.array([[3, 3, 5, 0], [3, 7, 5, 10]], np.int32)
+    up = rng.normal(size=ids.shape + (E,)).astype(np.float32)
+    f = lambda t: jnp.sum(scaled_take(t, ids, batch_count_weights(ids, V)) * up)  # noqa: E731
+    got = np.asarray(jax.grad(f)(jnp.asarray(table)))
+    np.testing.assert_allclose(np.asarray(scaled_take(table, ids, jnp.ones(V))), table[ids])
+    try:
+        import torch
+    except ImportError:  # the definition itself: each row's summed gradient / its count
+        counts = np.bincount(ids.ravel(), minlength=V)
+        want = np.zeros_like(table)
+        np.add.at(want, ids.ravel(), up.reshape(-1, E))
+        want /= np.maximum(counts, 1)[:, None]
+    else:
+        t = torch.tensor(table, requires_grad=True)
+        out = torch.nn.functional.embedding(torch.tensor(ids, dtype=torch.long), t,
+                                            scale_grad_by_freq=True)
+        (out * torch.tensor(up)).sum().backward()
+        want = t.grad.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_corpus_frequency_table():
+    counts = np.array([0, 1, 10, 1000, 100_000])
+    w = corpus_count_weights(counts, tokens_per_batch=1000)
+    expected = counts * 1000 / counts.sum()  # an id's expected count in a batch
+    np.testing.assert_allclose(w, 1.0 / np.maximum(expected, 1.0), rtol=1e-6)
+    table = np.ones((5, 2), np.float32)
+    ids = np.array([4, 4, 1])
+    g = jax.grad(lambda t: scaled_take(t, ids, jnp.asarray(w)).sum())(jnp.asarray(table))
+    np.testing.assert_allclose(np.asarray(g)[:, 0], [0, w[1], 0, 0, 2 * w[4]], rtol=1e-6)
+
+
+def test_mined_negatives_never_include_the_positive():
+    rng = np.random.default_rng(3)
+    P, L, E = 40, 6, 8
+    tok = rng.integers(1, 50, size=(P, L)).astype(np.int32)
+    tok[[5, 17, 30]] = tok[5]  # the same text under three numbers
+    seg = np.ones((P, L), np.int32)
+    group = mining.duplicate_groups(tok, seg)
+    assert group[17] == group[30] == 5 and len(set(group)) == P - 2
+    emb = jnp.asarray(_unit(rng, 64, E))
+
+    def encode(params, t, s):  # a bag of random unit vectors: q_i nearest to its own d_i
+        return be.normalize(jnp.sum(params[t] * (s > 0)[..., None], axis=1))
+    rows = mining.QUERY_BLOCK
+    pad = lambda a: np.pad(a, ((0, rows - P), (0, 0)))  # noqa: E731
+    for depth in (1, 3, 50):
+        neg = np.asarray(mining.mine(encode, emb, pad(tok), pad(seg), pad(tok), pad(seg), group,
+                                     depth, jax.random.key(depth)))
+        assert neg.shape == (P,) and (neg >= 0).all() and (neg < P).all()
+        assert (group[neg] != group).all()  # never the positive, nor a copy of its text
+        if depth == 1:  # the nearest non-positive, by brute force
+            s = np.asarray(encode(emb, tok, seg)) @ np.asarray(encode(emb, tok, seg)).T
+            s[group[None, :] == group[:, None]] = -np.inf
+            np.testing.assert_array_equal(neg, s.argmax(1))
+    none = mining.pick_negatives(jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32), 2,
+                                 jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(none), [-1, -1])  # only positives found
+
+
+def test_pool_metrics_ranks_exactly():
+    rng = np.random.default_rng(4)
+    q, d = _unit(rng, 30, 8), _unit(rng, 50, 8)
+    got = be.pool_metrics(q, d, block=16)
+    s = q @ d.T
+    rank = 1 + (s > np.diag(s[:, :30])[:, None]).sum(1)
+    assert got["recall@1"] == pytest.approx(np.mean(rank <= 1))
+    assert got["recall@10"] == pytest.approx(np.mean(rank <= 10))
+    assert got["mrr"] == pytest.approx(np.mean(1 / rank)) and got["pool"] == 50
+    assert be.pool_metrics(d[:30], d)["recall@1"] == 1.0
+
+
+def test_verse_pairs_task():
+    t = data.make_task(DataConfig(task="verse_pairs", seq_len=64))
+    assert t.kind == "match" and (t.train.labels == 1).all() and len(t.eval) > 1000
+    a, b = t.train.example(0)
+    assert t.decode(a).startswith("In the beginning God") and t.decode(b).startswith("And the earth")
+    assert t.token_counts.sum() == len(t.train.tokens)
+    info = data.task_info(DataConfig(task="verse_pairs"))
+    assert (info["kind"], info["vocab_size"]) == (t.kind, t.vocab_size)
+
+
+def _cfg(args="local", **over):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("encoder_exp", os.path.join(
+        os.path.dirname(__file__), "..", "experiments", "encoder.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cd = mod.get_config(args)
+    cd.train.progress = False
+    for k, v in over.items():
+        group, field = k.split(".", 1)
+        if "." in field:
+            sub, field = field.split(".")
+            cd[group][sub][field] = v
+        else:
+            cd[group][field] = v
+    return from_configdict(cd)
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"model.arch": "bag", "model.kind": "classifier", "data.task": "doc_classify"}, "model.arch"),
+    ({"model.encoder.loss": "hinge"}, "model.encoder.loss"),
+    ({"model.encoder.mine_every": -1}, "model.encoder.mine_every"),
+    ({"model.embed_grad_scale": "inverse"}, "model.embed_grad_scale"),
+])
+def test_config_errors_name_the_field(over, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate(_cfg(**over))
+
+
+def test_encoder_trains_and_mines(tmp_path):
+    """A tiny run with mining every 5 steps: the carry holds negatives that are never the
+    positive (as restored from the checkpoint), and the held-out pool metrics beat chance."""
+    from hpnlp.train.loop import Trainer
+    cfg = _cfg("local,mine,bag,corpus_freq", **{"train.steps": 10, "model.encoder.mine_every": 5,
+                                                 "train.checkpoint_every": 5, "train.eval_every": 10})
+    wd = str(tmp_path / "run")
+    tr = Trainer(cfg, wd)
+    summary = tr.run()
+    assert summary["final_step"] == 10 and np.isfinite(summary["eval"]["loss"])
+    assert {"recall@1", "recall@10", "mrr"} <= set(summary["eval"])  # the whole held-out pool
+    state, _ = Trainer(cfg, wd, read_only=True).initial_state()
+    neg = np.asarray(state.carry["negatives"])
+    group = tr.carries[0].group
+    assert (neg >= 0).all() and (group[neg] != group[np.arange(len(neg))]).all()
+    lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    assert any(x.get("eval") for x in lines)
+    model, params = tr.eval_model, jax.device_get(state.params)
+    metrics = be.evaluate_pool(cfg, model, params, tr.task)
+    assert set(metrics) == {"recall@1", "recall@10", "mrr", "pool"} and 0 < metrics["mrr"] <= 1
+    assert metrics["mrr"] == pytest.approx(summary["eval"]["mrr"])
+    assert metrics["recall@10"] > 10 / metrics["pool"]  # better than chance after 10 steps
