@@ -810,6 +810,9 @@ def _check_encoder(cfg: Config) -> None:
         if not isinstance(getattr(e, name), int) or getattr(e, name) < (name == "mine_depth"):
             _fail(f"model.encoder.{name}", getattr(e, name),
                   "must be an integer >= " + ("1" if name == "mine_depth" else "0 (0: no mining)"))
+    if e.mine_depth > 1024:
+        _fail("model.encoder.mine_depth", e.mine_depth, "must be <= 1024 (the negative is drawn "
+              "from this many nearest non-positives; deeper draws are nearly random)")
     if e.mine_every and m.kind != "bi_encoder":
         _fail("model.encoder.mine_every", e.mine_every, "hard negatives are mined for the "
               "bi-encoder; set model.kind='bi_encoder' or model.encoder.mine_every=0")

@@ -46,6 +46,12 @@ def test_in_batch_loss_equals_its_formula():
     np.testing.assert_allclose(one_way, want1, rtol=1e-5, atol=1e-5)
     g = jax.grad(lambda q: be.in_batch_loss(q, d, valid, pos, T).sum())(jnp.asarray(q))
     assert np.isfinite(np.asarray(g)).all()
+    clash = np.zeros((6, 6), bool)
+    clash[0, 2] = True  # the negative mined for row 2 is row 0's match: not a negative of row 0
+    got = be.in_batch_loss(q, d, valid, pos, T, symmetric=False, n_NE=n, n_valid_N=nv, n_clash_BN=clash)
+    keep = nv & ~clash[0]
+    want0 = _lse(np.concatenate([s[0, valid], (q[0] @ n.T / T)[keep]]), 0) - s[0, 0]
+    np.testing.assert_allclose(got[0], want0, rtol=1e-5)
 
 
 def test_triplet_loss_equals_its_formula():
@@ -104,26 +110,31 @@ def test_mined_negatives_never_include_the_positive():
     P, L, E = 40, 6, 8
     tok = rng.integers(1, 50, size=(P, L)).astype(np.int32)
     tok[[5, 17, 30]] = tok[5]  # the same text under three numbers
+    qtok = rng.integers(1, 50, size=(P, L)).astype(np.int32)
+    qtok[[2, 9]] = qtok[2]  # one query opening two pairs: d_9 is q_2's match too
     seg = np.ones((P, L), np.int32)
-    group = mining.duplicate_groups(tok, seg)
-    assert group[17] == group[30] == 5 and len(set(group)) == P - 2
+    group, qgroup = mining.duplicate_groups(tok, seg), mining.duplicate_groups(qtok, seg)
+    assert group[17] == group[30] == 5 and len(set(group)) == P - 2 and qgroup[9] == 2
     emb = jnp.asarray(_unit(rng, 64, E))
 
     def encode(params, t, s):  # a bag of random unit vectors: q_i nearest to its own d_i
         return be.normalize(jnp.sum(params[t] * (s > 0)[..., None], axis=1))
     rows = mining.QUERY_BLOCK
     pad = lambda a: np.pad(a, ((0, rows - P), (0, 0)))  # noqa: E731
+    q_near = np.where(np.arange(P)[:, None] == 9, tok[2], tok)  # q_9 reads like d_2 ...
+    q_near[2] = tok[9]  # ... and q_2 like d_9: without the query groups d_9 would be mined for q_2
     for depth in (1, 3, 50):
-        neg = np.asarray(mining.mine(encode, emb, pad(tok), pad(seg), pad(tok), pad(seg), group,
-                                     depth, jax.random.key(depth)))
+        neg = np.asarray(mining.mine(encode, emb, pad(q_near), pad(seg), pad(tok), pad(seg), group,
+                                     qgroup, depth, jax.random.key(depth)))
         assert neg.shape == (P,) and (neg >= 0).all() and (neg < P).all()
         assert (group[neg] != group).all()  # never the positive, nor a copy of its text
+        assert (qgroup[neg] != qgroup).all()  # nor the match of the same query text
         if depth == 1:  # the nearest non-positive, by brute force
-            s = np.asarray(encode(emb, tok, seg)) @ np.asarray(encode(emb, tok, seg)).T
-            s[group[None, :] == group[:, None]] = -np.inf
+            s = np.asarray(encode(emb, q_near, seg)) @ np.asarray(encode(emb, tok, seg)).T
+            s[(group[None, :] == group[:, None]) | (qgroup[None, :] == qgroup[:, None])] = -np.inf
             np.testing.assert_array_equal(neg, s.argmax(1))
-    none = mining.pick_negatives(jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32), 2,
-                                 jax.random.key(0))
+    z = jnp.zeros(2, jnp.int32)
+    none = mining.pick_negatives(jnp.zeros((2, 3), jnp.int32), z, z, 2, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(none), [-1, -1])  # only positives found
 
 
@@ -132,11 +143,13 @@ def test_pool_metrics_ranks_exactly():
     q, d = _unit(rng, 30, 8), _unit(rng, 50, 8)
     got = be.pool_metrics(q, d, block=16)
     s = q @ d.T
-    rank = 1 + (s > np.diag(s[:, :30])[:, None]).sum(1)
+    rank = 1 + (s > np.diag(s[:, :30])[:, None] + be.TIE).sum(1)  # the documented rank
     assert got["recall@1"] == pytest.approx(np.mean(rank <= 1))
     assert got["recall@10"] == pytest.approx(np.mean(rank <= 10))
     assert got["mrr"] == pytest.approx(np.mean(1 / rank)) and got["pool"] == 50
     assert be.pool_metrics(d[:30], d)["recall@1"] == 1.0
+    twice = np.concatenate([d, d])  # every item twice: ties rank in the query's favour
+    assert be.pool_metrics(d, twice) == {"recall@1": 1.0, "recall@10": 1.0, "mrr": 1.0, "pool": 100}
 
 
 def test_verse_pairs_task():

@@ -111,7 +111,7 @@ def encoder_config(s: dict, args: str):
     cd.train.warmup_steps = min(cd.train.warmup_steps, s["encoder_steps"] // 5)
     cd.train.eval_every = cd.train.checkpoint_every = s["encoder_steps"]
     if cd.model.encoder.mine_every:
-        cd.model.encoder.mine_every = max(1, s["encoder_steps"] // 3)  # mined twice
+        cd.model.encoder.mine_every = s["encoder_steps"] // 3 + 1  # mined twice
     cd.train.progress = False
     return cd
 

@@ -52,17 +52,20 @@ NEG = -1e9  # a masked score: finite, so no row's softmax or max turns its gradi
 
 
 def in_batch_loss(q_BE, d_BE, valid_B, positive_B, temperature: float, *, symmetric: bool = True,
-                  n_NE=None, n_valid_N=None):
+                  n_NE=None, n_valid_N=None, n_clash_BN=None):
     """Per-row in-batch softmax loss [B] (0 where not `positive_B`; module doc).
 
     `valid_B`: real rows (their sides are candidates); `positive_B`: rows whose two sides
-    match (their loss counts). `n_NE` / `n_valid_N`: extra negatives every q is scored against.
+    match (their loss counts). `n_NE` / `n_valid_N`: extra negatives every q is scored
+    against, except where `n_clash_BN` (row i's positive under another number: a negative
+    mined for another row can be this row's match).
     """
     s_BB = (q_BE @ d_BE.T) / temperature
     diag_B = jnp.diagonal(s_BB)
     s_q = jnp.where(valid_B[None, :], s_BB, NEG)
     if n_NE is not None:
-        s_BN = jnp.where(n_valid_N[None, :], (q_BE @ n_NE.T) / temperature, NEG)
+        keep_BN = n_valid_N[None, :] if n_clash_BN is None else n_valid_N[None, :] & ~n_clash_BN
+        s_BN = jnp.where(keep_BN, (q_BE @ n_NE.T) / temperature, NEG)
         s_q = jnp.concatenate([s_q, s_BN], axis=1)
     loss_B = jax.nn.logsumexp(s_q, axis=1) - diag_B
     if symmetric:  # each d against every q
@@ -89,8 +92,8 @@ def triplet_loss(q_BE, d_BE, valid_B, positive_B, margin: float, *, n_NE=None, n
 
 class BiEncoder(nn.Module):
     """Shared-weights encoder of both sides of a pair (module doc). Batches: inputs1/2,
-    segment_ids1/2 [B, L]; label, weight [B]; optionally inputs3, segment_ids3 [B, L] and
-    neg_weight [B] (mined negatives)."""
+    segment_ids1/2 [B, L]; label, weight [B]; optionally inputs3, segment_ids3 [B, L],
+    neg_weight [B] and neg_clash [B, B] (mined negatives, hpnlp.retrieval.mining)."""
 
     cfg: Config
     deterministic: bool = True
@@ -132,7 +135,7 @@ class BiEncoder(nn.Module):
         q_BE, d_BE, valid_B, positive_B, neg = self._sides(batch)
         if e.loss == "in_batch":
             loss_B = in_batch_loss(q_BE, d_BE, valid_B, positive_B, e.temperature,
-                                   symmetric=e.symmetric, **neg)
+                                   symmetric=e.symmetric, n_clash_BN=batch.get("neg_clash"), **neg)
         else:
             loss_B = triplet_loss(q_BE, d_BE, valid_B, positive_B, e.margin, **neg)
         # `correct`: the row's own d is the nearest of the batch's d (recall@1 in the batch)
@@ -180,22 +183,28 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256) -> n
     return np.concatenate(out) if out else np.zeros((0, model.cfg.model.width), np.float32)
 
 
-_ENCODERS: dict[int, Any] = {}
+_ENCODERS: dict[int, Any] = {}  # id(model) -> (model, jitted encode), the last few models
 
 
 def _encoder(model):
     key = id(model)
     if key not in _ENCODERS:
+        while len(_ENCODERS) >= 4:
+            _ENCODERS.pop(next(iter(_ENCODERS)))
         _ENCODERS[key] = (model, jax.jit(
             lambda p, t, s: model.apply({"params": p}, t, s, method="encode")))
     return _ENCODERS[key][1]
 
 
+TIE = 1e-5  # scores of unit vectors closer than this rank as ties
+
+
 def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
     """Query i's own item is d_PE[i]: recall@k (its rank <= k) and the mean reciprocal rank.
 
-    The rank is 1 + the number of items scoring strictly higher (ties count in the query's
-    favour), counted exactly over blocks of the pool."""
+    The rank is 1 + the number of items scoring higher by more than TIE (ties, and the
+    rounding between two products of equal vectors, count in the query's favour), counted
+    exactly over blocks of the pool."""
     q = jnp.asarray(q_QE, jnp.float32)
     d = jnp.asarray(d_PE, jnp.float32)
     nq = q.shape[0]
@@ -204,7 +213,8 @@ def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
     for i in range(0, d.shape[0], block):
         s = jnp.dot(q, d[i:i + block].T, precision=jax.lax.Precision.HIGHEST)
         other = jnp.arange(nq)[:, None] != i + jnp.arange(s.shape[1])[None, :]  # not its own
-        above = above + jnp.sum((s > own_Q[:, None]) & other, axis=1, dtype=jnp.int32)
+        higher = s > own_Q[:, None] + TIE  # an equal vector scores equal, give or take rounding
+        above = above + jnp.sum(higher & other, axis=1, dtype=jnp.int32)
     rank = np.asarray(above) + 1
     out = {f"recall@{k}": float(np.mean(rank <= k)) for k in ks}
     out["mrr"] = float(np.mean(1.0 / rank))

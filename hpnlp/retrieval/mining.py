@@ -4,14 +4,16 @@ Every `model.encoder.mine_every` steps (not after the last) the current encoder 
 train pair's two sides; each first side q_i is searched (hpnlp.retrieval's `blocked_top_k`, exact) against
 all second sides, and its negative is drawn uniformly from its `mine_depth` nearest second
 sides that are not its positive: never d_i itself, nor any d_j whose text (as the model
-reads it, truncated to data.seq_len) equals d_i's, which would be a positive under another
-number. Until the first mining no pair has a negative (-1).
+reads it, truncated to data.seq_len) equals d_i's, nor any d_j whose pair's first side
+equals q_i's (trained as q_i's match under another number: "And the LORD spake unto Moses,
+saying," opens 45 pairs). Until the first mining no pair has a negative (-1).
 
 This is a train-state carry (hpnlp.train.carry) named `negatives`: [pairs] int32, saved
 with every checkpoint. Its `loss` adds each batch row's negative as the batch's third side
 (`inputs3`, `segment_ids3`, `neg_weight`) for the model's loss (hpnlp.models.bi_encoder);
 its `after_update` re-mines, inside the jitted step, under a `lax.cond`, so the steps
-between minings pay nothing.
+between minings pay nothing. (The pool's token arrays, a few MB, are constants of the
+compiled step.)
 
 Shape letters: P train pairs, L length, E width, K candidates searched per query.
 """
@@ -36,10 +38,17 @@ def duplicate_groups(tokens_PL, seg_PL) -> np.ndarray:
     return np.array([first.setdefault(k, i) for i, k in enumerate(keys)], np.int32)
 
 
-def pick_negatives(ids_PK, group_P, depth: int, key):
+def positives(ids, group_P, qgroup_P, rows):
+    """Whether pair ids[...] is a match for the query of pair rows[...] (broadcast): its
+    second side has the same text as that pair's, or its first side the same query text."""
+    return (group_P[ids] == group_P[rows]) | (qgroup_P[ids] == qgroup_P[rows])
+
+
+def pick_negatives(ids_PK, group_P, qgroup_P, depth: int, key):
     """Per query i, a uniform draw among the first `depth` candidates of row i (ranked
-    nearest first) whose group differs from group_P[i]; -1 where there is none."""
-    ok_PK = group_P[ids_PK] != group_P[:, None]
+    nearest first) that are not its positives (`positives`); -1 where there is none."""
+    rows = jnp.arange(ids_PK.shape[0])[:, None]
+    ok_PK = ~positives(ids_PK, group_P, qgroup_P, rows)
     rank_PK = jnp.cumsum(ok_PK, axis=1) - 1
     avail_P = jnp.minimum(jnp.sum(ok_PK, axis=1), depth)
     r_P = jax.random.randint(key, avail_P.shape, 0, jnp.maximum(avail_P, 1))
@@ -48,7 +57,7 @@ def pick_negatives(ids_PK, group_P, depth: int, key):
     return jnp.where(avail_P > 0, chosen, -1).astype(jnp.int32)
 
 
-def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, depth: int, key):
+def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, qgroup_P, depth: int, key):
     """[P] int32 negatives (module doc); `encode(params, tokens, seg) -> [n, E]` unit vectors.
 
     The token arrays are padded to a multiple of QUERY_BLOCK rows (pad rows never match)."""
@@ -61,13 +70,15 @@ def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, depth: int, key):
         return jax.lax.map(lambda ts: encode(params, *ts), blocks).reshape(rows, -1)
 
     q_PE, d_PE = embed(q_tok, q_seg), embed(d_tok, d_seg)
-    pad = -(-rows // DB_BLOCK) * DB_BLOCK - rows
-    d_nBE = jnp.pad(d_PE, ((0, pad), (0, 0))).reshape(-1, DB_BLOCK, d_PE.shape[1])
-    # the positive and its duplicates can take places ahead of the negatives: search past them
-    k = min(P, depth + int(np.max(np.bincount(np.asarray(group_P)))))
+    # the positives can take places ahead of the negatives: search past all of them
+    most = lambda g: int(np.max(np.bincount(np.asarray(g))))  # noqa: E731
+    k = min(P, depth + most(group_P) + most(qgroup_P))
+    block = max(DB_BLOCK, 1 << (k - 1).bit_length())  # a block holds at least k rows
+    pad = -(-rows // block) * block - rows
+    d_nBE = jnp.pad(d_PE, ((0, pad), (0, 0))).reshape(-1, block, d_PE.shape[1])
     search = lambda q: blocked_top_k(q, d_nBE, P, k)[1]  # noqa: E731
     ids = jax.lax.map(search, q_PE.reshape(-1, QUERY_BLOCK, q_PE.shape[1])).reshape(rows, k)[:P]
-    return pick_negatives(ids, jnp.asarray(group_P), depth, key)
+    return pick_negatives(ids, jnp.asarray(group_P), jnp.asarray(qgroup_P), depth, key)
 
 
 class NegativesCarry(Carry):
@@ -85,7 +96,8 @@ class NegativesCarry(Carry):
         L = cfg.data.seq_len
         sides = [side_arrays(ex, s, L) for s in (0, 1)]
         self.pairs = len(ex)
-        self.group = duplicate_groups(*sides[1])
+        self.group = duplicate_groups(*sides[1])  # pairs whose second sides read the same
+        self.qgroup = duplicate_groups(*sides[0])  # pairs whose first sides read the same
         rows = -(-self.pairs // QUERY_BLOCK) * QUERY_BLOCK
         pad = lambda a: np.pad(a, ((0, rows - len(a)), (0, 0)))  # noqa: E731
         (self.q_tok, self.q_seg), (self.d_tok, self.d_seg) = [(pad(t), pad(s)) for t, s in sides]
@@ -95,16 +107,18 @@ class NegativesCarry(Carry):
 
     def loss(self, model, inner):
         d_tok, d_seg = jnp.asarray(self.d_tok), jnp.asarray(self.d_seg)
+        group, qgroup = jnp.asarray(self.group), jnp.asarray(self.qgroup)
 
         def with_negatives(params, carry, batch, rngs):
-            idx_B = batch["index"]
-            neg_B = jnp.where(idx_B >= 0, carry[self.name][jnp.maximum(idx_B, 0)], -1)
+            idx_B = jnp.maximum(batch["index"], 0)
+            neg_B = jnp.where(batch["index"] >= 0, carry[self.name][idx_B], -1)
             ok_B = neg_B >= 0
             row_B = jnp.maximum(neg_B, 0)
-            width = batch["inputs2"].shape[1]  # bucketed batches may be narrower than seq_len
-            extra = {"inputs3": d_tok[row_B, :width],
-                     "segment_ids3": d_seg[row_B, :width] * ok_B[:, None],
-                     "neg_weight": ok_B.astype(jnp.float32)}
+            # whole texts (seq_len wide, encoded on their own), whatever a bucket's width
+            extra = {"inputs3": d_tok[row_B], "segment_ids3": d_seg[row_B] * ok_B[:, None],
+                     "neg_weight": ok_B.astype(jnp.float32),
+                     # row i's match among the negatives mined for the other rows
+                     "neg_clash": positives(row_B[None, :], group, qgroup, idx_B[:, None])}
             return inner(params, carry, {**batch, **extra}, rngs)
         return with_negatives
 
@@ -119,7 +133,7 @@ class NegativesCarry(Carry):
             key = jax.random.fold_in(jax.random.key(self.cfg.seed + 7919), step)
             return mine(encode, params, jnp.asarray(self.q_tok), jnp.asarray(self.q_seg),
                         jnp.asarray(self.d_tok), jnp.asarray(self.d_seg), self.group,
-                        e.mine_depth, key)
+                        self.qgroup, e.mine_depth, key)
         # every mine_every steps, but not after the last (nothing would train on them)
         due = ((step + 1) % e.mine_every == 0) & (step + 1 < self.cfg.train.steps)
         return params, jax.lax.cond(due, remine, lambda _: value, None)
