@@ -32,7 +32,9 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     extra = {}
     if cfg.model.embed_grad_scale == "corpus" and token_counts is not None:
         from hpnlp.models.transformer import RowWeights, corpus_count_weights
-        per_call = cfg.train.batch_size * cfg.data.seq_len  # tokens one embedding lookup reads
+        # slots one embedding lookup reads (a microbatch's rows x seq_len; padding included,
+        # so for padded batches the expected counts are upper bounds)
+        per_call = cfg.train.batch_size // cfg.train.grad_accum * cfg.data.seq_len
         extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_call))
     if token_counts is not None and cfg.model.kind == "lm":
         # One Frequencies per model, not one per `setup` (which flax reruns on every
