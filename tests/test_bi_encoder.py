@@ -143,13 +143,18 @@ def test_pool_metrics_ranks_exactly():
     q, d = _unit(rng, 30, 8), _unit(rng, 50, 8)
     got = be.pool_metrics(q, d, block=16)
     s = q @ d.T
-    rank = 1 + (s > np.diag(s[:, :30])[:, None] + be.TIE).sum(1)  # the documented rank
+    own = np.diag(s[:, :30])[:, None]
+    lower = np.arange(50)[None, :] < np.arange(30)[:, None]
+    rank = 1 + ((s > own) | ((s == own) & lower)).sum(1)  # the documented rank
     assert got["recall@1"] == pytest.approx(np.mean(rank <= 1))
     assert got["recall@10"] == pytest.approx(np.mean(rank <= 10))
     assert got["mrr"] == pytest.approx(np.mean(1 / rank)) and got["pool"] == 50
     assert be.pool_metrics(d[:30], d)["recall@1"] == 1.0
-    twice = np.concatenate([d, d])  # every item twice: ties rank in the query's favour
+    twice = np.concatenate([d, d])  # every item twice: its copy has the higher id
     assert be.pool_metrics(d, twice) == {"recall@1": 1.0, "recall@10": 1.0, "mrr": 1.0, "pool": 100}
+    same = np.ones((20, 8), np.float32) / np.sqrt(8)  # a collapsed encoder: ranked by id, at chance
+    got = be.pool_metrics(same, same)
+    assert got["recall@1"] == 1 / 20 and got["recall@10"] == 10 / 20
 
 
 def test_verse_pairs_task():
@@ -210,6 +215,7 @@ def test_encoder_trains_and_mines(tmp_path):
     assert any(x.get("eval") for x in lines)
     model, params = tr.eval_model, jax.device_get(state.params)
     metrics = be.evaluate_pool(cfg, model, params, tr.task)
-    assert set(metrics) == {"recall@1", "recall@10", "mrr", "pool"} and 0 < metrics["mrr"] <= 1
+    assert set(metrics) == {"recall@1", "recall@10", "mrr", "pool", "pool_cosine"}
+    assert 0 < metrics["mrr"] <= 1 and -1 <= metrics["pool_cosine"] <= 1
     assert metrics["mrr"] == pytest.approx(summary["eval"]["mrr"])
     assert metrics["recall@10"] > 10 / metrics["pool"]  # better than chance after 10 steps

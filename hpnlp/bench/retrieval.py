@@ -239,10 +239,13 @@ def _markdown(p: dict) -> str:
         e = p["encoder"]
         out += [f"### Bi-encoders on verse_pairs: each verse of the held-out chapters searched among "
                 f"all {e[0]['pool']:,} held-out next verses ({e[0]['steps']} training steps each)", "",
-                report.table(["encoder", "recall@1", "recall@10", "MRR", "parameters", "train steps/s"],
+                report.table(["encoder", "recall@1", "recall@10", "MRR", "mean cosine in pool",
+                              "parameters", "train steps/s"],
                              [[r["encoder"], f"{r['recall@1']:.3f}", f"{r['recall@10']:.3f}",
-                               f"{r['mrr']:.3f}", f"{r['param_count']:,}",
-                               report.fmt(r["steps_per_sec"], "")] for r in e]), ""]
+                               f"{r['mrr']:.3f}", f"{r['pool_cosine']:.6f}", f"{r['param_count']:,}",
+                               report.fmt(r["steps_per_sec"], "")] for r in e]),
+                "", "Mean cosine in pool: between two different held-out items; near 1 the "
+                "encoder has collapsed and its ranks come from float32 rounding.", ""]
     if p.get("knnlm"):
         out += ["### kNN-LM (held-out test half; k, T, lambda tuned on the validation half)", "",
                 report.table(["LM", "datastore", "test tokens", "LM ppl", "kNN-LM ppl", "reduction",

@@ -150,7 +150,8 @@ class BiEncoder(nn.Module):
     def split_metrics(cfg: Config, model, params, task) -> dict:
         """What the Trainer adds to each evaluation: the whole held-out pool's recall@1/10 and
         MRR (`evaluate_pool`), beside the in-batch loss and accuracy."""
-        return {k: v for k, v in evaluate_pool(cfg, model, params, task).items() if k != "pool"}
+        return {k: v for k, v in evaluate_pool(cfg, model, params, task).items()
+                if k in ("recall@1", "recall@10", "mrr")}
 
 
 # -- evaluation over a whole pool ------------------------------------------------------------
@@ -196,25 +197,27 @@ def _encoder(model):
     return _ENCODERS[key][1]
 
 
-TIE = 1e-5  # scores of unit vectors closer than this rank as ties
-
-
 def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
     """Query i's own item is d_PE[i]: recall@k (its rank <= k) and the mean reciprocal rank.
 
-    The rank is 1 + the number of items scoring higher by more than TIE (ties, and the
-    rounding between two products of equal vectors, count in the query's favour), counted
-    exactly over blocks of the pool."""
+    The rank is where exact search puts the item: 1 + the number of items scoring higher,
+    plus those scoring exactly the same with a lower id. Every score, the own item's
+    included, comes from the same blocked product, so two equal vectors score exactly alike
+    and no tolerance is needed (a tolerance would let a collapsed encoder, whose scores all
+    lie within it, tie its way to the top). Counted exactly over blocks of the pool."""
     q = jnp.asarray(q_QE, jnp.float32)
     d = jnp.asarray(d_PE, jnp.float32)
     nq = q.shape[0]
-    own_Q = jnp.sum(q * d[:nq], axis=1)
+    rows = jnp.arange(nq)[:, None]
+    blocks = [(i, jnp.dot(q, d[i:i + block].T, precision=jax.lax.Precision.HIGHEST))
+              for i in range(0, d.shape[0], block)]
+    own_Q = sum(jnp.sum(jnp.where(rows == i + jnp.arange(s.shape[1])[None, :], s, 0.0), axis=1)
+                for i, s in blocks)
     above = jnp.zeros(nq, jnp.int32)
-    for i in range(0, d.shape[0], block):
-        s = jnp.dot(q, d[i:i + block].T, precision=jax.lax.Precision.HIGHEST)
-        other = jnp.arange(nq)[:, None] != i + jnp.arange(s.shape[1])[None, :]  # not its own
-        higher = s > own_Q[:, None] + TIE  # an equal vector scores equal, give or take rounding
-        above = above + jnp.sum(higher & other, axis=1, dtype=jnp.int32)
+    for i, s in blocks:
+        j = i + jnp.arange(s.shape[1])[None, :]
+        ahead = (s > own_Q[:, None]) | ((s == own_Q[:, None]) & (j < rows))
+        above = above + jnp.sum(ahead, axis=1, dtype=jnp.int32)
     rank = np.asarray(above) + 1
     out = {f"recall@{k}": float(np.mean(rank <= k)) for k in ks}
     out["mrr"] = float(np.mean(1.0 / rank))
@@ -233,4 +236,8 @@ def evaluate_pool(cfg: Config, model, params, task, *, split: str = "eval") -> d
     d = embed_texts(model, params, d_tok, d_seg)
     # queries ordered as `keep`: put each one's own item first in the pool's order
     order = np.concatenate([keep, np.setdiff1d(np.arange(len(ex)), keep)])
-    return pool_metrics(q, d[order])
+    # mean cosine between two different pool items: near 1, the encoder has collapsed and
+    # its ranks are decided by rounding, whatever recall they show
+    P, total = len(d), np.sum(d, axis=0, dtype=np.float64)
+    cosine = float((total @ total - np.sum(d.astype(np.float64) ** 2)) / max(P * (P - 1), 1))
+    return {**pool_metrics(q, d[order]), "pool_cosine": cosine}
