@@ -30,6 +30,7 @@ P pool.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -184,17 +185,10 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256) -> n
     return np.concatenate(out) if out else np.zeros((0, model.cfg.model.width), np.float32)
 
 
-_ENCODERS: dict[int, Any] = {}  # id(model) -> (model, jitted encode), the last few models
-
-
+@functools.lru_cache(maxsize=4)
 def _encoder(model):
-    key = id(model)
-    if key not in _ENCODERS:
-        while len(_ENCODERS) >= 4:
-            _ENCODERS.pop(next(iter(_ENCODERS)))
-        _ENCODERS[key] = (model, jax.jit(
-            lambda p, t, s: model.apply({"params": p}, t, s, method="encode")))
-    return _ENCODERS[key][1]
+    """Jitted (params, tokens, seg) -> unit vectors; one per model (as knnlm._forward)."""
+    return jax.jit(lambda p, t, s: model.apply({"params": p}, t, s, method="encode"))
 
 
 def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
