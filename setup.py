@@ -17,6 +17,11 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     "tensorboardX==2.6.5",
     "psutil>=5.9",
+    # data: subword tokenizers (hpnlp/data/tokenizers.py) and prepared on-disk shards read
+    # through grain (hpnlp/data/sharded.py, prepare.py)
+    "sentencepiece==0.2.3",
+    "grain==0.2.18",
+    "array-record==0.8.6",
 ]
 
 EXTRAS = {

@@ -463,6 +463,14 @@ class DataConfig:
     listops_max_args: int = 10
     # Word-level LM: keep the most frequent words, the rest map to <unk>
     word_vocab_size: int = 10000
+    # LM tasks' tokenizer: "" (the task's own: byte_lm bytes, word_lm words) | "bytes" |
+    # "words" | "bpe" | "unigram" (SentencePiece models of `vocab_size` pieces, trained on the
+    # training split and kept in WORKDIR/tokenizer; hpnlp/data/tokenizers.py)
+    tokenizer: str = ""
+    vocab_size: int = 8000  # pieces of a bpe / unigram tokenizer
+    # A folder written by `python -m hpnlp.data.prepare` (on-disk shards of a tokenized
+    # corpus, read through grain; LM tasks). "" = the text in memory.
+    prepared: str = ""
 
 
 # Device mesh axes, in mesh order. Model code never names these; it names logical axes,
@@ -1179,6 +1187,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
     _check_positive("data.seq_len", d.seq_len)
     _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
+    from hpnlp.data.tokenizers import KINDS as tokenizer_kinds
+    _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
     if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch != "transformer_xl":
         _fail("data.seq_len", d.seq_len,
               f"must be <= model.max_len={m.max_len} (the learned position table); "

@@ -85,11 +85,16 @@ def _cli(workdir, steps, *extra):
 
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
-    steps = 120
-    ref = subprocess.run(_cli(tmp_path / "ref", steps), cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    kill_and_resume_matches(tmp_path)
+
+
+def kill_and_resume_matches(tmp_path, extra=(), steps=120):
+    """Train in a subprocess to the end (ref), and again killed by SIGKILL after its step-30
+    checkpoint and rerun (kill): both must end with the same losses and eval."""
+    ref = subprocess.run(_cli(tmp_path / "ref", steps, *extra), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    proc = subprocess.Popen(_cli(tmp_path / "kill", steps), cwd=ROOT,
+    proc = subprocess.Popen(_cli(tmp_path / "kill", steps, *extra), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = tmp_path / "kill" / "checkpoints"
     deadline = time.time() + 240
@@ -102,8 +107,8 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     proc.wait()
     killed_at = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
     assert killed_at < steps
-    again = subprocess.run(_cli(tmp_path / "kill", steps), cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(_cli(tmp_path / "kill", steps, *extra), cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     s_ref = json.load(open(tmp_path / "ref" / "summary.json"))
     s_kill = json.load(open(tmp_path / "kill" / "summary.json"))

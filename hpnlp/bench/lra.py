@@ -44,18 +44,22 @@ def settings(quick: bool) -> dict:
                 listops_num_eval=256)
 
 
-def _config(task: str, variant: str, s: dict):
+def _config(task: str, variant: str, s: dict, seed: int = 0):
     cfg = harness.experiment_module("lra.py").get_config(task)
     L = s["seq_len"][task]
     cfg.name = f"lra_{task}_{variant}"
     cfg.data.seq_len = cfg.model.max_len = cfg.data.listops_max_length = L
     cfg.data.listops_num_train = s["listops_num_train"]
     cfg.data.listops_num_eval = s["listops_num_eval"]
-    cfg.model.update(width=s["width"], depth=s["depth"], num_heads=s["heads"], mlp_dim=s["mlp"])
+    cfg.data.listops_max_depth = s.get("listops_max_depth", cfg.data.listops_max_depth)
+    cfg.model.update(width=s["width"], depth=s["depth"], num_heads=s["heads"], mlp_dim=s["mlp"],
+                     dropout=s.get("dropout", cfg.model.dropout))
     cfg.attention.name = variant
     cfg.attention.options = harness.length_options(variant, L)
+    cfg.seed = seed  # initialization and dropout; the data stay the same
     steps = s["steps"]
     cfg.train.update(steps=steps, batch_size=s["batch"], warmup_steps=max(steps // 10, 1),
+                     lr=s.get("lr", cfg.train.lr),
                      eval_every=steps, eval_batches=s["eval_batches"], checkpoint_every=0,
                      log_every=max(steps // 10, 1), progress=False)
     return cfg

@@ -6,8 +6,8 @@
     batch = next(it)                                      # dict of numpy arrays
 
 Tasks (`task_names()`): `listops` (LRA ListOps, generated or from an LRA TSV),
-`byte_lm` / `word_lm` (language modelling on the shipped King James Bible or a user's
-text file), `doc_classify` / `doc_match` (byte-level long-document classification and
+`byte_lm` / `word_lm` (language modelling on the shipped King James Bible, a user's
+text file or a prepared on-disk corpus, by bytes, words or subwords: `data.tokenizer`), `doc_classify` / `doc_match` (byte-level long-document classification and
 matching over the Bible's 8 canonical sections), `verse_pairs` (neighbouring verses as
 positive pairs, for the bi-encoder), `verse_book` (a verse's book, most books with only
 2-5 train verses: rare events for the key-value memory; data/rare_events.py). Nothing is
@@ -23,10 +23,13 @@ Padding is only in the masks (segment id 0, weight 0); padded slots hold id 0.
 
 from __future__ import annotations
 
-from hpnlp.data import listops, rare_events, text_tasks
+import os
+
+from hpnlp.data import listops, rare_events, text_tasks, tokenizers
 from hpnlp.data.batching import BatchIterator
 from hpnlp.data.task import Examples, Task
 
+LM_TASKS = ("byte_lm", "word_lm")  # take data.tokenizer and data.prepared
 _TASKS = {
     "doc_classify": (text_tasks.make_doc_task, text_tasks.info),
     "doc_match": (text_tasks.make_doc_task, text_tasks.info),
@@ -50,6 +53,13 @@ def _entry(cfg):
     if cfg.seq_len < 1:
         from hpnlp.config import ConfigError
         raise ConfigError(f"config field `data.seq_len` = {cfg.seq_len!r} is not allowed: must be >= 1")
+    if cfg.task not in LM_TASKS:
+        for field in ("tokenizer", "prepared"):
+            if getattr(cfg, field):
+                from hpnlp.config import ConfigError
+                raise ConfigError(f"config field `data.{field}` = {getattr(cfg, field)!r} is not "
+                                  f"allowed for data.task={cfg.task!r}: it applies to the LM tasks "
+                                  f"{list(LM_TASKS)}; leave it empty")
     return _TASKS[cfg.task]
 
 
@@ -58,18 +68,36 @@ def task_info(cfg) -> dict:
     id 0 is the most frequent token and counts fall with the id) without building the data
     set (for config validation before anything compiles). word_lm on a user file reports
     data.word_vocab_size, an upper bound on the vocabulary make_task will build."""
-    return _entry(cfg)[1](cfg, cfg.task)
+    make, info = _entry(cfg)
+    if cfg.prepared:
+        from hpnlp.data import sharded
+        return sharded.info(cfg, cfg.task)
+    return info(cfg, cfg.task)
 
 
-def make_task(cfg) -> Task:
-    """Build the task named by cfg.task (DataConfig); deterministic in cfg.seed."""
-    return _entry(cfg)[0](cfg, cfg.task)
+def make_task(cfg, *, workdir: str | None = None, save_tokenizer: bool = True) -> Task:
+    """Build the task named by cfg.task (DataConfig); deterministic in cfg.seed. A subword
+    tokenizer (data.tokenizer) is kept in `workdir`/tokenizer: loaded when there, else trained
+    and saved there (unless `save_tokenizer` is False); without a workdir it is trained in
+    memory. With data.prepared the task reads on-disk shards (hpnlp/data/sharded.py)."""
+    make, _ = _entry(cfg)
+    if cfg.prepared:
+        from hpnlp.data import sharded
+        return sharded.make_task(cfg, cfg.task, workdir=workdir if save_tokenizer else None)
+    if cfg.task in LM_TASKS:
+        return make(cfg, cfg.task, save_tokenizer=save_tokenizer,
+                    tokenizer_dir=os.path.join(workdir, tokenizers.DIRNAME) if workdir else None)
+    return make(cfg, cfg.task)
 
 
 def make_iterator(task: Task, cfg, *, split: str, batch_size: int, process_index: int = 0,
                   process_count: int = 1) -> BatchIterator:
     """Batches of `split` ("train": infinite, shuffled; "eval": one pass). `batch_size` is
     global: process p of n gets rows [p*B/n, (p+1)*B/n) of the same global batch."""
+    if task.meta.get("prepared"):  # on-disk shards read through grain
+        from hpnlp.data.sharded import ShardedIterator
+        return ShardedIterator(task, cfg, split=split, batch_size=batch_size,
+                               process_index=process_index, process_count=process_count)
     if cfg.batching == "stream":  # rows continue across batches (Transformer-XL memory)
         from hpnlp.data.stream import StreamIterator
         return StreamIterator(task, cfg, split=split, batch_size=batch_size,

@@ -107,11 +107,7 @@ class BatchIterator:
                              f"data.seq_len={cfg.seq_len}; rebuild it with make_task(cfg)")
         if not (isinstance(batch_size, (int, np.integer)) and batch_size > 0):
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
-        if batch_size % process_count:
-            raise ValueError(f"global batch_size={batch_size} must be divisible by "
-                             f"process_count={process_count} (each process takes an equal slice)")
+        self._check_processes(batch_size, process_index, process_count)
         self._ex = task.train if split == "train" else task.eval
         if len(self._ex) == 0:
             raise ValueError(f"task {task.name!r} has no {split} examples at seq_len={cfg.seq_len}; "
@@ -131,7 +127,26 @@ class BatchIterator:
         self._counts = dict(batches=0, examples=0, tokens=0, slots=0, pad_slots=0)
         self._widths: set[int] = set()
 
+    @staticmethod
+    def _check_processes(batch_size: int, process_index: int, process_count: int) -> None:
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+        if batch_size % process_count:
+            raise ValueError(f"global batch_size={batch_size} must be divisible by "
+                             f"process_count={process_count} (each process takes an equal slice)")
+
     # -- plans --------------------------------------------------------------------------
+
+    def num_rows(self, epoch: int) -> int:
+        """Rows in the plan of `epoch` (train) or of the eval pass."""
+        return self._plan(epoch).num_rows
+
+    def skip_rows(self, rows: int) -> None:
+        """Move `rows` rows ahead in the current epoch without assembling them."""
+        if self._row + rows > self._plan(self._epoch).num_rows:
+            raise ValueError(f"cannot skip {rows} rows from row {self._row} of a "
+                             f"{self._plan(self._epoch).num_rows}-row plan")
+        self._row += rows
 
     def _order(self, epoch: int) -> np.ndarray:
         n = len(self._ex)

@@ -1,4 +1,4 @@
-"""Tasks cut from text: byte and word language modelling, and byte-level document
+"""Tasks cut from text: byte, word and subword (data.tokenizer) language modelling, and byte-level document
 classification and matching over the shipped corpus (sections: corpus.SECTIONS).
 
 Byte ids are byte values (vocab 256) so any UTF-8 text encodes with no vocabulary to
@@ -18,6 +18,7 @@ import numpy as np
 
 from hpnlp.data import corpus
 from hpnlp.data import task as task_lib
+from hpnlp.data import tokenizers
 
 EOS, UNK = "<eos>", "<unk>"
 # Lower-cased words (letters and digits), "'s" split off as in the Penn Treebank, every
@@ -97,12 +98,26 @@ def _check_word_vocab(cfg) -> None:
                           "allowed: need >= 3 (<unk>, <eos> and at least one word)")
 
 
-def make_lm_task(cfg, name: str) -> task_lib.Task:
+def lm_tokenizer(cfg, name: str) -> str:
+    """The tokenizer an LM task runs with: data.tokenizer, or the task's own."""
+    return cfg.tokenizer or {"byte_lm": "bytes", "word_lm": "words"}[name]
+
+
+def make_lm_task(cfg, name: str, *, tokenizer_dir: str | None = None,
+                 save_tokenizer: bool = True) -> task_lib.Task:
+    """`tokenizer_dir`: where a subword tokenizer is kept (WORKDIR/tokenizer): loaded from
+    there if present, else trained on the training split and saved there (`save_tokenizer`)."""
     train_docs, eval_docs, source = _lm_documents(cfg)
-    if name == "byte_lm":
+    kind = lm_tokenizer(cfg, name)
+    if kind == "bytes":
         train_ids = [byte_encode(d) for d in train_docs]
         eval_ids = [byte_encode(d) for d in eval_docs]
         vocab_size, encode, decode, extra = 256, byte_encode, byte_decode, {}
+    elif kind in tokenizers.SUBWORD:
+        tok, how = tokenizers.for_run(cfg, train_docs, tokenizer_dir, save=save_tokenizer)
+        train_ids, eval_ids = tok.encode_many(train_docs), tok.encode_many(eval_docs)
+        vocab_size, encode, decode = tok.vocab_size, tok.encode, tok.decode
+        extra = {"tokenizer": {**tok.describe(), "source": how}, "eos_id": tok.newline_id}
     else:
         _check_word_vocab(cfg)
         train_tok = [word_tokens(d) for d in train_docs]
@@ -238,8 +253,16 @@ def info(cfg, name: str) -> dict:
     if name in ("doc_classify", "doc_match"):
         return {"kind": "classify" if name == "doc_classify" else "match", "vocab_size": 256,
                 "num_classes": len(corpus.SECTIONS) if name == "doc_classify" else 2}
-    if name == "byte_lm":  # byte values, not ranked by frequency
+    kind = lm_tokenizer(cfg, name)
+    if kind == "bytes":  # byte values, not ranked by frequency
         return {"kind": "lm", "vocab_size": 256, "num_classes": 0, "frequency_sorted": False}
+    if kind in tokenizers.SUBWORD:
+        if cfg.vocab_size < 1:
+            from hpnlp.config import ConfigError
+            raise ConfigError(f"config field `data.vocab_size` = {cfg.vocab_size} is not allowed: "
+                              "a subword tokenizer needs a positive number of pieces (8K-64K is usual)")
+        return {"kind": "lm", "vocab_size": int(cfg.vocab_size), "num_classes": 0,
+                "frequency_sorted": True}
     _check_word_vocab(cfg)
     # A user file's vocabulary is unknown until read: the configured size is an upper
     # bound (the model may have a few unused output rows), which is all validation needs.

@@ -97,7 +97,8 @@ class Trainer:
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
         self.workdir = workdir
         self.lm = cfg.model.kind == "lm"
-        self.task = data_lib.make_task(cfg.data)
+        # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
+        self.task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=not read_only)
         pi, pc = jax.process_index(), jax.process_count()
         self.iter_args = dict(process_index=pi, process_count=pc)
         self.train_iter = data_lib.make_iterator(self.task, cfg.data, split="train",

@@ -1,0 +1,368 @@
+"""Tokenize a corpus into on-disk shards that training streams through grain.
+
+    python -m hpnlp.data.prepare --input 'corpus/*.txt' --tokenizer bpe --vocab_size 8000 \\
+        --out /tmp/hpnlp/prepared
+    python -m hpnlp.main --config experiments/lm.py:bytes --workdir /tmp/hpnlp/big \\
+        --config.data.prepared=/tmp/hpnlp/prepared --config.data.tokenizer=bpe \\
+        --config.data.vocab_size=8000
+
+Inputs are plain text (a document is a paragraph: a run of non-blank lines, as for
+`data.train_path`) or JSON lines (`--format jsonl`, or files ending in .jsonl/.json: one
+document per line, its `--text_field`). The eval split is `--eval_input`, or else every
+`--eval_every`-th document. The tokenizer is `bytes`, or a `bpe`/`unigram` SentencePiece
+model trained on an even sample of the training documents (at most `--tokenizer_sample_mb`)
+or reused from a folder that holds one (`--tokenizer_from`: a run's workdir, another
+prepared folder, or the tokenizer folder itself).
+
+Output (hpnlp/data/sharded.py reads it): `{train,eval}-NNNNN.array_record` (one record per
+document, ids as uint8/uint16/int32), `counts-train.npy`, `counts-eval-targets.npy`, the
+tokenizer and `meta.json`, written last. Memory is bounded (documents are tokenized in
+batches of `--batch_mb` and written as they come), a progress bar follows the input bytes,
+and the work is checkpointed every `--shard_mb` of input: rerun the same command after an
+interruption and it continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Iterator
+
+import numpy as np
+
+from hpnlp.data import sharded, text_tasks, tokenizers
+
+PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
+PROGRESS_COUNTS = "progress-counts.npz"
+
+
+class PrepareError(ValueError):
+    """Bad input to prepare: the message names the file (and line) and the fix."""
+
+
+def expand(pattern: str, flag: str) -> list[str]:
+    paths = []
+    for part in pattern.split(","):
+        part = part.strip()
+        hits = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+        if not hits:
+            raise PrepareError(f"{flag} {part!r} matches no file; check the path or the quotes "
+                               "around the pattern")
+        paths += hits
+    for p in paths:
+        if not os.path.isfile(p):
+            raise PrepareError(f"{p}: no such file ({flag}); give a text or JSON-lines file")
+        if not os.access(p, os.R_OK):
+            raise PrepareError(f"{p}: cannot be read (permissions); fix them or copy the file")
+        if os.path.getsize(p) == 0:
+            raise PrepareError(f"{p}: file is empty ({flag}); remove it from the input or add text")
+    return paths
+
+
+def _is_jsonl(path: str, fmt: str) -> bool:
+    return fmt == "jsonl" or (fmt == "auto" and path.endswith((".jsonl", ".json")))
+
+
+def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
+              line: int = 0) -> Iterator[tuple[str, int, int]]:
+    """(document, byte offset after it, line number after it) from `offset`; plain text by
+    paragraphs, JSON lines by line. Errors name the file and the line."""
+    jsonl = _is_jsonl(path, fmt)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos, lineno, cur = offset, line, []
+        while True:
+            raw = f.readline()
+            if not raw:
+                break
+            pos += len(raw)
+            lineno += 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8 "
+                                   f"({e.reason}); re-encode the file (e.g. `iconv -f latin1 -t "
+                                   "utf-8`)") from None
+            if lineno == 1:
+                text = text.removeprefix("\ufeff")
+            if jsonl:
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except ValueError as e:
+                    raise PrepareError(f"{path}:{lineno}: not a JSON object ({e}); each line of a "
+                                       "JSON-lines file must be one object") from None
+                if not isinstance(obj, dict) or text_field not in obj:
+                    keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                    raise PrepareError(f"{path}:{lineno}: no {text_field!r} field (has {keys}); "
+                                       "name the text field with --text_field")
+                if not isinstance(obj[text_field], str):
+                    raise PrepareError(f"{path}:{lineno}: field {text_field!r} is a "
+                                       f"{type(obj[text_field]).__name__}, not text")
+                if obj[text_field]:
+                    yield obj[text_field], pos, lineno
+                continue
+            body = text.rstrip("\n").rstrip("\r")
+            if body.strip():
+                cur.append(body)
+            elif cur:
+                yield "\n".join(cur) + "\n", pos, lineno
+                cur = []
+        if cur:
+            yield "\n".join(cur) + "\n", pos, lineno
+
+
+def _all_documents(paths, args, start=(0, 0, 0)):
+    """(file index, document, offset, line) over every file from a checkpoint."""
+    fi0, off0, line0 = start
+    for fi in range(fi0, len(paths)):
+        off, line = (off0, line0) if fi == fi0 else (0, 0)
+        for doc, pos, lineno in documents(paths[fi], fmt=args.format, text_field=args.text_field,
+                                          offset=off, line=line):
+            yield fi, doc, pos, lineno
+
+
+def make_tokenizer(args, paths: list[str]):
+    """(encode_many, describe dict, tokenizer or None)."""
+    if args.tokenizer == "bytes":
+        return (lambda docs: [text_tasks.byte_encode(d) for d in docs],
+                {"kind": "bytes", "vocab_size": 256}, None)
+    if args.tokenizer_from:
+        d = args.tokenizer_from
+        for cand in (d, os.path.join(d, tokenizers.DIRNAME)):
+            if os.path.isfile(os.path.join(cand, tokenizers.META_FILE)):
+                tok = tokenizers.Subword.load(cand)
+                break
+        else:
+            raise PrepareError(f"--tokenizer_from {d}: holds no tokenizer ({tokenizers.DIRNAME}/"
+                               f"{tokenizers.META_FILE}); name a run's workdir, a prepared folder "
+                               "or a tokenizer folder")
+        if (tok.kind, tok.vocab_size) != (args.tokenizer, args.vocab_size):
+            raise PrepareError(f"--tokenizer_from {d}: holds a {tok.kind} tokenizer of "
+                               f"{tok.vocab_size} pieces, not {args.tokenizer} of {args.vocab_size}; "
+                               "make the flags agree")
+        return tok.encode_many, tok.describe(), tok
+    # An even sample of training documents: every k-th, k from the input size.
+    total = sum(os.path.getsize(p) for p in paths)
+    stride = max(1, -(-total // (args.tokenizer_sample_mb << 20)))
+    sample, i = [], 0
+    for _, doc, _, _ in _all_documents(paths, args):
+        if i % stride == 0:
+            sample.append(doc)
+        i += 1
+    print(f"training a {args.tokenizer} tokenizer of {args.vocab_size} pieces on "
+          f"{len(sample)} documents ({sum(map(len, sample)) / 2**20:.1f} MiB)", file=sys.stderr)
+    tok = tokenizers.train(args.tokenizer, args.vocab_size, sample, field="--vocab_size")
+    return tok.encode_many, tok.describe(), tok
+
+
+def _dtype(vocab_size: int) -> str:
+    return "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 65536 else "int32"
+
+
+def _atomic_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def prepare(args) -> dict:
+    from array_record.python import array_record_module as ar
+    from tqdm.auto import tqdm
+    from hpnlp.config import ConfigError
+
+    if args.tokenizer not in ("bytes",) + tokenizers.SUBWORD:
+        raise PrepareError(f"--tokenizer {args.tokenizer!r}: choose bytes, bpe or unigram (word "
+                           "vocabularies are built in memory: data.tokenizer='words' without "
+                           "data.prepared)")
+    paths = expand(args.input, "--input")
+    eval_paths = expand(args.eval_input, "--eval_input") if args.eval_input else []
+    if not eval_paths and args.eval_every < 2:
+        raise PrepareError("--eval_every must be >= 2 (every N-th document is eval) unless "
+                           "--eval_input names the eval text")
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    meta_path = os.path.join(out, sharded.META_FILE)
+    settings = {"inputs": [os.path.abspath(p) for p in paths],
+                "eval_inputs": [os.path.abspath(p) for p in eval_paths],
+                "eval_every": 0 if eval_paths else args.eval_every, "format": args.format,
+                "text_field": args.text_field, "tokenizer": args.tokenizer,
+                "vocab_size": args.vocab_size if args.tokenizer != "bytes" else 256,
+                "shard_mb": args.shard_mb}
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            old = json.load(f)
+        if old.get("settings") == settings and old.get("complete"):
+            print(f"{out} is already prepared with these settings", file=sys.stderr)
+            return old
+        raise PrepareError(f"--out {out} already holds a prepared corpus made with other settings; "
+                           "choose a new --out or delete that folder")
+    progress_path = os.path.join(out, PROGRESS_FILE)
+    progress = None
+    if os.path.isfile(progress_path):
+        with open(progress_path) as f:
+            progress = json.load(f)
+        if progress["settings"] != settings:
+            raise PrepareError(f"--out {out} holds an unfinished preparation with other settings; "
+                               "rerun it with its own flags, or choose a new --out")
+    tok_dir = os.path.join(out, tokenizers.DIRNAME)
+    try:
+        if progress and args.tokenizer != "bytes":  # resume with the tokenizer already trained
+            tok = tokenizers.Subword.load(tok_dir)
+            encode_many, tok_info = tok.encode_many, tok.describe()
+        else:
+            encode_many, tok_info, tok = make_tokenizer(args, paths)
+            if tok is not None:
+                tok.save(tok_dir)
+    except ConfigError as e:
+        raise PrepareError(str(e)) from None
+    V = tok_info["vocab_size"]
+    dtype = _dtype(V)
+
+    # Both splits' documents as one ordered stream: (split, file index, doc, offset, line).
+    streams = [("train", paths)] + ([("eval", eval_paths)] if eval_paths else [])
+    if progress:
+        state = progress["state"]
+        npz = np.load(os.path.join(out, PROGRESS_COUNTS))
+        counts = {"train": npz["train"], "eval_targets": npz["eval_targets"]}
+        for split in ("train", "eval"):  # shards past the checkpoint are partial: redo them
+            keep = set(state["shards"][split])
+            for f in glob.glob(os.path.join(out, f"{split}-*.array_record")):
+                if os.path.basename(f) not in keep:
+                    os.remove(f)
+    else:
+        state = {"stream": 0, "file": 0, "offset": 0, "line": 0, "doc": 0, "bytes": 0,
+                 "next_shard": 0, "shards": {"train": [], "eval": []},
+                 "documents": {"train": 0, "eval": 0}, "tokens": {"train": 0, "eval": 0}}
+        counts = {"train": np.zeros(V, np.int64), "eval_targets": np.zeros(V, np.int64)}
+    total_bytes = sum(os.path.getsize(p) for _, ps in streams for p in ps)
+    bar = tqdm(total=total_bytes, initial=state["bytes"], unit="B", unit_scale=True,
+               desc="prepare", dynamic_ncols=True, disable=args.quiet)
+    writers: dict = {}
+
+    def open_writer(split):
+        name = f"{split}-{state['next_shard']:05d}.array_record"
+        writers[split] = (ar.ArrayRecordWriter(os.path.join(out, name), "group_size:1"), name)
+
+    def checkpoint(where):
+        for split, (w, name) in writers.items():
+            w.close()
+            state["shards"][split].append(name)
+        writers.clear()
+        state.update(where)
+        state["next_shard"] += 1
+        np.savez(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), **counts)
+        os.replace(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), os.path.join(out, PROGRESS_COUNTS))
+        _atomic_json(progress_path, {"settings": settings, "state": state})
+
+    shard_bytes, batch_bytes = args.shard_mb << 20, args.batch_mb << 20
+    pending, pending_bytes, since_ckpt = [], 0, 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        ids = encode_many([d for _, d in pending])
+        for (split, _), x in zip(pending, ids):
+            if not len(x):
+                continue
+            if split not in writers:
+                open_writer(split)
+            writers[split][0].write(x.astype(dtype).astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+            state["documents"][split] += 1
+            state["tokens"][split] += len(x)
+            if split == "train":
+                counts["train"] += np.bincount(x, minlength=V)
+            else:
+                counts["eval_targets"] += np.bincount(x[1:], minlength=V)
+        pending, pending_bytes = [], 0
+
+    for si in range(state["stream"], len(streams)):
+        split_name, ps = streams[si]
+        start = (state["file"], state["offset"], state["line"]) if si == state["stream"] else (0, 0, 0)
+        last = start
+        for fi, doc, pos, lineno in _all_documents(ps, args, start):
+            split = split_name if split_name == "eval" or eval_paths or \
+                (state["doc"] % args.eval_every) != args.eval_every - 1 else "eval"
+            state["doc"] += 1
+            step = pos - (last[1] if fi == last[0] else 0)
+            bar.update(step)
+            state["bytes"] += step
+            since_ckpt += step
+            last = (fi, pos, lineno)
+            pending.append((split, doc))
+            pending_bytes += len(doc)
+            if pending_bytes >= batch_bytes:
+                flush()
+            if since_ckpt >= shard_bytes:
+                flush()
+                checkpoint({"stream": si, "file": fi, "offset": pos, "line": lineno})
+                since_ckpt = 0
+        flush()
+        if si + 1 < len(streams):
+            checkpoint({"stream": si + 1, "file": 0, "offset": 0, "line": 0})
+            since_ckpt = 0
+    flush()
+    checkpoint({"stream": len(streams), "file": 0, "offset": 0, "line": 0})
+    bar.close()
+    if state["documents"]["train"] == 0:
+        raise PrepareError(f"--input {args.input}: no training text found (every document was "
+                           "empty or went to eval); check the files and --eval_every")
+    if state["documents"]["eval"] == 0:
+        raise PrepareError(f"--input {args.input}: no eval document (fewer than --eval_every="
+                           f"{args.eval_every} documents?); lower --eval_every or give --eval_input")
+    np.save(os.path.join(out, sharded.COUNTS_FILE), counts["train"])
+    np.save(os.path.join(out, sharded.EVAL_TARGET_COUNTS_FILE), counts["eval_targets"])
+    meta = {"format": sharded.FORMAT, "complete": True, "settings": settings,
+            "tokenizer": tok_info, "dtype": dtype,
+            "splits": {s: {"shards": state["shards"][s], "documents": state["documents"][s],
+                           "tokens": state["tokens"][s]} for s in ("train", "eval")}}
+    _atomic_json(meta_path, meta)
+    os.remove(progress_path)
+    os.remove(os.path.join(out, PROGRESS_COUNTS))
+    return meta
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hpnlp.data.prepare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="text or JSON-lines file(s): a path, a glob, "
+                   "or several joined by commas")
+    p.add_argument("--out", required=True, help="the prepared folder (data.prepared)")
+    p.add_argument("--tokenizer", default="bytes", help="bytes | bpe | unigram")
+    p.add_argument("--vocab_size", type=int, default=8000, help="pieces of a bpe/unigram model")
+    p.add_argument("--tokenizer_from", default="", help="reuse the tokenizer of a run's workdir, "
+                   "a prepared folder or a tokenizer folder")
+    p.add_argument("--tokenizer_sample_mb", type=int, default=256,
+                   help="train the tokenizer on an even sample of at most this much text")
+    p.add_argument("--eval_input", default="", help="eval text (else every --eval_every-th document)")
+    p.add_argument("--eval_every", type=int, default=100, help="document i is eval when i %% N == N - 1")
+    p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),
+                   help="auto: .jsonl/.json files are JSON lines, the rest plain text")
+    p.add_argument("--text_field", default="text", help="the text of a JSON line")
+    p.add_argument("--shard_mb", type=int, default=256, help="input MiB per shard (and checkpoint)")
+    p.add_argument("--batch_mb", type=int, default=8, help="text tokenized at once (memory bound)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        meta = prepare(args)
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    s = meta["splits"]
+    print(f"{args.out}: train {s['train']['documents']} documents / {s['train']['tokens']} tokens, "
+          f"eval {s['eval']['documents']} / {s['eval']['tokens']} "
+          f"({meta['tokenizer']['kind']}, vocab {meta['tokenizer']['vocab_size']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

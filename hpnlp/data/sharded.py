@@ -1,0 +1,274 @@
+"""LM tasks that stream a prepared corpus from disk through grain: `data.prepared = DIR`.
+
+`python -m hpnlp.data.prepare` (data/prepare.py) writes DIR: ArrayRecord shards of
+tokenized documents (one record per document, little-endian uint8/uint16/int32 ids),
+`meta.json`, the train token counts and the tokenizer. Nothing here holds the corpus in
+memory: the training split is read as a grain pipeline
+
+    MapDataset.source(ArrayRecordDataSource(shards)).map(decode)
+        .shuffle(seed).repeat()            # train: document order reshuffled every epoch
+        .to_iter_dataset(ReadOptions)      # background reader threads, prefetched
+
+and cut into *windows* of documents (about `WINDOW_BATCHES` batches of tokens each). A
+window becomes a small in-memory split that the in-memory path's own `BatchIterator`
+batches (pad, bucket or pack, chunks shuffled within the window; the same row assembly and
+the same per-process slicing), so both paths share the batching logic and process p of n
+keeps rows [p*B/n, (p+1)*B/n) of every global batch: the processes' rows are disjoint and
+together are the single-process stream, at any process count. (Every process reads the
+window's documents, already tokenized, and assembles only its own rows.) Train keeps the
+whole batches of a window and drops its last < B rows (under 1% of a window); eval is one
+pass over the documents in stored order, every chunk scored once.
+
+The iterator state is (window, batch within it, grain's reader state at the window's
+start): small JSON that goes into the Orbax checkpoint with the rest of the run, and a
+resumed run rereads that window and continues at the exact next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+
+from hpnlp.data import task as task_lib
+from hpnlp.data.batching import MODES, BatchIterator, check_fingerprint
+
+FORMAT = "hpnlp-prepared/1"
+META_FILE = "meta.json"
+COUNTS_FILE = "counts-train.npy"  # [V] int64 train token counts
+EVAL_TARGET_COUNTS_FILE = "counts-eval-targets.npy"  # [V]: eval tokens after each doc's first
+WINDOW_BATCHES = 128
+READ_THREADS = 2
+
+
+def _error(field: str, value, why: str):
+    from hpnlp.config import ConfigError
+    return ConfigError(f"config field `{field}` = {value!r} is not allowed: {why}")
+
+
+def read_meta(directory: str) -> dict:
+    """meta.json of a complete prepared folder, or a ConfigError naming data.prepared."""
+    path = os.path.join(directory, META_FILE)
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(directory, "progress.json")):
+        raise _error("data.prepared", directory, "the folder is still being prepared (or its "
+                     "preparation was interrupted); rerun the same `python -m hpnlp.data.prepare` "
+                     "command, which resumes it")
+    if not os.path.isfile(path):
+        raise _error("data.prepared", directory, f"{path} does not exist; write the folder with "
+                     "`python -m hpnlp.data.prepare --input FILE --out DIR` first")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _error("data.prepared", directory, f"{path} is unreadable ({e}); prepare it again")
+    if meta.get("format") != FORMAT:
+        raise _error("data.prepared", directory, f"{path} has format {meta.get('format')!r}, "
+                     f"this hpnlp reads {FORMAT!r}; prepare it again")
+    return meta
+
+
+def _check_tokenizer(cfg, name: str, meta: dict) -> None:
+    from hpnlp.data.text_tasks import lm_tokenizer
+    kind, tok = lm_tokenizer(cfg, name), meta["tokenizer"]
+    want_size = cfg.vocab_size if kind in ("bpe", "unigram") else tok["vocab_size"]
+    if kind != tok["kind"] or want_size != tok["vocab_size"]:
+        made = f"a {tok['kind']} tokenizer" + (f" of {tok['vocab_size']} pieces" if tok["kind"] != "bytes" else "")
+        asked = kind + (f" of {cfg.vocab_size} pieces (data.vocab_size)" if kind in ("bpe", "unigram") else "")
+        raise _error("data.tokenizer", cfg.tokenizer or kind,
+                     f"{cfg.prepared} was prepared with {made} and this config asks "
+                     f"for {asked}; set data.tokenizer={tok['kind']!r}"
+                     + (f" data.vocab_size={tok['vocab_size']}" if tok["kind"] != "bytes" else "")
+                     + ", or prepare the corpus again with the tokenizer you want")
+
+
+def info(cfg, name: str) -> dict:
+    meta = read_meta(cfg.prepared)
+    _check_tokenizer(cfg, name, meta)
+    return {"kind": "lm", "vocab_size": int(meta["tokenizer"]["vocab_size"]), "num_classes": 0,
+            "frequency_sorted": meta["tokenizer"]["kind"] != "bytes"}
+
+
+def load_tokenizer(directory: str, meta: dict):
+    """(encode, decode, tokenizer or None) of a prepared folder."""
+    from hpnlp.data import text_tasks, tokenizers
+    if meta["tokenizer"]["kind"] == "bytes":
+        return text_tasks.byte_encode, text_tasks.byte_decode, None
+    tok = tokenizers.Subword.load(os.path.join(directory, tokenizers.DIRNAME))
+    return tok.encode, tok.decode, tok
+
+
+def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
+    """The task of a prepared folder: sizes, counts and baselines from its files; both
+    splits stay on disk (`train`/`eval` are empty; ShardedIterator reads them)."""
+    meta = read_meta(cfg.prepared)
+    _check_tokenizer(cfg, name, meta)
+    V = int(meta["tokenizer"]["vocab_size"])
+    counts = np.load(os.path.join(cfg.prepared, COUNTS_FILE))
+    eval_counts = np.load(os.path.join(cfg.prepared, EVAL_TARGET_COUNTS_FILE))
+    logp = np.log(counts + 1.0) - np.log(counts.sum() + V)
+    n_eval = eval_counts.sum()
+    loss = float(-(eval_counts * logp).sum() / n_eval) if n_eval else float("nan")
+    encode, decode, tok = load_tokenizer(cfg.prepared, meta)
+    if tok is not None and workdir:  # the run keeps its tokenizer beside its checkpoints
+        from hpnlp.data import tokenizers
+        if not os.path.isdir(os.path.join(workdir, tokenizers.DIRNAME)):
+            import jax
+            if jax.process_index() == 0:
+                tok.save(os.path.join(workdir, tokenizers.DIRNAME))
+    empty = task_lib.Examples(np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return task_lib.Task(
+        name=name, kind="lm", vocab_size=V, num_classes=0, seq_len=cfg.seq_len, train=empty,
+        eval=empty, baseline={"unigram_loss": loss, "unigram_ppl": float(math.exp(loss))},
+        token_counts=counts.astype(np.int64), encode=encode, decode=decode,
+        meta={"source": f"prepared corpus {cfg.prepared}", "prepared": cfg.prepared,
+              "prepared_meta": meta, "tokenizer": meta["tokenizer"],
+              "train_documents": meta["splits"]["train"]["documents"],
+              "eval_documents": meta["splits"]["eval"]["documents"]})
+
+
+def decode_record(record: bytes, dtype: str) -> np.ndarray:
+    return np.frombuffer(record, np.dtype(dtype).newbyteorder("<")).astype(np.int32)
+
+
+def split_dataset(directory: str, meta: dict, split: str):
+    """The documents of a split as a grain MapDataset of int32 id arrays."""
+    import grain
+    shards = [os.path.join(directory, s) for s in meta["splits"][split]["shards"]]
+    missing = [s for s in shards if not os.path.isfile(s)]
+    if missing:
+        raise ValueError(f"{missing[0]}: shard listed in {directory}/{META_FILE} is missing; "
+                         "prepare the corpus again")
+    dtype = meta["dtype"]
+    return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(shards)).map(
+        lambda r: decode_record(r, dtype))
+
+
+class ShardedIterator:
+    """Same interface as batching.BatchIterator (next, get_state/set_state, stats,
+    num_batches) over a prepared folder's split; batch keys of an lm task."""
+
+    def __init__(self, task: task_lib.Task, cfg, *, split: str, batch_size: int,
+                 process_index: int = 0, process_count: int = 1):
+        import grain
+        from hpnlp.config import ConfigError
+        if split not in ("train", "eval"):
+            raise ValueError(f"split={split!r}; choose 'train' or 'eval'")
+        if cfg.batching not in MODES:
+            raise ConfigError(f"config field `data.batching` = {cfg.batching!r} is not allowed with "
+                              f"data.prepared: choose one of {list(MODES)}")
+        if not (isinstance(batch_size, (int, np.integer)) and batch_size > 0):
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        meta = task.meta["prepared_meta"]
+        self.directory, self.meta = task.meta["prepared"], meta
+        self.task, self.cfg, self.split = task, cfg, split
+        self.batch_size, self.seq_len, self.seed = int(batch_size), cfg.seq_len, cfg.seed
+        self.iter_args = dict(process_index=process_index, process_count=process_count)
+        BatchIterator._check_processes(batch_size, process_index, process_count)
+        if meta["splits"][split]["documents"] == 0:
+            raise ValueError(f"{self.directory} has no {split} documents; prepare it with some "
+                             f"{split} text (--eval_input or --eval_every)")
+        ds = split_dataset(self.directory, meta, split)
+        if split == "train":
+            ds = ds.shuffle(seed=cfg.seed % 2**32).repeat()
+        self._reader = iter(ds.to_iter_dataset(grain.ReadOptions(
+            num_threads=READ_THREADS, prefetch_buffer_size=64)))
+        # A window holds about WINDOW_BATCHES global batches of tokens.
+        self._window_tokens = WINDOW_BATCHES * self.batch_size * self.seq_len
+        self._window, self._inner, self._inner_batches, self._batch = -1, None, 0, 0
+        self._window_state = None
+        self._counts = dict(batches=0, examples=0, tokens=0, slots=0, pad_slots=0)
+        self._widths: set[int] = set()
+        self._done = False
+
+    def _read_window(self) -> list[np.ndarray]:
+        docs, n = [], 0
+        while n < self._window_tokens:
+            try:
+                d = next(self._reader)
+            except StopIteration:
+                break
+            docs.append(d)
+            n += len(d)
+        return docs
+
+    def _open_window(self, window: int) -> bool:
+        """Read window `window` from the reader's current position; False at the end of
+        the eval pass."""
+        self._window_state = self._reader.get_state()
+        docs = self._read_window()
+        chunks = task_lib.lm_chunks(docs, self.seq_len)
+        self._window, self._batch = window, 0
+        if len(chunks) == 0:
+            self._inner = None
+            return False
+        sub = task_lib.Task(name=f"{self.task.name}[window {window}]", kind="lm",
+                            vocab_size=self.task.vocab_size, num_classes=0, seq_len=self.seq_len,
+                            train=chunks, eval=chunks, baseline={})
+        # Each window its own chunk shuffle; a fixed function of the seed and window number.
+        wcfg = dataclasses.replace(self.cfg, seed=int(np.random.default_rng(
+            [self.seed % 2**32, window, 3]).integers(2**31)))
+        self._inner = BatchIterator(sub, wcfg, split=self.split, batch_size=self.batch_size,
+                                    **self.iter_args)
+        self._inner_batches = (self._inner.num_batches if self.split == "eval"
+                               else self._inner.num_rows(0) // self.batch_size)
+        if self._inner_batches == 0:  # train: fewer rows than one batch in this window
+            raise ValueError(f"{self.directory}: a window of {self._window_tokens} tokens holds "
+                             f"fewer than batch_size={self.batch_size} rows; lower the batch size")
+        return True
+
+    @property
+    def num_batches(self) -> int:
+        """Eval: batches in the pass (estimated from the token count before a pass is read
+        whole). Train: global batches per epoch, estimated the same way."""
+        tokens = self.meta["splits"][self.split]["tokens"]
+        return max(1, math.ceil(tokens / (self.seq_len * self.batch_size)))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._done:
+            raise StopIteration
+        if self._inner is None or self._batch >= self._inner_batches:
+            if not self._open_window(self._window + 1):
+                self._done = True
+                raise StopIteration
+        before = dict(self._inner._counts)
+        batch = next(self._inner)
+        self._batch += 1
+        for k, v in self._inner._counts.items():
+            self._counts[k] += v - before[k]
+        self._widths |= self._inner._widths
+        return batch
+
+    def _fingerprint(self) -> dict:
+        return {"task": self.task.name, "split": self.split, "batching": self.cfg.batching,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
+                "prepared": self.meta["splits"][self.split]["shards"][:1],
+                "num_tokens": self.meta["splits"][self.split]["tokens"]}
+
+    def get_state(self) -> dict:
+        """The window, the batches taken from it and grain's reader state at its start
+        (JSON; the same on every process, so it resumes under any process count)."""
+        return {"window": self._window, "batch": self._batch, "reader": self._window_state,
+                **self._fingerprint()}
+
+    def set_state(self, state: dict) -> None:
+        check_fingerprint(state, self._fingerprint())
+        if state["window"] < 0:  # saved before the first batch
+            return
+        self._reader.set_state(state["reader"])
+        self._open_window(int(state["window"]))
+        self._batch = int(state["batch"])
+        self._inner.skip_rows(self._batch * self.batch_size)
+
+    def stats(self) -> dict:
+        c = self._counts
+        frac = (lambda slots: 1.0 - c["tokens"] / slots if slots else 0.0)
+        return {"batching": self.cfg.batching, "batches": c["batches"], "examples": c["examples"],
+                "tokens": c["tokens"], "padding_fraction": frac(c["slots"]),
+                "pad_mode_padding_fraction": frac(c["pad_slots"]),
+                "widths": sorted(self._widths), "window": self._window, "prepared": self.directory}

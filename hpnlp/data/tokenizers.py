@@ -1,0 +1,238 @@
+"""Subword tokenizers for the LM tasks: `data.tokenizer = "bpe" | "unigram"` (SentencePiece).
+
+`bytes` and `words` (text_tasks.byte_encode, text_tasks.WordVocab) need nothing trained;
+`bpe` (Sennrich et al. 2016) and `unigram` (Kudo 2018) models of `data.vocab_size` pieces
+are trained on the task's training text when a run starts, saved in its workdir
+(`WORKDIR/tokenizer/`), and loaded from there when the run resumes or is read again.
+
+Why SentencePiece rather than Hugging Face `tokenizers`: one small wheel with no
+dependencies trains both model types from raw text, with no pre-tokenizer to choose
+(whitespace is an ordinary symbol, "▁"), and with byte fallback (unseen characters become
+their UTF-8 bytes) and identity normalization every text round-trips exactly; its model is
+one protobuf file, which is all a workdir has to keep.
+
+Lines are the unit SentencePiece sees: a text is split at "\\n", each line encoded, and
+a newline piece (a reserved symbol that the trainer never sees in a line) joins them, so
+`decode(encode(text)) == text` for any text. Ids are sorted by descending count on the
+training text (ties: SentencePiece's id), as word ids are, so that id 0 is the most frequent
+piece and log-uniform samplers and the adaptive softmax's frequency clusters apply as is.
+Training is single-threaded and seeded: the same text and settings give the same ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Iterable, Sequence
+
+import numpy as np
+
+SUBWORD = ("bpe", "unigram")
+KINDS = ("bytes", "words") + SUBWORD
+NEWLINE = "\n"
+MODEL_FILE, META_FILE = "tokenizer.model", "tokenizer.json"
+DIRNAME = "tokenizer"  # in a workdir or a prepared folder
+MAX_LINE_BYTES = 1 << 16  # longer lines still encode; the trainer skips them
+
+
+def _config_error(field: str, value, why: str):
+    from hpnlp.config import ConfigError
+    return ConfigError(f"config field `{field}` = {value!r} is not allowed: {why}")
+
+
+def text_digest(docs: Iterable[str]) -> str:
+    """sha256 of the training text, to tell whether a saved tokenizer was trained on it."""
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(d.encode("utf-8"))
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Subword:
+    """A trained SentencePiece model with hpnlp's frequency-sorted ids."""
+
+    kind: str  # "bpe" | "unigram"
+    model_proto: bytes
+    order: np.ndarray  # [V] int32: hpnlp id -> SentencePiece id
+    trained_on: str  # text_digest of the training text
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.order)
+
+    @functools.cached_property
+    def _sp(self):
+        import sentencepiece as spm
+        return spm.SentencePieceProcessor(model_proto=self.model_proto)
+
+    @functools.cached_property
+    def _ours(self) -> np.ndarray:  # SentencePiece id -> hpnlp id
+        inv = np.empty(len(self.order), np.int32)
+        inv[self.order] = np.arange(len(self.order), dtype=np.int32)
+        return inv
+
+    @property
+    def newline_id(self) -> int:
+        return int(self._ours[self._sp.piece_to_id(NEWLINE)])
+
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text -> int32 ids (one SentencePiece call for all their lines)."""
+        lines, per_text = [], []
+        for t in texts:
+            parts = t.split(NEWLINE)
+            lines += parts
+            per_text.append(len(parts))
+        pieces = self._sp.encode(lines) if lines else []
+        nl = self._sp.piece_to_id(NEWLINE)
+        out, i = [], 0
+        for n in per_text:
+            flat = []
+            for j in range(n):
+                flat += pieces[i + j]
+                if j < n - 1:
+                    flat.append(nl)
+            i += n
+            out.append(self._ours[np.asarray(flat, np.int64)] if flat else np.zeros(0, np.int32))
+        return out
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_many([text])[0]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        sp_ids = self.order[np.asarray(list(ids), np.int64)].tolist()
+        nl = self._sp.piece_to_id(NEWLINE)
+        lines, cur = [], []
+        for i in sp_ids:
+            if i == nl:
+                lines.append(cur)
+                cur = []
+            else:
+                cur.append(i)
+        lines.append(cur)
+        return NEWLINE.join(self._sp.decode(line) if line else "" for line in lines)
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        """The piece of each id (for inspection: "▁the", "<0x0A>", ...)."""
+        return [self._sp.id_to_piece(int(self.order[int(i)])) for i in ids]
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size,
+                "model_sha256": hashlib.sha256(self.model_proto).hexdigest(),
+                "trained_on": self.trained_on}
+
+    def save(self, directory: str) -> None:
+        """Write `directory/tokenizer.model` and `tokenizer.json` (replaced atomically)."""
+        parent = os.path.dirname(os.path.abspath(directory))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+        with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
+            f.write(self.model_proto)
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump({**self.describe(), "order": self.order.tolist()}, f)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+
+    @classmethod
+    def load(cls, directory: str) -> "Subword":
+        meta_path = os.path.join(directory, META_FILE)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            with open(os.path.join(directory, MODEL_FILE), "rb") as f:
+                proto = f.read()
+            tok = cls(meta["kind"], proto, np.asarray(meta["order"], np.int32), meta["trained_on"])
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{directory}: not a readable hpnlp tokenizer ({e}); delete the folder "
+                             "to train it again") from None
+        if hashlib.sha256(proto).hexdigest() != meta.get("model_sha256"):
+            raise ValueError(f"{directory}/{MODEL_FILE} does not match {META_FILE} (a partial "
+                             "copy?); delete the folder to train it again")
+        return tok
+
+
+def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data.vocab_size",
+          digest: str | None = None) -> Subword:
+    """Train a `kind` model of exactly `vocab_size` pieces on `docs` (texts; their lines are
+    the trainer's sentences). A size the text cannot support is a ConfigError naming `field`
+    and the largest size it supports."""
+    import sentencepiece as spm
+    if kind not in SUBWORD:
+        raise ValueError(f"tokenizer kind {kind!r}; choose one of {SUBWORD}")
+    lines = [line for d in docs for line in d.split(NEWLINE) if line]
+    if not lines:
+        raise ValueError("the tokenizer's training text is empty; give it some text")
+    buf = io.BytesIO()
+    spm.set_random_generator_seed(0)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=buf, model_type=kind,
+            vocab_size=int(vocab_size), character_coverage=1.0, byte_fallback=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, split_digits=False, user_defined_symbols=[NEWLINE],
+            bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0, num_threads=1,
+            max_sentence_length=MAX_LINE_BYTES, minloglevel=2)
+    except RuntimeError as e:
+        msg = str(e)
+        high = re.search(r"value <= (\d+)", msg)
+        if high:
+            raise _config_error(field, vocab_size, f"the training text supports at most "
+                                f"{high.group(1)} {kind} pieces; lower it"
+                                + (" or use bpe, which goes further" if kind == "unigram" else "")
+                                + " (or train on more text)") from None
+        low = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if low:
+            raise _config_error(field, vocab_size, f"a {kind} model of this text needs at least "
+                                f"{low.group(2)} pieces (256 byte pieces, the special symbols and "
+                                "every character); raise it") from None
+        raise ValueError(f"SentencePiece could not train a {kind} model of {vocab_size} pieces: "
+                         f"{msg}") from None
+    proto = buf.getvalue()
+    tok = Subword(kind, proto, np.arange(vocab_size, dtype=np.int32), digest or text_digest(docs))
+    counts = np.zeros(vocab_size, np.int64)
+    for ids in tok.encode_many(docs):
+        counts += np.bincount(ids, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32)
+    return Subword(kind, proto, order, tok.trained_on)
+
+
+@functools.lru_cache(maxsize=4)
+def _train_cached(kind: str, vocab_size: int, docs: tuple[str, ...], digest: str) -> Subword:
+    return train(kind, vocab_size, docs, digest=digest)
+
+
+def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
+            save: bool = True) -> tuple[Subword, str]:
+    """(tokenizer, "loaded" | "trained") for a run: the one saved in `directory` when there is
+    one (refused if it is of another kind or size, or was trained on other text), else trained
+    on `train_docs` and saved there (`save`, process 0 only)."""
+    digest = text_digest(train_docs)
+    if directory and os.path.isfile(os.path.join(directory, META_FILE)):
+        tok = Subword.load(directory)
+        if (tok.kind, tok.vocab_size) != (cfg.tokenizer, cfg.vocab_size):
+            raise _config_error("data.tokenizer", cfg.tokenizer,
+                                f"{directory} holds a {tok.kind} tokenizer of {tok.vocab_size} "
+                                f"pieces and this config asks for {cfg.tokenizer} of "
+                                f"{cfg.vocab_size} (data.vocab_size); use the run's own settings, "
+                                "or a new workdir")
+        if tok.trained_on != digest:
+            raise _config_error("data.train_path", cfg.train_path,
+                                f"the tokenizer in {directory} was trained on other text than "
+                                "this config's training split; use the run's own data settings, "
+                                "or a new workdir")
+        return tok, "loaded"
+    tok = _train_cached(cfg.tokenizer, int(cfg.vocab_size), tuple(train_docs), digest)
+    if directory and save:
+        import jax
+        if jax.process_index() == 0:
+            tok.save(directory)
+    return tok, "trained"

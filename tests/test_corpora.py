@@ -1,0 +1,231 @@
+"""Subword tokenizers, `python -m hpnlp.data.prepare` and the grain-streamed path
+(hpnlp/data/tokenizers.py, prepare.py, sharded.py). Tiny texts and vocabularies."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpnlp import data
+from hpnlp.config import ConfigError, DataConfig, default_configdict, from_configdict, validate
+from hpnlp.data import corpus, prepare, sharded, tokenizers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ODD = "  leading spaces\ttab\n\nünïcödé ☃ 字 never seen in training\ntrailing \nno newline at end"
+
+
+@pytest.fixture(scope="module")
+def chapters():
+    train, eval_ = corpus.kjv_splits()
+    return [c.text for c in train[:60]], [c.text for c in eval_[:8]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, chapters):
+    """The chapters as a user's train / eval text files (paragraph = chapter)."""
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "train.txt").write_text("\n".join(chapters[0]))
+    (d / "eval.txt").write_text("\n".join(chapters[1]))
+    return str(d / "train.txt"), str(d / "eval.txt")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, files):
+    out = str(tmp_path_factory.mktemp("prep") / "bpe")
+    assert prepare.main(["--input", files[0], "--eval_input", files[1], "--tokenizer", "bpe",
+                         "--vocab_size", "600", "--out", out, "--shard_mb", "0", "--quiet"]) == 0
+    return out
+
+
+def lm_cfg(**kw):
+    return DataConfig(**{"task": "byte_lm", "seq_len": 32, **kw})
+
+
+# ------------------------------------------------------------------------- tokenizers
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_tokenizer_is_deterministic_lossless_and_frequency_sorted(kind, chapters):
+    train, eval_ = chapters
+    a = tokenizers.train(kind, 600, train)
+    b = tokenizers.train(kind, 600, train)
+    assert a.model_proto == b.model_proto and np.array_equal(a.order, b.order)
+    ids = a.encode_many(eval_)
+    assert all(np.array_equal(x, y) for x, y in zip(ids, b.encode_many(eval_)))
+    assert a.vocab_size == 600 and all(x.dtype == np.int32 and x.max() < 600 for x in ids)
+    for text in eval_ + [ODD, "", "\n", "x"]:  # round trips, unseen characters included
+        assert a.decode(a.encode(text)) == text
+    counts = sum(np.bincount(x, minlength=600) for x in a.encode_many(train))
+    assert np.all(np.diff(counts) <= 0)  # id 0 the most frequent piece
+    assert a.decode([a.newline_id]) == "\n"
+
+
+def test_vocabulary_larger_than_the_text_supports_is_one_clear_line(chapters):
+    with pytest.raises(ConfigError, match=r"`data.vocab_size` = 30000 .* at most \d+ unigram pieces"):
+        tokenizers.train("unigram", 30000, chapters[0])
+    with pytest.raises(ConfigError, match=r"`data.vocab_size` = 100 .* needs at least \d+ pieces"):
+        tokenizers.train("bpe", 100, chapters[0])
+
+
+def test_run_keeps_its_tokenizer_in_the_workdir_and_reuses_it(tmp_path, files):
+    cfg = lm_cfg(tokenizer="bpe", vocab_size=500, train_path=files[0], eval_path=files[1])
+    first = data.make_task(cfg, workdir=str(tmp_path))
+    assert first.meta["tokenizer"]["source"] == "trained"
+    assert os.path.isfile(tmp_path / "tokenizer" / "tokenizer.model")
+    again = data.make_task(cfg, workdir=str(tmp_path))
+    assert again.meta["tokenizer"]["source"] == "loaded"
+    assert np.array_equal(first.train.tokens, again.train.tokens)
+    assert data.task_info(cfg) == {"kind": "lm", "vocab_size": 500, "num_classes": 0,
+                                   "frequency_sorted": True}
+    assert first.decode(first.encode(ODD)) == ODD
+    with pytest.raises(ConfigError, match=r"holds a bpe tokenizer of 500 pieces .* unigram of 400"):
+        data.make_task(lm_cfg(tokenizer="unigram", vocab_size=400, train_path=files[0],
+                              eval_path=files[1]), workdir=str(tmp_path))
+    with pytest.raises(ConfigError, match="trained on other text"):
+        data.make_task(lm_cfg(tokenizer="bpe", vocab_size=500, train_path=files[1],
+                              eval_path=files[0]), workdir=str(tmp_path))
+    with pytest.raises(ConfigError, match="`data.tokenizer` = 'bpe' is not allowed for data.task='listops'"):
+        data.task_info(DataConfig(task="listops", tokenizer="bpe"))
+    cd = default_configdict()
+    cd.data.tokenizer = "sentencepiece"
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        validate(from_configdict(cd))
+
+
+# ---------------------------------------------------------------------------- prepare
+
+
+def test_prepared_shards_read_back_the_in_memory_token_stream(prepared, files):
+    mem = data.make_task(lm_cfg(tokenizer="bpe", vocab_size=600, train_path=files[0],
+                                eval_path=files[1]))
+    cfg = lm_cfg(tokenizer="bpe", vocab_size=600, prepared=prepared)
+    task = data.make_task(cfg)
+    meta = task.meta["prepared_meta"]
+    assert len(meta["splits"]["train"]["shards"]) > 1  # --shard_mb 0: a checkpoint per batch
+    for split, ex in (("train", mem.train), ("eval", mem.eval)):
+        ds = sharded.split_dataset(prepared, meta, split)
+        assert np.array_equal(np.concatenate([ds[i] for i in range(len(ds))]), ex.tokens)
+    assert np.array_equal(task.token_counts, mem.token_counts)
+    assert task.baseline["unigram_loss"] == pytest.approx(mem.baseline["unigram_loss"], rel=1e-12)
+    assert task.decode(task.encode(ODD)) == ODD
+
+
+def test_prepare_resumes_after_an_interruption(tmp_path, files, prepared, monkeypatch):
+    args = ["--input", files[0], "--eval_input", files[1], "--tokenizer", "bpe", "--vocab_size",
+            "600", "--out", str(tmp_path / "p"), "--shard_mb", "0", "--quiet",
+            "--tokenizer_from", prepared]
+    real, calls = tokenizers.Subword.encode_many, [0]
+
+    def flaky(self, texts):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(self, texts)
+
+    monkeypatch.setattr(tokenizers.Subword, "encode_many", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(args)
+    assert os.path.isfile(tmp_path / "p" / prepare.PROGRESS_FILE)
+    with pytest.raises(ConfigError, match="interrupted"):
+        sharded.read_meta(str(tmp_path / "p"))
+    monkeypatch.setattr(tokenizers.Subword, "encode_many", real)
+    assert prepare.main(args) == 0
+    a, b = sharded.read_meta(prepared), sharded.read_meta(str(tmp_path / "p"))
+    for split in ("train", "eval"):
+        sa, sb = (sharded.split_dataset(d, m, split) for d, m in ((prepared, a), (str(tmp_path / "p"), b)))
+        assert np.array_equal(np.concatenate(list(sa)), np.concatenate(list(sb)))
+    assert a["splits"]["train"]["tokens"] == b["splits"]["train"]["tokens"]
+    assert np.array_equal(np.load(os.path.join(prepared, sharded.COUNTS_FILE)),
+                          np.load(tmp_path / "p" / sharded.COUNTS_FILE))
+
+
+def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
+    good = tmp_path / "a.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} with some words\nsecond line",
+                                        "id": i}) + "\n" for i in range(40)))
+    assert prepare.main(["--input", str(good), "--out", str(tmp_path / "j"), "--eval_every", "10",
+                         "--quiet"]) == 0
+    meta = sharded.read_meta(str(tmp_path / "j"))
+    assert meta["splits"]["eval"]["documents"] == 4 and meta["splits"]["train"]["documents"] == 36
+    assert meta["tokenizer"]["kind"] == "bytes" and meta["dtype"] == "uint8"
+
+    def fails(path_text, *extra):
+        p = tmp_path / path_text[0]
+        p.write_bytes(path_text[1])
+        assert prepare.main(["--input", str(p), "--out", str(tmp_path / ("o_" + path_text[0])),
+                             "--quiet", *extra]) == 2
+        return capsys.readouterr().err
+
+    err = fails(("b.jsonl", b'{"text": "fine"}\n{"body": "no text"}\n'))
+    assert "b.jsonl:2: no 'text' field (has ['body'])" in err and "--text_field" in err
+    assert "c.txt: file is empty" in fails(("c.txt", b""))
+    assert "d.txt:2: byte 0xe9 is not UTF-8" in fails(("d.txt", b"ok\ncaf\xe9\n"))
+    assert "matches no file" in fails(("e.txt", b"x\n"), "--input", str(tmp_path / "nope*.txt"))
+    err = fails(("f.txt", b"".join(b"para %d\n\n" % i for i in range(300))), "--tokenizer",
+                "unigram", "--vocab_size", "60000")
+    assert "--vocab_size` = 60000 is not allowed: the training text supports at most" in err
+
+
+def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared):
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", prepared=prepared, seq_len=32)
+    cd.model.update(kind="lm", max_len=32)
+    with pytest.raises(ConfigError, match=r"prepared with a bpe tokenizer of 600 pieces and this "
+                                          r"config asks for bytes; set data.tokenizer='bpe' data.vocab_size=600"):
+        validate(from_configdict(cd))
+    cd.data.update(tokenizer="bpe", vocab_size=600)
+    validate(from_configdict(cd))
+    with pytest.raises(ConfigError, match="data.prepared.*prepare --input"):
+        data.task_info(lm_cfg(prepared=prepared + "_missing"))
+
+
+# ------------------------------------------------------------------------ streaming
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack", "bucket"])
+def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monkeypatch, mode):
+    monkeypatch.setattr(sharded, "WINDOW_BATCHES", 3)  # many windows: resume across them
+    cfg = lm_cfg(tokenizer="bpe", vocab_size=600, prepared=prepared, batching=mode)
+    task = data.make_task(cfg)
+    it = data.make_iterator(task, cfg, split="train", batch_size=4)
+    for _ in range(7):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    ahead = [next(it) for _ in range(12)]
+    again = data.make_iterator(task, cfg, split="train", batch_size=4)
+    again.set_state(state)
+    for a, b in zip(ahead, [next(again) for _ in range(12)]):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    one = data.make_iterator(task, cfg, split="train", batch_size=4)
+    two = [data.make_iterator(task, cfg, split="train", batch_size=4, process_index=p,
+                              process_count=2) for p in (0, 1)]
+    for _ in range(10):
+        whole, halves = next(one), [next(t) for t in two]
+        for k in whole:
+            assert np.array_equal(whole[k], np.concatenate([h[k] for h in halves]))
+    # eval: one pass, every target of the split scored once
+    ev = data.make_iterator(task, cfg, split="eval", batch_size=4)
+    targets = [b["targets"][b["segment_ids"] > 0] for b in ev]
+    meta = task.meta["prepared_meta"]["splits"]["eval"]
+    assert sum(len(t) for t in targets) == meta["tokens"] - meta["documents"]
+    assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(np.concatenate(
+        [d[1:] for d in sharded.split_dataset(prepared, task.meta["prepared_meta"], "eval")])))
+
+
+@pytest.mark.slow
+def test_cli_prepare_then_train_resumes_after_sigkill(tmp_path, files):
+    """The streamed path end to end in subprocesses: prepare by the CLI, train, SIGKILL after a
+    checkpoint, rerun: the same losses and eval as an uninterrupted run."""
+    from test_train import kill_and_resume_matches
+    out = str(tmp_path / "prep")
+    r = subprocess.run([sys.executable, "-m", "hpnlp.data.prepare", "--input", files[0],
+                        "--eval_input", files[1], "--tokenizer", "bpe", "--vocab_size", "500",
+                        "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "prepare: 100%" in r.stderr
+    kill_and_resume_matches(tmp_path, [f"--config.data.prepared={out}", "--config.data.tokenizer=bpe",
+                                       "--config.data.vocab_size=500"])
+    assert os.path.isfile(tmp_path / "kill" / "tokenizer" / "tokenizer.model")
