@@ -11,11 +11,11 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, compress, lra, memory, moe, quant, retrieval, rnn, softmax, train, tricks
+from hpnlp.bench import attention, compress, data, lra, memory, moe, quant, retrieval, rnn, softmax, train, tricks
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
-           "retrieval": retrieval}
+           "retrieval": retrieval, "data": data}
 
 
 def main(argv=None) -> None:
