@@ -4,11 +4,15 @@ The default experiment (README's first command) is the byte-level one:
 
     python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_bytes
     python -m hpnlp.main --config experiments/lm.py:words --workdir /tmp/hpnlp/lm_words
+    python -m hpnlp.main --config experiments/lm.py:bpe --workdir /tmp/hpnlp/lm_bpe
     python -m hpnlp.main --config experiments/lm.py:bytes,local --workdir /tmp/hpnlp/smoke  # ~30 s
     python -m hpnlp.main --config experiments/lm.py:bytes,moe --workdir /tmp/hpnlp/lm_moe
     python -m hpnlp.main --config experiments/lm.py:bytes,compressive --workdir /tmp/hpnlp/lm_comp
 
-Arguments (comma separated): `bytes` | `words` picks the tokenization; `moe` makes every
+Arguments (comma separated): `bytes` | `words` | `bpe` | `unigram` picks the tokenization
+(`bpe`, `unigram`: SentencePiece subwords, 8K pieces, trained on the training split and kept
+in the workdir; `--config.data.vocab_size=N` changes the size, `--config.data.prepared=DIR`
+reads a corpus prepared by `python -m hpnlp.data.prepare`); `moe` makes every
 block's MLP a Switch mixture of 8 experts of the same width (hpnlp.moe: 8x the MLP
 parameters, the same compute per token); `compressive` makes it a Compressive Transformer
 (Rae et al. 2020: Transformer-XL on stream batches whose evicted memory is compressed 4 to 1
@@ -22,13 +26,17 @@ from hpnlp.config import default_configdict
 def get_config(arg: str = "bytes"):
     args = set(arg.split(",")) if arg else {"bytes"}
     words = "words" in args
+    subword = next((a for a in ("bpe", "unigram") if a in args), None)
     cfg = default_configdict()
-    cfg.name = "lm_words" if words else "lm_bytes"
+    cfg.name = "lm_words" if words else f"lm_{subword}" if subword else "lm_bytes"
 
     cfg.data.task = "word_lm" if words else "byte_lm"
     cfg.data.seq_len = 128  # tokens per training row
     cfg.data.batching = "pack"  # documents packed into rows with segment ids: no padding waste
     cfg.data.word_vocab_size = 8000  # words: most frequent kept, the rest -> <unk>
+    if subword:
+        cfg.data.tokenizer = subword
+        cfg.data.vocab_size = 8000  # pieces
 
     cfg.model.kind = "lm"
     cfg.model.width = 128  # d_model

@@ -389,3 +389,24 @@ def test_moe_bench_targets_and_table_from_a_payload():
     assert t["max_expert_load_vs_mean"]["value"] == 1.7  # the window at step 5 is warmup
     md = moe._markdown(payload)
     assert "-0.0500" in md and "1.20x" in md and "(in experts)" in md and "### Targets" in md
+
+
+def test_data_bench_targets_and_table_from_a_payload():
+    from hpnlp.bench import data as bench_data
+    prep = {"mb_per_sec": 50.0, "seconds": 40.0, "train_tokens": 2_000_000, "train_documents": 500}
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes_bytes": {"small": 20 * 2**20, "large": 2 * 2**30}, "steps": 200,
+               "prepare": {"small": prep, "large": {"reused": "/x"}},
+               "loader": {"status": "ok", "tokens_per_sec": 2e6},
+               "in_memory_loader": {"status": "failed: boom"},
+               "train": {"small": {"status": "ok", "tokens_per_sec": 1e4, "peak_rss_bytes": 1000},
+                         "large": {"status": "ok", "tokens_per_sec": 2e4, "peak_rss_bytes": 1300}}}
+    t = payload["targets"] = bench_data._targets(payload)
+    assert t["loader_vs_step_tokens"] == {"value": 100.0, "bound": 10.0, "op": ">=", "met": True}
+    assert t["rss_2gb_vs_20mb"]["value"] == pytest.approx(1.3) and not t["rss_2gb_vs_20mb"]["met"]
+    md = bench_data._markdown(payload)
+    assert "| 2 GB corpus | reused |" in md and "2,000,000 tokens/s" in md and "failed: boom" in md
+    payload["train"]["large"] = {"status": "failed: killed (out of memory?)"}
+    assert bench_data._targets(payload)["rss_2gb_vs_20mb"] == {"value": None, "bound": 1.2,
+                                                              "op": "<=", "met": False}
