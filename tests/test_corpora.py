@@ -229,3 +229,24 @@ def test_cli_prepare_then_train_resumes_after_sigkill(tmp_path, files):
     kill_and_resume_matches(tmp_path, [f"--config.data.prepared={out}", "--config.data.tokenizer=bpe",
                                        "--config.data.vocab_size=500"])
     assert os.path.isfile(tmp_path / "kill" / "tokenizer" / "tokenizer.model")
+
+
+@pytest.mark.slow
+def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
+    import importlib
+    from hpnlp.train import run
+    generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", tokenizer="bpe", vocab_size=400, train_path=files[0],
+                   eval_path=files[1], seq_len=32, batching="pack")
+    cd.model.update(kind="lm", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32)
+    cd.train.update(steps=3, batch_size=4, warmup_steps=1, eval_every=0, eval_batches=1,
+                    checkpoint_every=3, progress=False)
+    run(cd, str(tmp_path))
+    prompts = ["And God said", "In the beginning"]
+    assert generate.main(["--workdir", str(tmp_path), "--prompt", prompts[0], "--prompt",
+                          prompts[1], "--length", "24"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompts[0]) and ("\n" + prompts[1]) in out
+    assert generate.main(["--workdir", str(tmp_path), "--prompt", "x" * 200, "--length", "24"]) == 2
+    assert "every prompt needs 1 to 23 tokens" in capsys.readouterr().err

@@ -1,12 +1,23 @@
 """`python -m hpnlp.bench softmax --quality`: perplexity at equal training time, per output layer.
 
-Trains the word-level LM of `experiments/lm.py:words` on the shipped corpus (the whole
-train vocabulary, 12,070 words, so the output layer dominates the step) once per output
-layer for the same wall-clock seconds of training (compilation excluded), with a constant
-learning rate after warmup (a decay schedule would need the step count in advance, which
-is what differs between methods). Each is then evaluated with its exact normalized
-log-probabilities on the same held-out batches. Reported: perplexity, steps taken,
-steps/s relative to `full`, and whether the perplexity is within 5% of `full`'s.
+Trains the LM of `experiments/lm.py` on the shipped corpus once per output layer and
+tokenization for the same wall-clock seconds of training (compilation excluded), with a
+constant learning rate after warmup (a decay schedule would need the step count in
+advance, which is what differs between methods). Two tokenizations, each its own table
+compared with `full` on the same tokenization in the same run (`tokenizers=`):
+
+- `words`: the whole train vocabulary, 12,070 words (`experiments/lm.py:words`);
+- `bpe`: SentencePiece BPE of 32,000 pieces (`experiments/lm.py:bpe`), the size the
+  approximate softmaxes were made for. Its ids are frequency-sorted like word ids, so
+  `bench_options(method, V)` (negatives V/32, adaptive cutoffs V/128, V/16, V/4) and the
+  log-uniform samplers apply as they do to words.
+
+Either way the output layer dominates the step. Each model is then evaluated with its
+exact normalized log-probabilities on the same held-out batches. Reported: perplexity per
+token, steps taken, steps/s relative to `full`, and whether the perplexity is within 5% of
+`full`'s. Perplexities per word and per subword piece are not comparable, so each result
+also carries the loss rescaled to per word and per byte of the eval split (`per_word_ppl`,
+`bits_per_byte`: loss x the split's tokens / its words or bytes).
 """
 
 from __future__ import annotations
@@ -23,16 +34,25 @@ from hpnlp.bench import harness, report
 
 WITHIN = 0.05  # "as good as full": perplexity within 5%
 
+# tokenizer -> (preset of experiments/lm.py, vocabulary size, the table's title). Both sizes
+# are large enough that the output layer is most of the step.
+TOKENIZERS = {
+    "words": ("words", 12_070, "Words"),  # every train word: 12,068 words, <eos>, <unk>
+    "bpe": ("bpe", 32_000, "BPE subwords"),  # the shipped corpus supports up to ~34K pieces
+}
 
-def _config(method: str, quick: bool):
+
+def _config(method: str, quick: bool, tokenizer: str = "words"):
+    from hpnlp.bench.softmax import bench_options
     from hpnlp.config import from_configdict
-    cfg = harness.experiment_module("lm.py").get_config("words")
-    cfg.name = f"quality_{method}"
-    cfg.data.word_vocab_size = 12_070  # every train word: the output layer is the cost
+    preset, V, _ = TOKENIZERS[tokenizer]
+    cfg = harness.experiment_module("lm.py").get_config(preset)
+    cfg.name = f"quality_{tokenizer}_{method}"
+    cfg.data.word_vocab_size = V  # read by the words task only
+    cfg.data.vocab_size = V  # read by the subword tokenizers only
     cfg.output.name = method
     cfg.output.tie_embeddings = "embed" in softmax_lib.get(method).__dataclass_fields__
-    from hpnlp.bench.softmax import bench_options
-    cfg.output.options = bench_options(method, cfg.data.word_vocab_size)
+    cfg.output.options = bench_options(method, V)
     cfg.train.schedule = "constant"
     cfg.train.steps = 10**6  # bounded by time, not steps
     cfg.train.warmup_steps = 50
@@ -45,10 +65,21 @@ def _config(method: str, quick: bool):
     return from_configdict(cfg)
 
 
-def train_for(method: str, seconds: float, workdir: str, *, quick: bool) -> dict:
+def eval_units(task) -> dict:
+    """Target tokens, words and UTF-8 bytes of the shipped corpus's eval split (each
+    document's first unit is never a target), to rescale a per-token loss."""
+    from hpnlp.data import corpus, task as task_lib, text_tasks
+    docs = [c.text for c in corpus.kjv_splits()[1]]
+    return {"tokens": int(len(task_lib.lm_targets(task.eval))),
+            "words": sum(len(text_tasks.word_tokens(d)) - 1 for d in docs),
+            "bytes": sum(len(d.encode("utf-8")) - 1 for d in docs)}
+
+
+def train_for(method: str, seconds: float, workdir: str, *, quick: bool,
+              tokenizer: str = "words") -> dict:
     """Train `method` for `seconds` of step time; evaluate exactly."""
     from hpnlp.train.loop import Trainer, _global
-    trainer = Trainer(_config(method, quick), workdir)
+    trainer = Trainer(_config(method, quick, tokenizer), workdir)
     state, _ = trainer.initial_state()
     steps = 0
     with trainer._context():
@@ -63,77 +94,125 @@ def train_for(method: str, seconds: float, workdir: str, *, quick: bool) -> dict
         jax.block_until_ready(m)
         train_s = time.perf_counter() - t0
     ev = trainer.evaluate(state)
-    return {"method": method, "steps": steps, "train_seconds": train_s,
+    units = eval_units(trainer.task)
+    return {"method": method, "tokenizer": tokenizer, "vocab_size": trainer.task.vocab_size,
+            "steps": steps, "train_seconds": train_s,
             "steps_per_sec": steps / train_s, "eval_loss": ev["loss"],
-            "perplexity": math.exp(ev["loss"]), "train_loss_last": float(jax.device_get(m["loss"])
-                                                                          / jax.device_get(m["weight"]))}
+            "perplexity": math.exp(ev["loss"]),
+            "per_word_ppl": math.exp(ev["loss"] * units["tokens"] / units["words"]),
+            "bits_per_byte": ev["loss"] * units["tokens"] / units["bytes"] / math.log(2),
+            "eval_units": units,
+            "train_loss_last": float(jax.device_get(m["loss"]) / jax.device_get(m["weight"]))}
+
+
+def compare(results: list[dict]) -> None:
+    """Each result against `full` on its own tokenization: speedup, ppl_vs_full, within_5pct."""
+    full = {r["tokenizer"]: r for r in results if r["method"] == "full" and "perplexity" in r}
+    for r in results:
+        f = full.get(r["tokenizer"])
+        if f and "perplexity" in r:
+            r["speedup"] = r["steps_per_sec"] / f["steps_per_sec"]
+            r["ppl_vs_full"] = r["perplexity"] / f["perplexity"] - 1.0
+            r["within_5pct"] = r["ppl_vs_full"] <= WITHIN
 
 
 def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
-        seconds: float | None = None) -> dict:
+        seconds: float | None = None, tokenizers: list[str] | None = None) -> dict:
+    """`tokenizers`: the parts to run, of `TOKENIZERS` (default: all)."""
     import tempfile
+    tokenizers = tokenizers or list(TOKENIZERS)
+    bad = [t for t in tokenizers if t not in TOKENIZERS]
+    if bad:
+        raise ValueError(f"tokenizers={bad}: choose from {sorted(TOKENIZERS)}")
     seconds = seconds or (20.0 if quick else 240.0)
     names = methods or softmax_lib.names()
     names = ["full"] + [n for n in names if n != "full"]
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
     results = []
-    for m in tqdm(names, desc="softmax quality", dynamic_ncols=True):
+    jobs = [(t, m) for t in tokenizers for m in names]
+    for t, m in tqdm(jobs, desc="softmax quality", dynamic_ncols=True):
         with tempfile.TemporaryDirectory() as wd:
             try:
-                results.append(train_for(m, seconds, wd, quick=quick))
+                results.append(train_for(m, seconds, wd, quick=quick, tokenizer=t))
             except Exception as e:  # report, never crash the whole run
-                results.append({"method": m, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"})
-    full = next((r for r in results if r["method"] == "full" and "perplexity" in r), None)
-    for r in results:
-        if full and "perplexity" in r:
-            r["speedup"] = r["steps_per_sec"] / full["steps_per_sec"]
-            r["ppl_vs_full"] = r["perplexity"] / full["perplexity"] - 1.0
-            r["within_5pct"] = r["ppl_vs_full"] <= WITHIN
+                results.append({"method": m, "tokenizer": t,
+                                "status": f"failed: {type(e).__name__}: {str(e)[:150]}"})
+    compare(results)
     payload = {"benchmark": "softmax_quality", "machine": info, "seconds": seconds, "quick": quick,
-               "results": results}
-    cfg = _config("full", quick)
-    rows = [[f"`{r['method']}`", f"{r['perplexity']:.1f}", f"{100 * r['ppl_vs_full']:+.1f}%",
-             "yes" if r["within_5pct"] else "no", str(r["steps"]), report.fmt(r["speedup"], "x")]
-            if "perplexity" in r and full else [f"`{r['method']}`", r.get("status", "–"), "", "", "", ""]
-            for r in results]
-    md = "\n".join([
-        f"- date: {info['date']}", f"- machine: {info['cpu']}, {info['cores']} cores", "",
-        f"Word-level LM on the shipped corpus (V={cfg.model.vocab_size or cfg.data.word_vocab_size}, "
-        f"width {cfg.model.width}, depth {cfg.model.depth}, batch {cfg.train.batch_size}x"
-        f"{cfg.data.seq_len}), {seconds:.0f} s of training per method (compilation excluded), "
-        f"constant lr {cfg.train.lr} after {cfg.train.warmup_steps} warmup steps; exact normalized "
-        f"perplexity on {cfg.train.eval_batches} held-out batches.", "",
-        report.table(["method", "perplexity", "vs full", f"within {WITHIN:.0%}", "steps",
-                      "steps/s vs full"], rows)])
-    if full:
+               "tokenizers": tokenizers, "results": results}
+    md = markdown(payload)
+    if any("speedup" in r for r in results):
         plot_tradeoff(os.path.join(out_dir, "softmax_quality.png"), results)
-        md += "\n\nPlot: `softmax_quality.png` (perplexity against speed)."
+        md += "\n\nPlot: `softmax_quality.png` (perplexity against speed, one panel per tokenization)."
     report.write(out_dir, "softmax quality", payload, md)
     return payload
 
 
+def _rows(results: list[dict], per_word: bool) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if "ppl_vs_full" in r:
+            rows.append([f"`{r['method']}`", f"{r['perplexity']:.1f}"]
+                        + ([f"{r['per_word_ppl']:.1f}"] if per_word else [])
+                        + [f"{100 * r['ppl_vs_full']:+.1f}%", "yes" if r["within_5pct"] else "no",
+                           str(r["steps"]), report.fmt(r["speedup"], "x")])
+        else:  # failed, or no `full` to compare with
+            status = r.get("status") or "no `full` to compare with"
+            rows.append([f"`{r['method']}`", status] + [""] * (5 if per_word else 4))
+    return rows
+
+
+def markdown(payload: dict) -> str:
+    """results.md's body from a payload: one table per tokenization."""
+    info, seconds, quick = payload["machine"], payload["seconds"], payload["quick"]
+    tokenizers = payload.get("tokenizers") or ["words"]  # results recorded before `bpe`
+    cfg = _config("full", quick, tokenizers[0])
+    lines = [f"- date: {info['date']}", f"- machine: {info['cpu']}, {info['cores']} cores", "",
+             f"LMs on the shipped corpus (width {cfg.model.width}, depth {cfg.model.depth}, "
+             f"batch {cfg.train.batch_size}x{cfg.data.seq_len} tokens), {seconds:.0f} s of training "
+             f"per method (compilation excluded), constant lr {cfg.train.lr} after "
+             f"{cfg.train.warmup_steps} warmup steps; exact normalized perplexity per token on "
+             f"{cfg.train.eval_batches} held-out batches. Each table compares with `full` on the "
+             "same tokenization."]
+    for t in tokenizers:
+        _, V, title = TOKENIZERS[t]
+        results = [r for r in payload["results"] if r.get("tokenizer", "words") == t]
+        V = next((r["vocab_size"] for r in results if "vocab_size" in r), V)
+        per_word = t != "words"
+        lines += ["", f"**{title}, V = {V}**" + (
+            ": per word = exp(loss per piece x pieces / words of the eval split), comparable to "
+            "the words table's perplexity (which, though, is of lowercased words with `<unk>` "
+            "for unseen ones, an easier target)" if per_word else ""), "",
+            report.table(["method", "perplexity"] + (["per word"] if per_word else [])
+                         + ["vs full", f"within {WITHIN:.0%}", "steps", "steps/s vs full"],
+                         _rows(results, per_word))]
+    return "\n".join(lines)
+
+
 def plot_tradeoff(path: str, results: list[dict]) -> None:
-    """Perplexity against steps/s relative to `full`, the 5% band shaded."""
+    """Perplexity against steps/s relative to `full`, the 5% band shaded; a panel per tokenization."""
     import matplotlib.pyplot as plt
-    ok = [r for r in results if "speedup" in r]
-    full = next(r for r in ok if r["method"] == "full")
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    ax.axhspan(0, full["perplexity"] * (1 + WITHIN), color="tab:green", alpha=0.08,
-               label=f"within {WITHIN:.0%} of full")
-    for r in ok:
-        ax.scatter(r["speedup"], r["perplexity"], s=25)
-        ax.annotate(r["method"], (r["speedup"], r["perplexity"]), fontsize=8,
-                    xytext=(4, 3), textcoords="offset points")
-    ppl = [r["perplexity"] for r in ok]
-    ax.set_ylim(min(ppl) * 0.9, max(ppl) * 1.1)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("training steps/s relative to full")
-    ax.set_ylabel("held-out perplexity (exact)")
-    ax.set_title("output layers at equal training time")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    parts = [t for t in TOKENIZERS if any("speedup" in r and r["tokenizer"] == t for r in results)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], parts):
+        ok = [r for r in results if "speedup" in r and r["tokenizer"] == t]
+        full = next(r for r in ok if r["method"] == "full")
+        ax.axhspan(0, full["perplexity"] * (1 + WITHIN), color="tab:green", alpha=0.08,
+                   label=f"within {WITHIN:.0%} of full")
+        for r in ok:
+            ax.scatter(r["speedup"], r["perplexity"], s=25)
+            ax.annotate(r["method"], (r["speedup"], r["perplexity"]), fontsize=8,
+                        xytext=(4, 3), textcoords="offset points")
+        ppl = [r["perplexity"] for r in ok]
+        ax.set_ylim(min(ppl) * 0.9, max(ppl) * 1.1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("training steps/s relative to full")
+        ax.set_ylabel("held-out perplexity per token (exact)")
+        ax.set_title(f"{TOKENIZERS[t][2]}, V = {full['vocab_size']}: equal training time")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

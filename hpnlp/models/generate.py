@@ -52,3 +52,62 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=N
     (_, _, _), toks_LB = jax.lax.scan(step, (cache, jnp.zeros((B,), jnp.int32), rng),
                                       jnp.arange(length))
     return toks_LB.T
+
+
+def main(argv=None) -> int:
+    """`python -m hpnlp.models.generate --workdir W --prompt TEXT [--prompt TEXT ...]`: sample
+    from the LM trained in W, its prompts encoded and its output decoded by the run's own
+    tokenizer (bytes, words, or the subword model kept in W/tokenizer)."""
+    import argparse
+    import sys
+
+    import numpy as np
+
+    from hpnlp.train.carry import model_params
+    from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
+    from hpnlp.train.loop import Trainer
+
+    p = argparse.ArgumentParser(prog="python -m hpnlp.models.generate", description=main.__doc__)
+    p.add_argument("--workdir", required=True, help="a trained LM run")
+    p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
+    p.add_argument("--length", type=int, default=0, help="tokens in all, prompt included "
+                   "(default: model.max_len)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_run_config(args.workdir)
+        if cfg.model.kind != "lm":
+            raise NoCheckpoint(f"{args.workdir}: a {cfg.model.kind!r} run; generate needs an LM "
+                               "(model.kind='lm')")
+        trainer = Trainer(cfg, args.workdir, read_only=True)
+        if trainer.checkpointer.latest_step() is None:
+            raise NoCheckpoint(f"{args.workdir}: no checkpoint to read; train the run first")
+    except (NoCheckpoint, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    length = args.length or cfg.model.max_len
+    task = trainer.task
+    ids = [task.encode(t) for t in args.prompt]
+    if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
+        print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
+              f"these have {[len(x) for x in ids]}", file=sys.stderr)
+        return 2
+    state, _ = trainer.initial_state()
+    prompt_BP = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
+    for b, x in enumerate(ids):
+        prompt_BP[b, :len(x)] = x
+    tokens_BL = generate(cfg, model_params(state.params), jnp.asarray(prompt_BP),
+                         jnp.asarray([len(x) for x in ids]), length=length,
+                         rng=jax.random.key(args.seed), temperature=args.temperature,
+                         greedy=args.greedy,
+                         features_key=state.features_key(cfg.train.feature_redraw_every),
+                         token_counts=task.token_counts)
+    for row in np.asarray(tokens_BL):
+        print(task.decode(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
