@@ -53,6 +53,8 @@ def expand(pattern: str, flag: str) -> list[str]:
                                "around the pattern")
         paths += hits
     for p in paths:
+        if os.path.isdir(p):
+            raise PrepareError(f"{p}: is a folder ({flag}); name its files, e.g. '{p}/*.txt'")
         if not os.path.isfile(p):
             raise PrepareError(f"{p}: no such file ({flag}); give a text or JSON-lines file")
         if not os.access(p, os.R_OK):
