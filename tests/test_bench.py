@@ -180,18 +180,33 @@ def test_time_jax_max_time_caps_repeats_of_slow_calls():
 def test_lra_bench_reports_accuracy_beside_baseline_and_relative_speed(tmp_path, monkeypatch):
     from hpnlp.bench import lra
     tiny = dict(lra.settings(True), seq_len={"listops": 32, "text": 32, "retrieval": 32}, width=16,
-                heads=2, mlp=32, batch=4, steps=3, eval_batches=2, listops_num_train=64,
-                listops_num_eval=16)
+                heads=2, mlp=32, batch=4, steps={"listops": 3, "text": 3, "retrieval": 3},
+                eval_batches=2, listops_num_train=64, listops_num_eval=16, dense_seeds=[0, 1])
     monkeypatch.setattr(lra, "settings", lambda quick: dict(tiny))
     out = str(tmp_path / "lra")
     payload = lra.run(out, quick=True, variants=["local"], tasks=["listops"], isolate=False)
-    assert [r["variant"] for r in payload["results"]] == ["dense", "local"]  # dense first, the base
+    # dense first (the base), at each seed; the other variants once
+    assert [(r["variant"], r["seed"]) for r in payload["results"]] == [
+        ("dense", 0), ("dense", 1), ("local", 0)]
     assert all(r["status"] == "ok" and r["steps"] == 3 for r in payload["results"])
     summ = payload["summary"]
     assert summ["dense"]["listops"]["relative_speed"] == 1.0
     assert 0.0 <= summ["local"]["listops"]["accuracy"] <= 1.0
+    assert "dense (seed 1)" in summ
+    spread = payload["dense_spread"]["listops"]
+    accs = [r["accuracy"] for r in payload["results"] if r["variant"] == "dense"]
+    assert spread["accuracies"] == accs and spread["spread"] == pytest.approx(max(accs) - min(accs))
+    assert set(spread["beat"] + spread["trail"]) <= {"local"}
+    t = payload["targets"]["listops_dense_accuracy_vs_majority"]
+    base = payload["results"][0]["baseline_accuracy"]
+    assert t["bound"] == 15.0 and t["op"] == ">=" and t["value"] == pytest.approx(
+        100 * (sum(accs) / 2 - base))
+    saved = json.load(open(os.path.join(out, "results.json")))
+    assert set(saved["targets"]) == {"listops_dense_accuracy_vs_majority",
+                                     "text_dense_accuracy_vs_majority"}
     md = open(os.path.join(out, "results.md")).read()
     assert "`local`" in md and "majority class" in md and "listops acc." in md
+    assert "`dense (seed 1)`" in md and "seed-to-seed spread" in md and "### Targets" in md
     assert os.path.getsize(os.path.join(out, "lra_accuracy_speed.png")) > 0
 
 
@@ -410,3 +425,39 @@ def test_data_bench_targets_and_table_from_a_payload():
     payload["train"]["large"] = {"status": "failed: killed (out of memory?)"}
     assert bench_data._targets(payload)["rss_2gb_vs_20mb"] == {"value": None, "bound": 1.2,
                                                               "op": "<=", "met": False}
+
+
+def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, monkeypatch):
+    from hpnlp.bench import quality
+    ppl = {("words", "full"): 80.0, ("words", "sampled"): 82.0, ("bpe", "full"): 100.0,
+           ("bpe", "sampled"): 120.0}
+
+    def fake_train_for(method, seconds, workdir, *, quick, tokenizer):
+        if method == "nce":
+            raise RuntimeError("boom")
+        p = ppl[(tokenizer, method)]
+        return {"method": method, "tokenizer": tokenizer, "vocab_size": quality.TOKENIZERS[tokenizer][1],
+                "steps": 10 if method == "full" else 30, "train_seconds": 1.0,
+                "steps_per_sec": 10.0 if method == "full" else 30.0, "eval_loss": np.log(p),
+                "perplexity": p, "per_word_ppl": p * 1.1, "bits_per_byte": 1.5}
+
+    monkeypatch.setattr(quality, "train_for", fake_train_for)
+    out = str(tmp_path / "q")
+    payload = quality.run(out, quick=True, methods=["sampled", "nce"], seconds=1.0)
+    rows = {(r["tokenizer"], r["method"]): r for r in payload["results"]}
+    assert [k for k in rows if k[0] == "bpe"] == [("bpe", "full"), ("bpe", "sampled"), ("bpe", "nce")]
+    assert rows[("words", "sampled")]["ppl_vs_full"] == pytest.approx(0.025)
+    assert rows[("words", "sampled")]["within_5pct"] and rows[("bpe", "sampled")]["speedup"] == 3.0
+    assert rows[("bpe", "sampled")]["ppl_vs_full"] == pytest.approx(0.2)
+    assert not rows[("bpe", "sampled")]["within_5pct"]
+    assert rows[("bpe", "nce")]["status"] == "failed: RuntimeError: boom"
+    md = open(os.path.join(out, "results.md")).read()
+    assert "**Words, V = 12070**" in md and "**BPE subwords, V = 32000**" in md
+    assert "| `sampled` | 120.0 | 132.0 | +20.0% | no | 30 | 3.00x |" in md  # per word beside
+    assert "| `sampled` | 82.0 | +2.5% | yes | 30 | 3.00x |" in md
+    assert os.path.getsize(os.path.join(out, "softmax_quality.png")) > 0
+    only = quality.run(str(tmp_path / "b"), quick=True, methods=["sampled"], seconds=1.0,
+                       tokenizers=["bpe"])
+    assert {r["tokenizer"] for r in only["results"]} == {"bpe"}
+    with pytest.raises(ValueError, match="choose from"):
+        quality.run(str(tmp_path / "c"), quick=True, tokenizers=["chars"])

@@ -9,8 +9,9 @@ frequency-based methods get those counts. Times are medians (min, max); memory i
 compiled executable's and the peak RSS of a fresh process per configuration. `full` also
 reports achieved GFLOP/s against this machine's matmul rate (6·N·V·E FLOPs per step).
 
-`--quality` instead trains the word-level LM on the shipped corpus once per method for the
-same wall-clock time as `full` and reports exact perplexity (see `quality.py`).
+`--quality` instead trains the word-level LM and a BPE (V = 32000) LM on the shipped corpus
+once per method for the same wall-clock time as `full` and reports exact perplexity (see
+`quality.py`; `--tokenizers words|bpe` runs one part).
 """
 
 from __future__ import annotations
@@ -256,14 +257,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality", action="store_true",
                    help="instead: train the word LM with each method for equal time, exact perplexity")
     p.add_argument("--seconds", type=float, default=0.0,
-                   help="--quality: training seconds per method (default 240, 20 with --quick)")
+                   help="--quality: training seconds per method (default 240, 10 with --quick)")
+    p.add_argument("--tokenizers", default="",
+                   help="--quality: comma-separated parts, words and/or bpe (V = 32000; default: both)")
 
 
 def main(args) -> dict:
     methods = [m for m in args.methods.split(",") if m] or None
     if args.quality:
         from hpnlp.bench import quality
-        return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds or None)
+        return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds or None,
+                           tokenizers=[t for t in args.tokenizers.split(",") if t] or None)
     return run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
                methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None)
 
