@@ -94,20 +94,13 @@ class BatchIterator:
     def __init__(self, task: Task, cfg, *, split: str, batch_size: int,
                  process_index: int = 0, process_count: int = 1):
         from hpnlp.config import ConfigError
-        if split not in ("train", "eval"):
-            raise ValueError(f"split={split!r}; choose 'train' or 'eval'")
-        if cfg.batching not in MODES:
-            raise ConfigError(f"config field `data.batching` = {cfg.batching!r} is not allowed: "
-                              f"choose one of {list(MODES)}")
+        self.check_args(split, cfg.batching, batch_size, process_index, process_count)
         if cfg.batching == "pack" and task.kind != "lm":
             raise ConfigError(f"config field `data.batching` = 'pack' is not allowed for the "
                               f"{task.kind} task {task.name!r}: use 'pad' or 'bucket'")
         if cfg.seq_len != task.seq_len:
             raise ValueError(f"task {task.name!r} was built with seq_len={task.seq_len} but "
                              f"data.seq_len={cfg.seq_len}; rebuild it with make_task(cfg)")
-        if not (isinstance(batch_size, (int, np.integer)) and batch_size > 0):
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        self._check_processes(batch_size, process_index, process_count)
         self._ex = task.train if split == "train" else task.eval
         if len(self._ex) == 0:
             raise ValueError(f"task {task.name!r} has no {split} examples at seq_len={cfg.seq_len}; "
@@ -128,7 +121,18 @@ class BatchIterator:
         self._widths: set[int] = set()
 
     @staticmethod
-    def _check_processes(batch_size: int, process_index: int, process_count: int) -> None:
+    def check_args(split: str, batching: str, batch_size: int, process_index: int,
+                   process_count: int, *, where: str = "") -> None:
+        """The checks every iterator over a split makes of its arguments (`where`: what
+        the batching mode is refused with, for the message)."""
+        from hpnlp.config import ConfigError
+        if split not in ("train", "eval"):
+            raise ValueError(f"split={split!r}; choose 'train' or 'eval'")
+        if batching not in MODES:
+            raise ConfigError(f"config field `data.batching` = {batching!r} is not allowed{where}: "
+                              f"choose one of {list(MODES)}")
+        if not (isinstance(batch_size, (int, np.integer)) and batch_size > 0):
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
         if batch_size % process_count:

@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from hpnlp.data import task as task_lib
-from hpnlp.data.batching import MODES, BatchIterator, check_fingerprint
+from hpnlp.data.batching import BatchIterator, check_fingerprint
 
 FORMAT = "hpnlp-prepared/1"
 META_FILE = "meta.json"
@@ -153,20 +153,13 @@ class ShardedIterator:
     def __init__(self, task: task_lib.Task, cfg, *, split: str, batch_size: int,
                  process_index: int = 0, process_count: int = 1):
         import grain
-        from hpnlp.config import ConfigError
-        if split not in ("train", "eval"):
-            raise ValueError(f"split={split!r}; choose 'train' or 'eval'")
-        if cfg.batching not in MODES:
-            raise ConfigError(f"config field `data.batching` = {cfg.batching!r} is not allowed with "
-                              f"data.prepared: choose one of {list(MODES)}")
-        if not (isinstance(batch_size, (int, np.integer)) and batch_size > 0):
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        BatchIterator.check_args(split, cfg.batching, batch_size, process_index, process_count,
+                                 where=" with data.prepared")
         meta = task.meta["prepared_meta"]
         self.directory, self.meta = task.meta["prepared"], meta
         self.task, self.cfg, self.split = task, cfg, split
         self.batch_size, self.seq_len, self.seed = int(batch_size), cfg.seq_len, cfg.seed
         self.iter_args = dict(process_index=process_index, process_count=process_count)
-        BatchIterator._check_processes(batch_size, process_index, process_count)
         if meta["splits"][split]["documents"] == 0:
             raise ValueError(f"{self.directory} has no {split} documents; prepare it with some "
                              f"{split} text (--eval_input or --eval_every)")
