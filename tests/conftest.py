@@ -7,12 +7,20 @@ expensive optimization passes are turned off (half the time of a typical file). 
 changes how fast the compiled code runs, not what it computes. Subprocesses inherit the
 flags (tests append their own, e.g. the simulated device count). Set HPNLP_TEST_FULL_OPT=1
 to test with the default optimization.
+
+On a GPU: `JAX_PLATFORMS=cuda,cpu python -m pytest ...` runs the suite on it (the CPU
+stays for host callbacks and the subprocesses that simulate CPU devices). Float32 matrix
+products then run at full float32 precision (JAX_DEFAULT_MATMUL_PRECISION=highest):
+the exact twins are compared at float32 tolerances, which TF32, the GPU default, misses
+by ~1e-3.
 """
 
 import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] != "cpu":  # also for the subprocesses tests start (see above)
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # One persistent compilation cache for the whole run (xdist workers, and the subprocesses
 # and notebook kernels they start): the many tiny training runs with the same config
 # (resume, kill-and-resume, multi-host, notebooks) compile each program once. Programs

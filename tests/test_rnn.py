@@ -289,7 +289,7 @@ def test_loss_falls_on_a_tiny_task():
         return optax.apply_updates(w, upd), state, v
 
     losses = []
-    for _ in range(40):
+    for _ in range(60):  # past the plateau near step 30 that rounding can prolong (seen on a GPU)
         w, state, v = step(w, state)
         losses.append(float(v))
     assert losses[-1] < 0.5 * losses[0]

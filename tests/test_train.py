@@ -219,7 +219,8 @@ mu = state.opt_state[1][0].mu["trunk"]["block_0"]["attention"]["qkv"]
 assert p.sharding.spec[0] == "fsdp" and mu.sharding.spec == p.sharding.spec, (p.sharding, mu.sharding)
 print("OK")
 """
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]

@@ -12,12 +12,13 @@ from hpnlp import xla_workarounds as xw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPRO = os.path.join(ROOT, "docs", "repro", "xla_cpu_pad_overread.py")
-# Each case starts as a user's process would: full optimization, no hpnlp flag inherited.
+# Each case starts as a user's process would: full optimization, no hpnlp flag inherited,
+# on the CPU (the defect is XLA:CPU's).
 
 
 def test_repro_runs_clean_after_importing_hpnlp():
     code = f"import hpnlp, runpy; runpy.run_path({REPRO!r}, run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", code], env=full_optimization_env(xw.ISA_FLAG),
+    proc = subprocess.run([sys.executable, "-c", code], env=full_optimization_env(xw.ISA_FLAG, JAX_PLATFORMS="cpu"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
@@ -26,7 +27,7 @@ def test_repro_crashes_without_the_workaround_where_it_applies():
     """The defect the workaround exists for is real here (and would tell us once XLA fixes it)."""
     if xw.pad_overread_flag() is None and not xw.APPLIED:
         pytest.skip("the workaround does not apply to this jaxlib/CPU")
-    env = full_optimization_env(xw.ISA_FLAG, HPNLP_XLA_WORKAROUNDS="0")
+    env = full_optimization_env(xw.ISA_FLAG, HPNLP_XLA_WORKAROUNDS="0", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, REPRO], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode == 0:
         pytest.skip("the over-read does not fault on this CPU (the unmasked load was not emitted)")
