@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +251,14 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o")]) == 1
     assert "trained without quantization" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o" / "quantized.npz")
+    # A key-value memory classifier: its memory lives in the train state, not in the file.
+    shutil.copytree(trained, tmp_path / "mem")
+    run_json = json.load(open(tmp_path / "mem" / "config.json"))
+    run_json["config"]["model"]["memory"]["size"] = 16
+    json.dump(run_json, open(tmp_path / "mem" / "config.json", "w"))
+    assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
+                 "--weights", "int8"]) == 1
+    assert "`model.memory.size`" in capsys.readouterr().err
 
 
 QAT_MESH_CODE = r"""

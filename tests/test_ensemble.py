@@ -5,6 +5,7 @@ Compiles dominate on CPU, so the runs are module fixtures shared by the tests: o
 run (seed 1) and one 2-member seed ensemble (seed 0, so its member 1 is that run).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from hpnlp.config import ConfigError, default_configdict, from_configdict
 from hpnlp.train import Trainer, run
 from hpnlp.train.checkpoint import CheckpointMismatch
+from hpnlp.train.loop import _global
 from hpnlp.train.ensemble import (EnsembleTrainer, NotEnoughCheckpoints, checkpoint_ensemble,
                                   weight_average)
 
@@ -135,6 +137,46 @@ def test_workdir_must_hold_the_same_members(plain, ensemble):
         EnsembleTrainer(tiny(), workdir, members=0)
     with pytest.raises(CheckpointMismatch, match=r"ensemble.members: saved 2, now 1"):
         Trainer(tiny(), workdir)  # a plain run pointed at an ensemble
+
+
+def test_members_carry_their_own_pruning_masks(tmp_path):
+    """A carry (here pruning's masks) works per member: each member's pruned weights are
+    exactly zero after steps, at the sparsity asked for, with masks of its own weights."""
+    from flax import traverse_util
+
+    from hpnlp.compress import prune
+    cfg = tiny(0, steps=2, eval_every=0, checkpoint_every=0)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0),
+                              train=dataclasses.replace(cfg.train, prune=dataclasses.replace(
+                                  cfg.train.prune, method="magnitude", sparsity=0.5)))
+    ens = EnsembleTrainer(cfg, str(tmp_path), members=2)
+    state, _ = ens.initial_state()
+    with ens._context():
+        for _ in range(2):
+            state, _ = ens.train_step(state, _global(next(ens.train_iter), ens.batch_sharding))
+    masks_of = []
+    for i in range(2):
+        member = jax.device_get(ens.member_state(state, i))
+        masks, flat = member.carry["prune"]["masks"], traverse_util.flatten_dict(member.params)
+        assert masks
+        for k, mask in masks.items():
+            assert not np.any(np.asarray(flat[tuple(k.split("/"))])[~np.asarray(mask)])
+        assert prune.sparsity_report(member.params, masks)["total"] == pytest.approx(0.5, abs=0.02)
+        masks_of.append(masks)
+    assert any(not np.array_equal(masks_of[0][k], masks_of[1][k]) for k in masks_of[0])
+
+
+def test_ensembles_refuse_models_whose_evaluation_reads_more_than_params(tmp_path):
+    cfg = tiny()
+    memory = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, memory=dataclasses.replace(cfg.model.memory, size=16)))
+    with pytest.raises(ConfigError, match="`model.memory.size`"):
+        EnsembleTrainer(memory, str(tmp_path / "a"), members=2)
+    stream_xl = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, arch="transformer_xl", mem_len=8),
+        data=dataclasses.replace(cfg.data, batching="stream"))
+    with pytest.raises(ConfigError, match="`data.batching`"):
+        checkpoint_ensemble(stream_xl, str(tmp_path / "b"), 2)
 
 
 def test_classifier_members_and_ensemble(tmp_path):

@@ -314,3 +314,9 @@ def test_trainer_carries_memory_and_learns(tmp_path):
     reset_loss = float(reset["loss"]) / float(reset["weight"])
     print(f"eval loss with memory {with_memory:.4f}, memory reset every segment {reset_loss:.4f}")
     assert with_memory < reset_loss
+    # Post-training float16 evaluates as the run does: the eval stream's memory threaded.
+    from hpnlp.compress import ptq
+    s = ptq.quantize(str(tmp_path), str(tmp_path / "f16"), float_dtype="float16", repeats=1)
+    assert s["eval"]["float32"]["loss"] == pytest.approx(with_memory, rel=1e-5)
+    assert s["eval"]["quantized"]["loss"] == pytest.approx(with_memory, rel=0.01)
+    assert s["reload_identical"] and s["size_bytes"]["ratio"] > 1.5  # float16 arrays on disk

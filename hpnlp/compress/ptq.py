@@ -203,11 +203,20 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     if calib_batches <= 0:
         raise config_error("calib_batches", calib_batches, "must be > 0")
     cfg = load_run_config(workdir)
+    if cfg.model.memory.size:
+        raise config_error("model.memory.size", cfg.model.memory.size,
+                           f"the run in {workdir} reads a key-value memory that lives in its train "
+                           "state, which a quantized checkpoint does not hold; quantize a run "
+                           "without model.memory")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     if float_dtype is not None:
+        # float16: the config keeps float32 parameters (validate refuses float16 master
+        # weights, a training rule); the stored arrays are float16 all the same (below), and
+        # the model computes in float16.
         cfg_q = validate(dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, dtype=float_dtype, param_dtype=float_dtype)))
+            cfg.model, dtype=float_dtype,
+            param_dtype=float_dtype if float_dtype == "bfloat16" else "float32")))
     else:
         cfg_q = with_quant(cfg, q)  # fails here, before anything compiles
     os.makedirs(out, exist_ok=True)
@@ -249,8 +258,13 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     kernel_products = sum(isinstance(x, Served) for x in jax.tree.leaves(
         served, is_leaf=lambda x: isinstance(x, Served)))
     eval_q = jax.jit(lambda p, qv, b: model_q.apply(variables(p, qv), b, method="evaluate"))
+    # Transformer-XL on a stream (float formats): the eval stream's memory threaded through,
+    # as in the float evaluation above.
+    eval_q_memory = jax.jit(lambda p, qv, b, mem: model_q.apply(variables(p, qv), b, mem,
+                                                                 method="evaluate_and_memory"))
     quant_eval = finalize(trainer.eval_sums(
-        state, eval_step=lambda _, b: eval_q(served, quant_vars, b)), lm=lm)
+        state, eval_step=lambda _, b: eval_q(served, quant_vars, b),
+        memory_step=lambda _, b, mem: eval_q_memory(served, quant_vars, b, mem)), lm=lm)
 
     meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
     size = save(out, cfg_q, packed, quant_vars, meta)

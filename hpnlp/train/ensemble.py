@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
+from hpnlp.models import transformer_xl as xl
 from hpnlp.train.checkpoint import CheckpointMismatch
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
@@ -198,6 +199,7 @@ class EnsembleTrainer(Trainer):
         if not isinstance(members, int) or members < 1:
             raise ValueError(f"members = {members!r}: an ensemble needs an integer >= 1")
         _check_members_file(workdir, members)
+        check_ensemble_evaluates(cfg)
         self.members = members  # read by Trainer.__init__ for the checkpoint signature
         super().__init__(cfg, workdir)
         cfg = self.cfg
@@ -205,7 +207,6 @@ class EnsembleTrainer(Trainer):
         self.seeds = [cfg.seed + i for i in range(members)]
         # The plain trainer's pieces stay, for one member: init and evaluate.
         self.member_sharding = single = self.state_sharding
-        self._member_init = self._init
         fields = _member_fields()
         self.state_sharding = single.replace(
             **{k: jax.tree.map(_stacked, getattr(single, k)) for k in fields})
@@ -216,7 +217,8 @@ class EnsembleTrainer(Trainer):
         model = models.build(cfg, deterministic=False, token_counts=self.task.token_counts)
         axes = TrainState(step=None, **{k: None if getattr(abstract, k) is None else 0
                                         for k in fields})
-        vstep = jax.vmap(make_train_step(model, make_optimizer(cfg.train), cfg.train),
+        # Each member's carries (pruning masks, a teacher, ...) ride in its own carry slice.
+        vstep = jax.vmap(make_train_step(model, make_optimizer(cfg.train), cfg.train, self.carries),
                          in_axes=(axes, None), out_axes=(axes, 0))
         estep = make_ensemble_eval_step(self.eval_model, cfg.train, self.task.kind)
 
@@ -250,11 +252,11 @@ class EnsembleTrainer(Trainer):
 
     def initial_state(self):
         """(stacked state, loop_state): restored from the newest checkpoint, or member i
-        initialized exactly as the plain run with seed cfg.seed + i."""
+        initialized (and its carries started) exactly as the plain run with seed cfg.seed + i."""
         if self.checkpointer.latest_step() is not None:
             return super().initial_state()
+        states = [self.fresh_state(jax.random.key(s), self.member_sharding) for s in self.seeds]
         with self._context():
-            states = [self._member_init(jax.random.key(s)) for s in self.seeds]
             return self._stack_members(*states), {}
 
     def member_state(self, state, i: int) -> TrainState:
@@ -270,10 +272,30 @@ class EnsembleTrainer(Trainer):
 # Checkpoint ensemble and weight averaging of a plain run
 
 
+def check_ensemble_evaluates(cfg: Config) -> None:
+    """Refuse, before anything compiles, a model whose evaluation reads state beyond its
+    parameters that the ensemble's evaluation (each batch's predicted distributions,
+    averaged) does not thread."""
+    if cfg.model.memory.size:
+        raise ConfigError(
+            f"config field `model.memory.size` = {cfg.model.memory.size} is not allowed in an "
+            "ensemble: the key-value memory's nearest-neighbour answers are not a distribution to "
+            "average, and its evaluation reads each run's trained memory from the train state, "
+            "which the ensemble's evaluation does not; train the members as separate runs, or set "
+            "model.memory.size=0")
+    if xl.carries_memory(cfg):
+        raise ConfigError(
+            "config field `data.batching` = 'stream' is not allowed in an ensemble of "
+            "Transformer-XL runs: their evaluation threads the eval stream's memory from batch to "
+            "batch and the ensemble's scores each batch alone; use data.batching='pack' or "
+            "model.arch='transformer'")
+
+
 def _restore_last(cfg, workdir: str, last_k: int):
     """(trainer, steps, states) of the last `last_k` checkpoints of a plain run."""
     if not isinstance(cfg, Config):
         cfg = from_configdict(cfg)
+    check_ensemble_evaluates(cfg)
     if not isinstance(last_k, int) or last_k < 1:
         raise ValueError(f"last_k = {last_k!r}: the number of checkpoints to combine must be >= 1")
     keep = cfg.train.keep_checkpoints

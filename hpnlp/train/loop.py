@@ -179,21 +179,28 @@ class Trainer:
         """(state, loop_state): restored from the newest checkpoint, or fresh."""
         step = self.checkpointer.latest_step()
         if step is None:
-            with self._context():
-                state = self._init(jax.random.key(self.cfg.seed))
-                if self.cfg.train.init_from:
-                    state = state.replace(params=self._params_from(self.cfg.train.init_from,
-                                                                   state.params))
-                carry, params = {}, state.params
-                for c in self.carries:  # in order: a teacher's initialization before pruning's start
-                    carry[c.name] = c.start(state.carry[c.name], params)
-                    params = c.start_params(carry[c.name], params)
-                if params is not state.params:
-                    state = state.replace(params=jax.device_put(params, self.state_sharding.params))
-                return state.replace(carry=jax.device_put(carry, self.state_sharding.carry)), {}
+            return self.fresh_state(jax.random.key(self.cfg.seed)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
         self.train_iter.set_state(data_state)
         return state, loop_state
+
+    def fresh_state(self, key, sharding=None):
+        """A new state from `key`: initialized, `train.init_from`'s weights read in, and every
+        carry started (a teacher's initialization before pruning's start), placed on
+        `sharding` (default: this trainer's)."""
+        sharding = sharding or self.state_sharding
+        with self._context():
+            state = self._init(key)
+            if self.cfg.train.init_from:
+                state = state.replace(params=self._params_from(self.cfg.train.init_from,
+                                                               state.params))
+            carry, params = {}, state.params
+            for c in self.carries:
+                carry[c.name] = c.start(state.carry[c.name], params)
+                params = c.start_params(carry[c.name], params)
+            if params is not state.params:
+                state = state.replace(params=jax.device_put(params, sharding.params))
+            return state.replace(carry=jax.device_put(carry, sharding.carry))
 
     def _params_from(self, workdir: str, like):
         """The newest parameters of the run in `workdir` as this run starts from them: read
@@ -213,11 +220,16 @@ class Trainer:
         factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank_of))(dense)
         return jax.device_put(factored, carry_lib.model_params(self.state_sharding.params))
 
-    def eval_sums(self, state, eval_step=None) -> dict:
+    def eval_sums(self, state, eval_step=None, memory_step=None) -> dict:
         """Host sums of `eval_step` (default: this trainer's, with memory for Transformer-XL
-        on a stream) over the eval batches."""
+        on a stream) over the eval batches. For Transformer-XL on a stream, the eval stream's
+        memory is threaded through `memory_step(state, batch, memory) -> (sums, memory)`
+        (default: this trainer's) unless only an `eval_step` is given (memoryless)."""
         cfg = self.cfg
-        memory = self.eval_memory() if eval_step is None and getattr(self, "eval_memory", None) else None
+        memory = None
+        if getattr(self, "eval_memory", None) and (eval_step is None or memory_step is not None):
+            memory = self.eval_memory()
+        memory_step = memory_step or getattr(self, "eval_memory_step", None)
         eval_step = eval_step or self.eval_step
         it = data_lib.make_iterator(self.task, cfg.data, split="eval",
                                     batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
@@ -228,8 +240,7 @@ class Trainer:
                 if cfg.train.eval_batches and i >= cfg.train.eval_batches:
                     break
                 if memory is not None:
-                    sums, memory = self.eval_memory_step(state, _global(batch, self.batch_sharding),
-                                                         memory)
+                    sums, memory = memory_step(state, _global(batch, self.batch_sharding), memory)
                 else:
                     sums = eval_step(state, _global(batch, self.batch_sharding))
                 total = sums if total is None else jax.tree.map(np.add, total, sums)
