@@ -51,7 +51,7 @@ setuptools.setup(
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["hpnlp", "hpnlp.*"]),
     package_data={"hpnlp.data": ["corpus/*.xz"], "hpnlp.rnn": ["*.cc"], "hpnlp.attention": ["*.cc"],
-                  "hpnlp.compress": ["*.cc"],
+                  "hpnlp.compress": ["*.cc"], "hpnlp.retrieval": ["*.cc"],
                   "hpnlp.kernels": ["*.h"]},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,

@@ -34,6 +34,110 @@ def test_exact_equals_numpy_top_k_ties_included(opts):
         np.testing.assert_array_equal(s, rs)
 
 
+def _kernel_or_skip():
+    from hpnlp.retrieval import exact
+    if exact.KERNEL.blocker() is not None:
+        pytest.skip(f"the exact MIPS kernel cannot run here: {exact.KERNEL.blocker()}")
+    return exact
+
+
+@pytest.mark.parametrize("d", [8, 17])
+def test_exact_kernel_equals_numpy_ties_and_padding(d):
+    """The fused kernel: duplicate rows (real ties), 700 rows (not a whole panel), 23
+    queries (not a whole tile), k = 1 to past a panel's width, one thread (one database
+    range) and three (ranges merged); and the XLA twin gives the same."""
+    exact = _kernel_or_skip()
+    x, q = _ties(d=d)
+    x[500:540] = x[:40]
+    xla = retrieval.make("exact", d, impl="xla", block=256, query_block=8)
+    xla.add(x)
+    for threads in (1, 3):
+        index = retrieval.make("exact", d, impl="kernel", threads=threads)
+        index.add(x[:300])
+        index.add(x[300:])  # ids continue across adds; the panels are packed again
+        assert index.uses_kernel()
+        for k in (1, 5, 2 * exact.layout()["np"] + 3):
+            s, i = index.search(q, k)
+            rs, ri = retrieval.exact_reference(q, x, k)
+            np.testing.assert_array_equal(i, ri)
+            np.testing.assert_array_equal(s, rs)
+            s2, i2 = xla.search(q, k)
+            np.testing.assert_array_equal(i2, i)
+            np.testing.assert_array_equal(s2, s)
+
+
+def test_exact_kernel_query_blocks_and_every_row():
+    """Many query blocks (query_block=8) on 1 and 2 threads, and k = count (every row,
+    the padding never among them)."""
+    exact = _kernel_or_skip()
+    x, q = _ties(n=77, q=21)
+    db = exact.pack_database(x)
+    assert db.shape == (-(-77 // exact.layout()["np"]), 8, exact.layout()["np"])
+    for threads, qb, k in [(1, 8, 9), (2, 8, 9), (2, 1000, 77)]:
+        s, i = exact.mips_top_k(q, db, 77, k, threads=threads, query_block=qb)
+        rs, ri = retrieval.exact_reference(q, x, k)
+        np.testing.assert_array_equal(np.asarray(i), ri)
+        np.testing.assert_array_equal(np.asarray(s), rs)
+
+
+def test_exact_impl_choice_and_errors(tmp_path, monkeypatch):
+    exact = _kernel_or_skip()
+    x, q = _ties(n=100)
+    assert retrieval.make("exact", 8).uses_kernel()  # auto: the kernel on a CPU
+    assert not retrieval.make("exact", 8, impl="xla").uses_kernel()
+    assert not retrieval.make("exact", 8, dtype="bfloat16").uses_kernel()
+    with pytest.raises(RetrievalError, match="impl='kernel'.*dtype='bfloat16'.*impl='auto' or 'xla'"):
+        retrieval.make("exact", 8, impl="kernel", dtype="bfloat16").uses_kernel()
+    with pytest.raises(RetrievalError, match="impl='fast'"):
+        retrieval.make("exact", 8, impl="fast")
+    index = retrieval.make("exact", 8, impl="kernel")
+    index.add(x)
+    monkeypatch.setattr(exact.KERNEL, "blocker", lambda: "no C++ compiler found")
+    with pytest.raises(RetrievalError, match=r"cannot run here: no C\+\+ compiler found"):
+        index.search(q, 3)
+    auto = retrieval.make("exact", 8)
+    auto.add(x)
+    np.testing.assert_array_equal(auto.search(q, 3)[1], retrieval.exact_reference(q, x, 3)[1])
+    monkeypatch.undo()
+    # an index saved before `impl` existed loads as "auto"
+    folder = auto.save(str(tmp_path / "old"))
+    header = json.load(open(os.path.join(folder, "index.json")))
+    del header["options"]["impl"], header["options"]["threads"]
+    json.dump(header, open(os.path.join(folder, "index.json"), "w"))
+    back = retrieval.load(folder)
+    assert back.options["impl"] == "auto" and back.uses_kernel()
+    np.testing.assert_array_equal(back.search(q, 3)[1], retrieval.exact_reference(q, x, 3)[1])
+
+
+PORTABLE_MIPS = r"""
+import numpy as np
+from hpnlp import retrieval
+from hpnlp.retrieval import exact
+assert exact.layout()["path"] == "avx2", exact.layout()
+rng = np.random.default_rng(0)
+x = rng.integers(-2, 3, (300, 17)).astype(np.float32); q = rng.integers(-2, 3, (13, 17)).astype(np.float32)
+x[200:230] = x[:30]
+for threads in (1, 2):
+    index = retrieval.make("exact", 17, impl="kernel", threads=threads); index.add(x)
+    for k in (1, 7, 40):
+        s, i = index.search(q, k)
+        rs, ri = retrieval.exact_reference(q, x, k)
+        np.testing.assert_array_equal(i, ri); np.testing.assert_array_equal(s, rs)
+print("portable ok")
+"""
+
+
+@pytest.mark.slow
+def test_exact_kernel_portable_build(tmp_path):
+    """Built for x86-64-v3 (AVX2, no AVX-512: a 6 x 16 tile, 16-row panels): the same ids."""
+    _kernel_or_skip()
+    env = dict(os.environ, HPNLP_KERNEL_MARCH="x86-64-v3", HPNLP_KERNEL_TUNE="0",
+               HPNLP_KERNEL_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", PORTABLE_MIPS], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "portable ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_exact_sharded_over_devices_equals_numpy(tmp_path):
     code = r"""
 import numpy as np, jax, sys

@@ -16,8 +16,9 @@ kNN-LM, every index against exact search in one run on this CPU.
    rare and the frequent books.
 5. Search (`search`): the byte LM's context vectors (dimension 128; a random sample of its
    datastore) as the database at 100K and 1M vectors, held-out context vectors as the
-   queries. Every index (`exact`, hpnlp's `ivf`, faiss flat / IVF / HNSW, ScaNN) is built
-   and timed; the approximate ones over their recall knob. recall@10 is against `exact`;
+   queries. Every index (`exact`: the fused CPU kernel where it runs, then `exact (xla)`:
+   its XLA twin; hpnlp's `ivf`, faiss flat / IVF / HNSW, ScaNN) is built and timed; the
+   approximate ones over their recall knob. recall@10 is against `exact`;
    queries/s is one batch of all queries, best of repeats; the f32 matrix-product rate
    (2048^3) is timed beside exact search.
 
@@ -178,18 +179,25 @@ def search_rows(s: dict, workdir: str) -> list[dict]:
     for n in tqdm(s["databases"], desc="databases", leave=False):
         x = x_all[:n]
         rate = harness.matmul_rate(min_time_s=0.5)
-        t0 = time.perf_counter()
-        exact = retrieval.make("exact", x.shape[1], block=16384)
-        exact.add(x)
-        exact._blocks()
-        build = time.perf_counter() - t0
-        (_, truth), t_exact = _timed_search(exact, q, K, s["repeats"])
-        rate = max(rate, harness.matmul_rate(min_time_s=0.5))
         flops = 2.0 * n * x.shape[1] * len(q)
-        rows.append({"n": n, "index": "exact", "knob": None, "value": None, "build_s": build,
-                     "qps": len(q) / t_exact, "recall": 1.0, "gflops": flops / t_exact / 1e9,
-                     "matmul_gflops": rate})
-        del exact
+        exact_rows = []
+        # the index's default (the fused CPU kernel where it runs), then its XLA twin
+        for name, impl in (("exact", "auto"), ("exact (xla)", "xla")):
+            t0 = time.perf_counter()
+            exact = retrieval.make("exact", x.shape[1], block=16384, impl=impl)
+            exact.add(x)
+            exact.prepare()
+            build = time.perf_counter() - t0
+            (_, ids), t_exact = _timed_search(exact, q, K, s["repeats"])
+            if impl == "auto":
+                truth = ids
+            exact_rows.append({"n": n, "index": name, "knob": None, "value": None, "build_s": build,
+                               "impl": "kernel" if exact.uses_kernel() else "xla",
+                               "qps": len(q) / t_exact, "recall": _recall(ids, truth),
+                               "gflops": flops / t_exact / 1e9})
+            del exact
+        rate = max(rate, harness.matmul_rate(min_time_s=0.5))
+        rows += [{**r, "matmul_gflops": rate} for r in exact_rows]
         for name in ("faiss_flat", "ivf", "faiss_ivf", "faiss_hnsw", "scann"):
             if not retrieval.available(name):
                 rows.append({"n": n, "index": name, "missing": True})
@@ -265,10 +273,13 @@ def _markdown(p: dict) -> str:
                                report.fmt(r["qps"] / next(e["qps"] for e in rows
                                                           if e["n"] == r["n"] and e["index"] == "exact"), "x"),
                                f"{r['recall']:.3f}"] for r in rows]), ""]
-        ex = [r for r in rows if r["index"] == "exact"]
-        out += ["Exact search: " + "; ".join(f"N={r['n']:,}: {r['gflops']:.0f} GFLOP/s of a "
+        ex = [r for r in rows if r["index"] in ("exact", "exact (xla)")]
+        # "exact (kernel)": the default's implementation (older results have no "impl")
+        names = [r["index"] + (f" ({r['impl']})" if r["index"] == "exact" and "impl" in r else "")
+                 for r in ex]
+        out += ["Exact search: " + "; ".join(f"N={r['n']:,} {name}: {r['gflops']:.0f} GFLOP/s of a "
                                              f"{r['matmul_gflops']:.0f} GFLOP/s matrix product"
-                                             for r in ex), ""]
+                                             for name, r in zip(names, ex)), ""]
     if p.get("compressive"):
         out += [compressive.markdown(p["compressive"]), ""]
     if p.get("memory"):
@@ -293,7 +304,8 @@ def _plot(p: dict, out_dir: str) -> None:
     for ax, n in zip(axes[0], sizes):
         for name in dict.fromkeys(r["index"] for r in rows):
             pts = [(r["recall"], r["qps"]) for r in rows if r["n"] == n and r["index"] == name]
-            ax.plot(*zip(*pts), marker="o", ms=4, label=name, color="black" if name == "exact" else None,
+            color = {"exact": "black", "exact (xla)": "grey"}.get(name)
+            ax.plot(*zip(*pts), marker="o", ms=4, label=name, color=color,
                     ls="" if len(pts) == 1 else "-")
         ax.axvline(0.9, color="grey", ls=":", lw=1)
         ax.set(yscale="log", xlabel=f"recall@{K}", ylabel="queries / s", title=f"N = {n:,}, dimension 128")

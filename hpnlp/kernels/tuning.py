@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import hpnlp.attention.flash_cpu  # noqa: F401  (registers its tunings)
     import hpnlp.rnn.fused  # noqa: F401
+    import hpnlp.retrieval.exact  # noqa: F401
+    import hpnlp.compress.kernels  # noqa: F401
     agree = True
     for t in REGISTRY:
         if args.retune and os.path.exists(t.path()):

@@ -1,33 +1,127 @@
-"""Exact maximum inner product search: blocked products and a two-stage top-k, in bounded
-memory, optionally sharded over devices.
+"""Exact maximum inner product search: a fused CPU kernel, and its XLA twin of blocked
+products and a two-stage top-k, in bounded memory, optionally sharded over devices.
 
-The product Q x N is never materialized: a scan walks the database in blocks of `block`
-rows, keeping each query's best K. Selecting the best K of a block is where a plain
-`lax.top_k` loses (on XLA:CPU it costs about as much per score as the product itself), so
-each block first takes the maximum of every `group` consecutive scores, picks the K best
-groups, and selects the K best scores among only those K x group candidates. That is exact,
-ties included: a group holding one of the block's K best scores (by score, then lower id)
-has a maximum that ranks among the K best groups (by maximum, then lower group), because
-the groups ahead of it each hold a score ahead of that one; the candidates are laid out in
-id order so that the last `top_k` (stable) keeps the lower id on ties.
+On a CPU backend (`impl="auto"`, one shard, float32) the search is one C++ kernel
+(`mips_cpu.cc`): the database is packed once, after each add, into panels of NP rows
+transposed to [P, D, NP]; a register tile of MR queries x NP rows (8 x 32 with AVX-512,
+6 x 16 with AVX2) accumulates the products, and its epilogue compares each query's scores
+with its current k-th best and inserts the rare winner into a sorted list of k, so the
+[Q, block] scores never reach memory. Query blocks (held in L2, `qb` tuned per CPU by
+`hpnlp.kernels.tuning`) are spread over the cores; each walks the panels in id order, and
+a candidate enters only if it beats the k-th score strictly, after equal scores: ties keep
+the lower id, as below. `main()` times it against the twin and the machine's matrix-product
+rate (pinned to one core: `taskset -c 0 python -c "from hpnlp.retrieval import exact;
+exact.main()" --n 100000`).
+
+The XLA path (`impl="xla"`, and wherever the kernel cannot run) never materializes the
+product Q x N either: a scan walks the database in blocks of `block` rows, keeping each
+query's best K. Selecting the best K of a block is where a plain `lax.top_k` loses (on
+XLA:CPU it costs about as much per score as the product itself), so each block first takes
+the maximum of every `group` consecutive scores, picks the K best groups, and selects the K
+best scores among only those K x group candidates. That is exact, ties included: a group
+holding one of the block's K best scores (by score, then lower id) has a maximum that ranks
+among the K best groups (by maximum, then lower group), because the groups ahead of it each
+hold a score ahead of that one; the candidates are laid out in id order so that the last
+`top_k` (stable) keeps the lower id on ties.
 
 `shards` > 1 splits the database over that many devices (a 1-D mesh): each searches its
 part, and the per-device results, gathered in device (= id) order, are merged by one more
 top-k. `exact_reference` is the numpy twin the tests hold this to.
 
-Shape letters: N database, Q queries, D dimension, K results, S shards, G groups per block.
+Shape letters: N database, Q queries, D dimension, K results, S shards, G groups per block,
+P panels of NP rows (the kernel's packed database).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hpnlp import kernels
+from hpnlp.kernels import tuning
 from hpnlp.retrieval.base import HostIndex, RetrievalError, register
+
+KERNEL = kernels.CpuKernel(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "mips_cpu.cc"),
+    {"hpnlp_mips_top_k": "HpnlpMipsTopK"}, what="exact MIPS")
+IMPLS = ("auto", "kernel", "xla")
+# Below this many multiply-adds one thread beats starting more (a thread start costs
+# 0.1-3 ms on a busy 2-core machine; 2^21 multiply-adds take about 0.1 ms).
+_MIN_PARALLEL_MACS = 1 << 21
+_QUERY_CHUNK = 256  # kernel queries are padded as `_pad_rows(Q, 256)`: few compiles
+
+
+def _probe(lib, cfg):
+    lib.hpnlp_mips_probe.restype = ctypes.c_double
+    args = [PROBE["n"], PROBE["D"], PROBE["Q"], PROBE["k"], cfg["qb"], kernels.cores()]
+    seconds = lib.hpnlp_mips_probe(*(ctypes.c_int64(a) for a in args))
+    if seconds < 0:
+        raise RuntimeError(f"the exact MIPS tuning probe failed at {cfg}")
+    return seconds
+
+
+# Queries per block: the block is packed and held in L2 (qb x D x 4 bytes: 128 KB at 256 x
+# 128, of a 1 MB L2 on Zen 4) while the database streams past it once; larger blocks
+# stream the database fewer times, smaller ones leave more of L2 to the panels.
+PROBE = dict(n=16384, D=128, Q=1024, k=10)
+TUNING = tuning.Tuning(KERNEL, "search", default={"qb": 256},
+                       candidates=[{"qb": qb} for qb in (64, 128, 256, 512, 1024)],
+                       probe=_probe, shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def layout() -> dict[str, int | str]:
+    """The kernel build's path and tiles: {"path", "np" rows per panel, "mr" queries per
+    register tile}."""
+    lib = KERNEL.library()
+    lib.hpnlp_mips_layout.restype = ctypes.c_int64
+    v = [lib.hpnlp_mips_layout(ctypes.c_int64(i)) for i in range(3)]
+    return {"path": ("portable", "avx2", "avx512")[v[0]], "np": v[1], "mr": v[2]}
+
+
+def pack_database(x_ND) -> np.ndarray:
+    """The kernel's database layout: rows padded with zeros to panels of NP, each panel
+    transposed, [P, D, NP] float32 (a step d of a panel: NP rows' d-th coordinates)."""
+    x_ND = np.asarray(x_ND, np.float32)
+    nr = layout()["np"]
+    p = max(1, -(-len(x_ND) // nr))
+    x = np.zeros((p * nr, x_ND.shape[1]), np.float32)
+    x[:len(x_ND)] = x_ND
+    return np.ascontiguousarray(x.reshape(p, nr, -1).transpose(0, 2, 1))
+
+
+def mips_top_k(q_QD, db_PDN, count: int, k: int, *, threads: int | None = None,
+               query_block: int | None = None):
+    """The kernel: top-k inner products of queries [Q, D] against the first `count` rows
+    of a database packed by `pack_database`. Returns (scores [Q, K] float32, ids [Q, K]
+    int32), ties to the lower id. `threads` None: every core (one for tiny searches);
+    `query_block` None: the tuned one."""
+    KERNEL.library()  # built and its target registered (raises, saying why, if it cannot be)
+    q_QD = jnp.asarray(q_QD, jnp.float32)
+    nq, d = q_QD.shape
+    if threads is None:
+        threads = 1 if nq * int(count) * d < _MIN_PARALLEL_MACS else kernels.cores()
+    qb = TUNING.config()["qb"] if query_block is None else int(query_block)
+    if int(threads) < 1 or qb < 1:
+        raise RetrievalError(f"threads={threads} and query_block={qb} must be >= 1")
+    return _kernel_fn(int(k), int(count), int(threads), qb)(q_QD, db_PDN)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_fn(k: int, count: int, threads: int, qb: int):
+    def call(q_QD, db_PDN):
+        nq = q_QD.shape[0]
+        out = (jax.ShapeDtypeStruct((nq, k), jnp.float32), jax.ShapeDtypeStruct((nq, k), jnp.int32))
+        return jax.ffi.ffi_call("hpnlp_mips_top_k", out, vmap_method="sequential")(
+            q_QD, db_PDN, count=np.int64(count), threads=np.int64(threads), qb=np.int64(qb))
+    return jax.jit(call)
 
 
 def exact_reference(q_QD, x_ND, k: int):
@@ -95,25 +189,65 @@ def _pad_rows(n: int, chunk: int) -> int:
 
 @register("exact")
 class ExactIndex(HostIndex):
-    """Exact MIPS by blocked products (see the module docstring).
+    """Exact MIPS: the fused CPU kernel, or blocked XLA products (see the module docstring).
 
-    Options: `block` database rows per step (default 16384), `group` scores per group of the
+    Options: `impl` "auto" (the fused kernel where it can run: a CPU backend with a
+    compiler, one shard, float32; the XLA path elsewhere), "kernel" (an error where it
+    cannot run) or "xla"; `threads` of the kernel (None: every core). The XLA path's:
+    `block` database rows per step (default 16384), `group` scores per group of the
     two-stage top-k (32), `query_block` queries per pass (1024), `shards` devices the
     database is split over (1), `dtype` of the stored vectors ("float32" | "bfloat16" |
     "float16"; the products accumulate in float32).
     """
 
     def __init__(self, dim: int, *, block: int = 16384, group: int = 32, query_block: int = 1024,
-                 shards: int = 1, dtype: str = "float32"):
+                 shards: int = 1, dtype: str = "float32", impl: str = "auto",
+                 threads: int | None = None):
         super().__init__(dim, block=block, group=group, query_block=query_block, shards=shards,
-                         dtype=dtype)
+                         dtype=dtype, impl=impl, threads=threads)
         if shards > len(jax.devices()):
             raise RetrievalError(f"shards={shards} but only {len(jax.devices())} devices are visible; "
                                  "use shards <= jax.device_count()")
+        if impl not in IMPLS:
+            raise RetrievalError(f"impl={impl!r}; use one of {IMPLS}")
         self._device = None  # [n, B, D] padded blocks, built on the first search after an add
+        self._panels = None  # the kernel's [P, D, NP] packed database, likewise
 
     def _stale(self, x_ND):
-        self._device = None
+        self._device = self._panels = None
+
+    def kernel_blocker(self) -> str | None:
+        """Why this index's searches cannot run the fused kernel (None: they can)."""
+        o = self.options
+        if o["shards"] != 1:
+            return f"shards={o['shards']} (the kernel searches one device's memory)"
+        if o["dtype"] != "float32":
+            return f"dtype={o['dtype']!r} (the kernel stores float32)"
+        return KERNEL.blocker()
+
+    def uses_kernel(self) -> bool:
+        """Whether searches run the fused kernel (`impl` and `kernel_blocker`)."""
+        impl = self.options.get("impl", "auto")
+        if impl == "xla":
+            return False
+        reason = self.kernel_blocker()
+        if reason is not None and impl == "kernel":
+            raise RetrievalError(f"impl='kernel': the exact MIPS kernel cannot run here: {reason}; "
+                                 "use impl='auto' or 'xla'")
+        return reason is None
+
+    def prepare(self) -> None:
+        """Build what searches read (the packed panels or the XLA blocks) now, not on the
+        first search."""
+        if self.uses_kernel():
+            self._packed()
+        else:
+            self._blocks()
+
+    def _packed(self):
+        if self._panels is None:
+            self._panels = jnp.asarray(pack_database(self.vectors()))
+        return self._panels
 
     def _blocks(self):
         if self._device is None:
@@ -133,6 +267,12 @@ class ExactIndex(HostIndex):
 
     def _search(self, q_QD, k):
         o = self.options
+        if self.uses_kernel():
+            nq = len(q_QD)
+            q = np.zeros((_pad_rows(nq, _QUERY_CHUNK), self.dim), np.float32)
+            q[:nq] = q_QD
+            s, i = mips_top_k(q, self._packed(), self.count, k, threads=o.get("threads"))
+            return np.asarray(s)[:nq], np.asarray(i)[:nq]
         x_nBD = self._blocks()
         nq = len(q_QD)
         qb = min(o["query_block"], _pad_rows(nq, o["query_block"]))
@@ -174,3 +314,58 @@ def _search_fn(k: int, group: int, query_block: int, shards: int):
     fn = jax.shard_map(sharded, mesh=mesh, in_specs=(P(), P("db"), P()), out_specs=(P(), P()),
                        check_vma=False)
     return jax.jit(fn)
+
+
+def time_search(n: int = 100_000, queries: int = 2000, dim: int = 128, k: int = 10, *,
+                repeats: int = 3, impls=("kernel", "xla")) -> dict[str, float]:
+    """Seconds (best of `repeats`, after a warm call) of one search of `queries` Gaussian
+    queries against `n` Gaussian vectors, per `impl`; the ids of every impl must agree."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, dim), np.float32)
+    q = rng.standard_normal((queries, dim), np.float32)
+    out, ids = {}, {}
+    for impl in impls:
+        index = ExactIndex(dim, impl=impl)
+        index.add(x)
+        index.prepare()
+        _, ids[impl] = index.search(q, k)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            index.search(q, k)
+            best = min(best, time.perf_counter() - t0)
+        out[impl] = best
+    first = ids[impls[0]]
+    for impl in impls[1:]:
+        agree = float(np.mean(ids[impl] == first))
+        if agree < 0.999:  # Gaussian data: products may round differently, ties are rare
+            raise AssertionError(f"{impl} ids agree with {impls[0]}'s on only {agree:.4f}")
+    return out
+
+
+def main(argv=None) -> None:
+    """The kernel and the XLA twin in GFLOP/s (2 n D Q
+    flops a search) beside the f32 matrix-product rate (`hpnlp.bench.harness`). Run it as
+    `python -c "from hpnlp.retrieval import exact; exact.main()" [--n N ...]` (`-m` would
+    define ExactIndex twice: the package imports this module first)."""
+    import argparse
+
+    from hpnlp.bench import harness
+    p = argparse.ArgumentParser(prog="hpnlp.retrieval.exact.main")
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--queries", type=int, default=2000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    impls = ("kernel", "xla") if KERNEL.blocker() is None else ("xla",)
+    print(f"kernel: {layout() if 'kernel' in impls else KERNEL.blocker()}; "
+          f"qb {TUNING.config() if 'kernel' in impls else '-'}; cores {kernels.cores()}")
+    rate = harness.matmul_rate(min_time_s=0.5)
+    secs = time_search(args.n, args.queries, args.dim, args.k, repeats=args.repeats, impls=impls)
+    rate = max(rate, harness.matmul_rate(min_time_s=0.5))
+    flops = 2.0 * args.n * args.dim * args.queries
+    print(f"f32 matmul (2048^3): {rate:.1f} GFLOP/s")
+    for impl, t in secs.items():
+        print(f"{impl:6s} {t * 1e3:9.1f} ms {flops / t / 1e9:7.1f} GFLOP/s "
+              f"{flops / t / 1e9 / rate:5.2f} of matmul")
