@@ -123,13 +123,19 @@ for threads in (1, 2):
         s, i = index.search(q, k)
         rs, ri = retrieval.exact_reference(q, x, k)
         np.testing.assert_array_equal(i, ri); np.testing.assert_array_equal(s, rs)
+ivf = retrieval.make("ivf", 17, lists=6, nprobe=1000, iters=2, impl="kernel"); ivf.add(x)
+for k in (1, 7, 40):  # every chunk probed: exact, ties included
+    s, i = ivf.search(q, k)
+    rs, ri = retrieval.exact_reference(q, x, k)
+    np.testing.assert_array_equal(i, ri); np.testing.assert_array_equal(s, rs)
 print("portable ok")
 """
 
 
 @pytest.mark.slow
 def test_exact_kernel_portable_build(tmp_path):
-    """Built for x86-64-v3 (AVX2, no AVX-512: a 6 x 16 tile, 16-row panels): the same ids."""
+    """Built for x86-64-v3 (AVX2, no AVX-512: a 6 x 16 tile, 16-row panels): the same ids,
+    from the exact search and the IVF scan."""
     _kernel_or_skip()
     env = dict(os.environ, HPNLP_KERNEL_MARCH="x86-64-v3", HPNLP_KERNEL_TUNE="0",
                HPNLP_KERNEL_CACHE=str(tmp_path))
@@ -185,9 +191,10 @@ def test_faiss_flat_equals_exact():
     np.testing.assert_allclose(s, rs, rtol=1e-5, atol=1e-5)
 
 
-def test_ivf_scanning_every_chunk_is_exact_and_fewer_probes_trade_recall():
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_ivf_scanning_every_chunk_is_exact_and_fewer_probes_trade_recall(impl):
     x, q = _floats()
-    ivf = retrieval.make("ivf", 16, lists=16, nprobe=1000, iters=4, query_block=8)
+    ivf = retrieval.make("ivf", 16, lists=16, nprobe=1000, iters=4, query_block=8, impl=impl)
     ivf.add(x)
     s, i = ivf.search(q, 10)
     rs, ri = retrieval.exact_reference(q, x, 10)
@@ -203,6 +210,135 @@ def test_ivf_scanning_every_chunk_is_exact_and_fewer_probes_trade_recall():
     _, i3 = ivf.search(q, 3)
     np.testing.assert_array_equal(i3, retrieval.exact_reference(q, np.concatenate([x, q * 10]), 3)[1])
     assert np.all(i3[:, 0] >= len(x))
+
+
+def _ivf_kernel_or_skip():
+    from hpnlp.retrieval import ivf
+    _kernel_or_skip()
+    return ivf
+
+
+def _hand_chunks(x, m=13, c=70, seed=0):
+    """x's rows dealt at random into m chunks of c rows, each filled to a random length
+    (the rest padding, id -1): (vectors [m, c, D], ids [m, c])."""
+    rng = np.random.default_rng(seed)
+    ids = np.full((m, c), -1, np.int64)
+    perm, pos = rng.permutation(len(x)), 0
+    for j, fill in enumerate(rng.integers(c // 4, c + 1, m)):
+        n = min(fill, len(x) - pos)
+        ids[j, :n] = perm[pos:pos + n]
+        pos += n
+    x_McD = np.zeros((m, c, x.shape[1]), np.float32)
+    x_McD[ids >= 0] = x[ids[ids >= 0]]
+    return x_McD, ids
+
+
+@pytest.mark.parametrize("d", [8, 17])
+def test_ivf_kernel_equals_numpy_ties_and_padding(d):
+    """The scan kernel against `scan_reference`: duplicate rows (ties across chunks, which
+    it visits out of id order), padded chunks (70 rows: not whole panels; some mostly
+    padding), a probe listed twice, k past every probed row (-inf, -1), one to all
+    chunks, query blocks of 1 to all on 1 to 3 threads (with ranges of chunks merged)."""
+    ivf = _ivf_kernel_or_skip()
+    x, q = _ties(d=d)
+    x[500:540] = x[:40]
+    x_McD, id_Mc = _hand_chunks(x)
+    chunk_MTDN, id_Mr = ivf.pack_chunks(x_McD, id_Mc)
+    nr = retrieval.exact.layout()["np"]
+    assert chunk_MTDN.shape == (13, -(-70 // nr), d, nr) and id_Mr.shape == (13, -(-70 // nr) * nr)
+    rng = np.random.default_rng(1)
+    for p in (1, 3, 13):
+        probe = np.stack([rng.choice(13, p, replace=False) for _ in q]).astype(np.int32)
+        probe[0, -1] = probe[0, 0]  # the same chunk twice counts once
+        for k in (1, 5, 2 * nr + 3, 300):
+            rs, ri = ivf.scan_reference(q, probe, x_McD, id_Mc, k)
+            real = [min(k, np.sum(id_Mc[np.unique(pr)] >= 0)) for pr in probe]
+            assert [np.sum(r >= 0) for r in ri] == real and np.sum(np.isfinite(rs)) == sum(real)
+            # one block; blocks over threads; fewer blocks than threads: chunk ranges merged
+            for threads, qb in ((1, 512), (2, 4), (3, 1), (2, 512), (3, 16)):
+                s, i = ivf.ivf_scan(q, probe, chunk_MTDN, id_Mr, k, threads=threads, query_block=qb)
+                np.testing.assert_array_equal(np.asarray(i), ri)
+                np.testing.assert_array_equal(np.asarray(s), rs)
+    with pytest.raises(Exception, match="probe 13 is not a chunk"):
+        ivf.ivf_scan(q, np.full((len(q), 2), 13, np.int32), chunk_MTDN, id_Mr, 3)
+
+
+def test_ivf_kernel_equals_search_chunks():
+    """Gaussian data (no ties): the kernel path and the XLA path (`search_chunks`) of one
+    index, and the two scans on the same probes, agree."""
+    import jax
+    import jax.numpy as jnp
+    ivf = _ivf_kernel_or_skip()
+    x, q = _floats(n=3000, q=37)
+    index = retrieval.make("ivf", 16, lists=24, nprobe=3, iters=4, query_block=8)
+    index.add(x)
+    for nprobe, k in ((1, 1), (3, 10), (7, 25)):
+        index.options["nprobe"] = nprobe
+        index.options["impl"] = "kernel"
+        s, i = index.search(q, k)
+        index.options["impl"] = "xla"
+        s2, i2 = index.search(q, k)
+        np.testing.assert_array_equal(i, i2)
+        np.testing.assert_allclose(s, s2, rtol=1e-5, atol=1e-5)
+    centroid_MD, x_McD, id_Mc = index._chunks()
+    s2, i2 = jax.jit(lambda q: ivf.search_chunks(q, centroid_MD, x_McD, id_Mc, 10, 4))(jnp.asarray(q))
+    probe = jax.lax.top_k(jnp.asarray(q) @ centroid_MD.T, 4)[1]
+    s, i = ivf.ivf_scan(q, probe, *index._packed()[1:], 10)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(i2))
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s2), rtol=1e-5, atol=1e-5)
+    # a query's scores do not depend on the queries beside it (tiles of 1 to MR rows)
+    s1, i1 = ivf.ivf_scan(q, probe, *index._packed()[1:], 10, threads=1, query_block=1)
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s))
+    np.testing.assert_array_equal(np.asarray(i1), np.asarray(i))
+
+
+def test_ivf_kernel_every_chunk_is_exact_ties_included():
+    """nprobe covering every chunk: the kernel is exact search, ties to the lower id,
+    also for vectors added after training (which join their nearest cell)."""
+    _ivf_kernel_or_skip()
+    x, q = _ties(n=1500)
+    index = retrieval.make("ivf", 8, lists=12, nprobe=1000, chunk=40, iters=3, impl="kernel")
+    index.add(x[:1000])
+    index.train()
+    index.add(x[1000:])
+    assert index.uses_kernel() and index._chunk_layout()[1].shape[0] > 12  # long cells span chunks
+    for k in (1, 10, 77):
+        s, i = index.search(q, k)
+        rs, ri = retrieval.exact_reference(q, x, k)
+        np.testing.assert_array_equal(i, ri)
+        np.testing.assert_array_equal(s, rs)
+
+
+def test_ivf_impl_choice_and_errors(tmp_path, monkeypatch):
+    ivf = _ivf_kernel_or_skip()
+    x, q = _floats(n=500)
+    assert retrieval.make("ivf", 16).uses_kernel()  # auto: the kernel on a CPU
+    assert not retrieval.make("ivf", 16, impl="xla").uses_kernel()
+    assert not retrieval.make("ivf", 16, dtype="bfloat16").uses_kernel()
+    with pytest.raises(RetrievalError,
+                       match="impl='kernel'.*IVF scan.*dtype='bfloat16'.*impl='auto' or 'xla'"):
+        retrieval.make("ivf", 16, impl="kernel", dtype="bfloat16").uses_kernel()
+    with pytest.raises(RetrievalError, match="impl='fast'"):
+        retrieval.make("ivf", 16, impl="fast")
+    index = retrieval.make("ivf", 16, lists=8, nprobe=2, iters=3, impl="kernel")
+    index.add(x)
+    monkeypatch.setattr(ivf.exact.KERNEL, "blocker", lambda: "no C++ compiler found")
+    with pytest.raises(RetrievalError, match=r"IVF scan kernel cannot run here: no C\+\+ compiler found"):
+        index.search(q, 3)
+    auto = retrieval.make("ivf", 16, lists=8, nprobe=2, iters=3)
+    auto.add(x)
+    assert not auto.uses_kernel()
+    _, i_xla = auto.search(q, 3)  # the XLA scan
+    monkeypatch.undo()
+    np.testing.assert_array_equal(auto.search(q, 3)[1], i_xla)  # now the kernel: the same ids
+    # an index saved before `impl` existed loads as "auto"
+    folder = auto.save(str(tmp_path / "old"))
+    header = json.load(open(os.path.join(folder, "index.json")))
+    del header["options"]["impl"], header["options"]["threads"]
+    json.dump(header, open(os.path.join(folder, "index.json"), "w"))
+    back = retrieval.load(folder)
+    assert back.options["impl"] == "auto" and back.uses_kernel()
+    np.testing.assert_array_equal(back.search(q, 3)[1], i_xla)
 
 
 @pytest.mark.parametrize("name", retrieval.names())

@@ -207,7 +207,7 @@ def search_rows(s: dict, workdir: str) -> list[dict]:
             index.add(x)
             if name == "ivf":
                 index.train()
-                index._chunks()
+                index.prepare()  # what its searches read (the kernel's packed chunks, or XLA's)
             if name == "scann":
                 index._build()
             build = time.perf_counter() - t0
@@ -217,7 +217,9 @@ def search_rows(s: dict, workdir: str) -> list[dict]:
                     index.options[knob] = v
                 (_, ids), t = _timed_search(index, q, K, s["repeats"])
                 rows.append({"n": n, "index": name, "knob": knob, "value": v, "build_s": build,
-                             "qps": len(q) / t, "recall": _recall(ids, truth)})
+                             "qps": len(q) / t, "recall": _recall(ids, truth),
+                             **({"impl": "kernel" if index.uses_kernel() else "xla"}
+                                if name == "ivf" else {})})
             del index
     return rows
 

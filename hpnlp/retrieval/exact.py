@@ -24,6 +24,9 @@ among the K best groups (by maximum, then lower group), because the groups ahead
 hold a score ahead of that one; the candidates are laid out in id order so that the last
 `top_k` (stable) keeps the lower id on ties.
 
+The same source holds the IVF's scan of probed chunks (`hpnlp.retrieval.ivf`), which
+reads the same panels with the same tile and lists; one build serves both (`KERNEL`).
+
 `shards` > 1 splits the database over that many devices (a 1-D mesh): each searches its
 part, and the per-device results, gathered in device (= id) order, are merged by one more
 top-k. `exact_reference` is the numpy twin the tests hold this to.
@@ -48,9 +51,12 @@ from hpnlp import kernels
 from hpnlp.kernels import tuning
 from hpnlp.retrieval.base import HostIndex, RetrievalError, register
 
+# One build of mips_cpu.cc serves both its targets: this module's search and the IVF's
+# scan of probed chunks (`hpnlp.retrieval.ivf`), which shares its tile and epilogue.
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "mips_cpu.cc"),
-    {"hpnlp_mips_top_k": "HpnlpMipsTopK"}, what="exact MIPS")
+    {"hpnlp_mips_top_k": "HpnlpMipsTopK", "hpnlp_ivf_scan": "HpnlpIvfScan"},
+    what="the MIPS kernels (exact, IVF scan)")
 IMPLS = ("auto", "kernel", "xla")
 # Below this many multiply-adds one thread beats starting more (a thread start costs
 # 0.1-3 ms on a busy 2-core machine; 2^21 multiply-adds take about 0.1 ms).

@@ -1,4 +1,5 @@
-"""hpnlp's own approximate MIPS: an inverted file (IVF) over k-means cells, jittable.
+"""hpnlp's own approximate MIPS: an inverted file (IVF) over k-means cells, scanned by a
+CPU kernel or by its jittable XLA twin.
 
 Jégou et al. 2011 (the IVF of faiss): k-means (in JAX) splits the database into `lists`
 cells; a query scores the cell centroids, scans only the vectors of its best cells, and
@@ -8,23 +9,48 @@ returns their top k exactly scored. The one idea that makes it fast: a query tou
 To stay jittable with static shapes, every cell is cut into **chunks** of at most `chunk`
 vectors (default twice the mean cell size), each padded and stored as one contiguous
 [chunk, D] slab; a long cell simply spans several chunks with the same centroid, which
-`top_k` over centroid scores probes side by side. `nprobe` counts chunks, so the work per
-query is fixed whatever k-means' balance. `search_chunks` is the pure function the
-index jits (usable inside a larger jitted program).
+`top_k` over centroid scores probes side by side (ties: the lower chunk first). `nprobe`
+counts chunks, so the work per query is fixed whatever k-means' balance.
+
+The scan, two ways (`impl`). On a CPU backend with float32 vectors ("auto") it is the
+`hpnlp_ivf_scan` kernel of `mips_cpu.cc` (`ivf_scan`; one build with the exact search's
+kernel, `exact.KERNEL`): the chunks are packed once per rebuild into that kernel's panels
+[M, T, D, NP] (c padded to T panels of NP rows, id -1), the probes are the exact kernel's
+top `nprobe` of the chunk centroids, and the probes are inverted so that every probed chunk
+is read once, in place, for all the queries that probe it (up to `QUERY_BLOCK` queries at
+a time, the chunks split over the cores), with the exact kernel's register tile and sorted
+top-k lists. It ranks by (score desc, id asc) over the probed rows, as its numpy twin
+`scan_reference` does, and a query's scores do not depend on the other queries beside it.
+Elsewhere (`impl="xla"`, another backend, bfloat16) the scan is `search_chunks`, the pure
+function the index jits (usable inside a larger jitted program): it gathers each query's
+probed chunks into a [Q, P, c, D] copy and takes `lax.top_k` of the scores, ties keeping
+the earlier position in probe order. The two agree wherever the scores have no ties.
+`main()` times both against the exact kernel (`python -c "from hpnlp.retrieval import ivf;
+ivf.main()" --n 1000000 --nprobe 2 4 8`).
 
 Shape letters: N database, Q queries, D dimension, C cells, M chunks, c chunk rows,
-P probes, K results.
+P probes, K results; the kernel's T panels of NP rows a chunk, r = T x NP padded rows.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpnlp import kernels
+from hpnlp.retrieval import exact
 from hpnlp.retrieval.base import HostIndex, RetrievalError, register
+
+# Queries per block of the kernel's scan: a chunk probed by several queries of a block is
+# read once for all of them, and fewer blocks than threads split the chunks instead, so up
+# to this many queries read every probed chunk once in all; more are cut into blocks, each
+# thread scanning its own, so that the queries a block gathers from (2 MB at D = 128) and
+# its lists stay in cache.
+QUERY_BLOCK = 4096
 
 
 def _nearest(x_ND, c_CD, block: int = 16384):
@@ -85,30 +111,102 @@ def _search_fn(k: int, nprobe: int, query_block: int):
     return jax.jit(run)
 
 
+def pack_chunks(x_McD, id_Mc):
+    """The scan kernel's layout: each chunk padded with zero rows (id -1) to T panels of NP
+    rows, each panel transposed. Returns (vectors [M, T, D, NP] float32, ids [M, r] int32)."""
+    x_McD, id_Mc = np.asarray(x_McD, np.float32), np.asarray(id_Mc)
+    nr = exact.layout()["np"]
+    m, c, d = x_McD.shape
+    t = max(1, -(-c // nr))
+    if t * nr != c:
+        x = np.zeros((m, t * nr, d), np.float32)
+        x[:, :c] = x_McD
+        ids = np.full((m, t * nr), -1, np.int32)
+        ids[:, :c] = id_Mc
+        x_McD, id_Mc = x, ids
+    return (np.ascontiguousarray(x_McD.reshape(m, t, nr, d).transpose(0, 1, 3, 2)),
+            np.ascontiguousarray(id_Mc, np.int32))
+
+
+def ivf_scan(q_QD, probe_QP, chunk_MTDN, id_Mr, k: int, *, threads: int | None = None,
+             query_block: int | None = None):
+    """The kernel: top-k inner products of each query [Q, D] over the real rows (id >= 0)
+    of the chunks it probes ([Q, P] indices into chunks packed by `pack_chunks`). Returns
+    (scores [Q, K] float32, ids [Q, K] int32) by (score desc, id asc); id -1 and score -inf
+    only where a query's probes hold fewer than k real rows. A chunk probed twice by a
+    query counts once. `threads` None: every core (one for tiny scans); `query_block`
+    None: `QUERY_BLOCK`."""
+    exact.KERNEL.library()  # built and its targets registered (raises, saying why, if not)
+    q_QD = jnp.asarray(q_QD, jnp.float32)
+    probe_QP = jnp.asarray(probe_QP, jnp.int32)
+    if threads is None:
+        (nq, p), (_, t, d, nr) = probe_QP.shape, chunk_MTDN.shape
+        macs = nq * p * t * nr * d
+        threads = 1 if macs < exact._MIN_PARALLEL_MACS else kernels.cores()
+    qb = QUERY_BLOCK if query_block is None else int(query_block)
+    if int(threads) < 1 or qb < 1:
+        raise RetrievalError(f"threads={threads} and query_block={qb} must be >= 1")
+    return _scan_fn(int(k), int(threads), qb)(q_QD, probe_QP, jnp.asarray(chunk_MTDN), jnp.asarray(id_Mr))
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_fn(k: int, threads: int, qb: int):
+    def call(q_QD, probe_QP, chunk_MTDN, id_Mr):
+        nq = q_QD.shape[0]
+        out = (jax.ShapeDtypeStruct((nq, k), jnp.float32), jax.ShapeDtypeStruct((nq, k), jnp.int32))
+        return jax.ffi.ffi_call("hpnlp_ivf_scan", out, vmap_method="sequential")(
+            q_QD, probe_QP, chunk_MTDN, id_Mr, threads=np.int64(threads), qb=np.int64(qb))
+    return jax.jit(call)
+
+
+def scan_reference(q_QD, probe_QP, x_McD, id_Mc, k: int):
+    """numpy twin of `ivf_scan`: per query, the top k by (score desc, id asc) over the
+    real rows of the (distinct) chunks it probes; -inf and -1 past them."""
+    q_QD, x_McD, id_Mc = np.asarray(q_QD, np.float64), np.asarray(x_McD), np.asarray(id_Mc)
+    s_QK = np.full((len(q_QD), k), -np.inf, np.float32)
+    i_QK = np.full((len(q_QD), k), -1, np.int64)
+    for j, chunks in enumerate(np.asarray(probe_QP)):
+        chunks = np.unique(chunks)
+        ids, x = id_Mc[chunks].reshape(-1), x_McD[chunks].reshape(-1, x_McD.shape[2])
+        ids, x = ids[ids >= 0], x[ids >= 0].astype(np.float64)
+        s = x @ q_QD[j]
+        top = np.lexsort((ids, -s))[:k]
+        s_QK[j, :len(top)], i_QK[j, :len(top)] = s[top], ids[top]
+    return s_QK, i_QK
+
+
 @register("ivf")
 class IVFIndex(HostIndex):
     """Inverted file over k-means cells (see the module docstring).
 
     Options: `lists` k-means cells (default: about 4 sqrt(N), set on the first search),
     `nprobe` chunks scanned per query (16), `chunk` rows per chunk (0: twice the mean cell
-    size), `iters` k-means steps (15), `query_block` queries per pass (32), `dtype` of the
-    stored vectors ("float32" | "bfloat16"), `seed`. The cells are trained on the vectors
-    present at the first search (or `train`); later adds join the nearest cell.
+    size), `iters` k-means steps (15), `dtype` of the stored vectors ("float32" |
+    "bfloat16"), `seed`; `impl` "auto" (the scan kernel where it can run: a CPU backend
+    with a compiler, float32; the XLA scan elsewhere), "kernel" (an error where it cannot
+    run) or "xla"; `threads` of the kernel (None: every core); `query_block` queries per
+    pass of the XLA scan (32). The cells are trained on the vectors present at the first
+    search (or `train`); later adds join the nearest cell.
     """
 
     def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16, chunk: int = 0,
-                 iters: int = 15, query_block: int = 32, dtype: str = "float32", seed: int = 0):
+                 iters: int = 15, query_block: int = 32, dtype: str = "float32", seed: int = 0,
+                 impl: str = "auto", threads: int | None = None):
         super().__init__(dim, lists=lists, nprobe=nprobe, chunk=chunk, iters=iters,
-                         query_block=query_block, dtype=dtype, seed=seed)
+                         query_block=query_block, dtype=dtype, seed=seed, impl=impl, threads=threads)
+        if impl not in exact.IMPLS:
+            raise RetrievalError(f"impl={impl!r}; use one of {exact.IMPLS}")
         self.centroids = None  # [C, D]
         self._cell = np.zeros((0,), np.int32)  # [N] cell of every vector
-        self._device = None
+        self._stale(None)
 
     def _stale(self, x_ND):
-        if self.centroids is not None:
+        if self.centroids is not None and x_ND is not None:
             self._cell = np.concatenate([self._cell, np.asarray(
                 _nearest(jnp.asarray(x_ND), jnp.asarray(self.centroids)), np.int32)])
-        self._device = None
+        self._layout = None  # (chunk of each cell [M], ids [M, c]) on the host
+        self._device = None  # the XLA scan's device arrays, built on the first search
+        self._panels = None  # the kernel's packed chunks, likewise
 
     def train(self, x_ND=None) -> None:
         """Fit the cells (to `x_ND`, default the vectors added so far) and assign every vector."""
@@ -121,46 +219,103 @@ class IVFIndex(HostIndex):
         self.centroids = kmeans(x, lists, iters=self.options["iters"], seed=self.options["seed"])
         self._cell = np.asarray(_nearest(jnp.asarray(self.vectors()), jnp.asarray(self.centroids)),
                                 np.int32)
-        self._device = None
+        self._stale(None)
 
-    def _chunks(self):
-        """Device arrays (chunk centroids [M, D], vectors [M, c, D], ids [M, c])."""
-        if self._device is None:
+    def kernel_blocker(self) -> str | None:
+        """Why this index's searches cannot run the scan kernel (None: they can)."""
+        if self.options["dtype"] != "float32":
+            return f"dtype={self.options['dtype']!r} (the kernel stores float32)"
+        return exact.KERNEL.blocker()
+
+    def uses_kernel(self) -> bool:
+        """Whether searches run the scan kernel (`impl` and `kernel_blocker`)."""
+        impl = self.options.get("impl", "auto")
+        if impl == "xla":
+            return False
+        reason = self.kernel_blocker()
+        if reason is not None and impl == "kernel":
+            raise RetrievalError(f"impl='kernel': the IVF scan kernel cannot run here: {reason}; "
+                                 "use impl='auto' or 'xla'")
+        return reason is None
+
+    def prepare(self) -> None:
+        """Train if need be and build what searches read (the packed chunks or the XLA
+        arrays) now, not on the first search."""
+        if self.uses_kernel():
+            self._packed()
+        else:
+            self._chunks()
+
+    def _chunk_layout(self):
+        """(chunk_of_cell [M], ids [M, c] int64, -1 padding): every cell's ids in order, cut
+        into chunks of c rows."""
+        if self._layout is None:
             if self.centroids is None:
                 self.train()
-            x, cell = self.vectors(), self._cell
+            cell = self._cell
             sizes = np.bincount(cell, minlength=len(self.centroids))
-            c = self.options["chunk"] or int(max(8, -(-2 * len(x) // len(self.centroids))))
+            c = self.options["chunk"] or int(max(8, -(-2 * len(cell) // len(self.centroids))))
             c = -(-c // 8) * 8
             per_cell = -(-sizes // c)  # chunks of each cell (0 for an empty one)
             order = np.argsort(cell, kind="stable")  # ids grouped by cell, ascending within
             chunk_of_cell = np.repeat(np.arange(len(sizes)), per_cell)
-            m = len(chunk_of_cell)
-            ids = np.full((m, c), -1, np.int64)
+            ids = np.full((len(chunk_of_cell), c), -1, np.int64)
             first_chunk = np.cumsum(per_cell) - per_cell
             starts = np.cumsum(sizes) - sizes
-            rank = np.arange(len(x)) - starts[cell[order]]  # position within its cell
+            rank = np.arange(len(cell)) - starts[cell[order]]  # position within its cell
             ids[first_chunk[cell[order]] + rank // c, rank % c] = order
-            vecs = np.zeros((m, c, self.dim), np.float32)
-            real = ids >= 0
-            vecs[real] = x[ids[real]]
+            self._layout = (chunk_of_cell, ids)
+        return self._layout
+
+    def _chunk_vectors(self, ids):
+        x_McD = np.zeros((*ids.shape, self.dim), np.float32)
+        real = ids >= 0
+        x_McD[real] = self.vectors()[ids[real]]
+        return x_McD
+
+    def _chunks(self):
+        """The XLA scan's device arrays (chunk centroids [M, D], vectors [M, c, D], ids [M, c])."""
+        if self._device is None:
+            chunk_of_cell, ids = self._chunk_layout()
             dt = jnp.dtype(self.options["dtype"])
-            self._device = (jnp.asarray(self.centroids[chunk_of_cell]), jnp.asarray(vecs, dt),
-                            jnp.asarray(ids, jnp.int32))
+            self._device = (jnp.asarray(self.centroids[chunk_of_cell]),
+                            jnp.asarray(self._chunk_vectors(ids), dt), jnp.asarray(ids, jnp.int32))
         return self._device
 
+    def _packed(self):
+        """The kernel's arrays: chunk centroids packed for `exact.mips_top_k` [P, D, NP],
+        chunks packed by `pack_chunks` [M, T, D, NP] and their ids [M, r]."""
+        if self._panels is None:
+            chunk_of_cell, ids = self._chunk_layout()
+            nr = exact.layout()["np"]
+            ids = np.pad(ids, ((0, 0), (0, (-ids.shape[1]) % nr)), constant_values=-1)
+            chunk_MTDN, id_Mr = pack_chunks(self._chunk_vectors(ids), ids)
+            self._panels = (jnp.asarray(exact.pack_database(self.centroids[chunk_of_cell])),
+                            jnp.asarray(chunk_MTDN), jnp.asarray(id_Mr))
+        return self._panels
+
     def _search(self, q_QD, k):
-        centroid_MD, x_McD, id_Mc = self._chunks()
-        nprobe = min(self.options["nprobe"], len(centroid_MD))
-        if k > nprobe * x_McD.shape[1]:
-            raise RetrievalError(f"ivf index: k={k} is more than the {nprobe} x {x_McD.shape[1]} "
+        o = self.options
+        m, c = self._chunk_layout()[1].shape
+        nprobe = min(o["nprobe"], m)
+        if k > nprobe * c:
+            raise RetrievalError(f"ivf index: k={k} is more than the {nprobe} x {c} "
                                  "vectors one query scans; raise nprobe or chunk, or lower k")
-        qb = self.options["query_block"]
-        rows = -(-len(q_QD) // qb) * qb
-        q = np.zeros((rows, self.dim), np.float32)
-        q[:len(q_QD)] = q_QD
+        nq = len(q_QD)
+        if self.uses_kernel():
+            centroid_PDN, chunk_MTDN, id_Mr = self._packed()
+            q = np.zeros((exact._pad_rows(nq, exact._QUERY_CHUNK), self.dim), np.float32)
+            q[:nq] = q_QD
+            q = jnp.asarray(q)
+            _, probe_QP = exact.mips_top_k(q, centroid_PDN, m, nprobe, threads=o.get("threads"))
+            s, i = ivf_scan(q, probe_QP, chunk_MTDN, id_Mr, k, threads=o.get("threads"))
+            return np.asarray(s)[:nq], np.asarray(i)[:nq]
+        centroid_MD, x_McD, id_Mc = self._chunks()
+        qb = o["query_block"]
+        q = np.zeros((-(-nq // qb) * qb, self.dim), np.float32)
+        q[:nq] = q_QD
         s, i = _search_fn(k, nprobe, qb)(jnp.asarray(q), centroid_MD, x_McD, id_Mc)
-        return np.asarray(s)[:len(q_QD)], np.asarray(i)[:len(q_QD)]
+        return np.asarray(s)[:nq], np.asarray(i)[:nq]
 
     def _arrays(self):
         if self.centroids is None:
@@ -169,3 +324,105 @@ class IVFIndex(HostIndex):
 
     def _restored(self, npz):
         self.centroids, self._cell = npz["centroids"], npz["cell"]
+        self._stale(None)
+
+
+def _data(n: int, queries: int, dim: int, kind: str, seed: int = 0):
+    """(database [n, D], queries [Q, D]) float32: "gaussian" (no structure: an IVF's worst
+    case) or "clustered" (sqrt(n) Gaussian centers, each vector a center plus N(0, 0.5^2)
+    noise per coordinate; the queries drawn alike)."""
+    rng = np.random.default_rng(seed)
+    if kind == "gaussian":
+        return (rng.standard_normal((n, dim), np.float32), rng.standard_normal((queries, dim), np.float32))
+    centers = rng.standard_normal((max(1, int(np.sqrt(n))), dim), np.float32)
+
+    def draw(m):
+        return centers[rng.integers(0, len(centers), m)] + 0.5 * rng.standard_normal((m, dim), np.float32)
+    return draw(n), draw(queries)
+
+
+def time_search(n: int = 100_000, queries: int = 2000, dim: int = 128, k: int = 10, *,
+                nprobes=(2, 4, 8, 16), impls=("kernel", "xla"), kernel_blocks=(QUERY_BLOCK,),
+                repeats: int = 3, data: str = "clustered") -> dict:
+    """Times one search of `queries` queries (best of `repeats`, after a warm call) against
+    `n` vectors (`_data(kind=data)`): the exact index's default, and one trained IVF per
+    impl, nprobe (and, for the kernel, query block). Returns {"exact_s", "lists", "chunks",
+    "build_s", "rows": [{impl, nprobe, query_block, seconds, recall}]}, recall@k against
+    the exact ids."""
+    x, q = _data(n, queries, dim, data)
+
+    def best_of(index):
+        out = index.search(q, k)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            index.search(q, k)
+            best = min(best, time.perf_counter() - t0)
+        return out[1], best
+
+    truth = exact.ExactIndex(dim)
+    truth.add(x)
+    truth.prepare()
+    truth, exact_s = best_of(truth)
+    t0 = time.perf_counter()
+    index = IVFIndex(dim)
+    index.add(x)
+    index.train()
+    build_s = time.perf_counter() - t0
+    out = {"exact_s": exact_s, "lists": index.options["lists"], "chunks": index._chunk_layout()[1].shape,
+           "build_s": build_s, "rows": []}
+    global QUERY_BLOCK
+    default_block = QUERY_BLOCK
+    try:
+        for impl in impls:
+            index.options["impl"] = impl
+            index.prepare()
+            for qb in kernel_blocks if impl == "kernel" else (None,):
+                QUERY_BLOCK = qb or default_block
+                for nprobe in nprobes:
+                    index.options["nprobe"] = nprobe
+                    ids, secs = best_of(index)
+                    recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, truth)]))
+                    out["rows"].append({"impl": impl, "nprobe": nprobe, "query_block": qb,
+                                        "seconds": secs, "recall": recall})
+            index._device = index._panels = None  # one impl's arrays in memory at a time
+    finally:
+        QUERY_BLOCK = default_block
+    return out
+
+
+def main(argv=None) -> None:
+    """The IVF's queries/s per impl and nprobe beside the exact kernel's, with recall@k.
+    Run it as `python -c "from hpnlp.retrieval import ivf; ivf.main()" --n 1000000
+    --nprobe 2 4 8` (`-m` would define IVFIndex twice: the package imports this module
+    first)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="hpnlp.retrieval.ivf.main")
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--queries", type=int, default=2000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--nprobe", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--kernel-block", type=int, nargs="+", default=[QUERY_BLOCK],
+                   help="the kernel's queries per block (QUERY_BLOCK), one row each")
+    p.add_argument("--impl", nargs="+", default=["kernel", "xla"], choices=["kernel", "xla"])
+    p.add_argument("--data", choices=["clustered", "gaussian"], default="clustered")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    impls = [i for i in args.impl if i == "xla" or exact.KERNEL.blocker() is None]
+    what = {"gaussian": "N(0, 1)", "clustered": "sqrt(n) centers + N(0, 0.5^2)"}[args.data]
+    print(f"kernel: {exact.layout() if 'kernel' in impls else exact.KERNEL.blocker()}; "
+          f"cores {kernels.cores()}; data {args.data} ({what}), n {args.n}, dim {args.dim}, "
+          f"queries {args.queries}, k {args.k}")
+    r = time_search(args.n, args.queries, args.dim, args.k, nprobes=args.nprobe, impls=impls,
+                    kernel_blocks=args.kernel_block, repeats=args.repeats, data=args.data)
+    exact_qps = args.queries / r["exact_s"]
+    print(f"exact (default impl): {exact_qps:10.0f} q/s; ivf: {r['lists']} lists, chunks "
+          f"{r['chunks'][0]} x {r['chunks'][1]} rows, trained in {r['build_s']:.1f} s")
+    recall = f"recall@{args.k}"
+    print(f"{'impl':6s} {'nprobe':>6s} {'block':>5s} {'q/s':>10s} {'x exact':>8s} {recall:>9s}")
+    for row in r["rows"]:
+        qps = args.queries / row["seconds"]
+        print(f"{row['impl']:6s} {row['nprobe']:6d} {row['query_block'] or '-':>5} {qps:10.0f} "
+              f"{qps / exact_qps:8.2f} {row['recall']:9.3f}")
