@@ -121,7 +121,15 @@ def test_tables_cached_by_content():
 
 
 def rnnlm_bins(probs_sorted, num_classes):
-    """Mikolov's rnnlm loop, the reference for the vectorized binning."""
+    """Mikolov's rnnlm loop, the reference for the vectorized binning; ids of zero mass
+    (last in the order) then fill classes of ceil(V / C) ids after the loop's."""
+    seen = int(np.count_nonzero(probs_sorted > 0))
+    out = rnnlm_walk(probs_sorted[:seen], num_classes)
+    size = -(-len(probs_sorted) // num_classes)
+    return np.concatenate([out, out[-1] + 1 + np.arange(len(probs_sorted) - seen) // size])
+
+
+def rnnlm_walk(probs_sorted, num_classes):
     a, mass, out = 0, 0.0, []
     for p in probs_sorted:
         mass = min(mass + p, 1.0)
@@ -140,7 +148,9 @@ def test_class_bins(vocab, classes, kind):
     # every id in exactly one class; classes are runs of consecutive frequency ranks
     np.testing.assert_array_equal(np.sort(bins.order_V), np.arange(vocab))
     np.testing.assert_array_equal(bins.order_V[bins.rank_V], np.arange(vocab))
-    assert bins.size_C.sum() == vocab and bins.size_C.min() >= 1 and bins.num_classes <= classes
+    zeros = int(np.sum(freqs.counts == 0))
+    assert bins.size_C.sum() == vocab and bins.size_C.min() >= 1
+    assert bins.num_classes <= classes + -(-zeros // -(-vocab // classes))
     for c in range(bins.num_classes):
         members = bins.order_V[bins.start_C[c]:bins.start_C[c] + bins.size_C[c]]
         np.testing.assert_array_equal(bins.class_V[members], c)
@@ -152,6 +162,18 @@ def test_class_bins(vocab, classes, kind):
 def test_class_bins_equal_mass_when_flat():
     bins = tree.class_bins(S.Frequencies.of(np.ones(100), 100), 10)
     assert bins.num_classes == 10 and np.abs(bins.size_C - 10).max() <= 1  # rounding of the cuts
+
+
+def test_unseen_ids_fill_classes_of_their_own():
+    """Ids with no training count (most of a large BPE vocabulary on a small corpus) get
+    classes of ceil(V / C) after the mass walk's, not one class as wide as all of them."""
+    counts = np.zeros(1000)
+    counts[:400] = S.Frequencies.zipf(400).counts
+    bins = tree.class_bins(S.Frequencies.of(counts, 1000), 32)
+    unseen = bins.class_V[400:]
+    assert set(np.unique(unseen)).isdisjoint(bins.class_V[:400])
+    np.testing.assert_array_equal(np.bincount(unseen)[np.unique(unseen)], [32] * 18 + [24])
+    assert bins.max_size < 100
 
 
 def test_class_based_sqrt_binning_shrinks_largest_class():
