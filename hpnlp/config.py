@@ -374,7 +374,8 @@ class PruneConfig:
     # "unstructured" | "N:M" (e.g. "2:4": N kept in every M consecutive weights along the
     # contraction; the sparsity is then 1 - N/M) | "structured": whole attention heads (when
     # `layers` names qkv or out) and MLP neurons (mlp), `sparsity` of each block's heads and
-    # of its neurons; `python -m hpnlp.compress shrink` then removes them
+    # of its neurons, or for an LSTM/GRU `sparsity` of its model.width hidden units (one unit
+    # of every layer at once); `python -m hpnlp.compress shrink` then removes them
     structure: str = "unstructured"
     # "oneshot": prune at `start_step` | "cubic": gradual, from 0 at `start_step` to
     # `sparsity` at `end_step`, masks recomputed every `every` steps (Zhu & Gupta 2017) |
@@ -1007,10 +1008,27 @@ def _check_compress(cfg: Config) -> None:
               f"train.steps={cfg.train.steps}) after start_step={p.start_step}")
     _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
     if p.structure == "structured":
-        if m.arch != "transformer":
+        if m.arch in ("lstm", "gru"):  # hidden units: model.width channels (compress.prune)
+            if cfg.rnn.layer_norm:
+                _fail("rnn.layer_norm", True, "structured pruning removes hidden units, but layer "
+                      "norm mixes every unit's gates (removing one renormalizes the rest); set "
+                      "rnn.layer_norm=False or use train.prune.structure='unstructured'")
+            if cfg.rnn.bidirectional:
+                _fail("rnn.bidirectional", True, "structured pruning cannot remove hidden units of "
+                      "a bidirectional layer yet; set rnn.bidirectional=False")
+            if m.kind not in ("lm", "classifier"):
+                _fail("model.kind", m.kind, "structured pruning of an LSTM/GRU knows the "
+                      "consumers of the 'lm' and 'classifier' trunks only")
+            if m.kind == "lm" and cfg.output.name != "full":
+                _fail("output.name", cfg.output.name, "structured pruning of an LSTM/GRU removes "
+                      "hidden units from the 'full' output layer only")
+            if not (layers_name(p.layers, "input") and layers_name(p.layers, "recurrent")):
+                _fail("train.prune.layers", p.layers, "an LSTM/GRU hidden unit owns input and "
+                      "recurrent weights; name both (e.g. 'input,recurrent')")
+        elif m.arch != "transformer":
             _fail("train.prune.structure", p.structure, "structured pruning removes Transformer "
-                  f"heads and MLP neurons; model.arch={m.arch!r} has none (LSTM/GRU hidden units "
-                  "cannot be removed yet): use 'unstructured' or 'N:M'")
+                  f"heads and MLP neurons and LSTM/GRU hidden units; model.arch={m.arch!r} has "
+                  "none: use 'unstructured' or 'N:M'")
         if p.method not in ("magnitude", "random"):
             _fail("train.prune.method", p.method, "structured pruning ranks whole heads and "
                   "neurons by 'magnitude' (their weights' L2 norm) or 'random'")
@@ -1019,7 +1037,8 @@ def _check_compress(cfg: Config) -> None:
                   "heads and neurons from every block (so the shrunk model is one config); set "
                   "train.prune.scope='layer'")
         from hpnlp import attention as attention_lib
-        heads = layers_name(p.layers, "qkv") or layers_name(p.layers, "out")
+        heads = m.arch == "transformer" and (layers_name(p.layers, "qkv")
+                                             or layers_name(p.layers, "out"))
         if heads and not attention_lib.get(cfg.attention.name).heads_independent:
             free = [n for n in attention_lib.names() if attention_lib.get(n).heads_independent]
             _fail("train.prune.structure", p.structure, f"attention variant "
@@ -1029,8 +1048,9 @@ def _check_compress(cfg: Config) -> None:
         extra = sorted(k for k in QUANT_LAYERS if layers_name(p.layers, k)
                        and k not in ("qkv", "out", "mlp", "input", "recurrent"))
         if extra:
-            _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out) "
-                  f"and MLP neurons (mlp); {extra} have no such units")
+            _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out), "
+                  f"MLP neurons (mlp) and LSTM/GRU hidden units (input, recurrent); {extra} have "
+                  "no such units")
     elif p.structure != "unstructured":
         try:
             n, mm = (int(v) for v in p.structure.split(":"))

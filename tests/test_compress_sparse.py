@@ -148,6 +148,78 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
                           str(tmp_path / "again")]) == 1  # not pruned structurally: one line
 
 
+@pytest.mark.parametrize("arch,kind,rnn", [
+    ("lstm", "lm", dict(combine="last")),  # tied output; width 32 and 16: the fused kernel
+    ("gru", "classifier", dict(combine="residual", learned_init=True)),
+])
+def test_structured_pruning_removes_rnn_hidden_units_and_shrinks_to_the_same_model(
+        tmp_path, arch, kind, rnn):
+    """LSTM/GRU hidden units (model.width channels, one unit of every layer) pruned whole:
+    every weight a unit owns exactly zero through steps, its outputs exactly zero, and the
+    shrunk model (model.width smaller) computes what the masked one computed."""
+    from hpnlp.train import Trainer
+    cd = tiny(kind, prune=dict(method="magnitude", sparsity=0.5, structure="structured",
+                               schedule="oneshot", start_step=1))
+    cd.model.update(arch=arch, width=32, depth=2)
+    cd.rnn.update(rnn)
+    cd.output.tie_embeddings = kind == "lm"
+    cfg = from_configdict(cd)
+    tr = Trainer(cfg, str(tmp_path / "pruned"))
+    state, _ = tr.initial_state()
+    layout = next(c for c in tr.carries if c.name == "prune").layout
+    members = layout[prune.RNN_UNITS][2]
+    owned = {"embed/embedding": (1,), "trunk/rnn/layer_0/input_kernel": (0, 3),
+             "trunk/rnn/layer_1/input_kernel": (0, 3), "trunk/rnn/layer_1/recurrent_kernel": (1, 3),
+             "trunk/rnn/layer_1/bias": (2,)}
+    owned.update({"trunk/rnn/layer_1/hn_bias": (1,), "trunk/rnn/layer_0/init_h": (1,),
+                  "head/kernel": (0,)} if arch == "gru" else {})
+    assert owned.items() <= members.items() and "output/bias" not in members
+    with tr._context():
+        for _ in range(3):  # pruned after the update of step 1, held at zero by step 2's
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+    groups = {k: np.asarray(v) for k, v in state.carry["prune"]["groups"].items()}
+    assert list(groups) == [prune.RNN_UNITS] and int(groups[prune.RNN_UNITS].sum()) == 16
+    keep = groups[prune.RNN_UNITS]
+    flat = {"/".join(k): np.asarray(v) for k, v in traverse.flatten_dict(state.params).items()}
+    masks = prune.expand_groups(groups, layout, {k: v.shape for k, v in flat.items()})
+    for path, mask in masks.items():
+        assert not flat[path][~np.asarray(mask)].any(), path
+    rec = flat["trunk/rnn/layer_0/recurrent_kernel"]  # [D, H, K, H]: h_j's row, unit j's gates
+    assert not rec[:, ~keep].any() and not rec[..., ~keep].any() and rec[:, keep][..., keep].all()
+    batch = next(iter(tr.train_iter))
+    method = "hidden" if kind == "lm" else "pooled"
+    h = np.asarray(tr.eval_model.apply({"params": state.params}, batch, method=method))
+    assert not h[..., ~keep].any() and h[..., keep].any()  # a pruned unit outputs exactly 0
+    tr.checkpointer.save(3, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+
+    summary = prune.shrink_run(str(tmp_path / "pruned"), str(tmp_path / "small"), eval_batches=1)
+    assert summary["model"] == {"width": [32, 16]}
+    assert summary["params"]["shrunk"] < summary["params"]["pruned"]
+    np.testing.assert_allclose(summary["eval"]["loss"], summary["eval_masked"]["loss"], rtol=1e-5)
+    cfg2, params2 = prune.shrink(tr.cfg, state.params, groups, layout)
+    assert cfg2.model.width == 16 and cfg2.model.depth == 2 and cfg2.rnn == cfg.rnn
+    h2 = models.build(cfg2, deterministic=True).apply({"params": params2}, batch, method=method)
+    np.testing.assert_allclose(np.asarray(h2), h[..., keep], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,fields,match", [
+    ("lm", dict(rnn=dict(layer_norm=True)), r"rnn\.layer_norm.*mixes every unit"),
+    ("classifier", dict(rnn=dict(bidirectional=True)), r"rnn\.bidirectional"),
+    ("lm", dict(train=dict(prune=dict(layers="recurrent"))),
+     r"train\.prune\.layers.*input and\s+recurrent"),
+    ("lm", dict(output=dict(name="adaptive")), r"output\.name.*'full' output layer only"),
+])
+def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, match):
+    cd = tiny(kind, prune=dict(method="magnitude", structure="structured"))
+    cd.model.arch = "lstm"
+    validate(from_configdict(cd))
+    for group, values in fields.items():
+        getattr(cd, group).update(values)
+    with pytest.raises(ConfigError, match=match):
+        validate(from_configdict(cd))
+
+
 # ---------------------------------------------------------------- distillation
 
 

@@ -4,7 +4,7 @@
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights int4 --group_size 32
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights bfloat16
     python -m hpnlp.compress quantize --workdir QAT_RUN --out DIR   # export a QAT run as trained
-    python -m hpnlp.compress shrink --workdir PRUNED --out DIR      # remove pruned heads/neurons
+    python -m hpnlp.compress shrink --workdir PRUNED --out DIR      # remove pruned units
 
 `quantize` is post-training quantization (hpnlp.compress.ptq): it calibrates, packs,
 evaluates with the task's metric, reloads, and writes DIR/summary.json. Errors (an unknown
@@ -12,8 +12,10 @@ format, a group size that does not divide a width, a workdir with no checkpoint)
 line naming the field or file, before anything compiles.
 
 `shrink` takes a run pruned with `train.prune.structure=structured` (whole attention heads
-and MLP neurons) and writes the smaller dense Transformer it amounts to as a new run in DIR
-(hpnlp.compress.prune.shrink_run): fewer heads and a narrower MLP, the same outputs.
+and MLP neurons of a Transformer; hidden units, i.e. channels of model.width, of an LSTM or
+GRU) and writes the smaller dense model it amounts to as a new run in DIR
+(hpnlp.compress.prune.shrink_run): fewer heads and a narrower MLP, or a narrower recurrent
+model, with the same outputs.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--calib_batches", type=int, default=8, help="training batches to calibrate on")
     q.add_argument("--eval_batches", type=int, default=None,
                    help="held-out batches to evaluate (default: the run's train.eval_batches)")
-    s = sub.add_parser("shrink", help="remove a structurally pruned run's heads and neurons")
+    s = sub.add_parser("shrink", help="remove a structurally pruned run's heads and neurons (or LSTM/GRU units)")
     s.add_argument("--workdir", required=True, help="a run trained with train.prune.structure=structured")
     s.add_argument("--out", required=True, help="new folder for the smaller run")
     s.add_argument("--eval_batches", type=int, default=None,

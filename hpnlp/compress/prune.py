@@ -35,6 +35,23 @@ record quantization uses), of the kinds `train.prune.layers` names. Biases, norm
   removes what they pruned: a smaller dense Transformer of the same config class
   (`model.num_heads`, `model.mlp_dim` smaller, `model.head_dim` kept) computing what the
   masked model computed.
+  An LSTM/GRU's units are its `model.width` channels (`rnn_layout`), which size the
+  embedding and every layer's state alike, so unit j is hidden unit j of every layer at
+  once, as width pruning of a Transformer's residual stream removes a channel from every
+  block (CoFi, Xia et al. 2022); `combine='sum'` and `'residual'` add the layers' channels,
+  so they could not be pruned apart anyway. Unit j owns the embedding's column j (the tied
+  output's row j), in every layer its K gate columns of the input and recurrent kernels,
+  its row of the recurrent kernel, its gate biases (GRU: and `hn_bias`), its learned
+  initial state and its input row (the first layer's reads the embedding); and the
+  consumer's row j (the LM's untied `full` output kernel, the classifier's head and memory
+  query). Units rank like heads (an entry on a unit's row and column counted once). With
+  all of them zero the unit's pre-activations are 0, so from a zero state an LSTM keeps
+  c = 0.5 c_prev = 0 and h = 0.5 tanh(0) = 0, a GRU h = 0.5 h_prev + 0.5 tanh(0) = 0
+  (dropout, zoneout and padding only scale or keep zeros): the unit outputs exactly zero,
+  and removing it changes nothing. The shrunk model's `model.width` is the kept count; its
+  first layer's input rows absorb sqrt(width / kept), the embedding's input scale.
+  Refused (config.validate): layer norm (it normalizes over all units, so removing one
+  renormalizes the rest), bidirectional layers, and consumers other than those above.
 - Schedules: `oneshot` (the target after the update of step `start_step`), `cubic`
   (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1,
   masks recomputed every `every` steps and at t1, and `imp`: iterative magnitude pruning
@@ -200,7 +217,41 @@ def sparsity_report(params, masks: dict) -> dict:
 # A product kind -> the logical axis its units lie along (parameters carry logical axis
 # names, hpnlp.models.transformer), and what a unit of that axis is called.
 GROUP_AXIS = {"qkv": "heads", "out": "heads", "mlp": "mlp"}
-UNIT_NAME = {"heads": "heads", "mlp": "neurons"}
+UNIT_NAME = {"heads": "heads", "mlp": "neurons", "width": "hidden units"}
+RNN_ARCHS = ("lstm", "gru")
+RNN_UNITS = "trunk/rnn/units"  # the one group of an LSTM/GRU model (module doc)
+
+
+def _axes(ax) -> tuple[int, ...]:
+    """A member's unit axes: one index (a head or neuron slice) or a tuple (an LSTM/GRU
+    recurrent kernel holds unit j along its rows and its columns)."""
+    return (ax,) if isinstance(ax, int) else tuple(ax)
+
+
+def rnn_layout(cfg: Config, boxed_params) -> dict:
+    """{RNN_UNITS: ("width", model.width, {member path: unit axes})}: the hidden units of an
+    LSTM/GRU model as `structured` pruning sees them (module doc). Inside the stack the
+    units lie along the logical "mlp" axes (hidden) and "embed" (the first layer's input),
+    plus the recurrent kernel's rows, which carry no name (naming them "mlp" too would shard
+    both axes of one array over one mesh axis); outside it along "embed"."""
+    flat = traverse.flatten_dict(boxed_params)
+    width, members = cfg.model.width, {}
+    for path, leaf in sorted(flat.items()):
+        names = tuple(getattr(leaf, "names", ()) or ())
+        inside = path[:2] == ("trunk", "rnn")
+        axes = tuple(i for i, n in enumerate(names) if n == "embed" or (inside and n == "mlp"))
+        if inside and path[-1] == "recurrent_kernel":  # [D, H, K, H]: h_j feeds every gate
+            axes = (1,) + axes
+        key = "/".join(path)
+        if inside and not axes:  # config.validate refuses what could get here (layer norm)
+            raise ValueError(f"structured pruning cannot remove hidden units from {key}: it has "
+                             "no per-unit axis")
+        shape = nn.unbox(leaf).shape
+        if any(shape[a] != width for a in axes):
+            raise ValueError(f"{key} {shape}: its unit axes {axes} are not model.width={width}")
+        if axes:
+            members[key] = axes
+    return {RNN_UNITS: ("width", width, members)}
 
 
 def group_layout(products: dict, boxed_params) -> dict:
@@ -253,7 +304,12 @@ def group_scores(method: str, flat: dict, layout: dict, seed: int) -> dict:
         total = jnp.zeros((units,), jnp.float32)
         for path, ax in members.items():
             w = jnp.square(flat[path].astype(jnp.float32))
-            total = total + jnp.sum(w, axis=tuple(a for a in range(w.ndim) if a != ax))
+            axes = _axes(ax)
+            for a in axes:
+                total = total + jnp.sum(w, axis=tuple(i for i in range(w.ndim) if i != a))
+            if len(axes) == 2:  # an entry on unit j's row and column is counted once
+                total = total - jnp.sum(jnp.diagonal(w, axis1=axes[0], axis2=axes[1]),
+                                        axis=tuple(range(w.ndim - 2)))
         out[key] = total
     return out
 
@@ -270,21 +326,24 @@ def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity
 
 
 def expand_groups(groups: dict, layout: dict, shapes: dict) -> dict:
-    """{member path: bool mask of the member's shape} from the unit masks."""
+    """{member path: bool mask of the member's shape} from the unit masks (an entry on
+    several unit axes is kept when every one of its units is)."""
     out = {}
     for key, (_, units, members) in layout.items():
         for path, ax in members.items():
-            shape = shapes[path]
-            view = [1] * len(shape)
-            view[ax] = units
-            out[path] = jnp.broadcast_to(groups[key].reshape(view), shape)
+            shape, keep = shapes[path], jnp.ones((), bool)
+            for a in _axes(ax):
+                view = [1] * len(shape)
+                view[a] = units
+                keep = keep & groups[key].reshape(view)
+            out[path] = jnp.broadcast_to(keep, shape)
     return out
 
 
 def shrink(cfg: Config, params, groups: dict, layout: dict):
-    """(config, parameters) of the smaller dense model: every pruned head and neuron removed
-    (module doc). Each block must keep the same number of heads and of neurons, as
-    `train.prune.scope='layer'` makes it."""
+    """(config, parameters) of the smaller dense model: every pruned head and neuron, or
+    LSTM/GRU hidden unit, removed (module doc). Each block must keep the same number of
+    heads and of neurons, as `train.prune.scope='layer'` makes it."""
     import dataclasses
 
     from hpnlp.config import DistillConfig
@@ -299,11 +358,22 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
     flat = dict(traverse.flatten_dict(params))
     for key, (_, _, members) in layout.items():
         for path, ax in members.items():
-            flat[_path(path)] = jnp.take(flat[_path(path)], jnp.asarray(kept[key]), axis=ax)
+            for a in _axes(ax):
+                flat[_path(path)] = jnp.take(flat[_path(path)], jnp.asarray(kept[key]), axis=a)
     m = cfg.model
-    model = dataclasses.replace(m, head_dim=m.dims_per_head(),
-                                num_heads=counts.get("heads", {m.num_heads}).pop(),
-                                mlp_dim=counts.get("mlp", {m.mlp_dim}).pop())
+    if m.arch in RNN_ARCHS:
+        width = counts["width"].pop()
+        # The trunk scales embeddings by sqrt(model.width): the first layer's input rows
+        # take the old scale's excess, so its input product is the masked model's.
+        first = ("trunk", "rnn", "layer_0", "input_kernel")
+        w = flat[first]
+        flat[first] = (w.astype(jnp.float32) * math.sqrt(m.width / width)).astype(w.dtype)
+        # num_heads is unused by a recurrent trunk; config.validate wants it to divide width
+        model = dataclasses.replace(m, width=width, num_heads=math.gcd(m.num_heads, width))
+    else:
+        model = dataclasses.replace(m, head_dim=m.dims_per_head(),
+                                    num_heads=counts.get("heads", {m.num_heads}).pop(),
+                                    mlp_dim=counts.get("mlp", {m.mlp_dim}).pop())
     train = dataclasses.replace(cfg.train, prune=PruneConfig(), distill=DistillConfig(),
                                 init_from="")
     return dataclasses.replace(cfg, model=model, train=train), traverse.unflatten_dict(flat)
@@ -312,8 +382,8 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
 class PruneCarry(Carry):
     """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores" and
     "dense" (movement) or "rewind" (imp) beside them; structured pruning keeps only
-    {"groups": {block/heads|neurons: bool [units]}}, its weights' masks follow from them
-    (module doc)."""
+    {"groups": {block/heads|neurons: bool [units]}} ({RNN_UNITS: bool [width]} for an
+    LSTM/GRU), its weights' masks follow from them (module doc)."""
 
     name = "prune"
 
@@ -335,7 +405,8 @@ class PruneCarry(Carry):
             return w.replace_boxed(value) if isinstance(w, nn.meta.AxisMetadata) else value
 
         if self.p.structure == "structured":  # the unit masks; weight masks derive from them
-            self.layout = group_layout(found, params)
+            self.layout = (rnn_layout(self.cfg, params) if self.cfg.model.arch in RNN_ARCHS
+                           else group_layout(found, params))
             return {"groups": {k: jnp.ones((u,), bool) for k, (_, u, _) in self.layout.items()}}
         value = {"masks": {}}
         if self.p.method == "movement":
@@ -462,7 +533,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     if cfg.train.prune.method == "none" or cfg.train.prune.structure != "structured":
         raise config_error("train.prune.structure", cfg.train.prune.structure, f"the run in "
                            f"{workdir} was not pruned with train.prune.structure='structured', so "
-                           "it has no heads or neurons to remove")
+                           "it has no heads, neurons or hidden units to remove")
     if os.path.abspath(out) == os.path.abspath(workdir):
         raise ValueError(f"--out {out} is the pruned run itself; give a new folder")
     ckpt = os.path.join(out, "checkpoints")
@@ -486,11 +557,13 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     small.checkpointer.wait()
     small.checkpointer.close()
     shrunk_eval = small.evaluate(state2)
+    sizes = ({"width": [cfg.model.width, cfg2.model.width]} if cfg.model.arch in RNN_ARCHS
+             else {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
+                   "head_dim": cfg2.model.head_dim,
+                   "mlp_dim": [cfg.model.mlp_dim, cfg2.model.mlp_dim]})
     summary = {
         "source": {"workdir": os.path.abspath(workdir), "step": step},
-        "model": {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
-                  "head_dim": cfg2.model.head_dim,
-                  "mlp_dim": [cfg.model.mlp_dim, cfg2.model.mlp_dim]},
+        "model": sizes,
         "params": {"pruned": models.param_count(model_params(state.params)),
                    "shrunk": models.param_count(params2)},
         "eval": shrunk_eval, "eval_masked": masked_eval,
