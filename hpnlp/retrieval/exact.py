@@ -193,6 +193,20 @@ def _pad_rows(n: int, chunk: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def uses_kernel(index: HostIndex, what: str) -> bool:
+    """Whether `index`'s searches run its CPU kernel: its `impl` option ("xla": never;
+    "kernel": always, else an error naming `index.kernel_blocker()`; "auto": where that is
+    None)."""
+    impl = index.options.get("impl", "auto")
+    if impl == "xla":
+        return False
+    reason = index.kernel_blocker()
+    if reason is not None and impl == "kernel":
+        raise RetrievalError(f"impl='kernel': {what} cannot run here: {reason}; "
+                             "use impl='auto' or 'xla'")
+    return reason is None
+
+
 @register("exact")
 class ExactIndex(HostIndex):
     """Exact MIPS: the fused CPU kernel, or blocked XLA products (see the module docstring).
@@ -233,14 +247,7 @@ class ExactIndex(HostIndex):
 
     def uses_kernel(self) -> bool:
         """Whether searches run the fused kernel (`impl` and `kernel_blocker`)."""
-        impl = self.options.get("impl", "auto")
-        if impl == "xla":
-            return False
-        reason = self.kernel_blocker()
-        if reason is not None and impl == "kernel":
-            raise RetrievalError(f"impl='kernel': the exact MIPS kernel cannot run here: {reason}; "
-                                 "use impl='auto' or 'xla'")
-        return reason is None
+        return uses_kernel(self, "the exact MIPS kernel")
 
     def prepare(self) -> None:
         """Build what searches read (the packed panels or the XLA blocks) now, not on the

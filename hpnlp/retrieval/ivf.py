@@ -229,14 +229,7 @@ class IVFIndex(HostIndex):
 
     def uses_kernel(self) -> bool:
         """Whether searches run the scan kernel (`impl` and `kernel_blocker`)."""
-        impl = self.options.get("impl", "auto")
-        if impl == "xla":
-            return False
-        reason = self.kernel_blocker()
-        if reason is not None and impl == "kernel":
-            raise RetrievalError(f"impl='kernel': the IVF scan kernel cannot run here: {reason}; "
-                                 "use impl='auto' or 'xla'")
-        return reason is None
+        return exact.uses_kernel(self, "the IVF scan kernel")
 
     def prepare(self) -> None:
         """Train if need be and build what searches read (the packed chunks or the XLA
