@@ -346,9 +346,11 @@ class DistillConfig:
     # and the student's attention distributions of the same block pairs, per real query;
     # both must use an attention variant that returns its probabilities ('dense')
     attention: float = 0.0
-    # "none" | "every_other": the student's blocks start as the teacher's blocks
+    # "none" | "every_other" | "select": the student's blocks start as the teacher's blocks
     # 0, Lt/Ls, 2 Lt/Ls, ... (DistilBERT: one layer of two), its embeddings, position table,
-    # final norm and output layer as the teacher's; needs the teacher's shapes but its depth
+    # final norm and output layer as the teacher's; every_other needs the teacher's shapes but
+    # its depth, select (weight selection, Xu et al. 2024) takes the leading slice of each
+    # weight, so the student may also be narrower (fewer heads, MLP neurons, width channels)
     init: str = "none"
 
     def matches_blocks(self) -> tuple[str, Any] | None:
@@ -964,7 +966,7 @@ def _check_compress(cfg: Config) -> None:
                 _fail("train.distill.attention", dist.attention, f"attention variant "
                       f"{cfg.attention.name!r} does not return its probabilities; use "
                       "attention.name='dense' for attention-map distillation")
-        _check_choice("train.distill.init", dist.init, ("none", "every_other"))
+        _check_choice("train.distill.init", dist.init, ("none", "every_other", "select"))
         blocks = dist.matches_blocks()
         if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
             _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "

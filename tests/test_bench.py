@@ -350,10 +350,10 @@ def test_compress_bench_targets_and_table_from_a_payload():
                 "size_bytes": params * 4, "metric": "loss" if model == "byte LM" else "accuracy",
                 "value": value, "eval": {}, "forward_s": fwd, "teacher_forward_s": teacher_fwd, **kw}
     distill = [row("byte LM", "teacher", 1.5, 4000, 0.04), row("byte LM", "student, scratch", 2.1),
-               row("byte LM", "student, distilled", 1.9), row("byte LM", "student, distilled + hidden", 1.7),
+               row("byte LM", "student, distilled", 1.9), row("byte LM", compress.DISTILLED, 1.7),
                row("text classifier", "teacher", 0.80), row("text classifier", "student, scratch", 0.60),
                row("text classifier", "student, distilled", 0.7),
-               row("text classifier", "student, distilled + hidden", 0.65)]
+               row("text classifier", compress.DISTILLED, 0.65)]
     pipeline = [row("byte LM", "distill + prune 50% + int8", 1.8, teacher_size_bytes=16000)]
     pipeline[0]["size_bytes"] = 1000
     structured = [row("byte LM", "structured prune + shrink", 1.53, 2000, fwd=0.025,

@@ -34,6 +34,13 @@ Beside the soft targets (Transformer students of the teacher's width):
 - `train.distill.init = "every_other"` (DistilBERT): the student starts as the teacher with
   one block of every Lt / Ls (`init_map`): embeddings, positions, norms and output layer
   copied, so its shapes must be the teacher's but for depth.
+- `train.distill.init = "select"` (weight selection, Xu et al. 2024, "Initializing Models
+  with Larger Ones"): the same blocks, for a student that is also narrower: each of its
+  weights is the leading slice of the teacher's twin along every axis (the first heads,
+  the first MLP neurons, the first width channels). The slice is the same along every
+  axis that meets the residual stream, so the selected channels are consistent from the
+  embedding through every block to the output layer (the paper's consistent selection).
+  Model dimensions may be the teacher's or smaller, never larger.
 
 - `train.distill.attention` (TinyBERT / MobileBERT): plus `attention` times the KL between
   the teacher's and the student's attention distributions of each mapped block pair, per
@@ -100,8 +107,8 @@ def layer_map(student_depth: int, teacher_depth: int) -> list[int]:
 
 
 def init_map(student_depth: int, teacher_depth: int) -> list[int]:
-    """The teacher block each student block starts as (`train.distill.init='every_other'`:
-    DistilBERT's one of every Lt / Ls, from the first: 0, Lt/Ls, ...)."""
+    """The teacher block each student block starts as (`train.distill.init`: DistilBERT's one
+    of every Lt / Ls, from the first: 0, Lt/Ls, ...)."""
     return [i * teacher_depth // student_depth for i in range(student_depth)]
 
 
@@ -220,18 +227,23 @@ class TeacherCarry(Carry):
         if self.d.init != "none":
             def shapes(m):
                 return {"width": m.width, "num_heads": m.num_heads, "head_dim": m.dims_per_head(),
-                        "mlp_dim": m.mlp_dim, "max_len": m.max_len, "pos_emb": m.pos_emb}
+                        "mlp_dim": m.mlp_dim, "max_len": m.max_len}
             mine, theirs = shapes(sm), shapes(tm)
+            select = self.d.init == "select"
             for f in mine:
-                if mine[f] != theirs[f]:
+                if mine[f] > theirs[f] if select else mine[f] != theirs[f]:
                     raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
-                                       f"blocks, so model.{f} must be the teacher's "
+                                       f"blocks, so model.{f} must be "
+                                       f"{'at most ' if select else ''}the teacher's "
                                        f"({theirs[f]!r}); this run has {mine[f]!r}")
-            if (tcfg.output.name, tcfg.output.tie_embeddings) != (cfg.output.name,
-                                                                  cfg.output.tie_embeddings):
-                raise config_error("train.distill.init", self.d.init, "copies the teacher's "
-                                   "output layer, so output.name and output.tie_embeddings must "
-                                   "be the teacher's")
+            for f, mine, theirs in (("model.pos_emb", sm.pos_emb, tm.pos_emb),
+                                    ("output.name", cfg.output.name, tcfg.output.name),
+                                    ("output.tie_embeddings", cfg.output.tie_embeddings,
+                                     tcfg.output.tie_embeddings)):
+                if mine != theirs:
+                    raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
+                                       f"embeddings and output layer, so {f} must be the "
+                                       f"teacher's ({theirs!r}); this run has {mine!r}")
         self.teacher = models.build(tcfg, deterministic=True, token_counts=token_counts)
 
     def init(self, model, params, batch, batch_size: int):
@@ -256,29 +268,36 @@ class TeacherCarry(Carry):
         return {"hidden_proj": jax.random.normal(key, (e_s, e_t), jnp.float32) * e_s ** -0.5}
 
     def start_params(self, value, params):
-        """`train.distill.init='every_other'`: the student's parameters as the teacher's, block
-        i from teacher block `init_map(...)[i]` (DistilBERT)."""
+        """`train.distill.init`: the student's parameters as the teacher's, block i from
+        teacher block `init_map(...)[i]` (DistilBERT), each the leading slice of its twin
+        where the student is narrower (`select`)."""
         if self.d.init == "none":
             return params
         import flax.traverse_util as traverse
         src = init_map(self.cfg.model.depth, self.teacher_cfg.model.depth)
         teacher = traverse.flatten_dict(value)
+        select = self.d.init == "select"
         out = {}
         for path, w in traverse.flatten_dict(params).items():
             tpath = tuple(f"block_{src[int(p[len('block_'):])]}" if p.startswith("block_") else p
                           for p in path)
             t = teacher.get(tpath)
-            if t is None or t.shape != w.shape:
-                from hpnlp.config import config_error
+            fits = t is not None and (t.shape == w.shape or select and t.ndim == w.ndim and all(
+                a <= b for a, b in zip(w.shape, t.shape)))
+            if not fits:
                 raise config_error("train.distill.init", self.d.init, f"the student's "
-                                   f"{'/'.join(path)} {w.shape} has no teacher twin of its shape "
+                                   f"{'/'.join(path)} {w.shape} has no teacher twin of "
+                                   f"{'a shape that contains it' if select else 'its shape'} "
                                    f"({None if t is None else t.shape})")
+            t = t[tuple(slice(0, n) for n in w.shape)]
             out[path] = jnp.array(t, dtype=w.dtype, copy=True)
         return traverse.unflatten_dict(out)
 
     def loss(self, student, inner):
-        del inner  # the distillation loss contains the student's own hard-label loss
         d, lm = self.d, self.cfg.model.kind == "lm"
+        if not (d.alpha or d.hidden or d.attention):  # the teacher only starts the student
+            return inner  # (train.distill.init): its own loss, no teacher forward
+        del inner  # the distillation loss contains the student's own hard-label loss
         teacher = self.teacher
 
         def distill_loss(params, carry, batch, rngs):
