@@ -345,6 +345,16 @@ def test_quant_bench_targets_and_table_from_a_payload():
 def test_compress_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import compress
 
+    # the size searches: bisection finds what the exhaustive search finds
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        values = np.sort(rng.choice(1000, rng.integers(1, 30), replace=False)).tolist()
+        size = (lambda v: v * v) if rng.random() < 0.5 else (lambda v: -3 * v)
+        lo, hi = sorted((size(values[0]), size(values[-1])))
+        target = rng.uniform(lo - 50, hi + 50)
+        best = min(abs(size(v) - target) for v in values)
+        assert abs(size(compress.closest(values, size, target)) - target) == best
+
     def row(model, method, value, params=1000, fwd=0.02, teacher_fwd=0.04, **kw):
         return {"model": model, "method": method, "setting": "", "params": params,
                 "size_bytes": params * 4, "metric": "loss" if model == "byte LM" else "accuracy",

@@ -76,9 +76,9 @@ SIZES = {
                  student_steps={"byte LM": None, "text classifier": 200},
                  sparsities=(0.5, 0.75, 0.9, 0.95), eval_batches=None, timing_rounds=15),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, structured_steps=6,
-                  sparsities=(0.5, 0.9),
+                  sparsities=(0.9,),
                   student_steps={"byte LM": None, "text classifier": 6},
-                  eval_batches=2, timing_rounds=3),
+                  eval_batches=2, timing_rounds=2),
 }
 MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "text", "accuracy")}
 
@@ -303,6 +303,22 @@ def param_count(cd) -> int:
     return models.param_count(jax.eval_shape(init, jax.random.key(0)))
 
 
+def closest(values, size, target: float):
+    """A value among `values` (ascending) whose `size(value)` is closest to `target`, for a
+    `size` monotone in the value: bisection, so a few of its (traced) evaluations rather
+    than one per value."""
+    values = list(values)
+    sign = 1 if size(values[-1]) >= size(values[0]) else -1
+    lo, hi = 0, len(values) - 1
+    while lo < hi:  # the first value whose signed size reaches the target
+        mid = (lo + hi) // 2
+        if sign * size(values[mid]) < sign * target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return min(values[max(lo - 1, 0):lo + 1], key=lambda v: abs(size(v) - target))
+
+
 def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
@@ -314,7 +330,7 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
         cd = experiment(model, s)
         cd.model.lowrank.rank = r
         return cd
-    r_half = min(range(1, limit + 1), key=lambda r: abs(param_count(with_rank(r)) - half))
+    r_half = closest(range(1, limit + 1), lambda r: param_count(with_rank(r)), half)
     rows = []
     for r in sorted({max(1, r_half // 2), r_half, min(limit, 2 * r_half)}):
         cd = with_rank(r)
@@ -333,8 +349,8 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
         cd = experiment(model, s)
         cd.model.width, cd.model.mlp_dim = width, 4 * width
         return cd
-    width = min(range(2 * heads, base.model.width + 1, 2 * heads),
-                key=lambda w: abs(param_count(dense_of(w)) - target))
+    width = closest(range(2 * heads, base.model.width + 1, 2 * heads),
+                    lambda w: param_count(dense_of(w)), target)
     out = os.path.join(workdir, f"dense_width_{width}")
     rows.append(_row(model, "dense, scratch", f"width {width}, same size", _train(dense_of(width), out),
                      out, metric))
@@ -370,8 +386,8 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
     half = param_count(experiment(model, s)) / 2
-    sp = min((i / 100 for i in range(5, 96)),
-             key=lambda v: abs(param_count(structured_config(experiment(model, s), v)) - half))
+    sp = closest([i / 100 for i in range(5, 96)],
+                 lambda v: param_count(structured_config(experiment(model, s), v)), half)
     cd = experiment(model, s)
     n = s["structured_steps"]
     cd.train.steps, cd.train.warmup_steps = n, 1
