@@ -555,9 +555,15 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
     s = SIZES["quick" if quick else "full"]
     makers = {"distill": distill_rows, "prune": prune_rows, "structured": structured_rows,
               "lowrank": lowrank_rows, "pipeline": pipeline_rows}
-    payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
-               "machine": harness.machine_info(), "seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        if not jax.config.jax_compilation_cache_dir:
+            # one compilation cache for the run: the runs that share a program (a student
+            # started from selected weights is the scratch student's; the forward timing
+            # recompiles every trained model's evaluation) compile it once
+            jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+                   "machine": harness.machine_info(), "seconds": {}}
         wd = workdir or tmp
         harness.run_parts(payload, {name: functools.partial(make, s, wd) for name, make in makers.items()},
                           parts)
