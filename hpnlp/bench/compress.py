@@ -565,6 +565,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
         payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seconds": {}}
         wd = workdir or tmp
+        before = set(os.listdir(wd)) if os.path.isdir(wd) else set()  # runs of earlier runs
         harness.run_parts(payload, {name: functools.partial(make, s, wd) for name, make in makers.items()},
                           parts)
         t0 = time.perf_counter()
@@ -572,7 +573,9 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                     for m in MODELS}
         measure_forward(_rows(payload), teachers, rounds=s["timing_rounds"])
         payload["seconds"]["forward timing"] = time.perf_counter() - t0
-    payload["reused_runs"] = len(REUSED)
+    # runs an earlier bench run left finished in --workdir (not those this run trained and a
+    # later part found, such as the teacher)
+    payload["reused_runs"] = len({os.path.basename(p) for p in REUSED} & before)
     payload["targets"] = _targets(payload)
     report.write(out_dir, "compress", payload, _markdown(payload))
     _plot(payload, out_dir)
