@@ -213,7 +213,7 @@ def _row(model: str, method: str, setting: str, summary: dict, workdir: str, met
             "eval": ev, "workdir": os.path.abspath(workdir)}
 
 
-# the distilled students, each trained for the teacher's steps: (method, setting,
+# the distilled students, each trained for its model's `student_steps`: (method, setting,
 # train.distill fields, workdir suffix). The last is the row the distillation targets read.
 DISTILLED_STUDENTS = (
     ("student, distilled", "T=1, alpha=0.5", dict(alpha=0.5, temperature=1.0), "distilled"),
@@ -223,6 +223,14 @@ DISTILLED_STUDENTS = (
      dict(alpha=0.5, temperature=1.0, init="select"), "distilled_select"),
 )
 DISTILLED = DISTILLED_STUDENTS[-1][0]  # the row the distillation targets read
+
+
+def distilled_student(model: str, s: dict, tdir: str, fields: dict):
+    """The config of `model`'s student distilled from the teacher in `tdir` with these
+    `train.distill` fields (a row of `DISTILLED_STUDENTS`), for its `student_steps`."""
+    cd = student(experiment(model, s), s["student_steps"][model])
+    cd.train.distill.update(teacher=tdir, **fields)
+    return cd
 
 
 def distill_rows(s: dict, workdir: str) -> list[dict]:
@@ -237,10 +245,9 @@ def distill_rows(s: dict, workdir: str) -> list[dict]:
             f", {steps} steps" if steps else ""), _train(student(experiment(model, s), steps),
                                                          sdir), sdir, metric))
         for method, setting, fields, suffix in DISTILLED_STUDENTS:
-            cd = student(experiment(model, s), steps)
-            cd.train.distill.update(teacher=tdir, **fields)
             ddir = os.path.join(workdir, f"{tag}_{suffix}")
-            rows.append(_row(model, method, setting, _train(cd, ddir), ddir, metric))
+            rows.append(_row(model, method, setting,
+                             _train(distilled_student(model, s, tdir, fields), ddir), ddir, metric))
     return rows
 
 
@@ -307,16 +314,21 @@ def closest(values, size, target: float):
     """A value among `values` (ascending) whose `size(value)` is closest to `target`, for a
     `size` monotone in the value: bisection, so a few of its (traced) evaluations rather
     than one per value."""
-    values = list(values)
-    sign = 1 if size(values[-1]) >= size(values[0]) else -1
+    values, seen = list(values), {}
+
+    def size_of(v):  # each value's size evaluated once
+        if v not in seen:
+            seen[v] = size(v)
+        return seen[v]
+    sign = 1 if size_of(values[-1]) >= size_of(values[0]) else -1
     lo, hi = 0, len(values) - 1
     while lo < hi:  # the first value whose signed size reaches the target
         mid = (lo + hi) // 2
-        if sign * size(values[mid]) < sign * target:
+        if sign * size_of(values[mid]) < sign * target:
             lo = mid + 1
         else:
             hi = mid
-    return min(values[max(lo - 1, 0):lo + 1], key=lambda v: abs(size(v) - target))
+    return min(values[max(lo - 1, 0):lo + 1], key=lambda v: abs(size_of(v) - target))
 
 
 def lowrank_rows(s: dict, workdir: str) -> list[dict]:
@@ -427,10 +439,7 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     model = "byte LM"
     _, _, fields, suffix = DISTILLED_STUDENTS[-1]  # the targets' student: reused when it ran
     ddir = os.path.join(workdir, f"byte_LM_{suffix}")
-    tdir = _teacher(s, workdir)
-    cd = student(experiment(model, s))
-    cd.train.distill.update(teacher=tdir, **fields)
-    _train(cd, ddir)
+    _train(distilled_student(model, s, _teacher(s, workdir), fields), ddir)
     cd = student(experiment(model, s))
     cd.train.steps, cd.train.warmup_steps, cd.train.lr = s["prune_steps"], 1, cd.train.lr * 0.3
     cd.train.init_from = ddir
