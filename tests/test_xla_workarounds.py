@@ -60,3 +60,29 @@ def test_apply_after_the_backend_started_warns_instead(monkeypatch):
     with pytest.warns(RuntimeWarning, match="import hpnlp before"):
         assert xw.apply() == []
     assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_steps_compile_without_ynn_fusions(monkeypatch):
+    """Train and eval steps compile with XLA:CPU's YNN fusions off (`train.step`; they ran
+    hpnlp's models slower, docs/xla_defects.md), to the same outputs; the day this XLA
+    stops making them for a dot and its neighbours shows here."""
+    import jax
+    import numpy as np
+
+    from hpnlp.train import step
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("an XLA:CPU option")
+    if not step._xla_knows(tuple(step.CPU_NO_YNN_FUSION_OPTIONS.items())):
+        pytest.skip("this jaxlib's XLA has no YNN fusion option")
+    options = step.step_compiler_options()
+    assert options == {**step.CPU_REMAT_COMPILER_OPTIONS, **step.CPU_NO_YNN_FUSION_OPTIONS}
+    f = jax.jit(lambda x, w: jax.nn.log_softmax(jax.nn.gelu(x @ w), axis=-1))
+    x = jax.random.normal(jax.random.key(0), (64, 48))
+    w = jax.random.normal(jax.random.key(1), (48, 96))
+    default, ours = f.lower(x, w).compile(), f.lower(x, w).compile(compiler_options=options)
+    assert "__ynn_fusion" in default.as_text()
+    assert "__ynn_fusion" not in ours.as_text()
+    np.testing.assert_allclose(ours(x, w), default(x, w), rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", "0")  # the switch that keeps XLA's default
+    assert step.step_compiler_options() == step.CPU_REMAT_COMPILER_OPTIONS

@@ -120,6 +120,7 @@ def _forward_fn(workdir: str, quantized: str | None = None):
     from hpnlp import models
     from hpnlp.train import Trainer
     from hpnlp.train.checkpoint import load_run_config
+    from hpnlp.train.step import step_compiler_options
 
     tr = Trainer(load_run_config(workdir), workdir, read_only=True)
     state, _ = tr.initial_state()
@@ -127,14 +128,16 @@ def _forward_fn(workdir: str, quantized: str | None = None):
     batch = next(iter(data_lib.make_iterator(tr.task, tr.cfg.data, split="eval",
                                              batch_size=tr.cfg.train.batch_size)))
     if quantized is None:
-        fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"))
+        fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"),
+                     compiler_options=step_compiler_options())  # as hpnlp's eval step compiles
         return fn, (state.params, batch)
     from hpnlp.compress import ptq
     cfg_q, packed, qv = ptq.load(quantized)
     model_q = models.build(cfg_q, deterministic=True, token_counts=tr.task.token_counts)
     served = ptq.serve(model_q, packed, batch, qv)
     fn = jax.jit(lambda p, q, b: model_q.apply({"params": p, **({"quant": q} if q else {})}, b,
-                                               method="evaluate"))
+                                               method="evaluate"),
+                 compiler_options=step_compiler_options())
     return fn, (served, qv, batch)
 
 

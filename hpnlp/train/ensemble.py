@@ -238,7 +238,8 @@ class EnsembleTrainer(Trainer):
             self.ensemble_eval_step = jax.jit(
                 lambda state, batch: estep(
                     state.replace(step=jnp.broadcast_to(state.step, (members,))), batch),
-                in_shardings=(self.state_sharding, self.batch_sharding))
+                in_shardings=(self.state_sharding, self.batch_sharding),
+                compiler_options=step_compiler_options())
             self._take = jax.jit(
                 lambda state, i: state.replace(
                     **{k: jax.tree.map(lambda x: x[i], getattr(state, k)) for k in fields}),

@@ -151,7 +151,8 @@ class Trainer:
                 compiler_options=step_compiler_options())
             self.eval_step = jax.jit(make_eval_step(self.eval_model, cfg.train,
                                                     carries=self.carries),
-                                     in_shardings=(self.state_sharding, self.batch_sharding))
+                                     in_shardings=(self.state_sharding, self.batch_sharding),
+                                     compiler_options=step_compiler_options())
             self.eval_memory = None
             if xl.carries_memory(cfg):  # eval_sums threads the eval stream's own memory
                 eval_bs = cfg.data.eval_batch_size or cfg.train.batch_size
@@ -161,7 +162,7 @@ class Trainer:
                 self.eval_memory_step = jax.jit(
                     make_eval_step(self.eval_model, cfg.train, memory=True),
                     in_shardings=(self.state_sharding, self.batch_sharding, mem_sharding),
-                    out_shardings=(None, mem_sharding))
+                    out_shardings=(None, mem_sharding), compiler_options=step_compiler_options())
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
                                          members=getattr(self, "members", 1), read_only=read_only)

@@ -9,6 +9,9 @@ plus `weight`, so they add across devices and steps.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,9 +31,38 @@ from hpnlp.train.state import TrainState, learning_rate_schedule
 CPU_REMAT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
+# XLA:CPU (jaxlib 0.10.2) hands dots together with their elementwise and reduction
+# neighbours to YNNPACK as "YNN fusions"; on the models hpnlp trains these ran slower than
+# XLA's own loop fusions around its dots. `python tools/xla_ynn_ab.py` compiles each step
+# both ways in one process and times them interleaved (docs/xla_defects.md): with YNN
+# fusions off, train steps 1.05x (byte LM), 1.24x (text classifier) and 1.05x (width-512
+# LM) as fast, eval steps 1.56x, 1.66x and 1.04x, to the same outputs (eval sums equal to
+# the last bit, a train step's to 2e-6 relative). Train and eval steps compile with them
+# off. Left at XLA's default elsewhere: the width-512 LM's `log_probs` prefill ran 0.90x
+# as fast without them. `HPNLP_XLA_WORKAROUNDS=0` keeps XLA's default here too.
+CPU_NO_YNN_FUSION_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def _xla_knows(options: tuple) -> bool:
+    """Whether this jaxlib's XLA accepts `options` (an experimental flag may be renamed)."""
+    try:
+        jax.jit(lambda x: x + 1).lower(jnp.zeros(2)).compile(compiler_options=dict(options))
+        return True
+    except Exception:  # noqa: BLE001 (an unknown option: compile without it)
+        return False
+
+
 def step_compiler_options() -> dict | None:
-    """XLA options every train step is compiled with (`jax.jit(..., compiler_options=)`)."""
-    return dict(CPU_REMAT_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else None
+    """XLA options every train and eval step is compiled with (`jax.jit(...,
+    compiler_options=)`): on CPU, the remat fix and YNN fusions off (see above)."""
+    if jax.default_backend() != "cpu":
+        return None
+    options = dict(CPU_REMAT_COMPILER_OPTIONS)
+    if (os.environ.get("HPNLP_XLA_WORKAROUNDS", "1") != "0"
+            and _xla_knows(tuple(CPU_NO_YNN_FUSION_OPTIONS.items()))):
+        options.update(CPU_NO_YNN_FUSION_OPTIONS)
+    return options
 
 
 def _split_microbatches(batch, n: int):

@@ -1,0 +1,107 @@
+"""XLA:CPU's YNN fusions on and off, for hpnlp's train and eval steps, in one process.
+
+    python tools/xla_ynn_ab.py [--rounds 7]
+
+hpnlp compiles its train and eval steps with `xla_cpu_experimental_ynn_fusion_type=""`
+(`hpnlp.train.step.step_compiler_options`). This compiles each step below twice, with
+XLA's default and with hpnlp's options, then times them interleaved (a round times every
+variant once, in turn; the median of the rounds), and checks that both give the same
+outputs. Steps: the byte LM (`experiments/lm.py:bytes`) and the text classifier
+(`experiments/lra.py:text`, at 256 bytes as the compress bench trains it), and a width-512,
+depth-4 LM (the quantization bench's size; 8 rows of 256 bytes), plus that LM's
+`log_probs` prefill of 4 x 512 bytes as the quantization bench runs it, which hpnlp leaves at
+XLA's default. docs/xla_defects.md quotes this script's output.
+"""
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+
+import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp import models
+from hpnlp.bench import harness
+from hpnlp.config import from_configdict
+from hpnlp.train import Trainer
+from hpnlp.train.loop import _global, dummy_batch
+from hpnlp.train.step import (CPU_NO_YNN_FUSION_OPTIONS, CPU_REMAT_COMPILER_OPTIONS,
+                              make_eval_step, make_train_step)
+
+VARIANTS = {"XLA default": CPU_REMAT_COMPILER_OPTIONS,
+            "YNN fusions off": {**CPU_REMAT_COMPILER_OPTIONS, **CPU_NO_YNN_FUSION_OPTIONS}}
+
+
+def ab(name: str, fn, args, *, rounds: int, calls: int, donate: bool = False) -> None:
+    """Time `fn(*args)` compiled both ways; `donate`: args[0] is donated (a train state)."""
+    compiled = {k: fn.lower(*args).compile(compiler_options=o) for k, o in VARIANTS.items()}
+    fresh = (lambda: (jax.tree.map(jnp.copy, args[0]),) + tuple(args[1:])) if donate else (lambda: args)
+    outs = {k: jax.block_until_ready(c(*fresh())) for k, c in compiled.items()}
+    a, b = (jax.tree.leaves(o) for o in outs.values())
+    diff = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
+                     / max(float(np.max(np.abs(np.asarray(x, np.float64)))), 1e-30))
+               for x, y in zip(a, b) if np.issubdtype(np.asarray(x).dtype, np.floating))
+    times = {k: [] for k in compiled}
+    for _ in range(rounds):
+        for k, c in compiled.items():
+            inputs = [fresh() for _ in range(calls)]
+            t0 = time.perf_counter()
+            for x in inputs:
+                out = c(*x)
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / calls)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    base, off = med["XLA default"], med["YNN fusions off"]
+    print(f"{name:38s} {base * 1e3:9.1f} ms {off * 1e3:9.1f} ms {base / off:6.2f}x   "
+          f"largest difference {diff:.1e} (relative)", flush=True)
+
+
+def trainer(experiment: str, arg: str, **model):
+    cd = harness.experiment_module(experiment).get_config(arg)
+    cd.train.progress = False
+    if experiment == "lra.py":
+        cd.data.seq_len = cd.model.max_len = 256
+    if model:
+        cd.model.update(**model)
+        cd.train.batch_size, cd.data.seq_len, cd.model.max_len = 8, 256, 512
+    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+    state, _ = tr.initial_state()
+    return tr, state, _global(next(iter(tr.train_iter)), tr.batch_sharding)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"{'':38s} {'XLA default':>12s} {'YNN off':>12s} {'speedup':>7s}")
+    wide = dict(width=512, depth=4, num_heads=8, mlp_dim=2048)
+    for label, (exp, arg, model) in {"byte LM": ("lm.py", "bytes", {}),
+                                     "text classifier": ("lra.py", "text", {}),
+                                     "width-512 LM": ("lm.py", "bytes", wide)}.items():
+        tr, state, batch = trainer(exp, arg, **model)
+        calls = 1 if model else 2
+        # the steps as Trainer builds them, jitted here without its compiler options
+        train_step = jax.jit(make_train_step(tr.model, tr.tx, tr.cfg.train, tr.carries), donate_argnums=0)
+        eval_step = jax.jit(make_eval_step(tr.eval_model, tr.cfg.train, carries=tr.carries))
+        ab(f"{label}: train step", train_step, (state, batch), rounds=args.rounds, calls=calls,
+           donate=True)
+        ab(f"{label}: eval step", eval_step, (state, batch), rounds=args.rounds, calls=calls)
+        ab(f"{label}: eval forward", jax.jit(lambda p, b, m=tr.eval_model: m.apply(
+            {"params": p}, b, method="evaluate")), (state.params, batch), rounds=args.rounds, calls=calls)
+        if model:  # the quantization bench's prefill: left at XLA's default by hpnlp
+            b = dummy_batch("lm", 4, 512)  # the quantization bench's prefill shape
+            b["inputs"] = np.asarray(jax.random.randint(jax.random.key(1), (4, 512), 0, 256), np.int32)
+            lm = models.build(tr.cfg, deterministic=True)
+            ab(f"{label}: log_probs prefill (4x512)", jax.jit(lambda p, x: lm.apply(
+                {"params": p}, x, method="log_probs")), (state.params, b), rounds=args.rounds, calls=1)
+
+
+if __name__ == "__main__":
+    main()
