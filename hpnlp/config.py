@@ -340,7 +340,8 @@ class DistillConfig:
     chunk_tokens: int = -1
     # Hidden-state matching (TinyBERT / MobileBERT): weight of the mean squared error between
     # each student block's output and its teacher block's (student block i of Ls matches
-    # teacher block (i + 1) Lt / Ls - 1), per real token; needs the teacher's model.width
+    # teacher block (i + 1) Lt / Ls - 1), per real token; where the widths differ the
+    # student's states go through a learned projection (TinyBERT's W_h)
     hidden: float = 0.0
     # Attention-map matching (TinyBERT / MobileBERT): weight of the KL between the teacher's
     # and the student's attention distributions of the same block pairs, per real query;

@@ -352,11 +352,13 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     check_params_match(str(tmp_path / "n"), own, field="train.init_from")  # no projection in the way
     for a, b in zip(jax.tree.leaves(restore_params(str(tmp_path / "n"), own)), jax.tree.leaves(own)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # weight selection: a narrower student starts as the leading slice of each teacher twin
-    sel = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="select"))
+    # weight selection: a narrower student starts as the leading slice of each teacher twin;
+    # with hidden-state matching, its projection (no teacher twin) keeps its own start
+    sel = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="select", hidden=1.0))
     sel.model.update(width=8, num_heads=1, mlp_dim=16)
     state, _ = Trainer(from_configdict(sel), str(tmp_path / "sel")).initial_state()
-    for path, w in traverse.flatten_dict(state.params).items():
+    assert state.params["carry_teacher"]["hidden_proj"].shape == (8, 16)
+    for path, w in traverse.flatten_dict(carry_lib.model_params(state.params)).items():
         t = np.asarray(flat_t[path])
         assert w.ndim == t.ndim
         np.testing.assert_array_equal(np.asarray(w), t[tuple(slice(0, n) for n in w.shape)])
@@ -365,9 +367,10 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     with pytest.raises(ConfigError, match=r"train\.distill\.init.*model\.mlp_dim must be at most "
                        r"the teacher's \(32\)"):
         carry_lib.for_config(validate(from_configdict(sel)))
-    sel.model.mlp_dim, sel.train.distill.alpha = 16, 0.0  # the teacher only starts the student:
-    (c,) = carry_lib.for_config(validate(from_configdict(sel)))  # its loss is the student's own,
-    inner = carry_lib.model_loss(teacher)  # with no teacher forward in the step
+    # the teacher only starts the student: its loss is the student's own, no teacher forward
+    sel.model.mlp_dim, sel.train.distill.alpha, sel.train.distill.hidden = 16, 0.0, 0.0
+    (c,) = carry_lib.for_config(validate(from_configdict(sel)))
+    inner = carry_lib.model_loss(teacher)
     assert c.loss(teacher, inner) is inner
     bad = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="every_other"))
     bad.model.mlp_dim = 64

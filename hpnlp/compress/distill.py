@@ -58,7 +58,8 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config, config_error, validate
-from hpnlp.train.carry import AUX, TRAINABLE_PREFIX, Carry, fold_aux
+from hpnlp.train.carry import (AUX, TRAINABLE_PREFIX, Carry, fold_aux, model_params,
+                               trainable_params)
 
 
 def soft_cross_entropy(logp_teacher, logp_student, temperature: float):
@@ -270,15 +271,16 @@ class TeacherCarry(Carry):
     def start_params(self, value, params):
         """`train.distill.init`: the student's parameters as the teacher's, block i from
         teacher block `init_map(...)[i]` (DistilBERT), each the leading slice of its twin
-        where the student is narrower (`select`)."""
+        where the student is narrower (`select`). The carries' trainable entries (the
+        hidden-state projection) have no teacher twin and keep their own start."""
         if self.d.init == "none":
             return params
         import flax.traverse_util as traverse
         src = init_map(self.cfg.model.depth, self.teacher_cfg.model.depth)
         teacher = traverse.flatten_dict(value)
         select = self.d.init == "select"
-        out = {}
-        for path, w in traverse.flatten_dict(params).items():
+        out = traverse.flatten_dict(trainable_params(params))
+        for path, w in traverse.flatten_dict(model_params(params)).items():
             tpath = tuple(f"block_{src[int(p[len('block_'):])]}" if p.startswith("block_") else p
                           for p in path)
             t = teacher.get(tpath)
