@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import tempfile
 
@@ -181,11 +180,11 @@ def lm_rows(s: dict, *, repeats: int) -> list[dict]:
         if quant:
             params = ptq.serve(model, ptq.packed_params(model, params, batch), batch)
         prefill = jax.jit(lambda p, b, model=model: model.apply({"params": p}, b, method="log_probs"))
-        calls["prefill"][name] = functools.partial(_blocking, prefill, params, batch)
+        calls["prefill"][name] = lambda f=prefill, p=params, b=batch: jax.block_until_ready(f(p, b))
         decode = jax.jit(lambda p, pr, pl, cfg=cfg: generate(cfg, p, pr, pl, length=n))
         for db in (1, 16):
-            calls[db][name] = functools.partial(_blocking, decode, params, jnp.zeros((db, 1), jnp.int32),
-                                                jnp.ones((db,), jnp.int32))
+            calls[db][name] = (lambda f=decode, p=params, pr=jnp.zeros((db, 1), jnp.int32),
+                               pl=jnp.ones((db,), jnp.int32): jax.block_until_ready(f(p, pr, pl)))
     timed = {kind: harness.time_interleaved(c, repeats=repeats if kind != 16 else max(2, repeats // 2))
              for kind, c in tqdm(calls.items(), desc="LM timing", leave=False)}
     rows = []
@@ -196,10 +195,6 @@ def lm_rows(s: dict, *, repeats: int) -> list[dict]:
             row[f"decode_b{db}_tokens_per_s"] = db * n / timed[db][name][0].median_s
         rows.append(row)
     return rows
-
-
-def _blocking(fn, *args):
-    return jax.block_until_ready(fn(*args))
 
 
 # --------------------------------------------------------------------- 3. quality
