@@ -29,7 +29,7 @@ SMALL = ((16, 16), (16, 32))
 def small_tiles(monkeypatch):
     """16-query x 16- or 32-key tiles in place of this CPU's tuned ones, so tiny lengths
     cross many tiles, diagonals and edges."""
-    monkeypatch.setattr(F, "tuned_blocks", lambda bf16=False: SMALL)
+    monkeypatch.setattr(F, "tuned_blocks", lambda bf16=False, regime="long": SMALL)
 
 
 def _qkv(B, L, S, D, seed=0, dtype=jnp.float32):

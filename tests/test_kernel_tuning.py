@@ -140,9 +140,10 @@ def _out_and_grads(fn, q, k, v, w):
 
 
 @needs_flash
-@pytest.mark.parametrize("causal", [False, True])
-def test_tuned_attention_blocks_compute_what_the_defaults_do(causal):
-    (tf, tb), defaults = F.tuned_blocks(), (F.FWD_BLOCKS, F.BWD_BLOCKS)
+@pytest.mark.parametrize("causal,regime", [(False, "long"), (True, "long"), (True, "short causal")])
+def test_tuned_attention_blocks_compute_what_the_defaults_do(causal, regime):
+    (tf, tb) = F.tuned_blocks(regime=regime)
+    defaults = (F.FWD_BLOCKS, F.BWD_BLOCKS) if regime == "long" else (F.SHORT_CAUSAL_BLOCKS,) * 2
     q, k, v, w = _qkv(2, 300, 2, 64, seed=1)
     seg = _segments(2, 300)
     run = lambda fb, bb: _out_and_grads(  # noqa: E731
@@ -150,6 +151,22 @@ def test_tuned_attention_blocks_compute_what_the_defaults_do(causal):
                                           bwd_blocks=bb), q, k, v, w)
     for a, b in zip(run(tf, tb), run(*defaults)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_flash
+def test_short_causal_attention_runs_its_own_tuning(monkeypatch):
+    """Causal attention over at most SHORT_CAUSAL keys asks for the short causal regime's
+    blocks; bidirectional and longer causal attention for the long regime's."""
+    asked = []
+    monkeypatch.setattr(F, "tuned_blocks", lambda bf16=False, regime="long": (
+        asked.append(regime), ((16, 16), (16, 16)))[1])
+    q, k, v, _ = _qkv(1, 32, 1, 16, seed=0)
+    F.flash_attention(q, k, v, causal=True)
+    F.flash_attention(q, k, v, causal=False)
+    assert asked == ["short causal", "long"]
+    n = F.SHORT_CAUSAL
+    assert [F.regime(n, n, True), F.regime(n + 1, n + 1, True), F.regime(n, n, False)] == [
+        "short causal", "long", "long"]
 
 
 @needs_flash

@@ -963,11 +963,11 @@ extern "C" int64_t hpnlp_flash_bf16_products() {
 
 // The tuning probe (hpnlp.kernels.tuning): seconds for one forward (backward = 0) or
 // backward pass with blocks (bq, bk) on `threads` threads, over fixed pseudo-random
-// [B, L, H, D] inputs of unit-variance logits, bidirectional. Plain C: called through
-// ctypes, without XLA. Negative on failure.
+// [B, L, H, D] inputs of unit-variance logits, bidirectional or causal (causal != 0), no
+// segments. Plain C: called through ctypes, without XLA. Negative on failure.
 extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, int64_t bq,
                                     int64_t bk, int64_t backward, int64_t threads,
-                                    int64_t bfloat16) try {
+                                    int64_t bfloat16, int64_t causal) try {
   if (D % NR != 0 || bq <= 0 || bq % NR != 0 || bk <= 0 || bk % NR != 0) return -1.0;
   const size_t n = size_t(B) * L * H * D;
   std::vector<float> q(n), k(n), v(n), o(n), d_o(n), dq(n), dk(n), dv(n), lse(size_t(B) * H * L);
@@ -978,7 +978,7 @@ extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, 
       state = state * 1664525u + 1013904223u;
       e = amp * (float(state >> 8) * (2.0f / 16777216.0f) - 1.0f);
     }
-  Problem p{B, L, L, H, D, false, 1.0f / std::sqrt(float(D)), q.data(), k.data(), v.data(),
+  Problem p{B, L, L, H, D, causal != 0, 1.0f / std::sqrt(float(D)), q.data(), k.data(), v.data(),
             nullptr, nullptr, int(bq), int(bk)};
   if (bfloat16) {  // the same values rounded; o and the gradients in bfloat16 too
     std::vector<bf16> h(7 * n);

@@ -41,17 +41,33 @@ KERNEL = kernels.CpuKernel(
 # the backward's [keys, queries] tiles of 256 x 128 stay in L2 beside the packed operands.
 # Each CPU gets its own choice among the candidates, measured on first use and cached
 # (`hpnlp.kernels.tuning`); `flash_attention(fwd_blocks=..., bwd_blocks=...)` overrides.
+#
+# Two regimes, each tuned on its own probe: "long" (bidirectional, or causal past
+# SHORT_CAUSAL keys) and "short causal" (a causal LM's training rows and prefills). The
+# long probe's choice is the wrong one for short causal rows: at B=4, H=8, L=512 causal the
+# Xeon's long choice (256 x 128) took 13.6 ms forward against 8.5 ms at 64 x 64, as large
+# tiles on the diagonal compute scores the mask then discards, and (256 x 128) 49 ms
+# forward+backward against 31 ms.
 FWD_BLOCKS = (128, 128)
 BWD_BLOCKS = (128, 256)
+SHORT_CAUSAL_BLOCKS = (64, 64)  # both passes' default in the short causal regime
+SHORT_CAUSAL = 1024  # causal attention over at most this many keys is "short causal"
 _SIZES = (64, 128, 256)
-PROBE = dict(B=1, L=2048, H=4, D=64)
+PROBES = {"long": dict(B=1, L=2048, H=4, D=64, causal=0),
+          "short causal": dict(B=4, L=512, H=8, D=64, causal=1)}
+PROBE = PROBES["long"]
 
 
-def _probe(backward: bool, bf16: bool):
+def regime(q_len: int, k_len: int, causal: bool) -> str:
+    """The tuning regime of attention of `q_len` queries over `k_len` keys."""
+    return "short causal" if causal and max(q_len, k_len) <= SHORT_CAUSAL else "long"
+
+
+def _probe(backward: bool, bf16: bool, shape: dict):
     def run(lib, cfg):
         lib.hpnlp_flash_probe.restype = ctypes.c_double
-        args = [PROBE["B"], PROBE["L"], PROBE["H"], PROBE["D"], cfg["bq"], cfg["bk"],
-                int(backward), kernels.cores(), int(bf16)]
+        args = [shape["B"], shape["L"], shape["H"], shape["D"], cfg["bq"], cfg["bk"],
+                int(backward), kernels.cores(), int(bf16), shape["causal"]]
         seconds = lib.hpnlp_flash_probe(*(ctypes.c_int64(a) for a in args))
         if seconds < 0:
             raise RuntimeError(f"flash attention's tuning probe failed at {cfg}")
@@ -59,24 +75,26 @@ def _probe(backward: bool, bf16: bool):
     return run
 
 
-def _tuning(name, default, backward, bf16):
-    return tuning.Tuning(KERNEL, name, default=dict(bq=default[0], bk=default[1]),
+def _tuning(name, default, backward, bf16, regime_name):
+    shape = PROBES[regime_name]
+    suffix = "" if regime_name == "long" else "_" + regime_name.replace(" ", "_")
+    return tuning.Tuning(KERNEL, name + suffix, default=dict(bq=default[0], bk=default[1]),
                          candidates=[dict(bq=q, bk=k) for q in _SIZES for k in _SIZES],
-                         probe=_probe(backward, bf16),
-                         shape=" ".join(f"{k}={v}" for k, v in PROBE.items()))
+                         probe=_probe(backward, bf16, shape),
+                         shape=" ".join(f"{k}={v}" for k, v in shape.items()))
 
 
-# {(pass, bfloat16): its tuning}; the bfloat16 kernel is tuned on first bfloat16 use.
-TUNINGS = {("fwd", False): _tuning("fwd", FWD_BLOCKS, False, False),
-           ("bwd", False): _tuning("bwd", BWD_BLOCKS, True, False),
-           ("fwd", True): _tuning("fwd_bf16", FWD_BLOCKS, False, True),
-           ("bwd", True): _tuning("bwd_bf16", BWD_BLOCKS, True, True)}
+# {(pass, bfloat16, regime): its tuning}; each is tuned on its first use.
+TUNINGS = {(p, bf16, r): _tuning(p + ("_bf16" if bf16 else ""),
+                                 (FWD_BLOCKS if p == "fwd" else BWD_BLOCKS) if r == "long"
+                                 else SHORT_CAUSAL_BLOCKS, p == "bwd", bf16, r)
+           for r in PROBES for bf16 in (False, True) for p in ("fwd", "bwd")}
 
 
-def tuned_blocks(bf16: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(forward, backward) (queries, keys) blocks for this CPU and dtype: measured once,
-    cached."""
-    f, b = TUNINGS["fwd", bf16].config(), TUNINGS["bwd", bf16].config()
+def tuned_blocks(bf16: bool = False, regime: str = "long") -> tuple[tuple[int, int], tuple[int, int]]:
+    """(forward, backward) (queries, keys) blocks for this CPU, dtype and `regime` (see
+    `regime()`): measured once, cached."""
+    f, b = TUNINGS["fwd", bf16, regime].config(), TUNINGS["bwd", bf16, regime].config()
     return (f["bq"], f["bk"]), (b["bq"], b["bk"])
 
 
@@ -159,7 +177,8 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
     float32. Segment ids (0 = padding; both or neither): a query sees keys of its own
     nonzero segment. Causal: query i sees keys <= i. A query that sees no key outputs 0.
     `threads` None: every core this process may use. `fwd_blocks`, `bwd_blocks`: the
-    (queries, keys) tile of each pass, multiples of 16; None: this CPU's tuned choice."""
+    (queries, keys) tile of each pass, multiples of 16; None: this CPU's tuned choice for
+    the call's regime (`regime()`: short causal rows tune apart from long ones)."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, None)
     reason = blocker(q_BLHD.shape[-1], v_BSHD.shape[-1])
     if reason is not None:
@@ -173,7 +192,7 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                          f"[B, S] = {k_BSHD.shape[:2]}; got {qseg_BL.shape} and {kseg_BS.shape}")
     bf16 = all(x.dtype == jnp.bfloat16 for x in (q_BLHD, k_BSHD, v_BSHD))
     if fwd_blocks is None or bwd_blocks is None:
-        tuned_fwd, tuned_bwd = tuned_blocks(bf16)
+        tuned_fwd, tuned_bwd = tuned_blocks(bf16, regime(q_BLHD.shape[1], k_BSHD.shape[1], causal))
         fwd_blocks, bwd_blocks = fwd_blocks or tuned_fwd, bwd_blocks or tuned_bwd
     blocks = (tuple(int(x) for x in fwd_blocks), tuple(int(x) for x in bwd_blocks))
     for name, blk in zip(("fwd_blocks", "bwd_blocks"), blocks):
