@@ -311,3 +311,25 @@ def test_qat_under_data_and_fsdp_mesh_matches_one_device():
         np.testing.assert_allclose(g["losses"], ref["losses"], rtol=2e-4, err_msg=name)
         np.testing.assert_allclose(g["qkv"], ref["qkv"], atol=2e-4, err_msg=name)
         assert g["losses"][-1] < g["losses"][0], name
+
+
+
+def test_served_int8_layer_with_gelu_epilogue_equals_its_xla_twin():
+    """The MLP's first layer under w8a8 served by the int8 kernel, whose epilogue adds the
+    bias and applies GELU in the product's pass, equals the same packed weight decoded in
+    XLA, with bias and GELU after (one quantization, so no rounding flip compounds)."""
+    from hpnlp.compress import kernels, qlinear
+    if not kernels.available():
+        pytest.skip(str(kernels.unavailable_reason()))
+    q = QuantConfig(weights="int8", activations="int8")  # dynamic per token: the kernel's
+    layer = qlinear.Dense(80, quant=q, epilogue=qlinear.Epilogue("gelu", save_as="mlp_in"))
+    x = 3.0 * jax.random.normal(jax.random.key(0), (3, 19, 40))
+    w = jax.random.normal(jax.random.key(1), (40, 80)) * 40 ** -0.5
+    bias = jax.random.uniform(jax.random.key(2), (80,), minval=-2.0, maxval=2.0)
+    packed = qlinear.pack_weight(w, q, 1)
+    served = qlinear.prepare(packed, q)
+    assert isinstance(served, qlinear.Served)
+    run = lambda k: layer.apply({"params": {"kernel": k, "bias": bias}}, x)  # noqa: E731
+    want, got = np.asarray(run(packed)), np.asarray(run(served))
+    assert want.min() < -0.1 and want.max() > 2.0  # GELU's curve and its linear tail
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -86,6 +86,13 @@ def test_int8_linear_matches_twin(M, K, N, threads):
     want = qk.int8_linear(x, w, impl="xla")
     _close(qk.int8_linear(x, w, impl="kernel", threads=threads), want)
     _close(qk.int8_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["int8"]), want)
+    # The epilogue (+ bias, GELU) in the kernel's pass equals the twin's, on outputs that
+    # reach GELU's tails (|y| up to ~30: x scaled up) and its curved middle.
+    bias = jnp.asarray(_rng("bias", N).uniform(-2, 2, N).astype(np.float32))
+    for b, act, xs in [(bias, None, 1.0), (None, "gelu", 1.0), (bias, "gelu", 1.0), (bias, "gelu", 20.0)]:
+        _close(qk.int8_linear(x * xs, w, bias=b, activation=act, impl="kernel", threads=threads,
+                              blocking=BLOCKING["int8"]),
+               qk.int8_linear(x * xs, w, bias=b, activation=act, impl="xla"))
     # The kernel quantizes exactly as quantize_rows_int8 does.
     q, s = qk.quantize_rows_int8(x)
     _close(qk.int8_matmul(q, w, impl="kernel").astype(jnp.float32) * s[:, None]
@@ -210,6 +217,10 @@ def test_bad_inputs_name_the_argument():
         qk.int8_matmul(x[:, :12], w)
     with pytest.raises(ValueError, match="x_MxK must have 2 dims"):
         qk.int8_linear(jnp.zeros((2, 3, 13), jnp.float32), w)
+    with pytest.raises(ValueError, match="unknown activation 'relu6'"):
+        qk.int8_linear(jnp.zeros((2, 13), jnp.float32), w, activation="relu6")
+    with pytest.raises(ValueError, match="bias has 4 entries but the weight has N = 5"):
+        qk.int8_linear(jnp.zeros((2, 13), jnp.float32), w, bias=jnp.zeros((4,), jnp.float32))
     with pytest.raises(ValueError, match="impl must be one of"):
         qk.int8_matmul(x, w, impl="fast")
     with pytest.raises(ValueError, match="scale_N must have shape"):
@@ -266,6 +277,9 @@ for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64)]:
                             (qk.binary_linear, (xf, wb), False), (qk.int4_linear, (xf, w4), False)]:
         a, b = np.asarray(fn(*args, impl="kernel", threads=2)), np.asarray(fn(*args, impl="xla"))
         assert np.array_equal(a, b) if exact else np.allclose(a, b, rtol=1e-5, atol=1e-5 * abs(b).max())
+    bias = jnp.asarray(rng.standard_normal(N).astype(np.float32))
+    a, b = (np.asarray(qk.int8_linear(xf, w8, bias=bias, activation="gelu", impl=i)) for i in ("kernel", "xla"))
+    assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * abs(b).max())
 print(path, "ok")
 """
 

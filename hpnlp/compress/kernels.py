@@ -257,11 +257,36 @@ def int8_matmul_xla(x_MxK, q_KxN):
                                preferred_element_type=jnp.int32)
 
 
-def int8_linear_xla(x_MxK, weight: Int8Weight):
+# The activations `int8_linear` can apply in its epilogue: {name: (the kernel's code, the
+# XLA function its twin applies)}. "gelu" is flax's nn.gelu, the tanh form.
+ACTIVATIONS = {"gelu": (1, functools.partial(jax.nn.gelu, approximate=True))}
+
+
+def _activation_code(what: str, activation: str | None) -> int:
+    if activation is None:
+        return 0
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{what}: unknown activation {activation!r}; the kernel applies "
+                         f"{sorted(ACTIVATIONS)} or None")
+    return ACTIVATIONS[activation][0]
+
+
+def _check_bias(what: str, bias, n: int):
+    if bias is not None:
+        _check(what, "bias", bias, ndim=1, dtype=jnp.float32)
+        if bias.shape[0] != n:
+            raise ValueError(f"{what}: bias has {bias.shape[0]} entries but the weight has N = {n}")
+
+
+def int8_linear_xla(x_MxK, weight: Int8Weight, *, bias=None, activation: str | None = None):
     """The XLA twin of `int8_linear`, operation for operation."""
+    _activation_code("int8_linear_xla", activation)
     q_MxK, scale_M = quantize_rows_int8(x_MxK.astype(jnp.float32))
     acc_MxN = int8_matmul_xla(q_MxK, weight.q_KxN)
-    return acc_MxN.astype(jnp.float32) * scale_M[:, None] * weight.scale_N[None, :]
+    y_MxN = acc_MxN.astype(jnp.float32) * scale_M[:, None] * weight.scale_N[None, :]
+    if bias is not None:
+        y_MxN = y_MxN + bias[None, :]
+    return y_MxN if activation is None else ACTIVATIONS[activation][1](y_MxN)
 
 
 def _check_x(what: str, x_MxK, k: int, dtype):
@@ -287,21 +312,28 @@ def int8_matmul(x_MxK, w, *, impl: str = "auto", threads: int | None = None,
         **_blocking("int8", blocking))
 
 
-def int8_linear(x_MxK, weight: Int8Weight, *, impl: str = "auto", threads: int | None = None,
-                blocking: dict | None = None):
+def int8_linear(x_MxK, weight: Int8Weight, *, bias=None, activation: str | None = None,
+                impl: str = "auto", threads: int | None = None, blocking: dict | None = None):
     """w8a8 linear layer: float32 x_MxK, quantized per token to int8 inside the kernel,
-    times the prepared int8 weight, rescaled to float32: acc * x_scale[m] * w_scale[n]."""
+    times the prepared int8 weight, rescaled to float32: acc * x_scale[m] * w_scale[n];
+    then, in the same pass over each output tile, + bias [N] (float32) and `activation`
+    (`ACTIVATIONS`: "gelu"), where given: a layer's epilogue without another pass over
+    its output."""
     if not isinstance(weight, Int8Weight):
         raise ValueError("int8_linear: weight must be an Int8Weight (prepare_int8_weight); got "
                          f"{type(weight).__name__}")
     _check_x("int8_linear", x_MxK, weight.q_KxN.shape[0], jnp.float32)
-    if not _use_kernel("int8_linear", impl, weight.panels):
-        return int8_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.q_KxN.shape[1]
+    _check_bias("int8_linear", bias, N)
+    code = _activation_code("int8_linear", activation)
+    if not _use_kernel("int8_linear", impl, weight.panels):
+        return int8_linear_xla(x_MxK, weight, bias=bias, activation=activation)
     return jax.ffi.ffi_call("hpnlp_int8_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
                             vmap_method="sequential")(
         x_MxK, weight.panels, weight.colsum, weight.scale_N,
-        threads=_threads(threads, M, K, N), **_blocking("int8", blocking))
+        jnp.zeros((0,), jnp.float32) if bias is None else bias,
+        threads=_threads(threads, M, K, N), activation=np.int64(code),
+        **_blocking("int8", blocking))
 
 
 # ------------------------------------------------------------------------------ binary

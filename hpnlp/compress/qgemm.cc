@@ -345,7 +345,23 @@ struct I8Gemm {
   float* out_f;           // [M, N] (int8_linear) or null
   const float* ws;        // [N] weight scales (int8_linear)
   float* xs;              // [M] activation scales (int8_linear, scratch)
+  const float* bias = nullptr;  // [N] added after rescaling (int8_linear), or null
+  int act = 0;                  // then the activation: 0 none, 1 GELU (tanh form)
 };
+
+// GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
+// y / (1 + exp(-2 c (y + 0.044715 y^3))) (the same function: one exp and one division). The
+// exponent is clipped at 80, where the quotient is already -0 to float precision.
+constexpr float GELU_2C = 1.5957691216057308f;            // 2 sqrt(2 / pi)
+constexpr float GELU_2C3 = 1.5957691216057308f * 0.044715f;  // 2 sqrt(2 / pi) 0.044715
+inline vf gelu_tanh(vf y) {
+  const vf u = -y * (splat(GELU_2C) + splat(GELU_2C3) * y * y);
+  return y / (1.0f + vexp(u < 80.0f ? u : splat(80.0f)));
+}
+inline float gelu_tanh(float y) {
+  const float u = -y * (GELU_2C + GELU_2C3 * y * y);
+  return y / (1.0f + std::exp(std::min(u, 80.0f)));
+}
 
 void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
   const size_t ldx = size_t(g.kq) * I8_KP;
@@ -362,12 +378,25 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
         v[c] = t[r][c] - (I8_PATH == 2 ? 128 * g.colsum[n0 + c] : 0);
       if (g.out_i) {
         std::memcpy(g.out_i + row, v, sizeof(int32_t) * nn);
-      } else if (nn == I8_NB) {
+      } else if (nn == I8_NB && g.bias == nullptr && g.act == 0) {
         const float xs = g.xs[r0 + r];
         for (int c = 0; c < I8_NB; ++c) g.out_f[row + c] = float(v[c]) * xs * g.ws[n0 + c];
+      } else if (nn == I8_NB) {  // the epilogue: + bias, then the activation, in registers
+        const float xs = g.xs[r0 + r];
+        alignas(64) float f[I8_NB];
+        for (int c = 0; c < I8_NB; ++c) f[c] = float(v[c]) * xs * g.ws[n0 + c];
+        if (g.bias)
+          for (int c = 0; c < I8_NB; ++c) f[c] += g.bias[n0 + c];
+        static_assert(I8_NB % NR == 0, "the epilogue runs whole vectors");
+        for (int c = 0; c < I8_NB; c += NR)
+          store(g.out_f + row + c, g.act == 1 ? gelu_tanh(load(f + c)) : load(f + c));
       } else {
         const float xs = g.xs[r0 + r];
-        for (int c = 0; c < nn; ++c) g.out_f[row + c] = float(v[c]) * xs * g.ws[n0 + c];
+        for (int c = 0; c < nn; ++c) {
+          float y = float(v[c]) * xs * g.ws[n0 + c];
+          if (g.bias) y += g.bias[n0 + c];
+          g.out_f[row + c] = g.act == 1 ? gelu_tanh(y) : y;
+        }
       }
     }
   });
@@ -980,16 +1009,26 @@ ffi::Error Int8MatmulImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<f
   return exception_error("int8 matmul");
 }
 
-// x [M, K] float32 (quantized per row inside), w packed, colsum, w_scale [N] -> [M, N]
-// float32 = acc * x_scale[m] * w_scale[n].
-ffi::Error Int8LinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<HPNLP_I8W_FFI> w, ffi::Buffer<ffi::S32> colsum,
-                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> out) try {
+// x [M, K] float32 (quantized per row inside), w packed, colsum, w_scale [N], bias [N] or
+// [0] (none) -> [M, N] float32 = act(acc * x_scale[m] * w_scale[n] + bias[n]), act by
+// `activation` (0 none, 1 GELU in its tanh form).
+ffi::Error Int8LinearImpl(int64_t threads, int64_t mc, int64_t mr, int64_t activation,
+                          ffi::Buffer<ffi::F32> x, ffi::Buffer<HPNLP_I8W_FFI> w,
+                          ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::F32> w_scale,
+                          ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> out) try {
   I8Gemm g;
   auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
   e = check_dims("int8 linear", "w_scale", w_scale.dimensions(), {g.N});
   if (e.failure()) return e;
+  if (bias.element_count() != 0) {
+    e = check_dims("int8 linear", "bias", bias.dimensions(), {g.N});
+    if (e.failure()) return e;
+    g.bias = bias.typed_data();
+  }
+  if (activation < 0 || activation > 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "int8 linear: activation must be 0 or 1");
+  g.act = int(activation);
   g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_f = out->typed_data();
   g.ws = w_scale.typed_data();
   populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
@@ -1078,9 +1117,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Matmul, Int8MatmulImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Linear, Int8LinearImpl,
                               ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                                  .Attr<int64_t>("activation")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<HPNLP_I8W_FFI>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

@@ -28,6 +28,7 @@ contraction axes to the front, which is how it is quantized and packed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -35,6 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp.compress import calibrate, formats, packing
 from hpnlp.config import QuantConfig
@@ -204,14 +206,46 @@ def prepare(qw: QWeight, q: QuantConfig) -> "Served | QWeight":
     return Served(w=w, fmt=qw.fmt, shape=qw.shape, k_dims=qw.k_dims)
 
 
-def _served_product(x, w: Served, n_contract: int, dtype):
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What a layer applies to its product: + bias, then `activation` (None, or "gelu":
+    flax's nn.gelu, the tanh form). `save_as` names the pre-activation for remat policies
+    (`checkpoint_name`); `remat` recomputes the activation in the backward pass. The int8
+    kernel applies it in the product's own pass over its output (`kernels.int8_linear`);
+    every other product applies it after, in XLA."""
+
+    activation: str | None = None
+    save_as: str | None = None
+    remat: bool = False
+
+    def apply(self, y, bias=None):
+        if bias is not None:
+            y = y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+        if self.activation is None:
+            return y
+        if self.save_as:
+            y = checkpoint_name(y, self.save_as)
+        from hpnlp.compress.kernels import ACTIVATIONS
+        act = ACTIVATIONS[self.activation][1]
+        return (jax.checkpoint(act) if self.remat else act)(y)
+
+
+def _served_product(x, w: Served, n_contract: int, dtype, bias=None, epilogue: Epilogue | None = None):
     from hpnlp.compress import kernels
     lead, K = x.shape[:x.ndim - n_contract], math.prod(x.shape[x.ndim - n_contract:])
     x_MK = x.reshape(-1, K).astype(jnp.float32)
+    out_shape = lead + w.shape[w.k_dims:]
+    if w.fmt == "int8" and n_contract == 1 and len(w.shape) - w.k_dims == 1:
+        # the kernel's epilogue: bias and activation in the product's pass (inference only:
+        # no pre-activation to save)
+        ep = epilogue or Epilogue()
+        y_MN = kernels.int8_linear(x_MK, w.w, activation=ep.activation,
+                                   bias=None if bias is None else bias.astype(jnp.float32))
+        return y_MN.reshape(out_shape).astype(dtype)
     fn = {"int8": kernels.int8_linear, "binary": kernels.binary_linear,
           "int4": kernels.int4_linear}[w.fmt]
-    y_MN = fn(x_MK, w.w)
-    return y_MN.reshape(lead + w.shape[w.k_dims:]).astype(dtype)
+    y = fn(x_MK, w.w).reshape(out_shape).astype(dtype)
+    return y if bias is None and epilogue is None else (epilogue or Epilogue()).apply(y, bias)
 
 
 def _weight_KxN(w, k_dims: int):
@@ -281,11 +315,20 @@ def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: Quant
 
 
 def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
-            dtype, preferred_element_type=None):
-    """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module doc)."""
+            dtype, preferred_element_type=None, bias=None, epilogue: Epilogue | None = None):
+    """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module
+    doc), then + `bias` (over the last axis) and the `epilogue`'s activation where given."""
     note_product(module, name, kind, parse_spec(spec)[1])
     if isinstance(w, Served):  # an integer kernel computes the whole product
-        return _served_product(x, w, len(parse_spec(spec)[0]), dtype)
+        return _served_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
+    y = _product(module, name, spec, x, w, q, kind=kind, dtype=dtype,
+                 preferred_element_type=preferred_element_type)
+    return y if bias is None and epilogue is None else (epilogue or Epilogue()).apply(y, bias)
+
+
+def _product(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
+             dtype, preferred_element_type=None):
+    """qeinsum's product for every weight but a `Served` one."""
     if isinstance(w, Factored):  # two products through the rank: x U, then (x U) V
         n_contract = len(parse_spec(spec)[0])
         lead, r = x.shape[:x.ndim - n_contract], w.rank
@@ -318,14 +361,14 @@ class Dense(nn.Module):
     param_dtype: object = jnp.float32
     kernel_init: object = nn.initializers.lecun_normal()
     bias_init: object = nn.initializers.zeros_init()
+    epilogue: Epilogue = Epilogue()  # the activation after the bias, if any
 
     @nn.compact
     def __call__(self, x):
         kernel = param(self, "kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        y = qeinsum(self, "kernel", "...k,kn->...n", x, kernel, self.quant, kind=self.kind,
-                    dtype=self.dtype)
-        return y + bias.astype(self.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+        return qeinsum(self, "kernel", "...k,kn->...n", x, kernel, self.quant, kind=self.kind,
+                       dtype=self.dtype, bias=bias.astype(self.dtype), epilogue=self.epilogue)
 
 
 def float_bytes(tree) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import attention as attention_lib
-from hpnlp.compress.qlinear import Dense, param, qeinsum
+from hpnlp.compress.qlinear import Dense, Epilogue, param, qeinsum
 from hpnlp.config import REMAT_NAMES, AttentionConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -120,12 +120,13 @@ def mlp(m: ModelConfig, h_BLE, *, width: int | None = None, name: str = "mlp"):
     a compact method: it creates the `<name>_in` and `<name>_out` layers in the caller (so
     Block, the reversible blocks and MoE's shared experts share it)."""
     dt, pdt = dtypes(m)
+    # gelu after the bias: the int8 kernel applies it in its own pass (served w8a8); the
+    # pre-activation is saved as "mlp_in" (gelu is cheap to recompute)
+    act = Epilogue("gelu", save_as="mlp_in", remat=m.remat == "elementwise")
     h_BLF = Dense(width or m.mlp_dim, quant=m.quant, dtype=dt, param_dtype=pdt, name=f"{name}_in",
-                     kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
-                     bias_init=_init(nn.initializers.zeros, ("mlp",)))(h_BLE)
-    h_BLF = checkpoint_name(h_BLF, "mlp_in")  # pre-activation: gelu is cheap to recompute
-    gelu = jax.checkpoint(nn.gelu) if m.remat == "elementwise" else nn.gelu
-    h_BLF = nn.with_logical_constraint(gelu(h_BLF), ("batch", "length", "activation_mlp"))
+                  kernel_init=_init(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                  bias_init=_init(nn.initializers.zeros, ("mlp",)), epilogue=act)(h_BLE)
+    h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "activation_mlp"))
     h_BLE = Dense(m.width, quant=m.quant, dtype=dt, param_dtype=pdt, name=f"{name}_out",
                      kernel_init=_init(nn.initializers.lecun_normal(), ("mlp", "embed")),
                      bias_init=_init(nn.initializers.zeros, ("embed",)))(h_BLF)
