@@ -30,7 +30,6 @@ import math
 
 import flax.linen as nn
 import flax.traverse_util as traverse
-import jax
 import jax.numpy as jnp
 
 from hpnlp.compress import qlinear
