@@ -197,6 +197,11 @@ def test_auto_is_the_kernel_and_jit_works():
         got = jax.jit(fn)(*args)
         np.testing.assert_array_equal(got, fn(*args, impl="kernel"))
         _close(fn(*args, impl="xla"), got)
+    # int4 over many rows (a prefill): auto is the twin, XLA's GEMM on the dequantized weight
+    M = qk.INT4_KERNEL_MAX_ROWS + 1
+    xm = jnp.asarray(_rng("auto", M, 33).standard_normal((M, 33)).astype(np.float32))
+    w4 = _int4_operands(M, 33, 18, 3)
+    np.testing.assert_array_equal(qk.int4_linear(xm, w4), qk.int4_linear(xm, w4, impl="xla"))
 
 
 def test_xla_fallback_without_kernel(monkeypatch):

@@ -462,13 +462,26 @@ def int4_linear_xla(x_MxK, weight: Int4Weight):
                    precision=jax.lax.Precision.HIGHEST)
 
 
+# `int4_linear(impl="auto")` runs the kernel on fewer rows than this, its XLA twin
+# (dequantize once, then XLA's float32 product) on more. The kernel is for decoding, where
+# the weight's bytes bound the product; over many rows the product is compute-bound and
+# XLA's GEMM runs it faster. Measured on a 2-core Xeon (model 207; kernel against twin, ms):
+# [M, 512 -> 2048] at M=32 0.53/0.98, M=64 1.13/1.29, M=128 1.90/1.39, M=512 7.9/4.4;
+# [M, 1024 -> 4096] at M=32 1.9/2.7, M=64 3.7/3.3, M=512 28.7/17.7.
+INT4_KERNEL_MAX_ROWS = 63
+
+
 def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int | None = None):
     """Weight-only int4 linear layer: float32 x_MxK @ (int4 weight * group scales), the
-    nibbles unpacked in registers (never a float weight in memory)."""
+    nibbles unpacked in registers (never a float weight in memory). `impl="auto"` runs the
+    kernel up to `INT4_KERNEL_MAX_ROWS` rows (decoding) and the XLA twin past them (a
+    prefill: the dequantized weight through XLA's GEMM)."""
     if not isinstance(weight, Int4Weight):
         raise ValueError("int4_linear: weight must be an Int4Weight (prepare_int4_weight); got "
                          f"{type(weight).__name__}")
     _check_x("int4_linear", x_MxK, weight.k, jnp.float32)
+    if impl == "auto" and x_MxK.shape[0] > INT4_KERNEL_MAX_ROWS:
+        return int4_linear_xla(x_MxK, weight)
     if not _use_kernel("int4_linear", impl, weight.panels):
         return int4_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.packed_KhxN.shape[1]
