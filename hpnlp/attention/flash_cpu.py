@@ -44,10 +44,10 @@ KERNEL = kernels.CpuKernel(
 #
 # Two regimes, each tuned on its own probe: "long" (bidirectional, or causal past
 # SHORT_CAUSAL keys) and "short causal" (a causal LM's training rows and prefills). The
-# long probe's choice is the wrong one for short causal rows: at B=4, H=8, L=512 causal the
-# Xeon's long choice (256 x 128) took 13.6 ms forward against 8.5 ms at 64 x 64, as large
-# tiles on the diagonal compute scores the mask then discards, and (256 x 128) 49 ms
-# forward+backward against 31 ms.
+# long probe's choice is the wrong one for short causal rows, as large tiles on the
+# diagonal compute scores the mask then discards: on the short probe a Xeon (model 207)
+# took 14.4 ms forward and 21.6 ms backward at its long choices (256 x 128, 128 x 256)
+# against 10.1 and 17.5 ms at 64 x 64 (the timings in `python -m hpnlp.kernels`' caches).
 FWD_BLOCKS = (128, 128)
 BWD_BLOCKS = (128, 256)
 SHORT_CAUSAL_BLOCKS = (64, 64)  # both passes' default in the short causal regime
@@ -55,7 +55,6 @@ SHORT_CAUSAL = 1024  # causal attention over at most this many keys is "short ca
 _SIZES = (64, 128, 256)
 PROBES = {"long": dict(B=1, L=2048, H=4, D=64, causal=0),
           "short causal": dict(B=4, L=512, H=8, D=64, causal=1)}
-PROBE = PROBES["long"]
 
 
 def regime(q_len: int, k_len: int, causal: bool) -> str:

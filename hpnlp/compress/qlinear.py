@@ -230,7 +230,7 @@ class Epilogue:
         return (jax.checkpoint(act) if self.remat else act)(y)
 
 
-def _served_product(x, w: Served, n_contract: int, dtype, bias=None, epilogue: Epilogue | None = None):
+def _served_product(x, w: Served, n_contract: int, dtype, bias=None, epilogue: Epilogue = Epilogue()):
     from hpnlp.compress import kernels
     lead, K = x.shape[:x.ndim - n_contract], math.prod(x.shape[x.ndim - n_contract:])
     x_MK = x.reshape(-1, K).astype(jnp.float32)
@@ -238,14 +238,12 @@ def _served_product(x, w: Served, n_contract: int, dtype, bias=None, epilogue: E
     if w.fmt == "int8" and n_contract == 1 and len(w.shape) - w.k_dims == 1:
         # the kernel's epilogue: bias and activation in the product's pass (inference only:
         # no pre-activation to save)
-        ep = epilogue or Epilogue()
-        y_MN = kernels.int8_linear(x_MK, w.w, activation=ep.activation,
+        y_MN = kernels.int8_linear(x_MK, w.w, activation=epilogue.activation,
                                    bias=None if bias is None else bias.astype(jnp.float32))
         return y_MN.reshape(out_shape).astype(dtype)
     fn = {"int8": kernels.int8_linear, "binary": kernels.binary_linear,
           "int4": kernels.int4_linear}[w.fmt]
-    y = fn(x_MK, w.w).reshape(out_shape).astype(dtype)
-    return y if bias is None and epilogue is None else (epilogue or Epilogue()).apply(y, bias)
+    return epilogue.apply(fn(x_MK, w.w).reshape(out_shape).astype(dtype), bias)
 
 
 def _weight_KxN(w, k_dims: int):
@@ -315,15 +313,14 @@ def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: Quant
 
 
 def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
-            dtype, preferred_element_type=None, bias=None, epilogue: Epilogue | None = None):
+            dtype, preferred_element_type=None, bias=None, epilogue: Epilogue = Epilogue()):
     """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module
     doc), then + `bias` (over the last axis) and the `epilogue`'s activation where given."""
     note_product(module, name, kind, parse_spec(spec)[1])
     if isinstance(w, Served):  # an integer kernel computes the whole product
         return _served_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
-    y = _product(module, name, spec, x, w, q, kind=kind, dtype=dtype,
-                 preferred_element_type=preferred_element_type)
-    return y if bias is None and epilogue is None else (epilogue or Epilogue()).apply(y, bias)
+    return epilogue.apply(_product(module, name, spec, x, w, q, kind=kind, dtype=dtype,
+                                   preferred_element_type=preferred_element_type), bias)
 
 
 def _product(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
