@@ -258,6 +258,8 @@ T.check_bfloat16()
 assert F.bf16_products() == "float32", F.bf16_products()
 T.test_one_head_on_two_threads_splits_its_key_blocks(True)
 T.test_tuned_lstm_blocking_computes_what_the_default_does()
+import test_attention_cache_cpu
+test_attention_cache_cpu.check_kernel_equals_twin()
 print("portable ok")
 """
 
@@ -265,7 +267,8 @@ print("portable ok")
 @pytest.mark.slow
 @needs_flash
 def test_portable_build_without_avx512(tmp_path):
-    """Built for x86-64-v3 (AVX2, no AVX-512, no BF16): the fallback paths compute the same."""
+    """Built for x86-64-v3 (AVX2, no AVX-512, no BF16): the fallback paths compute the same
+    (flash attention, the fused LSTM, the cached attention of a decoding step)."""
     env = dict(os.environ, HPNLP_KERNEL_MARCH="x86-64-v3", HPNLP_KERNEL_TUNE="0",
                HPNLP_KERNEL_CACHE=str(tmp_path))
     code = PORTABLE.format(tests=os.path.dirname(os.path.abspath(__file__)))

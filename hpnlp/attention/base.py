@@ -116,8 +116,8 @@ class Attention(nn.Module):
         idx = cache["index"]
         k_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_B1HD.astype(cache["k"].dtype), idx, 1)
         v_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype), idx, 1)
-        T = k_BTHD.shape[1]
-        allowed_B1LS = (jnp.arange(T) <= idx)[None, None, None, :]
-        out = masked_softmax_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype),
-                                       v_BTHD.astype(q_B1HD.dtype), allowed_B1LS)
+        from hpnlp.attention.cache_cpu import cached_attention  # it imports this module
+
+        out = cached_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype), v_BTHD.astype(q_B1HD.dtype),
+                               idx, impl=getattr(self, "impl", "auto"))
         return out, {"k": k_BTHD, "v": v_BTHD, "index": idx + 1}

@@ -61,11 +61,14 @@ KERNEL = kernels.CpuKernel(
     what="quantized GEMM")
 
 IMPLS = ("auto", "kernel", "xla")
-# Below this many multiply-adds one thread beats waking more. The helpers are parked
-# threads that persist across calls (`Pool` in qgemm.cc) and work is claimed dynamically,
-# so a parallel call costs a wake-up of a few microseconds and never waits for a helper
-# that a busy machine has not scheduled (a 512 x 512 int4 matvec takes 30 us).
-_MIN_PARALLEL_MACS = 1 << 21
+# Below this many multiply-adds one thread beats two. The helpers are threads that persist
+# across calls (`Pool` in qgemm.cc), spin briefly between calls and claim work dynamically,
+# so a parallel call costs about a microsecond and never waits for a helper that a busy
+# machine has not scheduled. Measured on a 2-core Xeon (model 207), one row (decoding),
+# one thread against two, microseconds: int4 [1, 256 -> 256] 3.4/4.3, [1, 256 -> 512]
+# 6.4/5.6, [1, 512 -> 2048] 47.8/28.2; int8 [1, 256 -> 512] 1.9/2.5, [1, 512 -> 512]
+# 3.8/3.7, [1, 512 -> 2048] 13.2/8.8. The binary kernel counts in 32-bit words of K.
+_MIN_PARALLEL_MACS = {"int8": 1 << 18, "int4": 1 << 17, "binary": 1 << 21}
 
 # Blocking of the int8 and binary products: mc rows per work item (a thread keeps their
 # activations in L2 while it walks its weight panels) and mr rows per register block.
@@ -191,9 +194,9 @@ def _use_kernel(what: str, impl: str, panels) -> bool:
     return reason is None
 
 
-def _threads(threads: int | None, M: int, K: int, N: int) -> np.int64:
+def _threads(threads: int | None, M: int, K: int, N: int, kind: str) -> np.int64:
     if threads is None:
-        threads = 1 if M * K * N < _MIN_PARALLEL_MACS else kernels.cores()
+        threads = 1 if M * K * N < _MIN_PARALLEL_MACS[kind] else kernels.cores()
     if int(threads) < 1:
         raise ValueError(f"threads must be >= 1; got {threads}")
     return np.int64(threads)
@@ -308,7 +311,7 @@ def int8_matmul(x_MxK, w, *, impl: str = "auto", threads: int | None = None,
     (M, K), N = x_MxK.shape, w.q_KxN.shape[1]
     return jax.ffi.ffi_call("hpnlp_int8_matmul", jax.ShapeDtypeStruct((M, N), jnp.int32),
                             vmap_method="sequential")(
-        x_MxK, w.panels, w.colsum, threads=_threads(threads, M, K, N),
+        x_MxK, w.panels, w.colsum, threads=_threads(threads, M, K, N, "int8"),
         **_blocking("int8", blocking))
 
 
@@ -332,7 +335,7 @@ def int8_linear(x_MxK, weight: Int8Weight, *, bias=None, activation: str | None 
                             vmap_method="sequential")(
         x_MxK, weight.panels, weight.colsum, weight.scale_N,
         jnp.zeros((0,), jnp.float32) if bias is None else bias,
-        threads=_threads(threads, M, K, N), activation=np.int64(code),
+        threads=_threads(threads, M, K, N, "int8"), activation=np.int64(code),
         **_blocking("int8", blocking))
 
 
@@ -402,7 +405,7 @@ def binary_matmul(x_bits_MxKb, weight: BinaryWeight, *, impl: str = "auto",
     M, N = x_bits_MxKb.shape[0], weight.bits_KbxN.shape[1]
     return jax.ffi.ffi_call("hpnlp_binary_matmul", jax.ShapeDtypeStruct((M, N), jnp.int32),
                             vmap_method="sequential")(
-        x_bits_MxKb, weight.panels, threads=_threads(threads, M, k // 32, N),
+        x_bits_MxKb, weight.panels, threads=_threads(threads, M, k // 32, N, "binary"),
         k=np.int64(k), **_blocking("binary", blocking))
 
 
@@ -417,7 +420,7 @@ def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
     (M, K), N = x_MxK.shape, weight.bits_KbxN.shape[1]
     return jax.ffi.ffi_call("hpnlp_binary_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
                             vmap_method="sequential")(
-        x_MxK, weight.panels, weight.alpha_N, threads=_threads(threads, M, K // 32, N),
+        x_MxK, weight.panels, weight.alpha_N, threads=_threads(threads, M, K // 32, N, "binary"),
         **_blocking("binary", blocking))
 
 
@@ -487,7 +490,7 @@ def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int |
     (M, K), N = x_MxK.shape, weight.packed_KhxN.shape[1]
     return jax.ffi.ffi_call("hpnlp_int4_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
                             vmap_method="sequential")(
-        x_MxK, weight.panels, weight.panel_scales, threads=_threads(threads, M, K, N))
+        x_MxK, weight.panels, weight.panel_scales, threads=_threads(threads, M, K, N, "int4"))
 
 
 # ------------------------------------------------------------------------------ timing

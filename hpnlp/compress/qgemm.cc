@@ -123,11 +123,19 @@ inline void row_blocks(int m0, int m1, int mr, F&& f) {
 // Helper threads that live across calls. Starting threads per call (std::thread in
 // hpnlp::parallel) cost 0.15-3 ms a call on a loaded 2-core machine: the caller joins a
 // helper that the scheduler starts only after another process's time slice, which made a
-// [64, 128 -> 256] int8 layer 10x slower than float XLA. Here a call only wakes parked
-// helpers and never waits for one to arrive: the work is claimed dynamically (below), a
+// [64, 128 -> 256] int8 layer 10x slower than float XLA. Here a call only opens join slots
+// for helpers and never waits for one to arrive: the work is claimed dynamically (below), a
 // late helper finds none left, and the caller waits only for helpers that joined (and so
 // are running claimed work). A caller that finds the pool busy (another XLA thread's
 // kernel) runs alone.
+//
+// A helper that finishes spins for kSpin before it parks on the condition variable: a
+// decoding step calls the kernels every few tens of microseconds, and waking a parked
+// thread (a futex round trip, then the scheduler) took about as long as a [1, 512 -> 2048]
+// int4 product itself, so two threads ran it slower than one. A spinning helper joins
+// within a microsecond. After its first few hundred polls it yields the core on every
+// poll (to XLA's threads or another kernel's, if any is runnable), and after kSpin it
+// parks, so an idle process gives its cores back.
 class Pool {
  public:
   static Pool& get() {
@@ -141,11 +149,12 @@ class Pool {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (threads <= 1 || !busy.owns_lock()) return fn(0);
     std::exception_ptr error;
+    std::mutex error_mu;
     std::function<void(int)> job = [&](int t) {
       try {
         fn(t);
       } catch (...) {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<std::mutex> lk(error_mu);
         if (!error) error = std::current_exception();
       }
     };
@@ -153,42 +162,65 @@ class Pool {
       std::lock_guard<std::mutex> lk(mu_);
       while (int(helpers_.size()) < threads - 1)
         helpers_.emplace_back([this] { loop(); }), helpers_.back().detach();
-      job_ = &job, want_ = threads - 1, joined_ = 0, ++gen_;
     }
-    wake_.notify_all();
-    job(0);
+    job_ = &job;
+    next_t_.store(1, std::memory_order_relaxed);
+    slots_.store(threads - 1, std::memory_order_seq_cst);  // publishes job_
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      job_ = nullptr;
-      done_.wait(lk, [&] { return active_ == 0; });
+      std::lock_guard<std::mutex> lk(mu_);  // a helper parks under mu_: none is missed
+      if (parked_ > 0) wake_.notify_all();
     }
+    job(0);
+    slots_.store(0, std::memory_order_seq_cst);  // no helper joins from here on
+    for (int spin = 0; active_.load(std::memory_order_seq_cst) > 0; ++spin) pause(spin);
     if (error) std::rethrow_exception(error);
   }
 
  private:
+  static constexpr std::chrono::microseconds kSpin{200};
+
+  static void pause(int spin) {
+    if (spin > 2000) std::this_thread::yield();
+#if defined(__x86_64__)
+    else __builtin_ia32_pause();
+#endif
+  }
+
+  // A helper counts itself active before it claims a slot, so a caller that has closed
+  // the slots and then sees no helper active knows none will touch its job.
   void loop() {
-    uint64_t seen = 0;
-    std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
-      wake_.wait(lk, [&] { return gen_ != seen; });
-      seen = gen_;
-      if (!job_ || joined_ >= want_) continue;
-      const std::function<void(int)>* job = job_;
-      const int t = ++joined_;
-      ++active_;
-      lk.unlock();
-      (*job)(t);
-      lk.lock();
-      if (--active_ == 0) done_.notify_all();
+      auto start = std::chrono::steady_clock::now();
+      for (int spin = 0; slots_.load(std::memory_order_seq_cst) == 0; ++spin) {
+        if (spin < 256) {
+          pause(0);
+          continue;
+        }
+        const auto idle = std::chrono::steady_clock::now() - start;
+        if (idle > kSpin) {
+          std::unique_lock<std::mutex> lk(mu_);
+          ++parked_;
+          wake_.wait(lk, [&] { return slots_.load(std::memory_order_seq_cst) > 0; });
+          --parked_;
+          start = std::chrono::steady_clock::now(), spin = 0;
+        } else {
+          std::this_thread::yield();  // a runnable thread (XLA's, another kernel's) goes first
+        }
+      }
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      int s = slots_.load(std::memory_order_seq_cst);
+      while (s > 0 && !slots_.compare_exchange_weak(s, s - 1, std::memory_order_seq_cst)) {}
+      if (s > 0) (*job_)(next_t_.fetch_add(1, std::memory_order_relaxed));
+      active_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 
   std::mutex busy_, mu_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_;
   std::vector<std::thread> helpers_;
   const std::function<void(int)>* job_ = nullptr;
-  uint64_t gen_ = 0;
-  int want_ = 0, joined_ = 0, active_ = 0;
+  std::atomic<int> slots_{0}, active_{0}, next_t_{1};
+  int parked_ = 0;  // under mu_
 };
 
 // Spin, then yield, until *v >= target (a helper finishing the rows it claimed).
@@ -221,18 +253,39 @@ void run_items(int M, int P, int mc, int threads, Setup&& setup, Item&& item) {
     return;
   }
   std::atomic<int> next_rows{0}, rows_done{0};
-  std::atomic<int64_t> next_item{0};
-  Pool::get().run(nt, [&](int) {
+  // Items [front, back) are left; the caller (t = 0) claims from the front, helpers from
+  // the back, so over repeated calls on the same shapes (decoding) each core keeps
+  // computing about the same panels, whose weights then stay in its own L2.
+  // Claims take `grain` items at a time: every claim moves the counter's cache line
+  // between the cores (about 0.1 us each), which cost a [1, 512 -> 2048] int4 product
+  // (128 items of 0.4 us) a third of its time when each item was a claim.
+  std::atomic<uint64_t> ends{uint64_t(items) << 32};
+  const int64_t grain = std::max<int64_t>(1, items / (8 * nt));
+  auto claim = [&](bool front, int64_t* first, int64_t* last) -> bool {
+    uint64_t e = ends.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = int64_t(e & 0xffffffffu), hi = int64_t(e >> 32);
+      if (lo >= hi) return false;
+      const int64_t n = std::min(grain, hi - lo);
+      const uint64_t next = front ? e + uint64_t(n) : e - (uint64_t(n) << 32);
+      if (ends.compare_exchange_weak(e, next, std::memory_order_relaxed)) {
+        *first = front ? lo : hi - n, *last = *first + n;
+        return true;
+      }
+    }
+  };
+  Pool::get().run(nt, [&](int t) {
     for (int r0; (r0 = next_rows.fetch_add(SETUP_ROWS, std::memory_order_relaxed)) < M;) {
       const int r1 = std::min(M, r0 + SETUP_ROWS);
       setup(r0, r1);
       rows_done.fetch_add(r1 - r0, std::memory_order_release);
     }
     await_at_least(rows_done, M);
-    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int c = int(i / P), p = int(i % P);
-      item(c * mc, std::min(M, (c + 1) * mc), p);
-    }
+    for (int64_t first, last; claim(t == 0, &first, &last);)
+      for (int64_t i = first; i < last; ++i) {
+        const int c = int(i / P), p = int(i % P);
+        item(c * mc, std::min(M, (c + 1) * mc), p);
+      }
   });
 }
 

@@ -1,0 +1,103 @@
+"""Attention of new queries over a key/value cache: a decoding step's attention.
+
+    out_BLHD = cached_attention(q_BLHD, k_BTHD, v_BTHD, index)
+
+Query j of the L new ones sits at cache position `index + j` and sees keys 0..index + j
+(the cache already holds its own key). Every variant's default `decode_step` calls it.
+
+Two implementations compute the same thing. On a CPU the default (`impl="auto"`) is one
+fused kernel (`cache_cpu.cc`): XLA:CPU runs q [B, 1, H, D] against the cache [B, T, H, D]
+as products batched over (b, h), which it can only do after transposing both whole caches
+so those dimensions lead, every step; at batch 16 and 512 positions those copies took most
+of a width-512 LM's decoding step. The kernel reads the cache where it lies, and only the
+positions written so far. The XLA program (`impl="xla"`) runs everywhere else and is the
+kernel's tested twin. Gradients (decoding is not trained, but a step is differentiable)
+come from the twin.
+
+Shape letters: B batch, L query length, T cache length, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp import kernels
+from hpnlp.attention.base import check_inputs, masked_softmax_attention
+
+KERNEL = kernels.CpuKernel(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_cpu.cc"),
+    {"hpnlp_cached_attention": "HpnlpCachedAttention",
+     "hpnlp_cached_attention_bf16": "HpnlpCachedAttentionBf16"},
+    what="cached attention")
+IMPLS = ("auto", "kernel", "xla")
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index):
+    """The XLA twin: masked softmax attention over the whole cache, in float32."""
+    L, T = q_BLHD.shape[1], k_BTHD.shape[1]
+    allowed_LT = jnp.arange(T)[None, :] <= index + jnp.arange(L)[:, None]
+    return masked_softmax_attention(q_BLHD, k_BTHD.astype(q_BLHD.dtype),
+                                    v_BTHD.astype(q_BLHD.dtype), allowed_LT[None, None])
+
+
+def blocker(q_BLHD, k_BTHD, v_BTHD) -> str | None:
+    """Why the kernel cannot run on these operands here; None if it can."""
+    dtypes = {jnp.dtype(x.dtype) for x in (q_BLHD, k_BTHD, v_BTHD)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in [jnp.dtype(d) for d in DTYPES]:
+        return (f"dtypes q {q_BLHD.dtype}, k {k_BTHD.dtype}, v {v_BTHD.dtype} (the kernel takes "
+                "all float32 or all bfloat16)")
+    if v_BTHD.shape[-1] != q_BLHD.shape[-1]:
+        return f"value head dim {v_BTHD.shape[-1]} differs from the query's {q_BLHD.shape[-1]}"
+    return KERNEL.blocker()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _kernel(q_BLHD, k_BTHD, v_BTHD, index, threads):
+    return jax.ffi.ffi_call(
+        "hpnlp_cached_attention" + ("_bf16" if q_BLHD.dtype == jnp.bfloat16 else ""),
+        jax.ShapeDtypeStruct(q_BLHD.shape, q_BLHD.dtype), vmap_method="sequential")(
+        q_BLHD, k_BTHD, v_BTHD, index, scale=np.float32(1.0 / np.sqrt(q_BLHD.shape[-1])),
+        threads=np.int64(kernels.cores() if threads is None else threads))
+
+
+def _kernel_fwd(q_BLHD, k_BTHD, v_BTHD, index, threads):
+    return _kernel(q_BLHD, k_BTHD, v_BTHD, index, threads), (q_BLHD, k_BTHD, v_BTHD, index)
+
+
+def _kernel_bwd(threads, res, do_BLHD):
+    q_BLHD, k_BTHD, v_BTHD, index = res
+    _, vjp = jax.vjp(lambda q, k, v: cached_attention_xla(q, k, v, index), q_BLHD, k_BTHD, v_BTHD)
+    return (*vjp(do_BLHD), None)
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
+                     threads: int | None = None):
+    """softmax(q k^T / sqrt(D)) v where query j sees cache positions 0..index + j; a query
+    that sees none outputs zeros. Returned in q's dtype. `impl`: "auto" (the CPU kernel
+    where it can run: the CPU backend, one device, q, k and v all float32 or all bfloat16),
+    "kernel" (an error where it cannot) or "xla". `threads`: the kernel's most threads
+    (None: every core; it uses fewer where the cache read so far is small)."""
+    check_inputs(q_BLHD, k_BTHD, v_BTHD, None)
+    if impl not in IMPLS:
+        raise ValueError(f"cached attention: impl={impl!r} is not one of {IMPLS}")
+    reason = "impl='xla'" if impl == "xla" else blocker(q_BLHD, k_BTHD, v_BTHD)
+    if impl == "kernel" and reason is not None:
+        raise ValueError(f"cached attention: impl='kernel' cannot run here: {reason}. Use "
+                         "impl='auto' (the kernel where it can run) or impl='xla'")
+    index = jnp.asarray(index, jnp.int32)
+    if index.ndim != 0:
+        raise ValueError(f"cached attention: index must be a scalar position; got shape {index.shape}")
+    if reason is not None:
+        return cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index)
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"cached attention: threads must be >= 1; got {threads}")
+    return _kernel(q_BLHD, k_BTHD, v_BTHD, index, None if threads is None else int(threads))

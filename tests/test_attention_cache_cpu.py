@@ -1,0 +1,102 @@
+"""The decoding step's attention over a key/value cache (`cache_cpu`): the CPU kernel
+against its XLA twin in float32 (1e-5) and bfloat16, on head dims no vector divides,
+several new queries, a first query that sees no key, an index past the cache, one and two
+threads; its gradients; that every variant's default decode step runs it (and
+`impl='xla'` does not); and clear errors where it cannot run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hpnlp.attention as A
+import hpnlp.attention.cache_cpu as CC
+
+needs_kernel = pytest.mark.skipif(not CC.KERNEL.available(),
+                                  reason=str(CC.KERNEL.unavailable_reason()))
+
+CASES = [  # B, L, T, H, D, index
+    (2, 1, 37, 3, 20, 5),    # a head dim of one vector and a tail
+    (1, 1, 40, 2, 64, 39),   # the whole cache
+    (3, 2, 40, 2, 16, 0),    # two new queries; the first sees one key
+    (1, 3, 9, 1, 7, -1),     # a head dim under one vector; the first query sees no key
+    (2, 1, 17, 2, 16, 30),   # an index past the cache: every key
+    (2, 1, 1040, 4, 64, 1039),  # 1M floats read: the kernel splits it over two threads
+]
+
+
+def _qkv(B, L, T, H, D, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return tuple(jax.random.normal(kk, s).astype(dtype)
+                 for kk, s in zip(ks, ((B, L, H, D), (B, T, H, D), (B, T, H, D))))
+
+
+def check_kernel_equals_twin():
+    """Every case, float32 and bfloat16, one and two threads (also run by the portable build's
+    test in test_kernel_tuning)."""
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -7)):
+        for B, L, T, H, D, index in CASES:
+            q, k, v = _qkv(B, L, T, H, D, dtype)
+            want = np.asarray(CC.cached_attention(q, k, v, index, impl="xla"), np.float32)
+            if index < 0:
+                assert not want[:, 0].any()
+            for threads in (1, 2):
+                got = CC.cached_attention(q, k, v, index, impl="kernel", threads=threads)
+                assert got.dtype == dtype
+                np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol,
+                                           err_msg=f"{dtype.__name__} {(B, L, T, H, D, index)} "
+                                                   f"threads={threads}")
+
+
+@needs_kernel
+def test_kernel_equals_its_xla_twin():
+    check_kernel_equals_twin()
+
+
+@needs_kernel
+def test_gradients_equal_the_twins():
+    q, k, v = _qkv(2, 2, 24, 2, 16, jnp.float32)
+    w = jax.random.normal(jax.random.key(3), q.shape)
+
+    def loss(impl):
+        return lambda q, k, v, i: jnp.sum(CC.cached_attention(q, k, v, i, impl=impl) * w)
+
+    got = jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, k, v, jnp.int32(9))
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v, 9)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("impl,runs", [("auto", True), ("xla", False)])
+def test_the_default_decode_step_runs_the_kernel(impl, runs):
+    """`chunked` keeps the default cache: its decode step takes the kernel unless the
+    variant's `impl` says "xla"; either way it matches attention over the whole prefix."""
+    B, T, H, D = 2, 8, 2, 16
+    q, k, v = _qkv(B, T, T, H, D, jnp.float32)
+    attn = A.get("chunked")(impl=impl)
+    cache = attn.init_cache(B, T, H, D, jnp.float32)
+    step = jax.jit(attn.decode_step)
+    assert ("hpnlp_cached_attention" in str(jax.make_jaxpr(step)(cache, q[:, :1], k[:, :1], v[:, :1]))) == runs
+    outs = []
+    for t in range(T):
+        o, cache = step(cache, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+        outs.append(o)
+    full = A.get("dense")()(q, k, v, None, causal=True)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
+
+
+@needs_kernel
+def test_errors_say_what_cannot_run():
+    q, k, v = _qkv(1, 1, 8, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="impl='kernel' cannot run here: dtypes"):
+        CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3, impl="kernel")
+    with pytest.raises(ValueError, match="is not one of"):
+        CC.cached_attention(q, k, v, 3, impl="fast")
+    with pytest.raises(ValueError, match="index must be a scalar"):
+        CC.cached_attention(q, k, v, jnp.array([3]))
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        CC.cached_attention(q, k, v, 3, threads=0)
+    # mixed dtypes under "auto": the twin runs
+    np.testing.assert_allclose(CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3),
+                               CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3, impl="xla"))
