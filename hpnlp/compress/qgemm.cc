@@ -404,12 +404,22 @@ struct I8Gemm {
 
 // GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
 // y / (1 + exp(-2 c (y + 0.044715 y^3))) (the same function: one exp and one division). The
-// exponent is clipped at 80, where the quotient is already -0 to float precision.
+// exponent is clipped at 80, where the quotient is already -0 to float precision. With
+// AVX-512 the division is the reciprocal estimate (relative error 2^-14) refined by one
+// Newton step (then within a few ulp) and the exp is `vexp0`: a 16-lane vdivps issues once
+// every 16 cycles or so on Intel cores, and with it and `vexp` the epilogue took 1.5 ms
+// of a [2048, 512 -> 2048] layer's 7 ms on a Xeon (model 207).
 constexpr float GELU_2C = 1.5957691216057308f;            // 2 sqrt(2 / pi)
 constexpr float GELU_2C3 = 1.5957691216057308f * 0.044715f;  // 2 sqrt(2 / pi) 0.044715
 inline vf gelu_tanh(vf y) {
   const vf u = -y * (splat(GELU_2C) + splat(GELU_2C3) * y * y);
+#if defined(__AVX512F__)
+  const vf d = 1.0f + vexp0(u < 80.0f ? u : splat(80.0f));
+  const vf r = reinterpret_cast<vf>(_mm512_rcp14_ps(reinterpret_cast<__m512>(d)));
+  return y * (r * (2.0f - d * r));
+#else
   return y / (1.0f + vexp(u < 80.0f ? u : splat(80.0f)));
+#endif
 }
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
@@ -420,6 +430,38 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
   const size_t ldx = size_t(g.kq) * I8_KP;
   const I8W* p = g.w + size_t(panel) * g.kq * I8_NB * I8_KP;
   const int n0 = panel * I8_NB, nn = std::min(I8_NB, g.N - n0);
+#if defined(HPNLP_I8_VNNI)
+  if (g.out_f && nn == I8_NB) {  // a whole panel of int8_linear: the epilogue in registers
+    static_assert(I8_NB == 32, "two zmm of columns");
+    const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(g.colsum + n0), 7),
+                  c1 = _mm512_slli_epi32(_mm512_loadu_si512(g.colsum + n0 + 16), 7);
+    const __m512 w0 = _mm512_loadu_ps(g.ws + n0), w1 = _mm512_loadu_ps(g.ws + n0 + 16);
+    const __m512 b0 = g.bias ? _mm512_loadu_ps(g.bias + n0) : _mm512_setzero_ps(),
+                 b1 = g.bias ? _mm512_loadu_ps(g.bias + n0 + 16) : _mm512_setzero_ps();
+    row_blocks<I8_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
+      constexpr int R = decltype(rr)::value;
+      alignas(64) int32_t t[R][I8_NB];
+      i8_block<R>(g.xq + size_t(r0) * ldx, ldx, p, g.kq, t);
+      for (int r = 0; r < R; ++r) {
+        // (acc * x scale) * w scale, + bias, then the activation: the twin's order
+        const __m512 xs = _mm512_set1_ps(g.xs[r0 + r]);
+        __m512 f0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                      _mm512_load_si512(t[r]), c0)), xs), w0);
+        __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                      _mm512_load_si512(t[r] + 16), c1)), xs), w1);
+        if (g.bias) f0 = _mm512_add_ps(f0, b0), f1 = _mm512_add_ps(f1, b1);
+        float* out = g.out_f + size_t(r0 + r) * g.N + n0;
+        if (g.act == 1) {
+          store(out, gelu_tanh(reinterpret_cast<vf>(f0)));
+          store(out + 16, gelu_tanh(reinterpret_cast<vf>(f1)));
+        } else {
+          _mm512_storeu_ps(out, f0), _mm512_storeu_ps(out + 16, f1);
+        }
+      }
+    });
+    return;
+  }
+#endif
   row_blocks<I8_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
     constexpr int R = decltype(rr)::value;
     alignas(64) int32_t t[R][I8_NB];
