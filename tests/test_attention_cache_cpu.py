@@ -100,3 +100,20 @@ def test_errors_say_what_cannot_run():
     # mixed dtypes under "auto": the twin runs
     np.testing.assert_allclose(CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3),
                                CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3, impl="xla"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_cache_put_writes_in_place_what_a_dynamic_update_slice_writes(dtype):
+    """16-bit caches go through a uint16 view: the same bits as the plain update, and no
+    float32 copy of the whole cache in the compiled step (XLA:CPU's bfloat16 update)."""
+    from hpnlp.attention.base import cache_put
+    buf = jax.random.normal(jax.random.key(0), (2, 9, 3, 8)).astype(dtype)
+    x = jax.random.normal(jax.random.key(1), (2, 1, 3, 8))  # float32: cast to the cache's dtype
+    for index in (0, 4, 8, 11):  # 11: past the end, clamped like the plain update
+        want = jax.lax.dynamic_update_slice_in_dim(buf, x.astype(dtype), index, 1)
+        got = jax.jit(cache_put)(buf, x, index)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(want.astype(jnp.float32)))
+    hlo = jax.jit(cache_put, donate_argnums=0).lower(buf, x, 3).compile().as_text()
+    assert "f32[2,9,3,8]" not in hlo or dtype == jnp.float32

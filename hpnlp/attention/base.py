@@ -50,6 +50,20 @@ def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=No
     return allowed[:, None, :, :]
 
 
+def cache_put(buf_BT__, x_B1__, index):
+    """`buf` with `x` (cast to its dtype) written at position `index` of axis 1: a cache's
+    update. 16-bit floats are written through a uint16 view (a free bitcast): XLA:CPU runs a
+    bfloat16 dynamic-update-slice in float32, converting the whole cache and back every step
+    (at batch 16 that copy was 8 MB per cache per token, most of a bfloat16 LM's decoding
+    step), while an integer one updates the buffer in place."""
+    x_B1__ = x_B1__.astype(buf_BT__.dtype)
+    if jnp.dtype(buf_BT__.dtype).itemsize == 2 and jnp.issubdtype(buf_BT__.dtype, jnp.floating):
+        as_u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)  # noqa: E731
+        out = jax.lax.dynamic_update_slice_in_dim(as_u16(buf_BT__), as_u16(x_B1__), index, 1)
+        return jax.lax.bitcast_convert_type(out, buf_BT__.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf_BT__, x_B1__, index, 1)
+
+
 def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
     """Exact softmax attention in float32; rows with no allowed key output zeros, not NaN."""
     return attend(softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS), v_BSHD, q_BLHD.dtype)
@@ -114,8 +128,7 @@ class Attention(nn.Module):
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
         """One token: append k, v at cache['index'], attend to all cached keys so far."""
         idx = cache["index"]
-        k_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_B1HD.astype(cache["k"].dtype), idx, 1)
-        v_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype), idx, 1)
+        k_BTHD, v_BTHD = cache_put(cache["k"], k_B1HD, idx), cache_put(cache["v"], v_B1HD, idx)
         from hpnlp.attention.cache_cpu import cached_attention  # it imports this module
 
         out = cached_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype), v_BTHD.astype(q_B1HD.dtype),

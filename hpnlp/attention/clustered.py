@@ -37,7 +37,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import Attention, check_inputs, masked_softmax_attention, register
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention,
+                                  register)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30
@@ -207,7 +208,7 @@ class ClusteredAttention(Attention):
         idx = cache["index"]
         centroids_HCD = nn.unbox(self.get_variable("params", "centroids"))
         c_B1H = route(q_B1HD, k_B1HD, centroids_HCD)
-        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), idx, 1)
+        put = lambda buf, x: cache_put(buf, x, idx)  # noqa: E731
         k_BTHD, v_BTHD = put(cache["k"], k_B1HD), put(cache["v"], v_B1HD)
         cl_BTH = put(cache["cluster"], c_B1H)
         T = k_BTHD.shape[1]

@@ -62,7 +62,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import Attention, check_inputs, register, segment_mask
+from hpnlp.attention.base import Attention, cache_put, check_inputs, register, segment_mask
 from hpnlp.config import ConfigError
 
 _NEG = -1e30  # masked-out scores (excluded entirely)
@@ -343,9 +343,7 @@ class LSHAttention(Attention):
         check_inputs(q_B1HD, k_B1HD, v_B1HD, None)
         idx = cache["index"]
         kn_B1HD = shared_keys(q_B1HD).astype(cache["k"].dtype)
-        k_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], kn_B1HD, idx, 1)
-        v_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype),
-                                                     idx, 1)
+        k_BTHD, v_BTHD = cache_put(cache["k"], kn_B1HD, idx), cache_put(cache["v"], v_B1HD, idx)
         T = k_BTHD.shape[1]
         s_BH1T = jnp.einsum("blhd,bthd->bhlt", q_B1HD, k_BTHD.astype(q_B1HD.dtype),
                             preferred_element_type=jnp.float32)

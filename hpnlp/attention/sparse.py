@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.attention.base import (Attention, check_inputs, masked_softmax_attention, register,
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention, register,
                                   segment_mask)
 from hpnlp.config import ConfigError
 
@@ -219,8 +219,7 @@ class BlockSparseAttention(Attention):
     def _full_cache_step(self, cache, q_B1HD, k_B1HD, v_B1HD, allow_T: Callable):
         """The base class's exact KV cache, with the pattern applied to the cached keys."""
         idx = cache["index"]
-        k_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_B1HD.astype(cache["k"].dtype), idx, 1)
-        v_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype), idx, 1)
+        k_BTHD, v_BTHD = cache_put(cache["k"], k_B1HD, idx), cache_put(cache["v"], v_B1HD, idx)
         j_T = jnp.arange(k_BTHD.shape[1])
         allowed_T = (j_T <= idx) & allow_T(idx, j_T)
         out = masked_softmax_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype),
@@ -243,8 +242,7 @@ class _RingBufferDecode:
         idx = cache["index"]
         W = cache["pos"].shape[0]
         slot = idx % W
-        k_BWHD = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_B1HD.astype(cache["k"].dtype), slot, 1)
-        v_BWHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype), slot, 1)
+        k_BWHD, v_BWHD = cache_put(cache["k"], k_B1HD, slot), cache_put(cache["v"], v_B1HD, slot)
         pos_W = cache["pos"].at[slot].set(idx)
         allowed_W = (pos_W >= 0) & (pos_W <= idx) & self._ring_allow(idx, pos_W)
         out = masked_softmax_attention(q_B1HD, k_BWHD.astype(q_B1HD.dtype),

@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import Attention, check_inputs, register, segment_mask
+from hpnlp.attention.base import Attention, cache_put, check_inputs, register, segment_mask
 from hpnlp.config import ConfigError
 
 MODES = ("dense", "random", "factorized")
@@ -228,8 +228,7 @@ class SynthesizerAttention(Attention):
         check_inputs(q_B1HD, k_B1HD, v_B1HD, None)
         self._check_mode()
         idx = cache["index"]
-        v_BTHD = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_B1HD.astype(cache["v"].dtype),
-                                                     idx, 1)
+        v_BTHD = cache_put(cache["v"], v_B1HD, idx)
         T, H = v_BTHD.shape[1], v_BTHD.shape[2]
         if self.mode == "dense":
             logits_B1HT = self._dense_logits(q_B1HD)[..., :T]
