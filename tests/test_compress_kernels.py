@@ -18,8 +18,10 @@ from hpnlp.compress import packing
 
 needs_kernel = pytest.mark.skipif(not qk.available(), reason=f"no kernel: {qk.unavailable_reason()}")
 
-# (M, K, N): M = 1 (decoding), K = 1, odd K not a multiple of 8 or 64, N past a panel.
-SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40), (45, 64, 48)]
+# (M, K, N): M = 1 (decoding), K = 1, odd K not a multiple of 8 or 64, N past a panel; one
+# row over many panels, which two threads claim in grains from both ends until they meet.
+SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40), (45, 64, 48),
+          (1, 40, 700)]
 BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many items, odd blocks
 
 
@@ -154,7 +156,7 @@ def _int4_operands(M, K, N, groups):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("M,K,N,groups", [(3, 13, 5, 1), (1, 1, 1, 1), (1, 70, 17, 5),
                                           (7, 129, 33, 3), (1, 64, 40, 64), (9, 96, 20, 3),
-                                          (70, 256, 50, 2), (5, 131, 9, 1)])
+                                          (70, 256, 50, 2), (5, 131, 9, 1), (1, 40, 700, 5)])
 def test_int4_linear_matches_twin(M, K, N, groups, threads):
     w = _int4_operands(M, K, N, groups)
     x = jnp.asarray(_rng("x4", M, K).standard_normal((M, K)).astype(np.float32))
@@ -185,6 +187,13 @@ def test_concurrent_calls_share_the_thread_pool():
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(run, range(4)))
+
+
+@needs_kernel
+def test_one_row_timing_runs():
+    """`python -m hpnlp.compress.kernels --one-row`'s measurement (tiny, a few calls)."""
+    secs = qk.time_one_row(40, 70, threads=2, calls=3, repeats=1)
+    assert set(secs) == {"int8_kernel", "int4_kernel"} and all(t > 0 for t in secs.values())
 
 
 @needs_kernel

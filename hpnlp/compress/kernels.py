@@ -64,10 +64,11 @@ IMPLS = ("auto", "kernel", "xla")
 # Below this many multiply-adds one thread beats two. The helpers are threads that persist
 # across calls (`Pool` in qgemm.cc), spin briefly between calls and claim work dynamically,
 # so a parallel call costs about a microsecond and never waits for a helper that a busy
-# machine has not scheduled. Measured on a 2-core Xeon (model 207), one row (decoding),
-# one thread against two, microseconds: int4 [1, 256 -> 256] 3.4/4.3, [1, 256 -> 512]
-# 6.4/5.6, [1, 512 -> 2048] 47.8/28.2; int8 [1, 256 -> 512] 1.9/2.5, [1, 512 -> 512]
-# 3.8/3.7, [1, 512 -> 2048] 13.2/8.8. The binary kernel counts in 32-bit words of K.
+# machine has not scheduled. `python -m hpnlp.compress.kernels --one-row` measures one row
+# (decoding) on one thread against two; on a 2-core Xeon (model 207), microseconds: int4
+# [1, 256 -> 256] 3.4/4.0, [1, 256 -> 512] 6.4/6.0, [1, 512 -> 2048] 48/29; int8
+# [1, 256 -> 512] 2.1/2.9, [1, 512 -> 512] 3.9/3.8, [1, 512 -> 2048] 14/10. The binary
+# kernel counts in 32-bit words of K (its threshold predates these measurements).
 _MIN_PARALLEL_MACS = {"int8": 1 << 18, "int4": 1 << 17, "binary": 1 << 21}
 
 # Blocking of the int8 and binary products: mc rows per work item (a thread keeps their
@@ -539,18 +540,52 @@ def time_linear(M: int, K: int, N: int, *, repeats: int = 5, group: int = 128,
     return out
 
 
+def time_one_row(K: int, N: int, *, threads: int, calls: int = 200, repeats: int = 5,
+                 group: int = 128) -> dict[str, float]:
+    """Seconds per call (best of `repeats`) of one-row products [1, K] x [K, N], a decoding
+    step's, on `threads` threads: `calls` of them in one jitted loop (each feeding the next,
+    so none is skipped), so the time is the kernel's, not Python's dispatch. "int8_kernel"
+    (w8a8) and "int4_kernel" (weight-only, group scales of `group` rows)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, K), np.float32))
+    q8 = prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8),
+                             jnp.full((N,), 0.01, jnp.float32))
+    g = group if K % group == 0 else K
+    q4 = prepare_int4_weight(packing.pack_int4(rng.integers(-8, 8, (K, N), dtype=np.int8)),
+                             jnp.full((K // g, N), 0.01, jnp.float32), k=K)
+    out = {}
+    for name, fn, w in (("int8_kernel", int8_linear, q8), ("int4_kernel", int4_linear, q4)):
+        def loop(x, w, fn=fn):
+            def body(_, acc_11):
+                return acc_11 + fn(x + acc_11 * 1e-30, w, impl="kernel", threads=threads)[:, :1]
+            return jax.lax.fori_loop(0, calls, body, jnp.zeros((1, 1), jnp.float32))
+        out[name] = _best_time(jax.jit(loop), (x, w), repeats) / calls
+    return out
+
+
 def main(argv=None) -> None:
-    """Print the layer times, GOP/s and ratios against float32 XLA."""
+    """Print the layer times, GOP/s and ratios against float32 XLA; with --one-row, the
+    one-row (decoding) products on one thread and on every core."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m hpnlp.compress.kernels")
     p.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
                    help="reuse: freed large buffers stay mapped (hpnlp.kernels.reuse_freed_memory, "
                         "as the benchmarks run); default: glibc's own (every large output "
                         "page-faults in again each call)")
+    p.add_argument("--one-row", action="store_true",
+                   help="time one-row products (a decoding step's) inside a jitted loop, one "
+                        "thread against every core, on the quant benchmark LM's shapes")
     args = p.parse_args(argv)
     if args.malloc == "reuse":
         kernels.reuse_freed_memory()
     print(f"paths: {layout() if available() else unavailable_reason()}; malloc: {args.malloc}")
+    if args.one_row:
+        cores = kernels.cores()
+        for K, N in ((256, 256), (256, 512), (512, 512), (512, 1536), (512, 2048), (2048, 512)):
+            one, all_ = time_one_row(K, N, threads=1), time_one_row(K, N, threads=cores)
+            print(f"[1 x {K} -> {N}] " + "  ".join(
+                f"{k}: {one[k] * 1e6:.1f} us on 1 thread, {all_[k] * 1e6:.1f} on {cores}" for k in one))
+        return
     for M, K, N in ((2048, 1024, 4096), (1, 512, 512), (1, 1024, 1024), (1, 2048, 2048),
                     (16, 2048, 2048)):
         secs = time_linear(M, K, N, repeats=5 if M > 1 else 50)
