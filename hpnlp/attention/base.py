@@ -100,7 +100,8 @@ class Attention(nn.Module):
 
     The default decode path is an exact key/value cache: `init_cache` makes zeros of
     `[B, T, H, D]` and `decode_step` writes one token at `index` and attends to keys
-    `0..index`. Windowed and recurrent variants override both.
+    `0..index` (`cache_cpu.cached_attention`, a CPU kernel where it can run; `cache_impl`).
+    Windowed and recurrent variants override both.
     """
 
     supports_causal: ClassVar[bool] = True
@@ -121,6 +122,11 @@ class Attention(nn.Module):
                                "causal, but the model is a causal LM; choose a causal-capable "
                                "variant for model.kind='lm'")
 
+    def cache_impl(self) -> str:
+        """The default decode step's `cache_cpu.cached_attention(impl=)`: "auto" (its CPU
+        kernel where it runs); a variant with an `impl` option of its own passes it on."""
+        return "auto"
+
     def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype):
         zeros = jnp.zeros((batch, max_len, num_heads, head_dim), dtype)
         return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
@@ -132,5 +138,5 @@ class Attention(nn.Module):
         from hpnlp.attention.cache_cpu import cached_attention  # it imports this module
 
         out = cached_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype), v_BTHD.astype(q_B1HD.dtype),
-                               idx, impl=getattr(self, "impl", "auto"))
+                               idx, impl=self.cache_impl())
         return out, {"k": k_BTHD, "v": v_BTHD, "index": idx + 1}

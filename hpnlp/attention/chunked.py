@@ -323,6 +323,9 @@ class ChunkedAttention(Attention):
     block_k: int | None = None  # XLA path; None: about DEFAULT_BLOCK_K, any length (padded)
     impl: str = "auto"  # "auto": CPU kernel where it can run, else XLA; "kernel"; "xla"
 
+    def cache_impl(self) -> str:  # decoding follows the same choice
+        return self.impl
+
     @classmethod
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):
         super().check_config(options, seq_len=seq_len, causal=causal, field=field)
