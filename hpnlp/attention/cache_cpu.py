@@ -89,6 +89,8 @@ def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
     check_inputs(q_BLHD, k_BTHD, v_BTHD, None)
     if impl not in IMPLS:
         raise ValueError(f"cached attention: impl={impl!r} is not one of {IMPLS}")
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"cached attention: threads must be >= 1; got {threads}")
     reason = "impl='xla'" if impl == "xla" else blocker(q_BLHD, k_BTHD, v_BTHD)
     if impl == "kernel" and reason is not None:
         raise ValueError(f"cached attention: impl='kernel' cannot run here: {reason}. Use "
@@ -98,6 +100,4 @@ def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
         raise ValueError(f"cached attention: index must be a scalar position; got shape {index.shape}")
     if reason is not None:
         return cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index)
-    if threads is not None and int(threads) < 1:
-        raise ValueError(f"cached attention: threads must be >= 1; got {threads}")
     return _kernel(q_BLHD, k_BTHD, v_BTHD, index, None if threads is None else int(threads))

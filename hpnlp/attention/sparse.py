@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention, register,
-                                  segment_mask)
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention,
+                                  register, segment_mask)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30

@@ -506,6 +506,17 @@ def _best_time(fn, args, repeats: int) -> float:
     return best
 
 
+def _timing_weights(rng, K: int, N: int, group: int) -> tuple[Int8Weight, Int4Weight]:
+    """Random prepared int8 and int4 weights [K, N] for the timings (int4 group scales of
+    `group` rows where it divides K, else one group)."""
+    q8 = prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8),
+                             jnp.full((N,), 0.01, jnp.float32))
+    g = group if K % group == 0 else K
+    q4 = prepare_int4_weight(packing.pack_int4(rng.integers(-8, 8, (K, N), dtype=np.int8)),
+                             jnp.full((K // g, N), 0.01, jnp.float32), k=K)
+    return q8, q4
+
+
 def time_linear(M: int, K: int, N: int, *, repeats: int = 5, group: int = 128,
                 impls: tuple[str, ...] | None = None) -> dict[str, float]:
     """Seconds (best of `repeats`) of one linear layer [M, K] x [K, N] per implementation:
@@ -515,12 +526,8 @@ def time_linear(M: int, K: int, N: int, *, repeats: int = 5, group: int = 128,
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((M, K), np.float32))
     w = rng.standard_normal((K, N), np.float32)
-    q8 = prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8),
-                             jnp.full((N,), 0.01, jnp.float32))
     qb = prepare_binary_weight(packing.pack_bits(w), jnp.full((N,), 0.01, jnp.float32), k=K)
-    g = group if K % group == 0 else K
-    q4 = prepare_int4_weight(packing.pack_int4(rng.integers(-8, 8, (K, N), dtype=np.int8)),
-                             jnp.full((K // g, N), 0.01, jnp.float32), k=K)
+    q8, q4 = _timing_weights(rng, K, N, group)
     cases = {
         "f32_xla": (jax.jit(jnp.dot), (x, jnp.asarray(w))),
         "int8_xla": (jax.jit(functools.partial(int8_linear, impl="xla")), (x, q8)),
@@ -548,11 +555,7 @@ def time_one_row(K: int, N: int, *, threads: int, calls: int = 200, repeats: int
     (w8a8) and "int4_kernel" (weight-only, group scales of `group` rows)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, K), np.float32))
-    q8 = prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8),
-                             jnp.full((N,), 0.01, jnp.float32))
-    g = group if K % group == 0 else K
-    q4 = prepare_int4_weight(packing.pack_int4(rng.integers(-8, 8, (K, N), dtype=np.int8)),
-                             jnp.full((K // g, N), 0.01, jnp.float32), k=K)
+    q8, q4 = _timing_weights(rng, K, N, group)
     out = {}
     for name, fn, w in (("int8_kernel", int8_linear, q8), ("int4_kernel", int4_linear, q4)):
         def loop(x, w, fn=fn):

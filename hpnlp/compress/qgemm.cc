@@ -121,6 +121,14 @@ inline void row_blocks(int m0, int m1, int mr, F&& f) {
   }
 }
 
+// One poll of a spin-wait: a pause instruction, or after 2000 polls a yield of the core.
+inline void spin_pause(int spin) {
+  if (spin > 2000) std::this_thread::yield();
+#if defined(__x86_64__)
+  else __builtin_ia32_pause();
+#endif
+}
+
 // Helper threads that live across calls. Starting threads per call (std::thread in
 // hpnlp::parallel) cost 0.15-3 ms a call on a loaded 2-core machine: the caller joins a
 // helper that the scheduler starts only after another process's time slice, which made a
@@ -173,19 +181,12 @@ class Pool {
     }
     job(0);
     slots_.store(0, std::memory_order_seq_cst);  // no helper joins from here on
-    for (int spin = 0; active_.load(std::memory_order_seq_cst) > 0; ++spin) pause(spin);
+    for (int spin = 0; active_.load(std::memory_order_seq_cst) > 0; ++spin) spin_pause(spin);
     if (error) std::rethrow_exception(error);
   }
 
  private:
   static constexpr std::chrono::microseconds kSpin{200};
-
-  static void pause(int spin) {
-    if (spin > 2000) std::this_thread::yield();
-#if defined(__x86_64__)
-    else __builtin_ia32_pause();
-#endif
-  }
 
   // A helper counts itself active before it claims a slot, so a caller that has closed
   // the slots and then sees no helper active knows none will touch its job.
@@ -194,7 +195,7 @@ class Pool {
       auto start = std::chrono::steady_clock::now();
       for (int spin = 0; slots_.load(std::memory_order_seq_cst) == 0; ++spin) {
         if (spin < 256) {
-          pause(0);
+          spin_pause(0);
           continue;
         }
         const auto idle = std::chrono::steady_clock::now() - start;
@@ -257,12 +258,7 @@ void run_items(int M, int P, int mc, int threads, Setup&& setup, Item&& item) {
   };
   auto ready = [&](int c) {
     if (state[c].load(std::memory_order_acquire) == 2 || start(c)) return;
-    for (int spin = 0; state[c].load(std::memory_order_acquire) != 2; ++spin) {
-      if (spin > 2000) std::this_thread::yield();
-#if defined(__x86_64__)
-      else __builtin_ia32_pause();
-#endif
-    }
+    for (int spin = 0; state[c].load(std::memory_order_acquire) != 2; ++spin) spin_pause(spin);
   };
   // Items [front, back) are left; the caller (t = 0) claims from the front, helpers from
   // the back, so over repeated calls on the same shapes (decoding) each core keeps
