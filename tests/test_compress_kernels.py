@@ -23,6 +23,10 @@ needs_kernel = pytest.mark.skipif(not qk.available(), reason=f"no kernel: {qk.un
 SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40), (45, 64, 48),
           (1, 40, 700)]
 BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many items, odd blocks
+# int8 also at K = 1500: a panel of 48 KB (VNNI's 4 k of int8 or AVX2's 2 k of int16, 32
+# columns or 16), past 2/3 of any x86 L1 up to 64 KB, so its products run in blocks of k
+# with partial sums in memory (qgemm.cc k_block), the last block shorter
+INT8_SHAPES = SHAPES + [(9, 1500, 37)]
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +54,7 @@ def _int8_operands(M, K, N):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("M,K,N", INT8_SHAPES)
 def test_int8_matmul_is_exact(M, K, N, threads):
     x, w = _int8_operands(M, K, N)
     want = qk.int8_matmul(x, w, impl="xla")
@@ -77,7 +81,7 @@ def test_int8_extremes_do_not_saturate(value):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("M,K,N", INT8_SHAPES)
 def test_int8_linear_matches_twin(M, K, N, threads):
     _, w = _int8_operands(M, K, N)
     x = _rng("x", M, K).standard_normal((M, K)).astype(np.float32)
@@ -280,7 +284,7 @@ import sys
 path = sys.argv[1]
 assert qk.layout()["int8_path"] == path and qk.layout()["binary_path"] == path, qk.layout()
 rng = np.random.default_rng(0)
-for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64)]:
+for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64), (9, 1500, 37)]:
     x8 = jnp.asarray(rng.integers(-127, 128, (M, K), dtype=np.int8))
     w8 = qk.prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8))
     xf = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
