@@ -32,11 +32,12 @@ inline void store_e(bf16* p, vf x) { store_bf16(p, x); }
 inline void set_e(float* p, float x) { *p = x; }
 inline void set_e(bf16* p, float x) { *p = float_to_bf16(x); }
 
-// A thread per this many cache floats read: a thread started per call costs 30-50 us, as
-// long as one thread reads 1M floats (4 MB). On a 2-core Xeon (model 207), [1, 512, 8, 64]
-// caches read whole took 59 us on one thread and 63 on two; [16, 128 of 512, 8, 64] 423
-// and 261; [16, 512, 8, 64] 1969 and 993.
-constexpr int64_t kFloatsPerThread = int64_t(1) << 20;
+// A thread per this many cache floats read. The helpers are XLA's intra-op threads
+// (hpnlp::join_parallel), which join within microseconds; on a 2-core Xeon (model 207),
+// caches [B, T, 8, 64] read whole took, on one thread and on two (us): [1, 64] 5.2 and
+// 9.2, [1, 128] 9.5 and 8.4, [1, 512] 63 and 36, [2, 512] 216 and 75. (Threads started
+// per call cost 30-50 us each, and this was 1M floats.)
+constexpr int64_t kFloatsPerThread = int64_t(1) << 17;
 
 struct Problem {
   int64_t B, L, T, H, D;
@@ -97,7 +98,7 @@ void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads
   const int64_t floats = items * 2 * p.D * visible(p, p.L - 1) * p.L;
   const int use = clamp_threads(std::min<int64_t>(threads, 1 + floats / kFloatsPerThread), items);
   std::atomic<int64_t> next{0};
-  parallel(use, [&](int) {
+  join_parallel(use, [&](int) {
     std::vector<float> scratch(size_t(p.D + NR) + size_t(p.T + NR));
     float *qs = scratch.data(), *s = qs + p.D + NR;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
@@ -112,8 +113,10 @@ void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads
 }
 
 template <ffi::DataType T>
-ffi::Error Impl(float scale, int64_t threads, ffi::Buffer<T> q, ffi::Buffer<T> k,
-                ffi::Buffer<T> v, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<T> o) try {
+ffi::Error Impl(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<T> q,
+                ffi::Buffer<T> k, ffi::Buffer<T> v, ffi::Buffer<ffi::S32> index,
+                ffi::ResultBuffer<T> o) try {
+  XlaPool::Scope scope(&xla);
   const char* kernel = "cached attention";
   auto d = q.dimensions();
   if (d.size() != 4)
@@ -138,6 +141,7 @@ ffi::Error Impl(float scale, int64_t threads, ffi::Buffer<T> q, ffi::Buffer<T> k
 template <ffi::DataType T>
 auto binding() {
   return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
       .Attr<float>("scale")
       .Attr<int64_t>("threads")
       .template Arg<ffi::Buffer<T>>()

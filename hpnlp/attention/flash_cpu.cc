@@ -444,12 +444,13 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k
 
 void release_tiles();
 
-// Work items 0..n-1 over `threads` threads, each taking the next from a shared counter.
-// Each thread gives back the AMX tile state it may have taken when it is done.
+// Work items 0..n-1 over up to `threads` threads (the caller and the helpers that join:
+// hpnlp::join_parallel), each taking the next from a shared counter. Each thread gives
+// back the AMX tile state it may have taken when it is done.
 template <class F>
 void for_items(int threads, int64_t n, F&& fn) {
   std::atomic<int64_t> next{0};
-  parallel(clamp_threads(threads, n), [&](int) {
+  join_parallel(clamp_threads(threads, n), [&](int) {
     std::vector<float> scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, scratch);
     release_tiles();
@@ -891,10 +892,12 @@ void run_backward(const Problem& p, const GradsT<T>& g, int threads, Head&& back
 }
 
 template <ffi::DataType T>  // F32 or BF16 q, k, v, o
-ffi::Error FwdImpl(bool segments, bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
+ffi::Error FwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale, int64_t block_q,
+                   int64_t block_k, int64_t threads,
                    ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
                    ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse) try {
+  XlaPool::Scope scope(&xla);
   const char* kernel = "flash attention forward";
   Problem p;
   if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k, &p);
@@ -913,12 +916,14 @@ ffi::Error FwdImpl(bool segments, bool causal, float scale, int64_t block_q, int
 }
 
 template <ffi::DataType T>  // F32 or BF16 q, k, v, o, do and the gradients
-ffi::Error BwdImpl(bool segments, bool causal, float scale, int64_t block_q, int64_t block_k, int64_t threads,
+ffi::Error BwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale, int64_t block_q,
+                   int64_t block_k, int64_t threads,
                    ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
                    ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> d_o,
                    ffi::ResultBuffer<T> dq, ffi::ResultBuffer<T> dk,
                    ffi::ResultBuffer<T> dv) try {
+  XlaPool::Scope scope(&xla);
   const char* kernel = "flash attention backward";
   Problem p;
   if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k, &p);
@@ -1011,6 +1016,7 @@ extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, 
 template <ffi::DataType T>
 auto common_binding() {
   return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
       .Attr<bool>("segments")
       .Attr<bool>("causal")
       .Attr<float>("scale")

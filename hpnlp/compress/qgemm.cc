@@ -34,8 +34,9 @@
 //           into per-group accumulators, times the group scale once a group. Nothing float
 //           is stored.
 //
-// Threads: a pool of parked helpers that persists across calls (Pool), work claimed one
-// item at a time, so a call never waits for a helper the OS has not yet scheduled.
+// Threads: XLA's intra-op threads join a call (hpnlp::run_joined; Pool's own helpers
+// outside XLA), work is claimed in grains, so a call never waits for a helper that has not
+// started.
 // Activation scratch is reused across calls by the calling thread (scratch()).
 // The vector type and FFI checks come from hpnlp/kernels/simd.h.
 
@@ -131,7 +132,12 @@ inline void spin_pause(int spin) {
 #endif
 }
 
-// Helper threads that live across calls. Starting threads per call (std::thread in
+// Helper threads that live across calls, for the kernels run outside an XLA call (the
+// tuning probes): inside one, the helpers are XLA's own intra-op threads
+// (hpnlp::run_joined, the same join protocol), which ran the w8a8 LM prefill 1.13x and its
+// batch-16 decoding 1.23x as fast as these (a Xeon, model 207, interleaved in one
+// process), as a thread of the kernel's own shared a core with an XLA worker that was
+// still spinning after the fusion before. Starting threads per call (std::thread in
 // hpnlp::parallel) cost 0.15-3 ms a call on a loaded 2-core machine: the caller joins a
 // helper that the scheduler starts only after another process's time slice, which made a
 // [64, 128 -> 256] int8 layer 10x slower than float XLA. Here a call only opens join slots
@@ -154,11 +160,14 @@ class Pool {
     return *pool;
   }
 
-  // fn(t) on the caller (t = 0) and on up to threads - 1 helpers (t >= 1) that join.
+  // fn(t) on the caller (t = 0) and on up to threads - 1 helpers (t >= 1) that join: XLA's
+  // intra-op threads inside a kernel's call (hpnlp::run_joined), this pool's elsewhere.
   template <class F>
   void run(int threads, F&& fn) {
+    if (threads <= 1) return fn(0);
+    if (ffi::ThreadPool* xla = XlaPool::current()) return run_joined(*xla, threads, fn);
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (threads <= 1 || !busy.owns_lock()) return fn(0);
+    if (!busy.owns_lock()) return fn(0);
     std::exception_ptr error;
     std::mutex error_mu;
     std::function<void(int)> job = [&](int t) {
@@ -230,8 +239,9 @@ class Pool {
 // Items (row chunk of mc rows, panel) in groups of pg panels (all P: one group), row
 // chunk by row chunk within a group, claimed by up to `threads` threads: a thread walks
 // one group's panels, whose weights stay in its L2, for chunk after chunk, rather than
-// streaming all the weights from L3 (or memory) again for every chunk; setup(r0, r1) fills the activation scratch of rows [r0, r1) (x
-// quantized, binarized or pre-scaled) and item(m0, m1, panel) computes them. A chunk's rows
+// streaming all the weights from L3 (or memory) again for every chunk. setup(r0, r1)
+// fills the activation scratch of rows [r0, r1) (x quantized, binarized or pre-scaled)
+// and item(m0, m1, panel) computes them. A chunk's rows
 // are set up by the first thread that needs them, and each thread sets up the next chunk
 // it will reach as soon as it starts one, so the setup overlaps the products instead of
 // preceding them all (it read every activation once: 0.6 ms of a [2048, 512 -> 2048] int8
@@ -1219,9 +1229,10 @@ extern "C" double hpnlp_qgemm_probe(int64_t kind, int64_t M, int64_t K, int64_t 
 }
 
 // x [M, K] int8, w packed [P, kq, NB, KP], colsum [P * NB] -> [M, N] int32 exact.
-ffi::Error Int8MatmulImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<ffi::S8> x,
-                          ffi::Buffer<HPNLP_I8W_FFI> w, ffi::Buffer<ffi::S32> colsum,
-                          ffi::ResultBuffer<ffi::S32> out) try {
+ffi::Error Int8MatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
+                          ffi::Buffer<ffi::S8> x, ffi::Buffer<HPNLP_I8W_FFI> w,
+                          ffi::Buffer<ffi::S32> colsum, ffi::ResultBuffer<ffi::S32> out) try {
+  XlaPool::Scope scope(&xla);
   I8Gemm g;
   auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
@@ -1236,10 +1247,12 @@ ffi::Error Int8MatmulImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<f
 // x [M, K] float32 (quantized per row inside), w packed, colsum, w_scale [N], bias [N] or
 // [0] (none) -> [M, N] float32 = act(acc * x_scale[m] * w_scale[n] + bias[n]), act by
 // `activation` (0 none, 1 GELU in its tanh form).
-ffi::Error Int8LinearImpl(int64_t threads, int64_t mc, int64_t mr, int64_t activation,
-                          ffi::Buffer<ffi::F32> x, ffi::Buffer<HPNLP_I8W_FFI> w,
-                          ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::F32> w_scale,
+ffi::Error Int8LinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
+                          int64_t activation, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<HPNLP_I8W_FFI> w, ffi::Buffer<ffi::S32> colsum,
+                          ffi::Buffer<ffi::F32> w_scale,
                           ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> out) try {
+  XlaPool::Scope scope(&xla);
   I8Gemm g;
   auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
@@ -1263,9 +1276,10 @@ ffi::Error Int8LinearImpl(int64_t threads, int64_t mc, int64_t mr, int64_t activ
 }
 
 // x [M, ceil(K/8)] packed bits, w packed [P, kw, XW, NB, 8] -> [M, N] int32 = K - 2 popcount.
-ffi::Error BinaryMatmulImpl(int64_t threads, int64_t mc, int64_t mr, int64_t k,
-                            ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::U8> w,
+ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
+                            int64_t k, ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::U8> w,
                             ffi::ResultBuffer<ffi::S32> out) try {
+  XlaPool::Scope scope(&xla);
   auto d = x.dimensions();
   if (d.size() != 2 || d[1] != (k + 7) / 8)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "binary matmul: bad shape of x");
@@ -1282,9 +1296,10 @@ ffi::Error BinaryMatmulImpl(int64_t threads, int64_t mc, int64_t mr, int64_t k,
 
 // x [M, K] float32 (binarized by sign inside, beta = mean |x| per row), w packed, alpha
 // [N] -> [M, N] float32 = (K - 2 popcount) * beta[m] * alpha[n].
-ffi::Error BinaryLinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> alpha,
+ffi::Error BinaryLinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
+                            ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> alpha,
                             ffi::ResultBuffer<ffi::F32> out) try {
+  XlaPool::Scope scope(&xla);
   auto d = x.dimensions();
   if (d.size() != 2)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "binary linear: bad shape of x");
@@ -1303,8 +1318,9 @@ ffi::Error BinaryLinearImpl(int64_t threads, int64_t mc, int64_t mr, ffi::Buffer
 
 // x [M, K] float32, w packed [P, ceil(K/2), NB] int4 pairs, scales [P, G, NB] (group
 // g = K / G) -> [M, N] float32 = x @ (w * scale).
-ffi::Error Int4LinearImpl(int64_t threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) try {
+ffi::Error Int4LinearImpl(ffi::ThreadPool xla, int64_t threads, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) try {
+  XlaPool::Scope scope(&xla);
   const char* kernel = "int4 linear";
   auto d = x.dimensions(), o = out->dimensions(), sd = scale.dimensions();
   if (d.size() != 2 || o.size() != 2 || o[0] != d[0] || sd.size() != 3 || sd[1] < 1 ||
@@ -1333,14 +1349,14 @@ ffi::Error Int4LinearImpl(int64_t threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   .Attr<int64_t>("threads").Attr<int64_t>("mc").Attr<int64_t>("mr")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Matmul, Int8MatmulImpl,
-                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() HPNLP_BLOCKED_ATTRS
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<HPNLP_I8W_FFI>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Linear, Int8LinearImpl,
-                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() HPNLP_BLOCKED_ATTRS
                                   .Attr<int64_t>("activation")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<HPNLP_I8W_FFI>>()
@@ -1350,21 +1366,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Linear, Int8LinearImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpBinaryMatmul, BinaryMatmulImpl,
-                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() HPNLP_BLOCKED_ATTRS
                                   .Attr<int64_t>("k")
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpBinaryLinear, BinaryLinearImpl,
-                              ffi::Ffi::Bind() HPNLP_BLOCKED_ATTRS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() HPNLP_BLOCKED_ATTRS
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt4Linear, Int4LinearImpl,
-                              ffi::Ffi::Bind()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Attr<int64_t>("threads")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()

@@ -11,7 +11,10 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <thread>
@@ -253,6 +256,97 @@ void parallel(int threads, F&& fn) {
   if (error) std::rethrow_exception(error);
 }
 
+// XLA's intra-op thread pool, for the FFI call in progress on this thread: a handler that
+// binds `.Ctx<ffi::ThreadPool>()` opens an XlaPool::Scope on it for its extent.
+class XlaPool {
+ public:
+  class Scope {
+   public:
+    explicit Scope(ffi::ThreadPool* pool) : saved_(slot()) { slot() = pool; }
+    ~Scope() { slot() = saved_; }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    ffi::ThreadPool* saved_;
+  };
+  // The pool, or null outside a call or where XLA gives the call no threads.
+  static ffi::ThreadPool* current() {
+    ffi::ThreadPool* pool = slot();
+    return pool != nullptr && pool->num_threads() > 0 ? pool : nullptr;
+  }
+
+ private:
+  static ffi::ThreadPool*& slot() {
+    static thread_local ffi::ThreadPool* pool = nullptr;
+    return pool;
+  }
+};
+
+// fn(t) on the caller (t = 0) and on up to threads - 1 of XLA's intra-op threads (t >= 1)
+// that join while the caller works; the work inside fn must be claimed dynamically, as a
+// helper may join late or never. XLA's own threads, not threads of the kernel's: an XLA
+// worker spins for a while after its last fusion, and a kernel thread started or woken
+// beside it shared a core with it (a [2048, 2048 -> 512] int8 product after an XLA
+// elementwise op took 1-2 ms longer than alone; the w8a8 LM prefill of the quant
+// benchmark ran 122 ms with the int8 kernel's own helper threads, 108 on XLA's, measured
+// interleaved in one process on a Xeon, model 207). A task may start after the call has
+// returned (its worker busy until then), so what it touches first lives on the heap,
+// shared: it counts itself active, then claims a slot, and only a task that got one
+// runs fn, while the caller (which closes the slots, then waits for the active ones) is
+// still inside the call.
+template <class F>
+void run_joined(ffi::ThreadPool& xla, int threads, F& fn) {
+  struct Join {
+    std::atomic<int> slots{0}, active{0}, next_t{1};
+    const std::function<void(int)>* job = nullptr;
+  };
+  auto join = std::make_shared<Join>();
+  std::exception_ptr error;
+  std::mutex error_mu;
+  const std::function<void(int)> job = [&](int t) {
+    try {
+      fn(t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(error_mu);
+      if (!error) error = std::current_exception();
+    }
+  };
+  join->job = &job;
+  join->slots.store(threads - 1, std::memory_order_seq_cst);
+  for (int i = 1; i < threads; ++i)
+    xla.Schedule([join] {
+      join->active.fetch_add(1, std::memory_order_seq_cst);
+      int s = join->slots.load(std::memory_order_seq_cst);
+      while (s > 0 && !join->slots.compare_exchange_weak(s, s - 1, std::memory_order_seq_cst)) {}
+      if (s > 0) (*join->job)(join->next_t.fetch_add(1, std::memory_order_relaxed));
+      join->active.fetch_sub(1, std::memory_order_seq_cst);
+    });
+  job(0);
+  join->slots.store(0, std::memory_order_seq_cst);  // no task joins from here on
+  for (int spin = 0; join->active.load(std::memory_order_seq_cst) > 0; ++spin) {
+    if (spin > 2000) std::this_thread::yield();
+#if defined(__x86_64__)
+    else __builtin_ia32_pause();
+#endif
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// fn(t) on the caller and on helpers that join (as run_joined: work claimed dynamically):
+// XLA's intra-op threads inside an FFI call that has them, else `threads` threads started
+// for the call (all of which run).
+template <class F>
+void join_parallel(int threads, F&& fn) {
+  if (threads <= 1) return fn(0);
+  if (ffi::ThreadPool* xla = XlaPool::current()) return run_joined(*xla, threads, fn);
+  parallel(threads, fn);
+}
+
+inline int clamp_threads(int64_t threads, int64_t shares) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(threads, shares)));
+}
+
 // Items [begin, end) of `items` for thread p of `threads` (near-equal static shares).
 inline void share(int items, int threads, int p, int* begin, int* end) {
   *begin = static_cast<int>(int64_t(items) * p / threads);
@@ -265,19 +359,22 @@ inline void share(int items, int threads, int p, int* begin, int* end) {
 // saved activations took as long as their gate arithmetic. Where the system lacks
 // MADV_POPULATE_WRITE (Linux < 5.14) the call fails and the pages fault on first touch,
 // as without it.
+// The pages go in 1 MB pieces claimed by the threads that join (join_parallel).
 inline void populate(std::initializer_list<std::pair<float*, size_t>> buffers, int threads) {
 #ifdef MADV_POPULATE_WRITE
-  constexpr uintptr_t kPage = 4096;
-  parallel(threads, [&](int i) {
-    for (const auto& [p, floats] : buffers) {
-      const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1),
-                      end = reinterpret_cast<uintptr_t>(p + floats) & ~(kPage - 1);
-      if (end <= begin) continue;
-      const uintptr_t pages = (end - begin) / kPage;
-      const uintptr_t a = begin + pages * i / threads * kPage,
-                      b = begin + pages * (i + 1) / threads * kPage;
-      if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
-    }
+  constexpr uintptr_t kPage = 4096, kPiece = uintptr_t(1) << 20;
+  std::vector<std::pair<uintptr_t, uintptr_t>> pieces;
+  for (const auto& [p, floats] : buffers) {
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1),
+                    end = reinterpret_cast<uintptr_t>(p + floats) & ~(kPage - 1);
+    for (uintptr_t a = begin; a < end; a += kPiece)
+      pieces.emplace_back(a, std::min(end, a + kPiece));
+  }
+  std::atomic<size_t> next{0};
+  join_parallel(clamp_threads(threads, int64_t(pieces.size())), [&](int) {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces.size();)
+      madvise(reinterpret_cast<void*>(pieces[i].first), pieces[i].second - pieces[i].first,
+              MADV_POPULATE_WRITE);
   });
 #else
   (void)buffers, (void)threads;
@@ -299,10 +396,6 @@ inline ffi::Error exception_error(const char* kernel) {
   } catch (...) {
     return ffi::Error(ffi::ErrorCode::kInternal, std::string(kernel) + ": unknown error");
   }
-}
-
-inline int clamp_threads(int64_t threads, int64_t shares) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(threads, shares)));
 }
 
 // An InvalidArgument error naming the kernel and the operand unless dims == want.
