@@ -333,3 +333,42 @@ def test_served_int8_layer_with_gelu_epilogue_equals_its_xla_twin():
     want, got = np.asarray(run(packed)), np.asarray(run(served))
     assert want.min() < -0.1 and want.max() > 2.0  # GELU's curve and its linear tail
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_served_output_layer_equals_its_xla_twin(tied):
+    """Under w8a8 the output layer's product runs on the int8 kernel too (`ptq.serve`
+    prepares the tied embedding or the output table): its logits equal the same packed
+    weight decoded in XLA (everything else served alike), and a tied table's input lookups
+    read the same rows."""
+    from flax import traverse_util
+
+    from hpnlp import models
+    from hpnlp.compress import kernels, qlinear
+    from hpnlp.train.loop import dummy_batch
+    if not kernels.available():
+        pytest.skip(str(kernels.unavailable_reason()))
+    cd = default_configdict()
+    cd.data.task, cd.data.seq_len = "byte_lm", 16
+    cd.model.update(kind="lm", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=16)
+    cd.output.tie_embeddings = tied
+    cd.quant.weights, cd.quant.activations = "int8", "int8"
+    cfg = validate(from_configdict(cd), num_devices=1)
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 3, 16)
+    batch["inputs"] = np.asarray(jax.random.randint(jax.random.key(1), (3, 16), 0, 256), np.int32)
+    params = model.init(jax.random.key(0), batch)["params"]
+    params = jax.tree.map(lambda p: p.unbox() if hasattr(p, "unbox") else p, params,
+                          is_leaf=lambda p: hasattr(p, "unbox"))
+    served = ptq.serve(model, ptq.packed_params(model, params, batch), batch)
+    flat = traverse_util.flatten_dict(served, is_leaf=lambda _, x: isinstance(x, qlinear.Served))
+    out_path = ("embed", "embedding") if tied else next(p for p in flat if p[-1] == "kernel"
+                                                         and "table" in "/".join(p))
+    assert isinstance(flat[out_path], qlinear.Served), out_path
+    twin = dict(flat)
+    twin[out_path] = flat[out_path].packed  # the output product decoded in XLA
+    run = jax.jit(lambda p: model.apply({"params": p}, batch, method="log_probs"))
+    got, want = np.asarray(run(served)), np.asarray(run(traverse_util.unflatten_dict(twin)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    hlo = run.lower(served).compile().as_text()
+    assert hlo.count("hpnlp_int8_linear") == 5  # qkv, out, mlp in and out, and the output

@@ -175,6 +175,11 @@ class Served:
     fmt: str = flax.struct.field(pytree_node=False)
     shape: tuple = flax.struct.field(pytree_node=False)
     k_dims: int = flax.struct.field(pytree_node=False, default=1)
+    packed: object = None  # the QWeight it was prepared from (its arrays, not a copy)
+
+    def dequantize(self, dtype=jnp.float32):
+        """The float weight [K, N] (a tied embedding's lookups read its rows)."""
+        return self.packed.dequantize(dtype)
 
 
 def kernel_for(q: QuantConfig, fmt: str) -> str | None:
@@ -203,7 +208,7 @@ def prepare(qw: QWeight, q: QuantConfig) -> "Served | QWeight":
         w = kernels.prepare_binary_weight(qw.codes, qw.scale.reshape(N), k=qw.k)
     else:
         w = kernels.prepare_int4_weight(qw.codes, qw.scale, k=qw.k)
-    return Served(w=w, fmt=qw.fmt, shape=qw.shape, k_dims=qw.k_dims)
+    return Served(w=w, fmt=qw.fmt, shape=qw.shape, k_dims=qw.k_dims, packed=qw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +235,17 @@ class Epilogue:
         return (jax.checkpoint(act) if self.remat else act)(y)
 
 
-def _served_product(x, w: Served, n_contract: int, dtype, bias=None, epilogue: Epilogue = Epilogue()):
+def serve_weight(module: nn.Module, name: str, w, q: QuantConfig) -> None:
+    """In `ptq.serve`'s pass (the `qserve` collection mutable): a QWeight `name` of `module`
+    as its kernel's prepared weight (`prepare`), put at the parameter's path."""
+    if isinstance(w, QWeight) and _mutable(module, "qserve"):
+        module.put_variable("qserve", name, prepare(w, q))
+
+
+def served_product(x, w: Served, n_contract: int, dtype, bias=None,
+                   epilogue: Epilogue = Epilogue()):
+    """x's last `n_contract` axes against a Served weight, by its integer kernel, then +
+    bias and the epilogue's activation (int8: in the kernel's pass)."""
     from hpnlp.compress import kernels
     lead, K = x.shape[:x.ndim - n_contract], math.prod(x.shape[x.ndim - n_contract:])
     x_MK = x.reshape(-1, K).astype(jnp.float32)
@@ -275,7 +290,7 @@ def quant_weight(w, k_dims: int, q: QuantConfig, module: nn.Module | None = None
     `module`/`name`: the parameter's owner and name. In export (the `qexport` collection
     mutable) the packed QWeight is put there, at the parameter's own path, which is how
     `hpnlp.compress.ptq` learns which parameters are product weights and how they lie."""
-    if isinstance(w, QWeight):
+    if isinstance(w, (QWeight, Served)):
         return w.dequantize()
     if q.weights == "none":
         return w
@@ -318,7 +333,7 @@ def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, ki
     doc), then + `bias` (over the last axis) and the `epilogue`'s activation where given."""
     note_product(module, name, kind, parse_spec(spec)[1])
     if isinstance(w, Served):  # an integer kernel computes the whole product
-        return _served_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
+        return served_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
     return epilogue.apply(_product(module, name, spec, x, w, q, kind=kind, dtype=dtype,
                                    preferred_element_type=preferred_element_type), bias)
 
@@ -334,8 +349,7 @@ def _product(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, k
         y = jnp.einsum("mr,rn->mn", t.astype(dtype), w.v.reshape(r, -1).astype(dtype),
                        preferred_element_type=preferred_element_type)
         return y.reshape(lead + tuple(w.v.shape[1:]))
-    if isinstance(w, QWeight) and _mutable(module, "qserve"):
-        module.put_variable("qserve", name, prepare(w, q))
+    serve_weight(module, name, w, q)
     if not q.applies(kind) and not isinstance(w, QWeight):
         return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                           preferred_element_type=preferred_element_type)

@@ -308,8 +308,8 @@ class Embed(nn.Embed):
 
     def table(self):
         """The [V, E] table as the model uses it (quantized rows where configured)."""
-        from hpnlp.compress.qlinear import QWeight, quant_weight
-        if isinstance(self.embedding, QWeight):  # packed as [E, V]: contraction first
+        from hpnlp.compress.qlinear import QWeight, Served, quant_weight
+        if isinstance(self.embedding, (QWeight, Served)):  # packed as [E, V]: contraction first
             return self.embedding.dequantize().T
         if self.quant_rows:
             return quant_weight(self.embedding.T, 1, self.quant, self, "embedding").T

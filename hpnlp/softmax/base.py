@@ -194,14 +194,26 @@ class VocabLayer(LogitsDistribution, nn.Module):
         """Initializer of the [V] bias; objectives that are not shift-invariant override it."""
         return nn.initializers.zeros
 
+    def _stored(self, width: int):
+        """(the product's weight as stored: [V, E] float, or packed [E, V]; b [V]), noted as
+        the `output` product and, in `ptq.serve`'s pass, prepared for its integer kernel
+        where one applies (the hidden states are quantized per token here whatever
+        `quant.act_scale` says: see quant_hidden)."""
+        import dataclasses
+
+        from hpnlp.compress.qlinear import note_product, serve_weight
+        kernel_VE, bias_V = self.table(width)
+        owner, name = (self.embed, "embedding") if self.embed is not None else (self.table, "kernel")
+        note_product(owner, name, "output", (1,))  # [V, E]: E contracts
+        if self.embed is not None:
+            kernel_VE = self.embed.embedding
+        if self.quantized():
+            serve_weight(owner, name, kernel_VE, dataclasses.replace(self.quant, act_scale="dynamic"))
+        return kernel_VE, bias_V
+
     def weights(self, width: int):
         """(W [V, E], b [V]) in the parameter dtype."""
-        kernel_VE, bias_V = self.table(width)
-        from hpnlp.compress.qlinear import note_product
-        if self.embed is not None:
-            note_product(self.embed, "embedding", "output", (1,))  # [V, E], tied
-        else:
-            note_product(self.table, "kernel", "output", (1,))  # [V, E]
+        kernel_VE, bias_V = self._stored(width)
         if self.embed is not None:
             kernel_VE = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
             if kernel_VE.shape[-1] != width:
@@ -226,7 +238,12 @@ class VocabLayer(LogitsDistribution, nn.Module):
         return fake_quant(hidden_NE, self.quant.activations, (-1,))
 
     def logits(self, hidden_NE):
-        """float32 logits [N, V] for every id."""
+        """float32 logits [N, V] for every id: by the integer kernel that computes the
+        product where the weight was prepared for one (`ptq.serve`), else in XLA."""
+        from hpnlp.compress.qlinear import Served, served_product
+        stored, bias_V = self._stored(hidden_NE.shape[-1])
+        if isinstance(stored, Served):  # quantizes hidden_NE itself, as quant_hidden does
+            return served_product(hidden_NE, stored, 1, jnp.float32, bias_V.astype(jnp.float32))
         kernel_VE, bias_V = self.weights(hidden_NE.shape[-1])
         return scores(self.quant_hidden(hidden_NE), kernel_VE, bias_V, self.dtype)
 
@@ -237,8 +254,8 @@ class VocabLayer(LogitsDistribution, nn.Module):
 
 
 def _is_packed(w) -> bool:
-    from hpnlp.compress.qlinear import QWeight
-    return isinstance(w, QWeight)
+    from hpnlp.compress.qlinear import QWeight, Served
+    return isinstance(w, (QWeight, Served))
 
 
 def scores(hidden_NE, kernel_VE, bias_V, dtype):
