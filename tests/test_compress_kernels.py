@@ -172,8 +172,10 @@ def test_int4_linear_matches_twin(M, K, N, groups, threads):
 
 @needs_kernel
 def test_concurrent_calls_share_the_thread_pool():
-    """Kernels called from several threads at once (XLA runs independent ops so): the one
-    that finds the helper pool busy runs alone; every result still equals its twin."""
+    """Kernels called from several threads at once (XLA runs independent ops so): every
+    call schedules its helpers on XLA's intra-op pool, where the calls' tasks interleave and
+    a late one must find its call closed; every result still equals its twin. (Outside XLA,
+    the tuning probes' path, a caller that finds the kernels' own pool busy runs alone.)"""
     import concurrent.futures
     x8, w8 = _int8_operands(37, 300, 70)
     w4 = _int4_operands(37, 256, 70, 2)
