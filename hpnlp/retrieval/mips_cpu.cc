@@ -26,6 +26,8 @@
 // least as many query blocks as threads the database is one range and each query's list
 // is the output row; with fewer (a handful of queries), the panels are split into ranges,
 // each range keeps its own lists, and they are merged in range (= id) order at the end.
+// Inside an XLA call the helpers are XLA's intra-op threads (hpnlp::join_parallel: they
+// join while the caller works, and the caller takes whatever none joined for).
 // The vector type and FFI checks come from hpnlp/kernels/simd.h.
 
 #include <chrono>
@@ -218,14 +220,15 @@ void merge(int ranges, int Q, int k, const float* s, const int32_t* id, float* o
   }
 }
 
-// merge() over `threads` threads, each a share of the queries.
+// merge() over up to `threads` threads (the caller and the helpers that join:
+// hpnlp::join_parallel), claiming a quarter of a thread's share of the queries at a time.
 void merge_all(int ranges, int Q, int k, const float* s, const int32_t* id, float* out_s,
                int32_t* out_id, int threads) {
-  const int nt = clamp_threads(threads, Q);
-  parallel(nt, [&](int t) {
-    int q0, q1;
-    share(Q, nt, t, &q0, &q1);
-    merge(ranges, Q, k, s, id, out_s, out_id, q0, q1);
+  const int nt = clamp_threads(threads, Q), grain = std::max(1, Q / (4 * nt));
+  std::atomic<int> next{0};
+  join_parallel(nt, [&](int) {
+    for (int q0; (q0 = next.fetch_add(grain, std::memory_order_relaxed)) < Q;)
+      merge(ranges, Q, k, s, id, out_s, out_id, q0, std::min(Q, q0 + grain));
   });
 }
 
@@ -248,7 +251,7 @@ void run(Search w, float* out_s, int32_t* out_id, int threads) {
   const int items = blocks * w.ranges;
   const int nt = clamp_threads(nt0, items);
   std::atomic<int> next{0};
-  parallel(nt, [&](int) {
+  join_parallel(nt, [&](int) {
     for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int b = i / w.ranges, r = i % w.ranges;
       int p0, p1;
@@ -431,7 +434,7 @@ void run_ivf(Ivf w, float* out_s, int32_t* out_id, int threads) {
   }
   const int items = blocks * w.ranges;
   std::atomic<int> next{0};
-  parallel(clamp_threads(nt0, items), [&](int) {
+  join_parallel(clamp_threads(nt0, items), [&](int) {
     for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int b = i / w.ranges, r = i % w.ranges;
       int m0, m1;
@@ -477,9 +480,10 @@ extern "C" double hpnlp_mips_probe(int64_t n, int64_t D, int64_t Q, int64_t k, i
 
 // q [Q, D] float32, db packed [P, D, NP] float32, rows >= count padding -> scores [Q, k]
 // float32 best first, ids [Q, k] int32 (ties: the lower id first).
-ffi::Error MipsTopKImpl(int64_t count, int64_t threads, int64_t qb, ffi::Buffer<ffi::F32> q,
-                        ffi::Buffer<ffi::F32> db, ffi::ResultBuffer<ffi::F32> scores,
-                        ffi::ResultBuffer<ffi::S32> ids) try {
+ffi::Error MipsTopKImpl(ffi::ThreadPool xla, int64_t count, int64_t threads, int64_t qb,
+                        ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> db,
+                        ffi::ResultBuffer<ffi::F32> scores, ffi::ResultBuffer<ffi::S32> ids) try {
+  XlaPool::Scope scope(&xla);
   const char* kernel = "exact MIPS";
   auto qd = q.dimensions(), dd = db.dimensions(), sd = scores->dimensions();
   if (qd.size() != 2 || dd.size() != 3 || sd.size() != 2 || sd[0] != qd[0])
@@ -501,6 +505,7 @@ ffi::Error MipsTopKImpl(int64_t count, int64_t threads, int64_t qb, ffi::Buffer<
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpMipsTopK, MipsTopKImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("qb")
@@ -512,10 +517,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpMipsTopK, MipsTopKImpl,
 // q [Q, D] float32, probe [Q, P] int32 chunk indices, db [M, T, D, NP] float32 packed chunks,
 // ids [M, T NP] int32 (-1 padding) -> scores [Q, k] float32 best first, ids [Q, k] int32,
 // ordered by (score desc, id asc); -inf and -1 past the real rows a query scanned.
-ffi::Error IvfScanImpl(int64_t threads, int64_t qb, ffi::Buffer<ffi::F32> q,
-                       ffi::Buffer<ffi::S32> probe, ffi::Buffer<ffi::F32> db,
-                       ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> scores,
+ffi::Error IvfScanImpl(ffi::ThreadPool xla, int64_t threads, int64_t qb,
+                       ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> probe,
+                       ffi::Buffer<ffi::F32> db, ffi::Buffer<ffi::S32> ids,
+                       ffi::ResultBuffer<ffi::F32> scores,
                        ffi::ResultBuffer<ffi::S32> out_ids) try {
+  XlaPool::Scope scope(&xla);
   const char* kernel = "IVF scan";
   auto qd = q.dimensions(), pd = probe.dimensions(), dd = db.dimensions(), sd = scores->dimensions();
   if (qd.size() != 2 || pd.size() != 2 || dd.size() != 4 || sd.size() != 2)
@@ -545,6 +552,7 @@ ffi::Error IvfScanImpl(int64_t threads, int64_t qb, ffi::Buffer<ffi::F32> q,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpIvfScan, IvfScanImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("qb")
                                   .Arg<ffi::Buffer<ffi::F32>>()
