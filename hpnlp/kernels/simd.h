@@ -235,7 +235,9 @@ class Barrier {
   std::atomic<int> gen_{0};
 };
 
-// Run fn(thread_index) on `threads` threads (the caller is thread 0) and join. An
+// Run fn(thread_index) on `threads` threads started for the call (the caller is thread 0)
+// and join. For work that needs every thread at once (the fused LSTM's barriers); work
+// claimed dynamically goes through join_parallel below, which needs no thread started. An
 // exception in any of them (std::bad_alloc of a scratch buffer, say) is rethrown here,
 // after the join, for the FFI handler to turn into an error instead of std::terminate.
 template <class F>
