@@ -124,14 +124,6 @@ inline void row_blocks(int m0, int m1, int mr, F&& f) {
   }
 }
 
-// One poll of a spin-wait: a pause instruction, or after 2000 polls a yield of the core.
-inline void spin_pause(int spin) {
-  if (spin > 2000) std::this_thread::yield();
-#if defined(__x86_64__)
-  else __builtin_ia32_pause();
-#endif
-}
-
 // Helper threads that live across calls, for the kernels run outside an XLA call (the
 // tuning probes): inside one, the helpers are XLA's own intra-op threads
 // (hpnlp::run_joined, the same join protocol), which ran the w8a8 LM prefill 1.13x and its
@@ -168,43 +160,31 @@ class Pool {
     if (ffi::ThreadPool* xla = XlaPool::current()) return run_joined(*xla, threads, fn);
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) return fn(0);
-    std::exception_ptr error;
-    std::mutex error_mu;
-    std::function<void(int)> job = [&](int t) {
-      try {
-        fn(t);
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(error_mu);
-        if (!error) error = std::current_exception();
-      }
-    };
+    Guarded<std::remove_reference_t<F>> guarded(fn);
+    const std::function<void(int)> job = std::ref(guarded);
     {
       std::lock_guard<std::mutex> lk(mu_);
       while (int(helpers_.size()) < threads - 1)
         helpers_.emplace_back([this] { loop(); }), helpers_.back().detach();
     }
-    job_ = &job;
-    next_t_.store(1, std::memory_order_relaxed);
-    slots_.store(threads - 1, std::memory_order_seq_cst);  // publishes job_
+    join_.open(&job, threads - 1);
     {
       std::lock_guard<std::mutex> lk(mu_);  // a helper parks under mu_: none is missed
       if (parked_ > 0) wake_.notify_all();
     }
     job(0);
-    slots_.store(0, std::memory_order_seq_cst);  // no helper joins from here on
-    for (int spin = 0; active_.load(std::memory_order_seq_cst) > 0; ++spin) spin_pause(spin);
-    if (error) std::rethrow_exception(error);
+    join_.close();
+    guarded.rethrow();
   }
 
  private:
   static constexpr std::chrono::microseconds kSpin{200};
 
-  // A helper counts itself active before it claims a slot, so a caller that has closed
-  // the slots and then sees no helper active knows none will touch its job.
+  // A helper waits for open slots, then joins (hpnlp::JoinSlots).
   void loop() {
     for (;;) {
       auto start = std::chrono::steady_clock::now();
-      for (int spin = 0; slots_.load(std::memory_order_seq_cst) == 0; ++spin) {
+      for (int spin = 0; join_.slots.load(std::memory_order_seq_cst) == 0; ++spin) {
         if (spin < 256) {
           spin_pause(0);
           continue;
@@ -213,26 +193,21 @@ class Pool {
         if (idle > kSpin) {
           std::unique_lock<std::mutex> lk(mu_);
           ++parked_;
-          wake_.wait(lk, [&] { return slots_.load(std::memory_order_seq_cst) > 0; });
+          wake_.wait(lk, [&] { return join_.slots.load(std::memory_order_seq_cst) > 0; });
           --parked_;
           start = std::chrono::steady_clock::now(), spin = 0;
         } else {
           std::this_thread::yield();  // a runnable thread (XLA's, another kernel's) goes first
         }
       }
-      active_.fetch_add(1, std::memory_order_seq_cst);
-      int s = slots_.load(std::memory_order_seq_cst);
-      while (s > 0 && !slots_.compare_exchange_weak(s, s - 1, std::memory_order_seq_cst)) {}
-      if (s > 0) (*job_)(next_t_.fetch_add(1, std::memory_order_relaxed));
-      active_.fetch_sub(1, std::memory_order_seq_cst);
+      join_.join();
     }
   }
 
   std::mutex busy_, mu_;
   std::condition_variable wake_;
   std::vector<std::thread> helpers_;
-  const std::function<void(int)>* job_ = nullptr;
-  std::atomic<int> slots_{0}, active_{0}, next_t_{1};
+  JoinSlots join_;
   int parked_ = 0;  // under mu_
 };
 

@@ -18,6 +18,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -235,6 +236,65 @@ class Barrier {
   std::atomic<int> gen_{0};
 };
 
+// One poll of a spin-wait: a pause instruction, or after 2000 polls a yield of the core.
+inline void spin_pause(int spin) {
+  if (spin > 2000) std::this_thread::yield();
+#if defined(__x86_64__)
+  else __builtin_ia32_pause();
+#endif
+}
+
+// fn(t) as several threads run it: the first exception any of them throws (std::bad_alloc
+// of a scratch buffer, say) is kept for the caller to rethrow after the join.
+template <class F>
+class Guarded {
+ public:
+  explicit Guarded(F& fn) : fn_(fn) {}
+  void operator()(int t) {
+    try {
+      fn_(t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+  void rethrow() {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  F& fn_;
+  std::exception_ptr error_;
+  std::mutex mu_;
+};
+
+// How helpers that may come late or never join a call's job: the caller opens slots, a
+// helper counts itself active before it claims one (and runs the job, as t = 1, 2, ...,
+// only with one), and the caller closes the slots, then waits until none is active, so no
+// helper touches the job after the call. Used by run_joined and by the quantized kernels'
+// own helper pool (qgemm.cc).
+struct JoinSlots {
+  std::atomic<int> slots{0}, active{0}, next_t{1};
+  const std::function<void(int)>* job = nullptr;
+
+  void open(const std::function<void(int)>* j, int helpers) {
+    job = j;
+    next_t.store(1, std::memory_order_relaxed);
+    slots.store(helpers, std::memory_order_seq_cst);  // publishes job
+  }
+  void join() {
+    active.fetch_add(1, std::memory_order_seq_cst);
+    int s = slots.load(std::memory_order_seq_cst);
+    while (s > 0 && !slots.compare_exchange_weak(s, s - 1, std::memory_order_seq_cst)) {}
+    if (s > 0) (*job)(next_t.fetch_add(1, std::memory_order_relaxed));
+    active.fetch_sub(1, std::memory_order_seq_cst);
+  }
+  void close() {
+    slots.store(0, std::memory_order_seq_cst);  // no helper joins from here on
+    for (int spin = 0; active.load(std::memory_order_seq_cst) > 0; ++spin) spin_pause(spin);
+  }
+};
+
 // Run fn(thread_index) on `threads` threads started for the call (the caller is thread 0)
 // and join. For work that needs every thread at once (the fused LSTM's barriers); work
 // claimed dynamically goes through join_parallel below, which needs no thread started. An
@@ -242,20 +302,12 @@ class Barrier {
 // after the join, for the FFI handler to turn into an error instead of std::terminate.
 template <class F>
 void parallel(int threads, F&& fn) {
-  std::exception_ptr error;
-  std::atomic<bool> failed{false};
-  auto guarded = [&](int p) {
-    try {
-      fn(p);
-    } catch (...) {
-      if (!failed.exchange(true)) error = std::current_exception();
-    }
-  };
+  Guarded<std::remove_reference_t<F>> guarded(fn);
   std::vector<std::thread> pool;
-  for (int p = 1; p < threads; ++p) pool.emplace_back(guarded, p);
+  for (int p = 1; p < threads; ++p) pool.emplace_back(std::ref(guarded), p);
   guarded(0);
   for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  guarded.rethrow();
 }
 
 // XLA's intra-op thread pool, for the FFI call in progress on this thread: a handler that
@@ -293,46 +345,17 @@ class XlaPool {
 // elementwise op took 1-2 ms longer than alone; the w8a8 LM prefill of the quant
 // benchmark ran 122 ms with the int8 kernel's own helper threads, 108 on XLA's, measured
 // interleaved in one process on a Xeon, model 207). A task may start after the call has
-// returned (its worker busy until then), so what it touches first lives on the heap,
-// shared: it counts itself active, then claims a slot, and only a task that got one
-// runs fn, while the caller (which closes the slots, then waits for the active ones) is
-// still inside the call.
+// returned (its worker busy until then), so the join slots live on the heap, shared.
 template <class F>
 void run_joined(ffi::ThreadPool& xla, int threads, F& fn) {
-  struct Join {
-    std::atomic<int> slots{0}, active{0}, next_t{1};
-    const std::function<void(int)>* job = nullptr;
-  };
-  auto join = std::make_shared<Join>();
-  std::exception_ptr error;
-  std::mutex error_mu;
-  const std::function<void(int)> job = [&](int t) {
-    try {
-      fn(t);
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(error_mu);
-      if (!error) error = std::current_exception();
-    }
-  };
-  join->job = &job;
-  join->slots.store(threads - 1, std::memory_order_seq_cst);
-  for (int i = 1; i < threads; ++i)
-    xla.Schedule([join] {
-      join->active.fetch_add(1, std::memory_order_seq_cst);
-      int s = join->slots.load(std::memory_order_seq_cst);
-      while (s > 0 && !join->slots.compare_exchange_weak(s, s - 1, std::memory_order_seq_cst)) {}
-      if (s > 0) (*join->job)(join->next_t.fetch_add(1, std::memory_order_relaxed));
-      join->active.fetch_sub(1, std::memory_order_seq_cst);
-    });
+  auto join = std::make_shared<JoinSlots>();
+  Guarded<F> guarded(fn);
+  const std::function<void(int)> job = std::ref(guarded);
+  join->open(&job, threads - 1);
+  for (int i = 1; i < threads; ++i) xla.Schedule([join] { join->join(); });
   job(0);
-  join->slots.store(0, std::memory_order_seq_cst);  // no task joins from here on
-  for (int spin = 0; join->active.load(std::memory_order_seq_cst) > 0; ++spin) {
-    if (spin > 2000) std::this_thread::yield();
-#if defined(__x86_64__)
-    else __builtin_ia32_pause();
-#endif
-  }
-  if (error) std::rethrow_exception(error);
+  join->close();
+  guarded.rethrow();
 }
 
 // fn(t) on the caller and on helpers that join (as run_joined: work claimed dynamically):

@@ -199,8 +199,6 @@ class VocabLayer(LogitsDistribution, nn.Module):
         the `output` product and, in `ptq.serve`'s pass, prepared for its integer kernel
         where one applies (the hidden states are quantized per token here whatever
         `quant.act_scale` says: see quant_hidden)."""
-        import dataclasses
-
         from hpnlp.compress.qlinear import note_product, serve_weight
         kernel_VE, bias_V = self.table(width)
         owner, name = (self.embed, "embedding") if self.embed is not None else (self.table, "kernel")
@@ -213,7 +211,11 @@ class VocabLayer(LogitsDistribution, nn.Module):
 
     def weights(self, width: int):
         """(W [V, E], b [V]) in the parameter dtype."""
-        kernel_VE, bias_V = self._stored(width)
+        return self._decoded(*self._stored(width), width)
+
+    def _decoded(self, kernel_VE, bias_V, width: int):
+        """`_stored`'s weight as the float [V, E] the product multiplies (decoded, or
+        fake-quantized where `quant` covers the output layer), and b [V]."""
         if self.embed is not None:
             kernel_VE = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
             if kernel_VE.shape[-1] != width:
@@ -244,7 +246,7 @@ class VocabLayer(LogitsDistribution, nn.Module):
         stored, bias_V = self._stored(hidden_NE.shape[-1])
         if isinstance(stored, Served):  # quantizes hidden_NE itself, as quant_hidden does
             return served_product(hidden_NE, stored, 1, jnp.float32, bias_V.astype(jnp.float32))
-        kernel_VE, bias_V = self.weights(hidden_NE.shape[-1])
+        kernel_VE, bias_V = self._decoded(stored, bias_V, hidden_NE.shape[-1])
         return scores(self.quant_hidden(hidden_NE), kernel_VE, bias_V, self.dtype)
 
     def rows(self, ids, width: int):
