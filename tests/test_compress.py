@@ -116,6 +116,43 @@ def test_spec_order_rule():
         parse_spec("bhd,ehd->be")  # contraction not leading in w
 
 
+
+@pytest.mark.parametrize("spec,x_shape,w_shape,bias,dtype,pet", [
+    ("...k,kn->...n", (3, 5, 7), (7, 11), True, jnp.float32, None),  # Dense
+    ("ble,ekhd->blkhd", (2, 5, 6), (6, 3, 2, 4), False, jnp.float32, None),  # qkv
+    ("blhd,hde->ble", (2, 5, 3, 4), (3, 4, 9), False, jnp.float32, None),  # out
+    ("...k,kn->...n", (13, 7), (7, 5), True, jnp.bfloat16, jnp.float32),
+])
+def test_float_product_and_its_gradients_equal_autodiff_of_the_einsum(spec, x_shape, w_shape,
+                                                                      bias, dtype, pet):
+    """qeinsum's float product differentiates itself (float_product: dW = x^T g and
+    db = 1^T g as products): values and all three gradients as autodiff of the einsum."""
+    from hpnlp.compress.qlinear import float_product
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], x_shape, dtype)
+    w = jax.random.normal(k[1], w_shape, dtype)
+    b = jax.random.normal(k[2], (w_shape[-1],), dtype) if bias else None
+    n = len(parse_spec(spec)[0])
+    cot = jax.random.normal(k[3], jnp.einsum(spec, x, w).shape, jnp.float32)
+
+    def ref(x, w, b):
+        y = jnp.einsum(spec, x, w, preferred_element_type=pet)
+        return y if b is None else y + b.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+    def loss(f):
+        return lambda x, w, b: jnp.sum(f(x, w, b).astype(jnp.float32) * cot)
+    mine = lambda x, w, b: float_product(x, w, b, n, pet)  # noqa: E731
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    y, y_ref = mine(x, w, b), ref(x, w, b)
+    assert y.dtype == y_ref.dtype
+    np.testing.assert_allclose(np.float32(y), np.float32(y_ref), rtol=tol, atol=tol)
+    args = (0, 1, 2) if bias else (0, 1)
+    got = jax.grad(loss(mine), args)(x, w, b)
+    want = jax.grad(loss(ref), args)(x, w, b)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        np.testing.assert_allclose(np.float32(g), np.float32(r), rtol=tol, atol=tol * 10)
+
 def _cfg(arch="transformer", **quant):
     cd = default_configdict()
     cd.data.task = "byte_lm"
