@@ -395,10 +395,10 @@ def _product(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, k
     if isinstance(w, Factored):  # two products through the rank: x U, then (x U) V
         n_contract = len(parse_spec(spec)[0])
         lead, r = x.shape[:x.ndim - n_contract], w.rank
-        t = jnp.einsum("mk,kr->mr", x.reshape(-1, math.prod(x.shape[len(lead):])).astype(dtype),
-                       w.u.reshape(-1, r).astype(dtype), preferred_element_type=preferred_element_type)
-        y = jnp.einsum("mr,rn->mn", t.astype(dtype), w.v.reshape(r, -1).astype(dtype),
-                       preferred_element_type=preferred_element_type)
+        t = float_product(x.reshape(-1, math.prod(x.shape[len(lead):])).astype(dtype),
+                          w.u.reshape(-1, r).astype(dtype), None, 1, preferred_element_type)
+        y = float_product(t.astype(dtype), w.v.reshape(r, -1).astype(dtype), None, 1,
+                          preferred_element_type)
         return y.reshape(lead + tuple(w.v.shape[1:]))
     serve_weight(module, name, w, q)
     x_axes, w_axes = parse_spec(spec)
