@@ -1,0 +1,115 @@
+"""qeinsum's float products with their own gradients against autodiff's, in one process.
+
+    python tools/float_product_ab.py [--rounds 7]
+
+Every float product in hpnlp's Transformers (qkv, attention out, the MLP's two Dense
+layers, low-rank factors) goes through `hpnlp.compress.qlinear.float_product`, whose
+custom VJP computes dW = x^T g in the weight's own layout and db = 1^T g as products. This
+script builds each train step below twice: as hpnlp runs it, and with `float_product`
+replaced by the same product differentiated by JAX's autodiff (XLA:CPU then transposes each
+layer's output gradient and reduces the bias gradient by a reduce-window tree). It times
+them interleaved (a round times each variant once, in turn; the median of the rounds), and
+checks that both give the same outputs. Steps: the default byte LM
+(`experiments/lm.py:bytes`), the text classifier (`experiments/lra.py:text` at 256 bytes, as
+the compress bench trains it), and the byte LM at low rank 42 (the compress bench's
+half-parameter factorization). The README quotes this script's output.
+"""
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+
+import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.bench import harness
+from hpnlp.compress import qlinear
+from hpnlp.config import from_configdict
+from hpnlp.train import Trainer
+from hpnlp.train.loop import _global
+from hpnlp.train.step import make_train_step, step_compiler_options
+
+
+def autodiff_product(x, w, bias, n_contract, preferred_element_type=None):
+    """float_product's values, differentiated by autodiff (the test's reference too)."""
+    y = jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n_contract, x.ndim)),
+                                    tuple(range(n_contract))), ((), ())),
+                            preferred_element_type=preferred_element_type)
+    return y if bias is None else y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def compiled_step(tr, state, batch, product):
+    """The train step as Trainer builds it, traced with `product` as qeinsum's float product."""
+    own = qlinear.float_product
+    qlinear.float_product = product
+    try:
+        fn = jax.jit(make_train_step(tr.model, tr.tx, tr.cfg.train, tr.carries), donate_argnums=0)
+        return fn.lower(state, batch).compile(compiler_options=step_compiler_options())
+    finally:
+        qlinear.float_product = own
+
+
+def ab(name: str, tr, state, batch, *, rounds: int, calls: int) -> None:
+    variants = {"own VJP": qlinear.float_product, "autodiff": autodiff_product}
+    compiled = {k: compiled_step(tr, state, batch, p) for k, p in variants.items()}
+
+    def fresh():
+        return jax.tree.map(jnp.copy, state)
+    outs = {k: jax.block_until_ready(c(fresh(), batch)) for k, c in compiled.items()}
+    a, b = (jax.tree.leaves(o) for o in outs.values())
+    diff = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
+                     / max(float(np.max(np.abs(np.asarray(x, np.float64)))), 1e-30))
+               for x, y in zip(a, b) if np.issubdtype(np.asarray(x).dtype, np.floating))
+    times = {k: [] for k in compiled}
+    for _ in range(rounds):
+        for k, c in compiled.items():
+            states = [fresh() for _ in range(calls)]
+            t0 = time.perf_counter()
+            for s in states:
+                out = c(s, batch)
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / calls)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    own, auto = med["own VJP"], med["autodiff"]
+    print(f"{name:30s} {auto * 1e3:9.1f} ms {own * 1e3:9.1f} ms {auto / own:6.2f}x   "
+          f"largest difference {diff:.1e} (relative, after one step)", flush=True)
+
+
+def trainer(experiment: str, arg: str, **model):
+    cd = harness.experiment_module(experiment).get_config(arg)
+    cd.train.progress = False
+    if experiment == "lra.py":
+        cd.data.seq_len = cd.model.max_len = 256
+    for field, value in model.items():  # "lowrank.rank": 42
+        *path, last = field.split(".")
+        node = cd.model
+        for name in path:
+            node = node[name]
+        node[last] = value
+    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+    state, _ = tr.initial_state()
+    return tr, state, _global(next(iter(tr.train_iter)), tr.batch_sharding)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}")
+    print(f"{'train step':30s} {'autodiff':>12s} {'own VJP':>12s} {'speedup':>7s}")
+    for label, (exp, arg, model) in {
+            "byte LM": ("lm.py", "bytes", {}),
+            "text classifier": ("lra.py", "text", {}),
+            "byte LM, low rank 42": ("lm.py", "bytes", {"lowrank.rank": 42})}.items():
+        tr, state, batch = trainer(exp, arg, **model)
+        ab(label, tr, state, batch, rounds=args.rounds, calls=3)
+
+
+if __name__ == "__main__":
+    main()
