@@ -185,3 +185,29 @@ def test_dropout_is_active_only_in_training():
     assert float(a["loss"]) != float(b["loss"])
     ev = models.build(cfg, deterministic=True)
     chex.assert_trees_all_equal(ev.apply({"params": params}, batch), ev.apply({"params": params}, batch))
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)])
+def test_layer_norm_equals_flax_values_and_gradients(dtype, out_dtype):
+    """transformer.LayerNorm (its own backward: scale and bias gradients as products) against
+    flax's nn.LayerNorm: the same parameters, outputs and all three gradients."""
+    from hpnlp.models.transformer import LayerNorm
+    k = jax.random.split(jax.random.key(0), 4)
+    x = (3.0 * jax.random.normal(k[0], (3, 5, 7)) + 1.0).astype(dtype)
+    cot = jax.random.normal(k[1], (3, 5, 7))
+    mine, ref = LayerNorm(dtype=out_dtype), nn.LayerNorm(dtype=out_dtype)
+    params = ref.init(k[2], x)
+    assert jax.tree.structure(mine.init(k[2], x)) == jax.tree.structure(params)
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(k[3], p.shape), params)
+
+    def loss(module):
+        return lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32) * cot)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    y, y_ref = mine.apply(params, x), ref.apply(params, x)
+    assert y.dtype == y_ref.dtype
+    np.testing.assert_allclose(np.float32(y), np.float32(y_ref), rtol=tol, atol=tol)
+    got = jax.grad(loss(mine), (0, 1))(params, x)
+    want = jax.grad(loss(ref), (0, 1))(params, x)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == r.dtype
+        np.testing.assert_allclose(np.float32(g), np.float32(r), rtol=tol, atol=tol * 10)

@@ -1,13 +1,15 @@
-"""qeinsum's float products with their own gradients against autodiff's, in one process.
+"""hpnlp's own VJPs for float products and LayerNorm against autodiff's, in one process.
 
     python tools/float_product_ab.py [--rounds 7]
 
 Every float product in hpnlp's Transformers (qkv, attention out, the MLP's two Dense
 layers, low-rank factors) goes through `hpnlp.compress.qlinear.float_product`, whose
-custom VJP computes dW = x^T g in the weight's own layout and db = 1^T g as products. This
-script builds each train step below twice: as hpnlp runs it, and with `float_product`
-replaced by the same product differentiated by JAX's autodiff (XLA:CPU then transposes each
-layer's output gradient and reduces the bias gradient by a reduce-window tree). It times
+custom VJP computes dW = x^T g in the weight's own layout and db = 1^T g as products, and
+every Transformer LayerNorm is `hpnlp.models.transformer.LayerNorm`, whose VJP sums its
+scale and bias gradients the same way. This script builds each train step below twice: as
+hpnlp runs it, and as it ran before both (products differentiated by JAX's autodiff,
+flax's own `nn.LayerNorm`; XLA:CPU then transposes each layer's output gradient and sums
+the bias, scale and shift gradients by reduce-window trees). It times
 them interleaved (a round times each variant once, in turn; the median of the rounds), and
 checks that both give the same outputs. Steps: the default byte LM
 (`experiments/lm.py:bytes`), the text classifier (`experiments/lra.py:text` at 256 bytes, as
@@ -22,6 +24,7 @@ import tempfile
 import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +32,7 @@ import numpy as np
 from hpnlp.bench import harness
 from hpnlp.compress import qlinear
 from hpnlp.config import from_configdict
+from hpnlp.models import transformer
 from hpnlp.train import Trainer
 from hpnlp.train.loop import _global
 from hpnlp.train.step import make_train_step, step_compiler_options
@@ -42,20 +46,22 @@ def autodiff_product(x, w, bias, n_contract, preferred_element_type=None):
     return y if bias is None else y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
 
 
-def compiled_step(tr, state, batch, product):
-    """The train step as Trainer builds it, traced with `product` as qeinsum's float product."""
-    own = qlinear.float_product
-    qlinear.float_product = product
+def compiled_step(tr, state, batch, product, layer_norm):
+    """The train step as Trainer builds it, traced with `product` as qeinsum's float product
+    and `layer_norm` as the Transformer's LayerNorm class."""
+    own = qlinear.float_product, transformer.LayerNorm
+    qlinear.float_product, transformer.LayerNorm = product, layer_norm
     try:
         fn = jax.jit(make_train_step(tr.model, tr.tx, tr.cfg.train, tr.carries), donate_argnums=0)
         return fn.lower(state, batch).compile(compiler_options=step_compiler_options())
     finally:
-        qlinear.float_product = own
+        qlinear.float_product, transformer.LayerNorm = own
 
 
 def ab(name: str, tr, state, batch, *, rounds: int, calls: int) -> None:
-    variants = {"own VJP": qlinear.float_product, "autodiff": autodiff_product}
-    compiled = {k: compiled_step(tr, state, batch, p) for k, p in variants.items()}
+    variants = {"own VJP": (qlinear.float_product, transformer.LayerNorm),
+                "autodiff": (autodiff_product, nn.LayerNorm)}
+    compiled = {k: compiled_step(tr, state, batch, *v) for k, v in variants.items()}
 
     def fresh():
         return jax.tree.map(jnp.copy, state)

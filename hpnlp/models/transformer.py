@@ -107,9 +107,66 @@ class MultiHeadAttention(nn.Module):
                                        kind="out", dtype=dt), "attention_out")
 
 
+class LayerNorm(nn.LayerNorm):
+    """flax's `nn.LayerNorm` over the last axis (the same fields, parameters, statistics in
+    float32 and forward values) whose backward is `_layer_norm`'s: the scale and bias
+    gradients, sums over every token, are matrix-vector products, where autodiff's
+    reductions ran on XLA:CPU as slow reduce-window trees. Other axes, masks or a mapped
+    axis name are flax's own code."""
+
+    @nn.compact
+    def __call__(self, x, *, mask=None):
+        if (mask is not None or self.axis_name is not None or self.reduction_axes != -1
+                or self.feature_axes != -1 or not (self.use_bias and self.use_scale
+                                                    and self.use_fast_variance)):
+            return super().__call__(x, mask=mask)
+        E = x.shape[-1]
+        scale = self.param("scale", self.scale_init, (E,), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (E,), self.param_dtype)
+        dtype = jax.dtypes.canonicalize_dtype(jnp.result_type(x, scale, bias)
+                                              if self.dtype is None else self.dtype)
+        return _layer_norm(x, scale, bias, self.epsilon, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _layer_norm(x, scale, bias, epsilon: float, dtype):
+    return _layer_norm_fwd(x, scale, bias, epsilon, dtype)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, epsilon, dtype):
+    # flax's arithmetic, in its order: float32 statistics, E[x^2] - E[x]^2 clipped at 0
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mu = jnp.mean(xf, -1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(jax.lax.square(xf), -1, keepdims=True) - jax.lax.square(mu))
+    rstd = jax.lax.rsqrt(var + epsilon)
+    row = (1,) * (x.ndim - 1) + (-1,)  # a feature vector against [..., E]
+    y = (x - mu) * (rstd * scale.reshape(row)) + bias.reshape(row)
+    return jnp.asarray(y, dtype), (x, mu, rstd, scale, bias)
+
+
+def _layer_norm_bwd(epsilon, dtype, res, g):
+    del epsilon, dtype
+    x, mu, rstd, scale, bias = res
+    gf = g.astype(mu.dtype)
+    xhat = (x - mu) * rstd
+    gs = gf * scale.astype(mu.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    dx = rstd * (gs - jnp.mean(gs, -1, keepdims=True)
+                 - xhat * jnp.mean(gs * xhat, -1, keepdims=True))
+    E = x.shape[-1]
+    ones = jnp.ones((x.size // E,), mu.dtype)
+
+    def col_sums(a):  # sum over every token, as a product
+        return jax.lax.dot_general(ones, a.reshape(-1, E), (((0,), (0,)), ((), ())))
+    return (dx.astype(x.dtype), col_sums(gf * xhat).astype(scale.dtype),
+            col_sums(gf).astype(bias.dtype))
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
 def layer_norm(m: ModelConfig, name: str) -> nn.LayerNorm:
     dt, pdt = dtypes(m)
-    cls = nn.remat(nn.LayerNorm) if m.remat == "elementwise" else nn.LayerNorm
+    cls = nn.remat(LayerNorm) if m.remat == "elementwise" else LayerNorm
     return cls(dtype=dt, param_dtype=pdt, name=name,
                         scale_init=_init(nn.initializers.ones, ("embed",)),
                         bias_init=_init(nn.initializers.zeros, ("embed",)))
@@ -229,9 +286,9 @@ class Trunk(nn.Module):
             for i in range(m.depth):
                 x_BLE = block_cls(m, self.attention, self.causal, self.deterministic, self.decode,
                                   index=i, name=f"block_{i}")(x_BLE, seg_BL)
-        return nn.LayerNorm(dtype=dt, param_dtype=pdt, name="final_norm",
-                            scale_init=_init(nn.initializers.ones, ("embed",)),
-                            bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)
+        return LayerNorm(dtype=dt, param_dtype=pdt, name="final_norm",
+                         scale_init=_init(nn.initializers.ones, ("embed",)),
+                         bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)
 
 
 @jax.custom_vjp
