@@ -21,14 +21,13 @@ import argparse
 import os
 import platform
 import tempfile
-import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ablib import interleaved_medians, largest_relative_difference
 from hpnlp.bench import harness
 from hpnlp.compress import qlinear
 from hpnlp.config import from_configdict
@@ -66,20 +65,8 @@ def ab(name: str, tr, state, batch, *, rounds: int, calls: int) -> None:
     def fresh():
         return jax.tree.map(jnp.copy, state)
     outs = {k: jax.block_until_ready(c(fresh(), batch)) for k, c in compiled.items()}
-    a, b = (jax.tree.leaves(o) for o in outs.values())
-    diff = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
-                     / max(float(np.max(np.abs(np.asarray(x, np.float64)))), 1e-30))
-               for x, y in zip(a, b) if np.issubdtype(np.asarray(x).dtype, np.floating))
-    times = {k: [] for k in compiled}
-    for _ in range(rounds):
-        for k, c in compiled.items():
-            states = [fresh() for _ in range(calls)]
-            t0 = time.perf_counter()
-            for s in states:
-                out = c(s, batch)
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / calls)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    diff = largest_relative_difference(*outs.values())
+    med = interleaved_medians(compiled, lambda: (fresh(), batch), rounds=rounds, calls=calls)
     own, auto = med["own VJP"], med["autodiff"]
     print(f"{name:30s} {auto * 1e3:9.1f} ms {own * 1e3:9.1f} ms {auto / own:6.2f}x   "
           f"largest difference {diff:.1e} (relative, after one step)", flush=True)

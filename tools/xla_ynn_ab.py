@@ -17,13 +17,13 @@ import argparse
 import os
 import platform
 import tempfile
-import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ablib import interleaved_medians, largest_relative_difference
 from hpnlp import models
 from hpnlp.bench import harness
 from hpnlp.config import from_configdict
@@ -41,20 +41,8 @@ def ab(name: str, fn, args, *, rounds: int, calls: int, donate: bool = False) ->
     compiled = {k: fn.lower(*args).compile(compiler_options=o) for k, o in VARIANTS.items()}
     fresh = (lambda: (jax.tree.map(jnp.copy, args[0]),) + tuple(args[1:])) if donate else (lambda: args)
     outs = {k: jax.block_until_ready(c(*fresh())) for k, c in compiled.items()}
-    a, b = (jax.tree.leaves(o) for o in outs.values())
-    diff = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
-                     / max(float(np.max(np.abs(np.asarray(x, np.float64)))), 1e-30))
-               for x, y in zip(a, b) if np.issubdtype(np.asarray(x).dtype, np.floating))
-    times = {k: [] for k in compiled}
-    for _ in range(rounds):
-        for k, c in compiled.items():
-            inputs = [fresh() for _ in range(calls)]
-            t0 = time.perf_counter()
-            for x in inputs:
-                out = c(*x)
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / calls)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    diff = largest_relative_difference(*outs.values())
+    med = interleaved_medians(compiled, fresh, rounds=rounds, calls=calls)
     base, off = med["XLA default"], med["YNN fusions off"]
     print(f"{name:38s} {base * 1e3:9.1f} ms {off * 1e3:9.1f} ms {base / off:6.2f}x   "
           f"largest difference {diff:.1e} (relative)", flush=True)
