@@ -15,10 +15,25 @@ arithmetic to fold the loads into, so capping XLA's code generation at AVX2
 (`--xla_cpu_max_isa=AVX2`) removes the whole class. XLA already prefers 256-bit vectors
 on these CPUs; the byte LM trains at the same speed either way (docs/xla_defects.md).
 The kernels hpnlp compiles itself (`hpnlp.kernels`) are not affected and keep AVX-512.
+
+**XLA:CPU faults its buffers in again on every call (performance).** XLA:CPU allocates each
+call's temporaries (one block: 134 MB for the default byte LM's train step) and outputs
+with `malloc`, and frees them when the call ends. glibc serves blocks that large with a
+fresh `mmap` and returns them with `munmap`, so every call takes a page fault (and a zeroed
+page from the kernel) for each 4 KiB it touches: 32,700 faults in every byte-LM train
+step, whose time falls 1.3x without them (`tools/malloc_ab.py`). Importing hpnlp sets
+glibc's malloc to keep freed memory for reuse instead (`mallopt`: one arena, heap rather
+than `mmap` for large blocks, no trimming), which takes the faults to zero after the first
+few calls. Only with glibc, only where JAX runs on the CPU (no accelerator plugin
+installed, `JAX_PLATFORMS` unset or naming cpu first), and not where the user tuned malloc
+themselves (`GLIBC_TUNABLES`, `MALLOC_*_` variables or an `LD_PRELOAD`ed allocator). The
+cost is memory: freed memory stays with the process, and peak RSS rose 1.2x to 2x on the
+steps measured. `HPNLP_MALLOC_WORKAROUND=0` skips this one alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import sys
@@ -28,7 +43,15 @@ import warnings
 # on the 16-core host of a lent GPU machine, its CPU backend, by the suite's repro test.
 PAD_OVERREAD_JAXLIB = ("0.10.2", "0.11.2")
 ISA_FLAG = "--xla_cpu_max_isa=AVX2"
-APPLIED: list[str] = []  # the flags `apply()` added in this process
+APPLIED: list[str] = []  # the flags and malloc settings `apply()` made in this process
+# glibc's mallopt parameters (malloc.h) and the values the re-fault workaround gives them:
+# every thread allocates from the one heap (other arenas' heaps cannot hold blocks over
+# 64 MB and map them instead), large blocks come from that heap instead of their own
+# mmap, and free() never gives its top back to the kernel (the default trims above 128 KiB).
+MALLOPT = {"M_ARENA_MAX": (-8, 1), "M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1)}
+# Installed distributions that give JAX a device other than the CPU (the workaround was
+# measured on CPU-only machines).
+ACCELERATOR_PLUGINS = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm", "libtpu")
 
 
 def cpu_flags() -> set[str]:
@@ -71,18 +94,79 @@ def pad_overread_flag() -> str | None:
     return ISA_FLAG
 
 
-def apply() -> list[str]:
-    """Add the needed XLA flags to XLA_FLAGS (child processes inherit them); returns them."""
-    flag = pad_overread_flag()
-    if flag is None:
+def _user_tuned_malloc() -> str | None:
+    """The environment variable by which the user chose their own malloc settings, if any."""
+    if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES"
+    for name in os.environ:
+        if name == "MALLOC_ARENA_MAX" or (name.startswith("MALLOC_") and name.endswith("_")):
+            return name
+    if any(k in os.environ.get("LD_PRELOAD", "") for k in ("malloc", "jemalloc", "tcmalloc")):
+        return "LD_PRELOAD"
+    return None
+
+
+def _accelerator_plugin() -> str | None:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "cpu" not in platforms.split(",")[0]:
+        return f"JAX_PLATFORMS={platforms}"
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(ACCELERATOR_PLUGINS):
+            return name
+    return None
+
+
+def _glibc():
+    """The C library, if it is glibc (it has the mallopt this workaround calls); else None."""
+    try:
+        libc = ctypes.CDLL(None)  # the process's own C library (find_library would fork)
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+        return libc if hasattr(libc, "mallopt") else None
+    except (OSError, AttributeError):
+        return None
+
+
+def malloc_workaround_wanted() -> bool:
+    """Whether importing hpnlp should keep freed memory for reuse (`reuse_freed_memory`):
+    not where workarounds are off (`HPNLP_XLA_WORKAROUNDS=0` or
+    `HPNLP_MALLOC_WORKAROUND=0`), malloc was tuned by the user, JAX has an accelerator, or
+    the C library is not glibc."""
+    if "0" in (os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"),
+               os.environ.get("HPNLP_MALLOC_WORKAROUND", "1")):
+        return False
+    return not (_user_tuned_malloc() or _accelerator_plugin() or _glibc() is None)
+
+
+def reuse_freed_memory() -> list[str]:
+    """Set glibc's malloc to keep freed memory for reuse (the `MALLOPT` settings), whatever
+    the environment says; returns the settings glibc accepted as `NAME=value` strings
+    (empty where the C library is not glibc). Importing hpnlp calls this where
+    `malloc_workaround_wanted()`; benchmarks call it themselves so that every row, XLA's
+    included, is timed without the re-faults."""
+    libc = _glibc()
+    if libc is None:
         return []
-    if _backend_started():
+    return [f"{name}={value}" for name, (param, value) in MALLOPT.items()
+            if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1]
+
+
+def apply() -> list[str]:
+    """Set malloc against re-faulting (once per process) and add the needed XLA flags to
+    XLA_FLAGS (child processes inherit them); returns what this call did."""
+    done = []
+    if malloc_workaround_wanted() and not any(a.startswith("M_") for a in APPLIED):
+        done += reuse_freed_memory()
+    flag = pad_overread_flag()
+    if flag is not None and _backend_started():
         warnings.warn(
             f"hpnlp was imported after JAX started its CPU backend, so it cannot add {flag}, "
             "which avoids a segmentation fault of jaxlib 0.10.2 on AVX-512 CPUs "
             "(docs/xla_defects.md); import hpnlp before running any JAX computation, or set "
             f"XLA_FLAGS='{flag}' yourself", RuntimeWarning, stacklevel=3)
-        return []
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    APPLIED.append(flag)
-    return [flag]
+    elif flag is not None:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        done.append(flag)
+    APPLIED.extend(done)
+    return done

@@ -290,31 +290,3 @@ def test_the_command_lists_every_pass(monkeypatch, capsys):
         assert f"{t.kernel.what}/{t.name}: {t.default} (default)" in out
 
 
-REUSE = """
-import resource, sys
-import numpy as np
-from hpnlp import kernels
-if sys.argv[1] == "reuse":
-    assert kernels.reuse_freed_memory()
-def faults_of_a_fresh_64mb_buffer():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    a = np.empty(16 << 20, np.float32)
-    a.fill(1.0)
-    del a
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_of_a_fresh_64mb_buffer()
-print(faults_of_a_fresh_64mb_buffer())
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_reuse_freed_memory_keeps_large_buffers_mapped():
-    """Without it a second 64 MiB buffer page-faults in afresh (16K pages, fewer where the
-    kernel backs it with huge pages); with it the freed one is reused."""
-    faults = {}
-    for mode in ("default", "reuse"):
-        proc = subprocess.run([sys.executable, "-c", REUSE, mode], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        faults[mode] = int(proc.stdout.split()[-1])
-    assert faults["reuse"] < 1000 and faults["reuse"] * 4 < faults["default"], faults

@@ -25,7 +25,7 @@ def test_repro_runs_clean_after_importing_hpnlp():
 
 def test_repro_crashes_without_the_workaround_where_it_applies():
     """The defect the workaround exists for is real here (and would tell us once XLA fixes it)."""
-    if xw.pad_overread_flag() is None and not xw.APPLIED:
+    if xw.pad_overread_flag() is None and xw.ISA_FLAG not in xw.APPLIED:
         pytest.skip("the workaround does not apply to this jaxlib/CPU")
     env = full_optimization_env(xw.ISA_FLAG, HPNLP_XLA_WORKAROUNDS="0", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, REPRO], env=env, capture_output=True, text=True, timeout=300)
@@ -86,3 +86,64 @@ def test_steps_compile_without_ynn_fusions(monkeypatch):
     np.testing.assert_allclose(ours(x, w), default(x, w), rtol=1e-5, atol=1e-6)
     monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", "0")  # the switch that keeps XLA's default
     assert step.step_compiler_options() == step.CPU_REMAT_COMPILER_OPTIONS
+
+
+# A jitted call whose 64 MiB output XLA:CPU allocates with malloc on every call: the page
+# faults of three calls after 30 (the heap grows over the first few, more of them on a
+# busy machine: a call's output is freed a little after the call returns).
+FAULTS = """
+import os, resource, sys
+import hpnlp, jax, jax.numpy as jnp
+from hpnlp import xla_workarounds
+f = jax.jit(lambda x: x * 2.0 + 1.0)
+x = jnp.ones((16 << 20,), jnp.float32)
+for _ in range(30):
+    jax.block_until_ready(f(x))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    jax.block_until_ready(f(x))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, xla_workarounds.APPLIED)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or xw._glibc() is None,
+                    reason="glibc's mallopt")
+def test_xla_buffers_are_not_faulted_in_again_on_every_call():
+    """Importing hpnlp keeps the memory XLA:CPU frees for its next call; with
+    `HPNLP_MALLOC_WORKAROUND=0` each call faults its output in afresh (16K pages a call,
+    fewer where the kernel backs them with huge pages)."""
+    faults, applied = {}, {}
+    for mode, switch in (("import", "1"), ("off", "0")):
+        env = {**full_optimization_env(JAX_PLATFORMS="cpu"), "HPNLP_MALLOC_WORKAROUND": switch}
+        for name in [n for n in env if n.startswith("MALLOC_") or n == "GLIBC_TUNABLES"]:
+            del env[name]
+        proc = subprocess.run([sys.executable, "-c", FAULTS, mode], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        count, _, applied[mode] = proc.stdout.strip().partition(" ")
+        faults[mode] = int(count)
+    assert "M_MMAP_MAX=0" in applied["import"] and "M_MMAP_MAX" not in applied["off"], applied
+    assert faults["off"] > 1000, faults
+    assert faults["import"] * 10 < faults["off"], faults
+
+
+def test_malloc_workaround_only_where_wanted(monkeypatch):
+    for name in ("HPNLP_XLA_WORKAROUNDS", "HPNLP_MALLOC_WORKAROUND", "GLIBC_TUNABLES",
+                 "LD_PRELOAD", "JAX_PLATFORMS"):
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(xw, "_glibc", lambda: object())
+    monkeypatch.setattr(xw.importlib.metadata, "distributions", lambda: [])
+    assert xw.malloc_workaround_wanted()
+    for name, value in (("HPNLP_MALLOC_WORKAROUND", "0"), ("HPNLP_XLA_WORKAROUNDS", "0"),
+                        ("MALLOC_ARENA_MAX", "4"), ("MALLOC_MMAP_THRESHOLD_", "65536"),
+                        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+                        ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2"), ("JAX_PLATFORMS", "cuda")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert not xw.malloc_workaround_wanted(), name  # switched off, or the user's choice
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert xw.malloc_workaround_wanted()
+    monkeypatch.setattr(xw, "_glibc", lambda: None)  # not glibc: nothing to call
+    assert not xw.malloc_workaround_wanted()

@@ -1,9 +1,35 @@
-"""What the A/B tools share: compare two compiled variants' outputs, time them interleaved."""
+"""What the A/B tools share: a Trainer for an experiment, compare two compiled variants'
+outputs, time them interleaved."""
 
+import tempfile
 import time
 
 import jax
 import numpy as np
+
+
+def trainer(experiment: str, arg: str, **fields):
+    """(Trainer, initial state, first train batch) for `experiments/EXPERIMENT:ARG` with
+    dotted config `fields` set ({"model.lowrank.rank": 42}); the text classifier
+    (`lra.py`) at 256 bytes, as the compress bench trains it."""
+    from hpnlp.bench import harness
+    from hpnlp.config import from_configdict
+    from hpnlp.train import Trainer
+    from hpnlp.train.loop import _global
+
+    cd = harness.experiment_module(experiment).get_config(arg)
+    cd.train.progress = False
+    if experiment == "lra.py":
+        cd.data.seq_len = cd.model.max_len = 256
+    for field, value in fields.items():
+        *path, last = field.split(".")
+        node = cd
+        for name in path:
+            node = node[name]
+        node[last] = value
+    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+    state, _ = tr.initial_state()
+    return tr, state, _global(next(iter(tr.train_iter)), tr.batch_sharding)
 
 
 def largest_relative_difference(a, b) -> float:

@@ -20,20 +20,15 @@ half-parameter factorization). The README quotes this script's output.
 import argparse
 import os
 import platform
-import tempfile
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ablib import interleaved_medians, largest_relative_difference
-from hpnlp.bench import harness
+from ablib import interleaved_medians, largest_relative_difference, trainer
 from hpnlp.compress import qlinear
-from hpnlp.config import from_configdict
 from hpnlp.models import transformer
-from hpnlp.train import Trainer
-from hpnlp.train.loop import _global
 from hpnlp.train.step import make_train_step, step_compiler_options
 
 
@@ -72,22 +67,6 @@ def ab(name: str, tr, state, batch, *, rounds: int, calls: int) -> None:
           f"largest difference {diff:.1e} (relative, after one step)", flush=True)
 
 
-def trainer(experiment: str, arg: str, **model):
-    cd = harness.experiment_module(experiment).get_config(arg)
-    cd.train.progress = False
-    if experiment == "lra.py":
-        cd.data.seq_len = cd.model.max_len = 256
-    for field, value in model.items():  # "lowrank.rank": 42
-        *path, last = field.split(".")
-        node = cd.model
-        for name in path:
-            node = node[name]
-        node[last] = value
-    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
-    state, _ = tr.initial_state()
-    return tr, state, _global(next(iter(tr.train_iter)), tr.batch_sharding)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -99,7 +78,7 @@ def main():
     for label, (exp, arg, model) in {
             "byte LM": ("lm.py", "bytes", {}),
             "text classifier": ("lra.py", "text", {}),
-            "byte LM, low rank 42": ("lm.py", "bytes", {"lowrank.rank": 42})}.items():
+            "byte LM, low rank 42": ("lm.py", "bytes", {"model.lowrank.rank": 42})}.items():
         tr, state, batch = trainer(exp, arg, **model)
         ab(label, tr, state, batch, rounds=args.rounds, calls=3)
 

@@ -16,19 +16,15 @@ XLA's default. docs/xla_defects.md quotes this script's output.
 import argparse
 import os
 import platform
-import tempfile
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ablib import interleaved_medians, largest_relative_difference
+from ablib import interleaved_medians, largest_relative_difference, trainer
 from hpnlp import models
-from hpnlp.bench import harness
-from hpnlp.config import from_configdict
-from hpnlp.train import Trainer
-from hpnlp.train.loop import _global, dummy_batch
+from hpnlp.train.loop import dummy_batch
 from hpnlp.train.step import (CPU_NO_YNN_FUSION_OPTIONS, CPU_REMAT_COMPILER_OPTIONS,
                               make_eval_step, make_train_step)
 
@@ -48,19 +44,6 @@ def ab(name: str, fn, args, *, rounds: int, calls: int, donate: bool = False) ->
           f"largest difference {diff:.1e} (relative)", flush=True)
 
 
-def trainer(experiment: str, arg: str, **model):
-    cd = harness.experiment_module(experiment).get_config(arg)
-    cd.train.progress = False
-    if experiment == "lra.py":
-        cd.data.seq_len = cd.model.max_len = 256
-    if model:
-        cd.model.update(**model)
-        cd.train.batch_size, cd.data.seq_len, cd.model.max_len = 8, 256, 512
-    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
-    state, _ = tr.initial_state()
-    return tr, state, _global(next(iter(tr.train_iter)), tr.batch_sharding)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -69,7 +52,8 @@ def main():
                 if line.startswith("model name")), platform.processor())
     print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'':38s} {'XLA default':>12s} {'YNN off':>12s} {'speedup':>7s}")
-    wide = dict(width=512, depth=4, num_heads=8, mlp_dim=2048)
+    wide = {"model.width": 512, "model.depth": 4, "model.num_heads": 8, "model.mlp_dim": 2048,
+            "train.batch_size": 8, "data.seq_len": 256, "model.max_len": 512}
     for label, (exp, arg, model) in {"byte LM": ("lm.py", "bytes", {}),
                                      "text classifier": ("lra.py", "text", {}),
                                      "width-512 LM": ("lm.py", "bytes", wide)}.items():

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp import kernels
+from hpnlp import kernels, xla_workarounds
 from hpnlp.compress import packing
 from hpnlp.kernels import tuning
 
@@ -581,6 +581,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.malloc == "reuse":
         kernels.reuse_freed_memory()
+    elif any(a.startswith("M_") for a in xla_workarounds.APPLIED):
+        # Importing hpnlp set malloc already; glibc's defaults need a process without it.
+        import sys
+        os.execve(sys.executable, [sys.executable, "-m", "hpnlp.compress.kernels",
+                                   *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, "HPNLP_MALLOC_WORKAROUND": "0"})
     print(f"paths: {layout() if available() else unavailable_reason()}; malloc: {args.malloc}")
     if args.one_row:
         cores = kernels.cores()

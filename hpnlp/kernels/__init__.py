@@ -166,28 +166,20 @@ def single_device_reason() -> str | None:
     return None
 
 
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+def reuse_freed_memory() -> bool:
+    """Keep memory that XLA:CPU frees in the process for reuse instead of unmapping it
+    (glibc `mallopt`, as a serving process would with tcmalloc); False where the C library
+    is not glibc.
 
-
-def reuse_freed_memory(threshold_bytes: int = 1 << 30) -> bool:
-    """Serve buffers up to `threshold_bytes` from the process heap and keep freed ones
-    there for reuse (glibc `mallopt`), as a serving process would with tcmalloc.
-
-    XLA:CPU allocates each call's outputs and temporaries with malloc. By default glibc
-    maps any block over 32 MiB afresh and unmaps it when freed, so every call page-faults
-    its large buffers in again: about 10 ms a call for a [2048, 4096] float32 output on
-    this 2-core machine (`python -m hpnlp.compress.kernels` shows it), as long as the
-    whole int8 product. This keeps freed memory mapped instead (the process's resident
-    size then stays near its peak). It changes nothing computed; it applies to every
-    later allocation in the process, XLA's float32 products too, so benchmarks that
-    compare kernels with XLA call it once before any timing. Returns False where the C
-    library is not glibc.
+    XLA:CPU allocates each call's outputs and temporaries with malloc, and glibc maps large
+    blocks afresh and unmaps them when freed, so every call page-faults them in again:
+    about 10 ms a call for a [2048, 4096] float32 output on a 2-core machine (`python -m
+    hpnlp.compress.kernels --malloc default` shows it). Importing hpnlp already does this
+    where it can (`hpnlp.xla_workarounds`, switched off by `HPNLP_MALLOC_WORKAROUND=0`);
+    benchmarks that compare kernels with XLA call it too, so every row is timed alike
+    whatever the environment says. It changes nothing computed. It works fully only
+    before JAX starts its threads: a thread that took a malloc arena of its own keeps it,
+    and such an arena maps blocks over 64 MiB afresh whatever malloc is set to.
     """
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    limit = min(int(threshold_bytes), (1 << 31) - 1)
-    return bool(mallopt(_M_MMAP_THRESHOLD, limit)) and bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
+    from hpnlp import xla_workarounds
+    return bool(xla_workarounds.reuse_freed_memory())
