@@ -28,7 +28,8 @@ few calls. Only with glibc, only where JAX runs on the CPU (no accelerator plugi
 installed, `JAX_PLATFORMS` unset or naming cpu first), and not where the user tuned malloc
 themselves (`GLIBC_TUNABLES`, `MALLOC_*_` variables or an `LD_PRELOAD`ed allocator). The
 cost is memory: freed memory stays with the process, and peak RSS rose 1.2x to 2x on the
-steps measured. `HPNLP_MALLOC_WORKAROUND=0` skips this one alone.
+steps measured. `HPNLP_MALLOC_WORKAROUND=0` skips this one alone (`=1` keeps it with
+`HPNLP_XLA_WORKAROUNDS=0`).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _user_tuned_malloc() -> str | None:
     if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES"
     for name in os.environ:
-        if name == "MALLOC_ARENA_MAX" or (name.startswith("MALLOC_") and name.endswith("_")):
+        if name.startswith("MALLOC_"):  # MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, ...
             return name
     if any(k in os.environ.get("LD_PRELOAD", "") for k in ("malloc", "jemalloc", "tcmalloc")):
         return "LD_PRELOAD"
@@ -107,9 +108,11 @@ def _user_tuned_malloc() -> str | None:
 
 
 def _accelerator_plugin() -> str | None:
+    """What gives JAX a device other than the CPU in this process, if anything."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms and "cpu" not in platforms.split(",")[0]:
-        return f"JAX_PLATFORMS={platforms}"
+    if platforms:  # the user's choice: JAX runs on its first entry
+        first = platforms.split(",")[0].strip()
+        return None if first == "cpu" else f"JAX_PLATFORMS={platforms}"
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower()
         if name.startswith(ACCELERATOR_PLUGINS):
@@ -130,11 +133,11 @@ def _glibc():
 
 def malloc_workaround_wanted() -> bool:
     """Whether importing hpnlp should keep freed memory for reuse (`reuse_freed_memory`):
-    not where workarounds are off (`HPNLP_XLA_WORKAROUNDS=0` or
-    `HPNLP_MALLOC_WORKAROUND=0`), malloc was tuned by the user, JAX has an accelerator, or
-    the C library is not glibc."""
-    if "0" in (os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"),
-               os.environ.get("HPNLP_MALLOC_WORKAROUND", "1")):
+    not where it is switched off (`HPNLP_MALLOC_WORKAROUND=0`, or `HPNLP_XLA_WORKAROUNDS=0`
+    unless `HPNLP_MALLOC_WORKAROUND=1`), malloc was tuned by the user, JAX has an
+    accelerator, or the C library is not glibc."""
+    switch = os.environ.get("HPNLP_MALLOC_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
+    if switch == "0":
         return False
     return not (_user_tuned_malloc() or _accelerator_plugin() or _glibc() is None)
 
@@ -156,10 +159,13 @@ def apply() -> list[str]:
     """Set malloc against re-faulting (once per process) and add the needed XLA flags to
     XLA_FLAGS (child processes inherit them); returns what this call did."""
     done = []
-    if malloc_workaround_wanted() and not any(a.startswith("M_") for a in APPLIED):
+    started = _backend_started()
+    # After JAX started, its threads keep the malloc arenas they took (and their re-faults):
+    # the setting would cost its memory for little of its gain.
+    if not started and malloc_workaround_wanted() and not any(a.startswith("M_") for a in APPLIED):
         done += reuse_freed_memory()
     flag = pad_overread_flag()
-    if flag is not None and _backend_started():
+    if flag is not None and started:
         warnings.warn(
             f"hpnlp was imported after JAX started its CPU backend, so it cannot add {flag}, "
             "which avoids a segmentation fault of jaxlib 0.10.2 on AVX-512 CPUs "

@@ -89,8 +89,8 @@ def test_steps_compile_without_ynn_fusions(monkeypatch):
 
 
 # A jitted call whose 64 MiB output XLA:CPU allocates with malloc on every call: the page
-# faults of three calls after 30 (the heap grows over the first few, more of them on a
-# busy machine: a call's output is freed a little after the call returns).
+# faults of each of three calls after 30 (the heap grows over the first few, more of them
+# on a busy machine: a call's output is freed a little after the call returns).
 FAULTS = """
 import os, resource, sys
 import hpnlp, jax, jax.numpy as jnp
@@ -99,31 +99,37 @@ f = jax.jit(lambda x: x * 2.0 + 1.0)
 x = jnp.ones((16 << 20,), jnp.float32)
 for _ in range(30):
     jax.block_until_ready(f(x))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     jax.block_until_ready(f(x))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, xla_workarounds.APPLIED)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(faults), xla_workarounds.APPLIED)
 """
+
+
+def _child_env(switch: str) -> dict:
+    env = {**full_optimization_env(JAX_PLATFORMS="cpu"), "HPNLP_MALLOC_WORKAROUND": switch}
+    for name in [n for n in env if n.startswith("MALLOC_") or n in ("GLIBC_TUNABLES", "LD_PRELOAD")]:
+        del env[name]
+    return env
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or xw._glibc() is None,
                     reason="glibc's mallopt")
 def test_xla_buffers_are_not_faulted_in_again_on_every_call():
     """Importing hpnlp keeps the memory XLA:CPU frees for its next call; with
-    `HPNLP_MALLOC_WORKAROUND=0` each call faults its output in afresh (16K pages a call,
-    fewer where the kernel backs them with huge pages)."""
+    `HPNLP_MALLOC_WORKAROUND=0` each call faults its output in afresh (16K pages a call)."""
     faults, applied = {}, {}
     for mode, switch in (("import", "1"), ("off", "0")):
-        env = {**full_optimization_env(JAX_PLATFORMS="cpu"), "HPNLP_MALLOC_WORKAROUND": switch}
-        for name in [n for n in env if n.startswith("MALLOC_") or n == "GLIBC_TUNABLES"]:
-            del env[name]
-        proc = subprocess.run([sys.executable, "-c", FAULTS, mode], env=env, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", FAULTS], env=_child_env(switch),
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         count, _, applied[mode] = proc.stdout.strip().partition(" ")
         faults[mode] = int(count)
     assert "M_MMAP_MAX=0" in applied["import"] and "M_MMAP_MAX" not in applied["off"], applied
-    assert faults["off"] > 1000, faults
+    if faults["off"] < 1000:
+        pytest.skip(f"huge pages back the output here: {faults['off']} faults a call without the setting")
     assert faults["import"] * 10 < faults["off"], faults
 
 
@@ -137,12 +143,20 @@ def test_malloc_workaround_only_where_wanted(monkeypatch):
     monkeypatch.setattr(xw.importlib.metadata, "distributions", lambda: [])
     assert xw.malloc_workaround_wanted()
     for name, value in (("HPNLP_MALLOC_WORKAROUND", "0"), ("HPNLP_XLA_WORKAROUNDS", "0"),
-                        ("MALLOC_ARENA_MAX", "4"), ("MALLOC_MMAP_THRESHOLD_", "65536"),
+                        ("MALLOC_ARENA_MAX", "4"), ("MALLOC_ARENA_TEST", "2"), ("MALLOC_MMAP_THRESHOLD_", "65536"),
                         ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
                         ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2"), ("JAX_PLATFORMS", "cuda")):
         with monkeypatch.context() as m:
             m.setenv(name, value)
             assert not xw.malloc_workaround_wanted(), name  # switched off, or the user's choice
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setattr(xw.importlib.metadata, "distributions",  # a CUDA plugin, but on the CPU
+                        lambda: [type("D", (), {"metadata": {"Name": "jax-cuda13-plugin"}})()])
+    assert xw.malloc_workaround_wanted()
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert not xw.malloc_workaround_wanted()
+    monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", "0")
+    monkeypatch.setenv("HPNLP_MALLOC_WORKAROUND", "1")  # this one kept, the others off
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert xw.malloc_workaround_wanted()
     monkeypatch.setattr(xw, "_glibc", lambda: None)  # not glibc: nothing to call

@@ -89,7 +89,9 @@ def main():
                     env={**os.environ, "HPNLP_MALLOC_WORKAROUND": switch},
                     capture_output=True, text=True, check=True)
                 line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-                runs[v].append(json.loads(line[len("RESULT "):]))
+                res = json.loads(line[len("RESULT "):])
+                assert ("M_MMAP_MAX=0" in res["malloc"]) == (v == "reuse"), (v, res["malloc"])
+                runs[v].append(res)
         for step in ("train", "eval"):
             med = {v: float(np.median([r[step]["s"] for r in rs])) for v, rs in runs.items()}
             flt = {v: float(np.median([r[step]["faults"] for r in rs])) for v, rs in runs.items()}

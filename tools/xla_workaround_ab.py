@@ -22,7 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one_run(workarounds: bool) -> dict:
-    env = dict(os.environ, XLA_FLAGS=XLA_FLAGS, HPNLP_XLA_WORKAROUNDS="1" if workarounds else "0")
+    # malloc stays as hpnlp sets it in both arms (tools/malloc_ab.py measures that one)
+    env = dict(os.environ, XLA_FLAGS=XLA_FLAGS, HPNLP_XLA_WORKAROUNDS="1" if workarounds else "0",
+               HPNLP_MALLOC_WORKAROUND="1")
     with tempfile.TemporaryDirectory() as workdir:
         subprocess.run([sys.executable, "-m", "hpnlp.main", "--config", "experiments/lm.py:bytes,local",
                         "--workdir", workdir, "--config.train.progress=False"],
@@ -39,7 +41,8 @@ def main():
     from hpnlp.xla_workarounds import APPLIED
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor())
-    print(f"CPU: {cpu}; flags added by the workarounds here: {' '.join(APPLIED) or 'none'}")
+    print(f"CPU: {cpu}; flags added by the workarounds here: "
+          f"{' '.join(a for a in APPLIED if a.startswith('--')) or 'none'}")
     runs = {True: [], False: []}
     for r in range(args.rounds):
         for on in (True, False):

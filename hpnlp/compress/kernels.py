@@ -584,9 +584,12 @@ def main(argv=None) -> None:
     elif any(a.startswith("M_") for a in xla_workarounds.APPLIED):
         # Importing hpnlp set malloc already; glibc's defaults need a process without it.
         import sys
-        os.execve(sys.executable, [sys.executable, "-m", "hpnlp.compress.kernels",
-                                   *(sys.argv[1:] if argv is None else argv)],
-                  {**os.environ, "HPNLP_MALLOC_WORKAROUND": "0"})
+        if argv is not None:
+            raise SystemExit("--malloc default: run `HPNLP_MALLOC_WORKAROUND=0 python -m "
+                             "hpnlp.compress.kernels --malloc default` (this process's malloc "
+                             "was set when hpnlp was imported)")
+        sys.stdout.flush()
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, "HPNLP_MALLOC_WORKAROUND": "0"})
     print(f"paths: {layout() if available() else unavailable_reason()}; malloc: {args.malloc}")
     if args.one_row:
         cores = kernels.cores()
