@@ -139,7 +139,8 @@ def malloc_workaround_wanted() -> bool:
     switch = os.environ.get("HPNLP_MALLOC_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
     if switch == "0":
         return False
-    return not (_user_tuned_malloc() or _accelerator_plugin() or _glibc() is None)
+    # cheapest first: the plugin check reads every installed distribution's metadata
+    return not (_glibc() is None or _user_tuned_malloc() or _accelerator_plugin())
 
 
 def reuse_freed_memory() -> list[str]:
@@ -155,6 +156,11 @@ def reuse_freed_memory() -> list[str]:
             if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1]
 
 
+def malloc_reused() -> bool:
+    """Whether importing hpnlp set malloc to keep freed memory (`apply`)."""
+    return any(a.startswith("M_") for a in APPLIED)
+
+
 def apply() -> list[str]:
     """Set malloc against re-faulting (once per process) and add the needed XLA flags to
     XLA_FLAGS (child processes inherit them); returns what this call did."""
@@ -162,7 +168,7 @@ def apply() -> list[str]:
     started = _backend_started()
     # After JAX started, its threads keep the malloc arenas they took (and their re-faults):
     # the setting would cost its memory for little of its gain.
-    if not started and malloc_workaround_wanted() and not any(a.startswith("M_") for a in APPLIED):
+    if not started and not malloc_reused() and malloc_workaround_wanted():
         done += reuse_freed_memory()
     flag = pad_overread_flag()
     if flag is not None and started:

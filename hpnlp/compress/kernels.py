@@ -581,7 +581,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.malloc == "reuse":
         kernels.reuse_freed_memory()
-    elif any(a.startswith("M_") for a in xla_workarounds.APPLIED):
+    elif xla_workarounds.malloc_reused():
         # Importing hpnlp set malloc already; glibc's defaults need a process without it.
         import sys
         if argv is not None:
