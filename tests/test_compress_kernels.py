@@ -266,6 +266,38 @@ def test_tuning_probes_run():
         assert t.probe(qk.KERNEL.library(), t.default) > 0, name
 
 
+@needs_kernel
+def test_outputs_fault_in_only_their_missing_pages():
+    """The kernels fault in an output's pages before writing it (MADV_POPULATE_WRITE), but
+    only the pages not resident yet (with freed memory reused, usually none): exactly the
+    untouched whole pages, in pieces of at most 1 MB."""
+    import ctypes
+    import mmap
+
+    page, pages = 4096, 800
+    buf = mmap.mmap(-1, pages * page)
+    for i in [*range(0, 100), 300, *range(600, 800)]:
+        buf[i * page] = 1
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    fn = qk.KERNEL.library().hpnlp_missing_pages
+    fn.restype = ctypes.c_int64
+    out = (ctypes.c_int64 * 16)()
+
+    def missing(offset, nbytes):
+        n = fn(ctypes.c_void_p(base + offset), ctypes.c_int64(nbytes), out, ctypes.c_int64(8))
+        return [(out[2 * i] + offset, out[2 * i + 1] + offset) for i in range(n)]
+
+    assert missing(0, pages * page) == [(100 * page, 300 * page), (301 * page, 557 * page),
+                                        (557 * page, 600 * page)]
+    # Only whole pages inside the buffer: a partial first or last page is left to the kernel.
+    assert missing(100 * page + 8, 3 * page) == [(101 * page, 103 * page)]
+    for i in range(pages):
+        buf[i * page] = 2
+    assert missing(0, pages * page) == []
+    del fn
+    buf.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("march", ["sapphirerapids", "x86-64-v3", "x86-64"])
 def test_every_instruction_path_compiles(march, tmp_path):

@@ -298,24 +298,22 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
   });
 }
 
-// Fault in the pages of an output buffer up front, 1 MB at a time claimed by the threads
-// (one MADV_POPULATE_WRITE each), before the kernel writes it. XLA's large outputs are
-// fresh mappings every call; faulting a [2048, 4096] float32 output page by page took
-// 20 ms here, as long as the binary product itself. Small outputs are left alone.
+// Fault in the missing pages of an output buffer up front (missing_pages: 1 MB pieces
+// claimed by the threads, one MADV_POPULATE_WRITE each), before the kernel writes it.
+// Where XLA's large outputs are fresh mappings (glibc's default malloc), faulting a
+// [2048, 4096] float32 output page by page took 20 ms here, as long as the binary product
+// itself. Small outputs are left alone.
 inline void populate_out(void* p, size_t bytes, int threads) {
 #ifdef MADV_POPULATE_WRITE
-  constexpr uintptr_t kPage = 4096, kChunk = uintptr_t(1) << 20;
-  if (bytes < 16 * kPage) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1),
-                  end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kPage - 1);
-  if (end <= begin) return;
-  const int chunks = int((end - begin + kChunk - 1) / kChunk);
-  std::atomic<int> next{0};
-  Pool::get().run(clamp_threads(threads, chunks), [&](int) {
-    for (int c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      const uintptr_t a = begin + uintptr_t(c) * kChunk, b = std::min(end, a + kChunk);
-      madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
-    }
+  if (bytes < 16 * 4096) return;
+  std::vector<std::pair<uintptr_t, uintptr_t>> pieces;
+  missing_pages(p, bytes, &pieces);
+  if (pieces.empty()) return;
+  std::atomic<size_t> next{0};
+  Pool::get().run(clamp_threads(threads, int64_t(pieces.size())), [&](int) {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces.size();)
+      madvise(reinterpret_cast<void*>(pieces[i].first), pieces[i].second - pieces[i].first,
+              MADV_POPULATE_WRITE);
   });
 #else
   (void)p, (void)bytes, (void)threads;
@@ -1152,6 +1150,18 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 extern "C" int64_t hpnlp_qgemm_layout(int64_t what) {
   const int64_t v[] = {I8_PATH, I8_KP, I8_NB, I8_MR, B_PATH, B_NB, B_MR, I4_NB, B_XW};
   return what >= 0 && what < int64_t(sizeof v / sizeof v[0]) ? v[what] : -1;
+}
+
+// missing_pages (hpnlp/kernels/simd.h) for a test: the pieces of [p, p + bytes) that the
+// kernels would fault in before writing, as (start, end) byte offsets from p into `out`
+// (room for `cap` pieces); returns how many there are.
+extern "C" int64_t hpnlp_missing_pages(const void* p, int64_t bytes, int64_t* out, int64_t cap) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> pieces;
+  missing_pages(p, size_t(bytes), &pieces);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(p);
+  for (size_t i = 0; i < pieces.size() && int64_t(i) < cap; ++i)
+    out[2 * i] = int64_t(pieces[i].first - base), out[2 * i + 1] = int64_t(pieces[i].second - base);
+  return int64_t(pieces.size());
 }
 
 // The tuning probe (hpnlp.kernels.tuning): seconds for one float linear layer [M, K] x
