@@ -320,6 +320,24 @@ inline void populate_out(void* p, size_t bytes, int threads) {
 #endif
 }
 
+// Whether a float [M, N] output is written with streaming (non-temporal) stores: only
+// where it is large (kStreamBytes, past the L2 of every core and much of an L3, so it
+// would not stay cached for its reader anyway), its rows start 32-byte aligned, and AVX2
+// has the stores. They skip reading each line before overwriting it: the binary
+// [2048, 1024 -> 4096] product, whose 32 MB output is a third of its time, ran 5.36 ->
+// 4.94 ms (median of 15, timed between other layers' calls) on a 2-core EPYC. The int8
+// product, 4x longer for the same output, gained nothing measurable and keeps plain stores.
+constexpr size_t kStreamBytes = size_t(8) << 20;
+inline bool stream_out(const float* out, int M, int N) {
+#if defined(__AVX2__)
+  return sizeof(float) * size_t(M) * N >= kStreamBytes && N % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(out) % 32 == 0;
+#else
+  (void)out, (void)M, (void)N;
+  return false;
+#endif
+}
+
 // The per-core size of data cache level 1 or 2 as the OS reports it (glibc reads CPUID),
 // or `fallback` where it does not.
 inline size_t cache_bytes(int level, size_t fallback) {
@@ -817,6 +835,7 @@ struct BGemm {
   float* out_f;
   const float* alpha;  // [N]
   float* beta;         // [M] scratch
+  bool stream = false;  // out_f written with streaming stores (stream_out)
 };
 
 void b_item(const BGemm& g, int m0, int m1, int panel) {
@@ -835,7 +854,9 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
         for (int c = 0; c < B_NB; c += 8) {
           const __m256 cnt = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[r] + c)));
           const __m256 v = _mm256_fnmadd_ps(_mm256_set1_ps(2.0f), cnt, kf);  // exact: |v| <= K < 2^24
-          _mm256_storeu_ps(g.out_f + row + c, _mm256_mul_ps(_mm256_mul_ps(v, beta), _mm256_loadu_ps(g.alpha + n0 + c)));
+          const __m256 o = _mm256_mul_ps(_mm256_mul_ps(v, beta), _mm256_loadu_ps(g.alpha + n0 + c));
+          if (g.stream) _mm256_stream_ps(g.out_f + row + c, o);
+          else _mm256_storeu_ps(g.out_f + row + c, o);
         }
         continue;
       }
@@ -853,6 +874,9 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
       }
     }
   });
+#if defined(__AVX2__)
+  if (g.stream) _mm_sfence();
+#endif
 }
 
 // Row m's k-word j into the scratch (split into nibbles for the AVX2 popcount).
@@ -1294,6 +1318,7 @@ ffi::Error BinaryLinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   e = check_dims("binary linear", "alpha", alpha.dimensions(), {g.N});
   if (e.failure()) return e;
   g.w = w.typed_data(), g.out_f = out->typed_data(), g.alpha = alpha.typed_data();
+  g.stream = stream_out(g.out_f, g.M, g.N);
   populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) b_run(g, nullptr, x.typed_data(), int(threads));
   return ffi::Error::Success();
