@@ -71,6 +71,8 @@ SIZES = {
     # the students train for the teacher's steps on the LM, a third of them on the classifier
     # (at the teacher's 600 the half student matched it, 0.481 vs 0.490, within seed noise:
     # no gap to close); `student_steps` per model, None = the teacher's.
+    # `lowrank_sweep`: ranks at half, once and twice the half-size rank (else the half-size
+    # rank alone: --quick, whose 3 minutes the two other compiles overran).
     # `seeds`: seeds of the scratch student and of the targets' distilled row, per model,
     # each row their mean: the classifier's scratch student read 0.415, 0.368 and 0.371
     # accuracy at seeds 0-2 (2026-11-25), a spread as large as its gap to the teacher
@@ -80,9 +82,10 @@ SIZES = {
     "full": dict(lm_steps=None, cls_steps=600, cls_len=256, prune_steps=200, structured_steps=400,
                  student_steps={"byte LM": None, "text classifier": 200},
                  seeds={"byte LM": 1, "text classifier": 3},
-                 sparsities=(0.5, 0.75, 0.9, 0.95), eval_batches=None, timing_rounds=15),
+                 sparsities=(0.5, 0.75, 0.9, 0.95), lowrank_sweep=True, eval_batches=None,
+                 timing_rounds=15),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, structured_steps=6,
-                  sparsities=(0.9,),
+                  sparsities=(0.9,), lowrank_sweep=False,
                   student_steps={"byte LM": None, "text classifier": 6},
                   seeds={"byte LM": 1, "text classifier": 2},
                   eval_batches=2, timing_rounds=2),
@@ -372,7 +375,8 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
         return cd
     r_half = closest(range(1, limit + 1), lambda r: param_count(with_rank(r)), half)
     rows = []
-    for r in sorted({max(1, r_half // 2), r_half, min(limit, 2 * r_half)}):
+    ranks = {max(1, r_half // 2), r_half, min(limit, 2 * r_half)} if s["lowrank_sweep"] else {r_half}
+    for r in sorted(ranks):
         cd = with_rank(r)
         cd.train.steps, cd.train.warmup_steps = s["prune_steps"], 1
         cd.train.lr = cd.train.lr * 0.3
