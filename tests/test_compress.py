@@ -189,14 +189,14 @@ def test_unknown_quant_field_and_config_round_trip():
         from_configdict({"quant": {"bits": 4}})
 
 
-def _train(workdir, arch="transformer", **quant):
+def _train(workdir, arch="transformer", steps=12, **quant):
     from hpnlp.train import run
     cd = default_configdict()
     cd.data.task, cd.data.seq_len, cd.data.batching = "byte_lm", 32, "pack"
     cd.model.update(kind="lm", arch=arch, width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32,
                     dropout=0.0)
     cd.output.tie_embeddings = True
-    cd.train.update(steps=12, batch_size=8, warmup_steps=2, lr=3e-3, log_every=4, eval_every=0,
+    cd.train.update(steps=steps, batch_size=8, warmup_steps=2, lr=3e-3, log_every=4, eval_every=0,
                     eval_batches=2, checkpoint_every=0, progress=False)
     for k, v in quant.items():
         setattr(cd.quant, k, v)
@@ -260,6 +260,25 @@ def test_ptq_end_to_end_and_reload(trained, tmp_path):
         ptq.load(out, other)
 
 
+def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path):
+    """An LSTM LM's input projection (int8 weights, its inputs int8 per token) and
+    recurrent matrix (int8 weights; the state h stays float) are packed, and the packed
+    checkpoint reloads to the outputs it was evaluated with."""
+    workdir = str(tmp_path / "lstm")
+    _train(workdir, arch="lstm", steps=3)
+    out = str(tmp_path / "q")
+    s = ptq.quantize(workdir, out, QuantConfig(weights="int8", activations="int8",
+                                               layers="input,recurrent"),
+                     calib_batches=1, eval_batches=1, repeats=1)
+    assert s["reload_identical"] and abs(s["eval"]["loss_rel_increase"]) < 0.05
+    _, params, _ = ptq.load(out)
+    leaves = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, QWeight))[0]
+    packed = {str(path[-1].key): leaf for path, leaf in leaves if isinstance(leaf, QWeight)}
+    assert set(packed) == {"input_kernel", "recurrent_kernel"}
+    assert all(w.fmt == "int8" and w.codes.dtype == np.int8 for w in packed.values())
+
+
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_ptq_binary_packs_eight_per_byte_and_bf16_switch(trained, tmp_path):
     s = ptq.quantize(trained, str(tmp_path / "bin"), QuantConfig(weights="binary", layers="qkv,out,mlp"),
@@ -287,6 +306,13 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert "`quant.weights`" in capsys.readouterr().err
     assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o")]) == 1
     assert "trained without quantization" in capsys.readouterr().err
+    # a run's config without a checkpoint (never saved one): refused, nothing written
+    os.makedirs(tmp_path / "unsaved")
+    shutil.copy(os.path.join(trained, "config.json"), tmp_path / "unsaved")
+    assert main(["quantize", "--workdir", str(tmp_path / "unsaved"), "--out",
+                 str(tmp_path / "o"), "--weights", "int8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "has no checkpoint" in err and "train (or resume)" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "o" / "quantized.npz")
     # A key-value memory classifier: its memory lives in the train state, not in the file.
     shutil.copytree(trained, tmp_path / "mem")
