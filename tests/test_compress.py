@@ -420,7 +420,7 @@ def test_served_output_layer_equals_its_xla_twin(tied):
     model = models.build(cfg, deterministic=True)
     batch = dummy_batch("lm", 3, 16)
     batch["inputs"] = np.asarray(jax.random.randint(jax.random.key(1), (3, 16), 0, 256), np.int32)
-    params = model.init(jax.random.key(0), batch)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), batch)["params"]  # one compile, not 200
     params = jax.tree.map(lambda p: p.unbox() if hasattr(p, "unbox") else p, params,
                           is_leaf=lambda p: hasattr(p, "unbox"))
     served = ptq.serve(model, ptq.packed_params(model, params, batch), batch)

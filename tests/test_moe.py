@@ -281,7 +281,8 @@ def test_decode_with_moe_matches_the_forward_pass_and_generates():
     model, params = init(cfg, batch)
     full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
     dec = models.build(cfg, deterministic=True, decode=True)
-    cache = dec.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
+    cache = jax.jit(lambda tok: dec.init(jax.random.key(0), tok, method="decode_step")["cache"])(
+        jnp.zeros((B, 1), jnp.int32))  # jitted: one compile, not one per primitive
     step = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok, method="decode_step",
                                               mutable=["cache"]))
     got = []

@@ -32,7 +32,9 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=N
     if P > length:
         raise ValueError(f"prompt length {P} exceeds generate(length={length})")
     model = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
-    cache = model.init(jax.random.key(0), jnp.zeros((B, 1), jnp.int32), method="decode_step")["cache"]
+    # jitted: an eager init runs the model op by op, compiling every primitive separately
+    cache = jax.jit(lambda tok: model.init(jax.random.key(0), tok, method="decode_step")["cache"])(
+        jnp.zeros((B, 1), jnp.int32))
     prompt_BL = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
     rngs = {} if features_key is None else {"features": features_key}

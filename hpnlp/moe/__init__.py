@@ -6,6 +6,7 @@ the layer with expert parallelism (`layer`), and its metrics (`summarize`).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from hpnlp.moe.layer import ROUTES, MoE  # noqa: F401 (MoE: the public name)
@@ -21,7 +22,9 @@ def route(cfg, params, batch) -> dict:
     """
     from hpnlp import models
     model = models.build(cfg, deterministic=True)
-    _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES])
+    # jitted: run eagerly, the model compiles every primitive separately
+    _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate",
+                                              mutable=[ROUTES]))(params, batch)
     out = {}
     for name, sub in got[ROUTES]["trunk"].items():
         moe = sub["moe"]
