@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import tempfile
 
 import jax
@@ -35,22 +36,15 @@ def _listener(event, duration, **_):
 jax.monitoring.register_event_duration_secs_listener(_listener)
 
 
-def _shard_dir(config) -> str:
-    """Where each xdist worker leaves its share (next to the final file)."""
-    return os.environ.get("COMPILE_STATS_SHARDS") or os.path.join(
-        tempfile.gettempdir(), f"compile_stats_{os.getppid() if _is_worker(config) else os.getpid()}")
-
-
 def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
 def pytest_configure(config):
-    if not _is_worker(config):  # the workers find it through the environment
-        shards = os.environ["COMPILE_STATS_SHARDS"] = _shard_dir(config)
-        os.makedirs(shards, exist_ok=True)
-        for name in os.listdir(shards):  # an earlier run's shares
-            os.remove(os.path.join(shards, name))
+    """The controller makes a fresh folder for each process's share; xdist workers, started
+    after this, find it through the environment."""
+    if not _is_worker(config):
+        os.environ["COMPILE_STATS_SHARDS"] = tempfile.mkdtemp(prefix="compile_stats_")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -61,20 +55,20 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
-    shards = _shard_dir(session.config)
     name = session.config.workerinput["workerid"] if _is_worker(session.config) else "main"
-    with open(os.path.join(shards, f"{name}.json"), "w") as f:
+    with open(os.path.join(os.environ["COMPILE_STATS_SHARDS"], f"{name}.json"), "w") as f:
         json.dump(dict(_stats), f)
 
 
 def pytest_terminal_summary(terminalreporter, config):
     if _is_worker(config):
         return
-    shards = _shard_dir(config)
+    shards = os.environ["COMPILE_STATS_SHARDS"]
     merged: dict = {}
     for name in sorted(os.listdir(shards)):
         with open(os.path.join(shards, name)) as f:
             merged.update(json.load(f))
+    shutil.rmtree(shards)
     out = os.environ.get("COMPILE_STATS", "compile_stats.json")
     with open(out, "w") as f:
         json.dump(dict(sorted(merged.items(), key=lambda kv: -kv[1][1])), f, indent=1)
