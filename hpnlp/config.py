@@ -475,6 +475,11 @@ class DataConfig:
     # A folder written by `python -m hpnlp.data.prepare` (on-disk shards of a tokenized
     # corpus, read through grain; LM tasks). "" = the text in memory.
     prepared: str = ""
+    # What the run evaluates on: "eval" (the task's eval set) | "validation" (a slice of the
+    # training data held out and left out of training: one in ten of the shipped corpus's
+    # training chapters, or ListOps' last `listops_num_eval` generated training examples), for
+    # choosing hyperparameters without reading the eval set
+    eval_split: str = "eval"
 
 
 # Device mesh axes, in mesh order. Model code never names these; it names logical axes,
@@ -1210,6 +1215,19 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
     _check_positive("data.seq_len", d.seq_len)
     _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
+    _check_choice("data.eval_split", d.eval_split, ("eval", "validation"))
+    if d.eval_split == "validation":
+        for field in ("train_path", "eval_path", "prepared"):
+            if getattr(d, field):
+                _fail("data.eval_split", d.eval_split,
+                      f"'validation' holds out part of the shipped corpus or of generated "
+                      f"ListOps, and data.{field} is set; with your own data pass a validation "
+                      "file as data.eval_path and keep data.eval_split='eval'")
+        if d.task == "listops" and d.listops_num_train <= d.listops_num_eval:
+            _fail("data.eval_split", d.eval_split,
+                  f"'validation' holds out data.listops_num_eval={d.listops_num_eval} of the "
+                  f"data.listops_num_train={d.listops_num_train} generated training examples; "
+                  "raise data.listops_num_train above it")
     from hpnlp.data.tokenizers import KINDS as tokenizer_kinds
     _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
     if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch != "transformer_xl":

@@ -390,6 +390,13 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     os.makedirs(empty)
     with pytest.raises(FileNotFoundError, match="no run in workdir"):
         carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(teacher=str(empty))))))
+    # a teacher that trained on the chapters a validation run holds out would leak them
+    lm = tmp_path / "lm"
+    _teacher_workdir(lm, tiny("lm"))
+    val = tiny("lm", distill=dict(teacher=str(lm)))
+    val.data.eval_split = "validation"
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*data\.eval_split='validation' too"):
+        carry_lib.for_config(validate(from_configdict(val)))
 
 
 @pytest.mark.parametrize("group,fields,match", [

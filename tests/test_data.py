@@ -523,3 +523,35 @@ def test_listops_truncation_warns_and_tokenizer_rejects_unknown_tokens():
     assert t.encode("( [MAX 1 ( 2 ) ] )").tolist() == [12, 2, 3, 15]
     with pytest.raises(ValueError, match="unknown ListOps token '\\[FIRST'"):
         t.encode("[FIRST 1 2 ]")
+
+
+def test_validation_split_holds_out_training_data_and_never_reads_the_eval_set():
+    train, eval_ = corpus.kjv_splits()
+    v_train, held = corpus.kjv_splits("validation")
+    ids = lambda chs: {c.index for c in chs}  # noqa: E731
+    assert ids(v_train) | ids(held) == ids(train) and not ids(v_train) & ids(held)
+    assert not (ids(v_train) | ids(held)) & ids(eval_)
+    assert 0.09 < len(held) / len(train) < 0.12  # one chapter in ten of the 1071
+    t = data.make_task(cfg_of(task="doc_classify", seq_len=256, eval_split="validation"))
+    assert set(np.unique(t.meta["eval_chapters"])) == ids(held)
+    assert set(np.unique(t.meta["train_chapters"])) == ids(v_train)
+    # ListOps: the last listops_num_eval generated training examples, the eval set unread
+    full = data.make_task(cfg_of(**TINY_LISTOPS))
+    val = data.make_task(cfg_of(**TINY_LISTOPS, eval_split="validation"))
+    n_train, n_eval = TINY_LISTOPS["listops_num_train"], TINY_LISTOPS["listops_num_eval"]
+    assert len(val.train) == n_train - n_eval and len(val.eval) == n_eval
+    for i in range(n_eval):
+        assert np.array_equal(val.eval.example(i), full.train.example(n_train - n_eval + i))
+    assert np.array_equal(val.eval.labels, full.train.labels[n_train - n_eval:])
+
+
+def test_validation_split_refuses_what_it_cannot_hold_out(text_file):
+    from hpnlp.config import default_configdict, from_configdict, validate
+    for fields, match in ((dict(task="byte_lm", train_path=text_file), r"data\.eval_split.*data\.train_path"),
+                          (dict(task="listops", listops_num_train=50, listops_num_eval=50),
+                           r"data\.eval_split.*raise data\.listops_num_train"),
+                          (dict(eval_split="test"), r"data\.eval_split.*'validation'")):
+        cd = default_configdict()
+        cd.data.update({"eval_split": "validation", **fields})
+        with pytest.raises(ConfigError, match=match):
+            validate(from_configdict(cd))

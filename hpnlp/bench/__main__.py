@@ -11,11 +11,12 @@ import argparse
 import contextlib
 import sys
 
-from hpnlp.bench import attention, compress, data, lra, memory, moe, quant, retrieval, rnn, softmax, train, tricks
+from hpnlp.bench import (attention, compress, data, distill_recipes, lra, memory, moe, quant, retrieval,
+                         rnn, softmax, train, tricks)
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
-           "retrieval": retrieval, "data": data}
+           "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes}
 
 
 def main(argv=None) -> None:

@@ -93,9 +93,19 @@ def kjv_chapters() -> tuple[Chapter, ...]:
     return tuple(chapters)
 
 
-def kjv_splits() -> tuple[list[Chapter], list[Chapter]]:
+VALIDATION_AT = 4  # data.eval_split='validation': train chapter i is held out iff i % EVAL_EVERY == 4
+
+
+def kjv_splits(eval_split: str = "eval") -> tuple[list[Chapter], list[Chapter]]:
+    """(train chapters, eval chapters); with `eval_split='validation'` the eval chapters are
+    one in ten of the training chapters (`VALIDATION_AT`), left out of training, and the
+    real eval chapters are in neither."""
     chapters = kjv_chapters()
-    return [c for c in chapters if not c.is_eval], [c for c in chapters if c.is_eval]
+    train = [c for c in chapters if not c.is_eval]
+    if eval_split == "validation":
+        held = [c.index % EVAL_EVERY == VALIDATION_AT for c in train]
+        return [c for c, h in zip(train, held) if not h], [c for c, h in zip(train, held) if h]
+    return train, [c for c in chapters if c.is_eval]
 
 
 # ---------------------------------------------------------------------------------------

@@ -346,8 +346,11 @@ def make_task(cfg) -> task_lib.Task:
     else:
         n_train, n_eval = cfg.listops_num_train, cfg.listops_num_eval
         seqs, labels = generate(cfg, n_train + n_eval, cfg.seed)
-        train_x, eval_x = seqs[:n_train], seqs[n_train:]
-        train_y, eval_y = labels[:n_train], labels[n_train:]
+        # 'validation': the last n_eval training examples stand in for the eval set, which
+        # is left unread
+        cut, end = (n_train - n_eval, n_train) if cfg.eval_split == "validation" else (n_train, None)
+        train_x, eval_x = seqs[:cut], seqs[cut:end]
+        train_y, eval_y = labels[:cut], labels[cut:end]
         source = "generated (LRA recipe)"
     splits, truncated = [], 0
     for xs, ys in ((train_x, train_y), (eval_x, eval_y)):

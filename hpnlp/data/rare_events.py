@@ -67,7 +67,7 @@ def make_task(cfg, name: str) -> task_lib.Task:
         raise ConfigError(f"config field `data.train_path` = {cfg.train_path!r} is not allowed for "
                           f"data.task={name!r}: it is built from the shipped corpus")
     text_tasks._check_word_vocab(cfg)
-    train_ch, eval_ch = corpus.kjv_splits()
+    train_ch, eval_ch = corpus.kjv_splits(cfg.eval_split)
     vocab = text_tasks.WordVocab.build([text_tasks.word_tokens(c.text) for c in train_ch],
                                        cfg.word_vocab_size)  # word_lm's vocabulary
     rng = np.random.default_rng([cfg.seed % 2**32, 24])

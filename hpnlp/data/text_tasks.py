@@ -87,7 +87,7 @@ class WordVocab:
 def _lm_documents(cfg) -> tuple[list[str], list[str], object]:
     if cfg.train_path or cfg.eval_path:
         return corpus.user_lm_documents(cfg)
-    train, eval_ = corpus.kjv_splits()
+    train, eval_ = corpus.kjv_splits(cfg.eval_split)
     return [c.text for c in train], [c.text for c in eval_], "King James Bible (shipped)"
 
 
@@ -192,7 +192,7 @@ def make_doc_task(cfg, name: str) -> task_lib.Task:
                           f"data.task={name!r}: it is built from the shipped corpus; user files "
                           "work with 'listops', 'byte_lm' and 'word_lm'")
     splits, chapters = [], {}
-    for split, chaps in zip(("train", "eval"), corpus.kjv_splits()):
+    for split, chaps in zip(("train", "eval"), corpus.kjv_splits(cfg.eval_split)):
         tokens, starts, lengths, section, chapter = _windows(chaps, cfg.seq_len)
         if name == "doc_classify":
             splits.append(task_lib.Examples(tokens, starts, lengths, section))
@@ -226,7 +226,7 @@ def make_pairs_task(cfg, name: str) -> task_lib.Task:
         raise ConfigError(f"config field `data.train_path` = {cfg.train_path!r} is not allowed for "
                           f"data.task={name!r}: it is built from the shipped corpus")
     splits, meta = [], {}
-    for split, chaps in zip(("train", "eval"), corpus.kjv_splits()):
+    for split, chaps in zip(("train", "eval"), corpus.kjv_splits(cfg.eval_split)):
         verses, chapter = [], []
         for c in chaps:
             lines = c.text.split("\n")[:-1]

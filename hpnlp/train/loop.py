@@ -24,11 +24,12 @@ from tqdm.auto import tqdm
 
 from hpnlp import data as data_lib
 from hpnlp import models
-from hpnlp.config import Config, from_configdict, validate
+from hpnlp.config import Config, config_error, from_configdict, validate
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.train import carry as carry_lib
-from hpnlp.train.checkpoint import Checkpointer, check_params_match, restore_params
+from hpnlp.train.checkpoint import (Checkpointer, check_params_match, load_run_config,
+                                    restore_params)
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_state, make_optimizer
 from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_compiler_options
@@ -126,6 +127,11 @@ class Trainer:
                 lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
             check_params_match(cfg.train.init_from, self.model_params, field="train.init_from")
+            if cfg.data.eval_split == "validation" and load_run_config(
+                    cfg.train.init_from).data.eval_split != "validation":
+                raise config_error("train.init_from", cfg.train.init_from, "that run trained on "
+                                   "the examples this run holds out for data.eval_split="
+                                   "'validation'; start from a run trained with it too")
         transform = None
         if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
             from hpnlp.compress import lowrank
