@@ -108,7 +108,10 @@ class QuantConfig:
         return self.enabled and layers_name(self.layers, kind)
 
 
-LOWRANK_LAYERS = ("qkv", "out", "mlp", "head")  # products model.lowrank can factorize
+# products model.lowrank can factorize: the Transformer's, classifier heads, the input
+# embedding table (`embed`) and the output layer's vectors (`output`; a tied table is the
+# output layer's weight)
+LOWRANK_LAYERS = ("qkv", "out", "mlp", "head", "embed", "output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -782,6 +785,33 @@ def _check_lowrank(cfg: Config) -> None:
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
                   f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
                   f"rank or drop {kind!r} from model.lowrank.layers")
+    named = {n.strip() for n in lr.layers.split(",")}  # "all": whichever the model has
+    if "output" in named and m.kind != "lm":
+        _fail("model.lowrank.layers", lr.layers, f"'output' is an LM's output layer and "
+              f"model.kind={m.kind!r} has none; drop 'output' (a classifier's is 'head')")
+    if "output" in named and m.kind == "lm":
+        from hpnlp import softmax
+        from hpnlp.softmax.base import VocabLayer
+        if not issubclass(softmax.get(cfg.output.name), VocabLayer):
+            _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} keeps "
+                  "its own tables, not one [V, E] matrix of output vectors; drop 'output' or "
+                  "use output.name='full' (or another VocabLayer: sampled, nce, ...)")
+    tied = m.kind == "lm" and cfg.output.tie_embeddings
+    if tied and lr.applies("embed"):
+        from hpnlp import softmax
+        from hpnlp.softmax.base import VocabLayer
+        if not issubclass(softmax.get(cfg.output.name), VocabLayer):
+            _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} reads "
+                  "the tied embedding table itself, so the table cannot be factorized; drop "
+                  "'embed' from model.lowrank.layers")
+    if lr.applies("embed") and tied and not lr.applies("output"):
+        _fail("model.lowrank.layers", lr.layers, "the input embedding is the output layer's "
+              "table (output.tie_embeddings=True): one weight, factorized as the output "
+              "layer's; name 'output' too (or instead)")
+    if (lr.applies("embed") or (tied and lr.applies("output"))) and m.embed_grad_scale != "none":
+        _fail("model.embed_grad_scale", m.embed_grad_scale, "scales each looked-up row's "
+              "gradient, and a factorized embedding has no rows of its own; set it to 'none' "
+              "or drop 'embed' from model.lowrank.layers")
     for field, value, on in (("quant.weights", m.quant.weights, m.quant.enabled),
                              ("train.prune.method", cfg.train.prune.method,
                               cfg.train.prune.method != "none"),
@@ -1266,6 +1296,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     model = dataclasses.replace(
         m, vocab_size=m.vocab_size or info["vocab_size"],
         num_classes=m.num_classes or info.get("num_classes", 0))
+    lr = m.lowrank
+    for kind, rows in (("embed", model.vocab_size), ("output", model.vocab_size)):
+        if lr.rank and lr.applies(kind) and rows and lr.rank > min(rows, m.width):
+            _fail("model.lowrank.rank", lr.rank, f"the {kind} table is [{rows}, {m.width}], of "
+                  f"rank at most {min(rows, m.width)}; lower the rank or drop {kind!r} from "
+                  "model.lowrank.layers")
     if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
             and not cfg.output.tie_embeddings:
         _fail("output.tie_embeddings", False, f"output layer {cfg.output.name!r} predicts the "

@@ -141,8 +141,8 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
     layout = next(c for c in tr.carries if c.name == "prune").layout
     cfg2, params2 = prune.shrink(tr.cfg, state.params, groups, layout)
     batch = next(iter(tr.train_iter))
-    h = tr.eval_model.apply({"params": state.params}, batch, method="hidden")
-    h2 = models.build(cfg2, deterministic=True).apply({"params": params2}, batch, method="hidden")
+    h = _jit_apply(tr.eval_model, "hidden")(state.params, batch)
+    h2 = _jit_apply(models.build(cfg2, deterministic=True), "hidden")(params2, batch)
     np.testing.assert_allclose(np.asarray(h2), np.asarray(h), rtol=1e-5, atol=1e-5)
     assert compress_main(["shrink", "--workdir", str(tmp_path / "small"), "--out",
                           str(tmp_path / "again")]) == 1  # not pruned structurally: one line
@@ -188,7 +188,7 @@ def test_structured_pruning_removes_rnn_hidden_units_and_shrinks_to_the_same_mod
     assert not rec[:, ~keep].any() and not rec[..., ~keep].any() and rec[:, keep][..., keep].all()
     batch = next(iter(tr.train_iter))
     method = "hidden" if kind == "lm" else "pooled"
-    h = np.asarray(tr.eval_model.apply({"params": state.params}, batch, method=method))
+    h = np.asarray(_jit_apply(tr.eval_model, method)(state.params, batch))
     assert not h[..., ~keep].any() and h[..., keep].any()  # a pruned unit outputs exactly 0
     tr.checkpointer.save(3, state, tr.train_iter.get_state(), {})
     tr.checkpointer.close()
@@ -199,7 +199,7 @@ def test_structured_pruning_removes_rnn_hidden_units_and_shrinks_to_the_same_mod
     np.testing.assert_allclose(summary["eval"]["loss"], summary["eval_masked"]["loss"], rtol=1e-5)
     cfg2, params2 = prune.shrink(tr.cfg, state.params, groups, layout)
     assert cfg2.model.width == 16 and cfg2.model.depth == 2 and cfg2.rnn == cfg.rnn
-    h2 = models.build(cfg2, deterministic=True).apply({"params": params2}, batch, method=method)
+    h2 = _jit_apply(models.build(cfg2, deterministic=True), method)(params2, batch)
     np.testing.assert_allclose(np.asarray(h2), h[..., keep], rtol=1e-5, atol=1e-6)
 
 
@@ -221,6 +221,37 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
 
 
 # ---------------------------------------------------------------- distillation
+
+
+def _dot_shapes(jaxpr) -> list:
+    """Output shapes of every dot_general in `jaxpr` and the jaxprs inside it."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out += [v.aval.shape for v in e.outvars]
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _dot_shapes(inner)
+    return out
+
+
+def _jit_apply(model, method):
+    """`model.apply(params, batch, method=method)` compiled once (eagerly, every op of the
+    pass compiled on its own)."""
+    return jax.jit(lambda p, b: model.apply({"params": p}, b, method=method))
+
+
+def _config_only_workdir(path, cd):
+    """A workdir with a run's config.json and an (empty) checkpoint step: enough for what
+    reads a run's config alone (load_run_config), with nothing compiled."""
+    import json
+
+    from hpnlp.config import to_json
+    os.makedirs(path / "checkpoints" / "1")
+    with open(path / "config.json", "w") as f:
+        json.dump({"config": to_json(validate(from_configdict(cd)))}, f)
 
 
 def _teacher_workdir(path, cd):
@@ -392,7 +423,7 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
         carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(teacher=str(empty))))))
     # a teacher that trained on the chapters a validation run holds out would leak them
     lm = tmp_path / "lm"
-    _teacher_workdir(lm, tiny("lm"))
+    _config_only_workdir(lm, tiny("lm"))  # the split is checked before the checkpoint is read
     val = tiny("lm", distill=dict(teacher=str(lm)))
     val.data.eval_split = "validation"
     with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*data\.eval_split='validation' too"):
@@ -451,8 +482,8 @@ def test_l1_penalty_is_l1_times_the_pruned_weights_abs_sum_per_token():
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
     (c,) = carry_lib.for_config(cfg)
     carry = {"prune": jax.jit(lambda: nn.unbox(c.init(model, params, batch, 2)))()}
-    plain, _ = carry_lib.objective(model, [])(params, carry, batch, {})
-    sums, _ = carry_lib.objective(model, [c])(params, carry, batch, {})
+    plain, sums = jax.jit(lambda p, cr: [carry_lib.objective(model, cs)(p, cr, batch, {})[0]
+                                         for cs in ([], [c])])(params, carry)  # one compile
     flat = traverse.flatten_dict(params)
     l1 = sum(float(jnp.abs(flat[tuple(k.split("/"))]).sum()) for k in carry["prune"]["masks"])
     tokens = float(plain["weight"])
@@ -539,6 +570,54 @@ def test_svd_at_full_rank_reproduces_the_layer_and_lower_ranks_are_eckart_young(
     np.testing.assert_allclose(err ** 2, np.sum(s[2:] ** 2), rtol=1e-4)  # the optimal rank-2 error
     assert lowrank.rank_for_energy(w, 2, 1.0) == 5
     assert lowrank.kept_energy(w, 2, 2) == pytest.approx(np.sum(s[:2] ** 2) / np.sum(s ** 2), rel=1e-5)
+
+
+@pytest.mark.parametrize("tied,layers", [(False, "embed,output"), (True, "output")])
+def test_factorized_embedding_and_output_layer_are_two_products_exact_at_full_rank(tied, layers):
+    """The input embedding (rows of A [V, r], then one product with B [r, E]) and the output
+    layer (logits (h B^T) A^T + b; a tied table is one weight, used both ways) at full rank
+    compute the dense model, and their gradients are the dense composition's."""
+    from hpnlp.compress import lowrank
+    from hpnlp.compress.qlinear import Factored
+    cd = tiny("lm")
+    cd.output.tie_embeddings = tied
+    cd.model.lowrank.update(rank=16, layers=layers)  # width 16 < V 256: full rank
+    cfg = validate(from_configdict(cd))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    dense = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
+    found = lowrank.targets(cfg, model, dense, batch)
+    want = {("embed", "embedding"): "output" if tied else "embed"}
+    if not tied:
+        want[("output", "table", "kernel")] = "output"
+    assert {k: v.kind for k, v in found.items()} == want
+    fact = lowrank.factorize(dense, found, 16)
+    assert isinstance(fact["embed"]["embedding"], Factored)
+    assert fact["embed"]["embedding"].u.shape == (256, 16)
+
+    def as_dense(p):  # the factors multiplied back: the exact twin
+        return jax.tree.map(lambda x: x.dense() if isinstance(x, Factored) else x, p,
+                            is_leaf=lambda x: isinstance(x, Factored))
+
+    def loss(p, twin):
+        sums = model.apply({"params": as_dense(p) if twin else p}, batch)
+        return sums["loss"] / sums["weight"]
+
+    (l_f, g_f), (l_d, g_d), l_0 = jax.jit(lambda p, q: (
+        jax.value_and_grad(loss)(p, False), jax.value_and_grad(loss)(p, True),
+        loss(q, False)))(fact, dense)
+    np.testing.assert_allclose(float(l_f), float(l_0), rtol=1e-5)
+    np.testing.assert_allclose(float(l_d), float(l_0), rtol=1e-5)
+    # two products through the rank: no product ever forms the [V, E] table
+    shapes = _dot_shapes(jax.make_jaxpr(lambda p: loss(p, False))(fact).jaxpr)
+    assert (2, 16, 256) in shapes and (256, 16) not in shapes and (16, 256) not in shapes
+    for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_d)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # below full rank the factors hold r (V + E) numbers where the table held V E
+    low = lowrank.factorize(dense, found, 4)
+    assert models.param_count(low) == models.param_count(dense) - len(want) * (256 * 16 - 4 * 272)
 
 
 def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
@@ -662,3 +741,18 @@ def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
     lr = dataclasses.replace(cfg.model.lowrank, ranks={"trunk/block_0/mlp_in/kernel": 4})
     with pytest.raises(ConfigError, match=r"model\.lowrank\.ranks.*set model\.lowrank\.energy"):
         validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lowrank=lr)))
+    # the embedding and output layers: what a factorization of them cannot be
+    for kind, fields, match in (
+            ("lm", dict(layers="embed", tie=True), r"model\.lowrank\.layers.*name 'output' too"),
+            ("lm", dict(layers="output", output="adaptive"), r"model\.lowrank\.layers.*'adaptive'"),
+            ("classifier", dict(layers="output"), r"model\.lowrank\.layers.*a classifier's is 'head'"),
+            ("lm", dict(layers="embed", grad="batch"), r"model\.embed_grad_scale"),
+            ("lm", dict(layers="qkv,embed", rank=17), r"model\.lowrank\.rank.*qkv product"),
+            ("lm", dict(layers="embed", rank=17), r"model\.lowrank\.rank.*embed table is \[256, 16\]")):
+        cd = tiny(kind)
+        cd.model.lowrank.update(rank=fields.get("rank", 4), layers=fields["layers"])
+        cd.output.tie_embeddings = fields.get("tie", False)
+        cd.output.name = fields.get("output", "full")
+        cd.model.embed_grad_scale = fields.get("grad", "none")
+        with pytest.raises(ConfigError, match=match):
+            validate(from_configdict(cd))

@@ -16,6 +16,8 @@ Full: B=32, L=256, E=H=512 (a few minutes). `--quick`: B=8, L=32, E=H=64 (second
 Targets (`targets` in results.json, a "### Targets" table in results.md; runs that include
 both rows): the flax `OptimizedLSTMCell` layer's median time over `hpnlp LSTM`'s,
 forward+backward >= 2.0 (`lstm_fwd_bwd_vs_flax`) and forward >= 1.5 (`lstm_fwd_vs_flax`).
+Under them the report says what each asks of our kernel in that run (`_needed`): the
+GFLOP/s its products would run at, as a share of the measured float32 product rate.
 
 FLOP convention: forward = 2·B·L·(E+H)·K·H (the input and recurrent products; K = 4 gates
 for the LSTM, 3 for the GRU), forward+backward = 3x forward; gate arithmetic is not
@@ -223,6 +225,26 @@ def _plot(path: str, payload: dict) -> None:
     plt.close(fig)
 
 
+def _needed(payload: dict) -> list[str]:
+    """What each target asks of our kernel in this run: the rate its product arithmetic
+    would run at to meet the bound against flax's measured time, as a share of the
+    measured float32 matrix-product rate (gate arithmetic uncounted, so the true need is
+    higher). Above 100% a kernel would have to outrun the machine's own product rate."""
+    res, peak = payload["results"], payload["matmul_gflops"]["float32"]
+    lines = []
+    for name, (mode, bound) in TARGETS.items():
+        ours, flax_row = _get(res, TARGET_ROWS[0], mode), _get(res, TARGET_ROWS[1], mode)
+        if not (ours and flax_row and ours.get("gflops")):
+            continue
+        need_s = flax_row["time"]["median_s"] / bound
+        gflops = ours["gflops"] * ours["time"]["median_s"] / need_s
+        lines.append(f"- `{name}` >= {bound}: `{TARGET_ROWS[0]}` {mode.replace('_', '+')} in "
+                     f"{need_s * 1e3:.0f} ms, its products at {gflops:.1f} GFLOP/s, "
+                     f"{100 * gflops / peak:.0f}% of the measured float32 product rate "
+                     f"(now {100 * ours['gflops'] / peak:.0f}%).")
+    return (["What meeting each target needs in this run:", "", *lines, ""]) if lines else []
+
+
 def _markdown(payload: dict) -> str:
     res, s = payload["results"], payload["shape"]
     peak = payload["matmul_gflops"]["float32"]
@@ -239,8 +261,8 @@ def _markdown(payload: dict) -> str:
             f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r.get("gflops") else "–",
             f"{sp['wall']:.2f}x / {sp['cpu']:.2f}x vs `{sp['vs']}`" if sp else "–"])
     targets = [report.targets_md(payload["targets"]), "",
-               f"Each is `{TARGET_ROWS[1]}`'s median wall time over `{TARGET_ROWS[0]}`'s.", ""] \
-        if payload.get("targets") else []
+               f"Each is `{TARGET_ROWS[1]}`'s median wall time over `{TARGET_ROWS[0]}`'s.", "",
+               *_needed(payload)] if payload.get("targets") else []
     return "\n".join([
         report.header_md(payload["machine"], payload["matmul_gflops"]), "",
         f"Shape: B={s['B']}, L={s['L']}, E={s['E']}, H={s['H']}, float32, no padding. Wall times "

@@ -20,8 +20,14 @@ V the output's).
   `model.lowrank.energy` each weight gets its own (`resolve_energy`, from the weights
   `train.init_from` holds, when the run is built; `model.lowrank.ranks` in its config.json).
 
-Kinds: the Transformer's `qkv`, `out`, `mlp` and the classifier heads (`model.lowrank.layers`).
-The embedding, the output layer and the LSTM's products stay dense for now.
+Kinds (`model.lowrank.layers`): the Transformer's `qkv`, `out`, `mlp`, the classifier
+heads, and the tables of any model: `embed`, the input embedding [V, E] as A [V, r] B [r, E]
+(ALBERT's factorized embedding: a lookup of A's rows, then one product with B), and
+`output`, the output layer's vectors [V, E] (a `VocabLayer`: full, sampled, nce, ...) with
+logits (h B^T) A^T + b, two products through the rank, where its exact `logits` are
+computed (evaluation, and `full`'s loss below its chunking size; the chunked loss and the
+sampled objectives multiply the factors back into the table). A tied table is one weight,
+the output layer's: `output` factorizes it for both uses. The LSTM's own products stay dense.
 """
 
 from __future__ import annotations

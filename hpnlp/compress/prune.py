@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.compress import qlinear
-from hpnlp.config import Config, PruneConfig
+from hpnlp.config import QUANT_LAYERS, Config, PruneConfig
 from hpnlp.train.carry import Carry
 
 
@@ -187,7 +187,8 @@ def targets(cfg: Config, model, params, batch) -> dict:
     """{"a/b/kernel": Product} of the weights `train.prune` prunes."""
     p = cfg.train.prune
     found = qlinear.products(model, params, batch)
-    return {"/".join(k): v for k, v in sorted(found.items()) if p.applies(v.kind)}
+    return {"/".join(k): v for k, v in sorted(found.items())
+            if v.kind in QUANT_LAYERS and p.applies(v.kind)}  # not "embed": a lookup
 
 
 def apply_masks(params, masks: dict):

@@ -354,6 +354,12 @@ class Embed(nn.Embed):
                                (self.num_embeddings, self.features), self.param_dtype)
 
     def __call__(self, inputs):
+        from hpnlp.compress.qlinear import Factored, float_product, note_product
+        note_product(self, "embedding", "embed", (1,))  # [V, E]: a one-hot product's table
+        if isinstance(self.embedding, Factored):  # model.lowrank: A [V, r] rows, then B [r, E]
+            f = self.embedding
+            rows = jnp.take(f.u, inputs, axis=0).astype(self.dtype)
+            return float_product(rows, f.v.astype(self.dtype), None, 1)
         table_VE = self.table()
         if self.grad_scale == "batch":
             out = scaled_take(table_VE, inputs, batch_count_weights(inputs, self.num_embeddings))
@@ -365,9 +371,11 @@ class Embed(nn.Embed):
 
     def table(self):
         """The [V, E] table as the model uses it (quantized rows where configured)."""
-        from hpnlp.compress.qlinear import QWeight, Served, quant_weight
+        from hpnlp.compress.qlinear import Factored, QWeight, Served, quant_weight
         if isinstance(self.embedding, (QWeight, Served)):  # packed as [E, V]: contraction first
             return self.embedding.dequantize().T
+        if isinstance(self.embedding, Factored):
+            return self.embedding.dense()
         if self.quant_rows:
             return quant_weight(self.embedding.T, 1, self.quant, self, "embedding").T
         return self.embedding

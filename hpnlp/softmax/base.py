@@ -216,11 +216,14 @@ class VocabLayer(LogitsDistribution, nn.Module):
     def _decoded(self, kernel_VE, bias_V, width: int):
         """`_stored`'s weight as the float [V, E] the product multiplies (decoded, or
         fake-quantized where `quant` covers the output layer), and b [V]."""
+        from hpnlp.compress.qlinear import Factored
         if self.embed is not None:
             kernel_VE = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
             if kernel_VE.shape[-1] != width:
                 raise ValueError(f"tied output embedding has width {kernel_VE.shape[-1]}, hidden "
                                  f"states have {width}")
+        elif isinstance(kernel_VE, Factored):  # model.lowrank: the table its factors make
+            kernel_VE = kernel_VE.dense()
         elif self.quantized() or _is_packed(kernel_VE):
             from hpnlp.compress.qlinear import quant_weight
             kernel_VE = quant_weight(kernel_VE if _is_packed(kernel_VE) else kernel_VE.T, 1,
@@ -242,10 +245,17 @@ class VocabLayer(LogitsDistribution, nn.Module):
     def logits(self, hidden_NE):
         """float32 logits [N, V] for every id: by the integer kernel that computes the
         product where the weight was prepared for one (`ptq.serve`), else in XLA."""
-        from hpnlp.compress.qlinear import Served, served_product
+        from hpnlp.compress.qlinear import Factored, Served, float_product, served_product
         stored, bias_V = self._stored(hidden_NE.shape[-1])
         if isinstance(stored, Served):  # quantizes hidden_NE itself, as quant_hidden does
             return served_product(hidden_NE, stored, 1, jnp.float32, bias_V.astype(jnp.float32))
+        if isinstance(stored, Factored):  # model.lowrank: W [V, E] = U [V, r] V [r, E], so
+            # logits = (h V^T) U^T + b, two products through the rank
+            t_Nr = float_product(hidden_NE.astype(self.dtype), stored.v.T.astype(self.dtype), None, 1)
+            logits_NV = float_product(t_Nr, stored.u.T.astype(self.dtype), None, 1,
+                                      jnp.float32)
+            return logits_NV + bias_V.astype(jnp.float32).reshape(
+                (1,) * (logits_NV.ndim - 1) + (-1,))
         kernel_VE, bias_V = self._decoded(stored, bias_V, hidden_NE.shape[-1])
         return scores(self.quant_hidden(hidden_NE), kernel_VE, bias_V, self.dtype)
 
