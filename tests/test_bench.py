@@ -473,3 +473,27 @@ def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, 
     assert {r["tokenizer"] for r in only["results"]} == {"bpe"}
     with pytest.raises(ValueError, match="choose from"):
         quality.run(str(tmp_path / "c"), quick=True, tokenizers=["chars"])
+
+
+def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp_path):
+    from hpnlp.bench import distill_recipes
+
+    def row(method, value, seeds=None, gap=None):
+        return {"model": "text classifier", "method": method, "params": 100, "value": value,
+                "seed_values": seeds, "gap_closed": gap}
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes": {"student_steps": {"text classifier": 200}}, "seeds": 2,
+               "teacher": {"value": 0.6, "params": 400},
+               "recipes": [row("student, scratch", 0.4, [0.38, 0.42]),
+                           row("selected weights, T=1, alpha=0.5", 0.55, [0.54, 0.56], 0.75),
+                           row("selected weights, T=2, alpha=0.5", 0.5, [0.5, 0.5], 0.5)],
+               "seconds": 12.0, "reused_runs": 0}
+    md = distill_recipes._markdown(payload)
+    assert "| selected weights, T=1, alpha=0.5 | 0.5500 | 0.5400, 0.5600 | 0.750 |" in md
+    assert "Best on validation: `selected weights, T=1, alpha=0.5` (gap closed 0.750)" in md
+    assert "mean of 2 seeds" in md and "200 steps" in md
+    distill_recipes._plot(payload, str(tmp_path))
+    assert (tmp_path / "recipes.png").exists()
+    assert [name for name, _ in distill_recipes.RECIPES][:1] == ["student, scratch"]
+    assert distill_recipes.RECIPES[3][1] == dict(alpha=0.5, temperature=1.0, init="select")

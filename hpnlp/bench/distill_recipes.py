@@ -74,6 +74,10 @@ def recipe_rows(s: dict, workdir: str, seeds: int) -> tuple[dict, list[dict]]:
     return teacher, rows
 
 
+def _gap(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
 def _markdown(p: dict) -> str:
     t, rows = p["teacher"], p["recipes"]
     best = max(rows[1:], key=lambda r: r["value"])
@@ -86,10 +90,14 @@ def _markdown(p: dict) -> str:
            report.table(["recipe", "accuracy (mean)", "each seed", "gap closed"], [
                [r["method"], f"{r['value']:.4f}",
                 ", ".join(f"{v:.4f}" for v in r.get("seed_values") or [r["value"]]),
-                report.fmt(r["gap_closed"])] for r in rows]), "",
+                _gap(r["gap_closed"])] for r in rows]), "",
            f"Best on validation: `{best['method']}` (gap closed "
-           f"{report.fmt(best['gap_closed'])}).", ""]
-    if p.get("seconds"):
+           f"{_gap(best['gap_closed'])}).", ""]
+    if p.get("reused_runs"):
+        out += [f"{p['reused_runs']} finished runs were reused from --workdir (trained there by "
+                f"an earlier run of this command), so the wall time, {p['seconds']:.0f} s, "
+                "leaves their training out.", ""]
+    elif p.get("seconds"):
         out += [f"Wall time: {p['seconds']:.0f} s.", ""]
     return "\n".join(out)
 
@@ -124,11 +132,12 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
         if not jax.config.jax_compilation_cache_dir:  # students of one shape compile once
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        t0 = time.perf_counter()
+        t0, reused = time.perf_counter(), len(compress.REUSED)
         teacher, rows = recipe_rows(s, workdir or tmp, seeds)
         payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,
-                   "recipes": rows, "seconds": time.perf_counter() - t0}
+                   "recipes": rows, "seconds": time.perf_counter() - t0,
+                   "reused_runs": len(compress.REUSED) - reused}
     report.write(out_dir, "distill_recipes", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload
