@@ -426,8 +426,21 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     _config_only_workdir(lm, tiny("lm"))  # the split is checked before the checkpoint is read
     val = tiny("lm", distill=dict(teacher=str(lm)))
     val.data.eval_split = "validation"
-    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*data\.eval_split='validation' too"):
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*data\.eval_split='validation'\s+too"):
         carry_lib.for_config(validate(from_configdict(val)))
+    from hpnlp.train import Trainer  # and a run to fine-tune from, before anything is read
+    val = tiny("lm")
+    val.data.eval_split, val.train.init_from = "validation", str(lm)
+    with pytest.raises(ConfigError, match=r"train\.init_from.*data\.eval_split='validation'"):
+        Trainer(from_configdict(val), str(tmp_path / "ft"))
+    # a factorized run cannot be exported as a quantized (or cast) file yet: one line
+    from hpnlp.compress import ptq
+    fact = tiny("lm")
+    fact.model.lowrank.rank = 4
+    _config_only_workdir(tmp_path / "fact", fact)
+    with pytest.raises(ConfigError, match=r"model\.lowrank\.rank.*quantize the dense run"):
+        ptq.quantize(str(tmp_path / "fact"), str(tmp_path / "q"), float_dtype="bfloat16")
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("group,fields,match", [
@@ -572,14 +585,17 @@ def test_svd_at_full_rank_reproduces_the_layer_and_lower_ranks_are_eckart_young(
     assert lowrank.kept_energy(w, 2, 2) == pytest.approx(np.sum(s[:2] ** 2) / np.sum(s ** 2), rel=1e-5)
 
 
-@pytest.mark.parametrize("tied,layers", [(False, "embed,output"), (True, "output")])
-def test_factorized_embedding_and_output_layer_are_two_products_exact_at_full_rank(tied, layers):
+@pytest.mark.parametrize("arch,tied,layers", [("transformer", False, "embed,output"),
+                                               ("transformer", True, "output"),
+                                               ("lstm", False, "embed,output")])
+def test_factorized_embedding_and_output_layer_are_two_products_exact_at_full_rank(arch, tied, layers):
     """The input embedding (rows of A [V, r], then one product with B [r, E]) and the output
     layer (logits (h B^T) A^T + b; a tied table is one weight, used both ways) at full rank
     compute the dense model, and their gradients are the dense composition's."""
     from hpnlp.compress import lowrank
     from hpnlp.compress.qlinear import Factored
     cd = tiny("lm")
+    cd.model.arch = arch
     cd.output.tie_embeddings = tied
     cd.model.lowrank.update(rank=16, layers=layers)  # width 16 < V 256: full rank
     cfg = validate(from_configdict(cd))

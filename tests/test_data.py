@@ -189,8 +189,9 @@ def test_word_lm_vocab_sorted_by_frequency():
     assert 0 < t.baseline["unigram_loss"] < np.log(500)
 
 
-def test_word_lm_vocab_size_is_exact_without_reading_the_corpus():
-    cfg = cfg_of(task="word_lm", seq_len=512, word_vocab_size=100_000)
+@pytest.mark.parametrize("split", ["eval", "validation"])
+def test_word_lm_vocab_size_is_exact_without_reading_the_corpus(split):
+    cfg = cfg_of(task="word_lm", seq_len=512, word_vocab_size=100_000, eval_split=split)
     assert data.make_task(cfg).vocab_size == data.task_info(cfg)["vocab_size"]
 
 
@@ -543,6 +544,23 @@ def test_validation_split_holds_out_training_data_and_never_reads_the_eval_set()
     for i in range(n_eval):
         assert np.array_equal(val.eval.example(i), full.train.example(n_train - n_eval + i))
     assert np.array_equal(val.eval.labels, full.train.labels[n_train - n_eval:])
+
+
+def test_a_run_that_may_have_seen_the_validation_split_is_named_and_a_resume_keeps_it():
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train.checkpoint import _shape_signature
+    val, ev = cfg_of(task="byte_lm", eval_split="validation"), cfg_of(task="byte_lm")
+    assert data.saw_validation(val, ev) and not data.saw_validation(ev, val)
+    assert not data.saw_validation(val, cfg_of(task="doc_classify", eval_split="validation"))
+    lo = dict(TINY_LISTOPS, eval_split="validation")
+    assert not data.saw_validation(cfg_of(**lo), cfg_of(**lo))
+    # a run generating more examples trained on this one's held-out slice
+    assert data.saw_validation(cfg_of(**lo), cfg_of(**dict(lo, listops_num_train=400)))
+    assert data.saw_validation(cfg_of(**lo), cfg_of(**dict(lo, seed=1)))
+    cd = default_configdict()
+    sig = _shape_signature(from_configdict(cd))
+    cd.data.eval_split = "validation"  # a resume under the other split is another run
+    assert _shape_signature(from_configdict(cd)) == {**sig, "data.eval_split": "validation"}
 
 
 def test_validation_split_refuses_what_it_cannot_hold_out(text_file):

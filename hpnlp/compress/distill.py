@@ -205,10 +205,12 @@ class TeacherCarry(Carry):
                 raise config_error("train.distill.teacher", self.workdir,
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
-        if cfg.data.eval_split == "validation" and tcfg.data.eval_split != "validation":
-            raise config_error("train.distill.teacher", self.workdir, "the teacher trained on "
-                               "the examples this run holds out for data.eval_split='validation'; "
-                               "train the teacher with data.eval_split='validation' too")
+        from hpnlp.data import saw_validation
+        if saw_validation(cfg.data, tcfg.data):
+            raise config_error("train.distill.teacher", self.workdir, "the teacher may have "
+                               "trained on the examples this run holds out for data.eval_split="
+                               "'validation'; train the teacher with data.eval_split='validation' "
+                               "too (and, for ListOps, the same generator settings)")
         if tcfg.model.arch == "transformer_xl":
             raise config_error("train.distill.teacher", self.workdir, "a Transformer-XL teacher "
                                "needs its memory; distill from a model.arch='transformer' run")

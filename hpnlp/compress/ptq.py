@@ -208,6 +208,11 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a quantized checkpoint does not hold; quantize a run "
                            "without model.memory")
+    if cfg.model.lowrank.enabled():
+        raise config_error("model.lowrank.rank", cfg.model.lowrank.rank or cfg.model.lowrank.energy,
+                           f"the run in {workdir} holds factorized weights, which the quantized "
+                           "file format does not store yet; quantize the dense run it was "
+                           "factorized from")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     if float_dtype is not None:

@@ -63,6 +63,22 @@ def _entry(cfg):
     return _TASKS[cfg.task]
 
 
+def saw_validation(mine, theirs) -> bool:
+    """Whether a run trained with DataConfig `theirs` may have trained on the examples that
+    `mine` (`eval_split='validation'`) holds out: a run that did not hold them out too, or
+    generated ListOps drawn or cut otherwise (its held-out examples are a slice of one
+    generated sequence). The shipped corpus holds out the same chapters for every task."""
+    if mine.eval_split != "validation":
+        return False
+    if theirs.eval_split != "validation":
+        return True
+    if mine.task == "listops" or theirs.task == "listops":
+        fields = ("task", "seed", "listops_num_train", "listops_num_eval", "listops_min_length",
+                  "listops_max_length", "listops_max_depth", "listops_max_args")
+        return any(getattr(mine, f) != getattr(theirs, f) for f in fields)
+    return False
+
+
 def task_info(cfg) -> dict:
     """{"kind", "vocab_size", "num_classes"} (and, for LM tasks, "frequency_sorted": whether
     id 0 is the most frequent token and counts fall with the id) without building the data

@@ -98,8 +98,8 @@ VALIDATION_AT = 4  # data.eval_split='validation': train chapter i is held out i
 
 def kjv_splits(eval_split: str = "eval") -> tuple[list[Chapter], list[Chapter]]:
     """(train chapters, eval chapters); with `eval_split='validation'` the eval chapters are
-    one in ten of the training chapters (`VALIDATION_AT`), left out of training, and the
-    real eval chapters are in neither."""
+    the training chapters at index `VALIDATION_AT` mod 10 (119 of 1071, one in nine), left
+    out of training, and the real eval chapters are in neither."""
     chapters = kjv_chapters()
     train = [c for c in chapters if not c.is_eval]
     if eval_split == "validation":

@@ -101,4 +101,4 @@ def make_task(cfg, name: str) -> task_lib.Task:
 def info(cfg, name: str) -> dict:
     text_tasks._check_word_vocab(cfg)
     return {"kind": "classify", "num_classes": len(BOOKS),
-            "vocab_size": min(cfg.word_vocab_size, text_tasks.KJV_TRAIN_WORDS + 2)}
+            "vocab_size": min(cfg.word_vocab_size, text_tasks.kjv_train_words(cfg) + 2)}

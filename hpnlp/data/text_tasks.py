@@ -29,6 +29,12 @@ WORD_RE = re.compile(r"\n|'s\b|[^\W_]+|[^\w\s]|_")
 # Distinct words in the corpus' train chapters under WORD_RE: lets `info` give word_lm's
 # exact vocab size without reading the corpus (tests check it against make_task).
 KJV_TRAIN_WORDS = 12_070
+KJV_VALIDATION_TRAIN_WORDS = 11_427  # the same, of the training chapters data.eval_split='validation' keeps
+
+
+def kjv_train_words(cfg) -> int:
+    """Distinct words of the training chapters `cfg` (a DataConfig) trains on."""
+    return KJV_VALIDATION_TRAIN_WORDS if cfg.eval_split == "validation" else KJV_TRAIN_WORDS
 DOC_TAIL_FRACTION = 4  # keep a chapter's last partial window if >= seq_len / 4 bytes
 
 
@@ -266,5 +272,5 @@ def info(cfg, name: str) -> dict:
     _check_word_vocab(cfg)
     # A user file's vocabulary is unknown until read: the configured size is an upper
     # bound (the model may have a few unused output rows), which is all validation needs.
-    size = cfg.word_vocab_size if cfg.train_path else min(cfg.word_vocab_size, KJV_TRAIN_WORDS + 2)
+    size = cfg.word_vocab_size if cfg.train_path else min(cfg.word_vocab_size, kjv_train_words(cfg) + 2)
     return {"kind": "lm", "vocab_size": size, "num_classes": 0, "frequency_sorted": True}

@@ -75,8 +75,12 @@ def _shape_signature(cfg, members: int = 1) -> dict:
         sig["model.head_dim"] = cfg.model.head_dim
     if cfg.model.lowrank.enabled():
         lr = cfg.model.lowrank  # energy and ranks only when used: older runs still resume
+        tables = [k for k in ("embed", "output") if lr.applies(k)]  # since "all" took them
         sig["model.lowrank"] = {"rank": lr.rank, "layers": lr.layers, **(
-            {"energy": lr.energy, "ranks": dict(lr.ranks)} if lr.energy or lr.ranks else {})}
+            {"energy": lr.energy, "ranks": dict(lr.ranks)} if lr.energy or lr.ranks else {}),
+            **({"tables": tables} if tables else {})}
+    if cfg.data.eval_split != "eval":  # what the weights never saw: a resume keeps it
+        sig["data.eval_split"] = cfg.data.eval_split
     if cfg.train.prune.method != "none":
         sig["train.prune.method"] = cfg.train.prune.method
         for f, value in (("structure", "structured"), ("schedule", "imp")):  # other carry trees

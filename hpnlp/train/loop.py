@@ -126,12 +126,12 @@ class Trainer:
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
+            if data_lib.saw_validation(cfg.data, load_run_config(cfg.train.init_from).data):
+                raise config_error("train.init_from", cfg.train.init_from, "that run may have "
+                                   "trained on the examples this run holds out for "
+                                   "data.eval_split='validation'; start from a run trained with "
+                                   "it too (and, for ListOps, the same generator settings)")
             check_params_match(cfg.train.init_from, self.model_params, field="train.init_from")
-            if cfg.data.eval_split == "validation" and load_run_config(
-                    cfg.train.init_from).data.eval_split != "validation":
-                raise config_error("train.init_from", cfg.train.init_from, "that run trained on "
-                                   "the examples this run holds out for data.eval_split="
-                                   "'validation'; start from a run trained with it too")
         transform = None
         if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
             from hpnlp.compress import lowrank
