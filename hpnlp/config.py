@@ -790,21 +790,20 @@ def _check_lowrank(cfg: Config) -> None:
     if "output" in named and m.kind != "lm":
         _fail("model.lowrank.layers", lr.layers, f"'output' is an LM's output layer and "
               f"model.kind={m.kind!r} has none; drop 'output' (a classifier's is 'head')")
-    if "output" in named and m.kind == "lm":
-        from hpnlp import softmax
+
+    def vectors() -> bool:  # the output layer is one [V, E] matrix of vectors (asked late:
+        from hpnlp import softmax  # output.name itself is checked after this)
         from hpnlp.softmax.base import VocabLayer
-        if not issubclass(softmax.get(cfg.output.name), VocabLayer):
-            _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} keeps "
-                  "its own tables, not one [V, E] matrix of output vectors; drop 'output' or "
-                  "use output.name='full' (or another VocabLayer: sampled, nce, ...)")
+        return issubclass(softmax.get(cfg.output.name), VocabLayer)
+    if "output" in named and m.kind == "lm" and not vectors():
+        _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} keeps "
+              "its own tables, not one [V, E] matrix of output vectors; drop 'output' or "
+              "use output.name='full' (or another VocabLayer: sampled, nce, ...)")
     tied = m.kind == "lm" and cfg.output.tie_embeddings
-    if tied and lr.applies("embed"):
-        from hpnlp import softmax
-        from hpnlp.softmax.base import VocabLayer
-        if not issubclass(softmax.get(cfg.output.name), VocabLayer):
-            _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} reads "
-                  "the tied embedding table itself, so the table cannot be factorized; drop "
-                  "'embed' from model.lowrank.layers")
+    if tied and lr.applies("embed") and not vectors():
+        _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} reads "
+              "the tied embedding table itself, so the table cannot be factorized; drop "
+              "'embed' from model.lowrank.layers")
     if lr.applies("embed") and tied and not lr.applies("output"):
         _fail("model.lowrank.layers", lr.layers, "the input embedding is the output layer's "
               "table (output.tie_embeddings=True): one weight, factorized as the output "
@@ -1297,11 +1296,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     model = dataclasses.replace(
         m, vocab_size=m.vocab_size or info["vocab_size"],
         num_classes=m.num_classes or info.get("num_classes", 0))
-    lr = m.lowrank
-    for kind, rows in (("embed", model.vocab_size), ("output", model.vocab_size)):
-        if lr.rank and lr.applies(kind) and rows and lr.rank > min(rows, m.width):
-            _fail("model.lowrank.rank", lr.rank, f"the {kind} table is [{rows}, {m.width}], of "
-                  f"rank at most {min(rows, m.width)}; lower the rank or drop {kind!r} from "
+    lr, V = m.lowrank, model.vocab_size
+    for kind in ("embed", "output"):  # the [V, E] tables, now that V is known
+        if lr.rank and lr.applies(kind) and V and lr.rank > min(V, m.width):
+            _fail("model.lowrank.rank", lr.rank, f"the {kind} table is [{V}, {m.width}], of "
+                  f"rank at most {min(V, m.width)}; lower the rank or drop {kind!r} from "
                   "model.lowrank.layers")
     if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
             and not cfg.output.tie_embeddings:

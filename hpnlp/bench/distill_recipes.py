@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -125,7 +126,6 @@ def _plot(p: dict, out_dir: str) -> None:
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
-    import time
     s = compress.SIZES["quick" if quick else "full"]
     seeds = SEEDS["quick" if quick else "full"]
     with tempfile.TemporaryDirectory() as tmp:

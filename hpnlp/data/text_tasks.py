@@ -30,12 +30,12 @@ WORD_RE = re.compile(r"\n|'s\b|[^\W_]+|[^\w\s]|_")
 # exact vocab size without reading the corpus (tests check it against make_task).
 KJV_TRAIN_WORDS = 12_070
 KJV_VALIDATION_TRAIN_WORDS = 11_427  # the same, of the training chapters data.eval_split='validation' keeps
+DOC_TAIL_FRACTION = 4  # keep a chapter's last partial window if >= seq_len / 4 bytes
 
 
 def kjv_train_words(cfg) -> int:
     """Distinct words of the training chapters `cfg` (a DataConfig) trains on."""
     return KJV_VALIDATION_TRAIN_WORDS if cfg.eval_split == "validation" else KJV_TRAIN_WORDS
-DOC_TAIL_FRACTION = 4  # keep a chapter's last partial window if >= seq_len / 4 bytes
 
 
 def byte_encode(text: str) -> np.ndarray:
