@@ -350,12 +350,20 @@ class DistillConfig:
     # and the student's attention distributions of the same block pairs, per real query;
     # both must use an attention variant that returns its probabilities ('dense')
     attention: float = 0.0
-    # "none" | "every_other" | "select": the student's blocks start as the teacher's blocks
-    # 0, Lt/Ls, 2 Lt/Ls, ... (DistilBERT: one layer of two), its embeddings, position table,
-    # final norm and output layer as the teacher's; every_other needs the teacher's shapes but
-    # its depth, select (weight selection, Xu et al. 2024) takes the leading slice of each
-    # weight, so the student may also be narrower (fewer heads, MLP neurons, width channels)
+    # "none" | "every_other" | "select" | "importance": the student's blocks start as the
+    # teacher's blocks (`init_blocks`: 0, Lt/Ls, 2 Lt/Ls, ..., DistilBERT's), its embeddings,
+    # position table, final norm and output layer as the teacher's; every_other needs the
+    # teacher's shapes but its depth, select (weight selection, Xu et al. 2024) takes the
+    # leading slice of each weight, so the student may also be narrower (fewer heads, MLP
+    # neurons, width channels); importance (Minitron, Muralidharan et al. 2024) keeps the
+    # teacher's most active heads, neurons and width channels instead, read on the run's
+    # first `importance_batches` training batches
     init: str = "none"
+    importance_batches: int = 8
+    # which teacher blocks the student's start as: "first" (0, Lt/Ls, 2 Lt/Ls, ...:
+    # DistilBERT's) or "last" (Lt/Ls - 1, ..., Lt - 1: ending at the teacher's last block,
+    # the one its final norm and output layer read; hidden-state matching's layer map)
+    init_blocks: str = "first"
 
     def matches_blocks(self) -> tuple[str, Any] | None:
         """(field, value) of the first option set that reads the student's Transformer
@@ -1002,7 +1010,12 @@ def _check_compress(cfg: Config) -> None:
                 _fail("train.distill.attention", dist.attention, f"attention variant "
                       f"{cfg.attention.name!r} does not return its probabilities; use "
                       "attention.name='dense' for attention-map distillation")
-        _check_choice("train.distill.init", dist.init, ("none", "every_other", "select"))
+        _check_choice("train.distill.init", dist.init, ("none", "every_other", "select",
+                                                         "importance"))
+        _check_choice("train.distill.init_blocks", dist.init_blocks, ("first", "last"))
+        if not isinstance(dist.importance_batches, int) or dist.importance_batches < 1:
+            _fail("train.distill.importance_batches", dist.importance_batches,
+                  "must be a whole number of training batches >= 1")
         blocks = dist.matches_blocks()
         if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
             _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "

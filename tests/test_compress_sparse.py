@@ -254,8 +254,9 @@ def _config_only_workdir(path, cd):
         json.dump({"config": to_json(validate(from_configdict(cd)))}, f)
 
 
-def _teacher_workdir(path, cd):
-    """A workdir holding a run's config.json and a checkpoint of its initial state."""
+def _teacher_workdir(path, cd, edit=None):
+    """A workdir holding a run's config.json and a checkpoint of its initial state (its
+    parameters changed by `edit(flat {path: weight}) -> flat` first, when given)."""
     from hpnlp.train.checkpoint import Checkpointer
     from hpnlp.train.state import init_state, make_optimizer
     cfg = validate(from_configdict(cd))
@@ -264,6 +265,9 @@ def _teacher_workdir(path, cd):
     tx = make_optimizer(cfg.train)
     batch = dummy_batch(kind, 1, cfg.data.seq_len)
     state = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch)))(jax.random.key(7))
+    if edit is not None:
+        state = state.replace(params=traverse.unflatten_dict(edit(traverse.flatten_dict(
+            state.params))))
     ck = Checkpointer(str(path), cfg, keep=1)
     ck.save(1, state, {}, {})
     ck.close()
@@ -410,6 +414,61 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     bad.model.update(mlp_dim=32, width=8)
     with pytest.raises(ConfigError, match=r"train\.distill\.init.*model\.width must be the teacher's \(16\)"):
         carry_lib.for_config(validate(from_configdict(bad)))
+
+
+def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channels(tmp_path):
+    """Minitron's selection: units the teacher never activates are never kept. The teacher's
+    block 1 (the one-block student's source under init_blocks='last') has silent heads 0
+    and 2 (zero value projections), silent MLP neurons 0-15 (zero input weights and biases),
+    and every norm silences the even width channels (zero scale and bias), so a student of
+    half the heads, neurons and width keeps exactly the live ones, in order, from every
+    weight."""
+    from hpnlp.train import Trainer
+    assert list(distill.keep_top(np.array([3.0, 1.0, 3.0, 2.0]), 2)) == [0, 2]  # ties: the lower
+    assert list(distill.keep_top(np.arange(5.0), 5)) == list(range(5))  # all: the teacher's order
+    assert distill.init_map(1, 2, "last") == [1] and distill.init_map(2, 6, "last") == [2, 5]
+    tcd = tiny("classifier")
+    tcd.model.update(depth=2, num_heads=4)
+    even = np.arange(0, 16, 2)
+
+    def silence(flat):
+        flat = dict(flat)
+        b0 = ("trunk", "block_1")
+        flat[b0 + ("attention", "qkv")] = flat[b0 + ("attention", "qkv")].at[:, 2, ::2].set(0.0)
+        for name in ("kernel", "bias"):
+            flat[b0 + ("mlp_in", name)] = flat[b0 + ("mlp_in", name)].at[..., :16].set(0.0)
+        for path in [p for p in flat if p[-2].endswith("norm") or p[-2] in ("norm1", "norm2")]:
+            flat[path] = flat[path].at[even].set(0.0)
+        return flat
+
+    _, _, tparams = _teacher_workdir(tmp_path / "t", tcd, edit=silence)
+    scd = tiny("classifier", distill=dict(teacher=str(tmp_path / "t"), init="importance",
+                                          importance_batches=2, init_blocks="last"))
+    scd.model.update(width=8, num_heads=2, mlp_dim=16)
+    state, _ = Trainer(from_configdict(scd), str(tmp_path / "s")).initial_state()
+    live = {"embed": np.arange(1, 16, 2), "heads": np.array([1, 3]), "mlp": np.arange(16, 32)}
+    names = {("embed", "embedding"): ("vocab", "embed"), ("head", "kernel"): ("embed", None),
+             ("head", "bias"): (None,), ("trunk", "pos_embedding"): (None, "embed"),
+             ("attention", "qkv"): ("embed", None, "heads", "kv"),
+             ("attention", "out"): ("heads", "kv", "embed"), ("mlp_in", "kernel"): ("embed", "mlp"),
+             ("mlp_in", "bias"): ("mlp",), ("mlp_out", "kernel"): ("mlp", "embed")}
+    flat_t = traverse.flatten_dict(tparams)
+    checked = 0
+    for path, w in traverse.flatten_dict(state.params).items():
+        t = np.asarray(flat_t[tuple("block_1" if p == "block_0" else p for p in path)])
+        axes = names.get(path[-2:], ("embed",) * t.ndim)  # the rest: norms' scale and bias
+        for axis, name in enumerate(axes):
+            if name in live and w.shape[axis] < t.shape[axis]:
+                t = np.take(t, live[name], axis=axis)
+        np.testing.assert_array_equal(np.asarray(w), t, err_msg="/".join(path))
+        checked += 1
+    assert checked == len(flat_t) - len([k for k in flat_t if k[1] == "block_0"])
+    scd.train.distill.importance_batches = 0
+    with pytest.raises(ConfigError, match=r"train\.distill\.importance_batches"):
+        validate(from_configdict(scd))
+    scd.train.distill.update(importance_batches=2, init_blocks="middle")
+    with pytest.raises(ConfigError, match=r"train\.distill\.init_blocks"):
+        validate(from_configdict(scd))
 
 
 def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path):

@@ -13,9 +13,13 @@ scratch) on validation accuracy, as the compress bench computes it on eval accur
 
 The recipes are the literature's candidates: soft targets alone; weight selection alone
 (Xu et al. 2024); both at T = 1 (the compress targets' row), at DistilBERT's T = 2 and at
-Hinton et al.'s high temperature with mostly soft loss (T = 4, alpha = 0.9); and selected
+Hinton et al.'s high temperature with mostly soft loss (T = 4, alpha = 0.9); selected
 weights with soft targets plus TinyBERT's hidden-state or attention-map matching at
-weight 1.
+weight 1; Minitron's selection by importance (`train.distill.init=importance`: the
+teacher's most active heads, neurons and width channels on the first training batches, not
+the first ones), alone and with soft targets at T = 1; and both selections from the
+teacher's last block rather than its first (`train.distill.init_blocks=last`: the block
+its final norm and output layer read).
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ RECIPES = (
     ("selected weights, T=4, alpha=0.9", dict(SELECT_T1, temperature=4.0, alpha=0.9)),
     ("selected weights, T=1, alpha=0.5, hidden 1", dict(SELECT_T1, hidden=1.0)),
     ("selected weights, T=1, alpha=0.5, attention 1", dict(SELECT_T1, attention=1.0)),
+    ("important weights, no soft targets", dict(alpha=0.0, init="importance")),
+    ("important weights, T=1, alpha=0.5", dict(SELECT_T1, init="importance")),
+    ("selected weights, last blocks, T=1, alpha=0.5", dict(SELECT_T1, init_blocks="last")),
+    ("important weights, last blocks, T=1, alpha=0.5",
+     dict(SELECT_T1, init="importance", init_blocks="last")),
 )
 SEEDS = {"full": 3, "quick": 2}
 

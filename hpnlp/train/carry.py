@@ -17,8 +17,10 @@ method is one class here or beside its own code, not a new branch in the loop:
   at evaluation from its entry (the classifier's key-value memory reads the trained memory);
 - `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
   update (pruning applies and advances its masks here);
-- `start_params(value, params) -> params`: the parameters a fresh run starts from, after
-  `start` (distillation's DistilBERT initialization copies teacher blocks here);
+- `start_params(value, params, batches) -> params`: the parameters a fresh run starts from,
+  after `start` (distillation's DistilBERT initialization copies teacher blocks here);
+  `batches(n)` gives the run's first n training batches, read by an iterator of their own,
+  so the run's data order is untouched (Minitron's importance reads the teacher on them);
 - `trainable(model, params, batch, key)`: parameters the method trains beside the model's
   (distillation's hidden-state projection), or None. They sit in the state's parameters
   under `carry_<name>` (`TRAINABLE_PREFIX`), so the optimizer, the gradient and the
@@ -80,7 +82,7 @@ class Carry:
     def after_update(self, value, params, grads, step):
         return params, value
 
-    def start_params(self, value, params):
+    def start_params(self, value, params, batches):
         return params
 
     def trainable(self, model, params, batch, key):

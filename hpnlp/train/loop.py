@@ -204,10 +204,18 @@ class Trainer:
             carry, params = {}, state.params
             for c in self.carries:
                 carry[c.name] = c.start(state.carry[c.name], params)
-                params = c.start_params(carry[c.name], params)
+                params = c.start_params(carry[c.name], params, self._first_train_batches)
             if params is not state.params:
                 state = state.replace(params=jax.device_put(params, sharding.params))
             return state.replace(carry=jax.device_put(carry, sharding.carry))
+
+    def _first_train_batches(self, n: int) -> list[dict]:
+        """The run's first `n` global training batches, from an iterator of their own (the
+        run's own iterator and so its data order are untouched); the same on every process."""
+        import itertools
+        it = data_lib.make_iterator(self.task, self.cfg.data, split="train",
+                                    batch_size=self.cfg.train.batch_size)
+        return list(itertools.islice(iter(it), n))
 
     def _params_from(self, workdir: str, like):
         """The newest parameters of the run in `workdir` as this run starts from them: read
