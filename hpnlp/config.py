@@ -1013,7 +1013,12 @@ def _check_compress(cfg: Config) -> None:
         _check_choice("train.distill.init", dist.init, ("none", "every_other", "select",
                                                          "importance"))
         _check_choice("train.distill.init_blocks", dist.init_blocks, ("first", "last"))
-        if not isinstance(dist.importance_batches, int) or dist.importance_batches < 1:
+        if dist.init_blocks != "first" and dist.init == "none":
+            _fail("train.distill.init_blocks", dist.init_blocks, "picks the teacher blocks the "
+                  "student starts as, and train.distill.init='none' starts it from none; set "
+                  "train.distill.init to every_other, select or importance")
+        if (isinstance(dist.importance_batches, bool) or not isinstance(dist.importance_batches, int)
+                or dist.importance_batches < 1):
             _fail("train.distill.importance_batches", dist.importance_batches,
                   "must be a whole number of training batches >= 1")
         blocks = dist.matches_blocks()

@@ -497,12 +497,18 @@ def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp
     assert (tmp_path / "recipes.png").exists()
     assert [name for name, _ in distill_recipes.RECIPES][:1] == ["student, scratch"]
     assert distill_recipes.RECIPES[3][1] == dict(alpha=0.5, temperature=1.0, init="select")
-    # the compress targets' row is the recipe the recorded validation run found best, and
-    # one that run measured (so the choice never read the eval chapters)
-    from hpnlp.bench import compress
+
+
+def test_the_compress_targets_recipe_is_the_one_validation_picked():
+    """The compress bench's targets' row trains the recipe the recorded distill_recipes run
+    found best on the validation split, one that run measured, so the choice never read
+    the eval chapters the targets are scored on."""
+    from hpnlp.bench import compress, distill_recipes
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "benchmarks", "distill_recipes", "results.json")) as f:
         recorded = json.load(f)["recipes"]
     best = max((r for r in recorded if r["gap_closed"] is not None), key=lambda r: r["gap_closed"])
-    assert best["fields"] == compress.TARGETS_RECIPE == compress.DISTILLED_STUDENTS[-1][2]
-    assert any(fields == compress.TARGETS_RECIPE for _, fields in distill_recipes.RECIPES)
+    assert best["fields"] == compress.TARGETS_RECIPE
+    assert compress.DISTILLED_STUDENTS[-1][0] == compress.DISTILLED
+    assert compress.DISTILLED_STUDENTS[-1][2] == compress.TARGETS_RECIPE
+    assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.RECIPES]

@@ -417,11 +417,12 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
 
 
 def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channels(tmp_path):
-    """Minitron's selection: units the teacher never activates are never kept. The teacher's
-    block 1 (the one-block student's source under init_blocks='last') has silent heads 0
-    and 2 (zero value projections), silent MLP neurons 0-15 (zero input weights and biases),
-    and every norm silences the even width channels (zero scale and bias), so a student of
-    half the heads, neurons and width keeps exactly the live ones, in order, from every
+    """Minitron's selection keeps the units the teacher activates most. The teacher's block
+    1 (the one-block student's source under init_blocks='last') has its heads' value
+    projections scaled by 0.01, 1, 0.1 and 10 (so their outputs rank 3, 1, 2, 0), silent
+    MLP neurons 0-15 (zero input weights and biases), and every norm silences the even
+    width channels (zero scale and bias), so a student of half the heads, neurons and width
+    keeps exactly heads 1 and 3 and the live neurons and channels, in order, from every
     weight."""
     from hpnlp.train import Trainer
     assert list(distill.keep_top(np.array([3.0, 1.0, 3.0, 2.0]), 2)) == [0, 2]  # ties: the lower
@@ -434,7 +435,8 @@ def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channe
     def silence(flat):
         flat = dict(flat)
         b0 = ("trunk", "block_1")
-        flat[b0 + ("attention", "qkv")] = flat[b0 + ("attention", "qkv")].at[:, 2, ::2].set(0.0)
+        flat[b0 + ("attention", "qkv")] = flat[b0 + ("attention", "qkv")].at[:, 2].multiply(
+            jnp.array([0.01, 1.0, 0.1, 10.0])[:, None])
         for name in ("kernel", "bias"):
             flat[b0 + ("mlp_in", name)] = flat[b0 + ("mlp_in", name)].at[..., :16].set(0.0)
         for path in [p for p in flat if p[-2].endswith("norm") or p[-2] in ("norm1", "norm2")]:
@@ -463,12 +465,36 @@ def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channe
         np.testing.assert_array_equal(np.asarray(w), t, err_msg="/".join(path))
         checked += 1
     assert checked == len(flat_t) - len([k for k in flat_t if k[1] == "block_0"])
-    scd.train.distill.importance_batches = 0
-    with pytest.raises(ConfigError, match=r"train\.distill\.importance_batches"):
-        validate(from_configdict(scd))
-    scd.train.distill.update(importance_batches=2, init_blocks="middle")
-    with pytest.raises(ConfigError, match=r"train\.distill\.init_blocks"):
-        validate(from_configdict(scd))
+    for field, value in (("importance_batches", 0), ("importance_batches", True),
+                         ("init_blocks", "middle")):
+        bad = tiny("classifier", distill=dict(teacher=str(tmp_path / "t"), init="importance",
+                                              **{field: value}))
+        with pytest.raises(ConfigError, match=rf"train\.distill\.{field}"):
+            validate(from_configdict(bad))
+    bad = tiny("classifier", distill=dict(teacher=str(tmp_path / "t"), init_blocks="last"))
+    with pytest.raises(ConfigError, match=r"train\.distill\.init_blocks.*set train\.distill\.init"):
+        validate(from_configdict(bad))
+
+
+def test_importance_reads_real_tokens_only_and_splits_like_the_train_step():
+    """Unit scores (of the LM's trunk, read through `hidden`) are the same whatever the
+    padding holds and however many microbatches the batch is split into."""
+    cfg = validate(from_configdict(tiny("lm")))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 4, 16)
+    batch["inputs"] = RNG.integers(0, 256, (4, 16)).astype(np.int32)
+    batch["segment_ids"][1, 9:] = 0
+    batch["segment_ids"][3, 4:] = 0
+    params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
+    other = dict(batch, inputs=np.where(batch["segment_ids"] > 0, batch["inputs"], 255 - batch["inputs"]))
+    got = [distill.unit_importance(model, {"params": params}, [b], "hidden", microbatches=k)
+           for b, k in ((batch, 1), (other, 1), (batch, 2))]
+    assert sorted(got[0]) == ["block_0/heads", "block_0/mlp", "embed"]
+    assert got[0]["block_0/heads"].shape == (2,) and got[0]["block_0/mlp"].shape == (32,)
+    for k, v in got[0].items():
+        assert np.all(np.asarray(v) > 0)
+        np.testing.assert_array_equal(np.asarray(got[1][k]), np.asarray(v))
+        np.testing.assert_allclose(np.asarray(got[2][k]), np.asarray(v), rtol=1e-5)
 
 
 def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path):

@@ -1,19 +1,19 @@
 """`python -m hpnlp.bench distill_recipes`: the text classifier's distillation recipes, chosen on a validation split.
 
-`python -m hpnlp.bench compress` reads its distillation targets on one recipe, selected
-weights plus soft targets at T = 1, alpha = 0.5, scored on the eval chapters. Which recipe
-that should be is a choice that must not read the eval chapters, or the target would be
-met by selection. Here the choice is made on a validation split instead
-(`data.eval_split='validation'`): the teacher and every student train on the training
-chapters less one in nine (index 4 mod 10), and are scored on those held-out chapters; the eval chapters are
-never read. The teacher, the students' size and steps are the compress bench's (half depth,
+`python -m hpnlp.bench compress` reads its distillation targets on one recipe
+(`compress.TARGETS_RECIPE`), scored on the eval chapters. Which recipe that should be is a
+choice that must not read the eval chapters, or the target would be met by selection. Here
+the choice is made on a validation split instead (`data.eval_split='validation'`), and the
+compress bench trains the best recipe of this command's record (a test holds the two to
+it): the teacher and every student train on the training chapters less one in nine (index
+4 mod 10), and are scored on those held-out chapters; the eval chapters are never read. The teacher, the students' size and steps are the compress bench's (half depth,
 width, heads and MLP width, a third of the teacher's steps); every student trains at
 `seeds` seeds and reads as their mean. `gap closed` = (student - scratch) / (teacher -
 scratch) on validation accuracy, as the compress bench computes it on eval accuracy.
 
 The recipes are the literature's candidates: soft targets alone; weight selection alone
-(Xu et al. 2024); both at T = 1 (the compress targets' row), at DistilBERT's T = 2 and at
-Hinton et al.'s high temperature with mostly soft loss (T = 4, alpha = 0.9); selected
+(Xu et al. 2024); both at T = 1 (the compress targets' row before 2026-11-25), at
+DistilBERT's T = 2 and at Hinton et al.'s high temperature with mostly soft loss (T = 4, alpha = 0.9); selected
 weights with soft targets plus TinyBERT's hidden-state or attention-map matching at
 weight 1; Minitron's selection by importance (`train.distill.init=importance`: the
 teacher's most active heads, neurons and width channels on the first training batches, not
@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from hpnlp.bench import compress, harness, report
 
 MODEL = "text classifier"
-SELECT_T1 = dict(alpha=0.5, temperature=1.0, init="select")  # the compress targets' row
+SELECT_T1 = dict(alpha=0.5, temperature=1.0, init="select")  # DistilBERT's, narrower
 # (name, `train.distill` fields; None: the scratch student)
 RECIPES = (
     ("student, scratch", None),

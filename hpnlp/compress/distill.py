@@ -49,11 +49,13 @@ Beside the soft targets (Transformer students of the teacher's width):
   activation (after gelu, the value that weights its output row), a width channel by the
   LayerNorm outputs summed over every norm. Each unit's magnitude is averaged over an
   example's real tokens, then combined over examples by their L2 norm (the paper's best
-  aggregation). Kept units stay in the teacher's order; a student of the teacher's width
-  keeps all of them, so it starts exactly as `every_other` does. (Scaling the token table
-  by sqrt(teacher width / student width), so that the kept channels of the student's first
-  residual stream would be the teacher's, lost on the classifier's validation split: 0.60
-  of the gap closed against 0.69 without, distill_recipes' setting.)
+  aggregation). Kept units stay in the teacher's order; a student of the teacher's width,
+  heads and MLP width keeps all of them, so it starts exactly as `every_other` does. An
+  MoE block's experts have no neuron scores here: their MLP axes take the leading slice,
+  as `select` does. (Scaling the token table by sqrt(teacher width / student width), so
+  that the kept channels of the student's first residual stream would be the teacher's,
+  lost on the classifier's validation split in a scratch run that is not recorded: 0.60 of
+  the gap closed against 0.69 without, in distill_recipes' setting.)
 - `train.distill.init_blocks`: which teacher blocks the student's start as (`init_map`):
   `first` (DistilBERT's 0, Lt/Ls, ...) or `last` (Lt/Ls - 1, ..., Lt - 1: ending at the
   block whose output the teacher's final norm and output layer read, TinyBERT's layer map).
@@ -177,11 +179,13 @@ def _importance_capture(module, method_name: str) -> bool:
     return method_name == "__call__" and module.name in IMPORTANCE_MODULES
 
 
-def unit_importance(module_def, variables, batches, method) -> dict:
+def unit_importance(module_def, variables, batches, method, *, microbatches: int = 1) -> dict:
     """{"embed": [E], "block_i/heads": [H], "block_i/mlp": [F]}: each unit's
     importance (module doc; squared, so ranking it ranks the L2 norm) summed over `batches`,
-    from the activations one apply per batch captures (`method`: the model's trunk output)."""
-    def one(variables, batch):
+    from the activations one apply per batch captures (`method`: the model's trunk output),
+    `microbatches` rows at a time as the train step splits them (train.grad_accum).
+    Replicated on every device (under a mesh), so every process reads the same ranking."""
+    def micro(variables, batch):
         _, state = module_def.apply(variables, batch, method=method, mutable=["intermediates"],
                                     capture_intermediates=_importance_capture)
         w_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
@@ -192,6 +196,8 @@ def unit_importance(module_def, variables, batches, method) -> dict:
         def score(a):  # [B, L, U] or [B, L, H, D] (a head's norm) -> sum of squares over B
             a = a.astype(jnp.float32)
             mag = jnp.linalg.norm(a, axis=-1) if a.ndim == 4 else jnp.abs(a)
+            real = (w_BL > 0).reshape(w_BL.shape + (1,) * (mag.ndim - 2))
+            mag = jnp.where(real, mag, 0.0)  # padding's activations never count, not even NaN
             return jnp.sum(jnp.square(jnp.einsum("bl,bl...->b...", per_token, mag)), axis=0)
 
         out: dict = {}
@@ -215,7 +221,17 @@ def unit_importance(module_def, variables, batches, method) -> dict:
         walk(state["intermediates"], ())
         return out
 
-    one = jax.jit(one)
+    def one(variables, batch):
+        if microbatches == 1:
+            return micro(variables, batch)
+        from hpnlp.train.step import _split_microbatches
+        parts = jax.lax.map(lambda mb: micro(variables, mb),
+                            _split_microbatches(batch, microbatches))
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), parts)
+
+    from jax.sharding import PartitionSpec
+    one = jax.jit(one, out_shardings=None if jax.sharding.get_abstract_mesh().empty
+                  else PartitionSpec())
     total: dict = {}
     for batch in batches:
         for k, v in one(variables, batch).items():
@@ -371,7 +387,14 @@ class TeacherCarry(Carry):
             data = batches(self.d.importance_batches)
             lm = self.cfg.model.kind == "lm"
             scores = unit_importance(self.teacher, {"params": value}, data,
-                                     "hidden" if lm else "pooled")
+                                     "hidden" if lm else "pooled",
+                                     microbatches=self.cfg.train.grad_accum)
+            bad = sorted(k for k, v in scores.items() if not np.all(np.isfinite(np.asarray(v))))
+            if bad:
+                raise config_error("train.distill.init", self.d.init, f"the teacher's "
+                                   f"activations are not finite on the first training batches "
+                                   f"({', '.join(bad)}), so they rank nothing; check the "
+                                   "teacher's run, or use init='select'")
             boxed = jax.eval_shape(lambda: self.teacher.init({"params": jax.random.key(0)},
                                                              data[0])["params"])
             names = {p: tuple(getattr(b, "names", ()) or ())

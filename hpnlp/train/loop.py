@@ -210,12 +210,13 @@ class Trainer:
             return state.replace(carry=jax.device_put(carry, sharding.carry))
 
     def _first_train_batches(self, n: int) -> list[dict]:
-        """The run's first `n` global training batches, from an iterator of their own (the
-        run's own iterator and so its data order are untouched); the same on every process."""
+        """The run's first `n` training batches as global arrays sharded like the train
+        step's, from an iterator of their own (the run's own iterator and so its data order
+        are untouched)."""
         import itertools
         it = data_lib.make_iterator(self.task, self.cfg.data, split="train",
-                                    batch_size=self.cfg.train.batch_size)
-        return list(itertools.islice(iter(it), n))
+                                    batch_size=self.cfg.train.batch_size, **self.iter_args)
+        return [_global(b, self.batch_sharding) for b in itertools.islice(iter(it), n)]
 
     def _params_from(self, workdir: str, like):
         """The newest parameters of the run in `workdir` as this run starts from them: read
