@@ -149,6 +149,29 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path, lau
     np.testing.assert_allclose(summary(to_one)["eval"]["loss"], s_one["eval"]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_importance_init_ranks_the_same_units_on_two_processes(tmp_path, launch):
+    """train.distill.init=importance reads the teacher on the run's first training batches
+    as global arrays, sharded like the step's: 2 processes (1 device each) rank the same
+    heads, neurons and channels as 1 process with 2 devices, so the distilled students'
+    losses are equal bitwise (the reasoning of the test above)."""
+    teacher = tmp_path / "teacher"
+    finish(launch(teacher, extra=["--config.train.steps=4", "--config.train.checkpoint_every=4",
+                                         "--config.train.warmup_steps=1"]))
+    student = [f"--config.train.distill.teacher={teacher}", "--config.train.distill.init=importance",
+               "--config.train.distill.importance_batches=2", "--config.model.width=16",
+               "--config.model.num_heads=2", "--config.model.mlp_dim=32",
+               "--config.train.steps=3", "--config.train.checkpoint_every=3",
+               "--config.train.warmup_steps=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_one = launch(one, devices=2, extra=student)
+    run_two = launch(two, processes=2, extra=student)
+    finish(run_one)
+    finish(run_two)
+    assert [s for s, _ in losses(one)] == [1, 2, 3]
+    assert losses(two) == losses(one)
+
+
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     # A coordinator without a port is refused when flags are parsed, before

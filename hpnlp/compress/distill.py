@@ -395,8 +395,8 @@ class TeacherCarry(Carry):
                                    f"activations are not finite on the first training batches "
                                    f"({', '.join(bad)}), so they rank nothing; check the "
                                    "teacher's run, or use init='select'")
-            boxed = jax.eval_shape(lambda: self.teacher.init({"params": jax.random.key(0)},
-                                                             data[0])["params"])
+            boxed = jax.eval_shape(lambda b: self.teacher.init({"params": jax.random.key(0)},
+                                                               b)["params"], data[0])
             names = {p: tuple(getattr(b, "names", ()) or ())
                      for p, b in traverse.flatten_dict(boxed).items()}
             kept = {}
