@@ -382,14 +382,14 @@ class TeacherCarry(Carry):
         src = init_map(self.cfg.model.depth, self.teacher_cfg.model.depth, self.d.init_blocks)
         teacher = traverse.flatten_dict(value)
         select = self.d.init in ("select", "importance")
-        kept, scores, names = None, {}, {}
+        kept, scores, names = {}, {}, {}  # kept: (unit key, count) -> indices, made once
         if self.d.init == "importance":
             data = batches(self.d.importance_batches)
             lm = self.cfg.model.kind == "lm"
-            scores = unit_importance(self.teacher, {"params": value}, data,
-                                     "hidden" if lm else "pooled",
-                                     microbatches=self.cfg.train.grad_accum)
-            bad = sorted(k for k, v in scores.items() if not np.all(np.isfinite(np.asarray(v))))
+            scores = {k: np.asarray(v) for k, v in unit_importance(
+                self.teacher, {"params": value}, data, "hidden" if lm else "pooled",
+                microbatches=self.cfg.train.grad_accum).items()}  # on the host, fetched once
+            bad = sorted(k for k, v in scores.items() if not np.all(np.isfinite(v)))
             if bad:
                 raise config_error("train.distill.init", self.d.init, f"the teacher's "
                                    f"activations are not finite on the first training batches "
@@ -399,7 +399,6 @@ class TeacherCarry(Carry):
                                                                b)["params"], data[0])
             names = {p: tuple(getattr(b, "names", ()) or ())
                      for p, b in traverse.flatten_dict(boxed).items()}
-            kept = {}
         out = traverse.flatten_dict(trainable_params(params))
         for path, w in traverse.flatten_dict(model_params(params)).items():
             tpath = tuple(f"block_{src[int(p[len('block_'):])]}" if p.startswith("block_") else p
@@ -412,9 +411,9 @@ class TeacherCarry(Carry):
                                    f"{'/'.join(path)} {w.shape} has no teacher twin of "
                                    f"{'a shape that contains it' if select else 'its shape'} "
                                    f"({None if t is None else t.shape})")
+            block = next((p for p in tpath if p.startswith("block_")), None)
             for axis, n in enumerate(w.shape):
                 name = names[tpath][axis] if names.get(tpath) else None
-                block = next((p for p in tpath if p.startswith("block_")), None)
                 key = "embed" if name == "embed" else f"{block}/{name}"
                 if n == t.shape[axis] or key not in scores:  # all of it, or the leading slice
                     t = jax.lax.slice_in_dim(t, 0, n, axis=axis)
