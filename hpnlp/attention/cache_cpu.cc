@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 
+#define HPNLP_NATIVE_VECTORS  // whole vectors of NR floats (simd.h)
 #include "simd.h"
 
 namespace ffi = xla::ffi;

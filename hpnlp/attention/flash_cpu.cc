@@ -35,6 +35,7 @@
 #include <limits>
 #include <type_traits>
 
+#define HPNLP_NATIVE_VECTORS  // whole vectors of NR floats (simd.h)
 #include "simd.h"
 
 #if defined(__AMX_TILE__)
@@ -58,19 +59,17 @@ template <int R, int NV, bool Acc, bool Rows>
 void tile(const float* a, ptrdiff_t ar, ptrdiff_t ac_arg, int K, const float* b, ptrdiff_t ldb,
           float* c, ptrdiff_t ldc) {
   const ptrdiff_t ac = Rows ? 1 : ac_arg;
-  vf acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};
-  for (int k = 0; k < K; ++k, b += ldb) {
-    vf bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load(b + v * NR);
-    for (int r = 0; r < R; ++r) {
-      const float x = a[r * ar + k * ac];
-      for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
-    }
+#if defined(__AVX512F__)
+  reg_tile<R, NV, Acc>(a, ar, ac, K, b, ldb, c, ldc);
+#else
+  // AVX2's 16 registers hold R x 2 accumulators (the classic 6 x 16 tile), not R x 4.
+  if constexpr (NV > 2) {
+    reg_tile<R, 2, Acc>(a, ar, ac, K, b, ldb, c, ldc);
+    reg_tile<R, NV - 2, Acc>(a, ar, ac, K, b + 2 * NR, ldb, c + 2 * NR, ldc);
+  } else {
+    reg_tile<R, NV, Acc>(a, ar, ac, K, b, ldb, c, ldc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * NR, acc[r][v]);
+#endif
 }
 
 using TileFn = void (*)(const float*, ptrdiff_t, ptrdiff_t, int, const float*, ptrdiff_t,
@@ -416,10 +415,10 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k
                         ffi::Buffer<ffi::S32>& kseg, bool segs, bool causal, float scale, int64_t block_q,
                         int64_t block_k, Problem* p) {
   auto d = q.dimensions();
-  if (d.size() != 4 || d[3] % NR != 0)
+  if (d.size() != 4 || d[3] % TILE != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string(kernel) + ": q must be [B, L, H, D] with D a multiple of 16");
-  if (block_q <= 0 || block_q % NR != 0 || block_k <= 0 || block_k % NR != 0)
+  if (block_q <= 0 || block_q % TILE != 0 || block_k <= 0 || block_k % TILE != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string(kernel) + ": block_q and block_k must be positive multiples of 16");
   const int64_t B = d[0], L = d[1], H = d[2], D = d[3];
@@ -493,6 +492,15 @@ void run_forward(const Problem& p, float* out, float* lse_out, int threads) {
 template <int R, int NV, bool Acc>
 void tile2(const bf16* a, ptrdiff_t ar, int K, const bf16* b, ptrdiff_t ldb, float* c,
            ptrdiff_t ldc) {
+#if !defined(__AVX512F__)
+  // AVX2: one column of vectors at a time (R accumulators, the widened pairs of b and of the
+  // broadcast in registers; see dot2).
+  if constexpr (NV > 1) {
+    tile2<R, 1, Acc>(a, ar, K, b, ldb, c, ldc);
+    tile2<R, NV - 1, Acc>(a, ar, K, b + 2 * NR, ldb, c + NR, ldc);
+    return;
+  }
+#endif
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};
@@ -973,7 +981,7 @@ extern "C" int64_t hpnlp_flash_bf16_products() {
 extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, int64_t bq,
                                     int64_t bk, int64_t backward, int64_t threads,
                                     int64_t bfloat16, int64_t causal) try {
-  if (D % NR != 0 || bq <= 0 || bq % NR != 0 || bk <= 0 || bk % NR != 0) return -1.0;
+  if (D % TILE != 0 || bq <= 0 || bq % TILE != 0 || bk <= 0 || bk % TILE != 0) return -1.0;
   const size_t n = size_t(B) * L * H * D;
   std::vector<float> q(n), k(n), v(n), o(n), d_o(n), dq(n), dk(n), dv(n), lse(size_t(B) * H * L);
   uint32_t state = 12345;

@@ -34,7 +34,21 @@ namespace hpnlp {
 
 namespace ffi = xla::ffi;
 
-constexpr int NR = 16;  // floats per vector
+// Floats per vector. With AVX-512 a vf is one 16-float register. Without it, GCC gives a
+// 64-byte vector no register of its own: it keeps it in memory and lowers much of its
+// arithmetic lane by lane (a splat was 16 scalar stores, a `?:` 16 vmaxss), and the fused
+// LSTM and flash attention ran 4x and 19x slower than their peers on an AVX2-only EPYC
+// (Zen 3). A kernel that works in whole vectors of NR floats, whatever NR is, defines
+// HPNLP_NATIVE_VECTORS before including this header and gets one AVX2 register (8
+// floats) there. The MIPS and quantized kernels lay their packed operands out in 16-float
+// panels and carry their own AVX2 register tiles, so they keep 16.
+// Shapes the kernels accept stay multiples of 16 (TILE) on every build, whatever NR is.
+constexpr int TILE = 16;
+#if defined(__AVX512F__) || !defined(HPNLP_NATIVE_VECTORS)
+constexpr int NR = 16;
+#else
+constexpr int NR = 8;
+#endif
 typedef float vf __attribute__((vector_size(NR * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t))));
 
@@ -54,6 +68,27 @@ inline void stream(float* p, vf v) {
 #endif
 }
 inline bool aligned64(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
+
+// The register tile of a product: c[r * ldc + v * NR, + NR) (+)= sum over k < K of
+// a[r * ar + k * ac] * b[k * ldb + v * NR, + NR), r < R, v < NV, with the R x NV
+// accumulators, NV vectors of b and a broadcast in registers (R * NV <= 12 fits AVX2's 16).
+template <int R, int NV, bool Acc>
+inline void reg_tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b,
+                     ptrdiff_t ldb, float* c, ptrdiff_t ldc) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};
+  for (int k = 0; k < K; ++k, b += ldb) {
+    vf bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load(b + v * NR);
+    for (int r = 0; r < R; ++r) {
+      const float x = a[r * ar + k * ac];
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(c + r * ldc + v * NR, acc[r][v]);
+}
 
 // exp(x) to about 2 ulp for x in [-87, 88] (Cephes expf): 2^n * p(r), r = x - n ln 2.
 // Below -87 it returns exp(-87), not 0; `vexp0` is the variant that flushes to 0.

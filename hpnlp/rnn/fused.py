@@ -61,7 +61,7 @@ def _probe(backward: bool):
 
 TUNINGS = {name: tuning.Tuning(
     KERNEL, name, default=DEFAULT_BLOCKING, probe=_probe(name == "bwd"),
-    candidates=[{"kc": kc, "mr": mr} for kc in (32, 64, 128, 256) for mr in (4, 5, 6)],
+    candidates=[{"kc": kc, "mr": mr} for kc in (64, 128, 256, 512) for mr in (4, 5, 6)],
     shape=" ".join(f"{k}={v}" for k, v in PROBE.items())) for name in ("fwd", "bwd")}
 
 

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <type_traits>
 
+#define HPNLP_NATIVE_VECTORS  // whole vectors of NR floats (simd.h)
 #include "simd.h"
 
 namespace ffi = xla::ffi;
@@ -73,6 +74,7 @@ struct Blocking {
 
 // acc[r][q] (+)= sum over k in [k0, k1) of a[r * lda + k] * p[(k * 4 + q) * NR ...]: four
 // vectors of a packed panel per k, each row's value a broadcast operand of the FMA.
+#if defined(__AVX512F__)
 template <int R>
 inline void micro(vf (&acc)[R][4], const float* a, size_t lda, const float* p, int k0, int k1) {
   p += size_t(k0) * 4 * NR;
@@ -87,6 +89,16 @@ inline void micro(vf (&acc)[R][4], const float* a, size_t lda, const float* p, i
     }
   }
 }
+#else
+// AVX2's 16 registers hold R x 2 accumulators, not R x 4: two gates at a time, the
+// accumulators passing through memory between them.
+template <int R>
+inline void micro(vf (&acc)[R][4], const float* a, size_t lda, const float* p, int k0, int k1) {
+  for (int q = 0; q < 4; q += 2)
+    reg_tile<R, 2, true>(a + k0, lda, 1, k1 - k0, p + size_t(k0) * 4 * NR + q * NR, 4 * NR,
+                         reinterpret_cast<float*>(&acc[0][q]), 4 * NR);
+}
+#endif
 
 // C[rows, 4 NR] = A[rows, K] P[K, 4 NR] for all B rows, one register block of rows at a
 // time, K in cache blocks (partial sums wait in `part`, [B][4][NR]); `done(r0, R, acc)`
@@ -332,7 +344,7 @@ ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::
                        ffi::ResultBuffer<ffi::F32> hp, ffi::ResultBuffer<ffi::F32> cc,
                        ffi::ResultBuffer<ffi::F32> act) try {
   auto d = xw.dimensions();
-  if (d.size() != 3 || d[2] % (4 * NR) != 0)
+  if (d.size() != 3 || d[2] % (4 * TILE) != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "fused LSTM: xw must be [L, B, 4H] with H a multiple of 16");
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
@@ -382,7 +394,7 @@ ffi::Error LstmBwdImpl(int64_t threads, int64_t kc, int64_t mr, ffi::Buffer<ffi:
                        ffi::ResultBuffer<ffi::F32> dz, ffi::ResultBuffer<ffi::F32> db,
                        ffi::ResultBuffer<ffi::F32> d_h0, ffi::ResultBuffer<ffi::F32> d_c0) try {
   auto d = act.dimensions();
-  if (d.size() != 3 || d[2] % (4 * NR) != 0)
+  if (d.size() != 3 || d[2] % (4 * TILE) != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "fused LSTM: act must be [L, B, 4H] with H a multiple of 16");
   const int64_t L = d[0], B = d[1], H = d[2] / 4;
@@ -414,7 +426,7 @@ ffi::Error LstmBwdImpl(int64_t threads, int64_t kc, int64_t mr, ffi::Buffer<ffi:
 // Negative on failure.
 extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, int64_t mr,
                                    int64_t backward, int64_t threads) try {
-  if (H % NR != 0 || kc <= 0 || mr < 1 || mr > MR) return -1.0;
+  if (H % TILE != 0 || kc <= 0 || mr < 1 || mr > MR) return -1.0;
   const size_t BH = size_t(B) * H, G = 4 * size_t(H);
   // 64-byte aligned like XLA's buffers, so the forward streams its outputs as in a real call.
   struct Aligned {
