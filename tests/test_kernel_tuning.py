@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import hpnlp.attention.flash_cpu as F
+from hpnlp.attention import cache_cpu
 from hpnlp.attention.dense import dense_attention
 from hpnlp import kernels
 from hpnlp.kernels import tuning
@@ -276,6 +277,24 @@ def test_portable_build_without_avx512(tmp_path):
                           timeout=600)
     assert proc.returncode == 0 and "portable ok" in proc.stdout, proc.stderr[-3000:]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tune.json")]  # tuning was off
+
+
+@pytest.mark.slow
+@needs_flash
+@pytest.mark.parametrize("kernel", [F.KERNEL, fused.KERNEL, cache_cpu.KERNEL],
+                         ids=["flash", "lstm", "cache"])
+def test_avx2_builds_lower_no_vector_operation_piecewise(kernel):
+    """Built for x86-64-v3, the kernels that opt into native vectors (HPNLP_NATIVE_VECTORS in
+    simd.h) keep every vector operation in AVX2 registers. With a 16-float vector there,
+    GCC lowered their arithmetic lane by lane through memory and flash attention ran 19x
+    slower than PyTorch's on an AVX2-only EPYC; GCC says so with this warning."""
+    cxx = os.environ.get("CXX") or "g++"
+    flags = [f for f in kernels.FLAGS if f not in ("-shared", "-fPIC")]
+    cmd = [cxx, *flags, "-march=x86-64-v3", "-Wno-psabi",
+           "-Werror=vector-operation-performance", "-I", jax.ffi.include_dir(), "-I",
+           kernels.HEADER_DIR, "-S", kernel.source, "-o", os.devnull]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_the_command_lists_every_pass(monkeypatch, capsys):

@@ -2,7 +2,8 @@
 // and the shape checks of an FFI handler.
 //
 // Plain C++17 with GCC vector extensions: -march=native gives AVX-512 registers where the
-// machine has them, two AVX2 registers per vector where it does not.
+// machine has them; where it does not, a kernel that defines HPNLP_NATIVE_VECTORS gets
+// 8-float AVX2 vectors and the others two AVX2 registers per vector (see NR).
 
 #pragma once
 

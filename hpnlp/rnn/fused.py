@@ -7,9 +7,9 @@ the same hoisting (one input-projection product for all steps before the recurre
 every weight and input gradient one product over all steps after it), but the L
 recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
 `while` loop with several kernel launches per step. Each of the kernel's threads owns a
-share of the hidden units, in tiles of 16, and computes a tile's four gates in
-registers, with the gate arithmetic applied straight to the accumulators (see the top of
-`fused_lstm.cc`).
+share of the hidden units, in tiles of one vector (16 with AVX-512, 8 with AVX2), and
+computes a tile's four gates in registers, with the gate arithmetic applied straight to
+the accumulators (see the top of `fused_lstm.cc`).
 
 The kernel is C++ compiled on first use (`hpnlp.kernels`: the machine's `g++`, cached per
 source, jaxlib version and CPU). Where there is no compiler or the platform is not a
@@ -82,7 +82,7 @@ def unavailable_reason() -> str | None:
 
 
 def supports(hidden: int) -> bool:
-    """The kernel works on tiles of 16 hidden units."""
+    """The kernel takes hidden sizes in multiples of 16 (its tiles are 16 or 8 units)."""
     return hidden % 16 == 0
 
 

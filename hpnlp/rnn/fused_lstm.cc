@@ -3,7 +3,7 @@
 // Why: in an XLA-built scan every time step is several kernel launches (the [B, H] x
 // [H, 4H] product, then the gate arithmetic as separate fusions), each a dispatch to the
 // thread pool and a round trip of the [B, 4H] pre-activations through memory. Here one
-// call runs all L steps. Each thread owns a share of the tiles of 16 hidden units (the
+// call runs all L steps. Each thread owns a share of the tiles of NR hidden units (the
 // same share every step, so its part of the recurrent matrix stays in its core's cache;
 // taking tiles from a shared counter instead measured 3% slower), computes a tile's four
 // gates for a block of rows in registers (a register-blocked product over the recurrent
