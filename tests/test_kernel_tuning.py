@@ -17,6 +17,8 @@ import pytest
 
 import hpnlp.attention.flash_cpu as F
 from hpnlp.attention import cache_cpu
+from hpnlp.compress import kernels as qkernels
+from hpnlp.retrieval import exact
 from hpnlp.attention.dense import dense_attention
 from hpnlp import kernels
 from hpnlp.kernels import tuning
@@ -281,13 +283,14 @@ def test_portable_build_without_avx512(tmp_path):
 
 @pytest.mark.slow
 @needs_flash
-@pytest.mark.parametrize("kernel", [F.KERNEL, fused.KERNEL, cache_cpu.KERNEL],
-                         ids=["flash", "lstm", "cache"])
+@pytest.mark.parametrize("kernel", [F.KERNEL, fused.KERNEL, cache_cpu.KERNEL, exact.KERNEL,
+                                    qkernels.KERNEL], ids=["flash", "lstm", "cache", "mips", "quant"])
 def test_avx2_builds_lower_no_vector_operation_piecewise(kernel):
-    """Built for x86-64-v3, the kernels that opt into native vectors (HPNLP_NATIVE_VECTORS in
-    simd.h) keep every vector operation in AVX2 registers. With a 16-float vector there,
-    GCC lowered their arithmetic lane by lane through memory and flash attention ran 19x
-    slower than PyTorch's on an AVX2-only EPYC; GCC says so with this warning."""
+    """Built for x86-64-v3, every kernel keeps its vector operations in AVX2 registers
+    (native 8-float vectors, HPNLP_NATIVE_VECTORS in simd.h, or explicit halves). With a
+    16-float vector there, GCC lowered their arithmetic lane by lane through memory and
+    flash attention ran 19x slower than PyTorch's on an AVX2-only EPYC; GCC says so with
+    this warning."""
     cxx = os.environ.get("CXX") or "g++"
     flags = [f for f in kernels.FLAGS if f not in ("-shared", "-fPIC")]
     cmd = [cxx, *flags, "-march=x86-64-v3", "-Wno-psabi",

@@ -508,6 +508,20 @@ inline vf gelu_tanh(vf y) {
   return y / (1.0f + vexp(u < 80.0f ? u : splat(80.0f)));
 #endif
 }
+// The same on one AVX2 register (without AVX-512 a 16-float vf is lowered lane by lane).
+inline v8f gelu_tanh8(v8f y) {
+  const v8f u = -y * (GELU_2C + GELU_2C3 * y * y);
+  const v8f cap = v8f{} + 80.0f;
+  return y / (1.0f + vexp_t<v8f, v8i>(u < cap ? u : cap));
+}
+// gelu_tanh over NR floats from src to dst, in whole registers of this build.
+inline void gelu_tanh_store(float* dst, const float* src) {
+#if defined(__AVX512F__)
+  store(dst, gelu_tanh(load(src)));
+#else
+  for (int h = 0; h < NR; h += 8) store8(dst + h, gelu_tanh8(load8(src + h)));
+#endif
+}
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
   return y / (1.0f + std::exp(std::min(u, 80.0f)));
@@ -588,7 +602,10 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
           for (int c = 0; c < I8_NB; ++c) f[c] += g.bias[n0 + c];
         static_assert(I8_NB % NR == 0, "the epilogue runs whole vectors");
         for (int c = 0; c < I8_NB; c += NR)
-          store(g.out_f + row + c, g.act == 1 ? gelu_tanh(load(f + c)) : load(f + c));
+          if (g.act == 1)
+            gelu_tanh_store(g.out_f + row + c, f + c);
+          else
+            store(g.out_f + row + c, load(f + c));
       } else {
         const float xs = g.xs[r0 + r];
         for (int c = 0; c < nn; ++c) {
@@ -631,12 +648,26 @@ inline float absmax(const float* x, int n) {
 // sum |x| over n floats, in 16 interleaved partial sums.
 inline float abssum(const float* x, int n) {
   int k = 0;
+#if defined(__AVX512F__)
   vf acc = vf{};
   for (; k + NR <= n; k += NR) {
     const vf v = load(x + k);
     acc += v < 0.0f ? -v : v;
   }
   float s = hsum(acc);
+#else
+  v8f a = v8f{}, b = v8f{};  // two registers: 16 interleaved partial sums, as above
+  for (; k + 16 <= n; k += 16) {
+    const v8f u = load8(x + k), v = load8(x + k + 8);
+    a += u < 0.0f ? -u : u;
+    b += v < 0.0f ? -v : v;
+  }
+  float t[16];
+  std::memcpy(t, &a, sizeof a), std::memcpy(t + 8, &b, sizeof b);
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) t[j] += t[j + w];
+  float s = t[0];
+#endif
   for (; k < n; ++k) s += std::fabs(x[k]);
   return s;
 }

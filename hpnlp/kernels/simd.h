@@ -70,6 +70,14 @@ inline void stream(float* p, vf v) {
 }
 inline bool aligned64(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
 
+// One AVX2 register of floats and of int32, for kernels that keep NR = 16 (their vf has
+// no register without AVX-512): their elementwise epilogues run on these halves.
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
+typedef float v8f_u __attribute__((vector_size(8 * sizeof(float)), aligned(alignof(float))));
+inline v8f load8(const float* p) { return *reinterpret_cast<const v8f_u*>(p); }
+inline void store8(float* p, v8f v) { *reinterpret_cast<v8f_u*>(p) = v; }
+
 // The register tile of a product: c[r * ldc + v * NR, + NR) (+)= sum over k < K of
 // a[r * ar + k * ac] * b[k * ldb + v * NR, + NR), r < R, v < NV, with the R x NV
 // accumulators, NV vectors of b and a broadcast in registers (R * NV <= 12 fits AVX2's 16).
@@ -93,29 +101,32 @@ inline void reg_tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const fl
 
 // exp(x) to about 2 ulp for x in [-87, 88] (Cephes expf): 2^n * p(r), r = x - n ln 2.
 // Below -87 it returns exp(-87), not 0; `vexp0` is the variant that flushes to 0.
-inline vf vexp(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  vf t = x * 1.44269504088896341f + 0.5f;
-  vi n = __builtin_convertvector(t, vi);          // truncates toward zero
-  vf nf = __builtin_convertvector(n, vf);
-  vi too_big = nf > t;                             // -1 where truncation rounded up
+template <class V, class VI>  // a float vector type and the int32 one of its lanes
+inline V vexp_t(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  V t = x * 1.44269504088896341f + 0.5f;
+  VI n = __builtin_convertvector(t, VI);          // truncates toward zero
+  V nf = __builtin_convertvector(n, V);
+  VI too_big = nf > t;                             // -1 where truncation rounded up
   n = n + too_big;
-  nf = __builtin_convertvector(n, vf);             // floor(x log2 e + 1/2)
-  vf r = x - nf * 0.693359375f;
+  nf = __builtin_convertvector(n, V);             // floor(x log2 e + 1/2)
+  V r = x - nf * 0.693359375f;
   r = r - nf * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  vi bits = (n + 127) << 23;
-  vf scale;
+  VI bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
 
 // exp(x), exactly 0 below -87 (so exp(-inf) = 0: masked scores weigh nothing). With
 // AVX-512, to about 1 ulp: x = n ln 2 + r (two-step reduction, |r| <= ln 2 / 2), e^r by its

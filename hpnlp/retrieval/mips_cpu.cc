@@ -285,6 +285,24 @@ void run(Search w, float* out_s, int32_t* out_id, int threads) {
 template <int R>
 inline void tile_rows(const float* __restrict q, const float* __restrict panel, int D,
                       vf (&acc)[MR][NV]) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // In ymm halves, as `tile` (a vf's arithmetic is lowered lane by lane here).
+  v8f lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = v8f{};
+  for (int d = 0; d < D; ++d, q += MR, panel += NP) {
+    const v8f b0 = load8(panel), b1 = load8(panel + 8);
+    for (int r = 0; r < R; ++r) {
+      const float a = q[r];
+      lo[r] += a * b0;
+      hi[r] += a * b1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(&acc[r][0], &lo[r], sizeof lo[r]);
+    std::memcpy(reinterpret_cast<char*>(&acc[r][0]) + sizeof lo[r], &hi[r], sizeof hi[r]);
+  }
+  return;
+#endif
   vf c[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) c[r][v] = vf{};
