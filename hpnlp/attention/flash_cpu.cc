@@ -9,16 +9,16 @@
 // that makes it and the ones that read it, and the softmax arithmetic runs on the tile
 // while it is hot.
 //
-// Every product is C (+)= A B with B row-major and A read by broadcasts from any
-// strides, in register blocks of 6 rows x 64 columns. The forward tile is query-major,
-// S = Q K^T [queries, keys], so both of its products read their left operand by rows (a
-// column-wise read runs ~15% slower), against a K^T packed once per head in blocks. The
-// backward tiles are key-major, S^T = K Q^T [keys, queries]: four of its five products
-// then read rows, the per-query logsumexp and delta are lane-wise vector operations, and
-// only dQ += dS K reads its left operand by columns; each (key block, query block) tile
-// packs its queries and dO transposed, [D, Q], which costs 1/(5 K) of its products.
-// Operands are first copied contiguous per head: in [B, L, H, D] rows sit H*D floats
-// apart, which maps them onto a few L1 sets.
+// Every product is C (+)= A B with B row-major and A read by broadcasts from any strides,
+// in register blocks of 6 rows x 64 columns (6 x 16 with AVX2). The forward tile is
+// query-major, S = Q K^T [queries, keys], so both of its products read their left operand
+// by rows (a column-wise read runs ~15% slower), against a K^T packed once per head in
+// blocks. The backward tiles are key-major, S^T = K Q^T [keys, queries]: four of its five
+// products then read rows, the per-query logsumexp and delta are lane-wise vector
+// operations, and only dQ += dS K reads its left operand by columns; each (key block,
+// query block) tile packs its queries and dO transposed, [D, Q], which costs 1/(5 K) of
+// its products. Operands are first copied contiguous per head: in [B, L, H, D] rows sit
+// H*D floats apart, which maps them onto a few L1 sets.
 //
 // Masks: causal (query i sees keys <= i) and segment ids (0 = padding; a query sees keys
 // of its own nonzero segment). A tile that no query may see is skipped, a tile that all

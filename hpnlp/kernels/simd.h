@@ -31,7 +31,16 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// The helpers' symbols differ between the two vector widths (an inline namespace changes
+// the mangled names), so no library's `load` can stand in for another's.
+#if defined(__AVX512F__) || !defined(HPNLP_NATIVE_VECTORS)
+#define HPNLP_VECTOR_ABI vector16
+#else
+#define HPNLP_VECTOR_ABI vector8
+#endif
+
 namespace hpnlp {
+inline namespace HPNLP_VECTOR_ABI {
 
 namespace ffi = xla::ffi;
 
@@ -81,8 +90,10 @@ inline void store8(float* p, v8f v) { *reinterpret_cast<v8f_u*>(p) = v; }
 // The register tile of a product: c[r * ldc + v * NR, + NR) (+)= sum over k < K of
 // a[r * ar + k * ac] * b[k * ldb + v * NR, + NR), r < R, v < NV, with the R x NV
 // accumulators, NV vectors of b and a broadcast in registers (R * NV <= 12 fits AVX2's 16).
+// Always inlined: a caller's constant strides (ac == 1) must reach the loop, and GCC left
+// the large unrolled bodies out of line.
 template <int R, int NV, bool Acc>
-inline void reg_tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b,
+__attribute__((always_inline)) inline void reg_tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b,
                      ptrdiff_t ldb, float* c, ptrdiff_t ldc) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
@@ -501,4 +512,5 @@ inline ffi::Error check_dims(const char* kernel, const char* what, ffi::Span<con
   return ffi::Error::Success();
 }
 
+}  // namespace HPNLP_VECTOR_ABI
 }  // namespace hpnlp

@@ -66,8 +66,8 @@ inline vf vtanh(vf x) {
 constexpr int MR = 6;  // the most rows per register block: 6 x 4 accumulators + 4 panel vectors
 
 // The blocking of the products, chosen per CPU (hpnlp.kernels.tuning): k per cache block
-// (a kc x 64 panel block should stay in L1: 32 KB at kc = 128, all of an EPYC's L1) and
-// rows per register block (<= MR).
+// (a kc x 4 NR panel block should stay in L1: 32 KB at kc = 128 with AVX-512, all of an
+// EPYC's L1) and rows per register block (<= MR).
 struct Blocking {
   int kc, mr;
 };
