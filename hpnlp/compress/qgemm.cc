@@ -662,11 +662,10 @@ inline float abssum(const float* x, int n) {
     a += u < 0.0f ? -u : u;
     b += v < 0.0f ? -v : v;
   }
-  float t[16];
-  std::memcpy(t, &a, sizeof a), std::memcpy(t + 8, &b, sizeof b);
-  for (int w = 8; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) t[j] += t[j + w];
-  float s = t[0];
+  vf acc;  // the same 16 lanes, summed by the same tree
+  std::memcpy(&acc, &a, sizeof a);
+  std::memcpy(reinterpret_cast<char*>(&acc) + sizeof a, &b, sizeof b);
+  float s = hsum(acc);
 #endif
   for (; k < n; ++k) s += std::fabs(x[k]);
   return s;

@@ -35,8 +35,10 @@
 // the mangled names), so no library's `load` can stand in for another's.
 #if defined(__AVX512F__) || !defined(HPNLP_NATIVE_VECTORS)
 #define HPNLP_VECTOR_ABI vector16
+#define HPNLP_NR 16
 #else
 #define HPNLP_VECTOR_ABI vector8
+#define HPNLP_NR 8
 #endif
 
 namespace hpnlp {
@@ -54,11 +56,7 @@ namespace ffi = xla::ffi;
 // panels and carry their own AVX2 register tiles, so they keep 16.
 // Shapes the kernels accept stay multiples of 16 (TILE) on every build, whatever NR is.
 constexpr int TILE = 16;
-#if defined(__AVX512F__) || !defined(HPNLP_NATIVE_VECTORS)
-constexpr int NR = 16;
-#else
-constexpr int NR = 8;
-#endif
+constexpr int NR = HPNLP_NR;
 typedef float vf __attribute__((vector_size(NR * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t))));
 
@@ -93,8 +91,9 @@ inline void store8(float* p, v8f v) { *reinterpret_cast<v8f_u*>(p) = v; }
 // Always inlined: a caller's constant strides (ac == 1) must reach the loop, and GCC left
 // the large unrolled bodies out of line.
 template <int R, int NV, bool Acc>
-__attribute__((always_inline)) inline void reg_tile(const float* a, ptrdiff_t ar, ptrdiff_t ac, int K, const float* b,
-                     ptrdiff_t ldb, float* c, ptrdiff_t ldc) {
+__attribute__((always_inline)) inline void reg_tile(const float* a, ptrdiff_t ar, ptrdiff_t ac,
+                                                    int K, const float* b, ptrdiff_t ldb,
+                                                    float* c, ptrdiff_t ldc) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? load(c + r * ldc + v * NR) : vf{};

@@ -301,8 +301,7 @@ inline void tile_rows(const float* __restrict q, const float* __restrict panel, 
     std::memcpy(&acc[r][0], &lo[r], sizeof lo[r]);
     std::memcpy(reinterpret_cast<char*>(&acc[r][0]) + sizeof lo[r], &hi[r], sizeof hi[r]);
   }
-  return;
-#endif
+#else
   vf c[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) c[r][v] = vf{};
@@ -316,6 +315,7 @@ inline void tile_rows(const float* __restrict q, const float* __restrict panel, 
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = c[r][v];
+#endif
 }
 
 // The tile for `rows` (1 to MR) queries: the full one, or one of fewer registers.
