@@ -27,9 +27,13 @@ if os.environ["JAX_PLATFORMS"] != "cpu":  # also for the subprocesses tests star
 # and notebook kernels they start): the many tiny training runs with the same config
 # (resume, kill-and-resume, multi-host, notebooks) compile each program once. Programs
 # that compile in under 0.2 s are not worth a file.
+# The run's own cache (not one the caller named) is removed when the run ends (below): about
+# 40 MB a run, which piled up in the temporary folder.
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), f"hpnlp-test-jax-cache-{_run_id}"))
+_OWN_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else os.path.join(
+    tempfile.gettempdir(), f"hpnlp-test-jax-cache-{_run_id}")
+if _OWN_CACHE is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 if not os.environ.get("HPNLP_TEST_FULL_OPT"):
     from envlib import CHEAP_COMPILE_FLAGS  # noqa: E402
@@ -45,6 +49,14 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer tests (still CPU); deselect with -m 'not slow'")
     config.addinivalue_line("markers", "accelerator: needs a GPU/TPU; skipped on CPU")
+
+
+def pytest_unconfigure(config):
+    # The controller (xdist workers inherit its environment, so its cache is theirs) after
+    # every worker and subprocess has finished.
+    if _OWN_CACHE is not None and not hasattr(config, "workerinput"):
+        import shutil
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
