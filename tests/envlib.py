@@ -5,7 +5,9 @@ import os
 
 # The third flag makes XLA:CPU emit its loop fusions with the elemental IR emitter instead of
 # the MLIR fusion emitters: 2.3x less compile time on a 2-core EPYC Zen 3 (a tiny train step
-# 6.5 -> 2.5 s; 39.6 -> 17.3 s of compiles in four heavy tests), the same computation.
+# 6.5 -> 2.5 s; 39.6 -> 17.3 s of compiles in four heavy tests), the same operations (the
+# last bits may round differently). jaxlib is pinned (setup.py); XLA aborts on a flag it
+# does not know, so a new jaxlib must still have this one.
 CHEAP_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
                        "--xla_cpu_use_fusion_emitters=false")
 
