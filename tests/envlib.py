@@ -4,7 +4,7 @@ them, for subprocesses that must compile as users do (XLA's full optimization)."
 import os
 
 # The third flag makes XLA:CPU emit its loop fusions with the elemental IR emitter instead of
-# the MLIR fusion emitters: 2.3x less compile time on a 2-core EPYC Zen 3 (a tiny train step
+# the MLIR fusion emitters: 2.3x less compile time on a 2-core EPYC Zen 3 (a tiny training test
 # 6.5 -> 2.5 s; 39.6 -> 17.3 s of compiles in four heavy tests), the same operations (the
 # last bits may round differently). jaxlib is pinned (setup.py); XLA aborts on a flag it
 # does not know, so a new jaxlib must still have this one.
