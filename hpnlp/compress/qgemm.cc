@@ -582,6 +582,35 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
     });
     return;
   }
+#elif defined(__AVX2__)
+  // The same epilogue on two ymm of 8 columns. Written as the scalar loop below, GCC 12
+  // extracted every int32 sum to the stack and converted it alone (vpextrd, vcvtsi2ss):
+  // 8% of a [2048, 1024 -> 4096] int8_linear's time on an EPYC Zen 3.
+  if (g.out_f && nn == I8_NB) {
+    static_assert(I8_NB == 16, "two ymm of columns");
+    const __m256 w0 = _mm256_loadu_ps(g.ws + n0), w1 = _mm256_loadu_ps(g.ws + n0 + 8);
+    const __m256 b0 = g.bias ? _mm256_loadu_ps(g.bias + n0) : _mm256_setzero_ps(),
+                 b1 = g.bias ? _mm256_loadu_ps(g.bias + n0 + 8) : _mm256_setzero_ps();
+    sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
+      for (int r = 0; r < decltype(rr)::value; ++r) {
+        // (acc * x scale) * w scale, + bias, then the activation: the twin's order
+        const __m256 xs = _mm256_set1_ps(g.xs[r0 + r]);
+        __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(t[r]))), xs), w0);
+        __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(t[r] + 8))), xs), w1);
+        if (g.bias) f0 = _mm256_add_ps(f0, b0), f1 = _mm256_add_ps(f1, b1);
+        float* out = g.out_f + size_t(r0 + r) * g.N + n0;
+        if (g.act == 1) {
+          store8(out, gelu_tanh8(reinterpret_cast<v8f>(f0)));
+          store8(out + 8, gelu_tanh8(reinterpret_cast<v8f>(f1)));
+        } else {
+          _mm256_storeu_ps(out, f0), _mm256_storeu_ps(out + 8, f1);
+        }
+      }
+    });
+    return;
+  }
 #endif
   sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
     for (int r = 0; r < decltype(rr)::value; ++r) {
@@ -662,10 +691,7 @@ inline float abssum(const float* x, int n) {
     a += u < 0.0f ? -u : u;
     b += v < 0.0f ? -v : v;
   }
-  vf acc;  // the same 16 lanes, summed by the same tree
-  std::memcpy(&acc, &a, sizeof a);
-  std::memcpy(reinterpret_cast<char*>(&acc) + sizeof a, &b, sizeof b);
-  float s = hsum(acc);
+  float s = hsum(join8(a, b));  // the same 16 lanes, summed by the same tree
 #endif
   for (; k < n; ++k) s += std::fabs(x[k]);
   return s;

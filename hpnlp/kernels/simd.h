@@ -84,6 +84,16 @@ typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
 typedef float v8f_u __attribute__((vector_size(8 * sizeof(float)), aligned(alignof(float))));
 inline v8f load8(const float* p) { return *reinterpret_cast<const v8f_u*>(p); }
 inline void store8(float* p, v8f v) { *reinterpret_cast<v8f_u*>(p) = v; }
+#if HPNLP_NR == 16
+// One 16-float vf from its two AVX2 halves (lo: lanes 0-7), where a kernel that keeps
+// NR = 16 computed on the halves.
+inline vf join8(v8f lo, v8f hi) {
+  vf v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+#endif
 
 // The register tile of a product: c[r * ldc + v * NR, + NR) (+)= sum over k < K of
 // a[r * ar + k * ac] * b[k * ldb + v * NR, + NR), r < R, v < NV, with the R x NV

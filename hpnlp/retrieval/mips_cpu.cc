@@ -297,10 +297,7 @@ inline void tile_rows(const float* __restrict q, const float* __restrict panel, 
       hi[r] += a * b1;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    std::memcpy(&acc[r][0], &lo[r], sizeof lo[r]);
-    std::memcpy(reinterpret_cast<char*>(&acc[r][0]) + sizeof lo[r], &hi[r], sizeof hi[r]);
-  }
+  for (int r = 0; r < R; ++r) acc[r][0] = join8(lo[r], hi[r]);
 #else
   vf c[R][NV];
   for (int r = 0; r < R; ++r)
