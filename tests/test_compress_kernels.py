@@ -301,10 +301,11 @@ def test_outputs_fault_in_only_their_missing_pages():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("march", ["sapphirerapids", "x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("march", ["sapphirerapids", "skylake-avx512", "x86-64-v3", "x86-64"])
 def test_every_instruction_path_compiles(march, tmp_path):
-    """The AVX-512 VNNI / VPOPCNTDQ paths (not run on a CPU without them), the AVX2 and the
-    portable paths all compile."""
+    """The AVX-512 VNNI / VPOPCNTDQ paths (not run on a CPU without them), AVX-512 without
+    VNNI (Skylake-X: the int16 products, AVX-512's epilogue), the AVX2 and the portable
+    paths all compile."""
     cmd = [os.environ.get("CXX") or "g++", *kernels.FLAGS, f"-march={march}", "-c", "-I",
            jax.ffi.include_dir(), "-I", kernels.HEADER_DIR, qk.KERNEL.source, "-o",
            str(tmp_path / "qgemm.o")]

@@ -582,10 +582,12 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
     });
     return;
   }
-#elif defined(__AVX2__)
-  // The same epilogue on two ymm of 8 columns. Written as the scalar loop below, GCC 12
-  // extracted every int32 sum to the stack and converted it alone (vpextrd, vcvtsi2ss):
-  // 8% of a [2048, 1024 -> 4096] int8_linear's time on an EPYC Zen 3.
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  // The same epilogue on two ymm of 8 columns (AVX2 builds only: with AVX-512F but no VNNI
+  // the generic path below runs GELU as AVX-512's gelu_tanh). Written as that scalar loop,
+  // GCC 12 extracted every int32 sum to the stack and converted it alone (vpextrd,
+  // vcvtsi2ss): 8% of perf's samples in a [2048, 1024 -> 4096] int8_linear on an EPYC
+  // Zen 3, where int8_linear then took 1.05x int8_matmul's time, and 0.93x after.
   if (g.out_f && nn == I8_NB) {
     static_assert(I8_NB == 16, "two ymm of columns");
     const __m256 w0 = _mm256_loadu_ps(g.ws + n0), w1 = _mm256_loadu_ps(g.ws + n0 + 8);

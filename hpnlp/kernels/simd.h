@@ -85,8 +85,8 @@ typedef float v8f_u __attribute__((vector_size(8 * sizeof(float)), aligned(align
 inline v8f load8(const float* p) { return *reinterpret_cast<const v8f_u*>(p); }
 inline void store8(float* p, v8f v) { *reinterpret_cast<v8f_u*>(p) = v; }
 #if HPNLP_NR == 16
-// One 16-float vf from its two AVX2 halves (lo: lanes 0-7), where a kernel that keeps
-// NR = 16 computed on the halves.
+// One 16-float vf from its two AVX2 halves (lo: lanes 0-7, hi: lanes 8-15), where a
+// kernel that keeps NR = 16 computed on the halves.
 inline vf join8(v8f lo, v8f hi) {
   vf v;
   std::memcpy(&v, &lo, sizeof lo);
