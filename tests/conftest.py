@@ -43,9 +43,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 if not os.environ.get("HPNLP_TEST_FULL_OPT"):
-    from envlib import CHEAP_COMPILE_FLAGS  # noqa: E402
+    from envlib import cheap_compile_flags, with_flags  # noqa: E402
 
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *CHEAP_COMPILE_FLAGS]).strip()
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), cheap_compile_flags())
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

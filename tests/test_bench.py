@@ -4,6 +4,7 @@ tables and plots come out, and that a missing peer is reported, not a crash."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -272,6 +273,64 @@ def test_attention_markdown_shows_targets_and_bf16_rows():
     assert "### Targets" in md and "| `chunked_vs_torch_f32` | not measured | <= 0.8 | NO |" in md
     del payload["targets"]
     assert "### Targets" not in ba._markdown(payload)
+
+
+def test_attention_rows_follow_the_backend():
+    ba = bench_attention
+    cpu = ba.row_names(["dense", "chunked", "xla"], causal=False, backend="cpu")
+    assert cpu == [*ba.PEERS, "dense", "chunked", ba.XLA_TWIN, ba.BOUND, ba.BF16_CHUNKED,
+                   ba.BF16_TORCH]
+    # On a GPU `chunked` is its XLA program (no twin row) and cuDNN's flash attention joins.
+    gpu = ba.row_names(["dense", "chunked"], causal=True, backend="gpu")
+    assert gpu == [*ba.PEERS, "dense", "chunked", ba.BF16_CHUNKED, ba.BF16_TORCH, ba.CUDNN]
+    assert ba.row_names(["dense"], causal=False, backend="gpu") == [*ba.PEERS, "dense"]
+    assert ba.CUDNN in ba.SHORT and ba._dtype(ba.CUDNN) == jnp.bfloat16
+
+
+def test_attention_markdown_on_a_gpu_reports_device_memory():
+    ba = bench_attention
+    res = [_attention_row("chunked", 1024, m, 0.01) for m in ("fwd", "fwd_bwd")]
+    res[1]["peak_device_bytes"] = 3 * 2**20
+    machine = {**harness.machine_info(), "backend": "gpu", "devices": ["NVIDIA H100 80GB HBM3"],
+               "float32_precision": "highest"}
+    payload = {"machine": machine, "isolated": True, "matmul_gflops": {"float32": 100.0},
+               "shape": {"B": 1, "H": 8, "D": 64, "causal": False}, "results": res,
+               "summary": {"speedup_vs_reference": {"fwd_bwd": {}}, "exponents": {},
+                           "crossover_L": {}}}
+    md = ba._markdown(payload)
+    assert "- accelerator: 1 x NVIDIA H100 80GB HBM3; float32 products at JAX precision highest" in md
+    assert "peak device MiB" in md and "peak RSS MiB" not in md
+    assert "| `chunked` |" in md and "| 3 |" in md
+    assert "accelerator" not in report.header_md(harness.machine_info(), {})  # this CPU run
+
+
+def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
+    ba = bench_attention
+    monkeypatch.setattr(harness, "ceiling_rates", lambda dtypes, quick: {"float32": 100.0,
+                                                                         "bfloat16": 100.0})
+    calls = []
+
+    def measure(spec):  # the third configuration is where Ctrl-C lands
+        calls.append(spec)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return _attention_row(spec["impl"], spec["L"], spec["mode"], 0.01)
+    monkeypatch.setattr(ba, "measure", measure)
+    payload = ba.run(str(tmp_path), quick=True, causal=False, isolate=False,
+                     variants=["dense"], lengths=[64])
+    status = [r["status"] for r in payload["results"]]
+    assert len(calls) == 3 and status[:2] == ["ok", "ok"]
+    assert status[2:] == ["not run: interrupted"] * (len(status) - 2) and len(status) > 3
+    assert "not run: interrupted" in open(tmp_path / "results.md").read()
+
+
+def test_torch_peers_run_where_jax_runs():
+    torch = pytest.importorskip("torch")
+    assert harness.torch_device(torch) == ("cuda" if jax.default_backend() == "gpu"
+                                           and torch.cuda.is_available() else "cpu")
+    def call():
+        pass
+    assert harness.torch_synced(torch, "cpu", call) is call  # a CPU call blocks already
 
 
 def test_machine_info_names_the_cpu_precisely(tmp_path):

@@ -4,8 +4,17 @@ Forward and forward+backward time (median, min, max) and memory (compiled execut
 peak RSS of a fresh process per configuration) at B=1, H=8, D=64 for L = 1K..16K (to 64K
 for the variants whose memory is linear in L), beside `jax.nn.dot_product_attention`,
 `flax.linen.dot_product_attention` (the core of `MultiHeadDotProductAttention`) and, when
-installed, PyTorch's CPU `scaled_dot_product_attention`, all in one run. Exact variants
-report achieved GFLOP/s and the fraction of this machine's measured matmul rate.
+installed, PyTorch's `scaled_dot_product_attention` on the same chip as JAX, all in one run.
+Exact variants report achieved GFLOP/s and the fraction of this machine's measured matmul
+rate.
+
+On a GPU (`JAX_PLATFORMS=cuda`) the same command times everything there: PyTorch's SDPA runs
+on CUDA too, a cuDNN row joins the peers ("jax.nn.dot_product_attention (cudnn, bfloat16)",
+JAX's fused flash attention, which takes 16-bit inputs only), memory is the device's
+(peak bytes in use of a fresh process per configuration, and PyTorch's
+`max_memory_allocated`) instead of RSS, and float32 products run at full float32 precision
+(`highest`, as PyTorch's default `allow_tf32=False` does) unless JAX_DEFAULT_MATMUL_PRECISION
+says otherwise; the header records which.
 `chunked` runs its fused CPU kernel (`hpnlp.attention.flash_cpu`); beside it, the row
 "chunked (xla)" times the same algorithm as the XLA program it runs off the CPU, and
 (bidirectional runs) the row "chunked products only" times that program's block matrix
@@ -46,7 +55,9 @@ XLA_TWIN = "chunked (xla)"  # `chunked` with impl='xla': its kernel's XLA twin
 # bfloat16 q, k, v (and gradients): `chunked` and PyTorch's SDPA, beside their float32 rows.
 BF16_CHUNKED = "chunked (bfloat16)"
 BF16_TORCH = "torch.scaled_dot_product_attention (bfloat16)"
-BF16 = {BF16_CHUNKED, BF16_TORCH}
+# JAX's cuDNN flash attention (GPU only; 16-bit inputs only).
+CUDNN = "jax.nn.dot_product_attention (cudnn, bfloat16)"
+BF16 = {BF16_CHUNKED, BF16_TORCH, CUDNN}
 # O(L^2) memory (the estimate below skips what cannot fit). PyTorch's CPU SDPA is a flash
 # kernel, O(L): it runs at 16K too.
 QUADRATIC = {"dense", "xla", "synthesizer", *PEERS} - {"torch.scaled_dot_product_attention"}
@@ -129,6 +140,9 @@ def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
     """(forward fn of q, k, v) for a registry variant or a JAX/Flax peer."""
     if impl == "jax.nn.dot_product_attention":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    if impl == CUDNN:
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                            implementation="cudnn")
     if impl == "flax.linen.dot_product_attention":
         import flax.linen as nn
         if causal:
@@ -163,22 +177,28 @@ def measure(spec: dict) -> dict:
         torch = harness.torch_or_none()
         if torch is None:
             return {**out, "status": "skipped: torch not installed (pip install -e '.[bench]')"}
+        device = harness.torch_device(torch)
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, generator=g) * D ** -0.25 for _ in range(3))
-        if impl == BF16_TORCH:
-            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+        dtype = torch.bfloat16 if impl == BF16_TORCH else torch.float32
+        q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if mode == "fwd":
-            def run():
+            def call():
                 with torch.no_grad():
                     sdpa(q, k, v, is_causal=causal)
         else:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
 
-            def run():
+            def call():
                 sdpa(q, k, v, is_causal=causal).sum().backward()
-        t = harness.time_python(run, repeats=repeats, warmup=1, min_time_s=0.3)
-        out["time"] = t.as_dict()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = harness.time_python(harness.torch_synced(torch, device, call), repeats=repeats,
+                                warmup=1, min_time_s=0.3)
+        out["time"], out["torch_device"] = t.as_dict(), device
+        if device == "cuda":
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
     else:
         if impl == BOUND:
             fn = _products_only(L, B=B, H=H, D=D)[mode]
@@ -193,6 +213,8 @@ def measure(spec: dict) -> dict:
         flops = _flops(L, causal, B=B, H=H, D=D) * (1 if mode == "fwd" else 3)
         out["gflops"] = flops / out["time"]["median_s"] / 1e9
     out["peak_rss_bytes"] = harness.peak_rss_bytes()
+    if harness.on_accelerator() and "peak_device_bytes" not in out:
+        out["peak_device_bytes"] = harness.peak_device_bytes()  # this process's: isolate
     return out
 
 
@@ -201,6 +223,34 @@ def _estimated_bytes(impl: str, L: int, mode: str, *, B, H) -> float:
     if impl not in QUADRATIC:
         return 0.0
     return B * H * L * L * 4.0 * (2 if mode == "fwd" else 5)
+
+
+def _measure_one(spec: dict, head: dict, isolate: bool) -> dict:
+    if isolate:
+        return {**head, **harness.isolated("hpnlp.bench.attention", spec, timeout_s=1800)}
+    try:
+        res = measure(spec)
+    except Exception as e:  # report, never crash the whole run
+        return {**head, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+    res.pop("peak_rss_bytes", None)  # shared process: not per configuration
+    if not head["impl"].startswith("torch."):  # (PyTorch's peak is reset per configuration)
+        res.pop("peak_device_bytes", None)
+    return res
+
+
+def row_names(names: list[str], *, causal: bool, backend: str) -> list[str]:
+    """The rows a run times, in order: the peers, the registry's variants (`xla` is the
+    jax peer), and beside `chunked` its XLA twin (on a CPU, where `chunked` runs its
+    kernel; elsewhere `chunked` is that program), its products-only bound (bidirectional)
+    and the bfloat16 rows, with cuDNN's flash attention on a GPU."""
+    impls = list(PEERS) + [n for n in names if n not in ("xla",)]
+    if causal:
+        impls = [i for i in impls if i in PEERS or attention_lib.get(i).supports_causal]
+    if "chunked" in impls:
+        impls += [XLA_TWIN] if backend == "cpu" else []
+        impls += [] if causal else [BOUND]
+        impls += [BF16_CHUNKED, BF16_TORCH] + ([CUDNN] if backend == "gpu" else [])
+    return impls
 
 
 def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
@@ -214,13 +264,14 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     unknown = [v for v in names if v not in attention_lib.names()]
     if unknown:
         raise SystemExit(f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
-    impls = list(PEERS) + [n for n in names if n not in ("xla",)]  # xla == the jax peer
-    if causal:
-        impls = [i for i in impls if i in PEERS or attention_lib.get(i).supports_causal]
-    if "chunked" in impls:
-        impls += ([XLA_TWIN] if causal else [XLA_TWIN, BOUND]) + [BF16_CHUNKED, BF16_TORCH]
+    if jax.default_backend() == "gpu" and not jax.config.jax_default_matmul_precision:
+        # Float32 rows at float32 precision, like PyTorch's (TF32 off by default); through
+        # the environment too, for the isolated workers.
+        jax.config.update("jax_default_matmul_precision", "highest")
+        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    impls = row_names(names, causal=causal, backend=jax.default_backend())
     os.makedirs(out_dir, exist_ok=True)
-    total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total_mem = harness.memory_capacity_bytes()
     info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates((jnp.float32, jnp.bfloat16), quick=quick)
     configs = []
@@ -232,25 +283,21 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
                 # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
                 configs.append(dict(impl=impl, L=L, mode=mode, causal=causal, B=B, H=H, D=D,
                                     repeats=repeats, max_time_s=None if quick else 30.0))
-    results = []
+    results, interrupted = [], False
     for spec in tqdm(configs, desc="attention bench", dynamic_ncols=True):
+        head = {k: spec[k] for k in ("impl", "L", "mode", "causal")}
         need = _estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H)
-        if need > 0.5 * total_mem:
-            results.append({**{k: spec[k] for k in ("impl", "L", "mode", "causal")},
-                            "status": f"skipped: needs ~{need / 2**30:.0f} GiB (machine has "
-                                      f"{total_mem / 2**30:.0f})"})
-            continue
-        if isolate:
-            res = harness.isolated("hpnlp.bench.attention", spec, timeout_s=1800)
-            res = {**{k: spec[k] for k in ("impl", "L", "mode", "causal")}, **res}
+        if interrupted:
+            results.append({**head, "status": "not run: interrupted"})
+        elif need > 0.5 * total_mem:
+            results.append({**head, "status": f"skipped: needs ~{need / 2**30:.0f} GiB (machine "
+                                              f"has {total_mem / 2**30:.0f})"})
         else:
             try:
-                res = measure(spec)
-                res.pop("peak_rss_bytes", None)  # shared process: not per configuration
-            except Exception as e:  # report, never crash the whole run
-                res = {**{k: spec[k] for k in ("impl", "L", "mode", "causal")},
-                       "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
-        results.append(res)
+                results.append(_measure_one(spec, head, isolate))
+            except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): report what ran
+                interrupted = True
+                results.append({**head, "status": "not run: interrupted"})
     payload = {"benchmark": "attention", "machine": info, "matmul_gflops": rates,
                "shape": {"B": B, "H": H, "D": D, "causal": causal}, "isolated": isolate,
                "results": results}
@@ -323,6 +370,13 @@ def _summarize(payload: dict, out_dir: str) -> dict:
 def _markdown(payload: dict) -> str:
     res, shape = payload["results"], payload["shape"]
     rates = payload["matmul_gflops"]
+    on_device = payload["machine"].get("backend", "cpu") != "cpu"
+    peak_key, peak_col = (("peak_device_bytes", "peak device MiB") if on_device else
+                          ("peak_rss_bytes", "peak RSS MiB"))
+    peak_what = ("peak device memory of a fresh process (PyTorch: `max_memory_allocated`)"
+                 if on_device else "peak RSS of a fresh process")
+    peak_unmeasured = ("not measured for JAX rows: this run shared one process" if on_device
+                       else "not measured: this run shared one process")
     bf16_rows = sorted({r["impl"] for r in res} & BF16)
     dtypes = "float32" + (f" (bfloat16 q, k, v and gradients: {', '.join(f'`{i}`' for i in bf16_rows)};"
                           " their % of matmul is of the bfloat16 rate)" if bf16_rows else "")
@@ -330,8 +384,8 @@ def _markdown(payload: dict) -> str:
              f"Shape: B={shape['B']}, H={shape['H']}, D={shape['D']}, causal={shape['causal']}, "
              f"{dtypes}. Times are medians (min–max) in ms; speedup is against `{REFERENCE}` "
              f"at the same L in this run; memory is the compiled executable's (arguments + "
-             f"outputs + temporaries) and the peak RSS of a fresh process "
-             f"({'measured' if payload['isolated'] else 'not measured: --quick runs in one process'}).", ""]
+             f"outputs + temporaries) and the {peak_what} "
+             f"({'measured' if payload['isolated'] else peak_unmeasured}).", ""]
     sp = payload["summary"]["speedup_vs_reference"]
     for L in sorted({r["L"] for r in res}):
         rows = []
@@ -345,13 +399,13 @@ def _markdown(payload: dict) -> str:
                              f"{report.fmt(t['max_s'], 'ms')})" if t else x.get("status", "–"))
             cells.append(report.fmt(sp["fwd_bwd"].get(r["impl"], {}).get(L), "x"))
             cells.append(report.fmt(b.get("compiled_memory", {}).get("total_bytes"), "MiB"))
-            cells.append(report.fmt(b.get("peak_rss_bytes"), "MiB"))
+            cells.append(report.fmt(b.get(peak_key), "MiB"))
             g = b.get("gflops")
             peak = rates.get(jnp.dtype(_dtype(r["impl"])).name, rates["float32"])
             cells.append(f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "–")
             rows.append(cells)
         parts += [f"### L = {L}", "", report.table(
-            ["impl", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup", "compiled MiB", "peak RSS MiB",
+            ["impl", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup", "compiled MiB", peak_col,
              "fwd+bwd GFLOP/s (% of matmul)"], rows), ""]
     if payload.get("targets"):
         parts += [report.targets_md(payload["targets"]), "",

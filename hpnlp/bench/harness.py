@@ -154,6 +154,38 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def on_accelerator() -> bool:
+    """True when JAX runs on a GPU or TPU: memory is then the device's, not RSS."""
+    return jax.default_backend() != "cpu"
+
+
+def _device_stats() -> dict:
+    stats = jax.local_devices()[0].memory_stats() if on_accelerator() else None
+    return stats or {}
+
+
+def peak_device_bytes() -> int | None:
+    """Peak bytes in use on JAX's first device so far in this process (its allocator's
+    count); None on a CPU, where `peak_rss_bytes` is the measure."""
+    return _device_stats().get("peak_bytes_in_use")
+
+
+def memory_capacity_bytes() -> int:
+    """Memory the computation runs in: the first accelerator's allocatable bytes, else this
+    machine's RAM. Benchmarks skip a configuration estimated to need over half of it."""
+    return int(_device_stats().get("bytes_limit")
+               or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def float32_precision() -> str:
+    """How float32 products run: JAX's `jax_default_matmul_precision`, else XLA's default
+    for the backend (on a GPU that is TF32, on a CPU full float32)."""
+    set_to = jax.config.jax_default_matmul_precision
+    if set_to:
+        return str(set_to)
+    return "default (TF32 on NVIDIA GPUs)" if jax.default_backend() == "gpu" else "default"
+
+
 def matmul_rate(dtype=jnp.float32, n: int = 2048, repeats: int = 5, min_time_s: float = 1.0,
                 warmup: int = 3) -> float:
     """This machine's dense matrix-product rate in GFLOP/s (the ceiling for kernels).
@@ -174,6 +206,8 @@ def ceiling_rates(dtypes=(jnp.float32,), *, quick: bool) -> dict:
     `--quick` runs): 1024 x 1024 products for 0.25 s each instead of 2048 x 2048 for 1 s,
     a rougher ceiling in a fifth of the time."""
     kw = dict(n=1024, min_time_s=0.25) if quick else {}
+    if on_accelerator():  # products of 2048 would time its launch more than its math
+        kw = dict(n=4096 if quick else 8192, min_time_s=0.25 if quick else 1.0)
     return {jnp.dtype(d).name: matmul_rate(d, **kw) for d in dtypes}
 
 
@@ -267,7 +301,10 @@ def cpu_detail(cpuinfo: str = "/proc/cpuinfo",
 def kernel_info() -> dict:
     """What hpnlp's CPU kernels run with on this machine: each kernel pass's block sizes
     (tuned per CPU, or the defaults; resolving them measures them if not cached) and how
-    the bfloat16 attention kernel's products run. Empty where the kernels cannot build."""
+    the bfloat16 attention kernel's products run. Empty where the kernels cannot build,
+    and when JAX runs on an accelerator (the kernels are then not used)."""
+    if on_accelerator():  # the run's computations are not on the CPU: nothing to build
+        return {}
     from hpnlp.attention import flash_cpu
     from hpnlp.kernels import tuning
     from hpnlp.rnn import fused  # noqa: F401  (registers its tunings)
@@ -294,6 +331,7 @@ def machine_info() -> dict:
         "cores": os.cpu_count(),
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()],
+        "float32_precision": float32_precision(),
         "python": platform.python_version(),
         "versions": {m: _version(m) for m in ("jax", "jaxlib", "flax", "optax", "numpy", "torch")},
     }
@@ -307,6 +345,25 @@ def torch_or_none():
         return None
     torch.set_num_threads(os.cpu_count() or 1)
     return torch
+
+
+def torch_device(torch) -> str:
+    """Where a PyTorch peer runs: on the GPU when JAX runs on one and this torch build
+    sees it, so both sides of a comparison use the same chip; else the CPU."""
+    if jax.default_backend() == "gpu" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def torch_synced(torch, device: str, fn: Callable[[], Any]) -> Callable[[], None]:
+    """`fn` made blocking for `time_python`: a CUDA call returns before the GPU finishes."""
+    if device != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    return run
 
 
 def isolated(module: str, spec: dict, *, timeout_s: float = 600) -> dict:

@@ -48,6 +48,10 @@ def header_md(info: dict, rates: dict) -> str:
     cpu = cpu_md(info)
     if cpu:
         lines.append(cpu)
+    if info.get("backend", "cpu") != "cpu":
+        devs = info.get("devices") or []
+        lines.append(f"- accelerator: {len(devs)} x {devs[0] if devs else '?'}; float32 products "
+                     f"at JAX precision {info.get('float32_precision', 'not recorded')}")
     lines.append(f"- versions: {vers}")
     kernels = info.get("kernels")
     if kernels:
