@@ -514,17 +514,45 @@ inline v8f gelu_tanh8(v8f y) {
   const v8f cap = v8f{} + 80.0f;
   return y / (1.0f + vexp_t<v8f, v8i>(u < cap ? u : cap));
 }
-// gelu_tanh over NR floats from src to dst, in whole registers of this build.
-inline void gelu_tanh_store(float* dst, const float* src) {
+// The epilogue's vectors: whole registers on every build. With AVX-512 one 16-float vf; else
+// 8 floats, one ymm on AVX2 (two xmm on the portable build), since without AVX-512 GCC
+// lowers a 16-float vf lane by lane.
 #if defined(__AVX512F__)
-  store(dst, gelu_tanh(load(src)));
+constexpr int EW = NR;
+typedef vf EV;
+typedef vi EVI;
+inline EV gelu_ev(EV y) { return gelu_tanh(y); }
 #else
-  for (int h = 0; h < NR; h += 8) store8(dst + h, gelu_tanh8(load8(src + h)));
+constexpr int EW = 8;
+typedef v8f EV;
+typedef v8i EVI;
+inline EV gelu_ev(EV y) { return gelu_tanh8(y); }
 #endif
-}
+typedef float ev_u __attribute__((vector_size(EW * sizeof(float)), aligned(alignof(float))));
+typedef int32_t evi_u __attribute__((vector_size(EW * sizeof(int32_t)), aligned(alignof(int32_t))));
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
   return y / (1.0f + std::exp(std::min(u, 80.0f)));
+}
+
+// int8_linear's epilogue for one row's whole panel, from its int32 sums t: (acc * x scale) *
+// w scale (the twin's order), + bias, then the activation, EW columns at a time, the same
+// code for every build. Written as a scalar loop over the panel, GCC 12 extracted every sum
+// to the stack and converted it alone (vpextrd, vcvtsi2ss) on AVX2 builds: 8% of perf's
+// samples in a [2048, 1024 -> 4096] int8_linear on an EPYC Zen 3, where it then took 1.05x
+// int8_matmul's time; in registers it takes about the same time as int8_matmul there.
+inline void i8_row_epilogue(const I8Gemm& g, int row, int n0, const int32_t* t) {
+  static_assert(I8_NB % EW == 0, "the epilogue runs whole vectors");
+  const float xs = g.xs[row];
+  float* out = g.out_f + size_t(row) * g.N + n0;
+  for (int c = 0; c < I8_NB; c += EW) {
+    EVI acc = *reinterpret_cast<const evi_u*>(t + c);
+    if (I8_PATH == 2)  // the VNNI operand's + 128 offset: 128 * colsum
+      acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) << 7;
+    EV f = __builtin_convertvector(acc, EV) * xs * *reinterpret_cast<const ev_u*>(g.ws + n0 + c);
+    if (g.bias) f += *reinterpret_cast<const ev_u*>(g.bias + n0 + c);
+    *reinterpret_cast<ev_u*>(out + c) = g.act == 1 ? gelu_ev(f) : f;
+  }
 }
 
 void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
@@ -554,66 +582,12 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
       });
     row_blocks<I8_MR>(m0, m1, g.mr, [&](int r0, auto rr) { finish(r0, rr, t + (r0 - m0)); });
   };
-#if defined(HPNLP_I8_VNNI)
   if (g.out_f && nn == I8_NB) {  // a whole panel of int8_linear: the epilogue in registers
-    static_assert(I8_NB == 32, "two zmm of columns");
-    const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(g.colsum + n0), 7),
-                  c1 = _mm512_slli_epi32(_mm512_loadu_si512(g.colsum + n0 + 16), 7);
-    const __m512 w0 = _mm512_loadu_ps(g.ws + n0), w1 = _mm512_loadu_ps(g.ws + n0 + 16);
-    const __m512 b0 = g.bias ? _mm512_loadu_ps(g.bias + n0) : _mm512_setzero_ps(),
-                 b1 = g.bias ? _mm512_loadu_ps(g.bias + n0 + 16) : _mm512_setzero_ps();
     sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
-      for (int r = 0; r < decltype(rr)::value; ++r) {
-        // (acc * x scale) * w scale, + bias, then the activation: the twin's order
-        const __m512 xs = _mm512_set1_ps(g.xs[r0 + r]);
-        __m512 f0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
-                                      _mm512_loadu_si512(t[r]), c0)), xs), w0);
-        __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
-                                      _mm512_loadu_si512(t[r] + 16), c1)), xs), w1);
-        if (g.bias) f0 = _mm512_add_ps(f0, b0), f1 = _mm512_add_ps(f1, b1);
-        float* out = g.out_f + size_t(r0 + r) * g.N + n0;
-        if (g.act == 1) {
-          store(out, gelu_tanh(reinterpret_cast<vf>(f0)));
-          store(out + 16, gelu_tanh(reinterpret_cast<vf>(f1)));
-        } else {
-          _mm512_storeu_ps(out, f0), _mm512_storeu_ps(out + 16, f1);
-        }
-      }
+      for (int r = 0; r < decltype(rr)::value; ++r) i8_row_epilogue(g, r0 + r, n0, t[r]);
     });
     return;
   }
-#elif defined(__AVX2__) && !defined(__AVX512F__)
-  // The same epilogue on two ymm of 8 columns (AVX2 builds only: with AVX-512F but no VNNI
-  // the generic path below runs GELU as AVX-512's gelu_tanh). Written as that scalar loop,
-  // GCC 12 extracted every int32 sum to the stack and converted it alone (vpextrd,
-  // vcvtsi2ss): 8% of perf's samples in a [2048, 1024 -> 4096] int8_linear on an EPYC
-  // Zen 3, where int8_linear then took 1.05x int8_matmul's time, and 0.93x after.
-  if (g.out_f && nn == I8_NB) {
-    static_assert(I8_NB == 16, "two ymm of columns");
-    const __m256 w0 = _mm256_loadu_ps(g.ws + n0), w1 = _mm256_loadu_ps(g.ws + n0 + 8);
-    const __m256 b0 = g.bias ? _mm256_loadu_ps(g.bias + n0) : _mm256_setzero_ps(),
-                 b1 = g.bias ? _mm256_loadu_ps(g.bias + n0 + 8) : _mm256_setzero_ps();
-    sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
-      for (int r = 0; r < decltype(rr)::value; ++r) {
-        // (acc * x scale) * w scale, + bias, then the activation: the twin's order
-        const __m256 xs = _mm256_set1_ps(g.xs[r0 + r]);
-        __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                      reinterpret_cast<const __m256i*>(t[r]))), xs), w0);
-        __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                      reinterpret_cast<const __m256i*>(t[r] + 8))), xs), w1);
-        if (g.bias) f0 = _mm256_add_ps(f0, b0), f1 = _mm256_add_ps(f1, b1);
-        float* out = g.out_f + size_t(r0 + r) * g.N + n0;
-        if (g.act == 1) {
-          store8(out, gelu_tanh8(reinterpret_cast<v8f>(f0)));
-          store8(out + 8, gelu_tanh8(reinterpret_cast<v8f>(f1)));
-        } else {
-          _mm256_storeu_ps(out, f0), _mm256_storeu_ps(out + 8, f1);
-        }
-      }
-    });
-    return;
-  }
-#endif
   sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
     for (int r = 0; r < decltype(rr)::value; ++r) {
       const size_t row = size_t(r0 + r) * g.N + n0;
@@ -622,21 +596,6 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
         v[c] = t[r][c] - (I8_PATH == 2 ? 128 * g.colsum[n0 + c] : 0);
       if (g.out_i) {
         std::memcpy(g.out_i + row, v, sizeof(int32_t) * nn);
-      } else if (nn == I8_NB && g.bias == nullptr && g.act == 0) {
-        const float xs = g.xs[r0 + r];
-        for (int c = 0; c < I8_NB; ++c) g.out_f[row + c] = float(v[c]) * xs * g.ws[n0 + c];
-      } else if (nn == I8_NB) {  // the epilogue: + bias, then the activation, in registers
-        const float xs = g.xs[r0 + r];
-        alignas(64) float f[I8_NB];
-        for (int c = 0; c < I8_NB; ++c) f[c] = float(v[c]) * xs * g.ws[n0 + c];
-        if (g.bias)
-          for (int c = 0; c < I8_NB; ++c) f[c] += g.bias[n0 + c];
-        static_assert(I8_NB % NR == 0, "the epilogue runs whole vectors");
-        for (int c = 0; c < I8_NB; c += NR)
-          if (g.act == 1)
-            gelu_tanh_store(g.out_f + row + c, f + c);
-          else
-            store(g.out_f + row + c, load(f + c));
       } else {
         const float xs = g.xs[r0 + r];
         for (int c = 0; c < nn; ++c) {
