@@ -324,6 +324,17 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
     assert "not run: interrupted" in open(tmp_path / "results.md").read()
 
 
+def test_peak_memory_column_follows_the_backend_and_isolation():
+    cpu, gpu = {"backend": "cpu"}, {"backend": "gpu"}
+    assert report.peak_memory(cpu, True) == ("peak_rss_bytes", "peak RSS MiB",
+                                             "peak RSS of a fresh process")
+    assert "not measured" in report.peak_memory(cpu, False)[2]
+    key, col, what = report.peak_memory(gpu, False)
+    assert (key, col) == ("peak_device_bytes", "peak device MiB")
+    assert "JAX rows not measured" in what and "max_memory_allocated" in what
+    assert "fresh process" in report.peak_memory(gpu, True)[2]
+
+
 def test_torch_peers_run_where_jax_runs():
     torch = pytest.importorskip("torch")
     assert harness.torch_device(torch) == ("cuda" if jax.default_backend() == "gpu"

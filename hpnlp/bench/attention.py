@@ -264,11 +264,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     unknown = [v for v in names if v not in attention_lib.names()]
     if unknown:
         raise SystemExit(f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
-    if jax.default_backend() == "gpu" and not jax.config.jax_default_matmul_precision:
-        # Float32 rows at float32 precision, like PyTorch's (TF32 off by default); through
-        # the environment too, for the isolated workers.
-        jax.config.update("jax_default_matmul_precision", "highest")
-        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    harness.full_float32_on_gpu()
     impls = row_names(names, causal=causal, backend=jax.default_backend())
     os.makedirs(out_dir, exist_ok=True)
     total_mem = harness.memory_capacity_bytes()
@@ -370,13 +366,7 @@ def _summarize(payload: dict, out_dir: str) -> dict:
 def _markdown(payload: dict) -> str:
     res, shape = payload["results"], payload["shape"]
     rates = payload["matmul_gflops"]
-    on_device = payload["machine"].get("backend", "cpu") != "cpu"
-    peak_key, peak_col = (("peak_device_bytes", "peak device MiB") if on_device else
-                          ("peak_rss_bytes", "peak RSS MiB"))
-    peak_what = ("peak device memory of a fresh process (PyTorch: `max_memory_allocated`)"
-                 if on_device else "peak RSS of a fresh process")
-    peak_unmeasured = ("not measured for JAX rows: this run shared one process" if on_device
-                       else "not measured: this run shared one process")
+    peak_key, peak_col, peak_what = report.peak_memory(payload["machine"], payload["isolated"])
     bf16_rows = sorted({r["impl"] for r in res} & BF16)
     dtypes = "float32" + (f" (bfloat16 q, k, v and gradients: {', '.join(f'`{i}`' for i in bf16_rows)};"
                           " their % of matmul is of the bfloat16 rate)" if bf16_rows else "")
@@ -384,8 +374,7 @@ def _markdown(payload: dict) -> str:
              f"Shape: B={shape['B']}, H={shape['H']}, D={shape['D']}, causal={shape['causal']}, "
              f"{dtypes}. Times are medians (min–max) in ms; speedup is against `{REFERENCE}` "
              f"at the same L in this run; memory is the compiled executable's (arguments + "
-             f"outputs + temporaries) and the {peak_what} "
-             f"({'measured' if payload['isolated'] else peak_unmeasured}).", ""]
+             f"outputs + temporaries) and the {peak_what}.", ""]
     sp = payload["summary"]["speedup_vs_reference"]
     for L in sorted({r["L"] for r in res}):
         rows = []

@@ -177,6 +177,16 @@ def memory_capacity_bytes() -> int:
                or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def full_float32_on_gpu() -> None:
+    """On a GPU, float32 products at float32 precision ("highest", unless the user chose one
+    through JAX_DEFAULT_MATMUL_PRECISION), as PyTorch's are by default (TF32 off): the
+    float32 rows of a benchmark then compare like with like. Set in the environment too,
+    for `isolated` workers. Nothing changes on a CPU."""
+    if jax.default_backend() == "gpu" and not jax.config.jax_default_matmul_precision:
+        jax.config.update("jax_default_matmul_precision", "highest")
+        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+
+
 def float32_precision() -> str:
     """How float32 products run: JAX's `jax_default_matmul_precision`, else XLA's default
     for the backend (on a GPU that is TF32, on a CPU full float32)."""

@@ -64,6 +64,20 @@ def header_md(info: dict, rates: dict) -> str:
     return "\n".join(lines)
 
 
+def peak_memory(machine: dict, isolated: bool) -> tuple[str, str, str]:
+    """(result key, column header, what the column is) for a run's peak memory: RSS on a
+    CPU; on an accelerator the device's, from a fresh process per configuration for JAX
+    rows and `max_memory_allocated` (reset per configuration) for PyTorch's."""
+    if machine.get("backend", "cpu") == "cpu":
+        what = ("peak RSS of a fresh process" if isolated else
+                "peak RSS (not measured: this run shared one process)")
+        return "peak_rss_bytes", "peak RSS MiB", what
+    what = ("peak device memory of a fresh process (PyTorch: `max_memory_allocated`)" if isolated
+            else "PyTorch's `max_memory_allocated` (JAX rows not measured: this run shared one "
+                 "process)")
+    return "peak_device_bytes", "peak device MiB", what
+
+
 def fmt(x: Any, unit: str = "") -> str:
     if x is None:
         return "–"
@@ -145,7 +159,8 @@ def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:  # a run whose rows all failed plots no line
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

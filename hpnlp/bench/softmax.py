@@ -8,6 +8,8 @@ Targets follow Zipf's law over frequency-sorted ids (as word tokens do) and the
 frequency-based methods get those counts. Times are medians (min, max); memory is the
 compiled executable's and the peak RSS of a fresh process per configuration. `full` also
 reports achieved GFLOP/s against this machine's matmul rate (6·N·V·E FLOPs per step).
+On a GPU (`JAX_PLATFORMS=cuda`) PyTorch's layer runs on CUDA too, memory is the device's
+and float32 products run at full precision there, as in `attention` (its docstring).
 
 `--quality` instead trains the word-level LM and a BPE (V = 32000) LM on the shipped corpus
 once per method for the same wall-clock time as `full` and reports exact perplexity (see
@@ -96,15 +98,22 @@ def measure(spec: dict) -> dict:
         torch = harness.torch_or_none()
         if torch is None:
             return {**out, "status": "skipped: torch not installed (pip install -e '.[bench]')"}
-        asm = torch.nn.AdaptiveLogSoftmaxWithLoss(E, V, adaptive_cutoffs(V), div_value=4.0)
-        h = torch.from_numpy(hidden).requires_grad_()
-        t = torch.from_numpy(targets.astype(np.int64))
+        device = harness.torch_device(torch)
+        asm = torch.nn.AdaptiveLogSoftmaxWithLoss(E, V, adaptive_cutoffs(V), div_value=4.0).to(device)
+        h = torch.from_numpy(hidden).to(device).requires_grad_()
+        t = torch.from_numpy(targets.astype(np.int64)).to(device)
 
-        def run():
+        def call():
             asm.zero_grad(set_to_none=True)
             asm(h, t).loss.backward()
 
-        out["time"] = harness.time_python(run, repeats=spec["repeats"], warmup=1, min_time_s=0.3).as_dict()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out["time"] = harness.time_python(harness.torch_synced(torch, device, call),
+                                          repeats=spec["repeats"], warmup=1, min_time_s=0.3).as_dict()
+        out["torch_device"] = device
+        if device == "cuda":
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
     else:
         layer = _layer(impl, V, spec["options"], E)
         t_N = jnp.asarray(targets)
@@ -126,6 +135,8 @@ def measure(spec: dict) -> dict:
     if impl == REFERENCE:
         out["gflops"] = 6.0 * N * V * E / out["time"]["median_s"] / 1e9
     out["peak_rss_bytes"] = harness.peak_rss_bytes()
+    if harness.on_accelerator() and "peak_device_bytes" not in out:
+        out["peak_device_bytes"] = harness.peak_device_bytes()  # this process's: isolate
     return out
 
 
@@ -146,8 +157,9 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     if unknown:
         raise SystemExit(f"unknown output layer(s) {unknown}; choose from {softmax_lib.names()}")
     impls = [m for m in names if m != TORCH_ADAPTIVE] + [TORCH_ADAPTIVE]
+    harness.full_float32_on_gpu()
     os.makedirs(out_dir, exist_ok=True)
-    total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total_mem = harness.memory_capacity_bytes()
     info = harness.machine_info()
     rates = harness.ceiling_rates(quick=quick)
     results = []
@@ -166,6 +178,8 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
             try:
                 res = measure(spec)
                 res.pop("peak_rss_bytes", None)  # shared process: not per configuration
+                if spec["impl"] != TORCH_ADAPTIVE:  # (PyTorch's peak is reset per configuration)
+                    res.pop("peak_device_bytes", None)
             except Exception as e:  # report, never crash the whole run
                 res = {**head, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
             res = {**head, **res}
@@ -216,12 +230,13 @@ def _summarize(payload: dict, out_dir: str) -> dict:
 def _markdown(payload: dict) -> str:
     res, shape, summ = payload["results"], payload["shape"], payload["summary"]
     peak = payload["matmul_gflops"]["float32"]
+    peak_key, peak_col, peak_what = report.peak_memory(payload["machine"], payload["isolated"])
     parts = [report.header_md(payload["machine"], payload["matmul_gflops"]), "",
              f"One output-layer training step (loss forward + backward w.r.t. parameters and "
              f"hidden states), N={shape['N']} tokens, E={shape['E']}, float32, Zipf-distributed "
              f"targets. Times: median (min–max) ms. Speedups are against `{REFERENCE}` (and "
-             f"`{TORCH_ADAPTIVE}`) at the same V in this run. Memory: compiled executable, and peak "
-             f"RSS of a fresh process ({'measured' if payload['isolated'] else 'not measured: --quick runs in one process'}).",
+             f"`{TORCH_ADAPTIVE}`) at the same V in this run. Memory: compiled executable, and the "
+             f"{peak_what}.",
              ""]
     for V in sorted({r["V"] for r in res}):
         rows = []
@@ -235,11 +250,11 @@ def _markdown(payload: dict) -> str:
                          report.fmt(summ["speedup_vs_full"].get(r["impl"], {}).get(V), "x"),
                          report.fmt(summ["speedup_vs_torch_adaptive"].get(r["impl"], {}).get(V), "x"),
                          report.fmt(r.get("compiled_memory", {}).get("total_bytes"), "MiB"),
-                         report.fmt(r.get("peak_rss_bytes"), "MiB"),
+                         report.fmt(r.get(peak_key), "MiB"),
                          f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "–"])
         parts += [f"### V = {V}", "", report.table(
             ["method", "step ms", f"speedup vs `{REFERENCE}`", "vs torch adaptive", "compiled MiB",
-             "peak RSS MiB", "GFLOP/s (% of matmul)"], rows), ""]
+             peak_col, "GFLOP/s (% of matmul)"], rows), ""]
     parts += ["### Scaling with V", "", report.table(
         ["method", "time ~ V^k"], [[f"`{i}`", f"{e:.2f}" if e is not None else "–"]
                                     for i, e in summ["exponents"].items()]), "",
