@@ -322,12 +322,17 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
     assert len(calls) == 3 and status[:2] == ["ok", "ok"]
     assert status[2:] == ["not run: interrupted"] * (len(status) - 2) and len(status) > 3
     assert "not run: interrupted" in open(tmp_path / "results.md").read()
+    assert payload["interrupted"] and json.load(open(tmp_path / "results.json"))["interrupted"]
+    with pytest.raises(SystemExit) as exit_:  # a script sees the run was cut short
+        harness.exit_if_interrupted(payload["interrupted"], str(tmp_path))
+    assert exit_.value.code == 130
+    harness.exit_if_interrupted(False, str(tmp_path))  # a whole run exits normally
 
 
 def test_peak_memory_column_follows_the_backend_and_isolation():
     cpu, gpu = {"backend": "cpu"}, {"backend": "gpu"}
     assert report.peak_memory(cpu, True) == ("peak_rss_bytes", "peak RSS MiB",
-                                             "peak RSS of a fresh process")
+                                             "the peak RSS of a fresh process")
     assert "not measured" in report.peak_memory(cpu, False)[2]
     key, col, what = report.peak_memory(gpu, False)
     assert (key, col) == ("peak_device_bytes", "peak device MiB")

@@ -14,7 +14,10 @@ JAX's fused flash attention, which takes 16-bit inputs only), memory is the devi
 (peak bytes in use of a fresh process per configuration, and PyTorch's
 `max_memory_allocated`) instead of RSS, and float32 products run at full float32 precision
 (`highest`, as PyTorch's default `allow_tf32=False` does) unless JAX_DEFAULT_MATMUL_PRECISION
-says otherwise; the header records which.
+says otherwise; the header records which. The recorded GPU runs (docs/benchmarks/
+attention_h100*) used `--no-isolate`: XLA's GPU compile and autotuning make each row take
+seconds there, and a fresh process per row adds a CUDA start-up to each (that isolated path
+has not run on a GPU yet).
 `chunked` runs its fused CPU kernel (`hpnlp.attention.flash_cpu`); beside it, the row
 "chunked (xla)" times the same algorithm as the XLA program it runs off the CPU, and
 (bidirectional runs) the row "chunked products only" times that program's block matrix
@@ -42,7 +45,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from tqdm.auto import tqdm
 
 from hpnlp import attention as attention_lib
 from hpnlp.bench import harness, report
@@ -225,6 +227,10 @@ def _estimated_bytes(impl: str, L: int, mode: str, *, B, H) -> float:
     return B * H * L * L * 4.0 * (2 if mode == "fwd" else 5)
 
 
+def _head(spec: dict) -> dict:
+    return {k: spec[k] for k in ("impl", "L", "mode", "causal")}
+
+
 def _measure_one(spec: dict, head: dict, isolate: bool) -> dict:
     if isolate:
         return {**head, **harness.isolated("hpnlp.bench.attention", spec, timeout_s=1800)}
@@ -279,24 +285,19 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
                 # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
                 configs.append(dict(impl=impl, L=L, mode=mode, causal=causal, B=B, H=H, D=D,
                                     repeats=repeats, max_time_s=None if quick else 30.0))
-    results, interrupted = [], False
-    for spec in tqdm(configs, desc="attention bench", dynamic_ncols=True):
-        head = {k: spec[k] for k in ("impl", "L", "mode", "causal")}
+    memory_name = "device memory" if harness.on_accelerator() else "memory"
+
+    def row(spec):
         need = _estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H)
-        if interrupted:
-            results.append({**head, "status": "not run: interrupted"})
-        elif need > 0.5 * total_mem:
-            results.append({**head, "status": f"skipped: needs ~{need / 2**30:.0f} GiB (machine "
-                                              f"has {total_mem / 2**30:.0f})"})
-        else:
-            try:
-                results.append(_measure_one(spec, head, isolate))
-            except KeyboardInterrupt:  # Ctrl-C (or `timeout -s INT`): report what ran
-                interrupted = True
-                results.append({**head, "status": "not run: interrupted"})
+        if need > 0.5 * total_mem:
+            return {**_head(spec), "status": f"skipped: needs ~{need / 2**30:.0f} GiB ({memory_name}: "
+                                             f"{total_mem / 2**30:.0f})"}
+        return _measure_one(spec, _head(spec), isolate)
+
+    results, interrupted = harness.run_rows(configs, row, _head, desc="attention bench")
     payload = {"benchmark": "attention", "machine": info, "matmul_gflops": rates,
                "shape": {"B": B, "H": H, "D": D, "causal": causal}, "isolated": isolate,
-               "results": results}
+               "interrupted": interrupted, "results": results}
     if "chunked" in impls and TARGET_L in lengths and not causal:
         payload["targets"] = _targets(results)
     payload["summary"] = _summarize(payload, out_dir)
@@ -374,7 +375,7 @@ def _markdown(payload: dict) -> str:
              f"Shape: B={shape['B']}, H={shape['H']}, D={shape['D']}, causal={shape['causal']}, "
              f"{dtypes}. Times are medians (min–max) in ms; speedup is against `{REFERENCE}` "
              f"at the same L in this run; memory is the compiled executable's (arguments + "
-             f"outputs + temporaries) and the {peak_what}.", ""]
+             f"outputs + temporaries) and {peak_what}.", ""]
     sp = payload["summary"]["speedup_vs_reference"]
     for L in sorted({r["L"] for r in res}):
         rows = []
@@ -419,10 +420,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> dict:
-    return run(args.out, quick=args.quick, causal=args.causal,
-               isolate=False if args.no_isolate else None,
-               variants=[v for v in args.variants.split(",") if v] or None,
-               lengths=[int(x) for x in args.lengths.split(",") if x] or None)
+    payload = run(args.out, quick=args.quick, causal=args.causal,
+                  isolate=False if args.no_isolate else None,
+                  variants=[v for v in args.variants.split(",") if v] or None,
+                  lengths=[int(x) for x in args.lengths.split(",") if x] or None)
+    harness.exit_if_interrupted(payload["interrupted"], args.out)
+    return payload
 
 
 if __name__ == "__main__":

@@ -171,8 +171,9 @@ def peak_device_bytes() -> int | None:
 
 
 def memory_capacity_bytes() -> int:
-    """Memory the computation runs in: the first accelerator's allocatable bytes, else this
-    machine's RAM. Benchmarks skip a configuration estimated to need over half of it."""
+    """Memory the computation runs in: the first accelerator's allocatable bytes (JAX's
+    allocator limit), else this machine's RAM. Benchmarks skip a configuration estimated to
+    need over a fraction of it."""
     return int(_device_stats().get("bytes_limit")
                or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -396,6 +397,36 @@ def isolated(module: str, spec: dict, *, timeout_s: float = 600) -> dict:
             tail = ["killed (out of memory?)"]
         return {"status": f"failed: {tail[0][:200]}"}
     return json.loads(lines[-1])
+
+
+INTERRUPTED = "not run: interrupted"
+
+
+def run_rows(configs: list, row: Callable[[dict], dict], head: Callable[[dict], dict], *,
+             desc: str) -> tuple[list[dict], bool]:
+    """([row(spec) for each spec], whether it was interrupted), under a progress bar. A
+    Ctrl-C (or `timeout -s INT`) during a row ends the run there: that row and the rest read
+    `INTERRUPTED` (with their `head(spec)` fields), and the caller still writes its report
+    of the rows that ran."""
+    from tqdm.auto import tqdm
+    rows, interrupted = [], False
+    for spec in tqdm(configs, desc=desc, dynamic_ncols=True):
+        if not interrupted:
+            try:
+                rows.append(row(spec))
+                continue
+            except KeyboardInterrupt:
+                interrupted = True
+        rows.append({**head(spec), "status": INTERRUPTED})
+    return rows, interrupted
+
+
+def exit_if_interrupted(interrupted: bool, out_dir: str) -> None:
+    """After the report of an interrupted run is written: exit 130, as an interrupted
+    command does, so a script sees the run was cut short."""
+    if interrupted:
+        print(f"interrupted: {out_dir} reports the rows that ran", file=sys.stderr)
+        raise SystemExit(130)
 
 
 def length_options(attention: str, L: int) -> dict:

@@ -69,12 +69,12 @@ def peak_memory(machine: dict, isolated: bool) -> tuple[str, str, str]:
     CPU; on an accelerator the device's, from a fresh process per configuration for JAX
     rows and `max_memory_allocated` (reset per configuration) for PyTorch's."""
     if machine.get("backend", "cpu") == "cpu":
-        what = ("peak RSS of a fresh process" if isolated else
-                "peak RSS (not measured: this run shared one process)")
+        what = ("the peak RSS of a fresh process" if isolated else
+                "the peak RSS (not measured: this run shared one process)")
         return "peak_rss_bytes", "peak RSS MiB", what
-    what = ("peak device memory of a fresh process (PyTorch: `max_memory_allocated`)" if isolated
-            else "PyTorch's `max_memory_allocated` (JAX rows not measured: this run shared one "
-                 "process)")
+    what = ("the peak device memory of a fresh process (PyTorch: `max_memory_allocated`)"
+            if isolated else "PyTorch's `max_memory_allocated` (JAX rows not measured: this run "
+                             "shared one process)")
     return "peak_device_bytes", "peak device MiB", what
 
 

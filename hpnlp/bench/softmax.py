@@ -27,7 +27,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from hpnlp import softmax as softmax_lib
 from hpnlp.bench import harness, report
@@ -162,30 +161,33 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     total_mem = harness.memory_capacity_bytes()
     info = harness.machine_info()
     rates = harness.ceiling_rates(quick=quick)
-    results = []
     configs = [dict(impl=i, V=V, N=N, E=E, repeats=repeats, max_time_s=120.0,
                     options=bench_options(i, V)) for V in vocabs for i in impls]
-    for spec in tqdm(configs, desc="softmax bench", dynamic_ncols=True):
-        head = {"impl": spec["impl"], "V": spec["V"], "options": spec["options"]}
+    memory_name = "device memory" if harness.on_accelerator() else "memory"
+
+    def head(spec):
+        return {"impl": spec["impl"], "V": spec["V"], "options": spec["options"]}
+
+    def row(spec):
         need = _estimated_bytes(spec["impl"], spec["V"], N, E)
         if need > 0.7 * total_mem:
-            results.append({**head, "status": f"skipped: needs ~{need / 2**30:.0f} GiB (machine has "
-                                              f"{total_mem / 2**30:.0f})"})
-            continue
+            return {**head(spec), "status": f"skipped: needs ~{need / 2**30:.0f} GiB ({memory_name}: "
+                                            f"{total_mem / 2**30:.0f})"}
         if isolate:
-            res = {**head, **harness.isolated("hpnlp.bench.softmax", spec, timeout_s=1800)}
-        else:
-            try:
-                res = measure(spec)
-                res.pop("peak_rss_bytes", None)  # shared process: not per configuration
-                if spec["impl"] != TORCH_ADAPTIVE:  # (PyTorch's peak is reset per configuration)
-                    res.pop("peak_device_bytes", None)
-            except Exception as e:  # report, never crash the whole run
-                res = {**head, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
-            res = {**head, **res}
-        results.append(res)
+            return {**head(spec), **harness.isolated("hpnlp.bench.softmax", spec, timeout_s=1800)}
+        try:
+            res = measure(spec)
+        except Exception as e:  # report, never crash the whole run
+            return {**head(spec), "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+        res.pop("peak_rss_bytes", None)  # shared process: not per configuration
+        if spec["impl"] != TORCH_ADAPTIVE:  # (PyTorch's peak is reset per configuration)
+            res.pop("peak_device_bytes", None)
+        return {**head(spec), **res}
+
+    results, interrupted = harness.run_rows(configs, row, head, desc="softmax bench")
     payload = {"benchmark": "softmax", "machine": info, "matmul_gflops": rates,
-               "shape": {"N": N, "E": E}, "isolated": isolate, "results": results}
+               "shape": {"N": N, "E": E}, "isolated": isolate, "interrupted": interrupted,
+               "results": results}
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "softmax", payload, _markdown(payload))
     return payload
@@ -235,7 +237,7 @@ def _markdown(payload: dict) -> str:
              f"One output-layer training step (loss forward + backward w.r.t. parameters and "
              f"hidden states), N={shape['N']} tokens, E={shape['E']}, float32, Zipf-distributed "
              f"targets. Times: median (min–max) ms. Speedups are against `{REFERENCE}` (and "
-             f"`{TORCH_ADAPTIVE}`) at the same V in this run. Memory: compiled executable, and the "
+             f"`{TORCH_ADAPTIVE}`) at the same V in this run. Memory: compiled executable, and "
              f"{peak_what}.",
              ""]
     for V in sorted({r["V"] for r in res}):
@@ -283,8 +285,10 @@ def main(args) -> dict:
         from hpnlp.bench import quality
         return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds or None,
                            tokenizers=[t for t in args.tokenizers.split(",") if t] or None)
-    return run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
-               methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None)
+    payload = run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
+                  methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None)
+    harness.exit_if_interrupted(payload["interrupted"], args.out)
+    return payload
 
 
 if __name__ == "__main__":

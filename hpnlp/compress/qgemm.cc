@@ -548,7 +548,7 @@ inline void i8_row_epilogue(const I8Gemm& g, int row, int n0, const int32_t* t) 
   for (int c = 0; c < I8_NB; c += EW) {
     EVI acc = *reinterpret_cast<const evi_u*>(t + c);
     if (I8_PATH == 2)  // the VNNI operand's + 128 offset: 128 * colsum
-      acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) << 7;
+      acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) * 128;
     EV f = __builtin_convertvector(acc, EV) * xs * *reinterpret_cast<const ev_u*>(g.ws + n0 + c);
     if (g.bias) f += *reinterpret_cast<const ev_u*>(g.bias + n0 + c);
     *reinterpret_cast<ev_u*>(out + c) = g.act == 1 ? gelu_ev(f) : f;
