@@ -194,13 +194,10 @@ def measure(spec: dict) -> dict:
 
             def call():
                 sdpa(q, k, v, is_causal=causal).sum().backward()
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t = harness.time_python(harness.torch_synced(torch, device, call), repeats=repeats,
-                                warmup=1, min_time_s=0.3)
+        t, peak = harness.time_torch(torch, device, call, repeats=repeats, warmup=1, min_time_s=0.3)
         out["time"], out["torch_device"] = t.as_dict(), device
-        if device == "cuda":
-            out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+        if peak is not None:
+            out["peak_device_bytes"] = peak
     else:
         if impl == BOUND:
             fn = _products_only(L, B=B, H=H, D=D)[mode]
@@ -229,19 +226,6 @@ def _estimated_bytes(impl: str, L: int, mode: str, *, B, H) -> float:
 
 def _head(spec: dict) -> dict:
     return {k: spec[k] for k in ("impl", "L", "mode", "causal")}
-
-
-def _measure_one(spec: dict, head: dict, isolate: bool) -> dict:
-    if isolate:
-        return {**head, **harness.isolated("hpnlp.bench.attention", spec, timeout_s=1800)}
-    try:
-        res = measure(spec)
-    except Exception as e:  # report, never crash the whole run
-        return {**head, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
-    res.pop("peak_rss_bytes", None)  # shared process: not per configuration
-    if not head["impl"].startswith("torch."):  # (PyTorch's peak is reset per configuration)
-        res.pop("peak_device_bytes", None)
-    return res
 
 
 def row_names(names: list[str], *, causal: bool, backend: str) -> list[str]:
@@ -273,7 +257,6 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     harness.full_float32_on_gpu()
     impls = row_names(names, causal=causal, backend=jax.default_backend())
     os.makedirs(out_dir, exist_ok=True)
-    total_mem = harness.memory_capacity_bytes()
     info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates((jnp.float32, jnp.bfloat16), quick=quick)
     configs = []
@@ -285,14 +268,12 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
                 # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
                 configs.append(dict(impl=impl, L=L, mode=mode, causal=causal, B=B, H=H, D=D,
                                     repeats=repeats, max_time_s=None if quick else 30.0))
-    memory_name = "device memory" if harness.on_accelerator() else "memory"
-
     def row(spec):
-        need = _estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H)
-        if need > 0.5 * total_mem:
-            return {**_head(spec), "status": f"skipped: needs ~{need / 2**30:.0f} GiB ({memory_name}: "
-                                             f"{total_mem / 2**30:.0f})"}
-        return _measure_one(spec, _head(spec), isolate)
+        skip = harness.too_big(_estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H), 0.5)
+        if skip:
+            return {**_head(spec), "status": skip}
+        return harness.measure_row("hpnlp.bench.attention", measure, spec, _head(spec),
+                                   isolate=isolate, own_peak=spec["impl"].startswith("torch."))
 
     results, interrupted = harness.run_rows(configs, row, _head, desc="attention bench")
     payload = {"benchmark": "attention", "machine": info, "matmul_gflops": rates,

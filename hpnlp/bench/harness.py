@@ -399,6 +399,43 @@ def isolated(module: str, spec: dict, *, timeout_s: float = 600) -> dict:
     return json.loads(lines[-1])
 
 
+def time_torch(torch, device: str, call: Callable[[], Any], **kw) -> tuple[Timing, int | None]:
+    """(`time_python` of a PyTorch `call` on `device`, synchronized on CUDA, and its peak
+    CUDA memory from `max_memory_allocated`, reset first; None off CUDA)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t = time_python(torch_synced(torch, device, call), **kw)
+    return t, (torch.cuda.max_memory_allocated() if device == "cuda" else None)
+
+
+def measure_row(module: str, measure: Callable[[dict], dict], spec: dict, head: dict, *,
+                isolate: bool, own_peak: bool) -> dict:
+    """One benchmark row: `measure(spec)` in a fresh process (`isolated`) or in this one, a
+    failure reported in the row, never raised. In this process the peaks are not the row's
+    own (dropped), except one the row measured itself (`own_peak`: PyTorch's, reset per
+    row)."""
+    if isolate:
+        return {**head, **isolated(module, spec, timeout_s=1800)}
+    try:
+        res = measure(spec)
+    except Exception as e:  # report, never crash the whole run
+        return {**head, "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+    res.pop("peak_rss_bytes", None)
+    if not own_peak:
+        res.pop("peak_device_bytes", None)
+    return {**head, **res}
+
+
+def too_big(need_bytes: float, fraction: float) -> str | None:
+    """A row's 'skipped: ...' status when its estimated need is over `fraction` of
+    `memory_capacity_bytes()`; None when it fits."""
+    cap = memory_capacity_bytes()
+    if need_bytes <= fraction * cap:
+        return None
+    where = "device memory" if on_accelerator() else "memory"
+    return f"skipped: needs ~{need_bytes / 2**30:.0f} GiB ({where}: {cap / 2**30:.0f})"
+
+
 INTERRUPTED = "not run: interrupted"
 
 

@@ -106,13 +106,11 @@ def measure(spec: dict) -> dict:
             asm.zero_grad(set_to_none=True)
             asm(h, t).loss.backward()
 
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        out["time"] = harness.time_python(harness.torch_synced(torch, device, call),
-                                          repeats=spec["repeats"], warmup=1, min_time_s=0.3).as_dict()
-        out["torch_device"] = device
-        if device == "cuda":
-            out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+        t, peak = harness.time_torch(torch, device, call, repeats=spec["repeats"], warmup=1,
+                                     min_time_s=0.3)
+        out["time"], out["torch_device"] = t.as_dict(), device
+        if peak is not None:
+            out["peak_device_bytes"] = peak
     else:
         layer = _layer(impl, V, spec["options"], E)
         t_N = jnp.asarray(targets)
@@ -158,31 +156,19 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     impls = [m for m in names if m != TORCH_ADAPTIVE] + [TORCH_ADAPTIVE]
     harness.full_float32_on_gpu()
     os.makedirs(out_dir, exist_ok=True)
-    total_mem = harness.memory_capacity_bytes()
     info = harness.machine_info()
     rates = harness.ceiling_rates(quick=quick)
     configs = [dict(impl=i, V=V, N=N, E=E, repeats=repeats, max_time_s=120.0,
                     options=bench_options(i, V)) for V in vocabs for i in impls]
-    memory_name = "device memory" if harness.on_accelerator() else "memory"
-
     def head(spec):
         return {"impl": spec["impl"], "V": spec["V"], "options": spec["options"]}
 
     def row(spec):
-        need = _estimated_bytes(spec["impl"], spec["V"], N, E)
-        if need > 0.7 * total_mem:
-            return {**head(spec), "status": f"skipped: needs ~{need / 2**30:.0f} GiB ({memory_name}: "
-                                            f"{total_mem / 2**30:.0f})"}
-        if isolate:
-            return {**head(spec), **harness.isolated("hpnlp.bench.softmax", spec, timeout_s=1800)}
-        try:
-            res = measure(spec)
-        except Exception as e:  # report, never crash the whole run
-            return {**head(spec), "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
-        res.pop("peak_rss_bytes", None)  # shared process: not per configuration
-        if spec["impl"] != TORCH_ADAPTIVE:  # (PyTorch's peak is reset per configuration)
-            res.pop("peak_device_bytes", None)
-        return {**head(spec), **res}
+        skip = harness.too_big(_estimated_bytes(spec["impl"], spec["V"], N, E), 0.7)
+        if skip:
+            return {**head(spec), "status": skip}
+        return harness.measure_row("hpnlp.bench.softmax", measure, spec, head(spec),
+                                   isolate=isolate, own_peak=spec["impl"] == TORCH_ADAPTIVE)
 
     results, interrupted = harness.run_rows(configs, row, head, desc="softmax bench")
     payload = {"benchmark": "softmax", "machine": info, "matmul_gflops": rates,
