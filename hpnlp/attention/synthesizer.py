@@ -33,7 +33,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import Attention, cache_put, check_inputs, register, segment_mask
+from hpnlp.attention.base import (Attention, attend, cache_put, check_inputs, register,
+                                  segment_mask)
 from hpnlp.config import ConfigError
 
 MODES = ("dense", "random", "factorized")
@@ -77,8 +78,7 @@ def softmax_mix(logits_BHLS, allowed_B1LS, v_BSHD, out_dtype):
     m_BHL1 = jax.lax.stop_gradient(jnp.max(logits_BHLS, axis=-1, keepdims=True))
     p_BHLS = jnp.where(allowed_B1LS, jnp.exp(logits_BHLS - m_BHL1), 0.0)
     p_BHLS = p_BHLS / jnp.maximum(jnp.sum(p_BHLS, axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bhls,bshd->blhd", p_BHLS, v_BSHD.astype(jnp.float32))
-    return out.astype(out_dtype)
+    return attend(p_BHLS, v_BSHD, out_dtype)
 
 
 def _positive_int(options, cls, name, field):
