@@ -1,0 +1,102 @@
+"""Where the byte LM's eval forward spends its time, for the compress bench's speed targets.
+
+    python tools/compress_speed_budget.py [--rounds 15]
+
+`python -m hpnlp.bench compress` times the eval forward of each compressed byte LM against
+its teacher (`structured_half_params_speedup`, `lowrank_half_params_speedup`: at least
+1.6x at half the parameters). This script builds the same forward (the default byte LM,
+`experiments/lm.py:bytes`, one eval batch of 32 x 128 bytes, compiled as hpnlp's eval step
+is) for the teacher and for the half-parameter shapes the bench trains: low rank 42 on
+qkv, out and the MLP, and the structured model's 2 heads and 205 MLP neurons. Each also
+with `attention.name=chunked` (the fused CPU kernel) in place of the default `dense`, so
+the difference shows attention's share. Weights are random: speed does not depend on
+them. It prints parameters, XLA's FLOP count of the compiled forward, and the median
+time over interleaved rounds (each round times every model in turn, 3 calls each), with
+each model's speed-up over the teacher of the same attention.
+
+Read with the FLOP ratio: low rank halves the weight products but leaves attention
+whole, while the structured model halves the heads and so attention too. XLA's count
+leaves out what runs in a custom call, so with `chunked` it omits attention's products.
+
+On the 2-core Zen 3 (2026-11-26), milliseconds per forward and speed-up over the teacher:
+
+| attention | teacher | low rank 42 | structured |
+|---|---|---|---|
+| dense | 54.7 | 44.9 (1.22x) | 29.0 (1.89x) |
+| chunked | 46.1 | 33.7 (1.37x) | 23.0 (2.00x) |
+
+Low rank's products are as many multiply-adds as the structured model's weight products
+(86,016 against 85,248 per token per block), but the structured model also halves
+attention, which takes a third to a half of this forward.
+"""
+
+import argparse
+import os
+import platform
+import time
+
+import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
+import jax
+
+import numpy as np
+
+from ablib import trainer
+from hpnlp import data as data_lib
+from hpnlp.train.step import step_compiler_options
+
+SHAPES = {"teacher": {},
+          "low rank 42": {"model.lowrank.rank": 42},
+          "structured: 2 heads, MLP 205": {"model.num_heads": 2, "model.head_dim": 32,
+                                           "model.mlp_dim": 205}}
+
+
+def forward(fields: dict):
+    """(compiled eval forward, its arguments, parameter count, XLA's FLOPs)."""
+    tr, state, _ = trainer("lm.py", "bytes", **fields)
+    batch = next(iter(data_lib.make_iterator(tr.task, tr.cfg.data, split="eval",
+                                             batch_size=tr.cfg.train.batch_size)))
+    batch = jax.device_put(batch)
+    fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"))
+    compiled = fn.lower(state.params, batch).compile(compiler_options=step_compiler_options())
+    params = sum(x.size for x in jax.tree.leaves(state.params))
+    return compiled, (state.params, batch), params, compiled.cost_analysis().get("flops", 0.0)
+
+
+def medians(programs: dict, *, rounds: int, calls: int) -> dict:
+    """Median seconds per call of each (compiled, args); a round times each in turn."""
+    times = {k: [] for k in programs}
+    for _ in range(rounds):
+        for k, (fn, a) in programs.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / calls)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}")
+    built = {}
+    for attention in ("dense", "chunked"):
+        for name, fields in SHAPES.items():
+            built[(attention, name)] = forward({**fields, "attention.name": attention})
+    med = medians({k: (b[0], b[1]) for k, b in built.items()}, rounds=args.rounds, calls=3)
+    print(f"{'attention':9s} {'model':30s} {'params':>8s} {'GFLOP':>6s} {'FLOP ratio':>10s} "
+          f"{'ms':>7s} {'speed-up':>8s}")
+    for attention, name in built:
+        teacher = (attention, "teacher")
+        _, _, params, flops = built[(attention, name)]
+        ratio = built[teacher][3] / flops
+        print(f"{attention:9s} {name:30s} {params:8d} {flops / 1e9:6.2f} {ratio:9.2f}x "
+              f"{med[(attention, name)] * 1e3:7.2f} {med[teacher] / med[(attention, name)]:7.2f}x",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
