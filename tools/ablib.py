@@ -1,6 +1,7 @@
 """What the A/B tools share: a Trainer for an experiment, compare two compiled variants'
 outputs, time them interleaved."""
 
+import platform
 import tempfile
 import time
 
@@ -53,3 +54,41 @@ def interleaved_medians(compiled: dict, fresh, *, rounds: int, calls: int) -> di
             jax.block_until_ready(out)
             times[k].append((time.perf_counter() - t0) / calls)
     return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo), for a tool's header line."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def compare(compiled: dict, fresh, *, rounds: int, calls: int) -> tuple[dict, float]:
+    """(median seconds per call of each compiled variant, the largest relative difference
+    between the first two variants' outputs), every variant called on `fresh()`'s arguments."""
+    outs = [jax.block_until_ready(c(*fresh())) for c in compiled.values()]
+    diff = largest_relative_difference(outs[0], outs[1])
+    return interleaved_medians(compiled, fresh, rounds=rounds, calls=calls), diff
+
+
+def print_cpu(extra: str = "") -> None:
+    """A tool's first line: the CPU, its cores and the jax version."""
+    import os
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; jax {jax.__version__}{extra}")
+
+
+def print_header(columns: tuple[str, str, str], width: int, extra: str = "",
+                 label: str = "") -> None:
+    """`print_cpu`, then the column names of `print_row`'s rows."""
+    print_cpu(extra)
+    print(f"{label:{width}s} {columns[0]:>12s} {columns[1]:>12s} {columns[2]:>7s}")
+
+
+def print_row(name: str, before_s: float, after_s: float, diff: float, width: int,
+              note: str = "") -> None:
+    """One A/B row: both medians in ms, before over after, and the outputs' difference."""
+    print(f"{name:{width}s} {before_s * 1e3:9.2f} ms {after_s * 1e3:9.2f} ms "
+          f"{before_s / after_s:6.2f}x   largest difference {diff:.1e} (relative{note})", flush=True)

@@ -16,14 +16,12 @@ and its eval forward.
 
 import argparse
 import contextlib
-import os
-import platform
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 
-from ablib import interleaved_medians, largest_relative_difference, trainer
+from ablib import compare, print_header, print_row, trainer
 from hpnlp.attention import base, dense
 from hpnlp.train.step import make_train_step, step_compiler_options
 
@@ -50,22 +48,15 @@ def ab(name: str, build, fresh, *, rounds: int, calls: int) -> None:
     for k, fn in variants.items():
         with attend_as(fn):
             compiled[k] = build()
-    outs = {k: jax.block_until_ready(c(*fresh())) for k, c in compiled.items()}
-    diff = largest_relative_difference(*outs.values())
-    med = interleaved_medians(compiled, fresh, rounds=rounds, calls=calls)
-    old, new = med["einsum to BLHD"], med["batch axes leading"]
-    print(f"{name:34s} {old * 1e3:9.2f} ms {new * 1e3:9.2f} ms {old / new:6.2f}x   "
-          f"largest difference {diff:.1e} (relative)", flush=True)
+    med, diff = compare(compiled, fresh, rounds=rounds, calls=calls)
+    print_row(name, med["einsum to BLHD"], med["batch axes leading"], diff, 34)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}")
-    print(f"{'':34s} {'einsum':>12s} {'batch lead':>12s} {'speedup':>7s}")
+    print_header(("einsum", "batch lead", "speedup"), 34)
     opts = step_compiler_options()
     B, L, H, D = 32, 128, 4, 32
     ks = jax.random.split(jax.random.key(0), 4)

@@ -31,8 +31,6 @@ attention, which takes a third to a half of this forward.
 """
 
 import argparse
-import os
-import platform
 import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
@@ -40,7 +38,7 @@ import jax
 
 import numpy as np
 
-from ablib import trainer
+from ablib import print_cpu, trainer
 from hpnlp import data as data_lib
 from hpnlp.train.step import step_compiler_options
 
@@ -79,9 +77,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}")
+    print_cpu()
     built = {}
     for attention in ("dense", "chunked"):
         for name, fields in SHAPES.items():

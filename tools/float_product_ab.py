@@ -18,15 +18,13 @@ half-parameter factorization). The README quotes this script's output.
 """
 
 import argparse
-import os
-import platform
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ablib import interleaved_medians, largest_relative_difference, trainer
+from ablib import compare, print_header, print_row, trainer
 from hpnlp.compress import qlinear
 from hpnlp.models import transformer
 from hpnlp.train.step import make_train_step, step_compiler_options
@@ -57,24 +55,16 @@ def ab(name: str, tr, state, batch, *, rounds: int, calls: int) -> None:
                 "autodiff": (autodiff_product, nn.LayerNorm)}
     compiled = {k: compiled_step(tr, state, batch, *v) for k, v in variants.items()}
 
-    def fresh():
-        return jax.tree.map(jnp.copy, state)
-    outs = {k: jax.block_until_ready(c(fresh(), batch)) for k, c in compiled.items()}
-    diff = largest_relative_difference(*outs.values())
-    med = interleaved_medians(compiled, lambda: (fresh(), batch), rounds=rounds, calls=calls)
-    own, auto = med["own VJP"], med["autodiff"]
-    print(f"{name:30s} {auto * 1e3:9.1f} ms {own * 1e3:9.1f} ms {auto / own:6.2f}x   "
-          f"largest difference {diff:.1e} (relative, after one step)", flush=True)
+    med, diff = compare(compiled, lambda: (jax.tree.map(jnp.copy, state), batch),
+                        rounds=rounds, calls=calls)
+    print_row(name, med["autodiff"], med["own VJP"], diff, 30, ", after one step")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}")
-    print(f"{'train step':30s} {'autodiff':>12s} {'own VJP':>12s} {'speedup':>7s}")
+    print_header(("autodiff", "own VJP", "speedup"), 30, label="train step")
     for label, (exp, arg, model) in {
             "byte LM": ("lm.py", "bytes", {}),
             "text classifier": ("lra.py", "text", {}),

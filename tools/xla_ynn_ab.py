@@ -15,14 +15,13 @@ XLA's default. docs/xla_defects.md quotes this script's output.
 
 import argparse
 import os
-import platform
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ablib import interleaved_medians, largest_relative_difference, trainer
+from ablib import compare, print_header, print_row, trainer
 from hpnlp import models
 from hpnlp.train.loop import dummy_batch
 from hpnlp.train.step import (CPU_NO_YNN_FUSION_OPTIONS, CPU_REMAT_COMPILER_OPTIONS,
@@ -36,22 +35,16 @@ def ab(name: str, fn, args, *, rounds: int, calls: int, donate: bool = False) ->
     """Time `fn(*args)` compiled both ways; `donate`: args[0] is donated (a train state)."""
     compiled = {k: fn.lower(*args).compile(compiler_options=o) for k, o in VARIANTS.items()}
     fresh = (lambda: (jax.tree.map(jnp.copy, args[0]),) + tuple(args[1:])) if donate else (lambda: args)
-    outs = {k: jax.block_until_ready(c(*fresh())) for k, c in compiled.items()}
-    diff = largest_relative_difference(*outs.values())
-    med = interleaved_medians(compiled, fresh, rounds=rounds, calls=calls)
-    base, off = med["XLA default"], med["YNN fusions off"]
-    print(f"{name:38s} {base * 1e3:9.1f} ms {off * 1e3:9.1f} ms {base / off:6.2f}x   "
-          f"largest difference {diff:.1e} (relative)", flush=True)
+    med, diff = compare(compiled, fresh, rounds=rounds, calls=calls)
+    print_row(name, med["XLA default"], med["YNN fusions off"], diff, 38)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"{'':38s} {'XLA default':>12s} {'YNN off':>12s} {'speedup':>7s}")
+    print_header(("XLA default", "YNN off", "speedup"), 38,
+                 f"; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     wide = {"model.width": 512, "model.depth": 4, "model.num_heads": 8, "model.mlp_dim": 2048,
             "train.batch_size": 8, "data.seq_len": 256, "model.max_len": 512}
     for label, (exp, arg, model) in {"byte LM": ("lm.py", "bytes", {}),
