@@ -1,6 +1,7 @@
 """What the A/B tools share: a Trainer for an experiment, compare two compiled variants'
 outputs, time them interleaved."""
 
+import os
 import platform
 import tempfile
 import time
@@ -76,7 +77,6 @@ def compare(compiled: dict, fresh, *, rounds: int, calls: int) -> tuple[dict, fl
 
 def print_cpu(extra: str = "") -> None:
     """A tool's first line: the CPU, its cores and the jax version."""
-    import os
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; jax {jax.__version__}{extra}")
 
 
@@ -88,7 +88,9 @@ def print_header(columns: tuple[str, str, str], width: int, extra: str = "",
 
 
 def print_row(name: str, before_s: float, after_s: float, diff: float, width: int,
-              note: str = "") -> None:
-    """One A/B row: both medians in ms, before over after, and the outputs' difference."""
-    print(f"{name:{width}s} {before_s * 1e3:9.2f} ms {after_s * 1e3:9.2f} ms "
-          f"{before_s / after_s:6.2f}x   largest difference {diff:.1e} (relative{note})", flush=True)
+              note: str = "", digits: int = 1) -> None:
+    """One A/B row: both medians in ms (`digits` decimals), before over after, and the
+    outputs' difference."""
+    print(f"{name:{width}s} {before_s * 1e3:9.{digits}f} ms {after_s * 1e3:9.{digits}f} ms "
+          f"{before_s / after_s:6.2f}x   largest difference {diff:.1e} (relative{note})",
+          flush=True)

@@ -11,23 +11,26 @@ qkv, out and the MLP, and the structured model's 2 heads and 205 MLP neurons. Ea
 with `attention.name=chunked` (the fused CPU kernel) in place of the default `dense`, so
 the difference shows attention's share. Weights are random: speed does not depend on
 them. It prints parameters, XLA's FLOP count of the compiled forward, and the median
-time over interleaved rounds (each round times every model in turn, 3 calls each), with
-each model's speed-up over the teacher of the same attention.
+time over interleaved rounds (as the bench's `measure_forward`: every model warmed, then
+each round times every model in turn, 3 calls each, in a new order each round), with each
+model's speed-up over the teacher of the same attention.
 
 Read with the FLOP ratio: low rank halves the weight products but leaves attention
 whole, while the structured model halves the heads and so attention too. XLA's count
 leaves out what runs in a custom call, so with `chunked` it omits attention's products.
 
-On the 2-core Zen 3 (2026-11-26), milliseconds per forward and speed-up over the teacher:
+On the 2-core Zen 3 (2026-11-26, two runs in a slow stretch of that machine),
+milliseconds per forward and speed-up over the teacher:
 
 | attention | teacher | low rank 42 | structured |
 |---|---|---|---|
-| dense | 54.7 | 44.9 (1.22x) | 29.0 (1.89x) |
-| chunked | 46.1 | 33.7 (1.37x) | 23.0 (2.00x) |
+| dense | 78.1, 75.6 | 64.6, 62.3 (1.21x, 1.21x) | 35.2, 36.0 (2.22x, 2.10x) |
+| chunked | 63.8, 60.6 | 50.4, 49.9 (1.27x, 1.21x) | 30.4, 29.4 (2.10x, 2.06x) |
 
 Low rank's products are as many multiply-adds as the structured model's weight products
 (86,016 against 85,248 per token per block), but the structured model also halves
-attention, which takes a third to a half of this forward.
+attention. By the table's differences attention is roughly half of the teacher's dense
+forward (an estimate, not a measurement of attention alone).
 """
 
 import argparse
@@ -35,7 +38,6 @@ import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
-
 import numpy as np
 
 from ablib import print_cpu, trainer
@@ -57,14 +59,21 @@ def forward(fields: dict):
     fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"))
     compiled = fn.lower(state.params, batch).compile(compiler_options=step_compiler_options())
     params = sum(x.size for x in jax.tree.leaves(state.params))
-    return compiled, (state.params, batch), params, compiled.cost_analysis().get("flops", 0.0)
+    flops = (compiled.cost_analysis() or {}).get("flops", 0.0)
+    return compiled, (state.params, batch), params, flops
 
 
 def medians(programs: dict, *, rounds: int, calls: int) -> dict:
-    """Median seconds per call of each (compiled, args); a round times each in turn."""
+    """Median seconds per call of each (compiled, args): each called once to warm, then
+    each round times every one in turn, in a new order each round."""
     times = {k: [] for k in programs}
+    for fn, a in programs.values():
+        jax.block_until_ready(fn(*a))
+    order, rng = list(programs), np.random.default_rng(0)
     for _ in range(rounds):
-        for k, (fn, a) in programs.items():
+        rng.shuffle(order)
+        for k in order:
+            fn, a = programs[k]
             t0 = time.perf_counter()
             for _ in range(calls):
                 out = fn(*a)
@@ -88,8 +97,8 @@ def main():
     for attention, name in built:
         teacher = (attention, "teacher")
         _, _, params, flops = built[(attention, name)]
-        ratio = built[teacher][3] / flops
-        print(f"{attention:9s} {name:30s} {params:8d} {flops / 1e9:6.2f} {ratio:9.2f}x "
+        ratio = f"{built[teacher][3] / flops:9.2f}x" if flops else f"{'-':>10s}"
+        print(f"{attention:9s} {name:30s} {params:8d} {flops / 1e9:6.2f} {ratio} "
               f"{med[(attention, name)] * 1e3:7.2f} {med[teacher] / med[(attention, name)]:7.2f}x",
               flush=True)
 

@@ -72,10 +72,10 @@ def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
 def attend(p_BHLS, v_BSHD, dtype):
     """The values weighted by attention distributions [B, H, L, S], in float32, as `dtype`.
 
-    Written as the batched product XLA runs best, batch axes leading in both operands and
-    the result ([B, H, S, D] values in, [B, H, L, D] out, each transposed explicitly). At
-    the byte LM's shape on a 2-core Zen 3, XLA:CPU ran the one einsum straight into
-    [B, L, H, D] 1.8x slower than this, and dense attention 1.25-1.32x slower forward,
+    Written with the batch axes leading in both operands and the result ([B, H, S, D]
+    values in, [B, H, L, D] out, each transposed explicitly), which XLA:CPU ran faster
+    than the one einsum straight into [B, L, H, D]: at the byte LM's shape on a 2-core
+    Zen 3 that einsum took 1.8x as long as this, and dense attention 1.25-1.32x slower forward,
     1.09-1.13x forward+backward (`python tools/attention_layout_ab.py`, 2026-11-26)."""
     v_BHSD = jnp.swapaxes(v_BSHD.astype(jnp.float32), 1, 2)
     out_BHLD = jnp.einsum("bhls,bhsd->bhld", p_BHLS, v_BHSD)

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from hpnlp.attention.base import attend
 from hpnlp.config import Config, ModelConfig
 from hpnlp.train.carry import AUX, Carry, fold_aux
 from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_block,
@@ -179,8 +180,7 @@ def rel_attention(q_BLHD, k_BKHD, v_BKHD, r_KHD, u_HD, w_HD, allowed_BLK, *, shi
     m_BHL1 = jax.lax.stop_gradient(jnp.max(logits_BHLK, axis=-1, keepdims=True))
     p_BHLK = jnp.where(allowed_B1LK, jnp.exp(logits_BHLK - m_BHL1), 0.0)
     p_BHLK = p_BHLK / jnp.maximum(jnp.sum(p_BHLK, axis=-1, keepdims=True), 1e-30)
-    out_BLHD = jnp.einsum("bhlk,bkhd->blhd", p_BHLK, v_BKHD.astype(f32))
-    return out_BLHD.astype(k_BKHD.dtype)
+    return attend(p_BHLK, v_BKHD, k_BKHD.dtype)
 
 
 def allowed_keys(seg_BL, valid_BM):
