@@ -247,6 +247,18 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="blocking must be"):
         fused.lstm_forward(xw, b, w, c0, h0, valid, blocking={"kc": 64, "mr": 9})
+    # the weight gradients: tuned, default and blocks that split every loop (row blocks
+    # of 6 with a short last one, several packed k blocks); E = 13 is not a multiple of 6
+    hp, x, dz = jax.random.normal(ks[0], (L, B, H)), jax.random.normal(ks[1], (L, B, 13)), xw
+    want = [np.einsum("lbm,lbg->mg", np.asarray(a, np.float64), np.asarray(dz, np.float64))
+            for a in (hp, x)]
+    for blk in (tuned["dw"], fused.DEFAULT_DW_BLOCKING, {"kc": 7, "mc": 10}):
+        for threads in (1, 2):
+            got = fused.lstm_weight_grads(hp, x, dz, threads=threads, blocking=blk)
+            for g, w_ in zip(got, want):
+                np.testing.assert_allclose(g, w_, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="weight-gradient blocking must be"):
+        fused.lstm_weight_grads(hp, x, dz, blocking={"kc": 64, "mr": 4})
 
 
 PORTABLE = """

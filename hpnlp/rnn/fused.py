@@ -36,7 +36,8 @@ _MIN_PARALLEL_MACS = 1 << 20
 
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_lstm.cc"),
-    {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd"}, what="the fused LSTM")
+    {"hpnlp_lstm_fwd": "HpnlpLstmFwd", "hpnlp_lstm_bwd": "HpnlpLstmBwd",
+     "hpnlp_lstm_dw": "HpnlpLstmDw"}, what="the fused LSTM")
 
 
 # The products' blocking, per pass: kc (k per cache block; a kc x 64 panel block should
@@ -65,9 +66,35 @@ TUNINGS = {name: tuning.Tuning(
     shape=" ".join(f"{k}={v}" for k, v in PROBE.items())) for name in ("fwd", "bwd")}
 
 
+# The weight gradients' blocking (`lstm_weight_grads`): kc rows of dz per packed block, mc
+# rows of the result per packed block of hp or x. Tuned per CPU like the scans', at a probe
+# of N = L*B = 1024 rows, H = E = 512.
+DEFAULT_DW_BLOCKING = {"kc": 256, "mc": 144}
+DW_PROBE = dict(N=1024, H=512, E=512)
+
+
+def _probe_dw(lib, cfg):
+    lib.hpnlp_lstm_dw_probe.restype = ctypes.c_double
+    args = [DW_PROBE["N"], DW_PROBE["H"], DW_PROBE["E"], cfg["kc"], cfg["mc"], kernels.cores()]
+    seconds = lib.hpnlp_lstm_dw_probe(*(ctypes.c_int64(a) for a in args))
+    if seconds < 0:
+        raise RuntimeError(f"the fused LSTM's weight-gradient probe failed at {cfg}")
+    return seconds
+
+
+TUNINGS["dw"] = tuning.Tuning(
+    KERNEL, "dw", default=DEFAULT_DW_BLOCKING, probe=_probe_dw,
+    candidates=[{"kc": kc, "mc": mc} for kc in (128, 256, 512) for mc in (48, 96, 144, 240)],
+    shape=" ".join(f"{k}={v}" for k, v in DW_PROBE.items()))
+
+
 def _blocking(name: str, given: dict | None) -> dict:
     cfg = dict(given) if given is not None else TUNINGS[name].config()
-    if set(cfg) != {"kc", "mr"} or cfg["kc"] <= 0 or not 1 <= cfg["mr"] <= 6:
+    if name == "dw":
+        if set(cfg) != {"kc", "mc"} or cfg["kc"] <= 0 or cfg["mc"] <= 0:
+            raise ValueError(f"fused LSTM: weight-gradient blocking must be {{'kc': > 0, "
+                             f"'mc': > 0}}; got {given}")
+    elif set(cfg) != {"kc", "mr"} or cfg["kc"] <= 0 or not 1 <= cfg["mr"] <= 6:
         raise ValueError(f"fused LSTM: blocking must be {{'kc': > 0, 'mr': 1..6}}; got {given}")
     return {k: np.int64(v) for k, v in cfg.items()}
 
@@ -131,6 +158,20 @@ def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c
                  **_blocking("bwd", blocking))
 
 
+def lstm_weight_grads(hp_LBH, x_LBE, dz_LBG, *, threads: int | None = None,
+                      blocking: dict | None = None):
+    """(dW_h, dW_x) = (hp^T dz, x^T dz) summed over all L*B rows, as one kernel call that
+    packs dz once for both (XLA:CPU runs these products, which contract both operands'
+    leading axis, in Eigen at about 0.8x its rate for other products). `threads` None:
+    every core, or one for a small product."""
+    L, B, G = dz_LBG.shape
+    H, E = G // 4, x_LBE.shape[-1]
+    if threads is None:
+        threads = 1 if L * B * (H + E) * G < _MIN_PARALLEL_MACS else kernels.cores()
+    return _call("hpnlp_lstm_dw", [(H, G), (E, G)], hp_LBH, x_LBE, dz_LBG, B=B, H=H,
+                 threads=threads, **_blocking("dw", blocking))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def lstm_layer(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads=None):
     """Input projection (x W_x + b) and LSTM recurrence over a time-major x_LBE; returns
@@ -162,13 +203,10 @@ def _lstm_layer_bwd(threads, res, cts):
         act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, jnp.swapaxes(d_out_LBH, 0, 1), d_h_BH, d_c_BH,
         threads=threads)
     # As in cells._fast_layer_bwd, every weight and input gradient is one product over all
-    # N = L*B rows: dW_h = h_prev^T dz, dW_x = x^T dz, dx = dz W_x^T.
-    N = L * B
-    dz_NG = dz_LBG.reshape(N, -1)
-    mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    d_w_HG = mm("nh,ng->hg", hp_LBH.reshape(N, -1), dz_NG)
-    d_w_EG = mm("ne,ng->eg", x_LBE.reshape(N, E), dz_NG)
-    d_x_NE = mm("ng,eg->ne", dz_NG, w_EG)
+    # N = L*B rows: dW_h = h_prev^T dz and dW_x = x^T dz (one kernel call), dx = dz W_x^T.
+    d_w_HG, d_w_EG = lstm_weight_grads(hp_LBH, x_LBE, dz_LBG, threads=threads)
+    d_x_NE = jnp.einsum("ng,eg->ne", dz_LBG.reshape(L * B, -1), w_EG,
+                        preferred_element_type=jnp.float32)
     return (d_w_EG.astype(w_EG.dtype), db_G.astype(b_G.dtype), d_w_HG.astype(w_HG.dtype),
             d_x_NE.reshape(L, B, E).astype(x_LBE.dtype),
             (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)), jnp.zeros_like(valid_LB))
