@@ -6,7 +6,8 @@ is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks
 the same hoisting (one input-projection product for all steps before the recurrence, and
 every weight and input gradient one product over all steps after it), but the L
 recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
-`while` loop with several kernel launches per step. Each of the kernel's threads owns a
+`while` loop with several kernel launches per step, and the two weight gradients are one
+call of the kernel's packed product (`lstm_weight_grads`). Each of the kernel's threads owns a
 share of the hidden units, in tiles of one vector (16 with AVX-512, 8 with AVX2), and
 computes a tile's four gates in registers, with the gate arithmetic applied straight to
 the accumulators (see the top of `fused_lstm.cc`).

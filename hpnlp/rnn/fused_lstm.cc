@@ -1,4 +1,5 @@
-// The LSTM recurrence as two XLA FFI CPU kernels: the forward scan and the backward scan.
+// The LSTM recurrence as XLA FFI CPU kernels: the forward scan, the backward scan, and the
+// weight gradients' product over all steps (at the end of the file).
 //
 // Why: in an XLA-built scan every time step is several kernel launches (the [B, H] x
 // [H, 4H] product, then the gate arithmetic as separate fusions), each a dispatch to the
