@@ -166,12 +166,14 @@ def test_malloc_workaround_only_where_wanted(monkeypatch):
 
 def test_cheap_compile_flags_only_what_the_jaxlib_knows(monkeypatch):
     # XLA aborts on a flag it does not know: jaxlib 0.11.2 dropped the fusion-emitter one.
-    assert envlib.FUSION_EMITTER_FLAG in envlib.cheap_compile_flags("0.10.2")
+    # The codegen-split one is passed to the same versions (not checked on newer ones).
+    pinned = envlib.cheap_compile_flags("0.10.2")
+    assert envlib.FUSION_EMITTER_FLAG in pinned and envlib.CODEGEN_SPLIT_FLAG in pinned
     newer = envlib.cheap_compile_flags("0.11.2")
     assert envlib.FUSION_EMITTER_FLAG not in newer and len(newer) == 2
     if not os.environ.get("HPNLP_TEST_FULL_OPT"):  # this run's flags, each once
         flags = os.environ["XLA_FLAGS"].split()
         assert all(flags.count(f) == 1 for f in envlib.cheap_compile_flags())
     assert envlib.with_flags("--a=1 --b=2", ["--b=2", "--c=3"]) == "--a=1 --b=2 --c=3"
-    monkeypatch.setenv("XLA_FLAGS", f"--keep=1 {envlib.FUSION_EMITTER_FLAG} {' '.join(newer)}")
+    monkeypatch.setenv("XLA_FLAGS", f"--keep=1 {' '.join(pinned)}")
     assert full_optimization_env()["XLA_FLAGS"] == "--keep=1"
