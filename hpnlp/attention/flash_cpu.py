@@ -18,7 +18,6 @@ Shape letters: B batch, L query length, S key length, H heads, D head dim.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 
@@ -64,13 +63,10 @@ def regime(q_len: int, k_len: int, causal: bool) -> str:
 
 def _probe(backward: bool, bf16: bool, shape: dict):
     def run(lib, cfg):
-        lib.hpnlp_flash_probe.restype = ctypes.c_double
         args = [shape["B"], shape["L"], shape["H"], shape["D"], cfg["bq"], cfg["bk"],
                 int(backward), kernels.cores(), int(bf16), shape["causal"]]
-        seconds = lib.hpnlp_flash_probe(*(ctypes.c_int64(a) for a in args))
-        if seconds < 0:
-            raise RuntimeError(f"flash attention's tuning probe failed at {cfg}")
-        return seconds
+        return tuning.run_probe(lib, "hpnlp_flash_probe", args,
+                                "flash attention's tuning probe", cfg)
     return run
 
 

@@ -83,12 +83,9 @@ PROBE = dict(M=512, K=1024, N=1024)
 
 def _probe(kind: int):
     def run(lib, cfg):
-        lib.hpnlp_qgemm_probe.restype = ctypes.c_double
         args = [kind, PROBE["M"], PROBE["K"], PROBE["N"], cfg["mc"], cfg["mr"], kernels.cores()]
-        seconds = lib.hpnlp_qgemm_probe(*(ctypes.c_int64(a) for a in args))
-        if seconds < 0:
-            raise RuntimeError(f"the quantized GEMM's tuning probe failed at {cfg}")
-        return seconds
+        return tuning.run_probe(lib, "hpnlp_qgemm_probe", args,
+                                "the quantized GEMM's tuning probe", cfg)
     return run
 
 

@@ -33,6 +33,7 @@ explicit block sizes, which override both.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -50,6 +51,17 @@ ROUNDS = 5
 MIN_TIME_S = 0.1  # a candidate's first timing runs at least this long in all
 
 REGISTRY: list["Tuning"] = []
+
+
+def run_probe(lib, symbol: str, args, what: str, cfg: dict) -> float:
+    """Seconds of one run of a kernel library's plain C probe `symbol(int64, ...)` (a
+    negative return is its failure: a RuntimeError naming `what` and `cfg`)."""
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_double
+    seconds = fn(*(ctypes.c_int64(int(a)) for a in args))
+    if seconds < 0:
+        raise RuntimeError(f"{what} failed at {cfg}")
+    return seconds
 
 
 def enabled() -> bool:

@@ -65,12 +65,8 @@ _QUERY_CHUNK = 256  # kernel queries are padded as `_pad_rows(Q, 256)`: few comp
 
 
 def _probe(lib, cfg):
-    lib.hpnlp_mips_probe.restype = ctypes.c_double
     args = [PROBE["n"], PROBE["D"], PROBE["Q"], PROBE["k"], cfg["qb"], kernels.cores()]
-    seconds = lib.hpnlp_mips_probe(*(ctypes.c_int64(a) for a in args))
-    if seconds < 0:
-        raise RuntimeError(f"the exact MIPS tuning probe failed at {cfg}")
-    return seconds
+    return tuning.run_probe(lib, "hpnlp_mips_probe", args, "the exact MIPS tuning probe", cfg)
 
 
 # Queries per block: the block is packed and held in L2 (qb x D x 4 bytes: 128 KB at 256 x

@@ -20,7 +20,6 @@ CPU, `available()` is False with the reason in `unavailable_reason()`, and
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 
@@ -51,13 +50,10 @@ PROBE = dict(B=32, H=512, L=16)
 
 def _probe(backward: bool):
     def run(lib, cfg):
-        lib.hpnlp_lstm_probe.restype = ctypes.c_double
         args = [PROBE["B"], PROBE["H"], PROBE["L"], cfg["kc"], cfg["mr"], int(backward),
                 default_threads(PROBE["B"], PROBE["H"])]
-        seconds = lib.hpnlp_lstm_probe(*(ctypes.c_int64(a) for a in args))
-        if seconds < 0:
-            raise RuntimeError(f"the fused LSTM's tuning probe failed at {cfg}")
-        return seconds
+        return tuning.run_probe(lib, "hpnlp_lstm_probe", args, "the fused LSTM's tuning probe",
+                                cfg)
     return run
 
 
@@ -75,12 +71,9 @@ DW_PROBE = dict(N=1024, H=512, E=512)
 
 
 def _probe_dw(lib, cfg):
-    lib.hpnlp_lstm_dw_probe.restype = ctypes.c_double
     args = [DW_PROBE["N"], DW_PROBE["H"], DW_PROBE["E"], cfg["kc"], cfg["mc"], kernels.cores()]
-    seconds = lib.hpnlp_lstm_dw_probe(*(ctypes.c_int64(a) for a in args))
-    if seconds < 0:
-        raise RuntimeError(f"the fused LSTM's weight-gradient probe failed at {cfg}")
-    return seconds
+    return tuning.run_probe(lib, "hpnlp_lstm_dw_probe", args,
+                            "the fused LSTM's weight-gradient probe", cfg)
 
 
 TUNINGS["dw"] = tuning.Tuning(
