@@ -27,9 +27,13 @@ from hpnlp.train.step import step_compiler_options
 
 
 def einsum_weight_grads(hp_LBH, x_LBE, dz_LBG, **_):
-    """The weight gradients as they were: two einsums over the N = L*B rows."""
+    """The weight gradients as they were: two einsums over the N = L*B rows, each operand
+    reshaped to [N, .] first (one contracted axis: XLA lowers "lbh,lbg->hg" differently)."""
+    N = hp_LBH.shape[0] * hp_LBH.shape[1]
+    dz_NG = dz_LBG.reshape(N, -1)
     mm = lambda s, a, b: jnp.einsum(s, a, b, preferred_element_type=jnp.float32)  # noqa: E731
-    return mm("lbh,lbg->hg", hp_LBH, dz_LBG), mm("lbe,lbg->eg", x_LBE, dz_LBG)
+    return (mm("nh,ng->hg", hp_LBH.reshape(N, -1), dz_NG),
+            mm("ne,ng->eg", x_LBE.reshape(N, -1), dz_NG))
 
 
 @contextlib.contextmanager

@@ -84,6 +84,8 @@ TUNINGS["dw"] = tuning.Tuning(
 
 def _blocking(name: str, given: dict | None) -> dict:
     cfg = dict(given) if given is not None else TUNINGS[name].config()
+    if any(isinstance(v, int) and v >= 2 ** 31 for v in cfg.values()):
+        raise ValueError(f"fused LSTM: block sizes must fit int32; got {given}")
     if name == "dw":
         if set(cfg) != {"kc", "mc"} or cfg["kc"] <= 0 or cfg["mc"] <= 0:
             raise ValueError(f"fused LSTM: weight-gradient blocking must be {{'kc': > 0, "
@@ -156,8 +158,8 @@ def lstm_weight_grads(hp_LBH, x_LBE, dz_LBG, *, threads: int | None = None,
                       blocking: dict | None = None):
     """(dW_h, dW_x) = (hp^T dz, x^T dz) summed over all L*B rows, as one kernel call that
     packs dz once for both (XLA:CPU runs these products, which contract both operands'
-    leading axis, in Eigen at about 0.8x its rate for other products). `threads` None:
-    every core, or one for a small product."""
+    leading axis, in Eigen; see fused_lstm.cc). `threads` None: every core, or one for a
+    small product; `lstm_layer`'s `threads` sets it too."""
     L, B, G = dz_LBG.shape
     H, E = G // 4, x_LBE.shape[-1]
     if threads is None:
