@@ -7,11 +7,12 @@ expensive optimization passes are turned off (half the time of a typical file), 
 fusions are emitted by XLA:CPU's elemental emitter instead of its MLIR fusion emitters (the
 suite 15 min 46 s -> 9 min 18 s on a 2-core EPYC Zen 3; envlib.py), and each program's
 LLVM module is compiled in one piece, not split for parallel code generation (envlib.py).
-These change how fast the compiled code runs, not which operations it computes (the emitters may round the last bits
-differently); a defect of the default code generators shows in the tests that compile at
-XLA's full optimization (test_large_shapes.py, test_xla_workarounds.py). Subprocesses inherit the
-flags (tests append their own, e.g. the simulated device count). Set HPNLP_TEST_FULL_OPT=1
-to test with the default optimization.
+These change how fast the compiled code runs, not which operations it computes (the
+emitters may round the last bits differently); a defect of the default code generators
+shows in the tests that compile at XLA's full optimization (test_large_shapes.py,
+test_xla_workarounds.py). Subprocesses inherit the flags (tests append their own, e.g.
+the simulated device count). Set HPNLP_TEST_FULL_OPT=1 to test with the default
+optimization.
 
 On a GPU: `JAX_PLATFORMS=cuda,cpu python -m pytest ...` runs the suite on it (the CPU
 stays for host callbacks and the subprocesses that simulate CPU devices). Float32 matrix
