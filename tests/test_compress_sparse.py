@@ -105,6 +105,7 @@ def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # over 10 s on a 2-core EPYC Zen 3
 def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_same_model(tmp_path):
     """Heads and MLP neurons pruned as units (every weight a unit owns exactly zero through
     steps), then `shrink_run` writes a smaller dense run that computes what the masked one
@@ -148,6 +149,7 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
                           str(tmp_path / "again")]) == 1  # not pruned structurally: one line
 
 
+@pytest.mark.slow  # over 10 s each on a 2-core EPYC Zen 3
 @pytest.mark.parametrize("arch,kind,rnn", [
     ("lstm", "lm", dict(combine="last")),  # tied output; width 32 and 16: the fused kernel
     ("gru", "classifier", dict(combine="residual", learned_init=True)),
@@ -328,6 +330,7 @@ def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_pat
         assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(same)) < 1e-5
 
 
+@pytest.mark.slow  # over 10 s on a 2-core EPYC Zen 3
 def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_the_teacher(tmp_path):
     from hpnlp.train import Trainer
     assert distill.layer_map(1, 2) == [1] and distill.layer_map(2, 4) == [1, 3]

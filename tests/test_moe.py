@@ -320,6 +320,7 @@ def _tiny_moe(**moe):
     return cd
 
 
+@pytest.mark.slow  # over 10 s on a 2-core EPYC Zen 3
 def test_training_logs_routing_statistics_and_resumes_exactly(tmp_path):
     """A tiny MoE LM trains; metrics.jsonl and TensorBoard carry the router losses, drops,
     entropy and per-expert load; the compiled step is reused (no recompiles); a run stopped
