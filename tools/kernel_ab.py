@@ -1,0 +1,126 @@
+"""A CPU kernel at a git revision against the working tree's, timed interleaved in one
+process through each build's plain C tuning probe (one forward or backward pass on fixed
+inputs, no XLA), on this CPU's tuned blocks.
+
+    python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
+        [--length L] [--causal] [--bfloat16] [--bwd-blocks Q,K]
+
+Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
+its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
+H=8, D=64, L=4096), the fused LSTM at the rnn bench's (B=32, H=512, L=256). A round runs
+every (build, pass) once, in a new random order; the table gives medians.
+"""
+
+import argparse
+import ctypes
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import jax
+
+from ablib import print_cpu
+
+SOURCES = {"flash": "hpnlp/attention/flash_cpu.cc", "lstm": "hpnlp/rnn/fused_lstm.cc"}
+HEADER = "hpnlp/kernels/simd.h"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build(files: dict[str, bytes], source: str, where: str) -> ctypes.CDLL:
+    """Write `files` (name -> contents) into `where` and compile `source` (one of them)."""
+    from hpnlp import kernels
+    os.makedirs(where)
+    for name, data in files.items():
+        with open(os.path.join(where, name), "wb") as f:
+            f.write(data)
+    out = os.path.join(where, "kernel.so")
+    subprocess.run([os.environ.get("CXX", "g++"), *kernels.flags(), "-I", jax.ffi.include_dir(),
+                    "-I", where, os.path.join(where, source), "-o", out],
+                   check=True, capture_output=True)
+    return ctypes.CDLL(out)
+
+
+def read(paths, rev: str | None) -> dict[str, bytes]:
+    """Each path's contents at git revision `rev` (None: the working tree's), by base name."""
+    out = {}
+    for p in paths:
+        if rev is None:
+            with open(os.path.join(ROOT, p), "rb") as f:
+                out[os.path.basename(p)] = f.read()
+        else:
+            out[os.path.basename(p)] = subprocess.run(
+                ["git", "show", f"{rev}:{p}"], cwd=ROOT, check=True, capture_output=True).stdout
+    return out
+
+
+def probes(args) -> tuple[str, str, dict]:
+    """(probe symbol, what it is, {pass: (its argument list, its blocks)}) of args.kernel."""
+    from hpnlp import kernels
+    if args.kernel == "lstm":
+        from hpnlp.rnn import fused
+        B, H, L = 32, 512, args.length or 256
+        threads = args.threads or fused.default_threads(B, H)
+        passes = {}
+        for name, backward in (("forward", 0), ("backward", 1)):
+            cfg = fused.TUNINGS["bwd" if backward else "fwd"].config()
+            passes[name] = ([B, H, L, cfg["kc"], cfg["mr"], backward, threads], cfg)
+        return "hpnlp_lstm_probe", f"the fused LSTM, B={B} H={H} L={L}, {threads} threads", passes
+    from hpnlp.attention import flash_cpu as F
+    B, L, H, D = 1, args.length or 4096, 8, 64
+    threads = args.threads or kernels.cores()
+    fwd, bwd = F.tuned_blocks(args.bfloat16, F.regime(L, L, args.causal))
+    if args.bwd_blocks:
+        bwd = tuple(int(x) for x in args.bwd_blocks.split(","))
+    passes = {name: ([B, L, H, D, bq, bk, backward, threads, int(args.bfloat16),
+                      int(args.causal)], {"bq": bq, "bk": bk})
+              for name, backward, (bq, bk) in (("forward", 0, fwd), ("backward", 1, bwd))}
+    what = (f"flash attention, B={B} L={L} H={H} D={D}, "
+            f"{'bfloat16' if args.bfloat16 else 'float32'}, causal={args.causal}, "
+            f"{threads} threads")
+    return "hpnlp_flash_probe", what, passes
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", required=True, help="the git revision to compare against")
+    ap.add_argument("--kernel", choices=sorted(SOURCES), default="flash")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--length", type=int, default=0, help="0: the bench's")
+    ap.add_argument("--threads", type=int, default=0, help="0: the kernel's default")
+    ap.add_argument("--causal", action="store_true", help="flash attention only")
+    ap.add_argument("--bfloat16", action="store_true", help="flash attention only")
+    ap.add_argument("--bwd-blocks", help="flash attention: QUERIES,KEYS of the backward "
+                                         "(default: tuned)")
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    from hpnlp.kernels import tuning
+
+    symbol, what, passes = probes(args)
+    source = SOURCES[args.kernel]
+    tmp = tempfile.mkdtemp(prefix="kernel_ab_")
+    libs = {rev or "working tree": build(read((source, HEADER), rev), os.path.basename(source),
+                                         os.path.join(tmp, str(i)))
+            for i, rev in enumerate((args.rev, None))}
+    times = {(lib, p): [] for lib in libs for p in passes}
+    for _ in range(args.rounds):
+        order = list(times)
+        random.shuffle(order)
+        for lib, p in order:
+            probe_args, cfg = passes[p]
+            times[lib, p].append(tuning.run_probe(libs[lib], symbol, probe_args, what, cfg))
+    print_cpu(f"; {what}; blocks: " + ", ".join(f"{p} {cfg}" for p, (_, cfg) in passes.items())
+              + f"; {args.rounds} rounds")
+    print("| pass | " + " | ".join(f"{lib} ms" for lib in libs) + " | speed-up |")
+    print("|---|---|---|---|")
+    for p in passes:
+        old, new = (statistics.median(times[lib, p]) * 1e3 for lib in libs)
+        print(f"| {p} | {old:.1f} | {new:.1f} | {old / new:.3f}x |")
+    old, new = (sum(statistics.median(times[lib, p]) for p in passes) * 1e3 for lib in libs)
+    print(f"| both | {old:.1f} | {new:.1f} | {old / new:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
