@@ -958,6 +958,17 @@ ffi::Error BwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale,
 
 }  // namespace
 
+// exp(x[i]) by `vexp0` for i < n, as this library's vectors compute it (the tests check
+// each build's path: AVX-512, AVX2).
+extern "C" void hpnlp_flash_vexp0(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += NR) {
+    alignas(64) float in[NR] = {}, out[NR];
+    std::memcpy(in, x + i, sizeof(float) * std::min<int64_t>(NR, n - i));
+    store(out, vexp0(load(in)));
+    std::memcpy(y + i, out, sizeof(float) * std::min<int64_t>(NR, n - i));
+  }
+}
+
 // How the bfloat16 kernel's products run in this process: 2 on AMX tiles, 1 by vdpbf16ps
 // (AVX-512 BF16), 0 by widening to float32 (the portable path).
 extern "C" int64_t hpnlp_flash_bf16_products() {
