@@ -266,22 +266,23 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
 def test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87():
     """The kernels' exp (`vexp0` in simd.h: the attention softmax's, the LSTM gates') as the
     flash attention library's vectors compute it (16 floats with AVX-512, 8 with AVX2; the
-    portable build's run checks the AVX2 path on any machine). Relative error under 3 ulp on
-    [-87, 88]; exactly 0 below -87 (-inf included: masked scores weigh nothing); NaN stays
+    portable build's run checks the AVX2 path on any machine). Under 1.5 ulp on [-87, 88]
+    (0.91 over every float there on the Zen 3); exactly 0 below -87 (-inf included: masked scores weigh nothing); NaN stays
     NaN."""
     import ctypes
     fn = F.KERNEL.library().hpnlp_flash_vexp0
     fn.restype = None
     x = np.concatenate([np.linspace(-87.0, 88.0, 100_003, dtype=np.float32),
-                        np.float32([-np.inf, -1e30, -200.0, -87.01, np.nan, 0.0, -0.0])])
+                        np.float32([-np.inf, -1e30, -200.0, -87.01, np.nan, 0.0, -0.0, 88.5])])
     y = np.full_like(x, 7.0)
     fn(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))
-    inside = x >= -87.0
+    inside = (x >= -87.0) & (x <= 88.0)
     want = np.exp(x[inside].astype(np.float64))
-    rel = np.abs(y[inside] - want) / want
-    assert rel.max() < 3.6e-7, (rel.max(), x[inside][rel.argmax()])
+    ulps = np.abs(y[inside] - want) / np.spacing(want.astype(np.float32))
+    assert ulps.max() < 1.5, (ulps.max(), x[inside][ulps.argmax()])
     assert np.all(y[x < -87.0] == 0.0)
     assert np.isnan(y[np.isnan(x)]).all()
+    assert y[x == 88.5][0] >= np.float32(1.6e38)  # clamped to exp(88) (AVX2) or inf
 
 PORTABLE = """
 import os, sys

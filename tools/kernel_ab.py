@@ -8,13 +8,16 @@ inputs, no XLA), on this CPU's tuned blocks.
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
 H=8, D=64, L=4096), the fused LSTM at the rnn bench's (B=32, H=512, L=256). A round runs
-every (build, pass) once, in a new random order; the table gives medians.
+every (build, pass) once, in a new random order, after one untimed warm-up round; the
+table gives each median with its min-max, and the median over rounds of the paired ratio
+(old / new in the same round), which drifts of the machine's speed affect less.
 """
 
 import argparse
 import ctypes
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,9 +40,11 @@ def build(files: dict[str, bytes], source: str, where: str) -> ctypes.CDLL:
         with open(os.path.join(where, name), "wb") as f:
             f.write(data)
     out = os.path.join(where, "kernel.so")
-    subprocess.run([os.environ.get("CXX", "g++"), *kernels.flags(), "-I", jax.ffi.include_dir(),
-                    "-I", where, os.path.join(where, source), "-o", out],
-                   check=True, capture_output=True)
+    cmd = [os.environ.get("CXX", "g++"), *kernels.flags(), "-I", jax.ffi.include_dir(),
+           "-I", where, os.path.join(where, source), "-o", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"kernel_ab: compiling {source} failed:\n{proc.stderr[-3000:]}")
     return ctypes.CDLL(out)
 
 
@@ -51,8 +56,11 @@ def read(paths, rev: str | None) -> dict[str, bytes]:
             with open(os.path.join(ROOT, p), "rb") as f:
                 out[os.path.basename(p)] = f.read()
         else:
-            out[os.path.basename(p)] = subprocess.run(
-                ["git", "show", f"{rev}:{p}"], cwd=ROOT, check=True, capture_output=True).stdout
+            proc = subprocess.run(["git", "show", f"{rev}:{p}"], cwd=ROOT, capture_output=True)
+            if proc.returncode != 0:
+                sys.exit(f"kernel_ab: no {p} at revision {rev!r}: "
+                         f"{proc.stderr.decode().strip()}")
+            out[os.path.basename(p)] = proc.stdout
     return out
 
 
@@ -95,31 +103,47 @@ def main():
     ap.add_argument("--bwd-blocks", help="flash attention: QUERIES,KEYS of the backward "
                                          "(default: tuned)")
     args = ap.parse_args()
+    if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks):
+        ap.error("--causal, --bfloat16 and --bwd-blocks are flash attention's options")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     sys.path.insert(0, ROOT)
     from hpnlp.kernels import tuning
 
     symbol, what, passes = probes(args)
     source = SOURCES[args.kernel]
     tmp = tempfile.mkdtemp(prefix="kernel_ab_")
-    libs = {rev or "working tree": build(read((source, HEADER), rev), os.path.basename(source),
-                                         os.path.join(tmp, str(i)))
-            for i, rev in enumerate((args.rev, None))}
+    try:
+        libs = {rev or "working tree": build(read((source, HEADER), rev),
+                                             os.path.basename(source), os.path.join(tmp, str(i)))
+                for i, rev in enumerate((args.rev, None))}
+    finally:  # the libraries stay loaded; their files are no longer needed
+        shutil.rmtree(tmp, ignore_errors=True)
     times = {(lib, p): [] for lib in libs for p in passes}
-    for _ in range(args.rounds):
+    for r in range(args.rounds + 1):  # round 0: warm-up, not kept
         order = list(times)
         random.shuffle(order)
         for lib, p in order:
             probe_args, cfg = passes[p]
-            times[lib, p].append(tuning.run_probe(libs[lib], symbol, probe_args, what, cfg))
+            t = tuning.run_probe(libs[lib], symbol, probe_args, what, cfg)
+            if r > 0:
+                times[lib, p].append(t)
     print_cpu(f"; {what}; blocks: " + ", ".join(f"{p} {cfg}" for p, (_, cfg) in passes.items())
               + f"; {args.rounds} rounds")
-    print("| pass | " + " | ".join(f"{lib} ms" for lib in libs) + " | speed-up |")
-    print("|---|---|---|---|")
+    old_lib, new_lib = libs
+    print(f"| pass | {old_lib} ms | {new_lib} ms | speed-up (medians) | paired ratio, median "
+          "(min-max) |")
+    print("|---|---|---|---|---|")
+
+    def cell(ts):
+        return f"{statistics.median(ts) * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
+
     for p in passes:
-        old, new = (statistics.median(times[lib, p]) * 1e3 for lib in libs)
-        print(f"| {p} | {old:.1f} | {new:.1f} | {old / new:.3f}x |")
-    old, new = (sum(statistics.median(times[lib, p]) for p in passes) * 1e3 for lib in libs)
-    print(f"| both | {old:.1f} | {new:.1f} | {old / new:.3f}x |")
+        old, new = times[old_lib, p], times[new_lib, p]
+        ratios = [o / n for o, n in zip(old, new)]
+        print(f"| {p} | {cell(old)} | {cell(new)} | "
+              f"{statistics.median(old) / statistics.median(new):.3f}x | "
+              f"{statistics.median(ratios):.3f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
 
 
 if __name__ == "__main__":

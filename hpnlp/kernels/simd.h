@@ -148,12 +148,17 @@ inline V vexp_t(V x) {
 }
 inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
 
-// exp(x), exactly 0 below -87 (so exp(-inf) = 0: masked scores weigh nothing). With
-// AVX-512, to about 1 ulp: x = n ln 2 + r (two-step reduction, |r| <= ln 2 / 2), e^r by its
-// degree-6 Taylor polynomial (error r^7/7! < 1.3e-7), 2^n applied by one vscalefps, and
-// the final select (not a clamp up front) covers x < -87, -inf included: 12 instructions.
-// Elsewhere (AVX2) the same reduction and polynomial, with 2^n made from the rounding's own
-// bits (17 instructions per vector, against vexp's 24 and 1.3x its time on a Zen 3).
+// exp(x) for x <= 88 to under 1 ulp (0.91 over every float in [-87, 88]), exactly 0 below
+// -87 (so exp(-inf) = 0: masked scores weigh nothing); above 88 the AVX2 path returns
+// exp(88) and the AVX-512 one overflows. x = n ln 2 + r (two-step reduction, |r| <= ln 2 /
+// 2), e^r by a degree-6 polynomial fitted for the least relative error on that interval
+// (Taylor's coefficients, 1/k!, left 2.7 ulp), and the final select covers x < -87. With
+// AVX-512 2^n is one vscalefps: 12 instructions. Elsewhere (AVX2) 2^n is made from the
+// rounding's own bits: 17 instructions per vector, against vexp's 24 (the fused LSTM and
+// flash attention measure it: tools/kernel_ab.py). tests/test_kernel_tuning.py checks each
+// build's path.
+constexpr float kExpC6 = 0.00138146f, kExpC5 = 0.00836871f, kExpC4 = 0.04166839f,
+                kExpC3 = 0.16666521f, kExpC2 = 0.49999994f;
 inline vf vexp0(vf x) {
 #if defined(__AVX512F__)
   const __m512 xv = reinterpret_cast<__m512>(x);
@@ -161,11 +166,11 @@ inline vf vexp0(vf x) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xv);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  __m512 p = _mm512_set1_ps(kExpC6);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const vf e = reinterpret_cast<vf>(_mm512_scalef_ps(p, n));
@@ -179,11 +184,11 @@ inline vf vexp0(vf x) {
   const vf n = t - 12582912.0f;
   vf r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf p = splat(1.0f / 720);
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
+  vf p = splat(kExpC6);
+  p = p * r + kExpC5;
+  p = p * r + kExpC4;
+  p = p * r + kExpC3;
+  p = p * r + kExpC2;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   typedef uint32_t vu __attribute__((vector_size(NR * sizeof(uint32_t))));  // shifts defined
