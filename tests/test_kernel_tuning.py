@@ -5,6 +5,7 @@ attention backward split over key blocks for few heads, and the bfloat16 attenti
 against the float32 reference (bfloat16 tolerance, no NaN on fully masked rows). The
 portable build (no AVX-512) runs the same checks in a subprocess (slow)."""
 
+import ctypes
 import json
 import os
 import shutil
@@ -261,15 +262,13 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
         fused.lstm_weight_grads(hp, x, dz, blocking={"kc": 64, "mr": 4})
 
 
-
 @needs_flash
 def test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87():
     """The kernels' exp (`vexp0` in simd.h: the attention softmax's, the LSTM gates') as the
     flash attention library's vectors compute it (16 floats with AVX-512, 8 with AVX2; the
     portable build's run checks the AVX2 path on any machine). Under 1.5 ulp on [-87, 88]
-    (0.91 over every float there on the Zen 3); exactly 0 below -87 (-inf included: masked scores weigh nothing); NaN stays
-    NaN."""
-    import ctypes
+    (0.91 over every float there on the Zen 3); exactly 0 below -87 (-inf included: masked
+    scores weigh nothing); NaN stays NaN."""
     fn = F.KERNEL.library().hpnlp_flash_vexp0
     fn.restype = None
     x = np.concatenate([np.linspace(-87.0, 88.0, 100_003, dtype=np.float32),
@@ -283,6 +282,7 @@ def test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87():
     assert np.all(y[x < -87.0] == 0.0)
     assert np.isnan(y[np.isnan(x)]).all()
     assert y[x == 88.5][0] >= np.float32(1.6e38)  # clamped to exp(88) (AVX2) or inf
+
 
 PORTABLE = """
 import os, sys

@@ -23,8 +23,6 @@ import subprocess
 import sys
 import tempfile
 
-import jax
-
 from ablib import print_cpu
 
 SOURCES = {"flash": "hpnlp/attention/flash_cpu.cc", "lstm": "hpnlp/rnn/fused_lstm.cc"}
@@ -33,18 +31,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build(files: dict[str, bytes], source: str, where: str) -> ctypes.CDLL:
-    """Write `files` (name -> contents) into `where` and compile `source` (one of them)."""
+    """Write `files` (name -> contents) into `where` and compile `source` (one of them)
+    as `hpnlp.kernels` does, against the simd.h among them."""
     from hpnlp import kernels
     os.makedirs(where)
     for name, data in files.items():
         with open(os.path.join(where, name), "wb") as f:
             f.write(data)
     out = os.path.join(where, "kernel.so")
-    cmd = [os.environ.get("CXX", "g++"), *kernels.flags(), "-I", jax.ffi.include_dir(),
-           "-I", where, os.path.join(where, source), "-o", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"kernel_ab: compiling {source} failed:\n{proc.stderr[-3000:]}")
+    try:
+        kernels.compile_library(os.path.join(where, source), out, header_dir=where)
+    except RuntimeError as e:
+        sys.exit(f"kernel_ab: {e}")
     return ctypes.CDLL(out)
 
 

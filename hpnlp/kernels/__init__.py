@@ -68,6 +68,19 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None:
+    """Compile `source` into the shared library `out` with the kernels' flags, against the
+    XLA FFI headers and `header_dir`'s simd.h (tools/kernel_ab.py passes another revision's)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    cmd = [cxx, *flags(), "-I", jax.ffi.include_dir(), "-I", header_dir, source, "-o", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {source} failed ({' '.join(cmd)}):\n"
+                           f"{proc.stderr[-2000:]}")
+
+
 class CpuKernel:
     """One C++ source and the FFI targets it defines ({target name: handler symbol})."""
 
@@ -98,17 +111,13 @@ class CpuKernel:
         return f"{stem}-{digest.hexdigest()[:16]}.so"
 
     def _build(self, path: str) -> None:
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if cxx is None:
-            raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
-        cmd = [cxx, *flags(), "-I", jax.ffi.include_dir(), "-I", HEADER_DIR, self.source, "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
+        try:
+            compile_library(self.source, tmp)
+        except RuntimeError:
             os.unlink(tmp)
-            raise RuntimeError(f"compiling {self.source} failed ({' '.join(cmd)}):\n"
-                               f"{proc.stderr[-2000:]}")
+            raise
         os.replace(tmp, path)  # atomic: concurrent builders never see half a file
 
     def load(self) -> str | None:
