@@ -301,7 +301,8 @@ def test_attention_markdown_on_a_gpu_reports_device_memory():
     assert "- accelerator: 1 x NVIDIA H100 80GB HBM3; float32 products at JAX precision highest" in md
     assert "peak device MiB" in md and "peak RSS MiB" not in md
     assert "| `chunked` |" in md and "| 3 |" in md
-    assert "accelerator" not in report.header_md(harness.machine_info(), {})  # this CPU run
+    cpu_run = {**harness.machine_info(), "backend": "cpu", "devices": ["cpu"]}  # wherever the test runs
+    assert "accelerator" not in report.header_md(cpu_run, {})
 
 
 def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
