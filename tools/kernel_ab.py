@@ -3,11 +3,11 @@ process through each build's plain C tuning probe (one forward or backward pass 
 inputs, no XLA), on this CPU's tuned blocks.
 
     python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
-        [--length L] [--causal] [--bfloat16] [--bwd-blocks Q,K]
+        [--length L] [--shape B,H,D] [--causal] [--bfloat16] [--bwd-blocks Q,K]
 
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
-H=8, D=64, L=4096), the fused LSTM at the rnn bench's (B=32, H=512, L=256). A round runs
+H=8, D=64, L=4096; `--shape 32,4,32 --length 128 --causal` is the byte LM's), the fused LSTM at the rnn bench's (B=32, H=512, L=256). A round runs
 every (build, pass) once, in a new random order, after one untimed warm-up round; the
 table gives each median with its min-max, and the median over rounds of the paired ratio
 (old / new in the same round), which drifts of the machine's speed affect less.
@@ -17,6 +17,7 @@ import argparse
 import ctypes
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -75,7 +76,8 @@ def probes(args) -> tuple[str, str, dict]:
             passes[name] = ([B, H, L, cfg["kc"], cfg["mr"], backward, threads], cfg)
         return "hpnlp_lstm_probe", f"the fused LSTM, B={B} H={H} L={L}, {threads} threads", passes
     from hpnlp.attention import flash_cpu as F
-    B, L, H, D = 1, args.length or 4096, 8, 64
+    B, H, D = (int(x) for x in args.shape.split(","))
+    L = args.length or 4096
     threads = args.threads or kernels.cores()
     fwd, bwd = F.tuned_blocks(args.bfloat16, F.regime(L, L, args.causal))
     if args.bwd_blocks:
@@ -96,13 +98,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--length", type=int, default=0, help="0: the bench's")
     ap.add_argument("--threads", type=int, default=0, help="0: the kernel's default")
+    ap.add_argument("--shape", default="1,8,64",
+                    help="flash attention: BATCH,HEADS,HEAD_DIM (default: the bench's 1,8,64; "
+                         "the byte LM's is 32,4,32 at --length 128)")
     ap.add_argument("--causal", action="store_true", help="flash attention only")
     ap.add_argument("--bfloat16", action="store_true", help="flash attention only")
     ap.add_argument("--bwd-blocks", help="flash attention: QUERIES,KEYS of the backward "
                                          "(default: tuned)")
     args = ap.parse_args()
-    if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks):
-        ap.error("--causal, --bfloat16 and --bwd-blocks are flash attention's options")
+    if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks
+                                  or args.shape != "1,8,64"):
+        ap.error("--causal, --bfloat16, --shape and --bwd-blocks are flash attention's options")
+    if not re.fullmatch(r"\d+,\d+,\d+", args.shape):
+        ap.error(f"--shape {args.shape!r}: give BATCH,HEADS,HEAD_DIM, e.g. 32,4,32")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     sys.path.insert(0, ROOT)
