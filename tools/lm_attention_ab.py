@@ -1,0 +1,81 @@
+"""The default byte LM's train step and eval forward with `dense` attention (XLA) against
+`chunked` (on a CPU, the fused flash kernel), both exact, timed interleaved.
+
+    python tools/lm_attention_ab.py [--rounds 15] [--experiment lm.py:bytes]
+
+The experiment (`experiments/lm.py:bytes`, the README's first command) trains with
+`attention.name = "dense"`, the oracle every variant is tested against. This measures what
+`--config.attention.name=chunked` changes for it on this CPU: each program compiled as
+hpnlp's steps are, each round times every variant in turn (3 calls each) on the same
+state and batch, and the table gives the medians over rounds and the median of the
+paired ratio. The largest relative difference between the two variants' outputs (the
+updated parameters; the eval sums) shows they compute the same thing.
+"""
+
+import argparse
+import time
+
+import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
+import jax
+import numpy as np
+
+from ablib import largest_relative_difference, print_cpu, trainer
+from hpnlp.train.step import make_train_step, step_compiler_options
+
+VARIANTS = ("dense", "chunked")
+
+
+def programs(experiment: str, arg: str) -> dict:
+    """{(what, attention): (compiled program, its arguments)}."""
+    opts, out = step_compiler_options(), {}
+    for attention in VARIANTS:
+        tr, state, batch = trainer(experiment, arg, **{"attention.name": attention})
+        step = jax.jit(make_train_step(tr.model, tr.tx, tr.cfg.train, tr.carries))
+        out["train step", attention] = (step.lower(state, batch).compile(compiler_options=opts),
+                                        (state, batch))
+        evaluate = jax.jit(lambda p, b, tr=tr: tr.eval_model.apply({"params": p}, b,
+                                                                   method="evaluate"))
+        out["eval forward", attention] = (
+            evaluate.lower(state.params, batch).compile(compiler_options=opts),
+            (state.params, batch))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--experiment", default="lm.py:bytes", help="FILE:ARG in experiments/")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    experiment, _, arg = args.experiment.partition(":")
+    built = programs(experiment, arg)
+    outs = {k: jax.block_until_ready(fn(*a)) for k, (fn, a) in built.items()}  # warm-up
+    times = {k: [] for k in built}
+    rng = np.random.default_rng(0)
+    for _ in range(args.rounds):
+        order = list(built)
+        rng.shuffle(order)
+        for k in order:
+            fn, a = built[k]
+            t0 = time.perf_counter()
+            for _ in range(3):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / 3)
+    print_cpu(f"; {args.experiment}; {args.rounds} rounds")
+    print("| program | dense ms | chunked ms | speed-up (medians) | paired ratio, median (min-max) "
+          "| largest relative difference |")
+    print("|---|---|---|---|---|---|")
+    for what in ("train step", "eval forward"):
+        d, c = times[what, "dense"], times[what, "chunked"]
+        ratios = [a / b for a, b in zip(d, c)]
+        diff = largest_relative_difference(outs[what, "dense"], outs[what, "chunked"])
+        print(f"| {what} | {np.median(d) * 1e3:.1f} ({min(d) * 1e3:.1f}-{max(d) * 1e3:.1f}) | "
+              f"{np.median(c) * 1e3:.1f} ({min(c) * 1e3:.1f}-{max(c) * 1e3:.1f}) | "
+              f"{np.median(d) / np.median(c):.3f}x | {np.median(ratios):.3f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f}) | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
