@@ -1,11 +1,12 @@
-"""The default byte LM's train step and eval forward with `dense` attention (XLA) against
+"""An experiment's train step and eval forward with `dense` attention (XLA) against
 `chunked` (on a CPU, the fused flash kernel), both exact, timed interleaved.
 
-    python tools/lm_attention_ab.py [--rounds 15] [--experiment lm.py:bytes]
+    python tools/lm_attention_ab.py [--rounds 15] [--experiment lm.py:bytes | lra.py:text]
 
-The experiment (`experiments/lm.py:bytes`, the README's first command) trains with
+The default byte LM (`experiments/lm.py:bytes`, the README's first command) and the text
+classifier (`lra.py:text`, at 256 bytes as the compress bench trains it) train with
 `attention.name = "dense"`, the oracle every variant is tested against. This measures what
-`--config.attention.name=chunked` changes for it on this CPU: each program compiled as
+`--config.attention.name=chunked` changes for them on this CPU: each program compiled as
 hpnlp's steps are, each round times every variant in turn (3 calls each) on the same
 state and batch, and the table gives the medians over rounds and the median of the
 paired ratio. The largest relative difference between the two variants' outputs (the
