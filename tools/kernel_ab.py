@@ -7,10 +7,11 @@ inputs, no XLA), on this CPU's tuned blocks.
 
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
-H=8, D=64, L=4096; `--shape 32,4,32 --length 128 --causal` is the byte LM's), the fused LSTM at the rnn bench's (B=32, H=512, L=256). A round runs
-every (build, pass) once, in a new random order, after one untimed warm-up round; the
-table gives each median with its min-max, and the median over rounds of the paired ratio
-(old / new in the same round), which drifts of the machine's speed affect less.
+H=8, D=64, L=4096; `--shape 32,4,32 --length 128 --causal` is the byte LM's), the fused
+LSTM at the rnn bench's (B=32, H=512, L=256). A round runs every (build, pass) once, in
+a new random order, after one untimed warm-up round; the table gives each median with its
+min-max, and the median over rounds of the paired ratio (old / new in the same round),
+which drifts of the machine's speed affect less.
 """
 
 import argparse
@@ -109,8 +110,9 @@ def main():
     if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks
                                   or args.shape != "1,8,64"):
         ap.error("--causal, --bfloat16, --shape and --bwd-blocks are flash attention's options")
-    if not re.fullmatch(r"\d+,\d+,\d+", args.shape):
-        ap.error(f"--shape {args.shape!r}: give BATCH,HEADS,HEAD_DIM, e.g. 32,4,32")
+    if not re.fullmatch(r"\d+,\d+,\d+", args.shape) or int(args.shape.split(",")[2]) % 16:
+        ap.error(f"--shape {args.shape!r}: give BATCH,HEADS,HEAD_DIM with HEAD_DIM a multiple "
+                 "of 16, e.g. 32,4,32")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     sys.path.insert(0, ROOT)
