@@ -42,18 +42,31 @@ def largest_relative_difference(a, b) -> float:
                if np.issubdtype(np.asarray(x).dtype, np.floating))
 
 
-def interleaved_medians(compiled: dict, fresh, *, rounds: int, calls: int) -> dict:
-    """Median seconds per call of each compiled function (name -> fn), called on `fresh()`'s
-    arguments; a round times every variant once, in turn, `calls` calls each."""
-    times = {k: [] for k in compiled}
+def interleaved_times(programs: dict, *, rounds: int, calls: int, shuffle: bool = False) -> dict:
+    """Seconds per call of each program (name -> (fn, fresh)) in each round, fn called on
+    `fresh()`'s arguments; a round times every program once, `calls` calls each, in turn
+    or (`shuffle`) in a new random order."""
+    times = {k: [] for k in programs}
+    order, rng = list(programs), np.random.default_rng(0)
     for _ in range(rounds):
-        for k, c in compiled.items():
+        if shuffle:
+            rng.shuffle(order)
+        for k in order:
+            fn, fresh = programs[k]
             inputs = [fresh() for _ in range(calls)]
             t0 = time.perf_counter()
             for x in inputs:
-                out = c(*x)
+                out = fn(*x)
             jax.block_until_ready(out)
             times[k].append((time.perf_counter() - t0) / calls)
+    return times
+
+
+def interleaved_medians(compiled: dict, fresh, *, rounds: int, calls: int) -> dict:
+    """Median seconds per call of each compiled function (name -> fn), called on `fresh()`'s
+    arguments; a round times every variant once, in turn, `calls` calls each."""
+    times = interleaved_times({k: (c, fresh) for k, c in compiled.items()}, rounds=rounds,
+                              calls=calls)
     return {k: float(np.median(v)) for k, v in times.items()}
 
 

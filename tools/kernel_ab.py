@@ -108,10 +108,11 @@ def main():
                                          "(default: tuned)")
     args = ap.parse_args()
     if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks
-                                  or args.shape != "1,8,64"):
+                                  or args.shape != ap.get_default("shape")):
         ap.error("--causal, --bfloat16, --shape and --bwd-blocks are flash attention's options")
-    if not re.fullmatch(r"\d+,\d+,\d+", args.shape) or int(args.shape.split(",")[2]) % 16:
-        ap.error(f"--shape {args.shape!r}: give BATCH,HEADS,HEAD_DIM with HEAD_DIM a multiple "
+    if (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", args.shape)
+            or int(args.shape.split(",")[2]) % 16):
+        ap.error(f"--shape {args.shape!r}: give positive BATCH,HEADS,HEAD_DIM, HEAD_DIM a multiple "
                  "of 16, e.g. 32,4,32")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")

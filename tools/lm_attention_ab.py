@@ -6,21 +6,20 @@
 The default byte LM (`experiments/lm.py:bytes`, the README's first command) and the text
 classifier (`lra.py:text`, at 256 bytes as the compress bench trains it) train with
 `attention.name = "dense"`, the oracle every variant is tested against. This measures what
-`--config.attention.name=chunked` changes for them on this CPU: each program compiled as
-hpnlp's steps are, each round times every variant in turn (3 calls each) on the same
-state and batch, and the table gives the medians over rounds and the median of the
-paired ratio. The largest relative difference between the two variants' outputs (the
+`--config.attention.name=chunked` changes for them on this CPU: each program compiled
+with the compiler options of hpnlp's steps, each round times every program (3 calls
+each, on the same state and batch) in a new random order, and the table gives the
+medians over rounds and the median of the paired ratio. The largest relative difference between the two variants' outputs (the
 updated parameters; the eval sums) shows they compute the same thing.
 """
 
 import argparse
-import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import numpy as np
 
-from ablib import largest_relative_difference, print_cpu, trainer
+from ablib import interleaved_times, largest_relative_difference, print_cpu, trainer
 from hpnlp.train.step import make_train_step, step_compiler_options
 
 VARIANTS = ("dense", "chunked")
@@ -52,18 +51,8 @@ def main():
     experiment, _, arg = args.experiment.partition(":")
     built = programs(experiment, arg)
     outs = {k: jax.block_until_ready(fn(*a)) for k, (fn, a) in built.items()}  # warm-up
-    times = {k: [] for k in built}
-    rng = np.random.default_rng(0)
-    for _ in range(args.rounds):
-        order = list(built)
-        rng.shuffle(order)
-        for k in order:
-            fn, a = built[k]
-            t0 = time.perf_counter()
-            for _ in range(3):
-                out = fn(*a)
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / 3)
+    times = interleaved_times({k: (fn, lambda a=a: a) for k, (fn, a) in built.items()},
+                              rounds=args.rounds, calls=3, shuffle=True)
     print_cpu(f"; {args.experiment}; {args.rounds} rounds")
     print("| program | dense ms | chunked ms | speed-up (medians) | paired ratio, median (min-max) "
           "| largest relative difference |")

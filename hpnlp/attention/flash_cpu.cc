@@ -168,7 +168,7 @@ Vis classify(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk
 // past nq or nk are left alone. Each row of the tile is one query (or key): the causal
 // rule leaves a contiguous range of its lanes, and the segment rule is one compare per
 // lane against the row's own segment, a loop the compiler vectorizes (a scalar test per
-// pair took a fifth of the forward at L = 128, where every tile is on the diagonal).
+// pair took a fifth of the forward at L = 128, where most tiles straddle the diagonal).
 template <bool KeysAreRows>
 void mask_tile(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int nk, float* t,
                int ld) {
@@ -188,7 +188,7 @@ void mask_tile(const Problem& p, int64_t b, int64_t q0, int nq, int64_t k0, int 
     const int32_t own = qs ? (KeysAreRows ? ks[i] : qs[i]) : 1;
     if (own == 0) lo = hi = 0;  // a padding key or query: nothing in its row may attend
     std::fill(row, row + lo, -kInf);
-    if (qs)  // key segment 0 (padding) never equals a nonzero own segment
+    if (qs)  // a lane's segment 0 (padding) never equals a nonzero own segment
       for (int j = lo; j < hi; ++j) row[j] = lane_seg[j] == own ? row[j] : -kInf;
     std::fill(row + std::max(lo, hi), row + lanes, -kInf);
   }
