@@ -152,14 +152,33 @@ def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, mon
     from hpnlp.bench import softmax as bench_softmax
     monkeypatch.setattr(harness, "torch_or_none", lambda: None)
     out = str(tmp_path / "s")
-    payload = bench_softmax.run(out, quick=True, isolate=False, methods=["full"], vocabs=[256, 512])
+    settings = bench_softmax.parse_settings(["full.chunk_tokens=128"], ["full"])
+    payload = bench_softmax.run(out, quick=True, isolate=False, methods=["full"], vocabs=[256, 512],
+                                settings=settings)
     rows = {(r["impl"], r["V"]): r for r in payload["results"]}
     assert rows[("full", 512)]["status"] == "ok" and rows[("full", 512)]["gflops"] > 0
+    assert rows[("full", 512)]["options"] == {"chunk_tokens": 128}  # --set reaches the layer
     assert rows[(bench_softmax.TORCH_ADAPTIVE, 256)]["status"].startswith("skipped: torch")
     assert payload["summary"]["speedup_vs_full"]["full"][256] == 1.0
     for f in ("results.json", "results.md", "softmax_time.png", "softmax_memory.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     assert "V = 512" in open(os.path.join(out, "results.md")).read()
+
+
+@pytest.mark.parametrize("item, message", [
+    ("adaptive.chunk_logits", "write METHOD.FIELD=VALUE"),
+    ("nosuch.x=1", "not a timed output layer"),
+    ("adaptive.chunk=1", "has no option 'chunk'"),
+    ("adaptive.chunk_logits=big", "not a Python literal"),
+])
+def test_softmax_bench_set_errors_name_the_item(item, message):
+    from hpnlp.bench import softmax as bench_softmax
+    with pytest.raises(SystemExit, match=message):
+        bench_softmax.parse_settings([item])
+    assert bench_softmax.parse_settings(["adaptive.chunk_logits=1024", "adaptive.div_value=2.0"]) == {
+        "adaptive": {"chunk_logits": 1024, "div_value": 2.0}}
+    with pytest.raises(SystemExit, match="not a timed output layer"):
+        bench_softmax.parse_settings(["adaptive.chunk_logits=1"], ["full"])
 
 
 def test_time_jax_max_time_caps_repeats_of_slow_calls():

@@ -19,6 +19,7 @@ once per method for the same wall-clock time as `full` and reports exact perplex
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -143,8 +144,36 @@ def _estimated_bytes(impl: str, V: int, N: int, E: int) -> float:
     return 4.0 * V * E * 4  # params, gradient and two working copies
 
 
+def parse_settings(items: list[str], methods: list[str] | None = None) -> dict:
+    """`--set METHOD.FIELD=VALUE` items as {method: {field: value}}: VALUE is a Python literal
+    (`adaptive.chunk_logits=67108864`, `adaptive.div_value=2.0`), FIELD one of the output
+    layer's options; errors name the item and what is allowed."""
+    out: dict = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        method, dot, field = name.partition(".")
+        if not (sep and dot and method and field):
+            raise SystemExit(f"--set {item!r}: write METHOD.FIELD=VALUE, e.g. "
+                             "adaptive.chunk_logits=67108864")
+        if method not in softmax_lib.names() or (methods and method not in methods):
+            raise SystemExit(f"--set {item!r}: {method!r} is not a timed output layer here; choose "
+                             f"from {methods or softmax_lib.names()}")
+        fields = sorted(f for f in softmax_lib.get(method).__dataclass_fields__
+                        if f not in ("vocab_size", "counts", "parent", "name"))
+        if field not in fields:
+            raise SystemExit(f"--set {item!r}: {method} has no option {field!r}; its options: {fields}")
+        try:
+            out.setdefault(method, {})[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--set {item!r}: {value!r} is not a Python literal (a number, a "
+                             "quoted string, True/False, a tuple)") from None
+    return out
+
+
 def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list[str] | None = None,
-        vocabs: list[int] | None = None) -> dict:
+        vocabs: list[int] | None = None, settings: dict | None = None) -> dict:
+    """Time every method (and PyTorch's adaptive softmax) at each V; `settings` ({method:
+    {field: value}}, see `parse_settings`) override the methods' bench options."""
     N, E = (1024, 128) if quick else (8192, 512)
     vocabs = vocabs or ([8192, 32768] if quick else [32768, 262144, 1048576])
     repeats = 3 if quick else 5
@@ -158,8 +187,10 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
     rates = harness.ceiling_rates(quick=quick)
+    settings = settings or {}
     configs = [dict(impl=i, V=V, N=N, E=E, repeats=repeats, max_time_s=120.0,
-                    options=bench_options(i, V)) for V in vocabs for i in impls]
+                    options={**bench_options(i, V), **settings.get(i, {})})
+               for V in vocabs for i in impls]
     def head(spec):
         return {"impl": spec["impl"], "V": spec["V"], "options": spec["options"]}
 
@@ -257,6 +288,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "32768,262144,1048576; 8192,32768 with --quick)")
     p.add_argument("--no-isolate", action="store_true",
                    help="measure in this process (faster; no per-configuration peak RSS)")
+    p.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE",
+                   help="override an output layer's option for the timing run (repeatable), "
+                        "e.g. adaptive.chunk_logits=67108864")
     p.add_argument("--quality", action="store_true",
                    help="instead: train the word LM with each method for equal time, exact perplexity")
     p.add_argument("--seconds", type=float, default=0.0,
@@ -267,12 +301,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> dict:
     methods = [m for m in args.methods.split(",") if m] or None
+    if args.quality and args.set:
+        raise SystemExit("--set changes the timing run's options; --quality trains with each "
+                         "layer's defaults (drop --set)")
     if args.quality:
         from hpnlp.bench import quality
         return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds or None,
                            tokenizers=[t for t in args.tokenizers.split(",") if t] or None)
     payload = run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
-                  methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None)
+                  methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None,
+                  settings=parse_settings(args.set, methods))
     harness.exit_if_interrupted(payload["interrupted"], args.out)
     return payload
 
