@@ -128,3 +128,10 @@ def test_chunk_tokens():
     assert A.chunk_tokens(300000, 8192, 1 << 21) == 4
     assert A.chunk_tokens(10, 5, 1 << 21) == 8  # never more than the next power of two of T
     assert A.chunk_tokens(10**9, 5, 1) == 1
+
+
+def test_default_chunk_logits_follows_the_backend():
+    """None sizes chunks for the backend: cache-sized on a CPU, large on an accelerator."""
+    assert A.default_chunk_logits("cpu") == 1 << 21
+    assert A.default_chunk_logits("gpu") == A.default_chunk_logits("tpu") == 1 << 26
+    assert make(cutoffs=(5, 15, 30)).chunk_logits is None

@@ -115,7 +115,9 @@ class AdaptiveSoftmax(nn.Module):
     head_bias: bool = False  # PyTorch's default
     counts: Frequencies | None = None  # train counts per id; None: Zipf over sorted ids
     mode: str = "sorted"  # "sorted": tail work per token of the cluster; "dense": exact twin
-    chunk_logits: int = 1 << 21  # float32 tail logits per chunk: chunk tokens = this // size
+    # float32 tail logits per chunk (chunk tokens = this // cluster size); None: by backend,
+    # `default_chunk_logits()`
+    chunk_logits: int | None = None
     dtype: jnp.dtype = jnp.float32  # matmul input dtype; logits and losses are float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -149,7 +151,7 @@ class AdaptiveSoftmax(nn.Module):
             raise ValueError(f"adaptive: mode={self.mode!r}; choose 'sorted' or 'dense'")
         if not self.div_value > 0:
             raise ValueError(f"adaptive: div_value={self.div_value} must be > 0")
-        if self.chunk_logits < 1:
+        if self.chunk_logits is not None and self.chunk_logits < 1:
             raise ValueError(f"adaptive: chunk_logits={self.chunk_logits} must be >= 1")
         cuts = default_cutoffs(freqs) if self.cutoffs is None else self.cutoffs
         cuts = tuple(cuts)
@@ -187,7 +189,7 @@ class AdaptiveSoftmax(nn.Module):
                 cluster_T = jnp.where(mask_N.reshape(-1), cluster_T, num_tail + 1)
             tail = _sorted_tail_nll if self.mode == "sorted" else _dense_tail_nll
             nll_T = nll_T + tail(h_TE, t_T, cluster_T, tails, self.bounds, dtype=self.dtype,
-                                 chunk_logits=self.chunk_logits)
+                                 chunk_logits=self.chunk_logits or default_chunk_logits())
         return masked(nll_T.reshape(lead), mask_N)
 
     def log_prob(self, hidden_NE):
@@ -224,6 +226,22 @@ def _dense_tail_nll(h_TE, t_T, cluster_T, tails, bounds, *, dtype, chunk_logits)
         picked_T = jnp.take_along_axis(lp_TS, rel_T[:, None], axis=-1)[:, 0]
         nll_T = nll_T - jnp.where(cluster_T == i + 1, picked_T, 0.0)
     return nll_T
+
+
+CPU_CHUNK_LOGITS = 1 << 21  # 8 MiB of float32 logits: a chunk's working set stays in cache
+ACCELERATOR_CHUNK_LOGITS = 1 << 26  # 256 MiB: few, large steps keep a GPU busy
+
+
+def default_chunk_logits(backend: str | None = None) -> int:
+    """Tail logits per chunk for `backend` (default: JAX's default backend).
+
+    The chunk loop runs its steps one after another. On a CPU a cache-sized chunk is
+    fastest; on a GPU each step must be large enough to fill the device: with the CPU's
+    2^21 the H200 took 15.0 ms at V=262K and 71.9 ms at V=1M (PyTorch's adaptive
+    softmax: 6.8, 20.0), with 2^26 6.66 and 19.4 (`docs/benchmarks/softmax_h200_chunk_logits`).
+    """
+    backend = backend or jax.default_backend()
+    return CPU_CHUNK_LOGITS if backend == "cpu" else ACCELERATOR_CHUNK_LOGITS
 
 
 def chunk_tokens(cluster_size: int, num_tokens: int, chunk_logits: int) -> int:
