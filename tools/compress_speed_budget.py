@@ -27,6 +27,11 @@ milliseconds per forward and speed-up over the teacher:
 | dense | 78.1, 75.6 | 64.6, 62.3 (1.21x, 1.21x) | 35.2, 36.0 (2.22x, 2.10x) |
 | chunked | 63.8, 60.6 | 50.4, 49.9 (1.27x, 1.21x) | 30.4, 29.4 (2.10x, 2.06x) |
 
+On the 2-core Zen 5 (2026-11-26, `--rounds 9`; its float32 products 2.3x the Zen 4's):
+dense 18.99 / 15.38 (1.24x) / 9.97 ms (1.91x), chunked 14.33 / 10.76 (1.33x) / 7.56 ms
+(1.90x). Rounding the rank to the vector width does not help: with `chunked`, ranks 32,
+40, 42, 48 and 64 ran 1.26x, 1.21x, 1.21x, 1.21x and 1.11x (one run, 9 rounds).
+
 Low rank's products are as many multiply-adds as the structured model's weight products
 (86,016 against 85,248 per token per block), but the structured model also halves
 attention. By the table's differences attention is roughly half of the teacher's dense
@@ -34,13 +39,12 @@ forward (an estimate, not a measurement of attention alone).
 """
 
 import argparse
-import time
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import numpy as np
 
-from ablib import print_cpu, trainer
+from ablib import interleaved_times, print_cpu, trainer
 from hpnlp import data as data_lib
 from hpnlp.train.step import step_compiler_options
 
@@ -66,19 +70,10 @@ def forward(fields: dict):
 def medians(programs: dict, *, rounds: int, calls: int) -> dict:
     """Median seconds per call of each (compiled, args): each called once to warm, then
     each round times every one in turn, in a new order each round."""
-    times = {k: [] for k in programs}
     for fn, a in programs.values():
         jax.block_until_ready(fn(*a))
-    order, rng = list(programs), np.random.default_rng(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            fn, a = programs[k]
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                out = fn(*a)
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / calls)
+    times = interleaved_times({k: (fn, lambda a=a: a) for k, (fn, a) in programs.items()},
+                              rounds=rounds, calls=calls, shuffle=True)
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
