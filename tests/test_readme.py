@@ -13,6 +13,12 @@ def test_readme_tables_match_the_benchmark_outputs():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_targets_table_matches_the_records():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "targets_table.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_sync_copies_a_section_under_its_heading(tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import sync_readme

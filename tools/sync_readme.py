@@ -54,10 +54,15 @@ def main() -> None:
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
         old = f.read()
-    new = render(old)
-    if args.check:
+    write_or_check(path, render(old), check=args.check, fix="python tools/sync_readme.py")
+
+
+def write_or_check(path: str, new: str, *, check: bool, fix: str) -> None:
+    """Write `new` to `path`, or with `check` exit 1 (naming `fix`) if the file differs."""
+    if check:
+        old = open(path).read() if os.path.exists(path) else ""
         if new != old:
-            print("README.md is out of date: run python tools/sync_readme.py", file=sys.stderr)
+            print(f"{os.path.relpath(path, ROOT)} is out of date: run {fix}", file=sys.stderr)
             sys.exit(1)
         return
     with open(path, "w") as f:

@@ -1,0 +1,88 @@
+"""Every target recorded under docs/benchmarks, in one table: docs/benchmarks/targets.md.
+
+    python tools/targets_table.py          # rewrite docs/benchmarks/targets.md
+    python tools/targets_table.py --check  # exit 1 if it is out of date
+
+A benchmark run that an issue sets targets for writes a `targets` map into its
+`results.json` (see docs/benchmarks.md). The records of one benchmark on several CPUs (or
+a GPU) each hold their own map, so whether a target holds depends on the machine; this
+table puts every map side by side, one row per (target, record), with the machine its
+header names. Nothing in it is typed: it is rendered from the records, and
+`tests/test_readme.py` fails when it is out of date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+from sync_readme import write_or_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join("docs", "benchmarks", "targets.md")
+
+
+def machine(info: dict) -> str:
+    """The machine a record names: its accelerator, or its CPU with family and model and
+    whether the kernels had AVX-512 there."""
+    if info.get("backend", "cpu") != "cpu":
+        return (info.get("devices") or ["?"])[0]
+    d = info.get("cpu_detail") or {}
+    ident = ", ".join(f"{k} {d[k]}" for k in ("family", "model") if k in d)
+    isa = "AVX-512" if "avx512f" in d.get("features", []) else "AVX2" if "avx2" in d.get("features", []) else ""
+    return " ".join(x for x in (info.get("cpu") or "?", f"({ident})" if ident else "", isa) if x)
+
+
+def number(v) -> str:
+    return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def rows() -> list[tuple]:
+    """(target, record folder, machine, date, value, op, bound, met) of every record."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "*", "results.json"))):
+        with open(path) as f:
+            payload = json.load(f)
+        targets = payload.get("targets")
+        if not targets:
+            continue
+        info = payload.get("machine") or {}
+        folder = os.path.basename(os.path.dirname(path))
+        for name, t in targets.items():
+            out.append((name, folder, machine(info), (info.get("date") or "?")[:10], t.get("value"),
+                        t.get("op"), t.get("bound"), bool(t.get("met"))))
+    return sorted(out, key=lambda r: (r[0], r[1]))
+
+
+def render() -> str:
+    rs = rows()
+    met = sum(r[7] for r in rs)
+    lines = ["# Every recorded target", "",
+             "Rendered by `python tools/targets_table.py` from each `docs/benchmarks/*/results.json` "
+             "that carries a `targets` map; a record holds for the machine its header names, so "
+             "one target can be met on one machine and missed on another. Commands: "
+             "[benchmarks.md](../benchmarks.md). The attention targets are issue 25's for a "
+             "CPU kernel; a GPU record of the attention bench carries the map too (the bench "
+             "writes it wherever `chunked` ran), where `chunked` is XLA's blocks and the peer "
+             "PyTorch's CUDA kernels, and a record without L = 4096 reads – (not measured).", "",
+             f"{len(rs)} (target, record) pairs, {met} met.", "",
+             "| target | record | machine | date | measured | bound | met |",
+             "|---|---|---|---|---|---|---|"]
+    for name, folder, mach, date, value, op, bound, ok in rs:
+        lines.append(f"| `{name}` | [`{folder}`]({folder}/results.md) | {mach} | {date} | "
+                     f"{number(value)} | {op} {number(bound)} | {'yes' if ok else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    write_or_check(os.path.join(ROOT, OUT), render(), check=args.check,
+                   fix="python tools/targets_table.py")
+
+
+if __name__ == "__main__":
+    main()
