@@ -60,7 +60,10 @@ def main() -> None:
 def write_or_check(path: str, new: str, *, check: bool, fix: str) -> None:
     """Write `new` to `path`, or with `check` exit 1 (naming `fix`) if the file differs."""
     if check:
-        old = open(path).read() if os.path.exists(path) else ""
+        old = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                old = f.read()
         if new != old:
             print(f"{os.path.relpath(path, ROOT)} is out of date: run {fix}", file=sys.stderr)
             sys.exit(1)

@@ -14,7 +14,8 @@ semantics (parameter shapes, head layout, projection widths) are PyTorch's
 The idea that makes it fast: most tokens are frequent, so they need only the small head,
 and the rest need one cluster each. Shapes in JAX are static, so the loss sorts the tokens
 by cluster (one argsort of the cluster ids) and, for each tail cluster, walks only its
-contiguous run of sorted tokens in fixed-size chunks with a `lax.fori_loop` whose trip
+contiguous run of sorted tokens in fixed-size chunks (`chunk_logits` tail logits each,
+sized by backend: `default_chunk_logits`) with a `lax.fori_loop` whose trip
 count is the cluster's token count (dynamic): the work is proportional to the tokens in
 the cluster, as with PyTorch's gather, not N x cluster size. A dynamic loop has no
 automatic reverse mode, so the cluster loss carries its own gradient (`custom_vjp`): the
@@ -189,7 +190,8 @@ class AdaptiveSoftmax(nn.Module):
                 cluster_T = jnp.where(mask_N.reshape(-1), cluster_T, num_tail + 1)
             tail = _sorted_tail_nll if self.mode == "sorted" else _dense_tail_nll
             nll_T = nll_T + tail(h_TE, t_T, cluster_T, tails, self.bounds, dtype=self.dtype,
-                                 chunk_logits=self.chunk_logits or default_chunk_logits())
+                                 chunk_logits=(default_chunk_logits() if self.chunk_logits is None
+                                               else self.chunk_logits))
         return masked(nll_T.reshape(lead), mask_N)
 
     def log_prob(self, hidden_NE):
@@ -239,6 +241,8 @@ def default_chunk_logits(backend: str | None = None) -> int:
     fastest; on a GPU each step must be large enough to fill the device: with the CPU's
     2^21 the H200 took 15.0 ms at V=262K and 71.9 ms at V=1M (PyTorch's adaptive
     softmax: 6.8, 20.0), with 2^26 6.66 and 19.4 (`docs/benchmarks/softmax_h200_chunk_logits`).
+    The default backend, not the device a computation is placed on: a CPU program on a GPU
+    machine gets the large chunks unless `chunk_logits` is set.
     """
     backend = backend or jax.default_backend()
     return CPU_CHUNK_LOGITS if backend == "cpu" else ACCELERATOR_CHUNK_LOGITS
