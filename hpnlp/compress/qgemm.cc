@@ -842,6 +842,44 @@ inline void b_block(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int
   }
 }
 
+#if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define HPNLP_B_FUSED_OUT 1
+// b_block's VPOPCNTDQ path ending in the float output (K < 2^24): out[r][c] = (K - 2 count)
+// * beta[r] * alpha[c], converted from the 64-bit counts in registers (vcvtqq2ps, exact
+// below 2^24) instead of through an int32 tile in memory: at [2048, 1024 -> 4096] the
+// epilogue had been about a sixth of the block's vector instructions, and this path ran
+// the layer 1.17-1.20x faster on a Zen 5 (median of 15, two alternations). The same float
+// operations in the same order as the tile path, on the same exact counts.
+template <int R>
+inline void b_block_out(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int K,
+                        const float* beta, const float* alpha, float* out, size_t ldo,
+                        bool stream) {
+  constexpr int C = B_NB / 8;
+  __m512i acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int k = 0; k < kw; ++k) {
+    __m512i w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(p + (size_t(k) * B_NB + 8 * c) * 8);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi64(static_cast<long long>(x[r * ldx + k]));
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_add_epi64(acc[r][c], _mm512_popcnt_epi64(_mm512_xor_si512(a, w[c])));
+    }
+  }
+  const __m256 kf = _mm256_set1_ps(float(K)), two = _mm256_set1_ps(2.0f);
+  for (int r = 0; r < R; ++r) {
+    const __m256 b = _mm256_set1_ps(beta[r]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = _mm256_fnmadd_ps(two, _mm512_cvtepi64_ps(acc[r][c]), kf);
+      const __m256 o = _mm256_mul_ps(_mm256_mul_ps(v, b), _mm256_loadu_ps(alpha + 8 * c));
+      if (stream) _mm256_stream_ps(out + r * ldo + 8 * c, o);
+      else _mm256_storeu_ps(out + r * ldo + 8 * c, o);
+    }
+  }
+}
+#endif
+
 struct BGemm {
   int M, K, N, kw, P;
   int mc, mr;
@@ -861,6 +899,13 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
   const int n0 = panel * B_NB, nn = std::min(B_NB, g.N - n0);
   row_blocks<B_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
     constexpr int R = decltype(rr)::value;
+#ifdef HPNLP_B_FUSED_OUT
+    if (nn == B_NB && g.out_f && g.K < (1 << 24)) {
+      b_block_out<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, g.K, g.beta + r0, g.alpha + n0,
+                     g.out_f + size_t(r0) * g.N + n0, size_t(g.N), g.stream);
+      return;
+    }
+#endif
     int32_t t[R][B_NB];
     b_block<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, t);
     for (int r = 0; r < R; ++r) {
