@@ -22,7 +22,8 @@
 //                         vpmaddwd + vpaddd per 16, the same multiply-port count, plus
 //                         an extra instruction: no faster on Zen 3 and more code.
 //           portable      plain loops over the AVX2 layout.
-//   binary: AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words.
+//   binary: AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words; with
+//                         DQ the outputs leave from registers (b_block_out).
 //           AVX2          nibble-LUT popcount (vpshufb, Mula): x's nibbles split once per
 //                         call, w's per k-word per register block; byte counts summed by
 //                         vpsadbw every 31 words (31 * 8 <= 255). Scalar popcnt measured
@@ -328,9 +329,9 @@ inline void populate_out(void* p, size_t bytes, int threads) {
 // 4.94 ms (median of 15, timed between other layers' calls) on a 2-core EPYC. The int8
 // product, 4x longer for the same output, gained nothing measurable and keeps plain stores.
 constexpr size_t kStreamBytes = size_t(8) << 20;
-inline bool stream_out(const float* out, int M, int N) {
+inline bool stream_out(const void* out, int M, int N) {
 #if defined(__AVX2__)
-  return sizeof(float) * size_t(M) * N >= kStreamBytes && N % 8 == 0 &&
+  return sizeof(float) * size_t(M) * N >= kStreamBytes && N % 8 == 0 &&  // 4-byte elements
          reinterpret_cast<uintptr_t>(out) % 32 == 0;
 #else
   (void)out, (void)M, (void)N;
@@ -844,16 +845,17 @@ inline void b_block(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int
 
 #if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HPNLP_B_FUSED_OUT 1
-// b_block's VPOPCNTDQ path ending in the float output (K < 2^24): out[r][c] = (K - 2 count)
-// * beta[r] * alpha[c], converted from the 64-bit counts in registers (vcvtqq2ps, exact
-// below 2^24) instead of through an int32 tile in memory: at [2048, 1024 -> 4096] the
+// b_block's VPOPCNTDQ path ending in the output: the float one (K < 2^24), out[r][c] =
+// (K - 2 count) * beta[r] * alpha[c], or the int32 one (out_i), K - 2 count, converted
+// from the 64-bit counts in registers (vcvtqq2ps, exact below 2^24; vpmovqd) instead of
+// through an int32 tile in memory: at [2048, 1024 -> 4096] the
 // epilogue had been about a sixth of the block's vector instructions, and this path ran
 // the layer 1.17-1.20x faster on a Zen 5 (median of 15, two alternations). The same float
 // operations in the same order as the tile path, on the same exact counts.
 template <int R>
 inline void b_block_out(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int K,
-                        const float* beta, const float* alpha, float* out, size_t ldo,
-                        bool stream) {
+                        const float* beta, const float* alpha, float* out, int32_t* out_i,
+                        size_t ldo, bool stream) {
   constexpr int C = B_NB / 8;
   __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -866,6 +868,17 @@ inline void b_block_out(const uint64_t* x, size_t ldx, const uint8_t* p, int kw,
       for (int c = 0; c < C; ++c)
         acc[r][c] = _mm512_add_epi64(acc[r][c], _mm512_popcnt_epi64(_mm512_xor_si512(a, w[c])));
     }
+  }
+  if (out_i) {
+    const __m512i kk = _mm512_set1_epi64(K);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        const __m256i v = _mm512_cvtepi64_epi32(_mm512_sub_epi64(kk, _mm512_slli_epi64(acc[r][c], 1)));
+        __m256i* q = reinterpret_cast<__m256i*>(out_i + r * ldo + 8 * c);
+        if (stream) _mm256_stream_si256(q, v);
+        else _mm256_storeu_si256(q, v);
+      }
+    return;
   }
   const __m256 kf = _mm256_set1_ps(float(K)), two = _mm256_set1_ps(2.0f);
   for (int r = 0; r < R; ++r) {
@@ -900,9 +913,11 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
   row_blocks<B_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
     constexpr int R = decltype(rr)::value;
 #ifdef HPNLP_B_FUSED_OUT
-    if (nn == B_NB && g.out_f && g.K < (1 << 24)) {
-      b_block_out<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, g.K, g.beta + r0, g.alpha + n0,
-                     g.out_f + size_t(r0) * g.N + n0, size_t(g.N), g.stream);
+    if (nn == B_NB && (g.out_i || g.K < (1 << 24))) {
+      const size_t at = size_t(r0) * g.N + n0;
+      b_block_out<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, g.K, g.out_i ? nullptr : g.beta + r0,
+                     g.out_i ? nullptr : g.alpha + n0, g.out_i ? nullptr : g.out_f + at,
+                     g.out_i ? g.out_i + at : nullptr, size_t(g.N), g.stream);
       return;
     }
 #endif
@@ -1359,6 +1374,9 @@ ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   if (e.failure()) return e;
   g.w = w.typed_data(), g.out_i = out->typed_data();
   populate_out(g.out_i, sizeof(int32_t) * g.M * size_t(g.N), int(threads));
+#ifdef HPNLP_B_FUSED_OUT
+  g.stream = stream_out(g.out_i, g.M, g.N);  // written from registers (b_block_out) only
+#endif
   if (g.M > 0 && g.N > 0) b_run(g, x.typed_data(), nullptr, int(threads));
   return ffi::Error::Success();
 } catch (...) {
