@@ -772,25 +772,35 @@ ffi::Error i8_setup(I8Gemm* g, ffi::Span<const int64_t> x, ffi::Span<const int64
 
 // ---------------------------------------------------------------------------- binary
 
+#if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__)
+// acc[r][c] = 64-bit popcounts over kw words of x[r] xor the panel's columns 8c..8c+7 (one
+// zmm of 8 columns' words), for R rows of the x scratch (row stride ldx uint64).
+template <int R>
+inline void b_counts(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, __m512i (*acc)[B_NB / 8]) {
+  constexpr int C = B_NB / 8;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int k = 0; k < kw; ++k) {
+    __m512i w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(p + (size_t(k) * B_NB + 8 * c) * 8);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi64(static_cast<long long>(x[r * ldx + k]));
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_add_epi64(acc[r][c], _mm512_popcnt_epi64(_mm512_xor_si512(a, w[c])));
+    }
+  }
+}
+#endif
+
 // t[r][c] = popcount over kw words of x[r] xor w[:, c], for R rows of the x scratch (row
 // stride ldx uint64, B_XW words per k-word) and the panel at p ([kw][B_XW][B_NB] words).
 template <int R>
 inline void b_block(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int32_t (*t)[B_NB]) {
   if constexpr (B_PATH == 2) {
 #if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__)
-    constexpr int C = B_NB / 8;  // zmm of 8 columns' words
+    constexpr int C = B_NB / 8;
     __m512i acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-    for (int k = 0; k < kw; ++k) {
-      __m512i w[C];
-      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(p + (size_t(k) * B_NB + 8 * c) * 8);
-      for (int r = 0; r < R; ++r) {
-        const __m512i a = _mm512_set1_epi64(static_cast<long long>(x[r * ldx + k]));
-        for (int c = 0; c < C; ++c)
-          acc[r][c] = _mm512_add_epi64(acc[r][c], _mm512_popcnt_epi64(_mm512_xor_si512(a, w[c])));
-      }
-    }
+    b_counts<R>(x, ldx, p, kw, acc);
     for (int r = 0; r < R; ++r)  // counts <= K < 2^31: the low dwords
       for (int c = 0; c < C; ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[r] + 8 * c), _mm512_cvtepi64_epi32(acc[r][c]));
@@ -858,17 +868,7 @@ inline void b_block_out(const uint64_t* x, size_t ldx, const uint8_t* p, int kw,
                         size_t ldo, bool stream) {
   constexpr int C = B_NB / 8;
   __m512i acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-  for (int k = 0; k < kw; ++k) {
-    __m512i w[C];
-    for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(p + (size_t(k) * B_NB + 8 * c) * 8);
-    for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi64(static_cast<long long>(x[r * ldx + k]));
-      for (int c = 0; c < C; ++c)
-        acc[r][c] = _mm512_add_epi64(acc[r][c], _mm512_popcnt_epi64(_mm512_xor_si512(a, w[c])));
-    }
-  }
+  b_counts<R>(x, ldx, p, kw, acc);
   if (out_i) {
     const __m512i kk = _mm512_set1_epi64(K);
     for (int r = 0; r < R; ++r)
