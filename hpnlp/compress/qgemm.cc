@@ -853,46 +853,6 @@ inline void b_block(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int
   }
 }
 
-#if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__) && defined(__AVX512DQ__)
-#define HPNLP_B_FUSED_OUT 1
-// b_block's VPOPCNTDQ path ending in the output: the float one (K < 2^24), out[r][c] =
-// (K - 2 count) * beta[r] * alpha[c], or the int32 one (out_i), K - 2 count, converted
-// from the 64-bit counts in registers (vcvtqq2ps, exact below 2^24; vpmovqd) instead of
-// through an int32 tile in memory: at [2048, 1024 -> 4096] the
-// epilogue had been about a sixth of the block's vector instructions, and this path ran
-// the layer 1.17-1.20x faster on a Zen 5 (median of 15, two alternations). The same float
-// operations in the same order as the tile path, on the same exact counts.
-template <int R>
-inline void b_block_out(const uint64_t* x, size_t ldx, const uint8_t* p, int kw, int K,
-                        const float* beta, const float* alpha, float* out, int32_t* out_i,
-                        size_t ldo, bool stream) {
-  constexpr int C = B_NB / 8;
-  __m512i acc[R][C];
-  b_counts<R>(x, ldx, p, kw, acc);
-  if (out_i) {
-    const __m512i kk = _mm512_set1_epi64(K);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) {
-        const __m256i v = _mm512_cvtepi64_epi32(_mm512_sub_epi64(kk, _mm512_slli_epi64(acc[r][c], 1)));
-        __m256i* q = reinterpret_cast<__m256i*>(out_i + r * ldo + 8 * c);
-        if (stream) _mm256_stream_si256(q, v);
-        else _mm256_storeu_si256(q, v);
-      }
-    return;
-  }
-  const __m256 kf = _mm256_set1_ps(float(K)), two = _mm256_set1_ps(2.0f);
-  for (int r = 0; r < R; ++r) {
-    const __m256 b = _mm256_set1_ps(beta[r]);
-    for (int c = 0; c < C; ++c) {
-      const __m256 v = _mm256_fnmadd_ps(two, _mm512_cvtepi64_ps(acc[r][c]), kf);
-      const __m256 o = _mm256_mul_ps(_mm256_mul_ps(v, b), _mm256_loadu_ps(alpha + 8 * c));
-      if (stream) _mm256_stream_ps(out + r * ldo + 8 * c, o);
-      else _mm256_storeu_ps(out + r * ldo + 8 * c, o);
-    }
-  }
-}
-#endif
-
 struct BGemm {
   int M, K, N, kw, P;
   int mc, mr;
@@ -903,8 +863,54 @@ struct BGemm {
   float* out_f;
   const float* alpha;  // [N]
   float* beta;         // [M] scratch
-  bool stream = false;  // out_f written with streaming stores (stream_out)
+  bool stream = false;  // the output written with streaming stores (stream_out; out_i
+                        // only from registers, b_block_out)
 };
+
+#if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define HPNLP_B_FUSED_OUT 1
+// b_block's VPOPCNTDQ path ending in the output: the float one (K < 2^24), out[r][c] =
+// (K - 2 count) * beta[r] * alpha[c], or the int32 one (out_i), K - 2 count, converted
+// from the 64-bit counts in registers (vcvtqq2ps, exact below 2^24; vpmovqd) instead of
+// through an int32 tile in memory: at [2048, 1024 -> 4096] the
+// epilogue had been about a sixth of the block's vector instructions, and this path ran
+// the layer 1.17-1.20x faster on a Zen 5 (median of 15, two alternations). The same float
+// operations in the same order as the tile path, on the same exact counts. Writes rows
+// r0..r0+R and the full panel of columns at n0 (its words at p) of g's output.
+template <int R>
+inline void b_block_out(const BGemm& g, const uint8_t* p, int r0, int n0) {
+  constexpr int C = B_NB / 8;
+  const size_t ldx = size_t(g.kw) * B_XW;
+  __m512i acc[R][C];
+  b_counts<R>(g.xw + r0 * ldx, ldx, p, g.kw, acc);
+  const size_t ldo = size_t(g.N), at = size_t(r0) * ldo + n0;
+  const bool stream = g.stream;
+  if (g.out_i) {
+    int32_t* out_i = g.out_i + at;
+    const __m512i kk = _mm512_set1_epi64(g.K);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        const __m256i v = _mm512_cvtepi64_epi32(_mm512_sub_epi64(kk, _mm512_slli_epi64(acc[r][c], 1)));
+        __m256i* q = reinterpret_cast<__m256i*>(out_i + r * ldo + 8 * c);
+        if (stream) _mm256_stream_si256(q, v);
+        else _mm256_storeu_si256(q, v);
+      }
+    return;
+  }
+  float* out = g.out_f + at;
+  const float* alpha = g.alpha + n0;
+  const __m256 kf = _mm256_set1_ps(float(g.K)), two = _mm256_set1_ps(2.0f);
+  for (int r = 0; r < R; ++r) {
+    const __m256 b = _mm256_set1_ps(g.beta[r0 + r]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = _mm256_fnmadd_ps(two, _mm512_cvtepi64_ps(acc[r][c]), kf);
+      const __m256 o = _mm256_mul_ps(_mm256_mul_ps(v, b), _mm256_loadu_ps(alpha + 8 * c));
+      if (stream) _mm256_stream_ps(out + r * ldo + 8 * c, o);
+      else _mm256_storeu_ps(out + r * ldo + 8 * c, o);
+    }
+  }
+}
+#endif
 
 void b_item(const BGemm& g, int m0, int m1, int panel) {
   const size_t ldx = size_t(g.kw) * B_XW;
@@ -914,10 +920,7 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
     constexpr int R = decltype(rr)::value;
 #ifdef HPNLP_B_FUSED_OUT
     if (nn == B_NB && (g.out_i || g.K < (1 << 24))) {
-      const size_t at = size_t(r0) * g.N + n0;
-      b_block_out<R>(g.xw + size_t(r0) * ldx, ldx, p, g.kw, g.K, g.out_i ? nullptr : g.beta + r0,
-                     g.out_i ? nullptr : g.alpha + n0, g.out_i ? nullptr : g.out_f + at,
-                     g.out_i ? g.out_i + at : nullptr, size_t(g.N), g.stream);
+      b_block_out<R>(g, p, r0, n0);
       return;
     }
 #endif
