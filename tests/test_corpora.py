@@ -250,3 +250,12 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert out.startswith(prompts[0]) and ("\n" + prompts[1]) in out
     assert generate.main(["--workdir", str(tmp_path), "--prompt", "x" * 200, "--length", "24"]) == 2
     assert "every prompt needs 1 to 23 tokens" in capsys.readouterr().err
+    # speculative decoding, the run drafting for itself: its greedy text, every draft kept
+    greedy = ["--workdir", str(tmp_path), "--prompt", prompts[0], "--length", "24", "--greedy"]
+    assert generate.main(greedy) == 0
+    want = capsys.readouterr().out
+    assert generate.main(greedy + ["--draft", str(tmp_path), "--draft-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want and "speculative:" in err and " target calls; " in err
+    assert generate.main(greedy + ["--draft", str(tmp_path), "--draft-tokens", "10"]) == 2
+    assert "past the target's model.max_len=32" in capsys.readouterr().err

@@ -133,6 +133,16 @@ def test_decode_matches_forward_and_greedy_generation(tie):
         cache = upd["cache"]
         steps.append(lp)
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
+    # K tokens in one call (speculative decoding's verification), after 5 single steps
+    many = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok,
+                                               method="decode_tokens", mutable=["cache"]))
+    cache = jax.jit(lambda tok: dec.init(jax.random.key(0), tok, method="decode_step")["cache"])(
+        jnp.zeros((B, 1), jnp.int32))
+    for t in range(5):
+        cache = step(params, cache, batch["inputs"][:, t:t + 1])[1]["cache"]
+    lp, upd = many(params, cache, batch["inputs"][:, 5:12])
+    np.testing.assert_allclose(lp, full[:, 5:12], atol=2e-5)
+    assert int(upd["cache"]["position"]) == 12
 
     prompt = batch["inputs"][:, :4]
     out = models.generate(cfg, params, prompt, jnp.array([4, 4]), length=10)

@@ -139,12 +139,13 @@ class Attention(nn.Module):
         zeros = jnp.zeros((batch, max_len, num_heads, head_dim), dtype)
         return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
 
-    def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
-        """One token: append k, v at cache['index'], attend to all cached keys so far."""
+    def decode_step(self, cache, q_BKHD, k_BKHD, v_BKHD):
+        """K tokens (usually one): append k, v at cache['index'], each query attending to
+        the cached keys and the new ones up to its own."""
         idx = cache["index"]
-        k_BTHD, v_BTHD = cache_put(cache["k"], k_B1HD, idx), cache_put(cache["v"], v_B1HD, idx)
+        k_BTHD, v_BTHD = cache_put(cache["k"], k_BKHD, idx), cache_put(cache["v"], v_BKHD, idx)
         from hpnlp.attention.cache_cpu import cached_attention  # it imports this module
 
-        out = cached_attention(q_B1HD, k_BTHD.astype(q_B1HD.dtype), v_BTHD.astype(q_B1HD.dtype),
+        out = cached_attention(q_BKHD, k_BTHD.astype(q_BKHD.dtype), v_BTHD.astype(q_BKHD.dtype),
                                idx, impl=self.cache_impl())
-        return out, {"k": k_BTHD, "v": v_BTHD, "index": idx + 1}
+        return out, {"k": k_BTHD, "v": v_BTHD, "index": idx + q_BKHD.shape[1]}

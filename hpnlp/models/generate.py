@@ -65,6 +65,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
+    from hpnlp.models import speculative
     from hpnlp.train.carry import model_params
     from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
     from hpnlp.train.loop import Trainer
@@ -77,19 +78,36 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft", default="", help="a smaller LM run of the same task and "
+                   "vocabulary (e.g. a distilled student) for speculative decoding: the same "
+                   "output as the target's, in fewer target calls")
+    p.add_argument("--draft-tokens", type=int, default=4,
+                   help="tokens the draft proposes per target call (with --draft)")
     args = p.parse_args(argv)
-    try:
-        cfg = load_run_config(args.workdir)
+
+    def load(workdir):
+        cfg = load_run_config(workdir)
         if cfg.model.kind != "lm":
-            raise NoCheckpoint(f"{args.workdir}: a {cfg.model.kind!r} run; generate needs an LM "
+            raise NoCheckpoint(f"{workdir}: a {cfg.model.kind!r} run; generate needs an LM "
                                "(model.kind='lm')")
-        trainer = Trainer(cfg, args.workdir, read_only=True)
+        trainer = Trainer(cfg, workdir, read_only=True)
         if trainer.checkpointer.latest_step() is None:
-            raise NoCheckpoint(f"{args.workdir}: no checkpoint to read; train the run first")
+            raise NoCheckpoint(f"{workdir}: no checkpoint to read; train the run first")
+        return cfg, trainer
+
+    try:
+        cfg, trainer = load(args.workdir)
+        length = args.length or cfg.model.max_len
+        if args.draft:
+            draft_cfg, draft_trainer = load(args.draft)
+            speculative.check(cfg, draft_cfg, length=length, draft_tokens=args.draft_tokens,
+                              prompt_len=1)
+            if not speculative.same_tokenizer(args.workdir, args.draft):
+                raise ValueError(f"--draft {args.draft}: its tokenizer (WORKDIR/tokenizer) "
+                                 f"differs from {args.workdir}'s; draft with a run that shares it")
     except (NoCheckpoint, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    length = args.length or cfg.model.max_len
     task = trainer.task
     ids = [task.encode(t) for t in args.prompt]
     if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
@@ -97,6 +115,20 @@ def main(argv=None) -> int:
               f"these have {[len(x) for x in ids]}", file=sys.stderr)
         return 2
     state, _ = trainer.initial_state()
+    if args.draft:  # prompt by prompt (batch 1, where drafting pays)
+        draft_state, _ = draft_trainer.initial_state()
+        run = jax.jit(lambda p, dp, pr, key: speculative.speculative_generate(
+            cfg, p, draft_cfg, dp, pr, length=length, draft_tokens=args.draft_tokens, rng=key,
+            temperature=args.temperature, greedy=args.greedy, token_counts=task.token_counts,
+            draft_token_counts=draft_trainer.task.token_counts))
+        for i, x in enumerate(ids):
+            tokens_1L, stats = run(model_params(state.params), model_params(draft_state.params),
+                                   jnp.asarray([x], jnp.int32), jax.random.key(args.seed + i))
+            print(task.decode(np.asarray(tokens_1L)[0]))
+            rounds, kept = int(stats["rounds"]), int(stats["accepted"])
+            print(f"speculative: {length - len(x)} tokens in {rounds} target calls; "
+                  f"{kept} of {rounds * args.draft_tokens} drafts accepted", file=sys.stderr)
+        return 0
     prompt_BP = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
     for b, x in enumerate(ids):
         prompt_BP[b, :len(x)] = x

@@ -101,12 +101,19 @@ class TransformerLM(nn.Module):
 
     def decode_step(self, tokens_B1):
         """One token per row at the cached position -> next-token log-probs [B, V]."""
+        return self.decode_tokens(tokens_B1)[:, 0]
+
+    def decode_tokens(self, tokens_BK):
+        """K tokens per row at the cached positions pos..pos + K - 1, each seeing the cache
+        and the tokens before it -> next-token log-probs [B, K, V] (speculative decoding's
+        verification; K = 1 is `decode_step`). Only the exact key/value cache takes K > 1."""
         pos = self.position.value
-        seg_B1 = jnp.ones_like(tokens_B1)
-        h_B1E = self.trunk(self.embed, tokens_B1, seg_B1, jnp.full_like(tokens_B1, pos))
+        K = tokens_BK.shape[1]
+        h_BKE = self.trunk(self.embed, tokens_BK, jnp.ones_like(tokens_BK),
+                           pos + jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), tokens_BK.shape))
         if not self.is_initializing():
-            self.position.value = pos + 1
-        return self.output.log_prob(h_B1E[:, 0])
+            self.position.value = pos + K
+        return self.output.log_prob(h_BKE)
 
 
 def _pool(h_BLE, seg_BL, how: str):

@@ -1,0 +1,193 @@
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a small draft LM proposes
+`draft_tokens` tokens one at a time, the target LM scores them all in one call, and the
+longest prefix the target agrees with is kept, plus one token of the target's own. The
+output is the target's: token for token its greedy decoding when `greedy`, and when
+sampling, every token is distributed as the target's (temperature-scaled) next-token
+distribution (a draft token d is kept with probability min(1, p(d) / q(d)); at the first
+one refused, a token is drawn from the residual max(p - q, 0), renormalized).
+
+A round costs `draft_tokens + 1` draft steps and one target call on `draft_tokens + 1`
+tokens (`TransformerLM.decode_tokens`), and emits between 1 and `draft_tokens + 1` tokens.
+It pays where the target's one-token step is bound by reading its weights (batch 1, a
+model larger than the caches), so that scoring k + 1 tokens costs little more than one,
+and the draft (a distilled student: `train.distill`) agrees with it often.
+
+Rows advance together: a round keeps the fewest drafts any row accepted (every row's
+tokens stay exact; a batch accepts less than its rows would alone). After a round both
+caches are rewound to the kept tokens by resetting their positions, which is exact for the
+key/value cache every variant without its own decode cache uses (`Attention.decode_step`):
+entries past the position are never read and are overwritten. Variants with their own
+cache (windows, recurrent states, features) are refused by `check`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hpnlp.config import Config
+
+# the leaves of a rewindable decode cache: the default key/value cache's and the LM's position
+_CACHE_LEAVES = {"k", "v", "index", "position"}
+
+
+def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
+          prompt_len: int) -> None:
+    """Raises ValueError, naming the field and the fix, where speculative decoding of `cfg`
+    with `draft_cfg` as the draft cannot run."""
+    from hpnlp import attention as attention_lib
+    from hpnlp.attention.base import Attention
+
+    if draft_tokens < 1:
+        raise ValueError(f"speculative decoding: draft_tokens={draft_tokens}; it needs >= 1")
+    for role, c in (("target", cfg), ("draft", draft_cfg)):
+        if c.model.kind != "lm" or c.model.arch != "transformer":
+            raise ValueError(f"speculative decoding: the {role} is a model.kind={c.model.kind!r}, "
+                             f"model.arch={c.model.arch!r} run; it needs a Transformer LM")
+        cls = attention_lib.get(c.attention.name)
+        if cls.decode_step is not Attention.decode_step or cls.init_cache is not Attention.init_cache:
+            raise ValueError(
+                f"speculative decoding: the {role}'s attention.name={c.attention.name!r} keeps a "
+                "decode cache of its own, which cannot be rewound to the accepted tokens; use a "
+                "variant with the exact key/value cache (e.g. 'dense' or 'chunked')")
+        if length + draft_tokens - 1 > c.model.max_len:
+            raise ValueError(
+                f"speculative decoding: length={length} with draft_tokens={draft_tokens} writes "
+                f"{length + draft_tokens - 1} cache positions, past the {role}'s model.max_len="
+                f"{c.model.max_len}; lower length or draft_tokens")
+    for field, mine, theirs in (("data.task", cfg.data.task, draft_cfg.data.task),
+                                ("data.tokenizer", cfg.data.tokenizer, draft_cfg.data.tokenizer),
+                                ("model.vocab_size", cfg.model.vocab_size, draft_cfg.model.vocab_size)):
+        if mine != theirs:
+            raise ValueError(f"speculative decoding: the draft has {field}={theirs!r}, the target "
+                             f"{mine!r}; draft with a model of the same task and vocabulary")
+    if not 1 <= prompt_len < length:
+        raise ValueError(f"speculative decoding: prompts of {prompt_len} tokens; they need 1 to "
+                         f"{length - 1} (length={length})")
+
+
+def same_tokenizer(workdir: str, draft_workdir: str) -> bool:
+    """Whether two runs encode text alike: neither trained a subword model, or both kept the
+    same one (WORKDIR/tokenizer, hpnlp.data.tokenizers)."""
+    import os
+
+    from hpnlp.data.tokenizers import DIRNAME, MODEL_FILE
+
+    def model(w):
+        path = os.path.join(w, DIRNAME, MODEL_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    return model(workdir) == model(draft_workdir)
+
+
+def _leaf_name(path) -> str:
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def rewind(cache, position):
+    """The decode cache with every position (the key/value caches' `index`, the LM's
+    `position`) set to `position`: the tokens from there on are forgotten."""
+    def f(path, leaf):
+        name = _leaf_name(path)
+        if name not in _CACHE_LEAVES:
+            raise ValueError(f"speculative decoding: the decode cache has a {name!r} entry "
+                             f"({jax.tree_util.keystr(path)}), which rewinding cannot reset")
+        return jnp.full_like(leaf, position) if name in ("index", "position") else leaf
+    return jax.tree_util.tree_map_with_path(f, cache)
+
+
+def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float):
+    """One round's verdict. logp: the target's log-probs at the k + 1 positions after the
+    pending token (the last follows all k drafts); logq: the draft's at the first k, which
+    drew d. Returns (n, y_B): the drafts every row keeps (the fewest any row accepted) and
+    each row's next token after them (a kept draft, the target's own, or a residual draw)."""
+    B, K1, _ = logp_BKV.shape
+    k = K1 - 1
+    rows = jnp.arange(B)
+    if greedy:
+        ok_BK = d_BK == jnp.argmax(logp_BKV[:, :k], axis=-1)
+    else:
+        ku, key = jax.random.split(key)
+        p_BKV = jax.nn.softmax(logp_BKV / temperature, axis=-1)
+        q_BKV = jax.nn.softmax(logq_BKV / temperature, axis=-1)
+        p_BK = jnp.take_along_axis(p_BKV[:, :k], d_BK[..., None], axis=-1)[..., 0]
+        q_BK = jnp.take_along_axis(q_BKV, d_BK[..., None], axis=-1)[..., 0]
+        ok_BK = jax.random.uniform(ku, (B, k)) * q_BK < p_BK
+    n_B = jnp.sum(jnp.cumprod(ok_BK.astype(jnp.int32), axis=1), axis=1)
+    n = jnp.min(n_B)
+    logp_BV = logp_BKV[rows, n]
+    if greedy:
+        own_B = jnp.argmax(logp_BV, axis=-1)
+    else:
+        p_BV = p_BKV[rows, n]
+        # the residual where a draft was refused; the target's own after all k were kept
+        q_BV = jnp.where(n < k, q_BKV[rows, jnp.minimum(n, k - 1)], 0.0)
+        r_BV = jnp.maximum(p_BV - q_BV, 0.0)
+        r_BV = jnp.where(jnp.sum(r_BV, -1, keepdims=True) > 0, r_BV, p_BV)
+        own_B = jax.random.categorical(key, jnp.log(r_BV), axis=-1)
+    kept_B = d_BK[rows, jnp.minimum(n, k - 1)]
+    return n, jnp.where(n_B > n, kept_B, own_B).astype(jnp.int32)
+
+
+def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, prompt_BP, *,
+                         length: int, draft_tokens: int = 4, rng=None, temperature: float = 1.0,
+                         greedy: bool = True, token_counts=None, draft_token_counts=None):
+    """Returns (tokens [B, length]: the prompt followed by the target's continuation,
+    stats {"rounds", "accepted"}: target calls after the prompt, and drafts kept over all
+    of them). Every row's prompt is the whole of `prompt_BP` (same length). Jit it with the
+    configs static, like `generate.generate`; `check` runs here, before any tracing."""
+    from hpnlp.models import build
+
+    B, P = prompt_BP.shape
+    k = draft_tokens
+    check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
+    target = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
+    draft = build(draft_cfg, deterministic=True, decode=True, token_counts=draft_token_counts)
+    zeros_B1 = jnp.zeros((B, 1), jnp.int32)
+    caches = [m.init(jax.random.key(0), zeros_B1, method="decode_step")["cache"]
+              for m in (target, draft)]
+    for cache in caches:
+        rewind(cache, 0)  # checks the cache is one rewinding can reset
+    apply_t = lambda c, toks: target.apply(  # noqa: E731
+        {"params": params, "cache": c}, toks, method="decode_tokens", mutable=["cache"])
+    apply_d = lambda c, toks: draft.apply(  # noqa: E731
+        {"params": draft_params, "cache": c}, toks, method="decode_tokens", mutable=["cache"])
+    tcache, dcache = caches
+    if P > 1:  # the prompt but its last token, in one call each
+        tcache = apply_t(tcache, prompt_BP[:, :-1])[1]["cache"]
+        dcache = apply_d(dcache, prompt_BP[:, :-1])[1]["cache"]
+    out_BL = jnp.zeros((B, length + k + 1), jnp.int32).at[:, :P].set(prompt_BP)
+    rng = jax.random.key(0) if rng is None else rng
+
+    def draft_step(carry, _):
+        dcache, tok_B, key = carry
+        logq_B1V, upd = apply_d(dcache, tok_B[:, None])
+        key, sub = jax.random.split(key)
+        logq_BV = logq_B1V[:, 0]
+        d_B = (jnp.argmax(logq_BV, axis=-1) if greedy
+               else jax.random.categorical(sub, logq_BV / temperature, axis=-1))
+        return (upd["cache"], d_B.astype(jnp.int32), key), (d_B.astype(jnp.int32), logq_BV)
+
+    def round_(state):
+        t, out_BL, tcache, dcache, rng, rounds, accepted = state
+        rng, kd, ka = jax.random.split(rng, 3)
+        pending_B = jax.lax.dynamic_index_in_dim(out_BL, t, axis=1, keepdims=False)
+        # k + 1 draft steps: the last feeds the k-th draft, so the draft's cache holds every
+        # token the round may keep
+        (dcache, _, _), (d_KB, logq_KBV) = jax.lax.scan(draft_step, (dcache, pending_B, kd),
+                                                          None, length=k + 1)
+        d_BK, logq_BKV = d_KB[:k].T, jnp.moveaxis(logq_KBV[:k], 0, 1)
+        logp_BKV, upd = apply_t(tcache, jnp.concatenate([pending_B[:, None], d_BK], axis=1))
+        n, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, temperature=temperature)
+        new_BK1 = jnp.where(jnp.arange(k + 1) < n, jnp.pad(d_BK, ((0, 0), (0, 1))), y_B[:, None])
+        out_BL = jax.lax.dynamic_update_slice_in_dim(out_BL, new_BK1, t + 1, axis=1)
+        t = t + n + 1
+        return (t, out_BL, rewind(upd["cache"], t), rewind(dcache, t), rng, rounds + 1,
+                accepted + n)
+
+    state = (jnp.int32(P - 1), out_BL, tcache, dcache, rng, jnp.int32(0), jnp.int32(0))
+    _, out_BL, *_, rounds, accepted = jax.lax.while_loop(lambda s: s[0] < length - 1, round_,
+                                                         state)
+    return out_BL[:, :length], {"rounds": rounds, "accepted": accepted}
