@@ -50,6 +50,15 @@ def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
         assert kept < rounds * draft_tokens  # some draft was refused
 
 
+def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
+    cfg, params, *_, inputs = lms
+    for greedy in (True, False):
+        run = jax.jit(lambda p, pr, lens, greedy=greedy: models.generate(
+            cfg, p, pr, lens, length=LEN, greedy=greedy, rng=jax.random.key(5)))
+        stepwise = run(params, inputs[:, :6], jnp.full((2,), 6))
+        np.testing.assert_array_equal(run(params, inputs[:, :6], None), stepwise)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperature):
     """Many rounds of one row with k = 2 drafts drawn from q (per-position distributions

@@ -18,11 +18,12 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from hpnlp.bench import (attention, compress, data, distill_recipes, lra, memory, moe, quant, retrieval,
-                         rnn, softmax, train, tricks)
+                         rnn, softmax, speculative, train, tricks)
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
-           "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes}
+           "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes,
+           "speculative": speculative}
 
 
 def main(argv=None) -> None:

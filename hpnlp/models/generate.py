@@ -12,12 +12,17 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config
+from hpnlp.models.speculative import multi_token_cache
 
 
-def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=None,
+def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
              temperature: float = 1.0, greedy: bool = True, features_key=None,
              token_counts=None):
     """Returns tokens [B, length]: the prompt followed by generated tokens.
+
+    `prompt_len_B` None: every row's prompt is the whole of `prompt_BP`, and where the
+    attention variant keeps the exact key/value cache (`speculative.multi_token_cache`) all
+    but its last token go through the model in one call (prefill) instead of one a step.
 
     `features_key`: the random-feature draw the model was trained with, for variants
     that use the `features` stream (Performer); pass
@@ -38,22 +43,28 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B, *, length: int, rng=N
     prompt_BL = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
     rngs = {} if features_key is None else {"features": features_key}
+    start = 0
+    if prompt_len_B is None:
+        prompt_len_B = jnp.full((B,), P, jnp.int32)
+        if P > 1 and multi_token_cache(cfg):
+            cache = model.apply({"params": params, "cache": cache}, prompt_BP[:, :-1],
+                                method="decode_tokens", mutable=["cache"], rngs=rngs)[1]["cache"]
+            start = P - 1
 
     def step(carry, t):
-        cache, prev_B, rng = carry
+        cache, prev_B = carry
         tok_B = jnp.where(t < prompt_len_B, prompt_BL[:, t], prev_B)
         logp_BV, upd = model.apply({"params": params, "cache": cache}, tok_B[:, None],
                                    method="decode_step", mutable=["cache"], rngs=rngs)
-        rng, sub = jax.random.split(rng)
         if greedy:
             nxt_B = jnp.argmax(logp_BV, axis=-1)
-        else:
-            nxt_B = jax.random.categorical(sub, logp_BV / temperature, axis=-1)
-        return (upd["cache"], nxt_B.astype(jnp.int32), rng), tok_B
+        else:  # position t's own draw: the same tokens with and without the prefill
+            nxt_B = jax.random.categorical(jax.random.fold_in(rng, t), logp_BV / temperature,
+                                           axis=-1)
+        return (upd["cache"], nxt_B.astype(jnp.int32)), tok_B
 
-    (_, _, _), toks_LB = jax.lax.scan(step, (cache, jnp.zeros((B,), jnp.int32), rng),
-                                      jnp.arange(length))
-    return toks_LB.T
+    _, toks_LB = jax.lax.scan(step, (cache, jnp.zeros((B,), jnp.int32)), jnp.arange(start, length))
+    return jnp.concatenate([prompt_BL[:, :start], toks_LB.T], axis=1)
 
 
 def main(argv=None) -> int:

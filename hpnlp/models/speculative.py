@@ -31,21 +31,29 @@ from hpnlp.config import Config
 _CACHE_LEAVES = {"k", "v", "index", "position"}
 
 
+def multi_token_cache(cfg: Config) -> bool:
+    """Whether the model's decode cache is the exact key/value cache (`Attention.decode_step`):
+    the one that takes several tokens a call (`TransformerLM.decode_tokens`) and that
+    `rewind` resets. Variants with a cache of their own (windows, recurrent states,
+    features) decode one token a call."""
+    from hpnlp import attention as attention_lib
+    from hpnlp.attention.base import Attention
+
+    cls = attention_lib.get(cfg.attention.name)
+    return cls.decode_step is Attention.decode_step and cls.init_cache is Attention.init_cache
+
+
 def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
           prompt_len: int) -> None:
     """Raises ValueError, naming the field and the fix, where speculative decoding of `cfg`
     with `draft_cfg` as the draft cannot run."""
-    from hpnlp import attention as attention_lib
-    from hpnlp.attention.base import Attention
-
     if draft_tokens < 1:
         raise ValueError(f"speculative decoding: draft_tokens={draft_tokens}; it needs >= 1")
     for role, c in (("target", cfg), ("draft", draft_cfg)):
         if c.model.kind != "lm" or c.model.arch != "transformer":
             raise ValueError(f"speculative decoding: the {role} is a model.kind={c.model.kind!r}, "
                              f"model.arch={c.model.arch!r} run; it needs a Transformer LM")
-        cls = attention_lib.get(c.attention.name)
-        if cls.decode_step is not Attention.decode_step or cls.init_cache is not Attention.init_cache:
+        if not multi_token_cache(c):
             raise ValueError(
                 f"speculative decoding: the {role}'s attention.name={c.attention.name!r} keeps a "
                 "decode cache of its own, which cannot be rewound to the accepted tokens; use a "

@@ -1,0 +1,247 @@
+"""`python -m hpnlp.bench speculative`: speculative decoding (hpnlp.models.speculative) of a
+byte LM with a smaller draft, against the target decoding alone, in one run on this CPU.
+
+Models (trained in --workdir, a finished run of the same config reused), per target size:
+the target, a byte LM of experiments/lm.py (the default one, and one four times as wide and
+twice as deep, 12.8M parameters); two drafts at half its depth and width (an eighth of its
+parameters): distilled from it (`train.distill`, the compress bench's recipe: the
+teacher's important weights from its last blocks, soft targets at T = 1) and trained from
+scratch, both for the target's steps.
+
+Decoding: batch 1 (where drafting can pay: one token's step reads every weight), `prompts`
+prompts of `prompt_len` bytes from the eval text (one a call, in turn), `new_tokens` bytes
+each; greedy and sampled (temperature 0.8). Per (target, draft, k drafted tokens a round,
+mode): tokens/s, the speed-up over the target alone in the same mode, acceptance (drafts
+kept / drafted), tokens per target call, and for greedy whether the tokens equal the
+target's own greedy tokens (they must: the check runs in the bench). Every call is timed
+interleaved with its target's alone (`harness.time_interleaved`), so drift falls on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp.bench import compress, harness, report
+
+TARGETS = {"default byte LM": dict(width=128, depth=2, num_heads=4, mlp_dim=512),
+           "4x wide, 2x deep": dict(width=512, depth=4, num_heads=8, mlp_dim=2048)}
+SIZES = {
+    # the wide target trains 400 steps (0.9 steps/s on a 2-core Zen 5); the default one its
+    # experiment's 800
+    "full": dict(targets={"default byte LM": None, "4x wide, 2x deep": 400}, ks=(2, 4, 6),
+                 prompts=4, prompt_len=16, new_tokens=96, temperature=0.8, repeats=7, eval_batches=None),
+    "quick": dict(targets={"default byte LM": 12}, ks=(2,), prompts=2, prompt_len=8,
+                  new_tokens=16, temperature=0.8, repeats=2, eval_batches=2),
+}
+DRAFTS = {"distilled": compress.TARGETS_RECIPE, "scratch": None}
+MODES = ("greedy", "sampled")
+
+
+def target_config(name: str, steps: int | None, eval_batches: int | None = None):
+    """experiments/lm.py's byte LM at `name`'s size, trained `steps` (None: its 800)."""
+    cd = compress.experiment("byte LM", dict(lm_steps=None, eval_batches=eval_batches))
+    cd.model.update(TARGETS[name])
+    if steps:
+        cd.train.steps, cd.train.warmup_steps = steps, min(cd.train.warmup_steps, steps // 5)
+    return cd
+
+
+def draft_config(name: str, steps: int | None, eval_batches: int | None, tdir: str, how: str):
+    cd = compress.student(target_config(name, steps, eval_batches))
+    if DRAFTS[how] is not None:
+        cd.train.distill.update(teacher=tdir, **DRAFTS[how])
+    return cd
+
+
+def _load(workdir: str):
+    """(config, params, task) of a trained run."""
+    from hpnlp.train import Trainer
+    from hpnlp.train.carry import model_params
+    from hpnlp.train.checkpoint import load_run_config
+
+    tr = Trainer(load_run_config(workdir), workdir, read_only=True)
+    state, _ = tr.initial_state()
+    tr.checkpointer.close()
+    return tr.cfg, model_params(state.params), tr.task
+
+
+def _prompts(task, cfg, n: int, length: int) -> np.ndarray:
+    from hpnlp import data as data_lib
+    batch = next(iter(data_lib.make_iterator(task, cfg.data, split="eval", batch_size=n)))
+    return np.asarray(batch["inputs"][:, :length], np.int32)
+
+
+def train_models(s: dict, workdir: str) -> dict:
+    """{target name: {"target": workdir, draft name: workdir}}, trained (or reused)."""
+    out = {}
+    for name, steps in s["targets"].items():
+        tag = name.replace(" ", "_").replace(",", "")
+        tdir = os.path.join(workdir, f"{tag}_target")
+        summaries = {"target": compress._train(target_config(name, steps, s["eval_batches"]), tdir)}
+        dirs = {"target": tdir}
+        for how in DRAFTS:
+            ddir = dirs[how] = os.path.join(workdir, f"{tag}_draft_{how}")
+            summaries[how] = compress._train(
+                draft_config(name, steps, s["eval_batches"], tdir, how), ddir)
+        out[name] = {"dirs": dirs, "summaries": summaries}
+    return out
+
+
+def decode_rows(s: dict, models: dict) -> list[dict]:
+    from hpnlp.models.generate import generate
+    from hpnlp.models.speculative import speculative_generate
+
+    rows = []
+    n_new = s["new_tokens"]
+    length = s["prompt_len"] + n_new
+    for name, m in models.items():
+        cfg, params, task = _load(m["dirs"]["target"])
+        prompts = _prompts(task, cfg, s["prompts"], s["prompt_len"])
+        drafts = {how: _load(m["dirs"][how]) for how in DRAFTS}
+        calls, stats = {}, {}
+        for mode in MODES:
+            kw = dict(greedy=mode == "greedy", temperature=s["temperature"])
+            # the prompt prefilled in one call, as speculative decoding does
+            alone = jax.jit(lambda p, pr, key, kw=kw: generate(cfg, p, pr, None, length=length,
+                                                               rng=key, **kw))
+            outs = []
+
+            def run_alone(f=alone, outs=outs):
+                outs.clear()
+                for i, pr in enumerate(prompts):
+                    outs.append(f(params, pr[None], jax.random.key(i)))
+                jax.block_until_ready(outs)
+            calls[(mode, "target alone", 0)] = run_alone
+            stats[(mode, "target alone", 0)] = outs
+            for how, (dcfg, dparams, _) in drafts.items():
+                for k in s["ks"]:
+                    spec = jax.jit(lambda p, dp, pr, key, dcfg=dcfg, k=k, kw=kw: speculative_generate(
+                        cfg, p, dcfg, dp, pr, length=length, draft_tokens=k, rng=key, **kw))
+                    res = []
+
+                    def run_spec(f=spec, dp=dparams, res=res):
+                        res.clear()
+                        for i, pr in enumerate(prompts):
+                            res.append(f(params, dp, pr[None], jax.random.key(i)))
+                        jax.block_until_ready(res)
+                    calls[(mode, how, k)] = run_spec
+                    stats[(mode, how, k)] = res
+        timed = harness.time_interleaved(calls, repeats=s["repeats"])
+        params_of = {how: m["summaries"][how]["param_count"] for how in DRAFTS}
+        params_of["target alone"] = m["summaries"]["target"]["param_count"]
+        loss_of = {how: m["summaries"][how]["eval"]["loss"] for how in DRAFTS}
+        loss_of["target alone"] = m["summaries"]["target"]["eval"]["loss"]
+        for (mode, how, k), call in calls.items():
+            sec = timed[(mode, how, k)][0].median_s
+            row = {"target": name, "target_params": params_of["target alone"],
+                   "target_loss": loss_of["target alone"], "mode": mode, "draft": how, "k": k,
+                   "draft_params": params_of.get(how) if k else None,
+                   "draft_loss": loss_of.get(how) if k else None, "seconds": sec,
+                   "tokens_per_s": len(prompts) * n_new / sec}
+            if k:
+                res = stats[(mode, how, k)]
+                rounds = sum(int(st["rounds"]) for _, st in res)
+                kept = sum(int(st["accepted"]) for _, st in res)
+                row.update(rounds=rounds, accepted=kept, acceptance=kept / (rounds * k),
+                           tokens_per_call=len(prompts) * n_new / rounds)
+                if mode == "greedy":
+                    own = stats[(mode, "target alone", 0)]
+                    row["equals_target"] = all(bool(jnp.array_equal(a, b))
+                                               for (a, _), b in zip(res, own))
+            rows.append(row)
+        base = {r["mode"]: r["seconds"] for r in rows if r["target"] == name and not r["k"]}
+        for r in rows:
+            if r["target"] == name:
+                r["speedup"] = base[r["mode"]] / r["seconds"]
+    return rows
+
+
+def _markdown(p: dict) -> str:
+    s = p["sizes"]
+    out = [report.header_md(p["machine"], {}), "",
+           f"Batch 1, {s['prompts']} prompts of {s['prompt_len']} bytes from the eval text, "
+           f"{s['new_tokens']} new bytes each; sampled at temperature {s['temperature']}. "
+           "Tokens/s: medians of the rounds, every configuration of a target timed in turn "
+           "each round. Speed-up: over the target decoding alone, same mode. Acceptance: "
+           "drafts kept over drafts proposed. Tokens per call: new tokens per target call. "
+           "Greedy rows check their tokens against the target's own greedy decoding.", ""]
+    for target in dict.fromkeys(r["target"] for r in p["rows"]):
+        rows = [r for r in p["rows"] if r["target"] == target]
+        t = rows[0]
+        out += [f"### {target}: {t['target_params']:,} parameters, eval loss "
+                f"{t['target_loss']:.4f}", ""]
+        drafts = {r["draft"]: r for r in rows if r["k"]}
+        if drafts:
+            out += ["Drafts: " + "; ".join(f"{d} ({r['draft_params']:,} parameters, eval loss "
+                                            f"{r['draft_loss']:.4f})" for d, r in drafts.items())
+                    + ".", ""]
+        out += [report.table(
+            ["mode", "draft", "k", "tokens/s", "speed-up", "acceptance", "tokens per call",
+             "= target's greedy"],
+            [[r["mode"], r["draft"], str(r["k"] or "–"), f"{r['tokens_per_s']:.1f}",
+              report.fmt(r["speedup"], "x"), report.fmt(r.get("acceptance")),
+              report.fmt(r.get("tokens_per_call")),
+              {True: "yes", False: "**no**"}.get(r.get("equals_target"), "–")] for r in rows]), ""]
+    if p.get("seconds"):
+        out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                      p["seconds"].items()) + ".", ""]
+    return "\n".join(out)
+
+
+def _plot(p: dict, out_dir: str) -> None:
+    """Speed-up against k per (target, draft, mode)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(dict.fromkeys(r["target"] for r in p["rows"]))
+    fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        series = {}
+        for r in p["rows"]:
+            if r["target"] == target and r["k"]:
+                series.setdefault(f"{r['draft']}, {r['mode']}", []).append((r["k"], r["speedup"]))
+        for label, pts in series.items():
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xlabel("drafted tokens per round (k)")
+        ax.set_ylabel("speed-up over the target alone")
+        ax.set_title(target)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "speculative_speedup.png"), dpi=120)
+    plt.close(fig)
+
+
+def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
+    s = SIZES["quick" if quick else "full"]
+    payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+               "machine": harness.machine_info(), "seconds": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        models = train_models(s, workdir or tmp)
+        payload["seconds"]["train"] = time.perf_counter() - t0
+        payload["reused_runs"] = len(compress.REUSED)
+        t0 = time.perf_counter()
+        payload["rows"] = decode_rows(s, models)
+        payload["seconds"]["decode"] = time.perf_counter() - t0
+    report.write(out_dir, "speculative", payload, _markdown(payload))
+    _plot(payload, out_dir)
+    return payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=None, help="keep the trained runs here (and reuse them)")
+
+
+def main(args) -> None:
+    run(args.out, quick=args.quick, workdir=args.workdir)
