@@ -13,6 +13,7 @@ from hpnlp.config import Config
 from hpnlp.models.heads import Classifier, DualEncoder, TransformerLM  # noqa: F401
 from hpnlp.models.bi_encoder import BiEncoder  # noqa: F401
 from hpnlp.models.generate import generate  # noqa: F401
+from hpnlp.models.speculative import speculative_generate  # noqa: F401
 
 MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEncoder,
           "bi_encoder": BiEncoder}
