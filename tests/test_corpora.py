@@ -259,3 +259,7 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert out == want and "speculative:" in err and " target calls; " in err
     assert generate.main(greedy + ["--draft", str(tmp_path), "--draft-tokens", "10"]) == 2
     assert "past the target's model.max_len=32" in capsys.readouterr().err
+    # no --length: as long as the caches allow (32 - 4 + 1 tokens)
+    assert generate.main(["--workdir", str(tmp_path), "--prompt", prompts[0], "--greedy",
+                          "--draft", str(tmp_path)]) == 0
+    assert "speculative: " in capsys.readouterr().err

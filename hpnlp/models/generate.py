@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="a trained LM run")
     p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
     p.add_argument("--length", type=int, default=0, help="tokens in all, prompt included "
-                   "(default: model.max_len)")
+                   "(default: model.max_len; with --draft, less the drafts a round writes past "
+                   "it: model.max_len - draft_tokens + 1)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
     p.add_argument("--seed", type=int, default=0)
@@ -111,6 +112,9 @@ def main(argv=None) -> int:
         length = args.length or cfg.model.max_len
         if args.draft:
             draft_cfg, draft_trainer = load(args.draft)
+            # by default as long as both caches hold a round's drafts past it
+            length = args.length or (min(cfg.model.max_len, draft_cfg.model.max_len)
+                                     - max(args.draft_tokens, 1) + 1)
             speculative.check(cfg, draft_cfg, length=length, draft_tokens=args.draft_tokens,
                               prompt_len=1)
             if not speculative.same_tokenizer(args.workdir, args.draft):
