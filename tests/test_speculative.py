@@ -2,7 +2,6 @@
 cache rewind, and the errors before any compile."""
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +16,32 @@ from test_models import V, init, lm_batch, make_cfg
 LEN = 14  # generated length; the configs' max_len is 16
 
 
+def noisy(params, scale, seed=1):
+    """params plus Gaussian noise of `scale` times each array's standard deviation."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])
+
+
 @pytest.fixture(scope="module")
 def lms():
-    """A target LM and an unrelated, smaller draft (random weights: they agree sometimes)."""
+    """A target LM and a smaller draft of random weights (which never agree with it)."""
     cfg = make_cfg("lm")
     draft_cfg = make_cfg("lm", width=16, depth=1, num_heads=2, mlp_dim=32)
     batch = lm_batch()
     return cfg, init(cfg, batch)[1], draft_cfg, init(draft_cfg, batch)[1], batch["inputs"]
 
 
-@pytest.mark.parametrize("prompt_len, draft_tokens, self_draft", [(4, 3, False), (1, 2, True)])
+@pytest.mark.parametrize("prompt_len, draft_tokens, draft", [(4, 3, "smaller"), (2, 3, "noisy"),
+                                                             (1, 2, "self")])
 def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
-        lms, prompt_len, draft_tokens, self_draft):
+        lms, prompt_len, draft_tokens, draft):
+    """Drafts never kept (a smaller random LM), some kept, with rows that keep different
+    numbers (the target with its weights perturbed), and all kept (the target itself)."""
     cfg, params, draft_cfg, draft_params, inputs = lms
-    if self_draft:  # the target drafting for itself: every draft is kept
-        draft_cfg, draft_params = cfg, params
+    if draft != "smaller":
+        draft_cfg, draft_params = cfg, (params if draft == "self" else noisy(params, 0.1))
     prompt = inputs[:, :prompt_len]
     want = jax.jit(lambda p, pr: models.generate(cfg, p, pr, jnp.full((2,), prompt_len),
                                                  length=LEN))(params, prompt)
@@ -43,11 +53,13 @@ def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
     # each round emits its kept drafts and one token of the target's own (the last round's
     # past `length` are cut)
     assert LEN - prompt_len <= rounds + kept < LEN - prompt_len + draft_tokens + 1
-    if self_draft:
+    if draft == "self":
         assert kept == rounds * draft_tokens
         assert rounds == -(-(LEN - prompt_len) // (draft_tokens + 1))
+    elif draft == "noisy":
+        assert 0 < kept < rounds * draft_tokens
     else:
-        assert kept < rounds * draft_tokens  # some draft was refused
+        assert kept == 0
 
 
 def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
@@ -61,28 +73,57 @@ def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperature):
-    """Many rounds of one row with k = 2 drafts drawn from q (per-position distributions
-    that ignore the context, so the target's tokens are independent): the token a round
-    emits at each position it reaches (a kept draft, a residual draw after a refusal, or the
-    target's own after both were kept) is distributed as p at that position."""
-    logp = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]))
-    logq = jnp.log(jnp.array([[0.3, 0.3, 0.2, 0.2], [0.4, 0.3, 0.2, 0.1]]))
+    """Many rounds of two rows with k = 2 drafts drawn from q (per-position distributions
+    that ignore the context, so the target's tokens are independent; row 0's draft is
+    closer to its target than row 1's, so it often accepted past the round's n): the token
+    each row emits at each position it reaches (a kept draft, a residual draw after a
+    refusal, or the target's own after both were kept) is distributed as its p there."""
+    logp = jnp.log(jnp.array([[[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]],
+                              [[0.25] * 4, [0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]]]))
+    logq = jnp.log(jnp.array([[[0.45, 0.3, 0.15, 0.1], [0.15, 0.2, 0.3, 0.35]],
+                              [[0.55, 0.15, 0.15, 0.15], [0.2, 0.2, 0.3, 0.3]]]))
 
     def one(key):
         kd, ka = jax.random.split(key)
-        d_2 = jax.random.categorical(kd, logq / temperature, axis=-1).astype(jnp.int32)
-        n, y = speculative.accept(logp[None], logq[None], d_2[None], ka, greedy=False,
-                                  temperature=temperature)
-        return n, jnp.where(jnp.arange(3) < n, jnp.pad(d_2, (0, 1)), y[0])  # emitted tokens
+        d_B2 = jax.random.categorical(kd, logq / temperature, axis=-1).astype(jnp.int32)
+        n, y_B = speculative.accept(logp, logq, d_B2, ka, greedy=False, temperature=temperature)
+        return n, jnp.where(jnp.arange(3) < n, jnp.pad(d_B2, ((0, 0), (0, 1))), y_B[:, None])
 
     n, emitted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), 60000))
     n, emitted = np.asarray(n), np.asarray(emitted)
-    for pos in range(3):
-        reached = emitted[n >= pos, pos]  # rounds that emit a token at this position
-        assert len(reached) > 5000
-        want = jax.nn.softmax(logp[pos] / temperature)
-        np.testing.assert_allclose(np.bincount(reached, minlength=4) / len(reached), want,
-                                   atol=5 * np.sqrt(0.25 / len(reached)))
+    for row in range(2):
+        for pos in range(3):
+            reached = emitted[n >= pos, row, pos]  # rounds that emit a token at this position
+            assert len(reached) > 4000
+            want = jax.nn.softmax(logp[row, pos] / temperature)
+            np.testing.assert_allclose(np.bincount(reached, minlength=4) / len(reached), want,
+                                       atol=5 * np.sqrt(0.25 / len(reached)))
+
+
+@pytest.mark.slow
+def test_sampled_speculative_decoding_draws_the_targets_first_two_tokens(lms):
+    """End to end at temperature 0.5 (the draft's sampling included): over 24,000 runs, the
+    first two generated tokens' frequencies match the target's exact marginals (the
+    second's by summing over the first)."""
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    T, P = 0.5, 2
+    prompt = inputs[:, :P]
+    run = jax.jit(jax.vmap(lambda key: speculative.speculative_generate(
+        cfg, params, draft_cfg, draft_params, prompt, length=P + 2, draft_tokens=2, rng=key,
+        greedy=False, temperature=T)[0]))
+    out = np.concatenate([np.asarray(run(keys)) for keys in
+                          jnp.split(jax.random.split(jax.random.key(3), 24000), 4)])
+    model = models.build(cfg, deterministic=True)
+    for row in range(2):
+        seqs = jnp.concatenate([jnp.tile(prompt[row], (V, 1)), jnp.arange(V)[:, None]], 1)
+        batch = {"inputs": seqs, "segment_ids": jnp.ones_like(seqs),
+                 "positions": jnp.broadcast_to(jnp.arange(P + 1), seqs.shape)}
+        logp = model.apply({"params": params}, batch, method="log_probs")  # [V, P + 1, V]
+        first = jax.nn.softmax(logp[0, P - 1] / T)
+        second = first @ jax.nn.softmax(logp[:, P] / T)
+        for pos, want in ((P, first), (P + 1, second)):
+            got = np.bincount(out[:, row, pos], minlength=V) / len(out)
+            np.testing.assert_allclose(got, want, atol=5 * np.sqrt(0.25 / len(out)))
 
 
 def test_rewind_forgets_tokens_and_refuses_a_cache_it_cannot_reset():
@@ -106,9 +147,22 @@ def test_bad_drafts_and_lengths_are_refused_before_compiling():
          "attention.name='performer' keeps a decode cache of its own"),
         (cfg, dict(ok, length=16), "past the target's model.max_len=16"),
         (cfg, dict(ok, draft_tokens=0), "draft_tokens=0"),
-        (cfg, dict(ok, prompt_len=LEN), "they need 1 to 13"),
+        (cfg, dict(ok, draft_tokens=16, length=1), "must be below the target's model.max_len=16"),
+        (cfg, dict(ok, prompt_len=LEN), "it needs 1 to 13 tokens: shorten the prompt"),
         (make_cfg("classifier"), ok, "needs a Transformer LM"),
     ]
+    # a byte LM's own tokenizer, named or not: the same
+    byte_lm = dataclasses.replace(cfg, data=DataConfig(task="byte_lm"))
+    speculative.check(byte_lm, dataclasses.replace(
+        byte_lm, data=DataConfig(task="byte_lm", tokenizer="bytes")), **ok)
     for draft, kw, message in cases:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             speculative.check(cfg, draft, **kw)
+
+
+def test_several_tokens_a_call_need_the_exact_cache():
+    cfg = make_cfg("lm", attention="local")
+    dec = models.build(cfg, deterministic=True, decode=True)
+    variables = dec.init(jax.random.key(0), jnp.zeros((2, 1), jnp.int32), method="decode_step")
+    with pytest.raises(ValueError, match="attention.name='local' does not keep"):
+        dec.apply(variables, jnp.zeros((2, 3), jnp.int32), method="decode_tokens", mutable=["cache"])

@@ -130,6 +130,15 @@ class Attention(nn.Module):
                                "causal, but the model is a causal LM; choose a causal-capable "
                                "variant for model.kind='lm'")
 
+    @classmethod
+    def exact_cache(cls) -> bool:
+        """Whether the variant decodes through the default exact key/value cache
+        (`init_cache`, `decode_step` not overridden): the one that takes several tokens a
+        call (prefill, speculative decoding's verification) and that resetting its `index`
+        rewinds. Windowed, recurrent and feature variants keep caches of their own and
+        decode one token a call."""
+        return cls.decode_step is Attention.decode_step and cls.init_cache is Attention.init_cache
+
     def cache_impl(self) -> str:
         """The default decode step's `cache_cpu.cached_attention(impl=)`: "auto" (its CPU
         kernel where it runs); a variant with an `impl` option of its own passes it on."""
@@ -141,7 +150,9 @@ class Attention(nn.Module):
 
     def decode_step(self, cache, q_BKHD, k_BKHD, v_BKHD):
         """K tokens (usually one): append k, v at cache['index'], each query attending to
-        the cached keys and the new ones up to its own."""
+        the cached keys and the new ones up to its own. The caller keeps index + K within
+        the cache (a dynamic update past its end would be clamped, overwriting earlier
+        entries)."""
         idx = cache["index"]
         k_BTHD, v_BTHD = cache_put(cache["k"], k_BKHD, idx), cache_put(cache["v"], v_BKHD, idx)
         from hpnlp.attention.cache_cpu import cached_attention  # it imports this module

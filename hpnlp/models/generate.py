@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hpnlp import attention as attention_lib
 from hpnlp.config import Config
-from hpnlp.models.speculative import multi_token_cache
 
 
 def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
@@ -21,8 +21,8 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     """Returns tokens [B, length]: the prompt followed by generated tokens.
 
     `prompt_len_B` None: every row's prompt is the whole of `prompt_BP`, and where the
-    attention variant keeps the exact key/value cache (`speculative.multi_token_cache`) all
-    but its last token go through the model in one call (prefill) instead of one a step.
+    attention variant keeps the exact key/value cache (`Attention.exact_cache`) all but its
+    last token go through the model in one call (prefill) instead of one a step.
 
     `features_key`: the random-feature draw the model was trained with, for variants
     that use the `features` stream (Performer); pass
@@ -46,7 +46,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     start = 0
     if prompt_len_B is None:
         prompt_len_B = jnp.full((B,), P, jnp.int32)
-        if P > 1 and multi_token_cache(cfg):
+        if P > 1 and attention_lib.get(cfg.attention.name).exact_cache():
             cache = model.apply({"params": params, "cache": cache}, prompt_BP[:, :-1],
                                 method="decode_tokens", mutable=["cache"], rngs=rngs)[1]["cache"]
             start = P - 1

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hpnlp import attention as attention_lib
 from hpnlp import softmax as softmax_lib
 from hpnlp.compress.qlinear import Dense
 from hpnlp.config import Config
@@ -106,9 +107,14 @@ class TransformerLM(nn.Module):
     def decode_tokens(self, tokens_BK):
         """K tokens per row at the cached positions pos..pos + K - 1, each seeing the cache
         and the tokens before it -> next-token log-probs [B, K, V] (speculative decoding's
-        verification; K = 1 is `decode_step`). Only the exact key/value cache takes K > 1."""
+        verification; K = 1 is `decode_step`). K > 1 needs the exact key/value cache
+        (`Attention.exact_cache`)."""
         pos = self.position.value
         K = tokens_BK.shape[1]
+        if K > 1 and not attention_lib.get(self.cfg.attention.name).exact_cache():
+            raise ValueError(f"decode_tokens: {K} tokens in one call need the exact key/value "
+                             f"cache, which attention.name={self.cfg.attention.name!r} does not "
+                             "keep (its decode cache is its own); feed it one token a call")
         h_BKE = self.trunk(self.embed, tokens_BK, jnp.ones_like(tokens_BK),
                            pos + jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), tokens_BK.shape))
         if not self.is_initializing():

@@ -1,21 +1,23 @@
 """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a small draft LM proposes
 `draft_tokens` tokens one at a time, the target LM scores them all in one call, and the
 longest prefix the target agrees with is kept, plus one token of the target's own. The
-output is the target's: token for token its greedy decoding when `greedy`, and when
-sampling, every token is distributed as the target's (temperature-scaled) next-token
-distribution (a draft token d is kept with probability min(1, p(d) / q(d)); at the first
+output is the target's: token for token its greedy decoding when `greedy` (the one call on
+k + 1 tokens and k + 1 single steps agree to float rounding, about 2e-5 in the tests, so
+only a near-tie in the target's argmax could tell them apart), and when sampling, every
+token is distributed as the target's (temperature-scaled) next-token distribution (a draft token d is kept with probability min(1, p(d) / q(d)); at the first
 one refused, a token is drawn from the residual max(p - q, 0), renormalized).
 
 A round costs `draft_tokens + 1` draft steps and one target call on `draft_tokens + 1`
 tokens (`TransformerLM.decode_tokens`), and emits between 1 and `draft_tokens + 1` tokens.
-It pays where the target's one-token step is bound by reading its weights (batch 1, a
-model larger than the caches), so that scoring k + 1 tokens costs little more than one,
-and the draft (a distilled student: `train.distill`) agrees with it often.
+It pays where the target's step costs much more than the draft's and scoring k + 1 tokens
+costs little more than one token (batch 1, where a step reads every weight once), and the
+draft (a distilled student: `train.distill`) agrees with it often
+(`python -m hpnlp.bench speculative`).
 
 Rows advance together: a round keeps the fewest drafts any row accepted (every row's
 tokens stay exact; a batch accepts less than its rows would alone). After a round both
 caches are rewound to the kept tokens by resetting their positions, which is exact for the
-key/value cache every variant without its own decode cache uses (`Attention.decode_step`):
+key/value cache every variant without its own decode cache uses (`Attention.exact_cache`):
 entries past the position are never read and are overwritten. Variants with their own
 cache (windows, recurrent states, features) are refused by `check`.
 """
@@ -31,47 +33,48 @@ from hpnlp.config import Config
 _CACHE_LEAVES = {"k", "v", "index", "position"}
 
 
-def multi_token_cache(cfg: Config) -> bool:
-    """Whether the model's decode cache is the exact key/value cache (`Attention.decode_step`):
-    the one that takes several tokens a call (`TransformerLM.decode_tokens`) and that
-    `rewind` resets. Variants with a cache of their own (windows, recurrent states,
-    features) decode one token a call."""
-    from hpnlp import attention as attention_lib
-    from hpnlp.attention.base import Attention
-
-    cls = attention_lib.get(cfg.attention.name)
-    return cls.decode_step is Attention.decode_step and cls.init_cache is Attention.init_cache
+def _tokenizer(cfg: Config) -> str:
+    """The tokenizer a run encodes with: its `data.tokenizer`, or its task's own."""
+    return cfg.data.tokenizer or {"byte_lm": "bytes", "word_lm": "words"}.get(cfg.data.task, "")
 
 
 def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
           prompt_len: int) -> None:
     """Raises ValueError, naming the field and the fix, where speculative decoding of `cfg`
     with `draft_cfg` as the draft cannot run."""
+    from hpnlp import attention as attention_lib
+
     if draft_tokens < 1:
         raise ValueError(f"speculative decoding: draft_tokens={draft_tokens}; it needs >= 1")
     for role, c in (("target", cfg), ("draft", draft_cfg)):
         if c.model.kind != "lm" or c.model.arch != "transformer":
             raise ValueError(f"speculative decoding: the {role} is a model.kind={c.model.kind!r}, "
                              f"model.arch={c.model.arch!r} run; it needs a Transformer LM")
-        if not multi_token_cache(c):
+        if not attention_lib.get(c.attention.name).exact_cache():
             raise ValueError(
                 f"speculative decoding: the {role}'s attention.name={c.attention.name!r} keeps a "
                 "decode cache of its own, which cannot be rewound to the accepted tokens; use a "
                 "variant with the exact key/value cache (e.g. 'dense' or 'chunked')")
+        if draft_tokens >= c.model.max_len:
+            raise ValueError(f"speculative decoding: draft_tokens={draft_tokens} must be below the "
+                             f"{role}'s model.max_len={c.model.max_len}; lower draft_tokens")
+        # the only guard: a round's cache writes past max_len would be clamped onto earlier
+        # entries (dynamic_update_slice), not refused
         if length + draft_tokens - 1 > c.model.max_len:
             raise ValueError(
                 f"speculative decoding: length={length} with draft_tokens={draft_tokens} writes "
                 f"{length + draft_tokens - 1} cache positions, past the {role}'s model.max_len="
                 f"{c.model.max_len}; lower length or draft_tokens")
     for field, mine, theirs in (("data.task", cfg.data.task, draft_cfg.data.task),
-                                ("data.tokenizer", cfg.data.tokenizer, draft_cfg.data.tokenizer),
+                                ("data.tokenizer", _tokenizer(cfg), _tokenizer(draft_cfg)),
                                 ("model.vocab_size", cfg.model.vocab_size, draft_cfg.model.vocab_size)):
         if mine != theirs:
             raise ValueError(f"speculative decoding: the draft has {field}={theirs!r}, the target "
                              f"{mine!r}; draft with a model of the same task and vocabulary")
     if not 1 <= prompt_len < length:
-        raise ValueError(f"speculative decoding: prompts of {prompt_len} tokens; they need 1 to "
-                         f"{length - 1} (length={length})")
+        raise ValueError(f"speculative decoding: a prompt of {prompt_len} tokens with "
+                         f"length={length}; it needs 1 to {length - 1} tokens: shorten the "
+                         "prompt or raise length")
 
 
 def same_tokenizer(workdir: str, draft_workdir: str) -> bool:
@@ -101,7 +104,9 @@ def rewind(cache, position):
         name = _leaf_name(path)
         if name not in _CACHE_LEAVES:
             raise ValueError(f"speculative decoding: the decode cache has a {name!r} entry "
-                             f"({jax.tree_util.keystr(path)}), which rewinding cannot reset")
+                             f"({jax.tree_util.keystr(path)}), which rewinding cannot reset; "
+                             "decode with a model whose only cache is the exact key/value one "
+                             "(Attention.exact_cache)")
         return jnp.full_like(leaf, position) if name in ("index", "position") else leaf
     return jax.tree_util.tree_map_with_path(f, cache)
 
@@ -154,19 +159,19 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     target = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     draft = build(draft_cfg, deterministic=True, decode=True, token_counts=draft_token_counts)
     zeros_B1 = jnp.zeros((B, 1), jnp.int32)
-    caches = [m.init(jax.random.key(0), zeros_B1, method="decode_step")["cache"]
-              for m in (target, draft)]
-    for cache in caches:
-        rewind(cache, 0)  # checks the cache is one rewinding can reset
-    apply_t = lambda c, toks: target.apply(  # noqa: E731
-        {"params": params, "cache": c}, toks, method="decode_tokens", mutable=["cache"])
-    apply_d = lambda c, toks: draft.apply(  # noqa: E731
-        {"params": draft_params, "cache": c}, toks, method="decode_tokens", mutable=["cache"])
-    tcache, dcache = caches
+
+    def decoder(model, params):
+        """(its empty decode cache, `apply(cache, tokens) -> (log-probs, {"cache": ...})`)."""
+        cache = model.init(jax.random.key(0), zeros_B1, method="decode_step")["cache"]
+        return cache, lambda c, toks: model.apply({"params": params, "cache": c}, toks,
+                                                  method="decode_tokens", mutable=["cache"])
+    tcache, apply_t = decoder(target, params)
+    dcache, apply_d = decoder(draft, draft_params)
     if P > 1:  # the prompt but its last token, in one call each
         tcache = apply_t(tcache, prompt_BP[:, :-1])[1]["cache"]
         dcache = apply_d(dcache, prompt_BP[:, :-1])[1]["cache"]
-    out_BL = jnp.zeros((B, length + k + 1), jnp.int32).at[:, :P].set(prompt_BP)
+    # a round writes k + 1 tokens after its pending one, the last round's past `length`
+    out_BL = jnp.zeros((B, length + k), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
 
     def draft_step(carry, _):
