@@ -3,8 +3,8 @@ byte LM with a smaller draft, against the target decoding alone, in one run on t
 
 Models (trained in --workdir, a finished run of the same config reused), per target size:
 the target, a byte LM of experiments/lm.py (the default one, and one four times as wide and
-twice as deep, 12.8M parameters); two drafts at half its depth and width (an eighth of its
-parameters): distilled from it (`train.distill`, the compress bench's recipe: the
+twice as deep, 12.8M parameters); two drafts at half its depth and width (an eighth of the
+wide target's parameters, a sixth of the default one's, whose embedding weighs more): distilled from it (`train.distill`, the compress bench's recipe: the
 teacher's important weights from its last blocks, soft targets at T = 1) and trained from
 scratch, both for the target's steps.
 
