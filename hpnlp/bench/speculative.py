@@ -88,7 +88,8 @@ def _prompts(task, cfg, n: int, length: int) -> np.ndarray:
 
 
 def train_models(s: dict, workdir: str) -> dict:
-    """{target name: {"target": workdir, draft name: workdir}}, trained (or reused)."""
+    """{target name: {"dirs": {"target" or draft name: workdir}, "summaries": {the same:
+    its training summary}}}, trained (or reused)."""
     out = {}
     for name, steps in s["targets"].items():
         tag = name.replace(" ", "_").replace(",", "")
@@ -115,44 +116,37 @@ def decode_rows(s: dict, models: dict) -> list[dict]:
         prompts = _prompts(task, cfg, s["prompts"], s["prompt_len"])
         drafts = {how: _load(m["dirs"][how]) for how in DRAFTS}
         calls, stats = {}, {}
+
+        def over_prompts(key, f, *args):
+            """calls[key]: f(*args, prompt, its key) on each prompt in turn; stats[key]: the
+            outputs of its latest call."""
+            outs = stats[key] = []
+
+            def call():
+                outs[:] = [f(*args, pr[None], jax.random.key(i)) for i, pr in enumerate(prompts)]
+                jax.block_until_ready(outs)
+            calls[key] = call
         for mode in MODES:
             kw = dict(greedy=mode == "greedy", temperature=s["temperature"])
             # the prompt prefilled in one call, as speculative decoding does
-            alone = jax.jit(lambda p, pr, key, kw=kw: generate(cfg, p, pr, None, length=length,
-                                                               rng=key, **kw))
-            outs = []
-
-            def run_alone(f=alone, outs=outs):
-                outs.clear()
-                for i, pr in enumerate(prompts):
-                    outs.append(f(params, pr[None], jax.random.key(i)))
-                jax.block_until_ready(outs)
-            calls[(mode, "target alone", 0)] = run_alone
-            stats[(mode, "target alone", 0)] = outs
+            over_prompts((mode, "target alone", 0), jax.jit(
+                lambda p, pr, key, kw=kw: generate(cfg, p, pr, None, length=length, rng=key, **kw)),
+                params)
             for how, (dcfg, dparams, _) in drafts.items():
                 for k in s["ks"]:
-                    spec = jax.jit(lambda p, dp, pr, key, dcfg=dcfg, k=k, kw=kw: speculative_generate(
-                        cfg, p, dcfg, dp, pr, length=length, draft_tokens=k, rng=key, **kw))
-                    res = []
-
-                    def run_spec(f=spec, dp=dparams, res=res):
-                        res.clear()
-                        for i, pr in enumerate(prompts):
-                            res.append(f(params, dp, pr[None], jax.random.key(i)))
-                        jax.block_until_ready(res)
-                    calls[(mode, how, k)] = run_spec
-                    stats[(mode, how, k)] = res
+                    over_prompts((mode, how, k), jax.jit(
+                        lambda p, dp, pr, key, dcfg=dcfg, k=k, kw=kw: speculative_generate(
+                            cfg, p, dcfg, dp, pr, length=length, draft_tokens=k, rng=key, **kw)),
+                        params, dparams)
         timed = harness.time_interleaved(calls, repeats=s["repeats"])
-        params_of = {how: m["summaries"][how]["param_count"] for how in DRAFTS}
-        params_of["target alone"] = m["summaries"]["target"]["param_count"]
-        loss_of = {how: m["summaries"][how]["eval"]["loss"] for how in DRAFTS}
-        loss_of["target alone"] = m["summaries"]["target"]["eval"]["loss"]
-        for (mode, how, k), call in calls.items():
+        target = m["summaries"]["target"]
+        for mode, how, k in calls:
             sec = timed[(mode, how, k)][0].median_s
-            row = {"target": name, "target_params": params_of["target alone"],
-                   "target_loss": loss_of["target alone"], "mode": mode, "draft": how, "k": k,
-                   "draft_params": params_of.get(how) if k else None,
-                   "draft_loss": loss_of.get(how) if k else None, "seconds": sec,
+            draft = m["summaries"][how] if k else None
+            row = {"target": name, "target_params": target["param_count"],
+                   "target_loss": target["eval"]["loss"], "mode": mode, "draft": how, "k": k,
+                   "draft_params": draft and draft["param_count"],
+                   "draft_loss": draft and draft["eval"]["loss"], "seconds": sec,
                    "tokens_per_s": len(prompts) * n_new / sec}
             if k:
                 res = stats[(mode, how, k)]

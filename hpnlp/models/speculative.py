@@ -180,8 +180,8 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
         key, sub = jax.random.split(key)
         logq_BV = logq_B1V[:, 0]
         d_B = (jnp.argmax(logq_BV, axis=-1) if greedy
-               else jax.random.categorical(sub, logq_BV / temperature, axis=-1))
-        return (upd["cache"], d_B.astype(jnp.int32), key), (d_B.astype(jnp.int32), logq_BV)
+               else jax.random.categorical(sub, logq_BV / temperature, axis=-1)).astype(jnp.int32)
+        return (upd["cache"], d_B, key), (d_B, logq_BV)
 
     def round_(state):
         t, out_BL, tcache, dcache, rng, rounds, accepted = state
