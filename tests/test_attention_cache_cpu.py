@@ -1,7 +1,7 @@
 """The decoding step's attention over a key/value cache (`cache_cpu`): the CPU kernel
 against its XLA twin in float32 (1e-5) and bfloat16, on head dims no vector divides,
-several new queries, a first query that sees no key, an index past the cache, one and two
-threads; its gradients; that every variant's default decode step runs it (and
+several new queries, a first query that sees no key, an index past the cache, a position per
+row, one and two threads; its gradients; that every variant's default decode step runs it (and
 `impl='xla'` does not); and clear errors where it cannot run."""
 
 import jax
@@ -22,6 +22,7 @@ CASES = [  # B, L, T, H, D, index
     (1, 3, 9, 1, 7, -1),     # a head dim under one vector; the first query sees no key
     (2, 1, 17, 2, 16, 30),   # an index past the cache: every key
     (2, 1, 300, 4, 64, 299),  # 307K floats read: past 128K, the kernel splits it over two threads
+    (4, 3, 21, 2, 20, (-1, 5, 20, 12)),  # each row's own position (speculative decoding)
 ]
 
 
@@ -37,11 +38,17 @@ def check_kernel_equals_twin():
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -7)):
         for B, L, T, H, D, index in CASES:
             q, k, v = _qkv(B, L, T, H, D, dtype)
-            want = np.asarray(CC.cached_attention(q, k, v, index, impl="xla"), np.float32)
-            if index < 0:
-                assert not want[:, 0].any()
+            want = np.asarray(CC.cached_attention(q, k, v, jnp.array(index), impl="xla"),
+                              np.float32)
+            for b, i in enumerate(np.broadcast_to(index, (B,))):
+                if np.ndim(index):  # a row's own position: that row decoded alone
+                    np.testing.assert_array_equal(want[b], np.asarray(CC.cached_attention(
+                        q[b:b + 1], k[b:b + 1], v[b:b + 1], int(i), impl="xla"), np.float32)[0])
+                if i < 0:
+                    assert not want[b, 0].any()
             for threads in (1, 2):
-                got = CC.cached_attention(q, k, v, index, impl="kernel", threads=threads)
+                got = CC.cached_attention(q, k, v, jnp.array(index), impl="kernel",
+                                          threads=threads)
                 assert got.dtype == dtype
                 np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol,
                                            err_msg=f"{dtype.__name__} {(B, L, T, H, D, index)} "
@@ -93,8 +100,8 @@ def test_errors_say_what_cannot_run():
         CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3, impl="kernel")
     with pytest.raises(ValueError, match="is not one of"):
         CC.cached_attention(q, k, v, 3, impl="fast")
-    with pytest.raises(ValueError, match="index must be a scalar"):
-        CC.cached_attention(q, k, v, jnp.array([3]))
+    with pytest.raises(ValueError, match=r"index must be one position or one per row \(1\)"):
+        CC.cached_attention(q, k, v, jnp.array([3, 4]))
     with pytest.raises(ValueError, match="threads must be >= 1"):
         CC.cached_attention(q, k, v, 3, threads=0)
     # mixed dtypes under "auto": the twin runs
@@ -115,5 +122,14 @@ def test_cache_put_writes_in_place_what_a_dynamic_update_slice_writes(dtype):
         assert got.dtype == dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                       np.asarray(want.astype(jnp.float32)))
-    hlo = jax.jit(cache_put, donate_argnums=0).lower(buf, x, 3).compile().as_text()
-    assert "f32[2,9,3,8]" not in hlo or dtype == jnp.float32
+    # each row at its own position: row b as the plain update at index[b]
+    index = jnp.array([7, 2])
+    got = jax.jit(cache_put)(buf, x, index)
+    for b in range(2):
+        want = jax.lax.dynamic_update_slice_in_dim(buf[b:b + 1], x[b:b + 1].astype(dtype),
+                                                   int(index[b]), 1)
+        np.testing.assert_array_equal(np.asarray(got[b:b + 1].astype(jnp.float32)),
+                                      np.asarray(want.astype(jnp.float32)))
+    for i in (3, index):
+        hlo = jax.jit(cache_put, donate_argnums=0).lower(buf, x, i).compile().as_text()
+        assert "f32[2,9,3,8]" not in hlo or dtype == jnp.float32

@@ -516,24 +516,27 @@ def test_moe_bench_targets_and_table_from_a_payload():
 def test_speculative_bench_table_from_a_payload():
     from hpnlp.bench import speculative
 
-    def row(mode, draft, k, sec, **kw):
+    def row(mode, batch, draft, k, sec, **kw):
         return dict({"target": "wide", "target_params": 1000, "target_loss": 1.5, "mode": mode,
-                     "draft": draft, "k": k, "draft_params": 100 if k else None,
+                     "batch": batch, "draft": draft, "k": k, "draft_params": 100 if k else None,
                      "draft_loss": 1.7 if k else None, "seconds": sec,
                      "tokens_per_s": 10 / sec, "speedup": 2.0 / sec}, **kw)
     payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
                            "versions": {}},
                "sizes": speculative.SIZES["quick"], "seconds": {"train": 5.0, "decode": 2.0},
-               "rows": [row("greedy", "target alone", 0, 2.0),
-                        row("greedy", "distilled", 2, 1.0, acceptance=0.75, tokens_per_call=2.5,
-                            equals_target=True),
-                        row("greedy", "scratch", 2, 2.5, acceptance=0.25, tokens_per_call=1.5,
+               "rows": [row("greedy", 2, "target alone", 0, 2.0),
+                        row("greedy", 1, "target alone", 0, 2.0),
+                        row("greedy", 1, "distilled", 2, 1.0, acceptance=0.75,
+                            tokens_per_call=2.5, equals_target=True),
+                        row("greedy", 1, "scratch", 2, 2.5, acceptance=0.25, tokens_per_call=1.5,
                             equals_target=False)]}
     md = speculative._markdown(payload)
     assert "### wide: 1,000 parameters, eval loss 1.5000" in md
-    assert "| greedy | distilled | 2 | 10.0 | 2.00x | 0.75 | 2.5 | yes |" in md
-    assert "| greedy | scratch | 2 | 4.0 | 0.80x | 0.25 | 1.5 | **no** |" in md
-    assert "| greedy | target alone | – | 5.0 | 1.00x | – | – | – |" in md
+    assert "| 1 | greedy | distilled | 2 | 10.0 | 2.00x | 0.75 | 2.5 | yes |" in md
+    assert "| 1 | greedy | scratch | 2 | 4.0 | 0.80x | 0.25 | 1.5 | **no** |" in md
+    assert "| 1 | greedy | target alone | – | 5.0 | 1.00x | – | – | – |" in md
+    assert md.index("| 1 | greedy | scratch") < md.index("| 2 | greedy | target alone")  # by batch
+    assert "batch 1 (one prompt a call) and batch 2" in md
 
 
 def test_data_bench_targets_and_table_from_a_payload():

@@ -38,7 +38,8 @@ def lms():
 def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
         lms, prompt_len, draft_tokens, draft):
     """Drafts never kept (a smaller random LM), some kept, with rows that keep different
-    numbers (the target with its weights perturbed), and all kept (the target itself)."""
+    numbers and so sit at different positions (the target with its weights perturbed), and
+    all kept (the target itself)."""
     cfg, params, draft_cfg, draft_params, inputs = lms
     if draft != "smaller":
         draft_cfg, draft_params = cfg, (params if draft == "self" else noisy(params, 0.1))
@@ -49,17 +50,20 @@ def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
         cfg, p, draft_cfg, dp, pr, length=LEN, draft_tokens=draft_tokens))(
             params, draft_params, prompt)
     np.testing.assert_array_equal(got, want)
-    rounds, kept = int(stats["rounds"]), int(stats["accepted"])
-    # each round emits its kept drafts and one token of the target's own (the last round's
-    # past `length` are cut)
-    assert LEN - prompt_len <= rounds + kept < LEN - prompt_len + draft_tokens + 1
+    rounds, kept_B, calls_B = (np.asarray(stats[n]) for n in ("rounds", "accepted", "row_rounds"))
+    assert rounds == calls_B.max()
+    # each round a row takes part in emits its kept drafts and one token of the target's own
+    # (the last round's past `length` are cut)
+    assert np.all(LEN - prompt_len <= calls_B + kept_B)
+    assert np.all(calls_B + kept_B < LEN - prompt_len + draft_tokens + 1)
     if draft == "self":
-        assert kept == rounds * draft_tokens
-        assert rounds == -(-(LEN - prompt_len) // (draft_tokens + 1))
-    elif draft == "noisy":
-        assert 0 < kept < rounds * draft_tokens
+        np.testing.assert_array_equal(kept_B, calls_B * draft_tokens)
+        assert np.all(calls_B == -(-(LEN - prompt_len) // (draft_tokens + 1)))
+    elif draft == "noisy":  # the rows keep different numbers: each advances on its own
+        assert 0 < kept_B.sum() < calls_B.sum() * draft_tokens
+        assert kept_B[0] != kept_B[1] and calls_B[0] != calls_B[1]
     else:
-        assert kept == 0
+        assert not kept_B.any()
 
 
 def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
@@ -74,10 +78,10 @@ def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperature):
     """Many rounds of two rows with k = 2 drafts drawn from q (per-position distributions
-    that ignore the context, so the target's tokens are independent; row 0's draft is
-    closer to its target than row 1's, so it often accepted past the round's n): the token
-    each row emits at each position it reaches (a kept draft, a residual draw after a
-    refusal, or the target's own after both were kept) is distributed as its p there."""
+    that ignore the context, so the target's tokens are independent; row 0's draft is closer
+    to its target than row 1's): the token each row emits at each position it reaches (a
+    kept draft, a residual draw after a refusal, or the target's own after both were kept)
+    is distributed as its p there."""
     logp = jnp.log(jnp.array([[[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]],
                               [[0.25] * 4, [0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]]]))
     logq = jnp.log(jnp.array([[[0.45, 0.3, 0.15, 0.1], [0.15, 0.2, 0.3, 0.35]],
@@ -86,14 +90,16 @@ def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperatur
     def one(key):
         kd, ka = jax.random.split(key)
         d_B2 = jax.random.categorical(kd, logq / temperature, axis=-1).astype(jnp.int32)
-        n, y_B = speculative.accept(logp, logq, d_B2, ka, greedy=False, temperature=temperature)
-        return n, jnp.where(jnp.arange(3) < n, jnp.pad(d_B2, ((0, 0), (0, 1))), y_B[:, None])
+        n_B, y_B = speculative.accept(logp, logq, d_B2, ka, greedy=False, temperature=temperature)
+        return n_B, jnp.where(jnp.arange(3)[None] < n_B[:, None], jnp.pad(d_B2, ((0, 0), (0, 1))),
+                              y_B[:, None])
 
     n, emitted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), 60000))
     n, emitted = np.asarray(n), np.asarray(emitted)
+    assert n[:, 0].mean() > n[:, 1].mean() + 0.2  # row 0 keeps more
     for row in range(2):
         for pos in range(3):
-            reached = emitted[n >= pos, row, pos]  # rounds that emit a token at this position
+            reached = emitted[n[:, row] >= pos, row, pos]  # rounds that emit a token there
             assert len(reached) > 4000
             want = jax.nn.softmax(logp[row, pos] / temperature)
             np.testing.assert_allclose(np.bincount(reached, minlength=4) / len(reached), want,
@@ -131,6 +137,9 @@ def test_rewind_forgets_tokens_and_refuses_a_cache_it_cannot_reset():
                                  "index": jnp.int32(3)}}, "position": jnp.int32(3)}
     out = speculative.rewind(cache, 1)
     assert int(out["position"]) == 1 and int(out["trunk"]["state"]["index"]) == 1
+    out = speculative.rewind(cache, jnp.array([2, 0]))  # each row's own
+    for leaf in (out["position"], out["trunk"]["state"]["index"]):
+        assert leaf.dtype == jnp.int32 and leaf.tolist() == [2, 0]
     with pytest.raises(ValueError, match="'memory' entry"):
         speculative.rewind({"memory": jnp.zeros(2)}, 0)
 

@@ -52,16 +52,22 @@ def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=No
 
 def cache_put(buf_BT__, x_B1__, index):
     """`buf` with `x` (cast to its dtype) written at position `index` of axis 1: a cache's
-    update. 16-bit floats are written through a uint16 view (a free bitcast): XLA:CPU runs a
-    bfloat16 dynamic-update-slice in float32, converting the whole cache and back every step
-    (at batch 16 that copy was 8 MB per cache per token, most of a bfloat16 LM's decoding
-    step), while an integer one updates the buffer in place."""
+    update. `index` is one position for every row, or [B], each row's own (speculative
+    decoding, whose rows accept different numbers of drafts). 16-bit floats are written
+    through a uint16 view (a free bitcast): XLA:CPU runs a bfloat16 dynamic-update-slice in
+    float32, converting the whole cache and back every step (at batch 16 that copy was 8 MB
+    per cache per token, most of a bfloat16 LM's decoding step), while an integer one
+    updates the buffer in place."""
     x_B1__ = x_B1__.astype(buf_BT__.dtype)
+    if jnp.ndim(index) == 1:  # a row's own position: the same update, batched over rows
+        put = jax.vmap(lambda b, x, i: jax.lax.dynamic_update_slice_in_dim(b, x, i, 0))
+    else:
+        put = lambda b, x, i: jax.lax.dynamic_update_slice_in_dim(b, x, i, 1)  # noqa: E731
     if jnp.dtype(buf_BT__.dtype).itemsize == 2 and jnp.issubdtype(buf_BT__.dtype, jnp.floating):
         as_u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)  # noqa: E731
-        out = jax.lax.dynamic_update_slice_in_dim(as_u16(buf_BT__), as_u16(x_B1__), index, 1)
-        return jax.lax.bitcast_convert_type(out, buf_BT__.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(buf_BT__, x_B1__, index, 1)
+        return jax.lax.bitcast_convert_type(put(as_u16(buf_BT__), as_u16(x_B1__), index),
+                                            buf_BT__.dtype)
+    return put(buf_BT__, x_B1__, index)
 
 
 def masked_softmax_attention(q_BLHD, k_BSHD, v_BSHD, allowed_B1LS=None):
@@ -150,9 +156,10 @@ class Attention(nn.Module):
 
     def decode_step(self, cache, q_BKHD, k_BKHD, v_BKHD):
         """K tokens (usually one): append k, v at cache['index'], each query attending to
-        the cached keys and the new ones up to its own. The caller keeps index + K within
-        the cache (a dynamic update past its end would be clamped, overwriting earlier
-        entries)."""
+        the cached keys and the new ones up to its own. The index is one position for every
+        row (`init_cache`'s), or [B], each row's own (set by the caller: speculative
+        decoding's rewind). The caller keeps index + K within the cache (a dynamic update
+        past its end would be clamped, overwriting earlier entries)."""
         idx = cache["index"]
         k_BTHD, v_BTHD = cache_put(cache["k"], k_BKHD, idx), cache_put(cache["v"], v_BKHD, idx)
         from hpnlp.attention.cache_cpu import cached_attention  # it imports this module

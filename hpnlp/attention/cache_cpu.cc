@@ -8,10 +8,11 @@
 // is 2 x 16 MB copied per layer per token, most of the step. Here each thread reads the
 // cache where it lies, by rows, and only the positions written so far.
 //
-// Layouts: q, o [B, L, H, D]; k, v [B, T, H, D]; index: int32 scalar, the cache position
-// of the first query: query j sees keys 0 .. min(index + j, T - 1) (a query that sees no
-// key, index + j < 0, outputs zeros). Any D. float32, or bfloat16 widened to float32
-// (float32 products, softmax and accumulation; the output rounded to bfloat16 once).
+// Layouts: q, o [B, L, H, D]; k, v [B, T, H, D]; index: int32, a scalar or [B] (each row's
+// own), the cache position of the first query: row b's query j sees keys
+// 0 .. min(index[b] + j, T - 1) (a query that sees no key, index + j < 0, outputs zeros).
+// Any D. float32, or bfloat16 widened to float32 (float32 products, softmax and
+// accumulation; the output rounded to bfloat16 once).
 
 #include <cmath>
 #include <limits>
@@ -42,7 +43,8 @@ constexpr int64_t kFloatsPerThread = int64_t(1) << 17;
 
 struct Problem {
   int64_t B, L, T, H, D;
-  int64_t index;
+  const int32_t* index;  // one position (index_step 0) or one per row (index_step 1)
+  int64_t index_step;
   float scale;
 };
 
@@ -88,15 +90,17 @@ void attend(const Problem& p, const E* q, const E* k, const E* v, ptrdiff_t stri
   }
 }
 
-// Keys query j may see.
-inline int64_t visible(const Problem& p, int64_t j) {
-  return std::min(p.T, std::max<int64_t>(0, p.index + j + 1));
+// Keys row b's query j may see.
+inline int64_t visible(const Problem& p, int64_t b, int64_t j) {
+  return std::min(p.T, std::max<int64_t>(0, int64_t(p.index[b * p.index_step]) + j + 1));
 }
 
 template <class E>
 void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads) {
   const int64_t items = p.B * p.H;
-  const int64_t floats = items * 2 * p.D * visible(p, p.L - 1) * p.L;
+  int64_t seen = 0;  // keys the rows' last queries see, over the batch
+  for (int64_t b = 0; b < p.B; ++b) seen += visible(p, b, p.L - 1);
+  const int64_t floats = p.H * 2 * p.D * seen * p.L;
   const int use = clamp_threads(std::min<int64_t>(threads, 1 + floats / kFloatsPerThread), items);
   std::atomic<int64_t> next{0};
   join_parallel(use, [&](int) {
@@ -107,7 +111,7 @@ void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads
       const ptrdiff_t stride = p.H * p.D;
       for (int64_t j = 0; j < p.L; ++j) {
         const int64_t row = ((b * p.L + j) * p.H + h) * p.D, head = (b * p.T * p.H + h) * p.D;
-        attend(p, q + row, k + head, v + head, stride, visible(p, j), o + row, qs, s);
+        attend(p, q + row, k + head, v + head, stride, visible(p, b, j), o + row, qs, s);
       }
     }
   });
@@ -130,9 +134,12 @@ ffi::Error Impl(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<T
   const int64_t Tn = kd[1];
   for (auto e : {check_dims(kernel, "k", kd, {B, Tn, H, D}),
                  check_dims(kernel, "v", v.dimensions(), {B, Tn, H, D}),
-                 check_dims(kernel, "index", index.dimensions(), {})})
+                 index.dimensions().size() == 0
+                     ? ffi::Error::Success()
+                     : check_dims(kernel, "index", index.dimensions(), {B})})
     if (e.failure()) return e;
-  const Problem p{B, L, Tn, H, D, int64_t(index.typed_data()[0]), scale};
+  const Problem p{B, L, Tn, H, D, index.typed_data(), index.dimensions().size() == 0 ? 0 : 1,
+                  scale};
   run(p, q.typed_data(), k.typed_data(), v.typed_data(), o->typed_data(), int(threads));
   return ffi::Error::Success();
 } catch (...) {

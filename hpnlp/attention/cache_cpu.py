@@ -3,7 +3,8 @@
     out_BLHD = cached_attention(q_BLHD, k_BTHD, v_BTHD, index)
 
 Query j of the L new ones sits at cache position `index + j` and sees keys 0..index + j
-(the cache already holds its own key). Every variant's default `decode_step` calls it.
+(the cache already holds its own key). `index` is one position for every row, or [B], each
+row's own (speculative decoding's rows). Every variant's default `decode_step` calls it.
 
 Two implementations compute the same thing. On a CPU the default (`impl="auto"`) is one
 fused kernel (`cache_cpu.cc`): XLA:CPU runs q [B, 1, H, D] against the cache [B, T, H, D]
@@ -41,9 +42,11 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 def cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index):
     """The XLA twin: masked softmax attention over the whole cache, in float32."""
     L, T = q_BLHD.shape[1], k_BTHD.shape[1]
-    allowed_LT = jnp.arange(T)[None, :] <= index + jnp.arange(L)[:, None]
+    index_B111 = jnp.reshape(index, (-1, 1, 1, 1))  # one position, or each row's
+    allowed_B1LT = (jnp.arange(T)[None, None, None, :]
+                    <= index_B111 + jnp.arange(L)[None, None, :, None])
     return masked_softmax_attention(q_BLHD, k_BTHD.astype(q_BLHD.dtype),
-                                    v_BTHD.astype(q_BLHD.dtype), allowed_LT[None, None])
+                                    v_BTHD.astype(q_BLHD.dtype), allowed_B1LT)
 
 
 def blocker(q_BLHD, k_BTHD, v_BTHD) -> str | None:
@@ -81,10 +84,11 @@ _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
                      threads: int | None = None):
-    """softmax(q k^T / sqrt(D)) v where query j sees cache positions 0..index + j; a query
-    that sees none outputs zeros. Returned in q's dtype. `impl`: "auto" (the CPU kernel
-    where it can run: the CPU backend, one device, q, k and v all float32 or all bfloat16),
-    "kernel" (an error where it cannot) or "xla". `threads`: the kernel's most threads
+    """softmax(q k^T / sqrt(D)) v where query j sees cache positions 0..index + j (`index`
+    a scalar, or [B]: row b's queries from index[b]); a query that sees none outputs zeros.
+    Returned in q's dtype. `impl`: "auto" (the CPU kernel where it can run: the CPU
+    backend, one device, q, k and v all float32 or all bfloat16), "kernel" (an error where
+    it cannot) or "xla". `threads`: the kernel's most threads
     (None: every core; it uses fewer where the cache read so far is small)."""
     check_inputs(q_BLHD, k_BTHD, v_BTHD, None)
     if impl not in IMPLS:
@@ -96,8 +100,9 @@ def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
         raise ValueError(f"cached attention: impl='kernel' cannot run here: {reason}. Use "
                          "impl='auto' (the kernel where it can run) or impl='xla'")
     index = jnp.asarray(index, jnp.int32)
-    if index.ndim != 0:
-        raise ValueError(f"cached attention: index must be a scalar position; got shape {index.shape}")
+    if index.shape not in ((), (q_BLHD.shape[0],)):
+        raise ValueError(f"cached attention: index must be one position or one per row "
+                         f"({q_BLHD.shape[0]}); got shape {index.shape}")
     if reason is not None:
         return cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index)
     return _kernel(q_BLHD, k_BTHD, v_BTHD, index, None if threads is None else int(threads))

@@ -8,12 +8,14 @@ wide target's parameters, a sixth of the default one's, whose embedding weighs m
 teacher's important weights from its last blocks, soft targets at T = 1) and trained from
 scratch, both for the target's steps.
 
-Decoding: batch 1 (where drafting can pay: one token's step reads every weight), `prompts`
-prompts of `prompt_len` bytes from the eval text (one a call, in turn), `new_tokens` bytes
-each; greedy and sampled (temperature 0.8). Per (target, draft, k drafted tokens a round,
-mode): tokens/s, the speed-up over the target alone in the same mode, acceptance (drafts
-kept / drafted), tokens per target call, and for greedy whether the tokens equal the
-target's own greedy tokens (they must: the check runs in the bench). Every call is timed
+Decoding: `prompts` prompts of `prompt_len` bytes from the eval text, `new_tokens` bytes each,
+at batch 1 (one prompt a call, in turn: where drafting pays most, since one token's step
+reads every weight) and at `batch` (the prompts in calls of that many rows, each row
+keeping its own drafts); greedy and sampled (temperature 0.8). Per (target, batch, draft,
+k drafted tokens a round, mode): tokens/s, the speed-up over the target alone at the same
+batch and mode, acceptance (drafts kept / drafted, over the rounds each row took part in),
+tokens per target call (all rows'), and for greedy whether the tokens equal the target's
+own greedy tokens at batch 1 (they must: the check runs in the bench). Every call is timed
 interleaved with its target's alone (`harness.time_interleaved`), so drift falls on both.
 """
 
@@ -44,8 +46,9 @@ SIZES = {
     # 2-core Zen 5: 15 minutes); at 400 the wide one was still on the plateau (eval loss 2.18)
     # that both leave near step 350
     "full": dict(targets={"default byte LM": None, "4x wide, 2x deep": None}, ks=(2, 4, 6),
-                 prompts=4, prompt_len=16, new_tokens=96, temperature=0.8, repeats=7, eval_batches=None),
-    "quick": dict(targets={"default byte LM": 12}, ks=(2,), prompts=2, prompt_len=8,
+                 prompts=4, batch=4, prompt_len=16, new_tokens=96, temperature=0.8, repeats=7,
+                 eval_batches=None),
+    "quick": dict(targets={"default byte LM": 12}, ks=(2,), prompts=2, batch=2, prompt_len=8,
                   new_tokens=16, temperature=0.8, repeats=2, eval_batches=2),
 }
 DRAFTS = {"distilled": compress.TARGETS_RECIPE, "scratch": None}
@@ -118,65 +121,71 @@ def decode_rows(s: dict, models: dict) -> list[dict]:
         calls, stats = {}, {}
 
         def over_prompts(key, f, *args):
-            """calls[key]: f(*args, prompt, its key) on each prompt in turn; stats[key]: the
-            outputs of its latest call."""
-            outs = stats[key] = []
+            """calls[key]: f(*args, prompts, their key) on the prompts in calls of `batch`
+            rows (key[1]); stats[key]: the outputs of its latest call."""
+            outs, batch = stats.setdefault(key, []), key[1]
 
             def call():
-                outs[:] = [f(*args, pr[None], jax.random.key(i)) for i, pr in enumerate(prompts)]
+                outs[:] = [f(*args, prompts[i:i + batch], jax.random.key(i))
+                           for i in range(0, len(prompts), batch)]
                 jax.block_until_ready(outs)
             calls[key] = call
         for mode in MODES:
             kw = dict(greedy=mode == "greedy", temperature=s["temperature"])
-            # the prompt prefilled in one call, as speculative decoding does
-            over_prompts((mode, "target alone", 0), jax.jit(
-                lambda p, pr, key, kw=kw: generate(cfg, p, pr, None, length=length, rng=key, **kw)),
-                params)
-            for how, (dcfg, dparams, _) in drafts.items():
-                for k in s["ks"]:
-                    over_prompts((mode, how, k), jax.jit(
-                        lambda p, dp, pr, key, dcfg=dcfg, k=k, kw=kw: speculative_generate(
-                            cfg, p, dcfg, dp, pr, length=length, draft_tokens=k, rng=key, **kw)),
-                        params, dparams)
+            for batch in dict.fromkeys((1, s["batch"])):
+                # the prompt prefilled in one call, as speculative decoding does
+                over_prompts((mode, batch, "target alone", 0), jax.jit(
+                    lambda p, pr, key, kw=kw: generate(cfg, p, pr, None, length=length, rng=key,
+                                                       **kw)), params)
+                for how, (dcfg, dparams, _) in drafts.items():
+                    for k in s["ks"]:
+                        over_prompts((mode, batch, how, k), jax.jit(
+                            lambda p, dp, pr, key, dcfg=dcfg, k=k, kw=kw: speculative_generate(
+                                cfg, p, dcfg, dp, pr, length=length, draft_tokens=k, rng=key,
+                                **kw)), params, dparams)
         timed = harness.time_interleaved(calls, repeats=s["repeats"])
         target = m["summaries"]["target"]
-        for mode, how, k in calls:
-            sec = timed[(mode, how, k)][0].median_s
+        for mode, batch, how, k in calls:
+            sec = timed[(mode, batch, how, k)][0].median_s
             draft = m["summaries"][how] if k else None
             row = {"target": name, "target_params": target["param_count"],
-                   "target_loss": target["eval"]["loss"], "mode": mode, "draft": how, "k": k,
-                   "draft_params": draft and draft["param_count"],
+                   "target_loss": target["eval"]["loss"], "mode": mode, "batch": batch,
+                   "draft": how, "k": k, "draft_params": draft and draft["param_count"],
                    "draft_loss": draft and draft["eval"]["loss"], "seconds": sec,
                    "tokens_per_s": len(prompts) * n_new / sec}
             if k:
-                res = stats[(mode, how, k)]
+                res = stats[(mode, batch, how, k)]
                 rounds = sum(int(st["rounds"]) for _, st in res)
-                kept = sum(int(st["accepted"]) for _, st in res)
-                row.update(rounds=rounds, accepted=kept, acceptance=kept / (rounds * k),
+                kept = sum(int(np.sum(st["accepted"])) for _, st in res)
+                row_rounds = sum(int(np.sum(st["row_rounds"])) for _, st in res)
+                row.update(rounds=rounds, accepted=kept, acceptance=kept / (row_rounds * k),
                            tokens_per_call=len(prompts) * n_new / rounds)
                 if mode == "greedy":
-                    own = stats[(mode, "target alone", 0)]
-                    row["equals_target"] = all(bool(jnp.array_equal(a, b))
-                                               for (a, _), b in zip(res, own))
+                    own = np.concatenate([b for b in stats[(mode, 1, "target alone", 0)]])
+                    row["equals_target"] = bool(np.array_equal(
+                        np.concatenate([t for t, _ in res]), own))
             rows.append(row)
-        base = {r["mode"]: r["seconds"] for r in rows if r["target"] == name and not r["k"]}
+        base = {(r["mode"], r["batch"]): r["seconds"] for r in rows
+                if r["target"] == name and not r["k"]}
         for r in rows:
             if r["target"] == name:
-                r["speedup"] = base[r["mode"]] / r["seconds"]
+                r["speedup"] = base[(r["mode"], r["batch"])] / r["seconds"]
     return rows
 
 
 def _markdown(p: dict) -> str:
     s = p["sizes"]
     out = [report.header_md(p["machine"], {}), "",
-           f"Batch 1, {s['prompts']} prompts of {s['prompt_len']} bytes from the eval text, "
-           f"{s['new_tokens']} new bytes each; sampled at temperature {s['temperature']}. "
-           "Tokens/s: medians of the rounds, every configuration of a target timed in turn "
-           "each round. Speed-up: over the target decoding alone, same mode. Acceptance: "
-           "drafts kept over drafts proposed. Tokens per call: new tokens per target call. "
-           "Greedy rows check their tokens against the target's own greedy decoding.", ""]
+           f"{s['prompts']} prompts of {s['prompt_len']} bytes from the eval text, "
+           f"{s['new_tokens']} new bytes each, at batch 1 (one prompt a call) and batch "
+           f"{s['batch']} (each row keeps its own drafts); sampled at temperature "
+           f"{s['temperature']}. Tokens/s: medians of the rounds, every configuration of a "
+           "target timed in turn each round. Speed-up: over the target decoding alone, same "
+           "batch and mode. Acceptance: drafts kept over drafts proposed. Tokens per call: new "
+           "tokens (all rows') per target call. Greedy rows check their tokens against the "
+           "target's own greedy decoding at batch 1.", ""]
     for target in dict.fromkeys(r["target"] for r in p["rows"]):
-        rows = [r for r in p["rows"] if r["target"] == target]
+        rows = sorted((r for r in p["rows"] if r["target"] == target), key=lambda r: r["batch"])
         t = rows[0]
         out += [f"### {target}: {t['target_params']:,} parameters, eval loss "
                 f"{t['target_loss']:.4f}", ""]
@@ -186,9 +195,10 @@ def _markdown(p: dict) -> str:
                                             f"{r['draft_loss']:.4f})" for d, r in drafts.items())
                     + ".", ""]
         out += [report.table(
-            ["mode", "draft", "k", "tokens/s", "speed-up", "acceptance", "tokens per call",
-             "= target's greedy"],
-            [[r["mode"], r["draft"], str(r["k"] or "–"), f"{r['tokens_per_s']:.1f}",
+            ["batch", "mode", "draft", "k", "tokens/s", "speed-up", "acceptance",
+             "tokens per call", "= target's greedy"],
+            [[str(r["batch"]), r["mode"], r["draft"], str(r["k"] or "–"),
+              f"{r['tokens_per_s']:.1f}",
               report.fmt(r["speedup"], "x"), report.fmt(r.get("acceptance")),
               report.fmt(r.get("tokens_per_call")),
               {True: "yes", False: "**no**"}.get(r.get("equals_target"), "–")] for r in rows]), ""]
@@ -212,7 +222,8 @@ def _plot(p: dict, out_dir: str) -> None:
         series = {}
         for r in p["rows"]:
             if r["target"] == target and r["k"]:
-                series.setdefault(f"{r['draft']}, {r['mode']}", []).append((r["k"], r["speedup"]))
+                series.setdefault(f"{r['draft']}, {r['mode']}, batch {r['batch']}", []).append(
+                    (r["k"], r["speedup"]))
         for label, pts in series.items():
             ax.plot(*zip(*sorted(pts)), marker="o", label=label)
         ax.axhline(1.0, color="gray", linewidth=0.8)

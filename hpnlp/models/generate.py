@@ -140,7 +140,7 @@ def main(argv=None) -> int:
             tokens_1L, stats = run(model_params(state.params), model_params(draft_state.params),
                                    jnp.asarray([x], jnp.int32), jax.random.key(args.seed + i))
             print(task.decode(np.asarray(tokens_1L)[0]))
-            rounds, kept = int(stats["rounds"]), int(stats["accepted"])
+            rounds, kept = int(stats["rounds"]), int(np.sum(stats["accepted"]))
             print(f"speculative: {length - len(x)} tokens in {rounds} target calls; "
                   f"{kept} of {rounds * args.draft_tokens} drafts accepted", file=sys.stderr)
         return 0

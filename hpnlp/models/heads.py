@@ -105,9 +105,10 @@ class TransformerLM(nn.Module):
         return self.decode_tokens(tokens_B1)[:, 0]
 
     def decode_tokens(self, tokens_BK):
-        """K tokens per row at the cached positions pos..pos + K - 1, each seeing the cache
-        and the tokens before it -> next-token log-probs [B, K, V] (speculative decoding's
-        verification; K = 1 is `decode_step`). K > 1 needs the exact key/value cache
+        """K tokens per row at the cached positions pos..pos + K - 1 (`pos` one position, or
+        [B], each row's own, where the caller set the cache's positions per row), each seeing
+        the cache and the tokens before it -> next-token log-probs [B, K, V] (speculative
+        decoding's verification; K = 1 is `decode_step`). K > 1 needs the exact key/value cache
         (`Attention.exact_cache`)."""
         pos = self.position.value
         K = tokens_BK.shape[1]
@@ -115,8 +116,10 @@ class TransformerLM(nn.Module):
             raise ValueError(f"decode_tokens: {K} tokens in one call need the exact key/value "
                              f"cache, which attention.name={self.cfg.attention.name!r} does not "
                              "keep (its decode cache is its own); feed it one token a call")
+        # the position: one for every row, or [B], each row's own (speculative decoding)
+        pos_BK = jnp.reshape(pos, (-1, 1)) + jnp.arange(K, dtype=jnp.int32)[None]
         h_BKE = self.trunk(self.embed, tokens_BK, jnp.ones_like(tokens_BK),
-                           pos + jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), tokens_BK.shape))
+                           jnp.broadcast_to(pos_BK, tokens_BK.shape))
         if not self.is_initializing():
             self.position.value = pos + K
         return self.output.log_prob(h_BKE)

@@ -14,12 +14,14 @@ costs little more than one token (batch 1, where a step reads every weight once)
 draft (a distilled student: `train.distill`) agrees with it often
 (`python -m hpnlp.bench speculative`).
 
-Rows advance together: a round keeps the fewest drafts any row accepted (every row's
-tokens stay exact; a batch accepts less than its rows would alone). After a round both
-caches are rewound to the kept tokens by resetting their positions, which is exact for the
+Each row keeps its own drafts: the caches hold a position per row (the key/value caches'
+`index` and the LM's `position` as [B]), so a row that accepts more advances further, and
+every row's tokens are those it would get decoded alone. After a round both caches are set
+back to each row's kept tokens by resetting those positions, which is exact for the
 key/value cache every variant without its own decode cache uses (`Attention.exact_cache`):
-entries past the position are never read and are overwritten. Variants with their own
-cache (windows, recurrent states, features) are refused by `check`.
+entries past a row's position are never read and are overwritten. Variants with their own
+cache (windows, recurrent states, features) are refused by `check`. A row that is done
+idles (its tokens and counts no longer change) until the last row is.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def _leaf_name(path) -> str:
 
 def rewind(cache, position):
     """The decode cache with every position (the key/value caches' `index`, the LM's
-    `position`) set to `position`: the tokens from there on are forgotten."""
+    `position`) set to `position`, one for every row or [B], each row's own (the leaves
+    take its shape): the tokens from there on are forgotten."""
     def f(path, leaf):
         name = _leaf_name(path)
         if name not in _CACHE_LEAVES:
@@ -107,15 +110,16 @@ def rewind(cache, position):
                              f"({jax.tree_util.keystr(path)}), which rewinding cannot reset; "
                              "decode with a model whose only cache is the exact key/value one "
                              "(Attention.exact_cache)")
-        return jnp.full_like(leaf, position) if name in ("index", "position") else leaf
+        return jnp.asarray(position, leaf.dtype) if name in ("index", "position") else leaf
     return jax.tree_util.tree_map_with_path(f, cache)
 
 
 def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float):
-    """One round's verdict. logp: the target's log-probs at the k + 1 positions after the
-    pending token (the last follows all k drafts); logq: the draft's at the first k, which
-    drew d. Returns (n, y_B): the drafts every row keeps (the fewest any row accepted) and
-    each row's next token after them (a kept draft, the target's own, or a residual draw)."""
+    """One round's verdict, row by row. logp: the target's log-probs at the k + 1 positions
+    after the pending token (the last follows all k drafts); logq: the draft's at the first
+    k, which drew d. Returns (n_B, y_B): the drafts each row keeps (its longest accepted
+    prefix) and its next token after them: the target's argmax (greedy), or a draw from the
+    residual max(p - q, 0) at the first refused draft, or from p after all k were kept."""
     B, K1, _ = logp_BKV.shape
     k = K1 - 1
     rows = jnp.arange(B)
@@ -129,28 +133,23 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float):
         q_BK = jnp.take_along_axis(q_BKV, d_BK[..., None], axis=-1)[..., 0]
         ok_BK = jax.random.uniform(ku, (B, k)) * q_BK < p_BK
     n_B = jnp.sum(jnp.cumprod(ok_BK.astype(jnp.int32), axis=1), axis=1)
-    n = jnp.min(n_B)
-    logp_BV = logp_BKV[rows, n]
     if greedy:
-        own_B = jnp.argmax(logp_BV, axis=-1)
-    else:
-        p_BV = p_BKV[rows, n]
-        # the residual where a draft was refused; the target's own after all k were kept
-        q_BV = jnp.where(n < k, q_BKV[rows, jnp.minimum(n, k - 1)], 0.0)
-        r_BV = jnp.maximum(p_BV - q_BV, 0.0)
-        r_BV = jnp.where(jnp.sum(r_BV, -1, keepdims=True) > 0, r_BV, p_BV)
-        own_B = jax.random.categorical(key, jnp.log(r_BV), axis=-1)
-    kept_B = d_BK[rows, jnp.minimum(n, k - 1)]
-    return n, jnp.where(n_B > n, kept_B, own_B).astype(jnp.int32)
+        return n_B, jnp.argmax(logp_BKV[rows, n_B], axis=-1).astype(jnp.int32)
+    p_BV = p_BKV[rows, n_B]
+    q_BV = jnp.where((n_B < k)[:, None], q_BKV[rows, jnp.minimum(n_B, k - 1)], 0.0)
+    r_BV = jnp.maximum(p_BV - q_BV, 0.0)
+    r_BV = jnp.where(jnp.sum(r_BV, -1, keepdims=True) > 0, r_BV, p_BV)
+    return n_B, jax.random.categorical(key, jnp.log(r_BV), axis=-1).astype(jnp.int32)
 
 
 def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, prompt_BP, *,
                          length: int, draft_tokens: int = 4, rng=None, temperature: float = 1.0,
                          greedy: bool = True, token_counts=None, draft_token_counts=None):
     """Returns (tokens [B, length]: the prompt followed by the target's continuation,
-    stats {"rounds", "accepted"}: target calls after the prompt, and drafts kept over all
-    of them). Every row's prompt is the whole of `prompt_BP` (same length). Jit it with the
-    configs static, like `generate.generate`; `check` runs here, before any tracing."""
+    stats {"rounds": target calls after the prompt, "accepted" [B]: drafts each row kept,
+    "row_rounds" [B]: the calls each row took part in, before it was done}). Every row's
+    prompt is the whole of `prompt_BP` (same length). Jit it with the configs static, like
+    `generate.generate`; `check` runs here, before any tracing."""
     from hpnlp.models import build
 
     B, P = prompt_BP.shape
@@ -170,9 +169,10 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     if P > 1:  # the prompt but its last token, in one call each
         tcache = apply_t(tcache, prompt_BP[:, :-1])[1]["cache"]
         dcache = apply_d(dcache, prompt_BP[:, :-1])[1]["cache"]
-    # a round writes k + 1 tokens after its pending one, the last round's past `length`
+    # a round writes up to k + 1 tokens after a row's pending one, past `length` in the last
     out_BL = jnp.zeros((B, length + k), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
+    rows = jnp.arange(B)
 
     def draft_step(carry, _):
         dcache, tok_B, key = carry
@@ -183,24 +183,40 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
                else jax.random.categorical(sub, logq_BV / temperature, axis=-1)).astype(jnp.int32)
         return (upd["cache"], d_B, key), (d_B, logq_BV)
 
+    def positions(t_B):
+        """The caches' positions for rows at t: their own, or, for a row that is done (t
+        past length - 2), length - 2, so its idle rounds write within max_len (`check`)."""
+        return jnp.minimum(t_B, length - 2)
+
     def round_(state):
-        t, out_BL, tcache, dcache, rng, rounds, accepted = state
+        t_B, out_BL, tcache, dcache, rng, rounds, accepted_B, row_rounds_B = state
+        active_B = t_B < length - 1
         rng, kd, ka = jax.random.split(rng, 3)
-        pending_B = jax.lax.dynamic_index_in_dim(out_BL, t, axis=1, keepdims=False)
+        pending_B = out_BL[rows, t_B]
         # k + 1 draft steps: the last feeds the k-th draft, so the draft's cache holds every
         # token the round may keep
         (dcache, _, _), (d_KB, logq_KBV) = jax.lax.scan(draft_step, (dcache, pending_B, kd),
                                                           None, length=k + 1)
         d_BK, logq_BKV = d_KB[:k].T, jnp.moveaxis(logq_KBV[:k], 0, 1)
         logp_BKV, upd = apply_t(tcache, jnp.concatenate([pending_B[:, None], d_BK], axis=1))
-        n, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, temperature=temperature)
-        new_BK1 = jnp.where(jnp.arange(k + 1) < n, jnp.pad(d_BK, ((0, 0), (0, 1))), y_B[:, None])
-        out_BL = jax.lax.dynamic_update_slice_in_dim(out_BL, new_BK1, t + 1, axis=1)
-        t = t + n + 1
-        return (t, out_BL, rewind(upd["cache"], t), rewind(dcache, t), rng, rounds + 1,
-                accepted + n)
+        n_B, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, temperature=temperature)
+        n_B = jnp.where(active_B, n_B, 0)
+        j_1K = jnp.arange(k + 1)[None]
+        new_BK1 = jnp.where(j_1K < n_B[:, None], jnp.pad(d_BK, ((0, 0), (0, 1))), y_B[:, None])
+        # a row's kept drafts and its own token; nothing of a row that is done
+        col_BK1 = jnp.where(active_B[:, None] & (j_1K <= n_B[:, None]),
+                            t_B[:, None] + 1 + j_1K, out_BL.shape[1])
+        out_BL = out_BL.at[rows[:, None], col_BK1].set(new_BK1, mode="drop")
+        t_B = jnp.where(active_B, t_B + n_B + 1, t_B)
+        return (t_B, out_BL, rewind(upd["cache"], positions(t_B)),
+                rewind(dcache, positions(t_B)), rng, rounds + 1, accepted_B + n_B,
+                row_rounds_B + active_B)
 
-    state = (jnp.int32(P - 1), out_BL, tcache, dcache, rng, jnp.int32(0), jnp.int32(0))
-    _, out_BL, *_, rounds, accepted = jax.lax.while_loop(lambda s: s[0] < length - 1, round_,
-                                                         state)
-    return out_BL[:, :length], {"rounds": rounds, "accepted": accepted}
+    t_B = jnp.full((B,), P - 1, jnp.int32)
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    state = (t_B, out_BL, rewind(tcache, t_B), rewind(dcache, t_B), rng, jnp.int32(0), zeros_B,
+             zeros_B)
+    _, out_BL, *_, rounds, accepted_B, row_rounds_B = jax.lax.while_loop(
+        lambda s: jnp.any(s[0] < length - 1), round_, state)
+    return out_BL[:, :length], {"rounds": rounds, "accepted": accepted_B,
+                                "row_rounds": row_rounds_B}
