@@ -14,16 +14,14 @@ gradients by inverse token frequency (model.embed_grad_scale); `local` shrinks t
 quick smoke test.
 """
 
-from hpnlp.config import default_configdict
+from hpnlp.config import default_configdict, experiment_args
 
 ARGS = ("transformer", "lstm", "bag", "triplet", "mine", "batch_freq", "corpus_freq", "local")
 
 
 def get_config(arg: str = ""):
-    args = set(a for a in arg.split(",") if a) if arg else set()
-    unknown = sorted(args - set(ARGS))
-    if unknown:
-        raise ValueError(f"experiments/encoder.py: unknown arguments {unknown}; choose from {list(ARGS)}")
+    args = experiment_args(arg, file="experiments/encoder.py", allowed=ARGS,
+                           exclusive=(("transformer", "lstm", "bag"),))
     cfg = default_configdict()
     arch = "lstm" if "lstm" in args else "bag" if "bag" in args else "transformer"
     cfg.name = "encoder_" + arch

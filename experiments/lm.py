@@ -20,11 +20,15 @@ by a learned convolution into a second memory, models/transformer_xl.py); `local
 the run to a quick smoke test (big_vision's `runlocal`).
 """
 
-from hpnlp.config import default_configdict
+from hpnlp.config import default_configdict, experiment_args
+
+TOKENIZATIONS = ("bytes", "words", "bpe", "unigram")
 
 
 def get_config(arg: str = "bytes"):
-    args = set(arg.split(",")) if arg else {"bytes"}
+    args = experiment_args(arg, file="experiments/lm.py", default=("bytes",),
+                           allowed=(*TOKENIZATIONS, "moe", "compressive", "local"),
+                           exclusive=(TOKENIZATIONS,))
     words = "words" in args
     subword = next((a for a in ("bpe", "unigram") if a in args), None)
     cfg = default_configdict()

@@ -10,7 +10,7 @@ Swap attention with `--config.attention.name=NAME` (see hpnlp.attention.names())
 variant runs with the same model size and steps, as LRA compares them.
 """
 
-from hpnlp.config import default_configdict
+from hpnlp.config import default_configdict, experiment_args
 
 TASKS = {
     # arg: (data.task, model.kind, seq_len)
@@ -25,6 +25,7 @@ def get_config(arg: str = "listops"):
     name = args[0]
     if name not in TASKS:
         raise ValueError(f"experiments/lra.py: unknown task {name!r}; choose one of {sorted(TASKS)}")
+    args = experiment_args(",".join(args[1:]), file="experiments/lra.py", allowed=("local",))
     task, kind, seq_len = TASKS[name]
     cfg = default_configdict()
     cfg.name = f"lra_{name}"

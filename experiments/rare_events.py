@@ -15,11 +15,12 @@ other 56 keep 2-5; eval holds up to 20 verses of each book from held-out chapter
 `python -m hpnlp.bench retrieval` splits the accuracy into rare and frequent books.
 """
 
-from hpnlp.config import default_configdict
+from hpnlp.config import default_configdict, experiment_args
 
 
 def get_config(arg: str = "memory"):
-    args = set(arg.split(",")) if arg else {"memory"}
+    args = experiment_args(arg, file="experiments/rare_events.py", default=("memory",),
+                           allowed=("memory", "head", "local"), exclusive=(("memory", "head"),))
     memory = "head" not in args
     cfg = default_configdict()
     cfg.name = "rare_events_memory" if memory else "rare_events_head"

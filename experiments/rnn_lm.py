@@ -12,17 +12,13 @@ Ghahramani), `recurrent` (recurrent dropout of the cell update, Semeniuta et al.
 `local` shrinks the run to a smoke test.
 """
 
-from hpnlp.config import default_configdict
+from hpnlp.config import default_configdict, experiment_args
 
 TRICKS = ("layer_norm", "variational", "recurrent", "zoneout", "weight_drop")
 
 
 def get_config(arg: str = ""):
-    args = {a for a in arg.split(",") if a}
-    unknown = args - set(TRICKS) - {"gru", "local"}
-    if unknown:
-        raise ValueError(f"unknown experiments/rnn_lm.py argument(s) {sorted(unknown)}; "
-                         f"choose from {['gru', 'local', *TRICKS]}")
+    args = experiment_args(arg, file="experiments/rnn_lm.py", allowed=("gru", "local", *TRICKS))
     cfg = default_configdict()
     cfg.name = "rnn_lm" + "".join(f"_{a}" for a in sorted(args - {"local"}))
 

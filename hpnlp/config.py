@@ -604,6 +604,22 @@ def _rule_string(v: Any) -> str:
     return "None" if v is None else (v if isinstance(v, str) else ",".join(v))
 
 
+def experiment_args(arg: str, *, file: str, allowed, default: tuple[str, ...] = (),
+                    exclusive=()) -> set[str]:
+    """The comma-separated arguments of an experiment file's `get_config(arg)` as a set
+    (`default` when `arg` is empty); ValueError naming `file` for one not in `allowed`, or
+    for two of one group in `exclusive` (e.g. two tokenizations)."""
+    args = {a.strip() for a in arg.split(",") if a.strip()} if arg else set(default)
+    unknown = sorted(args - set(allowed))
+    if unknown:
+        raise ValueError(f"{file}: unknown argument(s) {unknown}; choose from {list(allowed)}")
+    for group in exclusive:
+        both = [a for a in group if a in args]
+        if len(both) > 1:
+            raise ValueError(f"{file}: arguments {both} exclude each other; give one of them")
+    return args
+
+
 def default_configdict() -> ml_collections.ConfigDict:
     """A ConfigDict holding every field at its default; experiments start from this."""
     cfg = ml_collections.ConfigDict()

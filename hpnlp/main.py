@@ -90,6 +90,26 @@ def _take_option_overrides(argv: list[str]) -> list[str]:
     return rest
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a config file that is missing or fails (an unknown
+    argument), or a `--config.FIELD` that names no field, said in one line, not a traceback."""
+    try:
+        rest = FLAGS(argv)
+        FLAGS.config.get("name")  # a file that did not load fails on first use: here, not later
+        return rest
+    except OSError as e:  # the config file missing or unreadable
+        msg = f"--config: {str(e).strip().splitlines()[-1].strip()}"
+    except flags.Error as e:  # a flag's own check; a config file that fails to load
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        msg = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    except (AttributeError, KeyError) as e:  # a --config.FIELD override of no field
+        given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        why = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+        msg = f"no such config field in {given}: {why}"
+    print(f"hpnlp: error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -109,6 +129,10 @@ def main(argv) -> None:
         with cfg.unlocked():
             getattr(cfg, group).options[key] = value
     try:
+        from hpnlp.paths import check_writable_dir
+        check_writable_dir(FLAGS.workdir, "--workdir")
+        if FLAGS.profile:
+            check_writable_dir(FLAGS.profile, "--profile")
         summary = run(cfg, FLAGS.workdir, profile_dir=FLAGS.profile)
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
         # Config, data-file and checkpoint problems: one line saying what and how to fix.
@@ -120,4 +144,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     sys.argv = _take_option_overrides(sys.argv)  # config_flags reads sys.argv itself
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -3,6 +3,7 @@ tables and plots come out, and that a missing peer is reported, not a crash."""
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -633,3 +634,24 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
     assert compress.DISTILLED_STUDENTS[-1][0] == compress.DISTILLED
     assert compress.DISTILLED_STUDENTS[-1][2] == compress.TARGETS_RECIPE
     assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.RECIPES]
+
+
+def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
+    """Found by the crash hunt: an --out that is a file failed after the whole run (a
+    traceback), and --lengths abc or 0 failed as a traceback or ran to a table of errors."""
+    from hpnlp.bench.__main__ import main
+    (tmp_path / "f").write_text("x")
+    for argv, match in ((["speculative", "--quick", "--out", str(tmp_path / "f")],
+                         "--out .*/f is a file, not a folder"),
+                        (["compress", "--quick", "--out", str(tmp_path / "o"), "--workdir",
+                          str(tmp_path / "f" / "w")], "--workdir .*/f is a file, so the folder"),
+                        (["attention", "--quick", "--out", str(tmp_path / "o"), "--lengths", "abc"],
+                         "'abc' is not a comma-separated list of integers"),
+                        (["attention", "--quick", "--out", str(tmp_path / "o"), "--lengths", "64,0"],
+                         "every length must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err), err
+    assert not (tmp_path / "o").exists()

@@ -322,6 +322,29 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
                  "--weights", "int8"]) == 1
     assert "`model.memory.size`" in capsys.readouterr().err
+    # found by the crash hunt: nothing of a run written over (its summary.json was replaced),
+    # settings a format ignores named, and a damaged config.json named
+    before = open(os.path.join(trained, "summary.json")).read()
+    for out, match in ((trained, "is inside the run it reads"),
+                       (os.path.join(trained, "checkpoints", "9"), "is inside the run it reads"),
+                       (str(tmp_path / "mem"), "holds a training run (checkpoints, config.json"),
+                       (os.path.join(trained, "summary.json"), "is a file, not a folder")):
+        assert main(["quantize", "--workdir", trained, "--out", out, "--weights", "int8"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert match in err and "\n" not in err, err
+    assert open(os.path.join(trained, "summary.json")).read() == before
+    assert not os.path.exists(os.path.join(trained, "quant.json"))
+    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
+                 "bfloat16", "--activations", "int8"]) == 1
+    assert "--activations set integer formats, and --weights bfloat16 takes none" in \
+        capsys.readouterr().err
+    for text, match in (("{", "is not valid JSON"), ("{}", 'has no "config" entry')):
+        with open(tmp_path / "mem" / "config.json", "w") as f:
+            f.write(text)
+        assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out",
+                     str(tmp_path / "o"), "--weights", "int8"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert match in err and "config.json" in err and "\n" not in err, err
 
 
 QAT_MESH_CODE = r"""

@@ -516,6 +516,22 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     val.data.eval_split = "validation"
     with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*data\.eval_split='validation'\s+too"):
         carry_lib.for_config(validate(from_configdict(val)))
+    # found by the crash hunt: a teacher of other pieces of the same number (its soft targets
+    # would be over other tokens), and one whose position table ends before the student's
+    # rows (it read past the table and trained to NaN)
+    for name, edit, match in (
+            ("uni", lambda cd: cd.data.update(task="word_lm", tokenizer="unigram"),
+             r"data\.tokenizer='unigram' \(this run: 'bpe'\)"),
+            ("short", lambda cd: (cd.model.update(max_len=8), cd.data.update(seq_len=8)),
+             r"position table \(model\.max_len=8\) is shorter than this run's data\.seq_len=16")):
+        teacher = tiny("lm")
+        edit(teacher)
+        _config_only_workdir(tmp_path / name, teacher)
+        student = tiny("lm", distill=dict(teacher=str(tmp_path / name)))
+        if name == "uni":
+            student.data.update(task="word_lm", tokenizer="bpe")
+        with pytest.raises(ConfigError, match=match):
+            carry_lib.for_config(validate(from_configdict(student)))
     from hpnlp.train import Trainer  # and a run to fine-tune from, before anything is read
     val = tiny("lm")
     val.data.eval_split, val.train.init_from = "validation", str(lm)

@@ -41,6 +41,63 @@ def test_default_experiments_validate():
         assert cfg.model.vocab_size > 0
 
 
+@pytest.mark.parametrize("path, arg, match", [
+    ("lm.py", "locl", r"unknown argument\(s\) \['locl'\]; choose from \['bytes'"),
+    ("lm.py", "bytes,words", r"arguments \['bytes', 'words'\] exclude each other"),
+    ("lra.py", "text,lcal", r"unknown argument\(s\) \['lcal'\]"),
+    ("rare_events.py", "memory,head", r"arguments \['memory', 'head'\] exclude each other"),
+    ("encoder.py", "lstm,bag", r"arguments \['lstm', 'bag'\] exclude each other"),
+    ("rnn_lm.py", "gru,lstm", r"unknown argument\(s\) \['lstm'\]"),
+])
+def test_experiment_arguments_are_checked(path, arg, match):
+    """Found by the crash hunt: a misspelled `local` trained the whole 800-step run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("exp", os.path.join(ROOT, "experiments", path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(ValueError, match=f"experiments/{path}: " + match):
+        mod.get_config(arg)
+
+
+def test_output_folders_are_checked_before_any_work(tmp_path):
+    from hpnlp.paths import check_new_output, check_writable_dir
+    (tmp_path / "f").write_text("x")
+    check_writable_dir(str(tmp_path / "new" / "deeper"), "--out")  # made later, by the tool
+    with pytest.raises(ValueError, match="--out .*/f is a file, not a folder"):
+        check_writable_dir(str(tmp_path / "f"), "--out")
+    with pytest.raises(ValueError, match="--profile .*/f/p: .*/f is a file, so the folder"):
+        check_writable_dir(str(tmp_path / "f" / "p"), "--profile")
+    run, out = tmp_path / "run", tmp_path / "out"
+    for d in (run / "checkpoints", out):
+        os.makedirs(d)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is inside the run it reads"):
+        check_new_output(str(run / "checkpoints"), str(run))
+    with pytest.raises(ValueError, match=r"holds a training run \(checkpoints, config.json\)"):
+        check_new_output(str(run), str(tmp_path / "other"))
+    (out / "quant.json").write_text("{}")
+    check_new_output(str(out), str(run), may_replace=("quant.json",))  # the tool's own, rewritten
+    with pytest.raises(ValueError, match=r"holds files this command would not write \(quant.json\)"):
+        check_new_output(str(out), str(run))
+
+
+def test_cli_config_mistakes_are_one_line(tmp_path):
+    """Found by the crash hunt: each had been a traceback of 40-55 lines (about 1 s each:
+    they fail in flag parsing, before JAX is imported)."""
+    for argv, match in (
+            (["--config", "experiments/nosuch.py"], "--config: [Errno 2] No such file"),
+            (["--config", "experiments/lm.py:locl"], "unknown argument(s) ['locl']"),
+            (["--config", "experiments/lm.py", "--config.model.widht=3"],
+             "no such config field in ['--config.model.widht']: 'widht' Did you mean \"width\""),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "hpnlp.main", *argv, "--workdir",
+                               str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        err = proc.stderr.strip()
+        assert proc.returncode == 1 and err.startswith("hpnlp: error: ") and match in err, err
+        assert "\n" not in err and not (tmp_path / "w").exists()
+
+
 def test_task_fields_are_filled_in():
     cfg = validate(base(), num_devices=1)
     assert cfg.model.vocab_size == 256

@@ -250,6 +250,16 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert out.startswith(prompts[0]) and ("\n" + prompts[1]) in out
     assert generate.main(["--workdir", str(tmp_path), "--prompt", "x" * 200, "--length", "24"]) == 2
     assert "every prompt needs 1 to 23 tokens" in capsys.readouterr().err
+    # found by the crash hunt: each a line naming the flag, where it had been a traceback or
+    # NUL bytes
+    for extra, match in ((["--length", "500"], "--length 500 exceeds the run's model.max_len=32"),
+                         (["--length", "1"], "--length 1: it counts the prompt too"),
+                         (["--temperature", "0"], "--temperature 0.0: sampling needs"),
+                         (["--temperature", "nan"], "--temperature nan: sampling needs"),
+                         (["--prompt", "\udcff"], "a --prompt is not valid UTF-8")):
+        assert generate.main(["--workdir", str(tmp_path), "--prompt", "And", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert match in err and "\n" not in err, err
     # speculative decoding, the run drafting for itself: its greedy text, every draft kept
     greedy = ["--workdir", str(tmp_path), "--prompt", prompts[0], "--length", "24", "--greedy"]
     assert generate.main(greedy) == 0

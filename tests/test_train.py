@@ -57,6 +57,22 @@ def test_tiny_run_learns_and_writes_everything(tmp_path):
     assert json.load(open(tmp_path / "summary.json"))["final_step"] == 40
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "40"]  # keep_checkpoints=2
+    # found by the crash hunt: rerunning the finished run trains nothing and keeps what its
+    # training measured (it had rewritten the data stats as empty and the memory as idle's)
+    saved = json.load(open(tmp_path / "summary.json"))
+    again = run(tiny(steps=40, eval_every=20), str(tmp_path))
+    for key in ("throughput", "peak_memory", "data", "resumed_from_step"):
+        assert again[key] == saved[key], key
+    # a resume under a changed config writes config.json with its first checkpoint, so a
+    # resume that fails before one leaves the file describing the checkpoints
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.train.checkpoint import Checkpointer, load_run_config
+    ck = Checkpointer(str(tmp_path), validate(from_configdict(tiny(steps=50)), num_devices=1),
+                      keep=2)
+    assert load_run_config(str(tmp_path)).train.steps == 40
+    ck.save(50, {"x": np.zeros(2)}, {}, {})
+    ck.close()
+    assert load_run_config(str(tmp_path)).train.steps == 50
 
 
 @pytest.mark.slow

@@ -37,6 +37,13 @@ def main(argv=None) -> None:
         sp.add_argument("--profile", default=None, help="write a jax.profiler trace here")
         mod.add_arguments(sp)
     args = p.parse_args(argv)
+    from hpnlp.paths import check_writable_dir
+    for flag in ("out", "profile", "workdir"):  # before any training or compiling
+        if getattr(args, flag, None):
+            try:
+                check_writable_dir(getattr(args, flag), f"--{flag}")
+            except ValueError as e:
+                p.error(str(e))
     ctx = contextlib.nullcontext()
     if args.profile:
         import jax

@@ -45,7 +45,7 @@ SIZES = {
     # both targets train the default experiment's 800 steps (the wide one 0.9 steps/s on a
     # 2-core Zen 5: 15 minutes); at 400 the wide one was still on the plateau (eval loss 2.18)
     # that both leave near step 350
-    "full": dict(targets={"default byte LM": None, "4x wide, 2x deep": None}, ks=(2, 4, 6),
+    "full": dict(targets={"default byte LM": None, "4x wide, 2x deep": None}, ks=(2, 4, 6, 8, 10),
                  prompts=4, batch=4, prompt_len=16, new_tokens=96, temperature=0.8, repeats=7,
                  eval_batches=None),
     "quick": dict(targets={"default byte LM": 12}, ks=(2,), prompts=2, batch=2, prompt_len=8,

@@ -60,6 +60,16 @@ def main(argv=None) -> int:
     from hpnlp.config import ConfigError, QuantConfig
 
     try:
+        if args.command == "quantize" and (args.weights is None or args.weights in ptq.FLOAT_FORMATS):
+            given = [f"--{a}" for a, default in (("activations", "none"), ("act_scale", "dynamic"),
+                                                 ("group_size", 0), ("calibration", "absmax"),
+                                                 ("layers", "all"))
+                     if getattr(args, a) != default]
+            if given:
+                what = ("the QAT run's export keeps its own" if args.weights is None
+                        else f"--weights {args.weights} takes none")
+                raise ValueError(f"{', '.join(given)} set integer formats, and {what}; drop "
+                                 "them, or give an integer --weights")
         if args.command == "shrink":
             from hpnlp.compress import prune
             summary = prune.shrink_run(args.workdir, args.out, eval_batches=args.eval_batches)

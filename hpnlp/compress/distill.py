@@ -300,7 +300,17 @@ class TeacherCarry(Carry):
                 raise config_error("train.distill.teacher", self.workdir,
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
-        from hpnlp.data import saw_validation
+        from hpnlp.data import different_encoding, saw_validation
+        why = different_encoding(cfg.data, tcfg.data)
+        if why:
+            raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
+                               f"with {why}, so its tokens are not this run's; distill from a run "
+                               "of the same task and tokenizer")
+        if tcfg.model.pos_emb == "learned" and tcfg.model.max_len < cfg.data.seq_len:
+            raise config_error("train.distill.teacher", self.workdir, f"the teacher's position "
+                               f"table (model.max_len={tcfg.model.max_len}) is shorter than this "
+                               f"run's data.seq_len={cfg.data.seq_len}; lower data.seq_len to "
+                               f"{tcfg.model.max_len} or distill from a teacher of longer inputs")
         if saw_validation(cfg.data, tcfg.data):
             raise config_error("train.distill.teacher", self.workdir, "the teacher may have "
                                "trained on the examples this run holds out for data.eval_split="

@@ -535,11 +535,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         raise config_error("train.prune.structure", cfg.train.prune.structure, f"the run in "
                            f"{workdir} was not pruned with train.prune.structure='structured', so "
                            "it has no heads, neurons or hidden units to remove")
-    if os.path.abspath(out) == os.path.abspath(workdir):
-        raise ValueError(f"--out {out} is the pruned run itself; give a new folder")
-    ckpt = os.path.join(out, "checkpoints")
-    if os.path.isdir(ckpt) and os.listdir(ckpt):
-        raise ValueError(f"{out} already holds a run's checkpoints; give a new folder")
+    from hpnlp.paths import check_new_output
+    check_new_output(out, workdir)  # a new run: nothing of another run or tool written over
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     pruned = Trainer(cfg, workdir, read_only=True)

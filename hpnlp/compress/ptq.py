@@ -40,6 +40,7 @@ from hpnlp.config import Config, ConfigError, QuantConfig, config_error, from_co
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
 
 FLOAT_FORMATS = ("bfloat16", "float16")
+OUT_FILES = ("quantized.npz", "quant.json", "summary.json")  # what `quantize` writes in OUT
 
 
 def _is_qweight(x) -> bool:
@@ -202,6 +203,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         raise config_error("weights", float_dtype, f"float formats are {list(FLOAT_FORMATS)}")
     if calib_batches <= 0:
         raise config_error("calib_batches", calib_batches, "must be > 0")
+    from hpnlp.paths import check_new_output
+    check_new_output(out, workdir, may_replace=OUT_FILES)
     cfg = load_run_config(workdir)
     if cfg.model.memory.size:
         raise config_error("model.memory.size", cfg.model.memory.size,

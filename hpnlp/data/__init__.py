@@ -79,6 +79,26 @@ def saw_validation(mine, theirs) -> bool:
     return False
 
 
+def different_encoding(mine, theirs) -> str | None:
+    """What makes a run trained with DataConfig `theirs` encode text otherwise than `mine`
+    (the field and both values, for an error), or None where the two encode alike: the same
+    task and tokenizer (byte_lm's and word_lm's own named or not), and, for a vocabulary
+    learned from the training text (words, subwords), the same text: a tokenizer is trained
+    deterministically, so the same kind, size and text give the same pieces. Bytes are bytes
+    whatever the text."""
+    def name(c):
+        return text_tasks.lm_tokenizer(c, c.task) if c.task in ("byte_lm", "word_lm") else c.tokenizer
+    fields = [("data.task", mine.task, theirs.task),
+              ("data.tokenizer", name(mine), name(theirs))]
+    if name(mine) not in ("", "bytes"):
+        fields += [("data.train_path", mine.train_path, theirs.train_path),
+                   ("data.prepared", mine.prepared, theirs.prepared)]
+    for field, a, b in fields:
+        if a != b:
+            return f"{field}={b!r} (this run: {a!r})"
+    return None
+
+
 def task_info(cfg) -> dict:
     """{"kind", "vocab_size", "num_classes"} (and, for LM tasks, "frequency_sorted": whether
     id 0 is the most frequent token and counts fall with the id) without building the data

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 
@@ -14,6 +16,12 @@ from hpnlp.models.heads import Classifier, DualEncoder, TransformerLM  # noqa: F
 from hpnlp.models.bi_encoder import BiEncoder  # noqa: F401
 from hpnlp.models.generate import generate  # noqa: F401
 from hpnlp.models.speculative import speculative_generate  # noqa: F401
+
+# `python -m hpnlp.models.generate` (the CLI) runs that module as __main__ after this package
+# imported it for `generate`; runpy warns of the two copies, which here is harmless (the CLI
+# uses its own copy throughout), so its warning is not shown on every call
+warnings.filterwarnings("ignore", message="'hpnlp.models.generate' found in sys.modules",
+                        category=RuntimeWarning)
 
 MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEncoder,
           "bi_encoder": BiEncoder}

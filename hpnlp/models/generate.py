@@ -15,6 +15,14 @@ from hpnlp import attention as attention_lib
 from hpnlp.config import Config
 
 
+def check_temperature(temperature, greedy: bool) -> None:
+    """A ValueError where sampling (not `greedy`) is asked at a temperature that is not a
+    finite number above 0 (a traced one is the caller's to check)."""
+    if not greedy and isinstance(temperature, (int, float)) and not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature={temperature}: sampling needs a temperature above 0; "
+                         "give one (e.g. 0.8), or decode greedily")
+
+
 def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
              temperature: float = 1.0, greedy: bool = True, features_key=None,
              token_counts=None):
@@ -32,6 +40,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     from hpnlp.models import build
 
     B, P = prompt_BP.shape
+    check_temperature(temperature, greedy)
     if length > cfg.model.max_len:
         raise ValueError(f"generate(length={length}) exceeds model.max_len={cfg.model.max_len}")
     if P > length:
@@ -108,7 +117,18 @@ def main(argv=None) -> int:
         return cfg, trainer
 
     try:
+        try:
+            check_temperature(args.temperature, args.greedy)
+        except ValueError:
+            raise ValueError(f"--temperature {args.temperature}: sampling needs a temperature "
+                             "above 0; give one (e.g. 0.8), or --greedy for the argmax") from None
+        if args.length and args.length < 2:
+            raise ValueError(f"--length {args.length}: it counts the prompt too, so it needs at "
+                             "least 2 (one prompt token and one new)")
         cfg, trainer = load(args.workdir)
+        if args.length > cfg.model.max_len:
+            raise ValueError(f"--length {args.length} exceeds the run's model.max_len="
+                             f"{cfg.model.max_len}; lower --length")
         length = args.length or cfg.model.max_len
         if args.draft:
             draft_cfg, draft_trainer = load(args.draft)
@@ -124,6 +144,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     task = trainer.task
+    try:
+        for t in args.prompt:  # bytes the terminal could not decode arrive as surrogates
+            t.encode("utf-8")
+    except UnicodeEncodeError:
+        print("error: a --prompt is not valid UTF-8 text (check the terminal's encoding)",
+              file=sys.stderr)
+        return 2
     ids = [task.encode(t) for t in args.prompt]
     if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "

@@ -35,11 +35,6 @@ from hpnlp.config import Config
 _CACHE_LEAVES = {"k", "v", "index", "position"}
 
 
-def _tokenizer(cfg: Config) -> str:
-    """The tokenizer a run encodes with: its `data.tokenizer`, or its task's own."""
-    return cfg.data.tokenizer or {"byte_lm": "bytes", "word_lm": "words"}.get(cfg.data.task, "")
-
-
 def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
           prompt_len: int) -> None:
     """Raises ValueError, naming the field and the fix, where speculative decoding of `cfg`
@@ -67,12 +62,13 @@ def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
                 f"speculative decoding: length={length} with draft_tokens={draft_tokens} writes "
                 f"{length + draft_tokens - 1} cache positions, past the {role}'s model.max_len="
                 f"{c.model.max_len}; lower length or draft_tokens")
-    for field, mine, theirs in (("data.task", cfg.data.task, draft_cfg.data.task),
-                                ("data.tokenizer", _tokenizer(cfg), _tokenizer(draft_cfg)),
-                                ("model.vocab_size", cfg.model.vocab_size, draft_cfg.model.vocab_size)):
-        if mine != theirs:
-            raise ValueError(f"speculative decoding: the draft has {field}={theirs!r}, the target "
-                             f"{mine!r}; draft with a model of the same task and vocabulary")
+    from hpnlp.data import different_encoding
+    why = different_encoding(cfg.data, draft_cfg.data)
+    if why is None and cfg.model.vocab_size != draft_cfg.model.vocab_size:
+        why = f"model.vocab_size={draft_cfg.model.vocab_size!r} (the target: {cfg.model.vocab_size!r})"
+    if why:
+        raise ValueError(f"speculative decoding: the draft has {why}; draft with a model of the "
+                         "same task and vocabulary")
     if not 1 <= prompt_len < length:
         raise ValueError(f"speculative decoding: a prompt of {prompt_len} tokens with "
                          f"length={length}; it needs 1 to {length - 1} tokens: shorten the "
@@ -152,9 +148,12 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     `generate.generate`; `check` runs here, before any tracing."""
     from hpnlp.models import build
 
+    from hpnlp.models.generate import check_temperature
+
     B, P = prompt_BP.shape
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
+    check_temperature(temperature, greedy)
     target = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     draft = build(draft_cfg, deterministic=True, decode=True, token_counts=draft_token_counts)
     zeros_B1 = jnp.zeros((B, 1), jnp.int32)

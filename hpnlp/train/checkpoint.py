@@ -29,18 +29,32 @@ class NoCheckpoint(FileNotFoundError):
     """The workdir has no trained run to read (to quantize, distill from or fine-tune)."""
 
 
+def _read_config_json(path: str) -> dict:
+    """A run's config.json, or NoCheckpoint naming it where it is not one hpnlp wrote."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise NoCheckpoint(f"{path} is not valid JSON ({e}); it is not a config.json hpnlp "
+                           "wrote: restore it, or train the run anew in a new workdir") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        raise NoCheckpoint(f"{path} has no \"config\" entry; it is not a config.json hpnlp "
+                           "wrote: restore it, or train the run anew in a new workdir")
+    return saved
+
+
 def load_run_config(workdir: str) -> Config:
     """The config a run in `workdir` was trained with (its config.json)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise NoCheckpoint(f"no run in workdir {workdir} (no config.json): train one there first "
                            "with python -m hpnlp.main --config ... --workdir ...")
-    with open(path) as f:
-        saved = json.load(f)["config"]
+    saved = _read_config_json(path)["config"]
     if any(isinstance(saved.get(g, {}).get(k), str) for g, k in (("attention", "options"),
                                                                   ("output", "options"))):
         raise NoCheckpoint(f"{path} was written before configs were saved readably (options as "
-                           "text); retrain the run, or resume it once to rewrite config.json")
+                           "text); retrain the run, or resume it for a few more train.steps "
+                           "(config.json is rewritten with its next checkpoint)")
     ckpt = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
         raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {ckpt}: train (or resume) the "
@@ -94,32 +108,43 @@ def _shape_signature(cfg, members: int = 1) -> dict:
 class Checkpointer:
     def __init__(self, workdir: str, cfg, *, keep: int, members: int = 1, read_only: bool = False):
         """`read_only`: a tool reading the run (PTQ, ensembles of checkpoints) checks the
-        model against config.json but leaves the run's files as they are."""
+        model against config.json but leaves the run's files as they are. A resume under a
+        changed config (another learning rate, more steps) writes config.json with the first
+        checkpoint it saves, so the file never describes steps no checkpoint holds."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
+        self._pending_config = None
         self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
     def _check_or_write_config(self, cfg, members: int, write: bool = True) -> None:
         sig = _shape_signature(cfg, members)
+        payload = {"shape_signature": sig, "config": to_json(cfg)}
+        resuming = os.path.isdir(self.directory) and bool(os.listdir(self.directory))
         if os.path.exists(self.config_path):
-            with open(self.config_path) as f:
-                saved = json.load(f).get("shape_signature", {})
-            diff = {k: (saved.get(k), sig.get(k)) for k in {**saved, **sig}
-                    if saved.get(k) != sig.get(k)}
-            if diff and os.path.isdir(self.directory) and os.listdir(self.directory):
+            saved = _read_config_json(self.config_path)
+            old_sig = saved.get("shape_signature", {})
+            diff = {k: (old_sig.get(k), sig.get(k)) for k in {**old_sig, **sig}
+                    if old_sig.get(k) != sig.get(k)}
+            if diff and resuming:
                 lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
                 raise CheckpointMismatch(
                     f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a different "
                     f"model ({lines}). Use a new --workdir, or delete that one to start over.")
-        if write and jax.process_index() == 0:  # atomically: other processes may be reading it
+            if resuming and saved == json.loads(json.dumps(payload)):
+                return  # the same config: nothing to write
+        if write and resuming:
+            self._pending_config = payload  # written with the first new checkpoint (`save`)
+        elif write:
+            self._write_config(payload)
+
+    def _write_config(self, payload: dict) -> None:
+        if jax.process_index() == 0:  # atomically: other processes may be reading it
             os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
             tmp = self.config_path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"shape_signature": sig,
-                           "config": to_json(cfg)},
-                          f, indent=1)
+                json.dump(payload, f, indent=1)
             os.replace(tmp, self.config_path)
 
     def latest_step(self) -> int | None:
@@ -130,6 +155,9 @@ class Checkpointer:
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state),
             loop=ocp.args.JsonSave(loop_state)))
+        if self._pending_config is not None:  # a resume's changed config, now that it trains
+            self._write_config(self._pending_config)
+            self._pending_config = None
 
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""

@@ -430,9 +430,11 @@ class Trainer:
             "processes": jax.process_count(),
         }
         path = os.path.join(self.workdir, "summary.json")
-        if timing["steps"] == 0 and os.path.exists(path):  # nothing trained now: keep old rates
-            with open(path) as f:
-                summary["throughput"] = json.load(f).get("throughput", summary["throughput"])
+        if timing["steps"] == 0 and os.path.exists(path):  # nothing trained now: keep what the
+            with open(path) as f:                          # training measured
+                old = json.load(f)
+            for key in ("throughput", "peak_memory", "data", "resumed_from_step"):
+                summary[key] = old.get(key, summary[key])
         if jax.process_index() == 0:
             with open(path, "w") as f:
                 json.dump(summary, f, indent=1)

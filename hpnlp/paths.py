@@ -1,0 +1,50 @@
+"""Output folders, checked before any long work: a command that cannot write its results, or
+that would write over a run's own files, says so in one line before it trains or compiles
+(and creates nothing while checking)."""
+
+from __future__ import annotations
+
+import os
+
+# What a training run keeps in its workdir (hpnlp.train): an output written there would
+# replace the run's summary or mix with its checkpoints.
+RUN_FILES = ("config.json", "checkpoints", "summary.json", "metrics.jsonl")
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Raises ValueError, naming `flag`, where `path` cannot be (or become) a folder this
+    process writes into: it is a file, a folder on its way is a file, or the nearest folder
+    that exists is not writable."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ValueError(f"{flag} {path} is a file, not a folder; give a folder")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, so the folder cannot be made; "
+                         "give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable; give a folder you can write")
+
+
+def check_new_output(out: str, source: str, flag: str = "--out", *,
+                     may_replace: tuple[str, ...] = ()) -> None:
+    """Raises ValueError, naming `flag`, where writing a tool's results into `out` would lose
+    something: `out` is the run `source` it reads or inside it, or holds a training run's
+    files or any file other than `may_replace` (the tool's own, from an earlier call, which
+    it writes anew)."""
+    check_writable_dir(out, flag)
+    full, src = os.path.realpath(out), os.path.realpath(source)
+    if full == src or full.startswith(src + os.sep):
+        raise ValueError(f"{flag} {out} is inside the run it reads ({source}); give a new folder")
+    if not os.path.isdir(full):
+        return
+    held = sorted(set(os.listdir(full)) - set(may_replace))
+    run = [f for f in held if f in RUN_FILES]
+    if run:
+        raise ValueError(f"{flag} {out} holds a training run ({', '.join(run)}); give a new folder")
+    if held:
+        raise ValueError(f"{flag} {out} holds files this command would not write "
+                         f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); give a "
+                         "new or empty folder")
