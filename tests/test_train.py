@@ -73,6 +73,10 @@ def test_tiny_run_learns_and_writes_everything(tmp_path):
     ck.save(50, {"x": np.zeros(2)}, {}, {})
     ck.close()
     assert load_run_config(str(tmp_path)).train.steps == 50
+    # a checkpoint that is not the run's state (here the one just saved): one line, not
+    # orbax's traceback
+    with pytest.raises(CheckpointMismatch, match=r"checkpoints/50 cannot be read .* move it aside"):
+        run(tiny(steps=60), str(tmp_path))
 
 
 @pytest.mark.slow

@@ -161,10 +161,18 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=ocp.args.JsonRestore(),
-            loop=ocp.args.JsonRestore()))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                loop=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 (whatever orbax raises: the step cannot be read)
+            where = os.path.join(self.directory, str(step))
+            raise CheckpointMismatch(
+                f"checkpoint {where} cannot be read ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); it is damaged or "
+                "incomplete: move it aside to resume from the step before, or use a new "
+                "--workdir") from e
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
