@@ -9,6 +9,7 @@ import os
 # What a training run keeps in its workdir (hpnlp.train): an output written there would
 # replace the run's summary or mix with its checkpoints.
 RUN_FILES = ("config.json", "checkpoints", "summary.json", "metrics.jsonl")
+RUN_FOLDERS = ("checkpoints", "tensorboard", "tokenizer")  # a run's own, written as it trains
 
 
 def check_writable_dir(path: str, flag: str) -> None:
@@ -28,16 +29,23 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is not writable; give a folder you can write")
 
 
-def check_new_output(out: str, source: str, flag: str = "--out", *,
+def check_new_output(out: str, source: str | None, flag: str = "--out", *,
                      may_replace: tuple[str, ...] = ()) -> None:
     """Raises ValueError, naming `flag`, where writing a tool's results into `out` would lose
-    something: `out` is the run `source` it reads or inside it, or holds a training run's
+    something: `out` is the run `source` it reads (if any) or inside one of its own folders
+    (its checkpoints: a folder there reads as a damaged step), or holds a training run's
     files or any file other than `may_replace` (the tool's own, from an earlier call, which
-    it writes anew)."""
+    it writes anew). A new folder inside the run is fine."""
     check_writable_dir(out, flag)
-    full, src = os.path.realpath(out), os.path.realpath(source)
-    if full == src or full.startswith(src + os.sep):
-        raise ValueError(f"{flag} {out} is inside the run it reads ({source}); give a new folder")
+    full = os.path.realpath(out)
+    if source is not None:
+        src = os.path.realpath(source)
+        if full == src:
+            raise ValueError(f"{flag} {out} is the run it reads; give a new folder")
+        if full.startswith(src + os.sep) and \
+                os.path.relpath(full, src).split(os.sep)[0] in RUN_FOLDERS:
+            raise ValueError(f"{flag} {out} is inside the run's own folders ({source}); give a "
+                             "new folder")
     if not os.path.isdir(full):
         return
     held = sorted(set(os.listdir(full)) - set(may_replace))

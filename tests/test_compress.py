@@ -325,8 +325,8 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     # found by the crash hunt: nothing of a run written over (its summary.json was replaced),
     # settings a format ignores named, and a damaged config.json named
     before = open(os.path.join(trained, "summary.json")).read()
-    for out, match in ((trained, "is inside the run it reads"),
-                       (os.path.join(trained, "checkpoints", "9"), "is inside the run it reads"),
+    for out, match in ((trained, "is the run it reads; give a new folder"),
+                       (os.path.join(trained, "checkpoints", "9"), "inside the run's own folders"),
                        (str(tmp_path / "mem"), "holds a training run (checkpoints, config.json"),
                        (os.path.join(trained, "summary.json"), "is a file, not a folder")):
         assert main(["quantize", "--workdir", trained, "--out", out, "--weights", "int8"]) == 1

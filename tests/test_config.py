@@ -71,8 +71,11 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
     for d in (run / "checkpoints", out):
         os.makedirs(d)
     (run / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="is inside the run it reads"):
-        check_new_output(str(run / "checkpoints"), str(run))
+    with pytest.raises(ValueError, match="is inside the run's own folders"):
+        check_new_output(str(run / "checkpoints" / "7"), str(run))
+    check_new_output(str(run / "quantized"), str(run))  # a new folder of the run's: fine
+    with pytest.raises(ValueError, match="is the run it reads"):
+        check_new_output(str(run), str(run))
     with pytest.raises(ValueError, match=r"holds a training run \(checkpoints, config.json\)"):
         check_new_output(str(run), str(tmp_path / "other"))
     (out / "quant.json").write_text("{}")

@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -167,6 +168,22 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
     err = fails(("f.txt", b"".join(b"para %d\n\n" % i for i in range(300))), "--tokenizer",
                 "unigram", "--vocab_size", "60000")
     assert "--vocab_size` = 60000 is not allowed: the training text supports at most" in err
+    # found by the crash hunt: a run's workdir as --out (its tokenizer was replaced), a bad
+    # number as a traceback, and an error whose fix led to "an unfinished preparation with
+    # other settings" (what the failed call wrote is removed)
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoints")
+    (run / "config.json").write_text("{}")
+    err = fails(("g.txt", b"x\n"), "--out", str(run))
+    assert "holds a training run (checkpoints, config.json)" in err
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.json"]
+    err = fails(("h.txt", b"x\n"), "--tokenizer", "bpe", "--vocab_size", "0")
+    assert "--vocab_size 0: it must be >= 1" in err
+    three = ("i.txt", b"first\n\nsecond\n\nthird\n")
+    assert "no eval document" in fails(three)
+    assert not os.path.exists(tmp_path / "o_i.txt")
+    assert prepare.main(["--input", str(tmp_path / "i.txt"), "--out", str(tmp_path / "o_i.txt"),
+                         "--eval_every", "2", "--quiet"]) == 0
 
 
 def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared):
@@ -180,6 +197,26 @@ def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared
     validate(from_configdict(cd))
     with pytest.raises(ConfigError, match="data.prepared.*prepare --input"):
         data.task_info(lm_cfg(prepared=prepared + "_missing"))
+
+
+def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, tmp_path):
+    """Found by the crash hunt: a missing or truncated eval shard failed at the first eval,
+    after the training steps (and lost them); a missing counts file was a bare Errno."""
+    cfg = lm_cfg(prepared=str(tmp_path / "p"), tokenizer="bpe", vocab_size=600)
+    meta = sharded.read_meta(prepared)
+    shard = meta["splits"]["eval"]["shards"][0]
+    for damage, match in (("truncate", f"{shard}: cannot be read .*damaged or truncated"),
+                          ("remove", f"{shard}: shard listed in .* is missing"),
+                          ("counts", f"{sharded.COUNTS_FILE}: cannot be read")):
+        shutil.rmtree(tmp_path / "p", ignore_errors=True)
+        shutil.copytree(prepared, tmp_path / "p")
+        path = tmp_path / "p" / (sharded.COUNTS_FILE if damage == "counts" else shard)
+        if damage == "truncate":
+            path.write_bytes(path.read_bytes()[:-7])
+        else:
+            os.remove(path)
+        with pytest.raises(ValueError, match=match):
+            data.make_task(cfg)
 
 
 # ------------------------------------------------------------------------ streaming

@@ -235,6 +235,13 @@ def test_checkpoint_errors(plain, tmp_path):
         checkpoint_ensemble(tiny(), str(tmp_path / "nothing"), 2)
     with pytest.raises(ValueError, match="last_k = 0"):
         checkpoint_ensemble(tiny(1), plain, 0)
+    # found by the crash hunt: the members were scored on whatever data the command line
+    # gave, not the run's own
+    other = tiny(1)
+    other = dataclasses.replace(other, data=dataclasses.replace(other.data, eval_split="validation"))
+    with pytest.raises(ConfigError, match=r"`data.eval_split` = 'validation' is not allowed: the run "
+                                          r".* trained with 'eval'"):
+        checkpoint_ensemble(other, plain, 2)
 
 
 def test_cli_from_checkpoints(plain, averaged, tmp_path):

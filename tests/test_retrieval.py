@@ -377,6 +377,23 @@ def test_bad_input_is_one_clear_line(tmp_path):
         retrieval.load(str(tmp_path))
     with pytest.raises(ValueError, match="unknown index 'annoy'"):
         retrieval.make("annoy", 16)
+    # found by the crash hunt: an index the kNN-LM cannot make is refused before its
+    # datastore is built (minutes), and an --out that would write over a run's summary
+    for name, options, match in (("annoy", {}, "unknown index 'annoy'"),
+                                 ("exact", {"nprobe": 4}, "not options of the 'exact' index")):
+        with pytest.raises(RetrievalError, match=match):
+            knnlm.run(str(tmp_path / "no_run"), str(tmp_path / "ds"), index=name,
+                      index_options=options)
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoints")
+    (run / "summary.json").write_text("{}")
+    (run / "config.json").write_text("{}")
+    for out, match in ((run, "is the run it reads"),
+                       (run / "checkpoints" / "9", "inside the run's own folders"),
+                       (tmp_path / "idx", r"would not write \(arrays.npz, index.json\)")):
+        with pytest.raises(RetrievalError, match=match):
+            knnlm.run(str(run), str(tmp_path / "ds"), out=str(out))
+    assert not (tmp_path / "ds").exists() and (run / "summary.json").read_text() == "{}"
 
 
 def test_l2_through_mips_augmentation_is_exact():

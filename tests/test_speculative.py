@@ -42,7 +42,7 @@ def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
     all kept (the target itself)."""
     cfg, params, draft_cfg, draft_params, inputs = lms
     if draft != "smaller":
-        draft_cfg, draft_params = cfg, (params if draft == "self" else noisy(params, 0.1))
+        draft_cfg, draft_params = cfg, (params if draft == "self" else noisy(params, 0.1, seed=5))
     prompt = inputs[:, :prompt_len]
     want = jax.jit(lambda p, pr: models.generate(cfg, p, pr, jnp.full((2,), prompt_len),
                                                  length=LEN))(params, prompt)
@@ -59,9 +59,14 @@ def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
     if draft == "self":
         np.testing.assert_array_equal(kept_B, calls_B * draft_tokens)
         assert np.all(calls_B == -(-(LEN - prompt_len) // (draft_tokens + 1)))
-    elif draft == "noisy":  # the rows keep different numbers: each advances on its own
-        assert 0 < kept_B.sum() < calls_B.sum() * draft_tokens
+    elif draft == "noisy":  # the rows keep different numbers: each advances on its own,
+        assert 0 < kept_B.sum() < calls_B.sum() * draft_tokens  # as it would alone
         assert kept_B[0] != kept_B[1] and calls_B[0] != calls_B[1]
+        for b in range(2):
+            _, alone = jax.jit(lambda p, dp, pr: speculative.speculative_generate(
+                cfg, p, draft_cfg, dp, pr, length=LEN, draft_tokens=draft_tokens))(
+                    params, draft_params, prompt[b:b + 1])
+            assert (int(alone["accepted"][0]), int(alone["rounds"])) == (kept_B[b], calls_B[b])
     else:
         assert not kept_B.any()
 
@@ -167,6 +172,25 @@ def test_bad_drafts_and_lengths_are_refused_before_compiling():
     for draft, kw, message in cases:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             speculative.check(cfg, draft, **kw)
+
+
+def test_bad_prompts_are_refused_before_tracing(lms):
+    """Found by the crash hunt: ids past the vocabulary decoded silently, prompt_len_B past
+    the prompt read zeros, and a 1-D prompt or a classifier failed deep inside."""
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    cases = [(inputs[:, :3] + V, None, rf"token ids \d+\.\.\d+, outside the vocabulary 0\.\.{V - 1}"),
+             (inputs[0, :3], None, r"\[batch, length >= 1\] array of integer token ids; got shape \(3,\)"),
+             (inputs[:, :3].astype(jnp.float32), None, "dtype float32"),
+             (inputs[:, :3], jnp.array([3, 4]), r"a length in 1\.\.3 .*got \[3, 4\]")]
+    for prompt, lens, match in cases:
+        with pytest.raises(ValueError, match=match):
+            models.generate(cfg, params, prompt, lens, length=LEN)
+        if lens is None:
+            with pytest.raises(ValueError, match=match):
+                speculative.speculative_generate(cfg, params, draft_cfg, draft_params, prompt,
+                                                 length=LEN)
+    with pytest.raises(ValueError, match="needs a causal LM .* model.kind='classifier'"):
+        models.generate(make_cfg("classifier"), params, inputs[:, :3], length=LEN)
 
 
 def test_several_tokens_a_call_need_the_exact_cache():

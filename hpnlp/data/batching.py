@@ -73,14 +73,30 @@ def first_fit(sizes: list[int], capacity: int) -> np.ndarray:
     return out
 
 
+# what each entry of an iterator state's fingerprint comes from, for its error
+_STATE_FIELDS = {"task": "data.task", "batching": "data.batching", "batch_size": "train.batch_size",
+                 "seq_len": "data.seq_len", "seed": "seed",
+                 "num_examples": "examples (data.train_path, data.eval_split, ...)",
+                 "num_tokens": "tokens (data.prepared, data.train_path, ...)",
+                 "prepared": "data.prepared's shards"}
+
+
 def check_fingerprint(saved: dict, want: dict) -> None:
     """Refuse an iterator state saved under different data settings (it would resume at
-    the wrong place in a different stream)."""
+    the wrong place in a different stream), naming the settings."""
     diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
-    if diff:
-        raise ValueError("data iterator state was saved with different settings "
-                         f"(saved, now): {diff}; resume with the same data config and batch "
-                         "size, or start the data stream afresh")
+    if not diff:
+        return
+    fix = ("resume with the run's own data settings and batch size (its config.json), or use "
+           "a new --workdir")
+    if ("prepared" in saved) != ("prepared" in want):
+        was = "a prepared corpus (data.prepared)" if "prepared" in saved else "in-memory data"
+        raise ValueError(f"the checkpoint's data stream read {was}, and this config's does not; "
+                         + fix)
+    lines = "; ".join(f"{_STATE_FIELDS.get(k, k)}: saved {a!r}, now {b!r}"
+                      for k, (a, b) in diff.items())
+    raise ValueError(f"the checkpoint's data stream was saved under other settings ({lines}); "
+                     + fix)
 
 
 class BatchIterator:

@@ -117,7 +117,8 @@ def read_text_file(path: str, field: str) -> str:
     p = pathlib.Path(path)
     what = f"{field} must name a UTF-8 plain-text file"
     if not p.is_file():
-        raise ValueError(f"{path}: no such file; {what}")
+        raise ValueError(f"{path}: {'is a folder, not a file' if p.is_dir() else 'no such file'}; "
+                         f"{what}")
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8")

@@ -267,7 +267,8 @@ def load_tsv(path: str) -> tuple[list[np.ndarray], np.ndarray]:
     ~100K rows of thousands of tokens, too many for a per-token Python loop."""
     p = pathlib.Path(path)
     if not p.is_file():
-        raise ValueError(f"{path}: no such file; expected {_WHAT}")
+        what = "is a folder, not a file" if p.is_dir() else "no such file"
+        raise ValueError(f"{path}: {what}; expected {_WHAT}")
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8")

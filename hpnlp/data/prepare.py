@@ -172,6 +172,34 @@ def _atomic_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _check_out(out: str) -> None:
+    """PrepareError where --out cannot hold the corpus: not a folder, or one holding a
+    training run or other files (a folder of this tool's own is resumed or refused by its
+    settings in `prepare`)."""
+    from hpnlp.paths import check_new_output, check_writable_dir
+    try:
+        check_writable_dir(out, "--out")
+        if os.path.isdir(out) and not {sharded.META_FILE, PROGRESS_FILE} & set(os.listdir(out)):
+            check_new_output(out, None)
+    except ValueError as e:
+        raise PrepareError(str(e)) from None
+
+
+def _discard(out: str, created: bool) -> None:
+    """Remove what an unfinished preparation wrote in `out` (the folder itself if this call
+    made it)."""
+    import shutil
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in (PROGRESS_FILE, PROGRESS_COUNTS):
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    for f in glob.glob(os.path.join(out, "*-*.array_record")):
+        os.remove(f)
+    shutil.rmtree(os.path.join(out, tokenizers.DIRNAME), ignore_errors=True)
+
+
 def prepare(args) -> dict:
     from array_record.python import array_record_module as ar
     from tqdm.auto import tqdm
@@ -186,7 +214,13 @@ def prepare(args) -> dict:
     if not eval_paths and args.eval_every < 2:
         raise PrepareError("--eval_every must be >= 2 (every N-th document is eval) unless "
                            "--eval_input names the eval text")
+    for flag, least in (("vocab_size", 1), ("tokenizer_sample_mb", 1), ("batch_mb", 1),
+                        ("shard_mb", 0)):  # 0: a shard per document
+        if getattr(args, flag) < least:
+            raise PrepareError(f"--{flag} {getattr(args, flag)}: it must be >= {least}")
     out = args.out
+    _check_out(out)
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     meta_path = os.path.join(out, sharded.META_FILE)
     settings = {"inputs": [os.path.abspath(p) for p in paths],
@@ -220,7 +254,7 @@ def prepare(args) -> dict:
             encode_many, tok_info, tok = make_tokenizer(args, paths)
             if tok is not None:
                 tok.save(tok_dir)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:  # ValueError: SentencePiece refusing the settings
         raise PrepareError(str(e)) from None
     V = tok_info["vocab_size"]
     dtype = _dtype(V)
@@ -311,12 +345,16 @@ def prepare(args) -> dict:
     flush()
     checkpoint({"stream": len(streams), "file": 0, "offset": 0, "line": 0})
     bar.close()
+    why = None
     if state["documents"]["train"] == 0:
-        raise PrepareError(f"--input {args.input}: no training text found (every document was "
-                           "empty or went to eval); check the files and --eval_every")
-    if state["documents"]["eval"] == 0:
-        raise PrepareError(f"--input {args.input}: no eval document (fewer than --eval_every="
-                           f"{args.eval_every} documents?); lower --eval_every or give --eval_input")
+        why = (f"--input {args.input}: no training text found (every document was empty or "
+               "went to eval); check the files and --eval_every")
+    elif state["documents"]["eval"] == 0:
+        why = (f"--input {args.input}: no eval document (fewer than --eval_every="
+               f"{args.eval_every} documents?); lower --eval_every or give --eval_input")
+    if why:  # nothing kept to resume: a rerun with the fix starts afresh
+        _discard(out, created)
+        raise PrepareError(why)
     np.save(os.path.join(out, sharded.COUNTS_FILE), counts["train"])
     np.save(os.path.join(out, sharded.EVAL_TARGET_COUNTS_FILE), counts["eval_targets"])
     meta = {"format": sharded.FORMAT, "complete": True, "settings": settings,

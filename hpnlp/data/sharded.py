@@ -105,9 +105,9 @@ def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
     splits stay on disk (`train`/`eval` are empty; ShardedIterator reads them)."""
     meta = read_meta(cfg.prepared)
     _check_tokenizer(cfg, name, meta)
+    check_shards(cfg.prepared, meta)
     V = int(meta["tokenizer"]["vocab_size"])
-    counts = np.load(os.path.join(cfg.prepared, COUNTS_FILE))
-    eval_counts = np.load(os.path.join(cfg.prepared, EVAL_TARGET_COUNTS_FILE))
+    counts, eval_counts = (_load_counts(cfg.prepared, f) for f in (COUNTS_FILE, EVAL_TARGET_COUNTS_FILE))
     logp = np.log(counts + 1.0) - np.log(counts.sum() + V)
     n_eval = eval_counts.sum()
     loss = float(-(eval_counts * logp).sum() / n_eval) if n_eval else float("nan")
@@ -127,6 +127,34 @@ def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
               "prepared_meta": meta, "tokenizer": meta["tokenizer"],
               "train_documents": meta["splits"]["train"]["documents"],
               "eval_documents": meta["splits"]["eval"]["documents"]})
+
+
+def _load_counts(directory: str, name: str) -> np.ndarray:
+    path = os.path.join(directory, name)
+    try:
+        return np.load(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot be read ({e}); the prepared folder is incomplete: "
+                         "prepare the corpus again") from None
+
+
+def check_shards(directory: str, meta: dict) -> None:
+    """ValueError naming the first shard of either split that is missing or cannot be opened
+    (a truncated file): found before any step trains, not at the first eval after them."""
+    from array_record.python import array_record_module as ar
+    for split in ("train", "eval"):
+        for name in meta["splits"][split]["shards"]:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                raise ValueError(f"{path}: shard listed in {directory}/{META_FILE} is missing; "
+                                 "prepare the corpus again")
+            try:
+                reader = ar.ArrayRecordReader(path)
+                reader.close()
+            except RuntimeError as e:
+                detail = str(e).strip().split("\n")[0][:160] or "RuntimeError"
+                raise ValueError(f"{path}: cannot be read ({detail}); the shard is damaged or "
+                                 "truncated: prepare the corpus again") from None
 
 
 def decode_record(record: bytes, dtype: str) -> np.ndarray:

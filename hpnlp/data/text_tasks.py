@@ -130,7 +130,10 @@ def make_lm_task(cfg, name: str, *, tokenizer_dir: str | None = None,
         vocab = WordVocab.build(train_tok, cfg.word_vocab_size)
         train_ids = [vocab.ids(t) for t in train_tok]
         eval_ids = [vocab.encode(d) for d in eval_docs]
-        vocab_size, encode, decode = len(vocab.words), vocab.encode, vocab.decode
+        # the model's size (`info`): a user file with fewer distinct words than
+        # data.word_vocab_size leaves the last output rows unused (their counts zero)
+        vocab_size = max(len(vocab.words), info(cfg, name)["vocab_size"])
+        encode, decode = vocab.encode, vocab.decode
         extra = {"words": vocab.words, "eos_id": vocab.index[EOS], "unk_id": vocab.index[UNK]}
     train = task_lib.lm_chunks(train_ids, cfg.seq_len)
     eval_ = task_lib.lm_chunks(eval_ids, cfg.seq_len)

@@ -23,6 +23,30 @@ def check_temperature(temperature, greedy: bool) -> None:
                          "give one (e.g. 0.8), or decode greedily")
 
 
+def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
+    """A ValueError, naming what is wrong, where `cfg` is not a causal LM's or the prompt is
+    not [batch, length] integer token ids; the ids (and `prompt_len_B`) are checked against
+    the vocabulary (and the prompt's length) where they are concrete, not traced."""
+    if cfg.model.kind != "lm":
+        raise ValueError(f"decoding needs a causal LM (model.kind='lm'); this config is a "
+                         f"model.kind={cfg.model.kind!r} one")
+    shape, dtype = jnp.shape(prompt_BP), getattr(prompt_BP, "dtype", None)
+    if len(shape) != 2 or shape[1] < 1 or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"the prompt must be a [batch, length >= 1] array of integer token ids; "
+                         f"got shape {shape}, dtype {dtype} (e.g. jnp.asarray([ids], jnp.int32))")
+    if not isinstance(prompt_BP, jax.core.Tracer) and prompt_BP.size:
+        lo, hi = int(jnp.min(prompt_BP)), int(jnp.max(prompt_BP))
+        if lo < 0 or hi >= cfg.model.vocab_size:
+            raise ValueError(f"the prompt holds token ids {lo}..{hi}, outside the vocabulary "
+                             f"0..{cfg.model.vocab_size - 1} (model.vocab_size); encode it with "
+                             "the run's own tokenizer")
+    if prompt_len_B is not None and not isinstance(prompt_len_B, jax.core.Tracer):
+        lens = jnp.asarray(prompt_len_B)
+        if lens.shape != (shape[0],) or int(jnp.min(lens)) < 1 or int(jnp.max(lens)) > shape[1]:
+            raise ValueError(f"prompt_len_B must give each of the {shape[0]} rows a length in "
+                             f"1..{shape[1]} (the prompt's width); got {lens.tolist()}")
+
+
 def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
              temperature: float = 1.0, greedy: bool = True, features_key=None,
              token_counts=None):
@@ -39,8 +63,9 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     """
     from hpnlp.models import build
 
-    B, P = prompt_BP.shape
+    check_prompt(cfg, prompt_BP, prompt_len_B)
     check_temperature(temperature, greedy)
+    B, P = prompt_BP.shape
     if length > cfg.model.max_len:
         raise ValueError(f"generate(length={length}) exceeds model.max_len={cfg.model.max_len}")
     if P > length:

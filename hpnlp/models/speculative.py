@@ -65,7 +65,8 @@ def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
     from hpnlp.data import different_encoding
     why = different_encoding(cfg.data, draft_cfg.data)
     if why is None and cfg.model.vocab_size != draft_cfg.model.vocab_size:
-        why = f"model.vocab_size={draft_cfg.model.vocab_size!r} (the target: {cfg.model.vocab_size!r})"
+        why = (f"model.vocab_size={draft_cfg.model.vocab_size!r} (the target: "
+               f"{cfg.model.vocab_size!r})")
     if why:
         raise ValueError(f"speculative decoding: the draft has {why}; draft with a model of the "
                          "same task and vocabulary")
@@ -147,9 +148,9 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     prompt is the whole of `prompt_BP` (same length). Jit it with the configs static, like
     `generate.generate`; `check` runs here, before any tracing."""
     from hpnlp.models import build
+    from hpnlp.models.generate import check_prompt, check_temperature
 
-    from hpnlp.models.generate import check_temperature
-
+    check_prompt(cfg, prompt_BP)
     B, P = prompt_BP.shape
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)

@@ -18,7 +18,7 @@ import numpy as np
 
 from hpnlp.models import bi_encoder as be
 from hpnlp.retrieval import base
-from hpnlp.retrieval.knnlm import load_run
+from hpnlp.retrieval.knnlm import check_out, load_run
 
 HINT = "python -m hpnlp.main --config experiments/encoder.py --workdir ..."
 
@@ -31,6 +31,8 @@ def load_encoder(workdir: str):
 def evaluate(workdir: str, *, out: str | None = None) -> dict:
     """recall@1, recall@10 and MRR of the held-out pairs against the whole held-out pool
     (hpnlp.models.bi_encoder.evaluate_pool); also written to OUT/summary.json."""
+    if out:
+        check_out(out, workdir)
     cfg, model, params, task, step = load_encoder(workdir)
     summary = {"workdir": workdir, "step": int(step), "task": task.name, "arch": cfg.model.arch,
                "loss": cfg.model.encoder.loss, "mined": bool(cfg.model.encoder.mine_every),

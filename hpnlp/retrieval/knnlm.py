@@ -284,6 +284,26 @@ def load_run(workdir: str, kind: str, hint: str):
     return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
 
 
+def check_index(name: str, options: dict) -> None:
+    """RetrievalError where index `name` with `options` cannot be made, before the datastore
+    (minutes) is built: an empty one of a small width is made and dropped."""
+    try:
+        make(name, 8, **options)
+    except TypeError as e:
+        raise RetrievalError(f"index_options {options}: not options of the {name!r} index ({e})") from None
+    except (ValueError, KeyError) as e:
+        raise RetrievalError(f"index {name!r} with options {options}: {e}") from None
+
+
+def check_out(out: str, workdir: str) -> None:
+    """RetrievalError where writing OUT/summary.json would write over a run's files."""
+    from hpnlp.paths import check_new_output
+    try:
+        check_new_output(out, workdir, may_replace=("summary.json",))
+    except ValueError as e:
+        raise RetrievalError(str(e)) from None
+
+
 def load_lm(workdir: str):
     """(cfg, eval model, params, task, step) of the LM trained in `workdir`."""
     return load_run(workdir, "lm", "python -m hpnlp.main --config experiments/lm.py --workdir ...")
@@ -299,7 +319,15 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
     if metric not in ("l2", "ip"):
         raise RetrievalError(f"metric={metric!r}; choose 'l2' (the paper's) or 'ip'")
+    check_index(index, index_options or {})
+    if out:
+        check_out(out, workdir)
     cfg, model, params, task, step = load_lm(workdir)
+    if cfg.data.prepared:
+        raise RetrievalError(f"{workdir} trained on a prepared corpus (data.prepared="
+                             f"{cfg.data.prepared}), whose text stays in its shards; the kNN-LM "
+                             "builds its datastore from a run's in-memory training split: use a "
+                             "run of the shipped corpus or a data.train_path file")
     L = cfg.data.seq_len
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()

@@ -43,8 +43,9 @@ def _read_config_json(path: str) -> dict:
     return saved
 
 
-def load_run_config(workdir: str) -> Config:
-    """The config a run in `workdir` was trained with (its config.json)."""
+def load_run_config(workdir: str, *, require_checkpoint: bool = True) -> Config:
+    """The config a run in `workdir` was trained with (its config.json); NoCheckpoint where
+    it has none, or (`require_checkpoint`) no checkpoint yet."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise NoCheckpoint(f"no run in workdir {workdir} (no config.json): train one there first "
@@ -56,7 +57,8 @@ def load_run_config(workdir: str) -> Config:
                            "text); retrain the run, or resume it for a few more train.steps "
                            "(config.json is rewritten with its next checkpoint)")
     ckpt = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+    saved_any = os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+    if require_checkpoint and not saved_any:
         raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {ckpt}: train (or resume) the "
                            "run until it saves one, then use it")
     return from_configdict(saved)

@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.models import transformer_xl as xl
-from hpnlp.train.checkpoint import CheckpointMismatch
+from hpnlp.train.checkpoint import CheckpointMismatch, load_run_config
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
@@ -300,6 +300,17 @@ def _restore_last(cfg, workdir: str, last_k: int):
     if not isinstance(last_k, int) or last_k < 1:
         raise ValueError(f"last_k = {last_k!r}: the number of checkpoints to combine must be >= 1")
     keep = cfg.train.keep_checkpoints
+    if os.path.exists(os.path.join(workdir, "config.json")):
+        # the run's own data and the checkpoints it kept, not what the command line says
+        run_cfg = load_run_config(workdir, require_checkpoint=False)
+        for f in dataclasses.fields(run_cfg.data):
+            mine, theirs = getattr(cfg.data, f.name), getattr(run_cfg.data, f.name)
+            if mine != theirs:
+                raise ConfigError(
+                    f"config field `data.{f.name}` = {mine!r} is not allowed: the run in {workdir} "
+                    f"trained with {theirs!r}, and its checkpoints are combined on its own data; "
+                    f"give --config.data.{f.name}={theirs!r} (or the run's own config)")
+        keep = run_cfg.train.keep_checkpoints
     if keep < last_k:
         raise ConfigError(
             f"config field `train.keep_checkpoints` = {keep} is not allowed: a run keeps only its "
