@@ -207,12 +207,17 @@ def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, tmp_path):
     shard = meta["splits"]["eval"]["shards"][0]
     for damage, match in (("truncate", f"{shard}: cannot be read .*damaged or truncated"),
                           ("remove", f"{shard}: shard listed in .* is missing"),
-                          ("counts", f"{sharded.COUNTS_FILE}: cannot be read")):
+                          ("counts", f"{sharded.COUNTS_FILE}: cannot be read"),
+                          ("tokenizer", "not a readable hpnlp tokenizer .* the shards were encoded "
+                                        "with it: prepare the corpus again")):
         shutil.rmtree(tmp_path / "p", ignore_errors=True)
         shutil.copytree(prepared, tmp_path / "p")
-        path = tmp_path / "p" / (sharded.COUNTS_FILE if damage == "counts" else shard)
+        path = tmp_path / "p" / {"counts": sharded.COUNTS_FILE,
+                                 "tokenizer": tokenizers.DIRNAME}.get(damage, shard)
         if damage == "truncate":
             path.write_bytes(path.read_bytes()[:-7])
+        elif damage == "tokenizer":
+            shutil.rmtree(path)
         else:
             os.remove(path)
         with pytest.raises(ValueError, match=match):

@@ -96,7 +96,8 @@ def load_tokenizer(directory: str, meta: dict):
     from hpnlp.data import text_tasks, tokenizers
     if meta["tokenizer"]["kind"] == "bytes":
         return text_tasks.byte_encode, text_tasks.byte_decode, None
-    tok = tokenizers.Subword.load(os.path.join(directory, tokenizers.DIRNAME))
+    tok = tokenizers.Subword.load(os.path.join(directory, tokenizers.DIRNAME),
+                                  fix="the shards were encoded with it: prepare the corpus again")
     return tok.encode, tok.decode, tok
 
 

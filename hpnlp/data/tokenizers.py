@@ -143,7 +143,10 @@ class Subword:
         os.replace(tmp, directory)
 
     @classmethod
-    def load(cls, directory: str) -> "Subword":
+    def load(cls, directory: str, *,
+             fix: str = "delete the folder to train it again") -> "Subword":
+        """The tokenizer kept in `directory`; a ValueError naming it, ending in `fix`, where
+        it is missing or damaged."""
         meta_path = os.path.join(directory, META_FILE)
         try:
             with open(meta_path) as f:
@@ -152,11 +155,10 @@ class Subword:
                 proto = f.read()
             tok = cls(meta["kind"], proto, np.asarray(meta["order"], np.int32), meta["trained_on"])
         except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"{directory}: not a readable hpnlp tokenizer ({e}); delete the folder "
-                             "to train it again") from None
+            raise ValueError(f"{directory}: not a readable hpnlp tokenizer ({e}); {fix}") from None
         if hashlib.sha256(proto).hexdigest() != meta.get("model_sha256"):
             raise ValueError(f"{directory}/{MODEL_FILE} does not match {META_FILE} (a partial "
-                             "copy?); delete the folder to train it again")
+                             f"copy?); {fix}")
         return tok
 
 

@@ -140,7 +140,11 @@ class CpuKernel:
                         jax.ffi.register_ffi_target(
                             target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                     self._reason = None
-                except (OSError, RuntimeError) as e:
+                except OSError as e:  # the cache cannot hold the library, or holds a bad one
+                    self._reason = (f"{e}; check the kernel cache (HPNLP_KERNEL_CACHE, default "
+                                    "~/.cache/hpnlp/kernels): a folder this process can write "
+                                    "(delete a damaged library there to rebuild it)")
+                except RuntimeError as e:
                     self._reason = str(e)
                 self._loaded = True
             return self._reason
