@@ -39,7 +39,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-def test_tiny_run_learns_and_writes_everything(tmp_path):
+def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch):
     summary = run(tiny(steps=40, eval_every=20), str(tmp_path))
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     train = [l for l in lines if not l.get("eval")]
@@ -73,6 +73,16 @@ def test_tiny_run_learns_and_writes_everything(tmp_path):
     ck.save(50, {"x": np.zeros(2)}, {}, {})
     ck.close()
     assert load_run_config(str(tmp_path)).train.steps == 50
+    # an eval that fails (here every one) keeps the steps trained: a checkpoint of them, then
+    # the error; the resume trains nothing and evaluates what it restores
+    other = tmp_path / "eval_fails"
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "evaluate", lambda self, state: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            run(tiny(steps=12, checkpoint_every=0), str(other))
+    assert os.listdir(other / "checkpoints") == ["12"]
+    resumed = run(tiny(steps=12, checkpoint_every=0), str(other))
+    assert resumed["resumed_from_step"] == 12 and np.isfinite(resumed["eval"]["loss"])
     # a checkpoint that is not the run's state (here the one just saved): one line, not
     # orbax's traceback
     with pytest.raises(CheckpointMismatch, match=r"checkpoints/50 cannot be read .* move it aside"):

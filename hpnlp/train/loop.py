@@ -344,6 +344,15 @@ class Trainer:
             if timing["t0"] is not None:
                 timing["t0"] += seconds
 
+        def save(step: int, state, last_eval: dict) -> None:
+            win = None if window["sums"] is None else {
+                "sums": {k: np.asarray(v).tolist() for k, v in window["sums"].items()},
+                "n": window["n"],
+                "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
+            self.checkpointer.save(step, state, self.train_iter.get_state(), {
+                "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
+                "last_eval": last_eval, "window": win})
+
         pending = None
         step = start
         profiling = False
@@ -377,7 +386,14 @@ class Trainer:
                 pending = None
                 t_pause = time.perf_counter()
                 if do_eval:
-                    last_eval = self.evaluate(state)
+                    try:
+                        last_eval = self.evaluate(state)
+                    except Exception:
+                        # keep the steps trained since the last checkpoint: saved without an
+                        # eval (a resume at the end evaluates what it restores), then the error
+                        save(step, state, {})
+                        self.checkpointer.wait()
+                        raise
                     writer.write(step, last_eval, eval=True)
                     score = last_eval.get(t.early_stopping_metric)
                     if score is not None:
@@ -389,13 +405,7 @@ class Trainer:
                         stopped_early = True
                         do_ckpt = True
                 if do_ckpt:
-                    win = None if window["sums"] is None else {
-                        "sums": {k: np.asarray(v).tolist() for k, v in window["sums"].items()},
-                        "n": window["n"],
-                        "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
-                    self.checkpointer.save(step, state, self.train_iter.get_state(), {
-                        "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
-                        "last_eval": last_eval, "window": win})
+                    save(step, state, last_eval)
                 paused(time.perf_counter() - t_pause)
                 if stopped_early:
                     break
