@@ -178,8 +178,10 @@ def test_bad_prompts_are_refused_before_tracing(lms):
     """Found by the crash hunt: ids past the vocabulary decoded silently, prompt_len_B past
     the prompt read zeros, and a 1-D prompt or a classifier failed deep inside."""
     cfg, params, draft_cfg, draft_params, inputs = lms
-    cases = [(inputs[:, :3] + V, None, rf"token ids \d+\.\.\d+, outside the vocabulary 0\.\.{V - 1}"),
-             (inputs[0, :3], None, r"\[batch, length >= 1\] array of integer token ids; got shape \(3,\)"),
+    cases = [(inputs[:, :3] + V, None,
+              rf"token ids \d+\.\.\d+, outside the vocabulary 0\.\.{V - 1}"),
+             (inputs[0, :3], None,
+              r"\[batch, length >= 1\] array of integer token ids; got shape \(3,\)"),
              (inputs[:, :3].astype(jnp.float32), None, "dtype float32"),
              (inputs[:, :3], jnp.array([3, 4]), r"a length in 1\.\.3 .*got \[3, 4\]")]
     for prompt, lens, match in cases:

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from hpnlp.config import ConfigError, QuantConfig
 
     try:
-        if args.command == "quantize" and (args.weights is None or args.weights in ptq.FLOAT_FORMATS):
+        if args.command == "quantize" and args.weights in (None, *ptq.FLOAT_FORMATS):
             given = [f"--{a}" for a, default in (("activations", "none"), ("act_scale", "dynamic"),
                                                  ("group_size", 0), ("calibration", "absmax"),
                                                  ("layers", "all"))

@@ -87,7 +87,8 @@ def different_encoding(mine, theirs) -> str | None:
     deterministically, so the same kind, size and text give the same pieces. Bytes are bytes
     whatever the text."""
     def name(c):
-        return text_tasks.lm_tokenizer(c, c.task) if c.task in ("byte_lm", "word_lm") else c.tokenizer
+        lm = c.task in ("byte_lm", "word_lm")
+        return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer
     fields = [("data.task", mine.task, theirs.task),
               ("data.tokenizer", name(mine), name(theirs))]
     if name(mine) not in ("", "bytes"):

@@ -290,7 +290,8 @@ def check_index(name: str, options: dict) -> None:
     try:
         make(name, 8, **options)
     except TypeError as e:
-        raise RetrievalError(f"index_options {options}: not options of the {name!r} index ({e})") from None
+        raise RetrievalError(f"index_options {options}: not options of the {name!r} index "
+                             f"({e})") from None
     except (ValueError, KeyError) as e:
         raise RetrievalError(f"index {name!r} with options {options}: {e}") from None
 
