@@ -239,7 +239,8 @@ def _needed(payload: dict) -> list[str]:
         need_s = flax_row["time"]["median_s"] / bound
         gflops = ours["gflops"] * ours["time"]["median_s"] / need_s
         lines.append(f"- `{name}` >= {bound}: `{TARGET_ROWS[0]}` {mode.replace('_', '+')} in "
-                     f"{need_s * 1e3:.0f} ms, its products at {gflops:.1f} GFLOP/s, "
+                     f"{need_s * 1e3:.{0 if need_s >= 0.01 else 2}f} ms, its products at "
+                     f"{gflops:.1f} GFLOP/s, "
                      f"{100 * gflops / peak:.0f}% of the measured float32 product rate "
                      f"(now {100 * ours['gflops'] / peak:.0f}%).")
     return (["What meeting each target needs in this run:", "", *lines, ""]) if lines else []

@@ -314,10 +314,12 @@ def _markdown(payload: dict) -> str:
     probes = [_probe(r) for r in _ok(res) if _probe(r)]
     if probes:
         where = "each in a process of its own" if payload["isolated"] else "one after the other"
+        marks = (f"† marks the {len(flagged)} ratio(s) whose row and `dense` row ran at machine "
+                 f"speeds more than {DRIFT_FLAG:.1f}x apart: read those as rough." if flagged else
+                 f"No row ran at a machine speed more than {DRIFT_FLAG:.1f}x from `dense`'s.")
         parts += [f"Rows run {where}, and the machine's matrix-product rate, "
                   f"probed beside each row, ranged {min(probes):.0f}–{max(probes):.0f} GFLOP/s "
-                  f"over this run. † marks the {len(flagged)} ratio(s) whose row and `dense` row "
-                  f"ran at machine speeds more than {DRIFT_FLAG:.1f}x apart: read those as rough.", ""]
+                  f"over this run. {marks}", ""]
     single = [r for r in _ok(res) if r.get("time", {}).get("first_call_only")]
     if single:
         parts += [f"{len(single)} row(s) with steps slower than {MAX_TIME_S:.0f} s were timed by "
