@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hpnlp import attention as attention_lib
 from hpnlp.config import Config
@@ -35,14 +36,15 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
         raise ValueError(f"the prompt must be a [batch, length >= 1] array of integer token ids; "
                          f"got shape {shape}, dtype {dtype} (e.g. jnp.asarray([ids], jnp.int32))")
     if not isinstance(prompt_BP, jax.core.Tracer) and prompt_BP.size:
-        lo, hi = int(jnp.min(prompt_BP)), int(jnp.max(prompt_BP))
+        ids = np.asarray(prompt_BP)  # on the host: jnp would stage it into an enclosing trace
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= cfg.model.vocab_size:
             raise ValueError(f"the prompt holds token ids {lo}..{hi}, outside the vocabulary "
                              f"0..{cfg.model.vocab_size - 1} (model.vocab_size); encode it with "
                              "the run's own tokenizer")
     if prompt_len_B is not None and not isinstance(prompt_len_B, jax.core.Tracer):
-        lens = jnp.asarray(prompt_len_B)
-        if lens.shape != (shape[0],) or int(jnp.min(lens)) < 1 or int(jnp.max(lens)) > shape[1]:
+        lens = np.asarray(prompt_len_B)
+        if lens.shape != (shape[0],) or int(lens.min()) < 1 or int(lens.max()) > shape[1]:
             raise ValueError(f"prompt_len_B must give each of the {shape[0]} rows a length in "
                              f"1..{shape[1]} (the prompt's width); got {lens.tolist()}")
 
@@ -108,7 +110,6 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    import numpy as np
 
     from hpnlp.models import speculative
     from hpnlp.train.carry import model_params
