@@ -28,7 +28,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -161,7 +160,7 @@ def decode_rows(s: dict, models: dict) -> list[dict]:
                 row.update(rounds=rounds, accepted=kept, acceptance=kept / (row_rounds * k),
                            tokens_per_call=len(prompts) * n_new / rounds)
                 if mode == "greedy":
-                    own = np.concatenate([b for b in stats[(mode, 1, "target alone", 0)]])
+                    own = np.concatenate(stats[(mode, 1, "target alone", 0)])
                     row["equals_target"] = bool(np.array_equal(
                         np.concatenate([t for t, _ in res]), own))
             rows.append(row)

@@ -110,7 +110,6 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-
     from hpnlp.models import speculative
     from hpnlp.train.carry import model_params
     from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
