@@ -155,4 +155,8 @@ def test_forward_backward_memory_is_linear_in_length(causal):
     small, big = _temp_bytes(2048, causal), _temp_bytes(8192, causal)
     # 4x the length: a quadratic method needs 16x (one 8192^2 f32 score matrix alone is 256 MiB).
     assert big / small < 5.0, (small, big)
-    assert big < 8192 * 8192 * 4 / 16, big
+    # What the 6144 more tokens cost stays under a sixteenth of what their extra score matrix
+    # would. The growth, not the total: on a GPU the total holds a fixed workspace (cuBLAS's
+    # 32 MiB where autotuning picks it over a Triton product, seen on a lent H200: 34.9 MB
+    # at L = 2048 and 35.3 MB at 8192, against 1.4 MB at 8192 on this CPU).
+    assert big - small < (8192**2 - 2048**2) * 4 / 16, (small, big)
