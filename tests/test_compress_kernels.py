@@ -347,8 +347,10 @@ def test_portable_build_computes_the_same(march, path, tmp_path):
     """Built for plain x86-64 (no AVX2) or for AVX2 without AVX-512 (whatever CPU runs the
     test): those paths equal the twins."""
     import sys
+    # JAX_PLATFORMS=cpu: the kernel is a CPU one, and on a GPU machine the suite's cuda,cpu
+    # would make the GPU the backend it refuses
     env = dict(os.environ, HPNLP_KERNEL_MARCH=march, HPNLP_KERNEL_TUNE="0",
-               HPNLP_KERNEL_CACHE=str(tmp_path))
+               HPNLP_KERNEL_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", PORTABLE, path], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and f"{path} ok" in proc.stdout, proc.stderr[-3000:]

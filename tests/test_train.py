@@ -143,10 +143,20 @@ def kill_and_resume_matches(tmp_path, extra=(), steps=120):
     s_ref = json.load(open(tmp_path / "ref" / "summary.json"))
     s_kill = json.load(open(tmp_path / "kill" / "summary.json"))
     assert s_kill["resumed_from_step"] is not None
-    assert s_kill["eval"] == s_ref["eval"]  # exactly, on CPU
     ref_lines = [(l["step"], l["loss"]) for l in read_jsonl(tmp_path / "ref" / "metrics.jsonl")]
     kill_lines = [(l["step"], l["loss"]) for l in read_jsonl(tmp_path / "kill" / "metrics.jsonl")]
-    assert kill_lines == ref_lines
+    if jax.default_backend() == "cpu":  # exactly
+        assert s_kill["eval"] == s_ref["eval"]
+        assert kill_lines == ref_lines
+    else:
+        # two GPU processes differ in the last bits (a lent H200: eval loss 4.8442487716674805
+        # against 4.844248294830322), as XLA's GPU autotuning and atomic reductions allow; a
+        # resume that read the wrong batch or state would differ by far more
+        assert s_kill["eval"].keys() == s_ref["eval"].keys()
+        for k in s_ref["eval"]:
+            np.testing.assert_allclose(s_kill["eval"][k], s_ref["eval"][k], rtol=1e-5, err_msg=k)
+        assert [s for s, _ in kill_lines] == [s for s, _ in ref_lines]
+        np.testing.assert_allclose([l for _, l in kill_lines], [l for _, l in ref_lines], rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # lr=1e39 in f32
