@@ -39,6 +39,26 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
+def test_throughput_leaves_out_the_steps_that_compile(tmp_path, monkeypatch):
+    """Bucketed ListOps: each new bucket's first step compiles; the rates time the others."""
+    from hpnlp.train import loop
+    seen = []
+    real = loop._global
+    monkeypatch.setattr(loop, "_global", lambda batch, sharding: (
+        seen.append(tuple(np.shape(x) for x in jax.tree.leaves(batch))), real(batch, sharding))[1])
+    cd = default_configdict()
+    cd.data.update(task="listops", seq_len=64, batching="bucket", listops_max_length=64,
+                   listops_num_train=64, listops_num_eval=16)
+    cd.model.update(kind="classifier", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=64)
+    cd.train.update(steps=12, batch_size=4, warmup_steps=1, eval_every=0, eval_batches=1,
+                    checkpoint_every=0, progress=False)
+    summary = run(cd, str(tmp_path))
+    assert len(seen) == 13  # 12 training batches, then the eval batch
+    shapes = set(seen[:12])
+    assert len(shapes) > 1  # the buckets gave several shapes
+    assert summary["throughput"]["timed_steps"] == 12 - len(shapes)
+
+
 def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch):
     summary = run(tiny(steps=40, eval_every=20), str(tmp_path))
     lines = read_jsonl(tmp_path / "metrics.jsonl")

@@ -291,7 +291,9 @@ class Trainer:
         window: dict[str, Any] = {"sums": sums, "n": saved.get("n", 0),  # sums: MoE loads are vectors
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
                                   "clipped": saved.get("clipped", 0), "t0": time.perf_counter()}
-        timing = {"tokens": 0.0, "steps": 0, "t0": None}
+        # The rates time steps that run a compiled program: the first step, and each step whose
+        # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
+        timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
         last_eval: dict = loop.get("last_eval") or {}
         stopped_early = bool(loop.get("stopped_early", False))
         maximize = t.early_stopping_metric in _MAXIMIZE
@@ -320,7 +322,7 @@ class Trainer:
             window["gmin"], window["gmax"] = min(window["gmin"], g), max(window["gmax"], g)
             window["clipped"] += int(bool(t.clip_norm) and g > t.clip_norm)
             writer.scalar(step, "grad_norm_step", g)
-            if timing["t0"] is not None and step > start + 1:
+            if timing["t0"] is not None and step not in timing["untimed"]:
                 timing["tokens"] += float(m["tokens"])
             if step % t.log_every == 0 or step == t.steps:
                 now = time.perf_counter()
@@ -364,13 +366,23 @@ class Trainer:
                 if profile_dir and step == start + 3:
                     jax.profiler.start_trace(profile_dir)
                     profiling = True
+                shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
+                compiles = timing["t0"] is not None and shapes not in timing["shapes"]
+                timing["shapes"].add(shapes)
+                if compiles:  # the steps before it count; this one's compile does not
+                    jax.block_until_ready(state)
+                    t_compile = time.perf_counter()
                 state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
                 if pending is not None:
                     consume(*pending)
                 pending = (step, metrics)
-                if timing["t0"] is None:  # exclude the first (compiling) step from throughput
+                if timing["t0"] is None:  # the first (compiling) step: not timed
                     jax.block_until_ready(metrics)
                     timing["t0"] = time.perf_counter()
+                elif compiles:
+                    jax.block_until_ready(metrics)
+                    timing["untimed"].add(step)
+                    paused(time.perf_counter() - t_compile)
                 else:
                     timing["steps"] += 1
                 bar.update(1)
@@ -432,6 +444,8 @@ class Trainer:
             "throughput": {
                 "steps_per_sec": timing["steps"] / elapsed if elapsed else None,
                 "tokens_per_sec": timing["tokens"] / elapsed if elapsed else None,
+                # steps timed: the others compiled (the first, and a new batch shape's first)
+                "timed_steps": timing["steps"],
             },
             "peak_memory": _peak_memory(),
             # Padding this run's batches carried, beside what plain padding would have cost.
