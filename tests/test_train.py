@@ -51,8 +51,12 @@ def test_throughput_leaves_out_the_steps_that_compile(tmp_path, monkeypatch):
                    listops_num_train=64, listops_num_eval=16)
     cd.model.update(kind="classifier", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=64)
     cd.train.update(steps=12, batch_size=4, warmup_steps=1, eval_every=0, eval_batches=1,
-                    checkpoint_every=0, progress=False)
+                    checkpoint_every=0, progress=False, log_every=1)
     summary = run(cd, str(tmp_path))
+    # each logged rate is a rate: a compile's pause once pushed the log clock past the next
+    # line's start (1e9 steps/s)
+    rates = [l["steps_per_sec"] for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
+    assert len(rates) == 12 and all(0 < r < 1e5 for r in rates), rates
     assert len(seen) == 13  # 12 training batches, then the eval batch
     shapes = set(seen[:12])
     assert len(shapes) > 1  # the buckets gave several shapes

@@ -369,7 +369,10 @@ class Trainer:
                 shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
                 compiles = timing["t0"] is not None and shapes not in timing["shapes"]
                 timing["shapes"].add(shapes)
-                if compiles:  # the steps before it count; this one's compile does not
+                if compiles:  # the steps before it count (and log); this one's compile does not
+                    if pending is not None:
+                        consume(*pending)
+                        pending = None
                     jax.block_until_ready(state)
                     t_compile = time.perf_counter()
                 state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
