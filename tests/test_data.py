@@ -145,6 +145,10 @@ def test_listops_tsv_round_trip(tmp_path, listops_task):
     ("Source\tTarget\n[MAX 1 2 ]\ttwo\n", ":2:", "not an integer in 0..9"),
     ("Source\tTarget\n[MAX 1 2 ]\t10\n", ":2:", "not an integer in 0..9"),
     ("Source\tTarget\n( )\t1\n", ":2:", "no tokens"),
+    # brackets: unclosed, or a ']' too many, found on its own row after balanced ones
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAX 1 [MIN 2 3 ]\t2\n", ":3:", "1 operator(s) never closed"),
+    ("Source\tTarget\n[SM 1 2 ]\t3\n[MAX 1 2 ] ]\t2\n[MIN 1 2 ]\t1\n", ":3:", "closes no operator"),
+    ("Source\tTarget\n7\t7\n] [MAX 1 2\t2\n", ":3:", "closes no operator"),
     ("Source\tTarget\n", "", "no examples"),
     (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN \xff 2 ]\t2\n", ":3:", "not UTF-8"),
 ])

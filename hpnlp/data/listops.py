@@ -320,7 +320,21 @@ def load_tsv(path: str) -> tuple[list[np.ndarray], np.ndarray]:
     counts = np.bincount(row[keep], minlength=len(sources))
     if (empty := np.flatnonzero(counts == 0)).size:
         raise ValueError(f"{path}:{linenos[empty[0]]}: the expression has no tokens; expected {_WHAT}")
-    seqs = np.split(ids[keep].astype(np.int32), np.cumsum(counts)[:-1])
+    kept = ids[keep]
+    # brackets: each operator opens one, each ']' closes one; a row's depth never drops
+    # below 0 and ends at 0
+    depth = np.cumsum(np.where(kept >= OP0, np.where(kept == END, -1, 1), 0))
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    before = np.concatenate([[0], depth])[first]  # the running depth before each row
+    low = np.minimum.reduceat(depth, first) - before
+    end = depth[first + counts - 1] - before
+    if (bad := np.flatnonzero((low < 0) | (end != 0))).size:
+        r = bad[0]
+        why = ("a ']' closes no operator" if low[r] < 0 else
+               f"{end[r]} operator(s) never closed by ']'")
+        raise ValueError(f"{path}:{linenos[r]}: the brackets do not balance ({why}); "
+                         f"expected {_WHAT}")
+    seqs = np.split(kept.astype(np.int32), np.cumsum(counts)[:-1])
     return seqs, np.array(labels, np.int32)
 
 
