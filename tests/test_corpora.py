@@ -186,6 +186,22 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
                          "--eval_every", "2", "--quiet"]) == 0
 
 
+def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, prepared, capsys):
+    """--tokenizer_from alone reuses the tokenizer as it is; flags that contradict it, or
+    bytes (which needs none), are one line and write nothing (found by the crash hunt:
+    --tokenizer bytes ignored it, and --vocab_size had to be repeated)."""
+    base = ["--input", files[0], "--eval_input", files[1], "--quiet", "--tokenizer_from", prepared]
+    assert prepare.main([*base, "--out", str(tmp_path / "p")]) == 0
+    assert (sharded.read_meta(str(tmp_path / "p"))["tokenizer"]
+            == sharded.read_meta(prepared)["tokenizer"])
+    for extra, msg in ((["--tokenizer", "bytes"], "--tokenizer bytes needs none"),
+                       (["--vocab_size", "500"], "of 600 pieces, not what --vocab_size 500 asks for"),
+                       (["--tokenizer", "unigram"], "holds a bpe tokenizer")):
+        assert prepare.main([*base, "--out", str(tmp_path / "q"), *extra]) == 2
+        assert msg in capsys.readouterr().err
+        assert not os.path.exists(tmp_path / "q")
+
+
 def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared):
     cd = default_configdict()
     cd.data.update(task="byte_lm", prepared=prepared, seq_len=32)

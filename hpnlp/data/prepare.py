@@ -12,7 +12,7 @@ document per line, its `--text_field`). The eval split is `--eval_input`, or els
 `--eval_every`-th document. The tokenizer is `bytes`, or a `bpe`/`unigram` SentencePiece
 model trained on an even sample of the training documents (at most `--tokenizer_sample_mb`)
 or reused from a folder that holds one (`--tokenizer_from`: a run's workdir, another
-prepared folder, or the tokenizer folder itself).
+prepared folder, or the tokenizer folder itself; its kind and size unless given).
 
 Output (hpnlp/data/sharded.py reads it): `{train,eval}-NNNNN.array_record` (one record per
 document, ids as uint8/uint16/int32), `counts-train.npy`, `counts-eval-targets.npy`, the
@@ -128,25 +128,46 @@ def _all_documents(paths, args, start=(0, 0, 0)):
             yield fi, doc, pos, lineno
 
 
+def _tokenizer_from(d: str):
+    """The tokenizer saved in `d` (a run's workdir, a prepared folder or a tokenizer folder)."""
+    for cand in (d, os.path.join(d, tokenizers.DIRNAME)):
+        if os.path.isfile(os.path.join(cand, tokenizers.META_FILE)):
+            return tokenizers.Subword.load(cand)
+    raise PrepareError(f"--tokenizer_from {d}: holds no tokenizer ({tokenizers.DIRNAME}/"
+                       f"{tokenizers.META_FILE}); name a run's workdir, a prepared folder "
+                       "or a tokenizer folder")
+
+
+def resolve_tokenizer_flags(args) -> None:
+    """--tokenizer and --vocab_size as given; left out, those of --tokenizer_from's tokenizer,
+    else bytes and 8000. Given and differing from --tokenizer_from's: an error."""
+    if args.tokenizer_from:
+        if args.tokenizer == "bytes":
+            raise PrepareError(f"--tokenizer_from {args.tokenizer_from} reuses a bpe or unigram "
+                               "tokenizer, and --tokenizer bytes needs none; drop one of the two")
+        tok = _tokenizer_from(args.tokenizer_from)
+        given = (args.tokenizer, args.vocab_size)
+        args.tokenizer = tok.kind if args.tokenizer is None else args.tokenizer
+        args.vocab_size = tok.vocab_size if args.vocab_size is None else args.vocab_size
+        if (tok.kind, tok.vocab_size) != (args.tokenizer, args.vocab_size):
+            named = " and ".join(f"--{f} {v}" for f, v in zip(("tokenizer", "vocab_size"), given)
+                                 if v is not None)
+            raise PrepareError(f"--tokenizer_from {args.tokenizer_from}: holds a {tok.kind} "
+                               f"tokenizer of {tok.vocab_size} pieces, not what {named} asks for; "
+                               "leave those flags out to take the tokenizer's, or make them agree")
+    if args.tokenizer is None:
+        args.tokenizer = "bytes"
+    if args.vocab_size is None:
+        args.vocab_size = 8000
+
+
 def make_tokenizer(args, paths: list[str]):
     """(encode_many, describe dict, tokenizer or None)."""
     if args.tokenizer == "bytes":
         return (lambda docs: [text_tasks.byte_encode(d) for d in docs],
                 {"kind": "bytes", "vocab_size": 256}, None)
     if args.tokenizer_from:
-        d = args.tokenizer_from
-        for cand in (d, os.path.join(d, tokenizers.DIRNAME)):
-            if os.path.isfile(os.path.join(cand, tokenizers.META_FILE)):
-                tok = tokenizers.Subword.load(cand)
-                break
-        else:
-            raise PrepareError(f"--tokenizer_from {d}: holds no tokenizer ({tokenizers.DIRNAME}/"
-                               f"{tokenizers.META_FILE}); name a run's workdir, a prepared folder "
-                               "or a tokenizer folder")
-        if (tok.kind, tok.vocab_size) != (args.tokenizer, args.vocab_size):
-            raise PrepareError(f"--tokenizer_from {d}: holds a {tok.kind} tokenizer of "
-                               f"{tok.vocab_size} pieces, not {args.tokenizer} of {args.vocab_size}; "
-                               "make the flags agree")
+        tok = _tokenizer_from(args.tokenizer_from)
         return tok.encode_many, tok.describe(), tok
     # An even sample of training documents: every k-th, k from the input size.
     total = sum(os.path.getsize(p) for p in paths)
@@ -205,6 +226,7 @@ def prepare(args) -> dict:
     from tqdm.auto import tqdm
     from hpnlp.config import ConfigError
 
+    resolve_tokenizer_flags(args)
     if args.tokenizer not in ("bytes",) + tokenizers.SUBWORD:
         raise PrepareError(f"--tokenizer {args.tokenizer!r}: choose bytes, bpe or unigram (word "
                            "vocabularies are built in memory: data.tokenizer='words' without "
@@ -373,10 +395,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="text or JSON-lines file(s): a path, a glob, "
                    "or several joined by commas")
     p.add_argument("--out", required=True, help="the prepared folder (data.prepared)")
-    p.add_argument("--tokenizer", default="bytes", help="bytes | bpe | unigram")
-    p.add_argument("--vocab_size", type=int, default=8000, help="pieces of a bpe/unigram model")
+    p.add_argument("--tokenizer", default=None, help="bytes | bpe | unigram (default: bytes, or "
+                   "--tokenizer_from's kind)")
+    p.add_argument("--vocab_size", type=int, default=None, help="pieces of a bpe/unigram model "
+                   "(default: 8000, or --tokenizer_from's)")
     p.add_argument("--tokenizer_from", default="", help="reuse the tokenizer of a run's workdir, "
-                   "a prepared folder or a tokenizer folder")
+                   "a prepared folder or a tokenizer folder (its kind and size, unless given)")
     p.add_argument("--tokenizer_sample_mb", type=int, default=256,
                    help="train the tokenizer on an even sample of at most this much text")
     p.add_argument("--eval_input", default="", help="eval text (else every --eval_every-th document)")
