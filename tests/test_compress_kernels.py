@@ -206,6 +206,15 @@ def test_one_row_timing_runs():
     assert set(secs) == {"int8_kernel", "int4_kernel"} and all(t > 0 for t in secs.values())
 
 
+def test_timing_cli_without_the_kernel_says_why(monkeypatch):
+    """Found by the crash hunt: with the kernel unavailable, `--one-row` ended in a
+    RuntimeError; now one line with the reason, before any timing."""
+    monkeypatch.setattr(qk, "available", lambda: False)
+    monkeypatch.setattr(qk, "unavailable_reason", lambda: "no compiler here")
+    with pytest.raises(SystemExit, match=r"kernel is unavailable \(no compiler here\)"):
+        qk.main(["--one-row"])
+
+
 @needs_kernel
 def test_auto_is_the_kernel_and_jit_works():
     x, w8 = _int8_operands(4, 33, 18)

@@ -576,6 +576,9 @@ def main(argv=None) -> None:
                    help="time one-row products (a decoding step's) inside a jitted loop, one "
                         "thread against every core, on the quant benchmark LM's shapes")
     args = p.parse_args(argv)
+    if not available():  # every timing below runs the kernel beside XLA
+        raise SystemExit(f"python -m hpnlp.compress.kernels: the kernel is unavailable "
+                         f"({unavailable_reason()}); nothing to time")
     if args.malloc == "reuse":
         kernels.reuse_freed_memory()
     elif xla_workarounds.malloc_reused():
@@ -587,7 +590,7 @@ def main(argv=None) -> None:
                              "was set when hpnlp was imported)")
         sys.stdout.flush()
         os.execve(sys.executable, sys.orig_argv, {**os.environ, "HPNLP_MALLOC_WORKAROUND": "0"})
-    print(f"paths: {layout() if available() else unavailable_reason()}; malloc: {args.malloc}")
+    print(f"paths: {layout()}; malloc: {args.malloc}")
     if args.one_row:
         cores = kernels.cores()
         for K, N in ((256, 256), (256, 512), (512, 512), (512, 1536), (512, 2048), (2048, 512)):
