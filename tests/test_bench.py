@@ -650,7 +650,13 @@ def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
                         (["attention", "--quick", "--out", str(tmp_path / "o"), "--lengths", "abc"],
                          "'abc' is not a comma-separated list of integers"),
                         (["attention", "--quick", "--out", str(tmp_path / "o"), "--lengths", "64,0"],
-                         "every length must be >= 1")):
+                         "every value must be >= 1"),
+                        (["speculative", "--quick", "--out", str(tmp_path / "o"), "--targets", "huge"],
+                         "'huge': choose from default, wide"),
+                        (["speculative", "--quick", "--out", str(tmp_path / "o"), "--ks", "4,x"],
+                         "'4,x' is not a comma-separated list of integers"),
+                        (["speculative", "--quick", "--out", str(tmp_path / "o"), "--targets", "wide"],
+                         "--quick runs the default target only")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

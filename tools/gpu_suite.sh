@@ -2,7 +2,7 @@
 # The test suite on a GPU machine whose image has jax (CUDA), flax, optax and orbax but not
 # hpnlp's other needs: those travel as wheels in WHEELS (default .whl: grain, array-record,
 # ml-collections, portpicker, tensorboardX; see README "On a GPU"). Usage, from the repo root:
-#   bash tools/gpu_suite.sh [-m slow] [more pytest arguments]   (default: -m "not slow")
+#   bash tools/gpu_suite.sh [pytest arguments]   (-m "not slow" unless they give -m)
 # Writes the log to $OUT/suite.txt when OUT is set (the lent machines' output folder).
 set -o pipefail
 WHEELS=${WHEELS:-.whl}
@@ -15,7 +15,7 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-[ $# -eq 0 ] && set -- -m "not slow"
+case " $* " in *" -m "*) ;; *) set -- -m "not slow" "$@" ;; esac
 JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -n "${WORKERS:-14}" -p no:cacheprovider \
   --ignore=tests/test_colabs.py --ignore=tests/test_retrieval.py "$@" tests 2>&1 \
-  | grep -v -i "warn" | tee "${OUT:-/tmp}/suite.txt" | tail -60
+  | tee "${OUT:-/tmp}/suite.txt" | grep -v -E "Warning: |warnings.warn\(" | tail -60

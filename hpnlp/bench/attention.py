@@ -391,24 +391,12 @@ def _markdown(payload: dict) -> str:
     return "\n".join(parts)
 
 
-def _lengths(text: str) -> list[int]:
-    """`--lengths`: comma-separated sequence lengths, each a positive integer."""
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers "
-                                         "(e.g. 1024,4096)") from None
-    if any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: every length must be >= 1")
-    return out
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="causal attention (default: bidirectional)")
     p.add_argument("--variants", default="", help="comma-separated registry names (default: all)")
     p.add_argument("--no-isolate", action="store_true",
                    help="measure in this process (faster; no per-configuration peak RSS)")
-    p.add_argument("--lengths", type=_lengths, default=[], help="comma-separated sequence "
+    p.add_argument("--lengths", type=harness.positive_ints("1024,4096"), default=[], help="comma-separated sequence "
                    "lengths (default: 1K..64K, or 256 and 1K with --quick)")
 
 

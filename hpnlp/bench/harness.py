@@ -154,6 +154,24 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def positive_ints(example: str) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated positive integers (`example` shows the form)."""
+    import argparse
+
+    def parse(text: str) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                             f"integers (e.g. {example})") from None
+        if not out:
+            raise argparse.ArgumentTypeError(f"{text!r} names no value (e.g. {example})")
+        if any(n < 1 for n in out):
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+        return out
+    return parse
+
+
 def on_accelerator() -> bool:
     """True when JAX runs on a GPU or TPU: memory is then the device's, not RSS."""
     return jax.default_backend() != "cpu"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import tempfile
 import time
 
@@ -50,6 +51,9 @@ SIZES = {
     "quick": dict(targets={"default byte LM": 12}, ks=(2,), prompts=2, batch=2, prompt_len=8,
                   new_tokens=16, temperature=0.8, repeats=2, eval_batches=2),
 }
+# --targets names them by these (a GPU session's 15 minutes fit a part of the run)
+TARGET_NAMES = {"default": "default byte LM", "wide": "4x wide, 2x deep"}
+QUICK_TARGETS = "--quick runs the default target only; drop --targets or --quick"
 DRAFTS = {"distilled": compress.TARGETS_RECIPE, "scratch": None}
 MODES = ("greedy", "sampled")
 
@@ -235,8 +239,16 @@ def _plot(p: dict, out_dir: str) -> None:
     plt.close(fig)
 
 
-def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
-    s = SIZES["quick" if quick else "full"]
+def run(out_dir: str, *, quick: bool, workdir: str | None = None,
+        targets: list[str] | None = None, ks: list[int] | None = None) -> dict:
+    """`targets` (TARGET_NAMES' short names) and `ks` narrow the run (default: the size's)."""
+    s = dict(SIZES["quick" if quick else "full"])
+    if targets and set(targets) - {"default"} and quick:
+        raise ValueError(QUICK_TARGETS)
+    if targets:
+        s["targets"] = {TARGET_NAMES[t]: s["targets"][TARGET_NAMES[t]] for t in targets}
+    if ks:
+        s["ks"] = tuple(ks)
     payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                "machine": harness.machine_info(), "seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,9 +264,25 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
     return payload
 
 
+def _targets(text: str) -> list[str]:
+    out = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not out or any(t not in TARGET_NAMES for t in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(TARGET_NAMES)}, "
+                                         "comma-separated")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="keep the trained runs here (and reuse them)")
+    p.add_argument("--targets", type=_targets, default=None,
+                   help=f"comma-separated, from {', '.join(TARGET_NAMES)} (default: both; "
+                   "default only with --quick)")
+    p.add_argument("--ks", type=harness.positive_ints("2,4,8"), default=None,
+                   help="drafted tokens a round, comma-separated (default: 2,4,6,8,10; 2 with --quick)")
 
 
 def main(args) -> None:
-    run(args.out, quick=args.quick, workdir=args.workdir)
+    if args.quick and args.targets and set(args.targets) - {"default"}:
+        print(f"python -m hpnlp.bench speculative: error: {QUICK_TARGETS}", file=sys.stderr)
+        raise SystemExit(2)
+    run(args.out, quick=args.quick, workdir=args.workdir, targets=args.targets, ks=args.ks)
