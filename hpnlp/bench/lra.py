@@ -14,7 +14,7 @@ so that `dense` clearly learns both on one CPU core: ListOps up to 128 tokens (2
 generated training expressions, 1,000 held out), 1,500 steps; text 256 bytes, 600 steps;
 width 64, depth 2, batch 16. `dense` runs at three seeds (initialization and dropout; the
 data stay the same), and the table names the variants that beat or trail dense's mean by
-more than its seed-to-seed spread. About 75 minutes on one core; add `--tasks
+more than its seed-to-seed spread. About 40 minutes on one core of a Zen 5; add `--tasks
 listops,text,retrieval` for the matching task too. `--quick` runs three variants (dense
 at one seed: no spread) at 128 tokens for 30 steps, under three minutes on one core.
 These accuracies compare the variants on this small setup only; they are not LRA's
