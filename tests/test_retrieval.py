@@ -396,6 +396,34 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert not (tmp_path / "ds").exists() and (run / "summary.json").read_text() == "{}"
 
 
+def test_bad_options_and_k_are_one_clear_line():
+    # found by the crash hunt: block/query_block/shards 0 ended in a ZeroDivisionError,
+    # dtype="int8" rounded every stored vector silently, k=2.7 was read as 2, and an IVF
+    # trained on held-out vectors before any add crashed in k-means' assignment
+    x, q = _floats(n=40)
+    for name, options, match in (("exact", {"block": 0}, "block=0; give an integer >= 1"),
+                                 ("exact", {"shards": 0}, "shards=0"),
+                                 ("exact", {"dtype": "int8"}, "dtype='int8'; use one of"),
+                                 ("ivf", {"lists": -1}, "lists=-1; give an integer >= 0"),
+                                 ("ivf", {"query_block": 0}, "query_block=0"),
+                                 ("ivf", {"dtype": "int8"}, "dtype='int8'")):
+        with pytest.raises(RetrievalError, match=match):
+            retrieval.make(name, 16, **options)
+    index = retrieval.make("exact", 16)
+    with pytest.raises(RetrievalError, match="'exact' index is empty; add vectors"):
+        index.search(q, 1)
+    index.add(x)
+    for k in (2.5, None):
+        with pytest.raises(RetrievalError, match=f"k={k}: give a whole number"):
+            index.search(q, k)
+    ivf = retrieval.make("ivf", 16, lists=2, iters=2)
+    with pytest.raises(RetrievalError, match="no vectors to train the cells on"):
+        ivf.train()
+    ivf.train(x)
+    ivf.add(x)
+    assert ivf.search(q, 3)[1].shape == (len(q), 3)
+
+
 def test_l2_through_mips_augmentation_is_exact():
     x, q = _floats(n=300)
     index = retrieval.make("exact", 17, block=64)

@@ -93,9 +93,17 @@ class Index(abc.ABC):
         """Top-`k` inner products of each query: (scores [Q, K] float32, ids [Q, K] int64),
         best first; ties rank the lower id first."""
         q = self._vectors(queries, "queries")
+        try:
+            whole = not isinstance(k, bool) and int(k) == k
+        except (TypeError, ValueError, OverflowError):
+            whole = False
+        if not whole:
+            raise RetrievalError(f"k={k!r}: give a whole number of results per query")
         k = int(k)
         if k <= 0:
             raise RetrievalError(f"k={k}: ask for at least one result")
+        if self.count == 0:
+            raise RetrievalError(f"this {self.registry_name!r} index is empty; add vectors before searching")
         if k > self.count:
             raise RetrievalError(f"k={k} is larger than the {self.count} vectors in this "
                               f"{self.registry_name!r} index; ask for k <= {self.count} or add vectors")

@@ -58,6 +58,21 @@ KERNEL = kernels.CpuKernel(
     {"hpnlp_mips_top_k": "HpnlpMipsTopK", "hpnlp_ivf_scan": "HpnlpIvfScan"},
     what="the MIPS kernels (exact, IVF scan)")
 IMPLS = ("auto", "kernel", "xla")
+DTYPES = ("float32", "bfloat16", "float16")  # what an index may store its vectors as
+
+
+def check_options(index, *, at_least: dict[str, int]) -> None:
+    """One line for an option out of range (`at_least`: name -> its least value, each an
+    integer) or a `dtype` an index cannot store vectors as (an integer dtype would round
+    every vector silently), before anything is built."""
+    o = index.options
+    for name, least in at_least.items():
+        v = o[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+            raise RetrievalError(f"{index.registry_name} index: {name}={v!r}; give an integer "
+                                 f">= {least}")
+    if o["dtype"] not in DTYPES:
+        raise RetrievalError(f"{index.registry_name} index: dtype={o['dtype']!r}; use one of {DTYPES}")
 # Below this many multiply-adds one thread beats starting more (a thread start costs
 # 0.1-3 ms on a busy 2-core machine; 2^21 multiply-adds take about 0.1 ms).
 _MIN_PARALLEL_MACS = 1 << 21
@@ -221,6 +236,7 @@ class ExactIndex(HostIndex):
                  threads: int | None = None):
         super().__init__(dim, block=block, group=group, query_block=query_block, shards=shards,
                          dtype=dtype, impl=impl, threads=threads)
+        check_options(self, at_least={"block": 1, "group": 1, "query_block": 1, "shards": 1})
         if shards > len(jax.devices()):
             raise RetrievalError(f"shards={shards} but only {len(jax.devices())} devices are visible; "
                                  "use shards <= jax.device_count()")

@@ -57,6 +57,8 @@ def _nearest(x_ND, c_CD, block: int = 16384):
     """Index of the nearest centroid (L2) of every row, in blocks of rows."""
     half_norm_C = 0.5 * jnp.sum(c_CD * c_CD, axis=1)
     n = x_ND.shape[0]
+    if n == 0:  # cells trained before any add (`IVFIndex.train(x)`)
+        return jnp.zeros((0,), jnp.int32)
     pad = (-n) % block if n > block else 0
     xs = jnp.pad(x_ND, ((0, pad), (0, 0))).reshape(-1, min(block, n), x_ND.shape[1])
     near = jax.lax.map(lambda x: jnp.argmax(x @ c_CD.T - half_norm_C[None, :], axis=1), xs)
@@ -182,7 +184,7 @@ class IVFIndex(HostIndex):
     Options: `lists` k-means cells (default: about 4 sqrt(N), set on the first search),
     `nprobe` chunks scanned per query (16), `chunk` rows per chunk (0: twice the mean cell
     size), `iters` k-means steps (15), `dtype` of the stored vectors ("float32" |
-    "bfloat16"), `seed`; `impl` "auto" (the scan kernel where it can run: a CPU backend
+    "bfloat16" | "float16"), `seed`; `impl` "auto" (the scan kernel where it can run: a CPU backend
     with a compiler, float32; the XLA scan elsewhere), "kernel" (an error where it cannot
     run) or "xla"; `threads` of the kernel (None: every core); `query_block` queries per
     pass of the XLA scan (32). The cells are trained on the vectors present at the first
@@ -196,6 +198,8 @@ class IVFIndex(HostIndex):
                          query_block=query_block, dtype=dtype, seed=seed, impl=impl, threads=threads)
         if impl not in exact.IMPLS:
             raise RetrievalError(f"impl={impl!r}; use one of {exact.IMPLS}")
+        exact.check_options(self, at_least={"lists": 0, "nprobe": 1, "chunk": 0, "iters": 1,
+                                            "query_block": 1, "seed": 0})
         self.centroids = None  # [C, D]
         self._cell = np.zeros((0,), np.int32)  # [N] cell of every vector
         self._stale(None)
@@ -211,6 +215,9 @@ class IVFIndex(HostIndex):
     def train(self, x_ND=None) -> None:
         """Fit the cells (to `x_ND`, default the vectors added so far) and assign every vector."""
         x = self.vectors() if x_ND is None else self._vectors(x_ND, "training vectors")
+        if not len(x):
+            raise RetrievalError("ivf index: no vectors to train the cells on; add vectors first, "
+                                 "or pass training vectors to train(x)")
         lists = self.options["lists"] or int(max(1, min(len(x) // 8, round(4 * np.sqrt(len(x))))))
         if lists > len(x):
             raise RetrievalError(f"ivf index: lists={lists} cells but only {len(x)} training vectors; "
