@@ -153,3 +153,8 @@ def test_bad_inputs_have_clear_errors():
         A.get("dense")()(q, k, v, jnp.ones((B, L, L)), causal=False)
     with pytest.raises(ValueError, match="block_q=12 must divide"):
         A.get("chunked")(block_q=12)(q, k, v, None, causal=False)
+    # found by the crash hunt: dense (and xla, kernel...) failed inside a broadcast, or
+    # read the query's lengths as the keys'
+    for name in ("dense", "xla", "chunked"):
+        with pytest.raises(ValueError, match=f"query length 3 must equal the key length {L}"):
+            A.get(name)()(q[:, :3], k, v, jnp.ones((B, 3), jnp.int32), causal=False)

@@ -36,6 +36,9 @@ def check_inputs(q, k, v, mask) -> None:
     if mask is not None and mask.shape != q.shape[:2]:
         raise ValueError(
             f"mask must be segment ids of shape [batch, length] = {q.shape[:2]}; got {mask.shape}")
+    if mask is not None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"segment ids [B, L] serve queries and keys alike, so the query length "
+                         f"{q.shape[1]} must equal the key length {k.shape[1]}; pass mask=None")
 
 
 def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=None):

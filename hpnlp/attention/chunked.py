@@ -276,9 +276,6 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
     check_inputs(q_BLHD, k_BSHD, v_BSHD, mask_BL)
     B, L, H, D = q_BLHD.shape
     S = k_BSHD.shape[1]
-    if mask_BL is not None and L != S:
-        raise ValueError(f"chunked attention: segment ids [B, L] serve queries and keys alike, so "
-                         f"query length {L} must equal key length {S}; pass mask=None")
     blocker = kernel_blocker(D, v_BSHD.shape[-1], impl, block_q, block_k)
     if impl == "kernel" and blocker is not None:
         raise ValueError(f"chunked attention: impl='kernel' cannot run here: {blocker}. Use "
