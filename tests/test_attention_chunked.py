@@ -100,6 +100,15 @@ def test_cross_attention_lengths_differ():
         _assert_matches_dense(q, k, v, w, None, causal, block_q=8, block_k=20)
 
 
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_value_head_dim_may_differ(impl):
+    """Found by the crash hunt: dense takes values of another head dim, but the XLA path
+    (where the kernel steps aside for them) failed inside its block loop."""
+    q, k, _, _ = _qkv(seed=5, length=16)
+    v, w = (jax.random.normal(jax.random.key(s), (B, 16, H, 2 * D)) for s in (6, 7))
+    _assert_matches_dense(q, k, v, w, _segments(16, seed=5), True, impl=impl)
+
+
 def test_auto_block_splits_evenly():
     assert C.auto_block(100, 512) == 100  # one block: exactly the length
     assert C.auto_block(4096, 512) == 512

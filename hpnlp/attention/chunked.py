@@ -106,6 +106,7 @@ def _causal_ranges(nq, nk, bq, bk):
 def _forward_head(q_LD, k_SD, v_SD, segs, causal, bq, bk):
     """One head: output [L, D] and logsumexp [L] (+inf where a row sees no key)."""
     L, D = q_LD.shape
+    Dv = v_SD.shape[1]  # the values' head dim may differ from the queries' and keys'
     nq, nk = L // bq, k_SD.shape[0] // bk
     k_full, k_need, _, _ = _causal_ranges(nq, nk, bq, bk)
 
@@ -138,7 +139,7 @@ def _forward_head(q_LD, k_SD, v_SD, segs, causal, bq, bk):
             return jax.lax.cond(jnp.any(ok_QK), lambda c: attend(j, c, ok_QK), lambda c: c, carry)
 
         carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-                 jnp.zeros((bq, D), jnp.float32))
+                 jnp.zeros((bq, Dv), jnp.float32))
         if segs is not None:
             carry = jax.lax.fori_loop(0, k_need(i) if causal else nk, segmented, carry)
         elif causal:
@@ -154,7 +155,7 @@ def _forward_head(q_LD, k_SD, v_SD, segs, causal, bq, bk):
         return (jax.lax.dynamic_update_slice_in_dim(o_LD, o_QD, i * bq, 0),
                 jax.lax.dynamic_update_slice_in_dim(lse_L, lse_Q, i * bq, 0))
 
-    init = (jnp.zeros((L, D), jnp.float32), jnp.zeros((L,), jnp.float32))
+    init = (jnp.zeros((L, Dv), jnp.float32), jnp.zeros((L,), jnp.float32))
     return jax.lax.fori_loop(0, nq, q_block, init)
 
 
@@ -200,7 +201,8 @@ def _backward_head(q_LD, k_SD, v_SD, segs, o_LD, lse_L, do_LD, causal, bq, bk):
             ok_KQ = _block_ok(segs[0], segs[1], i, j, bq, bk, causal).T
             return jax.lax.cond(jnp.any(ok_KQ), lambda c: accumulate(i, c, ok_KQ), lambda c: c, carry)
 
-        carry = (dqt_DL, jnp.zeros((bk, D), jnp.float32), jnp.zeros((bk, D), jnp.float32))
+        carry = (dqt_DL, jnp.zeros((bk, D), jnp.float32),
+                 jnp.zeros((bk, v_SD.shape[1]), jnp.float32))
         if segs is not None:
             carry = jax.lax.fori_loop(q_lo(j) if causal else 0, nq, segmented, carry)
         elif causal:
