@@ -915,17 +915,12 @@ def _check_memory(cfg: Config) -> None:
               "both replace the model's loss; set model.memory.size=0 or train.distill.teacher=''")
 
 
-def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
-    """`model.moe`: fields, the mesh's expert axis, what MoE combines with (hpnlp.moe)."""
-    c, m, t, d = cfg.model.moe, cfg.model, cfg.train, cfg.data
-    if not isinstance(c.num_experts, int) or c.num_experts < 0:
-        _fail("model.moe.num_experts", c.num_experts, "must be an integer >= 0 (0: no MoE)")
-    if not c.enabled():
-        if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
-            _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
-                  "the batch, and mesh.rules.batch does not name it; add 'expert' to "
-                  "mesh.rules.batch or set mesh.expert=1")
-        return
+def check_moe_fields(c: MoEConfig) -> None:
+    """`model.moe`'s own fields (num_experts >= 1), checked by `validate` and by an MoE layer
+    built directly (`hpnlp.moe.MoE`), so both refuse a bad field in the same one line."""
+    if not isinstance(c.num_experts, int) or c.num_experts < 1:
+        _fail("model.moe.num_experts", c.num_experts, "an MoE layer needs an integer >= 1 "
+              "(0 turns MoE off in a model's config)")
     X = c.num_experts
     _check_choice("model.moe.router", c.router, MOE_ROUTERS)
     _check_choice("model.moe.dispatch", c.dispatch, ("capacity", "dropless"))
@@ -957,6 +952,21 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
                   "top_k / experts); use model.moe.dispatch='dropless' for no capacity limit")
     _check_positive("model.moe.balance_loss", c.balance_loss, allow_zero=True)
     _check_positive("model.moe.z_loss", c.z_loss, allow_zero=True)
+
+
+def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """`model.moe`: fields, the mesh's expert axis, what MoE combines with (hpnlp.moe)."""
+    c, m, t, d = cfg.model.moe, cfg.model, cfg.train, cfg.data
+    if not isinstance(c.num_experts, int) or c.num_experts < 0:
+        _fail("model.moe.num_experts", c.num_experts, "must be an integer >= 0 (0: no MoE)")
+    if not c.enabled():
+        if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
+            _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
+                  "the batch, and mesh.rules.batch does not name it; add 'expert' to "
+                  "mesh.rules.batch or set mesh.expert=1")
+        return
+    check_moe_fields(c)
+    X = c.num_experts
     if m.arch != "transformer":
         _fail("model.moe.num_experts", X, f"MoE replaces Transformer MLPs; model.arch={m.arch!r} "
               "has none (use model.arch='transformer' or num_experts=0)")

@@ -402,6 +402,22 @@ def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("moe,field", [
+    ({"groups": 3}, "model.moe.groups"),  # was a reshape TypeError from inside the layer
+    ({"top_k": 5, "router": "top_k"}, "model.moe.top_k"),  # was lax.top_k's ValueError
+    ({"top_k": 0}, "model.moe.top_k"),  # was an output of zeros
+    ({"dispatch": "scatter"}, "model.moe.dispatch"),  # was capacity dispatch, silently
+    ({"capacity_factor": -1.0}, "model.moe.capacity_factor"),  # was capacity 1, silently
+    ({"num_experts": 0}, "model.moe.num_experts"),  # was a ZeroDivisionError
+])
+def test_moe_layer_built_directly_checks_its_fields(moe, field):
+    # found by the crash hunt: `MoE(ModelConfig(...))` skips config.validate
+    x, seg = inputs()
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
+        layer(**moe).init(jax.random.key(0), x, seg)
+    assert "\n" not in str(e.value)
+
+
 def test_moe_statistics_summary():
     from hpnlp.moe import summarize
     sums = {"moe_tokens": 10.0, "moe_entropy": 5.0, "moe_assigned": 20.0, "moe_dropped": 2.0,

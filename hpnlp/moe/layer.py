@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hpnlp.config import ModelConfig
+from hpnlp.config import ModelConfig, check_moe_fields, config_error
 from hpnlp.models.transformer import _init, dtypes, mlp
 from hpnlp.moe import dispatch, routing
 from hpnlp.train.carry import AUX  # the collection layers report auxiliary losses into
@@ -75,6 +75,7 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x_BLM, seg_BL):
         m, c = self.model, self.model.moe
+        check_moe_fields(c)  # at trace time: a layer built directly skips `config.validate`
         dt, pdt = dtypes(m)
         if self.decode and c.router == "expert_choice":
             raise ValueError("model.moe.router='expert_choice' ranks each expert's tokens over a "
@@ -94,6 +95,9 @@ class MoE(nn.Module):
 
         # One group per row block; decoding (one token per row) routes the batch as one.
         G = 1 if self.decode else (c.groups or batch_shards())
+        if (B * L) % G:
+            raise config_error("model.moe.groups", c.groups, f"{G} routing groups must divide the "
+                               f"{B} x {L} tokens of the batch; choose groups dividing {B * L}")
         S = B * L // G
         x_GSM = x_BLM.reshape(G, S, M)
         valid_GS = (seg_BL > 0).reshape(G, S)
