@@ -195,6 +195,32 @@ def test_bad_prompts_are_refused_before_tracing(lms):
         models.generate(make_cfg("classifier"), params, inputs[:, :3], length=LEN)
 
 
+def test_bad_sampling_arguments_are_refused_before_tracing(lms):
+    """Found by the crash hunt: temperature=jnp.float32(0) (a sweep's jnp.linspace, say)
+    sampled token 0 from NaN logits, silently; a seed for rng, a float length and a list
+    or float prompt_len_B failed inside JAX or were rounded up."""
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    prompt = inputs[:, :3]
+    cases = [(dict(temperature=jnp.float32(0), greedy=False), r"temperature=0\.0: sampling"),
+             (dict(temperature=np.float32("inf"), greedy=False), "temperature=inf"),
+             (dict(rng=42), r"rng=42 is not a JAX random key; pass one, e\.g\. rng=jax"),
+             (dict(length=float(LEN)), "length=14.0: it counts tokens")]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            models.generate(cfg, params, prompt, **dict(dict(length=LEN), **kw))
+        with pytest.raises(ValueError, match=match):
+            speculative.speculative_generate(cfg, params, draft_cfg, draft_params, prompt,
+                                             **dict(dict(length=LEN, draft_tokens=2), **kw))
+    with pytest.raises(ValueError, match="draft_tokens=2.0: it counts tokens"):
+        speculative.speculative_generate(cfg, params, draft_cfg, draft_params, prompt,
+                                         length=LEN, draft_tokens=2.0)
+    with pytest.raises(ValueError, match=r"as integers; got \[2\.5, 3\.0\]"):
+        models.generate(cfg, params, prompt, jnp.array([2.5, 3.0]), length=LEN)
+    # a list of lengths is as good as an array
+    np.testing.assert_array_equal(models.generate(cfg, params, prompt, [2, 3], length=4),
+                                  models.generate(cfg, params, prompt, jnp.array([2, 3]), length=4))
+
+
 def test_several_tokens_a_call_need_the_exact_cache():
     cfg = make_cfg("lm", attention="local")
     dec = models.build(cfg, deterministic=True, decode=True)

@@ -18,10 +18,26 @@ from hpnlp.config import Config
 
 def check_temperature(temperature, greedy: bool) -> None:
     """A ValueError where sampling (not `greedy`) is asked at a temperature that is not a
-    finite number above 0 (a traced one is the caller's to check)."""
-    if not greedy and isinstance(temperature, (int, float)) and not 0 < temperature < float("inf"):
+    finite number above 0 (a traced one is the caller's to check). NumPy and concrete JAX
+    scalars count too: `jnp.float32(0)` sampled silently from NaN logits."""
+    if greedy or isinstance(temperature, jax.core.Tracer) or np.ndim(temperature):
+        return
+    if not 0 < float(temperature) < float("inf"):
         raise ValueError(f"temperature={temperature}: sampling needs a temperature above 0; "
                          "give one (e.g. 0.8), or decode greedily")
+
+
+def check_call(length, rng, **counts) -> None:
+    """A ValueError where `length` (or another count of tokens in `counts`) is not an int,
+    or `rng` is not a JAX random key (a seed given as an int, say): both failed inside JAX."""
+    for name, n in dict(length=length, **counts).items():
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise ValueError(f"{name}={n!r}: it counts tokens, so it must be an int")
+    dtype = getattr(rng, "dtype", None)
+    if rng is not None and not (dtype is not None and (
+            jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32)):
+        raise ValueError(f"rng={rng!r} is not a JAX random key; pass one, e.g. "
+                         "rng=jax.random.key(0)")
 
 
 def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
@@ -44,9 +60,11 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
                              "the run's own tokenizer")
     if prompt_len_B is not None and not isinstance(prompt_len_B, jax.core.Tracer):
         lens = np.asarray(prompt_len_B)
-        if lens.shape != (shape[0],) or int(lens.min()) < 1 or int(lens.max()) > shape[1]:
+        if (lens.shape != (shape[0],) or not np.issubdtype(lens.dtype, np.integer)
+                or int(lens.min()) < 1 or int(lens.max()) > shape[1]):
             raise ValueError(f"prompt_len_B must give each of the {shape[0]} rows a length in "
-                             f"1..{shape[1]} (the prompt's width); got {lens.tolist()}")
+                             f"1..{shape[1]} (the prompt's width), as integers; got "
+                             f"{lens.tolist()}")
 
 
 def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
@@ -67,6 +85,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
 
     check_prompt(cfg, prompt_BP, prompt_len_B)
     check_temperature(temperature, greedy)
+    check_call(length, rng)
     B, P = prompt_BP.shape
     if length > cfg.model.max_len:
         raise ValueError(f"generate(length={length}) exceeds model.max_len={cfg.model.max_len}")
@@ -80,7 +99,9 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     rng = jax.random.key(0) if rng is None else rng
     rngs = {} if features_key is None else {"features": features_key}
     start = 0
-    if prompt_len_B is None:
+    if prompt_len_B is not None:
+        prompt_len_B = jnp.asarray(prompt_len_B)  # a list of lengths, say
+    else:
         prompt_len_B = jnp.full((B,), P, jnp.int32)
         if P > 1 and attention_lib.get(cfg.attention.name).exact_cache():
             cache = model.apply({"params": params, "cache": cache}, prompt_BP[:, :-1],

@@ -148,9 +148,10 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     prompt is the whole of `prompt_BP` (same length). Jit it with the configs static, like
     `generate.generate`; `check` runs here, before any tracing."""
     from hpnlp.models import build
-    from hpnlp.models.generate import check_prompt, check_temperature
+    from hpnlp.models.generate import check_call, check_prompt, check_temperature
 
     check_prompt(cfg, prompt_BP)
+    check_call(length, rng, draft_tokens=draft_tokens)
     B, P = prompt_BP.shape
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
