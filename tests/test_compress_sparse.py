@@ -51,6 +51,20 @@ def test_nm_masks_keep_exactly_n_of_every_m_along_the_contraction(structure, con
     assert (np.where(moved, mag, np.inf).min(1) >= np.where(moved, -np.inf, mag).max(1)).all()
 
 
+def test_nm_mask_and_svd_factors_called_directly_refuse_what_they_cannot_do():
+    # found by the crash hunt: 2:4 over a contraction of 6 grouped entries across rows and
+    # returned a mask silently; rank -1 gave rank K-1 silently, rank > min(K, N) a reshape
+    # TypeError, rank 0 zero factors
+    from hpnlp.compress import lowrank
+    w = jnp.asarray(RNG.standard_normal((6, 4)), jnp.float32)
+    for n, m in ((2, 4), (4, 3), (0, 3)):
+        with pytest.raises(ValueError, match=f"{n}:{m} mask of a weight \\(6, 4\\).*K=6"):
+            prune.nm_mask(jnp.abs(w), (0,), n, m)
+    for rank in (-1, 0, 5, 2.5):
+        with pytest.raises(ValueError, match=f"rank={rank}.*choose a rank in \\[1, 4\\]"):
+            lowrank.svd_factors(w, 1, rank)
+
+
 def test_layer_and_global_scopes_prune_exact_counts_and_never_revive():
     w = {"a": jnp.asarray(RNG.standard_normal((10, 7))), "b": 3 * jnp.asarray(RNG.standard_normal((5, 4)))}
     ones = {k: jnp.ones(v.shape, bool) for k, v in w.items()}

@@ -52,7 +52,14 @@ def singular_values(w, k_dims: int):
 
 def svd_factors(w, k_dims: int, rank: int) -> Factored:
     """Truncated SVD of W (contraction axes first) at `rank`: the best rank-r W = U V."""
-    u, s, vt = jnp.linalg.svd(_matrix(w, k_dims), full_matrices=False)
+    w_KN = _matrix(w, k_dims)
+    most = min(w_KN.shape)
+    if isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= most:
+        raise ValueError(f"rank={rank!r}: the weight {tuple(w.shape)} is [{w_KN.shape[0]}, "
+                         f"{w_KN.shape[1]}] (its first {k_dims} axes contracted), of rank at most "
+                         f"{most}; choose a rank in [1, {most}]")
+    rank = int(rank)
+    u, s, vt = jnp.linalg.svd(w_KN, full_matrices=False)
     root = jnp.sqrt(s[:rank])
     U = (u[:, :rank] * root[None, :]).reshape(tuple(w.shape[:k_dims]) + (rank,))
     V = (root[:, None] * vt[:rank]).reshape((rank,) + tuple(w.shape[k_dims:]))

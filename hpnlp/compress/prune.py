@@ -135,6 +135,9 @@ def nm_mask(score, contraction: tuple[int, ...], n: int, m: int):
     rest = tuple(a for a in range(score.ndim) if a not in k_axes)
     moved = jnp.transpose(score, k_axes + rest)
     K = math.prod(moved.shape[:len(k_axes)])
+    if not 0 < n < m or K % m:  # else the groups would straddle the contraction's rows silently
+        raise ValueError(f"{n}:{m} mask of a weight {tuple(score.shape)} contracted over axes "
+                         f"{contraction} (K={K}): needs 0 < N < M and M dividing K")
     groups = moved.reshape(K // m, m, -1)
     order = jnp.argsort(-groups, axis=1, stable=True)  # highest first
     rank = jnp.argsort(order, axis=1, stable=True)
