@@ -71,6 +71,28 @@ def test_vocabulary_larger_than_the_text_supports_is_one_clear_line(chapters):
         tokenizers.train("bpe", 100, chapters[0])
 
 
+def test_tokenizer_refuses_bad_ids_and_a_save_that_would_delete_files(tmp_path):
+    # found by the crash hunt: save(workdir) deleted the run's files, decode([-1]) decoded the
+    # last piece and decode([1.7]) piece 1 silently, encode_many("text") encoded characters
+    tok = tokenizers.train("bpe", 300, ["the cat sat on the mat\nthe dog ate the cat"] * 4)
+    for ids in ([-1], [300], [1.7], [[1, 2]]):
+        with pytest.raises(ValueError, match=r"token ids .* integer ids in \[0, 300\)"):
+            tok.decode(ids)
+    with pytest.raises(ValueError, match=r"token ids \[-1\]"):
+        tok.pieces([-1])
+    with pytest.raises(TypeError, match="list of texts"):
+        tok.encode_many("the cat")
+    with pytest.raises(TypeError, match="list of texts"):
+        tokenizers.train("bpe", 300, "the cat")
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds summary.json, which saving the tokenizer would delete"):
+        tok.save(str(tmp_path))
+    assert (tmp_path / "summary.json").read_text() == "{}"
+    tok.save(str(tmp_path / tokenizers.DIRNAME))
+    tok.save(str(tmp_path / tokenizers.DIRNAME))  # its own folder is replaced
+    assert tokenizers.Subword.load(str(tmp_path / tokenizers.DIRNAME)).decode(tok.encode("cat")) == "cat"
+
+
 def test_run_keeps_its_tokenizer_in_the_workdir_and_reuses_it(tmp_path, files):
     cfg = lm_cfg(tokenizer="bpe", vocab_size=500, train_path=files[0], eval_path=files[1])
     first = data.make_task(cfg, workdir=str(tmp_path))

@@ -86,6 +86,8 @@ class Subword:
 
     def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text -> int32 ids (one SentencePiece call for all their lines)."""
+        if isinstance(texts, str):  # else each character would be encoded as a text
+            raise TypeError("encode_many takes a list of texts; encode one text with encode(text)")
         lines, per_text = [], []
         for t in texts:
             parts = t.split(NEWLINE)
@@ -107,8 +109,19 @@ class Subword:
     def encode(self, text: str) -> np.ndarray:
         return self.encode_many([text])[0]
 
+    def _checked(self, ids: Iterable[int]) -> np.ndarray:
+        """`ids` as one row of int64, each in [0, vocab_size) (numpy would read -1 as the
+        last piece, and 1.7 as 1, silently)."""
+        a = np.asarray(list(ids))
+        if a.size and (a.ndim != 1 or a.dtype.kind not in "iu" or a.min() < 0
+                       or a.max() >= self.vocab_size):
+            bad = a if a.ndim != 1 or a.dtype.kind not in "iu" else a[(a < 0) | (a >= self.vocab_size)]
+            raise ValueError(f"token ids {np.ravel(bad)[:4].tolist()} (shape {a.shape}, "
+                             f"{a.dtype}): give one row of integer ids in [0, {self.vocab_size})")
+        return a.astype(np.int64)
+
     def decode(self, ids: Iterable[int]) -> str:
-        sp_ids = self.order[np.asarray(list(ids), np.int64)].tolist()
+        sp_ids = self.order[self._checked(ids)].tolist()
         nl = self._sp.piece_to_id(NEWLINE)
         lines, cur = [], []
         for i in sp_ids:
@@ -122,7 +135,7 @@ class Subword:
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         """The piece of each id (for inspection: "▁the", "<0x0A>", ...)."""
-        return [self._sp.id_to_piece(int(self.order[int(i)])) for i in ids]
+        return [self._sp.id_to_piece(int(self.order[i])) for i in self._checked(ids)]
 
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size,
@@ -130,7 +143,19 @@ class Subword:
                 "trained_on": self.trained_on}
 
     def save(self, directory: str) -> None:
-        """Write `directory/tokenizer.model` and `tokenizer.json` (replaced atomically)."""
+        """Write `directory/tokenizer.model` and `tokenizer.json` (replaced atomically).
+        A file there, or a folder holding anything else (a run's workdir), is refused, not
+        replaced."""
+        if os.path.exists(directory):
+            other = (sorted(set(os.listdir(directory)) - {MODEL_FILE, META_FILE})
+                     if os.path.isdir(directory) else None)
+            if other is None or other:
+                what = "is a file" if other is None else (
+                    f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}")
+                beside = directory if other else os.path.dirname(directory) or "."
+                raise ValueError(f"{directory}: {what}, which saving the tokenizer would delete; "
+                                 f"save it to a folder of its own (e.g. "
+                                 f"{os.path.join(beside, DIRNAME)})")
         parent = os.path.dirname(os.path.abspath(directory))
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
@@ -170,6 +195,8 @@ def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data
     import sentencepiece as spm
     if kind not in SUBWORD:
         raise ValueError(f"tokenizer kind {kind!r}; choose one of {SUBWORD}")
+    if isinstance(docs, str):  # else each character would be a training document
+        raise TypeError("the tokenizer trains on a list of texts; give [text], not text")
     lines = [line for d in docs for line in d.split(NEWLINE) if line]
     if not lines:
         raise ValueError("the tokenizer's training text is empty; give it some text")
