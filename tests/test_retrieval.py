@@ -446,6 +446,14 @@ def test_interpolation_formula_and_lambda_zero_is_the_lm():
     np.testing.assert_array_equal(knnlm.interpolate(nb, k=2, temperature=2.0, lam=0.0), nb.lm_logp)
     with pytest.raises(RetrievalError, match="lambda=1.5"):
         knnlm.interpolate(nb, k=2, temperature=1.0, lam=1.5)
+    # found by the crash hunt: temperature 0 or k=0 gave NaN log-probabilities silently, and
+    # a metric other than "l2" ("L2", "cosine") was searched as inner product
+    for k, temperature in ((2, 0.0), (0, 1.0)):
+        with pytest.raises(RetrievalError, match=f"k={k}, temperature={temperature}: need"):
+            knnlm.interpolate(nb, k=k, temperature=temperature, lam=0.5)
+    store = knnlm.Datastore("ds", {}, np.zeros((4, 3), np.float16), np.zeros(4, np.int32))
+    with pytest.raises(RetrievalError, match="metric='L2'; choose 'l2'"):
+        store.index("exact", metric="L2")
 
 
 def _tiny_lm():

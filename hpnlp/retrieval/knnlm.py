@@ -37,6 +37,13 @@ from hpnlp.retrieval.base import Index, RetrievalError, make
 
 DATASTORE = "datastore.json"
 VERSION = 1
+METRICS = ("l2", "ip")
+
+
+def check_metric(metric: str) -> None:
+    """Any metric but "l2" would otherwise be searched as "ip", silently."""
+    if metric not in METRICS:
+        raise RetrievalError(f"metric={metric!r}; choose 'l2' (the paper's) or 'ip'")
 
 
 # -- the LM's context vectors ----------------------------------------------------------------
@@ -159,6 +166,7 @@ class Datastore:
     def index(self, name: str = "exact", *, metric: str = "l2", block: int = 1 << 20, **options) -> Index:
         """An index over the keys (augmented for L2, see the module docstring), filled in
         blocks from the memory map."""
+        check_metric(metric)
         index = make(name, self.keys.shape[1] + (metric == "l2"), **options)
         for lo in range(0, len(self.keys), block):
             k = np.asarray(self.keys[lo:lo + block], np.float32)
@@ -191,6 +199,7 @@ class Neighbours:
 def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: int, k: int,
                metric: str = "l2", select=None, rows: int = 64, query_block: int = 4096) -> Neighbours:
     """The LM and its k nearest datastore entries for every target of the chosen chunks."""
+    check_metric(metric)
     forward = _forward(model)
     lm, dist, hit = [], [], []
     t_lm = t_search = 0.0
@@ -224,6 +233,8 @@ def interpolate(nb: Neighbours, *, k: int, temperature: float, lam: float) -> np
         raise RetrievalError(f"lambda={lam} must be in [0, 1]")
     if k > nb.dist.shape[1]:
         raise RetrievalError(f"k={k} but only {nb.dist.shape[1]} neighbours were searched")
+    if k < 1 or not temperature > 0:  # else p_kNN is 0/0 or the logits -d/0: NaN, silently
+        raise RetrievalError(f"k={k}, temperature={temperature}: need k >= 1 and temperature > 0")
     logits_TK = -nb.dist[:, :k].astype(np.float64) / temperature
     logits_TK -= logits_TK.max(axis=1, keepdims=True)
     w_TK = np.exp(logits_TK)
@@ -318,8 +329,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     perplexity with and without the datastore on the test half. `max_eval_tokens` > 0 reads
     only the first chunks of each half (about that many tokens in all);
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
-    if metric not in ("l2", "ip"):
-        raise RetrievalError(f"metric={metric!r}; choose 'l2' (the paper's) or 'ip'")
+    check_metric(metric)
     check_index(index, index_options or {})
     if out:
         check_out(out, workdir)
