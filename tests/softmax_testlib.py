@@ -78,3 +78,10 @@ def check_rejects_out_of_vocab(layer, *, vocab: int = V):
     bad = t.at[0, 0].set(vocab)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         layer.apply(params, h, bad, None, method="loss", rngs={"dropout": jax.random.key(4)})
+    # found by the crash hunt: targets or a mask of another shape than the hidden states'
+    # failed inside a broadcast or a reshape (or a sampled layer took flat targets)
+    for bad_t, mask, match in [(t[:, :2], None, r"targets have shape \(3, 2\), but hidden"),
+                               (t.reshape(-1), None, r"targets have shape \(15,\)"),
+                               (t, jnp.ones((B, 2), bool), r"mask has shape \(3, 2\)")]:
+        with pytest.raises(ValueError, match=match):
+            layer.apply(params, h, bad_t, mask, method="loss", rngs={"dropout": jax.random.key(4)})

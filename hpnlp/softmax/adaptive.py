@@ -172,7 +172,7 @@ class AdaptiveSoftmax(nn.Module):
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # exact loss, no randomness
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         lead, width = targets_N.shape, hidden_NE.shape[-1]
         head_EH, bias_H, tails = self.table(width)
         h_TE = hidden_NE.reshape(-1, width)

@@ -39,14 +39,22 @@ def can_tie(name: str) -> bool:
     return "embed" in {f.name for f in dataclasses.fields(get(name))}
 
 
-def check_targets(targets, vocab_size: int | None = None) -> None:
-    """Targets must be integer ids in [0, vocab_size).
+def check_targets(targets, vocab_size: int | None = None, hidden=None, mask=None) -> None:
+    """Targets must be integer ids in [0, vocab_size), one per hidden state ([*N] for
+    `hidden` [*N, E]), and `mask` (where given) of the targets' shape.
 
-    The dtype is checked always; the range whenever the values are concrete (eager calls,
-    tests, notebooks). Inside `jit` the data layer has already checked every id.
+    The dtype and shapes are checked always; the range whenever the values are concrete
+    (eager calls, tests, notebooks). Inside `jit` the data layer has already checked every id.
     """
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids; got dtype {targets.dtype}")
+    if hidden is not None and tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets have shape {tuple(targets.shape)}, but hidden states "
+                         f"{tuple(hidden.shape)} need one per state: shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    if mask is not None and tuple(jnp.shape(mask)) != tuple(targets.shape):
+        raise ValueError(f"mask has shape {tuple(jnp.shape(mask))}; it must match the targets' "
+                         f"{tuple(targets.shape)} (or be None: no padding)")
     if vocab_size is None or isinstance(targets, jax.core.Tracer):
         return
     t = np.asarray(targets)

@@ -170,7 +170,7 @@ class BinaryCode(nn.Module):
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         """Bit-wise BCE of the target's codeword (+ the hybrid softmax's NLL); not -log_prob."""
         del deterministic  # no randomness
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         codes, size = self.codes, self.codes.softmax_size
         rank_N = codes.rank(targets_N)
         bit_index_N = jnp.maximum(rank_N - size, 0)

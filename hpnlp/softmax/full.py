@@ -85,7 +85,7 @@ class FullSoftmax(VocabLayer):
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the exact loss has no randomness
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         width = hidden_NE.shape[-1]
         num_tokens = targets_N.size
         chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens

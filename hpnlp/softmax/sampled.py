@@ -261,7 +261,7 @@ class SampledObjective(VocabLayer):
 
     def _scores(self, hidden_NE, targets_N, deterministic: bool):
         """Target scores s_T, negative scores s_TS, the draw, and hits_TS (negative == target)."""
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE)
         width = hidden_NE.shape[-1]
         hidden_TE, targets_T = hidden_NE.reshape(-1, width), targets_N.reshape(-1)
         num_tokens = targets_T.shape[0]
@@ -283,6 +283,7 @@ class SampledObjective(VocabLayer):
         return s_T, s_TS, draw, hits_TS
 
     def _per_token(self, loss_T, targets_N, mask_N):
+        check_targets(targets_N, mask=mask_N)
         return masked(loss_T.reshape(targets_N.shape), mask_N)
 
 
@@ -457,7 +458,7 @@ class HardNegative(VocabLayer):
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the search is deterministic
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         width = hidden_NE.shape[-1]
         ids_TK = self.hardest(hidden_NE, targets_N).reshape(-1, self.num_negatives)
         hidden_TE, targets_T = hidden_NE.reshape(-1, width), targets_N.reshape(-1)

@@ -190,7 +190,7 @@ class ClassBasedSoftmax(VocabLayer):
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # exact: no randomness
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         lead, width = targets_N.shape, hidden_NE.shape[-1]
         class_lp_NC = self._class_log_probs(hidden_NE)
         class_N = jnp.take(self.bins.class_V, targets_N)
@@ -333,7 +333,7 @@ class HierarchicalSoftmax(nn.Module):
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # exact: no randomness
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         lead, width = targets_N.shape, hidden_NE.shape[-1]
         kernel_IE, bias_I = self.nodes(width)
         node_DV, sign_DV, dtype = self.tree.node_DV, self.tree.sign_DV, self.dtype

@@ -273,7 +273,7 @@ class VMFOutput(LogitsDistribution, nn.Module):
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # no randomness
-        check_targets(targets_N, self.vocab_size)
+        check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
         table_VM = self._table()
         pred_NM = self.predict(hidden_NE)
         target_NM = unit_rows(jnp.take(table_VM, targets_N, axis=0))  # gather first: O(N M), not O(V M)
