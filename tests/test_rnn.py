@@ -311,3 +311,23 @@ def test_bad_combine_and_lengths_are_named():
         rnn.StackedRNN(combine="max", hidden=H).init(jax.random.key(0), _x())
     with pytest.raises(ValueError, match="lengths_B"):
         rnn.RNNLayer(hidden=H).init(jax.random.key(0), _x(), jnp.ones((B + 1,), jnp.int32))
+
+
+def test_lengths_out_of_range_or_float_are_named_and_traced_ones_capped():
+    """Found by the crash hunt: a bidirectional layer given a length past the inputs read
+    outside them (NaN), float lengths failed inside its gather, a list of lengths failed
+    on `.shape`, and an empty sequence (L = 0) divided by zero in the scan."""
+    layer = rnn.RNNLayer(hidden=H, bidirectional=True, impl="scan")
+    x = _x()
+    params = _init(layer, x, LENGTHS)
+    for lengths, match in [(jnp.array([L + 1, 3, 1]), rf"in 0\.\.{L} .*got \[7, 3, 1\]"),
+                           (jnp.array([-1, 3, 1]), r"got \[-1, 3, 1\]"),
+                           (jnp.array([6.0, 3.0, 1.0]), "integer lengths; got dtype float32")]:
+        with pytest.raises(ValueError, match=match):
+            layer.apply(params, x, lengths)
+    full, _ = layer.apply(params, x, jnp.full((B,), L))
+    capped, _ = jax.jit(lambda n: layer.apply(params, x, n))(jnp.full((B,), L + 2))
+    _close(capped, full)
+    _close(layer.apply(params, x, [6, 3, 1])[0], layer.apply(params, x, LENGTHS)[0])
+    out, final = layer.apply(params, x[:, :0], jnp.zeros((B,), jnp.int32))
+    assert out.shape == (B, 0, 2 * H) and float(jnp.abs(final[-1]).max()) == 0.0

@@ -257,7 +257,7 @@ def run_layer(step: Callable, project: Callable, pp, pw, w_HG, x_LBE, carry0,
     and `carry0` (the masks in `ex_L` and `state_mask_BH` are constants).
     """
     L, B = x_LBE.shape[:2]
-    T = L if chunk is None or chunk >= L else chunk
+    T = max(L, 1) if chunk is None or chunk >= L else chunk  # L = 0: no chunk, no steps
     n = -(-L // T)
     pad = n * T - L
     if pad:  # padded steps are invalid: they keep the state and output zeros

@@ -36,6 +36,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hpnlp import linalg
 from hpnlp.config import ConfigError
@@ -88,6 +89,20 @@ def _check_fields(m) -> None:
         check_rate(f, getattr(m, f))
     if m.impl not in IMPLS:
         raise ConfigError(f"field `impl` = {m.impl!r} is not allowed: choose from {IMPLS}")
+
+
+def _check_lengths(lengths_B, L: int) -> None:
+    """A ValueError where `lengths_B` are not integers, or (where concrete, not traced) not
+    in 0..L: past the inputs the backward direction read outside them (NaN), and float
+    lengths failed inside its gather."""
+    if not jnp.issubdtype(lengths_B.dtype, jnp.integer):
+        raise ValueError(f"`lengths_B` must be integer lengths; got dtype {lengths_B.dtype}")
+    if isinstance(lengths_B, jax.core.Tracer) or not lengths_B.size:
+        return
+    lens = np.asarray(lengths_B)
+    if int(lens.min()) < 0 or int(lens.max()) > L:
+        raise ValueError(f"`lengths_B` must be in 0..{L} (the inputs' length); got "
+                         f"{lens.tolist()}")
 
 
 def _fused_blocker(m, deterministic: bool) -> str | None:
@@ -176,9 +191,15 @@ class RNNLayer(nn.Module):
             raise ValueError(f"RNNLayer expects inputs [batch, length, features], got shape "
                              f"{x_BLE.shape}")
         B, L, E = x_BLE.shape
-        if lengths_B is not None and tuple(lengths_B.shape) != (B,):
-            raise ValueError(f"`lengths_B` must have shape ({B},) (one length per row), got "
-                             f"{tuple(lengths_B.shape)}")
+        if lengths_B is not None:
+            lengths_B = jnp.asarray(lengths_B)  # a list of lengths, say
+            if tuple(lengths_B.shape) != (B,):
+                raise ValueError(f"`lengths_B` must have shape ({B},) (one length per row), got "
+                                 f"{tuple(lengths_B.shape)}")
+            _check_lengths(lengths_B, L)
+            # past the inputs (traced, so not refused above) the backward direction would
+            # read outside them (NaN); a row's length caps at L, as the forward one reads it
+            lengths_B = jnp.clip(lengths_B, 0, L)
         D, K, H = (2 if self.bidirectional else 1), cells.NUM_GATES[self.kind], self.hidden
         G, pdt, dt = K * H, self.param_dtype, self.dtype
 
