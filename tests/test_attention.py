@@ -158,3 +158,13 @@ def test_bad_inputs_have_clear_errors():
     for name in ("dense", "xla", "chunked"):
         with pytest.raises(ValueError, match=f"query length 3 must equal the key length {L}"):
             A.get(name)()(q[:, :3], k, v, jnp.ones((B, 3), jnp.int32), causal=False)
+
+
+def test_no_queries_or_no_keys_give_zeros():
+    """Found by the crash hunt: dense (the reference) failed on a max over no keys, and
+    chunked's XLA path divided by zero choosing blocks for an empty length."""
+    q, k, v = _qkv()
+    for name, impl in (("dense", {}), ("chunked", {"impl": "xla"}), ("chunked", {})):
+        for Lq, S in ((0, 0), (3, 0), (0, 3)):
+            out = A.get(name)(**impl)(q[:, :Lq], k[:, :S], v[:, :S], None, causal=False)
+            assert out.shape == (B, Lq, H, D) and float(jnp.abs(out).sum()) == 0.0

@@ -99,7 +99,7 @@ def softmax_probabilities(q_BLHD, k_BSHD, allowed_B1LS=None):
                              preferred_element_type=jnp.float32) / jnp.sqrt(D).astype(jnp.float32)
     if allowed_B1LS is not None:
         logits_BHLS = jnp.where(allowed_B1LS, logits_BHLS, -1e30)
-    m_BHL1 = jnp.max(logits_BHLS, axis=-1, keepdims=True)
+    m_BHL1 = jnp.max(logits_BHLS, axis=-1, keepdims=True, initial=-jnp.inf)  # S = 0: no keys
     p_BHLS = jnp.exp(logits_BHLS - jax.lax.stop_gradient(m_BHL1))
     if allowed_B1LS is not None:
         p_BHLS = jnp.where(allowed_B1LS, p_BHLS, 0.0)

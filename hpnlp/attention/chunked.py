@@ -279,6 +279,8 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
     B, L, H, D = q_BLHD.shape
     S = k_BSHD.shape[1]
     blocker = kernel_blocker(D, v_BSHD.shape[-1], impl, block_q, block_k)
+    if not L or not S:  # no queries, or no key to see: zeros, as for a row that sees none
+        return jnp.zeros((B, L, H, v_BSHD.shape[-1]), q_BLHD.dtype)
     if impl == "kernel" and blocker is not None:
         raise ValueError(f"chunked attention: impl='kernel' cannot run here: {blocker}. Use "
                          "impl='auto' (the kernel where it can run) or impl='xla'")
