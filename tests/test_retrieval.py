@@ -424,6 +424,30 @@ def test_bad_options_and_k_are_one_clear_line():
     assert ivf.search(q, 3)[1].shape == (len(q), 3)
 
 
+def test_adapter_options_out_of_range_are_one_clear_line():
+    # found by the crash hunt: faiss_hnsw m=1 aborted the process, ef_search=0 returned
+    # ids -1, scann leaves_to_search=0 NaN scores, faiss_ivf nprobe=0 / lists > N and scann
+    # leaves > N or reorder=0 failed deep inside the library
+    from hpnlp.retrieval import external
+    x, q = _floats(n=20)
+    for name, options, match in (("faiss_hnsw", {"m": 1}, "m=1; give an integer >= 2"),
+                                 ("faiss_hnsw", {"ef_search": 0}, "ef_search=0"),
+                                 ("faiss_ivf", {"nprobe": 0}, "nprobe=0; give an integer >= 1"),
+                                 ("faiss_ivf", {"lists": -3}, "lists=-3"),
+                                 ("scann", {"leaves_to_search": 0}, "leaves_to_search=0"),
+                                 ("scann", {"reorder": 0}, "reorder=0")):
+        if external.available(name):
+            with pytest.raises(RetrievalError, match=match):
+                retrieval.make(name, 16, **options)
+    for name, options, match in (("faiss_ivf", {"lists": 50}, "lists=50 cells but the first add has only 20"),
+                                 ("scann", {"leaves": 50}, "leaves=50 but only 20 vectors")):
+        if external.available(name):
+            index = retrieval.make(name, 16, **options)
+            with pytest.raises(RetrievalError, match=match):
+                index.add(x)
+                index.search(q, 3)
+
+
 def test_l2_through_mips_augmentation_is_exact():
     x, q = _floats(n=300)
     index = retrieval.make("exact", 17, block=64)

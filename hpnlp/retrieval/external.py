@@ -34,6 +34,17 @@ def available(name: str) -> bool:
         return False
 
 
+def _check_options(index, at_least: dict[str, int]) -> None:
+    """One line for an option out of range (`at_least`: name -> its least value), before
+    the library sees it: faiss aborts the process on an HNSW m < 2, and a search width of 0
+    returns ids of -1 (faiss) or NaN scores (ScaNN) instead of failing."""
+    for name, least in at_least.items():
+        v = index.options[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+            raise RetrievalError(f"{index.registry_name} index: {name}={v!r}; give an integer "
+                                 f">= {least}")
+
+
 class _Faiss(Index):
     """A faiss index with METRIC_INNER_PRODUCT; faiss numbers vectors in add order too."""
 
@@ -84,6 +95,7 @@ class FaissIVF(_Faiss):
 
     def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16):
         super().__init__(dim, lists=lists, nprobe=nprobe)
+        _check_options(self, {"lists": 0, "nprobe": 1})
 
     def _build(self):
         return None  # the cell count may depend on the first add
@@ -91,6 +103,10 @@ class FaissIVF(_Faiss):
     def _add(self, x_ND):
         if self.index is None:
             lists = self.options["lists"] or int(max(1, min(len(x_ND) // 39, round(4 * np.sqrt(len(x_ND))))))
+            if lists > len(x_ND):
+                raise RetrievalError(f"faiss_ivf index: lists={lists} cells but the first add has "
+                                     f"only {len(x_ND)} vectors to train them on; use lists <= "
+                                     f"{len(x_ND)} or add more vectors at once")
             self.options["lists"] = lists
             quantizer = self.faiss.IndexFlatIP(self.dim)
             self.index = self.faiss.IndexIVFFlat(quantizer, self.dim, lists,
@@ -109,6 +125,7 @@ class FaissHNSW(_Faiss):
 
     def __init__(self, dim: int, *, m: int = 32, ef_construction: int = 80, ef_search: int = 64):
         super().__init__(dim, m=m, ef_construction=ef_construction, ef_search=ef_search)
+        _check_options(self, {"m": 2, "ef_construction": 1, "ef_search": 1})
 
     def _build(self):
         index = self.faiss.IndexHNSWFlat(self.dim, int(self.options["m"]), self.faiss.METRIC_INNER_PRODUCT)
@@ -129,6 +146,7 @@ class ScaNN(HostIndex):
 
     def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100):
         super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder)
+        _check_options(self, {"leaves": 0, "leaves_to_search": 1, "reorder": 1})
         self.scann = _import("scann", "scann")
         self.searcher = None
 
@@ -139,6 +157,10 @@ class ScaNN(HostIndex):
         x = self.vectors()
         o = self.options
         leaves = o["leaves"] or int(max(1, min(len(x) // 100, round(2 * np.sqrt(len(x))))))
+        if leaves > len(x):
+            raise RetrievalError(f"scann index: leaves={leaves} but only {len(x)} vectors to "
+                                 f"partition; use leaves <= {len(x)} (or 0: chosen from the count) "
+                                 "or add more vectors")
         o["leaves"] = leaves
         builder = self.scann.scann_ops_pybind.builder(x, 10, "dot_product")
         builder = builder.tree(num_leaves=leaves, num_leaves_to_search=min(o["leaves_to_search"], leaves),
