@@ -355,6 +355,21 @@ def test_save_load_round_trip(name, tmp_path):
     np.testing.assert_allclose(s2, s, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["faiss_flat", "faiss_ivf", "faiss_hnsw", "scann"])
+def test_empty_adapter_save_load_round_trip(name, tmp_path):
+    # found by the crash hunt: an empty faiss_ivf saved but failed to load
+    # (AttributeError), and an empty scann failed to save inside ScaNN
+    from hpnlp.retrieval import external
+    if not external.available(name):
+        pytest.skip(f"{name} is not installed")
+    x, q = _floats(n=200)
+    folder = retrieval.make(name, 16).save(str(tmp_path / name))
+    back = retrieval.load(folder, dim=16)
+    assert len(back) == 0
+    back.add(x)
+    np.testing.assert_array_equal(back.search(q, 3)[1].shape, (len(q), 3))
+
+
 def test_bad_input_is_one_clear_line(tmp_path):
     x, q = _floats(n=50)
     index = retrieval.make("exact", 16)

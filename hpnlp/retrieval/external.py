@@ -117,6 +117,14 @@ class FaissIVF(_Faiss):
     def _tune(self):
         self.index.nprobe = int(self.options["nprobe"])
 
+    def _save_files(self, folder):
+        if self.index is not None:  # None until the first add: nothing to write
+            super()._save_files(folder)
+
+    def _restore(self, folder, header):
+        if header["count"]:
+            super()._restore(folder, header)
+
 
 @register("faiss_hnsw")
 class FaissHNSW(_Faiss):
@@ -178,7 +186,10 @@ class ScaNN(HostIndex):
         return scores, ids
 
     def _save_files(self, folder):
-        """The vectors (so that a reloaded index can take more) and the built searcher."""
+        """The vectors (so that a reloaded index can take more) and the built searcher
+        (none while empty: ScaNN cannot build one from no vectors)."""
+        if not self.count:
+            return super()._save_files(folder)
         if self.searcher is None:
             self._build()
         super()._save_files(folder)
@@ -188,4 +199,5 @@ class ScaNN(HostIndex):
 
     def _restore(self, folder, header):
         super()._restore(folder, header)
-        self.searcher = self.scann.scann_ops_pybind.load_searcher(os.path.join(folder, "scann"))
+        if header["count"]:
+            self.searcher = self.scann.scann_ops_pybind.load_searcher(os.path.join(folder, "scann"))
