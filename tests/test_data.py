@@ -481,6 +481,25 @@ def test_resume_gives_identical_batches(tasks, kind, mode, split):
         other.set_state(state)
 
 
+@pytest.mark.parametrize("mode", ["pad", "bucket"])
+def test_set_state_refuses_a_malformed_position(tasks, mode):
+    # found by the crash hunt: a row past the plan or below 0, a negative epoch, a missing
+    # field or a non-dict state failed deep in numpy at the next batch (IndexError,
+    # KeyError), and row=2.5 resumed silently at row 2
+    task, cfg = tasks["classify"]
+    cfg = dataclasses.replace(cfg, batching=mode)
+    it = data.make_iterator(task, cfg, split="train", batch_size=8)
+    rows = it.num_rows(0)
+    for edit, match in (({"row": rows + 1}, rf"'row' = {rows + 1} .* integer in \[0, {rows}\]"),
+                        ({"row": -3}, "'row' = -3"), ({"row": 2.5}, "'row' = 2.5"),
+                        ({"epoch": -1}, "'epoch' = -1 .* integer >= 0"), ({"epoch": None}, "'epoch' = None")):
+        with pytest.raises(ValueError, match=match):
+            it.set_state({**it.get_state(), **edit})
+    with pytest.raises(ValueError, match="not a dict"):
+        it.set_state(None)
+    assert it.get_state()["row"] == 0 and next(it)["inputs"].shape[0] == 8
+
+
 @pytest.mark.parametrize("kind,mode", CASES)
 @pytest.mark.parametrize("split", ["train", "eval"])
 def test_two_processes_concatenate_to_one(tasks, kind, mode, split):

@@ -286,6 +286,12 @@ def test_stream_resumes_and_splits_over_processes(text_file):
             np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), w[k])
     with pytest.raises(ValueError, match=r"other settings \(train.batch_size: saved 4, now 2\)"):
         data_lib.make_iterator(task, cfg, split="train", batch_size=2).set_state(state)
+    # found by the crash hunt: a batch past the epoch or below 0 read the wrong tokens
+    # (or failed deep in numpy), a negative epoch failed inside numpy's random generator
+    for edit, match in (({"batch": 10**6}, r"'batch' = 1000000 .* integer in \[0, "),
+                        ({"batch": -2}, "'batch' = -2"), ({"epoch": -1}, "'epoch' = -1")):
+        with pytest.raises(ValueError, match=match):
+            b.set_state({**state, **edit})
 
 
 # -- training ----------------------------------------------------------------------------

@@ -84,6 +84,9 @@ _STATE_FIELDS = {"task": "data.task", "batching": "data.batching", "batch_size":
 def check_fingerprint(saved: dict, want: dict) -> None:
     """Refuse an iterator state saved under different data settings (it would resume at
     the wrong place in a different stream), naming the settings."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"iterator state {saved!r:.80} is not a dict; pass a dict that "
+                         "get_state() returned")
     diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
     if not diff:
         return
@@ -97,6 +100,19 @@ def check_fingerprint(saved: dict, want: dict) -> None:
                       for k, (a, b) in diff.items())
     raise ValueError(f"the checkpoint's data stream was saved under other settings ({lines}); "
                      + fix)
+
+
+def check_position(state: dict, name: str, lo: int, hi: int | None = None) -> int:
+    """Field `name` of an iterator state as an int in [lo, hi], or one ValueError naming it
+    (a hand-edited or foreign state would otherwise fail deep in numpy at the next batch,
+    or resume at a wrong place)."""
+    v = state.get(name) if isinstance(state, dict) else None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (
+            hi is not None and v > hi):
+        where = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"iterator state field {name!r} = {v!r} is not allowed: it must be an "
+                         f"integer {where}; pass a dict that get_state() returned, unedited")
+    return int(v)
 
 
 class BatchIterator:
@@ -343,7 +359,9 @@ class BatchIterator:
 
     def set_state(self, state: dict) -> None:
         check_fingerprint(state, self._fingerprint())
-        self._epoch, self._row = int(state["epoch"]), int(state["row"])
+        epoch = check_position(state, "epoch", 0, None if self.split == "train" else 0)
+        self._row = check_position(state, "row", 0, self.num_rows(epoch))
+        self._epoch = epoch
 
     def stats(self) -> dict:
         """Padding so far (all processes' rows): `padding_fraction` of this mode, and

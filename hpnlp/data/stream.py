@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from hpnlp.data.batching import check_fingerprint
+from hpnlp.data.batching import check_fingerprint, check_position
 from hpnlp.data.task import Task, ranges
 
 
@@ -118,7 +118,10 @@ class StreamIterator:
 
     def set_state(self, state: dict) -> None:
         check_fingerprint(state, self._fingerprint())
-        self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
+        epoch = check_position(state, "epoch", 0, None if self.split == "train" else 0)
+        S = self._layout(epoch)[1]
+        self._batch = check_position(state, "batch", 0, math.ceil(S / self.seq_len))
+        self._epoch = epoch
 
     def stats(self) -> dict:
         c = self._counts
