@@ -279,6 +279,11 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
     again.set_state(state)
     for a, b in zip(ahead, [next(again) for _ in range(12)]):
         assert all(np.array_equal(a[k], b[k]) for k in a)
+    # found by the crash hunt: a malformed position failed deep in numpy or grain
+    for edit, match in (({"batch": -1}, "'batch' = -1 .* integer in"), ({"window": "a"}, "'window' = 'a'"),
+                        ({"reader": {"x": 1}}, "'reader' = .* not grain's reader state")):
+        with pytest.raises(ValueError, match=match):
+            data.make_iterator(task, cfg, split="train", batch_size=4).set_state({**state, **edit})
     one = data.make_iterator(task, cfg, split="train", batch_size=4)
     two = [data.make_iterator(task, cfg, split="train", batch_size=4, process_index=p,
                               process_count=2) for p in (0, 1)]
@@ -291,6 +296,11 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
     targets = [b["targets"][b["segment_ids"] > 0] for b in ev]
     meta = task.meta["prepared_meta"]["splits"]["eval"]
     assert sum(len(t) for t in targets) == meta["tokens"] - meta["documents"]
+    # found by the crash hunt: a state saved at the end of the eval pass failed to load
+    # (AttributeError on the missing window); it now resumes as the finished pass
+    again = data.make_iterator(task, cfg, split="eval", batch_size=4)
+    again.set_state(ev.get_state())
+    assert list(again) == []
     assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(np.concatenate(
         [d[1:] for d in sharded.split_dataset(prepared, task.meta["prepared_meta"], "eval")])))
 

@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from hpnlp.data import task as task_lib
-from hpnlp.data.batching import BatchIterator, check_fingerprint
+from hpnlp.data.batching import BatchIterator, check_fingerprint, check_position
 
 FORMAT = "hpnlp-prepared/1"
 META_FILE = "meta.json"
@@ -278,11 +278,20 @@ class ShardedIterator:
 
     def set_state(self, state: dict) -> None:
         check_fingerprint(state, self._fingerprint())
-        if state["window"] < 0:  # saved before the first batch
+        window = check_position(state, "window", -1)
+        if window < 0:  # saved before the first batch
             return
-        self._reader.set_state(state["reader"])
-        self._open_window(int(state["window"]))
-        self._batch = int(state["batch"])
+        try:
+            self._reader.set_state(state.get("reader"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ValueError(f"iterator state field 'reader' = {state.get('reader')!r:.80} is not "
+                             "grain's reader state; pass a dict that get_state() returned, "
+                             "unedited") from None
+        if not self._open_window(window):  # saved at the end of the eval pass
+            check_position(state, "batch", 0, 0)
+            self._done = True
+            return
+        self._batch = check_position(state, "batch", 0, self._inner_batches)
         self._inner.skip_rows(self._batch * self.batch_size)
 
     def stats(self) -> dict:
