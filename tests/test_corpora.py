@@ -237,6 +237,30 @@ def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared
         data.task_info(lm_cfg(prepared=prepared + "_missing"))
 
 
+def test_a_hand_edited_meta_json_is_named(prepared, tmp_path):
+    """Found by the crash hunt: read_meta checked only the format, so a meta.json without
+    its splits or tokenizer, or with another dtype, failed as a bare KeyError or inside
+    numpy/grain."""
+    good = sharded.read_meta(prepared)
+    for edit, match in ((lambda m: m.pop("splits"), "`splits` has no `train` split"),
+                        (lambda m: m["splits"].pop("eval"), "`splits` has no `eval` split"),
+                        (lambda m: m["splits"]["train"].update(shards=[]), "`splits.train.shards`"),
+                        (lambda m: m["splits"]["eval"].update(tokens="many"), "`splits.eval.tokens`"),
+                        (lambda m: m.update(dtype="float32"), "`dtype` = 'float32'"),
+                        (lambda m: m["tokenizer"].pop("vocab_size"), "`tokenizer` must give")):
+        d = tmp_path / "p"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(prepared, d)
+        meta = json.loads(json.dumps(good))
+        edit(meta)
+        (d / sharded.META_FILE).write_text(json.dumps(meta))
+        with pytest.raises(ConfigError, match=f"meta.json: {match}.*prepare the folder again"):
+            sharded.read_meta(str(d))
+    (tmp_path / "p" / sharded.META_FILE).write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="has format 'list'"):
+        sharded.read_meta(str(tmp_path / "p"))
+
+
 def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, tmp_path):
     """Found by the crash hunt: a missing or truncated eval shard failed at the first eval,
     after the training steps (and lost them); a missing counts file was a bare Errno."""

@@ -64,10 +64,37 @@ def read_meta(directory: str) -> dict:
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise _error("data.prepared", directory, f"{path} is unreadable ({e}); prepare it again")
-    if meta.get("format") != FORMAT:
-        raise _error("data.prepared", directory, f"{path} has format {meta.get('format')!r}, "
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _error("data.prepared", directory, f"{path} has format {got!r}, "
                      f"this hpnlp reads {FORMAT!r}; prepare it again")
+    if (problem := _meta_problem(meta)) is not None:
+        raise _error("data.prepared", directory, f"{path}: {problem} (edited by hand?); "
+                     "prepare the folder again")
     return meta
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """What in a meta.json the readers would trip over (a bare KeyError, or numpy's and
+    grain's errors), or None."""
+    tok = meta.get("tokenizer")
+    if not (isinstance(tok, dict) and isinstance(tok.get("kind"), str)
+            and isinstance(tok.get("vocab_size"), int) and tok["vocab_size"] > 0):
+        return "`tokenizer` must give a `kind` and a positive `vocab_size`"
+    if meta.get("dtype") not in ("uint8", "uint16", "int32"):
+        return f"`dtype` = {meta.get('dtype')!r} is not uint8, uint16 or int32"
+    splits = meta.get("splits")
+    for split in ("train", "eval"):
+        sp = splits.get(split) if isinstance(splits, dict) else None
+        if not isinstance(sp, dict):
+            return f"`splits` has no `{split}` split"
+        shards = sp.get("shards")
+        if not (isinstance(shards, list) and shards and all(isinstance(x, str) for x in shards)):
+            return f"`splits.{split}.shards` must list its shard files"
+        for field in ("documents", "tokens"):
+            if not (isinstance(sp.get(field), int) and sp[field] >= 0):
+                return f"`splits.{split}.{field}` must be a count"
+    return None
 
 
 def _check_tokenizer(cfg, name: str, meta: dict) -> None:
