@@ -138,9 +138,11 @@ def _tokenizer_from(d: str):
                        "or a tokenizer folder")
 
 
-def resolve_tokenizer_flags(args) -> None:
+def resolve_tokenizer_flags(args):
     """--tokenizer and --vocab_size as given; left out, those of --tokenizer_from's tokenizer,
-    else bytes and 8000. Given and differing from --tokenizer_from's: an error."""
+    else bytes and 8000. Given and differing from --tokenizer_from's: an error. Returns the
+    --tokenizer_from tokenizer (None without the flag), loaded once for `make_tokenizer`."""
+    tok = None
     if args.tokenizer_from:
         if args.tokenizer == "bytes":
             raise PrepareError(f"--tokenizer_from {args.tokenizer_from} reuses a bpe or unigram "
@@ -159,15 +161,16 @@ def resolve_tokenizer_flags(args) -> None:
         args.tokenizer = "bytes"
     if args.vocab_size is None:
         args.vocab_size = 8000
+    return tok
 
 
-def make_tokenizer(args, paths: list[str]):
-    """(encode_many, describe dict, tokenizer or None)."""
+def make_tokenizer(args, paths: list[str], reused=None):
+    """(encode_many, describe dict, tokenizer or None); `reused`: --tokenizer_from's, loaded."""
     if args.tokenizer == "bytes":
         return (lambda docs: [text_tasks.byte_encode(d) for d in docs],
                 {"kind": "bytes", "vocab_size": 256}, None)
     if args.tokenizer_from:
-        tok = _tokenizer_from(args.tokenizer_from)
+        tok = reused or _tokenizer_from(args.tokenizer_from)
         return tok.encode_many, tok.describe(), tok
     # An even sample of training documents: every k-th, k from the input size.
     total = sum(os.path.getsize(p) for p in paths)
@@ -226,7 +229,7 @@ def prepare(args) -> dict:
     from tqdm.auto import tqdm
     from hpnlp.config import ConfigError
 
-    resolve_tokenizer_flags(args)
+    reused = resolve_tokenizer_flags(args)
     if args.tokenizer not in ("bytes",) + tokenizers.SUBWORD:
         raise PrepareError(f"--tokenizer {args.tokenizer!r}: choose bytes, bpe or unigram (word "
                            "vocabularies are built in memory: data.tokenizer='words' without "
@@ -273,7 +276,7 @@ def prepare(args) -> dict:
             tok = tokenizers.Subword.load(tok_dir)
             encode_many, tok_info = tok.encode_many, tok.describe()
         else:
-            encode_many, tok_info, tok = make_tokenizer(args, paths)
+            encode_many, tok_info, tok = make_tokenizer(args, paths, reused)
             if tok is not None:
                 tok.save(tok_dir)
     except (ConfigError, ValueError) as e:  # ValueError: SentencePiece refusing the settings

@@ -42,6 +42,16 @@ class RetrievalError(ValueError):
     naming what was wrong and the fix."""
 
 
+def check_at_least(index, at_least: dict) -> None:
+    """One line for an option of `index` that is not an integer >= its least value
+    (`at_least`: name -> least), before anything is built or handed to a library."""
+    for name, least in at_least.items():
+        v = index.options[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+            raise RetrievalError(f"{index.registry_name} index: {name}={v!r}; give an integer "
+                                 f">= {least}")
+
+
 class Index(abc.ABC):
     """Base class: dimension and count checks, the header, `save`.
 

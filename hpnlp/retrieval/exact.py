@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hpnlp import kernels
 from hpnlp.kernels import tuning
-from hpnlp.retrieval.base import HostIndex, RetrievalError, register
+from hpnlp.retrieval.base import HostIndex, RetrievalError, check_at_least, register
 
 # One build of mips_cpu.cc serves both its targets: this module's search and the IVF's
 # scan of probed chunks (`hpnlp.retrieval.ivf`), which shares its tile and epilogue.
@@ -65,14 +65,10 @@ def check_options(index, *, at_least: dict[str, int]) -> None:
     """One line for an option out of range (`at_least`: name -> its least value, each an
     integer) or a `dtype` an index cannot store vectors as (an integer dtype would round
     every vector silently), before anything is built."""
-    o = index.options
-    for name, least in at_least.items():
-        v = o[name]
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
-            raise RetrievalError(f"{index.registry_name} index: {name}={v!r}; give an integer "
-                                 f">= {least}")
-    if o["dtype"] not in DTYPES:
-        raise RetrievalError(f"{index.registry_name} index: dtype={o['dtype']!r}; use one of {DTYPES}")
+    check_at_least(index, at_least)
+    if index.options["dtype"] not in DTYPES:
+        raise RetrievalError(f"{index.registry_name} index: dtype={index.options['dtype']!r}; "
+                             f"use one of {DTYPES}")
 # Below this many multiply-adds one thread beats starting more (a thread start costs
 # 0.1-3 ms on a busy 2-core machine; 2^21 multiply-adds take about 0.1 ms).
 _MIN_PARALLEL_MACS = 1 << 21

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from hpnlp.retrieval.base import HostIndex, Index, RetrievalError, register
+from hpnlp.retrieval.base import HostIndex, Index, RetrievalError, check_at_least, register
 
 
 def _import(module: str, package: str):
@@ -34,15 +34,9 @@ def available(name: str) -> bool:
         return False
 
 
-def _check_options(index, at_least: dict[str, int]) -> None:
-    """One line for an option out of range (`at_least`: name -> its least value), before
-    the library sees it: faiss aborts the process on an HNSW m < 2, and a search width of 0
-    returns ids of -1 (faiss) or NaN scores (ScaNN) instead of failing."""
-    for name, least in at_least.items():
-        v = index.options[name]
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
-            raise RetrievalError(f"{index.registry_name} index: {name}={v!r}; give an integer "
-                                 f">= {least}")
+# faiss aborts the process on an HNSW m < 2, and a search width of 0 returns ids of -1
+# (faiss) or NaN scores (ScaNN) instead of failing: each option is checked before the
+# library sees it (`check_at_least`)
 
 
 class _Faiss(Index):
@@ -95,7 +89,7 @@ class FaissIVF(_Faiss):
 
     def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16):
         super().__init__(dim, lists=lists, nprobe=nprobe)
-        _check_options(self, {"lists": 0, "nprobe": 1})
+        check_at_least(self, {"lists": 0, "nprobe": 1})
 
     def _build(self):
         return None  # the cell count may depend on the first add
@@ -133,7 +127,7 @@ class FaissHNSW(_Faiss):
 
     def __init__(self, dim: int, *, m: int = 32, ef_construction: int = 80, ef_search: int = 64):
         super().__init__(dim, m=m, ef_construction=ef_construction, ef_search=ef_search)
-        _check_options(self, {"m": 2, "ef_construction": 1, "ef_search": 1})
+        check_at_least(self, {"m": 2, "ef_construction": 1, "ef_search": 1})
 
     def _build(self):
         index = self.faiss.IndexHNSWFlat(self.dim, int(self.options["m"]), self.faiss.METRIC_INNER_PRODUCT)
@@ -154,7 +148,7 @@ class ScaNN(HostIndex):
 
     def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100):
         super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder)
-        _check_options(self, {"leaves": 0, "leaves_to_search": 1, "reorder": 1})
+        check_at_least(self, {"leaves": 0, "leaves_to_search": 1, "reorder": 1})
         self.scann = _import("scann", "scann")
         self.searcher = None
 
