@@ -75,6 +75,23 @@ def test_sums_shapes_and_finite(kind, attention):
     chex.assert_tree_all_finite(grads)
 
 
+def test_evaluate_refuses_targets_and_labels_out_of_range():
+    # their gathers read an id past the vocabulary or classes as NaN (the LM's loss refused it)
+    cfg = make_cfg("lm")
+    batch = lm_batch()
+    model, params = init(cfg, batch)
+    bad = dict(batch, targets=np.where(np.arange(L) == 3, V, batch["targets"]).astype(np.int32))
+    with pytest.raises(ValueError, match=f"target id {V} is outside the vocabulary"):
+        model.apply({"params": params}, bad, method="evaluate")
+    cfg = make_cfg("classifier")
+    batch = cls_batch()
+    model, params = init(cfg, batch)
+    bad = dict(batch, label=np.array([0, 3], np.int32))
+    for method in ("__call__", "evaluate"):
+        with pytest.raises(ValueError, match=r"label 3 is outside the classes \[0, 3\)"):
+            model.apply({"params": params}, bad, method=method)
+
+
 class _Identity(nn.Module):
     """Stands in for the embedding so gradients can flow to per-position inputs."""
 

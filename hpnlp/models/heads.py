@@ -16,11 +16,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hpnlp import attention as attention_lib
 from hpnlp import softmax as softmax_lib
 from hpnlp.compress.qlinear import Dense
 from hpnlp.config import Config
+from hpnlp.softmax.base import check_targets
 from hpnlp.models.transformer import Trunk, _init, dtypes, make_embed, positions_of
 
 
@@ -88,6 +90,9 @@ class TransformerLM(nn.Module):
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
 
     def evaluate(self, batch):
+        # the loss checks its targets in `output.loss`; log_prob's gather would read an id
+        # past the vocabulary as NaN (checked where the values are concrete: eager calls)
+        check_targets(batch["targets"], self.output.vocab_size)
         mask_BL = batch["segment_ids"] > 0
         logp_BLV = self.output.log_prob(self.hidden(batch))
         nll_BL = -jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0]
@@ -133,6 +138,12 @@ def _pool(h_BLE, seg_BL, how: str):
 
 
 def _classification_sums(logits_BC, label_B, weight_B):
+    if not isinstance(label_B, jax.core.Tracer):  # eager calls; the data layer checked the rest
+        C, lab = logits_BC.shape[-1], np.asarray(label_B)
+        if lab.size and (lab.min() < 0 or lab.max() >= C):
+            raise ValueError(f"label {int(lab[(lab < 0) | (lab >= C)].ravel()[0])} is outside the "
+                             f"classes [0, {C}) (its gather reads NaN); check model.num_classes "
+                             "against the data's labels")
     logp_BC = jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
     nll_B = -jnp.take_along_axis(logp_BC, label_B[:, None], axis=-1)[:, 0]
     correct_B = (jnp.argmax(logp_BC, axis=-1) == label_B).astype(jnp.float32)
