@@ -91,6 +91,11 @@ def test_tokenizer_refuses_bad_ids_and_a_save_that_would_delete_files(tmp_path):
     tok.save(str(tmp_path / tokenizers.DIRNAME))
     tok.save(str(tmp_path / tokenizers.DIRNAME))  # its own folder is replaced
     assert tokenizers.Subword.load(str(tmp_path / tokenizers.DIRNAME)).decode(tok.encode("cat")) == "cat"
+    with pytest.raises(ValueError, match="no such folder; give the folder a tokenizer was saved to"):
+        tokenizers.Subword.load(str(tmp_path / "missing"))
+    (tmp_path / tokenizers.DIRNAME / tokenizers.MODEL_FILE).write_bytes(b"x")
+    with pytest.raises(ValueError, match="does not match tokenizer.json .* delete the folder"):
+        tokenizers.Subword.load(str(tmp_path / tokenizers.DIRNAME))
 
 
 def test_run_keeps_its_tokenizer_in_the_workdir_and_reuses_it(tmp_path, files):

@@ -168,10 +168,15 @@ class Subword:
         os.replace(tmp, directory)
 
     @classmethod
-    def load(cls, directory: str, *,
-             fix: str = "delete the folder to train it again") -> "Subword":
-        """The tokenizer kept in `directory`; a ValueError naming it, ending in `fix`, where
-        it is missing or damaged."""
+    def load(cls, directory: str, *, fix: str | None = None) -> "Subword":
+        """The tokenizer kept in `directory`; a ValueError naming it, ending in `fix` (default:
+        delete the folder to train it again), where it is damaged; a missing folder is named
+        as such."""
+        if fix is None:
+            if not os.path.isdir(directory):
+                raise ValueError(f"{directory}: no such folder; give the folder a tokenizer was "
+                                 f"saved to (Subword.save; a run keeps its own in WORKDIR/{DIRNAME})")
+            fix = "delete the folder to train it again"
         meta_path = os.path.join(directory, META_FILE)
         try:
             with open(meta_path) as f:
