@@ -260,6 +260,21 @@ def test_ptq_end_to_end_and_reload(trained, tmp_path):
         ptq.load(out, other)
 
 
+def test_ptq_refuses_non_finite_weights_before_writing(trained, tmp_path, monkeypatch):
+    # the formats code NaN as 0: the quantized model hid what the float one showed
+    from hpnlp.train import carry
+    real = carry.model_params
+
+    def with_nan(params):
+        p = real(params)
+        return jax.tree_util.tree_map_with_path(
+            lambda k, v: v.at[0].set(jnp.nan) if "mlp_in" in jax.tree_util.keystr(k) else v, p)
+    monkeypatch.setattr(carry, "model_params", with_nan)
+    with pytest.raises(ValueError, match=r"holds non-finite weights \(.*mlp_in.*\); quantize a run"):
+        ptq.quantize(trained, str(tmp_path / "out"), QuantConfig(weights="int8"), repeats=1)
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path):
     """An LSTM LM's input projection (int8 weights, its inputs int8 per token) and
     recurrent matrix (int8 weights; the state h stays float) are packed, and the packed

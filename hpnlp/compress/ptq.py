@@ -227,7 +227,6 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
             param_dtype=float_dtype if float_dtype == "bfloat16" else "float32")))
     else:
         cfg_q = with_quant(cfg, q)  # fails here, before anything compiles
-    os.makedirs(out, exist_ok=True)
 
     # The float model of the run's weights (a QAT run's float shadow weights), read only.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant=QuantConfig()))
@@ -236,9 +235,17 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()
     lm = trainer.lm
-    float_eval = trainer.evaluate(state)
     from hpnlp.train.carry import model_params
     params = model_params(state.params)  # without what a method trained beside the model
+    # formats code a NaN weight as 0: the quantized model would hide what the float one shows
+    bad = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(params)
+           if jnp.issubdtype(v.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(v)))]
+    if bad:
+        raise ValueError(f"the checkpoint of step {step} in {workdir} holds non-finite weights "
+                         f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); quantize a "
+                         "run whose weights are finite")
+    os.makedirs(out, exist_ok=True)
+    float_eval = trainer.evaluate(state)
     batches = data_lib.make_iterator(trainer.task, cfg.data, split="train",
                                      batch_size=cfg.train.batch_size)
     calib = [next(batches) for _ in range(calib_batches)]
