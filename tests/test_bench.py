@@ -663,3 +663,59 @@ def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert re.search(match, err), err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["train", "--variants", "bogus"], "--variants: unknown \\['bogus'\\]; choose from"),
+    (["lra", "--variants", "dense,bogus"], "--variants: unknown \\['bogus'\\]"),
+    (["lra", "--steps", "-3"], "--steps: '-3': must be > 0"),
+    (["lra", "--tasks", "bogus"], "--tasks: unknown"),
+    (["rnn", "--quality", "--steps", "0"], "--steps: '0': must be > 0"),
+    (["rnn", "--steps", "5"], "--steps sets the --quality run"),
+    (["rnn", "--impls", "hpnlp LSTM (scan, one product),bogus"], "--impls: unknown \\['bogus'\\]"),
+    (["softmax", "--vocabs", "abc"], "--vocabs: 'abc' is not a comma-separated list"),
+    (["softmax", "--vocabs", "0"], "every value must be >= 1"),
+    (["softmax", "--quality", "--methods", "bogus"], "--methods: unknown \\['bogus'\\]"),
+    (["softmax", "--quality", "--seconds", "-1"], "--seconds: '-1': must be > 0"),
+    (["softmax", "--quality", "--tokenizers", "chars"], "--tokenizers: unknown \\['chars'\\]"),
+    (["softmax", "--quality", "--vocabs", "64"], "--vocabs change the timing run"),
+    (["softmax", "--seconds", "3"], "--seconds set the --quality run"),
+    (["softmax", "--set", "full.bogus=1"], "full has no option 'bogus'"),
+    (["memory", "--devices", "3"], "--devices=3: model heads=8 is not divisible by 3"),
+    (["memory", "--devices", "0"], "--devices=0: the comparison needs at least 2"),
+    (["quant", "--parts", "bogus"], "--parts: unknown \\['bogus'\\]"),
+    (["quant", "--repeats", "0"], "--repeats: '0': must be > 0"),
+    (["compress", "--parts", ""], "--parts: '' names nothing"),
+    (["retrieval", "--parts", "search,bogus"], "--parts: unknown \\['bogus'\\]"),
+    (["tricks", "--out", ""], "--out is empty; give a folder$"),
+    (["data", "--workdir", ""], "--workdir is empty; give a folder \\(or leave the flag out\\)"),
+])
+def test_bench_flag_values_are_refused_in_one_line_before_any_work(tmp_path, capsys, argv, match):
+    """Found by the crash hunt: an unknown --variants (train, lra), --steps -3 or softmax
+    --quality --methods bogus ran every row to a report of failures; --parts bogus (quant) wrote
+    an empty report; --vocabs abc, --devices 3, --parts bogus (compress, moe, retrieval) and
+    --tokenizers bogus failed as tracebacks; --seconds -1 trained; --out '' ran the whole bench;
+    rnn's 'hpnlp LSTM (scan, one product)' could not be named in --impls."""
+    from hpnlp.bench.__main__ import main
+    out = ["--out", str(tmp_path / "o")] if "--out" not in argv else []
+    with pytest.raises(SystemExit) as e:
+        main([argv[0], "--quick", *out, *argv[1:]])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(match, last), last
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
+    """Found by the crash hunt: a bench run with --out of another bench's folder replaced its
+    results.json and results.md; a rerun of the same bench still writes anew."""
+    import argparse
+    from hpnlp.bench import __main__ as bench_main
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: attention\n\n...")
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["tricks", "--quick", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "holds the attention bench's results" in capsys.readouterr().err
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: tricks\n\n...")
+    args = argparse.Namespace(entry="tricks", out=str(tmp_path), profile=None, quick=True)
+    bench_main.check_args(args)  # the same bench's earlier report: written anew

@@ -30,20 +30,21 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m hpnlp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="entry", required=True)
+    parsers = {}
     for name, mod in ENTRIES.items():
-        sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        sp = parsers[name] = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
         sp.add_argument("--out", required=True, help="output folder")
         sp.add_argument("--quick", action="store_true", help="small sizes; a few minutes")
         sp.add_argument("--profile", default=None, help="write a jax.profiler trace here")
         mod.add_arguments(sp)
     args = p.parse_args(argv)
-    from hpnlp.paths import check_writable_dir
-    for flag in ("out", "profile", "workdir"):  # before any training or compiling
-        if getattr(args, flag, None):
-            try:
-                check_writable_dir(getattr(args, flag), f"--{flag}")
-            except ValueError as e:
-                p.error(str(e))
+    sp = parsers[args.entry]
+    try:  # before any training or compiling
+        check_args(args)
+        if hasattr(ENTRIES[args.entry], "check_args"):
+            ENTRIES[args.entry].check_args(args)
+    except ValueError as e:
+        sp.error(str(e))
     ctx = contextlib.nullcontext()
     if args.profile:
         import jax
@@ -51,6 +52,29 @@ def main(argv=None) -> None:
     with ctx:
         ENTRIES[args.entry].main(args)
     print(f"wrote {args.out}/results.json, results.md and plots", file=sys.stderr)
+
+
+def check_args(args) -> None:
+    """The folders: writable, named (an empty --workdir would train in a temporary folder and
+    lose the runs), and --out not holding another bench's report, which this one would replace."""
+    from hpnlp.paths import check_writable_dir
+    for flag in ("out", "profile", "workdir"):
+        value = getattr(args, flag, None)
+        if value is not None and not value.strip():
+            raise ValueError(f"--{flag} is empty; give a folder"
+                             + ("" if flag == "out" else " (or leave the flag out)"))
+        if value:
+            check_writable_dir(value, f"--{flag}")
+    try:
+        with open(os.path.join(args.out, "results.md")) as f:
+            first = f.readline()
+    except OSError:
+        return
+    other = first.removeprefix("# hpnlp benchmark: ").strip()
+    ours = args.entry + (" quality" if getattr(args, "quality", False) else "")  # report.write's name
+    if first.startswith("# hpnlp benchmark: ") and other != ours:
+        raise ValueError(f"--out {args.out} holds the {other} bench's results, which this run would "
+                         "replace; give another folder")
 
 
 if __name__ == "__main__":

@@ -393,7 +393,8 @@ def _markdown(payload: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="causal attention (default: bidirectional)")
-    p.add_argument("--variants", default="", help="comma-separated registry names (default: all)")
+    p.add_argument("--variants", type=harness.names_from(attention_lib.names), default=None,
+                   help="comma-separated registry names (default: all)")
     p.add_argument("--no-isolate", action="store_true",
                    help="measure in this process (faster; no per-configuration peak RSS)")
     p.add_argument("--lengths", type=harness.positive_ints("1024,4096"), default=[], help="comma-separated sequence "
@@ -403,7 +404,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args) -> dict:
     payload = run(args.out, quick=args.quick, causal=args.causal,
                   isolate=False if args.no_isolate else None,
-                  variants=[v for v in args.variants.split(",") if v] or None,
+                  variants=args.variants,
                   lengths=args.lengths or None)
     harness.exit_if_interrupted(payload["interrupted"], args.out)
     return payload

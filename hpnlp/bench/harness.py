@@ -15,12 +15,13 @@ import functools
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,39 @@ def positive_ints(example: str) -> Callable[[str], list[int]]:
             raise argparse.ArgumentTypeError(f"{text!r} names no value (e.g. {example})")
         if any(n < 1 for n in out):
             raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+        return out
+    return parse
+
+
+def positive_number(kind: type = int) -> Callable[[str], int | float]:
+    """An argparse type: one number of `kind` (int or float) above zero."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0 (leave the flag out for the default)")
+        return value
+    return parse
+
+
+def names_from(allowed: Callable[[], Iterable[str]] | Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of names, each one of `allowed` (or of what it returns,
+    asked when the flag is read). A comma inside parentheses belongs to the name, so
+    `hpnlp LSTM (scan, one product)` is one name."""
+    import argparse
+
+    def parse(text: str) -> list[str]:
+        choices = list(allowed() if callable(allowed) else allowed)
+        out = list(dict.fromkeys(n.strip() for n in re.split(r",(?![^()]*\))", text) if n.strip()))
+        if not out:
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {choices}")
+        bad = [n for n in out if n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {choices}, comma-separated")
         return out
     return parse
 
@@ -516,13 +550,14 @@ def fit_exponent(xs, ys) -> float | None:
 def add_parts_arguments(p, parts, *, workdir_help: str) -> None:
     """`--parts` (a comma list of `parts`, all by default) and `--workdir` (runs kept and
     reused there) for a bench made of parts."""
-    p.add_argument("--parts", default=",".join(parts), help=f"comma list of {', '.join(parts)}")
+    p.add_argument("--parts", type=names_from(parts), default=list(parts),
+                   help=f"comma list of {', '.join(parts)}")
     p.add_argument("--workdir", default=None, help=workdir_help)
 
 
 def parts_main(run):
     """`main(args)` of a bench whose `run(out, *, quick, parts, workdir)` takes those flags."""
-    return lambda args: run(args.out, quick=args.quick, parts=tuple(args.parts.split(",")),
+    return lambda args: run(args.out, quick=args.quick, parts=tuple(args.parts),
                             workdir=args.workdir)
 
 

@@ -97,12 +97,17 @@ def run(out_dir: str, *, quick: bool, variants: list[str] | None = None,
         tasks: list[str] | None = None, steps: int | None = None, isolate: bool = True) -> dict:
     """`isolate=False` trains in this process (for tests): no per-run memory then."""
     s = settings(quick)
+    if steps is not None and steps < 1:
+        raise SystemExit(f"--steps {steps}: must be >= 1 (leave it out for the default)")
     if steps:
         s["steps"] = {t: steps for t in TASKS}
     tasks = tasks or ["listops", "text"]
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise SystemExit(f"--tasks: unknown task(s) {bad}; choose from {list(TASKS)}")
+    unknown = [v for v in variants or () if v not in attention_lib.names()]
+    if unknown:  # each run would fail alone, and the report would list only failures
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {attention_lib.names()}")
     names = variants or (list(QUICK_VARIANTS) if quick else attention_lib.names())
     names = ["dense"] + [n for n in names if n != "dense"]  # the baseline LRA divides by
     os.makedirs(out_dir, exist_ok=True)
@@ -271,16 +276,17 @@ def _markdown(payload: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="", help="comma-separated attention names (default: all)")
-    p.add_argument("--tasks", default="", help=f"comma-separated, from {','.join(TASKS)} "
-                   "(default: listops,text)")
-    p.add_argument("--steps", type=int, default=0, help="training steps per run, every task "
+    p.add_argument("--variants", type=harness.names_from(attention_lib.names), default=None,
+                   help="comma-separated attention names (default: all)")
+    p.add_argument("--tasks", type=harness.names_from(TASKS), default=None,
+                   help=f"comma-separated, from {','.join(TASKS)} (default: listops,text)")
+    p.add_argument("--steps", type=harness.positive_number(int), default=None,
+                   help="training steps per run, every task "
                    "(default: ListOps 1500, text 600; 30 with --quick)")
 
 
 def main(args) -> dict:
-    return run(args.out, quick=args.quick, variants=[v for v in args.variants.split(",") if v] or None,
-               tasks=[t for t in args.tasks.split(",") if t] or None, steps=args.steps or None)
+    return run(args.out, quick=args.quick, variants=args.variants, tasks=args.tasks, steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -578,6 +578,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
 
 
+def check_args(args) -> None:
+    """The device count against the model, before any work."""
+    if args.devices < 2:
+        raise ValueError(f"--devices={args.devices}: the comparison needs at least 2 devices")
+    check_sizes(QUICK_MODEL if args.quick else FULL_MODEL, args.devices)
+
+
 def main(args) -> dict:
     payload = run(args.out, quick=args.quick, devices=args.devices)
     s = payload["summary"]

@@ -129,6 +129,9 @@ def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
     bad = [t for t in tokenizers if t not in TOKENIZERS]
     if bad:
         raise ValueError(f"tokenizers={bad}: choose from {sorted(TOKENIZERS)}")
+    unknown = [m for m in methods or () if m not in softmax_lib.names()]
+    if unknown:  # each run would fail alone, and the report would list only failures
+        raise ValueError(f"methods={unknown}: choose from {softmax_lib.names()}")
     seconds = seconds or (10.0 if quick else 240.0)  # quick: 20 short runs, ~8 minutes
     names = methods or softmax_lib.names()
     names = ["full"] + [n for n in names if n != "full"]

@@ -327,7 +327,10 @@ def _markdown(p: dict) -> str:
     return "\n".join(out)
 
 
-def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=("linear", "lm", "quality"),
+PARTS = ("linear", "lm", "quality")
+
+
+def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
         workdir: str | None = None) -> dict:
     from hpnlp import kernels as kernel_build
     from hpnlp.compress import kernels
@@ -359,11 +362,13 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=("linear
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--parts", default="linear,lm,quality", help="comma list of linear, lm, quality")
+    p.add_argument("--repeats", type=harness.positive_number(int), default=None,
+                   help="timing repeats per row (default 7, 3 with --quick)")
+    p.add_argument("--parts", type=harness.names_from(PARTS), default=list(PARTS),
+                   help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--workdir", default=None, help="keep the quality runs' workdirs here")
 
 
 def main(args) -> dict:
-    return run(args.out, quick=args.quick, repeats=args.repeats, parts=tuple(args.parts.split(",")),
+    return run(args.out, quick=args.quick, repeats=args.repeats, parts=tuple(args.parts),
                workdir=args.workdir)

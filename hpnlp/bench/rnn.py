@@ -274,16 +274,25 @@ def _markdown(payload: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--impls", default="", help=f"comma-separated subset of {list(IMPLS)}")
+    p.add_argument("--impls", type=harness.names_from(IMPLS), default=None,
+                   help=f"comma-separated subset of {list(IMPLS)}")
     p.add_argument("--quality", action="store_true",
                    help="instead: word-LM perplexity of the LSTM with each trick, same steps")
-    p.add_argument("--steps", type=int, default=0, help="--quality: steps per run (default: the "
+    p.add_argument("--steps", type=harness.positive_number(int), default=None, help="--quality: steps per run (default: the "
                    "experiment's, 20 with --quick)")
+
+
+def check_args(args) -> None:
+    """A flag of one mode given to the other would be ignored: refused before any work."""
+    if args.quality and args.impls:
+        raise ValueError("--impls picks the timing run's layers; --quality trains the LSTM's "
+                         "tricks (drop --impls)")
+    if not args.quality and args.steps:
+        raise ValueError("--steps sets the --quality run; add --quality or drop --steps")
 
 
 def main(args) -> dict:
     if getattr(args, "quality", False):
         from hpnlp.bench import rnn_quality
-        return rnn_quality.run(args.out, quick=args.quick, steps=args.steps or None)
-    return run(args.out, quick=args.quick,
-               impls=[v for v in getattr(args, "impls", "").split(",") if v] or None)
+        return rnn_quality.run(args.out, quick=args.quick, steps=args.steps)
+    return run(args.out, quick=args.quick, impls=getattr(args, "impls", None))

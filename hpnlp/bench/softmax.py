@@ -282,10 +282,12 @@ def _markdown(payload: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", default="", help="comma-separated output layers (default: all, "
-                   f"plus {TORCH_ADAPTIVE})")
-    p.add_argument("--vocabs", default="", help="comma-separated vocabulary sizes (default: "
-                   "32768,262144,1048576; 8192,32768 with --quick)")
+    from hpnlp.bench import quality
+    p.add_argument("--methods", type=harness.names_from(lambda: [*softmax_lib.names(), TORCH_ADAPTIVE]),
+                   default=None, help=f"comma-separated output layers (default: all, plus {TORCH_ADAPTIVE})")
+    p.add_argument("--vocabs", type=harness.positive_ints("8192,32768"), default=None,
+                   help="comma-separated vocabulary sizes (default: 32768,262144,1048576; "
+                   "8192,32768 with --quick)")
     p.add_argument("--no-isolate", action="store_true",
                    help="measure in this process (faster; no per-configuration peak RSS)")
     p.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE",
@@ -293,24 +295,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. adaptive.chunk_logits=67108864")
     p.add_argument("--quality", action="store_true",
                    help="instead: train the word LM with each method for equal time, exact perplexity")
-    p.add_argument("--seconds", type=float, default=0.0,
+    p.add_argument("--seconds", type=harness.positive_number(float), default=None,
                    help="--quality: training seconds per method (default 240, 10 with --quick)")
-    p.add_argument("--tokenizers", default="",
+    p.add_argument("--tokenizers", type=harness.names_from(quality.TOKENIZERS), default=None,
                    help="--quality: comma-separated parts, words and/or bpe (V = 32000; default: both)")
 
 
+def check_args(args) -> None:
+    """Flags of one mode given to the other (they would be ignored) and --set items, before
+    any work."""
+    if args.quality:
+        given = [f for f, v in (("--set", args.set), ("--vocabs", args.vocabs),
+                                ("--no-isolate", args.no_isolate)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} change the timing run; --quality trains with each "
+                             f"layer's defaults (drop {', '.join(given)})")
+        if args.methods and TORCH_ADAPTIVE in args.methods:
+            raise ValueError(f"--methods: --quality trains hpnlp's layers only (drop {TORCH_ADAPTIVE})")
+        return
+    given = [f for f, v in (("--seconds", args.seconds), ("--tokenizers", args.tokenizers)) if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} set the --quality run; add --quality or drop them")
+    try:
+        parse_settings(args.set, args.methods)
+    except SystemExit as e:
+        raise ValueError(str(e)) from None
+
+
 def main(args) -> dict:
-    methods = [m for m in args.methods.split(",") if m] or None
-    if args.quality and args.set:
-        raise SystemExit("--set changes the timing run's options; --quality trains with each "
-                         "layer's defaults (drop --set)")
+    methods = args.methods
     if args.quality:
         from hpnlp.bench import quality
-        return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds or None,
-                           tokenizers=[t for t in args.tokenizers.split(",") if t] or None)
+        return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds,
+                           tokenizers=args.tokenizers)
     payload = run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
-                  methods=methods, vocabs=[int(x) for x in args.vocabs.split(",") if x] or None,
-                  settings=parse_settings(args.set, methods))
+                  methods=methods, vocabs=args.vocabs, settings=parse_settings(args.set, methods))
     harness.exit_if_interrupted(payload["interrupted"], args.out)
     return payload
 

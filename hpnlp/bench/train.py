@@ -169,6 +169,9 @@ def _one(spec: dict, isolate: bool) -> dict:
 def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
         variants: list[str] | None = None, lengths: list[int] | None = None) -> dict:
     isolate = (not quick) if isolate is None else isolate
+    unknown = [v for v in variants or () if v not in attention_lib.names()]
+    if unknown:  # before the LM rows: an unknown name would fail only in its own rows
+        raise ValueError(f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
     rates = harness.ceiling_rates(quick=quick)
@@ -330,13 +333,14 @@ def _markdown(payload: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="", help="comma-separated attention names (default: all)")
+    p.add_argument("--variants", type=harness.names_from(attention_lib.names), default=None,
+                   help="comma-separated attention names (default: all)")
     p.add_argument("--no-isolate", action="store_true", help="measure in this process")
 
 
 def main(args) -> dict:
     return run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
-               variants=[v for v in args.variants.split(",") if v] or None)
+               variants=args.variants)
 
 
 if __name__ == "__main__":
