@@ -719,3 +719,25 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
     (tmp_path / "results.md").write_text("# hpnlp benchmark: tricks\n\n...")
     args = argparse.Namespace(entry="tricks", out=str(tmp_path), profile=None, quick=True)
     bench_main.check_args(args)  # the same bench's earlier report: written anew
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["kernel_ab.py", "--rev", "HEAD", "--length", "-5"], "--length -5: give a positive number"),
+    (["kernel_ab.py", "--rev", "HEAD", "--bwd-blocks", "0,16"], "--bwd-blocks '0,16': give QUERIES,KEYS"),
+    (["lm_attention_ab.py", "--experiment", "lm"], "experiments/lm: no such experiment; choose from"),
+    (["lm_attention_ab.py", "--experiment", "lm.py:bogus"], "unknown argument\\(s\\) \\['bogus'\\]"),
+    (["float_product_ab.py", "--rounds", "0"], "--rounds: 0: must be at least 1"),
+    (["malloc_ab.py", "--steps", "2"], "give --rounds >= 1 and --steps >= 5"),
+    (["make_corpus.py", "--raw", "/nonexistent/dump"], "--raw /nonexistent/dump: no such file"),
+])
+def test_tools_refuse_bad_flags_in_one_line_before_timing(argv, match):
+    """Found by the crash hunt: --rounds 0 compiled everything and printed nan; kernel_ab's
+    --length -5 or --bwd-blocks 0,0 failed in the probe after both builds (abc: a
+    traceback); an unknown --experiment and a missing --raw failed as tracebacks."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "tools", argv[0]), *argv[1:]],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(match, proc.stderr.strip().splitlines()[-1]), proc.stderr

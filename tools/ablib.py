@@ -10,6 +10,22 @@ import jax
 import numpy as np
 
 
+def at_least(least: int):
+    """An argparse type: an integer >= `least` (a tool's --rounds: 0 rounds would compile
+    everything and then print nan)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {least}")
+        return value
+    return parse
+
+
 def trainer(experiment: str, arg: str, **fields):
     """(Trainer, initial state, first train batch) for `experiments/EXPERIMENT:ARG` with
     dotted config `fields` set ({"model.lowrank.rank": 42}); the text classifier

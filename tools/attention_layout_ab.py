@@ -21,7 +21,7 @@ import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 
-from ablib import compare, print_header, print_row, trainer
+from ablib import at_least, compare, print_header, print_row, trainer
 from hpnlp.attention import base, dense
 from hpnlp.train.step import make_train_step, step_compiler_options
 
@@ -56,7 +56,7 @@ def ab(name: str, build, fresh, *, rounds: int, calls: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=at_least(1), default=7)
     args = parser.parse_args()
     print_header(("einsum", "batch lead", "speedup"), 34)
     opts = step_compiler_options()

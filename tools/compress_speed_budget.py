@@ -44,7 +44,7 @@ import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import numpy as np
 
-from ablib import interleaved_times, print_cpu, trainer
+from ablib import at_least, interleaved_times, print_cpu, trainer
 from hpnlp import data as data_lib
 from hpnlp.train.step import step_compiler_options
 
@@ -79,7 +79,7 @@ def medians(programs: dict, *, rounds: int, calls: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=at_least(1), default=15)
     args = parser.parse_args()
     print_cpu()
     built = {}

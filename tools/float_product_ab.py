@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ablib import compare, print_header, print_row, trainer
+from ablib import at_least, compare, print_header, print_row, trainer
 from hpnlp.compress import qlinear
 from hpnlp.models import transformer
 from hpnlp.train.step import make_train_step, step_compiler_options
@@ -62,7 +62,7 @@ def ab(name: str, tr, state, batch, *, rounds: int, calls: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=at_least(1), default=7)
     args = parser.parse_args()
     print_header(("autodiff", "own VJP", "speedup"), 30, label="train step")
     for label, (exp, arg, model) in {

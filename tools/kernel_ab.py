@@ -116,6 +116,14 @@ def main():
                  "of 16, e.g. 32,4,32")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    for flag in ("length", "threads"):  # the probe would fail only after both builds
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag} {getattr(args, flag)}: give a positive number (0: the default)")
+    if args.bwd_blocks is not None and (
+            not re.fullmatch(r"[1-9]\d*,[1-9]\d*", args.bwd_blocks)
+            or any(int(x) % 16 for x in args.bwd_blocks.split(","))):
+        ap.error(f"--bwd-blocks {args.bwd_blocks!r}: give QUERIES,KEYS, two positive multiples "
+                 "of 16, e.g. 64,128")
     sys.path.insert(0, ROOT)
     from hpnlp.kernels import tuning
 

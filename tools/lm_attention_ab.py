@@ -19,7 +19,8 @@ import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import numpy as np
 
-from ablib import interleaved_times, largest_relative_difference, print_cpu, trainer
+from ablib import at_least, interleaved_times, largest_relative_difference, print_cpu, trainer
+from hpnlp.bench import harness
 from hpnlp.train.step import make_train_step, step_compiler_options
 
 VARIANTS = ("dense", "chunked")
@@ -43,12 +44,14 @@ def programs(experiment: str, arg: str) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=at_least(1), default=15)
     ap.add_argument("--experiment", default="lm.py:bytes", help="FILE:ARG in experiments/")
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
     experiment, _, arg = args.experiment.partition(":")
+    try:  # before any compile: a file or argument that is not there, in one line
+        harness.experiment_module(experiment).get_config(arg)
+    except (ValueError, OSError) as e:
+        ap.error(f"--experiment {args.experiment}: {e}")
     built = programs(experiment, arg)
     outs = {k: jax.block_until_ready(fn(*a)) for k, (fn, a) in built.items()}  # warm-up
     times = interleaved_times({k: (fn, lambda a=a: a) for k, (fn, a) in built.items()},

@@ -20,7 +20,7 @@ import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 
-from ablib import compare, print_header, print_row
+from ablib import at_least, compare, print_header, print_row
 from hpnlp import rnn
 from hpnlp.rnn import fused
 from hpnlp.train.step import step_compiler_options
@@ -58,7 +58,7 @@ def ab(name: str, fn, args, options, *, rounds: int, calls: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=at_least(1), default=7)
     args = parser.parse_args()
     print_header(("einsums", "kernel", "speedup"), 44,
                  f"; weight-gradient blocking {fused.TUNINGS['dw'].config()}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import lzma
+import os
 import pathlib
 import re
 import subprocess
@@ -65,6 +66,10 @@ def main() -> None:
     parser.add_argument("--raw", help="an existing `bible -l100000 ...` dump; default: run `bible`")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
+    if args.raw and not os.path.isfile(args.raw):
+        parser.error(f"--raw {args.raw}: no such file; give a `bible -l100000 ...` dump or leave --raw out")
+    if os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a folder; give the .xz file to write")
     if args.raw:
         raw = pathlib.Path(args.raw).read_text(encoding="ascii")
     else:

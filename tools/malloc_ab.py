@@ -70,6 +70,8 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 5:  # the first 4 steps are warm-up, not timed
+        parser.error(f"--rounds {args.rounds} --steps {args.steps}: give --rounds >= 1 and --steps >= 5")
     if args.child:
         print("RESULT " + json.dumps(measure(args.child, args.steps)), flush=True)
         return

@@ -38,6 +38,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be at least 1")
     from hpnlp.xla_workarounds import APPLIED
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor())

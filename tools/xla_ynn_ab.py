@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ablib import compare, print_header, print_row, trainer
+from ablib import at_least, compare, print_header, print_row, trainer
 from hpnlp import models
 from hpnlp.train.loop import dummy_batch
 from hpnlp.train.step import (CPU_NO_YNN_FUSION_OPTIONS, CPU_REMAT_COMPILER_OPTIONS,
@@ -41,7 +41,7 @@ def ab(name: str, fn, args, *, rounds: int, calls: int, donate: bool = False) ->
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=at_least(1), default=7)
     args = parser.parse_args()
     print_header(("XLA default", "YNN off", "speedup"), 38,
                  f"; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")

@@ -529,7 +529,11 @@ def length_options(attention: str, L: int) -> dict:
 def experiment_module(filename: str):
     """The experiment config file `experiments/<filename>` as a module (loaded once)."""
     import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", filename)
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
+    path = os.path.join(folder, filename)
+    if not filename.endswith(".py") or not os.path.isfile(path):
+        raise ValueError(f"experiments/{filename}: no such experiment; choose from "
+                         f"{sorted(f for f in os.listdir(folder) if f.endswith('.py'))}")
     spec = importlib.util.spec_from_file_location(f"hpnlp_experiment_{filename[:-3]}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
