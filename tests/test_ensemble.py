@@ -257,3 +257,22 @@ def test_cli_from_checkpoints(plain, averaged, tmp_path):
     assert saved == {"mode": "checkpoints", **averaged[0]}
     bad = subprocess.run(cmd[:-2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "exactly one of --members" in bad.stderr
+
+
+def test_ensembles_refuse_a_bi_encoder_and_a_file_workdir_in_one_line(tmp_path):
+    """Found by the crash hunt: --from_checkpoints on a bi-encoder run failed deep in flax
+    (BiEncoder has no `logits`), and a --workdir that is a file as a bare FileExistsError."""
+    from hpnlp.train.ensemble import check_ensemble_evaluates
+    cfg = tiny()
+    bi = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind="bi_encoder"))
+    with pytest.raises(ConfigError, match="`model.kind` = 'bi_encoder' is not allowed in an ensemble"):
+        check_ensemble_evaluates(bi)
+    config = tmp_path / "tiny_config.py"
+    config.write_text(TINY)
+    (tmp_path / "f").write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "hpnlp.train.ensemble", "--config", str(config),
+                           "--workdir", str(tmp_path / "f"), "--members", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"hpnlp: error: --workdir {tmp_path / 'f'} is a file, not a folder; give a folder")

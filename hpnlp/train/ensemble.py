@@ -277,6 +277,11 @@ def check_ensemble_evaluates(cfg: Config) -> None:
     """Refuse, before anything compiles, a model whose evaluation reads state beyond its
     parameters that the ensemble's evaluation (each batch's predicted distributions,
     averaged) does not thread."""
+    if cfg.model.kind == "bi_encoder":
+        raise ConfigError(
+            "config field `model.kind` = 'bi_encoder' is not allowed in an ensemble: its "
+            "evaluation ranks each query against the whole held-out pool (recall, MRR), not a "
+            "distribution per example to average; ensemble an lm, classifier or dual_encoder run")
     if cfg.model.memory.size:
         raise ConfigError(
             f"config field `model.memory.size` = {cfg.model.memory.size} is not allowed in an "
@@ -410,8 +415,12 @@ def _main(argv) -> None:
     for group, key, value in cli._option_overrides:
         with cfg.unlocked():
             getattr(cfg, group).options[key] = value
+    from hpnlp.paths import check_writable_dir
     from hpnlp.train import NonFiniteLoss
     try:
+        check_writable_dir(F.workdir, "--workdir")  # before a compile: it takes ensemble.json
+        if F.profile:
+            check_writable_dir(F.profile, "--profile")
         if F.members:
             os.makedirs(F.workdir, exist_ok=True)
             trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members)
