@@ -221,3 +221,17 @@ def test_binary_code_mode_is_checked_before_anything_is_built():
     cd.output.options = {"mode": "ecoc"}
     with pytest.raises(ConfigError, match="`output.options.mode` = 'ecoc'"):
         validate(from_configdict(cd), num_devices=1)
+
+
+@pytest.mark.parametrize("arg", ["", "local"])
+def test_rnn_lm_keeps_the_checkpoints_its_ensemble_command_combines(arg):
+    """README's `python -m hpnlp.train.ensemble --config experiments/rnn_lm.py ...
+    --from_checkpoints 3` needs the run to have saved 3 checkpoints: it once saved 2 (600
+    steps, one every 300), and the command was refused after the whole run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("exp", os.path.join(ROOT, "experiments", "rnn_lm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = mod.get_config(arg).train
+    saved = len(set(range(t.checkpoint_every, t.steps + 1, t.checkpoint_every)) | {t.steps})
+    assert min(saved, t.keep_checkpoints) >= 3
