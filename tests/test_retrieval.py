@@ -548,3 +548,27 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path):
         knnlm.Datastore.open(str(tmp_path / "ds"), params=other)
     with pytest.raises(RetrievalError, match="no datastore.json"):
         knnlm.Datastore.open(str(tmp_path / "nothing"))
+
+
+def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsys):
+    """Found by the crash hunt: --max_eval_tokens -5 ran the whole split, a --datastore that
+    is a file failed as a bare FileExistsError, --datastore set to the run itself (or another
+    run) wrote a gigabyte of keys among its files, and --index_options that is not JSON said
+    only 'Expecting value: line 1 column 1 (char 0)'."""
+    from hpnlp.retrieval.__main__ import main
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    (tmp_path / "f").write_text("x")
+    for kwargs, match in (({"datastore": str(tmp_path / "ds"), "max_eval_tokens": -5},
+                           "max_eval_tokens=-5: give a count of tokens >= 1, or 0 for all"),
+                          ({"datastore": str(tmp_path / "f")}, "--datastore .*/f is a file"),
+                          ({"datastore": str(run_dir)}, "--datastore .*/run is the run it reads"),
+                          ({"datastore": str(run_dir / "checkpoints" / "d")}, "inside the run's own"),
+                          ({"datastore": str(tmp_path)}, "holds files this command would not write")):
+        with pytest.raises(RetrievalError, match=match):
+            knnlm.run(str(run_dir), **kwargs)
+    assert main(["knnlm", "--workdir", str(run_dir), "--datastore", str(tmp_path / "ds"),
+                 "--index_options", "notjson"]) == 1
+    assert "--index_options 'notjson' is not JSON" in capsys.readouterr().err
+    assert not (tmp_path / "ds").exists()

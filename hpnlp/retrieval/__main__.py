@@ -40,7 +40,11 @@ def main(argv=None) -> int:
         if args.command == "encoder":
             summary = encoder.evaluate(args.workdir, out=args.out)
         else:
-            options = json.loads(args.index_options)
+            try:
+                options = json.loads(args.index_options)
+            except json.JSONDecodeError as e:
+                raise RetrievalError(f"--index_options {args.index_options!r} is not JSON ({e}); "
+                                     'give an object, e.g. \'{"nprobe": 32}\'') from None
             summary = knnlm.run(args.workdir, args.datastore, index=args.index,
                                 index_options=options, metric=args.metric,
                                 max_eval_tokens=args.max_eval_tokens, out=args.out)

@@ -316,6 +316,17 @@ def check_out(out: str, workdir: str) -> None:
         raise RetrievalError(str(e)) from None
 
 
+def check_datastore_folder(datastore: str, workdir: str) -> None:
+    """RetrievalError where building the datastore in `datastore` would write into the run
+    itself, into a file's path, or beside files that are not a datastore's (or its summary)."""
+    from hpnlp.paths import check_new_output
+    try:
+        check_new_output(datastore, workdir, "--datastore", may_replace=(
+            DATASTORE, "keys.npy", "values.npy", "keys.tmp.npy", "values.tmp.npy", "summary.json"))
+    except ValueError as e:
+        raise RetrievalError(str(e)) from None
+
+
 def load_lm(workdir: str):
     """(cfg, eval model, params, task, step) of the LM trained in `workdir`."""
     return load_run(workdir, "lm", "python -m hpnlp.main --config experiments/lm.py --workdir ...")
@@ -331,6 +342,10 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
     check_metric(metric)
     check_index(index, index_options or {})
+    for name, value in (("max_eval_tokens", max_eval_tokens), ("max_datastore_tokens", max_datastore_tokens)):
+        if not isinstance(value, int) or value < 0:
+            raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
+    check_datastore_folder(datastore, workdir)
     if out:
         check_out(out, workdir)
     cfg, model, params, task, step = load_lm(workdir)
