@@ -241,6 +241,11 @@ class ModelConfig:
     # structured pruning's shrink (hpnlp.compress.prune.shrink), which removes heads and keeps
     # their size.
     head_dim: int = 0
+    # Key/value heads: 0 = num_heads (multi-head attention); 1 = multi-query attention
+    # (Shazeer 2019); in between, grouped-query attention (Ainslie et al. 2023): each key/value
+    # head serves num_heads / num_kv_heads query heads. Decoding caches and reads that many
+    # heads' keys and values, not num_heads'.
+    num_kv_heads: int = 0
     mlp_dim: int = 512
     dropout: float = 0.1
     max_len: int = 512  # size of the learned position table
@@ -291,6 +296,10 @@ class ModelConfig:
     def dims_per_head(self) -> int:
         """D, each head's size: `head_dim`, or width / num_heads when it is 0."""
         return self.head_dim or self.width // self.num_heads
+
+    def kv_heads(self) -> int:
+        """G, the key/value heads: `num_kv_heads`, or num_heads when it is 0."""
+        return self.num_kv_heads or self.num_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -803,7 +812,9 @@ def _check_lowrank(cfg: Config) -> None:
               "products; factorize a Transformer, or set model.lowrank.layers to what it has "
               "('embed,output' for an LM, 'embed,head' for a classifier)")
     hd = m.num_heads * m.dims_per_head()
-    shapes = {"qkv": (m.width, 3 * hd), "out": (hd, m.width),
+    # grouped key/value heads: q [E, H*D] and kv [E, 2*G*D] are two qkv products
+    qkv = 3 * hd if m.kv_heads() == m.num_heads else min(hd, 2 * m.kv_heads() * m.dims_per_head())
+    shapes = {"qkv": (m.width, qkv), "out": (hd, m.width),
               "mlp": (m.width, m.mlp_dim), "head": (m.width, m.num_classes or m.width)}
     for kind, (k, n) in shapes.items():
         if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
@@ -1121,6 +1132,11 @@ def _check_compress(cfg: Config) -> None:
         from hpnlp import attention as attention_lib
         heads = m.arch == "transformer" and (layers_name(p.layers, "qkv")
                                              or layers_name(p.layers, "out"))
+        if heads and m.kv_heads() < m.num_heads:
+            _fail("train.prune.structure", p.structure, f"model.num_kv_heads={m.num_kv_heads} "
+                  "shares each key/value head among query heads, so removing a head is not one "
+                  "slice of each product; set train.prune.layers='mlp' (or prune a multi-head "
+                  "model)")
         if heads and not attention_lib.get(cfg.attention.name).heads_independent:
             free = [n for n in attention_lib.names() if attention_lib.get(n).heads_independent]
             _fail("train.prune.structure", p.structure, f"attention variant "
@@ -1155,6 +1171,19 @@ def _check_compress(cfg: Config) -> None:
                       "(groups split each product's contraction)")
 
 
+def _check_kv_heads(m: ModelConfig) -> None:
+    G = m.num_kv_heads
+    if not isinstance(G, int) or isinstance(G, bool) or G < 0:
+        _fail("model.num_kv_heads", G, "must be an integer >= 0 (0: model.num_heads, multi-head)")
+    if G and (G > m.num_heads or m.num_heads % G):
+        _fail("model.num_kv_heads", G, f"must divide model.num_heads={m.num_heads} (each key/value "
+              "head serves the same number of query heads); 1 is multi-query attention")
+    if m.kv_heads() < m.num_heads and m.arch != "transformer":
+        _fail("model.num_kv_heads", G, f"grouped key/value heads are the Transformer's "
+              f"(model.arch='transformer'); model.arch={m.arch!r} has its own attention or none; "
+              "set model.num_kv_heads=0")
+
+
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
              num_devices: int | None = None, num_processes: int = 1) -> Config:
     """Check every field; returns the config with task-derived fields filled in.
@@ -1174,6 +1203,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.width", m.width,
               f"must be divisible by model.num_heads={m.num_heads} (head_dim = width / heads), "
               "or set model.head_dim")
+    _check_kv_heads(m)
     if not 0.0 <= m.dropout < 1.0:
         _fail("model.dropout", m.dropout, "must be in [0, 1)")
     _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal"))
@@ -1388,7 +1418,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if len(set(named)) != len(named):
             _fail(f"mesh.rules.{logical}", axes, "names a mesh axis twice")
     # Every dimension the rules shard must split evenly over its mesh axes.
-    dims = {"heads": {"model.num_heads": m.num_heads}, "mlp": {"model.mlp_dim": m.mlp_dim},
+    dims = {"heads": {"model.num_heads": m.num_heads, "model.num_kv_heads": m.kv_heads()},
+            "mlp": {"model.mlp_dim": m.mlp_dim},
             "vocab": {"model.vocab_size": model.vocab_size}, "embed": {"model.width": m.width},
             "kv": {"model.head_dim": m.dims_per_head()},
             "layers": {"model.depth": m.depth}}

@@ -24,20 +24,27 @@ CASES = [  # B, L, T, H, D, index
     (2, 1, 300, 4, 64, 299),  # 307K floats read: past 128K, the kernel splits it over two threads
     (4, 3, 21, 2, 20, (-1, 5, 20, 12)),  # each row's own position (speculative decoding)
 ]
+# grouped-query caches: B, L, T, H, D, index, G key/value heads
+GROUPED = [
+    (2, 2, 33, 4, 20, 10, 2),
+    (1, 1, 300, 8, 64, 299, 1),  # multi-query, two threads
+    (2, 1, 40, 6, 16, (3, 39), 3),
+]
 
 
-def _qkv(B, L, T, H, D, dtype, seed=0):
+def _qkv(B, L, T, H, D, dtype, seed=0, G=None):
     ks = jax.random.split(jax.random.key(seed), 3)
+    G = G or H
     return tuple(jax.random.normal(kk, s).astype(dtype)
-                 for kk, s in zip(ks, ((B, L, H, D), (B, T, H, D), (B, T, H, D))))
+                 for kk, s in zip(ks, ((B, L, H, D), (B, T, G, D), (B, T, G, D))))
 
 
 def check_kernel_equals_twin():
     """Every case, float32 and bfloat16, one and two threads (also run by the portable build's
     test in test_kernel_tuning)."""
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -7)):
-        for B, L, T, H, D, index in CASES:
-            q, k, v = _qkv(B, L, T, H, D, dtype)
+        for B, L, T, H, D, index, *G in CASES + GROUPED:
+            q, k, v = _qkv(B, L, T, H, D, dtype, G=G[0] if G else None)
             want = np.asarray(CC.cached_attention(q, k, v, jnp.array(index), impl="xla"),
                               np.float32)
             for b, i in enumerate(np.broadcast_to(index, (B,))):
@@ -51,8 +58,19 @@ def check_kernel_equals_twin():
                                           threads=threads)
                 assert got.dtype == dtype
                 np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol,
-                                           err_msg=f"{dtype.__name__} {(B, L, T, H, D, index)} "
+                                           err_msg=f"{dtype.__name__} {(B, L, T, H, D, index, G)} "
                                                    f"threads={threads}")
+
+
+def test_grouped_twin_is_each_group_repeated():
+    # the twin's grouped cache against the same attention over H heads, each group repeated
+    B, L, T, H, D, index, G = GROUPED[0]
+    q, k, v = _qkv(B, L, T, H, D, jnp.float32, G=G)
+    rep = lambda x: jnp.repeat(x, H // G, axis=2)  # noqa: E731
+    np.testing.assert_array_equal(CC.cached_attention(q, k, v, index, impl="xla"),
+                                  CC.cached_attention(q, rep(k), rep(v), index, impl="xla"))
+    with pytest.raises(ValueError, match="the cache's 3 key/value heads must divide the queries' 4"):
+        CC.cached_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), index)
 
 
 @needs_kernel

@@ -491,6 +491,16 @@ def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channe
     bad = tiny("classifier", distill=dict(teacher=str(tmp_path / "t"), init_blocks="last"))
     with pytest.raises(ConfigError, match=r"train\.distill\.init_blocks.*set train\.distill\.init"):
         validate(from_configdict(bad))
+    # grouped key/value heads (model.num_kv_heads): heads are not ranked one by one, and
+    # `select` keeps the teacher's query heads per key/value head
+    bad = tiny("classifier", distill=dict(teacher=str(tmp_path / "t"), init="importance"))
+    bad.model.update(width=8, num_heads=2, mlp_dim=16, num_kv_heads=1)
+    with pytest.raises(ConfigError, match=r"train\.distill\.init.*use init='select'"):
+        carry_lib.for_config(validate(from_configdict(bad)))
+    bad.train.distill.init = "select"
+    with pytest.raises(ConfigError, match=r"query heads per key/value head \(2/1\) must be the "
+                       r"teacher's \(4/4\)"):
+        carry_lib.for_config(validate(from_configdict(bad)))
 
 
 def test_importance_reads_real_tokens_only_and_splits_like_the_train_step():

@@ -101,6 +101,13 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
         assert "\n" not in err and not (tmp_path / "w").exists()
 
 
+def test_tensor_parallelism_splits_the_key_value_heads_too():
+    cfg = base(model={"num_kv_heads": 2}, mesh={"data": 1, "tensor": 4})
+    with pytest.raises(ConfigError, match=r"splits model.num_kv_heads=2 over mesh.tensor=4"):
+        validate(cfg, num_devices=4)
+    validate(base(model={"num_kv_heads": 2}, mesh={"data": 2, "tensor": 2}), num_devices=4)
+
+
 def test_task_fields_are_filled_in():
     cfg = validate(base(), num_devices=1)
     assert cfg.model.vocab_size == 256
@@ -136,6 +143,13 @@ def test_task_fields_are_filled_in():
     ({"mesh": {"rules": {"batch": ("data", "data")}}}, "mesh.rules.batch", "twice"),
     ({"mesh": {"rules": {"hidden": "tensor"}}}, "mesh.rules.hidden", "unknown logical axis"),
     ({"model": {"remat": "names:qkv,mlp_hidden"}}, "model.remat", "'attention_out'"),
+    ({"model": {"num_kv_heads": 3}}, "model.num_kv_heads", "must divide model.num_heads=4"),
+    ({"model": {"num_kv_heads": 8}}, "model.num_kv_heads", "must divide model.num_heads=4"),
+    ({"model": {"num_kv_heads": -1}}, "model.num_kv_heads", "integer >= 0"),
+    ({"model": {"num_kv_heads": 2, "arch": "lstm"}}, "model.num_kv_heads", "model.arch='lstm'"),
+    ({"model": {"num_kv_heads": 1}, "train": {"prune": {"method": "magnitude", "sparsity": 0.5,
+                                                       "structure": "structured"}}},
+     "train.prune.structure", "train.prune.layers='mlp'"),
     ({"model": {"reversible": True, "remat": "full"}}, "model.remat", "model.reversible=True"),
     # Found by the crash hunt (tests/test_crash_hunt.py): each failed at init or went NaN.
     ({"output": {"name": "adaptive"}}, "output.name", "not ranked by frequency"),

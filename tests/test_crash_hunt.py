@@ -106,7 +106,8 @@ def configs(draw) -> dict:
              "pos_emb": draw(st.sampled_from(["learned", "sinusoidal"])),
              "pool": draw(st.sampled_from(["mean", "first"])),
              "reversible": draw(st.booleans()) if arch == "transformer" else False,
-             "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans()))}
+             "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans())),
+             "num_kv_heads": draw(st.sampled_from([0, 0, 1])) if arch == "transformer" else 0}
     if model["reversible"] and model["stack_layers"]:
         model["reversible"] = False
     if model["reversible"]:

@@ -173,6 +173,64 @@ def test_decode_matches_forward_and_greedy_generation(tie):
         np.testing.assert_array_equal(out[:, t], jnp.argmax(lp[:, t - 1], -1))
 
 
+def _gqa_as_mha(params, H, G):
+    """The multi-head parameters that compute what grouped-query `params` compute: each block's
+    q and kv stacked into qkv, every key/value head repeated for its H / G query heads."""
+    def fix(tree):
+        if isinstance(tree, dict) and "q" in tree and "kv" in tree:
+            rep = lambda x: jnp.repeat(x, H // G, axis=1)  # noqa: E731  [E, G, D] -> [E, H, D]
+            qkv = jnp.stack([tree["q"], rep(tree["kv"][:, 0]), rep(tree["kv"][:, 1])], 1)
+            return {**{k: v for k, v in tree.items() if k not in ("q", "kv")}, "qkv": qkv}
+        return {k: fix(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+    return fix(params)
+
+
+def test_grouped_query_attention_is_multi_head_with_shared_key_value_heads():
+    """num_kv_heads=G: the LM computes what the multi-head LM computes with each key/value
+    head repeated (loss and gradients: a shared head's gradient is its query heads' sum), its
+    decoding (the exact cache of G heads; `sparse`'s own cache of repeated heads) matches its
+    forward pass, and `chunked` trains the same values as `dense`. (G = 1, multi-query: the
+    decoding kernel's own test.)"""
+    H, G = 4, 2
+    cfg = make_cfg("lm", num_kv_heads=G)
+    batch = lm_batch()
+    model, params = init(cfg, batch)
+    att = params["trunk"]["block_0"]["attention"]
+    assert "qkv" not in att and att["q"].shape == (32, H, 8) and att["kv"].shape == (32, 2, G, 8)
+    mha_model, _ = init(make_cfg("lm"), batch)
+    mha = _gqa_as_mha(params, H, G)
+    loss = lambda m: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda p: m.apply({"params": p}, batch)["loss"]))
+    (l_g, g_g), (l_m, g_m) = loss(model)(params), loss(mha_model)(mha)
+    np.testing.assert_allclose(l_g, l_m, rtol=1e-6)
+    g_att, m_att = g_g["trunk"]["block_0"]["attention"], g_m["trunk"]["block_0"]["attention"]
+    np.testing.assert_allclose(g_att["q"], m_att["qkv"][:, 0], rtol=1e-5, atol=1e-5)
+    summed = m_att["qkv"][:, 1:].reshape(32, 2, G, H // G, 8).sum(3)
+    np.testing.assert_allclose(g_att["kv"], summed, rtol=1e-5, atol=1e-5)
+    chunked, _ = init(make_cfg("lm", attention="chunked", num_kv_heads=G), batch)
+    np.testing.assert_allclose(loss(chunked)(params)[0], l_g, rtol=1e-5)
+
+    full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
+    for attention in ("dense", "sliding_window"):
+        c = make_cfg("lm", attention=attention, num_kv_heads=G)
+        if attention == "sliding_window":  # a window of every key: exact, its own ring cache
+            c = dataclasses.replace(c, attention=AttentionConfig(attention, {"block_size": 8,
+                                                                             "window": L}))
+        dec = models.build(c, deterministic=True, decode=True)
+        cache = jax.jit(lambda tok: dec.init(jax.random.key(0), tok, method="decode_step")["cache"])(
+            jnp.zeros((B, 1), jnp.int32))
+        k_cache = jax.tree.leaves(cache["trunk"]["block_0"]["attention"])
+        assert any(x.ndim == 4 and x.shape[2] == (G if attention == "dense" else H) for x in k_cache)
+        step = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok,
+                                                  method="decode_step", mutable=["cache"]))
+        steps = []
+        for t in range(L):
+            lp, upd = step(params, cache, batch["inputs"][:, t:t + 1])
+            cache = upd["cache"]
+            steps.append(lp)
+        np.testing.assert_allclose(jnp.stack(steps, 1)[0], full[0], atol=2e-5, err_msg=attention)
+
+
 def test_tied_embeddings_drop_the_output_matrix():
     batch = lm_batch()
     _, untied = init(make_cfg("lm"), batch)

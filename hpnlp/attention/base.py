@@ -21,8 +21,9 @@ names = _REGISTRY.names
 get = _REGISTRY.get
 
 
-def check_inputs(q, k, v, mask) -> None:
-    """Shape checks that run at trace time, so a mistake fails before compiling."""
+def check_inputs(q, k, v, mask, *, grouped: bool = False) -> None:
+    """Shape checks that run at trace time, so a mistake fails before compiling. `grouped`:
+    k and v may have G heads dividing q's H (a grouped-query cache; the caller checked G)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"attention wants [batch, length, heads, head_dim] arrays; got q{q.shape} "
@@ -31,7 +32,7 @@ def check_inputs(q, k, v, mask) -> None:
         raise ValueError(f"query and key head dims differ: q{q.shape} vs k{k.shape}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"key and value disagree on [batch, length, heads]: k{k.shape} v{v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+    if q.shape[0] != k.shape[0] or (q.shape[2] != k.shape[2] and not grouped):
         raise ValueError(f"query and key disagree on batch or heads: q{q.shape} k{k.shape}")
     if mask is not None and mask.shape != q.shape[:2]:
         raise ValueError(

@@ -8,8 +8,9 @@
 // is 2 x 16 MB copied per layer per token, most of the step. Here each thread reads the
 // cache where it lies, by rows, and only the positions written so far.
 //
-// Layouts: q, o [B, L, H, D]; k, v [B, T, H, D]; index: int32, a scalar or [B] (each row's
-// own), the cache position of the first query: row b's query j sees keys
+// Layouts: q, o [B, L, H, D]; k, v [B, T, G, D], G dividing H (G < H: grouped-query
+// attention, query head h reads cache head h / (H / G)); index: int32, a scalar or [B] (each
+// row's own), the cache position of the first query: row b's query j sees keys
 // 0 .. min(index[b] + j, T - 1) (a query that sees no key, index + j < 0, outputs zeros).
 // Any D. float32, or bfloat16 widened to float32 (float32 products, softmax and
 // accumulation; the output rounded to bfloat16 once).
@@ -42,7 +43,7 @@ inline void set_e(bf16* p, float x) { *p = float_to_bf16(x); }
 constexpr int64_t kFloatsPerThread = int64_t(1) << 17;
 
 struct Problem {
-  int64_t B, L, T, H, D;
+  int64_t B, L, T, H, G, D;
   const int32_t* index;  // one position (index_step 0) or one per row (index_step 1)
   int64_t index_step;
   float scale;
@@ -97,7 +98,9 @@ inline int64_t visible(const Problem& p, int64_t b, int64_t j) {
 
 template <class E>
 void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads) {
-  const int64_t items = p.B * p.H;
+  // items (b, h), h fastest: the heads of one group run next to each other and find its
+  // keys and values in cache
+  const int64_t items = p.B * p.H, per_group = p.H / p.G;
   int64_t seen = 0;  // keys the rows' last queries see, over the batch
   for (int64_t b = 0; b < p.B; ++b) seen += visible(p, b, p.L - 1);
   const int64_t floats = p.H * 2 * p.D * seen * p.L;
@@ -108,9 +111,10 @@ void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads
     float *qs = scratch.data(), *s = qs + p.D + NR;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t b = i / p.H, h = i % p.H;
-      const ptrdiff_t stride = p.H * p.D;
+      const ptrdiff_t stride = p.G * p.D;
       for (int64_t j = 0; j < p.L; ++j) {
-        const int64_t row = ((b * p.L + j) * p.H + h) * p.D, head = (b * p.T * p.H + h) * p.D;
+        const int64_t row = ((b * p.L + j) * p.H + h) * p.D,
+                      head = (b * p.T * p.G + h / per_group) * p.D;
         attend(p, q + row, k + head, v + head, stride, visible(p, b, j), o + row, qs, s);
       }
     }
@@ -131,14 +135,17 @@ ffi::Error Impl(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<T
   auto kd = k.dimensions();
   if (kd.size() != 4)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(kernel) + ": k must be 4-D");
-  const int64_t Tn = kd[1];
-  for (auto e : {check_dims(kernel, "k", kd, {B, Tn, H, D}),
-                 check_dims(kernel, "v", v.dimensions(), {B, Tn, H, D}),
+  const int64_t Tn = kd[1], G = kd[2];
+  if (G < 1 || H % G)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string(kernel) + ": k's heads must divide q's");
+  for (auto e : {check_dims(kernel, "k", kd, {B, Tn, G, D}),
+                 check_dims(kernel, "v", v.dimensions(), {B, Tn, G, D}),
                  index.dimensions().size() == 0
                      ? ffi::Error::Success()
                      : check_dims(kernel, "index", index.dimensions(), {B})})
     if (e.failure()) return e;
-  const Problem p{B, L, Tn, H, D, index.typed_data(), index.dimensions().size() == 0 ? 0 : 1,
+  const Problem p{B, L, Tn, H, G, D, index.typed_data(), index.dimensions().size() == 0 ? 0 : 1,
                   scale};
   run(p, q.typed_data(), k.typed_data(), v.typed_data(), o->typed_data(), int(threads));
   return ffi::Error::Success();

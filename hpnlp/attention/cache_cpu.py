@@ -15,7 +15,11 @@ positions written so far. The XLA program (`impl="xla"`) runs everywhere else an
 kernel's tested twin. Gradients (decoding is not trained, but a step is differentiable)
 come from the twin.
 
-Shape letters: B batch, L query length, T cache length, H heads, D head dim.
+Grouped-query attention (`model.num_kv_heads`): the cache may hold G key/value heads, G
+dividing the queries' H; query head h reads cache head h // (H / G).
+
+Shape letters: B batch, L query length, T cache length, H heads, G key/value heads, D head
+dim.
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ IMPLS = ("auto", "kernel", "xla")
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index):
-    """The XLA twin: masked softmax attention over the whole cache, in float32."""
+def cached_attention_xla(q_BLHD, k_BTGD, v_BTGD, index):
+    """The XLA twin: masked softmax attention over the whole cache, in float32 (grouped
+    heads repeated)."""
+    from hpnlp.models.transformer import repeat_kv_heads  # it imports the attention package
+    H = q_BLHD.shape[2]
+    k_BTHD, v_BTHD = repeat_kv_heads(k_BTGD, H), repeat_kv_heads(v_BTGD, H)
     L, T = q_BLHD.shape[1], k_BTHD.shape[1]
     index_B111 = jnp.reshape(index, (-1, 1, 1, 1))  # one position, or each row's
     allowed_B1LT = (jnp.arange(T)[None, None, None, :]
@@ -86,11 +94,16 @@ def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
                      threads: int | None = None):
     """softmax(q k^T / sqrt(D)) v where query j sees cache positions 0..index + j (`index`
     a scalar, or [B]: row b's queries from index[b]); a query that sees none outputs zeros.
+    The cache k, v [B, T, G, D] may hold fewer heads than q (G dividing H: grouped-query).
     Returned in q's dtype. `impl`: "auto" (the CPU kernel where it can run: the CPU
     backend, one device, q, k and v all float32 or all bfloat16), "kernel" (an error where
     it cannot) or "xla". `threads`: the kernel's most threads
     (None: every core; it uses fewer where the cache read so far is small)."""
-    check_inputs(q_BLHD, k_BTHD, v_BTHD, None)
+    G = k_BTHD.shape[2] if k_BTHD.ndim == 4 else 0
+    if G and q_BLHD.ndim == 4 and q_BLHD.shape[2] % G:
+        raise ValueError(f"cached attention: the cache's {G} key/value heads must divide the "
+                         f"queries' {q_BLHD.shape[2]} heads; got q{q_BLHD.shape} k{k_BTHD.shape}")
+    check_inputs(q_BLHD, k_BTHD, v_BTHD, None, grouped=True)
     if impl not in IMPLS:
         raise ValueError(f"cached attention: impl={impl!r} is not one of {IMPLS}")
     if threads is not None and int(threads) < 1:

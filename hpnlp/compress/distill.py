@@ -339,9 +339,20 @@ class TeacherCarry(Carry):
         if self.d.init != "none":
             def shapes(m):
                 return {"width": m.width, "num_heads": m.num_heads, "head_dim": m.dims_per_head(),
-                        "mlp_dim": m.mlp_dim, "max_len": m.max_len}
+                        "num_kv_heads": m.kv_heads(), "mlp_dim": m.mlp_dim, "max_len": m.max_len}
             mine, theirs = shapes(sm), shapes(tm)
             select = self.d.init in ("select", "importance")
+            grouped = sm.kv_heads() < sm.num_heads or tm.kv_heads() < tm.num_heads
+            if grouped and self.d.init == "importance":
+                raise config_error("train.distill.init", self.d.init, "ranks heads one by one, "
+                                   "but model.num_kv_heads shares key/value heads among them "
+                                   "(here or in the teacher); use init='select'")
+            if grouped and select and (sm.num_heads * tm.kv_heads()
+                                       != tm.num_heads * sm.kv_heads()):
+                raise config_error("train.distill.init", self.d.init, "keeps the leading heads "
+                                   "with their key/value heads, so the student's query heads per "
+                                   f"key/value head ({sm.num_heads}/{sm.kv_heads()}) must be the "
+                                   f"teacher's ({tm.num_heads}/{tm.kv_heads()})")
             for f in mine:
                 if mine[f] > theirs[f] if select else mine[f] != theirs[f]:
                     raise config_error("train.distill.init", self.d.init, f"copies the teacher's "

@@ -62,11 +62,25 @@ def _init(init, names):
     return nn.with_logical_partitioning(init, names)
 
 
+def repeat_kv_heads(x_BLGD, num_heads: int):
+    """[B, L, G, D] key/value heads -> [B, L, H, D], head h holding group h // (H / G)
+    (grouped-query attention); the array itself where G = H."""
+    G = x_BLGD.shape[2]
+    return x_BLGD if G == num_heads else jnp.repeat(x_BLGD, num_heads // G, axis=2)
+
+
 class MultiHeadAttention(nn.Module):
     """Fused QKV projection, a registry attention variant, output projection.
 
     In decode mode it keeps the variant's cache in the `cache` collection and consumes
     one token per call.
+
+    With `model.num_kv_heads` G below H (grouped-query attention; G = 1: multi-query) the
+    queries come from `q` [E, H, D] and the keys and values from `kv` [E, 2, G, D]; query head
+    h reads key/value head h // (H / G). The variant sees every head's keys and values (each
+    group's repeated), so every variant runs it; decoding with the exact key/value cache
+    keeps only the G heads (the cache and the time each step reads it shrink H / G times),
+    other variants' caches hold the repeated heads.
     """
 
     model: ModelConfig
@@ -79,22 +93,40 @@ class MultiHeadAttention(nn.Module):
     def __call__(self, x_BLE, seg_BL):
         m = self.model
         dt, pdt = dtypes(m)
-        H, D = m.num_heads, m.dims_per_head()
+        H, D, G = m.num_heads, m.dims_per_head(), m.kv_heads()
         # Explicit kernels (not DenseGeneral, which flattens multi-axis kernels and so
         # loses their logical axis names).
-        w_E3HD = param(self, "qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
-                                         ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
-        qkv_BL3HD = checkpoint_name(
-            qeinsum(self, "qkv", "ble,ekhd->blkhd", x_BLE, w_E3HD, m.quant, kind="qkv", dtype=dt),
-            "qkv")
-        q_BLHD, k_BLHD, v_BLHD = (qkv_BL3HD[:, :, i] for i in range(3))
+        if G == H:
+            w_E3HD = param(self, "qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
+                                             ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
+            qkv_BL3HD = checkpoint_name(
+                qeinsum(self, "qkv", "ble,ekhd->blkhd", x_BLE, w_E3HD, m.quant, kind="qkv", dtype=dt),
+                "qkv")
+            q_BLHD, k_BLGD, v_BLGD = (qkv_BL3HD[:, :, i] for i in range(3))
+        else:
+            w_EHD = param(self, "q", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
+                                          ("embed", "heads", "kv")), (m.width, H, D), pdt)
+            w_E2GD = param(self, "kv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
+                                            ("embed", None, "heads", "kv")), (m.width, 2, G, D), pdt)
+            q_BLHD = checkpoint_name(
+                qeinsum(self, "q", "ble,ehd->blhd", x_BLE, w_EHD, m.quant, kind="qkv", dtype=dt), "qkv")
+            kv_BL2GD = checkpoint_name(
+                qeinsum(self, "kv", "ble,ekgd->blkgd", x_BLE, w_E2GD, m.quant, kind="qkv", dtype=dt),
+                "qkv")
+            k_BLGD, v_BLGD = kv_BL2GD[:, :, 0], kv_BL2GD[:, :, 1]
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
+        k_BLHD, v_BLHD = repeat_kv_heads(k_BLGD, H), repeat_kv_heads(v_BLGD, H)
         if self.decode:
             B = x_BLE.shape[0]
+            # the exact cache keeps the G heads (its decode step reads each for its H / G
+            # query heads); a variant's own cache, the repeated H
+            grouped = attn.exact_cache()
             initialized = self.has_variable("cache", "state")
-            cache = self.variable("cache", "state", attn.init_cache, B, m.max_len, H, D, dt)
+            cache = self.variable("cache", "state", attn.init_cache, B, m.max_len,
+                                  G if grouped else H, D, dt)
             if initialized:
-                out_BLHD, cache.value = attn.decode_step(cache.value, q_BLHD, k_BLHD, v_BLHD)
+                out_BLHD, cache.value = attn.decode_step(
+                    cache.value, q_BLHD, *((k_BLGD, v_BLGD) if grouped else (k_BLHD, v_BLHD)))
             else:  # shapes only, during init
                 out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, None, causal=True, deterministic=True)
         else:
