@@ -900,3 +900,54 @@ def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
         cd.model.embed_grad_scale = fields.get("grad", "none")
         with pytest.raises(ConfigError, match=match):
             validate(from_configdict(cd))
+
+
+# ---------------------------------------------------------------- grouped-query uptraining
+
+
+def test_uptraining_pools_each_groups_key_value_heads_from_a_multi_head_run(tmp_path):
+    """`train.init_from` a multi-head run into model.num_kv_heads=G (hpnlp.compress.gqa,
+    Ainslie et al. 2023): queries and everything else copied, each group's key and value
+    heads mean-pooled; where a group's heads were equal, the new model computes what the
+    old one did. Fewer heads only: more is refused in one line."""
+    from hpnlp.train import Trainer
+    tcd = tiny("lm")
+    tcd.model.num_heads = 4
+
+    def equal_pairs(flat):  # heads 2i and 2i+1 share their key and value weights
+        flat = dict(flat)
+        path = ("trunk", "block_0", "attention", "qkv")
+        w = flat[path]
+        flat[path] = w.at[:, 1:, 1::2].set(w[:, 1:, 0::2])
+        return flat
+
+    src_cfg, src_model, src = _teacher_workdir(tmp_path / "mha", tcd, edit=equal_pairs)
+    _, _, raw = _teacher_workdir(tmp_path / "raw", tcd)
+    for source, pairs_equal in ((src, True), (raw, False)):
+        cd = tiny("lm")
+        cd.model.update(num_heads=4, num_kv_heads=2)
+        cd.train.init_from = str(tmp_path / ("mha" if pairs_equal else "raw"))
+        tr = Trainer(from_configdict(cd), str(tmp_path / f"gqa{pairs_equal}"))
+        state, _ = tr.initial_state()
+        att, qkv = state.params["trunk"]["block_0"]["attention"], source["trunk"]["block_0"]["attention"]["qkv"]
+        np.testing.assert_array_equal(att["q"], qkv[:, 0])
+        np.testing.assert_allclose(att["kv"], qkv[:, 1:].reshape(16, 2, 2, 2, 4).mean(3), rtol=1e-6)
+        flat, flat_src = traverse.flatten_dict(state.params), traverse.flatten_dict(source)
+        assert {k for k in flat if k[-1] not in ("q", "kv")} == {k for k in flat_src if k[-1] != "qkv"}
+        for k in flat:
+            if k[-1] not in ("q", "kv"):
+                np.testing.assert_array_equal(flat[k], flat_src[k])
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = np.roll(batch["inputs"], -1, 1)
+    cd.train.init_from = str(tmp_path / "mha")
+    tr = Trainer(from_configdict(cd), str(tmp_path / "again"))
+    state, _ = tr.initial_state()
+    loss = lambda m, p: float(jax.jit(lambda p: m.apply({"params": p}, batch)["loss"])(p))  # noqa: E731
+    np.testing.assert_allclose(loss(tr.eval_model, state.params), loss(src_model, src), rtol=1e-6)
+    cd.model.num_kv_heads, cd.train.init_from = 0, str(tmp_path / "again")
+    tr.checkpointer.save(1, state, {}, {})
+    tr.checkpointer.close()
+    with pytest.raises(ConfigError, match=r"train\.init_from.*that run has 2 key/value heads and "
+                       r"this one model\.num_kv_heads=4: uptraining pools"):
+        Trainer(from_configdict(cd), str(tmp_path / "more"))

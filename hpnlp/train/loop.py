@@ -122,9 +122,15 @@ class Trainer:
         # before any compile, if the shapes differ.
         self.model_params = None
         self._restored = None  # train.init_from's parameters when already read (lowrank.energy)
+        self._pooled_from = 0  # train.init_from's key/value heads, pooled here (compress.gqa)
         if cfg.train.init_from:
+            from hpnlp.compress import gqa
+            self._pooled_from = gqa.source_kv_heads(load_run_config(cfg.train.init_from).model,
+                                                   cfg.model, cfg.train.init_from)
+            src = models.build(gqa.source_config(cfg, self._pooled_from), deterministic=False,
+                               token_counts=counts) if self._pooled_from else model
             self.model_params = jax.eval_shape(
-                lambda key: nn.unbox(model.init({"params": key, "dropout": key}, batch1)["params"]),
+                lambda key: nn.unbox(src.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
             if data_lib.saw_validation(cfg.data, load_run_config(cfg.train.init_from).data):
                 raise config_error("train.init_from", cfg.train.init_from, "that run may have "
@@ -225,6 +231,12 @@ class Trainer:
         own = carry_lib.trainable_params(like)
         if own:  # a method's own parameters start fresh
             return {**self._params_from(workdir, carry_lib.model_params(like)), **own}
+        if self._pooled_from:  # uptraining to fewer key/value heads (hpnlp.compress.gqa)
+            from hpnlp.compress import gqa
+            m = self.cfg.model
+            pooled = jax.jit(lambda p: gqa.pool_kv_heads(p, m.num_heads, m.kv_heads()))(
+                restore_params(workdir, self.model_params))
+            return jax.device_put(pooled, carry_lib.model_params(self.state_sharding.params))
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
         from hpnlp.compress import lowrank
