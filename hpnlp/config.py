@@ -343,8 +343,9 @@ class DistillConfig:
     run's model) trains against a frozen teacher inside the same jitted step."""
 
     teacher: str = ""  # workdir of a trained hpnlp run of the same task and vocabulary; "" = off
-    # loss = (1 - alpha) * hard-label loss + alpha * T^2 * KL(teacher_T || student_T), the
-    # soft targets at temperature T (Hinton et al. 2015)
+    # loss = (1 - alpha) * hard-label loss + alpha * T^2 * CE(teacher_T, student_T), the
+    # soft targets at temperature T (Hinton et al. 2015; the cross-entropy is the KL plus the
+    # teacher's entropy, a constant: the same gradients, a larger logged loss_soft)
     alpha: float = 0.5
     temperature: float = 2.0
     # LM soft loss over the vocabulary: tokens per chunk (teacher and student logits exist one
