@@ -98,25 +98,33 @@ inline int64_t visible(const Problem& p, int64_t b, int64_t j) {
 
 template <class E>
 void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads) {
-  // items (b, h), h fastest: the heads of one group run next to each other and find its
-  // keys and values in cache
-  const int64_t items = p.B * p.H, per_group = p.H / p.G;
   int64_t seen = 0;  // keys the rows' last queries see, over the batch
   for (int64_t b = 0; b < p.B; ++b) seen += visible(p, b, p.L - 1);
   const int64_t floats = p.H * 2 * p.D * seen * p.L;
-  const int use = clamp_threads(std::min<int64_t>(threads, 1 + floats / kFloatsPerThread), items);
+  const int use = clamp_threads(std::min<int64_t>(threads, 1 + floats / kFloatsPerThread),
+                                p.B * p.H);
+  // An item is some of one (b, group)'s query heads, run one after the other by one thread:
+  // the first reads the group's keys and values from memory, the rest find them in its cache.
+  // (Items of one head each, with the group's heads on different threads at once, each
+  // waited for the same rows from memory: 4 key/value heads of 8 decoded no faster than 8.)
+  // A group is split over threads only where there are fewer groups than threads.
+  const int64_t per_group = p.H / p.G, groups = p.B * p.G;
+  const int64_t split =
+      std::min<int64_t>(per_group, std::max<int64_t>(1, (use + groups - 1) / groups));
+  const int64_t per_item = (per_group + split - 1) / split, items = groups * split;
   std::atomic<int64_t> next{0};
   join_parallel(use, [&](int) {
     std::vector<float> scratch(size_t(p.D + NR) + size_t(p.T + NR));
     float *qs = scratch.data(), *s = qs + p.D + NR;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t b = i / p.H, h = i % p.H;
+      const int64_t b = i / split / p.G, g = i / split % p.G;
+      const int64_t first = g * per_group + i % split * per_item;
       const ptrdiff_t stride = p.G * p.D;
-      for (int64_t j = 0; j < p.L; ++j) {
-        const int64_t row = ((b * p.L + j) * p.H + h) * p.D,
-                      head = (b * p.T * p.G + h / per_group) * p.D;
-        attend(p, q + row, k + head, v + head, stride, visible(p, b, j), o + row, qs, s);
-      }
+      for (int64_t h = first; h < std::min(first + per_item, (g + 1) * per_group); ++h)
+        for (int64_t j = 0; j < p.L; ++j) {
+          const int64_t row = ((b * p.L + j) * p.H + h) * p.D, head = (b * p.T * p.G + g) * p.D;
+          attend(p, q + row, k + head, v + head, stride, visible(p, b, j), o + row, qs, s);
+        }
     }
   });
 }
