@@ -741,3 +741,40 @@ def test_tools_refuse_bad_flags_in_one_line_before_timing(argv, match):
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 2, proc.stderr
     assert re.search(match, proc.stderr.strip().splitlines()[-1]), proc.stderr
+
+
+def test_gqa_bench_table_from_a_payload():
+    from hpnlp.bench import gqa
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes": {**gqa.SIZES["quick"], "batches": [1, 4], "decode_kv": [4, 2, 1]},
+               "decode": [{"batch": 1, "kv_heads": 4, "attention": "multi-head",
+                           "tokens_per_s": 100.0, "speedup": 1.0, "cache_bytes": 2 ** 20,
+                           "params": 1000},
+                          {"batch": 1, "kv_heads": 1, "attention": "multi-query",
+                           "tokens_per_s": 150.0, "speedup": 1.5, "cache_bytes": 2 ** 18,
+                           "params": 900}],
+               "quality": [{"method": "from scratch", "kv_heads": 4, "attention": "multi-head",
+                            "steps": 12, "params": 1000, "loss": 2.5, "loss_vs_multi_head": 0.0},
+                           {"method": "uptrained from multi-head", "kv_heads": 1,
+                            "attention": "multi-query", "steps": 4, "params": 900, "loss": 2.6,
+                            "loss_vs_multi_head": 0.1, "loss_pooled": 3.0}],
+               "seconds": {"decode": 9.0, "quality": 38.0}}
+    md = gqa._markdown(payload)
+    assert "| 1 | 1 | multi-query | 150.0 | 1.50x | 256 KiB | 900 |" in md
+    assert "| uptrained from multi-head | 1 | multi-query | 4 | 900 | 2.6000 | +0.1000 | 3.0000 |" in md
+    assert "| from scratch | 4 | multi-head | 12 | 1,000 | 2.5000 | +0.0000 | – |" in md
+
+
+@pytest.mark.slow  # about 50 s on the 2-core CPU: CI's slow part runs it
+def test_gqa_bench_quick_run(tmp_path):
+    from hpnlp.bench import gqa
+    p = gqa.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
+    assert [r["kv_heads"] for r in p["decode"]] == [4, 2, 1] * 2
+    assert all(r["tokens_per_s"] > 0 for r in p["decode"])
+    assert [r["cache_bytes"] for r in p["decode"][:3]] == [8192 * 4, 8192 * 2, 8192]
+    assert [(r["method"], r["kv_heads"]) for r in p["quality"]] == [
+        ("from scratch", 4), ("from scratch", 2), ("from scratch", 1),
+        ("uptrained from multi-head, lr 0.003", 2), ("uptrained from multi-head, lr 0.003", 1)]
+    assert all(np.isfinite(r["loss"]) for r in p["quality"])
+    assert os.path.exists(tmp_path / "out" / "gqa_decode.png")

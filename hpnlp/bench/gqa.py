@@ -1,0 +1,230 @@
+"""`python -m hpnlp.bench gqa`: grouped-query and multi-query attention (`model.num_kv_heads`)
+against multi-head attention, in one run on this CPU: decoding speed and the key/value
+cache, then quality trained from scratch and uptrained.
+
+1. Decoding (`decode`): a byte LM of width 512, 4 blocks, 8 heads of 64, MLP 2048 and 1024
+   positions (random weights: speed does not depend on them) generates from a 16-byte
+   prompt to its 1024 positions (`hpnlp.models.generate`, greedy, the prompt prefilled in
+   one call, then one token a step through the exact key/value cache and its CPU kernel),
+   at batch 1 and 16, with 8 (multi-head), 4, 2 and 1 (multi-query) key/value heads. Each
+   batch's calls are timed interleaved (`harness.time_interleaved`). Reported: new tokens/s,
+   the speed-up over multi-head at the same batch, the cache's size and the parameters.
+2. Quality (`quality`): the default byte LM (experiments/lm.py: 4 heads of 32, 800 steps)
+   trained with 4 (multi-head), 2 and 1 key/value heads; and the multi-head run uptrained
+   (Ainslie et al. 2023, `hpnlp.compress.gqa`: each group's key and value heads mean-pooled,
+   then `uptrain_steps` more steps, 5% of its 800 as in the paper, at the run's learning rate
+   3e-3 and at a tenth of it, each with the schedule's warmup and cosine decay) to 2 and 1,
+   with each pooled model's eval loss before those steps too. Reported: eval loss and its
+   change against multi-head, parameters.
+
+The runs train in --workdir (a finished run of the same config is reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from hpnlp.bench import compress, harness, report
+
+SIZES = {
+    "full": dict(decode=dict(width=512, depth=4, num_heads=8, mlp_dim=2048, max_len=1024),
+                 prompt=16, batches=(1, 16), decode_kv=(8, 4, 2, 1), repeats=5,
+                 lm_steps=None, uptrain_steps=40, uptrain_lrs=(3e-3, 3e-4), quality_kv=(4, 2, 1),
+                 eval_batches=None),
+    "quick": dict(decode=dict(width=64, depth=1, num_heads=4, mlp_dim=128, max_len=64),
+                  prompt=4, batches=(1, 4), decode_kv=(4, 2, 1), repeats=2,
+                  lm_steps=12, uptrain_steps=4, uptrain_lrs=(3e-3,), quality_kv=(4, 2, 1),
+                  eval_batches=2),
+}
+PARTS = ("decode", "quality")
+
+
+def _kv_name(G: int, H: int) -> str:
+    return "multi-head" if G == H else "multi-query" if G == 1 else f"grouped, {G} groups"
+
+
+def _config(model: dict, G: int, *, steps: int | None = None, eval_batches: int | None = None):
+    """experiments/lm.py's byte LM with `model`'s fields and G key/value heads."""
+    cd = compress.experiment("byte LM", dict(lm_steps=steps, eval_batches=eval_batches))
+    cd.model.update(model)
+    cd.data.seq_len = min(cd.data.seq_len, cd.model.max_len)
+    cd.model.num_kv_heads = 0 if G == cd.model.num_heads else G
+    return cd
+
+
+def decode_rows(s: dict) -> list[dict]:
+    import flax.linen as nn
+
+    from hpnlp import models
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.train.loop import dummy_batch
+
+    m = s["decode"]
+    H, D, T = m["num_heads"], m["width"] // m["num_heads"], m["max_len"]
+    rng = np.random.default_rng(0)
+    built = {}
+    for G in s["decode_kv"]:
+        cfg = validate(from_configdict(_config(m, G)))
+        model = models.build(cfg, deterministic=True)
+        params = jax.jit(lambda k, model=model: nn.unbox(model.init(
+            k, dummy_batch("lm", 1, cfg.data.seq_len))["params"]))(jax.random.key(0))
+        built[G] = (cfg, params)
+    rows = []
+    for B in s["batches"]:
+        prompt = rng.integers(0, 256, (B, s["prompt"])).astype(np.int32)
+        calls = {}
+        for G, (cfg, params) in built.items():
+            fn = jax.jit(lambda p, pr, cfg=cfg: models.generate(cfg, p, pr, length=T, greedy=True))
+            calls[G] = lambda fn=fn, p=params: jax.block_until_ready(fn(p, prompt))
+        times = harness.time_interleaved(calls, repeats=s["repeats"])
+        for G, (timing, cpu) in times.items():
+            cfg, params = built[G]
+            new = B * (T - s["prompt"])
+            rows.append({"batch": B, "kv_heads": G, "heads": H, "attention": _kv_name(G, H),
+                         "tokens_per_s": new / timing.median_s, "seconds": timing.median_s,
+                         "seconds_min": timing.min_s, "seconds_max": timing.max_s,
+                         "cpu_seconds": cpu, "compile_s": timing.compile_s,
+                         "cache_bytes": 2 * m["depth"] * B * T * G * D * 4,
+                         "params": sum(x.size for x in jax.tree.leaves(params))})
+        base = next(r for r in rows if r["batch"] == B and r["kv_heads"] == H)
+        for r in rows:
+            if r["batch"] == B:
+                r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    return rows
+
+
+def _pooled_eval(cd, workdir: str) -> dict:
+    """Eval metrics of the model `cd` starts as (its `train.init_from` pooled), untrained."""
+    from hpnlp.config import from_configdict
+    from hpnlp.train import Trainer
+    tr = Trainer(from_configdict(cd), workdir)
+    state, _ = tr.initial_state()
+    out = tr.evaluate(state)
+    tr.checkpointer.close()
+    return out
+
+
+def quality_rows(s: dict, workdir: str) -> list[dict]:
+    rows = []
+    H = compress.experiment("byte LM", dict(lm_steps=None, eval_batches=None)).model.num_heads
+    mha_dir = os.path.join(workdir, f"kv{H}")
+    bar = tqdm(total=len(s["quality_kv"]) + (len(s["quality_kv"]) - 1) * len(s["uptrain_lrs"]),
+               desc="gqa quality", leave=False)
+    for G in s["quality_kv"]:
+        out = os.path.join(workdir, f"kv{G}")
+        summary = compress._train(_config({}, G, steps=s["lm_steps"],
+                                          eval_batches=s["eval_batches"]), out)
+        rows.append({"method": "from scratch", "kv_heads": G, "heads": H,
+                     "attention": _kv_name(G, H), "steps": summary["final_step"],
+                     "params": summary["param_count"], "loss": summary["eval"]["loss"]})
+        bar.update()
+    for G in s["quality_kv"]:
+        if G == H:
+            continue
+        pooled = None
+        for lr in s["uptrain_lrs"]:
+            cd = _config({}, G, steps=s["uptrain_steps"], eval_batches=s["eval_batches"])
+            cd.train.init_from = mha_dir
+            cd.train.warmup_steps = max(1, s["uptrain_steps"] // 10)
+            cd.train.lr = lr
+            if pooled is None:
+                with tempfile.TemporaryDirectory() as tmp:
+                    pooled = _pooled_eval(cd, tmp)
+            summary = compress._train(cd, os.path.join(workdir, f"uptrain_kv{G}_lr{lr:g}"))
+            rows.append({"method": f"uptrained from multi-head, lr {lr:g}", "kv_heads": G,
+                         "heads": H, "attention": _kv_name(G, H), "steps": summary["final_step"],
+                         "params": summary["param_count"], "loss": summary["eval"]["loss"],
+                         "loss_pooled": pooled["loss"]})
+            bar.update()
+    bar.close()
+    base = next(r["loss"] for r in rows if r["kv_heads"] == H)
+    for r in rows:
+        r["loss_vs_multi_head"] = r["loss"] - base
+    return rows
+
+
+def _markdown(p: dict) -> str:
+    out = [report.header_md(p["machine"], {}), ""]
+    d = p["sizes"]["decode"]
+    if p.get("decode"):
+        out += ["### Decoding", "",
+                f"Byte LM of width {d['width']}, {d['depth']} blocks, {d['num_heads']} heads of "
+                f"{d['width'] // d['num_heads']}, MLP {d['mlp_dim']}, random weights; "
+                f"`generate` from a {p['sizes']['prompt']}-byte prompt to {d['max_len']} bytes, "
+                f"greedy. Median of {p['sizes']['repeats']} interleaved calls per batch; "
+                "speed-up over multi-head at the same batch.", "",
+                report.table(["batch", "key/value heads", "attention", "new tokens/s",
+                              "speed-up", "KV cache", "params"],
+                             [[str(r["batch"]), str(r["kv_heads"]), r["attention"],
+                               f"{r['tokens_per_s']:.1f}", report.fmt(r["speedup"], "x"),
+                               report._bytes_short(r["cache_bytes"]), f"{r['params']:,}"]
+                              for r in p["decode"]]), ""]
+    if p.get("quality"):
+        out += ["### Quality", "",
+                "The default byte LM (experiments/lm.py), eval loss; uptrained: the multi-head "
+                "run's key/value heads mean-pooled per group, then trained the steps shown "
+                "(`pooled` is the loss before them).", "",
+                report.table(["method", "key/value heads", "attention", "steps", "params",
+                              "eval loss", "vs multi-head", "pooled, untrained"],
+                             [[r["method"], str(r["kv_heads"]), r["attention"], str(r["steps"]),
+                               f"{r['params']:,}", f"{r['loss']:.4f}",
+                               f"{r['loss_vs_multi_head']:+.4f}",
+                               f"{r['loss_pooled']:.4f}" if "loss_pooled" in r else "–"]
+                              for r in p["quality"]]), ""]
+    if p.get("seconds"):
+        reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
+                  "training is not in these times." if p.get("reused_runs") else "")
+        out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                      p["seconds"].items()) + "." + reused, ""]
+    return "\n".join(out)
+
+
+def _plot(p: dict, out_dir: str) -> None:
+    """New tokens/s against key/value heads, per batch."""
+    if not p.get("decode"):
+        return
+    series = {}
+    for r in p["decode"]:
+        xs, ys = series.setdefault(f"batch {r['batch']}", ([], []))
+        xs.append(r["kv_heads"])
+        ys.append(r["tokens_per_s"])
+    report.scaling_plot(os.path.join(out_dir, "gqa_decode.png"), series,
+                        xlabel="key/value heads", ylabel="new tokens/s",
+                        title="generate() with fewer key/value heads")
+
+
+def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -> dict:
+    s = dict(SIZES["quick" if quick else "full"])
+    payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+               "machine": harness.machine_info(), "seconds": {}}
+    reused = len(compress.REUSED)
+    with tempfile.TemporaryDirectory() as tmp:
+        if "decode" in parts:
+            t0 = time.perf_counter()
+            payload["decode"] = decode_rows(s)
+            payload["seconds"]["decode"] = time.perf_counter() - t0
+        if "quality" in parts:
+            t0 = time.perf_counter()
+            payload["quality"] = quality_rows(s, workdir or tmp)
+            payload["seconds"]["quality"] = time.perf_counter() - t0
+    payload["reused_runs"] = len(compress.REUSED) - reused
+    report.write(out_dir, "gqa", payload, _markdown(payload))
+    _plot(payload, out_dir)
+    return payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=None, help="keep the trained runs here (and reuse them)")
+    p.add_argument("--parts", type=harness.names_from(PARTS), default=list(PARTS),
+                   help=f"comma-separated, from {', '.join(PARTS)} (default: both)")
+
+
+def main(args) -> None:
+    run(args.out, quick=args.quick, workdir=args.workdir, parts=args.parts)
