@@ -29,6 +29,9 @@ GROUPED = [
     (2, 2, 33, 4, 20, 10, 2),
     (1, 1, 300, 8, 64, 299, 1),  # multi-query, two threads
     (2, 1, 40, 6, 16, (3, 39), 3),
+    (1, 2, 30, 3, 16, 12, 1),  # 3 heads a group: split over 2 threads unevenly (2 + 1)
+    (1, 1, 50, 4, 16, 49, 1),  # over 3 threads: 2 + 2 + an empty item
+    (3, 1, 24, 2, 16, 20, 1),  # 3 groups on 2 threads
 ]
 
 
@@ -53,7 +56,7 @@ def check_kernel_equals_twin():
                         q[b:b + 1], k[b:b + 1], v[b:b + 1], int(i), impl="xla"), np.float32)[0])
                 if i < 0:
                     assert not want[b, 0].any()
-            for threads in (1, 2):
+            for threads in (1, 2, 3) if G else (1, 2):
                 got = CC.cached_attention(q, k, v, jnp.array(index), impl="kernel",
                                           threads=threads)
                 assert got.dtype == dtype
@@ -79,8 +82,9 @@ def test_kernel_equals_its_xla_twin():
 
 
 @needs_kernel
-def test_gradients_equal_the_twins():
-    q, k, v = _qkv(2, 2, 24, 2, 16, jnp.float32)
+@pytest.mark.parametrize("G", [None, 1])  # multi-head; multi-query (a grouped cache)
+def test_gradients_equal_the_twins(G):
+    q, k, v = _qkv(2, 2, 24, 2, 16, jnp.float32, G=G)
     w = jax.random.normal(jax.random.key(3), q.shape)
 
     def loss(impl):
@@ -89,6 +93,7 @@ def test_gradients_equal_the_twins():
     got = jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, k, v, jnp.int32(9))
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v, 9)
     for a, b in zip(got, want):
+        assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 

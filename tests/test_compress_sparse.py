@@ -951,3 +951,17 @@ def test_uptraining_pools_each_groups_key_value_heads_from_a_multi_head_run(tmp_
     with pytest.raises(ConfigError, match=r"train\.init_from.*that run has 2 key/value heads and "
                        r"this one model\.num_kv_heads=4: uptraining pools"):
         Trainer(from_configdict(cd), str(tmp_path / "more"))
+    # a resume under another num_kv_heads is named as another model, not a damaged checkpoint
+    from hpnlp.train.checkpoint import CheckpointMismatch
+    cd.model.num_kv_heads, cd.train.init_from = 1, ""
+    with pytest.raises(CheckpointMismatch, match="model.num_kv_heads"):
+        Trainer(from_configdict(cd), str(tmp_path / "again"))
+    # a seed ensemble uptrains each member (the pooled weights placed as one member's slice)
+    from hpnlp.train.ensemble import EnsembleTrainer
+    cd.model.num_kv_heads, cd.train.init_from = 2, str(tmp_path / "mha")
+    ens = EnsembleTrainer(from_configdict(cd), str(tmp_path / "ens"), members=2)
+    stacked, _ = ens.initial_state()
+    kv = stacked.params["trunk"]["block_0"]["attention"]["kv"]
+    assert kv.shape == (2, 16, 2, 2, 4)
+    np.testing.assert_array_equal(kv[0], kv[1])
+    np.testing.assert_array_equal(kv[0], state.params["trunk"]["block_0"]["attention"]["kv"])

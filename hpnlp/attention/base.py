@@ -1,6 +1,7 @@
 """Registry, shared checks and the default key/value cache for attention variants.
 
-Shape letters: B batch, L query length, S key length, T cache length, H heads, D head dim.
+Shape letters: B batch, L query length, S key length, T cache length, H heads, G key/value
+heads of a grouped cache (dividing H), D head dim.
 """
 
 from __future__ import annotations

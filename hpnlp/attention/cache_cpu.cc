@@ -107,10 +107,14 @@ void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads
   // the first reads the group's keys and values from memory, the rest find them in its cache.
   // (Items of one head each, with the group's heads on different threads at once, each
   // waited for the same rows from memory: 4 key/value heads of 8 decoded no faster than 8.)
-  // A group is split over threads only where there are fewer groups than threads.
+  // Groups are split only where they do not share out evenly over the threads: fewer groups
+  // than threads into one piece a thread (1 group on 2 threads: 2 items), more into two
+  // pieces a thread (3 groups on 2 threads: 6 items, not 2 + 1).
   const int64_t per_group = p.H / p.G, groups = p.B * p.G;
-  const int64_t split =
-      std::min<int64_t>(per_group, std::max<int64_t>(1, (use + groups - 1) / groups));
+  const int64_t pieces = groups < use ? use : 2 * use;
+  const int64_t split = groups % use == 0
+                            ? 1
+                            : std::min<int64_t>(per_group, (pieces + groups - 1) / groups);
   const int64_t per_item = (per_group + split - 1) / split, items = groups * split;
   std::atomic<int64_t> next{0};
   join_parallel(use, [&](int) {

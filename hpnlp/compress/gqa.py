@@ -37,7 +37,11 @@ def source_kv_heads(src: ModelConfig, dst: ModelConfig, workdir: str) -> int:
         raise config_error("train.init_from", workdir, f"that run has {g_src} key/value heads and this one "
                            f"model.num_kv_heads={g_dst}: uptraining pools groups of heads, so "
                            f"this run's must divide that run's")
-    if src.lowrank.enabled() or dst.lowrank.enabled():
+    if src.lowrank.enabled():
+        raise config_error("train.init_from", workdir, "that run's products are factorized "
+                           "(model.lowrank), and the key/value heads are pooled from dense "
+                           "weights; uptrain from the dense run it was factorized from")
+    if dst.lowrank.enabled():
         raise config_error("model.lowrank.rank", dst.lowrank.rank or dst.lowrank.energy,
                            "factorize and pool key/value heads in two runs: uptrain to "
                            "model.num_kv_heads first, then factorize that run")

@@ -1,7 +1,8 @@
 """Transformer trunk (pre-LayerNorm blocks) with attention taken from the registry.
 
-Shape letters: B batch, L length, E width (d_model), H heads, D head dim (E / H),
-F MLP width, T cache length (model.max_len).
+Shape letters: B batch, L length, E width (d_model), H heads, G key/value heads
+(model.num_kv_heads; H where it is 0), D head dim (E / H), F MLP width, T cache length
+(model.max_len).
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`; `layers` on
 the stacked blocks of `model.stack_layers`, which parallel/pipeline.py runs) and

@@ -89,6 +89,8 @@ def _shape_signature(cfg, members: int = 1) -> dict:
     # keys appear only when set, so runs saved before they existed still resume.
     if cfg.model.head_dim:
         sig["model.head_dim"] = cfg.model.head_dim
+    if cfg.model.kv_heads() < cfg.model.num_heads:  # q and kv [E, 2, G, D] in place of qkv
+        sig["model.num_kv_heads"] = cfg.model.kv_heads()
     if cfg.model.lowrank.enabled():
         lr = cfg.model.lowrank  # energy and ranks only when used: older runs still resume
         tables = [k for k in ("embed", "output") if lr.applies(k)]  # since "all" took them

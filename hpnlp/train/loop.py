@@ -236,7 +236,7 @@ class Trainer:
             m = self.cfg.model
             pooled = jax.jit(lambda p: gqa.pool_kv_heads(p, m.num_heads, m.kv_heads()))(
                 restore_params(workdir, self.model_params))
-            return jax.device_put(pooled, carry_lib.model_params(self.state_sharding.params))
+            return jax.device_put(pooled, jax.tree.map(lambda a: a.sharding, like))
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
         from hpnlp.compress import lowrank
@@ -246,7 +246,8 @@ class Trainer:
         batch1 = dummy_batch(self.task.kind, 1, self.cfg.data.seq_len)
         found = lowrank.targets(self.cfg, self.model, dense, batch1)
         factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank_of))(dense)
-        return jax.device_put(factored, carry_lib.model_params(self.state_sharding.params))
+        # `like`'s own placement: a seed ensemble's member is one slice of its stacked state
+        return jax.device_put(factored, jax.tree.map(lambda a: a.sharding, like))
 
     def eval_sums(self, state, eval_step=None, memory_step=None) -> dict:
         """Host sums of `eval_step` (default: this trainer's, with memory for Transformer-XL
