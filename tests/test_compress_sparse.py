@@ -786,6 +786,12 @@ def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
         state2 = state
     assert np.isfinite(float(m["loss"]))
     assert not np.allclose(state2.params["trunk"]["block_0"]["mlp_in"]["kernel"].u, u0)
+    # a seed ensemble factorizes each member's copy (it placed them by the stacked sharding)
+    from hpnlp.train.ensemble import EnsembleTrainer
+    ens, _ = EnsembleTrainer(from_configdict(cd), str(tmp_path / "ens"), members=2).initial_state()
+    fe = ens.params["trunk"]["block_0"]["mlp_in"]["kernel"]
+    assert fe.u.shape == (2, 16, 4)
+    np.testing.assert_allclose(fe.u[1], u0, atol=1e-6)
     with pytest.raises(ConfigError, match=r"model\.lowrank\.rank.*qkv product is \[16, 48\], of rank "
                                           r"at most 16"):
         cd.model.lowrank.rank = 17
