@@ -97,8 +97,9 @@ def configs(draw) -> dict:
     mesh = dict(draw(st.sampled_from(MESHES)))
     if not mesh:
         mesh = {"data": 1}  # the single-device worker
+    heads = draw(st.sampled_from([2, 2, 4]))
     model = {"kind": kind, "arch": arch, "width": 16, "depth": draw(st.sampled_from([1, 2])),
-             "num_heads": 2, "mlp_dim": 32, "max_len": 32, "dropout": draw(st.sampled_from([0.0, 0.1])),
+             "num_heads": heads, "mlp_dim": 32, "max_len": 32, "dropout": draw(st.sampled_from([0.0, 0.1])),
              "dtype": draw(st.sampled_from(["float32", "bfloat16", "float16"])),
              "param_dtype": draw(st.sampled_from(["float32", "float32", "bfloat16"])),
              "remat": draw(st.sampled_from(["none", "full", "dots_saveable", "names:qkv,mlp_in",
@@ -107,7 +108,7 @@ def configs(draw) -> dict:
              "pool": draw(st.sampled_from(["mean", "first"])),
              "reversible": draw(st.booleans()) if arch == "transformer" else False,
              "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans())),
-             "num_kv_heads": draw(st.sampled_from([0, 0, 1])) if arch == "transformer" else 0}
+             "num_kv_heads": draw(st.sampled_from([0, 0, 1, heads // 2])) if arch == "transformer" else 0}
     if model["reversible"] and model["stack_layers"]:
         model["reversible"] = False
     if model["reversible"]:
