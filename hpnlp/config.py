@@ -518,6 +518,9 @@ DEFAULT_RULES = {
     "vocab": "tensor",  # Megatron: vocabulary, heads and MLP hidden split over tensor
     "embed": "fsdp",  # ZeRO-3: parameters' model dim split over fsdp, gathered per layer
     "heads": "tensor",
+    # the key/value heads of grouped-query attention (model.num_kv_heads; None replicates that
+    # projection, as multi-query attention under tensor parallelism needs)
+    "kv_heads": "tensor",
     "kv": None,
     "mlp": "tensor",
     "layers": "pipeline",  # stacked blocks split into pipeline stages
@@ -1419,7 +1422,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if len(set(named)) != len(named):
             _fail(f"mesh.rules.{logical}", axes, "names a mesh axis twice")
     # Every dimension the rules shard must split evenly over its mesh axes.
-    dims = {"heads": {"model.num_heads": m.num_heads, "model.num_kv_heads": m.kv_heads()},
+    dims = {"heads": {"model.num_heads": m.num_heads},
+            "kv_heads": {"model.num_kv_heads": m.kv_heads()} if m.kv_heads() < m.num_heads else {},
             "mlp": {"model.mlp_dim": m.mlp_dim},
             "vocab": {"model.vocab_size": model.vocab_size}, "embed": {"model.width": m.width},
             "kv": {"model.head_dim": m.dims_per_head()},

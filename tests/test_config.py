@@ -103,9 +103,13 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
 
 def test_tensor_parallelism_splits_the_key_value_heads_too():
     cfg = base(model={"num_kv_heads": 2}, mesh={"data": 1, "tensor": 4})
-    with pytest.raises(ConfigError, match=r"splits model.num_kv_heads=2 over mesh.tensor=4"):
+    with pytest.raises(ConfigError, match=r"`mesh.rules.kv_heads` .* splits model.num_kv_heads=2 "
+                       r"over mesh.tensor=4 .* map the rule to None"):
         validate(cfg, num_devices=4)
     validate(base(model={"num_kv_heads": 2}, mesh={"data": 2, "tensor": 2}), num_devices=4)
+    # multi-query under tensor parallelism: the key/value projection replicated
+    validate(base(model={"num_kv_heads": 1}, mesh={"data": 1, "tensor": 4,
+                                                   "rules": {"kv_heads": None}}), num_devices=4)
 
 
 def test_task_fields_are_filled_in():

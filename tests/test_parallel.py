@@ -1,7 +1,8 @@
 """Parallel modes on 8 simulated CPU devices equal the 1-device run.
 
-For data, FSDP, tensor and sequence parallelism and the combinations data x tensor,
-fsdp x tensor: five training steps (dropout on) give the same losses
+For data, FSDP, tensor and sequence parallelism, the combinations data x tensor,
+fsdp x tensor, and multi-query attention under tensor parallelism (its key/value head
+replicated): five training steps (dropout on) give the same losses
 and parameters as one device, to 1e-5 in float32, and the compiled step's parameter and
 optimizer-state shardings are the ones `cfg.mesh.rules` says. (Pipeline parallelism:
 tests/test_pipeline.py.)
@@ -23,6 +24,9 @@ MODES = {  # name: (mesh axis sizes, attention)
     "sequence": ({"data": 1, "sequence": 8}, "ring"),
     "data_x_tensor": ({"data": 4, "tensor": 2}, "dense"),
     "fsdp_x_tensor": ({"data": 1, "fsdp": 4, "tensor": 2}, "dense"),
+    # multi-query attention under tensor parallelism: its one key/value head replicated
+    "tensor_mqa": ({"data": 1, "tensor": 8, "rules": {"kv_heads": None}}, "dense",
+                   {"num_kv_heads": 1}),
 }
 
 CODE = r"""
@@ -35,17 +39,18 @@ from hpnlp.train.loop import _global
 
 out_dir, modes = sys.argv[1], json.loads(sys.argv[2])
 
-def config(mesh, attention):
+def config(mesh, attention, model=None):
     cd = default_configdict()
     cd.data.update(task="byte_lm", seq_len=32, batching="pack")
     cd.model.update(kind="lm", width=64, depth=1, num_heads=8, mlp_dim=128, max_len=32, dropout=0.1)
+    cd.model.update(**(model or {}))
     cd.attention.name = attention
     cd.train.update(steps=5, batch_size=8, lr=3e-3, warmup_steps=1, eval_every=0, progress=False)
     cd.mesh.update(**mesh)
     return from_configdict(cd)
 
-for name, (mesh, attention) in modes.items():
-    tr = Trainer(config(mesh, attention), tempfile.mkdtemp())
+for name, (mesh, attention, *model) in modes.items():
+    tr = Trainer(config(mesh, attention, *model), tempfile.mkdtemp())
     state, _ = tr.initial_state()
     losses = []
     with tr._context():
@@ -59,8 +64,9 @@ for name, (mesh, attention) in modes.items():
     mismatched = [jax.tree_util.keystr(p) for (p, w), x in zip(
         jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(state))
         if not w.is_equivalent_to(x.sharding, x.ndim)]
-    qkv = state.params["trunk"]["block_0"]["attention"]["qkv"]
-    mu = state.opt_state[1][0].mu["trunk"]["block_0"]["attention"]["qkv"]
+    name_qkv = "qkv" if "qkv" in state.params["trunk"]["block_0"]["attention"] else "q"
+    qkv = state.params["trunk"]["block_0"]["attention"][name_qkv]
+    mu = state.opt_state[1][0].mu["trunk"]["block_0"]["attention"][name_qkv]
     emb = state.params["embed"]["embedding"]
     json.dump({"losses": losses, "mismatched": mismatched,
                "qkv": [str(a) for a in qkv.sharding.spec], "mu": [str(a) for a in mu.sharding.spec],
@@ -86,9 +92,11 @@ def test_every_mode_matches_one_device_and_follows_the_rules(tmp_path):
 
     ref_dir, par_dir = tmp_path / "ref", tmp_path / "par"
     ref_dir.mkdir(), par_dir.mkdir()
-    _run(ref_dir, {"dense": ({"data": 1}, "dense"), "ring": ({"data": 1}, "ring")}, devices=1)
+    _run(ref_dir, {"dense": ({"data": 1}, "dense"), "ring": ({"data": 1}, "ring"),
+                   "dense_mqa": ({"data": 1}, "dense", {"num_kv_heads": 1})}, devices=1)
     _run(par_dir, MODES, devices=8)
-    for name, (mesh, attention) in MODES.items():
+    for name, (mesh, attention, *model) in MODES.items():
+        attention += "_mqa" if model else ""  # the reference run of the same model
         ref = json.load(open(ref_dir / f"{attention}.json"))
         got = json.load(open(par_dir / f"{name}.json"))
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, err_msg=name)
@@ -99,10 +107,11 @@ def test_every_mode_matches_one_device_and_follows_the_rules(tmp_path):
             np.testing.assert_allclose(got_p[k], ref_p[k], atol=1e-5, rtol=1e-5, err_msg=f"{name} {k}")
         assert got["mismatched"] == [], (name, got["mismatched"])
         assert got["mu"] == got["qkv"], name  # Adam moments sharded like their parameter
-        # qkv kernel [embed, 3, heads, kv]: embed over fsdp, heads over tensor.
-        want_qkv = ["fsdp" if mesh.get("fsdp", 1) > 1 else "None", "None",
+        # qkv kernel [embed, 3, heads, kv]: embed over fsdp, heads over tensor (multi-query's
+        # q [embed, heads, kv])
+        want_qkv = ["fsdp" if mesh.get("fsdp", 1) > 1 else "None", *(() if model else ("None",)),
                     "tensor" if mesh.get("tensor", 1) > 1 else "None", "None"]
-        assert _effective(got["qkv"], mesh) == want_qkv, (name, got["qkv"])
+        assert _effective(got["qkv"], mesh) == want_qkv + ["None"] * bool(model), (name, got["qkv"])
 
 
 def _effective(spec, mesh):

@@ -108,7 +108,7 @@ class MultiHeadAttention(nn.Module):
             w_EHD = param(self, "q", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
                                           ("embed", "heads", "kv")), (m.width, H, D), pdt)
             w_E2GD = param(self, "kv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
-                                            ("embed", None, "heads", "kv")), (m.width, 2, G, D), pdt)
+                                            ("embed", None, "kv_heads", "kv")), (m.width, 2, G, D), pdt)
             q_BLHD = checkpoint_name(
                 qeinsum(self, "q", "ble,ehd->blhd", x_BLE, w_EHD, m.quant, kind="qkv", dtype=dt), "qkv")
             kv_BL2GD = checkpoint_name(
