@@ -178,11 +178,7 @@ def _markdown(p: dict) -> str:
                                f"{r['loss_vs_multi_head']:+.4f}",
                                f"{r['loss_pooled']:.4f}" if "loss_pooled" in r else "–"]
                               for r in p["quality"]]), ""]
-    if p.get("seconds"):
-        reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
-                  "training is not in these times." if p.get("reused_runs") else "")
-        out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
-                                                      p["seconds"].items()) + "." + reused, ""]
+    out += report.seconds_md(p)
     return "\n".join(out)
 
 

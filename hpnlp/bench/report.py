@@ -127,6 +127,17 @@ def targets_md(targets: dict | None) -> str:
     return "### Targets\n\n" + table(["target", "measured", "bound", "met"], rows)
 
 
+def seconds_md(p: dict) -> list[str]:
+    """The payload's wall time per part (`seconds`), noting the runs reused from --workdir
+    (`reused_runs`), whose training the times leave out; [] when none was kept."""
+    if not p.get("seconds"):
+        return []
+    reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
+              "training is not in these times." if p.get("reused_runs") else "")
+    return ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                  p["seconds"].items()) + "." + reused, ""]
+
+
 def write(out_dir: str, name: str, payload: dict, markdown: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:

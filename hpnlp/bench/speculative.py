@@ -205,11 +205,7 @@ def _markdown(p: dict) -> str:
               report.fmt(r["speedup"], "x"), report.fmt(r.get("acceptance")),
               report.fmt(r.get("tokens_per_call")),
               {True: "yes", False: "**no**"}.get(r.get("equals_target"), "–")] for r in rows]), ""]
-    if p.get("seconds"):
-        reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
-                  "training is not in these times." if p.get("reused_runs") else "")
-        out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
-                                                      p["seconds"].items()) + "." + reused, ""]
+    out += report.seconds_md(p)
     return "\n".join(out)
 
 
