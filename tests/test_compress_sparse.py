@@ -962,12 +962,22 @@ def test_uptraining_pools_each_groups_key_value_heads_from_a_multi_head_run(tmp_
     cd.model.num_kv_heads, cd.train.init_from = 1, ""
     with pytest.raises(CheckpointMismatch, match="model.num_kv_heads"):
         Trainer(from_configdict(cd), str(tmp_path / "again"))
-    # a seed ensemble uptrains each member (the pooled weights placed as one member's slice)
+
+
+def test_uptraining_in_a_seed_ensemble_pools_each_members_copy(tmp_path):
+    # the pooled weights are placed as one member's slice (they were placed by the stacked
+    # state's sharding and failed)
+    from hpnlp.compress import gqa
     from hpnlp.train.ensemble import EnsembleTrainer
-    cd.model.num_kv_heads, cd.train.init_from = 2, str(tmp_path / "mha")
-    ens = EnsembleTrainer(from_configdict(cd), str(tmp_path / "ens"), members=2)
-    stacked, _ = ens.initial_state()
+    tcd = tiny("lm")
+    tcd.model.num_heads = 4
+    _, _, src = _teacher_workdir(tmp_path / "mha", tcd)
+    cd = tiny("lm")
+    cd.model.update(num_heads=4, num_kv_heads=2)
+    cd.train.init_from = str(tmp_path / "mha")
+    stacked, _ = EnsembleTrainer(from_configdict(cd), str(tmp_path / "ens"), members=2).initial_state()
     kv = stacked.params["trunk"]["block_0"]["attention"]["kv"]
     assert kv.shape == (2, 16, 2, 2, 4)
-    np.testing.assert_array_equal(kv[0], kv[1])
-    np.testing.assert_array_equal(kv[0], state.params["trunk"]["block_0"]["attention"]["kv"])
+    want = gqa.pool_kv_heads(src, 4, 2)["trunk"]["block_0"]["attention"]["kv"]
+    for member in kv:
+        np.testing.assert_array_equal(member, want)
