@@ -3,10 +3,10 @@ Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints"
 
     python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_mqa \\
         --config.model.num_kv_heads=1 --config.train.init_from=/tmp/hpnlp/lm_bytes \\
-        --config.train.steps=80
+        --config.train.steps=40 --config.train.warmup_steps=4
 
-A run with `model.num_kv_heads` G that starts from a run of more key/value heads (`train.
-init_from`: multi-head, or grouped with a multiple of G) takes its weights as they are,
+A run with `model.num_kv_heads` G that starts from a run of more key/value heads
+(`train.init_from`: multi-head, or grouped by a multiple of G) takes its weights as they are,
 except each block's key and value projections: the heads of each new group are mean-pooled
 into one (the paper's conversion, better than keeping one head of each group), and the
 queries keep their own. Training then continues: the paper's uptraining spends 5% of the
@@ -34,9 +34,9 @@ def source_kv_heads(src: ModelConfig, dst: ModelConfig, workdir: str) -> int:
                                                          dst.dims_per_head()):
         return 0  # another shape altogether: check_params_match names the arrays
     if g_src < g_dst or g_src % g_dst:
-        raise config_error("train.init_from", workdir, f"that run has {g_src} key/value heads and this one "
-                           f"model.num_kv_heads={g_dst}: uptraining pools groups of heads, so "
-                           f"this run's must divide that run's")
+        raise config_error("train.init_from", workdir, f"that run has {g_src} key/value heads "
+                           f"and this one model.num_kv_heads={g_dst}: uptraining pools groups of "
+                           "heads, so this run's must divide that run's")
     if src.lowrank.enabled():
         raise config_error("train.init_from", workdir, "that run's products are factorized "
                            "(model.lowrank), and the key/value heads are pooled from dense "

@@ -95,25 +95,23 @@ class MultiHeadAttention(nn.Module):
         m = self.model
         dt, pdt = dtypes(m)
         H, D, G = m.num_heads, m.dims_per_head(), m.kv_heads()
+
         # Explicit kernels (not DenseGeneral, which flattens multi-axis kernels and so
-        # loses their logical axis names).
+        # loses their logical axis names), each [E, ...] with E its fan-in.
+        def projection(name: str, spec: str, shape: tuple, names: tuple):
+            init = nn.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape))))
+            w = param(self, name, _init(init, names), shape, pdt)
+            return checkpoint_name(qeinsum(self, name, spec, x_BLE, w, m.quant, kind="qkv",
+                                           dtype=dt), "qkv")
+
         if G == H:
-            w_E3HD = param(self, "qkv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
-                                             ("embed", None, "heads", "kv")), (m.width, 3, H, D), pdt)
-            qkv_BL3HD = checkpoint_name(
-                qeinsum(self, "qkv", "ble,ekhd->blkhd", x_BLE, w_E3HD, m.quant, kind="qkv", dtype=dt),
-                "qkv")
+            qkv_BL3HD = projection("qkv", "ble,ekhd->blkhd", (m.width, 3, H, D),
+                                   ("embed", None, "heads", "kv"))
             q_BLHD, k_BLGD, v_BLGD = (qkv_BL3HD[:, :, i] for i in range(3))
         else:
-            w_EHD = param(self, "q", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
-                                          ("embed", "heads", "kv")), (m.width, H, D), pdt)
-            w_E2GD = param(self, "kv", _init(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3)),
-                                            ("embed", None, "kv_heads", "kv")), (m.width, 2, G, D), pdt)
-            q_BLHD = checkpoint_name(
-                qeinsum(self, "q", "ble,ehd->blhd", x_BLE, w_EHD, m.quant, kind="qkv", dtype=dt), "qkv")
-            kv_BL2GD = checkpoint_name(
-                qeinsum(self, "kv", "ble,ekgd->blkgd", x_BLE, w_E2GD, m.quant, kind="qkv", dtype=dt),
-                "qkv")
+            q_BLHD = projection("q", "ble,ehd->blhd", (m.width, H, D), ("embed", "heads", "kv"))
+            kv_BL2GD = projection("kv", "ble,ekgd->blkgd", (m.width, 2, G, D),
+                                  ("embed", None, "kv_heads", "kv"))
             k_BLGD, v_BLGD = kv_BL2GD[:, :, 0], kv_BL2GD[:, :, 1]
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         k_BLHD, v_BLHD = repeat_kv_heads(k_BLGD, H), repeat_kv_heads(v_BLGD, H)
