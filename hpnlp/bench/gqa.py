@@ -217,10 +217,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workdir", default=None, help="keep the trained runs here (and reuse them)")
-    p.add_argument("--parts", type=harness.names_from(PARTS), default=list(PARTS),
-                   help=f"comma-separated, from {', '.join(PARTS)} (default: both)")
+    harness.add_parts_arguments(p, PARTS, workdir_help="keep the trained runs here (and reuse them)")
 
 
-def main(args) -> None:
-    run(args.out, quick=args.quick, workdir=args.workdir, parts=args.parts)
+main = harness.parts_main(run)

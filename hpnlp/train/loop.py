@@ -125,14 +125,14 @@ class Trainer:
         self._pooled_from = 0  # train.init_from's key/value heads, pooled here (compress.gqa)
         if cfg.train.init_from:
             from hpnlp.compress import gqa
-            self._pooled_from = gqa.source_kv_heads(load_run_config(cfg.train.init_from).model,
-                                                   cfg.model, cfg.train.init_from)
+            source = load_run_config(cfg.train.init_from)
+            self._pooled_from = gqa.source_kv_heads(source.model, cfg.model, cfg.train.init_from)
             src = models.build(gqa.source_config(cfg, self._pooled_from), deterministic=False,
                                token_counts=counts) if self._pooled_from else model
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(src.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
-            if data_lib.saw_validation(cfg.data, load_run_config(cfg.train.init_from).data):
+            if data_lib.saw_validation(cfg.data, source.data):
                 raise config_error("train.init_from", cfg.train.init_from, "that run may have "
                                    "trained on the examples this run holds out for "
                                    "data.eval_split='validation'; start from a run trained with "
