@@ -362,6 +362,41 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
         assert match in err and "config.json" in err and "\n" not in err, err
 
 
+def _qat_run_config(workdir, **quant):
+    """A run's config.json and an (empty) checkpoint folder: enough for the CLI's checks."""
+    from hpnlp.config import to_json
+    cd = default_configdict()
+    cd.quant.update(**quant)
+    os.makedirs(os.path.join(workdir, "checkpoints", "1"))
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump({"config": to_json(from_configdict(cd))}, f)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--weights", "int8", "--calib_batches", "4"],
+     "--calib_batches calibrates static activation ranges, and --act_scale is dynamic"),
+    (["--weights", "int8", "--activations", "int8", "--calib_batches", "4"], "--act_scale static"),
+    (["--weights", "bfloat16", "--calib_batches", "4"], "--weights bfloat16 is a float cast"),
+    (["--weights", "int8", "--percentile", "99.9"],
+     "--percentile is used only with --calibration percentile (given absmax)"),
+    (["--weights", "int8", "--calibration", "mse", "--percentile", "99.9"], "(given mse)"),
+    (["--weights", "float16", "--percentile", "99.9"], "--percentile set integer formats"),
+    (["--weights", "binary", "--calibration", "mse"], "--calibration mse: --weights binary takes"),
+    (["--calib_batches", "4"], "has quant.act_scale='dynamic' (its export calibrates nothing)"),
+    (["--percentile", "99.9"], "the QAT run's export keeps its own"),
+])
+def test_cli_refuses_flags_the_format_ignores(tmp_path, capsys, flags, match):
+    """--calib_batches, --percentile and --calibration where nothing would use them: one line
+    naming the flag and what makes it apply, before anything is built or written."""
+    from hpnlp.compress.__main__ import main
+    _qat_run_config(str(tmp_path / "qat"), weights="int8")
+    out = str(tmp_path / "o")
+    assert main(["quantize", "--workdir", str(tmp_path / "qat"), "--out", out, *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    assert match in err and "\n" not in err, err
+    assert not os.path.exists(out)
+
+
 QAT_MESH_CODE = r"""
 import json, sys, tempfile
 import jax, numpy as np

@@ -8,8 +8,10 @@
 
 `quantize` is post-training quantization (hpnlp.compress.ptq): it calibrates, packs,
 evaluates with the task's metric, reloads, and writes DIR/summary.json. Errors (an unknown
-format, a group size that does not divide a width, a workdir with no checkpoint) are one
-line naming the field or file, before anything compiles.
+format, a group size that does not divide a width, a workdir with no checkpoint, a flag the
+format would ignore: `--calib_batches` without `--act_scale static`, `--percentile` without
+`--calibration percentile`) are one line naming the field, flag or file, before anything
+compiles.
 
 `shrink` takes a run pruned with `train.prune.structure=structured` (whole attention heads
 and MLP neurons of a Transformer; hidden units, i.e. channels of model.width, of an LSTM or
@@ -23,6 +25,44 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+CALIB_BATCHES = 8  # --calib_batches left out
+
+
+def _check_applies(args) -> None:
+    """`--percentile`, `--calib_batches` and `--calibration` where the format would ignore
+    them: refused, since a user who gave them believes they took effect (ValueError naming
+    the flag and what would make it apply). A QAT export reads the run's own settings."""
+    from hpnlp.compress import formats, ptq
+    if args.weights in ptq.FLOAT_FORMATS:  # the integer flags are refused before this
+        if args.calib_batches is not None:
+            raise ValueError(f"--calib_batches calibrates static activation ranges, and --weights "
+                             f"{args.weights} is a float cast; drop it, or give an integer "
+                             "--weights with --activations int8|fp8 --act_scale static")
+        return
+    if args.weights is None:  # a QAT run's own settings
+        if args.calib_batches is None:
+            return
+        q = ptq.load_run_config(args.workdir).quant
+        if q.enabled and q.act_scale != "static":  # not enabled: ptq.quantize names the fix
+            raise ValueError(f"--calib_batches calibrates static activation ranges, and the run in "
+                             f"{args.workdir} has quant.act_scale={q.act_scale!r} (its export "
+                             "calibrates nothing); drop --calib_batches")
+        return
+    static = args.act_scale == "static"
+    if args.percentile is not None and args.calibration != "percentile":
+        raise ValueError(f"--percentile is used only with --calibration percentile (given "
+                         f"{args.calibration}); add --calibration percentile, or drop --percentile")
+    if args.calib_batches is not None and not static:
+        raise ValueError(f"--calib_batches calibrates static activation ranges, and --act_scale is "
+                         f"{args.act_scale}; drop it, or give --activations int8|fp8 "
+                         "--act_scale static")
+    if (args.calibration != "absmax" and args.weights in formats.FORMATS
+            and not formats.get(args.weights).uses_range and not static):
+        raise ValueError(f"--calibration {args.calibration}: --weights {args.weights} takes its "
+                         "scale from the weights' statistics, not a clipping range, and no "
+                         "activation range is calibrated; drop --calibration, or give "
+                         "--activations int8|fp8 --act_scale static")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,9 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--act_scale", default="dynamic", help="dynamic (per token) | static (calibrated)")
     q.add_argument("--group_size", type=int, default=0, help="int4 scale groups; 0 = per channel")
     q.add_argument("--calibration", default="absmax", help=f"one of {list(calibrate.METHODS)}")
-    q.add_argument("--percentile", type=float, default=99.99)
+    q.add_argument("--percentile", type=float, default=None,
+                   help="with --calibration percentile: the percentile of |x| kept (default 99.99)")
     q.add_argument("--layers", default="all", help="all, or a comma list of products")
-    q.add_argument("--calib_batches", type=int, default=8, help="training batches to calibrate on")
+    q.add_argument("--calib_batches", type=int, default=None,
+                   help="with --act_scale static: training batches to calibrate the activation "
+                        f"ranges on (default {CALIB_BATCHES})")
     q.add_argument("--eval_batches", type=int, default=None,
                    help="held-out batches to evaluate (default: the run's train.eval_batches)")
     s = sub.add_parser("shrink", help="remove a structurally pruned run's heads and neurons (or LSTM/GRU units)")
@@ -63,28 +106,31 @@ def main(argv=None) -> int:
         if args.command == "quantize" and args.weights in (None, *ptq.FLOAT_FORMATS):
             given = [f"--{a}" for a, default in (("activations", "none"), ("act_scale", "dynamic"),
                                                  ("group_size", 0), ("calibration", "absmax"),
-                                                 ("layers", "all"))
+                                                 ("layers", "all"), ("percentile", None))
                      if getattr(args, a) != default]
             if given:
                 what = ("the QAT run's export keeps its own" if args.weights is None
                         else f"--weights {args.weights} takes none")
                 raise ValueError(f"{', '.join(given)} set integer formats, and {what}; drop "
                                  "them, or give an integer --weights")
+        if args.command == "quantize":
+            _check_applies(args)
+            calib_batches = CALIB_BATCHES if args.calib_batches is None else args.calib_batches
+            percentile = {} if args.percentile is None else {"percentile": args.percentile}
         if args.command == "shrink":
             from hpnlp.compress import prune
             summary = prune.shrink_run(args.workdir, args.out, eval_batches=args.eval_batches)
         elif args.weights is None:  # a QAT run's own settings
-            summary = ptq.quantize(args.workdir, args.out, calib_batches=args.calib_batches,
+            summary = ptq.quantize(args.workdir, args.out, calib_batches=calib_batches,
                                    eval_batches=args.eval_batches)
         elif args.weights in ptq.FLOAT_FORMATS:
             summary = ptq.quantize(args.workdir, args.out, float_dtype=args.weights,
-                                   calib_batches=args.calib_batches, eval_batches=args.eval_batches)
+                                   calib_batches=calib_batches, eval_batches=args.eval_batches)
         else:
             q = QuantConfig(weights=args.weights, activations=args.activations,
                             act_scale=args.act_scale, group_size=args.group_size,
-                            calibration=args.calibration, percentile=args.percentile,
-                            layers=args.layers)
-            summary = ptq.quantize(args.workdir, args.out, q, calib_batches=args.calib_batches,
+                            calibration=args.calibration, layers=args.layers, **percentile)
+            summary = ptq.quantize(args.workdir, args.out, q, calib_batches=calib_batches,
                                    eval_batches=args.eval_batches)
     except (ConfigError, ptq.NoCheckpoint, ValueError) as e:
         print(f"hpnlp.compress: error: {e}", file=sys.stderr)
