@@ -34,3 +34,18 @@ def test_tricks_bench_writes_table(tmp_path):
     assert [r["trick"] for r in payload["results"]] == list(names)
     assert all(r["eager_slow"]["median_s"] > 0 for r in payload["results"])
     assert "eager speedup" in (tmp_path / "results.md").read_text()
+
+
+def test_closing_line_names_only_the_plots_written(tmp_path, monkeypatch, capsys):
+    """`python -m hpnlp.bench tricks` said it wrote "results.json, results.md and plots"
+    and wrote no plot: the line names the PNGs this run wrote, or says there are none."""
+    from hpnlp.bench import __main__ as bench_main
+    monkeypatch.setattr(tricks, "TRICKS", tuple(t for t in tricks.TRICKS if t.name == "dots"))
+    bench_main.main(["tricks", "--quick", "--out", str(tmp_path)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"wrote {tmp_path}/results.json, results.md (no plots)", last
+    old = tmp_path / "old.png"  # an earlier run's plot, left as it was: not this run's
+    old.write_bytes(b"")
+    before = bench_main._plots(str(tmp_path))
+    (tmp_path / "new.png").write_bytes(b"")
+    assert bench_main.wrote_message(str(tmp_path), before).endswith("and 1 plot: new.png")

@@ -1,6 +1,7 @@
 """`python -m hpnlp.bench ENTRY --out DIR [--quick] [--profile DIR]`.
 
-Each entry writes DIR/results.json, DIR/results.md and PNG plots. `--quick` runs a small
+Each entry writes DIR/results.json and DIR/results.md, most also PNG plots (the closing
+line names those it wrote; tricks, quant and data write none). `--quick` runs a small
 version in a few minutes; `--profile DIR` also writes a jax.profiler trace of the run
 (open with TensorBoard's profile plugin or https://ui.perfetto.dev).
 """
@@ -49,9 +50,28 @@ def main(argv=None) -> None:
     if args.profile:
         import jax
         ctx = jax.profiler.trace(args.profile)
+    before = _plots(args.out)
     with ctx:
         ENTRIES[args.entry].main(args)
-    print(f"wrote {args.out}/results.json, results.md and plots", file=sys.stderr)
+    print(wrote_message(args.out, before), file=sys.stderr)
+
+
+def _plots(out: str) -> dict[str, int]:
+    """The PNGs in `out` and their modification times (ns); {} where `out` is not there yet."""
+    try:
+        return {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out)
+                if n.endswith(".png")}
+    except OSError:
+        return {}
+
+
+def wrote_message(out: str, before: dict[str, int]) -> str:
+    """The closing line: results.json, results.md and the plots this run wrote (new, or
+    rewritten since `before`), by name. Not every entry plots (tricks, data write tables)."""
+    plots = sorted(n for n, t in _plots(out).items() if before.get(n) != t)
+    return (f"wrote {out}/results.json, results.md"
+            + (f" and {len(plots)} plot{'s' * (len(plots) > 1)}: {', '.join(plots)}" if plots
+               else " (no plots)"))
 
 
 def check_args(args) -> None:
