@@ -248,8 +248,13 @@ class ModelConfig:
     num_kv_heads: int = 0
     mlp_dim: int = 512
     dropout: float = 0.1
-    max_len: int = 512  # size of the learned position table
-    pos_emb: str = "learned"  # "learned" | "sinusoidal"
+    max_len: int = 512  # size of the learned position table and of the decode cache
+    # "learned" | "sinusoidal" (a table added to the token embeddings) | "rope" (rotary, Su et
+    # al. 2021: each block rotates its queries and keys by the token's position, theta base
+    # 10000, rotate-half layout; nothing is added to the embeddings, so no table bounds the
+    # training length; not with model.arch = "transformer_xl", which has its own relative
+    # positions)
+    pos_emb: str = "learned"
     pool: str = "mean"  # classifier pooling: "mean" over real tokens | "first" token
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and losses always run in float32
@@ -1210,7 +1215,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_kv_heads(m)
     if not 0.0 <= m.dropout < 1.0:
         _fail("model.dropout", m.dropout, "must be in [0, 1)")
-    _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal"))
+    _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal", "rope"))
+    if m.pos_emb == "rope" and m.dims_per_head() % 2:
+        _fail("model.pos_emb", m.pos_emb, f"RoPE rotates pairs of dims, and each head has "
+              f"{m.dims_per_head()} (odd); set model.head_dim (or model.width / model.num_heads) "
+              "even, or use model.pos_emb='learned'")
     _check_choice("model.pool", m.pool, ("mean", "first"))
     _check_choice("model.param_dtype", m.param_dtype, DTYPES)
     _check_choice("model.dtype", m.dtype, DTYPES)
@@ -1235,6 +1244,9 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if not isinstance(m.mem_len, int) or m.mem_len < 0:
         _fail("model.mem_len", m.mem_len, "must be an integer >= 0 (0: = data.seq_len)")
     if m.arch == "transformer_xl":
+        if m.pos_emb == "rope":
+            _fail("model.pos_emb", m.pos_emb, "model.arch='transformer_xl' has its own relative "
+                  "positions (which ignore model.pos_emb); set model.pos_emb='learned'")
         if m.kind != "lm":
             _fail("model.arch", m.arch, "Transformer-XL memory is for causal LMs; set model.kind='lm'")
         if cfg.attention.name != "dense":
@@ -1338,10 +1350,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                   "raise data.listops_num_train above it")
     from hpnlp.data.tokenizers import KINDS as tokenizer_kinds
     _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
+    # sinusoidal and rope positions have no table: rows longer than model.max_len train, and
+    # only decoding (generate: length <= model.max_len, the cache's size) is bounded by it
     if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch != "transformer_xl":
         _fail("data.seq_len", d.seq_len,
               f"must be <= model.max_len={m.max_len} (the learned position table); "
-              "raise model.max_len or use model.pos_emb='sinusoidal'")
+              "raise model.max_len or use model.pos_emb='sinusoidal' or 'rope'")
     if any(b <= 0 or b > d.seq_len for b in d.bucket_boundaries):
         _fail("data.bucket_boundaries", d.bucket_boundaries,
               f"every boundary must be in [1, data.seq_len={d.seq_len}]")

@@ -155,6 +155,10 @@ def test_task_fields_are_filled_in():
                                                        "structure": "structured"}}},
      "train.prune.structure", "train.prune.layers='mlp'"),
     ({"model": {"reversible": True, "remat": "full"}}, "model.remat", "model.reversible=True"),
+    ({"model": {"pos_emb": "alibi"}}, "model.pos_emb", "'rope'"),
+    ({"model": {"pos_emb": "rope", "arch": "transformer_xl"}}, "model.pos_emb",
+     "set model.pos_emb='learned'"),
+    ({"model": {"pos_emb": "rope", "width": 36}}, "model.pos_emb", "9 (odd)"),
     # Found by the crash hunt (tests/test_crash_hunt.py): each failed at init or went NaN.
     ({"output": {"name": "adaptive"}}, "output.name", "not ranked by frequency"),
     ({"output": {"name": "sampled", "options": {"sampler": "log_uniform"}}},
@@ -177,6 +181,14 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     if hint:
         assert hint in msg, msg
     assert time.perf_counter() - t0 < 5.0  # no data set built, nothing compiled
+
+
+def test_rope_and_sinusoidal_train_past_max_len():
+    """No table bounds their positions (only decoding's cache, generate's own check)."""
+    for pos_emb in ("sinusoidal", "rope"):
+        validate(base(model={"pos_emb": pos_emb}, data={"seq_len": 128}), num_devices=1)
+    with pytest.raises(ConfigError, match="model.pos_emb='sinusoidal' or 'rope'"):
+        validate(base(data={"seq_len": 128}), num_devices=1)
 
 
 def test_xla_attention_refuses_packing_by_name():

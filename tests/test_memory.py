@@ -125,8 +125,9 @@ def test_each_remat_policy_saves_what_it_says(lm_params):
     assert kept["none"][0] - kept["elementwise"][0] >= depth * 4 * B * L * (2 * E + 32)
 
 
-def rev_stack(depth=2, recompute=True, causal=True, deterministic=False, dropout=0.1):
-    m = make_cfg(depth=depth, dropout=dropout, reversible=True).model
+def rev_stack(depth=2, recompute=True, causal=True, deterministic=False, dropout=0.1,
+              pos_emb="learned"):
+    m = make_cfg(depth=depth, dropout=dropout, reversible=True, pos_emb=pos_emb).model
     return ReversibleStack(m, AttentionConfig(), causal=causal, deterministic=deterministic,
                            recompute=recompute)
 
@@ -137,19 +138,24 @@ def rev_inputs(depth=2, seed=0):
     return random_params(rev_stack(depth), x_BLE, seg_BL), x_BLE, seg_BL
 
 
-def rev_loss(module, seg_BL):
+def rev_loss(module, seg_BL, pos_BL=None):
     def loss(params, x_BLE):
-        y_BLE = module.apply({"params": params}, x_BLE, seg_BL, rngs=RNGS)
+        y_BLE = module.apply({"params": params}, x_BLE, seg_BL, pos_BL, rngs=RNGS)
         return jnp.sum(jnp.sin(y_BLE) * jnp.arange(E, dtype=jnp.float32).reshape(1, 1, E)), y_BLE
     return loss
 
 
-def test_reversible_custom_vjp_matches_plain_autodiff():
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_reversible_custom_vjp_matches_plain_autodiff(pos_emb):
+    """(rope: the attention halves get the positions beside the segment ids, in the replayed
+    backward too.)"""
     params, x_BLE, seg_BL = rev_inputs()
-    grad = lambda rec: jax.value_and_grad(rev_loss(rev_stack(recompute=rec), seg_BL),
-                                          argnums=(0, 1), has_aux=True)
-    other_key = lambda p, x: rev_stack().apply({"params": p}, x, seg_BL,
-                                               rngs={**RNGS, "dropout": jax.random.key(9)})
+    pos_BL = jnp.asarray(lm_batch()["positions"]) if pos_emb == "rope" else None
+    grad = lambda rec: jax.value_and_grad(  # noqa: E731
+        rev_loss(rev_stack(recompute=rec, pos_emb=pos_emb), seg_BL, pos_BL),
+        argnums=(0, 1), has_aux=True)
+    other_key = lambda p, x: rev_stack(pos_emb=pos_emb).apply(  # noqa: E731
+        {"params": p}, x, seg_BL, pos_BL, rngs={**RNGS, "dropout": jax.random.key(9)})
     ((_, y), g), ((_, y_ref), g_ref), y2 = run_fast(
         lambda p, x: (grad(True)(p, x), grad(False)(p, x), other_key(p, x)), params, x_BLE)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -176,9 +182,10 @@ def test_reversible_keeps_causality_and_segments():
     assert float(jnp.max(jnp.abs(z2[0, 8:] - z[0, 8:]))) > 1e-3
 
 
-def test_reversible_decode_matches_forward():
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_reversible_decode_matches_forward(pos_emb):
     """Decoding runs the bound blocks; training the pure functions: the same model."""
-    cfg = make_cfg(reversible=True, dropout=0.0)
+    cfg = make_cfg(reversible=True, dropout=0.0, pos_emb=pos_emb)
     batch = lm_batch(lengths=(L, L))
     model = models.build(cfg, deterministic=True)
     params = random_params(model, batch, scale=0.1)

@@ -232,6 +232,105 @@ def test_grouped_query_attention_is_multi_head_with_shared_key_value_heads():
         np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5, err_msg=attention)
 
 
+def test_rotary_is_a_rotation_that_sees_only_relative_positions():
+    """RoPE keeps every head's norm, leaves position 0 as is, and q_m . k_n depends on m - n
+    only: shifting both positions by the same amount changes no dot product."""
+    from hpnlp.models.transformer import rotary
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, L, 3, 8))
+    pos = jnp.asarray(np.arange(L)[None] * 7, jnp.int32)  # angles past 2 pi too
+    rq, rk = rotary(q, pos), rotary(k, pos)
+    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(rotary(q, jnp.zeros_like(pos)), q)
+    dots = lambda a, b: jnp.einsum("blhd,bshd->bhls", a, b)  # noqa: E731
+    shift = 1000 + pos  # every position moved by 1000
+    np.testing.assert_allclose(dots(rotary(q, shift), rotary(k, shift)), dots(rq, rk), atol=2e-4)
+    # ...and it is not the identity: rotated dots differ from the plain ones
+    assert float(jnp.max(jnp.abs(dots(rq, rk) - dots(q, k)))) > 1e-2
+    # same m - n from other pairs: query at 5 against key at 2 == query at 9 against key at 6
+    one = lambda x, p: rotary(x[:, :1], jnp.full((1, 1), p, jnp.int32))  # noqa: E731
+    np.testing.assert_allclose(dots(one(q, 5), one(k, 2)), dots(one(q, 9), one(k, 6)), atol=1e-5)
+
+
+def _decoder(cfg):
+    dec = models.build(cfg, deterministic=True, decode=True)
+    cache = jax.jit(lambda tok: dec.init(jax.random.key(0), tok, method="decode_step")["cache"])(
+        jnp.zeros((B, 1), jnp.int32))
+    many = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok,
+                                               method="decode_tokens", mutable=["cache"]))
+    return cache, many
+
+
+@pytest.mark.parametrize("kv_heads,attention", [(0, "dense"), (2, "dense"), (2, "sliding_window")])
+def test_rope_lm_decodes_like_its_forward_pass(kv_heads, attention):
+    """pos_emb='rope': token-by-token decoding, K tokens a call (prefill), rows at positions of
+    their own (speculative decoding's rewind) and generate's prefill all match the forward
+    pass; with grouped key/value heads (the exact cache keeps G rotated heads) and with a
+    variant's own cache (sliding_window's ring of repeated heads)."""
+    from hpnlp.models.speculative import rewind
+    cfg = make_cfg("lm", pos_emb="rope", num_kv_heads=kv_heads)
+    if attention == "sliding_window":  # a window of every key: exact, its own ring cache
+        cfg = dataclasses.replace(cfg, attention=AttentionConfig(attention, {"block_size": 8,
+                                                                             "window": L}))
+    batch = lm_batch(lengths=(L, L))
+    model, params = init(cfg, batch)
+    assert "pos_embedding" not in params["trunk"]
+    full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
+    cache0, many = _decoder(cfg)
+    cache, steps = cache0, []
+    for t in range(L):
+        lp, upd = many(params, cache, batch["inputs"][:, t:t + 1])
+        cache = upd["cache"]
+        steps.append(lp[:, 0])
+    np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
+    if attention != "dense":  # the rest needs the exact cache (several tokens a call)
+        return
+    lp, upd = many(params, cache0, batch["inputs"][:, :10])  # prefill
+    np.testing.assert_allclose(lp, full[:, :10], atol=2e-5)
+    # rows rewound to positions of their own, then 4 tokens each from there
+    start = jnp.asarray([3, 6], jnp.int32)
+    toks = jnp.stack([batch["inputs"][0, 3:7], batch["inputs"][1, 6:10]])
+    lp, _ = many(params, rewind(upd["cache"], start), toks)
+    np.testing.assert_allclose(lp[0], full[0, 3:7], atol=2e-5)
+    np.testing.assert_allclose(lp[1], full[1, 6:10], atol=2e-5)
+    prompt = batch["inputs"][:, :5]  # generate with the prefill == one token a step
+    np.testing.assert_array_equal(models.generate(cfg, params, prompt, length=12),
+                                  models.generate(cfg, params, prompt, jnp.array([5, 5]), length=12))
+
+
+@pytest.mark.parametrize("attention", ["dense", "chunked"])
+def test_rope_packed_segments_equal_separate_rows(attention):
+    """Under packing each segment's positions restart at 0 (`pos_BL`), so with rope a row
+    packing two sequences gives each the log-probs it gets alone in its own row."""
+    cfg = make_cfg("lm", attention, pos_emb="rope")
+    a, b = 7, 9  # two sequences filling one row of L = 16
+    toks = np.asarray(lm_batch()["inputs"])
+    packed_seg = np.asarray([[1] * a + [2] * b] * B, np.int32)
+    packed = {"inputs": np.stack([np.concatenate([toks[0, :a], toks[1, :b]])] * B),
+              "segment_ids": packed_seg, "positions": np.tile(np.r_[np.arange(a), np.arange(b)], (B, 1)).astype(np.int32)}
+    alone_seg = (np.arange(L)[None] < np.asarray([[a], [b]])).astype(np.int32)
+    alone = {"inputs": np.stack([np.pad(toks[0, :a], (0, L - a)), np.pad(toks[1, :b], (0, L - b))]),
+             "segment_ids": alone_seg, "positions": np.asarray(positions_of(alone_seg))}
+    for bt in (packed, alone):
+        bt["targets"] = bt["inputs"]
+    model, params = init(cfg, packed)
+    log_probs = jax.jit(lambda b: model.apply({"params": params}, b, method="log_probs"))
+    lp_packed, lp_alone = log_probs(packed), log_probs(alone)
+    np.testing.assert_allclose(lp_packed[0, :a], lp_alone[0, :a], atol=2e-5)
+    np.testing.assert_allclose(lp_packed[0, a:], lp_alone[1, :b], atol=2e-5)
+
+
+def test_sinusoidal_and_rope_run_past_max_len():
+    """Rows longer than model.max_len (which config allows for both): the same log-probs as
+    with a table long enough (the sinusoidal table once read NaN past max_len)."""
+    batch = lm_batch()
+    for pos_emb in ("sinusoidal", "rope"):
+        model, params = init(make_cfg("lm", pos_emb=pos_emb), batch)
+        short = models.build(make_cfg("lm", pos_emb=pos_emb, max_len=L // 2), deterministic=True)
+        want, got = (jax.jit(lambda b, m=m: m.apply({"params": params}, b, method="log_probs"))(batch)
+                     for m in (model, short))
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_tied_embeddings_drop_the_output_matrix():
     batch = lm_batch()
     _, untied = init(make_cfg("lm"), batch)

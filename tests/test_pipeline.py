@@ -94,13 +94,16 @@ def test_stacked_trunk_matches_per_block_trunk():
         chex.assert_trees_all_close(grads, want_grads, atol=1e-5, rtol=1e-5)
 
 
-def test_stacked_trunk_decodes_like_per_block_trunk():
-    """Decode mode scans the stacked blocks over a stacked cache: same log-probs per token."""
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_stacked_trunk_decodes_like_per_block_trunk(pos_emb):
+    """Decode mode scans the stacked blocks over a stacked cache: same log-probs per token
+    (rope: the scan hands every layer the positions beside the segment ids)."""
     depth, B = 2, 2
     tok_B1 = jnp.zeros((B, 1), jnp.int32)
     steps = []
     for stack in (False, True):
-        cfg = validate(from_configdict(tiny(depth=depth, stack_layers=stack)), num_devices=1)
+        cfg = validate(from_configdict(tiny(depth=depth, stack_layers=stack, pos_emb=pos_emb)),
+                       num_devices=1)
         model = models.build(cfg, deterministic=True, decode=True)
         shapes = jax.eval_shape(functools.partial(model.init, method="decode_step"),
                                 jax.random.key(0), tok_B1)
@@ -108,8 +111,9 @@ def test_stacked_trunk_decodes_like_per_block_trunk():
         step = jax.jit(lambda p, c, t, model=model: model.apply(
             {"params": p, "cache": c}, t, method="decode_step", mutable=["cache"]))
         steps.append((step, cache))
-    params = random_params(models.build(validate(from_configdict(tiny(depth=depth, stack_layers=False)),
-                                                 num_devices=1), deterministic=True), lm_batch())
+    params = random_params(models.build(validate(from_configdict(
+        tiny(depth=depth, stack_layers=False, pos_emb=pos_emb)), num_devices=1), deterministic=True),
+        lm_batch())
     (step_p, cache_p), (step_s, cache_s) = steps
     assert cache_s["trunk"]["blocks"]["attention"]["state"]["k"].shape[0] == depth
     for tok in ([3, 7], [200, 1], [5, 5], [9, 0]):

@@ -323,3 +323,21 @@ def test_float16_master_weights_are_refused():
     cd.model.param_dtype = "float16"
     with pytest.raises(ConfigError, match="model.param_dtype"):
         validate(from_configdict(cd))
+
+
+def test_resume_under_another_pos_emb_is_another_model(tmp_path):
+    """model.pos_emb is in the checkpoint's shape signature: rope has no position table and
+    rotates the attention, so its checkpoints are another model's, named as such."""
+    from hpnlp.config import validate
+    from hpnlp.train.checkpoint import Checkpointer
+    def cfg(pos_emb):
+        cd = tiny(steps=10)
+        cd.model.pos_emb = pos_emb
+        return validate(from_configdict(cd), num_devices=1)
+    ck = Checkpointer(str(tmp_path), cfg("rope"), keep=1)
+    ck.save(10, {"x": np.zeros(2)}, {}, {})
+    ck.close()
+    for other in ("learned", "sinusoidal"):
+        with pytest.raises(CheckpointMismatch, match=r"model.pos_emb: saved 'rope', now '%s'" % other):
+            Checkpointer(str(tmp_path), cfg(other), keep=1)
+    Checkpointer(str(tmp_path), cfg("rope"), keep=1).close()  # the same model resumes

@@ -22,7 +22,8 @@ Choices (Trax's Reformer does the first; we differ on the second):
   bfloat16 stream would lose ~3 significant digits per block).
 - Dropout and random features: every F and G gets its own `dropout` / `features` keys,
   passed in explicitly, so the recompute in the backward draws the same masks and features.
-- Padding and causality: F calls the same attention with the same segment ids.
+- Padding and causality: F calls the same attention with the same segment ids (and, for
+  model.pos_emb = "rope", the same positions: the halves' `seg` argument is the pair).
 
 Shape letters as in `transformer.py`.
 """
@@ -53,10 +54,10 @@ class AttentionHalf(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x_BLE, seg_BL):
+    def __call__(self, x_BLE, seg_BL, pos_BL=None):
         m = self.model
         h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
-                                   name="attention")(layer_norm(m, "norm")(x_BLE), seg_BL)
+                                   name="attention")(layer_norm(m, "norm")(x_BLE), seg_BL, pos_BL)
         h_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(h_BLE)
         return nn.with_logical_constraint(h_BLE.astype(jnp.float32),
                                           ("batch", "length", "activation_embed"))
@@ -77,8 +78,9 @@ class MlpHalf(nn.Module):
                                           ("batch", "length", "activation_embed"))
 
 
-# A half as a pure function: (its params, input [B, L, E], segment ids [B, L], rngs) -> output
-# [B, L, E] float32. Segments go in as an argument, not a closure, so `custom_vjp` sees them.
+# A half as a pure function: (its params, input [B, L, E], (segment ids, positions) [B, L] each,
+# rngs) -> output [B, L, E] float32. They go in as an argument, not a closure, so `custom_vjp`
+# sees them (positions are None but for model.pos_emb = "rope").
 HalfFn = Callable[[Any, Any, Any, dict], Any]
 
 
@@ -142,8 +144,8 @@ class RevBlock(nn.Module):
                                self.decode)
         self.g = MlpHalf(self.model, self.deterministic)
 
-    def __call__(self, x1_BLE, x2_BLE, seg_BL):
-        x1_BLE = x1_BLE + self.f(x2_BLE, seg_BL)
+    def __call__(self, x1_BLE, x2_BLE, seg_BL, pos_BL=None):
+        x1_BLE = x1_BLE + self.f(x2_BLE, seg_BL, pos_BL)
         return x1_BLE, x2_BLE + self.g(x1_BLE)
 
 
@@ -163,19 +165,20 @@ class ReversibleStack(nn.Module):
     recompute: bool = True
 
     @nn.compact
-    def __call__(self, x_BLE, seg_BL):
+    def __call__(self, x_BLE, seg_BL, pos_BL=None):
         m = self.model
         x1_BLE = x2_BLE = x_BLE.astype(jnp.float32)
         if self.is_initializing() or self.decode:
             # Creating params, or decoding with a mutable cache: run the blocks bound.
             for i in range(m.depth):
                 x1_BLE, x2_BLE = RevBlock(m, self.attention, self.causal, self.deterministic,
-                                          self.decode, name=f"block_{i}")(x1_BLE, x2_BLE, seg_BL)
+                                          self.decode, name=f"block_{i}")(x1_BLE, x2_BLE, seg_BL,
+                                                                          pos_BL)
         else:
             # Pure functions of explicit params and keys, so the backward can replay them.
             f_mod = AttentionHalf(m, self.attention, self.causal, self.deterministic, parent=None)
             g_mod = MlpHalf(m, self.deterministic, parent=None)
-            f = lambda p, h, seg, r: f_mod.apply({"params": p}, h, seg, rngs=r)
+            f = lambda p, h, seg_pos, r: f_mod.apply({"params": p}, h, *seg_pos, rngs=r)
             g = lambda p, h, seg, r: g_mod.apply({"params": p}, h, rngs=r)
             variables = nn.meta.unbox(self.variables["params"])
             params = [(variables[f"block_{i}"]["f"], variables[f"block_{i}"]["g"])
@@ -185,6 +188,6 @@ class ReversibleStack(nn.Module):
                     for _ in range(m.depth)]
             run = reversible_stack([f] * m.depth, [g] * m.depth) if self.recompute else \
                 functools.partial(plain_stack, [f] * m.depth, [g] * m.depth)
-            x1_BLE, x2_BLE = run(params, x1_BLE, x2_BLE, seg_BL, rngs)
+            x1_BLE, x2_BLE = run(params, x1_BLE, x2_BLE, (seg_BL, pos_BL), rngs)
         out_BLE = ((x1_BLE + x2_BLE) * 0.5).astype(x_BLE.dtype)
         return nn.with_logical_constraint(out_BLE, ("batch", "length", "activation_embed"))

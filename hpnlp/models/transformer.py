@@ -2,7 +2,7 @@
 
 Shape letters: B batch, L length, E width (d_model), H heads, G key/value heads
 (model.num_kv_heads; H where it is 0), D head dim (E / H), F MLP width, T cache length
-(model.max_len).
+(model.max_len), R rotary frequencies (D / 2).
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`; `layers` on
 the stacked blocks of `model.stack_layers`, which parallel/pipeline.py runs) and
@@ -70,6 +70,32 @@ def repeat_kv_heads(x_BLGD, num_heads: int):
     return x_BLGD if G == num_heads else jnp.repeat(x_BLGD, num_heads // G, axis=2)
 
 
+ROPE_BASE = 10000.0  # RoPE's theta (Su et al. 2021)
+
+
+def rotary(x_BLHD, pos_BL, *, base: float = ROPE_BASE):
+    """Rotary position embedding (RoPE, Su et al. 2021): each pair of dims of each head is
+    rotated by the angle pos * base^(-2r/D), r = 0..D/2-1. The one idea: a query rotated by m
+    and a key rotated by n meet in the dot product as a rotation by m - n, so attention sees
+    only relative positions and no table bounds the length.
+
+    Layout "rotate-half" (GPT-NeoX; Hugging Face's LLaMA): dim r pairs with dim r + D/2 (the
+    paper's interleaved layout pairs 2r with 2r + 1; the two are the same function up to a
+    fixed permutation of the projections' output dims). Computed in float32, returned in x's
+    dtype. `pos_BL` is each token's position: per segment under packing, the cache's
+    positions when decoding."""
+    D = x_BLHD.shape[-1]
+    R = D // 2
+    inv_11R = jnp.asarray(base ** (-np.arange(R, dtype=np.float64) * 2 / D), jnp.float32)[None, None]
+    ang_BL1R = (pos_BL.astype(jnp.float32)[..., None] * inv_11R)[:, :, None]
+    cos_BL1R, sin_BL1R = jnp.cos(ang_BL1R), jnp.sin(ang_BL1R)
+    xf_BLHD = x_BLHD.astype(jnp.float32)
+    x1_BLHR, x2_BLHR = xf_BLHD[..., :R], xf_BLHD[..., R:]
+    out_BLHD = jnp.concatenate([x1_BLHR * cos_BL1R - x2_BLHR * sin_BL1R,
+                                x2_BLHR * cos_BL1R + x1_BLHR * sin_BL1R], axis=-1)
+    return out_BLHD.astype(x_BLHD.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """Fused QKV projection, a registry attention variant, output projection.
 
@@ -82,6 +108,11 @@ class MultiHeadAttention(nn.Module):
     group's repeated), so every variant runs it; decoding with the exact key/value cache
     keeps only the G heads (the cache and the time each step reads it shrink H / G times),
     other variants' caches hold the repeated heads.
+
+    With `model.pos_emb = "rope"` the queries and the G key heads are rotated (`rotary`) at
+    `pos_BL` after the projection, before the heads are repeated, cached or handed to the
+    variant: every variant and every decode cache then sees rotated keys (the exact cache
+    stores them; decoding passes the cache's positions as `pos_BL`).
     """
 
     model: ModelConfig
@@ -91,7 +122,7 @@ class MultiHeadAttention(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x_BLE, seg_BL):
+    def __call__(self, x_BLE, seg_BL, pos_BL=None):
         m = self.model
         dt, pdt = dtypes(m)
         H, D, G = m.num_heads, m.dims_per_head(), m.kv_heads()
@@ -113,6 +144,11 @@ class MultiHeadAttention(nn.Module):
             kv_BL2GD = projection("kv", "ble,ekgd->blkgd", (m.width, 2, G, D),
                                   ("embed", None, "kv_heads", "kv"))
             k_BLGD, v_BLGD = kv_BL2GD[:, :, 0], kv_BL2GD[:, :, 1]
+        if m.pos_emb == "rope":
+            if pos_BL is None:
+                raise ValueError("model.pos_emb='rope' rotates queries and keys by position; "
+                                 "pass the tokens' positions pos_BL to the attention block")
+            q_BLHD, k_BLGD = rotary(q_BLHD, pos_BL), rotary(k_BLGD, pos_BL)
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         k_BLHD, v_BLHD = repeat_kv_heads(k_BLGD, H), repeat_kv_heads(v_BLGD, H)
         if self.decode:
@@ -256,11 +292,13 @@ class Block(nn.Module):
     index: int = 0  # which block (model.moe picks its MoE blocks by it)
 
     @nn.compact
-    def __call__(self, x_BLE, seg_BL):
+    def __call__(self, x_BLE, seg_BL, pos_BL=None):
+        """`pos_BL`: the tokens' positions, which only `model.pos_emb = "rope"` reads."""
         m = self.model
         drop = functools.partial(nn.Dropout, rate=m.dropout, deterministic=self.deterministic)
         h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
-                                   name="attention")(layer_norm(m, "norm1")(x_BLE), seg_BL)
+                                   name="attention")(layer_norm(m, "norm1")(x_BLE), seg_BL,
+                                                     pos_BL)
         x_BLE = x_BLE + drop()(h_BLE)
         x_BLE = x_BLE + drop()(feed_forward(m, layer_norm(m, "norm2")(x_BLE), seg_BL,
                                             index=self.index, deterministic=self.deterministic,
@@ -281,6 +319,9 @@ class Trunk(nn.Module):
     """Token + position embeddings, `depth` blocks, final LayerNorm -> hidden [B, L, E].
 
     `embed` is passed in (not created here) so that a tied output layer can share it.
+    `model.pos_emb`: "learned" and "sinusoidal" add a table row per position to the token
+    embeddings; "rope" adds nothing and hands `pos_BL` to every block, whose attention
+    rotates its queries and keys (`rotary`).
     """
 
     model: ModelConfig
@@ -297,26 +338,28 @@ class Trunk(nn.Module):
         if m.pos_emb == "learned":
             table_TE = self.param("pos_embedding", _init(nn.initializers.normal(0.02), (None, "embed")),
                                   (m.max_len, m.width), pdt)
-        else:
-            table_TE = jnp.asarray(sinusoidal_table(m.max_len, m.width))
-        x_BLE = x_BLE + jnp.take(table_TE, pos_BL, axis=0).astype(dt)
+        elif m.pos_emb == "sinusoidal":  # positions < L in a row, < max_len in a cache
+            table_TE = jnp.asarray(sinusoidal_table(max(m.max_len, tokens_BL.shape[1]), m.width))
+        if m.pos_emb != "rope":
+            x_BLE = x_BLE + jnp.take(table_TE, pos_BL, axis=0).astype(dt)
+        block_pos_BL = pos_BL if m.pos_emb == "rope" else None
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = remat_block(Block, m)
         if m.reversible:  # backward recomputes block inputs from outputs (models/reversible.py)
             from hpnlp.models.reversible import ReversibleStack  # it imports this module
             x_BLE = ReversibleStack(m, self.attention, self.causal, self.deterministic, self.decode,
-                                    name="reversible")(x_BLE, seg_BL)
+                                    name="reversible")(x_BLE, seg_BL, block_pos_BL)
         elif m.stack_layers:  # one [depth, ...] tree: nn.scan, or GPipe stages over `pipeline`
             from hpnlp.parallel import pipeline
             make = functools.partial(block_cls, m, self.attention, self.causal, self.deterministic,
                                      self.decode)
             x_BLE = pipeline.stacked_blocks(self, make, x_BLE, seg_BL, depth=m.depth,
-                                            decode=self.decode)
+                                            decode=self.decode, pos_BL=block_pos_BL)
         else:
             for i in range(m.depth):
                 x_BLE = block_cls(m, self.attention, self.causal, self.deterministic, self.decode,
-                                  index=i, name=f"block_{i}")(x_BLE, seg_BL)
+                                  index=i, name=f"block_{i}")(x_BLE, seg_BL, block_pos_BL)
         return LayerNorm(dtype=dt, param_dtype=pdt, name="final_norm",
                          scale_init=_init(nn.initializers.ones, ("embed",)),
                          bias_init=_init(nn.initializers.zeros, ("embed",)))(x_BLE)

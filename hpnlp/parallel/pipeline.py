@@ -72,8 +72,17 @@ def pipeline_stages(axis: str = AXIS) -> int:
 
 def _to_micro(x_B, M: int):
     """[B, ...] -> [M, B/M, ...]; microbatch i = rows i, i+M, ... so each keeps a share of
-    every data-parallel shard (as `train.step._split_microbatches`)."""
+    every data-parallel shard (as `train.step._split_microbatches`). A tuple (segment ids
+    and positions): each."""
+    if isinstance(x_B, tuple):
+        return tuple(_to_micro(x, M) for x in x_B)
     return x_B.reshape((x_B.shape[0] // M, M) + x_B.shape[1:]).swapaxes(0, 1)
+
+
+def _block_args(seg_BL) -> tuple:
+    """What every layer reads besides the activations, as the block's extra arguments:
+    segment ids [B, L], or the pair (segment ids, positions) of model.pos_emb = "rope"."""
+    return seg_BL if isinstance(seg_BL, tuple) else (seg_BL,)
 
 
 def _from_micro(x_M):
@@ -83,10 +92,11 @@ def _from_micro(x_M):
 def scan_blocks(block: nn.Module, x_BLE, seg_BL, *, length: int):
     """`length` copies of `block` as one stacked parameter tree [layers, ...], via nn.scan.
 
-    Activations are the carry; segment ids are broadcast to every layer. Each layer gets
+    Activations are the carry; segment ids (and positions: `_block_args`) are broadcast to
+    every layer. Each layer gets
     its own params, dropout and features keys (split_rngs) and decode cache (variable_axes).
     """
-    scan = nn.scan(lambda blk, x, seg: (blk(x, seg), None),
+    scan = nn.scan(lambda blk, x, seg: (blk(x, *_block_args(seg)), None),
                    # quant / calib / qexport / qserve: hpnlp.compress, one entry per layer
                    # aux: what a layer reports (hpnlp.moe), one entry per layer
                    variable_axes={"params": 0, "cache": 0, "quant": 0, "calib": 0, "qexport": 0,
@@ -111,7 +121,7 @@ def apply_layers(block: nn.Module, params, x_bLE, seg_bL, rngs: dict, *, first_l
         keys = {s: jax.random.fold_in(k, first_layer + j) for s, k in rngs.items()}
         if "dropout" in keys:
             keys["dropout"] = jax.random.fold_in(keys["dropout"], microbatch)
-        return block.apply({"params": p}, x_bLE, seg_bL, rngs=keys), None
+        return block.apply({"params": p}, x_bLE, *_block_args(seg_bL), rngs=keys), None
 
     x_bLE, _ = lax.scan(layer, x_bLE, (params, jnp.arange(n)))
     return x_bLE
@@ -163,8 +173,10 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
             i = jnp.clip(mb, 0, M - 1)
             in_bLE = jnp.where(stage == 0, x_MbLE[i], held_bLE)
             # Segment ids are replicated over stages: each stage reads its microbatch's rows
-            # (no transfer). Positions only feed the embedding, before the pipeline.
-            y_bLE = stage_fn(params_local, in_bLE.astype(dtype), seg_MbL[i], rngs,
+            # (no transfer). Positions feed the embedding, before the pipeline, and with
+            # model.pos_emb = "rope" every layer (then seg_MbL is the pair).
+            seg_bL = jax.tree.map(lambda a: a[i], seg_MbL)
+            y_bLE = stage_fn(params_local, in_bLE.astype(dtype), seg_bL, rngs,
                              first_layer=stage * per_stage, microbatch=i).astype(jnp.float32)
             # Bubble ticks (mb outside [0, M)) compute on stale inputs; their results are
             # dropped here, so they get no gradient.
@@ -194,14 +206,17 @@ def gpipe_reference(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None
 
 
 def stacked_blocks(parent: nn.Module, make_block: Callable[..., nn.Module], x_BLE, seg_BL, *,
-                   depth: int, decode: bool = False, name: str = "blocks"):
+                   depth: int, decode: bool = False, name: str = "blocks", pos_BL=None):
     """`depth` blocks stored as one stacked tree `name` inside `parent` (a Trunk, called
     from its compact `__call__`): a GPipe pipeline when the current mesh has a pipeline
     axis of size > 1, else (and in decode mode and at init) one `nn.scan`.
 
     `make_block(**kw)` builds a block (remat or not) with the module's fields bound. The
-    microbatch count comes from the `use_microbatches` context (0 or unset: P).
+    microbatch count comes from the `use_microbatches` context (0 or unset: P). `pos_BL`
+    (model.pos_emb = "rope"): every block's positions, passed beside the segment ids.
     """
+    if pos_BL is not None:
+        seg_BL = (seg_BL, pos_BL)
     P = pipeline_stages()
     if P == 1 or decode or parent.is_initializing():
         return scan_blocks(make_block(name=name), x_BLE, seg_BL, length=depth)
