@@ -98,6 +98,11 @@ class QuantConfig:
     # Which products: "all" or a comma list of QUANT_LAYERS (e.g. "qkv,out,mlp" keeps the
     # output layer in float, as low-bit recipes usually do).
     layers: str = "all"
+    # Decoding's key/value cache (generate, speculative decoding): "none" (the model's dtype)
+    # | "int8" (codes with a float32 scale per position and key/value head, read by the cache
+    # kernel at a quarter of float32's bytes; attention/cache_cpu.py). Training, eval and the
+    # weights are unchanged, so a trained run can decode with it.
+    kv_cache: str = "none"
 
     @property
     def enabled(self) -> bool:
@@ -1180,6 +1185,24 @@ def _check_compress(cfg: Config) -> None:
                       "(groups split each product's contraction)")
 
 
+def _check_kv_cache(cfg: Config) -> None:
+    from hpnlp import attention  # the registry; imported late to avoid cycles
+
+    m, q = cfg.model, cfg.model.quant
+    _check_choice("quant.kv_cache", q.kv_cache, ("none", "int8"))
+    if q.kv_cache == "none":
+        return
+    if m.kind != "lm" or m.arch != "transformer":
+        _fail("quant.kv_cache", q.kv_cache, f"is the key/value cache a Transformer LM decodes "
+              f"through (model.kind='lm', model.arch='transformer'); this is kind={m.kind!r}, "
+              f"arch={m.arch!r}; set quant.kv_cache='none'")
+    if not attention.get(cfg.attention.name).exact_cache():
+        _fail("quant.kv_cache", q.kv_cache, f"attention.name={cfg.attention.name!r} decodes "
+              "through a cache of its own, not the exact key/value cache that int8 codes "
+              "replace; use a variant that keeps it (e.g. dense or chunked) or "
+              "quant.kv_cache='none'")
+
+
 def _check_kv_heads(m: ModelConfig) -> None:
     G = m.num_kv_heads
     if not isinstance(G, int) or isinstance(G, bool) or G < 0:
@@ -1266,6 +1289,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.stack_layers", True, "reversible blocks keep their own stack "
               "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
     _check_quant(m.quant, m)
+    _check_kv_cache(cfg)
     _check_compress(cfg)
     _check_lowrank(cfg)
     _check_memory(cfg)

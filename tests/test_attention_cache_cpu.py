@@ -2,7 +2,8 @@
 against its XLA twin in float32 (1e-5) and bfloat16, on head dims no vector divides,
 several new queries, a first query that sees no key, an index past the cache, a position per
 row, one and two threads; its gradients; that every variant's default decode step runs it (and
-`impl='xla'` does not); and clear errors where it cannot run."""
+`impl='xla'` does not); an int8 cache (`quant.kv_cache`) the same ways; and clear errors where
+it cannot run."""
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +44,11 @@ def _qkv(B, L, T, H, D, dtype, seed=0, G=None):
 
 
 def check_kernel_equals_twin():
-    """Every case, float32 and bfloat16, one and two threads (also run by the portable build's
-    test in test_kernel_tuning)."""
+    """Every case, float32 and bfloat16, one and two threads, and int8 caches (also run by
+    the portable build's test in test_kernel_tuning)."""
     # the twin jitted: one compile a shape, where eager calls compiled every op (0.5 s a case)
     twin = jax.jit(lambda q, k, v, i: CC.cached_attention(q, k, v, i, impl="xla"))
+    check_int8_kernel_equals_twin()
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -7)):
         for B, L, T, H, D, index, *G in CASES + GROUPED:
             q, k, v = _qkv(B, L, T, H, D, dtype, G=G[0] if G else None)
@@ -64,6 +66,39 @@ def check_kernel_equals_twin():
                 np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol,
                                            err_msg=f"{dtype.__name__} {(B, L, T, H, D, index, G)} "
                                                    f"threads={threads}")
+
+
+def check_int8_kernel_equals_twin():
+    """An int8 cache: the kernel against the twin (which dequantizes the whole cache) on every
+    case, float32 and bfloat16 queries."""
+    twin = jax.jit(lambda q, k, v, s, i: CC.cached_attention(q, k, v, i, scales=s, impl="xla"))
+    quantize = jax.jit(CC.quantize_kv)  # jitted: eager ops compile one by one
+    for B, L, T, H, D, index, *G in CASES + GROUPED:
+        q, k, v = _qkv(B, L, T, H, D, jnp.float32, seed=1, G=G[0] if G else None)
+        (kc, ks), (vc, vs) = quantize(k), quantize(v)
+        assert kc.dtype == jnp.int8 and ks.shape == k.shape[:3]
+        want = twin(q, kc, vc, (ks, vs), jnp.array(index))
+        for threads in (1, 2):
+            got = CC.cached_attention(q, kc, vc, jnp.array(index), scales=(ks, vs),
+                                      impl="kernel", threads=threads)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
+                                       err_msg=f"int8 {(B, L, T, H, D, index, G)} {threads}")
+        got = CC.cached_attention(q.astype(jnp.bfloat16), kc, vc, jnp.array(index),
+                                  scales=(ks, vs), impl="kernel")
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2 ** -6,
+                                   rtol=2 ** -6)
+
+
+def test_int8_codes_are_each_rows_absmax_scaled():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, 20)).at[0, 1, 2].set(0.0)
+    codes, scale = CC.quantize_kv(x)
+    assert codes.dtype == jnp.int8 and scale.shape == (2, 5, 3)
+    amax = jnp.max(jnp.abs(x), -1)
+    np.testing.assert_allclose(scale, jnp.where(amax > 0, amax / 127, 1.0), rtol=1e-6)
+    assert int(jnp.max(jnp.abs(codes))) == 127 and not codes[0, 1, 2].any()  # a zero row: 0s
+    back = CC.dequantize_kv(codes, scale)
+    assert float(jnp.max(jnp.abs(back - x) - scale[..., None] / 2)) <= 1e-7  # half a step
 
 
 def test_grouped_twin_is_each_group_repeated():
@@ -99,6 +134,24 @@ def test_gradients_equal_the_twins(G):
 
 
 @needs_kernel
+def test_int8_gradients_equal_the_twins():
+    """Through an int8 cache: the query's and the scales' gradients (the codes take none)."""
+    q, k, v = _qkv(2, 2, 24, 4, 16, jnp.float32, G=2)
+    (kc, ks), (vc, vs) = CC.quantize_kv(k), CC.quantize_kv(v)
+    w = jax.random.normal(jax.random.key(3), q.shape)
+
+    def loss(impl):
+        return lambda q, ks, vs: jnp.sum(CC.cached_attention(q, kc, vc, jnp.int32(9),
+                                                             scales=(ks, vs), impl=impl) * w)
+
+    got = jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, ks, vs)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, ks, vs)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert float(jnp.abs(got[1]).max()) > 0
+
+
+@needs_kernel
 @pytest.mark.parametrize("impl,runs", [("auto", True), ("xla", False)])
 def test_the_default_decode_step_runs_the_kernel(impl, runs):
     """`chunked` keeps the default cache: its decode step takes the kernel unless the
@@ -118,6 +171,31 @@ def test_the_default_decode_step_runs_the_kernel(impl, runs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("G", [2, 1])
+def test_an_int8_cache_decodes_what_attention_over_its_codes_computes(G):
+    """The default decode step with an int8 cache (`init_cache` of int8), one token a step
+    and then three in one call, equals dense attention over the keys and values quantized
+    per position and head: each position's codes do not depend on the others'."""
+    B, T, H, D = 2, 9, 4, 16
+    q, k, v = _qkv(B, T, T, H, D, jnp.float32, G=G)
+    attn = A.get("chunked")()
+    cache = attn.init_cache(B, T, G, D, jnp.int8)
+    assert cache["k"].dtype == jnp.int8 and cache["k_scale"].shape == (B, T, G)
+    step = jax.jit(attn.decode_step)
+    assert "hpnlp_cached_attention_i8" in str(jax.make_jaxpr(step)(cache, q[:, :1], k[:, :1],
+                                                                    v[:, :1]))
+    outs = []
+    for t in range(T - 3):
+        o, cache = step(cache, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+        outs.append(o)
+    o, cache = step(cache, q[:, T - 3:], k[:, T - 3:], v[:, T - 3:])
+    assert int(cache["index"]) == T
+    dq = lambda x: jnp.repeat(CC.dequantize_kv(*CC.quantize_kv(x)), H // G, 2)  # noqa: E731
+    full = A.get("dense")()(q, dq(k), dq(v), None, causal=True)
+    np.testing.assert_allclose(jnp.concatenate(outs + [o], 1), full, atol=1e-5)
+
+
+@needs_kernel
 def test_errors_say_what_cannot_run():
     q, k, v = _qkv(1, 1, 8, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="impl='kernel' cannot run here: dtypes"):
@@ -128,6 +206,13 @@ def test_errors_say_what_cannot_run():
         CC.cached_attention(q, k, v, jnp.array([3, 4]))
     with pytest.raises(ValueError, match="threads must be >= 1"):
         CC.cached_attention(q, k, v, 3, threads=0)
+    kc, ks = CC.quantize_kv(k)
+    with pytest.raises(ValueError, match=r"an int8 cache needs scales=\(k_scale, v_scale\)"):
+        CC.cached_attention(q, kc, kc, 3)
+    with pytest.raises(ValueError, match="scales need an int8 cache"):
+        CC.cached_attention(q, k, v, 3, scales=(ks, ks))
+    with pytest.raises(ValueError, match=r"scales must be \(k_scale, v_scale\), each \(1, 8, 2\)"):
+        CC.cached_attention(q, kc, kc, 3, scales=(ks, ks[:, :4]))
     # mixed dtypes under "auto": the twin runs
     np.testing.assert_allclose(CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3),
                                CC.cached_attention(q, k.astype(jnp.bfloat16), v, 3, impl="xla"))

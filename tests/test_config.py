@@ -159,6 +159,11 @@ def test_task_fields_are_filled_in():
     ({"model": {"pos_emb": "rope", "arch": "transformer_xl"}}, "model.pos_emb",
      "set model.pos_emb='learned'"),
     ({"model": {"pos_emb": "rope", "width": 36}}, "model.pos_emb", "9 (odd)"),
+    ({"quant": {"kv_cache": "int4"}}, "quant.kv_cache", "'int8'"),
+    ({"quant": {"kv_cache": "int8"}, "attention": {"name": "performer"}}, "quant.kv_cache",
+     "attention.name='performer' decodes through a cache of its own"),
+    ({"quant": {"kv_cache": "int8"}, "model": {"kind": "classifier"}, "data": {"task": "listops"}},
+     "quant.kv_cache", "set quant.kv_cache='none'"),
     # Found by the crash hunt (tests/test_crash_hunt.py): each failed at init or went NaN.
     ({"output": {"name": "adaptive"}}, "output.name", "not ranked by frequency"),
     ({"output": {"name": "sampled", "options": {"sampler": "log_uniform"}}},

@@ -392,3 +392,9 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert generate.main(["--workdir", str(tmp_path), "--prompt", prompts[0], "--greedy",
                           "--draft", str(tmp_path)]) == 0
     assert "speculative: " in capsys.readouterr().err
+    # an int8 key/value cache: greedy text, and the same text drafting for itself
+    assert generate.main(greedy + ["--kv-cache", "int8"]) == 0
+    want = capsys.readouterr().out
+    assert want.startswith(prompts[0])
+    assert generate.main(greedy + ["--kv-cache", "int8", "--draft", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == want

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from hpnlp import models
-from hpnlp.config import AttentionConfig, ModelConfig, OutputConfig, default_configdict, from_configdict
+from hpnlp.config import (AttentionConfig, ModelConfig, OutputConfig, QuantConfig, default_configdict,
+                          from_configdict)
 from hpnlp.models.transformer import Trunk, positions_of
 
 B, L, V = 2, 16, 40
@@ -329,6 +330,38 @@ def test_sinusoidal_and_rope_run_past_max_len():
         want, got = (jax.jit(lambda b, m=m: m.apply({"params": params}, b, method="log_probs"))(batch)
                      for m in (model, short))
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_int8_kv_cache_decodes_close_to_the_forward_pass():
+    """quant.kv_cache='int8' (grouped heads): the cache holds int8 codes and a scale per
+    position and head; a prefill of every token in one call equals decoding one a step (each
+    position's codes are its own), both near the float forward pass, and greedy generation
+    runs through it."""
+    G = 2
+    cfg = make_cfg("lm", num_kv_heads=G, quant=QuantConfig(kv_cache="int8"))
+    batch = lm_batch(lengths=(L, L))
+    model, params = init(cfg, batch)
+    full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
+    dec = models.build(cfg, deterministic=True, decode=True)
+    new_cache = jax.jit(lambda tok: dec.init(jax.random.key(0), tok, method="decode_step")["cache"])
+    cache = new_cache(jnp.zeros((B, 1), jnp.int32))
+    att = cache["trunk"]["block_0"]["attention"]["state"]
+    assert att["k"].dtype == jnp.int8 and att["k"].shape == (B, L, G, 8)
+    assert att["v_scale"].shape == (B, L, G)
+    run = jax.jit(lambda p, c, tok: dec.apply({"params": p, "cache": c}, tok,
+                                              method="decode_tokens", mutable=["cache"]))
+    steps = []
+    for t in range(L):
+        lp, upd = run(params, cache, batch["inputs"][:, t:t + 1])
+        cache = upd["cache"]
+        steps.append(lp)
+    steps = jnp.concatenate(steps, 1)
+    prefill, _ = run(params, new_cache(jnp.zeros((B, 1), jnp.int32)), batch["inputs"])
+    np.testing.assert_allclose(prefill, steps, atol=1e-5)
+    err = float(jnp.max(jnp.abs(steps - full)))
+    assert 0 < err < 0.05, err  # quantized: near, not equal
+    out = models.generate(cfg, params, batch["inputs"][:, :4], length=10)
+    assert out.shape == (B, 10)
 
 
 def test_tied_embeddings_drop_the_output_matrix():

@@ -156,19 +156,37 @@ class Attention(nn.Module):
         return "auto"
 
     def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype):
+        """Zeros of [B, T, H, D] for keys and values; `dtype` int8 (`quant.kv_cache='int8'`):
+        int8 codes with float32 scales [B, T, H], one per position and head."""
         zeros = jnp.zeros((batch, max_len, num_heads, head_dim), dtype)
-        return {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
+        cache = {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
+        if jnp.dtype(dtype) == jnp.int8:
+            cache["k_scale"] = cache["v_scale"] = jnp.zeros((batch, max_len, num_heads),
+                                                            jnp.float32)
+        return cache
 
     def decode_step(self, cache, q_BKHD, k_BKHD, v_BKHD):
         """K tokens (usually one): append k, v at cache['index'], each query attending to
         the cached keys and the new ones up to its own. The index is one position for every
         row (`init_cache`'s), or [B], each row's own (set by the caller: speculative
         decoding's rewind). The caller keeps index + K within the cache (a dynamic update
-        past its end would be clamped, overwriting earlier entries)."""
-        idx = cache["index"]
-        k_BTHD, v_BTHD = cache_put(cache["k"], k_BKHD, idx), cache_put(cache["v"], v_BKHD, idx)
-        from hpnlp.attention.cache_cpu import cached_attention  # it imports this module
+        past its end would be clamped, overwriting earlier entries). An int8 cache stores
+        the new keys and values quantized (`cache_cpu.quantize_kv`), and they are read back
+        as stored."""
+        from hpnlp.attention.cache_cpu import cached_attention, quantize_kv  # it imports this
 
-        out = cached_attention(q_BKHD, k_BTHD.astype(q_BKHD.dtype), v_BTHD.astype(q_BKHD.dtype),
-                               idx, impl=self.cache_impl())
-        return out, {"k": k_BTHD, "v": v_BTHD, "index": idx + q_BKHD.shape[1]}
+        idx = cache["index"]
+        new = {"index": idx + q_BKHD.shape[1]}
+        scales = None
+        if "k_scale" in cache:
+            for name, x_BKHD in (("k", k_BKHD), ("v", v_BKHD)):
+                codes_BKHD, scale_BKH = quantize_kv(x_BKHD)
+                new[name] = cache_put(cache[name], codes_BKHD, idx)
+                new[f"{name}_scale"] = cache_put(cache[f"{name}_scale"], scale_BKH, idx)
+            scales = (new["k_scale"], new["v_scale"])
+            k_BTHD, v_BTHD = new["k"], new["v"]
+        else:
+            new["k"], new["v"] = cache_put(cache["k"], k_BKHD, idx), cache_put(cache["v"], v_BKHD, idx)
+            k_BTHD, v_BTHD = new["k"].astype(q_BKHD.dtype), new["v"].astype(q_BKHD.dtype)
+        out = cached_attention(q_BKHD, k_BTHD, v_BTHD, idx, scales=scales, impl=self.cache_impl())
+        return out, new

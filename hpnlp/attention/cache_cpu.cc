@@ -14,9 +14,17 @@
 // 0 .. min(index[b] + j, T - 1) (a query that sees no key, index + j < 0, outputs zeros).
 // Any D. float32, or bfloat16 widened to float32 (float32 products, softmax and
 // accumulation; the output rounded to bfloat16 once).
+//
+// An int8 cache (hpnlp_cached_attention_i8: quant.kv_cache='int8'): k, v int8 codes with
+// float32 scales k_scale, v_scale [B, T, G], one per position and key/value head, so key t
+// is k[t] * k_scale[t]; q and o float32. A score is the int8 row's dot with q, times its
+// scale; a value row's scale folds into its softmax weight. The codes are widened to float32
+// in registers: the cache is read at a quarter of float32's bytes, which is what decoding at
+// a large batch waits for.
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #define HPNLP_NATIVE_VECTORS  // whole vectors of NR floats (simd.h)
 #include "simd.h"
@@ -28,8 +36,10 @@ namespace {
 
 inline vf load_e(const float* p) { return load(p); }
 inline vf load_e(const bf16* p) { return load_bf16(p); }
+inline vf load_e(const int8_t* p) { return load_i8(p); }
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return bf16_to_float(x); }
+inline float to_float(int8_t x) { return float(x); }
 inline void store_e(float* p, vf x) { store(p, x); }
 inline void store_e(bf16* p, vf x) { store_bf16(p, x); }
 inline void set_e(float* p, float x) { *p = x; }
@@ -49,11 +59,14 @@ struct Problem {
   float scale;
 };
 
-// One query row of one head: q (D values), keys and values k, v at rows t * stride for
-// t < n, the output row o. qs and s are scratch of D + NR and n + NR floats.
-template <class E>
-void attend(const Problem& p, const E* q, const E* k, const E* v, ptrdiff_t stride, int64_t n,
-            E* o, float* qs, float* s) {
+// One query row of one head: q (D values), keys and values k, v (elements C: E, or int8
+// codes whose scales are ks[t * sstride], vs[t * sstride]) at rows t * stride for t < n,
+// the output row o. qs and s are scratch of D + NR and n + NR floats.
+template <class E, class C>
+void attend(const Problem& p, const E* q, const C* k, const C* v, const float* ks,
+            const float* vs, ptrdiff_t stride, ptrdiff_t sstride, int64_t n, E* o, float* qs,
+            float* s) {
+  constexpr bool coded = std::is_same_v<C, int8_t>;
   const int64_t D = p.D, Dv = D / NR * NR;
   if (n <= 0) {
     for (int64_t d = 0; d < D; ++d) set_e(o + d, 0.0f);
@@ -62,11 +75,12 @@ void attend(const Problem& p, const E* q, const E* k, const E* v, ptrdiff_t stri
   for (int64_t d = 0; d < D; ++d) qs[d] = to_float(q[d]) * p.scale;
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) {
-    const E* kt = k + t * stride;
+    const C* kt = k + t * stride;
     vf acc{};
     for (int64_t d = 0; d < Dv; d += NR) acc += load(qs + d) * load_e(kt + d);
     float x = hsum(acc);
     for (int64_t d = Dv; d < D; ++d) x += qs[d] * to_float(kt[d]);
+    if constexpr (coded) x *= ks[t * sstride];
     s[t] = x;
     m = std::max(m, x);
   }
@@ -79,6 +93,8 @@ void attend(const Problem& p, const E* q, const E* k, const E* v, ptrdiff_t stri
     total += e;
   }
   const float inv = 1.0f / hsum(total);
+  if constexpr (coded)  // value t's scale, folded into its weight
+    for (int64_t t = 0; t < n; ++t) s[t] *= vs[t * sstride];
   for (int64_t d = 0; d < Dv; d += NR) {
     vf acc{};
     for (int64_t t = 0; t < n; ++t) acc += s[t] * load_e(v + t * stride + d);
@@ -96,8 +112,9 @@ inline int64_t visible(const Problem& p, int64_t b, int64_t j) {
   return std::min(p.T, std::max<int64_t>(0, int64_t(p.index[b * p.index_step]) + j + 1));
 }
 
-template <class E>
-void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads) {
+template <class E, class C>
+void run(const Problem& p, const E* q, const C* k, const C* v, const float* ks, const float* vs,
+         E* o, int threads) {
   int64_t seen = 0;  // keys the rows' last queries see, over the batch
   for (int64_t b = 0; b < p.B; ++b) seen += visible(p, b, p.L - 1);
   const int64_t floats = p.H * 2 * p.D * seen * p.L;
@@ -126,25 +143,24 @@ void run(const Problem& p, const E* q, const E* k, const E* v, E* o, int threads
       const ptrdiff_t stride = p.G * p.D;
       for (int64_t h = first; h < std::min(first + per_item, (g + 1) * per_group); ++h)
         for (int64_t j = 0; j < p.L; ++j) {
-          const int64_t row = ((b * p.L + j) * p.H + h) * p.D, head = (b * p.T * p.G + g) * p.D;
-          attend(p, q + row, k + head, v + head, stride, visible(p, b, j), o + row, qs, s);
+          const int64_t row = ((b * p.L + j) * p.H + h) * p.D, head = b * p.T * p.G + g;
+          attend(p, q + row, k + head * p.D, v + head * p.D, ks ? ks + head : nullptr,
+                 vs ? vs + head : nullptr, stride, p.G, visible(p, b, j), o + row, qs, s);
         }
     }
   });
 }
 
-template <ffi::DataType T>
-ffi::Error Impl(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<T> q,
-                ffi::Buffer<T> k, ffi::Buffer<T> v, ffi::Buffer<ffi::S32> index,
-                ffi::ResultBuffer<T> o) try {
-  XlaPool::Scope scope(&xla);
+// The problem the buffers pose, after checking their shapes (scales: [B, T, G], or absent).
+ffi::Error make_problem(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                        ffi::Span<const int64_t> vd, ffi::Span<const int64_t> id,
+                        const ffi::Span<const int64_t>* sd, float scale, const int32_t* index,
+                        Problem* p) {
   const char* kernel = "cached attention";
-  auto d = q.dimensions();
-  if (d.size() != 4)
+  if (qd.size() != 4)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string(kernel) + ": q must be [B, L, H, D]");
-  const int64_t B = d[0], L = d[1], H = d[2], D = d[3];
-  auto kd = k.dimensions();
+  const int64_t B = qd[0], L = qd[1], H = qd[2], D = qd[3];
   if (kd.size() != 4)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(kernel) + ": k must be 4-D");
   const int64_t Tn = kd[1], G = kd[2];
@@ -152,14 +168,44 @@ ffi::Error Impl(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<T
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       std::string(kernel) + ": k's heads must divide q's");
   for (auto e : {check_dims(kernel, "k", kd, {B, Tn, G, D}),
-                 check_dims(kernel, "v", v.dimensions(), {B, Tn, G, D}),
-                 index.dimensions().size() == 0
-                     ? ffi::Error::Success()
-                     : check_dims(kernel, "index", index.dimensions(), {B})})
+                 check_dims(kernel, "v", vd, {B, Tn, G, D}),
+                 id.size() == 0 ? ffi::Error::Success() : check_dims(kernel, "index", id, {B}),
+                 sd ? check_dims(kernel, "k_scale and v_scale", *sd, {B, Tn, G})
+                    : ffi::Error::Success()})
     if (e.failure()) return e;
-  const Problem p{B, L, Tn, H, G, D, index.typed_data(), index.dimensions().size() == 0 ? 0 : 1,
-                  scale};
-  run(p, q.typed_data(), k.typed_data(), v.typed_data(), o->typed_data(), int(threads));
+  *p = Problem{B, L, Tn, H, G, D, index, id.size() == 0 ? 0 : 1, scale};
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+ffi::Error Impl(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<T> q,
+                ffi::Buffer<T> k, ffi::Buffer<T> v, ffi::Buffer<ffi::S32> index,
+                ffi::ResultBuffer<T> o) try {
+  XlaPool::Scope scope(&xla);
+  Problem p;
+  ffi::Error e = make_problem(q.dimensions(), k.dimensions(), v.dimensions(), index.dimensions(),
+                              nullptr, scale, index.typed_data(), &p);
+  if (e.failure()) return e;
+  run(p, q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr, o->typed_data(),
+      int(threads));
+  return ffi::Error::Success();
+} catch (...) {
+  return exception_error("cached attention");
+}
+
+ffi::Error ImplI8(ffi::ThreadPool xla, float scale, int64_t threads, ffi::Buffer<ffi::F32> q,
+                  ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> ks,
+                  ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> index,
+                  ffi::ResultBuffer<ffi::F32> o) try {
+  XlaPool::Scope scope(&xla);
+  Problem p;
+  const ffi::Span<const int64_t> ksd = ks.dimensions();
+  ffi::Error e = make_problem(q.dimensions(), k.dimensions(), v.dimensions(), index.dimensions(),
+                              &ksd, scale, index.typed_data(), &p);
+  if (e.success()) e = check_dims("cached attention", "v_scale", vs.dimensions(), {p.B, p.T, p.G});
+  if (e.failure()) return e;
+  run(p, q.typed_data(), k.typed_data(), v.typed_data(), ks.typed_data(), vs.typed_data(),
+      o->typed_data(), int(threads));
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("cached attention");
@@ -184,3 +230,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpCachedAttention, Impl<ffi::DataType::F32>,
                               binding<ffi::DataType::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpCachedAttentionBf16, Impl<ffi::DataType::BF16>,
                               binding<ffi::DataType::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpCachedAttentionI8, ImplI8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("threads")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -18,6 +18,12 @@ come from the twin.
 Grouped-query attention (`model.num_kv_heads`): the cache may hold G key/value heads, G
 dividing the queries' H; query head h reads cache head h // (H / G).
 
+An int8 cache (`quant.kv_cache='int8'`, `quantize_kv`): k, v int8 codes and `scales`
+(k_scale, v_scale) [B, T, G], one per position and key/value head (symmetric, absmax over
+the head's D values: `compress.formats`' int8), so key t is k[t] * k_scale[t]. The kernel
+widens the codes in registers and reads a quarter of a float32 cache's bytes; the twin
+dequantizes the whole cache, then runs as above.
+
 Shape letters: B batch, L query length, T cache length, H heads, G key/value heads, D head
 dim.
 """
@@ -37,16 +43,31 @@ from hpnlp.attention.base import check_inputs, masked_softmax_attention
 KERNEL = kernels.CpuKernel(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_cpu.cc"),
     {"hpnlp_cached_attention": "HpnlpCachedAttention",
-     "hpnlp_cached_attention_bf16": "HpnlpCachedAttentionBf16"},
+     "hpnlp_cached_attention_bf16": "HpnlpCachedAttentionBf16",
+     "hpnlp_cached_attention_i8": "HpnlpCachedAttentionI8"},
     what="cached attention")
 IMPLS = ("auto", "kernel", "xla")
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def cached_attention_xla(q_BLHD, k_BTGD, v_BTGD, index):
+def quantize_kv(x_BKGD):
+    """Keys or values [B, K, G, D] -> (int8 codes [B, K, G, D], float32 scales [B, K, G]):
+    one symmetric scale per position and head, absmax / 127 over its D values."""
+    from hpnlp.compress import formats  # jax only; hpnlp.compress imports the models
+    codes, scale = formats.get("int8").encode(x_BKGD, axes=(3,))
+    return codes, scale[..., 0]
+
+
+def dequantize_kv(codes_BTGD, scale_BTG):
+    return codes_BTGD.astype(jnp.float32) * scale_BTG[..., None]
+
+
+def cached_attention_xla(q_BLHD, k_BTGD, v_BTGD, index, scales=None):
     """The XLA twin: masked softmax attention over the whole cache, in float32 (grouped
-    heads repeated)."""
+    heads repeated; an int8 cache dequantized first)."""
     from hpnlp.models.transformer import repeat_kv_heads  # it imports the attention package
+    if scales is not None:
+        k_BTGD, v_BTGD = dequantize_kv(k_BTGD, scales[0]), dequantize_kv(v_BTGD, scales[1])
     H = q_BLHD.shape[2]
     k_BTHD, v_BTHD = repeat_kv_heads(k_BTGD, H), repeat_kv_heads(v_BTGD, H)
     L, T = q_BLHD.shape[1], k_BTHD.shape[1]
@@ -57,12 +78,13 @@ def cached_attention_xla(q_BLHD, k_BTGD, v_BTGD, index):
                                     v_BTHD.astype(q_BLHD.dtype), allowed_B1LT)
 
 
-def blocker(q_BLHD, k_BTHD, v_BTHD) -> str | None:
-    """Why the kernel cannot run on these operands here; None if it can."""
+def blocker(q_BLHD, k_BTHD, v_BTHD, coded: bool = False) -> str | None:
+    """Why the kernel cannot run on these operands here; None if it can (`coded`: an int8
+    cache, whose q the caller gives the kernel in float32)."""
     dtypes = {jnp.dtype(x.dtype) for x in (q_BLHD, k_BTHD, v_BTHD)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in [jnp.dtype(d) for d in DTYPES]:
+    if not coded and (len(dtypes) != 1 or next(iter(dtypes)) not in [jnp.dtype(d) for d in DTYPES]):
         return (f"dtypes q {q_BLHD.dtype}, k {k_BTHD.dtype}, v {v_BTHD.dtype} (the kernel takes "
-                "all float32 or all bfloat16)")
+                "all float32 or all bfloat16, or an int8 cache)")
     if v_BTHD.shape[-1] != q_BLHD.shape[-1]:
         return f"value head dim {v_BTHD.shape[-1]} differs from the query's {q_BLHD.shape[-1]}"
     return KERNEL.blocker()
@@ -90,25 +112,64 @@ def _kernel_bwd(threads, res, do_BLHD):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _kernel_i8(q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index, threads):
+    return jax.ffi.ffi_call(
+        "hpnlp_cached_attention_i8", jax.ShapeDtypeStruct(q_BLHD.shape, jnp.float32),
+        vmap_method="sequential")(
+        q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index,
+        scale=np.float32(1.0 / np.sqrt(q_BLHD.shape[-1])),
+        threads=np.int64(kernels.cores() if threads is None else threads))
+
+
+def _kernel_i8_fwd(q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index, threads):
+    return (_kernel_i8(q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index, threads),
+            (q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index))
+
+
+def _kernel_i8_bwd(threads, res, do_BLHD):
+    q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index = res
+    _, vjp = jax.vjp(lambda q, ks, vs: cached_attention_xla(q, k_BTGD, v_BTGD, index, (ks, vs)),
+                     q_BLHD, ks_BTG, vs_BTG)
+    dq, dks, dvs = vjp(do_BLHD)
+    return dq, None, None, dks, dvs, None  # the integer codes and index take no gradient
+
+
+_kernel_i8.defvjp(_kernel_i8_fwd, _kernel_i8_bwd)
+
+
+def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, scales=None, impl: str = "auto",
                      threads: int | None = None):
     """softmax(q k^T / sqrt(D)) v where query j sees cache positions 0..index + j (`index`
     a scalar, or [B]: row b's queries from index[b]); a query that sees none outputs zeros.
-    The cache k, v [B, T, G, D] may hold fewer heads than q (G dividing H: grouped-query).
+    The cache k, v [B, T, G, D] may hold fewer heads than q (G dividing H: grouped-query),
+    and may be int8 codes with `scales` = (k_scale, v_scale) [B, T, G] (`quantize_kv`).
     Returned in q's dtype. `impl`: "auto" (the CPU kernel where it can run: the CPU
-    backend, one device, q, k and v all float32 or all bfloat16), "kernel" (an error where
-    it cannot) or "xla". `threads`: the kernel's most threads
+    backend, one device, q, k and v all float32 or all bfloat16, or an int8 cache),
+    "kernel" (an error where it cannot) or "xla". `threads`: the kernel's most threads
     (None: every core; it uses fewer where the cache read so far is small)."""
     G = k_BTHD.shape[2] if k_BTHD.ndim == 4 else 0
     if G and q_BLHD.ndim == 4 and q_BLHD.shape[2] % G:
         raise ValueError(f"cached attention: the cache's {G} key/value heads must divide the "
                          f"queries' {q_BLHD.shape[2]} heads; got q{q_BLHD.shape} k{k_BTHD.shape}")
     check_inputs(q_BLHD, k_BTHD, v_BTHD, None, grouped=True)
+    coded = scales is not None
+    if coded != (jnp.dtype(k_BTHD.dtype) == jnp.int8) or coded != (jnp.dtype(v_BTHD.dtype) == jnp.int8):
+        raise ValueError(f"cached attention: an int8 cache needs scales=(k_scale, v_scale), and "
+                         f"scales need an int8 cache; got k {k_BTHD.dtype}, v {v_BTHD.dtype}, "
+                         f"scales {'given' if coded else 'None'}")
+    if coded:
+        want = k_BTHD.shape[:3]
+        if len(scales) != 2 or any(jnp.shape(s) != want for s in scales):
+            raise ValueError(f"cached attention: scales must be (k_scale, v_scale), each "
+                             f"{want} (the cache's [B, T, G]); got "
+                             f"{[jnp.shape(s) for s in scales]}")
+        scales = tuple(jnp.asarray(s, jnp.float32) for s in scales)
     if impl not in IMPLS:
         raise ValueError(f"cached attention: impl={impl!r} is not one of {IMPLS}")
     if threads is not None and int(threads) < 1:
         raise ValueError(f"cached attention: threads must be >= 1; got {threads}")
-    reason = "impl='xla'" if impl == "xla" else blocker(q_BLHD, k_BTHD, v_BTHD)
+    reason = "impl='xla'" if impl == "xla" else blocker(q_BLHD, k_BTHD, v_BTHD, coded)
     if impl == "kernel" and reason is not None:
         raise ValueError(f"cached attention: impl='kernel' cannot run here: {reason}. Use "
                          "impl='auto' (the kernel where it can run) or impl='xla'")
@@ -117,5 +178,9 @@ def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, impl: str = "auto",
         raise ValueError(f"cached attention: index must be one position or one per row "
                          f"({q_BLHD.shape[0]}); got shape {index.shape}")
     if reason is not None:
-        return cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index)
-    return _kernel(q_BLHD, k_BTHD, v_BTHD, index, None if threads is None else int(threads))
+        return cached_attention_xla(q_BLHD, k_BTHD, v_BTHD, index, scales)
+    threads = None if threads is None else int(threads)
+    if coded:
+        return _kernel_i8(q_BLHD.astype(jnp.float32), k_BTHD, v_BTHD, *scales, index,
+                          threads).astype(q_BLHD.dtype)
+    return _kernel(q_BLHD, k_BTHD, v_BTHD, index, threads)

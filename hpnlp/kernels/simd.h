@@ -249,6 +249,13 @@ inline vf load_bf16(const bf16* src) {
   return v;
 }
 
+// NR int8 at src to floats (sign-extended and converted in registers: vpmovsxbd, vcvtdq2ps).
+inline vf load_i8(const int8_t* src) {
+  vi u;
+  for (int i = 0; i < NR; ++i) u[i] = src[i];
+  return __builtin_convertvector(u, vf);
+}
+
 inline vf dot2(vf acc, vf a, vf b) {
 #if defined(__AVX512BF16__)
   return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),

@@ -31,8 +31,10 @@ import jax.numpy as jnp
 
 from hpnlp.config import Config
 
-# the leaves of a rewindable decode cache: the default key/value cache's and the LM's position
-_CACHE_LEAVES = {"k", "v", "index", "position"}
+# the leaves of a rewindable decode cache: the default key/value cache's (an int8 one's scales
+# too: like its codes, what lies past the index is overwritten before it is read) and the
+# LM's position
+_CACHE_LEAVES = {"k", "v", "k_scale", "v_scale", "index", "position"}
 
 
 def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,

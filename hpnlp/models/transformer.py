@@ -158,7 +158,8 @@ class MultiHeadAttention(nn.Module):
             grouped = attn.exact_cache()
             initialized = self.has_variable("cache", "state")
             cache = self.variable("cache", "state", attn.init_cache, B, m.max_len,
-                                  G if grouped else H, D, dt)
+                                  G if grouped else H, D,
+                                  jnp.int8 if m.quant.kv_cache == "int8" else dt)
             if initialized:
                 out_BLHD, cache.value = attn.decode_step(
                     cache.value, q_BLHD, *((k_BLGD, v_BLGD) if grouped else (k_BLHD, v_BLHD)))
