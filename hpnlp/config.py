@@ -98,10 +98,12 @@ class QuantConfig:
     # Which products: "all" or a comma list of QUANT_LAYERS (e.g. "qkv,out,mlp" keeps the
     # output layer in float, as low-bit recipes usually do).
     layers: str = "all"
-    # Decoding's key/value cache (generate, speculative decoding): "none" (the model's dtype)
-    # | "int8" (codes with a float32 scale per position and key/value head, read by the cache
-    # kernel at a quarter of float32's bytes; attention/cache_cpu.py). Training, eval and the
-    # weights are unchanged, so a trained run can decode with it.
+    # The key/value cache decoding keeps (generate, speculative decoding): "none" (the model's
+    # dtype) | "int8" (codes with a float32 scale per position and key/value head, read by the
+    # cache kernel at a quarter of float32's bytes; attention/cache_cpu.py). The forward pass
+    # (training, eval) then sees keys and values as that cache holds them (fake quantization,
+    # straight-through gradients); weights are unchanged, so a float run can decode with it
+    # (`generate --kv-cache int8`) and evaluate what that costs.
     kv_cache: str = "none"
 
     @property

@@ -23,6 +23,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import attention as attention_lib
+from hpnlp.compress.formats import fake_quant
 from hpnlp.compress.qlinear import Dense, Epilogue, param, qeinsum
 from hpnlp.config import REMAT_NAMES, AttentionConfig, ModelConfig
 
@@ -149,6 +150,10 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("model.pos_emb='rope' rotates queries and keys by position; "
                                  "pass the tokens' positions pos_BL to the attention block")
             q_BLHD, k_BLGD = rotary(q_BLHD, pos_BL), rotary(k_BLGD, pos_BL)
+        if m.quant.kv_cache == "int8" and not self.decode:
+            # keys and values as an int8 cache holds them (straight-through gradients), so the
+            # forward pass computes what decoding through that cache computes
+            k_BLGD, v_BLGD = (fake_quant(x, "int8", axes=(3,)) for x in (k_BLGD, v_BLGD))
         attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         k_BLHD, v_BLHD = repeat_kv_heads(k_BLGD, H), repeat_kv_heads(v_BLGD, H)
         if self.decode:
