@@ -213,6 +213,65 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
                          "--eval_every", "2", "--quiet"]) == 0
 
 
+@pytest.mark.parametrize("case", ["empty entry", "json string", "json number text",
+                                  "damaged meta", "meta list", "damaged progress",
+                                  "progress without counts", "damaged tokenizer_from"])
+def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, case):
+    """Each was a traceback or a vague line: an empty --input entry (": no such file"), a JSON
+    line that is not an object ("no 'text' field (has str)"), a damaged meta.json or
+    progress.json in --out, a damaged --tokenizer_from. Now `error: ...` naming the file or
+    flag and the fix, exit 2, and the folder left as it was."""
+    text = tmp_path / "a.txt"
+    text.write_text("first\n\nsecond\n")
+    out = tmp_path / "out"
+    args = ["--input", str(text), "--out", str(out), "--eval_every", "2", "--quiet"]
+    files = {"empty entry": ("", ""), "damaged meta": ("out/meta.json", "{"),
+             "meta list": ("out/meta.json", "[1]"), "damaged progress": ("out/progress.json", "{}"),
+             "progress without counts": ("out/progress.json", '{"settings": {}, "state": {}}'),
+             "damaged tokenizer_from": ("tok/tokenizer/tokenizer.json", "{"),
+             "json string": ("b.jsonl", '"just text"\n'),
+             "json number text": ("b.jsonl", '{"text": 3}\n')}
+    name, body = files[case]
+    if name:
+        os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
+        (tmp_path / name).write_text(body)
+    if case == "empty entry":
+        args[1] += ","
+    elif name.endswith(".jsonl"):
+        args[1] = str(tmp_path / name)
+    elif case == "damaged tokenizer_from":
+        args += ["--tokenizer_from", str(tmp_path / "tok")]
+    before = sorted(os.listdir(out)) if out.exists() else None
+    assert prepare.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    want = {"empty entry": "has an empty entry (a stray comma",
+            "json string": "b.jsonl:1: a JSON string, not an object",
+            "json number text": "field 'text' holds a JSON number, not text",
+            "damaged meta": "meta.json is damaged (Expecting",
+            "meta list": "meta.json is damaged (a JSON array, not an object)",
+            "damaged progress": "progress.json is damaged (no 'settings' or 'state' entry)",
+            "progress without counts": "without its progress-counts.npz",
+            "damaged tokenizer_from": f"--tokenizer_from {tmp_path / 'tok'}: "}[case]
+    assert want in err, err
+    assert (sorted(os.listdir(out)) if out.exists() else None) == before
+
+
+def test_prepare_bad_line_after_written_shards_leaves_a_folder_a_rerun_takes(tmp_path, capsys):
+    """A line not UTF-8 met after the first batch was written (before any checkpoint) left
+    its shards behind, and the rerun after re-encoding the file was refused ("holds files
+    this command would not write"): what it wrote is removed."""
+    body = b"".join(b"paragraph %d of some words\n\n" % i for i in range(40000))  # > 1 MiB
+    text = tmp_path / "a.txt"
+    text.write_bytes(body + b"caf\xe9\n")
+    args = ["--input", str(text), "--out", str(tmp_path / "out"), "--batch_mb", "1", "--quiet"]
+    assert prepare.main(args) == 2
+    assert ":80001: byte 0xe9 is not UTF-8" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+    text.write_bytes(body + b"cafe\n")
+    assert prepare.main(args) == 0
+
+
 def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, prepared, capsys):
     """--tokenizer_from alone reuses the tokenizer as it is; flags that contradict it, or
     bytes (which needs none), are one line and write nothing (found by the crash hunt:

@@ -47,6 +47,9 @@ def expand(pattern: str, flag: str) -> list[str]:
     paths = []
     for part in pattern.split(","):
         part = part.strip()
+        if not part:
+            raise PrepareError(f"{flag} {pattern!r} has an empty entry (a stray comma, or an "
+                               "empty value); name the files, joined by commas")
         hits = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
         if not hits:
             raise PrepareError(f"{flag} {part!r} matches no file; check the path or the quotes "
@@ -62,6 +65,12 @@ def expand(pattern: str, flag: str) -> list[str]:
         if os.path.getsize(p) == 0:
             raise PrepareError(f"{p}: file is empty ({flag}); remove it from the input or add text")
     return paths
+
+
+def _json_kind(obj) -> str:
+    """JSON's name for what json.loads gave (a str is a "string")."""
+    return {str: "string", list: "array", dict: "object", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(obj), type(obj).__name__)
 
 
 def _is_jsonl(path: str, fmt: str) -> bool:
@@ -98,13 +107,17 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
                 except ValueError as e:
                     raise PrepareError(f"{path}:{lineno}: not a JSON object ({e}); each line of a "
                                        "JSON-lines file must be one object") from None
-                if not isinstance(obj, dict) or text_field not in obj:
-                    keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                    raise PrepareError(f"{path}:{lineno}: no {text_field!r} field (has {keys}); "
-                                       "name the text field with --text_field")
+                if not isinstance(obj, dict):
+                    raise PrepareError(f"{path}:{lineno}: a JSON {_json_kind(obj)}, not an "
+                                       "object; each line of a JSON-lines file must be one "
+                                       f"object with the text in its {text_field!r} field")
+                if text_field not in obj:
+                    raise PrepareError(f"{path}:{lineno}: no {text_field!r} field (has "
+                                       f"{sorted(obj)}); name the text field with --text_field")
                 if not isinstance(obj[text_field], str):
-                    raise PrepareError(f"{path}:{lineno}: field {text_field!r} is a "
-                                       f"{type(obj[text_field]).__name__}, not text")
+                    raise PrepareError(f"{path}:{lineno}: field {text_field!r} holds a JSON "
+                                       f"{_json_kind(obj[text_field])}, not text; give the "
+                                       "text as a string, or name another field with --text_field")
                 if obj[text_field]:
                     yield obj[text_field], pos, lineno
                 continue
@@ -132,7 +145,11 @@ def _tokenizer_from(d: str):
     """The tokenizer saved in `d` (a run's workdir, a prepared folder or a tokenizer folder)."""
     for cand in (d, os.path.join(d, tokenizers.DIRNAME)):
         if os.path.isfile(os.path.join(cand, tokenizers.META_FILE)):
-            return tokenizers.Subword.load(cand)
+            try:
+                return tokenizers.Subword.load(cand, fix="name another tokenizer, or leave "
+                                               "--tokenizer_from out to train one")
+            except ValueError as e:
+                raise PrepareError(f"--tokenizer_from {d}: {e}") from None
     raise PrepareError(f"--tokenizer_from {d}: holds no tokenizer ({tokenizers.DIRNAME}/"
                        f"{tokenizers.META_FILE}); name a run's workdir, a prepared folder "
                        "or a tokenizer folder")
@@ -209,6 +226,23 @@ def _check_out(out: str) -> None:
         raise PrepareError(str(e)) from None
 
 
+def _read_own_json(path: str, keys: tuple[str, ...]) -> dict:
+    """This tool's meta.json or progress.json in --out; PrepareError naming it where it is
+    damaged (not JSON, or without `keys`)."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        why = None if isinstance(obj, dict) else f"a JSON {_json_kind(obj)}, not an object"
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        obj, why = None, str(e)
+    missing = [k for k in keys if k not in obj] if why is None else []
+    if why or missing:
+        why = why or f"no {' or '.join(map(repr, missing))} entry"
+        raise PrepareError(f"{path} is damaged ({why}), so the folder cannot be resumed or "
+                           "reused; delete the folder to prepare it afresh, or choose a new --out")
+    return obj
+
+
 def _discard(out: str, created: bool) -> None:
     """Remove what an unfinished preparation wrote in `out` (the folder itself if this call
     made it)."""
@@ -255,8 +289,7 @@ def prepare(args) -> dict:
                 "vocab_size": args.vocab_size if args.tokenizer != "bytes" else 256,
                 "shard_mb": args.shard_mb}
     if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            old = json.load(f)
+        old = _read_own_json(meta_path, ())
         if old.get("settings") == settings and old.get("complete"):
             print(f"{out} is already prepared with these settings", file=sys.stderr)
             return old
@@ -265,8 +298,11 @@ def prepare(args) -> dict:
     progress_path = os.path.join(out, PROGRESS_FILE)
     progress = None
     if os.path.isfile(progress_path):
-        with open(progress_path) as f:
-            progress = json.load(f)
+        progress = _read_own_json(progress_path, ("settings", "state"))
+        if not os.path.isfile(os.path.join(out, PROGRESS_COUNTS)):
+            raise PrepareError(f"--out {out} holds an unfinished preparation without its "
+                               f"{PROGRESS_COUNTS}, so it cannot be resumed; delete the folder to "
+                               "prepare it afresh, or choose a new --out")
         if progress["settings"] != settings:
             raise PrepareError(f"--out {out} holds an unfinished preparation with other settings; "
                                "rerun it with its own flags, or choose a new --out")
@@ -342,32 +378,40 @@ def prepare(args) -> dict:
                 counts["eval_targets"] += np.bincount(x[1:], minlength=V)
         pending, pending_bytes = [], 0
 
-    for si in range(state["stream"], len(streams)):
-        split_name, ps = streams[si]
-        start = (state["file"], state["offset"], state["line"]) if si == state["stream"] else (0, 0, 0)
-        last = start
-        for fi, doc, pos, lineno in _all_documents(ps, args, start):
-            split = split_name if split_name == "eval" or eval_paths or \
-                (state["doc"] % args.eval_every) != args.eval_every - 1 else "eval"
-            state["doc"] += 1
-            step = pos - (last[1] if fi == last[0] else 0)
-            bar.update(step)
-            state["bytes"] += step
-            since_ckpt += step
-            last = (fi, pos, lineno)
-            pending.append((split, doc))
-            pending_bytes += len(doc)
-            if pending_bytes >= batch_bytes:
-                flush()
-            if since_ckpt >= shard_bytes:
-                flush()
-                checkpoint({"stream": si, "file": fi, "offset": pos, "line": lineno})
+    try:
+        for si in range(state["stream"], len(streams)):
+            split_name, ps = streams[si]
+            start = (state["file"], state["offset"], state["line"]) if si == state["stream"] else (0, 0, 0)
+            last = start
+            for fi, doc, pos, lineno in _all_documents(ps, args, start):
+                split = split_name if split_name == "eval" or eval_paths or \
+                    (state["doc"] % args.eval_every) != args.eval_every - 1 else "eval"
+                state["doc"] += 1
+                step = pos - (last[1] if fi == last[0] else 0)
+                bar.update(step)
+                state["bytes"] += step
+                since_ckpt += step
+                last = (fi, pos, lineno)
+                pending.append((split, doc))
+                pending_bytes += len(doc)
+                if pending_bytes >= batch_bytes:
+                    flush()
+                if since_ckpt >= shard_bytes:
+                    flush()
+                    checkpoint({"stream": si, "file": fi, "offset": pos, "line": lineno})
+                    since_ckpt = 0
+            flush()
+            if si + 1 < len(streams):
+                checkpoint({"stream": si + 1, "file": 0, "offset": 0, "line": 0})
                 since_ckpt = 0
         flush()
-        if si + 1 < len(streams):
-            checkpoint({"stream": si + 1, "file": 0, "offset": 0, "line": 0})
-            since_ckpt = 0
-    flush()
+    except PrepareError:  # bad input met while streaming (a line not UTF-8, not JSON)
+        for w, _ in writers.values():
+            w.close()
+        writers.clear()
+        if not os.path.isfile(progress_path):  # no checkpoint to resume: a rerun starts afresh
+            _discard(out, created)
+        raise
     checkpoint({"stream": len(streams), "file": 0, "offset": 0, "line": 0})
     bar.close()
     why = None
