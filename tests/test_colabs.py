@@ -90,3 +90,14 @@ def test_quickstart_attention_choices_it_offers_validate(monkeypatch):
         cfg.attention.name, cfg.data.batching = name, batching
         validate(from_configdict(cfg))
 
+
+def test_parallelism_says_when_jax_has_not_8_devices(monkeypatch):
+    """With JAX already started on one device (or XLA_FLAGS of the user's own), the notebook
+    failed three cells later in a reshape ("cannot reshape array of size 4 into shape
+    (8,1,1,1,1,1)"): its first cell says what to do."""
+    import jax
+    if jax.device_count() == 8:
+        pytest.skip("this process has 8 devices")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell appends to it
+    with pytest.raises(RuntimeError, match=r"meshes are of 8 devices and JAX has \d+ .*restart"):
+        exec(_cells("parallelism.ipynb")[0], {})

@@ -118,3 +118,17 @@ def _effective(spec, mesh):
     """A spec as the devices see it: size-1 axes shard nothing; trailing Nones may be dropped."""
     spec = [a if mesh.get(a, 1) > 1 else "None" for a in spec]
     return spec + ["None"] * (4 - len(spec))
+
+
+def test_make_mesh_of_more_devices_than_there_are_names_the_mesh():
+    """It was numpy's "cannot reshape array of size 1 into shape (8,1,1,1,1,1)"."""
+    import jax
+
+    from hpnlp.config import MeshConfig
+    from hpnlp.parallel import make_mesh
+    one = jax.devices()[:1]
+    with pytest.raises(ValueError, match=r"mesh \{'data': 8\} needs 8 devices and there are 1 "):
+        make_mesh(MeshConfig(data=8), one)
+    with pytest.raises(ValueError, match=r"needs a multiple of 4 devices and there are 1 "):
+        make_mesh(MeshConfig(data=-1, tensor=4), one)
+    assert make_mesh(MeshConfig(data=-1), one).shape["data"] == 1

@@ -27,6 +27,14 @@ def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     sizes = mesh_cfg.axis_sizes(len(devices))
     shape = tuple(sizes[a] for a in AXES)
+    if int(np.prod(shape)) != len(devices) or 0 in shape:  # else a reshape error naming no axis
+        given = {a: getattr(mesh_cfg, a) for a in AXES if getattr(mesh_cfg, a) != 1}
+        fixed = int(np.prod([v for v in given.values() if v != -1]))
+        need = f"a multiple of {fixed}" if -1 in given.values() else str(fixed)
+        raise ValueError(f"mesh {given} needs {need} devices and there are {len(devices)} "
+                         f"({devices[0].platform}); set mesh sizes that "
+                         f"multiply to {len(devices)} (one axis -1 fills the rest), or start JAX "
+                         "with more devices")
     # Auto axes: GSPMD propagates shardings and logical constraints are hints, not asserts.
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
