@@ -24,6 +24,7 @@ CASES = [  # B, L, T, H, D, index
     (2, 1, 17, 2, 16, 30),   # an index past the cache: every key
     (2, 1, 300, 4, 64, 299),  # 307K floats read: past 128K, the kernel splits it over two threads
     (4, 3, 21, 2, 20, (-1, 5, 20, 12)),  # each row's own position (speculative decoding)
+    (1, 2, 20, 2, 176, 19),  # 11 vectors of a value row (8 + 3 accumulators; AVX2: 8 + 8 + 6)
 ]
 # grouped-query caches: B, L, T, H, D, index, G key/value heads
 GROUPED = [

@@ -59,6 +59,31 @@ struct Problem {
   float scale;
 };
 
+// Rows ahead of the one a loop reads that it asks the memory for: a head's rows lie G * D
+// elements apart, one to four cache lines each, too far apart for the hardware prefetchers
+// to run ahead, and a decoding step at a large batch waits on these reads.
+constexpr int64_t kPrefetchRows = 16;
+
+template <class C>
+inline void prefetch_row(const C* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * int64_t(sizeof(C)); b += 64) __builtin_prefetch(p + b);
+}
+
+// o[a * NR, + NR) = inv * sum over t < n of s[t] * v[t * stride + a * NR, + NR), a < NA: NA
+// accumulators, each value row read once.
+template <int NA, class E, class C>
+inline void weighted_rows(const float* s, const C* v, ptrdiff_t stride, int64_t n, float inv,
+                          E* o) {
+  vf acc[NA] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const vf w = vf{} + s[t];
+    const C* vt = v + t * stride;
+    for (int a = 0; a < NA; ++a) acc[a] += w * load_e(vt + a * NR);
+  }
+  for (int a = 0; a < NA; ++a) store_e(o + a * NR, acc[a] * inv);
+}
+
 // One query row of one head: q (D values), keys and values k, v (elements C: E, or int8
 // codes whose scales are ks[t * sstride], vs[t * sstride]) at rows t * stride for t < n,
 // the output row o. qs and s are scratch of D + NR and n + NR floats.
@@ -75,6 +100,10 @@ void attend(const Problem& p, const E* q, const C* k, const C* v, const float* k
   for (int64_t d = 0; d < D; ++d) qs[d] = to_float(q[d]) * p.scale;
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) {  // this key row's successor, and the value row for later
+      prefetch_row(k + (t + kPrefetchRows) * stride, D);
+      prefetch_row(v + (t + kPrefetchRows) * stride, D);
+    }
     const C* kt = k + t * stride;
     vf acc{};
     for (int64_t d = 0; d < Dv; d += NR) acc += load(qs + d) * load_e(kt + d);
@@ -95,10 +124,17 @@ void attend(const Problem& p, const E* q, const C* k, const C* v, const float* k
   const float inv = 1.0f / hsum(total);
   if constexpr (coded)  // value t's scale, folded into its weight
     for (int64_t t = 0; t < n; ++t) s[t] *= vs[t * sstride];
-  for (int64_t d = 0; d < Dv; d += NR) {
-    vf acc{};
-    for (int64_t t = 0; t < n; ++t) acc += s[t] * load_e(v + t * stride + d);
-    store_e(o + d, acc * inv);
+  for (int64_t d = 0; d < Dv;) {  // up to 8 vectors of the row at once
+    switch (std::min<int64_t>(8, (Dv - d) / NR)) {
+      case 8: weighted_rows<8>(s, v + d, stride, n, inv, o + d), d += 8 * NR; break;
+      case 7: weighted_rows<7>(s, v + d, stride, n, inv, o + d), d += 7 * NR; break;
+      case 6: weighted_rows<6>(s, v + d, stride, n, inv, o + d), d += 6 * NR; break;
+      case 5: weighted_rows<5>(s, v + d, stride, n, inv, o + d), d += 5 * NR; break;
+      case 4: weighted_rows<4>(s, v + d, stride, n, inv, o + d), d += 4 * NR; break;
+      case 3: weighted_rows<3>(s, v + d, stride, n, inv, o + d), d += 3 * NR; break;
+      case 2: weighted_rows<2>(s, v + d, stride, n, inv, o + d), d += 2 * NR; break;
+      default: weighted_rows<1>(s, v + d, stride, n, inv, o + d), d += NR; break;
+    }
   }
   for (int64_t d = Dv; d < D; ++d) {
     float acc = 0.0f;
