@@ -778,3 +778,36 @@ def test_gqa_bench_quick_run(tmp_path):
         ("uptrained from multi-head, lr 0.003", 2), ("uptrained from multi-head, lr 0.003", 1)]
     assert all(np.isfinite(r["loss"]) for r in p["quality"])
     assert os.path.exists(tmp_path / "out" / "gqa_decode.png")
+
+
+def test_rope_bench_table_from_a_payload():
+    from hpnlp.bench import rope
+    long = {"seq_len": 8, "loss": 2.75, "loss_by_position": [2.0] * 8,
+            "tokens_by_position": [1.0] * 8}
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes": dict(rope.SIZES["quick"], bucket=2),
+               "quality": [{"pos_emb": "learned", "steps": 12, "params": 1000, "seq_len": 4,
+                            "loss": 2.5, "eval": dict(long, seq_len=4)},
+                           {"pos_emb": "rope", "steps": 12, "params": 900, "seq_len": 4,
+                            "loss": 2.4, "eval": dict(long, seq_len=4), "long": long,
+                            "loss_long": 2.75, "loss_long_seen": 2.5, "loss_long_unseen": 3.0}],
+               "seconds": {"quality": 38.0}}
+    md = rope._markdown(payload)
+    assert "| `learned` | 1,000 | 2.5000 | – | – | – |" in md
+    assert "| `rope` | 900 | 2.4000 | 2.7500 | 2.5000 | 3.0000 |" in md
+    assert "at 8, positions >= 4" in md
+    assert rope._span(long, 4, 8) == 2.0
+
+
+@pytest.mark.slow  # about 45 s on the 2-core CPU: CI's slow part runs it
+def test_rope_bench_quick_run(tmp_path):
+    from hpnlp.bench import rope
+    p = rope.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
+    assert [r["pos_emb"] for r in p["quality"]] == ["learned", "sinusoidal", "rope"]
+    for r in p["quality"]:  # the bench's own eval is the trainer's
+        assert abs(r["loss"] - r["run_eval_loss"]) < 1e-4
+        assert ("loss_long" in r) == (r["pos_emb"] != "learned")
+    assert p["quality"][2]["long"]["seq_len"] == 2 * p["quality"][2]["seq_len"]
+    assert all(np.isfinite(r["loss_long_unseen"]) for r in p["quality"][1:])
+    assert os.path.exists(tmp_path / "out" / "rope_loss_by_position.png")

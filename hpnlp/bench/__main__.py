@@ -19,12 +19,12 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, lra, memory, moe, quant,
-                         retrieval, rnn, softmax, speculative, train, tricks)
+                         retrieval, rnn, rope, softmax, speculative, train, tricks)
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
            "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes,
-           "speculative": speculative, "gqa": gqa}
+           "speculative": speculative, "gqa": gqa, "rope": rope}
 
 
 def main(argv=None) -> None:

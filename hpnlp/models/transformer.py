@@ -87,7 +87,8 @@ def rotary(x_BLHD, pos_BL, *, base: float = ROPE_BASE):
     positions when decoding."""
     D = x_BLHD.shape[-1]
     R = D // 2
-    inv_11R = jnp.asarray(base ** (-np.arange(R, dtype=np.float64) * 2 / D), jnp.float32)[None, None]
+    inv_R = base ** (-np.arange(R, dtype=np.float64) * 2 / D)  # frequencies, in float64
+    inv_11R = jnp.asarray(inv_R, jnp.float32)[None, None]
     ang_BL1R = (pos_BL.astype(jnp.float32)[..., None] * inv_11R)[:, :, None]
     cos_BL1R, sin_BL1R = jnp.cos(ang_BL1R), jnp.sin(ang_BL1R)
     xf_BLHD = x_BLHD.astype(jnp.float32)
