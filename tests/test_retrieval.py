@@ -571,4 +571,8 @@ def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsy
     assert main(["knnlm", "--workdir", str(run_dir), "--datastore", str(tmp_path / "ds"),
                  "--index_options", "notjson"]) == 1
     assert "--index_options 'notjson' is not JSON" in capsys.readouterr().err
+    # JSON of no object said "make() argument after ** must be a mapping, not list"
+    assert main(["knnlm", "--workdir", str(run_dir), "--datastore", str(tmp_path / "ds"),
+                 "--index_options", "[32]"]) == 1
+    assert "--index_options '[32]' is JSON but not an object" in capsys.readouterr().err
     assert not (tmp_path / "ds").exists()

@@ -45,6 +45,9 @@ def main(argv=None) -> int:
             except json.JSONDecodeError as e:
                 raise RetrievalError(f"--index_options {args.index_options!r} is not JSON ({e}); "
                                      'give an object, e.g. \'{"nprobe": 32}\'') from None
+            if not isinstance(options, dict):
+                raise RetrievalError(f"--index_options {args.index_options!r} is JSON but not an "
+                                     'object; give one, e.g. \'{"nprobe": 32}\'')
             summary = knnlm.run(args.workdir, args.datastore, index=args.index,
                                 index_options=options, metric=args.metric,
                                 max_eval_tokens=args.max_eval_tokens, out=args.out)
