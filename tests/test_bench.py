@@ -41,6 +41,16 @@ def test_fit_exponent():
 
 
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
+def test_experiment_module_without_the_experiments_folder_says_why(tmp_path, monkeypatch):
+    """A pip install ships the package without experiments/: the retrieval and softmax
+    notebooks (and benches) failed in os.listdir with a bare FileNotFoundError."""
+    monkeypatch.setattr(harness, "__file__", str(tmp_path / "site-packages" / "hpnlp" / "bench"
+                                                 / "harness.py"))
+    with pytest.raises(ValueError, match=r"experiments/lm.py: there is no experiments/ folder "
+                       r"beside this hpnlp .*clone it and `pip install -e .`"):
+        harness.experiment_module("lm.py")
+
+
 def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "torch_or_none", lambda: None)
     out = str(tmp_path / "b")

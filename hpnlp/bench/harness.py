@@ -530,6 +530,11 @@ def experiment_module(filename: str):
     """The experiment config file `experiments/<filename>` as a module (loaded once)."""
     import importlib.util
     folder = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
+    if not os.path.isdir(folder):  # else os.listdir's FileNotFoundError below, naming no fix
+        raise ValueError(f"experiments/{filename}: there is no experiments/ folder beside this "
+                         f"hpnlp ({os.path.normpath(folder)}): the experiment configs come with a "
+                         "checkout of the repository, not a pip install of the package; clone "
+                         "it and `pip install -e .` there")
     path = os.path.join(folder, filename)
     if not filename.endswith(".py") or not os.path.isfile(path):
         raise ValueError(f"experiments/{filename}: no such experiment; choose from "
