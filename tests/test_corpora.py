@@ -213,7 +213,7 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
                          "--eval_every", "2", "--quiet"]) == 0
 
 
-@pytest.mark.parametrize("case", ["empty entry", "json string", "json number text",
+@pytest.mark.parametrize("case", ["empty entry", "json string", "json number text", "utf-16",
                                   "damaged meta", "meta list", "damaged progress",
                                   "progress without counts", "damaged tokenizer_from"])
 def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, case):
@@ -226,6 +226,7 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
     out = tmp_path / "out"
     args = ["--input", str(text), "--out", str(out), "--eval_every", "2", "--quiet"]
     files = {"empty entry": ("", ""), "damaged meta": ("out/meta.json", "{"),
+             "utf-16": ("w.txt", "first\n\nsecond\n".encode("utf-16")),
              "meta list": ("out/meta.json", "[1]"), "damaged progress": ("out/progress.json", "{}"),
              "progress without counts": ("out/progress.json", '{"settings": {}, "state": {}}'),
              "damaged tokenizer_from": ("tok/tokenizer/tokenizer.json", "{"),
@@ -234,10 +235,10 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
     name, body = files[case]
     if name:
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
-        (tmp_path / name).write_text(body)
+        (tmp_path / name).write_bytes(body if isinstance(body, bytes) else body.encode())
     if case == "empty entry":
         args[1] += ","
-    elif name.endswith(".jsonl"):
+    elif name.endswith((".jsonl", "w.txt")):
         args[1] = str(tmp_path / name)
     elif case == "damaged tokenizer_from":
         args += ["--tokenizer_from", str(tmp_path / "tok")]
@@ -247,6 +248,7 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
     assert err.startswith("error: ") and err.count("\n") == 1, err
     want = {"empty entry": "has an empty entry (a stray comma",
             "json string": "b.jsonl:1: a JSON string, not an object",
+            "utf-16": "w.txt: starts with a UTF-16 byte-order mark, so it is UTF-16, not UTF-8",
             "json number text": "field 'text' holds a JSON number, not text",
             "damaged meta": "meta.json is damaged (Expecting",
             "meta list": "meta.json is damaged (a JSON array, not an object)",

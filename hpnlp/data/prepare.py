@@ -94,6 +94,10 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                if pos == len(raw) and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+                    raise PrepareError(f"{path}: starts with a UTF-16 byte-order mark, so it is "
+                                       "UTF-16, not UTF-8; re-encode the file (e.g. `iconv -f "
+                                       "utf-16 -t utf-8`)") from None
                 raise PrepareError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8 "
                                    f"({e.reason}); re-encode the file (e.g. `iconv -f latin1 -t "
                                    "utf-8`)") from None
