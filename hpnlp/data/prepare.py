@@ -385,7 +385,8 @@ def prepare(args) -> dict:
     try:
         for si in range(state["stream"], len(streams)):
             split_name, ps = streams[si]
-            start = (state["file"], state["offset"], state["line"]) if si == state["stream"] else (0, 0, 0)
+            start = ((state["file"], state["offset"], state["line"]) if si == state["stream"]
+                     else (0, 0, 0))
             last = start
             for fi, doc, pos, lineno in _all_documents(ps, args, start):
                 split = split_name if split_name == "eval" or eval_paths or \
