@@ -104,7 +104,7 @@ def configs(draw) -> dict:
              "param_dtype": draw(st.sampled_from(["float32", "float32", "bfloat16"])),
              "remat": draw(st.sampled_from(["none", "full", "dots_saveable", "names:qkv,mlp_in",
                                             "elementwise"])),
-             "pos_emb": draw(st.sampled_from(["learned", "sinusoidal"])),
+             "pos_emb": draw(st.sampled_from(["learned", "sinusoidal", "rope"])),
              "pool": draw(st.sampled_from(["mean", "first"])),
              "reversible": draw(st.booleans()) if arch == "transformer" else False,
              "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans())),
