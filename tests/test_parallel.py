@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+import hpnlp  # noqa: F401  (before any JAX computation: its XLA flags)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {  # name: (mesh axis sizes, attention)
