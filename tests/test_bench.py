@@ -821,3 +821,40 @@ def test_rope_bench_quick_run(tmp_path):
     assert p["quality"][2]["long"]["seq_len"] == 2 * p["quality"][2]["seq_len"]
     assert all(np.isfinite(r["loss_long_unseen"]) for r in p["quality"][1:])
     assert os.path.exists(tmp_path / "out" / "rope_loss_by_position.png")
+
+
+def test_kv_cache_bench_table_from_a_payload():
+    from hpnlp.bench import gqa, kv_cache
+    assert gqa.cache_bytes(gqa.SIZES["quick"]["decode"], 1, 4) == 8192 * 4
+    assert gqa.cache_bytes(gqa.SIZES["quick"]["decode"], 1, 4, "int8") == 2 * 64 * 4 * 20
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes": dict(kv_cache.SIZES["quick"], batches=[1, 4]),
+               "decode": [{"batch": 4, "kv_heads": 4, "attention": "multi-head",
+                           "kv_cache": "none", "tokens_per_s": 100.0, "speedup": 1.0,
+                           "cache_bytes": 2 ** 20},
+                          {"batch": 4, "kv_heads": 4, "attention": "multi-head",
+                           "kv_cache": "int8", "tokens_per_s": 180.0, "speedup": 1.8,
+                           "cache_bytes": 2 ** 18}],
+               "quality": [{"kv_heads": 1, "attention": "multi-query",
+                            "trained_with": "float32 cache", "steps": 12,
+                            "loss_float_cache": 2.5, "loss_int8_cache": 2.5012,
+                            "loss_change": 0.0012, "argmax_agreement": 0.9951}],
+               "seconds": {"decode": 9.0, "quality": 38.0}}
+    md = kv_cache._markdown(payload)
+    assert "| 4 | 4 | multi-head | int8 | 180.0 | 1.80x | 256 KiB |" in md
+    assert "| 1 | multi-query | float32 cache | 12 | 2.5000 | 2.5012 | +0.0012 | 99.51% |" in md
+
+
+@pytest.mark.slow  # about 70 s on the 2-core CPU: CI's slow part runs it
+def test_kv_cache_bench_quick_run(tmp_path):
+    from hpnlp.bench import kv_cache
+    p = kv_cache.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
+    assert [(r["kv_heads"], r["kv_cache"]) for r in p["decode"]] == [
+        (4, "none"), (4, "int8"), (1, "none"), (1, "int8")] * 2
+    assert all(r["tokens_per_s"] > 0 for r in p["decode"])
+    assert [(r["kv_heads"], r["trained_with"]) for r in p["quality"]] == [
+        (4, "float32 cache"), (2, "float32 cache"), (1, "float32 cache"), (4, "int8 cache")]
+    for r in p["quality"]:  # the int8 cache changes the model, a little
+        assert r["loss_int8_cache"] != r["loss_float_cache"]
+        assert abs(r["loss_change"]) < 0.05 and r["argmax_agreement"] > 0.95

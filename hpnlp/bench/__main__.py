@@ -18,13 +18,13 @@ import sys
 # (read when JAX starts its GPU backend; nothing changes on a CPU).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, lra, memory, moe, quant,
-                         retrieval, rnn, rope, softmax, speculative, train, tricks)
+from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, kv_cache, lra, memory,
+                         moe, quant, retrieval, rnn, rope, softmax, speculative, train, tricks)
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
            "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes,
-           "speculative": speculative, "gqa": gqa, "rope": rope}
+           "speculative": speculative, "gqa": gqa, "rope": rope, "kv_cache": kv_cache}
 
 
 def main(argv=None) -> None:

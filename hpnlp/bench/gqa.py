@@ -50,16 +50,30 @@ def _kv_name(G: int, H: int) -> str:
     return "multi-head" if G == H else "multi-query" if G == 1 else f"grouped, {G} groups"
 
 
-def _config(model: dict, G: int, *, steps: int | None = None, eval_batches: int | None = None):
-    """experiments/lm.py's byte LM with `model`'s fields and G key/value heads."""
+def _config(model: dict, G: int, *, steps: int | None = None, eval_batches: int | None = None,
+            kv_cache: str = "none"):
+    """experiments/lm.py's byte LM with `model`'s fields, G key/value heads and the key/value
+    cache `kv_cache` (quant.kv_cache)."""
     cd = compress.experiment("byte LM", dict(lm_steps=steps, eval_batches=eval_batches))
     cd.model.update(model)
     cd.data.seq_len = min(cd.data.seq_len, cd.model.max_len)
     cd.model.num_kv_heads = 0 if G == cd.model.num_heads else G
+    cd.quant.kv_cache = kv_cache
     return cd
 
 
-def decode_rows(s: dict) -> list[dict]:
+def cache_bytes(m: dict, B: int, G: int, kv_cache: str = "none") -> int:
+    """The decode cache's bytes: keys and values of every block, float32 or int8 codes with a
+    float32 scale per position and head."""
+    D = m["width"] // m["num_heads"]
+    per_head = D + 4 if kv_cache == "int8" else 4 * D
+    return 2 * m["depth"] * B * m["max_len"] * G * per_head
+
+
+def decode_rows(s: dict, variants=None) -> list[dict]:
+    """Greedy `generate` timed interleaved per batch, for each (key/value heads, kv_cache) of
+    `variants` (default: s["decode_kv"] with the float cache); the speed-up is over the first
+    variant at the same batch."""
     import flax.linen as nn
 
     from hpnlp import models
@@ -67,33 +81,35 @@ def decode_rows(s: dict) -> list[dict]:
     from hpnlp.train.loop import dummy_batch
 
     m = s["decode"]
-    H, D, T = m["num_heads"], m["width"] // m["num_heads"], m["max_len"]
+    H, T = m["num_heads"], m["max_len"]
+    variants = variants or [(G, "none") for G in s["decode_kv"]]
     rng = np.random.default_rng(0)
     built = {}
-    for G in s["decode_kv"]:
-        cfg = validate(from_configdict(_config(m, G)))
+    for G, kv_cache in variants:
+        cfg = validate(from_configdict(_config(m, G, kv_cache=kv_cache)))
         model = models.build(cfg, deterministic=True)
         params = jax.jit(lambda k, model=model: nn.unbox(model.init(
             k, dummy_batch("lm", 1, cfg.data.seq_len))["params"]))(jax.random.key(0))
-        built[G] = (cfg, params)
+        built[G, kv_cache] = (cfg, params)
     rows = []
     for B in s["batches"]:
         prompt = rng.integers(0, 256, (B, s["prompt"])).astype(np.int32)
         calls = {}
-        for G, (cfg, params) in built.items():
+        for key, (cfg, params) in built.items():
             fn = jax.jit(lambda p, pr, cfg=cfg: models.generate(cfg, p, pr, length=T, greedy=True))
-            calls[G] = lambda fn=fn, p=params: jax.block_until_ready(fn(p, prompt))
+            calls[key] = lambda fn=fn, p=params: jax.block_until_ready(fn(p, prompt))
         times = harness.time_interleaved(calls, repeats=s["repeats"])
-        for G, (timing, cpu) in times.items():
-            cfg, params = built[G]
+        for (G, kv_cache), (timing, cpu) in times.items():
+            cfg, params = built[G, kv_cache]
             new = B * (T - s["prompt"])
             rows.append({"batch": B, "kv_heads": G, "heads": H, "attention": _kv_name(G, H),
+                         "kv_cache": kv_cache,
                          "tokens_per_s": new / timing.median_s, "seconds": timing.median_s,
                          "seconds_min": timing.min_s, "seconds_max": timing.max_s,
                          "cpu_seconds": cpu, "compile_s": timing.compile_s,
-                         "cache_bytes": 2 * m["depth"] * B * T * G * D * 4,
+                         "cache_bytes": cache_bytes(m, B, G, kv_cache),
                          "params": sum(x.size for x in jax.tree.leaves(params))})
-        base = next(r for r in rows if r["batch"] == B and r["kv_heads"] == H)
+        base = next(r for r in rows if r["batch"] == B)
         for r in rows:
             if r["batch"] == B:
                 r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
