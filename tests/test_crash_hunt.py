@@ -137,7 +137,9 @@ def configs(draw) -> dict:
              "activations": draw(st.sampled_from(["none", "int8", "fp8", "binary"])),
              "group_size": draw(st.sampled_from([0, 8])) if weights == "int4" else 0,
              "calibration": draw(st.sampled_from(["absmax", "percentile", "mse"])),
-             "layers": draw(st.sampled_from(["all", "qkv,out,mlp,input,recurrent"]))}
+             "layers": draw(st.sampled_from(["all", "qkv,out,mlp,input,recurrent"])),
+             "kv_cache": draw(st.sampled_from(["none", "none", "int8"]))
+             if kind == "lm" and arch == "transformer" else "none"}
     nm = draw(st.sampled_from(["unstructured", "unstructured", "2:4"]))
     method = draw(st.sampled_from(["none", "none", "magnitude", "random"]))
     if model["stack_layers"] or model["reversible"]:  # validate refuses: masks are per layer
