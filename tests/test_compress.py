@@ -508,3 +508,15 @@ def test_served_output_layer_equals_its_xla_twin(tied):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     hlo = run.lower(served).compile().as_text()
     assert hlo.count("hpnlp_int8_linear") == 5  # qkv, out, mlp in and out, and the output
+
+
+def test_training_with_static_activation_ranges_is_refused_before_building(tmp_path):
+    """QAT with quant.act_scale='static' has no calibrated ranges: one line at the start, not
+    the first step's trace failing after the data and the model were built."""
+    from hpnlp.train import Trainer
+    cd = default_configdict()
+    cd.data.task = "byte_lm"
+    cd.quant.update(weights="int8", activations="int8", act_scale="static")
+    with pytest.raises(ConfigError, match=r"`quant.act_scale` .* python -m hpnlp.compress quantize"):
+        Trainer(from_configdict(cd), str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")

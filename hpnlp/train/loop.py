@@ -96,6 +96,13 @@ class Trainer:
         """`read_only`: build the run to read it (restore, evaluate) without writing to
         `workdir` (hpnlp.compress uses this)."""
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
+        q = cfg.model.quant
+        if not read_only and q.act_scale == "static" and q.activations in ("int8", "fp8"):
+            # else the first step's trace fails, after the data and the model are built
+            raise config_error("quant.act_scale", "static", "a training run has no calibrated "
+                               "activation ranges (PTQ calibrates them: python -m "
+                               "hpnlp.compress quantize --act_scale static); train with "
+                               "quant.act_scale='dynamic'")
         self.workdir = workdir
         self.lm = cfg.model.kind == "lm"
         # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
