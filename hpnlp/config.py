@@ -987,6 +987,13 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
     if not isinstance(c.num_experts, int) or c.num_experts < 0:
         _fail("model.moe.num_experts", c.num_experts, "must be an integer >= 0 (0: no MoE)")
     if not c.enabled():
+        default = MoEConfig()
+        for f in dataclasses.fields(c):  # a field set without experts would be ignored
+            if f.name != "num_experts" and getattr(c, f.name) != getattr(default, f.name):
+                _fail(f"model.moe.{f.name}", getattr(c, f.name), "is ignored while "
+                      "model.moe.num_experts=0 (no MoE: every block keeps its dense MLP); set "
+                      "num_experts > 0 to use it, or leave it at its default "
+                      f"{getattr(default, f.name)!r}")
         if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
             _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
                   "the batch, and mesh.rules.batch does not name it; add 'expert' to "

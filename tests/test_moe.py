@@ -391,6 +391,7 @@ def test_balance_loss_reaches_the_gradient(tmp_path):
     ({"num_experts": 6}, {"data": 1, "expert": 4}, "model.moe.num_experts"),
     ({"dispatch": "dropless"}, {"data": 2, "expert": 2}, "model.moe.dispatch"),
     ({"groups": 3}, {}, "model.moe.groups"),
+    ({"num_experts": 0, "top_k": 2, "router": "top_k"}, {}, "model.moe.top_k"),  # was dense, silently
 ])
 def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
     from test_train import tiny
