@@ -260,6 +260,22 @@ def test_ptq_end_to_end_and_reload(trained, tmp_path):
         ptq.load(out, other)
 
 
+def test_ptq_keeps_the_runs_int8_kv_cache(trained, tmp_path):
+    """A run with quant.kv_cache='int8': the quantized model decodes (and its float baseline
+    evaluates) through that cache too, so the loss change is the weights' alone."""
+    run = str(tmp_path / "run")
+    shutil.copytree(trained, run)
+    with open(os.path.join(run, "config.json")) as f:
+        saved = json.load(f)
+    saved["config"]["model"]["quant"]["kv_cache"] = "int8"
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump(saved, f)
+    out = str(tmp_path / "int8")
+    s = ptq.quantize(run, out, QuantConfig(weights="int8"), eval_batches=1, repeats=1)
+    assert ptq.load(out)[0].model.quant.kv_cache == "int8"
+    assert s["reload_identical"]
+
+
 def test_ptq_refuses_non_finite_weights_before_writing(trained, tmp_path, monkeypatch):
     # the formats code NaN as 0: the quantized model hid what the float one showed
     from hpnlp.train import carry

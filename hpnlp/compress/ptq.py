@@ -218,6 +218,9 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            "factorized from")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
+    kv_cache = cfg.model.quant.kv_cache  # the run's key/value cache stays the quantized model's
+    if q is not None and q.kv_cache == "none":
+        q = dataclasses.replace(q, kv_cache=kv_cache)
     if float_dtype is not None:
         # float16: the config keeps float32 parameters (validate refuses float16 master
         # weights, a training rule); the stored arrays are float16 all the same (below), and
@@ -229,7 +232,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         cfg_q = with_quant(cfg, q)  # fails here, before anything compiles
 
     # The float model of the run's weights (a QAT run's float shadow weights), read only.
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant=QuantConfig()))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                            quant=QuantConfig(kv_cache=kv_cache)))
     trainer = Trainer(cfg, workdir, read_only=True)
     step = trainer.checkpointer.latest_step()
     state, _ = trainer.initial_state()
