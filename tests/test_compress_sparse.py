@@ -501,6 +501,11 @@ def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channe
     with pytest.raises(ConfigError, match=r"query heads per key/value head \(2/1\) must be the "
                        r"teacher's \(4/4\)"):
         carry_lib.for_config(validate(from_configdict(bad)))
+    # RoPE: a slice of a teacher head's dims is no smaller rotary head (found by review)
+    bad.model.update(num_kv_heads=0, num_heads=4, pos_emb="rope")  # head dim 2, the teacher's 4
+    with pytest.raises(ConfigError, match=r"RoPE pairs dim r with r \+ D/2 .* model\.head_dim "
+                       r"the teacher's \(4\)"):
+        carry_lib.for_config(validate(from_configdict(bad)))
 
 
 def test_importance_reads_real_tokens_only_and_splits_like_the_train_step():

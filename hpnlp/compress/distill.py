@@ -353,6 +353,12 @@ class TeacherCarry(Carry):
                                    "with their key/value heads, so the student's query heads per "
                                    f"key/value head ({sm.num_heads}/{sm.kv_heads()}) must be the "
                                    f"teacher's ({tm.num_heads}/{tm.kv_heads()})")
+            if select and sm.pos_emb == "rope" and mine["head_dim"] != theirs["head_dim"]:
+                raise config_error("train.distill.init", self.d.init, "keeps the leading dims of "
+                                   "each teacher head, but RoPE pairs dim r with r + D/2 at a "
+                                   "frequency set by D, so they are no smaller rotary head; keep "
+                                   f"model.head_dim the teacher's ({theirs['head_dim']}) and drop "
+                                   "heads instead")
             for f in mine:
                 if mine[f] > theirs[f] if select else mine[f] != theirs[f]:
                     raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
