@@ -322,7 +322,8 @@ def test_rope_packed_segments_equal_separate_rows(attention):
 
 def test_sinusoidal_and_rope_run_past_max_len():
     """Rows longer than model.max_len (which config allows for both): the same log-probs as
-    with a table long enough (the sinusoidal table once read NaN past max_len)."""
+    with a table long enough (the sinusoidal table once read NaN past max_len; rope computes
+    its angles from the positions, and a table of max_len rows would read NaN here too)."""
     batch = lm_batch()
     for pos_emb in ("sinusoidal", "rope"):
         model, params = init(make_cfg("lm", pos_emb=pos_emb), batch)

@@ -59,7 +59,8 @@ def quantize_kv(x_BKGD):
 
 
 def dequantize_kv(codes_BTGD, scale_BTG):
-    return codes_BTGD.astype(jnp.float32) * scale_BTG[..., None]
+    from hpnlp.compress import formats
+    return formats.get("int8").decode(codes_BTGD, scale_BTG[..., None])
 
 
 def cached_attention_xla(q_BLHD, k_BTGD, v_BTGD, index, scales=None):
