@@ -459,3 +459,17 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert want.startswith(prompts[0])
     assert generate.main(greedy + ["--kv-cache", "int8", "--draft", str(tmp_path)]) == 0
     assert capsys.readouterr().out == want
+    # a quantized folder (PTQ, w8a8 with calibrated activation ranges): decoded with its
+    # ranges, its text by the source run's subword model
+    from hpnlp.compress import ptq
+    from hpnlp.config import QuantConfig
+    qdir = str(tmp_path.parent / (tmp_path.name + "_w8a8"))
+    ptq.quantize(str(tmp_path), qdir, QuantConfig(weights="int8", activations="int8",
+                                                  act_scale="static"),
+                 calib_batches=2, eval_batches=1, repeats=1)
+    capsys.readouterr()
+    assert generate.main(["--workdir", qdir, "--prompt", prompts[0], "--length", "24",
+                          "--greedy", "--kv-cache", "int8"]) == 0
+    assert capsys.readouterr().out.startswith(prompts[0])
+    assert generate.main(greedy + ["--draft", qdir]) == 2
+    assert "is a quantized folder (quant.json)" in capsys.readouterr().err

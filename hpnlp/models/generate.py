@@ -69,7 +69,7 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
 
 def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
              temperature: float = 1.0, greedy: bool = True, features_key=None,
-             token_counts=None):
+             token_counts=None, quant_vars=None):
     """Returns tokens [B, length]: the prompt followed by generated tokens.
 
     `prompt_len_B` None: every row's prompt is the whole of `prompt_BP`, and where the
@@ -79,7 +79,8 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     `features_key`: the random-feature draw the model was trained with, for variants
     that use the `features` stream (Performer); pass
     `state.features_key(cfg.train.feature_redraw_every)`. `token_counts`: the train
-    counts the model was built with, for frequency-based output layers.
+    counts the model was built with, for frequency-based output layers. `quant_vars`: a
+    quantized model's calibrated activation ranges (`compress.ptq.load`'s third value).
     """
     from hpnlp.models import build
 
@@ -98,20 +99,21 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     prompt_BL = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
     rngs = {} if features_key is None else {"features": features_key}
+    extra = {"quant": quant_vars} if quant_vars else {}
     start = 0
     if prompt_len_B is not None:
         prompt_len_B = jnp.asarray(prompt_len_B)  # a list of lengths, say
     else:
         prompt_len_B = jnp.full((B,), P, jnp.int32)
         if P > 1 and attention_lib.get(cfg.attention.name).exact_cache():
-            cache = model.apply({"params": params, "cache": cache}, prompt_BP[:, :-1],
+            cache = model.apply({"params": params, "cache": cache, **extra}, prompt_BP[:, :-1],
                                 method="decode_tokens", mutable=["cache"], rngs=rngs)[1]["cache"]
             start = P - 1
 
     def step(carry, t):
         cache, prev_B = carry
         tok_B = jnp.where(t < prompt_len_B, prompt_BL[:, t], prev_B)
-        logp_BV, upd = model.apply({"params": params, "cache": cache}, tok_B[:, None],
+        logp_BV, upd = model.apply({"params": params, "cache": cache, **extra}, tok_B[:, None],
                                    method="decode_step", mutable=["cache"], rngs=rngs)
         if greedy:
             nxt_B = jnp.argmax(logp_BV, axis=-1)
@@ -126,10 +128,12 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
 
 def main(argv=None) -> int:
     """`python -m hpnlp.models.generate --workdir W --prompt TEXT [--prompt TEXT ...]`: sample
-    from the LM trained in W, its prompts encoded and its output decoded by the run's own
-    tokenizer (bytes, words, or the subword model kept in W/tokenizer)."""
+    from the LM trained in W (or quantized into W by `python -m hpnlp.compress quantize`),
+    its prompts encoded and its output decoded by the run's own tokenizer (bytes, words, or
+    the subword model kept in the run's W/tokenizer)."""
     import argparse
     import dataclasses
+    import os
     import sys
 
     from hpnlp.config import ConfigError, validate
@@ -140,7 +144,8 @@ def main(argv=None) -> int:
     from hpnlp.train.loop import Trainer
 
     p = argparse.ArgumentParser(prog="python -m hpnlp.models.generate", description=main.__doc__)
-    p.add_argument("--workdir", required=True, help="a trained LM run")
+    p.add_argument("--workdir", required=True, help="a trained LM run, or a quantized one "
+                   "(python -m hpnlp.compress quantize --out)")
     p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
     p.add_argument("--length", type=int, default=0, help="tokens in all, prompt included "
                    "(default: model.max_len; with --draft, less the drafts a round writes past "
@@ -158,21 +163,61 @@ def main(argv=None) -> int:
                         "codes read at a quarter of float32's bytes (with --draft, both runs')")
     args = p.parse_args(argv)
 
+    def with_kv_cache(cfg, workdir):
+        if args.kv_cache is None:
+            return cfg
+        try:
+            return validate(dataclasses.replace(cfg, model=dataclasses.replace(
+                cfg.model, quant=dataclasses.replace(cfg.model.quant, kv_cache=args.kv_cache))))
+        except ConfigError as e:
+            raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
+
     def load(workdir):
+        """(config, task, weights()): a trained run, or a quantized one (`python -m
+        hpnlp.compress quantize --out`, holding quant.json), whose `weights()` gives
+        (params, quant_vars, features_key)."""
+        if os.path.exists(os.path.join(workdir, "quant.json")):
+            return load_quantized(workdir)
         cfg = load_run_config(workdir)
         if cfg.model.kind != "lm":
             raise NoCheckpoint(f"{workdir}: a {cfg.model.kind!r} run; generate needs an LM "
                                "(model.kind='lm')")
-        if args.kv_cache is not None:
-            try:
-                cfg = validate(dataclasses.replace(cfg, model=dataclasses.replace(
-                    cfg.model, quant=dataclasses.replace(cfg.model.quant, kv_cache=args.kv_cache))))
-            except ConfigError as e:
-                raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
+        cfg = with_kv_cache(cfg, workdir)
         trainer = Trainer(cfg, workdir, read_only=True)
         if trainer.checkpointer.latest_step() is None:
             raise NoCheckpoint(f"{workdir}: no checkpoint to read; train the run first")
-        return cfg, trainer
+
+        def weights():
+            state, _ = trainer.initial_state()
+            return (model_params(state.params), None,
+                    state.features_key(cfg.train.feature_redraw_every))
+        return cfg, trainer.task, weights
+
+    def load_quantized(out):
+        """A quantized folder: its packed weights served by the integer kernels where they
+        compute the format (`ptq.serve`), the tokenizer from the run it was made from."""
+        import json
+
+        from hpnlp import data as data_lib
+        from hpnlp import models
+        from hpnlp.compress import ptq
+        from hpnlp.train.loop import dummy_batch
+
+        cfg, packed, quant_vars = ptq.load(out)
+        if cfg.model.kind != "lm":
+            raise NoCheckpoint(f"{out}: a quantized {cfg.model.kind!r} model; generate needs "
+                               "an LM (model.kind='lm')")
+        cfg = with_kv_cache(cfg, out)
+        with open(os.path.join(out, "quant.json")) as f:
+            source = json.load(f).get("source", {}).get("workdir")
+        task = data_lib.make_task(cfg.data, workdir=source if source and os.path.isdir(source)
+                                  else None, save_tokenizer=False)
+
+        def weights():
+            model = models.build(cfg, deterministic=True, token_counts=task.token_counts)
+            batch = dummy_batch("lm", 1, cfg.data.seq_len)
+            return ptq.serve(model, packed, batch, quant_vars), quant_vars, None
+        return cfg, task, weights
 
     try:
         try:
@@ -183,13 +228,18 @@ def main(argv=None) -> int:
         if args.length and args.length < 2:
             raise ValueError(f"--length {args.length}: it counts the prompt too, so it needs at "
                              "least 2 (one prompt token and one new)")
-        cfg, trainer = load(args.workdir)
+        cfg, task, weights = load(args.workdir)
         if args.length > cfg.model.max_len:
             raise ValueError(f"--length {args.length} exceeds the run's model.max_len="
                              f"{cfg.model.max_len}; lower --length")
         length = args.length or cfg.model.max_len
         if args.draft:
-            draft_cfg, draft_trainer = load(args.draft)
+            for w in (args.workdir, args.draft):
+                if os.path.exists(os.path.join(w, "quant.json")):
+                    raise ValueError(f"--draft: {w} is a quantized folder (quant.json); "
+                                     "speculative decoding reads trained runs, so decode it "
+                                     "without --draft, or draft between the runs it came from")
+            draft_cfg, draft_task, draft_weights = load(args.draft)
             # by default as long as both caches hold a round's drafts past it
             length = args.length or (min(cfg.model.max_len, draft_cfg.model.max_len)
                                      - max(args.draft_tokens, 1) + 1)
@@ -201,7 +251,6 @@ def main(argv=None) -> int:
     except (NoCheckpoint, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    task = trainer.task
     try:
         for t in args.prompt:  # bytes the terminal could not decode arrive as surrogates
             t.encode("utf-8")
@@ -214,16 +263,16 @@ def main(argv=None) -> int:
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
               f"these have {[len(x) for x in ids]}", file=sys.stderr)
         return 2
-    state, _ = trainer.initial_state()
+    params, quant_vars, features_key = weights()
     if args.draft:  # prompt by prompt (batch 1, where drafting pays)
-        draft_state, _ = draft_trainer.initial_state()
+        draft_params = draft_weights()[0]
         run = jax.jit(lambda p, dp, pr, key: speculative.speculative_generate(
             cfg, p, draft_cfg, dp, pr, length=length, draft_tokens=args.draft_tokens, rng=key,
             temperature=args.temperature, greedy=args.greedy, token_counts=task.token_counts,
-            draft_token_counts=draft_trainer.task.token_counts))
+            draft_token_counts=draft_task.token_counts))
         for i, x in enumerate(ids):
-            tokens_1L, stats = run(model_params(state.params), model_params(draft_state.params),
-                                   jnp.asarray([x], jnp.int32), jax.random.key(args.seed + i))
+            tokens_1L, stats = run(params, draft_params, jnp.asarray([x], jnp.int32),
+                                   jax.random.key(args.seed + i))
             print(task.decode(np.asarray(tokens_1L)[0]))
             rounds, kept = int(stats["rounds"]), int(np.sum(stats["accepted"]))
             print(f"speculative: {length - len(x)} tokens in {rounds} target calls; "
@@ -232,12 +281,11 @@ def main(argv=None) -> int:
     prompt_BP = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
     for b, x in enumerate(ids):
         prompt_BP[b, :len(x)] = x
-    tokens_BL = generate(cfg, model_params(state.params), jnp.asarray(prompt_BP),
+    tokens_BL = generate(cfg, params, jnp.asarray(prompt_BP),
                          jnp.asarray([len(x) for x in ids]), length=length,
                          rng=jax.random.key(args.seed), temperature=args.temperature,
-                         greedy=args.greedy,
-                         features_key=state.features_key(cfg.train.feature_redraw_every),
-                         token_counts=task.token_counts)
+                         greedy=args.greedy, features_key=features_key,
+                         token_counts=task.token_counts, quant_vars=quant_vars)
     for row in np.asarray(tokens_BL):
         print(task.decode(row))
     return 0
