@@ -1000,6 +1000,18 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
                   "mesh.rules.batch or set mesh.expert=1")
         return
     check_moe_fields(c)
+    default = MoEConfig()
+    ignored = [("block_size", "it sizes dropless dispatch's blocks, and dispatch='capacity'")]
+    if c.dispatch == "dropless":
+        ignored = [(f, "dropless dispatch gives every token its experts, with no capacity")
+                   for f in ("capacity_factor", "eval_capacity_factor")]
+    if c.router == "expert_choice":
+        ignored.append(("balance_loss", "expert-choice routing balances the experts' loads by "
+                        "construction (each takes its capacity)"))
+    for f, why in ignored:
+        if getattr(c, f) != getattr(default, f):
+            _fail(f"model.moe.{f}", getattr(c, f), f"is ignored: {why}; leave it at its default "
+                  f"{getattr(default, f)!r}")
     X = c.num_experts
     if m.arch != "transformer":
         _fail("model.moe.num_experts", X, f"MoE replaces Transformer MLPs; model.arch={m.arch!r} "

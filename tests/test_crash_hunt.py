@@ -158,6 +158,8 @@ def configs(draw) -> dict:
                     "capacity_factor": draw(st.sampled_from([0.5, 1.25])),
                     "shared_experts": draw(st.sampled_from([0, 1])),
                     "noisy": router != "expert_choice" and draw(st.booleans())}
+    if model["moe"]["dispatch"] == "dropless":  # no capacity: its factor is refused as ignored
+        model["moe"]["capacity_factor"] = 1.25
     if not experts:  # its other fields would be refused as ignored
         model["moe"] = {"num_experts": 0}
     return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,

@@ -392,6 +392,9 @@ def test_balance_loss_reaches_the_gradient(tmp_path):
     ({"dispatch": "dropless"}, {"data": 2, "expert": 2}, "model.moe.dispatch"),
     ({"groups": 3}, {}, "model.moe.groups"),
     ({"num_experts": 0, "top_k": 2, "router": "top_k"}, {}, "model.moe.top_k"),  # was dense, silently
+    ({"dispatch": "dropless", "capacity_factor": 2.0}, {}, "model.moe.capacity_factor"),  # ignored
+    ({"router": "expert_choice", "balance_loss": 0.1}, {}, "model.moe.balance_loss"),  # ignored
+    ({"block_size": 64}, {}, "model.moe.block_size"),  # capacity dispatch: ignored
 ])
 def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
     from test_train import tiny
