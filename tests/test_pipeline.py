@@ -174,7 +174,8 @@ for name, mesh in meshes.items():
 import functools, jax.numpy as jnp
 from hpnlp.models.transformer import Block
 from hpnlp.parallel.pipeline import apply_layers, gpipe, gpipe_reference
-m = from_configdict(dict(cd, model=dict(cd["model"], dropout=0.3, vocab_size=256))).model
+m = from_configdict(dict(cd, model=dict(cd["model"], dropout=0.3, vocab_size=256,
+                                        pos_emb="learned"))).model  # blocks fed no positions
 stage = functools.partial(apply_layers, Block(m, tr.cfg.attention, True, deterministic=False))
 micro = tr.cfg.mesh.pipeline_microbatches
 x = jax.random.normal(jax.random.key(1), batch["segment_ids"].shape + (m.width,))
@@ -206,8 +207,10 @@ def test_pipeline_training_matches_one_device(tmp_path):
     """GPipe over 8 simulated devices (P=4 stages x 2 data shards, M=8) == the 1-device
     stacked run: losses and parameters after 5 AdamW steps; stacked params and Adam moments
     split over `pipeline` on the layer axis; and the step really runs M + P - 1 ticks of
-    depth / P layers, passing activations between stages."""
+    depth / P layers, passing activations between stages. With rope positions, which ride
+    through the stages beside the segment ids."""
     cd = tiny()
+    cd.model.pos_emb = "rope"
     cd.train.batch_size = 16
     out = str(tmp_path)
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
