@@ -143,6 +143,112 @@ void attend(const Problem& p, const E* q, const C* k, const C* v, const float* k
   }
 }
 
+// Query heads sharing one key/value head (grouped-query attention), up to heads_at_once<NV>()
+// of them, one query row each, with D = NV vectors: each cached row is read, and int8 codes
+// widened, once for all of them, where `attend` read it once a head (for a multi-query
+// cache's 8 heads, 8 times from the core's cache). The queries stay in registers while the
+// keys stream past, then the outputs' accumulators while the values do. The same operations
+// in the same order as `attend`, so the same results. q, o: cnt rows of D (contiguous heads);
+// s: scratch of heads_at_once<NV>() rows of n + NR floats.
+#if defined(__AVX512F__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+template <int NV>
+constexpr int heads_at_once() {
+  return std::max(1, std::min(8, kVectorRegisters / 2 / NV));
+}
+
+template <int NV, class E, class C>
+void attend_heads(const Problem& p, int cnt, const E* q, const C* k, const C* v, const float* ks,
+                  const float* vs, ptrdiff_t stride, ptrdiff_t sstride, int64_t n, E* o,
+                  float* s) {
+  constexpr bool coded = std::is_same_v<C, int8_t>;
+  constexpr int J = heads_at_once<NV>();
+  constexpr int64_t D = int64_t(NV) * NR;
+  if (n <= 0) {
+    for (int64_t i = 0; i < cnt * D; ++i) set_e(o + i, 0.0f);
+    return;
+  }
+  const int64_t sstep = (n + NR - 1) / NR * NR;
+  vf qv[J][NV];
+  float m[J];
+  for (int h = 0; h < J; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    for (int a = 0; a < NV; ++a)
+      qv[h][a] = h < cnt ? load_e(q + h * D + a * NR) * p.scale : vf{};
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) {
+      prefetch_row(k + (t + kPrefetchRows) * stride, D);
+      prefetch_row(v + (t + kPrefetchRows) * stride, D);
+    }
+    const C* kt = k + t * stride;
+    vf kr[NV];
+    for (int a = 0; a < NV; ++a) kr[a] = load_e(kt + a * NR);
+    for (int h = 0; h < J; ++h) {
+      if (h >= cnt) break;
+      vf acc{};
+      for (int a = 0; a < NV; ++a) acc += qv[h][a] * kr[a];
+      float x = hsum(acc);
+      if constexpr (coded) x *= ks[t * sstride];
+      s[h * sstep + t] = x;
+      m[h] = std::max(m[h], x);
+    }
+  }
+  float inv[J];
+  for (int h = 0; h < cnt; ++h) {
+    float* sh = s + h * sstep;
+    for (int64_t t = n; t < sstep; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+    vf total{};
+    for (int64_t t = 0; t < sstep; t += NR) {
+      const vf e = vexp0(load(sh + t) - m[h]);
+      store(sh + t, e);
+      total += e;
+    }
+    inv[h] = 1.0f / hsum(total);
+    if constexpr (coded)
+      for (int64_t t = 0; t < n; ++t) sh[t] *= vs[t * sstride];
+  }
+  vf acc[J][NV] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const C* vt = v + t * stride;
+    vf vr[NV];
+    for (int a = 0; a < NV; ++a) vr[a] = load_e(vt + a * NR);
+    for (int h = 0; h < J; ++h) {
+      if (h >= cnt) break;
+      const vf w = vf{} + s[h * sstep + t];
+      for (int a = 0; a < NV; ++a) acc[h][a] += w * vr[a];
+    }
+  }
+  for (int h = 0; h < cnt; ++h)
+    for (int a = 0; a < NV; ++a) store_e(o + h * D + a * NR, acc[h][a] * inv[h]);
+}
+
+template <class E, class C>
+using HeadsFn = void (*)(const Problem&, int, const E*, const C*, const C*, const float*,
+                         const float*, ptrdiff_t, ptrdiff_t, int64_t, E*, float*);
+
+// attend_heads for D = NV vectors (and how many heads it takes at once), or null where D is
+// not 1 to 8 whole vectors.
+template <class E, class C>
+HeadsFn<E, C> heads_kernel(int64_t D, int* at_once) {
+  if (D % NR) return nullptr;
+  switch (D / NR) {
+#define HPNLP_HEADS_CASE(nv) \
+  case nv:                   \
+    *at_once = heads_at_once<nv>(); \
+    return attend_heads<nv, E, C>;
+    HPNLP_HEADS_CASE(1) HPNLP_HEADS_CASE(2) HPNLP_HEADS_CASE(3) HPNLP_HEADS_CASE(4)
+    HPNLP_HEADS_CASE(5) HPNLP_HEADS_CASE(6) HPNLP_HEADS_CASE(7) HPNLP_HEADS_CASE(8)
+#undef HPNLP_HEADS_CASE
+    default:
+      return nullptr;
+  }
+}
+
 // Keys row b's query j may see.
 inline int64_t visible(const Problem& p, int64_t b, int64_t j) {
   return std::min(p.T, std::max<int64_t>(0, int64_t(p.index[b * p.index_step]) + j + 1));
@@ -169,19 +275,35 @@ void run(const Problem& p, const E* q, const C* k, const C* v, const float* ks, 
                             ? 1
                             : std::min<int64_t>(per_group, (pieces + groups - 1) / groups);
   const int64_t per_item = (per_group + split - 1) / split, items = groups * split;
+  // An item of several heads runs them a few at once (attend_heads) where the head dim is 1
+  // to 8 whole vectors; otherwise (and for one head) one at a time (attend).
+  int at_once = 1;
+  const HeadsFn<E, C> heads = per_item > 1 ? heads_kernel<E, C>(p.D, &at_once) : nullptr;
   std::atomic<int64_t> next{0};
   join_parallel(use, [&](int) {
-    std::vector<float> scratch(size_t(p.D + NR) + size_t(p.T + NR));
+    std::vector<float> scratch(size_t(p.D + NR) + size_t(at_once) * size_t(p.T + NR));
     float *qs = scratch.data(), *s = qs + p.D + NR;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t b = i / split / p.G, g = i / split % p.G;
       const int64_t first = g * per_group + i % split * per_item;
+      const int64_t last = std::min(first + per_item, (g + 1) * per_group);
       const ptrdiff_t stride = p.G * p.D;
-      for (int64_t h = first; h < std::min(first + per_item, (g + 1) * per_group); ++h)
+      const int64_t head = b * p.T * p.G + g;
+      const C *kh = k + head * p.D, *vh = v + head * p.D;
+      const float *ksh = ks ? ks + head : nullptr, *vsh = vs ? vs + head : nullptr;
+      if (heads) {
+        for (int64_t j = 0; j < p.L; ++j)
+          for (int64_t h = first; h < last; h += at_once) {
+            const int64_t row = ((b * p.L + j) * p.H + h) * p.D;
+            heads(p, int(std::min<int64_t>(at_once, last - h)), q + row, kh, vh, ksh, vsh,
+                  stride, p.G, visible(p, b, j), o + row, s);
+          }
+        continue;
+      }
+      for (int64_t h = first; h < last; ++h)
         for (int64_t j = 0; j < p.L; ++j) {
-          const int64_t row = ((b * p.L + j) * p.H + h) * p.D, head = b * p.T * p.G + g;
-          attend(p, q + row, k + head * p.D, v + head * p.D, ks ? ks + head : nullptr,
-                 vs ? vs + head : nullptr, stride, p.G, visible(p, b, j), o + row, qs, s);
+          const int64_t row = ((b * p.L + j) * p.H + h) * p.D;
+          attend(p, q + row, kh, vh, ksh, vsh, stride, p.G, visible(p, b, j), o + row, qs, s);
         }
     }
   });
