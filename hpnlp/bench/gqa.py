@@ -166,16 +166,21 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
     return rows
 
 
+def decode_intro(p: dict, baseline: str) -> list[str]:
+    """The decoding table's heading and what it timed; speed-ups are over `baseline`."""
+    d = p["sizes"]["decode"]
+    return ["### Decoding", "",
+            f"Byte LM of width {d['width']}, {d['depth']} blocks, {d['num_heads']} heads of "
+            f"{d['width'] // d['num_heads']}, MLP {d['mlp_dim']}, random weights; "
+            f"`generate` from a {p['sizes']['prompt']}-byte prompt to {d['max_len']} bytes, "
+            f"greedy. Median of {p['sizes']['repeats']} interleaved calls per batch; "
+            f"speed-up over {baseline} at the same batch.", ""]
+
+
 def _markdown(p: dict) -> str:
     out = [report.header_md(p["machine"], {}), ""]
-    d = p["sizes"]["decode"]
     if p.get("decode"):
-        out += ["### Decoding", "",
-                f"Byte LM of width {d['width']}, {d['depth']} blocks, {d['num_heads']} heads of "
-                f"{d['width'] // d['num_heads']}, MLP {d['mlp_dim']}, random weights; "
-                f"`generate` from a {p['sizes']['prompt']}-byte prompt to {d['max_len']} bytes, "
-                f"greedy. Median of {p['sizes']['repeats']} interleaved calls per batch; "
-                "speed-up over multi-head at the same batch.", "",
+        out += decode_intro(p, "multi-head") + [
                 report.table(["batch", "key/value heads", "attention", "new tokens/s",
                               "speed-up", "KV cache", "params"],
                              [[str(r["batch"]), str(r["kv_heads"]), r["attention"],

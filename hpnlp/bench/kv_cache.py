@@ -89,14 +89,8 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
 
 def _markdown(p: dict) -> str:
     out = [report.header_md(p["machine"], {}), ""]
-    d = p["sizes"]["decode"]
     if p.get("decode"):
-        out += ["### Decoding", "",
-                f"Byte LM of width {d['width']}, {d['depth']} blocks, {d['num_heads']} heads of "
-                f"{d['width'] // d['num_heads']}, MLP {d['mlp_dim']}, random weights; "
-                f"`generate` from a {p['sizes']['prompt']}-byte prompt to {d['max_len']} bytes, "
-                f"greedy. Median of {p['sizes']['repeats']} interleaved calls per batch; "
-                "speed-up over the float32 multi-head cache at the same batch.", "",
+        out += gqa.decode_intro(p, "the float32 multi-head cache") + [
                 report.table(["batch", "key/value heads", "attention", "cache", "new tokens/s",
                               "speed-up", "KV cache"],
                              [[str(r["batch"]), str(r["kv_heads"]), r["attention"],
