@@ -71,6 +71,25 @@ def test_greedy_speculative_decoding_emits_the_targets_own_greedy_tokens(
         assert not kept_B.any()
 
 
+def test_rope_grouped_int8_cache_speculative_decoding_emits_the_greedy_tokens():
+    """Rotary positions, grouped key/value heads and the int8 cache together, with rows that
+    keep different numbers of drafts (so the rewinds leave them at different positions):
+    still the target's own greedy tokens."""
+    from hpnlp.config import QuantConfig
+    cfg = make_cfg("lm", pos_emb="rope", num_kv_heads=2, quant=QuantConfig(kv_cache="int8"))
+    batch = lm_batch()
+    params = init(cfg, batch)[1]
+    prompt = batch["inputs"][:, :2]
+    want = jax.jit(lambda p, pr: models.generate(cfg, p, pr, jnp.full((2,), 2), length=LEN))(
+        params, prompt)
+    got, stats = jax.jit(lambda p, dp, pr: speculative.speculative_generate(
+        cfg, p, cfg, dp, pr, length=LEN, draft_tokens=3))(params, noisy(params, 0.1, seed=5),
+                                                            prompt)
+    np.testing.assert_array_equal(got, want)
+    kept = np.asarray(stats["accepted"])
+    assert kept[0] != kept[1] and kept.min() > 0  # rows at different positions
+
+
 def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
     cfg, params, *_, inputs = lms
     for greedy in (True, False):
