@@ -473,3 +473,8 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert capsys.readouterr().out.startswith(prompts[0])
     assert generate.main(greedy + ["--draft", qdir]) == 2
     assert "is a quantized folder (quant.json)" in capsys.readouterr().err
+    # its source's subword model gone: one line, not a tokenizer trained afresh
+    os.rename(tmp_path / "tokenizer", tmp_path / "tokenizer.moved")
+    assert generate.main(["--workdir", qdir, "--prompt", "And"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "subword model of the run it was quantized from" in err and "\n" not in err, err

@@ -201,6 +201,7 @@ def main(argv=None) -> int:
         from hpnlp import data as data_lib
         from hpnlp import models
         from hpnlp.compress import ptq
+        from hpnlp.data import tokenizers
         from hpnlp.train.loop import dummy_batch
 
         cfg, packed, quant_vars = ptq.load(out)
@@ -210,6 +211,14 @@ def main(argv=None) -> int:
         cfg = with_kv_cache(cfg, out)
         with open(os.path.join(out, "quant.json")) as f:
             source = json.load(f).get("source", {}).get("workdir")
+        model_file = os.path.join(source or "", tokenizers.DIRNAME, tokenizers.MODEL_FILE)
+        if (cfg.data.tokenizer in tokenizers.SUBWORD and not cfg.data.prepared
+                and not (source and os.path.exists(model_file))):
+            # else a subword model would be trained afresh, and might split text otherwise
+            where = model_file if source else "(not named in quant.json)"
+            raise NoCheckpoint(f"{out}: its text goes through the subword model of the run it "
+                               f"was quantized from, {where}, which is not there; restore that "
+                               "run's tokenizer folder")
         task = data_lib.make_task(cfg.data, workdir=source if source and os.path.isdir(source)
                                   else None, save_tokenizer=False)
 
