@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -223,14 +222,8 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
                "machine": harness.machine_info(), "seconds": {}}
     reused = len(compress.REUSED)
     with tempfile.TemporaryDirectory() as tmp:
-        if "decode" in parts:
-            t0 = time.perf_counter()
-            payload["decode"] = decode_rows(s)
-            payload["seconds"]["decode"] = time.perf_counter() - t0
-        if "quality" in parts:
-            t0 = time.perf_counter()
-            payload["quality"] = quality_rows(s, workdir or tmp)
-            payload["seconds"]["quality"] = time.perf_counter() - t0
+        harness.run_parts(payload, {"decode": lambda: decode_rows(s),
+                                    "quality": lambda: quality_rows(s, workdir or tmp)}, parts)
     payload["reused_runs"] = len(compress.REUSED) - reused
     report.write(out_dir, "gqa", payload, _markdown(payload))
     _plot(payload, out_dir)
