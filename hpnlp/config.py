@@ -253,6 +253,18 @@ class ModelConfig:
     # head serves num_heads / num_kv_heads query heads. Decoding caches and reads that many
     # heads' keys and values, not num_heads'.
     num_kv_heads: int = 0
+    # Multi-head latent attention (MLA; DeepSeek-AI 2024, DeepSeek-V2): 0 = off; C > 0: each
+    # block projects the input to one latent of C dims (layer-normed), from which every head's
+    # keys and values are expanded (`k_up`, `v_up`). Decoding caches only the latent (with the
+    # rotary key below, C + R numbers per position and block, against 2 H D for multi-head)
+    # and never expands it: the up-projections are absorbed into the queries and the outputs,
+    # so every query head reads the one cached row (as multi-query does), over C + R dims.
+    kv_latent_dim: int = 0
+    # With kv_latent_dim and model.pos_emb = "rope": R, the dims of each head's query and key
+    # that RoPE rotates (the "decoupled" key: one R-dim key shared by all heads, projected from
+    # the input and cached beside the latent; the other D - R dims of each head are the
+    # latent's, unrotated). 0: D / 2. Even, below D.
+    kv_latent_rope_dim: int = 0
     mlp_dim: int = 512
     dropout: float = 0.1
     max_len: int = 512  # size of the learned position table and of the decode cache
@@ -312,6 +324,14 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """G, the key/value heads: `num_kv_heads`, or num_heads when it is 0."""
         return self.num_kv_heads or self.num_heads
+
+    def latent_rope_dims(self) -> int:
+        """R, the rotary dims of each head under multi-head latent attention
+        (`kv_latent_dim`): `kv_latent_rope_dim`, or D / 2 when it is 0; 0 without RoPE or
+        without the latent."""
+        if not self.kv_latent_dim or self.pos_emb != "rope":
+            return 0
+        return self.kv_latent_rope_dim or self.dims_per_head() // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1172,6 +1192,10 @@ def _check_compress(cfg: Config) -> None:
                   "shares each key/value head among query heads, so removing a head is not one "
                   "slice of each product; set train.prune.layers='mlp' (or prune a multi-head "
                   "model)")
+        if heads and m.kv_latent_dim:
+            _fail("train.prune.structure", p.structure, f"model.kv_latent_dim={m.kv_latent_dim} "
+                  "derives every head's keys and values from one shared latent, so removing a "
+                  "head is not one slice of each product; set train.prune.layers='mlp'")
         if heads and not attention_lib.get(cfg.attention.name).heads_independent:
             free = [n for n in attention_lib.names() if attention_lib.get(n).heads_independent]
             _fail("train.prune.structure", p.structure, f"attention variant "
@@ -1235,6 +1259,39 @@ def _check_kv_heads(m: ModelConfig) -> None:
         _fail("model.num_kv_heads", G, f"grouped key/value heads are the Transformer's "
               f"(model.arch='transformer'); model.arch={m.arch!r} has its own attention or none; "
               "set model.num_kv_heads=0")
+
+
+def _check_kv_latent(cfg: Config) -> None:
+    m = cfg.model
+    C, R = m.kv_latent_dim, m.kv_latent_rope_dim
+    for name, v in (("model.kv_latent_dim", C), ("model.kv_latent_rope_dim", R)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            _fail(name, v, "must be an integer >= 0 (0: off)")
+    if R and not C:
+        _fail("model.kv_latent_rope_dim", R, "sizes the rotary part of multi-head latent "
+              "attention's keys; set model.kv_latent_dim too, or leave it 0")
+    if not C:
+        return
+    if m.arch != "transformer":
+        _fail("model.kv_latent_dim", C, f"multi-head latent attention is the Transformer's "
+              f"(model.arch='transformer'); model.arch={m.arch!r} has its own attention or none; "
+              "set model.kv_latent_dim=0")
+    if m.kv_heads() < m.num_heads:
+        _fail("model.kv_latent_dim", C, f"the latent replaces grouped key/value heads "
+              f"(model.num_kv_heads={m.num_kv_heads}): every head's keys and values come from "
+              "it; set model.num_kv_heads=0 (or model.kv_latent_dim=0)")
+    D = m.dims_per_head()
+    if R and m.pos_emb != "rope":
+        _fail("model.kv_latent_rope_dim", R, f"is the rotary part of each head, and "
+              f"model.pos_emb={m.pos_emb!r} rotates nothing; set model.pos_emb='rope' or leave "
+              "it 0")
+    if m.pos_emb == "rope":
+        R = m.latent_rope_dims()
+        if R % 2 or not 0 < R < D:
+            _fail("model.kv_latent_rope_dim" if m.kv_latent_rope_dim else "model.head_dim",
+                  m.kv_latent_rope_dim or D, f"the rotary dims R={R} of each head must be even "
+                  f"and below its {D} dims (the rest are the latent's); set "
+                  "model.kv_latent_rope_dim to an even number below model.head_dim")
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
@@ -1311,6 +1368,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
     _check_quant(m.quant, m)
     _check_kv_cache(cfg)
+    _check_kv_latent(cfg)
     _check_compress(cfg)
     _check_lowrank(cfg)
     _check_memory(cfg)

@@ -108,7 +108,8 @@ def configs(draw) -> dict:
              "pool": draw(st.sampled_from(["mean", "first"])),
              "reversible": draw(st.booleans()) if arch == "transformer" else False,
              "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans())),
-             "num_kv_heads": draw(st.sampled_from([0, 0, 1, heads // 2])) if arch == "transformer" else 0}
+             "num_kv_heads": draw(st.sampled_from([0, 0, 1, heads // 2])) if arch == "transformer" else 0,
+             "kv_latent_dim": draw(st.sampled_from([0, 0, 0, 8])) if arch == "transformer" else 0}
     if model["reversible"] and model["stack_layers"]:
         model["reversible"] = False
     if model["reversible"]:

@@ -155,14 +155,19 @@ class Attention(nn.Module):
         kernel where it runs); a variant with an `impl` option of its own passes it on."""
         return "auto"
 
-    def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype):
+    def init_cache(self, batch: int, max_len: int, num_heads: int, head_dim: int, dtype, *,
+                   shared_kv: bool = False):
         """Zeros of [B, T, H, D] for keys and values; `dtype` int8 (`quant.kv_cache='int8'`):
-        int8 codes with float32 scales [B, T, H], one per position and head."""
+        int8 codes with float32 scales [B, T, H], one per position and head. `shared_kv`:
+        one buffer "k" whose rows are both keys and values (multi-head latent attention's
+        cached latent; `decode_step` with v None)."""
         zeros = jnp.zeros((batch, max_len, num_heads, head_dim), dtype)
-        cache = {"k": zeros, "v": zeros, "index": jnp.zeros((), jnp.int32)}
+        cache = {"k": zeros, "index": jnp.zeros((), jnp.int32)}
+        if not shared_kv:
+            cache["v"] = zeros
         if jnp.dtype(dtype) == jnp.int8:
-            cache["k_scale"] = cache["v_scale"] = jnp.zeros((batch, max_len, num_heads),
-                                                            jnp.float32)
+            for name in ("k",) if shared_kv else ("k", "v"):
+                cache[f"{name}_scale"] = jnp.zeros((batch, max_len, num_heads), jnp.float32)
         return cache
 
     def decode_step(self, cache, q_BKHD, k_BKHD, v_BKHD):
@@ -172,21 +177,30 @@ class Attention(nn.Module):
         decoding's rewind). The caller keeps index + K within the cache (a dynamic update
         past its end would be clamped, overwriting earlier entries). An int8 cache stores
         the new keys and values quantized (`cache_cpu.quantize_kv`), and they are read back
-        as stored."""
+        as stored. A `shared_kv` cache (no "v") takes v None: each cached row is both key and
+        value."""
         from hpnlp.attention.cache_cpu import cached_attention, quantize_kv  # it imports this
 
         idx = cache["index"]
         new = {"index": idx + q_BKHD.shape[1]}
+        shared = "v" not in cache
+        if shared != (v_BKHD is None):
+            raise ValueError("decode_step: a cache of shared key/value rows takes v None, and "
+                             "only it does")
+        names = (("k", k_BKHD),) if shared else (("k", k_BKHD), ("v", v_BKHD))
         scales = None
-        if "k_scale" in cache:
-            for name, x_BKHD in (("k", k_BKHD), ("v", v_BKHD)):
+        for name, x_BKHD in names:
+            if "k_scale" in cache:
                 codes_BKHD, scale_BKH = quantize_kv(x_BKHD)
                 new[name] = cache_put(cache[name], codes_BKHD, idx)
                 new[f"{name}_scale"] = cache_put(cache[f"{name}_scale"], scale_BKH, idx)
-            scales = (new["k_scale"], new["v_scale"])
-            k_BTHD, v_BTHD = new["k"], new["v"]
+            else:
+                new[name] = cache_put(cache[name], x_BKHD, idx)
+        k_BTHD = new["k"]
+        v_BTHD = k_BTHD if shared else new["v"]
+        if "k_scale" in cache:
+            scales = (new["k_scale"], new["k_scale" if shared else "v_scale"])
         else:
-            new["k"], new["v"] = cache_put(cache["k"], k_BKHD, idx), cache_put(cache["v"], v_BKHD, idx)
-            k_BTHD, v_BTHD = new["k"].astype(q_BKHD.dtype), new["v"].astype(q_BKHD.dtype)
+            k_BTHD, v_BTHD = k_BTHD.astype(q_BKHD.dtype), v_BTHD.astype(q_BKHD.dtype)
         out = cached_attention(q_BKHD, k_BTHD, v_BTHD, idx, scales=scales, impl=self.cache_impl())
         return out, new

@@ -339,9 +339,17 @@ class TeacherCarry(Carry):
         if self.d.init != "none":
             def shapes(m):
                 return {"width": m.width, "num_heads": m.num_heads, "head_dim": m.dims_per_head(),
-                        "num_kv_heads": m.kv_heads(), "mlp_dim": m.mlp_dim, "max_len": m.max_len}
+                        "num_kv_heads": m.kv_heads(), "mlp_dim": m.mlp_dim, "max_len": m.max_len,
+                        "kv_latent_dim": m.kv_latent_dim,
+                        "kv_latent_rope_dim": m.latent_rope_dims()}
             mine, theirs = shapes(sm), shapes(tm)
             select = self.d.init in ("select", "importance")
+            if select and (sm.kv_latent_dim or tm.kv_latent_dim):
+                raise config_error("train.distill.init", self.d.init, "keeps leading slices of "
+                                   "heads and dims, but model.kv_latent_dim derives every head's "
+                                   "keys and values from one layer-normed latent (here or in the "
+                                   "teacher), which no slice of it reproduces; use "
+                                   "init='every_other' with the teacher's widths, or 'none'")
             grouped = sm.kv_heads() < sm.num_heads or tm.kv_heads() < tm.num_heads
             if grouped and self.d.init == "importance":
                 raise config_error("train.distill.init", self.d.init, "ranks heads one by one, "

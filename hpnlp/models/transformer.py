@@ -98,6 +98,12 @@ def rotary(x_BLHD, pos_BL, *, base: float = ROPE_BASE):
     return out_BLHD.astype(x_BLHD.dtype)
 
 
+def _need_positions(pos_BL) -> None:
+    if pos_BL is None:
+        raise ValueError("model.pos_emb='rope' rotates queries and keys by position; "
+                         "pass the tokens' positions pos_BL to the attention block")
+
+
 class MultiHeadAttention(nn.Module):
     """Fused QKV projection, a registry attention variant, output projection.
 
@@ -137,7 +143,12 @@ class MultiHeadAttention(nn.Module):
             return checkpoint_name(qeinsum(self, name, spec, x_BLE, w, m.quant, kind="qkv",
                                            dtype=dt), "qkv")
 
-        if G == H:
+        attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
+        if m.kv_latent_dim:
+            q_BLHD, k_BLGD, v_BLGD = self._latent(x_BLE, pos_BL, projection, attn)
+            if k_BLGD is None:  # the absorbed decode step's output
+                return self._out(q_BLHD)
+        elif G == H:
             qkv_BL3HD = projection("qkv", "ble,ekhd->blkhd", (m.width, 3, H, D),
                                    ("embed", None, "heads", "kv"))
             q_BLHD, k_BLGD, v_BLGD = (qkv_BL3HD[:, :, i] for i in range(3))
@@ -146,16 +157,13 @@ class MultiHeadAttention(nn.Module):
             kv_BL2GD = projection("kv", "ble,ekgd->blkgd", (m.width, 2, G, D),
                                   ("embed", None, "kv_heads", "kv"))
             k_BLGD, v_BLGD = kv_BL2GD[:, :, 0], kv_BL2GD[:, :, 1]
-        if m.pos_emb == "rope":
-            if pos_BL is None:
-                raise ValueError("model.pos_emb='rope' rotates queries and keys by position; "
-                                 "pass the tokens' positions pos_BL to the attention block")
+        if m.pos_emb == "rope" and not m.kv_latent_dim:
+            _need_positions(pos_BL)
             q_BLHD, k_BLGD = rotary(q_BLHD, pos_BL), rotary(k_BLGD, pos_BL)
-        if m.quant.kv_cache == "int8" and not self.decode:
+        if m.quant.kv_cache == "int8" and not self.decode and not m.kv_latent_dim:
             # keys and values as an int8 cache holds them (straight-through gradients), so the
             # forward pass computes what decoding through that cache computes
             k_BLGD, v_BLGD = (fake_quant(x, "int8", axes=(3,)) for x in (k_BLGD, v_BLGD))
-        attn = attention_lib.get(self.attention.name)(**dict(self.attention.options), name="attn")
         k_BLHD, v_BLHD = repeat_kv_heads(k_BLGD, H), repeat_kv_heads(v_BLGD, H)
         if self.decode:
             B = x_BLE.shape[0]
@@ -174,11 +182,79 @@ class MultiHeadAttention(nn.Module):
         else:
             out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=self.causal,
                             deterministic=self.deterministic)
+        return self._out(out_BLHD)
+
+    def _out(self, out_BLHD):
+        m = self.model
+        dt, pdt = dtypes(m)
         out_BLHD = checkpoint_name(out_BLHD, "context")
+        H, D = m.num_heads, m.dims_per_head()
         w_HDE = param(self, "out", _init(nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
                                         ("heads", "kv", "embed")), (H, D, m.width), pdt)
         return checkpoint_name(qeinsum(self, "out", "blhd,hde->ble", out_BLHD, w_HDE, m.quant,
                                        kind="out", dtype=dt), "attention_out")
+
+    def _latent(self, x_BLE, pos_BL, projection, attn):
+        """Multi-head latent attention (`model.kv_latent_dim` C; DeepSeek-AI 2024): (q, k, v)
+        [B, L, H, D] for the variant, or (the heads' outputs, None, None) where a decode step
+        read the latent cache itself.
+
+        Queries as multi-head's, `q` [E, H, D]. `kv_down` [E, C + R] projects each token to
+        the latent c [C] (then `kv_norm`, a LayerNorm) and, under RoPE, one R-dim key shared
+        by every head (rotated at the token's position). Head h's key is
+        [c k_up[:, h] (D - R dims) ; the rotary key (R)], its value c v_up[:, h] (D), and its
+        query's last R dims are rotated likewise: every variant sees [B, L, H, D] as usual.
+
+        Decoding through the exact key/value cache caches only the row [c ; rotary key]
+        (C + R numbers per position) and reads it absorbed: q_h . k_h = (k_up[:, h] q_h) . c
+        + q_rot . k_rot, so head h's query becomes [k_up[:, h] q_h ; q_rot] (C + R dims) and
+        every head attends to the one cached row (a multi-query cache whose rows are keys
+        and values both: `shared_kv`); its output's first C dims times v_up[:, h] are head
+        h's weighted sum of values. The same numbers summed in another order: the decode
+        steps equal the forward pass to float rounding (tests/test_latent_attention.py).
+        Variants with caches of their own decode the expanded keys and values."""
+        m = self.model
+        dt, pdt = dtypes(m)
+        H, D, C, R = m.num_heads, m.dims_per_head(), m.kv_latent_dim, m.latent_rope_dims()
+        q_BLHD = projection("q", "ble,ehd->blhd", (m.width, H, D), ("embed", "heads", "kv"))
+        down_BLX = projection("kv_down", "ble,ex->blx", (m.width, C + R), ("embed", None))
+        c_BLC = LayerNorm(dtype=dt, param_dtype=pdt, name="kv_norm",
+                          scale_init=_init(nn.initializers.ones, (None,)),
+                          bias_init=_init(nn.initializers.zeros, (None,)))(down_BLX[..., :C])
+        kr_BLR = down_BLX[..., C:]
+        if R:
+            _need_positions(pos_BL)
+            q_BLHD = jnp.concatenate([q_BLHD[..., :D - R], rotary(q_BLHD[..., D - R:], pos_BL)],
+                                     -1)
+            kr_BLR = rotary(kr_BLR[:, :, None], pos_BL)[:, :, 0]
+        row_BL1X = jnp.concatenate([c_BLC.astype(dt), kr_BLR.astype(dt)], -1)[:, :, None]
+        if m.quant.kv_cache == "int8" and not self.decode:
+            # the row as an int8 cache holds it (straight-through), as `__call__` does k, v
+            row_BL1X = fake_quant(row_BL1X, "int8", axes=(3,))
+        up = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+        w_CHd = self.param("k_up", _init(up, (None, "heads", None)), (C, H, D - R), pdt).astype(dt)
+        w_CHD = self.param("v_up", _init(up, (None, "heads", "kv")), (C, H, D), pdt).astype(dt)
+        if self.decode and attn.exact_cache():
+            initialized = self.has_variable("cache", "state")
+            cache = self.variable("cache", "state", attn.init_cache, x_BLE.shape[0], m.max_len,
+                                  1, C + R, jnp.int8 if m.quant.kv_cache == "int8" else dt,
+                                  shared_kv=True)
+            if initialized:
+                qa_BLHC = jnp.einsum("blhd,chd->blhc", q_BLHD[..., :D - R], w_CHd)
+                # the cache's attention scales scores by 1 / sqrt(C + R); the model's, 1 / sqrt(D)
+                q_BLHX = (jnp.concatenate([qa_BLHC, q_BLHD[..., D - R:]], -1)
+                          * jnp.asarray(np.sqrt((C + R) / D), dt))
+                o_BLHX, cache.value = attn.decode_step(cache.value, q_BLHX, row_BL1X, None)
+                return jnp.einsum("blhc,chd->blhd", o_BLHX[..., :C], w_CHD), None, None
+        c_BLC, kr_BLR = row_BL1X[:, :, 0, :C], row_BL1X[:, :, 0, C:]
+        k_BLHD = jnp.einsum("blc,chd->blhd", c_BLC, w_CHd)
+        if R:
+            k_BLHD = jnp.concatenate(
+                [k_BLHD, jnp.broadcast_to(kr_BLR[:, :, None], (*kr_BLR.shape[:2], H, R))], -1)
+        v_BLHD = jnp.einsum("blc,chd->blhd", c_BLC, w_CHD)
+        if self.decode and attn.exact_cache():  # shapes only, during init
+            return attn(q_BLHD, k_BLHD, v_BLHD, None, causal=True, deterministic=True), None, None
+        return q_BLHD, k_BLHD, v_BLHD
 
 
 class LayerNorm(nn.LayerNorm):

@@ -91,6 +91,9 @@ def _shape_signature(cfg, members: int = 1) -> dict:
         sig["model.head_dim"] = cfg.model.head_dim
     if cfg.model.kv_heads() < cfg.model.num_heads:  # q and kv [E, 2, G, D] in place of qkv
         sig["model.num_kv_heads"] = cfg.model.kv_heads()
+    if cfg.model.kv_latent_dim:  # q, kv_down, kv_norm, k_up, v_up in place of qkv
+        sig["model.kv_latent_dim"] = cfg.model.kv_latent_dim
+        sig["model.kv_latent_rope_dim"] = cfg.model.latent_rope_dims()
     if cfg.model.lowrank.enabled():
         lr = cfg.model.lowrank  # energy and ranks only when used: older runs still resume
         tables = [k for k in ("embed", "output") if lr.applies(k)]  # since "all" took them
