@@ -763,7 +763,10 @@ def test_gqa_bench_table_from_a_payload():
                            "params": 1000},
                           {"batch": 1, "kv_heads": 1, "attention": "multi-query",
                            "tokens_per_s": 150.0, "speedup": 1.5, "cache_bytes": 2 ** 18,
-                           "params": 900}],
+                           "params": 900},
+                          {"batch": 1, "kv_heads": 4, "kv_latent_dim": 32,
+                           "attention": "multi-head latent, 32 dims", "tokens_per_s": 120.0,
+                           "speedup": 1.2, "cache_bytes": 2 ** 18, "params": 950}],
                "quality": [{"method": "from scratch", "kv_heads": 4, "attention": "multi-head",
                             "steps": 12, "params": 1000, "loss": 2.5, "loss_vs_multi_head": 0.0},
                            {"method": "uptrained from multi-head", "kv_heads": 1,
@@ -772,6 +775,7 @@ def test_gqa_bench_table_from_a_payload():
                "seconds": {"decode": 9.0, "quality": 38.0}}
     md = gqa._markdown(payload)
     assert "| 1 | 1 | multi-query | 150.0 | 1.50x | 256 KiB | 900 |" in md
+    assert "| 1 | latent | multi-head latent, 32 dims | 120.0 | 1.20x | 256 KiB | 950 |" in md
     assert "| uptrained from multi-head | 1 | multi-query | 4 | 900 | 2.6000 | +0.1000 | 3.0000 |" in md
     assert "| from scratch | 4 | multi-head | 12 | 1,000 | 2.5000 | +0.0000 | – |" in md
 
@@ -780,12 +784,15 @@ def test_gqa_bench_table_from_a_payload():
 def test_gqa_bench_quick_run(tmp_path):
     from hpnlp.bench import gqa
     p = gqa.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
-    assert [r["kv_heads"] for r in p["decode"]] == [4, 2, 1] * 2
+    assert [(r["kv_heads"], r["kv_latent_dim"]) for r in p["decode"]] == [
+        (4, 0), (2, 0), (1, 0), (4, 32)] * 2
     assert all(r["tokens_per_s"] > 0 for r in p["decode"])
-    assert [r["cache_bytes"] for r in p["decode"][:3]] == [8192 * 4, 8192 * 2, 8192]
-    assert [(r["method"], r["kv_heads"]) for r in p["quality"]] == [
-        ("from scratch", 4), ("from scratch", 2), ("from scratch", 1),
-        ("uptrained from multi-head, lr 0.003", 2), ("uptrained from multi-head, lr 0.003", 1)]
+    # a latent of 32 numbers per position: the cache of one key/value head of 16 (k and v)
+    assert [r["cache_bytes"] for r in p["decode"][:4]] == [8192 * 4, 8192 * 2, 8192, 8192]
+    assert [(r["method"], r["kv_heads"], r["kv_latent_dim"]) for r in p["quality"]] == [
+        ("from scratch", 4, 0), ("from scratch", 2, 0), ("from scratch", 1, 0),
+        ("from scratch", 4, 64), ("uptrained from multi-head, lr 0.003", 2, 0),
+        ("uptrained from multi-head, lr 0.003", 1, 0)]
     assert all(np.isfinite(r["loss"]) for r in p["quality"])
     assert os.path.exists(tmp_path / "out" / "gqa_decode.png")
 

@@ -1,16 +1,20 @@
 """`python -m hpnlp.bench gqa`: grouped-query and multi-query attention (`model.num_kv_heads`)
-against multi-head attention, in one run on this CPU: decoding speed and the key/value
-cache, then quality trained from scratch and uptrained.
+and multi-head latent attention (`model.kv_latent_dim`) against multi-head attention, in one
+run on this CPU: decoding speed and the key/value cache, then quality trained from scratch
+(and, for grouped heads, uptrained).
 
 1. Decoding (`decode`): a byte LM of width 512, 4 blocks, 8 heads of 64, MLP 2048 and 1024
    positions (random weights: speed does not depend on them) generates from a 16-byte
    prompt to its 1024 positions (`hpnlp.models.generate`, greedy, the prompt prefilled in
    one call, then one token a step through the exact key/value cache and its CPU kernel),
-   at batch 1 and 16, with 8 (multi-head), 4, 2 and 1 (multi-query) key/value heads. Each
-   batch's calls are timed interleaved (`harness.time_interleaved`). Reported: new tokens/s,
-   the speed-up over multi-head at the same batch, the cache's size and the parameters.
+   at batch 1 and 16, with 8 (multi-head), 4, 2 and 1 (multi-query) key/value heads, and
+   with latents of 256 and 128 dims (the caches of 2 and 1 key/value heads; the latent is
+   read absorbed, every head's query against the one cached row). Each batch's calls are
+   timed interleaved (`harness.time_interleaved`). Reported: new tokens/s, the speed-up over
+   multi-head at the same batch, the cache's size and the parameters.
 2. Quality (`quality`): the default byte LM (experiments/lm.py: 4 heads of 32, 800 steps)
-   trained with 4 (multi-head), 2 and 1 key/value heads; and the multi-head run uptrained
+   trained with 4 (multi-head), 2 and 1 key/value heads and with latents of 128 and 64 dims
+   (the caches of 2 and 1 key/value heads); and the multi-head run uptrained
    (Ainslie et al. 2023, `hpnlp.compress.gqa`: each group's key and value heads mean-pooled,
    then `uptrain_steps` more steps, 5% of its 800 as in the paper, at the run's learning rate
    3e-3 and at a tenth of it, each with the schedule's warmup and cosine decay) to 2 and 1,
@@ -34,45 +38,52 @@ from hpnlp.bench import compress, harness, report
 
 SIZES = {
     "full": dict(decode=dict(width=512, depth=4, num_heads=8, mlp_dim=2048, max_len=1024),
-                 prompt=16, batches=(1, 16), decode_kv=(8, 4, 2, 1), repeats=5,
-                 lm_steps=None, uptrain_steps=40, uptrain_lrs=(3e-3, 3e-4), quality_kv=(4, 2, 1),
-                 eval_batches=None),
+                 prompt=16, batches=(1, 16), decode_kv=(8, 4, 2, 1), decode_latent=(256, 128),
+                 repeats=5, lm_steps=None, uptrain_steps=40, uptrain_lrs=(3e-3, 3e-4),
+                 quality_kv=(4, 2, 1), quality_latent=(128, 64), eval_batches=None),
     "quick": dict(decode=dict(width=64, depth=1, num_heads=4, mlp_dim=128, max_len=64),
-                  prompt=4, batches=(1, 4), decode_kv=(4, 2, 1), repeats=2,
+                  prompt=4, batches=(1, 4), decode_kv=(4, 2, 1), decode_latent=(32,), repeats=2,
                   lm_steps=12, uptrain_steps=4, uptrain_lrs=(3e-3,), quality_kv=(4, 2, 1),
-                  eval_batches=2),
+                  quality_latent=(64,), eval_batches=2),
 }
 PARTS = ("decode", "quality")
 
 
-def _kv_name(G: int, H: int) -> str:
+def _kv_name(G: int, H: int, latent: int = 0) -> str:
+    if latent:
+        return f"multi-head latent, {latent} dims"
     return "multi-head" if G == H else "multi-query" if G == 1 else f"grouped, {G} groups"
 
 
 def _config(model: dict, G: int, *, steps: int | None = None, eval_batches: int | None = None,
-            kv_cache: str = "none"):
-    """experiments/lm.py's byte LM with `model`'s fields, G key/value heads and the key/value
-    cache `kv_cache` (quant.kv_cache)."""
+            kv_cache: str = "none", latent: int = 0):
+    """experiments/lm.py's byte LM with `model`'s fields, G key/value heads, the key/value
+    cache `kv_cache` (quant.kv_cache) and a latent of `latent` dims (model.kv_latent_dim)."""
     cd = compress.experiment("byte LM", dict(lm_steps=steps, eval_batches=eval_batches))
     cd.model.update(model)
     cd.data.seq_len = min(cd.data.seq_len, cd.model.max_len)
     cd.model.num_kv_heads = 0 if G == cd.model.num_heads else G
+    cd.model.kv_latent_dim = latent
     cd.quant.kv_cache = kv_cache
     return cd
 
 
-def cache_bytes(m: dict, B: int, G: int, kv_cache: str = "none") -> int:
-    """The decode cache's bytes: keys and values of every block, float32 or int8 codes with a
-    float32 scale per position and head."""
+def cache_bytes(m: dict, B: int, G: int, kv_cache: str = "none", latent: int = 0) -> int:
+    """The decode cache's bytes: keys and values of every block (or, with a latent, its row
+    of `latent` numbers, keys and values both), float32 or int8 codes with a float32 scale
+    per position and head (row)."""
     D = m["width"] // m["num_heads"]
+    if latent:
+        return m["depth"] * B * m["max_len"] * (latent + 4 if kv_cache == "int8" else 4 * latent)
     per_head = D + 4 if kv_cache == "int8" else 4 * D
     return 2 * m["depth"] * B * m["max_len"] * G * per_head
 
 
 def decode_rows(s: dict, variants=None) -> list[dict]:
-    """Greedy `generate` timed interleaved per batch, for each (key/value heads, kv_cache) of
-    `variants` (default: s["decode_kv"] with the float cache); the speed-up is over the first
-    variant at the same batch."""
+    """Greedy `generate` timed interleaved per batch, for each (key/value heads, kv_cache) or
+    (key/value heads, kv_cache, latent dims) of `variants` (default: s["decode_kv"], then
+    s["decode_latent"], with the float cache); the speed-up is over the first variant at the
+    same batch."""
     import flax.linen as nn
 
     from hpnlp import models
@@ -81,15 +92,16 @@ def decode_rows(s: dict, variants=None) -> list[dict]:
 
     m = s["decode"]
     H, T = m["num_heads"], m["max_len"]
-    variants = variants or [(G, "none") for G in s["decode_kv"]]
+    variants = [(*v, 0)[:3] for v in variants or [(G, "none") for G in s["decode_kv"]] + [
+        (H, "none", C) for C in s.get("decode_latent", ())]]
     rng = np.random.default_rng(0)
     built = {}
-    for G, kv_cache in variants:
-        cfg = validate(from_configdict(_config(m, G, kv_cache=kv_cache)))
+    for G, kv_cache, latent in variants:
+        cfg = validate(from_configdict(_config(m, G, kv_cache=kv_cache, latent=latent)))
         model = models.build(cfg, deterministic=True)
         params = jax.jit(lambda k, model=model: nn.unbox(model.init(
             k, dummy_batch("lm", 1, cfg.data.seq_len))["params"]))(jax.random.key(0))
-        built[G, kv_cache] = (cfg, params)
+        built[G, kv_cache, latent] = (cfg, params)
     rows = []
     for B in s["batches"]:
         prompt = rng.integers(0, 256, (B, s["prompt"])).astype(np.int32)
@@ -98,15 +110,16 @@ def decode_rows(s: dict, variants=None) -> list[dict]:
             fn = jax.jit(lambda p, pr, cfg=cfg: models.generate(cfg, p, pr, length=T, greedy=True))
             calls[key] = lambda fn=fn, p=params: jax.block_until_ready(fn(p, prompt))
         times = harness.time_interleaved(calls, repeats=s["repeats"])
-        for (G, kv_cache), (timing, cpu) in times.items():
-            cfg, params = built[G, kv_cache]
+        for (G, kv_cache, latent), (timing, cpu) in times.items():
+            cfg, params = built[G, kv_cache, latent]
             new = B * (T - s["prompt"])
-            rows.append({"batch": B, "kv_heads": G, "heads": H, "attention": _kv_name(G, H),
-                         "kv_cache": kv_cache,
+            rows.append({"batch": B, "kv_heads": G, "heads": H,
+                         "attention": _kv_name(G, H, latent), "kv_cache": kv_cache,
+                         "kv_latent_dim": latent,
                          "tokens_per_s": new / timing.median_s, "seconds": timing.median_s,
                          "seconds_min": timing.min_s, "seconds_max": timing.max_s,
                          "cpu_seconds": cpu, "compile_s": timing.compile_s,
-                         "cache_bytes": cache_bytes(m, B, G, kv_cache),
+                         "cache_bytes": cache_bytes(m, B, G, kv_cache, latent),
                          "params": sum(x.size for x in jax.tree.leaves(params))})
         base = next(r for r in rows if r["batch"] == B)
         for r in rows:
@@ -130,14 +143,16 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
     rows = []
     H = compress.experiment("byte LM", dict(lm_steps=None, eval_batches=None)).model.num_heads
     mha_dir = os.path.join(workdir, f"kv{H}")
-    bar = tqdm(total=len(s["quality_kv"]) + (len(s["quality_kv"]) - 1) * len(s["uptrain_lrs"]),
-               desc="gqa quality", leave=False)
-    for G in s["quality_kv"]:
-        out = os.path.join(workdir, f"kv{G}")
+    latents = s.get("quality_latent", ())
+    bar = tqdm(total=len(s["quality_kv"]) + len(latents)
+               + (len(s["quality_kv"]) - 1) * len(s["uptrain_lrs"]), desc="gqa quality",
+               leave=False)
+    for G, latent in [(G, 0) for G in s["quality_kv"]] + [(H, C) for C in latents]:
+        out = os.path.join(workdir, f"latent{latent}" if latent else f"kv{G}")
         summary = compress._train(_config({}, G, steps=s["lm_steps"],
-                                          eval_batches=s["eval_batches"]), out)
-        rows.append({"method": "from scratch", "kv_heads": G, "heads": H,
-                     "attention": _kv_name(G, H), "steps": summary["final_step"],
+                                          eval_batches=s["eval_batches"], latent=latent), out)
+        rows.append({"method": "from scratch", "kv_heads": G, "heads": H, "kv_latent_dim": latent,
+                     "attention": _kv_name(G, H, latent), "steps": summary["final_step"],
                      "params": summary["param_count"], "loss": summary["eval"]["loss"]})
         bar.update()
     for G in s["quality_kv"]:
@@ -154,12 +169,12 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
                     pooled = _pooled_eval(cd, tmp)
             summary = compress._train(cd, os.path.join(workdir, f"uptrain_kv{G}_lr{lr:g}"))
             rows.append({"method": f"uptrained from multi-head, lr {lr:g}", "kv_heads": G,
-                         "heads": H, "attention": _kv_name(G, H), "steps": summary["final_step"],
+                         "kv_latent_dim": 0, "heads": H, "attention": _kv_name(G, H), "steps": summary["final_step"],
                          "params": summary["param_count"], "loss": summary["eval"]["loss"],
                          "loss_pooled": pooled["loss"]})
             bar.update()
     bar.close()
-    base = next(r["loss"] for r in rows if r["kv_heads"] == H)
+    base = next(r["loss"] for r in rows if r["kv_heads"] == H and not r["kv_latent_dim"])
     for r in rows:
         r["loss_vs_multi_head"] = r["loss"] - base
     return rows
@@ -182,7 +197,7 @@ def _markdown(p: dict) -> str:
         out += decode_intro(p, "multi-head") + [
                 report.table(["batch", "key/value heads", "attention", "new tokens/s",
                               "speed-up", "KV cache", "params"],
-                             [[str(r["batch"]), str(r["kv_heads"]), r["attention"],
+                             [[str(r["batch"]), _kv_heads_cell(r), r["attention"],
                                f"{r['tokens_per_s']:.1f}", report.fmt(r["speedup"], "x"),
                                report._bytes_short(r["cache_bytes"]), f"{r['params']:,}"]
                               for r in p["decode"]]), ""]
@@ -190,10 +205,11 @@ def _markdown(p: dict) -> str:
         out += ["### Quality", "",
                 "The default byte LM (experiments/lm.py), eval loss; uptrained: the multi-head "
                 "run's key/value heads mean-pooled per group, then trained the steps shown "
-                "(`pooled` is the loss before them).", "",
+                "(`pooled` is the loss before them). A latent's key/value heads are the query "
+                "heads, every one read from the latent.", "",
                 report.table(["method", "key/value heads", "attention", "steps", "params",
                               "eval loss", "vs multi-head", "pooled, untrained"],
-                             [[r["method"], str(r["kv_heads"]), r["attention"], str(r["steps"]),
+                             [[r["method"], _kv_heads_cell(r), r["attention"], str(r["steps"]),
                                f"{r['params']:,}", f"{r['loss']:.4f}",
                                f"{r['loss_vs_multi_head']:+.4f}",
                                f"{r['loss_pooled']:.4f}" if "loss_pooled" in r else "–"]
@@ -202,18 +218,25 @@ def _markdown(p: dict) -> str:
     return "\n".join(out)
 
 
+def _kv_heads_cell(r: dict) -> str:
+    return "latent" if r.get("kv_latent_dim") else str(r["kv_heads"])
+
+
 def _plot(p: dict, out_dir: str) -> None:
-    """New tokens/s against key/value heads, per batch."""
+    """New tokens/s against the cache's bytes per position, per batch: grouped heads (8 to
+    1) on one line, latents on another."""
     if not p.get("decode"):
         return
     series = {}
-    for r in p["decode"]:
-        xs, ys = series.setdefault(f"batch {r['batch']}", ([], []))
-        xs.append(r["kv_heads"])
+    T = p["sizes"]["decode"]["max_len"]
+    for r in sorted(p["decode"], key=lambda r: r["cache_bytes"]):
+        family = "latent" if r.get("kv_latent_dim") else "key/value heads"
+        xs, ys = series.setdefault(f"batch {r['batch']}, {family}", ([], []))
+        xs.append(r["cache_bytes"] / (r["batch"] * T))
         ys.append(r["tokens_per_s"])
     report.scaling_plot(os.path.join(out_dir, "gqa_decode.png"), series,
-                        xlabel="key/value heads", ylabel="new tokens/s",
-                        title="generate() with fewer key/value heads")
+                        xlabel="cache bytes per position (all blocks)", ylabel="new tokens/s",
+                        title="generate() with smaller key/value caches")
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -> dict:
