@@ -240,12 +240,15 @@ class MultiHeadAttention(nn.Module):
                                   1, C + R, jnp.int8 if m.quant.kv_cache == "int8" else dt,
                                   shared_kv=True)
             if initialized:
-                qa_BLHC = jnp.einsum("blhd,chd->blhc", q_BLHD[..., :D - R], w_CHd)
-                # the cache's attention scales scores by 1 / sqrt(C + R); the model's, 1 / sqrt(D)
-                q_BLHX = (jnp.concatenate([qa_BLHC, q_BLHD[..., D - R:]], -1)
-                          * jnp.asarray(np.sqrt((C + R) / D), dt))
+                # in float32, rounded to the compute dtype once: the cache's attention scales
+                # scores by 1 / sqrt(C + R), the model's are 1 / sqrt(D)
+                qa_BLHC = jnp.einsum("blhd,chd->blhc", q_BLHD[..., :D - R], w_CHd,
+                                     preferred_element_type=jnp.float32)
+                q_BLHX = (jnp.concatenate([qa_BLHC, q_BLHD[..., D - R:].astype(jnp.float32)], -1)
+                          * np.float32(np.sqrt((C + R) / D))).astype(dt)
                 o_BLHX, cache.value = attn.decode_step(cache.value, q_BLHX, row_BL1X, None)
-                return jnp.einsum("blhc,chd->blhd", o_BLHX[..., :C], w_CHD), None, None
+                return jnp.einsum("blhc,chd->blhd", o_BLHX[..., :C], w_CHD,
+                                  preferred_element_type=jnp.float32).astype(dt), None, None
         c_BLC, kr_BLR = row_BL1X[:, :, 0, :C], row_BL1X[:, :, 0, C:]
         k_BLHD = jnp.einsum("blc,chd->blhd", c_BLC, w_CHd)
         if R:
