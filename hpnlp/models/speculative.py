@@ -4,8 +4,11 @@ longest prefix the target agrees with is kept, plus one token of the target's ow
 output is the target's: token for token its greedy decoding when `greedy` (the one call on
 k + 1 tokens and k + 1 single steps agree to float rounding, about 2e-5 in the tests, so
 only a near-tie in the target's argmax could tell them apart), and when sampling, every
-token is distributed as the target's (temperature-scaled) next-token distribution (a draft token d is kept with probability min(1, p(d) / q(d)); at the first
-one refused, a token is drawn from the residual max(p - q, 0), renormalized).
+token is distributed as the target's next-token distribution p (a draft token d is kept with
+probability min(1, p(d) / q(d)); at the first one refused, a token is drawn from the
+residual max(p - q, 0), renormalized). That holds for any p and q, so the sampling options
+(`generate.sampling_logits`: temperature, top-k, top-p, min-p) process both, and the output
+follows the target's processed distribution.
 
 A round costs `draft_tokens + 1` draft steps and one target call on `draft_tokens + 1`
 tokens (`TransformerLM.decode_tokens`), and emits between 1 and `draft_tokens + 1` tokens.
@@ -113,12 +116,16 @@ def rewind(cache, position):
     return jax.tree_util.tree_map_with_path(f, cache)
 
 
-def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float):
+def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, top_k: int = 0,
+           top_p=1.0, min_p=0.0):
     """One round's verdict, row by row. logp: the target's log-probs at the k + 1 positions
     after the pending token (the last follows all k drafts); logq: the draft's at the first
-    k, which drew d. Returns (n_B, y_B): the drafts each row keeps (its longest accepted
-    prefix) and its next token after them: the target's argmax (greedy), or a draw from the
-    residual max(p - q, 0) at the first refused draft, or from p after all k were kept."""
+    k, which drew d from their `sampling_logits` under the same options. Returns (n_B, y_B):
+    the drafts each row keeps (its longest accepted prefix) and its next token after them:
+    the target's argmax (greedy), or a draw from the residual max(p - q, 0) at the first
+    refused draft, or from p after all k were kept; p and q are both processed by
+    `sampling_logits` (temperature, top_k, top_p, min_p)."""
+    from hpnlp.models.generate import sampling_logits
     B, K1, _ = logp_BKV.shape
     k = K1 - 1
     rows = jnp.arange(B)
@@ -126,10 +133,14 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float):
         ok_BK = d_BK == jnp.argmax(logp_BKV[:, :k], axis=-1)
     else:
         ku, key = jax.random.split(key)
-        p_BKV = jax.nn.softmax(logp_BKV / temperature, axis=-1)
-        q_BKV = jax.nn.softmax(logq_BKV / temperature, axis=-1)
+        opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        p_BKV = jax.nn.softmax(sampling_logits(logp_BKV, **opts), axis=-1)
+        q_BKV = jax.nn.softmax(sampling_logits(logq_BKV, **opts), axis=-1)
         p_BK = jnp.take_along_axis(p_BKV[:, :k], d_BK[..., None], axis=-1)[..., 0]
         q_BK = jnp.take_along_axis(q_BKV, d_BK[..., None], axis=-1)[..., 0]
+        # u < p/q without the division: a draft outside the processed q's support (q = 0,
+        # which a draw cannot give) is kept where p has it, never with NaN; one outside p's
+        # (p = 0) is refused
         ok_BK = jax.random.uniform(ku, (B, k)) * q_BK < p_BK
     n_B = jnp.sum(jnp.cumprod(ok_BK.astype(jnp.int32), axis=1), axis=1)
     if greedy:
@@ -143,14 +154,18 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float):
 
 def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, prompt_BP, *,
                          length: int, draft_tokens: int = 4, rng=None, temperature: float = 1.0,
-                         greedy: bool = True, token_counts=None, draft_token_counts=None):
+                         greedy: bool = True, top_k: int = 0, top_p=1.0, min_p=0.0,
+                         token_counts=None, draft_token_counts=None):
     """Returns (tokens [B, length]: the prompt followed by the target's continuation,
     stats {"rounds": target calls after the prompt, "accepted" [B]: drafts each row kept,
     "row_rounds" [B]: the calls each row took part in, before it was done}). Every row's
     prompt is the whole of `prompt_BP` (same length). Jit it with the configs static, like
-    `generate.generate`; `check` runs here, before any tracing."""
+    `generate.generate`; `check` runs here, before any tracing. Sampled, `top_k`, `top_p`
+    and `min_p` act as in `generate` on both the draft's and the target's distributions, so
+    the tokens follow the target's processed one."""
     from hpnlp.models import build
-    from hpnlp.models.generate import check_call, check_prompt, check_temperature
+    from hpnlp.models.generate import (check_call, check_prompt, check_sampling,
+                                       check_temperature, sampling_logits)
 
     check_prompt(cfg, prompt_BP)
     check_call(length, rng, draft_tokens=draft_tokens)
@@ -158,6 +173,8 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
     check_temperature(temperature, greedy)
+    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size)
+    opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     target = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     draft = build(draft_cfg, deterministic=True, decode=True, token_counts=draft_token_counts)
     zeros_B1 = jnp.zeros((B, 1), jnp.int32)
@@ -182,8 +199,8 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
         logq_B1V, upd = apply_d(dcache, tok_B[:, None])
         key, sub = jax.random.split(key)
         logq_BV = logq_B1V[:, 0]
-        d_B = (jnp.argmax(logq_BV, axis=-1) if greedy
-               else jax.random.categorical(sub, logq_BV / temperature, axis=-1)).astype(jnp.int32)
+        d_B = (jnp.argmax(logq_BV, axis=-1) if greedy else jax.random.categorical(
+            sub, sampling_logits(logq_BV, **opts), axis=-1)).astype(jnp.int32)
         return (upd["cache"], d_B, key), (d_B, logq_BV)
 
     def positions(t_B):
@@ -202,7 +219,7 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
                                                           None, length=k + 1)
         d_BK, logq_BKV = d_KB[:k].T, jnp.moveaxis(logq_KBV[:k], 0, 1)
         logp_BKV, upd = apply_t(tcache, jnp.concatenate([pending_B[:, None], d_BK], axis=1))
-        n_B, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, temperature=temperature)
+        n_B, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, **opts)
         n_B = jnp.where(active_B, n_B, 0)
         j_1K = jnp.arange(k + 1)[None]
         new_BK1 = jnp.where(j_1K < n_B[:, None], jnp.pad(d_BK, ((0, 0), (0, 1))), y_B[:, None])

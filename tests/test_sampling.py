@@ -1,0 +1,320 @@
+"""Sampling controls (temperature, top-k, top-p, min-p): `sampling_logits` against a NumPy
+reference, `generate` and speculative decoding drawing only allowed tokens and from the
+processed distribution, and the refusals before any compile."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hpnlp import models
+from hpnlp.models import speculative
+from hpnlp.models.generate import sampling_logits
+from test_models import V, init, lm_batch, make_cfg
+from test_speculative import noisy
+
+LEN = 14  # generated length; the configs' max_len is 16
+
+
+def reference(logp, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The processed distribution [..., V] in float64, row by row and by token indices
+    (the test data has no ties): top_k, then top_p on what it left renormalized, then
+    min_p against the most probable token."""
+    x = np.asarray(logp, np.float64) / temperature
+    out = np.zeros_like(x)
+    for idx in np.ndindex(x.shape[:-1]):
+        p = np.exp(x[idx] - x[idx].max())
+        p /= p.sum()
+        kept = np.argsort(-p, kind="stable")[:top_k or None]
+        mass = np.cumsum(p[kept]) / p[kept].sum()
+        kept = kept[:int(np.argmax(mass >= top_p)) + 1 if top_p < 1 else None]
+        kept = kept[p[kept] >= min_p * p.max()]
+        out[idx][kept] = p[kept] / p[kept].sum()
+    return out
+
+
+@pytest.fixture(scope="module")
+def logp():
+    """[6, 50] random next-token log-probs, no ties."""
+    x = np.random.default_rng(0).normal(size=(6, 50)) * 2
+    return jax.nn.log_softmax(jnp.asarray(x, jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def lms():
+    """A tiny target LM and a smaller draft of random weights."""
+    cfg = make_cfg("lm", width=16, depth=1, num_heads=2, mlp_dim=32)
+    draft_cfg = make_cfg("lm", width=8, depth=1, num_heads=2, mlp_dim=16)
+    batch = lm_batch()
+    return cfg, init(cfg, batch)[1], draft_cfg, init(draft_cfg, batch)[1], batch["inputs"]
+
+
+def next_token_logp(cfg, params, tokens_BL):
+    """The model's log-probs [B, L, V] of the token after each position, by a forward pass."""
+    batch = {"inputs": tokens_BL, "segment_ids": jnp.ones_like(tokens_BL),
+             "positions": jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)}
+    model = models.build(cfg, deterministic=True)
+    return np.asarray(jax.jit(lambda p: model.apply({"params": p}, batch, method="log_probs"))(
+        params), np.float64)
+
+
+def test_top_k_one_and_a_tiny_top_p_keep_only_the_argmax(logp):
+    argmax = np.asarray(jnp.argmax(logp, axis=-1))
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(top_p=1e-6, temperature=3.0),
+               dict(min_p=0.999)):
+        kept = np.isfinite(np.asarray(sampling_logits(logp, **kw)))
+        np.testing.assert_array_equal(kept, np.eye(logp.shape[-1], dtype=bool)[argmax], str(kw))
+
+
+def test_each_option_keeps_the_references_tokens_with_its_renormalized_probabilities(logp):
+    """Top-k exactly k tokens; top-p the smallest prefix reaching p; min-p; combined, and
+    at temperatures. The mask is exact, the probabilities to float32 rounding."""
+    cases = [dict(top_k=k) for k in (2, 7, 49, 50)]
+    cases += [dict(top_k=5, top_p=1 - 1e-7)]  # top_p's search over top_k's 5: all 5 kept
+    cases += [dict(top_p=p) for p in (0.3, 0.5, 0.9, 0.99, 1.0)]
+    cases += [dict(min_p=m) for m in (0.01, 0.1, 0.5)]
+    cases += [dict(top_k=10, top_p=0.7), dict(top_k=10, top_p=0.8, min_p=0.2),
+              dict(temperature=0.5, top_p=0.8), dict(temperature=2.0, top_k=20, min_p=0.1),
+              dict(temperature=1.5, top_k=12, top_p=0.6, min_p=0.3)]
+    for kw in cases:
+        got = np.asarray(jax.nn.softmax(sampling_logits(logp, **kw), axis=-1))
+        want = reference(logp, **kw)
+        np.testing.assert_array_equal(got > 0, want > 0, str(kw))
+        np.testing.assert_allclose(got, want, atol=1e-6, err_msg=str(kw))
+        if "top_k" in kw and len(kw) == 1:
+            assert np.all((got > 0).sum(-1) == kw["top_k"])
+    # the sequential order: top_p counts the mass top_k left, renormalized
+    assert (reference(logp, top_k=10, top_p=0.7) > 0).sum() < (reference(logp, top_p=0.7) > 0).sum()
+
+
+def test_top_p_at_an_8000_token_vocabulary_matches_the_reference():
+    """The bisection over a realistic vocabulary's values, alone and after a top-k."""
+    x = np.random.default_rng(1).normal(size=(3, 8000)) * 2
+    logp = jax.nn.log_softmax(jnp.asarray(x, jnp.float32))
+    for kw in (dict(top_p=0.5), dict(top_p=0.95), dict(top_k=1000, top_p=0.9, temperature=0.8)):
+        got = np.asarray(jax.nn.softmax(sampling_logits(logp, **kw), axis=-1))
+        want = reference(logp, **kw)
+        assert 10 < (want > 0).sum(-1).min(), kw
+        np.testing.assert_array_equal(got > 0, want > 0, str(kw))
+        np.testing.assert_allclose(got, want, atol=1e-6, err_msg=str(kw))
+
+
+def test_ties_at_the_cut_are_all_kept_whatever_their_ids():
+    logp = jnp.log(jnp.array([[0.1, 0.3, 0.2, 0.2, 0.2]]))
+    for kw in (dict(top_k=2), dict(top_k=3), dict(top_p=0.4), dict(top_k=2, top_p=0.35)):
+        kept = np.isfinite(np.asarray(sampling_logits(logp, **kw)))[0]
+        np.testing.assert_array_equal(kept, [False, True, True, True, True], str(kw))
+
+
+def test_traced_top_p_and_min_p_under_jit_match_the_concrete_ones(logp):
+    run = jax.jit(lambda x, tp, mp: sampling_logits(x, top_k=10, top_p=tp, min_p=mp))
+    for tp, mp in ((1.0, 0.0), (0.7, 0.1)):
+        np.testing.assert_array_equal(run(logp, tp, mp),
+                                      sampling_logits(logp, top_k=10, top_p=tp, min_p=mp))
+
+
+def test_draws_follow_the_processed_distribution():
+    """20,000 draws from one fixed logit vector, each option cutting the kept set further
+    (12 -> 9 -> 7 -> 4 tokens): tokens outside it never, the others within 4.5 binomial
+    standard errors and a chi-square below df + 6 sqrt(2 df) (fixed seed: not flaky)."""
+    logp = jax.nn.log_softmax(jnp.linspace(2.0, -2.0, 12)[None] ** 3 / 4)
+    kw = dict(temperature=0.8, top_k=9, top_p=0.9, min_p=0.1)
+    want = reference(logp, **kw)[0]
+    kept = [(reference(logp, **dict(kw, **off)) > 0).sum()
+            for off in (dict(top_k=0, top_p=1.0, min_p=0.0), dict(top_p=1.0, min_p=0.0),
+                        dict(min_p=0.0), {})]
+    assert kept == [12, 9, 7, 4], kept
+    n = 20000
+    draws = jax.random.categorical(jax.random.key(0), sampling_logits(logp, **kw)[0], shape=(n,))
+    got = np.bincount(np.asarray(draws), minlength=12) / n
+    assert np.all(got[want == 0] == 0)
+    se = np.sqrt(want * (1 - want) / n)
+    np.testing.assert_array_less(np.abs(got - want), 4.5 * se + 1e-9)
+    on = want > 0
+    chi2 = n * np.sum((got[on] - want[on]) ** 2 / want[on])
+    df = on.sum() - 1
+    assert chi2 < df + 6 * np.sqrt(2 * df), chi2
+
+
+def test_generate_with_top_k_one_samples_the_greedy_tokens(lms):
+    cfg, params, *_, inputs = lms
+    prompt = inputs[:, :3]
+    want = jax.jit(lambda p, pr: models.generate(cfg, p, pr, length=LEN))(params, prompt)
+    got = jax.jit(lambda p, pr: models.generate(cfg, p, pr, length=LEN, greedy=False, top_k=1,
+                                                rng=jax.random.key(7)))(params, prompt)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=3), dict(temperature=0.7, top_p=0.5, min_p=0.3)])
+def test_every_sampled_token_is_allowed_at_its_step(lms, kw):
+    """32 rows of 13 sampled tokens: each is among those the options keep under the model's
+    own next-token distribution (a forward pass on the emitted prefix; decoding agrees with
+    it to float rounding, hence the 1e-4 slack at the cut)."""
+    cfg, params, *_, inputs = lms
+    P = 1
+    prompt = jnp.tile(inputs[:1, :P], (32, 1))
+    out = np.asarray(jax.jit(lambda p, pr: models.generate(
+        cfg, p, pr, length=16, greedy=False, rng=jax.random.key(3), **kw))(params, prompt))
+    assert len(np.unique(out[:, P])) > 1  # sampled, not one token
+    logp = next_token_logp(cfg, params, jnp.asarray(out))[:, P - 1:-1]  # [B, 15, V]
+    tok = out[:, P:]
+    x = logp / kw.get("temperature", 1.0)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p_tok = np.take_along_axis(p, tok[..., None], -1)[..., 0]
+    if "top_k" in kw:
+        kth = -np.sort(-p, -1)[..., kw["top_k"] - 1]
+        assert np.all(p_tok >= kth - 1e-4)
+    if "top_p" in kw:  # the mass of the tokens more probable than it falls short of top_p
+        ahead = np.sum(np.where(p > p_tok[..., None], p, 0), -1)
+        assert np.all(ahead < kw["top_p"] + 1e-4)
+        assert np.all(p_tok >= kw["min_p"] * p.max(-1) - 1e-4)
+    # and the cuts bite: some steps leave fewer tokens than the vocabulary
+    assert np.mean((reference(logp[:4], **kw) > 0).sum(-1)) < V / 2
+
+
+def test_speculative_with_top_k_one_emits_the_targets_greedy_tokens(lms):
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    prompt = inputs[:, :2]
+    want = jax.jit(lambda p, pr: models.generate(cfg, p, pr, length=LEN))(params, prompt)
+    got, _ = jax.jit(lambda p, dp, pr: speculative.speculative_generate(
+        cfg, p, draft_cfg, dp, pr, length=LEN, draft_tokens=3, greedy=False, top_k=1,
+        rng=jax.random.key(1)))(params, draft_params, prompt)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_speculative_first_token_follows_the_targets_processed_distribution(lms):
+    """2048 rows of one prompt, the draft (the target with its weights perturbed) proposing
+    2, each option cutting the target's kept set further (12 -> 8 -> 6 tokens), and the
+    draft's processed support differing from the target's both ways: the first emitted
+    token's frequencies match the target's processed distribution within 4.5 binomial
+    standard errors; tokens outside its support never appear. (A draft that sampled from
+    its unprocessed q would be off by about 25 of them.)"""
+    cfg, params, *_, inputs = lms
+    draft_params = noisy(params, 0.2, seed=5)
+    P, n = 2, 2048
+    kw = dict(temperature=0.7, top_k=12, top_p=0.8, min_p=0.2)
+    prompt = jnp.tile(inputs[:1, :P], (n, 1))
+    out, stats = jax.jit(lambda p, dp, pr: speculative.speculative_generate(
+        cfg, p, cfg, dp, pr, length=P + 2, draft_tokens=2, greedy=False,
+        rng=jax.random.key(4), **kw))(params, draft_params, prompt)
+    logp = next_token_logp(cfg, params, prompt[:1])[0, P - 1]
+    want = reference(logp, **kw)
+    q = reference(next_token_logp(cfg, draft_params, prompt[:1])[0, P - 1], **kw)
+    kept = [(reference(logp, **dict(kw, **off)) > 0).sum()
+            for off in (dict(top_p=1.0, min_p=0.0), dict(min_p=0.0), {})]
+    assert kept == [12, 8, 6], kept
+    assert np.any((q > 0) & (want == 0)) and np.any((q == 0) & (want > 0))
+    assert 0 < np.mean(np.asarray(stats["accepted"]) > 0) < 1  # drafts kept and refused
+    got = np.bincount(np.asarray(out)[:, P], minlength=V) / n
+    assert np.all(got[want == 0] == 0)
+    np.testing.assert_array_less(np.abs(got - want), 4.5 * np.sqrt(want * (1 - want) / n) + 1e-9)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_accept_follows_the_processed_target_where_the_supports_differ(temperature):
+    """`accept` alone, 40,000 rounds of k = 2 drafts drawn from the processed q: the
+    target's top 3 and the draft's top 3 differ (p has tokens q never proposes, q proposes
+    tokens p refuses), yet every emitted token follows the processed p, with no NaN."""
+    kw = dict(temperature=temperature, top_k=3, top_p=0.95)
+    logp = jnp.log(jnp.array([[[0.4, 0.25, 0.2, 0.1, 0.05], [0.05, 0.1, 0.2, 0.3, 0.35],
+                               [0.3, 0.3 - 1e-3, 0.2, 0.1, 0.1 + 1e-3]]]))
+    logq = jnp.log(jnp.array([[[0.1, 0.35, 0.05, 0.3, 0.2], [0.35, 0.3, 0.2, 0.1, 0.05]]]))
+
+    def one(key):
+        kd, ka = jax.random.split(key)
+        d_12 = jax.random.categorical(kd, sampling_logits(logq, **kw), axis=-1).astype(jnp.int32)
+        n_1, y_1 = speculative.accept(logp, logq, d_12, ka, greedy=False, **kw)
+        return n_1, jnp.where(jnp.arange(3)[None] < n_1[:, None], jnp.pad(d_12, ((0, 0), (0, 1))),
+                              y_1[:, None])
+
+    rounds = 40000
+    n, emitted = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), rounds))
+    n, emitted = np.asarray(n)[:, 0], np.asarray(emitted)[:, 0]
+    want = reference(logp[0], **kw)
+    for pos in range(3):
+        reached = emitted[n >= pos, pos]
+        assert len(reached) > 1500
+        got = np.bincount(reached, minlength=5) / len(reached)
+        assert np.all(got[want[pos] == 0] == 0)
+        np.testing.assert_allclose(got, want[pos], atol=4.5 * np.sqrt(0.25 / len(reached)))
+
+
+REFUSALS = [
+    (dict(top_k=-1), "top_k=-1: it must be >= 0"),
+    (dict(top_k=2.0), "top_k=2.0: it counts tokens, so it must be an int"),
+    (dict(top_k=True), "top_k=True: it counts tokens"),
+    (dict(top_k=V + 1), rf"top_k={V + 1} is larger than the vocabulary \(model.vocab_size={V}\)"),
+    (dict(top_p=0.0), r"top_p=0.0: it must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5: it must be a number in \(0, 1\]"),
+    (dict(top_p=float("nan")), "top_p=nan: it must be"),
+    (dict(min_p=1.0), r"min_p=1.0: it must be a number in \[0, 1\)"),
+    (dict(min_p=-0.1), r"min_p=-0.1: it must be a number in \[0, 1\)"),
+    (dict(top_k=3, greedy=True), "top_k=3 shapes sampling, which greedy decoding does not do"),
+    (dict(top_p=0.9, greedy=True), "top_p=0.9 shapes sampling.*pass greedy=False"),
+    (dict(min_p=np.float32(0.1), greedy=True), "min_p=.* shapes sampling"),
+]
+
+
+@pytest.mark.parametrize("kw, match", REFUSALS)
+def test_bad_sampling_options_are_refused_before_compiling(lms, kw, match):
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    kw = dict(dict(greedy=False), **kw)
+    with pytest.raises(ValueError, match=match):
+        models.generate(cfg, params, inputs[:, :3], length=LEN, **kw)
+    with pytest.raises(ValueError, match=match):
+        speculative.speculative_generate(cfg, params, draft_cfg, draft_params, inputs[:, :3],
+                                         length=LEN, draft_tokens=2, **kw)
+
+
+def test_sampling_logits_refuses_a_top_k_past_its_vocabulary(logp):
+    with pytest.raises(ValueError, match=r"top_k=51 is larger than the vocabulary \(the "):
+        sampling_logits(logp, top_k=51)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--top-k", "-2"], "--top-k -2: it must be >= 0"),
+    (["--top-p", "0"], r"--top-p 0.0: it must be a number in (0, 1]"),
+    (["--min-p", "1"], r"--min-p 1.0: it must be a number in [0, 1)"),
+    (["--top-k", "5", "--greedy"], "--top-k 5 shapes sampling, which --greedy does not do "
+                                   "(the argmax would ignore it); drop one of the two"),
+    (["--top-p", "0.9", "--greedy"], "--top-p 0.9 shapes sampling"),
+])
+def test_cli_refuses_bad_sampling_flags_in_one_line_before_loading(tmp_path, capsys, flags,
+                                                                   match):
+    generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    assert generate.main(["--workdir", str(tmp_path / "none"), "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+def test_cli_passes_the_sampling_flags_with_and_without_a_draft(tmp_path, capsys):
+    """A tiny byte LM trained two steps: --top-k 1 prints the --greedy text, alone and
+    drafting for itself; the three flags together sample; a --top-k past the vocabulary is
+    one line once the run's vocabulary is known."""
+    from hpnlp.config import default_configdict
+    from hpnlp.train import run
+    generate = importlib.import_module("hpnlp.models.generate")
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", seq_len=32)
+    cd.model.update(kind="lm", width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32)
+    cd.train.update(steps=2, batch_size=4, warmup_steps=1, eval_every=0, eval_batches=1,
+                    checkpoint_every=2, progress=False)
+    run(cd, str(tmp_path))
+    base = ["--workdir", str(tmp_path), "--prompt", "And God said", "--length", "24"]
+    draft = ["--draft", str(tmp_path), "--draft-tokens", "3"]
+    assert generate.main(base + ["--greedy"]) == 0
+    want = capsys.readouterr().out
+    for extra in (["--top-k", "1"], ["--top-k", "1"] + draft):
+        assert generate.main(base + extra) == 0
+        assert capsys.readouterr().out == want, extra
+    for extra in ([], draft):
+        assert generate.main(base + ["--top-k", "20", "--top-p", "0.9", "--min-p", "0.05",
+                                     "--seed", "3", *extra]) == 0
+        assert capsys.readouterr().out.startswith("And God said")
+    assert generate.main(base + ["--top-k", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--top-k 100000 is larger than the vocabulary (model.vocab_size=" in err, err
