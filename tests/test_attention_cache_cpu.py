@@ -34,6 +34,12 @@ GROUPED = [
     (1, 2, 30, 3, 16, 12, 1),  # 3 heads a group: split over 2 threads unevenly (2 + 1)
     (1, 1, 50, 4, 16, 49, 1),  # over 3 threads: 2 + 2 + an empty item
     (3, 1, 24, 2, 16, 20, 1),  # 3 groups on 2 threads
+    # rows of more than 8 vectors (attend_heads_wide: a latent's row): 10 vectors, 8 heads,
+    # rows past one L1 block (51 rows), each row's own position; 11 (3 + 3 + 3 + 2 output
+    # vectors a pass; AVX2: 22 of 1) in 2 groups; 18, 3 heads split over the threads
+    (2, 1, 70, 8, 160, (10, 69), 1),
+    (2, 2, 40, 4, 176, 30, 2),
+    (1, 2, 40, 3, 288, 39, 1),
 ]
 
 
@@ -89,6 +95,24 @@ def check_int8_kernel_equals_twin():
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2 ** -6,
                                    rtol=2 ** -6)
+
+
+@needs_kernel
+def test_rows_read_as_keys_and_values_both():
+    """One buffer as k and v (multi-head latent attention's cache, `shared_kv`): the kernel
+    reads it as the twin does, float32 and int8, wide rows and one-vector rows."""
+    twin = jax.jit(lambda q, kv, i, s: CC.cached_attention(q, kv, kv, i, impl="xla",
+                                                           scales=None if s is None else (s, s)))
+    for B, L, T, H, D, index, G in (GROUPED[-3], GROUPED[1]):
+        q, kv, _ = _qkv(B, L, T, H, D, jnp.float32, seed=2, G=G)
+        np.testing.assert_allclose(
+            CC.cached_attention(q, kv, kv, jnp.array(index), impl="kernel"),
+            twin(q, kv, jnp.array(index), None), atol=1e-5, rtol=1e-5)
+        codes, scale = CC.quantize_kv(kv)
+        np.testing.assert_allclose(
+            CC.cached_attention(q, codes, codes, jnp.array(index), scales=(scale, scale),
+                                impl="kernel"),
+            twin(q, codes, jnp.array(index), scale), atol=1e-5, rtol=1e-5)
 
 
 def test_int8_codes_are_each_rows_absmax_scaled():

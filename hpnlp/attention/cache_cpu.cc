@@ -227,15 +227,133 @@ void attend_heads(const Problem& p, int cnt, const E* q, const C* k, const C* v,
     for (int a = 0; a < NV; ++a) store_e(o + h * D + a * NR, acc[h][a] * inv[h]);
 }
 
+// Heads at once of attend_heads_wide, and the output vectors its value pass holds per head
+// (8 heads x kWideChunk accumulators, a value vector and a weight in the registers).
+constexpr int kWideHeads = 8;
+constexpr int kWideChunk = kVectorRegisters == 32 ? 3 : 1;
+
+// rows of a block the value pass runs all its chunks over, from the core's L1 cache (about
+// 32 KB of float rows), before it moves to the next
+inline int64_t wide_block_rows(int64_t D) { return std::max<int64_t>(4, 8192 / D); }
+
+// o_h[0, CW vectors) += s_h[t] * v[t][0, CW vectors) for t in [t0, t1) and cnt heads h,
+// the running sums kept in acc (h * D apart) between blocks.
+template <int CW, class C>
+inline void weighted_rows_heads(int cnt, const float* s, int64_t sstep, const C* v,
+                                ptrdiff_t stride, int64_t t0, int64_t t1, float* acc,
+                                int64_t D) {
+  vf a[kWideHeads][CW];
+  for (int h = 0; h < kWideHeads; ++h)
+    for (int c = 0; c < CW; ++c) a[h][c] = h < cnt ? load(acc + h * D + c * NR) : vf{};
+  for (int64_t t = t0; t < t1; ++t) {
+    const C* vt = v + t * stride;
+    vf vr[CW];
+    for (int c = 0; c < CW; ++c) vr[c] = load_e(vt + c * NR);
+    for (int h = 0; h < kWideHeads; ++h) {
+      if (h >= cnt) break;
+      const vf w = vf{} + s[h * sstep + t];
+      for (int c = 0; c < CW; ++c) a[h][c] += w * vr[c];
+    }
+  }
+  for (int h = 0; h < cnt; ++h)
+    for (int c = 0; c < CW; ++c) store(acc + h * D + c * NR, a[h][c]);
+}
+
+// attend_heads for rows of more than 8 vectors (multi-head latent attention's latent row,
+// C + R numbers, is keys and values of every head): up to kWideHeads heads, whose queries
+// no longer fit the registers. Each key row is read once for them all, its vectors loaded
+// one at a time and multiplied into every head's sum (the queries read from the core's L1
+// cache); the value pass runs over blocks of rows that stay in L1, kWideChunk output
+// vectors of every head at a time, the sums kept in scratch between chunks. Every sum runs
+// over the same terms in the same order as `attend`'s, so the results are the same.
+// s: scratch of kWideHeads rows of n + NR floats, then 2 kWideHeads rows of D floats.
+template <class E, class C>
+void attend_heads_wide(const Problem& p, int cnt, const E* q, const C* k, const C* v,
+                       const float* ks, const float* vs, ptrdiff_t stride, ptrdiff_t sstride,
+                       int64_t n, E* o, float* s) {
+  constexpr bool coded = std::is_same_v<C, int8_t>;
+  const int64_t D = p.D, NV = D / NR;
+  if (n <= 0) {
+    for (int64_t i = 0; i < cnt * D; ++i) set_e(o + i, 0.0f);
+    return;
+  }
+  const int64_t sstep = (n + NR - 1) / NR * NR;
+  float* qs = s + kWideHeads * (p.T + NR);
+  float* acc = qs + kWideHeads * D;
+  float m[kWideHeads];
+  for (int h = 0; h < cnt; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    for (int64_t d = 0; d < D; ++d) qs[h * D + d] = to_float(q[h * D + d]) * p.scale;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) {
+      prefetch_row(k + (t + kPrefetchRows) * stride, D);
+      if (v != k) prefetch_row(v + (t + kPrefetchRows) * stride, D);
+    }
+    const C* kt = k + t * stride;
+    vf sums[kWideHeads] = {};
+    for (int64_t a = 0; a < NV; ++a) {
+      const vf kr = load_e(kt + a * NR);
+      for (int h = 0; h < kWideHeads; ++h) {
+        if (h >= cnt) break;
+        sums[h] += load(qs + h * D + a * NR) * kr;
+      }
+    }
+    for (int h = 0; h < cnt; ++h) {
+      float x = hsum(sums[h]);
+      if constexpr (coded) x *= ks[t * sstride];
+      s[h * sstep + t] = x;
+      m[h] = std::max(m[h], x);
+    }
+  }
+  float inv[kWideHeads];
+  for (int h = 0; h < cnt; ++h) {
+    float* sh = s + h * sstep;
+    for (int64_t t = n; t < sstep; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+    vf total{};
+    for (int64_t t = 0; t < sstep; t += NR) {
+      const vf e = vexp0(load(sh + t) - m[h]);
+      store(sh + t, e);
+      total += e;
+    }
+    inv[h] = 1.0f / hsum(total);
+    if constexpr (coded)
+      for (int64_t t = 0; t < n; ++t) sh[t] *= vs[t * sstride];
+  }
+  for (int64_t i = 0; i < cnt * D; ++i) acc[i] = 0.0f;
+  const int64_t block = wide_block_rows(D);
+  for (int64_t t0 = 0; t0 < n; t0 += block) {
+    const int64_t t1 = std::min(n, t0 + block);
+    for (int64_t a = 0; a < NV;) {
+      const int64_t d = a * NR;
+      switch (std::min<int64_t>(kWideChunk, NV - a)) {
+        case 3: weighted_rows_heads<3>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D), a += 3;
+                break;
+        case 2: weighted_rows_heads<2>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D), a += 2;
+                break;
+        default: weighted_rows_heads<1>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D), a += 1;
+                 break;
+      }
+    }
+  }
+  for (int h = 0; h < cnt; ++h)
+    for (int64_t a = 0; a < NV; ++a)
+      store_e(o + h * D + a * NR, load(acc + h * D + a * NR) * inv[h]);
+}
+
 template <class E, class C>
 using HeadsFn = void (*)(const Problem&, int, const E*, const C*, const C*, const float*,
                          const float*, ptrdiff_t, ptrdiff_t, int64_t, E*, float*);
 
-// attend_heads for D = NV vectors (and how many heads it takes at once), or null where D is
-// not 1 to 8 whole vectors.
+// attend_heads for D = NV vectors (and how many heads it takes at once), attend_heads_wide
+// for more than 8 whole vectors, or null where D is not whole vectors.
 template <class E, class C>
 HeadsFn<E, C> heads_kernel(int64_t D, int* at_once) {
   if (D % NR) return nullptr;
+  if (D / NR > 8) {  // at 8 vectors attend_heads' 2 heads at once in registers ran faster
+    *at_once = kWideHeads;
+    return attend_heads_wide<E, C>;
+  }
   switch (D / NR) {
 #define HPNLP_HEADS_CASE(nv) \
   case nv:                   \
@@ -276,12 +394,14 @@ void run(const Problem& p, const E* q, const C* k, const C* v, const float* ks, 
                             : std::min<int64_t>(per_group, (pieces + groups - 1) / groups);
   const int64_t per_item = (per_group + split - 1) / split, items = groups * split;
   // An item of several heads runs them a few at once (attend_heads) where the head dim is 1
-  // to 8 whole vectors; otherwise (and for one head) one at a time (attend).
+  // to 8 whole vectors, up to 8 at once (attend_heads_wide) where it is more whole vectors;
+  // otherwise (and for one head) one at a time (attend).
   int at_once = 1;
   const HeadsFn<E, C> heads = per_item > 1 ? heads_kernel<E, C>(p.D, &at_once) : nullptr;
   std::atomic<int64_t> next{0};
   join_parallel(use, [&](int) {
-    std::vector<float> scratch(size_t(p.D + NR) + size_t(at_once) * size_t(p.T + NR));
+    // attend's q and scores; a heads kernel's scores (and attend_heads_wide's queries and sums)
+    std::vector<float> scratch(size_t(p.D + NR) + size_t(at_once) * size_t(p.T + NR + 2 * p.D));
     float *qs = scratch.data(), *s = qs + p.D + NR;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t b = i / split / p.G, g = i / split % p.G;
