@@ -259,6 +259,33 @@ inline void weighted_rows_heads(int cnt, const float* s, int64_t sstep, const C*
     for (int c = 0; c < CW; ++c) store(acc + h * D + c * NR, a[h][c]);
 }
 
+// attend_heads_wide's key pass for J heads: s[h * sstep + t] = (scaled query h) . key t,
+// and each head's running max m[h].
+template <int J, class C>
+inline void wide_scores(const float* qs, const C* k, const C* v, const float* ks,
+                        ptrdiff_t stride, ptrdiff_t sstride, int64_t n, int64_t D, float* s,
+                        int64_t sstep, float* m) {
+  const int64_t NV = D / NR;
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) {
+      prefetch_row(k + (t + kPrefetchRows) * stride, D);
+      if (v != k) prefetch_row(v + (t + kPrefetchRows) * stride, D);
+    }
+    const C* kt = k + t * stride;
+    vf sums[J] = {};
+    for (int64_t a = 0; a < NV; ++a) {
+      const vf kr = load_e(kt + a * NR);
+      for (int h = 0; h < J; ++h) sums[h] += load(qs + h * D + a * NR) * kr;
+    }
+    for (int h = 0; h < J; ++h) {
+      float x = hsum(sums[h]);
+      if constexpr (std::is_same_v<C, int8_t>) x *= ks[t * sstride];
+      s[h * sstep + t] = x;
+      m[h] = std::max(m[h], x);
+    }
+  }
+}
+
 // attend_heads for rows of more than 8 vectors (multi-head latent attention's latent row,
 // C + R numbers, is keys and values of every head): up to kWideHeads heads, whose queries
 // no longer fit the registers. Each key row is read once for them all, its vectors loaded
@@ -285,26 +312,13 @@ void attend_heads_wide(const Problem& p, int cnt, const E* q, const C* k, const 
     m[h] = -std::numeric_limits<float>::infinity();
     for (int64_t d = 0; d < D; ++d) qs[h * D + d] = to_float(q[h * D + d]) * p.scale;
   }
-  for (int64_t t = 0; t < n; ++t) {
-    if (t + kPrefetchRows < n) {
-      prefetch_row(k + (t + kPrefetchRows) * stride, D);
-      if (v != k) prefetch_row(v + (t + kPrefetchRows) * stride, D);
-    }
-    const C* kt = k + t * stride;
-    vf sums[kWideHeads] = {};
-    for (int64_t a = 0; a < NV; ++a) {
-      const vf kr = load_e(kt + a * NR);
-      for (int h = 0; h < kWideHeads; ++h) {
-        if (h >= cnt) break;
-        sums[h] += load(qs + h * D + a * NR) * kr;
-      }
-    }
-    for (int h = 0; h < cnt; ++h) {
-      float x = hsum(sums[h]);
-      if constexpr (coded) x *= ks[t * sstride];
-      s[h * sstep + t] = x;
-      m[h] = std::max(m[h], x);
-    }
+  switch (cnt) {  // the heads' count a constant, so their sums stay in registers
+#define HPNLP_WIDE_SCORES(j) \
+  case j: wide_scores<j>(qs, k, v, ks, stride, sstride, n, D, s, sstep, m); break;
+    HPNLP_WIDE_SCORES(1) HPNLP_WIDE_SCORES(2) HPNLP_WIDE_SCORES(3) HPNLP_WIDE_SCORES(4)
+    HPNLP_WIDE_SCORES(5) HPNLP_WIDE_SCORES(6) HPNLP_WIDE_SCORES(7)
+    default: wide_scores<kWideHeads>(qs, k, v, ks, stride, sstride, n, D, s, sstep, m); break;
+#undef HPNLP_WIDE_SCORES
   }
   float inv[kWideHeads];
   for (int h = 0; h < cnt; ++h) {
