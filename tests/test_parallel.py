@@ -134,3 +134,33 @@ def test_make_mesh_of_more_devices_than_there_are_names_the_mesh():
     with pytest.raises(ValueError, match=r"needs a multiple of 4 devices and there are 1 "):
         make_mesh(MeshConfig(data=-1, tensor=4), one)
     assert make_mesh(MeshConfig(data=-1), one).shape["data"] == 1
+
+
+def test_state_shardings_replicate_dims_their_axes_do_not_divide():
+    """A dim the rule's mesh axes do not divide is replicated, the rest as the rules say: an
+    adaptive softmax's head (its cutoff plus clusters, 61 here, cut at token frequencies when
+    the model is built, which validate cannot check) failed in device_put under
+    mesh.tensor=2 (found by the crash hunt). An abstract mesh: no devices needed."""
+    import flax.linen as nn
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from hpnlp.config import MeshConfig
+    from hpnlp.parallel import state_shardings
+    from hpnlp.parallel.mesh import AXES
+
+    sizes = dict(data=1, fsdp=1, tensor=2, sequence=1, pipeline=1, expert=1)
+    mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES,
+                        axis_types=(AxisType.Auto,) * len(AXES))
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self):
+            zeros = nn.initializers.zeros
+            return [self.param(n, nn.with_logical_partitioning(zeros, ("embed", "vocab")), s)
+                    for n, s in (("head", (16, 61)), ("full", (16, 64)))]
+
+    abstract = jax.eval_shape(lambda: M().init(jax.random.key(0)))
+    got = state_shardings(abstract, mesh, MeshConfig().rule_tuples())["params"]
+    assert tuple(got["full"].spec) == ("fsdp", "tensor")
+    assert tuple(got["head"].spec) == ("fsdp", None)

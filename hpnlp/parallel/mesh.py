@@ -40,9 +40,32 @@ def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
 
 
 def state_shardings(abstract_tree, mesh: Mesh, rules=DEFAULT_RULES):
-    """NamedShardings for a (boxed, abstract) pytree from its logical partition specs."""
+    """NamedShardings for a (boxed, abstract) pytree from its logical partition specs. A
+    dimension the mesh axes of its rule do not divide is replicated instead: `validate`
+    checks the model's own sizes (heads, MLP, vocabulary...) and names the field, but not
+    the sizes a layer derives from the data when it is built (an adaptive softmax's head
+    and clusters, cut at token frequencies), which would fail in `device_put`."""
     specs = nn.get_partition_spec(abstract_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    shapes = jax.tree.map(lambda x: x.unbox(apply_constraint=False) if boxed(x) else x,
+                          abstract_tree, is_leaf=boxed)  # nn.unbox would constrain them
+    return jax.tree.map(_dividing, shardings, shapes,
+                        is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def _dividing(sharding: NamedSharding, leaf) -> NamedSharding:
+    """`sharding` without the mesh axes of any dimension of `leaf` they do not divide."""
+    shape = getattr(leaf, "shape", ())
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    changed = False
+    for i, axes in enumerate(spec[:len(shape)]):
+        if axes is None:
+            continue
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        if shape[i] % int(np.prod([sharding.mesh.shape[a] for a in names])):
+            spec[i], changed = None, True
+    return NamedSharding(sharding.mesh, P(*spec[:len(shape)])) if changed else sharding
 
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
