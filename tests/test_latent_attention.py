@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hpnlp import models
 from hpnlp.config import AttentionConfig, QuantConfig, default_configdict, from_configdict, validate
 from hpnlp.models.transformer import rotary
-from test_models import B, L, _decoder, init, lm_batch, make_cfg
+from test_models import B, L, _decoder, assert_decodes_like_forward, init, lm_batch, make_cfg
 
 C = 12  # latent dims (heads: 4 of 8)
 
@@ -72,7 +71,6 @@ def test_latent_lm_decodes_like_its_forward_pass(pos_emb, kv_cache, attention):
     token a step, a prefill, rows rewound to positions of their own (speculative decoding),
     generate's prefill; with the int8 cache (the forward pass fake-quantizes the row as the
     cache stores it); and a variant with a cache of its own decodes the expanded heads."""
-    from hpnlp.models.speculative import rewind
     cfg = make_cfg("lm", pos_emb=pos_emb, kv_latent_dim=C, quant=QuantConfig(kv_cache=kv_cache))
     if attention == "sliding_window":  # a window of every key: exact, its own ring cache
         cfg = dataclasses.replace(cfg, attention=AttentionConfig(attention, {"block_size": 8,
@@ -80,30 +78,12 @@ def test_latent_lm_decodes_like_its_forward_pass(pos_emb, kv_cache, attention):
     R = cfg.model.latent_rope_dims()
     batch = lm_batch(lengths=(L, L))
     model, params = init(cfg, batch)
-    full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
-    cache0, many = _decoder(cfg)
+    cache0, _ = _decoder(cfg)
     state = cache0["trunk"]["block_0"]["attention"]["state"]
     if attention == "dense":  # the latent row only: no value buffer, one "head"
         assert state["k"].shape == (B, L, 1, C + R) and "v" not in state
         assert state["k"].dtype == (jnp.int8 if kv_cache == "int8" else jnp.float32)
-    cache, steps = cache0, []
-    for t in range(L):
-        lp, upd = many(params, cache, batch["inputs"][:, t:t + 1])
-        cache = upd["cache"]
-        steps.append(lp[:, 0])
-    np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
-    if attention != "dense":
-        return
-    lp, upd = many(params, cache0, batch["inputs"][:, :10])  # prefill
-    np.testing.assert_allclose(lp, full[:, :10], atol=2e-5)
-    start = jnp.asarray([3, 6], jnp.int32)
-    toks = jnp.stack([batch["inputs"][0, 3:7], batch["inputs"][1, 6:10]])
-    lp, _ = many(params, rewind(upd["cache"], start), toks)
-    np.testing.assert_allclose(lp[0], full[0, 3:7], atol=2e-5)
-    np.testing.assert_allclose(lp[1], full[1, 6:10], atol=2e-5)
-    prompt = batch["inputs"][:, :5]
-    np.testing.assert_array_equal(models.generate(cfg, params, prompt, length=12),
-                                  models.generate(cfg, params, prompt, jnp.array([5, 5]), length=12))
+    assert_decodes_like_forward(cfg, model, params, batch, exact=attention == "dense")
 
 
 def test_latent_lm_decodes_in_bfloat16():

@@ -267,7 +267,6 @@ def test_rope_lm_decodes_like_its_forward_pass(kv_heads, attention):
     their own (speculative decoding's rewind) and generate's prefill all match the forward
     pass; with grouped key/value heads (the exact cache keeps G rotated heads) and with a
     variant's own cache (sliding_window's ring of repeated heads)."""
-    from hpnlp.models.speculative import rewind
     cfg = make_cfg("lm", pos_emb="rope", num_kv_heads=kv_heads)
     if attention == "sliding_window":  # a window of every key: exact, its own ring cache
         cfg = dataclasses.replace(cfg, attention=AttentionConfig(attention, {"block_size": 8,
@@ -275,6 +274,14 @@ def test_rope_lm_decodes_like_its_forward_pass(kv_heads, attention):
     batch = lm_batch(lengths=(L, L))
     model, params = init(cfg, batch)
     assert "pos_embedding" not in params["trunk"]
+    assert_decodes_like_forward(cfg, model, params, batch, exact=attention == "dense")
+
+
+def assert_decodes_like_forward(cfg, model, params, batch, *, exact: bool):
+    """One token a step matches the forward pass's log-probs; with the exact key/value cache
+    (`exact`: several tokens a call) so do a prefill, rows rewound to positions of their own
+    (speculative decoding) and generate with its prefill against one token a step."""
+    from hpnlp.models.speculative import rewind
     full = jax.jit(lambda p, b: model.apply({"params": p}, b, method="log_probs"))(params, batch)
     cache0, many = _decoder(cfg)
     cache, steps = cache0, []
@@ -283,7 +290,7 @@ def test_rope_lm_decodes_like_its_forward_pass(kv_heads, attention):
         cache = upd["cache"]
         steps.append(lp[:, 0])
     np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5)
-    if attention != "dense":  # the rest needs the exact cache (several tokens a call)
+    if not exact:
         return
     lp, upd = many(params, cache0, batch["inputs"][:, :10])  # prefill
     np.testing.assert_allclose(lp, full[:, :10], atol=2e-5)

@@ -70,6 +70,27 @@ inline void prefetch_row(const C* row, int64_t D) {
   for (int64_t b = 0; b < D * int64_t(sizeof(C)); b += 64) __builtin_prefetch(p + b);
 }
 
+// cnt heads' scores, rows of s sstep apart (n scores each, maxima m) -> exp(s - m), padded
+// with zeros to whole vectors; the reciprocal of each row's sum in inv; and for an int8
+// cache, value t's scale (vs[t * sstride]) folded into its weight.
+template <bool coded>
+inline void softmax_rows(int cnt, float* s, int64_t sstep, int64_t n, const float* m,
+                         const float* vs, ptrdiff_t sstride, float* inv) {
+  for (int h = 0; h < cnt; ++h) {
+    float* sh = s + h * sstep;
+    for (int64_t t = n; t < sstep; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+    vf total{};
+    for (int64_t t = 0; t < sstep; t += NR) {
+      const vf e = vexp0(load(sh + t) - m[h]);
+      store(sh + t, e);
+      total += e;
+    }
+    inv[h] = 1.0f / hsum(total);
+    if constexpr (coded)
+      for (int64_t t = 0; t < n; ++t) sh[t] *= vs[t * sstride];
+  }
+}
+
 // o[a * NR, + NR) = inv * sum over t < n of s[t] * v[t * stride + a * NR, + NR), a < NA: NA
 // accumulators, each value row read once.
 template <int NA, class E, class C>
@@ -113,17 +134,8 @@ void attend(const Problem& p, const E* q, const C* k, const C* v, const float* k
     s[t] = x;
     m = std::max(m, x);
   }
-  const int64_t nv = (n + NR - 1) / NR * NR;
-  for (int64_t t = n; t < nv; ++t) s[t] = -std::numeric_limits<float>::infinity();
-  vf total{};
-  for (int64_t t = 0; t < nv; t += NR) {
-    const vf e = vexp0(load(s + t) - m);
-    store(s + t, e);
-    total += e;
-  }
-  const float inv = 1.0f / hsum(total);
-  if constexpr (coded)  // value t's scale, folded into its weight
-    for (int64_t t = 0; t < n; ++t) s[t] *= vs[t * sstride];
+  float inv;
+  softmax_rows<coded>(1, s, (n + NR - 1) / NR * NR, n, &m, vs, sstride, &inv);
   for (int64_t d = 0; d < Dv;) {  // up to 8 vectors of the row at once
     switch (std::min<int64_t>(8, (Dv - d) / NR)) {
       case 8: weighted_rows<8>(s, v + d, stride, n, inv, o + d), d += 8 * NR; break;
@@ -199,19 +211,7 @@ void attend_heads(const Problem& p, int cnt, const E* q, const C* k, const C* v,
     }
   }
   float inv[J];
-  for (int h = 0; h < cnt; ++h) {
-    float* sh = s + h * sstep;
-    for (int64_t t = n; t < sstep; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-    vf total{};
-    for (int64_t t = 0; t < sstep; t += NR) {
-      const vf e = vexp0(load(sh + t) - m[h]);
-      store(sh + t, e);
-      total += e;
-    }
-    inv[h] = 1.0f / hsum(total);
-    if constexpr (coded)
-      for (int64_t t = 0; t < n; ++t) sh[t] *= vs[t * sstride];
-  }
+  softmax_rows<coded>(cnt, s, sstep, n, m, vs, sstride, inv);
   vf acc[J][NV] = {};
   for (int64_t t = 0; t < n; ++t) {
     const C* vt = v + t * stride;
@@ -321,19 +321,7 @@ void attend_heads_wide(const Problem& p, int cnt, const E* q, const C* k, const 
 #undef HPNLP_WIDE_SCORES
   }
   float inv[kWideHeads];
-  for (int h = 0; h < cnt; ++h) {
-    float* sh = s + h * sstep;
-    for (int64_t t = n; t < sstep; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-    vf total{};
-    for (int64_t t = 0; t < sstep; t += NR) {
-      const vf e = vexp0(load(sh + t) - m[h]);
-      store(sh + t, e);
-      total += e;
-    }
-    inv[h] = 1.0f / hsum(total);
-    if constexpr (coded)
-      for (int64_t t = 0; t < n; ++t) sh[t] *= vs[t * sstride];
-  }
+  softmax_rows<coded>(cnt, s, sstep, n, m, vs, sstride, inv);
   for (int64_t i = 0; i < cnt * D; ++i) acc[i] = 0.0f;
   const int64_t block = wide_block_rows(D);
   for (int64_t t0 = 0; t0 < n; t0 += block) {
