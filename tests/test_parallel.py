@@ -1,8 +1,8 @@
 """Parallel modes on 8 simulated CPU devices equal the 1-device run.
 
 For data, FSDP, tensor and sequence parallelism, the combinations data x tensor,
-fsdp x tensor, and multi-query attention under tensor parallelism (its key/value head
-replicated): five training steps (dropout on) give the same losses
+fsdp x tensor, multi-query attention under tensor parallelism (its key/value head
+replicated) and multi-head latent attention under fsdp x tensor: five training steps (dropout on) give the same losses
 and parameters as one device, to 1e-5 in float32, and the compiled step's parameter and
 optimizer-state shardings are the ones `cfg.mesh.rules` says. (Pipeline parallelism:
 tests/test_pipeline.py.)
@@ -19,7 +19,8 @@ import hpnlp  # noqa: F401  (before any JAX computation: its XLA flags)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODES = {  # name: (mesh axis sizes, attention)
+MLA = {"kv_latent_dim": 32, "pos_emb": "rope"}
+MODES = {  # name: (mesh axis sizes, attention[, model fields])
     "data": ({"data": 8}, "dense"),
     "fsdp": ({"data": 1, "fsdp": 8}, "dense"),
     "tensor": ({"data": 1, "tensor": 8}, "dense"),
@@ -29,6 +30,8 @@ MODES = {  # name: (mesh axis sizes, attention)
     # multi-query attention under tensor parallelism: its one key/value head replicated
     "tensor_mqa": ({"data": 1, "tensor": 8, "rules": {"kv_heads": None}}, "dense",
                    {"num_kv_heads": 1}),
+    # multi-head latent attention (its latent dims replicated, its heads split), with RoPE
+    "fsdp_x_tensor_mla": ({"data": 1, "fsdp": 4, "tensor": 2}, "dense", MLA),
 }
 
 CODE = r"""
@@ -95,10 +98,12 @@ def test_every_mode_matches_one_device_and_follows_the_rules(tmp_path):
     ref_dir, par_dir = tmp_path / "ref", tmp_path / "par"
     ref_dir.mkdir(), par_dir.mkdir()
     _run(ref_dir, {"dense": ({"data": 1}, "dense"), "ring": ({"data": 1}, "ring"),
-                   "dense_mqa": ({"data": 1}, "dense", {"num_kv_heads": 1})}, devices=1)
+                   "dense_mqa": ({"data": 1}, "dense", {"num_kv_heads": 1}),
+                   "dense_mla": ({"data": 1}, "dense", MLA)}, devices=1)
     _run(par_dir, MODES, devices=8)
     for name, (mesh, attention, *model) in MODES.items():
-        attention += "_mqa" if model else ""  # the reference run of the same model
+        # the reference run of the same model
+        attention += ("_mla" if "kv_latent_dim" in model[0] else "_mqa") if model else ""
         ref = json.load(open(ref_dir / f"{attention}.json"))
         got = json.load(open(par_dir / f"{name}.json"))
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, err_msg=name)

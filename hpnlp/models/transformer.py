@@ -121,6 +121,9 @@ class MultiHeadAttention(nn.Module):
     `pos_BL` after the projection, before the heads are repeated, cached or handed to the
     variant: every variant and every decode cache then sees rotated keys (the exact cache
     stores them; decoding passes the cache's positions as `pos_BL`).
+
+    With `model.kv_latent_dim` (multi-head latent attention) every head's keys and values
+    are expanded from one latent per token, and decoding caches only the latent (`_latent`).
     """
 
     model: ModelConfig
