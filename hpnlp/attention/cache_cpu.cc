@@ -161,7 +161,7 @@ void attend(const Problem& p, const E* q, const C* k, const C* v, const float* k
 // cache's 8 heads, 8 times from the core's cache). The queries stay in registers while the
 // keys stream past, then the outputs' accumulators while the values do. The same operations
 // in the same order as `attend`, so the same results. q, o: cnt rows of D (contiguous heads);
-// s: scratch of heads_at_once<NV>() rows of n + NR floats.
+// s: scratch of heads_at_once<NV>() rows of T + NR floats, then as many rows of D.
 #if defined(__AVX512F__)
 constexpr int kVectorRegisters = 32;
 #else
@@ -171,6 +171,31 @@ constexpr int kVectorRegisters = 16;
 template <int NV>
 constexpr int heads_at_once() {
   return std::max(1, std::min(8, kVectorRegisters / 2 / NV));
+}
+
+// o_h[0, CW vectors) += s_h[t] * v[t][0, CW vectors) for t in [t0, t1) and cnt <= J heads h,
+// the running sums read from and written back to acc (h * D apart): the value pass of
+// attend_heads (all rows, all of a head's vectors) and of attend_heads_wide (blocks of rows,
+// a few vectors at a time).
+template <int J, int CW, class C>
+inline void weighted_rows_heads(int cnt, const float* s, int64_t sstep, const C* v,
+                                ptrdiff_t stride, int64_t t0, int64_t t1, float* acc,
+                                int64_t D) {
+  vf a[J][CW];
+  for (int h = 0; h < J; ++h)
+    for (int c = 0; c < CW; ++c) a[h][c] = h < cnt ? load(acc + h * D + c * NR) : vf{};
+  for (int64_t t = t0; t < t1; ++t) {
+    const C* vt = v + t * stride;
+    vf vr[CW];
+    for (int c = 0; c < CW; ++c) vr[c] = load_e(vt + c * NR);
+    for (int h = 0; h < J; ++h) {
+      if (h >= cnt) break;
+      const vf w = vf{} + s[h * sstep + t];
+      for (int c = 0; c < CW; ++c) a[h][c] += w * vr[c];
+    }
+  }
+  for (int h = 0; h < cnt; ++h)
+    for (int c = 0; c < CW; ++c) store(acc + h * D + c * NR, a[h][c]);
 }
 
 template <int NV, class E, class C>
@@ -212,19 +237,11 @@ void attend_heads(const Problem& p, int cnt, const E* q, const C* k, const C* v,
   }
   float inv[J];
   softmax_rows<coded>(cnt, s, sstep, n, m, vs, sstride, inv);
-  vf acc[J][NV] = {};
-  for (int64_t t = 0; t < n; ++t) {
-    const C* vt = v + t * stride;
-    vf vr[NV];
-    for (int a = 0; a < NV; ++a) vr[a] = load_e(vt + a * NR);
-    for (int h = 0; h < J; ++h) {
-      if (h >= cnt) break;
-      const vf w = vf{} + s[h * sstep + t];
-      for (int a = 0; a < NV; ++a) acc[h][a] += w * vr[a];
-    }
-  }
+  float* acc = s + J * (p.T + NR);  // after the scores (run() allots 2 J D floats there)
+  for (int64_t i = 0; i < cnt * D; ++i) acc[i] = 0.0f;
+  weighted_rows_heads<J, NV>(cnt, s, sstep, v, stride, 0, n, acc, D);
   for (int h = 0; h < cnt; ++h)
-    for (int a = 0; a < NV; ++a) store_e(o + h * D + a * NR, acc[h][a] * inv[h]);
+    for (int a = 0; a < NV; ++a) store_e(o + h * D + a * NR, load(acc + h * D + a * NR) * inv[h]);
 }
 
 // Heads at once of attend_heads_wide, and the output vectors its value pass holds per head
@@ -235,29 +252,6 @@ constexpr int kWideChunk = kVectorRegisters == 32 ? 3 : 1;
 // rows of a block the value pass runs all its chunks over, from the core's L1 cache (about
 // 32 KB of float rows), before it moves to the next
 inline int64_t wide_block_rows(int64_t D) { return std::max<int64_t>(4, 8192 / D); }
-
-// o_h[0, CW vectors) += s_h[t] * v[t][0, CW vectors) for t in [t0, t1) and cnt heads h,
-// the running sums kept in acc (h * D apart) between blocks.
-template <int CW, class C>
-inline void weighted_rows_heads(int cnt, const float* s, int64_t sstep, const C* v,
-                                ptrdiff_t stride, int64_t t0, int64_t t1, float* acc,
-                                int64_t D) {
-  vf a[kWideHeads][CW];
-  for (int h = 0; h < kWideHeads; ++h)
-    for (int c = 0; c < CW; ++c) a[h][c] = h < cnt ? load(acc + h * D + c * NR) : vf{};
-  for (int64_t t = t0; t < t1; ++t) {
-    const C* vt = v + t * stride;
-    vf vr[CW];
-    for (int c = 0; c < CW; ++c) vr[c] = load_e(vt + c * NR);
-    for (int h = 0; h < kWideHeads; ++h) {
-      if (h >= cnt) break;
-      const vf w = vf{} + s[h * sstep + t];
-      for (int c = 0; c < CW; ++c) a[h][c] += w * vr[c];
-    }
-  }
-  for (int h = 0; h < cnt; ++h)
-    for (int c = 0; c < CW; ++c) store(acc + h * D + c * NR, a[h][c]);
-}
 
 // attend_heads_wide's key pass for J heads: s[h * sstep + t] = (scaled query h) . key t,
 // and each head's running max m[h].
@@ -327,15 +321,14 @@ void attend_heads_wide(const Problem& p, int cnt, const E* q, const C* k, const 
   for (int64_t t0 = 0; t0 < n; t0 += block) {
     const int64_t t1 = std::min(n, t0 + block);
     for (int64_t a = 0; a < NV;) {
-      const int64_t d = a * NR;
-      switch (std::min<int64_t>(kWideChunk, NV - a)) {
-        case 3: weighted_rows_heads<3>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D), a += 3;
-                break;
-        case 2: weighted_rows_heads<2>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D), a += 2;
-                break;
-        default: weighted_rows_heads<1>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D), a += 1;
-                 break;
-      }
+      const int64_t d = a * NR, cw = std::min<int64_t>(kWideChunk, NV - a);
+      if (cw == 3)
+        weighted_rows_heads<kWideHeads, 3>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D);
+      else if (cw == 2)
+        weighted_rows_heads<kWideHeads, 2>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D);
+      else
+        weighted_rows_heads<kWideHeads, 1>(cnt, s, sstep, v + d, stride, t0, t1, acc + d, D);
+      a += cw;
     }
   }
   for (int h = 0; h < cnt; ++h)
