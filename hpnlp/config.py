@@ -265,6 +265,10 @@ class ModelConfig:
     # the input and cached beside the latent; the other D - R dims of each head are the
     # latent's, unrotated). 0: D / 2. Even, below D.
     kv_latent_rope_dim: int = 0
+    # With kv_latent_dim: whether the latent is layer-normed (`kv_norm`, DeepSeek-V2's). Off,
+    # the latent is a linear map of the input, which a multi-head run's key and value weights
+    # convert into (`train.init_from`, hpnlp.compress.mla: their joint truncated SVD).
+    kv_latent_norm: bool = True
     mlp_dim: int = 512
     dropout: float = 0.1
     max_len: int = 512  # size of the learned position table and of the decode cache
@@ -1270,6 +1274,11 @@ def _check_kv_latent(cfg: Config) -> None:
     if R and not C:
         _fail("model.kv_latent_rope_dim", R, "sizes the rotary part of multi-head latent "
               "attention's keys; set model.kv_latent_dim too, or leave it 0")
+    if not isinstance(m.kv_latent_norm, bool):
+        _fail("model.kv_latent_norm", m.kv_latent_norm, "must be true or false")
+    if not m.kv_latent_norm and not C:
+        _fail("model.kv_latent_norm", False, "switches off the latent's layer norm in multi-head "
+              "latent attention; set model.kv_latent_dim too, or leave it true")
     if not C:
         return
     if m.arch != "transformer":

@@ -969,6 +969,64 @@ def test_uptraining_pools_each_groups_key_value_heads_from_a_multi_head_run(tmp_
         Trainer(from_configdict(cd), str(tmp_path / "again"))
 
 
+def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_path):
+    """`train.init_from` a multi-head (or grouped) run into model.kv_latent_dim=C with the
+    latent's norm off (hpnlp.compress.mla, MHA2MLA): queries and everything else copied;
+    kv_down times [k_up | v_up] is the rank-C truncated SVD of [W_k | W_v] (grouped heads
+    repeated to their query heads); at C = its rank the new model computes what the old one
+    did. What it cannot convert is refused in one line, before anything compiles."""
+    from hpnlp.train import Trainer
+    from hpnlp.train.checkpoint import CheckpointMismatch
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = np.roll(batch["inputs"], -1, 1)
+    loss = lambda m, p: float(jax.jit(lambda p: m.apply({"params": p}, batch)["loss"])(p))  # noqa: E731
+    sources = {}
+    for name, G in (("mha", 0), ("mqa", 1)):  # E 16, 4 heads of 4: [W_k | W_v] [16, 32] or [16, 8]
+        tcd = tiny("lm")
+        tcd.model.update(num_heads=4, num_kv_heads=G)
+        sources[name] = _teacher_workdir(tmp_path / name, tcd)[1:]
+    for name, C, exact in (("mha", 16, True), ("mha", 5, False), ("mqa", 8, True)):
+        src_model, src = sources[name]
+        cd = tiny("lm")
+        cd.model.update(num_heads=4, kv_latent_dim=C, kv_latent_norm=False)
+        cd.train.init_from = str(tmp_path / name)
+        tr = Trainer(from_configdict(cd), str(tmp_path / f"{name}_latent{C}"))
+        state, _ = tr.initial_state()
+        att, was = state.params["trunk"]["block_0"]["attention"], src["trunk"]["block_0"]["attention"]
+        assert set(att) == {"q", "kv_down", "k_up", "v_up", "out"}
+        q, kv = (was["qkv"][:, 0], was["qkv"][:, 1:]) if "qkv" in was else (was["q"], was["kv"])
+        np.testing.assert_array_equal(att["q"], q)
+        m = np.repeat(np.asarray(kv), 4 // kv.shape[2], axis=2).reshape(16, 32)
+        u, sv, vt = np.linalg.svd(m)
+        up = np.concatenate([np.asarray(att["k_up"]).reshape(C, 16),
+                             np.asarray(att["v_up"]).reshape(C, 16)], 1)
+        np.testing.assert_allclose(np.asarray(att["kv_down"]) @ up,
+                                   (u[:, :C] * sv[:C]) @ vt[:C], atol=2e-5)
+        flat, flat_src = traverse.flatten_dict(state.params), traverse.flatten_dict(src)
+        for k in flat:
+            if "attention" not in k or k[-1] == "out":
+                np.testing.assert_array_equal(flat[k], flat_src[k])
+        if exact:
+            np.testing.assert_allclose(loss(tr.eval_model, state.params), loss(src_model, src),
+                                       rtol=1e-5)
+    # a resume with the latent's norm on is another model
+    cd.train.init_from, cd.model.kv_latent_norm = "", True
+    tr.checkpointer.save(1, state, {}, {})
+    tr.checkpointer.close()
+    with pytest.raises(CheckpointMismatch, match="model.kv_latent_norm"):
+        Trainer(from_configdict(cd), str(tmp_path / "mqa_latent8"))
+    for fields, match in (
+            (dict(kv_latent_dim=8), r"model\.kv_latent_norm.*set model\.kv_latent_norm=false"),
+            (dict(kv_latent_dim=17, kv_latent_norm=False), r"at most 16 .*kv_latent_dim <= 16"),
+            (dict(kv_latent_dim=8, kv_latent_norm=False, pos_emb="rope"), "without RoPE")):
+        cd = tiny("lm")
+        cd.model.update(num_heads=4, **fields)
+        cd.train.init_from = str(tmp_path / "mha")
+        with pytest.raises(ConfigError, match=match):
+            Trainer(from_configdict(cd), str(tmp_path / "refused"))
+
+
 def test_uptraining_in_a_seed_ensemble_pools_each_members_copy(tmp_path):
     # the pooled weights are placed as one member's slice (they were placed by the stacked
     # state's sharding and failed)

@@ -22,9 +22,10 @@ def _reference_block_attention(p, x_BLE, pos_BL, *, C, R, H, D):
     softmax attention, the output projection."""
     down = x_BLE @ p["kv_down"]
     c = down[..., :C]
-    mu, var = c.mean(-1, keepdims=True), c.var(-1, keepdims=True)
-    c = ((c - mu) / jnp.sqrt(var + 1e-6) * p["kv_norm"]["scale"][None, None]
-         + p["kv_norm"]["bias"][None, None])
+    if "kv_norm" in p:  # model.kv_latent_norm
+        mu, var = c.mean(-1, keepdims=True), c.var(-1, keepdims=True)
+        c = ((c - mu) / jnp.sqrt(var + 1e-6) * p["kv_norm"]["scale"][None, None]
+             + p["kv_norm"]["bias"][None, None])
     q = jnp.einsum("ble,ehd->blhd", x_BLE, p["q"])
     k = jnp.einsum("blc,chd->blhd", c, p["k_up"])
     v = jnp.einsum("blc,chd->blhd", c, p["v_up"])
@@ -39,13 +40,14 @@ def _reference_block_attention(p, x_BLE, pos_BL, *, C, R, H, D):
     return jnp.einsum("blhd,hde->ble", o, p["out"])
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_latent_attention_computes_its_definition(pos_emb):
+@pytest.mark.parametrize("pos_emb,norm", [("learned", True), ("rope", True), ("learned", False)])
+def test_latent_attention_computes_its_definition(pos_emb, norm):
     """The block's attention output equals keys and values expanded from the layer-normed
     latent per head (with RoPE: each head's last R dims rotated, the rotary key shared by
-    every head), written out in plain jnp."""
+    every head), written out in plain jnp; with model.kv_latent_norm off, from the latent as
+    projected (no kv_norm parameters)."""
     from hpnlp.models.transformer import MultiHeadAttention
-    cfg = make_cfg("lm", pos_emb=pos_emb, kv_latent_dim=C)
+    cfg = make_cfg("lm", pos_emb=pos_emb, kv_latent_dim=C, kv_latent_norm=norm)
     m = cfg.model
     R = m.latent_rope_dims()
     assert R == (4 if pos_emb == "rope" else 0)  # D / 2 by default
@@ -56,7 +58,7 @@ def test_latent_attention_computes_its_definition(pos_emb):
     params = mha.init(jax.random.key(0), x, seg, pos)["params"]
     params = nn.unbox(params)
     assert params["kv_down"].shape == (m.width, C + R) and params["k_up"].shape == (C, 4, 8 - R)
-    assert "qkv" not in params
+    assert "qkv" not in params and ("kv_norm" in params) == norm
     got = mha.apply({"params": params}, x, seg, pos)
     want = _reference_block_attention(params, x, pos, C=C, R=R, H=4, D=8)
     np.testing.assert_allclose(got, want, atol=2e-5)
@@ -116,6 +118,7 @@ def _validate(**model):
     (dict(kv_latent_dim=16, kv_latent_rope_dim=4), "model.pos_emb='learned' rotates nothing"),
     (dict(kv_latent_dim=16, pos_emb="rope", kv_latent_rope_dim=3), "must be even"),
     (dict(kv_latent_dim=16, pos_emb="rope", kv_latent_rope_dim=32), "below its 32 dims"),
+    (dict(kv_latent_norm=False), "set model.kv_latent_dim too, or leave it true"),
 ])
 def test_latent_config_refusals(fields, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -28,7 +28,7 @@ def source_kv_heads(src: ModelConfig, dst: ModelConfig, workdir: str) -> int:
     another shape altogether, which `check_params_match` names). A run it cannot pool from
     is a ConfigError."""
     g_src, g_dst = src.kv_heads(), dst.kv_heads()
-    if g_src == g_dst:
+    if g_src == g_dst or src.kv_latent_dim or dst.kv_latent_dim:  # a latent: compress.mla
         return 0
     if (src.arch, src.num_heads, src.dims_per_head()) != (dst.arch, dst.num_heads,
                                                          dst.dims_per_head()):
@@ -75,3 +75,20 @@ def pool_kv_heads(params, num_heads: int, kv_heads: int):
             return {**tree, "kv": pool(tree["kv"])}
         return {k: walk(v) for k, v in tree.items()}
     return walk(params)
+
+
+def conversion(cfg: Config, src: ModelConfig, workdir: str):
+    """(the config to restore the `train.init_from` run in `workdir` (model `src`) into, the
+    function converting its parameters into this run's) when this run uptrains that run's
+    key/value heads: pooled into fewer (here) or converted into a latent
+    (hpnlp.compress.mla); None when it restores as it is. A run it cannot convert from is a
+    ConfigError, before anything is read."""
+    from hpnlp.compress import mla
+    m = cfg.model
+    g_src = source_kv_heads(src, m, workdir)
+    if g_src:
+        return source_config(cfg, g_src), lambda p: pool_kv_heads(p, m.num_heads, m.kv_heads())
+    if mla.converts(src, m, workdir):
+        return mla.source_config(cfg, src), lambda p: mla.latent_from_heads(
+            p, m.num_heads, m.kv_latent_dim)
+    return None

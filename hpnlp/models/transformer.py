@@ -203,7 +203,7 @@ class MultiHeadAttention(nn.Module):
         read the latent cache itself.
 
         Queries as multi-head's, `q` [E, H, D]. `kv_down` [E, C + R] projects each token to
-        the latent c [C] (then `kv_norm`, a LayerNorm) and, under RoPE, one R-dim key shared
+        the latent c [C] (then `kv_norm`, a LayerNorm, unless `model.kv_latent_norm` is off) and, under RoPE, one R-dim key shared
         by every head (rotated at the token's position). Head h's key is
         [c k_up[:, h] (D - R dims) ; the rotary key (R)], its value c v_up[:, h] (D), and its
         query's last R dims are rotated likewise: every variant sees [B, L, H, D] as usual.
@@ -221,9 +221,11 @@ class MultiHeadAttention(nn.Module):
         H, D, C, R = m.num_heads, m.dims_per_head(), m.kv_latent_dim, m.latent_rope_dims()
         q_BLHD = projection("q", "ble,ehd->blhd", (m.width, H, D), ("embed", "heads", "kv"))
         down_BLX = projection("kv_down", "ble,ex->blx", (m.width, C + R), ("embed", None))
-        c_BLC = LayerNorm(dtype=dt, param_dtype=pdt, name="kv_norm",
-                          scale_init=_init(nn.initializers.ones, (None,)),
-                          bias_init=_init(nn.initializers.zeros, (None,)))(down_BLX[..., :C])
+        c_BLC = down_BLX[..., :C]
+        if m.kv_latent_norm:
+            c_BLC = LayerNorm(dtype=dt, param_dtype=pdt, name="kv_norm",
+                              scale_init=_init(nn.initializers.ones, (None,)),
+                              bias_init=_init(nn.initializers.zeros, (None,)))(c_BLC)
         kr_BLR = down_BLX[..., C:]
         if R:
             _need_positions(pos_BL)

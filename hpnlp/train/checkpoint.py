@@ -94,6 +94,8 @@ def _shape_signature(cfg, members: int = 1) -> dict:
     if cfg.model.kv_latent_dim:  # q, kv_down, kv_norm, k_up, v_up in place of qkv
         sig["model.kv_latent_dim"] = cfg.model.kv_latent_dim
         sig["model.kv_latent_rope_dim"] = cfg.model.latent_rope_dims()
+        if not cfg.model.kv_latent_norm:  # no kv_norm parameters
+            sig["model.kv_latent_norm"] = False
     if cfg.model.lowrank.enabled():
         lr = cfg.model.lowrank  # energy and ranks only when used: older runs still resume
         tables = [k for k in ("embed", "output") if lr.applies(k)]  # since "all" took them

@@ -129,13 +129,17 @@ class Trainer:
         # before any compile, if the shapes differ.
         self.model_params = None
         self._restored = None  # train.init_from's parameters when already read (lowrank.energy)
-        self._pooled_from = 0  # train.init_from's key/value heads, pooled here (compress.gqa)
+        # train.init_from's key/value heads, converted here: pooled into fewer or into a
+        # latent (compress.gqa.conversion): the function that converts them, or None
+        self._convert = None
         if cfg.train.init_from:
             from hpnlp.compress import gqa
             source = load_run_config(cfg.train.init_from)
-            self._pooled_from = gqa.source_kv_heads(source.model, cfg.model, cfg.train.init_from)
-            src = models.build(gqa.source_config(cfg, self._pooled_from), deterministic=False,
-                               token_counts=counts) if self._pooled_from else model
+            found = gqa.conversion(cfg, source.model, cfg.train.init_from)
+            if found:
+                src_cfg, self._convert = found
+            src = models.build(src_cfg, deterministic=False,
+                               token_counts=counts) if found else model
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(src.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
@@ -238,12 +242,9 @@ class Trainer:
         own = carry_lib.trainable_params(like)
         if own:  # a method's own parameters start fresh
             return {**self._params_from(workdir, carry_lib.model_params(like)), **own}
-        if self._pooled_from:  # uptraining to fewer key/value heads (hpnlp.compress.gqa)
-            from hpnlp.compress import gqa
-            m = self.cfg.model
-            pooled = jax.jit(lambda p: gqa.pool_kv_heads(p, m.num_heads, m.kv_heads()))(
-                restore_params(workdir, self.model_params))
-            return jax.device_put(pooled, jax.tree.map(lambda a: a.sharding, like))
+        if self._convert:  # uptraining to fewer key/value heads or a latent (compress.gqa)
+            converted = jax.jit(self._convert)(restore_params(workdir, self.model_params))
+            return jax.device_put(converted, jax.tree.map(lambda a: a.sharding, like))
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
         from hpnlp.compress import lowrank
