@@ -18,8 +18,13 @@ run on this CPU: decoding speed and the key/value cache, then quality trained fr
    (Ainslie et al. 2023, `hpnlp.compress.gqa`: each group's key and value heads mean-pooled,
    then `uptrain_steps` more steps, 5% of its 800 as in the paper, at the run's learning rate
    3e-3 and at a tenth of it, each with the schedule's warmup and cosine decay) to 2 and 1,
-   with each pooled model's eval loss before those steps too. Reported: eval loss and its
-   change against multi-head, parameters.
+   with each pooled model's eval loss before those steps too; the multi-head run itself
+   trained the same steps at the same rates (the control: what the steps alone give); and
+   the multi-head run
+   converted into each latent (MHA2MLA, Ji et al. 2025, `hpnlp.compress.mla`: the joint
+   truncated SVD of each block's key and value weights, the latent without its layer norm),
+   then trained the same steps at the same rates. Reported: eval loss and its change
+   against multi-head, parameters.
 
 The runs train in --workdir (a finished run of the same config is reused).
 """
@@ -145,8 +150,8 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
     mha_dir = os.path.join(workdir, f"kv{H}")
     latents = s.get("quality_latent", ())
     bar = tqdm(total=len(s["quality_kv"]) + len(latents)
-               + (len(s["quality_kv"]) - 1) * len(s["uptrain_lrs"]), desc="gqa quality",
-               leave=False)
+               + (len(s["quality_kv"]) + len(latents)) * len(s["uptrain_lrs"]),
+               desc="gqa quality", leave=False)
     for G, latent in [(G, 0) for G in s["quality_kv"]] + [(H, C) for C in latents]:
         out = os.path.join(workdir, f"latent{latent}" if latent else f"kv{G}")
         summary = compress._train(_config({}, G, steps=s["lm_steps"],
@@ -155,23 +160,28 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
                      "attention": _kv_name(G, H, latent), "steps": summary["final_step"],
                      "params": summary["param_count"], "loss": summary["eval"]["loss"]})
         bar.update()
-    for G in s["quality_kv"]:
-        if G == H:
-            continue
+    # from the multi-head run: itself (the control: what the extra steps alone give), its
+    # key/value heads pooled, or converted into a latent
+    for G, latent in [(G, 0) for G in s["quality_kv"]] + [(H, C) for C in latents]:
         pooled = None
         for lr in s["uptrain_lrs"]:
-            cd = _config({}, G, steps=s["uptrain_steps"], eval_batches=s["eval_batches"])
+            cd = _config({}, G, steps=s["uptrain_steps"], eval_batches=s["eval_batches"],
+                         latent=latent)
+            cd.model.kv_latent_norm = not latent  # converted: the latent's norm off (mla)
             cd.train.init_from = mha_dir
             cd.train.warmup_steps = max(1, s["uptrain_steps"] // 10)
             cd.train.lr = lr
             if pooled is None:
                 with tempfile.TemporaryDirectory() as tmp:
                     pooled = _pooled_eval(cd, tmp)
-            summary = compress._train(cd, os.path.join(workdir, f"uptrain_kv{G}_lr{lr:g}"))
-            rows.append({"method": f"uptrained from multi-head, lr {lr:g}", "kv_heads": G,
-                         "kv_latent_dim": 0, "heads": H, "attention": _kv_name(G, H), "steps": summary["final_step"],
-                         "params": summary["param_count"], "loss": summary["eval"]["loss"],
-                         "loss_pooled": pooled["loss"]})
+            name = f"uptrain_latent{latent}" if latent else f"uptrain_kv{G}"
+            summary = compress._train(cd, os.path.join(workdir, f"{name}_lr{lr:g}"))
+            how = "converted (SVD)" if latent else "uptrained" if G < H else "continued"
+            rows.append({"method": f"{how} from multi-head, lr {lr:g}", "kv_heads": G,
+                         "kv_latent_dim": latent, "heads": H,
+                         "attention": _kv_name(G, H, latent) + (", no norm" if latent else ""),
+                         "steps": summary["final_step"], "params": summary["param_count"],
+                         "loss": summary["eval"]["loss"], "loss_pooled": pooled["loss"]})
             bar.update()
     bar.close()
     base = next(r["loss"] for r in rows if r["kv_heads"] == H and not r["kv_latent_dim"])
@@ -203,10 +213,13 @@ def _markdown(p: dict) -> str:
                               for r in p["decode"]]), ""]
     if p.get("quality"):
         out += ["### Quality", "",
-                "The default byte LM (experiments/lm.py), eval loss; uptrained: the multi-head "
-                "run's key/value heads mean-pooled per group, then trained the steps shown "
-                "(`pooled` is the loss before them). A latent's key/value heads are the query "
-                "heads, every one read from the latent.", "",
+                "The default byte LM (experiments/lm.py), eval loss; continued: the multi-head "
+                "run itself trained the steps shown (the control: what those steps alone "
+                "give); uptrained: its key/value heads mean-pooled per group, then trained the "
+                "same steps (`pooled` is the loss before them); converted: its key and value weights' "
+                "joint truncated SVD as a latent without layer norm (`hpnlp.compress.mla`), "
+                "then trained likewise (`pooled`: converted, untrained). A latent's key/value "
+                "heads are the query heads, every one read from the latent.", "",
                 report.table(["method", "key/value heads", "attention", "steps", "params",
                               "eval loss", "vs multi-head", "pooled, untrained"],
                              [[r["method"], _kv_heads_cell(r), r["attention"], str(r["steps"]),

@@ -1,5 +1,6 @@
-"""Model compression: quantization (PTQ and QAT, int8 to binary), with more to come
-(distillation, pruning, low-rank) behind the same `python -m hpnlp.compress` entry point.
+"""Model compression: quantization (PTQ and QAT, int8 to binary), distillation, pruning,
+low-rank factorization and smaller key/value caches, with `python -m hpnlp.compress` for
+what acts on a trained run (`quantize`, `shrink`) and config fields for what trains.
 
 - `formats`: the quantization formats (int8, int4, fp8, binary, ternary, pow2), their
   codes and scales, and `fake_quant` with the straight-through estimator.
@@ -8,6 +9,13 @@
   weight in a parameter tree.
 - `packing`: int4 two per byte, binary eight per byte.
 - `ptq`: post-training quantization of a trained run (`python -m hpnlp.compress quantize`).
+- `distill`: a frozen teacher's soft targets, hidden states and attention maps
+  (`train.distill.*`), and students initialized from its weights.
+- `prune`: masks in the train state (`train.prune.*`), and `shrink` for structured ones.
+- `lowrank`: products factorized by truncated SVD (`model.lowrank.*`).
+- `gqa`, `mla`: a multi-head run uptrained into grouped key/value heads (mean-pooled) or
+  converted into a latent (joint SVD), by `train.init_from`.
+- `kernels`, `qgemm.cc`: the integer CPU products a quantized model runs on.
 
 Quantization-aware training is the `quant.*` config group on any experiment.
 """
