@@ -981,28 +981,33 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
     batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
     batch["targets"] = np.roll(batch["inputs"], -1, 1)
     loss = lambda m, p: float(jax.jit(lambda p: m.apply({"params": p}, batch)["loss"])(p))  # noqa: E731
-    sources = {}
-    for name, G in (("mha", 0), ("mqa", 1)):  # E 16, 4 heads of 4: [W_k | W_v] [16, 32] or [16, 8]
+    sources, model = {}, {"mha": dict(num_heads=4), "mqa": dict(  # E 16, 4 heads of 4
+        num_heads=4, num_kv_heads=1, depth=2, stack_layers=True)}  # 2 layers: one SVD each
+    for name in model:
         tcd = tiny("lm")
-        tcd.model.update(num_heads=4, num_kv_heads=G)
+        tcd.model.update(model[name])
         sources[name] = _teacher_workdir(tmp_path / name, tcd)[1:]
     for name, C, exact in (("mha", 16, True), ("mha", 5, False), ("mqa", 8, True)):
         src_model, src = sources[name]
         cd = tiny("lm")
-        cd.model.update(num_heads=4, kv_latent_dim=C, kv_latent_norm=False)
+        cd.model.update(model[name], num_kv_heads=0, kv_latent_dim=C, kv_latent_norm=False)
         cd.train.init_from = str(tmp_path / name)
         tr = Trainer(from_configdict(cd), str(tmp_path / f"{name}_latent{C}"))
         state, _ = tr.initial_state()
-        att, was = state.params["trunk"]["block_0"]["attention"], src["trunk"]["block_0"]["attention"]
+        block = "blocks" if name == "mqa" else "block_0"
+        att, was = (p["trunk"][block]["attention"] for p in (state.params, src))
         assert set(att) == {"q", "kv_down", "k_up", "v_up", "out"}
-        q, kv = (was["qkv"][:, 0], was["qkv"][:, 1:]) if "qkv" in was else (was["q"], was["kv"])
+        q, kv = (was["qkv"][..., 0, :, :], was["qkv"][..., 1:, :, :]) if "qkv" in was else (
+            was["q"], was["kv"])
         np.testing.assert_array_equal(att["q"], q)
-        m = np.repeat(np.asarray(kv), 4 // kv.shape[2], axis=2).reshape(16, 32)
-        u, sv, vt = np.linalg.svd(m)
-        up = np.concatenate([np.asarray(att["k_up"]).reshape(C, 16),
-                             np.asarray(att["v_up"]).reshape(C, 16)], 1)
-        np.testing.assert_allclose(np.asarray(att["kv_down"]) @ up,
-                                   (u[:, :C] * sv[:C]) @ vt[:C], atol=2e-5)
+        for i in range(2 if name == "mqa" else 1):  # each stacked layer
+            one = (lambda a: np.asarray(a[i])) if name == "mqa" else np.asarray  # noqa: E731
+            m = np.repeat(one(kv), 4 // kv.shape[-2], axis=2).reshape(16, 32)
+            u, sv, vt = np.linalg.svd(m)
+            up = np.concatenate([one(att["k_up"]).reshape(C, 16),
+                                 one(att["v_up"]).reshape(C, 16)], 1)
+            np.testing.assert_allclose(one(att["kv_down"]) @ up, (u[:, :C] * sv[:C]) @ vt[:C],
+                                       atol=2e-5)
         flat, flat_src = traverse.flatten_dict(state.params), traverse.flatten_dict(src)
         for k in flat:
             if "attention" not in k or k[-1] == "out":
