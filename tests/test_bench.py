@@ -791,7 +791,8 @@ def test_gqa_bench_quick_run(tmp_path):
     assert [r["cache_bytes"] for r in p["decode"][:4]] == [8192 * 4, 8192 * 2, 8192, 8192]
     assert [(r["method"], r["kv_heads"], r["kv_latent_dim"]) for r in p["quality"]] == [
         ("from scratch", 4, 0), ("from scratch", 2, 0), ("from scratch", 1, 0),
-        ("from scratch", 4, 64), ("continued from multi-head, lr 0.003", 4, 0),
+        ("from scratch", 4, 64), ("from scratch", 4, 64),
+        ("continued from multi-head, lr 0.003", 4, 0),
         ("uptrained from multi-head, lr 0.003", 2, 0),
         ("uptrained from multi-head, lr 0.003", 1, 0),
         ("converted (SVD) from multi-head, lr 0.003", 4, 64)]

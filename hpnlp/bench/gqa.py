@@ -14,7 +14,8 @@ run on this CPU: decoding speed and the key/value cache, then quality trained fr
    multi-head at the same batch, the cache's size and the parameters.
 2. Quality (`quality`): the default byte LM (experiments/lm.py: 4 heads of 32, 800 steps)
    trained with 4 (multi-head), 2 and 1 key/value heads and with latents of 128 and 64 dims
-   (the caches of 2 and 1 key/value heads); and the multi-head run uptrained
+   (the caches of 2 and 1 key/value heads), with the latent's layer norm and without it
+   (`model.kv_latent_norm`, off in the conversions below); and the multi-head run uptrained
    (Ainslie et al. 2023, `hpnlp.compress.gqa`: each group's key and value heads mean-pooled,
    then `uptrain_steps` more steps, 5% of its 800 as in the paper, at the run's learning rate
    3e-3 and at a tenth of it, each with the schedule's warmup and cosine decay) to 2 and 1,
@@ -149,16 +150,22 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
     H = compress.experiment("byte LM", dict(lm_steps=None, eval_batches=None)).model.num_heads
     mha_dir = os.path.join(workdir, f"kv{H}")
     latents = s.get("quality_latent", ())
-    bar = tqdm(total=len(s["quality_kv"]) + len(latents)
+    bar = tqdm(total=len(s["quality_kv"]) + 2 * len(latents)
                + (len(s["quality_kv"]) + len(latents)) * len(s["uptrain_lrs"]),
                desc="gqa quality", leave=False)
-    for G, latent in [(G, 0) for G in s["quality_kv"]] + [(H, C) for C in latents]:
-        out = os.path.join(workdir, f"latent{latent}" if latent else f"kv{G}")
-        summary = compress._train(_config({}, G, steps=s["lm_steps"],
-                                          eval_batches=s["eval_batches"], latent=latent), out)
+    # from scratch: each key/value head count, each latent with its layer norm and without
+    # (as the conversions below have it)
+    for G, latent, norm in ([(G, 0, True) for G in s["quality_kv"]]
+                            + [(H, C, True) for C in latents] + [(H, C, False) for C in latents]):
+        cd = _config({}, G, steps=s["lm_steps"], eval_batches=s["eval_batches"], latent=latent)
+        cd.model.kv_latent_norm = norm
+        out = os.path.join(workdir, (f"latent{latent}" + ("" if norm else "_no_norm")) if latent
+                           else f"kv{G}")
+        summary = compress._train(cd, out)
         rows.append({"method": "from scratch", "kv_heads": G, "heads": H, "kv_latent_dim": latent,
-                     "attention": _kv_name(G, H, latent), "steps": summary["final_step"],
-                     "params": summary["param_count"], "loss": summary["eval"]["loss"]})
+                     "attention": _kv_name(G, H, latent) + ("" if norm else ", no norm"),
+                     "steps": summary["final_step"], "params": summary["param_count"],
+                     "loss": summary["eval"]["loss"]})
         bar.update()
     # from the multi-head run: itself (the control: what the extra steps alone give), its
     # key/value heads pooled, or converted into a latent
