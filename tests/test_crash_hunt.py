@@ -110,6 +110,8 @@ def configs(draw) -> dict:
              "stack_layers": bool(mesh.get("pipeline")) or (arch == "transformer" and draw(st.booleans())),
              "num_kv_heads": draw(st.sampled_from([0, 0, 1, heads // 2])) if arch == "transformer" else 0,
              "kv_latent_dim": draw(st.sampled_from([0, 0, 0, 8])) if arch == "transformer" else 0}
+    if model["kv_latent_dim"]:
+        model["kv_latent_norm"] = draw(st.booleans())
     if model["reversible"] and model["stack_layers"]:
         model["reversible"] = False
     if model["reversible"]:
