@@ -499,6 +499,12 @@ class TrainConfig:
     # Fine-tuning: workdir of a trained run of the same model shape whose newest checkpoint's
     # parameters start this run (the optimizer, step and data start fresh); "" = random init
     init_from: str = ""
+    # How `init_from` turns a run of more key/value heads into this run's fewer
+    # (`model.num_kv_heads`, hpnlp.compress.gqa): "mean", each group's key and value heads
+    # averaged (Ainslie et al. 2023); "svd", each group's keys and values the best rank-D fit
+    # of its heads' (the truncated SVD of their weights side by side), each head's D x D
+    # remainder folded into its query heads' query weights and output projection.
+    init_kv_heads: str = "mean"
     distill: DistillConfig = DistillConfig()  # `train.distill.*`: a frozen teacher (hpnlp.compress)
     prune: PruneConfig = PruneConfig()  # `train.prune.*`: masks kept in the train state
 
@@ -1378,6 +1384,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_quant(m.quant, m)
     _check_kv_cache(cfg)
     _check_kv_latent(cfg)
+    _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))
+    if t.init_kv_heads == "svd" and not t.init_from:
+        _fail("train.init_kv_heads", "svd", "converts the key/value heads of the run "
+              "train.init_from names; set train.init_from, or leave it 'mean'")
     _check_compress(cfg)
     _check_lowrank(cfg)
     _check_memory(cfg)

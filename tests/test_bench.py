@@ -795,6 +795,8 @@ def test_gqa_bench_quick_run(tmp_path):
         ("continued from multi-head, lr 0.003", 4, 0),
         ("uptrained from multi-head, lr 0.003", 2, 0),
         ("uptrained from multi-head, lr 0.003", 1, 0),
+        ("uptrained (SVD) from multi-head, lr 0.003", 2, 0),
+        ("uptrained (SVD) from multi-head, lr 0.003", 1, 0),
         ("converted (SVD) from multi-head, lr 0.003", 4, 64)]
     assert all(np.isfinite(r["loss"]) for r in p["quality"])
     assert os.path.exists(tmp_path / "out" / "gqa_decode.png")

@@ -1032,6 +1032,74 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
             Trainer(from_configdict(cd), str(tmp_path / "refused"))
 
 
+def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_and_outputs(
+        tmp_path):
+    """`train.init_kv_heads='svd'`: each group's key (value) weights side by side [E, 2D]
+    are factorized at rank D, W_g [A_1 A_2]: the new head is W_g, each A_j folded into the
+    query weights (keys) or the output projection (values) of the query heads that read
+    head j. Where a group's heads span D dims the model computes what it did; otherwise
+    W_g A_j is the best rank-D fit. RoPE and a run with no train.init_from are refused."""
+    from hpnlp.train import Trainer
+    tcd = tiny("lm")
+    tcd.model.num_heads = 4  # E 16, 4 heads of 4, 2 groups
+
+    def spans_d(flat):  # head 2i+1's key and value weights are head 2i's times a D x D map
+        flat = dict(flat)
+        path = ("trunk", "block_0", "attention", "qkv")
+        w = flat[path]
+        maps = jnp.asarray(RNG.standard_normal((2, 2, 4, 4)), w.dtype)
+        flat[path] = w.at[:, 1:, 1::2].set(jnp.einsum("ekgd,kgdf->ekgf", w[:, 1:, 0::2], maps))
+        return flat
+
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = np.roll(batch["inputs"], -1, 1)
+    loss = lambda m, p: float(jax.jit(lambda p: m.apply({"params": p}, batch)["loss"])(p))  # noqa: E731
+    for name, edit in (("spans", spans_d), ("raw", None)):
+        _, src_model, src = _teacher_workdir(tmp_path / name, tcd, edit=edit)
+        cd = tiny("lm")
+        cd.model.update(num_heads=4, num_kv_heads=2)
+        cd.train.update(init_from=str(tmp_path / name), init_kv_heads="svd")
+        tr = Trainer(from_configdict(cd), str(tmp_path / f"svd_{name}"))
+        state, _ = tr.initial_state()
+        att, was = state.params["trunk"]["block_0"]["attention"], src["trunk"]["block_0"]["attention"]
+        if edit is not None:
+            np.testing.assert_allclose(loss(tr.eval_model, state.params), loss(src_model, src),
+                                       rtol=1e-5)
+            continue
+        kv = np.asarray(was["qkv"][:, 1:])  # [E, 2, H, D]
+        for i in range(2):  # keys, values
+            for g in range(2):
+                m = kv[:, i, 2 * g:2 * g + 2].reshape(16, 8)
+                u, sv, vt = np.linalg.svd(m)
+                best = (u[:, :4] * sv[:4]) @ vt[:4]  # rank D
+                # head 2g's query weights times W_g A_j: the query folded, the key as fit
+                w_g = np.asarray(att["kv"][:, i, g])
+                assert np.linalg.matrix_rank(w_g) == 4
+                a = np.linalg.lstsq(w_g, best, rcond=None)[0]  # [A_1 A_2] of this W_g
+                np.testing.assert_allclose(w_g @ a, best, atol=1e-4)
+                for j in range(2):
+                    h = 2 * g + j
+                    a_j = a[:, 4 * j:4 * j + 4]
+                    if i == 0:  # q_h . k_j = (q_h A_j^T) . k_g
+                        np.testing.assert_allclose(att["q"][:, h], np.asarray(was["qkv"][:, 0, h]) @ a_j.T,
+                                                   atol=1e-4)
+                    else:  # o_h W_out[h] = (o'_h A_j) W_out[h]
+                        np.testing.assert_allclose(att["out"][h], a_j @ np.asarray(was["out"][h]),
+                                                   atol=1e-4)
+    cd.model.pos_emb = "rope"
+    with pytest.raises(ConfigError, match=r"train\.init_kv_heads.*RoPE"):
+        Trainer(from_configdict(cd), str(tmp_path / "rope"))
+    cd = tiny("lm")
+    cd.train.init_kv_heads = "svd"
+    with pytest.raises(ConfigError, match=r"train\.init_kv_heads.*set train\.init_from"):
+        validate(from_configdict(cd))
+    cd.model.num_heads = 4
+    cd.train.init_from = str(tmp_path / "raw")  # the same heads: nothing to fit
+    with pytest.raises(ConfigError, match=r"train\.init_kv_heads.*has 4 \(this one 4\): nothing"):
+        Trainer(from_configdict(cd), str(tmp_path / "same"))
+
+
 def test_uptraining_in_a_seed_ensemble_pools_each_members_copy(tmp_path):
     # the pooled weights are placed as one member's slice (they were placed by the stacked
     # state's sharding and failed)

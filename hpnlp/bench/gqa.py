@@ -19,10 +19,11 @@ run on this CPU: decoding speed and the key/value cache, then quality trained fr
    (Ainslie et al. 2023, `hpnlp.compress.gqa`: each group's key and value heads mean-pooled,
    then `uptrain_steps` more steps, 5% of its 800 as in the paper, at the run's learning rate
    3e-3 and at a tenth of it, each with the schedule's warmup and cosine decay) to 2 and 1,
-   with each pooled model's eval loss before those steps too; the multi-head run itself
-   trained the same steps at the same rates (the control: what the steps alone give); and
-   the multi-head run
-   converted into each latent (MHA2MLA, Ji et al. 2025, `hpnlp.compress.mla`: the joint
+   with each pooled model's eval loss before those steps too; the same with each group's
+   heads fitted by SVD instead of averaged (`train.init_kv_heads='svd'`: the group's key
+   and value weights at rank D, the rest folded into queries and output projection); the
+   multi-head run itself trained the same steps at the same rates (the control: what the
+   steps alone give); and the multi-head run converted into each latent (MHA2MLA, Ji et al. 2025, `hpnlp.compress.mla`: the joint
    truncated SVD of each block's key and value weights, the latent without its layer norm),
    then trained the same steps at the same rates. Reported: eval loss and its change
    against multi-head, parameters.
@@ -151,7 +152,7 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
     mha_dir = os.path.join(workdir, f"kv{H}")
     latents = s.get("quality_latent", ())
     bar = tqdm(total=len(s["quality_kv"]) + 2 * len(latents)
-               + (len(s["quality_kv"]) + len(latents)) * len(s["uptrain_lrs"]),
+               + (2 * len(s["quality_kv"]) - 1 + len(latents)) * len(s["uptrain_lrs"]),
                desc="gqa quality", leave=False)
     # from scratch: each key/value head count, each latent with its layer norm and without
     # (as the conversions below have it)
@@ -168,22 +169,28 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
                      "loss": summary["eval"]["loss"]})
         bar.update()
     # from the multi-head run: itself (the control: what the extra steps alone give), its
-    # key/value heads pooled, or converted into a latent
-    for G, latent in [(G, 0) for G in s["quality_kv"]] + [(H, C) for C in latents]:
+    # key/value heads averaged or fitted by SVD per group, or converted into a latent
+    fewer = [G for G in s["quality_kv"] if G < H]
+    for G, latent, init in ([(H, 0, "mean")] + [(G, 0, "mean") for G in fewer]
+                            + [(G, 0, "svd") for G in fewer] + [(H, C, "") for C in latents]):
         pooled = None
         for lr in s["uptrain_lrs"]:
             cd = _config({}, G, steps=s["uptrain_steps"], eval_batches=s["eval_batches"],
                          latent=latent)
             cd.model.kv_latent_norm = not latent  # converted: the latent's norm off (mla)
             cd.train.init_from = mha_dir
+            if G < H:
+                cd.train.init_kv_heads = init
             cd.train.warmup_steps = max(1, s["uptrain_steps"] // 10)
             cd.train.lr = lr
             if pooled is None:
                 with tempfile.TemporaryDirectory() as tmp:
                     pooled = _pooled_eval(cd, tmp)
-            name = f"uptrain_latent{latent}" if latent else f"uptrain_kv{G}"
+            name = (f"uptrain_latent{latent}" if latent else f"uptrain_kv{G}"
+                    + ("_svd" if init == "svd" else ""))
             summary = compress._train(cd, os.path.join(workdir, f"{name}_lr{lr:g}"))
-            how = "converted (SVD)" if latent else "uptrained" if G < H else "continued"
+            how = ("converted (SVD)" if latent else "continued" if G == H
+                   else "uptrained (SVD)" if init == "svd" else "uptrained")
             rows.append({"method": f"{how} from multi-head, lr {lr:g}", "kv_heads": G,
                          "kv_latent_dim": latent, "heads": H,
                          "attention": _kv_name(G, H, latent) + (", no norm" if latent else ""),
@@ -222,8 +229,9 @@ def _markdown(p: dict) -> str:
         out += ["### Quality", "",
                 "The default byte LM (experiments/lm.py), eval loss; continued: the multi-head "
                 "run itself trained the steps shown (the control: what those steps alone "
-                "give); uptrained: its key/value heads mean-pooled per group, then trained the "
-                "same steps (`pooled` is the loss before them); converted: its key and value weights' "
+                "give); uptrained: its key/value heads mean-pooled per group (SVD: fitted per "
+                "group at rank D, `train.init_kv_heads='svd'`), then trained the same steps "
+                "(`pooled` is the loss before them); converted: its key and value weights' "
                 "joint truncated SVD as a latent without layer norm (`hpnlp.compress.mla`), "
                 "then trained likewise (`pooled`: converted, untrained). A latent's key/value "
                 "heads are the query heads, every one read from the latent.", "",

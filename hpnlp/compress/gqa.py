@@ -11,6 +11,16 @@ except each block's key and value projections: the heads of each new group are m
 into one (the paper's conversion, better than keeping one head of each group), and the
 queries keep their own. Training then continues: the paper's uptraining spends 5% of the
 pretraining steps. Query head h of group g = h // (H / G) sees that group's pooled head.
+
+With `train.init_kv_heads='svd'` a group's heads are fitted instead of averaged
+(`svd_kv_heads`; the weight-space form of the SVD conversions of Yu et al. 2024, "Effectively
+Compress KV Heads for LLM", which fit the keys and values of calibration data): the group's
+key (and value) weights side by side are factorized at rank D, the new head's weights times
+one D x D map per source head, and each map is folded into the query weights (keys) or the
+output projection (values) of the query heads that read that source head. Where a group's
+heads span D dims the model is unchanged; otherwise its keys and values are the best rank-D
+fit. RoPE runs are refused (the rotation between projection and score does not commute
+with the folded map).
 """
 
 from __future__ import annotations
@@ -48,6 +58,21 @@ def source_kv_heads(src: ModelConfig, dst: ModelConfig, workdir: str) -> int:
     return g_src
 
 
+def check_svd(cfg: Config, workdir: str) -> None:
+    """`train.init_kv_heads='svd'` folds a D x D map into each query head's weights, which
+    a rotation between the projection and the scores (RoPE) would not commute with."""
+    if cfg.model.pos_emb == "rope":
+        raise config_error("train.init_kv_heads", "svd", f"folds each key head's D x D "
+                           f"remainder into its query heads' weights (train.init_from="
+                           f"{workdir}), which RoPE's rotation between projection and score "
+                           "does not commute with; use train.init_kv_heads='mean' with RoPE")
+    m = cfg.model
+    if m.width < m.dims_per_head():
+        raise config_error("train.init_kv_heads", "svd", f"fits each group's keys at rank "
+                           f"D={m.dims_per_head()}, above the rank model.width={m.width} allows; "
+                           "use train.init_kv_heads='mean'")
+
+
 def source_config(cfg: Config, kv_heads: int) -> Config:
     """`cfg` with the `train.init_from` run's key/value heads: the parameter shapes to
     restore that run into before pooling."""
@@ -77,6 +102,53 @@ def pool_kv_heads(params, num_heads: int, kv_heads: int):
     return walk(params)
 
 
+def svd_kv_heads(params, num_heads: int, kv_heads: int):
+    """`params` with every attention's S key/value heads made `kv_heads` (G) by truncated
+    SVD (`train.init_kv_heads='svd'`): for each new group and each of keys and values, the
+    weights of its S / G source heads side by side, [E, (S / G) D], factorized at rank D as
+    W_g [E, D] times [A_1 ... A_{S/G}] (each D x D; U sqrt(S) and sqrt(S) V^T, as
+    `lowrank.svd_factors`), so source head j's keys are about x W_g A_j, the best rank-D
+    fit (Eckart-Young; exact where the group's weights have rank D). The A_j of keys are
+    folded into the queries (q_h . k_j = (q_h A_j^T) . k_g: W_q[h] A_j^T), those of values
+    into the output projection (o_h W_out[h] = (o'_h A_j) W_out[h]: A_j W_out[h]), for each
+    query head h that read source head j. `qkv` [..., E, 3, H, D] or a grouped `q`, `kv`
+    becomes `q` [..., E, H, D], `kv` [..., E, 2, G, D], and `out` [..., H, D, E] changes
+    too. (`...`: the stacked layers' leading axes.)"""
+    import numpy as np
+
+    def convert(tree):
+        if "qkv" in tree:
+            w = tree["qkv"]
+            q, kv = w[..., 0, :, :], w[..., 1:, :, :]
+        else:
+            q, kv = tree["q"], tree["kv"]
+        *lead, E, _, S, D = kv.shape
+        n, H = S // kv_heads, num_heads
+        m = jnp.moveaxis(kv.reshape(*lead, E, 2, kv_heads, n * D).astype(jnp.float32), -4, -2)
+        u, sv, vt = jnp.linalg.svd(m, full_matrices=False)  # [..., 2, G, E, r] ...
+        root = jnp.sqrt(sv[..., :D])
+        w_g = jnp.moveaxis(u[..., :D] * root[..., None, :], -2, -4)  # [..., E, 2, G, D]
+        a = (root[..., :, None] * vt[..., :D, :]).reshape(*lead, 2, kv_heads, D, n, D)
+        a = jnp.swapaxes(a, -3, -2).reshape(*lead, 2, S, D, D)  # [..., 2, source head, D, D]
+        a_h = a[..., np.arange(H) // (H // S), :, :]  # [..., 2, H, D, D]: query head h's
+        ak, av = a_h[..., 0, :, :, :], a_h[..., 1, :, :, :]
+        rest = {k: v for k, v in tree.items() if k not in ("qkv", "q", "kv", "out")}
+        dt = kv.dtype
+        return {**rest,
+                "q": jnp.einsum("...ehd,...hfd->...ehf", q.astype(jnp.float32), ak).astype(dt),
+                "kv": w_g.astype(dt),
+                "out": jnp.einsum("...hdf,...hfe->...hde", av,
+                                  tree["out"].astype(jnp.float32)).astype(tree["out"].dtype)}
+
+    def walk(tree):
+        if not isinstance(tree, dict):
+            return tree
+        if "qkv" in tree and tree["qkv"].shape[-2] == num_heads or "q" in tree and "kv" in tree:
+            return convert(tree)
+        return {k: walk(v) for k, v in tree.items()}
+    return walk(params)
+
+
 def conversion(cfg: Config, src: ModelConfig, workdir: str):
     """(the config to restore the `train.init_from` run in `workdir` (model `src`) into, the
     function converting its parameters into this run's) when this run uptrains that run's
@@ -87,7 +159,17 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     m = cfg.model
     g_src = source_kv_heads(src, m, workdir)
     if g_src:
+        if cfg.train.init_kv_heads == "svd":
+            check_svd(cfg, workdir)
+            return source_config(cfg, g_src), lambda p: svd_kv_heads(p, m.num_heads,
+                                                                     m.kv_heads())
         return source_config(cfg, g_src), lambda p: pool_kv_heads(p, m.num_heads, m.kv_heads())
+    if cfg.train.init_kv_heads == "svd":
+        raise config_error("train.init_kv_heads", "svd", f"fits the key/value heads of a run "
+                           f"of more of them into this run's model.num_kv_heads, and the run "
+                           f"train.init_from={workdir} has {src.kv_heads()} (this one "
+                           f"{m.kv_heads()}{', a latent' if m.kv_latent_dim else ''}): nothing "
+                           "to fit; leave it 'mean'")
     if mla.converts(src, m, workdir):
         return mla.source_config(cfg, src), lambda p: mla.latent_from_heads(
             p, m.num_heads, m.kv_latent_dim)
