@@ -1024,8 +1024,13 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
     for fields, match in (
             (dict(kv_latent_dim=8), r"model\.kv_latent_norm.*set model\.kv_latent_norm=false"),
             (dict(kv_latent_dim=17, kv_latent_norm=False), r"at most 16 .*kv_latent_dim <= 16"),
-            (dict(kv_latent_dim=8, kv_latent_norm=False, pos_emb="rope"), "without RoPE")):
+            (dict(kv_latent_dim=8, kv_latent_norm=False, pos_emb="rope"), "without RoPE"),
+            (dict(kv_latent_dim=8, kv_latent_norm=False, lowrank=dict(rank=2)),
+             r"model\.lowrank\.rank.*convert to model\.kv_latent_dim first"),
+            (dict(num_kv_heads=2, lowrank=dict(rank=2)),
+             r"model\.lowrank\.rank.*uptrain to model\.num_kv_heads first")):
         cd = tiny("lm")
+        cd.model.lowrank.update(fields.pop("lowrank", {}))
         cd.model.update(num_heads=4, **fields)
         cd.train.init_from = str(tmp_path / "mha")
         with pytest.raises(ConfigError, match=match):

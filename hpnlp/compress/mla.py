@@ -59,14 +59,9 @@ def converts(src: ModelConfig, dst: ModelConfig, workdir: str) -> bool:
                            f"{src.width}, {src.kv_heads()} key/value heads of "
                            f"{src.dims_per_head()}); a larger latent's extra dims would start "
                            f"at zero and never train; choose model.kv_latent_dim <= {most}")
-    if src.lowrank.enabled():
-        raise config_error("train.init_from", workdir, "that run's products are factorized "
-                           "(model.lowrank), and the latent is converted from dense key and "
-                           "value weights; convert the dense run it was factorized from")
-    if dst.lowrank.enabled():
-        raise config_error("model.lowrank.rank", dst.lowrank.rank or dst.lowrank.energy,
-                           "convert to a latent and factorize in two runs: convert first "
-                           "(model.kv_latent_dim), then factorize that run")
+    from hpnlp.compress.gqa import refuse_factorized
+    refuse_factorized(src, dst, workdir, made="the latent is converted",
+                      first="convert to model.kv_latent_dim")
     return True
 
 
