@@ -1067,7 +1067,7 @@ def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_a
         cd.train.update(init_from=str(tmp_path / name), init_kv_heads="svd")
         tr = Trainer(from_configdict(cd), str(tmp_path / f"svd_{name}"))
         state, _ = tr.initial_state()
-        att, was = state.params["trunk"]["block_0"]["attention"], src["trunk"]["block_0"]["attention"]
+        att, was = (p["trunk"]["block_0"]["attention"] for p in (state.params, src))
         if edit is not None:
             np.testing.assert_allclose(loss(tr.eval_model, state.params), loss(src_model, src),
                                        rtol=1e-5)
@@ -1087,8 +1087,8 @@ def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_a
                     h = 2 * g + j
                     a_j = a[:, 4 * j:4 * j + 4]
                     if i == 0:  # q_h . k_j = (q_h A_j^T) . k_g
-                        np.testing.assert_allclose(att["q"][:, h], np.asarray(was["qkv"][:, 0, h]) @ a_j.T,
-                                                   atol=1e-4)
+                        np.testing.assert_allclose(
+                            att["q"][:, h], np.asarray(was["qkv"][:, 0, h]) @ a_j.T, atol=1e-4)
                     else:  # o_h W_out[h] = (o'_h A_j) W_out[h]
                         np.testing.assert_allclose(att["out"][h], a_j @ np.asarray(was["out"][h]),
                                                    atol=1e-4)

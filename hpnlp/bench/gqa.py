@@ -23,9 +23,10 @@ run on this CPU: decoding speed and the key/value cache, then quality trained fr
    heads fitted by SVD instead of averaged (`train.init_kv_heads='svd'`: the group's key
    and value weights at rank D, the rest folded into queries and output projection); the
    multi-head run itself trained the same steps at the same rates (the control: what the
-   steps alone give); and the multi-head run converted into each latent (MHA2MLA, Ji et al. 2025, `hpnlp.compress.mla`: the joint
-   truncated SVD of each block's key and value weights, the latent without its layer norm),
-   then trained the same steps at the same rates. Reported: eval loss and its change
+   steps alone give); and the multi-head run converted into each latent (MHA2MLA, Ji et
+   al. 2025, `hpnlp.compress.mla`: the joint truncated SVD of each block's key and value
+   weights, the latent without its layer norm), then trained the same steps at the same
+   rates. Reported: eval loss and its change
    against multi-head, parameters.
 
 The runs train in --workdir (a finished run of the same config is reused).

@@ -13,8 +13,8 @@ what acts on a trained run (`quantize`, `shrink`) and config fields for what tra
   (`train.distill.*`), and students initialized from its weights.
 - `prune`: masks in the train state (`train.prune.*`), and `shrink` for structured ones.
 - `lowrank`: products factorized by truncated SVD (`model.lowrank.*`).
-- `gqa`, `mla`: a multi-head run uptrained into grouped key/value heads (mean-pooled) or
-  converted into a latent (joint SVD), by `train.init_from`.
+- `gqa`, `mla`: a multi-head run uptrained into grouped key/value heads (averaged, or
+  fitted by SVD) or converted into a latent (joint SVD), by `train.init_from`.
 - `kernels`, `qgemm.cc`: the integer CPU products a quantized model runs on.
 
 Quantization-aware training is the `quant.*` config group on any experiment.

@@ -110,6 +110,15 @@ def pool_kv_heads(params, num_heads: int, kv_heads: int):
     return walk(params)
 
 
+def query_and_kv(tree: dict):
+    """(W_q [..., E, H, D], W_kv [..., E, 2, S, D]) of an attention's parameters: multi-head
+    `qkv` (S = H) or grouped `q` and `kv`."""
+    if "qkv" in tree:
+        w = tree["qkv"]
+        return w[..., 0, :, :], w[..., 1:, :, :]
+    return tree["q"], tree["kv"]
+
+
 def svd_kv_heads(params, num_heads: int, kv_heads: int):
     """`params` with every attention's S key/value heads made `kv_heads` (G) by truncated
     SVD (`train.init_kv_heads='svd'`): for each new group and each of keys and values, the
@@ -125,11 +134,7 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int):
     import numpy as np
 
     def convert(tree):
-        if "qkv" in tree:
-            w = tree["qkv"]
-            q, kv = w[..., 0, :, :], w[..., 1:, :, :]
-        else:
-            q, kv = tree["q"], tree["kv"]
+        q, kv = query_and_kv(tree)
         *lead, E, _, S, D = kv.shape
         n, H = S // kv_heads, num_heads
         m = jnp.moveaxis(kv.reshape(*lead, E, 2, kv_heads, n * D).astype(jnp.float32), -4, -2)

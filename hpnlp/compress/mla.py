@@ -77,12 +77,9 @@ def _key_value_matrix(tree: dict, num_heads: int):
     """(W_q [..., E, H, D], M = [W_k | W_v] [..., E, 2 H D]) of an attention's parameters:
     multi-head `qkv`, or grouped `q` and `kv` (each group's heads repeated to its H / G
     query heads, as the model reads them)."""
-    if "qkv" in tree:
-        w = tree["qkv"]
-        q, kv = w[..., 0, :, :], w[..., 1:, :, :]
-    else:
-        q, kv = tree["q"], tree["kv"]
-        kv = jnp.repeat(kv, num_heads // kv.shape[-2], axis=-2)
+    from hpnlp.compress.gqa import query_and_kv
+    q, kv = query_and_kv(tree)
+    kv = jnp.repeat(kv, num_heads // kv.shape[-2], axis=-2)
     return q, kv.reshape(*kv.shape[:-3], -1)
 
 

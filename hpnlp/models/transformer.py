@@ -203,10 +203,11 @@ class MultiHeadAttention(nn.Module):
         read the latent cache itself.
 
         Queries as multi-head's, `q` [E, H, D]. `kv_down` [E, C + R] projects each token to
-        the latent c [C] (then `kv_norm`, a LayerNorm, unless `model.kv_latent_norm` is off) and, under RoPE, one R-dim key shared
-        by every head (rotated at the token's position). Head h's key is
-        [c k_up[:, h] (D - R dims) ; the rotary key (R)], its value c v_up[:, h] (D), and its
-        query's last R dims are rotated likewise: every variant sees [B, L, H, D] as usual.
+        the latent c [C] (then `kv_norm`, a LayerNorm, unless `model.kv_latent_norm` is off)
+        and, under RoPE, one R-dim key shared by every head (rotated at the token's
+        position). Head h's key is [c k_up[:, h] (D - R dims) ; the rotary key (R)], its
+        value c v_up[:, h] (D), and its query's last R dims are rotated likewise: every
+        variant sees [B, L, H, D] as usual.
 
         Decoding through the exact key/value cache caches only the row [c ; rotary key]
         (C + R numbers per position) and reads it absorbed: q_h . k_h = (k_up[:, h] q_h) . c
