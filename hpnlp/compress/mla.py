@@ -3,7 +3,7 @@ TransMLA, Meng et al. 2025): the joint truncated SVD of each block's key and val
 
     python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_mla \\
         --config.model.kv_latent_dim=64 --config.model.kv_latent_norm=false \\
-        --config.train.init_from=/tmp/hpnlp/lm_bytes \\
+        --config.train.init_from=/tmp/hpnlp/lm_bytes --config.train.lr=3e-4 \\
         --config.train.steps=40 --config.train.warmup_steps=4
 
 A latent run (`model.kv_latent_dim` C, `model.kv_latent_norm` off) that starts from a run
