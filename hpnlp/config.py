@@ -505,6 +505,11 @@ class TrainConfig:
     # of its heads' (the truncated SVD of their weights side by side), each head's D x D
     # remainder folded into its query heads' query weights and output projection.
     init_kv_heads: str = "mean"
+    # Batches of training data whose attention inputs weight those SVD fits (`init_kv_heads=
+    # 'svd'` and a latent's conversion, hpnlp.compress.mla): each minimizes the error of the
+    # keys and values on those inputs instead of the weights' (the inputs' covariance
+    # whitens the SVD, as SVD-LLM and Yu et al. 2024 do); 0 = the weights alone.
+    init_kv_calibration: int = 0
     distill: DistillConfig = DistillConfig()  # `train.distill.*`: a frozen teacher (hpnlp.compress)
     prune: PruneConfig = PruneConfig()  # `train.prune.*`: masks kept in the train state
 
@@ -1385,6 +1390,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_kv_cache(cfg)
     _check_kv_latent(cfg)
     _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))
+    if (not isinstance(t.init_kv_calibration, int) or isinstance(t.init_kv_calibration, bool)
+            or t.init_kv_calibration < 0):
+        _fail("train.init_kv_calibration", t.init_kv_calibration, "must be an integer >= 0 "
+              "(batches; 0: fit the weights alone)")
+    if t.init_kv_calibration and not t.init_from:
+        _fail("train.init_kv_calibration", t.init_kv_calibration, "weights the SVD fits that "
+              "convert the run train.init_from names; set train.init_from, or leave it 0")
     if t.init_kv_heads == "svd" and not t.init_from:
         _fail("train.init_kv_heads", "svd", "converts the key/value heads of the run "
               "train.init_from names; set train.init_from, or leave it 'mean'")

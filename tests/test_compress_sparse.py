@@ -1105,6 +1105,69 @@ def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_a
         Trainer(from_configdict(cd), str(tmp_path / "same"))
 
 
+def test_calibrated_fit_is_the_best_rank_r_fit_of_the_outputs_on_its_inputs():
+    """`gqa.fit_factors` with the inputs' covariance X^T X: X W V is the best rank-r
+    approximation of X M (its error is X M's tail singular values), never worse on X than
+    the weights' own SVD; at full rank W V = M."""
+    from hpnlp.compress import gqa
+    x = jnp.asarray(RNG.standard_normal((200, 16)) * np.linspace(0.1, 3.0, 16), jnp.float32)
+    m = jnp.asarray(RNG.standard_normal((16, 24)), jnp.float32)
+    cov = x.T @ x
+    sv = np.linalg.svd(np.asarray(x @ m), compute_uv=False)
+    for r in (3, 8):
+        w, v = gqa.fit_factors(m, r, cov)
+        err = float(jnp.sum(jnp.square(x @ (m - w @ v))))
+        np.testing.assert_allclose(err, np.sum(sv[r:] ** 2), rtol=1e-3)
+        w0, v0 = gqa.fit_factors(m, r)
+        assert err <= float(jnp.sum(jnp.square(x @ (m - w0 @ v0))))
+    w, v = gqa.fit_factors(m, 16, cov)
+    np.testing.assert_allclose(w @ v, m, atol=1e-4)
+
+
+def test_calibrated_conversions_reach_the_trainer_and_stay_exact_at_full_rank(tmp_path):
+    """`train.init_kv_calibration=N`: the conversions are weighted by the attention inputs
+    of the run's first N training batches (`gqa.input_covariances`, what the Trainer hands
+    them); a latent at full rank still computes the source's loss. Refused without an SVD
+    fit to weight, and with stacked blocks."""
+    from hpnlp.compress import gqa, mla
+    from hpnlp.train import Trainer
+    tcd = tiny("lm")
+    tcd.model.num_heads = 4
+    _, src_model, src = _teacher_workdir(tmp_path / "mha", tcd)
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = np.roll(batch["inputs"], -1, 1)
+    loss = lambda m, p: float(jax.jit(lambda p: m.apply({"params": p}, batch)["loss"])(p))  # noqa: E731
+    for C in (16, 6):
+        cd = tiny("lm")
+        cd.model.update(num_heads=4, kv_latent_dim=C, kv_latent_norm=False)
+        cd.train.update(init_from=str(tmp_path / "mha"), init_kv_calibration=2)
+        tr = Trainer(from_configdict(cd), str(tmp_path / f"calib{C}"))
+        state, _ = tr.initial_state()
+        covs = gqa.input_covariances(tr._source_eval, src, tr._first_train_batches(2))
+        assert set(covs) == {("trunk", "block_0", "attention")}
+        want = mla.latent_from_heads(src, 4, C, covs)["trunk"]["block_0"]["attention"]
+        for k in ("kv_down", "k_up", "v_up"):
+            np.testing.assert_allclose(state.params["trunk"]["block_0"]["attention"][k], want[k],
+                                       rtol=1e-5, atol=1e-6)
+        if C == 16:
+            np.testing.assert_allclose(loss(tr.eval_model, state.params), loss(src_model, src),
+                                       rtol=1e-5)
+    for fields, train, match in (
+            (dict(num_kv_heads=2), {}, r"init_kv_calibration.*set train\.init_kv_heads='svd'"),
+            (dict(num_kv_heads=2, depth=1, stack_layers=True), dict(init_kv_heads="svd"),
+             r"init_kv_calibration.*stacked or reversible")):
+        cd = tiny("lm")
+        cd.model.update(num_heads=4, **fields)
+        cd.train.update(init_from=str(tmp_path / "mha"), init_kv_calibration=2, **train)
+        with pytest.raises(ConfigError, match=match):
+            Trainer(from_configdict(cd), str(tmp_path / "refused"))
+    cd = tiny("lm")
+    cd.train.init_kv_calibration = 2
+    with pytest.raises(ConfigError, match=r"init_kv_calibration.*set train\.init_from"):
+        validate(from_configdict(cd))
+
+
 def test_uptraining_in_a_seed_ensemble_pools_each_members_copy(tmp_path):
     # the pooled weights are placed as one member's slice (they were placed by the stacked
     # state's sharding and failed)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config, ModelConfig, config_error
@@ -119,7 +120,73 @@ def query_and_kv(tree: dict):
     return tree["q"], tree["kv"]
 
 
-def svd_kv_heads(params, num_heads: int, kv_heads: int):
+def fit_factors(m_EN, rank: int, cov_EE=None):
+    """(W [..., E, r], V [..., r, N]) with W V the best rank-r approximation of M [..., E, N]:
+    in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T, as `lowrank.svd_factors`), or of
+    its outputs X M on inputs X with X^T X = `cov_EE` (whitened: with cov = L L^T,
+    ||X (M - W V)|| = ||L^T (M - W V)||, so the SVD of L^T M gives W = L^-T U sqrt(S);
+    SVD-LLM, Wang et al. 2024). In float32; the covariance is regularized by 1e-6 of its
+    mean diagonal, so directions no input took still have a finite (small) weight."""
+    m = m_EN.astype(jnp.float32)
+    if cov_EE is None:
+        u, sv, vt = jnp.linalg.svd(m, full_matrices=False)
+        root = jnp.sqrt(sv[..., :rank])
+        return u[..., :rank] * root[..., None, :], root[..., :, None] * vt[..., :rank, :]
+    E = cov_EE.shape[-1]
+    cov = cov_EE.astype(jnp.float32)
+    cov = cov + 1e-6 * jnp.trace(cov) / E * jnp.eye(E, dtype=jnp.float32)
+    chol = jnp.linalg.cholesky(cov)  # lower: cov = L L^T
+    u, sv, vt = jnp.linalg.svd(chol.T @ m, full_matrices=False)
+    root = jnp.sqrt(sv[..., :rank])
+    from jax.scipy.linalg import solve_triangular
+    w = solve_triangular(jnp.broadcast_to(chol.T, (*m.shape[:-2], E, E)),
+                         u[..., :rank] * root[..., None, :], lower=False)
+    return w, root[..., :, None] * vt[..., :rank, :]
+
+
+def input_covariances(model, params, batches) -> dict:
+    """{the path of each block's attention parameters: X^T X [E, E]}, X its input (the
+    block's `norm1` output) at the real tokens of `batches` (segment id > 0), in float32:
+    what `init_kv_calibration` weights the fits by."""
+    def one(params, batch):
+        _, state = model.apply({"params": params}, batch, mutable=["intermediates"],
+                               capture_intermediates=lambda mdl, name: (
+                                   name == "__call__" and mdl.name == "norm1"))
+        seg = batch.get("segment_ids")
+        out = {}
+
+        def walk(tree, path):
+            for k, sub in tree.items():
+                if k != "__call__":
+                    walk(sub, path + (k,))
+                    continue
+                x = sub[0].astype(jnp.float32)
+                if seg is not None and seg.shape == x.shape[:2]:
+                    x = x * (seg > 0)[..., None]
+                x = x.reshape(-1, x.shape[-1])
+                out[path[:-1] + ("attention",)] = x.T @ x
+        walk(state["intermediates"], ())
+        return out
+    one = jax.jit(one)
+    total: dict = {}
+    for batch in batches:
+        for k, v in one(params, batch).items():
+            total[k] = total[k] + v if k in total else v
+    return total
+
+
+def _cov_at(covs, path: tuple):
+    """The covariance for the attention at `path`, None without calibration."""
+    if covs is None:
+        return None
+    if path not in covs:
+        raise ValueError(f"no calibration input was captured for the attention at "
+                         f"{'/'.join(path)}; train.init_kv_calibration reads each block's "
+                         "norm1 output, which this model does not name; set it to 0")
+    return covs[path]
+
+
+def svd_kv_heads(params, num_heads: int, kv_heads: int, covs=None):
     """`params` with every attention's S key/value heads made `kv_heads` (G) by truncated
     SVD (`train.init_kv_heads='svd'`): for each new group and each of keys and values, the
     weights of its S / G source heads side by side, [E, (S / G) D], factorized at rank D as
@@ -133,15 +200,14 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int):
     too. (`...`: the stacked layers' leading axes.)"""
     import numpy as np
 
-    def convert(tree):
+    def convert(tree, cov):
         q, kv = query_and_kv(tree)
         *lead, E, _, S, D = kv.shape
         n, H = S // kv_heads, num_heads
-        m = jnp.moveaxis(kv.reshape(*lead, E, 2, kv_heads, n * D).astype(jnp.float32), -4, -2)
-        u, sv, vt = jnp.linalg.svd(m, full_matrices=False)  # [..., 2, G, E, r] ...
-        root = jnp.sqrt(sv[..., :D])
-        w_g = jnp.moveaxis(u[..., :D] * root[..., None, :], -2, -4)  # [..., E, 2, G, D]
-        a = (root[..., :, None] * vt[..., :D, :]).reshape(*lead, 2, kv_heads, D, n, D)
+        m = jnp.moveaxis(kv.reshape(*lead, E, 2, kv_heads, n * D), -4, -2)  # [..., 2, G, E, nD]
+        w_g, a = fit_factors(m, D, cov)
+        w_g = jnp.moveaxis(w_g, -2, -4)  # [..., E, 2, G, D]
+        a = a.reshape(*lead, 2, kv_heads, D, n, D)
         a = jnp.swapaxes(a, -3, -2).reshape(*lead, 2, S, D, D)  # [..., 2, source head, D, D]
         a_h = a[..., np.arange(H) // (H // S), :, :]  # [..., 2, H, D, D]: query head h's
         ak, av = a_h[..., 0, :, :, :], a_h[..., 1, :, :, :]
@@ -153,13 +219,13 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int):
                 "out": jnp.einsum("...hdf,...hfe->...hde", av,
                                   tree["out"].astype(jnp.float32)).astype(tree["out"].dtype)}
 
-    def walk(tree):
+    def walk(tree, path):
         if not isinstance(tree, dict):
             return tree
         if "qkv" in tree and tree["qkv"].shape[-2] == num_heads or "q" in tree and "kv" in tree:
-            return convert(tree)
-        return {k: walk(v) for k, v in tree.items()}
-    return walk(params)
+            return convert(tree, _cov_at(covs, path))
+        return {k: walk(v, path + (k,)) for k, v in tree.items()}
+    return walk(params, ())
 
 
 def conversion(cfg: Config, src: ModelConfig, workdir: str):
@@ -171,12 +237,22 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     from hpnlp.compress import mla
     m = cfg.model
     g_src = source_kv_heads(src, m, workdir)
+    calibrated = cfg.train.init_kv_calibration
+    if calibrated and (m.stack_layers or m.reversible):
+        raise config_error("train.init_kv_calibration", calibrated, "reads each block's "
+                           "attention input, which stacked or reversible blocks do not expose "
+                           "per block; set it to 0 (the weights alone)")
     if g_src:
         if cfg.train.init_kv_heads == "svd":
             check_svd(cfg, workdir)
-            return source_config(cfg, g_src), lambda p: svd_kv_heads(p, m.num_heads,
-                                                                     m.kv_heads())
-        return source_config(cfg, g_src), lambda p: pool_kv_heads(p, m.num_heads, m.kv_heads())
+            return source_config(cfg, g_src), lambda p, covs=None: svd_kv_heads(
+                p, m.num_heads, m.kv_heads(), covs)
+        if calibrated:
+            raise config_error("train.init_kv_calibration", calibrated, "weights an SVD fit, "
+                               "and train.init_kv_heads='mean' averages the heads; set "
+                               "train.init_kv_heads='svd', or leave it 0")
+        return source_config(cfg, g_src), lambda p, covs=None: pool_kv_heads(
+            p, m.num_heads, m.kv_heads())
     if cfg.train.init_kv_heads == "svd":
         raise config_error("train.init_kv_heads", "svd", f"fits the key/value heads of a run "
                            f"of more of them into this run's model.num_kv_heads, and the run "
@@ -184,6 +260,10 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
                            f"{m.kv_heads()}{', a latent' if m.kv_latent_dim else ''}): nothing "
                            "to fit; leave it 'mean'")
     if mla.converts(src, m, workdir):
-        return mla.source_config(cfg, src), lambda p: mla.latent_from_heads(
-            p, m.num_heads, m.kv_latent_dim)
+        return mla.source_config(cfg, src), lambda p, covs=None: mla.latent_from_heads(
+            p, m.num_heads, m.kv_latent_dim, covs)
+    if calibrated:
+        raise config_error("train.init_kv_calibration", calibrated, f"weights the SVD fits "
+                           f"that convert key/value heads, and this run restores "
+                           f"train.init_from={workdir} as it is; leave it 0")
     return None

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from hpnlp.config import Config, ModelConfig, config_error
@@ -83,29 +82,29 @@ def _key_value_matrix(tree: dict, num_heads: int):
     return q, kv.reshape(*kv.shape[:-3], -1)
 
 
-def latent_from_heads(params, num_heads: int, latent: int):
+def latent_from_heads(params, num_heads: int, latent: int, covs=None):
     """`params` with every attention's key and value weights converted into a latent of
     `latent` dims: `qkv` [..., E, 3, H, D] (or grouped `q`, `kv`) becomes `q` [..., E, H, D],
     `kv_down` [..., E, C], `k_up` and `v_up` [..., C, H, D] (`...`: the stacked layers'
     leading axes, each layer its own SVD). Everything else is returned as it is."""
-    from hpnlp.compress.lowrank import svd_factors
+    from hpnlp.compress.gqa import _cov_at, fit_factors
 
-    def convert(tree):
+    def convert(tree, cov):
         q, m = _key_value_matrix(tree, num_heads)
         *lead, E, HD2 = m.shape
         H, D = q.shape[-2], q.shape[-1]
-        f = jax.vmap(lambda w: svd_factors(w, 1, latent))(m.reshape(-1, E, HD2))
-        down = f.u.reshape(*lead, E, latent).astype(m.dtype)
-        up = f.v.reshape(*lead, latent, 2, H, D).astype(m.dtype)
+        down, up = fit_factors(m, latent, cov)
+        down = down.astype(m.dtype)
+        up = up.reshape(*lead, latent, 2, H, D).astype(m.dtype)
         rest = {k: v for k, v in tree.items() if k not in ("qkv", "q", "kv")}
         return {**rest, "q": q, "kv_down": down, "k_up": up[..., 0, :, :],
                 "v_up": up[..., 1, :, :]}
 
-    def walk(tree):
+    def walk(tree, path):
         if not isinstance(tree, dict):
             return tree
         if ("qkv" in tree and tree["qkv"].shape[-2] == num_heads) or ("q" in tree
                                                                        and "kv" in tree):
-            return convert(tree)
-        return {k: walk(v) for k, v in tree.items()}
-    return walk(params)
+            return convert(tree, _cov_at(covs, path))
+        return {k: walk(v, path + (k,)) for k, v in tree.items()}
+    return walk(params, ())

@@ -138,6 +138,9 @@ class Trainer:
             found = gqa.conversion(cfg, source.model, cfg.train.init_from)
             if found:
                 src_cfg, self._convert = found
+                # the source as it evaluates: its attention inputs weight the fits
+                self._source_eval = models.build(src_cfg, deterministic=True,
+                                                 token_counts=counts)
             src = models.build(src_cfg, deterministic=False,
                                token_counts=counts) if found else model
             self.model_params = jax.eval_shape(
@@ -243,7 +246,13 @@ class Trainer:
         if own:  # a method's own parameters start fresh
             return {**self._params_from(workdir, carry_lib.model_params(like)), **own}
         if self._convert:  # uptraining to fewer key/value heads or a latent (compress.gqa)
-            converted = jax.jit(self._convert)(restore_params(workdir, self.model_params))
+            source, covs = restore_params(workdir, self.model_params), None
+            if self.cfg.train.init_kv_calibration:  # the fits weighted by the inputs
+                from hpnlp.compress import gqa
+                covs = gqa.input_covariances(
+                    self._source_eval, source,
+                    self._first_train_batches(self.cfg.train.init_kv_calibration))
+            converted = jax.jit(self._convert)(source, covs)
             return jax.device_put(converted, jax.tree.map(lambda a: a.sharding, like))
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
