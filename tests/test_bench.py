@@ -797,7 +797,10 @@ def test_gqa_bench_quick_run(tmp_path):
         ("uptrained from multi-head, lr 0.003", 1, 0),
         ("uptrained (SVD) from multi-head, lr 0.003", 2, 0),
         ("uptrained (SVD) from multi-head, lr 0.003", 1, 0),
-        ("converted (SVD) from multi-head, lr 0.003", 4, 64)]
+        ("uptrained (SVD, 2 batches) from multi-head, lr 0.003", 2, 0),
+        ("uptrained (SVD, 2 batches) from multi-head, lr 0.003", 1, 0),
+        ("converted (SVD) from multi-head, lr 0.003", 4, 64),
+        ("converted (SVD, 2 batches) from multi-head, lr 0.003", 4, 64)]
     assert all(np.isfinite(r["loss"]) for r in p["quality"])
     assert os.path.exists(tmp_path / "out" / "gqa_decode.png")
 

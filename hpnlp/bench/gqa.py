@@ -26,7 +26,8 @@ run on this CPU: decoding speed and the key/value cache, then quality trained fr
    steps alone give); and the multi-head run converted into each latent (MHA2MLA, Ji et
    al. 2025, `hpnlp.compress.mla`: the joint truncated SVD of each block's key and value
    weights, the latent without its layer norm), then trained the same steps at the same
-   rates. Reported: eval loss and its change
+   rates. The SVD fits run twice: on the weights alone, and weighted by the attention
+   inputs of `calib_batches` (8) training batches (`train.init_kv_calibration`). Reported: eval loss and its change
    against multi-head, parameters.
 
 The runs train in --workdir (a finished run of the same config is reused).
@@ -48,10 +49,12 @@ SIZES = {
     "full": dict(decode=dict(width=512, depth=4, num_heads=8, mlp_dim=2048, max_len=1024),
                  prompt=16, batches=(1, 16), decode_kv=(8, 4, 2, 1), decode_latent=(256, 128),
                  repeats=5, lm_steps=None, uptrain_steps=40, uptrain_lrs=(3e-3, 3e-4),
+                 calib_batches=8,
                  quality_kv=(4, 2, 1), quality_latent=(128, 64), eval_batches=None),
     "quick": dict(decode=dict(width=64, depth=1, num_heads=4, mlp_dim=128, max_len=64),
                   prompt=4, batches=(1, 4), decode_kv=(4, 2, 1), decode_latent=(32,), repeats=2,
-                  lm_steps=12, uptrain_steps=4, uptrain_lrs=(3e-3,), quality_kv=(4, 2, 1),
+                  lm_steps=12, uptrain_steps=4, uptrain_lrs=(3e-3,), calib_batches=2,
+                  quality_kv=(4, 2, 1),
                   quality_latent=(64,), eval_batches=2),
 }
 PARTS = ("decode", "quality")
@@ -153,7 +156,7 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
     mha_dir = os.path.join(workdir, f"kv{H}")
     latents = s.get("quality_latent", ())
     bar = tqdm(total=len(s["quality_kv"]) + 2 * len(latents)
-               + (2 * len(s["quality_kv"]) - 1 + len(latents)) * len(s["uptrain_lrs"]),
+               + (3 * len(s["quality_kv"]) - 2 + 2 * len(latents)) * len(s["uptrain_lrs"]),
                desc="gqa quality", leave=False)
     # from scratch: each key/value head count, each latent with its layer norm and without
     # (as the conversions below have it)
@@ -171,15 +174,19 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
         bar.update()
     # from the multi-head run: itself (the control: what the extra steps alone give), its
     # key/value heads averaged or fitted by SVD per group, or converted into a latent
-    fewer = [G for G in s["quality_kv"] if G < H]
-    for G, latent, init in ([(H, 0, "mean")] + [(G, 0, "mean") for G in fewer]
-                            + [(G, 0, "svd") for G in fewer] + [(H, C, "") for C in latents]):
+    # (the SVD fits also weighted by the inputs of `calib_batches` training batches)
+    fewer, n = [G for G in s["quality_kv"] if G < H], s["calib_batches"]
+    for G, latent, init, calib in (
+            [(H, 0, "mean", 0)] + [(G, 0, "mean", 0) for G in fewer]
+            + [(G, 0, "svd", c) for c in (0, n) for G in fewer]
+            + [(H, C, "", c) for c in (0, n) for C in latents]):
         pooled = None
         for lr in s["uptrain_lrs"]:
             cd = _config({}, G, steps=s["uptrain_steps"], eval_batches=s["eval_batches"],
                          latent=latent)
             cd.model.kv_latent_norm = not latent  # converted: the latent's norm off (mla)
             cd.train.init_from = mha_dir
+            cd.train.init_kv_calibration = calib
             if G < H:
                 cd.train.init_kv_heads = init
             cd.train.warmup_steps = max(1, s["uptrain_steps"] // 10)
@@ -188,10 +195,11 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
                 with tempfile.TemporaryDirectory() as tmp:
                     pooled = _pooled_eval(cd, tmp)
             name = (f"uptrain_latent{latent}" if latent else f"uptrain_kv{G}"
-                    + ("_svd" if init == "svd" else ""))
+                    + ("_svd" if init == "svd" else "")) + (f"_calib{calib}" if calib else "")
             summary = compress._train(cd, os.path.join(workdir, f"{name}_lr{lr:g}"))
-            how = ("converted (SVD)" if latent else "continued" if G == H
-                   else "uptrained (SVD)" if init == "svd" else "uptrained")
+            fit = f"SVD, {calib} batches" if calib else "SVD"
+            how = (f"converted ({fit})" if latent else "continued" if G == H
+                   else f"uptrained ({fit})" if init == "svd" else "uptrained")
             rows.append({"method": f"{how} from multi-head, lr {lr:g}", "kv_heads": G,
                          "kv_latent_dim": latent, "heads": H,
                          "attention": _kv_name(G, H, latent) + (", no norm" if latent else ""),
@@ -231,7 +239,9 @@ def _markdown(p: dict) -> str:
                 "The default byte LM (experiments/lm.py), eval loss; continued: the multi-head "
                 "run itself trained the steps shown (the control: what those steps alone "
                 "give); uptrained: its key/value heads mean-pooled per group (SVD: fitted per "
-                "group at rank D, `train.init_kv_heads='svd'`), then trained the same steps "
+                "group at rank D, `train.init_kv_heads='svd'`; N batches: weighted by the "
+                "attention inputs of N training batches, `train.init_kv_calibration`), then "
+                "trained the same steps "
                 "(`pooled` is the loss before them); converted: its key and value weights' "
                 "joint truncated SVD as a latent without layer norm (`hpnlp.compress.mla`), "
                 "then trained likewise (`pooled`: converted, untrained). A latent's key/value "
