@@ -27,8 +27,8 @@ run on this CPU: decoding speed and the key/value cache, then quality trained fr
    al. 2025, `hpnlp.compress.mla`: the joint truncated SVD of each block's key and value
    weights, the latent without its layer norm), then trained the same steps at the same
    rates. The SVD fits run twice: on the weights alone, and weighted by the attention
-   inputs of `calib_batches` (8) training batches (`train.init_kv_calibration`). Reported: eval loss and its change
-   against multi-head, parameters.
+   inputs of `calib_batches` (8) training batches (`train.init_kv_calibration`).
+   Reported: eval loss and its change against multi-head, parameters.
 
 The runs train in --workdir (a finished run of the same config is reused).
 """
