@@ -1144,8 +1144,14 @@ def test_calibrated_conversions_reach_the_trainer_and_stay_exact_at_full_rank(tm
         cd.train.update(init_from=str(tmp_path / "mha"), init_kv_calibration=2)
         tr = Trainer(from_configdict(cd), str(tmp_path / f"calib{C}"))
         state, _ = tr.initial_state()
-        covs = gqa.input_covariances(tr._source_eval, src, tr._first_train_batches(2))
+        batches = tr._first_train_batches(2)
+        covs = gqa.input_covariances(tr._source_eval, src, batches)
         assert set(covs) == {("trunk", "block_0", "attention")}
+        # a mean over the tokens: the factors' scale does not grow with the batches read
+        # (a sum made W sqrt(n) times smaller, and the first optimizer steps threw it off)
+        twice = gqa.input_covariances(tr._source_eval, src, batches + batches)
+        np.testing.assert_allclose(twice[("trunk", "block_0", "attention")],
+                                   covs[("trunk", "block_0", "attention")], rtol=1e-5)
         want = mla.latent_from_heads(src, 4, C, covs)["trunk"]["block_0"]["attention"]
         for k in ("kv_down", "k_up", "v_up"):
             np.testing.assert_allclose(state.params["trunk"]["block_0"]["attention"][k], want[k],

@@ -145,15 +145,20 @@ def fit_factors(m_EN, rank: int, cov_EE=None):
 
 
 def input_covariances(model, params, batches) -> dict:
-    """{the path of each block's attention parameters: X^T X [E, E]}, X its input (the
-    block's `norm1` output) at the real tokens of `batches` (segment id > 0), in float32:
-    what `init_kv_calibration` weights the fits by."""
+    """{the path of each block's attention parameters: X^T X / n [E, E]}, X its input (the
+    block's `norm1` output) at the n real tokens of `batches` (segment id > 0), in float32:
+    what `init_kv_calibration` weights the fits by. The mean, not the sum: the fit's subspace
+    is the same either way, but `fit_factors`' split W = L^-T U sqrt(S) scales with L, and a
+    sum over n tokens would make W sqrt(n) times smaller and V that much larger than the
+    weights' own split (an optimizer's first steps, each about the learning rate per entry,
+    then throw W far off: a 2-step run at 3e-4 read 3.27 from a 1.54 start)."""
     def one(params, batch):
         _, state = model.apply({"params": params}, batch, mutable=["intermediates"],
                                capture_intermediates=lambda mdl, name: (
                                    name == "__call__" and mdl.name == "norm1"))
         seg = batch.get("segment_ids")
         out = {}
+        count = jnp.float32(0.0)
 
         def walk(tree, path):
             for k, sub in tree.items():
@@ -161,18 +166,23 @@ def input_covariances(model, params, batches) -> dict:
                     walk(sub, path + (k,))
                     continue
                 x = sub[0].astype(jnp.float32)
-                if seg is not None and seg.shape == x.shape[:2]:
-                    x = x * (seg > 0)[..., None]
-                x = x.reshape(-1, x.shape[-1])
+                real = (jnp.ones(x.shape[:2]) if seg is None or seg.shape != x.shape[:2]
+                        else (seg > 0).astype(jnp.float32))
+                x = (x * real[..., None]).reshape(-1, x.shape[-1])
                 out[path[:-1] + ("attention",)] = x.T @ x
+                nonlocal count
+                count = jnp.sum(real)
         walk(state["intermediates"], ())
-        return out
+        return out, count
     one = jax.jit(one)
     total: dict = {}
+    n = 0.0
     for batch in batches:
-        for k, v in one(params, batch).items():
+        sums, count = one(params, batch)
+        n += float(count)
+        for k, v in sums.items():
             total[k] = total[k] + v if k in total else v
-    return total
+    return {k: v / max(n, 1.0) for k, v in total.items()}
 
 
 def _cov_at(covs, path: tuple):
