@@ -1106,21 +1106,21 @@ def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_a
 
 
 def test_calibrated_fit_is_the_best_rank_r_fit_of_the_outputs_on_its_inputs():
-    """`gqa.fit_factors` with the inputs' covariance X^T X: X W V is the best rank-r
+    """`lowrank.fit_factors` with the inputs' covariance X^T X: X W V is the best rank-r
     approximation of X M (its error is X M's tail singular values), never worse on X than
     the weights' own SVD; at full rank W V = M."""
-    from hpnlp.compress import gqa
+    from hpnlp.compress import lowrank
     x = jnp.asarray(RNG.standard_normal((200, 16)) * np.linspace(0.1, 3.0, 16), jnp.float32)
     m = jnp.asarray(RNG.standard_normal((16, 24)), jnp.float32)
     cov = x.T @ x
     sv = np.linalg.svd(np.asarray(x @ m), compute_uv=False)
     for r in (3, 8):
-        w, v = gqa.fit_factors(m, r, cov)
+        w, v = lowrank.fit_factors(m, r, cov)
         err = float(jnp.sum(jnp.square(x @ (m - w @ v))))
         np.testing.assert_allclose(err, np.sum(sv[r:] ** 2), rtol=1e-3)
-        w0, v0 = gqa.fit_factors(m, r)
+        w0, v0 = lowrank.fit_factors(m, r)
         assert err <= float(jnp.sum(jnp.square(x @ (m - w0 @ v0))))
-    w, v = gqa.fit_factors(m, 16, cov)
+    w, v = lowrank.fit_factors(m, 16, cov)
     np.testing.assert_allclose(w @ v, m, atol=1e-4)
 
 
@@ -1145,11 +1145,11 @@ def test_calibrated_conversions_reach_the_trainer_and_stay_exact_at_full_rank(tm
         tr = Trainer(from_configdict(cd), str(tmp_path / f"calib{C}"))
         state, _ = tr.initial_state()
         batches = tr._first_train_batches(2)
-        covs = gqa.input_covariances(tr._source_eval, src, batches)
+        covs = gqa.input_covariances(tr.source_eval_model(), src, batches)
         assert set(covs) == {("trunk", "block_0", "attention")}
         # a mean over the tokens: the factors' scale does not grow with the batches read
         # (a sum made W sqrt(n) times smaller, and the first optimizer steps threw it off)
-        twice = gqa.input_covariances(tr._source_eval, src, batches + batches)
+        twice = gqa.input_covariances(tr.source_eval_model(), src, batches + batches)
         np.testing.assert_allclose(twice[("trunk", "block_0", "attention")],
                                    covs[("trunk", "block_0", "attention")], rtol=1e-5)
         want = mla.latent_from_heads(src, 4, C, covs)["trunk"]["block_0"]["attention"]

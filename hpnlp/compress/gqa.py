@@ -98,17 +98,24 @@ def pool_kv_heads(params, num_heads: int, kv_heads: int):
         *lead, S, D = w_E2SD.shape
         return jnp.mean(w_E2SD.reshape(*lead, kv_heads, S // kv_heads, D), axis=-2)
 
-    def walk(tree):
+    def convert(tree, path):
+        q, kv = query_and_kv(tree)
+        rest = {k: v for k, v in tree.items() if k not in ("qkv", "q", "kv")}
+        return {**rest, "q": q, "kv": pool(kv)}
+    return map_attentions(params, num_heads, convert)
+
+
+def map_attentions(params, num_heads: int, convert):
+    """`params` with every attention's parameters (a dict holding multi-head `qkv` of
+    `num_heads` heads, or grouped `q` and `kv`) replaced by `convert(tree, path)`, path the
+    tuple of names leading to it; everything else as it is."""
+    def walk(tree, path):
         if not isinstance(tree, dict):
             return tree
-        if "qkv" in tree and tree["qkv"].shape[-2] == num_heads:
-            w = tree["qkv"]
-            rest = {k: v for k, v in tree.items() if k != "qkv"}
-            return {**rest, "q": w[..., 0, :, :], "kv": pool(w[..., 1:, :, :])}
-        if "q" in tree and "kv" in tree:
-            return {**tree, "kv": pool(tree["kv"])}
-        return {k: walk(v) for k, v in tree.items()}
-    return walk(params)
+        if "qkv" in tree and tree["qkv"].shape[-2] == num_heads or "q" in tree and "kv" in tree:
+            return convert(tree, path)
+        return {k: walk(v, path + (k,)) for k, v in tree.items()}
+    return walk(params, ())
 
 
 def query_and_kv(tree: dict):
@@ -118,30 +125,6 @@ def query_and_kv(tree: dict):
         w = tree["qkv"]
         return w[..., 0, :, :], w[..., 1:, :, :]
     return tree["q"], tree["kv"]
-
-
-def fit_factors(m_EN, rank: int, cov_EE=None):
-    """(W [..., E, r], V [..., r, N]) with W V the best rank-r approximation of M [..., E, N]:
-    in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T, as `lowrank.svd_factors`), or of
-    its outputs X M on inputs X with X^T X = `cov_EE` (whitened: with cov = L L^T,
-    ||X (M - W V)|| = ||L^T (M - W V)||, so the SVD of L^T M gives W = L^-T U sqrt(S);
-    SVD-LLM, Wang et al. 2024). In float32; the covariance is regularized by 1e-6 of its
-    mean diagonal, so directions no input took still have a finite (small) weight."""
-    m = m_EN.astype(jnp.float32)
-    if cov_EE is None:
-        u, sv, vt = jnp.linalg.svd(m, full_matrices=False)
-        root = jnp.sqrt(sv[..., :rank])
-        return u[..., :rank] * root[..., None, :], root[..., :, None] * vt[..., :rank, :]
-    E = cov_EE.shape[-1]
-    cov = cov_EE.astype(jnp.float32)
-    cov = cov + 1e-6 * jnp.trace(cov) / E * jnp.eye(E, dtype=jnp.float32)
-    chol = jnp.linalg.cholesky(cov)  # lower: cov = L L^T
-    u, sv, vt = jnp.linalg.svd(chol.T @ m, full_matrices=False)
-    root = jnp.sqrt(sv[..., :rank])
-    from jax.scipy.linalg import solve_triangular
-    w = solve_triangular(jnp.broadcast_to(chol.T, (*m.shape[:-2], E, E)),
-                         u[..., :rank] * root[..., None, :], lower=False)
-    return w, root[..., :, None] * vt[..., :rank, :]
 
 
 def input_covariances(model, params, batches) -> dict:
@@ -157,8 +140,7 @@ def input_covariances(model, params, batches) -> dict:
                                capture_intermediates=lambda mdl, name: (
                                    name == "__call__" and mdl.name == "norm1"))
         seg = batch.get("segment_ids")
-        out = {}
-        count = jnp.float32(0.0)
+        out = {}  # path: (X^T X, tokens)
 
         def walk(tree, path):
             for k, sub in tree.items():
@@ -169,20 +151,15 @@ def input_covariances(model, params, batches) -> dict:
                 real = (jnp.ones(x.shape[:2]) if seg is None or seg.shape != x.shape[:2]
                         else (seg > 0).astype(jnp.float32))
                 x = (x * real[..., None]).reshape(-1, x.shape[-1])
-                out[path[:-1] + ("attention",)] = x.T @ x
-                nonlocal count
-                count = jnp.sum(real)
+                out[path[:-1] + ("attention",)] = (x.T @ x, jnp.sum(real))
         walk(state["intermediates"], ())
-        return out, count
+        return out
     one = jax.jit(one)
     total: dict = {}
-    n = 0.0
     for batch in batches:
-        sums, count = one(params, batch)
-        n += float(count)
-        for k, v in sums.items():
-            total[k] = total[k] + v if k in total else v
-    return {k: v / max(n, 1.0) for k, v in total.items()}
+        for k, v in one(params, batch).items():
+            total[k] = jax.tree.map(jnp.add, total[k], v) if k in total else v
+    return {k: xx / jnp.maximum(n, 1.0) for k, (xx, n) in total.items()}
 
 
 def _cov_at(covs, path: tuple):
@@ -200,9 +177,10 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int, covs=None):
     """`params` with every attention's S key/value heads made `kv_heads` (G) by truncated
     SVD (`train.init_kv_heads='svd'`): for each new group and each of keys and values, the
     weights of its S / G source heads side by side, [E, (S / G) D], factorized at rank D as
-    W_g [E, D] times [A_1 ... A_{S/G}] (each D x D; U sqrt(S) and sqrt(S) V^T, as
-    `lowrank.svd_factors`), so source head j's keys are about x W_g A_j, the best rank-D
-    fit (Eckart-Young; exact where the group's weights have rank D). The A_j of keys are
+    W_g [E, D] times [A_1 ... A_{S/G}] (each D x D; U sqrt(S) and sqrt(S) V^T, by
+    `lowrank.fit_factors`, whitened by `covs`), so source head j's keys are about
+    x W_g A_j, the best rank-D fit (Eckart-Young; exact where the group's weights have
+    rank D). The A_j of keys are
     folded into the queries (q_h . k_j = (q_h A_j^T) . k_g: W_q[h] A_j^T), those of values
     into the output projection (o_h W_out[h] = (o'_h A_j) W_out[h]: A_j W_out[h]), for each
     query head h that read source head j. `qkv` [..., E, 3, H, D] or a grouped `q`, `kv`
@@ -210,12 +188,14 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int, covs=None):
     too. (`...`: the stacked layers' leading axes.)"""
     import numpy as np
 
-    def convert(tree, cov):
+    from hpnlp.compress.lowrank import fit_factors
+
+    def convert(tree, path):
         q, kv = query_and_kv(tree)
         *lead, E, _, S, D = kv.shape
         n, H = S // kv_heads, num_heads
         m = jnp.moveaxis(kv.reshape(*lead, E, 2, kv_heads, n * D), -4, -2)  # [..., 2, G, E, nD]
-        w_g, a = fit_factors(m, D, cov)
+        w_g, a = fit_factors(m, D, _cov_at(covs, path))
         w_g = jnp.moveaxis(w_g, -2, -4)  # [..., E, 2, G, D]
         a = a.reshape(*lead, 2, kv_heads, D, n, D)
         a = jnp.swapaxes(a, -3, -2).reshape(*lead, 2, S, D, D)  # [..., 2, source head, D, D]
@@ -228,14 +208,7 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int, covs=None):
                 "kv": w_g.astype(dt),
                 "out": jnp.einsum("...hdf,...hfe->...hde", av,
                                   tree["out"].astype(jnp.float32)).astype(tree["out"].dtype)}
-
-    def walk(tree, path):
-        if not isinstance(tree, dict):
-            return tree
-        if "qkv" in tree and tree["qkv"].shape[-2] == num_heads or "q" in tree and "kv" in tree:
-            return convert(tree, _cov_at(covs, path))
-        return {k: walk(v, path + (k,)) for k, v in tree.items()}
-    return walk(params, ())
+    return map_attentions(params, num_heads, convert)
 
 
 def conversion(cfg: Config, src: ModelConfig, workdir: str):

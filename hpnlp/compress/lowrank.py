@@ -59,11 +59,35 @@ def svd_factors(w, k_dims: int, rank: int) -> Factored:
                          f"{w_KN.shape[1]}] (its first {k_dims} axes contracted), of rank at most "
                          f"{most}; choose a rank in [1, {most}]")
     rank = int(rank)
-    u, s, vt = jnp.linalg.svd(w_KN, full_matrices=False)
-    root = jnp.sqrt(s[:rank])
-    U = (u[:, :rank] * root[None, :]).reshape(tuple(w.shape[:k_dims]) + (rank,))
-    V = (root[:, None] * vt[:rank]).reshape((rank,) + tuple(w.shape[k_dims:]))
+    U, V = fit_factors(w_KN, rank)
+    U = U.reshape(tuple(w.shape[:k_dims]) + (rank,))
+    V = V.reshape((rank,) + tuple(w.shape[k_dims:]))
     return Factored(u=U.astype(w.dtype), v=V.astype(w.dtype))
+
+
+def fit_factors(m_EN, rank: int, cov_EE=None):
+    """(W [..., E, r], V [..., r, N]) with W V the best rank-r approximation of M [..., E, N]
+    (leading axes batched): in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T), or of its
+    outputs X M on inputs X with X^T X = `cov_EE` up to scale (whitened: with cov = L L^T,
+    ||X (M - W V)|| = ||L^T (M - W V)||, so the SVD of L^T M gives W = L^-T U sqrt(S);
+    SVD-LLM, Wang et al. 2024; the key/value conversions' calibration, hpnlp.compress.gqa).
+    In float32; the covariance is regularized by 1e-6 of its mean diagonal, so directions
+    no input took still have a finite (small) weight."""
+    m = m_EN.astype(jnp.float32)
+    if cov_EE is None:
+        u, sv, vt = jnp.linalg.svd(m, full_matrices=False)
+        root = jnp.sqrt(sv[..., :rank])
+        return u[..., :rank] * root[..., None, :], root[..., :, None] * vt[..., :rank, :]
+    from jax.scipy.linalg import solve_triangular
+    E = cov_EE.shape[-1]
+    cov = cov_EE.astype(jnp.float32)
+    cov = cov + 1e-6 * jnp.trace(cov) / E * jnp.eye(E, dtype=jnp.float32)
+    chol = jnp.linalg.cholesky(cov)  # lower: cov = L L^T
+    u, sv, vt = jnp.linalg.svd(chol.T @ m, full_matrices=False)
+    root = jnp.sqrt(sv[..., :rank])
+    w = solve_triangular(jnp.broadcast_to(chol.T, (*m.shape[:-2], E, E)),
+                         u[..., :rank] * root[..., None, :], lower=False)
+    return w, root[..., :, None] * vt[..., :rank, :]
 
 
 def kept_energy(w, k_dims: int, rank: int) -> float:

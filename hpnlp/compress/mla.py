@@ -10,7 +10,7 @@ A latent run (`model.kv_latent_dim` C, `model.kv_latent_norm` off) that starts f
 of multi-head or grouped key/value heads (`train.init_from`) takes its weights as they are,
 except each block's key and value projections. Head h's key and value weights, side by side,
 are the matrix M = [W_k | W_v] [E, 2 H D] (a grouped run's heads repeated to their query
-heads); its truncated SVD M ~ U_C S_C V_C^T, split as lowrank's (`svd_factors`), becomes
+heads); its truncated SVD M ~ U_C S_C V_C^T, split by `lowrank.fit_factors`, becomes
 `kv_down` = U_C sqrt(S_C) [E, C] and [`k_up` | `v_up`] = sqrt(S_C) V_C^T: the latent keeps
 the directions of the input that the keys and values together read most, the best rank-C
 keys and values in Frobenius norm (Eckart-Young). At C = rank(M) the new model computes
@@ -87,24 +87,17 @@ def latent_from_heads(params, num_heads: int, latent: int, covs=None):
     `latent` dims: `qkv` [..., E, 3, H, D] (or grouped `q`, `kv`) becomes `q` [..., E, H, D],
     `kv_down` [..., E, C], `k_up` and `v_up` [..., C, H, D] (`...`: the stacked layers'
     leading axes, each layer its own SVD). Everything else is returned as it is."""
-    from hpnlp.compress.gqa import _cov_at, fit_factors
+    from hpnlp.compress.gqa import _cov_at, map_attentions
+    from hpnlp.compress.lowrank import fit_factors
 
-    def convert(tree, cov):
+    def convert(tree, path):
         q, m = _key_value_matrix(tree, num_heads)
         *lead, E, HD2 = m.shape
         H, D = q.shape[-2], q.shape[-1]
-        down, up = fit_factors(m, latent, cov)
+        down, up = fit_factors(m, latent, _cov_at(covs, path))
         down = down.astype(m.dtype)
         up = up.reshape(*lead, latent, 2, H, D).astype(m.dtype)
         rest = {k: v for k, v in tree.items() if k not in ("qkv", "q", "kv")}
         return {**rest, "q": q, "kv_down": down, "k_up": up[..., 0, :, :],
                 "v_up": up[..., 1, :, :]}
-
-    def walk(tree, path):
-        if not isinstance(tree, dict):
-            return tree
-        if ("qkv" in tree and tree["qkv"].shape[-2] == num_heads) or ("q" in tree
-                                                                       and "kv" in tree):
-            return convert(tree, _cov_at(covs, path))
-        return {k: walk(v, path + (k,)) for k, v in tree.items()}
-    return walk(params, ())
+    return map_attentions(params, num_heads, convert)

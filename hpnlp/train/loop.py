@@ -136,12 +136,9 @@ class Trainer:
             from hpnlp.compress import gqa
             source = load_run_config(cfg.train.init_from)
             found = gqa.conversion(cfg, source.model, cfg.train.init_from)
-            if found:
-                src_cfg, self._convert = found
-                # the source as it evaluates: its attention inputs weight the fits
-                self._source_eval = models.build(src_cfg, deterministic=True,
-                                                 token_counts=counts)
-            src = models.build(src_cfg, deterministic=False,
+            if found:  # the shapes the source is restored in, and the conversion
+                self._source_cfg, self._convert = found
+            src = models.build(self._source_cfg, deterministic=False,
                                token_counts=counts) if found else model
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(src.init({"params": key, "dropout": key}, batch1)["params"]),
@@ -229,6 +226,13 @@ class Trainer:
                 state = state.replace(params=jax.device_put(params, sharding.params))
             return state.replace(carry=jax.device_put(carry, sharding.carry))
 
+    def source_eval_model(self):
+        """The `train.init_from` run's model as it evaluates (dropout off), in the shapes it
+        is restored in before a key/value conversion: its attention inputs weight the
+        calibrated fits (`train.init_kv_calibration`)."""
+        return models.build(self._source_cfg, deterministic=True,
+                            token_counts=self.task.token_counts)
+
     def _first_train_batches(self, n: int) -> list[dict]:
         """The run's first `n` training batches as global arrays sharded like the train
         step's, from an iterator of their own (the run's own iterator and so its data order
@@ -250,7 +254,7 @@ class Trainer:
             if self.cfg.train.init_kv_calibration:  # the fits weighted by the inputs
                 from hpnlp.compress import gqa
                 covs = gqa.input_covariances(
-                    self._source_eval, source,
+                    self.source_eval_model(), source,
                     self._first_train_batches(self.cfg.train.init_kv_calibration))
             converted = jax.jit(self._convert)(source, covs)
             return jax.device_put(converted, jax.tree.map(lambda a: a.sharding, like))
