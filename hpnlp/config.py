@@ -898,8 +898,22 @@ def _check_lowrank(cfg: Config) -> None:
         _fail("model.embed_grad_scale", m.embed_grad_scale, "scales each looked-up row's "
               "gradient, and a factorized embedding has no rows of its own; set it to 'none' "
               "or drop 'embed' from model.lowrank.layers")
-    for field, value, on in (("quant.weights", m.quant.weights, m.quant.enabled),
-                             ("train.prune.method", cfg.train.prune.method,
+    q = m.quant
+    if q.applies("output") and lr.applies("output"):
+        _fail("quant.layers", q.layers, "names the output layer, whose table model.lowrank "
+              "factorizes, and a factorized output table is not quantized yet; leave 'output' "
+              "out of quant.layers (the table stays float) or out of model.lowrank.layers")
+    if q.group_size and any(q.applies(k) and lr.applies(k) for k in ("qkv", "out", "mlp", "head")):
+        ranks = sorted({lr.rank} if lr.rank else set(lr.ranks.values()))
+        if not ranks:  # model.lowrank.energy, resolved when the run is built
+            _fail("quant.group_size", q.group_size, "int4 groups split the rank of each "
+                  "factorized product, and model.lowrank.energy chooses the ranks later; use "
+                  "model.lowrank.rank, or quant.group_size=0")
+        if any(r % q.group_size for r in ranks):
+            _fail("quant.group_size", q.group_size, f"must divide the rank of every factorized "
+                  f"product (ranks {ranks}: x U [*, r] is the second product's input); choose "
+                  "a divisor of them, or quant.group_size=0")
+    for field, value, on in (("train.prune.method", cfg.train.prune.method,
                               cfg.train.prune.method != "none"),
                              ("model.stack_layers", True, m.stack_layers),
                              ("model.reversible", True, m.reversible)):

@@ -189,9 +189,12 @@ def test_unknown_quant_field_and_config_round_trip():
         from_configdict({"quant": {"bits": 4}})
 
 
-def _train(workdir, arch="transformer", steps=12, **quant):
+def _train(workdir, arch="transformer", steps=12, lowrank=None, init_from="", **quant):
     from hpnlp.train import run
     cd = default_configdict()
+    if lowrank:  # model.lowrank's fields; train.init_from the run it factorizes
+        cd.model.lowrank.update(lowrank)
+        cd.train.init_from = init_from
     cd.data.task, cd.data.seq_len, cd.data.batching = "byte_lm", 32, "pack"
     cd.model.update(kind="lm", arch=arch, width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32,
                     dropout=0.0)
@@ -536,3 +539,131 @@ def test_training_with_static_activation_ranges_is_refused_before_building(tmp_p
     with pytest.raises(ConfigError, match=r"`quant.act_scale` .* python -m hpnlp.compress quantize"):
         Trainer(from_configdict(cd), str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")
+
+
+# ---------------------------------------------------------------- a factorized model, quantized
+
+
+def _factored_layer(q, activation=None):
+    """A factorized product: the attention output's spec (two contraction axes) or, with
+    `activation`, a Dense layer (bias and the epilogue after the second factor)."""
+    import flax.linen as nn
+
+    from hpnlp.compress import qlinear
+
+    class Out(nn.Module):
+        @nn.compact
+        def __call__(self, x, w):
+            return qlinear.qeinsum(self, "w", "blhd,hdn->bln", x, w, q, kind="out",
+                                   dtype=jnp.float32)
+    if activation is None:
+        return Out()
+    return qlinear.Dense(24, quant=q, epilogue=qlinear.Epilogue(activation))
+
+
+def test_quantized_factorized_product_is_two_quantized_products():
+    """Under quantization a factorized weight U V is two products, each quantized as any
+    product is: x and x U per token, U per rank column, V per output. Values and gradients
+    (STE) equal that definition written out; the export packs both factors, and the packed
+    factors decoded in XLA compute what the fake-quantized ones did."""
+    from hpnlp.compress import kernels, lowrank, qlinear
+    from hpnlp.compress.qlinear import Factored
+    q = QuantConfig(weights="int8", activations="int8")
+    x = jnp.asarray(RNG.standard_normal((2, 5, 3, 8)), jnp.float32)
+    w = lowrank.svd_factors(jnp.asarray(RNG.standard_normal((3, 8, 24)), jnp.float32), 2, 6)
+    layer = _factored_layer(q)
+
+    def definition(x, u, v):
+        fq = formats.fake_quant
+        t = fq(x.reshape(10, 24), "int8", (-1,)) @ fq(u.reshape(24, 6), "int8", (0,))
+        return (fq(t, "int8", (-1,)) @ fq(v, "int8", (0,))).reshape(2, 5, 24)
+
+    def loss(fn):
+        return lambda x, u, v: jnp.sum(jnp.sin(fn(x, u, v)))
+    ours = lambda x, u, v: layer.apply({}, x, Factored(u, v))  # noqa: E731
+    (got, g_got), (want, g_want) = (jax.value_and_grad(loss(f), (0, 1, 2))(x, w.u, w.v)
+                                    for f in (ours, definition))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    for a, b in zip(g_got, g_want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # not the float product: both factors and both inputs were quantized
+    assert not np.allclose(np.asarray(ours(x, w.u, w.v)),
+                           np.asarray(_factored_layer(QuantConfig()).apply({}, x, w)), atol=1e-4)
+    # export: a Factored of two packed weights at the weight's path, decoding to the same
+    y, got = layer.apply({}, x, w, mutable=["qexport"])
+    packed = got["qexport"]["w"]
+    assert isinstance(packed, Factored) and isinstance(packed.u, QWeight)
+    assert packed.u.shape == (3, 8, 6) and packed.u.k_dims == 2 and packed.v.shape == (6, 24)
+    np.testing.assert_allclose(np.asarray(layer.apply({}, x, packed)), np.asarray(y), rtol=1e-6,
+                               atol=1e-6)
+    # calibration records both inputs' ranges, x's and x U's
+    _, cal = layer.apply({}, x, w, mutable=["calib"])
+    assert set(cal["calib"]) == {"w", "w" + qlinear.RANK_INPUT}
+    if not kernels.available():
+        return
+    # served: each factor on the int8 kernel, against the same packed factors decoded in XLA;
+    # a Dense layer's bias and GELU go to the second kernel's epilogue
+    for act in (None, "gelu"):
+        layer = _factored_layer(q, act)
+        if act is None:
+            xs, base, name = x, w, "w"
+            apply = lambda ww, **kw: layer.apply({}, xs, ww, **kw)  # noqa: E731
+        else:
+            xs, name, bias = x.reshape(2, 5, 24), "kernel", jnp.linspace(-1.0, 1.0, 24)
+            base = lowrank.svd_factors(jnp.asarray(RNG.standard_normal((24, 24)), jnp.float32)
+                                       / 5, 1, 6)
+            apply = lambda ww, **kw: layer.apply(  # noqa: E731
+                {"params": {"kernel": ww, "bias": bias}}, xs, **kw)
+        packed_w = apply(base, mutable=["qexport"])[1]["qexport"][name]
+        want, got = apply(packed_w, mutable=["qserve"])
+        served = got["qserve"][name]
+        assert isinstance(served.u, qlinear.Served) and isinstance(served.v, qlinear.Served)
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(apply(served)), want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
+
+
+
+def test_a_factorized_run_trains_quantized_and_exports_packed_factors(trained, tmp_path):
+    """model.lowrank with quant.*: QAT fine-tunes the factors of a trained run; its export
+    packs both factors of each weight (U and V int8), reloads to the outputs it was
+    evaluated with, and evaluates as the QAT run did; a static export calibrates both
+    inputs of each factorized product."""
+    from hpnlp.compress.qlinear import RANK_INPUT, Factored
+    qat = str(tmp_path / "qat")
+    summary = _train(qat, steps=3, lowrank=dict(rank=8), init_from=trained, weights="int8",
+                     activations="int8", layers="qkv,out,mlp")
+    s = ptq.quantize(qat, str(tmp_path / "packed"), eval_batches=2, repeats=1)
+    assert s["reload_identical"]
+    assert s["eval"]["quantized"]["loss"] == pytest.approx(summary["eval"]["loss"], rel=1e-3)
+    cfg, params, _ = ptq.load(str(tmp_path / "packed"))
+    assert cfg.model.lowrank.rank == 8
+    k = params["trunk"]["block_0"]["attention"]["qkv"]
+    assert isinstance(k, Factored) and k.u.fmt == "int8" and k.u.codes.shape == (32, 8)
+    assert k.v.shape == (8, 3, 2, 16)
+    from hpnlp.compress import kernels
+    if kernels.available():  # 4 factorized products, two kernels each
+        assert s["forward"]["kernel_products"] == 8
+    # a static w8a8 export of the same run: each factorized product's two inputs calibrated
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static", layers="qkv,out,mlp")
+    s = ptq.quantize(qat, str(tmp_path / "static"), q, calib_batches=1, eval_batches=1, repeats=1)
+    ranges = ptq.load(str(tmp_path / "static"))[2]["trunk"]["block_0"]["mlp_in"]
+    assert s["reload_identical"] and set(ranges) == {"kernel", "kernel" + RANK_INPUT}
+    # cast to bfloat16: the factors stored as they are, in bfloat16
+    s = ptq.quantize(qat, str(tmp_path / "bf16"), float_dtype="bfloat16", eval_batches=1,
+                     repeats=1)
+    k = ptq.load(str(tmp_path / "bf16"))[1]["trunk"]["block_0"]["mlp_out"]["kernel"]
+    assert s["reload_identical"] and k.u.dtype == jnp.bfloat16 and k.v.shape == (8, 32)
+    # what the two cannot do together, named before anything is built
+    base = dict(rank=8)
+    for fields, quant, match in (
+            (dict(base, layers="all"), {}, r"quant\.layers.*factorized output table"),
+            (base, dict(weights="int4", group_size=16), r"quant\.group_size.*ranks \[8\]"),
+            (dict(energy=0.9), dict(weights="int4", group_size=8),
+             r"quant\.group_size.*model\.lowrank\.energy chooses")):
+        cd = default_configdict()
+        cd.data.task, cd.train.init_from = "byte_lm", trained
+        cd.model.lowrank.update(fields)
+        cd.quant.update(dict(dict(weights="int8"), **quant))
+        with pytest.raises(ConfigError, match=match):
+            validate(from_configdict(cd))

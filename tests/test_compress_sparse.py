@@ -566,14 +566,6 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     val.data.eval_split, val.train.init_from = "validation", str(lm)
     with pytest.raises(ConfigError, match=r"train\.init_from.*data\.eval_split='validation'"):
         Trainer(from_configdict(val), str(tmp_path / "ft"))
-    # a factorized run cannot be exported as a quantized (or cast) file yet: one line
-    from hpnlp.compress import ptq
-    fact = tiny("lm")
-    fact.model.lowrank.rank = 4
-    _config_only_workdir(tmp_path / "fact", fact)
-    with pytest.raises(ConfigError, match=r"model\.lowrank\.rank.*quantize the dense run"):
-        ptq.quantize(str(tmp_path / "fact"), str(tmp_path / "q"), float_dtype="bfloat16")
-    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("group,fields,match", [

@@ -41,7 +41,10 @@ In one run on this CPU:
    trained from scratch for the teacher's steps.
 5. Pipeline (`pipeline`, Deep Compression's order): the targets' distilled LM student pruned to 50%
    while fine-tuned, then int8 weights by `python -m hpnlp.compress quantize`: its
-   quantized file on disk against the float32 teacher's parameters.
+   quantized file on disk against the float32 teacher's parameters. Beside it low rank
+   composed with quantization: the `lowrank` part's half-parameter model under w8a8 (each
+   factor of qkv, out and the MLP int8, its input int8 per token: two int8-kernel products
+   per weight; the tied embedding stays float), no further training.
 
 Forward speed (`measure_forward`): every model of the run, compiled and warmed, timed in
 turn over the same rounds at the end, each against its own teacher.
@@ -372,27 +375,41 @@ def closest(values, size, target: float):
     return min(values[max(lo - 1, 0):lo + 1], key=lambda v: abs(size_of(v) - target))
 
 
+def _with_rank(s: dict, r: int):
+    cd = experiment("byte LM", s)
+    cd.model.lowrank.rank = r
+    return cd
+
+
+def half_rank(s: dict) -> int:
+    """The rank whose factorized byte LM has about half the teacher's parameters."""
+    base = experiment("byte LM", s)
+    return closest(range(1, min(base.model.width, base.model.mlp_dim) + 1),
+                   lambda r: param_count(_with_rank(s, r)), param_count(base) / 2)
+
+
+def lowrank_run(s: dict, workdir: str, r: int) -> tuple[dict, str]:
+    """(summary, workdir) of the byte-LM teacher factorized at rank `r` and fine-tuned for
+    the pruning runs' steps."""
+    cd = _with_rank(s, r)
+    cd.train.steps, cd.train.warmup_steps = s["prune_steps"], 1
+    cd.train.lr = cd.train.lr * 0.3
+    cd.train.init_from = _teacher(s, workdir)
+    out = os.path.join(workdir, f"lowrank_{r}")
+    return _train(cd, out), out
+
+
 def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
     base = experiment(model, s)
-    half = param_count(base) / 2
     limit = min(base.model.width, base.model.mlp_dim)
-
-    def with_rank(r):
-        cd = experiment(model, s)
-        cd.model.lowrank.rank = r
-        return cd
-    r_half = closest(range(1, limit + 1), lambda r: param_count(with_rank(r)), half)
+    r_half = half_rank(s)
     rows = []
     ranks = {max(1, r_half // 2), r_half, min(limit, 2 * r_half)} if s["lowrank_sweep"] else {r_half}
     for r in sorted(ranks):
-        cd = with_rank(r)
-        cd.train.steps, cd.train.warmup_steps = s["prune_steps"], 1
-        cd.train.lr = cd.train.lr * 0.3
-        cd.train.init_from = tdir
-        out = os.path.join(workdir, f"lowrank_{r}")
-        row = _row(model, "low-rank SVD + fine-tune", f"rank {r}", _train(cd, out), out, metric)
+        summary, out = lowrank_run(s, workdir, r)
+        row = _row(model, "low-rank SVD + fine-tune", f"rank {r}", summary, out, metric)
         row["rank"], row["half_params"] = r, r == r_half
         rows.append(row)
     # a dense model of about the same size, from scratch for the teacher's steps
@@ -473,8 +490,13 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
     return rows
 
 
+PIPELINE = "distill + prune 50% + int8"  # Deep Compression's row: `pipeline_size_ratio`
+
+
 def pipeline_rows(s: dict, workdir: str) -> list[dict]:
-    """Distilled LM student -> pruned to 50% while fine-tuned -> int8 weights (packed file)."""
+    """Distilled LM student -> pruned to 50% while fine-tuned -> int8 weights (packed file);
+    and the half-parameter low-rank model (the `lowrank` part's run) -> w8a8, its factors'
+    products on the int8 kernels."""
     from hpnlp.compress import ptq
     from hpnlp.config import QuantConfig
 
@@ -486,15 +508,25 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     cd.train.steps, cd.train.warmup_steps, cd.train.lr = s["prune_steps"], 1, cd.train.lr * 0.3
     cd.train.init_from = ddir
     cd.train.prune.update(method="magnitude", sparsity=0.5)
-    pdir, qdir = os.path.join(workdir, "pipeline_pruned"), os.path.join(workdir, "pipeline_int8")
+    pdir = os.path.join(workdir, "pipeline_pruned")
     _train(cd, pdir)
-    summ = ptq.quantize(pdir, qdir, QuantConfig(weights="int8"), repeats=3)
-    return [{"model": model, "method": "distill + prune 50% + int8", "setting": "",
-             "params": summ["size_bytes"]["float32_params"] // 4,
-             "size_bytes": summ["size_bytes"]["quantized_file"], "metric": "loss",
-             "value": summ["eval"]["quantized"]["loss"], "eval": summ["eval"]["quantized"],
-             "workdir": os.path.abspath(pdir), "quantized": os.path.abspath(qdir),
-             "teacher_size_bytes": param_count(experiment(model, s)) * 4}]
+    r = half_rank(s)
+    _, ldir = lowrank_run(s, workdir, r)  # the lowrank part's run, reused when it ran
+    rows = []
+    for method, setting, run_dir, q, name in (
+            (PIPELINE, "", pdir, QuantConfig(weights="int8"), "pipeline_int8"),
+            ("low rank + w8a8", f"rank {r}, int8 weights and activations", ldir,
+             QuantConfig(weights="int8", activations="int8", layers="qkv,out,mlp"),
+             "lowrank_w8a8")):
+        qdir = os.path.join(workdir, name)
+        summ = ptq.quantize(run_dir, qdir, q, repeats=3)
+        rows.append({"model": model, "method": method, "setting": setting,
+                     "params": summ["size_bytes"]["float32_params"] // 4,
+                     "size_bytes": summ["size_bytes"]["quantized_file"], "metric": "loss",
+                     "value": summ["eval"]["quantized"]["loss"], "eval": summ["eval"]["quantized"],
+                     "workdir": os.path.abspath(run_dir), "quantized": os.path.abspath(qdir),
+                     "teacher_size_bytes": param_count(experiment(model, s)) * 4})
+    return rows
 
 
 # ------------------------------------------------------------------------- report
@@ -521,8 +553,8 @@ def _half(rows: list[dict]) -> tuple[float | None, float | None]:
 
 
 def _targets(p: dict) -> dict:
-    pipeline = p.get("pipeline") or []
-    ratio = (pipeline[0]["teacher_size_bytes"] / pipeline[0]["size_bytes"]) if pipeline else None
+    deep = next((r for r in p.get("pipeline") or [] if r["method"] == PIPELINE), None)
+    ratio = deep["teacher_size_bytes"] / deep["size_bytes"] if deep else None
     st_speed, st_loss = _half(p.get("structured") or [])
     lr_speed, lr_loss = _half(p.get("lowrank") or [])
     distill = p.get("distill") or []

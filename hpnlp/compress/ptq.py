@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.compress import qlinear
-from hpnlp.compress.qlinear import QWeight, Served
+from hpnlp.compress.qlinear import Factored, QWeight, Served
 from hpnlp.config import Config, ConfigError, QuantConfig, config_error, from_configdict, to_json, validate
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
 
@@ -110,20 +110,27 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
             a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
         arrays[key] = a
 
+    factored = []  # model.lowrank's weights: their factors at KEY/u and KEY/v
     flat = traverse.flatten_dict(params, is_leaf=lambda _, x: _is_qweight(x))
     for path, leaf in flat.items():
         key = "params/" + "/".join(path)
-        if _is_qweight(leaf):
-            put(key + "/codes", leaf.codes)
-            put(key + "/scale", leaf.scale)
-            layout[key] = {"fmt": leaf.fmt, "shape": list(leaf.shape), "k_dims": leaf.k_dims}
-        else:
-            put(key, leaf)
+        parts = ((key, leaf),)
+        if isinstance(leaf, Factored):
+            factored.append(key)
+            parts = ((key + "/u", leaf.u), (key + "/v", leaf.v))
+        for k, a in parts:
+            if _is_qweight(a):
+                put(k + "/codes", a.codes)
+                put(k + "/scale", a.scale)
+                layout[k] = {"fmt": a.fmt, "shape": list(a.shape), "k_dims": a.k_dims}
+            else:
+                put(k, a)
     for path, leaf in traverse.flatten_dict(quant_vars or {}).items():
         put("quant/" + "/".join(path), leaf)
     path = os.path.join(out, "quantized.npz")
     np.savez_compressed(path, **arrays)
-    manifest = {"config": to_json(cfg), "weights": layout, "dtypes": views, **meta}
+    manifest = {"config": to_json(cfg), "weights": layout, "dtypes": views,
+                **({"factored": factored} if factored else {}), **meta}
     with open(os.path.join(out, "quant.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return os.path.getsize(path)
@@ -167,6 +174,9 @@ def load(out: str, cfg: Config | None = None):
     for key in npz.files:
         if key.startswith("params/") and key.rsplit("/", 1)[0] not in manifest["weights"]:
             flat[tuple(key.split("/")[1:])] = get(key)
+    for key in manifest.get("factored", []):
+        path = tuple(key.split("/")[1:])
+        flat[path] = Factored(u=flat.pop(path + ("u",)), v=flat.pop(path + ("v",)))
     return saved, traverse.unflatten_dict(flat), traverse.unflatten_dict(quant) if quant else {}
 
 
@@ -211,11 +221,6 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a quantized checkpoint does not hold; quantize a run "
                            "without model.memory")
-    if cfg.model.lowrank.enabled():
-        raise config_error("model.lowrank.rank", cfg.model.lowrank.rank or cfg.model.lowrank.energy,
-                           f"the run in {workdir} holds factorized weights, which the quantized "
-                           "file format does not store yet; quantize the dense run it was "
-                           "factorized from")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     kv_cache = cfg.model.quant.kv_cache  # the run's key/value cache stays the quantized model's

@@ -333,9 +333,13 @@ def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, ki
     """`jnp.einsum(spec, x, w)` in `dtype` with `q`'s quantization of `kind` products (module
     doc), then + `bias` (over the last axis) and the `epilogue`'s activation where given."""
     note_product(module, name, kind, parse_spec(spec)[1])
+    if isinstance(w, Factored):  # model.lowrank: two products through the rank
+        return _factored_product(module, name, len(parse_spec(spec)[0]), x, w, q, kind=kind,
+                                 dtype=dtype, preferred_element_type=preferred_element_type,
+                                 bias=bias, epilogue=epilogue)
     if isinstance(w, Served):  # an integer kernel computes the whole product
         return served_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
-    if not q.applies(kind) and not isinstance(w, (QWeight, Factored)):  # a float product
+    if not q.applies(kind) and not isinstance(w, QWeight):  # a float product
         return epilogue.apply(float_product(
             x.astype(dtype), w.astype(dtype), None if bias is None else bias.astype(dtype),
             len(parse_spec(spec)[0]), preferred_element_type))
@@ -391,15 +395,7 @@ float_product.defvjp(_float_product_fwd, _float_product_bwd)
 
 def _product(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, kind: str,
              dtype, preferred_element_type=None):
-    """qeinsum's product for a factorized, quantized or packed weight."""
-    if isinstance(w, Factored):  # two products through the rank: x U, then (x U) V
-        n_contract = len(parse_spec(spec)[0])
-        lead, r = x.shape[:x.ndim - n_contract], w.rank
-        t = float_product(x.reshape(-1, math.prod(x.shape[len(lead):])).astype(dtype),
-                          w.u.reshape(-1, r).astype(dtype), None, 1, preferred_element_type)
-        y = float_product(t.astype(dtype), w.v.reshape(r, -1).astype(dtype), None, 1,
-                          preferred_element_type)
-        return y.reshape(lead + tuple(w.v.shape[1:]))
+    """qeinsum's product for a quantized or packed weight."""
     serve_weight(module, name, w, q)
     x_axes, w_axes = parse_spec(spec)
     if q.applies(kind):
@@ -407,6 +403,51 @@ def _product(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, k
     w = quant_weight(w, len(w_axes), q, module, name)
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
                       preferred_element_type=preferred_element_type)
+
+
+RANK_INPUT = "_rank"  # a factorized product's second input, x U: its name + this
+
+
+def _factored_product(module: nn.Module, name: str, n_contract: int, x, w: Factored,
+                      q: QuantConfig, *, kind: str, dtype, preferred_element_type=None,
+                      bias=None, epilogue: Epilogue = Epilogue()):
+    """qeinsum of a `Factored` weight (model.lowrank): x U, then (x U) V, then + bias and the
+    epilogue. Under `q`'s quantization of `kind` each factor is a product of its own: U and
+    V quantized per output channel like any product weight (U [K, r] per rank column, V [r,
+    N] per output), x and x U quantized as product inputs (per token, or by their own
+    calibrated ranges: `name` and `name + RANK_INPUT`). In export (`qexport`) both factors
+    are packed, a Factored of two QWeights at the weight's path; in `ptq.serve`'s pass each
+    packed factor an integer kernel computes is prepared for it (`prepare`)."""
+    lead = x.shape[:x.ndim - n_contract]
+    quantized = q.applies(kind)
+    if _mutable(module, "qserve") and any(isinstance(f, QWeight) for f in (w.u, w.v)):
+        module.put_variable("qserve", name, Factored(
+            *(prepare(f, q) if isinstance(f, QWeight) else f for f in (w.u, w.v))))
+    t = x.reshape(-1, math.prod(x.shape[len(lead):]))
+    packed = []
+    for factor, k_dims, act_name in ((w.u, n_contract, name), (w.v, 1, name + RANK_INPUT)):
+        last = factor is w.v
+        if isinstance(factor, Served):  # its kernel quantizes t itself, as q says
+            t = served_product(t, factor, 1, dtype, bias if last else None,
+                               epilogue if last else Epilogue())
+            continue
+        if quantized:
+            t = quant_act(module, act_name, t, (-1,), q)
+        if isinstance(factor, QWeight):
+            f_KN = factor.dequantize()
+        elif quantized:
+            if q.weights != "none" and _mutable(module, "qexport"):
+                packed.append(pack_weight(factor, q, k_dims))
+            f_KN = quant_weight(factor, k_dims, q)
+        else:
+            f_KN = factor
+        t = float_product(t.astype(dtype), _weight_KxN(f_KN, k_dims).astype(dtype), None, 1,
+                          preferred_element_type)
+        if last:
+            t = epilogue.apply(t.reshape((-1,) + tuple(w.v.shape[1:])), bias)
+    if len(packed) == 2:
+        module.put_variable("qexport", name, Factored(*packed))
+    return t.reshape(lead + tuple(w.v.shape[1:]))
 
 
 class Dense(nn.Module):
