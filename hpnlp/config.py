@@ -1073,14 +1073,20 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
              "in a custom backward pass that cannot report the router's losses"),
             ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
              "their layers functionally and cannot report the router's losses"),
-            ("quant.weights", m.quant.weights, m.quant.enabled, "expert products are not "
-             "quantizable yet"),
             ("train.prune.method", t.prune.method, t.prune.method != "none", "expert products "
              "are not prunable yet"),
             ("model.lowrank.rank", m.lowrank.rank, m.lowrank.enabled(), "expert products are not "
-             "factorizable yet")):
+             "factorizable yet"),
+            ("quant.act_scale", "static", m.quant.act_scale == "static" and
+             m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their inputs quantized per token "
+             "(dynamic), not by calibrated ranges; use quant.act_scale='dynamic' or leave 'mlp' "
+             "out of quant.layers")):
         if on:
             _fail(field, value, f"cannot be combined with model.moe: {why}")
+    q = m.quant
+    if q.group_size and q.applies("mlp") and c.expert_dim(m) % q.group_size:
+        _fail("quant.group_size", q.group_size, f"must divide the experts' width "
+              f"{c.expert_dim(m)} (int4 groups split their second product's contraction)")
     if m.stack_layers and c.every != 1:
         _fail("model.moe.every", c.every, "stacked layers (model.stack_layers=True) are one "
               "block repeated; use every=1 or model.stack_layers=False")

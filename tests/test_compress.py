@@ -189,9 +189,11 @@ def test_unknown_quant_field_and_config_round_trip():
         from_configdict({"quant": {"bits": 4}})
 
 
-def _train(workdir, arch="transformer", steps=12, lowrank=None, init_from="", **quant):
+def _train(workdir, arch="transformer", steps=12, lowrank=None, init_from="", moe=None, **quant):
     from hpnlp.train import run
     cd = default_configdict()
+    if moe:  # model.moe's fields
+        cd.model.moe.update(moe)
     if lowrank:  # model.lowrank's fields; train.init_from the run it factorizes
         cd.model.lowrank.update(lowrank)
         cd.train.init_from = init_from
@@ -667,3 +669,22 @@ def test_a_factorized_run_trains_quantized_and_exports_packed_factors(trained, t
         cd.quant.update(dict(dict(weights="int8"), **quant))
         with pytest.raises(ConfigError, match=match):
             validate(from_configdict(cd))
+
+
+def test_an_moe_run_quantizes_its_experts(tmp_path):
+    """The experts' weights are packed with the rest (per expert and output channel, as
+    [K, X, N]) and decode in XLA; the packed file reloads to the outputs it was evaluated
+    with; calibrated (static) expert inputs are refused in one line before anything is
+    written."""
+    run = str(tmp_path / "moe")
+    _train(run, steps=3, moe=dict(num_experts=4, router="top_k", top_k=2))
+    s = ptq.quantize(run, str(tmp_path / "w8a8"), QuantConfig(weights="int8", activations="int8"),
+                     eval_batches=1, repeats=1)
+    assert s["reload_identical"] and abs(s["eval"]["loss_rel_increase"]) < 0.02
+    moe = ptq.load(str(tmp_path / "w8a8"))[1]["trunk"]["block_0"]["moe"]
+    assert isinstance(moe["wi"], QWeight) and moe["wi"].shape == (32, 4, 64)
+    assert moe["router"].dtype == np.float32  # routing stays float
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static")
+    with pytest.raises(ConfigError, match=r"quant\.act_scale.*model\.moe: the experts read"):
+        ptq.quantize(run, str(tmp_path / "static"), q)
+    assert not os.path.exists(tmp_path / "static")

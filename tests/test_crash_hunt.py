@@ -112,6 +112,9 @@ def configs(draw) -> dict:
              "kv_latent_dim": draw(st.sampled_from([0, 0, 0, 8])) if arch == "transformer" else 0}
     if model["kv_latent_dim"]:
         model["kv_latent_norm"] = draw(st.booleans())
+    rank = draw(st.sampled_from([0, 0, 0, 4]))  # model.lowrank: factorized products
+    model["lowrank"] = {"rank": rank, "layers": draw(st.sampled_from(["qkv,out,mlp", "mlp,head",
+                                                                      "all"]))} if rank else {}
     if model["reversible"] and model["stack_layers"]:
         model["reversible"] = False
     if model["reversible"]:

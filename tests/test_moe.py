@@ -21,10 +21,12 @@ from hpnlp.train.carry import AUX
 B, L, M, F, X = 2, 8, 8, 16, 4  # rows, length, width, expert width, experts
 
 
-def layer(**moe):
+def layer(quant=None, **moe):
     moe = {"num_experts": X, "capacity_factor": 1.0, "eval_capacity_factor": 1.0,
            "groups": B, **moe}
     m = ModelConfig(width=M, mlp_dim=F, dropout=0.0, moe=MoEConfig(**moe))
+    if quant is not None:
+        m = dataclasses.replace(m, quant=quant)
     return MoE(m, deterministic=False)
 
 
@@ -76,7 +78,7 @@ def loop_choices(p, x, seg, *, k, capacity, groups=B):
     return choice, kept
 
 
-def loop_reference(p, x, choice, kept, *, renormalize):
+def loop_reference(p, x, choice, kept, *, renormalize, expert=expert):
     """Part 2, differentiable in p and x: y_t = sum over kept choices of gate * expert(x_t)."""
     groups, S, k = choice.shape
     xs = x.reshape(groups, S, M)
@@ -377,6 +379,50 @@ def test_balance_loss_reaches_the_gradient(tmp_path):
         grads[w] = jax.jit(jax.grad(objective))(state.params)["trunk"]["block_1"]["moe"]
     assert float(jnp.abs(grads[1.0]["router"] - grads[0.0]["router"]).max()) > 1e-6
     np.testing.assert_allclose(grads[1.0]["wi"], grads[0.0]["wi"], atol=1e-7)
+
+
+@pytest.mark.parametrize("dispatch_kind,factor", [("capacity", 0.75), ("dropless", 1.0)])
+def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor):
+    """Under quant.* covering `mlp`, each expert is its own quantized MLP: its weights per
+    output channel, its inputs (the token, then its hidden row) per token; the router stays
+    float. Outputs and STE gradients equal the per-token loop of that definition; the export
+    packs wi and wo as [K, X, N] weights that decode to the same outputs."""
+    from hpnlp.compress import formats
+    from hpnlp.compress.qlinear import QWeight
+    from hpnlp.config import QuantConfig
+    mod = layer(quant=QuantConfig(weights="int8", activations="int8"), router="top_k", top_k=2,
+                dispatch=dispatch_kind, capacity_factor=factor)
+    x, seg = inputs(lengths=(L, 5))
+    p = init_params(mod, x, seg)
+    fq = formats.fake_quant
+
+    def quantized(p, e, x_M):
+        h = jax.nn.gelu(fq(x_M, "int8", (-1,)) @ fq(p["wi"][e], "int8", (0,)) + p["bi"][e])
+        return fq(h, "int8", (-1,)) @ fq(p["wo"][e], "int8", (0,)) + p["bo"][e]
+    cap = None if dispatch_kind == "dropless" else routing.capacity(L, experts=X, top_k=2,
+                                                                    factor=factor)
+    choice, kept = loop_choices(p, x, seg, k=2, capacity=cap)
+    r = jax.random.normal(jax.random.key(3), x.shape)
+
+    def loss(p, x):
+        return jnp.sum(mod.apply({"params": p}, x, seg, mutable=[AUX])[0] * r)
+
+    def loss_ref(p, x):
+        return jnp.sum(loop_reference(p, x, choice, kept, renormalize=True,
+                                      expert=quantized) * r)
+    (l, g), (l_ref, g_ref) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(p, x)
+                              for f in (loss, loss_ref))
+    np.testing.assert_allclose(float(l), float(l_ref), rtol=1e-5)
+    chex.assert_trees_all_close(g, g_ref, atol=1e-5)
+    float_y, _ = apply(layer(router="top_k", top_k=2, dispatch=dispatch_kind,
+                             capacity_factor=factor), p, x, seg)
+    y, got = mod.apply({"params": p}, x, seg, mutable=[AUX, "qexport"])
+    assert not np.allclose(np.asarray(y), np.asarray(float_y), atol=1e-4)  # it did quantize
+    packed = dict(p, **got["qexport"])
+    assert isinstance(packed["wi"], QWeight) and packed["wi"].shape == (M, X, F)
+    assert packed["wo"].scale.shape == (1, X * M)  # one scale per expert's output channel
+    y_packed = mod.apply({"params": packed}, x, seg, mutable=[AUX])[0]
+    np.testing.assert_allclose(np.asarray(y_packed), np.asarray(y), rtol=1e-6, atol=1e-6)
 
 
 # -- Config errors, one line before anything compiles ------------------------------------

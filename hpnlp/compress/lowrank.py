@@ -28,6 +28,11 @@ logits (h B^T) A^T + b, two products through the rank, where its exact `logits` 
 computed (evaluation, and `full`'s loss below its chunking size; the chunked loss and the
 sampled objectives multiply the factors back into the table). A tied table is one weight,
 the output layer's: `output` factorizes it for both uses. The LSTM's own products stay dense.
+
+Quantized (`quant.*`, QAT or `python -m hpnlp.compress quantize`): each factor is a product
+of its own (`qlinear._factored_product`): U and V quantized per output channel, x and x U
+as product inputs; the packed file holds both factors (`ptq.save`). A factorized output
+table is not quantized (config refuses `output` in both `layers` fields).
 """
 
 from __future__ import annotations

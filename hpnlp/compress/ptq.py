@@ -11,7 +11,8 @@
    each product records its input's range per batch (`calibrate.choose_range`) and the
    batches combine by `calibrate.combine`. Those ranges are the `quant` collection.
 4. Export: one pass with the `qexport` collection mutable makes every product weight's
-   packed `QWeight` (int4 two per byte, binary eight per byte) at its parameter's path.
+   packed `QWeight` (int4 two per byte, binary eight per byte) at its parameter's path (a
+   factorized weight, `model.lowrank`: a `Factored` of two, U's and V's).
 5. The packed model is prepared for the integer kernels where they compute the format
    (`serve`: w8a8 with per-token activations, binary x binary, int4 weight-only; the rest
    decode in XLA), evaluated, saved to `OUT/quantized.npz` + `OUT/quant.json`, reloaded,

@@ -443,8 +443,8 @@ def _factored_product(module: nn.Module, name: str, n_contract: int, x, w: Facto
             f_KN = factor
         t = float_product(t.astype(dtype), _weight_KxN(f_KN, k_dims).astype(dtype), None, 1,
                           preferred_element_type)
-        if last:
-            t = epilogue.apply(t.reshape((-1,) + tuple(w.v.shape[1:])), bias)
+        if last:  # the epilogue on the output's own shape: its bias gradient sums over lead
+            t = epilogue.apply(t.reshape(lead + tuple(w.v.shape[1:])), bias)
     if len(packed) == 2:
         module.put_variable("qexport", name, Factored(*packed))
     return t.reshape(lead + tuple(w.v.shape[1:]))

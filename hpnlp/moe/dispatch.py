@@ -47,8 +47,13 @@ def combine(y_GXCM, slot_GSJ, gate_GSJ):
     return jnp.einsum("gsjm,gsj->gsm", y_GSJM, gate_GSJ.astype(y_GXCM.dtype))
 
 
-def expert_mlp(x_GXCM, wi_XMF, bi_XF, wo_XFM, bo_XM):
-    """Each expert's MLP on its slots: gelu(x wi + bi) wo + bo.
+def _same(x):
+    return x
+
+
+def expert_mlp(x_GXCM, wi_XMF, bi_XF, wo_XFM, bo_XM, *, act=_same):
+    """Each expert's MLP on its slots: act(gelu(x wi + bi)) wo + bo (`act`: how the second
+    product reads its input, quantized or as is).
 
     One plain product per expert, not one batched einsum over the expert axis: XLA:CPU
     runs the batched product's backward pass ~1.4x slower than the same work as X separate
@@ -57,7 +62,7 @@ def expert_mlp(x_GXCM, wi_XMF, bi_XF, wo_XFM, bo_XM):
     G, X, C, M = x_GXCM.shape
 
     def one(e):
-        h = jax.nn.gelu(x_GXCM[:, e].reshape(G * C, M) @ wi_XMF[e] + bi_XF[e][None])
+        h = act(jax.nn.gelu(x_GXCM[:, e].reshape(G * C, M) @ wi_XMF[e] + bi_XF[e][None]))
         return (h @ wo_XFM[e] + bo_XM[e][None]).reshape(G, C, M)
     return jnp.stack([one(e) for e in range(X)], axis=1)
 
@@ -102,15 +107,16 @@ def sort_rows(choices: Choices, valid_T, *, experts: int, block: int = 0) -> Row
     return Rows(token_R[:R], gate_R[:R], jnp.minimum(expert_N, X - 1).astype(jnp.int32))
 
 
-def dropless(x_TM, rows: Rows, wi_XMF, bi_XF, wo_XFM, bo_XM):
-    """Every row's expert MLP, block by block, combined back to [T, M] with the gates."""
+def dropless(x_TM, rows: Rows, wi_XMF, bi_XF, wo_XFM, bo_XM, *, act=_same):
+    """Every row's expert MLP, block by block, combined back to [T, M] with the gates
+    (`act` as in `expert_mlp`)."""
     T, M = x_TM.shape
     N = rows.expert_N.shape[0]
     x_pad = jnp.concatenate([x_TM, jnp.zeros_like(x_TM[:1])], axis=0)
     x_NbM = x_pad[rows.token_R].reshape(N, -1, M)
     e = rows.expert_N
     h = jnp.einsum("nbm,nmf->nbf", x_NbM, wi_XMF[e]) + bi_XF[e][:, None]
-    y_NbM = jnp.einsum("nbf,nfm->nbm", jax.nn.gelu(h), wo_XFM[e]) + bo_XM[e][:, None]
+    y_NbM = jnp.einsum("nbf,nfm->nbm", act(jax.nn.gelu(h)), wo_XFM[e]) + bo_XM[e][:, None]
     w_RM = y_NbM.reshape(-1, M) * rows.gate_R[:, None].astype(y_NbM.dtype)
     return jax.ops.segment_sum(w_RM, rows.token_R, num_segments=T + 1)[:T]
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from hpnlp.compress import qlinear
 from hpnlp.config import ModelConfig, check_moe_fields, config_error
 from hpnlp.models.transformer import _init, dtypes, mlp
 from hpnlp.moe import dispatch, routing
@@ -64,6 +65,30 @@ def _weights(slots: routing.Slots, experts: int):
                       jnp.where(slots.slot_GSJ < X * C, slots.gate_GSJ, 0.0))
 
 
+def expert_weight(module: nn.Module, name: str, w_XKN, q):
+    """An expert weight [X, K, N] as the experts multiply it. Under `quant.*` covering `mlp`
+    (the experts are MLPs) it is quantized as each expert's own product weight: per expert
+    and output channel (int4 groups along K), fake-quantized in training and QAT; in export
+    (`qexport`) packed as [K, X, N], contraction first like every product weight, so one
+    column's scale is one expert's output channel; a packed weight decodes back in XLA."""
+    from hpnlp.compress.qlinear import QWeight, quant_weight
+    if isinstance(w_XKN, QWeight):
+        return jnp.moveaxis(w_XKN.dequantize(), 0, 1)
+    if not q.applies("mlp") or q.weights == "none":
+        return w_XKN
+    return jnp.moveaxis(quant_weight(jnp.moveaxis(w_XKN, 1, 0), 1, q, module, name), 0, 1)
+
+
+def expert_inputs(q):
+    """The experts' product inputs as they read them: rows quantized per token (dynamic)
+    where `quant.activations` covers `mlp`, else unchanged. Applied before dispatch (the
+    tokens) and to each expert's hidden rows; an empty slot's zero row stays zero."""
+    if not q.applies("mlp") or q.activations == "none":
+        return lambda x: x
+    from hpnlp.compress import formats
+    return lambda x: formats.fake_quant(x, q.activations, (-1,))
+
+
 class MoE(nn.Module):
     """Mixture-of-experts MLP (Shazeer et al. 2017; Switch, GShard): parameters grow with
     the experts, the compute per token stays that of `top_k` expert MLPs."""
@@ -86,10 +111,11 @@ class MoE(nn.Module):
         lecun = functools.partial(nn.initializers.lecun_normal, in_axis=1, out_axis=2)
         w_router = self.param("router", _init(nn.initializers.normal(0.02), ("embed", None)),
                               (M, X), jnp.float32)
-        wi = self.param("wi", _init(lecun(), ("expert", "embed", "mlp")), (X, M, F), pdt)
+        wi = qlinear.param(self, "wi", _init(lecun(), ("expert", "embed", "mlp")), (X, M, F), pdt)
         bi = self.param("bi", _init(nn.initializers.zeros, ("expert", "mlp")), (X, F), pdt)
-        wo = self.param("wo", _init(lecun(), ("expert", "mlp", "embed")), (X, F, M), pdt)
+        wo = qlinear.param(self, "wo", _init(lecun(), ("expert", "mlp", "embed")), (X, F, M), pdt)
         bo = self.param("bo", _init(nn.initializers.zeros, ("expert", "embed")), (X, M), pdt)
+        wi, wo = (expert_weight(self, name, w, m.quant) for name, w in (("wi", wi), ("wo", wo)))
         experts = [w.astype(dt) for w in (wi, bi, wo, bo)]
         x_BLM = x_BLM.astype(dt)
 
@@ -132,10 +158,13 @@ class MoE(nn.Module):
             stats["moe_assigned"] = stats["moe_tokens"] * c.top_k
             stats["loss_moe_balance"] = routing.balance_loss(probs_GSX, choices.expert_GSK, valid_GS)
             aux = aux + c.balance_loss * stats["loss_moe_balance"]
+        act = expert_inputs(m.quant)
+        xq_GSM = act(x_GSM)  # the experts' first products read each token quantized
         if c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode):
             rows = dispatch.sort_rows(jax.tree.map(lambda a: a.reshape(G * S, -1), choices),
                                       valid_GS.reshape(-1), experts=X, block=c.block_size)
-            y_GSM = dispatch.dropless(x_GSM.reshape(G * S, M), rows, *experts).reshape(G, S, M)
+            y_GSM = dispatch.dropless(xq_GSM.reshape(G * S, M), rows, *experts,
+                                      act=act).reshape(G, S, M)
             stats["moe_dropped"] = jnp.zeros((), jnp.float32)
             weights = lambda: jnp.einsum(  # noqa: E731
                 "gskx,gsk->gsx", jax.nn.one_hot(choices.expert_GSK, X),
@@ -144,7 +173,7 @@ class MoE(nn.Module):
             if c.router != "expert_choice":
                 slots, kept_GSK = routing.slots_from_choices(choices, valid_GS, experts=X, slots=C)
                 stats["moe_dropped"] = jnp.sum(valid_GS[..., None] & ~kept_GSK, dtype=jnp.float32)
-            y_GSM = self._capacity_experts(x_GSM, slots, experts)
+            y_GSM = self._capacity_experts(xq_GSM, slots, experts, act)
             weights = lambda: _weights(slots, X)  # noqa: E731
         if self.is_mutable_collection(ROUTES):  # asked for (hpnlp.moe.route): what went where
             self.sow(ROUTES, "weights", weights().reshape(B, L, X))
@@ -155,14 +184,15 @@ class MoE(nn.Module):
         self.sow(AUX, "moe", {"loss": aux, **stats})
         return y_BLM
 
-    def _capacity_experts(self, x_GSM, slots: routing.Slots, experts):
+    def _capacity_experts(self, x_GSM, slots: routing.Slots, experts, act):
         """Slot buffers through the experts and back to tokens; over the expert mesh axis
-        (all-to-all in shard_map) when `mesh.expert` > 1."""
+        (all-to-all in shard_map) when `mesh.expert` > 1. `act`: the experts' hidden
+        activations as their second products read them (`expert_inputs`)."""
         def local(x_GSM, token_GXC, slot_GSJ, gate_GSJ, wi, bi, wo, bo, *, ep: int):
             buf_GXCM = dispatch.gather(x_GSM, token_GXC)
             if ep > 1:  # my groups' slots of every expert -> every group's slots of my experts
                 buf_GXCM = jax.lax.all_to_all(buf_GXCM, "expert", 1, 0, tiled=True)
-            out_GXCM = dispatch.expert_mlp(buf_GXCM, wi, bi, wo, bo)
+            out_GXCM = dispatch.expert_mlp(buf_GXCM, wi, bi, wo, bo, act=act)
             if ep > 1:
                 out_GXCM = jax.lax.all_to_all(out_GXCM, "expert", 0, 1, tiled=True)
             return dispatch.combine(out_GXCM, slot_GSJ, gate_GSJ)
