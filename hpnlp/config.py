@@ -865,9 +865,8 @@ def _check_lowrank(cfg: Config) -> None:
     hd = m.num_heads * m.dims_per_head()
     # grouped key/value heads: q [E, H*D] and kv [E, 2*G*D] are two qkv products
     qkv = 3 * hd if m.kv_heads() == m.num_heads else min(hd, 2 * m.kv_heads() * m.dims_per_head())
-    shapes = {"qkv": (m.width, qkv), "out": (hd, m.width),
-              "mlp": (m.width, m.mlp_dim), "head": (m.width, m.num_classes or m.width)}
-    for kind, (k, n) in shapes.items():
+    shapes = {"qkv": (m.width, qkv), "out": (hd, m.width), "mlp": (m.width, m.mlp_dim)}
+    for kind, (k, n) in shapes.items():  # the heads' once the task's classes are known
         if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
                   f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
@@ -1542,12 +1541,21 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     model = dataclasses.replace(
         m, vocab_size=m.vocab_size or info["vocab_size"],
         num_classes=m.num_classes or info.get("num_classes", 0))
-    lr, V = m.lowrank, model.vocab_size
+    lr, V, C = m.lowrank, model.vocab_size, model.num_classes
     for kind in ("embed", "output"):  # the [V, E] tables, now that V is known
         if lr.rank and lr.applies(kind) and V and lr.rank > min(V, m.width):
             _fail("model.lowrank.rank", lr.rank, f"the {kind} table is [{V}, {m.width}], of "
                   f"rank at most {min(V, m.width)}; lower the rank or drop {kind!r} from "
                   "model.lowrank.layers")
+    # the heads' products (`head`), now that the classes are known: a classifier's [E, C]; a
+    # dual encoder's MLP over [u, v, u v, u - v], [4 E, mlp_dim], then [mlp_dim, C]
+    heads = {"classifier": [(m.width, C)],
+             "dual_encoder": [(4 * m.width, m.mlp_dim), (m.mlp_dim, C)]}.get(m.kind, [])
+    for k, n in heads:
+        if lr.rank and lr.applies("head") and C and lr.rank > min(k, n):
+            _fail("model.lowrank.rank", lr.rank, f"the head product is [{k}, {n}] (data.task="
+                  f"{d.task!r} has {C} classes), of rank at most {min(k, n)}; lower the rank or "
+                  "drop 'head' from model.lowrank.layers")
     if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
             and not cfg.output.tie_embeddings:
         _fail("output.tie_embeddings", False, f"output layer {cfg.output.name!r} predicts the "

@@ -895,8 +895,13 @@ def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
             ("classifier", dict(layers="output"), r"model\.lowrank\.layers.*a classifier's is 'head'"),
             ("lm", dict(layers="embed", grad="batch"), r"model\.embed_grad_scale"),
             ("lm", dict(layers="qkv,embed", rank=17), r"model\.lowrank\.rank.*qkv product"),
-            ("lm", dict(layers="embed", rank=17), r"model\.lowrank\.rank.*embed table is \[256, 16\]")):
-        cd = tiny(kind)
+            ("lm", dict(layers="embed", rank=17), r"model\.lowrank\.rank.*embed table is \[256, 16\]"),
+            # found by the crash hunt: a 2-class head built rank 4 factors at init (a ValueError)
+            ("dual_encoder", dict(layers="mlp,head"),
+             r"model\.lowrank\.rank.*head product is \[32, 2\] \(data\.task='doc_match' has 2")):
+        cd = tiny("classifier" if kind == "dual_encoder" else kind)
+        if kind == "dual_encoder":
+            cd.model.kind, cd.data.task = kind, "doc_match"
         cd.model.lowrank.update(rank=fields.get("rank", 4), layers=fields["layers"])
         cd.output.tie_embeddings = fields.get("tie", False)
         cd.output.name = fields.get("output", "full")
