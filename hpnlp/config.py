@@ -1077,9 +1077,9 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
             ("model.lowrank.rank", m.lowrank.rank, m.lowrank.enabled(), "expert products are not "
              "factorizable yet"),
             ("quant.act_scale", "static", m.quant.act_scale == "static" and
-             m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their inputs quantized per token "
-             "(dynamic), not by calibrated ranges; use quant.act_scale='dynamic' or leave 'mlp' "
-             "out of quant.layers")):
+             m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their "
+             "inputs quantized per token (dynamic), not by calibrated ranges; use "
+             "quant.act_scale='dynamic' or leave 'mlp' out of quant.layers")):
         if on:
             _fail(field, value, f"cannot be combined with model.moe: {why}")
     q = m.quant
