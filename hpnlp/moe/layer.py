@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hpnlp.compress import qlinear
+from hpnlp.compress import formats, qlinear
 from hpnlp.config import ModelConfig, check_moe_fields, config_error
 from hpnlp.models.transformer import _init, dtypes, mlp
 from hpnlp.moe import dispatch, routing
@@ -71,12 +71,11 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     and output channel (int4 groups along K), fake-quantized in training and QAT; in export
     (`qexport`) packed as [K, X, N], contraction first like every product weight, so one
     column's scale is one expert's output channel; a packed weight decodes back in XLA."""
-    from hpnlp.compress.qlinear import QWeight, quant_weight
-    if isinstance(w_XKN, QWeight):
+    if isinstance(w_XKN, qlinear.QWeight):
         return jnp.moveaxis(w_XKN.dequantize(), 0, 1)
     if not q.applies("mlp") or q.weights == "none":
         return w_XKN
-    return jnp.moveaxis(quant_weight(jnp.moveaxis(w_XKN, 1, 0), 1, q, module, name), 0, 1)
+    return jnp.moveaxis(qlinear.quant_weight(jnp.moveaxis(w_XKN, 1, 0), 1, q, module, name), 0, 1)
 
 
 def expert_inputs(q):
@@ -85,7 +84,6 @@ def expert_inputs(q):
     tokens) and to each expert's hidden rows; an empty slot's zero row stays zero."""
     if not q.applies("mlp") or q.activations == "none":
         return lambda x: x
-    from hpnlp.compress import formats
     return lambda x: formats.fake_quant(x, q.activations, (-1,))
 
 
