@@ -44,7 +44,7 @@ In one run on this CPU:
    quantized file on disk against the float32 teacher's parameters. Beside it low rank
    composed with quantization: the `lowrank` part's half-parameter model under w8a8 (each
    factor of qkv, out and the MLP int8, its input int8 per token: two int8-kernel products
-   per weight; the tied embedding stays float), no further training.
+   per weight; the tied output table int8 too), no further training.
 
 Forward speed (`measure_forward`): every model of the run, compiled and warmed, timed in
 turn over the same rounds at the end, each against its own teacher.
@@ -516,8 +516,7 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     for method, setting, run_dir, q, name in (
             (PIPELINE, "", pdir, QuantConfig(weights="int8"), "pipeline_int8"),
             ("low rank + w8a8", f"rank {r}, int8 weights and activations", ldir,
-             QuantConfig(weights="int8", activations="int8", layers="qkv,out,mlp"),
-             "lowrank_w8a8")):
+             QuantConfig(weights="int8", activations="int8"), "lowrank_w8a8")):
         qdir = os.path.join(workdir, name)
         summ = ptq.quantize(run_dir, qdir, q, repeats=3)
         rows.append({"model": model, "method": method, "setting": setting,
