@@ -386,9 +386,11 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     """Under quant.* covering `mlp`, each expert is its own quantized MLP: its weights per
     output channel, its inputs (the token, then its hidden row) per token; the router stays
     float. Outputs and STE gradients equal the per-token loop of that definition; the export
-    packs wi and wo as [K, X, N] weights that decode to the same outputs."""
+    packs wi and wo as [K, X, N] weights that decode to the same outputs; served, the
+    capacity slots run each expert on the int8 kernel and compute the same."""
     from hpnlp.compress import formats
-    from hpnlp.compress.qlinear import QWeight
+    from hpnlp.compress import kernels
+    from hpnlp.compress.qlinear import QWeight, Served
     from hpnlp.config import QuantConfig
     mod = layer(quant=QuantConfig(weights="int8", activations="int8"), router="top_k", top_k=2,
                 dispatch=dispatch_kind, capacity_factor=factor)
@@ -423,6 +425,18 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     assert packed["wo"].scale.shape == (1, X * M)  # one scale per expert's output channel
     y_packed = mod.apply({"params": packed}, x, seg, mutable=[AUX])[0]
     np.testing.assert_allclose(np.asarray(y_packed), np.asarray(y), rtol=1e-6, atol=1e-6)
+    if not kernels.available():
+        return
+    # ptq.serve's pass: each expert's weights prepared for the int8 kernel; capacity slots
+    # run on it (the kernel quantizes each row as the definition does), dropless blocks
+    # decode in XLA
+    served = dict(p, **mod.apply({"params": packed}, x, seg, mutable=[AUX, "qserve"])[1]["qserve"])
+    assert isinstance(served["wi"], Served) and served["wi"].shape == (M, X, F)
+    run = jax.jit(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX])[0])
+    np.testing.assert_allclose(np.asarray(run(served)), np.asarray(y_packed), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(y_packed).max()))
+    calls = run.lower(served).as_text().count("hpnlp_int8_linear")
+    assert calls == (0 if dispatch_kind == "dropless" else 2 * X), calls
 
 
 # -- Config errors, one line before anything compiles ------------------------------------

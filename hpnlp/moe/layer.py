@@ -70,12 +70,45 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     (the experts are MLPs) it is quantized as each expert's own product weight: per expert
     and output channel (int4 groups along K), fake-quantized in training and QAT; in export
     (`qexport`) packed as [K, X, N], contraction first like every product weight, so one
-    column's scale is one expert's output channel; a packed weight decodes back in XLA."""
+    column's scale is one expert's output channel; a packed weight decodes back in XLA. In
+    `ptq.serve`'s pass a packed weight that an integer kernel computes is prepared for it,
+    expert by expert (`serve_experts`); such a `Served` weight is returned as it is."""
+    if isinstance(w_XKN, qlinear.Served):
+        return w_XKN
     if isinstance(w_XKN, qlinear.QWeight):
+        if module.is_mutable_collection("qserve") and (served := serve_experts(w_XKN, q)):
+            module.put_variable("qserve", name, served)
         return jnp.moveaxis(w_XKN.dequantize(), 0, 1)
     if not q.applies("mlp") or q.weights == "none":
         return w_XKN
     return jnp.moveaxis(qlinear.quant_weight(jnp.moveaxis(w_XKN, 1, 0), 1, q, module, name), 0, 1)
+
+
+def serve_experts(w: qlinear.QWeight, q) -> qlinear.Served | None:
+    """A packed expert weight [K, X, N] as X prepared kernel weights [K, N], their arrays
+    stacked on a leading expert axis (`Served.w`; `packed` keeps the [K, X, N] QWeight), or
+    None where no integer kernel computes the product as `q` defines it."""
+    K, X, N = w.shape
+    one = lambda e: qlinear.QWeight(  # noqa: E731 (expert e's columns, x N + n)
+        codes=w.codes[:, e * N:(e + 1) * N], scale=w.scale[:, e * N:(e + 1) * N], fmt=w.fmt,
+        shape=(K, N))
+    per = [qlinear.prepare(one(e), q) for e in range(X)]
+    if not isinstance(per[0], qlinear.Served):
+        return None
+    return qlinear.Served(w=jax.tree.map(lambda *a: jnp.stack(a), *(p.w for p in per)),
+                          fmt=w.fmt, shape=w.shape, packed=w)
+
+
+def served_linear(dtype):
+    """`dispatch.linear` for `Served` expert weights: expert e's product by its integer
+    kernel, which quantizes each row itself, per token, as `expert_inputs` does (int8: the
+    bias and GELU in the kernel's pass over its output)."""
+    def linear(x_TK, w: qlinear.Served, b_XN, e: int, activation=None):
+        K, _, N = w.shape
+        w_e = qlinear.Served(w=jax.tree.map(lambda a: a[e], w.w), fmt=w.fmt, shape=(K, N))
+        return qlinear.served_product(x_TK, w_e, 1, dtype, b_XN[e],
+                                      qlinear.Epilogue(activation))
+    return linear
 
 
 def expert_inputs(q):
@@ -114,7 +147,14 @@ class MoE(nn.Module):
         wo = qlinear.param(self, "wo", _init(lecun(), ("expert", "mlp", "embed")), (X, F, M), pdt)
         bo = self.param("bo", _init(nn.initializers.zeros, ("expert", "embed")), (X, M), pdt)
         wi, wo = (expert_weight(self, name, w, m.quant) for name, w in (("wi", wi), ("wo", wo)))
-        experts = [w.astype(dt) for w in (wi, bi, wo, bo)]
+        dropless = c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode)
+        # served experts (ptq.serve) run on their kernels in the capacity path on one device;
+        # dropless blocks gather their experts' weights, so there they decode in XLA
+        served = isinstance(wi, qlinear.Served) and not dropless and _expert_axis()[0] == 1
+        if not served:
+            wi, wo = (jnp.moveaxis(w.dequantize(), 0, 1) if isinstance(w, qlinear.Served)
+                      else w for w in (wi, wo))
+        experts = [w if isinstance(w, qlinear.Served) else w.astype(dt) for w in (wi, bi, wo, bo)]
         x_BLM = x_BLM.astype(dt)
 
         # One group per row block; decoding (one token per row) routes the batch as one.
@@ -156,9 +196,10 @@ class MoE(nn.Module):
             stats["moe_assigned"] = stats["moe_tokens"] * c.top_k
             stats["loss_moe_balance"] = routing.balance_loss(probs_GSX, choices.expert_GSK, valid_GS)
             aux = aux + c.balance_loss * stats["loss_moe_balance"]
-        act = expert_inputs(m.quant)
-        xq_GSM = act(x_GSM)  # the experts' first products read each token quantized
-        if c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode):
+        # the experts' first products read each token quantized (served: their kernels do)
+        act = (lambda x: x) if served else expert_inputs(m.quant)
+        xq_GSM = act(x_GSM)
+        if dropless:
             rows = dispatch.sort_rows(jax.tree.map(lambda a: a.reshape(G * S, -1), choices),
                                       valid_GS.reshape(-1), experts=X, block=c.block_size)
             y_GSM = dispatch.dropless(xq_GSM.reshape(G * S, M), rows, *experts,
@@ -171,7 +212,8 @@ class MoE(nn.Module):
             if c.router != "expert_choice":
                 slots, kept_GSK = routing.slots_from_choices(choices, valid_GS, experts=X, slots=C)
                 stats["moe_dropped"] = jnp.sum(valid_GS[..., None] & ~kept_GSK, dtype=jnp.float32)
-            y_GSM = self._capacity_experts(xq_GSM, slots, experts, act)
+            linear = served_linear(dt) if served else dispatch.linear
+            y_GSM = self._capacity_experts(xq_GSM, slots, experts, act, linear)
             weights = lambda: _weights(slots, X)  # noqa: E731
         if self.is_mutable_collection(ROUTES):  # asked for (hpnlp.moe.route): what went where
             self.sow(ROUTES, "weights", weights().reshape(B, L, X))
@@ -182,15 +224,16 @@ class MoE(nn.Module):
         self.sow(AUX, "moe", {"loss": aux, **stats})
         return y_BLM
 
-    def _capacity_experts(self, x_GSM, slots: routing.Slots, experts, act):
+    def _capacity_experts(self, x_GSM, slots: routing.Slots, experts, act, linear):
         """Slot buffers through the experts and back to tokens; over the expert mesh axis
         (all-to-all in shard_map) when `mesh.expert` > 1. `act`: the experts' hidden
-        activations as their second products read them (`expert_inputs`)."""
+        activations as their second products read them (`expert_inputs`); `linear`: each
+        product (`dispatch.expert_mlp`)."""
         def local(x_GSM, token_GXC, slot_GSJ, gate_GSJ, wi, bi, wo, bo, *, ep: int):
             buf_GXCM = dispatch.gather(x_GSM, token_GXC)
             if ep > 1:  # my groups' slots of every expert -> every group's slots of my experts
                 buf_GXCM = jax.lax.all_to_all(buf_GXCM, "expert", 1, 0, tiled=True)
-            out_GXCM = dispatch.expert_mlp(buf_GXCM, wi, bi, wo, bo, act=act)
+            out_GXCM = dispatch.expert_mlp(buf_GXCM, wi, bi, wo, bo, act=act, linear=linear)
             if ep > 1:
                 out_GXCM = jax.lax.all_to_all(out_GXCM, "expert", 0, 1, tiled=True)
             return dispatch.combine(out_GXCM, slot_GSJ, gate_GSJ)
