@@ -746,7 +746,8 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
         elif key in ("seed", "name"):
             kwargs[key] = value
         else:
-            _fail(key, value, f"unknown group; a config has {sorted(_GROUPS) + ['name', 'seed']}")
+            _fail(key, value, f"unknown group; a config has "
+                              f"{sorted([*_GROUPS, 'quant']) + ['name', 'seed']}")
     for group, cls in _GROUPS.items():
         kwargs.setdefault(group, cls())
     if quant is not None:

@@ -235,6 +235,8 @@ def test_unknown_field_in_configdict():
     cd.train.stepz = 3
     with pytest.raises(ConfigError, match="`train.stepz`.*unknown field"):
         from_configdict(cd)
+    with pytest.raises(ConfigError, match=r"`quantt`.*unknown group; a config has .*'quant'"):
+        from_configdict({"quantt": {"weights": "int8"}})  # the list names every group
 
 
 def test_cli_reports_bad_override_before_compiling(tmp_path):
