@@ -108,14 +108,23 @@ def test_fully_masked_rows_are_zero_not_nan(name):
     chex.assert_tree_all_finite(g)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", sorted(EXACT))
-def test_bfloat16_is_finite_and_close(name):
-    q, k, v = _qkv(dtype=jnp.bfloat16)
-    out = _run(name, q, k, v, _padding([L, 9]), True)
-    assert out.dtype == jnp.bfloat16
+def test_half_precision_is_finite_and_close(name, dtype):
+    """bfloat16 and float16 inputs (model.dtype): finite, close to float32, in their dtype;
+    float16 gradients too (XLA:CPU has no float16 x float16 -> float32 product, which
+    `xla`'s call asks for: it runs on float32 copies there)."""
+    q, k, v = _qkv(dtype=dtype)
+    run = jax.jit(lambda q, k, v: _run(name, q, k, v, _padding([L, 9]), True))  # as trained
+    out = run(q, k, v)
+    assert out.dtype == dtype
     chex.assert_tree_all_finite(out)
     ref = dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), _padding([L, 9]), causal=True)
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2)
+    if dtype == jnp.float16:
+        g = jax.jit(jax.grad(lambda q: jnp.sum(run(q, k, v).astype(jnp.float32))))(q)
+        assert g.dtype == dtype
+        chex.assert_tree_all_finite(g)
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))

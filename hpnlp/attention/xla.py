@@ -26,9 +26,15 @@ class XlaAttention(Attention):
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         check_inputs(q, k, v, mask)
         lengths = None if mask is None else jnp.sum(mask != 0, axis=-1).astype(jnp.int32)
+        dtype = q.dtype
+        if dtype == jnp.float16 and jax.default_backend() == "cpu":
+            # float16 asks XLA for float16 x float16 -> float32 products, which XLA:CPU does
+            # not have (jitted: "precision 'F16_F16_F32' is not supported"); float32 copies
+            # hold every float16 exactly, and the output is cast back
+            q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
         out = jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, query_seq_lengths=lengths,
-            key_value_seq_lengths=lengths, implementation=self.implementation)
+            key_value_seq_lengths=lengths, implementation=self.implementation).astype(dtype)
         if lengths is not None:
             # Padding queries: the reference gives zeros; XLA gives an average. Match it.
             valid = (jnp.arange(q.shape[1])[None, :] < lengths[:, None])[:, :, None, None]
