@@ -7,7 +7,10 @@ takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
 
 - `refused`: `validate` rejected the config with a `ConfigError` (`message`, one line).
 - `ok`: init, `train.steps` steps, eval and checkpoints ran through `hpnlp.train.run`,
-  every logged loss and the eval loss finite; then, for a Transformer LM, decoding
+  every logged loss and the eval loss finite; then, where the config names `ptq` (a format
+  as QuantConfig fields, or "bfloat16"), `hpnlp.compress.ptq.quantize` of the run with a
+  finite quantized eval loss and a packed file that reloads to the same outputs, or a
+  one-line refusal (`ptq_refused`); then, for a Transformer LM, decoding
   (`hpnlp.models.generate`, greedy for even seeds, sampled for odd) from initial parameters.
 - `error`: anything else raised (`message` and the traceback's tail).
 
@@ -37,6 +40,8 @@ def run_one(overrides: dict) -> dict:
     from hpnlp.models import generate
     from hpnlp.train import run
 
+    overrides = dict(overrides)
+    fmt = overrides.pop("ptq", None)
     try:
         cfg = from_configdict(overrides)
         full = validate(cfg, num_processes=1)
@@ -46,11 +51,15 @@ def run_one(overrides: dict) -> dict:
         summary = run(cfg, workdir)
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             losses = [json.loads(line)["loss"] for line in f]
-    bad = [x for x in losses + [summary["eval"]["loss"]] if not math.isfinite(x)]
-    if bad or not losses:
-        return {"status": "error", "message": f"non-finite or missing losses: {losses}, "
-                                              f"eval {summary['eval']['loss']}"}
-    out = {"status": "ok", "loss": losses[-1], "eval_loss": summary["eval"]["loss"]}
+        bad = [x for x in losses + [summary["eval"]["loss"]] if not math.isfinite(x)]
+        if bad or not losses:
+            return {"status": "error", "message": f"non-finite or missing losses: {losses}, "
+                                                  f"eval {summary['eval']['loss']}"}
+        out = {"status": "ok", "loss": losses[-1], "eval_loss": summary["eval"]["loss"]}
+        if fmt is not None:
+            out.update(quantized(workdir, fmt))
+            if out["status"] != "ok":
+                return out
     # Expert-choice routing ranks a whole group's tokens, which one decoded token is not.
     if (full.model.kind == "lm" and full.model.arch == "transformer"
             and not (full.model.moe.enabled() and full.model.moe.router == "expert_choice")):
@@ -72,6 +81,27 @@ def run_one(overrides: dict) -> dict:
                                                   f"[{toks.min()}, {toks.max()}]"}
         out["decoded"] = "greedy" if greedy else "sampled"
     return out
+
+
+def quantized(workdir: str, fmt) -> dict:
+    """`ptq.quantize` of the run in `workdir` to `fmt` (QuantConfig fields or a float cast)."""
+    from hpnlp.compress import ptq
+    from hpnlp.config import ConfigError, QuantConfig
+    out = os.path.join(workdir, "quantized")
+    try:
+        if isinstance(fmt, str):
+            s = ptq.quantize(workdir, out, float_dtype=fmt, eval_batches=1, repeats=1)
+        else:
+            s = ptq.quantize(workdir, out, QuantConfig(**fmt), eval_batches=1, repeats=1)
+    except ConfigError as e:
+        if "\n" in str(e):
+            return {"status": "error", "message": f"quantize's refusal is not one line: {e}"}
+        return {"ptq_refused": str(e)}
+    loss = s["eval"]["quantized"]["loss"]
+    if not math.isfinite(loss) or not s["reload_identical"]:
+        return {"status": "error", "message": f"quantized to {fmt}: eval loss {loss}, reloaded "
+                                              f"identical: {s['reload_identical']}"}
+    return {"ptq_loss": loss}
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
 """Crash hunt: small configurations drawn across the whole configuration space must either
-train, evaluate and decode with finite losses, or be refused by `validate` in one line.
+train, evaluate and decode with finite losses, or be refused by `validate` in one line; a
+quarter of the runs that train are then quantized (`ptq.quantize`, a drawn format), which
+must evaluate finite and reload identical, or refuse in one line.
 
 Each configuration runs in a worker process (`tests/hunt_worker.py`), so a segmentation
 fault or an abort is reported as this test's failure, with its configuration, instead of
@@ -81,6 +83,12 @@ OUTPUT_OPTIONS = {
 }
 TASKS = {"lm": ["byte_lm", "word_lm"], "classifier": ["doc_classify", "listops"],
          "dual_encoder": ["doc_match"]}
+# After training, a quarter of the runs are quantized by `python -m hpnlp.compress quantize`
+# (hunt_worker: ptq.quantize): a format (QuantConfig fields) or a float cast.
+PTQ_FORMATS = [{"weights": "int8", "activations": "int8"}, {"weights": "int4", "group_size": 8},
+               {"weights": "binary", "activations": "binary"},
+               {"weights": "int8", "activations": "int8", "act_scale": "static"},
+               {"weights": "fp8", "activations": "fp8"}, "bfloat16"]
 MESHES = [{}, {"data": -1}, {"fsdp": 2, "data": -1}, {"tensor": 2, "data": -1},
           {"sequence": 2, "data": -1}, {"pipeline": 2, "data": -1}, {"expert": 2, "data": -1}]
 
@@ -170,7 +178,8 @@ def configs(draw) -> dict:
         model["moe"] = {"num_experts": 0}
     return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,
             "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
-            "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn}
+            "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn,
+            "ptq": draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None}
 
 
 def devices_for(config: dict) -> int:
