@@ -387,7 +387,7 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     output channel, its inputs (the token, then its hidden row) per token; the router stays
     float. Outputs and STE gradients equal the per-token loop of that definition; the export
     packs wi and wo as [K, X, N] weights that decode to the same outputs; served, the
-    capacity slots run each expert on the int8 kernel and compute the same."""
+    capacity slots (and decoding's) run each expert on the int8 kernel and compute the same."""
     from hpnlp.compress import formats
     from hpnlp.compress import kernels
     from hpnlp.compress.qlinear import QWeight, Served
@@ -437,6 +437,15 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
                                atol=1e-5 * float(jnp.abs(y_packed).max()))
     calls = run.lower(served).as_text().count("hpnlp_int8_linear")
     assert calls == (0 if dispatch_kind == "dropless" else 2 * X), calls
+    if dispatch_kind == "dropless":  # decoding (dropless) serves them with a slot per token
+        m = mod.model  # a capacity this small would drop choices: decoding drops none
+        dec = MoE(dataclasses.replace(m, moe=dataclasses.replace(m.moe, eval_capacity_factor=0.25)),
+                  deterministic=True, decode=True)
+        run = jax.jit(lambda p: dec.apply({"params": p}, x, seg, mutable=[AUX])[0])
+        want = run(packed)
+        np.testing.assert_allclose(np.asarray(run(served)), np.asarray(want), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.abs(want).max()))
+        assert run.lower(served).as_text().count("hpnlp_int8_linear") == 2 * X
 
 
 # -- Config errors, one line before anything compiles ------------------------------------

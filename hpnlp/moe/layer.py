@@ -148,9 +148,13 @@ class MoE(nn.Module):
         bo = self.param("bo", _init(nn.initializers.zeros, ("expert", "embed")), (X, M), pdt)
         wi, wo = (expert_weight(self, name, w, m.quant) for name, w in (("wi", wi), ("wo", wo)))
         dropless = c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode)
-        # served experts (ptq.serve) run on their kernels in the capacity path on one device;
-        # dropless blocks gather their experts' weights, so there they decode in XLA
-        served = isinstance(wi, qlinear.Served) and not dropless and _expert_axis()[0] == 1
+        # Served experts (ptq.serve) run on their kernels by slots, on one device: with the
+        # capacity dispatch, and in decoding with a slot for every token in every expert
+        # (nothing dropped, as dropless; each expert's kernel reads its weights once a step).
+        # Dropless blocks elsewhere gather their experts' weights: there they decode in XLA.
+        served = (isinstance(wi, qlinear.Served) and _expert_axis()[0] == 1
+                  and (not dropless or self.decode))
+        dropless = dropless and not served
         if not served:
             wi, wo = (jnp.moveaxis(w.dequantize(), 0, 1) if isinstance(w, qlinear.Served)
                       else w for w in (wi, wo))
@@ -181,7 +185,8 @@ class MoE(nn.Module):
                  "loss_moe_z": routing.z_loss(logits_GSX, valid_GS)}
         aux = c.z_loss * stats["loss_moe_z"]
         factor = c.capacity_factor if not self.deterministic else c.eval_capacity_factor
-        C = routing.capacity(S, experts=X, top_k=c.top_k, factor=factor)
+        C = S if served and self.decode else routing.capacity(S, experts=X, top_k=c.top_k,
+                                                               factor=factor)
         if c.router == "expert_choice":
             slots = routing.expert_choice(probs_GSX, valid_GS, slots=C)
             chosen_GS = jnp.any(slots.slot_GSJ < X * C, axis=-1)
