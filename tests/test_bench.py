@@ -741,6 +741,8 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
     (["float_product_ab.py", "--rounds", "0"], "--rounds: 0: must be at least 1"),
     (["malloc_ab.py", "--steps", "2"], "give --rounds >= 1 and --steps >= 5"),
     (["make_corpus.py", "--raw", "/nonexistent/dump"], "--raw /nonexistent/dump: no such file"),
+    (["moe_serve_ab.py", "--workdir", "/nonexistent", "--quantized", "/nonexistent"],
+     "--workdir /nonexistent: no config.json there"),
 ])
 def test_tools_refuse_bad_flags_in_one_line_before_timing(argv, match):
     """Found by the crash hunt: --rounds 0 compiled everything and printed nan; kernel_ab's
