@@ -388,8 +388,7 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     float. Outputs and STE gradients equal the per-token loop of that definition; the export
     packs wi and wo as [K, X, N] weights that decode to the same outputs; served, the
     capacity slots (and decoding's) run each expert on the int8 kernel and compute the same."""
-    from hpnlp.compress import formats
-    from hpnlp.compress import kernels
+    from hpnlp.compress import formats, kernels
     from hpnlp.compress.qlinear import QWeight, Served
     from hpnlp.config import QuantConfig
     mod = layer(quant=QuantConfig(weights="int8", activations="int8"), router="top_k", top_k=2,

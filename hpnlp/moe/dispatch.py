@@ -60,8 +60,8 @@ def linear(x_TK, w_XKN, b_XN, e: int, activation=None):
 
 def expert_mlp(x_GXCM, wi_XMF, bi_XF, wo_XFM, bo_XM, *, act=_same, linear=linear):
     """Each expert's MLP on its slots: act(gelu(x wi + bi)) wo + bo (`act`: how the second
-    product reads its input, quantized or as is; `linear`: how each product is computed,
-    `linear`'s signature: the integer kernels' served experts pass their own).
+    product reads its input, quantized or as is; `linear(x, w, b, e, activation)`: how each
+    product is computed, by default in XLA, by their kernels for served experts).
 
     One plain product per expert, not one batched einsum over the expert axis: XLA:CPU
     runs the batched product's backward pass ~1.4x slower than the same work as X separate
