@@ -673,9 +673,9 @@ def test_a_factorized_run_trains_quantized_and_exports_packed_factors(trained, t
 
 def test_an_moe_run_quantizes_its_experts(tmp_path):
     """The experts' weights are packed with the rest (per expert and output channel, as
-    [K, X, N]) and decode in XLA; the packed file reloads to the outputs it was evaluated
-    with; calibrated (static) expert inputs are refused in one line before anything is
-    written."""
+    [K, X, N]) and served on the int8 kernel, each expert's two products counted in the
+    summary; the packed file reloads to the outputs it was evaluated with; calibrated
+    (static) expert inputs are refused in one line before anything is written."""
     run = str(tmp_path / "moe")
     _train(run, steps=3, moe=dict(num_experts=4, router="top_k", top_k=2))
     s = ptq.quantize(run, str(tmp_path / "w8a8"), QuantConfig(weights="int8", activations="int8"),
@@ -684,6 +684,9 @@ def test_an_moe_run_quantizes_its_experts(tmp_path):
     moe = ptq.load(str(tmp_path / "w8a8"))[1]["trunk"]["block_0"]["moe"]
     assert isinstance(moe["wi"], QWeight) and moe["wi"].shape == (32, 4, 64)
     assert moe["router"].dtype == np.float32  # routing stays float
+    from hpnlp.compress import kernels
+    if kernels.available():  # qkv, out, the tied table's logits, and wi, wo of 4 experts
+        assert s["forward"]["kernel_products"] == 3 + 2 * 4
     q = QuantConfig(weights="int8", activations="int8", act_scale="static")
     with pytest.raises(ConfigError, match=r"quant\.act_scale.*model\.moe: the experts read"):
         ptq.quantize(run, str(tmp_path / "static"), q)

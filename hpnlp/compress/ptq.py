@@ -280,8 +280,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     # What a user of the file runs: integer kernels where they serve the format (`serve`),
     # packed weights decoded in XLA elsewhere.
     served = packed if float_dtype else serve(model_q, packed, calib[0], quant_vars)
-    kernel_products = sum(isinstance(x, Served) for x in jax.tree.leaves(
-        served, is_leaf=lambda x: isinstance(x, Served)))
+    kernel_products = sum(max(x.experts, 1) for x in jax.tree.leaves(  # each expert's own
+        served, is_leaf=lambda x: isinstance(x, Served)) if isinstance(x, Served))
     eval_q = jax.jit(lambda p, qv, b: model_q.apply(variables(p, qv), b, method="evaluate"))
     # Transformer-XL on a stream (float formats): the eval stream's memory threaded through,
     # as in the float evaluation above.

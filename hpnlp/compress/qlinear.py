@@ -177,6 +177,9 @@ class Served:
     shape: tuple = flax.struct.field(pytree_node=False)
     k_dims: int = flax.struct.field(pytree_node=False, default=1)
     packed: object = None  # the QWeight it was prepared from (its arrays, not a copy)
+    # an MoE layer's experts (hpnlp.moe.layer.serve_experts): X kernel weights stacked on a
+    # leading axis of `w`'s arrays, one product per expert; 0 for one weight
+    experts: int = flax.struct.field(pytree_node=False, default=0)
 
     def dequantize(self, dtype=jnp.float32):
         """The float weight [K, N] (a tied embedding's lookups read its rows)."""

@@ -96,7 +96,7 @@ def serve_experts(w: qlinear.QWeight, q) -> qlinear.Served | None:
     if not isinstance(per[0], qlinear.Served):
         return None
     return qlinear.Served(w=jax.tree.map(lambda *a: jnp.stack(a), *(p.w for p in per)),
-                          fmt=w.fmt, shape=w.shape, packed=w)
+                          fmt=w.fmt, shape=w.shape, packed=w, experts=X)
 
 
 def served_linear(dtype):
