@@ -148,6 +148,9 @@ def test_check_config():
     C.ChunkedAttention.check_config({"block_q": 250, "block_k": None}, seq_len=1000, causal=True)
     with pytest.raises(ConfigError, match="block_k` = 256 .* must divide data.seq_len=1000"):
         C.ChunkedAttention.check_config({"block_k": 256}, seq_len=1000, causal=False)
+    # a length below the usual block sizes is told its own divisors, not an empty list
+    with pytest.raises(ConfigError, match=r"divisors of 8 include \[1, 2, 4, 8\]"):
+        C.ChunkedAttention.check_config({"block_q": 16}, seq_len=8, causal=False)
     with pytest.raises(ConfigError, match="block_q` = 0 "):
         C.ChunkedAttention.check_config({"block_q": 0}, seq_len=64, causal=False)
 

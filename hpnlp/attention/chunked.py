@@ -342,7 +342,8 @@ class ChunkedAttention(Attention):
                 raise ConfigError(f"config field `{field}.{name}` = {block!r} is not allowed: "
                                   "must be a positive integer, or None to choose automatically")
             if seq_len % block:
-                divisors = [d for d in (16, 32, 64, 128, 256, 512) if seq_len % d == 0]
+                divisors = ([d for d in (16, 32, 64, 128, 256, 512) if seq_len % d == 0]
+                            or [d for d in range(1, seq_len + 1) if seq_len % d == 0][-4:])
                 raise ConfigError(
                     f"config field `{field}.{name}` = {block} is not allowed: it must divide "
                     f"data.seq_len={seq_len}; divisors of {seq_len} include {divisors}, or "
