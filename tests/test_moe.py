@@ -387,7 +387,8 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     output channel, its inputs (the token, then its hidden row) per token; the router stays
     float. Outputs and STE gradients equal the per-token loop of that definition; the export
     packs wi and wo as [K, X, N] weights that decode to the same outputs; served, the
-    capacity slots (and decoding's) run each expert on the int8 kernel and compute the same."""
+    capacity slots, the dropless blocks and decoding's slots run each expert on the int8
+    kernel and compute the same."""
     from hpnlp.compress import formats, kernels
     from hpnlp.compress.qlinear import QWeight, Served
     from hpnlp.config import QuantConfig
@@ -427,15 +428,15 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     if not kernels.available():
         return
     # ptq.serve's pass: each expert's weights prepared for the int8 kernel; capacity slots
-    # run on it (the kernel quantizes each row as the definition does), dropless blocks
-    # decode in XLA
+    # and dropless blocks run on it (the kernel quantizes each row as the definition does)
     served = dict(p, **mod.apply({"params": packed}, x, seg, mutable=[AUX, "qserve"])[1]["qserve"])
     assert isinstance(served["wi"], Served) and served["wi"].shape == (M, X, F)
     run = jax.jit(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX])[0])
     np.testing.assert_allclose(np.asarray(run(served)), np.asarray(y_packed), rtol=1e-5,
                                atol=1e-5 * float(jnp.abs(y_packed).max()))
     calls = run.lower(served).as_text().count("hpnlp_int8_linear")
-    assert calls == (0 if dispatch_kind == "dropless" else 2 * X), calls
+    # capacity: each expert's two products; dropless: the two in the loop over blocks
+    assert calls == (2 if dispatch_kind == "dropless" else 2 * X), calls
     if dispatch_kind == "dropless":  # decoding (dropless) serves them with a slot per token
         m = mod.model  # a capacity this small would drop choices: decoding drops none
         dec = MoE(dataclasses.replace(m, moe=dataclasses.replace(m.moe, eval_capacity_factor=0.25)),

@@ -115,16 +115,24 @@ def sort_rows(choices: Choices, valid_T, *, experts: int, block: int = 0) -> Row
     return Rows(token_R[:R], gate_R[:R], jnp.minimum(expert_N, X - 1).astype(jnp.int32))
 
 
-def dropless(x_TM, rows: Rows, wi_XMF, bi_XF, wo_XFM, bo_XM, *, act=_same):
+def block_linear(x_NbK, w_XKN, b_XN, e_N, activation=None):
+    """Each block's product with its expert's weight, x[n] w[e[n]] + b[e[n]], then
+    `activation` (as `linear`), in XLA: `dropless`'s default `linear`."""
+    y_NbN = jnp.einsum("nbk,nkf->nbf", x_NbK, w_XKN[e_N]) + b_XN[e_N][:, None]
+    return y_NbN if activation is None else jax.nn.gelu(y_NbN)
+
+
+def dropless(x_TM, rows: Rows, wi_XMF, bi_XF, wo_XFM, bo_XM, *, act=_same, linear=block_linear):
     """Every row's expert MLP, block by block, combined back to [T, M] with the gates
-    (`act` as in `expert_mlp`)."""
+    (`act` as in `expert_mlp`; `linear(x_NbK, w, b, e_N, activation)`: each block's product
+    with its expert's weight, by default in XLA, by their kernels for served experts)."""
     T, M = x_TM.shape
     N = rows.expert_N.shape[0]
     x_pad = jnp.concatenate([x_TM, jnp.zeros_like(x_TM[:1])], axis=0)
     x_NbM = x_pad[rows.token_R].reshape(N, -1, M)
     e = rows.expert_N
-    h = jnp.einsum("nbm,nmf->nbf", x_NbM, wi_XMF[e]) + bi_XF[e][:, None]
-    y_NbM = jnp.einsum("nbf,nfm->nbm", act(jax.nn.gelu(h)), wo_XFM[e]) + bo_XM[e][:, None]
+    h = act(linear(x_NbM, wi_XMF, bi_XF, e, "gelu"))
+    y_NbM = linear(h, wo_XFM, bo_XM, e)
     w_RM = y_NbM.reshape(-1, M) * rows.gate_R[:, None].astype(y_NbM.dtype)
     return jax.ops.segment_sum(w_RM, rows.token_R, num_segments=T + 1)[:T]
 

@@ -111,6 +111,22 @@ def served_linear(dtype):
     return linear
 
 
+def served_block_linear(dtype):
+    """`dispatch.dropless`'s `linear` for `Served` expert weights: block n's product on the
+    integer kernel with expert e[n]'s prepared weight (picked by index inside a loop over
+    the blocks), which quantizes each row itself, as `served_linear`."""
+    def linear(x_NbK, w: qlinear.Served, b_XN, e_N, activation=None):
+        K, _, N = w.shape
+
+        def block(xe):
+            x_bK, e = xe
+            w_e = qlinear.Served(w=jax.tree.map(lambda a: a[e], w.w), fmt=w.fmt, shape=(K, N))
+            return qlinear.served_product(x_bK, w_e, 1, dtype, b_XN[e],
+                                          qlinear.Epilogue(activation))
+        return jax.lax.map(block, (x_NbK, e_N))
+    return linear
+
+
 def expert_inputs(q):
     """The experts' product inputs as they read them: rows quantized per token (dynamic)
     where `quant.activations` covers `mlp`, else unchanged. Applied before dispatch (the
@@ -148,13 +164,13 @@ class MoE(nn.Module):
         bo = self.param("bo", _init(nn.initializers.zeros, ("expert", "embed")), (X, M), pdt)
         wi, wo = (expert_weight(self, name, w, m.quant) for name, w in (("wi", wi), ("wo", wo)))
         dropless = c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode)
-        # Served experts (ptq.serve) run on their kernels by slots, on one device: with the
-        # capacity dispatch, and in decoding with a slot for every token in every expert
-        # (nothing dropped, as dropless; each expert's kernel reads its weights once a step).
-        # Dropless blocks elsewhere gather their experts' weights: there they decode in XLA.
-        served = (isinstance(wi, qlinear.Served) and _expert_axis()[0] == 1
-                  and (not dropless or self.decode))
-        dropless = dropless and not served
+        # Served experts (ptq.serve) run on their kernels, on one device: the capacity
+        # dispatch's slots, dropless blocks (each block's kernel call with its expert's
+        # weights), and in decoding a slot for every token in every expert (nothing dropped,
+        # as dropless; each expert's kernel reads its weights once a step, where dropless
+        # blocks of one token each would read them once a block).
+        served = isinstance(wi, qlinear.Served) and _expert_axis()[0] == 1
+        dropless = dropless and not (served and self.decode)
         if not served:
             wi, wo = (jnp.moveaxis(w.dequantize(), 0, 1) if isinstance(w, qlinear.Served)
                       else w for w in (wi, wo))
@@ -207,8 +223,9 @@ class MoE(nn.Module):
         if dropless:
             rows = dispatch.sort_rows(jax.tree.map(lambda a: a.reshape(G * S, -1), choices),
                                       valid_GS.reshape(-1), experts=X, block=c.block_size)
-            y_GSM = dispatch.dropless(xq_GSM.reshape(G * S, M), rows, *experts,
-                                      act=act).reshape(G, S, M)
+            y_GSM = dispatch.dropless(xq_GSM.reshape(G * S, M), rows, *experts, act=act,
+                                      linear=(served_block_linear(dt) if served
+                                              else dispatch.block_linear)).reshape(G, S, M)
             stats["moe_dropped"] = jnp.zeros((), jnp.float32)
             weights = lambda: jnp.einsum(  # noqa: E731
                 "gskx,gsk->gsx", jax.nn.one_hot(choices.expert_GSK, X),
