@@ -119,6 +119,31 @@ def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
+    """The experts' wi [X, M, F] and wo [X, F, M] are masked as the dense MLP's kernels are:
+    2:4 along each expert's contraction (axis 1), every masked weight exactly zero after
+    the steps; whole neurons are refused in one line (each expert is an MLP of its own)."""
+    from hpnlp.train import Trainer
+    cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="mlp"))
+    cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    state, _ = tr.initial_state()
+    with tr._context():
+        for _ in range(2):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+    masks = {k: np.asarray(v) for k, v in state.carry["prune"]["masks"].items()}
+    assert set(masks) == {"trunk/block_0/moe/wi", "trunk/block_0/moe/wo"}
+    flat = traverse.flatten_dict(state.params)
+    for k, mask in masks.items():
+        w = np.asarray(flat[tuple(k.split("/"))])
+        assert mask.shape == w.shape and not np.any(w[~mask]) and np.all(w[mask] != 0)
+        X, K, N = mask.shape  # 2 kept of every 4 consecutive along K, per expert and column
+        np.testing.assert_array_equal(mask.reshape(X, K // 4, 4, N).sum(axis=2), 2)
+    cd.train.prune.structure = "structured"
+    with pytest.raises(ConfigError, match=r"train\.prune\.structure.*each expert is an MLP"):
+        validate(from_configdict(cd))
+
+
 @pytest.mark.slow  # over 10 s on a 2-core EPYC Zen 3
 def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_same_model(tmp_path):
     """Heads and MLP neurons pruned as units (every weight a unit owns exactly zero through

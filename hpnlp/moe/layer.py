@@ -72,7 +72,10 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     (`qexport`) packed as [K, X, N], contraction first like every product weight, so one
     column's scale is one expert's output channel; a packed weight decodes back in XLA. In
     `ptq.serve`'s pass a packed weight that an integer kernel computes is prepared for it,
-    expert by expert (`serve_experts`); such a `Served` weight is returned as it is."""
+    expert by expert (`serve_experts`); such a `Served` weight is returned as it is.
+    Declared a product weight of kind `mlp` contracting its K axis (`note_product`), so
+    `train.prune` masks it as it masks a dense MLP's kernels."""
+    qlinear.note_product(module, name, "mlp", (1,))
     if isinstance(w_XKN, qlinear.Served):
         return w_XKN
     if isinstance(w_XKN, qlinear.QWeight):
