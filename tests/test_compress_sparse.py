@@ -808,6 +808,24 @@ def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
         state2 = state
     assert np.isfinite(float(m["loss"]))
     assert not np.allclose(state2.params["trunk"]["block_0"]["mlp_in"]["kernel"].u, u0)
+    # the factorized run as a teacher: restored as its factors; a dense student starts as
+    # its U V, a factorized one of its rank as the same product, and trains against it
+    tr.checkpointer.save(2, state2, tr.train_iter.get_state(), {})
+    tr.checkpointer.wait()
+    want = traverse.flatten_dict(state2.params, is_leaf=lambda _, x: lowrank.is_factored(x))
+    for rank in (0, 4):
+        scd = tiny("lm", distill=dict(teacher=str(tmp_path / "lr"), init="every_other"))
+        scd.model.lowrank.rank = rank
+        st = Trainer(from_configdict(scd), str(tmp_path / f"student{rank}"))
+        s0, _ = st.initial_state()
+        flat = traverse.flatten_dict(s0.params, is_leaf=lambda _, x: lowrank.is_factored(x))
+        for path, w in want.items():  # factorized where the teacher is, at rank 4
+            assert lowrank.is_factored(flat[path]) == bool(rank and lowrank.is_factored(w))
+            w, got = (x.dense() if lowrank.is_factored(x) else x for x in (w, flat[path]))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(w), atol=1e-5)
+    with st._context():
+        _, m = st.train_step(s0, _global(next(st.train_iter), st.batch_sharding))
+    assert np.isfinite(float(m["loss"])) and float(m["loss_soft"]) > 0
     # a seed ensemble factorizes each member's copy (it placed them by the stacked sharding)
     from hpnlp.train.ensemble import EnsembleTrainer
     ens, _ = EnsembleTrainer(from_configdict(cd), str(tmp_path / "ens"), members=2).initial_state()

@@ -387,7 +387,11 @@ class TeacherCarry(Carry):
         """The teacher's parameters as its model initializes them: the entry's shapes and
         logical axes (so shardings); `start` restores the trained values into them."""
         del model, params, batch_size
-        return self.teacher.init({"params": jax.random.key(0)}, batch)["params"]
+        value = self.teacher.init({"params": jax.random.key(0)}, batch)["params"]
+        if self.teacher_cfg.model.lowrank.enabled():  # a factorized teacher's factors
+            from hpnlp.compress import lowrank
+            value = lowrank.init_transform(self.teacher_cfg, self.teacher, batch)(value)
+        return value
 
     def start(self, value, params):
         """The teacher's trained parameters, restored into `value`'s shapes and shardings."""
@@ -415,7 +419,9 @@ class TeacherCarry(Carry):
             return params
         import flax.traverse_util as traverse
         src = init_map(self.cfg.model.depth, self.teacher_cfg.model.depth, self.d.init_blocks)
-        teacher = traverse.flatten_dict(value)
+        from hpnlp.compress import lowrank
+        teacher = {k: t.dense() if lowrank.is_factored(t) else t  # a factorized teacher's U V
+                   for k, t in traverse.flatten_dict(value).items()}
         select = self.d.init in ("select", "importance")
         kept, scores, names = {}, {}, {}  # kept: (unit key, count) -> indices, made once
         if self.d.init == "importance":
@@ -439,8 +445,8 @@ class TeacherCarry(Carry):
             tpath = tuple(f"block_{src[int(p[len('block_'):])]}" if p.startswith("block_") else p
                           for p in path)
             t = teacher.get(tpath)
-            fits = t is not None and (t.shape == w.shape or select and t.ndim == w.ndim and all(
-                a <= b for a, b in zip(w.shape, t.shape)))
+            fits = t is not None and (t.shape == w.shape or select and len(t.shape) == len(
+                w.shape) and all(a <= b for a, b in zip(w.shape, t.shape)))
             if not fits:
                 raise config_error("train.distill.init", self.d.init, f"the student's "
                                    f"{'/'.join(path)} {w.shape} has no teacher twin of "
@@ -456,7 +462,11 @@ class TeacherCarry(Carry):
                 if (key, n) not in kept:
                     kept[key, n] = keep_top(scores[key], n)
                 t = jnp.take(t, jnp.asarray(kept[key, n]), axis=axis)
-            out[path] = jnp.array(t, dtype=w.dtype, copy=True)
+            if lowrank.is_factored(w):  # a factorized student: its rank's SVD of the copy
+                f = lowrank.svd_factors(t, w.u.ndim - 1, w.rank)
+                out[path] = type(w)(u=f.u.astype(w.u.dtype), v=f.v.astype(w.v.dtype))
+            else:
+                out[path] = jnp.array(t, dtype=w.dtype, copy=True)
         return traverse.unflatten_dict(out)
 
     def loss(self, student, inner):
