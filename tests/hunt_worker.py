@@ -10,8 +10,11 @@ takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
   every logged loss and the eval loss finite; then, where the config names `ptq` (a format
   as QuantConfig fields, or "bfloat16"), `hpnlp.compress.ptq.quantize` of the run with a
   finite quantized eval loss and a packed file that reloads to the same outputs, or a
-  one-line refusal (`ptq_refused`); then, for a Transformer LM, decoding
-  (`hpnlp.models.generate`, greedy for even seeds, sampled for odd) from initial parameters.
+  one-line refusal (`ptq_refused`); then, where the config names a `student` (fields
+  merged over the run's own), that student distilled from the run (`train.distill.teacher`)
+  with finite losses, or refused in one line before it trains (`student_refused`); then,
+  for a Transformer LM, decoding (`hpnlp.models.generate`, greedy for even seeds, sampled
+  for odd) from initial parameters.
 - `error`: anything else raised (`message` and the traceback's tail).
 
 A crash of the process (a signal, an abort inside XLA or a kernel) leaves no reply: the
@@ -42,6 +45,7 @@ def run_one(overrides: dict) -> dict:
 
     overrides = dict(overrides)
     fmt = overrides.pop("ptq", None)
+    student = overrides.pop("student", None)
     try:
         cfg = from_configdict(overrides)
         full = validate(cfg, num_processes=1)
@@ -49,15 +53,16 @@ def run_one(overrides: dict) -> dict:
         return {"status": "refused", "message": str(e)}
     with tempfile.TemporaryDirectory() as workdir:
         summary = run(cfg, workdir)
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            losses = [json.loads(line)["loss"] for line in f]
-        bad = [x for x in losses + [summary["eval"]["loss"]] if not math.isfinite(x)]
-        if bad or not losses:
-            return {"status": "error", "message": f"non-finite or missing losses: {losses}, "
-                                                  f"eval {summary['eval']['loss']}"}
+        losses = _losses(workdir, summary)
+        if isinstance(losses, str):
+            return {"status": "error", "message": losses}
         out = {"status": "ok", "loss": losses[-1], "eval_loss": summary["eval"]["loss"]}
         if fmt is not None:
             out.update(quantized(workdir, fmt))
+            if out["status"] != "ok":
+                return out
+        if student is not None:
+            out.update(distilled(overrides, student, workdir))
             if out["status"] != "ok":
                 return out
     # Expert-choice routing ranks a whole group's tokens, which one decoded token is not.
@@ -81,6 +86,46 @@ def run_one(overrides: dict) -> dict:
                                                   f"[{toks.min()}, {toks.max()}]"}
         out["decoded"] = "greedy" if greedy else "sampled"
     return out
+
+
+def _losses(workdir: str, summary: dict):
+    """The run's logged losses, or what is wrong with them (non-finite or none)."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    if not losses or not all(math.isfinite(x) for x in losses + [summary["eval"]["loss"]]):
+        return f"non-finite or missing losses: {losses}, eval {summary['eval']['loss']}"
+    return losses
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for k, v in changes.items():
+        out[k] = _merged(base.get(k) or {}, v) if isinstance(v, dict) and v else v
+    return out
+
+
+def distilled(teacher: dict, student: dict, workdir: str) -> dict:
+    """A student (`student`'s fields over the teacher's config) distilled from the run in
+    `workdir`: finite losses, or a one-line refusal before any step trains."""
+    from hpnlp.config import ConfigError, from_configdict, validate
+    from hpnlp.train import run
+    fields = _merged(teacher, student)
+    fields["train"]["distill"] = dict(fields["train"]["distill"], teacher=workdir)
+    out = os.path.join(workdir, "student")
+    try:
+        cfg = from_configdict(fields)
+        validate(cfg, num_processes=1)
+        summary = run(cfg, out)
+    except ConfigError as e:
+        trained = os.path.exists(os.path.join(out, "metrics.jsonl"))
+        if "\n" in str(e) or trained:
+            return {"status": "error", "message": f"the student's refusal is not one line before "
+                                                  f"training: {e}"}
+        return {"student_refused": str(e)}
+    losses = _losses(out, summary)
+    if isinstance(losses, str):
+        return {"status": "error", "message": f"student: {losses}"}
+    return {"student_loss": losses[-1]}
 
 
 def quantized(workdir: str, fmt) -> dict:

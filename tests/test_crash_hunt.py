@@ -1,7 +1,9 @@
 """Crash hunt: small configurations drawn across the whole configuration space must either
 train, evaluate and decode with finite losses, or be refused by `validate` in one line; a
 quarter of the runs that train are then quantized (`ptq.quantize`, a drawn format), which
-must evaluate finite and reload identical, or refuse in one line.
+must evaluate finite and reload identical, or refuse in one line; an eighth are then the
+teacher of a drawn student (`train.distill.*`: shallower, maybe narrower or factorized, a
+drawn init and losses), which must train finite or be refused in one line before it trains.
 
 Each configuration runs in a worker process (`tests/hunt_worker.py`), so a segmentation
 fault or an abort is reported as this test's failure, with its configuration, instead of
@@ -179,7 +181,24 @@ def configs(draw) -> dict:
     return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,
             "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn,
-            "ptq": draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None}
+            "ptq": draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None,
+            "student": draw(students()) if draw(st.integers(0, 7)) == 0 else None}
+
+
+@st.composite
+def students(draw) -> dict:
+    """What a distilled student changes of its teacher's config (hunt_worker merges it over
+    the teacher's and points `train.distill.teacher` at the teacher's run)."""
+    model = {"depth": 1, "width": draw(st.sampled_from([8, 16])),
+             "lowrank": draw(st.sampled_from([{}, {}, {"rank": 4, "layers": "qkv,out,mlp"}]))}
+    distill = {"alpha": draw(st.sampled_from([0.0, 0.5, 1.0])),
+               "temperature": draw(st.sampled_from([1.0, 2.0])),
+               "chunk_tokens": draw(st.sampled_from([-1, 0, 16])),
+               "hidden": draw(st.sampled_from([0.0, 0.0, 1.0])),
+               "attention": draw(st.sampled_from([0.0, 0.0, 1.0])),
+               "init": draw(st.sampled_from(["none", "every_other", "select", "importance"])),
+               "init_blocks": draw(st.sampled_from(["first", "last"])), "importance_batches": 2}
+    return {"model": model, "train": {"steps": 2, "distill": distill}}
 
 
 def devices_for(config: dict) -> int:
