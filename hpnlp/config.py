@@ -913,10 +913,28 @@ def _check_lowrank(cfg: Config) -> None:
             _fail("quant.group_size", q.group_size, f"must divide the rank of every factorized "
                   f"product (ranks {ranks}: x U [*, r] is the second product's input); choose "
                   "a divisor of them, or quant.group_size=0")
-    for field, value, on in (("train.prune.method", cfg.train.prune.method,
-                              cfg.train.prune.method != "none"),
+    pr = cfg.train.prune
+    try:
+        nm = pr.nm()
+    except ValueError:  # a malformed structure: refused with the prune fields
+        nm = None
+    if pr.method != "none" and nm and any(pr.applies(k) and lr.applies(k)
+                                               for k in LOWRANK_LAYERS):
+        ranks = sorted({lr.rank} if lr.rank else set(lr.ranks.values()))
+        M = nm[1]
+        if not ranks or any(r % M for r in ranks):
+            _fail("train.prune.structure", pr.structure, f"groups M={M} consecutive weights "
+                  "along each factor's contraction, and V's is the rank: M must divide every "
+                  f"rank ({ranks or 'chosen later by model.lowrank.energy'}); choose ranks that "
+                  "M divides (model.lowrank.rank), or unstructured pruning")
+    for field, value, on in (("train.prune.structure", "structured",
+                              pr.method != "none" and pr.structure == "structured"),
                              ("model.stack_layers", True, m.stack_layers),
                              ("model.reversible", True, m.reversible)):
+        if on and field == "train.prune.structure":
+            _fail(field, value, "removes whole heads and neurons, which a factorized weight's "
+                  "U and V do not own apart; prune and shrink before factorizing, or prune "
+                  "unstructured or N:M (each factor pruned)")
         if on:
             _fail(field, value, "is not combined with model.lowrank yet; factorize (and "
                   "fine-tune) first, or set model.lowrank.rank=0")

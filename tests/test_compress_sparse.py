@@ -144,6 +144,37 @@ def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
         validate(from_configdict(cd))
 
 
+def test_a_factorized_model_is_pruned_factor_by_factor(tmp_path):
+    """model.lowrank with train.prune: U and V of each factorized product are masked as
+    weights of their own, 2:4 along each one's contraction (V's: the rank), every masked
+    entry exactly zero after the steps; structured pruning and a rank that M does not
+    divide are refused in one line."""
+    from hpnlp.train import Trainer
+    cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="qkv,mlp"))
+    cd.model.lowrank.update(rank=4, layers="qkv,out,mlp")
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    state, _ = tr.initial_state()
+    with tr._context():
+        for _ in range(2):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+    masks = {k: np.asarray(v) for k, v in state.carry["prune"]["masks"].items()}
+    assert set(masks) == {f"trunk/block_0/{p}/{f}" for p in ("attention/qkv", "mlp_in/kernel",
+                                                               "mlp_out/kernel")
+                          for f in prune.FACTORS}
+    f = state.params["trunk"]["block_0"]["attention"]["qkv"]
+    for name, w, contraction in (("factor_u", f.u, 0), ("factor_v", f.v, 0)):
+        mask, w = masks[f"trunk/block_0/attention/qkv/{name}"], np.asarray(w)
+        assert mask.shape == w.shape and not np.any(w[~mask]) and np.all(w[mask] != 0)
+        K = w.shape[contraction]  # U [16, 4]: width 16; V [4, 3, 2, 8]: rank 4
+        np.testing.assert_array_equal(mask.reshape(K // 4, 4, -1).sum(axis=1), 2)
+    for fields, rank, match in ((dict(structure="structured"), 4, r"U and V do not own apart"),
+                                (dict(structure="2:4"), 6, r"M must divide every rank \(\[6\]\)")):
+        cd.train.prune.update(fields)
+        cd.model.lowrank.rank = rank
+        with pytest.raises(ConfigError, match=r"train\.prune\.structure.*" + match):
+            validate(from_configdict(cd))
+
+
 @pytest.mark.slow  # over 10 s on a 2-core EPYC Zen 3
 def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_same_model(tmp_path):
     """Heads and MLP neurons pruned as units (every weight a unit owns exactly zero through

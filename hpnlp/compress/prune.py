@@ -71,6 +71,7 @@ position), or round(s * total) of all of them in global scope.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import flax.linen as nn
 import flax.traverse_util as traverse
@@ -79,6 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.compress import qlinear
+from hpnlp.compress.qlinear import Factored
 from hpnlp.config import QUANT_LAYERS, Config, PruneConfig
 from hpnlp.train.carry import Carry
 
@@ -186,26 +188,67 @@ def _path(key: str) -> tuple[str, ...]:
     return tuple(key.split("/"))
 
 
+# A factorized weight (model.lowrank's Factored U, V) is pruned as its two factors, each a
+# weight of its own under its path + one of these (U contracts what the weight contracts,
+# V its rank axis); `_flatten` opens every Factored into them, `_unflatten` closes them.
+FACTORS = ("factor_u", "factor_v")
+
+
+def _open(tree):
+    if isinstance(tree, Factored):
+        return dict(zip(FACTORS, (tree.u, tree.v)))
+    if isinstance(tree, Mapping):
+        return {k: _open(v) for k, v in tree.items()}
+    return tree
+
+
+def _close(tree):
+    if isinstance(tree, Mapping):
+        if set(tree) == set(FACTORS):
+            return Factored(*(tree[f] for f in FACTORS))
+        return {k: _close(v) for k, v in tree.items()}
+    return tree
+
+
+def _flatten(params) -> dict:
+    """traverse.flatten_dict, each Factored weight as its two factors."""
+    return traverse.flatten_dict(_open(params))
+
+
+def _unflatten(flat: dict):
+    return _close(traverse.unflatten_dict(flat))
+
+
 def targets(cfg: Config, model, params, batch) -> dict:
-    """{"a/b/kernel": Product} of the weights `train.prune` prunes."""
+    """{"a/b/kernel": Product} of the weights `train.prune` prunes (a factorized weight's
+    "a/b/kernel/factor_u" and ".../factor_v")."""
     p = cfg.train.prune
     found = qlinear.products(model, params, batch)
-    return {"/".join(k): v for k, v in sorted(found.items())
-            if v.kind in QUANT_LAYERS and p.applies(v.kind)}  # not "embed": a lookup
+    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: isinstance(x, Factored))
+    out = {}
+    for k, v in sorted(found.items()):
+        if v.kind not in QUANT_LAYERS or not p.applies(v.kind):  # not "embed": a lookup
+            continue
+        if isinstance(flat.get(k), Factored):
+            out["/".join(k + (FACTORS[0],))] = v
+            out["/".join(k + (FACTORS[1],))] = qlinear.Product(v.kind, (0,))
+        else:
+            out["/".join(k)] = v
+    return out
 
 
 def apply_masks(params, masks: dict):
     """`params` with every masked weight multiplied by its mask (exact zeros)."""
-    flat = traverse.flatten_dict(params)
+    flat = _flatten(params)
     for k, mask in masks.items():
         path = _path(k)
         flat[path] = jnp.where(mask, flat[path], jnp.zeros((), flat[path].dtype))
-    return traverse.unflatten_dict(flat)
+    return _unflatten(flat)
 
 
 def sparsity_report(params, masks: dict) -> dict:
     """{path: fraction of exact zeros} for every pruned weight, and "total"."""
-    flat = traverse.flatten_dict(params)
+    flat = _flatten(params)
     out, zeros, size = {}, 0, 0
     for k in masks:
         w = np.asarray(flat[_path(k)])
@@ -403,7 +446,7 @@ class PruneCarry(Carry):
             from hpnlp.config import config_error
             raise config_error("train.prune.layers", self.p.layers, "names no product this model "
                                "has; choose from the kinds it uses (e.g. 'mlp' or 'all')")
-        flat = traverse.flatten_dict(params)
+        flat = _flatten(params)
 
         def like(w, value):  # sharded like the weight
             return w.replace_boxed(value) if isinstance(w, nn.meta.AxisMetadata) else value
@@ -418,7 +461,7 @@ class PruneCarry(Carry):
         if self.p.schedule == "imp":  # every model weight goes back (`start` / step k sets them)
             from hpnlp.train.carry import model_params
             value["rewind"] = {"/".join(k): like(w, jnp.zeros(nn.unbox(w).shape, nn.unbox(w).dtype))
-                               for k, w in traverse.flatten_dict(model_params(params)).items()}
+                               for k, w in _flatten(model_params(params)).items()}
         for k in self.products:
             w = flat[_path(k)]
             shape = nn.unbox(w).shape
@@ -431,7 +474,7 @@ class PruneCarry(Carry):
     def start(self, value, params):
         """Movement: the dense weights start as the run's first parameters (its init, or
         the run `train.init_from` names)."""
-        flat = traverse.flatten_dict(params)
+        flat = _flatten(params)
         # copies: the state donates its buffers to the step, and one buffer may not be
         # donated twice (as a parameter and as its dense or rewind weight)
         if self.p.method == "movement":
@@ -449,7 +492,7 @@ class PruneCarry(Carry):
         def l1_loss(params, carry, batch, rngs):
             # the step divides the summed loss by the real tokens: scale the penalty by them
             sums, carry = inner(params, carry, batch, rngs)
-            flat = traverse.flatten_dict(params)
+            flat = _flatten(params)
             l1 = sum(jnp.sum(jnp.abs(flat[_path(k)].astype(jnp.float32))) for k in self.products)
             return dict(sums, loss=sums["loss"] + self.p.l1 * l1 * sums["weight"],
                         loss_l1=l1 * sums["weight"]), carry
@@ -458,7 +501,7 @@ class PruneCarry(Carry):
     def after_update(self, value, params, grads, step):
         if self.p.structure == "structured":
             return self._structured_update(value, params, step)
-        flat = traverse.flatten_dict(params)
+        flat = _flatten(params)
         weights = {k: flat[_path(k)] for k in value["masks"]}
         new = dict(value)
         if self.p.method == "movement":
@@ -480,11 +523,11 @@ class PruneCarry(Carry):
                                  for k, w in now.items()}
             for k, w in now.items():
                 flat[_path(k)] = jnp.where(prune_now, new["rewind"][k], w)
-            params = traverse.unflatten_dict(flat)
+            params = _unflatten(flat)
         if self.p.method == "movement":  # pruned entries of the parameters are zero; revived
             for k, w in weights.items():  # ones come back with their dense value
                 flat[_path(k)] = w
-            params = traverse.unflatten_dict(flat)
+            params = _unflatten(flat)
         return apply_masks(params, masks), new
 
     def _structured_update(self, value, params, step):
@@ -509,7 +552,7 @@ def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
     gains score while the gradient moves it away from zero. The dense W behind a kept entry
     is the parameter the optimizer just updated; behind a pruned one it stays as it was
     (dL/dW = dL/dW' * M is zero there). `value["dense"]` is W before this update."""
-    g = traverse.flatten_dict(grads)
+    g = _flatten(grads)
     dense, scores_ = {}, {}
     for k, w in weights.items():
         before = value["dense"][k]
