@@ -119,19 +119,24 @@ def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _pruned_steps(cd, workdir, steps: int = 2):
+    """(train state, {path: mask as numpy}) after `steps` training steps of config `cd`."""
+    from hpnlp.train import Trainer
+    tr = Trainer(from_configdict(cd), str(workdir))
+    state, _ = tr.initial_state()
+    with tr._context():
+        for _ in range(steps):
+            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+    return state, {k: np.asarray(v) for k, v in state.carry["prune"]["masks"].items()}
+
+
 def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
     """The experts' wi [X, M, F] and wo [X, F, M] are masked as the dense MLP's kernels are:
     2:4 along each expert's contraction (axis 1), every masked weight exactly zero after
     the steps; whole neurons are refused in one line (each expert is an MLP of its own)."""
-    from hpnlp.train import Trainer
     cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="mlp"))
     cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
-    tr = Trainer(from_configdict(cd), str(tmp_path))
-    state, _ = tr.initial_state()
-    with tr._context():
-        for _ in range(2):
-            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
-    masks = {k: np.asarray(v) for k, v in state.carry["prune"]["masks"].items()}
+    state, masks = _pruned_steps(cd, tmp_path)
     assert set(masks) == {"trunk/block_0/moe/wi", "trunk/block_0/moe/wo"}
     flat = traverse.flatten_dict(state.params)
     for k, mask in masks.items():
@@ -149,23 +154,17 @@ def test_a_factorized_model_is_pruned_factor_by_factor(tmp_path):
     weights of their own, 2:4 along each one's contraction (V's: the rank), every masked
     entry exactly zero after the steps; structured pruning and a rank that M does not
     divide are refused in one line."""
-    from hpnlp.train import Trainer
     cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="qkv,mlp"))
     cd.model.lowrank.update(rank=4, layers="qkv,out,mlp")
-    tr = Trainer(from_configdict(cd), str(tmp_path))
-    state, _ = tr.initial_state()
-    with tr._context():
-        for _ in range(2):
-            state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
-    masks = {k: np.asarray(v) for k, v in state.carry["prune"]["masks"].items()}
+    state, masks = _pruned_steps(cd, tmp_path)
     assert set(masks) == {f"trunk/block_0/{p}/{f}" for p in ("attention/qkv", "mlp_in/kernel",
                                                                "mlp_out/kernel")
                           for f in prune.FACTORS}
     f = state.params["trunk"]["block_0"]["attention"]["qkv"]
-    for name, w, contraction in (("factor_u", f.u, 0), ("factor_v", f.v, 0)):
+    for name, w in zip(prune.FACTORS, (f.u, f.v)):  # both contract their first axis
         mask, w = masks[f"trunk/block_0/attention/qkv/{name}"], np.asarray(w)
         assert mask.shape == w.shape and not np.any(w[~mask]) and np.all(w[mask] != 0)
-        K = w.shape[contraction]  # U [16, 4]: width 16; V [4, 3, 2, 8]: rank 4
+        K = w.shape[0]  # U [16, 4]: width 16; V [4, 3, 2, 8]: rank 4
         np.testing.assert_array_equal(mask.reshape(K // 4, 4, -1).sum(axis=1), 2)
     for fields, rank, match in ((dict(structure="structured"), 4, r"U and V do not own apart"),
                                 (dict(structure="2:4"), 6, r"M must divide every rank \(\[6\]\)")):
