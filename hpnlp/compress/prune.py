@@ -13,8 +13,10 @@ update; it is not on the package registry this project installs from, so this is
 own, in its shape.)
 
 Which weights: the product weights the model declares (`qlinear.note_product`, the same
-record quantization uses), of the kinds `train.prune.layers` names. Biases, norms and
-(by default) embeddings and the output layer stay dense.
+record quantization uses), of the kinds `train.prune.layers` names: an MoE layer's experts
+(`mlp`, each expert's weights along its own contraction), and a factorized product's U
+and V (model.lowrank) as two weights. Biases, norms and (by default) embeddings and the
+output layer stay dense.
 
 - Criteria: `magnitude` (|W|), `random` (a fixed random score per weight: the control) and
   `movement` (Sanh et al. 2020: scores learned by the straight-through estimator,
