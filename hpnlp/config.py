@@ -927,14 +927,12 @@ def _check_lowrank(cfg: Config) -> None:
                   "along each factor's contraction, and V's is the rank: M must divide every "
                   f"rank ({ranks or 'chosen later by model.lowrank.energy'}); choose ranks that "
                   "M divides (model.lowrank.rank), or unstructured pruning")
-    for field, value, on in (("train.prune.structure", "structured",
-                              pr.method != "none" and pr.structure == "structured"),
-                             ("model.stack_layers", True, m.stack_layers),
+    if pr.method != "none" and pr.structure == "structured":
+        _fail("train.prune.structure", pr.structure, "removes whole heads and neurons, which a "
+              "factorized weight's U and V do not own apart; prune and shrink before "
+              "factorizing, or prune unstructured or N:M (each factor pruned)")
+    for field, value, on in (("model.stack_layers", True, m.stack_layers),
                              ("model.reversible", True, m.reversible)):
-        if on and field == "train.prune.structure":
-            _fail(field, value, "removes whole heads and neurons, which a factorized weight's "
-                  "U and V do not own apart; prune and shrink before factorizing, or prune "
-                  "unstructured or N:M (each factor pruned)")
         if on:
             _fail(field, value, "is not combined with model.lowrank yet; factorize (and "
                   "fine-tune) first, or set model.lowrank.rank=0")
