@@ -899,12 +899,13 @@ def _check_lowrank(cfg: Config) -> None:
               "gradient, and a factorized embedding has no rows of its own; set it to 'none' "
               "or drop 'embed' from model.lowrank.layers")
     q = m.quant
+    # the fixed ranks; none while model.lowrank.energy waits to choose them at build time
+    ranks = sorted({lr.rank} if lr.rank else set(lr.ranks.values()))
     if q.applies("output") and lr.applies("output"):
         _fail("quant.layers", q.layers, "names the output layer, whose table model.lowrank "
               "factorizes, and a factorized output table is not quantized yet; leave 'output' "
               "out of quant.layers (the table stays float) or out of model.lowrank.layers")
     if q.group_size and any(q.applies(k) and lr.applies(k) for k in ("qkv", "out", "mlp", "head")):
-        ranks = sorted({lr.rank} if lr.rank else set(lr.ranks.values()))
         if not ranks:  # model.lowrank.energy, resolved when the run is built
             _fail("quant.group_size", q.group_size, "int4 groups split the rank of each "
                   "factorized product, and model.lowrank.energy chooses the ranks later; use "
@@ -920,7 +921,6 @@ def _check_lowrank(cfg: Config) -> None:
         nm = None
     if pr.method != "none" and nm and any(pr.applies(k) and lr.applies(k)
                                                for k in LOWRANK_LAYERS):
-        ranks = sorted({lr.rank} if lr.rank else set(lr.ranks.values()))
         M = nm[1]
         if not ranks or any(r % M for r in ranks):
             _fail("train.prune.structure", pr.structure, f"groups M={M} consecutive weights "

@@ -105,8 +105,8 @@ def serve_experts(w: qlinear.QWeight, q) -> qlinear.Served | None:
 def served_linear(dtype):
     """`dispatch.linear` for `Served` expert weights: expert e's product by its integer
     kernel, which quantizes each row itself, per token, as `expert_inputs` does (int8: the
-    bias and GELU in the kernel's pass over its output)."""
-    def linear(x_TK, w: qlinear.Served, b_XN, e: int, activation=None):
+    bias and GELU in the kernel's pass over its output). `e`: an int, or a traced index."""
+    def linear(x_TK, w: qlinear.Served, b_XN, e, activation=None):
         K, _, N = w.shape
         w_e = qlinear.Served(w=jax.tree.map(lambda a: a[e], w.w), fmt=w.fmt, shape=(K, N))
         return qlinear.served_product(x_TK, w_e, 1, dtype, b_XN[e],
@@ -115,18 +115,12 @@ def served_linear(dtype):
 
 
 def served_block_linear(dtype):
-    """`dispatch.dropless`'s `linear` for `Served` expert weights: block n's product on the
-    integer kernel with expert e[n]'s prepared weight (picked by index inside a loop over
-    the blocks), which quantizes each row itself, as `served_linear`."""
-    def linear(x_NbK, w: qlinear.Served, b_XN, e_N, activation=None):
-        K, _, N = w.shape
+    """`dispatch.dropless`'s `linear` for `Served` expert weights: block n's product is
+    `served_linear`'s with expert e[n] (indexed inside a loop over the blocks)."""
+    one = served_linear(dtype)
 
-        def block(xe):
-            x_bK, e = xe
-            w_e = qlinear.Served(w=jax.tree.map(lambda a: a[e], w.w), fmt=w.fmt, shape=(K, N))
-            return qlinear.served_product(x_bK, w_e, 1, dtype, b_XN[e],
-                                          qlinear.Epilogue(activation))
-        return jax.lax.map(block, (x_NbK, e_N))
+    def linear(x_NbK, w: qlinear.Served, b_XN, e_N, activation=None):
+        return jax.lax.map(lambda xe: one(xe[0], w, b_XN, xe[1], activation), (x_NbK, e_N))
     return linear
 
 
