@@ -510,6 +510,12 @@ class TrainConfig:
     # keys and values on those inputs instead of the weights' (the inputs' covariance
     # whitens the SVD, as SVD-LLM and Yu et al. 2024 do); 0 = the weights alone.
     init_kv_calibration: int = 0
+    # Which experts `init_from` keeps when it has more than this run's model.moe.num_experts
+    # (expert pruning, hpnlp.compress.experts): "routed", each MoE layer's experts whose outputs
+    # carried the most gate weight over `init_expert_batches` training batches (routed as
+    # that run evaluates); "random", a uniform draw per layer (the control).
+    init_experts: str = "routed"
+    init_expert_batches: int = 8
     distill: DistillConfig = DistillConfig()  # `train.distill.*`: a frozen teacher (hpnlp.compress)
     prune: PruneConfig = PruneConfig()  # `train.prune.*`: masks kept in the train state
 
@@ -1428,6 +1434,14 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_kv_cache(cfg)
     _check_kv_latent(cfg)
     _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))
+    _check_choice("train.init_experts", t.init_experts, ("routed", "random"))
+    if (not isinstance(t.init_expert_batches, int) or isinstance(t.init_expert_batches, bool)
+            or t.init_expert_batches < 1):
+        _fail("train.init_expert_batches", t.init_expert_batches, "must be an integer >= 1 "
+              "(training batches routed to rank the experts a run of fewer keeps)")
+    if t.init_experts != "routed" and not t.init_from:
+        _fail("train.init_experts", t.init_experts, "chooses the experts a run keeps of the run "
+              "train.init_from names; set train.init_from, or leave it 'routed'")
     if (not isinstance(t.init_kv_calibration, int) or isinstance(t.init_kv_calibration, bool)
             or t.init_kv_calibration < 0):
         _fail("train.init_kv_calibration", t.init_kv_calibration, "must be an integer >= 0 "

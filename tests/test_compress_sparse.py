@@ -1261,3 +1261,98 @@ def test_uptraining_in_a_seed_ensemble_pools_each_members_copy(tmp_path):
     want = gqa.pool_kv_heads(src, 4, 2)["trunk"]["block_0"]["attention"]["kv"]
     for member in kv:
         np.testing.assert_array_equal(member, want)
+
+
+def _routed_batch(seed: int = 0):
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = np.random.default_rng(seed).integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = np.roll(batch["inputs"], -1, 1)
+    return batch
+
+
+def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_mlp(tmp_path):
+    """`train.init_from` into another number of experts (hpnlp.compress.experts): a run of
+    fewer keeps each MoE layer's experts of the most routed gate weight on its first
+    training batches (router columns with them, in order; 'random' a draw), and a dense run
+    upcycles into experts that are each its MLP, the same function under top_k gates and
+    dropless dispatch. What it cannot convert is refused in one line, before any read."""
+    from hpnlp import moe
+    from hpnlp.compress import experts
+    from hpnlp.train import Trainer
+
+    def moe_cd(x, **fields):
+        cd = tiny("lm")
+        cd.model.depth = 2
+        cd.model.moe.update(num_experts=x, top_k=2, router="top_k", **fields)
+        return cd
+
+    src_cfg, _, src = _teacher_workdir(tmp_path / "x4", moe_cd(4))
+    cd = moe_cd(2)
+    cd.train.update(init_from=str(tmp_path / "x4"), init_expert_batches=2)
+    tr = Trainer(from_configdict(cd), str(tmp_path / "x2"))
+    state, _ = tr.initial_state()
+    used = {}
+    for batch in tr._first_train_batches(2):  # what the conversion read, routed by the source
+        for block, r in moe.route(src_cfg, src, batch).items():
+            used[block] = used.get(block, 0) + r["weights"].sum((0, 1))
+    flat, flat_src = traverse.flatten_dict(state.params), traverse.flatten_dict(src)
+    assert set(flat) == set(flat_src)
+    for block, w in used.items():
+        kept = np.sort(np.argsort(-w)[:2])
+        assert w[kept].min() > np.delete(w, kept).max()  # a strict choice, not a tie
+        layer, layer_src = (p["trunk"][f"block_{block}"]["moe"] for p in (state.params, src))
+        for name, v in layer.items():
+            np.testing.assert_array_equal(v, np.take(np.asarray(layer_src[name]), kept,
+                                                     axis=-1 if name == "router" else 0))
+    for k, v in flat.items():
+        if "moe" not in k:
+            np.testing.assert_array_equal(v, flat_src[k])
+    cd.train.init_experts = "random"  # the control: a subset per layer, every leaf alike
+    state, _ = Trainer(from_configdict(cd), str(tmp_path / "random")).initial_state()
+    for block in used:
+        layer, layer_src = (p["trunk"][f"block_{block}"]["moe"] for p in (state.params, src))
+        kept = [int(np.flatnonzero((layer_src["router"] == c[:, None]).all(0))[0])
+                for c in np.asarray(layer["router"]).T]
+        assert kept == sorted(set(kept))
+        np.testing.assert_array_equal(layer["wo"], np.asarray(layer_src["wo"])[kept])
+
+    dense_cfg, dense_model, dense = _teacher_workdir(tmp_path / "dense", tiny("lm"))
+    up = tiny("lm")
+    up.model.moe.update(num_experts=3, top_k=2, router="top_k", dispatch="dropless")
+    up.train.init_from = str(tmp_path / "dense")
+    tr = Trainer(from_configdict(up), str(tmp_path / "up"))
+    state, _ = tr.initial_state()
+    fresh = tr._init(jax.random.key(tr.cfg.seed))  # the run's own initial state
+    layer, block = state.params["trunk"]["block_0"]["moe"], dense["trunk"]["block_0"]
+    for name, (module, leaf) in experts.DENSE.items():
+        np.testing.assert_array_equal(layer[name], np.stack([block[module][leaf]] * 3))
+    np.testing.assert_array_equal(layer["router"],
+                                  fresh.params["trunk"]["block_0"]["moe"]["router"])
+    batch = _routed_batch()
+    loss = lambda m, p: float(jax.jit(lambda p: m.apply({"params": p}, batch)["loss"])(p))  # noqa: E731
+    np.testing.assert_allclose(loss(tr.eval_model, state.params), loss(dense_model, dense),
+                               rtol=1e-5)
+
+    def refused(cd, path, match):
+        with pytest.raises(ConfigError, match=match):
+            Trainer(from_configdict(cd), str(tmp_path / path))
+    cd = moe_cd(8)
+    cd.train.init_from = str(tmp_path / "x4")
+    refused(cd, "more", r"model\.moe\.num_experts.*has 4 experts.*not grow more")
+    up.model.moe.shared_experts = 1
+    refused(up, "shared", r"model\.moe\.shared_experts.*no dense weights")
+    up.model.moe.update(shared_experts=0, mlp_dim=16)
+    refused(up, "width", r"model\.moe\.mlp_dim.*dense MLP of width 32")
+    cd = moe_cd(2, every=1)
+    cd.model.update(stack_layers=True)
+    cd.train.init_from = str(tmp_path / "x4")
+    refused(cd, "stacked", r"train\.init_from.*stacked layers")
+    cd = moe_cd(2)
+    cd.model.num_kv_heads = 1
+    cd.train.init_from = str(tmp_path / "x4")
+    refused(cd, "both", r"train\.init_from.*both that run's key/value heads and its experts")
+    cd = moe_cd(4)
+    cd.train.update(init_from=str(tmp_path / "x4"), init_experts="random")
+    refused(cd, "same", r"train\.init_experts.*keeps its 4 as they are")
+    cd.train.init_from = ""
+    refused(cd, "none", r"train\.init_experts.*set train\.init_from")

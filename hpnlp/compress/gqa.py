@@ -26,6 +26,7 @@ with the folded map).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -211,16 +212,43 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int, covs=None):
     return map_attentions(params, num_heads, convert)
 
 
-def conversion(cfg: Config, src: ModelConfig, workdir: str):
-    """(the config to restore the `train.init_from` run in `workdir` (model `src`) into, the
-    function converting its parameters into this run's) when this run uptrains that run's
-    key/value heads: pooled into fewer (here) or converted into a latent
-    (hpnlp.compress.mla); None when it restores as it is. A run it cannot convert from is a
-    ConfigError, before anything is read."""
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """How `train.init_from` converts a run of other shapes into this run's (key/value heads
+    here and in hpnlp.compress.mla, experts in hpnlp.compress.experts): `source`, the config
+    that run is restored in; `convert(params, stats, fresh)`, its parameters into this run's
+    (`fresh`: this run's initial parameters; jitted); and what `stats` is: `calibrate(source
+    eval model, params, batches)` over the run's first `batches` training batches, or None."""
+
+    source: Config
+    convert: Callable
+    calibrate: Callable | None = None
+    batches: int = 0
+
+
+def conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | None:
+    """The conversion of the `train.init_from` run in `workdir` (model `src`) into this
+    run: its key/value heads pooled into fewer (here) or into a latent (hpnlp.compress.mla),
+    or its experts changed (hpnlp.compress.experts); None when it restores as it is. A run
+    it cannot convert from is a ConfigError, before anything is read."""
+    from hpnlp.compress import experts
+    kv = _kv_conversion(cfg, src, workdir)
+    moe = experts.conversion(cfg, src, workdir)
+    if kv and moe:
+        raise config_error("train.init_from", workdir, "this run changes both that run's "
+                           "key/value heads and its experts; convert in two runs, one change "
+                           "each")
+    return kv or moe
+
+
+def _kv_conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | None:
+    """The key/value part of `conversion`."""
     from hpnlp.compress import mla
     m = cfg.model
     g_src = source_kv_heads(src, m, workdir)
     calibrated = cfg.train.init_kv_calibration
+    # the SVD fits weighted by the inputs' covariances, when calibrated
+    fits = dict(calibrate=input_covariances, batches=calibrated) if calibrated else {}
     if calibrated and (m.stack_layers or m.reversible):
         raise config_error("train.init_kv_calibration", calibrated, "reads each block's "
                            "attention input, which stacked or reversible blocks do not expose "
@@ -228,14 +256,14 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     if g_src:
         if cfg.train.init_kv_heads == "svd":
             check_svd(cfg, workdir)
-            return source_config(cfg, g_src), lambda p, covs=None: svd_kv_heads(
-                p, m.num_heads, m.kv_heads(), covs)
+            return Conversion(source_config(cfg, g_src), lambda p, covs, fresh: svd_kv_heads(
+                p, m.num_heads, m.kv_heads(), covs), **fits)
         if calibrated:
             raise config_error("train.init_kv_calibration", calibrated, "weights an SVD fit, "
                                "and train.init_kv_heads='mean' averages the heads; set "
                                "train.init_kv_heads='svd', or leave it 0")
-        return source_config(cfg, g_src), lambda p, covs=None: pool_kv_heads(
-            p, m.num_heads, m.kv_heads())
+        return Conversion(source_config(cfg, g_src), lambda p, covs, fresh: pool_kv_heads(
+            p, m.num_heads, m.kv_heads()))
     if cfg.train.init_kv_heads == "svd":
         raise config_error("train.init_kv_heads", "svd", f"fits the key/value heads of a run "
                            f"of more of them into this run's model.num_kv_heads, and the run "
@@ -243,10 +271,10 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
                            f"{m.kv_heads()}{', a latent' if m.kv_latent_dim else ''}): nothing "
                            "to fit; leave it 'mean'")
     if mla.converts(src, m, workdir):
-        return mla.source_config(cfg, src), lambda p, covs=None: mla.latent_from_heads(
-            p, m.num_heads, m.kv_latent_dim, covs)
+        return Conversion(mla.source_config(cfg, src), lambda p, covs, fresh: (
+            mla.latent_from_heads(p, m.num_heads, m.kv_latent_dim, covs)), **fits)
     if calibrated:
         raise config_error("train.init_kv_calibration", calibrated, f"weights the SVD fits "
-                           f"that convert key/value heads, and this run restores "
-                           f"train.init_from={workdir} as it is; leave it 0")
+                           f"that convert key/value heads, and this run keeps the key/value "
+                           f"heads of train.init_from={workdir} as they are; leave it 0")
     return None

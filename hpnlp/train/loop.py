@@ -129,17 +129,15 @@ class Trainer:
         # before any compile, if the shapes differ.
         self.model_params = None
         self._restored = None  # train.init_from's parameters when already read (lowrank.energy)
-        # train.init_from's key/value heads, converted here: pooled into fewer or into a
-        # latent (compress.gqa.conversion): the function that converts them, or None
+        # train.init_from's key/value heads (pooled into fewer or into a latent) or experts
+        # (fewer, or a dense MLP upcycled), converted here: compress.gqa.conversion, or None
         self._convert = None
         if cfg.train.init_from:
             from hpnlp.compress import gqa
             source = load_run_config(cfg.train.init_from)
-            found = gqa.conversion(cfg, source.model, cfg.train.init_from)
-            if found:  # the shapes the source is restored in, and the conversion
-                self._source_cfg, self._convert = found
-            src = models.build(self._source_cfg, deterministic=False,
-                               token_counts=counts) if found else model
+            self._convert = gqa.conversion(cfg, source.model, cfg.train.init_from)
+            src = models.build(self._convert.source, deterministic=False,
+                               token_counts=counts) if self._convert else model
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(src.init({"params": key, "dropout": key}, batch1)["params"]),
                 jax.random.key(0))
@@ -228,9 +226,9 @@ class Trainer:
 
     def source_eval_model(self):
         """The `train.init_from` run's model as it evaluates (dropout off), in the shapes it
-        is restored in before a key/value conversion: its attention inputs weight the
-        calibrated fits (`train.init_kv_calibration`)."""
-        return models.build(self._source_cfg, deterministic=True,
+        is restored in before a conversion: what its calibration reads (the attention inputs
+        that weight calibrated key/value fits, the routes that rank experts)."""
+        return models.build(self._convert.source, deterministic=True,
                             token_counts=self.task.token_counts)
 
     def _first_train_batches(self, n: int) -> list[dict]:
@@ -249,14 +247,12 @@ class Trainer:
         own = carry_lib.trainable_params(like)
         if own:  # a method's own parameters start fresh
             return {**self._params_from(workdir, carry_lib.model_params(like)), **own}
-        if self._convert:  # uptraining to fewer key/value heads or a latent (compress.gqa)
-            source, covs = restore_params(workdir, self.model_params), None
-            if self.cfg.train.init_kv_calibration:  # the fits weighted by the inputs
-                from hpnlp.compress import gqa
-                covs = gqa.input_covariances(
-                    self.source_eval_model(), source,
-                    self._first_train_batches(self.cfg.train.init_kv_calibration))
-            converted = jax.jit(self._convert)(source, covs)
+        if self._convert:  # other key/value heads or experts (compress.gqa.conversion)
+            source, stats, c = restore_params(workdir, self.model_params), None, self._convert
+            if c.calibrate:  # e.g. the fits weighted by the inputs, the experts' routes
+                stats = c.calibrate(self.source_eval_model(), source,
+                                    self._first_train_batches(c.batches))
+            converted = jax.jit(c.convert)(source, stats, like)
             return jax.device_put(converted, jax.tree.map(lambda a: a.sharding, like))
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)

@@ -1,0 +1,179 @@
+"""`python -m hpnlp.bench moe_convert`: trained runs converted into mixtures of experts of
+another size (`train.init_from`, hpnlp.compress.experts), each against the same model
+trained from scratch for the same total steps, in one run on this CPU.
+
+1. Fewer experts (`prune`): the Switch byte LM (experiments/lm.py:bytes,moe: both blocks
+   MoE, 8 experts of the dense MLP's width, top-1) trained `source_steps` (the default
+   run's 800); then each layer keeps `kept` (4) of its experts: the most routed on
+   `calib_batches` (8) training batches (`train.init_experts='routed'`) or a uniform draw
+   (`'random'`, the control), and trains `tune_steps` (200) more. Against: the 8-expert run
+   itself trained those steps (what the steps alone give), and the 4-expert LM trained from
+   scratch for source + tune steps (what the same model gets from the same total steps).
+2. Upcycling (`upcycle`, Komatsuzaki et al. 2023): the dense byte LM trained
+   `source_steps`; each block's MLP copied into 8 experts, top-2 (`router='top_k'`: gates
+   that sum to one, so the upcycled model starts as the dense one, up to capacity drops),
+   router fresh, trained `tune_steps`. Against: the dense run itself trained those steps,
+   and the same MoE trained from scratch for source + tune steps.
+
+Every run after the first `source_steps` trains at the default learning rate with a tenth
+of its steps of warmup and cosine decay (a fresh optimizer, as `train.init_from` starts).
+Reported: eval loss, its change against the from-scratch model of the same shape, the
+loss of each converted model before its steps, parameters, steps. The runs train in
+--workdir (a finished run of the same config is reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from tqdm.auto import tqdm
+
+from hpnlp.bench import compress, harness, report
+
+SIZES = {
+    "full": dict(lm_steps=None, tune_steps=200, experts=8, kept=4, calib_batches=8,
+                 eval_batches=None),
+    "quick": dict(lm_steps=12, tune_steps=4, experts=4, kept=2, calib_batches=2,
+                  eval_batches=2),
+}
+PARTS = ("prune", "upcycle")
+
+
+def _config(s: dict, experts: int, top_k: int, steps: int | None, *, init_from: str = ""):
+    """The byte LM (dense for experts=0) with MoE in both blocks, each expert the dense MLP's
+    width, trained `steps` (None: the default run's), from `init_from` when given."""
+    cd = compress.experiment("byte LM", dict(lm_steps=steps, eval_batches=s["eval_batches"]))
+    if experts:
+        cd.model.moe.update(num_experts=experts, every=1, top_k=top_k,
+                            router="switch" if top_k == 1 else "top_k")
+    if init_from:
+        cd.train.init_from = init_from
+        cd.train.warmup_steps = max(1, steps // 10)
+    return cd
+
+
+def _steps(s: dict) -> tuple[int, int]:
+    """(source steps, source + tune steps)."""
+    source = s["lm_steps"] or compress.experiment("byte LM", dict(
+        lm_steps=None, eval_batches=None)).train.steps
+    return source, source + s["tune_steps"]
+
+
+def _row(method: str, experts: int, top_k: int, summary: dict, before: dict | None = None):
+    return {"method": method, "experts": experts, "top_k": top_k,
+            "steps": summary["final_step"], "params": summary["param_count"],
+            "loss": summary["eval"]["loss"], **({"loss_before": before["loss"]} if before else {})}
+
+
+def _converted(s: dict, cd, workdir: str, name: str) -> tuple[dict, dict]:
+    """(summary, eval before training) of the run `cd` that converts its init_from run."""
+    from hpnlp.bench.gqa import _pooled_eval
+    with tempfile.TemporaryDirectory() as tmp:
+        before = _pooled_eval(cd, tmp)
+    return compress._train(cd, os.path.join(workdir, name)), before
+
+
+def prune_rows(s: dict, workdir: str) -> list[dict]:
+    X, kept, tune = s["experts"], s["kept"], s["tune_steps"]
+    source_steps, total = _steps(s)
+    bar = tqdm(total=5, desc="fewer experts", leave=False)
+    src = os.path.join(workdir, f"switch{X}")
+    rows = [_row("source", X, 1, compress._train(_config(s, X, 1, s["lm_steps"]), src))]
+    bar.update()
+    rows.append(_row("source, continued", X, 1, compress._train(
+        _config(s, X, 1, tune, init_from=src), os.path.join(workdir, f"switch{X}_continued"))))
+    bar.update()
+    for how in ("routed", "random"):
+        cd = _config(s, kept, 1, tune, init_from=src)
+        cd.train.update(init_experts=how, init_expert_batches=s["calib_batches"])
+        summary, before = _converted(s, cd, workdir, f"switch{X}_to_{kept}_{how}")
+        rows.append(_row(f"kept {kept} of {X}: {how}", kept, 1, summary, before))
+        bar.update()
+    rows.append(_row("from scratch", kept, 1, compress._train(
+        _config(s, kept, 1, total), os.path.join(workdir, f"switch{kept}_scratch"))))
+    bar.close()
+    scratch = rows[-1]["loss"]
+    for r in rows:
+        r["loss_vs_scratch"] = r["loss"] - scratch if r["experts"] == kept else None
+    return rows
+
+
+def upcycle_rows(s: dict, workdir: str) -> list[dict]:
+    X, tune = s["experts"], s["tune_steps"]
+    _, total = _steps(s)
+    bar = tqdm(total=4, desc="upcycling", leave=False)
+    src = os.path.join(workdir, "dense")
+    rows = [_row("source", 0, 1, compress._train(_config(s, 0, 1, s["lm_steps"]), src))]
+    bar.update()
+    rows.append(_row("source, continued", 0, 1, compress._train(
+        _config(s, 0, 1, tune, init_from=src), os.path.join(workdir, "dense_continued"))))
+    bar.update()
+    summary, before = _converted(s, _config(s, X, 2, tune, init_from=src), workdir,
+                                 f"upcycled{X}_top2")
+    rows.append(_row(f"upcycled into {X} experts", X, 2, summary, before))
+    bar.update()
+    rows.append(_row("from scratch", X, 2, compress._train(
+        _config(s, X, 2, total), os.path.join(workdir, f"moe{X}_top2_scratch"))))
+    bar.close()
+    scratch = rows[-1]["loss"]
+    for r in rows:
+        r["loss_vs_scratch"] = r["loss"] - scratch if r["experts"] == X else None
+    return rows
+
+
+def _model(r: dict) -> str:
+    return "dense" if not r["experts"] else f"{r['experts']} experts, top-{r['top_k']}"
+
+
+def _table(rows: list[dict]) -> str:
+    return report.table(
+        ["method", "model", "steps", "params", "eval loss", "vs from scratch", "before its steps"],
+        [[r["method"], _model(r), str(r["steps"]), f"{r['params']:,}", f"{r['loss']:.4f}",
+          report.fmt(r["loss_vs_scratch"]) if r["loss_vs_scratch"] is None
+          else f"{r['loss_vs_scratch']:+.4f}",
+          f"{r['loss_before']:.4f}" if "loss_before" in r else "–"] for r in rows])
+
+
+def _markdown(p: dict) -> str:
+    s = p["sizes"]
+    source, total = p["steps"]
+    out = [report.header_md(p["machine"], {}), ""]
+    if p.get("prune"):
+        out += [f"### Fewer experts: {s['kept']} of {s['experts']}", "",
+                f"The Switch byte LM (both blocks MoE, top-1) trained {source} steps (source), "
+                f"then {s['tune_steps']} more: itself (continued), or keeping {s['kept']} of "
+                f"each layer's experts, the most routed on {s['calib_batches']} training "
+                f"batches or a random draw; from scratch: the {s['kept']}-expert LM for "
+                f"{total} steps. Before its steps: the kept experts' eval loss, untrained.", "",
+                _table(p["prune"]), ""]
+    if p.get("upcycle"):
+        out += [f"### Upcycling the dense LM into {s['experts']} experts", "",
+                f"The dense byte LM trained {source} steps (source), then {s['tune_steps']} "
+                f"more: itself (continued), or its MLPs copied into {s['experts']} experts "
+                f"(top-2, gates summing to one; router fresh); from scratch: that MoE LM for "
+                f"{total} steps. Before its steps: the upcycled model's eval loss, "
+                "untrained.", "", _table(p["upcycle"]), ""]
+    out += report.seconds_md(p)
+    return "\n".join(out)
+
+
+def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -> dict:
+    s = dict(SIZES["quick" if quick else "full"])
+    payload = {"sizes": s, "steps": list(_steps(s)), "machine": harness.machine_info(),
+               "seconds": {}}
+    reused = len(compress.REUSED)
+    with tempfile.TemporaryDirectory() as tmp:
+        harness.run_parts(payload, {"prune": lambda: prune_rows(s, workdir or tmp),
+                                    "upcycle": lambda: upcycle_rows(s, workdir or tmp)}, parts)
+    payload["reused_runs"] = len(compress.REUSED) - reused
+    report.write(out_dir, "moe_convert", payload, _markdown(payload))
+    return payload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    harness.add_parts_arguments(p, PARTS, workdir_help="keep the trained runs here (and reuse them)")
+
+
+main = harness.parts_main(run)
