@@ -18,7 +18,7 @@ fewer of them), every other weight as it is. `train.init_experts` chooses which:
 `train.init_expert_batches` training batches, routed in evaluation as the source run
 routes them (the usage criterion of expert-pruning work, e.g. Lu et al. 2024, "Not All
 Experts are Equal"; the least-used experts are the least missed); "random" keeps a uniform
-draw per layer (by `seed`), the control. Kept experts stay in their order.
+draw per layer (from the run's seed), the control. Kept experts stay in their order.
 
 **Sparse upcycling** (Komatsuzaki et al. 2023). A run with `model.moe` that starts from a
 dense run (no MoE, the same model otherwise) takes each MoE block's experts as copies of
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from hpnlp.config import Config, ModelConfig, config_error
 
+DRAW = 0x6b656570  # folded into the init key for the random draw of kept experts
 EXPERT_LAST = ("router", "noise")  # [M, X]: the expert axis last; every other leaf first
 DENSE = {"wi": ("mlp_in", "kernel"), "bi": ("mlp_in", "bias"),
          "wo": ("mlp_out", "kernel"), "bo": ("mlp_out", "bias")}  # an expert <- the dense MLP
@@ -130,15 +131,16 @@ def routed_weight(model, params, batches) -> dict:
     return total
 
 
-def keep(params, experts: int, weights: dict | None, seed: int):
+def keep(params, experts: int, weights: dict | None, key):
     """`params` with each MoE layer's `experts` X' experts kept: those of the largest routed
     weight (`weights`, from `routed_weight`; ties to the first) or, without it, a uniform
-    draw per layer from `seed`; in their order."""
+    draw per layer from `key` (the run's init key: a seed ensemble's member draws as the
+    plain run of its seed); in their order."""
     out = params
     for i, (path, layer) in enumerate(sorted(_moe_layers(params).items())):
         X = layer["router"].shape[-1]
         if weights is None:
-            score = jax.random.uniform(jax.random.fold_in(jax.random.key(seed), i), (X,))
+            score = jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, DRAW), i), (X,))
         else:
             if path not in weights:
                 raise ValueError(f"no routing was captured for the MoE layer at {'/'.join(path)}")
@@ -179,11 +181,11 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
                            f"its {src.moe.num_experts or 'dense MLP'} as they are; leave it "
                            "'routed'")
     if how == "upcycle":
-        return Conversion(source_config(cfg, src), lambda p, stats, fresh: upcycle(p, fresh, X))
+        return Conversion(source_config(cfg, src), lambda p, stats, fresh, key: upcycle(p, fresh, X))
     if how == "prune":
         routed = t.init_experts == "routed"
         return Conversion(source_config(cfg, src),
-                          lambda p, stats, fresh: keep(p, X, stats, cfg.seed),
+                          lambda p, stats, fresh, key: keep(p, X, stats, key),
                           calibrate=routed_weight if routed else None,
                           batches=t.init_expert_batches if routed else 0)
     return None

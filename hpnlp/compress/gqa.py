@@ -216,9 +216,10 @@ def svd_kv_heads(params, num_heads: int, kv_heads: int, covs=None):
 class Conversion:
     """How `train.init_from` converts a run of other shapes into this run's (key/value heads
     here and in hpnlp.compress.mla, experts in hpnlp.compress.experts): `source`, the config
-    that run is restored in; `convert(params, stats, fresh)`, its parameters into this run's
-    (`fresh`: this run's initial parameters; jitted); and what `stats` is: `calibrate(source
-    eval model, params, batches)` over the run's first `batches` training batches, or None."""
+    that run is restored in; `convert(params, stats, fresh, key)`, its parameters into this
+    run's (`fresh`: this run's initial parameters, from `key`; jitted); and what `stats` is:
+    `calibrate(source eval model, params, batches)` over the run's first `batches` training
+    batches, or None."""
 
     source: Config
     convert: Callable
@@ -256,13 +257,13 @@ def _kv_conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | 
     if g_src:
         if cfg.train.init_kv_heads == "svd":
             check_svd(cfg, workdir)
-            return Conversion(source_config(cfg, g_src), lambda p, covs, fresh: svd_kv_heads(
+            return Conversion(source_config(cfg, g_src), lambda p, covs, fresh, key: svd_kv_heads(
                 p, m.num_heads, m.kv_heads(), covs), **fits)
         if calibrated:
             raise config_error("train.init_kv_calibration", calibrated, "weights an SVD fit, "
                                "and train.init_kv_heads='mean' averages the heads; set "
                                "train.init_kv_heads='svd', or leave it 0")
-        return Conversion(source_config(cfg, g_src), lambda p, covs, fresh: pool_kv_heads(
+        return Conversion(source_config(cfg, g_src), lambda p, covs, fresh, key: pool_kv_heads(
             p, m.num_heads, m.kv_heads()))
     if cfg.train.init_kv_heads == "svd":
         raise config_error("train.init_kv_heads", "svd", f"fits the key/value heads of a run "
@@ -271,7 +272,7 @@ def _kv_conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | 
                            f"{m.kv_heads()}{', a latent' if m.kv_latent_dim else ''}): nothing "
                            "to fit; leave it 'mean'")
     if mla.converts(src, m, workdir):
-        return Conversion(mla.source_config(cfg, src), lambda p, covs, fresh: (
+        return Conversion(mla.source_config(cfg, src), lambda p, covs, fresh, key: (
             mla.latent_from_heads(p, m.num_heads, m.kv_latent_dim, covs)), **fits)
     if calibrated:
         raise config_error("train.init_kv_calibration", calibrated, f"weights the SVD fits "

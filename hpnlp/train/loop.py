@@ -215,7 +215,7 @@ class Trainer:
             state = self._init(key)
             if self.cfg.train.init_from:
                 state = state.replace(params=self._params_from(self.cfg.train.init_from,
-                                                               state.params))
+                                                               state.params, key))
             carry, params = {}, state.params
             for c in self.carries:
                 carry[c.name] = c.start(state.carry[c.name], params)
@@ -240,19 +240,19 @@ class Trainer:
                                     batch_size=self.cfg.train.batch_size, **self.iter_args)
         return [_global(b, self.batch_sharding) for b in itertools.islice(iter(it), n)]
 
-    def _params_from(self, workdir: str, like):
+    def _params_from(self, workdir: str, like, key):
         """The newest parameters of the run in `workdir` as this run starts from them: read
         into `like`'s shardings, or (model.lowrank) read as the model's weights and then
         factorized by truncated SVD."""
         own = carry_lib.trainable_params(like)
         if own:  # a method's own parameters start fresh
-            return {**self._params_from(workdir, carry_lib.model_params(like)), **own}
+            return {**self._params_from(workdir, carry_lib.model_params(like), key), **own}
         if self._convert:  # other key/value heads or experts (compress.gqa.conversion)
             source, stats, c = restore_params(workdir, self.model_params), None, self._convert
             if c.calibrate:  # e.g. the fits weighted by the inputs, the experts' routes
                 stats = c.calibrate(self.source_eval_model(), source,
                                     self._first_train_batches(c.batches))
-            converted = jax.jit(c.convert)(source, stats, like)
+            converted = jax.jit(c.convert)(source, stats, like, key)
             return jax.device_put(converted, jax.tree.map(lambda a: a.sharding, like))
         if not self.cfg.model.lowrank.enabled():
             return restore_params(workdir, like)
