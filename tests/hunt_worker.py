@@ -13,6 +13,8 @@ takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
   one-line refusal (`ptq_refused`); then, where the config names a `student` (fields
   merged over the run's own), that student distilled from the run (`train.distill.teacher`)
   with finite losses, or refused in one line before it trains (`student_refused`); then,
+  where it names `then` (fields merged likewise, `train.init_from` the run where they say
+  FIRST), that run with finite losses or refused in one line (`then_refused`); then,
   for a Transformer LM, decoding (`hpnlp.models.generate`, greedy for even seeds, sampled
   for odd) from initial parameters.
 - `error`: anything else raised (`message` and the traceback's tail).
@@ -46,6 +48,7 @@ def run_one(overrides: dict) -> dict:
     overrides = dict(overrides)
     fmt = overrides.pop("ptq", None)
     student = overrides.pop("student", None)
+    then = overrides.pop("then", None)
     try:
         cfg = from_configdict(overrides)
         full = validate(cfg, num_processes=1)
@@ -61,10 +64,11 @@ def run_one(overrides: dict) -> dict:
             out.update(quantized(workdir, fmt))
             if out["status"] != "ok":
                 return out
-        if student is not None:
-            out.update(distilled(overrides, student, workdir))
-            if out["status"] != "ok":
-                return out
+        for name, changes in (("student", student), ("then", then)):
+            if changes is not None:
+                out.update(second_run(overrides, changes, workdir, name))
+                if out["status"] != "ok":
+                    return out
     # Expert-choice routing ranks a whole group's tokens, which one decoded token is not.
     if (full.model.kind == "lm" and full.model.arch == "transformer"
             and not (full.model.moe.enabled() and full.model.moe.router == "expert_choice")):
@@ -104,14 +108,22 @@ def _merged(base: dict, changes: dict) -> dict:
     return out
 
 
-def distilled(teacher: dict, student: dict, workdir: str) -> dict:
-    """A student (`student`'s fields over the teacher's config) distilled from the run in
-    `workdir`: finite losses, or a one-line refusal before any step trains."""
+FIRST = "FIRST"  # in a second run's fields: the first run's workdir
+
+
+def second_run(first: dict, changes: dict, workdir: str, name: str) -> dict:
+    """A run of `changes`' fields over the first run's config that starts from the run in
+    `workdir` (a student distilled from it, `train.distill.teacher`, or `train.init_from`
+    it where the changes say FIRST): finite losses, or a one-line refusal before any step
+    trains. Replies are keyed by `name` ("student", "then")."""
     from hpnlp.config import ConfigError, from_configdict, validate
     from hpnlp.train import run
-    fields = _merged(teacher, student)
-    fields["train"]["distill"] = dict(fields["train"]["distill"], teacher=workdir)
-    out = os.path.join(workdir, "student")
+    fields = _merged(first, changes)
+    if "distill" in changes.get("train", {}):
+        fields["train"]["distill"] = dict(fields["train"]["distill"], teacher=workdir)
+    if fields["train"].get("init_from") == FIRST:
+        fields["train"]["init_from"] = workdir
+    out = os.path.join(workdir, name)
     try:
         cfg = from_configdict(fields)
         validate(cfg, num_processes=1)
@@ -119,13 +131,13 @@ def distilled(teacher: dict, student: dict, workdir: str) -> dict:
     except ConfigError as e:
         trained = os.path.exists(os.path.join(out, "metrics.jsonl"))
         if "\n" in str(e) or trained:
-            return {"status": "error", "message": f"the student's refusal is not one line before "
-                                                  f"training: {e}"}
-        return {"student_refused": str(e)}
+            return {"status": "error", "message": f"the {name} run's refusal is not one line "
+                                                  f"before training: {e}"}
+        return {f"{name}_refused": str(e)}
     losses = _losses(out, summary)
     if isinstance(losses, str):
-        return {"status": "error", "message": f"student: {losses}"}
-    return {"student_loss": losses[-1]}
+        return {"status": "error", "message": f"{name}: {losses}"}
+    return {f"{name}_loss": losses[-1]}
 
 
 def quantized(workdir: str, fmt) -> dict:

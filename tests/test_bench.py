@@ -809,6 +809,46 @@ def test_gqa_bench_quick_run(tmp_path):
     assert os.path.exists(tmp_path / "out" / "gqa_decode.png")
 
 
+def test_moe_convert_bench_table_from_a_payload():
+    from hpnlp.bench import moe_convert
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes": moe_convert.SIZES["quick"], "steps": [12, 16],
+               "prune": [{"method": "source", "experts": 4, "top_k": 1, "steps": 12,
+                          "params": 2000, "loss": 3.0, "loss_vs_scratch": None},
+                         {"method": "kept 2 of 4: routed", "experts": 2, "top_k": 1, "steps": 4,
+                          "params": 1000, "loss": 2.9, "loss_vs_scratch": -0.1,
+                          "loss_before": 3.1}],
+               "upcycle": [{"method": "upcycled into 4 experts", "experts": 4, "top_k": 2,
+                            "steps": 4, "params": 2000, "loss": 2.7, "loss_vs_scratch": 0.05,
+                            "loss_before": 2.8},
+                           {"method": "source", "experts": 0, "top_k": 1, "steps": 12,
+                            "params": 500, "loss": 2.8, "loss_vs_scratch": None}],
+               "seconds": {"prune": 9.0, "upcycle": 8.0}}
+    md = moe_convert._markdown(payload)
+    assert "| source | 4 experts, top-1 | 12 | 2,000 | 3.0000 | – | – |" in md
+    assert "| kept 2 of 4: routed | 2 experts, top-1 | 4 | 1,000 | 2.9000 | -0.1000 | 3.1000 |" in md
+    assert "| upcycled into 4 experts | 4 experts, top-2 | 4 | 2,000 | 2.7000 | +0.0500 | 2.8000 |" in md
+    assert "| source | dense | 12 | 500 | 2.8000 | – | – |" in md
+    assert "the 2-expert LM for 16 steps" in md
+
+
+@pytest.mark.slow  # about 3.5 min on the 2-core EPYC Zen 4: CI's slow part runs it
+def test_moe_convert_bench_quick_run(tmp_path):
+    from hpnlp.bench import moe_convert
+    p = moe_convert.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
+    assert [(r["method"], r["experts"], r["top_k"]) for r in p["prune"]] == [
+        ("source", 4, 1), ("source, continued", 4, 1), ("kept 2 of 4: routed", 2, 1),
+        ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1)]
+    assert [(r["method"], r["experts"], r["top_k"]) for r in p["upcycle"]] == [
+        ("source", 0, 1), ("source, continued", 0, 1), ("upcycled into 4 experts", 4, 2),
+        ("from scratch", 4, 2)]
+    assert all(np.isfinite(r["loss"]) for r in p["prune"] + p["upcycle"])
+    # the upcycled model starts as the dense source (top_k gates; nothing dropped at eval)
+    assert p["upcycle"][2]["loss_before"] == pytest.approx(p["upcycle"][0]["loss"], rel=1e-4)
+    assert p["prune"][2]["params"] < p["prune"][0]["params"]
+
+
 def test_rope_bench_table_from_a_payload():
     from hpnlp.bench import rope
     long = {"seq_len": 8, "loss": 2.75, "loss_by_position": [2.0] * 8,

@@ -1356,3 +1356,11 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     refused(cd, "same", r"train\.init_experts.*keeps its 4 as they are")
     cd.train.init_from = ""
     refused(cd, "none", r"train\.init_experts.*set train\.init_from")
+    cd.train.update(init_from=str(tmp_path / "x4"), init_experts="routed", init_expert_batches=0)
+    refused(cd, "zero", r"train\.init_expert_batches.*integer >= 1")
+    low = tiny("lm")
+    low.model.lowrank.rank = 4
+    _config_only_workdir(tmp_path / "low", low)
+    up.model.moe.mlp_dim = 0
+    up.train.init_from = str(tmp_path / "low")
+    refused(up, "low", r"train\.init_from.*factorized.*start from the dense run")

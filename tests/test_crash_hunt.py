@@ -3,7 +3,9 @@ train, evaluate and decode with finite losses, or be refused by `validate` in on
 quarter of the runs that train are then quantized (`ptq.quantize`, a drawn format), which
 must evaluate finite and reload identical, or refuse in one line; an eighth are then the
 teacher of a drawn student (`train.distill.*`: shallower, maybe narrower or factorized, a
-drawn init and losses), which must train finite or be refused in one line before it trains.
+drawn init and losses), which must train finite or be refused in one line before it trains;
+and an eighth start a run with other experts (`train.init_from`: fewer, or a dense run
+upcycled), held to the same.
 
 Each configuration runs in a worker process (`tests/hunt_worker.py`), so a segmentation
 fault or an abort is reported as this test's failure, with its configuration, instead of
@@ -182,7 +184,8 @@ def configs(draw) -> dict:
             "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn,
             "ptq": draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None,
-            "student": draw(students()) if draw(st.integers(0, 7)) == 0 else None}
+            "student": draw(students()) if draw(st.integers(0, 7)) == 0 else None,
+            "then": draw(expert_changes()) if draw(st.integers(0, 7)) == 0 else None}
 
 
 @st.composite
@@ -199,6 +202,22 @@ def students(draw) -> dict:
                "init": draw(st.sampled_from(["none", "every_other", "select", "importance"])),
                "init_blocks": draw(st.sampled_from(["first", "last"])), "importance_batches": 2}
     return {"model": model, "train": {"steps": 2, "distill": distill}}
+
+
+@st.composite
+def expert_changes(draw) -> dict:
+    """A run that starts from the hunted one (`train.init_from`) with other experts: fewer
+    (expert pruning), a dense run's MLP upcycled, or drawn mistakes (hpnlp.compress.experts)."""
+    router = draw(st.sampled_from(["switch", "top_k", "expert_choice"]))
+    moe = {"num_experts": draw(st.sampled_from([1, 2, 4, 8])), "router": router,
+           "top_k": 1 if router == "switch" else 2 if router == "top_k" else 1,
+           "every": draw(st.sampled_from([1, 2])),
+           "dispatch": draw(st.sampled_from(["capacity", "dropless"])),
+           "shared_experts": draw(st.sampled_from([0, 0, 1]))}
+    return {"model": {"moe": moe},
+            "train": {"steps": 2, "init_from": "FIRST",
+                      "init_experts": draw(st.sampled_from(["routed", "random"])),
+                      "init_expert_batches": draw(st.sampled_from([1, 2]))}}
 
 
 def devices_for(config: dict) -> int:

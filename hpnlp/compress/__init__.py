@@ -15,6 +15,8 @@ what acts on a trained run (`quantize`, `shrink`) and config fields for what tra
 - `lowrank`: products factorized by truncated SVD (`model.lowrank.*`).
 - `gqa`, `mla`: a multi-head run uptrained into grouped key/value heads (averaged, or
   fitted by SVD) or converted into a latent (joint SVD), by `train.init_from`.
+- `experts`: an MoE run into fewer experts (the most routed kept), or a dense run
+  upcycled into experts, by `train.init_from`.
 - `kernels`, `qgemm.cc`: the integer CPU products a quantized model runs on.
 
 Quantization-aware training is the `quant.*` config group on any experiment.

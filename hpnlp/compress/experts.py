@@ -63,6 +63,9 @@ def change(src: ModelConfig, dst: ModelConfig, workdir: str) -> str:
                            "experts, and a run can keep fewer of them, not grow more; "
                            "upcycle from the dense run instead, or set num_experts <= "
                            f"{xs}")
+    from hpnlp.compress.gqa import refuse_factorized
+    refuse_factorized(src, dst, workdir, made="the experts are taken",
+                      first="change the experts")
     if dst.stack_layers:
         raise config_error("train.init_from", workdir, "changing the experts converts each "
                            "MoE block on its own, which stacked layers (model.stack_layers="
