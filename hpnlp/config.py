@@ -513,7 +513,9 @@ class TrainConfig:
     # Which experts `init_from` keeps when it has more than this run's model.moe.num_experts
     # (expert pruning, hpnlp.compress.experts): "routed", each MoE layer's experts whose outputs
     # carried the most gate weight over `init_expert_batches` training batches (routed as
-    # that run evaluates); "random", a uniform draw per layer (the control).
+    # that run evaluates); "random", a uniform draw per layer (the control); "merged", each
+    # of those the average of itself and the experts routed most like it, their neurons
+    # aligned to it (MC-SMoE).
     init_experts: str = "routed"
     init_expert_batches: int = 8
     distill: DistillConfig = DistillConfig()  # `train.distill.*`: a frozen teacher (hpnlp.compress)
@@ -1434,7 +1436,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_kv_cache(cfg)
     _check_kv_latent(cfg)
     _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))
-    _check_choice("train.init_experts", t.init_experts, ("routed", "random"))
+    _check_choice("train.init_experts", t.init_experts, ("routed", "random", "merged"))
     if (not isinstance(t.init_expert_batches, int) or isinstance(t.init_expert_batches, bool)
             or t.init_expert_batches < 1):
         _fail("train.init_expert_batches", t.init_expert_batches, "must be an integer >= 1 "

@@ -827,8 +827,10 @@ def test_moe_convert_bench_table_from_a_payload():
                "seconds": {"prune": 9.0, "upcycle": 8.0}}
     md = moe_convert._markdown(payload)
     assert "| source | 4 experts, top-1 | 12 | 2,000 | 3.0000 | – | – |" in md
-    assert "| kept 2 of 4: routed | 2 experts, top-1 | 4 | 1,000 | 2.9000 | -0.1000 | 3.1000 |" in md
-    assert "| upcycled into 4 experts | 4 experts, top-2 | 4 | 2,000 | 2.7000 | +0.0500 | 2.8000 |" in md
+    assert ("| kept 2 of 4: routed | 2 experts, top-1 | 4 | 1,000 | 2.9000 | -0.1000 | 3.1000 |"
+            in md)
+    assert ("| upcycled into 4 experts | 4 experts, top-2 | 4 | 2,000 | 2.7000 | +0.0500 | "
+            "2.8000 |" in md)
     assert "| source | dense | 12 | 500 | 2.8000 | – | – |" in md
     assert "the 2-expert LM for 16 steps" in md
 
@@ -839,7 +841,7 @@ def test_moe_convert_bench_quick_run(tmp_path):
     p = moe_convert.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
     assert [(r["method"], r["experts"], r["top_k"]) for r in p["prune"]] == [
         ("source", 4, 1), ("source, continued", 4, 1), ("kept 2 of 4: routed", 2, 1),
-        ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1)]
+        ("kept 2 of 4: merged", 2, 1), ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1)]
     assert [(r["method"], r["experts"], r["top_k"]) for r in p["upcycle"]] == [
         ("source", 0, 1), ("source, continued", 0, 1), ("upcycled into 4 experts", 4, 2),
         ("from scratch", 4, 2)]

@@ -1270,6 +1270,36 @@ def _routed_batch(seed: int = 0):
     return batch
 
 
+def test_merged_experts_align_neurons_before_averaging():
+    """`experts.plan_layer` + `merge` (MC-SMoE): the most routed experts are kept, each other
+    joins the one of the most alike router probabilities, its neurons permuted to match
+    before the routed-weight average: an expert that is a neuron permutation of its
+    dominant one merges back into exactly that expert."""
+    from hpnlp.compress import experts
+    rng = np.random.default_rng(3)
+    M, F = 3, 6
+    layer = {"router": rng.normal(size=(M, 4)), "wi": rng.normal(size=(4, M, F)),
+             "bi": rng.normal(size=(4, F)), "wo": rng.normal(size=(4, F, M)),
+             "bo": rng.normal(size=(4, M))}
+    perm = rng.permutation(F)
+    layer["wi"][3], layer["bi"][3] = layer["wi"][0][:, perm], layer["bi"][0][perm]
+    layer["wo"][3], layer["bo"][3] = layer["wo"][0][perm], layer["bo"][0]
+    p_NX = rng.uniform(size=(50, 4))
+    p_NX[:, 3], p_NX[:, 2] = p_NX[:, 0], p_NX[:, 1] + 0.01  # 3 routed like 0, 2 like 1
+    plan = experts.plan_layer([5.0, 3.0, 1.0, 2.0], p_NX.T @ p_NX, layer, 2)
+    assert plan["kept"].tolist() == [0, 1] and plan["group"].tolist() == [0, 1, 1, 0]
+    np.testing.assert_array_equal(layer["wi"][3][:, plan["perm"][3]], layer["wi"][0])
+    out = experts.merge({"moe": jax.tree.map(jnp.asarray, layer)}, 2, {("moe",): plan})["moe"]
+    for name in ("wi", "bi", "wo", "bo"):  # slot 0: (5 e0 + 2 e0) / 7
+        np.testing.assert_allclose(out[name][0], layer[name][0], rtol=1e-5, atol=1e-6)
+    p2 = plan["perm"][2]
+    np.testing.assert_allclose(out["wi"][1], (3 * layer["wi"][1] + layer["wi"][2][:, p2]) / 4,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["wo"][1], (3 * layer["wo"][1] + layer["wo"][2][p2]) / 4,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["router"], layer["router"][:, [0, 1]], rtol=1e-6)
+
+
 def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_mlp(tmp_path):
     """`train.init_from` into another number of experts (hpnlp.compress.experts): a run of
     fewer keeps each MoE layer's experts of the most routed gate weight on its first
@@ -1283,7 +1313,7 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     def moe_cd(x, **fields):
         cd = tiny("lm")
         cd.model.depth = 2
-        cd.model.moe.update(num_experts=x, top_k=2, router="top_k", **fields)
+        cd.model.moe.update(num_experts=x, top_k=2, router="top_k", shared_experts=1, **fields)
         return cd
 
     src_cfg, _, src = _teacher_workdir(tmp_path / "x4", moe_cd(4))
@@ -1302,6 +1332,9 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
         assert w[kept].min() > np.delete(w, kept).max()  # a strict choice, not a tie
         layer, layer_src = (p["trunk"][f"block_{block}"]["moe"] for p in (state.params, src))
         for name, v in layer.items():
+            if name.startswith("shared"):  # the shared expert's MLP, as it was
+                jax.tree.map(np.testing.assert_array_equal, v, layer_src[name])
+                continue
             np.testing.assert_array_equal(v, np.take(np.asarray(layer_src[name]), kept,
                                                      axis=-1 if name == "router" else 0))
     for k, v in flat.items():
@@ -1315,6 +1348,21 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
                 for c in np.asarray(layer["router"]).T]
         assert kept == sorted(set(kept))
         np.testing.assert_array_equal(layer["wo"], np.asarray(layer_src["wo"])[kept])
+        np.testing.assert_array_equal(layer["shared_in"]["kernel"],
+                                      layer_src["shared_in"]["kernel"])
+    cd.train.init_experts = "merged"  # each group merged as plan_layer plans it from the routes
+    state, _ = Trainer(from_configdict(cd), str(tmp_path / "merged")).initial_state()
+    gram = {}
+    for batch in tr._first_train_batches(2):
+        real = np.asarray(batch["segment_ids"]) > 0
+        for block, r in moe.route(src_cfg, src, batch).items():
+            p_NX = r["probs"][real]
+            gram[block] = gram.get(block, 0) + p_NX.T.astype(np.float64) @ p_NX
+    plans = {("trunk", f"block_{b}", "moe"): experts.plan_layer(
+        used[b], gram[b], src["trunk"][f"block_{b}"]["moe"], 2) for b in used}
+    want = experts.merge(src, 2, plans)
+    for k, v in traverse.flatten_dict(state.params).items():
+        np.testing.assert_allclose(v, traverse.flatten_dict(want)[k], rtol=1e-6, atol=1e-7)
 
     dense_cfg, dense_model, dense = _teacher_workdir(tmp_path / "dense", tiny("lm"))
     up = tiny("lm")

@@ -208,15 +208,19 @@ def students(draw) -> dict:
 def expert_changes(draw) -> dict:
     """A run that starts from the hunted one (`train.init_from`) with other experts: fewer
     (expert pruning), a dense run's MLP upcycled, or drawn mistakes (hpnlp.compress.experts)."""
-    router = draw(st.sampled_from(["switch", "top_k", "expert_choice"]))
-    moe = {"num_experts": draw(st.sampled_from([1, 2, 4, 8])), "router": router,
-           "top_k": 1 if router == "switch" else 2 if router == "top_k" else 1,
+    experts = draw(st.sampled_from([1, 2, 4, 8]))
+    router = draw(st.sampled_from(["switch", "top_k", "top_k", "expert_choice"]))
+    if experts == 1 and router == "top_k":
+        router = "switch"
+    moe = {"num_experts": experts, "router": router, "top_k": 2 if router == "top_k" else 1,
            "every": draw(st.sampled_from([1, 2])),
-           "dispatch": draw(st.sampled_from(["capacity", "dropless"])),
+           "dispatch": "capacity" if router == "expert_choice"
+           else draw(st.sampled_from(["capacity", "dropless"])),
            "shared_experts": draw(st.sampled_from([0, 0, 1]))}
     return {"model": {"moe": moe},
             "train": {"steps": 2, "init_from": "FIRST",
-                      "init_experts": draw(st.sampled_from(["routed", "random"])),
+                      "init_experts": draw(st.sampled_from(["routed", "routed", "merged",
+                                                            "random"])),
                       "init_expert_batches": draw(st.sampled_from([1, 2]))}}
 
 

@@ -5,8 +5,10 @@ trained from scratch for the same total steps, in one run on this CPU.
 1. Fewer experts (`prune`): the Switch byte LM (experiments/lm.py:bytes,moe: both blocks
    MoE, 8 experts of the dense MLP's width, top-1) trained `source_steps` (the default
    run's 800); then each layer keeps `kept` (4) of its experts: the most routed on
-   `calib_batches` (8) training batches (`train.init_experts='routed'`) or a uniform draw
-   (`'random'`, the control), and trains `tune_steps` (200) more. Against: the 8-expert run
+   `calib_batches` (8) training batches (`train.init_experts='routed'`), those with the
+   others merged into them (`'merged'`, MC-SMoE: each joins the kept expert routed most
+   like it, neurons aligned, averaged by routed weight) or a uniform draw (`'random'`, the
+   control), and trains `tune_steps` (200) more. Against: the 8-expert run
    itself trained those steps (what the steps alone give), and the 4-expert LM trained from
    scratch for source + tune steps (what the same model gets from the same total steps).
 2. Upcycling (`upcycle`, Komatsuzaki et al. 2023): the dense byte LM trained
@@ -30,7 +32,7 @@ import tempfile
 
 from tqdm.auto import tqdm
 
-from hpnlp.bench import compress, harness, report
+from hpnlp.bench import compress, gqa, harness, report
 
 SIZES = {
     "full": dict(lm_steps=None, tune_steps=200, experts=8, kept=4, calib_batches=8,
@@ -67,60 +69,55 @@ def _row(method: str, experts: int, top_k: int, summary: dict, before: dict | No
             "loss": summary["eval"]["loss"], **({"loss_before": before["loss"]} if before else {})}
 
 
-def _converted(s: dict, cd, workdir: str, name: str) -> tuple[dict, dict]:
-    """(summary, eval before training) of the run `cd` that converts its init_from run."""
-    from hpnlp.bench.gqa import _pooled_eval
-    with tempfile.TemporaryDirectory() as tmp:
-        before = _pooled_eval(cd, tmp)
-    return compress._train(cd, os.path.join(workdir, name)), before
+def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, target: tuple):
+    """Rows: the `source` model ((experts, top_k, its run's name)) trained `lm_steps`, then
+    itself trained `tune_steps` more ("continued"), each of `conversions` ((label, the
+    config of its run from the source, its run's name)) with its loss before its steps, and
+    the `target` model ((experts, top_k)) from scratch for source + tune steps; each row's
+    loss against that last one where its model is the target's."""
+    X, k, name = source
+    _, total = _steps(s)
+    bar = tqdm(total=3 + len(conversions), desc=desc, leave=False)
+    src = os.path.join(workdir, name)
+    rows = [_row("source", X, k, compress._train(_config(s, X, k, s["lm_steps"]), src))]
+    bar.update()
+    rows.append(_row("source, continued", X, k, compress._train(
+        _config(s, X, k, s["tune_steps"], init_from=src),
+        os.path.join(workdir, f"{name}_continued"))))
+    bar.update()
+    for label, cd, run_name in conversions:
+        with tempfile.TemporaryDirectory() as tmp:
+            before = gqa._pooled_eval(cd, tmp)
+        summary = compress._train(cd, os.path.join(workdir, run_name))
+        m = cd.model.moe
+        rows.append(_row(label, m.num_experts, m.top_k, summary, before))
+        bar.update()
+    rows.append(_row("from scratch", *target, compress._train(
+        _config(s, *target, total),
+        os.path.join(workdir, f"moe{target[0]}_top{target[1]}_scratch"))))
+    bar.close()
+    scratch = rows[-1]["loss"]
+    for r in rows:
+        same = (r["experts"], r["top_k"]) == target
+        r["loss_vs_scratch"] = r["loss"] - scratch if same else None
+    return rows
 
 
 def prune_rows(s: dict, workdir: str) -> list[dict]:
-    X, kept, tune = s["experts"], s["kept"], s["tune_steps"]
-    source_steps, total = _steps(s)
-    bar = tqdm(total=5, desc="fewer experts", leave=False)
-    src = os.path.join(workdir, f"switch{X}")
-    rows = [_row("source", X, 1, compress._train(_config(s, X, 1, s["lm_steps"]), src))]
-    bar.update()
-    rows.append(_row("source, continued", X, 1, compress._train(
-        _config(s, X, 1, tune, init_from=src), os.path.join(workdir, f"switch{X}_continued"))))
-    bar.update()
-    for how in ("routed", "random"):
-        cd = _config(s, kept, 1, tune, init_from=src)
+    X, kept, src = s["experts"], s["kept"], f"moe{s['experts']}_top1"
+    conversions = []
+    for how in ("routed", "merged", "random"):
+        cd = _config(s, kept, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
         cd.train.update(init_experts=how, init_expert_batches=s["calib_batches"])
-        summary, before = _converted(s, cd, workdir, f"switch{X}_to_{kept}_{how}")
-        rows.append(_row(f"kept {kept} of {X}: {how}", kept, 1, summary, before))
-        bar.update()
-    rows.append(_row("from scratch", kept, 1, compress._train(
-        _config(s, kept, 1, total), os.path.join(workdir, f"switch{kept}_scratch"))))
-    bar.close()
-    scratch = rows[-1]["loss"]
-    for r in rows:
-        r["loss_vs_scratch"] = r["loss"] - scratch if r["experts"] == kept else None
-    return rows
+        conversions.append((f"kept {kept} of {X}: {how}", cd, f"{src}_to_{kept}_{how}"))
+    return _compare(s, workdir, "fewer experts", (X, 1, src), conversions, (kept, 1))
 
 
 def upcycle_rows(s: dict, workdir: str) -> list[dict]:
-    X, tune = s["experts"], s["tune_steps"]
-    _, total = _steps(s)
-    bar = tqdm(total=4, desc="upcycling", leave=False)
-    src = os.path.join(workdir, "dense")
-    rows = [_row("source", 0, 1, compress._train(_config(s, 0, 1, s["lm_steps"]), src))]
-    bar.update()
-    rows.append(_row("source, continued", 0, 1, compress._train(
-        _config(s, 0, 1, tune, init_from=src), os.path.join(workdir, "dense_continued"))))
-    bar.update()
-    summary, before = _converted(s, _config(s, X, 2, tune, init_from=src), workdir,
-                                 f"upcycled{X}_top2")
-    rows.append(_row(f"upcycled into {X} experts", X, 2, summary, before))
-    bar.update()
-    rows.append(_row("from scratch", X, 2, compress._train(
-        _config(s, X, 2, total), os.path.join(workdir, f"moe{X}_top2_scratch"))))
-    bar.close()
-    scratch = rows[-1]["loss"]
-    for r in rows:
-        r["loss_vs_scratch"] = r["loss"] - scratch if r["experts"] == X else None
-    return rows
+    X = s["experts"]
+    cd = _config(s, X, 2, s["tune_steps"], init_from=os.path.join(workdir, "dense"))
+    return _compare(s, workdir, "upcycling", (0, 1, "dense"),
+                    [(f"upcycled into {X} experts", cd, f"upcycled{X}_top2")], (X, 2))
 
 
 def _model(r: dict) -> str:
@@ -145,7 +142,9 @@ def _markdown(p: dict) -> str:
                 f"The Switch byte LM (both blocks MoE, top-1) trained {source} steps (source), "
                 f"then {s['tune_steps']} more: itself (continued), or keeping {s['kept']} of "
                 f"each layer's experts, the most routed on {s['calib_batches']} training "
-                f"batches or a random draw; from scratch: the {s['kept']}-expert LM for "
+                f"batches (routed), those with the others merged into them (merged: each "
+                f"joins the kept expert routed most like it, neurons aligned, averaged by "
+                f"routed weight) or a random draw; from scratch: the {s['kept']}-expert LM for "
                 f"{total} steps. Before its steps: the kept experts' eval loss, untrained.", "",
                 _table(p["prune"]), ""]
     if p.get("upcycle"):
@@ -173,7 +172,8 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    harness.add_parts_arguments(p, PARTS, workdir_help="keep the trained runs here (and reuse them)")
+    harness.add_parts_arguments(p, PARTS,
+                                workdir_help="keep the trained runs here (and reuse them)")
 
 
 main = harness.parts_main(run)

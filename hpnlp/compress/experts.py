@@ -20,6 +20,15 @@ routes them (the usage criterion of expert-pruning work, e.g. Lu et al. 2024, "N
 Experts are Equal"; the least-used experts are the least missed); "random" keeps a uniform
 draw per layer (from the run's seed), the control. Kept experts stay in their order.
 
+**Expert merging** (`train.init_experts='merged'`; MC-SMoE, Li et al. 2024, "Merge, Then
+Compress", without its later compression): the most routed experts are kept as dominant
+ones, and every other expert joins the dominant one whose router probabilities over the
+calibration tokens are most alike (cosine of the columns). Each group becomes one expert:
+its members' neurons permuted to match the dominant expert's (a linear assignment on their
+weights, as weight matching does; an MLP's neurons may be permuted without changing it),
+then averaged, weighted by the gate weight each carried. The router keeps the dominant
+experts' columns. What pruning would drop is folded into what stays.
+
 **Sparse upcycling** (Komatsuzaki et al. 2023). A run with `model.moe` that starts from a
 dense run (no MoE, the same model otherwise) takes each MoE block's experts as copies of
 that block's dense MLP (`mlp_in` -> `wi`, `bi`; `mlp_out` -> `wo`, `bo`), its router (and
@@ -45,7 +54,9 @@ import jax.numpy as jnp
 from hpnlp.config import Config, ModelConfig, config_error
 
 DRAW = 0x6b656570  # folded into the init key for the random draw of kept experts
-EXPERT_LAST = ("router", "noise")  # [M, X]: the expert axis last; every other leaf first
+# An MoE layer's per-expert parameters: the expert axis last ([M, X]) or first; the rest
+# (shared experts) is no expert's
+EXPERT_LAST, EXPERT_FIRST = ("router", "noise"), ("wi", "bi", "wo", "bo")
 DENSE = {"wi": ("mlp_in", "kernel"), "bi": ("mlp_in", "bias"),
          "wo": ("mlp_out", "kernel"), "bo": ("mlp_out", "bias")}  # an expert <- the dense MLP
 
@@ -109,18 +120,26 @@ def _replace(tree, path, value):
     return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
 
 
-def routed_weight(model, params, batches) -> dict:
-    """{path of each MoE layer: [X] the gate weight its experts' outputs carried}, summed
-    over `batches` as `model` (evaluation) routes them (`hpnlp.moe.ROUTES`)."""
+def usage(model, params, batches) -> dict:
+    """{path of each MoE layer: (weight [X], gram [X, X])}: the gate weight each expert's
+    outputs carried, and the Gram matrix P^T P of the router probabilities P [tokens, X] at
+    the real tokens (segment id > 0), summed over `batches` as `model` (evaluation) routes
+    them (`hpnlp.moe.ROUTES`)."""
     from hpnlp.moe import ROUTES
 
     def one(params, batch):
         _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES])
+        seg = batch.get("segment_ids")
         out = {}
 
         def walk(tree, path):
-            if "weights" in tree and not isinstance(tree["weights"], dict):
-                out[path] = jnp.sum(tree["weights"][0].astype(jnp.float32), axis=(0, 1))
+            if "weights" in tree and "probs" in tree:
+                p_BLX = tree["probs"][0].astype(jnp.float32)
+                real = (jnp.ones(p_BLX.shape[:2]) if seg is None or seg.shape != p_BLX.shape[:2]
+                        else (seg > 0).astype(jnp.float32))
+                p_NX = (p_BLX * real[..., None]).reshape(-1, p_BLX.shape[-1])
+                out[path] = (jnp.sum(tree["weights"][0].astype(jnp.float32), axis=(0, 1)),
+                             p_NX.T @ p_NX)
                 return
             for k, v in tree.items():
                 walk(v, path + (k,))
@@ -130,28 +149,101 @@ def routed_weight(model, params, batches) -> dict:
     total: dict = {}
     for batch in batches:
         for k, v in one(params, batch).items():
-            total[k] = total[k] + v if k in total else v
+            total[k] = jax.tree.map(jnp.add, total[k], v) if k in total else v
     return total
 
 
-def keep(params, experts: int, weights: dict | None, key):
+def _used(stats: dict, path: tuple):
+    if path not in stats:
+        raise ValueError(f"no routing was captured for the MoE layer at {'/'.join(path)}")
+    return stats[path]
+
+
+def _top(weight, experts: int):
+    """The `experts` indices of the largest `weight` (ties to the first), in order."""
+    _, top = jax.lax.top_k(weight, experts)
+    return jnp.sort(top)
+
+
+def keep(params, experts: int, stats: dict | None, key):
     """`params` with each MoE layer's `experts` X' experts kept: those of the largest routed
-    weight (`weights`, from `routed_weight`; ties to the first) or, without it, a uniform
-    draw per layer from `key` (the run's init key: a seed ensemble's member draws as the
-    plain run of its seed); in their order."""
+    weight (`stats`, from `usage`) or, without it, a uniform draw per layer from `key` (the
+    run's init key: a seed ensemble's member draws as the plain run of its seed); in their
+    order."""
     out = params
     for i, (path, layer) in enumerate(sorted(_moe_layers(params).items())):
         X = layer["router"].shape[-1]
-        if weights is None:
+        if stats is None:
             score = jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, DRAW), i), (X,))
         else:
-            if path not in weights:
-                raise ValueError(f"no routing was captured for the MoE layer at {'/'.join(path)}")
-            score = weights[path]
-        _, top = jax.lax.top_k(score, experts)
-        kept = jnp.sort(top)
-        out = _replace(out, path, {k: jnp.take(v, kept, axis=-1 if k in EXPERT_LAST else 0)
-                                   for k, v in layer.items()})
+            score = _used(stats, path)[0]
+        kept = _top(score, experts)
+        out = _replace(out, path, {**layer, **{
+            k: jnp.take(layer[k], kept, axis=-1 if k in EXPERT_LAST else 0)
+            for k in EXPERT_LAST + EXPERT_FIRST if k in layer}})
+    return out
+
+
+def merge_plan(experts: int):
+    """`calibrate` of `train.init_experts='merged'`: {path of each MoE layer: `plan_layer`
+    of its `usage`}. On the host (scipy)."""
+    def calibrate(model, params, batches):
+        stats = usage(model, params, batches)
+        return {path: plan_layer(*_used(stats, path), layer, experts)
+                for path, layer in sorted(_moe_layers(params).items())}
+    return calibrate
+
+
+def plan_layer(weight, gram, layer: dict, experts: int) -> dict:
+    """How one MoE layer's X experts merge into `experts` X' (`weight` [X] routed, `gram`
+    [X, X] router probabilities' P^T P, from `usage`): {"weight": `weight`, "kept": [X'] the
+    dominant experts (the most routed, ties to the first, in order), "group": [X] the kept
+    slot each expert merges into (its own for a dominant one; else the dominant one whose
+    router probabilities over the tokens are most alike, by the cosine of their columns),
+    "perm": [X, F] each expert's neurons in the order that best matches its dominant one's
+    (a linear assignment maximizing the summed inner products of matched neurons' weights:
+    `wi` columns, `bi`, `wo` rows; the identity for a dominant one)}."""
+    import numpy as np
+    from scipy.optimize import linear_sum_assignment
+    weight, gram = np.asarray(weight, np.float64), np.asarray(gram, np.float64)
+    kept = np.sort(np.argsort(-weight, kind="stable")[:experts])
+    norm = np.sqrt(np.maximum(np.diag(gram), 1e-30))
+    group = np.argmax((gram / norm[:, None] / norm[None, :])[:, kept], axis=1)
+    group[kept] = np.arange(experts)
+    wi, bi, wo = (np.asarray(layer[k], np.float64) for k in ("wi", "bi", "wo"))
+    perm = np.tile(np.arange(wi.shape[-1]), (len(weight), 1))
+    for j in range(len(weight)):
+        d = kept[group[j]]
+        if d != j:
+            score = wi[d].T @ wi[j] + np.outer(bi[d], bi[j]) + wo[d] @ wo[j].T
+            perm[j] = linear_sum_assignment(score, maximize=True)[1]
+    return {"weight": weight.astype(np.float32), "kept": kept.astype(np.int32),
+            "group": group.astype(np.int32), "perm": perm.astype(np.int32)}
+
+
+def merge(params, experts: int, plans: dict):
+    """`params` with each MoE layer's experts merged into `experts` X' by `merge_plan`'s
+    plan (MC-SMoE, Li et al. 2024, "Merge, Then Compress"): each kept expert becomes the
+    average of its group's experts, neurons aligned to it, weighted by their routed weight
+    (evenly where the group carried none); the router keeps the dominant experts' columns."""
+    out = params
+    for path, layer in sorted(_moe_layers(params).items()):
+        plan = _used(plans, path)
+        perm_XF = plan["perm"]
+        aligned = {"wi": jnp.take_along_axis(layer["wi"], perm_XF[:, None, :], axis=2),
+                   "bi": jnp.take_along_axis(layer["bi"], perm_XF, axis=1),
+                   "wo": jnp.take_along_axis(layer["wo"], perm_XF[:, :, None], axis=1),
+                   "bo": layer["bo"]}
+        member_XK = jax.nn.one_hot(plan["group"], experts, dtype=jnp.float32)
+        w_XK = member_XK * plan["weight"][:, None]
+        total_1K = jnp.sum(w_XK, axis=0, keepdims=True)
+        coef_XK = jnp.where(total_1K > 0, w_XK / jnp.where(total_1K > 0, total_1K, 1.0),
+                            member_XK / jnp.sum(member_XK, axis=0, keepdims=True))
+        merged = {k: jnp.einsum("xk,x...->k...", coef_XK, v.astype(jnp.float32)).astype(v.dtype)
+                  for k, v in aligned.items()}
+        merged.update({k: jnp.take(layer[k], plan["kept"], axis=-1)
+                       for k in EXPERT_LAST if k in layer})
+        out = _replace(out, path, {**layer, **merged})
     return out
 
 
@@ -184,11 +276,16 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
                            f"its {src.moe.num_experts or 'dense MLP'} as they are; leave it "
                            "'routed'")
     if how == "upcycle":
-        return Conversion(source_config(cfg, src), lambda p, stats, fresh, key: upcycle(p, fresh, X))
+        return Conversion(source_config(cfg, src),
+                          lambda p, stats, fresh, key: upcycle(p, fresh, X))
+    if how == "prune" and t.init_experts == "merged":
+        return Conversion(source_config(cfg, src),
+                          lambda p, plans, fresh, key: merge(p, X, plans),
+                          calibrate=merge_plan(X), batches=t.init_expert_batches)
     if how == "prune":
         routed = t.init_experts == "routed"
         return Conversion(source_config(cfg, src),
                           lambda p, stats, fresh, key: keep(p, X, stats, key),
-                          calibrate=routed_weight if routed else None,
+                          calibrate=usage if routed else None,
                           batches=t.init_expert_batches if routed else 0)
     return None
