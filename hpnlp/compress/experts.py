@@ -75,7 +75,7 @@ def change(src: ModelConfig, dst: ModelConfig, workdir: str) -> str:
                            "upcycle from the dense run instead, or set num_experts <= "
                            f"{xs}")
     from hpnlp.compress.gqa import refuse_factorized
-    refuse_factorized(src, dst, workdir, made="the experts are taken",
+    refuse_factorized(src, dst, workdir, made="the experts are taken from dense MLP weights",
                       first="change the experts")
     if dst.stack_layers:
         raise config_error("train.init_from", workdir, "changing the experts converts each "
@@ -87,7 +87,7 @@ def change(src: ModelConfig, dst: ModelConfig, workdir: str) -> str:
                                f"copies train.init_from={workdir}'s dense MLP into the routed "
                                "experts, and a shared expert beside them has no dense weights "
                                "that keep the model's function; set it to 0")
-        if dst.moe.expert_dim(dst) != src.mlp_dim:
+        if dst.moe.mlp_dim and dst.moe.mlp_dim != src.mlp_dim:  # else check_params_match
             raise config_error("model.moe.mlp_dim", dst.moe.mlp_dim, f"upcycled experts are "
                                f"copies of train.init_from={workdir}'s dense MLP of width "
                                f"{src.mlp_dim}; set it to 0 (model.mlp_dim) or {src.mlp_dim}")

@@ -49,19 +49,20 @@ def source_kv_heads(src: ModelConfig, dst: ModelConfig, workdir: str) -> int:
         raise config_error("train.init_from", workdir, f"that run has {g_src} key/value heads "
                            f"and this one model.num_kv_heads={g_dst}: uptraining pools groups of "
                            "heads, so this run's must divide that run's")
-    refuse_factorized(src, dst, workdir, made="the key/value heads are pooled",
+    refuse_factorized(src, dst, workdir,
+                      made="the key/value heads are pooled from dense key and value weights",
                       first="uptrain to model.num_kv_heads")
     return g_src
 
 
 def refuse_factorized(src: ModelConfig, dst: ModelConfig, workdir: str, *, made: str,
                       first: str) -> None:
-    """A conversion of key/value weights (`made` from them) reads a dense run into a dense
-    one: a factorized side (model.lowrank) is refused, naming the order that works."""
+    """A conversion (`made`: what it makes from which dense weights) reads a dense run into a
+    dense one: a factorized side (model.lowrank) is refused, naming the order that works."""
     if src.lowrank.enabled():
         raise config_error("train.init_from", workdir, f"that run's products are factorized "
-                           f"(model.lowrank), and {made} from dense key and value weights; "
-                           "start from the dense run it was factorized from")
+                           f"(model.lowrank), and {made}; start from the dense run it was "
+                           "factorized from")
     if dst.lowrank.enabled():
         raise config_error("model.lowrank.rank", dst.lowrank.rank or dst.lowrank.energy,
                            f"convert and factorize in two runs: {first} first, then "

@@ -59,7 +59,8 @@ def converts(src: ModelConfig, dst: ModelConfig, workdir: str) -> bool:
                            f"{src.dims_per_head()}); a larger latent's extra dims would start "
                            f"at zero and never train; choose model.kv_latent_dim <= {most}")
     from hpnlp.compress.gqa import refuse_factorized
-    refuse_factorized(src, dst, workdir, made="the latent is converted",
+    refuse_factorized(src, dst, workdir,
+                      made="the latent is converted from dense key and value weights",
                       first="convert to model.kv_latent_dim")
     return True
 
