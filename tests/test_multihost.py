@@ -172,6 +172,30 @@ def test_importance_init_ranks_the_same_units_on_two_processes(tmp_path, launch)
     assert losses(two) == losses(one)
 
 
+@pytest.mark.slow
+def test_merged_experts_are_planned_the_same_on_two_processes(tmp_path, launch):
+    """train.init_experts=merged routes the run's first training batches (global arrays)
+    through the source and plans the merge on the host: 2 processes (1 device each) merge
+    the same experts as 1 process with 2 devices, so the runs' losses are equal bitwise."""
+    moe = ["--config.model.moe.top_k=2", "--config.model.moe.router=top_k"]
+    source = tmp_path / "source"
+    finish(launch(source, extra=[*moe, "--config.model.moe.num_experts=4",
+                                 "--config.train.steps=4",
+                                 "--config.train.checkpoint_every=4",
+                                 "--config.train.warmup_steps=1"]))
+    merged = [*moe, "--config.model.moe.num_experts=2", f"--config.train.init_from={source}",
+              "--config.train.init_experts=merged", "--config.train.init_expert_batches=2",
+              "--config.train.steps=3", "--config.train.checkpoint_every=3",
+              "--config.train.warmup_steps=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_one = launch(one, devices=2, extra=merged)
+    run_two = launch(two, processes=2, extra=merged)
+    finish(run_one)
+    finish(run_two)
+    assert [s for s, _ in losses(one)] == [1, 2, 3]
+    assert losses(two) == losses(one)
+
+
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     # A coordinator without a port is refused when flags are parsed, before

@@ -116,8 +116,13 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
 def upcycle_rows(s: dict, workdir: str) -> list[dict]:
     X = s["experts"]
     cd = _config(s, X, 2, s["tune_steps"], init_from=os.path.join(workdir, "dense"))
-    return _compare(s, workdir, "upcycling", (0, 1, "dense"),
+    rows = _compare(s, workdir, "upcycling", (0, 1, "dense"),
                     [(f"upcycled into {X} experts", cd, f"upcycled{X}_top2")], (X, 2))
+    # the upcycled model untrained with nothing dropped: the dense source's function
+    cd.model.moe.dispatch = "dropless"
+    with tempfile.TemporaryDirectory() as tmp:
+        rows[2]["loss_before_dropless"] = gqa._pooled_eval(cd, tmp)["loss"]
+    return rows
 
 
 def _model(r: dict) -> str:
@@ -131,6 +136,17 @@ def _table(rows: list[dict]) -> str:
           report.fmt(r["loss_vs_scratch"]) if r["loss_vs_scratch"] is None
           else f"{r['loss_vs_scratch']:+.4f}",
           f"{r['loss_before']:.4f}" if "loss_before" in r else "–"] for r in rows])
+
+
+def _dropless(rows: list[dict]) -> str:
+    """The upcycled model's loss before its steps under dropless dispatch, beside the dense
+    source's, as a clause (or nothing, for payloads without it)."""
+    up = next((r for r in rows if "loss_before_dropless" in r), None)
+    if up is None:
+        return ""
+    return (f" (with capacity dispatch, as it trains; with dropless dispatch, nothing "
+            f"dropped: {up['loss_before_dropless']:.4f}, the dense source "
+            f"{rows[0]['loss']:.4f})")
 
 
 def _markdown(p: dict) -> str:
@@ -153,7 +169,7 @@ def _markdown(p: dict) -> str:
                 f"more: itself (continued), or its MLPs copied into {s['experts']} experts "
                 f"(top-2, gates summing to one; router fresh); from scratch: that MoE LM for "
                 f"{total} steps. Before its steps: the upcycled model's eval loss, "
-                "untrained.", "", _table(p["upcycle"]), ""]
+                "untrained" + _dropless(p["upcycle"]) + ".", "", _table(p["upcycle"]), ""]
     out += report.seconds_md(p)
     return "\n".join(out)
 

@@ -242,8 +242,9 @@ class Trainer:
 
     def _params_from(self, workdir: str, like, key):
         """The newest parameters of the run in `workdir` as this run starts from them: read
-        into `like`'s shardings, or (model.lowrank) read as the model's weights and then
-        factorized by truncated SVD."""
+        into `like`'s shardings; converted (other key/value heads or experts: `like` is this
+        run's start from `key`, which a conversion may read); or (model.lowrank) read as the
+        model's weights and then factorized by truncated SVD."""
         own = carry_lib.trainable_params(like)
         if own:  # a method's own parameters start fresh
             return {**self._params_from(workdir, carry_lib.model_params(like), key), **own}
