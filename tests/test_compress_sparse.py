@@ -1401,7 +1401,7 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     refused(cd, "both", r"train\.init_from.*both that run's key/value heads and its experts")
     cd = moe_cd(4)
     cd.train.update(init_from=str(tmp_path / "x4"), init_experts="random")
-    refused(cd, "same", r"train\.init_experts.*keeps its 4 as they are")
+    refused(cd, "same", r"train\.init_experts.*keeps that run's 4 experts as they are")
     cd.train.init_from = ""
     refused(cd, "none", r"train\.init_experts.*set train\.init_from")
     cd.train.update(init_from=str(tmp_path / "x4"), init_experts="routed", init_expert_batches=0)

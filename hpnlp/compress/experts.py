@@ -271,10 +271,12 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     how = change(src, cfg.model, workdir)
     t, X = cfg.train, cfg.model.moe.num_experts
     if how != "prune" and t.init_experts != "routed":
+        does = ("copies that run's dense MLP into every expert" if how == "upcycle" else
+                f"keeps that run's {src.moe.num_experts} experts as they are"
+                if src.moe.num_experts else "has no experts to cut")
         raise config_error("train.init_experts", t.init_experts, f"chooses which experts of "
-                           f"train.init_from={workdir} a run of fewer keeps, and this run keeps "
-                           f"its {src.moe.num_experts or 'dense MLP'} as they are; leave it "
-                           "'routed'")
+                           f"train.init_from={workdir} a run of fewer keeps, and this run "
+                           f"{does}; leave it 'routed'")
     if how == "upcycle":
         return Conversion(source_config(cfg, src),
                           lambda p, stats, fresh, key: upcycle(p, fresh, X))
