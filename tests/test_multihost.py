@@ -160,12 +160,18 @@ def test_importance_init_ranks_the_same_units_on_two_processes(tmp_path, launch)
                                          "--config.train.warmup_steps=1"]))
     student = [f"--config.train.distill.teacher={teacher}", "--config.train.distill.init=importance",
                "--config.train.distill.importance_batches=2", "--config.model.width=16",
-               "--config.model.num_heads=2", "--config.model.mlp_dim=32",
-               "--config.train.steps=3", "--config.train.checkpoint_every=3",
-               "--config.train.warmup_steps=1"]
+               "--config.model.num_heads=2", "--config.model.mlp_dim=32"]
+    _same_on_one_and_two_processes(tmp_path, launch, student)
+
+
+def _same_on_one_and_two_processes(tmp_path, launch, extra):
+    """3 steps of the run `extra` describes on 1 process with 2 devices and on 2 processes
+    of 1: the same losses, bitwise."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run_one = launch(one, devices=2, extra=student)
-    run_two = launch(two, processes=2, extra=student)
+    extra = [*extra, "--config.train.steps=3", "--config.train.checkpoint_every=3",
+             "--config.train.warmup_steps=1"]
+    run_one = launch(one, devices=2, extra=extra)
+    run_two = launch(two, processes=2, extra=extra)
     finish(run_one)
     finish(run_two)
     assert [s for s, _ in losses(one)] == [1, 2, 3]
@@ -183,17 +189,9 @@ def test_merged_experts_are_planned_the_same_on_two_processes(tmp_path, launch):
                                  "--config.train.steps=4",
                                  "--config.train.checkpoint_every=4",
                                  "--config.train.warmup_steps=1"]))
-    merged = [*moe, "--config.model.moe.num_experts=2", f"--config.train.init_from={source}",
-              "--config.train.init_experts=merged", "--config.train.init_expert_batches=2",
-              "--config.train.steps=3", "--config.train.checkpoint_every=3",
-              "--config.train.warmup_steps=1"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_one = launch(one, devices=2, extra=merged)
-    run_two = launch(two, processes=2, extra=merged)
-    finish(run_one)
-    finish(run_two)
-    assert [s for s, _ in losses(one)] == [1, 2, 3]
-    assert losses(two) == losses(one)
+    _same_on_one_and_two_processes(tmp_path, launch, [
+        *moe, "--config.model.moe.num_experts=2", f"--config.train.init_from={source}",
+        "--config.train.init_experts=merged", "--config.train.init_expert_batches=2"])
 
 
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it

@@ -125,6 +125,7 @@ def usage(model, params, batches) -> dict:
     outputs carried, and the Gram matrix P^T P of the router probabilities P [tokens, X] at
     the real tokens (segment id > 0), summed over `batches` as `model` (evaluation) routes
     them (`hpnlp.moe.ROUTES`)."""
+    from hpnlp.compress.gqa import real_tokens, summed_over_batches
     from hpnlp.moe import ROUTES
 
     def one(params, batch):
@@ -135,8 +136,7 @@ def usage(model, params, batches) -> dict:
         def walk(tree, path):
             if "weights" in tree and "probs" in tree:
                 p_BLX = tree["probs"][0].astype(jnp.float32)
-                real = (jnp.ones(p_BLX.shape[:2]) if seg is None or seg.shape != p_BLX.shape[:2]
-                        else (seg > 0).astype(jnp.float32))
+                real = real_tokens(seg, p_BLX.shape[:2])
                 p_NX = (p_BLX * real[..., None]).reshape(-1, p_BLX.shape[-1])
                 out[path] = (jnp.sum(tree["weights"][0].astype(jnp.float32), axis=(0, 1)),
                              p_NX.T @ p_NX)
@@ -145,12 +145,7 @@ def usage(model, params, batches) -> dict:
                 walk(v, path + (k,))
         walk(got[ROUTES], ())
         return out
-    one = jax.jit(one)
-    total: dict = {}
-    for batch in batches:
-        for k, v in one(params, batch).items():
-            total[k] = jax.tree.map(jnp.add, total[k], v) if k in total else v
-    return total
+    return summed_over_batches(one, params, batches)
 
 
 def _used(stats: dict, path: tuple):

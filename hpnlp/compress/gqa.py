@@ -150,18 +150,31 @@ def input_covariances(model, params, batches) -> dict:
                     walk(sub, path + (k,))
                     continue
                 x = sub[0].astype(jnp.float32)
-                real = (jnp.ones(x.shape[:2]) if seg is None or seg.shape != x.shape[:2]
-                        else (seg > 0).astype(jnp.float32))
+                real = real_tokens(seg, x.shape[:2])
                 x = (x * real[..., None]).reshape(-1, x.shape[-1])
                 out[path[:-1] + ("attention",)] = (x.T @ x, jnp.sum(real))
         walk(state["intermediates"], ())
         return out
+    total = summed_over_batches(one, params, batches)
+    return {k: xx / jnp.maximum(n, 1.0) for k, (xx, n) in total.items()}
+
+
+def real_tokens(seg, shape):
+    """[B, L] 1.0 at the real tokens (segment id > 0) of a batch's `segment_ids` `seg`; all
+    ones where the batch has none of that shape."""
+    return (jnp.ones(shape) if seg is None or seg.shape != shape
+            else (seg > 0).astype(jnp.float32))
+
+
+def summed_over_batches(one, params, batches) -> dict:
+    """{key: the sum over `batches` of `one(params, batch)[key]`} (a dict of arrays or of
+    tuples of them), `one` jitted once."""
     one = jax.jit(one)
     total: dict = {}
     for batch in batches:
         for k, v in one(params, batch).items():
             total[k] = jax.tree.map(jnp.add, total[k], v) if k in total else v
-    return {k: xx / jnp.maximum(n, 1.0) for k, (xx, n) in total.items()}
+    return total
 
 
 def _cov_at(covs, path: tuple):
