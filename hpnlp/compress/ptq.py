@@ -296,6 +296,10 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     _, reloaded, reloaded_quant = load(out, cfg_q)
     if not float_dtype:
         reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)
+    # placed as the run's own arrays are (a mesh may shard them; a sharded low-precision
+    # forward sums in another order than a one-device one, and this check is bitwise)
+    reloaded, reloaded_quant = (jax.tree.map(lambda r, a: jax.device_put(r, a.sharding), r, a)
+                                for r, a in ((reloaded, served), (reloaded_quant, quant_vars)))
     out_before = eval_q(served, quant_vars, eval_batch)
     out_after = eval_q(reloaded, reloaded_quant, eval_batch)
     identical = all(bool(jnp.array_equal(a, b)) for a, b in
