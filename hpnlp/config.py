@@ -1097,10 +1097,6 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
              "in a custom backward pass that cannot report the router's losses"),
             ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
              "their layers functionally and cannot report the router's losses"),
-            ("train.prune.structure", "structured", t.prune.method != "none"
-             and t.prune.structure == "structured" and t.prune.applies("mlp"),
-             "whole neurons are pruned from one MLP, and each expert is an MLP of its own; "
-             "prune the experts unstructured or N:M, or leave 'mlp' out of train.prune.layers"),
             ("model.lowrank.rank", m.lowrank.rank, m.lowrank.enabled(), "expert products are not "
              "factorizable yet"),
             ("quant.act_scale", "static", m.quant.act_scale == "static" and

@@ -818,7 +818,10 @@ def test_moe_convert_bench_table_from_a_payload():
                           "params": 2000, "loss": 3.0, "loss_vs_scratch": None},
                          {"method": "kept 2 of 4: routed", "experts": 2, "top_k": 1, "steps": 4,
                           "params": 1000, "loss": 2.9, "loss_vs_scratch": -0.1,
-                          "loss_before": 3.1}],
+                          "loss_before": 3.1},
+                         {"method": "half of each expert's neurons, shrunk (of 32)",
+                          "experts": 4, "top_k": 1, "steps": 4, "params": 1100, "loss": 2.95,
+                          "loss_vs_scratch": 0.02, "width": 16}],
                "upcycle": [{"method": "source", "experts": 0, "top_k": 1, "steps": 12,
                             "params": 500, "loss": 2.8, "loss_vs_scratch": None},
                            {"method": "upcycled into 4 experts", "experts": 4, "top_k": 2,
@@ -833,6 +836,9 @@ def test_moe_convert_bench_table_from_a_payload():
             "2.9000 |" in md)
     assert "| source | dense | 12 | 500 | 2.8000 | – | – |" in md
     assert "the 2-expert LM for 16 steps" in md
+    assert ("| half of each expert's neurons, shrunk (of 32) | 4 experts of width 16, top-1 | 4 "
+            "| 1,100 | 2.9500 | +0.0200 | – |" in md)
+    assert "from scratch below it: that narrow MoE for 16 steps." in md
     assert "nothing dropped: 2.8000, the dense source 2.8000)." in md
 
 
@@ -842,7 +848,9 @@ def test_moe_convert_bench_quick_run(tmp_path):
     p = moe_convert.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
     assert [(r["method"], r["experts"], r["top_k"]) for r in p["prune"]] == [
         ("source", 4, 1), ("source, continued", 4, 1), ("kept 2 of 4: routed", 2, 1),
-        ("kept 2 of 4: merged", 2, 1), ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1)]
+        ("kept 2 of 4: merged", 2, 1), ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1),
+        (f"half of each expert's neurons, shrunk (of {p['prune'][6]['width'] * 2})", 4, 1),
+        ("from scratch", 4, 1)]
     assert [(r["method"], r["experts"], r["top_k"]) for r in p["upcycle"]] == [
         ("source", 0, 1), ("source, continued", 0, 1), ("upcycled into 4 experts", 4, 2),
         ("from scratch", 4, 2)]
@@ -851,6 +859,9 @@ def test_moe_convert_bench_quick_run(tmp_path):
     assert p["upcycle"][2]["loss_before_dropless"] == pytest.approx(p["upcycle"][0]["loss"],
                                                                     rel=1e-5)
     assert p["prune"][2]["params"] < p["prune"][0]["params"]
+    narrow, scratch = p["prune"][6:]  # the shrunk narrow experts and that MoE from scratch
+    assert narrow["params"] == scratch["params"] < p["prune"][0]["params"]
+    assert narrow["width"] == scratch["width"] and scratch["loss_vs_scratch"] == 0
 
 
 def test_rope_bench_table_from_a_payload():

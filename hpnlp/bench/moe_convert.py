@@ -11,6 +11,11 @@ trained from scratch for the same total steps, in one run on this CPU.
    control), and trains `tune_steps` (200) more. Against: the 8-expert run
    itself trained those steps (what the steps alone give), and the 4-expert LM trained from
    scratch for source + tune steps (what the same model gets from the same total steps).
+   Beside them, the same expert parameters by narrower experts: the source trained
+   `tune_steps` with each expert's weakest half of its neurons pruned at once
+   (`train.prune` structured, magnitude: each expert ranks its own), then shrunk
+   (`python -m hpnlp.compress shrink`) to 8 experts of half the width; against the same
+   narrow MoE from scratch for source + tune steps.
 2. Upcycling (`upcycle`, Komatsuzaki et al. 2023): the dense byte LM trained
    `source_steps`; each block's MLP copied into 8 experts, top-2 (`router='top_k'`: gates
    that sum to one, so the upcycled model starts as the dense one, up to capacity drops),
@@ -69,6 +74,36 @@ def _row(method: str, experts: int, top_k: int, summary: dict, before: dict | No
             "loss": summary["eval"]["loss"], **({"loss_before": before["loss"]} if before else {})}
 
 
+def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
+    """The source (`src`, the Switch LM) trained `tune_steps` with half of every expert's
+    neurons pruned structurally at its first update (each expert its own weakest by their
+    weights' L2 norm), shrunk to experts of half the width; and that narrow MoE from
+    scratch for source + tune steps. Rows as `_compare`'s, with the experts' width."""
+    from hpnlp.compress import prune
+    X, (_, total) = s["experts"], _steps(s)
+    cd = _config(s, X, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
+    width = cd.model.moe.mlp_dim or cd.model.mlp_dim
+    cd.train.prune.update(method="magnitude", sparsity=0.5, structure="structured",
+                          schedule="oneshot", start_step=0, layers="mlp")
+    pdir, sdir = (os.path.join(workdir, f"{src}_half_neurons{t}") for t in ("", "_shrunk"))
+    compress._train(cd, pdir)
+    if os.path.exists(sdir):  # shrunk afresh from the pruned run of this config
+        import shutil
+        shutil.rmtree(sdir)
+    summ = prune.shrink_run(pdir, sdir)
+    narrow = summ["model"]["moe.mlp_dim"][1]
+    rows = [_row(f"half of each expert's neurons, shrunk (of {width})", X, 1,
+                 {"final_step": s["tune_steps"], "param_count": summ["params"]["shrunk"],
+                  "eval": summ["eval"]})]
+    scratch = _config(s, X, 1, total)
+    scratch.model.moe.mlp_dim = narrow
+    rows.append(_row("from scratch", X, 1, compress._train(
+        scratch, os.path.join(workdir, f"moe{X}_top1_width{narrow}_scratch"))))
+    for r in rows:
+        r.update(width=narrow, loss_vs_scratch=r["loss"] - rows[-1]["loss"])
+    return rows
+
+
 def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, target: tuple):
     """Rows: the `source` model ((experts, top_k, its run's name)) trained `lm_steps`, then
     itself trained `tune_steps` more ("continued"), each of `conversions` ((label, the
@@ -110,7 +145,8 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
         cd = _config(s, kept, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
         cd.train.update(init_experts=how, init_expert_batches=s["calib_batches"])
         conversions.append((f"kept {kept} of {X}: {how}", cd, f"{src}_to_{kept}_{how}"))
-    return _compare(s, workdir, "fewer experts", (X, 1, src), conversions, (kept, 1))
+    return (_compare(s, workdir, "fewer experts", (X, 1, src), conversions, (kept, 1))
+            + narrow_rows(s, workdir, src))
 
 
 def upcycle_rows(s: dict, workdir: str) -> list[dict]:
@@ -126,7 +162,8 @@ def upcycle_rows(s: dict, workdir: str) -> list[dict]:
 
 
 def _model(r: dict) -> str:
-    return "dense" if not r["experts"] else f"{r['experts']} experts, top-{r['top_k']}"
+    width = f" of width {r['width']}" if "width" in r else ""
+    return "dense" if not r["experts"] else f"{r['experts']} experts{width}, top-{r['top_k']}"
 
 
 def _table(rows: list[dict]) -> str:
@@ -149,6 +186,16 @@ def _dropless(rows: list[dict]) -> str:
             f"{rows[0]['loss']:.4f})")
 
 
+def _narrow(rows: list[dict], s: dict) -> str:
+    """The narrower experts' rows described (or nothing, for payloads without them)."""
+    if not any("width" in r for r in rows):
+        return ""
+    return (f" The same expert parameters by narrower experts: the source trained "
+            f"{s['tune_steps']} steps with half of each expert's neurons pruned at its first "
+            f"update (structured, magnitude: each expert ranks its own), then shrunk; from "
+            f"scratch below it: that narrow MoE for {_steps(s)[1]} steps.")
+
+
 def _markdown(p: dict) -> str:
     s = p["sizes"]
     source, total = p["steps"]
@@ -161,7 +208,8 @@ def _markdown(p: dict) -> str:
                 f"batches (routed), those with the others merged into them (merged: each "
                 f"joins the kept expert routed most like it, neurons aligned, averaged by "
                 f"routed weight) or a random draw; from scratch: the {s['kept']}-expert LM for "
-                f"{total} steps. Before its steps: the kept experts' eval loss, untrained.", "",
+                f"{total} steps. Before its steps: the kept experts' eval loss, untrained."
+                + _narrow(p["prune"], s), "",
                 _table(p["prune"]), ""]
     if p.get("upcycle"):
         out += [f"### Upcycling the dense LM into {s['experts']} experts", "",

@@ -37,6 +37,12 @@ output layer stay dense.
   removes what they pruned: a smaller dense Transformer of the same config class
   (`model.num_heads`, `model.mlp_dim` smaller, `model.head_dim` kept) computing what the
   masked model computed.
+  An MoE layer's experts are MLPs of their own: each expert's neurons rank among
+  themselves and every expert keeps the same count (a neuron owns its column of the
+  expert's `wi` and `bi`, its row of `wo`), as do its shared experts (model.moe.shared_
+  experts, one wider MLP: S experts' neurons side by side), so the shrunk layer's experts
+  stack as before, `model.moe.mlp_dim` smaller. The router is kept: with a pruned neuron's
+  weights zero its gelu reads 0 and it adds nothing, so every expert computes what it did.
   An LSTM/GRU's units are its `model.width` channels (`rnn_layout`), which size the
   embedding and every layer's state alike, so unit j is hidden unit j of every layer at
   once, as width pruning of a Transformer's residual stream removes a channel from every
@@ -74,6 +80,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import flax.linen as nn
 import flax.traverse_util as traverse
@@ -264,11 +271,34 @@ def sparsity_report(params, masks: dict) -> dict:
 # ---------------------------------------------------------------- structured pruning
 
 # A product kind -> the logical axis its units lie along (parameters carry logical axis
-# names, hpnlp.models.transformer), and what a unit of that axis is called.
+# names, hpnlp.models.transformer), and what a unit of that axis is called. An MoE layer's
+# neurons (its experts' and its shared experts') are "expert_mlp": they size
+# model.moe.mlp_dim where a dense block's size model.mlp_dim.
 GROUP_AXIS = {"qkv": "heads", "out": "heads", "mlp": "mlp"}
-UNIT_NAME = {"heads": "heads", "mlp": "neurons", "width": "hidden units"}
+UNIT_NAME = {"heads": "heads", "mlp": "neurons", "expert_mlp": "expert neurons",
+             "width": "hidden units"}
 RNN_ARCHS = ("lstm", "gru")
 RNN_UNITS = "trunk/rnn/units"  # the one group of an LSTM/GRU model (module doc)
+
+
+class Group(NamedTuple):
+    """One set of units `structured` pruning ranks: `rows` x `units` of them, each row
+    ranked on its own and keeping the same count (an MoE layer's experts are its rows; a
+    dense block's heads or neurons are one row). Its mask is bool [units] (one row) or
+    [rows, units]. `members`: {parameter path: its unit axes}; `row_axes`: {path: the axis
+    that indexes the rows} for members that hold one (the experts' weights); a member
+    without one holds the rows one after another along its unit axis (the shared experts'
+    one wider MLP: expert r's neurons are r * units + j)."""
+
+    axis: str
+    units: int
+    members: dict
+    rows: int = 1
+    row_axes: dict = {}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.units,) if self.rows == 1 else (self.rows, self.units)
 
 
 def _axes(ax) -> tuple[int, ...]:
@@ -278,11 +308,11 @@ def _axes(ax) -> tuple[int, ...]:
 
 
 def rnn_layout(cfg: Config, boxed_params) -> dict:
-    """{RNN_UNITS: ("width", model.width, {member path: unit axes})}: the hidden units of an
-    LSTM/GRU model as `structured` pruning sees them (module doc). Inside the stack the
-    units lie along the logical "mlp" axes (hidden) and "embed" (the first layer's input),
-    plus the recurrent kernel's rows, which carry no name (naming them "mlp" too would shard
-    both axes of one array over one mesh axis); outside it along "embed"."""
+    """{RNN_UNITS: Group("width", model.width, {member path: unit axes})}: the hidden units
+    of an LSTM/GRU model as `structured` pruning sees them (module doc). Inside the stack
+    the units lie along the logical "mlp" axes (hidden) and "embed" (the first layer's
+    input), plus the recurrent kernel's rows, which carry no name (naming them "mlp" too
+    would shard both axes of one array over one mesh axis); outside it along "embed"."""
     flat = traverse.flatten_dict(boxed_params)
     width, members = cfg.model.width, {}
     for path, leaf in sorted(flat.items()):
@@ -300,16 +330,32 @@ def rnn_layout(cfg: Config, boxed_params) -> dict:
             raise ValueError(f"{key} {shape}: its unit axes {axes} are not model.width={width}")
         if axes:
             members[key] = axes
-    return {RNN_UNITS: ("width", width, members)}
+    return {RNN_UNITS: Group("width", width, members)}
+
+
+def _names(leaf) -> tuple:
+    return tuple(getattr(leaf, "names", ()) or ())
 
 
 def group_layout(products: dict, boxed_params) -> dict:
-    """{group key: (axis name, units, {member path: axis index})}: every block's heads and
-    MLP neurons as `structured` pruning sees them. A group is one module's parent (a
-    Transformer block) and a logical axis ("heads" or "mlp"); its members are the parameters
-    of that block's modules (qkv, out; mlp_in's kernel and bias, mlp_out's kernel) whose
-    logical names hold the axis. `products` maps parameter paths ("a/b/kernel") to Products."""
+    """{group key: Group}: every block's heads and MLP neurons as `structured` pruning sees
+    them. A group is one module's parent (a Transformer block) and a logical axis ("heads"
+    or "mlp"); its members are the parameters of that block's modules (qkv, out; mlp_in's
+    kernel and bias, mlp_out's kernel) whose logical names hold the axis. An MoE layer has
+    two: its experts' neurons ("<block>/moe/expert_neurons": wi, bi, wo, one row per expert
+    along their "expert" axis) and, with model.moe.shared_experts S, its shared experts'
+    ("<block>/moe/neurons": shared_in, shared_out, S rows of model.moe's expert width).
+    `products` maps parameter paths ("a/b/kernel") to Products."""
     flat = traverse.flatten_dict(boxed_params)
+
+    def expert_shape(module):  # (experts, their width) of an MoE layer's module, else None
+        for p, leaf in flat.items():
+            names = _names(leaf)
+            if p[:-1] == module and "expert" in names and "mlp" in names:
+                shape = nn.unbox(leaf).shape
+                return shape[names.index("expert")], shape[names.index("mlp")]
+        return None
+
     out = {}
     for key_path, prod in sorted(products.items()):
         path = _path(key_path)
@@ -318,75 +364,139 @@ def group_layout(products: dict, boxed_params) -> dict:
             raise ValueError(f"train.prune.structure='structured': a {prod.kind!r} product "
                              f"({key_path}) has no heads or neurons to remove; set "
                              "train.prune.layers to qkv,out,mlp")
-        parent = path[:-2]
-        key = "/".join(parent + (UNIT_NAME[axis],))
+        module = path[:-1]
+        experts = "expert" in _names(flat[path])
+        parent, depth = (module, 1) if experts else (path[:-2], 2)
+        key = "/".join(parent + ("expert_neurons" if experts else UNIT_NAME[axis],))
         if key in out:
             continue
-        module = path[:-1]
         inner = sorted("/".join(p) for p in flat if p[:len(module)] == module
                        and len(p) > len(module) + 1)
         if axis == "heads" and inner:  # config.validate refuses such variants first
             raise ValueError(f"structured pruning cannot remove heads of {'/'.join(module)}: its "
                              f"attention variant has parameters of its own ({inner[:3]})")
-        members, sizes = {}, set()
+        members, row_axes, sizes = {}, {}, set()
         for p, leaf in flat.items():
-            names = tuple(getattr(leaf, "names", ()) or ())
-            if p[:len(parent)] == parent and len(p) == len(parent) + 2 and axis in names:
+            names = _names(leaf)
+            if p[:len(parent)] == parent and len(p) == len(parent) + depth and axis in names:
                 members["/".join(p)] = names.index(axis)
                 sizes.add(nn.unbox(leaf).shape[names.index(axis)])
+                if experts:
+                    row_axes["/".join(p)] = names.index("expert")
         if len(sizes) != 1:
             raise ValueError(f"the {UNIT_NAME[axis]} of {'/'.join(parent)} have no single size "
                              f"across {sorted(members)}")
-        out[key] = (axis, sizes.pop(), members)
+        units = sizes.pop()
+        if experts:
+            out[key] = Group("expert_mlp", units, members, expert_shape(module)[0], row_axes)
+        elif axis == "mlp" and (shape := expert_shape(parent)):  # the shared experts' MLP
+            out[key] = Group("expert_mlp", shape[1], members, units // shape[1])
+        else:
+            out[key] = Group(axis, units, members)
     return out
+def _on_rows(g: Group, per_member, path: str, w):
+    """A member's per-unit sums `per_member` (its unit axis, and its row axis where it has
+    one, kept; every other axis summed) as the group's [rows, units] / [units] shape."""
+    ax = _axes(g.members[path])[0]
+    r = g.row_axes.get(path)
+    keep = (ax,) if r is None else (r, ax)
+    v = jnp.sum(per_member, axis=tuple(i for i in range(w.ndim) if i not in keep))
+    if r is not None and r > ax:
+        v = v.T
+    return v.reshape(g.shape)
 
 
 def group_scores(method: str, flat: dict, layout: dict, seed: int) -> dict:
-    """{group key: [units] score} (`flat`: {"a/b/kernel": weight}): the sum of squares of
-    every weight a unit owns (`magnitude`) or a fixed uniform draw per unit (`random`)."""
+    """{group key: score of the group's shape} (`flat`: {"a/b/kernel": weight}): the sum of
+    squares of every weight a unit owns (`magnitude`) or a fixed uniform draw per unit
+    (`random`)."""
     out = {}
     base = jax.random.key(seed)
-    for i, (key, (_, units, members)) in enumerate(sorted(layout.items())):
+    for i, (key, g) in enumerate(sorted(layout.items())):
         if method == "random":
-            out[key] = jax.random.uniform(jax.random.fold_in(base, i), (units,))
+            out[key] = jax.random.uniform(jax.random.fold_in(base, i), g.shape)
             continue
-        total = jnp.zeros((units,), jnp.float32)
-        for path, ax in members.items():
+        total = jnp.zeros(g.shape, jnp.float32)
+        for path, ax in g.members.items():
             w = jnp.square(flat[path].astype(jnp.float32))
             axes = _axes(ax)
-            for a in axes:
+            if len(axes) == 1:
+                total = total + _on_rows(g, w, path, w)
+                continue
+            for a in axes:  # an LSTM/GRU recurrent kernel (one row)
                 total = total + jnp.sum(w, axis=tuple(i for i in range(w.ndim) if i != a))
-            if len(axes) == 2:  # an entry on unit j's row and column is counted once
-                total = total - jnp.sum(jnp.diagonal(w, axis1=axes[0], axis2=axes[1]),
-                                        axis=tuple(range(w.ndim - 2)))
+            # an entry on unit j's row and column is counted once
+            total = total - jnp.sum(jnp.diagonal(w, axis1=axes[0], axis2=axes[1]),
+                                    axis=tuple(range(w.ndim - 2)))
         out[key] = total
     return out
 
 
 def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity, seed: int) -> dict:
-    """New unit masks at `sparsity` of each group's units (rounded; never all of them);
-    units already pruned stay pruned."""
+    """New unit masks at `sparsity` of each row's units (rounded; never all of them), the
+    same count in every row of a group; units already pruned stay pruned."""
     s = group_scores(p.method, flat, layout, seed)
     out = {}
-    for key, (_, units, _) in layout.items():
-        count = jnp.minimum(jnp.round(sparsity * units).astype(jnp.int32), units - 1)
-        out[key] = _keep_top(jnp.where(groups[key], s[key], -jnp.inf), count)
+    for key, g in layout.items():
+        count = jnp.minimum(jnp.round(sparsity * g.units).astype(jnp.int32), g.units - 1)
+        score = jnp.where(groups[key], s[key], -jnp.inf).reshape(g.rows, g.units)
+        out[key] = jax.vmap(_keep_top, (0, None))(score, count).reshape(g.shape)
     return out
+
+
+def _member_view(g: Group, mask, path: str, ndim: int):
+    """A group's mask (or index array) [rows, units] / [units] laid out along a member's
+    axes: unit axis and row axis where it has one, every other axis of size 1."""
+    ax = _axes(g.members[path])[0]
+    r = g.row_axes.get(path)
+    view = [1] * ndim
+    if r is None:  # the rows one after another along the unit axis
+        view[ax] = mask.size
+        return mask.reshape(view)
+    view[r], view[ax] = g.rows, mask.shape[-1]
+    return (mask if r < ax else mask.T).reshape(view)
 
 
 def expand_groups(groups: dict, layout: dict, shapes: dict) -> dict:
     """{member path: bool mask of the member's shape} from the unit masks (an entry on
     several unit axes is kept when every one of its units is)."""
     out = {}
-    for key, (_, units, members) in layout.items():
-        for path, ax in members.items():
-            shape, keep = shapes[path], jnp.ones((), bool)
-            for a in _axes(ax):
-                view = [1] * len(shape)
-                view[a] = units
-                keep = keep & groups[key].reshape(view)
+    for key, g in layout.items():
+        for path, ax in g.members.items():
+            shape = shapes[path]
+            if len(_axes(ax)) == 1:
+                keep = _member_view(g, groups[key], path, len(shape))
+            else:
+                keep = jnp.ones((), bool)
+                for a in _axes(ax):
+                    view = [1] * len(shape)
+                    view[a] = g.units
+                    keep = keep & groups[key].reshape(view)
             out[path] = jnp.broadcast_to(keep, shape)
     return out
+
+
+def _kept(g: Group, mask, key: str) -> np.ndarray:
+    """The kept units' indices of each row, [rows, kept] (every row keeps as many)."""
+    rows = np.asarray(mask).reshape(g.rows, g.units)
+    counts = set(rows.sum(axis=1).tolist())
+    if len(counts) != 1:
+        raise ValueError(f"the experts of {key} keep different numbers of neurons "
+                         f"({sorted(counts)}): one model.moe.mlp_dim needs one count")
+    return np.stack([np.flatnonzero(r) for r in rows])
+
+
+def _take_kept(g: Group, w, path: str, kept: np.ndarray):
+    """Member `w` with only the kept units along its unit axes."""
+    axes = _axes(g.members[path])
+    if g.rows == 1:
+        for a in axes:
+            w = jnp.take(w, jnp.asarray(kept[0]), axis=a)
+        return w
+    if path not in g.row_axes:  # rows one after another: row r's unit j at r * units + j
+        flat_idx = (np.arange(g.rows)[:, None] * g.units + kept).reshape(-1)
+        return jnp.take(w, jnp.asarray(flat_idx), axis=axes[0])
+    return jnp.take_along_axis(w, jnp.asarray(_member_view(g, kept, path, w.ndim)), axis=axes[0])
 
 
 def shrink(cfg: Config, params, groups: dict, layout: dict):
@@ -396,19 +506,19 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
     import dataclasses
 
     from hpnlp.config import DistillConfig
-    kept = {k: np.flatnonzero(np.asarray(m)) for k, m in groups.items()}
+    kept = {k: _kept(layout[k], m, k) for k, m in groups.items()}
     counts: dict[str, set] = {}
-    for key, (axis, _, _) in layout.items():
-        counts.setdefault(axis, set()).add(len(kept[key]))
+    for key, g in layout.items():
+        counts.setdefault(g.axis, set()).add(kept[key].shape[1])
     for axis, c in counts.items():
         if len(c) != 1:
             raise ValueError(f"blocks keep different numbers of {UNIT_NAME[axis]} ({sorted(c)}): "
-                             "a shrunk Transformer needs one model.num_heads and model.mlp_dim")
+                             "a shrunk Transformer needs one model.num_heads and model.mlp_dim "
+                             "(and model.moe.mlp_dim)")
     flat = dict(traverse.flatten_dict(params))
-    for key, (_, _, members) in layout.items():
-        for path, ax in members.items():
-            for a in _axes(ax):
-                flat[_path(path)] = jnp.take(flat[_path(path)], jnp.asarray(kept[key]), axis=a)
+    for key, g in layout.items():
+        for path in g.members:
+            flat[_path(path)] = _take_kept(g, flat[_path(path)], path, kept[key])
     m = cfg.model
     if m.arch in RNN_ARCHS:
         width = counts["width"].pop()
@@ -423,6 +533,9 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
         model = dataclasses.replace(m, head_dim=m.dims_per_head(),
                                     num_heads=counts.get("heads", {m.num_heads}).pop(),
                                     mlp_dim=counts.get("mlp", {m.mlp_dim}).pop())
+        if m.moe.enabled():  # explicit: its default (0) would follow model.mlp_dim
+            model = dataclasses.replace(model, moe=dataclasses.replace(
+                m.moe, mlp_dim=counts.get("expert_mlp", {m.moe.expert_dim(m)}).pop()))
     train = dataclasses.replace(cfg.train, prune=PruneConfig(), distill=DistillConfig(),
                                 init_from="")
     return dataclasses.replace(cfg, model=model, train=train), traverse.unflatten_dict(flat)
@@ -456,7 +569,7 @@ class PruneCarry(Carry):
         if self.p.structure == "structured":  # the unit masks; weight masks derive from them
             self.layout = (rnn_layout(self.cfg, params) if self.cfg.model.arch in RNN_ARCHS
                            else group_layout(found, params))
-            return {"groups": {k: jnp.ones((u,), bool) for k, (_, u, _) in self.layout.items()}}
+            return {"groups": {k: jnp.ones(g.shape, bool) for k, g in self.layout.items()}}
         value = {"masks": {}}
         if self.p.method == "movement":
             value.update(scores={}, dense={})
@@ -607,6 +720,9 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
              else {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
                    "head_dim": cfg2.model.head_dim,
                    "mlp_dim": [cfg.model.mlp_dim, cfg2.model.mlp_dim]})
+    if cfg.model.moe.enabled():
+        sizes["moe.mlp_dim"] = [cfg.model.moe.expert_dim(cfg.model),
+                                cfg2.model.moe.expert_dim(cfg2.model)]
     summary = {
         "source": {"workdir": os.path.abspath(workdir), "step": step},
         "model": sizes,
