@@ -1097,8 +1097,9 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
              "in a custom backward pass that cannot report the router's losses"),
             ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
              "their layers functionally and cannot report the router's losses"),
-            ("model.lowrank.rank", m.lowrank.rank, m.lowrank.enabled(), "expert products are not "
-             "factorizable yet"),
+            ("model.lowrank.layers", m.lowrank.layers, m.lowrank.applies("mlp"), "the experts "
+             "are 'mlp' products, which are not factorizable yet; factorize the attention "
+             "(model.lowrank.layers='qkv,out') and keep the experts dense"),
             ("quant.act_scale", "static", m.quant.act_scale == "static" and
              m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their "
              "inputs quantized per token (dynamic), not by calibrated ranges; use "

@@ -1038,6 +1038,34 @@ def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
     assert not np.array_equal(seen[4][0][seen[4][1]], w2[seen[4][1]])  # trains between rounds
 
 
+def test_an_moe_models_attention_factorizes_and_its_experts_stay_dense():
+    """model.lowrank on an MoE model: qkv and out factorized (at full rank the model computes
+    what the dense one did), the experts' wi and wo dense; factorizing 'mlp' products,
+    which the experts are, is refused in one line."""
+    from hpnlp.compress import lowrank
+    cd = tiny()
+    cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
+    cfg = validate(from_configdict(cd))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
+    cd.model.lowrank.update(rank=16, layers="qkv,out")  # qkv [16, 48], out [16, 16]: full
+    cfg2 = validate(from_configdict(cd))
+    found = lowrank.targets(cfg2, models.build(cfg2, deterministic=True), params, batch)
+    assert sorted("/".join(k) for k in found) == ["trunk/block_0/attention/out",
+                                                  "trunk/block_0/attention/qkv"]
+    factored = lowrank.factorize(params, found, 16)
+    assert sorted(lowrank.report(factored)) == sorted("/".join(k) for k in found)
+    assert not isinstance(factored["trunk"]["block_0"]["moe"]["wi"], lowrank.Factored)
+    h = _jit_apply(model, "hidden")(params, batch)
+    h2 = _jit_apply(models.build(cfg2, deterministic=True), "hidden")(factored, batch)
+    np.testing.assert_allclose(np.asarray(h2), np.asarray(h), rtol=1e-4, atol=1e-4)
+    cd.model.lowrank.layers = "qkv,mlp"
+    with pytest.raises(ConfigError, match=r"model\.lowrank\.layers.*experts are 'mlp' products"):
+        validate(from_configdict(cd))
+
+
 def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
     cd = tiny(prune=dict(method="magnitude", structure="structured"))
     cd.attention.name = "synthesizer"
