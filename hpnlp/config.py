@@ -874,8 +874,13 @@ def _check_lowrank(cfg: Config) -> None:
     hd = m.num_heads * m.dims_per_head()
     # grouped key/value heads: q [E, H*D] and kv [E, 2*G*D] are two qkv products
     qkv = 3 * hd if m.kv_heads() == m.num_heads else min(hd, 2 * m.kv_heads() * m.dims_per_head())
-    shapes = {"qkv": (m.width, qkv), "out": (hd, m.width), "mlp": (m.width, m.mlp_dim)}
-    for kind, (k, n) in shapes.items():  # the heads' once the task's classes are known
+    shapes = [("qkv", (m.width, qkv)), ("out", (hd, m.width))]
+    if not all(m.moe.applies(i) for i in range(m.depth)):  # a dense block's MLP
+        shapes.append(("mlp", (m.width, m.mlp_dim)))
+    if m.moe.enabled():  # each expert's own products (and the shared experts' wider MLP)
+        F = m.moe.expert_dim(m)
+        shapes += [("mlp", (m.width, F)), ("mlp", (m.width, max(m.moe.shared_experts, 1) * F))]
+    for kind, (k, n) in shapes:  # the heads' once the task's classes are known
         if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
                   f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
@@ -1097,9 +1102,10 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
              "in a custom backward pass that cannot report the router's losses"),
             ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
              "their layers functionally and cannot report the router's losses"),
-            ("model.lowrank.layers", m.lowrank.layers, m.lowrank.applies("mlp"), "the experts "
-             "are 'mlp' products, which are not factorizable yet; factorize the attention "
-             "(model.lowrank.layers='qkv,out') and keep the experts dense"),
+            ("model.lowrank.layers", m.lowrank.layers, m.lowrank.applies("mlp")
+             and m.quant.applies("mlp") and m.quant.weights != "none", "factorized experts "
+             "are not quantized yet; leave 'mlp' out of quant.layers (the experts' factors "
+             "stay float) or out of model.lowrank.layers"),
             ("quant.act_scale", "static", m.quant.act_scale == "static" and
              m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their "
              "inputs quantized per token (dynamic), not by calibrated ranges; use "

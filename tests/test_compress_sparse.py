@@ -133,7 +133,7 @@ def _pruned_steps(cd, workdir, steps: int = 2):
 def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
     """The experts' wi [X, M, F] and wo [X, F, M] are masked as the dense MLP's kernels are:
     2:4 along each expert's contraction (axis 1), every masked weight exactly zero after
-    the steps."""
+    the steps (factorized: test_a_factorized_model_is_pruned_factor_by_factor)."""
     cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="mlp"))
     cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
     state, masks = _pruned_steps(cd, tmp_path)
@@ -144,6 +144,7 @@ def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
         assert mask.shape == w.shape and not np.any(w[~mask]) and np.all(w[mask] != 0)
         X, K, N = mask.shape  # 2 kept of every 4 consecutive along K, per expert and column
         np.testing.assert_array_equal(mask.reshape(X, K // 4, 4, N).sum(axis=2), 2)
+
 
 
 def _structured_moe(**prune_fields):
@@ -239,15 +240,24 @@ def test_structured_pruning_of_experts_trains_and_shrinks_its_run(tmp_path):
 
 def test_a_factorized_model_is_pruned_factor_by_factor(tmp_path):
     """model.lowrank with train.prune: U and V of each factorized product are masked as
-    weights of their own, 2:4 along each one's contraction (V's: the rank), every masked
-    entry exactly zero after the steps; structured pruning and a rank that M does not
+    weights of their own, 2:4 along each one's contraction (V's: the rank; an MoE layer's
+    experts each their own), every masked entry exactly zero after the steps; structured pruning and a rank that M does not
     divide are refused in one line."""
     cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="qkv,mlp"))
+    cd.model.update(depth=2)  # block 1 MoE: its experts' factors U [X, K, r], V [X, r, N]
+    cd.model.moe.update(num_experts=4, router="top_k", top_k=2, every=2)
     cd.model.lowrank.update(rank=4, layers="qkv,out,mlp")
     state, masks = _pruned_steps(cd, tmp_path)
-    assert set(masks) == {f"trunk/block_0/{p}/{f}" for p in ("attention/qkv", "mlp_in/kernel",
-                                                               "mlp_out/kernel")
-                          for f in prune.FACTORS}
+    assert set(masks) == {f"trunk/block_{i}/{p}/{f}" for i, ps in (
+        (0, ("attention/qkv", "mlp_in/kernel", "mlp_out/kernel")),
+        (1, ("attention/qkv", "moe/wi", "moe/wo"))) for p in ps for f in prune.FACTORS}
+    wi = state.params["trunk"]["block_1"]["moe"]["wi"]
+    assert wi.lead == 1 and (wi.u.shape, wi.v.shape) == ((4, 16, 4), (4, 4, 32))
+    for name, w in zip(prune.FACTORS, (wi.u, wi.v)):  # each expert's, along its axis 1
+        mask, w = masks[f"trunk/block_1/moe/wi/{name}"], np.asarray(w)
+        assert mask.shape == w.shape and not np.any(w[~mask]) and np.all(w[mask] != 0)
+        X, K, N = mask.shape
+        np.testing.assert_array_equal(mask.reshape(X, K // 4, 4, N).sum(axis=2), 2)
     f = state.params["trunk"]["block_0"]["attention"]["qkv"]
     for name, w in zip(prune.FACTORS, (f.u, f.v)):  # both contract their first axis
         mask, w = masks[f"trunk/block_0/attention/qkv/{name}"], np.asarray(w)
@@ -1038,31 +1048,77 @@ def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
     assert not np.array_equal(seen[4][0][seen[4][1]], w2[seen[4][1]])  # trains between rounds
 
 
-def test_an_moe_models_attention_factorizes_and_its_experts_stay_dense():
-    """model.lowrank on an MoE model: qkv and out factorized (at full rank the model computes
-    what the dense one did), the experts' wi and wo dense; factorizing 'mlp' products,
-    which the experts are, is refused in one line."""
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_an_moe_layers_experts_factorize_expert_by_expert(dispatch, tmp_path):
+    """model.lowrank with 'mlp' on an MoE model: each expert's wi [X, K, N] is its own SVD,
+    U [X, K, r] and V [X, r, N] (the shared experts' MLP and the attention as any product),
+    computed as two products that equal the dense twin W = U V (outputs and the gradients
+    of U and V); at full rank the model is the dense one; quantizing factorized experts is
+    refused in one line."""
     from hpnlp.compress import lowrank
     cd = tiny()
-    cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
+    cd.model.moe.update(num_experts=4, router="top_k", top_k=2, mlp_dim=8, shared_experts=1,
+                        dispatch=dispatch)
     cfg = validate(from_configdict(cd))
     model = models.build(cfg, deterministic=True)
     batch = dummy_batch("lm", 2, 16)
     batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
-    cd.model.lowrank.update(rank=16, layers="qkv,out")  # qkv [16, 48], out [16, 16]: full
-    cfg2 = validate(from_configdict(cd))
-    found = lowrank.targets(cfg2, models.build(cfg2, deterministic=True), params, batch)
-    assert sorted("/".join(k) for k in found) == ["trunk/block_0/attention/out",
-                                                  "trunk/block_0/attention/qkv"]
-    factored = lowrank.factorize(params, found, 16)
-    assert sorted(lowrank.report(factored)) == sorted("/".join(k) for k in found)
-    assert not isinstance(factored["trunk"]["block_0"]["moe"]["wi"], lowrank.Factored)
     h = _jit_apply(model, "hidden")(params, batch)
-    h2 = _jit_apply(models.build(cfg2, deterministic=True), "hidden")(factored, batch)
-    np.testing.assert_allclose(np.asarray(h2), np.asarray(h), rtol=1e-4, atol=1e-4)
-    cd.model.lowrank.layers = "qkv,mlp"
-    with pytest.raises(ConfigError, match=r"model\.lowrank\.layers.*experts are 'mlp' products"):
+    moe = ("trunk", "block_0", "moe")
+    # 8: the experts' full rank (width 8; the SVD's property, checked on one dispatch)
+    for rank, layers in ((8, "mlp"),) * (dispatch == "capacity") + ((3, "qkv,mlp"),):
+        cd.model.lowrank.update(rank=rank, layers=layers)
+        cfg2 = validate(from_configdict(cd))
+        model2 = models.build(cfg2, deterministic=True)
+        found = lowrank.targets(cfg2, model2, params, batch)
+        factored = lowrank.factorize(params, found, rank)
+        shapes = {k: (r, shape) for k, (r, shape) in lowrank.report(factored).items()
+                  if k.startswith("trunk/block_0/moe/")}
+        assert shapes == {"trunk/block_0/moe/wi": (rank, (4, 16, 8)),
+                          "trunk/block_0/moe/wo": (rank, (4, 8, 16)),
+                          "trunk/block_0/moe/shared_in/kernel": (rank, (16, 8)),
+                          "trunk/block_0/moe/shared_out/kernel": (rank, (8, 16))}
+        wi = factored["trunk"]["block_0"]["moe"]["wi"]
+        assert wi.lead == 1 and wi.u.shape == (4, 16, rank) and wi.v.shape == (4, rank, 8)
+        for x in range(4):  # expert x's own truncated SVD
+            want = lowrank.svd_factors(params["trunk"]["block_0"]["moe"]["wi"][x], 1, rank)
+            np.testing.assert_allclose(np.asarray(wi.dense()[x]), np.asarray(want.dense()),
+                                       rtol=1e-4, atol=1e-5)
+        h2 = _jit_apply(model2, "hidden")(factored, batch)
+        if rank == 8:
+            np.testing.assert_allclose(np.asarray(h2), np.asarray(h), rtol=1e-4, atol=1e-4)
+    # rank 3: the two products against the dense twin W = U V, outputs and gradients
+    flat = traverse.flatten_dict(factored, is_leaf=lambda _, x: isinstance(x, lowrank.Factored))
+
+    def twin(uv):  # the experts' weights as dense U V, everything else as it is
+        p = dict(flat)
+        for n in ("wi", "wo"):
+            p[moe + (n,)] = lowrank.Factored(*uv[n], lead=1).dense()
+        return traverse.unflatten_dict(p)
+
+    def loss(m, p):
+        return m.apply({"params": p}, batch)["loss"]
+
+    uv = {n: (flat[moe + (n,)].u, flat[moe + (n,)].v) for n in ("wi", "wo")}
+    np.testing.assert_allclose(np.asarray(h2), np.asarray(_jit_apply(model, "hidden")(
+        twin(uv), batch)), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(lambda p: loss(model2, p)))(factored)
+    g_twin = jax.jit(jax.grad(lambda uv: loss(model, twin(uv))))(uv)
+    for n in ("wi", "wo"):
+        got = g["trunk"]["block_0"]["moe"][n]
+        for a, b in zip((got.u, got.v), g_twin[n]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    if dispatch == "capacity":  # ptq's file keeps the experts' factors as factors
+        from hpnlp.compress import ptq
+        ptq.save(str(tmp_path / "q"), cfg2, factored, {}, {})
+        loaded = ptq.load(str(tmp_path / "q"))[1]
+        assert jax.tree.structure(loaded) == jax.tree.structure(factored)
+        jax.tree.map(np.testing.assert_array_equal, loaded, factored)
+    cd.quant.update(weights="int8", layers="mlp")
+    with pytest.raises(ConfigError, match=r"model\.lowrank\.layers.*factorized experts are not "
+                                          "quantized"):
         validate(from_configdict(cd))
 
 

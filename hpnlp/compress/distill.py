@@ -463,8 +463,8 @@ class TeacherCarry(Carry):
                     kept[key, n] = keep_top(scores[key], n)
                 t = jnp.take(t, jnp.asarray(kept[key, n]), axis=axis)
             if lowrank.is_factored(w):  # a factorized student: its rank's SVD of the copy
-                f = lowrank.svd_factors(t, w.u.ndim - 1, w.rank)
-                out[path] = type(w)(u=f.u.astype(w.u.dtype), v=f.v.astype(w.v.dtype))
+                f = lowrank.svd_factors(t, w.u.ndim - 1 - w.lead, w.rank, w.lead)
+                out[path] = w.replace(u=f.u.astype(w.u.dtype), v=f.v.astype(w.v.dtype))
             else:
                 out[path] = jnp.array(t, dtype=w.dtype, copy=True)
         return traverse.unflatten_dict(out)

@@ -20,8 +20,10 @@ V the output's).
   `model.lowrank.energy` each weight gets its own (`resolve_energy`, from the weights
   `train.init_from` holds, when the run is built; `model.lowrank.ranks` in its config.json).
 
-Kinds (`model.lowrank.layers`): the Transformer's `qkv`, `out`, `mlp`, the classifier
-heads, and the tables of any model: `embed`, the input embedding [V, E] as A [V, r] B [r, E]
+Kinds (`model.lowrank.layers`): the Transformer's `qkv`, `out`, `mlp` (an MoE layer's
+experts too: each expert's weight [K, N] its own SVD, U [X, K, r] and V [X, r, N] a
+`Factored` with `lead=1`, multiplied expert by expert by hpnlp.moe.dispatch; the shared
+experts' wider MLP as any Dense), the classifier heads, and the tables of any model: `embed`, the input embedding [V, E] as A [V, r] B [r, E]
 (ALBERT's factorized embedding: a lookup of A's rows, then one product with B), and
 `output`, the output layer's vectors [V, E] (a `VocabLayer`: full, sampled, nce, ...) with
 logits (h B^T) A^T + b, two products through the rank, where its exact `logits` are
@@ -32,7 +34,8 @@ the output layer's: `output` factorizes it for both uses. The LSTM's own product
 Quantized (`quant.*`, QAT or `python -m hpnlp.compress quantize`): each factor is a product
 of its own (`qlinear._factored_product`): U and V quantized per output channel, x and x U
 as product inputs; the packed file holds both factors (`ptq.save`). A factorized output
-table is not quantized (config refuses `output` in both `layers` fields).
+table and factorized experts are not quantized (config refuses `output`, and `mlp` in an
+MoE model, in both `layers` fields).
 """
 
 from __future__ import annotations
@@ -47,27 +50,32 @@ from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import Factored
 
 
-def _matrix(w, k_dims: int):
-    return w.reshape(math.prod(w.shape[:k_dims]), -1).astype(jnp.float32)
+def _matrix(w, k_dims: int, lead: int = 0):
+    """W as [*lead axes, K, N]: its `lead` batch axes, then its k_dims contraction axes."""
+    b = tuple(w.shape[:lead])
+    return w.reshape(b + (math.prod(w.shape[lead:lead + k_dims]), -1)).astype(jnp.float32)
 
 
-def singular_values(w, k_dims: int):
-    return jnp.linalg.svd(_matrix(w, k_dims), compute_uv=False)
+def singular_values(w, k_dims: int, lead: int = 0):
+    return jnp.linalg.svd(_matrix(w, k_dims, lead), compute_uv=False)
 
 
-def svd_factors(w, k_dims: int, rank: int) -> Factored:
-    """Truncated SVD of W (contraction axes first) at `rank`: the best rank-r W = U V."""
-    w_KN = _matrix(w, k_dims)
-    most = min(w_KN.shape)
+def svd_factors(w, k_dims: int, rank: int, lead: int = 0) -> Factored:
+    """Truncated SVD of W (contraction axes first, after `lead` batch axes, each weight of
+    the batch on its own) at `rank`: the best rank-r W = U V."""
+    w_KN = _matrix(w, k_dims, lead)
+    K, N = w_KN.shape[-2:]
+    most = min(K, N)
     if isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= most:
-        raise ValueError(f"rank={rank!r}: the weight {tuple(w.shape)} is [{w_KN.shape[0]}, "
-                         f"{w_KN.shape[1]}] (its first {k_dims} axes contracted), of rank at most "
+        raise ValueError(f"rank={rank!r}: the weight {tuple(w.shape)} is [{K}, {N}] (its "
+                         f"{k_dims} axes after {lead} contracted), of rank at most "
                          f"{most}; choose a rank in [1, {most}]")
     rank = int(rank)
     U, V = fit_factors(w_KN, rank)
-    U = U.reshape(tuple(w.shape[:k_dims]) + (rank,))
-    V = V.reshape((rank,) + tuple(w.shape[k_dims:]))
-    return Factored(u=U.astype(w.dtype), v=V.astype(w.dtype))
+    b = tuple(w.shape[:lead])
+    U = U.reshape(b + tuple(w.shape[lead:lead + k_dims]) + (rank,))
+    V = V.reshape(b + (rank,) + tuple(w.shape[lead + k_dims:]))
+    return Factored(u=U.astype(w.dtype), v=V.astype(w.dtype), lead=lead)
 
 
 def fit_factors(m_EN, rank: int, cov_EE=None):
@@ -100,11 +108,13 @@ def kept_energy(w, k_dims: int, rank: int) -> float:
     return float(jnp.sum(s2[:rank]) / jnp.sum(s2))
 
 
-def rank_for_energy(w, k_dims: int, energy: float) -> int:
-    """Smallest r whose truncated SVD keeps `energy` of sum(S^2)."""
-    s2 = jnp.square(singular_values(w, k_dims))
-    frac = jnp.cumsum(s2) / jnp.sum(s2)
-    return int(jnp.searchsorted(frac, energy - 1e-7) + 1)
+def rank_for_energy(w, k_dims: int, energy: float, lead: int = 0) -> int:
+    """Smallest r whose truncated SVD keeps `energy` of sum(S^2) (of every weight of a
+    batch: the largest such r among them)."""
+    s2 = jnp.square(singular_values(w, k_dims, lead)).reshape(-1, min(_matrix(
+        w, k_dims, lead).shape[-2:]))
+    frac = jnp.cumsum(s2, axis=-1) / jnp.sum(s2, axis=-1, keepdims=True)
+    return int(max(jnp.searchsorted(f, energy - 1e-7) + 1 for f in frac))
 
 
 def targets(cfg, model, params, batch) -> dict:
@@ -121,15 +131,16 @@ def factorize(params, products: dict, rank):
     flat = traverse.flatten_dict(params)
     for path, prod in products.items():
         w = flat[path]
-        k = len(prod.contraction)
+        k, b = len(prod.contraction), prod.lead
         rank = rank_of("/".join(path))
         if isinstance(w, nn.LogicallyPartitioned):
-            f = svd_factors(w.value, k, rank)
+            f = svd_factors(w.value, k, rank, b)
             names = tuple(w.names)
-            flat[path] = Factored(u=nn.LogicallyPartitioned(f.u, names[:k] + (None,)),
-                                  v=nn.LogicallyPartitioned(f.v, (None,) + names[k:]))
+            flat[path] = Factored(u=nn.LogicallyPartitioned(f.u, names[:b + k] + (None,)),
+                                  v=nn.LogicallyPartitioned(f.v, names[:b] + (None,)
+                                                            + names[b + k:]), lead=b)
         else:
-            flat[path] = svd_factors(w, k, rank)
+            flat[path] = svd_factors(w, k, rank, b)
     return traverse.unflatten_dict(flat)
 
 
@@ -151,7 +162,8 @@ def resolve_energy(cfg, model, batch, dense):
     import flax
     lr = cfg.model.lowrank
     flat = traverse.flatten_dict(dense)
-    ranks = {"/".join(path): rank_for_energy(flat[path], len(prod.contraction), lr.energy)
+    ranks = {"/".join(path): rank_for_energy(flat[path], len(prod.contraction), lr.energy,
+                                             prod.lead)
              for path, prod in targets(cfg, model, dense, batch).items()}
     lr = dataclasses.replace(lr, ranks=flax.core.FrozenDict(ranks))
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lowrank=lr))

@@ -211,11 +211,13 @@ def _open(tree):
     return tree
 
 
-def _close(tree):
+def _close(tree, like):
+    """`tree` with the factor pairs `_open` made of `like`'s Factored weights closed again
+    (each keeping its own static fields: an MoE layer's experts' `lead`)."""
+    if isinstance(like, Factored):
+        return like.replace(u=tree[FACTORS[0]], v=tree[FACTORS[1]])
     if isinstance(tree, Mapping):
-        if set(tree) == set(FACTORS):
-            return Factored(*(tree[f] for f in FACTORS))
-        return {k: _close(v) for k, v in tree.items()}
+        return {k: _close(v, like[k]) for k, v in tree.items()}
     return tree
 
 
@@ -224,8 +226,9 @@ def _flatten(params) -> dict:
     return traverse.flatten_dict(_open(params))
 
 
-def _unflatten(flat: dict):
-    return _close(traverse.unflatten_dict(flat))
+def _unflatten(flat: dict, like):
+    """The inverse of `_flatten(like)`, with `flat`'s leaves."""
+    return _close(traverse.unflatten_dict(flat), like)
 
 
 def targets(cfg: Config, model, params, batch) -> dict:
@@ -238,9 +241,9 @@ def targets(cfg: Config, model, params, batch) -> dict:
     for k, v in sorted(found.items()):
         if v.kind not in QUANT_LAYERS or not p.applies(v.kind):  # not "embed": a lookup
             continue
-        if isinstance(flat.get(k), Factored):
+        if isinstance(flat.get(k), Factored):  # V contracts its rank axis (after the lead)
             out["/".join(k + (FACTORS[0],))] = v
-            out["/".join(k + (FACTORS[1],))] = qlinear.Product(v.kind, (0,))
+            out["/".join(k + (FACTORS[1],))] = qlinear.Product(v.kind, (flat[k].lead,))
         else:
             out["/".join(k)] = v
     return out
@@ -252,7 +255,7 @@ def apply_masks(params, masks: dict):
     for k, mask in masks.items():
         path = _path(k)
         flat[path] = jnp.where(mask, flat[path], jnp.zeros((), flat[path].dtype))
-    return _unflatten(flat)
+    return _unflatten(flat, params)
 
 
 def sparsity_report(params, masks: dict) -> dict:
@@ -638,11 +641,11 @@ class PruneCarry(Carry):
                                  for k, w in now.items()}
             for k, w in now.items():
                 flat[_path(k)] = jnp.where(prune_now, new["rewind"][k], w)
-            params = _unflatten(flat)
+            params = _unflatten(flat, params)
         if self.p.method == "movement":  # pruned entries of the parameters are zero; revived
             for k, w in weights.items():  # ones come back with their dense value
                 flat[_path(k)] = w
-            params = _unflatten(flat)
+            params = _unflatten(flat, params)
         return apply_masks(params, masks), new
 
     def _structured_update(self, value, params, step):

@@ -111,13 +111,15 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
             a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
         arrays[key] = a
 
-    factored = []  # model.lowrank's weights: their factors at KEY/u and KEY/v
+    factored, lead = [], {}  # model.lowrank's weights: their factors at KEY/u and KEY/v
     flat = traverse.flatten_dict(params, is_leaf=lambda _, x: _is_qweight(x))
     for path, leaf in flat.items():
         key = "params/" + "/".join(path)
         parts = ((key, leaf),)
         if isinstance(leaf, Factored):
             factored.append(key)
+            if leaf.lead:  # an MoE layer's experts' factors: their batch axes
+                lead[key] = leaf.lead
             parts = ((key + "/u", leaf.u), (key + "/v", leaf.v))
         for k, a in parts:
             if _is_qweight(a):
@@ -131,7 +133,8 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
     path = os.path.join(out, "quantized.npz")
     np.savez_compressed(path, **arrays)
     manifest = {"config": to_json(cfg), "weights": layout, "dtypes": views,
-                **({"factored": factored} if factored else {}), **meta}
+                **({"factored": factored} if factored else {}),
+                **({"factored_lead": lead} if lead else {}), **meta}
     with open(os.path.join(out, "quant.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return os.path.getsize(path)
@@ -177,7 +180,8 @@ def load(out: str, cfg: Config | None = None):
             flat[tuple(key.split("/")[1:])] = get(key)
     for key in manifest.get("factored", []):
         path = tuple(key.split("/")[1:])
-        flat[path] = Factored(u=flat.pop(path + ("u",)), v=flat.pop(path + ("v",)))
+        flat[path] = Factored(u=flat.pop(path + ("u",)), v=flat.pop(path + ("v",)),
+                              lead=manifest.get("factored_lead", {}).get(key, 0))
     return saved, traverse.unflatten_dict(flat), traverse.unflatten_dict(quant) if quant else {}
 
 

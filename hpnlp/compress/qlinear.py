@@ -103,10 +103,13 @@ class QWeight:
 class Factored:
     """A product weight as two factors (hpnlp.compress.lowrank): W = U V with U
     [*contraction shape, r] and V [r, *free shape], the weight's contraction axes first (as
-    every qeinsum weight is stored). `qeinsum` computes x U, then (x U) V."""
+    every qeinsum weight is stored). `qeinsum` computes x U, then (x U) V. `lead` > 0: that
+    many leading axes are a batch of weights, each factorized on its own (an MoE layer's
+    experts: W [X, K, N] as U [X, K, r], V [X, r, N]; hpnlp.moe.dispatch multiplies them)."""
 
     u: jax.Array
     v: jax.Array
+    lead: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def rank(self) -> int:
@@ -114,12 +117,16 @@ class Factored:
 
     @property
     def shape(self) -> tuple:
-        return tuple(self.u.shape[:-1]) + tuple(self.v.shape[1:])
+        return tuple(self.u.shape[:-1]) + tuple(self.v.shape[self.lead + 1:])
 
     def dense(self):
         """U V as the weight it replaces."""
-        r = self.rank
-        return (self.u.reshape(-1, r) @ self.v.reshape(r, -1)).reshape(self.shape)
+        r, b = self.rank, self.u.shape[:self.lead]
+        u = self.u.reshape(b + (-1, r))
+        return (u @ self.v.reshape(b + (r, -1))).reshape(self.shape)
+
+    def astype(self, dtype) -> "Factored":
+        return self.replace(u=self.u.astype(dtype), v=self.v.astype(dtype))
 
 
 def param(module: nn.Module, name: str, *args):
@@ -145,14 +152,18 @@ class Product:
 
     kind: str = flax.struct.field(pytree_node=False)
     contraction: tuple = flax.struct.field(pytree_node=False)
+    # leading axes that index a batch of weights, each its own product (an MoE layer's
+    # experts: 1); model.lowrank factorizes each weight of the batch on its own
+    lead: int = flax.struct.field(pytree_node=False, default=0)
 
 
-def note_product(module: nn.Module, name: str, kind: str, contraction: tuple[int, ...]) -> None:
+def note_product(module: nn.Module, name: str, kind: str, contraction: tuple[int, ...],
+                 lead: int = 0) -> None:
     """Record parameter `name` of `module` as a product weight (when an apply asked for the
     `products` collection): how hpnlp.compress's pruning and factorization find every
     product weight of any model without a table of parameter names."""
     if _mutable(module, "products"):
-        module.put_variable("products", name, Product(kind, tuple(contraction)))
+        module.put_variable("products", name, Product(kind, tuple(contraction), lead))
 
 
 def products(model, params, batch, method: str = "evaluate") -> dict:

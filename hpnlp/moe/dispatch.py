@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hpnlp.compress.qlinear import Factored
 from hpnlp.moe.routing import Choices
 
 
@@ -53,8 +54,12 @@ def _same(x):
 
 def linear(x_TK, w_XKN, b_XN, e: int, activation=None):
     """Expert e's product x w[e] + b[e], then `activation` ("gelu": jax.nn.gelu, the tanh
-    form), in XLA: `expert_mlp`'s default `linear`."""
-    y_TN = x_TK @ w_XKN[e] + b_XN[e][None]
+    form), in XLA: `expert_mlp`'s default `linear`. A factorized weight (model.lowrank:
+    `Factored` U [X, K, r], V [X, r, N]) is two products, (x U[e]) V[e]."""
+    if isinstance(w_XKN, Factored):
+        y_TN = (x_TK @ w_XKN.u[e]) @ w_XKN.v[e] + b_XN[e][None]
+    else:
+        y_TN = x_TK @ w_XKN[e] + b_XN[e][None]
     return y_TN if activation is None else jax.nn.gelu(y_TN)
 
 
@@ -117,8 +122,13 @@ def sort_rows(choices: Choices, valid_T, *, experts: int, block: int = 0) -> Row
 
 def block_linear(x_NbK, w_XKN, b_XN, e_N, activation=None):
     """Each block's product with its expert's weight, x[n] w[e[n]] + b[e[n]], then
-    `activation` (as `linear`), in XLA: `dropless`'s default `linear`."""
-    y_NbN = jnp.einsum("nbk,nkf->nbf", x_NbK, w_XKN[e_N]) + b_XN[e_N][:, None]
+    `activation` (as `linear`), in XLA: `dropless`'s default `linear` (a factorized weight
+    as two products, as `linear`)."""
+    if isinstance(w_XKN, Factored):
+        t_NbR = jnp.einsum("nbk,nkr->nbr", x_NbK, w_XKN.u[e_N])
+        y_NbN = jnp.einsum("nbr,nrf->nbf", t_NbR, w_XKN.v[e_N]) + b_XN[e_N][:, None]
+    else:
+        y_NbN = jnp.einsum("nbk,nkf->nbf", x_NbK, w_XKN[e_N]) + b_XN[e_N][:, None]
     return y_NbN if activation is None else jax.nn.gelu(y_NbN)
 
 

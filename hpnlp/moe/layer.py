@@ -74,9 +74,11 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     `ptq.serve`'s pass a packed weight that an integer kernel computes is prepared for it,
     expert by expert (`serve_experts`); such a `Served` weight is returned as it is.
     Declared a product weight of kind `mlp` contracting its K axis (`note_product`), so
-    `train.prune` masks it as it masks a dense MLP's kernels."""
-    qlinear.note_product(module, name, "mlp", (1,))
-    if isinstance(w_XKN, qlinear.Served):
+    `train.prune` masks it as it masks a dense MLP's kernels, and `model.lowrank` factorizes
+    it expert by expert (a `Factored` with lead 1, returned as it is: `hpnlp.moe.dispatch`
+    multiplies its factors; config.validate refuses quantizing it)."""
+    qlinear.note_product(module, name, "mlp", (1,), lead=1)
+    if isinstance(w_XKN, (qlinear.Served, qlinear.Factored)):
         return w_XKN
     if isinstance(w_XKN, qlinear.QWeight):
         if module.is_mutable_collection("qserve") and (served := serve_experts(w_XKN, q)):
