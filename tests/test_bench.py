@@ -821,7 +821,10 @@ def test_moe_convert_bench_table_from_a_payload():
                           "loss_before": 3.1},
                          {"method": "half of each expert's neurons, shrunk (of 32)",
                           "experts": 4, "top_k": 1, "steps": 4, "params": 1100, "loss": 2.95,
-                          "loss_vs_scratch": 0.02, "width": 16}],
+                          "loss_vs_scratch": 0.02, "width": 16},
+                         {"method": "each expert at rank 5 (SVD)", "experts": 4, "top_k": 1,
+                          "steps": 4, "params": 1150, "loss": 2.97, "loss_vs_scratch": -0.01,
+                          "loss_before": 3.2, "rank": 5}],
                "upcycle": [{"method": "source", "experts": 0, "top_k": 1, "steps": 12,
                             "params": 500, "loss": 2.8, "loss_vs_scratch": None},
                            {"method": "upcycled into 4 experts", "experts": 4, "top_k": 2,
@@ -839,6 +842,9 @@ def test_moe_convert_bench_table_from_a_payload():
     assert ("| half of each expert's neurons, shrunk (of 32) | 4 experts of width 16, top-1 | 4 "
             "| 1,100 | 2.9500 | +0.0200 | – |" in md)
     assert "from scratch below it: that narrow MoE for 16 steps." in md
+    assert ("| each expert at rank 5 (SVD) | 4 experts of rank 5, top-1 | 4 | 1,150 | 2.9700 | "
+            "-0.0100 | 3.2000 |" in md)
+    assert "from scratch below it: that factorized MoE for 16 steps." in md
     assert "nothing dropped: 2.8000, the dense source 2.8000)." in md
 
 
@@ -850,6 +856,7 @@ def test_moe_convert_bench_quick_run(tmp_path):
         ("source", 4, 1), ("source, continued", 4, 1), ("kept 2 of 4: routed", 2, 1),
         ("kept 2 of 4: merged", 2, 1), ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1),
         (f"half of each expert's neurons, shrunk (of {p['prune'][6]['width'] * 2})", 4, 1),
+        ("from scratch", 4, 1), (f"each expert at rank {p['prune'][8]['rank']} (SVD)", 4, 1),
         ("from scratch", 4, 1)]
     assert [(r["method"], r["experts"], r["top_k"]) for r in p["upcycle"]] == [
         ("source", 0, 1), ("source, continued", 0, 1), ("upcycled into 4 experts", 4, 2),
@@ -862,6 +869,9 @@ def test_moe_convert_bench_quick_run(tmp_path):
     narrow, scratch = p["prune"][6:]  # the shrunk narrow experts and that MoE from scratch
     assert narrow["params"] == scratch["params"] < p["prune"][0]["params"]
     assert narrow["width"] == scratch["width"] and scratch["loss_vs_scratch"] == 0
+    low, scratch = p["prune"][8:]  # each expert factorized, and that MoE from scratch
+    assert low["params"] == scratch["params"] < p["prune"][0]["params"]
+    assert low["rank"] == scratch["rank"] and np.isfinite(low["loss_before"])
 
 
 def test_rope_bench_table_from_a_payload():

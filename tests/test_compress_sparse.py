@@ -392,6 +392,20 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
 # ---------------------------------------------------------------- distillation
 
 
+def _primitive_inputs(jaxpr, name: str) -> list:
+    """Input shapes of every `name` primitive in `jaxpr` and the jaxprs inside it."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == name:
+            out.append([v.aval.shape for v in e.invars])
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _primitive_inputs(inner, name)
+    return out
+
+
 def _dot_shapes(jaxpr) -> list:
     """Output shapes of every dot_general in `jaxpr` and the jaxprs inside it."""
     out = []
@@ -1110,6 +1124,10 @@ def test_an_moe_layers_experts_factorize_expert_by_expert(dispatch, tmp_path):
         got = g["trunk"]["block_0"]["moe"][n]
         for a, b in zip((got.u, got.v), g_twin[n]):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # one LAPACK SVD per expert: a batched one can deadlock XLA's pool (lowrank._each)
+    svds = _primitive_inputs(jax.make_jaxpr(lambda w: lowrank.svd_factors(w, 1, 3, 1))(
+        jnp.zeros((4, 16, 8))).jaxpr, "svd")
+    assert svds == [[(16, 8)]] * 4
     if dispatch == "capacity":  # ptq's file keeps the experts' factors as factors
         from hpnlp.compress import ptq
         ptq.save(str(tmp_path / "q"), cfg2, factored, {}, {})

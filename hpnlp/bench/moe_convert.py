@@ -14,8 +14,10 @@ trained from scratch for the same total steps, in one run on this CPU.
    Beside them, the same expert parameters by narrower experts: the source trained
    `tune_steps` with each expert's weakest half of its neurons pruned at once
    (`train.prune` structured, magnitude: each expert ranks its own), then shrunk
-   (`python -m hpnlp.compress shrink`) to 8 experts of half the width; against the same
-   narrow MoE from scratch for source + tune steps.
+   (`python -m hpnlp.compress shrink`) to 8 experts of half the width; and each expert's
+   two weights at the rank that halves them (`model.lowrank` on `mlp`: one truncated SVD
+   per expert), trained `tune_steps`; each against the same MoE from scratch for source +
+   tune steps.
 2. Upcycling (`upcycle`, Komatsuzaki et al. 2023): the dense byte LM trained
    `source_steps`; each block's MLP copied into 8 experts, top-2 (`router='top_k'`: gates
    that sum to one, so the upcycled model starts as the dense one, up to capacity drops),
@@ -104,6 +106,34 @@ def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
     return rows
 
 
+def half_rank(cd) -> int:
+    """The rank r at which an expert's U [K, r] and V [r, N] hold half of its weight's K N
+    entries: r (K + N) = K N / 2, rounded."""
+    K, N = cd.model.width, cd.model.moe.mlp_dim or cd.model.mlp_dim
+    return max(1, round(K * N / (2 * (K + N))))
+
+
+def lowrank_rows(s: dict, workdir: str, src: str) -> list[dict]:
+    """The source (`src`) with each expert's wi and wo factorized at `half_rank` (one
+    truncated SVD per expert), trained `tune_steps`, with its loss before them; and that
+    factorized MoE from scratch for source + tune steps. Rows as `_compare`'s, with the rank."""
+    X, (_, total) = s["experts"], _steps(s)
+    cd = _config(s, X, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
+    r = half_rank(cd)
+    cd.model.lowrank.update(rank=r, layers="mlp")
+    with tempfile.TemporaryDirectory() as tmp:
+        before = gqa._pooled_eval(cd, tmp)
+    rows = [_row(f"each expert at rank {r} (SVD)", X, 1, compress._train(
+        cd, os.path.join(workdir, f"{src}_rank{r}")), before)]
+    scratch = _config(s, X, 1, total)
+    scratch.model.lowrank.update(rank=r, layers="mlp")
+    rows.append(_row("from scratch", X, 1, compress._train(
+        scratch, os.path.join(workdir, f"moe{X}_top1_rank{r}_scratch"))))
+    for row in rows:
+        row.update(rank=r, loss_vs_scratch=row["loss"] - rows[-1]["loss"])
+    return rows
+
+
 def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, target: tuple):
     """Rows: the `source` model ((experts, top_k, its run's name)) trained `lm_steps`, then
     itself trained `tune_steps` more ("continued"), each of `conversions` ((label, the
@@ -146,7 +176,7 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
         cd.train.update(init_experts=how, init_expert_batches=s["calib_batches"])
         conversions.append((f"kept {kept} of {X}: {how}", cd, f"{src}_to_{kept}_{how}"))
     return (_compare(s, workdir, "fewer experts", (X, 1, src), conversions, (kept, 1))
-            + narrow_rows(s, workdir, src))
+            + narrow_rows(s, workdir, src) + lowrank_rows(s, workdir, src))
 
 
 def upcycle_rows(s: dict, workdir: str) -> list[dict]:
@@ -162,7 +192,8 @@ def upcycle_rows(s: dict, workdir: str) -> list[dict]:
 
 
 def _model(r: dict) -> str:
-    width = f" of width {r['width']}" if "width" in r else ""
+    width = (f" of width {r['width']}" if "width" in r
+             else f" of rank {r['rank']}" if "rank" in r else "")
     return "dense" if not r["experts"] else f"{r['experts']} experts{width}, top-{r['top_k']}"
 
 
@@ -188,12 +219,17 @@ def _dropless(rows: list[dict]) -> str:
 
 def _narrow(rows: list[dict], s: dict) -> str:
     """The narrower experts' rows described (or nothing, for payloads without them)."""
-    if not any("width" in r for r in rows):
-        return ""
-    return (f" The same expert parameters by narrower experts: the source trained "
-            f"{s['tune_steps']} steps with half of each expert's neurons pruned at its first "
-            f"update (structured, magnitude: each expert ranks its own), then shrunk; from "
-            f"scratch below it: that narrow MoE for {_steps(s)[1]} steps.")
+    out = ""
+    if any("width" in r for r in rows):
+        out += (f" The same expert parameters by narrower experts: the source trained "
+                f"{s['tune_steps']} steps with half of each expert's neurons pruned at its "
+                f"first update (structured, magnitude: each expert ranks its own), then "
+                f"shrunk; from scratch below it: that narrow MoE for {_steps(s)[1]} steps.")
+    if any("rank" in r for r in rows):
+        out += (f" Or by low-rank experts: each expert's two weights the truncated SVD at "
+                f"the rank that halves them, trained {s['tune_steps']} steps; from scratch "
+                f"below it: that factorized MoE for {_steps(s)[1]} steps.")
+    return out
 
 
 def _markdown(p: dict) -> str:

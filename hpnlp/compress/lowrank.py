@@ -44,6 +44,7 @@ import math
 
 import flax.linen as nn
 import flax.traverse_util as traverse
+import jax
 import jax.numpy as jnp
 
 from hpnlp.compress import qlinear
@@ -56,8 +57,25 @@ def _matrix(w, k_dims: int, lead: int = 0):
     return w.reshape(b + (math.prod(w.shape[lead:lead + k_dims]), -1)).astype(jnp.float32)
 
 
+def _each(fn, m_BKN, cov_BKK=None):
+    """fn(matrix[, its covariance]) of every matrix of a batch [..., K, N] (the covariance
+    [K, K] shared, or one per matrix), one LAPACK call each, results stacked. A batched
+    call splits the batch over XLA's CPU thread pool and blocks a pool thread until the
+    pieces finish, so two of them in one program (an expert layer's wi and wo, two
+    attention layers' key/value conversions) can deadlock a 2-core machine with every
+    thread idle (as hpnlp.linalg says of QR; seen here: the factorized experts' init hung
+    about one run in two)."""
+    lead = m_BKN.shape[:-2]
+    flat = m_BKN.reshape((-1,) + m_BKN.shape[-2:])
+    covs = None if cov_BKK is None else jnp.broadcast_to(
+        cov_BKK, lead + cov_BKK.shape[-2:]).reshape((-1,) + cov_BKK.shape[-2:])
+    parts = [fn(flat[i]) if covs is None else fn(flat[i], covs[i])
+             for i in range(flat.shape[0])]
+    return jax.tree.map(lambda *a: jnp.stack(a).reshape(lead + a[0].shape), *parts)
+
+
 def singular_values(w, k_dims: int, lead: int = 0):
-    return jnp.linalg.svd(_matrix(w, k_dims, lead), compute_uv=False)
+    return _each(lambda m: jnp.linalg.svd(m, compute_uv=False), _matrix(w, k_dims, lead))
 
 
 def svd_factors(w, k_dims: int, rank: int, lead: int = 0) -> Factored:
@@ -80,27 +98,28 @@ def svd_factors(w, k_dims: int, rank: int, lead: int = 0) -> Factored:
 
 def fit_factors(m_EN, rank: int, cov_EE=None):
     """(W [..., E, r], V [..., r, N]) with W V the best rank-r approximation of M [..., E, N]
-    (leading axes batched): in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T), or of its
+    (leading axes batched, each matrix on its own; `cov_EE` [E, E] shared or [..., E, E]): in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T), or of its
     outputs X M on inputs X with X^T X = `cov_EE` up to scale (whitened: with cov = L L^T,
     ||X (M - W V)|| = ||L^T (M - W V)||, so the SVD of L^T M gives W = L^-T U sqrt(S);
     SVD-LLM, Wang et al. 2024; the key/value conversions' calibration, hpnlp.compress.gqa).
     In float32; the covariance is regularized by 1e-6 of its mean diagonal, so directions
     no input took still have a finite (small) weight."""
+    if m_EN.ndim > 2:  # one LAPACK call per matrix (`_each`)
+        return _each(lambda m, *c: fit_factors(m, rank, *c), m_EN, cov_EE)
     m = m_EN.astype(jnp.float32)
     if cov_EE is None:
         u, sv, vt = jnp.linalg.svd(m, full_matrices=False)
-        root = jnp.sqrt(sv[..., :rank])
-        return u[..., :rank] * root[..., None, :], root[..., :, None] * vt[..., :rank, :]
+        root = jnp.sqrt(sv[:rank])
+        return u[:, :rank] * root[None, :], root[:, None] * vt[:rank, :]
     from jax.scipy.linalg import solve_triangular
     E = cov_EE.shape[-1]
     cov = cov_EE.astype(jnp.float32)
     cov = cov + 1e-6 * jnp.trace(cov) / E * jnp.eye(E, dtype=jnp.float32)
     chol = jnp.linalg.cholesky(cov)  # lower: cov = L L^T
     u, sv, vt = jnp.linalg.svd(chol.T @ m, full_matrices=False)
-    root = jnp.sqrt(sv[..., :rank])
-    w = solve_triangular(jnp.broadcast_to(chol.T, (*m.shape[:-2], E, E)),
-                         u[..., :rank] * root[..., None, :], lower=False)
-    return w, root[..., :, None] * vt[..., :rank, :]
+    root = jnp.sqrt(sv[:rank])
+    w = solve_triangular(chol.T, u[:, :rank] * root[None, :], lower=False)
+    return w, root[:, None] * vt[:rank, :]
 
 
 def kept_energy(w, k_dims: int, rank: int) -> float:
