@@ -165,9 +165,7 @@ def test_structured_pruning_ranks_each_experts_own_neurons_and_shrinks_the_moe_l
     computes what the masked one computed."""
     cfg = _structured_moe()
     model = models.build(cfg, deterministic=True)
-    batch = dummy_batch("lm", 2, 16)
-    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
-    boxed = jax.jit(model.init)(jax.random.key(0), batch)["params"]  # one compile
+    batch, boxed = _random_batch_and_init(model, unbox=False)
     layout = prune.group_layout(prune.targets(cfg, model, nn.unbox(boxed), batch), boxed)
     moe = "trunk/block_1/moe"
     assert {k: g.shape for k, g in layout.items()} == {
@@ -390,6 +388,16 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
 
 
 # ---------------------------------------------------------------- distillation
+
+
+def _random_batch_and_init(model, unbox: bool = True):
+    """(an LM batch [2, 16] of random inputs and targets, the model's initial parameters
+    from one compile of its init)."""
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    batch["targets"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
+    params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
+    return batch, nn.unbox(params) if unbox else params
 
 
 def _primitive_inputs(jaxpr, name: str) -> list:
@@ -892,10 +900,7 @@ def test_factorized_embedding_and_output_layer_are_two_products_exact_at_full_ra
     cd.model.lowrank.update(rank=16, layers=layers)  # width 16 < V 256: full rank
     cfg = validate(from_configdict(cd))
     model = models.build(cfg, deterministic=True)
-    batch = dummy_batch("lm", 2, 16)
-    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
-    batch["targets"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
-    dense = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
+    batch, dense = _random_batch_and_init(model)
     found = lowrank.targets(cfg, model, dense, batch)
     want = {("embed", "embedding"): "output" if tied else "embed"}
     if not tied:
@@ -1075,10 +1080,7 @@ def test_an_moe_layers_experts_factorize_expert_by_expert(dispatch, tmp_path):
                         dispatch=dispatch)
     cfg = validate(from_configdict(cd))
     model = models.build(cfg, deterministic=True)
-    batch = dummy_batch("lm", 2, 16)
-    batch["inputs"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
-    batch["targets"] = RNG.integers(0, 256, (2, 16)).astype(np.int32)
-    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), batch)["params"])
+    batch, params = _random_batch_and_init(model)
     h = _jit_apply(model, "hidden")(params, batch)
     moe = ("trunk", "block_0", "moe")
     # 8: the experts' full rank (width 8; the SVD's property, checked on one dispatch)

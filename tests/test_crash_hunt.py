@@ -158,7 +158,7 @@ def configs(draw) -> dict:
              "layers": draw(st.sampled_from(["all", "qkv,out,mlp,input,recurrent"])),
              "kv_cache": draw(st.sampled_from(["none", "none", "int8"]))
              if kind == "lm" and arch == "transformer" else "none"}
-    nm = draw(st.sampled_from(["unstructured", "unstructured", "2:4"]))
+    nm = draw(st.sampled_from(["unstructured", "unstructured", "2:4", "structured"]))
     method = draw(st.sampled_from(["none", "none", "magnitude", "random"]))
     if model["stack_layers"] or model["reversible"]:  # validate refuses: masks are per layer
         method = "none"
