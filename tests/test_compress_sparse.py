@@ -237,10 +237,10 @@ def test_structured_pruning_of_experts_trains_and_shrinks_its_run(tmp_path):
 
 
 def test_a_factorized_model_is_pruned_factor_by_factor(tmp_path):
-    """model.lowrank with train.prune: U and V of each factorized product are masked as
-    weights of their own, 2:4 along each one's contraction (V's: the rank; an MoE layer's
-    experts each their own), every masked entry exactly zero after the steps; structured pruning and a rank that M does not
-    divide are refused in one line."""
+    """model.lowrank with train.prune: U and V of each factorized product are masked as weights of
+    their own, 2:4 along each one's contraction (V's: the rank; an MoE layer's experts each
+    their own), every masked entry exactly zero after the steps; structured pruning and a
+    rank that M does not divide are refused in one line."""
     cd = tiny(prune=dict(method="magnitude", structure="2:4", layers="qkv,mlp"))
     cd.model.update(depth=2)  # block 1 MoE: its experts' factors U [X, K, r], V [X, r, N]
     cd.model.moe.update(num_experts=4, router="top_k", top_k=2, every=2)

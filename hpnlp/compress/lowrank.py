@@ -23,13 +23,14 @@ V the output's).
 Kinds (`model.lowrank.layers`): the Transformer's `qkv`, `out`, `mlp` (an MoE layer's
 experts too: each expert's weight [K, N] its own SVD, U [X, K, r] and V [X, r, N] a
 `Factored` with `lead=1`, multiplied expert by expert by hpnlp.moe.dispatch; the shared
-experts' wider MLP as any Dense), the classifier heads, and the tables of any model: `embed`, the input embedding [V, E] as A [V, r] B [r, E]
-(ALBERT's factorized embedding: a lookup of A's rows, then one product with B), and
-`output`, the output layer's vectors [V, E] (a `VocabLayer`: full, sampled, nce, ...) with
-logits (h B^T) A^T + b, two products through the rank, where its exact `logits` are
-computed (evaluation, and `full`'s loss below its chunking size; the chunked loss and the
-sampled objectives multiply the factors back into the table). A tied table is one weight,
-the output layer's: `output` factorizes it for both uses. The LSTM's own products stay dense.
+experts' wider MLP as any Dense), the classifier heads, and the tables of any model:
+`embed`, the input embedding [V, E] as A [V, r] B [r, E] (ALBERT's factorized embedding: a
+lookup of A's rows, then one product with B), and `output`, the output layer's vectors [V,
+E] (a `VocabLayer`: full, sampled, nce, ...) with logits (h B^T) A^T + b, two products
+through the rank, where its exact `logits` are computed (evaluation, and `full`'s loss below
+its chunking size; the chunked loss and the sampled objectives multiply the factors back
+into the table). A tied table is one weight, the output layer's: `output` factorizes it for
+both uses. The LSTM's own products stay dense.
 
 Quantized (`quant.*`, QAT or `python -m hpnlp.compress quantize`): each factor is a product
 of its own (`qlinear._factored_product`): U and V quantized per output channel, x and x U
@@ -98,12 +99,13 @@ def svd_factors(w, k_dims: int, rank: int, lead: int = 0) -> Factored:
 
 def fit_factors(m_EN, rank: int, cov_EE=None):
     """(W [..., E, r], V [..., r, N]) with W V the best rank-r approximation of M [..., E, N]
-    (leading axes batched, each matrix on its own; `cov_EE` [E, E] shared or [..., E, E]): in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T), or of its
-    outputs X M on inputs X with X^T X = `cov_EE` up to scale (whitened: with cov = L L^T,
-    ||X (M - W V)|| = ||L^T (M - W V)||, so the SVD of L^T M gives W = L^-T U sqrt(S);
-    SVD-LLM, Wang et al. 2024; the key/value conversions' calibration, hpnlp.compress.gqa).
-    In float32; the covariance is regularized by 1e-6 of its mean diagonal, so directions
-    no input took still have a finite (small) weight."""
+    (leading axes batched, each matrix on its own; `cov_EE` [E, E] shared or [..., E, E]):
+    in Frobenius norm (cov None: U sqrt(S), sqrt(S) V^T), or of its outputs X M on inputs X
+    with X^T X = `cov_EE` up to scale (whitened: with cov = L L^T, ||X (M - W V)|| = ||L^T
+    (M - W V)||, so the SVD of L^T M gives W = L^-T U sqrt(S); SVD-LLM, Wang et al. 2024;
+    the key/value conversions' calibration, hpnlp.compress.gqa). In float32; the covariance
+    is regularized by 1e-6 of its mean diagonal, so directions no input took still have a
+    finite (small) weight."""
     if m_EN.ndim > 2:  # one LAPACK call per matrix (`_each`)
         return _each(lambda m, *c: fit_factors(m, rank, *c), m_EN, cov_EE)
     m = m_EN.astype(jnp.float32)
