@@ -877,9 +877,8 @@ def _check_lowrank(cfg: Config) -> None:
     shapes = [("qkv", (m.width, qkv)), ("out", (hd, m.width))]
     if not all(m.moe.applies(i) for i in range(m.depth)):  # a dense block's MLP
         shapes.append(("mlp", (m.width, m.mlp_dim)))
-    if m.moe.enabled():  # each expert's own products (and the shared experts' wider MLP)
-        F = m.moe.expert_dim(m)
-        shapes += [("mlp", (m.width, F)), ("mlp", (m.width, max(m.moe.shared_experts, 1) * F))]
+    if m.moe.enabled():  # each expert's own products (the shared experts' are wider)
+        shapes.append(("mlp", (m.width, m.moe.expert_dim(m))))
     for kind, (k, n) in shapes:  # the heads' once the task's classes are known
         if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "

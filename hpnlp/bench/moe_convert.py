@@ -94,15 +94,23 @@ def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
         shutil.rmtree(sdir)
     summ = prune.shrink_run(pdir, sdir)
     narrow = summ["model"]["moe.mlp_dim"][1]
-    rows = [_row(f"half of each expert's neurons, shrunk (of {width})", X, 1,
-                 {"final_step": s["tune_steps"], "param_count": summ["params"]["shrunk"],
-                  "eval": summ["eval"]})]
+    row = _row(f"half of each expert's neurons, shrunk (of {width})", X, 1,
+               {"final_step": s["tune_steps"], "param_count": summ["params"]["shrunk"],
+                "eval": summ["eval"]})
     scratch = _config(s, X, 1, total)
     scratch.model.moe.mlp_dim = narrow
-    rows.append(_row("from scratch", X, 1, compress._train(
-        scratch, os.path.join(workdir, f"moe{X}_top1_width{narrow}_scratch"))))
+    return _beside_scratch(s, workdir, row, scratch, f"width{narrow}", width=narrow)
+
+
+def _beside_scratch(s: dict, workdir: str, row: dict, scratch, name: str, **shape) -> list[dict]:
+    """`row` and the Switch MoE of its shape (`scratch`, a config) trained from scratch for
+    source + tune steps (run `moe{X}_top1_{name}_scratch`), both with `shape`'s fields and
+    their loss against the latter's."""
+    X = s["experts"]
+    rows = [row, _row("from scratch", X, 1, compress._train(
+        scratch, os.path.join(workdir, f"moe{X}_top1_{name}_scratch")))]
     for r in rows:
-        r.update(width=narrow, loss_vs_scratch=r["loss"] - rows[-1]["loss"])
+        r.update(shape, loss_vs_scratch=r["loss"] - rows[-1]["loss"])
     return rows
 
 
@@ -123,15 +131,11 @@ def lowrank_rows(s: dict, workdir: str, src: str) -> list[dict]:
     cd.model.lowrank.update(rank=r, layers="mlp")
     with tempfile.TemporaryDirectory() as tmp:
         before = gqa._pooled_eval(cd, tmp)
-    rows = [_row(f"each expert at rank {r} (SVD)", X, 1, compress._train(
-        cd, os.path.join(workdir, f"{src}_rank{r}")), before)]
+    row = _row(f"each expert at rank {r} (SVD)", X, 1, compress._train(
+        cd, os.path.join(workdir, f"{src}_rank{r}")), before)
     scratch = _config(s, X, 1, total)
     scratch.model.lowrank.update(rank=r, layers="mlp")
-    rows.append(_row("from scratch", X, 1, compress._train(
-        scratch, os.path.join(workdir, f"moe{X}_top1_rank{r}_scratch"))))
-    for row in rows:
-        row.update(rank=r, loss_vs_scratch=row["loss"] - rows[-1]["loss"])
-    return rows
+    return _beside_scratch(s, workdir, row, scratch, f"rank{r}", rank=r)
 
 
 def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, target: tuple):

@@ -132,10 +132,9 @@ def kept_energy(w, k_dims: int, rank: int) -> float:
 def rank_for_energy(w, k_dims: int, energy: float, lead: int = 0) -> int:
     """Smallest r whose truncated SVD keeps `energy` of sum(S^2) (of every weight of a
     batch: the largest such r among them)."""
-    s2 = jnp.square(singular_values(w, k_dims, lead)).reshape(-1, min(_matrix(
-        w, k_dims, lead).shape[-2:]))
+    s2 = jnp.square(singular_values(w, k_dims, lead))
     frac = jnp.cumsum(s2, axis=-1) / jnp.sum(s2, axis=-1, keepdims=True)
-    return int(max(jnp.searchsorted(f, energy - 1e-7) + 1 for f in frac))
+    return int(jnp.max(jnp.sum(frac < energy - 1e-7, axis=-1))) + 1  # rank of the neediest
 
 
 def targets(cfg, model, params, batch) -> dict:

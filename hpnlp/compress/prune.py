@@ -397,13 +397,15 @@ def group_layout(products: dict, boxed_params) -> dict:
         else:
             out[key] = Group(axis, units, members)
     return out
-def _on_rows(g: Group, per_member, path: str, w):
-    """A member's per-unit sums `per_member` (its unit axis, and its row axis where it has
-    one, kept; every other axis summed) as the group's [rows, units] / [units] shape."""
+
+
+def _on_rows(g: Group, w, path: str):
+    """Member `w`'s sums per unit (its unit axis, and its row axis where it has one, kept;
+    every other axis summed) as the group's [rows, units] / [units] shape."""
     ax = _axes(g.members[path])[0]
     r = g.row_axes.get(path)
     keep = (ax,) if r is None else (r, ax)
-    v = jnp.sum(per_member, axis=tuple(i for i in range(w.ndim) if i not in keep))
+    v = jnp.sum(w, axis=tuple(i for i in range(w.ndim) if i not in keep))
     if r is not None and r > ax:
         v = v.T
     return v.reshape(g.shape)
@@ -424,7 +426,7 @@ def group_scores(method: str, flat: dict, layout: dict, seed: int) -> dict:
             w = jnp.square(flat[path].astype(jnp.float32))
             axes = _axes(ax)
             if len(axes) == 1:
-                total = total + _on_rows(g, w, path, w)
+                total = total + _on_rows(g, w, path)
                 continue
             for a in axes:  # an LSTM/GRU recurrent kernel (one row)
                 total = total + jnp.sum(w, axis=tuple(i for i in range(w.ndim) if i != a))
