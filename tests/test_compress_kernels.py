@@ -25,8 +25,10 @@ SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40), (45, 
 BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many items, odd blocks
 # int8 also at K = 1500: a panel of 48 KB (VNNI's 4 k of int8 or AVX2's 2 k of int16, 32
 # columns or 16), past 2/3 of any x86 L1 up to 64 KB, so its products run in blocks of k
-# with partial sums in memory (qgemm.cc k_block), the last block shorter
-INT8_SHAPES = SHAPES + [(9, 1500, 37)]
+# with partial sums in memory (qgemm.cc k_block), the last block shorter. With AMX, rows
+# in whole 16-row tiles and k in whole 64-k tiles run on tiles and the rest on vpdpbusd:
+# (45, 64, 48) one k tile; (41, 1500, 37) and (40, 200, 70) a k tail and a tail of rows.
+INT8_SHAPES = SHAPES + [(41, 1500, 37), (40, 200, 70)]
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +70,9 @@ def test_int8_matmul_is_exact(M, K, N, threads):
 @needs_kernel
 @pytest.mark.parametrize("value", [127, -127])
 def test_int8_extremes_do_not_saturate(value):
-    """All +-127 over a long K: every int16 pair sum would saturate in vpmaddubsw."""
-    M, K, N = 5, 515, 19
+    """All +-127 over a long K: every int16 pair sum would saturate in vpmaddubsw (rows in
+    AMX tiles and past them)."""
+    M, K, N = 21, 515, 19
     x = jnp.full((M, K), value, jnp.int8)
     w = qk.prepare_int8_weight(jnp.full((K, N), 127, jnp.int8))
     out = qk.int8_matmul(x, w, impl="kernel", threads=2)
@@ -232,6 +235,25 @@ def test_auto_is_the_kernel_and_jit_works():
     np.testing.assert_array_equal(qk.int4_linear(xm, w4), qk.int4_linear(xm, w4, impl="xla"))
 
 
+def _cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split() for line in f if line.startswith("flags")), [])
+
+
+@needs_kernel
+def test_int8_products_run_on_the_cpus_widest_path():
+    """The native build's int8 products: AMX tiles where the CPU has them (the OS grants
+    them on Linux >= 5.16), else the build's vector path."""
+    path = qk.layout()["int8_path"]
+    flags = _cpu_flags()
+    if kernels.march() == "native" and "amx_int8" in flags:
+        assert qk.int8_products() == "amx"
+    else:
+        assert qk.int8_products() == path
+    if kernels.march() == "native" and "avx512_vnni" in flags:
+        assert path == "avx512_vnni"
+
+
 def test_xla_fallback_without_kernel(monkeypatch):
     """Where the kernel cannot run (here: as if on a mesh), auto is the twin and "kernel"
     says why."""
@@ -329,10 +351,11 @@ PORTABLE = """
 import numpy as np, jax.numpy as jnp
 from hpnlp.compress import kernels as qk, packing
 import sys
-path = sys.argv[1]
-assert qk.layout()["int8_path"] == path and qk.layout()["binary_path"] == path, qk.layout()
+int8, binary = sys.argv[1:3]
+assert qk.layout()["int8_path"] == int8 and qk.layout()["binary_path"] == binary, qk.layout()
+assert qk.int8_products() == int8, qk.int8_products()
 rng = np.random.default_rng(0)
-for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64), (9, 1500, 37)]:
+for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64), (41, 1500, 37)]:
     x8 = jnp.asarray(rng.integers(-127, 128, (M, K), dtype=np.int8))
     w8 = qk.prepare_int8_weight(rng.integers(-127, 128, (K, N), dtype=np.int8))
     xf = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
@@ -346,20 +369,25 @@ for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64), (9, 1500, 37)]:
     bias = jnp.asarray(rng.standard_normal(N).astype(np.float32))
     a, b = (np.asarray(qk.int8_linear(xf, w8, bias=bias, activation="gelu", impl=i)) for i in ("kernel", "xla"))
     assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * abs(b).max())
-print(path, "ok")
+print(int8, "ok")
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("march,path", [("x86-64", "portable"), ("x86-64-v3", "avx2")])
+@pytest.mark.parametrize("march,path", [("x86-64", "portable"), ("x86-64-v3", "avx2"),
+                                        ("icelake-server", "avx512_vnni")])
 def test_portable_build_computes_the_same(march, path, tmp_path):
-    """Built for plain x86-64 (no AVX2) or for AVX2 without AVX-512 (whatever CPU runs the
-    test): those paths equal the twins."""
+    """Built for plain x86-64 (no AVX2), for AVX2 without AVX-512 (whatever CPU runs the
+    test), or for AVX-512 VNNI without AMX (a CPU with VNNI: the vector path of an AMX
+    machine): those paths equal the twins."""
     import sys
+    if march == "icelake-server" and not {"avx512_vnni", "avx512_vpopcntdq"} <= set(_cpu_flags()):
+        pytest.skip("this CPU has no AVX-512 VNNI / VPOPCNTDQ")
+    binary = "avx512_vpopcntdq" if path == "avx512_vnni" else path
     # JAX_PLATFORMS=cpu: the kernel is a CPU one, and on a GPU machine the suite's cuda,cpu
     # would make the GPU the backend it refuses
     env = dict(os.environ, HPNLP_KERNEL_MARCH=march, HPNLP_KERNEL_TUNE="0",
                HPNLP_KERNEL_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", PORTABLE, path], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PORTABLE, path, binary], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and f"{path} ok" in proc.stdout, proc.stderr[-3000:]

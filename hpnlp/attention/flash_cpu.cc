@@ -38,11 +38,6 @@
 #define HPNLP_NATIVE_VECTORS  // whole vectors of NR floats (simd.h)
 #include "simd.h"
 
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace ffi = xla::ffi;
 using namespace hpnlp;  // NOLINT: the kernel's vocabulary (vf, load, ...)
 
@@ -456,8 +451,6 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k
   return ffi::Error::Success();
 }
 
-void release_tiles();
-
 // Work items 0..n-1 over up to `threads` threads (the caller and the helpers that join:
 // hpnlp::join_parallel), each taking the next from a shared counter. Each thread gives
 // back the AMX tile state it may have taken when it is done.
@@ -569,43 +562,9 @@ void gemm2_vec(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, 
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-// AMX (Intel Sapphire Rapids and later): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile
+// AMX (amx_ready, release_tiles: simd.h): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile
 // by a 32 x 16 one (16 pair rows, the layout gemm2's B already has) into 16 x 16 float32,
-// 16 times the work of a vdpbf16ps. Linux grants the tile state per process on request
-// (arch_prctl, kernel >= 5.16). A thread loads the tile configuration on its first product
-// of a pass and releases the tiles when its share of the pass is done (for_items), so a
-// pass never relies on a configuration another library may have loaded in that thread
-// since, and XLA's threads do not keep 8 KB of tile state live between calls. Where the
-// request fails, gemm2 keeps to vector registers.
-thread_local bool amx_configured = false;
-
-bool amx_ready() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                        18 /* XFEATURE_XTILEDATA */) == 0;
-  if (!permitted) return false;
-  struct alignas(64) TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-  };
-  // Palette 1: 8 tiles of 16 rows x 64 bytes. A static table: a stack copy built at run
-  // time was partly optimized away (the compiler does not see ldtilecfg read it).
-  static const TileConfig config = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
-                                    {16, 16, 16, 16, 16, 16, 16, 16}};
-  if (!amx_configured) {
-    _tile_loadconfig(&config);
-    amx_configured = true;
-  }
-  return true;
-}
-
-void release_tiles() {
-  if (amx_configured) {
-    _tile_release();
-    amx_configured = false;
-  }
-}
-
+// 16 times the work of a vdpbf16ps.
 // Rows [i, i + 16 NI) x columns [n, n + 16 NJ) of C over k in [0, K), K % 32 == 0: tiles 0-3
 // accumulate, 4-5 hold A, 6-7 hold B.
 template <int NI, int NJ>
@@ -644,8 +603,6 @@ void amx_block(int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
   if constexpr (NI == 2) _tile_stored(2, c1, sc);
   if constexpr (NI == 2 && NJ == 2) _tile_stored(3, c1 + 16, sc);
 }
-#else
-void release_tiles() {}
 #endif
 
 // gemm2_vec's product: rows and k in whole tiles on AMX where the CPU has it, the rest

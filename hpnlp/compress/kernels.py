@@ -108,14 +108,25 @@ def unavailable_reason() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def layout() -> dict[str, int | str]:
-    """The build's instruction paths and panel layouts (see `hpnlp_qgemm_layout`)."""
+    """The build's instruction paths and panel layouts (see `hpnlp_qgemm_layout`), and
+    how the int8 products run in this process (`int8_products`)."""
     lib = KERNEL.library()
     lib.hpnlp_qgemm_layout.restype = ctypes.c_int64
     v = [lib.hpnlp_qgemm_layout(ctypes.c_int64(i)) for i in range(9)]
     return {"int8_path": ("portable", "avx2", "avx512_vnni")[v[0]], "int8_kp": v[1],
             "int8_nb": v[2], "int8_max_mr": v[3],
             "binary_path": ("portable", "avx2", "avx512_vpopcntdq")[v[4]], "binary_nb": v[5],
-            "binary_max_mr": v[6], "int4_nb": v[7], "binary_xw": v[8]}
+            "binary_max_mr": v[6], "int4_nb": v[7], "binary_xw": v[8],
+            "int8_products": int8_products()}
+
+
+def int8_products() -> str:
+    """How the int8 kernel's products run here: "amx" (AMX tiles for whole 16-row x 64-k
+    tiles, vpdpbusd for the rest), else the build's `int8_path`. AMX needs the OS to grant
+    the tile state (Linux >= 5.16); where it does not, the products stay on vpdpbusd."""
+    lib = KERNEL.library()
+    lib.hpnlp_qgemm_int8_products.restype = ctypes.c_int64
+    return ("portable", "avx2", "avx512_vnni", "amx")[lib.hpnlp_qgemm_int8_products()]
 
 
 def _register(cls, data, meta):

@@ -22,6 +22,8 @@
 //                         vpmaddwd + vpaddd per 16, the same multiply-port count, plus
 //                         an extra instruction: no faster on Zen 3 and more code.
 //           portable      plain loops over the AVX2 layout.
+//           AMX           where the CPU has it and Linux grants it: whole tiles of 16 rows
+//                         x 64 k by tdpbusd on the VNNI operands (i8_amx_block).
 //   binary: AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words; with
 //                         DQ the outputs leave from registers (b_block_out).
 //           AVX2          nibble-LUT popcount (vpshufb, Mula): x's nibbles split once per
@@ -65,6 +67,9 @@ typedef int8_t I8W;   // packed weight element
 typedef uint8_t I8X;  // activation element (x + 128)
 #define HPNLP_I8W_FFI ffi::S8
 inline I8X i8_x(int q) { return static_cast<uint8_t>(q + 128); }
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define HPNLP_I8_AMX 1
+#endif
 #else
 constexpr int I8_KP = 2, I8_NB = 16, I8_MR = 6;
 #if defined(__AVX2__)
@@ -243,6 +248,7 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
         for (int p = p0; p < std::min(P, p0 + pg); ++p)
           rows(c, [&](int m0, int m1) { item(m0, m1, p); });
       }
+    release_tiles();  // the AMX tile state an int8 item may have taken (simd.h)
     return;
   }
   // state[c]: 0 not started, 1 being set up, 2 ready
@@ -296,6 +302,7 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
         }
         rows(c, [&](int m0, int m1) { item(m0, m1, p); });
       }
+    release_tiles();
   });
 }
 
@@ -327,7 +334,9 @@ inline void populate_out(void* p, size_t bytes, int threads) {
 // has the stores. They skip reading each line before overwriting it: the binary
 // [2048, 1024 -> 4096] product, whose 32 MB output is a third of its time, ran 5.36 ->
 // 4.94 ms (median of 15, timed between other layers' calls) on a 2-core EPYC. The int8
-// product, 4x longer for the same output, gained nothing measurable and keeps plain stores.
+// product on vpdpbusd, 4x longer for the same output, gained little; on AMX tiles (a Xeon,
+// model 167) its int8_linear ran 6.0 -> 5.0 ms, and int8_matmul, whose int32 outputs then
+// also left from registers instead of a scalar copy, 10.5 -> 5.8 ms.
 constexpr size_t kStreamBytes = size_t(8) << 20;
 inline bool stream_out(const void* out, int M, int N) {
 #if defined(__AVX2__)
@@ -475,6 +484,48 @@ inline void i8_block(const I8X* x, size_t ldx, const I8W* p, int kq, int32_t (*t
 #endif
 }
 
+#if defined(HPNLP_I8_AMX)
+// AMX (Intel Sapphire Rapids and later; amx_ready in simd.h): one tdpbusd multiplies a
+// 16 x 64 tile of u8 activations by a 64 x 16 tile of s8 weights into 16 x 16 int32 sums,
+// 16 times the work of a vpdpbusd. The VNNI panel is already the right-hand tile's layout:
+// its k-group row holds 32 columns x 4 k (128 bytes), so a tile is 16 k-groups of 16
+// columns at a 128-byte stride, and the activations (x + 128, the same colsum offset)
+// are 64-byte rows. t[r][c] = the sums of rows [0, 16 NI) of x (row stride ldx) against
+// the panel's 32 columns over kq16 k-groups (a multiple of 16). Tiles 0-3 accumulate,
+// 4-5 hold activations, 6-7 weights.
+template <int NI>
+inline void i8_amx_block(const I8X* x, size_t ldx, const I8W* p, int kq16, int32_t (*t)[I8_NB]) {
+  constexpr size_t sb = I8_NB * I8_KP;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NI == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int k = 0; k < kq16; k += 16) {
+    const I8W* pk = p + size_t(k) * sb;
+    const I8X* xk = x + size_t(k) * I8_KP;
+    _tile_loadd(4, xk, ldx);
+    _tile_loadd(6, pk, sb);
+    _tile_loadd(7, pk + 64, sb);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if constexpr (NI == 2) {
+      _tile_loadd(5, xk + 16 * ldx, ldx);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  constexpr size_t sc = I8_NB * sizeof(int32_t);
+  _tile_stored(0, t[0], sc);
+  _tile_stored(1, t[0] + 16, sc);
+  if constexpr (NI == 2) {
+    _tile_stored(2, t[16], sc);
+    _tile_stored(3, t[16] + 16, sc);
+  }
+}
+#endif
+
 struct I8Gemm {
   int M, K, N, kq, P;
   int mc, mr;
@@ -488,6 +539,7 @@ struct I8Gemm {
   const float* bias = nullptr;  // [N] added after rescaling (int8_linear), or null
   int act = 0;                  // then the activation: 0 none, 1 GELU (tanh form)
   int kb = 0;                   // k-groups per pass over a panel (i8_run sets it)
+  bool stream = false;          // out_f written with streaming stores (stream_out)
 };
 
 // GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
@@ -531,6 +583,24 @@ inline EV gelu_ev(EV y) { return gelu_tanh8(y); }
 #endif
 typedef float ev_u __attribute__((vector_size(EW * sizeof(float)), aligned(alignof(float))));
 typedef int32_t evi_u __attribute__((vector_size(EW * sizeof(int32_t)), aligned(alignof(int32_t))));
+// One epilogue vector to p, by a streaming store where `stream` (p 32-byte aligned).
+inline void put_ev(float* p, EV v, bool stream) {
+#if defined(__AVX512F__)
+  if (stream) {
+    const __m512 z = reinterpret_cast<__m512>(v);
+    _mm256_stream_ps(p, _mm512_castps512_ps256(z));
+    _mm256_stream_ps(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (stream) {
+    _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
+    return;
+  }
+#endif
+  (void)stream;
+  *reinterpret_cast<ev_u*>(p) = v;
+}
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
   return y / (1.0f + std::exp(std::min(u, 80.0f)));
@@ -552,7 +622,7 @@ inline void i8_row_epilogue(const I8Gemm& g, int row, int n0, const int32_t* t) 
       acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) * 128;
     EV f = __builtin_convertvector(acc, EV) * xs * *reinterpret_cast<const ev_u*>(g.ws + n0 + c);
     if (g.bias) f += *reinterpret_cast<const ev_u*>(g.bias + n0 + c);
-    *reinterpret_cast<ev_u*>(out + c) = g.act == 1 ? gelu_ev(f) : f;
+    put_ev(out + c, g.act == 1 ? gelu_ev(f) : f, g.stream);
   }
 }
 
@@ -563,6 +633,29 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
   // The sums of rows [m0, m1) against the panel, handed a register block at a time to
   // finish(r0, R, t): t[r] the int32 sums of row r0 + r.
   auto sums = [&](auto&& finish) {
+#if defined(HPNLP_I8_AMX)
+    // Whole 16-row tiles over whole 64-k tiles on AMX, the k tail added by vpdpbusd; the
+    // rows past the last tile go on below
+    const int kq16 = g.kq / 16 * 16;
+    if (kq16 > 0 && m1 - m0 >= 16 && amx_ready()) {
+      for (; m0 + 16 <= m1;) {
+        alignas(64) int32_t t[32][I8_NB];
+        const int rows = m0 + 32 <= m1 ? 32 : 16;
+        const I8X* x = g.xq + size_t(m0) * ldx;
+        if (rows == 32) i8_amx_block<2>(x, ldx, p, kq16, t);
+        else i8_amx_block<1>(x, ldx, p, kq16, t);
+        if (kq16 < g.kq)
+          row_blocks<I8_MR>(m0, m0 + rows, g.mr, [&](int r0, auto rr) {
+            i8_block<decltype(rr)::value>(g.xq + size_t(r0) * ldx + size_t(kq16) * I8_KP, ldx,
+                                          p + size_t(kq16) * I8_NB * I8_KP, g.kq - kq16,
+                                          t + (r0 - m0), true);
+          });
+        for (int r = 0; r < rows; ++r) finish(m0 + r, std::integral_constant<int, 1>{}, t + r);
+        m0 += rows;
+      }
+      if (m0 == m1) return;
+    }
+#endif
     if (g.kb >= g.kq) {  // the whole contraction in one pass of each register block
       row_blocks<I8_MR>(m0, m1, g.mr, [&](int r0, auto rr) {
         constexpr int R = decltype(rr)::value;
@@ -587,6 +680,25 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
     sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
       for (int r = 0; r < decltype(rr)::value; ++r) i8_row_epilogue(g, r0 + r, n0, t[r]);
     });
+#if defined(__AVX2__)
+    if (g.stream) _mm_sfence();
+#endif
+    return;
+  }
+  if (g.out_i && nn == I8_NB) {  // a whole panel of int8_matmul: the offset in registers
+    sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
+      for (int r = 0; r < decltype(rr)::value; ++r) {
+        int32_t* out = g.out_i + size_t(r0 + r) * g.N + n0;
+        for (int c = 0; c < I8_NB; c += EW) {
+          EVI acc = *reinterpret_cast<const evi_u*>(t[r] + c);
+          if (I8_PATH == 2) acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) * 128;
+          put_ev(reinterpret_cast<float*>(out + c), reinterpret_cast<EV>(acc), g.stream);
+        }
+      }
+    });
+#if defined(__AVX2__)
+    if (g.stream) _mm_sfence();
+#endif
     return;
   }
   sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
@@ -1251,6 +1363,18 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // portable), 1 its k per lane group (KP), 2 its panel columns (NB), 3 its most rows per
 // register block; 4 the binary path (2 VPOPCNTDQ, 1 AVX2, 0 portable), 5 its panel columns,
 // 6 its most rows; 7 the int4 panel columns; 8 the binary words per k-word (2: nibbles).
+// How the int8 products run in this process: 3 on AMX tiles (rows and k in whole tiles;
+// vpdpbusd for the rest), else the build's int8 path (hpnlp_qgemm_layout's first value).
+extern "C" int64_t hpnlp_qgemm_int8_products() {
+#if defined(HPNLP_I8_AMX)
+  if (amx_ready()) {
+    release_tiles();
+    return 3;
+  }
+#endif
+  return I8_PATH;
+}
+
 extern "C" int64_t hpnlp_qgemm_layout(int64_t what) {
   const int64_t v[] = {I8_PATH, I8_KP, I8_NB, I8_MR, B_PATH, B_NB, B_MR, I4_NB, B_XW};
   return what >= 0 && what < int64_t(sizeof v / sizeof v[0]) ? v[what] : -1;
@@ -1326,6 +1450,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int6
   auto e = i8_setup(&g, x.dimensions(), w.dimensions(), colsum.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
   g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_i = out->typed_data();
+  g.stream = stream_out(g.out_i, g.M, g.N);  // int32: the size of a float
   populate_out(g.out_i, sizeof(int32_t) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) i8_run(g, x.typed_data(), nullptr, int(threads));
   return ffi::Error::Success();
@@ -1357,6 +1482,7 @@ ffi::Error Int8LinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int6
   g.act = int(activation);
   g.w = w.typed_data(), g.colsum = colsum.typed_data(), g.out_f = out->typed_data();
   g.ws = w_scale.typed_data();
+  g.stream = stream_out(g.out_f, g.M, g.N);
   populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) i8_run(g, nullptr, x.typed_data(), int(threads));
   return ffi::Error::Success();

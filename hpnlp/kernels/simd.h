@@ -24,6 +24,10 @@
 #include <vector>
 
 #include <sys/mman.h>
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -472,6 +476,47 @@ void join_parallel(int threads, F&& fn) {
 inline int clamp_threads(int64_t threads, int64_t shares) {
   return static_cast<int>(std::max<int64_t>(1, std::min(threads, shares)));
 }
+
+#if defined(__AMX_TILE__)
+// AMX (Intel Sapphire Rapids and later): tile products, 16 times the work of a vector
+// instruction (tdpbf16ps for bfloat16 in flash_cpu.cc, tdpbusd for int8 in qgemm.cc).
+// Linux grants the tile state per process on request (arch_prctl, kernel >= 5.16; it may
+// refuse). A thread loads the tile configuration on its first tile product of a pass and
+// releases the tiles (release_tiles) when its share of the pass is done, so a pass never
+// relies on a configuration another library may have loaded in that thread since, and
+// XLA's threads do not keep 8 KB of tile state live between calls. Where the request
+// fails, amx_ready() is false and the kernels keep to vector registers.
+inline thread_local bool amx_configured = false;
+
+inline bool amx_ready() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  if (!permitted) return false;
+  struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  };
+  // Palette 1: 8 tiles of 16 rows x 64 bytes. A static table: a stack copy built at run
+  // time was partly optimized away (the compiler does not see ldtilecfg read it).
+  static const TileConfig config = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                    {16, 16, 16, 16, 16, 16, 16, 16}};
+  if (!amx_configured) {
+    _tile_loadconfig(&config);
+    amx_configured = true;
+  }
+  return true;
+}
+
+inline void release_tiles() {
+  if (amx_configured) {
+    _tile_release();
+    amx_configured = false;
+  }
+}
+#else
+inline void release_tiles() {}
+#endif
 
 // Items [begin, end) of `items` for thread p of `threads` (near-equal static shares).
 inline void share(int items, int threads, int p, int* begin, int* end) {
