@@ -1101,10 +1101,6 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
              "in a custom backward pass that cannot report the router's losses"),
             ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
              "their layers functionally and cannot report the router's losses"),
-            ("model.lowrank.layers", m.lowrank.layers, m.lowrank.applies("mlp")
-             and m.quant.applies("mlp") and m.quant.weights != "none", "factorized experts "
-             "are not quantized yet; leave 'mlp' out of quant.layers (the experts' factors "
-             "stay float) or out of model.lowrank.layers"),
             ("quant.act_scale", "static", m.quant.act_scale == "static" and
              m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their "
              "inputs quantized per token (dynamic), not by calibrated ranges; use "

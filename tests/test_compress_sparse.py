@@ -1072,8 +1072,9 @@ def test_an_moe_layers_experts_factorize_expert_by_expert(dispatch, tmp_path):
     """model.lowrank with 'mlp' on an MoE model: each expert's wi [X, K, N] is its own SVD,
     U [X, K, r] and V [X, r, N] (the shared experts' MLP and the attention as any product),
     computed as two products that equal the dense twin W = U V (outputs and the gradients
-    of U and V); at full rank the model is the dense one; quantizing factorized experts is
-    refused in one line."""
+    of U and V); at full rank the model is the dense one; quantized, ptq's file keeps each
+    expert's quantized factors and decodes to what the quantized model computed
+    (tests/test_moe.py checks the quantized factors against their definition)."""
     from hpnlp.compress import lowrank
     cd = tiny()
     cd.model.moe.update(num_experts=4, router="top_k", top_k=2, mlp_dim=8, shared_experts=1,
@@ -1136,10 +1137,20 @@ def test_an_moe_layers_experts_factorize_expert_by_expert(dispatch, tmp_path):
         loaded = ptq.load(str(tmp_path / "q"))[1]
         assert jax.tree.structure(loaded) == jax.tree.structure(factored)
         jax.tree.map(np.testing.assert_array_equal, loaded, factored)
-    cd.quant.update(weights="int8", layers="mlp")
-    with pytest.raises(ConfigError, match=r"model\.lowrank\.layers.*factorized experts are not "
-                                          "quantized"):
-        validate(from_configdict(cd))
+    if dispatch == "capacity":  # quantized: the packed factors, saved and loaded
+        from hpnlp.compress import ptq
+        from hpnlp.compress.qlinear import QWeight
+        cd.quant.update(weights="int8", activations="int8", layers="mlp")
+        cfg3 = validate(from_configdict(cd))
+        model3 = models.build(cfg3, deterministic=True)
+        packed = ptq.packed_params(model3, factored, batch)
+        wi = packed["trunk"]["block_0"]["moe"]["wi"]
+        assert wi.lead == 1 and isinstance(wi.u, QWeight) and wi.u.shape == (16, 4, 3)
+        ptq.save(str(tmp_path / "q8"), cfg3, packed, {}, {})
+        loaded = ptq.load(str(tmp_path / "q8"))[1]
+        hidden = _jit_apply(model3, "hidden")
+        np.testing.assert_allclose(np.asarray(hidden(loaded, batch)),
+                                   np.asarray(hidden(factored, batch)), rtol=1e-5, atol=1e-5)
 
 
 def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():

@@ -381,26 +381,40 @@ def test_balance_loss_reaches_the_gradient(tmp_path):
     np.testing.assert_allclose(grads[1.0]["wi"], grads[0.0]["wi"], atol=1e-7)
 
 
-@pytest.mark.parametrize("dispatch_kind,factor", [("capacity", 0.75), ("dropless", 1.0)])
-def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor):
+@pytest.mark.parametrize("dispatch_kind,factor,rank", [("capacity", 0.75, 0), ("dropless", 1.0, 0),
+                                                       ("capacity", 0.75, 3), ("dropless", 1.0, 3)])
+def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor, rank):
     """Under quant.* covering `mlp`, each expert is its own quantized MLP: its weights per
     output channel, its inputs (the token, then its hidden row) per token; the router stays
     float. Outputs and STE gradients equal the per-token loop of that definition; the export
     packs wi and wo as [K, X, N] weights that decode to the same outputs; served, the
     capacity slots, the dropless blocks and decoding's slots run each expert on the int8
-    kernel and compute the same."""
+    kernel and compute the same. Factorized experts (rank 3: model.lowrank's U [X, K, r],
+    V [X, r, N]) the same with two quantized products per weight, x U read per token, and
+    two kernel calls per weight served."""
     from hpnlp.compress import formats, kernels
-    from hpnlp.compress.qlinear import QWeight, Served
+    from hpnlp.compress.qlinear import Factored, QWeight, Served
     from hpnlp.config import QuantConfig
     mod = layer(quant=QuantConfig(weights="int8", activations="int8"), router="top_k", top_k=2,
                 dispatch=dispatch_kind, capacity_factor=factor)
     x, seg = inputs(lengths=(L, 5))
     p = init_params(mod, x, seg)
     fq = formats.fake_quant
+    if rank:  # each expert's weights as two random factors
+        ks = iter(jax.random.split(jax.random.key(4), 4))
+        p = dict(p, **{n: Factored(jax.random.normal(next(ks), (X, K, rank)) / K ** 0.5,
+                                   jax.random.normal(next(ks), (X, rank, N)) / rank ** 0.5,
+                                   lead=1) for n, K, N in (("wi", M, F), ("wo", F, M))})
+
+    def product(x_K, w, e):  # x (quantized per token) against expert e's quantized weight
+        if rank:
+            t = fq(x_K, "int8", (-1,)) @ fq(w.u[e], "int8", (0,))
+            return fq(t, "int8", (-1,)) @ fq(w.v[e], "int8", (0,))
+        return fq(x_K, "int8", (-1,)) @ fq(w[e], "int8", (0,))
 
     def quantized(p, e, x_M):
-        h = jax.nn.gelu(fq(x_M, "int8", (-1,)) @ fq(p["wi"][e], "int8", (0,)) + p["bi"][e])
-        return fq(h, "int8", (-1,)) @ fq(p["wo"][e], "int8", (0,)) + p["bo"][e]
+        h = jax.nn.gelu(product(x_M, p["wi"], e) + p["bi"][e])
+        return product(h, p["wo"], e) + p["bo"][e]
     cap = None if dispatch_kind == "dropless" else routing.capacity(L, experts=X, top_k=2,
                                                                     factor=factor)
     choice, kept = loop_choices(p, x, seg, k=2, capacity=cap)
@@ -421,8 +435,14 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     y, got = mod.apply({"params": p}, x, seg, mutable=[AUX, "qexport"])
     assert not np.allclose(np.asarray(y), np.asarray(float_y), atol=1e-4)  # it did quantize
     packed = dict(p, **got["qexport"])
-    assert isinstance(packed["wi"], QWeight) and packed["wi"].shape == (M, X, F)
-    assert packed["wo"].scale.shape == (1, X * M)  # one scale per expert's output channel
+    if rank:  # U [K, X, r] and V [r, X, N], contraction first
+        wi, wo = packed["wi"], packed["wo"]
+        assert isinstance(wi, Factored) and wi.lead == 1 and isinstance(wi.u, QWeight)
+        assert wi.u.shape == (M, X, rank) and wi.v.shape == (rank, X, F)
+        assert wo.u.scale.shape == (1, X * rank) and wo.v.scale.shape == (1, X * M)
+    else:
+        assert isinstance(packed["wi"], QWeight) and packed["wi"].shape == (M, X, F)
+        assert packed["wo"].scale.shape == (1, X * M)  # one scale per expert's output channel
     y_packed = mod.apply({"params": packed}, x, seg, mutable=[AUX])[0]
     np.testing.assert_allclose(np.asarray(y_packed), np.asarray(y), rtol=1e-6, atol=1e-6)
     if not kernels.available():
@@ -430,13 +450,18 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
     # ptq.serve's pass: each expert's weights prepared for the int8 kernel; capacity slots
     # and dropless blocks run on it (the kernel quantizes each row as the definition does)
     served = dict(p, **mod.apply({"params": packed}, x, seg, mutable=[AUX, "qserve"])[1]["qserve"])
-    assert isinstance(served["wi"], Served) and served["wi"].shape == (M, X, F)
+    if rank:
+        assert isinstance(served["wi"].u, Served) and served["wi"].v.shape == (rank, X, F)
+    else:
+        assert isinstance(served["wi"], Served) and served["wi"].shape == (M, X, F)
     run = jax.jit(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX])[0])
     np.testing.assert_allclose(np.asarray(run(served)), np.asarray(y_packed), rtol=1e-5,
                                atol=1e-5 * float(jnp.abs(y_packed).max()))
     calls = run.lower(served).as_text().count("hpnlp_int8_linear")
-    # capacity: each expert's two products; dropless: the two in the loop over blocks
-    assert calls == (2 if dispatch_kind == "dropless" else 2 * X), calls
+    # capacity: each expert's two products; dropless: the two in the loop over blocks (a
+    # factorized weight's are two each)
+    per = 2 * (2 if rank else 1)
+    assert calls == (per if dispatch_kind == "dropless" else per * X), calls
     if dispatch_kind == "dropless":  # decoding (dropless) serves them with a slot per token
         m = mod.model  # a capacity this small would drop choices: decoding drops none
         dec = MoE(dataclasses.replace(m, moe=dataclasses.replace(m.moe, eval_capacity_factor=0.25)),
@@ -445,7 +470,7 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor)
         want = run(packed)
         np.testing.assert_allclose(np.asarray(run(served)), np.asarray(want), rtol=1e-5,
                                    atol=1e-5 * float(jnp.abs(want).max()))
-        assert run.lower(served).as_text().count("hpnlp_int8_linear") == 2 * X
+        assert run.lower(served).as_text().count("hpnlp_int8_linear") == per * X
 
 
 # -- Config errors, one line before anything compiles ------------------------------------

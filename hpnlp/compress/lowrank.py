@@ -34,9 +34,9 @@ both uses. The LSTM's own products stay dense.
 
 Quantized (`quant.*`, QAT or `python -m hpnlp.compress quantize`): each factor is a product
 of its own (`qlinear._factored_product`): U and V quantized per output channel, x and x U
-as product inputs; the packed file holds both factors (`ptq.save`). A factorized output
-table and factorized experts are not quantized (config refuses `output`, and `mlp` in an
-MoE model, in both `layers` fields).
+as product inputs; the packed file holds both factors (`ptq.save`). Factorized experts
+quantize the same way, expert by expert (`hpnlp.moe.layer.expert_factors`). A factorized
+output table is not quantized (config refuses `output` in both `layers` fields).
 """
 
 from __future__ import annotations

@@ -52,12 +52,13 @@ def _same(x):
     return x
 
 
-def linear(x_TK, w_XKN, b_XN, e: int, activation=None):
+def linear(x_TK, w_XKN, b_XN, e: int, activation=None, rank_act=_same):
     """Expert e's product x w[e] + b[e], then `activation` ("gelu": jax.nn.gelu, the tanh
     form), in XLA: `expert_mlp`'s default `linear`. A factorized weight (model.lowrank:
-    `Factored` U [X, K, r], V [X, r, N]) is two products, (x U[e]) V[e]."""
+    `Factored` U [X, K, r], V [X, r, N]) is two products, rank_act(x U[e]) V[e] (`rank_act`:
+    how the second product reads its input, quantized or as is)."""
     if isinstance(w_XKN, Factored):
-        y_TN = (x_TK @ w_XKN.u[e]) @ w_XKN.v[e] + b_XN[e][None]
+        y_TN = rank_act(x_TK @ w_XKN.u[e]) @ w_XKN.v[e] + b_XN[e][None]
     else:
         y_TN = x_TK @ w_XKN[e] + b_XN[e][None]
     return y_TN if activation is None else jax.nn.gelu(y_TN)
@@ -120,12 +121,12 @@ def sort_rows(choices: Choices, valid_T, *, experts: int, block: int = 0) -> Row
     return Rows(token_R[:R], gate_R[:R], jnp.minimum(expert_N, X - 1).astype(jnp.int32))
 
 
-def block_linear(x_NbK, w_XKN, b_XN, e_N, activation=None):
+def block_linear(x_NbK, w_XKN, b_XN, e_N, activation=None, rank_act=_same):
     """Each block's product with its expert's weight, x[n] w[e[n]] + b[e[n]], then
     `activation` (as `linear`), in XLA: `dropless`'s default `linear` (a factorized weight
     as two products, as `linear`)."""
     if isinstance(w_XKN, Factored):
-        t_NbR = jnp.einsum("nbk,nkr->nbr", x_NbK, w_XKN.u[e_N])
+        t_NbR = rank_act(jnp.einsum("nbk,nkr->nbr", x_NbK, w_XKN.u[e_N]))
         y_NbN = jnp.einsum("nbr,nrf->nbf", t_NbR, w_XKN.v[e_N]) + b_XN[e_N][:, None]
     else:
         y_NbN = jnp.einsum("nbk,nkf->nbf", x_NbK, w_XKN[e_N]) + b_XN[e_N][:, None]

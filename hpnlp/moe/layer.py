@@ -75,10 +75,11 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     expert by expert (`serve_experts`); such a `Served` weight is returned as it is.
     Declared a product weight of kind `mlp` contracting its K axis (`note_product`), so
     `train.prune` masks it as it masks a dense MLP's kernels, and `model.lowrank` factorizes
-    it expert by expert (a `Factored` with lead 1, returned as it is: `hpnlp.moe.dispatch`
-    multiplies its factors; config.validate refuses quantizing it)."""
+    it expert by expert (a `Factored` with lead 1: `expert_factors`)."""
     qlinear.note_product(module, name, "mlp", (1,), lead=1)
-    if isinstance(w_XKN, (qlinear.Served, qlinear.Factored)):
+    if isinstance(w_XKN, qlinear.Factored):
+        return expert_factors(module, name, w_XKN, q)
+    if isinstance(w_XKN, qlinear.Served):
         return w_XKN
     if isinstance(w_XKN, qlinear.QWeight):
         if module.is_mutable_collection("qserve") and (served := serve_experts(w_XKN, q)):
@@ -87,6 +88,34 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     if not q.applies("mlp") or q.weights == "none":
         return w_XKN
     return jnp.moveaxis(qlinear.quant_weight(jnp.moveaxis(w_XKN, 1, 0), 1, q, module, name), 0, 1)
+
+
+def expert_factors(module: nn.Module, name: str, w: qlinear.Factored, q) -> qlinear.Factored:
+    """A factorized expert weight (model.lowrank: U [X, K, r], V [X, r, N], `hpnlp.moe.
+    dispatch` multiplies (x U[e]) V[e]) as the experts multiply it. Under `quant.*` covering
+    `mlp` each factor is quantized as `expert_weight` quantizes an expert weight: per expert
+    and output channel (U per rank column, V per output), packed as [K, X, r] and [r, X, N]
+    in export (a `Factored` of two QWeights, lead 1), prepared expert by expert for their
+    kernel in `ptq.serve`'s pass (a `Factored` of two `Served`, returned as it is); the rank
+    input x U is quantized per token like the experts' other inputs (`expert_inputs`, which
+    `dispatch` applies between the two products)."""
+    if isinstance(w.u, qlinear.Served):
+        return w
+    if isinstance(w.u, qlinear.QWeight):  # a quantized file's factors, contraction first
+        if module.is_mutable_collection("qserve"):
+            served = [serve_experts(f, q) for f in (w.u, w.v)]
+            if all(served):
+                module.put_variable("qserve", name, qlinear.Factored(*served, lead=1))
+        return qlinear.Factored(*(jnp.moveaxis(f.dequantize(), 0, 1) for f in (w.u, w.v)),
+                                lead=1)
+    if not q.applies("mlp") or q.weights == "none":
+        return w
+    factors = [jnp.moveaxis(f, 1, 0) for f in (w.u, w.v)]  # [K, X, r], [r, X, N]
+    if module.is_mutable_collection("qexport") and not module.is_initializing():
+        module.put_variable("qexport", name, qlinear.Factored(
+            *(qlinear.pack_weight(f, q, 1) for f in factors), lead=1))
+    return qlinear.Factored(*(jnp.moveaxis(qlinear.quant_weight(f, 1, q), 0, 1)
+                              for f in factors), lead=1)
 
 
 def serve_experts(w: qlinear.QWeight, q) -> qlinear.Served | None:
@@ -108,11 +137,15 @@ def served_linear(dtype):
     """`dispatch.linear` for `Served` expert weights: expert e's product by its integer
     kernel, which quantizes each row itself, per token, as `expert_inputs` does (int8: the
     bias and GELU in the kernel's pass over its output). `e`: an int, or a traced index."""
-    def linear(x_TK, w: qlinear.Served, b_XN, e, activation=None):
+    def one(x_TK, w: qlinear.Served, b_N, e, activation=None):
         K, _, N = w.shape
         w_e = qlinear.Served(w=jax.tree.map(lambda a: a[e], w.w), fmt=w.fmt, shape=(K, N))
-        return qlinear.served_product(x_TK, w_e, 1, dtype, b_XN[e],
-                                      qlinear.Epilogue(activation))
+        return qlinear.served_product(x_TK, w_e, 1, dtype, b_N, qlinear.Epilogue(activation))
+
+    def linear(x_TK, w, b_XN, e, activation=None):
+        if isinstance(w, qlinear.Factored):  # two kernel products through the rank
+            return one(one(x_TK, w.u, None, e), w.v, b_XN[e], e, activation)
+        return one(x_TK, w, b_XN[e], e, activation)
     return linear
 
 
@@ -133,6 +166,18 @@ def expert_inputs(q):
     if not q.applies("mlp") or q.activations == "none":
         return lambda x: x
     return lambda x: formats.fake_quant(x, q.activations, (-1,))
+
+
+def _is_served(w) -> bool:
+    """Whether an expert weight runs on its kernels (`Served`, or factors that are)."""
+    return isinstance(w.u if isinstance(w, qlinear.Factored) else w, qlinear.Served)
+
+
+def _served_as_float(w):
+    """A served expert weight (or factor pair) decoded to its float [X, K, N] layout."""
+    if isinstance(w, qlinear.Factored):
+        return w.replace(u=_served_as_float(w.u), v=_served_as_float(w.v))
+    return jnp.moveaxis(w.dequantize(), 0, 1) if isinstance(w, qlinear.Served) else w
 
 
 class MoE(nn.Module):
@@ -168,12 +213,11 @@ class MoE(nn.Module):
         # weights), and in decoding a slot for every token in every expert (nothing dropped,
         # as dropless; each expert's kernel reads its weights once a step, where dropless
         # blocks of one token each would read them once a block).
-        served = isinstance(wi, qlinear.Served) and _expert_axis()[0] == 1
+        served = _is_served(wi) and _expert_axis()[0] == 1
         dropless = dropless and not (served and self.decode)
         if not served:
-            wi, wo = (jnp.moveaxis(w.dequantize(), 0, 1) if isinstance(w, qlinear.Served)
-                      else w for w in (wi, wo))
-        experts = [w if isinstance(w, qlinear.Served) else w.astype(dt) for w in (wi, bi, wo, bo)]
+            wi, wo = (_served_as_float(w) for w in (wi, wo))
+        experts = [w if _is_served(w) else w.astype(dt) for w in (wi, bi, wo, bo)]
         x_BLM = x_BLM.astype(dt)
 
         # One group per row block; decoding (one token per row) routes the batch as one.
@@ -223,8 +267,10 @@ class MoE(nn.Module):
             rows = dispatch.sort_rows(jax.tree.map(lambda a: a.reshape(G * S, -1), choices),
                                       valid_GS.reshape(-1), experts=X, block=c.block_size)
             y_GSM = dispatch.dropless(xq_GSM.reshape(G * S, M), rows, *experts, act=act,
-                                      linear=(served_block_linear(dt) if served
-                                              else dispatch.block_linear)).reshape(G, S, M)
+                                      linear=(served_block_linear(dt) if served else
+                                              functools.partial(dispatch.block_linear,
+                                                                rank_act=act))
+                                      ).reshape(G, S, M)
             stats["moe_dropped"] = jnp.zeros((), jnp.float32)
             weights = lambda: jnp.einsum(  # noqa: E731
                 "gskx,gsk->gsx", jax.nn.one_hot(choices.expert_GSK, X),
@@ -233,7 +279,8 @@ class MoE(nn.Module):
             if c.router != "expert_choice":
                 slots, kept_GSK = routing.slots_from_choices(choices, valid_GS, experts=X, slots=C)
                 stats["moe_dropped"] = jnp.sum(valid_GS[..., None] & ~kept_GSK, dtype=jnp.float32)
-            linear = served_linear(dt) if served else dispatch.linear
+            linear = (served_linear(dt) if served
+                      else functools.partial(dispatch.linear, rank_act=act))
             y_GSM = self._capacity_experts(xq_GSM, slots, experts, act, linear)
             weights = lambda: _weights(slots, X)  # noqa: E731
         if self.is_mutable_collection(ROUTES):  # asked for (hpnlp.moe.route): what went where
