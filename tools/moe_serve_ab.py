@@ -39,7 +39,7 @@ def main() -> None:
     from hpnlp import data as data_lib
     from hpnlp import models
     from hpnlp.compress import ptq
-    from hpnlp.compress.qlinear import Served
+    from hpnlp.compress.qlinear import Factored, Served
     from hpnlp.models import generate
     from hpnlp.train import Trainer
     from hpnlp.train.carry import model_params
@@ -56,12 +56,17 @@ def main() -> None:
                                              batch_size=cfg.train.batch_size)))
     model_q = models.build(cfg_q, deterministic=True)
     served = ptq.serve(model_q, packed, batch, quant_vars)
-    flat = traverse_util.flatten_dict(served, is_leaf=lambda _, x: isinstance(x, Served))
-    experts = [k for k, v in flat.items() if isinstance(v, Served) and "moe" in k]
+    # an expert weight is Served, or (model.lowrank) a Factored of two Served factors
+    is_served = lambda x: isinstance(x.u if isinstance(x, Factored) else x, Served)  # noqa: E731
+    flat = traverse_util.flatten_dict(served,
+                                      is_leaf=lambda _, x: isinstance(x, (Served, Factored)))
+    experts = [k for k, v in flat.items() if is_served(v) and "moe" in k]
     if not experts:
         raise SystemExit(f"{args.quantized}: no expert weight is served by an integer kernel "
                          "(w8a8, int4 weight-only or binary formats are)")
-    decoded = traverse_util.unflatten_dict({k: v.packed if k in experts else v
+    packed_of = lambda v: (v.replace(u=v.u.packed, v=v.v.packed)  # noqa: E731
+                           if isinstance(v, Factored) else v.packed)
+    decoded = traverse_util.unflatten_dict({k: packed_of(v) if k in experts else v
                                             for k, v in flat.items()})
     variants = {"float32": (cfg, float_params, None), "experts decoded in XLA":
                 (cfg_q, decoded, quant_vars), "experts on the kernels": (cfg_q, served, quant_vars)}

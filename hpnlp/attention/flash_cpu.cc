@@ -458,9 +458,9 @@ template <class F>
 void for_items(int threads, int64_t n, F&& fn) {
   std::atomic<int64_t> next{0};
   join_parallel(clamp_threads(threads, n), [&](int) {
+    TilesReleased released;
     std::vector<float> scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, scratch);
-    release_tiles();
   });
 }
 
@@ -570,6 +570,9 @@ void gemm2_vec(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, 
 template <int NI, int NJ>
 void amx_block(int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb, float* c,
                ptrdiff_t ldc, bool accumulate) {
+  // GCC's tile intrinsics are asm without memory operands: tell the compiler the tile
+  // loads read memory written before (the packed operands, C) and the stores write C
+  __asm__ volatile("" ::: "memory");
   const ptrdiff_t sa = ar * 2, sb = ldb * 2, sc = ldc * 4;
   float* c1 = c + 16 * ldc;
   if (accumulate) {
@@ -602,6 +605,7 @@ void amx_block(int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
   if constexpr (NJ == 2) _tile_stored(1, c + 16, sc);
   if constexpr (NI == 2) _tile_stored(2, c1, sc);
   if constexpr (NI == 2 && NJ == 2) _tile_stored(3, c1 + 16, sc);
+  __asm__ volatile("" ::: "memory");
 }
 #endif
 

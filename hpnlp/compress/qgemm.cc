@@ -242,13 +242,13 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
   const int nt = clamp_threads(threads, std::max<int64_t>(items, 1));
   auto rows = [&](int c, auto&& fn) { fn(c * mc, std::min(M, (c + 1) * mc)); };
   if (nt == 1) {
+    TilesReleased released;  // the AMX tile state an int8 item may take (simd.h)
     for (int p0 = 0; p0 < P; p0 += pg)
       for (int c = 0; c < chunks; ++c) {
         if (p0 == 0) rows(c, setup);
         for (int p = p0; p < std::min(P, p0 + pg); ++p)
           rows(c, [&](int m0, int m1) { item(m0, m1, p); });
       }
-    release_tiles();  // the AMX tile state an int8 item may have taken (simd.h)
     return;
   }
   // state[c]: 0 not started, 1 being set up, 2 ready
@@ -287,6 +287,7 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
     }
   };
   Pool::get().run(nt, [&](int t) {
+    TilesReleased released;
     const bool front = t == 0;
     int current = -1;
     for (int64_t first, last; claim(front, &first, &last);)
@@ -302,7 +303,6 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
         }
         rows(c, [&](int m0, int m1) { item(m0, m1, p); });
       }
-    release_tiles();
   });
 }
 
@@ -328,10 +328,10 @@ inline void populate_out(void* p, size_t bytes, int threads) {
 #endif
 }
 
-// Whether a float [M, N] output is written with streaming (non-temporal) stores: only
-// where it is large (kStreamBytes, past the L2 of every core and much of an L3, so it
-// would not stay cached for its reader anyway), its rows start 32-byte aligned, and AVX2
-// has the stores. They skip reading each line before overwriting it: the binary
+// Whether a float (or int32) [M, N] output is written with streaming (non-temporal)
+// stores: only where it is large (kStreamBytes, past the L2 of every core and much of an
+// L3, so it would not stay cached for its reader anyway), its rows start 32-byte aligned,
+// and AVX2 has the stores. They skip reading each line before overwriting it: the binary
 // [2048, 1024 -> 4096] product, whose 32 MB output is a third of its time, ran 5.36 ->
 // 4.94 ms (median of 15, timed between other layers' calls) on a 2-core EPYC. The int8
 // product on vpdpbusd, 4x longer for the same output, gained little; on AMX tiles (a Xeon,
@@ -495,6 +495,9 @@ inline void i8_block(const I8X* x, size_t ldx, const I8W* p, int kq, int32_t (*t
 // 4-5 hold activations, 6-7 weights.
 template <int NI>
 inline void i8_amx_block(const I8X* x, size_t ldx, const I8W* p, int kq16, int32_t (*t)[I8_NB]) {
+  // GCC's tile intrinsics are asm without memory operands: tell the compiler the tile
+  // loads read memory written before (the activation scratch) and the stores write t
+  __asm__ volatile("" ::: "memory");
   constexpr size_t sb = I8_NB * I8_KP;
   _tile_zero(0);
   _tile_zero(1);
@@ -523,6 +526,7 @@ inline void i8_amx_block(const I8X* x, size_t ldx, const I8W* p, int kq16, int32
     _tile_stored(2, t[16], sc);
     _tile_stored(3, t[16] + 16, sc);
   }
+  __asm__ volatile("" ::: "memory");
 }
 #endif
 
@@ -539,7 +543,7 @@ struct I8Gemm {
   const float* bias = nullptr;  // [N] added after rescaling (int8_linear), or null
   int act = 0;                  // then the activation: 0 none, 1 GELU (tanh form)
   int kb = 0;                   // k-groups per pass over a panel (i8_run sets it)
-  bool stream = false;          // out_f written with streaming stores (stream_out)
+  bool stream = false;          // out_f or out_i written with streaming stores (stream_out)
 };
 
 // GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
@@ -600,6 +604,24 @@ inline void put_ev(float* p, EV v, bool stream) {
 #endif
   (void)stream;
   *reinterpret_cast<ev_u*>(p) = v;
+}
+// The same for int32 sums (int8_matmul's outputs).
+inline void put_evi(int32_t* p, EVI v, bool stream) {
+#if defined(__AVX512F__)
+  if (stream) {
+    const __m512i z = reinterpret_cast<__m512i>(v);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(z));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 8), _mm512_extracti64x4_epi64(z, 1));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(v));
+    return;
+  }
+#endif
+  (void)stream;
+  *reinterpret_cast<evi_u*>(p) = v;
 }
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
@@ -692,7 +714,7 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
         for (int c = 0; c < I8_NB; c += EW) {
           EVI acc = *reinterpret_cast<const evi_u*>(t[r] + c);
           if (I8_PATH == 2) acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) * 128;
-          put_ev(reinterpret_cast<float*>(out + c), reinterpret_cast<EV>(acc), g.stream);
+          put_evi(out + c, acc, g.stream);
         }
       }
     });
@@ -1363,6 +1385,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // portable), 1 its k per lane group (KP), 2 its panel columns (NB), 3 its most rows per
 // register block; 4 the binary path (2 VPOPCNTDQ, 1 AVX2, 0 portable), 5 its panel columns,
 // 6 its most rows; 7 the int4 panel columns; 8 the binary words per k-word (2: nibbles).
+extern "C" int64_t hpnlp_qgemm_layout(int64_t what) {
+  const int64_t v[] = {I8_PATH, I8_KP, I8_NB, I8_MR, B_PATH, B_NB, B_MR, I4_NB, B_XW};
+  return what >= 0 && what < int64_t(sizeof v / sizeof v[0]) ? v[what] : -1;
+}
+
 // How the int8 products run in this process: 3 on AMX tiles (rows and k in whole tiles;
 // vpdpbusd for the rest), else the build's int8 path (hpnlp_qgemm_layout's first value).
 extern "C" int64_t hpnlp_qgemm_int8_products() {
@@ -1373,11 +1400,6 @@ extern "C" int64_t hpnlp_qgemm_int8_products() {
   }
 #endif
   return I8_PATH;
-}
-
-extern "C" int64_t hpnlp_qgemm_layout(int64_t what) {
-  const int64_t v[] = {I8_PATH, I8_KP, I8_NB, I8_MR, B_PATH, B_NB, B_MR, I4_NB, B_XW};
-  return what >= 0 && what < int64_t(sizeof v / sizeof v[0]) ? v[what] : -1;
 }
 
 // missing_pages (hpnlp/kernels/simd.h) for a test: the pieces of [p, p + bytes) that the

@@ -105,7 +105,10 @@ class Factored:
     [*contraction shape, r] and V [r, *free shape], the weight's contraction axes first (as
     every qeinsum weight is stored). `qeinsum` computes x U, then (x U) V. `lead` > 0: that
     many leading axes are a batch of weights, each factorized on its own (an MoE layer's
-    experts: W [X, K, N] as U [X, K, r], V [X, r, N]; hpnlp.moe.dispatch multiplies them)."""
+    experts: W [X, K, N] as U [X, K, r], V [X, r, N]; hpnlp.moe.dispatch multiplies them).
+    Quantized experts' factors packed (QWeight) or served are stored contraction first like
+    every packed weight, U [K, X, r] and V [r, X, N] (hpnlp.moe.layer.expert_factors decodes
+    them to the float layout), so `shape` and `dense` hold for float factors only."""
 
     u: jax.Array
     v: jax.Array

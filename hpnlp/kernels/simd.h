@@ -486,7 +486,12 @@ inline int clamp_threads(int64_t threads, int64_t shares) {
 // relies on a configuration another library may have loaded in that thread since, and
 // XLA's threads do not keep 8 KB of tile state live between calls. Where the request
 // fails, amx_ready() is false and the kernels keep to vector registers.
-inline thread_local bool amx_configured = false;
+//
+// In an unnamed namespace: each kernel library keeps its own flag and grant (as internal
+// symbols), never one another library's (inline functions' statics would otherwise be
+// shared across every loaded library, GNU unique symbols).
+namespace {
+thread_local bool amx_configured = false;
 
 inline bool amx_ready() {
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
@@ -514,9 +519,20 @@ inline void release_tiles() {
     amx_configured = false;
   }
 }
+}  // namespace
 #else
 inline void release_tiles() {}
 #endif
+
+// Releases the thread's tiles when a thread's share of a pass ends, however it ends (a
+// failed allocation in an item included), so no later pass finds the flag set on tiles
+// another library has since released or configured.
+struct TilesReleased {
+  TilesReleased() = default;
+  TilesReleased(const TilesReleased&) = delete;
+  TilesReleased& operator=(const TilesReleased&) = delete;
+  ~TilesReleased() { release_tiles(); }
+};
 
 // Items [begin, end) of `items` for thread p of `threads` (near-equal static shares).
 inline void share(int items, int threads, int p, int* begin, int* end) {

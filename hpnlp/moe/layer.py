@@ -136,7 +136,9 @@ def serve_experts(w: qlinear.QWeight, q) -> qlinear.Served | None:
 def served_linear(dtype):
     """`dispatch.linear` for `Served` expert weights: expert e's product by its integer
     kernel, which quantizes each row itself, per token, as `expert_inputs` does (int8: the
-    bias and GELU in the kernel's pass over its output). `e`: an int, or a traced index."""
+    bias and GELU in the kernel's pass over its output); factorized (a `Factored` of two
+    `Served`), x U[e] and then (x U[e]) V[e], each by the kernel. `e`: an int, or a traced
+    index."""
     def one(x_TK, w: qlinear.Served, b_N, e, activation=None):
         K, _, N = w.shape
         w_e = qlinear.Served(w=jax.tree.map(lambda a: a[e], w.w), fmt=w.fmt, shape=(K, N))
@@ -154,7 +156,7 @@ def served_block_linear(dtype):
     `served_linear`'s with expert e[n] (indexed inside a loop over the blocks)."""
     one = served_linear(dtype)
 
-    def linear(x_NbK, w: qlinear.Served, b_XN, e_N, activation=None):
+    def linear(x_NbK, w, b_XN, e_N, activation=None):
         return jax.lax.map(lambda xe: one(xe[0], w, b_XN, xe[1], activation), (x_NbK, e_N))
     return linear
 
