@@ -587,26 +587,11 @@ inline EV gelu_ev(EV y) { return gelu_tanh8(y); }
 #endif
 typedef float ev_u __attribute__((vector_size(EW * sizeof(float)), aligned(alignof(float))));
 typedef int32_t evi_u __attribute__((vector_size(EW * sizeof(int32_t)), aligned(alignof(int32_t))));
-// One epilogue vector to p, by a streaming store where `stream` (p 32-byte aligned).
-inline void put_ev(float* p, EV v, bool stream) {
-#if defined(__AVX512F__)
-  if (stream) {
-    const __m512 z = reinterpret_cast<__m512>(v);
-    _mm256_stream_ps(p, _mm512_castps512_ps256(z));
-    _mm256_stream_ps(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
-    return;
-  }
-#elif defined(__AVX2__)
-  if (stream) {
-    _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
-    return;
-  }
-#endif
-  (void)stream;
-  *reinterpret_cast<ev_u*>(p) = v;
-}
-// The same for int32 sums (int8_matmul's outputs).
-inline void put_evi(int32_t* p, EVI v, bool stream) {
+// One epilogue vector (EW floats or int32 sums) to p, by streaming stores where `stream`
+// (p 32-byte aligned: stream_out); stream_fence after a thread's streamed stores.
+template <class T, class V>
+inline void put_ev(T* p, V v, bool stream) {
+  static_assert(sizeof(T) == 4 && sizeof(V) == EW * 4, "EW lanes of 4 bytes");
 #if defined(__AVX512F__)
   if (stream) {
     const __m512i z = reinterpret_cast<__m512i>(v);
@@ -621,7 +606,15 @@ inline void put_evi(int32_t* p, EVI v, bool stream) {
   }
 #endif
   (void)stream;
-  *reinterpret_cast<evi_u*>(p) = v;
+  typedef V unaligned __attribute__((aligned(alignof(T))));
+  *reinterpret_cast<unaligned*>(p) = v;
+}
+inline void stream_fence(bool stream) {
+#if defined(__AVX2__)
+  if (stream) _mm_sfence();
+#else
+  (void)stream;
+#endif
 }
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
@@ -702,9 +695,7 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
     sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
       for (int r = 0; r < decltype(rr)::value; ++r) i8_row_epilogue(g, r0 + r, n0, t[r]);
     });
-#if defined(__AVX2__)
-    if (g.stream) _mm_sfence();
-#endif
+    stream_fence(g.stream);
     return;
   }
   if (g.out_i && nn == I8_NB) {  // a whole panel of int8_matmul: the offset in registers
@@ -714,13 +705,11 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
         for (int c = 0; c < I8_NB; c += EW) {
           EVI acc = *reinterpret_cast<const evi_u*>(t[r] + c);
           if (I8_PATH == 2) acc -= *reinterpret_cast<const evi_u*>(g.colsum + n0 + c) * 128;
-          put_evi(out + c, acc, g.stream);
+          put_ev(out + c, acc, g.stream);
         }
       }
     });
-#if defined(__AVX2__)
-    if (g.stream) _mm_sfence();
-#endif
+    stream_fence(g.stream);
     return;
   }
   sums([&](int r0, auto rr, const int32_t(*t)[I8_NB]) {
@@ -1088,9 +1077,7 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
       }
     }
   });
-#if defined(__AVX2__)
-  if (g.stream) _mm_sfence();
-#endif
+  stream_fence(g.stream);
 }
 
 // Row m's k-word j into the scratch (split into nibbles for the AVX2 popcount).

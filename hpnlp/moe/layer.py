@@ -84,7 +84,7 @@ def expert_weight(module: nn.Module, name: str, w_XKN, q):
     if isinstance(w_XKN, qlinear.QWeight):
         if module.is_mutable_collection("qserve") and (served := serve_experts(w_XKN, q)):
             module.put_variable("qserve", name, served)
-        return jnp.moveaxis(w_XKN.dequantize(), 0, 1)
+        return _as_float(w_XKN)
     if not q.applies("mlp") or q.weights == "none":
         return w_XKN
     return jnp.moveaxis(qlinear.quant_weight(jnp.moveaxis(w_XKN, 1, 0), 1, q, module, name), 0, 1)
@@ -106,12 +106,11 @@ def expert_factors(module: nn.Module, name: str, w: qlinear.Factored, q) -> qlin
             served = [serve_experts(f, q) for f in (w.u, w.v)]
             if all(served):
                 module.put_variable("qserve", name, qlinear.Factored(*served, lead=1))
-        return qlinear.Factored(*(jnp.moveaxis(f.dequantize(), 0, 1) for f in (w.u, w.v)),
-                                lead=1)
+        return _as_float(w)
     if not q.applies("mlp") or q.weights == "none":
         return w
     factors = [jnp.moveaxis(f, 1, 0) for f in (w.u, w.v)]  # [K, X, r], [r, X, N]
-    if module.is_mutable_collection("qexport") and not module.is_initializing():
+    if qlinear._mutable(module, "qexport"):
         module.put_variable("qexport", name, qlinear.Factored(
             *(qlinear.pack_weight(f, q, 1) for f in factors), lead=1))
     return qlinear.Factored(*(jnp.moveaxis(qlinear.quant_weight(f, 1, q), 0, 1)
@@ -175,11 +174,14 @@ def _is_served(w) -> bool:
     return isinstance(w.u if isinstance(w, qlinear.Factored) else w, qlinear.Served)
 
 
-def _served_as_float(w):
-    """A served expert weight (or factor pair) decoded to its float [X, K, N] layout."""
+def _as_float(w):
+    """A packed or served expert weight [K, X, N] (or factor pair) decoded to the float
+    layout the experts multiply, [X, K, N]; a float one as it is."""
     if isinstance(w, qlinear.Factored):
-        return w.replace(u=_served_as_float(w.u), v=_served_as_float(w.v))
-    return jnp.moveaxis(w.dequantize(), 0, 1) if isinstance(w, qlinear.Served) else w
+        return w.replace(u=_as_float(w.u), v=_as_float(w.v))
+    if isinstance(w, (qlinear.QWeight, qlinear.Served)):
+        return jnp.moveaxis(w.dequantize(), 0, 1)
+    return w
 
 
 class MoE(nn.Module):
@@ -218,7 +220,7 @@ class MoE(nn.Module):
         served = _is_served(wi) and _expert_axis()[0] == 1
         dropless = dropless and not (served and self.decode)
         if not served:
-            wi, wo = (_served_as_float(w) for w in (wi, wo))
+            wi, wo = (_as_float(w) for w in (wi, wo))
         experts = [w if _is_served(w) else w.astype(dt) for w in (wi, bi, wo, bo)]
         x_BLM = x_BLM.astype(dt)
 
