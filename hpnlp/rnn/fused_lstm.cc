@@ -101,12 +101,18 @@ inline void micro(vf (&acc)[R][4], const float* a, size_t lda, const float* p, i
 }
 #endif
 
+struct NoHook {
+  void operator()() const {}
+};
+
 // C[rows, 4 NR] = A[rows, K] P[K, 4 NR] for all B rows, one register block of rows at a
 // time, K in cache blocks (partial sums wait in `part`, [B][4][NR]); `done(r0, R, acc)`
-// receives each finished block of rows. Rows are split into near-equal blocks of <= mr.
-template <class Done>
+// receives each finished block of rows, and `between()` runs after every register block
+// (the backward scan issues its next step's prefetches there). Rows are split into
+// near-equal blocks of <= mr.
+template <class Done, class Between = NoHook>
 void panel_product(const float* a, size_t lda, const float* p, int B, int K, float* part,
-                   Blocking blk, Done&& done) {
+                   Blocking blk, Done&& done, Between&& between = NoHook{}) {
   const int blocks = (B + blk.mr - 1) / blk.mr;
   for (int k0 = 0; k0 < K; k0 += blk.kc) {
     const int k1 = std::min(K, k0 + blk.kc);
@@ -125,6 +131,7 @@ void panel_product(const float* a, size_t lda, const float* p, int B, int K, flo
           for (int r = 0; r < RR; ++r)
             for (int q = 0; q < 4; ++q) store(part + (size_t(r0 + r) * 4 + q) * NR, acc[r][q]);
         }
+        between();
       };
       switch (R) {
         case 6: run(std::integral_constant<int, 6>{}); break;
@@ -250,11 +257,6 @@ void bwd_gates(Bwd& s, int t, int u) {
       continue;
     }
     const float* act = s.act + row_g;
-    if (t > 0) {  // what step t-1 reads: its gates, c and d_out (scattered lines, see forward)
-      for (int q = 0; q < 4; ++q) __builtin_prefetch(act - size_t(B) * G + q * H + j);
-      __builtin_prefetch(s.cc + row_h - size_t(B) * H + j);
-      __builtin_prefetch(s.d_out + (size_t(b) * s.L + t - 1) * H + j);
-    }
     vf i = load(act + j), f = load(act + H + j), o = load(act + 2 * H + j), g = load(act + 3 * H + j);
     vf c = load(s.cc + row_h + j);
     vf cp = load((t == 0 ? s.c0 : s.cc + size_t(t - 1) * s.B * H) + size_t(b) * H + j);
@@ -273,9 +275,46 @@ void bwd_gates(Bwd& s, int t, int u) {
   for (int q = 0; q < 4; ++q) store(s.db + q * H + j, load(s.db + q * H + j) + db[q]);
 }
 
+// The lines bwd_gates(t) reads and writes for one thread's unit tiles [u0, u1), issued
+// as prefetches a few at a time between the register blocks of step t+1's product: the
+// gates stream act, c and d_out from memory (the forward wrote them past the cache) and
+// write dz, and prefetched in one burst beside the gates' loads (as before), or by the
+// hardware, that traffic stalled the gates for a third of the backward scan instead of
+// overlapping the product's arithmetic. Per row: 4 runs of act, c_{t-1} (c_t was read at
+// t+1 as the c before it), d_out, and 4 runs of dz to write.
+struct Ahead {
+  static constexpr int RUNS = 10;
+  const Bwd* s;
+  int t, u0, tiles, next = 0, total = 0;
+
+  Ahead(const Bwd& bwd, int step, int first, int last)
+      : s(&bwd), t(step), u0(first), tiles(last - first) {
+    total = step >= 0 ? bwd.B * RUNS * tiles : 0;
+  }
+  void issue(int n) {
+    const int H = s->H, B = s->B;
+    const size_t G = 4 * size_t(H);
+    for (const int end = std::min(total, next + n); next < end; ++next) {
+      const int run = next / tiles, b = run / RUNS, k = run % RUNS;
+      const size_t j = size_t(u0 + next % tiles) * NR;
+      const size_t row_g = (size_t(t) * B + b) * G;
+      if (k < 4) {
+        __builtin_prefetch(s->act + row_g + k * H + j);
+      } else if (k == 4) {
+        __builtin_prefetch((t == 0 ? s->c0 : s->cc + size_t(t - 1) * B * H) + size_t(b) * H + j);
+      } else if (k == 5) {
+        __builtin_prefetch(s->d_out + (size_t(b) * s->L + t) * H + j);
+      } else {
+        __builtin_prefetch(s->dz + row_g + (k - 6) * H + j, 1);
+      }
+    }
+  }
+};
+
 // dh_{t-1} = dz_t W^T for the n <= 4 unit tiles from u (packed panel wt) on valid rows;
-// invalid rows keep dh (their h passed through unchanged).
-void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
+// invalid rows keep dh (their h passed through unchanged). `per` of the next step's lines
+// are prefetched after each register block.
+void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part, Ahead& ahead, int per) {
   const int H = s.H, G = 4 * H;
   panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
@@ -284,7 +323,7 @@ void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part) {
       if (!(s.valid[size_t(t) * s.B + b] > 0.0f)) continue;
       for (int q = 0; q < n; ++q) store(s.dh + size_t(b) * H + (u + q) * NR, acc[q]);
     }
-  });
+  }, [&] { ahead.issue(per); });
 }
 
 void run_bwd(Bwd& s, int threads) {
@@ -305,15 +344,22 @@ void run_bwd(Bwd& s, int threads) {
           for (int m = 0; m < NR; ++m)
             dst[(size_t(k) * 4 + q) * NR + m] = s.w[size_t((u + q) * NR + m) * G + k];
     }
+    // register blocks of one group's product: its k blocks x row blocks
+    const int blocks = ((G + s.blk.kc - 1) / s.blk.kc) * ((s.B + s.blk.mr - 1) / s.blk.mr);
+    for (int u = 4 * g0; u < std::min(tiles, 4 * g1); ++u) bwd_gates(s, s.L - 1, u);
     for (int t = s.L - 1; t >= 0; --t) {
-      for (int u = 4 * g0; u < std::min(tiles, 4 * g1); ++u) bwd_gates(s, t, u);
       barrier.wait();  // all of dz_t is written
-      // dh_{t-1} for the same tiles as the gates above. No second barrier: the gates of
-      // t-1 read only this thread's tiles of dh and write dz_{t-1}, not the dz_t that
-      // other threads may still be reading.
-      for (int gi = g0; gi < g1; ++gi)
-        bwd_group(s, t, 4 * gi, std::min(4, tiles - 4 * gi), wt.data() + size_t(gi) * G * 4 * NR,
-                  part.data());
+      // dh_{t-1} for a group of this thread's tiles, then at once their gates at t-1
+      // (which read only this thread's tiles of dh, just computed, and write dz_{t-1}, not
+      // the dz_t that other threads may still be reading), their lines prefetched during
+      // the group's product.
+      for (int gi = g0; gi < g1; ++gi) {
+        const int u = 4 * gi, n = std::min(4, tiles - u);
+        Ahead ahead(s, t - 1, u, u + n);
+        bwd_group(s, t, u, n, wt.data() + size_t(gi) * G * 4 * NR, part.data(), ahead,
+                  (ahead.total + blocks - 1) / blocks);
+        for (int q = 0; t > 0 && q < n; ++q) bwd_gates(s, t - 1, u + q);
+      }
     }
   });
 }
