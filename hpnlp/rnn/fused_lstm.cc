@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #define HPNLP_NATIVE_VECTORS  // whole vectors of NR floats (simd.h)
@@ -34,6 +35,31 @@ namespace ffi = xla::ffi;
 using namespace hpnlp;  // NOLINT: the kernel's vocabulary (vf, load, vexp, ...)
 
 namespace {
+
+// The packed recurrent matrix (4 MB at H = 512), which every step streams through the
+// cache, on 2 MB pages where the kernel grants them (transparent huge pages in `madvise`
+// mode, the common default): on 4 KB pages its walk through 1024 of them cost 5% of the
+// forward and 6% of the backward scan (tools/kernel_ab.py, a 2-core Xeon model 167).
+template <class T>
+struct HugeAlloc {
+  using value_type = T;
+  HugeAlloc() = default;
+  template <class U> HugeAlloc(const HugeAlloc<U>&) {}
+  T* allocate(size_t n) {  // a matrix under one huge page: plain 64-byte aligned memory
+    const size_t huge = size_t(2) << 20, align = n * sizeof(T) >= huge ? huge : 64;
+    const size_t bytes = (n * sizeof(T) + align - 1) / align * align;
+    void* p = std::aligned_alloc(align, bytes);
+    if (!p) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    if (align == huge) madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U> bool operator==(const HugeAlloc<U>&) const { return true; }
+  template <class U> bool operator!=(const HugeAlloc<U>&) const { return false; }
+};
+using HugeVec = std::vector<float, HugeAlloc<float>>;
 
 // 1 / x for x >= 1 (the gates' denominators), to about 1 ulp: the 14-bit estimate and one
 // Newton step, a quarter of a division's time. The gate arithmetic (five exps and five
@@ -157,7 +183,7 @@ struct Fwd {
   float *out;            // [B, L, H], batch-major like the layer's output
   float *hp, *cc, *act;  // [L, B, H] h entering each step, [L, B, H] c after it, [L, B, 4H]
   float *h, *c;          // the state, double-buffered: [2][B, H] each
-  std::vector<float> wp;  // per unit tile: [H][4 gates][NR]
+  HugeVec wp;  // per unit tile: [H][4 gates][NR]
 };
 
 // Unit tile u of step t: z = h_prev W for the 4 gates of its NR units, then the cell
@@ -331,7 +357,7 @@ void run_bwd(Bwd& s, int threads) {
   Barrier barrier(threads);
   // W^T in groups of 4 unit tiles: [group][k in G][tile q][unit], zeros where the last
   // group is short.
-  std::vector<float> wt(size_t(groups) * G * 4 * NR, 0.0f);
+  HugeVec wt(size_t(groups) * G * 4 * NR, 0.0f);
   parallel(threads, [&](int p) {
     int g0, g1;
     share(groups, threads, p, &g0, &g1);
