@@ -196,20 +196,14 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
   const size_t BH = size_t(s.B) * H;
   const float *h_prev = s.h + (t & 1) * BH, *c_prev = s.c + (t & 1) * BH;
   float *h_next = s.h + ((t + 1) & 1) * BH, *c_next = s.c + ((t + 1) & 1) * BH;
-  // The lines of xw the gates read (4 a row), prefetched into L2 `per` at a time between
-  // the product's register blocks. Prefetched into L1 a step ahead instead (as before),
-  // the recurrent matrix streaming through the cache evicted many before the gates read
-  // them: the forward probe ran 1.06-1.09x faster this way (a 2-core Xeon model 167;
-  // into L1 here it ran 0.95x, into L3 1.04x).
-  const int blocks = ((H + s.blk.kc - 1) / s.blk.kc) * ((s.B + s.blk.mr - 1) / s.blk.mr);
-  const int per = (4 * s.B + blocks - 1) / blocks;
-  int ahead = 0;
   panel_product(h_prev, H, s.wp.data() + size_t(u) * H * 4 * NR, s.B, H, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
       const size_t row_g = (size_t(t) * s.B + b) * G, row_h = (size_t(t) * s.B + b) * H;
       const float *xw = s.xw + row_g, *bias = s.bias;
+      if (t + 1 < s.L)  // the next step's input projection: four lines no prefetcher foresees
+        for (int q = 0; q < 4; ++q) __builtin_prefetch(xw + size_t(s.B) * G + q * H + j);
       vf i = vsigmoid(acc[0] + load(xw + j) + load(bias + j));
       vf f = vsigmoid(acc[1] + load(xw + H + j) + load(bias + H + j));
       vf o = vsigmoid(acc[2] + load(xw + 2 * H + j) + load(bias + 2 * H + j));
@@ -237,9 +231,6 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
         put(s.cc + row_h + j, c);
       }
     }
-  }, [&] {
-    for (const int end = std::min(4 * s.B, ahead + per); ahead < end; ++ahead)
-      __builtin_prefetch(s.xw + (size_t(t) * s.B + ahead / 4) * G + (ahead % 4) * H + j, 0, 2);
   });
 }
 
