@@ -583,23 +583,25 @@ def test_quantized_factorized_product_is_two_quantized_products():
     def loss(fn):
         return lambda x, u, v: jnp.sum(jnp.sin(fn(x, u, v)))
     ours = lambda x, u, v: layer.apply({}, x, Factored(u, v))  # noqa: E731
-    (got, g_got), (want, g_want) = (jax.value_and_grad(loss(f), (0, 1, 2))(x, w.u, w.v)
+    (got, g_got), (want, g_want) = (jax.jit(jax.value_and_grad(loss(f), (0, 1, 2)))(x, w.u, w.v)
                                     for f in (ours, definition))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
     for a, b in zip(g_got, g_want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     # not the float product: both factors and both inputs were quantized
-    assert not np.allclose(np.asarray(ours(x, w.u, w.v)),
-                           np.asarray(_factored_layer(QuantConfig()).apply({}, x, w)), atol=1e-4)
+    run = jax.jit(lambda w, mutable: layer.apply({}, x, w, mutable=mutable),  # one compile each
+                  static_argnames="mutable")
+    assert not np.allclose(np.asarray(jax.jit(ours)(x, w.u, w.v)), np.asarray(jax.jit(
+        lambda w: _factored_layer(QuantConfig()).apply({}, x, w))(w)), atol=1e-4)
     # export: a Factored of two packed weights at the weight's path, decoding to the same
-    y, got = layer.apply({}, x, w, mutable=["qexport"])
+    y, got = run(w, ("qexport",))
     packed = got["qexport"]["w"]
     assert isinstance(packed, Factored) and isinstance(packed.u, QWeight)
     assert packed.u.shape == (3, 8, 6) and packed.u.k_dims == 2 and packed.v.shape == (6, 24)
-    np.testing.assert_allclose(np.asarray(layer.apply({}, x, packed)), np.asarray(y), rtol=1e-6,
+    np.testing.assert_allclose(np.asarray(run(packed, False)), np.asarray(y), rtol=1e-6,
                                atol=1e-6)
     # calibration records both inputs' ranges, x's and x U's
-    _, cal = layer.apply({}, x, w, mutable=["calib"])
+    _, cal = run(w, ("calib",))
     assert set(cal["calib"]) == {"w", "w" + qlinear.RANK_INPUT}
     if not kernels.available():
         return
@@ -609,15 +611,16 @@ def test_quantized_factorized_product_is_two_quantized_products():
         layer = _factored_layer(q, act)
         if act is None:
             xs, base, name = x, w, "w"
-            apply = lambda ww, **kw: layer.apply({}, xs, ww, **kw)  # noqa: E731
+            apply = lambda ww, mutable=False: layer.apply({}, xs, ww, mutable=mutable)  # noqa: E731
         else:
             xs, name, bias = x.reshape(2, 5, 24), "kernel", jnp.linspace(-1.0, 1.0, 24)
             base = lowrank.svd_factors(jnp.asarray(RNG.standard_normal((24, 24)), jnp.float32)
                                        / 5, 1, 6)
-            apply = lambda ww, **kw: layer.apply(  # noqa: E731
-                {"params": {"kernel": ww, "bias": bias}}, xs, **kw)
-        packed_w = apply(base, mutable=["qexport"])[1]["qexport"][name]
-        want, got = apply(packed_w, mutable=["qserve"])
+            apply = lambda ww, mutable=False: layer.apply(  # noqa: E731
+                {"params": {"kernel": ww, "bias": bias}}, xs, mutable=mutable)
+        apply = jax.jit(apply, static_argnames="mutable")
+        packed_w = apply(base, mutable=("qexport",))[1]["qexport"][name]
+        want, got = apply(packed_w, mutable=("qserve",))
         served = got["qserve"][name]
         assert isinstance(served.u, qlinear.Served) and isinstance(served.v, qlinear.Served)
         want = np.asarray(want)

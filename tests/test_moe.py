@@ -432,7 +432,7 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     chex.assert_trees_all_close(g, g_ref, atol=1e-5)
     float_y, _ = apply(layer(router="top_k", top_k=2, dispatch=dispatch_kind,
                              capacity_factor=factor), p, x, seg)
-    y, got = mod.apply({"params": p}, x, seg, mutable=[AUX, "qexport"])
+    y, got = jax.jit(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX, "qexport"]))(p)
     assert not np.allclose(np.asarray(y), np.asarray(float_y), atol=1e-4)  # it did quantize
     packed = dict(p, **got["qexport"])
     if rank:  # U [K, X, r] and V [r, X, N], contraction first
@@ -443,18 +443,19 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     else:
         assert isinstance(packed["wi"], QWeight) and packed["wi"].shape == (M, X, F)
         assert packed["wo"].scale.shape == (1, X * M)  # one scale per expert's output channel
-    y_packed = mod.apply({"params": packed}, x, seg, mutable=[AUX])[0]
+    run = jax.jit(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX])[0])
+    y_packed = run(packed)
     np.testing.assert_allclose(np.asarray(y_packed), np.asarray(y), rtol=1e-6, atol=1e-6)
     if not kernels.available():
         return
     # ptq.serve's pass: each expert's weights prepared for the int8 kernel; capacity slots
     # and dropless blocks run on it (the kernel quantizes each row as the definition does)
-    served = dict(p, **mod.apply({"params": packed}, x, seg, mutable=[AUX, "qserve"])[1]["qserve"])
+    served = dict(p, **jax.jit(lambda p: mod.apply({"params": p}, x, seg,
+                                                   mutable=[AUX, "qserve"])[1]["qserve"])(packed))
     if rank:
         assert isinstance(served["wi"].u, Served) and served["wi"].v.shape == (rank, X, F)
     else:
         assert isinstance(served["wi"], Served) and served["wi"].shape == (M, X, F)
-    run = jax.jit(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX])[0])
     np.testing.assert_allclose(np.asarray(run(served)), np.asarray(y_packed), rtol=1e-5,
                                atol=1e-5 * float(jnp.abs(y_packed).max()))
     calls = run.lower(served).as_text().count("hpnlp_int8_linear")
