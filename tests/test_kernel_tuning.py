@@ -239,7 +239,9 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
     results = []
     for fwd_blk, bwd_blk in ((tuned["fwd"], tuned["bwd"]),
                              (fused.DEFAULT_BLOCKING, fused.DEFAULT_BLOCKING),
-                             ({"kc": 16, "mr": 1}, {"kc": 32, "mr": 4})):
+                             ({"kc": 16, "mr": 1}, {"kc": 32, "mr": 4}),
+                             # the largest k block the API takes (its block count overflowed)
+                             ({"kc": 2 ** 31 - 1, "mr": 6}, {"kc": 2 ** 31 - 1, "mr": 6})):
         out, (c, h), hp, cc, act = fused.lstm_forward(xw, b, w, c0, h0, valid, blocking=fwd_blk)
         grads = fused.lstm_backward(act, cc, c0, w, valid, d_out, h, c, blocking=bwd_blk)
         results.append((out, c, h, *grads))

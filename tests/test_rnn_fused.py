@@ -29,10 +29,12 @@ def _project(pp, x_TBE):
 
 
 # H = 144: 9 tiles of 16 units, so two threads get 4 and 5 (one full group of 4 in the
-# backward product and a short one); B = 7: row blocks of 4 and 3.
-@pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_the_scan_with_padding(threads):
-    L, B, E, H = 5, 7, 12, 144
+# backward product and a short one); B = 7: row blocks of 4 and 3. Five threads over one
+# step: more threads than the backward's 3 groups, and no step before the last for the
+# gate gradients that follow each group's product.
+@pytest.mark.parametrize("threads,L", [(1, 5), (2, 5), (5, 1)])
+def test_kernel_matches_the_scan_with_padding(threads, L):
+    B, E, H = 7, 12, 144
     k = jax.random.split(jax.random.key(0), 8)
     pp = (0.3 * jax.random.normal(k[0], (E, 4 * H)), 0.1 * jax.random.normal(k[1], (4 * H,)))
     w_HG = 0.1 * jax.random.normal(k[2], (H, 4 * H))

@@ -15,7 +15,8 @@
 // gradient dz (elementwise, written straight into the [L, B, 4H] output that the weight
 // gradients read: writing it transposed instead, 4H scattered runs per step, cost a third
 // of the backward kernel in TLB misses), and after a barrier computes dz @ W^T for the
-// same tiles, in groups of 4.
+// same tiles, in groups of 4, each group's gate gradients for the step before following
+// its product at once.
 //
 // Gates are ordered (i, f, o, g) as in hpnlp.rnn.cells: pre = xw + h_prev @ W,
 // i, f, o = sigmoid(pre[:3H]), g = tanh(pre[3H:]), c = f c_prev + i g, h = o tanh(c).
@@ -23,8 +24,11 @@
 //
 // The vector type, exp, threads and barrier come from hpnlp/kernels/simd.h.
 
+#include <sys/mman.h>
+
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <type_traits>
 
@@ -40,22 +44,43 @@ namespace {
 // cache, on 2 MB pages where the kernel grants them (transparent huge pages in `madvise`
 // mode, the common default): on 4 KB pages its walk through 1024 of them cost 5% of the
 // forward and 6% of the backward scan (tools/kernel_ab.py, a 2-core Xeon model 167).
+// A matrix of 2 MB or more is mapped afresh for each call, 2 MB aligned, and unmapped
+// after it: from malloc it would reuse pages already faulted in at 4 KB (hpnlp keeps
+// freed memory for reuse, `hpnlp.kernels.reuse_freed_memory`), which madvise does not
+// convert. Smaller ones are plain 64-byte aligned memory.
 template <class T>
 struct HugeAlloc {
+  static constexpr size_t HUGE_PAGE = size_t(2) << 20;
   using value_type = T;
   HugeAlloc() = default;
   template <class U> HugeAlloc(const HugeAlloc<U>&) {}
-  T* allocate(size_t n) {  // a matrix under one huge page: plain 64-byte aligned memory
-    const size_t huge = size_t(2) << 20, align = n * sizeof(T) >= huge ? huge : 64;
-    const size_t bytes = (n * sizeof(T) + align - 1) / align * align;
-    void* p = std::aligned_alloc(align, bytes);
-    if (!p) throw std::bad_alloc();
+  static size_t mapped(size_t n) {  // bytes mapped for n elements, or 0: from malloc
+    const size_t bytes = n * sizeof(T);
+    return bytes >= HUGE_PAGE ? (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE : 0;
+  }
+  T* allocate(size_t n) {
+    if (const size_t len = mapped(n)) {  // map one huge page more, keep the aligned part
+      void* m = mmap(nullptr, len + HUGE_PAGE, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) throw std::bad_alloc();
+      char* base = static_cast<char*>(m);
+      char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + HUGE_PAGE - 1) &
+                                        ~uintptr_t(HUGE_PAGE - 1));
+      if (p > base) munmap(base, p - base);
+      munmap(p + len, HUGE_PAGE - (p - base));
 #ifdef MADV_HUGEPAGE
-    if (align == huge) madvise(p, bytes, MADV_HUGEPAGE);
+      madvise(p, len, MADV_HUGEPAGE);
 #endif
+      return reinterpret_cast<T*>(p);
+    }
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
     return static_cast<T*>(p);
   }
-  void deallocate(T* p, size_t) { std::free(p); }
+  void deallocate(T* p, size_t n) {
+    if (const size_t len = mapped(n)) munmap(p, len);
+    else std::free(p);
+  }
   template <class U> bool operator==(const HugeAlloc<U>&) const { return true; }
   template <class U> bool operator!=(const HugeAlloc<U>&) const { return false; }
 };
@@ -301,7 +326,7 @@ void bwd_gates(Bwd& s, int t, int u) {
   for (int q = 0; q < 4; ++q) store(s.db + q * H + j, load(s.db + q * H + j) + db[q]);
 }
 
-// The lines bwd_gates(t) reads and writes for one thread's unit tiles [u0, u1), issued
+// The lines bwd_gates(t) reads and writes for one group's unit tiles [u0, u1), issued
 // as prefetches a few at a time between the register blocks of step t+1's product: the
 // gates stream act, c and d_out from memory (the forward wrote them past the cache) and
 // write dz, and prefetched in one burst beside the gates' loads (as before), or by the
@@ -371,7 +396,7 @@ void run_bwd(Bwd& s, int threads) {
             dst[(size_t(k) * 4 + q) * NR + m] = s.w[size_t((u + q) * NR + m) * G + k];
     }
     // register blocks of one group's product: its k blocks x row blocks
-    const int blocks = ((G + s.blk.kc - 1) / s.blk.kc) * ((s.B + s.blk.mr - 1) / s.blk.mr);
+    const int blocks = ((G - 1) / s.blk.kc + 1) * ((s.B - 1) / s.blk.mr + 1);  // B >= 1
     for (int u = 4 * g0; u < std::min(tiles, 4 * g1); ++u) bwd_gates(s, s.L - 1, u);
     for (int t = s.L - 1; t >= 0; --t) {
       barrier.wait();  // all of dz_t is written
@@ -644,7 +669,7 @@ extern "C" double hpnlp_lstm_dw_probe(int64_t N, int64_t H, int64_t E, int64_t k
 // Negative on failure.
 extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, int64_t mr,
                                    int64_t backward, int64_t threads) try {
-  if (H % TILE != 0 || kc <= 0 || mr < 1 || mr > MR) return -1.0;
+  if (H % TILE != 0 || kc <= 0 || kc > INT32_MAX || mr < 1 || mr > MR) return -1.0;
   const size_t BH = size_t(B) * H, G = 4 * size_t(H);
   // 64-byte aligned like XLA's buffers, so the forward streams its outputs as in a real call.
   struct Aligned {
