@@ -42,8 +42,9 @@ namespace {
 
 // The packed recurrent matrix (4 MB at H = 512), which every step streams through the
 // cache, on 2 MB pages where the kernel grants them (transparent huge pages in `madvise`
-// mode, the common default): on 4 KB pages its walk through 1024 of them cost 5% of the
-// forward and 6% of the backward scan (tools/kernel_ab.py, a 2-core Xeon model 167).
+// mode, the common default): its walk through 1024 pages of 4 KB cost each scan about a
+// tenth of its time in the kernels' C probe (tools/kernel_ab.py, a 2-core Xeon model
+// 167); in the layer's jitted pass the gain was within the run-to-run spread.
 // A matrix of 2 MB or more is mapped afresh for each call, 2 MB aligned, and unmapped
 // after it: from malloc it would reuse pages already faulted in at 4 KB (hpnlp keeps
 // freed memory for reuse, `hpnlp.kernels.reuse_freed_memory`), which madvise does not
