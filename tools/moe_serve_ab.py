@@ -41,6 +41,7 @@ def main() -> None:
     from hpnlp.compress import ptq
     from hpnlp.compress.qlinear import Factored, Served
     from hpnlp.models import generate
+    from hpnlp.moe.layer import _is_served
     from hpnlp.train import Trainer
     from hpnlp.train.carry import model_params
     from hpnlp.train.checkpoint import load_run_config
@@ -57,10 +58,9 @@ def main() -> None:
     model_q = models.build(cfg_q, deterministic=True)
     served = ptq.serve(model_q, packed, batch, quant_vars)
     # an expert weight is Served, or (model.lowrank) a Factored of two Served factors
-    is_served = lambda x: isinstance(x.u if isinstance(x, Factored) else x, Served)  # noqa: E731
     flat = traverse_util.flatten_dict(served,
                                       is_leaf=lambda _, x: isinstance(x, (Served, Factored)))
-    experts = [k for k, v in flat.items() if is_served(v) and "moe" in k]
+    experts = [k for k, v in flat.items() if _is_served(v) and "moe" in k]
     if not experts:
         raise SystemExit(f"{args.quantized}: no expert weight is served by an integer kernel "
                          "(w8a8, int4 weight-only or binary formats are)")

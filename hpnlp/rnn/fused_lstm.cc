@@ -337,16 +337,18 @@ void bwd_gates(Bwd& s, int t, int u) {
 struct Ahead {
   static constexpr int RUNS = 10;
   const Bwd* s;
-  int t, u0, tiles, next = 0, total = 0;
+  int t, u0, tiles, next = 0, total = 0, per = 0;  // per: lines a call of issue()
 
-  Ahead(const Bwd& bwd, int step, int first, int last)
+  // `blocks`: the register blocks of the product that calls issue() after each
+  Ahead(const Bwd& bwd, int step, int first, int last, int blocks)
       : s(&bwd), t(step), u0(first), tiles(last - first) {
     total = step >= 0 ? bwd.B * RUNS * tiles : 0;
+    per = (total + blocks - 1) / blocks;
   }
-  void issue(int n) {
+  void issue() {
     const int H = s->H, B = s->B;
     const size_t G = 4 * size_t(H);
-    for (const int end = std::min(total, next + n); next < end; ++next) {
+    for (const int end = std::min(total, next + per); next < end; ++next) {
       const int run = next / tiles, b = run / RUNS, k = run % RUNS;
       const size_t j = size_t(u0 + next % tiles) * NR;
       const size_t row_g = (size_t(t) * B + b) * G;
@@ -364,9 +366,9 @@ struct Ahead {
 };
 
 // dh_{t-1} = dz_t W^T for the n <= 4 unit tiles from u (packed panel wt) on valid rows;
-// invalid rows keep dh (their h passed through unchanged). `per` of the next step's lines
-// are prefetched after each register block.
-void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part, Ahead& ahead, int per) {
+// invalid rows keep dh (their h passed through unchanged). Some of the next step's lines
+// are prefetched after each register block (`ahead`).
+void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part, Ahead& ahead) {
   const int H = s.H, G = 4 * H;
   panel_product(s.dz + size_t(t) * s.B * G, G, wt, s.B, G, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
@@ -375,7 +377,7 @@ void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part, Ahead&
       if (!(s.valid[size_t(t) * s.B + b] > 0.0f)) continue;
       for (int q = 0; q < n; ++q) store(s.dh + size_t(b) * H + (u + q) * NR, acc[q]);
     }
-  }, [&] { ahead.issue(per); });
+  }, [&] { ahead.issue(); });
 }
 
 void run_bwd(Bwd& s, int threads) {
@@ -407,9 +409,8 @@ void run_bwd(Bwd& s, int threads) {
       // the group's product.
       for (int gi = g0; gi < g1; ++gi) {
         const int u = 4 * gi, n = std::min(4, tiles - u);
-        Ahead ahead(s, t - 1, u, u + n);
-        bwd_group(s, t, u, n, wt.data() + size_t(gi) * G * 4 * NR, part.data(), ahead,
-                  (ahead.total + blocks - 1) / blocks);
+        Ahead ahead(s, t - 1, u, u + n, blocks);
+        bwd_group(s, t, u, n, wt.data() + size_t(gi) * G * 4 * NR, part.data(), ahead);
         for (int q = 0; t > 0 && q < n; ++q) bwd_gates(s, t - 1, u + q);
       }
     }
