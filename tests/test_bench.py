@@ -312,9 +312,13 @@ def test_attention_rows_follow_the_backend():
     cpu = ba.row_names(["dense", "chunked", "xla"], causal=False, backend="cpu")
     assert cpu == [*ba.PEERS, "dense", "chunked", ba.XLA_TWIN, ba.BOUND, ba.BF16_CHUNKED,
                    ba.BF16_TORCH]
-    # On a GPU `chunked` is its XLA program (no twin row) and cuDNN's flash attention joins.
+    # On a GPU `chunked` is its Pallas kernels, so its twin runs too, and cuDNN's flash
+    # attention joins; on a TPU `chunked` is its XLA program (no twin row).
     gpu = ba.row_names(["dense", "chunked"], causal=True, backend="gpu")
-    assert gpu == [*ba.PEERS, "dense", "chunked", ba.BF16_CHUNKED, ba.BF16_TORCH, ba.CUDNN]
+    assert gpu == [*ba.PEERS, "dense", "chunked", ba.XLA_TWIN, ba.BF16_CHUNKED, ba.BF16_TORCH,
+                   ba.CUDNN]
+    tpu = ba.row_names(["dense", "chunked"], causal=True, backend="tpu")
+    assert tpu == [*ba.PEERS, "dense", "chunked", ba.BF16_CHUNKED, ba.BF16_TORCH]
     assert ba.row_names(["dense"], causal=False, backend="gpu") == [*ba.PEERS, "dense"]
     assert ba.CUDNN in ba.SHORT and ba._dtype(ba.CUDNN) == jnp.bfloat16
 

@@ -18,11 +18,13 @@ ids, and a block in which no query may see any key (all padding, or different pa
 segments) is skipped by `lax.cond`. Rows with no visible key (padding queries) output
 zeros, not NaN.
 
-Two implementations compute the same thing. On a CPU the default (`impl="auto"`) is one
+Three implementations compute the same thing. On a CPU the default (`impl="auto"`) is one
 fused C++ kernel forward and one backward (`flash_cpu.py`: the same algorithm, with every
 tile kept in its core's cache and the softmax done on the hot tile), wherever it can run:
-the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. The XLA
-program below (`impl="xla"`) runs everywhere else and is the kernel's tested twin.
+the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. On a GPU it
+is three Pallas (Triton) kernels (`flash_gpu.py`: one program per block of each head, all at
+once), on one device, for float32, bfloat16 and float16. The XLA program below
+(`impl="xla"`) runs everywhere else and is both kernels' tested twin.
 
 Block sizes (XLA path) given explicitly must divide the lengths. Left at `None`, they are
 chosen here (the tuned size, shrunk so blocks split the length evenly) and a length they
@@ -39,7 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention import flash_cpu
+from hpnlp.attention import flash_cpu, flash_gpu
 from hpnlp.attention.base import Attention, check_inputs, register
 from hpnlp.config import ConfigError
 
@@ -257,33 +259,40 @@ def _flash_bwd(causal, bq, bk, res, do_BHLD):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def kernel_blocker(head_dim: int, value_dim: int, impl: str, block_q, block_k) -> str | None:
-    """Why `impl` does not run the fused kernel here; None if it does."""
+def kernel_blocker(head_dim: int, value_dim: int, impl: str, block_q, block_k,
+                   dtype=jnp.float32) -> str | None:
+    """Why `impl` does not run a fused kernel (the CPU's, or on a GPU the GPU's) here; None
+    if it does."""
     if impl not in IMPLS:
         raise ValueError(f"chunked attention: impl={impl!r} is not one of {IMPLS}")
     if impl == "xla":
         return "impl='xla'"
     if impl == "auto" and (block_q is not None or block_k is not None):
         return "explicit block sizes (they tune the XLA program)"
+    if jax.default_backend() == "gpu":
+        return flash_gpu.blocker(head_dim, value_dim, dtype)
     return flash_cpu.blocker(head_dim, value_dim)
 
 
 def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
                       block_q: int | None = None, block_k: int | None = None,
                       impl: str = "auto"):
-    """Exact softmax attention in O(L) memory. `impl`: "auto" (the CPU kernel where it can
-    run, else XLA), "kernel" (the CPU kernel or a clear error) or "xla". `block_q` /
+    """Exact softmax attention in O(L) memory. `impl`: "auto" (the backend's fused kernel, CPU
+    or GPU, where it can run, else XLA), "kernel" (that kernel or a clear error) or "xla". `block_q` /
     `block_k` (XLA path) None: chosen here, and lengths they do not divide are padded
     inside the call."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, mask_BL)
     B, L, H, D = q_BLHD.shape
     S = k_BSHD.shape[1]
-    blocker = kernel_blocker(D, v_BSHD.shape[-1], impl, block_q, block_k)
+    blocker = kernel_blocker(D, v_BSHD.shape[-1], impl, block_q, block_k,
+                             jnp.result_type(q_BLHD, k_BSHD, v_BSHD))
     if not L or not S:  # no queries, or no key to see: zeros, as for a row that sees none
         return jnp.zeros((B, L, H, v_BSHD.shape[-1]), q_BLHD.dtype)
     if impl == "kernel" and blocker is not None:
         raise ValueError(f"chunked attention: impl='kernel' cannot run here: {blocker}. Use "
                          "impl='auto' (the kernel where it can run) or impl='xla'")
+    if blocker is None and jax.default_backend() == "gpu":
+        return flash_gpu.flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL, causal=causal)
     if blocker is None:
         return flash_cpu.flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL, mask_BL, causal=causal)
     for name, block, n in (("block_q", block_q, L), ("block_k", block_k, S)):
@@ -316,13 +325,13 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
 class ChunkedAttention(Attention):
     """Exact softmax attention, O(L) memory in forward and backward: online softmax over key
     blocks (Rabe & Staats 2021) with a recomputing custom VJP (FlashAttention-2); on a CPU
-    one fused kernel per pass (`flash_cpu`)."""
+    one fused kernel per pass (`flash_cpu`), on a GPU Pallas kernels (`flash_gpu`)."""
 
     heads_independent = True
 
     block_q: int | None = None  # XLA path; None: about DEFAULT_BLOCK_Q, any length (padded)
     block_k: int | None = None  # XLA path; None: about DEFAULT_BLOCK_K, any length (padded)
-    impl: str = "auto"  # "auto": CPU kernel where it can run, else XLA; "kernel"; "xla"
+    impl: str = "auto"  # "auto": CPU/GPU kernel where it can run, else XLA; "kernel"; "xla"
 
     def cache_impl(self) -> str:  # decoding follows the same choice
         return self.impl
@@ -333,7 +342,7 @@ class ChunkedAttention(Attention):
         impl = options.get("impl", cls.impl)
         if impl not in IMPLS:
             raise ConfigError(f"config field `{field}.impl` = {impl!r} is not allowed: choose one "
-                              f"of {list(IMPLS)} (auto: the CPU kernel where it can run)")
+                              f"of {list(IMPLS)} (auto: the CPU or GPU kernel where it can run)")
         for name in ("block_q", "block_k"):
             block = options.get(name, getattr(cls, name))
             if block is None:

@@ -18,8 +18,9 @@ says otherwise; the header records which. The recorded GPU runs (docs/benchmarks
 attention_h100*) used `--no-isolate`: XLA's GPU compile and autotuning make each row take
 seconds there, and a fresh process per row adds a CUDA start-up to each (that isolated path
 has not run on a GPU yet).
-`chunked` runs its fused CPU kernel (`hpnlp.attention.flash_cpu`); beside it, the row
-"chunked (xla)" times the same algorithm as the XLA program it runs off the CPU, and
+`chunked` runs its fused CPU kernel (`hpnlp.attention.flash_cpu`), on a GPU its Pallas
+kernels (`hpnlp.attention.flash_gpu`); beside it, the row "chunked (xla)" times the same
+algorithm as the XLA program it runs elsewhere, and
 (bidirectional runs) the row "chunked products only" times that program's block matrix
 products alone, without the softmax arithmetic: the floor of any XLA-built design here,
 which the kernel gets under by keeping each tile in its core's cache. Beside `chunked`
@@ -230,14 +231,14 @@ def _head(spec: dict) -> dict:
 
 def row_names(names: list[str], *, causal: bool, backend: str) -> list[str]:
     """The rows a run times, in order: the peers, the registry's variants (`xla` is the
-    jax peer), and beside `chunked` its XLA twin (on a CPU, where `chunked` runs its
-    kernel; elsewhere `chunked` is that program), its products-only bound (bidirectional)
+    jax peer), and beside `chunked` its XLA twin (where `chunked` runs a kernel: on a CPU
+    or a GPU; elsewhere `chunked` is that program), its products-only bound (bidirectional)
     and the bfloat16 rows, with cuDNN's flash attention on a GPU."""
     impls = list(PEERS) + [n for n in names if n not in ("xla",)]
     if causal:
         impls = [i for i in impls if i in PEERS or attention_lib.get(i).supports_causal]
     if "chunked" in impls:
-        impls += [XLA_TWIN] if backend == "cpu" else []
+        impls += [XLA_TWIN] if backend in ("cpu", "gpu") else []
         impls += [] if causal else [BOUND]
         impls += [BF16_CHUNKED, BF16_TORCH] + ([CUDNN] if backend == "gpu" else [])
     return impls

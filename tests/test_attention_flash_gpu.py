@@ -1,0 +1,149 @@
+"""`chunked`'s GPU kernels (`hpnlp.attention.flash_gpu`) against the `dense` oracle and the
+XLA twin: outputs and dq, dk, dv. On a CPU the kernels run in Pallas's interpreter, the same
+kernel bodies and block loops (tiny shapes, small blocks so every loop runs several steps);
+the `accelerator` tests run the compiled Triton kernels on a GPU."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hpnlp.attention.chunked as C
+import hpnlp.attention.flash_gpu as F
+from hpnlp.attention.dense import dense_attention
+
+H = 2
+# Small blocks: forward 16 x 16, backward 32 held x 16 looped, so that causal masks cut
+# blocks at several offsets and the dK/dV loop starts past the first query block.
+SMALL = dict(fwd_q=16, fwd_k=16, bwd_outer=32, bwd_inner=16)
+
+
+def _qkv(B, L, S, D, Dv=None, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    shapes = [(B, L, H, D), (B, S, H, D), (B, S, H, Dv or D), (B, L, H, Dv or D)]
+    q, k, v, w = (jax.random.normal(kk, s, jnp.float32) for kk, s in zip(ks, shapes))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), w
+
+
+def _segments(B, L):
+    """Row 0: ragged right padding; row 1: all padding; row 2: two packed segments."""
+    seg = np.zeros((B, L), np.int32)
+    seg[0, :L - 11] = 1
+    seg[2, :13], seg[2, 13:L - 3] = 1, 2
+    return jnp.asarray(seg)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _out_and_grads(fn, q, k, v, w, mask, causal):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask, causal=causal), q, k, v)
+    return out, vjp(w.astype(out.dtype))
+
+
+def _kernel(interpret=True, blocks=SMALL):
+    return functools.partial(F.flash_attention, interpret=interpret, blocks=blocks)
+
+
+def _assert_close(got, want, tol):
+    for name, g, r in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   atol=tol, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_padding_and_causal_match_dense(causal):
+    """L = 40 pads to 64 (keys of segment 0), head dim 8 pads to 16; the all-padding row
+    gives zeros, not NaN, and so do its gradients."""
+    q, k, v, w = _qkv(3, 40, 40, 8, seed=1)
+    seg = _segments(3, 40)
+    got = _out_and_grads(_kernel(), q, k, v, w, seg, causal)
+    _assert_close(got, _out_and_grads(dense_attention, q, k, v, w, seg, causal), 1e-5)
+    chex.assert_tree_all_finite(got)
+    assert float(jnp.abs(got[0][1]).max()) == 0.0
+    assert all(float(jnp.abs(g[1]).max()) == 0.0 for g in got[1])
+
+
+def test_cross_attention_lengths_and_value_dim_differ():
+    """24 queries over 56 keys (no mask: the padded keys alone get segment ids), values of
+    head dim 16 beside queries and keys of 8, causal (top-left aligned, as `dense`)."""
+    q, k, v, w = _qkv(2, 24, 56, 8, Dv=16, seed=2)
+    for causal in (False, True):
+        got = _out_and_grads(_kernel(), q, k, v, w, None, causal)
+        _assert_close(got, _out_and_grads(dense_attention, q, k, v, w, None, causal), 1e-5)
+
+
+def test_bfloat16_matches_float32_and_never_nans():
+    q, k, v, w = _qkv(3, 40, 40, 16, seed=3, dtype=jnp.bfloat16)
+    seg = _segments(3, 40)
+    out, grads = _out_and_grads(_kernel(), q, k, v, w, seg, True)
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    chex.assert_tree_all_finite((out, grads))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    _assert_close((out, grads), _out_and_grads(dense_attention, *f32, w, seg, True), 5e-2)
+
+
+def test_blocks_are_checked():
+    q, k, v, _ = _qkv(1, 16, 16, 16)
+    with pytest.raises(ValueError, match="fwd_k.*power of two"):
+        F.flash_attention(q, k, v, blocks={"fwd_k": 24}, interpret=True)
+
+
+def test_the_gpu_kernel_is_not_chosen_off_a_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the kernel is chosen: test_auto_runs_the_kernel_on_a_gpu")
+    assert "GPU backend" in F.blocker(64, 64, jnp.float32)
+
+
+@pytest.mark.accelerator
+def test_auto_runs_the_kernel_on_a_gpu():
+    q, k, v, _ = _qkv(1, 128, 128, 64)
+    hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q, k, v).as_text()
+    assert "hpnlp_flash_fwd" in hlo
+    hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v, impl="xla")).lower(q, k, v).as_text()
+    assert "hpnlp_flash" not in hlo
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_kernels_match_the_xla_twin(dtype, causal):
+    """The Triton kernels at the default blocks, on a length they do not divide (segments,
+    padding) and head dim 64."""
+    q, k, v, w = _qkv(3, 200, 200, 64, seed=4, dtype=dtype)
+    seg = _segments(3, 200)
+    got = _out_and_grads(_kernel(interpret=False, blocks=None), q, k, v, w, seg, causal)
+    twin = _out_and_grads(functools.partial(C.chunked_attention, impl="xla"),
+                          q, k, v, w, seg, causal)
+    chex.assert_tree_all_finite(got)
+    _assert_close(got, twin, 2e-5 if dtype == jnp.float32 else 5e-2)
+
+
+@pytest.mark.accelerator
+def test_compiled_kernels_memory_is_linear_in_length():
+    def temp_bytes(length):
+        q = jnp.zeros((1, length, 2, 64), jnp.bfloat16)
+        loss = lambda q, k, v: jnp.sum(F.flash_attention(q, k, v).astype(jnp.float32))  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, q, q).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, big = temp_bytes(2048), temp_bytes(8192)
+    # 6144 more tokens cost under a sixteenth of their extra [L, L] float32 scores per head.
+    assert big - small < (8192**2 - 2048**2) * 4 * 2 / 16, (small, big)
+
+
+def test_measured_blocks_are_read_per_gpu_model(tmp_path, monkeypatch):
+    path = tmp_path / "blocks.json"
+    path.write_text('{"Some GPU": {"16bit_d64": {"fwd_q": 32, "bwd_warps": 8}}}')
+    monkeypatch.setattr(F, "TUNED_PATH", str(path))
+    monkeypatch.setattr(F, "_device_kind", lambda: "Some GPU")
+    got = F.default_blocks(jnp.bfloat16, 64)
+    assert (got["fwd_q"], got["bwd_warps"], got["fwd_k"]) == (32, 8, 64)
+    assert F.default_blocks(jnp.float32, 64)["fwd_q"] == 64  # no entry: the rule
+    monkeypatch.setattr(F, "_device_kind", lambda: "Another GPU")
+    assert F.default_blocks(jnp.bfloat16, 64)["fwd_q"] == 128
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="bad.json is not valid JSON.*flash_gpu_blocks.py --write"):
+        F.tuned_table(str(bad))
