@@ -328,7 +328,8 @@ def test_attention_markdown_on_a_gpu_reports_device_memory():
     res = [_attention_row("chunked", 1024, m, 0.01) for m in ("fwd", "fwd_bwd")]
     res[1]["peak_device_bytes"] = 3 * 2**20
     machine = {**harness.machine_info(), "backend": "gpu", "devices": ["NVIDIA H100 80GB HBM3"],
-               "float32_precision": "highest"}
+               "float32_precision": "highest",
+               "kernels": {"flash_gpu_blocks": {"16bit_d64": {"fwd_q": 64, "fwd_k": 32}}}}
     payload = {"machine": machine, "isolated": True, "matmul_gflops": {"float32": 100.0},
                "shape": {"B": 1, "H": 8, "D": 64, "causal": False}, "results": res,
                "summary": {"speedup_vs_reference": {"fwd_bwd": {}}, "exponents": {},
@@ -336,6 +337,7 @@ def test_attention_markdown_on_a_gpu_reports_device_memory():
     md = ba._markdown(payload)
     assert "- accelerator: 1 x NVIDIA H100 80GB HBM3; float32 products at JAX precision highest" in md
     assert "peak device MiB" in md and "peak RSS MiB" not in md
+    assert "- kernels: `chunked`'s GPU kernels' blocks: 16bit_d64 fwd_q=64, fwd_k=32" in md
     assert "| `chunked` |" in md and "| 3 |" in md
     cpu_run = {**harness.machine_info(), "backend": "cpu", "devices": ["cpu"]}  # wherever the test runs
     assert "accelerator" not in report.header_md(cpu_run, {})

@@ -365,7 +365,12 @@ def kernel_info() -> dict:
     """What hpnlp's CPU kernels run with on this machine: each kernel pass's block sizes
     (tuned per CPU, or the defaults; resolving them measures them if not cached) and how
     the bfloat16 attention kernel's products run. Empty where the kernels cannot build,
-    and when JAX runs on an accelerator (the kernels are then not used)."""
+    and when JAX runs on an accelerator (the kernels are then not used); on a GPU, the
+    block sizes `chunked`'s Pallas kernels take at head dim 64 (`flash_gpu.default_blocks`)."""
+    if jax.default_backend() == "gpu":
+        from hpnlp.attention import flash_gpu
+        return {"flash_gpu_blocks": {flash_gpu.tuned_key(dt, 64): flash_gpu.default_blocks(dt, 64)
+                                     for dt in (jnp.float32, jnp.bfloat16)}}
     if on_accelerator():  # the run's computations are not on the CPU: nothing to build
         return {}
     from hpnlp.attention import flash_cpu

@@ -54,7 +54,11 @@ def header_md(info: dict, rates: dict) -> str:
                      f"at JAX precision {info.get('float32_precision', 'not recorded')}")
     lines.append(f"- versions: {vers}")
     kernels = info.get("kernels")
-    if kernels:
+    if kernels and "flash_gpu_blocks" in kernels:
+        blocks = "; ".join(f"{key} {', '.join(f'{k}={v}' for k, v in cfg.items())}"
+                           for key, cfg in kernels["flash_gpu_blocks"].items())
+        lines.append(f"- kernels: `chunked`'s GPU kernels' blocks: {blocks}")
+    elif kernels:
         blocks = "; ".join(f"{name} {', '.join(f'{k}={v}' for k, v in t['config'].items())} "
                            f"({t['source']})" for name, t in kernels["tuning"].items())
         lines.append(f"- kernels: bfloat16 attention products on {kernels['bf16_products']}; "
