@@ -74,11 +74,12 @@ def test_cross_attention_lengths_and_value_dim_differ():
         _assert_close(got, _out_and_grads(dense_attention, q, k, v, w, None, causal), 1e-5)
 
 
-def test_bfloat16_matches_float32_and_never_nans():
-    q, k, v, w = _qkv(3, 40, 40, 16, seed=3, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_matches_float32_and_never_nans(dtype):
+    q, k, v, w = _qkv(3, 40, 40, 16, seed=3, dtype=dtype)
     seg = _segments(3, 40)
     out, grads = _out_and_grads(_kernel(), q, k, v, w, seg, True)
-    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     chex.assert_tree_all_finite((out, grads))
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     _assert_close((out, grads), _out_and_grads(dense_attention, *f32, w, seg, True), 5e-2)
@@ -94,6 +95,25 @@ def test_the_gpu_kernel_is_not_chosen_off_a_gpu():
     if jax.default_backend() == "gpu":
         pytest.skip("on a GPU the kernel is chosen: test_auto_runs_the_kernel_on_a_gpu")
     assert "GPU backend" in F.blocker(64, 64, jnp.float32)
+
+
+def test_what_the_gpu_kernel_takes_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert F.blocker(64, 48, jnp.bfloat16) is None
+    assert "checked up to 64" in F.blocker(128, 128, jnp.float32)
+    assert "dtype int8" in F.blocker(64, 64, jnp.int8)
+    # impl='kernel' trains on the GPU kernels; decoding has no GPU kernel, so it reads by XLA
+    assert C.ChunkedAttention(impl="kernel").cache_impl() == "auto"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert C.ChunkedAttention(impl="kernel").cache_impl() == "kernel"
+
+
+def test_empty_lengths_and_bad_shapes():
+    q, k, v, _ = _qkv(1, 16, 16, 16)
+    assert F.flash_attention(q[:, :0], k, v, interpret=True).shape == (1, 0, H, 16)
+    assert F.flash_attention(q, k[:, :0], v[:, :0], interpret=True).shape == (1, 16, H, 16)
+    with pytest.raises(ValueError, match="segment ids .* must equal the key length"):
+        F.flash_attention(q, k[:, :8], v[:, :8], jnp.ones((1, 16), jnp.int32), interpret=True)
 
 
 @pytest.mark.accelerator

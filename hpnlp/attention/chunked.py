@@ -23,7 +23,7 @@ fused C++ kernel forward and one backward (`flash_cpu.py`: the same algorithm, w
 tile kept in its core's cache and the softmax done on the hot tile), wherever it can run:
 the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. On a GPU it
 is three Pallas (Triton) kernels (`flash_gpu.py`: one program per block of each head, all at
-once), on one device, for float32, bfloat16 and float16. The XLA program below
+once), on one device, for float32, bfloat16 and float16 at head dims up to 64. The XLA program below
 (`impl="xla"`) runs everywhere else and is both kernels' tested twin.
 
 Block sizes (XLA path) given explicitly must divide the lengths. Left at `None`, they are
@@ -333,7 +333,11 @@ class ChunkedAttention(Attention):
     block_k: int | None = None  # XLA path; None: about DEFAULT_BLOCK_K, any length (padded)
     impl: str = "auto"  # "auto": CPU/GPU kernel where it can run, else XLA; "kernel"; "xla"
 
-    def cache_impl(self) -> str:  # decoding follows the same choice
+    def cache_impl(self) -> str:
+        """Decoding follows the same choice where a decode kernel exists (the CPU's); on a GPU,
+        where `impl='kernel'` means the training kernels, decoding reads its cache by XLA."""
+        if self.impl == "kernel" and jax.default_backend() == "gpu":
+            return "auto"
         return self.impl
 
     @classmethod
