@@ -119,7 +119,8 @@ def main(argv=None) -> int:
                 out.sum().backward()
 
             t, _ = harness.time_torch(torch, dev, step, repeats=20, min_time_s=0.3)
-            rows.append({"dtype": name, "what": "torch sdpa", "fwd_bwd_ms": round(t.median_s * 1e3, 4)})
+            rows.append({"dtype": name, "what": "torch sdpa",
+                         "fwd_bwd_ms": round(t.median_s * 1e3, 4)})
         for r in rows:
             print(json.dumps(r), flush=True)
         result["rows"] += rows

@@ -85,7 +85,8 @@ def _read_table(path: str) -> dict:
         return {}
     except ValueError as e:
         raise ValueError(f"flash_gpu: {path} is not valid JSON ({e}); rewrite it with `python "
-                         "tools/flash_gpu_blocks.py --write` on the GPU, or restore it from git") from e
+                         "tools/flash_gpu_blocks.py --write` on the GPU, or restore it from "
+                         "git") from e
     return table
 
 
