@@ -167,3 +167,17 @@ def test_measured_blocks_are_read_per_gpu_model(tmp_path, monkeypatch):
     bad.write_text("{")
     with pytest.raises(ValueError, match="bad.json is not valid JSON.*flash_gpu_blocks.py --write"):
         F.tuned_table(str(bad))
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_kernels_at_head_dim_128(dtype):
+    """Not yet run on a GPU: what must pass there before `MAX_HEAD_DIM` (and `auto`) goes to
+    128. Called directly: `auto` leaves this width to the XLA program until then."""
+    q, k, v, w = _qkv(2, 200, 200, 128, seed=5, dtype=dtype)
+    seg = _segments(3, 200)[1:]
+    for causal in (False, True):
+        got = _out_and_grads(_kernel(interpret=False, blocks=None), q, k, v, w, seg, causal)
+        twin = _out_and_grads(functools.partial(C.chunked_attention, impl="xla"),
+                              q, k, v, w, seg, causal)
+        _assert_close(got, twin, 2e-5 if dtype == jnp.float32 else 5e-2)
