@@ -223,12 +223,16 @@ def test_balance_loss_formula_uniform_and_collapsed():
     collapsed = jax.nn.softmax(jnp.zeros((2, 16, X)).at[..., 0].set(30.0), -1)
     assert float(routing.balance_loss(collapsed, jnp.zeros((2, 16, 1), jnp.int32),
                                       jnp.ones((2, 16), bool))) == pytest.approx(X, rel=1e-4)
-    # Random routers sit above the uniform one.
-    for seed in range(5):
-        z = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 256, X)) * 2)
+    # Random routers sit above the uniform one (one compile for the five).
+    @jax.jit
+    def switch_loss(z):
         pr = jax.nn.softmax(z, -1)
-        assert float(routing.balance_loss(pr, routing.switch(pr, top_k=1).expert_GSK,
-                                          jnp.ones((1, 256), bool))) > 1.0
+        return routing.balance_loss(pr, routing.switch(pr, top_k=1).expert_GSK,
+                                    jnp.ones((1, 256), bool))
+
+    for seed in range(5):
+        z = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 256, X)) * 2, jnp.float32)
+        assert float(switch_loss(z)) > 1.0
 
 
 @pytest.mark.parametrize("router,k,kind", [("switch", 1, "capacity"), ("top_k", 2, "dropless"),
