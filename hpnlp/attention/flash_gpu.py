@@ -20,7 +20,8 @@ accumulation, P and dS rounded to the input type for their products, as FlashAtt
 Shapes the blocks do not fit are padded inside the call: head dims up to a power of two
 (at least 16, Triton's smallest product), lengths up to a multiple of the block with keys
 of segment 0. `interpret=True` runs the same kernels in Pallas's interpreter on any backend;
-the tests check it there against the XLA program, outputs and gradients.
+the tests check them there against `dense`, and compiled on a GPU against the XLA program,
+outputs and gradients.
 """
 
 from __future__ import annotations
