@@ -278,9 +278,9 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
                       block_q: int | None = None, block_k: int | None = None,
                       impl: str = "auto"):
     """Exact softmax attention in O(L) memory. `impl`: "auto" (the backend's fused kernel, CPU
-    or GPU, where it can run, else XLA), "kernel" (that kernel or a clear error) or "xla". `block_q` /
-    `block_k` (XLA path) None: chosen here, and lengths they do not divide are padded
-    inside the call."""
+    or GPU, where it can run, else XLA), "kernel" (that kernel or a clear error) or "xla".
+    `block_q` / `block_k` (XLA path) None: chosen here, and lengths they do not divide are
+    padded inside the call."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, mask_BL)
     B, L, H, D = q_BLHD.shape
     S = k_BSHD.shape[1]

@@ -167,16 +167,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, c, causa
     lse_ref[...] = jnp.where(seen, m_Q + jnp.log2(l_safe), jnp.inf)  # base 2; +inf: P = 0
 
 
-def _p_and_ds(q_QD, k_KD, v_KD, do_QD, lse_Q, delta_Q, ok, c):
-    """P (from the forward's logsumexp) and dS = P * (dP - rowsum(dO * O)) of one block."""
-    s_QK = plgpu.dot(q_QD, k_KD, trans_b=True) * c
-    if ok is not None:
-        s_QK = jnp.where(ok, s_QK, -jnp.inf)
-    p_QK = jnp.exp2(s_QK - lse_Q[:, None])
-    dp_QK = plgpu.dot(do_QD, v_KD, trans_b=True)
-    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
-
-
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref,
                  *, c, scale, causal, segments, bq, nq):
     """Key-major tiles ([K, Q], the transpose of the forward's): P^T and dS^T are made in the
@@ -224,7 +214,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, 
         k_KD = k_ref[cols, :]
         ks = ks_ref[cols] if segments else None
         ok = _visible(qs, ks, qpos, j * bk + jnp.arange(bk), segments, causal)
-        _, ds_QK = _p_and_ds(q_QD, k_KD, v_ref[cols, :], do_QD, lse_Q, delta_Q, ok, c)
+        s_QK = plgpu.dot(q_QD, k_KD, trans_b=True) * c
+        if ok is not None:
+            s_QK = jnp.where(ok, s_QK, -jnp.inf)
+        p_QK = jnp.exp2(s_QK - lse_Q[:, None])  # P from the forward's logsumexp
+        dp_QK = plgpu.dot(do_QD, v_ref[cols, :], trans_b=True)
+        ds_QK = p_QK * (dp_QK - delta_Q[:, None])  # dS = P (dP - rowsum(dO O))
         return dq_QD + plgpu.dot(ds_QK.astype(k_KD.dtype), k_KD)
 
     dq_QD = jax.lax.fori_loop(0, _key_blocks_for(i, bq, bk, nk, causal), body,
