@@ -53,7 +53,7 @@ setuptools.setup(
     package_data={"hpnlp.data": ["corpus/*.xz"], "hpnlp.rnn": ["*.cc"],
                   "hpnlp.attention": ["*.cc", "*.json"],
                   "hpnlp.compress": ["*.cc"], "hpnlp.retrieval": ["*.cc"],
-                  "hpnlp.kernels": ["*.h"]},
+                  "hpnlp.kernels": ["*.h", "*.cc"]},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

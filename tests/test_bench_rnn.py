@@ -55,3 +55,9 @@ def test_rnn_targets_are_flax_time_over_ours():
     assert ("`lstm_fwd_vs_flax` >= 1.5: `hpnlp LSTM` fwd in 1067 ms, its products at 56.2 "
             "GFLOP/s, 56% of the measured float32 product rate (now 60%)") in md
     assert "`lstm_fwd_bwd_vs_flax` >=" not in md  # not measured: nothing to ask
+    # with the cores' FMA peak measured, the same need as a share of it, and a header line
+    payload["machine"]["fma_peak_gflops"] = 50.0
+    md = bench_rnn._markdown(payload)
+    assert ("56% of the measured float32 product rate (now 60%) and 112% of the cores' FMA "
+            "peak (now 120%).") in md
+    assert "- measured float32 FMA peak of the cores (registers only" in md and "50.0 GFLOP/s" in md

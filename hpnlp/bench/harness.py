@@ -274,6 +274,19 @@ def ceiling_rates(dtypes=(jnp.float32,), *, quick: bool) -> dict:
     return {jnp.dtype(d).name: matmul_rate(d, **kw) for d in dtypes}
 
 
+def fma_peak() -> float | None:
+    """The cores' float32 FMA peak in GFLOP/s (`hpnlp.kernels.peak`: registers only, every
+    core at once), the ceiling above `matmul_rate` that no float32 kernel can pass; None
+    off a CPU or where the probe cannot be built (no compiler)."""
+    if jax.default_backend() != "cpu":
+        return None
+    from hpnlp.kernels import peak
+    try:
+        return peak.fma_peak()
+    except RuntimeError:
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_matmul(dtype, n: int):
     """Compiled once per process: rate probes beside every timing then cost no compile."""

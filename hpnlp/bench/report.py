@@ -65,6 +65,9 @@ def header_md(info: dict, rates: dict) -> str:
                      f"blocks: {blocks}")
     for name, r in rates.items():
         lines.append(f"- measured {name} matrix-product rate: {r:.1f} GFLOP/s")
+    if info.get("fma_peak_gflops"):
+        lines.append(f"- measured float32 FMA peak of the cores (registers only, `python -m "
+                     f"hpnlp.kernels.peak`): {info['fma_peak_gflops']:.1f} GFLOP/s")
     return "\n".join(lines)
 
 
