@@ -228,9 +228,10 @@ def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
 
 @needs_lstm
 def test_tuned_lstm_blocking_computes_what_the_default_does():
-    L, B, H = 5, 11, 48
-    ks = jax.random.split(jax.random.key(0), 7)
+    L, B, H, E = 5, 11, 48, 13
+    ks = jax.random.split(jax.random.key(0), 8)
     xw = jax.random.normal(ks[0], (L, B, 4 * H))
+    x, wx = jax.random.normal(ks[7], (L, B, E)), jax.random.normal(ks[1], (E, 4 * H)) / E ** 0.5
     b, w = jax.random.normal(ks[1], (4 * H,)) * 0.1, jax.random.normal(ks[2], (H, 4 * H)) / H ** 0.5
     c0, h0 = jax.random.normal(ks[3], (B, H)), jax.random.normal(ks[4], (B, H))
     valid = (jax.random.uniform(ks[5], (L, B)) > 0.2).astype(jnp.float32)
@@ -242,14 +243,14 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
                              ({"kc": 16, "mr": 1}, {"kc": 32, "mr": 4}),
                              # the largest k block the API takes (its block count overflowed)
                              ({"kc": 2 ** 31 - 1, "mr": 6}, {"kc": 2 ** 31 - 1, "mr": 6})):
-        out, (c, h), hp, cc, act = fused.lstm_forward(xw, b, w, c0, h0, valid, blocking=fwd_blk)
+        out, (c, h), hp, cc, act = fused.lstm_forward(x, wx, b, w, c0, h0, valid, blocking=fwd_blk)
         grads = fused.lstm_backward(act, cc, c0, w, valid, d_out, h, c, blocking=bwd_blk)
         results.append((out, c, h, *grads))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="blocking must be"):
-        fused.lstm_forward(xw, b, w, c0, h0, valid, blocking={"kc": 64, "mr": 9})
+        fused.lstm_forward(x, wx, b, w, c0, h0, valid, blocking={"kc": 64, "mr": 9})
     # the weight gradients: tuned, default and blocks that split every loop (row blocks
     # of 6 with a short last one, several packed k blocks); E = 13 is not a multiple of 6
     hp, x, dz = jax.random.normal(ks[0], (L, B, H)), jax.random.normal(ks[1], (L, B, 13)), xw

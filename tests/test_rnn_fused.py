@@ -110,5 +110,6 @@ def test_auto_picks_the_kernel_only_where_it_runs_and_fused_says_why_not():
 
 def test_kernel_rejects_a_hidden_size_it_cannot_tile():
     with pytest.raises(Exception, match="multiple of 16"):
-        fused.lstm_forward(jnp.zeros((2, 1, 40)), jnp.zeros((40,)), jnp.zeros((10, 40)),
+        fused.lstm_forward(jnp.zeros((2, 1, 3)), jnp.zeros((3, 40)), jnp.zeros((40,)),
+                           jnp.zeros((10, 40)),
                            jnp.zeros((1, 10)), jnp.zeros((1, 10)), jnp.ones((2, 1)), threads=1)

@@ -40,10 +40,12 @@ KERNEL = kernels.CpuKernel(
      "hpnlp_lstm_dw": "HpnlpLstmDw"}, what="the fused LSTM")
 
 
-# The products' blocking, per pass: kc (k per cache block; a kc x 64 panel block should
-# stay in L1) and mr (rows per register block, <= 6). Defaults tuned on a 2-core AVX-512
-# Xeon; each CPU gets its own choice, measured on first use at the probe shape and cached
-# (`hpnlp.kernels.tuning`); `blocking=` overrides.
+# The products' blocking, per pass: kc (k per cache block: a kc x 64 panel block in L1 at
+# kc = 128 with AVX-512, in L2 at the larger ones; the forward's k runs over E + H, the
+# backward's over 4H) and mr (rows per register block, <= 6). Defaults tuned on a 2-core
+# AVX-512 Xeon; each CPU gets its own choice, measured on first use at the probe shape
+# (the forward's input width E = H) and cached (`hpnlp.kernels.tuning`); `blocking=`
+# overrides.
 DEFAULT_BLOCKING = {"kc": 128, "mr": 6}
 PROBE = dict(B=32, H=512, L=16)
 
@@ -59,7 +61,8 @@ def _probe(backward: bool):
 
 TUNINGS = {name: tuning.Tuning(
     KERNEL, name, default=DEFAULT_BLOCKING, probe=_probe(name == "bwd"),
-    candidates=[{"kc": kc, "mr": mr} for kc in (64, 128, 256, 512) for mr in (4, 5, 6)],
+    candidates=[{"kc": kc, "mr": mr} for kc in (64, 128, 256, 512, 1024)
+                for mr in (4, 5, 6)],
     shape=" ".join(f"{k}={v}" for k, v in PROBE.items())) for name in ("fwd", "bwd")}
 
 
@@ -127,17 +130,18 @@ def _call(target: str, out_shapes, *args, B: int, H: int, threads: int | None, *
         *(a.astype(jnp.float32) for a in args), threads=np.int64(threads), **attrs)
 
 
-def lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True,
+def lstm_forward(x_LBE, w_EG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool = True,
                  threads: int | None = None, blocking: dict | None = None):
-    """The recurrence forward from the input projection xw (without the bias b):
+    """The LSTM forward over a time-major x, its input projection (x W_x + b) included:
     (out_BLH, (c_BH, h_BH) final state, hp_LBH, cc_LBH, act_LBG) with, when `save`, what
     the backward pass reads: h entering every step, c after it, and the activated gates
     (i, f, o, g); without `save` those three are empty (a forward pass only)."""
-    L, B, G = xw_LBG.shape
-    H, n = G // 4, L if save else 0
+    L, B, _ = x_LBE.shape
+    H, G = w_HG.shape
+    n = L if save else 0
     out, c, h, hp, cc, act = _call(
         "hpnlp_lstm_fwd", [(B, L, H), (B, H), (B, H), (n, B, H), (n, B, H), (n, B, G)],
-        xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, B=B, H=H, threads=threads, save=save,
+        x_LBE, w_EG, b_G, w_HG, c0_BH, h0_BH, valid_LB, B=B, H=H, threads=threads, save=save,
         **_blocking("fwd", blocking))
     return out, (c, h), hp, cc, act
 
@@ -178,10 +182,9 @@ def lstm_layer(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads=None):
 
 def _forward(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads, *, save):
     c0_BH, h0_BH = carry0
-    # ONE product for all steps; the bias is added inside the kernel.
-    xw_LBG = jnp.einsum("lbe,eg->lbg", x_LBE, w_EG, preferred_element_type=jnp.float32)
-    out_BLH, (c, h), *res = lstm_forward(xw_LBG, b_G, w_HG, c0_BH, h0_BH, valid_LB, save=save,
-                                         threads=threads)
+    # The input projection runs inside the kernel, step by step, in the recurrent product.
+    out_BLH, (c, h), *res = lstm_forward(x_LBE, w_EG, b_G, w_HG, c0_BH, h0_BH, valid_LB,
+                                         save=save, threads=threads)
     final = (c.astype(c0_BH.dtype), h.astype(h0_BH.dtype))
     return (final, jnp.swapaxes(out_BLH, 0, 1)), res
 

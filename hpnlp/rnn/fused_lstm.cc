@@ -18,7 +18,7 @@
 // same tiles, in groups of 4, each group's gate gradients for the step before following
 // its product at once.
 //
-// Gates are ordered (i, f, o, g) as in hpnlp.rnn.cells: pre = xw + h_prev @ W,
+// Gates are ordered (i, f, o, g) as in hpnlp.rnn.cells: pre = x W_x + b + h_prev @ W,
 // i, f, o = sigmoid(pre[:3H]), g = tanh(pre[3H:]), c = f c_prev + i g, h = o tanh(c).
 // Rows with valid == 0 keep their state and output 0 (padding).
 //
@@ -201,40 +201,43 @@ void panel_product(const float* a, size_t lda, const float* p, int B, int K, flo
 // ---------------------------------------------------------------------------- forward
 
 struct Fwd {
-  int L, B, H;
+  int L, B, H, E;
   bool save;    // write hp, cc and act (what the backward pass reads)
   bool stream;  // out, hp, cc, act are 64-byte aligned: non-temporal stores
   Blocking blk;
-  const float *xw, *bias, *w, *valid;
+  const float *x, *bias, *wx, *w, *valid;  // x [L, B, E], wx [E, 4H], w [H, 4H]
   float *out;            // [B, L, H], batch-major like the layer's output
   float *hp, *cc, *act;  // [L, B, H] h entering each step, [L, B, H] c after it, [L, B, 4H]
-  float *h, *c;          // the state, double-buffered: [2][B, H] each
-  HugeVec wp;  // per unit tile: [H][4 gates][NR]
+  // Each step's left operand [x_t | h_{t-1}], double-buffered: [2][B][E + H]. x_{t+1} is
+  // copied in during step t (nothing reads that buffer then), h_t written by step t.
+  float *xh;
+  float *c;    // [2][B, H]
+  HugeVec wp;  // per unit tile: [E + H][4 gates][NR], wx's rows and then w's
 };
 
-// Unit tile u of step t: z = h_prev W for the 4 gates of its NR units, then the cell
-// update straight from the accumulators. Stream: the outputs that nothing in this call
+// Unit tile u of step t: z = x_t W_x + h_prev W for the 4 gates of its NR units (one
+// product over K = E + H: the input projection is computed here, step by step, rather
+// than by XLA for all steps before the call, which wrote and read back an [L, B, 4H]
+// array), then the cell update straight from the accumulators. Stream: the outputs that nothing in this call
 // reads again go past the cache (a template argument: chosen at run time, the store
 // was an indirect call that spilled the gates around it).
 template <bool Stream>
 void fwd_tile(const Fwd& s, int t, int u, float* part) {
-  const int H = s.H, G = 4 * H, j = u * NR;
-  const size_t BH = size_t(s.B) * H;
-  const float *h_prev = s.h + (t & 1) * BH, *c_prev = s.c + (t & 1) * BH;
-  float *h_next = s.h + ((t + 1) & 1) * BH, *c_next = s.c + ((t + 1) & 1) * BH;
-  panel_product(h_prev, H, s.wp.data() + size_t(u) * H * 4 * NR, s.B, H, part, s.blk,
+  const int H = s.H, G = 4 * H, K = s.E + H, j = u * NR;
+  const size_t BH = size_t(s.B) * H, BK = size_t(s.B) * K;
+  const float *a = s.xh + (t & 1) * BK, *c_prev = s.c + (t & 1) * BH;
+  float *h_next = s.xh + ((t + 1) & 1) * BK + s.E, *c_next = s.c + ((t + 1) & 1) * BH;
+  panel_product(a, K, s.wp.data() + size_t(u) * K * 4 * NR, s.B, K, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
       const size_t row_g = (size_t(t) * s.B + b) * G, row_h = (size_t(t) * s.B + b) * H;
-      const float *xw = s.xw + row_g, *bias = s.bias;
-      if (t + 1 < s.L)  // the next step's input projection: four lines no prefetcher foresees
-        for (int q = 0; q < 4; ++q) __builtin_prefetch(xw + size_t(s.B) * G + q * H + j);
-      vf i = vsigmoid(acc[0] + load(xw + j) + load(bias + j));
-      vf f = vsigmoid(acc[1] + load(xw + H + j) + load(bias + H + j));
-      vf o = vsigmoid(acc[2] + load(xw + 2 * H + j) + load(bias + 2 * H + j));
-      vf g = vtanh(acc[3] + load(xw + 3 * H + j) + load(bias + 3 * H + j));
-      vf cp = load(c_prev + size_t(b) * H + j), hp = load(h_prev + size_t(b) * H + j);
+      const float* bias = s.bias;
+      vf i = vsigmoid(acc[0] + load(bias + j));
+      vf f = vsigmoid(acc[1] + load(bias + H + j));
+      vf o = vsigmoid(acc[2] + load(bias + 2 * H + j));
+      vf g = vtanh(acc[3] + load(bias + 3 * H + j));
+      vf cp = load(c_prev + size_t(b) * H + j), hp = load(a + size_t(b) * K + s.E + j);
       vf c = cp, h = hp, y = vf{};
       if (s.valid[size_t(t) * s.B + b] > 0.0f) {  // padding keeps the state, outputs 0
         c = f * cp + i * g;
@@ -242,7 +245,7 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
         y = h;
       }
       store(c_next + size_t(b) * H + j, c);
-      store(h_next + size_t(b) * H + j, h);
+      store(h_next + size_t(b) * K + j, h);
       auto put = [](float* p, vf v) {
         if constexpr (Stream) stream(p, v); else store(p, v);
       };
@@ -260,23 +263,37 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
   });
 }
 
+// Rows [b0, b1) of x_t into the left operand's buffer for step t.
+void copy_x(const Fwd& s, int t, int b0, int b1) {
+  const size_t K = size_t(s.E) + s.H;
+  float* dst = s.xh + (t & 1) * s.B * K;
+  for (int b = b0; b < b1; ++b)
+    std::memcpy(dst + b * K, s.x + (size_t(t) * s.B + b) * s.E, s.E * sizeof(float));
+}
+
 void run_fwd(Fwd& s, int threads) {
-  const int H = s.H, G = 4 * H, tiles = H / NR;
-  s.wp.resize(size_t(H) * G);
+  const int H = s.H, E = s.E, K = E + H, G = 4 * H, tiles = H / NR;
+  s.wp.resize(size_t(K) * G);
   Barrier barrier(threads);
   parallel(threads, [&](int p) {
-    int u0, u1;
+    int u0, u1, b0, b1;
     share(tiles, threads, p, &u0, &u1);
+    share(s.B, threads, p, &b0, &b1);
     std::vector<float> part(size_t(s.B) * 4 * NR);
     for (int u = u0; u < u1; ++u)  // pack this thread's tiles: [k][gate][unit]
-      for (int k = 0; k < H; ++k)
+      for (int k = 0; k < K; ++k) {
+        const float* row = k < E ? s.wx + size_t(k) * G : s.w + size_t(k - E) * G;
         for (int g = 0; g < 4; ++g)
-          std::memcpy(&s.wp[((size_t(u) * H + k) * 4 + g) * NR], s.w + size_t(k) * G + g * H + u * NR,
+          std::memcpy(&s.wp[((size_t(u) * K + k) * 4 + g) * NR], row + g * H + u * NR,
                       NR * sizeof(float));
+      }
+    copy_x(s, 0, b0, b1);
+    barrier.wait();  // all of x_0 is in place
     for (int t = 0; t < s.L; ++t) {
       for (int u = u0; u < u1; ++u)
         s.stream ? fwd_tile<true>(s, t, u, part.data()) : fwd_tile<false>(s, t, u, part.data());
-      barrier.wait();  // every unit of h_t is written before any thread reads it
+      if (t + 1 < s.L) copy_x(s, t + 1, b0, b1);
+      barrier.wait();  // every unit of h_t (and row of x_{t+1}) is written before any is read
     }
 #if defined(__x86_64__)
     if (s.stream) __builtin_ia32_sfence();  // the streamed outputs are visible on return
@@ -518,7 +535,7 @@ ffi::Error check_dims(const char* what, ffi::Span<const int64_t> dims, std::vect
 
 }  // namespace
 
-// xw [L, B, 4H] (input projection), bias [4H], w [H, 4H], c0, h0 [B, H], valid [L, B] ->
+// x [L, B, E], wx [E, 4H], bias [4H], w [H, 4H], c0, h0 [B, H], valid [L, B] ->
 // out [B, L, H] (0 on padding), c, h [B, H] (the final state) and, with save, hp [L, B, H]
 // (h entering each step), cc [L, B, H] (c after each step), act [L, B, 4H] (the activated
 // gates), which the backward pass reads; without save those three are empty.
@@ -531,20 +548,22 @@ ffi::Error check_blocking(int64_t kc, int64_t mr, Blocking* blk) {
   return ffi::Error::Success();
 }
 
-ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::Buffer<ffi::F32> xw,
-                       ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> w,
+ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::F32> wx, ffi::Buffer<ffi::F32> bias,
+                       ffi::Buffer<ffi::F32> w,
                        ffi::Buffer<ffi::F32> c0, ffi::Buffer<ffi::F32> h0,
                        ffi::Buffer<ffi::F32> valid, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> c_fin, ffi::ResultBuffer<ffi::F32> h_fin,
                        ffi::ResultBuffer<ffi::F32> hp, ffi::ResultBuffer<ffi::F32> cc,
                        ffi::ResultBuffer<ffi::F32> act) try {
-  auto d = xw.dimensions();
-  if (d.size() != 3 || d[2] % (4 * TILE) != 0)
+  auto d = x.dimensions(), dw = w.dimensions();
+  if (d.size() != 3 || dw.size() != 2 || dw[0] % TILE != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "fused LSTM: xw must be [L, B, 4H] with H a multiple of 16");
-  const int64_t L = d[0], B = d[1], H = d[2] / 4;
+                      "fused LSTM: x must be [L, B, E] and w [H, 4H] with H a multiple of 16");
+  const int64_t L = d[0], B = d[1], E = d[2], H = dw[0];
   Blocking blk;
-  for (auto e : {check_blocking(kc, mr, &blk), check_dims("bias", bias.dimensions(), {4 * H}),
+  for (auto e : {check_blocking(kc, mr, &blk), check_dims("wx", wx.dimensions(), {E, 4 * H}),
+                 check_dims("bias", bias.dimensions(), {4 * H}),
                  check_dims("w", w.dimensions(), {H, 4 * H}), check_dims("c0", c0.dimensions(), {B, H}),
                  check_dims("h0", h0.dimensions(), {B, H}), check_dims("valid", valid.dimensions(), {L, B}),
                  check_dims("out", out->dimensions(), {B, L, H}),
@@ -552,8 +571,10 @@ ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::
                  check_dims("cc", cc->dimensions(), {save ? L : 0, B, H}),
                  check_dims("act", act->dimensions(), {save ? L : 0, B, 4 * H})})
     if (e.failure()) return e;
-  std::vector<float> h(size_t(2) * B * H), c(size_t(2) * B * H);
-  std::memcpy(h.data(), h0.typed_data(), sizeof(float) * B * H);
+  const size_t K = size_t(E) + H;
+  std::vector<float> xh(2 * B * K), c(size_t(2) * B * H);
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(xh.data() + b * K + E, h0.typed_data() + b * H, sizeof(float) * H);
   std::memcpy(c.data(), c0.typed_data(), sizeof(float) * B * H);
   if (L > 0 && B > 0) {
     const bool stream = aligned64(out->typed_data()) && (!save || (aligned64(hp->typed_data()) &&
@@ -564,14 +585,16 @@ ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::
     const size_t n = save ? size_t(L) * B * H : 0;
     populate({{out->typed_data(), size_t(B) * L * H}, {hp->typed_data(), n},
               {cc->typed_data(), n}, {act->typed_data(), 4 * n}}, nt);
-    Fwd s{int(L), int(B), int(H), save, stream, blk, xw.typed_data(), bias.typed_data(), w.typed_data(),
-          valid.typed_data(), out->typed_data(), hp->typed_data(), cc->typed_data(),
-          act->typed_data(), h.data(), c.data(), {}};
+    Fwd s{int(L), int(B), int(H), int(E), save, stream, blk, x.typed_data(), bias.typed_data(),
+          wx.typed_data(), w.typed_data(), valid.typed_data(), out->typed_data(),
+          hp->typed_data(), cc->typed_data(), act->typed_data(), xh.data(), c.data(), {}};
     run_fwd(s, nt);
   }
-  const size_t last = size_t(L & 1) * B * H;  // the buffer step L-1 wrote
-  std::memcpy(h_fin->typed_data(), h.data() + last, sizeof(float) * B * H);
-  std::memcpy(c_fin->typed_data(), c.data() + last, sizeof(float) * B * H);
+  const size_t last = size_t(L & 1);  // the buffer step L-1 wrote
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(h_fin->typed_data() + b * H, xh.data() + (last * B + b) * K + E,
+                sizeof(float) * H);
+  std::memcpy(c_fin->typed_data(), c.data() + last * B * H, sizeof(float) * B * H);
   return ffi::Error::Success();
 } catch (...) {
   return exception_error("fused LSTM");
@@ -685,8 +708,9 @@ extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, 
     size_t n_;
     float* p_;
   };
-  Aligned w(H * G), bias(G), xw(L * B * G), valid(L * B, 1.0f), out(BH * L);
-  Aligned hp(L * BH), cc(L * BH), act(L * B * G), h(2 * BH), c(2 * BH);
+  // The forward's input width E = H (the rnn bench's shape).
+  Aligned w(H * G), wx(H * G), bias(G), x(L * BH), valid(L * B, 1.0f), out(BH * L);
+  Aligned hp(L * BH), cc(L * BH), act(L * B * G), xh(2 * B * 2 * H), c(2 * BH);
   Aligned dz(L * B * G), db(G), dh(BH), dc(BH), d_out(BH * L), c0(BH);
   uint32_t state = 12345;
   auto fill = [&](Aligned& x, float lo, float hi) {
@@ -696,7 +720,7 @@ extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, 
     }
   };
   const float a = 1.0f / std::sqrt(float(H));
-  fill(w, -a, a), fill(xw, -1, 1), fill(act, 0, 1), fill(cc, -1, 1), fill(d_out, -1, 1);
+  fill(w, -a, a), fill(wx, -a, a), fill(x, -1, 1), fill(act, 0, 1), fill(cc, -1, 1), fill(d_out, -1, 1);
   const Blocking blk{int(kc), int(mr)};
   const int nt = clamp_threads(threads, backward ? (H / NR + 3) / 4 : H / NR);
   const auto start = std::chrono::steady_clock::now();
@@ -705,8 +729,9 @@ extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, 
           d_out.data(), dz.data(), db.data(), dh.data(), dc.data()};
     run_bwd(s, nt);
   } else {
-    Fwd s{int(L), int(B), int(H), true, true, blk, xw.data(), bias.data(), w.data(), valid.data(),
-          out.data(), hp.data(), cc.data(), act.data(), h.data(), c.data(), {}};
+    Fwd s{int(L), int(B), int(H), int(H), true, true, blk, x.data(), bias.data(), wx.data(),
+          w.data(), valid.data(), out.data(), hp.data(), cc.data(), act.data(), xh.data(),
+          c.data(), {}};
     run_fwd(s, nt);
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -720,6 +745,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpLstmFwd, LstmFwdImpl,
                                   .Attr<int64_t>("kc")
                                   .Attr<int64_t>("mr")
                                   .Attr<bool>("save")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
