@@ -244,7 +244,7 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
                              # the largest k block the API takes (its block count overflowed)
                              ({"kc": 2 ** 31 - 1, "mr": 6}, {"kc": 2 ** 31 - 1, "mr": 6})):
         out, (c, h), hp, cc, act = fused.lstm_forward(x, wx, b, w, c0, h0, valid, blocking=fwd_blk)
-        grads = fused.lstm_backward(act, cc, c0, w, valid, d_out, h, c, blocking=bwd_blk)
+        grads = fused.lstm_backward(act, cc, c0, w, wx, valid, d_out, h, c, blocking=bwd_blk)
         results.append((out, c, h, *grads))
     for other in results[1:]:
         for a, b in zip(results[0], other):

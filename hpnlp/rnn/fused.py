@@ -146,16 +146,16 @@ def lstm_forward(x_LBE, w_EG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool =
     return out, (c, h), hp, cc, act
 
 
-def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, *,
+def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, w_EG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, *,
                   threads: int | None = None, blocking: dict | None = None):
-    """The recurrence backward: (dz_LBG, db_G, d_h0_BH, d_c0_BH), dz the gradient of the
-    gate pre-activations (equal to that of the input projection) and db its sum over
-    steps and rows (the bias gradient)."""
+    """The recurrence backward: (dz_LBG, db_G, d_h0_BH, d_c0_BH, d_x_LBE), dz the gradient
+    of the gate pre-activations (equal to that of the input projection), db its sum over
+    steps and rows (the bias gradient) and d_x = dz W_x^T the input's gradient."""
     L, B, G = act_LBG.shape
-    H = G // 4
-    return _call("hpnlp_lstm_bwd", [(L, B, G), (G,), (B, H), (B, H)], act_LBG, cc_LBH, c0_BH,
-                 w_HG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, B=B, H=H, threads=threads,
-                 **_blocking("bwd", blocking))
+    H, E = G // 4, w_EG.shape[0]
+    return _call("hpnlp_lstm_bwd", [(L, B, G), (G,), (B, H), (B, H), (L, B, E)], act_LBG,
+                 cc_LBH, c0_BH, w_HG, w_EG, valid_LB, d_out_BLH, d_h_BH, d_c_BH, B=B, H=H,
+                 threads=threads, **_blocking("bwd", blocking))
 
 
 def lstm_weight_grads(hp_LBH, x_LBE, dz_LBG, *, threads: int | None = None,
@@ -197,17 +197,14 @@ def _lstm_layer_fwd(w_EG, b_G, w_HG, x_LBE, carry0, valid_LB, threads):
 def _lstm_layer_bwd(threads, res, cts):
     w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB, hp_LBH, cc_LBH, act_LBG = res
     (d_c_BH, d_h_BH), d_out_LBH = cts
-    L, B, E = x_LBE.shape
-    dz_LBG, db_G, d_h0_BH, d_c0_BH = lstm_backward(
-        act_LBG, cc_LBH, c0_BH, w_HG, valid_LB, jnp.swapaxes(d_out_LBH, 0, 1), d_h_BH, d_c_BH,
-        threads=threads)
-    # As in cells._fast_layer_bwd, every weight and input gradient is one product over all
-    # N = L*B rows: dW_h = h_prev^T dz and dW_x = x^T dz (one kernel call), dx = dz W_x^T.
+    dz_LBG, db_G, d_h0_BH, d_c0_BH, d_x_LBE = lstm_backward(
+        act_LBG, cc_LBH, c0_BH, w_HG, w_EG, valid_LB, jnp.swapaxes(d_out_LBH, 0, 1), d_h_BH,
+        d_c_BH, threads=threads)
+    # As in cells._fast_layer_bwd, every weight gradient is one product over all N = L*B
+    # rows: dW_h = h_prev^T dz and dW_x = x^T dz (one kernel call); dx came from the scan.
     d_w_HG, d_w_EG = lstm_weight_grads(hp_LBH, x_LBE, dz_LBG, threads=threads)
-    d_x_NE = jnp.einsum("ng,eg->ne", dz_LBG.reshape(L * B, -1), w_EG,
-                        preferred_element_type=jnp.float32)
     return (d_w_EG.astype(w_EG.dtype), db_G.astype(b_G.dtype), d_w_HG.astype(w_HG.dtype),
-            d_x_NE.reshape(L, B, E).astype(x_LBE.dtype),
+            d_x_LBE.astype(x_LBE.dtype),
             (d_c0_BH.astype(c0_BH.dtype), d_h0_BH.astype(h0_BH.dtype)), jnp.zeros_like(valid_LB))
 
 
