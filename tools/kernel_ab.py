@@ -8,7 +8,9 @@ inputs, no XLA), on this CPU's tuned blocks.
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
 H=8, D=64, L=4096; `--shape 32,4,32 --length 128 --causal` is the byte LM's), the fused
-LSTM at the rnn bench's (B=32, H=512, L=256). A round runs every (build, pass) once, in
+LSTM at the rnn bench's (B=32, H=512, L=256; from 2e2f035 its forward probe includes the
+input projection, and from 9231e00 its backward the input gradient, so a revision before
+them times less work: compare revisions on the same side). A round runs every (build, pass) once, in
 a new random order, after one untimed warm-up round; the table gives each median with its
 min-max, and the median over rounds of the paired ratio (old / new in the same round),
 which drifts of the machine's speed affect less.
