@@ -2,12 +2,13 @@
 
     final, out_LBH = lstm_layer(w_EG, b_G, w_HG, x_LBE, (c0_BH, h0_BH), valid_LB)
 
-is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks, with
-the same hoisting (one input-projection product for all steps before the recurrence, and
-every weight and input gradient one product over all steps after it), but the L
-recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
-`while` loop with several kernel launches per step, and the two weight gradients are one
-call of the kernel's packed product (`lstm_weight_grads`). Each of the kernel's threads owns a
+is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks, but the
+L recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
+`while` loop with several kernel launches per step. The forward computes each step's input
+projection in the same product as its recurrent one ([x_t | h_{t-1}] [W_x; W_h]), and the
+backward each step's input gradient dz_t W_x^T, so neither [L, B, 4H]-sized product runs
+in XLA; the two weight gradients are one product over all steps, one call of the kernel's
+packed product (`lstm_weight_grads`). Each of the kernel's threads owns a
 share of the hidden units, in tiles of one vector (16 with AVX-512, 8 with AVX2), and
 computes a tile's four gates in registers, with the gate arithmetic applied straight to
 the accumulators (see the top of `fused_lstm.cc`).
