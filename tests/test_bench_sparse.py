@@ -1,0 +1,61 @@
+"""`python -m hpnlp.bench sparse`: masks, the block sums, the breakeven and a quick run."""
+
+import json
+import os
+
+import numpy as np
+
+from hpnlp.bench import harness, sparse
+
+
+def test_masks_prune_exactly_what_they_say():
+    w = np.random.default_rng(0).standard_normal((64, 24)).astype(np.float32)
+    for q in (0.5, 0.9, 0.98):
+        keep = sparse.magnitude_mask(w, q)
+        assert (~keep).sum() == round(q * w.size)
+        assert np.abs(w[keep]).min() >= np.abs(w[~keep]).max()  # the largest are kept
+    keep = sparse.nm_mask(w)
+    assert (keep.reshape(16, 4, 24).sum(1) == 2).all()  # 2 of every 4 along the contraction
+
+
+def _block(q, impl, speedup):
+    return {"pattern": "unstructured", "sparsity": q, "impl": impl,
+            "speedup_vs_xla_dense": speedup}
+
+
+def test_breakeven_is_where_a_sparse_product_wins_from_then_on():
+    blocks = [_block(0.5, "torch csr", 0.3), _block(0.9, "torch csr", 1.1),
+              _block(0.95, "torch csr", 0.9), _block(0.98, "torch csr", 2.0),
+              _block(0.5, "scipy csr", 1.2), _block(0.9, "scipy csr", 1.5),
+              _block(0.5, "jax bcoo", 0.1), _block(0.9, "jax bcoo", None)]
+    got = sparse.breakeven(blocks)
+    assert got["torch csr"] == 0.98  # the win at 90% does not last
+    assert got["scipy csr"] == 0.5
+    assert got["jax bcoo"] is None and got["torch dense"] is None
+
+
+def test_quick_run_checks_every_product_and_sums_the_block(tmp_path):
+    p = sparse.run(str(tmp_path), quick=True, only=("out", "mlp_out"))
+    assert set(p["products"]) == {"out", "mlp_out"}
+    settings = sparse.settings(sparse.SIZES["quick"])
+    timed = [r for r in p["rows"] if r["status"] == "ok"]
+    assert len(p["rows"]) == len(settings) * 2 * len(sparse.IMPLS)
+    assert {r["impl"] for r in timed} >= {"xla dense", "scipy csr", "jax bcoo"}
+    if harness.torch_or_none() is None:  # CI installs no PyTorch: its rows say so
+        assert {r["status"] for r in p["rows"] if r["impl"].startswith("torch")} == {
+            "skipped (no PyTorch)"}
+    x, w = np.ones((4, 8), np.float32), np.ones((8, 4), np.float32)
+    assert set(sparse._calls(x, w, None)) == {"xla dense", "scipy csr", "jax bcoo"}
+    for r in timed:
+        assert r["max_rel_err"] <= sparse.TOLERANCE and r["time"]["median_s"] > 0
+        if r["pattern"] == "unstructured":
+            assert abs(r["sparsity"] - r["sparsity_asked"]) < 1e-3
+    for b in p["block"]:
+        mine = [r for r in timed if (r["pattern"], r["sparsity_asked"], r["impl"])
+                == (b["pattern"], b["sparsity"], b["impl"])]
+        assert b["median_s"] == sum(r["time"]["median_s"] for r in mine)
+    saved = json.load(open(tmp_path / "results.json"))
+    assert saved["breakeven"] == p["breakeven"]
+    md = open(tmp_path / "results.md").read()
+    assert "| sparsity |" in md and "| 2:4 |" in md and "Lowest sparsity" in md
+    assert os.path.exists(tmp_path / "sparse_speedup.png")
