@@ -27,7 +27,8 @@ In one run on this CPU:
    quarters of them, masks recomputed every 5 steps), beside the dense fine-tune of the
    same steps. The paper's claim to check: movement beats magnitude at high sparsity
    during fine-tuning. Unstructured sparsity saves size only (a pruned model runs at its
-   dense speed on XLA:CPU, which has no sparse product).
+   dense speed on XLA:CPU, which has no sparse product; where a CSR product outside XLA
+   would win: `python -m hpnlp.bench sparse`).
 3. Structured pruning (`structured`): the byte-LM teacher pruned by whole attention heads
    and MLP neurons (`train.prune.structure=structured`, magnitude, the same schedule over
    `structured_steps` fine-tuning steps) at the sparsity whose shrunk model has about half
