@@ -301,6 +301,9 @@ T.test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87()
 assert F.bf16_products() == "float32", F.bf16_products()
 T.test_one_head_on_two_threads_splits_its_key_blocks(True)
 T.test_tuned_lstm_blocking_computes_what_the_default_does()
+import test_rnn_fused  # the 8-float tiles against the XLA scan: E = 12, 17 and 100 split
+for case in [(2, 5, 12), (3, 3, 100), (2, 2, 17)]:  # across tiles and threads otherwise
+    test_rnn_fused.test_kernel_matches_the_scan_with_padding(*case)
 import test_attention_cache_cpu
 test_attention_cache_cpu.check_kernel_equals_twin()
 print("portable ok")
@@ -311,7 +314,8 @@ print("portable ok")
 @needs_flash
 def test_portable_build_without_avx512(tmp_path):
     """Built for x86-64-v3 (AVX2, no AVX-512, no BF16): the fallback paths compute the same
-    (flash attention, the fused LSTM, the cached attention of a decoding step)."""
+    (flash attention, the fused LSTM, against its blockings and the XLA scan, the cached
+    attention of a decoding step)."""
     env = dict(os.environ, HPNLP_KERNEL_MARCH="x86-64-v3", HPNLP_KERNEL_TUNE="0",
                HPNLP_KERNEL_CACHE=str(tmp_path))
     code = PORTABLE.format(tests=os.path.dirname(os.path.abspath(__file__)))

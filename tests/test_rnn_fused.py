@@ -32,9 +32,12 @@ def _project(pp, x_TBE):
 # backward product and a short one); B = 7: row blocks of 4 and 3. Five threads over one
 # step: more threads than the backward's 3 groups, and no step before the last for the
 # gate gradients that follow each group's product.
-@pytest.mark.parametrize("threads,L", [(1, 5), (2, 5), (5, 1)])
-def test_kernel_matches_the_scan_with_padding(threads, L):
-    B, E, H = 7, 12, 144
+# E: 12 and 17 (a short input tile each side of the vector width), 100 (several full tiles
+# and groups of the in-kernel dx, split over threads), 1.
+@pytest.mark.parametrize("threads,L,E", [(1, 5, 12), (2, 5, 12), (5, 1, 12), (3, 3, 100),
+                                         (2, 2, 17), (2, 2, 1)])
+def test_kernel_matches_the_scan_with_padding(threads, L, E):
+    B, H = 7, 144
     k = jax.random.split(jax.random.key(0), 8)
     pp = (0.3 * jax.random.normal(k[0], (E, 4 * H)), 0.1 * jax.random.normal(k[1], (4 * H,)))
     w_HG = 0.1 * jax.random.normal(k[2], (H, 4 * H))
@@ -56,12 +59,15 @@ def test_kernel_matches_the_scan_with_padding(threads, L):
     @jax.jit
     def both(*args):
         return [jax.value_and_grad(functools.partial(loss, f), (0, 1, 2, 3), has_aux=True)(*args)
-                for f in (scan, kernel)]
+                for f in (scan, kernel)] + [kernel(*args)]  # the last: forward only (no save)
 
-    (ref, g_ref), (got, g_got) = both(pp, w_HG, x, carry0)
+    (ref, g_ref), (got, g_got), fwd_only = both(pp, w_HG, x, carry0)
     _close(ref, got)
     _close(g_ref, g_got)
+    _close(ref[1][2], fwd_only[1])
+    _close(ref[1][:2], fwd_only[0])
     assert float(jnp.abs(g_got[3][0]).max()) > 0  # the initial cell state gets its gradient
+    assert not np.asarray(g_got[2])[np.asarray(valid) == 0].any()  # padding's dx exactly 0
 
 
 @pytest.mark.parametrize("cfg", [dict(), dict(bidirectional=True, learned_init=True, weight_drop=0.3,

@@ -266,6 +266,7 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
 
 // Rows [b0, b1) of x_t into the left operand's buffer for step t.
 void copy_x(const Fwd& s, int t, int b0, int b1) {
+  if (s.E == 0) return;  // x may be null then, and memcpy's pointers must not be
   const size_t K = size_t(s.E) + s.H;
   float* dst = s.xh + (t & 1) * s.B * K;
   for (int b = b0; b < b1; ++b)
