@@ -39,8 +39,8 @@ from hpnlp.bench import harness, report
 
 SPARSITIES = (0.5, 0.75, 0.9, 0.95, 0.98)
 SIZES = {
-    "full": dict(tokens=None, sparsities=SPARSITIES, nm=True, repeats=15),
-    "quick": dict(tokens=256, sparsities=(0.5, 0.95), nm=True, repeats=3),
+    "full": dict(tokens=None, sparsities=SPARSITIES, repeats=15),
+    "quick": dict(tokens=256, sparsities=(0.5, 0.95), repeats=3),
 }
 IMPLS = ("xla dense", "torch dense", "torch csr", "scipy csr", "jax bcoo")
 TOLERANCE = 1e-4  # max |y - y64| / max |y64|
@@ -58,12 +58,11 @@ def products(tokens: int | None = None) -> tuple[int, dict[str, tuple[int, int]]
 
 
 def magnitude_mask(w: np.ndarray, sparsity: float) -> np.ndarray:
-    """Keep the largest |w|: exactly round(sparsity * size) entries pruned (ties by index)."""
-    prune = int(round(sparsity * w.size))
-    order = np.argsort(np.abs(w).ravel(), kind="stable")
-    keep = np.ones(w.size, bool)
-    keep[order[:prune]] = False
-    return keep.reshape(w.shape)
+    """Keep the largest |w|: exactly round(sparsity * size) entries pruned, as `train.prune`'s
+    layer-wise magnitude mask prunes them (ties: the earlier position first)."""
+    from hpnlp.compress import prune
+    keep = prune._keep_top(jnp.abs(jnp.asarray(w)).ravel(), int(round(sparsity * w.size)))
+    return np.asarray(keep).reshape(w.shape)
 
 
 def nm_mask(w: np.ndarray, n: int = 2, m: int = 4) -> np.ndarray:
@@ -78,14 +77,13 @@ def _calls(x: np.ndarray, w: np.ndarray, torch) -> dict:
     from jax.experimental import sparse as jsparse
 
     xj, wj = jnp.asarray(x), jnp.asarray(w)
-    dense = jax.jit(lambda a, b: a @ b)
     bcoo = jsparse.BCOO.fromdense(wj)
-    sparse = jax.jit(lambda a, b: a @ b)
+    matmul = jax.jit(lambda a, b: a @ b)  # compiled once per weight type: dense, BCOO
     xT = np.ascontiguousarray(x.T)
     w_csr = sp.csr_matrix(np.ascontiguousarray(w.T))
-    calls = {"xla dense": lambda: jax.block_until_ready(dense(xj, wj)),
+    calls = {"xla dense": lambda: jax.block_until_ready(matmul(xj, wj)),
              "scipy csr": lambda: (w_csr @ xT).T,
-             "jax bcoo": lambda: jax.block_until_ready(sparse(xj, bcoo))}
+             "jax bcoo": lambda: jax.block_until_ready(matmul(xj, bcoo))}
     if torch is not None:
         xt, wt, xtT = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(xT)
         with warnings.catch_warnings():  # "sparse CSR tensor support is in beta state"
@@ -110,7 +108,8 @@ def product_rows(name: str, K: int, N: int, T: int, pattern: str, sparsity: floa
     want = x.astype(np.float64) @ w.astype(np.float64)
     calls = _calls(x, w, torch)
     base = {"product": name, "K": K, "N": N, "tokens": T, "pattern": pattern,
-            "sparsity": float(np.mean(w == 0)), "nonzeros": int(np.count_nonzero(w))}
+            "sparsity_asked": sparsity, "sparsity": float(np.mean(w == 0)),
+            "nonzeros": int(np.count_nonzero(w))}
     rows, ok = {}, {}
     for impl in IMPLS:
         if impl not in calls:
@@ -128,7 +127,7 @@ def product_rows(name: str, K: int, N: int, T: int, pattern: str, sparsity: floa
 
 
 def settings(s: dict) -> list[tuple[str, float]]:
-    return [("unstructured", q) for q in s["sparsities"]] + ([("2:4", 0.5)] if s["nm"] else [])
+    return [("unstructured", q) for q in s["sparsities"]] + [("2:4", 0.5)]
 
 
 def block_rows(rows: list[dict]) -> list[dict]:
@@ -234,9 +233,7 @@ def run(out_dir: str, *, quick: bool, only: tuple[str, ...] | None = None) -> di
     todo = [(pat, q, name) for pat, q in settings(s) for name in shapes]
     for i, (pattern, q, name) in enumerate(tqdm(todo, desc="sparse products", leave=False)):
         K, N = shapes[name]
-        for r in product_rows(name, K, N, T, pattern, q, s, torch, seed=i):
-            r["sparsity_asked"] = q
-            payload["rows"].append(r)
+        payload["rows"] += product_rows(name, K, N, T, pattern, q, s, torch, seed=i)
     payload["seconds"]["products"] = time.perf_counter() - t0
     payload["block"] = block_rows(payload["rows"])
     payload["breakeven"] = breakeven(payload["block"])
