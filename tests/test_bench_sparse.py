@@ -40,12 +40,12 @@ def test_quick_run_checks_every_product_and_sums_the_block(tmp_path):
     settings = sparse.settings(sparse.SIZES["quick"])
     timed = [r for r in p["rows"] if r["status"] == "ok"]
     assert len(p["rows"]) == len(settings) * 2 * len(sparse.IMPLS)
-    assert {r["impl"] for r in timed} >= {"xla dense", "scipy csr", "jax bcoo"}
+    assert {r["impl"] for r in timed} >= {"xla dense", "hpnlp csc", "scipy csr", "jax bcoo"}
     if harness.torch_or_none() is None:  # CI installs no PyTorch: its rows say so
         assert {r["status"] for r in p["rows"] if r["impl"].startswith("torch")} == {
             "skipped (no PyTorch)"}
     x, w = np.ones((4, 8), np.float32), np.ones((8, 4), np.float32)
-    assert set(sparse._calls(x, w, None)) == {"xla dense", "scipy csr", "jax bcoo"}
+    assert set(sparse._calls(x, w, None)) == {"xla dense", "hpnlp csc", "scipy csr", "jax bcoo"}
     for r in timed:
         assert r["max_rel_err"] <= sparse.TOLERANCE and r["time"]["median_s"] > 0
         if r["pattern"] == "unstructured":

@@ -20,6 +20,7 @@ import pytest
 import hpnlp.attention.flash_cpu as F
 from hpnlp.attention import cache_cpu
 from hpnlp.compress import kernels as qkernels
+from hpnlp.compress import spmm
 from hpnlp.retrieval import exact
 from hpnlp.attention.dense import dense_attention
 from hpnlp import kernels
@@ -306,6 +307,8 @@ for case in [(2, 5, 12), (3, 3, 100), (2, 2, 17)]:  # across tiles and threads o
     test_rnn_fused.test_kernel_matches_the_scan_with_padding(*case)
 import test_attention_cache_cpu
 test_attention_cache_cpu.check_kernel_equals_twin()
+import test_spmm  # the 8-float transposes and row blocks
+test_spmm.test_kernel_matches_float64_at_every_row_block()
 print("portable ok")
 """
 
@@ -328,7 +331,8 @@ def test_portable_build_without_avx512(tmp_path):
 @pytest.mark.slow
 @needs_flash
 @pytest.mark.parametrize("kernel", [F.KERNEL, fused.KERNEL, cache_cpu.KERNEL, exact.KERNEL,
-                                    qkernels.KERNEL], ids=["flash", "lstm", "cache", "mips", "quant"])
+                                    qkernels.KERNEL, spmm.KERNEL],
+                         ids=["flash", "lstm", "cache", "mips", "quant", "spmm"])
 def test_avx2_builds_lower_no_vector_operation_piecewise(kernel):
     """Built for x86-64-v3, every kernel keeps its vector operations in AVX2 registers
     (native 8-float vectors, HPNLP_NATIVE_VECTORS in simd.h, or explicit halves). With a

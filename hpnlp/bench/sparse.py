@@ -8,6 +8,9 @@ shapes read from its config), with weights pruned by magnitude (layer-wise, unst
 at 50-98% sparsity and 2:4 (N:M along the contraction), in one run:
 
 - `xla dense`: the baseline, what a pruned hpnlp model runs (the masked weight, dense, jitted);
+- `hpnlp csc`: hpnlp's sparse product (`hpnlp.compress.spmm`: the weight's nonzeros by
+  column, the rows of x as vector lanes, every core), what `python -m hpnlp.compress
+  sparsify` serves a pruned run with;
 - `torch dense`: PyTorch's dense product (its CPU BLAS);
 - `torch csr`: `torch.sparse.mm` of the weight as a CSR matrix (W^T [N, K] @ x^T);
 - `scipy csr`: SciPy's CSR product (one thread);
@@ -42,7 +45,7 @@ SIZES = {
     "full": dict(tokens=None, sparsities=SPARSITIES, repeats=15),
     "quick": dict(tokens=256, sparsities=(0.5, 0.95), repeats=3),
 }
-IMPLS = ("xla dense", "torch dense", "torch csr", "scipy csr", "jax bcoo")
+IMPLS = ("xla dense", "hpnlp csc", "torch dense", "torch csr", "scipy csr", "jax bcoo")
 TOLERANCE = 1e-4  # max |y - y64| / max |y64|
 
 
@@ -76,6 +79,8 @@ def _calls(x: np.ndarray, w: np.ndarray, torch) -> dict:
     import scipy.sparse as sp
     from jax.experimental import sparse as jsparse
 
+    from hpnlp.compress import spmm
+
     xj, wj = jnp.asarray(x), jnp.asarray(w)
     bcoo = jsparse.BCOO.fromdense(wj)
     matmul = jax.jit(lambda a, b: a @ b)  # compiled once per weight type: dense, BCOO
@@ -84,6 +89,10 @@ def _calls(x: np.ndarray, w: np.ndarray, torch) -> dict:
     calls = {"xla dense": lambda: jax.block_until_ready(matmul(xj, wj)),
              "scipy csr": lambda: (w_csr @ xT).T,
              "jax bcoo": lambda: jax.block_until_ready(matmul(xj, bcoo))}
+    if spmm.available():
+        csc = spmm.prepare_sparse_weight(w)
+        sparse = jax.jit(lambda a, b: spmm.sparse_matmul(a, b, impl="kernel"))
+        calls["hpnlp csc"] = lambda: jax.block_until_ready(sparse(xj, csc))
     if torch is not None:
         xt, wt, xtT = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(xT)
         with warnings.catch_warnings():  # "sparse CSR tensor support is in beta state"
@@ -113,7 +122,8 @@ def product_rows(name: str, K: int, N: int, T: int, pattern: str, sparsity: floa
     rows, ok = {}, {}
     for impl in IMPLS:
         if impl not in calls:
-            rows[impl] = {**base, "impl": impl, "status": "skipped (no PyTorch)"}
+            why = "no PyTorch" if impl.startswith("torch") else "no kernel here"
+            rows[impl] = {**base, "impl": impl, "status": f"skipped ({why})"}
             continue
         err = _check(calls[impl](), want)
         rows[impl] = {**base, "impl": impl, "max_rel_err": err,

@@ -228,6 +228,7 @@ def main(argv=None) -> int:
     import hpnlp.rnn.fused  # noqa: F401
     import hpnlp.retrieval.exact  # noqa: F401
     import hpnlp.compress.kernels  # noqa: F401
+    import hpnlp.compress.spmm  # noqa: F401
     agree = True
     for t in REGISTRY:
         if args.retune and os.path.exists(t.path()):
