@@ -1,6 +1,9 @@
 """hpnlp.compress.spmm: the sparse (CSC) weight product against float64 and its XLA twin,
 at every row block, on shapes that leave partial tiles; its checks of bad input."""
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +86,46 @@ def test_bad_input_says_what_and_how():
         bad = spmm.SparseWeight(sw.col_ptr, sw.row.at[2].set(7), sw.val, k=4)
         with pytest.raises(Exception, match=r"row index is outside \[0, K\)"):
             jax.block_until_ready(spmm.sparse_matmul(jnp.ones((2, 4)), bad, impl="kernel"))
+
+
+# ---------------------------------------------------------------- a pruned run served sparse
+
+
+def test_a_pruned_run_is_served_by_the_sparse_kernel(tmp_path, capsys):
+    """`python -m hpnlp.compress sparsify`: a run pruned 90% (one-shot, unstructured) is
+    written with its four block products stored by their nonzeros; it evaluates as the
+    masked model did, reloads to identical outputs, and bad input is one line."""
+    from test_compress_sparse import tiny
+
+    from hpnlp.compress import sparsify
+    from hpnlp.compress.__main__ import main
+    from hpnlp.compress.qlinear import Sparse
+    from hpnlp.train import run
+
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.9, schedule="oneshot", start_step=1))
+    cd.train.update(steps=2, checkpoint_every=2)
+    run(cd, str(tmp_path / "pruned"))
+    out = str(tmp_path / "sparse")
+    assert main(["sparsify", "--workdir", str(tmp_path / "pruned"), "--out", out,
+                 "--eval_batches", "1"]) == 0
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert sorted(s["converted"]) == ["trunk/block_0/attention/out", "trunk/block_0/attention/qkv",
+                                      "trunk/block_0/mlp_in/kernel", "trunk/block_0/mlp_out/kernel"]
+    assert all(abs(q - 0.9) < 0.01 for q in s["converted"].values())
+    assert abs(s["eval"]["loss_rel_diff"]) < 1e-5 and s["reload_identical"]
+    assert s["size_bytes"]["converted_sparse"] < 0.3 * s["size_bytes"]["converted_dense"]
+    cfg, params = sparsify.load(out)
+    qkv = params["trunk"]["block_0"]["attention"]["qkv"]
+    assert isinstance(qkv, Sparse) and qkv.shape == (16, 3, 2, 8) and qkv.k_dims == 1
+    assert isinstance(params["embed"]["embedding"], jax.Array)  # not a product weight it takes
+    capsys.readouterr()
+    # bad input: one line naming the flag, before anything is written
+    assert main(["sparsify", "--workdir", str(tmp_path / "pruned"), "--out",
+                 str(tmp_path / "o"), "--min_sparsity", "1.0"]) == 1
+    assert "min_sparsity" in capsys.readouterr().err and not os.path.exists(tmp_path / "o")
+    assert main(["sparsify", "--workdir", str(tmp_path / "pruned"), "--out",
+                 str(tmp_path / "o"), "--min_sparsity", "0.95"]) == 1
+    err = capsys.readouterr().err
+    assert "no product weight is at least 95% zeros" in err and "lower --min_sparsity" in err
+    assert main(["sparsify", "--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    assert "hpnlp.compress: error:" in capsys.readouterr().err

@@ -5,6 +5,7 @@
     python -m hpnlp.compress quantize --workdir TRAINED --out DIR --weights bfloat16
     python -m hpnlp.compress quantize --workdir QAT_RUN --out DIR   # export a QAT run as trained
     python -m hpnlp.compress shrink --workdir PRUNED --out DIR      # remove pruned units
+    python -m hpnlp.compress sparsify --workdir PRUNED --out DIR    # serve sparse weights
 
 `quantize` is post-training quantization (hpnlp.compress.ptq): it calibrates, packs,
 evaluates with the task's metric, reloads, and writes DIR/summary.json. Errors (an unknown
@@ -18,6 +19,11 @@ and MLP neurons of a Transformer; hidden units, i.e. channels of model.width, of
 GRU) and writes the smaller dense model it amounts to as a new run in DIR
 (hpnlp.compress.prune.shrink_run): fewer heads and a narrower MLP, or a narrower recurrent
 model, with the same outputs.
+
+`sparsify` takes a run pruned unstructured (or any run) and writes it with every qkv, out,
+MLP and head weight of at least `--min_sparsity` zeros stored by its nonzeros, multiplied
+by the sparse CPU kernel (hpnlp.compress.sparsify, hpnlp.compress.spmm); OUT/summary.json
+has both models' metrics, the sizes and the forward speed-up.
 """
 
 from __future__ import annotations
@@ -94,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="new folder for the smaller run")
     s.add_argument("--eval_batches", type=int, default=None,
                    help="held-out batches to evaluate (default: the run's train.eval_batches)")
+    z = sub.add_parser("sparsify", help="serve a pruned run's sparse weights by the sparse kernel")
+    z.add_argument("--workdir", required=True, help="a trained run, pruned (train.prune.*)")
+    z.add_argument("--out", required=True, help="folder for sparse.npz, sparse.json, summary.json")
+    z.add_argument("--min_sparsity", type=float, default=None,
+                   help="a weight with at least this share of zeros is stored sparse (default 0.75)")
+    z.add_argument("--eval_batches", type=int, default=None,
+                   help="held-out batches to evaluate (default: the run's train.eval_batches)")
     return p
 
 
@@ -120,6 +133,11 @@ def main(argv=None) -> int:
         if args.command == "shrink":
             from hpnlp.compress import prune
             summary = prune.shrink_run(args.workdir, args.out, eval_batches=args.eval_batches)
+        elif args.command == "sparsify":
+            from hpnlp.compress import sparsify
+            fields = {} if args.min_sparsity is None else {"min_sparsity": args.min_sparsity}
+            summary = sparsify.sparsify(args.workdir, args.out, eval_batches=args.eval_batches,
+                                        **fields)
         elif args.weights is None:  # a QAT run's own settings
             summary = ptq.quantize(args.workdir, args.out, calib_batches=calib_batches,
                                    eval_batches=args.eval_batches)

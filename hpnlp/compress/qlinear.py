@@ -16,7 +16,9 @@ weight is:
   decoded from the packed integers in XLA;
 - a `Served` weight (`ptq.serve` made it from a QWeight at load time): an integer kernel
   (`hpnlp.compress.kernels`) computes the product, quantizing the activations itself the
-  way `q` says (`kernel_for`).
+  way `q` says (`kernel_for`);
+- a `Sparse` weight (a pruned weight's nonzeros, `python -m hpnlp.compress sparsify`): the
+  sparse kernel (`hpnlp.compress.spmm`) computes the float product.
 
 In calibration (the `calib` collection mutable) a product records its input's range for
 this batch (`calibrate.choose_range`, per tensor) and leaves activations in float.
@@ -138,7 +140,7 @@ def param(module: nn.Module, name: str, *args):
     weight's)."""
     if module.has_variable("params", name):
         value = module.get_variable("params", name)
-        if isinstance(value, (QWeight, Served, Factored)):
+        if isinstance(value, (QWeight, Served, Factored, Sparse)):
             return value
     return module.param(name, *args)
 
@@ -279,6 +281,31 @@ def served_product(x, w: Served, n_contract: int, dtype, bias=None,
     return epilogue.apply(fn(x_MK, w.w).reshape(out_shape).astype(dtype), bias)
 
 
+@flax.struct.dataclass
+class Sparse:
+    """A pruned product weight by its nonzeros (`hpnlp.compress.sparsify` makes it):
+    `hpnlp.compress.spmm`'s CSC arrays of the weight as [K, N] (its contraction axes, the
+    first `k_dims` of `shape`, flattened into K), which `qeinsum` multiplies by the sparse
+    kernel (its XLA twin, the dense product, where the kernel cannot run)."""
+
+    w: object  # spmm.SparseWeight
+    shape: tuple = flax.struct.field(pytree_node=False)
+    k_dims: int = flax.struct.field(pytree_node=False, default=1)
+
+    def dense(self):
+        return self.w.dense().reshape(self.shape)
+
+
+def sparse_product(x, w: Sparse, n_contract: int, dtype, bias=None,
+                   epilogue: Epilogue = Epilogue()):
+    """x's last `n_contract` axes against a Sparse weight by the sparse kernel, in float32,
+    then + bias and the epilogue's activation."""
+    from hpnlp.compress import spmm
+    lead, K = x.shape[:x.ndim - n_contract], math.prod(x.shape[x.ndim - n_contract:])
+    y_MN = spmm.sparse_matmul(x.reshape(-1, K).astype(jnp.float32), w.w)
+    return epilogue.apply(y_MN.reshape(lead + w.shape[w.k_dims:]).astype(dtype), bias)
+
+
 def _weight_KxN(w, k_dims: int):
     return w.reshape(math.prod(w.shape[:k_dims]), -1)
 
@@ -356,6 +383,8 @@ def qeinsum(module: nn.Module, name: str, spec: str, x, w, q: QuantConfig, *, ki
                                  bias=bias, epilogue=epilogue)
     if isinstance(w, Served):  # an integer kernel computes the whole product
         return served_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
+    if isinstance(w, Sparse):  # a pruned weight's nonzeros: the sparse kernel
+        return sparse_product(x, w, len(parse_spec(spec)[0]), dtype, bias, epilogue)
     if not q.applies(kind) and not isinstance(w, QWeight):  # a float product
         return epilogue.apply(float_product(
             x.astype(dtype), w.astype(dtype), None if bias is None else bias.astype(dtype),

@@ -1,0 +1,212 @@
+"""A pruned run served by the sparse product: `python -m hpnlp.compress sparsify`.
+
+    python -m hpnlp.compress sparsify --workdir PRUNED --out DIR [--min_sparsity 0.75]
+
+Unstructured pruning (`train.prune.*`) leaves every weight at its shape with zeros in it,
+and XLA's dense product takes as long whatever the sparsity. This writes the run with each
+Transformer product weight (qkv, out, MLP, a classifier head; not embeddings, the output
+layer or an MoE layer's experts) that is at least `min_sparsity` zeros stored by its
+nonzeros (`qlinear.Sparse`: hpnlp.compress.spmm's CSC arrays), which the model multiplies
+by the sparse kernel. The default 0.75 is where that kernel starts beating the dense
+product at the byte LM's shapes on the CPUs measured (`python -m hpnlp.bench sparse`).
+
+1. The run's config and newest checkpoint are restored, read only; the masked (dense)
+   model is evaluated on the held-out split with the task's metric.
+2. Each product weight sparse enough becomes a `Sparse` leaf; the rest stay dense. A run
+   with none (not pruned, or pruned less) is refused, naming the sparsest weight and the
+   flag that would take it.
+3. The sparse model is evaluated the same way, saved to OUT/sparse.npz + OUT/sparse.json,
+   reloaded, and checked to give identical outputs. OUT/summary.json reports both metrics,
+   the weights converted with their sparsity, sizes (the converted weights dense and
+   sparse, the file) and forward speed beside the masked model.
+
+`load(OUT)` gives (config, params) for `model.apply`: the model the run builds computes
+with them as it is (qeinsum dispatches on the weight's type).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import flax.traverse_util as traverse
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hpnlp.compress import spmm
+from hpnlp.compress.qlinear import Factored, QWeight, Sparse, Served, float_bytes, products
+from hpnlp.config import Config, config_error, from_configdict, to_json
+from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
+
+KINDS = ("qkv", "out", "mlp", "head")  # the products qeinsum computes from their weight alone
+OUT_FILES = ("sparse.npz", "sparse.json", "summary.json")
+MIN_SPARSITY = 0.75
+
+
+def candidates(model, params, batch) -> dict:
+    """{parameter path: (weight [K, N], k_dims)} of the product weights `sparsify` may
+    convert (KINDS, one weight each, float arrays)."""
+    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: isinstance(
+        x, (Factored, QWeight, Served, Sparse)))
+    out = {}
+    for path, prod in sorted(products(model, params, batch).items()):
+        w = flat.get(path)
+        if prod.kind not in KINDS or prod.lead or not isinstance(w, (jax.Array, np.ndarray)):
+            continue
+        k_dims = len(prod.contraction)
+        if tuple(prod.contraction) != tuple(range(k_dims)):  # stored contraction first
+            continue
+        out[path] = (w, k_dims)
+    return out
+
+
+def convert(model, params, batch, min_sparsity: float) -> tuple[dict, dict]:
+    """(params with each candidate weight of at least `min_sparsity` zeros as a `Sparse`,
+    {path: its sparsity} of those converted)."""
+    if not 0.0 <= min_sparsity < 1.0:
+        raise config_error("min_sparsity", min_sparsity, "must be in [0, 1): the share of "
+                           "zeros from which a weight is stored by its nonzeros")
+    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: isinstance(x, (Factored, QWeight)))
+    found = candidates(model, params, batch)
+    done, sparsest = {}, (None, -1.0)
+    for path, (w, k_dims) in found.items():
+        w_np = np.asarray(jax.device_get(w), np.float32)
+        q = float(np.mean(w_np == 0))
+        if q > sparsest[1]:
+            sparsest = ("/".join(path), q)
+        if q >= min_sparsity:
+            K = int(np.prod(w_np.shape[:k_dims]))
+            flat[path] = Sparse(spmm.prepare_sparse_weight(w_np.reshape(K, -1)),
+                                shape=tuple(w_np.shape), k_dims=k_dims)
+            done["/".join(path)] = q
+    if not done:
+        what = (f"the sparsest, {sparsest[0]}, is {sparsest[1]:.1%} zeros" if sparsest[0]
+                else "it has no qkv, out, MLP or head product weight")
+        raise ValueError(f"no product weight is at least {min_sparsity:.0%} zeros ({what}); "
+                         "prune the run (train.prune.*) or lower --min_sparsity")
+    return traverse.unflatten_dict(flat), done
+
+
+# ---------------------------------------------------------------- the file
+
+def save(out: str, cfg: Config, params, meta: dict) -> int:
+    """OUT/sparse.npz (dense arrays as they are; a Sparse weight as KEY/col_ptr, KEY/row,
+    KEY/val) + OUT/sparse.json; returns the npz's size in bytes."""
+    os.makedirs(out, exist_ok=True)
+    arrays, layout = {}, {}
+    for path, leaf in traverse.flatten_dict(params, is_leaf=lambda _, x: isinstance(x, Sparse)).items():
+        key = "params/" + "/".join(path)
+        if isinstance(leaf, Sparse):
+            for name in ("col_ptr", "row", "val"):
+                arrays[f"{key}/{name}"] = np.asarray(getattr(leaf.w, name))
+            layout[key] = {"shape": list(leaf.shape), "k_dims": leaf.k_dims}
+        else:
+            arrays[key] = np.asarray(leaf)
+    path = os.path.join(out, "sparse.npz")
+    np.savez(path, **arrays)
+    with open(os.path.join(out, "sparse.json"), "w") as f:
+        json.dump({"config": to_json(cfg), "sparse": layout, **meta}, f, indent=1)
+    return os.path.getsize(path)
+
+
+def load(out: str):
+    """(config, params with Sparse weights) saved by `save`."""
+    mpath, npath = os.path.join(out, "sparse.json"), os.path.join(out, "sparse.npz")
+    for p in (mpath, npath):
+        if not os.path.exists(p):
+            raise NoCheckpoint(f"no sparse checkpoint in {out} ({os.path.basename(p)} missing): "
+                               "make one with python -m hpnlp.compress sparsify --out ...")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    npz = np.load(npath)
+    flat = {}
+    for key, info in manifest["sparse"].items():
+        shape = tuple(info["shape"])
+        w = spmm.SparseWeight(*(jnp.asarray(npz[f"{key}/{n}"]) for n in ("col_ptr", "row", "val")),
+                              k=int(np.prod(shape[:info["k_dims"]])))
+        if w.shape[0] * w.shape[1] != int(np.prod(shape)):
+            raise ValueError(f"{npath}: {key} holds a [{w.shape[0]}, {w.shape[1]}] weight, but "
+                             f"sparse.json says {list(shape)}; the files are not one pair")
+        flat[tuple(key.split("/")[1:])] = Sparse(w, shape=shape, k_dims=info["k_dims"])
+    for key in npz.files:
+        if key.rsplit("/", 1)[0] not in manifest["sparse"]:
+            flat[tuple(key.split("/")[1:])] = jnp.asarray(npz[key])
+    return from_configdict(manifest["config"]), traverse.unflatten_dict(flat)
+
+
+# ---------------------------------------------------------------- the whole command
+
+def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
+             eval_batches: int | None = None, repeats: int = 5) -> dict:
+    """The run in `workdir` with its sparse product weights stored and multiplied by their
+    nonzeros, into `out`; returns the summary also written to OUT/summary.json."""
+    from hpnlp import data as data_lib
+    from hpnlp.compress.ptq import _forward_seconds
+    from hpnlp.paths import check_new_output
+    from hpnlp.train import Trainer
+    from hpnlp.train.carry import model_params
+    from hpnlp.train.step import finalize
+
+    if not 0.0 <= min_sparsity < 1.0:  # before anything is restored or compiled
+        raise config_error("min_sparsity", min_sparsity, "must be in [0, 1)")
+    cfg = load_run_config(workdir)
+    if cfg.model.memory.size:
+        raise config_error("model.memory.size", cfg.model.memory.size,
+                           f"the run in {workdir} reads a key-value memory that lives in its train "
+                           "state, which a sparse checkpoint does not hold")
+    check_new_output(out, workdir, may_replace=OUT_FILES)
+    if eval_batches is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
+    trainer = Trainer(cfg, workdir, read_only=True)
+    step = trainer.checkpointer.latest_step()
+    state, _ = trainer.initial_state()
+    trainer.checkpointer.close()
+    params = jax.device_get(model_params(state.params))
+    eval_batch = next(iter(data_lib.make_iterator(
+        trainer.task, cfg.data, split="eval",
+        batch_size=cfg.data.eval_batch_size or cfg.train.batch_size)))
+    model = trainer.eval_model
+    sparse, converted = convert(model, params, eval_batch, min_sparsity)
+    masked_eval = trainer.evaluate(state)
+
+    run = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate"))
+    run_memory = jax.jit(lambda p, b, mem: model.apply({"params": p}, b, mem,
+                                                       method="evaluate_and_memory"))
+    sparse_eval = finalize(trainer.eval_sums(
+        state, eval_step=lambda _, b: run(sparse, b),
+        memory_step=lambda _, b, mem: run_memory(sparse, b, mem)), lm=trainer.lm)
+
+    size = save(out, cfg, sparse, {"source": {"workdir": os.path.abspath(workdir), "step": step},
+                                   "min_sparsity": min_sparsity})
+    _, reloaded = load(out)
+    identical = all(bool(jnp.array_equal(a, b)) for a, b in zip(
+        jax.tree.leaves(run(sparse, eval_batch)), jax.tree.leaves(run(reloaded, eval_batch))))
+
+    flat = traverse.flatten_dict(params)
+    dense_bytes = sum(np.asarray(flat[tuple(k.split("/"))]).nbytes for k in converted)
+    sparse_bytes = sum(leaf.w.nbytes for leaf in jax.tree.leaves(
+        sparse, is_leaf=lambda x: isinstance(x, Sparse)) if isinstance(leaf, Sparse))
+    t_dense = _forward_seconds(run, params, eval_batch, repeats=repeats)
+    t_sparse = _forward_seconds(run, sparse, eval_batch, repeats=repeats)
+    tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
+    summary = {
+        "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,
+        "min_sparsity": min_sparsity, "converted": converted,
+        "eval": {"masked": masked_eval, "sparse": sparse_eval,
+                 "loss_rel_diff": sparse_eval["loss"] / masked_eval["loss"] - 1.0},
+        "size_bytes": {"float32_params": float_bytes(params), "sparse_file": size,
+                       "converted_dense": int(dense_bytes), "converted_sparse": int(sparse_bytes)},
+        "forward": {"batch_tokens": tokens, "masked_s": t_dense, "sparse_s": t_sparse,
+                    "speedup": t_dense / t_sparse,
+                    "how": ("the sparse kernel (hpnlp.compress.spmm)" if spmm.KERNEL.blocker() is None
+                            else f"the XLA twin: {spmm.KERNEL.blocker()}")},
+        "reload_identical": identical,
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if not identical:
+        raise RuntimeError(f"the sparse checkpoint in {out} did not reload to identical outputs")
+    return summary
+
