@@ -1,6 +1,6 @@
 """Model compression: quantization (PTQ and QAT, int8 to binary), distillation, pruning,
 low-rank factorization and smaller key/value caches, with `python -m hpnlp.compress` for
-what acts on a trained run (`quantize`, `shrink`) and config fields for what trains.
+what acts on a trained run (`quantize`, `shrink`, `sparsify`) and config fields for what trains.
 
 - `formats`: the quantization formats (int8, int4, fp8, binary, ternary, pow2), their
   codes and scales, and `fake_quant` with the straight-through estimator.
@@ -18,6 +18,8 @@ what acts on a trained run (`quantize`, `shrink`) and config fields for what tra
 - `experts`: an MoE run into fewer experts (the most routed kept), or a dense run
   upcycled into experts, by `train.init_from`.
 - `kernels`, `qgemm.cc`: the integer CPU products a quantized model runs on.
+- `spmm`, `spmm.cc`: the sparse (CSC) CPU product of a pruned weight; `sparsify` serves a
+  pruned run by it (`python -m hpnlp.compress sparsify`).
 
 Quantization-aware training is the `quant.*` config group on any experiment.
 """
