@@ -127,5 +127,6 @@ def test_a_pruned_run_is_served_by_the_sparse_kernel(tmp_path, capsys):
                  str(tmp_path / "o"), "--min_sparsity", "0.95"]) == 1
     err = capsys.readouterr().err
     assert "no product weight is at least 95% zeros" in err and "lower --min_sparsity" in err
-    assert main(["sparsify", "--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    assert main(["sparsify", "--workdir", str(tmp_path / "none"), "--out",
+                 str(tmp_path / "o")]) == 1
     assert "hpnlp.compress: error:" in capsys.readouterr().err

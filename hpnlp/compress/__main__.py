@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     z.add_argument("--workdir", required=True, help="a trained run, pruned (train.prune.*)")
     z.add_argument("--out", required=True, help="folder for sparse.npz, sparse.json, summary.json")
     z.add_argument("--min_sparsity", type=float, default=None,
-                   help="a weight with at least this share of zeros is stored sparse (default 0.75)")
+                   help="a weight with at least this share of zeros is stored sparse "
+                        "(default 0.75)")
     z.add_argument("--eval_batches", type=int, default=None,
                    help="held-out batches to evaluate (default: the run's train.eval_batches)")
     return p

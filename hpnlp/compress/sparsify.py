@@ -96,7 +96,8 @@ def save(out: str, cfg: Config, params, meta: dict) -> int:
     KEY/val) + OUT/sparse.json; returns the npz's size in bytes."""
     os.makedirs(out, exist_ok=True)
     arrays, layout = {}, {}
-    for path, leaf in traverse.flatten_dict(params, is_leaf=lambda _, x: isinstance(x, Sparse)).items():
+    is_sparse = lambda _, x: isinstance(x, Sparse)  # noqa: E731
+    for path, leaf in traverse.flatten_dict(params, is_leaf=is_sparse).items():
         key = "params/" + "/".join(path)
         if isinstance(leaf, Sparse):
             for name in ("col_ptr", "row", "val"):
@@ -158,7 +159,8 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                            "state, which a sparse checkpoint does not hold")
     check_new_output(out, workdir, may_replace=OUT_FILES)
     if eval_batches is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                 eval_batches=eval_batches))
     trainer = Trainer(cfg, workdir, read_only=True)
     step = trainer.checkpointer.latest_step()
     state, _ = trainer.initial_state()
@@ -188,9 +190,11 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     dense_bytes = sum(np.asarray(flat[tuple(k.split("/"))]).nbytes for k in converted)
     sparse_bytes = sum(leaf.w.nbytes for leaf in jax.tree.leaves(
         sparse, is_leaf=lambda x: isinstance(x, Sparse)) if isinstance(leaf, Sparse))
+    blocker = spmm.KERNEL.blocker()
     t_dense = _forward_seconds(run, params, eval_batch, repeats=repeats)
     t_sparse = _forward_seconds(run, sparse, eval_batch, repeats=repeats)
-    tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
+    tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items()
+                         if k.startswith("segment_ids")]))
     summary = {
         "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,
         "min_sparsity": min_sparsity, "converted": converted,
@@ -200,8 +204,8 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                        "converted_dense": int(dense_bytes), "converted_sparse": int(sparse_bytes)},
         "forward": {"batch_tokens": tokens, "masked_s": t_dense, "sparse_s": t_sparse,
                     "speedup": t_dense / t_sparse,
-                    "how": ("the sparse kernel (hpnlp.compress.spmm)" if spmm.KERNEL.blocker() is None
-                            else f"the XLA twin: {spmm.KERNEL.blocker()}")},
+                    "how": ("the sparse kernel (hpnlp.compress.spmm)" if blocker is None
+                            else f"the XLA twin: {blocker}")},
         "reload_identical": identical,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:

@@ -217,7 +217,8 @@ extern "C" double hpnlp_spmm_probe(int64_t M, int64_t K, int64_t N, int64_t per_
   for (int64_t n = 0; n <= N; ++n) col_ptr[n] = int32_t(n * per_col);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t j = 0; j < per_col; ++j) row[n * per_col + j] = int32_t((j * K / per_col + n) % K);
-  for (int64_t n = 0; n < N; ++n) std::sort(row.begin() + n * per_col, row.begin() + (n + 1) * per_col);
+  for (int64_t n = 0; n < N; ++n)
+    std::sort(row.begin() + n * per_col, row.begin() + (n + 1) * per_col);
   const Csc s{int(M), int(K), int(N), x.data(), col_ptr.data(), row.data(), val.data(), y.data()};
   const auto start = std::chrono::steady_clock::now();
   run(s, int(vectors), int(threads));
@@ -242,7 +243,8 @@ ffi::Error CscMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t vectors,
                  check_dims(kernel, "val", val.dimensions(), {nnz})})
     if (e.failure()) return e;
   if (!valid_vectors(vectors))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "sparse matmul: vectors must be 1, 2, 4 or 8");
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "sparse matmul: vectors must be 1, 2, 4 or 8");
   if (const char* why = csc_error(col_ptr.typed_data(), row.typed_data(), K, N, nnz))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string("sparse matmul: ") + why);
   const Csc s{int(M), int(K), int(N), x.typed_data(), col_ptr.typed_data(), row.typed_data(),

@@ -96,7 +96,8 @@ class SparseWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(np.dtype(a.dtype).itemsize * a.size for a in (self.col_ptr, self.row, self.val)))
+        arrays = (self.col_ptr, self.row, self.val)
+        return int(sum(np.dtype(a.dtype).itemsize * a.size for a in arrays))
 
     def dense(self):
         """The float32 [k, N] weight the arrays describe."""
