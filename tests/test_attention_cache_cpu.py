@@ -66,9 +66,10 @@ def check_kernel_equals_twin():
                         q[b:b + 1], k[b:b + 1], v[b:b + 1], jnp.int32(i)), np.float32)[0])
                 if i < 0:
                     assert not want[b, 0].any()
-            for threads in (1, 2, 3) if G else (1, 2):  # grouped: splits over 2 and 3
-                got = CC.cached_attention(q, k, v, jnp.array(index), impl="kernel",
-                                          threads=threads)
+            counts = (1, 2, 3) if G else (1, 2)  # grouped: splits over 2 and 3
+            kernel = jax.jit(lambda q, k, v, i: [  # every thread count in one compile
+                CC.cached_attention(q, k, v, i, impl="kernel", threads=t) for t in counts])
+            for threads, got in zip(counts, kernel(q, k, v, jnp.array(index))):
                 assert got.dtype == dtype
                 np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol,
                                            err_msg=f"{dtype.__name__} {(B, L, T, H, D, index, G)} "
@@ -85,9 +86,9 @@ def check_int8_kernel_equals_twin():
         (kc, ks), (vc, vs) = quantize(k), quantize(v)
         assert kc.dtype == jnp.int8 and ks.shape == k.shape[:3]
         want = twin(q, kc, vc, (ks, vs), jnp.array(index))
-        for threads in (1, 2):
-            got = CC.cached_attention(q, kc, vc, jnp.array(index), scales=(ks, vs),
-                                      impl="kernel", threads=threads)
+        kernel = jax.jit(lambda q, kc, vc, s, i: [  # both thread counts in one compile
+            CC.cached_attention(q, kc, vc, i, scales=s, impl="kernel", threads=t) for t in (1, 2)])
+        for threads, got in zip((1, 2), kernel(q, kc, vc, (ks, vs), jnp.array(index))):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
                                        err_msg=f"int8 {(B, L, T, H, D, index, G)} {threads}")
         got = CC.cached_attention(q.astype(jnp.bfloat16), kc, vc, jnp.array(index),

@@ -488,7 +488,9 @@ def test_compress_bench_targets_and_table_from_a_payload():
                   row("byte LM", "dense, scratch", 1.6, 2000, fwd=0.025, teacher_value=1.5)]
     payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
                            "versions": {}},
-               "distill": distill, "prune": [], "structured": structured, "pipeline": pipeline}
+               "distill": distill, "structured": structured, "pipeline": pipeline,
+               "prune": [row("byte LM", "prune magnitude", 1.6, fwd=0.04, sparsity=0.9,
+                             sparse="w_sparse", sparse_forward_s=0.016)]}  # served sparse too
     t = payload["targets"] = compress._targets(payload)
     assert t["distill_gap_closed_lm"]["value"] == pytest.approx(0.4 / 0.6)  # loss: lower is better
     assert t["distill_gap_closed_lm"]["met"]
@@ -502,6 +504,7 @@ def test_compress_bench_targets_and_table_from_a_payload():
     md = compress._markdown(payload)
     assert "`distill_gap_closed_text`" in md and "| NO |" in md and "2.00x" in md  # student vs teacher
     assert "structured prune + shrink" in md and "1.60x" in md
+    assert "| 1.00x; sparse 2.50x |" in md  # the pruned model dense, then served sparse
     assert "text classifier, student, scratch: 0.6200, 0.5800" in md  # a mean's seeds
 
 

@@ -26,9 +26,11 @@ In one run on this CPU:
    movement scores have accumulated before the first mask, to the target at three
    quarters of them, masks recomputed every 5 steps), beside the dense fine-tune of the
    same steps. The paper's claim to check: movement beats magnitude at high sparsity
-   during fine-tuning. Unstructured sparsity saves size only (a pruned model runs at its
-   dense speed on XLA:CPU, which has no sparse product; where a CSR product outside XLA
-   would win: `python -m hpnlp.bench sparse`).
+   during fine-tuning. A pruned model runs at its dense speed on XLA:CPU, which has no
+   sparse product; each run at least `sparsify.MIN_SPARSITY` sparse is also served by
+   hpnlp's sparse kernel (`python -m hpnlp.compress sparsify`, into its workdir's
+   `_sparse` twin), and its row gives that model's forward speed too (`sparse_forward_s`;
+   the products alone: `python -m hpnlp.bench sparse`).
 3. Structured pruning (`structured`): the byte-LM teacher pruned by whole attention heads
    and MLP neurons (`train.prune.structure=structured`, magnitude, the same schedule over
    `structured_steps` fine-tuning steps) at the sparsity whose shrunk model has about half
@@ -74,6 +76,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hpnlp.bench import harness, report
+from hpnlp.compress import sparsify
 
 SIZES = {
     # the students train for the teacher's steps on the LM, a third of them on the classifier
@@ -130,10 +133,11 @@ def student(cd, steps: int | None = None):
     return cd
 
 
-def _forward_fn(workdir: str, quantized: str | None = None):
-    """(jitted forward on one eval batch, its arguments) of a trained run, or of
-    the packed model `python -m hpnlp.compress quantize` wrote to `quantized` (served by the
-    integer kernels where they apply, as its user runs it)."""
+def _forward_fn(workdir: str, quantized: str | None = None, sparse: str | None = None):
+    """(jitted forward on one eval batch, its arguments) of a trained run, of the packed
+    model `python -m hpnlp.compress quantize` wrote to `quantized` (served by the integer
+    kernels where they apply, as its user runs it), or of the sparse one `python -m
+    hpnlp.compress sparsify` wrote to `sparse`."""
     from hpnlp import data as data_lib
     from hpnlp import models
     from hpnlp.train import Trainer
@@ -148,7 +152,7 @@ def _forward_fn(workdir: str, quantized: str | None = None):
     if quantized is None:
         fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"),
                      compiler_options=step_compiler_options())  # as hpnlp's eval step compiles
-        return fn, (state.params, batch)
+        return fn, (sparsify.load(sparse)[1] if sparse else state.params, batch)
     from hpnlp.compress import ptq
     cfg_q, packed, qv = ptq.load(quantized)
     model_q = models.build(cfg_q, deterministic=True, token_counts=tr.task.token_counts)
@@ -167,18 +171,21 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> No
     the model before it left in the caches fall on every model alike."""
     from hpnlp.kernels import reuse_freed_memory
     reuse_freed_memory()
-    keys = {(r["model"], r["workdir"], r.get("quantized")) for r in rows}
-    keys |= {(m, w, None) for m, w in teachers.items() if any(r["model"] == m for r in rows)}
+    def key(r, sparse=False):  # (model, workdir, quantized, sparse)
+        return r["model"], r["workdir"], r.get("quantized"), r["sparse"] if sparse else None
+
+    keys = {key(r) for r in rows} | {key(r, True) for r in rows if r.get("sparse")}
+    keys |= {(m, w, None, None) for m, w in teachers.items() if any(r["model"] == m for r in rows)}
     fns = {}
-    for key in tqdm(sorted(keys, key=str), desc="load and compile", leave=False):
-        fn, args = _forward_fn(key[1], key[2])
+    for k in tqdm(sorted(keys, key=str), desc="load and compile", leave=False):
+        fn, args = _forward_fn(*k[1:])
         jax.block_until_ready(fn(*args))
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         # calls per turn: about 0.1 s of them, so a small model's turn is not one short call
         # that the model timed before it (its caches, the thread pool's wake-up) dominates
         calls = max(1, round(0.1 / max(time.perf_counter() - t0, 1e-4)))
-        fns[key] = (fn, args, calls)
+        fns[k] = (fn, args, calls)
     times = {k: [] for k in fns}
     order = list(fns)
     rng = np.random.default_rng(0)
@@ -193,8 +200,10 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> No
             times[k].append((time.perf_counter() - t0) / calls)
     med = {k: float(np.median(v)) for k, v in times.items()}
     for r in rows:
-        r["forward_s"] = med[(r["model"], r["workdir"], r.get("quantized"))]
-        r["teacher_forward_s"] = med[(r["model"], teachers[r["model"]], None)]
+        r["forward_s"] = med[key(r)]
+        r["teacher_forward_s"] = med[(r["model"], teachers[r["model"]], None, None)]
+        if r.get("sparse"):
+            r["sparse_forward_s"] = med[key(r, True)]
 
 
 REUSED: list[str] = []  # runs `_train` found finished in --workdir (not trained this time)
@@ -330,8 +339,29 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
         out = os.path.join(workdir, f"prune_{name.replace(' ', '_')}_{sp}")
         r = _row(model, "prune " + name if method else name, f"{sp:.0%}", _train(cd, out), out, metric)
         r["sparsity"] = sp
+        if method and sp >= sparsify.MIN_SPARSITY:  # served by the sparse kernel too
+            r["sparse"] = _sparsified(out, s)
         rows.append(r)
     return rows
+
+
+def _sparsified(workdir: str, s: dict) -> str:
+    """The pruned run in `workdir` written by `sparsify` (reused where done for this
+    checkpoint); its folder."""
+    import json
+
+    from hpnlp.train.checkpoint import Checkpointer, load_run_config
+    out = workdir.rstrip("/") + "_sparse"
+    done = os.path.join(out, "summary.json")
+    if os.path.exists(done):
+        ck = Checkpointer(workdir, load_run_config(workdir), keep=1)
+        step = ck.latest_step()
+        ck.close()
+        with open(done) as f:
+            if json.load(f)["step"] == step:
+                return out
+    sparsify.sparsify(workdir, out, eval_batches=s["eval_batches"] or 1, repeats=1)
+    return out
 
 
 def param_count(cd) -> int:
@@ -575,7 +605,11 @@ def _rows(p: dict) -> list[dict]:
 
 def _markdown(p: dict) -> str:
     def rel(r):
-        return report.fmt(report.ratio(r.get("teacher_forward_s"), r.get("forward_s")), "x")
+        dense = report.fmt(report.ratio(r.get("teacher_forward_s"), r.get("forward_s")), "x")
+        if not r.get("sparse_forward_s"):
+            return dense
+        sparse = report.ratio(r["teacher_forward_s"], r["sparse_forward_s"])
+        return f"{dense}; sparse {report.fmt(sparse, 'x')}"
 
     out = [report.header_md(p["machine"], {}), "",
            report.table(["model", "method", "setting", "params", "size KiB", "eval metric",
@@ -584,9 +618,12 @@ def _markdown(p: dict) -> str:
                 f"{r['size_bytes'] / 1024:.0f}", f"{r['metric']} {r['value']:.4f}", rel(r)]
                for r in _rows(p)]), "",
            "Forward: one eval batch, every model timed in turn (a new order each round) over the "
-           "same rounds at the end of the run (median), as a speed-up over its teacher. Unstructured and N:M sparsity "
-           "save size only: a pruned model computes its dense products on XLA:CPU, and its "
-           "rows show the timing noise (about 1.00x). Size KiB: float32 parameters (the "
+           "same rounds at the end of the run (median), as a speed-up over its teacher. A pruned "
+           "model computes its dense products on XLA:CPU, so its first figure shows the timing "
+           "noise (about 1.00x); `sparse`: the same model served by hpnlp's sparse kernel "
+           "(`python -m hpnlp.compress sparsify`, every qkv, out and MLP weight stored by its "
+           "nonzeros), for the unstructured runs from "
+           f"{sparsify.MIN_SPARSITY:.0%} sparsity on. Size KiB: float32 parameters (the "
            "pipeline: its int8 file on disk).", ""]
     if p.get("distill"):
         for method, *_ in DISTILLED_STUDENTS:
