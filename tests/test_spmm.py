@@ -107,7 +107,7 @@ def test_a_pruned_run_is_served_by_the_sparse_kernel(tmp_path, capsys):
     cd = tiny(prune=dict(method="magnitude", sparsity=0.9, schedule="oneshot", start_step=1))
     cd.train.update(steps=2, checkpoint_every=2)
     run(cd, str(tmp_path / "pruned"))
-    out = str(tmp_path / "sparse")
+    out = str(tmp_path / "pruned_sparse")
     assert main(["sparsify", "--workdir", str(tmp_path / "pruned"), "--out", out,
                  "--eval_batches", "1"]) == 0
     s = json.load(open(os.path.join(out, "summary.json")))
@@ -120,6 +120,17 @@ def test_a_pruned_run_is_served_by_the_sparse_kernel(tmp_path, capsys):
     qkv = params["trunk"]["block_0"]["attention"]["qkv"]
     assert isinstance(qkv, Sparse) and qkv.shape == (16, 3, 2, 8) and qkv.k_dims == 1
     assert isinstance(params["embed"]["embedding"], jax.Array)  # not a product weight it takes
+    # the compress bench's use: the sparse run reused for the same checkpoint, its forward
+    # the masked run's
+    from hpnlp.bench import compress
+    before = os.path.getmtime(os.path.join(out, "summary.json"))
+    assert compress._sparsified(str(tmp_path / "pruned"), {"eval_batches": 1}) == out
+    assert os.path.getmtime(os.path.join(out, "summary.json")) == before
+    (dense, d_args), (sparse, s_args) = (compress._forward_fn(str(tmp_path / "pruned"), sparse=x)
+                                         for x in (None, out))
+    assert "hpnlp_csc_matmul" in sparse.lower(*s_args).as_text()
+    for a, b in zip(jax.tree.leaves(dense(*d_args)), jax.tree.leaves(sparse(*s_args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     capsys.readouterr()
     # bad input: one line naming the flag, before anything is written
     assert main(["sparsify", "--workdir", str(tmp_path / "pruned"), "--out",

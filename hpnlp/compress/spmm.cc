@@ -135,7 +135,7 @@ void block(const Csc& s, int m0, int rows) {
         for (int v = 0; v < V; ++v) acc[u][v] = vf{};
       int32_t j = s.col_ptr[n];
       const int32_t end = s.col_ptr[n + 1];
-      for (; j + U <= end; j += U)
+      for (; end - j >= U; j += U)  // (j + U could overflow at nnz near 2^31)
         for (int u = 0; u < U; ++u) {
           const float* p = xt + size_t(s.row[j + u]) * MB;
           const vf w = splat(s.val[j + u]);
@@ -211,7 +211,8 @@ extern "C" int64_t hpnlp_spmm_layout(int64_t what) { return what == 0 ? NR : -1;
 // column holding `per_col` nonzeros at evenly spread rows; seconds, or -1 on failure.
 extern "C" double hpnlp_spmm_probe(int64_t M, int64_t K, int64_t N, int64_t per_col,
                                    int64_t vectors, int64_t threads) try {
-  if (!valid_vectors(vectors) || per_col < 0 || per_col > K) return -1.0;
+  if (!valid_vectors(vectors) || per_col < 0 || per_col > K || N * per_col > INT32_MAX)
+    return -1.0;
   std::vector<float> x(size_t(M) * K, 0.5f), val(size_t(N) * per_col, 0.25f), y(size_t(M) * N);
   std::vector<int32_t> col_ptr(N + 1), row(size_t(N) * per_col);
   for (int64_t n = 0; n <= N; ++n) col_ptr[n] = int32_t(n * per_col);
@@ -238,6 +239,9 @@ ffi::Error CscMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t vectors,
   if (d.size() != 2 || o.size() != 2 || o[0] != d[0])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "sparse matmul: bad shape of x or out");
   const int64_t M = d[0], K = d[1], N = o[1], nnz = row.element_count();
+  if (M > INT32_MAX || K > INT32_MAX || N > INT32_MAX)  // the blocks index in int
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "sparse matmul: M, K and N must each be below 2^31");
   for (auto e : {check_dims(kernel, "col_ptr", col_ptr.dimensions(), {N + 1}),
                  check_dims(kernel, "row", row.dimensions(), {nnz}),
                  check_dims(kernel, "val", val.dimensions(), {nnz})})

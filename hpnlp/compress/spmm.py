@@ -12,6 +12,9 @@ measures where it beats the dense product of the masked weight, against PyTorch'
 SciPy's CSR products in the same run: at high sparsity only, since the kernel moves each
 activation twice (a transpose in, one out) whatever the weight holds.
 
+The kernel skips what is not stored, so a NaN or infinity in x reaches only the outputs
+of the weights it meets (the dense twin spreads it to every output through 0 * inf).
+
 Inference only (no gradients): a sparse weight is what a pruned run serves, not what
 trains (training keeps the dense weight and its mask: `hpnlp.compress.prune`). The
 wrapper takes `impl="auto"|"kernel"|"xla"` like `hpnlp.compress.kernels`: "auto" runs the
