@@ -84,6 +84,8 @@ SIZES = {
     # no gap to close); `student_steps` per model, None = the teacher's.
     # `lowrank_sweep`: ranks at half, once and twice the half-size rank (else the half-size
     # rank alone: --quick, whose 3 minutes the two other compiles overran).
+    # `sparse_methods`: the pruning criteria whose runs (from sparsify.MIN_SPARSITY on) are
+    # also served by the sparse kernel and timed so (--quick: one, for its 3 minutes)
     # `seeds`: seeds of the scratch student and of the targets' distilled row, per model,
     # each row their mean: the classifier's scratch student read 0.415, 0.368 and 0.371
     # accuracy at seeds 0-2 (2026-11-25), a spread as large as its gap to the teacher
@@ -94,12 +96,12 @@ SIZES = {
                  student_steps={"byte LM": None, "text classifier": 200},
                  seeds={"byte LM": 1, "text classifier": 3},
                  sparsities=(0.5, 0.75, 0.9, 0.95), lowrank_sweep=True, eval_batches=None,
-                 timing_rounds=15),
+                 timing_rounds=15, sparse_methods=("magnitude", "movement", "random")),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, structured_steps=6,
                   sparsities=(0.9,), lowrank_sweep=False,
                   student_steps={"byte LM": None, "text classifier": 6},
                   seeds={"byte LM": 1, "text classifier": 2},
-                  eval_batches=2, timing_rounds=2),
+                  eval_batches=2, timing_rounds=2, sparse_methods=("magnitude",)),
 }
 MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "text", "accuracy")}
 
@@ -339,7 +341,7 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
         out = os.path.join(workdir, f"prune_{name.replace(' ', '_')}_{sp}")
         r = _row(model, "prune " + name if method else name, f"{sp:.0%}", _train(cd, out), out, metric)
         r["sparsity"] = sp
-        if method and sp >= sparsify.MIN_SPARSITY:  # served by the sparse kernel too
+        if method in s["sparse_methods"] and sp >= sparsify.MIN_SPARSITY:  # served sparse too
             r["sparse"] = _sparsified(out, s)
         rows.append(r)
     return rows
