@@ -204,9 +204,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 using namespace hpnlp;
 
-// What the build's vectors are: 0 -> floats per vector (NR).
-extern "C" int64_t hpnlp_spmm_layout(int64_t what) { return what == 0 ? NR : -1; }
-
 // One product on synthetic data for the tuning probe: x [M, K], W [K, N] with every
 // column holding `per_col` nonzeros at evenly spread rows; seconds, or -1 on failure.
 extern "C" double hpnlp_spmm_probe(int64_t M, int64_t K, int64_t N, int64_t per_col,

@@ -25,7 +25,6 @@ arrays describe) elsewhere. The kernel's rows-per-block is chosen per CPU on fir
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import os
@@ -64,13 +63,6 @@ TUNING = tuning.Tuning(KERNEL, "csc", default={"vectors": DEFAULT_VECTORS}, prob
 def available() -> bool:
     """Whether the kernel can run here (compiles it on the first call)."""
     return KERNEL.available()
-
-
-@functools.lru_cache(maxsize=None)
-def floats_per_vector() -> int:
-    lib = KERNEL.library()
-    lib.hpnlp_spmm_layout.restype = ctypes.c_int64
-    return int(lib.hpnlp_spmm_layout(ctypes.c_int64(0)))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["col_ptr", "row", "val"],
