@@ -242,6 +242,33 @@ def test_train_step_compiles_once(tmp_path):
     assert tr.train_step._cache_size() == 1
 
 
+def test_initial_state_draws_parameters_in_a_program_runs_share(tmp_path):
+    """The trainer draws the parameters in a program of their own, then the rest of the
+    state from them: bit for bit what one program of `init_state` computes (movement
+    pruning: a carry and a trainable of its own), and a second trainer of the same model
+    with another optimizer setting and no carry compiles no new draw."""
+    import flax.linen as nn
+
+    from hpnlp.train import loop
+    from hpnlp.train.state import init_state
+    cd = tiny()
+    cd.train.prune.update(method="movement", sparsity=0.5)
+    tr = Trainer(from_configdict(cd), str(tmp_path / "a"))
+    key = jax.random.key(3)
+    got = tr._init(key)
+    batch1 = loop.dummy_batch(tr.task.kind, 1, tr.cfg.data.seq_len)
+    with tr._context():
+        want = jax.jit(lambda k: nn.unbox(init_state(
+            tr.model, tr.tx, k, batch1, carries=tr.carries,
+            batch_size=tr.cfg.train.batch_size)))(key)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    programs = dict(loop._SHARED_PROGRAMS)
+    Trainer(from_configdict(tiny(lr=1e-2)), str(tmp_path / "b"))._init(key)
+    assert loop._SHARED_PROGRAMS == programs
+
+
 def test_early_stopping_on_patience(tmp_path):
     cd = tiny(steps=200, lr=1e-7, warmup_steps=0, eval_every=5, early_stopping_patience=2,
               early_stopping_metric="accuracy")

@@ -384,14 +384,18 @@ class TeacherCarry(Carry):
         self.teacher = models.build(tcfg, deterministic=True, token_counts=token_counts)
 
     def init(self, model, params, batch, batch_size: int):
-        """The teacher's parameters as its model initializes them: the entry's shapes and
-        logical axes (so shardings); `start` restores the trained values into them."""
+        """Zeros in the teacher's parameters' shapes and logical axes (so shardings), as its
+        model initializes them; `start` restores the trained values into them. Zeros, not a
+        random draw that `start` overwrites: the draw cost the init program a compile."""
         del model, params, batch_size
-        value = self.teacher.init({"params": jax.random.key(0)}, batch)["params"]
-        if self.teacher_cfg.model.lowrank.enabled():  # a factorized teacher's factors
-            from hpnlp.compress import lowrank
-            value = lowrank.init_transform(self.teacher_cfg, self.teacher, batch)(value)
-        return value
+
+        def draw(batch):
+            value = self.teacher.init({"params": jax.random.key(0)}, batch)["params"]
+            if self.teacher_cfg.model.lowrank.enabled():  # a factorized teacher's factors
+                from hpnlp.compress import lowrank
+                value = lowrank.init_transform(self.teacher_cfg, self.teacher, batch)(value)
+            return value
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw, batch))
 
     def start(self, value, params):
         """The teacher's trained parameters, restored into `value`'s shapes and shardings."""

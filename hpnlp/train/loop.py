@@ -31,7 +31,7 @@ from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, check_params_match, load_run_config,
                                     restore_params)
 from hpnlp.train.metrics import MetricWriter
-from hpnlp.train.state import init_state, make_optimizer
+from hpnlp.train.state import init_params, init_state, make_optimizer
 from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_compiler_options
 
 
@@ -78,6 +78,40 @@ def check_process_rows(sharding, batch_size: int) -> None:
             f"its devices hold rows {min(held)}..{max(held)} ({len(held)} rows). Keep the mesh axes "
             "that `mesh.rules.batch` does not name (tensor, sequence, pipeline, expert) within one "
             "process, so the batch axes split the processes evenly and in process order")
+
+
+_SHARED_PROGRAMS: dict = {}  # (program text, mesh) -> compiled; the newest few
+
+
+def _shared_program(fn, mesh, *args):
+    """`fn` (jitted) compiled for `args`, reused by every later call in this process whose
+    program is the same text on the same devices: runs of one model initialize their
+    parameters by one program, but each run jits its own closure, which jax would compile
+    anew (about 2 s on a 2-core CPU for a small Transformer's random initialization)."""
+    import hashlib
+    lowered = fn.lower(*args)
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), mesh.axis_names,
+           tuple(d.id for d in mesh.devices.flat), jax.process_index())
+    if key not in _SHARED_PROGRAMS:
+        if len(_SHARED_PROGRAMS) >= 16:
+            _SHARED_PROGRAMS.pop(next(iter(_SHARED_PROGRAMS)))
+        _SHARED_PROGRAMS[key] = lowered.compile()
+    return _SHARED_PROGRAMS[key]
+
+
+def _unboxed(tree):
+    """`tree` without its logical-axis boxes (and without the sharding constraints that
+    `nn.unbox` adds)."""
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree,
+                        is_leaf=is_box)
+
+
+def _rebox(boxed, values):
+    """`values` (unboxed) in the logical-axis boxes of `boxed` (abstract, as init made it)."""
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda b, v: b.replace_boxed(v) if is_box(b) else v, boxed, values,
+                        is_leaf=is_box)
 
 
 def _peak_memory() -> dict:
@@ -154,17 +188,26 @@ class Trainer:
                 self._restored = restore_params(cfg.train.init_from, self.model_params)
                 self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, self._restored)
             transform = lowrank.init_transform(cfg, model, batch1)
-        init = lambda key: init_state(model, tx, key, batch1, loss_scale=scale,  # noqa: E731
-                                      carries=self.carries, batch_size=cfg.train.batch_size,
-                                      transform=transform)
+        init = lambda key, params=None: init_state(  # noqa: E731
+            model, tx, key, batch1, loss_scale=scale, carries=self.carries,
+            batch_size=cfg.train.batch_size, transform=transform, params=params)
         with self._context():
-            abstract = jax.eval_shape(init, jax.random.key(cfg.seed))
+            # Two programs: the model's random initialization, which every run of the same
+            # model shares (one compile per process: `_shared_program`), then the rest of the
+            # state from it (optimizer, carries, a factorization), this run's own and small.
+            key0 = jax.random.key(cfg.seed)
+            boxed = jax.eval_shape(lambda key: init_params(model, key, batch1), key0)
+            abstract = jax.eval_shape(lambda key, p: init(key, _rebox(boxed, p)), key0,
+                                      _unboxed(boxed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
-            self._init = jax.jit(lambda key: nn.unbox(init(key)), out_shardings=self.state_sharding)
+            draw = jax.jit(lambda key: nn.unbox(init_params(model, key, batch1)),
+                           out_shardings=state_shardings(boxed, self.mesh, self.rules))
+            rest = jax.jit(lambda key, p: nn.unbox(init(key, _rebox(boxed, p))),
+                           out_shardings=self.state_sharding)
+            self._init = lambda key: rest(key, _shared_program(draw, self.mesh, key)(key))
             self.abstract_state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                jax.eval_shape(lambda key: nn.unbox(init(key)), jax.random.key(cfg.seed)),
-                self.state_sharding)
+                _unboxed(abstract), self.state_sharding)
             self.train_step = jax.jit(
                 make_train_step(model, tx, cfg.train, self.carries),
                 in_shardings=(self.state_sharding, self.batch_sharding),

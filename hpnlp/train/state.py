@@ -68,17 +68,26 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
+def init_params(model, rng: jax.Array, batch):
+    """The model's initial (boxed) parameters, as `init_state` draws them from `rng`."""
+    params_rng, dropout_rng, _ = jax.random.split(rng, 3)
+    return model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
+
+
 def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None,
-               carries=(), batch_size: int = 1, transform=None) -> TrainState:
+               carries=(), batch_size: int = 1, transform=None, params=None) -> TrainState:
     """Parameters and optimizer state (still boxed with logical axis names).
 
     `loss_scale`: the initial dynamic loss scale (float16 compute), None for no scaling.
     `carries`: hpnlp.train.carry entries, initialized for `batch_size` (the train batch).
     `transform`: maps the model's initial (boxed) parameters to the ones the run trains
     (low-rank factorization: hpnlp.compress.lowrank.init_transform).
+    `params`: `init_params(model, rng, batch)` when already drawn (the trainer draws them
+    in a program of their own, which every run of the same model shares), else drawn here.
     """
-    params_rng, dropout_rng, run_rng = jax.random.split(rng, 3)
-    params = model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
+    params_rng, _, run_rng = jax.random.split(rng, 3)
+    if params is None:
+        params = init_params(model, rng, batch)
     if transform is not None:
         params = transform(params)
     from hpnlp.train.carry import TRAINABLE_PREFIX
