@@ -86,6 +86,9 @@ SIZES = {
     # rank alone: --quick, whose 3 minutes the two other compiles overran).
     # `sparse_methods`: the pruning criteria whose runs (from sparsify.MIN_SPARSITY on) are
     # also served by the sparse kernel and timed so (--quick: one, for its 3 minutes)
+    # `jobs`: 2 trains the text classifier's distill runs in a second process beside the
+    # byte LM's (--quick, whose runs are mostly compiles, one core each); the full run's
+    # steps keep both cores busy, so it trains one run at a time
     # `seeds`: seeds of the scratch student and of the targets' distilled row, per model,
     # each row their mean: the classifier's scratch student read 0.415, 0.368 and 0.371
     # accuracy at seeds 0-2 (2026-11-25), a spread as large as its gap to the teacher
@@ -96,12 +99,12 @@ SIZES = {
                  student_steps={"byte LM": None, "text classifier": 200},
                  seeds={"byte LM": 1, "text classifier": 3},
                  sparsities=(0.5, 0.75, 0.9, 0.95), lowrank_sweep=True, eval_batches=None,
-                 timing_rounds=15, sparse_methods=("magnitude", "movement", "random")),
+                 timing_rounds=15, sparse_methods=("magnitude", "movement", "random"), jobs=1),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, structured_steps=6,
                   sparsities=(0.9,), lowrank_sweep=False,
                   student_steps={"byte LM": None, "text classifier": 6},
                   seeds={"byte LM": 1, "text classifier": 2},
-                  eval_batches=2, timing_rounds=2, sparse_methods=("magnitude",)),
+                  eval_batches=2, timing_rounds=2, sparse_methods=("magnitude",), jobs=2),
 }
 MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "text", "accuracy")}
 
@@ -288,23 +291,57 @@ def _seeded_row(model: str, method: str, setting: str, cd, out: str, metric: str
     return row
 
 
-def distill_rows(s: dict, workdir: str) -> list[dict]:
-    rows = []
-    for model, (_, _, metric) in MODELS.items():
-        tag = model.replace(" ", "_")
-        tdir = os.path.join(workdir, f"{tag}_teacher")
-        rows.append(_row(model, "teacher", "", _train(experiment(model, s), tdir), tdir, metric))
-        steps, seeds = s["student_steps"][model], s["seeds"][model]
-        sdir = os.path.join(workdir, f"{tag}_scratch")
-        rows.append(_seeded_row(model, "student, scratch", "half depth and width" + (
-            f", {steps} steps" if steps else ""), student(experiment(model, s), steps), sdir,
-            metric, seeds))
-        for method, setting, fields, suffix in DISTILLED_STUDENTS:
-            ddir = os.path.join(workdir, f"{tag}_{suffix}")
-            rows.append(_seeded_row(model, method, setting,
-                                    distilled_student(model, s, tdir, fields), ddir, metric,
-                                    seeds if method == DISTILLED else 1))
+def _distill_model_rows(s: dict, workdir: str, model: str) -> list[dict]:
+    """The distill part's rows of one model: its teacher, scratch student and
+    `DISTILLED_STUDENTS`, each trained into `workdir` (or reused where finished there)."""
+    metric = MODELS[model][2]
+    tag = model.replace(" ", "_")
+    tdir = os.path.join(workdir, f"{tag}_teacher")
+    rows = [_row(model, "teacher", "", _train(experiment(model, s), tdir), tdir, metric)]
+    steps, seeds = s["student_steps"][model], s["seeds"][model]
+    sdir = os.path.join(workdir, f"{tag}_scratch")
+    rows.append(_seeded_row(model, "student, scratch", "half depth and width" + (
+        f", {steps} steps" if steps else ""), student(experiment(model, s), steps), sdir,
+        metric, seeds))
+    for method, setting, fields, suffix in DISTILLED_STUDENTS:
+        ddir = os.path.join(workdir, f"{tag}_{suffix}")
+        rows.append(_seeded_row(model, method, setting,
+                                distilled_student(model, s, tdir, fields), ddir, metric,
+                                seeds if method == DISTILLED else 1))
     return rows
+
+
+def _train_in_child(s: dict, workdir: str, model: str, cache_dir: str | None) -> None:
+    """(A spawned process's target) `model`'s distill runs, trained into `workdir`."""
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    _distill_model_rows(s, workdir, model)
+
+
+def distill_rows(s: dict, workdir: str) -> list[dict]:
+    """Both models' rows. With `jobs` 2 (`SIZES`) the text classifier's runs train in a
+    second process meanwhile, and its rows then read them from `workdir`."""
+    child = None
+    if s["jobs"] > 1:
+        import multiprocessing
+        child = multiprocessing.get_context("spawn").Process(
+            target=_train_in_child, args=(s, workdir, "text classifier",
+                                          jax.config.jax_compilation_cache_dir))
+        child.start()
+    try:
+        rows = _distill_model_rows(s, workdir, "byte LM")
+    except BaseException:
+        if child is not None:  # stopped, not waited for
+            child.terminate()
+            child.join()
+        raise
+    if child is not None:
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"the text classifier's distill runs failed in their own "
+                               f"process (exit code {child.exitcode}; its traceback is above)")
+    return rows + _distill_model_rows(s, workdir, "text classifier")
 
 
 def prune_schedule(s: dict, n: int | None = None) -> dict:
