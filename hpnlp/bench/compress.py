@@ -58,7 +58,9 @@ scratch-teacher gap on both models (`distill_gap_closed_lm`, `distill_gap_closed
 least 1.6x faster than the teacher (`structured_half_params_speedup`,
 `lowrank_half_params_speedup`) and lose at most 3% relative eval loss
 (`..._loss_rel`); the pipeline ends at least 8x smaller on disk than the float32 teacher
-(`pipeline_size_ratio` >= 8). `--quick` shrinks every run. Why low rank's speed-up stays
+(`pipeline_size_ratio` >= 8). `--quick` shrinks every run, and trains the text
+classifier's distill runs in a second process beside the byte LM's (its runs are mostly
+compiles, which leave a core idle). Why low rank's speed-up stays
 below the structured model's at the same size (it leaves attention whole):
 `python tools/compress_speed_budget.py`.
 """
