@@ -47,11 +47,16 @@ def state_shardings(abstract_tree, mesh: Mesh, rules=DEFAULT_RULES):
     and clusters, cut at token frequencies), which would fail in `device_put`."""
     specs = nn.get_partition_spec(abstract_tree)
     shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
-    boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    shapes = jax.tree.map(lambda x: x.unbox(apply_constraint=False) if boxed(x) else x,
-                          abstract_tree, is_leaf=boxed)  # nn.unbox would constrain them
-    return jax.tree.map(_dividing, shardings, shapes,
+    return jax.tree.map(_dividing, shardings, unboxed(abstract_tree),
                         is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def unboxed(tree):
+    """`tree` without its logical-axis boxes (and without the sharding constraints that
+    `nn.unbox` adds)."""
+    boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if boxed(x) else x, tree,
+                        is_leaf=boxed)
 
 
 def _dividing(sharding: NamedSharding, leaf) -> NamedSharding:

@@ -27,6 +27,7 @@ from hpnlp import models
 from hpnlp.config import Config, config_error, from_configdict, validate
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
+from hpnlp.parallel.mesh import unboxed
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, check_params_match, load_run_config,
                                     restore_params)
@@ -97,14 +98,6 @@ def _shared_program(fn, mesh, *args):
             _SHARED_PROGRAMS.pop(next(iter(_SHARED_PROGRAMS)))
         _SHARED_PROGRAMS[key] = lowered.compile()
     return _SHARED_PROGRAMS[key]
-
-
-def _unboxed(tree):
-    """`tree` without its logical-axis boxes (and without the sharding constraints that
-    `nn.unbox` adds)."""
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree,
-                        is_leaf=is_box)
 
 
 def _rebox(boxed, values):
@@ -198,7 +191,7 @@ class Trainer:
             key0 = jax.random.key(cfg.seed)
             boxed = jax.eval_shape(lambda key: init_params(model, key, batch1), key0)
             abstract = jax.eval_shape(lambda key, p: init(key, _rebox(boxed, p)), key0,
-                                      _unboxed(boxed))
+                                      unboxed(boxed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)
             draw = jax.jit(lambda key: nn.unbox(init_params(model, key, batch1)),
                            out_shardings=state_shardings(boxed, self.mesh, self.rules))
@@ -207,7 +200,7 @@ class Trainer:
             self._init = lambda key: rest(key, _shared_program(draw, self.mesh, key)(key))
             self.abstract_state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                _unboxed(abstract), self.state_sharding)
+                unboxed(abstract), self.state_sharding)
             self.train_step = jax.jit(
                 make_train_step(model, tx, cfg.train, self.carries),
                 in_shardings=(self.state_sharding, self.batch_sharding),
