@@ -269,6 +269,24 @@ def test_initial_state_draws_parameters_in_a_program_runs_share(tmp_path):
     assert loop._SHARED_PROGRAMS == programs
 
 
+def test_shared_program_compiles_one_program_once_per_device_set():
+    """Two closures that lower to one program share its executable (the compress bench
+    times trained models of one shape so); another shape compiles its own."""
+    import jax.numpy as jnp
+
+    from hpnlp.train import loop
+    w = jnp.arange(6.0).reshape(2, 3)
+    x = jnp.ones((4, 2))
+    before = len(loop._SHARED_PROGRAMS)
+    f1 = loop.shared_program(jax.jit(lambda a, b: jnp.tanh(b @ a)), w, x)
+    f2 = loop.shared_program(jax.jit(lambda a, b: jnp.tanh(b @ a)), w, x)
+    assert f1 is f2 and len(loop._SHARED_PROGRAMS) == before + 1
+    np.testing.assert_array_equal(np.asarray(f1(w, x)),
+                                  np.asarray(jax.jit(lambda a, b: jnp.tanh(b @ a))(w, x)))
+    f3 = loop.shared_program(jax.jit(lambda a, b: jnp.tanh(b @ a)), w, jnp.ones((5, 2)))
+    assert f3 is not f1 and f3(w, jnp.ones((5, 2))).shape == (5, 3)
+
+
 def test_early_stopping_on_patience(tmp_path):
     cd = tiny(steps=200, lr=1e-7, warmup_steps=0, eval_every=5, early_stopping_patience=2,
               early_stopping_metric="accuracy")

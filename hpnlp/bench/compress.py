@@ -147,22 +147,22 @@ def _forward_fn(workdir: str, quantized: str | None = None, sparse: str | None =
     hpnlp.compress sparsify` wrote to `sparse`."""
     from hpnlp import data as data_lib
     from hpnlp import models
-    from hpnlp.train import Trainer
-    from hpnlp.train.checkpoint import load_run_config
+    from hpnlp.config import validate
+    from hpnlp.train.checkpoint import load_run_config, restore_params
     from hpnlp.train.step import step_compiler_options
 
-    tr = Trainer(load_run_config(workdir), workdir, read_only=True)
-    state, _ = tr.initial_state()
-    tr.checkpointer.close()
-    batch = next(iter(data_lib.make_iterator(tr.task, tr.cfg.data, split="eval",
-                                             batch_size=tr.cfg.train.batch_size)))
+    cfg = validate(load_run_config(workdir))
+    task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=False)
+    batch = next(iter(data_lib.make_iterator(task, cfg.data, split="eval",
+                                             batch_size=cfg.train.batch_size)))
     if quantized is None:
-        fn = jax.jit(lambda p, b: tr.eval_model.apply({"params": p}, b, method="evaluate"),
+        model = models.build(cfg, deterministic=True, token_counts=task.token_counts)
+        fn = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate"),
                      compiler_options=step_compiler_options())  # as hpnlp's eval step compiles
-        return fn, (sparsify.load(sparse)[1] if sparse else state.params, batch)
+        return fn, (sparsify.load(sparse)[1] if sparse else restore_params(workdir), batch)
     from hpnlp.compress import ptq
     cfg_q, packed, qv = ptq.load(quantized)
-    model_q = models.build(cfg_q, deterministic=True, token_counts=tr.task.token_counts)
+    model_q = models.build(cfg_q, deterministic=True, token_counts=task.token_counts)
     served = ptq.serve(model_q, packed, batch, qv)
     fn = jax.jit(lambda p, q, b: model_q.apply({"params": p, **({"quant": q} if q else {})}, b,
                                                method="evaluate"),
@@ -177,6 +177,7 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> No
     new order each round; the median of its rounds), so slow drift of the machine and what
     the model before it left in the caches fall on every model alike."""
     from hpnlp.kernels import reuse_freed_memory
+    from hpnlp.train.loop import shared_program
     reuse_freed_memory()
     def key(r, sparse=False):  # (model, workdir, quantized, sparse)
         return r["model"], r["workdir"], r.get("quantized"), r["sparse"] if sparse else None
@@ -186,6 +187,7 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> No
     fns = {}
     for k in tqdm(sorted(keys, key=str), desc="load and compile", leave=False):
         fn, args = _forward_fn(*k[1:])
+        fn = shared_program(fn, *args)  # models of one shape (the pruned ones) compile once
         jax.block_until_ready(fn(*args))
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
@@ -405,15 +407,27 @@ def _sparsified(workdir: str, s: dict) -> str:
     return out
 
 
+_PARAM_COUNTS: dict[str, int] = {}  # config (JSON) -> param_count: half_rank's bisection runs twice
+
+
 def param_count(cd) -> int:
     """Parameters of the run `cd` would train (factorized where model.lowrank says), from
     shapes alone."""
+    import json
+
+    from hpnlp.config import Config, from_configdict, to_json, validate
+    cfg = validate(cd if isinstance(cd, Config) else from_configdict(cd))
+    key = json.dumps(to_json(cfg), sort_keys=True, default=str)
+    if key not in _PARAM_COUNTS:
+        _PARAM_COUNTS[key] = _param_count(cfg)
+    return _PARAM_COUNTS[key]
+
+
+def _param_count(cfg) -> int:
     import flax.linen as nn
 
     from hpnlp import models
-    from hpnlp.config import Config, from_configdict, validate
     from hpnlp.train.loop import dummy_batch
-    cfg = validate(cd if isinstance(cd, Config) else from_configdict(cd))
     model = models.build(cfg, deterministic=True)
     batch = dummy_batch("lm" if cfg.model.kind == "lm" else "classify", 1, cfg.data.seq_len)
 

@@ -81,18 +81,23 @@ def check_process_rows(sharding, batch_size: int) -> None:
             "process, so the batch axes split the processes evenly and in process order")
 
 
-_SHARED_PROGRAMS: dict = {}  # (program text, mesh) -> compiled; the newest few
+_SHARED_PROGRAMS: dict = {}  # (program text, devices) -> compiled; the newest few
 
 
-def _shared_program(fn, mesh, *args):
+def shared_program(fn, *args, mesh=None):
     """`fn` (jitted) compiled for `args`, reused by every later call in this process whose
-    program is the same text on the same devices: runs of one model initialize their
-    parameters by one program, but each run jits its own closure, which jax would compile
-    anew (about 2 s on a 2-core CPU for a small Transformer's random initialization)."""
+    program is the same text on the same devices (`mesh`'s, else those `args` are on): runs
+    of one model initialize their parameters by one program, and the compress bench times
+    many trained models of one shape, but each jits its own closure, which jax would compile
+    anew (about 2 s on a 2-core CPU for a small Transformer's random initialization; a
+    program under `jax_persistent_cache_min_compile_time_secs` is not even cached)."""
     import hashlib
     lowered = fn.lower(*args)
-    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), mesh.axis_names,
-           tuple(d.id for d in mesh.devices.flat), jax.process_index())
+    if mesh is not None:
+        devices = (mesh.axis_names, tuple(d.id for d in mesh.devices.flat))
+    else:
+        devices = tuple(sorted({d.id for a in jax.tree.leaves(args) for d in a.devices()}))
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), devices, jax.process_index())
     if key not in _SHARED_PROGRAMS:
         if len(_SHARED_PROGRAMS) >= 16:
             _SHARED_PROGRAMS.pop(next(iter(_SHARED_PROGRAMS)))
@@ -186,7 +191,7 @@ class Trainer:
             batch_size=cfg.train.batch_size, transform=transform, params=params)
         with self._context():
             # Two programs: the model's random initialization, which every run of the same
-            # model shares (one compile per process: `_shared_program`), then the rest of the
+            # model shares (one compile per process: `shared_program`), then the rest of the
             # state from it (optimizer, carries, a factorization), this run's own and small.
             key0 = jax.random.key(cfg.seed)
             boxed = jax.eval_shape(lambda key: init_params(model, key, batch1), key0)
@@ -197,7 +202,7 @@ class Trainer:
                            out_shardings=state_shardings(boxed, self.mesh, self.rules))
             rest = jax.jit(lambda key, p: nn.unbox(init(key, _rebox(boxed, p))),
                            out_shardings=self.state_sharding)
-            self._init = lambda key: rest(key, _shared_program(draw, self.mesh, key)(key))
+            self._init = lambda key: rest(key, shared_program(draw, key, mesh=self.mesh)(key))
             self.abstract_state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                 unboxed(abstract), self.state_sharding)
