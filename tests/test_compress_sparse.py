@@ -579,12 +579,6 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     check_params_match(str(tmp_path / "n"), own, field="train.init_from")  # no projection in the way
     for a, b in zip(jax.tree.leaves(restore_params(str(tmp_path / "n"), own)), jax.tree.leaves(own)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # with no `like` (a model read to run it): the parameters as saved, the projection too
-    saved = restore_params(str(tmp_path / "n"))
-    assert jax.tree.structure(saved) == jax.tree.structure(state2.params)
-    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(state2.params)):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # weight selection: a narrower student starts as the leading slice of each teacher twin;
     # with hidden-state matching, its projection (no teacher twin) keeps its own start
     sel = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="select", hidden=1.0))

@@ -285,6 +285,12 @@ def test_shared_program_compiles_one_program_once_per_device_set():
                                   np.asarray(jax.jit(lambda a, b: jnp.tanh(b @ a))(w, x)))
     f3 = loop.shared_program(jax.jit(lambda a, b: jnp.tanh(b @ a)), w, jnp.ones((5, 2)))
     assert f3 is not f1 and f3(w, jnp.ones((5, 2))).shape == (5, 3)
+    # a host (NumPy) argument, as a batch from the data iterator comes, goes to the default
+    # device: the same program there as f1's
+    f4 = loop.shared_program(jax.jit(lambda a, b: jnp.tanh(b @ a)), w, np.ones((4, 2), np.float32))
+    assert f4 is f1
+    assert loop.shared_program(jax.jit(lambda a: a * 2), np.ones(3, np.float32))(
+        np.ones(3, np.float32)).shape == (3,)
 
 
 def test_early_stopping_on_patience(tmp_path):

@@ -159,7 +159,12 @@ def _forward_fn(workdir: str, quantized: str | None = None, sparse: str | None =
         model = models.build(cfg, deterministic=True, token_counts=task.token_counts)
         fn = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate"),
                      compiler_options=step_compiler_options())  # as hpnlp's eval step compiles
-        return fn, (sparsify.load(sparse)[1] if sparse else restore_params(workdir), batch)
+        if sparse:
+            return fn, (sparsify.load(sparse)[1], batch)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            _abstract_params(cfg, model))  # no trainer built: the model alone
+        return fn, (restore_params(workdir, like), batch)
     from hpnlp.compress import ptq
     cfg_q, packed, qv = ptq.load(quantized)
     model_q = models.build(cfg_q, deterministic=True, token_counts=task.token_counts)
@@ -424,11 +429,16 @@ def param_count(cd) -> int:
 
 
 def _param_count(cfg) -> int:
+    from hpnlp import models
+    return models.param_count(_abstract_params(cfg, models.build(cfg, deterministic=True)))
+
+
+def _abstract_params(cfg, model):
+    """`model`'s parameters (shapes and dtypes) as a run of `cfg` trains and saves them:
+    factorized where model.lowrank says."""
     import flax.linen as nn
 
-    from hpnlp import models
     from hpnlp.train.loop import dummy_batch
-    model = models.build(cfg, deterministic=True)
     batch = dummy_batch("lm" if cfg.model.kind == "lm" else "classify", 1, cfg.data.seq_len)
 
     def init(key):
@@ -437,7 +447,7 @@ def _param_count(cfg) -> int:
             from hpnlp.compress import lowrank
             p = lowrank.init_transform(cfg, model, batch)(p)
         return nn.unbox(p)
-    return models.param_count(jax.eval_shape(init, jax.random.key(0)))
+    return jax.eval_shape(init, jax.random.key(0))
 
 
 def closest(values, size, target: float):

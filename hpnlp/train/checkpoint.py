@@ -203,9 +203,12 @@ def _newest(workdir: str):
     return manager, step
 
 
-def _saved_params(workdir: str):
-    """The parameter tree of the newest checkpoint in `workdir` as orbax's array metadata
-    (shapes and dtypes), read without the values."""
+def check_params_match(workdir: str, like, *, field: str) -> None:
+    """Refuse (naming `field`) when the newest checkpoint in `workdir` holds parameters of
+    other names or shapes than `like` (arrays or ShapeDtypeStructs), before any restore."""
+    import flax.traverse_util as traverse
+    from hpnlp.config import config_error
+
     manager, step = _newest(workdir)
     manager.close()
     import logging
@@ -217,18 +220,8 @@ def _saved_params(workdir: str):
     finally:
         absl.setLevel(level)
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    return tree["params"]
-
-
-def check_params_match(workdir: str, like, *, field: str) -> None:
-    """Refuse (naming `field`) when the newest checkpoint in `workdir` holds parameters of
-    other names or shapes than `like` (arrays or ShapeDtypeStructs), before any restore."""
-    import flax.traverse_util as traverse
-    from hpnlp.config import config_error
-
     from hpnlp.train.carry import model_params  # a method's own parameters are not the model's
-    saved = {k: tuple(v.shape)
-             for k, v in traverse.flatten_dict(model_params(_saved_params(workdir))).items()}
+    saved = {k: tuple(v.shape) for k, v in traverse.flatten_dict(model_params(tree["params"])).items()}
     mine = {k: tuple(v.shape) for k, v in traverse.flatten_dict(like).items()}
     diff = sorted(set(saved) ^ set(mine)) + sorted(k for k in set(saved) & set(mine)
                                                    if saved[k] != mine[k])
@@ -239,17 +232,11 @@ def check_params_match(workdir: str, like, *, field: str) -> None:
                            f"arrays: {shown}); it must be a run of the same model shape")
 
 
-def restore_params(workdir: str, like=None):
+def restore_params(workdir: str, like):
     """The parameters of the newest checkpoint in `workdir`, in the shapes, dtypes and
     shardings of `like` (a parameter tree of arrays), read without the rest of the state
     (Orbax partial restore): a distillation teacher (hpnlp.compress.distill), or the start
-    of a fine-tuning run (`train.init_from`). `like=None`: as saved (a method's own
-    parameters, such as movement scores, included), on the default device: a model read
-    to run it, with no trainer built."""
-    if like is None:
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                            _saved_params(workdir))
+    of a fine-tuning run (`train.init_from`)."""
     manager, step = _newest(workdir)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                            sharding=getattr(a, "sharding", None)),

@@ -96,7 +96,8 @@ def shared_program(fn, *args, mesh=None):
     if mesh is not None:
         devices = (mesh.axis_names, tuple(d.id for d in mesh.devices.flat))
     else:
-        devices = tuple(sorted({d.id for a in jax.tree.leaves(args) for d in a.devices()}))
+        devices = (tuple(sorted({d.id for a in jax.tree.leaves(args) if isinstance(a, jax.Array)
+                                 for d in a.devices()})), str(jax.config.jax_default_device))
     key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), devices, jax.process_index())
     if key not in _SHARED_PROGRAMS:
         if len(_SHARED_PROGRAMS) >= 16:
