@@ -637,6 +637,15 @@ def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp
     md = distill_recipes._markdown(payload)
     assert "| selected weights, T=1, alpha=0.5 | 0.5500 | 0.5400, 0.5600 | 0.750 |" in md
     assert "Best on validation: `selected weights, T=1, alpha=0.5` (gap closed 0.750)" in md
+    assert "Learning-rate check" not in md
+    # the learning-rate check: each student again at multiples of the teacher's rate, the
+    # gap read against the scratch student at the same rate
+    lr = [dict(row("student, scratch, lr x3", 0.5), fields=None, lr_scale=3.0),
+          dict(row("selected weights, T=1, alpha=0.5, lr x3", 0.56), fields={"alpha": 0.5},
+               lr_scale=3.0)]
+    md = distill_recipes._markdown(dict(payload, lr_check=lr, teacher_lr=1e-3))
+    assert "| x1 | 0.4000 | 0.5500 | 0.750 |" in md and "| x3 | 0.5000 | 0.5600 | 0.600 |" in md
+    assert "(scratch x3: 0.5000; the recipe x3: 0.5600), the recipe closes 0.600" in md
     assert "mean of 2 seeds" in md and "200 steps" in md
     distill_recipes._plot(payload, str(tmp_path))
     assert (tmp_path / "recipes.png").exists()
@@ -657,6 +666,16 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
     assert compress.DISTILLED_STUDENTS[-1][0] == compress.DISTILLED
     assert compress.DISTILLED_STUDENTS[-1][2] == compress.TARGETS_RECIPE
     assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.RECIPES]
+    # the classifier's students train at the rates its learning-rate check found best there,
+    # one for the scratch student, one for the targets' recipe (and every distilled row)
+    with open(os.path.join(root, "docs", "benchmarks", "distill_recipes", "results.json")) as f:
+        checked = json.load(f)["lr_check"]
+    for kind, fields in (("scratch", None), ("distilled", best["fields"])):
+        runs = [r for r in recorded if r["fields"] == fields] + [
+            r for r in checked if r["fields"] == fields]
+        assert len(runs) == 1 + len(distill_recipes.LR_SCALES["full"])
+        top = max(runs, key=lambda r: r["value"])
+        assert compress.STUDENT_LR["text classifier"][kind] == top.get("lr_scale", 1.0)
 
 
 def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):

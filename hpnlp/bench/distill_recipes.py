@@ -20,6 +20,12 @@ teacher's most active heads, neurons and width channels on the first training ba
 the first ones), alone and with soft targets at T = 1; and both selections from the
 teacher's last block rather than its first (`train.distill.init_blocks=last`: the block
 its final norm and output layer read).
+
+Every recipe trains at the teacher's learning rate, as the compress bench's students do.
+The learning-rate check then trains the scratch student and the best recipe again at
+`LR_SCALES` times that rate (same steps and seeds) and reads the gap each closes against
+the scratch student at the same rate: whether the recipes are compared with a scratch
+student trained at a rate that fits it.
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ RECIPES = (
      dict(SELECT_T1, init="importance", init_blocks="last")),
 )
 SEEDS = {"full": 3, "quick": 2}
+# The learning-rate check: the scratch student and the best recipe again at these multiples
+# of the teacher's learning rate (every row above trains at the teacher's, as the compress
+# bench's students do), the same steps and seeds: whether the comparison is between two
+# students each trained at a fitting rate. --quick: one multiple.
+LR_SCALES = {"full": (2.0, 3.0, 5.0, 8.0), "quick": (3.0,)}
 
 
 def _validation(cd):
@@ -61,27 +72,46 @@ def _validation(cd):
     return cd
 
 
-def recipe_rows(s: dict, workdir: str, seeds: int) -> tuple[dict, list[dict]]:
-    """(the teacher's row, one row per recipe), all on the validation split."""
+def _recipe_row(s: dict, workdir: str, seeds: int, name: str, fields: dict | None,
+                lr_scale: float = 1.0) -> dict:
+    """Recipe `name` (`fields`; None: the scratch student) trained on the validation split
+    at `lr_scale` times the teacher's learning rate, at `seeds` seeds."""
+    metric = compress.MODELS[MODEL][2]
+    if fields is None:
+        cd = compress.scratch_student(MODEL, s, lr_scale=lr_scale)
+    else:
+        cd = compress.distilled_student(MODEL, s, os.path.join(workdir, "teacher"), fields,
+                                        lr_scale=lr_scale)
+    out = os.path.join(workdir, name.replace(", ", "_").replace(" ", "_").replace("=", ""))
+    row = compress._seeded_row(MODEL, name, "", _validation(cd), out, metric, seeds)
+    row["fields"], row["lr_scale"] = fields, lr_scale
+    return row
+
+
+def recipe_rows(s: dict, workdir: str, seeds: int,
+                lr_scales=()) -> tuple[dict, list[dict], list[dict]]:
+    """(the teacher's row, one row per recipe, the learning-rate check's rows: the scratch
+    student and the best recipe at each of `lr_scales`), all on the validation split."""
     metric = compress.MODELS[MODEL][2]
     tdir = os.path.join(workdir, "teacher")
     teacher = compress._row(MODEL, "teacher", "", compress._train(
         _validation(compress.experiment(MODEL, s)), tdir), tdir, metric)
-    rows = []
-    for name, fields in tqdm(RECIPES, desc="recipes", leave=False):
-        if fields is None:
-            cd = compress.student(compress.experiment(MODEL, s), s["student_steps"][MODEL])
-        else:
-            cd = compress.distilled_student(MODEL, s, tdir, fields)
-        out = os.path.join(workdir, name.replace(", ", "_").replace(" ", "_").replace("=", ""))
-        row = compress._seeded_row(MODEL, name, "", _validation(cd), out, metric, seeds)
-        row["fields"] = fields
-        rows.append(row)
+    rows = [_recipe_row(s, workdir, seeds, name, fields)
+            for name, fields in tqdm(RECIPES, desc="recipes", leave=False)]
+    best = max(rows[1:], key=lambda r: r["value"])
+    lr_rows = [_recipe_row(s, workdir, seeds, f"{r['method']}, lr x{k:g}", r["fields"], k)
+               for k in tqdm(lr_scales, desc="learning rates", leave=False)
+               for r in (rows[0], best)]
     scratch = rows[0]["value"]
     for r in rows:
         r["gap_closed"] = (None if r is rows[0] else
                            (r["value"] - scratch) / (teacher["value"] - scratch))
-    return teacher, rows
+    for r in lr_rows:  # against the scratch student at the same rate
+        base = next(x["value"] for x in lr_rows if x["fields"] is None
+                    and x["lr_scale"] == r["lr_scale"])
+        r["gap_closed"] = (None if r["fields"] is None else
+                           (r["value"] - base) / (teacher["value"] - base))
+    return teacher, rows, lr_rows
 
 
 def _gap(x) -> str:
@@ -103,10 +133,31 @@ def _markdown(p: dict) -> str:
                 _gap(r["gap_closed"])] for r in rows]), "",
            f"Best on validation: `{best['method']}` (gap closed "
            f"{_gap(best['gap_closed'])}).", ""]
+    lr_rows = p.get("lr_check") or []
+    if lr_rows:
+        scratch = [rows[0]] + [r for r in lr_rows if r["fields"] is None]
+        recipe = [best] + [r for r in lr_rows if r["fields"] is not None]
+        out += [f"Learning-rate check: the scratch student and the best recipe at multiples of "
+                f"the teacher's learning rate (every row above trains at the teacher's, "
+                f"{p['teacher_lr']:g}); the same steps and seeds; gap closed against the "
+                "scratch student at the same rate. The compress bench trains the "
+                "classifier's students at the rates best here "
+                "(`hpnlp.bench.compress.STUDENT_LR`).", "",
+                report.table(["learning rate", "student, scratch", best["method"],
+                              "gap closed"],
+                             [[f"x{a.get('lr_scale', 1.0):g}", f"{a['value']:.4f}",
+                               f"{b['value']:.4f}",
+                               _gap((b["value"] - a["value"]) / (t["value"] - a["value"]))]
+                              for a, b in zip(scratch, recipe)]), ""]
+        a, b = max(scratch, key=lambda r: r["value"]), max(recipe, key=lambda r: r["value"])
+        out += [f"Each at its best rate here (scratch x{a.get('lr_scale', 1.0):g}: "
+                f"{a['value']:.4f}; the recipe x{b.get('lr_scale', 1.0):g}: {b['value']:.4f}), "
+                f"the recipe closes {_gap((b['value'] - a['value']) / (t['value'] - a['value']))}"
+                " of the gap.", ""]
     if p.get("reused_runs"):
-        out += [f"{p['reused_runs']} finished runs were reused from --workdir (trained there by "
-                f"an earlier run of this command), so the wall time, {p['seconds']:.0f} s, "
-                "leaves their training out.", ""]
+        out += [f"{p['reused_runs']} finished runs of the same configs were reused from "
+                f"--workdir, so the wall time, {p['seconds']:.0f} s, leaves their training "
+                "out.", ""]
     elif p.get("seconds"):
         out += [f"Wall time: {p['seconds']:.0f} s.", ""]
     return "\n".join(out)
@@ -142,10 +193,12 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
         t0, reused = time.perf_counter(), len(compress.REUSED)
-        teacher, rows = recipe_rows(s, workdir or tmp, seeds)
+        teacher, rows, lr_rows = recipe_rows(s, workdir or tmp, seeds,
+                                             LR_SCALES["quick" if quick else "full"])
         payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,
-                   "recipes": rows, "seconds": time.perf_counter() - t0,
+                   "teacher_lr": compress.experiment(MODEL, s).train.lr,
+                   "recipes": rows, "lr_check": lr_rows, "seconds": time.perf_counter() - t0,
                    "reused_runs": len(compress.REUSED) - reused}
     report.write(out_dir, "distill_recipes", payload, _markdown(payload))
     _plot(payload, out_dir)
