@@ -21,11 +21,12 @@ the first ones), alone and with soft targets at T = 1; and both selections from 
 teacher's last block rather than its first (`train.distill.init_blocks=last`: the block
 its final norm and output layer read).
 
-Every recipe trains at the teacher's learning rate, as the compress bench's students do.
-The learning-rate check then trains the scratch student and the best recipe again at
-`LR_SCALES` times that rate (same steps and seeds) and reads the gap each closes against
-the scratch student at the same rate: whether the recipes are compared with a scratch
-student trained at a rate that fits it.
+Every recipe trains at the teacher's learning rate. The learning-rate check then trains
+the scratch student and the best recipe again at `LR_SCALES` times that rate (same steps
+and seeds) and reads the gap each closes against the scratch student at the same rate:
+whether the recipes are compared with a scratch student trained at a rate that fits it.
+The compress bench trains the classifier's students at the rates best here
+(`compress.STUDENT_LR`; a test holds it to the record).
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ RECIPES = (
 )
 SEEDS = {"full": 3, "quick": 2}
 # The learning-rate check: the scratch student and the best recipe again at these multiples
-# of the teacher's learning rate (every row above trains at the teacher's, as the compress
-# bench's students do), the same steps and seeds: whether the comparison is between two
-# students each trained at a fitting rate. --quick: one multiple.
+# of the teacher's learning rate (every row above trains at the teacher's), the same steps
+# and seeds: whether the comparison is between two students each trained at a fitting
+# rate. --quick: one multiple.
 LR_SCALES = {"full": (2.0, 3.0, 5.0, 8.0), "quick": (3.0,)}
 
 
