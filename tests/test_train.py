@@ -269,12 +269,15 @@ def test_initial_state_draws_parameters_in_a_program_runs_share(tmp_path):
     assert loop._SHARED_PROGRAMS == programs
 
 
-def test_shared_program_compiles_one_program_once_per_device_set():
+def test_shared_program_compiles_one_program_once_per_device_set(monkeypatch):
     """Two closures that lower to one program share its executable (the compress bench
     times trained models of one shape so); another shape compiles its own."""
     import jax.numpy as jnp
 
     from hpnlp.train import loop
+    # an empty memo: earlier tests in this process may have filled it to its 16 entries,
+    # where each new program evicts the oldest and the count stays
+    monkeypatch.setattr(loop, "_SHARED_PROGRAMS", {})
     w = jnp.arange(6.0).reshape(2, 3)
     x = jnp.ones((4, 2))
     before = len(loop._SHARED_PROGRAMS)
