@@ -506,6 +506,18 @@ def test_compress_bench_targets_and_table_from_a_payload():
     assert "structured prune + shrink" in md and "1.60x" in md
     assert "| 1.00x; sparse 2.50x |" in md  # the pruned model dense, then served sparse
     assert "text classifier, student, scratch: 0.6200, 0.5800" in md  # a mean's seeds
+    assert (f"Gap closed, byte LM: `student, distilled` 0.333, `{compress.DISTILLED}` 0.667 "
+            "(the last, the targets' row).") in md  # a row not run is left out
+    # each model's students: soft targets alone, its recipe's initialization alone, its recipe
+    for model, recipe in compress.TARGETS_RECIPE.items():
+        rows = compress.distilled_students(model)
+        assert rows[-1][:3] == (compress.DISTILLED, compress.recipe_setting(recipe), recipe)
+        assert rows[1][2] == {k: v for k, v in recipe.items() if k in ("init", "init_blocks")
+                              } | {"alpha": 0.0}
+    assert compress.recipe_setting(dict(alpha=0.5, temperature=1.0, init="select",
+                                        attention=1.0)) == "init=select, T=1, alpha=0.5, attention 1"
+    assert compress.recipe_setting(dict(alpha=0.0, init="importance", init_blocks="last")
+                                   ) == "init=importance, last blocks, alpha=0"
 
 
 def test_moe_bench_targets_and_table_from_a_payload():
@@ -651,31 +663,58 @@ def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp
     assert (tmp_path / "recipes.png").exists()
     assert [name for name, _ in distill_recipes.RECIPES][:1] == ["student, scratch"]
     assert distill_recipes.RECIPES[3][1] == dict(alpha=0.5, temperature=1.0, init="select")
+    # the byte LM's: a loss, so the best is the lowest; its rates sorted, half included
+    lm = dict(payload, model="byte LM", seeds=1, sizes={"student_steps": {"byte LM": None}},
+              teacher={"value": 1.5, "params": 400}, teacher_lr=3e-3,
+              recipes=[row("student, scratch", 2.0), row("soft targets, T=1, alpha=0.5", 1.9,
+                                                          gap=0.2),
+                       row("selected weights, T=1, alpha=0.5", 1.75, gap=0.5)],
+              lr_check=[dict(row("student, scratch, lr x2", 1.8), fields=None, lr_scale=2.0),
+                        dict(row("x", 1.6), fields={"alpha": 0.5}, lr_scale=2.0),
+                        dict(row("student, scratch, lr x0.5", 2.2), fields=None, lr_scale=0.5),
+                        dict(row("y", 1.95), fields={"alpha": 0.5}, lr_scale=0.5)])
+    md = distill_recipes._markdown(lm)
+    assert "Byte LM, validation split" in md and "the teacher's steps, one seed each" in md
+    assert "| recipe | loss | each seed | gap closed |" in md
+    assert "Best on validation: `selected weights, T=1, alpha=0.5` (gap closed 0.500)" in md
+    assert md.index("| x0.5 | 2.2000 | 1.9500 | 0.357 |") < md.index("| x1 | 2.0000 | 1.7500 |")
+    assert "| x2 | 1.8000 | 1.6000 | 0.667 |" in md
+    assert "(scratch x2: 1.8000; the recipe x2: 1.6000), the recipe closes 0.667" in md
+    assert "teacher's learning-rate check" not in md
+    md = distill_recipes._markdown(dict(lm, teacher_lr_check=[
+        dict(row("teacher, lr x3", 1.45), lr_scale=3.0), dict(row("teacher, lr x2", 1.4),
+                                                               lr_scale=2.0)]))
+    assert "| x1 | 1.5000 |\n| x2 | 1.4000 |\n| x3 | 1.4500 |" in md
+    distill_recipes._plot(lm, str(tmp_path))
 
 
 def test_the_compress_targets_recipe_is_the_one_validation_picked():
-    """The compress bench's targets' row trains the recipe the recorded distill_recipes run
-    found best on the validation split, one that run measured, so the choice never read
-    the eval chapters the targets are scored on."""
+    """Each model's targets' row in the compress bench trains the recipe its recorded
+    distill_recipes run found best on its validation split, one that run measured, so the
+    choice never read the eval chapters the targets are scored on; and its students train at
+    the learning rates that run's check found best there."""
     from hpnlp.bench import compress, distill_recipes
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "benchmarks", "distill_recipes", "results.json")) as f:
-        recorded = json.load(f)["recipes"]
-    best = max((r for r in recorded if r["gap_closed"] is not None), key=lambda r: r["gap_closed"])
-    assert best["fields"] == compress.TARGETS_RECIPE
-    assert compress.DISTILLED_STUDENTS[-1][0] == compress.DISTILLED
-    assert compress.DISTILLED_STUDENTS[-1][2] == compress.TARGETS_RECIPE
-    assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.RECIPES]
-    # the classifier's students train at the rates its learning-rate check found best there,
-    # one for the scratch student, one for the targets' recipe (and every distilled row)
-    with open(os.path.join(root, "docs", "benchmarks", "distill_recipes", "results.json")) as f:
-        checked = json.load(f)["lr_check"]
-    for kind, fields in (("scratch", None), ("distilled", best["fields"])):
-        runs = [r for r in recorded if r["fields"] == fields] + [
-            r for r in checked if r["fields"] == fields]
-        assert len(runs) == 1 + len(distill_recipes.LR_SCALES["full"])
-        top = max(runs, key=lambda r: r["value"])
-        assert compress.STUDENT_LR["text classifier"][kind] == top.get("lr_scale", 1.0)
+    records = {"text classifier": "distill_recipes", "byte LM": "distill_recipes_lm"}
+    assert set(records) == set(compress.MODELS) == set(compress.TARGETS_RECIPE)
+    for model, record in records.items():
+        with open(os.path.join(root, "docs", "benchmarks", record, "results.json")) as f:
+            payload = json.load(f)
+        assert payload.get("model", distill_recipes.MODEL) == model
+        recorded, checked = payload["recipes"], payload["lr_check"]
+        best = max((r for r in recorded if r["gap_closed"] is not None),
+                   key=lambda r: r["gap_closed"])
+        assert best["fields"] == compress.TARGETS_RECIPE[model]
+        assert compress.distilled_students(model)[-1][0] == compress.DISTILLED
+        assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.RECIPES]
+        # one rate for the scratch student, one for the targets' recipe (and every distilled
+        # row), each the best of its check
+        for kind, fields in (("scratch", None), ("distilled", best["fields"])):
+            runs = [r for r in recorded if r["fields"] == fields] + [
+                r for r in checked if r["fields"] == fields]
+            assert len(runs) == 1 + len(distill_recipes.LR_SCALES[model]["full"])
+            top = max(runs, key=distill_recipes._key(model))
+            assert compress.STUDENT_LR[model][kind] == top.get("lr_scale", 1.0), (model, kind)
 
 
 def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""`python -m hpnlp.bench distill_recipes`: the text classifier's distillation recipes, chosen on a validation split.
+"""`python -m hpnlp.bench distill_recipes`: distillation recipes and students' learning rates, chosen on a validation split.
 
-`python -m hpnlp.bench compress` reads its distillation targets on one recipe
+`python -m hpnlp.bench compress` reads its distillation targets on one recipe per model
 (`compress.TARGETS_RECIPE`), scored on the eval chapters. Which recipe that should be is a
 choice that must not read the eval chapters, or the target would be met by selection. Here
 the choice is made on a validation split instead (`data.eval_split='validation'`), and the
@@ -25,8 +25,15 @@ Every recipe trains at the teacher's learning rate. The learning-rate check then
 the scratch student and the best recipe again at `LR_SCALES` times that rate (same steps
 and seeds) and reads the gap each closes against the scratch student at the same rate:
 whether the recipes are compared with a scratch student trained at a rate that fits it.
-The compress bench trains the classifier's students at the rates best here
+The compress bench trains the students at the rates best here
 (`compress.STUDENT_LR`; a test holds it to the record).
+
+`--model 'text classifier'` (the default; `docs/benchmarks/distill_recipes`) or `--model
+'byte LM'` (`docs/benchmarks/distill_recipes_lm`): the byte LM's students train the
+teacher's 800 steps, one seed each (as in the compress bench), and read on validation loss;
+its learning-rate check also tries half the teacher's rate, which is already 3x the
+classifier's; and the teacher itself trains again at 2x, 3x and 5x its rate
+(`TEACHER_LR_SCALES`), since the students at their best rate came close to it.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from tqdm.auto import tqdm
 
 from hpnlp.bench import compress, harness, report
 
-MODEL = "text classifier"
+MODEL = "text classifier"  # the default --model
 SELECT_T1 = dict(alpha=0.5, temperature=1.0, init="select")  # DistilBERT's, narrower
 # (name, `train.distill` fields; None: the scratch student)
 RECIPES = (
@@ -60,12 +67,19 @@ RECIPES = (
     ("important weights, last blocks, T=1, alpha=0.5",
      dict(SELECT_T1, init="importance", init_blocks="last")),
 )
-SEEDS = {"full": 3, "quick": 2}
+SEEDS = {"text classifier": {"full": 3, "quick": 2}, "byte LM": {"full": 1, "quick": 1}}
 # The learning-rate check: the scratch student and the best recipe again at these multiples
 # of the teacher's learning rate (every row above trains at the teacher's), the same steps
 # and seeds: whether the comparison is between two students each trained at a fitting
 # rate. --quick: one multiple.
-LR_SCALES = {"full": (2.0, 3.0, 5.0, 8.0), "quick": (3.0,)}
+LR_SCALES = {"text classifier": {"full": (2.0, 3.0, 5.0, 8.0), "quick": (3.0,)},
+             "byte LM": {"full": (0.5, 2.0, 3.0, 5.0, 8.0, 12.0), "quick": (2.0,)}}
+# The teacher's own rate, checked the same way after the students: the teacher alone again
+# at these multiples of its experiment's rate (every student distils from the teacher at
+# 1x). The byte LM's students at their best rate came within 0.03 of it on validation and
+# beat it on the eval chapters: whether its 800 steps at 3e-3 leave the teacher short too.
+TEACHER_LR_SCALES = {"text classifier": {"full": (), "quick": ()},
+                     "byte LM": {"full": (2.0, 3.0, 5.0), "quick": ()}}
 
 
 def _validation(cd):
@@ -73,45 +87,72 @@ def _validation(cd):
     return cd
 
 
+def teacher_rows(s: dict, workdir: str, scales, model: str = MODEL) -> list[dict]:
+    """`model`'s teacher trained on the validation split at each of `scales` times its
+    experiment's learning rate (the teacher's learning-rate check)."""
+    metric, rows = compress.MODELS[model][2], []
+    for k in tqdm(scales, desc="teacher's learning rate", leave=False):
+        cd = _validation(compress.experiment(model, s))
+        cd.train.lr = cd.train.lr * k
+        out = os.path.join(workdir, f"teacher_lr_x{k:g}")
+        row = compress._row(model, f"teacher, lr x{k:g}", "", compress._train(cd, out), out,
+                            metric)
+        row["lr_scale"] = k
+        rows.append(row)
+    return rows
+
+
+def _key(model: str):
+    """Sort key under which the best row is the largest: accuracy up, loss down."""
+    return (lambda r: -r["value"]) if compress.MODELS[model][2] == "loss" else (
+        lambda r: r["value"])
+
+
+def _gap_closed(student: float, scratch: float, teacher: float) -> float:
+    return (student - scratch) / (teacher - scratch)  # the same for a loss and an accuracy
+
+
 def _recipe_row(s: dict, workdir: str, seeds: int, name: str, fields: dict | None,
-                lr_scale: float = 1.0) -> dict:
-    """Recipe `name` (`fields`; None: the scratch student) trained on the validation split
-    at `lr_scale` times the teacher's learning rate, at `seeds` seeds."""
-    metric = compress.MODELS[MODEL][2]
+                lr_scale: float = 1.0, model: str = MODEL) -> dict:
+    """Recipe `name` (`fields`; None: the scratch student) of `model` trained on the
+    validation split at `lr_scale` times the teacher's learning rate, at `seeds` seeds."""
+    metric = compress.MODELS[model][2]
     if fields is None:
-        cd = compress.scratch_student(MODEL, s, lr_scale=lr_scale)
+        cd = compress.scratch_student(model, s, lr_scale=lr_scale)
     else:
-        cd = compress.distilled_student(MODEL, s, os.path.join(workdir, "teacher"), fields,
+        cd = compress.distilled_student(model, s, os.path.join(workdir, "teacher"), fields,
                                         lr_scale=lr_scale)
     out = os.path.join(workdir, name.replace(", ", "_").replace(" ", "_").replace("=", ""))
-    row = compress._seeded_row(MODEL, name, "", _validation(cd), out, metric, seeds)
+    row = compress._seeded_row(model, name, "", _validation(cd), out, metric, seeds)
     row["fields"], row["lr_scale"] = fields, lr_scale
     return row
 
 
-def recipe_rows(s: dict, workdir: str, seeds: int,
-                lr_scales=()) -> tuple[dict, list[dict], list[dict]]:
+def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
+                model: str = MODEL) -> tuple[dict, list[dict], list[dict]]:
     """(the teacher's row, one row per recipe, the learning-rate check's rows: the scratch
-    student and the best recipe at each of `lr_scales`), all on the validation split."""
-    metric = compress.MODELS[MODEL][2]
+    student and the best recipe at each of `lr_scales`), all of `model` on the validation
+    split."""
+    metric = compress.MODELS[model][2]
     tdir = os.path.join(workdir, "teacher")
-    teacher = compress._row(MODEL, "teacher", "", compress._train(
-        _validation(compress.experiment(MODEL, s)), tdir), tdir, metric)
-    rows = [_recipe_row(s, workdir, seeds, name, fields)
+    teacher = compress._row(model, "teacher", "", compress._train(
+        _validation(compress.experiment(model, s)), tdir), tdir, metric)
+    rows = [_recipe_row(s, workdir, seeds, name, fields, model=model)
             for name, fields in tqdm(RECIPES, desc="recipes", leave=False)]
-    best = max(rows[1:], key=lambda r: r["value"])
-    lr_rows = [_recipe_row(s, workdir, seeds, f"{r['method']}, lr x{k:g}", r["fields"], k)
+    best = max(rows[1:], key=_key(model))
+    lr_rows = [_recipe_row(s, workdir, seeds, f"{r['method']}, lr x{k:g}", r["fields"], k,
+                           model=model)
                for k in tqdm(lr_scales, desc="learning rates", leave=False)
                for r in (rows[0], best)]
     scratch = rows[0]["value"]
     for r in rows:
         r["gap_closed"] = (None if r is rows[0] else
-                           (r["value"] - scratch) / (teacher["value"] - scratch))
+                           _gap_closed(r["value"], scratch, teacher["value"]))
     for r in lr_rows:  # against the scratch student at the same rate
         base = next(x["value"] for x in lr_rows if x["fields"] is None
                     and x["lr_scale"] == r["lr_scale"])
         r["gap_closed"] = (None if r["fields"] is None else
-                           (r["value"] - base) / (teacher["value"] - base))
+                           _gap_closed(r["value"], base, teacher["value"]))
     return teacher, rows, lr_rows
 
 
@@ -119,16 +160,27 @@ def _gap(x) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
+def _split_line(model: str, t: dict, first: dict, steps, seeds: int) -> str:
+    split = ("validation split (`data.eval_split='validation'`: 119 of the 1071 training "
+             "chapters held out; the eval chapters never read)")
+    metric = compress.MODELS[model][2]
+    return (f"{model[0].upper()}{model[1:]}, {split}. Teacher: {metric} {t['value']:.4f}, "
+            f"{t['params']:,} parameters. Students: {first['params']:,} parameters, "
+            + (f"{steps} steps" if steps else "the teacher's steps")
+            + (f", mean of {seeds} seeds." if seeds > 1 else ", one seed each."))
+
+
 def _markdown(p: dict) -> str:
+    model = p.get("model", MODEL)
+    metric, key = compress.MODELS[model][2], _key(model)
     t, rows = p["teacher"], p["recipes"]
-    best = max(rows[1:], key=lambda r: r["value"])
+    best = max(rows[1:], key=key)
+    rate = lambda r: r.get("lr_scale", 1.0)  # noqa: E731
     out = [report.header_md(p["machine"], {}), "",
-           f"Text classifier, validation split (`data.eval_split='validation'`: 119 of "
-           f"the 1071 training chapters held out; the eval chapters never read). Teacher: accuracy "
-           f"{t['value']:.4f}, {t['params']:,} parameters. Students: {rows[0]['params']:,} "
-           f"parameters, {p['sizes']['student_steps'][MODEL]} steps, mean of {p['seeds']} seeds.",
+           _split_line(model, t, rows[0], p["sizes"]["student_steps"].get(model), p["seeds"]),
            "",
-           report.table(["recipe", "accuracy (mean)", "each seed", "gap closed"], [
+           report.table(["recipe", f"{metric} (mean)" if p["seeds"] > 1 else metric,
+                         "each seed", "gap closed"], [
                [r["method"], f"{r['value']:.4f}",
                 ", ".join(f"{v:.4f}" for v in r.get("seed_values") or [r["value"]]),
                 _gap(r["gap_closed"])] for r in rows]), "",
@@ -136,25 +188,29 @@ def _markdown(p: dict) -> str:
            f"{_gap(best['gap_closed'])}).", ""]
     lr_rows = p.get("lr_check") or []
     if lr_rows:
-        scratch = [rows[0]] + [r for r in lr_rows if r["fields"] is None]
-        recipe = [best] + [r for r in lr_rows if r["fields"] is not None]
+        scratch = sorted([rows[0]] + [r for r in lr_rows if r["fields"] is None], key=rate)
+        recipe = sorted([best] + [r for r in lr_rows if r["fields"] is not None], key=rate)
         out += [f"Learning-rate check: the scratch student and the best recipe at multiples of "
                 f"the teacher's learning rate (every row above trains at the teacher's, "
                 f"{p['teacher_lr']:g}); the same steps and seeds; gap closed against the "
                 "scratch student at the same rate. The compress bench trains the "
-                "classifier's students at the rates best here "
-                "(`hpnlp.bench.compress.STUDENT_LR`).", "",
+                "students at the rates best here (`hpnlp.bench.compress.STUDENT_LR`).", "",
                 report.table(["learning rate", "student, scratch", best["method"],
                               "gap closed"],
-                             [[f"x{a.get('lr_scale', 1.0):g}", f"{a['value']:.4f}",
-                               f"{b['value']:.4f}",
-                               _gap((b["value"] - a["value"]) / (t["value"] - a["value"]))]
+                             [[f"x{rate(a):g}", f"{a['value']:.4f}", f"{b['value']:.4f}",
+                               _gap(_gap_closed(b["value"], a["value"], t["value"]))]
                               for a, b in zip(scratch, recipe)]), ""]
-        a, b = max(scratch, key=lambda r: r["value"]), max(recipe, key=lambda r: r["value"])
-        out += [f"Each at its best rate here (scratch x{a.get('lr_scale', 1.0):g}: "
-                f"{a['value']:.4f}; the recipe x{b.get('lr_scale', 1.0):g}: {b['value']:.4f}), "
-                f"the recipe closes {_gap((b['value'] - a['value']) / (t['value'] - a['value']))}"
-                " of the gap.", ""]
+        a, b = max(scratch, key=key), max(recipe, key=key)
+        out += [f"Each at its best rate here (scratch x{rate(a):g}: {a['value']:.4f}; the "
+                f"recipe x{rate(b):g}: {b['value']:.4f}), the recipe closes "
+                f"{_gap(_gap_closed(b['value'], a['value'], t['value']))} of the gap.", ""]
+    teachers = p.get("teacher_lr_check") or []
+    if teachers:
+        out += ["The teacher's learning-rate check: the teacher alone again at multiples of its "
+                "rate (every student above distils from the teacher at x1).", "",
+                report.table(["learning rate", f"teacher, {metric}"],
+                             [[f"x{rate(r):g}", f"{r['value']:.4f}"]
+                              for r in sorted([t] + teachers, key=rate)]), ""]
     if p.get("reused_runs"):
         out += [f"{p['reused_runs']} finished runs of the same configs were reused from "
                 f"--workdir, so the wall time, {p['seconds']:.0f} s, leaves their training "
@@ -169,7 +225,7 @@ def _plot(p: dict, out_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = p["recipes"]
+    rows, metric = p["recipes"], compress.MODELS[p.get("model", MODEL)][2]
     fig, ax = plt.subplots(figsize=(9, 4))
     for i, r in enumerate(rows):
         ax.barh(i, r["value"], color="tab:blue" if i else "tab:gray")
@@ -177,29 +233,33 @@ def _plot(p: dict, out_dir: str) -> None:
         ax.plot(vals, [i] * len(vals), "k.", markersize=4)
     ax.axvline(p["teacher"]["value"], color="tab:red", linestyle="--", label="teacher")
     ax.set_yticks(range(len(rows)), [r["method"] for r in rows], fontsize=8)
-    lo = min(min(r.get("seed_values") or [r["value"]]) for r in rows)
-    ax.set_xlim(lo - 0.02, p["teacher"]["value"] + 0.02)
-    ax.set_xlabel("validation accuracy (bars: seed mean; dots: each seed)")
+    values = [v for r in rows for v in r.get("seed_values") or [r["value"]]]
+    values.append(p["teacher"]["value"])
+    ax.set_xlim(min(values) - 0.02, max(values) + 0.02)
+    ax.set_xlabel(f"validation {metric} (bars: seed mean; dots: each seed)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "recipes.png"), dpi=120)
     plt.close(fig)
 
 
-def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
-    s = compress.SIZES["quick" if quick else "full"]
-    seeds = SEEDS["quick" if quick else "full"]
+def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = MODEL) -> dict:
+    size = "quick" if quick else "full"
+    s, seeds = compress.SIZES[size], SEEDS[model][size]
     with tempfile.TemporaryDirectory() as tmp:
         if not jax.config.jax_compilation_cache_dir:  # students of one shape compile once
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
         t0, reused = time.perf_counter(), len(compress.REUSED)
-        teacher, rows, lr_rows = recipe_rows(s, workdir or tmp, seeds,
-                                             LR_SCALES["quick" if quick else "full"])
-        payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+        teacher, rows, lr_rows = recipe_rows(s, workdir or tmp, seeds, LR_SCALES[model][size],
+                                             model)
+        teachers = teacher_rows(s, workdir or tmp, TEACHER_LR_SCALES[model][size], model)
+        payload = {"model": model,
+                   "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,
-                   "teacher_lr": compress.experiment(MODEL, s).train.lr,
-                   "recipes": rows, "lr_check": lr_rows, "seconds": time.perf_counter() - t0,
+                   "teacher_lr": compress.experiment(model, s).train.lr,
+                   "recipes": rows, "lr_check": lr_rows, "teacher_lr_check": teachers,
+                   "seconds": time.perf_counter() - t0,
                    "reused_runs": len(compress.REUSED) - reused}
     report.write(out_dir, "distill_recipes", payload, _markdown(payload))
     _plot(payload, out_dir)
@@ -208,7 +268,9 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="keep the runs' workdirs here (reused)")
+    p.add_argument("--model", default=MODEL, choices=sorted(compress.MODELS),
+                   help="whose students (default: %(default)s; 'byte LM': the default LM)")
 
 
 def main(args) -> None:
-    run(args.out, quick=args.quick, workdir=args.workdir)
+    run(args.out, quick=args.quick, workdir=args.workdir, model=args.model)
