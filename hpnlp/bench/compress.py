@@ -16,16 +16,17 @@ In one run on this CPU:
    of every two, its most active heads, MLP neurons and width channels; Muralidharan et
    al. 2024) with soft targets at T = 1; for the byte LM the teacher's first heads, neurons
    and channels (`init=select`) with soft targets at T = 1 and attention-map matching
-   (TinyBERT). Reported: eval metric (loss for the LM, accuracy for the classifier), parameters, size, and forward
-   time relative to the teacher. `gap closed` = (scratch - distilled) / (scratch -
-   teacher) on the eval metric. The classifier's scratch student and its targets' row
-   train at three seeds each and read as their mean (`SIZES` `seeds`): between seeds its
-   scratch accuracy spread as widely as its gap to the teacher. Every student trains at
-   the multiple of the teacher's learning rate that distill_recipes' check finds best on
-   the validation split (`STUDENT_LR`: 5x for the classifier's, 8x for the LM's, for its
-   scratch student and its targets' recipe alike; at the teacher's rate both models'
-   scratch students were far short of trained). Hidden-state matching
-   (`train.distill.hidden`) is in no model's targets' recipe, so not in the run.
+   (TinyBERT). Reported: eval metric (loss for the LM, accuracy for the classifier),
+   parameters, size, and forward time relative to the teacher. `gap closed` = (scratch -
+   distilled) / (scratch - teacher) on the eval metric. The classifier's scratch student
+   and its targets' row train at three seeds each and read as their mean (`SIZES`
+   `seeds`): between seeds its scratch accuracy spread as widely as its gap to the
+   teacher. Every student trains at the multiple of the teacher's learning rate that
+   distill_recipes' check finds best on the validation split (`STUDENT_LR`: 5x for the
+   classifier's, 8x for the LM's, for its scratch student and its targets' recipe alike;
+   at the teacher's rate both models' scratch students were far short of trained).
+   Hidden-state matching (`train.distill.hidden`) is in no model's targets' recipe, so
+   not in the run.
 2. Pruning (`prune`): the byte-LM teacher fine-tuned for the same steps at 50/75/90/95%
    sparsity with magnitude, movement (Sanh et al. 2020) and random (the control) masks, all
    on the same gradual cubic schedule (`prune_schedule`: from a tenth of the steps, so
@@ -754,12 +755,12 @@ def _markdown(p: dict) -> str:
            "pipeline: its int8 file on disk).", ""]
     if p.get("distill"):
         for model in MODELS:
+            ran = {r["method"] for r in p["distill"] if r["model"] == model}
             gaps = [f"`{method}` {report.fmt(_gap_closed(p['distill'], model, method))}"
-                    for method, *_ in distilled_students(model)
-                    if any(r["method"] == method for r in p["distill"])]
+                    for method, *_ in distilled_students(model) if method in ran]
             if gaps:
-                out += [f"Gap closed, {model}: " + ", ".join(gaps) + " (the last, the targets' "
-                        "row).", ""]
+                out += [f"Gap closed, {model}: " + ", ".join(gaps) + (
+                    " (the last, the targets' row)." if DISTILLED in ran else "."), ""]
         seeded = [r for r in p["distill"] if r.get("seed_values")]
         if seeded:
             out += ["Rows read as the mean of several seeds, each seed's value: " + "; ".join(

@@ -1,4 +1,4 @@
-"""`python -m hpnlp.bench distill_recipes`: distillation recipes and students' learning rates, chosen on a validation split.
+"""`python -m hpnlp.bench distill_recipes`: distillation recipes and learning rates, on validation.
 
 `python -m hpnlp.bench compress` reads its distillation targets on one recipe per model
 (`compress.TARGETS_RECIPE`), scored on the eval chapters. Which recipe that should be is a
@@ -108,7 +108,9 @@ def _key(model: str):
         lambda r: r["value"])
 
 
-def _gap_closed(student: float, scratch: float, teacher: float) -> float:
+def _gap_closed(student: float, scratch: float, teacher: float) -> float | None:
+    if teacher == scratch:
+        return None
     return (student - scratch) / (teacher - scratch)  # the same for a loss and an accuracy
 
 
@@ -251,9 +253,11 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
         t0, reused = time.perf_counter(), len(compress.REUSED)
-        teacher, rows, lr_rows = recipe_rows(s, workdir or tmp, seeds, LR_SCALES[model][size],
-                                             model)
-        teachers = teacher_rows(s, workdir or tmp, TEACHER_LR_SCALES[model][size], model)
+        # each model's runs in their own folder: one --workdir serves both, and `_train`
+        # would otherwise replace one model's finished runs by the other's of the same name
+        wd = os.path.join(workdir or tmp, model.replace(" ", "_"))
+        teacher, rows, lr_rows = recipe_rows(s, wd, seeds, LR_SCALES[model][size], model)
+        teachers = teacher_rows(s, wd, TEACHER_LR_SCALES[model][size], model)
         payload = {"model": model,
                    "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,

@@ -4,10 +4,10 @@ byte LM with a smaller draft, against the target decoding alone, in one run on t
 Models (trained in --workdir, a finished run of the same config reused), per target size:
 the target, a byte LM of experiments/lm.py (the default one, and one four times as wide and
 twice as deep, 12.8M parameters); two drafts at half its depth and width (an eighth of the
-wide target's parameters, a sixth of the default one's, whose embedding weighs more): distilled from it (`train.distill`, the recipe the text classifier's validation picked,
-`DRAFTS`: the teacher's important weights from its last blocks, soft targets at T = 1) and
-trained from
-scratch, both for the target's steps.
+wide target's parameters, a sixth of the default one's, whose embedding weighs more):
+distilled from it (`train.distill`, `DRAFTS`: the compress bench's text-classifier recipe,
+the teacher's important weights from its last blocks with soft targets at T = 1) and
+trained from scratch, both for the target's steps.
 
 Decoding: `prompts` prompts of `prompt_len` bytes from the eval text, `new_tokens` bytes each,
 at batch 1 (one prompt a call, in turn: where drafting pays most, since one token's step
