@@ -716,6 +716,43 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
             assert len(runs) == 1 + len(distill_recipes.LR_SCALES[model]["full"])
             top = (min if model == "byte LM" else max)(runs, key=lambda r: r["value"])  # loss
             assert compress.STUDENT_LR[model][kind] == top.get("lr_scale", 1.0), (model, kind)
+        # the teacher every student distils from trains at the rate of its check that beats
+        # the experiment's own by more than 1% of the metric, else at the experiment's
+        rate = lambda r: r.get("lr_scale", 1.0)  # noqa: E731
+        teachers = {rate(r): r["value"] for r in [payload["teacher"]] + payload.get(
+            "teacher_lr_check", [])}
+        assert sorted(teachers) == list(distill_recipes.TEACHER_LR_SCALES[model]["full"])
+        sign = -1 if model == "byte LM" else 1  # a loss, an accuracy
+        top = max(teachers, key=lambda k: sign * teachers[k])
+        better = sign * (teachers[top] - teachers[1.0]) > 0.01 * abs(teachers[1.0])
+        assert compress.TEACHER_LR[model] == (top if better else 1.0) == rate(
+            payload["teacher"]), model
+
+
+def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path):
+    """`compress._train` reuses a finished run of the same config; a student's config names
+    its teacher by folder, so a teacher retrained since (another learning rate, the same
+    folder) makes the student's run stale: it trains again."""
+    from hpnlp.bench import compress
+    cd = compress.experiment("byte LM", compress.SIZES["quick"])
+    for d in ("teacher", "student"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "summary.json").write_text("{}")
+    teacher = tmp_path / "teacher" / "summary.json"
+    done = str(tmp_path / "student" / "summary.json")
+    os.utime(teacher, (1000, 1000))
+    os.utime(done, (2000, 2000))
+    assert not compress._newer_source(cd, done)  # reads no run
+    for field in ("distill", "init_from"):
+        c = compress.experiment("byte LM", compress.SIZES["quick"])
+        if field == "distill":
+            c.train.distill.teacher = str(tmp_path / "teacher")
+        else:
+            c.train.init_from = str(tmp_path / "teacher")
+        assert not compress._newer_source(c, done), field
+        os.utime(teacher, (3000, 3000))
+        assert compress._newer_source(c, done), field
+        os.utime(teacher, (1000, 1000))
 
 
 def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):

@@ -21,7 +21,7 @@ the first ones), alone and with soft targets at T = 1; and both selections from 
 teacher's last block rather than its first (`train.distill.init_blocks=last`: the block
 its final norm and output layer read).
 
-Every recipe trains at the teacher's learning rate. The learning-rate check then trains
+Every recipe trains at its experiment's learning rate. The learning-rate check then trains
 the scratch student and the best recipe again at `LR_SCALES` times that rate (same steps
 and seeds) and reads the gap each closes against the scratch student at the same rate:
 whether the recipes are compared with a scratch student trained at a rate that fits it.
@@ -31,9 +31,11 @@ The compress bench trains the students at the rates best here
 `--model 'text classifier'` (the default; `docs/benchmarks/distill_recipes`) or `--model
 'byte LM'` (`docs/benchmarks/distill_recipes_lm`): the byte LM's students train the
 teacher's 800 steps, one seed each (as in the compress bench), and read on validation loss;
-its learning-rate check also tries half the teacher's rate, which is already 3x the
-classifier's. Both models' teachers then train again at 2x, 3x and 5x their rate
-(`TEACHER_LR_SCALES`), since the LM's students at their best rate came close to theirs.
+its learning-rate check also tries half the experiment's rate, which is already 3x the
+classifier's. Both models' teachers then train again at 1x, 2x, 3x and 5x their
+experiment's rate (`TEACHER_LR_SCALES`), less the rate the teacher of every student above
+trains at (`compress.TEACHER_LR`: 3x for the byte LM, whose experiment's rate left it
+short, 1x for the classifier).
 """
 
 from __future__ import annotations
@@ -69,17 +71,18 @@ RECIPES = (
 )
 SEEDS = {"text classifier": {"full": 3, "quick": 2}, "byte LM": {"full": 1, "quick": 1}}
 # The learning-rate check: the scratch student and the best recipe again at these multiples
-# of the teacher's learning rate (every row above trains at the teacher's), the same steps
+# of the experiment's learning rate (every row above trains at 1x), the same steps
 # and seeds: whether the comparison is between two students each trained at a fitting
 # rate. --quick: one multiple.
 LR_SCALES = {"text classifier": {"full": (2.0, 3.0, 5.0, 8.0), "quick": (3.0,)},
              "byte LM": {"full": (0.5, 2.0, 3.0, 5.0, 8.0, 12.0), "quick": (2.0,)}}
 # The teacher's own rate, checked the same way after the students: the teacher alone again
-# at these multiples of its experiment's rate (every student distils from the teacher at
-# 1x): whether a teacher's rate leaves it short (the byte LM's students at their best rate
-# came within 0.03 of it on validation and beat it on the eval chapters).
-TEACHER_LR_SCALES = {"text classifier": {"full": (2.0, 3.0, 5.0), "quick": ()},
-                     "byte LM": {"full": (2.0, 3.0, 5.0), "quick": ()}}
+# at these multiples of its experiment's rate (less `compress.TEACHER_LR`'s, the rate every
+# student distils from): whether a teacher's rate leaves it short (at its experiment's rate
+# the byte LM's teacher was, 2026-11-29: its students at their best rate came within 0.03 of
+# it on validation and beat it on the eval chapters).
+TEACHER_LR_SCALES = {"text classifier": {"full": (1.0, 2.0, 3.0, 5.0), "quick": ()},
+                     "byte LM": {"full": (1.0, 2.0, 3.0, 5.0), "quick": ()}}
 
 
 def _validation(cd):
@@ -89,8 +92,10 @@ def _validation(cd):
 
 def teacher_rows(s: dict, workdir: str, scales, model: str = MODEL) -> list[dict]:
     """`model`'s teacher trained on the validation split at each of `scales` times its
-    experiment's learning rate (the teacher's learning-rate check)."""
+    experiment's learning rate but `compress.TEACHER_LR`'s (the teacher's row of
+    `recipe_rows`): the teacher's learning-rate check."""
     metric, rows = compress.MODELS[model][2], []
+    scales = [k for k in scales if k != compress.TEACHER_LR[model]]
     for k in tqdm(scales, desc="teacher's learning rate", leave=False):
         cd = _validation(compress.experiment(model, s))
         cd.train.lr = cd.train.lr * k
@@ -108,16 +113,10 @@ def _key(model: str):
         lambda r: r["value"])
 
 
-def _gap_closed(student: float, scratch: float, teacher: float) -> float | None:
-    if teacher == scratch:
-        return None
-    return (student - scratch) / (teacher - scratch)  # the same for a loss and an accuracy
-
-
 def _recipe_row(s: dict, workdir: str, seeds: int, name: str, fields: dict | None,
                 lr_scale: float = 1.0, model: str = MODEL) -> dict:
     """Recipe `name` (`fields`; None: the scratch student) of `model` trained on the
-    validation split at `lr_scale` times the teacher's learning rate, at `seeds` seeds."""
+    validation split at `lr_scale` times its experiment's learning rate, at `seeds` seeds."""
     metric = compress.MODELS[model][2]
     if fields is None:
         cd = compress.scratch_student(model, s, lr_scale=lr_scale)
@@ -138,7 +137,8 @@ def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
     metric = compress.MODELS[model][2]
     tdir = os.path.join(workdir, "teacher")
     teacher = compress._row(model, "teacher", "", compress._train(
-        _validation(compress.experiment(model, s)), tdir), tdir, metric)
+        _validation(compress.teacher_config(model, s)), tdir), tdir, metric)
+    teacher["lr_scale"] = compress.TEACHER_LR[model]
     rows = [_recipe_row(s, workdir, seeds, name, fields, model=model)
             for name, fields in tqdm(RECIPES, desc="recipes", leave=False)]
     best = max(rows[1:], key=_key(model))
@@ -149,12 +149,12 @@ def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
     scratch = rows[0]["value"]
     for r in rows:
         r["gap_closed"] = (None if r is rows[0] else
-                           _gap_closed(r["value"], scratch, teacher["value"]))
+                           compress.gap_closed(r["value"], scratch, teacher["value"]))
     for r in lr_rows:  # against the scratch student at the same rate
         base = next(x["value"] for x in lr_rows if x["fields"] is None
                     and x["lr_scale"] == r["lr_scale"])
         r["gap_closed"] = (None if r["fields"] is None else
-                           _gap_closed(r["value"], base, teacher["value"]))
+                           compress.gap_closed(r["value"], base, teacher["value"]))
     return teacher, rows, lr_rows
 
 
@@ -193,23 +193,25 @@ def _markdown(p: dict) -> str:
         scratch = sorted([rows[0]] + [r for r in lr_rows if r["fields"] is None], key=rate)
         recipe = sorted([best] + [r for r in lr_rows if r["fields"] is not None], key=rate)
         out += [f"Learning-rate check: the scratch student and the best recipe at multiples of "
-                f"the teacher's learning rate (every row above trains at the teacher's, "
-                f"{p['teacher_lr']:g}); the same steps and seeds; gap closed against the "
+                f"the experiment's learning rate (every row above trains at x1, "
+                f"{p.get('base_lr', p.get('teacher_lr')):g}); the same steps and seeds; gap "
+                "closed against the "
                 "scratch student at the same rate. The compress bench trains the "
                 "students at the rates best here (`hpnlp.bench.compress.STUDENT_LR`).", "",
                 report.table(["learning rate", "student, scratch", best["method"],
                               "gap closed"],
                              [[f"x{rate(a):g}", f"{a['value']:.4f}", f"{b['value']:.4f}",
-                               _gap(_gap_closed(b["value"], a["value"], t["value"]))]
+                               _gap(compress.gap_closed(b["value"], a["value"], t["value"]))]
                               for a, b in zip(scratch, recipe)]), ""]
         a, b = max(scratch, key=key), max(recipe, key=key)
         out += [f"Each at its best rate here (scratch x{rate(a):g}: {a['value']:.4f}; the "
                 f"recipe x{rate(b):g}: {b['value']:.4f}), the recipe closes "
-                f"{_gap(_gap_closed(b['value'], a['value'], t['value']))} of the gap.", ""]
+                f"{_gap(compress.gap_closed(b['value'], a['value'], t['value']))} of the gap.", ""]
     teachers = p.get("teacher_lr_check") or []
     if teachers:
-        out += ["The teacher's learning-rate check: the teacher alone again at multiples of its "
-                "rate (every student above distils from the teacher at x1).", "",
+        out += ["The teacher's learning-rate check: the teacher alone again at multiples of "
+                "the experiment's rate (every student above distils from the teacher at "
+                f"x{rate(t):g}, `hpnlp.bench.compress.TEACHER_LR`).", "",
                 report.table(["learning rate", f"teacher, {metric}"],
                              [[f"x{rate(r):g}", f"{r['value']:.4f}"]
                               for r in sorted([t] + teachers, key=rate)]), ""]
@@ -261,7 +263,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
         payload = {"model": model,
                    "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,
-                   "teacher_lr": compress.experiment(model, s).train.lr,
+                   "base_lr": compress.experiment(model, s).train.lr,
                    "recipes": rows, "lr_check": lr_rows, "teacher_lr_check": teachers,
                    "seconds": time.perf_counter() - t0,
                    "reused_runs": len(compress.REUSED) - reused}
