@@ -707,13 +707,16 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
         best = max((r for r in recorded if r["gap_closed"] is not None),
                    key=lambda r: r["gap_closed"])
         assert best["fields"] == compress.TARGETS_RECIPE[model]
-        assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.RECIPES]
+        assert [r["fields"] for r in recorded] == [f for _, f in distill_recipes.recipes(model)]
+        assert {r["lr_scale"] for r in recorded} == {distill_recipes.RECIPE_LR[model]}
         # one rate for the scratch student, one for the targets' recipe (and every distilled
         # row), each the best of its check
+        scales = set(distill_recipes.LR_SCALES[model]["full"]) | {
+            distill_recipes.RECIPE_LR[model]}
         for kind, fields in (("scratch", None), ("distilled", best["fields"])):
             runs = [r for r in recorded if r["fields"] == fields] + [
                 r for r in checked if r["fields"] == fields]
-            assert len(runs) == 1 + len(distill_recipes.LR_SCALES[model]["full"])
+            assert sorted(r["lr_scale"] for r in runs) == sorted(scales), (model, kind)
             top = (min if model == "byte LM" else max)(runs, key=lambda r: r["value"])  # loss
             assert compress.STUDENT_LR[model][kind] == top.get("lr_scale", 1.0), (model, kind)
         # the teacher every student distils from trains at the rate of its check that beats

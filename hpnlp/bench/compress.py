@@ -302,9 +302,11 @@ def _row(model: str, method: str, setting: str, summary: dict, workdir: str, met
 # each to its record). The classifier's (docs/benchmarks/distill_recipes, 2026-11-25):
 # Minitron's important weights from the teacher's last block plus soft targets at T = 1,
 # 0.731 of the gap closed. The byte LM's (docs/benchmarks/distill_recipes_lm, 2026-11-29,
-# its teacher at `TEACHER_LR`'s 3x): Minitron's important weights (from the teacher's first
-# block of every two) with soft targets at T = 1, 0.761; with the teacher at 1x it had been
-# selected weights with soft targets and attention-map matching (0.722), and before that the
+# its teacher at `TEACHER_LR`'s 3x, its students at 5x the experiment's rate): Minitron's
+# important weights (from the teacher's first block of every two) with soft targets at
+# T = 1, 0.509 (the teacher's selected weights with them 0.506, a tie); with the teacher and
+# the students at 1x it had been selected weights with soft targets and attention-map
+# matching (0.722 then, 0.263 at 5x against the trained teacher), and before that the
 # classifier's recipe.
 TARGETS_RECIPE = {
     "byte LM": dict(alpha=0.5, temperature=1.0, init="importance"),
