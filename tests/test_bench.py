@@ -687,6 +687,14 @@ def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp
         dict(row("teacher, lr x3", 1.45), lr_scale=3.0), dict(row("teacher, lr x2", 1.4),
                                                                lr_scale=2.0)]))
     assert "| x1 | 1.5000 |\n| x2 | 1.4000 |\n| x3 | 1.4500 |" in md
+    # the students distil from a teacher at x3 (compress.TEACHER_LR), the check around it
+    md = distill_recipes._markdown(dict(lm, base_lr=3e-3, teacher=dict(lm["teacher"],
+                                                                        lr_scale=3.0),
+                                        teacher_lr_check=[
+        dict(row("teacher, lr x1", 1.55), lr_scale=1.0), dict(row("teacher, lr x2", 1.4),
+                                                              lr_scale=2.0)]))
+    assert "| x1 | 1.5500 |\n| x2 | 1.4000 |\n| x3 | 1.5000 |" in md
+    assert "distils from the teacher at x3" in md and "rate, 0.003 (every row above" in md
     distill_recipes._plot(lm, str(tmp_path))
 
 
@@ -732,30 +740,36 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
             payload["teacher"]), model
 
 
-def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path):
+def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path, monkeypatch):
     """`compress._train` reuses a finished run of the same config; a student's config names
-    its teacher by folder, so a teacher retrained since (another learning rate, the same
-    folder) makes the student's run stale: it trains again."""
+    its teacher (or the run it starts from) by folder, so a teacher retrained since (another
+    learning rate, the same folder) makes the student's run stale: it trains again."""
+    import hpnlp.train
+    import hpnlp.train.checkpoint
     from hpnlp.bench import compress
-    cd = compress.experiment("byte LM", compress.SIZES["quick"])
-    for d in ("teacher", "student"):
-        (tmp_path / d).mkdir()
-        (tmp_path / d / "summary.json").write_text("{}")
-    teacher = tmp_path / "teacher" / "summary.json"
-    done = str(tmp_path / "student" / "summary.json")
-    os.utime(teacher, (1000, 1000))
-    os.utime(done, (2000, 2000))
-    assert not compress._newer_source(cd, done)  # reads no run
+    from hpnlp.config import from_configdict
+    trained = []
+    monkeypatch.setattr(hpnlp.train, "run", lambda cd, out: trained.append(out) or {"new": 1})
+    monkeypatch.setattr(compress, "REUSED", [])
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
     for field in ("distill", "init_from"):
-        c = compress.experiment("byte LM", compress.SIZES["quick"])
+        cd = compress.experiment("byte LM", compress.SIZES["quick"])
         if field == "distill":
-            c.train.distill.teacher = str(tmp_path / "teacher")
+            cd.train.distill.teacher = str(teacher)
         else:
-            c.train.init_from = str(tmp_path / "teacher")
-        assert not compress._newer_source(c, done), field
-        os.utime(teacher, (3000, 3000))
-        assert compress._newer_source(c, done), field
-        os.utime(teacher, (1000, 1000))
+            cd.train.init_from = str(teacher)
+        monkeypatch.setattr(hpnlp.train.checkpoint, "load_run_config",
+                            lambda out, cd=cd: from_configdict(cd))
+        for d, t in ((teacher, 1000), (student, 2000)):
+            d.mkdir(exist_ok=True)
+            (d / "summary.json").write_text("{}")
+            os.utime(d / "summary.json", (t, t))
+        assert compress._train(cd, str(student)) == {} and not trained, field  # reused
+        os.utime(teacher / "summary.json", (3000, 3000))  # the teacher trained again
+        assert compress._train(cd, str(student)) == {"new": 1}, field
+        assert trained == [str(student)] and not student.exists(), field  # afresh
+        trained.clear()
+    assert compress.REUSED == [str(student)] * 2
 
 
 def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):

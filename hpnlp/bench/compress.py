@@ -6,7 +6,8 @@ In one run on this CPU:
    classifier (experiments/lra.py:text at 256 bytes), the teacher is trained (the byte LM
    at 3x its experiment's learning rate, `TEACHER_LR`: the rate distill_recipes' teacher
    check finds best on the validation split, where the experiment's own 3e-3 leaves it short
-   in its 800 steps; the fine-tunes below keep the experiment's rate); a student at
+   in its 800 steps; the same-size models the parts below train from scratch train at the
+   teacher's rate too, their fine-tunes at 0.3x the experiment's); a student at
    half the depth, width, heads and MLP width is trained for the teacher's steps (the LM)
    or a third of them (the classifier, whose half student matched its teacher at equal
    steps: `SIZES`), the same steps for each student: from scratch; distilled from the
@@ -45,13 +46,13 @@ In one run on this CPU:
    and MLP neurons (`train.prune.structure=structured`, magnitude, the same schedule over
    `structured_steps` fine-tuning steps) at the sparsity whose shrunk model has about half
    its parameters, then shrunk (`python -m hpnlp.compress shrink`) to a smaller dense
-   Transformer; beside it that small config trained from scratch for the same total steps
-   (the teacher's and the fine-tuning's).
+   Transformer; beside it that small config trained from scratch, as the teacher is, for
+   the same total steps (the teacher's and the fine-tuning's).
 4. Low-rank factorization (`lowrank`): the byte-LM teacher's qkv, out and MLP weights
    replaced by truncated-SVD factors (`model.lowrank.rank`, `train.init_from`) at the rank
    that halves its parameters, half that rank and twice it, each fine-tuned for the pruning
    runs' steps; beside them a dense model of about the half-parameter size (width scaled)
-   trained from scratch for the teacher's steps.
+   trained from scratch as the teacher is, for its steps.
 5. Pipeline (`pipeline`, Deep Compression's order): the targets' distilled LM student pruned to 50%
    while fine-tuned, then int8 weights by `python -m hpnlp.compress quantize`: its
    quantized file on disk against the float32 teacher's parameters. Beside it low rank
@@ -122,7 +123,8 @@ MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "
 
 
 def experiment(model: str, s: dict):
-    """The teacher's config: the default byte LM or the text classifier (shrunk by --quick)."""
+    """The model's experiment config, the default byte LM or the text classifier (shrunk by
+    --quick), at its experiment's learning rate (the teacher is `teacher_config`'s)."""
     module, arg, _ = MODELS[model]
     cd = harness.experiment_module(module).get_config(arg)
     if model == "byte LM":
@@ -500,7 +502,9 @@ def _sparsified(workdir: str, s: dict) -> str:
     from hpnlp.train.checkpoint import Checkpointer, load_run_config
     out = workdir.rstrip("/") + "_sparse"
     done = os.path.join(out, "summary.json")
-    if os.path.exists(done):
+    # a twin written before the run last trained (its step alike) is of another model
+    if os.path.exists(done) and os.path.getmtime(done) >= os.path.getmtime(
+            os.path.join(workdir, "summary.json")):
         ck = Checkpointer(workdir, load_run_config(workdir), keep=1)
         step = ck.latest_step()
         ck.close()
@@ -611,8 +615,8 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     target = next(r["params"] for r in rows if r["half_params"])
     heads = base.model.num_heads
 
-    def dense_of(width):
-        cd = experiment(model, s)
+    def dense_of(width):  # trained as the teacher is, at its rate
+        cd = teacher_config(model, s)
         cd.model.width, cd.model.mlp_dim = width, 4 * width
         return cd
     width = closest(range(2 * heads, base.model.width + 1, 2 * heads),
@@ -672,7 +676,7 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
     rows = [_row(model, "structured prune + shrink", f"{sp:.0%}: {shape}",
                  dict(summ, param_count=summ["params"]["shrunk"]), sdir, metric)]
     rows[0].update(half_params=True, masked_eval=summ["eval_masked"])
-    scratch = experiment(model, s)  # the shrunk model's own config, trained from scratch
+    scratch = teacher_config(model, s)  # the shrunk model's config, from scratch as the teacher
     scratch.model.update(num_heads=small["num_heads"][1], head_dim=small["head_dim"],
                          mlp_dim=small["mlp_dim"][1])
     scratch.train.steps += n  # the teacher's steps and the fine-tuning's: the same total

@@ -35,8 +35,8 @@ The compress bench trains the students at the rates best here
 teacher's 800 steps, one seed each (as in the compress bench), and read on validation loss;
 two recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets alone,
 alpha = 1, and at T = 2, alpha = 0.9); its learning-rate check also tries half the
-experiment's rate, which is already 3x the classifier's. Both models' teachers then train again at 1x, 2x, 3x and 5x their
-experiment's rate (`TEACHER_LR_SCALES`), less the rate the teacher of every student above
+experiment's rate, which is already 3x the classifier's. Both models' teachers then train
+again at 1x, 2x, 3x and 5x their experiment's rate (`TEACHER_LR_SCALES`), less the rate the teacher of every student above
 trains at (`compress.TEACHER_LR`: 3x for the byte LM, whose experiment's rate left it
 short, 1x for the classifier).
 """
@@ -154,9 +154,9 @@ def _recipe_row(s: dict, workdir: str, seeds: int, name: str, fields: dict | Non
 
 def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
                 model: str = MODEL) -> tuple[dict, list[dict], list[dict]]:
-    """(the teacher's row, one row per recipe, the learning-rate check's rows: the scratch
-    student and the best recipe at each of `lr_scales`), all of `model` on the validation
-    split."""
+    """(the teacher's row, one row per recipe at `RECIPE_LR`'s rate, the learning-rate
+    check's rows: the scratch student and the best recipe at each of `lr_scales` but
+    `RECIPE_LR`'s), all of `model` on the validation split."""
     metric = compress.MODELS[model][2]
     tdir = os.path.join(workdir, "teacher")
     teacher = compress._row(model, "teacher", "", compress._train(
