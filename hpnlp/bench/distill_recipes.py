@@ -36,9 +36,9 @@ teacher's 800 steps, one seed each (as in the compress bench), and read on valid
 two recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets alone,
 alpha = 1, and at T = 2, alpha = 0.9); its learning-rate check also tries half the
 experiment's rate, which is already 3x the classifier's. Both models' teachers then train
-again at 1x, 2x, 3x and 5x their experiment's rate (`TEACHER_LR_SCALES`), less the rate the teacher of every student above
-trains at (`compress.TEACHER_LR`: 3x for the byte LM, whose experiment's rate left it
-short, 1x for the classifier).
+again at 1x, 2x, 3x and 5x their experiment's rate (`TEACHER_LR_SCALES`), less the rate
+the teacher of every student above trains at (`compress.TEACHER_LR`: 3x for the byte LM,
+whose experiment's rate left it short, 1x for the classifier).
 """
 
 from __future__ import annotations
