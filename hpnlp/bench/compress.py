@@ -152,10 +152,11 @@ def experiment(model: str, s: dict):
 TEACHER_LR = {"byte LM": 3.0, "text classifier": 1.0}
 
 
-def teacher_config(model: str, s: dict):
-    """`model`'s teacher: its experiment (`experiment`) at `TEACHER_LR` times its rate."""
+def teacher_config(model: str, s: dict, lr_scale: float | None = None):
+    """`model`'s teacher: its experiment (`experiment`) at `lr_scale` (default `TEACHER_LR`'s)
+    times its rate."""
     cd = experiment(model, s)
-    cd.train.lr = cd.train.lr * TEACHER_LR[model]
+    cd.train.lr = cd.train.lr * (TEACHER_LR[model] if lr_scale is None else lr_scale)
     return cd
 
 

@@ -119,8 +119,7 @@ def teacher_rows(s: dict, workdir: str, scales, model: str = MODEL) -> list[dict
     metric, rows = compress.MODELS[model][2], []
     scales = [k for k in scales if k != compress.TEACHER_LR[model]]
     for k in tqdm(scales, desc="teacher's learning rate", leave=False):
-        cd = _validation(compress.experiment(model, s))
-        cd.train.lr = cd.train.lr * k
+        cd = _validation(compress.teacher_config(model, s, lr_scale=k))
         out = os.path.join(workdir, f"teacher_lr_x{k:g}")
         row = compress._row(model, f"teacher, lr x{k:g}", "", compress._train(cd, out), out,
                             metric)
@@ -162,12 +161,12 @@ def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
     teacher = compress._row(model, "teacher", "", compress._train(
         _validation(compress.teacher_config(model, s)), tdir), tdir, metric)
     teacher["lr_scale"] = compress.TEACHER_LR[model]
-    base = RECIPE_LR[model]
-    rows = [_recipe_row(s, workdir, seeds, name, fields, base, model=model)
+    at = RECIPE_LR[model]
+    rows = [_recipe_row(s, workdir, seeds, name, fields, at, model=model)
             for name, fields in tqdm(recipes(model), desc="recipes", leave=False)]
     best = max(rows[1:], key=_key(model))
     lr_rows = [_recipe_row(s, workdir, seeds, r["method"], r["fields"], k, model=model)
-               for k in tqdm([k for k in lr_scales if k != base], desc="learning rates",
+               for k in tqdm([k for k in lr_scales if k != at], desc="learning rates",
                              leave=False)
                for r in (rows[0], best)]
     scratch = rows[0]["value"]
@@ -219,9 +218,9 @@ def _markdown(p: dict) -> str:
         out += [f"Learning-rate check: the scratch student and the best recipe at multiples of "
                 f"the experiment's learning rate, {p.get('base_lr', p.get('teacher_lr')):g} "
                 f"(every row above trains at x{rate(rows[0]):g}); the same steps and seeds; gap "
-                "closed against the "
-                "scratch student at the same rate. The compress bench trains the "
-                "students at the rates best here (`hpnlp.bench.compress.STUDENT_LR`).", "",
+                "closed against the scratch student at the same rate. The compress bench "
+                "trains the students at the rates best here "
+                "(`hpnlp.bench.compress.STUDENT_LR`).", "",
                 report.table(["learning rate", "student, scratch", best["method"],
                               "gap closed"],
                              [[f"x{rate(a):g}", f"{a['value']:.4f}", f"{b['value']:.4f}",
