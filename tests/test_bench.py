@@ -695,6 +695,16 @@ def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp
                                                               lr_scale=2.0)]))
     assert "| x1 | 1.5500 |\n| x2 | 1.4000 |\n| x3 | 1.5000 |" in md
     assert "distils from the teacher at x3" in md and "rate, 0.003 (every row above" in md
+    assert "structured check" not in md
+    # the structured check: the compress bench's structured fine-tune at (rate, steps)
+    st = [dict(row("structured prune", v), setting="60%", lr_scale=k, steps=n,
+               loss_rel=(v - 1.5) / 1.5)
+          for k, n, v in ((1.0, 800, 1.47), (3.0, 400, 1.65), (1.0, 400, 1.6))]
+    md = distill_recipes._markdown(dict(lm, structured_check=st))
+    assert "to 60% sparsity" in md
+    assert md.index("| x1 | 400 | 1.6000 | +0.067 |") < md.index("| x3 | 400 | 1.6500 | +0.100 |"
+                                                                 ) < md.index("| x1 | 800 |")
+    assert "Best: x1 for 800 steps (1.4700, -0.020)" in md
     distill_recipes._plot(lm, str(tmp_path))
 
 
@@ -738,6 +748,15 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
         better = sign * (teachers[top] - teachers[1.0]) > 0.01 * abs(teachers[1.0])
         assert compress.TEACHER_LR[model] == (top if better else 1.0) == rate(
             payload["teacher"]), model
+    # the byte LM's structured fine-tune: the best (rate, steps) of its structured check
+    with open(os.path.join(root, "docs", "benchmarks", records["byte LM"], "results.json")) as f:
+        structured = json.load(f)["structured_check"]
+    assert [(r["lr_scale"], r["steps"]) for r in structured] == list(
+        distill_recipes.STRUCTURED_CHECK["byte LM"]["full"])
+    best = min(structured, key=lambda r: r["value"])
+    assert (best["lr_scale"], best["steps"]) == (
+        compress.STRUCTURED_LR, compress.SIZES["full"]["structured_steps"])
+    assert best["setting"] == f"{compress.structured_sparsity(compress.SIZES['full']):.0%}"
 
 
 def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path, monkeypatch):

@@ -33,12 +33,17 @@ The compress bench trains the students at the rates best here
 `--model 'text classifier'` (the default; `docs/benchmarks/distill_recipes`) or `--model
 'byte LM'` (`docs/benchmarks/distill_recipes_lm`): the byte LM's students train the
 teacher's 800 steps, one seed each (as in the compress bench), and read on validation loss;
-two recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets alone,
-alpha = 1, and at T = 2, alpha = 0.9); its learning-rate check also tries half the
-experiment's rate, which is already 3x the classifier's. Both models' teachers then train
+four recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets
+alone, alpha = 1, at T = 2, alpha = 0.9, and at T = 1 with alpha = 0.3 and 0.7); its
+learning-rate check also tries half the experiment's rate, which is already 3x the
+classifier's. Both models' teachers then train
 again at 1x, 2x, 3x and 5x their experiment's rate (`TEACHER_LR_SCALES`), less the rate
 the teacher of every student above trains at (`compress.TEACHER_LR`: 3x for the byte LM,
-whose experiment's rate left it short, 1x for the classifier).
+whose experiment's rate left it short, 1x for the classifier). Last, the byte LM's
+structured check (`STRUCTURED_CHECK`): the compress bench's structured-pruning fine-tune of
+that teacher (to about half its parameters by whole heads and MLP neurons) at several
+learning rates and steps, scored on validation against the teacher; the compress bench
+fine-tunes at the best pair (`compress.STRUCTURED_LR` and `structured_steps`).
 """
 
 from __future__ import annotations
@@ -75,9 +80,12 @@ RECIPES = (
 # More candidates for the byte LM alone, where soft targets over the next byte carry more
 # than a class: Minitron's important weights with soft targets alone (alpha = 1, as LM
 # distillation often trains: DistilGPT2, MiniLLM's forward-KL baseline) and with Hinton et
-# al.'s softer targets at T = 2, alpha = 0.9
+# al.'s softer targets at T = 2, alpha = 0.9; and on either side of the best at 5x
+# (2026-11-29: alpha 0 read 1.471, 0.5 1.462, 1 1.493), alpha = 0.3 and 0.7
 EXTRA_RECIPES = {"byte LM": (
     ("important weights, T=1, alpha=1", dict(SELECT_T1, init="importance", alpha=1.0)),
+    ("important weights, T=1, alpha=0.3", dict(SELECT_T1, init="importance", alpha=0.3)),
+    ("important weights, T=1, alpha=0.7", dict(SELECT_T1, init="importance", alpha=0.7)),
     ("important weights, T=2, alpha=0.9",
      dict(SELECT_T1, init="importance", temperature=2.0, alpha=0.9)),
 )}
@@ -100,6 +108,17 @@ LR_SCALES = {"text classifier": {"full": (2.0, 3.0, 5.0, 8.0), "quick": (3.0,)},
 # it on validation and beat it on the eval chapters).
 TEACHER_LR_SCALES = {"text classifier": {"full": (1.0, 2.0, 3.0, 5.0), "quick": ()},
                      "byte LM": {"full": (1.0, 2.0, 3.0, 5.0), "quick": ()}}
+
+# The byte LM's structured check (the compress bench's `structured` part, whose fine-tune no
+# distillation recipe touches but whose rate and steps are a choice the same way): the
+# teacher pruned by whole heads and MLP neurons to about half its parameters while
+# fine-tuned, at these (multiple of the experiment's rate, steps); the compress bench
+# fine-tunes at the best pair (`compress.STRUCTURED_LR`, `structured_steps`). The pruned
+# run's eval is its shrunk model's (`python -m hpnlp.compress shrink` checks the two equal).
+STRUCTURED_CHECK = {"byte LM": {
+    "full": ((0.3, 400), (0.6, 400), (1.0, 400), (2.0, 400), (3.0, 400), (1.0, 600),
+             (0.3, 800), (0.6, 800), (1.0, 800), (1.5, 800)),
+    "quick": ((1.0, 6),)}}
 
 
 def recipes(model: str) -> tuple:
@@ -124,6 +143,23 @@ def teacher_rows(s: dict, workdir: str, scales, model: str = MODEL) -> list[dict
         row = compress._row(model, f"teacher, lr x{k:g}", "", compress._train(cd, out), out,
                             metric)
         row["lr_scale"] = k
+        rows.append(row)
+    return rows
+
+
+def structured_rows(s: dict, workdir: str, pairs, model: str = MODEL) -> list[dict]:
+    """The structured check: the compress bench's structured fine-tune of the validation
+    teacher in `workdir` at each (learning-rate multiple, steps) of `pairs`, scored on the
+    validation split; its `loss_rel` against the teacher, as the compress target reads it."""
+    tdir, rows = os.path.join(workdir, "teacher"), []
+    teacher = compress._teacher_value(tdir, "loss")
+    sp = compress.structured_sparsity(s)
+    for k, n in tqdm(pairs, desc="structured fine-tune", leave=False):
+        cd = _validation(compress.structured_pruned(s, tdir, lr_scale=k, steps=n))
+        out = os.path.join(workdir, f"structured_lr_x{k:g}_{n}_steps")
+        row = compress._row(model, "structured prune", f"{sp:.0%}", compress._train(cd, out),
+                            out, "loss")
+        row.update(lr_scale=k, steps=n, loss_rel=(row["value"] - teacher) / teacher)
         rows.append(row)
     return rows
 
@@ -238,6 +274,23 @@ def _markdown(p: dict) -> str:
                 report.table(["learning rate", f"teacher, {metric}"],
                              [[f"x{rate(r):g}", f"{r['value']:.4f}"]
                               for r in sorted([t] + teachers, key=rate)]), ""]
+    structured = p.get("structured_check") or []
+    if structured:
+        best = min(structured, key=lambda r: r["value"])
+        out += ["The structured check: the teacher above pruned by whole heads and MLP neurons "
+                f"to {structured[0]['setting']} sparsity (about half its parameters) while "
+                "fine-tuned, as the compress bench's `structured` part, at multiples of the "
+                "experiment's rate and for these steps; `vs teacher` = (loss - teacher's) / "
+                "teacher's, the compress target `structured_half_params_loss_rel` (<= 0.03).",
+                "",
+                report.table(["learning rate", "steps", "loss", "vs teacher"],
+                             [[f"x{r['lr_scale']:g}", str(r["steps"]), f"{r['value']:.4f}",
+                               f"{r['loss_rel']:+.3f}"]
+                              for r in sorted(structured,
+                                              key=lambda r: (r["steps"], r["lr_scale"]))]),
+                "", f"Best: x{best['lr_scale']:g} for {best['steps']} steps "
+                f"({best['value']:.4f}, {best['loss_rel']:+.3f}); the compress bench fine-tunes "
+                "so (`hpnlp.bench.compress.STRUCTURED_LR`, `SIZES` `structured_steps`).", ""]
     if p.get("reused_runs"):
         out += [f"{p['reused_runs']} finished runs of the same configs were reused from "
                 f"--workdir, so the wall time, {p['seconds']:.0f} s, leaves their training "
@@ -283,11 +336,14 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
         wd = os.path.join(workdir or tmp, model.replace(" ", "_"))
         teacher, rows, lr_rows = recipe_rows(s, wd, seeds, LR_SCALES[model][size], model)
         teachers = teacher_rows(s, wd, TEACHER_LR_SCALES[model][size], model)
+        structured = structured_rows(s, wd, STRUCTURED_CHECK.get(model, {}).get(size, ()),
+                                     model)
         payload = {"model": model,
                    "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,
                    "base_lr": compress.experiment(model, s).train.lr,
                    "recipes": rows, "lr_check": lr_rows, "teacher_lr_check": teachers,
+                   "structured_check": structured,
                    "seconds": time.perf_counter() - t0,
                    "reused_runs": len(compress.REUSED) - reused}
     report.write(out_dir, "distill_recipes", payload, _markdown(payload))
