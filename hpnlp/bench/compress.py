@@ -47,9 +47,10 @@ In one run on this CPU:
    and MLP neurons (`train.prune.structure=structured`, magnitude, the same schedule over
    `structured_steps` fine-tuning steps at `STRUCTURED_LR` times the experiment's rate: the
    pair distill_recipes' structured check finds best on the validation split) at the
-   sparsity whose shrunk model has about half its parameters, then shrunk (`python -m hpnlp.compress shrink`) to a smaller dense
-   Transformer; beside it that small config trained from scratch, as the teacher is, for
-   the same total steps (the teacher's and the fine-tuning's).
+   sparsity whose shrunk model has about half its parameters, then shrunk (`python -m
+   hpnlp.compress shrink`) to a smaller dense Transformer; beside it that small config
+   trained from scratch, as the teacher is, for the same total steps (the teacher's and the
+   fine-tuning's).
 4. Low-rank factorization (`lowrank`): the byte-LM teacher's qkv, out and MLP weights
    replaced by truncated-SVD factors (`model.lowrank.rank`, `train.init_from`) at the rank
    that halves its parameters, half that rank and twice it, each fine-tuned for the pruning
