@@ -33,8 +33,9 @@ The compress bench trains the students at the rates best here
 `--model 'text classifier'` (the default; `docs/benchmarks/distill_recipes`) or `--model
 'byte LM'` (`docs/benchmarks/distill_recipes_lm`): the byte LM's students train the
 teacher's 800 steps, one seed each (as in the compress bench), and read on validation loss;
-four recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets
-alone, alpha = 1, at T = 2, alpha = 0.9, and at T = 1 with alpha = 0.3 and 0.7); its
+six recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets
+alone, alpha = 1, at T = 2, alpha = 0.9, at T = 1 with alpha = 0.3 and 0.7, and at T = 1,
+alpha = 0.5 with hidden-state or attention-map matching at weight 0.1); its
 learning-rate check also tries half the experiment's rate, which is already 3x the
 classifier's. Both models' teachers then train
 again at 1x, 2x, 3x and 5x their experiment's rate (`TEACHER_LR_SCALES`), less the rate
@@ -80,12 +81,18 @@ RECIPES = (
 # More candidates for the byte LM alone, where soft targets over the next byte carry more
 # than a class: Minitron's important weights with soft targets alone (alpha = 1, as LM
 # distillation often trains: DistilGPT2, MiniLLM's forward-KL baseline) and with Hinton et
-# al.'s softer targets at T = 2, alpha = 0.9; and on either side of the best at 5x
-# (2026-11-29: alpha 0 read 1.471, 0.5 1.462, 1 1.493), alpha = 0.3 and 0.7
+# al.'s softer targets at T = 2, alpha = 0.9; on either side of the best at 5x (2026-11-29:
+# alpha 0 read 1.471, 0.5 1.462, 1 1.493), alpha = 0.3 and 0.7; and TinyBERT's hidden-state
+# and attention-map matching at a tenth of the weight the shared recipes give them (at
+# weight 1 on selected weights at 5x: hidden 1.616, attention 1.500, none 1.462)
 EXTRA_RECIPES = {"byte LM": (
     ("important weights, T=1, alpha=1", dict(SELECT_T1, init="importance", alpha=1.0)),
     ("important weights, T=1, alpha=0.3", dict(SELECT_T1, init="importance", alpha=0.3)),
     ("important weights, T=1, alpha=0.7", dict(SELECT_T1, init="importance", alpha=0.7)),
+    ("important weights, T=1, alpha=0.5, hidden 0.1",
+     dict(SELECT_T1, init="importance", hidden=0.1)),
+    ("important weights, T=1, alpha=0.5, attention 0.1",
+     dict(SELECT_T1, init="importance", attention=0.1)),
     ("important weights, T=2, alpha=0.9",
      dict(SELECT_T1, init="importance", temperature=2.0, alpha=0.9)),
 )}
