@@ -163,7 +163,8 @@ def structured_rows(s: dict, workdir: str, pairs, model: str = MODEL) -> list[di
     teacher = compress._teacher_value(tdir, "loss")
     sp = compress.structured_sparsity(s)
     for k, n in tqdm(pairs, desc="structured fine-tune", leave=False):
-        cd = _validation(compress.structured_pruned(s, tdir, lr_scale=k, steps=n))
+        cd = _validation(compress.structured_pruned(s, tdir, lr_scale=k, steps=n,
+                                                    sparsity=sp))
         out = os.path.join(workdir, f"structured_lr_x{k:g}_{n}_steps")
         row = compress._row(model, "structured prune", f"{sp:.0%}", compress._train(cd, out),
                             out, "loss")
