@@ -28,8 +28,10 @@ SMALL = ((16, 16), (16, 32))
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """16-query x 16- or 32-key tiles in place of this CPU's tuned ones, so tiny lengths
-    cross many tiles, diagonals and edges."""
+    cross many tiles, diagonals and edges; bfloat16 products on the CPU's own instructions
+    forward and widened backward (both are timed per CPU where it has its own)."""
     monkeypatch.setattr(F, "tuned_blocks", lambda bf16=False, regime="long": SMALL)
+    monkeypatch.setattr(F, "tuned_widen", lambda regime="long": (False, True))
 
 
 def _qkv(B, L, S, D, seed=0, dtype=jnp.float32):

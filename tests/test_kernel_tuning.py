@@ -8,6 +8,7 @@ portable build (no AVX-512) runs the same checks in a subprocess (slow)."""
 import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -218,13 +219,41 @@ def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
     hlo = jax.jit(lambda q: F.flash_attention(q, q, q)).lower(
         jnp.zeros((1, 16, 1, 16), jnp.bfloat16)).as_text()
     assert "hpnlp_flash_fwd_bf16" in hlo
-    check_bfloat16(dict(fwd_blocks=(32, 64), bwd_blocks=(32, 48)))  # tails, odd key counts
-    check_bfloat16()  # this CPU's tuned blocks
+    for widen in (False, True):  # tails, odd key counts; the CPU's own products and widened
+        check_bfloat16(dict(fwd_blocks=(32, 64), bwd_blocks=(32, 48), widen=widen))
+    check_bfloat16()  # this CPU's tuned blocks and products
     with open("/proc/cpuinfo") as f:
         flags = next((line.split() for line in f if line.startswith("flags")), [])
     if "avx512_bf16" in flags and kernels.march() == "native":  # the products this CPU has
         assert F.bf16_products() in (("amx", "avx512_bf16") if "amx_bf16" in flags
                                      else ("avx512_bf16",))
+
+
+@needs_flash
+def test_bfloat16_passes_tune_their_products_with_their_blocks():
+    """Each bfloat16 pass chooses, with its blocks, between the CPU's own bfloat16 products
+    and widening to float32 (slower vdpbf16ps than widening was measured on a Xeon): both
+    for every block pair, the CPU's own by default; widening is timed only where the build
+    has products of its own (elsewhere the two are the same code). float32 passes have no
+    such choice. The choice reaches the kernel as its `widen` attribute."""
+    native = F.KERNEL.library().hpnlp_flash_bf16_products() > 0
+    for (_, bf16, _), t in F.TUNINGS.items():
+        blocks = {(c["bq"], c["bk"]) for c in t.candidates}
+        if not bf16:
+            assert all("widen" not in c for c in t.candidates)
+            continue
+        assert t.default["widen"] == 0
+        assert sorted((c["bq"], c["bk"], c["widen"]) for c in t.candidates) == sorted(
+            (q, k, w) for q, k in blocks for w in (0, 1))
+        assert t.applies(F.KERNEL.library(), dict(t.default, widen=1)) == native
+        assert t.applies(F.KERNEL.library(), t.default)
+    q = jnp.zeros((1, 16, 1, 16), jnp.bfloat16)
+    for widen in (False, True):
+        hlo = jax.jit(lambda q: F.flash_attention(q, q, q, fwd_blocks=(16, 16), bwd_blocks=(16, 16),
+                                                  widen=widen)).lower(q).as_text()
+        assert re.search(rf"widen = {str(widen).lower()}", hlo), hlo
+    with pytest.raises(ValueError, match="widen must be True, False or None"):
+        F.flash_attention(q, q, q, fwd_blocks=(16, 16), bwd_blocks=(16, 16), widen=1)
 
 
 @needs_lstm

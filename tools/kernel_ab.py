@@ -3,7 +3,8 @@ process through each build's plain C tuning probe (one forward or backward pass 
 inputs, no XLA), on this CPU's tuned blocks.
 
     python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
-        [--length L] [--shape B,H,D] [--causal] [--bfloat16] [--bwd-blocks Q,K]
+        [--length L] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
+        [--bwd-blocks Q,K]
 
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
@@ -85,9 +86,14 @@ def probes(args) -> tuple[str, str, dict]:
     fwd, bwd = F.tuned_blocks(args.bfloat16, F.regime(L, L, args.causal))
     if args.bwd_blocks:
         bwd = tuple(int(x) for x in args.bwd_blocks.split(","))
+    wide = (F.tuned_widen(F.regime(L, L, args.causal)) if args.bfloat16 else (0, 0))
+    if args.widen is not None:
+        wide = (args.widen,) * 2
+    # widen: the last argument, which a revision before it (10 arguments) ignores
     passes = {name: ([B, L, H, D, bq, bk, backward, threads, int(args.bfloat16),
-                      int(args.causal)], {"bq": bq, "bk": bk})
-              for name, backward, (bq, bk) in (("forward", 0, fwd), ("backward", 1, bwd))}
+                      int(args.causal), int(w)], {"bq": bq, "bk": bk, "widen": int(w)})
+              for name, backward, (bq, bk), w in (("forward", 0, fwd, wide[0]),
+                                                  ("backward", 1, bwd, wide[1]))}
     what = (f"flash attention, B={B} L={L} H={H} D={D}, "
             f"{'bfloat16' if args.bfloat16 else 'float32'}, causal={args.causal}, "
             f"{threads} threads")
@@ -108,10 +114,18 @@ def main():
     ap.add_argument("--bfloat16", action="store_true", help="flash attention only")
     ap.add_argument("--bwd-blocks", help="flash attention: QUERIES,KEYS of the backward "
                                          "(default: tuned)")
+    ap.add_argument("--widen", type=int, choices=(0, 1),
+                    help="flash attention, --bfloat16: 1 widens the products to float32, 0 runs "
+                         "them on the CPU's bfloat16 instructions (default: tuned; a revision "
+                         "before the choice always runs the CPU's own)")
     args = ap.parse_args()
     if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks
+                                  or args.widen is not None
                                   or args.shape != ap.get_default("shape")):
-        ap.error("--causal, --bfloat16, --shape and --bwd-blocks are flash attention's options")
+        ap.error("--causal, --bfloat16, --shape, --bwd-blocks and --widen are flash attention's "
+                 "options")
+    if args.widen is not None and not args.bfloat16:
+        ap.error("--widen chooses the bfloat16 kernel's products: give --bfloat16 too")
     if (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", args.shape)
             or int(args.shape.split(",")[2]) % 16):
         ap.error(f"--shape {args.shape!r}: give positive BATCH,HEADS,HEAD_DIM, HEAD_DIM a multiple "

@@ -127,6 +127,8 @@ struct Problem {
   const int32_t *qseg, *kseg;    // [B, L], [B, S], or null
   int bq, bk;                    // block sizes, multiples of NR
   const bf16 *q16 = nullptr, *k16 = nullptr, *v16 = nullptr;  // the same (bfloat16 kernel)
+  bool widen = false;  // the bfloat16 kernel's products widened to float32 (dot2_wide), not
+                       // the CPU's own bfloat16 instructions (vdpbf16ps, AMX)
   // Row r of head (b, h) of a [B, n, H, D] array.
   size_t row(int64_t b, int64_t n, int64_t h, int64_t r) const { return ((b * n + r) * H + h) * D; }
 };
@@ -423,7 +425,7 @@ template <ffi::DataType T>  // F32 or BF16
 ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k,
                         ffi::Buffer<T>& v, ffi::Buffer<ffi::S32>& qseg,
                         ffi::Buffer<ffi::S32>& kseg, bool segs, bool causal, float scale, int64_t block_q,
-                        int64_t block_k, Problem* p) {
+                        int64_t block_k, bool widen, Problem* p) {
   auto d = q.dimensions();
   if (d.size() != 4 || d[3] % TILE != 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -443,6 +445,7 @@ ffi::Error make_problem(const char* kernel, ffi::Buffer<T>& q, ffi::Buffer<T>& k
   *p = Problem{B, L, S, H, D, causal, scale, nullptr, nullptr, nullptr,
                segs ? qseg.typed_data() : nullptr, segs ? kseg.typed_data() : nullptr,
                int(block_q), int(block_k)};
+  p->widen = widen;
   if constexpr (T == ffi::DataType::BF16) {
     p->q16 = q.typed_data(), p->k16 = k.typed_data(), p->v16 = v.typed_data();
   } else {
@@ -490,22 +493,28 @@ void run_forward(const Problem& p, float* out, float* lse_out, int threads) {
 // are float32, and P and dS are rounded to bfloat16 only as operands of the products that
 // follow (as FlashAttention does on GPUs). The scale is applied to the float32 S.
 //
+// Products: the CPU's own bfloat16 instructions (AMX tiles, vdpbf16ps) where it has them,
+// or the pairs widened to float32 and two FMAs (dot2_wide) when Problem::widen says so or
+// it has neither. Which is faster depends on the CPU, so the choice is tuned per pass with
+// its blocks (`widen` in flash_cpu.py's bfloat16 tunings): on a Xeon model 207 with AVX-512
+// BF16, vdpbf16ps ran both passes about 1.2x slower than widening.
+//
 // Layouts: a product's left operand is bfloat16 rows, read a pair at a time; its right
 // operand is packed in pairs of k, row k2 holding (B(2 k2, n), B(2 k2 + 1, n)) for every n,
 // so one 64-byte load feeds 16 lanes of a vdpbf16ps. Every k of a product is even (D, the
 // block sizes; a tail block's pairs are padded with zeros).
 
 // C[R, NV*NR] (+)= A[R, K] B[K, NV*NR] with A(i, k) = a[i*ar + k] and B in pairs of k
-// (`ldb` bfloat16 per pair row), K even.
-template <int R, int NV, bool Acc>
+// (`ldb` bfloat16 per pair row), K even; Wide: by dot2_wide whatever the CPU has.
+template <int R, int NV, bool Acc, bool Wide>
 void tile2(const bf16* a, ptrdiff_t ar, int K, const bf16* b, ptrdiff_t ldb, float* c,
            ptrdiff_t ldc) {
 #if !defined(__AVX512F__)
   // AVX2: one column of vectors at a time (R accumulators, the widened pairs of b and of the
   // broadcast in registers; see dot2).
   if constexpr (NV > 1) {
-    tile2<R, 1, Acc>(a, ar, K, b, ldb, c, ldc);
-    tile2<R, NV - 1, Acc>(a, ar, K, b + 2 * NR, ldb, c + NR, ldc);
+    tile2<R, 1, Acc, Wide>(a, ar, K, b, ldb, c, ldc);
+    tile2<R, NV - 1, Acc, Wide>(a, ar, K, b + 2 * NR, ldb, c + NR, ldc);
     return;
   }
 #endif
@@ -517,7 +526,8 @@ void tile2(const bf16* a, ptrdiff_t ar, int K, const bf16* b, ptrdiff_t ldb, flo
     for (int v = 0; v < NV; ++v) bv[v] = load(reinterpret_cast<const float*>(b) + v * NR);
     for (int r = 0; r < R; ++r) {
       const vf x = splat_pair(a + r * ar + k);
-      for (int v = 0; v < NV; ++v) acc[r][v] = dot2(acc[r][v], x, bv[v]);
+      for (int v = 0; v < NV; ++v)
+        acc[r][v] = Wide ? dot2_wide(acc[r][v], x, bv[v]) : dot2(acc[r][v], x, bv[v]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -526,24 +536,28 @@ void tile2(const bf16* a, ptrdiff_t ar, int K, const bf16* b, ptrdiff_t ldb, flo
 
 using Tile2Fn = void (*)(const bf16*, ptrdiff_t, int, const bf16*, ptrdiff_t, float*, ptrdiff_t);
 
-template <bool Acc, int NV, int... R>
+template <bool Acc, bool Wide, int NV, int... R>
 constexpr std::array<Tile2Fn, MR> row_table2(std::integer_sequence<int, R...>) {
-  return {&tile2<R + 1, NV, Acc>...};
+  return {&tile2<R + 1, NV, Acc, Wide>...};
 }
 
-template <bool Acc, int... NV>
+template <bool Acc, bool Wide, int... NV>
 constexpr std::array<std::array<Tile2Fn, MR>, 4> nv_table2(std::integer_sequence<int, NV...>) {
-  return {row_table2<Acc, NV + 1>(std::make_integer_sequence<int, MR>{})...};
+  return {row_table2<Acc, Wide, NV + 1>(std::make_integer_sequence<int, MR>{})...};
 }
 
-constexpr std::array<std::array<std::array<Tile2Fn, MR>, 4>, 2> kTiles2 = {
-    nv_table2<false>(std::make_integer_sequence<int, 4>{}),
-    nv_table2<true>(std::make_integer_sequence<int, 4>{})};
+// kTiles2[wide][accumulate][NV - 1][R - 1]
+using Tiles2 = std::array<std::array<std::array<Tile2Fn, MR>, 4>, 2>;
+constexpr std::array<Tiles2, 2> kTiles2 = {
+    Tiles2{nv_table2<false, false>(std::make_integer_sequence<int, 4>{}),
+           nv_table2<true, false>(std::make_integer_sequence<int, 4>{})},
+    Tiles2{nv_table2<false, true>(std::make_integer_sequence<int, 4>{}),
+           nv_table2<true, true>(std::make_integer_sequence<int, 4>{})}};
 
 // C[M, N] (+)= A[M, K] B[K, N], A bfloat16 rows (row stride ar), B in pairs of k (ldb
-// bfloat16 per pair row, >= 2 N), K even, N % NR == 0: vector registers.
+// bfloat16 per pair row, >= 2 N), K even, N % NR == 0: vector registers (widen: dot2_wide).
 void gemm2_vec(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
-               float* c, ptrdiff_t ldc, bool accumulate) {
+               float* c, ptrdiff_t ldc, bool accumulate, bool widen) {
   if (K == 0) {
     if (!accumulate)
       for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
@@ -553,7 +567,7 @@ void gemm2_vec(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, 
     const int kc = std::min(KC, K - k0);
     const bool acc_in = accumulate || k0 > 0;
     for (int n0 = 0; n0 < N; n0 += 4 * NR) {
-      const auto& fns = kTiles2[acc_in][std::min(4, (N - n0) / NR) - 1];
+      const auto& fns = kTiles2[widen][acc_in][std::min(4, (N - n0) / NR) - 1];
       for (int i = 0; i < M; i += MR)
         fns[std::min(MR, M - i) - 1](a + i * ar + k0, ar, kc, b + (k0 / 2) * ldb + 2 * n0, ldb,
                                      c + i * ldc + n0, ldc);
@@ -610,12 +624,12 @@ void amx_block(int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
 #endif
 
 // gemm2_vec's product: rows and k in whole tiles on AMX where the CPU has it, the rest
-// (a tail of rows, a tail of k) in vector registers.
+// (a tail of rows, a tail of k) in vector registers; widen: all of it by dot2_wide.
 void gemm2(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrdiff_t ldb,
-           float* c, ptrdiff_t ldc, bool accumulate) {
+           float* c, ptrdiff_t ldc, bool accumulate, bool widen) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   const int M16 = M / 16 * 16, K32 = K / 32 * 32;
-  if (M16 > 0 && K32 > 0 && amx_ready()) {
+  if (!widen && M16 > 0 && K32 > 0 && amx_ready()) {
     for (int i = 0; i < M16; i += 32) {
       const bool two_i = i + 32 <= M16;
       for (int n = 0; n < N; n += 32) {
@@ -629,13 +643,14 @@ void gemm2(int M, int N, int K, const bf16* a, ptrdiff_t ar, const bf16* b, ptrd
         else amx_block<1, 1>(K32, ai, ar, bn, ldb, cin, ldc, accumulate);
       }
     }
-    if (K32 < K) gemm2_vec(M16, N, K - K32, a + K32, ar, b + (K32 / 2) * ldb, ldb, c, ldc, true);
+    if (K32 < K)
+      gemm2_vec(M16, N, K - K32, a + K32, ar, b + (K32 / 2) * ldb, ldb, c, ldc, true, false);
     if (M16 < M)
-      gemm2_vec(M - M16, N, K, a + M16 * ar, ar, b, ldb, c + M16 * ldc, ldc, accumulate);
+      gemm2_vec(M - M16, N, K, a + M16 * ar, ar, b, ldb, c + M16 * ldc, ldc, accumulate, false);
     return;
   }
 #endif
-  gemm2_vec(M, N, K, a, ar, b, ldb, c, ldc, accumulate);
+  gemm2_vec(M, N, K, a, ar, b, ldb, c, ldc, accumulate, widen);
 }
 
 // Rows [0, n) of x (row stride ld, `cols` wide) in pairs of rows: out[r/2][c][r%2] =
@@ -691,12 +706,13 @@ void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt,
       if (p.causal && k0 > q0 + nq - 1) break;
       continue;
     }
-    gemm2(nq, lanes, int(D), qs, D, kt + (k0 / bk) * D * bk, 2 * bk, st, bk, false);  // S = Q K^T
+    // S = Q K^T
+    gemm2(nq, lanes, int(D), qs, D, kt + (k0 / bk) * D * bk, 2 * bk, st, bk, false, p.widen);
     if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
     for (int c = 0; c < nq; ++c)  // P in bfloat16 beside the float32 S
       softmax_row<true>(st + size_t(c) * bk, pb + size_t(c) * bk, nk, lanes, p.scale, m[c], l[c],
                         acc + c * D, D);
-    gemm2(nq, int(D), lanes, pb, bk, vp + k0 * D, 2 * D, acc, D, true);  // acc += P V
+    gemm2(nq, int(D), lanes, pb, bk, vp + k0 * D, 2 * D, acc, D, true, p.widen);  // acc += P V
   }
   finish_rows(p, bh, q0, nq, acc, m, l, o, lse);
 }
@@ -789,9 +805,9 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
         lse_b[c] = c < nq ? lse[q0 + c] : kInf;
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
       }
-      gemm2(nk, bq, int(D), kb, D, qt, 2 * bq, pt, bq, false);   // S^T = K Q^T (unscaled)
+      gemm2(nk, bq, int(D), kb, D, qt, 2 * bq, pt, bq, false, p.widen);   // S^T = K Q^T (unscaled)
       if (vis == Vis::kPartial) mask_tile<true>(p, b, q0, nq, k0, nk, pt, bq);
-      gemm2(nk, bq, int(D), vb, D, dot, 2 * bq, dst, bq, false);  // dP^T = V dO^T
+      gemm2(nk, bq, int(D), vb, D, dot, 2 * bq, dst, bq, false, p.widen);  // dP^T = V dO^T
       for (int r = 0; r < nk; ++r) {
         const float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
         bf16 *pbr = ptb + size_t(r) * bq, *dbr = dstb + size_t(r) * bq;
@@ -801,14 +817,15 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
           store_bf16(dbr + c, pv * (load(drow + c) - load(delta_b + c)));
         }
       }
-      gemm2(nk, int(D), bq, ptb, bq, dop, 2 * D, dv, D, true);  // dV += P^T dO
-      gemm2(nk, int(D), bq, dstb, bq, qp, 2 * D, dk, D, true);  // dK += dS^T Q (unscaled)
+      gemm2(nk, int(D), bq, ptb, bq, dop, 2 * D, dv, D, true, p.widen);  // dV += P^T dO
+      gemm2(nk, int(D), bq, dstb, bq, qp, 2 * D, dk, D, true, p.widen);  // dK += dS^T Q (unscaled)
       for (int c = 0; c < nq; ++c) {                       // dS = (dS^T)^T, keys past nk zero
         bf16* row = dsb + size_t(c) * bk;
         for (int r = 0; r < nk; ++r) row[r] = dstb[size_t(r) * bq + c];
         if (nk2 > nk) row[nk] = 0;
       }
-      gemm2(nq, int(D), nk2, dsb, bk, kp + k0 * D, 2 * D, dqh + q0 * D, D, true);  // dQ += dS K
+      // dQ += dS K
+      gemm2(nq, int(D), nk2, dsb, bk, kp + k0 * D, 2 * D, dqh + q0 * D, D, true, p.widen);
     }
     for (int r = 0; r < nk; ++r) {
       bf16 *dkr = g.dk + p.row(b, S, h, k0 + r), *dvr = g.dv + p.row(b, S, h, k0 + r);
@@ -877,14 +894,15 @@ void run_backward(const Problem& p, const GradsT<T>& g, int threads, Head&& back
 
 template <ffi::DataType T>  // F32 or BF16 q, k, v, o
 ffi::Error FwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale, int64_t block_q,
-                   int64_t block_k, int64_t threads,
+                   int64_t block_k, int64_t threads, bool widen,
                    ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
                    ffi::ResultBuffer<T> o, ffi::ResultBuffer<ffi::F32> lse) try {
   XlaPool::Scope scope(&xla);
   const char* kernel = "flash attention forward";
   Problem p;
-  if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k, &p);
+  if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k,
+                            widen, &p);
       e.failure())
     return e;
   for (auto e : {check_dims(kernel, "o", o->dimensions(), {p.B, p.L, p.H, p.D}),
@@ -901,7 +919,7 @@ ffi::Error FwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale,
 
 template <ffi::DataType T>  // F32 or BF16 q, k, v, o, do and the gradients
 ffi::Error BwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale, int64_t block_q,
-                   int64_t block_k, int64_t threads,
+                   int64_t block_k, int64_t threads, bool widen,
                    ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
                    ffi::Buffer<ffi::S32> qseg, ffi::Buffer<ffi::S32> kseg,
                    ffi::Buffer<T> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<T> d_o,
@@ -910,7 +928,8 @@ ffi::Error BwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale,
   XlaPool::Scope scope(&xla);
   const char* kernel = "flash attention backward";
   Problem p;
-  if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k, &p);
+  if (auto e = make_problem(kernel, q, k, v, qseg, kseg, segments, causal, scale, block_q, block_k,
+                            widen, &p);
       e.failure())
     return e;
   for (auto e : {check_dims(kernel, "o", o.dimensions(), {p.B, p.L, p.H, p.D}),
@@ -964,10 +983,11 @@ extern "C" int64_t hpnlp_flash_bf16_products() {
 // The tuning probe (hpnlp.kernels.tuning): seconds for one forward (backward = 0) or
 // backward pass with blocks (bq, bk) on `threads` threads, over fixed pseudo-random
 // [B, L, H, D] inputs of unit-variance logits, bidirectional or causal (causal != 0), no
-// segments. Plain C: called through ctypes, without XLA. Negative on failure.
+// segments; the bfloat16 kernel's products widened where widen != 0. Plain C: called
+// through ctypes, without XLA. Negative on failure.
 extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, int64_t bq,
                                     int64_t bk, int64_t backward, int64_t threads,
-                                    int64_t bfloat16, int64_t causal) try {
+                                    int64_t bfloat16, int64_t causal, int64_t widen) try {
   if (D % TILE != 0 || bq <= 0 || bq % TILE != 0 || bk <= 0 || bk % TILE != 0) return -1.0;
   const size_t n = size_t(B) * L * H * D;
   std::vector<float> q(n), k(n), v(n), o(n), d_o(n), dq(n), dk(n), dv(n), lse(size_t(B) * H * L);
@@ -980,6 +1000,7 @@ extern "C" double hpnlp_flash_probe(int64_t B, int64_t L, int64_t H, int64_t D, 
     }
   Problem p{B, L, L, H, D, causal != 0, 1.0f / std::sqrt(float(D)), q.data(), k.data(), v.data(),
             nullptr, nullptr, int(bq), int(bk)};
+  p.widen = widen != 0;
   if (bfloat16) {  // the same values rounded; o and the gradients in bfloat16 too
     std::vector<bf16> h(7 * n);
     for (size_t i = 0; i < n; ++i)
@@ -1018,6 +1039,7 @@ auto common_binding() {
       .Attr<int64_t>("block_q")
       .Attr<int64_t>("block_k")
       .Attr<int64_t>("threads")
+      .Attr<bool>("widen")  // the bfloat16 kernel's products widened (Problem::widen)
       .template Arg<ffi::Buffer<T>>()
       .template Arg<ffi::Buffer<T>>()
       .template Arg<ffi::Buffer<T>>()

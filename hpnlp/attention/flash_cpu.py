@@ -64,19 +64,30 @@ def regime(q_len: int, k_len: int, causal: bool) -> str:
 def _probe(backward: bool, bf16: bool, shape: dict):
     def run(lib, cfg):
         args = [shape["B"], shape["L"], shape["H"], shape["D"], cfg["bq"], cfg["bk"],
-                int(backward), kernels.cores(), int(bf16), shape["causal"]]
+                int(backward), kernels.cores(), int(bf16), shape["causal"], cfg.get("widen", 0)]
         return tuning.run_probe(lib, "hpnlp_flash_probe", args,
                                 "flash attention's tuning probe", cfg)
     return run
 
 
+def _native_bf16(lib, cfg) -> bool:
+    """Whether a candidate applies to this build: `widen=1` only where the CPU has bfloat16
+    products of its own to widen instead of (elsewhere both are the same code)."""
+    return not cfg.get("widen") or lib.hpnlp_flash_bf16_products() > 0
+
+
 def _tuning(name, default, backward, bf16, regime_name):
     shape = PROBES[regime_name]
     suffix = "" if regime_name == "long" else "_" + regime_name.replace(" ", "_")
-    return tuning.Tuning(KERNEL, name + suffix, default=dict(bq=default[0], bk=default[1]),
-                         candidates=[dict(bq=q, bk=k) for q in _SIZES for k in _SIZES],
-                         probe=_probe(backward, bf16, shape),
-                         shape=" ".join(f"{k}={v}" for k, v in shape.items()))
+    # bfloat16 passes also choose their products: the CPU's own (widen=0: AMX, vdpbf16ps)
+    # or widened to float32 (widen=1), which some CPUs run faster (see flash_cpu.cc).
+    widen = dict(widen=0) if bf16 else {}
+    candidates = [dict(bq=q, bk=k, **({"widen": w} if bf16 else {}))
+                  for q in _SIZES for k in _SIZES for w in ((0, 1) if bf16 else (0,))]
+    return tuning.Tuning(KERNEL, name + suffix, default=dict(bq=default[0], bk=default[1], **widen),
+                         candidates=candidates, probe=_probe(backward, bf16, shape),
+                         shape=" ".join(f"{k}={v}" for k, v in shape.items()),
+                         applies=_native_bf16 if bf16 else None)
 
 
 # {(pass, bfloat16, regime): its tuning}; each is tuned on its first use.
@@ -93,11 +104,19 @@ def tuned_blocks(bf16: bool = False, regime: str = "long") -> tuple[tuple[int, i
     return (f["bq"], f["bk"]), (b["bq"], b["bk"])
 
 
+def tuned_widen(regime: str = "long") -> tuple[bool, bool]:
+    """(forward, backward): whether the bfloat16 kernel's products run widened to float32
+    rather than on the CPU's own bfloat16 instructions, for this CPU and `regime`: measured
+    once with the blocks, cached."""
+    return tuple(bool(TUNINGS[p, True, regime].config()["widen"]) for p in ("fwd", "bwd"))
+
+
 def bf16_products() -> str:
     """How the bfloat16 kernel's products run here: "amx" (AMX tiles), "avx512_bf16"
     (vdpbf16ps) or "float32" (bfloat16 widened, the portable path). AMX needs the OS to
     grant the tile state (Linux >= 5.16; it may refuse a process whose alternate signal
-    stacks are too small for the state): where it does not, the kernel uses vdpbf16ps."""
+    stacks are too small for the state): where it does not, the kernel uses vdpbf16ps.
+    A pass whose tuning chose `widen=1` (`tuned_widen`) widens instead, on any CPU."""
     return ("float32", "avx512_bf16", "amx")[KERNEL.library().hpnlp_flash_bf16_products()]
 
 
@@ -119,9 +138,11 @@ def _segments(segs):
 
 
 def _attrs(segs, causal, scale, blocks, threads):
+    """The kernel's attributes; blocks: one pass's (queries, keys, widen)."""
     return dict(segments=segs is not None, causal=bool(causal), scale=np.float32(scale),
                 block_q=np.int64(blocks[0]), block_k=np.int64(blocks[1]),
-                threads=np.int64(kernels.cores() if threads is None else threads))
+                threads=np.int64(kernels.cores() if threads is None else threads),
+                widen=bool(blocks[2]))
 
 
 def _target(name: str, dtype) -> str:
@@ -165,7 +186,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causal=False,
                     threads: int | None = None, fwd_blocks: tuple[int, int] | None = None,
-                    bwd_blocks: tuple[int, int] | None = None):
+                    bwd_blocks: tuple[int, int] | None = None, widen: bool | None = None):
     """softmax(q k^T / sqrt(D)) v over [B, L, H, D] arrays, returned in q's dtype. When q,
     k and v are all bfloat16 the bfloat16 kernel runs (bfloat16 products, float32
     accumulation and softmax statistics; gradients in bfloat16); otherwise everything is
@@ -173,7 +194,9 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
     nonzero segment. Causal: query i sees keys <= i. A query that sees no key outputs 0.
     `threads` None: every core this process may use. `fwd_blocks`, `bwd_blocks`: the
     (queries, keys) tile of each pass, multiples of 16; None: this CPU's tuned choice for
-    the call's regime (`regime()`: short causal rows tune apart from long ones)."""
+    the call's regime (`regime()`: short causal rows tune apart from long ones). `widen`
+    (bfloat16 only): True runs the products widened to float32, False on the CPU's own
+    bfloat16 instructions where it has them; None: each pass's tuned choice."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, None)
     reason = blocker(q_BLHD.shape[-1], v_BSHD.shape[-1])
     if reason is not None:
@@ -185,6 +208,9 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                                 kseg_BS.shape != k_BSHD.shape[:2]):
         raise ValueError(f"flash attention: segment ids must be [B, L] = {q_BLHD.shape[:2]} and "
                          f"[B, S] = {k_BSHD.shape[:2]}; got {qseg_BL.shape} and {kseg_BS.shape}")
+    if widen is not None and not isinstance(widen, (bool, np.bool_)):
+        raise ValueError(f"flash attention: widen must be True, False or None (tuned); got "
+                         f"{widen!r}")
     bf16 = all(x.dtype == jnp.bfloat16 for x in (q_BLHD, k_BSHD, v_BSHD))
     if fwd_blocks is None or bwd_blocks is None:
         tuned_fwd, tuned_bwd = tuned_blocks(bf16, regime(q_BLHD.shape[1], k_BSHD.shape[1], causal))
@@ -194,6 +220,13 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
         if len(blk) != 2 or any(x <= 0 or x % 16 for x in blk):
             raise ValueError(f"flash attention: {name} must be two positive multiples of 16 "
                              f"(queries, keys); got {blk}")
+    if not bf16:
+        wides = (False, False)  # float32 products either way
+    elif widen is None:
+        wides = tuned_widen(regime(q_BLHD.shape[1], k_BSHD.shape[1], causal))
+    else:
+        wides = (bool(widen),) * 2
+    blocks = tuple((*blk, w) for blk, w in zip(blocks, wides))
     segs = None if qseg_BL is None else (qseg_BL, kseg_BS)
     scale = 1.0 / float(np.sqrt(q_BLHD.shape[-1]))
     cast = lambda x: x.astype(jnp.bfloat16 if bf16 else jnp.float32)  # noqa: E731

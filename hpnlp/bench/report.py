@@ -61,8 +61,8 @@ def header_md(info: dict, rates: dict) -> str:
     elif kernels:
         blocks = "; ".join(f"{name} {', '.join(f'{k}={v}' for k, v in t['config'].items())} "
                            f"({t['source']})" for name, t in kernels["tuning"].items())
-        lines.append(f"- kernels: bfloat16 attention products on {kernels['bf16_products']}; "
-                     f"blocks: {blocks}")
+        lines.append(f"- kernels: bfloat16 attention products on {kernels['bf16_products']} "
+                     f"(widened to float32 in a pass tuned to widen=1); blocks: {blocks}")
     for name, r in rates.items():
         lines.append(f"- measured {name} matrix-product rate: {r:.1f} GFLOP/s")
     if info.get("fma_peak_gflops"):
