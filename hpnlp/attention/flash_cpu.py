@@ -81,10 +81,10 @@ def _tuning(name, default, backward, bf16, regime_name):
     suffix = "" if regime_name == "long" else "_" + regime_name.replace(" ", "_")
     # bfloat16 passes also choose their products: the CPU's own (widen=0: AMX, vdpbf16ps)
     # or widened to float32 (widen=1), which some CPUs run faster (see flash_cpu.cc).
-    widen = dict(widen=0) if bf16 else {}
-    candidates = [dict(bq=q, bk=k, **({"widen": w} if bf16 else {}))
-                  for q in _SIZES for k in _SIZES for w in ((0, 1) if bf16 else (0,))]
-    return tuning.Tuning(KERNEL, name + suffix, default=dict(bq=default[0], bk=default[1], **widen),
+    widens = ({"widen": 0}, {"widen": 1}) if bf16 else ({},)
+    candidates = [dict(bq=q, bk=k, **w) for q in _SIZES for k in _SIZES for w in widens]
+    return tuning.Tuning(KERNEL, name + suffix,
+                         default=dict(bq=default[0], bk=default[1], **widens[0]),
                          candidates=candidates, probe=_probe(backward, bf16, shape),
                          shape=" ".join(f"{k}={v}" for k, v in shape.items()),
                          applies=_native_bf16 if bf16 else None)
