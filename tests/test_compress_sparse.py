@@ -806,9 +806,11 @@ def test_l1_penalty_is_l1_times_the_pruned_weights_abs_sum_per_token():
 
 
 def test_movement_scores_take_the_straight_through_gradient():
-    """Between mask updates, movement pruning moves each score by -dL/dS of the explicit
-    straight-through formulation W' = W * (M + S - stop_gradient(S)) (Sanh et al. 2020),
-    keeps the dense weight of a pruned entry and zeroes the parameter."""
+    """Between mask updates, movement pruning moves each score by an Adam step on dL/dS of
+    the explicit straight-through formulation W' = W * (M + S - stop_gradient(S)) (Sanh et
+    al. 2020): its first moment holds that gradient, and under a steady gradient each score
+    moves by exactly -sign(dL/dS) per step, whatever the gradient's size. It keeps the dense
+    weight of a pruned entry and zeroes the parameter."""
     cfg = validate(from_configdict(tiny("lm", prune=dict(method="movement", sparsity=0.5,
                                                          schedule="cubic", end_step=4, every=2))))
     model = models.build(cfg, deterministic=True)
@@ -840,10 +842,24 @@ def test_movement_scores_take_the_straight_through_gradient():
     after = jax.jit(c.after_update)
     out, new = after(value, updated, grads, jnp.int32(1))  # no mask update at step 1
     out_flat, up_flat = traverse.flatten_dict(out), traverse.flatten_dict(updated)
+    b1 = prune.SCORE_BETAS[0]
+    steady = lambda v: dict(v, dense=value["dense"])  # noqa: E731  (the same dL/dS again)
+    _, twice = after(steady(new), updated, grads, jnp.int32(1))
+    _, thrice = after(steady(twice), updated, grads, jnp.int32(1))
+    assert int(thrice["score_steps"]) == 3
+    big = jax.tree.map(lambda g: 1000.0 * g, grads)  # 1000x larger from the start: the same
+    _, big_once = after(value, updated, big, jnp.int32(1))
     for k in value["masks"]:
         path, m = tuple(k.split("/")), np.asarray(value["masks"][k])
-        np.testing.assert_allclose(new["scores"][k], value["scores"][k] - d_scores[k], rtol=1e-5,
-                                   atol=1e-7)
+        d = np.asarray(d_scores[k])
+        np.testing.assert_allclose(new["score_m"][k], (1 - b1) * d, rtol=1e-4,
+                                   atol=1e-4 * np.abs(d).max())  # two programs' gradients
+        moved = np.abs(d) > 1e-9  # a gradient far above Adam's floor
+        assert moved.mean() > 0.9
+        for n, v in ((1, new), (3, thrice), (1, big_once)):
+            np.testing.assert_allclose(np.asarray(v["scores"][k])[moved],
+                                       np.asarray(value["scores"][k] - n * np.sign(d))[moved],
+                                       rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.asarray(new["dense"][k])[~m], np.asarray(dense[k])[~m])
         np.testing.assert_array_equal(np.asarray(new["dense"][k])[m], np.asarray(up_flat[path])[m])
         assert not np.any(np.asarray(out_flat[path])[~m])

@@ -19,9 +19,9 @@ and V (model.lowrank) as two weights. Biases, norms and (by default) embeddings 
 output layer stay dense.
 
 - Criteria: `magnitude` (|W|), `random` (a fixed random score per weight: the control) and
-  `movement` (Sanh et al. 2020: scores learned by the straight-through estimator,
-  `movement_update`; the carry then also holds the scores and the dense weights, and a
-  pruned weight can come back);
+  `movement` (Sanh et al. 2020: scores learned by Adam on the straight-through
+  estimator's gradient, `movement_update`; the carry then also holds the scores, their
+  moments and the dense weights, and a pruned weight can come back);
   L1-regularized training adds `l1 * sum |W|` over the pruned products to the per-token
   loss (`train.prune.l1`, logged as `loss_l1`), so magnitude masks find what it drove to zero.
   A pruned weight's score is -inf, so masks only ever lose entries: gradual schedules nest.
@@ -547,8 +547,8 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
 
 
 class PruneCarry(Carry):
-    """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores" and
-    "dense" (movement) or "rewind" (imp) beside them; structured pruning keeps only
+    """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores",
+    their Adam state and "dense" (movement) or "rewind" (imp) beside them; structured pruning keeps only
     {"groups": {block/heads|neurons: bool [units]}} ({RNN_UNITS: bool [width]} for an
     LSTM/GRU), its weights' masks follow from them (module doc)."""
 
@@ -576,8 +576,9 @@ class PruneCarry(Carry):
                            else group_layout(found, params))
             return {"groups": {k: jnp.ones(g.shape, bool) for k, g in self.layout.items()}}
         value = {"masks": {}}
-        if self.p.method == "movement":
-            value.update(scores={}, dense={})
+        if self.p.method == "movement":  # scores, their Adam moments, the dense weights
+            value.update(scores={}, score_m={}, score_v={}, dense={},
+                         score_steps=jnp.zeros((), jnp.int32))
         if self.p.schedule == "imp":  # every model weight goes back (`start` / step k sets them)
             from hpnlp.train.carry import model_params
             value["rewind"] = {"/".join(k): like(w, jnp.zeros(nn.unbox(w).shape, nn.unbox(w).dtype))
@@ -587,7 +588,8 @@ class PruneCarry(Carry):
             shape = nn.unbox(w).shape
             value["masks"][k] = like(w, jnp.ones(shape, bool))
             if self.p.method == "movement":
-                value["scores"][k] = like(w, jnp.zeros(shape, jnp.float32))
+                for name in ("scores", "score_m", "score_v"):
+                    value[name][k] = like(w, jnp.zeros(shape, jnp.float32))
                 value["dense"][k] = like(w, jnp.zeros(shape, nn.unbox(w).dtype))  # `start` sets it
         return value
 
@@ -625,8 +627,8 @@ class PruneCarry(Carry):
         weights = {k: flat[_path(k)] for k in value["masks"]}
         new = dict(value)
         if self.p.method == "movement":
-            weights, new["scores"] = movement_update(value, weights, grads)
-            new["dense"] = weights
+            weights, moved = movement_update(value, weights, grads)
+            new.update(moved, dense=weights)
 
         def recompute(masks):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
@@ -663,22 +665,39 @@ class PruneCarry(Carry):
         return apply_masks(params, masks), {"groups": groups}
 
 
+# Adam's moment decays and its floor under sqrt(v) for the movement scores (Kingma & Ba)
+SCORE_BETAS = (0.9, 0.999)
+SCORE_EPS = 1e-12  # dL/dS = dL/dW' * W is small (|W| ~ 0.05): a floor below any real one
+
+
 def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
-    """(dense weights, scores) after one step of movement pruning (Sanh et al. 2020).
+    """(dense weights, {scores and their Adam state}) after one step of movement pruning
+    (Sanh et al. 2020).
 
     The model computes with W' = W * M. The straight-through estimator takes the mask's
-    gradient as if M were the scores S, so dL/dS = dL/dW' * W: the scores move by
-    -dL/dW' * W each step (SGD with unit rate: only their order matters), and a weight
-    gains score while the gradient moves it away from zero. The dense W behind a kept entry
-    is the parameter the optimizer just updated; behind a pruned one it stays as it was
-    (dL/dW = dL/dW' * M is zero there). `value["dense"]` is W before this update."""
-    g = _flatten(grads)
-    dense, scores_ = {}, {}
+    gradient as if M were the scores S, so dL/dS = dL/dW' * W, and a weight gains score
+    while the gradient moves it away from zero. As in the paper the scores train by Adam,
+    here at unit rate, as only their order matters: each score moves by its moments' ratio
+    m / sqrt(v), so its size tells how steadily its weight moved, not how large the weight
+    is. (Summing -dL/dW' * W instead, plain SGD, gives the large weights the large scores
+    of either sign: fine-tuning on the task a model already learned moves them by noise, so
+    it pruned large weights as readily as small ones, and ran worse than random pruning.)
+    The dense W behind a kept entry is the parameter the optimizer just updated; behind a
+    pruned one it stays as it was (dL/dW = dL/dW' * M is zero there). `value["dense"]` is
+    W before this update."""
+    (b1, b2), g = SCORE_BETAS, _flatten(grads)
+    t = (value["score_steps"] + 1).astype(jnp.float32)
+    out = {"scores": {}, "score_m": {}, "score_v": {}, "score_steps": value["score_steps"] + 1}
+    dense = {}
     for k, w in weights.items():
         before = value["dense"][k]
-        scores_[k] = value["scores"][k] - g[_path(k)].astype(jnp.float32) * before.astype(jnp.float32)
+        d = g[_path(k)].astype(jnp.float32) * before.astype(jnp.float32)  # dL/dS
+        m = b1 * value["score_m"][k] + (1 - b1) * d
+        v = b2 * value["score_v"][k] + (1 - b2) * d * d
+        step = (m / (1 - b1 ** t)) / (jnp.sqrt(v / (1 - b2 ** t)) + SCORE_EPS)
+        out["scores"][k], out["score_m"][k], out["score_v"][k] = value["scores"][k] - step, m, v
         dense[k] = jnp.where(value["masks"][k], w, before)
-    return dense, scores_
+    return dense, out
 
 
 def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> dict:
