@@ -885,6 +885,8 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
     (["make_corpus.py", "--raw", "/nonexistent/dump"], "--raw /nonexistent/dump: no such file"),
     (["moe_serve_ab.py", "--workdir", "/nonexistent", "--quantized", "/nonexistent"],
      "--workdir /nonexistent: no config.json there"),
+    (["movement_oneshot.py", "--workdir", "/nonexistent", "--sparsity", "1.5"],
+     "--sparsity 1.5: must be in \\(0, 1\\)"),
 ])
 def test_tools_refuse_bad_flags_in_one_line_before_timing(argv, match):
     """Found by the crash hunt: --rounds 0 compiled everything and printed nan; kernel_ab's

@@ -40,8 +40,9 @@ In one run on this CPU:
    movement scores have accumulated before the first mask, to the target at three
    quarters of them, masks recomputed every 5 steps), beside the dense fine-tune of the
    same steps. The paper's claim to check: movement beats magnitude at high sparsity
-   during fine-tuning. A pruned model runs at its dense speed on XLA:CPU, which has no
-   sparse product; each run at least `sparsify.MIN_SPARSITY` sparse is also served by
+   during fine-tuning (a transfer fine-tuning there; here the teacher's own task, on which
+   `tools/movement_oneshot.py` shows what the movement scores rank). A pruned model runs
+   at its dense speed on XLA:CPU, which has no sparse product; each run at least `sparsify.MIN_SPARSITY` sparse is also served by
    hpnlp's sparse kernel (`python -m hpnlp.compress sparsify`, into its workdir's
    `_sparse` twin), and its row gives that model's forward speed too (`sparse_forward_s`;
    the products alone: `python -m hpnlp.bench sparse`).

@@ -548,9 +548,9 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
 
 class PruneCarry(Carry):
     """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores",
-    their Adam state and "dense" (movement) or "rewind" (imp) beside them; structured pruning keeps only
-    {"groups": {block/heads|neurons: bool [units]}} ({RNN_UNITS: bool [width]} for an
-    LSTM/GRU), its weights' masks follow from them (module doc)."""
+    their Adam state and "dense" (movement) or "rewind" (imp) beside them; structured
+    pruning keeps only {"groups": {block/heads|neurons: bool [units]}} ({RNN_UNITS: bool
+    [width]} for an LSTM/GRU), its weights' masks follow from them (module doc)."""
 
     name = "prune"
 
