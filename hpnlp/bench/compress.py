@@ -42,10 +42,11 @@ In one run on this CPU:
    same steps. The paper's claim to check: movement beats magnitude at high sparsity
    during fine-tuning (a transfer fine-tuning there; here the teacher's own task, on which
    `tools/movement_oneshot.py` shows what the movement scores rank). A pruned model runs
-   at its dense speed on XLA:CPU, which has no sparse product; each run at least `sparsify.MIN_SPARSITY` sparse is also served by
-   hpnlp's sparse kernel (`python -m hpnlp.compress sparsify`, into its workdir's
-   `_sparse` twin), and its row gives that model's forward speed too (`sparse_forward_s`;
-   the products alone: `python -m hpnlp.bench sparse`).
+   at its dense speed on XLA:CPU, which has no sparse product; each run at least
+   `sparsify.MIN_SPARSITY` sparse is also served by hpnlp's sparse kernel (`python -m
+   hpnlp.compress sparsify`, into its workdir's `_sparse` twin), and its row gives that
+   model's forward speed too (`sparse_forward_s`; the products alone: `python -m hpnlp.bench
+   sparse`).
 3. Structured pruning (`structured`): the byte-LM teacher pruned by whole attention heads
    and MLP neurons (`train.prune.structure=structured`, magnitude, the same schedule over
    `structured_steps` fine-tuning steps at `STRUCTURED_LR` times the experiment's rate: the
