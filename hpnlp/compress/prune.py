@@ -680,8 +680,9 @@ def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
     here at unit rate, as only their order matters: each score moves by its moments' ratio
     m / sqrt(v), so its size tells how steadily its weight moved, not how large the weight
     is. (Summing -dL/dW' * W instead, plain SGD, gives the large weights the large scores
-    of either sign: fine-tuning on the task a model already learned moves them by noise, so
-    it pruned large weights as readily as small ones, and ran worse than random pruning.)
+    of either sign; on the compress bench's byte LM, Adam's scores read 2.15-2.32 loss at
+    50-95% sparsity against the sum's 2.42-2.68, still behind magnitude on that task:
+    `tools/movement_oneshot.py`.)
     The dense W behind a kept entry is the parameter the optimizer just updated; behind a
     pruned one it stays as it was (dL/dW = dL/dW' * M is zero there). `value["dense"]` is
     W before this update."""
