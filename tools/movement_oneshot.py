@@ -45,10 +45,10 @@ def final_params(workdir: str) -> dict:
     """{path tuple: array} of the newest checkpoint's parameters in `workdir`."""
     import flax.traverse_util as traverse
     import orbax.checkpoint as ocp
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
-    step = manager.latest_step()
-    state = ocp.PyTreeCheckpointer().restore(os.path.join(manager.directory, str(step), "state"))
+    from hpnlp.train.checkpoint import _newest  # the newest step, or a NoCheckpoint naming it
+    manager, step = _newest(workdir)
     manager.close()
+    state = ocp.PyTreeCheckpointer().restore(os.path.join(manager.directory, str(step), "state"))
     return {k: np.asarray(v) for k, v in traverse.flatten_dict(state["params"]).items()}
 
 
