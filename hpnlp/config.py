@@ -279,6 +279,11 @@ class ModelConfig:
     # positions)
     pos_emb: str = "learned"
     pool: str = "mean"  # classifier pooling: "mean" over real tokens | "first" token
+    # A classifier whose tokens attend only to earlier ones, as a causal LM's trunk was
+    # trained to (GPT's fine-tuning keeps the mask): what a classifier started from an LM's
+    # trunk (`train.init_params='trunk'`) reads the trunk's features through. An LM is
+    # always causal.
+    causal: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and losses always run in float32
     # Per-block rematerialization: "none" | "full" | "dots_saveable" | "names:qkv,mlp_in"
@@ -499,6 +504,12 @@ class TrainConfig:
     # Fine-tuning: workdir of a trained run of the same model shape whose newest checkpoint's
     # parameters start this run (the optimizer, step and data start fresh); "" = random init
     init_from: str = ""
+    # What of `init_from`'s parameters start this run: "all" (a run of the same task and
+    # shapes, or one `init_from` converts: other key/value heads or experts); "trunk", its
+    # token embedding and trunk alone, every other parameter (the task's head) this run's
+    # own draw: pretrain-then-fine-tune, e.g. the byte LM's trunk under the text classifier
+    # (hpnlp.train.transfer).
+    init_params: str = "all"
     # How `init_from` turns a run of more key/value heads into this run's fewer
     # (`model.num_kv_heads`, hpnlp.compress.gqa): "mean", each group's key and value heads
     # averaged (Ainslie et al. 2023); "svd", each group's keys and values the best rank-D fit
@@ -1386,6 +1397,18 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               f"{m.dims_per_head()} (odd); set model.head_dim (or model.width / model.num_heads) "
               "even, or use model.pos_emb='learned'")
     _check_choice("model.pool", m.pool, ("mean", "first"))
+    if m.causal not in (True, False):
+        _fail("model.causal", m.causal, "must be true or false")
+    if m.causal and m.kind != "classifier":
+        _fail("model.causal", m.causal, f"makes a classifier's attention causal; a "
+              f"model.kind={m.kind!r} model is " + ("always causal" if m.kind == "lm" else
+                                                    "not") + "; leave it false")
+    if m.causal and m.arch != "transformer":
+        _fail("model.causal", m.causal, f"applies to Transformer classifiers; a model.arch="
+              f"{m.arch!r} trunk reads in its own order; leave it false")
+    if m.causal and m.pool == "first":
+        _fail("model.causal", m.causal, "with model.pool='first' the pooled token would see only "
+              "itself; set model.pool='mean'")
     _check_choice("model.param_dtype", m.param_dtype, DTYPES)
     _check_choice("model.dtype", m.dtype, DTYPES)
     if m.param_dtype == "float16":
@@ -1434,6 +1457,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_kv_cache(cfg)
     _check_kv_latent(cfg)
     _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))
+    _check_choice("train.init_params", t.init_params, ("all", "trunk"))
+    if t.init_params != "all" and not t.init_from:
+        _fail("train.init_params", t.init_params, "chooses what this run takes of the run "
+              "train.init_from names; set train.init_from, or leave it 'all'")
     _check_choice("train.init_experts", t.init_experts, ("routed", "random", "merged"))
     if (not isinstance(t.init_expert_batches, int) or isinstance(t.init_expert_batches, bool)
             or t.init_expert_batches < 1):
@@ -1478,7 +1505,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("attention.name", cfg.attention.name, f"choose one of {attention.names()}")
     att_cls = attention.get(cfg.attention.name)
     _check_options("attention.options", cfg.attention.options, att_cls)
-    causal = m.kind == "lm"
+    causal = m.kind == "lm" or m.causal
     check = getattr(att_cls, "check_config", None)
     if check is not None:
         check(dict(cfg.attention.options), seq_len=d.seq_len, causal=causal,

@@ -44,10 +44,11 @@ GROUPED = [
 
 
 def _qkv(B, L, T, H, D, dtype, seed=0, G=None):
-    ks = jax.random.split(jax.random.key(seed), 3)
+    # drawn by numpy: eager jax.random ops compiled a program each, ~100 in this file's check
+    rng = np.random.default_rng(seed)
     G = G or H
-    return tuple(jax.random.normal(kk, s).astype(dtype)
-                 for kk, s in zip(ks, ((B, L, H, D), (B, T, G, D), (B, T, G, D))))
+    return tuple(jnp.asarray(rng.standard_normal(s, np.float32), dtype)
+                 for s in ((B, L, H, D), (B, T, G, D), (B, T, G, D)))
 
 
 def check_kernel_equals_twin():
@@ -59,17 +60,19 @@ def check_kernel_equals_twin():
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -7)):
         for B, L, T, H, D, index, *G in CASES + GROUPED:
             q, k, v = _qkv(B, L, T, H, D, dtype, G=G[0] if G else None)
-            want = np.asarray(twin(q, k, v, jnp.array(index)), np.float32)
+            counts = (1, 2, 3) if G else (1, 2)  # grouped: splits over 2 and 3
+            both = jax.jit(lambda q, k, v, i: [  # the twin and every thread count: one compile
+                CC.cached_attention(q, k, v, i, impl="xla")] + [
+                CC.cached_attention(q, k, v, i, impl="kernel", threads=t) for t in counts])
+            want, *gots = both(q, k, v, np.asarray(index, np.int32))
+            want = np.asarray(want, np.float32)
             for b, i in enumerate(np.broadcast_to(index, (B,))):
                 if np.ndim(index):  # a row's own position: that row decoded alone
                     np.testing.assert_array_equal(want[b], np.asarray(twin(
                         q[b:b + 1], k[b:b + 1], v[b:b + 1], jnp.int32(i)), np.float32)[0])
                 if i < 0:
                     assert not want[b, 0].any()
-            counts = (1, 2, 3) if G else (1, 2)  # grouped: splits over 2 and 3
-            kernel = jax.jit(lambda q, k, v, i: [  # every thread count in one compile
-                CC.cached_attention(q, k, v, i, impl="kernel", threads=t) for t in counts])
-            for threads, got in zip(counts, kernel(q, k, v, jnp.array(index))):
+            for threads, got in zip(counts, gots):
                 assert got.dtype == dtype
                 np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol,
                                            err_msg=f"{dtype.__name__} {(B, L, T, H, D, index, G)} "
@@ -79,16 +82,16 @@ def check_kernel_equals_twin():
 def check_int8_kernel_equals_twin():
     """An int8 cache: the kernel against the twin (which dequantizes the whole cache) on every
     case, float32 and bfloat16 queries."""
-    twin = jax.jit(lambda q, k, v, s, i: CC.cached_attention(q, k, v, i, scales=s, impl="xla"))
     quantize = jax.jit(CC.quantize_kv)  # jitted: eager ops compile one by one
     for B, L, T, H, D, index, *G in CASES + GROUPED:
         q, k, v = _qkv(B, L, T, H, D, jnp.float32, seed=1, G=G[0] if G else None)
         (kc, ks), (vc, vs) = quantize(k), quantize(v)
         assert kc.dtype == jnp.int8 and ks.shape == k.shape[:3]
-        want = twin(q, kc, vc, (ks, vs), jnp.array(index))
-        kernel = jax.jit(lambda q, kc, vc, s, i: [  # both thread counts in one compile
+        both = jax.jit(lambda q, kc, vc, s, i: [  # the twin and both thread counts: one compile
+            CC.cached_attention(q, kc, vc, i, scales=s, impl="xla")] + [
             CC.cached_attention(q, kc, vc, i, scales=s, impl="kernel", threads=t) for t in (1, 2)])
-        for threads, got in zip((1, 2), kernel(q, kc, vc, (ks, vs), jnp.array(index))):
+        want, *gots = both(q, kc, vc, (ks, vs), np.asarray(index, np.int32))
+        for threads, got in zip((1, 2), gots):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5,
                                        err_msg=f"int8 {(B, L, T, H, D, index, G)} {threads}")
         got = CC.cached_attention(q.astype(jnp.bfloat16), kc, vc, jnp.array(index),

@@ -634,6 +634,31 @@ def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, 
         quality.run(str(tmp_path / "c"), quick=True, tokenizers=["chars"])
 
 
+def test_prune_transfer_bench_compares_criteria_on_the_lms_trunk_from_a_payload(tmp_path):
+    from hpnlp.bench import compress, prune_transfer as pt
+    s = compress.SIZES["quick"]
+    cls, lm = pt.classifier(s, 6), compress.experiment("byte LM", s)
+    assert [getattr(cls.model, f) for f in ("width", "depth", "num_heads", "mlp_dim")] == [
+        getattr(lm.model, f) for f in ("width", "depth", "num_heads", "mlp_dim")]
+    assert cls.data.task == "doc_classify" and cls.train.steps == 6
+
+    def row(method, sp, acc):
+        return {"method": method, "sparsity": sp, "accuracy": acc, "loss": 1.0, "params": 10}
+    payload = {"machine": {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+                           "versions": {}},
+               "sizes": {"steps": 200, "sparsities": [0.9]}, "lm": {"loss": 1.4, "params": 12},
+               "majority_accuracy": 0.29,
+               "rows": [row(pt.SCRATCH, 0.0, 0.4), row(pt.DENSE, 0.0, 0.6),
+                        row("magnitude", 0.9, 0.5), row("movement", 0.9, 0.55),
+                        row("random", 0.9, 0.3)]}
+    assert pt.margins(payload) == {0.9: pytest.approx(0.05)}
+    md = pt._markdown(payload)
+    assert "| 90% | 0.5000 | 0.5500 | 0.3000 | +0.0500 |" in md
+    assert "from the LM's trunk 0.6000; from scratch 0.4000" in md and "200 steps" in md
+    pt._plot(payload, str(tmp_path))
+    assert (tmp_path / "accuracy_vs_sparsity.png").exists()
+
+
 def test_distill_recipes_bench_reads_gap_closed_on_validation_from_a_payload(tmp_path):
     from hpnlp.bench import distill_recipes
 

@@ -787,6 +787,90 @@ def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_p
     assert not os.path.exists(tmp_path / "other" / "config.json")  # refused before writing
 
 
+def test_a_classifier_starts_from_an_lms_trunk(tmp_path):
+    """train.init_params='trunk' (hpnlp.train.transfer): a classifier of longer inputs starts
+    from a byte LM's embedding and trunk, its position table's first rows the LM's and the
+    rest, with the head, the classifier's own draw; pruning starts from it as from any
+    init_from. A run of another kind under 'all', another trunk, or other token ids is refused
+    in one line before anything is written."""
+    from hpnlp.train import Trainer
+    from hpnlp import data as data_lib
+    _, _, lm = _teacher_workdir(tmp_path / "lm", tiny("lm"))
+    cd = tiny("classifier", prune=dict(method="magnitude", sparsity=0.5))
+    cd.data.seq_len = cd.model.max_len = 24  # the LM's table has 16 rows
+    own, _ = Trainer(from_configdict(cd), str(tmp_path / "own")).initial_state()
+    cd.train.update(init_from=str(tmp_path / "lm"), init_params="trunk")
+    state, _ = Trainer(from_configdict(cd), str(tmp_path / "cls")).initial_state()
+    got, src, fresh = (traverse.flatten_dict(p) for p in (state.params, lm, own.params))
+    assert {k[0] for k in got} == {"embed", "trunk", "head"}
+    for k, v in got.items():
+        if k[0] == "head":
+            np.testing.assert_array_equal(v, fresh[k])
+        elif k[-1] == "pos_embedding":
+            np.testing.assert_array_equal(v[:16], src[k])
+            np.testing.assert_array_equal(v[16:], fresh[k][16:])
+        else:
+            assert not np.array_equal(src[k], fresh[k]) or k[-1] in ("bias", "scale")
+            np.testing.assert_array_equal(v, src[k])
+    assert all(data_lib.task_info(dataclasses.replace(validate(from_configdict(cd)).data,
+                                                      task=t))["vocab_size"] == 256
+               for t in data_lib.BYTE_TASKS)
+    refused = [  # (edit, pattern)
+        (dict(init_params="all"), r"train\.init_from.*a 'lm' run.*init_params='trunk'"),
+        (dict(mlp_dim=64), r"train\.init_from.*3 of their arrays differ \(trunk/block_0/"
+                           r"mlp_in/bias: that run \(32,\), this run \(64,\)"),
+        (dict(source="word_lm"), r"train\.init_params.*data\.task='word_lm'.*other token ids"),
+        (dict(init_from=""), r"train\.init_params.*set train\.init_from")]
+    for edit, pattern in refused:
+        c = tiny("classifier")
+        c.train.update(init_from=str(tmp_path / "lm"), init_params="trunk")
+        if "source" in edit:
+            w = tiny("lm")
+            w.data.task = edit["source"]
+            _teacher_workdir(tmp_path / "words", w)
+            c.train.init_from = str(tmp_path / "words")
+        c.model.mlp_dim = edit.get("mlp_dim", c.model.mlp_dim)
+        c.train.update({k: v for k, v in edit.items() if k.startswith("init")})
+        with pytest.raises(ConfigError, match=pattern):
+            Trainer(from_configdict(c), str(tmp_path / "refused"))
+        assert not os.path.exists(tmp_path / "refused" / "config.json")
+
+
+def test_a_causal_classifier_on_an_lms_trunk_pools_the_lms_hidden_states():
+    """model.causal: a classifier whose attention is the LM's causal one, so on the LM's
+    trunk (transfer.keep_trunk) its mean-pooled encoding is the mean of the LM's hidden
+    states over the real tokens; without it, it is not. Refused where it cannot apply."""
+    from hpnlp.train import transfer
+    lm_cfg = validate(from_configdict(tiny("lm")))
+    batch = dummy_batch("lm", 2, 16)
+    batch["inputs"] = np.random.default_rng(1).integers(0, 256, (2, 16)).astype(np.int32)
+    batch["segment_ids"][1, 11:] = 0
+    batch["positions"] = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
+    lm = models.build(lm_cfg, deterministic=True)
+    lm_params = nn.unbox(jax.jit(lm.init)(jax.random.key(0), batch)["params"])
+    real = (batch["segment_ids"] > 0)[..., None]
+    hidden = jax.jit(lambda p, b: lm.apply({"params": p}, b, method="hidden"))
+    want = (np.asarray(hidden(lm_params, batch)) * real).sum(1)
+    want = want / real.sum(1)
+    cls_batch = {"inputs": batch["inputs"], "segment_ids": batch["segment_ids"],
+                 "label": np.zeros(2, np.int32), "weight": np.ones(2, np.float32)}
+    for causal in (True, False):
+        cd = tiny("classifier")
+        cd.model.causal = causal
+        cls = models.build(validate(from_configdict(cd)), deterministic=True)
+        fresh = nn.unbox(jax.jit(cls.init)(jax.random.key(1), cls_batch)["params"])
+        params = transfer.keep_trunk(lm_params, fresh)
+        got = jax.jit(lambda p, b: cls.apply({"params": p}, b, method="pooled"))(params,
+                                                                              cls_batch)
+        assert np.allclose(got, want, atol=1e-5) == causal
+    for edit, pattern in ((dict(kind="lm"), "always causal"), (dict(arch="lstm"), "Transformer"),
+                          (dict(pool="first"), "see only itself")):
+        cd = tiny("lm" if edit.get("kind") == "lm" else "classifier")
+        cd.model.update(causal=True, **{k: v for k, v in edit.items() if k != "kind"})
+        with pytest.raises(ConfigError, match=r"model\.causal.*" + pattern):
+            validate(from_configdict(cd))
+
+
 def test_l1_penalty_is_l1_times_the_pruned_weights_abs_sum_per_token():
     cfg = validate(from_configdict(tiny("lm", prune=dict(method="magnitude", l1=1e-3))))
     model = models.build(cfg, deterministic=True)

@@ -19,15 +19,15 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, kv_cache, lra, memory,
-                         moe, moe_convert, quant, retrieval, rnn, rope, softmax, sparse,
-                         speculative, train, tricks)
+                         moe, moe_convert, prune_transfer, quant, retrieval, rnn, rope,
+                         softmax, sparse, speculative, train, tricks)
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
            "moe_convert": moe_convert,
            "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes,
            "speculative": speculative, "gqa": gqa, "rope": rope, "kv_cache": kv_cache,
-           "sparse": sparse}
+           "sparse": sparse, "prune_transfer": prune_transfer}
 
 
 def main(argv=None) -> None:

@@ -231,14 +231,16 @@ class Conversion:
     """How `train.init_from` converts a run of other shapes into this run's (key/value heads
     here and in hpnlp.compress.mla, experts in hpnlp.compress.experts): `source`, the config
     that run is restored in; `convert(params, stats, fresh, key)`, its parameters into this
-    run's (`fresh`: this run's initial parameters, from `key`; jitted); and what `stats` is:
+    run's (`fresh`: this run's initial parameters, from `key`; jitted); what `stats` is:
     `calibrate(source eval model, params, batches)` over the run's first `batches` training
-    batches, or None."""
+    batches, or None; and `check(source, fresh)`, given both runs' parameter shapes before
+    anything is read or compiled, which raises a ConfigError where they cannot convert."""
 
     source: Config
     convert: Callable
     calibrate: Callable | None = None
     batches: int = 0
+    check: Callable | None = None
 
 
 def conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | None:

@@ -30,6 +30,7 @@ from hpnlp.data.batching import BatchIterator
 from hpnlp.data.task import Examples, Task
 
 LM_TASKS = ("byte_lm", "word_lm")  # take data.tokenizer and data.prepared
+BYTE_TASKS = ("doc_classify", "doc_match", "verse_pairs")  # byte ids, whatever the settings
 _TASKS = {
     "doc_classify": (text_tasks.make_doc_task, text_tasks.info),
     "doc_match": (text_tasks.make_doc_task, text_tasks.info),
@@ -98,6 +99,14 @@ def different_encoding(mine, theirs) -> str | None:
         if a != b:
             return f"{field}={b!r} (this run: {a!r})"
     return None
+
+
+def byte_ids(cfg) -> bool:
+    """Whether the task of DataConfig `cfg` reads UTF-8 bytes as its token ids (the byte-level
+    text tasks, and an LM task with the bytes tokenizer): any two such tasks share their ids."""
+    if cfg.task in LM_TASKS:
+        return text_tasks.lm_tokenizer(cfg, cfg.task) == "bytes"
+    return cfg.task in BYTE_TASKS
 
 
 def task_info(cfg) -> dict:

@@ -184,7 +184,7 @@ class Classifier(nn.Module):
     def setup(self):
         m = self.cfg.model
         self.embed = make_embed(m, grad_weights=self.embed_weights)
-        self.trunk = make_trunk(self.cfg, causal=False, deterministic=self.deterministic)
+        self.trunk = make_trunk(self.cfg, causal=m.causal, deterministic=self.deterministic)
         pdt = dtypes(m)[1]
         self.head = Dense(m.num_classes, quant=m.quant, kind="head", dtype=jnp.float32,
                           param_dtype=pdt,

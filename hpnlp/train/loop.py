@@ -167,13 +167,20 @@ class Trainer:
         self._convert = None
         if cfg.train.init_from:
             from hpnlp.compress import gqa
+            from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from)
-            self._convert = gqa.conversion(cfg, source.model, cfg.train.init_from)
-            src = models.build(self._convert.source, deterministic=False,
-                               token_counts=counts) if self._convert else model
+            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from)
+                             or gqa.conversion(cfg, source.model, cfg.train.init_from))
+            src, src_batch = model, batch1
+            if self._convert:  # built as that run was, on its task's batches
+                sd = self._convert.source.data
+                own = sd.task == cfg.data.task  # another task's token counts are not its own
+                src = models.build(self._convert.source, deterministic=False,
+                                   token_counts=counts if own else None)
+                src_batch = dummy_batch(data_lib.task_info(sd)["kind"], 1, sd.seq_len)
             self.model_params = jax.eval_shape(
-                lambda key: nn.unbox(src.init({"params": key, "dropout": key}, batch1)["params"]),
-                jax.random.key(0))
+                lambda key: nn.unbox(src.init({"params": key, "dropout": key},
+                                              src_batch)["params"]), jax.random.key(0))
             if data_lib.saw_validation(cfg.data, source.data):
                 raise config_error("train.init_from", cfg.train.init_from, "that run may have "
                                    "trained on the examples this run holds out for "
@@ -196,6 +203,8 @@ class Trainer:
             # state from it (optimizer, carries, a factorization), this run's own and small.
             key0 = jax.random.key(cfg.seed)
             boxed = jax.eval_shape(lambda key: init_params(model, key, batch1), key0)
+            if self._convert and self._convert.check:  # e.g. a trunk transfer's shapes
+                self._convert.check(self.model_params, carry_lib.model_params(unboxed(boxed)))
             abstract = jax.eval_shape(lambda key, p: init(key, _rebox(boxed, p)), key0,
                                       unboxed(boxed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)

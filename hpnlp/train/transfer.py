@@ -1,0 +1,89 @@
+"""A run of one task started from the trunk of a run of another (`train.init_params='trunk'`):
+pretrain, then fine-tune (GPT and BERT's recipe), e.g. the byte LM's trunk under the text
+classifier.
+
+The `train.init_from` run's token embedding and trunk (its blocks, final norm and position
+table) start this run; every other parameter (the task's head: a classifier's, an LM's output
+bias) keeps this run's own draw, as a run without `init_from` would start it. A learned
+position table of another length is copied where both have rows; the positions past that
+run's keep this run's draw. The two runs must read the same token ids (both byte-level, or
+the same task and tokenizer) and have the same trunk: what differs is named, with the fields
+to change, before anything is read or compiled. It is one of `train.init_from`'s conversions
+(compress.gqa.Conversion), so prune, distill and the other carries start from it as they
+start from any `init_from`.
+"""
+
+from __future__ import annotations
+
+import flax.traverse_util as traverse
+import jax.numpy as jnp
+
+from hpnlp.config import Config, config_error
+
+KEPT = ("embed", "trunk")  # the top-level parameter groups a trunk transfer reads
+POSITIONS = ("trunk", "pos_embedding")  # a learned position table: [max_len, width]
+
+
+def conversion(cfg: Config, source: Config, workdir: str):
+    """The trunk transfer from the run in `workdir` (trained with `source`) into `cfg`'s run, a
+    compress.gqa.Conversion; None for `train.init_params='all'` (the run restores whole, or
+    through another conversion). A run of another kind of task under 'all' is refused here,
+    naming 'trunk'."""
+    from hpnlp import data as data_lib
+    from hpnlp.compress.gqa import Conversion, refuse_factorized
+    mine, theirs = (data_lib.task_info(c.data)["kind"] for c in (cfg, source))
+    if cfg.train.init_params != "trunk":
+        if mine != theirs:
+            raise config_error("train.init_from", workdir, f"that run is a {theirs!r} run "
+                               f"(data.task={source.data.task!r}) and this one a {mine!r} run, "
+                               "so its head cannot start this one's; set "
+                               "train.init_params='trunk' to start from its embedding and trunk")
+        return None
+    if not (data_lib.byte_ids(cfg.data) and data_lib.byte_ids(source.data)):
+        why = data_lib.different_encoding(cfg.data, source.data)
+        if why:
+            raise config_error("train.init_params", "trunk", f"the run train.init_from="
+                               f"{workdir} was trained with {why}, so its embedding reads other "
+                               "token ids than this run's; start from a run of the same ids "
+                               "(any two byte-level tasks share theirs)")
+    refuse_factorized(source.model, cfg.model, workdir, made="a trunk transfer copies dense "
+                      "weights", first="fine-tune from the trunk")
+    return Conversion(source, lambda p, stats, fresh, key: keep_trunk(p, fresh),
+                      check=lambda src, fresh: check(src, fresh, workdir))
+
+
+def _trunk(params) -> dict:
+    return {k: v for k, v in traverse.flatten_dict(params).items() if k[0] in KEPT}
+
+
+def check(source, fresh, workdir: str) -> None:
+    """Refuse (naming `train.init_from`) where the trunk of `source` (that run's parameters,
+    shapes suffice) cannot start `fresh` (this run's): arrays on one side only, or of other
+    shapes, the position table's length apart."""
+    src, mine = _trunk(source), _trunk(fresh)
+    diff = sorted(set(src) ^ set(mine)) + sorted(
+        k for k in set(src) & set(mine) if tuple(src[k].shape) != tuple(mine[k].shape)
+        and not (k == POSITIONS and src[k].shape[1:] == mine[k].shape[1:]))
+    if diff:
+        shape = lambda t, k: tuple(t[k].shape) if k in t else None  # noqa: E731
+        shown = "; ".join(f"{'/'.join(k)}: that run {shape(src, k)}, this run {shape(mine, k)}"
+                          for k in diff[:4])
+        raise config_error("train.init_from", workdir, f"train.init_params='trunk' starts this "
+                           f"run from that run's embedding and trunk, and {len(diff)} of their "
+                           f"arrays differ ({shown}); give this run that run's model.width, "
+                           "depth, num_heads, mlp_dim and vocabulary")
+
+
+def keep_trunk(source, fresh):
+    """`fresh` (this run's initial parameters) with the arrays of `source`'s embedding and
+    trunk; a position table of another length copied over the rows both have."""
+    out, src = traverse.flatten_dict(fresh), traverse.flatten_dict(source)
+    for k, v in out.items():
+        if k[0] not in KEPT:
+            continue
+        s = jnp.asarray(src[k], v.dtype)
+        if s.shape != v.shape:  # the position table (`check`): the rows both have
+            n = min(s.shape[0], v.shape[0])
+            s = v.at[:n].set(s[:n])
+        out[k] = s
+    return traverse.unflatten_dict(out)
