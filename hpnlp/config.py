@@ -1461,6 +1461,14 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if t.init_params != "all" and not t.init_from:
         _fail("train.init_params", t.init_params, "chooses what this run takes of the run "
               "train.init_from names; set train.init_from, or leave it 'all'")
+    if t.init_params == "trunk":
+        for field in ("init_kv_heads", "init_kv_calibration", "init_experts",
+                      "init_expert_batches"):
+            value, default = getattr(t, field), getattr(type(t)(), field)
+            if value != default:
+                _fail(f"train.{field}", value, "converts a run of the same task, and "
+                      "train.init_params='trunk' copies another task's trunk as it is; convert "
+                      f"that run first (its own fine-tune), or leave train.{field}={default!r}")
     _check_choice("train.init_experts", t.init_experts, ("routed", "random", "merged"))
     if (not isinstance(t.init_expert_batches, int) or isinstance(t.init_expert_batches, bool)
             or t.init_expert_batches < 1):

@@ -638,9 +638,10 @@ def test_prune_transfer_bench_compares_criteria_on_the_lms_trunk_from_a_payload(
     from hpnlp.bench import compress, prune_transfer as pt
     s = compress.SIZES["quick"]
     cls, lm = pt.classifier(s, 6), compress.experiment("byte LM", s)
-    assert [getattr(cls.model, f) for f in ("width", "depth", "num_heads", "mlp_dim")] == [
-        getattr(lm.model, f) for f in ("width", "depth", "num_heads", "mlp_dim")]
-    assert cls.data.task == "doc_classify" and cls.train.steps == 6
+    fields = ("width", "depth", "num_heads", "mlp_dim", "max_len")
+    assert [getattr(cls.model, f) for f in fields] == [getattr(lm.model, f) for f in fields]
+    assert cls.data.task == "doc_classify" and cls.train.steps == 6 and cls.model.causal
+    assert cls.data.seq_len == lm.data.seq_len
 
     def row(method, sp, acc):
         return {"method": method, "sparsity": sp, "accuracy": acc, "loss": 1.0, "params": 10}

@@ -790,13 +790,14 @@ def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_p
 def test_a_classifier_starts_from_an_lms_trunk(tmp_path):
     """train.init_params='trunk' (hpnlp.train.transfer): a classifier of longer inputs starts
     from a byte LM's embedding and trunk, its position table's first rows the LM's and the
-    rest, with the head, the classifier's own draw; pruning starts from it as from any
-    init_from. A run of another kind under 'all', another trunk, or other token ids is refused
-    in one line before anything is written."""
+    rest, with the head, the classifier's own draw (movement pruning's dense weights start as
+    the LM's). A run of another kind under 'all', another trunk (in shape or in
+    what computes it), other token ids or a conversion of the same task's is refused in one
+    line before anything is written."""
     from hpnlp.train import Trainer
     from hpnlp import data as data_lib
     _, _, lm = _teacher_workdir(tmp_path / "lm", tiny("lm"))
-    cd = tiny("classifier", prune=dict(method="magnitude", sparsity=0.5))
+    cd = tiny("classifier", prune=dict(method="movement", sparsity=0.5))
     cd.data.seq_len = cd.model.max_len = 24  # the LM's table has 16 rows
     own, _ = Trainer(from_configdict(cd), str(tmp_path / "own")).initial_state()
     cd.train.update(init_from=str(tmp_path / "lm"), init_params="trunk")
@@ -812,13 +813,19 @@ def test_a_classifier_starts_from_an_lms_trunk(tmp_path):
         else:
             assert not np.array_equal(src[k], fresh[k]) or k[-1] in ("bias", "scale")
             np.testing.assert_array_equal(v, src[k])
+    dense = state.carry["prune"]["dense"]
+    assert sorted(dense) == sorted(k for k in dense if k.startswith("trunk/")) and dense
+    for k, w in dense.items():
+        np.testing.assert_array_equal(w, src[tuple(k.split("/"))])
     assert all(data_lib.task_info(dataclasses.replace(validate(from_configdict(cd)).data,
                                                       task=t))["vocab_size"] == 256
                for t in data_lib.BYTE_TASKS)
     refused = [  # (edit, pattern)
-        (dict(init_params="all"), r"train\.init_from.*a 'lm' run.*init_params='trunk'"),
-        (dict(mlp_dim=64), r"train\.init_from.*3 of their arrays differ \(trunk/block_0/"
-                           r"mlp_in/bias: that run \(32,\), this run \(64,\)"),
+        (dict(init_params="all"), r"train\.init_from.*model\.kind='lm' run.*init_params='trunk'"),
+        (dict(mlp_dim=64), r"train\.init_params.*model\.mlp_dim=64 \(that run: 32\); set "
+                           r"model\.mlp_dim to that run's"),
+        (dict(pos_emb="rope"), r"model\.pos_emb='rope' \(that run: 'learned'\)"),
+        (dict(init_kv_calibration=2), r"train\.init_kv_calibration.*copies another task's"),
         (dict(source="word_lm"), r"train\.init_params.*data\.task='word_lm'.*other token ids"),
         (dict(init_from=""), r"train\.init_params.*set train\.init_from")]
     for edit, pattern in refused:
@@ -829,7 +836,7 @@ def test_a_classifier_starts_from_an_lms_trunk(tmp_path):
             w.data.task = edit["source"]
             _teacher_workdir(tmp_path / "words", w)
             c.train.init_from = str(tmp_path / "words")
-        c.model.mlp_dim = edit.get("mlp_dim", c.model.mlp_dim)
+        c.model.update({k: v for k, v in edit.items() if k in ("mlp_dim", "pos_emb")})
         c.train.update({k: v for k, v in edit.items() if k.startswith("init")})
         with pytest.raises(ConfigError, match=pattern):
             Trainer(from_configdict(c), str(tmp_path / "refused"))

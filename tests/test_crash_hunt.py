@@ -5,7 +5,8 @@ must evaluate finite and reload identical, or refuse in one line; an eighth are 
 teacher of a drawn student (`train.distill.*`: shallower, maybe narrower or factorized, a
 drawn init and losses), which must train finite or be refused in one line before it trains;
 and an eighth start a run with other experts (`train.init_from`: fewer, or a dense run
-upcycled), held to the same.
+upcycled) or a run of another task from their trunk (`train.init_params='trunk'`), held to
+the same.
 
 Each configuration runs in a worker process (`tests/hunt_worker.py`), so a segmentation
 fault or an abort is reported as this test's failure, with its configuration, instead of
@@ -185,7 +186,8 @@ def configs(draw) -> dict:
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn,
             "ptq": draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None,
             "student": draw(students()) if draw(st.integers(0, 7)) == 0 else None,
-            "then": draw(expert_changes()) if draw(st.integers(0, 7)) == 0 else None}
+            "then": draw(st.one_of(expert_changes(), transfers()))
+            if draw(st.integers(0, 7)) == 0 else None}
 
 
 @st.composite
@@ -222,6 +224,21 @@ def expert_changes(draw) -> dict:
                       "init_experts": draw(st.sampled_from(["routed", "routed", "merged",
                                                             "random"])),
                       "init_expert_batches": draw(st.sampled_from([1, 2]))}}
+
+
+@st.composite
+def transfers(draw) -> dict:
+    """A run of another task that starts from the hunted run's embedding and trunk
+    (`train.init_params='trunk'`, hpnlp.train.transfer): a byte LM or a (maybe causal) byte
+    classifier, maybe of another position table or MLP width (refused in one line)."""
+    to = draw(st.sampled_from(["lm", "classifier"]))
+    model = {"kind": to, "causal": to == "classifier" and draw(st.booleans()),
+             "mlp_dim": draw(st.sampled_from([32, 32, 64])),
+             "max_len": draw(st.sampled_from([32, 48]))}
+    return {"model": model,
+            "data": {"task": "byte_lm" if to == "lm" else "doc_classify", "batching": "pad"},
+            "output": {"name": "full", "options": {}, "tie_embeddings": False},
+            "train": {"steps": 2, "init_from": "FIRST", "init_params": "trunk"}}
 
 
 def devices_for(config: dict) -> int:

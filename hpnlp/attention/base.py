@@ -138,8 +138,9 @@ class Attention(nn.Module):
                      field: str = "attention.options") -> None:
         if causal and not cls.supports_causal:
             raise config_error("attention.name", cls.registry_name, "this variant cannot be "
-                               "causal, but the model is a causal LM; choose a causal-capable "
-                               "variant for model.kind='lm'")
+                               "causal, but the model is causal (model.kind='lm', or a "
+                               "classifier with model.causal=true); choose a causal-capable "
+                               "variant, or leave the classifier's model.causal false")
 
     @classmethod
     def exact_cache(cls) -> bool:

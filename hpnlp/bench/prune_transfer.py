@@ -8,8 +8,9 @@ model fine-tuned on a new task. This is the transfer the shipped corpus offers. 
 compress bench's byte LM teacher (trained in --workdir, or reused from a compress run
 there) starts the text classifier (`train.init_params='trunk'`, hpnlp.train.transfer: the
 LM's embedding and trunk, the classifier's head its own draw; the classifier given the
-LM's MLP width and its causal attention, `model.causal`, so that it reads the trunk's
-features as they were trained), which fine-tunes for `steps` while pruned to each sparsity
+LM's MLP width, its causal attention, `model.causal`, so that it reads the trunk's
+features as they were trained, and its length, 128 bytes, so that every position's
+embedding is one the LM trained), which fine-tunes for `steps` while pruned to each sparsity
 by magnitude, movement and random, on the compress bench's schedule
 (`compress.prune_schedule`: gradual cubic, masks every 5 steps), at the classifier
 experiment's learning rate. Beside them: the dense fine-tune from the trunk, and the same
@@ -37,11 +38,13 @@ SCRATCH, DENSE = "classifier, scratch", "classifier from the LM's trunk, dense"
 
 
 def classifier(s: dict, steps: int):
-    """The compress bench's text classifier with the byte LM's trunk shape and causal
-    attention (`model.causal`: the LM's trunk read as it was trained), for `steps`."""
+    """The compress bench's text classifier with the byte LM's trunk shape, its causal
+    attention (`model.causal`: the LM's trunk read as it was trained) and its length (every
+    position one the LM's table trained), for `steps`."""
     cd = compress.experiment("text classifier", s)
-    cd.model.mlp_dim = compress.experiment("byte LM", s).model.mlp_dim
-    cd.model.causal = True
+    lm = compress.experiment("byte LM", s).model
+    cd.model.mlp_dim, cd.model.causal = lm.mlp_dim, True
+    cd.data.seq_len = cd.model.max_len = lm.max_len
     cd.train.steps, cd.train.warmup_steps = steps, max(1, steps // 5)
     return cd
 

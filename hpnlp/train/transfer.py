@@ -22,6 +22,21 @@ from hpnlp.config import Config, config_error
 
 KEPT = ("embed", "trunk")  # the top-level parameter groups a trunk transfer reads
 POSITIONS = ("trunk", "pos_embedding")  # a learned position table: [max_len, width]
+# The model fields that make the trunk's function, beside its weights: a run that reads
+# another's trunk must have that run's (some change no shape: positions, attention)
+TRUNK_FIELDS = ("arch", "width", "depth", "num_heads", "head_dim", "num_kv_heads",
+                "kv_latent_dim", "kv_latent_rope_dim", "kv_latent_norm", "mlp_dim", "pos_emb",
+                "reversible", "stack_layers", "moe")
+
+
+def _trunk_settings(cfg: Config) -> dict:
+    """{field: value} of what defines `cfg`'s trunk beside its weights."""
+    out = {f"model.{f}": getattr(cfg.model, f) for f in TRUNK_FIELDS}
+    out.update({"attention.name": cfg.attention.name,
+                "attention.options": dict(cfg.attention.options)})
+    if cfg.model.arch in ("lstm", "gru"):
+        out["rnn"] = cfg.rnn
+    return out
 
 
 def conversion(cfg: Config, source: Config, workdir: str):
@@ -31,12 +46,12 @@ def conversion(cfg: Config, source: Config, workdir: str):
     naming 'trunk'."""
     from hpnlp import data as data_lib
     from hpnlp.compress.gqa import Conversion, refuse_factorized
-    mine, theirs = (data_lib.task_info(c.data)["kind"] for c in (cfg, source))
+    mine, theirs = cfg.model.kind, source.model.kind
     if cfg.train.init_params != "trunk":
         if mine != theirs:
-            raise config_error("train.init_from", workdir, f"that run is a {theirs!r} run "
-                               f"(data.task={source.data.task!r}) and this one a {mine!r} run, "
-                               "so its head cannot start this one's; set "
+            raise config_error("train.init_from", workdir, f"that run is a model.kind={theirs!r} "
+                               f"run (data.task={source.data.task!r}) and this one a {mine!r} "
+                               "run, so its head cannot start this one's; set "
                                "train.init_params='trunk' to start from its embedding and trunk")
         return None
     if not (data_lib.byte_ids(cfg.data) and data_lib.byte_ids(source.data)):
@@ -48,6 +63,13 @@ def conversion(cfg: Config, source: Config, workdir: str):
                                "(any two byte-level tasks share theirs)")
     refuse_factorized(source.model, cfg.model, workdir, made="a trunk transfer copies dense "
                       "weights", first="fine-tune from the trunk")
+    theirs, mine = _trunk_settings(source), _trunk_settings(cfg)
+    differ = [k for k in mine if mine[k] != theirs[k]]
+    if differ:
+        shown = "; ".join(f"{k}={mine[k]!r} (that run: {theirs[k]!r})" for k in differ[:4])
+        raise config_error("train.init_params", "trunk", f"this run reads the trunk of the run "
+                           f"train.init_from={workdir} as that run computed it, and has "
+                           f"{shown}; set {', '.join(differ)} to that run's")
     return Conversion(source, lambda p, stats, fresh, key: keep_trunk(p, fresh),
                       check=lambda src, fresh: check(src, fresh, workdir))
 
@@ -70,8 +92,8 @@ def check(source, fresh, workdir: str) -> None:
                           for k in diff[:4])
         raise config_error("train.init_from", workdir, f"train.init_params='trunk' starts this "
                            f"run from that run's embedding and trunk, and {len(diff)} of their "
-                           f"arrays differ ({shown}); give this run that run's model.width, "
-                           "depth, num_heads, mlp_dim and vocabulary")
+                           f"arrays differ ({shown}); give this run that run's vocabulary and "
+                           "model fields")
 
 
 def keep_trunk(source, fresh):
