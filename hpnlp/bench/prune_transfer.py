@@ -88,8 +88,9 @@ def margins(p: dict) -> dict:
 
 
 def _markdown(p: dict) -> str:
-    by, sps = _by(p), p["sizes"]["sparsities"]
+    by, sps, gap = _by(p), p["sizes"]["sparsities"], margins(p)
     scratch, dense = by[(SCRATCH, 0.0)], by[(DENSE, 0.0)]
+    helps = dense["accuracy"] > scratch["accuracy"]
     out = [report.header_md(p["machine"], {}), "",
            f"The byte LM ({p['lm']['params']:,} parameters, eval loss "
            f"{p['lm']['loss']:.4f}) starts the text classifier ({dense['params']:,} "
@@ -99,12 +100,11 @@ def _markdown(p: dict) -> str:
            f"{p['majority_accuracy']:.3f}):", "",
            report.table(["sparsity"] + list(METHODS) + ["movement - magnitude"], [
                [f"{sp:.0%}"] + [f"{by[(m, sp)]['accuracy']:.4f}" for m in METHODS]
-               + [f"{margins(p)[sp]:+.4f}"] for sp in sps]), "",
+               + [f"{gap[sp]:+.4f}"] for sp in sps]), "",
            f"Dense, no pruning: from the LM's trunk {dense['accuracy']:.4f}; from scratch "
            f"{scratch['accuracy']:.4f} (the same steps): the pretrained trunk "
-           + ("helps" if dense["accuracy"] > scratch["accuracy"] else "does not help")
-           + " this classifier"
-           + ("." if dense["accuracy"] > scratch["accuracy"] else
+           + ("helps" if helps else "does not help") + " this classifier"
+           + ("." if helps else
               ", so the premise of Sanh et al.'s claim (a pretrained model worth keeping) "
               "does not hold here."), ""]
     return "\n".join(out + report.seconds_md(p))

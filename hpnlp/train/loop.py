@@ -174,12 +174,12 @@ class Trainer:
             src, src_batch = model, batch1
             if self._convert:  # built as that run was, on its task's batches
                 sd = self._convert.source.data
+                info = data_lib.task_info(sd)
                 # another task's counts are not its own; its shapes need only some counts
                 own = sd.task == cfg.data.task
                 src = models.build(self._convert.source, deterministic=False,
-                                   token_counts=counts if own else np.ones(
-                                       data_lib.task_info(sd)["vocab_size"]))
-                src_batch = dummy_batch(data_lib.task_info(sd)["kind"], 1, sd.seq_len)
+                                   token_counts=counts if own else np.ones(info["vocab_size"]))
+                src_batch = dummy_batch(info["kind"], 1, sd.seq_len)
             self.model_params = jax.eval_shape(
                 lambda key: nn.unbox(src.init({"params": key, "dropout": key},
                                               src_batch)["params"]), jax.random.key(0))
