@@ -33,9 +33,10 @@ def _project(pp, x_TBE):
 # step: more threads than the backward's 3 groups, and no step before the last for the
 # gate gradients that follow each group's product.
 # E: 12 and 17 (a short input tile each side of the vector width), 100 (several full tiles
-# and groups of the in-kernel dx, split over threads), 1.
+# and groups of the in-kernel dx, split over threads), 1. L = 77: the input projection and
+# dx run in blocks of 36 steps at B = 7 (256 rows), so two full blocks and a short one.
 @pytest.mark.parametrize("threads,L,E", [(1, 5, 12), (2, 5, 12), (5, 1, 12), (3, 3, 100),
-                                         (2, 2, 17), (2, 2, 1)])
+                                         (2, 2, 17), (2, 2, 1), (2, 77, 12)])
 def test_kernel_matches_the_scan_with_padding(threads, L, E):
     B, H = 7, 144
     k = jax.random.split(jax.random.key(0), 8)

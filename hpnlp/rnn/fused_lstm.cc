@@ -165,7 +165,7 @@ struct NoHook {
 // near-equal blocks of <= mr.
 template <class Done, class Between = NoHook>
 void panel_product(const float* a, size_t lda, const float* p, int B, int K, float* part,
-                   Blocking blk, Done&& done, Between&& between = NoHook{}) {
+                   Blocking blk, Done&& done, Between&& between = NoHook{}, bool init = false) {
   const int blocks = (B + blk.mr - 1) / blk.mr;
   for (int k0 = 0; k0 < K; k0 += blk.kc) {
     const int k1 = std::min(K, k0 + blk.kc);
@@ -176,7 +176,7 @@ void panel_product(const float* a, size_t lda, const float* p, int B, int K, flo
         vf acc[RR][4];
         for (int r = 0; r < RR; ++r)
           for (int q = 0; q < 4; ++q)
-            acc[r][q] = k0 == 0 ? vf{} : load(part + (size_t(r0 + r) * 4 + q) * NR);
+            acc[r][q] = k0 == 0 && !init ? vf{} : load(part + (size_t(r0 + r) * 4 + q) * NR);
         micro<RR>(acc, a + size_t(r0) * lda, lda, p, k0, k1);
         if (k1 == K) {
           done(r0, RR, &acc[0][0]);
@@ -209,26 +209,25 @@ struct Fwd {
   const float *x, *bias, *wx, *w, *valid;  // x [L, B, E], wx [E, 4H], w [H, 4H]
   float *out;            // [B, L, H], batch-major like the layer's output
   float *hp, *cc, *act;  // [L, B, H] h entering each step, [L, B, H] c after it, [L, B, 4H]
-  // Each step's left operand [x_t | h_{t-1}], double-buffered: [2][B][E + H]. x_{t+1} is
-  // copied in during step t (nothing reads that buffer then), h_t written by step t.
-  float *xh;
+  float *h;    // h entering each step, double-buffered: [2][B, H] (h_t written by step t)
   float *c;    // [2][B, H]
   HugeVec wp;  // per unit tile: [E + H][4 gates][NR], wx's rows and then w's
 };
 
-// Unit tile u of step t: z = x_t W_x + h_prev W for the 4 gates of its NR units (one
-// product over K = E + H: the input projection is computed here, step by step, rather
-// than by XLA for all steps before the call, which wrote and read back an [L, B, 4H]
-// array), then the cell update straight from the accumulators. Stream: the outputs that nothing in this call
+// Unit tile u of step t: z = x_t W_x + h_prev W for the 4 gates of its NR units (the
+// product h_prev W over K = H, its accumulators starting from x_t W_x in `xw`, see
+// input_projection; the input projection is computed here rather than by XLA for all
+// steps before the call, which wrote and read back an [L, B, 4H] array), then the cell
+// update straight from the accumulators. Stream: the outputs that nothing in this call
 // reads again go past the cache (a template argument: chosen at run time, the store
 // was an indirect call that spilled the gates around it).
 template <bool Stream>
-void fwd_tile(const Fwd& s, int t, int u, float* part) {
+void fwd_tile(const Fwd& s, int t, int u, float* xw) {
   const int H = s.H, G = 4 * H, K = s.E + H, j = u * NR;
-  const size_t BH = size_t(s.B) * H, BK = size_t(s.B) * K;
-  const float *a = s.xh + (t & 1) * BK, *c_prev = s.c + (t & 1) * BH;
-  float *h_next = s.xh + ((t + 1) & 1) * BK + s.E, *c_next = s.c + ((t + 1) & 1) * BH;
-  panel_product(a, K, s.wp.data() + size_t(u) * K * 4 * NR, s.B, K, part, s.blk,
+  const size_t BH = size_t(s.B) * H;
+  const float *a = s.h + (t & 1) * BH, *c_prev = s.c + (t & 1) * BH;
+  float *h_next = s.h + ((t + 1) & 1) * BH, *c_next = s.c + ((t + 1) & 1) * BH;
+  panel_product(a, H, s.wp.data() + (size_t(u) * K + s.E) * 4 * NR, s.B, H, xw, s.blk,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       const int b = r0 + r;
@@ -238,7 +237,7 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
       vf f = vsigmoid(acc[1] + load(bias + H + j));
       vf o = vsigmoid(acc[2] + load(bias + 2 * H + j));
       vf g = vtanh(acc[3] + load(bias + 3 * H + j));
-      vf cp = load(c_prev + size_t(b) * H + j), hp = load(a + size_t(b) * K + s.E + j);
+      vf cp = load(c_prev + size_t(b) * H + j), hp = load(a + size_t(b) * H + j);
       vf c = cp, h = hp, y = vf{};
       if (s.valid[size_t(t) * s.B + b] > 0.0f) {  // padding keeps the state, outputs 0
         c = f * cp + i * g;
@@ -246,7 +245,7 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
         y = h;
       }
       store(c_next + size_t(b) * H + j, c);
-      store(h_next + size_t(b) * K + j, h);
+      store(h_next + size_t(b) * H + j, h);
       auto put = [](float* p, vf v) {
         if constexpr (Stream) stream(p, v); else store(p, v);
       };
@@ -261,16 +260,32 @@ void fwd_tile(const Fwd& s, int t, int u, float* part) {
         put(s.cc + row_h + j, c);
       }
     }
-  });
+  }, NoHook{}, s.E > 0);
 }
 
-// Rows [b0, b1) of x_t into the left operand's buffer for step t.
-void copy_x(const Fwd& s, int t, int b0, int b1) {
-  if (s.E == 0) return;  // x may be null then, and memcpy's pointers must not be
-  const size_t K = size_t(s.E) + s.H;
-  float* dst = s.xh + (t & 1) * s.B * K;
-  for (int b = b0; b < b1; ++b)
-    std::memcpy(dst + b * K, s.x + (size_t(t) * s.B + b) * s.E, s.E * sizeof(float));
+// Steps per block of the input products (x_t W_x forward, dz_t W_x^T backward): one product
+// per unit tile over the block's steps * B rows (about 256), so that W_x's panel passes
+// through the cache once per block rather than once per step. With the input projection in
+// each step's product ([x_t | h_{t-1}] against [W_x; W]), the cores of a 2-core Xeon model
+// 207 (2 MB of L2 each) read the whole 8 MB panel from L3 every step, and its products
+// ran at 0.83x of the same product on a panel held in L2; by blocks, the forward probe ran
+// 1.07-1.19x faster there (tools/kernel_ab.py --kernel lstm; 128 to 512 rows per block
+// within noise of each other).
+inline int chunk_steps(int B) { return std::clamp(256 / std::max(B, 1), 1, 64); }
+
+// x_t W_x for steps [t0, t0 + n) and this thread's unit tiles [u0, u1), into xw
+// [n][u1 - u0][B][4][NR]: each (step, tile)'s starting partial sums of the step's product.
+void input_projection(const Fwd& s, int t0, int n, int u0, int u1, float* xw, float* part) {
+  const int K = s.E + s.H, B = s.B;
+  for (int u = u0; u < u1; ++u)
+    panel_product(s.x + size_t(t0) * B * s.E, s.E, s.wp.data() + size_t(u) * K * 4 * NR, n * B,
+                  s.E, part, s.blk, [&](int r0, int R, const vf* acc) {
+      for (int r = 0; r < R; ++r) {
+        const int row = r0 + r, tt = row / B, b = row % B;
+        float* dst = xw + ((size_t(tt) * (u1 - u0) + (u - u0)) * B + b) * 4 * NR;
+        for (int q = 0; q < 4; ++q) store(dst + q * NR, acc[r * 4 + q]);
+      }
+    });
 }
 
 void run_fwd(Fwd& s, int threads) {
@@ -278,10 +293,12 @@ void run_fwd(Fwd& s, int threads) {
   s.wp.resize(size_t(K) * G);
   Barrier barrier(threads);
   parallel(threads, [&](int p) {
-    int u0, u1, b0, b1;
+    int u0, u1;
     share(tiles, threads, p, &u0, &u1);
-    share(s.B, threads, p, &b0, &b1);
-    std::vector<float> part(size_t(s.B) * 4 * NR);
+    const int nt = u1 - u0;
+    const int chunk = chunk_steps(s.B);
+    std::vector<float> part(size_t(chunk) * s.B * 4 * NR);
+    std::vector<float> xw(size_t(chunk) * std::max(nt, 1) * s.B * 4 * NR);
     for (int u = u0; u < u1; ++u)  // pack this thread's tiles: [k][gate][unit]
       for (int k = 0; k < K; ++k) {
         const float* row = k < E ? s.wx + size_t(k) * G : s.w + size_t(k - E) * G;
@@ -289,13 +306,15 @@ void run_fwd(Fwd& s, int threads) {
           std::memcpy(&s.wp[((size_t(u) * K + k) * 4 + g) * NR], row + g * H + u * NR,
                       NR * sizeof(float));
       }
-    copy_x(s, 0, b0, b1);
-    barrier.wait();  // all of x_0 is in place
+    barrier.wait();  // h_0 is in place
     for (int t = 0; t < s.L; ++t) {
-      for (int u = u0; u < u1; ++u)
-        s.stream ? fwd_tile<true>(s, t, u, part.data()) : fwd_tile<false>(s, t, u, part.data());
-      if (t + 1 < s.L) copy_x(s, t + 1, b0, b1);
-      barrier.wait();  // every unit of h_t (and row of x_{t+1}) is written before any is read
+      if (t % chunk == 0 && s.E > 0)
+        input_projection(s, t, std::min(chunk, s.L - t), u0, u1, xw.data(), part.data());
+      for (int u = u0; u < u1; ++u) {
+        float* xwu = xw.data() + (size_t(t % chunk) * nt + (u - u0)) * s.B * 4 * NR;
+        s.stream ? fwd_tile<true>(s, t, u, xwu) : fwd_tile<false>(s, t, u, xwu);
+      }
+      barrier.wait();  // every unit of h_t is written before any is read
     }
 #if defined(__x86_64__)
     if (s.stream) __builtin_ia32_sfence();  // the streamed outputs are visible on return
@@ -400,11 +419,12 @@ void bwd_group(Bwd& s, int t, int u, int n, const float* wt, float* part, Ahead&
   }, [&] { ahead.issue(); });
 }
 
-// dx_t = dz_t W_x^T for the input columns of x tiles [u, u + n) (packed panel wxt), all
-// rows (padding rows have dz = 0, so dx = 0); the last tile may be short of NR columns.
-void bwd_dx_group(Bwd& s, int t, int u, int n, const float* wxt, float* part) {
+// dx_t = dz_t W_x^T for steps [t, t + steps) and the input columns of x tiles [u, u + n)
+// (packed panel wxt), all rows (padding rows have dz = 0, so dx = 0); the last tile may be
+// short of NR columns. `part` holds steps * B rows.
+void bwd_dx_group(Bwd& s, int t, int steps, int u, int n, const float* wxt, float* part) {
   const int E = s.E, G = 4 * s.H;
-  panel_product(s.dz + size_t(t) * s.B * G, G, wxt, s.B, G, part, s.blk,
+  panel_product(s.dz + size_t(t) * s.B * G, G, wxt, steps * s.B, G, part, s.blk,
                 [&](int r0, int R, const vf* acc) {
     for (int r = 0; r < R; ++r, acc += 4) {
       float* dx = s.dx + (size_t(t) * s.B + r0 + r) * E;
@@ -445,7 +465,8 @@ void run_bwd(Bwd& s, int threads) {
     int g0, g1, x0, x1;
     share(groups, threads, p, &g0, &g1);
     share(xgroups, threads, p, &x0, &x1);
-    std::vector<float> part(size_t(s.B) * 4 * NR);
+    const int chunk = chunk_steps(s.B);
+    std::vector<float> part(size_t(chunk) * s.B * 4 * NR);
     pack_transposed(s.w, H, G, g0, g1, wt.data());  // this thread's groups
     pack_transposed(s.wx, s.E, G, x0, x1, wxt.data());
     // register blocks of one group's product: its k blocks x row blocks
@@ -463,13 +484,17 @@ void run_bwd(Bwd& s, int threads) {
         bwd_group(s, t, u, n, wt.data() + size_t(gi) * G * 4 * NR, part.data(), ahead);
         for (int q = 0; t > 0 && q < n; ++q) bwd_gates(s, t - 1, u + q);
       }
-      // dx_t, which nothing in the scan waits for, from the same dz_t (no one writes it
-      // now: the gates above write dz_{t-1}) while it is in cache: the input gradient
-      // had been one XLA product over all steps afterwards, at 0.73x of the cores' FMA
-      // peak on a 2-core EPYC Zen 4, reading dz back from memory.
-      for (int gi = x0; gi < x1; ++gi)
-        bwd_dx_group(s, t, 4 * gi, std::min(4, xtiles - 4 * gi),
-                     wxt.data() + size_t(gi) * G * 4 * NR, part.data());
+      // dx of a block of steps [t, t + chunk), which nothing in the scan waits for, once
+      // its last dz_t is written (no one writes those now: the gates above write dz_{t-1}):
+      // one product over chunk * B rows, so that W_x^T's panel passes through the cache
+      // once per block of steps rather than once per step (1.1x the backward probe on a
+      // 2-core Xeon model 207, whose cores read the 4 MB panel from L3 each time). The
+      // input gradient had been one XLA product over all steps afterwards, at 0.73x of the
+      // cores' FMA peak on a 2-core EPYC Zen 4, reading all of dz back from memory.
+      if (t % chunk == 0)
+        for (int gi = x0; gi < x1; ++gi)
+          bwd_dx_group(s, t, std::min(chunk, s.L - t), 4 * gi, std::min(4, xtiles - 4 * gi),
+                       wxt.data() + size_t(gi) * G * 4 * NR, part.data());
     }
   });
 }
@@ -611,10 +636,8 @@ ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::
                  check_dims("cc", cc->dimensions(), {save ? L : 0, B, H}),
                  check_dims("act", act->dimensions(), {save ? L : 0, B, 4 * H})})
     if (e.failure()) return e;
-  const size_t K = size_t(E) + H;
-  std::vector<float> xh(2 * B * K), c(size_t(2) * B * H);
-  for (int64_t b = 0; b < B; ++b)
-    std::memcpy(xh.data() + b * K + E, h0.typed_data() + b * H, sizeof(float) * H);
+  std::vector<float> h(size_t(2) * B * H), c(size_t(2) * B * H);
+  std::memcpy(h.data(), h0.typed_data(), sizeof(float) * B * H);
   std::memcpy(c.data(), c0.typed_data(), sizeof(float) * B * H);
   if (L > 0 && B > 0) {
     const bool stream = aligned64(out->typed_data()) && (!save || (aligned64(hp->typed_data()) &&
@@ -627,13 +650,11 @@ ffi::Error LstmFwdImpl(int64_t threads, int64_t kc, int64_t mr, bool save, ffi::
               {cc->typed_data(), n}, {act->typed_data(), 4 * n}}, nt);
     Fwd s{int(L), int(B), int(H), int(E), save, stream, blk, x.typed_data(), bias.typed_data(),
           wx.typed_data(), w.typed_data(), valid.typed_data(), out->typed_data(),
-          hp->typed_data(), cc->typed_data(), act->typed_data(), xh.data(), c.data(), {}};
+          hp->typed_data(), cc->typed_data(), act->typed_data(), h.data(), c.data(), {}};
     run_fwd(s, nt);
   }
   const size_t last = size_t(L & 1);  // the buffer step L-1 wrote
-  for (int64_t b = 0; b < B; ++b)
-    std::memcpy(h_fin->typed_data() + b * H, xh.data() + (last * B + b) * K + E,
-                sizeof(float) * H);
+  std::memcpy(h_fin->typed_data(), h.data() + last * B * H, sizeof(float) * B * H);
   std::memcpy(c_fin->typed_data(), c.data() + last * B * H, sizeof(float) * B * H);
   return ffi::Error::Success();
 } catch (...) {
@@ -760,7 +781,7 @@ extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, 
   };
   // The input width E = H (the rnn bench's shape).
   Aligned w(H * G), wx(H * G), bias(G), x(L * BH), valid(L * B, 1.0f), out(BH * L);
-  Aligned hp(L * BH), cc(L * BH), act(L * B * G), xh(2 * B * 2 * H), c(2 * BH);
+  Aligned hp(L * BH), cc(L * BH), act(L * B * G), h(2 * BH), c(2 * BH);
   Aligned dz(L * B * G), db(G), dh(BH), dc(BH), d_out(BH * L), c0(BH);
   uint32_t state = 12345;
   auto fill = [&](Aligned& x, float lo, float hi) {
@@ -781,7 +802,7 @@ extern "C" double hpnlp_lstm_probe(int64_t B, int64_t H, int64_t L, int64_t kc, 
     run_bwd(s, nt);
   } else {
     Fwd s{int(L), int(B), int(H), int(H), true, true, blk, x.data(), bias.data(), wx.data(),
-          w.data(), valid.data(), out.data(), hp.data(), cc.data(), act.data(), xh.data(),
+          w.data(), valid.data(), out.data(), hp.data(), cc.data(), act.data(), h.data(),
           c.data(), {}};
     run_fwd(s, nt);
   }
