@@ -269,8 +269,8 @@ void fwd_tile(const Fwd& s, int t, int u, float* xw) {
 // each step's product ([x_t | h_{t-1}] against [W_x; W]), the cores of a 2-core Xeon model
 // 207 (2 MB of L2 each) read the whole 8 MB panel from L3 every step, and its products
 // ran at 0.83x of the same product on a panel held in L2; by blocks, the forward probe ran
-// 1.07-1.19x faster there (tools/kernel_ab.py --kernel lstm; 128 to 512 rows per block
-// within noise of each other).
+// 1.04-1.27x faster there (tools/kernel_ab.py --kernel lstm, four runs; 128 to 512 rows per
+// block within noise of each other).
 inline int chunk_steps(int B) { return std::clamp(256 / std::max(B, 1), 1, 64); }
 
 // x_t W_x for steps [t0, t0 + n) and this thread's unit tiles [u0, u1), into xw
