@@ -1112,3 +1112,24 @@ def test_kv_cache_bench_quick_run(tmp_path):
     for r in p["quality"]:  # the int8 cache changes the model, a little
         assert r["loss_int8_cache"] != r["loss_float_cache"]
         assert abs(r["loss_change"]) < 0.05 and r["argmax_agreement"] > 0.95
+
+
+def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
+    """harness.train_side_by_side (the compress bench's parts train their runs so): every
+    job once, each in a process of its own pinned to one core where there are two or more;
+    a failed job raises in the caller, naming the runs."""
+    import json
+
+    import side_by_side_worker as w
+    from hpnlp.bench import harness
+    jobs = [(i, str(tmp_path / f"r{i}")) for i in range(3)]
+    harness.train_side_by_side(w.record, jobs)
+    ran = [json.loads((tmp_path / f"r{i}" / "ran.json").read_text()) for i in range(3)]
+    if len(os.sched_getaffinity(0)) < 2:  # one core: here, one after another
+        assert {r["pid"] for r in ran} == {os.getpid()}
+        return
+    assert os.getpid() not in {r["pid"] for r in ran}
+    assert all(len(r["cores"]) == 1 and r["cores"][0] in os.sched_getaffinity(0) for r in ran)
+    with pytest.raises(RuntimeError, match=r"failed in its own process .*r0b"):
+        harness.train_side_by_side(w.record, [(-1, str(tmp_path / "bad")),
+                                              (0, str(tmp_path / "r0b"))])

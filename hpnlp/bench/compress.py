@@ -106,9 +106,9 @@ SIZES = {
     # rank alone: --quick, whose 3 minutes the two other compiles overran).
     # `sparse_methods`: the pruning criteria whose runs (from sparsify.MIN_SPARSITY on) are
     # also served by the sparse kernel and timed so (--quick: one, for its 3 minutes)
-    # `jobs`: 2 trains the text classifier's distill runs in a second process beside the
-    # byte LM's (--quick, whose runs are mostly compiles, one core each); the full run's
-    # steps keep both cores busy, so it trains one run at a time
+    # `side_by_side`: each part's independent runs train in one process per core
+    # (harness.train_side_by_side): a step of these small models gains little from a
+    # second core, so two runs side by side train 1.7x the steps a second of one on both
     # `seeds`: seeds of the scratch student and of the targets' distilled row, per model,
     # each row their mean: the classifier's scratch student read 0.415, 0.368 and 0.371
     # accuracy at seeds 0-2 (2026-11-25), a spread as large as its gap to the teacher
@@ -119,12 +119,14 @@ SIZES = {
                  student_steps={"byte LM": None, "text classifier": 200},
                  seeds={"byte LM": 1, "text classifier": 3},
                  sparsities=(0.5, 0.75, 0.9, 0.95), lowrank_sweep=True, eval_batches=None,
-                 timing_rounds=15, sparse_methods=("magnitude", "movement", "random"), jobs=1),
+                 timing_rounds=15, sparse_methods=("magnitude", "movement", "random"),
+                 side_by_side=True),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, structured_steps=6,
                   sparsities=(0.9,), lowrank_sweep=False,
                   student_steps={"byte LM": None, "text classifier": 6},
                   seeds={"byte LM": 1, "text classifier": 2},
-                  eval_batches=2, timing_rounds=2, sparse_methods=("magnitude",), jobs=2),
+                  eval_batches=2, timing_rounds=2, sparse_methods=("magnitude",),
+                  side_by_side=True),
 }
 MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "text", "accuracy")}
 
@@ -397,74 +399,73 @@ def distilled_student(model: str, s: dict, tdir: str, fields: dict, *,
     return cd
 
 
+def _seeded(cd, out: str, seeds: int) -> list[tuple]:
+    """The runs of `cd` at `seeds` seeds, its own and the next ones: [(config, workdir)],
+    the first in `out`, the others in `out`_seedK."""
+    import copy
+    runs = [(cd, out)]
+    for k in range(1, seeds):
+        ck = copy.deepcopy(cd)
+        ck.seed = cd.seed + k
+        runs.append((ck, f"{out}_seed{k}"))
+    return runs
+
+
 def _seeded_row(model: str, method: str, setting: str, cd, out: str, metric: str,
                 seeds: int) -> dict:
-    """The row of `cd` trained at `seeds` seeds (its own and the next ones; the first in
-    `out`, the others in `out`_seedK): the metric is their mean, `seed_values` each."""
+    """The row of `cd` trained at `seeds` seeds (`_seeded`): the metric is their mean,
+    `seed_values` each."""
     if seeds <= 1:
         return _row(model, method, setting, _train(cd, out), out, metric)
-    base, values, first = cd.seed, [], None
-    for k in range(seeds):
-        cd.seed = base + k
-        summary = _train(cd, out if k == 0 else f"{out}_seed{k}")
-        values.append(summary["eval"].get(metric))
-        first = first or summary
-    row = _row(model, method, f"{setting}, mean of {seeds} seeds", first, out, metric)
+    summaries = [_train(c, o) for c, o in _seeded(cd, out, seeds)]
+    values = [summ["eval"].get(metric) for summ in summaries]
+    row = _row(model, method, f"{setting}, mean of {seeds} seeds", summaries[0], out, metric)
     row["value"], row["seed_values"] = float(np.mean(values)), values
     return row
 
 
-def _distill_model_rows(s: dict, workdir: str, model: str) -> list[dict]:
-    """The distill part's rows of one model: its teacher, scratch student and
-    `distilled_students`, each trained into `workdir` (or reused where finished there)."""
-    metric = MODELS[model][2]
+def _distill_plan(s: dict, workdir: str, model: str) -> tuple[tuple, list[tuple]]:
+    """`model`'s distill runs: its teacher's (config, workdir), then each student row's
+    (method, setting, config, workdir, seeds): the scratch student and `distilled_students`."""
     tag = model.replace(" ", "_")
     tdir = os.path.join(workdir, f"{tag}_teacher")
-    rows = [_row(model, "teacher", "", _train(teacher_config(model, s), tdir), tdir, metric)]
     steps, seeds = s["student_steps"][model], s["seeds"][model]
-    sdir = os.path.join(workdir, f"{tag}_scratch")
-    rows.append(_seeded_row(model, "student, scratch", "half depth and width" + (
-        f", {steps} steps" if steps else "") + _lr_note(model, "scratch"),
-        scratch_student(model, s), sdir, metric, seeds))
+    rows = [("student, scratch", "half depth and width" + (f", {steps} steps" if steps else "")
+             + _lr_note(model, "scratch"), scratch_student(model, s),
+             os.path.join(workdir, f"{tag}_scratch"), seeds)]
     for method, setting, fields, suffix in distilled_students(model):
-        ddir = os.path.join(workdir, f"{tag}_{suffix}")
-        rows.append(_seeded_row(model, method, setting + _lr_note(model, "distilled"),
-                                distilled_student(model, s, tdir, fields), ddir, metric,
-                                seeds if method == DISTILLED else 1))
-    return rows
+        rows.append((method, setting + _lr_note(model, "distilled"),
+                     distilled_student(model, s, tdir, fields),
+                     os.path.join(workdir, f"{tag}_{suffix}"),
+                     seeds if method == DISTILLED else 1))
+    return (teacher_config(model, s), tdir), rows
 
 
-def _train_in_child(s: dict, workdir: str, model: str, cache_dir: str | None) -> None:
-    """(A spawned process's target) `model`'s distill runs, trained into `workdir`."""
-    if cache_dir:
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    _distill_model_rows(s, workdir, model)
+def _distill_model_rows(s: dict, workdir: str, model: str) -> list[dict]:
+    """The distill part's rows of one model (`_distill_plan`), each run trained into
+    `workdir` (or reused where finished there)."""
+    metric = MODELS[model][2]
+    (tcd, tdir), plan = _distill_plan(s, workdir, model)
+    rows = [_row(model, "teacher", "", _train(tcd, tdir), tdir, metric)]
+    return rows + [_seeded_row(model, method, setting, cd, out, metric, seeds)
+                   for method, setting, cd, out, seeds in plan]
+
+
+def _side_by_side(s: dict, runs: list[tuple], desc: str = "runs side by side") -> None:
+    """`runs` ([(config, workdir)], independent of each other) trained side by side, one
+    process a core (`harness.train_side_by_side`), where `SIZES` says so; the part's rows
+    then reuse them."""
+    if s["side_by_side"]:
+        harness.train_side_by_side(_train, runs, desc)
 
 
 def distill_rows(s: dict, workdir: str) -> list[dict]:
-    """Both models' rows. With `jobs` 2 (`SIZES`) the text classifier's runs train in a
-    second process meanwhile, and its rows then read them from `workdir`."""
-    child = None
-    if s["jobs"] > 1:
-        import multiprocessing
-        child = multiprocessing.get_context("spawn").Process(
-            target=_train_in_child, args=(s, workdir, "text classifier",
-                                          jax.config.jax_compilation_cache_dir))
-        child.start()
-    try:
-        rows = _distill_model_rows(s, workdir, "byte LM")
-    except BaseException:
-        if child is not None:  # stopped, not waited for
-            child.terminate()
-            child.join()
-        raise
-    if child is not None:
-        child.join()
-        if child.exitcode != 0:
-            raise RuntimeError(f"the text classifier's distill runs failed in their own "
-                               f"process (exit code {child.exitcode}; its traceback is above)")
-    return rows + _distill_model_rows(s, workdir, "text classifier")
+    """Both models' rows: both teachers side by side, then every student of both."""
+    plans = [_distill_plan(s, workdir, model) for model in MODELS]
+    _side_by_side(s, [teacher for teacher, _ in plans], "distill: teachers")
+    _side_by_side(s, [run for _, plan in plans for _, _, cd, out, seeds in plan
+                      for run in _seeded(cd, out, seeds)], "distill: students")
+    return [row for model in MODELS for row in _distill_model_rows(s, workdir, model)]
 
 
 def prune_schedule(s: dict, n: int | None = None) -> dict:
@@ -487,11 +488,10 @@ def _teacher(s: dict, workdir: str, model: str = "byte LM") -> str:
 def prune_rows(s: dict, workdir: str) -> list[dict]:
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
-    jobs = [("dense fine-tune", 0.0, None)] + [
-        (f"{method}", sp, method) for sp in s["sparsities"]
-        for method in ("magnitude", "movement", "random")]
-    rows = []
-    for name, sp, method in tqdm(jobs, desc="prune", leave=False):
+    jobs = []
+    for name, sp, method in [("dense fine-tune", 0.0, None)] + [
+            (f"{method}", sp, method) for sp in s["sparsities"]
+            for method in ("magnitude", "movement", "random")]:
         cd = experiment(model, s)
         cd.train.steps, cd.train.warmup_steps = s["prune_steps"], 1
         cd.train.lr = cd.train.lr * 0.3
@@ -499,6 +499,10 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
         if method:
             cd.train.prune.update(method=method, sparsity=sp, **prune_schedule(s))
         out = os.path.join(workdir, f"prune_{name.replace(' ', '_')}_{sp}")
+        jobs.append((name, sp, method, cd, out))
+    _side_by_side(s, [(cd, out) for *_, cd, out in jobs], "prune")
+    rows = []
+    for name, sp, method, cd, out in tqdm(jobs, desc="prune", leave=False):
         r = _row(model, "prune " + name if method else name, f"{sp:.0%}", _train(cd, out), out, metric)
         r["sparsity"] = sp
         if method in s["sparse_methods"] and sp >= sparsify.MIN_SPARSITY:  # served sparse too
@@ -600,14 +604,19 @@ def half_rank(s: dict) -> int:
                    lambda r: param_count(_with_rank(s, r)), param_count(base) / 2)
 
 
-def lowrank_run(s: dict, workdir: str, r: int) -> tuple[dict, str]:
-    """(summary, workdir) of the byte-LM teacher factorized at rank `r` and fine-tuned for
-    the pruning runs' steps."""
+def _lowrank_config(s: dict, workdir: str, r: int) -> tuple:
+    """(config, workdir) of the byte-LM teacher (trained in `workdir` first, unless finished
+    there) factorized at rank `r` and fine-tuned for the pruning runs' steps."""
     cd = _with_rank(s, r)
     cd.train.steps, cd.train.warmup_steps = s["prune_steps"], 1
     cd.train.lr = cd.train.lr * 0.3
     cd.train.init_from = _teacher(s, workdir)
-    out = os.path.join(workdir, f"lowrank_{r}")
+    return cd, os.path.join(workdir, f"lowrank_{r}")
+
+
+def lowrank_run(s: dict, workdir: str, r: int) -> tuple[dict, str]:
+    """(summary, workdir) of `_lowrank_config`'s run."""
+    cd, out = _lowrank_config(s, workdir, r)
     return _train(cd, out), out
 
 
@@ -619,24 +628,24 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     r_half = half_rank(s)
     rows = []
     ranks = {max(1, r_half // 2), r_half, min(limit, 2 * r_half)} if s["lowrank_sweep"] else {r_half}
-    for r in sorted(ranks):
-        summary, out = lowrank_run(s, workdir, r)
-        row = _row(model, "low-rank SVD + fine-tune", f"rank {r}", summary, out, metric)
-        row["rank"], row["half_params"] = r, r == r_half
-        rows.append(row)
-    # a dense model of about the same size, from scratch for the teacher's steps
-    target = next(r["params"] for r in rows if r["half_params"])
     heads = base.model.num_heads
 
     def dense_of(width):  # trained as the teacher is, at its rate
         cd = teacher_config(model, s)
         cd.model.width, cd.model.mlp_dim = width, 4 * width
         return cd
+    # a dense model of about the half-rank model's size, from scratch for the teacher's steps
     width = closest(range(2 * heads, base.model.width + 1, 2 * heads),
-                    lambda w: param_count(dense_of(w)), target)
-    out = os.path.join(workdir, f"dense_width_{width}")
-    rows.append(_row(model, "dense, scratch", f"width {width}, same size", _train(dense_of(width), out),
-                     out, metric))
+                    lambda w: param_count(dense_of(w)), param_count(_with_rank(s, r_half)))
+    dense = (dense_of(width), os.path.join(workdir, f"dense_width_{width}"))
+    _side_by_side(s, [_lowrank_config(s, workdir, r) for r in sorted(ranks)] + [dense], "lowrank")
+    for r in sorted(ranks):
+        summary, out = lowrank_run(s, workdir, r)
+        row = _row(model, "low-rank SVD + fine-tune", f"rank {r}", summary, out, metric)
+        row["rank"], row["half_params"] = r, r == r_half
+        rows.append(row)
+    rows.append(_row(model, "dense, scratch", f"width {width}, same size", _train(*dense),
+                     dense[1], metric))
     value = _teacher_value(tdir, metric)
     for row in rows:
         row["teacher_value"] = value
@@ -693,6 +702,16 @@ def structured_pruned(s: dict, tdir: str, *, lr_scale: float | None = None,
     return cd
 
 
+def _structured_scratch(s: dict, shape):
+    """The config of the shrunk byte LM (`shape`: its num_heads, head_dim and mlp_dim), from
+    scratch as the teacher, for the teacher's steps and the structured fine-tune's."""
+    cd = teacher_config("byte LM", s)
+    cd.model.update(num_heads=shape["num_heads"], head_dim=shape["head_dim"],
+                    mlp_dim=shape["mlp_dim"])
+    cd.train.steps += s["structured_steps"]  # the same total as the pruned model's
+    return cd
+
+
 def structured_rows(s: dict, workdir: str) -> list[dict]:
     """The byte-LM teacher pruned structurally (`structured_pruned`) at the sparsity whose
     shrunk model has about half the teacher's parameters, then shrunk; beside it the same
@@ -701,9 +720,12 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
 
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
-    sp, n = structured_sparsity(s), s["structured_steps"]
+    sp = structured_sparsity(s)
     cd = structured_pruned(s, tdir, sparsity=sp)
     pdir, sdir = os.path.join(workdir, "structured_pruned"), os.path.join(workdir, "structured_shrunk")
+    odir = os.path.join(workdir, "structured_scratch")
+    _side_by_side(s, [(cd, pdir), (_structured_scratch(s, structured_config(
+        experiment(model, s), sp).model), odir)], "structured")  # the shrink's shape, foreseen
     _train(cd, pdir)
     if os.path.exists(sdir):  # shrunk afresh from the pruned run of this config
         import shutil
@@ -714,11 +736,8 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
     rows = [_row(model, "structured prune + shrink", f"{sp:.0%}: {shape}",
                  dict(summ, param_count=summ["params"]["shrunk"]), sdir, metric)]
     rows[0].update(half_params=True, masked_eval=summ["eval_masked"])
-    scratch = teacher_config(model, s)  # the shrunk model's config, from scratch as the teacher
-    scratch.model.update(num_heads=small["num_heads"][1], head_dim=small["head_dim"],
-                         mlp_dim=small["mlp_dim"][1])
-    scratch.train.steps += n  # the teacher's steps and the fine-tuning's: the same total
-    odir = os.path.join(workdir, "structured_scratch")
+    scratch = _structured_scratch(s, dict(num_heads=small["num_heads"][1],
+                                          head_dim=small["head_dim"], mlp_dim=small["mlp_dim"][1]))
     rows.append(_row(model, "dense, scratch", f"{shape}, same size, {scratch.train.steps} steps",
                      _train(scratch, odir), odir, metric))
     value = _teacher_value(tdir, metric)

@@ -63,17 +63,19 @@ def rows(s: dict, sizes: dict, workdir: str) -> tuple[str, list[dict]]:
     n = sizes["steps"]
     jobs = [(SCRATCH, 0.0, None), (DENSE, 0.0, None)] + [
         (m, sp, m) for sp in sizes["sparsities"] for m in METHODS]
-    out = []
-    for name, sp, method in tqdm(jobs, desc="prune_transfer", leave=False):
+    runs = []
+    for name, sp, method in jobs:
         cd = classifier(s, n)
         if name != SCRATCH:
             cd.train.update(init_from=lm, init_params="trunk")
         if method:
             cd.train.prune.update(method=method, sparsity=sp, **compress.prune_schedule(s, n))
-        run_dir = os.path.join(workdir, "transfer_" + (method or name.split(",")[-1].strip())
-                               + (f"_{sp}" if method else ""))
-        out.append(_row(name, sp, compress._train(cd, run_dir), run_dir))
-    return lm, out
+        runs.append((cd, os.path.join(workdir, "transfer_" + (method or name.split(",")[-1].strip())
+                                      + (f"_{sp}" if method else ""))))
+    compress._side_by_side(s, runs, "prune_transfer")  # one process a core; reused below
+    return lm, [_row(name, sp, compress._train(cd, run_dir), run_dir)
+                for (name, sp, _), (cd, run_dir) in tqdm(list(zip(jobs, runs)),
+                                                          desc="prune_transfer", leave=False)]
 
 
 def _by(p: dict) -> dict:
