@@ -487,8 +487,9 @@ void run_bwd(Bwd& s, int threads) {
       // dx of a block of steps [t, t + chunk), which nothing in the scan waits for, once
       // its last dz_t is written (no one writes those now: the gates above write dz_{t-1}):
       // one product over chunk * B rows, so that W_x^T's panel passes through the cache
-      // once per block of steps rather than once per step (1.1x the backward probe on a
-      // 2-core Xeon model 207, whose cores read the 4 MB panel from L3 each time). The
+      // once per block of steps rather than once per step (the backward probe 0.89-1.22x
+      // over four runs on a 2-core Xeon model 207, within its noise there; see
+      // chunk_steps for the forward's, whose panel is twice the size). The
       // input gradient had been one XLA product over all steps afterwards, at 0.73x of the
       // cores' FMA peak on a 2-core EPYC Zen 4, reading all of dz back from memory.
       if (t % chunk == 0)
