@@ -1462,9 +1462,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("train.init_params", t.init_params, "chooses what this run takes of the run "
               "train.init_from names; set train.init_from, or leave it 'all'")
     if t.init_params == "trunk":
+        defaults = type(t)()
         for field in ("init_kv_heads", "init_kv_calibration", "init_experts",
                       "init_expert_batches"):
-            value, default = getattr(t, field), getattr(type(t)(), field)
+            value, default = getattr(t, field), getattr(defaults, field)
             if value != default:
                 _fail(f"train.{field}", value, "converts a run of the same task, and "
                       "train.init_params='trunk' copies another task's trunk as it is; convert "

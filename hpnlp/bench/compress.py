@@ -441,11 +441,11 @@ def _distill_plan(s: dict, workdir: str, model: str) -> tuple[tuple, list[tuple]
     return (teacher_config(model, s), tdir), rows
 
 
-def _distill_model_rows(s: dict, workdir: str, model: str) -> list[dict]:
-    """The distill part's rows of one model (`_distill_plan`), each run trained into
-    `workdir` (or reused where finished there)."""
+def _distill_model_rows(model: str, teacher: tuple, plan: list[tuple]) -> list[dict]:
+    """The distill part's rows of one model from its `_distill_plan`, each run trained into
+    its workdir (or reused where finished there)."""
     metric = MODELS[model][2]
-    (tcd, tdir), plan = _distill_plan(s, workdir, model)
+    tcd, tdir = teacher
     rows = [_row(model, "teacher", "", _train(tcd, tdir), tdir, metric)]
     return rows + [_seeded_row(model, method, setting, cd, out, metric, seeds)
                    for method, setting, cd, out, seeds in plan]
@@ -461,11 +461,12 @@ def _side_by_side(s: dict, runs: list[tuple], desc: str = "runs side by side") -
 
 def distill_rows(s: dict, workdir: str) -> list[dict]:
     """Both models' rows: both teachers side by side, then every student of both."""
-    plans = [_distill_plan(s, workdir, model) for model in MODELS]
-    _side_by_side(s, [teacher for teacher, _ in plans], "distill: teachers")
-    _side_by_side(s, [run for _, plan in plans for _, _, cd, out, seeds in plan
+    plans = {model: _distill_plan(s, workdir, model) for model in MODELS}
+    _side_by_side(s, [teacher for teacher, _ in plans.values()], "distill: teachers")
+    _side_by_side(s, [run for _, plan in plans.values() for _, _, cd, out, seeds in plan
                       for run in _seeded(cd, out, seeds)], "distill: students")
-    return [row for model in MODELS for row in _distill_model_rows(s, workdir, model)]
+    return [row for model, (teacher, plan) in plans.items()
+            for row in _distill_model_rows(model, teacher, plan)]
 
 
 def prune_schedule(s: dict, n: int | None = None) -> dict:
@@ -604,19 +605,20 @@ def half_rank(s: dict) -> int:
                    lambda r: param_count(_with_rank(s, r)), param_count(base) / 2)
 
 
-def _lowrank_config(s: dict, workdir: str, r: int) -> tuple:
-    """(config, workdir) of the byte-LM teacher (trained in `workdir` first, unless finished
-    there) factorized at rank `r` and fine-tuned for the pruning runs' steps."""
+def _lowrank_config(s: dict, workdir: str, r: int, tdir: str) -> tuple:
+    """(config, workdir) of the byte-LM teacher in `tdir` factorized at rank `r` and
+    fine-tuned for the pruning runs' steps."""
     cd = _with_rank(s, r)
     cd.train.steps, cd.train.warmup_steps = s["prune_steps"], 1
     cd.train.lr = cd.train.lr * 0.3
-    cd.train.init_from = _teacher(s, workdir)
+    cd.train.init_from = tdir
     return cd, os.path.join(workdir, f"lowrank_{r}")
 
 
 def lowrank_run(s: dict, workdir: str, r: int) -> tuple[dict, str]:
-    """(summary, workdir) of `_lowrank_config`'s run."""
-    cd, out = _lowrank_config(s, workdir, r)
+    """(summary, workdir) of `_lowrank_config`'s run, from the teacher trained in `workdir`
+    first (unless finished there)."""
+    cd, out = _lowrank_config(s, workdir, r, _teacher(s, workdir))
     return _train(cd, out), out
 
 
@@ -638,9 +640,10 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     width = closest(range(2 * heads, base.model.width + 1, 2 * heads),
                     lambda w: param_count(dense_of(w)), param_count(_with_rank(s, r_half)))
     dense = (dense_of(width), os.path.join(workdir, f"dense_width_{width}"))
-    _side_by_side(s, [_lowrank_config(s, workdir, r) for r in sorted(ranks)] + [dense], "lowrank")
-    for r in sorted(ranks):
-        summary, out = lowrank_run(s, workdir, r)
+    runs = {r: _lowrank_config(s, workdir, r, tdir) for r in sorted(ranks)}
+    _side_by_side(s, list(runs.values()) + [dense], "lowrank")
+    for r, (cd, out) in runs.items():
+        summary = _train(cd, out)
         row = _row(model, "low-rank SVD + fine-tune", f"rank {r}", summary, out, metric)
         row["rank"], row["half_params"] = r, r == r_half
         rows.append(row)
