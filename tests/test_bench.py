@@ -1116,20 +1116,28 @@ def test_kv_cache_bench_quick_run(tmp_path):
 
 def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     """harness.train_side_by_side (the compress bench's parts train their runs so): every
-    job once, each in a process of its own pinned to one core where there are two or more;
-    a failed job raises in the caller, naming the runs."""
+    job once, each in a process of its own pinned to one core where there are two or more,
+    the same processes for every batch inside `side_by_side_processes` (a single run of the
+    first batch trains here); a failed job raises in the caller, naming the runs."""
     import json
 
     import side_by_side_worker as w
     from hpnlp.bench import harness
-    jobs = [(i, str(tmp_path / f"r{i}")) for i in range(3)]
-    harness.train_side_by_side(w.record, jobs)
-    ran = [json.loads((tmp_path / f"r{i}" / "ran.json").read_text()) for i in range(3)]
+    ran = lambda n, tag: [json.loads((tmp_path / f"{tag}{i}" / "ran.json").read_text())  # noqa: E731
+                          for i in range(n)]
+    with harness.side_by_side_processes():
+        harness.train_side_by_side(w.record, [(0, str(tmp_path / "one0"))])
+        for tag in ("a", "b"):
+            harness.train_side_by_side(w.record, [(i, str(tmp_path / f"{tag}{i}"))
+                                                  for i in range(3)])
+    assert [r["pid"] for r in ran(1, "one")] == [os.getpid()]
     if len(os.sched_getaffinity(0)) < 2:  # one core: here, one after another
-        assert {r["pid"] for r in ran} == {os.getpid()}
+        assert {r["pid"] for r in ran(3, "a") + ran(3, "b")} == {os.getpid()}
         return
-    assert os.getpid() not in {r["pid"] for r in ran}
-    assert all(len(r["cores"]) == 1 and r["cores"][0] in os.sched_getaffinity(0) for r in ran)
+    pids = {r["pid"] for r in ran(3, "a")}
+    assert os.getpid() not in pids and {r["pid"] for r in ran(3, "b")} <= pids
+    assert all(len(r["cores"]) == 1 and r["cores"][0] in os.sched_getaffinity(0)
+               for r in ran(3, "a") + ran(3, "b"))
     with pytest.raises(RuntimeError, match=r"failed in its own process .*r0b"):
         harness.train_side_by_side(w.record, [(-1, str(tmp_path / "bad")),
                                               (0, str(tmp_path / "r0b"))])

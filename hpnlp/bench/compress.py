@@ -76,10 +76,12 @@ scratch-teacher gap on both models (`distill_gap_closed_lm`, `distill_gap_closed
 least 1.6x faster than the teacher (`structured_half_params_speedup`,
 `lowrank_half_params_speedup`) and lose at most 3% relative eval loss
 (`..._loss_rel`); the pipeline ends at least 8x smaller on disk than the float32 teacher
-(`pipeline_size_ratio` >= 8). `--quick` shrinks every run, and trains the text
-classifier's distill runs in a second process beside the byte LM's (its runs are mostly
-compiles, which leave a core idle). Why low rank's speed-up stays
-below the structured model's at the same size (it leaves attention whole):
+(`pipeline_size_ratio` >= 8). `--quick` shrinks every run; its runs train side by side as
+the full run's, in processes that compile with the cheap-compile flags
+(`hpnlp.compile_flags`: a few steps are mostly compiling), while the forward timing
+compiles as users do. Every part's runs (and the pipeline's quantizations) go to one set of
+processes, one a core, started once (`harness.side_by_side_processes`). Why low rank's
+speed-up stays below the structured model's at the same size (it leaves attention whole):
 `python tools/compress_speed_budget.py`.
 """
 
@@ -109,6 +111,10 @@ SIZES = {
     # `side_by_side`: each part's independent runs train in one process per core
     # (harness.train_side_by_side): a step of these small models gains little from a
     # second core, so two runs side by side train 1.7x the steps a second of one on both
+    # `cheap_compile`: those processes compile with `hpnlp.compile_flags`' cheap-compile
+    # flags (--quick, whose runs of a few steps are mostly compiling: a distilled LM
+    # student's quick run 19.7 -> 13.8 s on one core of a Xeon model 207, the same loss);
+    # the forward timing compiles as users do, in this process
     # `seeds`: seeds of the scratch student and of the targets' distilled row, per model,
     # each row their mean: the classifier's scratch student read 0.415, 0.368 and 0.371
     # accuracy at seeds 0-2 (2026-11-25), a spread as large as its gap to the teacher
@@ -120,13 +126,13 @@ SIZES = {
                  seeds={"byte LM": 1, "text classifier": 3},
                  sparsities=(0.5, 0.75, 0.9, 0.95), lowrank_sweep=True, eval_batches=None,
                  timing_rounds=15, sparse_methods=("magnitude", "movement", "random"),
-                 side_by_side=True),
+                 side_by_side=True, cheap_compile=False),
     "quick": dict(lm_steps=12, cls_steps=12, cls_len=64, prune_steps=6, structured_steps=6,
                   sparsities=(0.9,), lowrank_sweep=False,
                   student_steps={"byte LM": None, "text classifier": 6},
                   seeds={"byte LM": 1, "text classifier": 2},
                   eval_batches=2, timing_rounds=2, sparse_methods=("magnitude",),
-                  side_by_side=True),
+                  side_by_side=True, cheap_compile=True),
 }
 MODELS = {"byte LM": ("lm.py", "bytes", "loss"), "text classifier": ("lra.py", "text", "accuracy")}
 
@@ -451,12 +457,34 @@ def _distill_model_rows(model: str, teacher: tuple, plan: list[tuple]) -> list[d
                    for method, setting, cd, out, seeds in plan]
 
 
-def _side_by_side(s: dict, runs: list[tuple], desc: str = "runs side by side") -> None:
+def _side_by_side(s: dict, runs: list[tuple], desc: str = "runs side by side",
+                  train=None) -> None:
     """`runs` ([(config, workdir)], independent of each other) trained side by side, one
     process a core (`harness.train_side_by_side`), where `SIZES` says so; the part's rows
-    then reuse them."""
+    then reuse them. `train`: a module-level function of (config, workdir) other than
+    `_train` (`_quantize`)."""
     if s["side_by_side"]:
-        harness.train_side_by_side(_train, runs, desc)
+        harness.train_side_by_side(train or _train, runs, desc)
+
+
+def _quantize(job: tuple, out: str, reuse: bool = False) -> dict:
+    """The summary of `hpnlp.compress.ptq.quantize(run_dir, out, q)` (`job` = (run_dir, q));
+    `reuse`: the one `_side_by_side` wrote into `out` this run, read back."""
+    import json
+
+    from hpnlp.compress import ptq
+    if reuse:
+        with open(os.path.join(out, "summary.json")) as f:
+            return json.load(f)
+    run_dir, q = job
+    return ptq.quantize(run_dir, out, q, repeats=3)
+
+
+def side_by_side_processes(s: dict):
+    """The block inside which `_side_by_side`'s batches share one set of processes
+    (`harness.side_by_side_processes`), compiling with the cheap flags where `s` says so."""
+    from hpnlp.compile_flags import cheap_compile_flags
+    return harness.side_by_side_processes(cheap_compile_flags() if s["cheap_compile"] else ())
 
 
 def distill_rows(s: dict, workdir: str) -> list[dict]:
@@ -615,13 +643,6 @@ def _lowrank_config(s: dict, workdir: str, r: int, tdir: str) -> tuple:
     return cd, os.path.join(workdir, f"lowrank_{r}")
 
 
-def lowrank_run(s: dict, workdir: str, r: int) -> tuple[dict, str]:
-    """(summary, workdir) of `_lowrank_config`'s run, from the teacher trained in `workdir`
-    first (unless finished there)."""
-    cd, out = _lowrank_config(s, workdir, r, _teacher(s, workdir))
-    return _train(cd, out), out
-
-
 def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
@@ -756,28 +777,31 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     """Distilled LM student -> pruned to 50% while fine-tuned -> int8 weights (packed file);
     and the half-parameter low-rank model (the `lowrank` part's run) -> w8a8, its factors'
     products on the int8 kernels."""
-    from hpnlp.compress import ptq
     from hpnlp.config import QuantConfig
 
     model = "byte LM"
     _, _, fields, suffix = distilled_students(model)[-1]  # the targets' student (reused)
-    ddir = os.path.join(workdir, f"byte_LM_{suffix}")
-    _train(distilled_student(model, s, _teacher(s, workdir), fields), ddir)
+    ddir, tdir = os.path.join(workdir, f"byte_LM_{suffix}"), _teacher(s, workdir)
+    _train(distilled_student(model, s, tdir, fields), ddir)
     cd = student(experiment(model, s))
     cd.train.steps, cd.train.warmup_steps, cd.train.lr = s["prune_steps"], 1, cd.train.lr * 0.3
     cd.train.init_from = ddir
     cd.train.prune.update(method="magnitude", sparsity=0.5)
     pdir = os.path.join(workdir, "pipeline_pruned")
-    _train(cd, pdir)
     r = half_rank(s)
-    _, ldir = lowrank_run(s, workdir, r)  # the lowrank part's run, reused when it ran
+    lcd, ldir = _lowrank_config(s, workdir, r, tdir)  # the lowrank part's run
+    _side_by_side(s, [(cd, pdir), (lcd, ldir)], "pipeline: runs")  # (reused when it ran)
+    for c, out in ((cd, pdir), (lcd, ldir)):
+        _train(c, out)
+    jobs = [((run_dir, q), os.path.join(workdir, name)) for run_dir, q, name in (
+        (pdir, QuantConfig(weights="int8"), "pipeline_int8"),
+        (ldir, QuantConfig(weights="int8", activations="int8"), "lowrank_w8a8"))]
+    _side_by_side(s, jobs, "pipeline: quantize", _quantize)  # their summaries read below
     rows = []
-    for method, setting, run_dir, q, name in (
-            (PIPELINE, "", pdir, QuantConfig(weights="int8"), "pipeline_int8"),
-            ("low rank + w8a8", f"rank {r}, int8 weights and activations", ldir,
-             QuantConfig(weights="int8", activations="int8"), "lowrank_w8a8")):
-        qdir = os.path.join(workdir, name)
-        summ = ptq.quantize(run_dir, qdir, q, repeats=3)
+    for (method, setting), ((run_dir, q), qdir) in zip(
+            ((PIPELINE, ""), ("low rank + w8a8", f"rank {r}, int8 weights and activations")),
+            jobs):
+        summ = _quantize((run_dir, q), qdir, reuse=s["side_by_side"])
         rows.append({"model": model, "method": method, "setting": setting,
                      "params": summ["size_bytes"]["float32_params"] // 4,
                      "size_bytes": summ["size_bytes"]["quantized_file"], "metric": "loss",
@@ -927,8 +951,9 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                    "machine": harness.machine_info(), "seconds": {}}
         wd = workdir or tmp
         before = set(os.listdir(wd)) if os.path.isdir(wd) else set()  # runs of earlier runs
-        harness.run_parts(payload, {name: functools.partial(make, s, wd) for name, make in makers.items()},
-                          parts)
+        with side_by_side_processes(s):  # every part's batches in one set of them
+            harness.run_parts(payload, {name: functools.partial(make, s, wd)
+                                        for name, make in makers.items()}, parts)
         t0 = time.perf_counter()
         teachers = {m: os.path.abspath(os.path.join(wd, f"{m.replace(' ', '_')}_teacher"))
                     for m in MODELS}

@@ -10,6 +10,7 @@ machine it ran on (`machine_info`) and that machine's own matrix-product rate
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -603,19 +604,104 @@ def run_parts(payload: dict, makers: dict, parts) -> None:
         payload.setdefault("seconds", {})[name] = time.perf_counter() - t0
 
 
-def _pinned_worker(core: int, train: Callable, jobs: list, todo, done,
-                   cache_dir: str | None) -> None:
-    """(A spawned process's target) `train(*jobs[i])` for each index `i` taken from `todo`
-    until its None, each then put in `done`, on core `core` alone: pinned before jax's CPU
-    client exists, so that XLA's thread pool and the kernels' threads
-    (`hpnlp.kernels.cores`) count one core."""
+def _pinned_worker(core: int, todo, done, cache_dir: str | None, xla_flags: tuple) -> None:
+    """(A spawned process's target) for each `(i, train, args)` taken from `todo` until its
+    None, `train(*args)`, then `i` put in `done`, on core `core` alone: pinned before jax's
+    CPU client exists, so that XLA's thread pool and the kernels' threads
+    (`hpnlp.kernels.cores`) count one core; `xla_flags` added to its XLA_FLAGS then too."""
+    from hpnlp.compile_flags import with_flags
     os.sched_setaffinity(0, {core})
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), xla_flags)
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    for i in iter(todo.get, None):
-        train(*jobs[i])
+    for i, train, args in iter(todo.get, None):
+        train(*args)
         done.put(i)
+
+
+class SideBySide:
+    """Processes one per core, each pinned to its core, that train independent runs taken
+    from a shared queue (`run`), kept alive from the first batch of two or more runs until
+    `close`: a bench of many small runs in batches (the compress bench's parts) starts them
+    once, not once a batch (a spawned process imports jax and hpnlp again, about 2 s, and
+    traces its first run's library functions cold); `xla_flags` are added to theirs (e.g.
+    `hpnlp.compile_flags.cheap_compile_flags()`). See `train_side_by_side`."""
+
+    def __init__(self, xla_flags: tuple = ()):
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+        self.procs: list = []
+        self.xla_flags = tuple(xla_flags)
+
+    def _start(self) -> None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.todo, self.done = ctx.Queue(), ctx.Queue()
+        self.procs = [ctx.Process(target=_pinned_worker, args=(
+            core, self.todo, self.done, jax.config.jax_compilation_cache_dir, self.xla_flags))
+            for core in self.cores]
+        for p in self.procs:
+            p.start()
+
+    def run(self, train: Callable, jobs: list, desc: str = "runs side by side") -> None:
+        """`train(config, workdir)` for each of `jobs` ([(config, workdir)]), side by side
+        where there are two or more cores and (or once the processes are up) jobs; else
+        here, one after another. A failed run stops the rest (`close`) and raises here."""
+        if not self.procs and (len(self.cores) < 2 or len(jobs) < 2):
+            for cd, out in jobs:
+                train(cd, out)
+            return
+        import queue
+
+        from tqdm.auto import tqdm
+        if not self.procs:
+            self._start()
+        for i, job in enumerate(jobs):
+            self.todo.put((i, train, job))
+        try:
+            with tqdm(total=len(jobs), desc=desc, leave=False) as bar:
+                while bar.n < len(jobs):
+                    try:
+                        self.done.get(timeout=1.0)
+                        bar.update()
+                    except queue.Empty:
+                        pass
+                    for p in self.procs:
+                        if p.exitcode is not None:
+                            raise RuntimeError(
+                                f"a training run failed in its own process (exit code "
+                                f"{p.exitcode}; its traceback is above); the runs were "
+                                f"{[out for _, out in jobs]}")
+        except BaseException:
+            self.close(at_once=True)
+            raise
+
+    def close(self, at_once: bool = False) -> None:
+        """End the processes: once their queue is empty, or `at_once` (after a failure)."""
+        for p in self.procs:
+            if at_once:
+                p.terminate()
+            else:
+                self.todo.put(None)
+        for p in self.procs:
+            p.join()
+        self.procs = []
+
+
+_ACTIVE: SideBySide | None = None  # `side_by_side_processes`' pool, while one is open
+
+
+@contextlib.contextmanager
+def side_by_side_processes(xla_flags: tuple = ()):
+    """`train_side_by_side` inside this block trains in one set of processes (`SideBySide`,
+    with `xla_flags`), started at its first batch of runs and ended when the block ends."""
+    global _ACTIVE
+    outer, _ACTIVE = _ACTIVE, SideBySide(xla_flags)
+    try:
+        yield _ACTIVE
+    finally:
+        _ACTIVE.close()
+        _ACTIVE = outer
 
 
 def train_side_by_side(train: Callable, jobs: list, desc: str = "runs side by side") -> None:
@@ -627,43 +713,14 @@ def train_side_by_side(train: Callable, jobs: list, desc: str = "runs side by si
     trained 5.2-5.4 steps/s on one core and 5.8-6.5 on both, and two runs side by side, one
     a core, 5.0 and 5.4 each: 1.7x the steps a second of one run on both. With one core or
     one run, or where the OS cannot pin a process (`sched_setaffinity`), it trains them here
-    one after another. A failed run stops the rest and raises here. A progress bar (`desc`)
-    counts the finished runs."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-    n = min(len(jobs), len(cores))
-    if n < 2:
-        for cd, out in jobs:
-            train(cd, out)
+    one after another. Inside `side_by_side_processes` the processes are that block's,
+    reused by each batch; else they last this batch. A failed run stops the rest and raises
+    here. A progress bar (`desc`) counts the finished runs."""
+    if _ACTIVE is not None:
+        _ACTIVE.run(train, jobs, desc)
         return
-    import multiprocessing
-    import queue
-
-    from tqdm.auto import tqdm
-    ctx = multiprocessing.get_context("spawn")
-    todo, done = ctx.Queue(), ctx.Queue()
-    for i in list(range(len(jobs))) + [None] * n:
-        todo.put(i)
-    procs = [ctx.Process(target=_pinned_worker, args=(core, train, jobs, todo, done,
-                                                      jax.config.jax_compilation_cache_dir))
-             for core in cores[:n]]
-    for p in procs:
-        p.start()
+    pool = SideBySide()
     try:
-        with tqdm(total=len(jobs), desc=desc, leave=False) as bar:
-            while any(p.is_alive() for p in procs):
-                try:
-                    done.get(timeout=1.0)
-                    bar.update()
-                except queue.Empty:
-                    pass
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        raise RuntimeError(
-                            f"a training run failed in its own process (exit code "
-                            f"{p.exitcode}; its traceback is above); the runs were "
-                            f"{[out for _, out in jobs]}")
+        pool.run(train, jobs, desc)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join()
+        pool.close()

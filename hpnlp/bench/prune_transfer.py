@@ -139,7 +139,8 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
         t0, reused = time.perf_counter(), len(compress.REUSED)
-        lm, found = rows(s, sizes, workdir or tmp)
+        with compress.side_by_side_processes(s):
+            lm, found = rows(s, sizes, workdir or tmp)
         import json
         with open(os.path.join(lm, "summary.json")) as f:
             lm_summary = json.load(f)
