@@ -785,6 +785,20 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
     assert best["setting"] == f"{compress.structured_sparsity(compress.SIZES['full']):.0%}"
 
 
+def test_reused_runs_are_those_finished_before_the_bench_run(tmp_path, monkeypatch):
+    """A report's `reused_runs` (whose training its times leave out) counts the runs `_train`
+    reused that were in the workdir before the bench run started, not those its side-by-side
+    processes (or an earlier part) trained this time and `_train` then found finished."""
+    from hpnlp.bench import compress
+    (tmp_path / "earlier").mkdir()
+    before = compress.runs_in(str(tmp_path))
+    (tmp_path / "side_by_side").mkdir()
+    monkeypatch.setattr(compress, "REUSED", [str(tmp_path / "earlier"),
+                                             str(tmp_path / "side_by_side")])
+    assert compress.reused_since(before) == 1
+    assert compress.runs_in(str(tmp_path / "absent")) == set()
+
+
 def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path, monkeypatch):
     """`compress._train` reuses a finished run of the same config; a student's config names
     its teacher (or the run it starts from) by folder, so a teacher retrained since (another

@@ -266,7 +266,21 @@ def measure_forward(rows: list[dict], teachers: dict, *, rounds: int = 15) -> No
             r["sparse_forward_s"] = med[key(r, True)]
 
 
-REUSED: list[str] = []  # runs `_train` found finished in --workdir (not trained this time)
+REUSED: list[str] = []  # runs `_train` found finished (by an earlier bench run, or this
+# run's side-by-side processes: `reused_since`)
+
+
+def runs_in(workdir: str) -> set[str]:
+    """The runs' folders in `workdir` now (before a bench run starts: `reused_since`)."""
+    wd = os.path.abspath(workdir)
+    return {os.path.join(wd, n) for n in os.listdir(wd)} if os.path.isdir(wd) else set()
+
+
+def reused_since(before: set[str]) -> int:
+    """How many runs `_train` reused that were in their workdir before (`runs_in`): those an
+    earlier bench run left finished, not those this run trained (in its side-by-side
+    processes, or in a part before: the teacher) and found again."""
+    return len({os.path.abspath(p) for p in REUSED} & before)
 
 
 def _train(cd, out: str) -> dict:
@@ -950,7 +964,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
         payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seconds": {}}
         wd = workdir or tmp
-        before = set(os.listdir(wd)) if os.path.isdir(wd) else set()  # runs of earlier runs
+        before = runs_in(wd)
         with side_by_side_processes(s):  # every part's batches in one set of them
             harness.run_parts(payload, {name: functools.partial(make, s, wd)
                                         for name, make in makers.items()}, parts)
@@ -959,9 +973,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                     for m in MODELS}
         measure_forward(_rows(payload), teachers, rounds=s["timing_rounds"])
         payload["seconds"]["forward timing"] = time.perf_counter() - t0
-    # runs an earlier bench run left finished in --workdir (not those this run trained and a
-    # later part found, such as the teacher)
-    payload["reused_runs"] = len({os.path.basename(p) for p in REUSED} & before)
+    payload["reused_runs"] = reused_since(before)
     payload["targets"] = _targets(payload)
     report.write(out_dir, "compress", payload, _markdown(payload))
     _plot(payload, out_dir)

@@ -45,6 +45,10 @@ structured check (`STRUCTURED_CHECK`): the compress bench's structured-pruning f
 that teacher (to about half its parameters by whole heads and MLP neurons) at several
 learning rates and steps, scored on validation against the teacher; the compress bench
 fine-tunes at the best pair (`compress.STRUCTURED_LR` and `structured_steps`).
+
+The runs train side by side as the compress bench's do (`train_side_by_side`: one process
+a core, `compress.side_by_side_processes`): the teachers, then every run that waits on
+the teacher alone, then the best recipe's learning-rate runs.
 """
 
 from __future__ import annotations
@@ -144,10 +148,8 @@ def teacher_rows(s: dict, workdir: str, scales, model: str = MODEL) -> list[dict
     experiment's learning rate but `compress.TEACHER_LR`'s (the teacher's row of
     `recipe_rows`): the teacher's learning-rate check."""
     metric, rows = compress.MODELS[model][2], []
-    scales = [k for k in scales if k != compress.TEACHER_LR[model]]
-    for k in tqdm(scales, desc="teacher's learning rate", leave=False):
-        cd = _validation(compress.teacher_config(model, s, lr_scale=k))
-        out = os.path.join(workdir, f"teacher_lr_x{k:g}")
+    for k, (cd, out) in tqdm(_teacher_runs(s, workdir, scales, model).items(),
+                             desc="teacher's learning rate", leave=False):
         row = compress._row(model, f"teacher, lr x{k:g}", "", compress._train(cd, out), out,
                             metric)
         row["lr_scale"] = k
@@ -155,22 +157,35 @@ def teacher_rows(s: dict, workdir: str, scales, model: str = MODEL) -> list[dict
     return rows
 
 
+def _teacher_runs(s: dict, workdir: str, scales, model: str) -> dict:
+    """{scale: (config, workdir)} of `teacher_rows`' runs."""
+    return {k: (_validation(compress.teacher_config(model, s, lr_scale=k)),
+                os.path.join(workdir, f"teacher_lr_x{k:g}"))
+            for k in scales if k != compress.TEACHER_LR[model]}
+
+
 def structured_rows(s: dict, workdir: str, pairs, model: str = MODEL) -> list[dict]:
     """The structured check: the compress bench's structured fine-tune of the validation
     teacher in `workdir` at each (learning-rate multiple, steps) of `pairs`, scored on the
     validation split; its `loss_rel` against the teacher, as the compress target reads it."""
-    tdir, rows = os.path.join(workdir, "teacher"), []
-    teacher = compress._teacher_value(tdir, "loss")
-    sp = compress.structured_sparsity(s)
-    for k, n in tqdm(pairs, desc="structured fine-tune", leave=False):
-        cd = _validation(compress.structured_pruned(s, tdir, lr_scale=k, steps=n,
-                                                    sparsity=sp))
-        out = os.path.join(workdir, f"structured_lr_x{k:g}_{n}_steps")
+    rows, sp = [], compress.structured_sparsity(s)
+    teacher = compress._teacher_value(os.path.join(workdir, "teacher"), "loss")
+    for (k, n), (cd, out) in tqdm(_structured_runs(s, workdir, pairs).items(),
+                                  desc="structured fine-tune", leave=False):
         row = compress._row(model, "structured prune", f"{sp:.0%}", compress._train(cd, out),
                             out, "loss")
         row.update(lr_scale=k, steps=n, loss_rel=(row["value"] - teacher) / teacher)
         rows.append(row)
     return rows
+
+
+def _structured_runs(s: dict, workdir: str, pairs) -> dict:
+    """{(scale, steps): (config, workdir)} of `structured_rows`' runs."""
+    tdir, sp = os.path.join(workdir, "teacher"), compress.structured_sparsity(s)
+    return {(k, n): (_validation(compress.structured_pruned(s, tdir, lr_scale=k, steps=n,
+                                                            sparsity=sp)),
+                     os.path.join(workdir, f"structured_lr_x{k:g}_{n}_steps"))
+            for k, n in pairs}
 
 
 def _key(model: str):
@@ -183,17 +198,53 @@ def _recipe_row(s: dict, workdir: str, seeds: int, name: str, fields: dict | Non
                 lr_scale: float = 1.0, model: str = MODEL) -> dict:
     """Recipe `name` (`fields`; None: the scratch student) of `model` trained on the
     validation split at `lr_scale` times its experiment's learning rate, at `seeds` seeds."""
-    metric = compress.MODELS[model][2]
+    cd, out = _recipe_run(s, workdir, name, fields, lr_scale, model)
+    row = compress._seeded_row(model, name, "", cd, out, compress.MODELS[model][2], seeds)
+    row["fields"], row["lr_scale"] = fields, lr_scale
+    return row
+
+
+def _recipe_run(s: dict, workdir: str, name: str, fields: dict | None, lr_scale: float,
+                model: str) -> tuple:
+    """(config, workdir) of `_recipe_row`'s run (its first seed's)."""
     if fields is None:
         cd = compress.scratch_student(model, s, lr_scale=lr_scale)
     else:
         cd = compress.distilled_student(model, s, os.path.join(workdir, "teacher"), fields,
                                         lr_scale=lr_scale)
     run = name + (f", lr x{lr_scale:g}" if lr_scale != 1.0 else "")  # the check's names
-    out = os.path.join(workdir, run.replace(", ", "_").replace(" ", "_").replace("=", ""))
-    row = compress._seeded_row(model, name, "", _validation(cd), out, metric, seeds)
-    row["fields"], row["lr_scale"] = fields, lr_scale
-    return row
+    return _validation(cd), os.path.join(
+        workdir, run.replace(", ", "_").replace(" ", "_").replace("=", ""))
+
+
+def _seeded_runs(s: dict, workdir: str, seeds: int, name: str, fields: dict | None,
+                 lr_scale: float, model: str) -> list[tuple]:
+    """[(config, workdir)] of `_recipe_row`'s runs, one a seed."""
+    return compress._seeded(*_recipe_run(s, workdir, name, fields, lr_scale, model), seeds)
+
+
+def _teacher_run(s: dict, workdir: str, model: str) -> tuple:
+    """(config, workdir) of the teacher every recipe distils from, on the validation split."""
+    return _validation(compress.teacher_config(model, s)), os.path.join(workdir, "teacher")
+
+
+def train_side_by_side(s: dict, workdir: str, seeds: int, lr_scales, teacher_scales,
+                       structured_pairs, model: str) -> None:
+    """Every run of `run` whose config does not wait on another's result, trained side by
+    side (`compress._side_by_side`, where `s` says so): the teachers (the one every recipe
+    distils from, and the teacher's learning-rate check), then every recipe, the scratch
+    student at each learning rate of the check, and the structured check; the best recipe's
+    learning-rate runs wait for the recipes (`recipe_rows`). The row builders then find
+    these runs finished."""
+    at = RECIPE_LR[model]
+    compress._side_by_side(s, [_teacher_run(s, workdir, model)] + list(
+        _teacher_runs(s, workdir, teacher_scales, model).values()), "teachers")
+    runs = [run for name, fields in recipes(model)
+            for run in _seeded_runs(s, workdir, seeds, name, fields, at, model)]
+    runs += [run for k in lr_scales if k != at
+             for run in _seeded_runs(s, workdir, seeds, recipes(model)[0][0], None, k, model)]
+    compress._side_by_side(s, runs + list(_structured_runs(s, workdir, structured_pairs)
+                                          .values()), "recipes")
 
 
 def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
@@ -202,17 +253,18 @@ def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
     check's rows: the scratch student and the best recipe at each of `lr_scales` but
     `RECIPE_LR`'s), all of `model` on the validation split."""
     metric = compress.MODELS[model][2]
-    tdir = os.path.join(workdir, "teacher")
-    teacher = compress._row(model, "teacher", "", compress._train(
-        _validation(compress.teacher_config(model, s)), tdir), tdir, metric)
+    tcd, tdir = _teacher_run(s, workdir, model)
+    teacher = compress._row(model, "teacher", "", compress._train(tcd, tdir), tdir, metric)
     teacher["lr_scale"] = compress.TEACHER_LR[model]
     at = RECIPE_LR[model]
     rows = [_recipe_row(s, workdir, seeds, name, fields, at, model=model)
             for name, fields in tqdm(recipes(model), desc="recipes", leave=False)]
     best = max(rows[1:], key=_key(model))
+    scales = [k for k in lr_scales if k != at]
+    compress._side_by_side(s, [run for k in scales for run in _seeded_runs(
+        s, workdir, seeds, best["method"], best["fields"], k, model)], "learning rates")
     lr_rows = [_recipe_row(s, workdir, seeds, r["method"], r["fields"], k, model=model)
-               for k in tqdm([k for k in lr_scales if k != at], desc="learning rates",
-                             leave=False)
+               for k in tqdm(scales, desc="learning rates", leave=False)
                for r in (rows[0], best)]
     scratch = rows[0]["value"]
     for r in rows:
@@ -339,14 +391,18 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
         if not jax.config.jax_compilation_cache_dir:  # students of one shape compile once
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        t0, reused = time.perf_counter(), len(compress.REUSED)
+        t0 = time.perf_counter()
         # each model's runs in their own folder: one --workdir serves both, and `_train`
         # would otherwise replace one model's finished runs by the other's of the same name
         wd = os.path.join(workdir or tmp, model.replace(" ", "_"))
-        teacher, rows, lr_rows = recipe_rows(s, wd, seeds, LR_SCALES[model][size], model)
-        teachers = teacher_rows(s, wd, TEACHER_LR_SCALES[model][size], model)
-        structured = structured_rows(s, wd, STRUCTURED_CHECK.get(model, {}).get(size, ()),
-                                     model)
+        before = compress.runs_in(wd)
+        lr_scales, teacher_scales = LR_SCALES[model][size], TEACHER_LR_SCALES[model][size]
+        pairs = STRUCTURED_CHECK.get(model, {}).get(size, ())
+        with compress.side_by_side_processes(s):
+            train_side_by_side(s, wd, seeds, lr_scales, teacher_scales, pairs, model)
+            teacher, rows, lr_rows = recipe_rows(s, wd, seeds, lr_scales, model)
+        teachers = teacher_rows(s, wd, teacher_scales, model)
+        structured = structured_rows(s, wd, pairs, model)
         payload = {"model": model,
                    "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                    "machine": harness.machine_info(), "seeds": seeds, "teacher": teacher,
@@ -354,7 +410,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
                    "recipes": rows, "lr_check": lr_rows, "teacher_lr_check": teachers,
                    "structured_check": structured,
                    "seconds": time.perf_counter() - t0,
-                   "reused_runs": len(compress.REUSED) - reused}
+                   "reused_runs": compress.reused_since(before)}
     report.write(out_dir, "distill_recipes", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -138,7 +138,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
         if not jax.config.jax_compilation_cache_dir:  # runs of one shape compile once
             jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        t0, reused = time.perf_counter(), len(compress.REUSED)
+        t0, before = time.perf_counter(), compress.runs_in(workdir or tmp)
         with compress.side_by_side_processes(s):
             lm, found = rows(s, sizes, workdir or tmp)
         import json
@@ -153,7 +153,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
                           "params": lm_summary["param_count"]},
                    "majority_accuracy": baseline["majority_accuracy"],
                    "seconds": {"all": time.perf_counter() - t0},
-                   "reused_runs": len(compress.REUSED) - reused}
+                   "reused_runs": compress.reused_since(before)}
         payload["movement_minus_magnitude"] = {str(k): v for k, v in margins(payload).items()}
     report.write(out_dir, "prune_transfer", payload, _markdown(payload))
     _plot(payload, out_dir)
