@@ -79,21 +79,20 @@ def loop_choices(p, x, seg, *, k, capacity, groups=B):
 
 
 def loop_reference(p, x, choice, kept, *, renormalize, expert=expert):
-    """Part 2, differentiable in p and x: y_t = sum over kept choices of gate * expert(x_t)."""
+    """Part 2, differentiable in p and x: y_t = sum over kept choices of gate * expert(x_t).
+    Each expert (its definition on one token) is mapped over every token (jax.vmap) and each
+    token's chosen rows gathered, so the traced program holds X experts, not a copy of one
+    per token and choice."""
     groups, S, k = choice.shape
-    xs = x.reshape(groups, S, M)
-    ps = jax.nn.softmax(jnp.einsum("gsm,mx->gsx", xs, p["router"]), -1)
-    rows = []
-    for g in range(groups):
-        for s in range(S):
-            chosen = ps[g, s, choice[g, s]]
-            gate = chosen / jnp.sum(chosen) if renormalize else chosen
-            y = jnp.zeros((M,))
-            for j in range(k):
-                if kept[g, s, j]:
-                    y = y + gate[j] * expert(p, choice[g, s, j], xs[g, s])
-            rows.append(y)
-    return jnp.stack(rows).reshape(x.shape)
+    xs = x.reshape(groups * S, M)
+    ps = jax.nn.softmax(xs @ p["router"], -1)
+    c = choice.reshape(-1, k)
+    chosen = jnp.take_along_axis(ps, jnp.asarray(c), -1)
+    gate = chosen / jnp.sum(chosen, -1, keepdims=True) if renormalize else chosen
+    ys = jnp.stack([jax.vmap(lambda x_M, e=e: expert(p, e, x_M))(xs) for e in range(X)])
+    picked = ys[c, np.arange(len(c))[:, None]]  # [T, k, M]: token t's choice j
+    y = jnp.sum(jnp.where(kept.reshape(-1, k, 1), gate[..., None] * picked, 0.0), 1)
+    return y.reshape(x.shape)
 
 
 @pytest.mark.parametrize("dispatch_kind", ["capacity", "dropless"])
