@@ -1,15 +1,23 @@
 """The suite's cheap-compile XLA flags (set by conftest.py) and an environment without
 them, for subprocesses that must compile as users do (XLA's full optimization)."""
 
+import importlib.util
 import os
+import pathlib
 
-from hpnlp.compile_flags import (  # noqa: F401 (the suite's, defined there)
-    CODEGEN_SPLIT_FLAG,
-    FUSION_EMITTER_FLAG,
-    FUSION_EMITTER_JAXLIB,
-    cheap_compile_flags,
-    with_flags,
-)
+# hpnlp/compile_flags.py, loaded by its path rather than imported from the package: importing
+# hpnlp in pytest's controller (conftest.py reads this first) would apply hpnlp's XLA
+# workarounds there, so the workers would inherit them in XLA_FLAGS instead of applying
+# them (tests/test_xla_workarounds.py reads which a process applied), and the controller
+# would load flax and the rest before it starts any worker
+_spec = importlib.util.spec_from_file_location(
+    "_hpnlp_compile_flags",
+    pathlib.Path(__file__).resolve().parents[1] / "hpnlp" / "compile_flags.py")
+_flags = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_flags)
+CODEGEN_SPLIT_FLAG, FUSION_EMITTER_FLAG = _flags.CODEGEN_SPLIT_FLAG, _flags.FUSION_EMITTER_FLAG
+FUSION_EMITTER_JAXLIB = _flags.FUSION_EMITTER_JAXLIB
+cheap_compile_flags, with_flags = _flags.cheap_compile_flags, _flags.with_flags
 
 
 def full_optimization_env(*drop: str, **extra: str) -> dict:
