@@ -1132,7 +1132,8 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     """harness.train_side_by_side (the compress bench's parts train their runs so): every
     job once, each in a process of its own pinned to one core where there are two or more,
     the same processes for every batch inside `side_by_side_processes` (a single run of the
-    first batch trains here); a failed job raises in the caller, naming the runs."""
+    first batch trains here); a failed job raises in the caller, naming the runs, and one
+    that cannot reach the processes (a lambda) before any starts."""
     import json
 
     import side_by_side_worker as w
@@ -1152,6 +1153,8 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     assert os.getpid() not in pids and {r["pid"] for r in ran(3, "b")} <= pids
     assert all(len(r["cores"]) == 1 and r["cores"][0] in os.sched_getaffinity(0)
                for r in ran(3, "a") + ran(3, "b"))
+    with pytest.raises(TypeError, match=r"must pickle"):  # said here, not hung on
+        harness.train_side_by_side(lambda i, out: None, [(0, "x"), (1, "y")])
     with pytest.raises(RuntimeError, match=r"failed in its own process .*r0b"):
         harness.train_side_by_side(w.record, [(-1, str(tmp_path / "bad")),
                                               (0, str(tmp_path / "r0b"))])

@@ -651,9 +651,15 @@ class SideBySide:
             for cd, out in jobs:
                 train(cd, out)
             return
+        import pickle
         import queue
 
         from tqdm.auto import tqdm
+        try:  # here, not in the queue's feeder thread, which would drop the run and wait on
+            pickle.dumps((train, jobs))
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"side-by-side runs go to other processes, so `train` (a "
+                            f"module-level function) and the jobs must pickle: {e}") from e
         if not self.procs:
             self._start()
         for i, job in enumerate(jobs):
