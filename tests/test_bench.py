@@ -1138,8 +1138,8 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
 
     import side_by_side_worker as w
     from hpnlp.bench import harness
-    ran = lambda n, tag: [json.loads((tmp_path / f"{tag}{i}" / "ran.json").read_text())  # noqa: E731
-                          for i in range(n)]
+    def ran(n, tag):
+        return [json.loads((tmp_path / f"{tag}{i}" / "ran.json").read_text()) for i in range(n)]
     with harness.side_by_side_processes():
         harness.train_side_by_side(w.record, [(0, str(tmp_path / "one0"))])
         for tag in ("a", "b"):

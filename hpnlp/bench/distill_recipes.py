@@ -46,7 +46,7 @@ that teacher (to about half its parameters by whole heads and MLP neurons) at se
 learning rates and steps, scored on validation against the teacher; the compress bench
 fine-tunes at the best pair (`compress.STRUCTURED_LR` and `structured_steps`).
 
-The runs train side by side as the compress bench's do (`train_side_by_side`: one process
+The runs train side by side as the compress bench's do (`train_independent_runs`: a process
 a core, `compress.side_by_side_processes`): the teachers, then every run that waits on
 the teacher alone, then the best recipe's learning-rate runs.
 """
@@ -228,8 +228,8 @@ def _teacher_run(s: dict, workdir: str, model: str) -> tuple:
     return _validation(compress.teacher_config(model, s)), os.path.join(workdir, "teacher")
 
 
-def train_side_by_side(s: dict, workdir: str, seeds: int, lr_scales, teacher_scales,
-                       structured_pairs, model: str) -> None:
+def train_independent_runs(s: dict, workdir: str, seeds: int, lr_scales, teacher_scales,
+                           structured_pairs, model: str) -> None:
     """Every run of `run` whose config does not wait on another's result, trained side by
     side (`compress._side_by_side`, where `s` says so): the teachers (the one every recipe
     distils from, and the teacher's learning-rate check), then every recipe, the scratch
@@ -399,7 +399,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
         lr_scales, teacher_scales = LR_SCALES[model][size], TEACHER_LR_SCALES[model][size]
         pairs = STRUCTURED_CHECK.get(model, {}).get(size, ())
         with compress.side_by_side_processes(s):
-            train_side_by_side(s, wd, seeds, lr_scales, teacher_scales, pairs, model)
+            train_independent_runs(s, wd, seeds, lr_scales, teacher_scales, pairs, model)
             teacher, rows, lr_rows = recipe_rows(s, wd, seeds, lr_scales, model)
         teachers = teacher_rows(s, wd, teacher_scales, model)
         structured = structured_rows(s, wd, pairs, model)

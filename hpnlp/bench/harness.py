@@ -626,20 +626,21 @@ class SideBySide:
     `close`: a bench of many small runs in batches (the compress bench's parts) starts them
     once, not once a batch (a spawned process imports jax and hpnlp again, about 2 s, and
     traces its first run's library functions cold); `xla_flags` are added to theirs (e.g.
-    `hpnlp.compile_flags.cheap_compile_flags()`). See `train_side_by_side`."""
+    `hpnlp.compile_flags.cheap_compile_flags()`). `one_batch`: they serve one batch, so
+    there are no more of them than its runs. See `train_side_by_side`."""
 
-    def __init__(self, xla_flags: tuple = ()):
+    def __init__(self, xla_flags: tuple = (), one_batch: bool = False):
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
         self.procs: list = []
-        self.xla_flags = tuple(xla_flags)
+        self.xla_flags, self.one_batch = tuple(xla_flags), one_batch
 
-    def _start(self) -> None:
+    def _start(self, n: int) -> None:
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")
         self.todo, self.done = ctx.Queue(), ctx.Queue()
         self.procs = [ctx.Process(target=_pinned_worker, args=(
             core, self.todo, self.done, jax.config.jax_compilation_cache_dir, self.xla_flags))
-            for core in self.cores]
+            for core in self.cores[:n]]
         for p in self.procs:
             p.start()
 
@@ -660,8 +661,8 @@ class SideBySide:
         except Exception as e:  # noqa: BLE001
             raise TypeError(f"side-by-side runs go to other processes, so `train` (a "
                             f"module-level function) and the jobs must pickle: {e}") from e
-        if not self.procs:
-            self._start()
+        if not self.procs:  # a process a core (`one_batch`: at most one a job)
+            self._start(min(len(jobs), len(self.cores)) if self.one_batch else len(self.cores))
         for i, job in enumerate(jobs):
             self.todo.put((i, train, job))
         try:
@@ -725,7 +726,7 @@ def train_side_by_side(train: Callable, jobs: list, desc: str = "runs side by si
     if _ACTIVE is not None:
         _ACTIVE.run(train, jobs, desc)
         return
-    pool = SideBySide()
+    pool = SideBySide(one_batch=True)
     try:
         pool.run(train, jobs, desc)
     finally:
