@@ -4,14 +4,15 @@ inputs, no XLA), on this CPU's tuned blocks.
 
     python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
         [--length L] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
-        [--bwd-blocks Q,K]
+        [--bwd-blocks Q,K] [--dw-blocks KC,MC]
 
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
 H=8, D=64, L=4096; `--shape 32,4,32 --length 128 --causal` is the byte LM's), the fused
 LSTM at the rnn bench's (B=32, H=512, L=256; from 2e2f035 its forward probe includes the
 input projection, and from 9231e00 its backward the input gradient, so a revision before
-them times less work: compare revisions on the same side). A round runs every (build, pass) once, in
+them times less work: compare revisions on the same side; its third pass, the weight
+gradients over all L*B rows, needs 7ef6a01 or later). A round runs every (build, pass) once, in
 a new random order, after one untimed warm-up round; the table gives each median with its
 min-max, and the median over rounds of the paired ratio (old / new in the same round),
 which drifts of the machine's speed affect less.
@@ -67,8 +68,9 @@ def read(paths, rev: str | None) -> dict[str, bytes]:
     return out
 
 
-def probes(args) -> tuple[str, str, dict]:
-    """(probe symbol, what it is, {pass: (its argument list, its blocks)}) of args.kernel."""
+def probes(args) -> tuple[str, dict]:
+    """(what it is, {pass: (its probe symbol, its argument list, its blocks)}) of
+    args.kernel."""
     from hpnlp import kernels
     if args.kernel == "lstm":
         from hpnlp.rnn import fused
@@ -77,8 +79,15 @@ def probes(args) -> tuple[str, str, dict]:
         passes = {}
         for name, backward in (("forward", 0), ("backward", 1)):
             cfg = fused.TUNINGS["bwd" if backward else "fwd"].config()
-            passes[name] = ([B, H, L, cfg["kc"], cfg["mr"], backward, threads], cfg)
-        return "hpnlp_lstm_probe", f"the fused LSTM, B={B} H={H} L={L}, {threads} threads", passes
+            passes[name] = ("hpnlp_lstm_probe", [B, H, L, cfg["kc"], cfg["mr"], backward,
+                                                 threads], cfg)
+        cfg = fused.TUNINGS["dw"].config()
+        if args.dw_blocks:
+            cfg = dict(zip(("kc", "mc"), (int(x) for x in args.dw_blocks.split(","))))
+        # the weight gradients over all L*B rows, E = H, on every core (from 7ef6a01 on)
+        passes["weight gradients"] = ("hpnlp_lstm_dw_probe", [L * B, H, H, cfg["kc"], cfg["mc"],
+                                                              args.threads or kernels.cores()], cfg)
+        return f"the fused LSTM, B={B} H={H} L={L}, {threads} threads", passes
     from hpnlp.attention import flash_cpu as F
     B, H, D = (int(x) for x in args.shape.split(","))
     L = args.length or 4096
@@ -90,14 +99,14 @@ def probes(args) -> tuple[str, str, dict]:
     if args.widen is not None:
         wide = (args.widen,) * 2
     # widen: the last argument, which a revision before it (10 arguments) ignores
-    passes = {name: ([B, L, H, D, bq, bk, backward, threads, int(args.bfloat16),
+    passes = {name: ("hpnlp_flash_probe", [B, L, H, D, bq, bk, backward, threads, int(args.bfloat16),
                       int(args.causal), int(w)], {"bq": bq, "bk": bk, "widen": int(w)})
               for name, backward, (bq, bk), w in (("forward", 0, fwd, wide[0]),
                                                   ("backward", 1, bwd, wide[1]))}
     what = (f"flash attention, B={B} L={L} H={H} D={D}, "
             f"{'bfloat16' if args.bfloat16 else 'float32'}, causal={args.causal}, "
             f"{threads} threads")
-    return "hpnlp_flash_probe", what, passes
+    return what, passes
 
 
 def main():
@@ -114,6 +123,8 @@ def main():
     ap.add_argument("--bfloat16", action="store_true", help="flash attention only")
     ap.add_argument("--bwd-blocks", help="flash attention: QUERIES,KEYS of the backward "
                                          "(default: tuned)")
+    ap.add_argument("--dw-blocks", help="the fused LSTM: KC,MC of its weight gradients' "
+                                        "product (default: tuned)")
     ap.add_argument("--widen", type=int, choices=(0, 1),
                     help="flash attention, --bfloat16: 1 widens the products to float32, 0 runs "
                          "them on the CPU's bfloat16 instructions (default: tuned; a revision "
@@ -143,7 +154,11 @@ def main():
     sys.path.insert(0, ROOT)
     from hpnlp.kernels import tuning
 
-    symbol, what, passes = probes(args)
+    if args.dw_blocks is not None and (args.kernel != "lstm" or not re.fullmatch(
+            r"[1-9]\d*,[1-9]\d*", args.dw_blocks)):
+        ap.error(f"--dw-blocks {args.dw_blocks!r}: give KC,MC, two positive numbers, with "
+                 "--kernel lstm")
+    what, passes = probes(args)
     source = SOURCES[args.kernel]
     tmp = tempfile.mkdtemp(prefix="kernel_ab_")
     try:
@@ -157,11 +172,11 @@ def main():
         order = list(times)
         random.shuffle(order)
         for lib, p in order:
-            probe_args, cfg = passes[p]
+            symbol, probe_args, cfg = passes[p]
             t = tuning.run_probe(libs[lib], symbol, probe_args, what, cfg)
             if r > 0:
                 times[lib, p].append(t)
-    print_cpu(f"; {what}; blocks: " + ", ".join(f"{p} {cfg}" for p, (_, cfg) in passes.items())
+    print_cpu(f"; {what}; blocks: " + ", ".join(f"{p} {cfg}" for p, (_, _, cfg) in passes.items())
               + f"; {args.rounds} rounds")
     old_lib, new_lib = libs
     print(f"| pass | {old_lib} ms | {new_lib} ms | speed-up (medians) | paired ratio, median "

@@ -509,8 +509,17 @@ void run_bwd(Bwd& s, int threads) {
 // of dz's columns; for each block of kc rows it packs its columns of dz once, in panels of
 // DW_W columns, [panel][k][DW_W], shared by both products; then for each block of mc
 // rows of C it packs A^T, [row block][k][DW_R], and runs the register tile (DW_R rows x
-// DW_W columns of C in registers, reg_tile) over every panel and row block.
+// DW_W columns of C in registers, reg_tile) over every panel and row block, the next
+// tile's rows of C prefetched meanwhile (C, 4 MB per thread at the rnn bench's shape, is
+// out of L2, and each tile's first multiply-adds wait on its load). With AVX-512 the tile
+// is 6 x 4 vectors (24 accumulators of 32 registers; AVX2 has 16: 6 x 2): on a 2-core
+// Xeon model 207 the two changes took one thread from 81-101 to 113-121 GFLOP/s on this
+// product, against PyTorch's 124-141 (its A^T B) in the same runs.
+#if defined(__AVX512F__)
+constexpr int DW_R = 6, DW_NV = 4, DW_W = DW_NV * NR;
+#else
 constexpr int DW_R = 6, DW_NV = 2, DW_W = DW_NV * NR;
+#endif
 
 struct DwBlocking {
   int kc, mc;
@@ -558,19 +567,31 @@ void dw_columns(const Dw& s, int n0, int n1, std::vector<float>& bp, std::vector
       const int M = s.m[i];
       for (int ic = 0; ic < M; ic += MC) {
         const int mc = std::min(MC, M - ic), blocks = (mc + DW_R - 1) / DW_R;
-        for (int q = 0; q < blocks; ++q) {
-          const int rows = std::min(DW_R, mc - q * DW_R);
-          for (int k = 0; k < kc; ++k) {
-            const float* src = s.a[i] + size_t(pc + k) * M + ic + q * DW_R;
+        // Row by row of A (contiguous reads), DW_R floats at a time into each row block.
+        for (int k = 0; k < kc; ++k) {
+          const float* src = s.a[i] + size_t(pc + k) * M + ic;
+          for (int q = 0; q < blocks; ++q) {
+            const int rows = std::min(DW_R, mc - q * DW_R);
             float* dst = &ap[(size_t(q) * kc + k) * DW_R];
-            for (int r = 0; r < DW_R; ++r) dst[r] = r < rows ? src[r] : 0.0f;
+            if (rows == DW_R) {
+              std::memcpy(dst, src + q * DW_R, DW_R * sizeof(float));
+            } else {
+              for (int r = 0; r < DW_R; ++r) dst[r] = r < rows ? src[q * DW_R + r] : 0.0f;
+            }
           }
         }
         for (int j = n0, p = 0; j < n1; j += DW_W, ++p)
-          for (int q = 0; q < blocks; ++q)
+          for (int q = 0; q < blocks; ++q) {
+            if (pc > 0 && q + 1 < blocks) {
+              const float* next = s.c[i] + size_t(ic + (q + 1) * DW_R) * s.G + j;
+              for (int r = 0, rows = std::min(DW_R, mc - (q + 1) * DW_R); r < rows; ++r)
+                for (int l = 0; l < DW_W; l += 64 / int(sizeof(float)))
+                  __builtin_prefetch(next + size_t(r) * s.G + l, 1, 3);
+            }
             dw_tile(&ap[size_t(q) * kc * DW_R], &bp[size_t(p) * kc * DW_W], kc,
                     s.c[i] + size_t(ic + q * DW_R) * s.G + j, s.G, pc > 0,
                     std::min(DW_R, mc - q * DW_R));
+          }
       }
     }
   }
