@@ -918,6 +918,8 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
     (["kernel_ab.py", "--rev", "HEAD", "--length", "-5"], "--length -5: give a positive number"),
     (["kernel_ab.py", "--rev", "HEAD", "--bwd-blocks", "0,16"], "--bwd-blocks '0,16': give QUERIES,KEYS"),
     (["kernel_ab.py", "--rev", "HEAD", "--widen", "1"], "--widen chooses the bfloat16 kernel's"),
+    (["kernel_ab.py", "--rev", "HEAD", "--kernel", "lstm", "--rev-dw-blocks", "128"],
+     "--rev-dw-blocks '128': give KC,MC, two positive numbers, with --kernel lstm"),
     (["lm_attention_ab.py", "--experiment", "lm"], "experiments/lm: no such experiment; choose from"),
     (["lm_attention_ab.py", "--experiment", "lm.py:bogus"], "unknown argument\\(s\\) \\['bogus'\\]"),
     (["float_product_ab.py", "--rounds", "0"], "--rounds: 0: must be at least 1"),

@@ -4,7 +4,7 @@ inputs, no XLA), on this CPU's tuned blocks.
 
     python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
         [--length L] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
-        [--bwd-blocks Q,K] [--dw-blocks KC,MC]
+        [--bwd-blocks Q,K] [--dw-blocks KC,MC] [--rev-dw-blocks KC,MC]
 
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
@@ -125,6 +125,9 @@ def main():
                                          "(default: tuned)")
     ap.add_argument("--dw-blocks", help="the fused LSTM: KC,MC of its weight gradients' "
                                         "product (default: tuned)")
+    ap.add_argument("--rev-dw-blocks", help="the fused LSTM: KC,MC for the --rev build's weight "
+                                            "gradients alone (default: --dw-blocks'), each "
+                                            "build at its own best blocks")
     ap.add_argument("--widen", type=int, choices=(0, 1),
                     help="flash attention, --bfloat16: 1 widens the products to float32, 0 runs "
                          "them on the CPU's bfloat16 instructions (default: tuned; a revision "
@@ -154,10 +157,12 @@ def main():
     sys.path.insert(0, ROOT)
     from hpnlp.kernels import tuning
 
-    if args.dw_blocks is not None and (args.kernel != "lstm" or not re.fullmatch(
-            r"[1-9]\d*,[1-9]\d*", args.dw_blocks)):
-        ap.error(f"--dw-blocks {args.dw_blocks!r}: give KC,MC, two positive numbers, with "
-                 "--kernel lstm")
+    for flag in ("dw_blocks", "rev_dw_blocks"):
+        value = getattr(args, flag)
+        if value is not None and (args.kernel != "lstm"
+                                  or not re.fullmatch(r"[1-9]\d*,[1-9]\d*", value)):
+            ap.error(f"--{flag.replace('_', '-')} {value!r}: give KC,MC, two positive numbers, "
+                     "with --kernel lstm")
     what, passes = probes(args)
     source = SOURCES[args.kernel]
     tmp = tempfile.mkdtemp(prefix="kernel_ab_")
@@ -173,10 +178,14 @@ def main():
         random.shuffle(order)
         for lib, p in order:
             symbol, probe_args, cfg = passes[p]
+            if lib == args.rev and p == "weight gradients" and args.rev_dw_blocks:
+                kc, mc = (int(x) for x in args.rev_dw_blocks.split(","))
+                probe_args = probe_args[:3] + [kc, mc] + probe_args[5:]
             t = tuning.run_probe(libs[lib], symbol, probe_args, what, cfg)
             if r > 0:
                 times[lib, p].append(t)
     print_cpu(f"; {what}; blocks: " + ", ".join(f"{p} {cfg}" for p, (_, _, cfg) in passes.items())
+              + (f" ({args.rev}'s: {args.rev_dw_blocks})" if args.rev_dw_blocks else "")
               + f"; {args.rounds} rounds")
     old_lib, new_lib = libs
     print(f"| pass | {old_lib} ms | {new_lib} ms | speed-up (medians) | paired ratio, median "

@@ -520,6 +520,7 @@ constexpr int DW_R = 6, DW_NV = 4, DW_W = DW_NV * NR;
 #else
 constexpr int DW_R = 6, DW_NV = 2, DW_W = DW_NV * NR;
 #endif
+static_assert(4 * TILE % DW_W == 0, "dz's 4H columns (H a multiple of TILE) in whole panels");
 
 struct DwBlocking {
   int kc, mc;
