@@ -1036,8 +1036,13 @@ def test_moe_convert_bench_table_from_a_payload():
 
 @pytest.mark.slow  # about 3.5 min on the 2-core EPYC Zen 4: CI's slow part runs it
 def test_moe_convert_bench_quick_run(tmp_path):
-    from hpnlp.bench import moe_convert
+    from hpnlp.bench import compress, moe_convert
     p = moe_convert.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
+    # every run was trained side by side before the rows asked for it (they found each
+    # finished), and none was there before this bench run
+    runs = {str(d) for d in (tmp_path / "w").iterdir() if not d.name.endswith("_shrunk")}
+    assert len(runs) == 14 and runs <= {os.path.abspath(r) for r in compress.REUSED}
+    assert p["reused_runs"] == 0 and p["seconds"]["runs side by side"] > 0
     assert [(r["method"], r["experts"], r["top_k"]) for r in p["prune"]] == [
         ("source", 4, 1), ("source, continued", 4, 1), ("kept 2 of 4: routed", 2, 1),
         ("kept 2 of 4: merged", 2, 1), ("kept 2 of 4: random", 2, 1), ("from scratch", 2, 1),

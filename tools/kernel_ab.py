@@ -12,10 +12,11 @@ H=8, D=64, L=4096; `--shape 32,4,32 --length 128 --causal` is the byte LM's), th
 LSTM at the rnn bench's (B=32, H=512, L=256; from 2e2f035 its forward probe includes the
 input projection, and from 9231e00 its backward the input gradient, so a revision before
 them times less work: compare revisions on the same side; its third pass, the weight
-gradients over all L*B rows, needs 7ef6a01 or later). A round runs every (build, pass) once, in
-a new random order, after one untimed warm-up round; the table gives each median with its
-min-max, and the median over rounds of the paired ratio (old / new in the same round),
-which drifts of the machine's speed affect less.
+gradients over all L*B rows, needs 7ef6a01 or later; `--rev-dw-blocks` gives the --rev
+build its own blocks there). A round runs every (build, pass) once, in a new random
+order, after one untimed warm-up round; the table gives each median with its min-max,
+and the median over rounds of the paired ratio (old / new in the same round), which
+drifts of the machine's speed affect less.
 """
 
 import argparse
@@ -99,8 +100,9 @@ def probes(args) -> tuple[str, dict]:
     if args.widen is not None:
         wide = (args.widen,) * 2
     # widen: the last argument, which a revision before it (10 arguments) ignores
-    passes = {name: ("hpnlp_flash_probe", [B, L, H, D, bq, bk, backward, threads, int(args.bfloat16),
-                      int(args.causal), int(w)], {"bq": bq, "bk": bk, "widen": int(w)})
+    passes = {name: ("hpnlp_flash_probe", [B, L, H, D, bq, bk, backward, threads,
+                                           int(args.bfloat16), int(args.causal), int(w)],
+                     {"bq": bq, "bk": bk, "widen": int(w)})
               for name, backward, (bq, bk), w in (("forward", 0, fwd, wide[0]),
                                                   ("backward", 1, bwd, wide[1]))}
     what = (f"flash attention, B={B} L={L} H={H} D={D}, "

@@ -28,7 +28,9 @@ Every run after the first `source_steps` trains at the default learning rate wit
 of its steps of warmup and cosine decay (a fresh optimizer, as `train.init_from` starts).
 Reported: eval loss, its change against the from-scratch model of the same shape, the
 loss of each converted model before its steps, parameters, steps. The runs train in
---workdir (a finished run of the same config is reused).
+--workdir (a finished run of the same config is reused), side by side, one process a core
+(`train_independent_runs`): first the two sources and every model from scratch, then every
+run that starts from a source; the rows then read them.
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 from tqdm.auto import tqdm
 
 from hpnlp.bench import compress, gqa, harness, report
 
+# side_by_side and cheap_compile as compress.SIZES' (`train_independent_runs`).
 SIZES = {
     "full": dict(lm_steps=None, tune_steps=200, experts=8, kept=4, calib_batches=8,
-                 eval_batches=None),
+                 eval_batches=None, side_by_side=True, cheap_compile=False),
     "quick": dict(lm_steps=12, tune_steps=4, experts=4, kept=2, calib_batches=2,
-                  eval_batches=2),
+                  eval_batches=2, side_by_side=True, cheap_compile=True),
 }
 PARTS = ("prune", "upcycle")
 
@@ -76,18 +80,53 @@ def _row(method: str, experts: int, top_k: int, summary: dict, before: dict | No
             "loss": summary["eval"]["loss"], **({"loss_before": before["loss"]} if before else {})}
 
 
+def _source(s: dict, workdir: str, experts: int, top_k: int, name: str) -> tuple:
+    """(config, workdir) of a source: the model trained `lm_steps`."""
+    return _config(s, experts, top_k, s["lm_steps"]), os.path.join(workdir, name)
+
+
+def _continued(s: dict, workdir: str, experts: int, top_k: int, name: str) -> tuple:
+    """(config, workdir) of the source `name` itself trained `tune_steps` more."""
+    return (_config(s, experts, top_k, s["tune_steps"], init_from=os.path.join(workdir, name)),
+            os.path.join(workdir, f"{name}_continued"))
+
+
+def _scratch(s: dict, workdir: str, target: tuple) -> tuple:
+    """(config, workdir) of the `target` model ((experts, top_k)) from scratch for source +
+    tune steps."""
+    return (_config(s, *target, _steps(s)[1]),
+            os.path.join(workdir, f"moe{target[0]}_top{target[1]}_scratch"))
+
+
+def _narrow_run(s: dict, workdir: str, src: str) -> tuple:
+    """(config, workdir) of the source `src` trained `tune_steps` with half of every
+    expert's neurons pruned structurally at its first update."""
+    cd = _config(s, s["experts"], 1, s["tune_steps"], init_from=os.path.join(workdir, src))
+    cd.train.prune.update(method="magnitude", sparsity=NARROW_SPARSITY, structure="structured",
+                          schedule="oneshot", start_step=0, layers="mlp")
+    return cd, os.path.join(workdir, f"{src}_half_neurons")
+
+
+def _narrow_scratch(s: dict, workdir: str, narrow: int) -> tuple:
+    """(config, workdir) of the Switch MoE with experts `narrow` wide from scratch."""
+    cd, _ = _scratch(s, workdir, (s["experts"], 1))
+    cd.model.moe.mlp_dim = narrow
+    return cd, os.path.join(workdir, f"moe{s['experts']}_top1_width{narrow}_scratch")
+
+
+NARROW_SPARSITY = 0.5
+
+
 def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
     """The source (`src`, the Switch LM) trained `tune_steps` with half of every expert's
     neurons pruned structurally at its first update (each expert its own weakest by their
     weights' L2 norm), shrunk to experts of half the width; and that narrow MoE from
     scratch for source + tune steps. Rows as `_compare`'s, with the experts' width."""
     from hpnlp.compress import prune
-    X, (_, total) = s["experts"], _steps(s)
-    cd = _config(s, X, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
+    X = s["experts"]
+    cd, pdir = _narrow_run(s, workdir, src)
     width = cd.model.moe.mlp_dim or cd.model.mlp_dim
-    cd.train.prune.update(method="magnitude", sparsity=0.5, structure="structured",
-                          schedule="oneshot", start_step=0, layers="mlp")
-    pdir, sdir = (os.path.join(workdir, f"{src}_half_neurons{t}") for t in ("", "_shrunk"))
+    sdir = f"{pdir}_shrunk"
     compress._train(cd, pdir)
     if os.path.exists(sdir):  # shrunk afresh from the pruned run of this config
         import shutil
@@ -97,18 +136,14 @@ def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
     row = _row(f"half of each expert's neurons, shrunk (of {width})", X, 1,
                {"final_step": s["tune_steps"], "param_count": summ["params"]["shrunk"],
                 "eval": summ["eval"]})
-    scratch = _config(s, X, 1, total)
-    scratch.model.moe.mlp_dim = narrow
-    return _beside_scratch(s, workdir, row, scratch, f"width{narrow}", width=narrow)
+    return _beside_scratch(s, row, _narrow_scratch(s, workdir, narrow), width=narrow)
 
 
-def _beside_scratch(s: dict, workdir: str, row: dict, scratch, name: str, **shape) -> list[dict]:
-    """`row` and the Switch MoE of its shape (`scratch`, a config) trained from scratch for
-    source + tune steps (run `moe{X}_top1_{name}_scratch`), both with `shape`'s fields and
-    their loss against the latter's."""
-    X = s["experts"]
-    rows = [row, _row("from scratch", X, 1, compress._train(
-        scratch, os.path.join(workdir, f"moe{X}_top1_{name}_scratch")))]
+def _beside_scratch(s: dict, row: dict, scratch: tuple, **shape) -> list[dict]:
+    """`row` and the Switch MoE of its shape trained from scratch for source + tune steps
+    (`scratch`: its (config, workdir)), both with `shape`'s fields and their loss against
+    the latter's."""
+    rows = [row, _row("from scratch", s["experts"], 1, compress._train(*scratch))]
     for r in rows:
         r.update(shape, loss_vs_scratch=r["loss"] - rows[-1]["loss"])
     return rows
@@ -121,21 +156,32 @@ def half_rank(cd) -> int:
     return max(1, round(K * N / (2 * (K + N))))
 
 
+def _lowrank_run(s: dict, workdir: str, src: str) -> tuple:
+    """(config, workdir) of the source `src` with each expert's wi and wo factorized at
+    `half_rank`, trained `tune_steps`."""
+    cd = _config(s, s["experts"], 1, s["tune_steps"], init_from=os.path.join(workdir, src))
+    r = half_rank(cd)
+    cd.model.lowrank.update(rank=r, layers="mlp")
+    return cd, os.path.join(workdir, f"{src}_rank{r}")
+
+
+def _lowrank_scratch(s: dict, workdir: str, r: int) -> tuple:
+    """(config, workdir) of the Switch MoE with every expert at rank `r`, from scratch."""
+    cd, _ = _scratch(s, workdir, (s["experts"], 1))
+    cd.model.lowrank.update(rank=r, layers="mlp")
+    return cd, os.path.join(workdir, f"moe{s['experts']}_top1_rank{r}_scratch")
+
+
 def lowrank_rows(s: dict, workdir: str, src: str) -> list[dict]:
     """The source (`src`) with each expert's wi and wo factorized at `half_rank` (one
     truncated SVD per expert), trained `tune_steps`, with its loss before them; and that
     factorized MoE from scratch for source + tune steps. Rows as `_compare`'s, with the rank."""
-    X, (_, total) = s["experts"], _steps(s)
-    cd = _config(s, X, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
-    r = half_rank(cd)
-    cd.model.lowrank.update(rank=r, layers="mlp")
+    cd, out = _lowrank_run(s, workdir, src)
+    r = cd.model.lowrank.rank
     with tempfile.TemporaryDirectory() as tmp:
         before = gqa._pooled_eval(cd, tmp)
-    row = _row(f"each expert at rank {r} (SVD)", X, 1, compress._train(
-        cd, os.path.join(workdir, f"{src}_rank{r}")), before)
-    scratch = _config(s, X, 1, total)
-    scratch.model.lowrank.update(rank=r, layers="mlp")
-    return _beside_scratch(s, workdir, row, scratch, f"rank{r}", rank=r)
+    row = _row(f"each expert at rank {r} (SVD)", s["experts"], 1, compress._train(cd, out), before)
+    return _beside_scratch(s, row, _lowrank_scratch(s, workdir, r), rank=r)
 
 
 def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, target: tuple):
@@ -145,14 +191,11 @@ def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, targe
     the `target` model ((experts, top_k)) from scratch for source + tune steps; each row's
     loss against that last one where its model is the target's."""
     X, k, name = source
-    _, total = _steps(s)
     bar = tqdm(total=3 + len(conversions), desc=desc, leave=False)
-    src = os.path.join(workdir, name)
-    rows = [_row("source", X, k, compress._train(_config(s, X, k, s["lm_steps"]), src))]
+    rows = [_row("source", X, k, compress._train(*_source(s, workdir, X, k, name)))]
     bar.update()
     rows.append(_row("source, continued", X, k, compress._train(
-        _config(s, X, k, s["tune_steps"], init_from=src),
-        os.path.join(workdir, f"{name}_continued"))))
+        *_continued(s, workdir, X, k, name))))
     bar.update()
     for label, cd, run_name in conversions:
         with tempfile.TemporaryDirectory() as tmp:
@@ -161,9 +204,7 @@ def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, targe
         m = cd.model.moe
         rows.append(_row(label, m.num_experts, m.top_k, summary, before))
         bar.update()
-    rows.append(_row("from scratch", *target, compress._train(
-        _config(s, *target, total),
-        os.path.join(workdir, f"moe{target[0]}_top{target[1]}_scratch"))))
+    rows.append(_row("from scratch", *target, compress._train(*_scratch(s, workdir, target))))
     bar.close()
     scratch = rows[-1]["loss"]
     for r in rows:
@@ -172,22 +213,67 @@ def _compare(s: dict, workdir: str, desc: str, source: tuple, conversions, targe
     return rows
 
 
-def prune_rows(s: dict, workdir: str) -> list[dict]:
-    X, kept, src = s["experts"], s["kept"], f"moe{s['experts']}_top1"
+def _prune_conversions(s: dict, workdir: str, src: str) -> list[tuple]:
+    """[(label, config, run name)] of the fewer-experts conversions of the source `src`."""
+    X, kept = s["experts"], s["kept"]
     conversions = []
     for how in ("routed", "merged", "random"):
         cd = _config(s, kept, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
         cd.train.update(init_experts=how, init_expert_batches=s["calib_batches"])
         conversions.append((f"kept {kept} of {X}: {how}", cd, f"{src}_to_{kept}_{how}"))
-    return (_compare(s, workdir, "fewer experts", (X, 1, src), conversions, (kept, 1))
+    return conversions
+
+
+def _upcycle_conversion(s: dict, workdir: str) -> tuple:
+    """(label, config, run name) of the dense source upcycled into `experts`, top-2."""
+    X = s["experts"]
+    cd = _config(s, X, 2, s["tune_steps"], init_from=os.path.join(workdir, "dense"))
+    return f"upcycled into {X} experts", cd, f"upcycled{X}_top2"
+
+
+def train_independent_runs(s: dict, workdir: str, parts) -> None:
+    """The runs of `parts` trained side by side (`compress._side_by_side`, one process a
+    core, where `s` says so) in two batches: first every run that starts from nothing (the
+    two sources and every model from scratch, longest first), then every run that starts
+    from a source (continued, converted, pruned, factorized). The row builders then find
+    them finished. The narrow experts' scratch run is planned at the width the structured
+    pruning leaves (`prune.units_pruned`); were the shrunk width another, its row would
+    train that one afterwards."""
+    from hpnlp.compress import prune
+    X, src = s["experts"], f"moe{s['experts']}_top1"
+    first, second = [], []
+    if "prune" in parts:
+        low, narrow = _lowrank_run(s, workdir, src), _narrow_run(s, workdir, src)
+        width = narrow[0].model.moe.mlp_dim or narrow[0].model.mlp_dim
+        first += [_scratch(s, workdir, (s["kept"], 1)),
+                  _lowrank_scratch(s, workdir, low[0].model.lowrank.rank),
+                  _narrow_scratch(s, workdir, width - int(prune.units_pruned(NARROW_SPARSITY,
+                                                                             width))),
+                  _source(s, workdir, X, 1, src)]
+        second += [_continued(s, workdir, X, 1, src), narrow, low] + [
+            (cd, os.path.join(workdir, name)) for _, cd, name in _prune_conversions(s, workdir,
+                                                                                  src)]
+    if "upcycle" in parts:
+        _, cd, name = _upcycle_conversion(s, workdir)
+        first.insert(0, _scratch(s, workdir, (X, 2)))
+        first.append(_source(s, workdir, 0, 1, "dense"))
+        second += [_continued(s, workdir, 0, 1, "dense"), (cd, os.path.join(workdir, name))]
+    compress._side_by_side(s, first, "sources and runs from scratch")
+    compress._side_by_side(s, second, "runs from the sources")
+
+
+def prune_rows(s: dict, workdir: str) -> list[dict]:
+    X, kept, src = s["experts"], s["kept"], f"moe{s['experts']}_top1"
+    return (_compare(s, workdir, "fewer experts", (X, 1, src),
+                     _prune_conversions(s, workdir, src), (kept, 1))
             + narrow_rows(s, workdir, src) + lowrank_rows(s, workdir, src))
 
 
 def upcycle_rows(s: dict, workdir: str) -> list[dict]:
     X = s["experts"]
-    cd = _config(s, X, 2, s["tune_steps"], init_from=os.path.join(workdir, "dense"))
-    rows = _compare(s, workdir, "upcycling", (0, 1, "dense"),
-                    [(f"upcycled into {X} experts", cd, f"upcycled{X}_top2")], (X, 2))
+    rows = _compare(s, workdir, "upcycling", (0, 1, "dense"), [_upcycle_conversion(s, workdir)],
+                    (X, 2))
+    cd = _upcycle_conversion(s, workdir)[1]
     # the upcycled model untrained with nothing dropped: the dense source's function
     cd.model.moe.dispatch = "dropless"
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,11 +352,20 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
     s = dict(SIZES["quick" if quick else "full"])
     payload = {"sizes": s, "steps": list(_steps(s)), "machine": harness.machine_info(),
                "seconds": {}}
-    reused = len(compress.REUSED)
     with tempfile.TemporaryDirectory() as tmp:
-        harness.run_parts(payload, {"prune": lambda: prune_rows(s, workdir or tmp),
-                                    "upcycle": lambda: upcycle_rows(s, workdir or tmp)}, parts)
-    payload["reused_runs"] = len(compress.REUSED) - reused
+        wd = workdir or tmp
+        before = compress.runs_in(wd)
+        unknown = sorted(set(parts) - set(PARTS))  # before any training
+        if unknown:
+            raise ValueError(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
+        with compress.side_by_side_processes(s):
+            t0 = time.perf_counter()
+            if s["side_by_side"]:
+                train_independent_runs(s, wd, parts)
+                payload["seconds"]["runs side by side"] = time.perf_counter() - t0
+        harness.run_parts(payload, {"prune": lambda: prune_rows(s, wd),
+                                    "upcycle": lambda: upcycle_rows(s, wd)}, parts)
+    payload["reused_runs"] = compress.reused_since(before)
     report.write(out_dir, "moe_convert", payload, _markdown(payload))
     return payload
 

@@ -437,13 +437,19 @@ def group_scores(method: str, flat: dict, layout: dict, seed: int) -> dict:
     return out
 
 
+def units_pruned(sparsity, units: int):
+    """How many of a row's `units` structured pruning at `sparsity` removes: rounded, never
+    all of them (an int32 array: `sparsity` may be traced)."""
+    return jnp.minimum(jnp.round(sparsity * units).astype(jnp.int32), units - 1)
+
+
 def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity, seed: int) -> dict:
-    """New unit masks at `sparsity` of each row's units (rounded; never all of them), the
-    same count in every row of a group; units already pruned stay pruned."""
+    """New unit masks at `sparsity` of each row's units (`units_pruned`), the same count in
+    every row of a group; units already pruned stay pruned."""
     s = group_scores(p.method, flat, layout, seed)
     out = {}
     for key, g in layout.items():
-        count = jnp.minimum(jnp.round(sparsity * g.units).astype(jnp.int32), g.units - 1)
+        count = units_pruned(sparsity, g.units)
         score = jnp.where(groups[key], s[key], -jnp.inf).reshape(g.rows, g.units)
         out[key] = jax.vmap(_keep_top, (0, None))(score, count).reshape(g.shape)
     return out

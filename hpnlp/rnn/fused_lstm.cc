@@ -512,9 +512,10 @@ void run_bwd(Bwd& s, int threads) {
 // DW_W columns of C in registers, reg_tile) over every panel and row block, the next
 // tile's rows of C prefetched meanwhile (C, 4 MB per thread at the rnn bench's shape, is
 // out of L2, and each tile's first multiply-adds wait on its load). With AVX-512 the tile
-// is 6 x 4 vectors (24 accumulators of 32 registers; AVX2 has 16: 6 x 2): on a 2-core
-// Xeon model 207 the two changes took one thread from 81-101 to 113-121 GFLOP/s on this
-// product, against PyTorch's 124-141 (its A^T B) in the same runs.
+// is 6 x 4 vectors (24 accumulators of 32 registers; AVX2 has 16: 6 x 2). With A packed
+// row by row too, the product ran 1.17x faster on a 2-core Xeon model 207, each build at
+// its own tuned blocks (tools/kernel_ab.py --kernel lstm --rev-dw-blocks), still about
+// 0.8x PyTorch's A^T B of the same shape there.
 #if defined(__AVX512F__)
 constexpr int DW_R = 6, DW_NV = 4, DW_W = DW_NV * NR;
 #else
