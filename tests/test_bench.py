@@ -1034,7 +1034,7 @@ def test_moe_convert_bench_table_from_a_payload():
     assert "nothing dropped: 2.8000, the dense source 2.8000)." in md
 
 
-@pytest.mark.slow  # about 3.5 min on the 2-core EPYC Zen 4: CI's slow part runs it
+@pytest.mark.slow  # about 2.3 min on the 2-core Xeon model 207: CI's slow part runs it
 def test_moe_convert_bench_quick_run(tmp_path):
     from hpnlp.bench import compress, moe_convert
     p = moe_convert.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
