@@ -589,12 +589,17 @@ def parts_main(run):
                             workdir=args.workdir)
 
 
+def check_parts(parts, names) -> None:
+    """A ValueError naming the `parts` that are not among `names`, and the choices."""
+    unknown = sorted(set(parts) - set(names))
+    if unknown:
+        raise ValueError(f"--parts: unknown {unknown}; choose from {list(names)}")
+
+
 def run_parts(payload: dict, makers: dict, parts) -> None:
     """`payload[name] = makers[name]()` for each part asked for (in `makers`' order; [] for
     the rest), its seconds in `payload["seconds"]`; an unknown part fails first."""
-    unknown = sorted(set(parts) - set(makers))
-    if unknown:
-        raise ValueError(f"--parts: unknown {unknown}; choose from {list(makers)}")
+    check_parts(parts, makers)
     for name, make in makers.items():
         if name not in parts:
             payload[name] = []

@@ -98,6 +98,9 @@ def _scratch(s: dict, workdir: str, target: tuple) -> tuple:
             os.path.join(workdir, f"moe{target[0]}_top{target[1]}_scratch"))
 
 
+NARROW_SPARSITY = 0.5  # of each expert's neurons, pruned structurally (`narrow_rows`)
+
+
 def _narrow_run(s: dict, workdir: str, src: str) -> tuple:
     """(config, workdir) of the source `src` trained `tune_steps` with half of every
     expert's neurons pruned structurally at its first update."""
@@ -112,9 +115,6 @@ def _narrow_scratch(s: dict, workdir: str, narrow: int) -> tuple:
     cd, _ = _scratch(s, workdir, (s["experts"], 1))
     cd.model.moe.mlp_dim = narrow
     return cd, os.path.join(workdir, f"moe{s['experts']}_top1_width{narrow}_scratch")
-
-
-NARROW_SPARSITY = 0.5
 
 
 def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
@@ -271,9 +271,9 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
 
 def upcycle_rows(s: dict, workdir: str) -> list[dict]:
     X = s["experts"]
-    rows = _compare(s, workdir, "upcycling", (0, 1, "dense"), [_upcycle_conversion(s, workdir)],
-                    (X, 2))
-    cd = _upcycle_conversion(s, workdir)[1]
+    conversion = _upcycle_conversion(s, workdir)
+    rows = _compare(s, workdir, "upcycling", (0, 1, "dense"), [conversion], (X, 2))
+    cd = conversion[1]
     # the upcycled model untrained with nothing dropped: the dense source's function
     cd.model.moe.dispatch = "dropless"
     with tempfile.TemporaryDirectory() as tmp:
@@ -355,9 +355,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
     with tempfile.TemporaryDirectory() as tmp:
         wd = workdir or tmp
         before = compress.runs_in(wd)
-        unknown = sorted(set(parts) - set(PARTS))  # before any training
-        if unknown:
-            raise ValueError(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
+        harness.check_parts(parts, PARTS)  # before any training
         with compress.side_by_side_processes(s):
             t0 = time.perf_counter()
             if s["side_by_side"]:
