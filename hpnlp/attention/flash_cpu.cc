@@ -343,15 +343,17 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
                    float* dq_part, std::vector<float>& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
   const int bq = p.bq, bk = p.bk;
-  scratch.resize(size_t(D) * (3 * L + 2 * S + 2 * bq + 2 * bk) + 2 * size_t(bk) * bq + 2 * bq + L);
+  const int64_t nqb = (L + bq - 1) / bq;
+  scratch.resize(size_t(D) * (3 * L + 2 * S + 2 * nqb * bq + 2 * bk) + 2 * size_t(bk) * bq +
+                 2 * bq + L);
   float* qh = scratch.data();             // [L, D] this head's queries
   float* doh = qh + L * D;                // [L, D] its output gradient
   float* dqh = doh + L * D;               // [L, D] dQ (unscaled)
   float* kh = dqh + L * D;                // [S, D]
   float* vh = kh + S * D;                 // [S, D]
-  float* qt = vh + S * D;                 // [D, bq] scaled Q^T of a query block
-  float* dot = qt + D * bq;               // [D, bq] dO^T
-  float* pt = dot + D * bq;               // [bk, bq] P^T
+  float* qt_all = vh + S * D;             // [nqb, D, bq] scaled Q^T by query blocks
+  float* dot_all = qt_all + nqb * D * bq; // [nqb, D, bq] dO^T
+  float* pt = dot_all + nqb * D * bq;     // [bk, bq] P^T
   float* dst = pt + size_t(bk) * bq;      // [bk, bq] dP^T, then dS^T
   float* dk = dst + size_t(bk) * bq;      // [bk, D]
   float* dv = dk + size_t(bk) * D;        // [bk, D]
@@ -370,6 +372,7 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
     delta[r] = hsum(s);
   }
   const float* lse = g.lse + bh * L;
+  std::vector<bool> packed(nqb, false);  // a query block's Q^T and dO^T, packed at first use
   for (int64_t k0 = kb0 * bk; k0 < std::min(S, kb1 * bk); k0 += bk) {
     const int nk = int(std::min<int64_t>(bk, S - k0));
     const float *kb = kh + k0 * D, *vb = vh + k0 * D;
@@ -380,8 +383,12 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
       const Vis vis = classify(p, b, q0, nq, k0, nk);
       if (vis == Vis::kSkip) continue;
       const float *qb = qh + q0 * D, *dob = doh + q0 * D;
-      pack_t(qb, nq, D, p.scale, qt, bq);
-      pack_t(dob, nq, D, 1.0f, dot, bq);
+      float *qt = qt_all + (q0 / bq) * D * bq, *dot = dot_all + (q0 / bq) * D * bq;
+      if (!packed[q0 / bq]) {  // once per item, not once per key block (5% of the pass)
+        pack_t(qb, nq, D, p.scale, qt, bq);
+        pack_t(dob, nq, D, 1.0f, dot, bq);
+        packed[q0 / bq] = true;
+      }
       for (int c = 0; c < bq; ++c) {  // padding columns: P = 0, dS = 0
         lse_b[c] = c < nq ? lse[q0 + c] : kInf;
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
@@ -747,7 +754,8 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
   const int64_t S2 = even(int(S));
   // float32 part, then bfloat16 part (counted in floats: two per float)
   const size_t f32n = size_t(D) * (L + 2 * bk) + 2 * size_t(bk) * bq + 2 * bq + L;
-  const size_t b16n = size_t(D) * (2 * L + 2 * S + S2 + 4 * bq) + 3 * size_t(bk) * bq;
+  const int64_t nqb = (L + bq - 1) / bq;
+  const size_t b16n = size_t(D) * (2 * L + 2 * S + S2 + 4 * nqb * bq) + 3 * size_t(bk) * bq;
   scratch.resize(f32n + (b16n + 1) / 2);
   float* dqh = scratch.data();            // [L, D] dQ (unscaled)
   float* pt = dqh + L * D;                // [bk, bq] S^T, then P^T
@@ -762,11 +770,12 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
   bf16* kh = doh + L * D;                 // [S, D]
   bf16* vh = kh + S * D;                  // [S, D]
   bf16* kp = vh + S * D;                  // [S2/2, D, 2] keys in pairs (dQ += dS K)
-  bf16* qt = kp + S2 * D;                 // [D/2, bq, 2] Q^T in pairs of d
-  bf16* dot = qt + D * bq;                // [D/2, bq, 2] dO^T
-  bf16* qp = dot + D * bq;                // [bq/2, D, 2] Q in pairs of queries
-  bf16* dop = qp + D * bq;                // [bq/2, D, 2] dO
-  bf16* ptb = dop + D * bq;               // [bk, bq] P^T
+  // by query blocks, each packed at its first use (once per item, not once per key block):
+  bf16* qt_all = kp + S2 * D;             // [nqb, D/2, bq, 2] Q^T in pairs of d
+  bf16* dot_all = qt_all + nqb * D * bq;  // [nqb, D/2, bq, 2] dO^T
+  bf16* qp_all = dot_all + nqb * D * bq;  // [nqb, bq/2, D, 2] Q in pairs of queries
+  bf16* dop_all = qp_all + nqb * D * bq;  // [nqb, bq/2, D, 2] dO
+  bf16* ptb = dop_all + nqb * D * bq;     // [bk, bq] P^T
   bf16* dstb = ptb + size_t(bk) * bq;     // [bk, bq] dS^T
   bf16* dsb = dstb + size_t(bk) * bq;     // [bq, bk] dS
   for (int64_t r = 0; r < L; ++r) {
@@ -787,6 +796,7 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
   }
   const float* lse = g.lse + bh * L;
   const vf scale = splat(p.scale);
+  std::vector<bool> packed(nqb, false);
   for (int64_t k0 = kb0 * bk; k0 < std::min(S, kb1 * bk); k0 += bk) {
     const int nk = int(std::min<int64_t>(bk, S - k0)), nk2 = even(nk);
     const bf16 *kb = kh + k0 * D, *vb = vh + k0 * D;
@@ -797,10 +807,15 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
       const Vis vis = classify(p, b, q0, nq, k0, nk);
       if (vis == Vis::kSkip) continue;
       const bf16 *qb = qh + q0 * D, *dob = doh + q0 * D;
-      pack_col_pairs(qb, D, nq, bq, D, qt);
-      pack_col_pairs(dob, D, nq, bq, D, dot);
-      pack_row_pairs(qb, D, nq, bq, D, qp);
-      pack_row_pairs(dob, D, nq, bq, D, dop);
+      const int64_t at = (q0 / bq) * D * bq;
+      bf16 *qt = qt_all + at, *dot = dot_all + at, *qp = qp_all + at, *dop = dop_all + at;
+      if (!packed[q0 / bq]) {
+        pack_col_pairs(qb, D, nq, bq, D, qt);
+        pack_col_pairs(dob, D, nq, bq, D, dot);
+        pack_row_pairs(qb, D, nq, bq, D, qp);
+        pack_row_pairs(dob, D, nq, bq, D, dop);
+        packed[q0 / bq] = true;
+      }
       for (int c = 0; c < bq; ++c) {  // padding columns: P = 0, dS = 0
         lse_b[c] = c < nq ? lse[q0 + c] : kInf;
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
