@@ -51,6 +51,7 @@ def test_experiment_module_without_the_experiments_folder_says_why(tmp_path, mon
         harness.experiment_module("lm.py")
 
 
+@pytest.mark.slow  # over 8 s alone on a Xeon model 207 (2026-11-30)
 def test_attention_bench_writes_table_plots_and_skips_missing_peer(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "torch_or_none", lambda: None)
     out = str(tmp_path / "b")

@@ -629,6 +629,7 @@ def test_quantized_factorized_product_is_two_quantized_products():
 
 
 
+@pytest.mark.slow  # over 8 s alone on a Xeon model 207 (2026-11-30)
 def test_a_factorized_run_trains_quantized_and_exports_packed_factors(trained, tmp_path):
     """model.lowrank with quant.*: QAT fine-tunes the factors of a trained run; its export
     packs both factors of each weight (U and V int8), reloads to the outputs it was

@@ -1040,6 +1040,7 @@ def test_factorized_embedding_and_output_layer_are_two_products_exact_at_full_ra
     assert models.param_count(low) == models.param_count(dense) - len(want) * (256 * 16 - 4 * 272)
 
 
+@pytest.mark.slow  # over 8 s alone on a Xeon model 207 (2026-11-30)
 def test_lowrank_fine_tune_starts_from_the_svd_of_a_trained_run(tmp_path):
     from hpnlp.compress import lowrank
     from hpnlp.train import Trainer
@@ -1349,6 +1350,7 @@ def test_uptraining_pools_each_groups_key_value_heads_from_a_multi_head_run(tmp_
         Trainer(from_configdict(cd), str(tmp_path / "again"))
 
 
+@pytest.mark.slow  # over 8 s alone on a Xeon model 207 (2026-11-30)
 def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_path):
     """`train.init_from` a multi-head (or grouped) run into model.kv_latent_dim=C with the
     latent's norm off (hpnlp.compress.mla, MHA2MLA): queries and everything else copied;
@@ -1610,6 +1612,7 @@ def test_merged_experts_align_neurons_before_averaging():
     np.testing.assert_allclose(out["router"], layer["router"][:, [0, 1]], rtol=1e-6)
 
 
+@pytest.mark.slow  # over 8 s alone on a Xeon model 207 (2026-11-30)
 def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_mlp(tmp_path):
     """`train.init_from` into another number of experts (hpnlp.compress.experts): a run of
     fewer keeps each MoE layer's experts of the most routed gate weight on its first
