@@ -401,14 +401,16 @@ class DistillConfig:
     # and the student's attention distributions of the same block pairs, per real query;
     # both must use an attention variant that returns its probabilities ('dense')
     attention: float = 0.0
-    # "none" | "every_other" | "select" | "importance": the student's blocks start as the
+    # "none" | "every_other" | "select" | "importance" | "pca": the student's blocks start as the
     # teacher's blocks (`init_blocks`: 0, Lt/Ls, 2 Lt/Ls, ..., DistilBERT's), its embeddings,
     # position table, final norm and output layer as the teacher's; every_other needs the
     # teacher's shapes but its depth, select (weight selection, Xu et al. 2024) takes the
     # leading slice of each weight, so the student may also be narrower (fewer heads, MLP
     # neurons, width channels); importance (Minitron, Muralidharan et al. 2024) keeps the
     # teacher's most active heads, neurons and width channels instead, read on the run's
-    # first `importance_batches` training batches
+    # first `importance_batches` training batches; pca keeps importance's heads and neurons
+    # but narrows the width by rotating the residual stream into its principal components
+    # on those batches (SliceGPT, Ashkboos et al. 2024; hpnlp.compress.slicing)
     init: str = "none"
     importance_batches: int = 8
     # which teacher blocks the student's start as: "first" (0, Lt/Ls, 2 Lt/Ls, ...:
@@ -1173,12 +1175,12 @@ def _check_compress(cfg: Config) -> None:
                       f"{cfg.attention.name!r} does not return its probabilities; use "
                       "attention.name='dense' for attention-map distillation")
         _check_choice("train.distill.init", dist.init, ("none", "every_other", "select",
-                                                         "importance"))
+                                                         "importance", "pca"))
         _check_choice("train.distill.init_blocks", dist.init_blocks, ("first", "last"))
         if dist.init_blocks != "first" and dist.init == "none":
             _fail("train.distill.init_blocks", dist.init_blocks, "picks the teacher blocks the "
                   "student starts as, and train.distill.init='none' starts it from none; set "
-                  "train.distill.init to every_other, select or importance")
+                  "train.distill.init to every_other, select, importance or pca")
         if (isinstance(dist.importance_batches, bool) or not isinstance(dist.importance_batches, int)
                 or dist.importance_batches < 1):
             _fail("train.distill.importance_batches", dist.importance_batches,

@@ -683,6 +683,71 @@ def test_importance_init_keeps_the_teachers_most_active_heads_neurons_and_channe
         carry_lib.for_config(validate(from_configdict(bad)))
 
 
+@pytest.mark.parametrize("kind,tied", [("lm", False), ("classifier", False), ("lm", True)])
+def test_pca_init_at_the_teachers_shapes_computes_the_teacher(tmp_path, kind, tied):
+    """SliceGPT's computational invariance (hpnlp.compress.slicing): rotated into the
+    principal components of its residual stream, with every norm's scale and bias folded
+    into its readers, a Transformer of the teacher's shapes computes the teacher's outputs:
+    an LM with an untied output, a classifier, and a tied LM whose final norm scales every
+    channel alike (the norms otherwise random)."""
+    from hpnlp.compress import slicing
+
+    def noisy_norms(flat):
+        flat = dict(flat)
+        for path in [p for p in flat if p[-2] in slicing.NORMS]:
+            scale = 1.0 + 0.5 * RNG.standard_normal(flat[path].shape)
+            if path[-2] == "final_norm" and tied:
+                scale = np.full(flat[path].shape, 1.3)
+            flat[path] = jnp.asarray(scale if path[-1] == "scale"
+                                     else 0.3 * RNG.standard_normal(flat[path].shape), jnp.float32)
+        return flat
+
+    tcd = tiny(kind)
+    tcd.model.depth = 2
+    tcd.output.tie_embeddings = tied
+    _, teacher, tparams = _teacher_workdir(tmp_path / "t", tcd, edit=noisy_norms)
+    scd = tiny(kind, distill=dict(teacher=str(tmp_path / "t"), init="pca", importance_batches=1))
+    scd.model.depth, scd.output.tie_embeddings = 2, tied
+    (c,) = carry_lib.for_config(validate(from_configdict(scd)))
+    batch = dummy_batch("lm" if kind == "lm" else "classify", 2, 16)
+    batch["inputs"] = RNG.integers(1, 256, (2, 16)).astype(np.int32)
+    batch["segment_ids"][1, 11:] = 0
+    own = jax.jit(teacher.init)(jax.random.key(1), batch)["params"]  # the same shapes
+    sp = c.start_params(tparams, nn.unbox(own), lambda n: [batch] * n)
+    apply = jax.jit(teacher.apply, static_argnames="method")
+    method = "log_probs" if kind == "lm" else "logits"
+    want, got = (np.asarray(apply({"params": p}, batch, method=method)) for p in (tparams, sp))
+    real = batch["segment_ids"] > 0 if kind == "lm" else slice(None)
+    np.testing.assert_allclose(got[real], want[real], atol=2e-4, rtol=2e-4)
+    assert not np.allclose(np.asarray(sp["embed"]["embedding"]),
+                           np.asarray(tparams["embed"]["embedding"]))  # rotated, not copied
+
+
+def test_pca_basis_keeps_the_leading_components_and_refuses_what_it_cannot_rotate(tmp_path):
+    """A stream that lies in 6 directions (and the mean) loses nothing to a basis of 8 of its
+    16 channels, the student's mean direction the teacher's; what `rotate` does not know is
+    refused in one line before anything compiles."""
+    from hpnlp.compress import slicing
+    w = RNG.standard_normal((16, 6))
+    cov = w @ w.T
+    basis = slicing.stream_basis(cov, 8)
+    np.testing.assert_allclose(basis.T @ basis, np.eye(8), atol=1e-12)
+    np.testing.assert_allclose(basis @ np.full(8, 8 ** -0.5), np.full(16, 0.25), atol=1e-12)
+    c = np.eye(16) - 1 / 16
+    np.testing.assert_allclose(basis @ basis.T @ c @ w, c @ w, atol=1e-10)  # 6 directions kept
+    with pytest.raises(ValueError, match="keeps 2 to 16"):
+        slicing.stream_basis(cov, 17)
+    _teacher_workdir(tmp_path, tiny("lm"))
+    for field, value, match in (("model.pos_emb", "sinusoidal", "sinusoidal"),
+                                ("output.name", "hierarchical", "output.name='hierarchical'")):
+        bad = tiny("lm", distill=dict(teacher=str(tmp_path), init="pca"))
+        group, key = field.split(".")
+        bad[group][key] = value
+        with pytest.raises(ConfigError, match=rf"train\.distill\.init.*{match}.*use "
+                           r"init='importance'"):
+            carry_lib.for_config(validate(from_configdict(bad)))
+
+
 def test_importance_reads_real_tokens_only_and_splits_like_the_train_step():
     """Unit scores (of the LM's trunk, read through `hidden`) are the same whatever the
     padding holds and however many microbatches the batch is split into."""

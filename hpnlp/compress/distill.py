@@ -343,7 +343,10 @@ class TeacherCarry(Carry):
                         "kv_latent_dim": m.kv_latent_dim,
                         "kv_latent_rope_dim": m.latent_rope_dims()}
             mine, theirs = shapes(sm), shapes(tm)
-            select = self.d.init in ("select", "importance")
+            select = self.d.init in ("select", "importance", "pca")
+            if self.d.init == "pca":
+                from hpnlp.compress import slicing
+                slicing.check(cfg, tcfg)
             if select and (sm.kv_latent_dim or tm.kv_latent_dim):
                 raise config_error("train.distill.init", self.d.init, "keeps leading slices of "
                                    "heads and dims, but model.kv_latent_dim derives every head's "
@@ -351,7 +354,7 @@ class TeacherCarry(Carry):
                                    "teacher), which no slice of it reproduces; use "
                                    "init='every_other' with the teacher's widths, or 'none'")
             grouped = sm.kv_heads() < sm.num_heads or tm.kv_heads() < tm.num_heads
-            if grouped and self.d.init == "importance":
+            if grouped and self.d.init in ("importance", "pca"):
                 raise config_error("train.distill.init", self.d.init, "ranks heads one by one, "
                                    "but model.num_kv_heads shares key/value heads among them "
                                    "(here or in the teacher); use init='select'")
@@ -426,13 +429,13 @@ class TeacherCarry(Carry):
         from hpnlp.compress import lowrank
         teacher = {k: t.dense() if lowrank.is_factored(t) else t  # a factorized teacher's U V
                    for k, t in traverse.flatten_dict(value).items()}
-        select = self.d.init in ("select", "importance")
+        select = self.d.init in ("select", "importance", "pca")
         kept, scores, names = {}, {}, {}  # kept: (unit key, count) -> indices, made once
-        if self.d.init == "importance":
+        if self.d.init in ("importance", "pca"):
             data = batches(self.d.importance_batches)
-            lm = self.cfg.model.kind == "lm"
+            method = "hidden" if self.cfg.model.kind == "lm" else "pooled"
             scores = {k: np.asarray(v) for k, v in unit_importance(
-                self.teacher, {"params": value}, data, "hidden" if lm else "pooled",
+                self.teacher, {"params": value}, data, method,
                 microbatches=self.cfg.train.grad_accum).items()}  # on the host, fetched once
             bad = sorted(k for k, v in scores.items() if not np.all(np.isfinite(v)))
             if bad:
@@ -444,8 +447,14 @@ class TeacherCarry(Carry):
                                                                b)["params"], data[0])
             names = {p: tuple(getattr(b, "names", ()) or ())
                      for p, b in traverse.flatten_dict(boxed).items()}
-        out = traverse.flatten_dict(trainable_params(params))
-        for path, w in traverse.flatten_dict(model_params(params)).items():
+        if self.d.init == "pca":  # the width by rotation (hpnlp.compress.slicing), not a cut
+            from hpnlp.compress import slicing
+            basis = slicing.stream_basis(slicing.stream_covariance(
+                self.teacher, {"params": value}, data, method,
+                microbatches=self.cfg.train.grad_accum), self.cfg.model.width)
+        out, cut = traverse.flatten_dict(trainable_params(params)), {}
+        student = traverse.flatten_dict(model_params(params))
+        for path, w in student.items():
             tpath = tuple(f"block_{src[int(p[len('block_'):])]}" if p.startswith("block_") else p
                           for p in path)
             t = teacher.get(tpath)
@@ -460,12 +469,26 @@ class TeacherCarry(Carry):
             for axis, n in enumerate(w.shape):
                 name = names[tpath][axis] if names.get(tpath) else None
                 key = "embed" if name == "embed" else f"{block}/{name}"
+                if key == "embed" and self.d.init == "pca":
+                    continue  # whole: `slicing.rotate` maps it below
                 if n == t.shape[axis] or key not in scores:  # all of it, or the leading slice
                     t = jax.lax.slice_in_dim(t, 0, n, axis=axis)
                     continue
                 if (key, n) not in kept:
                     kept[key, n] = keep_top(scores[key], n)
                 t = jnp.take(t, jnp.asarray(kept[key, n]), axis=axis)
+            cut[path] = tpath, t
+        if self.d.init == "pca":
+            try:
+                rotated = slicing.rotate(cut, {k: np.asarray(v) for k, v in teacher.items()},
+                                         basis, tied=self.cfg.output.tie_embeddings)
+            except ValueError as e:
+                raise config_error("train.distill.init", self.d.init, f"rotates a plain "
+                                   f"Transformer's residual stream and does not know the "
+                                   f"teacher's weight {e}; use init='importance'") from None
+            cut = {path: (tpath, rotated[path]) for path, (tpath, _) in cut.items()}
+        for path, (tpath, t) in cut.items():
+            w = student[path]
             if lowrank.is_factored(w):  # a factorized student: its rank's SVD of the copy
                 f = lowrank.svd_factors(t, w.u.ndim - 1 - w.lead, w.rank, w.lead)
                 out[path] = w.replace(u=f.u.astype(w.u.dtype), v=f.v.astype(w.v.dtype))
