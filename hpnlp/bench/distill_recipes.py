@@ -33,9 +33,12 @@ The compress bench trains the students at the rates best here
 `--model 'text classifier'` (the default; `docs/benchmarks/distill_recipes`) or `--model
 'byte LM'` (`docs/benchmarks/distill_recipes_lm`): the byte LM's students train the
 teacher's 800 steps, one seed each (as in the compress bench), and read on validation loss;
-six recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets
+nine recipes more are its alone (`EXTRA_RECIPES`: important weights with soft targets
 alone, alpha = 1, at T = 2, alpha = 0.9, at T = 1 with alpha = 0.3 and 0.7, and at T = 1,
-alpha = 0.5 with hidden-state or attention-map matching at weight 0.1); its
+alpha = 0.5 with hidden-state or attention-map matching at weight 0.1; and the
+teacher's weights rotated into the principal components of its residual stream,
+`train.distill.init=pca` (SliceGPT, Ashkboos et al. 2024), alone, with soft targets at T =
+1, alpha = 0.5, and with attention-map matching at weight 0.1 too); its
 learning-rate check also tries half the experiment's rate, which is already 3x the
 classifier's. Both models' teachers then train
 again at 1x, 2x, 3x and 5x their experiment's rate (`TEACHER_LR_SCALES`), less the rate
@@ -88,7 +91,10 @@ RECIPES = (
 # al.'s softer targets at T = 2, alpha = 0.9; on either side of the best at 5x (2026-11-29:
 # alpha 0 read 1.471, 0.5 1.462, 1 1.493), alpha = 0.3 and 0.7; and TinyBERT's hidden-state
 # and attention-map matching at a tenth of the weight the shared recipes give them (at
-# weight 1 on selected weights at 5x: hidden 1.616, attention 1.500, none 1.462)
+# weight 1 on selected weights at 5x: hidden 1.616, attention 1.500, none 1.462); and
+# SliceGPT's rotation (`init=pca`: importance's heads and MLP neurons, the width as the
+# leading principal components of the teacher's residual stream rather than a subset of its
+# channels; hpnlp.compress.slicing) alone, with soft targets, and with the attention maps
 EXTRA_RECIPES = {"byte LM": (
     ("important weights, T=1, alpha=1", dict(SELECT_T1, init="importance", alpha=1.0)),
     ("important weights, T=1, alpha=0.3", dict(SELECT_T1, init="importance", alpha=0.3)),
@@ -99,6 +105,9 @@ EXTRA_RECIPES = {"byte LM": (
      dict(SELECT_T1, init="importance", attention=0.1)),
     ("important weights, T=2, alpha=0.9",
      dict(SELECT_T1, init="importance", temperature=2.0, alpha=0.9)),
+    ("rotated weights, no soft targets", dict(alpha=0.0, init="pca")),
+    ("rotated weights, T=1, alpha=0.5", dict(SELECT_T1, init="pca")),
+    ("rotated weights, T=1, alpha=0.5, attention 0.1", dict(SELECT_T1, init="pca", attention=0.1)),
 )}
 # The multiple of its experiment's learning rate every recipe row of a model trains at: for
 # the byte LM its students' best rate on the record before (2026-11-29: the scratch student

@@ -56,6 +56,14 @@ Beside the soft targets (Transformer students of the teacher's width):
   that the kept channels of the student's first residual stream would be the teacher's,
   lost on the classifier's validation split in a scratch run that is not recorded: 0.60 of
   the gap closed against 0.69 without, in distill_recipes' setting.)
+- `train.distill.init = "pca"` (SliceGPT: Ashkboos et al. 2024, "SliceGPT: Compress Large
+  Language Models by Deleting Rows and Columns"): importance's heads and MLP neurons, but
+  the width by rotation, not selection: the student's residual stream is the teacher's
+  mean direction and the leading principal components of its LayerNorm inputs on the same
+  batches, every weight that writes the stream projected onto them and every weight that
+  reads a norm with the norm's scale and bias folded in (hpnlp.compress.slicing). At the
+  teacher's shapes the student computes the teacher's function (but for a tied output
+  layer's final norm, a least-squares fit unless it scales every channel alike).
 - `train.distill.init_blocks`: which teacher blocks the student's start as (`init_map`):
   `first` (DistilBERT's 0, Lt/Ls, ...) or `last` (Lt/Ls - 1, ..., Lt - 1: ending at the
   block whose output the teacher's final norm and output layer read, TinyBERT's layer map).

@@ -1,0 +1,74 @@
+"""How good a distilled student's start is: its eval loss before any training, per init.
+
+    python tools/distill_init_loss.py --teacher WORKDIR [--inits select importance pca]
+
+The byte LM's student of the compress bench (`hpnlp.bench.compress.student`: half the
+teacher's depth, width, heads and MLP width) is started from the teacher in WORKDIR by each
+`train.distill.init` and evaluated at once (the teacher's eval batches and split: train a
+teacher with `data.eval_split='validation'`, as `python -m hpnlp.bench distill_recipes
+--model 'byte LM' --workdir W` does in W/byte_LM/teacher, to read validation chapters only).
+For `pca` it also prints the share of the normalized residual states' energy the kept
+components hold (`hpnlp.compress.slicing`). Beside them the teacher's own loss, and the
+unigram loss (a model that learned only byte frequencies).
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
+import ml_collections
+import numpy as np
+
+from hpnlp.bench import compress
+from hpnlp.config import from_configdict, to_json, validate
+from hpnlp.train import Trainer
+from hpnlp.train.checkpoint import load_run_config, restore_params
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--teacher", required=True, help="a byte-LM run's workdir")
+    p.add_argument("--inits", nargs="+", default=["select", "importance", "pca"])
+    p.add_argument("--eval-batches", type=int, default=0, help="0: the teacher's")
+    args = p.parse_args()
+    if not os.path.exists(os.path.join(args.teacher, "config.json")):
+        sys.exit(f"--teacher {args.teacher}: no config.json there; pass a finished run's workdir")
+    tcfg = validate(load_run_config(args.teacher))
+    print(f"teacher {args.teacher}: eval split {tcfg.data.eval_split!r}")
+    for init in args.inits:
+        cd = compress.student(ml_collections.ConfigDict(to_json(tcfg)))
+        cd.train.distill.update(teacher=args.teacher, init=init, alpha=0.0)
+        cd.train.progress = False
+        if args.eval_batches:
+            cd.train.eval_batches = args.eval_batches
+        tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+        state, _ = tr.initial_state()
+        line = f"init={init}: loss {tr.evaluate(state)['loss']:.4f}"
+        if init == "pca":
+            line += f" (kept components' energy {energy(tr):.3f})"
+        print(line, flush=True)
+    with open(os.path.join(args.teacher, "summary.json")) as f:
+        summary = json.load(f)
+    print(f"teacher: loss {summary['eval']['loss']:.4f}; unigram loss "
+          f"{summary['baseline']['unigram_loss']:.4f} (its run's summary.json)")
+
+
+def energy(tr) -> float:
+    """The share of the covariance's trace the student's basis keeps (its mean direction
+    holds none: the states are centered)."""
+    from hpnlp.compress import slicing
+    from hpnlp.compress.distill import TeacherCarry
+    (c,) = [c for c in tr.carries if isinstance(c, TeacherCarry)]
+    batches = tr._first_train_batches(c.d.importance_batches)
+    value = restore_params(c.workdir, c.init(None, None, batches[0], 0))
+    cov = slicing.stream_covariance(c.teacher, {"params": value}, batches, "hidden",
+                                    microbatches=tr.cfg.train.grad_accum)
+    basis = slicing.stream_basis(cov, tr.cfg.model.width)
+    return float(np.trace(basis.T @ cov @ basis) / np.trace(cov))
+
+
+if __name__ == "__main__":
+    main()
