@@ -25,7 +25,7 @@ import numpy as np
 from hpnlp.bench import compress
 from hpnlp.config import from_configdict, to_json, validate
 from hpnlp.train import Trainer
-from hpnlp.train.checkpoint import load_run_config, restore_params
+from hpnlp.train.checkpoint import load_run_config
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
         state, _ = tr.initial_state()
         line = f"init={init}: loss {tr.evaluate(state)['loss']:.4f}"
         if init == "pca":
-            line += f" (kept components' energy {energy(tr):.3f})"
+            line += f" (kept components' energy {energy(tr, state):.3f})"
         print(line, flush=True)
     with open(os.path.join(args.teacher, "summary.json")) as f:
         summary = json.load(f)
@@ -56,14 +56,14 @@ def main() -> None:
           f"{summary['baseline']['unigram_loss']:.4f} (its run's summary.json)")
 
 
-def energy(tr) -> float:
+def energy(tr, state) -> float:
     """The share of the covariance's trace the student's basis keeps (its mean direction
-    holds none: the states are centered)."""
+    holds none: the states are centered), on the batches the init read."""
     from hpnlp.compress import slicing
     from hpnlp.compress.distill import TeacherCarry
     (c,) = [c for c in tr.carries if isinstance(c, TeacherCarry)]
     batches = tr._first_train_batches(c.d.importance_batches)
-    value = restore_params(c.workdir, c.init(None, None, batches[0], 0))
+    value = state.carry[c.name]  # the teacher's parameters, restored by the init
     cov = slicing.stream_covariance(c.teacher, {"params": value}, batches, "hidden",
                                     microbatches=tr.cfg.train.grad_accum)
     basis = slicing.stream_basis(cov, tr.cfg.model.width)

@@ -19,10 +19,12 @@ In one run on this CPU:
    split, so without reading the eval chapters: for the classifier the teacher's selected
    weights (`train.distill.init=select`, `init_blocks=last`: the teacher's last block of
    every two, its first heads, MLP neurons and width channels; Xu et al. 2024) with soft
-   targets at T = 1; for the byte LM Minitron's important weights (`init=importance`: the
-   most active heads, neurons and channels; Muralidharan et al. 2024) of the teacher's
-   first block of every two with soft targets at T = 1 and attention-map matching at
-   weight 0.1.
+   targets at T = 1; for the byte LM the teacher's first block of every two rotated into
+   the principal components of its residual stream (`init=pca`: SliceGPT, Ashkboos et al.
+   2024, with Minitron's most active heads and neurons; hpnlp.compress.slicing), no soft
+   targets (which read worse there with this start: 0.653 of the gap at alpha = 0.5
+   against 0.686 without), so its initialization-alone control is the row itself and is
+   not trained twice.
    Reported: eval metric (loss for the LM, accuracy for the classifier), parameters, size,
    and forward time relative to the teacher. `gap closed` = (scratch -
    distilled) / (scratch - teacher) on the eval metric. The classifier's scratch student
@@ -336,15 +338,15 @@ def _row(model: str, method: str, setting: str, summary: dict, workdir: str, met
 # its last block of every two (weight selection, Xu et al. 2024) plus soft targets at T = 1,
 # 0.735 of the gap closed (Minitron's important weights of the same blocks 0.637, the
 # accuracy 0.006 lower, about a seed's spread); with the students at 1x the important
-# weights had been best (0.731). The byte LM's (docs/benchmarks/distill_recipes_lm, 2026-11-29,
-# its teacher at `TEACHER_LR`'s 3x, its students at 5x the experiment's rate): Minitron's
-# important weights (from the teacher's first block of every two) with soft targets at
-# T = 1 and TinyBERT's attention-map matching at weight 0.1, 0.536 (without the attention
-# term 0.509, the teacher's selected weights 0.506; with it at weight 1 on selected weights
-# 0.263, the hidden states' at 0.1 0.262: small margins, one seed); with the teacher and
-# the students at 1x it had been selected weights with soft targets and attention-map
-# matching (0.722 then, 0.263 at 5x against the trained teacher), and before that the
-# classifier's recipe.
+# weights had been best (0.731). The byte LM's (docs/benchmarks/distill_recipes_lm, 2026-11-30,
+# the Xeon model 207, its teacher at `TEACHER_LR`'s 3x, its students at 5x the experiment's
+# rate): the teacher's weights rotated into its residual stream's principal components
+# (`init=pca`) with no soft targets, 0.686 (with soft targets at T = 1 0.653, and
+# attention-map matching at 0.1 too 0.628; the best of the rest, Minitron's important
+# weights with soft targets and attention-map matching, 0.538). Until then (2026-11-29,
+# without the rotated recipes) that last had been best (0.536); with the teacher and the
+# students at 1x selected weights with soft targets and attention-map matching (0.722 then,
+# 0.263 at 5x against the trained teacher), and before that the classifier's recipe.
 TARGETS_RECIPE = {
     "byte LM": dict(alpha=0.0, init="pca"),
     "text classifier": dict(alpha=0.5, temperature=1.0, init="select", init_blocks="last"),
@@ -386,10 +388,10 @@ def distilled_students(model: str) -> list[tuple[str, str, dict, str]]:
 # for its scratch student and its targets' recipe (tests/test_bench.py holds them to the
 # records). The classifier's (docs/benchmarks/distill_recipes, 2026-11-29): at the
 # experiment's rate its scratch student read 0.392 accuracy there, at 5x 0.474. The byte
-# LM's (docs/benchmarks/distill_recipes_lm, 2026-11-29): its scratch student read loss
-# 1.904 at the experiment's rate, 1.541 at 5x and 1.540 at 8x; its targets' recipe 1.509 at
-# 1x, 1.462 at 5x and 1.479 at 8x (the teacher 1.385). At the experiment's rate both
-# models' targets were read against a scratch student that rate under-trained.
+# LM's (docs/benchmarks/distill_recipes_lm, 2026-11-30): its scratch student read loss
+# 1.919 at the experiment's rate, 1.545 at 5x and 1.528 at 8x; its targets' recipe 1.470 at
+# 1x, 1.432 at 3x, 1.429 at 5x and 1.436 at 8x (the teacher 1.376). At the experiment's
+# rate both models' targets were read against a scratch student that rate under-trained.
 STUDENT_LR = {"byte LM": {"scratch": 8.0, "distilled": 5.0},
               "text classifier": {"scratch": 5.0, "distilled": 5.0}}
 
