@@ -735,6 +735,10 @@ def test_pca_basis_keeps_the_leading_components_and_refuses_what_it_cannot_rotat
     np.testing.assert_allclose(basis @ np.full(8, 8 ** -0.5), np.full(16, 0.25), atol=1e-12)
     c = np.eye(16) - 1 / 16
     np.testing.assert_allclose(basis @ basis.T @ c @ w, c @ w, atol=1e-10)  # 6 directions kept
+    # a stream with fewer directions than the basis keeps: still a rotation (the components
+    # without variance orthogonal to the mean direction, not a second copy of it)
+    full = slicing.stream_basis(w[:, :2] @ w[:, :2].T, 16)
+    np.testing.assert_allclose(full.T @ full, np.eye(16), atol=1e-12)
     with pytest.raises(ValueError, match="keeps 2 to 16"):
         slicing.stream_basis(cov, 17)
     _teacher_workdir(tmp_path, tiny("lm"))

@@ -133,11 +133,12 @@ def stream_basis(cov, width: int) -> np.ndarray:
     if not 2 <= width <= et:
         raise ValueError(f"a student width of {width} from a stream of {et}: rotate keeps 2 to "
                          f"{et} channels")
-    c = np.eye(et) - 1.0 / et
-    _, vecs = np.linalg.eigh(c @ cov @ c)  # ascending; the mean direction is in the null space
     u0 = np.full(et, et ** -0.5)
-    q, _ = np.linalg.qr(np.concatenate([u0[:, None], vecs[:, ::-1][:, :width - 1]], axis=1))
-    q = q * np.sign(q[:, :1].T @ u0)  # its first column +u0 (QR may flip it)
+    # an orthonormal basis of the complement of u0 (the centering's range), so that the
+    # components are orthogonal to u0 exactly, however many of them have no variance
+    rest = np.linalg.svd(np.eye(et) - np.outer(u0, u0))[0][:, :et - 1]
+    _, vecs = np.linalg.eigh(rest.T @ cov @ rest)  # ascending
+    q = np.concatenate([u0[:, None], rest @ vecs[:, ::-1][:, :width - 1]], axis=1)
     v = np.zeros(width)
     v[0] = 1.0
     v -= np.full(width, width ** -0.5)
