@@ -196,9 +196,7 @@ def unit_importance(module_def, variables, batches, method, *, microbatches: int
     def micro(variables, batch):
         _, state = module_def.apply(variables, batch, method=method, mutable=["intermediates"],
                                     capture_intermediates=_importance_capture)
-        w_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
-        if batch.get("weight") is not None and batch["weight"].ndim == 1:  # padding examples
-            w_BL = w_BL * batch["weight"][:, None].astype(jnp.float32)
+        w_BL = token_weights(batch)
         per_token = w_BL / jnp.maximum(w_BL.sum(1, keepdims=True), 1.0)
 
         def score(a):  # [B, L, U] or [B, L, H, D] (a head's norm) -> sum of squares over B
@@ -229,6 +227,25 @@ def unit_importance(module_def, variables, batches, method, *, microbatches: int
         walk(state["intermediates"], ())
         return out
 
+    total: dict = {}
+    for got in per_batch(micro, variables, batches, microbatches):
+        for k, v in got.items():
+            total[k] = total[k] + v if k in total else v
+    return total
+
+
+def token_weights(batch):
+    """[B, L] float32: 1 on real tokens, 0 on padding (and on padding examples' rows)."""
+    w_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+    if batch.get("weight") is not None and batch["weight"].ndim == 1:  # padding examples
+        w_BL = w_BL * batch["weight"][:, None].astype(jnp.float32)
+    return w_BL
+
+
+def per_batch(micro, variables, batches, microbatches: int = 1):
+    """`micro(variables, batch)` of each of `batches`, jitted, summed over the batch's
+    `microbatches` as the train step splits it (train.grad_accum); replicated on every
+    device (under a mesh), so every process reads the same values. A generator."""
     def one(variables, batch):
         if microbatches == 1:
             return micro(variables, batch)
@@ -240,11 +257,8 @@ def unit_importance(module_def, variables, batches, method, *, microbatches: int
     from jax.sharding import PartitionSpec
     one = jax.jit(one, out_shardings=None if jax.sharding.get_abstract_mesh().empty
                   else PartitionSpec())
-    total: dict = {}
     for batch in batches:
-        for k, v in one(variables, batch).items():
-            total[k] = total[k] + v if k in total else v
-    return total
+        yield one(variables, batch)
 
 
 def keep_top(score, n: int) -> np.ndarray:

@@ -89,6 +89,8 @@ def stream_covariance(module_def, variables, batches, method, *, microbatches: i
     centered over the channels and scaled to unit RMS (module doc), over `batches`."""
     import flax.linen as nn
 
+    from hpnlp.compress.distill import per_batch, token_weights
+
     def micro(variables, batch):
         inputs = []
 
@@ -101,9 +103,7 @@ def stream_covariance(module_def, variables, batches, method, *, microbatches: i
             module_def.apply(variables, batch, method=method)
         if not inputs:
             raise ValueError("the model called no LayerNorm named " + ", ".join(NORMS))
-        w_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
-        if batch.get("weight") is not None and batch["weight"].ndim == 1:  # padding examples
-            w_BL = w_BL * batch["weight"][:, None].astype(jnp.float32)
+        w_BL = token_weights(batch)
         total = 0.0
         for x_BLE in inputs:
             x = x_BLE.astype(jnp.float32)
@@ -113,17 +113,8 @@ def stream_covariance(module_def, variables, batches, method, *, microbatches: i
             total = total + jnp.einsum("ble,blf->ef", x, x)
         return total
 
-    def one(variables, batch):
-        if microbatches == 1:
-            return micro(variables, batch)
-        from hpnlp.train.step import _split_microbatches
-        return jnp.sum(jax.lax.map(lambda mb: micro(variables, mb),
-                                   _split_microbatches(batch, microbatches)), axis=0)
-
-    from jax.sharding import PartitionSpec
-    one = jax.jit(one, out_shardings=None if jax.sharding.get_abstract_mesh().empty
-                  else PartitionSpec())
-    return sum(np.asarray(one(variables, b), np.float64) for b in batches)
+    return sum(np.asarray(b, np.float64)
+               for b in per_batch(micro, variables, batches, microbatches))
 
 
 def stream_basis(cov, width: int) -> np.ndarray:
@@ -133,12 +124,11 @@ def stream_basis(cov, width: int) -> np.ndarray:
     if not 2 <= width <= et:
         raise ValueError(f"a student width of {width} from a stream of {et}: rotate keeps 2 to "
                          f"{et} channels")
+    c = np.eye(et) - 1.0 / et
+    _, vecs = np.linalg.eigh(c @ cov @ c)  # ascending; the mean direction is in the null space
     u0 = np.full(et, et ** -0.5)
-    # an orthonormal basis of the complement of u0 (the centering's range), so that the
-    # components are orthogonal to u0 exactly, however many of them have no variance
-    rest = np.linalg.svd(np.eye(et) - np.outer(u0, u0))[0][:, :et - 1]
-    _, vecs = np.linalg.eigh(rest.T @ cov @ rest)  # ascending
-    q = np.concatenate([u0[:, None], rest @ vecs[:, ::-1][:, :width - 1]], axis=1)
+    q, _ = np.linalg.qr(np.concatenate([u0[:, None], vecs[:, ::-1][:, :width - 1]], axis=1))
+    q = q * np.sign(q[:, :1].T @ u0)  # its first column +u0 (QR may flip it)
     v = np.zeros(width)
     v[0] = 1.0
     v -= np.full(width, width ** -0.5)
