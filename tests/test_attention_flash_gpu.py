@@ -100,7 +100,9 @@ def test_the_gpu_kernel_is_not_chosen_off_a_gpu():
 def test_what_the_gpu_kernel_takes_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert F.blocker(64, 48, jnp.bfloat16) is None
-    assert "checked up to 64" in F.blocker(128, 128, jnp.float32)
+    assert "float32 are checked and faster than XLA up to 64" in F.blocker(128, 128, jnp.float32)
+    assert F.blocker(128, 128, jnp.bfloat16) is None  # 16-bit products: up to 128
+    assert "up to 128" in F.blocker(256, 64, jnp.float16)
     assert "dtype int8" in F.blocker(64, 64, jnp.int8)
     # impl='kernel' trains on the GPU kernels; decoding has no GPU kernel, so it reads by XLA
     assert C.ChunkedAttention(impl="kernel").cache_impl() == "auto"
@@ -121,6 +123,10 @@ def test_auto_runs_the_kernel_on_a_gpu():
     q, k, v, _ = _qkv(1, 128, 128, 64)
     hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q, k, v).as_text()
     assert "hpnlp_flash_fwd" in hlo
+    for dtype, kernel in ((jnp.bfloat16, True), (jnp.float32, False)):  # head dim 128
+        x = jnp.zeros((1, 128, 2, 128), dtype)
+        hlo = jax.jit(lambda x: C.chunked_attention(x, x, x)).lower(x).as_text()
+        assert ("hpnlp_flash_fwd" in hlo) == kernel, dtype
     hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v, impl="xla")).lower(q, k, v).as_text()
     assert "hpnlp_flash" not in hlo
 
@@ -172,8 +178,8 @@ def test_measured_blocks_are_read_per_gpu_model(tmp_path, monkeypatch):
 @pytest.mark.accelerator
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_compiled_kernels_at_head_dim_128(dtype):
-    """Not yet run on a GPU: what must pass there before `MAX_HEAD_DIM` (and `auto`) goes to
-    128. Called directly: `auto` leaves this width to the XLA program until then."""
+    """Head dim 128, at this GPU's measured blocks where it has them: `auto` takes this width
+    for 16-bit inputs (`MAX_HEAD_DIM`); float32 is called directly."""
     q, k, v, w = _qkv(2, 200, 200, 128, seed=5, dtype=dtype)
     seg = _segments(3, 200)[1:]
     for causal in (False, True):

@@ -2,13 +2,14 @@
 one process, beside PyTorch's SDPA and the XLA twin at the same shape: how the defaults in
 `flash_gpu.default_blocks` were chosen. GPU only.
 
-    JAX_PLATFORMS=cuda python tools/flash_gpu_blocks.py [--L 4096] [--out DIR] [--write]
+    JAX_PLATFORMS=cuda python tools/flash_gpu_blocks.py [--L 4096] [--D 64] [--out DIR] [--write]
 
 Forward configurations are timed forward only; backward ones forward+backward with the
 default forward. Float32 products at full precision (`highest`), as the attention bench
-runs them. Writes blocks.json (every row) to --out; `--write` stores the fastest forward and
-backward configuration of each dtype for this GPU model in `flash_gpu.TUNED_PATH`, which
-`flash_gpu.default_blocks` reads from then on.
+runs them. Writes blocks.json (every row; blocks_d<D>.json at another head dim) to --out;
+`--write` stores the fastest forward and backward configuration of each dtype for this GPU
+model and head dim in `flash_gpu.TUNED_PATH`, which `flash_gpu.default_blocks` reads from
+then on.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
         _write_tuned(result["rows"], a.D)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "blocks.json"), "w") as f:
+        name = "blocks.json" if a.D == 64 else f"blocks_d{a.D}.json"
+        with open(os.path.join(a.out, name), "w") as f:
             json.dump(result, f, indent=1)
     return 0
 

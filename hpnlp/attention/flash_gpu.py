@@ -41,11 +41,13 @@ from hpnlp.attention.base import check_inputs
 
 LOG2E = math.log2(math.e)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Compiled, checked against the twin and timed on a GPU (an H200) at head dim 64 only. Wider
-# heads need smaller blocks to fit float32 tiles in shared memory and registers (a 64 x 256
-# float32 tile is 64 KB), which no GPU here has measured yet, so `auto` leaves them to XLA.
+# The widest head dim `auto` gives the kernels, per product width: compiled, checked against the
+# twin and timed on a GPU (an H200, `tools/flash_gpu_blocks.py`). At head dim 128 the 16-bit
+# kernels ran forward+backward 11-17x faster than the XLA program (L = 4096), but the float32
+# ones, their products on the CUDA cores, 4.7x slower at the rule's blocks (and the fastest
+# forward alone about as long as XLA's forward+backward), so float32 stops at 64.
 # `flash_attention` itself takes any head dim (the interpreter tests run other widths).
-MAX_HEAD_DIM = 64
+MAX_HEAD_DIM = {4: 64, 2: 128}
 
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
@@ -56,9 +58,11 @@ def blocker(head_dim: int, value_dim: int, dtype) -> str | None:
         return f"the GPU kernel needs the GPU backend; it is {jax.default_backend()!r}"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
         return f"dtype {jnp.dtype(dtype).name} (the GPU kernel takes float32, bfloat16, float16)"
-    if max(head_dim, value_dim) > MAX_HEAD_DIM:
-        return (f"head dim {max(head_dim, value_dim)} (the GPU kernels are checked up to "
-                f"{MAX_HEAD_DIM}; call flash_gpu.flash_attention directly to try a wider one)")
+    widest = MAX_HEAD_DIM[jnp.dtype(dtype).itemsize]
+    if max(head_dim, value_dim) > widest:
+        return (f"head dim {max(head_dim, value_dim)} (the GPU kernels in "
+                f"{jnp.dtype(dtype).name} are checked and faster than XLA up to {widest}; call "
+                "flash_gpu.flash_attention directly to try a wider one)")
     return kernels.single_device_reason()
 
 
