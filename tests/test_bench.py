@@ -788,6 +788,26 @@ def test_the_compress_targets_recipe_is_the_one_validation_picked():
     assert best["setting"] == f"{compress.structured_sparsity(compress.SIZES['full']):.0%}"
 
 
+def test_compress_queues_every_run_ahead_after_what_it_reads(tmp_path):
+    """`compress.runs_ahead`, queued in the side-by-side processes before the parts run:
+    each run once, the teachers first, those that read no other run before those that do,
+    and every run a queued run reads is queued too (none waits on a run nobody trains);
+    a part run alone queues its own runs and the teacher it reads, nothing of the others."""
+    from hpnlp.bench import compress
+    s, wd = compress.SIZES["quick"], str(tmp_path)
+    runs = compress.runs_ahead(s, wd, compress.PARTS)
+    outs = [out for _, out in runs]
+    assert len(set(outs)) == len(outs)
+    teachers = [os.path.join(wd, f"{m.replace(' ', '_')}_teacher") for m in compress.MODELS]
+    assert outs[:2] == teachers
+    reads = [bool(compress._sources(cd)) for cd, _ in runs]
+    assert reads == sorted(reads) and 0 < sum(reads) < len(reads)
+    assert {d for cd, _ in runs for d in compress._sources(cd)} <= set(outs)
+    lowrank = [out for _, out in compress.runs_ahead(s, wd, ("lowrank",))]
+    assert lowrank[0] == teachers[0] and all("lowrank_" in o or "dense_width_" in o
+                                             for o in lowrank[1:]), lowrank
+
+
 def test_reused_runs_are_those_finished_before_the_bench_run(tmp_path, monkeypatch):
     """A report's `reused_runs` (whose training its times leave out) counts the runs `_train`
     reused that were in the workdir before the bench run started, not those its side-by-side
@@ -1142,27 +1162,43 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     """harness.train_side_by_side (the compress bench's parts train their runs so): every
     job once, each in a process of its own pinned to one core where there are two or more,
     the same processes for every batch inside `side_by_side_processes` (a single run of the
-    first batch trains here); a failed job raises in the caller, naming the runs, and one
-    that cannot reach the processes (a lambda) before any starts."""
+    first batch trains here); runs queued ahead (`train_ahead`) train once each, in those
+    processes, even where a batch asks for them again, and only where a batch has no run
+    left for a process (a batch's runs start before the ahead runs not yet handed out); a
+    failed job raises in the caller, naming the runs, and one that cannot reach the
+    processes (a lambda) before any starts."""
     import json
 
     import side_by_side_worker as w
     from hpnlp.bench import harness
+
     def ran(n, tag):
-        return [json.loads((tmp_path / f"{tag}{i}" / "ran.json").read_text()) for i in range(n)]
+        lines = [(tmp_path / f"{tag}{i}" / "ran.jsonl").read_text().splitlines()
+                 for i in range(n)]
+        assert all(len(x) == 1 for x in lines), f"a run of {tag} trained twice: {lines}"
+        return [json.loads(x[0]) for x in lines]
+    ahead = [(i, str(tmp_path / f"ahead{i}")) for i in range(4)]
     with harness.side_by_side_processes():
         harness.train_side_by_side(w.record, [(0, str(tmp_path / "one0"))])
         for tag in ("a", "b"):
             harness.train_side_by_side(w.record, [(i, str(tmp_path / f"{tag}{i}"))
                                                   for i in range(3)])
+        harness.train_ahead(w.record_slowly, ahead)
+        harness.train_side_by_side(w.record_slowly, [(i, str(tmp_path / f"c{i}"))
+                                                     for i in range(2)] + ahead[::3])
     assert [r["pid"] for r in ran(1, "one")] == [os.getpid()]
     if len(os.sched_getaffinity(0)) < 2:  # one core: here, one after another
-        assert {r["pid"] for r in ran(3, "a") + ran(3, "b")} == {os.getpid()}
+        assert {r["pid"] for r in ran(3, "a") + ran(3, "b") + ran(2, "c")} == {os.getpid()}
+        assert not (tmp_path / "ahead0").exists()  # nothing ahead: the batches train them
         return
-    pids = {r["pid"] for r in ran(3, "a")}
-    assert os.getpid() not in pids and {r["pid"] for r in ran(3, "b")} <= pids
+    everything = ran(3, "a") + ran(3, "b") + ran(2, "c") + ran(4, "ahead")
+    pids = {r["pid"] for r in everything}  # one set of processes, at most one a core
+    assert os.getpid() not in pids and len(pids) <= len(os.sched_getaffinity(0))
     assert all(len(r["cores"]) == 1 and r["cores"][0] in os.sched_getaffinity(0)
-               for r in ran(3, "a") + ran(3, "b"))
+               for r in everything)
+    # two processes took the first two ahead runs (half a second each: the batch waits on
+    # the first); the batch's two then started before the other two (the last the batch's)
+    assert max(r["start"] for r in ran(2, "c")) < min(r["start"] for r in ran(4, "ahead")[2:])
     with pytest.raises(TypeError, match=r"must pickle"):  # said here, not hung on
         harness.train_side_by_side(lambda i, out: None, [(0, "x"), (1, "y")])
     with pytest.raises(RuntimeError, match=r"failed in its own process .*r0b"):

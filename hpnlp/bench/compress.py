@@ -82,7 +82,12 @@ least 1.6x faster than the teacher (`structured_half_params_speedup`,
 the full run's, in processes that compile with the cheap-compile flags
 (`hpnlp.compile_flags`: a few steps are mostly compiling), while the forward timing
 compiles as users do. Every part's runs (and the pipeline's quantizations) go to one set of
-processes, one a core, started once (`harness.side_by_side_processes`). Why low rank's
+processes, one a core, started once (`harness.side_by_side_processes`), and every run the
+parts will ask for is queued there at the start (`runs_ahead`), each to start once the runs
+it reads are done, whenever a process has no run of the part at hand left to take: a core
+does not idle while the classifier's teacher outlasts the byte LM's, or through a part's
+longest run; each part's `seconds` then counts what it waited for, some of it trained during
+the parts before. The runs' results do not depend on which process trains them when. Why low rank's
 speed-up stays below the structured model's at the same size (it leaves attention whole):
 `python tools/compress_speed_budget.py`.
 """
@@ -311,13 +316,17 @@ def _train(cd, out: str) -> dict:
     return run(cd, out)
 
 
+def _sources(cd) -> list[str]:
+    """The runs a run `cd` reads: its distillation teacher, its `train.init_from`."""
+    return [d for d in (cd.train.distill.teacher, cd.train.init_from) if d]
+
+
 def _newer_source(cd, done: str) -> bool:
-    """Whether a run `cd` reads (its distillation teacher, its `train.init_from`) finished
-    after the run whose summary is `done`: the same config then names a run that changed."""
-    sources = [d for d in (cd.train.distill.teacher, cd.train.init_from) if d]
+    """Whether a run `cd` reads (`_sources`) finished after the run whose summary is
+    `done`: the same config then names a run that changed."""
     mine = os.path.getmtime(done)
     return any(os.path.exists(f) and os.path.getmtime(f) > mine
-               for f in (os.path.join(d, "summary.json") for d in sources))
+               for f in (os.path.join(d, "summary.json") for d in _sources(cd)))
 
 
 def _row(model: str, method: str, setting: str, summary: dict, workdir: str, metric: str) -> dict:
@@ -449,8 +458,7 @@ def _seeded_row(model: str, method: str, setting: str, cd, out: str, metric: str
 def _distill_plan(s: dict, workdir: str, model: str) -> tuple[tuple, list[tuple]]:
     """`model`'s distill runs: its teacher's (config, workdir), then each student row's
     (method, setting, config, workdir, seeds): the scratch student and `distilled_students`."""
-    tag = model.replace(" ", "_")
-    tdir = os.path.join(workdir, f"{tag}_teacher")
+    tag, tdir = model.replace(" ", "_"), _teacher_dir(workdir, model)
     steps, seeds = s["student_steps"][model], s["seeds"][model]
     rows = [("student, scratch", "half depth and width" + (f", {steps} steps" if steps else "")
              + _lr_note(model, "scratch"), scratch_student(model, s),
@@ -523,17 +531,27 @@ def prune_schedule(s: dict, n: int | None = None) -> dict:
                 every=5)
 
 
+def _teacher_dir(workdir: str, model: str = "byte LM") -> str:
+    return os.path.join(workdir, f"{model.replace(' ', '_')}_teacher")
+
+
 def _teacher(s: dict, workdir: str, model: str = "byte LM") -> str:
     """The teacher's workdir, trained there unless `_train` finds it finished."""
-    tdir = os.path.join(workdir, f"{model.replace(' ', '_')}_teacher")
-    _train(teacher_config(model, s), tdir)
+    tdir = _teacher_dir(workdir, model)
+    _trained(s, teacher_config(model, s), tdir)
     return tdir
 
 
-def prune_rows(s: dict, workdir: str) -> list[dict]:
-    model, metric = "byte LM", "loss"
-    tdir = _teacher(s, workdir)
-    jobs = []
+def _trained(s: dict, cd, out: str) -> dict:
+    """`_train(cd, out)` here, once the side-by-side processes (`_side_by_side`) have
+    trained it or found it trained: a run queued ahead (`runs_ahead`) may be training there."""
+    _side_by_side(s, [(cd, out)], os.path.basename(out))
+    return _train(cd, out)
+
+
+def _prune_jobs(s: dict, workdir: str, tdir: str) -> list[tuple]:
+    """The `prune` part's runs: [(name, sparsity, method, config, workdir)]."""
+    model, jobs = "byte LM", []
     for name, sp, method in [("dense fine-tune", 0.0, None)] + [
             (f"{method}", sp, method) for sp in s["sparsities"]
             for method in ("magnitude", "movement", "random")]:
@@ -545,6 +563,12 @@ def prune_rows(s: dict, workdir: str) -> list[dict]:
             cd.train.prune.update(method=method, sparsity=sp, **prune_schedule(s))
         out = os.path.join(workdir, f"prune_{name.replace(' ', '_')}_{sp}")
         jobs.append((name, sp, method, cd, out))
+    return jobs
+
+
+def prune_rows(s: dict, workdir: str) -> list[dict]:
+    model, metric = "byte LM", "loss"
+    jobs = _prune_jobs(s, workdir, _teacher(s, workdir))
     _side_by_side(s, [(cd, out) for *_, cd, out in jobs], "prune")
     rows = []
     for name, sp, method, cd, out in tqdm(jobs, desc="prune", leave=False):
@@ -659,13 +683,13 @@ def _lowrank_config(s: dict, workdir: str, r: int, tdir: str) -> tuple:
     return cd, os.path.join(workdir, f"lowrank_{r}")
 
 
-def lowrank_rows(s: dict, workdir: str) -> list[dict]:
-    model, metric = "byte LM", "loss"
-    tdir = _teacher(s, workdir)
+def _lowrank_runs(s: dict, workdir: str, tdir: str) -> tuple:
+    """(the half-parameter rank, {rank: its run}, the dense run of about its size, that
+    run's width) of the `lowrank` part, runs as (config, workdir)."""
+    model = "byte LM"
     base = experiment(model, s)
     limit = min(base.model.width, base.model.mlp_dim)
     r_half = half_rank(s)
-    rows = []
     ranks = {max(1, r_half // 2), r_half, min(limit, 2 * r_half)} if s["lowrank_sweep"] else {r_half}
     heads = base.model.num_heads
 
@@ -677,7 +701,14 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
     width = closest(range(2 * heads, base.model.width + 1, 2 * heads),
                     lambda w: param_count(dense_of(w)), param_count(_with_rank(s, r_half)))
     dense = (dense_of(width), os.path.join(workdir, f"dense_width_{width}"))
-    runs = {r: _lowrank_config(s, workdir, r, tdir) for r in sorted(ranks)}
+    return r_half, {r: _lowrank_config(s, workdir, r, tdir) for r in sorted(ranks)}, dense, width
+
+
+def lowrank_rows(s: dict, workdir: str) -> list[dict]:
+    model, metric = "byte LM", "loss"
+    tdir = _teacher(s, workdir)
+    r_half, runs, dense, width = _lowrank_runs(s, workdir, tdir)
+    rows = []
     _side_by_side(s, list(runs.values()) + [dense], "lowrank")
     for r, (cd, out) in runs.items():
         summary = _train(cd, out)
@@ -754,6 +785,16 @@ def _structured_scratch(s: dict, shape):
     return cd
 
 
+def _structured_runs(s: dict, workdir: str, tdir: str) -> tuple:
+    """(the structured sparsity, the pruned fine-tune's run, its scratch twin's run) of the
+    `structured` part, runs as (config, workdir): the twin at the shrink's shape, foreseen."""
+    sp = structured_sparsity(s)
+    pruned = structured_pruned(s, tdir, sparsity=sp)
+    twin = _structured_scratch(s, structured_config(experiment("byte LM", s), sp).model)
+    return (sp, (pruned, os.path.join(workdir, "structured_pruned")),
+            (twin, os.path.join(workdir, "structured_scratch")))
+
+
 def structured_rows(s: dict, workdir: str) -> list[dict]:
     """The byte-LM teacher pruned structurally (`structured_pruned`) at the sparsity whose
     shrunk model has about half the teacher's parameters, then shrunk; beside it the same
@@ -762,12 +803,9 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
 
     model, metric = "byte LM", "loss"
     tdir = _teacher(s, workdir)
-    sp = structured_sparsity(s)
-    cd = structured_pruned(s, tdir, sparsity=sp)
-    pdir, sdir = os.path.join(workdir, "structured_pruned"), os.path.join(workdir, "structured_shrunk")
-    odir = os.path.join(workdir, "structured_scratch")
-    _side_by_side(s, [(cd, pdir), (_structured_scratch(s, structured_config(
-        experiment(model, s), sp).model), odir)], "structured")  # the shrink's shape, foreseen
+    sp, (cd, pdir), twin = _structured_runs(s, workdir, tdir)
+    odir, sdir = twin[1], os.path.join(workdir, "structured_shrunk")
+    _side_by_side(s, [(cd, pdir), twin], "structured")
     _train(cd, pdir)
     if os.path.exists(sdir):  # shrunk afresh from the pruned run of this config
         import shutil
@@ -791,6 +829,16 @@ def structured_rows(s: dict, workdir: str) -> list[dict]:
 PIPELINE = "distill + prune 50% + int8"  # Deep Compression's row: `pipeline_size_ratio`
 
 
+def _pipeline_pruned(s: dict, workdir: str) -> tuple:
+    """(config, workdir) of the pipeline's run: the targets' distilled LM student pruned to
+    50% while fine-tuned."""
+    cd = student(experiment("byte LM", s))
+    cd.train.steps, cd.train.warmup_steps, cd.train.lr = s["prune_steps"], 1, cd.train.lr * 0.3
+    cd.train.init_from = os.path.join(workdir, f"byte_LM_{distilled_students('byte LM')[-1][3]}")
+    cd.train.prune.update(method="magnitude", sparsity=0.5)
+    return cd, os.path.join(workdir, "pipeline_pruned")
+
+
 def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     """Distilled LM student -> pruned to 50% while fine-tuned -> int8 weights (packed file);
     and the half-parameter low-rank model (the `lowrank` part's run) -> w8a8, its factors'
@@ -800,12 +848,8 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     model = "byte LM"
     _, _, fields, suffix = distilled_students(model)[-1]  # the targets' student (reused)
     ddir, tdir = os.path.join(workdir, f"byte_LM_{suffix}"), _teacher(s, workdir)
-    _train(distilled_student(model, s, tdir, fields), ddir)
-    cd = student(experiment(model, s))
-    cd.train.steps, cd.train.warmup_steps, cd.train.lr = s["prune_steps"], 1, cd.train.lr * 0.3
-    cd.train.init_from = ddir
-    cd.train.prune.update(method="magnitude", sparsity=0.5)
-    pdir = os.path.join(workdir, "pipeline_pruned")
+    _trained(s, distilled_student(model, s, tdir, fields), ddir)
+    cd, pdir = _pipeline_pruned(s, workdir)
     r = half_rank(s)
     lcd, ldir = _lowrank_config(s, workdir, r, tdir)  # the lowrank part's run
     _side_by_side(s, [(cd, pdir), (lcd, ldir)], "pipeline: runs")  # (reused when it ran)
@@ -954,6 +998,32 @@ def _plot(p: dict, out_dir: str) -> None:
     plt.close(fig)
 
 
+def runs_ahead(s: dict, workdir: str, parts) -> list[tuple]:
+    """The runs of `parts`, [(config, workdir)]: first those that read no other run (the
+    teachers, each model's scratch students, the structured part's scratch twin, the
+    lowrank part's dense model), then the rest, each in the parts' order. `run` queues them
+    (`harness.train_ahead`, each after the runs it reads: `_sources`), so that a core a
+    part's batch has nothing left for (both teachers train side by side, the classifier's
+    longer; a part's longest run) trains a later part's run rather than idling."""
+    tdir = _teacher_dir(workdir)
+    runs = [(teacher_config(model, s), _teacher_dir(workdir, model)) for model in MODELS
+            if "distill" in parts or (model == "byte LM" and set(parts) - {"distill"})]
+    if "distill" in parts:
+        runs += [run for model in MODELS
+                 for *_, cd, out, seeds in _distill_plan(s, workdir, model)[1]
+                 for run in _seeded(cd, out, seeds)]
+    if "prune" in parts:
+        runs += [(cd, out) for *_, cd, out in _prune_jobs(s, workdir, tdir)]
+    if "structured" in parts:
+        runs += list(_structured_runs(s, workdir, tdir)[1:])
+    if "lowrank" in parts:
+        _, ranked, dense, _ = _lowrank_runs(s, workdir, tdir)
+        runs += list(ranked.values()) + [dense]
+    if "pipeline" in parts:
+        runs.append(_pipeline_pruned(s, workdir))
+    return sorted(runs, key=lambda run: bool(_sources(run[0])))  # (stable)
+
+
 def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -> dict:
     s = SIZES["quick" if quick else "full"]
     makers = {"distill": distill_rows, "prune": prune_rows, "structured": structured_rows,
@@ -970,6 +1040,9 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
         wd = workdir or tmp
         before = runs_in(wd)
         with side_by_side_processes(s):  # every part's batches in one set of them
+            if s["side_by_side"]:  # (else the parts train each run here)
+                ahead = runs_ahead(s, wd, parts)
+                harness.train_ahead(_train, ahead, [_sources(cd) for cd, _ in ahead])
             harness.run_parts(payload, {name: functools.partial(make, s, wd)
                                         for name, make in makers.items()}, parts)
         t0 = time.perf_counter()

@@ -610,9 +610,9 @@ def run_parts(payload: dict, makers: dict, parts) -> None:
 
 
 def _pinned_worker(core: int, todo, done, cache_dir: str | None, xla_flags: tuple) -> None:
-    """(A spawned process's target) for each `(i, train, args)` taken from `todo` until its
-    None, `train(*args)`, then `i` put in `done`, on core `core` alone: pinned before jax's
-    CPU client exists, so that XLA's thread pool and the kernels' threads
+    """(A spawned process's target) for each `(key, train, args)` taken from `todo` until
+    its None, `train(*args)`, then `key` put in `done`, on core `core` alone: pinned before
+    jax's CPU client exists, so that XLA's thread pool and the kernels' threads
     (`hpnlp.kernels.cores`) count one core; `xla_flags` added to its XLA_FLAGS then too."""
     from hpnlp.compile_flags import with_flags
     os.sched_setaffinity(0, {core})
@@ -620,24 +620,44 @@ def _pinned_worker(core: int, todo, done, cache_dir: str | None, xla_flags: tupl
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    for i, train, args in iter(todo.get, None):
+    for key, train, args in iter(todo.get, None):
         train(*args)
-        done.put(i)
+        done.put(key)
+
+
+def _must_pickle(train: Callable, jobs: list) -> None:
+    """Refuse here, not in a queue's feeder thread (which would drop the run while the
+    caller waited on it), a `train` or job that cannot reach another process."""
+    import pickle
+    try:
+        pickle.dumps((train, jobs))
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"side-by-side runs go to other processes, so `train` (a "
+                        f"module-level function) and the jobs must pickle: {e}") from e
 
 
 class SideBySide:
-    """Processes one per core, each pinned to its core, that train independent runs taken
-    from a shared queue (`run`), kept alive from the first batch of two or more runs until
-    `close`: a bench of many small runs in batches (the compress bench's parts) starts them
-    once, not once a batch (a spawned process imports jax and hpnlp again, about 2 s, and
-    traces its first run's library functions cold); `xla_flags` are added to theirs (e.g.
+    """Processes one per core, each pinned to its core, that train independent runs
+    (`run`), kept alive from the first batch of two or more runs until `close`: a bench of
+    many small runs in batches (the compress bench's parts) starts them once, not once a
+    batch (a spawned process imports jax and hpnlp again, about 2 s, and traces its first
+    run's library functions cold); `xla_flags` are added to theirs (e.g.
     `hpnlp.compile_flags.cheap_compile_flags()`). `one_batch`: they serve one batch, so
-    there are no more of them than its runs. See `train_side_by_side`."""
+    there are no more of them than its runs. Runs go to a process only when it is free,
+    a batch's first; runs queued by `ahead` (those later batches will ask for) fill a
+    process that the batch has nothing left for, each once the runs it waits on are done,
+    so a core does not sit idle through a batch's longest run. A run is keyed by its
+    workdir (a job's last item): one a batch asks for that is already running or done
+    (ahead) is waited on, not run again. See `train_side_by_side`."""
 
     def __init__(self, xla_flags: tuple = (), one_batch: bool = False):
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
         self.procs: list = []
         self.xla_flags, self.one_batch = tuple(xla_flags), one_batch
+        self.queued: list = []  # (key, train, job, the keys it waits on): runs ahead, not
+        # handed to a process yet
+        self.running: dict = {}  # key -> the workdir, handed to a process
+        self.finished: set = set()  # keys done
 
     def _start(self, n: int) -> None:
         import multiprocessing
@@ -649,6 +669,59 @@ class SideBySide:
         for p in self.procs:
             p.start()
 
+    @staticmethod
+    def _key(job) -> str:
+        return os.path.abspath(job[-1])
+
+    def _hand_out(self, batch: list) -> None:
+        """Give each free process a run: `batch`'s (taken from it) first, then the first
+        one ahead whose runs it waits on are done."""
+        while len(self.running) < len(self.procs):
+            ready = [i for i, q in enumerate(self.queued) if q[3] <= self.finished]
+            if not batch and not ready:
+                return
+            key, train, job = batch.pop(0) if batch else self.queued.pop(ready[0])[:3]
+            self.running[key] = job[-1]
+            self.todo.put((key, train, job))
+
+    def _collect(self, timeout: float, asked: list) -> bool:
+        """Wait up to `timeout` s for a run to finish (True when one did); a process that
+        died (its run raised) raises here, naming the runs then training and those asked
+        for (`asked`, workdirs)."""
+        import queue
+        try:
+            key = self.done.get(timeout=timeout)
+        except queue.Empty:
+            key = None
+        if key is not None:
+            self.running.pop(key, None)
+            self.finished.add(key)
+        for p in self.procs:
+            if p.exitcode is not None:
+                raise RuntimeError(
+                    f"a training run failed in its own process (exit code {p.exitcode}; its "
+                    f"traceback is above); the runs training then were "
+                    f"{list(self.running.values())}, of the runs asked for {asked}")
+        return key is not None
+
+    def ahead(self, train: Callable, jobs: list, after: list | None = None) -> None:
+        """Queue `jobs` ([(config, workdir)]) to train with `train`, in their order,
+        whenever a process has no run of a batch to take and (`after`: for each job, the
+        workdirs of the runs it waits on) those runs are done here; a later batch (`run`)
+        that asks for one waits on it, or takes it as its own if no process has started it
+        (the caller then answers for what it waits on). Nothing where there is one core:
+        the batches train them then."""
+        if len(self.cores) < 2:
+            return
+        _must_pickle(train, jobs)
+        if not self.procs:
+            self._start(len(self.cores))
+        known = self.finished | set(self.running) | {q[0] for q in self.queued}
+        self.queued += [(self._key(job), train, job, {os.path.abspath(d) for d in waits})
+                        for job, waits in zip(jobs, after or [()] * len(jobs))
+                        if self._key(job) not in known]
+        self._hand_out([])
+
     def run(self, train: Callable, jobs: list, desc: str = "runs side by side") -> None:
         """`train(config, workdir)` for each of `jobs` ([(config, workdir)]), side by side
         where there are two or more cores and (or once the processes are up) jobs; else
@@ -657,39 +730,30 @@ class SideBySide:
             for cd, out in jobs:
                 train(cd, out)
             return
-        import pickle
-        import queue
-
         from tqdm.auto import tqdm
-        try:  # here, not in the queue's feeder thread, which would drop the run and wait on
-            pickle.dumps((train, jobs))
-        except Exception as e:  # noqa: BLE001
-            raise TypeError(f"side-by-side runs go to other processes, so `train` (a "
-                            f"module-level function) and the jobs must pickle: {e}") from e
+        _must_pickle(train, jobs)
         if not self.procs:  # a process a core (`one_batch`: at most one a job)
             self._start(min(len(jobs), len(self.cores)) if self.one_batch else len(self.cores))
-        for i, job in enumerate(jobs):
-            self.todo.put((i, train, job))
+        keys = [self._key(job) for job in jobs]
+        self.queued = [q for q in self.queued if q[0] not in keys]  # ahead: this batch's now
+        batch = [(key, train, job) for key, job in zip(keys, jobs)
+                 if key not in self.finished and key not in self.running]
         try:
             with tqdm(total=len(jobs), desc=desc, leave=False) as bar:
-                while bar.n < len(jobs):
-                    try:
-                        self.done.get(timeout=1.0)
-                        bar.update()
-                    except queue.Empty:
-                        pass
-                    for p in self.procs:
-                        if p.exitcode is not None:
-                            raise RuntimeError(
-                                f"a training run failed in its own process (exit code "
-                                f"{p.exitcode}; its traceback is above); the runs were "
-                                f"{[out for _, out in jobs]}")
+                while True:
+                    self._hand_out(batch)
+                    bar.update(sum(k in self.finished for k in keys) - bar.n)
+                    if bar.n == len(jobs):
+                        break
+                    self._collect(1.0, [job[-1] for job in jobs])
         except BaseException:
             self.close(at_once=True)
             raise
 
     def close(self, at_once: bool = False) -> None:
-        """End the processes: once their queue is empty, or `at_once` (after a failure)."""
+        """End the processes: once their runs end (runs ahead that no batch asked for and no
+        process started are dropped), or `at_once` (after a failure)."""
+        self.queued = []
         for p in self.procs:
             if at_once:
                 p.terminate()
@@ -697,7 +761,7 @@ class SideBySide:
                 self.todo.put(None)
         for p in self.procs:
             p.join()
-        self.procs = []
+        self.procs, self.running = [], {}
 
 
 _ACTIVE: SideBySide | None = None  # `side_by_side_processes`' pool, while one is open
@@ -714,6 +778,16 @@ def side_by_side_processes(xla_flags: tuple = ()):
     finally:
         _ACTIVE.close()
         _ACTIVE = outer
+
+
+def train_ahead(train: Callable, jobs: list, after: list | None = None) -> None:
+    """Inside `side_by_side_processes`, queue the runs `jobs` ([(config, workdir)]) that
+    later batches (`train_side_by_side`) will ask for, to train in a process that a batch
+    has nothing left for, each once the runs it waits on (`after`: their workdirs, a list
+    a job) are done (`SideBySide.ahead`); outside one, or on one core, nothing: the batches
+    train them."""
+    if _ACTIVE is not None:
+        _ACTIVE.ahead(train, jobs, after)
 
 
 def train_side_by_side(train: Callable, jobs: list, desc: str = "runs side by side") -> None:
