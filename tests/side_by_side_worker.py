@@ -21,3 +21,12 @@ def record_slowly(i: int, out: str) -> None:
     """`record`, then half a second's work: a run that keeps its process busy."""
     record(i, out)
     time.sleep(0.5)
+
+
+def record_then_wait(i: int, out: str) -> None:
+    """`record`, then a minute's wait, then `out`/done: a run still training when its
+    processes are ended."""
+    record(i, out)
+    time.sleep(60)
+    with open(os.path.join(out, "done"), "w") as f:
+        f.write("done")

@@ -1165,8 +1165,8 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     first batch trains here); runs queued ahead (`train_ahead`) train once each, in those
     processes, even where a batch asks for them again, and only where a batch has no run
     left for a process (a batch's runs start before the ahead runs not yet handed out); a
-    failed job raises in the caller, naming the runs, and one that cannot reach the
-    processes (a lambda) before any starts."""
+    block that raises ends its processes at once; a failed job raises in the caller,
+    naming the runs, and one that cannot reach the processes (a lambda) before any starts."""
     import json
 
     import side_by_side_worker as w
@@ -1199,6 +1199,14 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     # two processes took the first two ahead runs (half a second each: the batch waits on
     # the first); the batch's two then started before the other two (the last the batch's)
     assert max(r["start"] for r in ran(2, "c")) < min(r["start"] for r in ran(4, "ahead")[2:])
+    # a block that raises (an interrupt, a failed part) ends its processes at once, not
+    # after the run ahead they are training (a minute's)
+    with pytest.raises(KeyboardInterrupt):
+        with harness.side_by_side_processes() as pool:
+            harness.train_ahead(w.record_then_wait, [(0, str(tmp_path / "long"))])
+            procs = list(pool.procs)
+            raise KeyboardInterrupt
+    assert all(p.exitcode is not None for p in procs) and not (tmp_path / "long" / "done").exists()
     with pytest.raises(TypeError, match=r"must pickle"):  # said here, not hung on
         harness.train_side_by_side(lambda i, out: None, [(0, "x"), (1, "y")])
     with pytest.raises(RuntimeError, match=r"failed in its own process .*r0b"):

@@ -770,11 +770,16 @@ _ACTIVE: SideBySide | None = None  # `side_by_side_processes`' pool, while one i
 @contextlib.contextmanager
 def side_by_side_processes(xla_flags: tuple = ()):
     """`train_side_by_side` inside this block trains in one set of processes (`SideBySide`,
-    with `xla_flags`), started at its first batch of runs and ended when the block ends."""
+    with `xla_flags`), started at its first batch of runs and ended when the block ends:
+    once their runs end, or at once where the block raises (an interrupt, a failed part),
+    rather than after the runs queued ahead (`train_ahead`) that are training then."""
     global _ACTIVE
     outer, _ACTIVE = _ACTIVE, SideBySide(xla_flags)
     try:
         yield _ACTIVE
+    except BaseException:
+        _ACTIVE.close(at_once=True)
+        raise
     finally:
         _ACTIVE.close()
         _ACTIVE = outer
