@@ -684,10 +684,10 @@ class SideBySide:
             self.running[key] = job[-1]
             self.todo.put((key, train, job))
 
-    def _collect(self, timeout: float, asked: list) -> bool:
-        """Wait up to `timeout` s for a run to finish (True when one did); a process that
-        died (its run raised) raises here, naming the runs then training and those asked
-        for (`asked`, workdirs)."""
+    def _collect(self, timeout: float, asked: list) -> None:
+        """Wait up to `timeout` s for a run to finish; a process that died (its run raised)
+        raises here, naming the runs then training and those asked for (`asked`,
+        workdirs)."""
         import queue
         try:
             key = self.done.get(timeout=timeout)
@@ -702,7 +702,6 @@ class SideBySide:
                     f"a training run failed in its own process (exit code {p.exitcode}; its "
                     f"traceback is above); the runs training then were "
                     f"{list(self.running.values())}, of the runs asked for {asked}")
-        return key is not None
 
     def ahead(self, train: Callable, jobs: list, after: list | None = None) -> None:
         """Queue `jobs` ([(config, workdir)]) to train with `train`, in their order,
