@@ -491,6 +491,16 @@ def _side_by_side(s: dict, runs: list[tuple], desc: str = "runs side by side",
         harness.train_side_by_side(train or _train, runs, desc)
 
 
+def _ahead(s: dict, runs: list[tuple]) -> None:
+    """Queue `runs` ([(config, workdir)], those later batches will ask for) in the
+    side-by-side processes, where `SIZES` says so (`harness.train_ahead`): each to train
+    once the runs it reads (`_sources`) are done there, whenever a batch (`_side_by_side`)
+    has no run left for a process. A run that reads a folder those processes do not train
+    waits until a batch asks for it."""
+    if s["side_by_side"]:
+        harness.train_ahead(_train, runs, [_sources(cd) for cd, _ in runs])
+
+
 def _quantize(job: tuple, out: str, reuse: bool = False) -> dict:
     """The summary of `hpnlp.compress.ptq.quantize(run_dir, out, q)` (`job` = (run_dir, q));
     `reuse`: the one `_side_by_side` wrote into `out` this run, read back."""
@@ -1040,9 +1050,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
         wd = workdir or tmp
         before = runs_in(wd)
         with side_by_side_processes(s):  # every part's batches in one set of them
-            if s["side_by_side"]:  # (else the parts train each run here)
-                ahead = runs_ahead(s, wd, parts)
-                harness.train_ahead(_train, ahead, [_sources(cd) for cd, _ in ahead])
+            _ahead(s, runs_ahead(s, wd, parts))
             harness.run_parts(payload, {name: functools.partial(make, s, wd)
                                         for name, make in makers.items()}, parts)
         t0 = time.perf_counter()

@@ -242,18 +242,22 @@ def train_independent_runs(s: dict, workdir: str, seeds: int, lr_scales, teacher
     """Every run of `run` whose config does not wait on another's result, trained side by
     side (`compress._side_by_side`, where `s` says so): the teachers (the one every recipe
     distils from, and the teacher's learning-rate check), then every recipe, the scratch
-    student at each learning rate of the check, and the structured check; the best recipe's
-    learning-rate runs wait for the recipes (`recipe_rows`). The row builders then find
-    these runs finished."""
+    student at each learning rate of the check, and the structured check, all queued ahead
+    at the start (`compress._ahead`); the best recipe's learning-rate runs wait for the
+    recipes (`recipe_rows`). The row builders then find these runs finished."""
     at = RECIPE_LR[model]
-    compress._side_by_side(s, [_teacher_run(s, workdir, model)] + list(
-        _teacher_runs(s, workdir, teacher_scales, model).values()), "teachers")
     runs = [run for name, fields in recipes(model)
             for run in _seeded_runs(s, workdir, seeds, name, fields, at, model)]
     runs += [run for k in lr_scales if k != at
              for run in _seeded_runs(s, workdir, seeds, recipes(model)[0][0], None, k, model)]
-    compress._side_by_side(s, runs + list(_structured_runs(s, workdir, structured_pairs)
-                                          .values()), "recipes")
+    runs += list(_structured_runs(s, workdir, structured_pairs).values())
+    teachers = [_teacher_run(s, workdir, model)] + list(
+        _teacher_runs(s, workdir, teacher_scales, model).values())
+    # all queued at once, the teachers first, each run once what it reads is trained: a
+    # core the teachers' batch has no run left for takes a recipe
+    compress._ahead(s, teachers + runs)
+    compress._side_by_side(s, teachers, "teachers")
+    compress._side_by_side(s, runs, "recipes")
 
 
 def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),

@@ -235,8 +235,9 @@ def train_independent_runs(s: dict, workdir: str, parts) -> None:
     """The runs of `parts` trained side by side (`compress._side_by_side`, one process a
     core, where `s` says so) in two batches: first every run that starts from nothing (the
     two sources and every model from scratch, longest first), then every run that starts
-    from a source (continued, converted, pruned, factorized). The row builders then find
-    them finished. The narrow experts' scratch run is planned at the width the structured
+    from a source (continued, converted, pruned, factorized), queued ahead at the start
+    (`compress._ahead`: each to start once its source is trained, in a process the first
+    batch has no run left for). The row builders then find them finished. The narrow experts' scratch run is planned at the width the structured
     pruning leaves (`prune.units_pruned`); were the shrunk width another, its row would
     train that one afterwards."""
     from hpnlp.compress import prune
@@ -258,6 +259,7 @@ def train_independent_runs(s: dict, workdir: str, parts) -> None:
         first.insert(0, _scratch(s, workdir, (X, 2)))
         first.append(_source(s, workdir, 0, 1, "dense"))
         second += [_continued(s, workdir, 0, 1, "dense"), (cd, os.path.join(workdir, name))]
+    compress._ahead(s, second)  # each once its source is trained: no idle core in between
     compress._side_by_side(s, first, "sources and runs from scratch")
     compress._side_by_side(s, second, "runs from the sources")
 

@@ -59,7 +59,7 @@ def _row(method: str, sparsity: float, summary: dict, workdir: str) -> dict:
 def rows(s: dict, sizes: dict, workdir: str) -> tuple[str, list[dict]]:
     """(the LM teacher's workdir, the rows): the scratch classifier, the dense fine-tune, and
     each method at each sparsity, trained into `workdir` (reused where finished there)."""
-    lm = compress._teacher(s, workdir)
+    lm = compress._teacher_dir(workdir)
     n = sizes["steps"]
     jobs = [(SCRATCH, 0.0, None), (DENSE, 0.0, None)] + [
         (m, sp, m) for sp in sizes["sparsities"] for m in METHODS]
@@ -72,6 +72,9 @@ def rows(s: dict, sizes: dict, workdir: str) -> tuple[str, list[dict]]:
             cd.train.prune.update(method=method, sparsity=sp, **compress.prune_schedule(s, n))
         runs.append((cd, os.path.join(workdir, "transfer_" + (method or name.split(",")[-1].strip())
                                       + (f"_{sp}" if method else ""))))
+    # queued with the teacher: the scratch classifier, which reads no run, trains beside it
+    compress._ahead(s, [(compress.teacher_config("byte LM", s), lm)] + runs)
+    compress._teacher(s, workdir)
     compress._side_by_side(s, runs, "prune_transfer")  # one process a core; reused below
     return lm, [_row(name, sp, compress._train(cd, run_dir), run_dir)
                 for (name, sp, _), (cd, run_dir) in tqdm(list(zip(jobs, runs)),
