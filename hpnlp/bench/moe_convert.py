@@ -237,9 +237,10 @@ def train_independent_runs(s: dict, workdir: str, parts) -> None:
     two sources and every model from scratch, longest first), then every run that starts
     from a source (continued, converted, pruned, factorized), queued ahead at the start
     (`compress._ahead`: each to start once its source is trained, in a process the first
-    batch has no run left for). The row builders then find them finished. The narrow experts' scratch run is planned at the width the structured
-    pruning leaves (`prune.units_pruned`); were the shrunk width another, its row would
-    train that one afterwards."""
+    batch has no run left for). The row builders then find them finished. The narrow
+    experts' scratch run is planned at the width the structured pruning leaves
+    (`prune.units_pruned`); were the shrunk width another, its row would train that one
+    afterwards."""
     from hpnlp.compress import prune
     X, src = s["experts"], f"moe{s['experts']}_top1"
     first, second = [], []
