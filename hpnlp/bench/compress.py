@@ -856,10 +856,10 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
     from hpnlp.config import QuantConfig
 
     model = "byte LM"
-    _, _, fields, suffix = distilled_students(model)[-1]  # the targets' student (reused)
-    ddir, tdir = os.path.join(workdir, f"byte_LM_{suffix}"), _teacher(s, workdir)
-    _trained(s, distilled_student(model, s, tdir, fields), ddir)
     cd, pdir = _pipeline_pruned(s, workdir)
+    # the run it starts from: the targets' distilled student (the distill part's, reused)
+    fields, ddir, tdir = distilled_students(model)[-1][2], cd.train.init_from, _teacher(s, workdir)
+    _trained(s, distilled_student(model, s, tdir, fields), ddir)
     r = half_rank(s)
     lcd, ldir = _lowrank_config(s, workdir, r, tdir)  # the lowrank part's run
     _side_by_side(s, [(cd, pdir), (lcd, ldir)], "pipeline: runs")  # (reused when it ran)
