@@ -242,6 +242,7 @@ def trained(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # 9.8 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_ptq_end_to_end_and_reload(trained, tmp_path):
     out = str(tmp_path / "w8a8")
     q = QuantConfig(weights="int8", activations="int8", act_scale="static", calibration="percentile")
@@ -675,6 +676,7 @@ def test_a_factorized_run_trains_quantized_and_exports_packed_factors(trained, t
             validate(from_configdict(cd))
 
 
+@pytest.mark.slow  # 10.8 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_an_moe_run_quantizes_its_experts(tmp_path):
     """The experts' weights are packed with the rest (per expert and output channel, as
     [K, X, N]) and served on the int8 kernel, each expert's two products counted in the

@@ -186,6 +186,7 @@ def _gqa_as_mha(params, H, G):
     return fix(params)
 
 
+@pytest.mark.slow  # 8.8 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_grouped_query_attention_is_multi_head_with_shared_key_value_heads():
     """num_kv_heads=G: the LM computes what the multi-head LM computes with each key/value
     head repeated (loss and gradients: a shared head's gradient is its query heads' sum), its

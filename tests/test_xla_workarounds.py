@@ -116,6 +116,7 @@ def _child_env(switch: str) -> dict:
     return env
 
 
+@pytest.mark.slow  # 10.7 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 @pytest.mark.skipif(not sys.platform.startswith("linux") or xw._glibc() is None,
                     reason="glibc's mallopt")
 def test_xla_buffers_are_not_faulted_in_again_on_every_call():
