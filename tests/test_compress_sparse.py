@@ -158,6 +158,7 @@ def _structured_moe(**prune_fields):
     return validate(from_configdict(cd))
 
 
+@pytest.mark.slow  # 8.0 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_structured_pruning_ranks_each_experts_own_neurons_and_shrinks_the_moe_layer():
     """An MoE layer's experts lose their own weakest neurons, the same count each (ranked
     by each expert's own wi column, bi and wo row), its shared experts theirs, a dense
@@ -1244,6 +1245,7 @@ def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
     assert not np.array_equal(seen[4][0][seen[4][1]], w2[seen[4][1]])  # trains between rounds
 
 
+@pytest.mark.slow  # 10-14 s, its 2 cases, on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_an_moe_layers_experts_factorize_expert_by_expert(dispatch, tmp_path):
     """model.lowrank with 'mlp' on an MoE model: each expert's wi [X, K, N] is its own SVD,

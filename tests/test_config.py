@@ -84,6 +84,7 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
         check_new_output(str(out), str(run))
 
 
+@pytest.mark.slow  # 7.2 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_cli_config_mistakes_are_one_line(tmp_path):
     """Found by the crash hunt: each had been a traceback of 40-55 lines (about 1 s each:
     they fail in flag parsing, before JAX is imported)."""

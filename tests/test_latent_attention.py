@@ -64,6 +64,7 @@ def test_latent_attention_computes_its_definition(pos_emb, norm):
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+@pytest.mark.slow  # 22-26 s, its 4 cases, on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 @pytest.mark.parametrize("pos_emb,kv_cache,attention", [
     ("learned", "none", "dense"), ("rope", "none", "dense"), ("rope", "int8", "dense"),
     ("rope", "none", "sliding_window")])

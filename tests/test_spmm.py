@@ -93,6 +93,7 @@ def test_bad_input_says_what_and_how():
 # ---------------------------------------------------------------- a pruned run served sparse
 
 
+@pytest.mark.slow  # 7.2 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_a_pruned_run_is_served_by_the_sparse_kernel(tmp_path, capsys):
     """`python -m hpnlp.compress sparsify`: a run pruned 90% (one-shot, unstructured) is
     written with its four block products stored by their nonzeros; it evaluates as the
