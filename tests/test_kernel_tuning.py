@@ -1,7 +1,9 @@
 """Per-CPU kernel tuning (`hpnlp.kernels.tuning`) and what it feeds: the cache is used only
-when it is sound (corrupted, stale or foreign files are measured again, never used), the
-tuned blocks compute what the defaults compute (outputs and gradients to 1e-5), the
-attention backward split over key blocks for few heads, and the bfloat16 attention kernel
+when it is sound (corrupted, stale or foreign files are measured again, never used), every
+pass's probe runs on its kernel and a real search chooses a candidate, every candidate a
+search could choose computes what the defaults compute (outputs and gradients to 1e-5;
+the rest of the suite runs the defaults: tuning is off in conftest.py), the attention
+backward split over key blocks for few heads, and the bfloat16 attention kernel
 against the float32 reference (bfloat16 tolerance, no NaN on fully masked rows). The
 portable build (no AVX-512) runs the same checks in a subprocess (slow)."""
 
@@ -58,6 +60,13 @@ def _tuning(folder, seconds, calls, candidates=None):
     return t
 
 
+@pytest.fixture
+def tuning_on(monkeypatch):
+    """Tuning as users run it (the suite turns it off, conftest.py), for the fake kernels."""
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", "1")
+
+
+@pytest.mark.usefixtures("tuning_on")
 def test_search_caches_and_keeps_the_default_within_noise(tmp_path):
     calls = []
     t = _tuning(tmp_path, {64: 1.0, 128: 1.02, 256: 1.5}, calls)  # 64 is 2% faster: noise
@@ -71,6 +80,7 @@ def test_search_caches_and_keeps_the_default_within_noise(tmp_path):
     assert faster.config() == {"b": 64}
 
 
+@pytest.mark.usefixtures("tuning_on")
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "stale", "not a candidate"])
 def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage):
     seconds = {64: 0.5, 128: 1.0, 256: 1.5}
@@ -105,6 +115,7 @@ def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage)
         assert t.check(json.load(f)) is None  # and rewritten sound
 
 
+@pytest.mark.usefixtures("tuning_on")
 def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path):
     def probe(_lib, cfg):
         raise RuntimeError("probe failed")
@@ -121,6 +132,29 @@ def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
     calls = []
     t = _tuning(tmp_path, {64: 0.5, 128: 1.0}, calls)
     assert t.config() == {"b": 128} and t.source == "default" and calls == []
+
+
+def test_every_pass_probes_its_kernel_and_a_real_search_chooses_a_candidate():
+    """Each registered pass's probe (its kernel's plain C entry point, at its probe shape)
+    runs its default and returns seconds; a search of a real pass (the sparse product's,
+    the quickest: about 0.3 s) times every candidate and returns a sound cache body whose
+    choice is one of them. Nothing is written: the choice measured here, beside the other
+    tests, is no CPU's to keep."""
+    import hpnlp.attention.flash_cpu  # noqa: F401  (every kernel registers its passes)
+    import hpnlp.compress.kernels  # noqa: F401
+    import hpnlp.retrieval.exact  # noqa: F401
+    import hpnlp.rnn.fused  # noqa: F401
+    passes = [t for t in tuning.REGISTRY if t.kernel.available()]
+    assert {t.kernel.what for t in passes} >= {F.KERNEL.what, spmm.KERNEL.what}
+    for t in passes:
+        seconds = t.probe(t.kernel.library(), t.default)
+        assert 0 < seconds < 10, (t.kernel.what, t.name, seconds)
+    before = os.path.exists(spmm.TUNING.path())
+    data = spmm.TUNING.search()
+    assert spmm.TUNING.check(data) is None and data["config"] in spmm.TUNING.candidates
+    assert [x["config"] for x in data["timings"]] == spmm.TUNING.candidates
+    assert all(x["seconds"] > 0 for x in data["timings"])
+    assert os.path.exists(spmm.TUNING.path()) == before
 
 
 needs_flash = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
@@ -146,18 +180,33 @@ def _out_and_grads(fn, q, k, v, w):
     return (out, *vjp(w.astype(out.dtype)))
 
 
+def _pairs(fwd: list, bwd: list, shift: int = 1) -> list:
+    """Every forward and every backward candidate once, each forward paired with a backward
+    `shift` places on (so a pass's blocks meet another pass's other than its own)."""
+    assert len(fwd) == len(bwd)
+    return list(zip(fwd, bwd[shift:] + bwd[:shift]))
+
+
 @needs_flash
-@pytest.mark.parametrize("causal,regime", [(False, "long"), (True, "long"), (True, "short causal")])
-def test_tuned_attention_blocks_compute_what_the_defaults_do(causal, regime):
-    (tf, tb) = F.tuned_blocks(regime=regime)
-    defaults = (F.FWD_BLOCKS, F.BWD_BLOCKS) if regime == "long" else (F.SHORT_CAUSAL_BLOCKS,) * 2
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_candidate_block_pair_computes_what_the_defaults_do(causal):
+    """Whatever a CPU's search picks computes what the defaults compute (outputs and
+    gradients to 1e-5): every candidate of both passes (a cached choice is used only when
+    it is a candidate), and the short causal regime's defaults. The suite runs with
+    tuning off (conftest.py), so this covers the choices a search could make on any CPU."""
+    blocks = lambda t: [(c["bq"], c["bk"]) for c in t.candidates]  # noqa: E731
+    fwd, bwd = blocks(F.TUNINGS["fwd", False, "long"]), blocks(F.TUNINGS["bwd", False, "long"])
+    assert all(sorted(blocks(t)) == sorted(fwd) for (_, bf16, _), t in F.TUNINGS.items()
+               if not bf16)  # every float32 regime chooses among the same blocks
     q, k, v, w = _qkv(2, 300, 2, 64, seed=1)
     seg = _segments(2, 300)
     run = lambda fb, bb: _out_and_grads(  # noqa: E731
         lambda q, k, v: F.flash_attention(q, k, v, seg, seg, causal=causal, fwd_blocks=fb,
                                           bwd_blocks=bb), q, k, v, w)
-    for a, b in zip(run(tf, tb), run(*defaults)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    want = run(F.FWD_BLOCKS, F.BWD_BLOCKS)
+    for fb, bb in [*_pairs(fwd, bwd), (F.SHORT_CAUSAL_BLOCKS,) * 2]:
+        for a, b, name in zip(run(fb, bb), want, ("out", "dq", "dk", "dv")):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=f"{name} {fb} {bb}")
 
 
 @needs_flash
@@ -193,25 +242,27 @@ def test_one_head_on_two_threads_splits_its_key_blocks(causal):
         np.testing.assert_allclose(a, c, atol=1e-5, rtol=1e-5)
 
 
-def check_bfloat16(blocks=None):
+def check_bfloat16(configs=({},), causals=(False, True)):
     """The bfloat16 kernel against the float32 oracle on the same (bfloat16) inputs: outputs
     and gradients within bfloat16 tolerance, no NaN, and exact zeros on rows that see no
-    key. Shared with the portable-build subprocess below."""
-    for causal in (False, True):
+    key; for each of `configs` (flash_attention's block and widen arguments; {}: this run's
+    own). Shared with the portable-build subprocess below."""
+    for causal in causals:
         q, k, v, w = _qkv(2, 150, 2, 32, seed=3, dtype=jnp.bfloat16)
         seg = _segments(2, 150)
-        got = _out_and_grads(lambda q, k, v: F.flash_attention(
-            q, k, v, seg, seg, causal=causal, threads=2, **(blocks or {})), q, k, v, w)
-        assert all(x.dtype == jnp.bfloat16 for x in got)
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal), *f32, w)
-        for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
-            a = np.asarray(a.astype(jnp.float32))
-            assert np.isfinite(a).all(), name
-            scale = float(np.abs(b).max())
-            np.testing.assert_allclose(a, b, atol=2e-2 * scale, err_msg=name)
-        out, dq = np.asarray(got[0].astype(jnp.float32)), np.asarray(got[1].astype(jnp.float32))
-        assert (out[0, :5] == 0).all() and (dq[0, :5] == 0).all()  # padded queries: zeros
+        for blocks in configs:
+            got = _out_and_grads(lambda q, k, v: F.flash_attention(
+                q, k, v, seg, seg, causal=causal, threads=2, **blocks), q, k, v, w)
+            assert all(x.dtype == jnp.bfloat16 for x in got)
+            for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
+                a = np.asarray(a.astype(jnp.float32))
+                assert np.isfinite(a).all(), (name, blocks)
+                scale = float(np.abs(b).max())
+                np.testing.assert_allclose(a, b, atol=2e-2 * scale, err_msg=f"{name} {blocks}")
+            out, dq = (np.asarray(x.astype(jnp.float32)) for x in got[:2])
+            assert (out[0, :5] == 0).all() and (dq[0, :5] == 0).all()  # padded queries: zeros
 
 
 @needs_flash
@@ -219,9 +270,18 @@ def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
     hlo = jax.jit(lambda q: F.flash_attention(q, q, q)).lower(
         jnp.zeros((1, 16, 1, 16), jnp.bfloat16)).as_text()
     assert "hpnlp_flash_fwd_bf16" in hlo
-    for widen in (False, True):  # tails, odd key counts; the CPU's own products and widened
-        check_bfloat16(dict(fwd_blocks=(32, 64), bwd_blocks=(32, 48), widen=widen))
-    check_bfloat16()  # this CPU's tuned blocks and products
+    # tails, odd key counts; the CPU's own products and widened; the default blocks
+    check_bfloat16([dict(fwd_blocks=(32, 64), bwd_blocks=(32, 48), widen=widen)
+                    for widen in (False, True)] + [{}])
+    # every candidate a bfloat16 search could choose, blocks and products: each forward
+    # candidate beside a backward one of the same products (on causal rows, whose diagonal
+    # tiles are masked; both masks ran above)
+    def cands(p, widen):
+        return [(c["bq"], c["bk"]) for c in F.TUNINGS[p, True, "long"].candidates
+                if c["widen"] == widen]
+    widens = (0, 1) if F.KERNEL.library().hpnlp_flash_bf16_products() else (0,)  # else the same
+    check_bfloat16([dict(fwd_blocks=f, bwd_blocks=b, widen=bool(w)) for w in widens
+                    for f, b in _pairs(cands("fwd", w), cands("bwd", w))], causals=(True,))
     with open("/proc/cpuinfo") as f:
         flags = next((line.split() for line in f if line.startswith("flags")), [])
     if "avx512_bf16" in flags and kernels.march() == "native":  # the products this CPU has
@@ -257,7 +317,10 @@ def test_bfloat16_passes_tune_their_products_with_their_blocks():
 
 
 @needs_lstm
-def test_tuned_lstm_blocking_computes_what_the_default_does():
+def test_every_lstm_blocking_candidate_computes_what_the_default_does():
+    """The scans' and the weight gradients' blockings: every candidate a search could choose
+    (the suite runs with tuning off, conftest.py), the default and blocks that split every
+    loop, against each other and float64."""
     L, B, H, E = 5, 11, 48, 13
     ks = jax.random.split(jax.random.key(0), 8)
     xw = jax.random.normal(ks[0], (L, B, 4 * H))
@@ -266,10 +329,10 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
     c0, h0 = jax.random.normal(ks[3], (B, H)), jax.random.normal(ks[4], (B, H))
     valid = (jax.random.uniform(ks[5], (L, B)) > 0.2).astype(jnp.float32)
     d_out = jax.random.normal(ks[6], (B, L, H))
-    tuned = {n: t.config() for n, t in fused.TUNINGS.items()}
+    cands = {n: t.candidates for n, t in fused.TUNINGS.items()}
     results = []
-    for fwd_blk, bwd_blk in ((tuned["fwd"], tuned["bwd"]),
-                             (fused.DEFAULT_BLOCKING, fused.DEFAULT_BLOCKING),
+    for fwd_blk, bwd_blk in ((fused.DEFAULT_BLOCKING, fused.DEFAULT_BLOCKING),
+                             *_pairs(cands["fwd"], cands["bwd"]),
                              ({"kc": 16, "mr": 1}, {"kc": 32, "mr": 4}),
                              # the largest k block the API takes (its block count overflowed)
                              ({"kc": 2 ** 31 - 1, "mr": 6}, {"kc": 2 ** 31 - 1, "mr": 6})):
@@ -281,13 +344,14 @@ def test_tuned_lstm_blocking_computes_what_the_default_does():
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="blocking must be"):
         fused.lstm_forward(x, wx, b, w, c0, h0, valid, blocking={"kc": 64, "mr": 9})
-    # the weight gradients: tuned, default and blocks that split every loop (row blocks
-    # of 6 with a short last one, several packed k blocks); E = 13 is not a multiple of 6
+    # the weight gradients: every candidate, the default and blocks that split every loop
+    # (row blocks of 6 with a short last one, several packed k blocks); E = 13 is not a
+    # multiple of 6
     hp, x, dz = jax.random.normal(ks[0], (L, B, H)), jax.random.normal(ks[1], (L, B, 13)), xw
     want = [np.einsum("lbm,lbg->mg", np.asarray(a, np.float64), np.asarray(dz, np.float64))
             for a in (hp, x)]
-    for blk in (tuned["dw"], fused.DEFAULT_DW_BLOCKING, {"kc": 7, "mc": 10}):
-        for threads in (1, 2):
+    for i, blk in enumerate([*cands["dw"], fused.DEFAULT_DW_BLOCKING, {"kc": 7, "mc": 10}]):
+        for threads in (1, 2) if i >= len(cands["dw"]) else (1 + i % 2,):
             got = fused.lstm_weight_grads(hp, x, dz, threads=threads, blocking=blk)
             for g, w_ in zip(got, want):
                 np.testing.assert_allclose(g, w_, atol=1e-5, rtol=1e-5)
@@ -330,7 +394,7 @@ T.check_bfloat16()
 T.test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87()
 assert F.bf16_products() == "float32", F.bf16_products()
 T.test_one_head_on_two_threads_splits_its_key_blocks(True)
-T.test_tuned_lstm_blocking_computes_what_the_default_does()
+T.test_every_lstm_blocking_candidate_computes_what_the_default_does()
 import test_rnn_fused  # the 8-float tiles against the XLA scan: E = 12, 17 and 100 split
 for case in [(2, 5, 12), (3, 3, 100), (2, 2, 17)]:  # across tiles and threads otherwise
     test_rnn_fused.test_kernel_matches_the_scan_with_padding(*case)
