@@ -134,6 +134,11 @@ def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
     assert t.config() == {"b": 128} and t.source == "default" and calls == []
 
 
+needs_flash = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
+needs_lstm = pytest.mark.skipif(not fused.available(), reason=str(fused.unavailable_reason()))
+
+
+@needs_flash  # a compiler: every kernel builds
 def test_every_pass_probes_its_kernel_and_a_real_search_chooses_a_candidate():
     """Each registered pass's probe (its kernel's plain C entry point, at its probe shape)
     runs its default and returns seconds; a search of a real pass (the sparse product's,
@@ -155,10 +160,6 @@ def test_every_pass_probes_its_kernel_and_a_real_search_chooses_a_candidate():
     assert [x["config"] for x in data["timings"]] == spmm.TUNING.candidates
     assert all(x["seconds"] > 0 for x in data["timings"])
     assert os.path.exists(spmm.TUNING.path()) == before
-
-
-needs_flash = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
-needs_lstm = pytest.mark.skipif(not fused.available(), reason=str(fused.unavailable_reason()))
 
 
 def _qkv(B, L, H, D, seed, dtype=jnp.float32):
