@@ -13,8 +13,7 @@ import pytest
 import hpnlp.attention as A
 import hpnlp.attention.cache_cpu as CC
 
-needs_kernel = pytest.mark.skipif(not CC.KERNEL.available(),
-                                  reason=str(CC.KERNEL.unavailable_reason()))
+needs_kernel = pytest.mark.kernel(CC.KERNEL)
 
 CASES = [  # B, L, T, H, D, index
     (2, 1, 37, 3, 20, 5),    # a head dim of one vector and a tail

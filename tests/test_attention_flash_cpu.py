@@ -17,7 +17,7 @@ import hpnlp.attention.chunked as C
 import hpnlp.attention.flash_cpu as F
 from hpnlp.attention.dense import dense_attention
 
-pytestmark = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
+pytestmark = pytest.mark.kernel(F.KERNEL)
 
 H = 2
 

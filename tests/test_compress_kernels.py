@@ -16,7 +16,7 @@ from hpnlp import kernels
 from hpnlp.compress import kernels as qk
 from hpnlp.compress import packing
 
-needs_kernel = pytest.mark.skipif(not qk.available(), reason=f"no kernel: {qk.unavailable_reason()}")
+needs_kernel = pytest.mark.kernel(qk.KERNEL)
 
 # (M, K, N): M = 1 (decoding), K = 1, odd K not a multiple of 8 or 64, N past a panel; one
 # row over many panels, which two threads claim in grains from both ends until they meet.

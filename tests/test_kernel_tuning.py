@@ -134,8 +134,8 @@ def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
     assert t.config() == {"b": 128} and t.source == "default" and calls == []
 
 
-needs_flash = pytest.mark.skipif(not F.KERNEL.available(), reason=str(F.KERNEL.unavailable_reason()))
-needs_lstm = pytest.mark.skipif(not fused.available(), reason=str(fused.unavailable_reason()))
+needs_flash = pytest.mark.kernel(F.KERNEL)
+needs_lstm = pytest.mark.kernel(fused.KERNEL)
 
 
 @needs_flash  # a compiler: every kernel builds
@@ -277,11 +277,11 @@ def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
     # every candidate a bfloat16 search could choose, blocks and products: each forward
     # candidate beside a backward one of the same products (on causal rows, whose diagonal
     # tiles are masked; both masks ran above)
-    def cands(p, widen):
-        return [(c["bq"], c["bk"]) for c in F.TUNINGS[p, True, "long"].candidates
-                if c["widen"] == widen]
-    widens = (0, 1) if F.KERNEL.library().hpnlp_flash_bf16_products() else (0,)  # else the same
-    check_bfloat16([dict(fwd_blocks=f, bwd_blocks=b, widen=bool(w)) for w in widens
+    def cands(p, widen):  # those that apply to this build (widening needs products of its own)
+        t = F.TUNINGS[p, True, "long"]
+        return [(c["bq"], c["bk"]) for c in t.candidates
+                if c["widen"] == widen and t.applies(F.KERNEL.library(), c)]
+    check_bfloat16([dict(fwd_blocks=f, bwd_blocks=b, widen=bool(w)) for w in (0, 1)
                     for f, b in _pairs(cands("fwd", w), cands("bwd", w))], causals=(True,))
     with open("/proc/cpuinfo") as f:
         flags = next((line.split() for line in f if line.startswith("flags")), [])

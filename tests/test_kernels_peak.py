@@ -16,8 +16,7 @@ import pytest
 from hpnlp import kernels
 from hpnlp.kernels import peak
 
-needs_probe = pytest.mark.skipif(not peak.KERNEL.available(),
-                                 reason=f"no FMA probe: {peak.KERNEL.unavailable_reason()}")
+needs_probe = pytest.mark.kernel(peak.KERNEL)
 
 
 @needs_probe

@@ -14,8 +14,7 @@ from hpnlp import rnn
 from hpnlp.config import ConfigError
 from hpnlp.rnn import cells, fused
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="needs a C++ compiler: "
-                                f"{fused.unavailable_reason()}")
+pytestmark = pytest.mark.kernel(fused.KERNEL)
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
