@@ -21,6 +21,7 @@ the exact twins are compared at float32 tolerances, which TF32, the GPU default,
 by ~1e-3.
 """
 
+import gc
 import os
 import tempfile
 
@@ -88,7 +89,6 @@ def pytest_sessionfinish(session):
     # exceptions of the last objects freed; each pass walks a heap of every program a worker
     # compiled, 7-9 s in all per worker on a 2-core EPYC Zen 3. One pass frees the garbage
     # (and raises what it would have); freezing what is left makes the five passes skip it.
-    import gc
     gc.collect()
     gc.freeze()
 
