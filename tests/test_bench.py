@@ -940,6 +940,10 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
 TOOL_REFUSALS = [
     (["kernel_ab.py", "--rev", "HEAD", "--length", "-5"], "--length -5: give a positive number"),
     (["kernel_ab.py", "--rev", "HEAD", "--bwd-blocks", "0,16"], "--bwd-blocks '0,16': give QUERIES,KEYS"),
+    (["kernel_ab.py", "--rev", "HEAD", "--rev-fwd-blocks", "64,60"],
+     "--rev-fwd-blocks '64,60': give QUERIES,KEYS"),
+    (["kernel_ab.py", "--rev", "HEAD", "--kernel", "lstm", "--rev-bwd-blocks", "64,64"],
+     "and the --\\*fwd-blocks/--\\*bwd-blocks are flash attention.s options"),
     (["kernel_ab.py", "--rev", "HEAD", "--widen", "1"], "--widen chooses the bfloat16 kernel's"),
     (["kernel_ab.py", "--rev", "HEAD", "--kernel", "lstm", "--rev-dw-blocks", "128"],
      "--rev-dw-blocks '128': give KC,MC, two positive numbers, with --kernel lstm"),

@@ -4,7 +4,8 @@ inputs, no XLA), on this CPU's tuned blocks.
 
     python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
         [--length L] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
-        [--bwd-blocks Q,K] [--dw-blocks KC,MC] [--rev-dw-blocks KC,MC]
+        [--fwd-blocks Q,K] [--bwd-blocks Q,K] [--rev-fwd-blocks Q,K] [--rev-bwd-blocks Q,K]
+        [--dw-blocks KC,MC] [--rev-dw-blocks KC,MC]
 
 Both libraries are built here the way `hpnlp.kernels` builds them (its flags, each with
 its own revision's `simd.h`). Shapes: flash attention at the attention bench's (B=1,
@@ -13,7 +14,9 @@ LSTM at the rnn bench's (B=32, H=512, L=256; from 2e2f035 its forward probe incl
 input projection, and from 9231e00 its backward the input gradient, so a revision before
 them times less work: compare revisions on the same side; its third pass, the weight
 gradients over all L*B rows, needs 7ef6a01 or later; `--rev-dw-blocks` gives the --rev
-build its own blocks there). A round runs every (build, pass) once, in a new random
+build its own blocks there; `--rev-fwd-blocks`/`--rev-bwd-blocks` do so for flash attention,
+so `--rev HEAD` with different blocks on each side compares two block choices of one
+kernel). A round runs every (build, pass) once, in a new random
 order, after one untimed warm-up round; the table gives each median with its min-max,
 and the median over rounds of the paired ratio (old / new in the same round), which
 drifts of the machine's speed affect less.
@@ -69,6 +72,10 @@ def read(paths, rev: str | None) -> dict[str, bytes]:
     return out
 
 
+def _blocks(flag: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in flag.split(",")) if flag else None
+
+
 def probes(args) -> tuple[str, dict]:
     """(what it is, {pass: (its probe symbol, its argument list, its blocks)}) of
     args.kernel."""
@@ -94,8 +101,7 @@ def probes(args) -> tuple[str, dict]:
     L = args.length or 4096
     threads = args.threads or kernels.cores()
     fwd, bwd = F.tuned_blocks(args.bfloat16, F.regime(L, L, args.causal))
-    if args.bwd_blocks:
-        bwd = tuple(int(x) for x in args.bwd_blocks.split(","))
+    fwd, bwd = _blocks(args.fwd_blocks) or fwd, _blocks(args.bwd_blocks) or bwd
     wide = (F.tuned_widen(F.regime(L, L, args.causal)) if args.bfloat16 else (0, 0))
     if args.widen is not None:
         wide = (args.widen,) * 2
@@ -123,8 +129,12 @@ def main():
                          "the byte LM's is 32,4,32 at --length 128)")
     ap.add_argument("--causal", action="store_true", help="flash attention only")
     ap.add_argument("--bfloat16", action="store_true", help="flash attention only")
-    ap.add_argument("--bwd-blocks", help="flash attention: QUERIES,KEYS of the backward "
-                                         "(default: tuned)")
+    for side in ("", "rev-"):
+        for p, name in (("fwd", "forward"), ("bwd", "backward")):
+            ap.add_argument(f"--{side}{p}-blocks",
+                            help=f"flash attention: QUERIES,KEYS of the {name}"
+                                 + (f" for the --rev build alone (default: --{p}-blocks')"
+                                    if side else " (default: tuned)"))
     ap.add_argument("--dw-blocks", help="the fused LSTM: KC,MC of its weight gradients' "
                                         "product (default: tuned)")
     ap.add_argument("--rev-dw-blocks", help="the fused LSTM: KC,MC for the --rev build's weight "
@@ -135,11 +145,13 @@ def main():
                          "them on the CPU's bfloat16 instructions (default: tuned; a revision "
                          "before the choice always runs the CPU's own)")
     args = ap.parse_args()
-    if args.kernel == "lstm" and (args.causal or args.bfloat16 or args.bwd_blocks
+    flash_blocks = ("fwd_blocks", "bwd_blocks", "rev_fwd_blocks", "rev_bwd_blocks")
+    if args.kernel == "lstm" and (args.causal or args.bfloat16
+                                  or any(getattr(args, f) for f in flash_blocks)
                                   or args.widen is not None
                                   or args.shape != ap.get_default("shape")):
-        ap.error("--causal, --bfloat16, --shape, --bwd-blocks and --widen are flash attention's "
-                 "options")
+        ap.error("--causal, --bfloat16, --shape, --widen and the --*fwd-blocks/--*bwd-blocks "
+                 "are flash attention's options")
     if args.widen is not None and not args.bfloat16:
         ap.error("--widen chooses the bfloat16 kernel's products: give --bfloat16 too")
     if (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", args.shape)
@@ -151,11 +163,12 @@ def main():
     for flag in ("length", "threads"):  # the probe would fail only after both builds
         if getattr(args, flag) < 0:
             ap.error(f"--{flag} {getattr(args, flag)}: give a positive number (0: the default)")
-    if args.bwd_blocks is not None and (
-            not re.fullmatch(r"[1-9]\d*,[1-9]\d*", args.bwd_blocks)
-            or any(int(x) % 16 for x in args.bwd_blocks.split(","))):
-        ap.error(f"--bwd-blocks {args.bwd_blocks!r}: give QUERIES,KEYS, two positive multiples "
-                 "of 16, e.g. 64,128")
+    for flag in flash_blocks:
+        value = getattr(args, flag)
+        if value is not None and (not re.fullmatch(r"[1-9]\d*,[1-9]\d*", value)
+                                  or any(int(x) % 16 for x in value.split(","))):
+            ap.error(f"--{flag.replace('_', '-')} {value!r}: give QUERIES,KEYS, two positive "
+                     "multiples of 16, e.g. 64,128")
     sys.path.insert(0, ROOT)
     from hpnlp.kernels import tuning
 
@@ -183,11 +196,16 @@ def main():
             if lib == args.rev and p == "weight gradients" and args.rev_dw_blocks:
                 kc, mc = (int(x) for x in args.rev_dw_blocks.split(","))
                 probe_args = probe_args[:3] + [kc, mc] + probe_args[5:]
+            rev_blocks = _blocks(args.rev_fwd_blocks if p == "forward" else args.rev_bwd_blocks)
+            if lib == args.rev and symbol == "hpnlp_flash_probe" and rev_blocks:
+                probe_args = probe_args[:4] + list(rev_blocks) + probe_args[6:]
             t = tuning.run_probe(libs[lib], symbol, probe_args, what, cfg)
             if r > 0:
                 times[lib, p].append(t)
     print_cpu(f"; {what}; blocks: " + ", ".join(f"{p} {cfg}" for p, (_, _, cfg) in passes.items())
               + (f" ({args.rev}'s: {args.rev_dw_blocks})" if args.rev_dw_blocks else "")
+              + "".join(f" ({args.rev}'s {p}: {v})" for p, v in (
+                  ("forward", args.rev_fwd_blocks), ("backward", args.rev_bwd_blocks)) if v)
               + f"; {args.rounds} rounds")
     old_lib, new_lib = libs
     print(f"| pass | {old_lib} ms | {new_lib} ms | speed-up (medians) | paired ratio, median "

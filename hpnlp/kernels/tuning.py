@@ -3,7 +3,7 @@
     FWD = Tuning(KERNEL, "fwd", default={"bq": 128, "bk": 128},
                  candidates=[{"bq": q, "bk": k} for q in (64, 128, 256) for k in (64, 128, 256)],
                  probe=lambda lib, cfg: lib.hpnlp_flash_probe(...),  # seconds, one run
-                 shape="B=1 H=4 L=2048 D=64")
+                 shape="B=1 L=4096 H=2 D=64")
     blocks = FWD.config()  # {"bq": ..., "bk": ...}
 
 The best tile sizes depend on the CPU (an AMD EPYC's 32 KB L1 against a Xeon's 48 KB, the
