@@ -9,7 +9,7 @@
 The best tile sizes depend on the CPU (an AMD EPYC's 32 KB L1 against a Xeon's 48 KB, the
 L2 size, how many loads a cycle), so a kernel does not ship one choice. The first time a
 kernel runs on a CPU, `config()` times every candidate on a fixed probe problem through
-the library's plain C entry point (no XLA, no compile: about a second), keeps the
+the library's plain C entry point (no XLA, no compile: seconds a pass), keeps the
 fastest, and writes it beside the library as `<library>.<name>.tune.json`. The library's
 name already carries the source, jaxlib, flags and CPU (`CpuKernel.library_path`), so a
 changed kernel or another CPU gets its own file.
