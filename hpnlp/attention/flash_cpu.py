@@ -52,13 +52,14 @@ BWD_BLOCKS = (128, 256)
 SHORT_CAUSAL_BLOCKS = (64, 64)  # both passes' default in the short causal regime
 SHORT_CAUSAL = 1024  # causal attention over at most this many keys is "short causal"
 _SIZES = (64, 128, 256)
-# The long probe runs at L = 4096, the length where a block's choice begins to matter: the
-# backward streams every query's packed operands and dQ (5 MB a head at L = 4096) past each
-# key block, so few keys per block read them from L3 many times. At L = 2048 (H = 4, the
-# probe before 2026-12-01) every candidate timed alike on the 2-core AMD EPYC Zen 3 and
-# its search kept 64 x 64, which ran the bench's L = 4096 backward 1.13x slower than
-# 128 x 256 (`python tools/kernel_ab.py --rev HEAD --rev-fwd-blocks 128,128
-# --rev-bwd-blocks 64,64 --fwd-blocks 128,256 --bwd-blocks 128,256`, paired, 9 rounds).
+# The long probe runs at L = 4096, the attention bench's length: the backward streams every
+# query's packed operands and dQ (5 MB a head there) past each key block, so few keys per
+# block read them from L3 many times, which costs most when other tenants keep the L3 busy.
+# On the 2-core AMD EPYC Zen 3 VM, `python tools/kernel_ab.py --rev HEAD --rev-bwd-blocks
+# 64,64 --bwd-blocks 128,256` (the bench's shape, one kernel, paired rounds) read the
+# backward 1.13x faster at 128 x 256 in one hour of 2026-12-01 and 1.02x in a later one.
+# At L = 2048 (H = 4, the probe before then) the two timed alike (0.99x with `--length 2048
+# --shape 1,4,64`), and the Zen 3's search had kept 64 x 64 over the default by noise.
 PROBES = {"long": dict(B=1, L=4096, H=2, D=64, causal=0),
           "short causal": dict(B=4, L=512, H=8, D=64, causal=1)}
 
