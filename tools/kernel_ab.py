@@ -187,18 +187,21 @@ def main():
                 for i, rev in enumerate((args.rev, None))}
     finally:  # the libraries stay loaded; their files are no longer needed
         shutil.rmtree(tmp, ignore_errors=True)
-    times = {(lib, p): [] for lib in libs for p in passes}
+    calls = {(lib, p): probe for lib in libs for p, probe in passes.items()}
+    for p, (symbol, probe_args, cfg) in passes.items():  # the --rev build's own blocks
+        if p == "weight gradients" and args.rev_dw_blocks:
+            probe_args = probe_args[:3] + list(_blocks(args.rev_dw_blocks)) + probe_args[5:]
+        rev_blocks = _blocks({"forward": args.rev_fwd_blocks,
+                              "backward": args.rev_bwd_blocks}.get(p))
+        if symbol == "hpnlp_flash_probe" and rev_blocks:
+            probe_args = probe_args[:4] + list(rev_blocks) + probe_args[6:]
+        calls[args.rev, p] = (symbol, probe_args, cfg)
+    times = {call: [] for call in calls}
     for r in range(args.rounds + 1):  # round 0: warm-up, not kept
         order = list(times)
         random.shuffle(order)
         for lib, p in order:
-            symbol, probe_args, cfg = passes[p]
-            if lib == args.rev and p == "weight gradients" and args.rev_dw_blocks:
-                kc, mc = (int(x) for x in args.rev_dw_blocks.split(","))
-                probe_args = probe_args[:3] + [kc, mc] + probe_args[5:]
-            rev_blocks = _blocks(args.rev_fwd_blocks if p == "forward" else args.rev_bwd_blocks)
-            if lib == args.rev and symbol == "hpnlp_flash_probe" and rev_blocks:
-                probe_args = probe_args[:4] + list(rev_blocks) + probe_args[6:]
+            symbol, probe_args, cfg = calls[lib, p]
             t = tuning.run_probe(libs[lib], symbol, probe_args, what, cfg)
             if r > 0:
                 times[lib, p].append(t)
