@@ -84,6 +84,20 @@ def pytest_runtest_setup(item):
             pytest.skip(f"{kernel.what} cannot run here: {kernel.unavailable_reason()}")
 
 
+def pytest_collection_finish(session):
+    # Under xdist, each worker first builds its share of the kernels the selected tests ask
+    # for (by their `kernel` mark; in turn by source, worker i every n-th). Built on demand,
+    # a kernel the other worker was building kept this one waiting on the build lock: flash
+    # attention's 15 s of one idle core on a 2-core EPYC Zen 3 with an empty kernel cache.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return
+    wanted = {mark.args[0] for item in session.items for mark in item.iter_markers("kernel")}
+    for kernel in sorted(wanted, key=lambda k: k.source)[int(worker[2:]) % count::count]:
+        kernel.available()  # a kernel that cannot build is reported by its tests, as before
+
+
 def pytest_sessionfinish(session):
     # When the run ends, pytest collects garbage five times over to report the unraisable
     # exceptions of the last objects freed; each pass walks a heap of every program a worker
