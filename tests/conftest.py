@@ -91,7 +91,7 @@ def pytest_collection_finish(session):
     # attention's 15 s of one idle core on a 2-core EPYC Zen 3 with an empty kernel cache.
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if not worker.startswith("gw") or count < 2:
+    if not worker.startswith("gw") or count < 2 or session.config.option.collectonly:
         return
     wanted = {mark.args[0] for item in session.items for mark in item.iter_markers("kernel")}
     for kernel in sorted(wanted, key=lambda k: k.source)[int(worker[2:]) % count::count]:
