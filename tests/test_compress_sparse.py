@@ -861,6 +861,9 @@ def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_p
     assert not os.path.exists(tmp_path / "other" / "config.json")  # refused before writing
 
 
+# 6.8 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
+# CI's slow part runs it (the default run keeps the causal classifier on an LM's trunk)
+@pytest.mark.slow
 def test_a_classifier_starts_from_an_lms_trunk(tmp_path):
     """train.init_params='trunk' (hpnlp.train.transfer): a classifier of longer inputs starts
     from a byte LM's embedding and trunk, its position table's first rows the LM's and the
@@ -1496,6 +1499,10 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
             Trainer(from_configdict(cd), str(tmp_path / "refused"))
 
 
+# 7.4 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
+# CI's slow part runs it (the default run keeps the tests of pooled
+# uptraining and of the latent conversion)
+@pytest.mark.slow
 def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_and_outputs(
         tmp_path):
     """`train.init_kv_heads='svd'`: each group's key (value) weights side by side [E, 2D]

@@ -265,6 +265,9 @@ def test_cli_from_checkpoints(plain, averaged, tmp_path):
     assert bad.returncode != 0 and "exactly one of --members" in bad.stderr
 
 
+# 6.0 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
+# CI's slow part runs it (the default run keeps the ensembles' other refusal)
+@pytest.mark.slow
 def test_ensembles_refuse_a_bi_encoder_and_a_file_workdir_in_one_line(tmp_path):
     """Found by the crash hunt: --from_checkpoints on a bi-encoder run failed deep in flax
     (BiEncoder has no `logits`), and a --workdir that is a file as a bare FileExistsError."""

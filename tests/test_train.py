@@ -324,6 +324,9 @@ def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):
     assert {x.dtype for x in jax.tree.leaves(state.opt_state) if hasattr(x, "dtype") and x.ndim} == {np.dtype("float32")}
 
 
+# 7.6 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
+# CI's slow part runs it (the default run keeps test_parallel.py's state shardings)
+@pytest.mark.slow
 def test_optimizer_state_is_sharded_like_params(tmp_path):
     """FSDP over 2 simulated devices: Adam moments follow the params' shardings."""
     code = """
