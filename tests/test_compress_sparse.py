@@ -1499,10 +1499,6 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
             Trainer(from_configdict(cd), str(tmp_path / "refused"))
 
 
-# 7.4 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
-# CI's slow part runs it (the default run keeps the tests of pooled
-# uptraining and of the latent conversion)
-@pytest.mark.slow
 def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_and_outputs(
         tmp_path):
     """`train.init_kv_heads='svd'`: each group's key (value) weights side by side [E, 2D]
