@@ -105,7 +105,8 @@ def test_chunked_products_only_bound_does_every_block_product(monkeypatch):
 
 
 # 6.1 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
-# CI's slow part runs it (the default run keeps the bench's other harness tests)
+# CI's slow part runs it. The default run tests no other call of `harness.isolated`: only
+# how the report shows a payload's peak RSS (test_peak_memory_column_follows_the_backend_...)
 @pytest.mark.slow
 def test_isolated_run_reports_peak_rss_of_a_fresh_process():
     spec = dict(impl="dense", L=64, mode="fwd", causal=False, B=1, H=2, D=8, repeats=2)
