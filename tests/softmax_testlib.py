@@ -8,6 +8,8 @@ methods, loss == -log_prob[target].
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,20 +27,30 @@ def inputs(seed: int = 0, vocab: int = V, width: int = E):
 RNGS = {"params": jax.random.key(2), "dropout": jax.random.key(3)}
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init(layer, rngs, h, t):
+    return layer.init(rngs, h, t, None, method="loss", deterministic=False)
+
+
 def init(layer, h, t):
     """Params created through `loss` (so every parameter a training run uses exists)."""
-    # jitted: one compile instead of one per eager op (most of a tiny test's time)
-    return jax.jit(lambda r, h, t: layer.init(r, h, t, None, method="loss", deterministic=False))(
-        RNGS, h, t)
+    # jitted: one compile instead of one per eager op (most of a tiny test's time), and one
+    # per layer: the checks below each init the same layer on the same shapes
+    try:
+        hash(layer)
+    except TypeError:  # a layer holding an array (the tree's counts): compiled per call
+        return jax.jit(functools.partial(_init.__wrapped__, layer))(RNGS, h, t)
+    return _init(layer, RNGS, h, t)
 
 
 def check_normalized(layer, *, vocab: int = V, atol: float = 1e-5):
     h, t = inputs(vocab=vocab)
     params = init(layer, h, t)
-    logp = layer.apply(params, h, method="log_prob")
+    # the checks' passes jitted: one compile each, not one per eager op
+    logp, (vals, idx) = jax.jit(lambda p, h: (layer.apply(p, h, method="log_prob"),
+                                              layer.apply(p, h, 3, method="top_k")))(params, h)
     assert logp.shape == (B, L, vocab) and logp.dtype == jnp.float32
     np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, atol=atol)
-    vals, idx = layer.apply(params, h, 3, method="top_k")
     assert idx.shape == (B, L, 3)
     np.testing.assert_array_equal(idx[..., 0], jnp.argmax(logp, -1))
     return params, logp
@@ -48,8 +60,10 @@ def check_exact_loss(layer, *, vocab: int = V, atol: float = 1e-5):
     """Training loss is -log p(target) under `log_prob`."""
     h, t = inputs(vocab=vocab)
     params = init(layer, h, t)
-    logp = layer.apply(params, h, method="log_prob")
-    loss = layer.apply(params, h, t, None, method="loss", rngs={"dropout": jax.random.key(4)})
+    logp, loss = jax.jit(lambda p, h, t: (
+        layer.apply(p, h, method="log_prob"),
+        layer.apply(p, h, t, None, method="loss", rngs={"dropout": jax.random.key(4)})))(
+        params, h, t)
     nll = -jnp.take_along_axis(logp, t[..., None], -1)[..., 0]
     np.testing.assert_allclose(loss, nll, atol=atol, rtol=atol)
 
@@ -65,7 +79,7 @@ def check_padding(layer, *, vocab: int = V, deterministic: bool = False):
                            rngs={"dropout": jax.random.key(4)})
         return jnp.sum(loss), loss
 
-    (_, loss), g = jax.value_and_grad(total, has_aux=True)(h)
+    (_, loss), g = jax.jit(jax.value_and_grad(total, has_aux=True))(h)
     assert loss.shape == (B, L)
     assert float(jnp.abs(jnp.where(mask, 0.0, loss)).max()) == 0.0
     assert float(jnp.abs(jnp.where(mask[..., None], 0.0, g)).max()) == 0.0
