@@ -200,6 +200,27 @@ def test_errors_say_what_and_how():
     q, k, v, _ = _qkv(1, 16, 16, 16)
     with pytest.raises(ValueError, match="both qseg_BL and kseg_BS"):
         F.flash_attention(q, k, v, jnp.ones((1, 16), jnp.int32))
+    # found in review: a block past a C int overflowed in the kernel (wrong outputs, NaN
+    # gradients); refused before anything is tuned or compiled
+    with pytest.raises(ValueError, match=r"fwd_blocks must be .* at most"):
+        F.flash_attention(q, k, v, fwd_blocks=(2**31, 16), bwd_blocks=(16, 16))
+    z = jnp.zeros((1, 8, 1, 0))  # head dim 0: the XLA twin's empty output, not 1 / sqrt(0)
+    assert C.chunked_attention(z, z, z).shape == (1, 8, 1, 0)
+    with pytest.raises(RuntimeError, match="head dim 0"):
+        F.flash_attention(z, z, z)
+
+
+def test_one_pass_given_tunes_only_the_other(monkeypatch):
+    """Blocks given for one pass (any sequence of two ints, a NumPy array too): only the
+    other pass's tuning is asked for."""
+    asked = []
+    monkeypatch.setattr(F, "tuned_block", lambda p, bf16=False, regime="long": (
+        asked.append(p), (16, 16))[1])
+    q, k, v, w = _qkv(1, 40, 40, 16, seed=3)
+    got = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v, fwd_blocks=np.array([16, 32])),
+                         q, k, v, w)
+    assert asked == ["bwd"]
+    _assert_close(got, _out_and_grads(lambda q, k, v: dense_attention(q, k, v, None), q, k, v, w))
 
 
 @functools.lru_cache(None)

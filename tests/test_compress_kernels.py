@@ -305,6 +305,10 @@ def test_bad_inputs_name_the_argument():
     if qk.available():
         with pytest.raises(ValueError, match="blocking must be"):
             qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 8, "mr": 99})
+        # found in review: mc of 2**31 - 1 overflowed the kernel's int row-chunk count and
+        # computed no rows, silently
+        with pytest.raises(ValueError, match=r"'mc': 1\.\.2\*\*30"):
+            qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 2**31 - 1, "mr": 4})
         with pytest.raises(ValueError, match="threads must be >= 1"):
             qk.int8_matmul(x, w, impl="kernel", threads=0)
 
@@ -353,7 +357,7 @@ def test_every_instruction_path_compiles(march, tmp_path):
     """The AVX-512 VNNI / VPOPCNTDQ paths (not run on a CPU without them), AVX-512 without
     VNNI (Skylake-X: the int16 products, AVX-512's epilogue), the AVX2 and the portable
     paths all compile."""
-    cmd = [os.environ.get("CXX") or "g++", *kernels.FLAGS, f"-march={march}", "-c", "-I",
+    cmd = [*kernels.compiler(), *kernels.FLAGS, f"-march={march}", "-c", "-I",
            jax.ffi.include_dir(), "-I", kernels.HEADER_DIR, qk.KERNEL.source, "-o",
            str(tmp_path / "qgemm.o")]
     cmd.remove("-shared")

@@ -11,7 +11,6 @@ import ctypes
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -125,6 +124,55 @@ def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path):
     with pytest.warns(RuntimeWarning, match="tuning fake kernel/pass failed .*default blocks"):
         assert t.config() == {"b": 128}
     assert t.source == "default" and not os.path.exists(t.path())
+
+
+@pytest.mark.usefixtures("tuning_on")
+def test_a_cache_folder_it_cannot_write_runs_the_defaults_and_a_failed_write_the_choice(
+        tmp_path, monkeypatch):
+    """Found in review: a cache this process may not write (a shared, read-only folder of
+    prebuilt kernels) raised OSError from every kernel call. Now: the defaults, with a
+    warning that says how to tune; a search whose result cannot be written (a full disk)
+    runs its choice in this process, leaving no file behind."""
+    calls = []
+    t = _tuning(tmp_path / "missing", {64: 0.5, 128: 1.0}, calls)
+    with pytest.warns(RuntimeWarning, match="cannot write the kernel tuning cache .*"
+                                            "HPNLP_KERNEL_CACHE"):
+        assert t.config() == {"b": 128}
+    assert t.source == "default" and calls == []
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tuning.tempfile, "mkstemp", full_disk)
+    t = _tuning(tmp_path, {64: 0.5, 128: 1.0}, calls)
+    with pytest.warns(RuntimeWarning, match="could not write .* measured choice"):
+        assert t.config() == {"b": 64}
+    assert t.source == "tuned" and calls and not os.path.exists(t.path())
+
+
+@pytest.mark.usefixtures("tuning_on")
+def test_repeat_says_when_its_search_stopped_before_the_cached_choice(tmp_path, monkeypatch,
+                                                                      capsys):
+    """Found in review: `python -m hpnlp.kernels --repeat` raised KeyError when the repeat
+    search stopped at its time budget before timing the cached choice."""
+    t = _tuning(tmp_path, {64: 0.5, 128: 1.0}, [])
+    assert t.config() == {"b": 64}
+    t.budget_s = 0.0  # the repeat times the default alone
+    monkeypatch.setattr(tuning, "REGISTRY", [t])  # main's imports registered theirs already
+    assert tuning.main(["--repeat", "1"]) == 1
+    assert "the cached choice was not timed" in capsys.readouterr().out
+
+
+def test_compiler_command_and_a_missing_compiler(tmp_path, monkeypatch):
+    """$CXX is split as a shell would (`ccache g++`); one that names no program is reported
+    as the compiler, not as the cache, and its failed build leaves no file behind."""
+    monkeypatch.setenv("CXX", "ccache  g++ -v")
+    assert kernels.compiler() == ["ccache", "g++", "-v"]
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernel = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel")
+    reason = kernel.unavailable_reason()
+    assert "cannot run the C++ compiler" in reason and "no-such-compiler" in reason
+    assert [f for f in os.listdir(tmp_path / "cache") if not f.endswith(".lock")] == []
 
 
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
@@ -433,12 +481,12 @@ def test_avx2_builds_lower_no_vector_operation_piecewise(kernel):
     16-float vector there, GCC lowered their arithmetic lane by lane through memory and
     flash attention ran 19x slower than PyTorch's on an AVX2-only EPYC; GCC says so with
     this warning."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    cxx = kernels.compiler()
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
     if "Free Software Foundation" not in version:  # the warning is GCC's
-        pytest.skip(f"{cxx} is not GCC")
+        pytest.skip(f"{' '.join(cxx)} is not GCC")
     flags = [f for f in kernels.FLAGS if f not in ("-shared", "-fPIC")]
-    cmd = [cxx, *flags, "-march=x86-64-v3", "-Wno-psabi",
+    cmd = [*cxx, *flags, "-march=x86-64-v3", "-Wno-psabi",
            "-Werror=vector-operation-performance", "-I", jax.ffi.include_dir(), "-I",
            kernels.HEADER_DIR, "-S", kernel.source, "-o", os.devnull]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

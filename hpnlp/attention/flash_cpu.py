@@ -51,6 +51,7 @@ FWD_BLOCKS = (128, 128)
 BWD_BLOCKS = (128, 256)
 SHORT_CAUSAL_BLOCKS = (64, 64)  # both passes' default in the short causal regime
 SHORT_CAUSAL = 1024  # causal attention over at most this many keys is "short causal"
+MAX_BLOCK = 2**31 - 16  # the kernel counts a block's rows in a C int
 _SIZES = (64, 128, 256)
 # The long probe runs at L = 4096, the attention bench's length: the backward streams every
 # query's packed operands and dQ (5 MB a head there) past each key block, so few keys per
@@ -105,11 +106,16 @@ TUNINGS = {(p, bf16, r): _tuning(p + ("_bf16" if bf16 else ""),
            for r in PROBES for bf16 in (False, True) for p in ("fwd", "bwd")}
 
 
+def tuned_block(pass_: str, bf16: bool = False, regime: str = "long") -> tuple[int, int]:
+    """One pass's ("fwd" or "bwd") (queries, keys) blocks for this CPU, dtype and `regime`
+    (see `regime()`): measured once, cached."""
+    cfg = TUNINGS[pass_, bf16, regime].config()
+    return cfg["bq"], cfg["bk"]
+
+
 def tuned_blocks(bf16: bool = False, regime: str = "long") -> tuple[tuple[int, int], tuple[int, int]]:
-    """(forward, backward) (queries, keys) blocks for this CPU, dtype and `regime` (see
-    `regime()`): measured once, cached."""
-    f, b = TUNINGS["fwd", bf16, regime].config(), TUNINGS["bwd", bf16, regime].config()
-    return (f["bq"], f["bk"]), (b["bq"], b["bk"])
+    """(forward, backward) (queries, keys) blocks for this CPU, dtype and `regime`."""
+    return tuned_block("fwd", bf16, regime), tuned_block("bwd", bf16, regime)
 
 
 def tuned_widen(regime: str = "long") -> tuple[bool, bool]:
@@ -130,8 +136,8 @@ def bf16_products() -> str:
 
 def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
     """Why the kernel cannot run attention with these head dims here; None if it can."""
-    if head_dim % 16:
-        return f"head dim {head_dim} (the kernel needs a multiple of 16)"
+    if head_dim <= 0 or head_dim % 16:
+        return f"head dim {head_dim} (the kernel needs a positive multiple of 16)"
     if value_dim is not None and value_dim != head_dim:
         return f"value head dim {value_dim} differs from the query's {head_dim}"
     return KERNEL.blocker()
@@ -220,14 +226,20 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
         raise ValueError(f"flash attention: widen must be True, False or None (tuned); got "
                          f"{widen!r}")
     bf16 = all(x.dtype == jnp.bfloat16 for x in (q_BLHD, k_BSHD, v_BSHD))
-    if fwd_blocks is None or bwd_blocks is None:
-        tuned_fwd, tuned_bwd = tuned_blocks(bf16, regime(q_BLHD.shape[1], k_BSHD.shape[1], causal))
-        fwd_blocks, bwd_blocks = fwd_blocks or tuned_fwd, bwd_blocks or tuned_bwd
-    blocks = (tuple(int(x) for x in fwd_blocks), tuple(int(x) for x in bwd_blocks))
-    for name, blk in zip(("fwd_blocks", "bwd_blocks"), blocks):
-        if len(blk) != 2 or any(x <= 0 or x % 16 for x in blk):
+    given = {"fwd_blocks": fwd_blocks, "bwd_blocks": bwd_blocks}
+    for name, blk in given.items():  # checked before any tuning runs
+        if blk is None:
+            continue
+        blk = given[name] = tuple(int(x) for x in blk)
+        if len(blk) != 2 or any(x <= 0 or x % 16 or x > MAX_BLOCK for x in blk):
             raise ValueError(f"flash attention: {name} must be two positive multiples of 16 "
-                             f"(queries, keys); got {blk}")
+                             f"(queries, keys), at most {MAX_BLOCK}; got {blk}")
+    rg = regime(q_BLHD.shape[1], k_BSHD.shape[1], causal)
+    if fwd_blocks is None and bwd_blocks is None:
+        blocks = tuned_blocks(bf16, rg)
+    else:  # only the pass not given is tuned
+        blocks = tuple(tuned_block(p, bf16, rg) if blk is None else blk
+                       for p, blk in zip(("fwd", "bwd"), given.values()))
     if not bf16:
         wides = (False, False)  # float32 products either way
     elif widen is None:

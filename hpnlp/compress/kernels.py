@@ -214,8 +214,9 @@ def _threads(threads: int | None, M: int, K: int, N: int, kind: str) -> np.int64
 def _blocking(name: str, given: dict | None) -> dict:
     cfg = dict(given) if given is not None else TUNINGS[name].config()
     top = layout()[f"{name}_max_mr"]
-    if set(cfg) != {"mc", "mr"} or cfg["mc"] <= 0 or not 1 <= cfg["mr"] <= top:
-        raise ValueError(f"{name} kernel: blocking must be {{'mc': > 0, 'mr': 1..{top}}}; "
+    # mc at most 2**30: the kernel counts row chunks in a C int ((M + mc - 1) / mc)
+    if set(cfg) != {"mc", "mr"} or not 1 <= cfg["mc"] <= 2**30 or not 1 <= cfg["mr"] <= top:
+        raise ValueError(f"{name} kernel: blocking must be {{'mc': 1..2**30, 'mr': 1..{top}}}; "
                          f"got {given}")
     return {k: np.int64(v) for k, v in cfg.items()}
 

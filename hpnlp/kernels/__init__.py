@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -68,14 +69,25 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def compiler() -> list[str]:
+    """The C++ compiler's command: $CXX split as a shell would (`ccache g++`), else the
+    machine's g++ or c++; RuntimeError where there is none."""
+    cxx = shlex.split(os.environ.get("CXX", "")) or [shutil.which("g++") or shutil.which("c++")]
+    if cxx[0] is None:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    return cxx
+
+
 def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None:
     """Compile `source` into the shared library `out` with the kernels' flags, against the
     XLA FFI headers and `header_dir`'s simd.h (tools/kernel_ab.py passes another revision's)."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    cmd = [cxx, *flags(), "-I", jax.ffi.include_dir(), "-I", header_dir, source, "-o", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cxx = compiler()
+    cmd = [*cxx, *flags(), "-I", jax.ffi.include_dir(), "-I", header_dir, source, "-o", out]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:  # CXX names no program this process can run
+        raise RuntimeError(f"cannot run the C++ compiler {' '.join(cxx)!r} ({e}); install g++, "
+                           "or set CXX to a compiler") from e
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {source} failed ({' '.join(cmd)}):\n"
                            f"{proc.stderr[-2000:]}")
@@ -115,7 +127,7 @@ class CpuKernel:
         os.close(fd)
         try:
             compile_library(self.source, tmp)
-        except RuntimeError:
+        except BaseException:  # a failed build leaves no file behind
             os.unlink(tmp)
             raise
         os.replace(tmp, path)  # atomic: concurrent builders never see half a file

@@ -144,24 +144,42 @@ class Tuning:
 
     def _resolve(self) -> dict[str, int]:
         data = self._read()
-        if data is None:
-            with open(self.path() + ".lock", "w") as lock:  # one process measures at a time
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                data = self._read(quiet=True)  # another process may have measured meanwhile
-                if data is None:
-                    try:
-                        data = self.search()
-                    except (OSError, RuntimeError) as e:  # a probe failed: run the defaults
-                        warnings.warn(f"hpnlp: tuning {self.kernel.what}/{self.name} failed "
-                                      f"({e}); using its default blocks {self.default}",
-                                      RuntimeWarning, stacklevel=4)
-                        self.source = "default"
-                        return dict(self.default)
-                    self._write(data)
-                    self.source = "tuned"
-                    return dict(data["config"])
-        self.source = "cache"
-        return dict(data["config"])
+        if data is not None:
+            self.source = "cache"
+            return dict(data["config"])
+        try:
+            lock = open(self.path() + ".lock", "w")
+        except OSError as e:  # a cache folder this process may not write (a shared one)
+            warnings.warn(f"hpnlp: cannot write the kernel tuning cache {self.path()} ({e}); "
+                          f"{self.kernel.what}/{self.name} runs its default blocks "
+                          f"{self.default}. To tune them, point HPNLP_KERNEL_CACHE at a folder "
+                          "this process can write (HPNLP_KERNEL_TUNE=0 runs the defaults "
+                          "without this warning)", RuntimeWarning, stacklevel=4)
+            self.source = "default"
+            return dict(self.default)
+        with lock:  # one process measures at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = self._read(quiet=True)  # another process may have measured meanwhile
+            if data is not None:
+                self.source = "cache"
+                return dict(data["config"])
+            try:
+                data = self.search()
+            except (OSError, RuntimeError) as e:  # a probe failed: run the defaults
+                warnings.warn(f"hpnlp: tuning {self.kernel.what}/{self.name} failed "
+                              f"({e}); using its default blocks {self.default}",
+                              RuntimeWarning, stacklevel=4)
+                self.source = "default"
+                return dict(self.default)
+            try:
+                self._write(data)
+            except OSError as e:  # measured, but not kept (a full disk): this process uses it
+                warnings.warn(f"hpnlp: could not write the kernel tuning cache {self.path()} "
+                              f"({e}); {self.kernel.what}/{self.name} runs its measured choice "
+                              f"{data['config']} in this process and measures again in the "
+                              "next", RuntimeWarning, stacklevel=4)
+            self.source = "tuned"
+            return dict(data["config"])
 
     def search(self) -> dict:
         """Time every candidate on the probe problem; the cache file's contents."""
@@ -196,9 +214,13 @@ class Tuning:
     def _write(self, data: dict) -> None:
         path = self.path()
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
 
 def summary() -> dict[str, dict]:
@@ -246,6 +268,11 @@ def main(argv=None) -> int:
         for r in range(args.repeat):
             again = t.search()
             secs = {json.dumps(x["config"], sort_keys=True): x["seconds"] for x in again["timings"]}
+            if json.dumps(cfg, sort_keys=True) not in secs:  # the search stopped at its budget
+                agree = False
+                print(f"  repeat {r + 1}: chose {again['config']}; the cached choice was not "
+                      f"timed (the search stopped at its {t.budget_s:.0f} s budget)")
+                continue
             first, now = secs[json.dumps(cfg, sort_keys=True)], secs[json.dumps(again["config"],
                                                                                 sort_keys=True)]
             within = first <= now * (1 + MARGIN)
