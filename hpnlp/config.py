@@ -449,7 +449,7 @@ class PruneConfig:
     # "imp": iterative magnitude pruning with rewinding (`rounds`, `rewind_step`)
     schedule: str = "oneshot"
     start_step: int = 0
-    end_step: int = 0  # 0: train.steps
+    end_step: int = 0  # 0 (or train.steps): the run's last step
     every: int = 100
     # schedule "imp": iterative magnitude pruning with weight rewinding (lottery tickets) in
     # one run: `rounds` prunings, survivors reset each time to their values after
@@ -1226,6 +1226,16 @@ def _check_compress(cfg: Config) -> None:
     if p.schedule == "cubic" and end <= p.start_step:
         _fail("train.prune.end_step", p.end_step, f"the cubic schedule needs end_step (0: "
               f"train.steps={cfg.train.steps}) after start_step={p.start_step}")
+    # found in review: schedules past the run were accepted, and pruned nothing (or never
+    # reached their sparsity) without a word
+    if p.schedule != "imp" and p.start_step >= cfg.train.steps:
+        _fail("train.prune.start_step", p.start_step, f"pruning would start after the run's "
+              f"last step (train.steps={cfg.train.steps}, steps 0..{cfg.train.steps - 1}); "
+              "choose a start_step below train.steps")
+    if p.schedule == "cubic" and p.end_step > cfg.train.steps:
+        _fail("train.prune.end_step", p.end_step, f"the cubic schedule would not reach its "
+              f"sparsity within train.steps={cfg.train.steps}; choose end_step <= train.steps "
+              "(0: the run's end)")
     _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
     if p.structure == "structured":
         if m.arch in ("lstm", "gru"):  # hidden units: model.width channels (compress.prune)
@@ -1295,8 +1305,11 @@ def _check_compress(cfg: Config) -> None:
         if p.schedule != "oneshot":
             _fail("train.prune.schedule", p.schedule, "N:M masks are made once, at start_step; "
                   "set train.prune.schedule='oneshot'")
-        for field, width in (("model.width", m.width), ("model.mlp_dim", m.mlp_dim),
-                             ("model.num_heads * head size", m.num_heads * m.dims_per_head())):
+        widths = [("model.width", m.width), ("model.mlp_dim", m.mlp_dim),
+                  ("model.num_heads * head size", m.num_heads * m.dims_per_head())]
+        if m.moe.enabled():  # found in review: the experts' own width went unchecked
+            widths.append(("model.moe.mlp_dim (each expert's width)", m.moe.expert_dim(m)))
+        for field, width in widths:
             if width % mm:
                 _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
                       "(groups split each product's contraction)")

@@ -92,6 +92,44 @@ def test_cubic_schedule_is_zhu_and_gupta():
     np.testing.assert_allclose(got, [0.0, 0.0, 0.8 * (1 - 0.5 ** 3), 0.8, 0.8], rtol=1e-6)
     assert [bool(prune.updates_at(p, t, 100)) for t in (9, 10, 12, 15, 20, 25)] == \
         [False, True, False, True, True, False]
+    # found in review: end_step 0 ended the schedule at step train.steps, which never runs,
+    # so a run ended short of its sparsity (0.77 of 0.8 here); it ends at the last step
+    p = dataclasses.replace(p, start_step=0, end_step=0, every=100)
+    assert [t for t in range(150) if prune.updates_at(p, t, 150)] == [0, 100, 149]
+    np.testing.assert_allclose(float(prune.sparsity_at(p, 149, 150)), 0.8, rtol=1e-6)
+    # a recompute is due when a scheduled step has come since the last one, so one whose
+    # update float16 loss scaling skipped (the carry kept as it was) happens at the next
+    due = lambda p, last, t: bool(prune.updates_due(p, last, t, 150))  # noqa: E731
+    assert [due(p, -1, 0), due(p, 0, 3), due(p, 0, 100), due(p, 0, 120), due(p, 100, 149)] == \
+        [True, False, True, True, True]
+    one = dataclasses.replace(p, schedule="oneshot", start_step=2)
+    assert [due(one, -1, 1), due(one, -1, 2), due(one, -1, 5), due(one, 2, 5)] == \
+        [False, True, True, False]
+    imp = dataclasses.replace(p, schedule="imp", rounds=2, rewind_step=0)  # boundaries 49, 99
+    assert [due(imp, -1, 48), due(imp, -1, 52), due(imp, 49, 98), due(imp, 49, 99)] == \
+        [False, True, False, True]
+
+
+def test_a_one_shot_pruning_is_not_lost_to_skipped_float16_steps(tmp_path):
+    """Found in review: with float16 loss scaling, the first steps overflow and are skipped
+    (the state kept as it was), and a one-shot pruning at step 0 was lost with them: the
+    run trained dense. Now it happens at the first step that updates."""
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.75, schedule="oneshot", start_step=0))
+    cd.model.dtype = "float16"
+    cd.train.loss_scale_init = 2.0 ** 15  # the default; the tiny model overflows at it
+    from hpnlp.train import Trainer
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    state, _ = tr.initial_state()
+    skipped = []
+    with tr._context():
+        for _ in range(6):
+            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            skipped.append(float(m["skipped"]))
+    assert skipped[0] == 1.0 and 0.0 in skipped  # step 0 skipped, a later one applied
+    first = skipped.index(0.0)
+    assert int(state.carry["prune"]["last"]) == first
+    rep = prune.sparsity_report(state.params, state.carry["prune"]["masks"])
+    np.testing.assert_allclose(rep["total"], 0.75, atol=0.02)
 
 
 def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_path):
@@ -144,6 +182,9 @@ def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
         assert mask.shape == w.shape and not np.any(w[~mask]) and np.all(w[mask] != 0)
         X, K, N = mask.shape  # 2 kept of every 4 consecutive along K, per expert and column
         np.testing.assert_array_equal(mask.reshape(X, K // 4, 4, N).sum(axis=2), 2)
+    cd.model.moe.mlp_dim = 6  # found in review: accepted, then failed inside the first step
+    with pytest.raises(ConfigError, match=r"M=4 must divide model\.moe\.mlp_dim"):
+        validate(from_configdict(cd))
 
 
 
@@ -826,6 +867,9 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     ("prune", dict(method="lottery"), r"train\.prune\.method"),
     ("prune", dict(method="magnitude", layers="mlp,attn"), r"train\.prune\.layers"),
     ("prune", dict(method="random", schedule="cubic", start_step=6), r"train\.prune\.end_step"),
+    ("prune", dict(method="magnitude", start_step=6), r"train\.prune\.start_step.*last step"),
+    ("prune", dict(method="magnitude", schedule="cubic", end_step=7),
+     r"train\.prune\.end_step.*would not reach"),
     ("prune", dict(method="movement", structure="structured"), r"train\.prune\.method.*'magnitude'"),
     ("prune", dict(method="magnitude", structure="structured", scope="global"),
      r"train\.prune\.scope.*same number of\s+heads"),
@@ -989,7 +1033,8 @@ def test_movement_scores_take_the_straight_through_gradient():
     value = c.start(jax.jit(lambda: nn.unbox(c.init(model, params, batch, 2)))(), params)
     flat = traverse.flatten_dict(params)
     rng = np.random.default_rng(0)
-    for k in value["masks"]:  # a half-pruned state with some scores already
+    value["last"] = jnp.int32(0)  # a half-pruned state, masks last made after step 0,
+    for k in value["masks"]:  # with some scores already
         value["masks"][k] = jnp.asarray(rng.random(value["masks"][k].shape) < 0.5)
         value["scores"][k] = jnp.asarray(rng.standard_normal(value["masks"][k].shape), jnp.float32)
     dense = {k: flat[tuple(k.split("/"))] for k in value["masks"]}

@@ -61,8 +61,9 @@ output layer stay dense.
   Refused (config.validate): layer norm (it normalizes over all units, so removing one
   renormalizes the rest), bidirectional layers, and consumers other than those above.
 - Schedules: `oneshot` (the target after the update of step `start_step`), `cubic`
-  (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1,
-  masks recomputed every `every` steps and at t1, and `imp`: iterative magnitude pruning
+  (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1
+  (t1: `end_step`, or the run's last step), masks recomputed every `every` steps and at
+  t1, and `imp`: iterative magnitude pruning
   with weight rewinding (lottery tickets: Frankle & Carbin 2019, Frankle et al. 2020) in
   one run. The model's weights after `rewind_step` updates are kept in the carry; the steps
   after them split into `rounds` + 1 segments (`imp_boundaries`), and at the end of each but
@@ -70,7 +71,10 @@ output layer stay dense.
   1 - (1 - s)^(j/n)), ranked by the weights the round ended with, and every weight (pruned
   products' survivors, embeddings, norms, biases) goes back to its kept value. Unlike the
   papers' separate runs per round, the learning-rate schedule and the optimizer's moments
-  run on through the rounds rather than restarting.
+  run on through the rounds rather than restarting. Each recompute is one the schedule
+  has come to since the last (the carry keeps its step, `updates_due`), so a step whose
+  update float16 loss scaling skipped (the state is kept as it was) does not lose it: it
+  happens at the next step that updates.
 
 Counts are exact: a target s prunes round(s * n) of a weight's n entries (ties broken by
 position), or round(s * total) of all of them in global scope.
@@ -107,21 +111,44 @@ def sparsity_at(p: PruneConfig, step, total_steps: int):
     if p.schedule == "imp":  # round j of n ends at 1 - (1 - s)^(j / n): the same share each round
         done = jnp.sum(step >= jnp.asarray(imp_boundaries(p, total_steps)))
         return (1.0 - (1.0 - final) ** (done / p.rounds)).astype(jnp.float32)
-    t1 = p.end_step or total_steps
+    t1 = cubic_end(p, total_steps)
     frac = jnp.clip((step - t0) / max(t1 - t0, 1), 0.0, 1.0)
     return (final * (1.0 - (1.0 - frac) ** 3)).astype(jnp.float32)
 
 
-def updates_at(p: PruneConfig, step, total_steps: int):
-    """Whether masks are recomputed after the update of step `step` (module doc)."""
+def cubic_end(p: PruneConfig, total_steps: int) -> int:
+    """The step (0-based) after whose update the cubic schedule reaches its sparsity:
+    `end_step`, or the run's last step (end_step 0, or train.steps: step train.steps never
+    runs, and a schedule ending there left the run short of its target)."""
+    return min(p.end_step or total_steps, total_steps - 1)
+
+
+def last_update(p: PruneConfig, step, total_steps: int):
+    """The latest step <= `step` after whose update the schedule recomputes masks (module
+    doc), -1 before the first (a traced int works)."""
     t0 = p.start_step
     if p.schedule == "oneshot" or p.nm() is not None:
-        return step == t0
+        return jnp.where(step >= t0, t0, -1)
     if p.schedule == "imp":
-        return jnp.any(step == jnp.asarray(imp_boundaries(p, total_steps)))
-    t1 = p.end_step or total_steps
-    inside = (step >= t0) & (step <= t1)
-    return inside & (((step - t0) % p.every == 0) | (step == t1))
+        bounds = jnp.asarray(imp_boundaries(p, total_steps))
+        return jnp.max(jnp.where(bounds <= step, bounds, -1))
+    t1 = cubic_end(p, total_steps)
+    return jnp.where(step < t0, -1,
+                     jnp.where(step >= t1, t1, t0 + (step - t0) // p.every * p.every))
+
+
+def updates_at(p: PruneConfig, step, total_steps: int):
+    """Whether `step` is one after whose update the schedule recomputes masks."""
+    return last_update(p, step, total_steps) == step
+
+
+def updates_due(p: PruneConfig, last, step, total_steps: int):
+    """Whether masks are recomputed after the update of step `step`, the last recompute
+    having been after step `last` (-1: none yet): some scheduled step has come since. A
+    step whose update was skipped (float16 loss scaling on an overflow) leaves the whole
+    state as it was, `last` included, so its recompute happens at the next step that
+    updates, instead of being lost (as a one-shot pruning at step 0 was)."""
+    return last_update(p, step, total_steps) > last
 
 
 def imp_boundaries(p: PruneConfig, total_steps: int) -> list[int]:
@@ -580,8 +607,10 @@ class PruneCarry(Carry):
         if self.p.structure == "structured":  # the unit masks; weight masks derive from them
             self.layout = (rnn_layout(self.cfg, params) if self.cfg.model.arch in RNN_ARCHS
                            else group_layout(found, params))
-            return {"groups": {k: jnp.ones(g.shape, bool) for k, g in self.layout.items()}}
-        value = {"masks": {}}
+            return {"groups": {k: jnp.ones(g.shape, bool) for k, g in self.layout.items()},
+                    "last": jnp.full((), -1, jnp.int32)}
+        # last: the step after whose update masks were last recomputed (updates_due)
+        value = {"masks": {}, "last": jnp.full((), -1, jnp.int32)}
         if self.p.method == "movement":  # scores, their Adam moments, the dense weights
             value.update(scores={}, score_m={}, score_v={}, dense={},
                          score_steps=jnp.zeros((), jnp.int32))
@@ -589,6 +618,7 @@ class PruneCarry(Carry):
             from hpnlp.train.carry import model_params
             value["rewind"] = {"/".join(k): like(w, jnp.zeros(nn.unbox(w).shape, nn.unbox(w).dtype))
                                for k, w in _flatten(model_params(params)).items()}
+            value["rewound"] = jnp.zeros((), bool)  # whether "rewind" holds the weights yet
         for k in self.products:
             w = flat[_path(k)]
             shape = nn.unbox(w).shape
@@ -610,7 +640,7 @@ class PruneCarry(Carry):
                                        for k in value["dense"]})
         if self.p.schedule == "imp" and self.p.rewind_step == 0:
             value = dict(value, rewind={k: jnp.array(flat[_path(k)], copy=True)
-                                        for k in value["rewind"]})
+                                        for k in value["rewind"]}, rewound=jnp.ones((), bool))
         return value
 
     def loss(self, model, inner):
@@ -641,14 +671,18 @@ class PruneCarry(Carry):
             return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed,
                                  new.get("scores"))
 
-        prune_now = updates_at(self.p, step, self.cfg.train.steps)
+        prune_now = updates_due(self.p, value["last"], step, self.cfg.train.steps)
         masks = jax.lax.cond(prune_now, recompute, lambda m: m, value["masks"])
         new["masks"] = masks
+        new["last"] = jnp.where(prune_now, step, value["last"]).astype(jnp.int32)
         if self.p.schedule == "imp":  # Frankle et al.: every weight back to its step-k value
             now = {k: flat[_path(k)] for k in value["rewind"]}
-            if self.p.rewind_step > 0:
-                new["rewind"] = {k: jnp.where(step + 1 == self.p.rewind_step, w, value["rewind"][k])
+            if self.p.rewind_step > 0:  # the weights after rewind_step updates (the first
+                # applied update from then on, if a float16 overflow skipped that one)
+                take = (step + 1 >= self.p.rewind_step) & ~value["rewound"]
+                new["rewind"] = {k: jnp.where(take, w, value["rewind"][k])
                                  for k, w in now.items()}
+                new["rewound"] = value["rewound"] | take
             for k, w in now.items():
                 flat[_path(k)] = jnp.where(prune_now, new["rewind"][k], w)
             params = _unflatten(flat, params)
@@ -665,10 +699,11 @@ class PruneCarry(Carry):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
             return group_masks(self.p, flat, self.layout, groups, s, self.cfg.seed)
 
-        groups = jax.lax.cond(updates_at(self.p, step, self.cfg.train.steps), recompute,
-                              lambda g: g, value["groups"])
+        prune_now = updates_due(self.p, value["last"], step, self.cfg.train.steps)
+        groups = jax.lax.cond(prune_now, recompute, lambda g: g, value["groups"])
         masks = expand_groups(groups, self.layout, {k: w.shape for k, w in flat.items()})
-        return apply_masks(params, masks), {"groups": groups}
+        return apply_masks(params, masks), {
+            "groups": groups, "last": jnp.where(prune_now, step, value["last"]).astype(jnp.int32)}
 
 
 # Adam's moment decays and its floor under sqrt(v) for the movement scores (Kingma & Ba)

@@ -95,20 +95,28 @@ def save(out: str, cfg: Config, params, meta: dict) -> int:
     """OUT/sparse.npz (dense arrays as they are; a Sparse weight as KEY/col_ptr, KEY/row,
     KEY/val) + OUT/sparse.json; returns the npz's size in bytes."""
     os.makedirs(out, exist_ok=True)
-    arrays, layout = {}, {}
+    arrays, layout, views = {}, {}, {}
+
+    def put(key, a):  # npz knows no bfloat16: store its bytes, note the dtype (as ptq.save)
+        a = np.asarray(a)
+        if a.dtype == jnp.bfloat16:
+            views[key], a = "bfloat16", a.view(np.uint16)
+        arrays[key] = a
+
     is_sparse = lambda _, x: isinstance(x, Sparse)  # noqa: E731
     for path, leaf in traverse.flatten_dict(params, is_leaf=is_sparse).items():
         key = "params/" + "/".join(path)
         if isinstance(leaf, Sparse):
             for name in ("col_ptr", "row", "val"):
-                arrays[f"{key}/{name}"] = np.asarray(getattr(leaf.w, name))
+                put(f"{key}/{name}", getattr(leaf.w, name))
             layout[key] = {"shape": list(leaf.shape), "k_dims": leaf.k_dims}
         else:
-            arrays[key] = np.asarray(leaf)
+            put(key, leaf)
     path = os.path.join(out, "sparse.npz")
     np.savez(path, **arrays)
     with open(os.path.join(out, "sparse.json"), "w") as f:
-        json.dump({"config": to_json(cfg), "sparse": layout, **meta}, f, indent=1)
+        json.dump({"config": to_json(cfg), "sparse": layout, "views": views, **meta}, f,
+                  indent=1)
     return os.path.getsize(path)
 
 
@@ -121,11 +129,16 @@ def load(out: str):
                                "make one with python -m hpnlp.compress sparsify --out ...")
     with open(mpath) as f:
         manifest = json.load(f)
-    npz = np.load(npath)
+    npz, views = np.load(npath), manifest.get("views", {})
+
+    def get(key):
+        a = npz[key]
+        return jnp.asarray(a.view(jnp.bfloat16) if views.get(key) == "bfloat16" else a)
+
     flat = {}
     for key, info in manifest["sparse"].items():
         shape = tuple(info["shape"])
-        w = spmm.SparseWeight(*(jnp.asarray(npz[f"{key}/{n}"]) for n in ("col_ptr", "row", "val")),
+        w = spmm.SparseWeight(*(get(f"{key}/{n}") for n in ("col_ptr", "row", "val")),
                               k=int(np.prod(shape[:info["k_dims"]])))
         if w.shape[0] * w.shape[1] != int(np.prod(shape)):
             raise ValueError(f"{npath}: {key} holds a [{w.shape[0]}, {w.shape[1]}] weight, but "
@@ -133,7 +146,7 @@ def load(out: str):
         flat[tuple(key.split("/")[1:])] = Sparse(w, shape=shape, k_dims=info["k_dims"])
     for key in npz.files:
         if key.rsplit("/", 1)[0] not in manifest["sparse"]:
-            flat[tuple(key.split("/")[1:])] = jnp.asarray(npz[key])
+            flat[tuple(key.split("/")[1:])] = get(key)
     return from_configdict(manifest["config"]), traverse.unflatten_dict(flat)
 
 

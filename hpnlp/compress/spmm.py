@@ -108,7 +108,8 @@ def prepare_sparse_weight(w_KxN) -> SparseWeight:
     w = np.asarray(w_KxN)
     if w.ndim != 2:
         raise ValueError(f"prepare_sparse_weight: the weight must be [K, N]; got shape {w.shape}")
-    if not np.issubdtype(w.dtype, np.floating):
+    # jnp.issubdtype: NumPy's does not count ml_dtypes' bfloat16 as floating
+    if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"prepare_sparse_weight: the weight must be float; got {w.dtype}")
     if w.size >= 2 ** 31:
         raise ValueError(f"prepare_sparse_weight: {w.size} weights; int32 indices hold < 2^31")
