@@ -28,7 +28,9 @@ candidates; otherwise (a truncated write, a hand edit, a file copied from anothe
 machine or kernel version) it is reported, re-measured and rewritten, never used.
 
 `HPNLP_KERNEL_TUNE=0` skips tuning (the defaults run); the kernels' Python wrappers take
-explicit block sizes, which override both.
+explicit block sizes, which override both. A cache folder this process cannot write (a
+shared, read-only one) runs the defaults, with a warning saying how to tune; a search whose
+file cannot be written runs its choice in this process only.
 """
 
 from __future__ import annotations
