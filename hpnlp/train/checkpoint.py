@@ -177,6 +177,14 @@ class Checkpointer:
                 loop=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (whatever orbax raises: the step cannot be read)
             where = os.path.join(self.directory, str(step))
+            if "tree structures do not match" in str(e):  # read whole, but another layout
+                raise CheckpointMismatch(
+                    f"checkpoint {where} cannot be read as this run's train state: its layout "
+                    "differs from the one this version of hpnlp builds for the run's config "
+                    "(written by another version, or under settings whose state carried other "
+                    "entries); resume it as it was written, move it aside to resume from the "
+                    "step before, or start a new --workdir from its parameters with "
+                    f"--config.train.init_from={os.path.dirname(self.directory)}") from e
             raise CheckpointMismatch(
                 f"checkpoint {where} cannot be read ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); it is damaged or "
