@@ -7,7 +7,8 @@ takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
 
 - `refused`: `validate` rejected the config with a `ConfigError` (`message`, one line).
 - `ok`: init, `train.steps` steps, eval and checkpoints ran through `hpnlp.train.run`,
-  every logged loss and the eval loss finite; then, where the config names `ptq` (a format
+  every logged loss and the eval loss finite, and a pruned run (unstructured or N:M) at
+  its schedule's sparsity after its last mask update (summary.json); then, where the config names `ptq` (a format
   as QuantConfig fields, or "bfloat16"), `hpnlp.compress.ptq.quantize` of the run with a
   finite quantized eval loss and a packed file that reloads to the same outputs, or a
   one-line refusal (`ptq_refused`); then, where the config names a `student` (fields
@@ -60,6 +61,12 @@ def run_one(overrides: dict) -> dict:
         if isinstance(losses, str):
             return {"status": "error", "message": losses}
         out = {"status": "ok", "loss": losses[-1], "eval_loss": summary["eval"]["loss"]}
+        pruned = summary.get("carries", {}).get("prune")
+        if (pruned is not None and full.train.prune.structure != "structured"
+                and abs(pruned["sparsity"] - pruned["target"]) > 0.02):  # exact counts
+            return {"status": "error", "message": f"pruning reached sparsity "
+                    f"{pruned['sparsity']:.3f}, its schedule {pruned['target']:.3f} "
+                    f"(last mask update after step {pruned['last_update_step']})"}
         if fmt is not None:
             out.update(quantized(workdir, fmt))
             if out["status"] != "ok":

@@ -130,6 +130,11 @@ def test_a_one_shot_pruning_is_not_lost_to_skipped_float16_steps(tmp_path):
     assert int(state.carry["prune"]["last"]) == first
     rep = prune.sparsity_report(state.params, state.carry["prune"]["masks"])
     np.testing.assert_allclose(rep["total"], 0.75, atol=0.02)
+    # what the run's summary.json says of it ("carries": {"prune": ...})
+    (c,) = [c for c in tr.carries if c.name == "prune"]
+    got = c.report(state.carry["prune"], state.params)
+    assert got["last_update_step"] == first and got["target"] == pytest.approx(0.75)
+    assert got["sparsity"] == pytest.approx(0.75, abs=0.02) and got["of"] == "weights"
 
 
 def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_path):

@@ -167,6 +167,10 @@ def test_members_carry_their_own_pruning_masks(tmp_path):
         assert prune.sparsity_report(member.params, masks)["total"] == pytest.approx(0.5, abs=0.02)
         masks_of.append(masks)
     assert any(not np.array_equal(masks_of[0][k], masks_of[1][k]) for k in masks_of[0])
+    (c,) = [c for c in ens.carries if c.name == "prune"]  # the summary's report: per member
+    got = c.report(state.carry["prune"], state.params)
+    assert got["last_update_step"] == [0, 0] and got["target"] == [0.5, 0.5]
+    assert got["sparsity"] == pytest.approx(0.5, abs=0.02)
 
 
 def test_ensembles_refuse_models_whose_evaluation_reads_more_than_params(tmp_path):

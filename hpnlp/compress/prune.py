@@ -692,6 +692,22 @@ class PruneCarry(Carry):
             params = _unflatten(flat, params)
         return apply_masks(params, masks), new
 
+    def report(self, value, params) -> dict:
+        """The fraction of the pruned products' entries (structured: of their units) the
+        masks remove, the schedule's target after the last mask update, and that step."""
+        last = np.asarray(jax.device_get(value["last"]))  # [members] in a seed ensemble
+        targets = [float(sparsity_at(self.p, int(t), self.cfg.train.steps)) if t >= 0 else 0.0
+                   for t in last.ravel()]
+        masks = value["groups"] if self.p.structure == "structured" else value["masks"]
+        # jitted: a replicated scalar, however the masks are sharded (several processes too)
+        pruned = jax.jit(lambda ms: sum(jnp.sum(~m) for m in ms.values()))(masks)
+        size = sum(m.size for m in masks.values())  # an ensemble's: all its members'
+        one = last.ndim == 0
+        return {"sparsity": float(pruned) / max(size, 1),
+                "target": targets[0] if one else targets,
+                "last_update_step": int(last) if one else last.tolist(),
+                "of": "units" if self.p.structure == "structured" else "weights"}
+
     def _structured_update(self, value, params, step):
         flat = {"/".join(k): v for k, v in traverse.flatten_dict(params).items()}
 

@@ -88,6 +88,11 @@ class Carry:
     def trainable(self, model, params, batch, key):
         return None
 
+    def report(self, value, params) -> dict | None:
+        """What the run's summary.json says of this carry at the end ("carries": {name:
+        report}); None: nothing."""
+        return None
+
 
 def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:
     """The carries `cfg` asks for, in the order their losses wrap the model's."""

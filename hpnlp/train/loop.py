@@ -540,6 +540,9 @@ class Trainer:
             "devices": jax.device_count(),
             "processes": jax.process_count(),
         }
+        reports = {c.name: c.report(state.carry[c.name], state.params) for c in self.carries}
+        if any(r is not None for r in reports.values()):  # e.g. pruning's sparsity reached
+            summary["carries"] = {k: r for k, r in reports.items() if r is not None}
         path = os.path.join(self.workdir, "summary.json")
         if timing["steps"] == 0 and os.path.exists(path):  # nothing trained now: keep what the
             with open(path) as f:                          # training measured
