@@ -501,7 +501,7 @@ def _teacher_workdir(path, cd, edit=None):
     from hpnlp.train.state import init_state, make_optimizer
     cfg = validate(from_configdict(cd))
     model = models.build(cfg, deterministic=True)
-    kind = "lm" if cfg.model.kind == "lm" else "classify"
+    kind = {"lm": "lm", "dual_encoder": "match"}.get(cfg.model.kind, "classify")
     tx = make_optimizer(cfg.train)
     batch = dummy_batch(kind, 1, cfg.data.seq_len)
     state = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch)))(jax.random.key(7))
@@ -514,17 +514,30 @@ def _teacher_workdir(path, cd, edit=None):
     return cfg, model, state.params
 
 
-@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def _dual(cd):  # a dual encoder on the matching task (found in review: its student failed)
+    cd.model.kind, cd.data.task = "dual_encoder", "doc_match"
+    return cd
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier", "dual_encoder"])
 def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_path, kind):
-    tcd = tiny(kind)
+    like = _dual if kind == "dual_encoder" else lambda cd: cd
+    tcd = like(tiny("lm" if kind == "lm" else "classifier"))
     tcd.model.width = 32  # a wider teacher: the student need not match its shapes
     tcfg, teacher, tparams = _teacher_workdir(tmp_path, tcd)
-    scd = tiny(kind, distill=dict(teacher=str(tmp_path), alpha=1.0, temperature=1.0, chunk_tokens=8))
+    scd = like(tiny("lm" if kind == "lm" else "classifier", distill=dict(
+        teacher=str(tmp_path), alpha=1.0, temperature=1.0, chunk_tokens=8)))
     cfg = validate(from_configdict(scd))
     student = models.build(cfg, deterministic=True)
-    tk = "lm" if kind == "lm" else "classify"
+    tk = {"lm": "lm", "classifier": "classify", "dual_encoder": "match"}[kind]
     rng = np.random.default_rng(1)
-    if kind == "lm":
+    if kind == "dual_encoder":  # two texts an example, no segment_ids of one
+        batch = dummy_batch(tk, 3, 16)
+        for k in ("inputs1", "inputs2"):
+            batch[k] = rng.integers(0, 256, (3, 16)).astype(np.int32)
+        batch["label"] = np.array([0, 1, 0], np.int32)
+        batch["weight"] = np.array([1.0, 1.0, 0.0], np.float32)
+    elif kind == "lm":
         batch = dummy_batch(tk, 2, 16)
         batch["inputs"] = rng.integers(0, 256, (2, 16)).astype(np.int32)
         batch["targets"] = rng.integers(0, 256, (2, 16)).astype(np.int32)
@@ -856,6 +869,27 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
             student.data.update(task="word_lm", tokenizer="bpe")
         with pytest.raises(ConfigError, match=match):
             carry_lib.for_config(validate(from_configdict(student)))
+    # found in review: a teacher whose own length limit this run's rows pass (linformer's
+    # max_len) failed inside the first compile, naming its field as if it were this run's;
+    # and a seed ensemble's stacked parameters failed deep in Orbax's restore
+    linf = tiny("classifier")
+    linf.model.pos_emb = "sinusoidal"
+    linf.attention.update(name="linformer", options={"proj_len": 8, "max_len": 16})
+    _config_only_workdir(tmp_path / "linf", linf)
+    student = tiny("classifier", distill=dict(teacher=str(tmp_path / "linf")))
+    student.data.seq_len = student.model.max_len = 32
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*cannot read this run's "
+                       r"data\.seq_len=32 .*attention\.options\.max_len"):
+        carry_lib.for_config(validate(from_configdict(student)))
+    import json
+    _config_only_workdir(tmp_path / "ens", tiny("lm"))
+    with open(tmp_path / "ens" / "config.json") as f:
+        saved = json.load(f)
+    with open(tmp_path / "ens" / "config.json", "w") as f:  # as an EnsembleTrainer writes it
+        json.dump({**saved, "shape_signature": {"ensemble.members": 3}}, f)
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*seed ensemble of 3"):
+        carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
+            teacher=str(tmp_path / "ens"))))))
     from hpnlp.train import Trainer  # and a run to fine-tune from, before anything is read
     val = tiny("lm")
     val.data.eval_split, val.train.init_from = "validation", str(lm)
@@ -1116,6 +1150,11 @@ def test_svd_at_full_rank_reproduces_the_layer_and_lower_ranks_are_eckart_young(
     err = np.linalg.norm(np.asarray(low.dense() - w).ravel())
     np.testing.assert_allclose(err ** 2, np.sum(s[2:] ** 2), rtol=1e-4)  # the optimal rank-2 error
     assert lowrank.rank_for_energy(w, 2, 1.0) == 5
+    # found in review: at energy 1.0 float32's running sum can end below 1 - 1e-7, and the
+    # rank came out one past the full one (65 of these [64, 256], 97 of the [96, 384])
+    for seed, shape in ((9, (64, 256)), (7, (96, 384))):
+        wide = jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * 0.05, jnp.float32)
+        assert lowrank.rank_for_energy(wide, 1, 1.0) == shape[0]
     assert lowrank.kept_energy(w, 2, 2) == pytest.approx(np.sum(s[:2] ** 2) / np.sum(s ** 2), rel=1e-5)
 
 

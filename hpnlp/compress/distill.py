@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.config import Config, config_error, validate
+from hpnlp.config import Config, ConfigError, config_error, validate
 from hpnlp.train.carry import (AUX, TRAINABLE_PREFIX, Carry, fold_aux, model_params,
                                trainable_params)
 
@@ -308,7 +308,7 @@ class TeacherCarry(Carry):
 
     def __init__(self, cfg: Config, *, token_counts=None):
         from hpnlp import models
-        from hpnlp.train.checkpoint import load_run_config
+        from hpnlp.train.checkpoint import load_run_config, run_members
 
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
@@ -333,6 +333,25 @@ class TeacherCarry(Carry):
                                f"table (model.max_len={tcfg.model.max_len}) is shorter than this "
                                f"run's data.seq_len={cfg.data.seq_len}; lower data.seq_len to "
                                f"{tcfg.model.max_len} or distill from a teacher of longer inputs")
+        if tcfg.data.seq_len != cfg.data.seq_len:  # found in review: a teacher whose own
+            # length limits (linformer's or synthesizer's max_len, ...) this run's inputs pass
+            # failed inside the first compile, naming the teacher's field as if it were ours
+            import dataclasses
+            try:
+                validate(dataclasses.replace(tcfg, data=dataclasses.replace(
+                    tcfg.data, seq_len=cfg.data.seq_len)))
+            except ConfigError as e:
+                raise config_error("train.distill.teacher", self.workdir, f"the teacher cannot "
+                                   f"read this run's data.seq_len={cfg.data.seq_len} (its own "
+                                   f"run refuses it: {e}); lower data.seq_len to "
+                                   f"{tcfg.data.seq_len} or distill from a teacher of longer "
+                                   "inputs") from None
+        members = run_members(self.workdir)
+        if members > 1:  # found in review: restored into one model's shapes, deep in Orbax
+            raise config_error("train.distill.teacher", self.workdir, f"holds a seed ensemble "
+                               f"of {members} (EnsembleTrainer), whose checkpoints stack its "
+                               "members' parameters; distill from a plain run (python -m "
+                               "hpnlp.main)")
         if saw_validation(cfg.data, tcfg.data):
             raise config_error("train.distill.teacher", self.workdir, "the teacher may have "
                                "trained on the examples this run holds out for data.eval_split="
@@ -529,7 +548,7 @@ class TeacherCarry(Carry):
             tparams = carry["teacher"]
             own = params.get(TRAINABLE_PREFIX + self.name) or {}
             want = dict(blocks=bool(d.hidden), probs=bool(d.attention))
-            real_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+            token_weight = None  # what the hidden and attention losses weigh tokens by
             if lm:
                 (hard, h_BLE), s_int = intermediates(student, {"params": params}, batch,
                                                      _lm_hidden_and_hard, rngs=rngs, aux=True,
@@ -543,7 +562,7 @@ class TeacherCarry(Carry):
                     chunk = auto_chunk_tokens(mask_BL.size, 2 * self.cfg.model.vocab_size)
                 soft = lm_soft_loss(student, params, teacher, tparams, h_BLE, t_BLE, mask_BL,
                                     temperature=d.temperature, chunk=chunk)
-                token_weight = real_BL
+                token_weight = mask_BL.astype(jnp.float32)
             else:
                 from hpnlp.models.heads import _classification_sums
                 z_s, s_int = intermediates(student, {"params": params}, batch, _logits,
@@ -552,8 +571,11 @@ class TeacherCarry(Carry):
                 z_t = jax.lax.stop_gradient(z_t)
                 hard = _classification_sums(z_s, batch["label"], batch["weight"])
                 soft = jnp.sum(soft_cross_entropy(z_t, z_s, d.temperature) * batch["weight"])
-                token_weight = batch["weight"][:, None] * real_BL / jnp.maximum(
-                    real_BL.sum(1, keepdims=True), 1.0)  # each example's tokens weigh 1 in all
+                if d.hidden or d.attention:  # a classifier's (validate refuses a dual
+                    # encoder's: its batches hold two texts, segment_ids1 and segment_ids2)
+                    real_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+                    token_weight = batch["weight"][:, None] * real_BL / jnp.maximum(
+                        real_BL.sum(1, keepdims=True), 1.0)  # each example's tokens weigh 1
             total = (1.0 - d.alpha) * hard["loss"] + d.alpha * soft
             extra = {}
             if d.hidden:

@@ -134,7 +134,10 @@ def rank_for_energy(w, k_dims: int, energy: float, lead: int = 0) -> int:
     batch: the largest such r among them)."""
     s2 = jnp.square(singular_values(w, k_dims, lead))
     frac = jnp.cumsum(s2, axis=-1) / jnp.sum(s2, axis=-1, keepdims=True)
-    return int(jnp.max(jnp.sum(frac < energy - 1e-7, axis=-1))) + 1  # rank of the neediest
+    need = int(jnp.max(jnp.sum(frac < energy - 1e-7, axis=-1))) + 1  # rank of the neediest
+    # found in review: at energy 1.0 the float32 running sum can end below 1 - 1e-7, and
+    # every value counted: one more than the full rank
+    return min(need, s2.shape[-1])
 
 
 def targets(cfg, model, params, batch) -> dict:

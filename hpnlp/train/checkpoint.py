@@ -43,6 +43,15 @@ def _read_config_json(path: str) -> dict:
     return saved
 
 
+def run_members(workdir: str) -> int:
+    """How many models a run's checkpoints stack: M for a seed ensemble (EnsembleTrainer),
+    1 for a plain run (its config.json's shape signature; 1 where it has none)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return 1
+    return int(_read_config_json(path).get("shape_signature", {}).get("ensemble.members", 1))
+
+
 def load_run_config(workdir: str, *, require_checkpoint: bool = True) -> Config:
     """The config a run in `workdir` was trained with (its config.json); NoCheckpoint where
     it has none, or (`require_checkpoint`) no checkpoint yet."""
