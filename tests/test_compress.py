@@ -109,6 +109,55 @@ def test_calibration_methods():
         calibrate.choose_range(x, "int8", (0,), "kl")
 
 
+def test_zero_ranges_nan_and_bfloat16_found_in_review():
+    """A range of 0 (a calibrated or all-zero channel) quantizes to 0, where it had passed
+    values through rounded to whole numbers; binary's all-zero column decodes to 0, not -1s;
+    a mostly-zero column's percentile range falls back to its absmax (it clipped the
+    nonzeros to 0); NaN passes a static range as it passes a dynamic one; bfloat16 weights'
+    fake quantization is the quantized value itself; a product run twice a batch (a dual
+    encoder's trunk) records the wider of its calls' ranges, not the last."""
+    x = jnp.asarray([[0.3], [0.7], [2.6], [-40.2], [300.0]], jnp.float32)
+    for fmt in ("int8", "int4", "fp8", "pow2"):
+        got = formats.quantize_dequantize(x, fmt, (0,), rng=jnp.zeros((1, 1)))
+        np.testing.assert_array_equal(np.asarray(got), 0.0, err_msg=fmt)
+    w = RNG.standard_normal((8, 3)).astype(np.float32)
+    w[:, 1] = 0.0
+    for fmt in ("binary", "ternary", "int8"):
+        np.testing.assert_array_equal(np.asarray(formats.fake_quant(jnp.asarray(w), fmt, (0,)))
+                                      [:, 1], 0.0, err_msg=fmt)
+    sparse = np.zeros((64, 1), np.float32)
+    sparse[[3, 40], 0] = [0.9, -2.6]
+    r = calibrate.choose_range(jnp.asarray(sparse), "int8", (0,), "percentile", percentile=95)
+    assert float(r[0, 0]) == pytest.approx(2.6)
+    nan = jnp.asarray([[0.3, np.nan, 5.7, -2.2]], jnp.float32)
+    got = formats.fake_quant(nan, "int8", (1,), rng=jnp.asarray([[4.0]]))
+    assert np.isnan(np.asarray(got)[0, 1]) and np.isfinite(np.delete(np.asarray(got), 1)).all()
+    wb = jnp.asarray(RNG.standard_normal((32, 4)), jnp.bfloat16)
+    for fmt in ("binary", "ternary", "int8"):
+        np.testing.assert_array_equal(np.asarray(formats.fake_quant(wb, fmt, (0,)), np.float32),
+                                      np.asarray(formats.quantize_dequantize(wb, fmt, (0,)),
+                                                 np.float32), err_msg=fmt)
+    import flax.linen as nn
+
+    from hpnlp.compress import qlinear
+
+    class Product(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return qlinear.quant_act(self, "x", x, (1,), QuantConfig(activations="int8",
+                                                                     act_scale="static"))
+
+    class Twice(nn.Module):  # one product (a shared trunk's) run on two inputs
+        @nn.compact
+        def __call__(self, a, b):
+            p = Product()
+            return p(a), p(b)
+    a, b = jnp.full((2, 3), 5.0), jnp.full((2, 3), 2.0)
+    for first, second in ((a, b), (b, a)):
+        calib = Twice().apply({}, first, second, mutable=["calib"])[1]["calib"]
+        assert float(calib["Product_0"]["x"]) == 5.0
+
+
 def test_spec_order_rule():
     assert parse_spec("ble,ekhd->blkhd") == ((-1,), (0,))
     assert parse_spec("blhd,hde->ble") == ((-2, -1), (0, 1))

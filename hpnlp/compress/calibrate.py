@@ -3,7 +3,7 @@
     r = choose_range(x_BLE, "int8", axes=(0, 1, 2), method="mse")   # one range, per tensor
 
 `absmax` keeps every value (no clipping; outliers stretch the step), `percentile` clips
-the top (100 - p)% of |x| (robust to rare outliers), `mse` searches fractions of absmax
+the top (100 - p)% of |x| (robust to rare outliers; absmax where that percentile is 0), `mse` searches fractions of absmax
 for the range whose quantize-dequantize error sum((x - q(x))^2) is least (the
 clipping-vs-rounding trade-off, as TensorRT and PyTorch's HistogramObserver do). Ranges
 keep dims, so they broadcast like the format's scale. PTQ calibration (hpnlp.compress.ptq)
@@ -34,7 +34,10 @@ def choose_range(x, fmt: str, axes: Sequence[int], method: str = "absmax", *,
         return amax
     xg, red = formats._grouped(x.astype(jnp.float32), axes, group)
     if method == "percentile":
-        return jnp.percentile(jnp.abs(xg), percentile, axis=red, keepdims=True).astype(jnp.float32)
+        r = jnp.percentile(jnp.abs(xg), percentile, axis=red, keepdims=True).astype(jnp.float32)
+        # a mostly-zero channel (a pruned weight's column) has a percentile of 0, a range
+        # that would clip its nonzeros to 0 (found in review): it keeps its absmax
+        return jnp.where(r > formats.TINY, r, amax)
     f = formats.get(fmt)
 
     def err(frac):

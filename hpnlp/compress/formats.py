@@ -39,7 +39,9 @@ import jax
 import jax.numpy as jnp
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# A range below this is an all-zero channel: scale 1 keeps codes 0 and avoids 0/0.
+# A range below this quantizes its channel to 0: scale 0 and codes 0 (no 0/0). Before,
+# scale 1 kept an all-zero channel's codes 0, but let a calibrated range of 0 pass values
+# through as whole numbers (int8 up to 127) and decoded binary's +-1 codes to -1s.
 TINY = 1e-30
 
 
@@ -100,22 +102,26 @@ class Uniform(Format):
         return 2 ** (self.bits - 1) - 1
 
     def _codes(self, x, red, r):
-        scale = jnp.where(r > TINY, r / self.qmax, 1.0)
-        codes = jnp.clip(jnp.round(x / scale), -self.qmax, self.qmax).astype(jnp.int8)
-        return codes, scale
+        ok = r > TINY  # a range of 0 quantizes everything to 0 (scale 0), not x / 1
+        scale = jnp.where(ok, r / self.qmax, 0.0)
+        codes = jnp.clip(jnp.round(x / jnp.where(ok, scale, 1.0)), -self.qmax, self.qmax)
+        return jnp.where(ok, codes, 0).astype(jnp.int8), scale
 
 
 class Fp8(Format):
     def _codes(self, x, red, r):
-        scale = jnp.where(r > TINY, r / FP8_MAX, 1.0)
-        return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+        ok = r > TINY
+        scale = jnp.where(ok, r / FP8_MAX, 0.0)
+        codes = jnp.clip(x / jnp.where(ok, scale, 1.0), -FP8_MAX, FP8_MAX)
+        return jnp.where(ok, codes, 0.0).astype(jnp.float8_e4m3fn), scale
 
 
 class Binary(Format):
     def _codes(self, x, red, r):
         del r
         mean = jnp.mean(jnp.abs(x), axis=red, keepdims=True)
-        return jnp.where(x > 0, 1, -1).astype(jnp.int8), jnp.where(mean > TINY, mean, 1.0)
+        # scale 0 for an all-zero group: its codes are +-1, so a scale of 1 decoded it to -1s
+        return jnp.where(x > 0, 1, -1).astype(jnp.int8), jnp.where(mean > TINY, mean, 0.0)
 
 
 class Ternary(Format):
@@ -137,10 +143,11 @@ class Pow2(Format):
         return 2 ** (self.bits - 1) - 2
 
     def _codes(self, x, red, r):
-        scale = jnp.where(r > TINY, r, 1.0)
-        u = jnp.abs(x) / scale
+        ok = r > TINY
+        scale = jnp.where(ok, r, 0.0)
+        u = jnp.abs(x) / jnp.where(ok, r, 1.0)
         k = jnp.clip(jnp.round(-jnp.log2(jnp.maximum(u, 1e-30))), 0, self.kmax)
-        zero = u < 2.0 ** (-self.kmax - 0.5)  # nearer 0 than the smallest level (geometric)
+        zero = (u < 2.0 ** (-self.kmax - 0.5)) | ~ok  # nearer 0 than the smallest level
         codes = jnp.where(zero, 0, jnp.sign(x) * (k + 1)).astype(jnp.int8)
         return codes, scale
 
@@ -175,8 +182,14 @@ def fake_quant(x, fmt: str, axes: Sequence[int], *, group: int = 0, rng=None):
     passes unchanged where |x| <= the range (absmax over `axes` when `rng` is None, so
     everywhere) and is zero where x was clipped."""
     x_hat = jax.lax.stop_gradient(quantize_dequantize(x, fmt, axes, group=group, rng=rng))
+    # x + sg(x_hat - x) is x_hat forward and x's gradient; summed in float32, as bfloat16
+    # rounded it off x_hat (a binary weight took three magnitudes instead of one)
+    x32 = x.astype(jnp.float32)
+    ste = (x32 + jax.lax.stop_gradient(x_hat.astype(jnp.float32) - x32)).astype(x.dtype)
     if rng is None or not get(fmt).uses_range:
-        return x + jax.lax.stop_gradient(x_hat - x)
-    xg, _ = _grouped(x.astype(jnp.float32), _canon(axes, x.ndim), group)
+        return ste
+    xg, _ = _grouped(x32, _canon(axes, x.ndim), group)
     inside = (jnp.abs(xg) <= jax.lax.stop_gradient(jnp.asarray(rng, jnp.float32))).reshape(x.shape)
-    return jnp.where(inside, x + jax.lax.stop_gradient(x_hat - x), x_hat)
+    # NaN is never inside a range: it passes through as it does without one (its code
+    # would be 0, hiding what the float model shows)
+    return jnp.where(inside | jnp.isnan(x), ste, x_hat)

@@ -357,7 +357,10 @@ def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: Quant
     if _mutable(module, "calib"):
         r = calibrate.choose_range(jax.lax.stop_gradient(x), q.activations, tuple(range(x.ndim)),
                                    q.calibration, percentile=q.percentile).reshape(())
-        module.variable("calib", name, lambda: jnp.zeros((), jnp.float32)).value = r
+        # a product that runs more than once a batch (a dual encoder's trunk: both texts)
+        # keeps the widest of its calls' ranges (found in review: the last call's alone)
+        var = module.variable("calib", name, lambda: jnp.zeros((), jnp.float32))
+        var.value = jnp.maximum(var.value, r)
         return x
     if q.act_scale == "static" and formats.get(q.activations).uses_range:
         if module.is_initializing():
