@@ -555,6 +555,10 @@ def test_route_reports_where_tokens_went():
     top = probs.argmax(-1)
     np.testing.assert_allclose(w.max(-1)[routed == 1], probs.max(-1)[routed == 1], rtol=1e-6)
     assert np.all(w.argmax(-1)[routed == 1] == top[routed == 1])
+    # found in review: stacked layers failed with a KeyError deep in the collection
+    with pytest.raises(ValueError, match="cannot read stacked layers"):
+        route(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, stack_layers=True)),
+              params, batch)
 
 
 def test_fold_aux_keeps_vectors_per_layer_and_scalars_summed():

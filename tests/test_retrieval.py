@@ -1,6 +1,7 @@
 """hpnlp.retrieval: every index against brute force, save/load, the adapters, bad input,
 and the kNN-LM's pieces (L2 through MIPS, interpolation, lambda 0 = the LM, datastore)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +22,9 @@ def _ties(n=700, q=23, d=8, seed=0):
     return (rng.integers(-2, 3, (n, d)).astype(np.float32), rng.integers(-2, 3, (q, d)).astype(np.float32))
 
 
-@pytest.mark.parametrize("opts", [dict(block=64, group=4), dict(block=64, group=1), dict(block=1024)])
+# block=8 < k=17: found in review, top_k refused a block of fewer than k rows
+@pytest.mark.parametrize("opts", [dict(block=64, group=4), dict(block=64, group=1), dict(block=1024),
+                                  dict(block=8, impl="xla")])
 def test_exact_equals_numpy_top_k_ties_included(opts):
     x, q = _ties()
     index = retrieval.make("exact", 8, query_block=8, **opts)
@@ -545,6 +548,9 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path):
     assert nb_train.hit[:, 0].mean() > 0.9 and nb_train.dist[:, 0].max() < 1e-2
     best = knnlm.tune(nb, {"k": (1, 8), "temperature": (1.0, 10.0), "lam": (0.0, 0.5)})
     assert best["ppl"] <= knnlm.perplexity(nb.lm_logp) + 1e-9  # lambda 0 is on the grid
+    # found in review: fewer neighbours than the grid's smallest k tuned nothing (None)
+    few = dataclasses.replace(nb, dist=nb.dist[:, :4], hit=nb.hit[:, :4])
+    assert knnlm.tune(few, {"k": (8, 16), "temperature": (1.0,), "lam": (0.5,)})["k"] == 4
     # a datastore from another model is refused
     other = jax.tree.map(lambda p: p + 1.0, params)
     with pytest.raises(RetrievalError, match="built by another model"):

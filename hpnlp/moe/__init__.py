@@ -21,6 +21,10 @@ def route(cfg, params, batch) -> dict:
         >>> expert_BL = routes[1]["weights"].argmax(-1)           # top-1: each token's expert
     """
     from hpnlp import models
+    if cfg.model.stack_layers:  # found in review: a KeyError deep in the routes' collection
+        raise ValueError("hpnlp.moe.route cannot read stacked layers yet "
+                         "(model.stack_layers=True: the blocks run as one scan, which keeps no "
+                         "routes); route a model trained with model.stack_layers=False")
     model = models.build(cfg, deterministic=True)
     # jitted: run eagerly, the model compiles every primitive separately
     _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate",

@@ -156,7 +156,9 @@ def _block_top_k(s_QB, ids_B, k: int, group: int):
     """Best k of one block of scores [Q, B] (two-stage where the block holds > k groups)."""
     q, b = s_QB.shape
     if group <= 1 or b % group or b // group <= k:
-        top_s, pos = jax.lax.top_k(s_QB, k)
+        # a block of fewer than k rows gives them all (found in review: top_k refused it);
+        # `_merge` keeps the best k of the running list and these
+        top_s, pos = jax.lax.top_k(s_QB, min(k, b))
         return top_s, ids_B[pos]
     s_QGg = s_QB.reshape(q, b // group, group)
     _, g_QK = jax.lax.top_k(s_QGg.max(axis=2), k)

@@ -252,11 +252,15 @@ GRID = {"k": (8, 16, 32, 64), "temperature": (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 10
 
 
 def tune(nb: Neighbours, grid: dict = GRID) -> dict:
-    """The (k, temperature, lambda) of the grid with the lowest perplexity on `nb`."""
+    """The (k, temperature, lambda) of the grid with the lowest perplexity on `nb`; a grid k
+    past the neighbours searched counts as all of them (found in review: with fewer than the
+    grid's smallest k, from a small datastore or k_max, no k was tried and `run` failed)."""
+    searched = nb.dist.shape[1]
+    if searched < 1:
+        raise RetrievalError("no neighbours were searched (an empty datastore?); build the "
+                             "datastore from a run's training text first")
     best = None
-    for k in grid["k"]:
-        if k > nb.dist.shape[1]:
-            continue
+    for k in sorted({min(k, searched) for k in grid["k"]}):
         for t in grid["temperature"]:
             for lam in grid["lam"]:
                 ppl = perplexity(interpolate(nb, k=k, temperature=t, lam=lam))
