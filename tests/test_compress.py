@@ -117,26 +117,33 @@ def test_zero_ranges_nan_and_bfloat16_found_in_review():
     fake quantization is the quantized value itself; a product run twice a batch (a dual
     encoder's trunk) records the wider of its calls' ranges, not the last."""
     x = jnp.asarray([[0.3], [0.7], [2.6], [-40.2], [300.0]], jnp.float32)
-    for fmt in ("int8", "int4", "fp8", "pow2"):
-        got = formats.quantize_dequantize(x, fmt, (0,), rng=jnp.zeros((1, 1)))
-        np.testing.assert_array_equal(np.asarray(got), 0.0, err_msg=fmt)
     w = RNG.standard_normal((8, 3)).astype(np.float32)
     w[:, 1] = 0.0
-    for fmt in ("binary", "ternary", "int8"):
-        np.testing.assert_array_equal(np.asarray(formats.fake_quant(jnp.asarray(w), fmt, (0,)))
-                                      [:, 1], 0.0, err_msg=fmt)
     sparse = np.zeros((64, 1), np.float32)
     sparse[[3, 40], 0] = [0.9, -2.6]
-    r = calibrate.choose_range(jnp.asarray(sparse), "int8", (0,), "percentile", percentile=95)
-    assert float(r[0, 0]) == pytest.approx(2.6)
     nan = jnp.asarray([[0.3, np.nan, 5.7, -2.2]], jnp.float32)
-    got = formats.fake_quant(nan, "int8", (1,), rng=jnp.asarray([[4.0]]))
-    assert np.isnan(np.asarray(got)[0, 1]) and np.isfinite(np.delete(np.asarray(got), 1)).all()
     wb = jnp.asarray(RNG.standard_normal((32, 4)), jnp.bfloat16)
-    for fmt in ("binary", "ternary", "int8"):
-        np.testing.assert_array_equal(np.asarray(formats.fake_quant(wb, fmt, (0,)), np.float32),
-                                      np.asarray(formats.quantize_dequantize(wb, fmt, (0,)),
-                                                 np.float32), err_msg=fmt)
+
+    @jax.jit  # one compile for all of it, not one per eager op
+    def run(x, w, sparse, nan, wb):
+        zero = jnp.zeros((1, 1))
+        return {"zero_range": {f: formats.quantize_dequantize(x, f, (0,), rng=zero)
+                               for f in ("int8", "int4", "fp8", "pow2")},
+                "zero_column": {f: formats.fake_quant(w, f, (0,))[:, 1]
+                                for f in ("binary", "ternary", "int8")},
+                "percentile": calibrate.choose_range(sparse, "int8", (0,), "percentile",
+                                                     percentile=95),
+                "nan": formats.fake_quant(nan, "int8", (1,), rng=jnp.asarray([[4.0]])),
+                "bf16": {f: (formats.fake_quant(wb, f, (0,)).astype(jnp.float32),
+                             formats.quantize_dequantize(wb, f, (0,)).astype(jnp.float32))
+                         for f in ("binary", "ternary", "int8")}}
+    got = jax.tree.map(np.asarray, run(x, jnp.asarray(w), jnp.asarray(sparse), nan, wb))
+    for fmt, v in {**got["zero_range"], **got["zero_column"]}.items():
+        np.testing.assert_array_equal(v, 0.0, err_msg=fmt)
+    assert float(got["percentile"][0, 0]) == pytest.approx(2.6)
+    assert np.isnan(got["nan"][0, 1]) and np.isfinite(np.delete(got["nan"], 1)).all()
+    for fmt, (fq, qdq) in got["bf16"].items():
+        np.testing.assert_array_equal(fq, qdq, err_msg=fmt)
     import flax.linen as nn
 
     from hpnlp.compress import qlinear
@@ -152,10 +159,10 @@ def test_zero_ranges_nan_and_bfloat16_found_in_review():
         def __call__(self, a, b):
             p = Product()
             return p(a), p(b)
+    calib = jax.jit(lambda a, b: Twice().apply({}, a, b, mutable=["calib"])[1]["calib"])
     a, b = jnp.full((2, 3), 5.0), jnp.full((2, 3), 2.0)
     for first, second in ((a, b), (b, a)):
-        calib = Twice().apply({}, first, second, mutable=["calib"])[1]["calib"]
-        assert float(calib["Product_0"]["x"]) == 5.0
+        assert float(calib(first, second)["Product_0"]["x"]) == 5.0
 
 
 def test_spec_order_rule():

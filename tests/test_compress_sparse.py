@@ -519,7 +519,9 @@ def _dual(cd):  # a dual encoder on the matching task (found in review: its stud
     return cd
 
 
-@pytest.mark.parametrize("kind", ["lm", "classifier", "dual_encoder"])
+# dual_encoder: 7.6 s in the suite on the 2-core Zen 3 (2026-12-02); CI's slow part runs it
+@pytest.mark.parametrize("kind", ["lm", "classifier",
+                                  pytest.param("dual_encoder", marks=pytest.mark.slow)])
 def test_distillation_at_t1_weight1_is_cross_entropy_against_the_teacher(tmp_path, kind):
     like = _dual if kind == "dual_encoder" else lambda cd: cd
     tcd = like(tiny("lm" if kind == "lm" else "classifier"))
