@@ -8,7 +8,8 @@ takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
 - `refused`: `validate` rejected the config with a `ConfigError` (`message`, one line).
 - `ok`: init, `train.steps` steps, eval and checkpoints ran through `hpnlp.train.run`,
   every logged loss and the eval loss finite, and a pruned run (unstructured or N:M) at
-  its schedule's sparsity after its last mask update (summary.json); then, where the config names `ptq` (a format
+  its schedule's sparsity after its last mask update (summary.json); then, where the
+  config names `ptq` (a format
   as QuantConfig fields, or "bfloat16"), `hpnlp.compress.ptq.quantize` of the run with a
   finite quantized eval loss and a packed file that reloads to the same outputs, or a
   one-line refusal (`ptq_refused`); then, where the config names a `student` (fields

@@ -23,8 +23,8 @@ def _ties(n=700, q=23, d=8, seed=0):
 
 
 # block=8 < k=17: found in review, top_k refused a block of fewer than k rows
-@pytest.mark.parametrize("opts", [dict(block=64, group=4), dict(block=64, group=1), dict(block=1024),
-                                  dict(block=8, impl="xla")])
+@pytest.mark.parametrize("opts", [dict(block=64, group=4), dict(block=64, group=1),
+                                  dict(block=1024), dict(block=8, impl="xla")])
 def test_exact_equals_numpy_top_k_ties_included(opts):
     x, q = _ties()
     index = retrieval.make("exact", 8, query_block=8, **opts)

@@ -3,7 +3,8 @@
     r = choose_range(x_BLE, "int8", axes=(0, 1, 2), method="mse")   # one range, per tensor
 
 `absmax` keeps every value (no clipping; outliers stretch the step), `percentile` clips
-the top (100 - p)% of |x| (robust to rare outliers; absmax where that percentile is 0), `mse` searches fractions of absmax
+the top (100 - p)% of |x| (robust to rare outliers; absmax where that percentile is 0),
+`mse` searches fractions of absmax
 for the range whose quantize-dequantize error sum((x - q(x))^2) is least (the
 clipping-vs-rounding trade-off, as TensorRT and PyTorch's HistogramObserver do). Ranges
 keep dims, so they broadcast like the format's scale. PTQ calibration (hpnlp.compress.ptq)
