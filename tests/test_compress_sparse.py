@@ -1290,6 +1290,13 @@ def test_attention_map_distillation_needs_variants_that_return_probabilities(tmp
     cfg = validate(from_configdict(tiny("lm", distill=dict(teacher=str(tmp_path), attention=1.0))))
     with pytest.raises(ConfigError, match=r"train\.distill\.attention.*teacher's attention variant"):
         carry_lib.for_config(cfg)
+    # a causal classifier cannot match a bidirectional teacher's maps (found in review)
+    ccd = tiny("text")
+    _teacher_workdir(tmp_path / "bi", ccd)
+    ccd = tiny("text", distill=dict(teacher=str(tmp_path / "bi"), attention=1.0))
+    ccd.model.update(causal=True, pool="mean")
+    with pytest.raises(ConfigError, match=r"train\.distill\.attention.*model\.causal=true teacher"):
+        carry_lib.for_config(validate(from_configdict(ccd)))
     # asking dense attention for its probabilities leaves its output as it was
     from hpnlp.attention.dense import DenseAttention
     q, k, v = (jnp.asarray(RNG.standard_normal((2, 6, 2, 4)), jnp.float32) for _ in range(3))

@@ -367,6 +367,13 @@ class TeacherCarry(Carry):
                 raise config_error("train.distill.attention", self.d.attention, f"the teacher's "
                                    f"attention variant {tcfg.attention.name!r} does not return its "
                                    "probabilities; distill attention maps from a 'dense' teacher")
+            if sm.causal and not tm.causal:  # the student's maps are 0 past each query, where
+                # the teacher's weigh every key: a KL no causal student can lower
+                raise config_error("train.distill.attention", self.d.attention, "the student "
+                                   "attends causally (model.causal) but the teacher reads both "
+                                   "ways, so its maps weigh keys the student cannot see; "
+                                   "distill attention from a model.causal=true teacher or set "
+                                   "model.causal=false")
         blocks = self.d.matches_blocks()
         if blocks:
             if tm.arch != "transformer" or tm.stack_layers or tm.reversible or sm.stack_layers \
