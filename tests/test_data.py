@@ -583,6 +583,20 @@ def test_a_run_that_may_have_seen_the_validation_split_is_named_and_a_resume_kee
     # a run generating more examples trained on this one's held-out slice
     assert data.saw_validation(cfg_of(**lo), cfg_of(**dict(lo, listops_num_train=400)))
     assert data.saw_validation(cfg_of(**lo), cfg_of(**dict(lo, seed=1)))
+    # words and pieces learned from other chapters, or of another size, are other ids
+    # (found in review: trunk transfer, distillation and speculative decoding took them)
+    words, bpe = cfg_of(task="word_lm"), cfg_of(task="word_lm", tokenizer="bpe")
+    assert data.different_encoding(val, ev) is None  # bytes are bytes
+    for mine, theirs, field in (
+            (words, cfg_of(task="word_lm", eval_split="validation"), "data.eval_split"),
+            (bpe, cfg_of(task="word_lm", tokenizer="bpe", eval_split="validation"),
+             "data.eval_split"),
+            (bpe, cfg_of(task="word_lm", tokenizer="bpe", vocab_size=500), "data.vocab_size"),
+            (words, cfg_of(task="word_lm", word_vocab_size=300), "data.word_vocab_size")):
+        assert data.different_encoding(mine, theirs).startswith(field + "=")
+    # past the shipped text's words, a larger bound is the same vocabulary
+    assert data.different_encoding(cfg_of(task="word_lm", word_vocab_size=20000),
+                                   cfg_of(task="word_lm", word_vocab_size=30000)) is None
     cd = default_configdict()
     sig = _shape_signature(from_configdict(cd))
     cd.data.eval_split = "validation"  # a resume under the other split is another run

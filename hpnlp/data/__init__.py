@@ -95,6 +95,13 @@ def different_encoding(mine, theirs) -> str | None:
     if name(mine) not in ("", "bytes"):
         fields += [("data.train_path", mine.train_path, theirs.train_path),
                    ("data.prepared", mine.prepared, theirs.prepared)]
+        if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
+            # shipped corpus's training chapters depend on the split, and so do words and pieces
+            fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))
+        if not mine.prepared:  # the size asked for (a prepared folder's is its own)
+            size = "word_vocab_size" if name(mine) == "words" else "vocab_size"
+            if task_info(mine)["vocab_size"] != task_info(theirs)["vocab_size"]:
+                fields.append(("data." + size, getattr(mine, size), getattr(theirs, size)))
     for field, a, b in fields:
         if a != b:
             return f"{field}={b!r} (this run: {a!r})"

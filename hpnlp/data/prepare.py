@@ -197,7 +197,9 @@ def make_tokenizer(args, paths: list[str], reused=None):
     total = sum(os.path.getsize(p) for p in paths)
     stride = max(1, -(-total // (args.tokenizer_sample_mb << 20)))
     sample, i = [], 0
-    for _, doc, _, _ in _all_documents(paths, args):
+    for j, (_, doc, _, _) in enumerate(_all_documents(paths, args)):
+        if not args.eval_input and j % args.eval_every == args.eval_every - 1:
+            continue  # an eval document (found in review: the tokenizer learned from them)
         if i % stride == 0:
             sample.append(doc)
         i += 1
@@ -356,10 +358,15 @@ def prepare(args) -> dict:
         writers.clear()
         state.update(where)
         state["next_shard"] += 1
+        save_progress()
+
+    def save_progress():
         np.savez(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), **counts)
         os.replace(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), os.path.join(out, PROGRESS_COUNTS))
         _atomic_json(progress_path, {"settings": settings, "state": state})
 
+    if not progress:  # found in review: stopped before its first shard's checkpoint, a run
+        save_progress()  # left files its rerun refused as another's; now it starts over
     shard_bytes, batch_bytes = args.shard_mb << 20, args.batch_mb << 20
     pending, pending_bytes, since_ckpt = [], 0, 0
 
@@ -414,7 +421,7 @@ def prepare(args) -> dict:
         for w, _ in writers.values():
             w.close()
         writers.clear()
-        if not os.path.isfile(progress_path):  # no checkpoint to resume: a rerun starts afresh
+        if not state["next_shard"]:  # no shard to resume from: a rerun starts afresh
             _discard(out, created)
         raise
     checkpoint({"stream": len(streams), "file": 0, "offset": 0, "line": 0})

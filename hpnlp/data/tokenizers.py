@@ -13,7 +13,9 @@ one protobuf file, which is all a workdir has to keep.
 
 Lines are the unit SentencePiece sees: a text is split at "\\n", each line encoded, and
 a newline piece (a reserved symbol that the trainer never sees in a line) joins them, so
-`decode(encode(text)) == text` for any text. Ids are sorted by descending count on the
+`decode(encode(text)) == text` for any text. SentencePiece reads a literal "▁" (U+2581) as
+its whitespace symbol, so a line is also split at each one, its segments encoded alone, and
+the character's three UTF-8 byte pieces join them (found in review: "x▁y" came back "x y"). Ids are sorted by descending count on the
 training text (ties: SentencePiece's id), as word ids are, so that id 0 is the most frequent
 piece and log-uniform samplers and the adaptive softmax's frequency clusters apply as is.
 Training is single-threaded and seeded: the same text and settings give the same ids.
@@ -37,6 +39,7 @@ import numpy as np
 SUBWORD = ("bpe", "unigram")
 KINDS = ("bytes", "words") + SUBWORD
 NEWLINE = "\n"
+SPACE = "\u2581"  # SentencePiece's whitespace symbol
 MODEL_FILE, META_FILE = "tokenizer.model", "tokenizer.json"
 DIRNAME = "tokenizer"  # in a workdir or a prepared folder
 MAX_LINE_BYTES = 1 << 16  # longer lines still encode; the trainer skips them
@@ -88,23 +91,33 @@ class Subword:
         """Each text -> int32 ids (one SentencePiece call for all their lines)."""
         if isinstance(texts, str):  # else each character would be encoded as a text
             raise TypeError("encode_many takes a list of texts; encode one text with encode(text)")
-        lines, per_text = [], []
+        lines, per_text = [], []  # per text, the segments of each of its lines
         for t in texts:
-            parts = t.split(NEWLINE)
-            lines += parts
-            per_text.append(len(parts))
+            row = []
+            for line in t.split(NEWLINE):
+                segments = line.split(SPACE) if SPACE in line else [line]
+                lines += segments
+                row.append(len(segments))
+            per_text.append(row)
         pieces = self._sp.encode(lines) if lines else []
-        nl = self._sp.piece_to_id(NEWLINE)
+        nl, space = self._sp.piece_to_id(NEWLINE), self._space_ids
         out, i = [], 0
-        for n in per_text:
+        for row in per_text:
             flat = []
-            for j in range(n):
-                flat += pieces[i + j]
-                if j < n - 1:
+            for j, n in enumerate(row):
+                if j:
                     flat.append(nl)
-            i += n
+                for k in range(n):
+                    if k:
+                        flat += space
+                    flat += pieces[i]
+                    i += 1
             out.append(self._ours[np.asarray(flat, np.int64)] if flat else np.zeros(0, np.int32))
         return out
+
+    @functools.cached_property
+    def _space_ids(self) -> list[int]:  # a literal SPACE as its UTF-8 byte pieces
+        return [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE.encode()]
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_many([text])[0]
@@ -131,7 +144,19 @@ class Subword:
             else:
                 cur.append(i)
         lines.append(cur)
-        return NEWLINE.join(self._sp.decode(line) if line else "" for line in lines)
+        return NEWLINE.join(self._decode_line(line) for line in lines)
+
+    def _decode_line(self, sp_ids: list[int]) -> str:
+        space, segments, cur, k = self._space_ids, [], [], 0
+        while k < len(sp_ids):
+            if sp_ids[k] == space[0] and sp_ids[k:k + 3] == space:
+                segments.append(cur)
+                cur, k = [], k + 3
+            else:
+                cur.append(sp_ids[k])
+                k += 1
+        segments.append(cur)
+        return SPACE.join(self._sp.decode(s) if s else "" for s in segments)
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         """The piece of each id (for inspection: "▁the", "<0x0A>", ...)."""
