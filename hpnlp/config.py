@@ -1560,6 +1560,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _check_positive(f"train.{name}", getattr(t, name), allow_zero=True)
     _check_positive("train.lr", t.lr)
     _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    # found in review: these took any number (end_lr_frac -1 ascended the loss after its middle)
+    if not 0 <= t.end_lr_frac <= 1:
+        _fail("train.end_lr_frac", t.end_lr_frac, "the final learning rate as a fraction of "
+              "train.lr must be in [0, 1]")
+    for name in ("b1", "b2"):
+        if not 0 <= getattr(t, name) < 1:
+            _fail(f"train.{name}", getattr(t, name), "Adam's moment decay must be in [0, 1)")
     if t.warmup_steps > t.steps or (t.schedule != "constant" and t.warmup_steps >= t.steps):
         _fail("train.warmup_steps", t.warmup_steps,
               f"must be < train.steps={t.steps} (the {t.schedule!r} decay needs steps after warmup)")

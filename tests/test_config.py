@@ -133,6 +133,8 @@ def test_task_fields_are_filled_in():
     ({"data": {"seq_len": 128}}, "data.seq_len", "model.max_len=64"),
     ({"train": {"batch_size": 6, "grad_accum": 4}}, "train.batch_size", "multiple of"),
     ({"train": {"batch_size": 0}}, "train.batch_size", "> 0"),
+    ({"train": {"end_lr_frac": -1.0}}, "train.end_lr_frac", "[0, 1]"),
+    ({"train": {"b2": 1.0}}, "train.b2", "[0, 1)"),
     ({"train": {"warmup_steps": 5000, "steps": 10}}, "train.warmup_steps", "< train.steps"),
     ({"mesh": {"data": 3}}, "mesh", "multiply to the device count 1"),
     ({"train": {"early_stopping_metric": "acc"}}, "train.early_stopping_metric", "accuracy"),

@@ -289,3 +289,14 @@ def test_ensembles_refuse_a_bi_encoder_and_a_file_workdir_in_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         f"hpnlp: error: --workdir {tmp_path / 'f'} is a file, not a folder; give a folder")
+
+
+def test_member_metrics_reduce_over_the_member_axis_only():
+    """Found in review: an MoE ensemble's per-layer, per-expert loads ([M, layers, X])
+    were summed to a scalar, and its first log line failed."""
+    from hpnlp.train.ensemble import _reduce_members
+    load = np.arange(12.0).reshape(2, 3, 2)
+    got = _reduce_members({"loss": np.asarray([1.0, 2.0]), "moe_load": load,
+                           "grad_norm": np.asarray([1.0, 3.0]), "tokens": np.asarray([5, 5])})
+    np.testing.assert_array_equal(got["moe_load"], load.sum(0))
+    assert float(got["loss"]) == 3.0 and float(got["grad_norm"]) == 2.0 and int(got["tokens"]) == 5

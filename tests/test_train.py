@@ -120,15 +120,34 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_rerun_resumes_and_continues_exactly(tmp_path):
     # A constant schedule: the lr then does not depend on train.steps, which differs here.
-    whole = run(tiny(steps=30, schedule="constant"), str(tmp_path / "whole"))
-    run(tiny(steps=20, schedule="constant"), str(tmp_path / "split"))
-    resumed = run(tiny(steps=30, schedule="constant"), str(tmp_path / "split"))
-    assert resumed["resumed_from_step"] == 20
+    whole = run(tiny(steps=30, schedule="constant", checkpoint_every=6), str(tmp_path / "whole"))
+    run(tiny(steps=20, schedule="constant", checkpoint_every=6), str(tmp_path / "split"))
+    # then resumed for 30, and stopped after its checkpoint at step 24, inside the log window
+    # of steps 21-25
+    cd = tiny(steps=30, schedule="constant", checkpoint_every=6)
+    tr = Trainer(from_configdict(cd), str(tmp_path / "split"))
+    inner = tr.train_step
+
+    def stopping(state, batch):
+        if int(state.step) == 25:
+            tr.checkpointer.wait()
+            raise KeyboardInterrupt
+        return inner(state, batch)
+
+    tr.train_step = stopping
+    with pytest.raises(KeyboardInterrupt):
+        tr.run()
+    resumed = run(cd, str(tmp_path / "split"))
+    assert resumed["resumed_from_step"] == 24
     assert resumed["eval"] == whole["eval"]
     a = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "split" / "metrics.jsonl")
-    # Train lines match; the first half's end-of-run eval line (step 20) is extra.
-    train = lambda lines: [(l["step"], l["loss"], l["grad_norm_max"]) for l in lines if not l.get("eval")]
+    # Train lines match, the one whose window the checkpoint cut too (found in review: its
+    # float32 sums came back float64, and its mean differed in the last digits); the first
+    # run's end-of-run eval line (step 20) is extra.
+    keys = ("loss", "grad_norm", "grad_norm_min", "grad_norm_max", "clipped_frac")
+    train = lambda lines: [(l["step"],) + tuple(l[k] for k in keys) for l in lines
+                           if not l.get("eval")]
     assert train(a) == train(b)
 
 
@@ -216,6 +235,22 @@ def test_workdir_of_another_model_is_refused(tmp_path):
     cd.model.width = 64
     with pytest.raises(CheckpointMismatch, match=r"model.width: saved 32, now 64.*new --workdir"):
         run(cd, str(tmp_path))
+    # found in review: fields the shape signature did not hold (saved before it did) are
+    # compared with the saved config, and arrays of other shapes are named as such, not as a
+    # damaged checkpoint to move aside
+    cd = tiny(steps=10)
+    cd.model.stack_layers = True
+    with pytest.raises(CheckpointMismatch, match=r"model.stack_layers: saved False, now True"):
+        run(cd, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        saved = json.load(f)
+    saved["shape_signature"]["model.width"] = saved["config"]["model"]["width"] = 64
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    cd.model.update(stack_layers=False, width=64)
+    with pytest.raises(CheckpointMismatch, match=r"other shapes than this run's model.*its\s+"
+                                                 r"config\.json"):
+        run(cd, str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10"]
 
 
@@ -302,9 +337,12 @@ def test_shared_program_compiles_one_program_once_per_device_set(monkeypatch):
 
 def test_early_stopping_on_patience(tmp_path):
     cd = tiny(steps=200, lr=1e-7, warmup_steps=0, eval_every=5, early_stopping_patience=2,
-              early_stopping_metric="accuracy")
+              early_stopping_metric="accuracy", log_every=7)
     summary = run(cd, str(tmp_path))
     assert summary["stopped_early"] and summary["final_step"] < 200
+    # the steps since the last train line get theirs (found in review: they were lost)
+    train = [l["step"] for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
+    assert summary["final_step"] % 7 and train[-1] == summary["final_step"]
     again = run(cd, str(tmp_path))  # a rerun stays stopped
     assert again["stopped_early"] and again["final_step"] == summary["final_step"]
     assert again["eval"] == summary["eval"]
@@ -354,21 +392,33 @@ print("OK")
 def test_float16_dynamic_loss_scaling_skips_overflow_and_adapts(tmp_path):
     """float16 compute: an overflowing scale skips the step (state unchanged) and halves;
     clean steps train with float32 master weights, and a full period of them doubles it."""
-    cd = tiny(steps=40, loss_scale_init=2.0**24, loss_scale_period=3)  # 2^24 overflows float16 grads
+    cd = tiny(steps=40, loss_scale_init=2.0**24, loss_scale_period=3,  # 2^24 overflows float16
+              checkpoint_every=0, eval_batches=1)                          # grads
     cd.model.dtype = "float16"
     tr = Trainer(from_configdict(cd), str(tmp_path))
-    state, _ = tr.initial_state()
-    scales, skipped = [], []
-    with tr._context():
-        for _ in range(40):
-            before = jax.tree.map(np.asarray, state.params)  # the step donates its input
-            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
-            scales.append(float(m["loss_scale"]))
-            skipped.append(bool(m["skipped"]))
-            assert float(m["finite"]) == 1.0 and np.isfinite(float(m["loss"]))
-            if skipped[-1]:
-                jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
-    assert skipped[0] and float(state.loss_scale) < 2.0**24
+    scales, skipped, inner, last = [], [], tr.train_step, {}
+
+    def step(state, batch):  # the training loop's steps, each checked
+        before = jax.tree.map(np.asarray, state.params)  # the step donates its input
+        state, m = inner(state, batch)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(bool(m["skipped"]))
+        assert float(m["finite"]) == 1.0 and np.isfinite(float(m["loss"]))
+        if skipped[-1]:
+            jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+        last["state"] = state
+        return state, m
+
+    tr.train_step = step
+    tr.run()
+    state = last["state"]
+    assert len(skipped) == 40 and skipped[0] and float(state.loss_scale) < 2.0**24
+    # the log lines leave the skipped steps out of the gradient norms (found in review: their
+    # inf made the window's mean and max inf), and a window of only skipped steps has none
+    for line in (l for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")):
+        n = sum(skipped[line["step"] - 5:line["step"]])
+        assert line["skipped_steps"] == n and ("grad_norm" in line) == (n < 5)
+        assert all(np.isfinite(v) for k, v in line.items() if k.startswith("grad_norm"))
     for i in range(39):  # the scale's rule, step by step
         if skipped[i]:
             assert scales[i + 1] == scales[i] / 2

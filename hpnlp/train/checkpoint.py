@@ -86,6 +86,43 @@ _SHAPE_FIELDS = {
 }
 
 
+# Fields that change the parameter tree too, compared with the saved config itself rather
+# than its shape signature, so that runs saved before they were checked still resume (found
+# in review: another expert count failed in the restore as a "damaged" checkpoint).
+_CONFIG_SHAPE_FIELDS = (("model", "arch"), ("model", "stack_layers"), ("model", "reversible"),
+                        ("model", "moe", "num_experts"), ("model", "memory", "size"))
+_CONFIG_SHAPE_WHEN = {("model", "moe", "num_experts"): (("model", "moe", "mlp_dim"),
+                                                        ("model", "moe", "every"),
+                                                        ("model", "moe", "shared_experts")),
+                      ("model", "memory", "size"): (("model", "memory", "key_dim"),)}
+
+
+def _config_shape_diff(saved: dict, cfg) -> dict:
+    """{field: (saved, now)} for `_CONFIG_SHAPE_FIELDS` (and, where either run sets one, the
+    fields it brings) that differ between a saved config.json's config and `cfg`."""
+    from hpnlp.config import default_configdict
+    default, now = to_json(from_configdict(default_configdict())), to_json(cfg)
+
+    def get(d, path):
+        for k in path:
+            if not isinstance(d, dict) or k not in d:
+                return None
+            d = d[k]
+        return d
+
+    diff = {}
+    for path in _CONFIG_SHAPE_FIELDS:
+        fields = [path]
+        if get(saved, path) or get(now, path):
+            fields += _CONFIG_SHAPE_WHEN.get(path, ())
+        for f in fields:
+            a = get(saved, f)
+            a, b = get(default, f) if a is None else a, get(now, f)
+            if a != b:
+                diff[".".join(f)] = (a, b)
+    return diff
+
+
 def _shape_signature(cfg, members: int = 1) -> dict:
     sig = {"ensemble.members": members}  # a seed ensemble stacks M copies of every array
     for group, fields in _SHAPE_FIELDS.items():
@@ -145,6 +182,7 @@ class Checkpointer:
             old_sig = saved.get("shape_signature", {})
             diff = {k: (old_sig.get(k), sig.get(k)) for k in {**old_sig, **sig}
                     if old_sig.get(k) != sig.get(k)}
+            diff.update(_config_shape_diff(saved["config"], cfg))
             if diff and resuming:
                 lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
                 raise CheckpointMismatch(
@@ -186,6 +224,12 @@ class Checkpointer:
                 loop=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (whatever orbax raises: the step cannot be read)
             where = os.path.join(self.directory, str(step))
+            if "not compatible with the stored shape" in str(e):  # another model's arrays
+                raise CheckpointMismatch(
+                    f"checkpoint {where} holds arrays of other shapes than this run's model "
+                    f"({str(e).splitlines()[0][:200]}): the workdir holds a different model's "
+                    "checkpoints; resume it with the config it was trained with (its "
+                    "config.json), or use a new --workdir") from e
             if "tree structures do not match" in str(e):  # read whole, but another layout
                 raise CheckpointMismatch(
                     f"checkpoint {where} cannot be read as this run's train state: its layout "

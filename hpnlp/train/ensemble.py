@@ -162,8 +162,8 @@ def _reduce_members(metrics: dict) -> dict:
             out[k] = jnp.mean(v)
         elif k == "finite":
             out[k] = jnp.min(v)
-        else:  # additive: the model's sums (loss, weight, correct), skipped member-steps
-            out[k] = jnp.sum(v)
+        else:  # additive: the model's sums (loss, weight, correct), skipped member-steps,
+            out[k] = jnp.sum(v, axis=0)  # MoE's loads per layer and expert (found in review)
     return out
 
 

@@ -371,10 +371,14 @@ class Trainer:
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
         saved = loop.get("window") or {}
-        sums = saved.get("sums") and {k: np.asarray(v) for k, v in saved["sums"].items()}
+        dtypes = saved.get("dtypes", {})  # float32 sums read back as float32 (found in review:
+        # read as float64, a resumed window summed otherwise and logged other last digits)
+        sums = saved.get("sums") and {k: np.asarray(v, dtypes.get(k)) for k, v in saved["sums"].items()}
         window: dict[str, Any] = {"sums": sums, "n": saved.get("n", 0),  # sums: MoE loads are vectors
+                                  "applied": saved.get("applied", saved.get("n", 0)),
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
-                                  "clipped": saved.get("clipped", 0), "t0": time.perf_counter()}
+                                  "clipped": saved.get("clipped", 0), "t0": time.perf_counter(),
+                                  "last": None}
         # The rates time steps that run a compiled program: the first step, and each step whose
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
         timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
@@ -398,31 +402,47 @@ class Trainer:
                     f"training became non-finite at step {step} ({what}); {where}. "
                     "Lower train.lr, raise train.warmup_steps, keep train.clip_norm > 0, "
                     "or check the data.")
+            # A float16 step skipped for overflow applied nothing: its gradient norm (inf or
+            # NaN) stays out of the window's (found in review: it made them inf and NaN).
+            applied = not float(m.get("skipped", 0))
+            if not applied:
+                m = {**m, "grad_norm": np.zeros_like(m["grad_norm"])}
             window["sums"] = m if window["sums"] is None else jax.tree.map(np.add, window["sums"], m)
             window["n"] += 1
-            # The gradient norm of every step (not only the window mean), so its usual range
-            # and its spikes are visible: TensorBoard gets each step, the log line the range.
-            g = float(m["grad_norm"])
-            window["gmin"], window["gmax"] = min(window["gmin"], g), max(window["gmax"], g)
-            window["clipped"] += int(bool(t.clip_norm) and g > t.clip_norm)
-            writer.scalar(step, "grad_norm_step", g)
+            window["last"] = m
+            if applied:
+                # The gradient norm of every step (not only the window mean), so its usual
+                # range and its spikes are visible: TensorBoard gets each step, the log line
+                # the range.
+                g = float(m["grad_norm"])
+                window["applied"] += 1
+                window["gmin"], window["gmax"] = min(window["gmin"], g), max(window["gmax"], g)
+                window["clipped"] += int(bool(t.clip_norm) and g > t.clip_norm)
+                writer.scalar(step, "grad_norm_step", g)
             if timing["t0"] is not None and step not in timing["untimed"]:
                 timing["tokens"] += float(m["tokens"])
             if step % t.log_every == 0 or step == t.steps:
-                now = time.perf_counter()
-                dt = max(now - window["t0"], 1e-9)
-                s = window["sums"]
-                line = finalize({**s, "grad_norm": s["grad_norm"] / window["n"],
-                                 "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm)
-                if "loss_scale" in m:  # float16: the current scale and the steps it skipped
-                    line.update(loss_scale=float(m["loss_scale"]), skipped_steps=int(s["skipped"]))
+                flush(step)
+
+        def flush(step: int) -> None:
+            """Write the window's train line (its steps' sums, the last step's norms)."""
+            now = time.perf_counter()
+            dt = max(now - window["t0"], 1e-9)
+            s, m, n = window["sums"], window["last"], window["applied"]
+            line = finalize({**s, "grad_norm": s["grad_norm"] / max(n, 1),
+                             "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm)
+            if "loss_scale" in m:  # float16: the current scale and the steps it skipped
+                line.update(loss_scale=float(m["loss_scale"]), skipped_steps=int(s["skipped"]))
+            if n:  # the gradient norms of the steps that applied an update
                 line.update(grad_norm_min=window["gmin"], grad_norm_max=window["gmax"],
-                            clipped_frac=window["clipped"] / window["n"],
-                            steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
-                writer.write(step, line)
-                bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
-                                tok_s=f"{line['tokens_per_sec']:.0f}")
-                window.update(sums=None, t0=now, n=0, gmin=math.inf, gmax=0.0, clipped=0)
+                            clipped_frac=window["clipped"] / n)
+            else:  # every step skipped: no gradient to describe
+                del line["grad_norm"]
+            line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
+            writer.write(step, line)
+            bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
+                            tok_s=f"{line['tokens_per_sec']:.0f}")
+            window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
 
         def paused(seconds: float) -> None:
             """Eval and checkpoint time is not training time: keep it out of the rates."""
@@ -433,7 +453,8 @@ class Trainer:
         def save(step: int, state, last_eval: dict) -> None:
             win = None if window["sums"] is None else {
                 "sums": {k: np.asarray(v).tolist() for k, v in window["sums"].items()},
-                "n": window["n"],
+                "dtypes": {k: str(np.asarray(v).dtype) for k, v in window["sums"].items()},
+                "n": window["n"], "applied": window["applied"],
                 "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
@@ -503,6 +524,8 @@ class Trainer:
                     if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
                         stopped_early = True
                         do_ckpt = True
+                        if window["n"]:  # the last steps' train line (found in review: lost)
+                            flush(step)
                 if do_ckpt:
                     save(step, state, last_eval)
                 paused(time.perf_counter() - t_pause)
