@@ -1709,6 +1709,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               "attention.name='ring' (exact attention passing key/value blocks around the ring)")
     if sizes["sequence"] > 1 and d.seq_len % sizes["sequence"]:
         _fail("data.seq_len", d.seq_len, f"must be a multiple of mesh.sequence={sizes['sequence']}")
+    if sizes["sequence"] > 1 and d.batching == "bucket":  # found in review: failed mid-run
+        from hpnlp.data.batching import bucket_boundaries
+        odd = [w for w in bucket_boundaries(d) if w % sizes["sequence"]]
+        if odd:
+            _fail("data.bucket_boundaries", list(d.bucket_boundaries) or "(default)",
+                  f"bucket widths {odd} do not split over mesh.sequence={sizes['sequence']}; "
+                  f"give widths that are multiples of {sizes['sequence']}")
     _check_moe(cfg, sizes)
     shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
     per_step = t.grad_accum * math.lcm(shards, num_processes)

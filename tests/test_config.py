@@ -217,6 +217,9 @@ def test_mesh_and_batch_against_devices_and_processes():
         validate(base(mesh={"data": 1, "sequence": 2}), num_devices=2)
     ok = validate(base(mesh={"data": 2, "sequence": 4}, attention={"name": "ring"}), num_devices=8)
     assert ok.mesh.axis_sizes(8)["sequence"] == 4
+    with pytest.raises(ConfigError, match=r"`data.bucket_boundaries` = \[6, 64\].*\[6\]"):
+        validate(base(mesh={"data": 2, "sequence": 4}, attention={"name": "ring"},
+                      data={"batching": "bucket", "bucket_boundaries": (6, 64)}), num_devices=8)
     # Rules are the user's: map `embed` nowhere and fsdp no longer has to divide the width.
     validate(base(mesh={"data": 1, "fsdp": 8, "rules": {"embed": None}}, model={"width": 36, "num_heads": 4}),
              num_devices=8)

@@ -208,9 +208,11 @@ def test_pipeline_training_matches_one_device(tmp_path):
     stacked run: losses and parameters after 5 AdamW steps; stacked params and Adam moments
     split over `pipeline` on the layer axis; and the step really runs M + P - 1 ticks of
     depth / P layers, passing activations between stages. With rope positions, which ride
-    through the stages beside the segment ids."""
+    through the stages beside the segment ids. With `chunked` attention (found in review: its
+    cond failed shard_map's type check inside a stage)."""
     cd = tiny()
     cd.model.pos_emb = "rope"
+    cd.attention.name = "chunked"
     cd.train.batch_size = 16
     out = str(tmp_path)
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -247,7 +249,8 @@ def test_pipeline_training_matches_one_device(tmp_path):
         assert info["ppermute"], f"{name}: no collective_permute in the step, so no pipeline ran"
         P = MESHES[name]["pipeline"]
         M = MESHES[name]["pipeline_microbatches"] or P
-        assert info["scans"] == sorted({M + P - 1, 4 // P}), info  # ticks; layers per stage
+        # ticks and layers per stage (beside chunked attention's own loops over blocks)
+        assert {M + P - 1, 4 // P} <= set(info["scans"]), info
 
 
 def _check(cd, field, match, num_devices=8):

@@ -21,12 +21,16 @@ is what runs. Only the blocks are pipelined; embeddings, the final norm and the 
 layer stay outside, under the automatic (GSPMD) sharding of the other mesh axes.
 
 What holds: with dropout off, the pipelined trunk computes the same function as the
-stacked scan (tested to 1e-5 on losses and parameters after training steps). With
-dropout on, `gpipe` equals its slow twin `gpipe_reference` (every microbatch through all
-layers in turn), masks included: keys fold in the global layer index (features) and the
-layer and microbatch index (dropout), so for a given M they do not depend on P. They are
-not the keys `nn.scan` splits in the unpipelined run, so with dropout > 0 the masks
-differ from the mesh.pipeline = 1 run, and they change with M.
+stacked scan (tested to 1e-5 on losses and parameters after training steps) for every
+attention variant that draws no random features. With dropout on, `gpipe` equals its slow
+twin `gpipe_reference` (every microbatch through all layers in turn), masks included: keys
+fold in the global layer index (features) and the layer and microbatch index (dropout), so
+for a given M they do not depend on P. They are not the keys `nn.scan` splits in the
+unpipelined run, so with dropout > 0 the masks differ from the mesh.pipeline = 1 run, and
+they change with M; and the variants that draw random features from the `features` stream
+(LSH's rotations, Performer's projections) draw other ones per layer than the mesh.pipeline
+= 1 run, so the same weights evaluate otherwise there (found in review: eval losses 1-2%
+apart on a tiny LM). Evaluate such a run under the mesh.pipeline it trained with.
 
 Shape letters: B batch, b microbatch rows (B / M), M microbatches, L length, E width,
 P pipeline stages.
@@ -161,8 +165,10 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
     # B x L x E activations twice per step besides the stage-to-stage sends.
     specs = (jax.tree.map(lambda _: PS(axis), params), PS(), PS(), jax.tree.map(lambda _: PS(), rngs))
 
+    # check_vma off, as in ring attention: found in review, a stage's loops that start from
+    # a fresh constant (chunked's cond, the kernel variants' fori_loop) failed its type check
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=specs, out_specs=PS(axis),
-                       axis_names=frozenset({axis}))
+                       axis_names=frozenset({axis}), check_vma=False)
     def run(params_local, x_MbLE, seg_MbL, rngs):
         stage = lax.axis_index(axis)
         shift = [(s, s + 1) for s in range(P - 1)]  # stage 0 receives zeros: it reads inputs
