@@ -150,7 +150,10 @@ def test_check_config():
         C.ChunkedAttention.check_config({"block_k": 256}, seq_len=1000, causal=False)
     # a length below the usual block sizes is told its own divisors, not an empty list
     with pytest.raises(ConfigError, match=r"divisors of 8 include \[1, 2, 4, 8\]"):
-        C.ChunkedAttention.check_config({"block_q": 16}, seq_len=8, causal=False)
+        C.ChunkedAttention.check_config({"block_q": 3}, seq_len=8, causal=False)
+    # a block past the length is one block of the length, as the call runs it (found in
+    # review: refused though it ran)
+    C.ChunkedAttention.check_config({"block_q": 16, "block_k": 64}, seq_len=8, causal=False)
     with pytest.raises(ConfigError, match="block_q` = 0 "):
         C.ChunkedAttention.check_config({"block_q": 0}, seq_len=64, causal=False)
 

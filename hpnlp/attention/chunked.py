@@ -354,7 +354,7 @@ class ChunkedAttention(Attention):
             if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
                 raise ConfigError(f"config field `{field}.{name}` = {block!r} is not allowed: "
                                   "must be a positive integer, or None to choose automatically")
-            if seq_len % block:
+            if seq_len % min(block, seq_len):  # a block past the length is the length (`fit`)
                 divisors = ([d for d in (16, 32, 64, 128, 256, 512) if seq_len % d == 0]
                             or [d for d in range(1, seq_len + 1) if seq_len % d == 0][-4:])
                 raise ConfigError(
