@@ -1469,6 +1469,15 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.stack_layers", True, "reversible blocks keep their own stack "
               "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
     _check_quant(m.quant, m)
+    q = m.quant
+    if q.enabled and m.kind == "lm" and "output" in {n.strip() for n in q.layers.split(",")}:
+        from hpnlp import softmax  # found in review: ignored, the layer evaluated float
+        if cfg.output.name in softmax.names() and "quant" not in {
+                f.name for f in dataclasses.fields(softmax.get(cfg.output.name))}:
+            _fail("quant.layers", q.layers, f"names the output layer, but output layer "
+                  f"{cfg.output.name!r} keeps its own tables, which are not quantized yet; drop "
+                  "'output' (the layer stays float) or use output.name='full' (or another "
+                  "VocabLayer: sampled, nce, ...)")
     _check_kv_cache(cfg)
     _check_kv_latent(cfg)
     _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))

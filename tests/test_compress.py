@@ -233,6 +233,19 @@ def test_bad_quant_config_names_the_field(quant, field):
         validate(_cfg(**quant), num_devices=1)
 
 
+def test_quantizing_an_output_layer_of_its_own_tables_is_refused():
+    """Found in review: quant.layers naming 'output' was ignored for these (float evals)."""
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "word_lm", "lm"  # frequency-sorted ids, as adaptive needs
+    cd.quant.update(weights="int8", layers="qkv,output")
+    for name in ("adaptive", "hierarchical", "binary_code"):
+        cd.output.name = name
+        with pytest.raises(ConfigError, match=rf"`quant.layers`.*{name!r} keeps its own tables"):
+            validate(from_configdict(cd), num_devices=1)
+    cd.quant.layers = "all"  # whichever products the model has: its tables stay float
+    validate(from_configdict(cd), num_devices=1)
+
+
 def test_unknown_quant_field_and_config_round_trip():
     cd = default_configdict()
     cd.quant.weights = "int4"
@@ -755,3 +768,34 @@ def test_an_moe_run_quantizes_its_experts(tmp_path):
     with pytest.raises(ConfigError, match=r"quant\.act_scale.*model\.moe: the experts read"):
         ptq.quantize(run, str(tmp_path / "static"), q)
     assert not os.path.exists(tmp_path / "static")
+
+
+def test_every_output_layer_trains_on_the_activations_its_log_prob_reads():
+    """QAT with int8 activations on the output layer: each objective's loss reads the hidden
+    states fake-quantized per token, as `log_prob` (eval, decoding, serving) does. Found in
+    review: class_based, the sampled objectives and hard_negative trained on float ones."""
+    import hpnlp.softmax as S
+    from hpnlp.compress.formats import fake_quant
+    V, E = 37, 16
+    h = jax.random.normal(jax.random.key(0), (2, 5, E))
+    t = jax.random.randint(jax.random.key(1), (2, 5), 0, V)
+    acts, weights = (QuantConfig(weights="int8", activations=a, layers="output")
+                     for a in ("int8", "none"))
+    hq = fake_quant(h, "int8", (-1,))
+    # (nce and negative_sampling score as sampled does: SampledObjective._scores)
+    for name, kw in [("sampled", dict(num_samples=8)), ("hard_negative", {}), ("class_based", {})]:
+        layer, plain = S.get(name)(vocab_size=V, quant=acts, **kw), S.get(name)(vocab_size=V,
+                                                                                quant=weights, **kw)
+
+        @jax.jit  # one compile per layer: init, its loss, and the twin it must equal
+        def both(h, hq, t):
+            p = layer.init(jax.random.key(2), h, t, None, method="loss")
+            got = layer.apply(p, h, t, None, method="loss")
+            if name == "class_based":  # exact: the loss is -log_prob[target]
+                lp = layer.apply(p, h, method="log_prob")
+                return got, -jnp.take_along_axis(lp, t[..., None], -1)[..., 0]
+            return got, plain.apply(p, hq, t, None, method="loss")  # the float layer fed hq
+
+        got, want = both(h, hq, t)
+        np.testing.assert_allclose(got, want, atol=1e-5 if name == "class_based" else 1e-6,
+                                   err_msg=name)

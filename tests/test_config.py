@@ -141,9 +141,9 @@ def test_task_fields_are_filled_in():
     ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "decay needs steps"),
     ({"model": {"num_classes": 2, "kind": "classifier"}, "data": {"task": "listops"}},
      "model.num_classes", "has 10 classes"),
-    ({"attention": {"name": "chunked", "options": {"block_q": 64, "block_k": 64}},
-      "data": {"batching": "bucket", "seq_len": 64, "bucket_boundaries": (32, 64)}},
-     "attention.options.block_q", "bucket width 32"),
+    ({"attention": {"name": "chunked", "options": {"block_q": 16, "block_k": 16}},
+      "data": {"batching": "bucket", "seq_len": 64, "bucket_boundaries": (24, 64)}},
+     "attention.options.block_q", "bucket width 24"),
     ({"mesh": {"data": -1, "fsdp": -1}}, "mesh", "at most one axis"),
     ({"mesh": {"pipeline": 0}}, "mesh.pipeline", "positive axis size"),
     ({"mesh": {"rules": {"embed": "model"}}}, "mesh.rules.embed", "'model' is not a mesh axis"),
@@ -179,6 +179,7 @@ def test_task_fields_are_filled_in():
      "'full'"),
     ({"data": {"batching": "stream"}}, "data.batching", "model.arch='transformer_xl'"),
     ({"output": {"name": "vmf"}}, "output.tie_embeddings", "needs the tied table"),
+    ({"output": {"name": "full", "options": {"z_loss": -1.0}}}, "output.options.z_loss", ">= 0"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()

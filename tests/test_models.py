@@ -447,3 +447,17 @@ def test_layer_norm_equals_flax_values_and_gradients(dtype, out_dtype):
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == r.dtype
         np.testing.assert_allclose(np.float32(g), np.float32(r), rtol=tol, atol=tol * 10)
+
+
+def test_a_vocabulary_larger_than_the_tasks_takes_its_counts():
+    """validate allows model.vocab_size above the task's; the task's counts then cover its
+    own ids, and the table's last rows are never seen (found in review: every LM failed to
+    build, the counts forced into the larger table)."""
+    from hpnlp import models
+    cfg = make_cfg("lm", vocab_size=V + 8)
+    for name in ("full", "adaptive"):  # and a layer that reads the counts' order
+        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=name))
+        model = models.build(cfg, deterministic=True, token_counts=np.arange(V, 0, -1))
+        jax.eval_shape(model.init, jax.random.key(0), lm_batch())  # its layers take them
+        assert model.token_counts.vocab_size == V + 8
+        assert float(np.asarray(model.token_counts.counts)[V:].sum()) == 0.0

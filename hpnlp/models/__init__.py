@@ -36,6 +36,11 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     `model.embed_grad_scale = "corpus"`.
     """
     cls = MODELS[cfg.model.kind]
+    V = cfg.model.vocab_size
+    if isinstance(token_counts, np.ndarray) and token_counts.ndim == 1 and len(token_counts) < V:
+        # model.vocab_size above the task's: the last ids are never seen (found in review:
+        # every LM failed here; validate allows a larger table, e.g. one that splits evenly)
+        token_counts = np.pad(token_counts, (0, V - len(token_counts)))
     if cfg.model.arch == "transformer_xl":  # segment recurrence (validate: kind "lm" only)
         from hpnlp.models.transformer_xl import TransformerXLLM as cls
     extra = {}

@@ -83,6 +83,18 @@ class FullSoftmax(VocabLayer):
     z_loss: float = 0.0
     chunk_tokens: int = -1  # tokens per loss chunk; -1 = auto (chunk above 256 MiB of logits), 0 = never
 
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        """Found in review: a negative z_loss was taken, and the loss fell without bound."""
+        from hpnlp.config import config_error
+        z, chunk = options.get("z_loss", cls.z_loss), options.get("chunk_tokens", cls.chunk_tokens)
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not z >= 0:
+            raise config_error(f"{field}.z_loss", z, "must be a number >= 0 (a negative one "
+                               "rewards large logits without bound)")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < -1:
+            raise config_error(f"{field}.chunk_tokens", chunk, "must be an integer >= -1 "
+                               "(-1: chunk automatically, 0: never)")
+
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the exact loss has no randomness
         check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)

@@ -262,7 +262,8 @@ class SampledObjective(VocabLayer):
     def _scores(self, hidden_NE, targets_N, deterministic: bool):
         """Target scores s_T, negative scores s_TS, the draw, and hits_TS (negative == target)."""
         check_targets(targets_N, self.vocab_size, hidden_NE)
-        width = hidden_NE.shape[-1]
+        hidden_NE = self.quant_hidden(hidden_NE)  # as `logits` reads them (found in review:
+        width = hidden_NE.shape[-1]               # QAT's activations were left float here)
         hidden_TE, targets_T = hidden_NE.reshape(-1, width), targets_N.reshape(-1)
         num_tokens = targets_T.shape[0]
         draw = self.negatives(num_tokens, deterministic=deterministic)
@@ -459,6 +460,7 @@ class HardNegative(VocabLayer):
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the search is deterministic
         check_targets(targets_N, self.vocab_size, hidden_NE, mask_N)
+        hidden_NE = self.quant_hidden(hidden_NE)  # as `logits` reads them (found in review)
         width = hidden_NE.shape[-1]
         ids_TK = self.hardest(hidden_NE, targets_N).reshape(-1, self.num_negatives)
         hidden_TE, targets_T = hidden_NE.reshape(-1, width), targets_N.reshape(-1)

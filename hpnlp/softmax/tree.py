@@ -197,9 +197,9 @@ class ClassBasedSoftmax(VocabLayer):
         class_nll_N = -jnp.take_along_axis(class_lp_NC, class_N[..., None], axis=-1)[..., 0]
         kernel_VE, bias_V = self.weights(width)
         chunk = _tokens_per_chunk(self.chunk_tokens, targets_N.size, self.bins.max_size * width)
-        member_nll_N = map_token_chunks(
+        member_nll_N = map_token_chunks(  # the member product reads what `logits` reads
             lambda h, t: _member_nll(h, t, kernel_VE, bias_V, self.bins, self.dtype), lead, chunk,
-            hidden_NE, targets_N)
+            self.quant_hidden(hidden_NE), targets_N)  # (found in review: unquantized in QAT)
         return masked(class_nll_N + member_nll_N, mask_N)
 
     def _class_log_probs(self, hidden_NE):
