@@ -461,3 +461,16 @@ def test_a_vocabulary_larger_than_the_tasks_takes_its_counts():
         jax.eval_shape(model.init, jax.random.key(0), lm_batch())  # its layers take them
         assert model.token_counts.vocab_size == V + 8
         assert float(np.asarray(model.token_counts.counts)[V:].sum()) == 0.0
+
+
+def test_decoding_a_reversible_model_of_random_features_is_refused():
+    """Found in review: decoding runs a reversible stack's blocks bound, which draw other
+    random features per layer than the functional pass that trained it (log-probs 0.7
+    apart for Performer); refused before anything is built."""
+    from hpnlp import models
+    prompt = jnp.zeros((1, 2), jnp.int32)
+    for name in ("performer", "lsh"):
+        cfg = make_cfg("lm", reversible=True)
+        cfg = dataclasses.replace(cfg, attention=AttentionConfig(name, {}))
+        with pytest.raises(ValueError, match=rf"model.reversible=True .*{name!r}"):
+            models.generate(cfg, {}, prompt, length=4)

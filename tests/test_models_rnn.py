@@ -71,3 +71,51 @@ def test_rnn_config_errors_name_the_field():
     cd.rnn.impl = "cuda"
     with pytest.raises(ConfigError, match="rnn.impl"):
         validate(from_configdict(cd), num_devices=1)
+    # a left-to-right classifier pooling its first output read one token (found in review)
+    cd.rnn.impl, cd.rnn.layer_norm = "auto", False
+    cd.data.task, cd.model.kind, cd.model.pool = "doc_classify", "classifier", "first"
+    with pytest.raises(ConfigError, match="model.pool.*rnn.bidirectional=True"):
+        validate(from_configdict(cd), num_devices=1)
+    cd.rnn.bidirectional = True
+    validate(from_configdict(cd), num_devices=1)
+
+
+def test_a_stacks_embeddings_are_dropped_once():
+    """model.dropout drops the embeddings once, then between layers (found in review: with
+    model.depth > 1 the trunk and the first layer both dropped them, 75% at 0.5)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from hpnlp.config import ModelConfig
+    from hpnlp.models.recurrent import RNNTrunk
+    from hpnlp.models.transformer import make_embed
+    from hpnlp.rnn import layers
+
+    m = ModelConfig(kind="classifier", arch="lstm", vocab_size=50, width=16, depth=2, dropout=0.5)
+
+    class T(nn.Module):
+        @nn.compact
+        def __call__(self, toks, seg):
+            return RNNTrunk(m, RNNConfig(impl="scan"), deterministic=False)(
+                make_embed(m), toks, seg, None)
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(next_fun, args, kwargs, context):  # what each dropout takes and gives, up to
+        if isinstance(context.module, layers.VariationalDropout):  # the first layer's next
+            raise Stop                                             # step (nothing recurs)
+        out = next_fun(*args, **kwargs)
+        if isinstance(context.module, (nn.Dropout, layers.Dropout)) and args:
+            seen.append((context.module.scope.path, float(jnp.mean(args[0] == 0)),
+                         float(jnp.mean(out == 0))))
+        return out
+
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, 50, (8, 16)), jnp.int32)
+    with nn.intercept_methods(spy), pytest.raises(Stop):
+        T().init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, toks, toks > 0)
+    (path, zeros_in, zeros_out), = set(seen)
+    assert path[-2:] == ("layer_0", "dropout") and zeros_in == 0.0
+    assert abs(zeros_out - 0.5) < 0.05

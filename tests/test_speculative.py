@@ -171,6 +171,12 @@ def test_rewind_forgets_tokens_and_refuses_a_cache_it_cannot_reset():
     out = speculative.rewind(cache, jnp.array([2, 0]))  # each row's own
     for leaf in (out["position"], out["trunk"]["state"]["index"]):
         assert leaf.dtype == jnp.int32 and leaf.tolist() == [2, 0]
+    # model.stack_layers: one index per layer on a leading axis, each row's own in each
+    # (found in review: [B] replaced it, and layer i read row i's position)
+    out = speculative.rewind({"trunk": {"blocks": {"attn": {"index": jnp.zeros(3, jnp.int32)}}},
+                              "position": jnp.int32(3)}, jnp.array([2, 0]))
+    assert out["trunk"]["blocks"]["attn"]["index"].tolist() == [[2, 0]] * 3
+    assert out["position"].tolist() == [2, 0]
     with pytest.raises(ValueError, match="'memory' entry"):
         speculative.rewind({"memory": jnp.zeros(2)}, 0)
 

@@ -131,6 +131,8 @@ class Attention(nn.Module):
     # True: each head attends on its own, with no parameters or random draws that depend on
     # the number of heads, so structured pruning may remove heads (hpnlp.compress.prune)
     heads_independent: ClassVar[bool] = False
+    # True: draws random features or rotations from the `features` stream (make_rng)
+    random_features: ClassVar[bool] = False
     registry_name: ClassVar[str] = ""
 
     @classmethod

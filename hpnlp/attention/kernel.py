@@ -319,6 +319,8 @@ class PerformerAttention(_KernelAttention):
     and its decode steps agree when they are given the same `features` key.
     """
 
+    random_features: ClassVar[bool] = True
+
     num_features: int = 256
     redraw: bool = True
     seed: int = 0

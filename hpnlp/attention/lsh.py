@@ -58,6 +58,7 @@ dim, R hashing rounds, N chunks per round, C chunk length, W = 2C keys a chunk s
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -306,6 +307,8 @@ def lsh_windows(q_BLHD, mask_BL=None, *, causal=False, num_hashes=2, num_buckets
 class LSHAttention(Attention):
     """Kitaev, Kaiser & Levskaya 2020, "Reformer": shared-QK attention restricted to keys in
     the same angular-LSH bucket; sorting by bucket and chunking makes it O(L * chunk)."""
+
+    random_features: ClassVar[bool] = True
 
     num_hashes: int = 2  # hashing rounds R, combined by logsumexp weights
     num_buckets: int = 16  # even; 0 = 2 * number of chunks; 1 = no hashing (exact if N <= 2)

@@ -171,6 +171,13 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
     if cfg.model.kind != "lm":
         raise ValueError(f"decoding needs a causal LM (model.kind='lm'); this config is a "
                          f"model.kind={cfg.model.kind!r} one")
+    from hpnlp import attention as attention_lib
+    if cfg.model.reversible and attention_lib.get(cfg.attention.name).random_features:
+        # found in review: decoding runs the blocks bound, which draw other features per
+        # layer than the functional pass that trained and evaluates the model
+        raise ValueError(f"decoding a model.reversible=True model with attention.name="
+                         f"{cfg.attention.name!r} would draw other random features than its "
+                         "training did; decode a model.reversible=False run of it")
     shape, dtype = jnp.shape(prompt_BP), getattr(prompt_BP, "dtype", None)
     if len(shape) != 2 or shape[1] < 1 or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"the prompt must be a [batch, length >= 1] array of integer token ids; "

@@ -36,7 +36,9 @@ class RNNTrunk(nn.Module):
         m, r = self.model, self.rnn
         dt, pdt = dtypes(m)
         x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
-        x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
+        if m.depth == 1:  # deeper stacks drop every layer's input, the embeddings' included
+            # (found in review: dropped here too, at 1 - (1 - p)^2)
+            x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         lengths_B = jnp.sum(seg_BL > 0, axis=1, dtype=jnp.int32)
         h_BLE, _ = StackedRNN(
             num_layers=m.depth, combine=r.combine, kind=m.arch, hidden=m.width,

@@ -112,7 +112,14 @@ def rewind(cache, position):
                              f"({jax.tree_util.keystr(path)}), which rewinding cannot reset; "
                              "decode with a model whose only cache is the exact key/value one "
                              "(Attention.exact_cache)")
-        return jnp.asarray(position, leaf.dtype) if name in ("index", "position") else leaf
+        if name not in ("index", "position"):
+            return leaf
+        pos = jnp.asarray(position, leaf.dtype)
+        if any(getattr(k, "key", None) == "blocks" for k in path):  # model.stack_layers: one
+            # per layer on a leading axis (found in review: [B] replaced it, so layer i read
+            # row i's position, or the scan failed)
+            pos = jnp.broadcast_to(pos, leaf.shape[:1] + pos.shape)
+        return pos
     return jax.tree_util.tree_map_with_path(f, cache)
 
 
