@@ -15,7 +15,8 @@ from hpnlp.config import ConfigError, DataConfig, default_configdict, from_confi
 from hpnlp.data import corpus, prepare, sharded, tokenizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ODD = "  leading spaces\ttab \u2581x\u2581\u2581y\u2581\n\nünïcödé ☃ 字 never seen in training\ntrailing \nno newline at end"
+ODD = ("  leading spaces\ttab \u2581x\u2581\u2581y\u2581\n\nünïcödé ☃ 字 never seen in training\n"
+       "trailing \nno newline at end")
 
 
 @pytest.fixture(scope="module")

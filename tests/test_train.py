@@ -392,8 +392,9 @@ print("OK")
 def test_float16_dynamic_loss_scaling_skips_overflow_and_adapts(tmp_path):
     """float16 compute: an overflowing scale skips the step (state unchanged) and halves;
     clean steps train with float32 master weights, and a full period of them doubles it."""
-    cd = tiny(steps=40, loss_scale_init=2.0**24, loss_scale_period=3,  # 2^24 overflows float16
-              checkpoint_every=0, eval_batches=1)                          # grads
+    # 2^24 overflows float16 gradients
+    cd = tiny(steps=40, loss_scale_init=2.0**24, loss_scale_period=3, checkpoint_every=0,
+              eval_batches=1)
     cd.model.dtype = "float16"
     tr = Trainer(from_configdict(cd), str(tmp_path))
     scales, skipped, inner, last = [], [], tr.train_step, {}
@@ -405,7 +406,8 @@ def test_float16_dynamic_loss_scaling_skips_overflow_and_adapts(tmp_path):
         skipped.append(bool(m["skipped"]))
         assert float(m["finite"]) == 1.0 and np.isfinite(float(m["loss"]))
         if skipped[-1]:
-            jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+            jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params),
+                         before)
         last["state"] = state
         return state, m
 

@@ -15,9 +15,10 @@ Lines are the unit SentencePiece sees: a text is split at "\\n", each line encod
 a newline piece (a reserved symbol that the trainer never sees in a line) joins them, so
 `decode(encode(text)) == text` for any text. SentencePiece reads a literal "▁" (U+2581) as
 its whitespace symbol, so a line is also split at each one, its segments encoded alone, and
-the character's three UTF-8 byte pieces join them (found in review: "x▁y" came back "x y"). Ids are sorted by descending count on the
-training text (ties: SentencePiece's id), as word ids are, so that id 0 is the most frequent
-piece and log-uniform samplers and the adaptive softmax's frequency clusters apply as is.
+the character's three UTF-8 byte pieces join them (found in review: "x▁y" came back "x y").
+Ids are sorted by descending count on the training text (ties: SentencePiece's id), as word
+ids are, so that id 0 is the most frequent piece and log-uniform samplers and the adaptive
+softmax's frequency clusters apply as is.
 Training is single-threaded and seeded: the same text and settings give the same ids.
 """
 

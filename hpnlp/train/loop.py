@@ -373,7 +373,8 @@ class Trainer:
         saved = loop.get("window") or {}
         dtypes = saved.get("dtypes", {})  # float32 sums read back as float32 (found in review:
         # read as float64, a resumed window summed otherwise and logged other last digits)
-        sums = saved.get("sums") and {k: np.asarray(v, dtypes.get(k)) for k, v in saved["sums"].items()}
+        sums = saved.get("sums") and {k: np.asarray(v, dtypes.get(k))
+                                      for k, v in saved["sums"].items()}
         window: dict[str, Any] = {"sums": sums, "n": saved.get("n", 0),  # sums: MoE loads are vectors
                                   "applied": saved.get("applied", saved.get("n", 0)),
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
