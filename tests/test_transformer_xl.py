@@ -189,6 +189,23 @@ def test_relative_positions_and_causality():
     assert np.all(dep_LL[future] == 0.0) and np.all(dep_LL[~future] > 0.0)
 
 
+def test_a_new_epochs_rows_and_a_skipped_step_move_the_memory_on():
+    """Found in review: a stream row starting over (position 0: a new epoch, at another
+    offset) read the last epoch's memory as its context, and a float16 step that loss
+    scaling skipped put back the memory before it while the stream moved on."""
+    cfg = xl_config()
+    full = xl.init_memory(cfg, B)._replace(valid_BM=jnp.ones((B, L), bool))
+    model = xl.TransformerXLLM(cfg)
+    batch = {"inputs": jnp.zeros((B, L), jnp.int32),
+             "positions": jnp.asarray([np.arange(L), np.arange(L) + 3 * L], jnp.int32)}
+    got = model._memory(batch, full)
+    assert not got.valid_BM[0].any() and got.valid_BM[1].all()  # row 0 starts over
+    carry = xl.MemoryCarry(cfg)
+    new = full._replace(hidden_XBME=full.hidden_XBME.at[:, 1].set(jnp.inf))
+    kept = carry.skipped(new, xl.init_memory(cfg, B), jnp.asarray(False))
+    assert kept.valid_BM[0].all() and not kept.valid_BM[1].any()  # the overflowed row afresh
+
+
 def test_config_fields():
     cfg = xl_config()
     assert xl.mem_len(cfg) == L and xl.carries_memory(cfg)
@@ -263,6 +280,20 @@ def test_stream_rows_continue_and_eval_covers_every_target(text_file):
     # Padding only at the very end: each row's real part is a prefix of its stream.
     seg_rows = np.concatenate([b["segment_ids"] for b in batches], axis=1)
     assert np.all(np.diff(seg_rows, axis=1) <= 0)
+
+
+def test_a_stream_run_of_too_few_eval_tokens_is_refused_before_training(text_file, tmp_path):
+    """Found in review: the eval stream was first built at the first evaluation, so a run
+    trained every step before it failed."""
+    task = data_lib.make_task(stream_cfg(text_file))
+    pairs = [len(data_lib.task.lm_targets(split)) for split in (task.eval, task.train)]
+    rows = sum(pairs) // 2  # enough for the train stream, too many for the eval one
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", seq_len=16, batching="stream", train_path=text_file, seed=3)
+    cd.model.update(kind="lm", arch="transformer_xl", width=E, depth=1, num_heads=2, mlp_dim=32)
+    cd.train.update(batch_size=rows, steps=2, warmup_steps=1, progress=False)
+    with pytest.raises(ValueError, match="eval stream .* fewer than batch_size"):
+        Trainer(from_configdict(cd), str(tmp_path))
 
 
 def test_stream_resumes_and_splits_over_processes(text_file):

@@ -95,6 +95,13 @@ def init_memory(cfg: Config, batch_size: int) -> Memory:
                   jnp.zeros((batch_size, M), bool), *comp)
 
 
+def fresh_rows(memory: Memory, rows_B) -> Memory:
+    """`memory` with the rows where `rows_B` is True emptied (no valid slot)."""
+    keep_B1 = ~rows_B[:, None]
+    return memory._replace(valid_BM=memory.valid_BM & keep_B1, comp_valid_BC=(
+        None if memory.comp_valid_BC is None else memory.comp_valid_BC & keep_B1))
+
+
 def carries_memory(cfg: Config) -> bool:
     """The Trainer carries memory across steps only on stream batches, where row b of the
     next batch continues row b of this one; on other batchings every batch starts afresh."""
@@ -121,6 +128,17 @@ class MemoryCarry(Carry):
 
     def init(self, model, params, batch, batch_size: int) -> Memory:
         return boxed_memory(self.cfg, batch_size)
+
+    def skipped(self, new, old, applied):
+        """The stream has moved on past the segment a skipped float16 step read, so the
+        memory does too (found in review: the old one came back, and the next segment read
+        the one before its predecessor as its predecessor); where the forward pass itself
+        overflowed, the rows start afresh."""
+        del old, applied
+        finite_B = jnp.all(jnp.isfinite(new.hidden_XBME), axis=(0, 2, 3))
+        if new.comp_XBCE is not None:
+            finite_B &= jnp.all(jnp.isfinite(new.comp_XBCE), axis=(0, 2, 3))
+        return fresh_rows(new, ~finite_B)
 
     def loss(self, model, inner):
         del inner  # the memory replaces the model's plain loss (validate: nothing else wraps it)
@@ -435,7 +453,12 @@ class TransformerXLLM(nn.Module):
         self.output = _output_layer(self.cfg, self.embed, self.token_counts)
 
     def _memory(self, batch, memory):
-        return init_memory(self.cfg, batch["inputs"].shape[0]) if memory is None else memory
+        if memory is None:
+            return init_memory(self.cfg, batch["inputs"].shape[0])
+        if "positions" in batch:  # a stream row at position 0 starts over (a new epoch, at
+            # another offset): nothing before it (found in review: it read the last epoch's)
+            memory = fresh_rows(memory, batch["positions"][:, 0] == 0)
+        return memory
 
     def hidden(self, batch, memory=None, **reference):
         return self.trunk(self.embed, batch["inputs"], batch["segment_ids"],

@@ -17,6 +17,9 @@ method is one class here or beside its own code, not a new branch in the loop:
   at evaluation from its entry (the classifier's key-value memory reads the trained memory);
 - `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
   update (pruning applies and advances its masks here);
+- `skipped(new, old, applied) -> value`: the entry after a float16 step that loss scaling
+  may skip (by default the old one where it was skipped; Transformer-XL's memory moves on
+  with the stream);
 - `start_params(value, params, batches) -> params`: the parameters a fresh run starts from,
   after `start` (distillation's DistilBERT initialization copies teacher blocks here);
   `batches(n)` gives the run's first n training batches, read by an iterator of their own,
@@ -81,6 +84,11 @@ class Carry:
 
     def after_update(self, value, params, grads, step):
         return params, value
+
+    def skipped(self, new, old, applied):
+        """The entry after a float16 step that overflowed (`applied` False, traced) or not:
+        by default the step's update is undone, the entry kept as it was."""
+        return jax.tree.map(lambda a, b: jnp.where(applied, a, b), new, old)
 
     def start_params(self, value, params, batches):
         return params
@@ -195,6 +203,11 @@ def evaluation(model, carries: list[Carry]) -> EvalFn:
     for c in carries:
         fn = c.evaluate(model, fn)
     return fn
+
+
+def skipped(carries: list[Carry], new: dict, old: dict, applied) -> dict:
+    """Every carry's entry after a step loss scaling may have skipped (`Carry.skipped`)."""
+    return {**new, **{c.name: c.skipped(new[c.name], old[c.name], applied) for c in carries}}
 
 
 def after_update(carries: list[Carry], carry: dict, params, grads, step):

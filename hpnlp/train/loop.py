@@ -144,6 +144,11 @@ class Trainer:
         self.iter_args = dict(process_index=pi, process_count=pc)
         self.train_iter = data_lib.make_iterator(self.task, cfg.data, split="train",
                                                  batch_size=cfg.train.batch_size, **self.iter_args)
+        if cfg.data.batching == "stream":  # its eval stream's rows are checked here, not after
+            # the training (found in review: too few eval tokens failed at the first eval)
+            data_lib.make_iterator(self.task, cfg.data, split="eval",
+                                   batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
+                                   **self.iter_args)
         self.mesh = make_mesh(cfg.mesh)
         self.rules = cfg.mesh.rule_tuples()
         self.batch_sharding = batch_sharding(self.mesh, self.rules)

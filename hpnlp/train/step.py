@@ -125,7 +125,7 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             keep = lambda new_tree, old_tree: jax.tree.map(  # noqa: E731
                 lambda a, b: jnp.where(grads_ok, a, b), new_tree, old_tree)
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-            carry = keep(carry, state.carry)
+            carry = carry_lib.skipped(carries, carry, state.carry, grads_ok)
             good = jnp.where(grads_ok, state.good_steps + 1, 0)
             grow = good >= t.loss_scale_period
             new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
