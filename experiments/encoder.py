@@ -21,7 +21,8 @@ ARGS = ("transformer", "lstm", "bag", "triplet", "mine", "batch_freq", "corpus_f
 
 def get_config(arg: str = ""):
     args = experiment_args(arg, file="experiments/encoder.py", allowed=ARGS,
-                           exclusive=(("transformer", "lstm", "bag"),))
+                           exclusive=(("transformer", "lstm", "bag"),
+                                      ("batch_freq", "corpus_freq")))
     cfg = default_configdict()
     arch = "lstm" if "lstm" in args else "bag" if "bag" in args else "transformer"
     cfg.name = "encoder_" + arch

@@ -791,14 +791,37 @@ def _subgroup(field: str, cls: type, value: Any):
     return cls(**value)
 
 
+# What the model gives an output layer itself: not options (found in review: accepted, then
+# overwritten when the layer was built), with the field that sets each
+_MODEL_SET_OUTPUT = {"vocab_size": "model.vocab_size", "embed": "output.tie_embeddings",
+                     "counts": "the task's token counts", "dtype": "model.dtype",
+                     "param_dtype": "model.param_dtype", "quant": "the quant group"}
+
+
 def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
-    """Options must be constructor fields of the registered module class."""
+    """Options must be constructor fields of the registered module class, of their default's
+    type where it is a bool, an int or a float (found in review: 'false' from the command line
+    was a string, so true, and 'abc' failed deep inside the loss)."""
     params = inspect.signature(cls).parameters
-    allowed = sorted(p for p in params if p not in ("parent", "name"))
-    for key in options:
+    model_set = _MODEL_SET_OUTPUT if field == "output.options" else {}
+    allowed = sorted(p for p in params if p not in ("parent", "name") and p not in model_set)
+    for key, value in options.items():
+        if key in model_set:
+            _fail(f"{field}.{key}", value, f"is set by the model from {model_set[key]}; set "
+                  "that instead")
         if key not in params or key in ("parent", "name"):
-            _fail(f"{field}.{key}", options[key],
+            _fail(f"{field}.{key}", value,
                   f"unknown option for {cls.__name__}; it takes {allowed}")
+        default = params[key].default
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                _fail(f"{field}.{key}", value, "must be True or False")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                _fail(f"{field}.{key}", value, "must be an integer")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _fail(f"{field}.{key}", value, "must be a number")
 
 
 def _check_remat(remat: Any) -> None:

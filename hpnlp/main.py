@@ -35,9 +35,24 @@ flags.DEFINE_string("workdir", None, "Output folder (metrics.jsonl, summary.json
                     "events, checkpoints). Reusing it resumes the run.")
 flags.DEFINE_string("coordinator", os.environ.get("HPNLP_COORDINATOR") or None,
                     "HOST:PORT of process 0, for multi-host runs (jax.distributed).")
-flags.DEFINE_integer("num_processes", int(os.environ.get("HPNLP_NUM_PROCESSES", "1")),
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer environment variable; empty is unset (found in review: '' or 'two' was a
+    traceback at import)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"hpnlp: error: {name}={text!r} is not an integer; set it to one, "
+                         "or unset it") from None
+
+
+flags.DEFINE_integer("num_processes", _env_int("HPNLP_NUM_PROCESSES", 1),
                      "Number of processes in a multi-host run.")
-flags.DEFINE_integer("process_id", int(os.environ.get("HPNLP_PROCESS_ID", "0")),
+flags.DEFINE_integer("process_id", _env_int("HPNLP_PROCESS_ID", 0),
                      "This process's index in a multi-host run.")
 flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps to this folder "
                     "(open it in TensorBoard's profile tab or Perfetto).")
@@ -66,7 +81,8 @@ flags.register_multi_flags_validator(
     "HPNLP_PROCESS_ID, HPNLP_COORDINATOR)")
 
 
-_OPTION = re.compile(r"^--config\.(attention|output)\.options\.([A-Za-z_]\w*)=(.*)$")
+_OPTION = re.compile(r"^--config\.(attention|output)\.options\.([A-Za-z_]\w*)(?:=(.*))?$")
+_WORDS = {"true": True, "false": False, "none": None, "null": None}  # as absl reads bools
 _option_overrides: list[tuple[str, str, object]] = []
 
 
@@ -76,16 +92,24 @@ def _take_option_overrides(argv: list[str]) -> list[str]:
     ml_collections cannot add a key to a ConfigDict from the command line, and the option
     keys depend on the chosen variant, so they are applied after the config file loads.
     """
-    rest = []
-    for arg in argv:
+    rest, args = [], iter(argv)
+    for arg in args:
         m = _OPTION.match(arg)
         if not m:
             rest.append(arg)
             continue
-        try:
-            value = ast.literal_eval(m.group(3))
-        except (ValueError, SyntaxError):
-            value = m.group(3)
+        text = m.group(3)
+        if text is None:  # `--config.attention.options.KEY VALUE`, as absl takes its flags
+            text = next(args, None)  # (found in review: refused as no such field)
+            if text is None:
+                raise SystemExit(f"hpnlp: error: {arg} needs a value")
+        if text.lower() in _WORDS:  # found in review: 'false' stayed a string, so true
+            value = _WORDS[text.lower()]
+        else:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text
         _option_overrides.append((m.group(1), m.group(2), value))
     return rest
 

@@ -430,6 +430,14 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
                  "--weights", "int8"]) == 1
     assert "`model.memory.size`" in capsys.readouterr().err
+    # random features drawn from the train state's key (found in review: the quantized
+    # model evaluated and decoded with another draw)
+    run_json["config"]["model"]["memory"]["size"] = 0
+    run_json["config"]["attention"] = {"name": "performer", "options": {}}
+    json.dump(run_json, open(tmp_path / "mem" / "config.json", "w"))
+    assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
+                 "--weights", "int8"]) == 1
+    assert "`attention.name` = 'performer'" in capsys.readouterr().err
     # found by the crash hunt: nothing of a run written over (its summary.json was replaced),
     # settings a format ignores named, and a damaged config.json named
     before = open(os.path.join(trained, "summary.json")).read()

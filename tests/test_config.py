@@ -47,6 +47,7 @@ def test_default_experiments_validate():
     ("lra.py", "text,lcal", r"unknown argument\(s\) \['lcal'\]"),
     ("rare_events.py", "memory,head", r"arguments \['memory', 'head'\] exclude each other"),
     ("encoder.py", "lstm,bag", r"arguments \['lstm', 'bag'\] exclude each other"),
+    ("encoder.py", "batch_freq,corpus_freq", r"arguments \['batch_freq', 'corpus_freq'\] exclude"),
     ("rnn_lm.py", "gru,lstm", r"unknown argument\(s\) \['lstm'\]"),
 ])
 def test_experiment_arguments_are_checked(path, arg, match):
@@ -180,6 +181,14 @@ def test_task_fields_are_filled_in():
     ({"data": {"batching": "stream"}}, "data.batching", "model.arch='transformer_xl'"),
     ({"output": {"name": "vmf"}}, "output.tie_embeddings", "needs the tied table"),
     ({"output": {"name": "full", "options": {"z_loss": -1.0}}}, "output.options.z_loss", ">= 0"),
+    # found in review: the command line's 'false' was a string (true), 'abc' failed in the
+    # loss, and what the model sets was taken, then overwritten
+    ({"output": {"name": "nce", "options": {"shared": "false"}}}, "output.options.shared",
+     "True or False"),
+    ({"output": {"name": "sampled", "options": {"power": "abc"}}}, "output.options.power",
+     "a number"),
+    ({"output": {"name": "full", "options": {"vocab_size": 300}}}, "output.options.vocab_size",
+     "model.vocab_size"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()
@@ -279,3 +288,23 @@ def test_rnn_lm_keeps_the_checkpoints_its_ensemble_command_combines(arg):
     t = mod.get_config(arg).train
     saved = len(set(range(t.checkpoint_every, t.steps + 1, t.checkpoint_every)) | {t.steps})
     assert min(saved, t.keep_checkpoints) >= 3
+
+
+def test_cli_option_overrides_read_words_and_the_spaced_form(monkeypatch):
+    """Found in review: `--config.output.options.shared=false` kept the string 'false' (true),
+    `--config.attention.options.block_q 16` was refused as no such field, and an empty or
+    non-integer HPNLP_PROCESS_ID was a traceback at import."""
+    from hpnlp import main
+    monkeypatch.setattr(main, "_option_overrides", [])
+    rest = main._take_option_overrides(
+        ["prog", "--config.output.options.shared=false", "--config.attention.options.block_q",
+         "16", "--config.output.options.power=0.5", "--config.output.options.x=None",
+         "--workdir", "w"])
+    assert rest == ["prog", "--workdir", "w"]
+    assert main._option_overrides == [("output", "shared", False), ("attention", "block_q", 16),
+                                      ("output", "power", 0.5), ("output", "x", None)]
+    monkeypatch.setenv("HPNLP_PROCESS_ID", "")
+    assert main._env_int("HPNLP_PROCESS_ID", 0) == 0
+    monkeypatch.setenv("HPNLP_PROCESS_ID", "two")
+    with pytest.raises(SystemExit, match="HPNLP_PROCESS_ID='two' is not an integer"):
+        main._env_int("HPNLP_PROCESS_ID", 0)

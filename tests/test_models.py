@@ -474,3 +474,6 @@ def test_decoding_a_reversible_model_of_random_features_is_refused():
         cfg = dataclasses.replace(cfg, attention=AttentionConfig(name, {}))
         with pytest.raises(ValueError, match=rf"model.reversible=True .*{name!r}"):
             models.generate(cfg, {}, prompt, length=4)
+    for arch in ("lstm", "transformer_xl"):  # no key/value cache (found in review: tracebacks)
+        with pytest.raises(ValueError, match=rf"model.arch='transformer'.*{arch!r}"):
+            models.generate(make_cfg("lm", arch=arch), {}, prompt, length=4)

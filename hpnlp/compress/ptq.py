@@ -226,6 +226,13 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a quantized checkpoint does not hold; quantize a run "
                            "without model.memory")
+    from hpnlp import attention as attention_lib
+    if attention_lib.get(cfg.attention.name).random_features:  # found in review: evaluated
+        # and decoded with another draw than the trained one, which its files do not keep
+        raise config_error("attention.name", cfg.attention.name, f"the run in {workdir} draws "
+                           "random features from its train state's key, which a quantized "
+                           "checkpoint does not keep yet; quantize a run of an attention "
+                           "variant without random features (e.g. 'dense' or 'chunked')")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     kv_cache = cfg.model.quant.kv_cache  # the run's key/value cache stays the quantized model's

@@ -171,6 +171,10 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
     if cfg.model.kind != "lm":
         raise ValueError(f"decoding needs a causal LM (model.kind='lm'); this config is a "
                          f"model.kind={cfg.model.kind!r} one")
+    if cfg.model.arch != "transformer":  # found in review: a traceback, deep in the init
+        raise ValueError(f"decoding needs a Transformer LM's key/value cache "
+                         f"(model.arch='transformer'); this config is a model.arch="
+                         f"{cfg.model.arch!r} one")
     from hpnlp import attention as attention_lib
     if cfg.model.reversible and attention_lib.get(cfg.attention.name).random_features:
         # found in review: decoding runs the blocks bound, which draw other features per
@@ -325,9 +329,10 @@ def main(argv=None) -> int:
         if os.path.exists(os.path.join(workdir, "quant.json")):
             return load_quantized(workdir)
         cfg = load_run_config(workdir)
-        if cfg.model.kind != "lm":
-            raise NoCheckpoint(f"{workdir}: a {cfg.model.kind!r} run; generate needs an LM "
-                               "(model.kind='lm')")
+        if cfg.model.kind != "lm" or cfg.model.arch != "transformer":
+            raise NoCheckpoint(f"{workdir}: a model.kind={cfg.model.kind!r}, model.arch="
+                               f"{cfg.model.arch!r} run; generate decodes Transformer LMs "
+                               "(model.kind='lm', model.arch='transformer')")
         cfg = with_kv_cache(cfg, workdir)
         trainer = Trainer(cfg, workdir, read_only=True)
         if trainer.checkpointer.latest_step() is None:
