@@ -173,6 +173,9 @@ def _pruned_steps(cd, workdir, steps: int = 2):
     return state, {k: np.asarray(v) for k, v in state.carry["prune"]["masks"].items()}
 
 
+# An MoE layer's pruning: 6.9 s in the suite on the 2-core Zen 3 (2026-12-02); a fresh
+# clone's .ci/run of 1f5d749 read the README's command at 10 min 36 s: CI's slow part runs it
+@pytest.mark.slow
 def test_an_moe_layers_experts_are_pruned_as_mlp_products(tmp_path):
     """The experts' wi [X, M, F] and wo [X, F, M] are masked as the dense MLP's kernels are:
     2:4 along each expert's contraction (axis 1), every masked weight exactly zero after
@@ -1601,6 +1604,9 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
             Trainer(from_configdict(cd), str(tmp_path / "refused"))
 
 
+# SVD uptraining: 8.9 s in the suite on the 2-core Zen 3 (2026-12-02); a fresh
+# clone's .ci/run of 1f5d749 read the README's command at 10 min 36 s: CI's slow part runs it
+@pytest.mark.slow
 def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_and_outputs(
         tmp_path):
     """`train.init_kv_heads='svd'`: each group's key (value) weights side by side [E, 2D]

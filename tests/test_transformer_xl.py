@@ -104,7 +104,11 @@ def test_rel_shift_is_the_gather():
         np.testing.assert_allclose(g1, g2, atol=1e-5)
 
 
-@pytest.mark.parametrize("mem_len,output", [(L, "full"), (L + L // 2, "adaptive")])
+# adaptive: 6.1 s in the suite on the 2-core Zen 3 (2026-12-02); a fresh
+# clone's .ci/run of 1f5d749 read the README's command at 10 min 36 s: CI's slow part runs it
+# (the full case stays)
+@pytest.mark.parametrize("mem_len,output", [(L, "full"), pytest.param(L + L // 2, "adaptive",
+                                                              marks=pytest.mark.slow)])
 def test_segments_equal_one_banded_pass(mem_len, output):
     """Outputs of s1, s2, s3 with memory == one pass over s1 s2 s3 with the band mask,
     also with padding at the end of the stream; last-segment parameter gradients == the
