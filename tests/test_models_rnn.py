@@ -16,7 +16,12 @@ def rnn_cfg(kind, arch="lstm", **rnn):
     return dataclasses.replace(cfg, rnn=RNNConfig(**rnn))
 
 
-@pytest.mark.parametrize("kind, arch", [("lm", "lstm"), ("classifier", "gru"), ("dual_encoder", "lstm")])
+# dual_encoder: 5.9 s in the suite on the 2-core Zen 3 (2026-12-02); a fresh clone's .ci/run of
+# 07fb7bc read the README's command at 10 min 0.9 s: CI's slow part runs it (the LM and
+# classifier stay)
+@pytest.mark.parametrize("kind, arch", [("lm", "lstm"), ("classifier", "gru"),
+                                        pytest.param("dual_encoder", "lstm",
+                                                     marks=pytest.mark.slow)])
 def test_rnn_models_give_finite_sums_and_gradients(kind, arch):
     bidir = kind != "lm"
     cfg = rnn_cfg(kind, arch, bidirectional=bidir, layer_norm=True, combine="sum")
