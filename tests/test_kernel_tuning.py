@@ -415,26 +415,35 @@ def test_every_lstm_blocking_candidate_computes_what_the_default_does():
         fused.lstm_weight_grads(hp, x, dz, blocking={"kc": 64, "mr": 4})
 
 
-@needs_flash
-def test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87():
-    """The kernels' exp (`vexp0` in simd.h: the attention softmax's, the LSTM gates') as the
-    flash attention library's vectors compute it (16 floats with AVX-512, 8 with AVX2; the
-    portable build's run checks the AVX2 path on any machine). Under 1.5 ulp on [-87, 88]
-    (0.91 over every float there on the Zen 3); exactly 0 below -87 (-inf included: masked
-    scores weigh nothing); NaN stays NaN."""
+def _kernel_exp(x, base2):
     fn = F.KERNEL.library().hpnlp_flash_vexp0
     fn.restype = None
-    x = np.concatenate([np.linspace(-87.0, 88.0, 100_003, dtype=np.float32),
-                        np.float32([-np.inf, -1e30, -200.0, -87.01, np.nan, 0.0, -0.0, 88.5])])
     y = np.full_like(x, 7.0)
-    fn(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))
-    inside = (x >= -87.0) & (x <= 88.0)
-    want = np.exp(x[inside].astype(np.float64))
-    ulps = np.abs(y[inside] - want) / np.spacing(want.astype(np.float32))
-    assert ulps.max() < 1.5, (ulps.max(), x[inside][ulps.argmax()])
-    assert np.all(y[x < -87.0] == 0.0)
-    assert np.isnan(y[np.isnan(x)]).all()
-    assert y[x == 88.5][0] >= np.float32(1.6e38)  # clamped to exp(88) (AVX2) or inf
+    fn(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p),
+       ctypes.c_int64(x.size), ctypes.c_int64(base2))
+    return y
+
+
+@needs_flash
+def test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87():
+    """The kernels' exp (`vexp0` in simd.h: the LSTM gates') and base-2 exp (`vexp2_0`: the
+    attention softmax's, its scores scaled by log2 e) as the flash attention library's
+    vectors compute them (16 floats with AVX-512, 8 with AVX2; the portable build's run
+    checks the AVX2 path on any machine). Under 1.5 ulp on [-87, 88] and [-126, 127] (0.91
+    over every float in [-87, 88], 0.95 over every float in [-4, 4]); exactly 0 below -87
+    and -126 (-inf included: masked scores weigh nothing); NaN stays NaN."""
+    for base2, lo, hi in ((0, -87.0, 88.0), (1, -126.0, 127.0)):
+        x = np.concatenate([np.linspace(lo, hi, 100_003, dtype=np.float32),
+                            np.float32([-np.inf, -1e30, -200.0, lo - 0.01, np.nan, 0.0, -0.0,
+                                        hi + 0.5])])
+        y = _kernel_exp(x, base2)
+        inside = (x >= lo) & (x <= hi)
+        want = (np.exp2 if base2 else np.exp)(x[inside].astype(np.float64))
+        ulps = np.abs(y[inside] - want) / np.spacing(want.astype(np.float32))
+        assert ulps.max() < 1.5, (base2, ulps.max(), x[inside][ulps.argmax()])
+        assert np.all(y[x < lo] == 0.0), base2
+        assert np.isnan(y[np.isnan(x)]).all(), base2
+        assert y[x == hi + 0.5][0] >= np.float32(1.6e38)  # clamped (AVX2) or inf
 
 
 PORTABLE = """

@@ -120,6 +120,9 @@ void gemm(int M, int N, int K, const float* a, ptrdiff_t ar, ptrdiff_t ac, const
 }
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+// The softmax runs in base 2 (vexp2_0): scores scaled by log2 e, the running max m in
+// base 2, the logsumexp saved in base e.
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
 struct Problem {
   int64_t B, L, S, H, D;
@@ -215,7 +218,8 @@ inline void put(float* dst, vf v) { store(dst, v); }
 inline void put(bf16* dst, vf v) { store_bf16(dst, v); }
 
 // One query row of a forward tile, online softmax: row holds its scores S (`lanes` wide,
-// keys past nk set to -inf here; multiplied by `scale` first when Scale), P = exp(S - m)
+// keys past nk set to -inf here; multiplied by `scale` first when Scale; in base 2, scaled
+// by log2 e), P = 2^(S - m)
 // goes to prow (float or bfloat16; 0 while no key is visible), the running max m and sum
 // l move on, and the row's unnormalized output acc_row [D] is rescaled to the new max.
 template <bool Scale, class T>
@@ -238,11 +242,11 @@ void softmax_row(float* row, T* prow, int nk, int lanes, float scale, float& m, 
   }
   vf sum = vf{};
   for (int r = 0; r < lanes; r += NR) {
-    const vf e = vexp0(load(row + r) - m_new);
+    const vf e = vexp2_0(load(row + r) - m_new);
     put(prow + r, e);
     sum += e;
   }
-  const float corr = m == -kInf ? 0.0f : std::exp(m - m_new);
+  const float corr = m == -kInf ? 0.0f : std::exp2(m - m_new);
   l = l * corr + hsum(sum);
   m = m_new;
   if (corr != 1.0f)
@@ -261,7 +265,7 @@ void finish_rows(const Problem& p, int64_t bh, int64_t q0, int nq, const float* 
     if (l[c] > 0.0f) {
       const vf inv = splat(1.0f / l[c]);
       for (int64_t d = 0; d < D; d += NR) put(out + d, load(acc + c * D + d) * inv);
-      lse[bh * p.L + q0 + c] = m[c] + std::log(l[c]);
+      lse[bh * p.L + q0 + c] = m[c] * kLn2 + std::log(l[c]);  // m in base 2
     } else {
       std::fill(out, out + D, T(0));
       lse[bh * p.L + q0 + c] = kInf;
@@ -288,7 +292,7 @@ void gather_head_t(const Problem& p, const float* x, int64_t len, int64_t b, int
 // query-major, S = Q K^T [Q, K], so that both of its products read their left operand
 // by rows (a column-wise read of the left operand runs ~15% slower).
 void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kt, const float* vh,
-                   float* o, float* lse, std::vector<float>& scratch) {
+                   float* o, float* lse, Scratch& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D;
   const int bq = p.bq, bk = p.bk;
   const int64_t q0 = i * bq;
@@ -301,7 +305,7 @@ void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kt, con
   float* l = m + bq;                               // [bq] running sum
   for (int c = 0; c < nq; ++c) {
     const float* src = p.q + p.row(b, p.L, h, q0 + c);
-    for (int64_t d = 0; d < D; ++d) qs[c * D + d] = src[d] * p.scale;
+    for (int64_t d = 0; d < D; ++d) qs[c * D + d] = src[d] * (p.scale * kLog2e);
   }
   std::fill(acc, acc + size_t(bq) * D, 0.0f);
   std::fill(m, m + bq, -kInf);
@@ -342,31 +346,32 @@ using Grads = GradsT<float>;
 // contiguous [L, D]). dQ goes to g.dq (scaled) when the range is all key blocks, else to
 // dq_part [L, D] (unscaled), this range's share, which `run_backward` sums.
 void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, int64_t kb1,
-                   float* dq_part, std::vector<float>& scratch) {
+                   float* dq_part, Scratch& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
   const int bq = p.bq, bk = p.bk;
   const int64_t nqb = (L + bq - 1) / bq;
-  scratch.resize(size_t(D) * (3 * L + 2 * S + 2 * nqb * bq + 2 * bk) + 2 * size_t(bk) * bq +
+  scratch.resize(size_t(D) * (2 * L + 2 * S + 3 * nqb * bq + 3 * bk) + 2 * size_t(bk) * bq +
                  2 * bq + L);
   float* qh = scratch.data();             // [L, D] this head's queries
   float* doh = qh + L * D;                // [L, D] its output gradient
-  float* dqh = doh + L * D;               // [L, D] dQ (unscaled)
-  float* kh = dqh + L * D;                // [S, D]
+  float* kh = doh + L * D;                // [S, D]
   float* vh = kh + S * D;                 // [S, D]
   float* qt_all = vh + S * D;             // [nqb, D, bq] scaled Q^T by query blocks
   float* dot_all = qt_all + nqb * D * bq; // [nqb, D, bq] dO^T
-  float* pt = dot_all + nqb * D * bq;     // [bk, bq] P^T
+  float* dqt_all = dot_all + nqb * D * bq;  // [nqb, D, bq] dQ^T (unscaled)
+  float* pt = dqt_all + nqb * D * bq;     // [bk, bq] P^T
   float* dst = pt + size_t(bk) * bq;      // [bk, bq] dP^T, then dS^T
   float* dk = dst + size_t(bk) * bq;      // [bk, D]
   float* dv = dk + size_t(bk) * D;        // [bk, D]
-  float* lse_b = dv + size_t(bk) * D;     // [bq]
+  float* ktb = dv + size_t(bk) * D;       // [D, bk] the key block's K^T
+  float* lse_b = ktb + size_t(bk) * D;    // [bq]
   float* delta_b = lse_b + bq;            // [bq]
   float* delta = delta_b + bq;            // [L] rowsum(dO * O) = rowsum(P * dP)
   gather_head(p, p.q, L, b, h, qh);
   gather_head(p, g.d_o, L, b, h, doh);
   gather_head(p, p.k, S, b, h, kh);
   gather_head(p, p.v, S, b, h, vh);
-  std::fill(dqh, dqh + L * D, 0.0f);
+  std::fill(dqt_all, dqt_all + nqb * D * bq, 0.0f);
   for (int64_t r = 0; r < L; ++r) {
     const float* orow = g.o + p.row(b, L, h, r);
     vf s = vf{};
@@ -380,19 +385,21 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
     const float *kb = kh + k0 * D, *vb = vh + k0 * D;
     std::fill(dk, dk + size_t(bk) * D, 0.0f);
     std::fill(dv, dv + size_t(bk) * D, 0.0f);
+    pack_t(kb, nk, D, 1.0f, ktb, bk);
     for (int64_t q0 = 0; q0 < L; q0 += bq) {
       const int nq = int(std::min<int64_t>(bq, L - q0));
       const Vis vis = classify(p, b, q0, nq, k0, nk);
       if (vis == Vis::kSkip) continue;
       const float *qb = qh + q0 * D, *dob = doh + q0 * D;
       float *qt = qt_all + (q0 / bq) * D * bq, *dot = dot_all + (q0 / bq) * D * bq;
+      float* dqt = dqt_all + (q0 / bq) * D * bq;
       if (!packed[q0 / bq]) {  // once per item, not once per key block (5% of the pass)
-        pack_t(qb, nq, D, p.scale, qt, bq);
+        pack_t(qb, nq, D, p.scale * kLog2e, qt, bq);  // S^T in base 2
         pack_t(dob, nq, D, 1.0f, dot, bq);
         packed[q0 / bq] = true;
       }
       for (int c = 0; c < bq; ++c) {  // padding columns: P = 0, dS = 0
-        lse_b[c] = c < nq ? lse[q0 + c] : kInf;
+        lse_b[c] = c < nq ? lse[q0 + c] * kLog2e : kInf;
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
       }
       gemm(nk, bq, int(D), kb, D, 1, qt, bq, pt, bq, false);    // S^T = K Q^T
@@ -401,14 +408,14 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
       for (int r = 0; r < nk; ++r) {
         float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
         for (int c = 0; c < bq; c += NR) {
-          vf pv = vexp0(load(prow + c) - load(lse_b + c));
+          vf pv = vexp2_0(load(prow + c) - load(lse_b + c));
           store(prow + c, pv);
           store(drow + c, pv * (load(drow + c) - load(delta_b + c)));
         }
       }
       gemm(nk, int(D), nq, pt, bq, 1, dob, D, dv, D, true);             // dV += P^T dO
       gemm(nk, int(D), nq, dst, bq, 1, qb, D, dk, D, true);             // dK += dS^T Q (unscaled)
-      gemm(nq, int(D), nk, dst, 1, bq, kb, D, dqh + q0 * D, D, true);   // dQ += dS K
+      gemm(int(D), bq, nk, ktb, bk, 1, dst, bq, dqt, bq, true);          // dQ^T += K^T dS^T
     }
     for (int r = 0; r < nk; ++r) {
       float *dkr = g.dk + p.row(b, S, h, k0 + r), *dvr = g.dv + p.row(b, S, h, k0 + r);
@@ -418,13 +425,11 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
       }
     }
   }
-  if (dq_part != nullptr) {
-    std::memcpy(dq_part, dqh, sizeof(float) * L * D);
-    return;
-  }
-  for (int64_t r = 0; r < L; ++r) {
-    float* row = g.dq + p.row(b, L, h, r);
-    for (int64_t d = 0; d < D; ++d) row[d] = dqh[r * D + d] * p.scale;
+  for (int64_t r = 0; r < L; ++r) {  // dQ from its blocks of dQ^T
+    const float* col = dqt_all + (r / bq) * D * bq + r % bq;
+    float* row = dq_part != nullptr ? dq_part + r * D : g.dq + p.row(b, L, h, r);
+    const float s = dq_part != nullptr ? 1.0f : p.scale;
+    for (int64_t d = 0; d < D; ++d) row[d] = col[d * bq] * s;
   }
 }
 
@@ -471,7 +476,7 @@ void for_items(int threads, int64_t n, F&& fn) {
   std::atomic<int64_t> next{0};
   join_parallel(clamp_threads(threads, n), [&](int) {
     TilesReleased released;
-    std::vector<float> scratch;
+    Scratch scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, scratch);
   });
 }
@@ -481,14 +486,14 @@ void for_items(int threads, int64_t n, F&& fn) {
 void run_forward(const Problem& p, float* out, float* lse_out, int threads) {
   const int64_t nqb = (p.L + p.bq - 1) / p.bq;
   const int64_t KT = (p.S + p.bk - 1) / p.bk * p.bk * p.D, SD = p.S * p.D;
-  std::unique_ptr<float[]> kv(new float[size_t(p.B * p.H) * (KT + SD)]);  // all overwritten
-  for_items(threads, p.B * p.H, [&](int64_t bh, std::vector<float>&) {
+  auto kv = aligned_array<float>(size_t(p.B * p.H) * (KT + SD));  // all overwritten
+  for_items(threads, p.B * p.H, [&](int64_t bh, Scratch&) {
     float* kt = kv.get() + bh * (KT + SD);
     gather_head_t(p, p.k, p.S, bh / p.H, bh % p.H, p.bk, kt);
     gather_head(p, p.v, p.S, bh / p.H, bh % p.H, kt + KT);
   });
   populate({{out, size_t(p.B) * p.L * p.H * p.D}}, clamp_threads(threads, p.B * p.H));
-  for_items(threads, p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
+  for_items(threads, p.B * p.H * nqb, [&](int64_t item, Scratch& scratch) {
     const float* kt = kv.get() + (item / nqb) * (KT + SD);
     forward_block(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
   });
@@ -691,7 +696,7 @@ inline int even(int n) { return (n + 1) & ~1; }
 // Query block i of head bh: kt holds the head's key blocks packed in pairs of d (each
 // block [D/2][bk][2]), vp its values in pairs of keys ([S_pad/2][D][2]).
 void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt, const bf16* vp,
-                        bf16* o, float* lse, std::vector<float>& scratch) {
+                        bf16* o, float* lse, Scratch& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D;
   const int bq = p.bq, bk = p.bk;
   const int64_t q0 = i * bq;
@@ -719,8 +724,8 @@ void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt,
     gemm2(nq, lanes, int(D), qs, D, kt + (k0 / bk) * D * bk, 2 * bk, st, bk, false, p.widen);
     if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
     for (int c = 0; c < nq; ++c)  // P in bfloat16 beside the float32 S
-      softmax_row<true>(st + size_t(c) * bk, pb + size_t(c) * bk, nk, lanes, p.scale, m[c], l[c],
-                        acc + c * D, D);
+      softmax_row<true>(st + size_t(c) * bk, pb + size_t(c) * bk, nk, lanes, p.scale * kLog2e,
+                        m[c], l[c], acc + c * D, D);
     gemm2(nq, int(D), lanes, pb, bk, vp + k0 * D, 2 * D, acc, D, true, p.widen);  // acc += P V
   }
   finish_rows(p, bh, q0, nq, acc, m, l, o, lse);
@@ -729,8 +734,8 @@ void forward_block_bf16(const Problem& p, int64_t bh, int64_t i, const bf16* kt,
 void run_forward_bf16(const Problem& p, bf16* out, float* lse_out, int threads) {
   const int64_t nqb = (p.L + p.bq - 1) / p.bq, nkb = (p.S + p.bk - 1) / p.bk;
   const int64_t KT = nkb * p.bk * p.D, VP = nkb * p.bk * p.D;  // bfloat16 per head, each
-  std::unique_ptr<bf16[]> kv(new bf16[size_t(p.B * p.H) * (KT + VP)]);
-  for_items(threads, p.B * p.H, [&](int64_t bh, std::vector<float>&) {
+  auto kv = aligned_array<bf16>(size_t(p.B * p.H) * (KT + VP));
+  for_items(threads, p.B * p.H, [&](int64_t bh, Scratch&) {
     const int64_t b = bh / p.H, h = bh % p.H;
     bf16 *kt = kv.get() + bh * (KT + VP), *vp = kt + KT;
     const ptrdiff_t ld = p.H * p.D;
@@ -742,7 +747,7 @@ void run_forward_bf16(const Problem& p, bf16* out, float* lse_out, int threads) 
   });
   populate({{reinterpret_cast<float*>(out), size_t(p.B) * p.L * p.H * p.D / 2}},
            clamp_threads(threads, p.B * p.H));
-  for_items(threads, p.B * p.H * nqb, [&](int64_t item, std::vector<float>& scratch) {
+  for_items(threads, p.B * p.H * nqb, [&](int64_t item, Scratch& scratch) {
     const bf16* kt = kv.get() + (item / nqb) * (KT + VP);
     forward_block_bf16(p, item / nqb, item % nqb, kt, kt + KT, out, lse_out, scratch);
   });
@@ -750,7 +755,7 @@ void run_forward_bf16(const Problem& p, bf16* out, float* lse_out, int threads) 
 
 // Head bh, key blocks [kb0, kb1), as backward_head with bfloat16 operands.
 void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int64_t kb0,
-                        int64_t kb1, float* dq_part, std::vector<float>& scratch) {
+                        int64_t kb1, float* dq_part, Scratch& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
   const int bq = p.bq, bk = p.bk;
   const int64_t S2 = even(int(S));
@@ -797,7 +802,7 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
     delta[r] = hsum(s);
   }
   const float* lse = g.lse + bh * L;
-  const vf scale = splat(p.scale);
+  const vf scale = splat(p.scale), scale2 = splat(p.scale * kLog2e);  // scale2: S in base 2
   std::vector<bool> packed(nqb, false);
   for (int64_t k0 = kb0 * bk; k0 < std::min(S, kb1 * bk); k0 += bk) {
     const int nk = int(std::min<int64_t>(bk, S - k0)), nk2 = even(nk);
@@ -819,7 +824,7 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
         packed[q0 / bq] = true;
       }
       for (int c = 0; c < bq; ++c) {  // padding columns: P = 0, dS = 0
-        lse_b[c] = c < nq ? lse[q0 + c] : kInf;
+        lse_b[c] = c < nq ? lse[q0 + c] * kLog2e : kInf;
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
       }
       gemm2(nk, bq, int(D), kb, D, qt, 2 * bq, pt, bq, false, p.widen);   // S^T = K Q^T (unscaled)
@@ -829,7 +834,7 @@ void backward_head_bf16(const Problem& p, const GradsT<bf16>& g, int64_t bh, int
         const float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
         bf16 *pbr = ptb + size_t(r) * bq, *dbr = dstb + size_t(r) * bq;
         for (int c = 0; c < bq; c += NR) {
-          const vf pv = vexp0(load(prow + c) * scale - load(lse_b + c));
+          const vf pv = vexp2_0(load(prow + c) * scale2 - load(lse_b + c));
           store_bf16(pbr + c, pv);
           store_bf16(dbr + c, pv * (load(drow + c) - load(delta_b + c)));
         }
@@ -882,20 +887,20 @@ void run_backward(const Problem& p, const GradsT<T>& g, int threads, Head&& back
   populate({{floats(g.dq), fq}, {floats(g.dk), fk}, {floats(g.dv), fk}},
            clamp_threads(threads, BH * splits));
   if (splits == 1) {
-    for_items(threads, BH, [&](int64_t bh, std::vector<float>& scratch) {
+    for_items(threads, BH, [&](int64_t bh, Scratch& scratch) {
       backward_head(p, g, bh, 0, nkb, nullptr, scratch);
     });
     return;
   }
-  std::unique_ptr<float[]> part(new float[size_t(BH * splits) * L * D]);  // all overwritten
-  for_items(threads, BH * splits, [&](int64_t item, std::vector<float>& scratch) {
+  auto part = aligned_array<float>(size_t(BH * splits) * L * D);  // all overwritten
+  for_items(threads, BH * splits, [&](int64_t item, Scratch& scratch) {
     const int64_t c = item % splits;
     backward_head(p, g, item / splits, c * nkb / splits, (c + 1) * nkb / splits,
                   part.get() + size_t(item) * L * D, scratch);
   });
   constexpr int64_t kRows = 64;  // dQ = scale * the sum of the shares, by blocks of rows
   const int64_t blocks = (L + kRows - 1) / kRows;
-  for_items(threads, BH * blocks, [&](int64_t item, std::vector<float>&) {
+  for_items(threads, BH * blocks, [&](int64_t item, Scratch&) {
     const int64_t bh = item / blocks, r0 = item % blocks * kRows, r1 = std::min(L, r0 + kRows);
     const float* base = part.get() + size_t(bh * splits) * L * D;
     for (int64_t r = r0; r < r1; ++r) {
@@ -970,13 +975,13 @@ ffi::Error BwdImpl(ffi::ThreadPool xla, bool segments, bool causal, float scale,
 
 }  // namespace
 
-// exp(x[i]) by `vexp0` for i < n, as this library's vectors compute it (the tests check
-// each build's path: AVX-512, AVX2).
-extern "C" void hpnlp_flash_vexp0(const float* x, float* y, int64_t n) {
+// exp(x[i]) by `vexp0` (base2 = 0) or 2^x[i] by `vexp2_0` (base2 != 0) for i < n, as
+// this library's vectors compute them (the tests check each build's path: AVX-512, AVX2).
+extern "C" void hpnlp_flash_vexp0(const float* x, float* y, int64_t n, int64_t base2) {
   for (int64_t i = 0; i < n; i += NR) {
     alignas(64) float in[NR] = {}, out[NR];
     std::memcpy(in, x + i, sizeof(float) * std::min<int64_t>(NR, n - i));
-    store(out, vexp0(load(in)));
+    store(out, base2 ? vexp2_0(load(in)) : vexp0(load(in)));
     std::memcpy(y + i, out, sizeof(float) * std::min<int64_t>(NR, n - i));
   }
 }
