@@ -9,18 +9,21 @@
 // that makes it and the ones that read it, and the softmax arithmetic runs on the tile
 // while it is hot.
 //
-// Every product is C (+)= A B with B row-major and A read by broadcasts from any strides,
-// in register blocks of 6 rows x 64 columns (6 x 16 with AVX2). The forward tile is
-// query-major, S = Q K^T [queries, keys], so both of its products read their left operand
-// by rows (a column-wise read runs ~15% slower), against a K^T packed once per head in
-// blocks. The backward tiles are key-major, S^T = K Q^T [keys, queries]: four of its five
-// products then read rows, the per-query logsumexp and delta are lane-wise vector
-// operations, and only dQ += dS K reads its left operand by columns; its queries and dO
-// are packed transposed, [D, Q], once per query block and work item (packed again for
-// every key block, the scalar transposes took 5% of the pass; once, the bfloat16 pass's
-// four packings, it ran 1.18x faster on a Xeon model 207). Operands are first copied
-// contiguous per head: in [B, L, H, D] rows sit H*D floats apart, which maps them onto a
-// few L1 sets.
+// Every product is C (+)= A B with B row-major and A read by broadcasts along its rows, in
+// register blocks of 6 rows x 64 columns (6 x 16 with AVX2), its operands in 64-byte
+// aligned scratch (a vector load that spans two cache lines slowed both passes ~1.1x on a
+// Xeon model 167). The forward tile is query-major, S = Q K^T [queries, keys], so both of
+// its products read their left operand by rows (a column-wise read runs ~15% slower),
+// against a K^T packed once per head in blocks. The backward tiles are key-major, S^T = K
+// Q^T [keys, queries]: their products read rows and the per-query logsumexp and delta are
+// lane-wise vector operations; dQ is made transposed, dQ^T += K^T dS^T against each key
+// block's K^T packed once (dQ += dS K read dS^T by columns: the pass ran 1.03x faster
+// transposed there). Its queries and dO are packed transposed, [D, Q], once per query
+// block and work item (packed again for every key block, the scalar transposes took 5% of
+// the pass; once, the bfloat16 pass's four packings, it ran 1.18x faster on a Xeon model
+// 207). Operands are first copied contiguous per head: in [B, L, H, D] rows sit H*D floats
+// apart, which maps them onto a few L1 sets. The softmax runs in base 2 (vexp2_0 in
+// simd.h), its scores scaled by log2 e with the queries.
 //
 // Masks: causal (query i sees keys <= i) and segment ids (0 = padding; a query sees keys
 // of its own nonzero segment). A tile that no query may see is skipped, a tile that all
@@ -48,71 +51,61 @@ namespace {
 constexpr int MR = 6;    // rows per register block: 6 x 4 accumulators + 4 panel vectors
 constexpr int KC = 256;  // k per cache block of a product
 
-// C[R, NV*NR] (+)= A[R, K] B[K, NV*NR]; A(i, k) = a[i*ar + k*ac], B row-major (ldb).
-// `Acc` (add to C) and `Rows` (ac == 1: A read along its rows) are template arguments: a
-// runtime choice makes GCC keep the accumulators on the stack around the loop, or version
-// the loop and merge the versions' accumulators through the stack after it.
-template <int R, int NV, bool Acc, bool Rows>
-void tile(const float* a, ptrdiff_t ar, ptrdiff_t ac_arg, int K, const float* b, ptrdiff_t ldb,
-          float* c, ptrdiff_t ldc) {
-  const ptrdiff_t ac = Rows ? 1 : ac_arg;
+// C[R, NV*NR] (+)= A[R, K] B[K, NV*NR]; A(i, k) = a[i*lda + k], B row-major (ldb). `Acc`
+// (add to C) is a template argument: a runtime choice makes GCC keep the accumulators on
+// the stack around the loop.
+template <int R, int NV, bool Acc>
+void tile(const float* a, ptrdiff_t lda, int K, const float* b, ptrdiff_t ldb, float* c,
+          ptrdiff_t ldc) {
 #if defined(__AVX512F__)
-  reg_tile<R, NV, Acc>(a, ar, ac, K, b, ldb, c, ldc);
+  reg_tile<R, NV, Acc>(a, lda, 1, K, b, ldb, c, ldc);
 #else
   // AVX2's 16 registers hold R x 2 accumulators (the classic 6 x 16 tile), not R x 4.
   if constexpr (NV > 2) {
-    reg_tile<R, 2, Acc>(a, ar, ac, K, b, ldb, c, ldc);
-    reg_tile<R, NV - 2, Acc>(a, ar, ac, K, b + 2 * NR, ldb, c + 2 * NR, ldc);
+    reg_tile<R, 2, Acc>(a, lda, 1, K, b, ldb, c, ldc);
+    reg_tile<R, NV - 2, Acc>(a, lda, 1, K, b + 2 * NR, ldb, c + 2 * NR, ldc);
   } else {
-    reg_tile<R, NV, Acc>(a, ar, ac, K, b, ldb, c, ldc);
+    reg_tile<R, NV, Acc>(a, lda, 1, K, b, ldb, c, ldc);
   }
 #endif
 }
 
-using TileFn = void (*)(const float*, ptrdiff_t, ptrdiff_t, int, const float*, ptrdiff_t,
-                        float*, ptrdiff_t);
+using TileFn = void (*)(const float*, ptrdiff_t, int, const float*, ptrdiff_t, float*, ptrdiff_t);
 using TileTable = std::array<std::array<std::array<TileFn, MR>, 4>, 2>;  // [acc][NV - 1][R - 1]
 
-template <bool Acc, bool Rows, int NV, int... R>
+template <bool Acc, int NV, int... R>
 constexpr std::array<TileFn, MR> row_table(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1, NV, Acc, Rows>...};
+  return {&tile<R + 1, NV, Acc>...};
 }
 
-template <bool Acc, bool Rows, int... NV>
+template <bool Acc, int... NV>
 constexpr std::array<std::array<TileFn, MR>, 4> nv_table(std::integer_sequence<int, NV...>) {
-  return {row_table<Acc, Rows, NV + 1>(std::make_integer_sequence<int, MR>{})...};
+  return {row_table<Acc, NV + 1>(std::make_integer_sequence<int, MR>{})...};
 }
 
-template <bool Rows>
-constexpr TileTable tile_table() {
-  return {nv_table<false, Rows>(std::make_integer_sequence<int, 4>{}),
-          nv_table<true, Rows>(std::make_integer_sequence<int, 4>{})};
-}
+constexpr TileTable kTiles = {nv_table<false>(std::make_integer_sequence<int, 4>{}),
+                              nv_table<true>(std::make_integer_sequence<int, 4>{})};
 
-constexpr TileTable kRowTiles = tile_table<true>(), kColTiles = tile_table<false>();
-
-// C[M, N] (+)= A[M, K] B[K, N] with A(i, k) = a[i*ar + k*ac], B row-major, N % NR == 0.
-// Register blocks of up to MR rows (near-equal: 128 rows are 18 blocks of 6 and 4 of 5,
-// not 21 of 6 and one of 2) x 4 vectors; k in blocks of KC, so a block of B (at most KC x
-// 64 floats) stays in L1 while every block of rows passes over it.
-void gemm(int M, int N, int K, const float* a, ptrdiff_t ar, ptrdiff_t ac, const float* b,
-          ptrdiff_t ldb, float* c, ptrdiff_t ldc, bool accumulate) {
+// C[M, N] (+)= A[M, K] B[K, N], A and B row-major (lda, ldb), N % NR == 0. Register
+// blocks of up to MR rows (near-equal: 128 rows are 18 blocks of 6 and 4 of 5, not 21 of
+// 6 and one of 2) x 4 vectors; k in blocks of KC, so a block of B (at most KC x 64 floats)
+// stays in L1 while every block of rows passes over it.
+void gemm(int M, int N, int K, const float* a, ptrdiff_t lda, const float* b, ptrdiff_t ldb,
+          float* c, ptrdiff_t ldc, bool accumulate) {
   if (K == 0) {
     if (!accumulate)
       for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
     return;
   }
-  const TileTable& table = ac == 1 ? kRowTiles : kColTiles;
   const int blocks = (M + MR - 1) / MR;
   for (int k0 = 0; k0 < K; k0 += KC) {
     const int kc = std::min(KC, K - k0);
     const bool acc_in = accumulate || k0 > 0;
     for (int n0 = 0; n0 < N; n0 += 4 * NR) {
-      const auto& fns = table[acc_in][std::min(4, (N - n0) / NR) - 1];
+      const auto& fns = kTiles[acc_in][std::min(4, (N - n0) / NR) - 1];
       for (int blk = 0, i = 0; blk < blocks; ++blk) {
         const int rows = M / blocks + (blk < M % blocks);
-        fns[rows - 1](a + i * ar + k0 * ac, ar, ac, kc, b + k0 * ldb + n0, ldb, c + i * ldc + n0,
-                      ldc);
+        fns[rows - 1](a + i * lda + k0, lda, kc, b + k0 * ldb + n0, ldb, c + i * ldc + n0, ldc);
         i += rows;
       }
     }
@@ -317,13 +310,13 @@ void forward_block(const Problem& p, int64_t bh, int64_t i, const float* kt, con
       if (p.causal && k0 > q0 + nq - 1) break;  // every later key block is in the future
       continue;
     }
-    gemm(nq, lanes, int(D), qs, D, 1, kt + (k0 / bk) * D * bk, bk, st, bk, false);  // S = Q K^T
+    gemm(nq, lanes, int(D), qs, D, kt + (k0 / bk) * D * bk, bk, st, bk, false);  // S = Q K^T
     if (vis == Vis::kPartial) mask_tile<false>(p, b, q0, nq, k0, nk, st, bk);
     for (int c = 0; c < nq; ++c) {  // P over S in place (the queries came scaled)
       float* row = st + size_t(c) * bk;
       softmax_row<false>(row, row, nk, lanes, 1.0f, m[c], l[c], acc + c * D, D);
     }
-    gemm(nq, int(D), nk, st, bk, 1, vh + k0 * D, D, acc, D, true);  // acc += P V
+    gemm(nq, int(D), nk, st, bk, vh + k0 * D, D, acc, D, true);  // acc += P V
   }
   finish_rows(p, bh, q0, nq, acc, m, l, o, lse);
 }
@@ -402,9 +395,9 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
         lse_b[c] = c < nq ? lse[q0 + c] * kLog2e : kInf;
         delta_b[c] = c < nq ? delta[q0 + c] : 0.0f;
       }
-      gemm(nk, bq, int(D), kb, D, 1, qt, bq, pt, bq, false);    // S^T = K Q^T
+      gemm(nk, bq, int(D), kb, D, qt, bq, pt, bq, false);    // S^T = K Q^T
       if (vis == Vis::kPartial) mask_tile<true>(p, b, q0, nq, k0, nk, pt, bq);
-      gemm(nk, bq, int(D), vb, D, 1, dot, bq, dst, bq, false);  // dP^T = V dO^T
+      gemm(nk, bq, int(D), vb, D, dot, bq, dst, bq, false);  // dP^T = V dO^T
       for (int r = 0; r < nk; ++r) {
         float *prow = pt + size_t(r) * bq, *drow = dst + size_t(r) * bq;
         for (int c = 0; c < bq; c += NR) {
@@ -413,9 +406,9 @@ void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, in
           store(drow + c, pv * (load(drow + c) - load(delta_b + c)));
         }
       }
-      gemm(nk, int(D), nq, pt, bq, 1, dob, D, dv, D, true);             // dV += P^T dO
-      gemm(nk, int(D), nq, dst, bq, 1, qb, D, dk, D, true);             // dK += dS^T Q (unscaled)
-      gemm(int(D), bq, nk, ktb, bk, 1, dst, bq, dqt, bq, true);          // dQ^T += K^T dS^T
+      gemm(nk, int(D), nq, pt, bq, dob, D, dv, D, true);     // dV += P^T dO
+      gemm(nk, int(D), nq, dst, bq, qb, D, dk, D, true);     // dK += dS^T Q (unscaled)
+      gemm(int(D), bq, nk, ktb, bk, dst, bq, dqt, bq, true);  // dQ^T += K^T dS^T
     }
     for (int r = 0; r < nk; ++r) {
       float *dkr = g.dk + p.row(b, S, h, k0 + r), *dvr = g.dv + p.row(b, S, h, k0 + r);

@@ -554,7 +554,7 @@ struct Dw {
 };
 
 // Columns [n0, n1) (multiples of DW_W) of both products; bp, ap scratch.
-void dw_columns(const Dw& s, int n0, int n1, std::vector<float>& bp, std::vector<float>& ap) {
+void dw_columns(const Dw& s, int n0, int n1, Scratch& bp, Scratch& ap) {
   // Blocks no larger than the problem: the scratch is sized by them.
   const int KC = std::min(s.blk.kc, s.N), MC = std::min(s.blk.mc, std::max(s.m[0], s.m[1]));
   bp.resize(size_t(KC) * (n1 - n0));
@@ -609,7 +609,7 @@ void run_dw(const Dw& s, int threads) {
   const int panels = s.G / DW_W;
   std::atomic<int> next{0};
   join_parallel(threads, [&](int) {
-    std::vector<float> bp, ap;
+    Scratch bp, ap;
     for (int part; (part = next.fetch_add(1)) < threads;) {
       int p0, p1;
       share(panels, threads, part, &p0, &p1);
