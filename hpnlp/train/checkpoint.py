@@ -16,6 +16,7 @@ restores under any number of processes and devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -97,11 +98,17 @@ _CONFIG_SHAPE_WHEN = {("model", "moe", "num_experts"): (("model", "moe", "mlp_di
                       ("model", "memory", "size"): (("model", "memory", "key_dim"),)}
 
 
+@functools.lru_cache(maxsize=1)
+def _default_config_json() -> dict:
+    """The default config as config.json holds it, built once (callers only read it)."""
+    from hpnlp.config import default_configdict
+    return to_json(from_configdict(default_configdict()))
+
+
 def _config_shape_diff(saved: dict, cfg) -> dict:
     """{field: (saved, now)} for `_CONFIG_SHAPE_FIELDS` (and, where either run sets one, the
     fields it brings) that differ between a saved config.json's config and `cfg`."""
-    from hpnlp.config import default_configdict
-    default, now = to_json(from_configdict(default_configdict())), to_json(cfg)
+    default, now = _default_config_json(), to_json(cfg)
 
     def get(d, path):
         for k in path:
