@@ -210,11 +210,11 @@ void pack_t(const float* x, int n, int64_t D, float scale, float* out, int ld) {
 inline void put(float* dst, vf v) { store(dst, v); }
 inline void put(bf16* dst, vf v) { store_bf16(dst, v); }
 
-// One query row of a forward tile, online softmax: row holds its scores S (`lanes` wide,
-// keys past nk set to -inf here; multiplied by `scale` first when Scale; in base 2, scaled
-// by log2 e), P = 2^(S - m)
-// goes to prow (float or bfloat16; 0 while no key is visible), the running max m and sum
-// l move on, and the row's unnormalized output acc_row [D] is rescaled to the new max.
+// One query row of a forward tile, online softmax in base 2: row holds its scores S
+// scaled by log2 e (`lanes` wide, keys past nk set to -inf here; multiplied by `scale`
+// first when Scale), P = 2^(S - m) goes to prow (float or bfloat16; 0 while no key is
+// visible), the running max m and sum l move on, and the row's unnormalized output
+// acc_row [D] is rescaled to the new max.
 template <bool Scale, class T>
 void softmax_row(float* row, T* prow, int nk, int lanes, float scale, float& m, float& l,
                  float* acc_row, int64_t D) {
@@ -335,9 +335,9 @@ using Grads = GradsT<float>;
 
 
 // Head bh, key blocks [kb0, kb1): dk, dv of those keys by key blocks (dK, dV accumulate in
-// scratch for the block) and, inside, query blocks (dQ accumulates over the key blocks in a
-// contiguous [L, D]). dQ goes to g.dq (scaled) when the range is all key blocks, else to
-// dq_part [L, D] (unscaled), this range's share, which `run_backward` sums.
+// scratch for the block) and, inside, query blocks (dQ^T accumulates over the key blocks,
+// [nqb, D, bq] by query blocks). dQ goes to g.dq (scaled) when the range is all key
+// blocks, else to dq_part [L, D] (unscaled), this range's share, which `run_backward` sums.
 void backward_head(const Problem& p, const Grads& g, int64_t bh, int64_t kb0, int64_t kb1,
                    float* dq_part, Scratch& scratch) {
   const int64_t b = bh / p.H, h = bh % p.H, D = p.D, L = p.L, S = p.S;
