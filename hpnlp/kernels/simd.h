@@ -195,6 +195,19 @@ inline vf vexp(vf x) { return vexp_t<vf, vi>(x); }
 // rounding's own bits: 17 instructions per vector, against vexp's 24 (the fused LSTM and
 // flash attention measure it: tools/kernel_ab.py). tests/test_kernel_tuning.py checks each
 // build's path.
+// 2^n from t = n + 1.5 * 2^23 (n an integer in [-126, 127], the float's low mantissa bits
+// then n) with no conversion: (bits(t) + 127) << 23, since 1.5 * 2^23's own bits vanish in
+// the shift. The AVX2 exps' scale.
+inline vf pow2_rounded(vf t) {
+  typedef uint32_t vu __attribute__((vector_size(NR * sizeof(uint32_t))));  // shifts defined
+  vu bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  bits = (bits + 127u) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return scale;
+}
+
 constexpr float kExpC6 = 0.00138146f, kExpC5 = 0.00836871f, kExpC4 = 0.04166839f,
                 kExpC3 = 0.16666521f, kExpC2 = 0.49999994f;
 inline vf vexp0(vf x) {
@@ -214,9 +227,8 @@ inline vf vexp0(vf x) {
   const vf e = reinterpret_cast<vf>(_mm512_scalef_ps(p, n));
   return x < splat(-87.0f) ? vf{} : e;
 #else
-  // The same polynomial in any vector width: n = round(x log2 e) by adding 1.5 * 2^23
-  // (the float's low mantissa bits are then n), and 2^n's bits from those same bits, no
-  // conversion: (bits(t) + 127) << 23, since 1.5 * 2^23's own bits vanish in the shift.
+  // The same polynomial in any vector width: n = round(x log2 e) by adding 1.5 * 2^23,
+  // and 2^n from those same bits (pow2_rounded).
   const vf xc = x > splat(88.0f) ? splat(88.0f) : x;
   const vf t = xc * 1.44269504088896341f + 12582912.0f;
   const vf n = t - 12582912.0f;
@@ -229,13 +241,7 @@ inline vf vexp0(vf x) {
   p = p * r + kExpC2;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  typedef uint32_t vu __attribute__((vector_size(NR * sizeof(uint32_t))));  // shifts defined
-  vu bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  bits = (bits + 127u) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < splat(-87.0f) ? vf{} : p * scale;
+  return x < splat(-87.0f) ? vf{} : p * pow2_rounded(t);
 #endif
 }
 
@@ -262,8 +268,7 @@ inline vf vexp2_0(vf x) {
   const vf e = reinterpret_cast<vf>(_mm512_scalef_ps(p, n));
   return x < splat(-126.0f) ? vf{} : e;
 #else
-  // n = round(x) by adding 1.5 * 2^23 (its low mantissa bits are then n), and 2^n's bits
-  // from those same bits, as vexp0 does.
+  // n = round(x) by adding 1.5 * 2^23, and 2^n from those same bits, as vexp0 does.
   const vf xc = x > splat(127.0f) ? splat(127.0f) : x;
   const vf t = xc + 12582912.0f;
   const vf r = xc - (t - 12582912.0f);
@@ -274,13 +279,7 @@ inline vf vexp2_0(vf x) {
   p = p * r + kExp2C2;
   p = p * r + kExp2C1;
   p = p * r + 1.0f;
-  typedef uint32_t vu __attribute__((vector_size(NR * sizeof(uint32_t))));  // shifts defined
-  vu bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  bits = (bits + 127u) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < splat(-126.0f) ? vf{} : p * scale;
+  return x < splat(-126.0f) ? vf{} : p * pow2_rounded(t);
 #endif
 }
 
