@@ -47,9 +47,11 @@ struct Csc {
   float* y;
 };
 
-// Scratch of the calling thread, kept across calls (a thread's block of xt and yt).
+// Scratch of the calling thread, kept across calls (a thread's block of xt and yt), on
+// 64-byte boundaries: on 16-byte aligned scratch the product ran 1.04-1.44x slower (the
+// tuning probe's shapes, 2 threads, Xeon model 167).
 float* scratch(size_t floats) {
-  thread_local std::vector<float> buf;
+  thread_local Scratch buf;
   if (buf.size() < floats) buf.resize(floats);
   return buf.data();
 }
