@@ -247,10 +247,11 @@ inline vf vexp0(vf x) {
 
 // 2^x for x <= 127 to under 1 ulp (at most 0.95 over every float with 1/8 <= |x| < 4 and
 // 5e7 random ones nearer 0), exactly 0 below -126 (2^-inf = 0); above 127 the AVX2 path
-// returns 2^127 and the AVX-512 one overflows. For a softmax whose scores are scaled by log2 e (the flash kernel's: scale *
-// log2 e folded into its queries): no multiplication by log2 e and no two-step reduction,
-// as r = x - round(x) is exact (|r| <= 1/2); 2^r by a degree-6 polynomial fitted for the
-// least relative error on that interval. 10 instructions with AVX-512 against vexp0's 12.
+// returns 2^127 and the AVX-512 one overflows. For a softmax whose scores are scaled by
+// log2 e (the flash kernel's: scale * log2 e folded into its queries): no multiplication
+// by log2 e and no two-step reduction, as r = x - round(x) is exact (|r| <= 1/2); 2^r by
+// a degree-6 polynomial fitted for the least relative error on that interval. 10
+// instructions with AVX-512 against vexp0's 12.
 constexpr float kExp2C6 = 1.53458124e-4f, kExp2C5 = 1.33999309e-3f, kExp2C4 = 9.61848907e-3f,
                 kExp2C3 = 5.55032864e-2f, kExp2C2 = 2.40226462e-1f, kExp2C1 = 6.93147182e-1f;
 inline vf vexp2_0(vf x) {
