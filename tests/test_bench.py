@@ -949,6 +949,8 @@ TOOL_REFUSALS = [
     (["kernel_ab.py", "--rev", "HEAD", "--kernel", "lstm", "--rev-bwd-blocks", "64,64"],
      "and the --\\*fwd-blocks/--\\*bwd-blocks are flash attention.s options"),
     (["kernel_ab.py", "--rev", "HEAD", "--widen", "1"], "--widen chooses the bfloat16 kernel's"),
+    (["kernel_ab.py", "--rev", "HEAD", "--kernel", "spmm", "--causal"],
+     "are flash attention.s options"),
     (["kernel_ab.py", "--rev", "HEAD", "--kernel", "lstm", "--rev-dw-blocks", "128"],
      "--rev-dw-blocks '128': give KC,MC, two positive numbers, with --kernel lstm"),
     (["lm_attention_ab.py", "--experiment", "lm"], "experiments/lm: no such experiment; choose from"),

@@ -2,7 +2,7 @@
 process through each build's plain C tuning probe (one forward or backward pass on fixed
 inputs, no XLA), on this CPU's tuned blocks.
 
-    python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm] [--rounds 9]
+    python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm|spmm] [--rounds 9]
         [--length L] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
         [--fwd-blocks Q,K] [--bwd-blocks Q,K] [--rev-fwd-blocks Q,K] [--rev-bwd-blocks Q,K]
         [--dw-blocks KC,MC] [--rev-dw-blocks KC,MC]
@@ -16,7 +16,8 @@ them times less work: compare revisions on the same side; its third pass, the we
 gradients over all L*B rows, needs 7ef6a01 or later; `--rev-dw-blocks` gives the --rev
 build its own blocks there; `--rev-fwd-blocks`/`--rev-bwd-blocks` do so for flash attention,
 so `--rev HEAD` with different blocks on each side compares two block choices of one
-kernel). A round runs every (build, pass) once, in a new random
+kernel). The sparse product (`--kernel spmm`) runs its probe at `SPMM_SHAPES` on its
+tuned `vectors`. A round runs every (build, pass) once, in a new random
 order, after one untimed warm-up round; the table gives each median with its min-max,
 and the median over rounds of the paired ratio (old / new in the same round), which
 drifts of the machine's speed affect less.
@@ -35,7 +36,11 @@ import tempfile
 
 from ablib import print_cpu
 
-SOURCES = {"flash": "hpnlp/attention/flash_cpu.cc", "lstm": "hpnlp/rnn/fused_lstm.cc"}
+SOURCES = {"flash": "hpnlp/attention/flash_cpu.cc", "lstm": "hpnlp/rnn/fused_lstm.cc",
+           "spmm": "hpnlp/compress/spmm.cc"}
+# The sparse product's passes: x [M, K] times a [K, N] CSC weight of per_col nonzeros a
+# column (its tuning probe's shape, then two larger ones).
+SPMM_SHAPES = ((1024, 512, 512, 26), (4096, 512, 2048, 52), (4096, 2048, 512, 102))
 HEADER = "hpnlp/kernels/simd.h"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,6 +85,15 @@ def probes(args) -> tuple[str, dict]:
     """(what it is, {pass: (its probe symbol, its argument list, its blocks)}) of
     args.kernel."""
     from hpnlp import kernels
+    if args.kernel == "spmm":
+        from hpnlp.compress import spmm
+        threads = args.threads or kernels.cores()
+        vectors = spmm.TUNING.config()["vectors"]
+        return (f"the sparse product (CSC), {threads} threads",
+                {f"M={M} K={K} N={N} per_col={c}": ("hpnlp_spmm_probe",
+                                                    [M, K, N, c, vectors, threads],
+                                                    {"vectors": vectors})
+                 for M, K, N, c in SPMM_SHAPES})
     if args.kernel == "lstm":
         from hpnlp.rnn import fused
         B, H, L = 32, 512, args.length or 256
@@ -146,7 +160,7 @@ def main():
                          "before the choice always runs the CPU's own)")
     args = ap.parse_args()
     flash_blocks = ("fwd_blocks", "bwd_blocks", "rev_fwd_blocks", "rev_bwd_blocks")
-    if args.kernel == "lstm" and (args.causal or args.bfloat16
+    if args.kernel != "flash" and (args.causal or args.bfloat16
                                   or any(getattr(args, f) for f in flash_blocks)
                                   or args.widen is not None
                                   or args.shape != ap.get_default("shape")):
@@ -215,8 +229,10 @@ def main():
           "(min-max) |")
     print("|---|---|---|---|---|")
 
-    def cell(ts):
-        return f"{statistics.median(ts) * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
+    def cell(ts):  # milliseconds, 3 decimals under 10 ms (the sparse product's passes)
+        digits = 1 if statistics.median(ts) >= 0.01 else 3
+        return (f"{statistics.median(ts) * 1e3:.{digits}f} "
+                f"({min(ts) * 1e3:.{digits}f}-{max(ts) * 1e3:.{digits}f})")
 
     for p in passes:
         old, new = times[old_lib, p], times[new_lib, p]
