@@ -129,7 +129,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except (AttributeError, KeyError) as e:  # a --config.FIELD override of no field
         given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
         why = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-        msg = f"no such config field in {given}: {why}"
+        # the flag whose path holds the unknown name, not every flag given (found by a
+        # README walk: a typo among ten overrides was named as all ten)
+        key = re.match(r"'([^']+)'", why)
+        bad = [g for g in given if key and key.group(1) in g.split(".")[1:]]
+        msg = (f"{bad[0]}: no such config field: {why}" if len(bad) == 1
+               else f"no such config field in {bad or given}: {why}")
     print(f"hpnlp: error: {msg}", file=sys.stderr)
     sys.exit(1)
 
@@ -145,7 +150,7 @@ def main(argv) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
     from hpnlp.config import ConfigError
-    from hpnlp.train import NonFiniteLoss, run
+    from hpnlp.train import Interrupted, NonFiniteLoss, run
     from hpnlp.train.checkpoint import CheckpointMismatch
 
     cfg = FLAGS.config
@@ -162,6 +167,12 @@ def main(argv) -> None:
         # Config, data-file and checkpoint problems: one line saying what and how to fix.
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except Interrupted as e:  # Ctrl-C while training: which checkpoint a rerun resumes from
+        print(f"hpnlp: {e}", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:  # before the first step or after the last
+        print("hpnlp: interrupted", file=sys.stderr)
+        sys.exit(130)
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=1))
 

@@ -859,7 +859,7 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
         carry_lib.for_config(cfg)
     empty = tmp_path / "none"
     os.makedirs(empty)
-    with pytest.raises(FileNotFoundError, match="no run in workdir"):
+    with pytest.raises(FileNotFoundError, match=r"^train\.distill\.teacher=.*: no run in workdir"):
         carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(teacher=str(empty))))))
     # a teacher that trained on the chapters a validation run holds out would leak them
     lm = tmp_path / "lm"

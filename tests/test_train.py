@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hpnlp.config import default_configdict, from_configdict
-from hpnlp.train import NonFiniteLoss, Trainer, run
+from hpnlp.train import Interrupted, NonFiniteLoss, Trainer, run
 from hpnlp.train.checkpoint import CheckpointMismatch
 from hpnlp.train.loop import _global
 
@@ -135,7 +135,7 @@ def test_rerun_resumes_and_continues_exactly(tmp_path):
         return inner(state, batch)
 
     tr.train_step = stopping
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match="at step 26; the newest checkpoint is step 24 in "):
         tr.run()
     resumed = run(cd, str(tmp_path / "split"))
     assert resumed["resumed_from_step"] == 24
@@ -227,6 +227,41 @@ def test_non_finite_training_stops_and_no_checkpoint_holds_it(tmp_path, lr):
         chex.assert_tree_all_finite(state.opt_state)
     else:
         assert not kept and "no checkpoint was saved yet" in str(e.value)
+
+
+def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """Found by a README walk. Ctrl-C printed a traceback naming no checkpoint. And
+    parameters can blow up yet stay finite, so the step's own loss (read before its update)
+    passes while their eval loss is NaN: that step was saved and named the last good
+    checkpoint, and its resume diverged at once. (Here the rerun's eval is made NaN at step
+    6 of a sound run.)"""
+    from hpnlp.train import loop
+    cd = tiny(steps=6, eval_every=2, checkpoint_every=2, eval_batches=1)
+    calls = []
+    real_global = loop._global
+
+    def interrupt_at_step_5(batch, sharding):
+        calls.append(1)
+        if len(calls) == 5 + 2:  # step 5's batch (steps 2 and 4 evaluated one batch each)
+            raise KeyboardInterrupt
+        return real_global(batch, sharding)
+    monkeypatch.setattr(loop, "_global", interrupt_at_step_5)
+    with pytest.raises(Interrupted, match=r"^interrupted at step 5; the newest checkpoint is "
+                       r"step 4 in .*: rerun the same command to resume from it$"):
+        run(cd, str(tmp_path))
+    monkeypatch.setattr(loop, "_global", real_global)
+    capsys.readouterr()
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: (
+        {**real(self, state), "loss": float("nan")} if int(state.step) == 6
+        else real(self, state)))
+    with pytest.raises(NonFiniteLoss, match=r"non-finite at step 6 \(eval loss = nan on the "
+                       r"parameters after it, which are not saved\); the last good checkpoint "
+                       r"is step 4 in "):
+        run(cd, str(tmp_path))
+    assert "tiny: resuming from step 4 in " in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
 
 
 def test_workdir_of_another_model_is_refused(tmp_path):

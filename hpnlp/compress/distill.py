@@ -312,7 +312,8 @@ class TeacherCarry(Carry):
 
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
-        self.teacher_cfg = tcfg = validate(load_run_config(self.workdir))
+        self.teacher_cfg = tcfg = validate(load_run_config(self.workdir,
+                                                           field="train.distill.teacher"))
         for field, mine, theirs in (("data.task", cfg.data.task, tcfg.data.task),
                                     ("model.kind", cfg.model.kind, tcfg.model.kind),
                                     ("model.vocab_size", cfg.model.vocab_size, tcfg.model.vocab_size),

@@ -3,7 +3,7 @@
 from hpnlp.train.state import TrainState, make_optimizer  # noqa: F401
 from hpnlp.train.step import make_eval_step, make_train_step  # noqa: F401
 
-_LOOP = ("NonFiniteLoss", "Trainer", "run")
+_LOOP = ("Interrupted", "NonFiniteLoss", "Trainer", "run")
 
 
 def __getattr__(name):

@@ -53,13 +53,16 @@ def run_members(workdir: str) -> int:
     return int(_read_config_json(path).get("shape_signature", {}).get("ensemble.members", 1))
 
 
-def load_run_config(workdir: str, *, require_checkpoint: bool = True) -> Config:
+def load_run_config(workdir: str, *, require_checkpoint: bool = True,
+                    field: str | None = None) -> Config:
     """The config a run in `workdir` was trained with (its config.json); NoCheckpoint where
-    it has none, or (`require_checkpoint`) no checkpoint yet."""
+    it has none, or (`require_checkpoint`) no checkpoint yet. `field`: the config field that
+    named `workdir` (a teacher, a run to start from), which the errors then name."""
     path = os.path.join(workdir, "config.json")
+    named = f"{field}={workdir}: " if field else ""
     if not os.path.exists(path):
-        raise NoCheckpoint(f"no run in workdir {workdir} (no config.json): train one there first "
-                           "with python -m hpnlp.main --config ... --workdir ...")
+        raise NoCheckpoint(f"{named}no run in workdir {workdir} (no config.json): train one "
+                           "there first with python -m hpnlp.main --config ... --workdir ...")
     saved = _read_config_json(path)["config"]
     if any(isinstance(saved.get(g, {}).get(k), str) for g, k in (("attention", "options"),
                                                                   ("output", "options"))):
@@ -69,8 +72,8 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True) -> Config:
     ckpt = os.path.join(workdir, "checkpoints")
     saved_any = os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
     if require_checkpoint and not saved_any:
-        raise NoCheckpoint(f"workdir {workdir} has no checkpoint in {ckpt}: train (or resume) the "
-                           "run until it saves one, then use it")
+        raise NoCheckpoint(f"{named}workdir {workdir} has no checkpoint in {ckpt}: train (or "
+                           "resume) the run until it saves one, then use it")
     return from_configdict(saved)
 
 

@@ -416,7 +416,7 @@ def _main(argv) -> None:
         with cfg.unlocked():
             getattr(cfg, group).options[key] = value
     from hpnlp.paths import check_writable_dir
-    from hpnlp.train import NonFiniteLoss
+    from hpnlp.train import Interrupted, NonFiniteLoss
     try:
         check_writable_dir(F.workdir, "--workdir")  # before a compile: it takes ensemble.json
         if F.profile:
@@ -432,6 +432,9 @@ def _main(argv) -> None:
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except Interrupted as e:  # as hpnlp.main says it
+        print(f"hpnlp: {e}", file=sys.stderr)
+        sys.exit(130)
     if jax.process_index() == 0:
         with open(os.path.join(F.workdir, "ensemble.json"), "w") as f:
             json.dump(report, f, indent=1)

@@ -37,7 +37,12 @@ from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_com
 
 
 class NonFiniteLoss(RuntimeError):
-    """The training loss became NaN or infinite."""
+    """The training loss became NaN or infinite (or the eval loss of a step's parameters)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The user stopped training (Ctrl-C, SIGINT): says which checkpoint a rerun resumes from.
+    Still a KeyboardInterrupt, so what stops on one (a benchmark's rows) stops on it."""
 
 
 _MAXIMIZE = ("accuracy",)
@@ -173,7 +178,7 @@ class Trainer:
         if cfg.train.init_from:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
-            source = load_run_config(cfg.train.init_from)
+            source = load_run_config(cfg.train.init_from, field="train.init_from")
             self._convert = (transfer.conversion(cfg, source, cfg.train.init_from)
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
             src, src_batch = model, batch1
@@ -370,6 +375,9 @@ class Trainer:
         bad_evals = loop.get("bad_evals", 0)
         writer = MetricWriter(self.workdir, resume_step=start if resumed else None)
         show = t.progress and jax.process_index() == 0
+        if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
+            print(f"{cfg.name}: resuming from step {start} in {self.checkpointer.directory}",
+                  file=sys.stderr, flush=True)
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
                    mininterval=0.2 if sys.stderr.isatty() else 15.0)
@@ -392,22 +400,30 @@ class Trainer:
         stopped_early = bool(loop.get("stopped_early", False))
         maximize = t.early_stopping_metric in _MAXIMIZE
 
+        def newest_checkpoint() -> str:
+            """Where a rerun resumes from, once the saves under way are done."""
+            self.checkpointer.wait()
+            good = self.checkpointer.latest_step()
+            return (f"step {good} in {self.checkpointer.directory}" if good is not None
+                    else None)
+
+        def diverged(step: int, what: str) -> NonFiniteLoss:
+            good = newest_checkpoint()
+            writer.close()
+            bar.close()
+            where = (f"the last good checkpoint is {good} (left intact)" if good
+                     else "no checkpoint was saved yet")
+            return NonFiniteLoss(
+                f"training became non-finite at step {step} ({what}); {where}. "
+                "Lower train.lr, raise train.warmup_steps, keep train.clip_norm > 0, "
+                "or check the data.")
+
         def consume(step: int, metrics) -> None:
             """Read one step's metrics on the host: check, accumulate, log."""
             m = jax.device_get(metrics)
             if not (math.isfinite(float(m["loss"])) and float(m["finite"]) == 1.0):
-                good = self.checkpointer.latest_step()
-                self.checkpointer.wait()
-                writer.close()
-                bar.close()
-                where = (f"the last good checkpoint is step {good} in {self.checkpointer.directory}"
-                         f" (left intact)" if good is not None else "no checkpoint was saved yet")
-                what = (f"loss = {float(m['loss'])}, gradients and updated params "
-                        f"{'all finite' if float(m['finite']) == 1.0 else 'not all finite'}")
-                raise NonFiniteLoss(
-                    f"training became non-finite at step {step} ({what}); {where}. "
-                    "Lower train.lr, raise train.warmup_steps, keep train.clip_norm > 0, "
-                    "or check the data.")
+                raise diverged(step, f"loss = {float(m['loss'])}, gradients and updated params "
+                               f"{'all finite' if float(m['finite']) == 1.0 else 'not all finite'}")
             # A float16 step skipped for overflow applied nothing: its gradient norm (inf or
             # NaN) stays out of the window's (found in review: it made them inf and NaN).
             applied = not float(m.get("skipped", 0))
@@ -469,78 +485,99 @@ class Trainer:
         pending = None
         step = start
         profiling = False
-        with self._context():
-            for step in range(start + 1, t.steps + 1):
-                if stopped_early:  # a rerun of a run that already stopped early
-                    break
-                batch = next(self.train_iter)
-                if profile_dir and step == start + 3:
-                    jax.profiler.start_trace(profile_dir)
-                    profiling = True
-                shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
-                compiles = timing["t0"] is not None and shapes not in timing["shapes"]
-                timing["shapes"].add(shapes)
-                if compiles:  # the steps before it count (and log); this one's compile does not
+        try:
+            with self._context():
+                for step in range(start + 1, t.steps + 1):
+                    if stopped_early:  # a rerun of a run that already stopped early
+                        break
+                    batch = next(self.train_iter)
+                    if profile_dir and step == start + 3:
+                        jax.profiler.start_trace(profile_dir)
+                        profiling = True
+                    shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
+                    compiles = timing["t0"] is not None and shapes not in timing["shapes"]
+                    timing["shapes"].add(shapes)
+                    if compiles:  # the steps before it count (and log); this one's compile does not
+                        if pending is not None:
+                            consume(*pending)
+                            pending = None
+                        jax.block_until_ready(state)
+                        t_compile = time.perf_counter()
+                    state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
                     if pending is not None:
                         consume(*pending)
-                        pending = None
-                    jax.block_until_ready(state)
-                    t_compile = time.perf_counter()
-                state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
+                    pending = (step, metrics)
+                    if timing["t0"] is None:  # the first (compiling) step: not timed
+                        jax.block_until_ready(metrics)
+                        timing["t0"] = time.perf_counter()
+                    elif compiles:
+                        jax.block_until_ready(metrics)
+                        timing["untimed"].add(step)
+                        paused(time.perf_counter() - t_compile)
+                    else:
+                        timing["steps"] += 1
+                    bar.update(1)
+                    if profiling and step == start + 8:
+                        jax.block_until_ready(metrics)
+                        jax.profiler.stop_trace()
+                        profiling = False
+                    do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+                    do_ckpt = ((t.checkpoint_every and step % t.checkpoint_every == 0)
+                               or step == t.steps)
+                    if not (do_eval or do_ckpt):
+                        continue
+                    consume(*pending)
+                    pending = None
+                    t_pause = time.perf_counter()
+                    if do_eval:
+                        try:
+                            last_eval = self.evaluate(state)
+                        except Exception:
+                            # keep the steps trained since the last checkpoint: saved without an
+                            # eval (a resume at the end evaluates what it restores), then the error
+                            save(step, state, {})
+                            self.checkpointer.wait()
+                            raise
+                        writer.write(step, last_eval, eval=True)
+                        # Parameters can blow up while staying finite (the step's own loss, read
+                        # before its update, still finite): their eval loss is the last check
+                        # before they would be saved and named good (found by a README walk:
+                        # lr=1e9 saved such a step, and its resume diverged at once)
+                        if not math.isfinite(float(last_eval.get("loss", 0.0))):
+                            raise diverged(step, f"eval loss = {float(last_eval['loss'])} on the "
+                                           "parameters after it, which are not saved")
+                        score = last_eval.get(t.early_stopping_metric)
+                        if score is not None:
+                            if best is None or (score > best if maximize else score < best):
+                                best, bad_evals = score, 0
+                            else:
+                                bad_evals += 1
+                        if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
+                            stopped_early = True
+                            do_ckpt = True
+                            if window["n"]:  # the last steps' train line (found in review: lost)
+                                flush(step)
+                    if do_ckpt:
+                        save(step, state, last_eval)
+                    paused(time.perf_counter() - t_pause)
+                    if stopped_early:
+                        break
                 if pending is not None:
                     consume(*pending)
-                pending = (step, metrics)
-                if timing["t0"] is None:  # the first (compiling) step: not timed
-                    jax.block_until_ready(metrics)
-                    timing["t0"] = time.perf_counter()
-                elif compiles:
-                    jax.block_until_ready(metrics)
-                    timing["untimed"].add(step)
-                    paused(time.perf_counter() - t_compile)
-                else:
-                    timing["steps"] += 1
-                bar.update(1)
-                if profiling and step == start + 8:
-                    jax.block_until_ready(metrics)
+                if profiling:
                     jax.profiler.stop_trace()
-                    profiling = False
-                do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
-                do_ckpt = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps
-                if not (do_eval or do_ckpt):
-                    continue
-                consume(*pending)
-                pending = None
-                t_pause = time.perf_counter()
-                if do_eval:
-                    try:
-                        last_eval = self.evaluate(state)
-                    except Exception:
-                        # keep the steps trained since the last checkpoint: saved without an
-                        # eval (a resume at the end evaluates what it restores), then the error
-                        save(step, state, {})
-                        self.checkpointer.wait()
-                        raise
-                    writer.write(step, last_eval, eval=True)
-                    score = last_eval.get(t.early_stopping_metric)
-                    if score is not None:
-                        if best is None or (score > best if maximize else score < best):
-                            best, bad_evals = score, 0
-                        else:
-                            bad_evals += 1
-                    if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
-                        stopped_early = True
-                        do_ckpt = True
-                        if window["n"]:  # the last steps' train line (found in review: lost)
-                            flush(step)
-                if do_ckpt:
-                    save(step, state, last_eval)
-                paused(time.perf_counter() - t_pause)
-                if stopped_early:
-                    break
-            if pending is not None:
-                consume(*pending)
+        except KeyboardInterrupt:
+            # Ctrl-C: a save under way completes, and the user reads one line saying what a
+            # rerun resumes from (found by a README walk: a 30-line traceback, no step named)
             if profiling:
                 jax.profiler.stop_trace()
+            good = newest_checkpoint()
+            writer.close()
+            bar.close()
+            raise Interrupted(
+                f"interrupted at step {step}; " + (
+                    f"the newest checkpoint is {good}: rerun the same command to resume from it"
+                    if good else "no checkpoint was saved yet: a rerun starts over")) from None
         jax.block_until_ready(state)
         elapsed = time.perf_counter() - timing["t0"] if timing["t0"] else 0.0
         bar.close()
@@ -588,8 +625,15 @@ def run(cfg, workdir: str, *, profile_dir: str | None = None) -> dict:
     """Train (or resume) the experiment `cfg` (a ConfigDict or `Config`) in `workdir`."""
     if not isinstance(cfg, Config):
         cfg = from_configdict(cfg)
+    made = not os.path.exists(workdir)
     os.makedirs(workdir, exist_ok=True)
-    return Trainer(cfg, workdir).run(profile_dir=profile_dir)
+    try:
+        trainer = Trainer(cfg, workdir)
+    except Exception:  # a refused config leaves no empty folder behind (found by a README walk)
+        if made and not os.listdir(workdir):
+            os.rmdir(workdir)
+        raise
+    return trainer.run(profile_dir=profile_dir)
 
 
-__all__ = ["NonFiniteLoss", "Trainer", "run", "dummy_batch"]
+__all__ = ["Interrupted", "NonFiniteLoss", "Trainer", "run", "dummy_batch"]
