@@ -126,6 +126,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:  # a flag's own check; a config file that fails to load
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         msg = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        # a boolean field given another word: absl says it as a tuple's repr (a README walk)
+        bad = re.match(r"flag (--config\.[\w.]+)=(.*): \('Non-boolean argument", msg)
+        if bad:
+            msg = f"{bad.group(1)}: {bad.group(2)!r} is not a boolean; give true or false"
     except (AttributeError, KeyError) as e:  # a --config.FIELD override of no field
         given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
         why = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")

@@ -95,6 +95,8 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
             # the one flag of the unknown name, among others (a README walk: all were named)
             (["--config", "experiments/lm.py", "--config.train.steps=3", "--config.model.widht=3"],
              "error: --config.model.widht: no such config field: 'widht' Did you mean \"width\""),
+            (["--config", "experiments/lm.py", "--config.model.causal=yes"],
+             "error: --config.model.causal: 'yes' is not a boolean; give true or false"),
     ):
         proc = subprocess.run([sys.executable, "-m", "hpnlp.main", *argv, "--workdir",
                                str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,

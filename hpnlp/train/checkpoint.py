@@ -248,11 +248,14 @@ class Checkpointer:
                     "entries); resume it as it was written, move it aside to resume from the "
                     "step before, or start a new --workdir from its parameters with "
                     f"--config.train.init_from={os.path.dirname(self.directory)}") from e
+            # TensorStore's first line ends in a pointer to more detail that prints as a bound
+            # method's repr (found by a README walk): kept out
+            detail = str(e).splitlines()[0].split(" See full TensorStore details")[0] if str(
+                e) else "no detail"
             raise CheckpointMismatch(
-                f"checkpoint {where} cannot be read ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); it is damaged or "
-                "incomplete: move it aside to resume from the step before, or use a new "
-                "--workdir") from e
+                f"checkpoint {where} cannot be read ({type(e).__name__}: {detail[:200]}); it is "
+                "damaged or incomplete: move it aside to resume from the step before, or use a "
+                "new --workdir") from e
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
