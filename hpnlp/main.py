@@ -114,6 +114,24 @@ def _take_option_overrides(argv: list[str]) -> list[str]:
     return rest
 
 
+# Other frameworks' names for fields hpnlp names otherwise, which difflib's "Did you mean"
+# does not reach (a README walk: --config.train.grad_clip was refused with no hint)
+_ALIASES = {"grad_clip": "train.clip_norm", "max_grad_norm": "train.clip_norm",
+            "learning_rate": "train.lr", "warmup": "train.warmup_steps",
+            "num_steps": "train.steps", "max_steps": "train.steps",
+            "d_model": "model.width", "hidden_size": "model.width", "n_embd": "model.width",
+            "num_layers": "model.depth", "n_layers": "model.depth", "n_layer": "model.depth",
+            "n_heads": "model.num_heads", "n_head": "model.num_heads",
+            "d_ff": "model.mlp_dim", "ffn_dim": "model.mlp_dim",
+            "intermediate_size": "model.mlp_dim", "seq_length": "data.seq_len",
+            "max_seq_len": "data.seq_len"}
+
+
+def _alias_hint(key: str) -> str:
+    """' Did you mean --config.FIELD?' where `key` is another framework's name for one."""
+    return f" Did you mean --config.{_ALIASES[key]}?" if key in _ALIASES else ""
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with a config file that is missing or fails (an unknown
     argument), or a `--config.FIELD` that names no field, said in one line, not a traceback."""
@@ -135,10 +153,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
         why = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
         # the flag whose path holds the unknown name, not every flag given (found by a
         # README walk: a typo among ten overrides was named as all ten)
-        key = re.match(r"'([^']+)'", why)
+        key = re.match(r"'?(\w+)'?", why)
+        if re.fullmatch(r"\w+", why):  # a bare name (no suggestion): quoted, a sentence
+            why = f"'{why}'."
         bad = [g for g in given if key and key.group(1) in g.split(".")[1:]]
         msg = (f"{bad[0]}: no such config field: {why}" if len(bad) == 1
                else f"no such config field in {bad or given}: {why}")
+        if key and "Did you mean" not in why:
+            msg += _alias_hint(key.group(1))
     print(f"hpnlp: error: {msg}", file=sys.stderr)
     sys.exit(1)
 

@@ -95,6 +95,9 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
             # the one flag of the unknown name, among others (a README walk: all were named)
             (["--config", "experiments/lm.py", "--config.train.steps=3", "--config.model.widht=3"],
              "error: --config.model.widht: no such config field: 'widht' Did you mean \"width\""),
+            (["--config", "experiments/lm.py", "--config.train.grad_clip=0"],  # another name
+             "error: --config.train.grad_clip: no such config field: 'grad_clip'. Did you mean "
+             "--config.train.clip_norm?"),
             (["--config", "experiments/lm.py", "--config.model.causal=yes"],
              "error: --config.model.causal: 'yes' is not a boolean; give true or false"),
     ):
