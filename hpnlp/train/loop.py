@@ -400,7 +400,7 @@ class Trainer:
         stopped_early = bool(loop.get("stopped_early", False))
         maximize = t.early_stopping_metric in _MAXIMIZE
 
-        def newest_checkpoint() -> str:
+        def newest_checkpoint() -> str | None:
             """Where a rerun resumes from, once the saves under way are done."""
             self.checkpointer.wait()
             good = self.checkpointer.latest_step()
