@@ -85,6 +85,11 @@ def test_tokenizer_refuses_bad_ids_and_a_save_that_would_delete_files(tmp_path):
         tok.encode_many("the cat")
     with pytest.raises(TypeError, match="list of texts"):
         tokenizers.train("bpe", 300, "the cat")
+    # found by a README walk: text whose every line SentencePiece skips (over 64 KiB) failed
+    # with the trainer's own check, naming neither the file nor why
+    with pytest.raises(ValueError, match=r"^--input big.txt: every line is longer than the "
+                       r"65,536 bytes the tokenizer trains on \(the longest 70,002\)"):
+        tokenizers.train("bpe", 300, ["ab" * 35001, "cd" * 33000], source="--input big.txt")
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(ValueError, match="holds summary.json, which saving the tokenizer would delete"):
         tok.save(str(tmp_path))
@@ -199,6 +204,11 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
     assert "b.jsonl:2: no 'text' field (has ['body'])" in err and "--text_field" in err
     assert "c.txt: file is empty" in fails(("c.txt", b""))
     assert "d.txt:2: byte 0xe9 is not UTF-8" in fails(("d.txt", b"ok\ncaf\xe9\n"))
+    # valid UTF-8 that is no text: NUL bytes, UTF-16 without a byte-order mark (a README
+    # walk: both were taken as one document of text)
+    for name, raw, line in (("z.txt", b"ok\n" + bytes(1000), 2),
+                            ("u.txt", "hi\n\nyo\n".encode("utf-16-le"), 1)):
+        assert f"{name}:{line}: a NUL byte, so this is a binary file" in fails((name, raw))
     assert "matches no file" in fails(("e.txt", b"x\n"), "--input", str(tmp_path / "nope*.txt"))
     err = fails(("f.txt", b"".join(b"para %d\n\n" % i for i in range(300))), "--tokenizer",
                 "unigram", "--vocab_size", "60000")

@@ -267,6 +267,7 @@ def test_user_text_file_tasks(text_file):
     (None, "", "no such file"),
     ("  \n\n", "", "file is empty"),
     (b"fine line\nsecond \xe9 line\n", ":2:", "not UTF-8"),
+    (b"fine line\n" + bytes(64), ":2:", "a NUL byte, so this is a binary file"),  # valid UTF-8
     ("only one line\n", "", "cannot be split"),
 ])
 def test_user_text_file_errors(tmp_path, content, where, what):

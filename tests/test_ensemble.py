@@ -267,6 +267,11 @@ def test_cli_from_checkpoints(plain, averaged, tmp_path):
     assert saved == {"mode": "checkpoints", **averaged[0]}
     bad = subprocess.run(cmd[:-2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "exactly one of --members" in bad.stderr
+    # one line, not absl's usage dump of 49 (a README walk: --members 0)
+    bad = subprocess.run(cmd[:-2] + ["--members", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "hpnlp: error: --members 0: must be at least 1")
 
 
 # 6.0 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):

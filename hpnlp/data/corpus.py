@@ -128,6 +128,11 @@ def read_text_file(path: str, field: str) -> str:
         raise ValueError(f"{path}:{line}: byte {raw[e.start]:#04x} at column {col} is not "
                          f"UTF-8 ({e.reason}); {what} (re-encode it, e.g. "
                          f"`iconv -f latin1 -t utf-8`)") from None
+    if "\0" in text:  # valid UTF-8, but no text
+        line = text[:text.index("\0")].count("\n") + 1
+        raise ValueError(f"{path}:{line}: a NUL byte, so this is a binary file or UTF-16 without "
+                         f"a byte-order mark, not UTF-8 text; {what} (re-encode UTF-16, e.g. "
+                         "`iconv -f utf-16le -t utf-8`)")
     if not text.strip():
         raise ValueError(f"{path}: file is empty; {what} with some text in it")
     return text.removeprefix("\ufeff")

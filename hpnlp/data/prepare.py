@@ -101,6 +101,10 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
                 raise PrepareError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8 "
                                    f"({e.reason}); re-encode the file (e.g. `iconv -f latin1 -t "
                                    "utf-8`)") from None
+            if "\0" in text:  # valid UTF-8, but no text (found by a README walk: taken)
+                raise PrepareError(f"{path}:{lineno}: a NUL byte, so this is a binary file or "
+                                   "UTF-16 without a byte-order mark, not UTF-8 text; give text "
+                                   "(re-encode UTF-16, e.g. `iconv -f utf-16le -t utf-8`)")
             if lineno == 1:
                 text = text.removeprefix("\ufeff")
             if jsonl:
@@ -205,7 +209,8 @@ def make_tokenizer(args, paths: list[str], reused=None):
         i += 1
     print(f"training a {args.tokenizer} tokenizer of {args.vocab_size} pieces on "
           f"{len(sample)} documents ({sum(map(len, sample)) / 2**20:.1f} MiB)", file=sys.stderr)
-    tok = tokenizers.train(args.tokenizer, args.vocab_size, sample, field="--vocab_size")
+    tok = tokenizers.train(args.tokenizer, args.vocab_size, sample, field="--vocab_size",
+                           source=f"--input {args.input}")
     return tok.encode_many, tok.describe(), tok
 
 

@@ -219,10 +219,11 @@ class Subword:
 
 
 def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data.vocab_size",
-          digest: str | None = None) -> Subword:
+          digest: str | None = None, source: str = "the training text") -> Subword:
     """Train a `kind` model of exactly `vocab_size` pieces on `docs` (texts; their lines are
     the trainer's sentences). A size the text cannot support is a ConfigError naming `field`
-    and the largest size it supports."""
+    and the largest size it supports; text with no line short enough to train on, a
+    ValueError naming `source` (where the text came from)."""
     import sentencepiece as spm
     if kind not in SUBWORD:
         raise ValueError(f"tokenizer kind {kind!r}; choose one of {SUBWORD}")
@@ -231,6 +232,14 @@ def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data
     lines = [line for d in docs for line in d.split(NEWLINE) if line]
     if not lines:
         raise ValueError("the tokenizer's training text is empty; give it some text")
+    # SentencePiece skips every line over MAX_LINE_BYTES, and with none left failed with its
+    # own check's text, naming neither the text nor why (found by a README walk: a 32 MB
+    # single-line file)
+    sizes = [len(line.encode("utf-8")) for line in lines]
+    if min(sizes) > MAX_LINE_BYTES:
+        raise ValueError(f"{source}: every line is longer than the {MAX_LINE_BYTES:,} bytes the "
+                         f"tokenizer trains on (the longest {max(sizes):,}), so it has nothing "
+                         "to learn from; break the text into lines or paragraphs")
     buf = io.BytesIO()
     spm.set_random_generator_seed(0)
     try:
@@ -266,8 +275,9 @@ def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data
 
 
 @functools.lru_cache(maxsize=4)
-def _train_cached(kind: str, vocab_size: int, docs: tuple[str, ...], digest: str) -> Subword:
-    return train(kind, vocab_size, docs, digest=digest)
+def _train_cached(kind: str, vocab_size: int, docs: tuple[str, ...], digest: str,
+                  source: str) -> Subword:
+    return train(kind, vocab_size, docs, digest=digest, source=source)
 
 
 def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
@@ -290,7 +300,9 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
                                 "this config's training split; use the run's own data settings, "
                                 "or a new workdir")
         return tok, "loaded"
-    tok = _train_cached(cfg.tokenizer, int(cfg.vocab_size), tuple(train_docs), digest)
+    tok = _train_cached(cfg.tokenizer, int(cfg.vocab_size), tuple(train_docs), digest,
+                        f"data.train_path={cfg.train_path}" if cfg.train_path
+                        else "the training split")
     if directory and save:
         import jax
         if jax.process_index() == 0:

@@ -404,9 +404,17 @@ def _main(argv) -> None:
     F = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # one line each, not absl's usage dump (found by a README walk: --members 0 printed 49
+    # lines ending in "give exactly one of", though one was given)
+    for name in ("members", "from_checkpoints"):
+        if F[name].present and F[name].value < 1:
+            print(f"hpnlp: error: --{name} {F[name].value}: must be at least 1", file=sys.stderr)
+            sys.exit(1)
     if (F.members > 0) == (F.from_checkpoints > 0):
-        raise app.UsageError("give exactly one of --members M (train a seed ensemble) and "
-                             "--from_checkpoints K (combine the last K checkpoints of a run)")
+        print("hpnlp: error: give exactly one of --members M (train a seed ensemble) and "
+              "--from_checkpoints K (combine the last K checkpoints of a run)"
+              + (", not both" if F.members > 0 else ""), file=sys.stderr)
+        sys.exit(1)
     logging.set_verbosity(logging.WARNING)
     if F.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
