@@ -74,6 +74,18 @@ def test_collective_counter_on_handwritten_hlo():
 TINY = dict(task="byte_lm", vocab=256, width=32, depth=1, heads=8, mlp=64, L=16, B_per_device=1)
 
 
+def test_the_fsdp_target_is_judged_only_at_the_8_devices_it_is_set_for():
+    """Found by a README walk: --devices 2 reported FAIL against 1/6, which no split of 2
+    devices can reach (a perfect one is 1/2)."""
+    def row(kind, params_opt, n):
+        return dict(status="ok", kind=kind, name=kind, devices=n,
+                    per_device={"params_opt": params_opt},
+                    collectives={"send_bytes": 0}, textbook={"bytes": 0})
+    for n, fsdp, verdict in ((2, 50, None), (8, 13, True), (8, 20, False)):
+        s = memory._summarize([row("data", 100, n), row("fsdp", fsdp, n)])
+        assert s["fsdp_pass"] is verdict and s["fsdp_over_replicated_params_opt"] == fsdp / 100
+
+
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
 def test_memory_entry_on_8_simulated_devices(tmp_path):
     out = str(tmp_path / "memory")

@@ -61,3 +61,17 @@ def test_rnn_targets_are_flax_time_over_ours():
     assert ("56% of the measured float32 product rate (now 60%) and 112% of the cores' FMA "
             "peak (now 120%).") in md
     assert "- measured float32 FMA peak of the cores (registers only" in md and "50.0 GFLOP/s" in md
+
+
+def test_rnn_targets_are_recorded_only_at_the_shape_they_are_set_for(tmp_path, monkeypatch):
+    """Found by a README walk: --quick wrote the targets at B=8, L=32, H=64, unmet, as if
+    they held there. (Timings faked: only what the report keeps is checked.)"""
+    from hpnlp.bench import harness
+    monkeypatch.setattr(harness, "ceiling_rates", lambda quick: {"float32": 100.0})
+    monkeypatch.setattr(harness, "fma_peak", lambda: None)
+    monkeypatch.setattr(bench_rnn, "measure", lambda names, **kw: [
+        _row(i, m, 1.0) for i in names for m in ("fwd", "fwd_bwd")])
+    rows = list(bench_rnn.TARGET_ROWS)
+    assert "targets" not in bench_rnn.run(str(tmp_path / "q"), quick=True, impls=rows)
+    full = bench_rnn.run(str(tmp_path / "f"), quick=False, impls=rows)
+    assert set(full["targets"]) == set(bench_rnn.TARGETS)

@@ -414,7 +414,9 @@ def _summarize(results: list[dict]) -> dict:
         ratio = fsdp["per_device"]["params_opt"] / rep["per_device"]["params_opt"]
         out["fsdp_over_replicated_params_opt"] = ratio
         out["fsdp_target"] = 1 / 6
-        out["fsdp_pass"] = ratio <= 1 / 6
+        # judged at the 8 devices the target is set for: below 6, not even a perfect split
+        # (1/n) reaches it, and a FAIL by construction said nothing (found by a README walk)
+        out["fsdp_pass"] = ratio <= 1 / 6 if fsdp["devices"] == 8 else None
     out["hlo_over_formula"] = {r["name"]: (r["collectives"]["send_bytes"] / r["textbook"]["bytes"]
                                            if r["textbook"]["bytes"] else None) for r in _ok(results)}
     return out
@@ -455,8 +457,10 @@ def _markdown(payload: dict) -> str:
                             "arguments", "outputs", "aliased", "temp", "peak est.", "build + compile s"], rows), ""]
     if "fsdp_over_replicated_params_opt" in s:
         ratio = s["fsdp_over_replicated_params_opt"]
+        verdict = ("not judged: the target is set for 8 devices" if s["fsdp_pass"] is None
+                   else "PASS" if s["fsdp_pass"] else "FAIL")
         parts += [f"**FSDP x{n} params + optimizer per device / replicated: {ratio:.4f} "
-                  f"(target <= 1/6 = {1 / 6:.4f}): {'PASS' if s['fsdp_pass'] else 'FAIL'}.** "
+                  f"(target <= 1/6 = {1 / 6:.4f}): {verdict}.** "
                   f"(1/{n} = {1 / n:.4f} would be a perfect split; parameters whose logical axes "
                   "do not map to `fsdp`, such as biases over `mlp` or `vocab`, stay replicated.)", ""]
     parts += ["### Collective bytes per step, from the compiled HLO, beside the textbook formula", "",
@@ -589,8 +593,10 @@ def main(args) -> dict:
     payload = run(args.out, quick=args.quick, devices=args.devices)
     s = payload["summary"]
     if "fsdp_over_replicated_params_opt" in s:
+        verdict = ("not judged at --devices != 8" if s["fsdp_pass"] is None
+                   else "PASS" if s["fsdp_pass"] else "FAIL")
         print(f"fsdp/replicated params+opt per device: {s['fsdp_over_replicated_params_opt']:.4f} "
-              f"({'PASS' if s['fsdp_pass'] else 'FAIL'}, target <= 1/6)", file=sys.stderr)
+              f"({verdict}, target <= 1/6 at 8 devices)", file=sys.stderr)
     return payload
 
 
