@@ -17,7 +17,8 @@ prepared folder, or the tokenizer folder itself; its kind and size unless given)
 Output (hpnlp/data/sharded.py reads it): `{train,eval}-NNNNN.array_record` (one record per
 document, ids as uint8/uint16/int32), `counts-train.npy`, `counts-eval-targets.npy`, the
 tokenizer and `meta.json`, written last. Memory is bounded (documents are tokenized in
-batches of `--batch_mb` and written as they come), a progress bar follows the input bytes,
+batches of `--batch_mb` and written as they come; a document larger than that is one batch
+on its own, tokenized whole at several times its size), a progress bar follows the input bytes,
 and the work is checkpointed every `--shard_mb` of input: rerun the same command after an
 interruption and it continues from the last checkpoint.
 """
