@@ -406,6 +406,13 @@ def _ok(results):
     return [r for r in results if r.get("status") == "ok"]
 
 
+def _fsdp_verdict(summary: dict) -> str:
+    """PASS, FAIL, or why the FSDP target was not judged (`_summarize`'s fsdp_pass None)."""
+    if summary["fsdp_pass"] is None:
+        return "not judged: the target is set for 8 devices"
+    return "PASS" if summary["fsdp_pass"] else "FAIL"
+
+
 def _summarize(results: list[dict]) -> dict:
     by = {(r["kind"], r.get("remat"), bool(r.get("chunk_loss"))): r for r in _ok(results)}
     rep, fsdp = by.get(("data", None, False)), by.get(("fsdp", None, False))
@@ -457,10 +464,8 @@ def _markdown(payload: dict) -> str:
                             "arguments", "outputs", "aliased", "temp", "peak est.", "build + compile s"], rows), ""]
     if "fsdp_over_replicated_params_opt" in s:
         ratio = s["fsdp_over_replicated_params_opt"]
-        verdict = ("not judged: the target is set for 8 devices" if s["fsdp_pass"] is None
-                   else "PASS" if s["fsdp_pass"] else "FAIL")
         parts += [f"**FSDP x{n} params + optimizer per device / replicated: {ratio:.4f} "
-                  f"(target <= 1/6 = {1 / 6:.4f}): {verdict}.** "
+                  f"(target <= 1/6 = {1 / 6:.4f}): {_fsdp_verdict(s)}.** "
                   f"(1/{n} = {1 / n:.4f} would be a perfect split; parameters whose logical axes "
                   "do not map to `fsdp`, such as biases over `mlp` or `vocab`, stay replicated.)", ""]
     parts += ["### Collective bytes per step, from the compiled HLO, beside the textbook formula", "",
@@ -593,10 +598,8 @@ def main(args) -> dict:
     payload = run(args.out, quick=args.quick, devices=args.devices)
     s = payload["summary"]
     if "fsdp_over_replicated_params_opt" in s:
-        verdict = ("not judged at --devices != 8" if s["fsdp_pass"] is None
-                   else "PASS" if s["fsdp_pass"] else "FAIL")
         print(f"fsdp/replicated params+opt per device: {s['fsdp_over_replicated_params_opt']:.4f} "
-              f"({verdict}, target <= 1/6 at 8 devices)", file=sys.stderr)
+              f"({_fsdp_verdict(s)}; target <= 1/6)", file=sys.stderr)
     return payload
 
 
