@@ -521,3 +521,10 @@ def test_the_command_lists_every_pass(monkeypatch, capsys):
         assert f"{t.kernel.what}/{t.name}: {t.default} (default)" in out
 
 
+
+
+def test_the_command_refuses_a_negative_repeat(capsys):
+    """A README walk: `--repeat -1` ran as 0."""
+    with pytest.raises(SystemExit):
+        tuning.main(["--repeat", "-1"])
+    assert "--repeat must be >= 0 (extra searches per pass); got -1" in capsys.readouterr().err

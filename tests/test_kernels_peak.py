@@ -29,10 +29,12 @@ def test_the_probe_refuses_bad_arguments():
                                  "the FMA peak probe", {})
 
 
-def test_the_command_refuses_zero_threads(capsys):
+@pytest.mark.parametrize("threads", ["0", "100000"])  # more than the cores: a README walk
+def test_the_command_refuses_a_thread_count_outside_the_cores(capsys, threads):
     with pytest.raises(SystemExit):
-        peak.main(["--threads", "0"])
-    assert "--threads must be at least 1; got 0" in capsys.readouterr().err
+        peak.main(["--threads", threads])
+    assert (f"--threads must be from 1 to {kernels.cores()}, the cores this process may use"
+            in capsys.readouterr().err)
 
 
 @needs_probe

@@ -396,8 +396,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="causal attention (default: bidirectional)")
     p.add_argument("--variants", type=harness.names_from(attention_lib.names), default=None,
                    help="comma-separated registry names (default: all)")
-    p.add_argument("--no-isolate", action="store_true",
-                   help="measure in this process (faster; no per-configuration peak RSS)")
+    harness.add_isolate_flag(p)
     p.add_argument("--lengths", type=harness.positive_ints("1024,4096"), default=[], help="comma-separated sequence "
                    "lengths (default: 1K..64K, or 256 and 1K with --quick)")
 

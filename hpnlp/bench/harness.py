@@ -189,6 +189,13 @@ def positive_number(kind: type = int) -> Callable[[str], int | float]:
     return parse
 
 
+def add_isolate_flag(p) -> None:
+    """`--no-isolate`, as the benches that measure each row in a fresh process offer it."""
+    p.add_argument("--no-isolate", action="store_true",
+                   help="measure in this process (faster; no per-configuration peak RSS); "
+                        "--quick always does")
+
+
 def names_from(allowed: Callable[[], Iterable[str]] | Iterable[str]) -> Callable[[str], list[str]]:
     """An argparse type: a comma list of names, each one of `allowed` (or of what it returns,
     asked when the flag is read). A comma inside parentheses belongs to the name, so

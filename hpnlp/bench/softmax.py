@@ -288,8 +288,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocabs", type=harness.positive_ints("8192,32768"), default=None,
                    help="comma-separated vocabulary sizes (default: 32768,262144,1048576; "
                    "8192,32768 with --quick)")
-    p.add_argument("--no-isolate", action="store_true",
-                   help="measure in this process (faster; no per-configuration peak RSS)")
+    harness.add_isolate_flag(p)
     p.add_argument("--set", action="append", default=[], metavar="METHOD.FIELD=VALUE",
                    help="override an output layer's option for the timing run (repeatable), "
                         "e.g. adaptive.chunk_logits=67108864")

@@ -335,7 +335,7 @@ def _markdown(payload: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", type=harness.names_from(attention_lib.names), default=None,
                    help="comma-separated attention names (default: all)")
-    p.add_argument("--no-isolate", action="store_true", help="measure in this process")
+    harness.add_isolate_flag(p)
 
 
 def main(args) -> dict:

@@ -473,7 +473,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),
                    help="auto: .jsonl/.json files are JSON lines, the rest plain text")
     p.add_argument("--text_field", default="text", help="the text of a JSON line")
-    p.add_argument("--shard_mb", type=int, default=256, help="input MiB per shard (and checkpoint)")
+    p.add_argument("--shard_mb", type=int, default=256, help="input MiB per shard (and checkpoint); 0: a shard per document")
     p.add_argument("--batch_mb", type=int, default=8, help="text tokenized at once (memory bound)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p

@@ -59,8 +59,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="default: every core")
     args = p.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be at least 1; got {args.threads}")
+    if args.threads is not None and not 1 <= args.threads <= kernels.cores():
+        p.error(f"--threads must be from 1 to {kernels.cores()}, the cores this process may "
+                f"use (more would time threads taking turns); got {args.threads}")
     threads = args.threads or kernels.cores()
     print(f"float32 FMA peak: {fma_peak(threads):.1f} GFLOP/s on {threads} thread(s)")
     if threads > 1:

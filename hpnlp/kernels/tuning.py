@@ -248,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--retune", action="store_true", help="measure again and rewrite the caches")
     p.add_argument("--repeat", type=int, default=0, help="extra searches per pass (not written)")
     args = p.parse_args(argv)
+    if args.repeat < 0:
+        p.error(f"--repeat must be >= 0 (extra searches per pass); got {args.repeat}")
     import hpnlp.attention.flash_cpu  # noqa: F401  (registers its tunings)
     import hpnlp.rnn.fused  # noqa: F401
     import hpnlp.retrieval.exact  # noqa: F401
