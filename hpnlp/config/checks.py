@@ -1,0 +1,707 @@
+"""`validate`: every check of a `Config` against the task and the devices, run before
+anything is compiled, so a bad field fails in a second with a message that names the field,
+the bad value and what is allowed (`hpnlp.config.config_error`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Mapping
+
+from hpnlp.config.compress_checks import _check_compress, _check_lowrank, _check_quant
+from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_PREDICTIONS,
+                                 MESH_AXES, MOE_ROUTERS, REMAT_NAMES, Config, ConfigError,
+                                 ModelConfig, MoEConfig, _check_choice, _check_positive, _fail)
+
+
+# What the model gives an output layer itself: not options (found in review: accepted, then
+# overwritten when the layer was built), with the field that sets each
+_MODEL_SET_OUTPUT = {"vocab_size": "model.vocab_size", "embed": "output.tie_embeddings",
+                     "counts": "the task's token counts", "dtype": "model.dtype",
+                     "param_dtype": "model.param_dtype", "quant": "the quant group"}
+
+
+def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
+    """Options must be constructor fields of the registered module class, of their default's
+    type where it is a bool, an int or a float (found in review: 'false' from the command line
+    was a string, so true, and 'abc' failed deep inside the loss)."""
+    params = inspect.signature(cls).parameters
+    model_set = _MODEL_SET_OUTPUT if field == "output.options" else {}
+    allowed = sorted(p for p in params if p not in ("parent", "name") and p not in model_set)
+    for key, value in options.items():
+        if key in model_set:
+            _fail(f"{field}.{key}", value, f"is set by the model from {model_set[key]}; set "
+                  "that instead")
+        if key not in params or key in ("parent", "name"):
+            _fail(f"{field}.{key}", value,
+                  f"unknown option for {cls.__name__}; it takes {allowed}")
+        default = params[key].default
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                _fail(f"{field}.{key}", value, "must be True or False")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                _fail(f"{field}.{key}", value, "must be an integer")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _fail(f"{field}.{key}", value, "must be a number")
+
+
+def _check_remat(remat: Any) -> None:
+    if isinstance(remat, str) and remat.startswith("names:"):
+        names = [n.strip() for n in remat[len("names:"):].split(",")]
+        bad = [n for n in names if n not in REMAT_NAMES]
+        if bad:
+            _fail("model.remat", remat, f"unknown activation name(s) {bad}; after 'names:' list "
+                  f"comma-separated names from {list(REMAT_NAMES)}")
+        return
+    _check_choice("model.remat", remat, ("none", "full", "dots_saveable", "elementwise",
+                                         "names:<a>,<b>"))
+
+
+def _check_compressive(cfg: Config) -> None:
+    """`model.comp_*`: the Compressive Transformer's memory (models/transformer_xl.py)."""
+    m, d = cfg.model, cfg.data
+    if not isinstance(m.comp_mem_len, int) or m.comp_mem_len < 0:
+        _fail("model.comp_mem_len", m.comp_mem_len, "must be an integer >= 0 (0: no compressed memory)")
+    if not isinstance(m.comp_rate, int) or m.comp_rate < 1:
+        _fail("model.comp_rate", m.comp_rate, "must be an integer >= 1 (positions per compressed slot)")
+    _check_choice("model.comp_fn", m.comp_fn, ("pool", "conv"))
+    _check_positive("model.comp_loss_weight", m.comp_loss_weight, allow_zero=True)
+    if not m.comp_mem_len:
+        return
+    if m.arch != "transformer_xl":
+        _fail("model.comp_mem_len", m.comp_mem_len, f"the compressed memory extends Transformer-XL's; "
+              f"set model.arch='transformer_xl' (got {m.arch!r}) or model.comp_mem_len=0")
+    if d.batching != "stream":
+        _fail("data.batching", d.batching, "the compressed memory is carried from batch to batch; "
+              "set data.batching='stream' (or model.comp_mem_len=0)")
+    mem = m.mem_len or d.seq_len
+    for name, n in (("data.seq_len", d.seq_len), ("model.mem_len", mem)):
+        if n % m.comp_rate:
+            _fail("model.comp_rate", m.comp_rate, f"must divide {name}={n} (each segment compresses "
+                  "the positions it pushes out of the memory in whole groups); pick a divisor")
+
+
+def _check_encoder(cfg: Config) -> None:
+    """`model.encoder` (the bi-encoder, hpnlp.models.bi_encoder)."""
+    e, m = cfg.model.encoder, cfg.model
+    _check_choice("model.encoder.loss", e.loss, ENCODER_LOSSES)
+    _check_choice("model.encoder.bag", e.bag, ("mean", "sum"))
+    _check_positive("model.encoder.temperature", e.temperature)
+    _check_positive("model.encoder.margin", e.margin, allow_zero=True)
+    for name in ("mine_every", "mine_depth"):
+        if not isinstance(getattr(e, name), int) or getattr(e, name) < (name == "mine_depth"):
+            _fail(f"model.encoder.{name}", getattr(e, name),
+                  "must be an integer >= " + ("1" if name == "mine_depth" else "0 (0: no mining)"))
+    if e.mine_depth > 1024:
+        _fail("model.encoder.mine_depth", e.mine_depth, "must be <= 1024 (the negative is drawn "
+              "from this many nearest non-positives; deeper draws are nearly random)")
+    if e.mine_every and m.kind != "bi_encoder":
+        _fail("model.encoder.mine_every", e.mine_every, "hard negatives are mined for the "
+              "bi-encoder; set model.kind='bi_encoder' or model.encoder.mine_every=0")
+
+
+def _check_memory(cfg: Config) -> None:
+    """`model.memory` (hpnlp.retrieval.memory): fields, and what the memory combines with."""
+    mm, m, t = cfg.model.memory, cfg.model, cfg.train
+    if not isinstance(mm.size, int) or mm.size < 0:
+        _fail("model.memory.size", mm.size, "must be an integer >= 0 (0: no memory)")
+    if not mm.size:
+        return
+    if m.kind != "classifier":
+        _fail("model.memory.size", mm.size, f"the key-value memory answers with a class label, for "
+              f"model.kind='classifier' (this run has {m.kind!r}); set model.memory.size=0")
+    if not isinstance(mm.key_dim, int) or mm.key_dim < 1:
+        _fail("model.memory.key_dim", mm.key_dim, "must be an integer >= 1")
+    if not isinstance(mm.k, int) or not 1 <= mm.k <= mm.size:
+        _fail("model.memory.k", mm.k, f"must be an integer in [1, model.memory.size={mm.size}]")
+    _check_positive("model.memory.margin", mm.margin, allow_zero=True)
+    _check_positive("model.memory.loss_weight", mm.loss_weight, allow_zero=True)
+    _check_choice("model.memory.predict", mm.predict, MEMORY_PREDICTIONS)
+    if t.grad_accum != 1:
+        _fail("train.grad_accum", t.grad_accum, "the key-value memory is updated from each step's "
+              "whole batch, which microbatches would drop; set train.grad_accum=1 (or "
+              "model.memory.size=0)")
+    if t.distill.teacher:
+        _fail("train.distill.teacher", t.distill.teacher, "distillation and the key-value memory "
+              "both replace the model's loss; set model.memory.size=0 or train.distill.teacher=''")
+
+
+def check_moe_fields(c: MoEConfig) -> None:
+    """`model.moe`'s own fields (num_experts >= 1), checked by `validate` and by an MoE layer
+    built directly (`hpnlp.moe.MoE`), so both refuse a bad field in the same one line."""
+    if not isinstance(c.num_experts, int) or c.num_experts < 1:
+        _fail("model.moe.num_experts", c.num_experts, "an MoE layer needs an integer >= 1 "
+              "(0 turns MoE off in a model's config)")
+    X = c.num_experts
+    _check_choice("model.moe.router", c.router, MOE_ROUTERS)
+    _check_choice("model.moe.dispatch", c.dispatch, ("capacity", "dropless"))
+    for name in ("every", "top_k"):
+        if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+            _fail(f"model.moe.{name}", getattr(c, name), "must be an integer >= 1")
+    for name in ("mlp_dim", "shared_experts", "groups", "block_size"):
+        if not isinstance(getattr(c, name), int) or getattr(c, name) < 0:
+            _fail(f"model.moe.{name}", getattr(c, name), "must be an integer >= 0")
+    if c.top_k > X:
+        _fail("model.moe.top_k", c.top_k, f"a token cannot choose more than the "
+              f"model.moe.num_experts={X} experts; lower top_k or add experts")
+    if c.router == "switch" and c.top_k != 1:
+        _fail("model.moe.router", c.router, f"Switch routing is top-1 (model.moe.top_k="
+              f"{c.top_k}); use router='top_k' for k >= 2")
+    if c.router == "top_k" and c.top_k == 1:
+        _fail("model.moe.router", c.router, "top_k gates are a softmax over the chosen logits, "
+              "which is 1 for a single choice (the router would learn nothing); use "
+              "router='switch' for top-1")
+    if c.router == "expert_choice" and c.dispatch != "capacity":
+        _fail("model.moe.dispatch", c.dispatch, "expert-choice routing fills each expert's "
+              "capacity by construction; use dispatch='capacity'")
+    if c.noisy and c.router == "expert_choice":
+        _fail("model.moe.noisy", True, "noisy gating is for token-choice routers (top_k, switch)")
+    for name in ("capacity_factor", "eval_capacity_factor"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or v <= 0:
+            _fail(f"model.moe.{name}", v, "must be > 0 (slots per expert = factor x tokens x "
+                  "top_k / experts); use model.moe.dispatch='dropless' for no capacity limit")
+    _check_positive("model.moe.balance_loss", c.balance_loss, allow_zero=True)
+    _check_positive("model.moe.z_loss", c.z_loss, allow_zero=True)
+
+
+def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """`model.moe`: fields, the mesh's expert axis, what MoE combines with (hpnlp.moe)."""
+    c, m, t, d = cfg.model.moe, cfg.model, cfg.train, cfg.data
+    if not isinstance(c.num_experts, int) or c.num_experts < 0:
+        _fail("model.moe.num_experts", c.num_experts, "must be an integer >= 0 (0: no MoE)")
+    if not c.enabled():
+        default = MoEConfig()
+        for f in dataclasses.fields(c):  # a field set without experts would be ignored
+            if f.name != "num_experts" and getattr(c, f.name) != getattr(default, f.name):
+                _fail(f"model.moe.{f.name}", getattr(c, f.name), "is ignored while "
+                      "model.moe.num_experts=0 (no MoE: every block keeps its dense MLP); set "
+                      "num_experts > 0 to use it, or leave it at its default "
+                      f"{getattr(default, f.name)!r}")
+        if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
+            _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
+                  "the batch, and mesh.rules.batch does not name it; add 'expert' to "
+                  "mesh.rules.batch or set mesh.expert=1")
+        return
+    check_moe_fields(c)
+    default = MoEConfig()
+    ignored = [("block_size", "it sizes dropless dispatch's blocks, and dispatch='capacity'")]
+    if c.dispatch == "dropless":
+        ignored = [(f, "dropless dispatch gives every token its experts, with no capacity")
+                   for f in ("capacity_factor", "eval_capacity_factor")]
+    if c.router == "expert_choice":
+        ignored.append(("balance_loss", "expert-choice routing balances the experts' loads by "
+                        "construction (each takes its capacity)"))
+    for f, why in ignored:
+        if getattr(c, f) != getattr(default, f):
+            _fail(f"model.moe.{f}", getattr(c, f), f"is ignored: {why}; leave it at its default "
+                  f"{getattr(default, f)!r}")
+    X = c.num_experts
+    if m.arch != "transformer":
+        _fail("model.moe.num_experts", X, f"MoE replaces Transformer MLPs; model.arch={m.arch!r} "
+              "has none (use model.arch='transformer' or num_experts=0)")
+    if c.every > m.depth:
+        _fail("model.moe.every", c.every, f"no block of model.depth={m.depth} would be MoE; "
+              f"choose every <= {m.depth}")
+    for field, value, on, why in (
+            ("model.reversible", True, m.reversible, "reversible blocks recompute themselves "
+             "in a custom backward pass that cannot report the router's losses"),
+            ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
+             "their layers functionally and cannot report the router's losses"),
+            ("quant.act_scale", "static", m.quant.act_scale == "static" and
+             m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their "
+             "inputs quantized per token (dynamic), not by calibrated ranges; use "
+             "quant.act_scale='dynamic' or leave 'mlp' out of quant.layers")):
+        if on:
+            _fail(field, value, f"cannot be combined with model.moe: {why}")
+    q = m.quant
+    if q.group_size and q.applies("mlp") and c.expert_dim(m) % q.group_size:
+        _fail("quant.group_size", q.group_size, f"must divide the experts' width "
+              f"{c.expert_dim(m)} (int4 groups split their second product's contraction)")
+    if m.stack_layers and c.every != 1:
+        _fail("model.moe.every", c.every, "stacked layers (model.stack_layers=True) are one "
+              "block repeated; use every=1 or model.stack_layers=False")
+    ep = sizes["expert"]
+    if X % ep:
+        _fail("model.moe.num_experts", X, f"must be divisible by mesh.expert={ep} (each "
+              f"device holds num_experts / mesh.expert experts)")
+    batch_axes = cfg.mesh.mesh_axes_of("batch")
+    shards = math.prod(sizes[a] for a in batch_axes)
+    if ep > 1:
+        if "expert" not in batch_axes:
+            _fail("mesh.rules.batch", cfg.mesh.rules.get("batch"), "expert parallelism sends "
+                  "each device's own tokens to the experts' devices, so the batch must be split "
+                  "over the expert axis too: add 'expert' to mesh.rules.batch")
+        if c.dispatch != "capacity":
+            _fail("model.moe.dispatch", c.dispatch, f"expert parallelism (mesh.expert={ep}) moves "
+                  "fixed-size capacity buffers with all-to-all; use dispatch='capacity'")
+        if sizes["sequence"] > 1:
+            _fail("mesh.sequence", sizes["sequence"], "expert parallelism routes whole rows; "
+                  "set mesh.sequence=1 with mesh.expert > 1")
+    groups = c.groups or shards
+    rows = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
+            "data.eval_batch_size (or train.batch_size)": d.eval_batch_size or t.batch_size}
+    for field, n in rows.items():
+        if n % groups:
+            _fail("model.moe.groups", c.groups, f"{groups} routing groups must divide the rows the "
+                  f"model sees per step, {field} = {n}")
+    if shards > 1 and c.dispatch == "capacity" and groups % shards:
+        _fail("model.moe.groups", c.groups, f"must be a multiple of the {shards} data-parallel "
+              "shards (each device routes whole groups)")
+
+
+def _check_kv_cache(cfg: Config) -> None:
+    from hpnlp import attention  # the registry; imported late to avoid cycles
+
+    m, q = cfg.model, cfg.model.quant
+    _check_choice("quant.kv_cache", q.kv_cache, ("none", "int8"))
+    if q.kv_cache == "none":
+        return
+    if m.kind != "lm" or m.arch != "transformer":
+        _fail("quant.kv_cache", q.kv_cache, f"is the key/value cache a Transformer LM decodes "
+              f"through (model.kind='lm', model.arch='transformer'); this is kind={m.kind!r}, "
+              f"arch={m.arch!r}; set quant.kv_cache='none'")
+    if not attention.get(cfg.attention.name).exact_cache():
+        _fail("quant.kv_cache", q.kv_cache, f"attention.name={cfg.attention.name!r} decodes "
+              "through a cache of its own, not the exact key/value cache that int8 codes "
+              "replace; use a variant that keeps it (e.g. dense or chunked) or "
+              "quant.kv_cache='none'")
+
+
+def _check_kv_heads(m: ModelConfig) -> None:
+    G = m.num_kv_heads
+    if not isinstance(G, int) or isinstance(G, bool) or G < 0:
+        _fail("model.num_kv_heads", G, "must be an integer >= 0 (0: model.num_heads, multi-head)")
+    if G and (G > m.num_heads or m.num_heads % G):
+        _fail("model.num_kv_heads", G, f"must divide model.num_heads={m.num_heads} (each key/value "
+              "head serves the same number of query heads); 1 is multi-query attention")
+    if m.kv_heads() < m.num_heads and m.arch != "transformer":
+        _fail("model.num_kv_heads", G, f"grouped key/value heads are the Transformer's "
+              f"(model.arch='transformer'); model.arch={m.arch!r} has its own attention or none; "
+              "set model.num_kv_heads=0")
+
+
+def _check_kv_latent(cfg: Config) -> None:
+    m = cfg.model
+    C, R = m.kv_latent_dim, m.kv_latent_rope_dim
+    for name, v in (("model.kv_latent_dim", C), ("model.kv_latent_rope_dim", R)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            _fail(name, v, "must be an integer >= 0 (0: off)")
+    if R and not C:
+        _fail("model.kv_latent_rope_dim", R, "sizes the rotary part of multi-head latent "
+              "attention's keys; set model.kv_latent_dim too, or leave it 0")
+    if not isinstance(m.kv_latent_norm, bool):
+        _fail("model.kv_latent_norm", m.kv_latent_norm, "must be true or false")
+    if not m.kv_latent_norm and not C:
+        _fail("model.kv_latent_norm", False, "switches off the latent's layer norm in multi-head "
+              "latent attention; set model.kv_latent_dim too, or leave it true")
+    if not C:
+        return
+    if m.arch != "transformer":
+        _fail("model.kv_latent_dim", C, f"multi-head latent attention is the Transformer's "
+              f"(model.arch='transformer'); model.arch={m.arch!r} has its own attention or none; "
+              "set model.kv_latent_dim=0")
+    if m.kv_heads() < m.num_heads:
+        _fail("model.kv_latent_dim", C, f"the latent replaces grouped key/value heads "
+              f"(model.num_kv_heads={m.num_kv_heads}): every head's keys and values come from "
+              "it; set model.num_kv_heads=0 (or model.kv_latent_dim=0)")
+    D = m.dims_per_head()
+    if R and m.pos_emb != "rope":
+        _fail("model.kv_latent_rope_dim", R, f"is the rotary part of each head, and "
+              f"model.pos_emb={m.pos_emb!r} rotates nothing; set model.pos_emb='rope' or leave "
+              "it 0")
+    if m.pos_emb == "rope":
+        R = m.latent_rope_dims()
+        if R % 2 or not 0 < R < D:
+            _fail("model.kv_latent_rope_dim" if m.kv_latent_rope_dim else "model.head_dim",
+                  m.kv_latent_rope_dim or D, f"the rotary dims R={R} of each head must be even "
+                  f"and below its {D} dims (the rest are the latent's); set "
+                  "model.kv_latent_rope_dim to an even number below model.head_dim")
+
+
+def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
+             num_devices: int | None = None, num_processes: int = 1) -> Config:
+    """Check every field; returns the config with task-derived fields filled in.
+
+    `task_info` has `kind` ("lm" | "classify" | "match"), `vocab_size`, `num_classes`;
+    it comes from `hpnlp.data.task_info(cfg.data)` without building the data set.
+    """
+    from hpnlp import attention, softmax  # registries; imported late to avoid cycles
+
+    m, t, d = cfg.model, cfg.train, cfg.data
+    _check_choice("model.kind", m.kind, ("lm", "classifier", "dual_encoder", "bi_encoder"))
+    for name in ("width", "depth", "num_heads", "mlp_dim", "max_len"):
+        _check_positive(f"model.{name}", getattr(m, name))
+    if not isinstance(m.head_dim, int) or m.head_dim < 0:
+        _fail("model.head_dim", m.head_dim, "must be an integer >= 0 (0: width / num_heads)")
+    if not m.head_dim and m.width % m.num_heads:
+        _fail("model.width", m.width,
+              f"must be divisible by model.num_heads={m.num_heads} (head_dim = width / heads), "
+              "or set model.head_dim")
+    _check_kv_heads(m)
+    if not 0.0 <= m.dropout < 1.0:
+        _fail("model.dropout", m.dropout, "must be in [0, 1)")
+    _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal", "rope"))
+    if m.pos_emb == "rope" and m.dims_per_head() % 2:
+        _fail("model.pos_emb", m.pos_emb, f"RoPE rotates pairs of dims, and each head has "
+              f"{m.dims_per_head()} (odd); set model.head_dim (or model.width / model.num_heads) "
+              "even, or use model.pos_emb='learned'")
+    _check_choice("model.pool", m.pool, ("mean", "first"))
+    if m.causal not in (True, False):
+        _fail("model.causal", m.causal, "must be true or false")
+    if m.causal and m.kind != "classifier":
+        _fail("model.causal", m.causal, f"makes a classifier's attention causal; a "
+              f"model.kind={m.kind!r} model is " + ("always causal" if m.kind == "lm" else
+                                                    "not") + "; leave it false")
+    if m.causal and m.arch != "transformer":
+        _fail("model.causal", m.causal, f"applies to Transformer classifiers; a model.arch="
+              f"{m.arch!r} trunk reads in its own order; leave it false")
+    if m.causal and m.pool == "first":
+        _fail("model.causal", m.causal, "with model.pool='first' the pooled token would see only "
+              "itself; set model.pool='mean'")
+    if m.arch in ("lstm", "gru") and m.kind == "classifier" and m.pool == "first" \
+            and not cfg.rnn.bidirectional:  # found in review: it read one token
+        _fail("model.pool", m.pool, f"a left-to-right {m.arch.upper()}'s first output has read "
+              "only the first token; set model.pool='mean' or rnn.bidirectional=True")
+    _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+    _check_choice("model.dtype", m.dtype, DTYPES)
+    if m.param_dtype == "float16":
+        _fail("model.param_dtype", m.param_dtype, "float16 master weights lose small updates; keep "
+              "model.param_dtype='float32' and set model.dtype='float16' (loss scaling is automatic)")
+    _check_remat(m.remat)
+    if not isinstance(m.reversible, bool):
+        _fail("model.reversible", m.reversible, "must be True or False")
+    if m.reversible and m.arch != "transformer":
+        _fail("model.reversible", True, f"reversible blocks are Transformer blocks; "
+              f"model.arch={m.arch!r} has none (set model.reversible=False)")
+    if m.reversible and m.remat != "none":
+        _fail("model.remat", m.remat, "model.reversible=True already recomputes each block in the "
+              "backward pass; set model.remat='none'")
+    _check_choice("model.arch", m.arch, ("transformer", "transformer_xl", "lstm", "gru", "bag"))
+    if m.arch == "bag" and m.kind != "bi_encoder":
+        _fail("model.arch", m.arch, "a bag of embeddings has no sequence model, only the "
+              "bi-encoder pools one; set model.kind='bi_encoder' or another model.arch")
+    _check_choice("model.embed_grad_scale", m.embed_grad_scale, ("none", "batch", "corpus"))
+    _check_encoder(cfg)
+    if not isinstance(m.mem_len, int) or m.mem_len < 0:
+        _fail("model.mem_len", m.mem_len, "must be an integer >= 0 (0: = data.seq_len)")
+    if m.arch == "transformer_xl":
+        if m.pos_emb == "rope":
+            _fail("model.pos_emb", m.pos_emb, "model.arch='transformer_xl' has its own relative "
+                  "positions (which ignore model.pos_emb); set model.pos_emb='learned'")
+        if m.kind != "lm":
+            _fail("model.arch", m.arch, "Transformer-XL memory is for causal LMs; set model.kind='lm'")
+        if cfg.attention.name != "dense":
+            _fail("attention.name", cfg.attention.name, "model.arch='transformer_xl' has its own "
+                  "exact relative-position attention; set attention.name='dense'")
+        if d.batching == "stream" and t.grad_accum != 1:
+            _fail("train.grad_accum", t.grad_accum, "Transformer-XL on stream batches carries each "
+                  "row's memory to the next step, which microbatches would break; set "
+                  "train.grad_accum=1")
+    _check_compressive(cfg)
+    if not isinstance(m.stack_layers, bool):
+        _fail("model.stack_layers", m.stack_layers, "must be True or False")
+    if m.stack_layers and m.arch != "transformer":
+        _fail("model.stack_layers", True, f"it stacks Transformer blocks; model.arch={m.arch!r} has "
+              "none (set model.stack_layers=False)")
+    if m.stack_layers and m.reversible:
+        _fail("model.stack_layers", True, "reversible blocks keep their own stack "
+              "(models/reversible.py); set model.stack_layers=False or model.reversible=False")
+    _check_quant(m.quant, m)
+    q = m.quant
+    if q.enabled and m.kind == "lm" and "output" in {n.strip() for n in q.layers.split(",")}:
+        # found in review: ignored, the layer evaluated float
+        if cfg.output.name in softmax.names() and "quant" not in {
+                f.name for f in dataclasses.fields(softmax.get(cfg.output.name))}:
+            _fail("quant.layers", q.layers, f"names the output layer, but output layer "
+                  f"{cfg.output.name!r} keeps its own tables, which are not quantized yet; drop "
+                  "'output' (the layer stays float) or use output.name='full' (or another "
+                  "VocabLayer: sampled, nce, ...)")
+    _check_kv_cache(cfg)
+    _check_kv_latent(cfg)
+    _check_choice("train.init_kv_heads", t.init_kv_heads, ("mean", "svd"))
+    _check_choice("train.init_params", t.init_params, ("all", "trunk"))
+    if t.init_params != "all" and not t.init_from:
+        _fail("train.init_params", t.init_params, "chooses what this run takes of the run "
+              "train.init_from names; set train.init_from, or leave it 'all'")
+    if t.init_params == "trunk":
+        defaults = type(t)()
+        for field in ("init_kv_heads", "init_kv_calibration", "init_experts",
+                      "init_expert_batches"):
+            value, default = getattr(t, field), getattr(defaults, field)
+            if value != default:
+                _fail(f"train.{field}", value, "converts a run of the same task, and "
+                      "train.init_params='trunk' copies another task's trunk as it is; convert "
+                      f"that run first (its own fine-tune), or leave train.{field}={default!r}")
+    _check_choice("train.init_experts", t.init_experts, ("routed", "random", "merged"))
+    if (not isinstance(t.init_expert_batches, int) or isinstance(t.init_expert_batches, bool)
+            or t.init_expert_batches < 1):
+        _fail("train.init_expert_batches", t.init_expert_batches, "must be an integer >= 1 "
+              "(training batches routed to rank the experts a run of fewer keeps)")
+    if t.init_experts != "routed" and not t.init_from:
+        _fail("train.init_experts", t.init_experts, "chooses the experts a run keeps of the run "
+              "train.init_from names; set train.init_from, or leave it 'routed'")
+    if (not isinstance(t.init_kv_calibration, int) or isinstance(t.init_kv_calibration, bool)
+            or t.init_kv_calibration < 0):
+        _fail("train.init_kv_calibration", t.init_kv_calibration, "must be an integer >= 0 "
+              "(batches; 0: fit the weights alone)")
+    if t.init_kv_calibration and not t.init_from:
+        _fail("train.init_kv_calibration", t.init_kv_calibration, "weights the SVD fits that "
+              "convert the run train.init_from names; set train.init_from, or leave it 0")
+    if t.init_kv_heads == "svd" and not t.init_from:
+        _fail("train.init_kv_heads", "svd", "converts the key/value heads of the run "
+              "train.init_from names; set train.init_from, or leave it 'mean'")
+    _check_compress(cfg)
+    _check_lowrank(cfg)
+    _check_memory(cfg)
+    r = cfg.rnn
+    _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
+    for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):
+        rate = getattr(r, name)
+        if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
+            _fail(f"rnn.{name}", rate, "must be a probability in [0, 1)")
+    _check_positive("rnn.unroll", r.unroll)
+    _check_choice("rnn.impl", r.impl, ("auto", "scan", "fused"))
+    if r.impl == "fused" and m.arch in ("lstm", "gru"):
+        blocker = ("model.arch='gru'" if m.arch == "gru" else "rnn.layer_norm=True" if r.layer_norm
+                   else "rnn.zoneout > 0" if r.zoneout > 0 else None)
+        if blocker:
+            _fail("rnn.impl", "fused", f"the fused kernel is a plain LSTM and {blocker}; use "
+                  "rnn.impl='auto' (the kernel where it applies) or 'scan'")
+    if m.arch != "transformer" and m.kind == "lm" and r.bidirectional:
+        _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
+              "layers are for model.kind='classifier' or 'dual_encoder'")
+
+    # Attention: registry name, options, and the variant's own shape rules.
+    if cfg.attention.name not in attention.names():
+        _fail("attention.name", cfg.attention.name, f"choose one of {attention.names()}")
+    att_cls = attention.get(cfg.attention.name)
+    _check_options("attention.options", cfg.attention.options, att_cls)
+    causal = m.kind == "lm" or m.causal
+    check = getattr(att_cls, "check_config", None)
+    if check is not None:
+        check(dict(cfg.attention.options), seq_len=d.seq_len, causal=causal,
+              field="attention.options")
+        if d.batching == "bucket":  # every bucket width is a sequence length the model sees
+            from hpnlp.data.batching import bucket_boundaries
+            for width in bucket_boundaries(d):
+                try:
+                    check(dict(cfg.attention.options), seq_len=width, causal=causal,
+                          field="attention.options")
+                except ConfigError as e:
+                    which = "data.bucket_boundaries" if d.bucket_boundaries else \
+                        "the default data.bucket_boundaries"
+                    raise ConfigError(
+                        f"{e} -- here the length is bucket width {width} from {which}; set "
+                        "data.bucket_boundaries to multiples of the block sizes") from None
+
+    if cfg.output.name not in softmax.names():
+        _fail("output.name", cfg.output.name, f"choose one of {softmax.names()}")
+    _check_options("output.options", cfg.output.options, softmax.get(cfg.output.name))
+
+    # Training.
+    for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints",
+                 "loss_scale_init", "loss_scale_period"):
+        _check_positive(f"train.{name}", getattr(t, name))
+    for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every",
+                 "clip_norm", "weight_decay", "early_stopping_patience", "feature_redraw_every"):
+        _check_positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    _check_positive("train.lr", t.lr)
+    _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    # found in review: these took any number (end_lr_frac -1 ascended the loss after its middle)
+    if not 0 <= t.end_lr_frac <= 1:
+        _fail("train.end_lr_frac", t.end_lr_frac, "the final learning rate as a fraction of "
+              "train.lr must be in [0, 1]")
+    for name in ("b1", "b2"):
+        if not 0 <= getattr(t, name) < 1:
+            _fail(f"train.{name}", getattr(t, name), "Adam's moment decay must be in [0, 1)")
+    if t.warmup_steps > t.steps or (t.schedule != "constant" and t.warmup_steps >= t.steps):
+        _fail("train.warmup_steps", t.warmup_steps,
+              f"must be < train.steps={t.steps} (the {t.schedule!r} decay needs steps after warmup)")
+    metrics = ("loss", "accuracy", "ppl") if m.kind == "lm" else ("loss", "accuracy")
+    _check_choice("train.early_stopping_metric", t.early_stopping_metric, metrics)
+
+    # Data.
+    from hpnlp import data as data_lib
+    if d.task not in data_lib.task_names():
+        _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
+    _check_positive("data.seq_len", d.seq_len)
+    _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
+    _check_choice("data.eval_split", d.eval_split, ("eval", "validation"))
+    if d.eval_split == "validation":
+        for field in ("train_path", "eval_path", "prepared"):
+            if getattr(d, field):
+                _fail("data.eval_split", d.eval_split,
+                      f"'validation' holds out part of the shipped corpus or of generated "
+                      f"ListOps, and data.{field} is set; with your own data pass a validation "
+                      "file as data.eval_path and keep data.eval_split='eval'")
+        if d.task == "listops" and d.listops_num_train <= d.listops_num_eval:
+            _fail("data.eval_split", d.eval_split,
+                  f"'validation' holds out data.listops_num_eval={d.listops_num_eval} of the "
+                  f"data.listops_num_train={d.listops_num_train} generated training examples; "
+                  "raise data.listops_num_train above it")
+    from hpnlp.data.tokenizers import KINDS as tokenizer_kinds
+    _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
+    # sinusoidal and rope positions have no table: rows longer than model.max_len train, and
+    # only decoding (generate: length <= model.max_len, the cache's size) is bounded by it
+    if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch != "transformer_xl":
+        _fail("data.seq_len", d.seq_len,
+              f"must be <= model.max_len={m.max_len} (the learned position table); "
+              "raise model.max_len or use model.pos_emb='sinusoidal' or 'rope'")
+    if any(b <= 0 or b > d.seq_len for b in d.bucket_boundaries):
+        _fail("data.bucket_boundaries", d.bucket_boundaries,
+              f"every boundary must be in [1, data.seq_len={d.seq_len}]")
+
+    info = dict(task_info) if task_info is not None else data_lib.task_info(d)
+    want_kind = {"lm": "lm", "classifier": "classify", "dual_encoder": "match",
+                 "bi_encoder": "match"}[m.kind]
+    if info["kind"] != want_kind:
+        kinds = {"lm": "lm", "classify": "classifier", "match": "dual_encoder"}
+        _fail("model.kind", m.kind,
+              f"data.task={d.task!r} is a {info['kind']!r} task and needs "
+              f"model.kind={kinds[info['kind']]!r}")
+    if d.batching == "pack" and not getattr(att_cls, "supports_segments", True):
+        _fail("data.batching", d.batching,
+              f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
+              "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
+    if d.batching == "stream" and m.arch == "transformer":
+        _fail("data.batching", d.batching, "stream batches continue each row across batches for "
+              "Transformer-XL memory, so positions grow past model.max_len, and a plain "
+              "Transformer has absolute positions and no memory; use data.batching='pack' or "
+              "'pad', or model.arch='transformer_xl'")
+    if d.batching in ("pack", "stream") and info["kind"] != "lm":
+        _fail("data.batching", d.batching, f"{d.batching!r} is for LM tasks; use 'pad' or 'bucket'")
+    if m.vocab_size and m.vocab_size < info["vocab_size"]:
+        _fail("model.vocab_size", m.vocab_size,
+              f"data.task={d.task!r} has {info['vocab_size']} token ids; use 0 to take it from the task")
+    if m.num_classes and m.num_classes < info.get("num_classes", 0):
+        _fail("model.num_classes", m.num_classes,
+              f"data.task={d.task!r} has {info['num_classes']} classes; use 0 to take it from the task")
+    model = dataclasses.replace(
+        m, vocab_size=m.vocab_size or info["vocab_size"],
+        num_classes=m.num_classes or info.get("num_classes", 0))
+    lr, V, C = m.lowrank, model.vocab_size, model.num_classes
+    for kind in ("embed", "output"):  # the [V, E] tables, now that V is known
+        if lr.rank and lr.applies(kind) and V and lr.rank > min(V, m.width):
+            _fail("model.lowrank.rank", lr.rank, f"the {kind} table is [{V}, {m.width}], of "
+                  f"rank at most {min(V, m.width)}; lower the rank or drop {kind!r} from "
+                  "model.lowrank.layers")
+    # the heads' products (`head`), now that the classes are known: a classifier's [E, C]; a
+    # dual encoder's MLP over [u, v, u v, u - v], [4 E, mlp_dim], then [mlp_dim, C]
+    heads = {"classifier": [(m.width, C)],
+             "dual_encoder": [(4 * m.width, m.mlp_dim), (m.mlp_dim, C)]}.get(m.kind, [])
+    for k, n in heads:
+        if lr.rank and lr.applies("head") and C and lr.rank > min(k, n):
+            _fail("model.lowrank.rank", lr.rank, f"the head product is [{k}, {n}] (data.task="
+                  f"{d.task!r} has {C} classes), of rank at most {min(k, n)}; lower the rank or "
+                  "drop 'head' from model.lowrank.layers")
+    if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
+            and not cfg.output.tie_embeddings:
+        _fail("output.tie_embeddings", False, f"output layer {cfg.output.name!r} predicts the "
+              "target's input embedding, so it needs the tied table; set "
+              "output.tie_embeddings=True")
+    if m.kind == "lm" and cfg.output.tie_embeddings:
+        tieable = [n for n in softmax.names() if softmax.can_tie(n)]
+        if cfg.output.name not in tieable:
+            _fail("output.tie_embeddings", True, f"output layer {cfg.output.name!r} cannot share the "
+                  f"input embedding; set output.tie_embeddings=False, or use one of {tieable}")
+    if m.kind == "lm":  # the output layer's own rules, now that the vocabulary is known
+        softmax.check_config(cfg.output.name, cfg.output.options, vocab_size=model.vocab_size,
+                             frequency_sorted=info.get("frequency_sorted"))
+
+    # Devices and batch.
+    import jax
+    n = jax.device_count() if num_devices is None else num_devices
+    mesh = cfg.mesh
+    for name in MESH_AXES:
+        v = getattr(mesh, name)
+        if not isinstance(v, int) or v == 0 or v < -1:
+            _fail(f"mesh.{name}", v, "must be a positive axis size or -1 (fill the rest)")
+    filled = [a for a in MESH_AXES if getattr(mesh, a) == -1]
+    if len(filled) > 1:
+        _fail("mesh", {a: -1 for a in filled}, "at most one axis may be -1")
+    sizes = mesh.axis_sizes(n)
+    if math.prod(sizes.values()) != n or 0 in sizes.values():
+        shown = {a: getattr(mesh, a) for a in MESH_AXES}
+        _fail("mesh", shown, f"the axis sizes must multiply to the device count {n} "
+              f"(got {sizes}); set one axis to -1 to fill the rest")
+    for logical, axes in mesh.rules.items():
+        if logical not in DEFAULT_RULES:
+            _fail(f"mesh.rules.{logical}", axes,
+                  f"unknown logical axis name; the models use {sorted(DEFAULT_RULES)}")
+        named = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        for a in named:
+            if a not in MESH_AXES:
+                _fail(f"mesh.rules.{logical}", axes,
+                      f"{a!r} is not a mesh axis; use None (replicated) or names from {list(MESH_AXES)}")
+        if len(set(named)) != len(named):
+            _fail(f"mesh.rules.{logical}", axes, "names a mesh axis twice")
+    # Every dimension the rules shard must split evenly over its mesh axes.
+    dims = {"heads": {"model.num_heads": m.num_heads},
+            "kv_heads": {"model.num_kv_heads": m.kv_heads()} if m.kv_heads() < m.num_heads else {},
+            "mlp": {"model.mlp_dim": m.mlp_dim},
+            "vocab": {"model.vocab_size": model.vocab_size}, "embed": {"model.width": m.width},
+            "kv": {"model.head_dim": m.dims_per_head()},
+            "layers": {"model.depth": m.depth}}
+    for logical, named in dims.items():
+        split = math.prod(sizes[a] for a in mesh.mesh_axes_of(logical))
+        for name, dim in named.items():
+            if dim % split:
+                axes = " x ".join(f"mesh.{a}={sizes[a]}" for a in mesh.mesh_axes_of(logical))
+                _fail(f"mesh.rules.{logical}", mesh.rules.get(logical),
+                      f"it splits {name}={dim} over {axes} = {split}, which does not divide it; "
+                      "change the axis size or map the rule to None")
+    if sizes["sequence"] > 1 and cfg.attention.name != "ring":
+        _fail("mesh.sequence", sizes["sequence"],
+              "sequence parallelism splits every sequence over devices and needs "
+              "attention.name='ring' (exact attention passing key/value blocks around the ring)")
+    if sizes["sequence"] > 1 and d.seq_len % sizes["sequence"]:
+        _fail("data.seq_len", d.seq_len, f"must be a multiple of mesh.sequence={sizes['sequence']}")
+    if sizes["sequence"] > 1 and d.batching == "bucket":  # found in review: failed mid-run
+        from hpnlp.data.batching import bucket_boundaries
+        odd = [w for w in bucket_boundaries(d) if w % sizes["sequence"]]
+        if odd:
+            _fail("data.bucket_boundaries", list(d.bucket_boundaries) or "(default)",
+                  f"bucket widths {odd} do not split over mesh.sequence={sizes['sequence']}; "
+                  f"give widths that are multiples of {sizes['sequence']}")
+    _check_moe(cfg, sizes)
+    shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
+    per_step = t.grad_accum * math.lcm(shards, num_processes)
+    if t.batch_size % per_step:
+        _fail("train.batch_size", t.batch_size,
+              f"must be a multiple of train.grad_accum x data-parallel shards = "
+              f"{t.grad_accum} x lcm({shards} devices, {num_processes} processes) = {per_step}")
+    eval_bs = d.eval_batch_size or t.batch_size
+    if eval_bs % math.lcm(shards, num_processes):
+        _fail("data.eval_batch_size", eval_bs,
+              f"must be a multiple of {math.lcm(shards, num_processes)} (data-parallel shards)")
+    # Pipeline (GPipe, parallel/pipeline.py): stages split the stacked layer axis, and each
+    # batch the trunk sees splits into microbatches. model.depth % mesh.pipeline is the
+    # `layers` rule's check above.
+    stages, micro = sizes["pipeline"], mesh.pipeline_microbatches
+    if not isinstance(micro, int) or micro < 0:
+        _fail("mesh.pipeline_microbatches", micro, "must be an integer >= 0 (0: = mesh.pipeline)")
+    if stages > 1:
+        if m.arch != "transformer":
+            _fail("mesh.pipeline", stages, f"pipeline stages are Transformer blocks; model.arch="
+                  f"{m.arch!r} has none; set mesh.pipeline=1")
+        if not m.stack_layers:
+            _fail("mesh.pipeline", stages, "pipeline stages split the stacked layer axis; set "
+                  "model.stack_layers=True (or mesh.pipeline=1)")
+        if sizes["sequence"] > 1:  # ring attention's shard_map does not nest in the stages' yet
+            _fail("mesh.pipeline", stages, f"pipeline stages cannot yet run ring attention over "
+                  f"mesh.sequence={sizes['sequence']}; set mesh.sequence=1 or mesh.pipeline=1")
+        if mesh.mesh_axes_of("layers") != ("pipeline",):
+            _fail("mesh.rules.layers", mesh.rules.get("layers"),
+                  "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")
+        n_micro = micro or stages
+        for field, rows in (("train.batch_size / train.grad_accum", t.batch_size // t.grad_accum),
+                            ("data.eval_batch_size (or train.batch_size)", eval_bs)):
+            if rows % n_micro:
+                _fail("mesh.pipeline_microbatches", micro,
+                      f"{n_micro} microbatches must divide the batch the model sees per step, "
+                      f"{field} = {rows}; choose a divisor of {rows}")
+    return dataclasses.replace(cfg, model=model)

@@ -1,0 +1,317 @@
+"""The checks of the compression fields, which `validate` runs: `quant.*` (QAT and PTQ's
+formats and layers), `model.lowrank` (the factorized products) and `train.distill` /
+`train.prune` (a teacher, masks and their schedules)."""
+
+from __future__ import annotations
+
+from hpnlp.config.fields import (LOWRANK_LAYERS, QUANT_LAYERS, Config, ModelConfig, QuantConfig,
+                                 _check_choice, _check_positive, _fail, layers_name)
+
+
+def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
+    """The `quant` group: formats, the int4 group size against every contraction width."""
+    from hpnlp.compress import calibrate, formats  # light modules: numerics only
+
+    _check_choice("quant.weights", q.weights, ("none", *formats.FORMATS))
+    _check_choice("quant.activations", q.activations, ("none", *formats.ACTIVATION_FORMATS))
+    _check_choice("quant.act_scale", q.act_scale, ("dynamic", "static"))
+    _check_choice("quant.calibration", q.calibration, calibrate.METHODS)
+    if not (isinstance(q.percentile, (int, float)) and 50.0 < q.percentile <= 100.0):
+        _fail("quant.percentile", q.percentile, "must be in (50, 100]")
+    if q.activations == "binary" and q.weights != "binary":
+        _fail("quant.activations", q.activations, "binary activations are XNOR-Net's binary "
+              "products and need quant.weights='binary'")
+    _check_layers("quant.layers", q.layers, QUANT_LAYERS)
+    if q.enabled and m.arch == "transformer_xl":
+        _fail("quant.weights", q.weights, "Transformer-XL's relative-position attention has its "
+              "own products, not yet quantizable; quantize model.arch='transformer' or an LSTM/GRU")
+    if q.act_scale == "static" and m.reversible:
+        _fail("quant.act_scale", "static", "reversible blocks recompute themselves functionally and "
+              "hold no calibrated ranges; use quant.act_scale='dynamic'")
+    if not isinstance(q.group_size, int) or q.group_size < 0:
+        _fail("quant.group_size", q.group_size, "must be an integer >= 0 (0: per channel)")
+    if q.group_size and q.weights != "int4":
+        _fail("quant.group_size", q.group_size, f"group scales are for quant.weights='int4' "
+              f"(got {q.weights!r}); set quant.group_size=0")
+    if q.group_size:  # every contraction the quantized products sum over must split evenly
+        widths = {"model.width": m.width, "model.mlp_dim": m.mlp_dim,
+                  "model.num_heads * head size": m.num_heads * m.dims_per_head()}
+        for name, width in widths.items():
+            if width % q.group_size:
+                _fail("quant.group_size", q.group_size, f"must divide {name}={width} (int4 "
+                      "groups split each product's contraction); choose a divisor of it")
+
+
+def _check_layers(field: str, layers: str, allowed) -> None:
+    """A `layers` field: "all" or a comma list of `allowed` product kinds."""
+    if layers == "all":
+        return
+    names = [n.strip() for n in layers.split(",")]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        _fail(field, layers, f"'all' or a comma list of {list(allowed)} (unknown: {bad})")
+
+
+def _check_lowrank(cfg: Config) -> None:
+    """`model.lowrank`: the rank against every chosen product's shape, what it combines with."""
+    lr, m = cfg.model.lowrank, cfg.model
+    if not isinstance(lr.rank, int) or lr.rank < 0:
+        _fail("model.lowrank.rank", lr.rank, "must be an integer >= 0 (0: no factorization)")
+    if not isinstance(lr.energy, (int, float)) or not 0.0 <= lr.energy <= 1.0:
+        _fail("model.lowrank.energy", lr.energy, "the kept fraction of sum(S^2) must be in (0, 1] "
+              "(0: off)")
+    if lr.rank and lr.energy:
+        _fail("model.lowrank.energy", lr.energy, "give a fixed model.lowrank.rank or a kept "
+              "energy, not both")
+    if lr.ranks and not lr.energy:
+        _fail("model.lowrank.ranks", dict(lr.ranks), "is filled from model.lowrank.energy when "
+              "the run is built; set model.lowrank.energy (or one model.lowrank.rank) instead")
+    bad = {k: v for k, v in lr.ranks.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        _fail("model.lowrank.ranks", bad, "ranks must be integers >= 1")
+    if lr.energy and not lr.ranks and not cfg.train.init_from:
+        _fail("model.lowrank.energy", lr.energy, "measures the energy of trained weights: set "
+              "train.init_from to the run to factorize")
+    if not lr.enabled():
+        return
+    _check_layers("model.lowrank.layers", lr.layers, LOWRANK_LAYERS)
+    if m.arch != "transformer" and any(lr.applies(k) for k in ("qkv", "out", "mlp")):
+        _fail("model.lowrank.layers", lr.layers, f"model.arch={m.arch!r} has no qkv/out/mlp "
+              "products; factorize a Transformer, or set model.lowrank.layers to what it has "
+              "('embed,output' for an LM, 'embed,head' for a classifier)")
+    hd = m.num_heads * m.dims_per_head()
+    # grouped key/value heads: q [E, H*D] and kv [E, 2*G*D] are two qkv products
+    qkv = 3 * hd if m.kv_heads() == m.num_heads else min(hd, 2 * m.kv_heads() * m.dims_per_head())
+    shapes = [("qkv", (m.width, qkv)), ("out", (hd, m.width))]
+    if not all(m.moe.applies(i) for i in range(m.depth)):  # a dense block's MLP
+        shapes.append(("mlp", (m.width, m.mlp_dim)))
+    if m.moe.enabled():  # each expert's own products (the shared experts' are wider)
+        shapes.append(("mlp", (m.width, m.moe.expert_dim(m))))
+    for kind, (k, n) in shapes:  # the heads' once the task's classes are known
+        if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
+            _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
+                  f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
+                  f"rank or drop {kind!r} from model.lowrank.layers")
+    named = {n.strip() for n in lr.layers.split(",")}  # "all": whichever the model has
+    if "output" in named and m.kind != "lm":
+        _fail("model.lowrank.layers", lr.layers, f"'output' is an LM's output layer and "
+              f"model.kind={m.kind!r} has none; drop 'output' (a classifier's is 'head')")
+
+    def vectors() -> bool:  # the output layer is one [V, E] matrix of vectors (asked late:
+        from hpnlp import softmax  # output.name itself is checked after this)
+        from hpnlp.softmax.base import VocabLayer
+        return issubclass(softmax.get(cfg.output.name), VocabLayer)
+    if "output" in named and m.kind == "lm" and not vectors():
+        _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} keeps "
+              "its own tables, not one [V, E] matrix of output vectors; drop 'output' or "
+              "use output.name='full' (or another VocabLayer: sampled, nce, ...)")
+    tied = m.kind == "lm" and cfg.output.tie_embeddings
+    if tied and lr.applies("embed") and not vectors():
+        _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} reads "
+              "the tied embedding table itself, so the table cannot be factorized; drop "
+              "'embed' from model.lowrank.layers")
+    if lr.applies("embed") and tied and not lr.applies("output"):
+        _fail("model.lowrank.layers", lr.layers, "the input embedding is the output layer's "
+              "table (output.tie_embeddings=True): one weight, factorized as the output "
+              "layer's; name 'output' too (or instead)")
+    if (lr.applies("embed") or (tied and lr.applies("output"))) and m.embed_grad_scale != "none":
+        _fail("model.embed_grad_scale", m.embed_grad_scale, "scales each looked-up row's "
+              "gradient, and a factorized embedding has no rows of its own; set it to 'none' "
+              "or drop 'embed' from model.lowrank.layers")
+    q = m.quant
+    # the fixed ranks; none while model.lowrank.energy waits to choose them at build time
+    ranks = sorted({lr.rank} if lr.rank else set(lr.ranks.values()))
+    if q.applies("output") and lr.applies("output"):
+        _fail("quant.layers", q.layers, "names the output layer, whose table model.lowrank "
+              "factorizes, and a factorized output table is not quantized yet; leave 'output' "
+              "out of quant.layers (the table stays float) or out of model.lowrank.layers")
+    if q.group_size and any(q.applies(k) and lr.applies(k) for k in ("qkv", "out", "mlp", "head")):
+        if not ranks:  # model.lowrank.energy, resolved when the run is built
+            _fail("quant.group_size", q.group_size, "int4 groups split the rank of each "
+                  "factorized product, and model.lowrank.energy chooses the ranks later; use "
+                  "model.lowrank.rank, or quant.group_size=0")
+        if any(r % q.group_size for r in ranks):
+            _fail("quant.group_size", q.group_size, f"must divide the rank of every factorized "
+                  f"product (ranks {ranks}: x U [*, r] is the second product's input); choose "
+                  "a divisor of them, or quant.group_size=0")
+    pr = cfg.train.prune
+    try:
+        nm = pr.nm()
+    except ValueError:  # a malformed structure: refused with the prune fields
+        nm = None
+    if pr.method != "none" and nm and any(pr.applies(k) and lr.applies(k)
+                                               for k in LOWRANK_LAYERS):
+        M = nm[1]
+        if not ranks or any(r % M for r in ranks):
+            _fail("train.prune.structure", pr.structure, f"groups M={M} consecutive weights "
+                  "along each factor's contraction, and V's is the rank: M must divide every "
+                  f"rank ({ranks or 'chosen later by model.lowrank.energy'}); choose ranks that "
+                  "M divides (model.lowrank.rank), or unstructured pruning")
+    if pr.method != "none" and pr.structure == "structured":
+        _fail("train.prune.structure", pr.structure, "removes whole heads and neurons, which a "
+              "factorized weight's U and V do not own apart; prune and shrink before "
+              "factorizing, or prune unstructured or N:M (each factor pruned)")
+    for field, value, on in (("model.stack_layers", True, m.stack_layers),
+                             ("model.reversible", True, m.reversible)):
+        if on:
+            _fail(field, value, "is not combined with model.lowrank yet; factorize (and "
+                  "fine-tune) first, or set model.lowrank.rank=0")
+
+
+def _check_compress(cfg: Config) -> None:
+    """`train.distill` and `train.prune` (hpnlp.compress): fields, and what they combine with."""
+    dist, p, m = cfg.train.distill, cfg.train.prune, cfg.model
+    if dist.teacher:
+        if not 0.0 <= dist.alpha <= 1.0:
+            _fail("train.distill.alpha", dist.alpha, "the soft-target weight must be in [0, 1]")
+        _check_positive("train.distill.temperature", dist.temperature)
+        if not isinstance(dist.chunk_tokens, int) or dist.chunk_tokens < -1:
+            _fail("train.distill.chunk_tokens", dist.chunk_tokens, "-1 (automatic), 0 (never) or "
+                  "a positive number of tokens")
+        _check_positive("train.distill.hidden", dist.hidden, allow_zero=True)
+        _check_positive("train.distill.attention", dist.attention, allow_zero=True)
+        if dist.attention:
+            from hpnlp import attention as attention_lib
+            if not attention_lib.get(cfg.attention.name).returns_probabilities:
+                _fail("train.distill.attention", dist.attention, f"attention variant "
+                      f"{cfg.attention.name!r} does not return its probabilities; use "
+                      "attention.name='dense' for attention-map distillation")
+        _check_choice("train.distill.init", dist.init, ("none", "every_other", "select",
+                                                         "importance", "pca"))
+        _check_choice("train.distill.init_blocks", dist.init_blocks, ("first", "last"))
+        if dist.init_blocks != "first" and dist.init == "none":
+            _fail("train.distill.init_blocks", dist.init_blocks, "picks the teacher blocks the "
+                  "student starts as, and train.distill.init='none' starts it from none; set "
+                  "train.distill.init to every_other, select, importance or pca")
+        if (isinstance(dist.importance_batches, bool) or not isinstance(dist.importance_batches, int)
+                or dist.importance_batches < 1):
+            _fail("train.distill.importance_batches", dist.importance_batches,
+                  "must be a whole number of training batches >= 1")
+        blocks = dist.matches_blocks()
+        if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
+            _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "
+                  f"model.kind={m.kind!r}, model.arch={m.arch!r}")
+        if m.arch == "transformer_xl" and cfg.data.batching == "stream":
+            _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
+                  "memory through its loss and cannot distill yet; use data.batching='pack'")
+    _check_choice("train.prune.method", p.method, ("none", "magnitude", "random", "movement"))
+    if p.method == "none":
+        return
+    if not (isinstance(p.sparsity, (int, float)) and 0.0 <= p.sparsity < 1.0):
+        _fail("train.prune.sparsity", p.sparsity, "the fraction pruned must be in [0, 1)")
+    _check_choice("train.prune.scope", p.scope, ("layer", "global"))
+    _check_choice("train.prune.schedule", p.schedule, ("oneshot", "cubic", "imp"))
+    if p.schedule == "imp":
+        for name in ("rounds", "rewind_step"):
+            v = getattr(p, name)
+            if not isinstance(v, int) or v < (1 if name == "rounds" else 0):
+                _fail(f"train.prune.{name}", v, "must be an integer >= "
+                      + ("1 (pruning rounds)" if name == "rounds" else "0"))
+        if (cfg.train.steps - p.rewind_step) < p.rounds + 1:
+            _fail("train.prune.rounds", p.rounds, f"train.steps={cfg.train.steps} after "
+                  f"rewind_step={p.rewind_step} cannot make rounds + 1 training segments")
+        if p.method not in ("magnitude", "random") or p.structure != "unstructured":
+            _fail("train.prune.schedule", p.schedule, "iterative pruning with rewinding takes "
+                  "method 'magnitude' (or 'random', the control) and structure 'unstructured'")
+    for name in ("start_step", "end_step"):
+        v = getattr(p, name)
+        if not isinstance(v, int) or v < 0:
+            _fail(f"train.prune.{name}", v, "must be an integer >= 0")
+    _check_positive("train.prune.l1", p.l1, allow_zero=True)
+    if not isinstance(p.every, int) or p.every < 1:
+        _fail("train.prune.every", p.every, "must be an integer >= 1 (steps between mask updates)")
+    if m.stack_layers or m.reversible:
+        _fail("model.stack_layers" if m.stack_layers else "model.reversible", True, "pruning "
+              "masks are per layer; prune a model with model.stack_layers=False and "
+              "model.reversible=False")
+    end = p.end_step or cfg.train.steps
+    if p.schedule == "cubic" and end <= p.start_step:
+        _fail("train.prune.end_step", p.end_step, f"the cubic schedule needs end_step (0: "
+              f"train.steps={cfg.train.steps}) after start_step={p.start_step}")
+    # found in review: schedules past the run were accepted, and pruned nothing (or never
+    # reached their sparsity) without a word
+    if p.schedule != "imp" and p.start_step >= cfg.train.steps:
+        _fail("train.prune.start_step", p.start_step, f"pruning would start after the run's "
+              f"last step (train.steps={cfg.train.steps}, steps 0..{cfg.train.steps - 1}); "
+              "choose a start_step below train.steps")
+    if p.schedule == "cubic" and p.end_step > cfg.train.steps:
+        _fail("train.prune.end_step", p.end_step, f"the cubic schedule would not reach its "
+              f"sparsity within train.steps={cfg.train.steps}; choose end_step <= train.steps "
+              "(0: the run's end)")
+    _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
+    if p.structure == "structured":
+        if m.arch in ("lstm", "gru"):  # hidden units: model.width channels (compress.prune)
+            if cfg.rnn.layer_norm:
+                _fail("rnn.layer_norm", True, "structured pruning removes hidden units, but layer "
+                      "norm mixes every unit's gates (removing one renormalizes the rest); set "
+                      "rnn.layer_norm=False or use train.prune.structure='unstructured'")
+            if cfg.rnn.bidirectional:
+                _fail("rnn.bidirectional", True, "structured pruning cannot remove hidden units of "
+                      "a bidirectional layer yet; set rnn.bidirectional=False")
+            if m.kind not in ("lm", "classifier"):
+                _fail("model.kind", m.kind, "structured pruning of an LSTM/GRU knows the "
+                      "consumers of the 'lm' and 'classifier' trunks only")
+            if m.kind == "lm" and cfg.output.name != "full":
+                _fail("output.name", cfg.output.name, "structured pruning of an LSTM/GRU removes "
+                      "hidden units from the 'full' output layer only")
+            if not (layers_name(p.layers, "input") and layers_name(p.layers, "recurrent")):
+                _fail("train.prune.layers", p.layers, "an LSTM/GRU hidden unit owns input and "
+                      "recurrent weights; name both (e.g. 'input,recurrent')")
+        elif m.arch != "transformer":
+            _fail("train.prune.structure", p.structure, "structured pruning removes Transformer "
+                  f"heads and MLP neurons and LSTM/GRU hidden units; model.arch={m.arch!r} has "
+                  "none: use 'unstructured' or 'N:M'")
+        if p.method not in ("magnitude", "random"):
+            _fail("train.prune.method", p.method, "structured pruning ranks whole heads and "
+                  "neurons by 'magnitude' (their weights' L2 norm) or 'random'")
+        if p.scope != "layer":
+            _fail("train.prune.scope", p.scope, "structured pruning removes the same number of "
+                  "heads and neurons from every block (so the shrunk model is one config); set "
+                  "train.prune.scope='layer'")
+        from hpnlp import attention as attention_lib
+        heads = m.arch == "transformer" and (layers_name(p.layers, "qkv")
+                                             or layers_name(p.layers, "out"))
+        if heads and m.kv_heads() < m.num_heads:
+            _fail("train.prune.structure", p.structure, f"model.num_kv_heads={m.num_kv_heads} "
+                  "shares each key/value head among query heads, so removing a head is not one "
+                  "slice of each product; set train.prune.layers='mlp' (or prune a multi-head "
+                  "model)")
+        if heads and m.kv_latent_dim:
+            _fail("train.prune.structure", p.structure, f"model.kv_latent_dim={m.kv_latent_dim} "
+                  "derives every head's keys and values from one shared latent, so removing a "
+                  "head is not one slice of each product; set train.prune.layers='mlp'")
+        if heads and not attention_lib.get(cfg.attention.name).heads_independent:
+            free = [n for n in attention_lib.names() if attention_lib.get(n).heads_independent]
+            _fail("train.prune.structure", p.structure, f"attention variant "
+                  f"{cfg.attention.name!r} has per-head parameters or random draws, so its heads "
+                  f"cannot be removed; use a variant whose heads are independent ({', '.join(free)}) "
+                  "or set train.prune.layers='mlp'")
+        extra = sorted(k for k in QUANT_LAYERS if layers_name(p.layers, k)
+                       and k not in ("qkv", "out", "mlp", "input", "recurrent"))
+        if extra:
+            _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out), "
+                  f"MLP neurons (mlp) and LSTM/GRU hidden units (input, recurrent); {extra} have "
+                  "no such units")
+    elif p.structure != "unstructured":
+        try:
+            n, mm = (int(v) for v in p.structure.split(":"))
+        except ValueError:
+            n = mm = None
+        if n is None or not 0 < n < mm:
+            _fail("train.prune.structure", p.structure, "'unstructured', 'structured' (heads and "
+                  "MLP neurons) or 'N:M' with 0 < N < M (e.g. '2:4': 2 kept in every 4 weights "
+                  "along the contraction)")
+        if p.scope != "layer":
+            _fail("train.prune.scope", p.scope, "N:M groups are pruned each on its own; set "
+                  "train.prune.scope='layer'")
+        if p.schedule != "oneshot":
+            _fail("train.prune.schedule", p.schedule, "N:M masks are made once, at start_step; "
+                  "set train.prune.schedule='oneshot'")
+        widths = [("model.width", m.width), ("model.mlp_dim", m.mlp_dim),
+                  ("model.num_heads * head size", m.num_heads * m.dims_per_head())]
+        if m.moe.enabled():  # found in review: the experts' own width went unchecked
+            widths.append(("model.moe.mlp_dim (each expert's width)", m.moe.expert_dim(m)))
+        for field, width in widths:
+            if width % mm:
+                _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
+                      "(groups split each product's contraction)")
