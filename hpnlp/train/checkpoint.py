@@ -15,7 +15,6 @@ restores under any number of processes and devices.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -227,13 +226,20 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""
+        where = os.path.join(self.directory, str(step))
+        other = _other_shapes(os.path.join(where, "state"), abstract_state)
+        if other:  # refused from the stored metadata: a restore that fails part-way leaves
+            # orbax's reads of the other arrays pending on a closed event loop
+            raise CheckpointMismatch(
+                f"checkpoint {where} holds arrays of other shapes than this run's model "
+                f"({other}): the workdir holds a different model's checkpoints; resume it with "
+                "the config it was trained with (its config.json), or use a new --workdir")
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
                 data=ocp.args.JsonRestore(),
                 loop=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 (whatever orbax raises: the step cannot be read)
-            where = os.path.join(self.directory, str(step))
             if "not compatible with the stored shape" in str(e):  # another model's arrays
                 raise CheckpointMismatch(
                     f"checkpoint {where} holds arrays of other shapes than this run's model "
@@ -264,6 +270,36 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _plain_path(path) -> tuple:
+    """A pytree path as plain names and indices, the same for a train state's attributes and
+    named tuples and for the dicts and lists its checkpoint's metadata reads back as."""
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def _other_shapes(state_dir: str, abstract_state) -> str:
+    """The arrays of a saved train state whose shapes differ from `abstract_state`'s, named
+    with both shapes ("" when none differ, or when the metadata cannot say: a layout that
+    differs, or an unreadable step, is left to the restore's own error)."""
+    try:
+        from etils import epath
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            meta = handler.metadata(epath.Path(state_dir))
+        finally:
+            handler.close()
+        saved = {_plain_path(p): tuple(x.shape)
+                 for p, x in jax.tree_util.tree_leaves_with_path(meta) if hasattr(x, "shape")}
+    except Exception:  # noqa: BLE001 (no metadata to compare: the restore reports)
+        return ""
+    now = {_plain_path(p): tuple(x.shape)
+           for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+    if saved.keys() != now.keys():
+        return ""
+    differ = [("/".join(map(str, k)), saved[k], now[k]) for k in now if saved[k] != now[k]]
+    shown = "; ".join(f"{name}: saved {a}, now {b}" for name, a, b in differ[:3])
+    return shown + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
 
 
 def _newest(workdir: str):
