@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import os
 import tempfile
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -101,9 +102,13 @@ def _linear_calls(M: int, K: int, N: int, group: int) -> tuple[dict, dict]:
         lin = torch.nn.Linear(K, N, bias=False)
         with torch.no_grad():
             lin.weight.copy_(torch.from_numpy(np.asarray(w).T.copy()))
-        qlin = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear},
-                                                      dtype=torch.qint8)
-        xt = torch.from_numpy(np.asarray(x))
+        with warnings.catch_warnings():  # torch.ao.quantization's deprecation notices (they
+            # point to torchao, not installed here); this is still torch's own int8 Linear
+            warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
+            warnings.filterwarnings("ignore", message="torch.quantize_per_tensor")
+            qlin = torch.ao.quantization.quantize_dynamic(
+                torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
+        xt = torch.from_numpy(np.array(x))  # a writable copy: torch warns on a read-only one
 
         def run(m):
             with torch.no_grad():
