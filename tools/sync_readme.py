@@ -40,7 +40,15 @@ def section(path: str, heading: str | None) -> str:
         raise SystemExit(f"{path} has no line {heading!r}; rerun its benchmark or fix README.md")
     end = next((i for i in range(start, len(lines))
                 if lines[i].startswith("#") and len(lines[i].split(" ", 1)[0]) <= len(level)), len(lines))
-    return "\n".join(lines[start:end]).strip() + "\n"
+    return relink("\n".join(lines[start:end]).strip() + "\n", os.path.dirname(path))
+
+
+LINK = re.compile(r"\]\(([^)#:\s]+)")  # a relative link's target (no scheme, not an anchor)
+
+
+def relink(text: str, folder: str) -> str:
+    """`text`'s relative links, written from `folder`, as README.md at the root reads them."""
+    return LINK.sub(lambda m: "](" + os.path.normpath(os.path.join(folder, m.group(1))), text)
 
 
 def render(readme: str) -> str:

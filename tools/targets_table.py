@@ -7,8 +7,10 @@ A benchmark run that an issue sets targets for writes a `targets` map into its
 `results.json` (see docs/benchmarks.md). The records of one benchmark on several CPUs (or
 a GPU) each hold their own map, so whether a target holds depends on the machine; this
 table puts every map side by side, one row per (target, record), with the machine its
-header names. Nothing in it is typed: it is rendered from the records, and
-`tests/test_readme.py` fails when it is out of date.
+header names; then, per benchmark, one row per record and one column per target, the
+tables the README embeds (`<!-- BEGIN generated: docs/benchmarks/targets.md ### rnn -->`).
+Nothing in it is typed: it is rendered from the records, and `tests/test_readme.py` fails
+when it is out of date.
 """
 
 from __future__ import annotations
@@ -24,37 +26,96 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join("docs", "benchmarks", "targets.md")
 
 
+# AMD's (family, model) of the EPYCs the records name, by core generation
+AMD_CORES = {(25, 1): "Zen 3", (25, 17): "Zen 4", (26, 2): "Zen 5"}
+
+
 def machine(info: dict) -> str:
-    """The machine a record names: its accelerator, or its CPU with family and model and
-    whether the kernels had AVX-512 there."""
+    """The machine a record names: its accelerator, or its CPU with family, model and
+    stepping and whether the kernels had AVX-512 there."""
     if info.get("backend", "cpu") != "cpu":
         return (info.get("devices") or ["?"])[0]
     d = info.get("cpu_detail") or {}
-    ident = ", ".join(f"{k} {d[k]}" for k in ("family", "model") if k in d)
+    ident = ", ".join(f"{k} {d[k]}" for k in ("family", "model", "stepping") if k in d)
     isa = "AVX-512" if "avx512f" in d.get("features", []) else "AVX2" if "avx2" in d.get("features", []) else ""
     return " ".join(x for x in (info.get("cpu") or "?", f"({ident})" if ident else "", isa) if x)
+
+
+def short_machine(info: dict) -> str:
+    """The machine in a few words: an EPYC by its core generation, a Xeon by model and
+    stepping, "AVX2 only" where the kernels had no AVX-512."""
+    if info.get("backend", "cpu") != "cpu":
+        return (info.get("devices") or ["?"])[0]
+    d = info.get("cpu_detail") or {}
+    family, model, stepping = d.get("family"), d.get("model"), d.get("stepping")
+    if d.get("vendor") == "AuthenticAMD":
+        name = "AMD EPYC " + AMD_CORES.get((family, model), f"family {family} model {model}")
+    elif d.get("vendor") == "GenuineIntel":
+        name = f"Intel Xeon model {model}, stepping {stepping}"
+    else:
+        name = info.get("cpu") or "?"
+    return name + ("" if "avx512f" in d.get("features", []) else " (AVX2 only)")
 
 
 def number(v) -> str:
     return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def rows() -> list[tuple]:
-    """(target, record folder, machine, date, value, op, bound, met) of every record."""
+def records() -> list[tuple[str, dict]]:
+    """(folder under docs/benchmarks, results.json) of every record with a targets map."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "**", "results.json"),
                                  recursive=True)):
         with open(path) as f:
             payload = json.load(f)
-        targets = payload.get("targets")
-        if not targets:
-            continue
+        if payload.get("targets"):
+            out.append((os.path.relpath(os.path.dirname(path),
+                                        os.path.join(ROOT, "docs", "benchmarks")), payload))
+    return out
+
+
+def rows() -> list[tuple]:
+    """(target, record folder, machine, date, value, op, bound, met) of every record."""
+    out = []
+    for folder, payload in records():
         info = payload.get("machine") or {}
-        folder = os.path.relpath(os.path.dirname(path), os.path.join(ROOT, "docs", "benchmarks"))
-        for name, t in targets.items():
+        for name, t in payload["targets"].items():
             out.append((name, folder, machine(info), (info.get("date") or "?")[:10], t.get("value"),
                         t.get("op"), t.get("bound"), bool(t.get("met"))))
     return sorted(out, key=lambda r: (r[0], r[1]))
+
+
+def by_benchmark() -> list[str]:
+    """A table per benchmark (the records sharing one set of targets, named by their folders'
+    common prefix): a row per record, its main folder first, a column per target."""
+    groups: dict[tuple, list] = {}
+    for folder, payload in records():
+        groups.setdefault(tuple(sorted(payload["targets"])), []).append((folder, payload))
+    lines = []
+    for names, members in sorted(groups.items(), key=lambda g: g[1][0][0]):
+        name = os.path.commonprefix([f for f, _ in members]).rstrip("_") or members[0][0]
+        members.sort(key=lambda m: (m[0] != name, m[0]))
+        heads = []
+        for n in names:
+            given = {(p["targets"][n].get("op"), p["targets"][n].get("bound")) for _, p in members}
+            op, bound = next(iter(given))
+            heads.append(f"`{n}` {op} {number(bound)}" if len(given) == 1 else f"`{n}`")
+        lines += [f"### {name}", "",
+                  "| record | machine | date | " + " | ".join(heads) + " | met |",
+                  "|---|---|---|" + "---|" * len(names) + "---|"]
+        for folder, payload in members:
+            info = payload.get("machine") or {}
+            cells, met = [], 0
+            for n in names:
+                tg = payload["targets"][n]
+                met += bool(tg.get("met"))
+                value = number(tg.get("value"))
+                cells.append(value if tg.get("met") else f"**{value}**")
+            lines.append(f"| [`{folder}`]({folder}/results.md) | {short_machine(info)} | "
+                         f"{(info.get('date') or '?')[:10]} | " + " | ".join(cells)
+                         + f" | {met} of {len(names)} |")
+        lines.append("")
+    return lines
 
 
 def render() -> str:
@@ -75,7 +136,10 @@ def render() -> str:
     for name, folder, mach, date, value, op, bound, ok in rs:
         lines.append(f"| `{name}` | [`{folder}`]({folder}/results.md) | {mach} | {date} | "
                      f"{number(value)} | {op} {number(bound)} | {'yes' if ok else '**no**'} |")
-    return "\n".join(lines) + "\n"
+    lines += ["", "## By benchmark", "",
+              "Each benchmark's records side by side: a row per record, a column per target with "
+              "its bound, misses in bold.", ""] + by_benchmark()
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def main() -> None:
