@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import chex
 import jax
@@ -272,6 +273,18 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
                        r"damaged or incomplete: move it aside") as e:
         run(cd, str(tmp_path))
     assert "bound method" not in str(e.value) and "\n" not in str(e.value)
+    # a damaged run to start from (train.init_from, or a teacher) is one line too: it was
+    # orbax's traceback; and orbax's reads the failed restores abandoned print nothing more
+    # (a README walk: up to 1,300 lines after the error, whenever they were collected)
+    cd.train.init_from = str(tmp_path)
+    with pytest.raises(CheckpointMismatch, match=r"checkpoints/4 cannot be read \(.*\); it is "
+                       r"damaged or incomplete: move it aside to read the step before it$"):
+        run(cd, str(tmp_path / "fine_tune"))
+    from hpnlp.train import checkpoint
+    assert getattr(sys.unraisablehook, "hpnlp_quiet", False)
+    closed = types.SimpleNamespace(object=None, exc_value=RuntimeError("Event loop is closed"))
+    other = types.SimpleNamespace(object=None, exc_value=RuntimeError("something else"))
+    assert checkpoint._aborted_read(closed) and not checkpoint._aborted_read(other)
 
 
 def test_workdir_of_another_model_is_refused(tmp_path):

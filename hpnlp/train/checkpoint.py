@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -254,14 +255,8 @@ class Checkpointer:
                     "entries); resume it as it was written, move it aside to resume from the "
                     "step before, or start a new --workdir from its parameters with "
                     f"--config.train.init_from={os.path.dirname(self.directory)}") from e
-            # TensorStore's first line ends in a pointer to more detail that prints as a bound
-            # method's repr (found by a README walk): kept out
-            detail = str(e).splitlines()[0].split(" See full TensorStore details")[0] if str(
-                e) else "no detail"
-            raise CheckpointMismatch(
-                f"checkpoint {where} cannot be read ({type(e).__name__}: {detail[:200]}); it is "
-                "damaged or incomplete: move it aside to resume from the step before, or use a "
-                "new --workdir") from e
+            raise _unreadable(where, e, "move it aside to resume from the step before, or "
+                              "use a new --workdir") from e
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
@@ -270,6 +265,45 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _unreadable(where: str, e: Exception, fix: str) -> CheckpointMismatch:
+    """The error for a checkpoint step that failed to read: damaged or incomplete, and the
+    `fix`. TensorStore's first line ends in a pointer to more
+    detail that prints as a bound method's repr (found by a README walk): kept out."""
+    _quiet_aborted_reads()
+    detail = str(e).splitlines()[0].split(" See full TensorStore details")[0] if str(
+        e) else "no detail"
+    return CheckpointMismatch(
+        f"checkpoint {where} cannot be read ({type(e).__name__}: {detail[:200]}); it is "
+        f"damaged or incomplete: {fix}")
+
+
+def _aborted_read(unraisable) -> bool:
+    """Whether an unraisable exception is one of orbax's reads abandoned by a failed restore:
+    its coroutine collected after the restore's event loop closed, or TensorStore finishing a
+    read for that closed loop."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return getattr(code, "co_name", "") == "_read_array_index_and_device_put" or (
+        isinstance(unraisable.exc_value, RuntimeError)
+        and str(unraisable.exc_value) == "Event loop is closed")
+
+
+def _quiet_aborted_reads() -> None:
+    """From a failed restore on, this process drops the tracebacks of orbax's abandoned reads
+    (`_aborted_read`) and passes every other unraisable exception on. A README walk's damaged
+    checkpoint printed hpnlp's one line, then up to 1,300 lines of them ('Exception ignored
+    in: <coroutine _read_array_index_and_device_put>', 'Event loop is closed'), at random:
+    whenever the reads finished or were collected."""
+    previous = sys.unraisablehook
+    if getattr(previous, "hpnlp_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not _aborted_read(unraisable):
+            previous(unraisable)
+    hook.hpnlp_quiet = True
+    sys.unraisablehook = hook
 
 
 def _plain_path(path) -> tuple:
@@ -352,8 +386,13 @@ def restore_params(workdir: str, like):
                                                            sharding=getattr(a, "sharding", None)),
                             like)
     item = {"params": abstract}
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-        partial_restore=True)))
-    manager.close()
+    try:
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)))
+    except Exception as e:  # noqa: BLE001 (whatever orbax raises: the step cannot be read)
+        raise _unreadable(os.path.join(manager.directory, str(step)), e,
+                          "move it aside to read the step before it") from e
+    finally:
+        manager.close()
     return out["state"]["params"]
