@@ -269,8 +269,8 @@ class Checkpointer:
 
 def _unreadable(where: str, e: Exception, fix: str) -> CheckpointMismatch:
     """The error for a checkpoint step that failed to read: damaged or incomplete, and the
-    `fix`. TensorStore's first line ends in a pointer to more
-    detail that prints as a bound method's repr (found by a README walk): kept out."""
+    `fix`. TensorStore's first line ends in a pointer to more detail that prints as a bound
+    method's repr (found by a README walk): kept out."""
     _quiet_aborted_reads()
     detail = str(e).splitlines()[0].split(" See full TensorStore details")[0] if str(
         e) else "no detail"
