@@ -184,8 +184,8 @@ def main(argv) -> None:
         with cfg.unlocked():
             getattr(cfg, group).options[key] = value
     try:
-        from hpnlp.paths import check_writable_dir
-        check_writable_dir(FLAGS.workdir, "--workdir")
+        from hpnlp.paths import check_workdir, check_writable_dir
+        check_workdir(FLAGS.workdir)
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
         summary = run(cfg, FLAGS.workdir, profile_dir=FLAGS.profile)

@@ -29,6 +29,27 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is not writable; give a folder you can write")
 
 
+def check_workdir(workdir: str, flag: str = "--workdir") -> None:
+    """Raises ValueError, naming `flag`, where a training run cannot write into `workdir`: it
+    cannot be a folder (`check_writable_dir`), or it holds files and no run (no config.json,
+    no checkpoints): another tool's output (a kNN-LM's summary, a datastore, a quantized or
+    prepared folder), which the run's files would replace or mix with (found by a README
+    walk: a kNN-LM's summary.json was overwritten, a datastore left unreadable). A new or
+    empty folder starts a run, a run's own folder resumes it."""
+    check_writable_dir(workdir, flag)
+    full = os.path.realpath(workdir)
+    if not os.path.isdir(full):
+        return
+    held = set(os.listdir(full))
+    if held & {"config.json", "checkpoints"}:
+        return
+    other = sorted(held - set(RUN_FOLDERS))
+    if other:
+        raise ValueError(f"{flag} {workdir} holds files but no training run ("
+                         f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}: another "
+                         "tool's output?); give a new or empty folder")
+
+
 def check_new_output(out: str, source: str | None, flag: str = "--out", *,
                      may_replace: tuple[str, ...] = ()) -> None:
     """Raises ValueError, naming `flag`, where writing a tool's results into `out` would lose

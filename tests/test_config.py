@@ -83,6 +83,17 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
     check_new_output(str(out), str(run), may_replace=("quant.json",))  # the tool's own, rewritten
     with pytest.raises(ValueError, match=r"holds files this command would not write \(quant.json\)"):
         check_new_output(str(out), str(run))
+    # a training run's --workdir: new, empty, tensorboard only or a run (it resumes); another
+    # tool's output is refused (a README walk: a kNN-LM's summary.json was overwritten, and a
+    # datastore beside a run's files was refused by knnlm ever after)
+    from hpnlp.paths import check_workdir
+    for ok in (tmp_path / "new", run):
+        check_workdir(str(ok))
+    os.makedirs(tmp_path / "empty" / "tensorboard")
+    check_workdir(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=r"--workdir .*/out holds files but no training run "
+                       r"\(quant.json: another tool's output\?\); give a new or empty folder"):
+        check_workdir(str(out))
 
 
 @pytest.mark.slow  # 7.2 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it

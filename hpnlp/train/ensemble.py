@@ -423,10 +423,10 @@ def _main(argv) -> None:
     for group, key, value in cli._option_overrides:
         with cfg.unlocked():
             getattr(cfg, group).options[key] = value
-    from hpnlp.paths import check_writable_dir
+    from hpnlp.paths import check_workdir, check_writable_dir
     from hpnlp.train import Interrupted, NonFiniteLoss
     try:
-        check_writable_dir(F.workdir, "--workdir")  # before a compile: it takes ensemble.json
+        check_workdir(F.workdir)  # before a compile: it takes ensemble.json
         if F.profile:
             check_writable_dir(F.profile, "--profile")
         if F.members:
