@@ -272,6 +272,11 @@ def test_cli_from_checkpoints(plain, averaged, tmp_path):
                          text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip() == (
         "hpnlp: error: --members 0: must be at least 1")
+    # a field of no config is one line, as hpnlp.main says it (a README walk: 55 lines)
+    bad = subprocess.run(cmd + ["--config.train.stepz=3"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith(
+        "hpnlp: error: --config.train.stepz: no such config field: 'stepz'"), bad.stderr[-2000:]
 
 
 # 6.0 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
