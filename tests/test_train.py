@@ -515,3 +515,26 @@ def test_resume_under_another_pos_emb_is_another_model(tmp_path):
         with pytest.raises(CheckpointMismatch, match=r"model.pos_emb: saved 'rope', now '%s'" % other):
             Checkpointer(str(tmp_path), cfg(other), keep=1)
     Checkpointer(str(tmp_path), cfg("rope"), keep=1).close()  # the same model resumes
+
+
+def test_a_mismatched_workdir_says_the_fix_for_its_reader(tmp_path):
+    """Found by a README walk: a tool reading a run (generate, ensembles of checkpoints) was
+    told to delete it; a seed ensemble read as one run was not named as one; and a run whose
+    config.json sets model.head_dim to width / heads (as shrink writes it) refused the resume
+    of a config leaving it unset."""
+    from hpnlp.train.checkpoint import Checkpointer
+    base = tiny()
+    cfg = from_configdict(base)
+    Checkpointer(str(tmp_path), cfg, keep=1).close()
+    os.makedirs(tmp_path / "checkpoints" / "1")  # a saved step: the workdir now resumes
+    wide = base.copy_and_resolve_references()
+    wide.model.width = 64
+    with pytest.raises(CheckpointMismatch, match=r"\(model.width: saved 32, now 64\)\. Read it "
+                       r"with the config it was trained with \(its config.json"):
+        Checkpointer(str(tmp_path), from_configdict(wide), keep=1, read_only=True)
+    with pytest.raises(CheckpointMismatch, match=r"It holds a single run, not a seed ensemble: "
+                       r"train or evaluate it with python -m hpnlp.main\.$"):
+        Checkpointer(str(tmp_path), cfg, keep=1, members=3)
+    explicit = base.copy_and_resolve_references()
+    explicit.model.head_dim = cfg.model.width // cfg.model.num_heads
+    Checkpointer(str(tmp_path), from_configdict(explicit), keep=1).close()  # the same model

@@ -133,6 +133,16 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
     return diff
 
 
+def _resolved(sig: dict, other: dict) -> dict:
+    """A shape signature with `model.head_dim` as the run computes it (width / heads) where
+    `other` sets it and `sig` does not (a README walk: a run shrunk with head_dim set to that
+    refused its own resume from a config leaving it unset)."""
+    if other.get("model.head_dim") and not sig.get("model.head_dim") and \
+            sig.get("model.width") and sig.get("model.num_heads"):
+        sig = {**sig, "model.head_dim": sig["model.width"] // sig["model.num_heads"]}
+    return sig
+
+
 def _shape_signature(cfg, members: int = 1) -> dict:
     sig = {"ensemble.members": members}  # a seed ensemble stacks M copies of every array
     for group, fields in _SHAPE_FIELDS.items():
@@ -190,14 +200,26 @@ class Checkpointer:
         if os.path.exists(self.config_path):
             saved = _read_config_json(self.config_path)
             old_sig = saved.get("shape_signature", {})
-            diff = {k: (old_sig.get(k), sig.get(k)) for k in {**old_sig, **sig}
-                    if old_sig.get(k) != sig.get(k)}
+            old_sig, new_sig = _resolved(old_sig, sig), _resolved(sig, old_sig)
+            diff = {k: (old_sig.get(k), new_sig.get(k)) for k in {**old_sig, **new_sig}
+                    if old_sig.get(k) != new_sig.get(k)}
             diff.update(_config_shape_diff(saved["config"], cfg))
             if diff and resuming:
                 lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+                saved_members = old_sig.get("ensemble.members", 1)
+                if saved_members != members:  # a seed ensemble read as one run, or the reverse
+                    fix = (f"It holds a seed ensemble of {saved_members}: train or evaluate it "
+                           f"with python -m hpnlp.train.ensemble --members {saved_members}"
+                           if saved_members > 1 else "It holds a single run, not a seed "
+                           "ensemble: train or evaluate it with python -m hpnlp.main")
+                elif write:
+                    fix = "Use a new --workdir, or delete that one to start over"
+                else:  # a tool reading the run (found by a README walk: it advised deleting it)
+                    fix = ("Read it with the config it was trained with (its config.json, "
+                           "or the experiment and overrides that wrote it)")
                 raise CheckpointMismatch(
                     f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a different "
-                    f"model ({lines}). Use a new --workdir, or delete that one to start over.")
+                    f"model ({lines}). {fix}.")
             if resuming and saved == json.loads(json.dumps(payload)):
                 return  # the same config: nothing to write
         if write and resuming:
