@@ -585,3 +585,14 @@ def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsy
                  "--index_options", "[32]"]) == 1
     assert "--index_options '[32]' is JSON but not an object" in capsys.readouterr().err
     assert not (tmp_path / "ds").exists()
+    # a seed ensemble's workdir: one line naming it (a README walk: a 26-line traceback)
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train.checkpoint import Checkpointer
+    ens = tmp_path / "ens"
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    Checkpointer(str(ens), from_configdict(cd), keep=1, members=2).close()
+    os.makedirs(ens / "checkpoints" / "1")
+    assert main(["knnlm", "--workdir", str(ens), "--datastore", str(tmp_path / "ds")]) == 1
+    assert "It holds a seed ensemble of 2: train or evaluate it with python -m " \
+        "hpnlp.train.ensemble --members 2" in capsys.readouterr().err

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from hpnlp.config import ConfigError
     from hpnlp.retrieval import RetrievalError, encoder, knnlm
+    from hpnlp.train.checkpoint import CheckpointMismatch
     try:
         if args.command == "encoder":
             summary = encoder.evaluate(args.workdir, out=args.out)
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
             summary = knnlm.run(args.workdir, args.datastore, index=args.index,
                                 index_options=options, metric=args.metric,
                                 max_eval_tokens=args.max_eval_tokens, out=args.out)
-    except (RetrievalError, ConfigError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (RetrievalError, ConfigError, CheckpointMismatch, FileNotFoundError,
+            json.JSONDecodeError) as e:  # CheckpointMismatch: a README walk's seed ensemble
         print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=1))
