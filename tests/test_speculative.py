@@ -196,6 +196,10 @@ def test_bad_drafts_and_lengths_are_refused_before_compiling():
         (cfg, dict(ok, draft_tokens=16, length=1), "must be below the target's model.max_len=16"),
         (cfg, dict(ok, prompt_len=LEN), "it needs 1 to 13 tokens: shorten the prompt"),
         (make_cfg("classifier"), ok, "needs a Transformer LM"),
+        # a README walk: a traceback from inside the decode's trace
+        (dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
+            cfg.model.moe, num_experts=4, router="expert_choice"))), ok,
+         "the draft: decoding a model.moe.router='expert_choice' model"),
     ]
     # a byte LM's own tokenizer, named or not: the same
     byte_lm = dataclasses.replace(cfg, data=DataConfig(task="byte_lm"))

@@ -164,10 +164,10 @@ def check_call(length, rng, **counts) -> None:
                          "rng=jax.random.key(0)")
 
 
-def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
-    """A ValueError, naming what is wrong, where `cfg` is not a causal LM's or the prompt is
-    not [batch, length] integer token ids; the ids (and `prompt_len_B`) are checked against
-    the vocabulary (and the prompt's length) where they are concrete, not traced."""
+def check_decodes(cfg: Config) -> None:
+    """A ValueError, naming the field, where `cfg`'s model cannot decode a token at a time:
+    not a causal Transformer LM, random features redrawn by reversible blocks, or experts
+    that choose their tokens (`expert_choice` ranks a whole group's)."""
     if cfg.model.kind != "lm":
         raise ValueError(f"decoding needs a causal LM (model.kind='lm'); this config is a "
                          f"model.kind={cfg.model.kind!r} one")
@@ -182,6 +182,18 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
         raise ValueError(f"decoding a model.reversible=True model with attention.name="
                          f"{cfg.attention.name!r} would draw other random features than its "
                          "training did; decode a model.reversible=False run of it")
+    if cfg.model.moe.num_experts and cfg.model.moe.router == "expert_choice":
+        # a README walk: a traceback from the layer's own check, inside the decode's trace
+        raise ValueError("decoding a model.moe.router='expert_choice' model: each expert ranks "
+                         "a whole group's tokens, which one decoded token at a time does not "
+                         "have; decode a run with a token-choice router ('switch' or 'top_k')")
+
+
+def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
+    """A ValueError, naming what is wrong, where `cfg` cannot decode (`check_decodes`) or the
+    prompt is not [batch, length] integer token ids; the ids (and `prompt_len_B`) are checked
+    against the vocabulary (and the prompt's length) where they are concrete, not traced."""
+    check_decodes(cfg)
     shape, dtype = jnp.shape(prompt_BP), getattr(prompt_BP, "dtype", None)
     if len(shape) != 2 or shape[1] < 1 or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"the prompt must be a [batch, length >= 1] array of integer token ids; "
@@ -333,6 +345,7 @@ def main(argv=None) -> int:
             raise NoCheckpoint(f"{workdir}: a model.kind={cfg.model.kind!r}, model.arch="
                                f"{cfg.model.arch!r} run; generate decodes Transformer LMs "
                                "(model.kind='lm', model.arch='transformer')")
+        check_decodes(cfg)  # before any weights load or compile
         cfg = with_kv_cache(cfg, workdir)
         trainer = Trainer(cfg, workdir, read_only=True)
         if trainer.checkpointer.latest_step() is None:
@@ -359,6 +372,7 @@ def main(argv=None) -> int:
         if cfg.model.kind != "lm":
             raise NoCheckpoint(f"{out}: a quantized {cfg.model.kind!r} model; generate needs "
                                "an LM (model.kind='lm')")
+        check_decodes(cfg)
         cfg = with_kv_cache(cfg, out)
         with open(os.path.join(out, "quant.json")) as f:
             source = json.load(f).get("source", {}).get("workdir")

@@ -52,6 +52,11 @@ def check(cfg: Config, draft_cfg: Config, *, length: int, draft_tokens: int,
         if c.model.kind != "lm" or c.model.arch != "transformer":
             raise ValueError(f"speculative decoding: the {role} is a model.kind={c.model.kind!r}, "
                              f"model.arch={c.model.arch!r} run; it needs a Transformer LM")
+        from hpnlp.models.generate import check_decodes
+        try:
+            check_decodes(c)
+        except ValueError as e:
+            raise ValueError(f"speculative decoding: the {role}: {e}") from None
         if not attention_lib.get(c.attention.name).exact_cache():
             raise ValueError(
                 f"speculative decoding: the {role}'s attention.name={c.attention.name!r} keeps a "
