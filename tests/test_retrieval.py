@@ -496,6 +496,11 @@ def test_interpolation_formula_and_lambda_zero_is_the_lm():
     store = knnlm.Datastore("ds", {}, np.zeros((4, 3), np.float16), np.zeros(4, np.int32))
     with pytest.raises(RetrievalError, match="metric='L2'; choose 'l2'"):
         store.index("exact", metric="L2")
+    # the index is built (ivf's cells trained) when made, not in the first search (a README
+    # walk: the k-means ran in the kNN-LM's first eval batch, outside its build_s)
+    keys = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float16)
+    store = knnlm.Datastore("ds", {}, keys, np.zeros(64, np.int32))
+    assert store.index("ivf", lists=4).centroids is not None
 
 
 def _tiny_lm():

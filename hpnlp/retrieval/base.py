@@ -92,6 +92,11 @@ class Index(abc.ABC):
                               "search needs finite vectors")
         return x
 
+    def prepare(self) -> None:
+        """Build what searches read now (trained cells, packed panels, a ScaNN searcher)
+        rather than in the first search, so that the time counts as building; an index with
+        nothing to build does nothing."""
+
     def add(self, vectors) -> None:
         """Append `vectors` [N, D]; they get ids count, count + 1, ..."""
         x = self._vectors(vectors, "vectors to add")

@@ -170,6 +170,10 @@ class ScaNN(HostIndex):
         builder = builder.score_ah(2, anisotropic_quantization_threshold=0.2)
         self.searcher = builder.reorder(o["reorder"]).build()
 
+    def prepare(self) -> None:
+        if self.searcher is None:
+            self._build()
+
     def _search(self, q_QD, k):
         if self.searcher is None:
             self._build()
