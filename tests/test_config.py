@@ -154,7 +154,11 @@ def test_task_fields_are_filled_in():
     ({"train": {"end_lr_frac": -1.0}}, "train.end_lr_frac", "[0, 1]"),
     ({"train": {"b2": 1.0}}, "train.b2", "[0, 1)"),
     ({"train": {"warmup_steps": 5000, "steps": 10}}, "train.warmup_steps", "< train.steps"),
-    ({"mesh": {"data": 3}}, "mesh", "multiply to the device count 1"),
+    ({"mesh": {"data": 3}}, "mesh", "the axis sizes multiply to 3, not the device count 1"),
+    # a README walk: it said "got {'data': 0, ...}" of data=-1, the axis that could not fill
+    ({"mesh": {"expert": 3}}, "mesh", "the other axes' sizes multiply to 3, which does not "
+     "divide the 1 device(s), so mesh.data=-1 cannot fill the rest; give axis sizes whose "
+     "product divides 1 ([1])"),
     ({"train": {"early_stopping_metric": "acc"}}, "train.early_stopping_metric", "accuracy"),
     ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "decay needs steps"),
     ({"model": {"num_classes": 2, "kind": "classifier"}, "data": {"task": "listops"}},

@@ -625,9 +625,18 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("mesh", {a: -1 for a in filled}, "at most one axis may be -1")
     sizes = mesh.axis_sizes(n)
     if math.prod(sizes.values()) != n or 0 in sizes.values():
-        shown = {a: getattr(mesh, a) for a in MESH_AXES}
-        _fail("mesh", shown, f"the axis sizes must multiply to the device count {n} "
-              f"(got {sizes}); set one axis to -1 to fill the rest")
+        given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
+        fixed = {a: v for a, v in given.items() if v != -1}
+        simulate = (" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates "
+                    "N devices)" if jax.default_backend() == "cpu" else "")
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        if filled:  # a README walk: "got {'data': 0, ...}" for an axis that does not divide
+            _fail("mesh", given, f"the other axes' sizes multiply to {math.prod(fixed.values())}, "
+                  f"which does not divide the {n} device(s), so mesh.{filled[0]}=-1 cannot fill "
+                  f"the rest; give axis sizes whose product divides {n} ({divisors})" + simulate)
+        _fail("mesh", given, f"the axis sizes multiply to {math.prod(fixed.values())}, not the "
+              f"device count {n}; give sizes whose product is {n}, or set one axis to -1 to "
+              "fill the rest" + simulate)
     for logical, axes in mesh.rules.items():
         if logical not in DEFAULT_RULES:
             _fail(f"mesh.rules.{logical}", axes,
