@@ -559,6 +559,10 @@ def test_route_reports_where_tokens_went():
     with pytest.raises(ValueError, match="cannot read stacked layers"):
         route(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, stack_layers=True)),
               params, batch)
+    # a README walk: a dense model was a bare KeyError
+    with pytest.raises(ValueError, match=r"no MoE blocks \(model.moe.num_experts=0\)"):
+        route(dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, moe=dataclasses.replace(cfg.model.moe, num_experts=0))), params, batch)
 
 
 def test_fold_aux_keeps_vectors_per_layer_and_scalars_summed():

@@ -21,6 +21,9 @@ def route(cfg, params, batch) -> dict:
         >>> expert_BL = routes[1]["weights"].argmax(-1)           # top-1: each token's expert
     """
     from hpnlp import models
+    if not cfg.model.moe.num_experts:  # a README walk: a bare KeyError: 'moe_routes'
+        raise ValueError("hpnlp.moe.route: this model has no MoE blocks "
+                         "(model.moe.num_experts=0); route a run trained with experts")
     if cfg.model.stack_layers:  # found in review: a KeyError deep in the routes' collection
         raise ValueError("hpnlp.moe.route cannot read stacked layers yet "
                          "(model.stack_layers=True: the blocks run as one scan, which keeps no "
