@@ -529,10 +529,28 @@ def _tiny_lm():
 # 6.3 s in the suite on the 2-core Zen 3 (2026-12-01 evening, the README command over 10 min):
 # CI's slow part runs it (the default run keeps the interpolation's formula test)
 @pytest.mark.slow
-def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path):
+def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
     import jax
     cfg, model, params, train, held = _tiny_lm()
     L = cfg.data.seq_len
+    # interrupted (Ctrl-C) after its first batch: no partial keys left behind (a README walk)
+    real, calls = knnlm.ordered_batches, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        it = real(*args, **kwargs)
+        if len(calls) == 1:  # the width probe
+            return it
+
+        def gen():
+            yield next(it)
+            raise KeyboardInterrupt
+        return gen()
+    monkeypatch.setattr(knnlm, "ordered_batches", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=L)
+    monkeypatch.setattr(knnlm, "ordered_batches", real)
+    assert os.listdir(tmp_path / "ds") == []
     store = knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=L)
     assert store.keys.dtype == np.float16 and len(store.keys) == int(np.sum(train.lengths - 1))
     np.testing.assert_array_equal(store.values, np.concatenate(

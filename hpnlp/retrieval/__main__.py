@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     k.add_argument("--index_options", default="{}", help='JSON, e.g. \'{"nprobe": 32}\'')
     k.add_argument("--metric", default="l2", help="l2 (the paper's) | ip")
     k.add_argument("--max_eval_tokens", type=int, default=0, help="0: the whole held-out split")
+    k.add_argument("--max_datastore_tokens", type=int, default=0,
+                   help="0: every training token; N: the first training chunks' N (a quick try)")
     k.add_argument("--out", default=None, help="folder for summary.json")
     e = sub.add_parser("encoder", help="held-out recall@1/10 and MRR of a trained bi-encoder")
     e.add_argument("--workdir", required=True, help="a trained bi-encoder run (experiments/encoder.py)")
@@ -51,11 +53,16 @@ def main(argv=None) -> int:
                                      'object; give one, e.g. \'{"nprobe": 32}\'')
             summary = knnlm.run(args.workdir, args.datastore, index=args.index,
                                 index_options=options, metric=args.metric,
-                                max_eval_tokens=args.max_eval_tokens, out=args.out)
+                                max_eval_tokens=args.max_eval_tokens,
+                                max_datastore_tokens=args.max_datastore_tokens, out=args.out)
     except (RetrievalError, ConfigError, CheckpointMismatch, FileNotFoundError,
             json.JSONDecodeError) as e:  # CheckpointMismatch: a README walk's seed ensemble
         print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a README walk: a traceback (a datastore's rerun starts over)
+        print("hpnlp.retrieval: interrupted; rerun the same command to start again",
+              file=sys.stderr)
+        return 130
     print(json.dumps(summary, indent=1))
     return 0
 

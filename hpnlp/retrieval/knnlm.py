@@ -102,19 +102,23 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     probe = next(ordered_batches(ex, rows=1, seq_len=seq_len, select=[0]))
     forward = _forward(model)
     width = int(forward(params, probe)[0].shape[-1])
-    keys = np.lib.format.open_memmap(os.path.join(folder, "keys.tmp.npy"), mode="w+",
-                                     dtype=np.float16, shape=(n, width))
+    tmp = os.path.join(folder, "keys.tmp.npy")
+    keys = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(n, width))
     values = np.empty((n,), np.int32)
     at = 0
-    with _progress(n, "datastore") as bar:
-        for batch in ordered_batches(ex, rows=rows, seq_len=seq_len):
-            h_BLE, _ = forward(params, batch)
-            real = batch["segment_ids"] > 0
-            got = np.asarray(h_BLE)[real]
-            keys[at:at + len(got)] = got.astype(np.float16)
-            values[at:at + len(got)] = batch["targets"][real]
-            at += len(got)
-            bar.update(len(got))
+    try:
+        with _progress(n, "datastore") as bar:
+            for batch in ordered_batches(ex, rows=rows, seq_len=seq_len):
+                h_BLE, _ = forward(params, batch)
+                real = batch["segment_ids"] > 0
+                got = np.asarray(h_BLE)[real]
+                keys[at:at + len(got)] = got.astype(np.float16)
+                values[at:at + len(got)] = batch["targets"][real]
+                at += len(got)
+                bar.update(len(got))
+    except BaseException:  # Ctrl-C included: no partial keys left (a README walk: 957 MB)
+        os.remove(tmp)  # unlinked while mapped: freed when the map goes
+        raise
     assert at == n, (at, n)
     keys.flush()
     del keys
