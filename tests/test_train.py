@@ -67,7 +67,7 @@ def test_throughput_leaves_out_the_steps_that_compile(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # 8.3 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
-def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch):
+def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
     summary = run(tiny(steps=40, eval_every=20), str(tmp_path))
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     train = [l for l in lines if not l.get("eval")]
@@ -88,9 +88,13 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch):
     # found by the crash hunt: rerunning the finished run trains nothing and keeps what its
     # training measured (it had rewritten the data stats as empty and the memory as idle's)
     saved = json.load(open(tmp_path / "summary.json"))
+    capsys.readouterr()
     again = run(tiny(steps=40, eval_every=20), str(tmp_path))
     for key in ("throughput", "peak_memory", "data", "resumed_from_step"):
         assert again[key] == saved[key], key
+    # and says so (a README walk: it said only "resuming from step 40")
+    assert "resuming from step 40 in " in (err := capsys.readouterr().err) and \
+        "; train.steps=40 are done, nothing to train (raise --config.train.steps" in err
     # a resume under a changed config writes config.json with its first checkpoint, so a
     # resume that fails before one leaves the file describing the checkpoints
     from hpnlp.config import from_configdict, validate

@@ -376,8 +376,10 @@ class Trainer:
         writer = MetricWriter(self.workdir, resume_step=start if resumed else None)
         show = t.progress and jax.process_index() == 0
         if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
-            print(f"{cfg.name}: resuming from step {start} in {self.checkpointer.directory}",
-                  file=sys.stderr, flush=True)
+            print(f"{cfg.name}: resuming from step {start} in {self.checkpointer.directory}"
+                  + (f"; train.steps={t.steps} are done, nothing to train (raise "
+                     "--config.train.steps to train on)" if start >= t.steps else ""),
+                  file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
                    mininterval=0.2 if sys.stderr.isatty() else 15.0)
