@@ -113,6 +113,11 @@ def test_rejects_bad_settings():
             lib.init(make(cutoffs=bad), h, t)
     with pytest.raises(ValueError, match="mode="):
         lib.init(make(mode="fast"), h, t)
+    # one integer from the command line (--config.output.options.cutoffs=100): a TypeError
+    from hpnlp import softmax
+    with pytest.raises(ValueError, match=r"output.options.cutoffs` = 100 is not allowed: must "
+                       r"be a list of increasing integers"):
+        softmax.check_config("adaptive", {"cutoffs": 100}, vocab_size=V, frequency_sorted=True)
 
 
 def test_default_cutoffs():

@@ -542,3 +542,19 @@ def test_a_mismatched_workdir_says_the_fix_for_its_reader(tmp_path):
     explicit = base.copy_and_resolve_references()
     explicit.model.head_dim = cfg.model.width // cfg.model.num_heads
     Checkpointer(str(tmp_path), from_configdict(explicit), keep=1).close()  # the same model
+
+
+def test_a_refused_config_is_said_though_another_process_removed_the_workdir(tmp_path,
+                                                                            monkeypatch):
+    """A README walk: in a 2-process run both refuse the config, and the first to clean up
+    removes the empty workdir; the other's listing of it failed, so it printed 'No such file
+    or directory' in place of the config's error."""
+    from hpnlp.config import ConfigError
+    from hpnlp.train import loop
+
+    def refuse(self, cfg, workdir, **kw):
+        os.rmdir(workdir)  # the other process, first
+        raise ConfigError("config field `train.batch_size` = 3 is not allowed")
+    monkeypatch.setattr(loop.Trainer, "__init__", refuse)
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        run(tiny(), str(tmp_path / "w"))

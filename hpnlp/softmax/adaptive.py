@@ -136,6 +136,9 @@ class AdaptiveSoftmax(nn.Module):
             raise config_error(f"{field}.div_value", options["div_value"], "must be > 0")
         cuts = options.get("cutoffs")
         if cuts is not None:
+            if not isinstance(cuts, (list, tuple)):  # a README walk: one int was a TypeError
+                raise config_error(f"{field}.cutoffs", cuts, "must be a list of increasing "
+                                   "integers, e.g. [2000, 10000] (one cutoff: [2000])")
             cuts = tuple(cuts)
             if not _valid_cutoffs(cuts, vocab_size):
                 raise config_error(f"{field}.cutoffs", cuts, "must be strictly increasing integers "

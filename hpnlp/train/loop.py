@@ -632,8 +632,11 @@ def run(cfg, workdir: str, *, profile_dir: str | None = None) -> dict:
     try:
         trainer = Trainer(cfg, workdir)
     except Exception:  # a refused config leaves no empty folder behind (found by a README walk)
-        if made and not os.listdir(workdir):
-            os.rmdir(workdir)
+        try:  # another process of the run may have removed it first (a README walk: its
+            if made and not os.listdir(workdir):  # FileNotFoundError hid the config's error)
+                os.rmdir(workdir)
+        except OSError:
+            pass
         raise
     return trainer.run(profile_dir=profile_dir)
 
