@@ -144,6 +144,11 @@ def test_task_fields_are_filled_in():
     ({"attention": {"name": "chunked", "options": {"blocksize": 8}}},
      "attention.options.blocksize", "block_q"),
     ({"attention": {"name": "xla"}, "data": {"batching": "pack"}}, "data.batching", None),
+    # a README walk: both failed after the data was built, naming no field
+    ({"attention": {"name": "xla", "options": {"implementation": "foo"}}, "data": {
+        "batching": "pad"}}, "attention.options.implementation", "choose 'xla', 'cudnn'"),
+    ({"attention": {"name": "xla", "options": {"implementation": "cudnn"}}, "data": {
+        "batching": "pad"}}, "attention.options.implementation", "cuDNN runs on a GPU"),
     ({"model": {"width": 30, "num_heads": 4}}, "model.width", "divisible by model.num_heads"),
     ({"model": {"kind": "classifier"}}, "model.kind", "needs model.kind='lm'"),
     ({"model": {"dtype": "float8"}}, "model.dtype", "bfloat16"),

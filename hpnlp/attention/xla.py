@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from hpnlp.attention.base import Attention, check_inputs, register
+from hpnlp.config import config_error
 
 
 @register("xla")
@@ -22,6 +23,20 @@ class XlaAttention(Attention):
 
     implementation: str | None = None  # None: let JAX choose; "xla" or "cudnn" to force
     supports_segments = False
+
+    @classmethod
+    def check_config(cls, options, *, seq_len, causal, field="attention.options"):
+        """`implementation`: None, "xla", or "cudnn" where JAX runs on a GPU (a README walk:
+        another name, or cudnn on a CPU, failed after the data was built, naming no field)."""
+        super().check_config(options, seq_len=seq_len, causal=causal, field=field)
+        impl = options.get("implementation")
+        if impl not in (None, "xla", "cudnn"):
+            raise config_error(f"{field}.implementation", impl, "choose 'xla', 'cudnn' (a GPU) "
+                               "or leave it unset (None: JAX chooses)")
+        if impl == "cudnn" and jax.default_backend() != "gpu":
+            raise config_error(f"{field}.implementation", impl, f"cuDNN runs on a GPU, and JAX "
+                               f"runs on the {jax.default_backend()}; choose 'xla' or leave it "
+                               "unset")
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         check_inputs(q, k, v, mask)
