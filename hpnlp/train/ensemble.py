@@ -441,8 +441,9 @@ def _main(argv) -> None:
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
     except Interrupted as e:  # as hpnlp.main says it
-        print(f"hpnlp: {e}", file=sys.stderr)
-        sys.exit(130)
+        cli.exit_interrupted(f"hpnlp: {e}")
+    except KeyboardInterrupt:  # before the first step or after the last
+        cli.exit_interrupted("hpnlp: interrupted")
     if jax.process_index() == 0:
         with open(os.path.join(F.workdir, "ensemble.json"), "w") as f:
             json.dump(report, f, indent=1)
