@@ -151,6 +151,9 @@ def test_task_fields_are_filled_in():
         "batching": "pad"}}, "attention.options.implementation", "cuDNN runs on a GPU"),
     ({"model": {"width": 30, "num_heads": 4}}, "model.width", "divisible by model.num_heads"),
     ({"model": {"kind": "classifier"}}, "model.kind", "needs model.kind='lm'"),
+    # a README walk: a classifier trained the same with any output layer
+    ({"model": {"kind": "classifier"}, "data": {"task": "listops"}, "output": {"name": "vmf"}},
+     "output.name", "a model.kind='classifier' model has its own head and ignores it"),
     ({"model": {"dtype": "float8"}}, "model.dtype", "bfloat16"),
     ({"data": {"task": "imdb"}}, "data.task", "listops"),
     ({"data": {"seq_len": 128}}, "data.seq_len", "model.max_len=64"),

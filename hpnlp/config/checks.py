@@ -12,7 +12,8 @@ from typing import Any, Mapping
 from hpnlp.config.compress_checks import _check_compress, _check_lowrank, _check_quant
 from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_PREDICTIONS,
                                  MESH_AXES, MOE_ROUTERS, REMAT_NAMES, Config, ConfigError,
-                                 ModelConfig, MoEConfig, _check_choice, _check_positive, _fail)
+                                 ModelConfig, MoEConfig, OutputConfig, _check_choice,
+                                 _check_positive, _fail)
 
 
 # What the model gives an output layer itself: not options (found in review: accepted, then
@@ -598,6 +599,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("model.lowrank.rank", lr.rank, f"the head product is [{k}, {n}] (data.task="
                   f"{d.task!r} has {C} classes), of rank at most {min(k, n)}; lower the rank or "
                   "drop 'head' from model.lowrank.layers")
+    if m.kind != "lm":  # a README walk: a classifier trained the same with any of them
+        for f in ("name", "tie_embeddings", "options"):
+            if getattr(cfg.output, f) != getattr(OutputConfig(), f):
+                _fail(f"output.{f}", getattr(cfg.output, f), f"output.* configures an LM's "
+                      f"layer over the vocabulary; a model.kind={m.kind!r} model has its own "
+                      "head and ignores it: leave output.* unset")
     if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
             and not cfg.output.tie_embeddings:
         _fail("output.tie_embeddings", False, f"output layer {cfg.output.name!r} predicts the "
