@@ -54,6 +54,9 @@ flags.DEFINE_integer("num_processes", _env_int("HPNLP_NUM_PROCESSES", 1),
                      "Number of processes in a multi-host run.")
 flags.DEFINE_integer("process_id", _env_int("HPNLP_PROCESS_ID", 0),
                      "This process's index in a multi-host run.")
+flags.DEFINE_integer("init_timeout", _env_int("HPNLP_INIT_TIMEOUT", 300),
+                     "Seconds each process of a multi-host run waits for every process to "
+                     "join at --coordinator before it gives up.")
 flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps to this folder "
                     "(open it in TensorBoard's profile tab or Perfetto).")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -72,6 +75,7 @@ flags.register_validator(
     "coordinator", _valid_coordinator,
     "must be HOST:PORT (port 1..65535), the address process 0 listens on, e.g. "
     "--coordinator=10.0.0.1:8476 (HPNLP_COORDINATOR sets the default)")
+flags.register_validator("init_timeout", lambda v: v >= 1, "must be at least 1 (seconds)")
 flags.register_multi_flags_validator(
     ["coordinator", "num_processes", "process_id"],
     lambda f: f["num_processes"] >= 1 and 0 <= f["process_id"] < f["num_processes"]
@@ -165,15 +169,57 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(1)
 
 
-def exit_interrupted(message: str) -> None:
-    """Say `message` and exit 130 at once. Not through the interpreter's shutdown: a Ctrl-C
-    during a compile leaves XLA's threads running, and the shutdown then segfaulted (exit 139
-    in 4 of 5 tries in a README walk). By here every `finally` has run, and the loop has
-    waited for the checkpoint under way."""
+def exit_interrupted(message: str, code: int = 130, together: bool = False) -> None:
+    """Say `message` and exit with `code` (130 Ctrl-C, 143 SIGTERM) at once. Not through the
+    interpreter's shutdown: a Ctrl-C during a compile leaves XLA's threads running, and the
+    shutdown then segfaulted (exit 139 in 4 of 5 tries in a README walk). By here every
+    `finally` has run, and the loop has waited for the checkpoint under way. `together`:
+    every process of a multi-process run stopped at the same step (hpnlp.train.stop), so
+    they leave the coordination service together; a process leaving alone would take it
+    from the others mid-exit."""
     print(message, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130)
+    if together:
+        import jax
+        if jax.process_count() > 1:
+            jax.distributed.shutdown()
+    os._exit(code)
+
+
+def join_processes(cfg) -> None:
+    """In a multi-host run (--coordinator): check the config as far as it does not depend on
+    the devices, then join the other processes (jax.distributed), saying so. Found in a README
+    walk: a process started alone waited 5 minutes before it read the config, and then
+    aborted with a C++ stack trace; now a bad config fails at once, and the wait ends in one
+    line after --init_timeout seconds."""
+    if not FLAGS.coordinator:
+        return
+    import threading
+
+    import jax
+
+    from hpnlp.config import from_configdict, validate
+    n, i = FLAGS.num_processes, FLAGS.process_id
+    where, limit = FLAGS.coordinator, FLAGS.init_timeout
+    validate(from_configdict(cfg), num_processes=n, devices=False)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
+          "every process (--init_timeout)", file=sys.stderr, flush=True)
+
+    def give_up() -> None:  # before JAX's own abort at the same deadline
+        print(f"hpnlp: error: process {i} of {n}: not every process joined at {where} within "
+              f"{limit} s; start processes 0 to {n - 1} with the same --coordinator and "
+              f"--num_processes (process 0 on the host of {where}), or raise --init_timeout",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    timer = threading.Timer(max(limit - 1.0, 0.5), give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(where, n, i, initialization_timeout=limit)
+    finally:
+        timer.cancel()
 
 
 def main(argv) -> None:
@@ -183,9 +229,6 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     import jax
 
-    if FLAGS.coordinator:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
     from hpnlp.config import ConfigError
     from hpnlp.train import Interrupted, NonFiniteLoss, run
     from hpnlp.train.checkpoint import CheckpointMismatch
@@ -199,13 +242,14 @@ def main(argv) -> None:
         check_workdir(FLAGS.workdir)
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
+        join_processes(cfg)
         summary = run(cfg, FLAGS.workdir, profile_dir=FLAGS.profile)
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
         # Config, data-file and checkpoint problems: one line saying what and how to fix.
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except Interrupted as e:  # Ctrl-C while training: which checkpoint a rerun resumes from
-        exit_interrupted(f"hpnlp: {e}")
+    except Interrupted as e:  # Ctrl-C or SIGTERM while training: what a rerun resumes from
+        exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt:  # before the first step or after the last
         exit_interrupted("hpnlp: interrupted")
     if jax.process_index() == 0:

@@ -202,6 +202,24 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
                                                     "--num_processes", "2"]), expect=1)
     assert "--coordinator=127.0.0.1: must be HOST:PORT" in bad
     assert not os.path.exists(tmp_path / "bad")
+    # Found in a README walk: a process started alone waited 5 minutes before it read the
+    # config, then aborted with a C++ stack trace. A bad config now fails before the wait...
+    alone = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num_processes", "2",
+             "--process_id", "1", "--init_timeout", "2"]
+    t0 = time.time()
+    (bad,) = finish(launch(tmp_path / "alone", extra=[*alone, "--config.model.width=-3"]),
+                    expect=1)
+    assert "config field `model.width` = -3 is not allowed" in bad and "joining" not in bad
+    # ... and the wait ends in one line after --init_timeout seconds
+    (bad,) = finish(launch(tmp_path / "alone", extra=alone), expect=1)
+    assert time.time() - t0 < 60
+    assert bad.splitlines()[-2:] == [
+        f"hpnlp: process 1 of 2: joining the run at {alone[1]}, waiting up to 2 s for every "
+        "process (--init_timeout)",
+        f"hpnlp: error: process 1 of 2: not every process joined at {alone[1]} within 2 s; "
+        f"start processes 0 to 1 with the same --coordinator and --num_processes (process 0 "
+        f"on the host of {alone[1]}), or raise --init_timeout"], bad
+    assert not os.path.exists(tmp_path / "alone")
     # A tensor axis across the 2 processes would replicate the batch over them while each
     # reads half of it: refused by both processes, before compiling, and neither hangs.
     logs = finish(launch(tmp_path / "tensor", processes=2,
@@ -210,3 +228,51 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
         assert f"config field `mesh` does not split the batch over processes: process {i} of 2" \
             in log, log[-2000:]
     assert not os.path.exists(tmp_path / "tensor" / "checkpoints")
+
+
+def _stop_when_training(run, workdir, after_step: int, process: int, sig) -> list[int]:
+    """Send `sig` to one process of `run` once it logged `after_step`; return every process's
+    exit code."""
+    procs, deadline = run
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    while time.time() < deadline:
+        assert all(p.poll() is None for p, _ in procs), "a process ended before the signal"
+        if os.path.exists(metrics) and any(l.get("step", 0) >= after_step
+                                           for l in map(json.loads, open(metrics))):
+            break
+        time.sleep(0.1)
+    procs[process][0].send_signal(sig)
+    codes = [p.wait(timeout=max(deadline - time.time(), 0.1)) for p, _ in procs]
+    for _, log in procs:
+        log.close()
+    return codes
+
+
+@pytest.mark.slow
+def test_sigterm_or_ctrl_c_in_one_process_stops_both_at_one_saved_step(tmp_path, launch):
+    """Found in a README walk: in a run of 2 processes SIGTERM was ignored (JAX's preemption
+    service takes it), and Ctrl-C in one left the other waiting minutes in a collective for
+    it. Now both agree on a step, save it and exit, and the rerun resumes from it."""
+    import re
+    import signal
+    work = tmp_path / "run"
+    endless = ["--config.train.steps=100000", "--config.train.checkpoint_every=0"]
+    codes = _stop_when_training(launch(work, processes=2, extra=endless), work, 3, 1,
+                                signal.SIGINT)
+    logs = [open(f"{work}.p{i}.log").read() for i in range(2)]
+    assert codes == [143, 130], logs
+    first = {int(re.search(r"stopped at step (\d+)", log).group(1)) for log in logs}
+    assert len(first) == 1, logs
+    (first,) = first
+    assert "on Ctrl-C in this process, every process with it" in logs[1]
+    assert "with every process, one of which took SIGTERM or Ctrl-C" in logs[0]
+    assert os.listdir(work / "checkpoints") == [str(first)]
+    # the rerun resumes there; SIGTERM to process 0 (the coordinator's) stops both again
+    codes = _stop_when_training(launch(work, processes=2, extra=endless), work, first + 2, 0,
+                                signal.SIGTERM)
+    log = open(f"{work}.p0.log").read()
+    assert codes == [143, 143], log
+    assert f"resuming from step {first} in " in log
+    second = int(re.search(r"stopped at step (\d+)", log).group(1))
+    assert second > first and str(second) in os.listdir(work / "checkpoints")
+    assert [s for s, _ in losses(work)] == list(range(1, second + 1))

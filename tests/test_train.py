@@ -246,15 +246,34 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
     calls = []
     real_global = loop._global
 
-    def interrupt_at_step_5(batch, sharding):
-        calls.append(1)
-        if len(calls) == 5 + 2:  # step 5's batch (steps 2 and 4 evaluated one batch each)
-            raise KeyboardInterrupt
-        return real_global(batch, sharding)
-    monkeypatch.setattr(loop, "_global", interrupt_at_step_5)
-    with pytest.raises(Interrupted, match=r"^interrupted at step 5; the newest checkpoint is "
-                       r"step 4 in .*: rerun the same command to resume from it$"):
+    def signal_at(steps):  # steps: {step: what to do as its batch goes to the devices}
+        def put(batch, sharding):
+            calls.append(1)
+            # the batches of steps 1, 2, 2's eval, 3; resumed from 3: of 4, 4's eval, 5
+            act = steps.get(len(calls))
+            if act:
+                act()
+            return real_global(batch, sharding)
+        return put
+    # SIGTERM (a scheduler's preemption notice, `kill`) during step 2's eval: taken at step
+    # 3, saved, and exit 143; then the resume from it is stopped by Ctrl-C during step 5: at
+    # once, naming step 4
+    monkeypatch.setattr(loop, "_global", signal_at({3: lambda: os.kill(os.getpid(),
+                                                                        signal.SIGTERM)}))
+    with pytest.raises(Interrupted, match=r"^stopped at step 3 on SIGTERM; saved step 3 in "
+                       r".*: rerun the same command to resume from it$") as e:
         run(cd, str(tmp_path))
+    assert (e.value.exit_code, e.value.saved) == (143, True)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the loop's handler is gone
+    calls.clear()
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "_global", signal_at({3: ctrl_c}))
+    with pytest.raises(Interrupted, match=r"^interrupted at step 5; the newest checkpoint is "
+                       r"step 4 in .*: rerun the same command to resume from it$") as e:
+        run(cd, str(tmp_path))
+    assert (e.value.exit_code, e.value.saved) == (130, False)
     monkeypatch.setattr(loop, "_global", real_global)
     capsys.readouterr()
     real = Trainer.evaluate
@@ -266,7 +285,7 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
                        r"is step 4 in "):
         run(cd, str(tmp_path))
     assert "tiny: resuming from step 4 in " in capsys.readouterr().err
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "4"]  # keep=2
     # the newest checkpoint's array files gone: one line, without TensorStore's pointer to
     # more detail (it printed as a bound method's repr)
     for root, _, files in os.walk(tmp_path / "checkpoints" / "4" / "state"):

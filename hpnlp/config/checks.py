@@ -324,11 +324,15 @@ def _check_kv_latent(cfg: Config) -> None:
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
-             num_devices: int | None = None, num_processes: int = 1) -> Config:
+             num_devices: int | None = None, num_processes: int = 1,
+             devices: bool = True) -> Config:
     """Check every field; returns the config with task-derived fields filled in.
 
     `task_info` has `kind` ("lm" | "classify" | "match"), `vocab_size`, `num_classes`;
     it comes from `hpnlp.data.task_info(cfg.data)` without building the data set.
+    `devices=False` leaves out what depends on the devices (the mesh, the batch's split):
+    a process of a multi-process run checks the rest before it waits for the others, when
+    JAX may not touch a device yet.
     """
     from hpnlp import attention, softmax  # registries; imported late to avoid cycles
 
@@ -620,6 +624,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                              frequency_sorted=info.get("frequency_sorted"))
 
     # Devices and batch.
+    if not devices:
+        return dataclasses.replace(cfg, model=model)
     import jax
     n = jax.device_count() if num_devices is None else num_devices
     mesh = cfg.mesh

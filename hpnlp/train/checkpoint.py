@@ -192,6 +192,9 @@ class Checkpointer:
         self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        # The training loop keeps the preemption sync point's step counter (hpnlp.train.stop);
+        # Orbax's save would set that counter to the step number it saves.
+        self.manager.reached_preemption = lambda step: False
 
     def _check_or_write_config(self, cfg, members: int, write: bool = True) -> None:
         sig = _shape_signature(cfg, members)

@@ -416,9 +416,6 @@ def _main(argv) -> None:
               + (", not both" if F.members > 0 else ""), file=sys.stderr)
         sys.exit(1)
     logging.set_verbosity(logging.WARNING)
-    if F.coordinator:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(F.coordinator, F.num_processes, F.process_id)
     cfg = F.config
     for group, key, value in cli._option_overrides:
         with cfg.unlocked():
@@ -429,6 +426,7 @@ def _main(argv) -> None:
         check_workdir(F.workdir)  # before a compile: it takes ensemble.json
         if F.profile:
             check_writable_dir(F.profile, "--profile")
+        cli.join_processes(cfg)
         if F.members:
             os.makedirs(F.workdir, exist_ok=True)
             trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members)
@@ -441,7 +439,7 @@ def _main(argv) -> None:
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
     except Interrupted as e:  # as hpnlp.main says it
-        cli.exit_interrupted(f"hpnlp: {e}")
+        cli.exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt:  # before the first step or after the last
         cli.exit_interrupted("hpnlp: interrupted")
     if jax.process_index() == 0:

@@ -33,6 +33,7 @@ from hpnlp.train.checkpoint import (Checkpointer, check_params_match, load_run_c
                                     restore_params)
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_params, init_state, make_optimizer
+from hpnlp.train.stop import StopSignals
 from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_compiler_options
 
 
@@ -41,8 +42,15 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """The user stopped training (Ctrl-C, SIGINT): says which checkpoint a rerun resumes from.
-    Still a KeyboardInterrupt, so what stops on one (a benchmark's rows) stops on it."""
+    """The user stopped training (Ctrl-C, SIGINT; SIGTERM: see hpnlp.train.stop): says which
+    checkpoint a rerun resumes from. Still a KeyboardInterrupt, so what stops on one (a
+    benchmark's rows) stops on it. `exit_code`: the process's (130 Ctrl-C, 143 SIGTERM);
+    `saved`: the loop saved its step and every process stopped there (they can shut down
+    together)."""
+
+    def __init__(self, message: str, exit_code: int = 130, saved: bool = False):
+        super().__init__(message)
+        self.exit_code, self.saved = exit_code, saved
 
 
 _MAXIMIZE = ("accuracy",)
@@ -487,8 +495,10 @@ class Trainer:
         pending = None
         step = start
         profiling = False
+        stop = StopSignals(multi=jax.process_count() > 1)
+        stopping = False
         try:
-            with self._context():
+            with self._context(), stop:
                 for step in range(start + 1, t.steps + 1):
                     if stopped_early:  # a rerun of a run that already stopped early
                         break
@@ -523,9 +533,12 @@ class Trainer:
                         jax.block_until_ready(metrics)
                         jax.profiler.stop_trace()
                         profiling = False
-                    do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+                    # SIGTERM (or Ctrl-C in a run of several processes): save and stop here
+                    stopping = stop.reached() and step < t.steps
+                    do_eval = ((t.eval_every and step % t.eval_every == 0)
+                               or step == t.steps) and not stopping
                     do_ckpt = ((t.checkpoint_every and step % t.checkpoint_every == 0)
-                               or step == t.steps)
+                               or step == t.steps or stopping)
                     if not (do_eval or do_ckpt):
                         continue
                     consume(*pending)
@@ -562,7 +575,7 @@ class Trainer:
                     if do_ckpt:
                         save(step, state, last_eval)
                     paused(time.perf_counter() - t_pause)
-                    if stopped_early:
+                    if stopped_early or stopping:
                         break
                 if pending is not None:
                     consume(*pending)
@@ -580,6 +593,12 @@ class Trainer:
                 f"interrupted at step {step}; " + (
                     f"the newest checkpoint is {good}: rerun the same command to resume from it"
                     if good else "no checkpoint was saved yet: a rerun starts over")) from None
+        if stopping:
+            good = newest_checkpoint()
+            self.checkpointer.close()
+            writer.close()
+            bar.close()
+            raise Interrupted(stop.message(step, good), stop.exit_code, saved=True)
         jax.block_until_ready(state)
         elapsed = time.perf_counter() - timing["t0"] if timing["t0"] else 0.0
         bar.close()

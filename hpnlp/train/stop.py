@@ -1,0 +1,81 @@
+"""A clean stop on request: SIGTERM (a scheduler's preemption notice, `kill`, `timeout`)
+and, in a run of several processes, Ctrl-C in any one of them. Every process saves the same
+step's checkpoint and exits, so a rerun of the same command loses no step.
+
+One process: SIGTERM during the training loop is taken at the next step. Ctrl-C still
+stops at once (naming the newest checkpoint), as it did.
+
+Several processes: `jax.distributed.initialize` starts JAX's preemption service, whose
+handler takes SIGTERM in every process (without this loop a SIGTERM was ignored) and tells
+the others through the coordination service; the processes agree on the next step that all
+of them can reach (`reached_preemption_sync_point`). Ctrl-C in one process is turned into
+that SIGTERM, so the others stop with it instead of waiting minutes in a collective for a
+process that is gone (found in a README walk). A second Ctrl-C stops the process at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+
+# The steps this process's training loops have taken: the preemption sync's step counter.
+# Not the step number: a notice that comes before the first step (while the step compiles)
+# is synced at counter 1, which a resumed run's first step must reach too.
+_calls = itertools.count(1)
+
+
+class StopSignals:
+    """`with StopSignals(multi) as stop:` around the training loop; `stop.reached()` once per
+    step says whether to save this step's checkpoint and stop, the same answer in every
+    process. `stop.taken` is the signal this process took (None if another process's)."""
+
+    def __init__(self, multi: bool):
+        self.multi = multi
+        self.taken: str | None = None
+        self._saved: dict[int, object] = {}
+
+    def _on_term(self, signum, frame) -> None:  # one process
+        if self.taken:  # a second SIGTERM: die as the first would have
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.taken = "SIGTERM"
+
+    def _on_int(self, signum, frame) -> None:  # several processes
+        if self.taken:
+            raise KeyboardInterrupt
+        self.taken = "Ctrl-C"
+        os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption handler tells every process
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # else Python refuses
+            which, handler = ((signal.SIGINT, self._on_int) if self.multi
+                              else (signal.SIGTERM, self._on_term))
+            self._saved[which] = signal.signal(which, handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for which, handler in self._saved.items():
+            signal.signal(which, handler)
+        self._saved.clear()
+
+    def reached(self) -> bool:
+        if not self.multi:
+            return self.taken is not None
+        from jax.experimental import multihost_utils
+        try:
+            return multihost_utils.reached_preemption_sync_point(next(_calls))
+        except RuntimeError:  # jax_enable_preemption_service off: SIGTERM is not taken
+            return False
+
+    def message(self, step: int, checkpoint: str) -> str:
+        why = (f"on {self.taken}" if not self.multi else
+               f"on {self.taken} in this process, every process with it" if self.taken else
+               "with every process, one of which took SIGTERM or Ctrl-C")
+        return (f"stopped at step {step} {why}; saved {checkpoint}: rerun the same command "
+                "to resume from it")
+
+    @property
+    def exit_code(self) -> int:
+        return 130 if self.taken == "Ctrl-C" else 143  # 128 + SIGINT, 128 + SIGTERM
