@@ -310,8 +310,23 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
     assert checkpoint._aborted_read(closed) and not checkpoint._aborted_read(other)
 
 
-def test_workdir_of_another_model_is_refused(tmp_path):
+def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     run(tiny(steps=10), str(tmp_path))
+    # Another attention with the same arrays resumes (a README walk: a dense run refused
+    # `chunked`), here a run at its end, which evaluates what it restores; one with other
+    # arrays is refused from the checkpoint's metadata, naming both
+    cd = tiny(steps=10)
+    cd.attention.name = "chunked"
+    run(cd, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "tiny: resuming from step 10 in " in err and (
+        " under another attention (attention.name: saved 'dense', now 'chunked'; the same "
+        "arrays); train.steps=10 are done" in err)
+    cd.attention.name = "synthesizer"
+    with pytest.raises(CheckpointMismatch, match=r"another attention \(attention.name: saved "
+                       r"'(\w+)', now 'synthesizer'\) whose arrays differ from this run's "
+                       r"\(params/\S+: saved no such array, now \("):
+        run(cd, str(tmp_path))
     cd = tiny(steps=10)
     cd.model.width = 64
     with pytest.raises(CheckpointMismatch, match=r"model.width: saved 32, now 64.*new --workdir"):

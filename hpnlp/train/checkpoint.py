@@ -189,6 +189,9 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
         self._pending_config = None
+        # "attention.name: saved 'dense', now 'chunked'" where the resume changes only the
+        # attention: allowed when the saved arrays fit this run's (checked in `restore`)
+        self.attention_changed = ""
         self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -207,8 +210,14 @@ class Checkpointer:
             diff = {k: (old_sig.get(k), new_sig.get(k)) for k in {**old_sig, **new_sig}
                     if old_sig.get(k) != new_sig.get(k)}
             diff.update(_config_shape_diff(saved["config"], cfg))
-            if diff and resuming:
-                lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            if diff and resuming and set(diff) <= {"attention.name", "attention.options"}:
+                # Variants that share the projections (dense, chunked, flash, xla, ...) hold
+                # the same arrays: a resume or a tool may switch between them. Whether the
+                # arrays fit is read from the checkpoint's metadata before it is restored.
+                # (A README walk: a dense run refused a resume under `chunked`.)
+                self.attention_changed = lines
+            elif diff and resuming:
                 saved_members = old_sig.get("ensemble.members", 1)
                 if saved_members != members:  # a seed ensemble read as one run, or the reverse
                     fix = (f"It holds a seed ensemble of {saved_members}: train or evaluate it "
@@ -253,7 +262,14 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""
         where = os.path.join(self.directory, str(step))
-        other = _other_shapes(os.path.join(where, "state"), abstract_state)
+        other = _other_shapes(os.path.join(where, "state"), abstract_state,
+                              other_tree=bool(self.attention_changed))
+        if other and self.attention_changed:
+            raise CheckpointMismatch(
+                f"workdir {os.path.dirname(self.directory)} holds checkpoints of another "
+                f"attention ({self.attention_changed}) whose arrays differ from this run's "
+                f"({other}). Resume it with the attention it was trained with, or use a new "
+                "--workdir")
         if other:  # refused from the stored metadata: a restore that fails part-way leaves
             # orbax's reads of the other arrays pending on a closed event loop
             raise CheckpointMismatch(
@@ -337,10 +353,11 @@ def _plain_path(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
-def _other_shapes(state_dir: str, abstract_state) -> str:
+def _other_shapes(state_dir: str, abstract_state, other_tree: bool = False) -> str:
     """The arrays of a saved train state whose shapes differ from `abstract_state`'s, named
     with both shapes ("" when none differ, or when the metadata cannot say: a layout that
-    differs, or an unreadable step, is left to the restore's own error)."""
+    differs, or an unreadable step, is left to the restore's own error). `other_tree`: the
+    arrays that only one of them holds are named too (another attention's parameters)."""
     try:
         from etils import epath
         handler = ocp.StandardCheckpointHandler()
@@ -354,10 +371,13 @@ def _other_shapes(state_dir: str, abstract_state) -> str:
         return ""
     now = {_plain_path(p): tuple(x.shape)
            for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
-    if saved.keys() != now.keys():
+    if saved.keys() != now.keys() and not other_tree:
         return ""
-    differ = [("/".join(map(str, k)), saved[k], now[k]) for k in now if saved[k] != now[k]]
-    shown = "; ".join(f"{name}: saved {a}, now {b}" for name, a, b in differ[:3])
+    differ = [("/".join(map(str, k)), saved.get(k), now.get(k))
+              for k in sorted({**saved, **now}, key=lambda k: (str(k[0]) != "params", str(k)))
+              if saved.get(k) != now.get(k)]  # the parameters first, then their moments
+    shape = lambda x: "no such array" if x is None else x
+    shown = "; ".join(f"{name}: saved {shape(a)}, now {shape(b)}" for name, a, b in differ[:3])
     return shown + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
 
 

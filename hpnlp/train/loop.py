@@ -385,6 +385,8 @@ class Trainer:
         show = t.progress and jax.process_index() == 0
         if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
             print(f"{cfg.name}: resuming from step {start} in {self.checkpointer.directory}"
+                  + (f" under another attention ({self.checkpointer.attention_changed}; the "
+                     "same arrays)" if self.checkpointer.attention_changed else "")
                   + (f"; train.steps={t.steps} are done, nothing to train (raise "
                      "--config.train.steps to train on)" if start >= t.steps else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
