@@ -184,6 +184,11 @@ def test_task_fields_are_filled_in():
     ({"model": {"num_kv_heads": 8}}, "model.num_kv_heads", "must divide model.num_heads=4"),
     ({"model": {"num_kv_heads": -1}}, "model.num_kv_heads", "integer >= 0"),
     ({"model": {"num_kv_heads": 2, "arch": "lstm"}}, "model.num_kv_heads", "model.arch='lstm'"),
+    # a README walk: these trained an LSTM as if unset
+    ({"model": {"arch": "lstm"}, "attention": {"name": "lsh"}}, "attention.name",
+     "model.arch='lstm' has no attention"),
+    ({"model": {"arch": "gru", "pos_emb": "rope"}}, "model.pos_emb", "default ('learned')"),
+    ({"model": {"arch": "lstm", "remat": "full"}}, "model.remat", "model.arch='transformer'"),
     ({"model": {"num_kv_heads": 1}, "train": {"prune": {"method": "magnitude", "sparsity": 0.5,
                                                        "structure": "structured"}}},
      "train.prune.structure", "train.prune.layers='mlp'"),
@@ -231,9 +236,12 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
 
 
 def test_rope_and_sinusoidal_train_past_max_len():
-    """No table bounds their positions (only decoding's cache, generate's own check)."""
+    """No table bounds their positions (only decoding's cache, generate's own check), nor an
+    LSTM's, which has none, and whose width no heads need to divide (a README walk: refused
+    for both, with the Transformer's reasons)."""
     for pos_emb in ("sinusoidal", "rope"):
         validate(base(model={"pos_emb": pos_emb}, data={"seq_len": 128}), num_devices=1)
+    validate(base(model={"arch": "lstm", "num_heads": 3}, data={"seq_len": 128}), num_devices=1)
     with pytest.raises(ConfigError, match="model.pos_emb='sinusoidal' or 'rope'"):
         validate(base(data={"seq_len": 128}), num_devices=1)
 

@@ -323,6 +323,29 @@ def _check_kv_latent(cfg: Config) -> None:
                   "model.kv_latent_rope_dim to an even number below model.head_dim")
 
 
+RECURRENT_ARCHS = ("lstm", "gru", "bag")  # model.arch values without attention
+
+
+def _check_not_transformer(cfg: Config) -> None:
+    """An LSTM, a GRU or a bag of embeddings has no attention, heads, position embeddings or
+    Transformer blocks: a setting of those other than its default would do nothing, so it is
+    refused by name (a README walk: attention.name='lsh' trained an LSTM as if unset). The
+    Transformer's sizes (num_heads, mlp_dim, max_len) are left alone: an experiment sets
+    them for every arch it offers (experiments/encoder.py)."""
+    m = cfg.model
+    if m.arch not in RECURRENT_ARCHS:
+        return
+    for field, value, default in (("attention.name", cfg.attention.name, "dense"),
+                                  ("attention.options", dict(cfg.attention.options), {}),
+                                  ("model.pos_emb", m.pos_emb, "learned"),
+                                  ("model.remat", m.remat, "none"),
+                                  ("model.head_dim", m.head_dim, 0)):
+        if value != default:
+            _fail(field, value, f"model.arch={m.arch!r} has no attention, heads, position "
+                  f"embeddings or Transformer blocks, so it would do nothing; leave it at its "
+                  f"default ({default!r}), or use model.arch='transformer'")
+
+
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
              num_devices: int | None = None, num_processes: int = 1,
              devices: bool = True) -> Config:
@@ -342,7 +365,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _check_positive(f"model.{name}", getattr(m, name))
     if not isinstance(m.head_dim, int) or m.head_dim < 0:
         _fail("model.head_dim", m.head_dim, "must be an integer >= 0 (0: width / num_heads)")
-    if not m.head_dim and m.width % m.num_heads:
+    # model.arch 'lstm', 'gru' and 'bag' have no heads, positions or attention: the
+    # Transformer's rules for them do not apply (a README walk: an LSTM was refused for
+    # model.num_heads=3 not dividing its width; `_check_not_transformer` below)
+    recurrent = m.arch in RECURRENT_ARCHS
+    if not recurrent and not m.head_dim and m.width % m.num_heads:
         _fail("model.width", m.width,
               f"must be divisible by model.num_heads={m.num_heads} (head_dim = width / heads), "
               "or set model.head_dim")
@@ -350,7 +377,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if not 0.0 <= m.dropout < 1.0:
         _fail("model.dropout", m.dropout, "must be in [0, 1)")
     _check_choice("model.pos_emb", m.pos_emb, ("learned", "sinusoidal", "rope"))
-    if m.pos_emb == "rope" and m.dims_per_head() % 2:
+    if m.pos_emb == "rope" and m.dims_per_head() % 2 and not recurrent:
         _fail("model.pos_emb", m.pos_emb, f"RoPE rotates pairs of dims, and each head has "
               f"{m.dims_per_head()} (odd); set model.head_dim (or model.width / model.num_heads) "
               "even, or use model.pos_emb='learned'")
@@ -386,6 +413,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.remat", m.remat, "model.reversible=True already recomputes each block in the "
               "backward pass; set model.remat='none'")
     _check_choice("model.arch", m.arch, ("transformer", "transformer_xl", "lstm", "gru", "bag"))
+    _check_not_transformer(cfg)
     if m.arch == "bag" and m.kind != "bi_encoder":
         _fail("model.arch", m.arch, "a bag of embeddings has no sequence model, only the "
               "bi-encoder pools one; set model.kind='bi_encoder' or another model.arch")
@@ -552,7 +580,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
     # sinusoidal and rope positions have no table: rows longer than model.max_len train, and
     # only decoding (generate: length <= model.max_len, the cache's size) is bounded by it
-    if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch != "transformer_xl":
+    if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch == "transformer":
         _fail("data.seq_len", d.seq_len,
               f"must be <= model.max_len={m.max_len} (the learned position table); "
               "raise model.max_len or use model.pos_emb='sinusoidal' or 'rope'")
