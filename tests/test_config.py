@@ -1,6 +1,5 @@
 """Bad configs fail fast, before anything compiles, naming field, value and what is allowed."""
 
-import dataclasses
 import os
 import subprocess
 import sys

@@ -191,6 +191,14 @@ def test_word_lm_vocab_sorted_by_frequency():
     assert t.decode(t.encode("And God said\nlet there be light")) == "and god said\nlet there be light"
     assert t.encode("zzyzx")[0] == t.meta["unk_id"]
     assert 0 < t.baseline["unigram_loss"] < np.log(500)
+    # generate says both (a README walk: a prompt came back lowercased, a word as <unk>)
+    from hpnlp.models.generate import word_prompt_notes
+    assert word_prompt_notes(t, ["And God said zzyzx,", "let qwxz be"]) == [
+        "this run's words are lowercase (data.task='word_lm'), so the prompts are read "
+        "lowercased", "2 prompt words are not among the run's 500 words and read as <unk>: "
+        "'qwxz', 'zzyzx'"]
+    assert word_prompt_notes(t, ["and god said"]) == []
+    assert word_prompt_notes(data.make_task(cfg_of(task="byte_lm", seq_len=256)), ["Zz"]) == []
 
 
 @pytest.mark.parametrize("split", ["eval", "validation"])

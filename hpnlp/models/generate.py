@@ -279,6 +279,28 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     return jnp.concatenate([prompt_BL[:, :start], toks_LB.T], axis=1)
 
 
+def word_prompt_notes(task, prompts) -> list[str]:
+    """A word-level LM reads its prompts lowercased, and words outside its vocabulary as
+    <unk>: said, not done silently (a README walk's prompt came back lowercased, one word as
+    <unk>, without a word why). Nothing for other tokenizers, which read any text."""
+    unk = task.meta.get("unk_id")
+    if unk is None:
+        return []
+    from hpnlp.data.text_tasks import word_tokens
+    notes = []
+    if any(p != p.lower() for p in prompts):
+        notes.append("this run's words are lowercase (data.task='word_lm'), so the prompts "
+                     "are read lowercased")
+    missing = sorted({w for p in prompts for w, i in zip(word_tokens(p), task.encode(p))
+                      if i == unk})
+    if missing:
+        shown = ", ".join(map(repr, missing[:10])) + (", ..." if len(missing) > 10 else "")
+        notes.append(f"{len(missing)} prompt word{'s are' if len(missing) > 1 else ' is'} not "
+                     f"among the run's {len(task.meta['words'])} words and read as "
+                     f"{task.meta['words'][unk]}: {shown}")
+    return notes
+
+
 def main(argv=None) -> int:
     """`python -m hpnlp.models.generate --workdir W --prompt TEXT [--prompt TEXT ...]`: sample
     from the LM trained in W (or quantized into W by `python -m hpnlp.compress quantize`),
@@ -436,6 +458,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     ids = [task.encode(t) for t in args.prompt]
+    for note in word_prompt_notes(task, args.prompt):
+        print(f"note: {note}", file=sys.stderr)
     if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
               f"these have {[len(x) for x in ids]}", file=sys.stderr)
