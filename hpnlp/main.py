@@ -59,7 +59,7 @@ flags.DEFINE_integer("init_timeout", _env_int("HPNLP_INIT_TIMEOUT", 300),
                      "join at --coordinator before it gives up.")
 flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps to this folder "
                     "(open it in TensorBoard's profile tab or Perfetto).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["workdir"])  # --config: in _parse_flags, which says what it takes
 
 
 def _valid_coordinator(value: str | None) -> bool:
@@ -136,11 +136,19 @@ def _alias_hint(key: str) -> str:
     return f" Did you mean --config.{_ALIASES[key]}?" if key in _ALIASES else ""
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
     """absl's flag parsing, with a config file that is missing or fails (an unknown
-    argument), or a `--config.FIELD` that names no field, said in one line, not a traceback."""
+    argument), or a `--config.FIELD` that names no field, said in one line, not a traceback.
+    `config_required=False`: a tool that can read the config a run saved (FLAGS.config is
+    then None when not given)."""
     try:
         rest = FLAGS(argv)
+        if FLAGS.config is None:
+            if not config_required:
+                return rest
+            # absl said "flag --config=None: Flag --config must have a value other than None"
+            raise flags.Error("--config is required: the experiment file, with its argument if "
+                              "any, e.g. --config experiments/lm.py:bytes (see experiments/)")
         FLAGS.config.get("name")  # a file that did not load fails on first use: here, not later
         return rest
     except OSError as e:  # the config file missing or unreadable
@@ -199,10 +207,11 @@ def join_processes(cfg) -> None:
 
     import jax
 
-    from hpnlp.config import from_configdict, validate
+    from hpnlp.config import Config, from_configdict, validate
     n, i = FLAGS.num_processes, FLAGS.process_id
     where, limit = FLAGS.coordinator, FLAGS.init_timeout
-    validate(from_configdict(cfg), num_processes=n, devices=False)
+    validate(cfg if isinstance(cfg, Config) else from_configdict(cfg), num_processes=n,
+             devices=False)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
           "every process (--init_timeout)", file=sys.stderr, flush=True)

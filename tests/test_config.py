@@ -99,6 +99,7 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
 def test_cli_config_mistakes_are_one_line(tmp_path):
     """Found by the crash hunt: each had been a traceback of 40-55 lines (about 1 s each:
     they fail in flag parsing, before JAX is imported)."""
+    cases = []
     for argv, match in (
             (["--config", "experiments/nosuch.py"], "--config: [Errno 2] No such file"),
             (["--config", "experiments/lm.py:locl"], "unknown argument(s) ['locl']"),
@@ -110,11 +111,15 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
              "--config.train.clip_norm?"),
             (["--config", "experiments/lm.py", "--config.model.causal=yes"],
              "error: --config.model.causal: 'yes' is not a boolean; give true or false"),
+            # absl's "flag --config=None: Flag --config must have a value other than None"
+            ([], "error: --config is required: the experiment file, with its argument if any, "
+             "e.g. --config experiments/lm.py:bytes"),
     ):
-        proc = subprocess.run([sys.executable, "-m", "hpnlp.main", *argv, "--workdir",
-                               str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-        err = proc.stderr.strip()
+        cases.append((subprocess.Popen(  # side by side: each is a second of Python's imports
+            [sys.executable, "-m", "hpnlp.main", *argv, "--workdir", str(tmp_path / "w")],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), match))
+    for proc, match in cases:
+        err = proc.communicate(timeout=120)[1].strip()
         assert proc.returncode == 1 and err.startswith("hpnlp: error: ") and match in err, err
         assert "\n" not in err and not (tmp_path / "w").exists()
 

@@ -265,6 +265,18 @@ def test_cli_from_checkpoints(plain, averaged, tmp_path):
         assert row in proc.stdout
     saved = json.load(open(os.path.join(plain, "ensemble.json")))
     assert saved == {"mode": "checkpoints", **averaged[0]}
+    # without --config, the run's own (its config.json; a README walk: --config was required)
+    os.remove(os.path.join(plain, "ensemble.json"))
+    own_cmd = [sys.executable, "-m", "hpnlp.train.ensemble", "--workdir", plain]
+    own = subprocess.run(own_cmd + ["--from_checkpoints", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert own.returncode == 0 and own.stdout == proc.stdout, own.stderr[-2000:]
+    assert json.load(open(os.path.join(plain, "ensemble.json"))) == saved
+    bad = subprocess.run(own_cmd + ["--members", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "hpnlp: error: --config is required to train a seed ensemble: the experiment file, "
+        "e.g. --config experiments/rnn_lm.py")
     bad = subprocess.run(cmd[:-2], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "exactly one of --members" in bad.stderr
     # one line, not absl's usage dump of 49 (a README walk: --members 0)

@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.models import transformer_xl as xl
-from hpnlp.train.checkpoint import CheckpointMismatch, load_run_config
+from hpnlp.train.checkpoint import CheckpointMismatch, NoCheckpoint, load_run_config
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
@@ -417,6 +417,18 @@ def _main(argv) -> None:
         sys.exit(1)
     logging.set_verbosity(logging.WARNING)
     cfg = F.config
+    if cfg is None:  # --from_checkpoints reads the run's own config (its config.json)
+        if F.members or cli._option_overrides:
+            print("hpnlp: error: --config is required " + (
+                "to train a seed ensemble" if F.members else "for --config.*.options "
+                "overrides") + ": the experiment file, e.g. --config experiments/rnn_lm.py",
+                file=sys.stderr)
+            sys.exit(1)
+        try:
+            cfg = load_run_config(F.workdir)
+        except (NoCheckpoint, ConfigError) as e:
+            print(f"hpnlp: error: {e}", file=sys.stderr)
+            sys.exit(1)
     for group, key, value in cli._option_overrides:
         with cfg.unlocked():
             getattr(cfg, group).options[key] = value
@@ -463,5 +475,5 @@ if __name__ == "__main__":
     sys.argv = cli._take_option_overrides(sys.argv)
     # hpnlp.main's parser: a missing or failing config file and a --config.FIELD of no field
     # are one line (a README walk: tracebacks of 15-55 lines here)
-    app.run(_main, flags_parser=cli._parse_flags)
+    app.run(_main, flags_parser=lambda argv: cli._parse_flags(argv, config_required=False))
 
