@@ -177,6 +177,15 @@ def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
     sys.exit(1)
 
 
+def refuse_positional(argv: list[str]) -> None:
+    """Words that are not flags: one line, not absl's usage dump (the module's docstring,
+    39 lines here) ahead of it (a README walk)."""
+    if len(argv) > 1:
+        print(f"hpnlp: error: unexpected arguments {argv[1:]}: every setting is a flag "
+              "(--name=value); --help lists them", file=sys.stderr)
+        sys.exit(1)
+
+
 def exit_interrupted(message: str, code: int = 130, together: bool = False) -> None:
     """Say `message` and exit with `code` (130 Ctrl-C, 143 SIGTERM) at once. Not through the
     interpreter's shutdown: a Ctrl-C during a compile leaves XLA's threads running, and the
@@ -232,8 +241,7 @@ def join_processes(cfg) -> None:
 
 
 def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    refuse_positional(argv)
     # Orbax logs every checkpoint step at INFO; keep the terminal for the progress bar.
     logging.set_verbosity(logging.WARNING)
     import jax

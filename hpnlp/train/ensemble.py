@@ -398,12 +398,11 @@ def format_table(report: dict) -> str:
 
 
 def _main(argv) -> None:
-    from absl import app, flags, logging
+    from absl import flags, logging
 
     from hpnlp import main as cli
     F = flags.FLAGS
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.refuse_positional(argv)
     # one line each, not absl's usage dump (found by a README walk: --members 0 printed 49
     # lines ending in "give exactly one of", though one was given)
     for name in ("members", "from_checkpoints"):
