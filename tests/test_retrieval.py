@@ -284,6 +284,15 @@ def test_ivf_kernel_equals_search_chunks():
         np.testing.assert_array_equal(i, i2)
         np.testing.assert_allclose(s, s2, rtol=1e-5, atol=1e-5)
     centroid_MD, x_McD, id_Mc = index._chunks()
+    # the chunks, gathered on the device, are the index's rows in `pack_chunks`'s layout
+    ids = np.asarray(id_Mc)
+    rows = np.where((ids >= 0)[..., None], np.asarray(x, np.float32)[np.maximum(ids, 0)], 0)
+    np.testing.assert_array_equal(np.asarray(x_McD), rows)
+    pad = (-ids.shape[1]) % retrieval.exact.layout()["np"]
+    want = ivf.pack_chunks(np.pad(rows, ((0, 0), (0, pad), (0, 0))),
+                           np.pad(ids, ((0, 0), (0, pad)), constant_values=-1))
+    for got, ref in zip(index._packed()[1:], want):
+        np.testing.assert_array_equal(np.asarray(got), ref)
     s2, i2 = jax.jit(lambda q: ivf.search_chunks(q, centroid_MD, x_McD, id_Mc, 10, 4))(jnp.asarray(q))
     probe = jax.lax.top_k(jnp.asarray(q) @ centroid_MD.T, 4)[1]
     s, i = ivf.ivf_scan(q, probe, *index._packed()[1:], 10)

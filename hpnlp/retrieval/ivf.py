@@ -53,16 +53,31 @@ from hpnlp.retrieval.base import HostIndex, RetrievalError, register
 QUERY_BLOCK = 4096
 
 
-def _nearest(x_ND, c_CD, block: int = 16384):
-    """Index of the nearest centroid (L2) of every row, in blocks of rows."""
-    half_norm_C = 0.5 * jnp.sum(c_CD * c_CD, axis=1)
+def _nearest(x_ND, c_CD, block: int = 0):
+    """Index of the nearest centroid (L2) of every row, in blocks of rows (`block`; 0: as
+    many as keep a block's scores [rows, C] to 16 MB)."""
     n = x_ND.shape[0]
     if n == 0:  # cells trained before any add (`IVFIndex.train(x)`)
         return jnp.zeros((0,), jnp.int32)
-    pad = (-n) % block if n > block else 0
-    xs = jnp.pad(x_ND, ((0, pad), (0, 0))).reshape(-1, min(block, n), x_ND.shape[1])
-    near = jax.lax.map(lambda x: jnp.argmax(x @ c_CD.T - half_norm_C[None, :], axis=1), xs)
-    return near.reshape(-1)[:n]
+    # A README walk's kNN-LM datastore (3.5M keys, C = 7,500 cells) had 16,384-row blocks:
+    # 490 MB of scores, which XLA kept twice in k-means and twice in the assignment; and the
+    # rows padded to whole blocks were a copy of them all
+    block = min(n, block or int(min(16384, max(256, (4 << 20) // max(c_CD.shape[0], 1)))))
+    return _nearest_blocks(x_ND, c_CD, block)
+
+
+@functools.partial(jax.jit, static_argnames=("block",))
+def _nearest_blocks(x_ND, c_CD, block: int):
+    """`_nearest` block by block; the last block ends at the last row (overlapping the one
+    before it, whose rows it recomputes to the same answers), so nothing is padded."""
+    n, half_norm_C = x_ND.shape[0], 0.5 * jnp.sum(c_CD * c_CD, axis=1)
+
+    def one(i, out_N):
+        start = jnp.minimum(i * block, n - block)
+        x = jax.lax.dynamic_slice_in_dim(x_ND, start, block)
+        near = jnp.argmax(x @ c_CD.T - half_norm_C[None, :], axis=1).astype(jnp.int32)
+        return jax.lax.dynamic_update_slice_in_dim(out_N, near, start, 0)
+    return jax.lax.fori_loop(0, -(-n // block), one, jnp.zeros((n,), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("iters",))
@@ -128,6 +143,20 @@ def pack_chunks(x_McD, id_Mc):
         x_McD, id_Mc = x, ids
     return (np.ascontiguousarray(x_McD.reshape(m, t, nr, d).transpose(0, 1, 3, 2)),
             np.ascontiguousarray(id_Mc, np.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("nr", "dtype"))
+def _gather_chunks(x_ND, id_Mc, nr: int, dtype: str):
+    """The rows of `x_ND` that `id_Mc` names (-1: a zero row) as chunks [M, c, D] of `dtype`,
+    or (`nr` > 0) in `pack_chunks`'s layout [M, c / nr, D, nr]: one gather into the output,
+    where building it on the host had taken it three times over and a copy of every vector
+    besides (a README walk: the kNN-LM's ivf index peaked at 2.5x the exact one's memory)."""
+    rows = x_ND[jnp.maximum(id_Mc, 0)].astype(dtype)
+    rows = jnp.where((id_Mc >= 0)[..., None], rows, jnp.zeros((), dtype))
+    if not nr:
+        return rows
+    m, c, d = rows.shape
+    return rows.reshape(m, c // nr, nr, d).transpose(0, 1, 3, 2)
 
 
 def ivf_scan(q_QD, probe_QP, chunk_MTDN, id_Mr, k: int, *, threads: int | None = None,
@@ -267,31 +296,27 @@ class IVFIndex(HostIndex):
             self._layout = (chunk_of_cell, ids)
         return self._layout
 
-    def _chunk_vectors(self, ids):
-        x_McD = np.zeros((*ids.shape, self.dim), np.float32)
-        real = ids >= 0
-        x_McD[real] = self.vectors()[ids[real]]
-        return x_McD
-
     def _chunks(self):
         """The XLA scan's device arrays (chunk centroids [M, D], vectors [M, c, D], ids [M, c])."""
         if self._device is None:
             chunk_of_cell, ids = self._chunk_layout()
-            dt = jnp.dtype(self.options["dtype"])
+            id_Mc = jnp.asarray(ids, jnp.int32)
             self._device = (jnp.asarray(self.centroids[chunk_of_cell]),
-                            jnp.asarray(self._chunk_vectors(ids), dt), jnp.asarray(ids, jnp.int32))
+                            _gather_chunks(jnp.asarray(self.vectors()), id_Mc, 0,
+                                           self.options["dtype"]), id_Mc)
         return self._device
 
     def _packed(self):
         """The kernel's arrays: chunk centroids packed for `exact.mips_top_k` [P, D, NP],
-        chunks packed by `pack_chunks` [M, T, D, NP] and their ids [M, r]."""
+        chunks in `pack_chunks`'s layout [M, T, D, NP] and their ids [M, r]."""
         if self._panels is None:
             chunk_of_cell, ids = self._chunk_layout()
             nr = exact.layout()["np"]
-            ids = np.pad(ids, ((0, 0), (0, (-ids.shape[1]) % nr)), constant_values=-1)
-            chunk_MTDN, id_Mr = pack_chunks(self._chunk_vectors(ids), ids)
+            id_Mr = jnp.asarray(np.pad(ids, ((0, 0), (0, (-ids.shape[1]) % nr)),
+                                       constant_values=-1), jnp.int32)
             self._panels = (jnp.asarray(exact.pack_database(self.centroids[chunk_of_cell])),
-                            jnp.asarray(chunk_MTDN), jnp.asarray(id_Mr))
+                            _gather_chunks(jnp.asarray(self.vectors()), id_Mr, nr, "float32"),
+                            id_Mr)
         return self._panels
 
     def _search(self, q_QD, k):
