@@ -2,6 +2,7 @@
 integer accumulation, 1e-5 after rescaling, on shapes no tile divides, one and two
 threads."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -132,8 +133,10 @@ def _binary_operands(M, K, N):
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 # (2, 2100, 9): K past 31 words (the AVX2 path's byte flushes); (515, 70, 4104): an 8.5 MB
-# int32 output, streamed from registers (b_block_out), its last panel short (the tile)
-@pytest.mark.parametrize("M,K,N", SHAPES + [(2, 2100, 9), (515, 70, 4104)])
+# int32 output, streamed from registers (b_block_out), its last panel short (the tile);
+# from AMX_MIN_ROWS rows the products run on AMX tiles where the CPU has them: (100, 129,
+# 33) ends in part of a 32-row block, of a k-word and of a panel
+@pytest.mark.parametrize("M,K,N", SHAPES + [(2, 2100, 9), (515, 70, 4104), (100, 129, 33)])
 def test_binary_matmul_is_exact(M, K, N, threads):
     w = _binary_operands(M, K, N)
     x = jnp.asarray(packing.pack_bits(_rng("bx", M, K).standard_normal((M, K)), axis=1))
@@ -158,7 +161,7 @@ def test_binary_all_ones_and_minus_ones(xbit, wbit):
 @pytest.mark.parametrize("threads", [1, 2])
 # (515, 70, 4104): an 8.5 MB output, written with streaming stores (qgemm.cc stream_out),
 # its last panel short (plain stores)
-@pytest.mark.parametrize("M,K,N", SHAPES + [(515, 70, 4104)])
+@pytest.mark.parametrize("M,K,N", SHAPES + [(515, 70, 4104), (100, 129, 33)])
 def test_binary_linear_matches_twin(M, K, N, threads):
     w = _binary_operands(M, K, N)
     x = _rng("blx", M, K).standard_normal((M, K)).astype(np.float32)
@@ -168,6 +171,11 @@ def test_binary_linear_matches_twin(M, K, N, threads):
     _close(qk.binary_linear(x, w, impl="kernel", threads=threads), want)
     _close(qk.binary_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["binary"]),
            want)
+    assert (w.amx_panels is not None) == (qk.layout()["binary_products"] == "amx")
+    if w.amx_panels is not None:  # the tiles' path and the popcounts' agree exactly
+        pop = dataclasses.replace(w, amx_panels=None)
+        np.testing.assert_array_equal(qk.binary_linear(x, w, impl="kernel", threads=threads),
+                                      qk.binary_linear(x, pop, impl="kernel", threads=threads))
 
 
 def _int4_operands(M, K, N, groups):

@@ -117,7 +117,7 @@ def layout() -> dict[str, int | str]:
             "int8_nb": v[2], "int8_max_mr": v[3],
             "binary_path": ("portable", "avx2", "avx512_vpopcntdq")[v[4]], "binary_nb": v[5],
             "binary_max_mr": v[6], "int4_nb": v[7], "binary_xw": v[8],
-            "int8_products": int8_products()}
+            "int8_products": int8_products(), "binary_products": binary_products()}
 
 
 def int8_products() -> str:
@@ -127,6 +127,15 @@ def int8_products() -> str:
     lib = KERNEL.library()
     lib.hpnlp_qgemm_int8_products.restype = ctypes.c_int64
     return ("portable", "avx2", "avx512_vnni", "amx")[lib.hpnlp_qgemm_int8_products()]
+
+
+def binary_products() -> str:
+    """How the binary kernel's products run here: "amx" (the +-1 values as int8 on AMX
+    tiles; `prepare_binary_weight` then packs the sign bits in the tiles' order), else the
+    build's `binary_path` (xor and popcount)."""
+    lib = KERNEL.library()
+    lib.hpnlp_qgemm_binary_products.restype = ctypes.c_int64
+    return ("portable", "avx2", "avx512_vpopcntdq", "amx")[lib.hpnlp_qgemm_binary_products()]
 
 
 def _register(cls, data, meta):
@@ -149,11 +158,14 @@ class BinaryWeight:
     """A binary weight for `binary_matmul` / `binary_linear`: bits_KbxN (packing.pack_bits
     along K, the twin's operand), alpha_N, and the kernel's panels [P, ceil(K/64), xw,
     nb, 8] (each column's 64-bit words along K, as bytes; xw = 2 on AVX2: the words'
-    low and high nibbles, for the vpshufb popcount)."""
+    low and high nibbles, for the vpshufb popcount). Where the products run on AMX
+    (`binary_products`), amx_panels holds the same bits in the tiles' order, for products
+    of at least `AMX_MIN_ROWS` rows (None elsewhere)."""
     bits_KbxN: jax.Array
     alpha_N: jax.Array
     panels: jax.Array | None
     k: int
+    amx_panels: jax.Array | None = None
 
 
 class Int4Weight:
@@ -168,7 +180,7 @@ class Int4Weight:
 
 
 Int8Weight = _register(Int8Weight, ["q_KxN", "scale_N", "panels", "colsum"], [])
-BinaryWeight = _register(BinaryWeight, ["bits_KbxN", "alpha_N", "panels"], ["k"])
+BinaryWeight = _register(BinaryWeight, ["bits_KbxN", "alpha_N", "panels", "amx_panels"], ["k"])
 Int4Weight = _register(Int4Weight, ["packed_KhxN", "scale_GxN", "panels", "panel_scales"], ["k"])
 
 
@@ -365,7 +377,7 @@ def prepare_binary_weight(bits_KbxN, alpha_N=None, *, k: int) -> BinaryWeight:
     N = bits_KbxN.shape[1]
     alpha_N = jnp.ones((N,), jnp.float32) if alpha_N is None else jnp.asarray(alpha_N)
     _check("prepare_binary_weight", "alpha_N", alpha_N, ndim=1, dtype=jnp.float32, shape=(N,))
-    panels = None
+    panels = amx = None
     if _can_pack():
         nb = layout()["binary_nb"]
         P, kw = -(-N // nb), -(-k // 64)
@@ -373,7 +385,36 @@ def prepare_binary_weight(bits_KbxN, alpha_N=None, *, k: int) -> BinaryWeight:
         panels = w.reshape(kw, 8, P, nb).transpose(2, 0, 3, 1)[:, :, None]  # [P, kw, 1, nb, 8]
         if layout()["binary_xw"] == 2:  # AVX2: the popcount LUT's nibbles, split once here
             panels = jnp.concatenate([panels & 0x0F, panels >> 4], axis=2)
-    return BinaryWeight(bits_KbxN, alpha_N, panels, k)
+        if layout()["binary_products"] == "amx":  # the same bytes in the tiles' bit order
+            amx = _amx_bit_order(w, kw, P)
+    return BinaryWeight(bits_KbxN, alpha_N, panels, k, amx)
+
+
+# Rows from which the binary products take the AMX tiles: each work item expands its
+# panel's bits to int8 first (32 KB at K = 1024), which fewer rows do not repay. On a Xeon
+# model 167 (python -m hpnlp.compress.kernels), [1, 2048 -> 2048] ran 0.178 ms on the
+# tiles against 0.014 by popcounts, [16, 2048 -> 2048] 0.116 against 0.045.
+AMX_MIN_ROWS = 64
+
+
+def _binary_panels(weight, M: int):
+    """(panels, 1) in the AMX bit order for M >= AMX_MIN_ROWS rows where there are some,
+    else (the popcount panels, 0)."""
+    if weight.amx_panels is not None and M >= AMX_MIN_ROWS:
+        return weight.amx_panels, 1
+    return weight.panels, 0
+
+
+def _amx_bit_order(w_bits, kw: int, P: int):
+    """Sign bits [8 kw, 32 P] (K packed 8 a byte) as the AMX path's panels [P, kw, 1, 32, 8]
+    (`b_amx_expand` in qgemm.cc): for k-word j, half h and k-group q, the 64-bit word
+    [j, 16 h + q] holds bit 4 c + i = the sign of column 32 p + 16 h + c at k = 64 j + 4 q + i."""
+    shifts = jnp.arange(8, dtype=jnp.uint8)
+    bits = (w_bits[:, None, :] >> shifts[None, :, None]) & 1  # [Kb, 8, N]
+    bits = bits.reshape(kw, 16, 4, P, 2, 16)  # k = 64 j + 4 q + i; n = 32 p + 16 h + c
+    bits = bits.transpose(3, 0, 4, 1, 5, 2).reshape(P, kw, 32, 8, 8)  # [p, j, hq, byte, bit]
+    return jnp.sum(bits << shifts[None, None, None, None, :], axis=-1,
+                   dtype=jnp.uint8)[:, :, None]
 
 
 def binary_matmul_xla(x_bits_MxKb, w_bits_KbxN, k: int):
@@ -413,10 +454,11 @@ def binary_matmul(x_bits_MxKb, weight: BinaryWeight, *, impl: str = "auto",
     if not _use_kernel("binary_matmul", impl, weight.panels):
         return binary_matmul_xla(x_bits_MxKb, weight.bits_KbxN, k)
     M, N = x_bits_MxKb.shape[0], weight.bits_KbxN.shape[1]
+    panels, amx = _binary_panels(weight, M)
     return jax.ffi.ffi_call("hpnlp_binary_matmul", jax.ShapeDtypeStruct((M, N), jnp.int32),
                             vmap_method="sequential")(
-        x_bits_MxKb, weight.panels, threads=_threads(threads, M, k // 32, N, "binary"),
-        k=np.int64(k), **_blocking("binary", blocking))
+        x_bits_MxKb, panels, threads=_threads(threads, M, k // 32, N, "binary"),
+        k=np.int64(k), amx=np.int64(amx), **_blocking("binary", blocking))
 
 
 def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
@@ -428,10 +470,11 @@ def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
     if not _use_kernel("binary_linear", impl, weight.panels):
         return binary_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.bits_KbxN.shape[1]
+    panels, amx = _binary_panels(weight, M)
     return jax.ffi.ffi_call("hpnlp_binary_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
                             vmap_method="sequential")(
-        x_MxK, weight.panels, weight.alpha_N, threads=_threads(threads, M, K // 32, N, "binary"),
-        **_blocking("binary", blocking))
+        x_MxK, panels, weight.alpha_N, threads=_threads(threads, M, K // 32, N, "binary"),
+        amx=np.int64(amx), **_blocking("binary", blocking))
 
 
 # -------------------------------------------------------------------------------- int4

@@ -24,7 +24,9 @@
 //           portable      plain loops over the AVX2 layout.
 //           AMX           where the CPU has it and Linux grants it: whole tiles of 16 rows
 //                         x 64 k by tdpbusd on the VNNI operands (i8_amx_block).
-//   binary: AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words; with
+//   binary: AMX           where the CPU has it and Linux grants it: the +-1 values as int8
+//                         by tdpbssd (b_amx_item), the weight's bits in the tiles' order.
+//           AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words; with
 //                         DQ the outputs leave from registers (b_block_out).
 //           AVX2          nibble-LUT popcount (vpshufb, Mula): x's nibbles split once per
 //                         call, w's per k-word per register block; byte counts summed by
@@ -92,6 +94,13 @@ constexpr int B_PATH = 2, B_MR = 6, B_XW = 1, B_NB = 32;  // B_XW: words per k-w
 constexpr int B_PATH = 1, B_MR = 4, B_XW = 2, B_NB = 8;  // (low nibbles, high nibbles)
 #else
 constexpr int B_PATH = 0, B_MR = 4, B_XW = 1, B_NB = 8;
+#endif
+
+#if defined(HPNLP_I8_AMX) && defined(__AVX512VPOPCNTDQ__) && defined(__AVX512BW__)
+// The binary products on AMX tiles (b_amx_item) where Linux grants them: the +-1 values
+// as int8, 1024 products a cycle by tdpbssd against 512 per 1.5 cycles by xor, popcount
+// and add on the vector ports (the README's "Quantization" has the bound).
+#define HPNLP_B_AMX 1
 #endif
 
 constexpr int I4_NB = 16, I4_MR = 4;  // columns per int4 panel: one vf
@@ -382,6 +391,13 @@ T* scratch(size_t n) {
     buf.resize(n);
   }
   return buf.data();
+}
+
+// p rounded up to a multiple of 64 bytes (of a scratch of 64 bytes more than it needs):
+// tile rows that start mid-line read two cache lines each.
+template <class T>
+inline T* align64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
 }
 
 // ------------------------------------------------------------------------------ int8
@@ -859,7 +875,7 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
 }
 
 void i8_run(I8Gemm& g, const int8_t* x8, const float* xf, int threads) {
-  g.xq = scratch<I8X, 0>(size_t(g.M) * g.kq * I8_KP);
+  g.xq = align64(scratch<I8X, 0>(size_t(g.M) * g.kq * I8_KP + 64));  // AMX tile rows: whole lines
   g.xs = scratch<float, 1>(g.M);
   const size_t panel = size_t(g.kq) * I8_NB * I8_KP * sizeof(I8W);
   g.kb = k_block(g.kq, panel);
@@ -988,6 +1004,8 @@ struct BGemm {
   float* beta;         // [M] scratch
   bool stream = false;  // the output written with streaming stores (stream_out; out_i
                         // only from registers, b_block_out)
+  bool amx = false;     // the AMX path: w in its bit order (b_amx_expand), x as int8 in xa
+  int8_t* xa = nullptr;  // [round_up(M, 32)][64 kw] scratch: +-1, 0 past K and past M
 };
 
 #if defined(__AVX512VPOPCNTDQ__) && defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -1080,6 +1098,133 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
   stream_fence(g.stream);
 }
 
+#if defined(HPNLP_B_AMX)
+// The AMX path's weight: the same bytes as the popcount path's panel [kw][32 columns][8],
+// in another bit order (prepare_binary_weight packs it so where binary_products is
+// "amx"): k-word j of the panel holds, for half h (columns 16h..16h+15) and k-group q
+// (k = 64j + 4q .. 64j + 4q + 3), a 64-bit word at [j][16h + q] whose bit 4c + i is the
+// sign bit of column 16h + c at k = 64j + 4q + i: one tile row of tdpbssd's right-hand
+// operand, which vpmovm2b and a blend expand to its 64 bytes of +1 (bit set) and -1.
+// Expanded into e [16 kw][32 columns][4]: the int8 panel layout of i8_amx_block.
+inline void b_amx_expand(const uint8_t* p, int kw, int8_t* e) {
+  const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
+  for (int j = 0; j < kw; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int q = 0; q < 16; ++q) {
+        const __mmask64 bits = load_u64(p + (size_t(j) * 32 + 16 * h + q) * 8);
+        _mm512_storeu_si512(e + (size_t(j) * 16 + q) * 128 + 64 * h,
+                            _mm512_mask_blend_epi8(bits, minus, plus));
+      }
+}
+
+// Rows [r0, r1) of a block's sums t (rows from m, panel columns from n0, nn of them) into
+// the output: the int32 sums (binary_matmul), or sums * beta[m] * alpha[n] (binary_linear).
+inline void b_amx_out(const BGemm& g, const int32_t (*t)[32], int m, int n0, int nn, int r0, int r1) {
+  const size_t ldo = size_t(g.N);
+  for (int r = r0; r < r1; ++r) {
+    const size_t row = size_t(m + r) * ldo + n0;
+    if (nn < 32) {  // the last panel's columns
+      for (int c = 0; c < nn; ++c) {
+        if (g.out_i) g.out_i[row + c] = t[r][c];
+        else g.out_f[row + c] = float(t[r][c]) * g.beta[m + r] * g.alpha[n0 + c];
+      }
+      continue;
+    }
+    for (int h = 0; h < 2; ++h) {  // put_ev: streamed 32 bytes a store, stream_out's alignment
+      const __m512i v = _mm512_loadu_si512(t[r] + 16 * h);
+      if (g.out_i) {
+        put_ev(g.out_i + row + 16 * h, v, g.stream);
+        continue;
+      }
+      put_ev(g.out_f + row + 16 * h, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v),
+                                                                 _mm512_set1_ps(g.beta[m + r])),
+                                                   _mm512_loadu_ps(g.alpha + n0 + 16 * h)),
+             g.stream);
+    }
+  }
+}
+
+// Rows [m0, m1) against one panel on AMX tiles, 32 rows a block (the scratch's rows past M
+// are zeros; rows past m1 are computed and not written). The output of each block is
+// written while the tiles compute the next one: a step of rows after each k-word's
+// products, so the vector units and the tiles overlap (written after the products, the
+// [2048, 1024 -> 4096] layer ran 4.1 ms, interleaved 3.3 ms on 2 cores of a Xeon model 167).
+void b_amx_item(const BGemm& g, int m0, int m1, int panel) {
+  const size_t ldx = size_t(g.kw) * 64;
+  const int n0 = panel * B_NB, nn = std::min(B_NB, g.N - n0);
+  int8_t* e = align64(scratch<int8_t, 6>(size_t(g.kw) * 16 * 128 + 64));
+  b_amx_expand(g.w + size_t(panel) * g.kw * B_NB * 8, g.kw, e);
+  amx_ready();  // this thread's tile configuration
+  alignas(64) int32_t tb[2][32][32];
+  int cur = 0, prev_m = -1, prev_rows = 0;
+  const int per = (32 + g.kw - 1) / g.kw;  // rows of the previous block written per k-word
+  for (int m = m0; m < m1; m += 32) {
+    const int8_t* x = g.xa + size_t(m) * ldx;
+    __asm__ volatile("" ::: "memory");
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int r = 0;
+    for (int j = 0; j < g.kw; ++j) {
+      const int8_t* ek = e + size_t(j) * 16 * 128;
+      const int8_t* xk = x + size_t(j) * 64;
+      _tile_loadd(4, xk, ldx);
+      _tile_loadd(6, ek, 128);
+      _tile_loadd(7, ek + 64, 128);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_loadd(5, xk + 16 * ldx, ldx);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+      if (prev_m >= 0 && r < prev_rows) {
+        const int r1 = std::min(prev_rows, r + per);
+        b_amx_out(g, tb[cur ^ 1], prev_m, n0, nn, r, r1);
+        r = r1;
+      }
+    }
+    if (prev_m >= 0 && r < prev_rows) b_amx_out(g, tb[cur ^ 1], prev_m, n0, nn, r, prev_rows);
+    _tile_stored(0, tb[cur][0], 128);
+    _tile_stored(1, tb[cur][0] + 16, 128);
+    _tile_stored(2, tb[cur][16], 128);
+    _tile_stored(3, tb[cur][16] + 16, 128);
+    __asm__ volatile("" ::: "memory");
+    prev_m = m, prev_rows = std::min(32, m1 - m), cur ^= 1;
+  }
+  if (prev_m >= 0) b_amx_out(g, tb[cur ^ 1], prev_m, n0, nn, 0, prev_rows);
+  stream_fence(g.stream);
+}
+
+// Rows [r0, r1) of x into xa as +-1 (packed bits, or the sign of floats with beta = mean
+// |x|), zeros past K; the rows past M up to the next 32 are zeros (set by the chunk that
+// ends at M).
+void b_amx_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) {
+  const size_t ldx = size_t(g.kw) * 64;
+  const int kb = (g.K + 7) / 8;
+  const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
+  for (int m = r0; m < r1; ++m) {
+    int8_t* xr = g.xa + size_t(m) * ldx;
+    if (!xb) g.beta[m] = abssum(xf + size_t(m) * g.K, g.K) / float(g.K);
+    for (int j = 0; j < g.kw; ++j) {
+      const int n = std::min(64, g.K - 64 * j);
+      uint64_t word;
+      if (xb) {
+        uint8_t bytes[8] = {};
+        std::memcpy(bytes, xb + size_t(m) * kb + 8 * j, std::min(8, kb - 8 * j));
+        word = load_u64(bytes);
+      } else {
+        word = sign_word(xf + size_t(m) * g.K + 64 * j, n);
+      }
+      const __mmask64 real = n == 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1;
+      _mm512_storeu_si512(xr + 64 * j, _mm512_maskz_mov_epi8(real, _mm512_mask_blend_epi8(
+                                                                  __mmask64(word), minus, plus)));
+    }
+  }
+  if (r1 == g.M)
+    std::memset(g.xa + size_t(g.M) * ldx, 0, ((g.M + 31) / 32 * 32 - g.M) * ldx);
+}
+#endif
+
 // Row m's k-word j into the scratch (split into nibbles for the AVX2 popcount).
 inline void b_put(const BGemm& g, int m, int j, uint64_t word) {
   uint64_t* q = g.xw + (size_t(m) * g.kw + j) * B_XW;
@@ -1111,10 +1256,40 @@ void b_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) 
 }
 
 void b_run(BGemm& g, const uint8_t* xb, const float* xf, int threads) {
-  g.xw = scratch<uint64_t, 2>(size_t(g.M) * g.kw * B_XW);
   g.beta = scratch<float, 3>(g.M);
+#if defined(HPNLP_B_AMX)
+  if (g.amx) {
+    g.xa = align64(scratch<int8_t, 7>(size_t(g.M + 31) / 32 * 32 * g.kw * 64 + 64));
+    // Row chunks of whole 32-row blocks whose int8 rows fill half of L2, walked across
+    // every panel (the tuned mc and mr are the popcount path's, which the tuning probe
+    // times, a quarter of this or less): on
+    // 2 cores of a Xeon model 167 the [2048, 1024 -> 4096] layer ran 4.4 ms at the tuned
+    // 256 rows, 3.7 at 1024
+    const size_t room = cache_bytes(2, size_t(1) << 20) / 2;
+    const int mc = int(std::clamp<size_t>(room / (size_t(g.kw) * 64) / 32 * 32, 32, 1 << 20));
+    run_items(g.M, g.P, mc, g.P, threads, [&](int r0, int r1) { b_amx_rows(g, xb, xf, r0, r1); },
+              [&](int m0, int m1, int p) { b_amx_item(g, m0, m1, p); });
+    return;
+  }
+#endif
+  g.xw = scratch<uint64_t, 2>(size_t(g.M) * g.kw * B_XW);
   run_items(g.M, g.P, g.mc, g.P, threads, [&](int r0, int r1) { b_rows(g, xb, xf, r0, r1); },
             [&](int m0, int m1, int p) { b_item(g, m0, m1, p); });
+}
+
+// Whether the binary products run on AMX tiles in this process (the weight is then packed
+// in b_amx_expand's bit order: hpnlp_qgemm_binary_products).
+inline bool b_amx_products() {
+#if defined(HPNLP_B_AMX)
+  static const bool on = [] {
+    const bool ready = amx_ready();
+    release_tiles();
+    return ready;
+  }();
+  return on;
+#else
+  return false;
+#endif
 }
 
 ffi::Error b_setup(BGemm* g, int64_t M, int64_t K, ffi::Span<const int64_t> w,
@@ -1389,6 +1564,10 @@ extern "C" int64_t hpnlp_qgemm_int8_products() {
   return I8_PATH;
 }
 
+// How the binary products run in this process: 3 on AMX tiles (the weight packed in
+// b_amx_expand's bit order), else the build's binary path (hpnlp_qgemm_layout's value 4).
+extern "C" int64_t hpnlp_qgemm_binary_products() { return b_amx_products() ? 3 : B_PATH; }
+
 // missing_pages (hpnlp/kernels/simd.h) for a test: the pieces of [p, p + bytes) that the
 // kernels would fault in before writing, as (start, end) byte offsets from p into `out`
 // (room for `cap` pieces); returns how many there are.
@@ -1500,8 +1679,9 @@ ffi::Error Int8LinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int6
 }
 
 // x [M, ceil(K/8)] packed bits, w packed [P, kw, XW, NB, 8] -> [M, N] int32 = K - 2 popcount.
+// amx: w is in the AMX bit order (b_amx_expand), and the products run on the tiles.
 ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
-                            int64_t k, ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::U8> w,
+                            int64_t k, int64_t amx, ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::U8> w,
                             ffi::ResultBuffer<ffi::S32> out) try {
   XlaPool::Scope scope(&xla);
   auto d = x.dimensions();
@@ -1510,7 +1690,7 @@ ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   BGemm g;
   auto e = b_setup(&g, d[0], k, w.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
-  g.w = w.typed_data(), g.out_i = out->typed_data();
+  g.w = w.typed_data(), g.out_i = out->typed_data(), g.amx = amx && b_amx_products();
   populate_out(g.out_i, sizeof(int32_t) * g.M * size_t(g.N), int(threads));
 #ifdef HPNLP_B_FUSED_OUT
   g.stream = stream_out(g.out_i, g.M, g.N);  // written from registers (b_block_out) only
@@ -1524,8 +1704,8 @@ ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
 // x [M, K] float32 (binarized by sign inside, beta = mean |x| per row), w packed, alpha
 // [N] -> [M, N] float32 = (K - 2 popcount) * beta[m] * alpha[n].
 ffi::Error BinaryLinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
-                            ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> alpha,
-                            ffi::ResultBuffer<ffi::F32> out) try {
+                            int64_t amx, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::F32> alpha, ffi::ResultBuffer<ffi::F32> out) try {
   XlaPool::Scope scope(&xla);
   auto d = x.dimensions();
   if (d.size() != 2)
@@ -1536,6 +1716,7 @@ ffi::Error BinaryLinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   e = check_dims("binary linear", "alpha", alpha.dimensions(), {g.N});
   if (e.failure()) return e;
   g.w = w.typed_data(), g.out_f = out->typed_data(), g.alpha = alpha.typed_data();
+  g.amx = amx && b_amx_products();
   g.stream = stream_out(g.out_f, g.M, g.N);
   populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) b_run(g, nullptr, x.typed_data(), int(threads));
@@ -1596,12 +1777,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpInt8Linear, Int8LinearImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpBinaryMatmul, BinaryMatmulImpl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() HPNLP_BLOCKED_ATTRS
                                   .Attr<int64_t>("k")
+                                  .Attr<int64_t>("amx")
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HpnlpBinaryLinear, BinaryLinearImpl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() HPNLP_BLOCKED_ATTRS
+                                  .Attr<int64_t>("amx")
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
