@@ -156,6 +156,11 @@ def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
     except flags.Error as e:  # a flag's own check; a config file that fails to load
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         msg = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        unknown = re.match(r"Unknown command line flag '(config\.[\w.]+)'", msg)
+        if unknown and not any(a == "--config" or a.startswith("--config=") for a in argv):
+            # found in review: an override without the file it overrides
+            msg = (f"--{unknown.group(1)} overrides a field of the experiment, but no --config "
+                   "was given: add --config EXPERIMENT_FILE (e.g. experiments/lm.py:bytes)")
         # a boolean field given another word: absl says it as a tuple's repr (a README walk)
         bad = re.match(r"flag (--config\.[\w.]+)=(.*): \('Non-boolean argument", msg)
         if bad:
@@ -199,9 +204,21 @@ def exit_interrupted(message: str, code: int = 130, together: bool = False) -> N
     sys.stderr.flush()
     if together:
         import jax
-        if jax.process_count() > 1:
-            jax.distributed.shutdown()
+        if jax.process_count() > 1:  # within 30 s: a process that left at once (a second
+            # Ctrl-C) would keep the others in the shutdown's barrier for its 5 minutes
+            import threading
+            done = threading.Thread(target=_shutdown_quietly, daemon=True)
+            done.start()
+            done.join(30)
     os._exit(code)
+
+
+def _shutdown_quietly() -> None:
+    import jax
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 (a peer gone first: exiting anyway)
+        pass
 
 
 def join_processes(cfg) -> None:
@@ -225,17 +242,24 @@ def join_processes(cfg) -> None:
     print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
           "every process (--init_timeout)", file=sys.stderr, flush=True)
 
+    lock, joined = threading.Lock(), []
+
     def give_up() -> None:  # before JAX's own abort at the same deadline
-        print(f"hpnlp: error: process {i} of {n}: not every process joined at {where} within "
-              f"{limit} s; start processes 0 to {n - 1} with the same --coordinator and "
-              f"--num_processes (process 0 on the host of {where}), or raise --init_timeout",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+        with lock:  # held to the exit: a join now waits for it
+            if joined:  # joined in the timer's last moment (found in review)
+                return
+            print(f"hpnlp: error: process {i} of {n}: not every process joined at {where} "
+                  f"within {limit} s; start processes 0 to {n - 1} with the same --coordinator "
+                  f"and --num_processes (process 0 on the host of {where}), or raise "
+                  "--init_timeout", file=sys.stderr, flush=True)
+            os._exit(1)
     timer = threading.Timer(max(limit - 1.0, 0.5), give_up)
     timer.daemon = True
     timer.start()
     try:
         jax.distributed.initialize(where, n, i, initialization_timeout=limit)
+        with lock:
+            joined.append(True)
     finally:
         timer.cancel()
 

@@ -114,6 +114,9 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
             # absl's "flag --config=None: Flag --config must have a value other than None"
             ([], "error: --config is required: the experiment file, with its argument if any, "
              "e.g. --config experiments/lm.py:bytes"),
+            # absl's "Unknown command line flag" (found in review)
+            (["--config.train.steps=3"], "error: --config.train.steps overrides a field of the "
+             "experiment, but no --config was given: add --config EXPERIMENT_FILE"),
             # after absl's usage dump, 39 lines (a README walk)
             (["--config", "experiments/lm.py", "steps=3"], "error: unexpected arguments "
              "['steps=3']: every setting is a flag (--name=value); --help lists them"),

@@ -194,8 +194,7 @@ def test_word_lm_vocab_sorted_by_frequency():
     # generate says both (a README walk: a prompt came back lowercased, a word as <unk>)
     from hpnlp.models.generate import word_prompt_notes
     assert word_prompt_notes(t, ["And God said zzyzx,", "let qwxz be"]) == [
-        "this run's words are lowercase (data.task='word_lm'), so the prompts are read "
-        "lowercased", "2 prompt words are not among the run's 500 words and read as <unk>: "
+        "this run's vocabulary is lowercase words, so the prompts are read lowercased", "2 prompt words are not among the run's 500 words and read as <unk>: "
         "'qwxz', 'zzyzx'"]
     assert word_prompt_notes(t, ["and god said"]) == []
     assert word_prompt_notes(data.make_task(cfg_of(task="byte_lm", seq_len=256)), ["Zz"]) == []

@@ -761,8 +761,8 @@ class SideBySide:
         process started are dropped), or `at_once` (after a failure)."""
         self.queued = []
         for p in self.procs:
-            if at_once:
-                p.terminate()
+            if at_once:  # SIGKILL: a SIGTERM would let a training run save its next step
+                p.kill()     # first (hpnlp.train.stop)
             else:
                 self.todo.put(None)
         for p in self.procs:

@@ -289,8 +289,8 @@ def word_prompt_notes(task, prompts) -> list[str]:
     from hpnlp.data.text_tasks import word_tokens
     notes = []
     if any(p != p.lower() for p in prompts):
-        notes.append("this run's words are lowercase (data.task='word_lm'), so the prompts "
-                     "are read lowercased")
+        notes.append("this run's vocabulary is lowercase words, so the prompts are read "
+                     "lowercased")
     missing = sorted({w for p in prompts for w, i in zip(word_tokens(p), task.encode(p))
                       if i == unk})
     if missing:

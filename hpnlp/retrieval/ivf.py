@@ -55,7 +55,7 @@ QUERY_BLOCK = 4096
 
 def _nearest(x_ND, c_CD, block: int = 0):
     """Index of the nearest centroid (L2) of every row, in blocks of rows (`block`; 0: as
-    many as keep a block's scores [rows, C] to 16 MB)."""
+    many as keep a block's scores [rows, C] to 16 MB, but at least 256)."""
     n = x_ND.shape[0]
     if n == 0:  # cells trained before any add (`IVFIndex.train(x)`)
         return jnp.zeros((0,), jnp.int32)

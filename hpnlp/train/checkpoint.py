@@ -77,6 +77,11 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
     return from_configdict(saved)
 
 
+# The attention variants that compute softmax attention exactly (implementations of
+# `dense`): a resume may switch between them.
+EXACT_ATTENTION = frozenset({"dense", "chunked", "xla", "ring"})
+
+
 class CheckpointMismatch(ValueError):
     """The workdir holds checkpoints of a different model."""
 
@@ -189,8 +194,8 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
         self._pending_config = None
-        # "attention.name: saved 'dense', now 'chunked'" where the resume changes only the
-        # attention: allowed when the saved arrays fit this run's (checked in `restore`)
+        # "attention.name: saved 'dense', now 'chunked'" where a resume changes only the
+        # implementation of exact attention (EXACT_ATTENTION), which it may
         self.attention_changed = ""
         self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
@@ -211,11 +216,12 @@ class Checkpointer:
                     if old_sig.get(k) != new_sig.get(k)}
             diff.update(_config_shape_diff(saved["config"], cfg))
             lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            if diff and resuming and set(diff) <= {"attention.name", "attention.options"}:
-                # Variants that share the projections (dense, chunked, flash, xla, ...) hold
-                # the same arrays: a resume or a tool may switch between them. Whether the
-                # arrays fit is read from the checkpoint's metadata before it is restored.
-                # (A README walk: a dense run refused a resume under `chunked`.)
+            if diff and resuming and set(diff) <= {"attention.name", "attention.options"} and \
+                    {saved["config"].get("attention", {}).get("name"), cfg.attention.name} <= EXACT_ATTENTION:
+                # Exact attention by another implementation (or its block sizes): the same
+                # arrays and the same function, so a resume or a tool may switch (a README
+                # walk: a dense run refused `chunked`). Other variants hold the same arrays
+                # too, but compute another model: a switch to one is refused (review).
                 self.attention_changed = lines
             elif diff and resuming:
                 saved_members = old_sig.get("ensemble.members", 1)
@@ -262,14 +268,7 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""
         where = os.path.join(self.directory, str(step))
-        other = _other_shapes(os.path.join(where, "state"), abstract_state,
-                              other_tree=bool(self.attention_changed))
-        if other and self.attention_changed:
-            raise CheckpointMismatch(
-                f"workdir {os.path.dirname(self.directory)} holds checkpoints of another "
-                f"attention ({self.attention_changed}) whose arrays differ from this run's "
-                f"({other}). Resume it with the attention it was trained with, or use a new "
-                "--workdir")
+        other = _other_shapes(os.path.join(where, "state"), abstract_state)
         if other:  # refused from the stored metadata: a restore that fails part-way leaves
             # orbax's reads of the other arrays pending on a closed event loop
             raise CheckpointMismatch(
@@ -353,11 +352,10 @@ def _plain_path(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
-def _other_shapes(state_dir: str, abstract_state, other_tree: bool = False) -> str:
+def _other_shapes(state_dir: str, abstract_state) -> str:
     """The arrays of a saved train state whose shapes differ from `abstract_state`'s, named
     with both shapes ("" when none differ, or when the metadata cannot say: a layout that
-    differs, or an unreadable step, is left to the restore's own error). `other_tree`: the
-    arrays that only one of them holds are named too (another attention's parameters)."""
+    differs, or an unreadable step, is left to the restore's own error)."""
     try:
         from etils import epath
         handler = ocp.StandardCheckpointHandler()
@@ -371,13 +369,10 @@ def _other_shapes(state_dir: str, abstract_state, other_tree: bool = False) -> s
         return ""
     now = {_plain_path(p): tuple(x.shape)
            for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
-    if saved.keys() != now.keys() and not other_tree:
+    if saved.keys() != now.keys():
         return ""
-    differ = [("/".join(map(str, k)), saved.get(k), now.get(k))
-              for k in sorted({**saved, **now}, key=lambda k: (str(k[0]) != "params", str(k)))
-              if saved.get(k) != now.get(k)]  # the parameters first, then their moments
-    shape = lambda x: "no such array" if x is None else x
-    shown = "; ".join(f"{name}: saved {shape(a)}, now {shape(b)}" for name, a, b in differ[:3])
+    differ = [("/".join(map(str, k)), saved[k], now[k]) for k in now if saved[k] != now[k]]
+    shown = "; ".join(f"{name}: saved {a}, now {b}" for name, a, b in differ[:3])
     return shown + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
 
 

@@ -385,8 +385,9 @@ class Trainer:
         show = t.progress and jax.process_index() == 0
         if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
             print(f"{cfg.name}: resuming from step {start} in {self.checkpointer.directory}"
-                  + (f" under another attention ({self.checkpointer.attention_changed}; the "
-                     "same arrays)" if self.checkpointer.attention_changed else "")
+                  + (f" under another implementation of exact attention "
+                     f"({self.checkpointer.attention_changed})"
+                     if self.checkpointer.attention_changed else "")
                   + (f"; train.steps={t.steps} are done, nothing to train (raise "
                      "--config.train.steps to train on)" if start >= t.steps else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
@@ -535,10 +536,10 @@ class Trainer:
                         jax.block_until_ready(metrics)
                         jax.profiler.stop_trace()
                         profiling = False
-                    # SIGTERM (or Ctrl-C in a run of several processes): save and stop here
+                    # SIGTERM (or Ctrl-C in a run of several processes): save and stop here,
+                    # after the eval due at this step, if one is (a resume starts after it)
                     stopping = stop.reached() and step < t.steps
-                    do_eval = ((t.eval_every and step % t.eval_every == 0)
-                               or step == t.steps) and not stopping
+                    do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
                     do_ckpt = ((t.checkpoint_every and step % t.checkpoint_every == 0)
                                or step == t.steps or stopping)
                     if not (do_eval or do_ckpt):

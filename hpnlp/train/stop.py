@@ -26,6 +26,12 @@ import threading
 _calls = itertools.count(1)
 
 
+def _preemption_service() -> bool:
+    """Whether JAX's preemption service runs in this process (jax.distributed started it)."""
+    from jax._src import distributed
+    return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
+
+
 class StopSignals:
     """`with StopSignals(multi) as stop:` around the training loop; `stop.reached()` once per
     step says whether to save this step's checkpoint and stop, the same answer in every
@@ -49,7 +55,12 @@ class StopSignals:
         os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption handler tells every process
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():  # else Python refuses
+        # Several processes: Ctrl-C becomes the SIGTERM that JAX's preemption service takes;
+        # where that service is off (jax_enable_preemption_service), nothing would take it,
+        # and Ctrl-C keeps stopping this process at once (found in review: it killed the
+        # process silently)
+        if threading.current_thread() is threading.main_thread() and (
+                not self.multi or _preemption_service()):  # else Python refuses
             which, handler = ((signal.SIGINT, self._on_int) if self.multi
                               else (signal.SIGTERM, self._on_term))
             self._saved[which] = signal.signal(which, handler)
