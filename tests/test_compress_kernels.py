@@ -4,6 +4,7 @@ threads."""
 
 import dataclasses
 import functools
+import itertools
 import os
 import subprocess
 import zlib
@@ -136,7 +137,8 @@ def _binary_operands(M, K, N):
 # int32 output, streamed from registers (b_block_out), its last panel short (the tile);
 # from AMX_MIN_ROWS rows the products run on AMX tiles where the CPU has them: (100, 129,
 # 33) ends in part of a 32-row block, of a k-word and of a panel
-@pytest.mark.parametrize("M,K,N", SHAPES + [(2, 2100, 9), (515, 70, 4104), (100, 129, 33)])
+@pytest.mark.parametrize("M,K,N", SHAPES + [(2, 2100, 9), (515, 70, 4104), (100, 129, 33),
+                                   (70, 0, 9)])
 def test_binary_matmul_is_exact(M, K, N, threads):
     w = _binary_operands(M, K, N)
     x = jnp.asarray(packing.pack_bits(_rng("bx", M, K).standard_normal((M, K)), axis=1))
@@ -161,7 +163,9 @@ def test_binary_all_ones_and_minus_ones(xbit, wbit):
 @pytest.mark.parametrize("threads", [1, 2])
 # (515, 70, 4104): an 8.5 MB output, written with streaming stores (qgemm.cc stream_out),
 # its last panel short (plain stores)
-@pytest.mark.parametrize("M,K,N", SHAPES + [(515, 70, 4104), (100, 129, 33)])
+# (100, 33000, 40): on AMX, row chunks of 32 rows (a chunk's int8 rows fill half of L2), set
+# up by either thread, the last one short
+@pytest.mark.parametrize("M,K,N", SHAPES + [(515, 70, 4104), (100, 129, 33), (100, 33000, 40)])
 def test_binary_linear_matches_twin(M, K, N, threads):
     w = _binary_operands(M, K, N)
     x = _rng("blx", M, K).standard_normal((M, K)).astype(np.float32)
@@ -172,10 +176,27 @@ def test_binary_linear_matches_twin(M, K, N, threads):
     _close(qk.binary_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["binary"]),
            want)
     assert (w.amx_panels is not None) == (qk.layout()["binary_products"] == "amx")
+    # both AMX paths, or neither (a path that stopped running would pass every test above)
+    assert (qk.layout()["binary_products"] == "amx") == (qk.layout()["int8_products"] == "amx")
     if w.amx_panels is not None:  # the tiles' path and the popcounts' agree exactly
         pop = dataclasses.replace(w, amx_panels=None)
         np.testing.assert_array_equal(qk.binary_linear(x, w, impl="kernel", threads=threads),
                                       qk.binary_linear(x, pop, impl="kernel", threads=threads))
+
+
+def test_amx_bit_order():
+    """The AMX path's weight bits (qgemm.cc b_amx_expand): word [p, j, 16 h + q] holds bit
+    4 c + i = the sign of column 32 p + 16 h + c at k = 64 j + 4 q + i. Checked on any CPU
+    against the definition, bit by bit."""
+    K, N = 128, 64
+    signs = _rng("amx_order").standard_normal((K, N))
+    words = np.asarray(qk._amx_bit_order(jnp.asarray(packing.pack_bits(signs)), K // 64, N // 32))
+    assert words.shape == (N // 32, K // 64, 1, 32, 8)
+    bits = np.unpackbits(words, axis=-1, bitorder="little")  # [P, kw, 1, 32, 64]
+    for p, j, h, q, c, i in itertools.product(range(2), range(2), range(2), range(16),
+                                              range(16), range(4)):
+        assert bits[p, j, 0, 16 * h + q, 4 * c + i] == (signs[64 * j + 4 * q + i,
+                                                              32 * p + 16 * h + c] > 0)
 
 
 def _int4_operands(M, K, N, groups):

@@ -400,7 +400,7 @@ AMX_MIN_ROWS = 64
 def _binary_panels(weight, M: int):
     """(panels, 1) in the AMX bit order for M >= AMX_MIN_ROWS rows where there are some,
     else (the popcount panels, 0)."""
-    if weight.amx_panels is not None and M >= AMX_MIN_ROWS:
+    if weight.amx_panels is not None and M >= AMX_MIN_ROWS and weight.k > 0:
         return weight.amx_panels, 1
     return weight.panels, 0
 
@@ -444,7 +444,8 @@ def binary_matmul(x_bits_MxKb, weight: BinaryWeight, *, impl: str = "auto",
                   threads: int | None = None, blocking: dict | None = None):
     """Packed sign bits x [M, ceil(K/8)] (`packing.pack_bits` along axis 1) times a
     prepared binary weight: int32 [M, N] = sum_k x_k w_k over +-1 values, exactly
-    K - 2 popcount(x xor w)."""
+    K - 2 popcount(x xor w). `blocking` is the popcount path's; the AMX path (from
+    `AMX_MIN_ROWS` rows where the CPU has it) sizes its row chunks by the cache."""
     _check_binary_weight("binary_matmul", weight)
     k = weight.k
     _check("binary_matmul", "x_bits_MxKb", x_bits_MxKb, ndim=2, dtype=jnp.uint8)

@@ -1104,7 +1104,7 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
 // "amx"): k-word j of the panel holds, for half h (columns 16h..16h+15) and k-group q
 // (k = 64j + 4q .. 64j + 4q + 3), a 64-bit word at [j][16h + q] whose bit 4c + i is the
 // sign bit of column 16h + c at k = 64j + 4q + i: one tile row of tdpbssd's right-hand
-// operand, which vpmovm2b and a blend expand to its 64 bytes of +1 (bit set) and -1.
+// operand, which one masked blend expands to its 64 bytes of +1 (bit set) and -1.
 // Expanded into e [16 kw][32 columns][4]: the int8 panel layout of i8_amx_block.
 inline void b_amx_expand(const uint8_t* p, int kw, int8_t* e) {
   const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
@@ -1144,8 +1144,8 @@ inline void b_amx_out(const BGemm& g, const int32_t (*t)[32], int m, int n0, int
   }
 }
 
-// Rows [m0, m1) against one panel on AMX tiles, 32 rows a block (the scratch's rows past M
-// are zeros; rows past m1 are computed and not written). The output of each block is
+// Rows [m0, m1) against one panel on AMX tiles, 32 rows a block (rows past m1, in the
+// scratch's tail past M, are computed and not written). The output of each block is
 // written while the tiles compute the next one: a step of rows after each k-word's
 // products, so the vector units and the tiles overlap (written after the products, the
 // [2048, 1024 -> 4096] layer ran 4.1 ms, interleaved 3.3 ms on 2 cores of a Xeon model 167).
@@ -1183,7 +1183,6 @@ void b_amx_item(const BGemm& g, int m0, int m1, int panel) {
         r = r1;
       }
     }
-    if (prev_m >= 0 && r < prev_rows) b_amx_out(g, tb[cur ^ 1], prev_m, n0, nn, r, prev_rows);
     _tile_stored(0, tb[cur][0], 128);
     _tile_stored(1, tb[cur][0] + 16, 128);
     _tile_stored(2, tb[cur][16], 128);
@@ -1196,8 +1195,8 @@ void b_amx_item(const BGemm& g, int m0, int m1, int panel) {
 }
 
 // Rows [r0, r1) of x into xa as +-1 (packed bits, or the sign of floats with beta = mean
-// |x|), zeros past K; the rows past M up to the next 32 are zeros (set by the chunk that
-// ends at M).
+// |x|), zeros past K. The last block reads the scratch's rows past M as they are: an output
+// row depends on its own input row only, and those are not written.
 void b_amx_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) {
   const size_t ldx = size_t(g.kw) * 64;
   const int kb = (g.K + 7) / 8;
@@ -1220,8 +1219,6 @@ void b_amx_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int 
                                                                   __mmask64(word), minus, plus)));
     }
   }
-  if (r1 == g.M)
-    std::memset(g.xa + size_t(g.M) * ldx, 0, ((g.M + 31) / 32 * 32 - g.M) * ldx);
 }
 #endif
 
@@ -1258,7 +1255,7 @@ void b_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) 
 void b_run(BGemm& g, const uint8_t* xb, const float* xf, int threads) {
   g.beta = scratch<float, 3>(g.M);
 #if defined(HPNLP_B_AMX)
-  if (g.amx) {
+  if (g.amx && g.kw > 0) {  // K = 0: both layouts are empty, the popcounts' path is right
     g.xa = align64(scratch<int8_t, 7>(size_t(g.M + 31) / 32 * 32 * g.kw * 64 + 64));
     // Row chunks of whole 32-row blocks whose int8 rows fill half of L2, walked across
     // every panel (the tuned mc and mr are the popcount path's, which the tuning probe
@@ -1690,7 +1687,10 @@ ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   BGemm g;
   auto e = b_setup(&g, d[0], k, w.dimensions(), out->dimensions(), mc, mr);
   if (e.failure()) return e;
-  g.w = w.typed_data(), g.out_i = out->typed_data(), g.amx = amx && b_amx_products();
+  g.w = w.typed_data(), g.out_i = out->typed_data(), g.amx = amx;
+  if (amx && !b_amx_products())  // the weight is in the tiles' bit order: nothing else reads it
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "binary matmul: amx=1 where this process has no AMX tiles");
   populate_out(g.out_i, sizeof(int32_t) * g.M * size_t(g.N), int(threads));
 #ifdef HPNLP_B_FUSED_OUT
   g.stream = stream_out(g.out_i, g.M, g.N);  // written from registers (b_block_out) only
@@ -1715,8 +1715,10 @@ ffi::Error BinaryLinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   if (e.failure()) return e;
   e = check_dims("binary linear", "alpha", alpha.dimensions(), {g.N});
   if (e.failure()) return e;
-  g.w = w.typed_data(), g.out_f = out->typed_data(), g.alpha = alpha.typed_data();
-  g.amx = amx && b_amx_products();
+  g.w = w.typed_data(), g.out_f = out->typed_data(), g.alpha = alpha.typed_data(), g.amx = amx;
+  if (amx && !b_amx_products())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "binary linear: amx=1 where this process has no AMX tiles");
   g.stream = stream_out(g.out_f, g.M, g.N);
   populate_out(g.out_f, sizeof(float) * g.M * size_t(g.N), int(threads));
   if (g.M > 0 && g.N > 0) b_run(g, nullptr, x.typed_data(), int(threads));
