@@ -279,10 +279,11 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     return jnp.concatenate([prompt_BL[:, :start], toks_LB.T], axis=1)
 
 
-def word_prompt_notes(task, prompts) -> list[str]:
+def word_prompt_notes(task, prompts, ids=None) -> list[str]:
     """A word-level LM reads its prompts lowercased, and words outside its vocabulary as
     <unk>: said, not done silently (a README walk's prompt came back lowercased, one word as
-    <unk>, without a word why). Nothing for other tokenizers, which read any text."""
+    <unk>, without a word why). Nothing for other tokenizers, which read any text. `ids`:
+    the prompts as `task.encode` gave them, where the caller has them already."""
     unk = task.meta.get("unk_id")
     if unk is None:
         return []
@@ -291,7 +292,8 @@ def word_prompt_notes(task, prompts) -> list[str]:
     if any(p != p.lower() for p in prompts):
         notes.append("this run's vocabulary is lowercase words, so the prompts are read "
                      "lowercased")
-    missing = sorted({w for p in prompts for w, i in zip(word_tokens(p), task.encode(p))
+    ids = [task.encode(p) for p in prompts] if ids is None else ids
+    missing = sorted({w for p, x in zip(prompts, ids) for w, i in zip(word_tokens(p), x)
                       if i == unk})
     if missing:
         shown = ", ".join(map(repr, missing[:10])) + (", ..." if len(missing) > 10 else "")
@@ -458,7 +460,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     ids = [task.encode(t) for t in args.prompt]
-    for note in word_prompt_notes(task, args.prompt):
+    for note in word_prompt_notes(task, args.prompt, ids):
         print(f"note: {note}", file=sys.stderr)
     if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "

@@ -216,8 +216,9 @@ class Checkpointer:
                     if old_sig.get(k) != new_sig.get(k)}
             diff.update(_config_shape_diff(saved["config"], cfg))
             lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            names = {saved["config"].get("attention", {}).get("name"), cfg.attention.name}
             if diff and resuming and set(diff) <= {"attention.name", "attention.options"} and \
-                    {saved["config"].get("attention", {}).get("name"), cfg.attention.name} <= EXACT_ATTENTION:
+                    names <= EXACT_ATTENTION:
                 # Exact attention by another implementation (or its block sizes): the same
                 # arrays and the same function, so a resume or a tool may switch (a README
                 # walk: a dense run refused `chunked`). Other variants hold the same arrays

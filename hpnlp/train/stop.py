@@ -20,6 +20,8 @@ import os
 import signal
 import threading
 
+from jax.experimental import multihost_utils
+
 # The steps this process's training loops have taken: the preemption sync's step counter.
 # Not the step number: a notice that comes before the first step (while the step compiles)
 # is synced at counter 1, which a resumed run's first step must reach too.
@@ -41,6 +43,9 @@ class StopSignals:
         self.multi = multi
         self.taken: str | None = None
         self._saved: dict[int, object] = {}
+        # Several processes agree on a stop only through JAX's preemption service
+        # (jax_enable_preemption_service); without it neither signal is taken here
+        self._sync = multi and _preemption_service()
 
     def _on_term(self, signum, frame) -> None:  # one process
         if self.taken:  # a second SIGTERM: die as the first would have
@@ -60,7 +65,7 @@ class StopSignals:
         # and Ctrl-C keeps stopping this process at once (found in review: it killed the
         # process silently)
         if threading.current_thread() is threading.main_thread() and (
-                not self.multi or _preemption_service()):  # else Python refuses
+                not self.multi or self._sync):  # else Python refuses
             which, handler = ((signal.SIGINT, self._on_int) if self.multi
                               else (signal.SIGTERM, self._on_term))
             self._saved[which] = signal.signal(which, handler)
@@ -74,11 +79,7 @@ class StopSignals:
     def reached(self) -> bool:
         if not self.multi:
             return self.taken is not None
-        from jax.experimental import multihost_utils
-        try:
-            return multihost_utils.reached_preemption_sync_point(next(_calls))
-        except RuntimeError:  # jax_enable_preemption_service off: SIGTERM is not taken
-            return False
+        return self._sync and multihost_utils.reached_preemption_sync_point(next(_calls))
 
     def message(self, step: int, checkpoint: str) -> str:
         why = (f"on {self.taken}" if not self.multi else
