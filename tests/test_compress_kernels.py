@@ -164,7 +164,7 @@ def test_binary_all_ones_and_minus_ones(xbit, wbit):
 # (515, 70, 4104): an 8.5 MB output, written with streaming stores (qgemm.cc stream_out),
 # its last panel short (plain stores)
 # (100, 33000, 40): on AMX, row chunks of 32 rows (a chunk's int8 rows fill half of L2), set
-# up by either thread, the last one short
+# up by either thread, the last one short, each panel in k-blocks (sums kept between them)
 @pytest.mark.parametrize("M,K,N", SHAPES + [(515, 70, 4104), (100, 129, 33), (100, 33000, 40)])
 def test_binary_linear_matches_twin(M, K, N, threads):
     w = _binary_operands(M, K, N)
