@@ -1164,7 +1164,9 @@ inline void b_amx_out(const BGemm& g, const int32_t (*t)[32], int m, int n0, int
 // the blocks' rows passing through; between k-blocks a block's sums wait in memory (acc).
 // On 2 cores of the Xeon model 167, with the panel expanded whole (128 KB at K = 4096), the
 // [2048, 4096 -> 1024] product ran 4.9 ms and [512, 4096 -> 4096] 3.9, against 4.1-4.5 and
-// 3.0 in k-blocks (medians of 31 calls, three builds alternated).
+// 3.0 in k-blocks (medians of 31 calls, three builds alternated). Setting a chunk's rows up
+// in pieces that both threads take (run_items), instead of one thread while the other
+// waits, gained 4% at [512, 2048 -> 2048] and lost at 64 rows: left out.
 void b_amx_item(const BGemm& g, int m0, int m1, int panel) {
   const int n0 = panel * B_NB, nn = std::min(B_NB, g.N - n0);
   const int kb = k_block(g.kw, size_t(g.kw) * 16 * 128);
