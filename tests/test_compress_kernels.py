@@ -27,10 +27,13 @@ SHAPES = [(3, 13, 5), (1, 1, 1), (1, 70, 17), (7, 129, 33), (13, 200, 40), (45, 
 BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many items, odd blocks
 # int8 also at K = 1500: a panel of 48 KB (VNNI's 4 k of int8 or AVX2's 2 k of int16, 32
 # columns or 16), past 2/3 of any x86 L1 up to 64 KB, so its products run in blocks of k
-# with partial sums in memory (qgemm.cc k_block), the last block shorter. With AMX, rows
-# in whole 16-row tiles and k in whole 64-k tiles run on tiles and the rest on vpdpbusd:
-# (45, 64, 48) one k tile; (41, 1500, 37) and (40, 200, 70) a k tail and a tail of rows.
-INT8_SHAPES = SHAPES + [(41, 1500, 37), (40, 200, 70)]
+# with partial sums in memory (qgemm.cc k_block), the last block shorter. With AMX, from
+# 16 rows, every row runs on tiles in 32-row blocks (the last one's rows past M computed and
+# not written), k in whole 64-k tiles, the rest of k on vpdpbusd: (45, 64, 48) one k tile;
+# (41, 1500, 37) and (40, 200, 70) a k tail, a last block of 16 rows or fewer; (41, 1500,
+# 37) also k-blocks of the panel; (100, 33000, 40) row chunks of 32 rows set up by either
+# thread, the last one of 4, and many k-blocks.
+INT8_SHAPES = SHAPES + [(41, 1500, 37), (40, 200, 70), (100, 33000, 40)]
 
 
 @pytest.fixture(autouse=True)

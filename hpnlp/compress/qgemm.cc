@@ -22,8 +22,9 @@
 //                         vpmaddwd + vpaddd per 16, the same multiply-port count, plus
 //                         an extra instruction: no faster on Zen 3 and more code.
 //           portable      plain loops over the AVX2 layout.
-//           AMX           where the CPU has it and Linux grants it: whole tiles of 16 rows
-//                         x 64 k by tdpbusd on the VNNI operands (i8_amx_block).
+//           AMX           where the CPU has it and Linux grants it, from 16 rows: 32-row
+//                         blocks x whole 64-k tiles by tdpbusd on the VNNI operands, the
+//                         activations re-laid in blocks (i8_amx_tiles).
 //   binary: AMX           where the CPU has it and Linux grants it: the +-1 values as int8
 //                         by tdpbssd (b_amx_item), the weight's bits in the tiles' order.
 //           AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words; with
@@ -500,54 +501,6 @@ inline void i8_block(const I8X* x, size_t ldx, const I8W* p, int kq, int32_t (*t
 #endif
 }
 
-#if defined(HPNLP_I8_AMX)
-// AMX (Intel Sapphire Rapids and later; amx_ready in simd.h): one tdpbusd multiplies a
-// 16 x 64 tile of u8 activations by a 64 x 16 tile of s8 weights into 16 x 16 int32 sums,
-// 16 times the work of a vpdpbusd. The VNNI panel is already the right-hand tile's layout:
-// its k-group row holds 32 columns x 4 k (128 bytes), so a tile is 16 k-groups of 16
-// columns at a 128-byte stride, and the activations (x + 128, the same colsum offset)
-// are 64-byte rows. t[r][c] = the sums of rows [0, 16 NI) of x (row stride ldx) against
-// the panel's 32 columns over kq16 k-groups (a multiple of 16). Tiles 0-3 accumulate,
-// 4-5 hold activations, 6-7 weights. step() runs after each k-tile's products (vector work
-// the tiles overlap).
-template <int NI, class Step>
-inline void i8_amx_block(const I8X* x, size_t ldx, const I8W* p, int kq16, int32_t (*t)[I8_NB],
-                         Step&& step) {
-  // GCC's tile intrinsics are asm without memory operands: tell the compiler the tile
-  // loads read memory written before (the activation scratch) and the stores write t
-  __asm__ volatile("" ::: "memory");
-  constexpr size_t sb = I8_NB * I8_KP;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (NI == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int k = 0; k < kq16; k += 16) {
-    const I8W* pk = p + size_t(k) * sb;
-    const I8X* xk = x + size_t(k) * I8_KP;
-    _tile_loadd(4, xk, ldx);
-    _tile_loadd(6, pk, sb);
-    _tile_loadd(7, pk + 64, sb);
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
-    if constexpr (NI == 2) {
-      _tile_loadd(5, xk + 16 * ldx, ldx);
-      _tile_dpbusd(2, 5, 6);
-      _tile_dpbusd(3, 5, 7);
-    }
-    step();
-  }
-  constexpr size_t sc = I8_NB * sizeof(int32_t);
-  _tile_stored(0, t[0], sc);
-  _tile_stored(1, t[0] + 16, sc);
-  if constexpr (NI == 2) {
-    _tile_stored(2, t[16], sc);
-    _tile_stored(3, t[16] + 16, sc);
-  }
-  __asm__ volatile("" ::: "memory");
-}
-#endif
 
 struct I8Gemm {
   int M, K, N, kq, P;
@@ -563,6 +516,11 @@ struct I8Gemm {
   int act = 0;                  // then the activation: 0 none, 1 GELU (tanh form)
   int kb = 0;                   // k-groups per pass over a panel (i8_run sets it)
   bool stream = false;          // out_f or out_i written with streaming stores (stream_out)
+  // On AMX (i8_run sets them): xq in 32-row blocks of whole k-tiles (i8_amx_x), the k
+  // groups past the last whole k-tile (kq16 of them are in tiles) in xt, [M][kq - kq16]
+  bool blocked = false;
+  int kq16 = 0;
+  I8X* xt = nullptr;
 };
 
 // GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
@@ -660,6 +618,121 @@ inline void i8_row_epilogue(const I8Gemm& g, int row, int n0, const int32_t* t) 
   }
 }
 
+#if defined(HPNLP_I8_AMX)
+// Row m's 64 bytes of k-tile j (64 k) in the blocked activations: each 32-row block holds its
+// k-tiles one after another, a k-tile's 32 rows of 64 bytes together, so a tile of 16 rows
+// is 1 KB in a row and a block's tiles are read in order (the binary path's b_amx_x).
+inline I8X* i8_amx_x(const I8Gemm& g, int m, int j) {
+  return g.xq + ((size_t(m / 32) * (g.kq16 / 16) + j) * 32 + m % 32) * 64;
+}
+
+// AMX (Intel Sapphire Rapids and later; amx_ready in simd.h): one tdpbusd multiplies a
+// 16 x 64 tile of u8 activations by a 64 x 16 tile of s8 weights into 16 x 16 int32 sums,
+// 16 times the work of a vpdpbusd. The VNNI panel is already the right-hand tile's layout:
+// its k-group row holds 32 columns x 4 k (128 bytes), so a tile is 16 k-groups of 16
+// columns at a 128-byte stride; the activations (x + 128, the same colsum offset) are
+// blocked (i8_amx_x). The sums of one block (NI tiles of 16 rows from row m) over k-tiles
+// [j0, j1) of panel p into t, starting from zero (init null) or from init's sums; step()
+// after each k-tile's products. Tiles 0-3 accumulate, 4-5 hold activations (read by
+// tileloaddt1: they pass through, the panel's k-block stays in L1), 6-7 weights. GCC's
+// tile intrinsics are asm without memory operands: the barriers tell the compiler that the
+// tile loads read memory written before and the stores write t.
+template <int NI, class Step>
+inline void i8_amx_tiles(const I8Gemm& g, int m, const I8W* p, int j0, int j1,
+                         int32_t (*t)[I8_NB], const int32_t (*init)[I8_NB], Step&& step) {
+  static_assert(sizeof(I8X) == 1, "AMX reads 8-bit activations");
+  constexpr size_t sb = I8_NB * I8_KP, sc = I8_NB * sizeof(int32_t);
+  __asm__ volatile("" ::: "memory");
+  if (init) {
+    _tile_loadd(0, init[0], sc);
+    _tile_loadd(1, init[0] + 16, sc);
+    if constexpr (NI == 2) {
+      _tile_loadd(2, init[16], sc);
+      _tile_loadd(3, init[16] + 16, sc);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (NI == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  const I8X* x = i8_amx_x(g, m, 0);
+  for (int j = j0; j < j1; ++j) {
+    const I8W* pk = p + size_t(j) * 16 * sb;
+    const I8X* xk = x + size_t(j) * 32 * 64;
+    _tile_stream_loadd(4, xk, 64);
+    _tile_loadd(6, pk, sb);
+    _tile_loadd(7, pk + 64, sb);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if constexpr (NI == 2) {
+      _tile_stream_loadd(5, xk + 16 * 64, 64);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+    step();
+  }
+  _tile_stored(0, t[0], sc);
+  _tile_stored(1, t[0] + 16, sc);
+  if constexpr (NI == 2) {
+    _tile_stored(2, t[16], sc);
+    _tile_stored(3, t[16] + 16, sc);
+  }
+  __asm__ volatile("" ::: "memory");
+}
+
+// Rows [m0, m1) (m0 a multiple of 32) against panel p on AMX tiles, 32 rows a block (rows
+// past m1, in the scratch's tail past M, are computed and not finished), handed to
+// finish(row, 1, t) a row at a time. The panel is read a k-block at a time, which stays in
+// L1 (k_block), the sums waiting in memory between k-blocks; the k groups past the last
+// whole k-tile are added by vpdpbusd. Each block's rows are finished while the tiles
+// compute the next block, a step of rows after each k-tile (as b_amx_item), so the vector
+// units and the tiles overlap.
+template <class Finish>
+void i8_amx_sums(const I8Gemm& g, int m0, int m1, const I8W* p, Finish&& finish) {
+  constexpr size_t sb = I8_NB * I8_KP;
+  const int nkt = g.kq16 / 16;
+  const int kb = k_block(nkt, size_t(nkt) * 16 * sb);
+  int32_t(*acc)[32][I8_NB] = nullptr;  // each block's sums between k-blocks
+  if (kb < nkt)
+    acc = reinterpret_cast<int32_t(*)[32][I8_NB]>(
+        align64(scratch<int32_t, 8>(size_t(m1 - m0 + 31) / 32 * 32 * I8_NB + 16)));
+  amx_ready();  // this thread's tile configuration
+  alignas(64) int32_t tb[2][32][I8_NB];
+  const size_t ldt = size_t(g.kq - g.kq16) * I8_KP;
+  for (int j0 = 0; j0 < nkt; j0 += kb) {
+    const int j1 = std::min(nkt, j0 + kb);
+    const bool last = j1 == nkt;
+    int cur = 0, prev_m = -1, prev_rows = 0, r = 0;
+    const int per = (32 + (j1 - j0) - 1) / (j1 - j0);  // rows finished per k-tile
+    auto step = [&] {
+      for (const int r1 = std::min(prev_rows, r + per); r < r1; ++r)
+        finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
+    };
+    for (int m = m0; m < m1; m += 32) {
+      const int rows = std::min(32, m1 - m);
+      int32_t(*t)[I8_NB] = last ? tb[cur] : acc[(m - m0) / 32];
+      const int32_t(*init)[I8_NB] = j0 > 0 ? acc[(m - m0) / 32] : nullptr;
+      if (rows > 16) i8_amx_tiles<2>(g, m, p, j0, j1, t, init, step);
+      else i8_amx_tiles<1>(g, m, p, j0, j1, t, init, step);
+      if (!last) continue;
+      if (g.kq16 < g.kq)
+        row_blocks<I8_MR>(m, m + rows, g.mr, [&](int r0, auto rr) {
+          i8_block<decltype(rr)::value>(g.xt + size_t(r0) * ldt, ldt,
+                                        p + size_t(g.kq16) * sb, g.kq - g.kq16, t + (r0 - m),
+                                        true);
+        });
+      for (; r < prev_rows; ++r)  // what the k-tiles' steps left
+        finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
+      prev_m = m, prev_rows = rows, r = 0, cur ^= 1;
+    }
+    for (; r < prev_rows; ++r) finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
+  }
+}
+#endif
+
 void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
   const size_t ldx = size_t(g.kq) * I8_KP;
   const I8W* p = g.w + size_t(panel) * g.kq * I8_NB * I8_KP;
@@ -668,42 +741,9 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
   // finish(r0, R, t): t[r] the int32 sums of row r0 + r.
   auto sums = [&](auto&& finish) {
 #if defined(HPNLP_I8_AMX)
-    // Whole 16-row tiles over whole 64-k tiles on AMX, the k tail added by vpdpbusd; the
-    // rows past the last tile go on below
-    const int kq16 = g.kq / 16 * 16;
-    // Each block's rows are finished while the tiles compute the next block, a step of
-    // rows after each k-tile's products (as b_amx_item), so the vector units and the
-    // tiles overlap: on 2 cores of the Xeon model 167, [2048, 1024 -> 4096] int8_linear
-    // 4.8-5.0 -> 4.4-4.6 ms, [2048, 1000 -> 1024] 1.85 -> 1.6. Read by tileloaddt1 (as the
-    // binary path's), the activations gained at K = 1024 and lost at 1000 and 2048.
-    if (kq16 > 0 && m1 - m0 >= 16 && amx_ready()) {
-      alignas(64) int32_t tb[2][32][I8_NB];
-      int cur = 0, prev_m = -1, prev_rows = 0, r = 0;
-      const int per = (32 + kq16 / 16 - 1) / (kq16 / 16);  // rows finished per k-tile
-      auto step = [&] {
-        if (r >= prev_rows) return;
-        for (const int r1 = std::min(prev_rows, r + per); r < r1; ++r)
-          finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
-      };
-      for (; m0 + 16 <= m1;) {
-        int32_t(*t)[I8_NB] = tb[cur];
-        const int rows = m0 + 32 <= m1 ? 32 : 16;
-        const I8X* x = g.xq + size_t(m0) * ldx;
-        if (rows == 32) i8_amx_block<2>(x, ldx, p, kq16, t, step);
-        else i8_amx_block<1>(x, ldx, p, kq16, t, step);
-        if (kq16 < g.kq)
-          row_blocks<I8_MR>(m0, m0 + rows, g.mr, [&](int r0, auto rr) {
-            i8_block<decltype(rr)::value>(g.xq + size_t(r0) * ldx + size_t(kq16) * I8_KP, ldx,
-                                          p + size_t(kq16) * I8_NB * I8_KP, g.kq - kq16,
-                                          t + (r0 - m0), true);
-          });
-        for (; r < prev_rows; ++r)  // what the k-tiles' steps left
-          finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
-        prev_m = m0, prev_rows = rows, r = 0, cur ^= 1;
-        m0 += rows;
-      }
-      for (; r < prev_rows; ++r) finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
-      if (m0 == m1) return;
+    if (g.blocked) {
+      i8_amx_sums(g, m0, m1, p, finish);
+      return;
     }
 #endif
     if (g.kb >= g.kq) {  // the whole contraction in one pass of each register block
@@ -843,8 +883,10 @@ inline uint64_t sign_word(const float* x, int n) {
 // computes, operation for operation.
 void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0, int r1) {
   const size_t ldx = size_t(g.kq) * I8_KP;
+  // blocked (AMX): a row is quantized here, then copied to its k-tiles and tail
+  I8X* row = g.blocked ? align64(scratch<I8X, 9>(ldx + 64)) : nullptr;
   for (int m = r0; m < r1; ++m) {
-    I8X* q = g.xq + m * ldx;
+    I8X* q = g.blocked ? row : g.xq + m * ldx;
     if (x8) {
       const int8_t* xr = x8 + size_t(m) * g.K;
       for (int k = 0; k < g.K; ++k) q[k] = i8_x(xr[k]);
@@ -890,15 +932,57 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
       }
     }
     for (size_t k = g.K; k < ldx; ++k) q[k] = i8_x(0);
+#if defined(HPNLP_I8_AMX)
+    if (g.blocked) {
+      for (int j = 0; j < g.kq16 / 16; ++j) std::memcpy(i8_amx_x(g, m, j), q + 64 * j, 64);
+      const size_t ldt = ldx - size_t(g.kq16) * I8_KP;
+      std::memcpy(g.xt + m * ldt, q + size_t(g.kq16) * I8_KP, ldt * sizeof(I8X));
+    }
+#endif
   }
 }
 
+// Whether the int8 products run on AMX tiles in this process (hpnlp_qgemm_int8_products).
+inline bool i8_amx_products() {
+#if defined(HPNLP_I8_AMX)
+  static const bool on = [] {
+    const bool ready = amx_ready();
+    release_tiles();
+    return ready;
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
 void i8_run(I8Gemm& g, const int8_t* x8, const float* xf, int threads) {
-  g.xq = align64(scratch<I8X, 0>(size_t(g.M) * g.kq * I8_KP + 64));  // AMX tile rows: whole lines
+  const size_t ldx = size_t(g.kq) * I8_KP;
   g.xs = scratch<float, 1>(g.M);
   const size_t panel = size_t(g.kq) * I8_NB * I8_KP * sizeof(I8W);
   g.kb = k_block(g.kq, panel);
-  run_items(g.M, g.P, g.mc, panel_group(panel, g.P), threads,
+  int mc = g.mc;
+  // On AMX from 16 rows and 64 k: every row in tiles of the blocked activations (rows
+  // rounded up to whole 32-row blocks, the scratch's rows past M computed and not
+  // written), in row chunks of whole blocks whose activations fill half of L2 (the tuned
+  // mc and mr are the vector path's, which the tuning probe times). On 2 cores of the
+  // Xeon model 167, against 64-byte rows read whole (the tuned chunks, the panel whole,
+  // the rows past the last 16-row tile on vpdpbusd), int8_linear's [2048, 1024 -> 4096]
+  // ran 4.4-4.5 -> 3.6-3.8 ms, [2048, 2048 -> 2048] 4.4 -> 4.0-4.2, [2048, 1000 -> 1024]
+  // 1.6 -> 1.35; [2048, 4096 -> 1024] about the same (5.3-5.9 against 5.4-6.2), and
+  // [2048, 4096 -> 32], where re-laying the rows outweighs the tiles, 1.25 -> 1.45.
+  g.kq16 = g.kq / 16 * 16;
+  g.blocked = i8_amx_products() && g.kq16 > 0 && g.M >= 16;
+  if (g.blocked) {
+    const size_t rows = size_t(g.M + 31) / 32 * 32;
+    g.xq = align64(scratch<I8X, 0>(rows * g.kq16 * I8_KP + 64));
+    g.xt = scratch<I8X, 10>(size_t(g.M) * (g.kq - g.kq16) * I8_KP + 1);
+    const size_t room = cache_bytes(2, size_t(1) << 20) / 2;
+    mc = int(std::clamp<size_t>(room / ldx / 32 * 32, 32, 1 << 20));
+  } else {
+    g.xq = align64(scratch<I8X, 0>(size_t(g.M) * ldx + 64));
+  }
+  run_items(g.M, g.P, mc, panel_group(panel, g.P), threads,
             [&](int r0, int r1) { i8_quantize_rows(g, x8, xf, r0, r1); },
             [&](int m0, int m1, int p) { i8_item(g, m0, m1, p); });
 }
@@ -1125,7 +1209,7 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
 // (k = 64j + 4q .. 64j + 4q + 3), a 64-bit word at [j][16h + q] whose bit 4c + i is the
 // sign bit of column 16h + c at k = 64j + 4q + i: one tile row of tdpbssd's right-hand
 // operand, which one masked blend expands to its 64 bytes of +1 (bit set) and -1.
-// Expanded into e [16 kw][32 columns][4]: the int8 panel layout of i8_amx_block.
+// Expanded into e [16 kw][32 columns][4]: the int8 panel layout of i8_amx_tiles.
 inline void b_amx_expand(const uint8_t* p, int kw, int8_t* e) {
   const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
   for (int j = 0; j < kw; ++j)
@@ -1601,17 +1685,9 @@ extern "C" int64_t hpnlp_qgemm_layout(int64_t what) {
   return what >= 0 && what < int64_t(sizeof v / sizeof v[0]) ? v[what] : -1;
 }
 
-// How the int8 products run in this process: 3 on AMX tiles (rows and k in whole tiles;
-// vpdpbusd for the rest), else the build's int8 path (hpnlp_qgemm_layout's first value).
-extern "C" int64_t hpnlp_qgemm_int8_products() {
-#if defined(HPNLP_I8_AMX)
-  if (amx_ready()) {
-    release_tiles();
-    return 3;
-  }
-#endif
-  return I8_PATH;
-}
+// How the int8 products run in this process: 3 on AMX tiles (from 16 rows; k in whole
+// tiles, vpdpbusd for the rest), else the build's int8 path (hpnlp_qgemm_layout's first value).
+extern "C" int64_t hpnlp_qgemm_int8_products() { return i8_amx_products() ? 3 : I8_PATH; }
 
 // How the binary products run in this process: 3 on AMX tiles (the weight packed in
 // b_amx_expand's bit order), else the build's binary path (hpnlp_qgemm_layout's value 4).
