@@ -8,8 +8,9 @@
 // (row chunk of mc rows, panel) pairs, in row-chunk-major order, claimed one at a time by
 // the threads: all walk one chunk's panels together (its activations stay in each core's
 // L2), and a panel's k-run stays in L1 across the chunk's register blocks.
-// Each item covers the whole contraction (no partial sums in memory), so the epilogue
-// (the int32 result, or its float rescaling) writes every output once.
+// An item covers the whole contraction (partial sums, where a panel is read in k-blocks,
+// stay within the item), so the epilogue (the int32 result, or its float rescaling)
+// writes every output once.
 //
 // Paths, chosen at build time by the CPU's features (-march=native):
 //   int8:   AVX-512 VNNI  vpdpbusd on (x + 128) as u8 times w as s8, 4 k a lane, minus
@@ -24,7 +25,8 @@
 //           portable      plain loops over the AVX2 layout.
 //           AMX           where the CPU has it and Linux grants it, from 16 rows: 32-row
 //                         blocks x whole 64-k tiles by tdpbusd on the VNNI operands, the
-//                         activations re-laid in blocks (i8_amx_tiles).
+//                         activations re-laid in blocks (i8_amx_tiles); the k past the
+//                         last whole tile by vpdpbusd.
 //   binary: AMX           where the CPU has it and Linux grants it: the +-1 values as int8
 //                         by tdpbssd (b_amx_item), the weight's bits in the tiles' order.
 //           AVX-512 VPOPCNTDQ  vpxorq + vpopcntq + vpaddq on 8 columns' 64-bit words; with
@@ -507,7 +509,7 @@ struct I8Gemm {
   int mc, mr;
   const I8W* w;           // [P][kq][I8_NB][I8_KP]
   const int32_t* colsum;  // [P * I8_NB]: sum over k of w (the VNNI offset's correction)
-  I8X* xq;                // [M][kq * I8_KP] scratch
+  I8X* xq;                // [M][kq * I8_KP] scratch (blocked on AMX: i8_amx_x)
   int32_t* out_i;         // [M, N] (int8_matmul) or null
   float* out_f;           // [M, N] (int8_linear) or null
   const float* ws;        // [N] weight scales (int8_linear)
@@ -521,6 +523,7 @@ struct I8Gemm {
   bool blocked = false;
   int kq16 = 0;
   I8X* xt = nullptr;
+  bool amx_ok = true;  // false: the vector path only (the tuning probe times its blocks)
 };
 
 // GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
@@ -965,14 +968,14 @@ void i8_run(I8Gemm& g, const int8_t* x8, const float* xf, int threads) {
   // On AMX from 16 rows and 64 k: every row in tiles of the blocked activations (rows
   // rounded up to whole 32-row blocks, the scratch's rows past M computed and not
   // written), in row chunks of whole blocks whose activations fill half of L2 (the tuned
-  // mc and mr are the vector path's, which the tuning probe times). On 2 cores of the
+  // mc and mr are the vector path's, which the tuning probe times: amx_ok). On 2 cores of the
   // Xeon model 167, against 64-byte rows read whole (the tuned chunks, the panel whole,
   // the rows past the last 16-row tile on vpdpbusd), int8_linear's [2048, 1024 -> 4096]
   // ran 4.4-4.5 -> 3.6-3.8 ms, [2048, 2048 -> 2048] 4.4 -> 4.0-4.2, [2048, 1000 -> 1024]
   // 1.6 -> 1.35; [2048, 4096 -> 1024] about the same (5.3-5.9 against 5.4-6.2), and
   // [2048, 4096 -> 32], where re-laying the rows outweighs the tiles, 1.25 -> 1.45.
   g.kq16 = g.kq / 16 * 16;
-  g.blocked = i8_amx_products() && g.kq16 > 0 && g.M >= 16;
+  g.blocked = g.amx_ok && i8_amx_products() && g.kq16 > 0 && g.M >= 16;
   if (g.blocked) {
     const size_t rows = size_t(g.M + 31) / 32 * 32;
     g.xq = align64(scratch<I8X, 0>(rows * g.kq16 * I8_KP + 64));
@@ -1209,7 +1212,8 @@ void b_item(const BGemm& g, int m0, int m1, int panel) {
 // (k = 64j + 4q .. 64j + 4q + 3), a 64-bit word at [j][16h + q] whose bit 4c + i is the
 // sign bit of column 16h + c at k = 64j + 4q + i: one tile row of tdpbssd's right-hand
 // operand, which one masked blend expands to its 64 bytes of +1 (bit set) and -1.
-// Expanded into e [16 kw][32 columns][4]: the int8 panel layout of i8_amx_tiles.
+// kw k-words of it (from p) expanded into e [16 kw][32 columns][4]: the int8 panel layout of
+// i8_amx_tiles.
 inline void b_amx_expand(const uint8_t* p, int kw, int8_t* e) {
   const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
   for (int j = 0; j < kw; ++j)
@@ -1278,7 +1282,7 @@ void b_amx_item(const BGemm& g, int m0, int m1, int panel) {
   int32_t(*acc)[32][32] = nullptr;  // each block's sums between k-blocks
   if (kb < g.kw)
     acc = reinterpret_cast<int32_t(*)[32][32]>(
-        align64(scratch<int32_t, 8>(size_t(m1 - m0 + 31) / 32 * 32 * 32 + 16)));
+        align64(scratch<int32_t, 11>(size_t(m1 - m0 + 31) / 32 * 32 * 32 + 16)));
   alignas(64) int32_t tb[2][32][32];
   for (int k0 = 0; k0 < g.kw; k0 += kb) {
     const int k1 = std::min(g.kw, k0 + kb);
@@ -1723,6 +1727,7 @@ extern "C" double hpnlp_qgemm_probe(int64_t kind, int64_t M, int64_t K, int64_t 
     std::vector<int32_t> colsum(P * I8_NB, 0);
     I8Gemm g{int(M), int(K), int(N), int(kq), int(P), int(mc), int(mr), w.data(), colsum.data(),
              nullptr, nullptr, out.data(), scale.data(), nullptr};
+    g.amx_ok = false;  // the blocks tuned are the vector path's (AMX sizes its own chunks)
     const auto start = std::chrono::steady_clock::now();
     i8_run(g, nullptr, x.data(), int(threads));
     return seconds_since(start);
