@@ -33,10 +33,10 @@ BLOCKING = {"int8": {"mc": 4, "mr": 3}, "binary": {"mc": 5, "mr": 2}}  # many it
 # (41, 1500, 37) and (40, 200, 70) a k tail, a last block of 16 rows or fewer; (41, 1500,
 # 37) also k-blocks of the panel; (20, 1500, 64) and (57, 200, 64) a last block of 17 to 31
 # rows (two tiles, reading rows past M), whole panels (the epilogue in registers); (100,
-# 33000, 40) row chunks of 32 rows set up by either thread, the last one of 4, and many
-# k-blocks.
+# 16500, 40) row chunks of 32 rows (16.5 KB rows, half of L2 a chunk: 2 MB or less) set up
+# by either thread, the last one of 4, and many k-blocks.
 INT8_SHAPES = SHAPES + [(41, 1500, 37), (40, 200, 70), (20, 1500, 64), (57, 200, 64),
-                        (100, 33000, 40)]
+                        (100, 16500, 40)]
 
 
 @pytest.fixture(autouse=True)
