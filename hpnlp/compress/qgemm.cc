@@ -945,7 +945,9 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
   }
 }
 
-// Whether the int8 products run on AMX tiles in this process (hpnlp_qgemm_int8_products).
+// Whether this build has AMX and Linux grants this process the tiles (asked once; the
+// asking thread's tiles released): then the int8 products run on them
+// (hpnlp_qgemm_int8_products), and the binary ones where the build has their path too.
 inline bool i8_amx_products() {
 #if defined(HPNLP_I8_AMX)
   static const bool on = [] {
@@ -1418,12 +1420,7 @@ void b_run(BGemm& g, const uint8_t* xb, const float* xf, int threads) {
 // in b_amx_expand's bit order: hpnlp_qgemm_binary_products).
 inline bool b_amx_products() {
 #if defined(HPNLP_B_AMX)
-  static const bool on = [] {
-    const bool ready = amx_ready();
-    release_tiles();
-    return ready;
-  }();
-  return on;
+  return i8_amx_products();
 #else
   return false;
 #endif
