@@ -155,6 +155,44 @@ def test_binary_matmul_is_exact(M, K, N, threads):
 
 
 @needs_kernel
+def test_binary_bits_past_k_count_for_nothing(monkeypatch):
+    """Set bits past K (a weight or x packed by hand, e.g. `~` of zeros) change nothing, as
+    in the twin: found in review, the popcount path counted them (-7 for an all-ones
+    [3 -> 1] product). At 70 rows the AMX path runs where the CPU has it; a weight prepared
+    with its tiles' panels falls back to the popcounts where the process has no tiles."""
+    M, K, N = 70, 13, 9
+    pad = np.uint8((0xFF << K % 8) & 0xFF)
+    clean = np.asarray(packing.pack_bits(_rng("pad", K, N).standard_normal((K, N))))
+    xs = np.asarray(packing.pack_bits(_rng("padx", M, K).standard_normal((M, K)), axis=1))
+    for w_pad, x_pad in ((True, False), (False, True)):  # set on one side only: not cancelled
+        bits, x = clean.copy(), xs.copy()
+        if w_pad:
+            bits[-1] |= pad
+        if x_pad:
+            x[:, -1] |= pad
+        w, x = qk.prepare_binary_weight(jnp.asarray(bits), k=K), jnp.asarray(x)
+        want = qk.binary_matmul(x, w, impl="xla")
+        for rows in (M, 3):
+            np.testing.assert_array_equal(qk.binary_matmul(x[:rows], w, impl="kernel"),
+                                          want[:rows])
+    ones = qk.prepare_binary_weight(jnp.full((1, 1), 0xFF, jnp.uint8), np.ones(1, np.float32), k=3)
+    np.testing.assert_allclose(qk.binary_linear(jnp.ones((1, 3)), ones, impl="kernel"), [[3.0]])
+    monkeypatch.setattr(qk, "binary_products", lambda: "avx512_vpopcntdq")  # no tiles here
+    np.testing.assert_array_equal(qk.binary_matmul(x, w, impl="kernel"), want)
+
+
+@needs_kernel
+def test_int8_at_k_zero_is_zero():
+    """K = 0: the twin's per-row scale had no maximum to take, and the kernel divided by
+    zero blocks of k, a floating point exception that killed the process (found in
+    review)."""
+    w = qk.prepare_int8_weight(jnp.zeros((0, 5), jnp.int8), jnp.ones((5,), jnp.float32))
+    x = jnp.zeros((3, 0), jnp.float32)
+    for impl in ("xla", "kernel"):
+        np.testing.assert_array_equal(qk.int8_linear(x, w, impl=impl), np.zeros((3, 5)))
+
+
+@needs_kernel
 @pytest.mark.parametrize("xbit,wbit", [(1, 1), (0, 0), (1, 0), (0, 1)])
 def test_binary_all_ones_and_minus_ones(xbit, wbit):
     M, K, N = 3, 1000, 11

@@ -13,10 +13,12 @@ Three XLA FFI CPU kernels, inference only (no gradients):
   activations per token inside the kernel (scale max|row| / 127, round to nearest even,
   clip to [-127, 127]) and rescales the int32 product by both scales. AVX-512 VNNI
   (`vpdpbusd` on x + 128 as u8, minus 128 colsum(w)) or AVX2 (int16 `vpmaddwd`); see the
-  top of `qgemm.cc` for why not `vpmaddubsw`.
+  top of `qgemm.cc` for why not `vpmaddubsw`. On AMX (`int8_products()`), `tdpbusd` tiles
+  from 16 rows.
 - binary (`binary_matmul` on packed bits, exact: K - 2 popcount(x xor w); `binary_linear`
   binarizes x by sign with XNOR-Net's per-token scale beta = mean|x|). VPOPCNTDQ or the
-  AVX2 nibble-LUT popcount (Mula).
+  AVX2 nibble-LUT popcount (Mula); on AMX (`binary_products()`), the +-1 values as int8
+  on `tdpbssd` tiles from `AMX_MIN_ROWS` rows.
 - int4 weight-only (`int4_linear`): nibbles unpacked and scaled in registers, float
   accumulation; for memory-bound decoding (the weight is an eighth of float32's bytes).
 
@@ -121,9 +123,10 @@ def layout() -> dict[str, int | str]:
 
 
 def int8_products() -> str:
-    """How the int8 kernel's products run here: "amx" (AMX tiles for whole 16-row x 64-k
-    tiles, vpdpbusd for the rest), else the build's `int8_path`. AMX needs the OS to grant
-    the tile state (Linux >= 5.16); where it does not, the products stay on vpdpbusd."""
+    """How the int8 kernel's products run here: "amx" (AMX tiles from 16 rows: every row,
+    in 32-row blocks, over whole 64-k tiles, the rest of k on vpdpbusd; under 16 rows all
+    on vpdpbusd), else the build's `int8_path`. AMX needs the OS to grant the tile state
+    (Linux >= 5.16); where it does not, the products stay on vpdpbusd."""
     lib = KERNEL.library()
     lib.hpnlp_qgemm_int8_products.restype = ctypes.c_int64
     return ("portable", "avx2", "avx512_vnni", "amx")[lib.hpnlp_qgemm_int8_products()]
@@ -270,7 +273,7 @@ def quantize_rows_int8(x_MxK):
     """Per-row (per-token) symmetric int8: (q_MxK int8, scale_M) with scale = max|row| /
     127 and q = clip(round(x * (127 / max|row|)), -127, 127) (round half to even); a row of
     zeros has scale 0. The int8 kernel computes exactly this."""
-    amax_M1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True)
+    amax_M1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True, initial=0.0)  # K = 0: 0
     inv_M1 = jnp.where(amax_M1 > 0, 127.0 / jnp.where(amax_M1 > 0, amax_M1, 1.0), 0.0)
     q_MxK = jnp.clip(jnp.round(x_MxK * inv_M1), -127, 127).astype(jnp.int8)
     return q_MxK, (amax_M1 / 127.0)[:, 0]
@@ -375,6 +378,8 @@ def prepare_binary_weight(bits_KbxN, alpha_N=None, *, k: int) -> BinaryWeight:
         raise ValueError(f"prepare_binary_weight: bits_KbxN must have ceil(k/8) = {-(-k // 8)} "
                          f"rows for k = {k}; got shape {tuple(bits_KbxN.shape)}")
     N = bits_KbxN.shape[1]
+    if k % 8:  # bits past k count for nothing (as in the twin), set or not
+        bits_KbxN = bits_KbxN.at[-1].set(bits_KbxN[-1] & np.uint8((1 << k % 8) - 1))
     alpha_N = jnp.ones((N,), jnp.float32) if alpha_N is None else jnp.asarray(alpha_N)
     _check("prepare_binary_weight", "alpha_N", alpha_N, ndim=1, dtype=jnp.float32, shape=(N,))
     panels = amx = None
@@ -398,9 +403,11 @@ AMX_MIN_ROWS = 64
 
 
 def _binary_panels(weight, M: int):
-    """(panels, 1) in the AMX bit order for M >= AMX_MIN_ROWS rows where there are some,
-    else (the popcount panels, 0)."""
-    if weight.amx_panels is not None and M >= AMX_MIN_ROWS and weight.k > 0:
+    """(panels, 1) in the AMX bit order for M >= AMX_MIN_ROWS rows where there are some
+    and this process has the tiles (a weight prepared where Linux granted them may be used
+    where it does not), else (the popcount panels, 0)."""
+    if (weight.amx_panels is not None and M >= AMX_MIN_ROWS and weight.k > 0
+            and binary_products() == "amx"):
         return weight.amx_panels, 1
     return weight.panels, 0
 

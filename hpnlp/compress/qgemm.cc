@@ -375,7 +375,8 @@ inline size_t cache_bytes(int level, size_t fallback) {
 // panel_group: panels per group of run_items, half of L2 of weights.
 inline int k_block(int kq, size_t panel_bytes) {
   static const size_t room = cache_bytes(1, size_t(32) << 10) * 2 / 3;
-  const int64_t blocks = int64_t((panel_bytes + room - 1) / room);
+  // K = 0: one (empty) block; a division by zero blocks killed the process (found in review)
+  const int64_t blocks = std::max<int64_t>(1, int64_t((panel_bytes + room - 1) / room));
   return int((kq + blocks - 1) / blocks);
 }
 inline int panel_group(size_t panel_bytes, int P) {
@@ -1384,7 +1385,9 @@ void b_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) 
       for (int j = 0; j < g.kw; ++j) {
         uint8_t bytes[8] = {};
         std::memcpy(bytes, xr + 8 * j, std::min(8, kb - 8 * j));
-        b_put(g, m, j, load_u64(bytes));
+        // bits past K count for nothing (as in the twin and the AMX path), set or not
+        const int n = std::min(64, g.K - 64 * j);
+        b_put(g, m, j, load_u64(bytes) & (n == 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1));
       }
     } else {
       const float* xr = xf + size_t(m) * g.K;
