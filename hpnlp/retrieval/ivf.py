@@ -55,14 +55,17 @@ QUERY_BLOCK = 4096
 
 def _nearest(x_ND, c_CD, block: int = 0):
     """Index of the nearest centroid (L2) of every row, in blocks of rows (`block`; 0: as
-    many as keep a block's scores [rows, C] to 16 MB, but at least 256)."""
+    many as keep a block's scores [rows, C] and its rows [rows, D] to about 16 MB, at most
+    16,384)."""
     n = x_ND.shape[0]
     if n == 0:  # cells trained before any add (`IVFIndex.train(x)`)
         return jnp.zeros((0,), jnp.int32)
     # A README walk's kNN-LM datastore (3.5M keys, C = 7,500 cells) had 16,384-row blocks:
     # 490 MB of scores, which XLA kept twice in k-means and twice in the assignment; and the
     # rows padded to whole blocks were a copy of them all
-    block = min(n, block or int(min(16384, max(256, (4 << 20) // max(c_CD.shape[0], 1)))))
+    # (A floor of 256 rows let the scores pass 16 MB from C = 16,384 cells on: 64 MB at
+    # 65,536, found in review; and the rows [block, D] were not counted.)
+    block = min(n, block or int(min(16384, max(1, (4 << 20) // (c_CD.shape[0] + x_ND.shape[1])))))
     return _nearest_blocks(x_ND, c_CD, block)
 
 
@@ -337,7 +340,10 @@ class IVFIndex(HostIndex):
             return np.asarray(s)[:nq], np.asarray(i)[:nq]
         centroid_MD, x_McD, id_Mc = self._chunks()
         qb = o["query_block"]
-        q = np.zeros((-(-nq // qb) * qb, self.dim), np.float32)
+        # as the exact index's: few query counts, so few compiles (each multiple of the
+        # query block had been one: a kNN-LM's batches, of varying real tokens, up to 128)
+        q = np.zeros((-(-exact._pad_rows(nq, exact._QUERY_CHUNK) // qb) * qb, self.dim),
+                     np.float32)
         q[:nq] = q_QD
         s, i = _search_fn(k, nprobe, qb)(jnp.asarray(q), centroid_MD, x_McD, id_Mc)
         return np.asarray(s)[:nq], np.asarray(i)[:nq]

@@ -226,7 +226,9 @@ def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: in
                 s, ids = index.search(augment_queries(q) if metric == "l2" else q, k)
                 d = (np.sum(q * q, axis=1, keepdims=True) - s) if metric == "l2" else -s
                 dist.append(np.maximum(d, 0.0) if metric == "l2" else d)
-                hit.append(store.values[ids] == target_T[lo:lo + query_block, None])
+                # id -1 (fewer than k vectors scanned) is no hit, whatever values[-1] holds
+                hit.append((store.values[ids] == target_T[lo:lo + query_block, None])
+                           & (ids >= 0))
             t_search += time.perf_counter() - t0
             lm.append(np.asarray(logp_BL)[real])
             bar.update(len(target_T))
