@@ -972,7 +972,8 @@ void i8_run(I8Gemm& g, const int8_t* x8, const float* xf, int threads) {
   // rounded up to whole 32-row blocks, the scratch's rows past M computed and not
   // written), in row chunks of whole blocks whose activations fill half of L2 (the tuned
   // mc and mr are the vector path's, which the tuning probe times: amx_ok). On 2 cores of the
-  // Xeon model 167, against 64-byte rows read whole (the tuned chunks, the panel whole,
+  // Xeon model 167 (python tools/qgemm_ab.py --rev de04987 --kind int8 --shapes ...),
+  // against 64-byte rows read whole (the tuned chunks, the panel whole,
   // the rows past the last 16-row tile on vpdpbusd), int8_linear's [2048, 1024 -> 4096]
   // ran 4.4-4.5 -> 3.6-3.8 ms, [2048, 2048 -> 2048] 4.4 -> 4.0-4.2, [2048, 1000 -> 1024]
   // 1.6 -> 1.35; [2048, 4096 -> 1024] about the same (5.3-5.9 against 5.4-6.2), and
@@ -1231,9 +1232,10 @@ inline void b_amx_expand(const uint8_t* p, int kw, int8_t* e) {
 // Row m's 64 int8 at k-word j in xa, whose 32-row blocks each hold their k-words one after
 // another, a k-word's 32 rows of 64 bytes together: each tile of 16 rows is then 1 KB in a
 // row, and a block's tiles are read in order. In rows of 64 kw bytes (a tile's rows 64 kw
-// apart), the tile loop ran at 3.3 of this Xeon's 6.4 int8 TOPS a core, 4.6 blocked and read
-// by tileloaddt1 (non-temporal: the panel's expanded weight, reused by every block, stays in
-// L1 and each block's rows pass through).
+// apart), the tile loop ran at 3.1-3.3 int8 TOPS on a core of the Xeon model 167, 4.6
+// blocked and read by tileloaddt1 (non-temporal: the panel's expanded weight, reused by
+// every block, stays in L1 and each block's rows pass through), within 3% of the loop with
+// every tile from L1 (python tools/amx_tile_loop.py).
 inline int8_t* b_amx_x(const BGemm& g, int m, int j) {
   return g.xa + ((size_t(m / 32) * g.kw + j) * 32 + m % 32) * 64;
 }
@@ -1274,7 +1276,8 @@ inline void b_amx_out(const BGemm& g, const int32_t (*t)[32], int m, int n0, int
 // the blocks' rows passing through; between k-blocks a block's sums wait in memory (acc).
 // On 2 cores of the Xeon model 167, with the panel expanded whole (128 KB at K = 4096), the
 // [2048, 4096 -> 1024] product ran 4.9 ms and [512, 4096 -> 4096] 3.9, against 4.1-4.5 and
-// 3.0 in k-blocks (medians of 31 calls, three builds alternated). Setting a chunk's rows up
+// 3.0 in k-blocks (medians of 31 calls, three builds alternated as tools/qgemm_ab.py
+// does, the panel-whole build uncommitted). Setting a chunk's rows up
 // in pieces that both threads take (run_items), instead of one thread while the other
 // waits, gained 4% at [512, 2048 -> 2048] and lost at 64 rows: left out.
 void b_amx_item(const BGemm& g, int m0, int m1, int panel) {
