@@ -21,7 +21,8 @@ multiply-add) for:
 On one core of the Xeon model 167 (2026-12-03, the defaults, three runs): tiles from L1
 4.68-4.72, rows 3.08-3.25, blocked 3.01-3.17, rows with tileloaddt1 4.15-4.28, blocked
 with tileloaddt1 4.56-4.62 TOPS: blocked and hinted, the loop runs within 3% of its
-ceiling, in rows a third below it.
+ceiling, in rows a third below it. Runs there vary by up to a fifth with the VM's speed
+(one later run read 4.45, 2.39, 2.65, 3.17 and 3.89): compare modes within one run.
 """
 
 import argparse
@@ -42,7 +43,11 @@ SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 
-struct alignas(64) Cfg { uint8_t palette, start; uint8_t r[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+struct alignas(64) Cfg {
+  uint8_t palette, start, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 
 template <int MODE>  // 0 peak, 1 rows, 2 blocked, 3 rows + dt1, 4 blocked + dt1
 double run(int rows, int kw, int panels) {

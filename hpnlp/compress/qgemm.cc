@@ -732,7 +732,8 @@ void i8_amx_sums(const I8Gemm& g, int m0, int m1, const I8W* p, Finish&& finish)
         finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
       prev_m = m, prev_rows = rows, r = 0, cur ^= 1;
     }
-    for (; r < prev_rows; ++r) finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
+    for (; r < prev_rows; ++r)
+      finish(prev_m + r, std::integral_constant<int, 1>{}, tb[cur ^ 1] + r);
   }
 }
 #endif
