@@ -375,6 +375,11 @@ def test_bad_inputs_name_the_argument():
         qk.prepare_int4_weight(jnp.zeros((7, 4), jnp.uint8), jnp.ones((2, 4), jnp.float32), k=13)
     with pytest.raises(ValueError, match="weight must be an Int4Weight"):
         qk.int4_linear(jnp.zeros((2, 13), jnp.float32), w)
+    # whichever path runs (found in review: the twin's path let them pass)
+    with pytest.raises(ValueError, match="int8_linear: threads must be >= 1"):
+        qk.int8_linear(jnp.zeros((2, 13), jnp.float32), w, impl="xla", threads=0)
+    with pytest.raises(ValueError, match="int8_matmul: blocking must be"):
+        qk.int8_matmul(x, w, impl="xla", blocking={"mc": 0, "mr": 2})
     if qk.available():
         with pytest.raises(ValueError, match="blocking must be"):
             qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 8, "mr": 99})

@@ -218,6 +218,18 @@ def _use_kernel(what: str, impl: str, panels) -> bool:
     return reason is None
 
 
+def _check_options(what: str, threads, blocking=None) -> None:
+    """`threads` and `blocking` checked whichever path runs, before any compile (found in
+    review: with impl="xla", or "auto" where the kernel cannot run, threads=0 passed)."""
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"{what}: threads must be >= 1; got {threads}")
+    if blocking is not None and (
+            set(blocking) != {"mc", "mr"} or not 1 <= blocking["mc"] <= 2**30
+            or blocking["mr"] < 1):
+        raise ValueError(f"{what}: blocking must be {{'mc': 1..2**30, 'mr': >= 1}}; got "
+                         f"{blocking}")
+
+
 def _threads(threads: int | None, M: int, K: int, N: int, kind: str) -> np.int64:
     if threads is None:
         threads = 1 if M * K * N < _MIN_PARALLEL_MACS[kind] else kernels.cores()
@@ -232,7 +244,7 @@ def _blocking(name: str, given: dict | None) -> dict:
     # mc at most 2**30: the kernel counts row chunks in a C int ((M + mc - 1) / mc)
     if set(cfg) != {"mc", "mr"} or not 1 <= cfg["mc"] <= 2**30 or not 1 <= cfg["mr"] <= top:
         raise ValueError(f"{name} kernel: blocking must be {{'mc': 1..2**30, 'mr': 1..{top}}}; "
-                         f"got {given}")
+                         f"got {cfg}" + ("" if given is not None else " (the tuned blocks)"))
     return {k: np.int64(v) for k, v in cfg.items()}
 
 
@@ -329,6 +341,7 @@ def int8_matmul(x_MxK, w, *, impl: str = "auto", threads: int | None = None,
     """x_MxK int8 @ w int8 [K, N] -> int32 [M, N], exact (values in [-127, 127]). `w` is an
     `Int8Weight` (pack once with `prepare_int8_weight`) or a raw int8 [K, N] array (packed
     on every call). `threads` None: every core (one for tiny products)."""
+    _check_options("int8_matmul", threads, blocking)
     w = _as_int8_weight(w)
     _check_x("int8_matmul", x_MxK, w.q_KxN.shape[0], jnp.int8)
     if not _use_kernel("int8_matmul", impl, w.panels):
@@ -350,6 +363,7 @@ def int8_linear(x_MxK, weight: Int8Weight, *, bias=None, activation: str | None 
     if not isinstance(weight, Int8Weight):
         raise ValueError("int8_linear: weight must be an Int8Weight (prepare_int8_weight); got "
                          f"{type(weight).__name__}")
+    _check_options("int8_linear", threads, blocking)
     _check_x("int8_linear", x_MxK, weight.q_KxN.shape[0], jnp.float32)
     (M, K), N = x_MxK.shape, weight.q_KxN.shape[1]
     _check_bias("int8_linear", bias, N)
@@ -453,6 +467,7 @@ def binary_matmul(x_bits_MxKb, weight: BinaryWeight, *, impl: str = "auto",
     prepared binary weight: int32 [M, N] = sum_k x_k w_k over +-1 values, exactly
     K - 2 popcount(x xor w). `blocking` is the popcount path's; the AMX path (from
     `AMX_MIN_ROWS` rows where the CPU has it) sizes its row chunks by the cache."""
+    _check_options("binary_matmul", threads, blocking)
     _check_binary_weight("binary_matmul", weight)
     k = weight.k
     _check("binary_matmul", "x_bits_MxKb", x_bits_MxKb, ndim=2, dtype=jnp.uint8)
@@ -473,6 +488,7 @@ def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
                   threads: int | None = None, blocking: dict | None = None):
     """XNOR-Net linear layer: sign(x) (x > 0: +1, else -1) with per-token scale beta =
     mean|x_row|, times the prepared binary weight: popcount product * beta[m] * alpha[n]."""
+    _check_options("binary_linear", threads, blocking)
     _check_binary_weight("binary_linear", weight)
     _check_x("binary_linear", x_MxK, weight.k, jnp.float32)
     if not _use_kernel("binary_linear", impl, weight.panels):
@@ -543,6 +559,7 @@ def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int |
     if not isinstance(weight, Int4Weight):
         raise ValueError("int4_linear: weight must be an Int4Weight (prepare_int4_weight); got "
                          f"{type(weight).__name__}")
+    _check_options("int4_linear", threads)
     _check_x("int4_linear", x_MxK, weight.k, jnp.float32)
     if impl == "auto" and x_MxK.shape[0] > INT4_KERNEL_MAX_ROWS:
         return int4_linear_xla(x_MxK, weight)
