@@ -231,10 +231,9 @@ def _check_options(what: str, threads, blocking=None) -> None:
 
 
 def _threads(threads: int | None, M: int, K: int, N: int, kind: str) -> np.int64:
+    """The kernel's thread count (`threads` already checked by `_check_options`)."""
     if threads is None:
         threads = 1 if M * K * N < _MIN_PARALLEL_MACS[kind] else kernels.cores()
-    if int(threads) < 1:
-        raise ValueError(f"threads must be >= 1; got {threads}")
     return np.int64(threads)
 
 
