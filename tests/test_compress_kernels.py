@@ -62,17 +62,27 @@ def _int8_operands(M, K, N):
     return jnp.asarray(x), qk.prepare_int8_weight(w, scale)
 
 
+# Each shape's kernel runs (one and two threads, the default and odd blocks) and its twin go
+# in one jitted program: one compile a shape, not one per run and eager op (the shape tests
+# took 37 s of the suite's worker time on the Xeon model 167 that way, 2026-12-03).
+RUNS = [(t, b) for t in (1, 2) for b in (False, True)]  # (threads, the odd BLOCKING)
+
+
+def _runs(fn, kind, *args):
+    """[fn(*args, impl="xla")] + fn(*args, impl="kernel", ...) at every RUNS, one compile."""
+    return jax.jit(lambda *a: [fn(*a, impl="xla")] + [
+        fn(*a, impl="kernel", threads=t, blocking=BLOCKING[kind] if b else None)
+        for t, b in RUNS])(*args)
+
+
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("M,K,N", INT8_SHAPES)
-def test_int8_matmul_is_exact(M, K, N, threads):
+def test_int8_matmul_is_exact(M, K, N):
     x, w = _int8_operands(M, K, N)
-    want = qk.int8_matmul(x, w, impl="xla")
-    np.testing.assert_array_equal(qk.int8_matmul(x, w, impl="kernel", threads=threads), want)
-    np.testing.assert_array_equal(
-        qk.int8_matmul(x, w, impl="kernel", threads=threads, blocking=BLOCKING["int8"]), want)
-    ref = np.asarray(x, np.int64) @ np.asarray(w.q_KxN, np.int64)
-    np.testing.assert_array_equal(want, ref)
+    want, *got = _runs(qk.int8_matmul, "int8", x, w)
+    np.testing.assert_array_equal(want, np.asarray(x, np.int64) @ np.asarray(w.q_KxN, np.int64))
+    for run, y in zip(RUNS, got):
+        np.testing.assert_array_equal(y, want, err_msg=f"threads, odd blocks: {run}")
 
 
 @needs_kernel
@@ -91,29 +101,38 @@ def test_int8_extremes_do_not_saturate(value):
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("M,K,N", INT8_SHAPES)
-def test_int8_linear_matches_twin(M, K, N, threads):
+def test_int8_linear_matches_twin(M, K, N):
     _, w = _int8_operands(M, K, N)
     x = _rng("x", M, K).standard_normal((M, K)).astype(np.float32)
     x[0, 0] = 0.0
     if M > 2:
         x[2] = 0.0  # a row of zeros has scale 0
     x = jnp.asarray(x)
-    want = qk.int8_linear(x, w, impl="xla")
-    _close(qk.int8_linear(x, w, impl="kernel", threads=threads), want)
-    _close(qk.int8_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["int8"]), want)
+    want, *got = _runs(qk.int8_linear, "int8", x, w)
+    for run, y in zip(RUNS, got):
+        _close(y, want)
     # The epilogue (+ bias, GELU) in the kernel's pass equals the twin's, on outputs that
-    # reach GELU's tails (|y| up to ~30: x scaled up) and its curved middle.
+    # reach GELU's tails (|y| up to ~30: x scaled up) and its curved middle, on one and two
+    # threads; and the kernel quantizes exactly as quantize_rows_int8 does. One compile.
     bias = jnp.asarray(_rng("bias", N).uniform(-2, 2, N).astype(np.float32))
-    for b, act, xs in [(bias, None, 1.0), (None, "gelu", 1.0), (bias, "gelu", 1.0), (bias, "gelu", 20.0)]:
-        _close(qk.int8_linear(x * xs, w, bias=b, activation=act, impl="kernel", threads=threads,
-                              blocking=BLOCKING["int8"]),
-               qk.int8_linear(x * xs, w, bias=b, activation=act, impl="xla"))
-    # The kernel quantizes exactly as quantize_rows_int8 does.
-    q, s = qk.quantize_rows_int8(x)
-    _close(qk.int8_matmul(q, w, impl="kernel").astype(jnp.float32) * s[:, None]
-           * w.scale_N[None, :], want)
+    cases = [(True, None, 1.0), (False, "gelu", 1.0), (True, "gelu", 1.0), (True, "gelu", 20.0)]
+
+    def epilogues(x, w, bias):
+        q, s = qk.quantize_rows_int8(x)
+        requantized = (qk.int8_matmul(q, w, impl="kernel").astype(jnp.float32) * s[:, None]
+                       * w.scale_N[None, :])
+        return requantized, [
+            [qk.int8_linear(x * xs, w, bias=bias if b else None, activation=act, impl="xla")]
+            + [qk.int8_linear(x * xs, w, bias=bias if b else None, activation=act,
+                              impl="kernel", threads=t, blocking=BLOCKING["int8"])
+               for t in (1, 2)] for b, act, xs in cases]
+
+    requantized, outs = jax.jit(epilogues)(x, w, bias)
+    _close(requantized, want)
+    for case, (twin, *ys) in zip(cases, outs):
+        for y in ys:
+            _close(y, twin)
 
 
 @needs_kernel
@@ -138,20 +157,18 @@ def _binary_operands(M, K, N):
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
 # (2, 2100, 9): K past 31 words (the AVX2 path's byte flushes); (515, 70, 4104): an 8.5 MB
 # int32 output, streamed from registers (b_block_out), its last panel short (the tile);
 # from AMX_MIN_ROWS rows the products run on AMX tiles where the CPU has them: (100, 129,
 # 33) ends in part of a 32-row block, of a k-word and of a panel
 @pytest.mark.parametrize("M,K,N", SHAPES + [(2, 2100, 9), (515, 70, 4104), (100, 129, 33),
                                    (70, 0, 9)])
-def test_binary_matmul_is_exact(M, K, N, threads):
+def test_binary_matmul_is_exact(M, K, N):
     w = _binary_operands(M, K, N)
     x = jnp.asarray(packing.pack_bits(_rng("bx", M, K).standard_normal((M, K)), axis=1))
-    want = qk.binary_matmul(x, w, impl="xla")
-    np.testing.assert_array_equal(qk.binary_matmul(x, w, impl="kernel", threads=threads), want)
-    np.testing.assert_array_equal(
-        qk.binary_matmul(x, w, impl="kernel", threads=threads, blocking=BLOCKING["binary"]), want)
+    want, *got = _runs(qk.binary_matmul, "binary", x, w)
+    for run, y in zip(RUNS, got):
+        np.testing.assert_array_equal(y, want, err_msg=f"threads, odd blocks: {run}")
 
 
 @needs_kernel
@@ -204,28 +221,28 @@ def test_binary_all_ones_and_minus_ones(xbit, wbit):
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
 # (515, 70, 4104): an 8.5 MB output, written with streaming stores (qgemm.cc stream_out),
 # its last panel short (plain stores)
 # (100, 33000, 40): on AMX, row chunks of 32 rows (a chunk's int8 rows fill half of L2), set
 # up by either thread, the last one short, each panel in k-blocks (sums kept between them)
 @pytest.mark.parametrize("M,K,N", SHAPES + [(515, 70, 4104), (100, 129, 33), (100, 33000, 40)])
-def test_binary_linear_matches_twin(M, K, N, threads):
+def test_binary_linear_matches_twin(M, K, N):
     w = _binary_operands(M, K, N)
     x = _rng("blx", M, K).standard_normal((M, K)).astype(np.float32)
     x[0, 0] = 0.0  # zero binarizes to -1
     x = jnp.asarray(x)
-    want = qk.binary_linear(x, w, impl="xla")
-    _close(qk.binary_linear(x, w, impl="kernel", threads=threads), want)
-    _close(qk.binary_linear(x, w, impl="kernel", threads=threads, blocking=BLOCKING["binary"]),
-           want)
+    want, *got = _runs(qk.binary_linear, "binary", x, w)
+    for run, y in zip(RUNS, got):
+        _close(y, want)
     assert (w.amx_panels is not None) == (qk.layout()["binary_products"] == "amx")
     # both AMX paths, or neither (a path that stopped running would pass every test above)
     assert (qk.layout()["binary_products"] == "amx") == (qk.layout()["int8_products"] == "amx")
     if w.amx_panels is not None:  # the tiles' path and the popcounts' agree exactly
         pop = dataclasses.replace(w, amx_panels=None)
-        np.testing.assert_array_equal(qk.binary_linear(x, w, impl="kernel", threads=threads),
-                                      qk.binary_linear(x, pop, impl="kernel", threads=threads))
+        amx, popcounts = jax.jit(lambda x, w, pop: [
+            [qk.binary_linear(x, v, impl="kernel", threads=t) for t in (1, 2)]
+            for v in (w, pop)])(x, w, pop)
+        np.testing.assert_array_equal(amx, popcounts)
 
 
 def test_amx_bit_order():
@@ -251,15 +268,16 @@ def _int4_operands(M, K, N, groups):
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("M,K,N,groups", [(3, 13, 5, 1), (1, 1, 1, 1), (1, 70, 17, 5),
                                           (7, 129, 33, 3), (1, 64, 40, 64), (9, 96, 20, 3),
                                           (70, 256, 50, 2), (5, 131, 9, 1), (1, 40, 700, 5)])
-def test_int4_linear_matches_twin(M, K, N, groups, threads):
+def test_int4_linear_matches_twin(M, K, N, groups):
     w = _int4_operands(M, K, N, groups)
     x = jnp.asarray(_rng("x4", M, K).standard_normal((M, K)).astype(np.float32))
-    want = qk.int4_linear(x, w, impl="xla")
-    _close(qk.int4_linear(x, w, impl="kernel", threads=threads), want)
+    want, *got = jax.jit(lambda x, w: [qk.int4_linear(x, w, impl="xla")] + [
+        qk.int4_linear(x, w, impl="kernel", threads=t) for t in (1, 2)])(x, w)
+    for y in got:
+        _close(y, want)
     ref = np.asarray(x, np.float64) @ np.asarray(qk.dequantize_int4(w), np.float64)
     _close(want, ref)
 
@@ -320,6 +338,50 @@ def test_auto_is_the_kernel_and_jit_works():
     xm = jnp.asarray(_rng("auto", M, 33).standard_normal((M, 33)).astype(np.float32))
     w4 = _int4_operands(M, 33, 18, 3)
     np.testing.assert_array_equal(qk.int4_linear(xm, w4), qk.int4_linear(xm, w4, impl="xla"))
+
+
+@needs_kernel
+def test_gradients_through_the_kernels_are_the_twins():
+    """An FFI call has no derivative (JAX: "cannot be differentiated"), so each float
+    product's backward pass is its twin's: jax.grad through impl="kernel", jitted, equals
+    it through impl="xla" in every differentiable argument. int4 (weight-only): x's and the
+    scales' exact float gradients, what an adapter over a frozen int4 layer trains by;
+    int8 and binary: their quantizers' (rounding and sign have none; only the scales and,
+    for int8, the bias carry one)."""
+    M, K, N = 5, 70, 18
+    xf = jnp.asarray(_rng("grad", M, K).standard_normal((M, K)).astype(np.float32))
+    bias = jnp.asarray(_rng("grad bias", N).standard_normal(N).astype(np.float32))
+    w8 = _int8_operands(M, K, N)[1]
+    cot = jnp.asarray(_rng("grad cot", M, N).standard_normal((M, N)).astype(np.float32))
+    cases = {
+        "int8": (lambda x, w, b, impl: qk.int8_linear(x, w, bias=b, activation="gelu",
+                                                      impl=impl), (xf, w8, bias)),
+        "binary": (lambda x, w, impl: qk.binary_linear(x, w, impl=impl),
+                   (xf, _binary_operands(M, K, N))),
+        "int4": (lambda x, w, impl: qk.int4_linear(x, w, impl=impl),
+                 (xf, _int4_operands(M, K, N, 5))),
+    }
+
+    def floats(tree):  # the float leaves of each argument: what has a gradient
+        return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    for name, (fn, args) in cases.items():
+        def loss(*a, impl):
+            return jnp.vdot(fn(*a, impl=impl), cot)
+        # allow_int: the weights' integer codes and panels (their cotangents are float0)
+        grad = functools.partial(jax.grad, argnums=tuple(range(len(args))), allow_int=True)
+        got = jax.jit(grad(functools.partial(loss, impl="kernel")))(*args)
+        want = grad(functools.partial(loss, impl="xla"))(*args)
+        assert "ffi_call" in str(jax.make_jaxpr(grad(functools.partial(loss, impl="kernel")))(
+            *args)), name
+        for g, h in zip(floats(got), floats(want), strict=True):
+            _close(g, h, rtol=1e-4)
+        assert any(float(jnp.abs(g).max()) > 0 for g in floats(got)), name
+    # int4: x's gradient is the cotangent times the dequantized weight's transpose
+    g_x = jax.grad(lambda x: jnp.vdot(qk.int4_linear(x, cases["int4"][1][1], impl="kernel"),
+                                      cot))(xf)
+    _close(g_x, np.asarray(cot, np.float64) @ np.asarray(
+        qk.dequantize_int4(cases["int4"][1][1]), np.float64).T)
 
 
 def _cpu_flags() -> list[str]:

@@ -93,6 +93,29 @@ def test_auto_runs_the_kernel_under_jit_and_vmap():
     np.testing.assert_allclose(np.asarray(f(jnp.asarray(x))), x @ w, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+def test_gradients_through_the_kernel_are_the_dense_twins():
+    """An FFI call has no derivative of its own: the kernel's backward pass is the dense
+    twin's, x's and the nonzeros' values' (what a sparse fine-tune would train), jitted."""
+    rng = np.random.default_rng(3)
+    w, x = _weight(rng, 24, 16, 0.8), jnp.asarray(rng.standard_normal((5, 24)), jnp.float32)
+    sw, cot = spmm.prepare_sparse_weight(w), jnp.asarray(rng.standard_normal((5, 16)),
+                                                         jnp.float32)
+
+    def grads(impl):
+        def loss(a, val):
+            return jnp.vdot(spmm.sparse_matmul(a, spmm.SparseWeight(sw.col_ptr, sw.row, val,
+                                                                    k=sw.k), impl=impl), cot)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, sw.val)
+
+    got, want = grads("kernel"), grads("xla")
+    cols = np.nonzero(w.T)[0]  # each nonzero's column; its value's gradient is x^T cot there
+    np.testing.assert_allclose(np.asarray(want[1]), (np.asarray(x).T @ np.asarray(cot))[
+        np.asarray(sw.row), cols], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input_says_what_and_how():
     sw = spmm.prepare_sparse_weight(np.eye(4, dtype=np.float32))
     with pytest.raises(ValueError, match="has K = 3 but the weight has K = 4"):
@@ -105,9 +128,13 @@ def test_bad_input_says_what_and_how():
         spmm.sparse_matmul(jnp.ones((2, 4)), jnp.eye(4))
     with pytest.raises(ValueError, match=r"must be \[K, N\]"):
         spmm.prepare_sparse_weight(np.ones(4, np.float32))
-    if spmm.available():
+    # whichever path runs (found in review: impl="xla" took threads=0 and vectors=3)
+    for impl in ("xla", "auto"):
         with pytest.raises(ValueError, match="vectors must be one of"):
-            spmm.sparse_matmul(jnp.ones((2, 4)), sw, vectors=3)
+            spmm.sparse_matmul(jnp.ones((2, 4)), sw, vectors=3, impl=impl)
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            spmm.sparse_matmul(jnp.ones((2, 4)), sw, threads=0, impl=impl)
+    if spmm.available():
         # arrays that do not describe a K x N matrix are refused by the kernel, not read
         bad = spmm.SparseWeight(sw.col_ptr, sw.row.at[2].set(7), sw.val, k=4)
         with pytest.raises(Exception, match=r"row index is outside \[0, K\)"):

@@ -7,7 +7,11 @@
     q = prepare_int4_weight(packed_KhxN, scale_GxN, k=K)
     y_MxN = int4_linear(x_MxK, q)                 # weight-only int4, groups along K
 
-Three XLA FFI CPU kernels, inference only (no gradients):
+Three XLA FFI CPU kernels, written for inference; differentiated as their twins (the
+backward pass is the twin's, `hpnlp.kernels.with_twin_gradient`), so `impl="auto"` has one
+gradient whether or not the kernel runs: int4's is x's exact float gradient (what an
+adapter trained over a frozen int4 layer needs), int8's and binary's their quantizers'
+(rounding and sign have none; the scales and the bias carry one):
 
 - int8 x int8 -> int32 (`int8_matmul`, exact), and `int8_linear`, which quantizes the
   activations per token inside the kernel (scale max|row| / 127, round to nearest even,
@@ -369,12 +373,18 @@ def int8_linear(x_MxK, weight: Int8Weight, *, bias=None, activation: str | None 
     code = _activation_code("int8_linear", activation)
     if not _use_kernel("int8_linear", impl, weight.panels):
         return int8_linear_xla(x_MxK, weight, bias=bias, activation=activation)
-    return jax.ffi.ffi_call("hpnlp_int8_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
-                            vmap_method="sequential")(
-        x_MxK, weight.panels, weight.colsum, weight.scale_N,
-        jnp.zeros((0,), jnp.float32) if bias is None else bias,
-        threads=_threads(threads, M, K, N, "int8"), activation=np.int64(code),
-        **_blocking("int8", blocking))
+    options = dict(threads=_threads(threads, M, K, N, "int8"), activation=np.int64(code),
+                   **_blocking("int8", blocking))
+
+    def kernel(x, w, b):
+        return jax.ffi.ffi_call("hpnlp_int8_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                                vmap_method="sequential")(
+            x, w.panels, w.colsum, w.scale_N, jnp.zeros((0,), jnp.float32) if b is None else b,
+            **options)
+
+    return kernels.with_twin_gradient(
+        kernel, lambda x, w, b: int8_linear_xla(x, w, bias=b, activation=activation),
+        x_MxK, weight, bias)
 
 
 # ------------------------------------------------------------------------------ binary
@@ -493,11 +503,16 @@ def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
     if not _use_kernel("binary_linear", impl, weight.panels):
         return binary_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.bits_KbxN.shape[1]
-    panels, amx = _binary_panels(weight, M)
-    return jax.ffi.ffi_call("hpnlp_binary_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
-                            vmap_method="sequential")(
-        x_MxK, panels, weight.alpha_N, threads=_threads(threads, M, K // 32, N, "binary"),
-        amx=np.int64(amx), **_blocking("binary", blocking))
+    options = dict(threads=_threads(threads, M, K // 32, N, "binary"),
+                   **_blocking("binary", blocking))
+
+    def kernel(x, w):
+        panels, amx = _binary_panels(w, M)
+        return jax.ffi.ffi_call("hpnlp_binary_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                                vmap_method="sequential")(
+            x, panels, w.alpha_N, amx=np.int64(amx), **options)
+
+    return kernels.with_twin_gradient(kernel, binary_linear_xla, x_MxK, weight)
 
 
 # -------------------------------------------------------------------------------- int4
@@ -565,9 +580,14 @@ def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int |
     if not _use_kernel("int4_linear", impl, weight.panels):
         return int4_linear_xla(x_MxK, weight)
     (M, K), N = x_MxK.shape, weight.packed_KhxN.shape[1]
-    return jax.ffi.ffi_call("hpnlp_int4_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
-                            vmap_method="sequential")(
-        x_MxK, weight.panels, weight.panel_scales, threads=_threads(threads, M, K, N, "int4"))
+    n_threads = _threads(threads, M, K, N, "int4")
+
+    def kernel(x, w):
+        return jax.ffi.ffi_call("hpnlp_int4_linear", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                                vmap_method="sequential")(
+            x, w.panels, w.panel_scales, threads=n_threads)
+
+    return kernels.with_twin_gradient(kernel, int4_linear_xla, x_MxK, weight)
 
 
 # ------------------------------------------------------------------------------ timing

@@ -15,8 +15,10 @@ activation twice (a transpose in, one out) whatever the weight holds.
 The kernel skips what is not stored, so a NaN or infinity in x reaches only the outputs
 of the weights it meets (the dense twin spreads it to every output through 0 * inf).
 
-Inference only (no gradients): a sparse weight is what a pruned run serves, not what
-trains (training keeps the dense weight and its mask: `hpnlp.compress.prune`). The
+Written for inference: a sparse weight is what a pruned run serves, not what trains
+(training keeps the dense weight and its mask: `hpnlp.compress.prune`). Its backward
+pass is the dense twin's (`hpnlp.kernels.with_twin_gradient`): x's gradient and the
+stored values', so `impl="auto"` has one gradient whether or not the kernel runs. The
 wrapper takes `impl="auto"|"kernel"|"xla"` like `hpnlp.compress.kernels`: "auto" runs the
 kernel where it can and the twin (`sparse_matmul_xla`: the dense product of the weight the
 arrays describe) elsewhere. The kernel's rows-per-block is chosen per CPU on first use
@@ -153,6 +155,12 @@ def sparse_matmul(x_MxK, w: SparseWeight, *, impl: str = "auto", threads: int | 
     _check_x("sparse_matmul", x_MxK, w)
     if impl not in IMPLS:
         raise ValueError(f"sparse_matmul: impl must be one of {IMPLS}; got {impl!r}")
+    # checked whichever path runs (as the quantized products do): threads=0 or a bad
+    # `vectors` passed with impl="xla", or "auto" where the kernel cannot run
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"sparse_matmul: threads must be >= 1; got {threads}")
+    if vectors is not None:
+        _vectors(vectors)  # (not the tuned one: that would tune for the XLA path)
     if impl == "xla":
         return sparse_matmul_xla(x_MxK, w)
     reason = KERNEL.blocker()
@@ -164,9 +172,13 @@ def sparse_matmul(x_MxK, w: SparseWeight, *, impl: str = "auto", threads: int | 
     M, N = x_MxK.shape[0], w.shape[1]
     if threads is None:
         threads = 1 if M * w.nnz < _MIN_PARALLEL_MACS else kernels.cores()
-    if int(threads) < 1:
-        raise ValueError(f"sparse_matmul: threads must be >= 1; got {threads}")
-    return jax.ffi.ffi_call("hpnlp_csc_matmul", jax.ShapeDtypeStruct((M, N), jnp.float32),
-                            vmap_method="sequential")(
-        x_MxK, w.col_ptr.astype(jnp.int32), w.row.astype(jnp.int32),
-        w.val.astype(jnp.float32), threads=np.int64(threads), vectors=_vectors(vectors))
+    n_vectors = _vectors(vectors)
+
+    def kernel(x, w):
+        return jax.ffi.ffi_call("hpnlp_csc_matmul", jax.ShapeDtypeStruct((M, N), jnp.float32),
+                                vmap_method="sequential")(
+            x, w.col_ptr.astype(jnp.int32), w.row.astype(jnp.int32),
+            w.val.astype(jnp.float32), threads=np.int64(threads), vectors=n_vectors)
+
+    # the gradient (x's and the nonzeros' values') is the dense twin's
+    return kernels.with_twin_gradient(kernel, sparse_matmul_xla, x_MxK, w)

@@ -69,6 +69,26 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def with_twin_gradient(kernel, twin, *args):
+    """`kernel(*args)`, differentiated as `twin(*args)`: an FFI call has no derivative of
+    its own, and a kernel's XLA twin computes the same function, so the backward pass is
+    the twin's (what `impl="xla"` differentiates), and `impl="auto"` has one gradient
+    whether or not the kernel runs. `args` are pytrees of arrays (None allowed); settings
+    go in the two functions' closures, never traced values."""
+    @jax.custom_vjp
+    def call(*a):
+        return kernel(*a)
+
+    def fwd(*a):
+        return kernel(*a), a
+
+    def bwd(a, g):
+        return jax.vjp(twin, *a)[1](g)
+
+    call.defvjp(fwd, bwd)
+    return call(*args)
+
+
 def compiler() -> list[str]:
     """The C++ compiler's command: $CXX split as a shell would (`ccache g++`), else the
     machine's g++ or c++; RuntimeError where there is none."""
