@@ -1,8 +1,8 @@
-"""The quantized products (`hpnlp.compress.kernels`: int8_linear, binary_linear) at a git
-revision against the working tree's, through the real XLA FFI calls, alternated between
-processes.
+"""The quantized products (`hpnlp.compress.kernels`: int8_linear, binary_linear,
+int4_linear) at a git revision against the working tree's, through the real XLA FFI
+calls, alternated between processes.
 
-    python tools/qgemm_ab.py --rev HEAD~1 [--kind int8|binary] [--rounds 3] [--calls 31]
+    python tools/qgemm_ab.py --rev HEAD~1 [--kind int8|binary|int4] [--rounds 3] [--calls 31]
         [--shapes 2048,1024,4096:2048,2048,2048] [--threads T]
 
 Each side is the whole `hpnlp` package of its revision (`git archive`; the working tree's
@@ -42,6 +42,12 @@ for M, K, N in shapes:
         c, s = formats.get("int8").encode(w, (0,))
         wq = kernels.prepare_int8_weight(c, s[0])
         fn = jax.jit(lambda a, b: kernels.int8_linear(a, b, impl="kernel", threads=threads))
+    elif kind == "int4":  # weight-only, group scales of 128 rows (one group where K is less)
+        g = 128 if K % 128 == 0 else K
+        c, s = formats.get("int4").encode(w, (0,), group=g)
+        wq = kernels.prepare_int4_weight(packing.pack_int4(c.reshape(K, N)),
+                                         s.reshape(K // g, N), k=K)
+        fn = jax.jit(lambda a, b: kernels.int4_linear(a, b, impl="kernel", threads=threads))
     else:
         c, s = formats.get("binary").encode(w, (0,))
         wq = kernels.prepare_binary_weight(packing.pack_bits(c), s[0], k=K)
@@ -96,7 +102,7 @@ def run_side(root: str, cache: str, args) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", required=True, help="git revision to compare with the working tree")
-    ap.add_argument("--kind", choices=("int8", "binary"), default="int8")
+    ap.add_argument("--kind", choices=("int8", "binary", "int4"), default="int8")
     ap.add_argument("--shapes", type=shapes_arg, default="2048,1024,4096:2048,2048,2048")
     ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--calls", type=at_least(1), default=31)

@@ -106,7 +106,12 @@ constexpr int B_PATH = 0, B_MR = 4, B_XW = 1, B_NB = 8;
 #define HPNLP_B_AMX 1
 #endif
 
-constexpr int I4_NB = 16, I4_MR = 4;  // columns per int4 panel: one vf
+constexpr int I4_NB = 16;  // columns per int4 panel: one vf
+#if defined(__AVX512F__)
+constexpr int I4_MR = 8;
+#else
+constexpr int I4_MR = 4;
+#endif
 constexpr int I4_MC = 64;             // rows per int4 work item
 
 inline int32_t load_i32(const void* p) {
@@ -1470,9 +1475,12 @@ void i4_prescale(const I4Gemm& s, int r0, int r1) {
 }
 
 // One register block: R rows times the panel's 16 columns over all of K. A single row
-// (decoding) keeps the low- and high-nibble rows in separate accumulators, for twice the
-// independent FMA chains. Vectors of 16 lanes: one zmm, or two ymm (written out: GCC's
-// generic 16-lane vectors on AVX2 went through the stack here, 50x slower).
+// (decoding), and every block on AVX-512, keeps the low- and high-nibble rows in separate
+// accumulators, for twice the independent FMA chains: up to 8 rows there (16 of the 32
+// zmm accumulating), which ran [16-63, 1024 -> 4096] 1.22-1.31x as fast as 4 rows with
+// one accumulator a row (`python tools/qgemm_ab.py --kind int4`, Xeon model 167,
+// 2026-12-03; 6 and 12 rows ran as 8). Vectors of 16 lanes: one zmm, or two ymm (written
+// out: GCC's generic 16-lane vectors on AVX2 went through the stack here, 50x slower).
 #if defined(__AVX512F__)
 constexpr int I4_V = 1;
 typedef __m512 I4F;
@@ -1559,7 +1567,7 @@ inline void i4_store(float* dst, const I4F* v, int n) { std::memcpy(dst, v, size
 
 template <int R>
 inline void i4_block(const I4Gemm& s, int r0, int panel) {
-  constexpr int S = R == 1 ? 2 : 1;
+  constexpr int S = R == 1 || I4_V == 1 ? 2 : 1;
   const float* x = s.x + size_t(r0) * s.K;
   const uint8_t* p = s.w + size_t(panel) * s.kh * I4_NB;
   const float* sc = s.scale + size_t(panel) * s.G * I4_NB;
@@ -1611,7 +1619,7 @@ inline void i4_block(const I4Gemm& s, int r0, int panel) {
 // rest.
 template <int R>
 inline void i4_block_grouped(const I4Gemm& s, int r0, int panel) {
-  constexpr int S = R == 1 ? 2 : 1;
+  constexpr int S = R == 1 || I4_V == 1 ? 2 : 1;
   const float* x = s.x_ps + size_t(r0) * s.K;
   const uint8_t* p = s.w + size_t(panel) * s.kh * I4_NB;
   const float* sc = s.scale + size_t(panel) * s.G * I4_NB;
