@@ -83,6 +83,22 @@ def _nearest_blocks(x_ND, c_CD, block: int):
     return jax.lax.fori_loop(0, -(-n // block), one, jnp.zeros((n,), jnp.int32))
 
 
+ADD_PIECE = 4096  # rows a compile of `_assign_added` takes at most
+
+
+def _assign_added(x_ND: np.ndarray, c_CD) -> np.ndarray:
+    """`_nearest` of vectors added after training (host arrays), in pieces of ADD_PIECE rows,
+    the last padded to a power of two: a compile for each of at most 13 piece sizes, not one
+    for every size an add has (a datastore built batch by batch, its last batch shorter)."""
+    c_CD, out = jnp.asarray(c_CD), []
+    for start in range(0, len(x_ND), ADD_PIECE):
+        piece = x_ND[start:start + ADD_PIECE]
+        rows = exact._pad_rows(len(piece), ADD_PIECE)
+        padded = np.pad(piece, ((0, rows - len(piece)), (0, 0)))
+        out.append(np.asarray(_nearest(jnp.asarray(padded), c_CD))[:len(piece)])
+    return np.concatenate(out).astype(np.int32) if out else np.zeros((0,), np.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("iters",))
 def _lloyd(x_ND, c_CD, key, *, iters: int):
     """`iters` Lloyd steps; an empty cell restarts at a random training vector."""
@@ -238,8 +254,7 @@ class IVFIndex(HostIndex):
 
     def _stale(self, x_ND):
         if self.centroids is not None and x_ND is not None:
-            self._cell = np.concatenate([self._cell, np.asarray(
-                _nearest(jnp.asarray(x_ND), jnp.asarray(self.centroids)), np.int32)])
+            self._cell = np.concatenate([self._cell, _assign_added(x_ND, self.centroids)])
         self._layout = None  # (chunk of each cell [M], ids [M, c]) on the host
         self._device = None  # the XLA scan's device arrays, built on the first search
         self._panels = None  # the kernel's packed chunks, likewise
