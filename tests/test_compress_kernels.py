@@ -370,16 +370,16 @@ def test_gradients_through_the_kernels_are_the_twins():
             return jnp.vdot(fn(*a, impl=impl), cot)
         # allow_int: the weights' integer codes and panels (their cotangents are float0)
         grad = functools.partial(jax.grad, argnums=tuple(range(len(args))), allow_int=True)
-        got = jax.jit(grad(functools.partial(loss, impl="kernel")))(*args)
-        want = grad(functools.partial(loss, impl="xla"))(*args)
+        got, want = jax.jit(lambda *a: [grad(functools.partial(loss, impl=impl))(*a)
+                                        for impl in ("kernel", "xla")])(*args)
         assert "ffi_call" in str(jax.make_jaxpr(grad(functools.partial(loss, impl="kernel")))(
             *args)), name
         for g, h in zip(floats(got), floats(want), strict=True):
             _close(g, h, rtol=1e-4)
         assert any(float(jnp.abs(g).max()) > 0 for g in floats(got)), name
     # int4: x's gradient is the cotangent times the dequantized weight's transpose
-    g_x = jax.grad(lambda x: jnp.vdot(qk.int4_linear(x, cases["int4"][1][1], impl="kernel"),
-                                      cot))(xf)
+    g_x = jax.jit(jax.grad(lambda x, w: jnp.vdot(qk.int4_linear(x, w, impl="kernel"), cot)))(
+        xf, cases["int4"][1][1])
     _close(g_x, np.asarray(cot, np.float64) @ np.asarray(
         qk.dequantize_int4(cases["int4"][1][1]), np.float64).T)
 
