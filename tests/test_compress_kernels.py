@@ -268,9 +268,12 @@ def _int4_operands(M, K, N, groups):
 
 
 @needs_kernel
+# (16, 129, 33, 3): groups of 43 rows (odd: i4_block, not the grouped path) in register blocks
+# of 8 rows (AVX-512)
 @pytest.mark.parametrize("M,K,N,groups", [(3, 13, 5, 1), (1, 1, 1, 1), (1, 70, 17, 5),
-                                          (7, 129, 33, 3), (1, 64, 40, 64), (9, 96, 20, 3),
-                                          (70, 256, 50, 2), (5, 131, 9, 1), (1, 40, 700, 5)])
+                                          (7, 129, 33, 3), (16, 129, 33, 3), (1, 64, 40, 64),
+                                          (9, 96, 20, 3), (70, 256, 50, 2), (5, 131, 9, 1),
+                                          (1, 40, 700, 5)])
 def test_int4_linear_matches_twin(M, K, N, groups):
     w = _int4_operands(M, K, N, groups)
     x = jnp.asarray(_rng("x4", M, K).standard_normal((M, K)).astype(np.float32))
@@ -382,6 +385,17 @@ def test_gradients_through_the_kernels_are_the_twins():
         xf, cases["int4"][1][1])
     _close(g_x, np.asarray(cot, np.float64) @ np.asarray(
         qk.dequantize_int4(cases["int4"][1][1]), np.float64).T)
+    # forward mode and second order too (found in review: a custom_vjp took neither)
+    w4 = cases["int4"][1][1]
+
+    def higher(impl):
+        f = lambda x: jnp.sum(jnp.sin(qk.int4_linear(x, w4, impl=impl)))  # noqa: E731
+        return (jax.jvp(f, (xf,), (xf[::-1],))[1],
+                jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(xf))
+
+    got, want = jax.jit(lambda: [higher(impl) for impl in ("kernel", "xla")])()
+    for g, h in zip(got, want, strict=True):
+        _close(g, h, rtol=1e-4)
 
 
 def _cpu_flags() -> list[str]:

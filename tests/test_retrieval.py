@@ -210,7 +210,7 @@ def test_ivf_nearest_centroid_in_blocks_equals_numpy():
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"n={n} block={b}")
     # vectors added after training, in pieces of ADD_PIECE rows (two, the last padded): the
     # same cells, and adds of 9, 12 and 16 rows compile once (before: once for each size)
-    x, c = rng.standard_normal((ivf.ADD_PIECE + 7, 8)).astype(np.float32), x[:300]
+    x, c = (rng.standard_normal((m, 8)).astype(np.float32) for m in (ivf.ADD_PIECE + 7, 300))
     want = np.argmin(((x[:, None] - c[None]) ** 2).sum(-1), axis=1)
     np.testing.assert_array_equal(ivf._assign_added(x, c), want)
     before = ivf._nearest_blocks._cache_size()

@@ -7,11 +7,14 @@
     q = prepare_int4_weight(packed_KhxN, scale_GxN, k=K)
     y_MxN = int4_linear(x_MxK, q)                 # weight-only int4, groups along K
 
-Three XLA FFI CPU kernels, written for inference; differentiated as their twins (the
-backward pass is the twin's, `hpnlp.kernels.with_twin_gradient`), so `impl="auto"` has one
-gradient whether or not the kernel runs: int4's is x's exact float gradient (what an
-adapter trained over a frozen int4 layer needs), int8's and binary's their quantizers'
-(rounding and sign have none; the scales and the bias carry one):
+Three XLA FFI CPU kernels, written for inference; differentiated as their twins (every
+derivative, forward and reverse mode, is the twin's: `hpnlp.kernels.with_twin_gradient`),
+so `impl="auto"` has the same gradient whether or not the kernel runs: int4's is x's exact
+float gradient (what an adapter trained over a frozen int4 layer needs), int8's and
+binary's their quantizers' (rounding and sign have none; the scales and the bias carry
+one). A weight's gradient lands on the twin's leaves (`scale_N`, `alpha_N`, `scale_GxN`),
+not on the kernel's panels: train the float weight and prepare it again, not a prepared
+weight's leaves.
 
 - int8 x int8 -> int32 (`int8_matmul`, exact), and `int8_linear`, which quantizes the
   activations per token inside the kernel (scale max|row| / 127, round to nearest even,

@@ -16,12 +16,12 @@ The kernel skips what is not stored, so a NaN or infinity in x reaches only the 
 of the weights it meets (the dense twin spreads it to every output through 0 * inf).
 
 Written for inference: a sparse weight is what a pruned run serves, not what trains
-(training keeps the dense weight and its mask: `hpnlp.compress.prune`). Its backward
-pass is the dense twin's (`hpnlp.kernels.with_twin_gradient`): x's gradient and the
-stored values', so `impl="auto"` has one gradient whether or not the kernel runs. The
-wrapper takes `impl="auto"|"kernel"|"xla"` like `hpnlp.compress.kernels`: "auto" runs the
-kernel where it can and the twin (`sparse_matmul_xla`: the dense product of the weight the
-arrays describe) elsewhere. The kernel's rows-per-block is chosen per CPU on first use
+(training keeps the dense weight and its mask: `hpnlp.compress.prune`). Its derivatives
+are the dense twin's (`hpnlp.kernels.with_twin_gradient`): x's and the stored values', so
+`impl="auto"` has one gradient whether or not the kernel runs. The wrapper takes
+`impl="auto"|"kernel"|"xla"` like `hpnlp.compress.kernels`: "auto" runs the kernel where
+it can and the twin (`sparse_matmul_xla`: the dense product of the weight the arrays
+describe) elsewhere. The kernel's rows-per-block is chosen per CPU on first use
 (`TUNING`); `vectors=` overrides it.
 """
 
@@ -180,5 +180,5 @@ def sparse_matmul(x_MxK, w: SparseWeight, *, impl: str = "auto", threads: int | 
             x, w.col_ptr.astype(jnp.int32), w.row.astype(jnp.int32),
             w.val.astype(jnp.float32), threads=np.int64(threads), vectors=n_vectors)
 
-    # the gradient (x's and the nonzeros' values') is the dense twin's
+    # its derivatives (x's and the nonzeros' values') are the dense twin's
     return kernels.with_twin_gradient(kernel, sparse_matmul_xla, x_MxK, w)

@@ -71,21 +71,20 @@ def cores() -> int:
 
 def with_twin_gradient(kernel, twin, *args):
     """`kernel(*args)`, differentiated as `twin(*args)`: an FFI call has no derivative of
-    its own, and a kernel's XLA twin computes the same function, so the backward pass is
-    the twin's (what `impl="xla"` differentiates), and `impl="auto"` has one gradient
-    whether or not the kernel runs. `args` are pytrees of arrays (None allowed); settings
-    go in the two functions' closures, never traced values."""
-    @jax.custom_vjp
+    its own, and a kernel's XLA twin computes the same function, so its derivatives are the
+    twin's (what `impl="xla"` differentiates), and `impl="auto"` has the same ones whether
+    or not the kernel runs: a `custom_jvp`, so forward mode (`jax.jvp`, `jacfwd`) and
+    higher orders work as well as `jax.grad` (found in review: a `custom_vjp` took first-order
+    reverse mode only). `args` are pytrees of arrays (None allowed); settings go in the two
+    functions' closures, never traced values."""
+    @jax.custom_jvp
     def call(*a):
         return kernel(*a)
 
-    def fwd(*a):
-        return kernel(*a), a
+    def jvp(primals, tangents):
+        return call(*primals), jax.jvp(twin, primals, tangents)[1]
 
-    def bwd(a, g):
-        return jax.vjp(twin, *a)[1](g)
-
-    call.defvjp(fwd, bwd)
+    call.defjvp(jvp)
     return call(*args)
 
 
