@@ -233,7 +233,8 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["empty entry", "json string", "json number text", "utf-16",
                                   "damaged meta", "meta list", "damaged progress",
-                                  "progress without counts", "damaged tokenizer_from"])
+                                  "progress without counts", "damaged tokenizer_from",
+                                  "lone surrogate", "text_field of text", "empty eval_input"])
 def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, case):
     """Each was a traceback or a vague line: an empty --input entry (": no such file"), a JSON
     line that is not an object ("no 'text' field (has str)"), a damaged meta.json or
@@ -249,13 +250,20 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
              "progress without counts": ("out/progress.json", '{"settings": {}, "state": {}}'),
              "damaged tokenizer_from": ("tok/tokenizer/tokenizer.json", "{"),
              "json string": ("b.jsonl", '"just text"\n'),
-             "json number text": ("b.jsonl", '{"text": 3}\n')}
+             "json number text": ("b.jsonl", '{"text": 3}\n'),
+             # found by a bug hunt: a traceback (bytes) or SentencePiece's cast error (bpe)
+             "lone surrogate": ("b.jsonl", '{"text": "ok"}\n{"text": "cut \\ud83d"}\n'),
+             "text_field of text": ("", ""), "empty eval_input": ("ws.txt", " \n\n\t\n")}
     name, body = files[case]
     if name:
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
         (tmp_path / name).write_bytes(body if isinstance(body, bytes) else body.encode())
     if case == "empty entry":
         args[1] += ","
+    elif case == "text_field of text":
+        args += ["--text_field", "body"]
+    elif case == "empty eval_input":
+        args += ["--eval_input", str(tmp_path / name)]
     elif name.endswith((".jsonl", "w.txt")):
         args[1] = str(tmp_path / name)
     elif case == "damaged tokenizer_from":
@@ -272,7 +280,11 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
             "meta list": "meta.json is damaged (a JSON array, not an object)",
             "damaged progress": "progress.json is damaged (no 'settings' or 'state' entry)",
             "progress without counts": "without its progress-counts.npz",
-            "damaged tokenizer_from": f"--tokenizer_from {tmp_path / 'tok'}: "}[case]
+            "damaged tokenizer_from": f"--tokenizer_from {tmp_path / 'tok'}: ",
+            "lone surrogate": "b.jsonl:2: field 'text' holds '\\ud83d' at character 4, a lone "
+                              "UTF-16 surrogate",
+            "text_field of text": "--text_field 'body' names a field of JSON lines, but no input",
+            "empty eval_input": "ws.txt: no eval text found"}[case]
     assert want in err, err
     assert (sorted(os.listdir(out)) if out.exists() else None) == before
 
@@ -317,6 +329,12 @@ def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared
         validate(from_configdict(cd))
     cd.data.update(tokenizer="bpe", vocab_size=600)
     validate(from_configdict(cd))
+    # found by a bug hunt: text files beside a prepared folder were read by nothing
+    for field in ("train_path", "eval_path"):
+        bad = cd.copy_and_resolve_references()
+        bad.data[field] = "train.txt"
+        with pytest.raises(ConfigError, match=rf"data.{field}.*data.prepared=.*would not be read"):
+            validate(from_configdict(bad))
     with pytest.raises(ConfigError, match="data.prepared.*prepare --input"):
         data.task_info(lm_cfg(prepared=prepared + "_missing"))
 
@@ -421,6 +439,47 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
     assert list(again) == []
     assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(np.concatenate(
         [d[1:] for d in sharded.split_dataset(prepared, task.meta["prepared_meta"], "eval")])))
+
+
+def test_windows_of_one_token_documents_are_skipped_and_a_split_of_them_refused(
+        tmp_path, monkeypatch, capsys):
+    """Found by a bug hunt: a window of one-token documents (no chunk) ended the stream, so
+    an eval pass after 2048 of them scored none of the targets behind them, and a split of
+    nothing else trained into a bare StopIteration. Such windows are skipped (resuming
+    into the window after them), and prepare refuses a split with no token to predict."""
+    monkeypatch.setattr(sharded, "WINDOW_BATCHES", 1)  # 2 x 8 tokens a window
+    train, ev = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
+    train.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)))
+    ev.write_text("".join(json.dumps({"text": c}) + "\n" for c in "abcdefghijklmnopqrstuvwxyz" * 2)
+                  + "".join(json.dumps({"text": f"held out {i}"}) + "\n" for i in range(3)))
+    out = str(tmp_path / "p")
+    assert prepare.main(["--input", str(train), "--eval_input", str(ev), "--out", out,
+                         "--quiet"]) == 0
+    cfg = lm_cfg(prepared=out, seq_len=8)
+    task = data.make_task(cfg)
+    ev_it = data.make_iterator(task, cfg, split="eval", batch_size=2)
+    batches = list(ev_it)
+    meta = task.meta["prepared_meta"]["splits"]["eval"]
+    assert sum(int((b["segment_ids"] > 0).sum()) for b in batches) == \
+        meta["tokens"] - meta["documents"] == 3 * (len("held out 0") - 1)
+    # a state saved in the first window with chunks resumes there (its number and reader)
+    first = data.make_iterator(task, cfg, split="eval", batch_size=2)
+    next(first)
+    again = data.make_iterator(task, cfg, split="eval", batch_size=2)
+    again.set_state(json.loads(json.dumps(first.get_state())))
+    rest = list(again)
+    assert len(rest) == len(batches) - 1
+    for a, b in zip(batches[1:], rest):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    for flag, name in (("--input", "train"), ("--eval_input", "eval")):
+        args = {"--input": str(train), "--eval_input": str(ev)}
+        one = tmp_path / f"one_{name}.jsonl"
+        one.write_text("".join(json.dumps({"text": c}) + "\n" for c in "xyz"))
+        args[flag] = str(one)
+        assert prepare.main([*sum(args.items(), ()), "--out", str(tmp_path / f"o_{name}"),
+                             "--quiet"]) == 2
+        assert f"every {name if name == 'eval' else 'training'} document is one token" in \
+            capsys.readouterr().err
 
 
 @pytest.mark.slow

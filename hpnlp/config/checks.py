@@ -564,6 +564,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_positive("data.seq_len", d.seq_len)
     _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
     _check_choice("data.eval_split", d.eval_split, ("eval", "validation"))
+    if d.prepared:  # found by a bug hunt: the text files were read by nothing, silently
+        for field in ("train_path", "eval_path"):
+            if getattr(d, field):
+                _fail(f"data.{field}", getattr(d, field),
+                      f"data.prepared={d.prepared!r} is set, and a prepared folder holds both "
+                      "splits, so this file would not be read; drop one of the two (prepare "
+                      "the text with `python -m hpnlp.data.prepare --input ... --eval_input ...`)")
     if d.eval_split == "validation":
         for field in ("train_path", "eval_path", "prepared"):
             if getattr(d, field):

@@ -127,8 +127,17 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
                     raise PrepareError(f"{path}:{lineno}: field {text_field!r} holds a JSON "
                                        f"{_json_kind(obj[text_field])}, not text; give the "
                                        "text as a string, or name another field with --text_field")
-                if obj[text_field]:
-                    yield obj[text_field], pos, lineno
+                doc = obj[text_field]
+                try:  # JSON's \ud83d escapes: a surrogate alone is no character (no UTF-8)
+                    doc.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise PrepareError(
+                        f"{path}:{lineno}: field {text_field!r} holds {doc[e.start]!r} at "
+                        f"character {e.start}, a lone UTF-16 surrogate (a \\u escape cut "
+                        "from its pair), which is not valid Unicode; remove or repair it "
+                        "(e.g. decode the source with errors='replace')") from None
+                if doc:
+                    yield doc, pos, lineno
                 continue
             body = text.rstrip("\n").rstrip("\r")
             if body.strip():
@@ -282,6 +291,12 @@ def prepare(args) -> dict:
                            "data.prepared)")
     paths = expand(args.input, "--input")
     eval_paths = expand(args.eval_input, "--eval_input") if args.eval_input else []
+    if args.text_field != "text" and not any(_is_jsonl(q, args.format)
+                                             for q in paths + eval_paths):
+        # found by a bug hunt: taken and ignored
+        raise PrepareError(f"--text_field {args.text_field!r} names a field of JSON lines, but "
+                           "no input is JSON lines (.jsonl/.json, or --format jsonl); drop it, "
+                           "or give --format jsonl")
     if not eval_paths and args.eval_every < 2:
         raise PrepareError("--eval_every must be >= 2 (every N-th document is eval) unless "
                            "--eval_input names the eval text")
@@ -436,6 +451,16 @@ def prepare(args) -> dict:
     if state["documents"]["train"] == 0:
         why = (f"--input {args.input}: no training text found (every document was empty or "
                "went to eval); check the files and --eval_every")
+    elif state["tokens"]["train"] <= state["documents"]["train"]:
+        why = (f"--input {args.input}: every training document is one token, so there is no "
+               "token to predict; give longer documents")
+    elif state["documents"]["eval"] and state["tokens"]["eval"] <= state["documents"]["eval"]:
+        where = f"--eval_input {args.eval_input}" if args.eval_input else f"--input {args.input}"
+        why = (f"{where}: every eval document is one token, so there is no token to predict; "
+               "give longer documents")
+    elif state["documents"]["eval"] == 0 and args.eval_input:
+        why = (f"--eval_input {args.eval_input}: no eval text found (every document was "
+               "empty); check the files")
     elif state["documents"]["eval"] == 0:
         why = (f"--input {args.input}: no eval document (fewer than --eval_every="
                f"{args.eval_every} documents?); lower --eval_every or give --eval_input")

@@ -217,6 +217,11 @@ class ShardedIterator:
         if meta["splits"][split]["documents"] == 0:
             raise ValueError(f"{self.directory} has no {split} documents; prepare it with some "
                              f"{split} text (--eval_input or --eval_every)")
+        if meta["splits"][split]["tokens"] <= meta["splits"][split]["documents"]:
+            # found by a bug hunt: a bare StopIteration (train) or a crash after training (eval)
+            raise ValueError(f"{self.directory}: every {split} document is one token, so the "
+                             f"{split} split has no token to predict; prepare it with longer "
+                             "documents")
         ds = split_dataset(self.directory, meta, split)
         if split == "train":
             ds = ds.shuffle(seed=cfg.seed % 2**32).repeat()
@@ -244,13 +249,19 @@ class ShardedIterator:
     def _open_window(self, window: int) -> bool:
         """Read window `window` from the reader's current position; False at the end of
         the eval pass."""
-        self._window_state = self._reader.get_state()
-        docs = self._read_window()
-        chunks = task_lib.lm_chunks(docs, self.seq_len)
-        self._window, self._batch = window, 0
-        if len(chunks) == 0:
-            self._inner = None
-            return False
+        while True:
+            self._window_state = self._reader.get_state()
+            docs = self._read_window()
+            chunks = task_lib.lm_chunks(docs, self.seq_len)
+            self._window, self._batch = window, 0
+            if not docs:
+                self._inner = None
+                return False
+            if len(chunks):
+                break
+            # a window of one-token documents only (no chunk): the next one (found by a bug
+            # hunt: it ended the stream, so an eval pass scored none of the targets after it)
+            window += 1
         sub = task_lib.Task(name=f"{self.task.name}[window {window}]", kind="lm",
                             vocab_size=self.task.vocab_size, num_classes=0, seq_len=self.seq_len,
                             train=chunks, eval=chunks, baseline={})
