@@ -614,6 +614,13 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
         knnlm.Datastore.open(str(tmp_path / "ds"), params=other)
     with pytest.raises(RetrievalError, match="no datastore.json"):
         knnlm.Datastore.open(str(tmp_path / "nothing"))
+    # the folder's datastore is reused for the same split, refused for another number of
+    # entries (a README walk: --max_datastore_tokens was ignored where a datastore stood)
+    assert knnlm.datastore_for(model, params, train, str(tmp_path / "ds"), seq_len=L)[1] is False
+    fewer = dataclasses.replace(train, starts=train.starts[:1], lengths=train.lengths[:1])
+    with pytest.raises(RetrievalError, match=r"holds a datastore of [\d,]+ entries, and this run "
+                                             r"asks for [\d,]+ \(--max_datastore_tokens"):
+        knnlm.datastore_for(model, params, fewer, str(tmp_path / "ds"), seq_len=L)
 
 
 def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsys):

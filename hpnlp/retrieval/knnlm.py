@@ -133,10 +133,17 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
 
 
 def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | None = None):
-    """(datastore, built): the one in `folder` if this model built it (another model's is
-    refused), else a new one of split `ex`."""
+    """(datastore, built): the one in `folder` if this model built it of split `ex` (another
+    model's, or one of another number of entries, is refused), else a new one of `ex`."""
     if os.path.isfile(os.path.join(folder, DATASTORE)):
-        return Datastore.open(folder, params=params), False
+        store = Datastore.open(folder, params=params)
+        want = int(np.sum(ex.lengths - 1))
+        if store.header["entries"] != want:  # a README walk: a cap was silently ignored
+            raise RetrievalError(
+                f"{folder}: holds a datastore of {store.header['entries']:,} entries, and this "
+                f"run asks for {want:,} (--max_datastore_tokens sets how many); give another "
+                "--datastore folder, or delete this one to build it again")
+        return store, False
     return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta), True
 
 
