@@ -485,6 +485,8 @@ def _qat_run_config(workdir, **quant):
     (["--weights", "binary", "--calibration", "mse"], "--calibration mse: --weights binary takes"),
     (["--calib_batches", "4"], "has quant.act_scale='dynamic' (its export calibrates nothing)"),
     (["--percentile", "99.9"], "the QAT run's export keeps its own"),
+    # a README walk: named as the config field `train.eval_batches`, not the flag
+    (["--weights", "int8", "--eval_batches", "-1"], "--eval_batches -1: give a count"),
 ])
 def test_cli_refuses_flags_the_format_ignores(tmp_path, capsys, flags, match):
     """--calib_batches, --percentile and --calibration where nothing would use them: one line

@@ -127,6 +127,12 @@ def main(argv=None) -> int:
                         else f"--weights {args.weights} takes none")
                 raise ValueError(f"{', '.join(given)} set integer formats, and {what}; drop "
                                  "them, or give an integer --weights")
+        # the flag by its own name (a README walk: -1 was refused as the config field
+        # `train.eval_batches`, which the user had not set)
+        if args.eval_batches is not None and args.eval_batches < 0:
+            raise ValueError(f"--eval_batches {args.eval_batches}: give a count of held-out "
+                             "batches >= 0 (0: the whole held-out split), or leave it out for "
+                             "the run's train.eval_batches")
         if args.command == "quantize":
             _check_applies(args)
             calib_batches = CALIB_BATCHES if args.calib_batches is None else args.calib_batches
