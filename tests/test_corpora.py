@@ -1,6 +1,7 @@
 """Subword tokenizers, `python -m hpnlp.data.prepare` and the grain-streamed path
 (hpnlp/data/tokenizers.py, prepare.py, sharded.py). Tiny texts and vocabularies."""
 
+import gzip
 import json
 import os
 import shutil
@@ -234,7 +235,8 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
 @pytest.mark.parametrize("case", ["empty entry", "json string", "json number text", "utf-16",
                                   "damaged meta", "meta list", "damaged progress",
                                   "progress without counts", "damaged tokenizer_from",
-                                  "lone surrogate", "text_field of text", "empty eval_input"])
+                                  "lone surrogate", "text_field of text", "empty eval_input",
+                                  "gzip"])
 def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, case):
     """Each was a traceback or a vague line: an empty --input entry (": no such file"), a JSON
     line that is not an object ("no 'text' field (has str)"), a damaged meta.json or
@@ -253,7 +255,8 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
              "json number text": ("b.jsonl", '{"text": 3}\n'),
              # found by a bug hunt: a traceback (bytes) or SentencePiece's cast error (bpe)
              "lone surrogate": ("b.jsonl", '{"text": "ok"}\n{"text": "cut \\ud83d"}\n'),
-             "text_field of text": ("", ""), "empty eval_input": ("ws.txt", " \n\n\t\n")}
+             "text_field of text": ("", ""), "empty eval_input": ("ws.txt", " \n\n\t\n"),
+             "gzip": ("w.txt", gzip.compress(b"first\n\nsecond\n"))}
     name, body = files[case]
     if name:
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
@@ -284,7 +287,8 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
             "lone surrogate": "b.jsonl:2: field 'text' holds '\\ud83d' at character 4, a lone "
                               "UTF-16 surrogate",
             "text_field of text": "--text_field 'body' names a field of JSON lines, but no input",
-            "empty eval_input": "ws.txt: no eval text found"}[case]
+            "empty eval_input": "ws.txt: no eval text found",
+            "gzip": "w.txt: a gzip-compressed file, not text; decompress it first"}[case]
     assert want in err, err
     assert (sorted(os.listdir(out)) if out.exists() else None) == before
 

@@ -95,6 +95,13 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                packed = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz",
+                          b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+                kind = next((v for k, v in packed.items() if raw.startswith(k)), None)
+                if pos == len(raw) and kind:  # a bug hunt: given iconv's advice
+                    raise PrepareError(f"{path}: a {kind}-compressed file, not text; decompress "
+                                       f"it first (e.g. `{'unzip' if kind == 'zip' else kind} "
+                                       "-d`) and give the text")
                 if pos == len(raw) and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
                     raise PrepareError(f"{path}: starts with a UTF-16 byte-order mark, so it is "
                                        "UTF-16, not UTF-8; re-encode the file (e.g. `iconv -f "
