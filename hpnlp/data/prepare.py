@@ -29,6 +29,8 @@ import argparse
 import glob
 import json
 import os
+import re
+import shlex
 import sys
 from typing import Iterator
 
@@ -78,12 +80,31 @@ def _is_jsonl(path: str, fmt: str) -> bool:
     return fmt == "jsonl" or (fmt == "auto" and path.endswith((".jsonl", ".json")))
 
 
+# A compressed file's first bytes and how to unpack it (a bug hunt: a gzip file was told
+# to re-encode from latin1; a stored zip's first line is valid UTF-8, so its own bytes are
+# read whatever its lines decode to)
+_COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gzip -dc {} > TEXT"),
+               (re.compile(rb"BZh[1-9]1AY&SY"), "bzip2", "bzip2 -dc {} > TEXT"),
+               (re.compile(rb"\xfd7zXZ\x00"), "xz", "xz -dc {} > TEXT"),
+               (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", "zstd -dc {} > TEXT"),
+               (re.compile(rb"PK\x03\x04"), "zip", "unzip -p {} > TEXT"))
+
+
+def _check_not_compressed(path: str, head: bytes) -> None:
+    for magic, kind, unpack in _COMPRESSED:
+        if magic.match(head):
+            raise PrepareError(f"{path}: a {kind}-compressed file, not text; decompress it "
+                               f"first (e.g. `{unpack.format(shlex.quote(path))}`) and give the "
+                               "text file")
+
+
 def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
               line: int = 0) -> Iterator[tuple[str, int, int]]:
     """(document, byte offset after it, line number after it) from `offset`; plain text by
     paragraphs, JSON lines by line. Errors name the file and the line."""
     jsonl = _is_jsonl(path, fmt)
     with open(path, "rb") as f:
+        _check_not_compressed(path, f.read(10))
         f.seek(offset)
         pos, lineno, cur = offset, line, []
         while True:
@@ -95,13 +116,6 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                packed = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz",
-                          b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
-                kind = next((v for k, v in packed.items() if raw.startswith(k)), None)
-                if pos == len(raw) and kind:  # a bug hunt: given iconv's advice
-                    raise PrepareError(f"{path}: a {kind}-compressed file, not text; decompress "
-                                       f"it first (e.g. `{'unzip' if kind == 'zip' else kind} "
-                                       "-d`) and give the text")
                 if pos == len(raw) and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
                     raise PrepareError(f"{path}: starts with a UTF-16 byte-order mark, so it is "
                                        "UTF-16, not UTF-8; re-encode the file (e.g. `iconv -f "

@@ -35,6 +35,7 @@ import tempfile
 import threading
 
 import jax
+import jax.numpy as jnp
 
 HEADER_DIR = os.path.dirname(os.path.abspath(__file__))
 _HEADERS = [os.path.join(HEADER_DIR, "simd.h")]
@@ -77,14 +78,32 @@ def with_twin_gradient(kernel, twin, *args):
     higher orders work as well as `jax.grad` (found in review: a `custom_vjp` took first-order
     reverse mode only). `args` are pytrees of arrays (None allowed); settings go in the two
     functions' closures, never traced values."""
+    from jax.custom_derivatives import SymbolicZero
+
     @jax.custom_jvp
     def call(*a):
         return kernel(*a)
 
     def jvp(primals, tangents):
-        return call(*primals), jax.jvp(twin, primals, tangents)[1]
+        # the twin differentiated in the leaves that have a tangent only: symbolic zeros
+        # (a weight closed over) would otherwise be instantiated, and the twin's product
+        # of zeros computed (found in review: one wasted matmul in forward mode)
+        flat_p, tree = jax.tree.flatten(primals)
+        flat_t = jax.tree.leaves(tangents, is_leaf=lambda t: isinstance(t, SymbolicZero))
+        live = [i for i, t in enumerate(flat_t) if not isinstance(t, SymbolicZero)]
+        out = call(*primals)
+        if not live:
+            return out, jnp.zeros_like(out)
 
-    call.defjvp(jvp)
+        def part(*xs):
+            full = list(flat_p)
+            for i, x in zip(live, xs):
+                full[i] = x
+            return twin(*jax.tree.unflatten(tree, full))
+
+        return out, jax.jvp(part, [flat_p[i] for i in live], [flat_t[i] for i in live])[1]
+
+    call.defjvp(jvp, symbolic_zeros=True)
     return call(*args)
 
 
