@@ -475,6 +475,24 @@ def test_windows_of_one_token_documents_are_skipped_and_a_split_of_them_refused(
     assert len(rest) == len(batches) - 1
     for a, b in zip(batches[1:], rest):
         assert all(np.array_equal(a[k], b[k]) for k in a)
+    # a train window of mostly one-token documents (fewer rows than a batch) reads on until
+    # it has a batch (it had stopped training with "lower the batch size"), and resumes
+    mostly = tmp_path / "m.jsonl"
+    mostly.write_text("".join(json.dumps({"text": "x" if i % 30 else "a longer one"}) + "\n"
+                              for i in range(300)))
+    out = str(tmp_path / "pm")
+    assert prepare.main(["--input", str(mostly), "--eval_input", str(ev), "--out", out,
+                         "--quiet"]) == 0
+    cfg = lm_cfg(prepared=out, seq_len=8)
+    task = data.make_task(cfg)
+    it = data.make_iterator(task, cfg, split="train", batch_size=4)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    ahead = [next(it) for _ in range(3)]
+    again = data.make_iterator(task, cfg, split="train", batch_size=4)
+    again.set_state(state)
+    for a, b in zip(ahead, [next(again) for _ in range(3)]):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
     for flag, name in (("--input", "train"), ("--eval_input", "eval")):
         args = {"--input": str(train), "--eval_input": str(ev)}
         one = tmp_path / f"one_{name}.jsonl"

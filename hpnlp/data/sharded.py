@@ -262,20 +262,31 @@ class ShardedIterator:
             # a window of one-token documents only (no chunk): the next one (found by a bug
             # hunt: it ended the stream, so an eval pass scored none of the targets after it)
             window += 1
+        for _ in range(64):
+            self._inner, self._inner_batches = self._batches_of(chunks, window)
+            if self._inner_batches or self.split == "eval":
+                return True
+            # train: fewer rows than one batch (a window of mostly one-token documents):
+            # the window reads on until it has a batch (found in review: it had stopped training
+            # with "lower the batch size"); a resume replays the same reads from its start
+            docs += self._read_window()
+            chunks = task_lib.lm_chunks(docs, self.seq_len)
+        raise ValueError(f"{self.directory}: {64 * self._window_tokens} tokens of the train split "
+                         f"hold fewer than batch_size={self.batch_size} rows; lower the batch "
+                         "size, or prepare longer documents")
+
+    def _batches_of(self, chunks, window: int):
+        """(BatchIterator over a window's chunks, its batches: eval's all, train's whole)."""
         sub = task_lib.Task(name=f"{self.task.name}[window {window}]", kind="lm",
                             vocab_size=self.task.vocab_size, num_classes=0, seq_len=self.seq_len,
                             train=chunks, eval=chunks, baseline={})
         # Each window its own chunk shuffle; a fixed function of the seed and window number.
         wcfg = dataclasses.replace(self.cfg, seed=int(np.random.default_rng(
             [self.seed % 2**32, window, 3]).integers(2**31)))
-        self._inner = BatchIterator(sub, wcfg, split=self.split, batch_size=self.batch_size,
-                                    **self.iter_args)
-        self._inner_batches = (self._inner.num_batches if self.split == "eval"
-                               else self._inner.num_rows(0) // self.batch_size)
-        if self._inner_batches == 0:  # train: fewer rows than one batch in this window
-            raise ValueError(f"{self.directory}: a window of {self._window_tokens} tokens holds "
-                             f"fewer than batch_size={self.batch_size} rows; lower the batch size")
-        return True
+        inner = BatchIterator(sub, wcfg, split=self.split, batch_size=self.batch_size,
+                              **self.iter_args)
+        return inner, (inner.num_batches if self.split == "eval"
+                       else inner.num_rows(0) // self.batch_size)
 
     @property
     def num_batches(self) -> int:
