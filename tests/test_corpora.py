@@ -395,20 +395,27 @@ def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, tmp_path):
 # ------------------------------------------------------------------------ streaming
 
 
+def _resumes_exactly(task, cfg, *, after: int, ahead: int) -> dict:
+    """A train iterator's state after `after` batches, through JSON into a new iterator,
+    gives the next `ahead` batches again; returns that state."""
+    it = data.make_iterator(task, cfg, split="train", batch_size=4)
+    for _ in range(after):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    want = [next(it) for _ in range(ahead)]
+    again = data.make_iterator(task, cfg, split="train", batch_size=4)
+    again.set_state(state)
+    for a, b in zip(want, [next(again) for _ in range(ahead)]):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    return state
+
+
 @pytest.mark.parametrize("mode", ["pad", "pack", "bucket"])
 def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monkeypatch, mode):
     monkeypatch.setattr(sharded, "WINDOW_BATCHES", 3)  # many windows: resume across them
     cfg = lm_cfg(tokenizer="bpe", vocab_size=600, prepared=prepared, batching=mode)
     task = data.make_task(cfg)
-    it = data.make_iterator(task, cfg, split="train", batch_size=4)
-    for _ in range(7):
-        next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    ahead = [next(it) for _ in range(12)]
-    again = data.make_iterator(task, cfg, split="train", batch_size=4)
-    again.set_state(state)
-    for a, b in zip(ahead, [next(again) for _ in range(12)]):
-        assert all(np.array_equal(a[k], b[k]) for k in a)
+    state = _resumes_exactly(task, cfg, after=7, ahead=12)
     # found by the crash hunt: a malformed position failed deep in numpy or grain
     for edit, match in (({"batch": -1}, "'batch' = -1 .* integer in"), ({"window": "a"}, "'window' = 'a'"),
                         ({"reader": {"x": 1}}, "'reader' = .* not grain's reader state")):
@@ -485,14 +492,7 @@ def test_windows_of_one_token_documents_are_skipped_and_a_split_of_them_refused(
                          "--quiet"]) == 0
     cfg = lm_cfg(prepared=out, seq_len=8)
     task = data.make_task(cfg)
-    it = data.make_iterator(task, cfg, split="train", batch_size=4)
-    next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    ahead = [next(it) for _ in range(3)]
-    again = data.make_iterator(task, cfg, split="train", batch_size=4)
-    again.set_state(state)
-    for a, b in zip(ahead, [next(again) for _ in range(3)]):
-        assert all(np.array_equal(a[k], b[k]) for k in a)
+    _resumes_exactly(task, cfg, after=1, ahead=3)
     for flag, name in (("--input", "train"), ("--eval_input", "eval")):
         args = {"--input": str(train), "--eval_input": str(ev)}
         one = tmp_path / f"one_{name}.jsonl"
