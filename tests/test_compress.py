@@ -414,6 +414,16 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert "`quant.weights`" in capsys.readouterr().err
     assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o")]) == 1
     assert "trained without quantization" in capsys.readouterr().err
+    # found by a bug hunt: a format of none, and --layers that names no product of the
+    # model, wrote a "quantized" folder of float weights
+    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
+                 "none"]) == 1
+    assert "quantizes nothing" in capsys.readouterr().err
+    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
+                 "int8", "--layers", "head"]) == 1
+    assert "`layers` = 'head' is not allowed: names no product of this lm" in \
+        capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o" / "quantized.npz")
     # a run's config without a checkpoint (never saved one): refused, nothing written
     os.makedirs(tmp_path / "unsaved")
     shutil.copy(os.path.join(trained, "config.json"), tmp_path / "unsaved")

@@ -918,6 +918,9 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     ("prune", dict(method="magnitude", structure="4:4"), r"train\.prune\.structure.*0 < N < M"),
     ("prune", dict(method="magnitude", structure="2:3"), r"M=3 must divide model\.width"),
     ("prune", dict(method="magnitude", structure="2:4", scope="global"), r"train\.prune\.scope"),
+    # found by a bug hunt: taken and ignored (N:M keeps N of M whatever the sparsity)
+    ("prune", dict(method="magnitude", structure="2:4", sparsity=0.9),
+     r"train\.prune\.sparsity.*fixes the sparsity at 1 - N/M = 0\.5"),
     ("prune", dict(method="lottery"), r"train\.prune\.method"),
     ("prune", dict(method="magnitude", layers="mlp,attn"), r"train\.prune\.layers"),
     ("prune", dict(method="random", schedule="cubic", start_step=6), r"train\.prune\.end_step"),

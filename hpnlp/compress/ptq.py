@@ -214,6 +214,9 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
 
     if q is not None and float_dtype is not None:
         raise ValueError("give a QuantConfig or a float_dtype (bfloat16 | float16), not both")
+    if q is not None and not q.enabled:  # found by a bug hunt: a folder of float weights
+        raise config_error("weights", q.weights, "quantizes nothing; give a format "
+                           "(int8, int4, ...), or leave --weights out to export a QAT run")
     if float_dtype is not None and float_dtype not in FLOAT_FORMATS:
         raise config_error("weights", float_dtype, f"float formats are {list(FLOAT_FORMATS)}")
     if calib_batches <= 0:
@@ -284,6 +287,13 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         if q.act_scale == "static":
             quant_vars = calibrate_ranges(model_q, params, calib, q.calibration)
         packed = packed_params(model_q, params, calib[0], quant_vars)
+        if q.weights != "none" and not any(isinstance(x, QWeight) for x in jax.tree.leaves(
+                packed, is_leaf=lambda x: isinstance(x, QWeight))):
+            # found by a bug hunt: `--layers head` on an LM wrote a "quantized" folder of
+            # float weights (before anything is written)
+            raise config_error("layers", q.layers, f"names no product of this "
+                               f"{cfg.model.kind} ({cfg.model.arch}), so nothing would be "
+                               "quantized; name products it has (or 'all')")
 
     def variables(p, qv):
         return {"params": p, **({"quant": qv} if qv else {})}

@@ -81,11 +81,15 @@ def convert(model, params, batch, min_sparsity: float) -> tuple[dict, dict]:
             flat[path] = Sparse(spmm.prepare_sparse_weight(w_np.reshape(K, -1)),
                                 shape=tuple(w_np.shape), k_dims=k_dims)
             done["/".join(path)] = q
+    if not done and not sparsest[0]:  # found by a bug hunt: told to lower --min_sparsity 0
+        raise ValueError("the run has no plain qkv, out, MLP or head product weight to store "
+                         "sparse (a factorized product, model.lowrank, is two products the "
+                         "sparse kernel does not take); sparsify a pruned run without "
+                         "model.lowrank")
     if not done:
-        what = (f"the sparsest, {sparsest[0]}, is {sparsest[1]:.1%} zeros" if sparsest[0]
-                else "it has no qkv, out, MLP or head product weight")
-        raise ValueError(f"no product weight is at least {min_sparsity:.0%} zeros ({what}); "
-                         "prune the run (train.prune.*) or lower --min_sparsity")
+        raise ValueError(f"no product weight is at least {min_sparsity:.0%} zeros (the "
+                         f"sparsest, {sparsest[0]}, is {sparsest[1]:.1%} zeros); prune the run "
+                         "(train.prune.*) or lower --min_sparsity")
     return traverse.unflatten_dict(flat), done
 
 

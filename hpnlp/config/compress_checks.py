@@ -301,6 +301,12 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.prune.structure", p.structure, "'unstructured', 'structured' (heads and "
                   "MLP neurons) or 'N:M' with 0 < N < M (e.g. '2:4': 2 kept in every 4 weights "
                   "along the contraction)")
+        default = type(p)().sparsity
+        if abs(p.sparsity - default) > 1e-12 and abs(p.sparsity - (1 - n / mm)) > 1e-9:
+            # found by a bug hunt: taken and ignored (the masks keep N of every M)
+            _fail("train.prune.sparsity", p.sparsity, f"N:M structure {p.structure!r} fixes "
+                  f"the sparsity at 1 - N/M = {1 - n / mm:g}; drop train.prune.sparsity or set "
+                  f"it to {1 - n / mm:g}, or choose another N:M")
         if p.scope != "layer":
             _fail("train.prune.scope", p.scope, "N:M groups are pruned each on its own; set "
                   "train.prune.scope='layer'")
