@@ -137,6 +137,19 @@ def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperatur
                                        atol=5 * np.sqrt(0.25 / len(reached)))
 
 
+def test_a_tiny_temperature_keeps_the_greedy_drafts():
+    """Found by a bug hunt: at temperature 1e-10 the tempered logits reach -1e11, where
+    XLA:CPU's jitted softmax gave NaN rows, so every draft was refused and token 0 emitted.
+    Now such a round is the greedy one: the target's argmax drafts kept, its argmax next."""
+    logp = jnp.log(jnp.array([[[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4],
+                               [0.7, 0.1, 0.1, 0.1]]]))
+    d = jnp.argmax(logp[:, :2], axis=-1).astype(jnp.int32)
+    for t in (1e-10, 1e-20):
+        n, y = jax.jit(lambda lp, lq, d, k: speculative.accept(
+            lp, lq, d, k, greedy=False, temperature=t))(logp, logp[:, :2], d, jax.random.key(0))
+        assert int(n[0]) == 2 and int(y[0]) == 0, t
+
+
 @pytest.mark.slow
 def test_sampled_speculative_decoding_draws_the_targets_first_two_tokens(lms):
     """End to end at temperature 0.5 (the draft's sampling included): over 24,000 runs, the

@@ -128,6 +128,19 @@ def rewind(cache, position):
     return jax.tree_util.tree_map_with_path(f, cache)
 
 
+def _probs(logp_BKV, **opts):
+    """The processed distribution (`sampling_logits` under `opts`) as probabilities. The
+    log-probs are shifted to a row maximum of exactly 0 before the temperature divides them,
+    so the most probable token's tempered logit is 0 however XLA evaluates the division (a
+    bug hunt: at temperature 1e-10 the tempered logits reached -1e11, XLA:CPU's fused
+    max-reduction and subtraction rounded x / T differently by hundreds, every shifted logit
+    underflowed, and softmax gave NaN rows: every draft refused and token 0 emitted)."""
+    from hpnlp.models.generate import sampling_logits
+    z_BKV = sampling_logits(logp_BKV - jnp.max(logp_BKV, axis=-1, keepdims=True), **opts)
+    e_BKV = jnp.exp(z_BKV - jnp.max(z_BKV, axis=-1, keepdims=True))
+    return e_BKV / jnp.sum(e_BKV, axis=-1, keepdims=True)
+
+
 def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, top_k: int = 0,
            top_p=1.0, min_p=0.0):
     """One round's verdict, row by row. logp: the target's log-probs at the k + 1 positions
@@ -137,7 +150,6 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, t
     the target's argmax (greedy), or a draw from the residual max(p - q, 0) at the first
     refused draft, or from p after all k were kept; p and q are both processed by
     `sampling_logits` (temperature, top_k, top_p, min_p)."""
-    from hpnlp.models.generate import sampling_logits
     B, K1, _ = logp_BKV.shape
     k = K1 - 1
     rows = jnp.arange(B)
@@ -146,8 +158,7 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, t
     else:
         ku, key = jax.random.split(key)
         opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        p_BKV = jax.nn.softmax(sampling_logits(logp_BKV, **opts), axis=-1)
-        q_BKV = jax.nn.softmax(sampling_logits(logq_BKV, **opts), axis=-1)
+        p_BKV, q_BKV = _probs(logp_BKV, **opts), _probs(logq_BKV, **opts)
         p_BK = jnp.take_along_axis(p_BKV[:, :k], d_BK[..., None], axis=-1)[..., 0]
         q_BK = jnp.take_along_axis(q_BKV, d_BK[..., None], axis=-1)[..., 0]
         # u < p/q without the division: a draft outside the processed q's support (q = 0,
