@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="a trained LM run, or a quantized one "
                    "(python -m hpnlp.compress quantize --out)")
     p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
-    p.add_argument("--length", type=int, default=0, help="tokens in all, prompt included "
+    p.add_argument("--length", type=int, default=None, help="tokens in all, prompt included "
                    "(default: model.max_len; with --draft, less the drafts a round writes past "
                    "it: model.max_len - draft_tokens + 1)")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -342,8 +342,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft", default="", help="a smaller LM run of the same task and "
                    "vocabulary (e.g. a distilled student) for speculative decoding: the same "
                    "output as the target's, in fewer target calls")
-    p.add_argument("--draft-tokens", type=int, default=4,
-                   help="tokens the draft proposes per target call (with --draft)")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="tokens the draft proposes per target call (with --draft; default 4)")
     p.add_argument("--kv-cache", choices=("none", "int8"), default=None,
                    help="the key/value cache (quant.kv_cache; default: the run's own): int8 "
                         "codes read at a quarter of float32's bytes (with --draft, both runs')")
@@ -424,11 +424,17 @@ def main(argv=None) -> int:
             raise ValueError(f"--temperature {args.temperature}: sampling needs a temperature "
                              "above 0; give one (e.g. 0.8), or --greedy for the argmax") from None
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, flags=True)
-        if args.length and args.length < 2:
+        # found by a bug hunt: --draft-tokens without --draft (even 0) and --length 0 were
+        # taken and ignored, the latter as "model.max_len"
+        if args.draft_tokens is not None and not args.draft:
+            raise ValueError(f"--draft-tokens {args.draft_tokens} is for speculative decoding; "
+                             "give --draft RUN too, or drop it")
+        args.draft_tokens = 4 if args.draft_tokens is None else args.draft_tokens
+        if args.length is not None and args.length < 2:
             raise ValueError(f"--length {args.length}: it counts the prompt too, so it needs at "
                              "least 2 (one prompt token and one new)")
         cfg, task, weights = load(args.workdir)
-        if args.length > cfg.model.max_len:
+        if args.length is not None and args.length > cfg.model.max_len:
             raise ValueError(f"--length {args.length} exceeds the run's model.max_len="
                              f"{cfg.model.max_len}; lower --length")
         length = args.length or cfg.model.max_len
