@@ -159,8 +159,9 @@ def sparse_matmul(x_MxK, w: SparseWeight, *, impl: str = "auto", threads: int | 
     # `vectors` passed with impl="xla", or "auto" where the kernel cannot run
     if threads is not None and int(threads) < 1:
         raise ValueError(f"sparse_matmul: threads must be >= 1; got {threads}")
-    if vectors is not None:
-        _vectors(vectors)  # (not the tuned one: that would tune for the XLA path)
+    # the given row block now; the tuned one only on the kernel's path (below), not to tune
+    # for the XLA path
+    n_vectors = None if vectors is None else _vectors(vectors)
     if impl == "xla":
         return sparse_matmul_xla(x_MxK, w)
     reason = KERNEL.blocker()
@@ -172,7 +173,8 @@ def sparse_matmul(x_MxK, w: SparseWeight, *, impl: str = "auto", threads: int | 
     M, N = x_MxK.shape[0], w.shape[1]
     if threads is None:
         threads = 1 if M * w.nnz < _MIN_PARALLEL_MACS else kernels.cores()
-    n_vectors = _vectors(vectors)
+    if n_vectors is None:
+        n_vectors = _vectors(None)
 
     def kernel(x, w):
         return jax.ffi.ffi_call("hpnlp_csc_matmul", jax.ShapeDtypeStruct((M, N), jnp.float32),

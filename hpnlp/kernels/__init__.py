@@ -36,6 +36,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 HEADER_DIR = os.path.dirname(os.path.abspath(__file__))
 _HEADERS = [os.path.join(HEADER_DIR, "simd.h")]
@@ -78,8 +79,6 @@ def with_twin_gradient(kernel, twin, *args):
     higher orders work as well as `jax.grad` (found in review: a `custom_vjp` took first-order
     reverse mode only). `args` are pytrees of arrays (None allowed); settings go in the two
     functions' closures, never traced values."""
-    from jax.custom_derivatives import SymbolicZero
-
     @jax.custom_jvp
     def call(*a):
         return kernel(*a)

@@ -136,8 +136,8 @@ def _probs(logp_BKV, **opts):
     max-reduction and subtraction rounded x / T differently by hundreds, every shifted logit
     underflowed, and softmax gave NaN rows: every draft refused and token 0 emitted)."""
     from hpnlp.models.generate import sampling_logits
-    z_BKV = sampling_logits(logp_BKV - jnp.max(logp_BKV, axis=-1, keepdims=True), **opts)
-    e_BKV = jnp.exp(z_BKV - jnp.max(z_BKV, axis=-1, keepdims=True))
+    e_BKV = jnp.exp(sampling_logits(logp_BKV - jnp.max(logp_BKV, axis=-1, keepdims=True),
+                                    **opts))  # its maximum already exactly 0
     return e_BKV / jnp.sum(e_BKV, axis=-1, keepdims=True)
 
 
