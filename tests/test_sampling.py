@@ -284,6 +284,9 @@ def test_sampling_logits_refuses_a_top_k_past_its_vocabulary(logp):
     (["--top-k", "5", "--greedy"], "--top-k 5 shapes sampling, which --greedy does not do "
                                    "(the argmax would ignore it); drop one of the two"),
     (["--top-p", "0.9", "--greedy"], "--top-p 0.9 shapes sampling"),
+    (["--temperature", "0.5", "--greedy"], "--temperature 0.5 shapes sampling, which --greedy "
+                                           "does not do"),
+    (["--temperature", "0"], "--temperature 0.0: sampling needs a temperature above 0"),
 ])
 def test_cli_refuses_bad_sampling_flags_in_one_line_before_loading(tmp_path, capsys, flags,
                                                                    match):

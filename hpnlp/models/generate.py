@@ -327,7 +327,8 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=None, help="tokens in all, prompt included "
                    "(default: model.max_len; with --draft, less the drafts a round writes past "
                    "it: model.max_len - draft_tokens + 1)")
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="divides the logits before sampling (default 0.8; not with --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most probable "
                    "tokens only (default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: from the "
@@ -418,6 +419,11 @@ def main(argv=None) -> int:
         return cfg, task, weights
 
     try:
+        # found by a bug hunt: --temperature with --greedy was taken and ignored
+        if args.greedy and args.temperature is not None:
+            raise ValueError(f"--temperature {args.temperature} shapes sampling, which --greedy "
+                             "does not do (the argmax would ignore it); drop one of the two")
+        args.temperature = 0.8 if args.temperature is None else args.temperature
         try:
             check_temperature(args.temperature, args.greedy)
         except ValueError:
