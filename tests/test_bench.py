@@ -1255,3 +1255,25 @@ def test_runs_side_by_side_train_once_each_one_core_a_process(tmp_path):
     with pytest.raises(RuntimeError, match=r"failed in its own process .*r0b"):
         harness.train_side_by_side(w.record, [(-1, str(tmp_path / "bad")),
                                               (0, str(tmp_path / "r0b"))])
+
+
+def test_retrieval_bench_datastores_follow_their_cap_and_their_lm(tmp_path, monkeypatch):
+    """Found by running `bench retrieval --quick`: its search part asked the kNN-LM part's
+    capped datastore for the whole training split, and the refusal stopped the bench. The
+    search part now reads the split as capped; the capped and whole datastores get their own
+    folders, and an LM trained afresh takes its old datastores with it."""
+    from hpnlp.bench import compress as bench_compress
+    from hpnlp.bench import retrieval as bench_retrieval
+    quick, full = bench_retrieval.SIZES["quick"], bench_retrieval.SIZES["full"]
+    assert full["datastore_tokens"] == 0 < quick["datastore_tokens"]
+    assert (bench_retrieval._datastore(quick, "bytes", "w")
+            != bench_retrieval._datastore(full, "bytes", "w"))
+    monkeypatch.setattr(bench_compress, "_train", lambda cd, out: {})
+    out = str(tmp_path / bench_retrieval.lm_config(quick, "bytes").name)
+    stores = ("datastore_bytes", "datastore_bytes_first100000", "datastore_words")
+    for reused, left in (([out], stores), ([], ("datastore_words",))):
+        for name in stores:
+            os.makedirs(tmp_path / name, exist_ok=True)
+        monkeypatch.setattr(bench_compress, "REUSED", reused)
+        assert bench_retrieval._trained(quick, "bytes", str(tmp_path)) == out
+        assert sorted(os.listdir(tmp_path)) == sorted(left)

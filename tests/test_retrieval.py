@@ -617,10 +617,30 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
     # the folder's datastore is reused for the same split, refused for another number of
     # entries (a README walk: --max_datastore_tokens was ignored where a datastore stood)
     assert knnlm.datastore_for(model, params, train, str(tmp_path / "ds"), seq_len=L)[1] is False
-    fewer = dataclasses.replace(train, starts=train.starts[:1], lengths=train.lengths[:1])
+    # a cap (knnlm.run's --max_datastore_tokens, the bench's kNN-LM and search parts alike)
+    # keeps the first chunks, up to the one that reaches it
+    first = int(train.lengths[0] - 1)
+    assert knnlm.datastore_split(train, 0) is train
+    assert len(knnlm.datastore_split(train, first + 1).starts) == 2
+    fewer = knnlm.datastore_split(train, first)
+    np.testing.assert_array_equal(fewer.starts, train.starts[:1])
     with pytest.raises(RetrievalError, match=r"holds a datastore of [\d,]+ entries, and this run "
                                              r"asks for [\d,]+ \(--max_datastore_tokens"):
         knnlm.datastore_for(model, params, fewer, str(tmp_path / "ds"), seq_len=L)
+
+
+def test_datastore_split_keeps_the_first_chunks_up_to_the_cap():
+    """The chunks a capped datastore holds (knnlm.run's --max_datastore_tokens; the retrieval
+    bench's kNN-LM and search parts ask for the same split): the first ones, up to the chunk
+    that reaches the cap; 0 keeps them all."""
+    from hpnlp.data.task import Examples
+    train = Examples(np.arange(40, dtype=np.int32), np.array([0, 9, 17, 30]),
+                     np.array([9, 8, 13, 10]))  # 8 + 7 + 12 + 9 entries
+    assert knnlm.datastore_split(train, 0) is train
+    for cap, chunks in ((1, 1), (8, 1), (9, 2), (15, 2), (16, 3), (36, 4), (10 ** 6, 4)):
+        got = knnlm.datastore_split(train, cap)
+        np.testing.assert_array_equal(got.starts, train.starts[:chunks])
+        np.testing.assert_array_equal(got.lengths, train.lengths[:chunks])
 
 
 def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsys):

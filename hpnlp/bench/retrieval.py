@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -74,21 +75,35 @@ def lm_config(s: dict, tokens: str):
 
 
 def _trained(s: dict, tokens: str, workdir: str) -> str:
-    from hpnlp.bench.compress import _train
+    """The LM's run in `workdir`, trained unless an earlier run of the same config finished
+    there. Trained now, the datastores of the LM it replaces go too: `datastore_for` refuses
+    another model's keys, so a full run after `--quick` in one --workdir would stop there."""
+    from hpnlp.bench.compress import REUSED, _train
     cd = lm_config(s, tokens)
     out = os.path.join(workdir, cd.name)
     _train(cd, out)
+    if out not in REUSED:
+        for name in os.listdir(workdir):
+            if name.startswith(f"datastore_{tokens}"):
+                shutil.rmtree(os.path.join(workdir, name))
     return out
 
 
 # ----------------------------------------------------------------------------- kNN-LM
+
+def _datastore(s: dict, tokens: str, workdir: str) -> str:
+    """The LM's datastore folder in `workdir`, named by its cap (`--quick`'s holds the first
+    chunks only; the full run's, all of them)."""
+    cap = s["datastore_tokens"]
+    return os.path.join(workdir, f"datastore_{tokens}" + (f"_first{cap}" if cap else ""))
+
 
 def knnlm_rows(s: dict, workdir: str) -> list[dict]:
     from hpnlp.retrieval import knnlm
     rows = []
     for tokens in tqdm(("bytes", "words"), desc="kNN-LM", leave=False):
         run = _trained(s, tokens, workdir)
-        got = knnlm.run(run, os.path.join(workdir, f"datastore_{tokens}"), index="exact",
+        got = knnlm.run(run, _datastore(s, tokens, workdir), index="exact",
                         max_eval_tokens=s["knn_tokens"][tokens],
                         max_datastore_tokens=s["datastore_tokens"])
         rows.append({"lm": tokens, **got})
@@ -140,9 +155,12 @@ def _vectors(s: dict, workdir: str):
     LM's held-out context vectors, every 7th target of the first held-out chunks)."""
     from hpnlp.retrieval import knnlm
     run = _trained(s, "bytes", workdir)
-    folder = os.path.join(workdir, "datastore_bytes")
+    folder = _datastore(s, "bytes", workdir)
     cfg, model, params, task, _ = knnlm.load_lm(run)
-    store, _ = knnlm.datastore_for(model, params, task.train, folder, seq_len=cfg.data.seq_len)
+    # the kNN-LM part's datastore, capped as it was built (the whole split asked of a capped
+    # one was refused: `--quick` stopped here)
+    train = knnlm.datastore_split(task.train, s["datastore_tokens"])
+    store, _ = knnlm.datastore_for(model, params, train, folder, seq_len=cfg.data.seq_len)
     n = min(max(s["databases"]), len(store.keys))
     rng = np.random.default_rng(0)
     x = np.asarray(store.keys[np.sort(rng.choice(len(store.keys), n, replace=False))], np.float32)

@@ -132,6 +132,16 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     return Datastore.open(folder)
 
 
+def datastore_split(train, max_tokens: int = 0):
+    """The training chunks a datastore holds: all of `train`, or (`max_tokens` > 0) its first
+    chunks, up to the one that reaches `max_tokens` entries."""
+    if not max_tokens:
+        return train
+    from hpnlp.data.task import Examples
+    n = int(np.searchsorted(np.cumsum(train.lengths - 1), max_tokens)) + 1
+    return Examples(train.tokens, train.starts[:n], train.lengths[:n])
+
+
 def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | None = None):
     """(datastore, built): the one in `folder` if this model built it of split `ex` (another
     model's, or one of another number of entries, is refused), else a new one of `ex`."""
@@ -377,11 +387,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     L = cfg.data.seq_len
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()
-    train = task.train
-    if max_datastore_tokens:
-        from hpnlp.data.task import Examples
-        n = int(np.searchsorted(np.cumsum(train.lengths - 1), max_datastore_tokens)) + 1
-        train = Examples(train.tokens, train.starts[:n], train.lengths[:n])
+    train = datastore_split(task.train, max_datastore_tokens)
     store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta)
     t_store = time.perf_counter() - t0
     t0 = time.perf_counter()
