@@ -353,6 +353,29 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10"]
 
 
+@pytest.mark.parametrize("field, value", [("layer_norm", True), ("learned_init", True),
+                                          ("combine", "sum"), ("bidirectional", True)])
+def test_resume_of_a_recurrent_run_under_another_rnn_model_is_refused(tmp_path, field, value):
+    """Found by a bug hunt: a resume with another rnn.layer_norm or rnn.learned_init failed
+    in the restore as a layout "of another version", and another rnn.combine resumed and
+    trained on as another function. The check reads the configs alone (no restore); a
+    Transformer run ignores the rnn fields."""
+    from hpnlp.train.checkpoint import Checkpointer
+    for arch, refused in (("lstm", True), ("transformer", False)):
+        cd = tiny()
+        cd.model.arch = arch
+        work = tmp_path / arch
+        Checkpointer(str(work), from_configdict(cd), keep=1)  # writes config.json
+        os.makedirs(work / "checkpoints" / "10")  # a checkpoint to resume
+        setattr(cd.rnn, field, value)
+        if refused:
+            with pytest.raises(CheckpointMismatch, match=rf"holds checkpoints of a different "
+                               rf"model \(rnn.{field}: saved .*, now {value!r}\)"):
+                Checkpointer(str(work), from_configdict(cd), keep=1)
+        else:
+            Checkpointer(str(work), from_configdict(cd), keep=1)
+
+
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     def one_step(accum):
         cd = tiny(grad_accum=accum)

@@ -104,6 +104,12 @@ _CONFIG_SHAPE_WHEN = {("model", "moe", "num_experts"): (("model", "moe", "mlp_di
                                                         ("model", "moe", "every"),
                                                         ("model", "moe", "shared_experts")),
                       ("model", "memory", "size"): (("model", "memory", "key_dim"),)}
+# A recurrent trunk's (model.arch lstm or gru, saved or now): its layer norm and learned
+# initial state are parameters; its combine and direction, another function of the same
+# arrays, so another model (as other attention variants are). Found by a bug hunt: the
+# first two failed in the restore as a layout "of another version", the last two resumed.
+_RNN_FIELDS = (("rnn", "layer_norm"), ("rnn", "learned_init"), ("rnn", "combine"),
+               ("rnn", "bidirectional"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,7 +132,8 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
         return d
 
     diff = {}
-    for path in _CONFIG_SHAPE_FIELDS:
+    recurrent = {get(saved, ("model", "arch")), get(now, ("model", "arch"))} & {"lstm", "gru"}
+    for path in _CONFIG_SHAPE_FIELDS + (_RNN_FIELDS if recurrent else ()):
         fields = [path]
         if get(saved, path) or get(now, path):
             fields += _CONFIG_SHAPE_WHEN.get(path, ())
