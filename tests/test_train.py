@@ -457,7 +457,7 @@ def test_shared_program_compiles_one_program_once_per_device_set(monkeypatch):
         np.ones(3, np.float32)).shape == (3,)
 
 
-def test_early_stopping_on_patience(tmp_path):
+def test_early_stopping_on_patience(tmp_path, capsys):
     cd = tiny(steps=200, lr=1e-7, warmup_steps=0, eval_every=5, early_stopping_patience=2,
               early_stopping_metric="accuracy", log_every=7)
     summary = run(cd, str(tmp_path))
@@ -465,9 +465,18 @@ def test_early_stopping_on_patience(tmp_path):
     # the steps since the last train line get theirs (found in review: they were lost)
     train = [l["step"] for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
     assert summary["final_step"] % 7 and train[-1] == summary["final_step"]
-    again = run(cd, str(tmp_path))  # a rerun stays stopped
+    capsys.readouterr()
+    again = run(cd, str(tmp_path))  # a rerun stays stopped, and says why
     assert again["stopped_early"] and again["final_step"] == summary["final_step"]
     assert again["eval"] == summary["eval"]
+    err = capsys.readouterr().err
+    assert f"resuming from step {summary['final_step']} in " in err
+    assert ("; it stopped early there (2 evals without a better accuracy, "
+            "train.early_stopping_patience=2), nothing to train (raise the patience") in err, err
+    # with early stopping off, a rerun trains on (a bug hunt: it trained nothing, silently)
+    cd.train.update(early_stopping_patience=0, steps=summary["final_step"] + 3)
+    on = run(cd, str(tmp_path))
+    assert not on["stopped_early"] and on["final_step"] == summary["final_step"] + 3
 
 
 def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):

@@ -381,6 +381,11 @@ class Trainer:
         resumed = start > 0
         best = loop.get("best")
         bad_evals = loop.get("bad_evals", 0)
+        # A run that stopped early stays stopped while its rule still stops it: with early
+        # stopping off, or a patience its bad evals have not reached, a rerun trains on (a
+        # bug hunt: with either, and more steps, it trained nothing and said nothing)
+        stopped_early = (bool(loop.get("stopped_early", False)) and t.early_stopping_patience > 0
+                         and bad_evals >= t.early_stopping_patience)
         writer = MetricWriter(self.workdir, resume_step=start if resumed else None)
         show = t.progress and jax.process_index() == 0
         if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
@@ -389,7 +394,12 @@ class Trainer:
                      f"({self.checkpointer.attention_changed})"
                      if self.checkpointer.attention_changed else "")
                   + (f"; train.steps={t.steps} are done, nothing to train (raise "
-                     "--config.train.steps to train on)" if start >= t.steps else ""),
+                     "--config.train.steps to train on)" if start >= t.steps else "")
+                  + (f"; it stopped early there ({bad_evals} evals without a better "
+                     f"{t.early_stopping_metric}, train.early_stopping_patience="
+                     f"{t.early_stopping_patience}), nothing to train (raise the patience, or "
+                     "0 to turn early stopping off, to train on)"
+                     if stopped_early and start < t.steps else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
@@ -410,7 +420,6 @@ class Trainer:
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
         timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
         last_eval: dict = loop.get("last_eval") or {}
-        stopped_early = bool(loop.get("stopped_early", False))
         maximize = t.early_stopping_metric in _MAXIMIZE
 
         def newest_checkpoint() -> str | None:
