@@ -73,6 +73,20 @@ def test_rnn_config_errors_name_the_field():
     cd.model.arch, cd.rnn.layer_norm = "lstm", True
     with pytest.raises(ConfigError, match="rnn.impl.*rnn.layer_norm=True"):
         validate(from_configdict(cd), num_devices=1)
+    # the layer's other blockers, by their config fields (a bug hunt: `impl` and `hidden`)
+    cd.rnn.layer_norm = False
+    either = "rnn.recurrent_dropout or rnn.state_dropout > 0"
+    for field, value, match in (("rnn.recurrent_dropout", 0.1, either),
+                                ("rnn.state_dropout", 0.1, either),
+                                ("model.width", 40, r"model.width=40 \(the kernel needs a "),
+                                ("model.dtype", "bfloat16", "model.dtype='bfloat16'")):
+        group, name = field.split(".")
+        before = cd[group][name]
+        cd[group][name] = value
+        with pytest.raises(ConfigError, match=rf"rnn.impl.*fused kernel cannot run {match}"):
+            validate(from_configdict(cd), num_devices=1)
+        cd[group][name] = before
+    validate(from_configdict(cd), num_devices=1)
     cd.rnn.impl = "cuda"
     with pytest.raises(ConfigError, match="rnn.impl"):
         validate(from_configdict(cd), num_devices=1)
