@@ -311,6 +311,26 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
     assert checkpoint._aborted_read(closed) and not checkpoint._aborted_read(other)
 
 
+def test_restore_quiets_orbax_abandoned_reads_from_its_start(tmp_path, monkeypatch):
+    """Found by a bug hunt: on a loaded machine a truncated manifest's restore printed 27
+    'Event loop is closed' tracebacks (orbax's abandoned reads) before hpnlp's one line: the
+    filter came in only once the restore had failed."""
+    from hpnlp.train import checkpoint
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    ck = checkpoint.Checkpointer(str(tmp_path), from_configdict(tiny()), keep=1)
+    quiet = []
+
+    def restore(*args, **kwargs):
+        quiet.append(getattr(sys.unraisablehook, "hpnlp_quiet", False))
+        raise ValueError("DATA_LOSS: Error reading the manifest")
+    monkeypatch.setattr(ck.manager, "restore", restore)
+    monkeypatch.setattr(checkpoint, "_other_shapes", lambda *args: "")
+    with pytest.raises(CheckpointMismatch, match=r"checkpoints/6 cannot be read \(ValueError: "
+                       r"DATA_LOSS: Error reading the manifest\); it is damaged"):
+        ck.restore(6, None)
+    assert quiet == [True]
+
+
 def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     run(tiny(steps=10), str(tmp_path))
     # Exact attention by another implementation resumes (a README walk: a dense run refused

@@ -276,6 +276,10 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""
         where = os.path.join(self.directory, str(step))
+        # from the start: a restore failing part-way (a truncated manifest) can abandon reads
+        # that report in while it is still under way (a bug hunt, on a loaded machine: 27
+        # 'Event loop is closed' tracebacks before hpnlp's one line)
+        _quiet_aborted_reads()
         other = _other_shapes(os.path.join(where, "state"), abstract_state)
         if other:  # refused from the stored metadata: a restore that fails part-way leaves
             # orbax's reads of the other arrays pending on a closed event loop
@@ -338,7 +342,7 @@ def _aborted_read(unraisable) -> bool:
 
 
 def _quiet_aborted_reads() -> None:
-    """From a failed restore on, this process drops the tracebacks of orbax's abandoned reads
+    """From a restore on, this process drops the tracebacks of orbax's abandoned reads
     (`_aborted_read`) and passes every other unraisable exception on. A README walk's damaged
     checkpoint printed hpnlp's one line, then up to 1,300 lines of them ('Exception ignored
     in: <coroutine _read_array_index_and_device_put>', 'Event loop is closed'), at random:
@@ -434,6 +438,7 @@ def restore_params(workdir: str, like):
                                                            sharding=getattr(a, "sharding", None)),
                             like)
     item = {"params": abstract}
+    _quiet_aborted_reads()  # as Checkpointer.restore
     try:
         out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
