@@ -156,6 +156,14 @@ def test_check_config():
     C.ChunkedAttention.check_config({"block_q": 16, "block_k": 64}, seq_len=8, causal=False)
     with pytest.raises(ConfigError, match="block_q` = 0 "):
         C.ChunkedAttention.check_config({"block_q": 0}, seq_len=64, causal=False)
+    # the kernel's blocks are its own (a bug hunt: explicit ones were taken, and dropped)
+    with pytest.raises(ConfigError, match=r"block_k` = 32 is not allowed with attention.options"
+                       r".impl='kernel'.*drop it, or use impl='xla'"):
+        C.ChunkedAttention.check_config({"impl": "kernel", "block_k": 32}, seq_len=64,
+                                        causal=False)
+    q = jnp.zeros((1, 8, 1, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"impl='kernel' cannot run here: explicit block sizes"):
+        C.chunked_attention(q, q, q, block_q=4, impl="kernel")
 
 
 def _temp_bytes(length, causal):

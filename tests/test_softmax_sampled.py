@@ -361,6 +361,26 @@ def test_bad_fields_rejected_at_setup(name, kw, match):
         lib.init(S.get(name)(vocab_size=lib.V, **kw), h, t)
 
 
+@pytest.mark.parametrize("name,options,match", [
+    ("hard_negative", {"approximate": True, "recall_target": 5.0},
+     r"output.options.recall_target` = 5.0 .*must be a number in \(0, 1\]"),
+    ("hard_negative", {"recall_target": 0.0}, "recall_target` = 0.0"),
+    ("hard_negative", {"margin": -1.0}, "margin` = -1.0 .*>= 0"),
+    ("hard_negative", {"chunk_tokens": -7}, r"chunk_tokens` = -7 .*integer >= -1"),
+    ("class_based", {"chunk_tokens": -7}, "chunk_tokens` = -7"),
+    ("hierarchical", {"chunk_tokens": 2.5}, "chunk_tokens` = 2.5"),
+    ("full", {"chunk_tokens": -2}, "chunk_tokens` = -2"),
+])
+def test_bad_options_refused_at_the_config_check(name, options, match):
+    """Found by a bug hunt: hard_negative's recall_target 5.0 failed in the train step's
+    compile (a 95-line XLA error, the workdir already written), and chunk_tokens -7 ran as -1
+    everywhere but `full`."""
+    from hpnlp.config import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        S.check_config(name, options, vocab_size=lib.V, frequency_sorted=True)
+    S.check_config(name, {"chunk_tokens": 0}, vocab_size=lib.V, frequency_sorted=True)
+
+
 # ----------------------------------------------------------------------------- hard negatives
 
 def test_hard_negative_matches_explicit_top_k_and_approx_agrees():

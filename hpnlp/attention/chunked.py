@@ -267,7 +267,8 @@ def kernel_blocker(head_dim: int, value_dim: int, impl: str, block_q, block_k,
         raise ValueError(f"chunked attention: impl={impl!r} is not one of {IMPLS}")
     if impl == "xla":
         return "impl='xla'"
-    if impl == "auto" and (block_q is not None or block_k is not None):
+    if block_q is not None or block_k is not None:  # impl='kernel' refuses them (a bug hunt:
+        # they were dropped silently); the kernels' own blocks are tuned per CPU
         return "explicit block sizes (they tune the XLA program)"
     if jax.default_backend() == "gpu":
         return flash_gpu.blocker(head_dim, value_dim, dtype)
@@ -351,6 +352,11 @@ class ChunkedAttention(Attention):
             block = options.get(name, getattr(cls, name))
             if block is None:
                 continue
+            if impl == "kernel":  # a bug hunt: taken, and dropped
+                raise ConfigError(f"config field `{field}.{name}` = {block!r} is not allowed "
+                                  f"with {field}.impl='kernel': block sizes tune the XLA "
+                                  "program (the kernel's are tuned per CPU); drop it, or use "
+                                  "impl='xla'")
             if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
                 raise ConfigError(f"config field `{field}.{name}` = {block!r} is not allowed: "
                                   "must be a positive integer, or None to choose automatically")

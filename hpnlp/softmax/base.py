@@ -28,8 +28,17 @@ def check_config(name: str, options, *, vocab_size: int, frequency_sorted: bool 
     """Config-time checks of output layer `name` with `options` (run by `config.validate`
     before anything is built): a layer class may define
     `check_config(options, *, vocab_size, frequency_sorted, field)` raising ConfigError.
-    `frequency_sorted`: whether the task's ids are ranked by frequency (None: unknown)."""
-    check = getattr(get(name), "check_config", None)
+    `frequency_sorted`: whether the task's ids are ranked by frequency (None: unknown).
+    Every layer that chunks over tokens (`chunk_tokens`) takes the same values, checked here
+    (a bug hunt: hard_negative, class_based and hierarchical took -7 as -1)."""
+    from hpnlp.config import config_error
+    cls = get(name)
+    chunk = dict(options).get("chunk_tokens", -1)
+    if "chunk_tokens" in {f.name for f in dataclasses.fields(cls)} and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < -1):
+        raise config_error(f"{field}.chunk_tokens", chunk, "must be an integer >= -1 (-1: "
+                           "chunk automatically, 0: never)")
+    check = getattr(cls, "check_config", None)
     if check is not None:
         check(dict(options), vocab_size=vocab_size, frequency_sorted=frequency_sorted, field=field)
 

@@ -85,15 +85,13 @@ class FullSoftmax(VocabLayer):
 
     @classmethod
     def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
-        """Found in review: a negative z_loss was taken, and the loss fell without bound."""
+        """Found in review: a negative z_loss was taken, and the loss fell without bound
+        (chunk_tokens: checked for every layer by `base.check_config`)."""
         from hpnlp.config import config_error
-        z, chunk = options.get("z_loss", cls.z_loss), options.get("chunk_tokens", cls.chunk_tokens)
+        z = options.get("z_loss", cls.z_loss)
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not z >= 0:
             raise config_error(f"{field}.z_loss", z, "must be a number >= 0 (a negative one "
                                "rewards large logits without bound)")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < -1:
-            raise config_error(f"{field}.chunk_tokens", chunk, "must be an integer >= -1 "
-                               "(-1: chunk automatically, 0: never)")
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the exact loss has no randomness

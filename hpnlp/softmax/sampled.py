@@ -431,6 +431,14 @@ class HardNegative(VocabLayer):
         if not isinstance(k, int) or not 1 <= k < vocab_size:
             raise config_error(f"{field}.num_negatives", k, f"must be an integer in [1, "
                                f"model.vocab_size={vocab_size})")
+        # a bug hunt: recall_target 5.0 (or 0) failed in the train step's compile, a 95-line
+        # XLA error, after the workdir was written; a negative margin was taken
+        r, margin = options.get("recall_target", cls.recall_target), options.get("margin", cls.margin)
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise config_error(f"{field}.recall_target", r, "must be a number in (0, 1] "
+                               "(approx_max_k's recall target, e.g. 0.95)")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+            raise config_error(f"{field}.margin", margin, "must be a number >= 0")
 
     def setup(self):
         super().setup()
