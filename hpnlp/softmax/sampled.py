@@ -433,7 +433,8 @@ class HardNegative(VocabLayer):
                                f"model.vocab_size={vocab_size})")
         # a bug hunt: recall_target 5.0 (or 0) failed in the train step's compile, a 95-line
         # XLA error, after the workdir was written; a negative margin was taken
-        r, margin = options.get("recall_target", cls.recall_target), options.get("margin", cls.margin)
+        r = options.get("recall_target", cls.recall_target)
+        margin = options.get("margin", cls.margin)
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise config_error(f"{field}.recall_target", r, "must be a number in (0, 1] "
                                "(approx_max_k's recall target, e.g. 0.95)")

@@ -107,7 +107,7 @@ _CONFIG_SHAPE_WHEN = {("model", "moe", "num_experts"): (("model", "moe", "mlp_di
 # A recurrent trunk's (model.arch lstm or gru, saved or now): its layer norm and learned
 # initial state are parameters; its combine and direction, another function of the same
 # arrays, so another model (as other attention variants are). Found by a bug hunt: the
-# first two failed in the restore as a layout "of another version", the last two resumed.
+# first two failed in the restore as a layout "of another version"; another combine resumed.
 _RNN_FIELDS = (("rnn", "layer_norm"), ("rnn", "learned_init"), ("rnn", "combine"),
                ("rnn", "bidirectional"))
 
