@@ -268,11 +268,14 @@ def main(argv) -> None:
     refuse_positional(argv)
     # Orbax logs every checkpoint step at INFO; keep the terminal for the progress bar.
     logging.set_verbosity(logging.WARNING)
-    import jax
+    try:  # Ctrl-C in the imports' seconds (found by CI on the Zen 3: a traceback, exit -2)
+        import jax
 
-    from hpnlp.config import ConfigError
-    from hpnlp.train import Interrupted, NonFiniteLoss, run
-    from hpnlp.train.checkpoint import CheckpointMismatch
+        from hpnlp.config import ConfigError
+        from hpnlp.train import Interrupted, NonFiniteLoss, run
+        from hpnlp.train.checkpoint import CheckpointMismatch
+    except KeyboardInterrupt:
+        exit_interrupted("hpnlp: interrupted")
 
     cfg = FLAGS.config
     for group, key, value in _option_overrides:
