@@ -32,15 +32,15 @@ def check_config(name: str, options, *, vocab_size: int, frequency_sorted: bool 
     Every layer that chunks over tokens (`chunk_tokens`) takes the same values, checked here
     (a bug hunt: hard_negative, class_based and hierarchical took -7 as -1)."""
     from hpnlp.config import config_error
-    cls = get(name)
-    chunk = dict(options).get("chunk_tokens", -1)
+    cls, options = get(name), dict(options)
+    chunk = options.get("chunk_tokens", -1)
     if "chunk_tokens" in {f.name for f in dataclasses.fields(cls)} and (
             isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < -1):
         raise config_error(f"{field}.chunk_tokens", chunk, "must be an integer >= -1 (-1: "
                            "chunk automatically, 0: never)")
     check = getattr(cls, "check_config", None)
     if check is not None:
-        check(dict(options), vocab_size=vocab_size, frequency_sorted=frequency_sorted, field=field)
+        check(options, vocab_size=vocab_size, frequency_sorted=frequency_sorted, field=field)
 
 
 def can_tie(name: str) -> bool:
