@@ -233,6 +233,16 @@ def test_task_fields_are_filled_in():
      "a number"),
     ({"output": {"name": "full", "options": {"vocab_size": 300}}}, "output.options.vocab_size",
      "model.vocab_size"),
+    ({"data": {"eval_batch_size": -8}}, "data.eval_batch_size", ">= 0"),  # a bug hunt
+    # a re-read (session 89): these four were errors at init, without their config field
+    ({"output": {"name": "binary_code", "options": {"mode": "hybrid", "softmax_size": 256}}},
+     "output.options.softmax_size", "[1, model.vocab_size=256)"),
+    ({"output": {"name": "binary_code", "options": {"mode": "ecc", "redundancy": 5}}},
+     "output.options.redundancy", "[2, 3, 4]"),
+    ({"output": {"name": "class_based", "options": {"num_classes": 300}}},
+     "output.options.num_classes", "[1, model.vocab_size=256]"),
+    ({"output": {"name": "class_based", "options": {"bin_power": 0}}},
+     "output.options.bin_power", "> 0"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()

@@ -571,6 +571,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if d.task not in data_lib.task_names():
         _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
     _check_positive("data.seq_len", d.seq_len)
+    # a bug hunt: -8 passed (it divides by the shards) and failed at the first eval, unnamed
+    _check_positive("data.eval_batch_size", d.eval_batch_size, allow_zero=True)
     _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
     _check_choice("data.eval_split", d.eval_split, ("eval", "validation"))
     if d.prepared:  # found by a bug hunt: the text files were read by nothing, silently

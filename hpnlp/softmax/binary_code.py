@@ -130,11 +130,22 @@ class BinaryCode(nn.Module):
 
     @classmethod
     def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
-        del vocab_size, frequency_sorted
+        del frequency_sorted
+        from hpnlp.config import config_error
         mode = options.get("mode", cls.mode)
         if mode not in MODES:
-            from hpnlp.config import config_error
             raise config_error(f"{field}.mode", mode, f"choose one of {list(MODES)}")
+        # these two were checked only in `setup`, as errors without their config field
+        size = options.get("softmax_size", cls.softmax_size)
+        if mode == "hybrid" and (isinstance(size, bool) or not isinstance(size, int)
+                                 or not (size == 0 or 1 <= size < vocab_size)):
+            raise config_error(f"{field}.softmax_size", size, f"must be an integer in [1, "
+                               f"model.vocab_size={vocab_size}) for mode='hybrid', or 0 for "
+                               f"min(1024, V // 2)")
+        redundancy = options.get("redundancy", cls.redundancy)
+        if mode == "ecc" and (isinstance(redundancy, bool) or redundancy not in GENERATORS):
+            raise config_error(f"{field}.redundancy", redundancy, f"choose one of "
+                               f"{sorted(GENERATORS)} (code bits per data bit)")
 
     def setup(self):
         vocab_size = self.vocab_size

@@ -177,6 +177,20 @@ class ClassBasedSoftmax(VocabLayer):
     bin_power: float = 1.0  # bin counts**power: 1 = equal unigram mass (Mikolov 2011), 0.5 = smaller M
     chunk_tokens: int = -1  # tokens per loss chunk; -1 = auto (gathers under 256 MiB), 0 = never
 
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        """num_classes and bin_power were checked only in `setup`, without their config field."""
+        del frequency_sorted
+        from hpnlp.config import config_error
+        c = options.get("num_classes", cls.num_classes)
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= vocab_size:
+            raise config_error(f"{field}.num_classes", c, f"must be an integer in [1, "
+                               f"model.vocab_size={vocab_size}], or 0 for round(sqrt(V))")
+        p = options.get("bin_power", cls.bin_power)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
+            raise config_error(f"{field}.bin_power", p, "must be a number > 0 (1.0: classes of "
+                               "equal unigram mass, 0.5: smaller classes)")
+
     def setup(self):
         super().setup()
         num_classes = self.num_classes or max(1, round(math.sqrt(self.vocab_size)))
