@@ -322,6 +322,16 @@ def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, 
         assert prepare.main([*base, "--out", str(tmp_path / "q"), *extra]) == 2
         assert msg in capsys.readouterr().err
         assert not os.path.exists(tmp_path / "q")
+    # a bug hunt (session 89): a rerun that asks for another tokenizer (here, one trained
+    # afresh) was "already prepared" and kept the old one
+    assert prepare.main([*base, "--out", str(tmp_path / "p")]) == 0
+    assert "already prepared with these settings" in capsys.readouterr().err
+    fresh = [*base[:-2], "--tokenizer", "bpe", "--vocab_size", "600"]
+    for args in ([*fresh, "--out", str(tmp_path / "p")],
+                 [*fresh, "--tokenizer_sample_mb", "1", "--shard_mb", "0", "--out",
+                  prepared]):  # the fixture's, trained on the default sample
+        assert prepare.main(args) == 2
+        assert "made with other settings" in capsys.readouterr().err
 
 
 def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared):

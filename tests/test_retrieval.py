@@ -680,3 +680,115 @@ def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsy
     assert main(["knnlm", "--workdir", str(ens), "--datastore", str(tmp_path / "ds")]) == 1
     assert "It holds a seed ensemble of 2: train or evaluate it with python -m " \
         "hpnlp.train.ensemble --members 2" in capsys.readouterr().err
+
+
+def test_short_results_are_padded_alike_ties_rank_the_lower_id_and_text_search_drops_pads():
+    # found by a bug hunt (session 89): ScaNN padded a short result with id 0 and NaN scores,
+    # which the kNN-LM took as neighbours (perplexity NaN); faiss padded with -3.4e38; faiss
+    # ranked tied scores by the higher id; ScaNN raised on no queries; TextSearch showed
+    # padding (id -1) as the last text added
+    from hpnlp.retrieval import external
+    from hpnlp.retrieval.encoder import TextSearch
+    x, _ = _floats(n=400)
+    q = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
+    few = {"ivf": {"lists": 20, "nprobe": 1}, "faiss_ivf": {"lists": 20, "nprobe": 1},
+           "scann": {"leaves": 20, "leaves_to_search": 1, "reorder": 10}}
+    for name, options in few.items():
+        if not external.available(name):
+            continue
+        index = retrieval.make(name, 16, **options)
+        index.add(x)
+        s, i = index.search(q, 30)
+        pad = i < 0
+        assert pad.any() and np.isneginf(s[pad]).all() and np.isfinite(s[~pad]).all(), name
+        assert ((i[~pad] >= 0) & (i[~pad] < len(x))).all(), name
+        for row_s, row_i in zip(s, i):  # real results first, best first, each id once
+            real = row_i >= 0
+            assert (np.diff(real.astype(int)) <= 0).all() and len(set(row_i[real])) == real.sum()
+            assert (np.diff(row_s[real]) <= 0).all(), name
+        assert index.search(q[:0], 5)[0].shape == (0, 5), name
+
+        class Cfg:
+            class model:
+                width = 16
+        texts = TextSearch(Cfg, None, None, None, index=name, **options)
+        texts.index, texts.texts = index, [str(n) for n in range(len(x))]  # as if added
+        texts.embed = lambda ts: q[np.argmax(pad.sum(1))][None]  # a query padded above
+        hits = texts.search(["q"], k=30)[0]
+        assert 0 < len(hits) < 30 and all(np.isfinite(c) for c, _ in hits), name
+    tied = np.repeat(np.eye(16, dtype=np.float32)[:2], 3, axis=0)  # ids 0-2 and 3-5 equal
+    for name in ("exact", "faiss_flat"):
+        if external.available(name):
+            index = retrieval.make(name, 16)
+            index.add(tied)
+            np.testing.assert_array_equal(index.search(np.zeros((1, 16), np.float32), 6)[1],
+                                          [[0, 1, 2, 3, 4, 5]])
+            np.testing.assert_array_equal(index.search(tied[3:4], 6)[1], [[3, 4, 5, 0, 1, 2]])
+
+
+def test_knnlm_refuses_a_one_chunk_eval_split_before_its_datastore_and_passes_block_on(
+        tmp_path, monkeypatch):
+    """Found by a bug hunt (session 89): a held-out split of one chunk failed with 'need at
+    least one array to concatenate' after the datastore was built (minutes on real data), and
+    the exact index's `block` option was taken by `Datastore.index` as its read size."""
+    from types import SimpleNamespace
+
+    from hpnlp.data.task import Examples
+    one = Examples(np.arange(9, dtype=np.int32), np.array([0]), np.array([9]))
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=8, prepared=""))
+    task = SimpleNamespace(name="byte_lm", train=one, eval=one)
+    monkeypatch.setattr(knnlm, "load_lm", lambda workdir: (cfg, None, None, task, 3))
+    monkeypatch.setattr(knnlm, "datastore_for", lambda *a, **k: pytest.fail("datastore built"))
+    with pytest.raises(RetrievalError, match=r"held-out split has 1 chunk\(s\) of "
+                                             r"data.seq_len=8 tokens.*at least 2"):
+        knnlm.run(str(tmp_path / "run"), str(tmp_path / "ds"))
+    # the index options reach the index, whatever their names
+    keys = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float16)
+    store = knnlm.Datastore(str(tmp_path), {}, keys, np.zeros(50, np.int32))
+    index = store.index("exact", block=16, read_rows=7)
+    assert index.options["block"] == 16 and len(index) == 50
+
+
+def test_damaged_index_and_datastore_files_are_one_line_naming_the_file(tmp_path):
+    """Found by a bug hunt (session 89): truncated files raised numpy's, zipfile's or the
+    library's own error, naming no file; a save cut off over an older index loaded the old
+    header with the new vectors (ids past its count unsearchable)."""
+    x, _ = _floats(n=40)
+    index = retrieval.make("exact", 16)
+    index.add(x[:10])
+    folder = index.save(str(tmp_path / "idx"))
+    arrays = os.path.join(folder, "arrays.npz")
+    good = open(arrays, "rb").read()
+    open(arrays, "wb").write(good[:len(good) // 2])
+    with pytest.raises(RetrievalError, match=r"idx: the saved index is damaged or incomplete "
+                                             r"\(BadZipFile"):
+        retrieval.load(folder)
+    index.add(x[10:])  # a save of 40 cut off after its arrays: the old header (10) must go
+    np.savez(arrays, vectors=index.vectors())
+    with pytest.raises(RetrievalError, match=r"arrays.npz holds vectors of shape \(40, 16\), "
+                                             r"the header 10"):
+        retrieval.load(folder)
+
+    def cut_off(folder):
+        raise KeyboardInterrupt
+    index._save_files = cut_off
+    with pytest.raises(KeyboardInterrupt):
+        index.save(folder)
+    with pytest.raises(RetrievalError, match="no index.json; .*its save was cut off"):
+        retrieval.load(folder)
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    np.save(ds / "keys.npy", x.astype(np.float16))
+    np.save(ds / "values.npy", np.zeros(40, np.int32))
+    json.dump({"version": knnlm.VERSION, "entries": 40, "width": 16},
+              open(ds / knnlm.DATASTORE, "w"))
+    assert len(knnlm.Datastore.open(str(ds)).keys) == 40
+    np.save(ds / "values.npy", np.zeros(39, np.int32))
+    with pytest.raises(RetrievalError, match=r"values.npy \(39,\) do not match datastore.json's "
+                                             "40 entries"):
+        knnlm.Datastore.open(str(ds))
+    keys = open(ds / "keys.npy", "rb").read()
+    open(ds / "keys.npy", "wb").write(keys[:len(keys) // 2])
+    with pytest.raises(RetrievalError, match=r"ds/keys.npy: unreadable .*build the datastore "
+                                             "again"):
+        knnlm.Datastore.open(str(ds))

@@ -40,6 +40,7 @@ from hpnlp.data import sharded, text_tasks, tokenizers
 
 PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
 PROGRESS_COUNTS = "progress-counts.npz"
+SAMPLE_MB = 256  # --tokenizer_sample_mb's default
 
 
 class PrepareError(ValueError):
@@ -336,6 +337,13 @@ def prepare(args) -> dict:
                 "text_field": args.text_field, "tokenizer": args.tokenizer,
                 "vocab_size": args.vocab_size if args.tokenizer != "bytes" else 256,
                 "shard_mb": args.shard_mb}
+    # a bug hunt: a rerun with another --tokenizer_from (or sample) was "already prepared" and
+    # kept the old tokenizer; each is a setting where it is not the default (so that folders
+    # prepared before keep matching their own flags)
+    if reused is not None:
+        settings["tokenizer_from_sha256"] = reused.describe()["model_sha256"]
+    elif args.tokenizer != "bytes" and args.tokenizer_sample_mb != SAMPLE_MB:
+        settings["tokenizer_sample_mb"] = args.tokenizer_sample_mb
     if os.path.isfile(meta_path):
         old = _read_own_json(meta_path, ())
         if old.get("settings") == settings and old.get("complete"):
@@ -512,7 +520,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default: 8000, or --tokenizer_from's)")
     p.add_argument("--tokenizer_from", default="", help="reuse the tokenizer of a run's workdir, "
                    "a prepared folder or a tokenizer folder (its kind and size, unless given)")
-    p.add_argument("--tokenizer_sample_mb", type=int, default=256,
+    p.add_argument("--tokenizer_sample_mb", type=int, default=SAMPLE_MB,
                    help="train the tokenizer on an even sample of at most this much text")
     p.add_argument("--eval_input", default="", help="eval text (else every --eval_every-th document)")
     p.add_argument("--eval_every", type=int, default=100, help="document i is eval when i %% N == N - 1")

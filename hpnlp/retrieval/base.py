@@ -106,7 +106,9 @@ class Index(abc.ABC):
 
     def search(self, queries, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-`k` inner products of each query: (scores [Q, K] float32, ids [Q, K] int64),
-        best first; ties rank the lower id first."""
+        best first; ties rank the lower id first (faiss may keep another of the ids tied
+        at the k-th place). Where an approximate index's probes hold
+        fewer than k vectors, the rest of the row is id -1 with score -inf, in every index."""
         q = self._vectors(queries, "queries")
         try:
             whole = not isinstance(k, bool) and int(k) == k
@@ -123,7 +125,12 @@ class Index(abc.ABC):
             raise RetrievalError(f"k={k} is larger than the {self.count} vectors in this "
                               f"{self.registry_name!r} index; ask for k <= {self.count} or add vectors")
         scores, ids = self._search(q, k)
-        return np.asarray(scores, np.float32), np.asarray(ids, np.int64)
+        scores, ids = np.array(scores, np.float32), np.array(ids, np.int64)
+        # a bug hunt: ScaNN pads with id 0 and a NaN score, faiss with -1 and -3.4e38, and the
+        # padding was taken as neighbours (a kNN-LM perplexity of NaN)
+        pad = (ids < 0) | ~np.isfinite(scores)
+        ids[pad], scores[pad] = -1, -np.inf
+        return scores, ids
 
     # -- files --------------------------------------------------------------------------
     def header(self) -> dict:
@@ -133,6 +140,8 @@ class Index(abc.ABC):
     def save(self, folder: str) -> str:
         """Write the index to `folder` (created); returns the folder."""
         os.makedirs(folder, exist_ok=True)
+        if os.path.exists(os.path.join(folder, HEADER)):  # a bug hunt: a save cut off over an
+            os.remove(os.path.join(folder, HEADER))  # index loaded its old header, new vectors
         self._save_files(folder)
         tmp = os.path.join(folder, HEADER + ".tmp")  # the header last: a folder with one is whole
         with open(tmp, "w") as f:
@@ -185,6 +194,10 @@ class HostIndex(Index):
         with np.load(os.path.join(folder, "arrays.npz")) as f:
             self._host = [f["vectors"]]
             self._restored(f)
+        if self._host[0].shape != (header["count"], self.dim):
+            raise RetrievalError(f"{folder}: arrays.npz holds vectors of shape "
+                                 f"{self._host[0].shape}, the header {header['count']} of "
+                                 f"dimension {self.dim}; save the index again")
 
     def _restored(self, npz) -> None:
         """Read what `_arrays` added to the vectors."""
@@ -193,8 +206,8 @@ class HostIndex(Index):
 def read_header(folder: str, *, dim: int | None = None, kind: str | None = None) -> dict:
     path = os.path.join(folder, HEADER)
     if not os.path.isfile(path):
-        raise RetrievalError(f"{folder}: no {HEADER}; not a saved hpnlp index (save one with "
-                          "index.save(folder))")
+        raise RetrievalError(f"{folder}: no {HEADER}; not a saved hpnlp index, or its save was "
+                             "cut off (save one with index.save(folder))")
     try:
         with open(path) as f:
             header = json.load(f)
@@ -217,7 +230,13 @@ def load(folder: str, *, dim: int | None = None, kind: str | None = None) -> Ind
     header = read_header(folder, dim=dim, kind=kind)
     cls = get(header["kind"])
     index = cls(header["dim"], **header.get("options", {}))
-    index._restore(folder, header)
+    try:  # a bug hunt: a truncated file was BadZipFile, or the library's own error
+        index._restore(folder, header)
+    except RetrievalError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- numpy, zipfile, faiss, ScaNN: each its own
+        raise RetrievalError(f"{folder}: the saved index is damaged or incomplete "
+                             f"({type(e).__name__}: {e}); save it again") from None
     index.count = int(header["count"])
     return index
 

@@ -74,7 +74,9 @@ class TextSearch:
         self.texts += texts
 
     def search(self, queries, k: int = 5) -> list[list[tuple[float, str]]]:
-        """For each query text, its k nearest added texts as (cosine, text), nearest first."""
+        """For each query text, its k nearest added texts as (cosine, text), nearest first;
+        fewer than k where an approximate index's probes held fewer (a bug hunt: its padding,
+        id -1, was shown as the last text added)."""
         scores, ids = self.index.search(self.embed(list(queries)), k)
-        return [[(float(s), self.texts[i]) for s, i in zip(srow, irow)]
+        return [[(float(s), self.texts[i]) for s, i in zip(srow, irow) if i >= 0]
                 for srow, irow in zip(scores, ids)]

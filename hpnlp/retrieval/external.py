@@ -39,6 +39,16 @@ def available(name: str) -> bool:
 # library sees it (`check_at_least`)
 
 
+def _ties_by_id(scores_QK, ids_QK):
+    """Rows re-ordered by (score desc, id asc), the order every index promises (faiss and
+    ScaNN rank tied scores by the higher id first); padding (id -1) is made last by `search`."""
+    scores_QK, ids_QK = np.asarray(scores_QK), np.asarray(ids_QK)
+    key = np.where(np.isnan(scores_QK), -np.inf, scores_QK)  # ScaNN's padding
+    order = np.lexsort((np.where(ids_QK < 0, np.iinfo(np.int64).max, ids_QK), -key), axis=-1)
+    return (np.take_along_axis(scores_QK, order, axis=-1),
+            np.take_along_axis(ids_QK, order, axis=-1))
+
+
 class _Faiss(Index):
     """A faiss index with METRIC_INNER_PRODUCT; faiss numbers vectors in add order too."""
 
@@ -58,8 +68,7 @@ class _Faiss(Index):
 
     def _search(self, q_QD, k):
         self._tune()
-        scores, ids = self.index.search(q_QD, k)
-        return scores, ids
+        return _ties_by_id(*self.index.search(q_QD, k))
 
     def _tune(self) -> None:
         pass
@@ -177,11 +186,13 @@ class ScaNN(HostIndex):
     def _search(self, q_QD, k):
         if self.searcher is None:
             self._build()
+        if not len(q_QD):  # ScaNN raises on no queries; every other index returns [0, k]
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
         o = self.options
         ids, scores = self.searcher.search_batched(q_QD, final_num_neighbors=k,
                                                    leaves_to_search=min(o["leaves_to_search"], o["leaves"]),
                                                    pre_reorder_num_neighbors=max(o["reorder"], k))
-        return scores, ids
+        return _ties_by_id(scores, ids)
 
     def _save_files(self, folder):
         """The vectors (so that a reloaded index can take more) and the built searcher

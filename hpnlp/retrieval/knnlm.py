@@ -127,8 +127,9 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     os.replace(os.path.join(folder, "values.tmp.npy"), os.path.join(folder, "values.npy"))
     header = {"format": "hpnlp.retrieval.datastore", "version": VERSION, "entries": n,
               "width": width, "model": params_digest(params), **(meta or {})}
-    with open(os.path.join(folder, DATASTORE), "w") as f:
+    with open(os.path.join(folder, DATASTORE + ".tmp"), "w") as f:  # whole, or absent
         json.dump(header, f, indent=1)
+    os.replace(os.path.join(folder, DATASTORE + ".tmp"), os.path.join(folder, DATASTORE))
     return Datastore.open(folder)
 
 
@@ -180,17 +181,32 @@ class Datastore:
             raise RetrievalError(f"{folder}: this datastore was built by another model (parameters "
                                  f"{header['model']}, from {header.get('workdir', '?')} step "
                                  f"{header.get('step', '?')}); build one for this run in a new folder")
-        keys = np.load(os.path.join(folder, "keys.npy"), mmap_mode="r")
-        values = np.load(os.path.join(folder, "values.npy"))
+        # a bug hunt: a truncated file was numpy's error, naming neither the file nor the fix
+        arrays = {}
+        for name, mmap in (("keys", "r"), ("values", None)):
+            try:
+                arrays[name] = np.load(os.path.join(folder, f"{name}.npy"), mmap_mode=mmap)
+            except (OSError, ValueError, EOFError) as e:
+                raise RetrievalError(f"{os.path.join(folder, name + '.npy')}: unreadable ({e}); "
+                                     "delete the folder and build the datastore again") from None
+        keys, values = arrays["keys"], arrays["values"]
+        if keys.shape != (header.get("entries"), header.get("width")) or \
+                values.shape != (header.get("entries"),):
+            raise RetrievalError(f"{folder}: keys.npy {keys.shape} and values.npy {values.shape} "
+                                 f"do not match {DATASTORE}'s {header.get('entries')} entries of "
+                                 f"width {header.get('width')}; delete the folder and build the "
+                                 "datastore again")
         return cls(folder, header, keys, values)
 
-    def index(self, name: str = "exact", *, metric: str = "l2", block: int = 1 << 20, **options) -> Index:
+    def index(self, name: str = "exact", *, metric: str = "l2", read_rows: int = 1 << 20,
+              **options) -> Index:
         """An index over the keys (augmented for L2, see the module docstring), filled in
-        blocks from the memory map."""
+        blocks of `read_rows` from the memory map; `options` are the index's own (a bug
+        hunt: this was `block`, and took the exact index's `block` option as its own)."""
         check_metric(metric)
         index = make(name, self.keys.shape[1] + (metric == "l2"), **options)
-        for lo in range(0, len(self.keys), block):
-            k = np.asarray(self.keys[lo:lo + block], np.float32)
+        for lo in range(0, len(self.keys), read_rows):
+            k = np.asarray(self.keys[lo:lo + read_rows], np.float32)
             index.add(augment_keys(k) if metric == "l2" else k)
         # trained and packed here, not in the first search (a README walk: ivf's k-means ran
         # inside the first eval batch, its bar at 0% for a minute and build_s 4 s of 77)
@@ -352,7 +368,8 @@ def check_datastore_folder(datastore: str, workdir: str) -> None:
     from hpnlp.paths import check_new_output
     try:
         check_new_output(datastore, workdir, "--datastore", may_replace=(
-            DATASTORE, "keys.npy", "values.npy", "keys.tmp.npy", "values.tmp.npy", "summary.json"))
+            DATASTORE, DATASTORE + ".tmp", "keys.npy", "values.npy", "keys.tmp.npy",
+            "values.tmp.npy", "summary.json"))
     except ValueError as e:
         raise RetrievalError(str(e)) from None
 
@@ -379,6 +396,12 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     if out:
         check_out(out, workdir)
     cfg, model, params, task, step = load_lm(workdir)
+    if len(task.eval) < 2:  # a bug hunt: one chunk left the test half empty, a traceback
+        # after the datastore was built
+        raise RetrievalError(f"{workdir}'s held-out split has {len(task.eval)} chunk(s) of "
+                             f"data.seq_len={cfg.data.seq_len} tokens; the kNN-LM tunes on "
+                             "alternate chunks and tests on the others, so it needs at least 2: "
+                             "a longer data.eval_path file (or a run with a shorter seq_len)")
     if cfg.data.prepared:
         raise RetrievalError(f"{workdir} trained on a prepared corpus (data.prepared="
                              f"{cfg.data.prepared}), whose text stays in its shards; the kNN-LM "
