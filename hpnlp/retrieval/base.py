@@ -107,8 +107,8 @@ class Index(abc.ABC):
     def search(self, queries, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-`k` inner products of each query: (scores [Q, K] float32, ids [Q, K] int64),
         best first; ties rank the lower id first (faiss may keep another of the ids tied
-        at the k-th place). Where an approximate index's probes hold
-        fewer than k vectors, the rest of the row is id -1 with score -inf, in every index."""
+        at the k-th place). Where an approximate index's probes hold fewer than k vectors,
+        the rest of the row is id -1 with score -inf, in every index."""
         q = self._vectors(queries, "queries")
         try:
             whole = not isinstance(k, bool) and int(k) == k

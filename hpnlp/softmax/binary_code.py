@@ -141,7 +141,7 @@ class BinaryCode(nn.Module):
                                  or not (size == 0 or 1 <= size < vocab_size)):
             raise config_error(f"{field}.softmax_size", size, f"must be an integer in [1, "
                                f"model.vocab_size={vocab_size}) for mode='hybrid', or 0 for "
-                               f"min(1024, V // 2)")
+                               "min(1024, V // 2)")
         redundancy = options.get("redundancy", cls.redundancy)
         if mode == "ecc" and (isinstance(redundancy, bool) or redundancy not in GENERATORS):
             raise config_error(f"{field}.redundancy", redundancy, f"choose one of "
