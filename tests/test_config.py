@@ -324,6 +324,40 @@ def test_cli_reports_bad_override_before_compiling(tmp_path):
     assert not (tmp_path / "w").exists()  # a refused config leaves no empty folder either
 
 
+def test_compress_fields_a_bug_hunt_found_taken_are_refused_by_name():
+    """Found by a bug hunt (session 89): a low rank above multi-head latent attention's
+    kv_down width failed at init naming no field; pruning under binary QAT computed every
+    pruned weight as -scale (binary has no zero); train.init_expert_batches without the
+    expert pruning that reads it was taken, and ignored."""
+    cases = []
+    cd = default_configdict()
+    cd.data.task, cd.model.kind, cd.model.width, cd.model.kv_latent_dim = "byte_lm", "lm", 32, 8
+    cd.model.pos_emb = "learned"
+    cd.model.lowrank.rank, cd.model.lowrank.layers = 16, "qkv"
+    cases.append((cd, "model.lowrank.rank", "the qkv product is [32, 8]"))
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    cd.quant.weights = "binary"
+    cd.train.prune.method, cd.train.prune.sparsity = "magnitude", 0.5
+    cases.append((cd, "train.prune.method", "quant.weights='ternary'"))
+    for experts in ("routed", "random"):
+        cd = default_configdict()
+        cd.data.task, cd.model.kind, cd.train.init_expert_batches = "byte_lm", "lm", 32
+        if experts == "random":
+            cd.train.init_from, cd.train.init_experts = "/nonexistent/run", "random"
+        cases.append((cd, "train.init_expert_batches", "'random' reads none"))
+    for cd, field, hint in cases:
+        with pytest.raises(ConfigError) as e:
+            validate(from_configdict(cd), num_devices=1)
+        assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+    cd.train.prune.method = "magnitude"  # binary QAT beside pruning of other products
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    cd.quant.weights, cd.quant.layers = "binary", "mlp"
+    cd.train.prune.method, cd.train.prune.sparsity, cd.train.prune.layers = "magnitude", 0.5, "qkv"
+    validate(from_configdict(cd), num_devices=1)
+
+
 def test_binary_code_mode_is_checked_before_anything_is_built():
     """Found by the crash hunt: an unknown mode failed at init, not in validate."""
     cd = default_configdict()

@@ -199,3 +199,20 @@ def test_a_pruned_run_is_served_by_the_sparse_kernel(tmp_path, capsys):
     assert main(["sparsify", "--workdir", str(tmp_path / "none"), "--out",
                  str(tmp_path / "o")]) == 1
     assert "hpnlp.compress: error:" in capsys.readouterr().err
+
+
+def test_a_quantization_aware_run_is_refused_before_anything_is_read(tmp_path, capsys):
+    """Found by a bug hunt (session 89): `sparsify` of a run trained with quant.weights
+    served it in float weights and activations, exit 0, a different model than trained."""
+    from hpnlp.compress.__main__ import main
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train.checkpoint import Checkpointer
+    cd = default_configdict()
+    cd.data.task, cd.model.kind, cd.quant.weights = "byte_lm", "lm", "binary"
+    Checkpointer(str(tmp_path / "qat"), from_configdict(cd), keep=1).close()  # config.json
+    os.makedirs(tmp_path / "qat" / "checkpoints" / "10")  # as if trained: never read
+    assert main(["sparsify", "--workdir", str(tmp_path / "qat"), "--out",
+                 str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "`quant.weights` = 'binary'" in err and "trained quantized (QAT)" in err
+    assert not os.path.exists(tmp_path / "o")

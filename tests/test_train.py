@@ -396,6 +396,35 @@ def test_resume_of_a_recurrent_run_under_another_rnn_model_is_refused(tmp_path, 
             Checkpointer(str(work), from_configdict(cd), keep=1)
 
 
+def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
+    """Found by a bug hunt (session 89): another model.moe.noisy (a router `noise`
+    parameter) or train.prune.layers (the masks' tree) failed in the restore as a layout "of
+    another version", whose advice cannot help. Refused from the configs alone, and only
+    where the field shapes the state (MoE on, pruning on)."""
+    from hpnlp.train.checkpoint import Checkpointer
+
+    def moe(cd, on):
+        cd.model.moe.num_experts = 4 if on else 0
+
+    def prune(cd, on):
+        cd.train.prune.method = "magnitude" if on else "none"
+    for setup, group, field, value in ((moe, "moe", "noisy", True),
+                                       (prune, "prune", "layers", "mlp")):
+        for on in (True, False):
+            cd = tiny()
+            setup(cd, on)
+            work = tmp_path / f"{field}{on}"
+            Checkpointer(str(work), from_configdict(cd), keep=1)  # writes config.json
+            os.makedirs(work / "checkpoints" / "10")
+            setattr(cd.model.moe if group == "moe" else cd.train.prune, field, value)
+            if on:
+                with pytest.raises(CheckpointMismatch, match=rf"different model \(.*{group}."
+                                   rf"{field}: saved .*, now {value!r}\)"):
+                    Checkpointer(str(work), from_configdict(cd), keep=1)
+            else:
+                Checkpointer(str(work), from_configdict(cd), keep=1)
+
+
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     def one_step(accum):
         cd = tiny(grad_accum=accum)

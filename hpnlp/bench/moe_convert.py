@@ -219,7 +219,9 @@ def _prune_conversions(s: dict, workdir: str, src: str) -> list[tuple]:
     conversions = []
     for how in ("routed", "merged", "random"):
         cd = _config(s, kept, 1, s["tune_steps"], init_from=os.path.join(workdir, src))
-        cd.train.update(init_experts=how, init_expert_batches=s["calib_batches"])
+        cd.train.update(init_experts=how)
+        if how != "random":  # a uniform draw reads no batches (the config refuses the field)
+            cd.train.update(init_expert_batches=s["calib_batches"])
         conversions.append((f"kept {kept} of {X}: {how}", cd, f"{src}_to_{kept}_{how}"))
     return conversions
 

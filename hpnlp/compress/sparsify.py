@@ -170,6 +170,14 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     if not 0.0 <= min_sparsity < 1.0:  # before anything is restored or compiled
         raise config_error("min_sparsity", min_sparsity, "must be in [0, 1)")
     cfg = load_run_config(workdir)
+    q = cfg.model.quant
+    if q.enabled:  # a bug hunt: a QAT run's sparse model computed in float, its loss reported
+        field = "quant.weights" if q.weights != "none" else "quant.activations"
+        raise config_error(field, getattr(q, field.split(".")[1]), f"the run in {workdir} "
+                           "trained quantized (QAT), and the sparse products multiply float "
+                           "weights and activations, so the sparse model would not be the one "
+                           "trained; sparsify a run trained without quant.*, or serve this one "
+                           "with python -m hpnlp.compress quantize")
     if cfg.model.memory.size:
         raise config_error("model.memory.size", cfg.model.memory.size,
                            f"the run in {workdir} reads a key-value memory that lives in its train "

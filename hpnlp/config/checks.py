@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from hpnlp.config.compress_checks import _check_compress, _check_lowrank, _check_quant
 from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_PREDICTIONS,
                                  MESH_AXES, MOE_ROUTERS, REMAT_NAMES, Config, ConfigError,
-                                 ModelConfig, MoEConfig, OutputConfig, _check_choice,
+                                 ModelConfig, MoEConfig, OutputConfig, TrainConfig, _check_choice,
                                  _check_positive, _fail)
 
 
@@ -477,6 +477,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if t.init_experts != "routed" and not t.init_from:
         _fail("train.init_experts", t.init_experts, "chooses the experts a run keeps of the run "
               "train.init_from names; set train.init_from, or leave it 'routed'")
+    default_batches = TrainConfig.init_expert_batches
+    if t.init_expert_batches != default_batches and (  # a bug hunt: taken, and read by nothing
+            not t.init_from or t.init_experts == "random"):
+        _fail("train.init_expert_batches", t.init_expert_batches, "are the batches routed to "
+              "choose the experts kept of the run train.init_from names (train.init_experts="
+              "'routed' or 'merged'); 'random' reads none. Set those, or leave it "
+              f"{default_batches}")
     if (not isinstance(t.init_kv_calibration, int) or isinstance(t.init_kv_calibration, bool)
             or t.init_kv_calibration < 0):
         _fail("train.init_kv_calibration", t.init_kv_calibration, "must be an integer >= 0 "

@@ -83,6 +83,9 @@ def _check_lowrank(cfg: Config) -> None:
     # grouped key/value heads: q [E, H*D] and kv [E, 2*G*D] are two qkv products
     qkv = 3 * hd if m.kv_heads() == m.num_heads else min(hd, 2 * m.kv_heads() * m.dims_per_head())
     shapes = [("qkv", (m.width, qkv)), ("out", (hd, m.width))]
+    if m.kv_latent_dim:  # latent attention (a bug hunt: a rank past C + R failed at init,
+        # naming no field): q [E, H*D] and kv_down [E, C + R] are its qkv products
+        shapes[0] = ("qkv", (m.width, min(hd, m.kv_latent_dim + m.latent_rope_dims())))
     if not all(m.moe.applies(i) for i in range(m.depth)):  # a dense block's MLP
         shapes.append(("mlp", (m.width, m.mlp_dim)))
     if m.moe.enabled():  # each expert's own products (the shared experts' are wider)
@@ -239,6 +242,16 @@ def _check_compress(cfg: Config) -> None:
               f"sparsity within train.steps={cfg.train.steps}; choose end_step <= train.steps "
               "(0: the run's end)")
     _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
+    q = m.quant
+    kinds = (("input", "recurrent", "output", "head") if m.arch in ("lstm", "gru")
+             else ("qkv", "out", "mlp", "output", "head"))  # the products this model has
+    both = [k for k in kinds if q.applies(k) and layers_name(p.layers, k)]
+    if q.weights == "binary" and both:  # a bug hunt: taken, and every pruned weight computed
+        # as -scale (binary codes have no zero), the run reporting its sparsity
+        _fail("train.prune.method", p.method, f"pruned weights must compute as zero, and "
+              f"quant.weights='binary' codes are +-1 (no zero) in {both}; use "
+              "quant.weights='ternary' (which has zero), or leave those products out of "
+              "train.prune.layers or quant.layers")
     if p.structure == "structured":
         if m.arch in ("lstm", "gru"):  # hidden units: model.width channels (compress.prune)
             if cfg.rnn.layer_norm:

@@ -100,9 +100,12 @@ _SHAPE_FIELDS = {
 # in review: another expert count failed in the restore as a "damaged" checkpoint).
 _CONFIG_SHAPE_FIELDS = (("model", "arch"), ("model", "stack_layers"), ("model", "reversible"),
                         ("model", "moe", "num_experts"), ("model", "memory", "size"))
+# (A bug hunt: another model.moe.noisy, which adds a router `noise` parameter, and another
+# train.prune.layers, which sets the masks' tree, failed as a layout "of another version".)
 _CONFIG_SHAPE_WHEN = {("model", "moe", "num_experts"): (("model", "moe", "mlp_dim"),
                                                         ("model", "moe", "every"),
-                                                        ("model", "moe", "shared_experts")),
+                                                        ("model", "moe", "shared_experts"),
+                                                        ("model", "moe", "noisy")),
                       ("model", "memory", "size"): (("model", "memory", "key_dim"),)}
 # A recurrent trunk's (model.arch lstm or gru, saved or now): its layer norm and learned
 # initial state are parameters; its combine and direction, another function of the same
@@ -133,7 +136,10 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
 
     diff = {}
     recurrent = {get(saved, ("model", "arch")), get(now, ("model", "arch"))} & {"lstm", "gru"}
-    for path in _CONFIG_SHAPE_FIELDS + (_RNN_FIELDS if recurrent else ()):
+    method = ("train", "prune", "method")
+    pruned = {get(saved, method), get(now, method)} - {None, "none"}
+    for path in (_CONFIG_SHAPE_FIELDS + (_RNN_FIELDS if recurrent else ())
+                 + ((("train", "prune", "layers"),) if pruned else ())):
         fields = [path]
         if get(saved, path) or get(now, path):
             fields += _CONFIG_SHAPE_WHEN.get(path, ())
