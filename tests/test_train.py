@@ -425,6 +425,42 @@ def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
                 Checkpointer(str(work), from_configdict(cd), keep=1)
 
 
+def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folder(tmp_path):
+    """Found by a bug hunt (session 89): a run fine-tuned from another (train.init_from) or
+    distilled from a teacher could be neither resumed nor read (quantize, sparsify, shrink)
+    once that folder was moved or deleted, though its checkpoints hold all it needs: the
+    error said to train a run there. The teacher's config is kept in the student's workdir.
+    (The configs and a checkpoint folder alone: nothing here compiles or restores.)"""
+    import shutil
+
+    from hpnlp.compress import distill
+    from hpnlp.config import validate
+    from hpnlp.train.checkpoint import Checkpointer, NoCheckpoint
+    source = tmp_path / "source"
+    Checkpointer(str(source), validate(from_configdict(tiny())), keep=1).close()  # config.json
+    os.makedirs(source / "checkpoints" / "1")
+    for field in ("init_from", "teacher"):
+        cd = tiny()
+        if field == "init_from":
+            cd.train.init_from = str(source)
+        else:
+            cd.train.distill.teacher = str(source)
+        work = tmp_path / field
+        Checkpointer(str(work), validate(from_configdict(cd)), keep=1).close()
+        if field == "teacher":  # what a training run's Trainer writes
+            distill.keep_teacher_config(from_configdict(cd), str(work))
+            assert (work / distill.TEACHER_CONFIG).read_bytes() == \
+                (source / "config.json").read_bytes()
+        shutil.move(source, tmp_path / "moved")
+        with pytest.raises(NoCheckpoint, match="no config.json"):  # a run not yet saved
+            Trainer(from_configdict(cd), str(work), read_only=True)
+        os.makedirs(work / "checkpoints" / "3")
+        tr = Trainer(from_configdict(cd), str(work), read_only=True)
+        if field == "teacher":
+            assert tr.carries[0].teacher_cfg.model.width == 32
+        shutil.move(tmp_path / "moved", source)
+
+
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     def one_step(accum):
         cd = tiny(grad_accum=accum)

@@ -78,6 +78,7 @@ Beside the soft targets (Transformer students of the teacher's width):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import jax
@@ -301,19 +302,52 @@ def hidden_loss(student_blocks, teacher_blocks, token_weight, proj=None):
     return total / len(pairs)
 
 
+TEACHER_CONFIG = "teacher_config.json"  # in a student's workdir: its teacher's config.json
+
+
+def keep_teacher_config(cfg: Config, workdir: str) -> None:
+    """Copy the teacher's config.json into the student's `workdir` (TEACHER_CONFIG), where
+    it differs, whole or not at all: with the teacher's parameters in the student's
+    checkpoints, the run needs nothing more of the teacher's folder."""
+    import shutil
+    src = os.path.join(cfg.train.distill.teacher, "config.json")
+    dst = os.path.join(workdir, TEACHER_CONFIG)
+    if not os.path.isfile(src):
+        return
+    with open(src, "rb") as f:
+        data = f.read()
+    if os.path.isfile(dst):
+        with open(dst, "rb") as f:
+            if f.read() == data:
+                return
+    os.makedirs(workdir, exist_ok=True)
+    shutil.copyfile(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
+
+
 class TeacherCarry(Carry):
     """The `teacher` entry of the train state: the teacher's parameters (module doc)."""
 
     name = "teacher"
 
-    def __init__(self, cfg: Config, *, token_counts=None):
+    def __init__(self, cfg: Config, *, token_counts=None, workdir: str | None = None):
+        """`workdir`: the student's, whose checkpoints hold the teacher's parameters and
+        whose TEACHER_CONFIG copy its config (`keep_teacher_config`): a run that has saved
+        a checkpoint resumes, and is read (quantize, sparsify, shrink), with the teacher's
+        folder moved or deleted (a bug hunt: each failed, saying to train a teacher there)."""
         from hpnlp import models
-        from hpnlp.train.checkpoint import load_run_config, run_members
+        from hpnlp.train.checkpoint import (config_file, has_checkpoint, load_run_config,
+                                            run_members)
 
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
-        self.teacher_cfg = tcfg = validate(load_run_config(self.workdir,
-                                                           field="train.distill.teacher"))
+        copy = os.path.join(workdir, TEACHER_CONFIG) if workdir else ""
+        if (copy and os.path.isfile(copy) and has_checkpoint(workdir)
+                and not os.path.isfile(os.path.join(self.workdir, "config.json"))):
+            tcfg = config_file(copy)
+        else:
+            tcfg = load_run_config(self.workdir, field="train.distill.teacher")
+        self.teacher_cfg = tcfg = validate(tcfg)
         for field, mine, theirs in (("data.task", cfg.data.task, tcfg.data.task),
                                     ("model.kind", cfg.model.kind, tcfg.model.kind),
                                     ("model.vocab_size", cfg.model.vocab_size, tcfg.model.vocab_size),

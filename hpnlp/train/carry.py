@@ -102,8 +102,9 @@ class Carry:
         return None
 
 
-def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:
-    """The carries `cfg` asks for, in the order their losses wrap the model's."""
+def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None) -> list[Carry]:
+    """The carries `cfg` asks for, in the order their losses wrap the model's; `workdir`:
+    the run's (where a carry keeps what it needs of another run's folder)."""
     from hpnlp.models import transformer_xl as xl
 
     out: list[Carry] = []
@@ -114,7 +115,7 @@ def for_config(cfg: Config, *, token_counts=None) -> list[Carry]:
         out.append(KVMemoryCarry(cfg))
     if cfg.train.distill.teacher:
         from hpnlp.compress.distill import TeacherCarry
-        out.append(TeacherCarry(cfg, token_counts=token_counts))
+        out.append(TeacherCarry(cfg, token_counts=token_counts, workdir=workdir))
     if cfg.model.kind == "bi_encoder" and cfg.model.encoder.mine_every:
         from hpnlp.retrieval.mining import NegativesCarry
         out.append(NegativesCarry(cfg))

@@ -53,6 +53,17 @@ def run_members(workdir: str) -> int:
     return int(_read_config_json(path).get("shape_signature", {}).get("ensemble.members", 1))
 
 
+def has_checkpoint(workdir: str) -> bool:
+    """Whether `workdir` holds a saved checkpoint (a numbered folder in its checkpoints/)."""
+    ckpt = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+
+
+def config_file(path: str) -> Config:
+    """The run config a config.json file at `path` holds (a run's, or a copy of one)."""
+    return from_configdict(_read_config_json(path)["config"])
+
+
 def load_run_config(workdir: str, *, require_checkpoint: bool = True,
                     field: str | None = None) -> Config:
     """The config a run in `workdir` was trained with (its config.json); NoCheckpoint where
@@ -70,8 +81,7 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
                            "text); retrain the run, or resume it for a few more train.steps "
                            "(config.json is rewritten with its next checkpoint)")
     ckpt = os.path.join(workdir, "checkpoints")
-    saved_any = os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
-    if require_checkpoint and not saved_any:
+    if require_checkpoint and not has_checkpoint(workdir):
         raise NoCheckpoint(f"{named}workdir {workdir} has no checkpoint in {ckpt}: train (or "
                            "resume) the run until it saves one, then use it")
     return from_configdict(saved)

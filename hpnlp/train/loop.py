@@ -29,8 +29,8 @@ from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
 from hpnlp.train import carry as carry_lib
-from hpnlp.train.checkpoint import (Checkpointer, check_params_match, load_run_config,
-                                    restore_params)
+from hpnlp.train.checkpoint import (Checkpointer, check_params_match, has_checkpoint,
+                                    load_run_config, restore_params)
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import init_params, init_state, make_optimizer
 from hpnlp.train.stop import StopSignals
@@ -173,7 +173,7 @@ class Trainer:
         self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
         scale = cfg.train.loss_scale_init if cfg.model.dtype == "float16" else None
         # What methods carry between steps (XL memory, a teacher, pruning masks): train/carry.py.
-        self.carries = carry_lib.for_config(cfg, token_counts=counts)
+        self.carries = carry_lib.for_config(cfg, token_counts=counts, workdir=workdir)
         batch1 = dummy_batch(self.task.kind, 1, cfg.data.seq_len)
         # The parameters as the model initializes them (before any factorization): what a
         # run named by train.init_from holds (traced only for such a run), refused here,
@@ -183,7 +183,12 @@ class Trainer:
         # train.init_from's key/value heads (pooled into fewer or into a latent) or experts
         # (fewer, or a dense MLP upcycled), converted here: compress.gqa.conversion, or None
         self._convert = None
-        if cfg.train.init_from:
+        # A run that has saved a checkpoint holds its parameters: it resumes, and is read,
+        # with train.init_from's folder moved or deleted (a bug hunt: each failed, saying to
+        # train a run there). lowrank.energy, which reads that run, still needs it.
+        source_gone = (cfg.train.init_from and has_checkpoint(workdir) and not os.path.isfile(
+            os.path.join(cfg.train.init_from, "config.json")))
+        if cfg.train.init_from and not source_gone:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
@@ -258,6 +263,9 @@ class Trainer:
         self.model, self.tx = model, tx
         self.checkpointer = Checkpointer(workdir, cfg, keep=cfg.train.keep_checkpoints,
                                          members=getattr(self, "members", 1), read_only=read_only)
+        if cfg.train.distill.teacher and not read_only:  # what a resume needs of the teacher
+            from hpnlp.compress.distill import keep_teacher_config
+            keep_teacher_config(cfg, workdir)
 
     def _context(self):
         import contextlib
