@@ -321,8 +321,9 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
             if f.read() == data:
                 return
     os.makedirs(workdir, exist_ok=True)
-    shutil.copyfile(src, dst + ".tmp")
-    os.replace(dst + ".tmp", dst)
+    tmp = f"{dst}.{os.getpid()}.tmp"  # each process of a multi-process run its own
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 class TeacherCarry(Carry):
