@@ -1853,6 +1853,7 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
         if "moe" not in k:
             np.testing.assert_array_equal(v, flat_src[k])
     cd.train.init_experts = "random"  # the control: a subset per layer, every leaf alike
+    cd.train.init_expert_batches = 8  # 'random' routes no batches (the config refuses others)
     state, _ = Trainer(from_configdict(cd), str(tmp_path / "random")).initial_state()
     for block in used:
         layer, layer_src = (p["trunk"][f"block_{block}"]["moe"] for p in (state.params, src))
@@ -1863,6 +1864,7 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
         np.testing.assert_array_equal(layer["shared_in"]["kernel"],
                                       layer_src["shared_in"]["kernel"])
     cd.train.init_experts = "merged"  # each group merged as plan_layer plans it from the routes
+    cd.train.init_expert_batches = 2
     state, _ = Trainer(from_configdict(cd), str(tmp_path / "merged")).initial_state()
     gram = {}
     for batch in tr._first_train_batches(2):
