@@ -373,6 +373,21 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10"]
 
 
+def _resume_refused(work, cd, change, refused, match):
+    """Writes work's config.json and a checkpoint folder for `cd` (no compile, no restore),
+    applies `change` to `cd`, and checks that a resume under it is refused matching `match`
+    (or, where the changed field does not shape the state, accepted)."""
+    from hpnlp.train.checkpoint import Checkpointer
+    Checkpointer(str(work), from_configdict(cd), keep=1)  # writes config.json
+    os.makedirs(work / "checkpoints" / "10")  # a checkpoint to resume
+    change(cd)
+    if refused:
+        with pytest.raises(CheckpointMismatch, match=match):
+            Checkpointer(str(work), from_configdict(cd), keep=1)
+    else:
+        Checkpointer(str(work), from_configdict(cd), keep=1)
+
+
 @pytest.mark.parametrize("field, value", [("layer_norm", True), ("learned_init", True),
                                           ("combine", "sum"), ("bidirectional", True)])
 def test_resume_of_a_recurrent_run_under_another_rnn_model_is_refused(tmp_path, field, value):
@@ -380,20 +395,12 @@ def test_resume_of_a_recurrent_run_under_another_rnn_model_is_refused(tmp_path, 
     in the restore as a layout "of another version", and another rnn.combine resumed and
     trained on as another function. The check reads the configs alone (no restore); a
     Transformer run ignores the rnn fields."""
-    from hpnlp.train.checkpoint import Checkpointer
     for arch, refused in (("lstm", True), ("transformer", False)):
         cd = tiny()
         cd.model.arch = arch
-        work = tmp_path / arch
-        Checkpointer(str(work), from_configdict(cd), keep=1)  # writes config.json
-        os.makedirs(work / "checkpoints" / "10")  # a checkpoint to resume
-        setattr(cd.rnn, field, value)
-        if refused:
-            with pytest.raises(CheckpointMismatch, match=rf"holds checkpoints of a different "
-                               rf"model \(rnn.{field}: saved .*, now {value!r}\)"):
-                Checkpointer(str(work), from_configdict(cd), keep=1)
-        else:
-            Checkpointer(str(work), from_configdict(cd), keep=1)
+        _resume_refused(tmp_path / arch, cd, lambda cd: setattr(cd.rnn, field, value), refused,
+                        rf"holds checkpoints of a different model \(rnn.{field}: saved .*, "
+                        rf"now {value!r}\)")
 
 
 def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
@@ -401,8 +408,6 @@ def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
     parameter) or train.prune.layers (the masks' tree) failed in the restore as a layout "of
     another version", whose advice cannot help. Refused from the configs alone, and only
     where the field shapes the state (MoE on, pruning on)."""
-    from hpnlp.train.checkpoint import Checkpointer
-
     def moe(cd, on):
         cd.model.moe.num_experts = 4 if on else 0
 
@@ -413,16 +418,11 @@ def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
         for on in (True, False):
             cd = tiny()
             setup(cd, on)
-            work = tmp_path / f"{field}{on}"
-            Checkpointer(str(work), from_configdict(cd), keep=1)  # writes config.json
-            os.makedirs(work / "checkpoints" / "10")
-            setattr(cd.model.moe if group == "moe" else cd.train.prune, field, value)
-            if on:
-                with pytest.raises(CheckpointMismatch, match=rf"different model \(.*{group}."
-                                   rf"{field}: saved .*, now {value!r}\)"):
-                    Checkpointer(str(work), from_configdict(cd), keep=1)
-            else:
-                Checkpointer(str(work), from_configdict(cd), keep=1)
+            _resume_refused(
+                tmp_path / f"{field}{on}", cd,
+                lambda cd: setattr(cd.model.moe if group == "moe" else cd.train.prune, field,
+                                   value),
+                on, rf"different model \(.*{group}.{field}: saved .*, now {value!r}\)")
 
 
 def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folder(tmp_path):
