@@ -430,6 +430,8 @@ def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folde
     distilled from a teacher could be neither resumed nor read (quantize, sparsify, shrink)
     once that folder was moved or deleted, though its checkpoints hold all it needs: the
     error said to train a run there. The teacher's config is kept in the student's workdir.
+    A run factorized at the ranks model.lowrank.energy chose from its init_from run resumes
+    at the ranks its config.json holds (it read that run again; session 90).
     (The configs and a checkpoint folder alone: nothing here compiles or restores.)"""
     import shutil
 
@@ -439,14 +441,19 @@ def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folde
     source = tmp_path / "source"
     Checkpointer(str(source), validate(from_configdict(tiny())), keep=1).close()  # config.json
     os.makedirs(source / "checkpoints" / "1")
-    for field in ("init_from", "teacher"):
+    ranks = {"trunk/block_0/mlp_in/kernel": 12, "trunk/block_0/mlp_out/kernel": 10}
+    for field in ("init_from", "teacher", "energy"):
         cd = tiny()
-        if field == "init_from":
-            cd.train.init_from = str(source)
-        else:
+        if field == "teacher":
             cd.train.distill.teacher = str(source)
+        else:
+            cd.train.init_from = str(source)
+        if field == "energy":  # as the run's start resolved them
+            cd.model.lowrank.update(energy=0.9, layers="mlp", ranks=ranks)
         work = tmp_path / field
         Checkpointer(str(work), validate(from_configdict(cd)), keep=1).close()
+        if field == "energy":  # what the command line gives on a resume
+            cd.model.lowrank.ranks = {}
         if field == "teacher":  # what a training run's Trainer writes
             distill.keep_teacher_config(from_configdict(cd), str(work))
             assert (work / distill.TEACHER_CONFIG).read_bytes() == \
@@ -458,6 +465,8 @@ def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folde
         tr = Trainer(from_configdict(cd), str(work), read_only=True)
         if field == "teacher":
             assert tr.carries[0].teacher_cfg.model.width == 32
+        if field == "energy":
+            assert dict(tr.cfg.model.lowrank.ranks) == ranks
         shutil.move(tmp_path / "moved", source)
 
 

@@ -9,6 +9,7 @@ same workdir resumes from the newest one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -185,7 +186,7 @@ class Trainer:
         self._convert = None
         # A run that has saved a checkpoint holds its parameters: it resumes, and is read,
         # with train.init_from's folder moved or deleted (a bug hunt: each failed, saying to
-        # train a run there). lowrank.energy, which reads that run, still needs it.
+        # train a run there), and so does one whose ranks lowrank.energy chose (below).
         source_gone = (cfg.train.init_from and has_checkpoint(workdir) and not os.path.isfile(
             os.path.join(cfg.train.init_from, "config.json")))
         if cfg.train.init_from and not source_gone:
@@ -215,7 +216,14 @@ class Trainer:
         transform = None
         if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
             from hpnlp.compress import lowrank
-            if cfg.model.lowrank.energy and not cfg.model.lowrank.ranks:  # ranks from the run
+            saved = (load_run_config(workdir).model.lowrank.ranks
+                     if cfg.model.lowrank.energy and has_checkpoint(workdir) else None)
+            if saved:  # a resume: the ranks its start chose, which its config.json holds
+                # (a bug hunt: it read train.init_from's run again, and failed where that
+                # had moved; a different energy is refused by the checkpoint's config check)
+                self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+                    cfg.model, lowrank=dataclasses.replace(cfg.model.lowrank, ranks=saved)))
+            elif cfg.model.lowrank.energy and not cfg.model.lowrank.ranks:  # from the run
                 self._restored = restore_params(cfg.train.init_from, self.model_params)
                 self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, self._restored)
             transform = lowrank.init_transform(cfg, model, batch1)
