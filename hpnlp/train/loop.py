@@ -216,8 +216,9 @@ class Trainer:
         transform = None
         if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
             from hpnlp.compress import lowrank
+            lr = cfg.model.lowrank
             saved = (load_run_config(workdir).model.lowrank.ranks
-                     if cfg.model.lowrank.energy and has_checkpoint(workdir) else None)
+                     if lr.energy and not lr.ranks and has_checkpoint(workdir) else None)
             if saved:  # a resume: the ranks its start chose, which its config.json holds
                 # (a bug hunt: it read train.init_from's run again, and failed where that
                 # had moved; a different energy is refused by the checkpoint's config check)
