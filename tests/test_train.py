@@ -425,6 +425,33 @@ def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
                 on, rf"different model \(.*{group}.{field}: saved .*, now {value!r}\)")
 
 
+def test_resume_under_another_seed_into_float16_or_another_compressive_memory_is_refused(
+        tmp_path):
+    """Found by a bug hunt (session 90): another seed resumed with the checkpoint's key (and
+    config.json recorded the new one); a float16 resume of a float32 run restored no loss
+    scale and trained unscaled from then on; Transformer-XL under another compressive memory
+    (on or off, its compressor) or off its stream failed as a layout "of another version".
+    Out of float16, or between float32 and bfloat16, a resume goes on."""
+    def xl(cd):
+        cd.model.update(arch="transformer_xl", mem_len=32, comp_mem_len=8)
+        cd.data.batching = "stream"
+    for i, (setup, field, value, refused) in enumerate((
+            (None, "seed", 5, True), (None, "model.dtype", "float16", True),
+            (None, "model.dtype", "bfloat16", False),
+            (lambda cd: cd.model.update(dtype="float16"), "model.dtype", "float32", False),
+            (xl, "model.comp_fn", "pool", True), (xl, "model.comp_mem_len", 0, True),
+            (xl, "data.batching", "pack", True), (xl, "model.comp_mem_len", 16, True))):
+        cd = tiny()
+        if setup:
+            setup(cd)
+        *group, name = field.split(".")
+
+        def change(cd):
+            setattr(getattr(cd, group[0]) if group else cd, name, value)
+        _resume_refused(tmp_path / str(i), cd, change, refused,
+                        rf"different model \({field}: saved .*, now {value!r}\)")
+
+
 def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folder(tmp_path):
     """Found by a bug hunt (session 89): a run fine-tuned from another (train.init_from) or
     distilled from a teacher could be neither resumed nor read (quantize, sparsify, shrink)
