@@ -170,6 +170,12 @@ def test_task_fields_are_filled_in():
     ({"train": {"batch_size": 6, "grad_accum": 4}}, "train.batch_size", "multiple of"),
     ({"train": {"batch_size": 0}}, "train.batch_size", "> 0"),
     ({"train": {"end_lr_frac": -1.0}}, "train.end_lr_frac", "[0, 1]"),
+    # a bug hunt (session 90): inf ran to the end, every step skipped; 1e-30 underflowed
+    ({"train": {"loss_scale_init": float("inf")}}, "train.loss_scale_init", "finite number"),
+    ({"train": {"loss_scale_init": 1e-30}}, "train.loss_scale_init", ">= 1"),
+    ({"train": {"lr": float("inf")}}, "train.lr", "finite number > 0"),
+    ({"train": {"loss_scale_period": 7}}, "train.loss_scale_period", "model.dtype='float32'"),
+    ({"train": {"schedule": "constant", "end_lr_frac": 0.5}}, "train.end_lr_frac", "not decay"),
     ({"train": {"b2": 1.0}}, "train.b2", "[0, 1)"),
     ({"train": {"warmup_steps": 5000, "steps": 10}}, "train.warmup_steps", "< train.steps"),
     ({"mesh": {"data": 3}}, "mesh", "the axis sizes multiply to 3, not the device count 1"),

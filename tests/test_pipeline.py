@@ -275,12 +275,19 @@ def test_pipeline_config_errors():
     validate(from_configdict(cd), num_devices=8)
     cd.mesh.pipeline_microbatches = 8
     _check(cd, "mesh.pipeline_microbatches", r"= 4; choose a divisor of 4")
+    cd = tiny()  # a bug hunt (session 90): taken and ignored
+    cd.mesh.update(pipeline=1, pipeline_microbatches=2)
+    _check(cd, "mesh.pipeline_microbatches", r"mesh.pipeline is 1", num_devices=1)
     cd = tiny(depth=3)  # depth % pipeline: the `layers` rule's divisibility check
     cd.mesh.update(pipeline=2, data=4)
     _check(cd, "mesh.rules.layers", r"model.depth=3 over mesh.pipeline=2")
     cd = tiny()
     cd.mesh.update(pipeline=2, data=4, rules={"layers": None})
     _check(cd, "mesh.rules.layers", r"must be 'pipeline'")
+    for rule, axes in (("activation_embed", "pipeline"), ("mlp", "pipeline")):
+        cd = tiny()  # a bug hunt (session 90): JAX's error at the first step's trace
+        cd.mesh.update(pipeline=2, data=4, rules={rule: axes})
+        _check(cd, f"mesh.rules.{rule}", r"only mesh.rules.layers may name 'pipeline'")
     cd = tiny()
     cd.attention.name = "ring"
     cd.mesh.update(pipeline=2, sequence=2, data=2)

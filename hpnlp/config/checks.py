@@ -559,6 +559,19 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                  "clip_norm", "weight_decay", "early_stopping_patience", "feature_redraw_every"):
         _check_positive(f"train.{name}", getattr(t, name), allow_zero=True)
     _check_positive("train.lr", t.lr)
+    if t.loss_scale_init < 1:  # a bug hunt: 1e-30 underflowed every float16 gradient to 0
+        _fail("train.loss_scale_init", t.loss_scale_init, "must be >= 1, the dynamic loss "
+              "scale's floor (float16 gradients scaled below 1 underflow)")
+    # Found by a bug hunt (session 90): each taken and ignored.
+    if m.dtype != "float16":
+        for name in ("loss_scale_init", "loss_scale_period"):
+            if getattr(t, name) != getattr(TrainConfig, name):
+                _fail(f"train.{name}", getattr(t, name), "sets float16's dynamic loss scaling, "
+                      f"which model.dtype={m.dtype!r} does not use; drop it, or set "
+                      "model.dtype='float16'")
+    if t.schedule == "constant" and t.end_lr_frac != TrainConfig.end_lr_frac:
+        _fail("train.end_lr_frac", t.end_lr_frac, "is where a decay ends, and "
+              "train.schedule='constant' does not decay; drop it, or choose 'cosine' or 'linear'")
     _check_choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
     # found in review: these took any number (end_lr_frac -1 ascended the loss after its middle)
     if not 0 <= t.end_lr_frac <= 1:
@@ -759,6 +772,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     stages, micro = sizes["pipeline"], mesh.pipeline_microbatches
     if not isinstance(micro, int) or micro < 0:
         _fail("mesh.pipeline_microbatches", micro, "must be an integer >= 0 (0: = mesh.pipeline)")
+    if micro and stages == 1:  # a bug hunt (session 90): taken and ignored
+        _fail("mesh.pipeline_microbatches", micro, "only pipeline stages split a batch into "
+              "microbatches, and mesh.pipeline is 1; set mesh.pipeline > 1, or leave this at 0 "
+              "(train.grad_accum splits a step's batch without stages)")
     if stages > 1:
         if m.arch != "transformer":
             _fail("mesh.pipeline", stages, f"pipeline stages are Transformer blocks; model.arch="
@@ -772,6 +789,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if mesh.mesh_axes_of("layers") != ("pipeline",):
             _fail("mesh.rules.layers", mesh.rules.get("layers"),
                   "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")
+        for logical in sorted(mesh.rules):  # a bug hunt (session 90): JAX's error at the
+            # first step's trace, the workdir written ("can only refer to Auto axes")
+            if logical != "layers" and "pipeline" in mesh.mesh_axes_of(logical):
+                _fail(f"mesh.rules.{logical}", mesh.rules[logical],
+                      "only mesh.rules.layers may name 'pipeline' when mesh.pipeline > 1 (inside "
+                      "a stage that axis is the stage's own); drop 'pipeline' from this rule")
         n_micro = micro or stages
         for field, rows in (("train.batch_size / train.grad_accum", t.batch_size // t.grad_accum),
                             ("data.eval_batch_size (or train.batch_size)", eval_bs)):

@@ -44,9 +44,12 @@ def _check_choice(field: str, value: Any, choices) -> None:
 
 
 def _check_positive(field: str, value: Any, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and (value >= 0 if allow_zero else value > 0)
+    # finite: a bug hunt (session 90) ran train.loss_scale_init=inf to the end, every step
+    # skipped, and train.lr=inf stopped only at its first step, the workdir written
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (
+        value >= 0 if allow_zero else value > 0)
     if not ok:
-        _fail(field, value, "must be a number " + (">= 0" if allow_zero else "> 0"))
+        _fail(field, value, "must be a finite number " + (">= 0" if allow_zero else "> 0"))
 
 
 
