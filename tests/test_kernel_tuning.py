@@ -523,8 +523,55 @@ def test_the_command_lists_every_pass(monkeypatch, capsys):
 
 
 
+def test_the_command_names_a_kernel_that_cannot_run_and_refuses_a_retune_with_tuning_off(
+        monkeypatch, capsys):
+    """A bug hunt (session 90): a kernel that cannot run (no compiler, a damaged library)
+    was listed "(default)" as if tuning were off, its reason hidden; and with
+    HPNLP_KERNEL_TUNE=0, --retune deleted every saved search and measured nothing."""
+    class Broken:  # the kernel's side the command reads
+        what = "broken_cpu"
+
+        def available(self):
+            return False
+
+        def unavailable_reason(self):
+            return "cannot run the C++ compiler"
+    t = tuning.REGISTRY[0]
+    fresh = tuning.Tuning(Broken(), t.name, default=t.default, candidates=t.candidates,
+                          probe=t.probe, shape=t.shape)
+    monkeypatch.setattr(tuning, "REGISTRY", [fresh])
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", "1")
+    assert tuning.main([]) == 0
+    assert (f"broken_cpu/{t.name}: {t.default} (default: the kernel cannot run here: cannot "
+            "run the C++ compiler)") in capsys.readouterr().out
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
+    with pytest.raises(SystemExit):
+        tuning.main(["--retune"])
+    assert "--retune measures the block sizes, which HPNLP_KERNEL_TUNE=0 turns off" in \
+        capsys.readouterr().err
+
+
 def test_the_command_refuses_a_negative_repeat(capsys):
     """A README walk: `--repeat -1` ran as 0."""
     with pytest.raises(SystemExit):
         tuning.main(["--repeat", "-1"])
     assert "--repeat must be >= 0 (extra searches per pass); got -1" in capsys.readouterr().err
+
+
+def test_a_library_cut_short_in_the_cache_is_rebuilt_not_loaded(tmp_path):
+    """A bug hunt (session 90): a kernel library cut to half its size in the cache (a copy
+    that ran out of space) killed the process in the loader with a bus error, no message.
+    `load` now rebuilds one whose ELF section table ends past the file; a file that is not
+    a library at all is still the loader's to name. (A shared object of Python's own stands
+    for a built kernel: nothing compiles here.)"""
+    import _ctypes
+    import shutil
+    lib = tmp_path / "lib.so"
+    shutil.copy(_ctypes.__file__, lib)
+    assert kernels._whole_library(str(lib))
+    with open(lib, "r+b") as f:
+        f.truncate(os.path.getsize(lib) // 2)
+    assert not kernels._whole_library(str(lib))
+    assert not kernels._whole_library(str(tmp_path / "missing.so"))  # built on first use
+    lib.write_bytes(b"not a library")
+    assert kernels._whole_library(str(lib))  # the loader's "invalid ELF header", as before

@@ -30,6 +30,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -130,6 +131,25 @@ def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None
                            f"{proc.stderr[-2000:]}")
 
 
+def _whole_library(path: str) -> bool:
+    """Whether `path` holds a whole shared library: its ELF section table (which the linker
+    writes last) ends within the file. A library cut short (a copy of the cache that ran out
+    of space) killed the process in the loader with a bus error, no message (a bug hunt,
+    session 90); one that is not ELF at all is left to the loader, which names it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return False
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # not 64-bit ELF: the loader's
+        return True
+    order = "<" if head[5] == 1 else ">"
+    (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+    return shoff + shentsize * shnum <= size
+
+
 class CpuKernel:
     """One C++ source and the FFI targets it defines ({target name: handler symbol})."""
 
@@ -178,11 +198,13 @@ class CpuKernel:
                         raise RuntimeError(f"{self.what} is a CPU kernel; the backend is "
                                            f"{jax.default_backend()!r}")
                     path = self.library_path()
-                    if not os.path.exists(path):
+                    if not _whole_library(path):
                         os.makedirs(os.path.dirname(path), exist_ok=True)
                         with open(path + ".lock", "w") as lock:  # one builder at a time
                             fcntl.flock(lock, fcntl.LOCK_EX)
-                            if not os.path.exists(path):
+                            if not _whole_library(path):
+                                if os.path.exists(path):  # cut short: rebuilt
+                                    os.unlink(path)
                                 self._build(path)
                     lib = self._lib = ctypes.cdll.LoadLibrary(path)
                     for target, symbol in self.targets.items():

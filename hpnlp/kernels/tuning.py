@@ -250,6 +250,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 0:
         p.error(f"--repeat must be >= 0 (extra searches per pass); got {args.repeat}")
+    if args.retune and not enabled():  # a bug hunt (session 90): it deleted every saved
+        # search and measured nothing
+        p.error("--retune measures the block sizes, which HPNLP_KERNEL_TUNE=0 turns off; "
+                "unset it (or set it to 1)")
     import hpnlp.attention.flash_cpu  # noqa: F401  (registers its tunings)
     import hpnlp.rnn.fused  # noqa: F401
     import hpnlp.retrieval.exact  # noqa: F401
@@ -257,13 +261,21 @@ def main(argv=None) -> int:
     import hpnlp.compress.spmm  # noqa: F401
     agree = True
     for t in REGISTRY:
-        if args.retune and os.path.exists(t.path()):
-            os.unlink(t.path())
-        cfg = t.config()
         name = f"{t.kernel.what}/{t.name}"
+        if args.retune and os.path.exists(t.path()) and t.kernel.available():
+            try:
+                os.unlink(t.path())
+            except OSError as e:  # a bug hunt (session 90): a read-only cache, a traceback
+                p.error(f"--retune cannot rewrite {name}'s tuning cache {t.path()}: "
+                        f"{e.strerror}; point HPNLP_KERNEL_CACHE at a folder this process can "
+                        "write")
+        cfg = t.config()
         data = t._read(quiet=True) if t.source != "default" else None
-        if data is None:
-            print(f"{name}: {cfg} ({t.source})")
+        if data is None:  # why the defaults: tuning off, or (a bug hunt) a kernel that
+            # cannot run here, such as a damaged library or no compiler, was shown as if off
+            why = (f": the kernel cannot run here: {t.kernel.unavailable_reason()}"
+                   if enabled() and not t.kernel.available() else "")
+            print(f"{name}: {cfg} ({t.source}{why})")
             continue
         secs = {json.dumps(x["config"], sort_keys=True): x["seconds"] for x in data["timings"]}
         mine, base = secs[json.dumps(cfg, sort_keys=True)], data["timings"][0]["seconds"]
