@@ -255,6 +255,8 @@ REFUSALS = [
     (dict(top_p=float("nan")), "top_p=nan: it must be"),
     (dict(min_p=1.0), r"min_p=1.0: it must be a number in \[0, 1\)"),
     (dict(min_p=-0.1), r"min_p=-0.1: it must be a number in \[0, 1\)"),
+    (dict(temperature=1e-38), r"temperature=1e-38: sampling needs a finite temperature of at "
+                              r"least 1.18e-38"),
     (dict(top_k=3, greedy=True), "top_k=3 shapes sampling, which greedy decoding does not do"),
     (dict(top_p=0.9, greedy=True), "top_p=0.9 shapes sampling.*pass greedy=False"),
     (dict(min_p=np.float32(0.1), greedy=True), "min_p=.* shapes sampling"),
@@ -286,7 +288,10 @@ def test_sampling_logits_refuses_a_top_k_past_its_vocabulary(logp):
     (["--top-p", "0.9", "--greedy"], "--top-p 0.9 shapes sampling"),
     (["--temperature", "0.5", "--greedy"], "--temperature 0.5 shapes sampling, which --greedy "
                                            "does not do"),
-    (["--temperature", "0"], "--temperature 0.0: sampling needs a temperature above 0"),
+    (["--temperature", "0"], "--temperature 0.0: sampling needs a finite temperature of at "
+                             "least 1.18e-38"),
+    # a bug hunt (session 90): float32 flushed it to 0 and every token sampled was 0
+    (["--temperature", "1e-38"], "--temperature 1e-38: sampling needs a finite temperature"),
 ])
 def test_cli_refuses_bad_sampling_flags_in_one_line_before_loading(tmp_path, capsys, flags,
                                                                    match):

@@ -26,9 +26,13 @@ def check_temperature(temperature, greedy: bool) -> None:
     scalars count too: `jnp.float32(0)` sampled silently from NaN logits."""
     if greedy or isinstance(temperature, jax.core.Tracer) or np.ndim(temperature):
         return
-    if not 0 < float(temperature) < float("inf"):
-        raise ValueError(f"temperature={temperature}: sampling needs a temperature above 0; "
-                         "give one (e.g. 0.8), or decode greedily")
+    # float32's smallest normal: below it the temperature flushed to 0 on the CPU and every
+    # token sampled was 0 (a bug hunt, session 90: 1e-38 emitted NULs where 1e-30 was greedy)
+    tiny = float(np.finfo(np.float32).tiny)
+    if not tiny <= float(temperature) < float("inf"):
+        raise ValueError(f"temperature={temperature}: sampling needs a finite temperature of at "
+                         f"least {tiny:.3g} (float32's smallest normal); give one (e.g. 0.8), or "
+                         "decode greedily")
 
 
 def _is_set(value, off) -> bool:
@@ -426,9 +430,10 @@ def main(argv=None) -> int:
         args.temperature = 0.8 if args.temperature is None else args.temperature
         try:
             check_temperature(args.temperature, args.greedy)
-        except ValueError:
-            raise ValueError(f"--temperature {args.temperature}: sampling needs a temperature "
-                             "above 0; give one (e.g. 0.8), or --greedy for the argmax") from None
+        except ValueError as e:  # the check's own words, in the flag's
+            why = str(e).split(": ", 1)[1].split("; give one")[0]
+            raise ValueError(f"--temperature {args.temperature}: {why}; give one (e.g. 0.8), "
+                             "or --greedy for the argmax") from None
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, flags=True)
         # found by a bug hunt: --draft-tokens without --draft (even 0) and --length 0 were
         # taken and ignored, the latter as "model.max_len"
