@@ -141,6 +141,19 @@ def test_tensor_parallelism_splits_the_key_value_heads_too():
                                                    "rules": {"kv_heads": None}}), num_devices=4)
 
 
+def test_a_mesh_axis_no_rule_names_is_refused():
+    """A bug hunt (session 90): mesh.data=4 with mesh.rules.batch=None (or fsdp=4 with no
+    rule naming fsdp) ran as one device, each of the four computing the same."""
+    for mesh, field, usual in (({"data": 4, "rules": {"batch": None}}, "mesh.data",
+                                "mesh.rules.batch"),
+                               ({"data": 1, "fsdp": 4, "rules": {"batch": "data", "embed": None}},
+                                "mesh.fsdp", "mesh.rules.batch, mesh.rules.embed")):
+        with pytest.raises(ConfigError, match=rf"`{field}` = 4 .*no mesh.rules entry names .*"
+                           rf"by default {usual} does"):
+            validate(base(mesh=mesh), num_devices=4)
+    validate(base(mesh={"data": 1, "fsdp": 4, "rules": {"embed": None}}), num_devices=4)
+
+
 def test_task_fields_are_filled_in():
     cfg = validate(base(), num_devices=1)
     assert cfg.model.vocab_size == 256

@@ -756,6 +756,14 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                   f"bucket widths {odd} do not split over mesh.sequence={sizes['sequence']}; "
                   f"give widths that are multiples of {sizes['sequence']}")
     _check_moe(cfg, sizes)
+    for axis in MESH_AXES:  # a bug hunt (session 90): data=4 with rules.batch=None ran as 1
+        # (pipeline stages need rules.layers, checked below)
+        if axis != "pipeline" and sizes[axis] > 1 and not any(axis in mesh.mesh_axes_of(r) for r in mesh.rules):
+            usual = [r for r, a in DEFAULT_RULES.items() if axis in ((a,) if isinstance(a, str)
+                                                                     else tuple(a or ()))]
+            _fail(f"mesh.{axis}", sizes[axis], f"no mesh.rules entry names {axis!r}, so every "
+                  "device along it would compute the same; name it in a rule (by default "
+                  + ", ".join(f"mesh.rules.{r}" for r in usual) + f" does) or set mesh.{axis}=1")
     shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
     per_step = t.grad_accum * math.lcm(shards, num_processes)
     if t.batch_size % per_step:
