@@ -67,7 +67,10 @@ def run_probe(lib, symbol: str, args, what: str, cfg: dict) -> float:
 
 
 def enabled() -> bool:
-    return os.environ.get("HPNLP_KERNEL_TUNE", "1") != "0"
+    """Whether to tune (HPNLP_KERNEL_TUNE unset or 1); 0, false, off or no: the defaults (a
+    bug hunt, session 90: any value but 0 tuned)."""
+    return os.environ.get("HPNLP_KERNEL_TUNE", "1").strip().lower() not in (
+        "0", "false", "off", "no")
 
 
 def _checksum(body: dict) -> str:

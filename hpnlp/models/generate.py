@@ -343,7 +343,8 @@ def main(argv=None) -> int:
                    "0.0: all); --top-k, --top-p and --min-p apply in that order, after "
                    "--temperature, and with --draft to both runs")
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the sampling key's seed (>= 0; the next prompt's is one more)")
     p.add_argument("--draft", default="", help="a smaller LM run of the same task and "
                    "vocabulary (e.g. a distilled student) for speculative decoding: the same "
                    "output as the target's, in fewer target calls")
@@ -441,6 +442,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--draft-tokens {args.draft_tokens} is for speculative decoding; "
                              "give --draft RUN too, or drop it")
         args.draft_tokens = 4 if args.draft_tokens is None else args.draft_tokens
+        top = 2**63 - len(args.prompt)  # the keys' seeds, one more per prompt, are C longs
+        if not 0 <= args.seed < top:  # a bug hunt (session 90): an OverflowError traceback
+            raise ValueError(f"--seed {args.seed}: give a seed from 0 to {top - 1}")
         if args.length is not None and args.length < 2:
             raise ValueError(f"--length {args.length}: it counts the prompt too, so it needs at "
                              "least 2 (one prompt token and one new)")
