@@ -145,6 +145,10 @@ def test_rerun_resumes_and_continues_exactly(tmp_path):
     resumed = run(cd, str(tmp_path / "split"))
     assert resumed["resumed_from_step"] == 24
     assert resumed["eval"] == whole["eval"]
+    # the data block counts the batches since the resume, and says so (a bug hunt, session
+    # 90: it read as the whole run's)
+    assert (resumed["data"]["counted_from_step"], resumed["data"]["batches"]) == (24, 6)
+    assert (whole["data"]["counted_from_step"], whole["data"]["batches"]) == (0, 30)
     a = read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "split" / "metrics.jsonl")
     # Train lines match, the one whose window the checkpoint cut too (found in review: its

@@ -651,8 +651,10 @@ class Trainer:
                 "timed_steps": timing["steps"],
             },
             "peak_memory": _peak_memory(),
-            # Padding this run's batches carried, beside what plain padding would have cost.
-            "data": self.train_iter.stats(),
+            # Padding this run's batches carried, beside what plain padding would have cost:
+            # the batches since this process started or resumed (a bug hunt, session 90: a
+            # resumed run's counts read as the whole run's).
+            "data": {**self.train_iter.stats(), "counted_from_step": start},
             "devices": jax.device_count(),
             "processes": jax.process_count(),
         }
