@@ -575,3 +575,11 @@ def test_a_library_cut_short_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     assert not kernels._whole_library(str(tmp_path / "missing.so"))  # built on first use
     lib.write_bytes(b"not a library")
     assert kernels._whole_library(str(lib))  # the loader's "invalid ELF header", as before
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("Off", False),
+                                       ("no", False), ("1", True), ("", True)])
+def test_tuning_is_off_for_each_way_of_saying_so(monkeypatch, value, on):
+    """A bug hunt (session 90): HPNLP_KERNEL_TUNE=false, off or no tuned, as any value but 0."""
+    monkeypatch.setenv("HPNLP_KERNEL_TUNE", value)
+    assert tuning.enabled() is on
