@@ -758,7 +758,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_moe(cfg, sizes)
     for axis in MESH_AXES:  # a bug hunt (session 90): data=4 with rules.batch=None ran as 1
         # (pipeline stages need rules.layers, checked below)
-        if axis != "pipeline" and sizes[axis] > 1 and not any(axis in mesh.mesh_axes_of(r) for r in mesh.rules):
+        named = any(axis in mesh.mesh_axes_of(r) for r in mesh.rules)
+        if axis != "pipeline" and sizes[axis] > 1 and not named:
             usual = [r for r, a in DEFAULT_RULES.items() if axis in ((a,) if isinstance(a, str)
                                                                      else tuple(a or ()))]
             _fail(f"mesh.{axis}", sizes[axis], f"no mesh.rules entry names {axis!r}, so every "

@@ -255,8 +255,8 @@ def main(argv=None) -> int:
         p.error(f"--repeat must be >= 0 (extra searches per pass); got {args.repeat}")
     if args.retune and not enabled():  # a bug hunt (session 90): it deleted every saved
         # search and measured nothing
-        p.error("--retune measures the block sizes, which HPNLP_KERNEL_TUNE=0 turns off; "
-                "unset it (or set it to 1)")
+        p.error("--retune measures the block sizes, which HPNLP_KERNEL_TUNE="
+                f"{os.environ['HPNLP_KERNEL_TUNE']} turns off; unset it (or set it to 1)")
     import hpnlp.attention.flash_cpu  # noqa: F401  (registers its tunings)
     import hpnlp.rnn.fused  # noqa: F401
     import hpnlp.retrieval.exact  # noqa: F401

@@ -223,8 +223,8 @@ class Trainer:
                 # (a bug hunt: it read train.init_from's run again, and failed where that
                 # had moved; a different energy is refused by the checkpoint's config check)
                 self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-                    cfg.model, lowrank=dataclasses.replace(cfg.model.lowrank, ranks=saved)))
-            elif cfg.model.lowrank.energy and not cfg.model.lowrank.ranks:  # from the run
+                    cfg.model, lowrank=dataclasses.replace(lr, ranks=saved)))
+            elif lr.energy and not lr.ranks:  # from the run train.init_from names
                 self._restored = restore_params(cfg.train.init_from, self.model_params)
                 self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, self._restored)
             transform = lowrank.init_transform(cfg, model, batch1)
