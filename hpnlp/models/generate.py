@@ -20,19 +20,22 @@ from hpnlp import attention as attention_lib
 from hpnlp.config import Config
 
 
-def check_temperature(temperature, greedy: bool) -> None:
+def check_temperature(temperature, greedy: bool, flags: bool = False) -> None:
     """A ValueError where sampling (not `greedy`) is asked at a temperature that is not a
     finite number above 0 (a traced one is the caller's to check). NumPy and concrete JAX
-    scalars count too: `jnp.float32(0)` sampled silently from NaN logits."""
+    scalars count too: `jnp.float32(0)` sampled silently from NaN logits. `flags`: named as
+    the command line's."""
     if greedy or isinstance(temperature, jax.core.Tracer) or np.ndim(temperature):
         return
     # float32's smallest normal: below it the temperature flushed to 0 on the CPU and every
     # token sampled was 0 (a bug hunt, session 90: 1e-38 emitted NULs where 1e-30 was greedy)
     tiny = float(np.finfo(np.float32).tiny)
     if not tiny <= float(temperature) < float("inf"):
-        raise ValueError(f"temperature={temperature}: sampling needs a finite temperature of at "
-                         f"least {tiny:.3g} (float32's smallest normal); give one (e.g. 0.8), or "
-                         "decode greedily")
+        name, greedily = (("--temperature ", "--greedy for the argmax") if flags
+                          else ("temperature=", "decode greedily"))
+        raise ValueError(f"{name}{temperature}: sampling needs a finite temperature of at least "
+                         f"{tiny:.3g} (float32's smallest normal); give one (e.g. 0.8), or "
+                         f"{greedily}")
 
 
 def _is_set(value, off) -> bool:
@@ -429,12 +432,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--temperature {args.temperature} shapes sampling, which --greedy "
                              "does not do (the argmax would ignore it); drop one of the two")
         args.temperature = 0.8 if args.temperature is None else args.temperature
-        try:
-            check_temperature(args.temperature, args.greedy)
-        except ValueError as e:  # the check's own words, in the flag's
-            why = str(e).split(": ", 1)[1].split("; give one")[0]
-            raise ValueError(f"--temperature {args.temperature}: {why}; give one (e.g. 0.8), "
-                             "or --greedy for the argmax") from None
+        check_temperature(args.temperature, args.greedy, flags=True)
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, flags=True)
         # found by a bug hunt: --draft-tokens without --draft (even 0) and --length 0 were
         # taken and ignored, the latter as "model.max_len"

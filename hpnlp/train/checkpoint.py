@@ -144,43 +144,35 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
             d = d[k]
         return d
 
-    diff = {}
+    def value(path):  # the saved run's, or the default where it predates the field
+        a = get(saved, path)
+        return get(default, path) if a is None else a
+
+    fields = []
     recurrent = {get(saved, ("model", "arch")), get(now, ("model", "arch"))} & {"lstm", "gru"}
     method = ("train", "prune", "method")
     pruned = {get(saved, method), get(now, method)} - {None, "none"}
     for path in (_CONFIG_SHAPE_FIELDS + (_RNN_FIELDS if recurrent else ())
                  + ((("train", "prune", "layers"),) if pruned else ())):
-        fields = [path]
+        fields.append(path)
         if get(saved, path) or get(now, path):
             fields += _CONFIG_SHAPE_WHEN.get(path, ())
-        for f in fields:
-            a = get(saved, f)
-            a, b = get(default, f) if a is None else a, get(now, f)
-            if a != b:
-                diff[".".join(f)] = (a, b)
     # Found by a bug hunt (session 90), each resumed or failed unnamed: the init and dropout
     # key is the checkpoint's (another seed was ignored, and config.json recorded it); a
     # float16 resume of another dtype's run restored no loss scale and trained unscaled;
     # Transformer-XL's compressive memory (on or off, its compressor) holds parameters, and
     # its memory is a carry only on a stream ("another version" in the restore).
-    def value(path):
-        a = get(saved, path)
-        return get(default, path) if a is None else a
-
-    checks = [("seed",)]
+    fields.append(("seed",))
     if get(now, ("model", "dtype")) == "float16":
-        checks.append(("model", "dtype"))
+        fields.append(("model", "dtype"))
     if "transformer_xl" in {value(("model", "arch")), get(now, ("model", "arch"))}:
-        checks.append(("model", "comp_mem_len"))
+        fields.append(("model", "comp_mem_len"))
         if value(("model", "comp_mem_len")) or get(now, ("model", "comp_mem_len")):
-            checks.append(("model", "comp_fn"))
+            fields.append(("model", "comp_fn"))
         stream = ("data", "batching")
         if (value(stream) == "stream") != (get(now, stream) == "stream"):
-            checks.append(stream)
-    for f in checks:
-        if value(f) != get(now, f):
-            diff[".".join(f)] = (value(f), get(now, f))
-    return diff
+            fields.append(stream)
+    return {".".join(f): (value(f), get(now, f)) for f in fields if value(f) != get(now, f)}
 
 
 def _resolved(sig: dict, other: dict) -> dict:
