@@ -698,7 +698,11 @@ def test_short_results_are_padded_alike_ties_rank_the_lower_id_and_text_search_d
             continue
         index = retrieval.make(name, 16, **options)
         index.add(x)
-        s, i = index.search(q, 30)
+        # k past any one leaf's size: ScaNN's partition, trained on threads, is not always
+        # the same (a CI run once found a leaf of 30 or more for each of the three queries);
+        # ours takes at most the nprobe x 40 vectors a query scans
+        k = 40 if name == "ivf" else 200
+        s, i = index.search(q, k)
         pad = i < 0
         assert pad.any() and np.isneginf(s[pad]).all() and np.isfinite(s[~pad]).all(), name
         assert ((i[~pad] >= 0) & (i[~pad] < len(x))).all(), name
@@ -714,8 +718,8 @@ def test_short_results_are_padded_alike_ties_rank_the_lower_id_and_text_search_d
         texts = TextSearch(Cfg, None, None, None, index=name, **options)
         texts.index, texts.texts = index, [str(n) for n in range(len(x))]  # as if added
         texts.embed = lambda ts: q[np.argmax(pad.sum(1))][None]  # a query padded above
-        hits = texts.search(["q"], k=30)[0]
-        assert 0 < len(hits) < 30 and all(np.isfinite(c) for c, _ in hits), name
+        hits = texts.search(["q"], k=k)[0]
+        assert 0 < len(hits) < k and all(np.isfinite(c) for c, _ in hits), name
     tied = np.repeat(np.eye(16, dtype=np.float32)[:2], 3, axis=0)  # ids 0-2 and 3-5 equal
     for name in ("exact", "faiss_flat"):
         if external.available(name):
