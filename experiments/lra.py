@@ -53,7 +53,6 @@ def get_config(arg: str = "listops"):
     cfg.train.log_every = 50
     cfg.train.eval_every = 500
     cfg.train.checkpoint_every = 500
-    cfg.train.early_stopping_metric = "accuracy"
 
     if "local" in args:
         cfg.data.seq_len = 128

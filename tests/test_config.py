@@ -197,6 +197,10 @@ def test_task_fields_are_filled_in():
      "divide the 1 device(s), so mesh.data=-1 cannot fill the rest; give axis sizes whose "
      "product divides 1 ([1])"),
     ({"train": {"early_stopping_metric": "acc"}}, "train.early_stopping_metric", "accuracy"),
+    ({"train": {"early_stopping_metric": "accuracy"}}, "train.early_stopping_metric",
+     "train.early_stopping_patience=0 turns it off"),
+    ({"train": {"early_stopping_patience": 3, "eval_every": 0}},
+     "train.early_stopping_patience", "set train.eval_every"),
     ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "decay needs steps"),
     ({"model": {"num_classes": 2, "kind": "classifier"}, "data": {"task": "listops"}},
      "model.num_classes", "has 10 classes"),

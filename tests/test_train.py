@@ -599,7 +599,8 @@ def test_early_stopping_on_patience(tmp_path, capsys):
     assert ("; it stopped early there (2 evals without a better accuracy, "
             "train.early_stopping_patience=2), nothing to train (raise the patience") in err, err
     # with early stopping off, a rerun trains on (a bug hunt: it trained nothing, silently)
-    cd.train.update(early_stopping_patience=0, steps=summary["final_step"] + 3)
+    cd.train.update(early_stopping_patience=0, early_stopping_metric="loss",
+                    steps=summary["final_step"] + 3)
     on = run(cd, str(tmp_path))
     assert not on["stopped_early"] and on["final_step"] == summary["final_step"] + 3
 

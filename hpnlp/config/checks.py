@@ -585,6 +585,16 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               f"must be < train.steps={t.steps} (the {t.schedule!r} decay needs steps after warmup)")
     metrics = ("loss", "accuracy", "ppl") if m.kind == "lm" else ("loss", "accuracy")
     _check_choice("train.early_stopping_metric", t.early_stopping_metric, metrics)
+    # Each taken and ignored (found in review: experiments/lra.py set the metric alone)
+    if (t.early_stopping_patience == 0
+            and t.early_stopping_metric != TrainConfig.early_stopping_metric):
+        _fail("train.early_stopping_metric", t.early_stopping_metric, "is the metric early "
+              "stopping watches, and train.early_stopping_patience=0 turns it off; drop it, or "
+              "set train.early_stopping_patience (evals without improvement before stopping)")
+    if t.early_stopping_patience and not t.eval_every:
+        _fail("train.early_stopping_patience", t.early_stopping_patience, "counts evals without "
+              "improvement, and train.eval_every=0 evaluates only after the last step; set "
+              "train.eval_every, or drop the patience")
 
     # Data.
     from hpnlp import data as data_lib
