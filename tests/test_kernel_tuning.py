@@ -583,3 +583,12 @@ def test_tuning_is_off_for_each_way_of_saying_so(monkeypatch, value, on):
     """A bug hunt (session 90): HPNLP_KERNEL_TUNE=false, off or no tuned, as any value but 0."""
     monkeypatch.setenv("HPNLP_KERNEL_TUNE", value)
     assert tuning.enabled() is on
+
+
+def test_peak_command_says_why_the_probe_cannot_run(monkeypatch):
+    """Found in review: `python -m hpnlp.kernels.peak` without a compiler was a traceback."""
+    from hpnlp.kernels import peak
+    monkeypatch.setattr(peak.KERNEL, "available", lambda: False)
+    monkeypatch.setattr(peak.KERNEL, "unavailable_reason", lambda: "no C++ compiler found")
+    with pytest.raises(SystemExit, match="the FMA peak probe cannot run here: no C"):
+        peak.main([])

@@ -63,6 +63,9 @@ def main(argv=None) -> None:
         p.error(f"--threads must be from 1 to {kernels.cores()}, the cores this process may "
                 f"use (more would time threads taking turns); got {args.threads}")
     threads = args.threads or kernels.cores()
+    if not KERNEL.available():  # found in review: a traceback where no compiler was found
+        raise SystemExit(f"hpnlp.kernels.peak: error: the FMA peak probe cannot run here: "
+                         f"{KERNEL.unavailable_reason()}")
     print(f"float32 FMA peak: {fma_peak(threads):.1f} GFLOP/s on {threads} thread(s)")
     if threads > 1:
         print(f"float32 FMA peak: {fma_peak(1):.1f} GFLOP/s on 1 thread")
