@@ -501,6 +501,19 @@ def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folde
         shutil.move(tmp_path / "moved", source)
 
 
+@pytest.mark.parametrize("meta, command", [("quant.json", "quantize"),
+                                           ("sparse.json", "sparsify")])
+def test_a_compressed_copy_named_as_a_run_points_at_its_source(tmp_path, meta, command):
+    """Found in review: `generate --workdir` (or a teacher, or init_from) naming a
+    `compress sparsify --out` folder said to train a run there."""
+    from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
+    (tmp_path / meta).write_text(json.dumps({"source": {"workdir": "/runs/lm", "step": 9}}))
+    with pytest.raises(NoCheckpoint, match=rf"train.init_from={tmp_path}: {tmp_path} holds a "
+                       rf"compressed copy \({meta}, written by python -m hpnlp.compress "
+                       rf"{command} --out\), not a run; name the run it was made from, /runs/lm"):
+        load_run_config(str(tmp_path), field="train.init_from")
+
+
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     def one_step(accum):
         cd = tiny(grad_accum=accum)

@@ -72,6 +72,17 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
     path = os.path.join(workdir, "config.json")
     named = f"{field}={workdir}: " if field else ""
     if not os.path.exists(path):
+        for meta, command in (("quant.json", "quantize"), ("sparse.json", "sparsify")):
+            # found in review: a compressed copy was told to train a run there
+            if os.path.exists(os.path.join(workdir, meta)):
+                try:
+                    with open(os.path.join(workdir, meta)) as f:
+                        source = f"the run it was made from, {json.load(f)['source']['workdir']}"
+                except (OSError, ValueError, KeyError, TypeError):
+                    source = "the run it was made from"
+                raise NoCheckpoint(f"{named}{workdir} holds a compressed copy ({meta}, written "
+                                   f"by python -m hpnlp.compress {command} --out), not a run; "
+                                   f"name {source}")
         raise NoCheckpoint(f"{named}no run in workdir {workdir} (no config.json): train one "
                            "there first with python -m hpnlp.main --config ... --workdir ...")
     saved = _read_config_json(path)["config"]
