@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -135,10 +136,27 @@ def test_a_cache_folder_it_cannot_write_runs_the_defaults_and_a_failed_write_the
     runs its choice in this process, leaving no file behind."""
     calls = []
     t = _tuning(tmp_path / "missing", {64: 0.5, 128: 1.0}, calls)
-    with pytest.warns(RuntimeWarning, match="cannot write the kernel tuning cache .*"
-                                            "HPNLP_KERNEL_CACHE"):
+    with pytest.warns(RuntimeWarning, match="tuning cache .* holds no choice yet, and this "
+                                            "process cannot write it .*HPNLP_KERNEL_CACHE"):
         assert t.config() == {"b": 128}
     assert t.source == "default" and calls == []
+    # a stale file there: one warning, not "measuring again" and then the defaults (review)
+    os.makedirs(tmp_path / "shared")
+    with open(_tuning(tmp_path / "shared", {64: 0.5}, []).path(), "w") as f:
+        f.write("{}")
+
+    def no_lock(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied")
+        return open(path, *args, **kwargs)
+    monkeypatch.setattr(tuning, "open", no_lock, raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _tuning(tmp_path / "shared", {64: 0.5, 128: 1.0}, calls).config() == {"b": 128}
+    assert [str(w.message).split(";")[0].split(" tuning cache ")[1].split(" ", 1)[1]
+            for w in caught] == ["is malformed, and this process cannot write it ([Errno 13] "
+                                 "Permission denied)"] and calls == []
+    monkeypatch.delattr(tuning, "open")
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")

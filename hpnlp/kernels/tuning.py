@@ -129,42 +129,44 @@ class Tuning:
             return "invalid (its choice is not a candidate)"
         return None
 
-    def _read(self, *, quiet: bool = False) -> dict | None:
+    def _read(self) -> tuple[dict | None, str | None]:
+        """(the cache file's contents, None) where they may be used; else (None, why not:
+        None where there is no file)."""
         path = self.path()
         if not os.path.exists(path):
-            return None
+            return None, None
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError) as e:
-            reason = f"unreadable ({type(e).__name__})"
-        else:
-            reason = self.check(data)
-            if reason is None:
-                return data
-        if not quiet:
-            warnings.warn(f"hpnlp: the kernel tuning cache {path} is {reason}; measuring again "
-                          "and rewriting it", RuntimeWarning, stacklevel=4)
-        return None
+            return None, f"unreadable ({type(e).__name__})"
+        reason = self.check(data)
+        return (data, None) if reason is None else (None, reason)
 
     def _resolve(self) -> dict[str, int]:
-        data = self._read()
+        data, bad = self._read()
         if data is not None:
             self.source = "cache"
             return dict(data["config"])
         try:
             lock = open(self.path() + ".lock", "w")
         except OSError as e:  # a cache folder this process may not write (a shared one)
-            warnings.warn(f"hpnlp: cannot write the kernel tuning cache {self.path()} ({e}); "
+            # one warning (found in review: a stale file here also said "measuring again")
+            state = f"is {bad}" if bad else "holds no choice yet"
+            warnings.warn(f"hpnlp: the kernel tuning cache {self.path()} {state}, and this "
+                          f"process cannot write it ({e}); "
                           f"{self.kernel.what}/{self.name} runs its default blocks "
                           f"{self.default}. To tune them, point HPNLP_KERNEL_CACHE at a folder "
                           "this process can write (HPNLP_KERNEL_TUNE=0 runs the defaults "
                           "without this warning)", RuntimeWarning, stacklevel=4)
             self.source = "default"
             return dict(self.default)
+        if bad:
+            warnings.warn(f"hpnlp: the kernel tuning cache {self.path()} is {bad}; measuring "
+                          "again and rewriting it", RuntimeWarning, stacklevel=4)
         with lock:  # one process measures at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
-            data = self._read(quiet=True)  # another process may have measured meanwhile
+            data, _ = self._read()  # another process may have measured meanwhile
             if data is not None:
                 self.source = "cache"
                 return dict(data["config"])
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
                         f"{e.strerror}; point HPNLP_KERNEL_CACHE at a folder this process can "
                         "write")
         cfg = t.config()
-        data = t._read(quiet=True) if t.source != "default" else None
+        data = t._read()[0] if t.source != "default" else None
         if data is None:  # why the defaults: tuning off, or (a bug hunt) a kernel that
             # cannot run here, such as a damaged library or no compiler, was shown as if off
             why = (f": the kernel cannot run here: {t.kernel.unavailable_reason()}"
