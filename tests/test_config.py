@@ -197,6 +197,10 @@ def test_task_fields_are_filled_in():
      "divide the 1 device(s), so mesh.data=-1 cannot fill the rest; give axis sizes whose "
      "product divides 1 ([1])"),
     ({"train": {"early_stopping_metric": "acc"}}, "train.early_stopping_metric", "accuracy"),
+    ({"attention": {"name": "chunked", "options": {"impl": "kernel"}},
+      "model": {"width": 60, "num_heads": 2}},
+     "attention.options.impl", "head dim 30 (the kernel needs a positive multiple of 16): set "
+     "model.head_dim"),
     ({"train": {"early_stopping_metric": "accuracy"}}, "train.early_stopping_metric",
      "train.early_stopping_patience=0 turns it off"),
     ({"train": {"early_stopping_patience": 3, "eval_every": 0}},

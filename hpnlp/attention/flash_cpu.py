@@ -134,13 +134,19 @@ def bf16_products() -> str:
     return ("float32", "avx512_bf16", "amx")[KERNEL.library().hpnlp_flash_bf16_products()]
 
 
-def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
-    """Why the kernel cannot run attention with these head dims here; None if it can."""
+def shape_blocker(head_dim: int, value_dim: int | None = None) -> str | None:
+    """Why the kernel cannot run attention with these head dims on any CPU; None if the
+    shapes are its own (what a config check can say before anything is built)."""
     if head_dim <= 0 or head_dim % 16:
         return f"head dim {head_dim} (the kernel needs a positive multiple of 16)"
     if value_dim is not None and value_dim != head_dim:
         return f"value head dim {value_dim} differs from the query's {head_dim}"
-    return KERNEL.blocker()
+    return None
+
+
+def blocker(head_dim: int, value_dim: int | None = None) -> str | None:
+    """Why the kernel cannot run attention with these head dims here; None if it can."""
+    return shape_blocker(head_dim, value_dim) or KERNEL.blocker()
 
 
 def _segments(segs):

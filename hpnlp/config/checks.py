@@ -23,6 +23,11 @@ _MODEL_SET_OUTPUT = {"vocab_size": "model.vocab_size", "embed": "output.tie_embe
                      "param_dtype": "model.param_dtype", "quant": "the quant group"}
 
 
+def _backend() -> str:
+    import jax
+    return jax.default_backend()
+
+
 def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
     """Options must be constructor fields of the registered module class, of their default's
     type where it is a bool, an int or a float (found in review: 'false' from the command line
@@ -530,6 +535,15 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     att_cls = attention.get(cfg.attention.name)
     _check_options("attention.options", cfg.attention.options, att_cls)
     causal = m.kind == "lm" or m.causal
+    if (cfg.attention.name == "chunked" and cfg.attention.options.get("impl") == "kernel"
+            and m.arch == "transformer" and _backend() == "cpu"):
+        # found in review: the layer's error at the model's init named no config field
+        from hpnlp.attention import flash_cpu
+        why = flash_cpu.shape_blocker(m.dims_per_head())
+        if why:
+            _fail("attention.options.impl", "kernel", f"the CPU kernel cannot run {why}: set "
+                  "model.head_dim (or model.width / model.num_heads) to a multiple of 16, or "
+                  "use impl='auto' (the kernel where it can run) or impl='xla'")
     check = getattr(att_cls, "check_config", None)
     if check is not None:
         check(dict(cfg.attention.options), seq_len=d.seq_len, causal=causal,
