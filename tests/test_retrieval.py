@@ -527,6 +527,16 @@ def test_interpolation_formula_and_lambda_zero_is_the_lm():
     for k, temperature in ((2, 0.0), (0, 1.0)):
         with pytest.raises(RetrievalError, match=f"k={k}, temperature={temperature}: need"):
             knnlm.interpolate(nb, k=k, temperature=temperature, lam=0.5)
+    # found in review: a row of padding alone (an IVF probe that scanned nothing) made its
+    # log-probability NaN, and tune() named the grid's first setting best at perplexity NaN
+    pad = knnlm.Neighbours(lm_logp=nb.lm_logp, dist=np.array([[1.0, np.inf], [np.inf] * 2]),
+                           hit=np.array([[True, False], [False, False]]))
+    np.testing.assert_allclose(np.exp(knnlm.interpolate(pad, k=2, temperature=1.0, lam=0.5)),
+                               [0.5 + 0.5 * 0.5, 0.5 * 0.1], rtol=1e-12)
+    assert np.isfinite(knnlm.tune(pad)["ppl"])
+    with pytest.raises(RetrievalError, match="NaN at every setting of the grid"), \
+            np.errstate(invalid="ignore"):
+        knnlm.tune(knnlm.Neighbours(lm_logp=np.array([np.nan, -1.0]), dist=nb.dist, hit=nb.hit))
     store = knnlm.Datastore("ds", {}, np.zeros((4, 3), np.float16), np.zeros(4, np.int32))
     with pytest.raises(RetrievalError, match="metric='L2'; choose 'l2'"):
         store.index("exact", metric="L2")

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -278,9 +279,12 @@ def interpolate(nb: Neighbours, *, k: int, temperature: float, lam: float) -> np
     if k < 1 or not temperature > 0:  # else p_kNN is 0/0 or the logits -d/0: NaN, silently
         raise RetrievalError(f"k={k}, temperature={temperature}: need k >= 1 and temperature > 0")
     logits_TK = -nb.dist[:, :k].astype(np.float64) / temperature
-    logits_TK -= logits_TK.max(axis=1, keepdims=True)
-    w_TK = np.exp(logits_TK)
-    p_knn_T = np.sum(w_TK * nb.hit[:, :k], axis=1) / np.sum(w_TK, axis=1)
+    # a row of padding alone (an IVF probe that scanned no vector: every distance inf) has
+    # no neighbour, p_kNN 0 (found in review: -inf - -inf made its, and the perplexity, NaN)
+    top_T1 = logits_TK.max(axis=1, keepdims=True)
+    w_TK = np.exp(logits_TK - np.where(np.isneginf(top_T1), 0.0, top_T1))
+    total_T = np.sum(w_TK, axis=1)
+    p_knn_T = np.sum(w_TK * nb.hit[:, :k], axis=1) / np.where(total_T > 0, total_T, 1.0)
     with np.errstate(divide="ignore"):
         return np.logaddexp(np.log(lam) + np.log(p_knn_T), np.log1p(-lam) + nb.lm_logp.astype(np.float64))
 
@@ -306,8 +310,12 @@ def tune(nb: Neighbours, grid: dict = GRID) -> dict:
         for t in grid["temperature"]:
             for lam in grid["lam"]:
                 ppl = perplexity(interpolate(nb, k=k, temperature=t, lam=lam))
-                if best is None or ppl < best["ppl"]:
+                if best is None or ppl < best["ppl"] or math.isnan(best["ppl"]):
                     best = {"k": k, "temperature": t, "lam": lam, "ppl": ppl}
+    if math.isnan(best["ppl"]):  # found in review: the grid's first setting was "best"
+        raise RetrievalError("the perplexity is NaN at every setting of the grid: the LM's "
+                             "log-probabilities or the neighbours' distances hold NaN (a run "
+                             "that diverged?); evaluate the run, and retrain it if its loss is NaN")
     return best
 
 
