@@ -744,7 +744,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if logical not in DEFAULT_RULES:
             _fail(f"mesh.rules.{logical}", axes,
                   f"unknown logical axis name; the models use {sorted(DEFAULT_RULES)}")
-        named = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        named = mesh.axes_in(axes or None)
         for a in named:
             if a not in MESH_AXES:
                 _fail(f"mesh.rules.{logical}", axes,
@@ -784,8 +784,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         # (pipeline stages need rules.layers, checked below)
         named = any(axis in mesh.mesh_axes_of(r) for r in mesh.rules)
         if axis != "pipeline" and sizes[axis] > 1 and not named:
-            usual = [r for r, a in DEFAULT_RULES.items() if axis in ((a,) if isinstance(a, str)
-                                                                     else tuple(a or ()))]
+            usual = [r for r, a in DEFAULT_RULES.items() if axis in mesh.axes_in(a)]
             _fail(f"mesh.{axis}", sizes[axis], f"no mesh.rules entry names {axis!r}, so every "
                   "device along it would compute the same; name it in a rule (by default "
                   + ", ".join(f"mesh.rules.{r}" for r in usual) + f" does) or set mesh.{axis}=1")

@@ -627,8 +627,12 @@ class MeshConfig:
 
     def mesh_axes_of(self, logical: str) -> tuple[str, ...]:
         """Mesh axes a logical name is split over (empty: replicated or unmapped)."""
-        v = self.rules.get(logical)
-        return () if v is None else ((v,) if isinstance(v, str) else tuple(v))
+        return self.axes_in(self.rules.get(logical))
+
+    @staticmethod
+    def axes_in(rule) -> tuple[str, ...]:
+        """A rule's value (None, an axis name, or names) as a tuple of mesh axis names."""
+        return () if rule is None else ((rule,) if isinstance(rule, str) else tuple(rule))
 
 
 @dataclasses.dataclass(frozen=True)
