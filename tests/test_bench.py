@@ -605,6 +605,34 @@ def test_data_bench_targets_and_table_from_a_payload():
                                                               "op": "<=", "met": False}
 
 
+def test_data_bench_reuses_a_prepared_folder_of_its_own_size_only(tmp_path, monkeypatch):
+    """A bug hunt: the full run reused a --quick run's 2 and 20 MB folders as its 20 MB and
+    2 GB corpora, their counts shown as 0 (now: named by size, counts read from meta.json)."""
+    from hpnlp.bench import data as bench_data
+    from hpnlp.bench import report
+    prepared = []
+
+    def prepare(text, out):
+        os.makedirs(out)
+        (tmp_path / "w" / "shard").write_bytes(b"x" * 10)
+        splits = {k: {"shards": ["../shard"], "documents": 3, "tokens": 40} for k in
+                  ("train", "eval")}
+        with open(os.path.join(out, "meta.json"), "w") as f:
+            json.dump({"splits": splits}, f)
+        prepared.append(os.path.basename(out))
+        return {"mb_per_sec": 1.0, "seconds": 1.0}
+    monkeypatch.setattr(bench_data, "_write_text", lambda path, size: open(path, "w").close())
+    monkeypatch.setattr(bench_data, "_prepare", prepare)
+    monkeypatch.setattr(bench_data, "_isolated", lambda spec: {"status": "failed: not run"})
+    monkeypatch.setattr(report, "write", lambda *a: None)
+    bench_data.run(str(tmp_path / "o"), quick=True, workdir=str(tmp_path / "w"))
+    p = bench_data.run(str(tmp_path / "o"), quick=False, workdir=str(tmp_path / "w"))
+    assert prepared == ["prepared_2MB", "prepared_20MB", "prepared_2048MB"]
+    assert p["prepare"]["small"] == {"reused": str(tmp_path / "w" / "prepared_20MB"),
+                                     "prepared_bytes": 20, "train_documents": 3,
+                                     "train_tokens": 40, "eval_documents": 3, "eval_tokens": 40}
+
+
 def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, monkeypatch):
     from hpnlp.bench import quality
     ppl = {("words", "full"): 80.0, ("words", "sampled"): 82.0, ("bpe", "full"): 100.0,
@@ -858,6 +886,36 @@ def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path,
     assert compress.REUSED == [str(student)] * 2
 
 
+def test_a_saved_run_of_another_config_is_refused_not_deleted(tmp_path, monkeypatch, capsys):
+    """A bug hunt: `_train` deleted a finished run of another config (the full bench's, met
+    by a --quick run in one --workdir; another bench's sharing it) and trained in its place.
+    Now it is refused in one line, and --quick keeps its runs in W/quick; a folder of
+    another config with nothing saved is still cleared and trained afresh."""
+    import hpnlp.train
+    from hpnlp.bench import compress
+    from hpnlp.bench.__main__ import main
+    trained = []
+    monkeypatch.setattr(hpnlp.train, "run", lambda cd, out: trained.append(out) or {"new": 1})
+    full, quick = (compress.experiment("byte LM", compress.SIZES[s]) for s in ("full", "quick"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")  # not one this version reads: not deleted either
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(compress.RunConflict, match=f"{run} holds a saved run of another config"):
+        compress._train(quick, str(run))
+    assert (run / "summary.json").exists() and not trained
+    (run / "summary.json").unlink()  # nothing saved: cleared, trained afresh
+    assert compress._train(full, str(run)) == {"new": 1} and not run.exists()
+
+    def conflict(args):
+        raise compress.RunConflict(f"{args.workdir}/teacher holds a saved run")
+    monkeypatch.setattr(compress, "main", conflict)
+    with pytest.raises(SystemExit, match=rf"hpnlp.bench compress: error: {tmp_path}/w/quick/"
+                                         "teacher holds"):
+        main(["compress", "--quick", "--out", str(tmp_path / "o"), "--workdir",
+              str(tmp_path / "w")])
+
+
 def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
     """Found by the crash hunt: an --out that is a file failed after the whole run (a
     traceback), and --lengths abc or 0 failed as a traceback or ran to a table of errors."""
@@ -887,6 +945,8 @@ def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["train", "--variants", "bogus"], "--variants: unknown \\['bogus'\\]; choose from"),
+    (["attention", "--causal", "--variants", "chunked,linformer,sinkhorn"],
+     "--variants linformer, sinkhorn: bidirectional only, so --causal cannot time them"),
     (["lra", "--variants", "dense,bogus"], "--variants: unknown \\['bogus'\\]"),
     (["lra", "--steps", "-3"], "--steps: '-3': must be > 0"),
     (["lra", "--tasks", "bogus"], "--tasks: unknown"),

@@ -4,6 +4,11 @@ Each entry writes DIR/results.json and DIR/results.md, most also PNG plots (the 
 line names those it wrote; tricks, quant and data write none). `--quick` runs a small
 version in a few minutes; `--profile DIR` also writes a jax.profiler trace of the run
 (open with TensorBoard's profile plugin or https://ui.perfetto.dev).
+
+Entries that train keep their runs in `--workdir W` where given and reuse the finished runs
+of the same config found there; `--quick` keeps its own in W/quick, so its small runs never
+meet the full run's. A run folder holding a saved run of another config is refused, never
+deleted.
 """
 
 from __future__ import annotations
@@ -49,13 +54,18 @@ def main(argv=None) -> None:
             ENTRIES[args.entry].check_args(args)
     except ValueError as e:
         sp.error(str(e))
+    if args.quick and getattr(args, "workdir", None):  # its small runs beside the full run's
+        args.workdir = os.path.join(args.workdir, "quick")
     ctx = contextlib.nullcontext()
     if args.profile:
         import jax
         ctx = jax.profiler.trace(args.profile)
     before = _plots(args.out)
     with ctx:
-        ENTRIES[args.entry].main(args)
+        try:
+            ENTRIES[args.entry].main(args)
+        except compress.RunConflict as e:  # the runs trained before it are kept, and reused
+            sys.exit(f"python -m hpnlp.bench {args.entry}: error: {e}")
     print(wrote_message(args.out, before), file=sys.stderr)
 
 

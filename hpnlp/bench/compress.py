@@ -290,27 +290,38 @@ def reused_since(before: set[str]) -> int:
     return len({os.path.abspath(p) for p in REUSED} & before)
 
 
+class RunConflict(ValueError):
+    """A bench's run folder holds another config's saved run, which it will not delete."""
+
+
 def _train(cd, out: str) -> dict:
     """The summary of `hpnlp.train.run(cd, out)`; a finished run of the same config already
-    in `out` is reused (so a run with --workdir that stopped continues where it stopped)."""
+    in `out` is reused (so a run with --workdir that stopped continues where it stopped).
+    RunConflict where `out` holds a saved run of another config (or one whose config.json
+    this version cannot read): a bug hunt found such runs deleted (a --quick run of the
+    same bench, or another bench's runs in a shared --workdir)."""
     import json
 
     from hpnlp.config import from_configdict, validate
     from hpnlp.train import run
-    from hpnlp.train.checkpoint import load_run_config
+    from hpnlp.train.checkpoint import has_checkpoint, load_run_config
     done = os.path.join(out, "summary.json")
     if os.path.exists(out):
         try:
             same = validate(load_run_config(out)) == validate(from_configdict(cd))
         except Exception:  # noqa: BLE001 (an unreadable or unfinished run is retrained)
             same = False
+        if not same and (os.path.exists(done) or has_checkpoint(out)):
+            raise RunConflict(f"{out} holds a saved run of another config (or one this "
+                              "version cannot read), which this bench would replace; give "
+                              f"another --workdir, or delete {out}")
         if same and os.path.exists(done) and _newer_source(cd, done):
             same = False  # its teacher or starting run was retrained since: so is it
         if same and os.path.exists(done):
             REUSED.append(out)
             with open(done) as f:
                 return json.load(f)
-        if not same:  # another config's run: start afresh rather than resume it
+        if not same:  # another config's run with nothing saved: start afresh
             import shutil
             shutil.rmtree(out)
     return run(cd, out)

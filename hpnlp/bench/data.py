@@ -48,14 +48,18 @@ def _prepare(text: str, out: str) -> dict:
     if rc:
         raise SystemExit(f"prepare failed on {text}")
     dt = time.perf_counter() - t0
+    return {"seconds": dt, "input_bytes": os.path.getsize(text),
+            "mb_per_sec": os.path.getsize(text) / MB / dt, **_counts(out)}
+
+
+def _counts(out: str) -> dict:
+    """A prepared folder's size on disk and its splits' documents and tokens."""
     with open(os.path.join(out, "meta.json")) as f:
         meta = json.load(f)
     size = sum(os.path.getsize(os.path.join(out, s)) for sp in meta["splits"].values()
                for s in sp["shards"])
-    return {"seconds": dt, "input_bytes": os.path.getsize(text), "prepared_bytes": size,
-            "mb_per_sec": os.path.getsize(text) / MB / dt, **{
-                f"{k}_{x}": meta["splits"][k][x] for k in ("train", "eval")
-                for x in ("documents", "tokens")}}
+    return {"prepared_bytes": size, **{f"{k}_{x}": meta["splits"][k][x]
+                                       for k in ("train", "eval") for x in ("documents", "tokens")}}
 
 
 def _lm_config(prepared: str, steps: int):
@@ -112,16 +116,19 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
     sizes = {"small": small, "large": large}
     prepared = {}
     bar = tqdm(total=6, desc="data bench", dynamic_ncols=True)
+    # named by their size (a bug hunt: a --quick run's 2 and 20 MB folders were reused by the
+    # full run as its 20 MB and 2 GB corpora, their counts shown as 0)
+    dirs = {name: os.path.join(root, f"prepared_{size // MB}MB") for name, size in sizes.items()}
     for name, size in sizes.items():
-        text, out = os.path.join(root, f"{name}.txt"), os.path.join(root, f"{name}_prepared")
+        text, out = os.path.join(root, f"{name}.txt"), dirs[name]
         if not os.path.isfile(os.path.join(out, "meta.json")):
             _write_text(text, size)
             prepared[name] = _prepare(text, out)
             os.remove(text)
         else:
-            prepared[name] = {"reused": out}
+            prepared[name] = {"reused": out, **_counts(out)}
         bar.update(1)
-    large_dir, small_dir = (os.path.join(root, f"{n}_prepared") for n in ("large", "small"))
+    large_dir, small_dir = dirs["large"], dirs["small"]
     loader = _isolated({"part": "loader", "prepared": large_dir, "batches": batches})
     bar.update(1)
     in_memory = _isolated({"part": "loader", "prepared": "", "batches": batches})

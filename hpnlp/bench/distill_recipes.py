@@ -62,7 +62,6 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from tqdm.auto import tqdm
 
 from hpnlp.bench import compress, harness, report

@@ -26,7 +26,6 @@ import shutil
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.bench import harness, report

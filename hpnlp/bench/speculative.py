@@ -23,7 +23,6 @@ interleaved with its target's alone (`harness.time_interleaved`), so drift falls
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import tempfile
@@ -31,7 +30,6 @@ import time
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from hpnlp.bench import compress, harness, report
 
