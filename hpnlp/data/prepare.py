@@ -344,9 +344,20 @@ def prepare(args) -> dict:
         settings["tokenizer_from_sha256"] = reused.describe()["model_sha256"]
     elif args.tokenizer != "bytes" and args.tokenizer_sample_mb != SAMPLE_MB:
         settings["tokenizer_sample_mb"] = args.tokenizer_sample_mb
+    # a bug hunt: an input edited since was "already prepared" (or resumed at its old offset)
+    stamps = {os.path.abspath(p): [st.st_size, st.st_mtime_ns]
+              for p in paths + eval_paths for st in [os.stat(p)]}
+
+    def changed(saved: dict) -> str | None:
+        return next((p for p, stamp in stamps.items() if saved.get(p, stamp) != stamp), None)
     if os.path.isfile(meta_path):
         old = _read_own_json(meta_path, ())
         if old.get("settings") == settings and old.get("complete"):
+            edited = changed(old.get("input_stamps", {}))
+            if edited:
+                raise PrepareError(f"--out {out} was prepared from {edited} "
+                                   "before it changed (its size or modification time differ); "
+                                   "delete that folder to prepare it again, or choose a new --out")
             print(f"{out} is already prepared with these settings", file=sys.stderr)
             return old
         raise PrepareError(f"--out {out} already holds a prepared corpus made with other settings; "
@@ -362,6 +373,12 @@ def prepare(args) -> dict:
         if progress["settings"] != settings:
             raise PrepareError(f"--out {out} holds an unfinished preparation with other settings; "
                                "rerun it with its own flags, or choose a new --out")
+        edited = changed(progress.get("input_stamps", {}))
+        if edited:
+            raise PrepareError(f"--out {out} holds an unfinished preparation of "
+                               f"{edited}, which changed since (its "
+                               "size or modification time differ), so it cannot be resumed; "
+                               "delete the folder to prepare it afresh, or choose a new --out")
     tok_dir = os.path.join(out, tokenizers.DIRNAME)
     try:
         if progress and args.tokenizer != "bytes":  # resume with the tokenizer already trained
@@ -413,7 +430,8 @@ def prepare(args) -> dict:
     def save_progress():
         np.savez(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), **counts)
         os.replace(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), os.path.join(out, PROGRESS_COUNTS))
-        _atomic_json(progress_path, {"settings": settings, "state": state})
+        _atomic_json(progress_path, {"settings": settings, "state": state,
+                                     "input_stamps": stamps})
 
     if not progress:  # found in review: stopped before its first shard's checkpoint, a run
         save_progress()  # left files its rerun refused as another's; now it starts over
@@ -499,7 +517,7 @@ def prepare(args) -> dict:
     np.save(os.path.join(out, sharded.COUNTS_FILE), counts["train"])
     np.save(os.path.join(out, sharded.EVAL_TARGET_COUNTS_FILE), counts["eval_targets"])
     meta = {"format": sharded.FORMAT, "complete": True, "settings": settings,
-            "tokenizer": tok_info, "dtype": dtype,
+            "input_stamps": stamps, "tokenizer": tok_info, "dtype": dtype,
             "splits": {s: {"shards": state["shards"][s], "documents": state["documents"][s],
                            "tokens": state["tokens"][s]} for s in ("train", "eval")}}
     _atomic_json(meta_path, meta)
