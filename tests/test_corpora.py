@@ -223,7 +223,10 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
     assert "matches no file" in fails(("e.txt", b"x\n"), "--input", str(tmp_path / "nope*.txt"))
     err = fails(("f.txt", b"".join(b"para %d\n\n" % i for i in range(300))), "--tokenizer",
                 "unigram", "--vocab_size", "60000")
-    assert "--vocab_size` = 60000 is not allowed: the training text supports at most" in err
+    assert "error: --vocab_size 60000: the training text supports at most" in err, err
+    # a bug hunt: the eval file as one of the training inputs was taken (eval = train text)
+    err = fails(("t.txt", b"x\n"), "--eval_input", str(tmp_path / "t.txt"))
+    assert "--eval_input " + str(tmp_path / "t.txt") + " is also an --input" in err, err
     # found by the crash hunt: a run's workdir as --out (its tokenizer was replaced), a bad
     # number as a traceback, and an error whose fix led to "an unfinished preparation with
     # other settings" (what the failed call wrote is removed)

@@ -313,6 +313,11 @@ def prepare(args) -> dict:
                            "data.prepared)")
     paths = expand(args.input, "--input")
     eval_paths = expand(args.eval_input, "--eval_input") if args.eval_input else []
+    both = [q for q in eval_paths if any(os.path.samefile(q, t) for t in paths)]
+    if both:  # a bug hunt: taken, and every eval document was one trained on
+        raise PrepareError(f"--eval_input {both[0]} is also an --input: the eval text must be "
+                           "held out; give another file, or drop --eval_input (every "
+                           "--eval_every-th document is then held out)")
     if args.text_field != "text" and not any(_is_jsonl(q, args.format)
                                              for q in paths + eval_paths):
         # found by a bug hunt: taken and ignored

@@ -47,7 +47,10 @@ MAX_LINE_BYTES = 1 << 16  # longer lines still encode; the trainer skips them
 
 
 def _config_error(field: str, value, why: str):
+    """`field`: a config field, or a command line's flag (`--vocab_size`), named as such."""
     from hpnlp.config import ConfigError
+    if field.startswith("--"):  # a bug hunt: "config field `--vocab_size`"
+        return ConfigError(f"{field} {value!r}: {why}")
     return ConfigError(f"config field `{field}` = {value!r} is not allowed: {why}")
 
 
