@@ -201,6 +201,26 @@ def test_task_fields_are_filled_in():
       "model": {"width": 60, "num_heads": 2}},
      "attention.options.impl", "head dim 30 (the kernel needs a positive multiple of 16): set "
      "model.head_dim"),
+    # a bug hunt (session 91): each taken, then ignored or refused at the model's init
+    ({"attention": {"name": "ring", "options": {"axis": "seq"}}}, "attention.options.axis",
+     "choose one of ['data'"),
+    ({"attention": {"name": "synthesizer", "options": {"max_len": 64}}, "model": {"max_len": 128}},
+     "attention.options.max_len", "a cache of model.max_len=128 positions"),
+    ({"attention": {"name": "lsh", "options": {"seed": 5}}}, "attention.options.seed",
+     "never read"),
+    ({"attention": {"name": "performer", "options": {"seed": 5}}}, "attention.options.seed",
+     "or set redraw=False"),
+    ({"output": {"name": "vmf", "tie_embeddings": True, "options": {"reg2": 0.0}}},
+     "output.options.reg2", "must be a number > 0"),
+    ({"output": {"name": "vmf", "tie_embeddings": True, "options": {"reg1": float("nan")}}},
+     "output.options.reg1", "must be a number >= 0"),
+    ({"output": {"name": "adaptive", "options": {"chunk_logits": "big"}},
+      "data": {"task": "word_lm"}}, "output.options.chunk_logits", "an integer >= 1"),
+    ({"model": {"mem_len": 64}}, "model.mem_len", "data.batching='stream'"),
+    ({"model": {"comp_fn": "pool"}}, "model.comp_fn", "model.comp_mem_len=0 has none"),
+    ({"rnn": {"zoneout": 0.1}}, "rnn.zoneout", "model.arch='transformer' has none"),
+    ({"model": {"arch": "transformer_xl", "pos_emb": "sinusoidal"}}, "model.pos_emb",
+     "own relative positions"),
     ({"train": {"early_stopping_metric": "accuracy"}}, "train.early_stopping_metric",
      "train.early_stopping_patience=0 turns it off"),
     ({"train": {"early_stopping_patience": 3, "eval_every": 0}},
@@ -426,3 +446,12 @@ def test_cli_option_overrides_read_words_and_the_spaced_form(monkeypatch):
     monkeypatch.setenv("HPNLP_PROCESS_ID", "two")
     with pytest.raises(SystemExit, match="HPNLP_PROCESS_ID='two' is not an integer"):
         main._env_int("HPNLP_PROCESS_ID", 0)
+
+
+def test_fused_lstm_on_a_mesh_of_several_devices_names_rnn_impl():
+    """A bug hunt (session 91): refused at the model's init as the layer's `impl`."""
+    cfg = base(model={"arch": "lstm", "width": 32}, rnn={"impl": "fused"})
+    validate(cfg, num_devices=1)
+    with pytest.raises(ConfigError, match=r"`rnn.impl` = 'fused' is not allowed: the fused "
+                                          r"kernel cannot run on a mesh of 2 devices"):
+        validate(cfg, num_devices=2)

@@ -296,8 +296,12 @@ def test_a_stream_run_of_too_few_eval_tokens_is_refused_before_training(text_fil
     cd.data.update(task="byte_lm", seq_len=16, batching="stream", train_path=text_file, seed=3)
     cd.model.update(kind="lm", arch="transformer_xl", width=E, depth=1, num_heads=2, mlp_dim=32)
     cd.train.update(batch_size=rows, steps=2, warmup_steps=1, progress=False)
-    with pytest.raises(ValueError, match="eval stream .* fewer than batch_size"):
+    with pytest.raises(ValueError, match=rf"`train.batch_size` = {rows} is not allowed: the "
+                       rf"eval stream .* fewer than its {rows} rows"):
         Trainer(from_configdict(cd), str(tmp_path))
+    cd.data.eval_batch_size = rows  # a bug hunt: the error named no field
+    with pytest.raises(ValueError, match=rf"`data.eval_batch_size` = {rows} is not allowed"):
+        Trainer(from_configdict(cd), str(tmp_path / "e"))
 
 
 def test_stream_resumes_and_splits_over_processes(text_file):

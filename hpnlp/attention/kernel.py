@@ -337,6 +337,12 @@ class PerformerAttention(_KernelAttention):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"config field `{field}.seed` = {seed!r} is not allowed: must be "
                               "an integer")
+        if seed != cls.seed and options.get("redraw", cls.redraw):  # a bug hunt: never read
+            raise ConfigError(f"config field `{field}.seed` = {seed!r} is not allowed: with "
+                              f"{field}.redraw=True the features come from the run's `features` "
+                              "stream (the config's seed, redrawn every "
+                              "train.feature_redraw_every steps), so this option is never read; "
+                              "drop it, or set redraw=False (one fixed draw from this seed)")
 
     def _num_features(self, head_dim: int) -> int:
         return self.num_features

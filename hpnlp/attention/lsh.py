@@ -324,6 +324,12 @@ class LSHAttention(Attention):
             if problem:
                 raise ConfigError(
                     f"config field `{field}.{name}` = {value!r} is not allowed: {problem}")
+        if options.get("seed", cls.seed) != cls.seed:  # a bug hunt: taken, and never read
+            raise ConfigError(f"config field `{field}.seed` = {options['seed']!r} is not "
+                              "allowed: a model's rotations come from the run's `features` "
+                              "stream (the config's seed, redrawn every "
+                              "train.feature_redraw_every steps), so this option is never read; "
+                              "drop it, or set seed")
 
     def _rotation_key(self):
         if self.scope is not None and self.has_rng("features"):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from hpnlp.attention.base import Attention, check_inputs, register
+from hpnlp.config import config_error
 from hpnlp.attention.chunked import chunked_attention
 
 _NEG = -1e30
@@ -103,6 +104,16 @@ class RingAttention(Attention):
     heads_independent = True
 
     axis: str = "sequence"
+
+    @classmethod
+    def check_config(cls, options, *, seq_len, causal, field="attention.options"):
+        super().check_config(options, seq_len=seq_len, causal=causal, field=field)
+        from hpnlp.config.fields import MESH_AXES
+        axis = options.get("axis", cls.axis)
+        if axis not in MESH_AXES:  # a bug hunt: 'seq' ran as chunked on one device, silently
+            raise config_error(f"{field}.axis", axis, f"the ring passes key/value blocks around "
+                               f"this mesh axis; choose one of {list(MESH_AXES)} (the "
+                               "sequence is split over 'sequence')")
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         mesh = jax.sharding.get_abstract_mesh()

@@ -76,6 +76,10 @@ def _check_compressive(cfg: Config) -> None:
     _check_choice("model.comp_fn", m.comp_fn, ("pool", "conv"))
     _check_positive("model.comp_loss_weight", m.comp_loss_weight, allow_zero=True)
     if not m.comp_mem_len:
+        for name in ("comp_rate", "comp_fn", "comp_loss_weight"):  # a bug hunt: ignored
+            if getattr(m, name) != getattr(ModelConfig, name):
+                _fail(f"model.{name}", getattr(m, name), "sets the compressed memory, and "
+                      "model.comp_mem_len=0 has none; drop it, or set model.comp_mem_len")
         return
     if m.arch != "transformer_xl":
         _fail("model.comp_mem_len", m.comp_mem_len, f"the compressed memory extends Transformer-XL's; "
@@ -426,8 +430,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_encoder(cfg)
     if not isinstance(m.mem_len, int) or m.mem_len < 0:
         _fail("model.mem_len", m.mem_len, "must be an integer >= 0 (0: = data.seq_len)")
+    if m.mem_len and not (m.arch == "transformer_xl" and d.batching == "stream"):
+        # a bug hunt: taken and ignored (and on pack/pad, M empty memory slots computed)
+        _fail("model.mem_len", m.mem_len, "is the memory Transformer-XL carries from batch to "
+              "batch, which only model.arch='transformer_xl' on data.batching='stream' has; "
+              "drop it, or set both")
     if m.arch == "transformer_xl":
-        if m.pos_emb == "rope":
+        if m.pos_emb != "learned":  # a bug hunt: 'sinusoidal' was taken and ignored
             _fail("model.pos_emb", m.pos_emb, "model.arch='transformer_xl' has its own relative "
                   "positions (which ignore model.pos_emb); set model.pos_emb='learned'")
         if m.kind != "lm":
@@ -503,6 +512,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     _check_lowrank(cfg)
     _check_memory(cfg)
     r = cfg.rnn
+    if m.arch not in ("lstm", "gru"):  # a bug hunt: each taken and ignored
+        for f in dataclasses.fields(r):
+            if getattr(r, f.name) != f.default:
+                _fail(f"rnn.{f.name}", getattr(r, f.name), f"sets the recurrent trunk, and "
+                      f"model.arch={m.arch!r} has none; drop it, or set model.arch='lstm' "
+                      "(or 'gru')")
     _check_choice("rnn.combine", r.combine, ("last", "sum", "residual"))
     for name in ("variational_dropout", "state_dropout", "recurrent_dropout", "zoneout", "weight_drop"):
         rate = getattr(r, name)
@@ -560,6 +575,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                     raise ConfigError(
                         f"{e} -- here the length is bucket width {width} from {which}; set "
                         "data.bucket_boundaries to multiples of the block sizes") from None
+    synth_len = cfg.attention.options.get("max_len", getattr(att_cls, "max_len", 0))
+    if (cfg.attention.name == "synthesizer" and m.kind == "lm" and m.arch == "transformer"
+            and isinstance(synth_len, int) and synth_len < m.max_len):
+        # a bug hunt: trained, then no decode ran (its cache is model.max_len tokens long)
+        _fail("attention.options.max_len", synth_len, f"an LM decodes into a cache of "
+              f"model.max_len={m.max_len} positions, past the synthesized weights' {synth_len}; "
+              "raise it to model.max_len, or lower model.max_len")
 
     if cfg.output.name not in softmax.names():
         _fail("output.name", cfg.output.name, f"choose one of {softmax.names()}")
@@ -770,6 +792,17 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("mesh.sequence", sizes["sequence"],
               "sequence parallelism splits every sequence over devices and needs "
               "attention.name='ring' (exact attention passing key/value blocks around the ring)")
+    if n > 1 and cfg.rnn.impl == "fused" and m.arch in ("lstm", "gru"):
+        # a bug hunt: the layer's error at init named its own field, not this one
+        _fail("rnn.impl", "fused", f"the fused kernel cannot run on a mesh of {n} devices (XLA "
+              "cannot partition the kernel's call); use rnn.impl='auto' (the XLA scan there) or "
+              "'scan'")
+    ring_axis = cfg.attention.options.get("axis", "sequence")
+    if (sizes["sequence"] > 1 and cfg.attention.name == "ring"
+            and ring_axis not in mesh.mesh_axes_of("length")):
+        _fail("attention.options.axis", ring_axis, "the ring passes key/value blocks around "
+              "this mesh axis, and the sequence is split over "
+              f"{list(mesh.mesh_axes_of('length'))} (mesh.rules.length); set it to 'sequence'")
     if sizes["sequence"] > 1 and d.seq_len % sizes["sequence"]:
         _fail("data.seq_len", d.seq_len, f"must be a multiple of mesh.sequence={sizes['sequence']}")
     if sizes["sequence"] > 1 and d.batching == "bucket":  # found in review: failed mid-run

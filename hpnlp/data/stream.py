@@ -51,9 +51,12 @@ class StreamIterator:
         pairs = ranges(ex.starts, np.maximum(ex.lengths - 1, 0))
         self._inputs, self._targets = ex.tokens[pairs], ex.tokens[pairs + 1]
         n = len(self._inputs)
-        if n < batch_size:
-            raise ValueError(f"the {split} stream of task {task.name!r} has {n} tokens, fewer than "
-                             f"batch_size={batch_size} rows; lower the batch size")
+        if n < batch_size:  # a bug hunt: the error named no config field
+            field = ("data.eval_batch_size" if split == "eval" and getattr(cfg, "eval_batch_size", 0)
+                     else "train.batch_size")
+            raise ConfigError(f"config field `{field}` = {batch_size} is not allowed: the {split} "
+                              f"stream of task {task.name!r} has {n} tokens, fewer than its "
+                              f"{batch_size} rows; lower it")
         self.task, self.split, self.seed = task, split, cfg.seed
         self.batch_size, self.seq_len = int(batch_size), cfg.seq_len
         per = batch_size // process_count

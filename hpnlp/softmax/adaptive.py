@@ -134,6 +134,11 @@ class AdaptiveSoftmax(nn.Module):
             raise config_error(f"{field}.mode", mode, "choose 'sorted' or 'dense'")
         if not options.get("div_value", cls.div_value) > 0:
             raise config_error(f"{field}.div_value", options["div_value"], "must be > 0")
+        chunk = options.get("chunk_logits", cls.chunk_logits)
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):  # a bug hunt: checked at the model's init
+            raise config_error(f"{field}.chunk_logits", chunk, "must be an integer >= 1 (float32 "
+                               "tail logits per chunk), or None to choose by backend")
         cuts = options.get("cutoffs")
         if cuts is not None:
             if not isinstance(cuts, (list, tuple)):  # a README walk: one int was a TypeError

@@ -245,6 +245,16 @@ class VMFOutput(LogitsDistribution, nn.Module):
     dtype: jnp.dtype = jnp.float32  # matmul input dtype; κ, the Bessel terms and losses are float32
     param_dtype: jnp.dtype = jnp.float32
 
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        """A bug hunt: reg1 and reg2 were checked only at the model's init, naming no field."""
+        from hpnlp.config import config_error
+        for name, rule, ok in (("reg1", ">= 0", lambda x: x >= 0), ("reg2", "> 0",
+                                                                     lambda x: x > 0)):
+            x = options.get(name, getattr(cls, name))
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(x):
+                raise config_error(f"{field}.{name}", x, f"must be a number {rule}")
+
     def setup(self):
         if self.vocab_size <= 0:
             raise ValueError(f"VMFOutput needs vocab_size > 0; got {self.vocab_size}")
