@@ -329,7 +329,7 @@ class LSHAttention(Attention):
                               "allowed: a model's rotations come from the run's `features` "
                               "stream (the config's seed, redrawn every "
                               "train.feature_redraw_every steps), so this option is never read; "
-                              "drop it, or set seed")
+                              "drop it, or set the config's seed")
 
     def _rotation_key(self):
         if self.scope is not None and self.has_rng("features"):

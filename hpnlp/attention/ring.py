@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from hpnlp.attention.base import Attention, check_inputs, register
-from hpnlp.config import config_error
 from hpnlp.attention.chunked import chunked_attention
+from hpnlp.config import config_error
 
 _NEG = -1e30
 

@@ -52,8 +52,8 @@ class StreamIterator:
         self._inputs, self._targets = ex.tokens[pairs], ex.tokens[pairs + 1]
         n = len(self._inputs)
         if n < batch_size:  # a bug hunt: the error named no config field
-            field = ("data.eval_batch_size" if split == "eval" and getattr(cfg, "eval_batch_size", 0)
-                     else "train.batch_size")
+            field = ("data.eval_batch_size" if split == "eval"
+                     and getattr(cfg, "eval_batch_size", 0) else "train.batch_size")
             raise ConfigError(f"config field `{field}` = {batch_size} is not allowed: the {split} "
                               f"stream of task {task.name!r} has {n} tokens, fewer than its "
                               f"{batch_size} rows; lower it")
