@@ -221,6 +221,8 @@ def test_task_fields_are_filled_in():
     ({"rnn": {"zoneout": 0.1}}, "rnn.zoneout", "model.arch='transformer' has none"),
     ({"model": {"arch": "transformer_xl", "pos_emb": "sinusoidal"}}, "model.pos_emb",
      "own relative positions"),
+    ({"model": {"arch": "lstm", "width": 32}, "data": {"batching": "stream"}}, "data.batching",
+     "only Transformer-XL carries"),
     ({"train": {"early_stopping_metric": "accuracy"}}, "train.early_stopping_metric",
      "train.early_stopping_patience=0 turns it off"),
     ({"train": {"early_stopping_patience": 3, "eval_every": 0}},

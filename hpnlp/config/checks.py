@@ -689,6 +689,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               "Transformer-XL memory, so positions grow past model.max_len, and a plain "
               "Transformer has absolute positions and no memory; use data.batching='pack' or "
               "'pad', or model.arch='transformer_xl'")
+    if d.batching == "stream" and m.arch in ("lstm", "gru"):  # a bug hunt: taken, to no end
+        _fail("data.batching", d.batching, "stream batches continue each row across batches for "
+              f"a memory carried between them, which only Transformer-XL carries; a "
+              f"model.arch={m.arch!r} LM starts each batch from a zero state, so use "
+              "data.batching='pack' (each packed row read as one stream)")
     if d.batching in ("pack", "stream") and info["kind"] != "lm":
         _fail("data.batching", d.batching, f"{d.batching!r} is for LM tasks; use 'pad' or 'bucket'")
     if m.vocab_size and m.vocab_size < info["vocab_size"]:
