@@ -384,6 +384,23 @@ class StridedAttention(BlockSparseAttention):
             out.append(("num_summary", c, f"must be <= stride={s}"))
         return out
 
+    @classmethod
+    def check_config(cls, options, *, seq_len, causal, field="attention.options"):
+        super().check_config(options, seq_len=seq_len, causal=causal, field=field)
+        b, s = options.get("block_size", cls.block_size), options.get("stride", cls.stride)
+        if options.get("mode", cls.mode) == "strided":
+            # "strided" pads each sequence to a multiple of lcm(b, s) (a bug hunt: b=64, s=63
+            # padded 128 tokens to 4032, silently)
+            lcm, width = math.lcm(b, s), max(b, s)
+            padded, plain = -(-seq_len // lcm) * lcm, -(-seq_len // width) * width
+            if padded > 2 * plain:
+                raise ConfigError(
+                    f"config field `{field}.stride` = {s} is not allowed: with block_size={b} "
+                    f"each sequence is padded to a multiple of lcm({b}, {s}) = {lcm}, here "
+                    f"{padded} tokens for data.seq_len={seq_len}; choose a stride that divides "
+                    "block_size or is a multiple of it (the paper's setting: stride = "
+                    "block_size)")
+
     def _allow(self, causal):
         b, s, c = self.block_size, self.stride, self.num_summary
         if self.mode == "strided":
