@@ -510,6 +510,21 @@ def test_cli_refuses_flags_the_format_ignores(tmp_path, capsys, flags, match):
     assert not os.path.exists(out)
 
 
+
+def test_cli_integer_flags_without_weights_on_a_run_trained_without_quantization(tmp_path,
+                                                                                 capsys):
+    """A README walk: `--calibration percentil` alone, on a plain run, was answered as if the
+    run were QAT ("the QAT run's export keeps its own")."""
+    from hpnlp.compress.__main__ import main
+    _qat_run_config(str(tmp_path / "plain"))
+    assert main(["quantize", "--workdir", str(tmp_path / "plain"), "--out",
+                 str(tmp_path / "o"), "--calibration", "percentil"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--calibration set integer formats, and the run in" in err and \
+        "trained without quantization (not QAT)" in err and "\n" not in err, err
+    assert not os.path.exists(tmp_path / "o")
+
+
 QAT_MESH_CODE = r"""
 import json, sys, tempfile
 import jax, numpy as np

@@ -122,6 +122,12 @@ def main(argv=None) -> int:
                                                  ("group_size", 0), ("calibration", "absmax"),
                                                  ("layers", "all"), ("percentile", None))
                      if getattr(args, a) != default]
+            if given and args.weights is None and not ptq.load_run_config(
+                    args.workdir).quant.enabled:  # a README walk: called a QAT run
+                raise ValueError(f"{', '.join(given)} set integer formats, and the run in "
+                                 f"{args.workdir} trained without quantization (not QAT), so "
+                                 "they apply with an integer --weights; add one (e.g. --weights "
+                                 "int8)")
             if given:
                 what = ("the QAT run's export keeps its own" if args.weights is None
                         else f"--weights {args.weights} takes none")

@@ -491,6 +491,7 @@ def prepare(args) -> dict:
                 since_ckpt = 0
         flush()
     except PrepareError:  # bad input met while streaming (a line not UTF-8, not JSON)
+        bar.close()  # its line ended, so the error starts its own (a README walk)
         for w, _ in writers.values():
             w.close()
         writers.clear()
