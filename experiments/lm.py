@@ -54,7 +54,7 @@ def get_config(arg: str = "bytes"):
     cfg.output.name = "full"  # see hpnlp.softmax.names()
     cfg.output.tie_embeddings = True
 
-    cfg.train.steps = 800  # ~4 minutes on a 2-core CPU
+    cfg.train.steps = 800  # 1 to 3.5 minutes on a 2-core CPU (README, first command)
     cfg.train.batch_size = 32
     cfg.train.lr = 3e-3
     cfg.train.warmup_steps = 100

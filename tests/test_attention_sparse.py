@@ -250,6 +250,8 @@ def test_bad_inputs_have_clear_errors():
         ("sliding_window", {"window": 0}, r"`attention.options.window` = 0 is not allowed"),
         ("strided", {"mode": "fixed", "stride": 8, "num_summary": 9},
          r"`attention.options.num_summary` = 9 is not allowed: must be <= stride=8"),
+        ("strided", {"stride": 8, "num_summary": 2},  # session 92: taken, never read
+         r"`attention.options.num_summary` = 2 is not allowed with mode='strided'"),
         # a bug hunt (session 91): padded 512 tokens to 4032 (lcm(64, 63)), silently
         ("strided", {"block_size": 64, "stride": 63},
          r"`attention.options.stride` = 63 is not allowed: .* lcm\(64, 63\) = 4032"),

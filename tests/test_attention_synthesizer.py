@@ -261,6 +261,14 @@ def test_bad_input_and_config_errors():
         validate(_cfg(max_len=32), num_devices=1)
     with pytest.raises(ConfigError, match=r"`attention.options.rank` = 0"):
         validate(_cfg(max_len=64, rank=0), num_devices=1)
+    # options the mode never reads are refused, not ignored (a bug hunt, session 92)
+    validate(_cfg(mode="factorized", max_len=64, rank=4, trainable=False, seed=3), num_devices=1)
+    for opts, msg in [({"mode": "dense", "rank": 4}, r"`attention.options.rank` = 4 .*'dense'"),
+                      ({"mode": "random", "hidden_dim": 8}, r"options.hidden_dim` = 8 .*'random'"),
+                      ({"mode": "dense", "trainable": False}, r"options.trainable` = False .*'dense'"),
+                      ({"mode": "random", "seed": 3}, r"options.seed` = 3 .*trainable=True: only")]:
+        with pytest.raises(ConfigError, match=msg):
+            validate(_cfg(max_len=64, **opts), num_devices=1)
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="max_len=16"):
         A.get("synthesizer")(max_len=16).init(jax.random.key(0), q, k, v, None, causal=True)

@@ -188,8 +188,14 @@ def configs(draw) -> dict:
         model["moe"]["capacity_factor"] = 1.25
     if not experts:  # its other fields would be refused as ignored
         model["moe"] = {"num_experts": 0}
+    att_options = draw(ATTENTION_OPTIONS[attention])
+    # options the drawn mode never reads are refused (session 92): dropped after the draw
+    if attention == "strided" and att_options["mode"] == "strided":
+        att_options = {k: v for k, v in att_options.items() if k != "num_summary"}
+    if attention == "synthesizer" and att_options["mode"] != "factorized":
+        att_options = {k: v for k, v in att_options.items() if k != "rank"}
     return {"name": "hunt", "seed": draw(st.integers(0, 3)), "model": model, "quant": quant,
-            "attention": {"name": attention, "options": draw(ATTENTION_OPTIONS[attention])},
+            "attention": {"name": attention, "options": att_options},
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn,
             "ptq": draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None,
             "student": draw(students()) if draw(st.integers(0, 7)) == 0 else None,

@@ -388,6 +388,10 @@ class StridedAttention(BlockSparseAttention):
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):
         super().check_config(options, seq_len=seq_len, causal=causal, field=field)
         b, s = options.get("block_size", cls.block_size), options.get("stride", cls.stride)
+        if options.get("mode", cls.mode) == "strided" and "num_summary" in options:
+            raise ConfigError(  # a bug hunt: taken, and never read
+                f"config field `{field}.num_summary` = {options['num_summary']!r} is not "
+                "allowed with mode='strided': only mode='fixed' reads it; drop it")
         if options.get("mode", cls.mode) == "strided":
             # "strided" pads each sequence to a multiple of lcm(b, s) (a bug hunt: b=64, s=63
             # padded 128 tokens to 4032, silently)

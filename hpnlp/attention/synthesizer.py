@@ -129,6 +129,19 @@ class SynthesizerAttention(Attention):
         if not isinstance(options.get("trainable", cls.trainable), bool):
             raise ConfigError(f"config field `{field}.trainable` = "
                               f"{options['trainable']!r} is not allowed: must be True or False")
+        # options the chosen mode never reads are refused, not ignored (a bug hunt)
+        trainable = options.get("trainable", cls.trainable)
+        unused = {"rank": mode != "factorized", "hidden_dim": mode != "dense",
+                  "trainable": mode == "dense", "seed": mode == "dense" or trainable}
+        for name, ignored in unused.items():
+            if name in options and ignored:
+                uses = {"rank": "mode='factorized'", "hidden_dim": "mode='dense'",
+                        "trainable": "mode='random' or 'factorized'",
+                        "seed": "trainable=False (mode='random' or 'factorized')"}[name]
+                raise ConfigError(
+                    f"config field `{field}.{name}` = {options[name]!r} is not allowed with "
+                    f"mode={mode!r}{', trainable=True' if name == 'seed' and mode != 'dense' else ''}"
+                    f": only {uses} reads it; drop it")
 
     # -- parameters (created in __call__; decode_step reads the same ones) ---------------
 
