@@ -6,7 +6,6 @@ import dataclasses
 import functools
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,7 +264,8 @@ def test_bad_input_and_config_errors():
     validate(_cfg(mode="factorized", max_len=64, rank=4, trainable=False, seed=3), num_devices=1)
     for opts, msg in [({"mode": "dense", "rank": 4}, r"`attention.options.rank` = 4 .*'dense'"),
                       ({"mode": "random", "hidden_dim": 8}, r"options.hidden_dim` = 8 .*'random'"),
-                      ({"mode": "dense", "trainable": False}, r"options.trainable` = False .*'dense'"),
+                      ({"mode": "dense", "trainable": False},
+                       r"options.trainable` = False .*'dense'"),
                       ({"mode": "random", "seed": 3}, r"options.seed` = 3 .*trainable=True: only")]:
         with pytest.raises(ConfigError, match=msg):
             validate(_cfg(max_len=64, **opts), num_devices=1)

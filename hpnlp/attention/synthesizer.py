@@ -138,10 +138,10 @@ class SynthesizerAttention(Attention):
                 uses = {"rank": "mode='factorized'", "hidden_dim": "mode='dense'",
                         "trainable": "mode='random' or 'factorized'",
                         "seed": "trainable=False (mode='random' or 'factorized')"}[name]
-                raise ConfigError(
-                    f"config field `{field}.{name}` = {options[name]!r} is not allowed with "
-                    f"mode={mode!r}{', trainable=True' if name == 'seed' and mode != 'dense' else ''}"
-                    f": only {uses} reads it; drop it")
+                given = f"mode={mode!r}" + (", trainable=True" if uses.startswith("train")
+                                              and mode != "dense" else "")
+                raise ConfigError(f"config field `{field}.{name}` = {options[name]!r} is not "
+                                  f"allowed with {given}: only {uses} reads it; drop it")
 
     # -- parameters (created in __call__; decode_step reads the same ones) ---------------
 
