@@ -122,6 +122,24 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
         run(tiny(steps=60), str(tmp_path))
 
 
+def test_a_resume_that_changes_the_learning_rate_says_so():
+    # a bug hunt (session 92): a longer run's cosine decay, stretched over the new
+    # train.steps, jumped the rate where it resumed, unsaid
+    from hpnlp.config import TrainConfig
+    from hpnlp.train.loop import schedule_change
+    t = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, schedule="cosine", end_lr_frac=0.1)
+    msg = schedule_change({"steps": 50, "lr": 1e-3, "warmup_steps": 10}, t, 50)
+    # saved: step 50 of 50 is the end rate 1e-4; now: halfway down 90 decay steps
+    now = 1e-4 + 0.5 * 9e-4 * (1 + np.cos(np.pi * 40 / 90))
+    assert msg == ("; the learning-rate schedule changed (train.steps: saved 50, now 100): "
+                   f"its rate at step 50 is {now:.3g}, where the saved run's was 0.0001")
+    assert schedule_change({"steps": 50, "lr": 1e-3}, t, 50 - 50 + 5) == ""  # in the warmup
+    assert schedule_change({"steps": 100, "lr": 1e-3, "schedule": "cosine"}, t, 50) == ""
+    constant = TrainConfig(steps=100, lr=1e-3, schedule="constant")
+    assert schedule_change({"steps": 50}, constant, 50) == ""  # the same rate
+    assert "train.lr: saved 0.002, now 0.001" in schedule_change({"lr": 2e-3}, constant, 50)
+
+
 @pytest.mark.slow
 def test_rerun_resumes_and_continues_exactly(tmp_path):
     # A constant schedule: the lr then does not depend on train.steps, which differs here.

@@ -245,6 +245,8 @@ class Checkpointer:
         # "attention.name: saved 'dense', now 'chunked'" where a resume changes only the
         # implementation of exact attention (EXACT_ATTENTION), which it may
         self.attention_changed = ""
+        # the saved config's train fields, where a resume reads them (its lr schedule's)
+        self.saved_train: dict = {}
         self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -258,6 +260,7 @@ class Checkpointer:
         resuming = os.path.isdir(self.directory) and bool(os.listdir(self.directory))
         if os.path.exists(self.config_path):
             saved = _read_config_json(self.config_path)
+            self.saved_train = dict(saved.get("config", {}).get("train", {}))
             old_sig = saved.get("shape_signature", {})
             old_sig, new_sig = _resolved(old_sig, sig), _resolved(sig, old_sig)
             diff = {k: (old_sig.get(k), new_sig.get(k)) for k in {**old_sig, **new_sig}

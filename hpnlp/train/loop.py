@@ -33,9 +33,35 @@ from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, check_params_match, has_checkpoint,
                                     load_run_config, restore_params)
 from hpnlp.train.metrics import MetricWriter
-from hpnlp.train.state import init_params, init_state, make_optimizer
+from hpnlp.train.state import (init_params, init_state, learning_rate_schedule,
+                               make_optimizer)
 from hpnlp.train.stop import StopSignals
 from hpnlp.train.step import finalize, make_eval_step, make_train_step, step_compiler_options
+
+
+SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "schedule", "end_lr_frac")
+
+
+def schedule_change(saved_train: dict, t, step: int) -> str:
+    """'; the learning-rate schedule changed (...)' where a resume's train fields give
+    another learning rate at `step` than the saved run's, else ''. A longer run is a
+    legitimate resume, but its cosine or linear decay is stretched over the new
+    train.steps, so the rate jumps where it resumes (a bug hunt: it did so unsaid)."""
+    changed = {f: saved_train[f] for f in SCHEDULE_FIELDS
+               if f in saved_train and saved_train[f] != getattr(t, f)}
+    if not changed:
+        return ""
+    try:
+        before = float(learning_rate_schedule(dataclasses.replace(t, **changed))(step))
+    except (TypeError, ValueError):  # a saved field of another type: nothing to compare
+        return ""
+    now = float(learning_rate_schedule(t)(step))
+    if math.isclose(before, now, rel_tol=1e-6, abs_tol=1e-12):
+        return ""
+    fields = ", ".join(f"train.{f}: saved {v!r}, now {getattr(t, f)!r}"
+                       for f, v in changed.items())
+    return (f"; the learning-rate schedule changed ({fields}): its rate at step {step} is "
+            f"{now:.3g}, where the saved run's was {before:.3g}")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -416,7 +442,9 @@ class Trainer:
                      f"{t.early_stopping_metric}, train.early_stopping_patience="
                      f"{t.early_stopping_patience}), nothing to train (raise the patience, or "
                      "0 to turn early stopping off, to train on)"
-                     if stopped_early and start < t.steps else ""),
+                     if stopped_early and start < t.steps else "")
+                  + (schedule_change(self.checkpointer.saved_train, t, start)
+                     if start < t.steps else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
