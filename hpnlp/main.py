@@ -236,8 +236,8 @@ def join_processes(cfg) -> None:
     from hpnlp.config import Config, from_configdict, validate
     n, i = FLAGS.num_processes, FLAGS.process_id
     where, limit = FLAGS.coordinator, FLAGS.init_timeout
-    validate(cfg if isinstance(cfg, Config) else from_configdict(cfg), num_processes=n,
-             devices=False)
+    checked = validate(cfg if isinstance(cfg, Config) else from_configdict(cfg),
+                       num_processes=n, devices=False)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
           "every process (--init_timeout)", file=sys.stderr, flush=True)
@@ -262,6 +262,46 @@ def join_processes(cfg) -> None:
             joined.append(True)
     finally:
         timer.cancel()
+    same_config_everywhere(checked, n, i)
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def same_config_everywhere(cfg, n: int, i: int) -> None:
+    """Every process of a run must run one config: refused, in every process, where any
+    differs from process 0's, naming the fields (a bug hunt: a process started with another
+    model.width aborted both in gloo's C++ 'collective mismatch'; another train.lr would
+    have trained on, each process updating its own replicas differently)."""
+    import json
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from hpnlp.config import ConfigError, to_json
+    mine = np.frombuffer(json.dumps(to_json(cfg), sort_keys=True).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:mine.size] = mine
+    every = multihost_utils.process_allgather(padded).reshape(n, -1)
+    configs = [_flat(json.loads(bytes(every[p, :sizes[p]]).decode())) for p in range(n)]
+    diffs = []
+    for p in range(1, n):
+        keys = sorted(k for k in {**configs[0], **configs[p]}
+                      if configs[0].get(k) != configs[p].get(k))
+        diffs += [f"{k}: process 0 {configs[0].get(k)!r}, process {p} {configs[p].get(k)!r}"
+                  for k in keys]
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise ConfigError(
+            f"process {i} of {n}: the processes were started with different configs ({shown}); "
+            "start every process with the same --config and --config.* overrides")
 
 
 def main(argv) -> None:

@@ -41,8 +41,8 @@ def launch():
     for `finish`; every process still alive at teardown is killed (by its own pid)."""
     started = []
 
-    def start(workdir, *, processes=1, devices=1, extra=()):
-        # `devices` CPU devices per process.
+    def start(workdir, *, processes=1, devices=1, extra=(), each=None):
+        # `devices` CPU devices per process; `each[i]`: process i's own extra flags.
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
         multi = ["--coordinator", f"127.0.0.1:{_free_port()}",
@@ -50,7 +50,8 @@ def launch():
         procs = []
         for i in range(processes):
             log = open(f"{workdir}.p{i}.log", "w")
-            cmd = [sys.executable, "-m", "hpnlp.main", *TINY, *extra, "--workdir", str(workdir),
+            cmd = [sys.executable, "-m", "hpnlp.main", *TINY, *extra, *(each[i] if each else ()),
+                   "--workdir", str(workdir),
                    *multi, *(["--process_id", str(i)] if multi else [])]
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))
@@ -228,6 +229,19 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
         assert f"config field `mesh` does not split the batch over processes: process {i} of 2" \
             in log, log[-2000:]
     assert not os.path.exists(tmp_path / "tensor" / "checkpoints")
+    # A bug hunt (session 92): processes started with different configs aborted in gloo's
+    # C++ "collective mismatch" (another model.width), or would train on (another train.lr).
+    # Every process now names the fields after joining, before the workdir is touched.
+    logs = finish(launch(tmp_path / "differ", processes=2,
+                         each=[[], ["--config.model.width=64", "--config.train.lr=1e-3"]]),
+                  expect=1)
+    for i, log in enumerate(logs):
+        assert log.splitlines()[-1] == (
+            f"hpnlp: error: process {i} of 2: the processes were started with different "
+            "configs (model.width: process 0 32, process 1 64; train.lr: process 0 0.003, "
+            "process 1 0.001); start every process with the same --config and --config.* "
+            "overrides"), log[-2000:]
+    assert not os.path.exists(tmp_path / "differ")
 
 
 def _stop_when_training(run, workdir, after_step: int, process: int, sig) -> list[int]:
