@@ -221,7 +221,7 @@ def _shutdown_quietly() -> None:
         pass
 
 
-def join_processes(cfg) -> None:
+def join_processes(cfg, flags: dict | None = None) -> None:
     """In a multi-host run (--coordinator): check the config as far as it does not depend on
     the devices, then join the other processes (jax.distributed), saying so. Found in a README
     walk: a process started alone waited 5 minutes before it read the config, and then
@@ -262,7 +262,7 @@ def join_processes(cfg) -> None:
             joined.append(True)
     finally:
         timer.cancel()
-    same_config_everywhere(checked, n, i)
+    same_config_everywhere(checked, n, i, flags or {})
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -274,9 +274,10 @@ def _flat(tree, prefix: str = "") -> dict:
     return out
 
 
-def same_config_everywhere(cfg, n: int, i: int) -> None:
-    """Every process of a run must run one config: refused, in every process, where any
-    differs from process 0's, naming the fields (a bug hunt: a process started with another
+def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
+    """Every process of a run must run one config (and the same `flags`, e.g. an ensemble's
+    {"--members": M}): refused, in every process, where any differs from process 0's, naming
+    the fields (a bug hunt: a process started with another
     model.width aborted both in gloo's C++ 'collective mismatch'; another train.lr would
     have trained on, each process updating its own replicas differently)."""
     import json
@@ -285,12 +286,13 @@ def same_config_everywhere(cfg, n: int, i: int) -> None:
     from jax.experimental import multihost_utils
 
     from hpnlp.config import ConfigError, to_json
-    mine = np.frombuffer(json.dumps(to_json(cfg), sort_keys=True).encode(), np.uint8)
+    mine = json.dumps({**_flat(to_json(cfg)), **flags}, sort_keys=True).encode()
+    mine = np.frombuffer(mine, np.uint8)
     sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32)).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[:mine.size] = mine
     every = multihost_utils.process_allgather(padded).reshape(n, -1)
-    configs = [_flat(json.loads(bytes(every[p, :sizes[p]]).decode())) for p in range(n)]
+    configs = [json.loads(bytes(every[p, :sizes[p]]).decode()) for p in range(n)]
     diffs = []
     for p in range(1, n):
         keys = sorted(k for k in {**configs[0], **configs[p]}
@@ -301,7 +303,8 @@ def same_config_everywhere(cfg, n: int, i: int) -> None:
         shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
         raise ConfigError(
             f"process {i} of {n}: the processes were started with different configs ({shown}); "
-            "start every process with the same --config and --config.* overrides")
+            "start every process with the same --config, --config.* overrides and other flags "
+            "(--process_id aside)")
 
 
 def main(argv) -> None:

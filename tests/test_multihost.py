@@ -239,8 +239,8 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
         assert log.splitlines()[-1] == (
             f"hpnlp: error: process {i} of 2: the processes were started with different "
             "configs (model.width: process 0 32, process 1 64; train.lr: process 0 0.003, "
-            "process 1 0.001); start every process with the same --config and --config.* "
-            "overrides"), log[-2000:]
+            "process 1 0.001); start every process with the same --config, --config.* "
+            "overrides and other flags (--process_id aside)"), log[-2000:]
     assert not os.path.exists(tmp_path / "differ")
 
 

@@ -437,7 +437,8 @@ def _main(argv) -> None:
         check_workdir(F.workdir)  # before a compile: it takes ensemble.json
         if F.profile:
             check_writable_dir(F.profile, "--profile")
-        cli.join_processes(cfg)
+        cli.join_processes(cfg, {"--members": F.members,
+                                 "--from_checkpoints": F.from_checkpoints})
         if F.members:
             os.makedirs(F.workdir, exist_ok=True)
             trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members)
