@@ -266,6 +266,7 @@ def join_processes(cfg, flags: dict | None = None) -> None:
 
 
 def _flat(tree, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
     if not isinstance(tree, dict):
         return {prefix: tree}
     out = {}
@@ -277,9 +278,9 @@ def _flat(tree, prefix: str = "") -> dict:
 def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
     """Every process of a run must run one config (and the same `flags`, e.g. an ensemble's
     {"--members": M}): refused, in every process, where any differs from process 0's, naming
-    the fields (a bug hunt: a process started with another
-    model.width aborted both in gloo's C++ 'collective mismatch'; another train.lr would
-    have trained on, each process updating its own replicas differently)."""
+    the fields (a bug hunt: a process started with another model.width aborted both in
+    gloo's C++ 'collective mismatch'; another train.lr would have trained on, each process
+    updating its own replicas differently)."""
     import json
 
     import numpy as np
