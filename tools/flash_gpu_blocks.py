@@ -2,7 +2,8 @@
 one process, beside PyTorch's SDPA and the XLA twin at the same shape: how the defaults in
 `flash_gpu.default_blocks` were chosen. GPU only.
 
-    JAX_PLATFORMS=cuda python tools/flash_gpu_blocks.py [--L 4096] [--D 64] [--out DIR] [--write]
+    JAX_PLATFORMS=cuda python tools/flash_gpu_blocks.py [--L 4096] [--B 1] [--H 8] [--D 64]
+        [--out DIR] [--write]
 
 Forward configurations are timed forward only; backward ones forward+backward with the
 default forward. Float32 products at full precision (`highest`), as the attention bench
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true",
                    help="store the fastest configurations in flash_gpu.TUNED_PATH")
     a = p.parse_args(argv)
+    for name in ("L", "B", "H", "D"):  # a bug hunt: a bad shape became rows of errors
+        if getattr(a, name) < 1:
+            p.error(f"--{name} {getattr(a, name)}: give a positive size")
     if jax.default_backend() != "gpu":
         print("flash_gpu_blocks: needs the GPU backend (JAX_PLATFORMS=cuda)", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@ process through each build's plain C tuning probe (one forward or backward pass 
 inputs, no XLA), on this CPU's tuned blocks.
 
     python tools/kernel_ab.py --rev HEAD~1 [--kernel flash|lstm|spmm] [--rounds 9]
-        [--length L] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
+        [--length L] [--threads T] [--shape B,H,D] [--causal] [--bfloat16 [--widen 0|1]]
         [--fwd-blocks Q,K] [--bwd-blocks Q,K] [--rev-fwd-blocks Q,K] [--rev-bwd-blocks Q,K]
         [--dw-blocks KC,MC] [--rev-dw-blocks KC,MC]
 
@@ -166,6 +166,9 @@ def main():
                                   or args.shape != ap.get_default("shape")):
         ap.error("--causal, --bfloat16, --shape, --widen and the --*fwd-blocks/--*bwd-blocks "
                  "are flash attention's options")
+    if args.kernel == "spmm" and args.length:  # a bug hunt: taken, and never read
+        ap.error("--length: the sparse product runs at its fixed SPMM_SHAPES; leave it out "
+                 "with --kernel spmm")
     if args.widen is not None and not args.bfloat16:
         ap.error("--widen chooses the bfloat16 kernel's products: give --bfloat16 too")
     if (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", args.shape)

@@ -71,10 +71,18 @@ def main() -> None:
     if os.path.isdir(args.out):
         parser.error(f"--out {args.out} is a folder; give the .xz file to write")
     if args.raw:
-        raw = pathlib.Path(args.raw).read_text(encoding="ascii")
+        try:
+            raw = pathlib.Path(args.raw).read_text(encoding="ascii")
+        except UnicodeDecodeError as e:  # a bug hunt: a traceback
+            parser.error(f"--raw {args.raw}: byte {e.start} is not ASCII; the `bible` dump "
+                         "is plain ASCII: give one, or leave --raw out")
     else:
-        raw = subprocess.run(["bible", "-l100000", "Gen1:1-Rev22:21"], check=True,
-                             capture_output=True, text=True).stdout
+        try:
+            raw = subprocess.run(["bible", "-l100000", "Gen1:1-Rev22:21"], check=True,
+                                 capture_output=True, text=True).stdout
+        except FileNotFoundError:  # a bug hunt: a traceback
+            parser.error("the `bible` program is not installed: sudo apt-get install bible-kjv "
+                         "(or give an existing dump with --raw)")
     text = clean(raw)
     books = sum(line.startswith("# ") for line in text.splitlines())
     chapters = sum(line.startswith("## ") for line in text.splitlines())

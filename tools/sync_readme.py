@@ -28,6 +28,9 @@ BLOCK = re.compile(r"(<!-- BEGIN generated: (\S+)(?: (#+ [^\n]*?))? -->\n)(.*?)(
 
 
 def section(path: str, heading: str | None) -> str:
+    if not os.path.isfile(os.path.join(ROOT, path)):  # a bug hunt: a traceback
+        raise SystemExit(f"README.md's generated block names {path}, which does not exist; "
+                         "rerun its benchmark or fix the block's BEGIN line in README.md")
     with open(os.path.join(ROOT, path)) as f:
         lines = f.read().splitlines()
     if heading is None:
