@@ -31,9 +31,13 @@ from hpnlp.train.checkpoint import load_run_config
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher", required=True, help="a byte-LM run's workdir")
-    p.add_argument("--inits", nargs="+", default=["select", "importance", "pca"])
+    p.add_argument("--inits", nargs="+", default=["select", "importance", "pca"],
+                   choices=["none", "every_other", "select", "importance", "pca"],
+                   help="train.distill.init values to compare")
     p.add_argument("--eval-batches", type=int, default=0, help="0: the teacher's")
     args = p.parse_args()
+    if args.eval_batches < 0:  # a bug hunt: a traceback after the first init's evaluation
+        p.error(f"--eval-batches {args.eval_batches}: give a positive number (0: the teacher's)")
     if not os.path.exists(os.path.join(args.teacher, "config.json")):
         sys.exit(f"--teacher {args.teacher}: no config.json there; pass a finished run's workdir")
     tcfg = validate(load_run_config(args.teacher))

@@ -68,7 +68,7 @@ def _write_tuned(rows, head_dim) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--L", type=int, default=4096)
     p.add_argument("--B", type=int, default=1)
     p.add_argument("--H", type=int, default=8)

@@ -13,6 +13,7 @@ difference; decoding: the share of equal tokens).
 """
 
 import argparse
+import json
 import os
 
 import jax
@@ -33,6 +34,12 @@ def main() -> None:
         if not os.path.exists(os.path.join(path, name)):
             p.error(f"{flag} {path}: no {name} there; give a trained MoE LM run and its "
                     "`python -m hpnlp.compress quantize` folder")
+    with open(os.path.join(args.quantized, "quant.json")) as f:
+        source = json.load(f).get("source", {}).get("workdir")
+    if source and os.path.realpath(source) != os.path.realpath(args.workdir):
+        # a bug hunt: another run's quantized folder was timed against this run
+        p.error(f"--quantized {args.quantized} was quantized from {source}, not --workdir "
+                f"{args.workdir}; give the run it was quantized from")
 
     from flax import traverse_util
 

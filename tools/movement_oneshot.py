@@ -53,13 +53,16 @@ def final_params(workdir: str) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True,
                         help="the compress bench's workdir (its byte_LM_teacher is the start)")
     parser.add_argument("--sparsity", type=float, default=0.3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-batches", type=int, default=8,
+                        help="eval batches per evaluation (0: the whole eval split)")
     args = parser.parse_args()
+    if args.eval_batches < 0:  # a bug hunt: refused only after the teacher's training
+        parser.error(f"--eval-batches {args.eval_batches}: give 0 (the whole split) or more")
     if not 0.0 < args.sparsity < 1.0:
         parser.error(f"--sparsity {args.sparsity}: must be in (0, 1)")
     if args.steps < 1:
