@@ -85,9 +85,13 @@ def test_quickstart_attention_choices_it_offers_validate(monkeypatch):
         offered.update({name: batching for name in re.findall(r'"(\w+)"', ln.partition("#")[2])
                         if name not in ("pad", "pack")})
     assert {"chunked", "xla"} <= set(offered), offered
+    # and "local" with the block the comment gives (its default block is the whole sequence)
+    local = re.search(r'"local" with cfg.attention.options = (\{[^}]*\})', lines[at + 2])
+    offered["local"] = ("pack", eval(local.group(1)))
     for name, batching in offered.items():
+        batching, options = batching if isinstance(batching, tuple) else (batching, {})
         cfg = ns["cfg"].copy_and_resolve_references()
-        cfg.attention.name, cfg.data.batching = name, batching
+        cfg.attention.name, cfg.attention.options, cfg.data.batching = name, options, batching
         validate(from_configdict(cfg))
 
 
