@@ -233,7 +233,7 @@ def join_processes(cfg, flags: dict | None = None) -> None:
 
     import jax
 
-    from hpnlp.config import Config, from_configdict, validate
+    from hpnlp.config import Config, ConfigError, from_configdict, validate
     n, i = FLAGS.num_processes, FLAGS.process_id
     where, limit = FLAGS.coordinator, FLAGS.init_timeout
     checked = validate(cfg if isinstance(cfg, Config) else from_configdict(cfg),
@@ -262,7 +262,13 @@ def join_processes(cfg, flags: dict | None = None) -> None:
             joined.append(True)
     finally:
         timer.cancel()
-    same_config_everywhere(checked, n, i, flags or {})
+    # the run's shape and folder too (a bug hunt: another --num_processes failed in numpy in
+    # one process and hung the other; another --workdir hung both at the first checkpoint)
+    same = {"--num_processes": n, "--workdir": os.path.abspath(FLAGS.workdir), **(flags or {})}
+    try:
+        same_config_everywhere(checked, n, i, same)
+    except ConfigError as e:  # every process stops here, and leaves the service together
+        exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -292,10 +298,11 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
     sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32)).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[:mine.size] = mine
-    every = multihost_utils.process_allgather(padded).reshape(n, -1)
-    configs = [json.loads(bytes(every[p, :sizes[p]]).decode()) for p in range(n)]
+    joined = sizes.size  # the processes that joined, whatever --num_processes said
+    every = multihost_utils.process_allgather(padded).reshape(joined, -1)
+    configs = [json.loads(bytes(every[p, :sizes[p]]).decode()) for p in range(joined)]
     diffs = []
-    for p in range(1, n):
+    for p in range(1, joined):
         keys = sorted(k for k in {**configs[0], **configs[p]}
                       if configs[0].get(k) != configs[p].get(k))
         diffs += [f"{k}: process 0 {configs[0].get(k)!r}, process {p} {configs[p].get(k)!r}"
@@ -305,7 +312,7 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
         raise ConfigError(
             f"process {i} of {n}: the processes were started with different configs ({shown}); "
             "start every process with the same --config, --config.* overrides and other flags "
-            "(--process_id aside)")
+            "(--process_id aside; --workdir: the same path, on storage every host sees)")
 
 
 def main(argv) -> None:

@@ -50,9 +50,9 @@ def launch():
         procs = []
         for i in range(processes):
             log = open(f"{workdir}.p{i}.log", "w")
-            cmd = [sys.executable, "-m", "hpnlp.main", *TINY, *extra, *(each[i] if each else ()),
-                   "--workdir", str(workdir),
-                   *multi, *(["--process_id", str(i)] if multi else [])]
+            cmd = [sys.executable, "-m", "hpnlp.main", *TINY, *extra, "--workdir", str(workdir),
+                   *multi, *(["--process_id", str(i)] if multi else []),
+                   *(each[i] if each else ())]  # last: absl takes a flag's last value
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))
         started.extend(procs)
@@ -240,8 +240,21 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
             f"hpnlp: error: process {i} of 2: the processes were started with different "
             "configs (model.width: process 0 32, process 1 64; train.lr: process 0 0.003, "
             "process 1 0.001); start every process with the same --config, --config.* "
-            "overrides and other flags (--process_id aside)"), log[-2000:]
+            "overrides and other flags (--process_id aside; --workdir: the same path, on "
+            "storage every host sees)"), log[-2000:]
     assert not os.path.exists(tmp_path / "differ")
+    # another --num_processes (numpy's error in one, a hang in the other) or --workdir (both
+    # hung at the first checkpoint): the same line, naming the flag
+    logs = finish(launch(tmp_path / "count", processes=2, each=[[], ["--num_processes", "3"]]),
+                  expect=1)
+    for log in logs:
+        assert "different configs (--num_processes: process 0 2, process 1 3)" in log, log[-2000:]
+    logs = finish(launch(tmp_path / "dir", processes=2,
+                         each=[[], ["--workdir", str(tmp_path / "other")]]), expect=1)
+    for log in logs:
+        assert (f"different configs (--workdir: process 0 '{tmp_path / 'dir'}', process 1 "
+                f"'{tmp_path / 'other'}')") in log, log[-2000:]
+    assert not os.path.exists(tmp_path / "count") and not os.path.exists(tmp_path / "other")
 
 
 def _stop_when_training(run, workdir, after_step: int, process: int, sig) -> list[int]:
