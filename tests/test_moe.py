@@ -490,6 +490,8 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     ({"router": "hash"}, {}, "model.moe.router"),
     ({"capacity_factor": 0.0}, {}, "model.moe.capacity_factor"),
     ({"eval_capacity_factor": -1.0}, {}, "model.moe.eval_capacity_factor"),
+    ({"capacity_factor": float("inf")}, {}, "model.moe.capacity_factor"),  # session 92: took,
+    ({"eval_capacity_factor": float("nan")}, {}, "model.moe.eval_capacity_factor"),  # then failed
     ({"router": "top_k", "top_k": 1}, {}, "model.moe.router"),
     ({"router": "switch", "top_k": 2}, {}, "model.moe.router"),
     ({"num_experts": 6}, {"data": 1, "expert": 4}, "model.moe.num_experts"),

@@ -171,9 +171,11 @@ def check_moe_fields(c: MoEConfig) -> None:
         _fail("model.moe.noisy", True, "noisy gating is for token-choice routers (top_k, switch)")
     for name in ("capacity_factor", "eval_capacity_factor"):
         v = getattr(c, name)
-        if not isinstance(v, (int, float)) or v <= 0:
-            _fail(f"model.moe.{name}", v, "must be > 0 (slots per expert = factor x tokens x "
-                  "top_k / experts); use model.moe.dispatch='dropless' for no capacity limit")
+        # a bug hunt: inf and nan passed, then failed converting the slots to an integer
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            _fail(f"model.moe.{name}", v, "must be a finite number > 0 (slots per expert = "
+                  "factor x tokens x top_k / experts); use model.moe.dispatch='dropless' for "
+                  "no capacity limit")
     _check_positive("model.moe.balance_loss", c.balance_loss, allow_zero=True)
     _check_positive("model.moe.z_loss", c.z_loss, allow_zero=True)
 
