@@ -289,17 +289,24 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
     updating its own replicas differently)."""
     import json
 
+    import jax
     import numpy as np
     from jax.experimental import multihost_utils
 
     from hpnlp.config import ConfigError, to_json
     mine = json.dumps({**_flat(to_json(cfg)), **flags}, sort_keys=True).encode()
     mine = np.frombuffer(mine, np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32)).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:mine.size] = mine
-    joined = sizes.size  # the processes that joined, whatever --num_processes said
-    every = multihost_utils.process_allgather(padded).reshape(joined, -1)
+    try:
+        sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32)).reshape(-1)
+        padded = np.zeros(int(sizes.max()), np.uint8)
+        padded[:mine.size] = mine
+        joined = sizes.size  # the processes that joined, whatever --num_processes said
+        every = multihost_utils.process_allgather(padded).reshape(joined, -1)
+    except ValueError as e:  # a bug hunt: numpy's reshape error, naming nothing
+        raise ConfigError(
+            f"process {i} of {n}: the processes do not hold the same number of devices (this "
+            f"one has {jax.local_device_count()}; {e}); give every process the same devices "
+            "(XLA_FLAGS, CUDA_VISIBLE_DEVICES)") from None
     configs = [json.loads(bytes(every[p, :sizes[p]]).decode()) for p in range(joined)]
     diffs = []
     for p in range(1, joined):
@@ -315,16 +322,26 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
             "(--process_id aside; --workdir: the same path, on storage every host sees)")
 
 
+def _orbax_errors_in_one_line(record) -> bool:
+    """A failed background save: orbax logs it with its traceback from each of its threads
+    (a bug hunt: ~300 lines before hpnlp's own line, which says what failed and what to do);
+    kept to their one-line messages."""
+    if record.exc_info and "orbax" in record.pathname:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def main(argv) -> None:
     refuse_positional(argv)
     # Orbax logs every checkpoint step at INFO; keep the terminal for the progress bar.
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_orbax_errors_in_one_line)
     try:  # Ctrl-C in the imports' seconds (found by CI on the Zen 3: a traceback, exit -2)
         import jax
 
         from hpnlp.config import ConfigError
         from hpnlp.train import Interrupted, NonFiniteLoss, run
-        from hpnlp.train.checkpoint import CheckpointMismatch
+        from hpnlp.train.checkpoint import CheckpointMismatch, CheckpointSaveFailed
     except KeyboardInterrupt:
         exit_interrupted("hpnlp: interrupted")
 
@@ -343,6 +360,8 @@ def main(argv) -> None:
         # Config, data-file and checkpoint problems: one line saying what and how to fix.
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except CheckpointSaveFailed as e:  # at once: orbax's writer threads would hold the exit
+        exit_interrupted(f"hpnlp: error: {e}", 1)
     except Interrupted as e:  # Ctrl-C or SIGTERM while training: what a rerun resumes from
         exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt:  # before the first step or after the last

@@ -122,6 +122,44 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
         run(tiny(steps=60), str(tmp_path))
 
 
+def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    # a bug hunt (session 92): a read-only checkpoints folder gave ~300 lines of orbax
+    # tracebacks and a process that never exited; a full disk was reported a save late
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.train.checkpoint import Checkpointer, CheckpointSaveFailed
+    ck = Checkpointer(str(tmp_path), validate(from_configdict(tiny(steps=10)), num_devices=1),
+                      keep=2)
+    ck.save(5, {"x": np.zeros(2)}, {}, {})
+    ck.wait()
+
+    def fails(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    for name in ("save", "check_for_errors", "wait_until_finished"):
+        monkeypatch.setattr(ck.manager, name, fails)
+    msg = (rf"writing a checkpoint in {tmp_path}/checkpoints failed \(OSError: \[Errno 28\] No "
+           r"space left on device\); the newest complete checkpoint is step 5: a rerun of the "
+           r"same command resumes from it. Free space there, or make it writable")
+    for call in (lambda: ck.save(10, {"x": np.zeros(2)}, {}, {}), ck.check, ck.close):
+        with pytest.raises(CheckpointSaveFailed, match=msg):
+            call()
+
+
+def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
+    # a bug hunt (session 92): both resumed, computing another function of the same arrays
+    from hpnlp.config import to_json
+    from hpnlp.train.checkpoint import _config_shape_diff
+    cd = tiny()
+    cd.model.kind, cd.data.task = "classifier", "doc_classify"
+    saved = to_json(from_configdict(cd))
+    cd.model.causal, cd.model.pool = True, "first"
+    assert _config_shape_diff(saved, from_configdict(cd)) == {
+        "model.causal": (False, True), "model.pool": ("mean", "first")}
+    lm = tiny()
+    saved = to_json(from_configdict(lm))
+    lm.model.pool = "first"  # an LM pools nothing
+    assert _config_shape_diff(saved, from_configdict(lm)) == {}
+
+
 def test_a_resume_that_changes_the_learning_rate_says_so():
     # a bug hunt (session 92): a longer run's cosine decay, stretched over the new
     # train.steps, jumped the rate where it resumed, unsaid

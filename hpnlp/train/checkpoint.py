@@ -107,6 +107,12 @@ class CheckpointMismatch(ValueError):
     """The workdir holds checkpoints of a different model."""
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a read-only or foreign folder): one
+    line naming the folder and the newest complete step. Raised where orbax reports it, at
+    the next save or at the run's end (its writes run in the background)."""
+
+
 # Fields that change parameter or optimizer-state shapes: a resume must agree on them.
 _SHAPE_FIELDS = {
     "model": ("kind", "width", "depth", "num_heads", "mlp_dim", "max_len", "pos_emb",
@@ -174,6 +180,10 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
     # Transformer-XL's compressive memory (on or off, its compressor) holds parameters, and
     # its memory is a carry only on a stream ("another version" in the restore).
     fields.append(("seed",))
+    # A bug hunt (session 92): a classifier resumed causal, or pooling the first token, as
+    # another function of the same arrays (another model, as another attention variant is)
+    if "lm" not in {value(("model", "kind")), get(now, ("model", "kind"))}:
+        fields += [("model", "causal"), ("model", "pool")]
     if get(now, ("model", "dtype")) == "float16":
         fields.append(("model", "dtype"))
     if "transformer_xl" in {value(("model", "arch")), get(now, ("model", "arch"))}:
@@ -309,10 +319,13 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, loop_state: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(data_state),
-            loop=ocp.args.JsonSave(loop_state)))
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                loop=ocp.args.JsonSave(loop_state)))
+        except Exception as e:  # noqa: BLE001 (whatever the filesystem said, as orbax passes it)
+            raise self._save_failed(e) from None
         if self._pending_config is not None:  # a resume's changed config, now that it trains
             self._write_config(self._pending_config)
             self._pending_config = None
@@ -359,8 +372,31 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e) from None
         self.manager.close()
+
+    def check(self) -> None:
+        """Raise CheckpointSaveFailed if a background save has failed (called each log
+        window, so a full disk stops the run within a window, not a checkpoint later)."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e) from None
+
+    def _save_failed(self, e: Exception) -> CheckpointSaveFailed:
+        """A bug hunt: a read-only checkpoints folder gave 300 lines of traceback and a
+        process that never exited; a full disk, orbax's tracebacks and the error late."""
+        steps = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit()) \
+            if os.path.isdir(self.directory) else []
+        detail = (str(e).splitlines() or ["no detail"])[0][:200]
+        newest = (f"the newest complete checkpoint is step {steps[-1]}: a rerun of the same "
+                  "command resumes from it" if steps else "no checkpoint is complete")
+        return CheckpointSaveFailed(
+            f"writing a checkpoint in {self.directory} failed ({type(e).__name__}: {detail}); "
+            f"{newest}. Free space there, or make it writable, before rerunning")
 
 
 def _unreadable(where: str, e: Exception, fix: str) -> CheckpointMismatch:

@@ -515,6 +515,7 @@ class Trainer:
 
         def flush(step: int) -> None:
             """Write the window's train line (its steps' sums, the last step's norms)."""
+            self.checkpointer.check()  # a background save that failed stops the run now
             now = time.perf_counter()
             dt = max(now - window["t0"], 1e-9)
             s, m, n = window["sums"], window["last"], window["applied"]
