@@ -411,6 +411,13 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     cd.model.width = 64
     with pytest.raises(CheckpointMismatch, match=r"model.width: saved 32, now 64.*new --workdir"):
         run(cd, str(tmp_path))
+    # a bug hunt (session 92): init_from added on a rerun was ignored, and recorded
+    cd = tiny(steps=12)
+    cd.train.init_from = str(tmp_path)
+    with pytest.raises(CheckpointMismatch, match=r"train.init_from: saved '', now '.*'\); "
+                       r"train.init_from is read only when a run starts"):
+        run(cd, str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["config"]["train"]["init_from"] == ""
     # found in review: fields the shape signature did not hold (saved before it did) are
     # compared with the saved config, and arrays of other shapes are named as such, not as a
     # damaged checkpoint to move aside

@@ -300,6 +300,17 @@ class Checkpointer:
                 raise CheckpointMismatch(
                     f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a different "
                     f"model ({lines}). {fix}.")
+            was = saved.get("config", {}).get("train", {}).get("init_from", "")
+            if write and resuming and not was and cfg.train.init_from:
+                # a bug hunt (session 92): a rerun adding it resumed its own checkpoint, read
+                # nothing from that run, and config.json recorded the start it never made (a
+                # changed path stays allowed: the source run may have moved)
+                raise CheckpointMismatch(
+                    f"workdir {os.path.dirname(self.config_path)} holds checkpoints of a run "
+                    f"trained from its own initialization (train.init_from: saved '', now "
+                    f"{cfg.train.init_from!r}); train.init_from is read only when a run starts, "
+                    "and a rerun resumes its checkpoints. Drop it to resume, or use a new "
+                    "--workdir to start from that run")
             if resuming and saved == json.loads(json.dumps(payload)):
                 return  # the same config: nothing to write
         if write and resuming:
