@@ -330,3 +330,10 @@ def test_cli_passes_the_sampling_flags_with_and_without_a_draft(tmp_path, capsys
     assert generate.main(base + ["--top-k", "100000"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--top-k 100000 is larger than the vocabulary (model.vocab_size=" in err, err
+    # a damaged checkpoint: one line, a reader's fix (a bug hunt: a 41-line traceback)
+    import shutil
+    shutil.rmtree(tmp_path / "checkpoints" / "2" / "state")
+    assert generate.main(base) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: checkpoint ") and err.endswith(
+        "it is damaged or incomplete: move it aside to read the step before"), err

@@ -485,9 +485,14 @@ def main(argv=None) -> int:
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
               f"these have {[len(x) for x in ids]}", file=sys.stderr)
         return 2
-    params, quant_vars, features_key = weights()
+    try:  # the checkpoints are read here (a bug hunt: a damaged one gave a 41-line traceback)
+        params, quant_vars, features_key = weights()
+        if args.draft:
+            draft_params = draft_weights()[0]
+    except (NoCheckpoint, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.draft:  # prompt by prompt (batch 1, where drafting pays)
-        draft_params = draft_weights()[0]
         run = jax.jit(lambda p, dp, pr, key: speculative.speculative_generate(
             cfg, p, draft_cfg, dp, pr, length=length, draft_tokens=args.draft_tokens, rng=key,
             temperature=args.temperature, greedy=args.greedy, top_k=args.top_k,

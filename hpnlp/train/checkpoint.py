@@ -257,6 +257,7 @@ class Checkpointer:
         self.attention_changed = ""
         # the saved config's train fields, where a resume reads them (its lr schedule's)
         self.saved_train: dict = {}
+        self.read_only = read_only
         self._check_or_write_config(cfg, members, write=not read_only)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -375,8 +376,9 @@ class Checkpointer:
                     "entries); resume it as it was written, move it aside to resume from the "
                     "step before, or start a new --workdir from its parameters with "
                     f"--config.train.init_from={os.path.dirname(self.directory)}") from e
-            raise _unreadable(where, e, "move it aside to resume from the step before, or "
-                              "use a new --workdir") from e
+            raise _unreadable(where, e, "move it aside to read the step before" if self.read_only
+                              else "move it aside to resume from the step before, or use a new "
+                              "--workdir") from e
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
