@@ -75,7 +75,7 @@ def first_fit(sizes: list[int], capacity: int) -> np.ndarray:
 
 # what each entry of an iterator state's fingerprint comes from, for its error
 _STATE_FIELDS = {"task": "data.task", "batching": "data.batching", "batch_size": "train.batch_size",
-                 "seq_len": "data.seq_len", "seed": "seed",
+                 "seq_len": "data.seq_len", "seed": "data.seed",
                  "num_examples": "examples (data.train_path, data.eval_split, ...)",
                  "num_tokens": "tokens (data.prepared, data.train_path, ...)",
                  "prepared": "data.prepared's shards"}
