@@ -382,7 +382,10 @@ class Checkpointer:
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e) from None
 
     def close(self) -> None:
         try:

@@ -50,7 +50,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.models import transformer_xl as xl
-from hpnlp.train.checkpoint import CheckpointMismatch, NoCheckpoint, load_run_config
+from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
+                                    load_run_config)
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
@@ -450,6 +451,8 @@ def _main(argv) -> None:
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
         print(f"hpnlp: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except CheckpointSaveFailed as e:  # at once, as hpnlp.main: orbax's threads hold the exit
+        cli.exit_interrupted(f"hpnlp: error: {e}", 1)
     except Interrupted as e:  # as hpnlp.main says it
         cli.exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt:  # before the first step or after the last
