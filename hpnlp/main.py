@@ -271,16 +271,6 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
 
 
-def _flat(tree, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
     """Every process of a run must run one config (and the same `flags`, e.g. an ensemble's
     {"--members": M}): refused, in every process, where any differs from process 0's, naming
@@ -291,10 +281,12 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
 
     import jax
     import numpy as np
+    from flax import traverse_util
     from jax.experimental import multihost_utils
 
     from hpnlp.config import ConfigError, to_json
-    mine = json.dumps({**_flat(to_json(cfg)), **flags}, sort_keys=True).encode()
+    mine = {**traverse_util.flatten_dict(to_json(cfg), sep="."), **flags}
+    mine = json.dumps(mine, sort_keys=True).encode()
     mine = np.frombuffer(mine, np.uint8)
     try:
         sizes = multihost_utils.process_allgather(np.array([mine.size], np.int32)).reshape(-1)

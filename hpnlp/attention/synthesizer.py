@@ -131,13 +131,13 @@ class SynthesizerAttention(Attention):
                               f"{options['trainable']!r} is not allowed: must be True or False")
         # options the chosen mode never reads are refused, not ignored (a bug hunt)
         trainable = options.get("trainable", cls.trainable)
-        unused = {"rank": mode != "factorized", "hidden_dim": mode != "dense",
-                  "trainable": mode == "dense", "seed": mode == "dense" or trainable}
-        for name, ignored in unused.items():
+        unused = {"rank": (mode != "factorized", "mode='factorized'"),
+                  "hidden_dim": (mode != "dense", "mode='dense'"),
+                  "trainable": (mode == "dense", "mode='random' or 'factorized'"),
+                  "seed": (mode == "dense" or trainable,
+                           "trainable=False (mode='random' or 'factorized')")}
+        for name, (ignored, uses) in unused.items():
             if name in options and ignored:
-                uses = {"rank": "mode='factorized'", "hidden_dim": "mode='dense'",
-                        "trainable": "mode='random' or 'factorized'",
-                        "seed": "trainable=False (mode='random' or 'factorized')"}[name]
                 given = f"mode={mode!r}" + (", trainable=True" if uses.startswith("train")
                                               and mode != "dense" else "")
                 raise ConfigError(f"config field `{field}.{name}` = {options[name]!r} is not "

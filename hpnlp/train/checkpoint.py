@@ -15,6 +15,7 @@ restores under any number of processes and devices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -331,13 +332,11 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, loop_state: dict) -> None:
-        try:
+        with self._saving():
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(data_state),
                 loop=ocp.args.JsonSave(loop_state)))
-        except Exception as e:  # noqa: BLE001 (whatever the filesystem said, as orbax passes it)
-            raise self._save_failed(e) from None
         if self._pending_config is not None:  # a resume's changed config, now that it trains
             self._write_config(self._pending_config)
             self._pending_config = None
@@ -382,29 +381,31 @@ class Checkpointer:
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
-        try:
+        with self._saving():
             self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            raise self._save_failed(e) from None
 
     def close(self) -> None:
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            raise self._save_failed(e) from None
+        self.wait()
         self.manager.close()
 
     def check(self) -> None:
         """Raise CheckpointSaveFailed if a background save has failed (called each log
         window, so a full disk stops the run within a window, not a checkpoint later)."""
-        try:
+        with self._saving():
             self.manager.check_for_errors()
+
+    @contextlib.contextmanager
+    def _saving(self):
+        """Whatever a save raised (the filesystem's error, as orbax passes it on) as
+        CheckpointSaveFailed. A bug hunt: a read-only checkpoints folder gave 300 lines of
+        traceback and a process that never exited; a full disk, orbax's tracebacks and the
+        error late."""
+        try:
+            yield
         except Exception as e:  # noqa: BLE001
             raise self._save_failed(e) from None
 
     def _save_failed(self, e: Exception) -> CheckpointSaveFailed:
-        """A bug hunt: a read-only checkpoints folder gave 300 lines of traceback and a
-        process that never exited; a full disk, orbax's tracebacks and the error late."""
         steps = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit()) \
             if os.path.isdir(self.directory) else []
         detail = (str(e).splitlines() or ["no detail"])[0][:200]
