@@ -42,6 +42,16 @@ def check_workdir(workdir: str, flag: str = "--workdir") -> None:
         return
     held = set(os.listdir(full))
     if held & {"config.json", "checkpoints"}:
+        # a resume writes its files again: one it cannot would fail after the restore, or at
+        # the end of training (a bug hunt: a read-only metrics.jsonl was a 30-line traceback)
+        locked = sorted(f for f in held & {"checkpoints", "summary.json", "metrics.jsonl",
+                                           "tensorboard"}
+                        if not os.access(os.path.join(full, f), os.W_OK))
+        if locked:
+            raise ValueError(f"{flag} {workdir}: the run's {', '.join(locked)} "
+                             f"{'is' if len(locked) == 1 else 'are'} not writable, and a resume "
+                             "writes them again; make them writable (chmod -R u+w), or copy "
+                             "the run to a new folder")
         return
     other = sorted(held - set(RUN_FOLDERS))
     if other:

@@ -144,6 +144,27 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
             call()
 
 
+def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeypatch):
+    # a bug hunt (session 92): a read-only metrics.jsonl was a 30-line PermissionError
+    # traceback after the restore (a read-only summary.json would fail after training)
+    from hpnlp.paths import check_workdir
+    from hpnlp.train.metrics import MetricWriter
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "metrics.jsonl").mkdir()  # unwritable even for root
+    with pytest.raises(ValueError, match=rf"^workdir {tmp_path}: cannot write "
+                       rf"{tmp_path}/metrics.jsonl \(Is a directory\); make it writable, move "
+                       r"it aside, or use a new --workdir$"):
+        MetricWriter(str(tmp_path), resume_step=5)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: (
+        not p.endswith(("summary.json", "metrics.jsonl")) and real(p, mode)))
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"^--workdir {tmp_path}: the run's metrics.jsonl, "
+                       r"summary.json are not writable, and a resume writes them again; make "
+                       r"them writable \(chmod -R u\+w\), or copy the run to a new folder$"):
+        check_workdir(str(tmp_path))
+
+
 def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
     # a bug hunt (session 92): both resumed, computing another function of the same arrays
     from hpnlp.config import to_json

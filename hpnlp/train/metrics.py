@@ -48,13 +48,22 @@ class MetricWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         if not self.enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self._truncate_after(resume_step)
-        self.file = open(self.path, "a")
-        SummaryWriter = _summary_writer_class()
-        # On resume, purge events logged after the checkpoint (the steps are redone).
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                purge_step=None if resume_step is None else resume_step + 1)
+        try:
+            os.makedirs(workdir, exist_ok=True)
+            self._truncate_after(resume_step)
+            self.file = open(self.path, "a")
+            tb_dir = os.path.join(workdir, "tensorboard")
+            if os.path.exists(tb_dir) and not os.path.isdir(tb_dir):
+                # tensorboardX would fail only at its first write, in its writer thread
+                raise NotADirectoryError(20, "not a folder", tb_dir)
+            SummaryWriter = _summary_writer_class()
+            # On resume, purge events logged after the checkpoint (the steps are redone).
+            self.tb = SummaryWriter(tb_dir,
+                                    purge_step=None if resume_step is None else resume_step + 1)
+        except OSError as e:  # a bug hunt: a read-only metrics.jsonl was a 30-line traceback
+            raise ValueError(f"workdir {workdir}: cannot write {e.filename or workdir} "
+                             f"({e.strerror or e}); make it writable, move it aside, or use a "
+                             "new --workdir") from None
 
     def _truncate_after(self, step: int | None) -> None:
         """On resume drop lines logged after the restored checkpoint (they are redone)."""
