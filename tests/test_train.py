@@ -131,17 +131,44 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
                       keep=2)
     ck.save(5, {"x": np.zeros(2)}, {}, {})
     ck.wait()
+    # a save cut short leaves a temporary folder: the next run removes it, a reader does not
+    cut = tmp_path / "checkpoints" / "10.orbax-checkpoint-tmp-1733333333" / "state"
+    cut.mkdir(parents=True)
+    cfg = validate(from_configdict(tiny(steps=10)), num_devices=1)
+    Checkpointer(str(tmp_path), cfg, keep=2, read_only=True).close()
+    assert cut.exists()
+    again = Checkpointer(str(tmp_path), cfg, keep=2)
+    again.save(6, {"x": np.zeros(2)}, {}, {})
+    again.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5", "6"]
 
     def fails(*args, **kwargs):
         raise OSError(28, "No space left on device")
     for name in ("save", "check_for_errors", "wait_until_finished"):
         monkeypatch.setattr(ck.manager, name, fails)
     msg = (rf"writing a checkpoint in {tmp_path}/checkpoints failed \(OSError: \[Errno 28\] No "
-           r"space left on device\); the newest complete checkpoint is step 5: a rerun of the "
+           r"space left on device\); the newest complete checkpoint is step 6: a rerun of the "
            r"same command resumes from it. Free space there, or make it writable")
     for call in (lambda: ck.save(10, {"x": np.zeros(2)}, {}, {}), ck.check, ck.close):
         with pytest.raises(CheckpointSaveFailed, match=msg):
             call()
+
+
+def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
+    # a bug hunt (session 92): with config.json deleted a resume checked nothing, unsaid
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.train.checkpoint import Checkpointer
+    cfg = validate(from_configdict(tiny(steps=10)), num_devices=1)
+    ck = Checkpointer(str(tmp_path), cfg, keep=2)
+    ck.save(5, {"x": np.zeros(2)}, {}, {})
+    ck.close()
+    assert capsys.readouterr().err == ""
+    os.remove(tmp_path / "config.json")
+    Checkpointer(str(tmp_path), cfg, keep=2).close()
+    assert capsys.readouterr().err == (
+        f"hpnlp: warning: {tmp_path}/checkpoints holds checkpoints but {tmp_path}/config.json is "
+        "missing: the config they were trained with is unknown, so only their arrays' shapes "
+        "are checked against this one; config.json is written with the next checkpoint\n")
 
 
 def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeypatch):

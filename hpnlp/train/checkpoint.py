@@ -260,8 +260,12 @@ class Checkpointer:
         self.saved_train: dict = {}
         self.read_only = read_only
         self._check_or_write_config(cfg, members, write=not read_only)
+        # A save cut short (a second SIGTERM, a kill) leaves its whole state in a temporary
+        # folder no restore reads (a bug hunt, session 92): a run removes them before it saves;
+        # a tool reading the run leaves them (the run may be saving now)
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, cleanup_tmp_directories=not read_only))
         # The training loop keeps the preemption sync point's step counter (hpnlp.train.stop);
         # Orbax's save would set that counter to the step number it saves.
         self.manager.reached_preemption = lambda step: False
@@ -315,6 +319,12 @@ class Checkpointer:
                     "--workdir to start from that run")
             if resuming and saved == json.loads(json.dumps(payload)):
                 return  # the same config: nothing to write
+        elif resuming and jax.process_index() == 0:  # a bug hunt (session 92): unsaid
+            print(f"hpnlp: warning: {self.directory} holds checkpoints but "
+                  f"{self.config_path} is missing: the config they were trained with is "
+                  "unknown, so only their arrays' shapes are checked against this one"
+                  + ("; config.json is written with the next checkpoint" if write else ""),
+                  file=sys.stderr, flush=True)
         if write and resuming:
             self._pending_config = payload  # written with the first new checkpoint (`save`)
         elif write:
