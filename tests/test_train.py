@@ -154,6 +154,23 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
             call()
 
 
+def test_a_run_read_where_its_mesh_does_not_fit_reads_on_the_data_axis(capsys):
+    # a bug hunt (session 92): a tensor-parallel run could not be generated from, quantized
+    # or searched on fewer devices (its checkpoints do not depend on the layout)
+    from hpnlp.config import from_configdict
+    from hpnlp.train.loop import mesh_for_these_devices
+    cd = tiny()
+    cd.mesh.data, cd.mesh.tensor = 1, jax.device_count() + 1
+    cfg = mesh_for_these_devices(from_configdict(cd), "/runs/tp")
+    assert (cfg.mesh.data, cfg.mesh.tensor) == (-1, 1)
+    n = jax.device_count()
+    assert capsys.readouterr().err == (
+        f"hpnlp: /runs/tp was trained on mesh {{'tensor': {n + 1}}}, which does not fit the {n} "
+        f"device(s) here; read with mesh.data={n}\n")
+    assert mesh_for_these_devices(cfg, "/runs/tp") is cfg  # one that fits is kept, unsaid
+    assert capsys.readouterr().err == ""
+
+
 def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
     # a bug hunt (session 92): with config.json deleted a resume checked nothing, unsaid
     from hpnlp.config import from_configdict, validate

@@ -770,10 +770,10 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
 
     from hpnlp import models
     from hpnlp.config import config_error
-    from hpnlp.train import Trainer
+    from hpnlp.train.loop import Trainer, mesh_for_these_devices
     from hpnlp.train.checkpoint import load_run_config
 
-    cfg = load_run_config(workdir)
+    cfg = mesh_for_these_devices(load_run_config(workdir), workdir)  # the shrunk run's too
     if cfg.train.prune.method == "none" or cfg.train.prune.structure != "structured":
         raise config_error("train.prune.structure", cfg.train.prune.structure, f"the run in "
                            f"{workdir} was not pruned with train.prune.structure='structured', so "

@@ -209,7 +209,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                "quantization; give the format to quantize it to (--weights ...)")
     from hpnlp import data as data_lib
     from hpnlp import models
-    from hpnlp.train import Trainer
+    from hpnlp.train.loop import Trainer, mesh_for_these_devices
     from hpnlp.train.step import finalize
 
     if q is not None and float_dtype is not None:
@@ -223,7 +223,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         raise config_error("calib_batches", calib_batches, "must be > 0")
     from hpnlp.paths import check_new_output
     check_new_output(out, workdir, may_replace=OUT_FILES)
-    cfg = load_run_config(workdir)
+    cfg = mesh_for_these_devices(load_run_config(workdir), workdir)  # before with_quant
     if cfg.model.memory.size:
         raise config_error("model.memory.size", cfg.model.memory.size,
                            f"the run in {workdir} reads a key-value memory that lives in its train "

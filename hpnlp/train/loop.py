@@ -161,6 +161,27 @@ def _peak_memory() -> dict:
     return out
 
 
+def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
+    """A saved run read (not trained) where its mesh does not fit the devices (a tensor-
+    parallel run read on a laptop): its checkpoints do not depend on the layout, so it is read
+    with every device on the data axis, said in one line (a bug hunt, session 92: generate,
+    quantize and the kNN-LM refused it, and had no flag to lay it out otherwise)."""
+    n, mesh = jax.device_count(), cfg.mesh
+    sizes = mesh.axis_sizes(n)
+    if math.prod(sizes.values()) == n and 0 not in sizes.values():
+        return cfg
+    given = {a: getattr(mesh, a) for a in ("data", "fsdp", "tensor", "sequence", "pipeline",
+                                           "expert") if getattr(mesh, a) != 1}
+    if jax.process_index() == 0:
+        print(f"hpnlp: {workdir} was trained on mesh {given}, which does not fit the {n} "
+              f"device(s) here; read with mesh.data={n}"
+              + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
+                 else ""), file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(
+        mesh, data=-1, fsdp=1, tensor=1, sequence=1, pipeline=1, expert=1,
+        pipeline_microbatches=0))
+
+
 class Trainer:
     """Holds what one run builds; `run()` is the whole loop. Split out so tests and
     notebooks can build a trainer, take a few steps, and look inside."""
@@ -168,6 +189,8 @@ class Trainer:
     def __init__(self, cfg: Config, workdir: str, *, read_only: bool = False):
         """`read_only`: build the run to read it (restore, evaluate) without writing to
         `workdir` (hpnlp.compress uses this)."""
+        if read_only:
+            cfg = mesh_for_these_devices(cfg, workdir)
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
         q = cfg.model.quant
         if not read_only and q.act_scale == "static" and q.activations in ("int8", "fp8"):
