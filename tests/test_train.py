@@ -893,6 +893,22 @@ def test_a_refused_config_is_said_though_another_process_removed_the_workdir(tmp
         run(tiny(), str(tmp_path / "w"))
 
 
+def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
+    """A bug hunt: Ctrl-C in `python -m hpnlp.models.generate` (and every CLI but hpnlp.main)
+    was a traceback of 9-60 lines, and one landing in JAX's garbage-collection callback was
+    printed as 'Exception ignored' and lost: the command ran on."""
+    import hpnlp
+    assert sys.excepthook is sys.__excepthook__  # imported as a library (pytest): untouched
+    code = ("import hpnlp, time\nhpnlp._interrupts_in_one_line(['python', '-m', "
+            "'hpnlp.models.generate'])\nclass A:\n    def __del__(self):\n        raise "
+            "KeyboardInterrupt\nA()\ntime.sleep(60)\nprint('ran on')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        130, "", "python -m hpnlp.models.generate: interrupted\n"), out.stderr[-2000:]
+    assert hpnlp.__version__
+
+
 @pytest.mark.slow  # a CLI subprocess interrupted while it compiles: about 5 s
 def test_ctrl_c_while_compiling_exits_130_in_one_line(tmp_path):
     """A README walk: Ctrl-C in the first seconds (a compile under way) printed its line, then
