@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from hpnlp import data as data_lib
 from hpnlp import models
-from hpnlp.config import Config, config_error, from_configdict, validate
+from hpnlp.config import MESH_AXES, Config, config_error, from_configdict, validate
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
@@ -170,8 +170,7 @@ def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
     sizes = mesh.axis_sizes(n)
     if math.prod(sizes.values()) == n and 0 not in sizes.values():
         return cfg
-    given = {a: getattr(mesh, a) for a in ("data", "fsdp", "tensor", "sequence", "pipeline",
-                                           "expert") if getattr(mesh, a) != 1}
+    given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
     if jax.process_index() == 0:
         print(f"hpnlp: {workdir} was trained on mesh {given}, which does not fit the {n} "
               f"device(s) here; read with mesh.data={n}"
