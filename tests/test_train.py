@@ -171,6 +171,33 @@ def test_a_run_read_where_its_mesh_does_not_fit_reads_on_the_data_axis(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_checkpoint_holding_non_finite_parameters_is_damaged(tmp_path):
+    # a bug hunt (session 92): a bit-flipped checkpoint was resumed, and the NaN loss it made
+    # was blamed on the learning rate
+    import flax
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.train.checkpoint import Checkpointer, CheckpointMismatch
+
+    @flax.struct.dataclass
+    class State:
+        params: dict
+        step: np.ndarray
+
+    cfg = validate(from_configdict(tiny(steps=10)), num_devices=1)
+    ck = Checkpointer(str(tmp_path), cfg, keep=3)
+    good = {"w": np.ones(3, np.float32), "codes": np.ones(2, np.int8)}
+    ck.save(5, State(good, np.array(5)), {}, {})
+    ck.save(6, State({**good, "w": np.array([1, np.inf, 1], np.float32)}, np.array(6)), {}, {})
+    ck.wait()
+    assert ck.restore(5, State(good, np.array(0)))[0].step == 5
+    with pytest.raises(CheckpointMismatch, match=rf"^checkpoint {tmp_path}/checkpoints/6 holds "
+                       r"non-finite parameters \(\['w'\]\), which training never saves \(a "
+                       r"non-finite step stops before its checkpoint\): it is damaged; move it "
+                       r"aside to resume from the step before, or use a new --workdir$"):
+        ck.restore(6, State(good, np.array(0)))
+    ck.close()
+
+
 def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
     # a bug hunt (session 92): with config.json deleted a resume checked nothing, unsaid
     from hpnlp.config import from_configdict, validate

@@ -388,6 +388,14 @@ class Checkpointer:
             raise _unreadable(where, e, "move it aside to read the step before" if self.read_only
                               else "move it aside to resume from the step before, or use a new "
                               "--workdir") from e
+        bad = _non_finite(getattr(out["state"], "params", {}))
+        if bad:  # a bug hunt (session 92): read as it was, then blamed on the learning rate
+            raise CheckpointMismatch(
+                f"checkpoint {where} holds non-finite parameters ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}), which training never saves (a non-finite "
+                "step stops before its checkpoint): it is damaged; " + (
+                    "move it aside to read the step before" if self.read_only else
+                    "move it aside to resume from the step before, or use a new --workdir"))
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
@@ -424,6 +432,18 @@ class Checkpointer:
         return CheckpointSaveFailed(
             f"writing a checkpoint in {self.directory} failed ({type(e).__name__}: {detail}); "
             f"{newest}. Free space there, or make it writable, before rerunning")
+
+
+@jax.jit
+def _all_finite(tree):
+    return jax.tree.map(lambda x: jax.numpy.isfinite(x).all(), tree)
+
+
+def _non_finite(params) -> list[str]:
+    """The paths of the parameters holding a NaN or an infinity (one reduction each)."""
+    floats = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+              if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)}
+    return [k for k, ok in jax.device_get(_all_finite(floats)).items() if not ok]
 
 
 def _unreadable(where: str, e: Exception, fix: str) -> CheckpointMismatch:
