@@ -146,6 +146,17 @@ def test_config_errors():
     cd.model.arch = "transformer_xl"
     with pytest.raises(ConfigError, match="data.batching.*'stream'"):
         validate(from_configdict(cd), task_info=INFO, num_devices=1)
+    check(r"model.comp_rate.*set it back to its default \(--config.model.comp_rate=3\)",
+          comp_rate=4)
+
+
+def test_the_retrieval_bench_compressive_part_validates():
+    # a bug hunt (session 93): its Transformer-XL run kept the experiment's comp_rate=4 without
+    # a compressed memory, refused since, so the recorded bench could not run
+    from hpnlp.bench import compressive
+    for kind, cd in compressive.configs(quick=False).items():
+        cfg = validate(from_configdict(cd), num_devices=1)
+        assert bool(cfg.model.comp_mem_len) == (kind == "compressive")
 
 
 @pytest.mark.slow  # a train-step compile: CI's slow part runs it

@@ -448,6 +448,87 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert not (tmp_path / "ds").exists() and (run / "summary.json").read_text() == "{}"
 
 
+def test_an_out_holding_another_commands_summary_is_refused(tmp_path):
+    # a bug hunt (session 93): the kNN-LM's summary replaced an encoder's (or another LM's)
+    # unsaid, and --out set to --datastore's folder passed once, then was refused on a rerun
+    from hpnlp.retrieval.knnlm import DATASTORE_FILES, check_out
+    lm, enc, out = (str(tmp_path / n) for n in ("lm", "enc", "out"))
+    os.makedirs(out)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"workdir": enc, "mined": False}, f)  # an encoder's, before "command"
+    check_out(out, enc, "encoder")  # its own rerun
+    for workdir, command in ((lm, "knnlm"), (lm, "encoder")):
+        with pytest.raises(RetrievalError, match=rf"^--out {out} holds a summary.json of python "
+                           rf"-m hpnlp.retrieval encoder of {enc}, which this one would replace; "
+                           "give a new folder, or move that file aside$"):
+            check_out(out, workdir, command)
+    for name in DATASTORE_FILES[:1] + DATASTORE_FILES[2:4]:
+        (tmp_path / "ds" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "ds" / name).write_text("x")
+    (tmp_path / "ds" / "summary.json").write_text(json.dumps({"command": "knnlm", "workdir": lm}))
+    check_out(str(tmp_path / "ds"), lm, "knnlm", str(tmp_path / "ds"))
+    with pytest.raises(RetrievalError, match="would not write"):
+        check_out(str(tmp_path / "ds"), lm, "knnlm", str(tmp_path / "other_ds"))
+
+
+def test_session_93_hunt_inputs_are_one_line(tmp_path):
+    # a bug hunt (session 93): each was a traceback, an abort, or a silently empty answer
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.retrieval import external
+    from hpnlp.retrieval.encoder import TextSearch
+    from hpnlp.train.checkpoint import Checkpointer
+    x, q = _floats(n=40)
+    index = retrieval.make("exact", 16)
+    with pytest.raises(RetrievalError, match=r"shape \(\) do not fit .* give \[n, 16\] arrays "
+                       r"\(the same encoder\)$"):
+        index.add(np.float32(1.0))
+    with pytest.raises(RetrievalError, match=r"shape \(1, 31, 16\) .*\(the same encoder\)$"):
+        index.add(q[None])
+    for name in ("exact", "ivf"):  # scores past float32 were dropped as padding
+        with pytest.raises(RetrievalError, match=r"vectors to add reach norm 2e\+20 \(row 3\), "
+                           r"past the 9.22e\+18 whose inner products float32 holds"):
+            retrieval.make(name, 16).add(np.where(np.arange(40)[:, None] == 3, 5e19, x))
+        with pytest.raises(RetrievalError, match=r"reach 1e\+05, past float16's 65504"):
+            retrieval.make(name, 16, dtype="float16").add(x * 0 + 1e5)
+        for threads in (0, "two"):
+            with pytest.raises(RetrievalError, match=rf"threads={threads!r}; give an integer"):
+                retrieval.make(name, 16, threads=threads)
+    empty = retrieval.make("ivf", 16)
+    empty.save(str(tmp_path / "ivf"))
+    again = retrieval.load(str(tmp_path / "ivf"))
+    again.add(x)
+    assert again.search(q, 3)[1].shape == (31, 3)
+    if external.available("scann"):
+        few = retrieval.make("scann", 16)
+        few.add(x[:15])
+        with pytest.raises(RetrievalError, match="holds 15; add at least 16"):
+            few.search(q, 2)
+
+    class Cfg:
+        class model:
+            width = 16
+    texts = TextSearch(Cfg, None, None, None)
+    for call in (texts.add, texts.search):
+        with pytest.raises(RetrievalError, match=r"takes a list of texts, and got one string "
+                           r"\('Jesus wept.'\); pass \[text\]"):
+            call("Jesus wept.")
+    with pytest.raises(RetrievalError, match="takes texts \\(str\\), and got int 3"):
+        texts.add(["a", 3])
+    nb = knnlm.Neighbours(np.zeros(2), np.zeros((2, 4)), np.zeros((2, 4), bool))
+    with pytest.raises(RetrievalError, match="k=2.5: give a whole number of neighbours"):
+        knnlm.interpolate(nb, k=2.5, temperature=1.0, lam=0.5)
+    with pytest.raises(RetrievalError, match=r"grid\['k'\] is empty"):
+        knnlm.tune(nb, {"k": (), "temperature": (1.0,), "lam": (0.5,)})
+    cd = default_configdict()  # a Transformer-XL LM: an AttributeError after the folder
+    cd.data.task, cd.model.arch, cd.data.batching = "byte_lm", "transformer_xl", "stream"
+    Checkpointer(str(tmp_path / "xl"), from_configdict(cd), keep=1).close()
+    os.makedirs(tmp_path / "xl" / "checkpoints" / "1")
+    with pytest.raises(RetrievalError, match="transformer_xl' run reads each segment with the "
+                       "memory of the ones before"):
+        knnlm.run(str(tmp_path / "xl"), str(tmp_path / "ds"))
+    assert not (tmp_path / "ds").exists()
+
+
 def test_bad_options_and_k_are_one_clear_line():
     # found by the crash hunt: block/query_block/shards 0 ended in a ZeroDivisionError,
     # dtype="int8" rounded every stored vector silently, k=2.7 was read as 2, and an IVF

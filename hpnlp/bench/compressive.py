@@ -25,6 +25,7 @@ import math
 import os
 
 from hpnlp.bench import harness, report
+from hpnlp.config import ModelConfig
 
 # full: half the default byte LM's 800 steps (both models the same), so that the retrieval
 # benchmark's parts fit one sitting; the held-out pass is the default 25 batches
@@ -42,6 +43,8 @@ def configs(quick: bool) -> dict:
             cd.name = cd.name.replace("_compressive", "_xl")
             cd.model.mem_len += cd.model.comp_mem_len
             cd.model.comp_mem_len = 0
+            for name in ("comp_rate", "comp_fn", "comp_loss_weight"):  # a bug hunt: refused
+                setattr(cd.model, name, getattr(ModelConfig, name))  # without comp_mem_len
         if s["steps"]:
             cd.train.update(steps=s["steps"], warmup_steps=min(cd.train.warmup_steps, s["steps"] // 4),
                             log_every=10, eval_every=s["steps"],

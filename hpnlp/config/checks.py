@@ -77,9 +77,12 @@ def _check_compressive(cfg: Config) -> None:
     _check_positive("model.comp_loss_weight", m.comp_loss_weight, allow_zero=True)
     if not m.comp_mem_len:
         for name in ("comp_rate", "comp_fn", "comp_loss_weight"):  # a bug hunt: ignored
-            if getattr(m, name) != getattr(ModelConfig, name):
+            if getattr(m, name) != getattr(ModelConfig, name):  # a bug hunt: "drop it" from
+                # an experiment that sets it cannot be done on the command line
                 _fail(f"model.{name}", getattr(m, name), "sets the compressed memory, and "
-                      "model.comp_mem_len=0 has none; drop it, or set model.comp_mem_len")
+                      f"model.comp_mem_len=0 has none; set it back to its default "
+                      f"(--config.model.{name}={getattr(ModelConfig, name)}), or set "
+                      "model.comp_mem_len")
         return
     if m.arch != "transformer_xl":
         _fail("model.comp_mem_len", m.comp_mem_len, f"the compressed memory extends Transformer-XL's; "

@@ -37,6 +37,10 @@ def get(name: str) -> type:
     return _registry.get(name)
 
 
+_MAX_SQUARED_NORM = float(np.finfo(np.float32).max) / 4  # inner products stay finite
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
 class RetrievalError(ValueError):
     """Bad input to an index (wrong dimension, k too large, a foreign file): one line
     naming what was wrong and the fix."""
@@ -80,16 +84,29 @@ class Index(abc.ABC):
         x = np.asarray(x)
         if x.ndim == 1:
             x = x[None]
-        if x.ndim != 2 or x.shape[1] != self.dim:
+        if x.ndim != 2 or x.shape[1] != self.dim:  # (a bug hunt: a 0-d array failed in here,
+            # and 3-d ones were told to rebuild the index with the dimension it has)
+            other = f", or rebuild the index with dim={x.shape[1]}" if x.ndim == 2 else ""
             raise RetrievalError(f"{what} of shape {tuple(np.shape(x))} do not fit this {self.registry_name!r} "
                               f"index of dimension {self.dim}; give [n, {self.dim}] arrays (the "
-                              f"same encoder, or rebuild the index with dim={np.shape(x)[-1]})")
+                              f"same encoder{other})")
         if not np.issubdtype(x.dtype, np.floating) and not np.issubdtype(x.dtype, np.integer):
             raise RetrievalError(f"{what} have dtype {x.dtype}; give floating-point vectors")
         x = np.ascontiguousarray(x, np.float32)
         if not np.all(np.isfinite(x)):
             raise RetrievalError(f"{what} contain NaN or infinity (row {int(np.argmin(np.isfinite(x).all(1)))}); "
                               "search needs finite vectors")
+        # a bug hunt: past this norm two vectors' inner product can overflow float32, and the
+        # infinite scores were dropped as padding (no neighbours; ScaNN aborted the process)
+        with np.errstate(over="ignore"):  # an overflow reads inf: refused all the same
+            sq = np.einsum("nd,nd->n", x, x)
+        if len(sq) and sq.max() > _MAX_SQUARED_NORM:
+            row = int(sq.argmax())
+            raise RetrievalError(f"{what} reach norm "
+                                 f"{np.linalg.norm(x[row].astype(np.float64)):.3g} (row {row}), "
+                                 f"past the {np.sqrt(_MAX_SQUARED_NORM):.3g} "
+                                 "whose inner products float32 holds; scale them down (unit "
+                                 "vectors for cosine similarity)")
         return x
 
     def prepare(self) -> None:
@@ -100,6 +117,12 @@ class Index(abc.ABC):
     def add(self, vectors) -> None:
         """Append `vectors` [N, D]; they get ids count, count + 1, ..."""
         x = self._vectors(vectors, "vectors to add")
+        top = float(np.abs(x).max()) if x.size else 0.0
+        if self.options.get("dtype") == "float16" and top > _FLOAT16_MAX:  # a bug hunt: cast
+            # to inf, then searched to no neighbours at all
+            raise RetrievalError(f"vectors to add reach {top:.3g}, past float16's "
+                                 f"{_FLOAT16_MAX:g}, which this index stores them as; use "
+                                 "dtype='bfloat16' or 'float32', or scale them down")
         if len(x):
             self._add(x)
             self.count += len(x)

@@ -32,9 +32,9 @@ def evaluate(workdir: str, *, out: str | None = None) -> dict:
     """recall@1, recall@10 and MRR of the held-out pairs against the whole held-out pool
     (hpnlp.models.bi_encoder.evaluate_pool); also written to OUT/summary.json."""
     if out:
-        check_out(out, workdir)
+        check_out(out, workdir, "encoder")
     cfg, model, params, task, step = load_encoder(workdir)
-    summary = {"workdir": workdir, "step": int(step), "task": task.name, "arch": cfg.model.arch,
+    summary = {"command": "encoder", "workdir": os.path.abspath(workdir), "step": int(step), "task": task.name, "arch": cfg.model.arch,
                "loss": cfg.model.encoder.loss, "mined": bool(cfg.model.encoder.mine_every),
                **be.evaluate_pool(cfg, model, params, task)}
     if out:
@@ -42,6 +42,20 @@ def evaluate(workdir: str, *, out: str | None = None) -> dict:
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
     return summary
+
+
+def _texts(texts, method: str) -> list[str]:
+    """`texts` as a list of strings; a bare string refused (a bug hunt: read as one text per
+    character, searched and answered without a word)."""
+    if isinstance(texts, (str, bytes)):
+        raise base.RetrievalError(f"TextSearch.{method} takes a list of texts, and got one "
+                                  f"string ({texts[:40]!r}); pass [text]")
+    texts = list(texts)
+    other = next((t for t in texts if not isinstance(t, str)), None)
+    if other is not None:
+        raise base.RetrievalError(f"TextSearch.{method} takes texts (str), and got "
+                                  f"{type(other).__name__} {other!r:.40}")
+    return texts
 
 
 class TextSearch:
@@ -69,7 +83,7 @@ class TextSearch:
         return be.embed_texts(self.model, self.params, tokens, seg)
 
     def add(self, texts) -> None:
-        texts = list(texts)
+        texts = _texts(texts, "add")
         self.index.add(self.embed(texts))
         self.texts += texts
 
@@ -77,6 +91,6 @@ class TextSearch:
         """For each query text, its k nearest added texts as (cosine, text), nearest first;
         fewer than k where an approximate index's probes held fewer (a bug hunt: its padding,
         id -1, was shown as the last text added)."""
-        scores, ids = self.index.search(self.embed(list(queries)), k)
+        scores, ids = self.index.search(self.embed(_texts(queries, "search")), k)
         return [[(float(s), self.texts[i]) for s, i in zip(srow, irow) if i >= 0]
                 for srow, irow in zip(scores, ids)]

@@ -65,7 +65,10 @@ def check_options(index, *, at_least: dict[str, int]) -> None:
     """One line for an option out of range (`at_least`: name -> its least value, each an
     integer) or a `dtype` an index cannot store vectors as (an integer dtype would round
     every vector silently), before anything is built."""
-    check_at_least(index, at_least)
+    # threads: None (every core) or a count (a bug hunt: 0 failed at the first search, after
+    # the kNN-LM's datastore was built, naming query_block; "two" was a traceback)
+    check_at_least(index, {**at_least, **({"threads": 1} if index.options.get("threads")
+                                          is not None else {})})
     if index.options["dtype"] not in DTYPES:
         raise RetrievalError(f"{index.registry_name} index: dtype={index.options['dtype']!r}; "
                              f"use one of {DTYPES}")

@@ -147,6 +147,9 @@ class FaissHNSW(_Faiss):
         self.index.hnsw.efSearch = int(self.options["ef_search"])
 
 
+_SCANN_AH_CENTERS = 16  # ScaNN's asymmetric hashing: centres per block, each needs a vector
+
+
 @register("scann")
 class ScaNN(HostIndex):
     """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product.
@@ -167,6 +170,11 @@ class ScaNN(HostIndex):
     def _build(self):
         x = self.vectors()
         o = self.options
+        if len(x) < _SCANN_AH_CENTERS:  # a bug hunt: ScaNN's RuntimeError, or (from the
+            # kNN-LM or a TextSearch) a traceback
+            raise RetrievalError(f"scann index: its hashing trains {_SCANN_AH_CENTERS} centres "
+                                 f"per block on the vectors added, and it holds {len(x)}; add "
+                                 f"at least {_SCANN_AH_CENTERS}, or use 'exact' for so few")
         leaves = o["leaves"] or int(max(1, min(len(x) // 100, round(2 * np.sqrt(len(x))))))
         if leaves > len(x):
             raise RetrievalError(f"scann index: leaves={leaves} but only {len(x)} vectors to "

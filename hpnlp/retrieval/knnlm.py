@@ -274,6 +274,8 @@ def interpolate(nb: Neighbours, *, k: int, temperature: float, lam: float) -> np
     """log p(target) [T] of the interpolated model with the first k neighbours."""
     if not 0.0 <= lam <= 1.0:
         raise RetrievalError(f"lambda={lam} must be in [0, 1]")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):  # a bug hunt: 2.5 was a
+        raise RetrievalError(f"k={k!r}: give a whole number of neighbours")  # slice traceback
     if k > nb.dist.shape[1]:
         raise RetrievalError(f"k={k} but only {nb.dist.shape[1]} neighbours were searched")
     if k < 1 or not temperature > 0:  # else p_kNN is 0/0 or the logits -d/0: NaN, silently
@@ -305,6 +307,9 @@ def tune(nb: Neighbours, grid: dict = GRID) -> dict:
     if searched < 1:
         raise RetrievalError("no neighbours were searched (an empty datastore?); build the "
                              "datastore from a run's training text first")
+    for name in ("k", "temperature", "lam"):  # a bug hunt: an empty k was a TypeError
+        if not len(grid.get(name, ())):
+            raise RetrievalError(f"grid[{name!r}] is empty; give at least one value to try")
     best = None
     for k in sorted({min(k, searched) for k in grid["k"]}):
         for t in grid["temperature"]:
@@ -340,6 +345,11 @@ def load_run(workdir: str, kind: str, hint: str):
     if cfg.model.kind != kind:
         raise RetrievalError(f"{workdir}: a {cfg.model.kind!r} run; this needs model.kind={kind!r} "
                              f"({hint})")
+    if cfg.model.arch == "transformer_xl":  # a bug hunt: an AttributeError traceback once
+        # the datastore's folder was made (its hidden states come with the segment's memory)
+        raise RetrievalError(f"{workdir}: a model.arch='transformer_xl' run reads each segment "
+                             "with the memory of the ones before, which the kNN-LM's passes over "
+                             "the text do not carry; use a Transformer or LSTM LM")
     trainer = Trainer(cfg, workdir, read_only=True)
     step = trainer.checkpointer.latest_step()
     if step is None:
@@ -361,13 +371,42 @@ def check_index(name: str, options: dict) -> None:
         raise RetrievalError(f"index {name!r} with options {options}: {e}") from None
 
 
-def check_out(out: str, workdir: str) -> None:
-    """RetrievalError where writing OUT/summary.json would write over a run's files."""
+DATASTORE_FILES = (DATASTORE, DATASTORE + ".tmp", "keys.npy", "values.npy", "keys.tmp.npy",
+                   "values.tmp.npy")
+
+
+def _summary_source(summary: dict) -> tuple[str | None, str]:
+    """(command, run) a summary.json was written by: `python -m hpnlp.retrieval knnlm` or
+    `encoder` (named in it; inferred from its fields where written before they were)."""
+    command = summary.get("command") or ("knnlm" if "datastore" in summary else
+                                         "encoder" if "mined" in summary else None)
+    return command, os.path.realpath(str(summary.get("workdir", "")))
+
+
+def check_out(out: str, workdir: str, command: str, datastore: str | None = None) -> None:
+    """RetrievalError where writing OUT/summary.json would write over a run's files, or over
+    a summary of another command or run (a bug hunt: the kNN-LM's replaced an encoder's,
+    unsaid); the datastore's files are this command's own where `out` is `datastore`."""
     from hpnlp.paths import check_new_output
-    try:
-        check_new_output(out, workdir, may_replace=("summary.json",))
+    same = datastore is not None and os.path.realpath(out) == os.path.realpath(datastore)
+    try:  # (a bug hunt: a first run into --datastore's folder passed, its rerun was refused)
+        check_new_output(out, workdir, may_replace=("summary.json",) + (
+            DATASTORE_FILES if same else ()))
     except ValueError as e:
         raise RetrievalError(str(e)) from None
+    path = os.path.join(out, "summary.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            was = _summary_source(json.load(f))
+    except (OSError, ValueError, AttributeError):
+        was = (None, "")
+    if was != (command, os.path.realpath(workdir)):
+        whose = (f"python -m hpnlp.retrieval {was[0]} of {was[1]}" if was[0]
+                 else "another command")
+        raise RetrievalError(f"--out {out} holds a summary.json of {whose}, which this one would "
+                             "replace; give a new folder, or move that file aside")
 
 
 def check_datastore_folder(datastore: str, workdir: str) -> None:
@@ -375,9 +414,8 @@ def check_datastore_folder(datastore: str, workdir: str) -> None:
     itself, into a file's path, or beside files that are not a datastore's (or its summary)."""
     from hpnlp.paths import check_new_output
     try:
-        check_new_output(datastore, workdir, "--datastore", may_replace=(
-            DATASTORE, DATASTORE + ".tmp", "keys.npy", "values.npy", "keys.tmp.npy",
-            "values.tmp.npy", "summary.json"))
+        check_new_output(datastore, workdir, "--datastore",
+                         may_replace=DATASTORE_FILES + ("summary.json",))
     except ValueError as e:
         raise RetrievalError(str(e)) from None
 
@@ -402,7 +440,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
             raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
     check_datastore_folder(datastore, workdir)
     if out:
-        check_out(out, workdir)
+        check_out(out, workdir, "knnlm", datastore)
     cfg, model, params, task, step = load_lm(workdir)
     if len(task.eval) < 2:  # a bug hunt: one chunk left the test half empty, a traceback
         # after the datastore was built
@@ -440,7 +478,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
                                      lam=best["lam"]))
     tokens = len(nb_test.lm_logp)
     summary = {
-        "workdir": os.path.abspath(workdir), "step": step, "task": task.name,
+        "command": "knnlm", "workdir": os.path.abspath(workdir), "step": step, "task": task.name,
         "datastore": {"folder": os.path.abspath(datastore), "entries": int(len(store.keys)),
                       "width": int(store.keys.shape[1]), "built": built, "seconds": t_store,
                       "bytes": int(store.keys.nbytes + store.values.nbytes)},
