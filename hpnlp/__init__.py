@@ -27,10 +27,12 @@ def _interrupts_in_one_line(argv=None) -> None:
     def one_line(kind, value, tb):
         if not issubclass(kind, KeyboardInterrupt):
             return hook(kind, value, tb)
-        print(f"{prog}: interrupted", file=sys.stderr)
+        # hpnlp.train's Interrupted (a bench's training run) names the step a rerun resumes
+        # from and its exit status (143 for SIGTERM)
+        print(f"{prog}: {str(value) or 'interrupted'}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(getattr(value, "exit_code", 130))
 
     def raised_again(u):
         if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):

@@ -3,6 +3,7 @@ reference, `generate` and speculative decoding drawing only allowed tokens and f
 processed distribution, and the refusals before any compile."""
 
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +261,9 @@ REFUSALS = [
     (dict(top_k=3, greedy=True), "top_k=3 shapes sampling, which greedy decoding does not do"),
     (dict(top_p=0.9, greedy=True), "top_p=0.9 shapes sampling.*pass greedy=False"),
     (dict(min_p=np.float32(0.1), greedy=True), "min_p=.* shapes sampling"),
+    # a bug hunt (session 93): greedy is the default, and a temperature was ignored, unsaid
+    (dict(temperature=0.8, greedy=True), r"temperature=0.8 shapes sampling, which greedy "
+                                         r"decoding does not do .*pass greedy=False to sample"),
 ]
 
 
@@ -300,6 +304,28 @@ def test_cli_refuses_bad_sampling_flags_in_one_line_before_loading(tmp_path, cap
     assert generate.main(["--workdir", str(tmp_path / "none"), "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and "\n" not in err, err
+
+
+def test_cli_names_a_seed_ensemble_and_a_reader_never_trains_a_tokenizer(tmp_path, capsys):
+    # a bug hunt (session 93): an ensemble was "a different model", and a run whose tokenizer
+    # folder was gone was decoded through a tokenizer trained afresh (other text, unsaid)
+    from hpnlp.config import ConfigError, default_configdict, from_configdict
+    from hpnlp.data import tokenizers
+    from hpnlp.train.checkpoint import Checkpointer
+    generate = importlib.import_module("hpnlp.models.generate")
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    Checkpointer(str(tmp_path / "ens"), from_configdict(cd), keep=1, members=2).close()
+    os.makedirs(tmp_path / "ens" / "checkpoints" / "1")
+    assert generate.main(["--workdir", str(tmp_path / "ens"), "--prompt", "x", "--greedy"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --workdir {tmp_path}/ens: a seed ensemble of 2 members; generate decodes one LM "
+        "run (train a plain one with python -m hpnlp.main)")
+    cd.data.update(tokenizer="bpe", vocab_size=300)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/tokenizer/tokenizer.json is missing: "
+                       r"the run's bpe tokenizer, which reading the run needs"):
+        tokenizers.for_run(from_configdict(cd).data, ["a b c"], str(tmp_path / "tokenizer"),
+                           save=False)
 
 
 @pytest.mark.slow

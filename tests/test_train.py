@@ -933,7 +933,14 @@ def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
                          timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (
         130, "", "python -m hpnlp.models.generate: interrupted\n"), out.stderr[-2000:]
-    assert hpnlp.__version__
+    # a training run's Interrupted inside another command (a bench) keeps its line and status
+    code = ("import hpnlp\nhpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.bench'])\n"
+            "from hpnlp.train import Interrupted\nraise Interrupted('stopped (SIGTERM) at step "
+            "3: rerun the same command to resume', 143)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stderr) == (143, "python -m hpnlp.bench: stopped (SIGTERM) at "
+                                            "step 3: rerun the same command to resume\n")
 
 
 @pytest.mark.slow  # a CLI subprocess interrupted while it compiles: about 5 s

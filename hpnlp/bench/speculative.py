@@ -138,7 +138,8 @@ def decode_rows(s: dict, models: dict) -> list[dict]:
                 jax.block_until_ready(outs)
             calls[key] = call
         for mode in MODES:
-            kw = dict(greedy=mode == "greedy", temperature=s["temperature"])
+            kw = (dict(greedy=True) if mode == "greedy" else  # greedy refuses a temperature
+                  dict(greedy=False, temperature=s["temperature"]))
             for batch in dict.fromkeys((1, s["batch"])):
                 # the prompt prefilled in one call, as speculative decoding does
                 over_prompts((mode, batch, "target alone", 0), jax.jit(

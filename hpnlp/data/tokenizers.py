@@ -305,6 +305,12 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
                                 "this config's training split; use the run's own data settings, "
                                 "or a new workdir")
         return tok, "loaded"
+    if directory and not save:  # a bug hunt: a reader of a run (generate) whose tokenizer
+        # folder was gone trained another one, and wrote other text from the same ids
+        from hpnlp.config import ConfigError
+        raise ConfigError(f"{os.path.join(directory, META_FILE)} is missing: the run's "
+                          f"{cfg.tokenizer} tokenizer, which reading the run needs (one trained "
+                          "now could split text otherwise); restore the run's tokenizer folder")
     tok = _train_cached(cfg.tokenizer, int(cfg.vocab_size), tuple(train_docs), digest,
                         f"data.train_path={cfg.train_path}" if cfg.train_path
                         else "the training split")

@@ -25,7 +25,14 @@ def check_temperature(temperature, greedy: bool, flags: bool = False) -> None:
     finite number above 0 (a traced one is the caller's to check). NumPy and concrete JAX
     scalars count too: `jnp.float32(0)` sampled silently from NaN logits. `flags`: named as
     the command line's."""
-    if greedy or isinstance(temperature, jax.core.Tracer) or np.ndim(temperature):
+    if isinstance(temperature, jax.core.Tracer) or np.ndim(temperature):
+        return
+    if greedy:  # a bug hunt: generate(..., temperature=0.8) decoded greedily, unsaid (greedy is
+        # the default); top_k, top_p and min_p were refused so already
+        if not flags and _is_set(temperature, 1.0):
+            raise ValueError(f"temperature={temperature!r} shapes sampling, which greedy "
+                             "decoding does not do (the argmax would ignore it); pass "
+                             "greedy=False to sample, or leave temperature at 1.0")
         return
     # float32's smallest normal: below it the temperature flushed to 0 on the CPU and every
     # token sampled was 0 (a bug hunt, session 90: 1e-38 emitted NULs where 1e-30 was greedy)
@@ -228,7 +235,8 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
 
     Sampled (`greedy=False`), each token is drawn from `sampling_logits` of the model's
     next-token log-probs: `temperature`, then `top_k` (0: off), `top_p` (1.0: off) and
-    `min_p` (0.0: off); they are refused with `greedy`, which would ignore them.
+    `min_p` (0.0: off); they are refused with `greedy` (the default), which would ignore
+    them (it ignores `rng`).
 
     `prompt_len_B` None: every row's prompt is the whole of `prompt_BP`, and where the
     attention variant keeps the exact key/value cache (`Attention.exact_cache`) all but its
@@ -324,7 +332,7 @@ def main(argv=None) -> int:
 
     from hpnlp.models import speculative
     from hpnlp.train.carry import model_params
-    from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
+    from hpnlp.train.checkpoint import NoCheckpoint, load_run_config, run_members
     from hpnlp.train.loop import Trainer
 
     p = argparse.ArgumentParser(prog="python -m hpnlp.models.generate", description=main.__doc__)
@@ -347,7 +355,9 @@ def main(argv=None) -> int:
                    "--temperature, and with --draft to both runs")
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
     p.add_argument("--seed", type=int, default=0,
-                   help="the sampling key's seed (>= 0; the next prompt's is one more)")
+                   help="the sampling key's seed (>= 0); the prompts are sampled together "
+                   "from it, so a row alone with the same seed draws other tokens (with "
+                   "--draft, the next prompt's seed is one more)")
     p.add_argument("--draft", default="", help="a smaller LM run of the same task and "
                    "vocabulary (e.g. a distilled student) for speculative decoding: the same "
                    "output as the target's, in fewer target calls")
@@ -374,6 +384,12 @@ def main(argv=None) -> int:
         if os.path.exists(os.path.join(workdir, "quant.json")):
             return load_quantized(workdir)
         cfg = load_run_config(workdir)
+        members = run_members(workdir)
+        if members > 1:  # a bug hunt: "holds checkpoints of a different model", which it is not
+            flag = "--draft" if workdir == args.draft else "--workdir"
+            raise NoCheckpoint(f"{flag} {workdir}: a seed ensemble of {members} members; "
+                               "generate decodes one LM run (train a plain one with python -m "
+                               "hpnlp.main)")
         if cfg.model.kind != "lm" or cfg.model.arch != "transformer":
             raise NoCheckpoint(f"{workdir}: a model.kind={cfg.model.kind!r}, model.arch="
                                f"{cfg.model.arch!r} run; generate decodes Transformer LMs "
@@ -431,7 +447,8 @@ def main(argv=None) -> int:
         if args.greedy and args.temperature is not None:
             raise ValueError(f"--temperature {args.temperature} shapes sampling, which --greedy "
                              "does not do (the argmax would ignore it); drop one of the two")
-        args.temperature = 0.8 if args.temperature is None else args.temperature
+        if args.temperature is None:  # 1.0 for --greedy: generate() refuses another there
+            args.temperature = 1.0 if args.greedy else 0.8
         check_temperature(args.temperature, args.greedy, flags=True)
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, flags=True)
         # found by a bug hunt: --draft-tokens without --draft (even 0) and --length 0 were
