@@ -2,6 +2,7 @@
 tables and plots come out, and that a missing peer is reported, not a crash."""
 
 import json
+import copy
 import os
 import re
 
@@ -901,11 +902,35 @@ def test_a_saved_run_of_another_config_is_refused_not_deleted(tmp_path, monkeypa
     run.mkdir()
     (run / "config.json").write_text("{}")  # not one this version reads: not deleted either
     (run / "summary.json").write_text("{}")
-    with pytest.raises(compress.RunConflict, match=f"{run} holds a saved run of another config"):
+    with pytest.raises(compress.RunConflict, match=f"{run} holds a saved run this bench cannot "
+                       "read"):
         compress._train(quick, str(run))
     assert (run / "summary.json").exists() and not trained
-    (run / "summary.json").unlink()  # nothing saved: cleared, trained afresh
+    (run / "summary.json").unlink()
+    (run / "notes.txt").write_text("mine")  # not a run's: refused, not deleted (a bug hunt)
+    with pytest.raises(compress.RunConflict, match=rf"^{run} holds files that are not a run's "
+                       r"\(notes.txt\), which this bench would delete with its unfinished run"):
+        compress._train(full, str(run))
+    (run / "notes.txt").unlink()  # nothing saved: cleared, trained afresh
     assert compress._train(full, str(run)) == {"new": 1} and not run.exists()
+    # the reason is said: what the config differs in, or why it cannot be read (a bug hunt:
+    # a copied workdir's runs started from the old path, and a run without its checkpoints,
+    # were both "another config", with "delete" as the fix)
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.train.checkpoint import Checkpointer
+    moved = copy.deepcopy(full)
+    moved.train.init_from = str(tmp_path / "old" / "teacher")
+    saved = validate(from_configdict(moved))
+    Checkpointer(str(run), saved, keep=1).close()
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(compress.RunConflict, match=r"holds a saved run this bench cannot read "
+                       r"\(workdir .* has no checkpoint"):
+        compress._train(full, str(run))
+    os.makedirs(run / "checkpoints" / "1")
+    full.train.init_from = str(tmp_path / "new" / "teacher")
+    with pytest.raises(compress.RunConflict, match=r"\(train.init_from: saved '.*/old/teacher', "
+                       r"now '.*/new/teacher': it starts from a run in another folder"):
+        compress._train(full, str(run))
 
     def conflict(args):
         raise compress.RunConflict(f"{args.workdir}/teacher holds a saved run")

@@ -305,16 +305,25 @@ def _train(cd, out: str) -> dict:
     from hpnlp.config import from_configdict, validate
     from hpnlp.train import run
     from hpnlp.train.checkpoint import has_checkpoint, load_run_config
+    from hpnlp.paths import RUN_FILES, RUN_FOLDERS
     done = os.path.join(out, "summary.json")
     if os.path.exists(out):
         try:
-            same = validate(load_run_config(out)) == validate(from_configdict(cd))
-        except Exception:  # noqa: BLE001 (an unreadable or unfinished run is retrained)
-            same = False
+            saved, now = validate(load_run_config(out)), validate(from_configdict(cd))
+            same, why = saved == now, f"a saved run of another config ({_config_diff(saved, now)})"
+        except Exception as e:  # noqa: BLE001 (an unreadable or unfinished run is retrained)
+            # (a bug hunt: the cause, a missing checkpoint or config.json, was not said)
+            cause = str(e.args[0] if e.args else e).splitlines()[0][:300]
+            same, why = False, f"a saved run this bench cannot read ({cause})"
         if not same and (os.path.exists(done) or has_checkpoint(out)):
-            raise RunConflict(f"{out} holds a saved run of another config (or one this "
-                              "version cannot read), which this bench would replace; give "
+            raise RunConflict(f"{out} holds {why}, which this bench would replace; give "
                               f"another --workdir, or delete {out}")
+        other = sorted(set(os.listdir(out)) - set(RUN_FILES + RUN_FOLDERS) - {"config.json.tmp"})
+        if not same and other:  # a bug hunt: deleted with the rest, unsaid
+            raise RunConflict(f"{out} holds files that are not a run's ({', '.join(other[:3])}"
+                              f"{', ...' if len(other) > 3 else ''}), which this bench would "
+                              "delete with its unfinished run; move them aside, or give another "
+                              "--workdir")
         if same and os.path.exists(done) and _newer_source(cd, done):
             same = False  # its teacher or starting run was retrained since: so is it
         if same and os.path.exists(done):
@@ -325,6 +334,22 @@ def _train(cd, out: str) -> dict:
             import shutil
             shutil.rmtree(out)
     return run(cd, out)
+
+
+def _config_diff(saved, now) -> str:
+    """The fields two configs differ in, up to three, saved value then now's; a run whose
+    sources (`train.init_from`, a teacher) alone moved is said so (a bug hunt: a workdir
+    copied to another path read as another config, with "delete" as the fix)."""
+    from flax import traverse_util
+
+    from hpnlp.config import to_json
+    a, b = (traverse_util.flatten_dict(to_json(c), sep=".") for c in (saved, now))
+    keys = sorted(k for k in {**a, **b} if a.get(k) != b.get(k))
+    shown = "; ".join(f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in keys[:3])
+    if keys and set(keys) <= {"train.init_from", "train.distill.teacher"}:
+        shown += (": it starts from a run in another folder (a --workdir copied or moved "
+                  "from there?); rerun the bench with its own --workdir")
+    return shown + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def _sources(cd) -> list[str]:
@@ -979,11 +1004,7 @@ def _markdown(p: dict) -> str:
             out += ["Rows read as the mean of several seeds, each seed's value: " + "; ".join(
                 f"{r['model']}, {r['method']}: " + ", ".join(f"{v:.4f}" for v in r["seed_values"])
                 for r in seeded) + ". The other students ran the first seed only.", ""]
-    if p.get("seconds"):
-        reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
-                  "training is not in these times." if p.get("reused_runs") else "")
-        out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in p["seconds"].items())
-                + "." + reused, ""]
+    out += report.seconds_md(p)
     out += [report.targets_md(p["targets"])]
     return "\n".join(out)
 

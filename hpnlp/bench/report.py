@@ -139,8 +139,9 @@ def seconds_md(p: dict) -> list[str]:
     (`reused_runs`), whose training the times leave out; [] when none was kept."""
     if not p.get("seconds"):
         return []
-    reused = (f" {p['reused_runs']} finished runs were reused from --workdir, so their "
-              "training is not in these times." if p.get("reused_runs") else "")
+    n = p.get("reused_runs", 0)
+    reused = (f" {n} finished run{' was' if n == 1 else 's were'} reused from --workdir, so "
+              "their training is not in these times." if n else "")
     return ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                   p["seconds"].items()) + "." + reused, ""]
 
