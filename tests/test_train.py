@@ -926,9 +926,11 @@ def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
     printed as 'Exception ignored' and lost: the command ran on."""
     import hpnlp
     assert sys.excepthook is sys.__excepthook__  # imported as a library (pytest): untouched
-    code = ("import hpnlp, time\nhpnlp._interrupts_in_one_line(['python', '-m', "
-            "'hpnlp.models.generate'])\nclass A:\n    def __del__(self):\n        raise "
-            "KeyboardInterrupt\nA()\ntime.sleep(60)\nprint('ran on')")
+    # (SIGINT's handler set: under pytest-xdist the workers' children start with it ignored)
+    code = ("import hpnlp, signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)"
+            "\nhpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.models.generate'])\n"
+            "class A:\n    def __del__(self):\n        raise KeyboardInterrupt\nA()\n"
+            "time.sleep(60)\nprint('ran on')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (
