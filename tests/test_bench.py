@@ -601,6 +601,10 @@ def test_data_bench_targets_and_table_from_a_payload():
     assert t["rss_2gb_vs_20mb"]["value"] == pytest.approx(1.3) and not t["rss_2gb_vs_20mb"]["met"]
     md = bench_data._markdown(payload)
     assert "| 2 GB corpus | reused |" in md and "2,000,000 tokens/s" in md and "failed: boom" in md
+    assert "`--quick`" not in md
+    quick = {**payload, "quick": True, "sizes_bytes": {"small": 2 * 2**20, "large": 20 * 2**20}}
+    assert ("`--quick`: `rss_2gb_vs_20mb` is read here at 20 MB over 2 MB, not the issue's 2 GB "
+            "over 20 MB." in bench_data._markdown(quick))
     payload["train"]["large"] = {"status": "failed: killed (out of memory?)"}
     assert bench_data._targets(payload)["rss_2gb_vs_20mb"] == {"value": None, "bound": 1.2,
                                                               "op": "<=", "met": False}

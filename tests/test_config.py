@@ -218,6 +218,9 @@ def test_task_fields_are_filled_in():
       "data": {"task": "word_lm"}}, "output.options.chunk_logits", "an integer >= 1"),
     ({"model": {"mem_len": 64}}, "model.mem_len", "data.batching='stream'"),
     ({"model": {"comp_fn": "pool"}}, "model.comp_fn", "model.comp_mem_len=0 has none"),
+    # a bug hunt (session 93): the fix it named, data.eval_path, is refused beside a folder
+    ({"data": {"eval_split": "validation", "prepared": "/corpus"}}, "data.eval_split",
+     "prepare the corpus again with your validation text as --eval_input"),
     ({"rnn": {"zoneout": 0.1}}, "rnn.zoneout", "model.arch='transformer' has none"),
     ({"model": {"arch": "transformer_xl", "pos_emb": "sinusoidal"}}, "model.pos_emb",
      "own relative positions"),

@@ -2,8 +2,10 @@
 (hpnlp/data/tokenizers.py, prepare.py, sharded.py). Tiny texts and vocabularies."""
 
 import gzip
+import glob
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -159,18 +161,38 @@ def test_prepare_resumes_after_an_interruption(tmp_path, files, prepared, monkey
 
     def flaky(self, texts):
         calls[0] += 1
-        if calls[0] in (1, 3):
+        if calls[0] == 1:
             raise KeyboardInterrupt
+        if calls[0] == 3:  # main takes SIGTERM as Ctrl-C (a bug hunt: it said nothing)
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(self, texts)
 
     monkeypatch.setattr(tokenizers.Subword, "encode_many", flaky)
-    for _ in range(2):  # before its first shard (found in review: the rerun was refused) and after
-        with pytest.raises(KeyboardInterrupt):
+    for code, what in ((130, "interrupted"), (143, r"stopped \(SIGTERM\)")):
+        # before its first shard (found in review: the rerun was refused) and after
+        with pytest.raises(prepare.Stopped, match=rf"^{what}; what was checkpointed in "
+                           rf"{tmp_path}/p is kept: rerun the same command to continue from it$"
+                           ) as stopped:
             prepare.main(args)
+        assert stopped.value.exit_code == code
         assert os.path.isfile(tmp_path / "p" / prepare.PROGRESS_FILE)
     with pytest.raises(ConfigError, match="interrupted"):
         sharded.read_meta(str(tmp_path / "p"))
     monkeypatch.setattr(tokenizers.Subword, "encode_many", real)
+    # killed between a checkpoint's counts and its progress (a bug hunt, session 93: the
+    # counts were the newer, and the rerun counted the documents between twice)
+    real_json, cut = prepare._atomic_json, []
+
+    def killed(path, obj):
+        if path.endswith(prepare.PROGRESS_FILE) and not cut:
+            cut.append(path)
+            raise KeyboardInterrupt
+        real_json(path, obj)
+    monkeypatch.setattr(prepare, "_atomic_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(args)
+    assert cut and len(glob.glob(str(tmp_path / "p" / "progress-counts*.npz"))) == 2
+    monkeypatch.setattr(prepare, "_atomic_json", real_json)
     # an input changed since is not resumed at its old offset (a bug hunt)
     stat = os.stat(tmp_path / "train.txt")
     os.utime(tmp_path / "train.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))

@@ -656,10 +656,15 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if d.eval_split == "validation":
         for field in ("train_path", "eval_path", "prepared"):
             if getattr(d, field):
+                fix = ("prepare the corpus again with your validation text as --eval_input "
+                       "(python -m hpnlp.data.prepare --input ... --eval_input ...), name that "
+                       "folder in data.prepared, and keep data.eval_split='eval'"
+                       if field == "prepared" else  # a bug hunt: the
+                       "pass a validation file as data.eval_path and keep "  # other fix is
+                       "data.eval_split='eval'")  # refused with a prepared folder
                 _fail("data.eval_split", d.eval_split,
                       f"'validation' holds out part of the shipped corpus or of generated "
-                      f"ListOps, and data.{field} is set; with your own data pass a validation "
-                      "file as data.eval_path and keep data.eval_split='eval'")
+                      f"ListOps, and data.{field} is set; with your own data {fix}")
         if d.task == "listops" and d.listops_num_train <= d.listops_num_eval:
             _fail("data.eval_split", d.eval_split,
                   f"'validation' holds out data.listops_num_eval={d.listops_num_eval} of the "

@@ -77,6 +77,8 @@ def first_fit(sizes: list[int], capacity: int) -> np.ndarray:
 _STATE_FIELDS = {"task": "data.task", "batching": "data.batching", "batch_size": "train.batch_size",
                  "seq_len": "data.seq_len", "seed": "data.seed",
                  "num_examples": "examples (data.train_path, data.eval_split, ...)",
+                 "digest": "the examples' contents (data.train_path or data.eval_path edited "
+                           "since?)",
                  "num_tokens": "tokens (data.prepared, data.train_path, ...)",
                  "prepared": "data.prepared's shards"}
 
@@ -87,7 +89,11 @@ def check_fingerprint(saved: dict, want: dict) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"iterator state {saved!r:.80} is not a dict; pass a dict that "
                          "get_state() returned")
-    diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    # "digest": of the examples' contents (a bug hunt: a train_path edited after a stop, its
+    # paragraph count kept, resumed at the old position in a different stream); a state
+    # saved before it was recorded is checked without it
+    diff = {k: (saved.get(k), v) for k, v in want.items()
+            if saved.get(k) != v and (k in saved or k != "digest")}
     if not diff:
         return
     fix = ("resume with the run's own data settings and batch size (its config.json), or use "
@@ -349,7 +355,7 @@ class BatchIterator:
     def _fingerprint(self) -> dict:
         return {"task": self.task.name, "split": self.split, "batching": self.mode,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
-                "num_examples": len(self._ex)}
+                "num_examples": len(self._ex), "digest": self._ex.digest}
 
     def get_state(self) -> dict:
         """Small and JSON-serializable: where the stream is, plus what it must match. The

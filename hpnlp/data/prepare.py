@@ -240,7 +240,9 @@ def make_tokenizer(args, paths: list[str], reused=None):
             sample.append(doc)
         i += 1
     print(f"training a {args.tokenizer} tokenizer of {args.vocab_size} pieces on "
-          f"{len(sample)} documents ({sum(map(len, sample)) / 2**20:.1f} MiB)", file=sys.stderr)
+          f"{len(sample)} documents ({sum(map(len, sample)) / 2**20:.1f} MiB: a large sample "
+          "trains for minutes, in about 30 times its size in memory; --tokenizer_sample_mb "
+          "bounds both)", file=sys.stderr)
     tok = tokenizers.train(args.tokenizer, args.vocab_size, sample, field="--vocab_size",
                            source=f"--input {args.input}")
     return tok.encode_many, tok.describe(), tok
@@ -286,6 +288,12 @@ def _read_own_json(path: str, keys: tuple[str, ...]) -> dict:
     return obj
 
 
+def _counts_files(out: str) -> list[str]:
+    """The token counts an unfinished preparation saved (`progress-counts*.npz`; the one its
+    progress names, and any a kill left beside it)."""
+    return glob.glob(os.path.join(out, "progress-counts*.npz"))
+
+
 def _discard(out: str, created: bool) -> None:
     """Remove what an unfinished preparation wrote in `out` (the folder itself if this call
     made it)."""
@@ -293,10 +301,9 @@ def _discard(out: str, created: bool) -> None:
     if created:
         shutil.rmtree(out, ignore_errors=True)
         return
-    for name in (PROGRESS_FILE, PROGRESS_COUNTS):
-        if os.path.exists(os.path.join(out, name)):
-            os.remove(os.path.join(out, name))
-    for f in glob.glob(os.path.join(out, "*-*.array_record")):
+    if os.path.exists(os.path.join(out, PROGRESS_FILE)):
+        os.remove(os.path.join(out, PROGRESS_FILE))
+    for f in glob.glob(os.path.join(out, "*-*.array_record")) + _counts_files(out):
         os.remove(f)
     shutil.rmtree(os.path.join(out, tokenizers.DIRNAME), ignore_errors=True)
 
@@ -371,9 +378,10 @@ def prepare(args) -> dict:
     progress = None
     if os.path.isfile(progress_path):
         progress = _read_own_json(progress_path, ("settings", "state"))
-        if not os.path.isfile(os.path.join(out, PROGRESS_COUNTS)):
+        if not os.path.isfile(os.path.join(out, progress.get("counts", PROGRESS_COUNTS))):
             raise PrepareError(f"--out {out} holds an unfinished preparation without its "
-                               f"{PROGRESS_COUNTS}, so it cannot be resumed; delete the folder to "
+                               f"{progress.get('counts', PROGRESS_COUNTS)}, so it cannot be "
+                               "resumed; delete the folder to "
                                "prepare it afresh, or choose a new --out")
         if progress["settings"] != settings:
             raise PrepareError(f"--out {out} holds an unfinished preparation with other settings; "
@@ -402,7 +410,7 @@ def prepare(args) -> dict:
     streams = [("train", paths)] + ([("eval", eval_paths)] if eval_paths else [])
     if progress:
         state = progress["state"]
-        npz = np.load(os.path.join(out, PROGRESS_COUNTS))
+        npz = np.load(os.path.join(out, progress.get("counts", PROGRESS_COUNTS)))
         counts = {"train": npz["train"], "eval_targets": npz["eval_targets"]}
         for split in ("train", "eval"):  # shards past the checkpoint are partial: redo them
             keep = set(state["shards"][split])
@@ -433,10 +441,17 @@ def prepare(args) -> dict:
         save_progress()
 
     def save_progress():
-        np.savez(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), **counts)
-        os.replace(os.path.join(out, PROGRESS_COUNTS + ".tmp.npz"), os.path.join(out, PROGRESS_COUNTS))
+        # the counts under a name of their own, which the progress names: a kill between the
+        # two writes leaves the progress with the counts it was saved with (a bug hunt: one
+        # file replaced before the other would count the documents between twice)
+        name = f"progress-counts-{state['next_shard']:05d}.npz"
+        np.savez(os.path.join(out, name + ".tmp.npz"), **counts)
+        os.replace(os.path.join(out, name + ".tmp.npz"), os.path.join(out, name))
         _atomic_json(progress_path, {"settings": settings, "state": state,
-                                     "input_stamps": stamps})
+                                     "input_stamps": stamps, "counts": name})
+        for f in _counts_files(out):
+            if os.path.basename(f) != name:
+                os.remove(f)
 
     if not progress:  # found in review: stopped before its first shard's checkpoint, a run
         save_progress()  # left files its rerun refused as another's; now it starts over
@@ -490,6 +505,11 @@ def prepare(args) -> dict:
                 checkpoint({"stream": si + 1, "file": 0, "offset": 0, "line": 0})
                 since_ckpt = 0
         flush()
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`main`): its own line, saying the
+        bar.close()  # rerun continues (a bug hunt: glued to the bar, or nothing for SIGTERM)
+        raise Stopped(f"{str(e) or 'interrupted'}; what was checkpointed in {out} is kept: rerun "
+                      "the same command to continue from it", getattr(e, "exit_code", 130)
+                      ) from None
     except PrepareError:  # bad input met while streaming (a line not UTF-8, not JSON)
         bar.close()  # its line ended, so the error starts its own (a README walk)
         for w, _ in writers.values():
@@ -528,7 +548,8 @@ def prepare(args) -> dict:
                            "tokens": state["tokens"][s]} for s in ("train", "eval")}}
     _atomic_json(meta_path, meta)
     os.remove(progress_path)
-    os.remove(os.path.join(out, PROGRESS_COUNTS))
+    for f in _counts_files(out):
+        os.remove(f)
     return meta
 
 
@@ -545,7 +566,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer_from", default="", help="reuse the tokenizer of a run's workdir, "
                    "a prepared folder or a tokenizer folder (its kind and size, unless given)")
     p.add_argument("--tokenizer_sample_mb", type=int, default=SAMPLE_MB,
-                   help="train the tokenizer on an even sample of at most this much text")
+                   help="train the tokenizer on an even sample of at most this much text "
+                   "(its training holds about 30 times this in memory)")
     p.add_argument("--eval_input", default="", help="eval text (else every --eval_every-th document)")
     p.add_argument("--eval_every", type=int, default=100, help="document i is eval when i %% N == N - 1")
     p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),
@@ -557,13 +579,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class Stopped(KeyboardInterrupt):
+    """An interrupted preparation: the line to say (`hpnlp`'s CLI hook says it) and the exit
+    status (130 Ctrl-C, 143 SIGTERM)."""
+
+    def __init__(self, message: str = "", exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped("stopped (SIGTERM)", 143)
+
+
 def main(argv=None) -> int:
+    import signal
     args = parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)  # as Ctrl-C: checkpoints kept, said
     try:
         meta = prepare(args)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     s = meta["splits"]
     print(f"{args.out}: train {s['train']['documents']} documents / {s['train']['tokens']} tokens, "
           f"eval {s['eval']['documents']} / {s['eval']['tokens']} "

@@ -8,6 +8,8 @@ index, and a 100K-example split costs three arrays instead of 100K Python object
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -32,6 +34,16 @@ class Examples:
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A hash of the split's contents (tokens, offsets, labels; ~30 ms for the shipped
+        corpus): a resume refuses a stream whose text changed though its count did not."""
+        h = hashlib.blake2b(digest_size=8)
+        for a in (self.tokens, self.starts, self.lengths, self.labels):
+            if a is not None:
+                h.update(np.ascontiguousarray(a).data)
+        return h.hexdigest()
 
     def example(self, i: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Token ids of example i (a pair for match); for inspection and tests."""
