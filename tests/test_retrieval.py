@@ -529,6 +529,18 @@ def test_session_93_hunt_inputs_are_one_line(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+def test_knnlm_takes_sigterm_as_ctrl_c(monkeypatch, capsys):
+    # a bug hunt (session 93): SIGTERM mid-datastore ended it silently, the partial keys left
+    import signal
+    from hpnlp.retrieval.__main__ import main
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(knnlm, "run", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    assert main(["knnlm", "--workdir", "w", "--datastore", "d"]) == 143
+    assert capsys.readouterr().err == ("hpnlp.retrieval: stopped (SIGTERM); rerun the same "
+                                       "command to start again\n")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_bad_options_and_k_are_one_clear_line():
     # found by the crash hunt: block/query_block/shards 0 ended in a ZeroDivisionError,
     # dtype="int8" rounded every stored vector silently, k=2.7 was read as 2, and an IVF

@@ -37,6 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from hpnlp.data import sharded, text_tasks, tokenizers
+from hpnlp.stopping import Stopped, sigterm_as_interrupt
 
 PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
 PROGRESS_COUNTS = "progress-counts.npz"
@@ -579,30 +580,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-class Stopped(KeyboardInterrupt):
-    """An interrupted preparation: the line to say (`hpnlp`'s CLI hook says it) and the exit
-    status (130 Ctrl-C, 143 SIGTERM)."""
-
-    def __init__(self, message: str = "", exit_code: int = 130):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def _on_sigterm(signum, frame):
-    raise Stopped("stopped (SIGTERM)", 143)
-
-
 def main(argv=None) -> int:
-    import signal
     args = parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)  # as Ctrl-C: checkpoints kept, said
     try:
-        meta = prepare(args)
+        with sigterm_as_interrupt():  # as Ctrl-C: what was checkpointed is kept, and said
+            meta = prepare(args)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     s = meta["splits"]
     print(f"{args.out}: train {s['train']['documents']} documents / {s['train']['tokens']} tokens, "
           f"eval {s['eval']['documents']} / {s['eval']['tokens']} "

@@ -38,31 +38,35 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from hpnlp.config import ConfigError
     from hpnlp.retrieval import RetrievalError, encoder, knnlm
+    from hpnlp.stopping import sigterm_as_interrupt
     from hpnlp.train.checkpoint import CheckpointMismatch
     try:
-        if args.command == "encoder":
-            summary = encoder.evaluate(args.workdir, out=args.out)
-        else:
-            try:
-                options = json.loads(args.index_options)
-            except json.JSONDecodeError as e:
-                raise RetrievalError(f"--index_options {args.index_options!r} is not JSON ({e}); "
-                                     'give an object, e.g. \'{"nprobe": 32}\'') from None
-            if not isinstance(options, dict):
-                raise RetrievalError(f"--index_options {args.index_options!r} is JSON but not an "
-                                     'object; give one, e.g. \'{"nprobe": 32}\'')
-            summary = knnlm.run(args.workdir, args.datastore, index=args.index,
-                                index_options=options, metric=args.metric,
-                                max_eval_tokens=args.max_eval_tokens,
-                                max_datastore_tokens=args.max_datastore_tokens, out=args.out)
+        with sigterm_as_interrupt():  # as Ctrl-C: a partial datastore removed, said
+            if args.command == "encoder":
+                summary = encoder.evaluate(args.workdir, out=args.out)
+            else:
+                try:
+                    options = json.loads(args.index_options)
+                except json.JSONDecodeError as e:
+                    raise RetrievalError(f"--index_options {args.index_options!r} is not JSON "
+                                         f"({e}); give an object, e.g. '{{\"nprobe\": 32}}'"
+                                         ) from None
+                if not isinstance(options, dict):
+                    raise RetrievalError(f"--index_options {args.index_options!r} is JSON but not "
+                                         'an object; give one, e.g. \'{"nprobe": 32}\'')
+                summary = knnlm.run(args.workdir, args.datastore, index=args.index,
+                                    index_options=options, metric=args.metric,
+                                    max_eval_tokens=args.max_eval_tokens,
+                                    max_datastore_tokens=args.max_datastore_tokens, out=args.out)
     except (RetrievalError, ConfigError, CheckpointMismatch, FileNotFoundError,
             json.JSONDecodeError) as e:  # CheckpointMismatch: a README walk's seed ensemble
         print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a README walk: a traceback (a datastore's rerun starts over)
-        print("hpnlp.retrieval: interrupted; rerun the same command to start again",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a README walk: a traceback (a datastore's rerun starts
+        # over); SIGTERM likewise (a bug hunt: it left a partial datastore, unsaid)
+        print(f"hpnlp.retrieval: {str(e) or 'interrupted'}; rerun the same command to start "
+              "again", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
     print(json.dumps(summary, indent=1))
     return 0
 
