@@ -303,14 +303,15 @@ def _train(cd, out: str) -> dict:
     import json
 
     from hpnlp.config import from_configdict, validate
+    from hpnlp.paths import RUN_FILES, RUN_FOLDERS
     from hpnlp.train import run
     from hpnlp.train.checkpoint import has_checkpoint, load_run_config
-    from hpnlp.paths import RUN_FILES, RUN_FOLDERS
     done = os.path.join(out, "summary.json")
     if os.path.exists(out):
         try:
             saved, now = validate(load_run_config(out)), validate(from_configdict(cd))
-            same, why = saved == now, f"a saved run of another config ({_config_diff(saved, now)})"
+            same = saved == now
+            why = f"a saved run of another config ({_config_diff(saved, now)})"
         except Exception as e:  # noqa: BLE001 (an unreadable or unfinished run is retrained)
             # (a bug hunt: the cause, a missing checkpoint or config.json, was not said)
             cause = str(e.args[0] if e.args else e).splitlines()[0][:300]

@@ -34,8 +34,9 @@ def evaluate(workdir: str, *, out: str | None = None) -> dict:
     if out:
         check_out(out, workdir, "encoder")
     cfg, model, params, task, step = load_encoder(workdir)
-    summary = {"command": "encoder", "workdir": os.path.abspath(workdir), "step": int(step), "task": task.name, "arch": cfg.model.arch,
-               "loss": cfg.model.encoder.loss, "mined": bool(cfg.model.encoder.mine_every),
+    summary = {"command": "encoder", "workdir": os.path.abspath(workdir), "step": int(step),
+               "task": task.name, "arch": cfg.model.arch, "loss": cfg.model.encoder.loss,
+               "mined": bool(cfg.model.encoder.mine_every),
                **be.evaluate_pool(cfg, model, params, task)}
     if out:
         os.makedirs(out, exist_ok=True)
