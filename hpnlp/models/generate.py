@@ -499,8 +499,12 @@ def main(argv=None) -> int:
     for note in word_prompt_notes(task, args.prompt, ids):
         print(f"note: {note}", file=sys.stderr)
     if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
+        longest = max(len(x) for x in ids) >= length  # a bug hunt: the bound unexplained
+        fix = ("" if not longest else f"; shorten it, or raise --length (up to the run's "
+               f"model.max_len={cfg.model.max_len})" if length < cfg.model.max_len else
+               f"; shorten it (the run's context, model.max_len, is {cfg.model.max_len})")
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
-              f"these have {[len(x) for x in ids]}", file=sys.stderr)
+              f"these have {[len(x) for x in ids]}{fix}", file=sys.stderr)
         return 2
     try:  # the checkpoints are read here (a bug hunt: a damaged one gave a 41-line traceback)
         params, quant_vars, features_key = weights()
