@@ -22,6 +22,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from hpnlp.config import Config, from_configdict, to_json
@@ -440,10 +441,14 @@ def _all_finite(tree):
 
 
 def _non_finite(params) -> list[str]:
-    """The paths of the parameters holding a NaN or an infinity (one reduction each)."""
+    """The paths of the parameters holding a NaN or an infinity: on the host where this
+    process holds them whole (no compile per model), else one reduction each under jit."""
     floats = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
               if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)}
-    return [k for k, ok in jax.device_get(_all_finite(floats)).items() if not ok]
+    spread = {k: x for k, x in floats.items() if not getattr(x, "is_fully_addressable", True)}
+    ok = {k: bool(np.isfinite(np.asarray(x)).all()) for k, x in floats.items() if k not in spread}
+    ok.update(jax.device_get(_all_finite(spread)) if spread else {})
+    return [k for k in floats if not ok[k]]
 
 
 def _unreadable(where: str, e: Exception, fix: str) -> CheckpointMismatch:
