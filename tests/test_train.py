@@ -920,6 +920,7 @@ def test_a_refused_config_is_said_though_another_process_removed_the_workdir(tmp
         run(tiny(), str(tmp_path / "w"))
 
 
+@pytest.mark.slow  # two interpreters importing hpnlp: 4-7 s; CI's slow part runs it
 def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
     """A bug hunt: Ctrl-C in `python -m hpnlp.models.generate` (and every CLI but hpnlp.main)
     was a traceback of 9-60 lines, and one landing in JAX's garbage-collection callback was
