@@ -764,7 +764,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if len(filled) > 1:
         _fail("mesh", {a: -1 for a in filled}, "at most one axis may be -1")
     sizes = mesh.axis_sizes(n)
-    if math.prod(sizes.values()) != n or 0 in sizes.values():
+    if not mesh.fits(n):
         given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
         fixed = {a: v for a, v in given.items() if v != -1}
         simulate = (" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates "

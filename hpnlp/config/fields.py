@@ -620,6 +620,12 @@ class MeshConfig:
                 sizes[k] = num_devices // fixed if fixed else 0
         return sizes
 
+    def fits(self, num_devices: int) -> bool:
+        """Whether the axis sizes lay out exactly `num_devices` devices (a -1 axis filling
+        the rest); the config check and a read-only run's relayout both ask this."""
+        sizes = self.axis_sizes(num_devices)
+        return math.prod(sizes.values()) == num_devices and 0 not in sizes.values()
+
     def rule_tuples(self) -> tuple[tuple[str, Any], ...]:
         """The rules as flax wants them: ((logical, mesh axes), ...)."""
         return tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v)

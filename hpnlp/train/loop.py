@@ -167,8 +167,7 @@ def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
     with every device on the data axis, said in one line (a bug hunt, session 92: generate,
     quantize and the kNN-LM refused it, and had no flag to lay it out otherwise)."""
     n, mesh = jax.device_count(), cfg.mesh
-    sizes = mesh.axis_sizes(n)
-    if math.prod(sizes.values()) == n and 0 not in sizes.values():
+    if mesh.fits(n):
         return cfg
     given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
     if jax.process_index() == 0:
