@@ -102,6 +102,9 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
     ck = Checkpointer(str(tmp_path), validate(from_configdict(tiny(steps=50)), num_devices=1),
                       keep=2)
     assert load_run_config(str(tmp_path)).train.steps == 40
+    written = ck._write_config
+    monkeypatch.setattr(ck, "_write_config", lambda payload: (  # once the save has committed
+        assert_committed(ck), written(payload)))
     ck.save(50, {"x": np.zeros(2)}, {}, {})
     ck.close()
     assert load_run_config(str(tmp_path)).train.steps == 50
@@ -120,6 +123,10 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
     with pytest.raises(CheckpointMismatch, match=r"checkpoints/50 cannot be read as this run's "
                        r"train state: its layout differs .* move it aside .*init_from="):
         run(tiny(steps=60), str(tmp_path))
+
+
+def assert_committed(ck):
+    assert not ck.manager.is_saving_in_progress() and ck.manager.latest_step() == 50
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):

@@ -348,7 +348,10 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(data_state),
                 loop=ocp.args.JsonSave(loop_state)))
-        if self._pending_config is not None:  # a resume's changed config, now that it trains
+        if self._pending_config is not None:  # a resume's changed config, now that it trains:
+            # once its first checkpoint is committed (a process stopped while that save ran
+            # resumes the step before, which the old config.json describes)
+            self.wait()
             self._write_config(self._pending_config)
             self._pending_config = None
 
