@@ -23,6 +23,8 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("HPNLP_NOTEBOOK_STEPS", "20")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # the notebooks' own temporary folders (quickstart's workdirs) go with the test's
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
