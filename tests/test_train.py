@@ -539,6 +539,29 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10"]
 
 
+def test_a_resume_keeps_the_start_its_config_json_records(tmp_path):
+    """A bug hunt (session 94): a resume of a converted run without (or with other)
+    conversion flags recorded them in config.json (`init_from: ''`), and the original command
+    was then refused as adding an init_from. They are read only when a run starts: the saved
+    ones stay, and the resume says which it was given otherwise."""
+    from hpnlp.train.checkpoint import Checkpointer
+    cd = tiny(steps=10)
+    cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2)
+    Checkpointer(str(tmp_path), from_configdict(cd), keep=1)  # writes config.json
+    os.makedirs(tmp_path / "checkpoints" / "10")  # a checkpoint to resume
+    cd.train.update(init_from="", init_kv_heads="mean", init_kv_calibration=0, steps=20)
+    ck = Checkpointer(str(tmp_path), from_configdict(cd), keep=1)
+    assert ck.start_changed == ("train.init_from: saved '/runs/source', now ''; "
+                                "train.init_kv_heads: saved 'svd', now 'mean'; "
+                                "train.init_kv_calibration: saved 2, now 0")
+    ck._write_config(ck._pending_config)  # as its first checkpoint would
+    saved = json.load(open(tmp_path / "config.json"))["config"]["train"]
+    assert (saved["init_from"], saved["init_kv_heads"], saved["init_kv_calibration"],
+            saved["steps"]) == ("/runs/source", "svd", 2, 20)
+    cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2)
+    assert Checkpointer(str(tmp_path), from_configdict(cd), keep=1).start_changed == ""
+
+
 def _resume_refused(work, cd, change, refused, match):
     """Writes work's config.json and a checkpoint folder for `cd` (no compile, no restore),
     applies `change` to `cd`, and checks that a resume under it is refused matching `match`

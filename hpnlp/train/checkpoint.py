@@ -151,6 +151,34 @@ def _default_config_json() -> dict:
     return to_json(from_configdict(default_configdict()))
 
 
+# What a run reads only when it starts (where its parameters come from): a resume restores
+# its checkpoint instead, so config.json keeps the saved values (a bug hunt, session 94: a
+# resume without the conversion's flags recorded `init_from: ''`, and the original command
+# was then refused as adding an init_from the run never had).
+START_FIELDS = (("train", "init_from"), ("train", "init_params"), ("train", "init_kv_heads"),
+                ("train", "init_kv_calibration"), ("train", "init_experts"),
+                ("train", "init_expert_batches"), ("train", "distill", "init"),
+                ("train", "distill", "importance_batches"), ("train", "distill", "init_blocks"))
+
+
+def _keep_saved_start(saved: dict, payload: dict) -> str:
+    """Sets `payload`'s START_FIELDS to the saved config's (where it has them); returns
+    'field: saved a, now b; ...' for those the resume gave otherwise, else ''."""
+    changed = []
+    for path in START_FIELDS:
+        a, b = saved, payload
+        for k in path[:-1]:
+            a, b = a.get(k), b.get(k)
+            if not isinstance(a, dict) or not isinstance(b, dict):
+                break
+        else:
+            k = path[-1]
+            if k in a and k in b and a[k] != b[k]:
+                changed.append(f"{'.'.join(path)}: saved {a[k]!r}, now {b[k]!r}")
+                b[k] = a[k]
+    return "; ".join(changed)
+
+
 def _config_shape_diff(saved: dict, cfg) -> dict:
     """{field: (saved, now)} for `_CONFIG_SHAPE_FIELDS` (and, where either run sets one, the
     fields it brings) that differ between a saved config.json's config and `cfg`."""
@@ -257,6 +285,9 @@ class Checkpointer:
         # "attention.name: saved 'dense', now 'chunked'" where a resume changes only the
         # implementation of exact attention (EXACT_ATTENTION), which it may
         self.attention_changed = ""
+        # "train.init_kv_heads: saved 'svd', now 'mean'" where a resume gives START_FIELDS
+        # otherwise than the run started with (they are not read; config.json keeps the saved)
+        self.start_changed = ""
         # the saved config's train fields, where a resume reads them (its lr schedule's)
         self.saved_train: dict = {}
         self.read_only = read_only
@@ -318,8 +349,11 @@ class Checkpointer:
                     f"{cfg.train.init_from!r}); train.init_from is read only when a run starts, "
                     "and a rerun resumes its checkpoints. Drop it to resume, or use a new "
                     "--workdir to start from that run")
-            if resuming and saved == json.loads(json.dumps(payload)):
-                return  # the same config: nothing to write
+            if resuming:
+                payload = json.loads(json.dumps(payload))
+                self.start_changed = _keep_saved_start(saved["config"], payload["config"])
+                if saved == payload:
+                    return  # the same config: nothing to write
         elif resuming and jax.process_index() == 0:  # a bug hunt (session 92): unsaid
             print(f"hpnlp: warning: {self.directory} holds checkpoints but "
                   f"{self.config_path} is missing: the config they were trained with is "

@@ -457,6 +457,9 @@ class Trainer:
                   + (f" under another implementation of exact attention "
                      f"({self.checkpointer.attention_changed})"
                      if self.checkpointer.attention_changed else "")
+                  + (f"; what started it is read only when a run starts, and config.json "
+                     f"keeps its start ({self.checkpointer.start_changed})"
+                     if self.checkpointer.start_changed else "")
                   + (f"; train.steps={t.steps} are done, nothing to train (raise "
                      "--config.train.steps to train on)" if start >= t.steps else "")
                   + (f"; it stopped early there ({bad_evals} evals without a better "
