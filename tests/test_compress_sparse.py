@@ -1825,11 +1825,12 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     def moe_cd(x, **fields):
         cd = tiny("lm")
         cd.model.depth = 2
-        cd.model.moe.update(num_experts=x, top_k=2, router="top_k", shared_experts=1, **fields)
+        cd.model.moe.update(**{"num_experts": x, "top_k": 2, "router": "top_k",
+                               "shared_experts": 1, **fields})
         return cd
 
     src_cfg, _, src = _teacher_workdir(tmp_path / "x4", moe_cd(4))
-    cd = moe_cd(2)
+    cd = moe_cd(2, router="switch", top_k=1)  # routed as the source routes, not as this run
     cd.train.update(init_from=str(tmp_path / "x4"), init_expert_batches=2)
     tr = Trainer(from_configdict(cd), str(tmp_path / "x2"))
     state, _ = tr.initial_state()

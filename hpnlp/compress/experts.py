@@ -96,10 +96,10 @@ def change(src: ModelConfig, dst: ModelConfig, workdir: str) -> str:
 
 
 def source_config(cfg: Config, src: ModelConfig) -> Config:
-    """`cfg` with the `train.init_from` run's experts: the shapes it is restored in."""
-    moe = src.moe if not src.moe.num_experts else dataclasses.replace(
-        cfg.model.moe, num_experts=src.moe.num_experts)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+    """`cfg` with the `train.init_from` run's experts: the shapes it is restored in, routed
+    as that run routes (its router, top_k and capacity; a bug hunt, session 94: the source
+    was rebuilt with this run's router, and which experts were kept depended on it)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=src.moe))
 
 
 def _moe_layers(tree, path=()):
