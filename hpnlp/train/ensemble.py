@@ -259,7 +259,21 @@ class EnsembleTrainer(Trainer):
             return super().initial_state()
         states = [self.fresh_state(jax.random.key(s), self.member_sharding) for s in self.seeds]
         with self._context():
+            if self.cfg.train.init_from and self.members > 1 and _same_params(states):
+                self._say_same_start()
             return self._stack_members(*states), {}
+
+    def _say_same_start(self) -> None:
+        # a bug hunt (session 94): an ensemble started from one run trained M copies of one
+        # model, unsaid, where nothing in training drew differently for its members
+        if jax.process_index() == 0:
+            m = self.cfg.model
+            print(f"hpnlp: warning: the {self.members} members start from the same parameters "
+                  f"(train.init_from={self.cfg.train.init_from} holds one run, read whole "
+                  "into each): they differ only by what their seeds draw in training "
+                  f"(dropout: model.dropout={m.dropout}), and members that draw alike train "
+                  "alike; start them from a seed ensemble of as many members, or keep some "
+                  "randomness (model.dropout > 0)", file=sys.stderr, flush=True)
 
     def member_state(self, state, i: int) -> TrainState:
         """Member i of a stacked state, as the plain TrainState of its own run."""
@@ -268,6 +282,17 @@ class EnsembleTrainer(Trainer):
 
     def evaluate(self, state) -> dict:
         return _report(self.eval_sums(state, self.ensemble_eval_step), lm=self.lm)
+
+
+@jax.jit
+def _equal(a, b):
+    return jnp.stack([jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a),
+                                                          jax.tree.leaves(b))]).all()
+
+
+def _same_params(states: list[TrainState]) -> bool:
+    """Whether every member's initial parameters equal the first's."""
+    return all(bool(_equal(states[0].params, s.params)) for s in states[1:])
 
 
 # ---------------------------------------------------------------------------------------
