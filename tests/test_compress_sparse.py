@@ -1926,6 +1926,24 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     refused(cd, "none", r"train\.init_experts.*set train\.init_from")
     cd.train.update(init_from=str(tmp_path / "x4"), init_experts="routed", init_expert_batches=0)
     refused(cd, "zero", r"train\.init_expert_batches.*integer >= 1")
+    # a run of another model is named by the fields that make it one, a seed ensemble as one,
+    # a run's checkpoints folder as the run's (a bug hunt, session 94: 'saved None' arrays)
+    cd = tiny("lm")
+    cd.train.init_from = str(tmp_path / "x4")
+    refused(cd, "from_moe", r"its parameters differ from this run's \(model\.depth: that run "
+            r"2, this run 1; model\.moe\.num_experts: that run 4, this run 0; .*: \d+ arrays: "
+            r"trunk/block_0/mlp_in/bias: that run has none")
+    from hpnlp.train.checkpoint import Checkpointer, NoCheckpoint
+    cd.train.init_from = str(tmp_path / "x4" / "checkpoints")
+    with pytest.raises(NoCheckpoint, match=f"{tmp_path / 'x4' / 'checkpoints'} is inside the "
+                       f"run {tmp_path / 'x4'} \\(its checkpoints\\); name the run's own"):
+        Trainer(from_configdict(cd), str(tmp_path / "inner"))
+    ens = Checkpointer(str(tmp_path / "ens"), validate(from_configdict(tiny("lm"))), keep=1,
+                       members=2)
+    ens.save(1, {"params": jax.tree.map(lambda a: np.stack([a, a]), dense)}, {}, {})
+    ens.close()
+    cd.train.init_from = str(tmp_path / "ens")
+    refused(cd, "from_ens", r"it holds a seed ensemble of 2 members .*name a single run")
     low = tiny("lm")
     low.model.lowrank.rank = 4
     _config_only_workdir(tmp_path / "low", low)

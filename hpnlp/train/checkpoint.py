@@ -85,6 +85,11 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
                 raise NoCheckpoint(f"{named}{workdir} holds a compressed copy ({meta}, written "
                                    f"by python -m hpnlp.compress {command} --out), not a run; "
                                    f"name {source}")
+        for up in (os.path.dirname(os.path.abspath(workdir)),
+                   os.path.dirname(os.path.dirname(os.path.abspath(workdir)))):
+            if os.path.isfile(os.path.join(up, "config.json")):  # a bug hunt (session 94)
+                raise NoCheckpoint(f"{named}{workdir} is inside the run {up} (its "
+                                   "checkpoints); name the run's own folder, " + up)
         raise NoCheckpoint(f"{named}no run in workdir {workdir} (no config.json): train one "
                            "there first with python -m hpnlp.main --config ... --workdir ...")
     saved = _read_config_json(path)["config"]
@@ -568,9 +573,12 @@ def _newest(workdir: str):
     return manager, step
 
 
-def check_params_match(workdir: str, like, *, field: str) -> None:
+def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = None) -> None:
     """Refuse (naming `field`) when the newest checkpoint in `workdir` holds parameters of
-    other names or shapes than `like` (arrays or ShapeDtypeStructs), before any restore."""
+    other names or shapes than `like` (arrays or ShapeDtypeStructs), before any restore.
+    `cfg`: the config `like` is built by, whose fields the error compares with that run's
+    (a bug hunt, session 94: it named arrays, 'saved None', and not the model.arch or the
+    seed ensemble that made them differ)."""
     import flax.traverse_util as traverse
     from hpnlp.config import config_error
 
@@ -591,10 +599,32 @@ def check_params_match(workdir: str, like, *, field: str) -> None:
     diff = sorted(set(saved) ^ set(mine)) + sorted(k for k in set(saved) & set(mine)
                                                    if saved[k] != mine[k])
     if diff:
-        shown = "; ".join(f"{'/'.join(k)}: saved {saved.get(k)}, this run {mine.get(k)}"
+        members = run_members(workdir)
+        if members > 1:
+            raise config_error(field, workdir, f"it holds a seed ensemble of {members} members "
+                               "(python -m hpnlp.train.ensemble), whose parameters are stacked "
+                               "member by member; name a single run (python -m hpnlp.main)")
+        fields = _model_fields_differ(workdir, cfg) if cfg is not None else {}
+        named = "; ".join(f"{k}: that run {a!r}, this run {b!r}" for k, (a, b) in fields.items())
+        shown = "; ".join(f"{'/'.join(k)}: " + ("that run has none" if k not in saved else
+                                                 "this run has none" if k not in mine else
+                                                 f"saved {saved[k]}, this run {mine[k]}")
                           for k in diff[:4])
-        raise config_error(field, workdir, f"its parameters differ from this run's ({len(diff)} "
-                           f"arrays: {shown}); it must be a run of the same model shape")
+        raise config_error(field, workdir, "its parameters differ from this run's ("
+                           + (f"{named}: " if named else "") + f"{len(diff)} arrays: {shown}); "
+                           "it must be a run of the same model shape")
+
+
+def _model_fields_differ(workdir: str, cfg: Config) -> dict:
+    """{field: (that run's, cfg's)} for the model and output-layer fields that shape the
+    parameters, where the run in `workdir` (its config.json) and `cfg` differ."""
+    saved = _read_config_json(os.path.join(workdir, "config.json"))
+    old, new = saved.get("shape_signature", {}), _shape_signature(cfg)
+    old, new = _resolved(old, new), _resolved(new, old)
+    diff = {k: (old.get(k), new.get(k)) for k in {**old, **new} if old.get(k) != new.get(k)}
+    diff.update(_config_shape_diff(saved["config"], cfg))
+    return {k: v for k, v in sorted(diff.items()) if k.startswith(("model.", "output."))
+            and k not in ("model.dtype", "model.causal", "model.pool")}
 
 
 def restore_params(workdir: str, like):

@@ -259,7 +259,8 @@ class Trainer:
                                    "trained on the examples this run holds out for "
                                    "data.eval_split='validation'; start from a run trained with "
                                    "it too (and, for ListOps, the same generator settings)")
-            check_params_match(cfg.train.init_from, self.model_params, field="train.init_from")
+            check_params_match(cfg.train.init_from, self.model_params, field="train.init_from",
+                               cfg=self._convert.source if self._convert else cfg)
         transform = None
         if cfg.model.lowrank.enabled():  # factorized products (hpnlp.compress.lowrank)
             from hpnlp.compress import lowrank
