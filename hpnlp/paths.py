@@ -4,7 +4,9 @@ that would write over a run's own files, says so in one line before it trains or
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 
 # What a training run keeps in its workdir (hpnlp.train): an output written there would
 # replace the run's summary or mix with its checkpoints.
@@ -79,7 +81,12 @@ def check_new_output(out: str, source: str | None, flag: str = "--out", *,
                              "new folder")
     if not os.path.isdir(full):
         return
-    held = sorted(set(os.listdir(full)) - set(may_replace))
+    held = sorted(set(os.listdir(full)) - set(may_replace)
+                  - ({UNFINISHED} if may_replace else set()))  # a killed call's, removed
+    tools = [f for f in ("quant.json", "sparse.json") if f in held]
+    if tools:  # a bug hunt (session 94): a quantize output was called "a training run"
+        raise ValueError(f"{flag} {out} holds another command's output ({', '.join(tools)}); "
+                         "give a new folder")
     run = [f for f in held if f in RUN_FILES]
     if run:
         raise ValueError(f"{flag} {out} holds a training run ({', '.join(run)}); give a new folder")
@@ -87,3 +94,28 @@ def check_new_output(out: str, source: str | None, flag: str = "--out", *,
         raise ValueError(f"{flag} {out} holds files this command would not write "
                          f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); give a "
                          "new or empty folder")
+
+
+UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes and checks them
+
+
+@contextlib.contextmanager
+def staged(out: str, files: tuple[str, ...]):
+    """Yields a folder (OUT/.unfinished) to write `files` into; when the block ends they
+    replace OUT's own at once, and where it raises (a failed check, Ctrl-C) they are removed
+    and OUT keeps what an earlier call wrote. A bug hunt (session 94): a rerun into the same
+    --out, interrupted, left the new model's files beside the old call's summary.json."""
+    stage = os.path.join(out, UNFINISHED)
+    shutil.rmtree(stage, ignore_errors=True)  # what a killed call left
+    os.makedirs(stage)
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    for f in files:  # the summary last: present, the rest is this call's
+        if os.path.exists(os.path.join(stage, f)):
+            os.replace(os.path.join(stage, f), os.path.join(out, f))
+        elif os.path.exists(os.path.join(out, f)):
+            os.remove(os.path.join(out, f))
+    shutil.rmtree(stage, ignore_errors=True)

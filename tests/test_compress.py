@@ -385,6 +385,18 @@ def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path):
     packed = {str(path[-1].key): leaf for path, leaf in leaves if isinstance(leaf, QWeight)}
     assert set(packed) == {"input_kernel", "recurrent_kernel"}
     assert all(w.fmt == "int8" and w.codes.dtype == np.int8 for w in packed.values())
+    # a rerun into the same --out stopped part-way keeps the earlier call's files, all of
+    # them (a bug hunt, session 94: its new model sat beside the old summary.json)
+    before = {f: open(os.path.join(out, f), "rb").read() for f in ptq.OUT_FILES}
+
+    def stopped(*args, **kw):
+        raise KeyboardInterrupt
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ptq, "load", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            ptq.quantize(workdir, out, QuantConfig(weights="int4"), eval_batches=1, repeats=1)
+    assert sorted(os.listdir(out)) == sorted(ptq.OUT_FILES)
+    assert {f: open(os.path.join(out, f), "rb").read() for f in ptq.OUT_FILES} == before
 
 
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it
@@ -419,11 +431,14 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
                  "none"]) == 1
     assert "quantizes nothing" in capsys.readouterr().err
-    assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"), "--weights",
-                 "int8", "--layers", "head"]) == 1
+    from hpnlp.train import Trainer
+    with pytest.MonkeyPatch.context() as m:  # refused before the float model's evaluation
+        m.setattr(Trainer, "evaluate", lambda self, state: 1 / 0)
+        assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"),
+                     "--weights", "int8", "--layers", "head"]) == 1
     assert "`layers` = 'head' is not allowed: names no product of this lm" in \
         capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "o" / "quantized.npz")
+    assert not os.path.exists(tmp_path / "o")  # (a bug hunt, session 94: made empty)
     # a run's config without a checkpoint (never saved one): refused, nothing written
     os.makedirs(tmp_path / "unsaved")
     shutil.copy(os.path.join(trained, "config.json"), tmp_path / "unsaved")

@@ -80,8 +80,13 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
         check_new_output(str(run), str(tmp_path / "other"))
     (out / "quant.json").write_text("{}")
     check_new_output(str(out), str(run), may_replace=("quant.json",))  # the tool's own, rewritten
-    with pytest.raises(ValueError, match=r"holds files this command would not write \(quant.json\)"):
+    (out / "summary.json").write_text("{}")  # a quantize output: another command's, said so
+    with pytest.raises(ValueError, match=r"holds another command's output \(quant.json\)"):
         check_new_output(str(out), str(run))
+    os.makedirs(out / ".unfinished")  # what a killed call of the tool left: replaced too
+    check_new_output(str(out), str(run), may_replace=("quant.json", "summary.json"))
+    os.rmdir(out / ".unfinished")
+    os.remove(out / "summary.json")
     # a training run's --workdir: new, empty, tensorboard only or a run (it resumes); another
     # tool's output is refused (a README walk: a kNN-LM's summary.json was overwritten, and a
     # datastore beside a run's files was refused by knnlm ever after)

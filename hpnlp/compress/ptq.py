@@ -221,7 +221,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         raise config_error("weights", float_dtype, f"float formats are {list(FLOAT_FORMATS)}")
     if calib_batches <= 0:
         raise config_error("calib_batches", calib_batches, "must be > 0")
-    from hpnlp.paths import check_new_output
+    from hpnlp.paths import check_new_output, staged
     check_new_output(out, workdir, may_replace=OUT_FILES)
     cfg = mesh_for_these_devices(load_run_config(workdir), workdir)  # before with_quant
     if cfg.model.memory.size:
@@ -268,8 +268,6 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         raise ValueError(f"the checkpoint of step {step} in {workdir} holds non-finite weights "
                          f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); quantize a "
                          "run whose weights are finite")
-    os.makedirs(out, exist_ok=True)
-    float_eval = trainer.evaluate(state)
     batches = data_lib.make_iterator(trainer.task, cfg.data, split="train",
                                      batch_size=cfg.train.batch_size)
     calib = [next(batches) for _ in range(calib_batches)]
@@ -295,6 +293,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                f"{cfg.model.kind} ({cfg.model.arch}), so nothing would be "
                                "quantized; name products it has (or 'all')")
 
+    float_eval = trainer.evaluate(state)  # after what may refuse the format (a bug hunt)
+
     def variables(p, qv):
         return {"params": p, **({"quant": qv} if qv else {})}
 
@@ -312,20 +312,6 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         state, eval_step=lambda _, b: eval_q(served, quant_vars, b),
         memory_step=lambda _, b, mem: eval_q_memory(served, quant_vars, b, mem)), lm=lm)
 
-    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
-    size = save(out, cfg_q, packed, quant_vars, meta)
-    _, reloaded, reloaded_quant = load(out, cfg_q)
-    if not float_dtype:
-        reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)
-    # placed as the run's own arrays are (a mesh may shard them; a sharded low-precision
-    # forward sums in another order than a one-device one, and this check is bitwise)
-    reloaded, reloaded_quant = (jax.tree.map(lambda r, a: jax.device_put(r, a.sharding), r, a)
-                                for r, a in ((reloaded, served), (reloaded_quant, quant_vars)))
-    out_before = eval_q(served, quant_vars, eval_batch)
-    out_after = eval_q(reloaded, reloaded_quant, eval_batch)
-    identical = all(bool(jnp.array_equal(a, b)) for a, b in
-                    zip(jax.tree.leaves(out_before), jax.tree.leaves(out_after)))
-
     model_f = trainer.eval_model
     eval_f = jax.jit(lambda p, b: model_f.apply({"params": p}, b, method="evaluate"))
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
@@ -337,22 +323,41 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,
         "format": float_dtype or {"weights": q.weights, "activations": q.activations,
                                   "act_scale": q.act_scale, "group_size": q.group_size,
-                                  "calibration": q.calibration, "layers": q.layers},
+                                  "calibration": q.calibration, "layers": q.layers,
+                                  **({"percentile": q.percentile}
+                                     if q.calibration == "percentile" else {})},
         "calib_batches": calib_batches if (q is not None and q.act_scale == "static") else 0,
         "eval": {"float32": float_eval, "quantized": quant_eval,
                  "loss_rel_increase": quant_eval[metric] / float_eval[metric] - 1.0},
-        "size_bytes": {"float32_params": float_bytes, "quantized_file": size,
-                       "ratio": float_bytes / size},
+        "size_bytes": {"float32_params": float_bytes, "quantized_file": None,
+                       "ratio": None},
         "forward": {"batch_tokens": tokens, "float32_s": t_float, "quantized_s": t_quant,
                     "speedup": t_float / t_quant,
                     "kernel_products": kernel_products,
                     "how": ("integer kernels (hpnlp.compress.kernels) for the products they "
                             "serve, the rest decoded in XLA" if kernel_products else
                             "packed weights decoded in the jitted forward (XLA)")},
-        "reload_identical": identical,
+        "reload_identical": None,
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    if not identical:
-        raise RuntimeError(f"the quantized checkpoint in {out} did not reload to identical outputs")
+    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
+    with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
+        size = save(stage, cfg_q, packed, quant_vars, meta)
+        _, reloaded, reloaded_quant = load(stage, cfg_q)
+        if not float_dtype:
+            reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)
+        # placed as the run's own arrays are (a mesh may shard them; a sharded low-precision
+        # forward sums in another order than a one-device one, and this check is bitwise)
+        reloaded, reloaded_quant = (jax.tree.map(lambda r, a: jax.device_put(r, a.sharding), r, a)
+                                    for r, a in ((reloaded, served), (reloaded_quant, quant_vars)))
+        out_before = eval_q(served, quant_vars, eval_batch)
+        out_after = eval_q(reloaded, reloaded_quant, eval_batch)
+        identical = all(bool(jnp.array_equal(a, b)) for a, b in
+                        zip(jax.tree.leaves(out_before), jax.tree.leaves(out_after)))
+        if not identical:  # nothing of this call's is kept (staged)
+            raise RuntimeError(f"the quantized checkpoint written for {out} did not reload to "
+                               "identical outputs")
+        summary["size_bytes"].update(quantized_file=size, ratio=float_bytes / size)
+        summary["reload_identical"] = identical
+        with open(os.path.join(stage, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     return summary

@@ -162,7 +162,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     nonzeros, into `out`; returns the summary also written to OUT/summary.json."""
     from hpnlp import data as data_lib
     from hpnlp.compress.ptq import _forward_seconds
-    from hpnlp.paths import check_new_output
+    from hpnlp.paths import check_new_output, staged
     from hpnlp.train import Trainer
     from hpnlp.train.carry import model_params
     from hpnlp.train.step import finalize
@@ -205,12 +205,6 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
         state, eval_step=lambda _, b: run(sparse, b),
         memory_step=lambda _, b, mem: run_memory(sparse, b, mem)), lm=trainer.lm)
 
-    size = save(out, cfg, sparse, {"source": {"workdir": os.path.abspath(workdir), "step": step},
-                                   "min_sparsity": min_sparsity})
-    _, reloaded = load(out)
-    identical = all(bool(jnp.array_equal(a, b)) for a, b in zip(
-        jax.tree.leaves(run(sparse, eval_batch)), jax.tree.leaves(run(reloaded, eval_batch))))
-
     flat = traverse.flatten_dict(params)
     dense_bytes = sum(np.asarray(flat[tuple(k.split("/"))]).nbytes for k in converted)
     sparse_bytes = sum(leaf.w.nbytes for leaf in jax.tree.leaves(
@@ -220,22 +214,30 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     t_sparse = _forward_seconds(run, sparse, eval_batch, repeats=repeats)
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items()
                          if k.startswith("segment_ids")]))
-    summary = {
-        "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,
-        "min_sparsity": min_sparsity, "converted": converted,
-        "eval": {"masked": masked_eval, "sparse": sparse_eval,
-                 "loss_rel_diff": sparse_eval["loss"] / masked_eval["loss"] - 1.0},
-        "size_bytes": {"float32_params": float_bytes(params), "sparse_file": size,
-                       "converted_dense": int(dense_bytes), "converted_sparse": int(sparse_bytes)},
-        "forward": {"batch_tokens": tokens, "masked_s": t_dense, "sparse_s": t_sparse,
-                    "speedup": t_dense / t_sparse,
-                    "how": ("the sparse kernel (hpnlp.compress.spmm)" if blocker is None
-                            else f"the XLA twin: {blocker}")},
-        "reload_identical": identical,
-    }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    if not identical:
-        raise RuntimeError(f"the sparse checkpoint in {out} did not reload to identical outputs")
+    with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
+        size = save(stage, cfg, sparse, {"source": {"workdir": os.path.abspath(workdir),
+                                                    "step": step}, "min_sparsity": min_sparsity})
+        _, reloaded = load(stage)
+        identical = all(bool(jnp.array_equal(a, b)) for a, b in zip(
+            jax.tree.leaves(run(sparse, eval_batch)), jax.tree.leaves(run(reloaded, eval_batch))))
+        if not identical:  # nothing of this call's is kept (staged)
+            raise RuntimeError(f"the sparse checkpoint written for {out} did not reload to "
+                               "identical outputs")
+        summary = {
+            "workdir": os.path.abspath(workdir), "step": step, "task": trainer.task.name,
+            "min_sparsity": min_sparsity, "converted": converted,
+            "eval": {"masked": masked_eval, "sparse": sparse_eval,
+                     "loss_rel_diff": sparse_eval["loss"] / masked_eval["loss"] - 1.0},
+            "size_bytes": {"float32_params": float_bytes(params), "sparse_file": size,
+                           "converted_dense": int(dense_bytes),
+                           "converted_sparse": int(sparse_bytes)},
+            "forward": {"batch_tokens": tokens, "masked_s": t_dense, "sparse_s": t_sparse,
+                        "speedup": t_dense / t_sparse,
+                        "how": ("the sparse kernel (hpnlp.compress.spmm)" if blocker is None
+                                else f"the XLA twin: {blocker}")},
+            "reload_identical": identical,
+        }
+        with open(os.path.join(stage, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     return summary
 
