@@ -44,6 +44,17 @@ def _interrupts_in_one_line(argv=None) -> None:
         return unraisable(u)
 
     sys.excepthook, sys.unraisablehook = one_line, raised_again
+    # SIGTERM as Ctrl-C: cleanups run and the line is said, exit status 143 (a bug hunt,
+    # session 94: the compress commands, and training before its first step, ended silent).
+    # What keeps its own handler installs it over this one (training saves its next step).
+    import signal
+
+    from hpnlp.stopping import Stopped
+
+    def on_term(signum, frame):
+        raise Stopped("stopped (SIGTERM)", 143)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_term)
 
 
 _interrupts_in_one_line()

@@ -356,8 +356,8 @@ def main(argv) -> None:
         exit_interrupted(f"hpnlp: error: {e}", 1)
     except Interrupted as e:  # Ctrl-C or SIGTERM while training: what a rerun resumes from
         exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
-    except KeyboardInterrupt:  # before the first step or after the last
-        exit_interrupted("hpnlp: interrupted")
+    except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
+        exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=1))
 

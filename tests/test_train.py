@@ -974,6 +974,22 @@ def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
                          timeout=120)
     assert (out.returncode, out.stderr) == (143, "python -m hpnlp.bench: stopped (SIGTERM) at "
                                             "step 3: rerun the same command to resume\n")
+    # SIGTERM as Ctrl-C, its cleanups run (a bug hunt, session 94: the compress commands ended
+    # silently); a handler of the command's own is left in place
+    code = ("import hpnlp, os, signal, time\n"
+            "hpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.compress'])\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)\n"
+            "finally:\n    print('cleaned up')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        143, "cleaned up\n", "python -m hpnlp.compress: stopped (SIGTERM)\n"), out.stderr[-2000:]
+    code = ("import signal\nsignal.signal(signal.SIGTERM, lambda *a: print('own'))\n"
+            "import hpnlp, os\nhpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.main'])\n"
+            "os.kill(os.getpid(), signal.SIGTERM)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout) == (0, "own\n"), out.stderr[-2000:]
 
 
 @pytest.mark.slow  # a CLI subprocess interrupted while it compiles: about 5 s
