@@ -79,6 +79,7 @@ Beside the soft targets (Transformer students of the teacher's width):
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 
 import jax
@@ -310,6 +311,8 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
     it differs, whole or not at all: with the teacher's parameters in the student's
     checkpoints, the run needs nothing more of the teacher's folder."""
     import shutil
+
+    from hpnlp.train.checkpoint import has_checkpoint
     src = os.path.join(cfg.train.distill.teacher, "config.json")
     dst = os.path.join(workdir, TEACHER_CONFIG)
     if not os.path.isfile(src):
@@ -320,6 +323,15 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
         with open(dst, "rb") as f:
             if f.read() == data:
                 return
+        if has_checkpoint(workdir):  # the teacher its checkpoints hold stays described (a
+            # bug hunt, session 94: a teacher folder trained anew as another model overwrote
+            # the copy, and the student could no longer be resumed or read)
+            if jax.process_index() == 0:
+                print(f"hpnlp: warning: train.distill.teacher={cfg.train.distill.teacher} now "
+                      "holds another config than the teacher whose parameters this run's "
+                      f"checkpoints hold ({dst}); the run goes on with the teacher it "
+                      "started with", file=sys.stderr, flush=True)
+            return
     os.makedirs(workdir, exist_ok=True)
     tmp = f"{dst}.{os.getpid()}.tmp"  # each process of a multi-process run its own
     shutil.copyfile(src, tmp)
@@ -343,8 +355,7 @@ class TeacherCarry(Carry):
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
         copy = os.path.join(workdir, TEACHER_CONFIG) if workdir else ""
-        if (copy and os.path.isfile(copy) and has_checkpoint(workdir)
-                and not os.path.isfile(os.path.join(self.workdir, "config.json"))):
+        if copy and os.path.isfile(copy) and has_checkpoint(workdir):  # the teacher it holds
             tcfg = config_file(copy)
         else:
             tcfg = load_run_config(self.workdir, field="train.distill.teacher")
