@@ -943,6 +943,10 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
 def test_bad_compression_settings_name_the_field(group, fields, match):
     with pytest.raises(ConfigError, match=match):
         validate(from_configdict(tiny("lm", **{group: fields})))
+    bi = tiny("lm", distill=dict(teacher="x"))  # a bug hunt (session 94): a traceback
+    bi.model.kind, bi.data.task = "bi_encoder", "verse_pairs"
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*a bi-encoder predicts none"):
+        validate(from_configdict(bi))
     with pytest.raises(ConfigError, match=r"train\.prune\.nope"):
         from_configdict(tiny("lm", prune=dict(nope=1)))
 

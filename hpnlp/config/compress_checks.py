@@ -194,6 +194,10 @@ def _check_compress(cfg: Config) -> None:
         if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
             _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "
                   f"model.kind={m.kind!r}, model.arch={m.arch!r}")
+        if m.kind == "bi_encoder":  # a bug hunt (session 94): a traceback in the first step
+            _fail("train.distill.teacher", dist.teacher, "distillation matches the teacher's "
+                  "predicted distributions, and a bi-encoder predicts none (it scores pairs of "
+                  "embeddings against the batch); distill an lm, classifier or dual_encoder run")
         if m.arch == "transformer_xl" and cfg.data.batching == "stream":
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
                   "memory through its loss and cannot distill yet; use data.batching='pack'")
