@@ -23,7 +23,8 @@ output layer stay dense.
   estimator's gradient, `movement_update`; the carry then also holds the scores, their
   moments and the dense weights, and a pruned weight can come back);
   L1-regularized training adds `l1 * sum |W|` over the pruned products to the per-token
-  loss (`train.prune.l1`, logged as `loss_l1`), so magnitude masks find what it drove to zero.
+  objective (`train.prune.l1`; an auxiliary loss beside the model's, which `loss` and `ppl`
+  still log; the sum is logged as `loss_l1`), so magnitude masks find what it drove to zero.
   A pruned weight's score is -inf, so masks only ever lose entries: gradual schedules nest.
 - Scope: `layer` (each weight pruned to the target on its own) or `global` (one ranking of
   every pruned weight's |W|; layers end at different sparsities).
@@ -95,7 +96,7 @@ import numpy as np
 from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import Factored
 from hpnlp.config import QUANT_LAYERS, Config, PruneConfig
-from hpnlp.train.carry import Carry
+from hpnlp.train.carry import AUX_LOSS, Carry
 
 
 def sparsity_at(p: PruneConfig, step, total_steps: int):
@@ -648,11 +649,14 @@ class PruneCarry(Carry):
             return inner
 
         def l1_loss(params, carry, batch, rngs):
-            # the step divides the summed loss by the real tokens: scale the penalty by them
+            # the step divides the summed loss by the real tokens: scale the penalty by them.
+            # Beside the model's loss, as the auxiliary losses are (a bug hunt, session 94:
+            # in it, the logged loss and its perplexity were the penalty's)
             sums, carry = inner(params, carry, batch, rngs)
             flat = _flatten(params)
             l1 = sum(jnp.sum(jnp.abs(flat[_path(k)].astype(jnp.float32))) for k in self.products)
-            return dict(sums, loss=sums["loss"] + self.p.l1 * l1 * sums["weight"],
+            penalty = self.p.l1 * l1 * sums["weight"]
+            return dict(sums, **{AUX_LOSS: sums.get(AUX_LOSS, 0.0) + penalty},
                         loss_l1=l1 * sums["weight"]), carry
         return l1_loss
 

@@ -175,9 +175,10 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     for k in sums:  # other predictions' hits (the memory's and the head's): accuracy_<name>
         if k.startswith("correct_"):
             out["accuracy_" + k[len("correct_"):]] = float(sums[k]) / w
-    if lm:
-        import math
-        out["ppl"] = math.exp(min(out["loss"], 50.0))
+    if lm:  # of the model's own loss on the labels: distillation's `loss` mixes in the
+        import math  # teacher's soft targets at T^2 (a bug hunt, session 94: ppl 3e6)
+        task = float(sums["loss_hard"]) / w if "loss_hard" in sums else out["loss"]
+        out["ppl"] = math.exp(min(task, 50.0))
     for k in sums:  # a method's parts of the loss (distillation: loss_hard, loss_soft)
         if k.startswith("loss_") and k != "loss_scale":
             out[k] = float(sums[k]) / w
