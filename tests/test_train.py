@@ -560,6 +560,18 @@ def test_a_resume_keeps_the_start_its_config_json_records(tmp_path):
             saved["steps"]) == ("/runs/source", "svd", 2, 20)
     cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2)
     assert Checkpointer(str(tmp_path), from_configdict(cd), keep=1).start_changed == ""
+    # what trains the model, changed, is named (a bug hunt, session 94: a finished run rerun
+    # with another rate trained nothing and showed its old summary, unsaid); how often it
+    # logs or evaluates, and its length, are not
+    cd.train.update(lr=0.05, eval_batches=7, log_every=3, steps=20)
+    cd.train.distill.alpha = 0.9
+    ck = Checkpointer(str(tmp_path), from_configdict(cd), keep=1)
+    assert ck.changed == {"train.distill.alpha": (0.5, 0.9), "train.lr": (0.003, 0.05)}
+    import types
+    said = Trainer._changes_said(types.SimpleNamespace(cfg=from_configdict(cd), checkpointer=ck), 20)
+    assert said == ("; this config differs from the one it trained with (train.distill.alpha: "
+                    "saved 0.5, now 0.9; train.lr: saved 0.003, now 0.05), and it trains nothing "
+                    "more here: to train under it, use a new --workdir")
 
 
 def _resume_refused(work, cd, change, refused, match):

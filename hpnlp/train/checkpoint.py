@@ -85,11 +85,14 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
                 raise NoCheckpoint(f"{named}{workdir} holds a compressed copy ({meta}, written "
                                    f"by python -m hpnlp.compress {command} --out), not a run; "
                                    f"name {source}")
-        for up in (os.path.dirname(os.path.abspath(workdir)),
-                   os.path.dirname(os.path.dirname(os.path.abspath(workdir)))):
-            if os.path.isfile(os.path.join(up, "config.json")):  # a bug hunt (session 94)
-                raise NoCheckpoint(f"{named}{workdir} is inside the run {up} (its "
-                                   "checkpoints); name the run's own folder, " + up)
+        full = os.path.abspath(workdir)
+        parts = full.split(os.sep)
+        inner = 2 if parts[-1].isdigit() and parts[-2:-1] == ["checkpoints"] else \
+            1 if parts[-1] == "checkpoints" else 0
+        up = os.sep.join(parts[:-inner]) if inner else ""
+        if up and os.path.isfile(os.path.join(up, "config.json")):  # a bug hunt (session 94)
+            raise NoCheckpoint(f"{named}{workdir} is inside the run {up} (its checkpoints); "
+                               f"name the run's own folder, {up}")
         raise NoCheckpoint(f"{named}no run in workdir {workdir} (no config.json): train one "
                            "there first with python -m hpnlp.main --config ... --workdir ...")
     saved = _read_config_json(path)["config"]
@@ -182,6 +185,30 @@ def _keep_saved_start(saved: dict, payload: dict) -> str:
                 changed.append(f"{'.'.join(path)}: saved {a[k]!r}, now {b[k]!r}")
                 b[k] = a[k]
     return "; ".join(changed)
+
+
+# What a resume may change without changing what is trained: how often it logs, evaluates
+# and saves, its progress bar, its length (said on its own), where its parameters started.
+_BOOKKEEPING = {"train." + f for f in ("steps", "log_every", "eval_every", "eval_batches",
+                                       "checkpoint_every", "keep_checkpoints", "progress",
+                                       "early_stopping_patience", "early_stopping_metric")}
+_BOOKKEEPING |= {"name", "data.eval_batch_size"} | {".".join(p) for p in START_FIELDS}
+
+
+def _changed_fields(saved: dict, now: dict) -> dict:
+    """{dotted field: (saved, now)} where two config.json configs differ, but for
+    _BOOKKEEPING (a bug hunt, session 94: a finished run rerun with another learning rate
+    or distillation weight trained nothing and printed its old summary, unsaid)."""
+    out = {}
+
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict) and not path.endswith("options"):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        elif a != b and a is not None and path not in _BOOKKEEPING:
+            out[path] = (a, b)
+    walk(saved, now, "")
+    return out
 
 
 def _config_shape_diff(saved: dict, cfg) -> dict:
@@ -293,6 +320,9 @@ class Checkpointer:
         # "train.init_kv_heads: saved 'svd', now 'mean'" where a resume gives START_FIELDS
         # otherwise than the run started with (they are not read; config.json keeps the saved)
         self.start_changed = ""
+        # {field: (saved, now)} where a resume's config differs from the saved one in what
+        # trains the model (not where it is logged, evaluated or saved, nor START_FIELDS)
+        self.changed: dict = {}
         # the saved config's train fields, where a resume reads them (its lr schedule's)
         self.saved_train: dict = {}
         self.read_only = read_only
@@ -357,6 +387,7 @@ class Checkpointer:
             if resuming:
                 payload = json.loads(json.dumps(payload))
                 self.start_changed = _keep_saved_start(saved["config"], payload["config"])
+                self.changed = _changed_fields(saved["config"], payload["config"])
                 if saved == payload:
                     return  # the same config: nothing to write
         elif resuming and jax.process_index() == 0:  # a bug hunt (session 92): unsaid

@@ -439,6 +439,23 @@ class Trainer:
             out.update(split_metrics(self.cfg, self.eval_model, params, self.task))
         return out
 
+    def _changes_said(self, start: int) -> str:
+        """'; ...' naming what a resume's config changes in what trains the model (the
+        checkpointer's `changed`; the schedule's own line names a changed rate), or ''."""
+        t = self.cfg.train
+        said = schedule_change(self.checkpointer.saved_train, t, start) if start < t.steps else ""
+        changed = {k: v for k, v in self.checkpointer.changed.items()
+                   if not (said and k in {f"train.{f}" for f in SCHEDULE_FIELDS})
+                   and not k.startswith("mesh.")  # the same computation laid out otherwise
+                   and not (self.checkpointer.attention_changed and k.startswith("attention."))}
+        if not changed:
+            return ""
+        fields = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        if start >= t.steps:  # a bug hunt (session 94): the old summary, as if the new run's
+            return (f"; this config differs from the one it trained with ({fields}), and it "
+                    "trains nothing more here: to train under it, use a new --workdir")
+        return f"; the steps from here train under a changed config ({fields})"
+
     def run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train
         state, loop = self.initial_state()
@@ -469,7 +486,8 @@ class Trainer:
                      "0 to turn early stopping off, to train on)"
                      if stopped_early and start < t.steps else "")
                   + (schedule_change(self.checkpointer.saved_train, t, start)
-                     if start < t.steps else ""),
+                     if start < t.steps else "")
+                  + self._changes_said(start),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
