@@ -335,6 +335,7 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
     cfg = from_configdict(cd)
     tr = Trainer(cfg, str(tmp_path / "pruned"))
     state, _ = tr.initial_state()
+    tr.checkpointer.save(0, state, tr.train_iter.get_state(), {})  # before its pruning began
     with tr._context():
         for _ in range(2):
             state, _ = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
@@ -364,6 +365,14 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
     np.testing.assert_allclose(np.asarray(h2), np.asarray(h), rtol=1e-5, atol=1e-5)
     assert compress_main(["shrink", "--workdir", str(tmp_path / "small"), "--out",
                           str(tmp_path / "again")]) == 1  # not pruned structurally: one line
+    # a run stopped before its pruning began is refused, not "shrunk" to itself (a bug hunt)
+    import shutil
+    shutil.copytree(tmp_path / "pruned", tmp_path / "early")
+    shutil.rmtree(tmp_path / "early" / "checkpoints" / "2")
+    with pytest.raises(ConfigError, match=r"train\.prune\.start_step.*\(step 0\) has pruned no "
+                       r"head, neuron or unit .*train it on past its pruning steps first"):
+        prune.shrink_run(str(tmp_path / "early"), str(tmp_path / "early_small"))
+    assert not os.path.exists(tmp_path / "early_small")
 
 
 @pytest.mark.slow  # over 10 s each on a 2-core EPYC Zen 3
@@ -949,6 +958,19 @@ def test_bad_compression_settings_name_the_field(group, fields, match):
         validate(from_configdict(bi))
     with pytest.raises(ConfigError, match=r"train\.prune\.nope"):
         from_configdict(tiny("lm", prune=dict(nope=1)))
+
+
+def test_structured_pruning_under_int4_groups_keeps_units_the_groups_divide():
+    """A bug hunt (session 94): a QAT int4 run pruned structurally to 205 of 512 neurons
+    trained, and `shrink` then refused it (group size 32); refused before it trains."""
+    cd = tiny("lm", prune=dict(method="magnitude", structure="structured", sparsity=0.6))
+    cd.model.update(width=32, mlp_dim=64, num_heads=2)
+    cd.quant.update(weights="int4", group_size=8)
+    with pytest.raises(ConfigError, match=r"train\.prune\.sparsity.*keeps 26 of model\.mlp_dim="
+                       r"64 in the shrunk model, which quant\.group_size=8 does not divide.*e\.g\."):
+        validate(from_configdict(cd))
+    cd.train.prune.sparsity = 0.5  # 32 neurons, 1 head of 16
+    validate(from_configdict(cd))
 
 
 def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_path):

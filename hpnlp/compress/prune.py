@@ -791,17 +791,14 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     state, _ = pruned.initial_state()
     pruned.checkpointer.close()
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
-    masked_eval = pruned.evaluate(state)
     from hpnlp.train.carry import model_params
-    cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
-                           jax.device_get(state.carry["prune"]["groups"]), carry.layout)
-    small = Trainer(cfg2, out)
-    fresh, _ = small.initial_state()
-    state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
-    small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
-    small.checkpointer.wait()
-    small.checkpointer.close()
-    shrunk_eval = small.evaluate(state2)
+    from hpnlp.config import ConfigError
+    try:
+        cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
+                               jax.device_get(state.carry["prune"]["groups"]), carry.layout)
+    except ConfigError as e:  # e.g. int4 groups that the kept units do not split into
+        raise ConfigError(f"the run in {workdir} cannot be shrunk: its smaller model's config "
+                          f"is refused ({e})") from None
     sizes = ({"width": [cfg.model.width, cfg2.model.width]} if cfg.model.arch in RNN_ARCHS
              else {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
                    "head_dim": cfg2.model.head_dim,
@@ -809,6 +806,25 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     if cfg.model.moe.enabled():
         sizes["moe.mlp_dim"] = [cfg.model.moe.expert_dim(cfg.model),
                                 cfg2.model.moe.expert_dim(cfg2.model)]
+    if all(v[0] == v[1] for v in sizes.values() if isinstance(v, list)):
+        # a bug hunt (session 94): a run stopped before its pruning began was "shrunk" to
+        # a copy of itself, unsaid
+        p = cfg.train.prune
+        field, value, fix = (("train.prune.start_step", p.start_step, "train it on past its "
+                              "pruning steps first") if step < p.start_step else
+                             ("train.prune.sparsity", p.sparsity, "prune it to a higher sparsity"))
+        raise config_error(field, value, f"the run in {workdir} (step {step}) has pruned no "
+                           f"head, neuron or unit (its pruning starts at train.prune.start_step="
+                           f"{p.start_step}, to train.prune.sparsity={p.sparsity}), so shrinking "
+                           f"it removes nothing; {fix}")
+    masked_eval = pruned.evaluate(state)
+    small = Trainer(cfg2, out)
+    fresh, _ = small.initial_state()
+    state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
+    small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
+    small.checkpointer.wait()
+    small.checkpointer.close()
+    shrunk_eval = small.evaluate(state2)
     summary = {
         "source": {"workdir": os.path.abspath(workdir), "step": step},
         "model": sizes,

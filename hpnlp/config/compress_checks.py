@@ -42,6 +42,33 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
                       "groups split each product's contraction); choose a divisor of it")
 
 
+def _check_shrunk_groups(cfg: Config) -> None:
+    """Structured pruning under int4 groups: the shrunk model's contractions (the units kept,
+    as compress.prune.units_pruned counts them) must split into quant.group_size groups too,
+    or `shrink` refuses the trained run (a bug hunt, session 94: found after training)."""
+    p, m, g = cfg.train.prune, cfg.model, cfg.model.quant.group_size
+    if not g or not isinstance(p.sparsity, (int, float)):
+        return
+
+    def kept(n: int) -> int:
+        return n - min(round(p.sparsity * n), n - 1)
+    if m.arch in ("lstm", "gru"):
+        units = {"model.width": (m.width, 1)}
+    else:
+        units = {"model.mlp_dim": (m.mlp_dim, 1)} if layers_name(p.layers, "mlp") else {}
+        if layers_name(p.layers, "qkv") or layers_name(p.layers, "out"):
+            units["model.num_heads * head size"] = (m.num_heads, m.dims_per_head())
+    for name, (n, size) in units.items():
+        if kept(n) * size % g:
+            fits = [s / 100 for s in range(1, 100) if (n - min(round(s / 100 * n), n - 1))
+                    * size % g == 0]
+            _fail("train.prune.sparsity", p.sparsity, f"keeps {kept(n) * size} of {name}="
+                  f"{n * size} in the shrunk model, which quant.group_size={g} does not divide "
+                  "(int4 groups split each product's contraction); choose a sparsity that keeps "
+                  f"a multiple of {g}" + (f" (e.g. {fits[len(fits) // 2]})" if fits else "")
+                  + " or another group size")
+
+
 def _check_layers(field: str, layers: str, allowed) -> None:
     """A `layers` field: "all" or a comma list of `allowed` product kinds."""
     if layers == "all":
@@ -309,6 +336,7 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out), "
                   f"MLP neurons (mlp) and LSTM/GRU hidden units (input, recurrent); {extra} have "
                   "no such units")
+        _check_shrunk_groups(cfg)
     elif p.structure != "unstructured":
         try:
             n, mm = (int(v) for v in p.structure.split(":"))
