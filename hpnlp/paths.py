@@ -81,8 +81,7 @@ def check_new_output(out: str, source: str | None, flag: str = "--out", *,
                              "new folder")
     if not os.path.isdir(full):
         return
-    held = sorted(set(os.listdir(full)) - set(may_replace)
-                  - ({UNFINISHED} if may_replace else set()))  # a killed call's, removed
+    held = sorted(set(os.listdir(full)) - set(may_replace) - {UNFINISHED})  # a killed call's
     tools = [f for f in ("quant.json", "sparse.json") if f in held]
     if tools:  # a bug hunt (session 94): a quantize output was called "a training run"
         raise ValueError(f"{flag} {out} holds another command's output ({', '.join(tools)}); "
@@ -100,11 +99,13 @@ UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes an
 
 
 @contextlib.contextmanager
-def staged(out: str, files: tuple[str, ...]):
-    """Yields a folder (OUT/.unfinished) to write `files` into; when the block ends they
-    replace OUT's own at once, and where it raises (a failed check, Ctrl-C) they are removed
-    and OUT keeps what an earlier call wrote. A bug hunt (session 94): a rerun into the same
-    --out, interrupted, left the new model's files beside the old call's summary.json."""
+def staged(out: str, files: tuple[str, ...] | None = None):
+    """Yields a folder (OUT/.unfinished) to write `files` into (None: whatever is written
+    there, summary.json last); when the block ends they replace OUT's own at once, and where
+    it raises (a failed check, Ctrl-C) they are removed and OUT keeps what an earlier call
+    wrote. A bug hunt (session 94): a rerun into the same --out, interrupted, left the new
+    model's files beside the old call's summary.json; a `shrink` cut short left a run with no
+    checkpoint that its rerun refused."""
     stage = os.path.join(out, UNFINISHED)
     shutil.rmtree(stage, ignore_errors=True)  # what a killed call left
     os.makedirs(stage)
@@ -113,6 +114,8 @@ def staged(out: str, files: tuple[str, ...]):
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    if files is None:
+        files = tuple(sorted(os.listdir(stage), key=lambda f: f == "summary.json"))
     for f in files:  # the summary last: present, the rest is this call's
         if os.path.exists(os.path.join(stage, f)):
             os.replace(os.path.join(stage, f), os.path.join(out, f))

@@ -353,8 +353,21 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
     tr.checkpointer.save(2, state, tr.train_iter.get_state(), {})
     tr.checkpointer.close()
 
+    real, calls = Trainer.evaluate, []
+
+    def stopped_second(self, state):  # Ctrl-C in the shrunk model's evaluation
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, state)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "evaluate", stopped_second)
+        with pytest.raises(KeyboardInterrupt):
+            prune.shrink_run(str(tmp_path / "pruned"), str(tmp_path / "small"), eval_batches=1)
+    assert os.listdir(tmp_path / "small") == []  # nothing its rerun refuses (a bug hunt)
     summary = prune.shrink_run(str(tmp_path / "pruned"), str(tmp_path / "small"), eval_batches=1)
     assert summary["model"] == {"num_heads": [4, 2], "head_dim": 4, "mlp_dim": [32, 16]}
+    assert sorted(os.listdir(tmp_path / "small")) == ["checkpoints", "config.json", "summary.json"]
     assert summary["params"]["shrunk"] < summary["params"]["pruned"]
     np.testing.assert_allclose(summary["eval"]["loss"], summary["eval_masked"]["loss"], rtol=1e-6)
     layout = next(c for c in tr.carries if c.name == "prune").layout

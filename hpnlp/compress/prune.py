@@ -818,20 +818,22 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
                            f"{p.start_step}, to train.prune.sparsity={p.sparsity}), so shrinking "
                            f"it removes nothing; {fix}")
     masked_eval = pruned.evaluate(state)
-    small = Trainer(cfg2, out)
-    fresh, _ = small.initial_state()
-    state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
-    small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
-    small.checkpointer.wait()
-    small.checkpointer.close()
-    shrunk_eval = small.evaluate(state2)
-    summary = {
-        "source": {"workdir": os.path.abspath(workdir), "step": step},
-        "model": sizes,
-        "params": {"pruned": models.param_count(model_params(state.params)),
-                   "shrunk": models.param_count(params2)},
-        "eval": shrunk_eval, "eval_masked": masked_eval,
-    }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    from hpnlp.paths import staged
+    with staged(out) as stage:  # OUT a whole run, or nothing of this call's
+        small = Trainer(cfg2, stage)
+        fresh, _ = small.initial_state()
+        state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
+        small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
+        small.checkpointer.wait()
+        small.checkpointer.close()
+        shrunk_eval = small.evaluate(state2)
+        summary = {
+            "source": {"workdir": os.path.abspath(workdir), "step": step},
+            "model": sizes,
+            "params": {"pruned": models.param_count(model_params(state.params)),
+                       "shrunk": models.param_count(params2)},
+            "eval": shrunk_eval, "eval_masked": masked_eval,
+        }
+        with open(os.path.join(stage, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     return summary
