@@ -698,6 +698,11 @@ def test_distilbert_init_copies_every_other_block_and_hidden_loss_is_zero_for_th
     bad.model.update(mlp_dim=32, width=8)
     with pytest.raises(ConfigError, match=r"train\.distill\.init.*model\.width must be the teacher's \(16\)"):
         carry_lib.for_config(validate(from_configdict(bad)))
+    bad.model.width = 16  # an MoE student of a dense teacher (a bug hunt: "no twin (None)")
+    bad.model.moe.num_experts = 2
+    with pytest.raises(ConfigError, match=r"train\.distill\.init.*the teacher's are dense where "
+                       r"the student's are a mixture of 2 experts every 1 block\(s\)"):
+        carry_lib.for_config(validate(from_configdict(bad)))
 
 
 # 7.2, 8.6 and 6.6 s in three suites on the 2-core Zen 3 (2026-12-01): CI's slow part runs it

@@ -439,6 +439,16 @@ class TeacherCarry(Carry):
                         "kv_latent_rope_dim": m.latent_rope_dims()}
             mine, theirs = shapes(sm), shapes(tm)
             select = self.d.init in ("select", "importance", "pca")
+            if bool(sm.moe.num_experts) != bool(tm.moe.num_experts) or (
+                    sm.moe.num_experts and sm.moe.every != tm.moe.every):  # a bug hunt
+                # (session 94): "the student's ... has no teacher twin (None)"
+                def mlp(m):
+                    return (f"a mixture of {m.moe.num_experts} experts every {m.moe.every} "
+                            "block(s)" if m.moe.num_experts else "dense")
+                raise config_error("train.distill.init", self.d.init, f"copies the teacher's "
+                                   f"MLPs, and the teacher's are {mlp(tm)} where the student's "
+                                   f"are {mlp(sm)}; give the student the teacher's model.moe "
+                                   "num_experts and every, or use init='none'")
             if self.d.init == "pca":
                 from hpnlp.compress import slicing
                 slicing.check(cfg, tcfg)
