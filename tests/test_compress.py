@@ -368,7 +368,7 @@ def test_ptq_refuses_non_finite_weights_before_writing(trained, tmp_path, monkey
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path):
+def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path, capsys):
     """An LSTM LM's input projection (int8 weights, its inputs int8 per token) and
     recurrent matrix (int8 weights; the state h stays float) are packed, and the packed
     checkpoint reloads to the outputs it was evaluated with."""
@@ -397,6 +397,11 @@ def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path):
             ptq.quantize(workdir, out, QuantConfig(weights="int4"), eval_batches=1, repeats=1)
     assert sorted(os.listdir(out)) == sorted(ptq.OUT_FILES)
     assert {f: open(os.path.join(out, f), "rb").read() for f in ptq.OUT_FILES} == before
+    import importlib  # refused as the LSTM run itself is (a bug hunt, session 94)
+    generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    assert generate.main(["--workdir", out, "--prompt", "And"]) == 2
+    assert (f"{out}: a quantized model.kind='lm', model.arch='lstm' model; generate decodes "
+            "Transformer LMs") in capsys.readouterr().err
 
 
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it

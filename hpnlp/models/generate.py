@@ -418,9 +418,10 @@ def main(argv=None) -> int:
         from hpnlp.train.loop import dummy_batch
 
         cfg, packed, quant_vars = ptq.load(out)
-        if cfg.model.kind != "lm":
-            raise NoCheckpoint(f"{out}: a quantized {cfg.model.kind!r} model; generate needs "
-                               "an LM (model.kind='lm')")
+        if cfg.model.kind != "lm" or cfg.model.arch != "transformer":  # as a run's (a bug hunt)
+            raise NoCheckpoint(f"{out}: a quantized model.kind={cfg.model.kind!r}, model.arch="
+                               f"{cfg.model.arch!r} model; generate decodes Transformer LMs "
+                               "(model.kind='lm', model.arch='transformer')")
         check_decodes(cfg)
         cfg = with_kv_cache(cfg, out)
         with open(os.path.join(out, "quant.json")) as f:
