@@ -120,7 +120,8 @@ def _check_lowrank(cfg: Config) -> None:
     for kind, (k, n) in shapes:  # the heads' once the task's classes are known
         if lr.rank and lr.applies(kind) and lr.rank > min(k, n):
             _fail("model.lowrank.rank", lr.rank, f"the {kind} product is [{k}, {n}], of rank at "
-                  f"most {min(k, n)} (and smaller only below {k * n // (k + n) + 1}); lower the "
+                  f"most {min(k, n)} (and its factors hold fewer parameters than it only below "
+                  f"rank {-(-k * n // (k + n))}); lower the "
                   f"rank or drop {kind!r} from model.lowrank.layers")
     named = {n.strip() for n in lr.layers.split(",")}  # "all": whichever the model has
     if "output" in named and m.kind != "lm":
