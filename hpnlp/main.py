@@ -334,8 +334,8 @@ def main(argv) -> None:
         from hpnlp.config import ConfigError
         from hpnlp.train import Interrupted, NonFiniteLoss, run
         from hpnlp.train.checkpoint import CheckpointMismatch, CheckpointSaveFailed
-    except KeyboardInterrupt:
-        exit_interrupted("hpnlp: interrupted")
+    except KeyboardInterrupt as e:
+        exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
 
     cfg = FLAGS.config
     for group, key, value in _option_overrides:

@@ -116,9 +116,17 @@ def staged(out: str, files: tuple[str, ...] | None = None):
         raise
     if files is None:
         files = tuple(sorted(os.listdir(stage), key=lambda f: f == "summary.json"))
-    for f in files:  # the summary last: present, the rest is this call's
-        if os.path.exists(os.path.join(stage, f)):
-            os.replace(os.path.join(stage, f), os.path.join(out, f))
-        elif os.path.exists(os.path.join(out, f)):
-            os.remove(os.path.join(out, f))
+    import signal
+    held = {signal.SIGINT, signal.SIGTERM}  # the moves are not cut short (review)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        if os.path.exists(os.path.join(out, "summary.json")):  # absent while OUT is mixed
+            os.remove(os.path.join(out, "summary.json"))
+        for f in files:  # the summary last: present, the rest is this call's
+            if os.path.exists(os.path.join(stage, f)):
+                os.replace(os.path.join(stage, f), os.path.join(out, f))
+            elif os.path.exists(os.path.join(out, f)):
+                os.remove(os.path.join(out, f))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     shutil.rmtree(stage, ignore_errors=True)

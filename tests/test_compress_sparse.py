@@ -989,6 +989,10 @@ def test_structured_pruning_under_int4_groups_keeps_units_the_groups_divide():
         validate(from_configdict(cd))
     cd.train.prune.sparsity = 0.5  # 32 neurons, 1 head of 16
     validate(from_configdict(cd))
+    cd.model.moe.update(num_experts=2, mlp_dim=24)  # each expert's neurons too (review)
+    with pytest.raises(ConfigError, match=r"keeps 12 of model\.moe\.mlp_dim \(each expert's\)="
+                       r"24 in the shrunk model"):
+        validate(from_configdict(cd))
 
 
 def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_path):
@@ -1997,4 +2001,4 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     _config_only_workdir(tmp_path / "low", low)
     up.model.moe.mlp_dim = 0
     up.train.init_from = str(tmp_path / "low")
-    refused(up, "low", r"train\.init_from.*factorized.*start from the dense run")
+    refused(up, "from_low", r"train\.init_from.*factorized.*start from the dense run")

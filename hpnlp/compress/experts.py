@@ -98,8 +98,13 @@ def change(src: ModelConfig, dst: ModelConfig, workdir: str) -> str:
 def source_config(cfg: Config, src: ModelConfig) -> Config:
     """`cfg` with the `train.init_from` run's experts: the shapes it is restored in, routed
     as that run routes (its router, top_k and capacity; a bug hunt, session 94: the source
-    was rebuilt with this run's router, and which experts were kept depended on it)."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=src.moe))
+    was rebuilt with this run's router, and which experts were kept depended on it), on this
+    run's batches and devices (its routing groups, dispatch and blocks: the source's were
+    checked against that run's batch and mesh)."""
+    here = cfg.model.moe
+    moe = dataclasses.replace(src.moe, groups=here.groups, dispatch=here.dispatch,
+                              block_size=here.block_size) if here.enabled() else src.moe
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
 
 
 def _moe_layers(tree, path=()):

@@ -50,18 +50,25 @@ def _check_shrunk_groups(cfg: Config) -> None:
     if not g or not isinstance(p.sparsity, (int, float)):
         return
 
-    def kept(n: int) -> int:
-        return n - min(round(p.sparsity * n), n - 1)
+    import numpy as np
+
+    def kept(n: int) -> int:  # in float32, as the masks count them
+        return n - min(int(np.round(np.float32(p.sparsity) * np.float32(n))), n - 1)
     if m.arch in ("lstm", "gru"):
         units = {"model.width": (m.width, 1)}
     else:
-        units = {"model.mlp_dim": (m.mlp_dim, 1)} if layers_name(p.layers, "mlp") else {}
+        units = {}
+        if layers_name(p.layers, "mlp"):  # the dense blocks' neurons, each expert's
+            if not all(m.moe.applies(i) for i in range(m.depth)):
+                units["model.mlp_dim"] = (m.mlp_dim, 1)
+            if m.moe.enabled():
+                units["model.moe.mlp_dim (each expert's)"] = (m.moe.expert_dim(m), 1)
         if layers_name(p.layers, "qkv") or layers_name(p.layers, "out"):
             units["model.num_heads * head size"] = (m.num_heads, m.dims_per_head())
     for name, (n, size) in units.items():
         if kept(n) * size % g:
-            fits = [s / 100 for s in range(1, 100) if (n - min(round(s / 100 * n), n - 1))
-                    * size % g == 0]
+            fits = [s / 100 for s in range(1, 100) if (n - min(int(np.round(np.float32(
+                s / 100) * np.float32(n))), n - 1)) * size % g == 0]
             _fail("train.prune.sparsity", p.sparsity, f"keeps {kept(n) * size} of {name}="
                   f"{n * size} in the shrunk model, which quant.group_size={g} does not divide "
                   "(int4 groups split each product's contraction); choose a sparsity that keeps "

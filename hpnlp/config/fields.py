@@ -457,7 +457,8 @@ class PruneConfig:
     # layer are left dense by default, as pruning recipes usually do
     layers: str = "qkv,out,mlp,input,recurrent"
     # L1-regularized training: l1 * sum |W| over the pruned products added to the per-token
-    # loss, driving weights towards zero before (and while) the masks take them
+    # objective (an auxiliary loss: the logged loss stays the model's), driving weights
+    # towards zero before (and while) the masks take them
     l1: float = 0.0
 
     def nm(self) -> tuple[int, int] | None:

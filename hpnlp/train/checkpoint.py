@@ -188,11 +188,14 @@ def _keep_saved_start(saved: dict, payload: dict) -> str:
 
 
 # What a resume may change without changing what is trained: how often it logs, evaluates
-# and saves, its progress bar, its length (said on its own), where its parameters started.
+# and saves, its progress bar, its length (said on its own), where its parameters started,
+# the held-out data, and how the same computation is laid out (remat, kernels, blocks).
 _BOOKKEEPING = {"train." + f for f in ("steps", "log_every", "eval_every", "eval_batches",
                                        "checkpoint_every", "keep_checkpoints", "progress",
                                        "early_stopping_patience", "early_stopping_metric")}
-_BOOKKEEPING |= {"name", "data.eval_batch_size"} | {".".join(p) for p in START_FIELDS}
+_BOOKKEEPING |= {"name", "data.eval_batch_size", "data.eval_path", "model.remat", "rnn.impl",
+                 "rnn.unroll", "train.distill.chunk_tokens", "model.moe.block_size"}
+_BOOKKEEPING |= {".".join(p) for p in START_FIELDS}
 
 
 def _changed_fields(saved: dict, now: dict) -> dict:

@@ -272,8 +272,9 @@ class EnsembleTrainer(Trainer):
                   f"(train.init_from={self.cfg.train.init_from} holds one run, read whole "
                   "into each): they differ only by what their seeds draw in training "
                   f"(dropout: model.dropout={m.dropout}), and members that draw alike train "
-                  "alike; start them from a seed ensemble of as many members, or keep some "
-                  "randomness (model.dropout > 0)", file=sys.stderr, flush=True)
+                  "alike; keep some randomness in training (model.dropout > 0), or train "
+                  "the members from their own seeds (no train.init_from)", file=sys.stderr,
+                  flush=True)
 
     def member_state(self, state, i: int) -> TrainState:
         """Member i of a stacked state, as the plain TrainState of its own run."""
@@ -480,8 +481,8 @@ def _main(argv) -> None:
         cli.exit_interrupted(f"hpnlp: error: {e}", 1)
     except Interrupted as e:  # as hpnlp.main says it
         cli.exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
-    except KeyboardInterrupt:  # before the first step or after the last
-        cli.exit_interrupted("hpnlp: interrupted")
+    except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
+        cli.exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
     if jax.process_index() == 0:
         with open(os.path.join(F.workdir, "ensemble.json"), "w") as f:
             json.dump(report, f, indent=1)

@@ -234,9 +234,10 @@ class Trainer:
         # A run that has saved a checkpoint holds its parameters: it resumes, and is read,
         # with train.init_from's folder moved or deleted (a bug hunt: each failed, saying to
         # train a run there), and so does one whose ranks lowrank.energy chose (below).
-        source_gone = (cfg.train.init_from and has_checkpoint(workdir) and not os.path.isfile(
-            os.path.join(cfg.train.init_from, "config.json")))
-        if cfg.train.init_from and not source_gone:
+        # Nor is that run read once this one has (review, session 94: config.json keeps
+        # init_from, and a source trained anew as another model was refused for good).
+        started = cfg.train.init_from and has_checkpoint(workdir)
+        if cfg.train.init_from and not started:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
@@ -682,18 +683,21 @@ class Trainer:
                     consume(*pending)
                 if profiling:
                     jax.profiler.stop_trace()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             # Ctrl-C: a save under way completes, and the user reads one line saying what a
-            # rerun resumes from (found by a README walk: a 30-line traceback, no step named)
+            # rerun resumes from (found by a README walk: a 30-line traceback, no step named);
+            # a SIGTERM the CLI's handler raised (where the loop set none) keeps its status
             if profiling:
                 jax.profiler.stop_trace()
             good = newest_checkpoint()
             writer.close()
             bar.close()
             raise Interrupted(
-                f"interrupted at step {step}; " + (
+                f"{'stopped (SIGTERM)' if getattr(e, 'exit_code', 130) == 143 else 'interrupted'}"
+                f" at step {step}; " + (
                     f"the newest checkpoint is {good}: rerun the same command to resume from it"
-                    if good else "no checkpoint was saved yet: a rerun starts over")) from None
+                    if good else "no checkpoint was saved yet: a rerun starts over"),
+                getattr(e, "exit_code", 130)) from None
         if stopping:
             good = newest_checkpoint()
             self.checkpointer.close()
