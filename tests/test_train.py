@@ -979,6 +979,12 @@ def test_a_refused_config_is_said_though_another_process_removed_the_workdir(tmp
 
 
 @pytest.mark.slow  # two interpreters importing hpnlp: 4-7 s; CI's slow part runs it
+def _python(code: str) -> subprocess.CompletedProcess:
+    """`code` run by a fresh interpreter in the repository (its output captured)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
     """A bug hunt: Ctrl-C in `python -m hpnlp.models.generate` (and every CLI but hpnlp.main)
     was a traceback of 9-60 lines, and one landing in JAX's garbage-collection callback was
@@ -990,16 +996,14 @@ def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
             "\nhpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.models.generate'])\n"
             "class A:\n    def __del__(self):\n        raise KeyboardInterrupt\nA()\n"
             "time.sleep(60)\nprint('ran on')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = _python(code)
     assert (out.returncode, out.stdout, out.stderr) == (
         130, "", "python -m hpnlp.models.generate: interrupted\n"), out.stderr[-2000:]
     # a training run's Interrupted inside another command (a bench) keeps its line and status
     code = ("import hpnlp\nhpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.bench'])\n"
             "from hpnlp.train import Interrupted\nraise Interrupted('stopped (SIGTERM) at step "
             "3: rerun the same command to resume', 143)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = _python(code)
     assert (out.returncode, out.stderr) == (143, "python -m hpnlp.bench: stopped (SIGTERM) at "
                                             "step 3: rerun the same command to resume\n")
     # SIGTERM as Ctrl-C, its cleanups run (a bug hunt, session 94: the compress commands ended
@@ -1008,15 +1012,13 @@ def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
             "hpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.compress'])\n"
             "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(60)\n"
             "finally:\n    print('cleaned up')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = _python(code)
     assert (out.returncode, out.stdout, out.stderr) == (
         143, "cleaned up\n", "python -m hpnlp.compress: stopped (SIGTERM)\n"), out.stderr[-2000:]
     code = ("import signal\nsignal.signal(signal.SIGTERM, lambda *a: print('own'))\n"
             "import hpnlp, os\nhpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.main'])\n"
             "os.kill(os.getpid(), signal.SIGTERM)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = _python(code)
     assert (out.returncode, out.stdout) == (0, "own\n"), out.stderr[-2000:]
 
 

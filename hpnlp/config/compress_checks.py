@@ -52,8 +52,8 @@ def _check_shrunk_groups(cfg: Config) -> None:
 
     import numpy as np
 
-    def kept(n: int) -> int:  # in float32, as the masks count them
-        return n - min(int(np.round(np.float32(p.sparsity) * np.float32(n))), n - 1)
+    def kept(n: int, sparsity: float = p.sparsity) -> int:  # in float32, as the masks count
+        return n - min(int(np.round(np.float32(sparsity) * np.float32(n))), n - 1)
     if m.arch in ("lstm", "gru"):
         units = {"model.width": (m.width, 1)}
     else:
@@ -67,8 +67,7 @@ def _check_shrunk_groups(cfg: Config) -> None:
             units["model.num_heads * head size"] = (m.num_heads, m.dims_per_head())
     for name, (n, size) in units.items():
         if kept(n) * size % g:
-            fits = [s / 100 for s in range(1, 100) if (n - min(int(np.round(np.float32(
-                s / 100) * np.float32(n))), n - 1)) * size % g == 0]
+            fits = [s / 100 for s in range(1, 100) if kept(n, s / 100) * size % g == 0]
             _fail("train.prune.sparsity", p.sparsity, f"keeps {kept(n) * size} of {name}="
                   f"{n * size} in the shrunk model, which quant.group_size={g} does not divide "
                   "(int4 groups split each product's contraction); choose a sparsity that keeps "

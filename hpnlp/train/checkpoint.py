@@ -348,10 +348,7 @@ class Checkpointer:
             saved = _read_config_json(self.config_path)
             self.saved_train = dict(saved.get("config", {}).get("train", {}))
             old_sig = saved.get("shape_signature", {})
-            old_sig, new_sig = _resolved(old_sig, sig), _resolved(sig, old_sig)
-            diff = {k: (old_sig.get(k), new_sig.get(k)) for k in {**old_sig, **new_sig}
-                    if old_sig.get(k) != new_sig.get(k)}
-            diff.update(_config_shape_diff(saved["config"], cfg))
+            diff = _saved_differs(saved, cfg, sig)
             lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
             names = {saved["config"].get("attention", {}).get("name"), cfg.attention.name}
             if diff and resuming and set(diff) <= {"attention.name", "attention.options"} and \
@@ -649,14 +646,21 @@ def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = N
                            "it must be a run of the same model shape")
 
 
+def _saved_differs(saved: dict, cfg, sig: dict) -> dict:
+    """{field: (saved, cfg's)} where a config.json's contents (`saved`) and `cfg` (of shape
+    signature `sig`) differ in what shapes or defines the model's arrays."""
+    old = saved.get("shape_signature", {})
+    old, new = _resolved(old, sig), _resolved(sig, old)
+    diff = {k: (old.get(k), new.get(k)) for k in {**old, **new} if old.get(k) != new.get(k)}
+    diff.update(_config_shape_diff(saved["config"], cfg))
+    return diff
+
+
 def _model_fields_differ(workdir: str, cfg: Config) -> dict:
     """{field: (that run's, cfg's)} for the model and output-layer fields that shape the
     parameters, where the run in `workdir` (its config.json) and `cfg` differ."""
-    saved = _read_config_json(os.path.join(workdir, "config.json"))
-    old, new = saved.get("shape_signature", {}), _shape_signature(cfg)
-    old, new = _resolved(old, new), _resolved(new, old)
-    diff = {k: (old.get(k), new.get(k)) for k in {**old, **new} if old.get(k) != new.get(k)}
-    diff.update(_config_shape_diff(saved["config"], cfg))
+    diff = _saved_differs(_read_config_json(os.path.join(workdir, "config.json")), cfg,
+                          _shape_signature(cfg))
     return {k: v for k, v in sorted(diff.items()) if k.startswith(("model.", "output."))
             and k not in ("model.dtype", "model.causal", "model.pool")}
 
