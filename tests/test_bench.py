@@ -14,6 +14,7 @@ import pytest
 from hpnlp import attention as attention_lib
 from hpnlp.bench import attention as bench_attention
 from hpnlp.bench import harness, report
+from hpnlp.stopping import Stopped
 
 
 def test_time_jax_returns_ordered_stats():
@@ -372,6 +373,15 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
         harness.exit_if_interrupted(payload["interrupted"], str(tmp_path))
     assert exit_.value.code == 130
     harness.exit_if_interrupted(False, str(tmp_path))  # a whole run exits normally
+
+    def terminated(spec):  # a SIGTERM (hpnlp's handler raises Stopped): exit 143, as other CLIs
+        raise Stopped("stopped (SIGTERM)", 143)
+    rows, stopped = harness.run_rows([{"L": 1}, {"L": 2}], terminated, dict, desc="rows")
+    assert rows == [{"L": 1, "status": "not run: interrupted"}, {"L": 2, "status":
+                                                                 "not run: interrupted"}]
+    with pytest.raises(SystemExit) as exit_:
+        harness.exit_if_interrupted(stopped, str(tmp_path))
+    assert exit_.value.code == 143
 
 
 def test_peak_memory_column_follows_the_backend_and_isolation():

@@ -90,6 +90,13 @@ def test_cubic_schedule_is_zhu_and_gupta():
                     end_step=20, every=5)
     got = [float(prune.sparsity_at(p, t, 100)) for t in (0, 10, 15, 20, 50)]
     np.testing.assert_allclose(got, [0.0, 0.0, 0.8 * (1 - 0.5 ** 3), 0.8, 0.8], rtol=1e-6)
+    # a run saved mid-schedule (stopped, then shrunk) is said to be short of its target, with
+    # the sparsity its masks hold (a bug hunt, session 94); saved at 21 (update 20 done): none
+    short = prune.short_of_target(p, 16, 100)
+    assert f"step 16, before its pruning schedule reached train.prune.sparsity=0.8: its masks " \
+        f"hold {0.8 * (1 - 0.5 ** 3):.3g}; train it on to train.steps=100" in short
+    assert prune.short_of_target(p, 21, 100) is None
+    assert prune.short_of_target(PruneConfig(method="magnitude", structure="2:4"), 0, 9)
     assert [bool(prune.updates_at(p, t, 100)) for t in (9, 10, 12, 15, 20, 25)] == \
         [False, True, False, True, True, False]
     # found in review: end_step 0 ended the schedule at step train.steps, which never runs,

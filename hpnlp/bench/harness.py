@@ -518,11 +518,11 @@ INTERRUPTED = "not run: interrupted"
 
 
 def run_rows(configs: list, row: Callable[[dict], dict], head: Callable[[dict], dict], *,
-             desc: str) -> tuple[list[dict], bool]:
-    """([row(spec) for each spec], whether it was interrupted), under a progress bar. A
-    Ctrl-C (or `timeout -s INT`) during a row ends the run there: that row and the rest read
-    `INTERRUPTED` (with their `head(spec)` fields), and the caller still writes its report
-    of the rows that ran."""
+             desc: str) -> tuple[list[dict], int | bool]:
+    """([row(spec) for each spec], False or the exit status of what stopped it), under a progress
+    bar. A Ctrl-C (130) or SIGTERM (143) during a row ends the run there: that row and the
+    rest read `INTERRUPTED` (with their `head(spec)` fields), and the caller still writes its
+    report of the rows that ran."""
     from tqdm.auto import tqdm
     rows, interrupted = [], False
     for spec in tqdm(configs, desc=desc, dynamic_ncols=True):
@@ -530,18 +530,20 @@ def run_rows(configs: list, row: Callable[[dict], dict], head: Callable[[dict], 
             try:
                 rows.append(row(spec))
                 continue
-            except KeyboardInterrupt:
-                interrupted = True
+            except KeyboardInterrupt as e:  # hpnlp.stopping.Stopped carries 143 for SIGTERM
+                interrupted = getattr(e, "exit_code", 130)
         rows.append({**head(spec), "status": INTERRUPTED})
     return rows, interrupted
 
 
-def exit_if_interrupted(interrupted: bool, out_dir: str) -> None:
-    """After the report of an interrupted run is written: exit 130, as an interrupted
-    command does, so a script sees the run was cut short."""
+def exit_if_interrupted(interrupted: int | bool, out_dir: str) -> None:
+    """After the report of an interrupted run is written: exit with `run_rows`' status (130
+    for Ctrl-C, 143 for SIGTERM), as an interrupted command does, so a script sees the run
+    was cut short."""
     if interrupted:
-        print(f"interrupted: {out_dir} reports the rows that ran", file=sys.stderr)
-        raise SystemExit(130)
+        what = "stopped (SIGTERM)" if interrupted == 143 else "interrupted"
+        print(f"{what}: {out_dir} reports the rows that ran", file=sys.stderr)
+        raise SystemExit(130 if interrupted is True else interrupted)
 
 
 def length_options(attention: str, L: int) -> dict:

@@ -117,6 +117,19 @@ def sparsity_at(p: PruneConfig, step, total_steps: int):
     return (final * (1.0 - (1.0 - frac) ** 3)).astype(jnp.float32)
 
 
+def short_of_target(p: PruneConfig, step: int, total_steps: int) -> str | None:
+    """What a run saved at `step` (updates done) lacks of its schedule's sparsity, said as
+    a line (a run stopped mid-schedule, then shrunk or sparsified), or None where it reached
+    it. The masks of the update before `step` are the latest it holds."""
+    final = 1.0 - p.nm()[0] / p.nm()[1] if p.nm() is not None else p.sparsity
+    reached = float(sparsity_at(p, step - 1, total_steps))
+    if reached >= final - 1e-6:
+        return None
+    return (f"the run was saved at step {step}, before its pruning schedule reached "
+            f"train.prune.sparsity={final:g}: its masks hold {reached:.3g}; train it on to "
+            f"train.steps={total_steps} (rerun its command) for the target")
+
+
 def cubic_end(p: PruneConfig, total_steps: int) -> int:
     """The step (0-based) after whose update the cubic schedule reaches its sparsity:
     `end_step`, or the run's last step (end_step 0, or train.steps: step train.steps never
@@ -771,6 +784,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     import dataclasses
     import json
     import os
+    import sys
 
     from hpnlp import models
     from hpnlp.config import config_error
@@ -817,6 +831,9 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
                            f"head, neuron or unit (its pruning starts at train.prune.start_step="
                            f"{p.start_step}, to train.prune.sparsity={p.sparsity}), so shrinking "
                            f"it removes nothing; {fix}")
+    short = short_of_target(cfg.train.prune, step, cfg.train.steps)
+    if short:  # a bug hunt (session 94): a run stopped mid-schedule was shrunk unsaid
+        print(f"hpnlp.compress: note: {short}", file=sys.stderr)
     masked_eval = pruned.evaluate(state)
     from hpnlp.paths import staged
     with staged(out) as stage:  # OUT a whole run, or nothing of this call's
@@ -834,6 +851,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
                        "shrunk": models.param_count(params2)},
             "eval": shrunk_eval, "eval_masked": masked_eval,
         }
+        if short:
+            summary["short_of_target"] = short
         with open(os.path.join(stage, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
     return summary
