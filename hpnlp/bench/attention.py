@@ -281,7 +281,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
                "shape": {"B": B, "H": H, "D": D, "causal": causal}, "isolated": isolate,
                "interrupted": interrupted, "results": results}
     if "chunked" in impls and TARGET_L in lengths and not causal:
-        payload["targets"] = _targets(results)
+        report.targets_unless_quick(payload, quick, lambda: _targets(results))
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "attention", payload, _markdown(payload))
     return payload
@@ -379,7 +379,9 @@ def _markdown(payload: dict) -> str:
         parts += [f"### L = {L}", "", report.table(
             ["impl", "fwd ms", "fwd+bwd ms", "fwd+bwd speedup", "compiled MiB", peak_col,
              "fwd+bwd GFLOP/s (% of matmul)"], rows), ""]
-    if payload.get("targets"):
+    if payload.get("quick"):
+        parts += [report.QUICK_NO_TARGETS, ""]
+    elif payload.get("targets"):
         parts += [report.targets_md(payload["targets"]), "",
                   f"Each ratio is our forward+backward median over PyTorch's at L = {TARGET_L}.", ""]
     exps = payload["summary"]["exponents"].get("fwd_bwd", {})

@@ -1006,7 +1006,7 @@ def _markdown(p: dict) -> str:
                 f"{r['model']}, {r['method']}: " + ", ".join(f"{v:.4f}" for v in r["seed_values"])
                 for r in seeded) + ". The other students ran the first seed only.", ""]
     out += report.seconds_md(p)
-    out += [report.targets_md(p["targets"])]
+    out += [report.targets_md(p.get("targets"), p.get("quick"))]
     return "\n".join(out)
 
 
@@ -1092,7 +1092,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
         measure_forward(_rows(payload), teachers, rounds=s["timing_rounds"])
         payload["seconds"]["forward timing"] = time.perf_counter() - t0
     payload["reused_runs"] = reused_since(before)
-    payload["targets"] = _targets(payload)
+    report.targets_unless_quick(payload, quick, lambda: _targets(payload))
     report.write(out_dir, "compress", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

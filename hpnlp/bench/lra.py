@@ -127,7 +127,8 @@ def run(out_dir: str, *, quick: bool, variants: list[str] | None = None,
                "results": results}
     payload["summary"] = _summarize(payload)
     payload["dense_spread"] = _dense_spread(payload)
-    payload["targets"] = _targets(payload)
+    # at the settings they are set for: no --quick, no --steps (a bug hunt, session 95)
+    report.targets_unless_quick(payload, quick or steps is not None, lambda: _targets(payload))
     _plot(payload, out_dir)
     report.write(out_dir, "lra", payload, _markdown(payload))
     return payload
@@ -191,6 +192,8 @@ def _targets(payload: dict) -> dict:
     ListOps and >= 10 points on text. Accuracies in points (percent)."""
     out = {}
     for t, bound in (("listops", 15.0), ("text", 10.0)):
+        if t not in payload["tasks"]:  # --tasks left it out: not a miss (a bug hunt)
+            continue
         spread = payload["dense_spread"].get(t)
         base = next((r.get("baseline_accuracy") for r in _ok(payload["results"], t, "dense")), None)
         value = 100 * (spread["mean"] - base) if spread and base is not None else None
@@ -269,7 +272,9 @@ def _markdown(payload: dict) -> str:
                   f"{100 * d['mean']:.1f}, spread {100 * d['spread']:.1f} points). Beat dense by more "
                   f"than the spread: {names(d['beat'])}; trail it by more: {names(d['trail'])}.", ""]
     parts += ["Plot: `lra_accuracy_speed.png`."]
-    if payload.get("targets"):
+    if payload.get("quick"):
+        parts += ["", report.QUICK_NO_TARGETS]
+    elif payload.get("targets"):
         parts += ["", report.targets_md(payload["targets"]),
                   "", "Targets in accuracy points: dense (mean over its seeds) minus the majority class."]
     return "\n".join(parts)

@@ -338,7 +338,7 @@ def _markdown(p: dict) -> str:
     if p.get("seconds"):
         out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in p["seconds"].items())
                 + ".", ""]
-    out += [report.targets_md(p["targets"])]
+    out += [report.targets_md(p.get("targets"), p.get("quick"))]
     return "\n".join(out)
 
 
@@ -389,7 +389,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
     with tempfile.TemporaryDirectory() as tmp:
         harness.run_parts(payload, {"lm": lambda: lm_rows(s, workdir or tmp),
                                     "layer": lambda: layer_rows(s), "parallel": parallel_rows}, parts)
-    payload["targets"] = _targets(payload)
+    report.targets_unless_quick(payload, quick, lambda: _targets(payload))
     report.write(out_dir, "moe", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -328,7 +328,7 @@ def _markdown(p: dict) -> str:
                      f"{r['accuracy']:.4f}" if r.get("accuracy") is not None else "–",
                      f"{r['loss_rel_increase']:+.2%}", f"{r['size_bytes'] / 1024:.0f}",
                      report.fmt(r["forward_s"], "ms")] for r in p["quality"]])]
-    out += ["", report.targets_md(p["targets"])]
+    out += ["", report.targets_md(p.get("targets"), p.get("quick"))]
     return "\n".join(out)
 
 
@@ -358,8 +358,8 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
                "malloc": "freed buffers reused (hpnlp.kernels.reuse_freed_memory)" if reuse
                else "the C library's default",
                "kernel_layout": kernels.layout() if kernels.available() else kernels.unavailable_reason(),
-               "linear": linear, "lm": lm, "quality": quality,
-               "targets": _targets(linear, lm, quality)}
+               "linear": linear, "lm": lm, "quality": quality}
+    report.targets_unless_quick(payload, quick, lambda: _targets(linear, lm, quality))
     payload["_f32_time"] = next((r["time"]["median_s"] for r in linear if r["impl"] == "float32 (XLA)"),
                                 None)
     report.write(out_dir, "quant", payload, _markdown(payload))

@@ -307,7 +307,7 @@ def _markdown(p: dict) -> str:
     missing = sorted({r["index"] for r in p.get("search") or [] if r.get("missing")})
     if missing:
         out += [f"Not installed here: {', '.join(missing)} (pip install -e .[retrieval]).", ""]
-    out += [report.targets_md(p["targets"])]
+    out += [report.targets_md(p.get("targets"), p.get("quick"))]
     return "\n".join(out)
 
 
@@ -346,7 +346,7 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
                                     "compressive": lambda: compressive.rows(quick, wd),
                                     "memory": lambda: kv_memory.rows(quick, wd),
                                     "search": lambda: search_rows(s, wd)}, parts)
-    payload["targets"] = _targets(payload)
+    report.targets_unless_quick(payload, quick, lambda: _targets(payload))
     report.write(out_dir, "retrieval", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -168,8 +168,8 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
                "results": results}
     # at the shape they are set for (a README walk: --quick wrote them at B=8, L=32, H=64,
     # unmet, as if they held there)
-    if set(TARGET_ROWS) <= set(names) and shape == SIZES["full"]:
-        payload["targets"] = _targets(results)
+    if set(TARGET_ROWS) <= set(names):
+        report.targets_unless_quick(payload, shape != SIZES["full"], lambda: _targets(results))
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "rnn", payload, _markdown(payload))
     return payload
@@ -271,7 +271,8 @@ def _markdown(payload: dict) -> str:
             f"{sp['wall']:.2f}x / {sp['cpu']:.2f}x vs `{sp['vs']}`" if sp else "–"])
     targets = [report.targets_md(payload["targets"]), "",
                f"Each is `{TARGET_ROWS[1]}`'s median wall time over `{TARGET_ROWS[0]}`'s.", "",
-               *_needed(payload)] if payload.get("targets") else []
+               *_needed(payload)] if payload.get("targets") else (
+                   [report.QUICK_NO_TARGETS, ""] if payload.get("quick") else [])
     return "\n".join([
         report.header_md(payload["machine"], payload["matmul_gflops"]), "",
         f"Shape: B={s['B']}, L={s['L']}, E={s['E']}, H={s['H']}, float32, no padding. Wall times "
