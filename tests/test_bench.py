@@ -190,6 +190,9 @@ def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, mon
     ("nosuch.x=1", "not a timed output layer"),
     ("adaptive.chunk=1", "has no option 'chunk'"),
     ("adaptive.chunk_logits=big", "not a Python literal"),
+    ("adaptive.div_value='x'", r"adaptive\.div_value takes a number, not 'x'"),  # a bug hunt
+    ("adaptive.head_bias=1", r"adaptive\.head_bias takes True or False, not 1"),
+    ("nce.sampler=2", r"nce\.sampler takes a string, not 2"),
 ])
 def test_softmax_bench_set_errors_name_the_item(item, message):
     from hpnlp.bench import softmax as bench_softmax
@@ -199,6 +202,9 @@ def test_softmax_bench_set_errors_name_the_item(item, message):
         "adaptive": {"chunk_logits": 1024, "div_value": 2.0}}
     with pytest.raises(SystemExit, match="not a timed output layer"):
         bench_softmax.parse_settings(["adaptive.chunk_logits=1"], ["full"])
+    # the cutoffs at small V stay strictly increasing in (0, V) (a bug hunt: V=100 read 0 first)
+    assert [bench_softmax.adaptive_cutoffs(V) for V in (3, 100, 8192)] == [
+        [1], [1, 6, 25], [64, 512, 2048]]
 
 
 def test_time_jax_max_time_caps_repeats_of_slow_calls():
@@ -355,7 +361,7 @@ def test_attention_markdown_on_a_gpu_reports_device_memory():
     assert "accelerator" not in report.header_md(cpu_run, {})
 
 
-def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
+def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch, capsys):
     ba = bench_attention
     monkeypatch.setattr(harness, "ceiling_rates", lambda dtypes, quick: {"float32": 100.0,
                                                                          "bfloat16": 100.0})
@@ -373,6 +379,7 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
     assert len(calls) == 3 and status[:2] == ["ok", "ok"]
     assert status[2:] == ["not run: interrupted"] * (len(status) - 2) and len(status) > 3
     assert "not run: interrupted" in open(tmp_path / "results.md").read()
+    assert "**Interrupted:** the rows that read" in open(tmp_path / "results.md").read()
     assert payload["interrupted"] and json.load(open(tmp_path / "results.json"))["interrupted"]
     with pytest.raises(SystemExit) as exit_:  # a script sees the run was cut short
         harness.exit_if_interrupted(payload["interrupted"], str(tmp_path))
@@ -387,6 +394,23 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch):
                      variants=["chunked"], lengths=[4096])
     assert "targets" not in payload and payload["quick"]
     assert report.QUICK_NO_TARGETS in open(tmp_path / "q" / "results.md").read()
+    # stopped again into that folder: its whole report is kept, the rows that ran are beside
+    # it (a bug hunt, session 95: they replaced it); a whole run again removes them
+    calls.clear()
+    monkeypatch.setattr(ba, "measure", measure)
+    ba.run(str(tmp_path / "q"), quick=True, causal=False, isolate=False, variants=["dense"],
+           lengths=[64])
+    assert not json.load(open(tmp_path / "q" / "results.json"))["interrupted"]
+    assert json.load(open(tmp_path / "q" / "interrupted" / "results.json"))["interrupted"]
+    with pytest.raises(SystemExit):
+        harness.exit_if_interrupted(130, str(tmp_path / "q"))
+    assert (f"interrupted: {tmp_path / 'q' / 'interrupted'} reports the rows that ran (the whole "
+            f"report of the run before is kept in {tmp_path / 'q'})") in capsys.readouterr().err
+    monkeypatch.setattr(ba, "measure", lambda spec: _attention_row(spec["impl"], spec["L"],
+                                                                  spec["mode"], 0.01))
+    ba.run(str(tmp_path / "q"), quick=True, causal=False, isolate=False, variants=["dense"],
+           lengths=[64])
+    assert not os.path.exists(tmp_path / "q" / "interrupted")
 
     def terminated(spec):  # a SIGTERM (hpnlp's handler raises Stopped): exit 143, as other CLIs
         raise Stopped("stopped (SIGTERM)", 143)
@@ -1052,6 +1076,14 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
     (tmp_path / "results.md").write_text("# hpnlp benchmark: tricks\n\n...")
     args = argparse.Namespace(entry="tricks", out=str(tmp_path), profile=None, quick=True)
     bench_main.check_args(args)  # the same bench's earlier report: written anew
+    # a user's own results.md, or a results.json with no report beside it (a bug hunt)
+    (tmp_path / "results.md").write_text("My own experiment notes\n")
+    with pytest.raises(ValueError, match=r"holds a results\.md that is not an hpnlp bench's"):
+        bench_main.check_args(args)
+    os.remove(tmp_path / "results.md")
+    (tmp_path / "results.json").write_text('{"my": 1}')
+    with pytest.raises(ValueError, match=r"holds a results\.json that is not an hpnlp bench's"):
+        bench_main.check_args(args)
 
 
 TOOL_REFUSALS = [

@@ -102,6 +102,16 @@ def check_args(args) -> None:
         with open(os.path.join(args.out, "results.md")) as f:
             first = f.readline()
     except OSError:
+        first = None
+    except UnicodeDecodeError:
+        first = ""
+    if not (first or "").startswith("# hpnlp benchmark: ") and (
+            first is not None or os.path.exists(os.path.join(args.out, "results.json"))):
+        # a bug hunt (session 95): a folder of the user's own results.md/json was written over
+        raise ValueError(f"--out {args.out} holds a results.{'md' if first is not None else 'json'} "
+                         "that is not an hpnlp bench's report, which this run would replace; "
+                         "give another folder")
+    if first is None:
         return
     other = first.removeprefix("# hpnlp benchmark: ").strip()
     ours = args.entry + (" quality" if getattr(args, "quality", False) else "")  # report.write's name

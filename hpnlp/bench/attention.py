@@ -66,7 +66,8 @@ BF16 = {BF16_CHUNKED, BF16_TORCH, CUDNN}
 QUADRATIC = {"dense", "xla", "synthesizer", *PEERS} - {"torch.scaled_dot_product_attention"}
 # Never run past 16K: the quadratic ones, and the peers, XLA and bfloat16 rows beside them.
 SHORT = QUADRATIC | set(PEERS) | {BOUND, XLA_TWIN} | BF16
-EXACT = {"dense", "xla", "chunked", XLA_TWIN, BOUND, *PEERS, *BF16}
+SHORT_MAX_L = 16384
+EXACT = {"dense", "xla", "chunked", "ring", XLA_TWIN, BOUND, *PEERS, *BF16}
 REFERENCE = "jax.nn.dot_product_attention"
 TARGET_L = 4096
 # name -> (our row, PyTorch's row, bound on the fwd_bwd time ratio ours / PyTorch's).
@@ -257,19 +258,26 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
         raise SystemExit(f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
     harness.full_float32_on_gpu()
     impls = row_names(names, causal=causal, backend=jax.default_backend())
+    if all(i in SHORT and L > SHORT_MAX_L for i in impls for L in lengths):
+        # a bug hunt (session 95): a traceback from the empty plot, after the ceiling's minute
+        raise SystemExit(f"--lengths {','.join(map(str, lengths))}: {', '.join(names)} and the "
+                         f"peers run only up to L={SHORT_MAX_L} (O(L^2) memory); add a length "
+                         f"<= {SHORT_MAX_L}, or a variant of O(L) memory (e.g. chunked, local)")
     os.makedirs(out_dir, exist_ok=True)
     info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates((jnp.float32, jnp.bfloat16), quick=quick)
     configs = []
     for L in lengths:
         for impl in impls:
-            if impl in SHORT and L > 16384:
-                continue
+            if impl in SHORT and L > SHORT_MAX_L and impl not in (variants or ()):
+                continue  # the peers and the twins beside chunked: the note under the tables
             for mode in ("fwd", "fwd_bwd"):
                 # A call of minutes (chunked at 64K) is timed fewer times: 30 s of repeats.
                 configs.append(dict(impl=impl, L=L, mode=mode, causal=causal, B=B, H=H, D=D,
                                     repeats=repeats, max_time_s=None if quick else 30.0))
     def row(spec):
+        if spec["impl"] in SHORT and spec["L"] > SHORT_MAX_L:  # named in --variants: said
+            return {**_head(spec), "status": f"skipped: O(L^2) memory, run up to L={SHORT_MAX_L}"}
         skip = harness.too_big(_estimated_bytes(spec["impl"], spec["L"], spec["mode"], B=B, H=H), 0.5)
         if skip:
             return {**_head(spec), "status": skip}
@@ -282,6 +290,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
                "interrupted": interrupted, "results": results}
     if "chunked" in impls and TARGET_L in lengths and not causal:
         report.targets_unless_quick(payload, quick, lambda: _targets(results))
+    out_dir = harness.report_dir(out_dir, interrupted)
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "attention", payload, _markdown(payload))
     return payload
@@ -391,6 +400,10 @@ def _markdown(payload: dict) -> str:
         [[f"`{i}`", f"{e:.2f}" if e is not None else "–", str(cross.get(i) or "–")]
          for i, e in sorted(exps.items())]), "",
         "Plots: `attention_time_fwd.png`, `attention_time_fwd_bwd.png`, `attention_memory.png`."]
+    if any(r["L"] > SHORT_MAX_L for r in res):
+        parts += ["", f"Past L = {SHORT_MAX_L} only the variants of O(L) memory run: the "
+                  "quadratic ones, the peers and the rows beside `chunked` (its XLA twin, bound "
+                  "and bfloat16 rows) stop there."]
     return "\n".join(parts)
 
 

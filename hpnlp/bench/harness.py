@@ -536,13 +536,46 @@ def run_rows(configs: list, row: Callable[[dict], dict], head: Callable[[dict], 
     return rows, interrupted
 
 
+PARTIAL = "interrupted"  # the folder in --out of an interrupted run's report beside a whole one
+
+
+def report_dir(out_dir: str, interrupted: int | bool) -> str:
+    """Where a `run_rows` bench writes its report: `out_dir`, but an interrupted run's goes to
+    `out_dir/interrupted` where `out_dir` holds a whole report (a bug hunt, session 95: a
+    rerun stopped early replaced the finished table with its few rows). A whole run removes
+    an older interrupted one's folder there."""
+    import json
+    import shutil
+    partial = os.path.join(out_dir, PARTIAL)
+    if not interrupted:
+        try:
+            with open(os.path.join(partial, "results.md")) as f:
+                ours = f.readline().startswith("# hpnlp benchmark: ")
+        except OSError:
+            ours = False
+        if ours:
+            shutil.rmtree(partial)
+        return out_dir
+    try:
+        with open(os.path.join(out_dir, "results.json")) as f:
+            whole = not json.load(f).get("interrupted")
+    except (OSError, ValueError, AttributeError):
+        whole = False
+    if whole:
+        os.makedirs(partial, exist_ok=True)  # its plots are drawn before the tables
+    return partial if whole else out_dir
+
+
 def exit_if_interrupted(interrupted: int | bool, out_dir: str) -> None:
     """After the report of an interrupted run is written: exit with `run_rows`' status (130
     for Ctrl-C, 143 for SIGTERM), as an interrupted command does, so a script sees the run
     was cut short."""
     if interrupted:
         what = "stopped (SIGTERM)" if interrupted == 143 else "interrupted"
-        print(f"{what}: {out_dir} reports the rows that ran", file=sys.stderr)
+        where = report_dir(out_dir, interrupted)
+        kept = (f" (the whole report of the run before is kept in {out_dir})"
+                if where != out_dir else "")
+        print(f"{what}: {where} reports the rows that ran{kept}", file=sys.stderr)
         raise SystemExit(130 if interrupted is True else interrupted)
 
 

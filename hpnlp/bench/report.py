@@ -166,8 +166,10 @@ def write(out_dir: str, name: str, payload: dict, markdown: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(payload, f, indent=1, default=str)
+    stop = ("**Interrupted:** the rows that read `not run: interrupted` did not run; rerun the "
+            "command for the whole table.\n\n" if payload.get("interrupted") else "")
     with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"# hpnlp benchmark: {name}\n\n{markdown}\n")
+        f.write(f"# hpnlp benchmark: {name}\n\n{stop}{markdown}\n")
 
 
 def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str, ylabel: str,

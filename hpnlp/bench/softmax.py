@@ -38,8 +38,10 @@ REFERENCE = "full"
 
 def adaptive_cutoffs(V: int) -> list[int]:
     """Shortlist V/128, then clusters up to V/16 and V/4 (with Zipf targets the shortlist
-    takes about 60% of tokens at V=262K)."""
-    return [V // 128, V // 16, V // 4]
+    takes about 60% of tokens at V=262K); below V=512, at least 1 and without repeats, so
+    the cutoffs stay strictly increasing in (0, V) (a bug hunt, session 95: V=100 read
+    (0, 6, 25), refused by both adaptive softmaxes)."""
+    return sorted({max(1, c) for c in (V // 128, V // 16, V // 4)} - {V} if V > 1 else set())
 
 
 def bench_options(impl: str, V: int) -> dict:
@@ -163,11 +165,33 @@ def parse_settings(items: list[str], methods: list[str] | None = None) -> dict:
         if field not in fields:
             raise SystemExit(f"--set {item!r}: {method} has no option {field!r}; its options: {fields}")
         try:
-            out.setdefault(method, {})[field] = ast.literal_eval(value)
+            v = out.setdefault(method, {})[field] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise SystemExit(f"--set {item!r}: {value!r} is not a Python literal (a number, a "
                              "quoted string, True/False, a tuple)") from None
+        kind = _option_kind(softmax_lib.get(method).__dataclass_fields__[field].default)
+        if kind and not _is_kind(v, kind):  # a bug hunt (session 95): each row failed alone
+            raise SystemExit(f"--set {item!r}: {method}.{field} takes {kind}, not {v!r}")
     return out
+
+
+def _option_kind(default) -> str | None:
+    """What an option's default says its values are: "a number", "True or False", "a
+    tuple", "a string", or None (no default to tell by)."""
+    if isinstance(default, bool):
+        return "True or False"
+    if isinstance(default, (int, float)):
+        return "a number"
+    if isinstance(default, (tuple, list)):
+        return "a tuple"
+    return "a string" if isinstance(default, str) else None
+
+
+def _is_kind(value, kind: str) -> bool:
+    return {"True or False": lambda v: isinstance(v, bool),
+            "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "a tuple": lambda v: isinstance(v, (tuple, list)),
+            "a string": lambda v: isinstance(v, str)}[kind](value)
 
 
 def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list[str] | None = None,
@@ -205,6 +229,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     payload = {"benchmark": "softmax", "machine": info, "matmul_gflops": rates,
                "shape": {"N": N, "E": E}, "isolated": isolate, "interrupted": interrupted,
                "results": results}
+    out_dir = harness.report_dir(out_dir, interrupted)
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "softmax", payload, _markdown(payload))
     return payload
