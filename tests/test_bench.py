@@ -140,6 +140,22 @@ def test_train_bench_reports_mfu_and_relative_speed(tmp_path, monkeypatch):
     assert "probed beside each row" in md and f"bound: {bench_train.BOUND}" in md
 
 
+def test_train_bench_stopped_writes_its_report(tmp_path, monkeypatch):
+    """A bug hunt (session 95): a Ctrl-C at the first row left --out empty; the report of
+    the rows (none ran here) is written and says so."""
+    from hpnlp.bench import train as bench_train
+    monkeypatch.setattr(harness, "ceiling_rates", lambda quick: {"float32": 100.0})
+
+    def stopped(spec, isolate):
+        raise Stopped("stopped (SIGTERM)", 143)
+    monkeypatch.setattr(bench_train, "_one", stopped)
+    payload = bench_train.run(str(tmp_path), quick=True, isolate=False, variants=["chunked"],
+                              lengths=[64])
+    assert payload["interrupted"] == 143
+    assert {r["status"] for r in payload["results"]} == {"not run: interrupted"}
+    assert "**Interrupted:**" in (tmp_path / "results.md").read_text()
+
+
 def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
     from hpnlp.bench import train as bench_train
 

@@ -1,5 +1,6 @@
 """Each speed trick's slow and fast versions compute the same thing (and jit agrees too)."""
 
+import json
 import jax
 import numpy as np
 import pytest
@@ -49,3 +50,25 @@ def test_closing_line_names_only_the_plots_written(tmp_path, monkeypatch, capsys
     before = bench_main._plots(str(tmp_path))
     (tmp_path / "new.png").write_bytes(b"")
     assert bench_main.wrote_message(str(tmp_path), before).endswith("and 1 plot: new.png")
+
+
+def test_tricks_bench_stopped_keeps_the_rows_that_ran_and_labels_its_sizes(tmp_path, monkeypatch):
+    """A bug hunt (session 95): a Ctrl-C left --out empty, and --quick rows were labelled
+    with the full run's sizes."""
+    import dataclasses
+    from hpnlp.bench import __main__ as bench_main
+
+    def stop(quick):
+        raise KeyboardInterrupt
+    per_example = {t.name: t for t in tricks.TRICKS}["per_example"]
+    dots = next(t for t in tricks.TRICKS if t.name == "dots")
+    monkeypatch.setattr(tricks, "TRICKS", (dots, dataclasses.replace(dots, name="x", inputs=stop)))
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["tricks", "--quick", "--out", str(tmp_path)])
+    assert e.value.code == 130
+    md = (tmp_path / "results.md").read_text()
+    assert "**Interrupted:**" in md and "| `x` |" in md and "not run: interrupted" in md
+    assert [r.get("status") for r in json.load(open(tmp_path / "results.json"))["results"]] == [
+        None, "not run: interrupted"]
+    assert per_example.said(True).startswith("per-example gradient norms, 4 examples of 4..16 ")
+    assert per_example.said(False).startswith("per-example gradient norms, 128 examples of 8..32 ")

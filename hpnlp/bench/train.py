@@ -25,7 +25,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from hpnlp import attention as attention_lib
 from hpnlp import models
@@ -193,11 +192,13 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
                                   probe_n=1024 if quick else 2048,
                                   repeats=min(repeats, 3), min_time_s=min_time_s,
                                   max_time_s=MAX_TIME_S))
-    results = [_one(s, isolate) for s in tqdm(lm_specs + enc_specs, desc="train bench",
-                                              dynamic_ncols=True)]
+    # a Ctrl-C or SIGTERM keeps the rows that ran (a bug hunt, session 95: none were written)
+    results, interrupted = harness.run_rows(lm_specs + enc_specs, lambda s: _one(s, isolate),
+                                            dict, desc="train bench")
     payload = {"benchmark": "train", "machine": info, "matmul_gflops": rates,
-               "isolated": isolate, "results": results}
+               "isolated": isolate, "interrupted": interrupted, "results": results}
     payload["summary"] = _summarize(payload)
+    out_dir = harness.report_dir(out_dir, interrupted)
     _plot(payload, out_dir)
     report.write(out_dir, "train", payload, _markdown(payload))
     return payload
@@ -339,8 +340,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> dict:
-    return run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
-               variants=args.variants)
+    payload = run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
+                  variants=args.variants)
+    harness.exit_if_interrupted(payload["interrupted"], args.out)
+    return payload
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from hpnlp.bench import harness, report
 
@@ -36,6 +35,12 @@ class Trick:
     slow: Callable
     fast: Callable
     jittable: bool = True
+    sizes: Callable[[bool], dict] | None = None  # quick -> the fields `what` names, if any
+
+    def said(self, quick: bool) -> str:
+        """`what` at the sizes this run uses (a bug hunt, session 95: --quick rows were
+        labelled with the full run's)."""
+        return self.what.format(**self.sizes(quick)) if self.sizes else self.what
 
 
 # 1. Hoisting: a sentence-level vector combined with every word. The slow loop recomputes
@@ -136,6 +141,18 @@ def dots_fast(a_E, b_NE):
 # one vmapped program over the padded batch instead of a Python loop over examples
 # (hpnlp.train.per_example). The loop's calls are jitted too (one compile per length,
 # done in warmup), so the difference is B dispatches of small programs against one.
+def _per_example_sizes(quick: bool, long: bool = False) -> tuple[int, int, int]:
+    """(B, L, E): examples, their longest length (the shortest is L/4), model width."""
+    if quick:
+        return (2, 16, 16) if long else (4, 16, 16)
+    return (32, 128, 128) if long else (128, 32, 64)
+
+
+def _per_example_said(quick: bool, long: bool = False) -> dict:
+    B, L, _ = _per_example_sizes(quick, long)
+    return {"B": B, "shortest": L // 4, "L": L}
+
+
 def _per_example_inputs(quick: bool, *, long: bool = False):
     """Many short examples (the DP-SGD regime: per-call overhead dominates the loop), or
     with `long`, fewer long ones, where the padded batch's wasted work (lengths are drawn
@@ -143,10 +160,7 @@ def _per_example_inputs(quick: bool, *, long: bool = False):
     from hpnlp import models
     from hpnlp.config import default_configdict, from_configdict, validate
 
-    if quick:
-        B, L, E = (2, 16, 16) if long else (4, 16, 16)
-    else:
-        B, L, E = (32, 128, 128) if long else (128, 32, 64)
+    B, L, E = _per_example_sizes(quick, long)
     cd = default_configdict()
     cd.data.update(task="byte_lm", seq_len=L)
     cd.model.update(kind="lm", width=E, depth=2, num_heads=4, mlp_dim=4 * E, max_len=L, dropout=0.0)
@@ -196,12 +210,13 @@ TRICKS = (
           _bags_inputs, bags_slow, bags_fast, jittable=False),
     Trick("dots", "a @ B^T instead of elementwise multiply then sum",
           _dots_inputs, dots_slow, dots_fast),
-    Trick("per_example", "per-example gradient norms, 128 examples of 8..32 tokens: one vmapped "
-          "program instead of a loop", _per_example_inputs, per_example_slow, per_example_fast,
-          jittable=False),
-    Trick("per_example_long", "the same, 32 examples of 32..128 tokens: padding waste against "
-          "loop overhead", functools.partial(_per_example_inputs, long=True), per_example_slow,
-          per_example_fast, jittable=False),
+    Trick("per_example", "per-example gradient norms, {B} examples of {shortest}..{L} tokens: one "
+          "vmapped program instead of a loop", _per_example_inputs, per_example_slow,
+          per_example_fast, jittable=False, sizes=_per_example_said),
+    Trick("per_example_long", "the same, {B} examples of {shortest}..{L} tokens: padding waste "
+          "against loop overhead", functools.partial(_per_example_inputs, long=True),
+          per_example_slow, per_example_fast, jittable=False,
+          sizes=functools.partial(_per_example_said, long=True)),
 )
 
 
@@ -209,12 +224,15 @@ def run(out_dir: str, *, quick: bool, names: tuple[str, ...] | None = None) -> d
     """Time every trick (or those in `names`) slow against fast; write the report."""
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
-    results = []
     timing = dict(repeats=3, min_time_s=0.01) if quick else dict(repeats=5, min_time_s=0.2)
     chosen = [t for t in TRICKS if names is None or t.name in names]
-    for trick in tqdm(chosen, desc="tricks bench", dynamic_ncols=True):
+
+    def head(trick):
+        return {"trick": trick.name, "what": trick.said(quick)}
+
+    def measure(trick):
         args = trick.inputs(quick)
-        row = {"trick": trick.name, "what": trick.what}
+        row = head(trick)
         for kind in ("slow", "fast"):
             fn = getattr(trick, kind)
             row[f"eager_{kind}"] = harness.time_python(lambda: jax.block_until_ready(fn(*args)),
@@ -224,19 +242,25 @@ def run(out_dir: str, *, quick: bool, names: tuple[str, ...] | None = None) -> d
         row["eager_speedup"] = row["eager_slow"]["median_s"] / row["eager_fast"]["median_s"]
         if trick.jittable:
             row["jit_speedup"] = row["jit_slow"]["median_s"] / row["jit_fast"]["median_s"]
-        results.append(row)
-    payload = {"benchmark": "tricks", "machine": info, "quick": quick, "results": results}
+        return row
+
+    # a Ctrl-C or SIGTERM keeps the rows that ran (a bug hunt, session 95: none were written)
+    results, interrupted = harness.run_rows(chosen, measure, head, desc="tricks bench")
+    payload = {"benchmark": "tricks", "machine": info, "quick": quick,
+               "interrupted": interrupted, "results": results}
     rows = []
     for r in results:
         t = lambda k: report.fmt(r[k]["median_s"], "ms") if k in r else "–"  # noqa: E731
         rows.append([f"`{r['trick']}`", r["what"], t("eager_slow"), t("eager_fast"),
-                     report.fmt(r["eager_speedup"], "x"), t("jit_slow"), t("jit_fast"),
-                     report.fmt(r.get("jit_speedup"), "x")])
+                     report.fmt(r.get("eager_speedup", r.get("status")), "x"), t("jit_slow"),
+                     t("jit_fast"), report.fmt(r.get("jit_speedup"), "x")])
+    sizes = ("`--quick`: small sizes (the labels name them); the full run's are larger." if quick
+             else "")
     md = "\n".join([report.header_md(info, {}), "",
-                    "Median ms; eager = op by op, jit = `jax.jit` of the same function.", "",
-                    report.table(["trick", "what", "eager slow", "eager fast", "eager speedup",
-                                  "jit slow", "jit fast", "jit speedup"], rows)])
-    report.write(out_dir, "tricks", payload, md)
+                    "Median ms; eager = op by op, jit = `jax.jit` of the same function. " + sizes,
+                    "", report.table(["trick", "what", "eager slow", "eager fast", "eager speedup",
+                                      "jit slow", "jit fast", "jit speedup"], rows)])
+    report.write(harness.report_dir(out_dir, interrupted), "tricks", payload, md)
     return payload
 
 
@@ -245,5 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> dict:
-    return run(args.out, quick=args.quick)
+    payload = run(args.out, quick=args.quick)
+    harness.exit_if_interrupted(payload["interrupted"], args.out)
+    return payload
 
