@@ -164,6 +164,7 @@ def seconds_md(p: dict) -> list[str]:
 
 def write(out_dir: str, name: str, payload: dict, markdown: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
+    payload.setdefault("benchmark", name.replace(" ", "_"))  # which bench, in every results.json
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(payload, f, indent=1, default=str)
     stop = ("**Interrupted:** the rows that read `not run: interrupted` did not run; rerun the "
