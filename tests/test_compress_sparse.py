@@ -515,7 +515,7 @@ def _jit_apply(model, method):
     return jax.jit(lambda p, b: model.apply({"params": p}, b, method=method))
 
 
-def _config_only_workdir(path, cd):
+def _config_only_workdir(path, cd, devices=None):
     """A workdir with a run's config.json and an (empty) checkpoint step: enough for what
     reads a run's config alone (load_run_config), with nothing compiled."""
     import json
@@ -523,7 +523,7 @@ def _config_only_workdir(path, cd):
     from hpnlp.config import to_json
     os.makedirs(path / "checkpoints" / "1")
     with open(path / "config.json", "w") as f:
-        json.dump({"config": to_json(validate(from_configdict(cd)))}, f)
+        json.dump({"config": to_json(validate(from_configdict(cd), num_devices=devices))}, f)
 
 
 def _teacher_workdir(path, cd, edit=None):
@@ -939,6 +939,14 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*seed ensemble of 3"):
         carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
             teacher=str(tmp_path / "ens"))))))
+    # a teacher trained on a mesh of 4 devices is read on this run's (a bug hunt, session 95:
+    # refused here, its mesh named as this run's)
+    four = tiny("lm")
+    four.mesh.update(data=2, tensor=2)
+    _config_only_workdir(tmp_path / "four", four, devices=4)
+    carry = carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
+        teacher=str(tmp_path / "four"))))))
+    assert [c.teacher_cfg.mesh.tensor for c in carry if c.name == "teacher"] == [1]
     from hpnlp.train import Trainer  # and a run to fine-tune from, before anything is read
     val = tiny("lm")
     val.data.eval_split, val.train.init_from = "validation", str(lm)

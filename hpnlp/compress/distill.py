@@ -359,7 +359,16 @@ class TeacherCarry(Carry):
             tcfg = config_file(copy)
         else:
             tcfg = load_run_config(self.workdir, field="train.distill.teacher")
-        self.teacher_cfg = tcfg = validate(tcfg)
+        # It runs in this run's step, on this run's mesh: its own is not read (a bug hunt,
+        # session 95: a teacher trained on 4 devices was refused on 1, its mesh blamed as
+        # this run's). Its config is checked on this mesh, and named as its own if refused.
+        import dataclasses
+        try:
+            self.teacher_cfg = tcfg = validate(dataclasses.replace(tcfg, mesh=cfg.mesh))
+        except ConfigError as e:
+            raise config_error("train.distill.teacher", self.workdir, f"the teacher's "
+                               f"config.json is refused on this run's mesh ({e}); distill "
+                               "from a teacher this run's model settings can run") from None
         for field, mine, theirs in (("data.task", cfg.data.task, tcfg.data.task),
                                     ("model.kind", cfg.model.kind, tcfg.model.kind),
                                     ("model.vocab_size", cfg.model.vocab_size, tcfg.model.vocab_size),
