@@ -354,7 +354,14 @@ def test_training_logs_routing_statistics_and_resumes_exactly(tmp_path):
     # Lose everything after the step-6 checkpoint (inside the second log window), resume.
     import shutil
     shutil.rmtree(tmp_path / "full" / "checkpoints" / "12")
-    Trainer(from_configdict(cd), str(tmp_path / "full")).run()
+    again = Trainer(from_configdict(cd), str(tmp_path / "full"))
+    _, loop = again.initial_state()
+    assert loop["routing_groups"] == 1 and again._groups_said(loop) == ""
+    # resumed on other devices, model.moe.groups=0 routes in other groups: said (a bug hunt)
+    assert again._groups_said({"routing_groups": 4}) == (
+        "; its MoE routing groups follow the devices (model.moe.groups=0): 4 before, 1 now, so "
+        "capacity keeps other tokens (set model.moe.groups=4 to route as before)")
+    again.run()
     resumed = [l for l in read_jsonl(tmp_path / "full" / "metrics.jsonl") if not l.get("eval")]
     for a, b in zip(train, resumed, strict=True):
         for key in ("loss", "loss_moe_balance", "moe_dropped_frac", "moe_load"):

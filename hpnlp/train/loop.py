@@ -334,6 +334,26 @@ class Trainer:
         stack.enter_context(use_microbatches(self.cfg.mesh.pipeline_microbatches))
         return stack
 
+    def routing_groups(self) -> int | None:
+        """The MoE routing groups a train step uses where model.moe.groups=0 (one per
+        data-parallel shard: they follow the devices), else None."""
+        moe = self.cfg.model.moe
+        if not moe.enabled() or moe.groups:
+            return None
+        from hpnlp.moe.layer import batch_shards
+        with self._context():
+            return batch_shards()
+
+    def _groups_said(self, loop: dict) -> str:
+        """'; ...' where a resume routes in other MoE groups than the steps before it (a bug
+        hunt, session 95: resumed on 4 devices, capacity dropped other tokens, unsaid)."""
+        before, now = loop.get("routing_groups"), self.routing_groups()
+        if before is None or now is None or before == now:
+            return ""
+        return (f"; its MoE routing groups follow the devices (model.moe.groups=0): {before} "
+                f"before, {now} now, so capacity keeps other tokens (set model.moe.groups="
+                f"{before} to route as before)")
+
     def initial_state(self):
         """(state, loop_state): restored from the newest checkpoint, or fresh."""
         step = self.checkpointer.latest_step()
@@ -488,7 +508,7 @@ class Trainer:
                      if stopped_early and start < t.steps else "")
                   + (schedule_change(self.checkpointer.saved_train, t, start)
                      if start < t.steps else "")
-                  + self._changes_said(start),
+                  + self._changes_said(start) + self._groups_said(loop),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
@@ -584,6 +604,8 @@ class Trainer:
             if timing["t0"] is not None:
                 timing["t0"] += seconds
 
+        groups = self.routing_groups()
+
         def save(step: int, state, last_eval: dict) -> None:
             win = None if window["sums"] is None else {
                 "sums": {k: np.asarray(v).tolist() for k, v in window["sums"].items()},
@@ -592,7 +614,7 @@ class Trainer:
                 "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
-                "last_eval": last_eval, "window": win})
+                "last_eval": last_eval, "window": win, "routing_groups": groups})
 
         pending = None
         step = start
