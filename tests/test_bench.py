@@ -212,11 +212,11 @@ def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, mon
 ])
 def test_softmax_bench_set_errors_name_the_item(item, message):
     from hpnlp.bench import softmax as bench_softmax
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(harness.BenchInputError, match=message):
         bench_softmax.parse_settings([item])
     assert bench_softmax.parse_settings(["adaptive.chunk_logits=1024", "adaptive.div_value=2.0"]) == {
         "adaptive": {"chunk_logits": 1024, "div_value": 2.0}}
-    with pytest.raises(SystemExit, match="not a timed output layer"):
+    with pytest.raises(harness.BenchInputError, match="not a timed output layer"):
         bench_softmax.parse_settings(["adaptive.chunk_logits=1"], ["full"])
     # the cutoffs at small V stay strictly increasing in (0, V) (a bug hunt: V=100 read 0 first)
     assert [bench_softmax.adaptive_cutoffs(V) for V in (3, 100, 8192)] == [

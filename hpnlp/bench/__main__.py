@@ -27,6 +27,8 @@ from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, kv_cac
                          moe, moe_convert, prune_transfer, quant, retrieval, rnn, rope,
                          softmax, sparse, speculative, train, tricks)
 
+from hpnlp.bench.harness import BenchInputError  # noqa: E402
+
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
            "moe_convert": moe_convert,
@@ -66,6 +68,8 @@ def main(argv=None) -> None:
             ENTRIES[args.entry].main(args)
         except compress.RunConflict as e:  # the runs trained before it are kept, and reused
             sys.exit(f"python -m hpnlp.bench {args.entry}: error: {e}")
+        except BenchInputError as e:
+            sp.error(str(e))
     print(wrote_message(args.out, before), file=sys.stderr)
 
 

@@ -517,6 +517,12 @@ def too_big(need_bytes: float, fraction: float) -> str | None:
 INTERRUPTED = "not run: interrupted"
 
 
+class BenchInputError(ValueError):
+    """A bench's input refused, in one line: `python -m hpnlp.bench` says it as a usage error;
+    a notebook or script that calls a bench's `run` gets an exception it can catch (a bug
+    hunt, session 95: a SystemExit, which `except Exception` misses and Jupyter garbles)."""
+
+
 def run_rows(configs: list, row: Callable[[dict], dict], head: Callable[[dict], dict], *,
              desc: str) -> tuple[list[dict], int | bool]:
     """([row(spec) for each spec], False or the exit status of what stopped it), under a progress
