@@ -181,13 +181,16 @@ def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     exps = {}
-    for label, (xs, ys) in series.items():
+    for i, (label, (xs, ys)) in enumerate(series.items()):
         pts = [(x, y) for x, y in zip(xs, ys) if y]
         if not pts:
             continue
         e = fit_exponent([p[0] for p in pts], [p[1] for p in pts])
         exps[label] = e
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+        # a colour, marker and dash of its own up to 20 lines (a bug hunt, session 95: the
+        # default 10 colours drew chunked and performer alike in the attention plots)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>ph*"[i % 10], ms=3,
+                color=plt.get_cmap("tab20")(i % 20), ls=("-", "--", ":", "-.")[i % 4],
                 label=f"{label} (~x^{e:.2f})" if e is not None else label)
     if ceiling is not None:
         ax.plot(*ceiling, color="black", ls="--", lw=1, label=ceiling_label)
