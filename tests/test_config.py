@@ -271,6 +271,14 @@ def test_task_fields_are_filled_in():
      "quant.kv_cache", "set quant.kv_cache='none'"),
     # Found by the crash hunt (tests/test_crash_hunt.py): each failed at init or went NaN.
     ({"output": {"name": "adaptive"}}, "output.name", "not ranked by frequency"),
+    # a bug hunt (session 95): untying, as first asked, only led to this refusal
+    ({"output": {"name": "adaptive", "tie_embeddings": True}}, "output.name",
+     "not ranked by frequency"),
+    ({"model": {"arch": "transformer_xl", "moe": {"num_experts": 4}},
+      "data": {"batching": "stream"}}, "model.moe.num_experts",
+     "model.arch='transformer_xl' does not route its blocks' MLPs to experts yet"),
+    ({"model": {"stack_layers": True, "lowrank": {"rank": 4}}}, "model.stack_layers",
+     "set model.stack_layers=False (and mesh.pipeline=1), or model.lowrank.rank=0"),
     ({"output": {"name": "sampled", "options": {"sampler": "log_uniform"}}},
      "output.options.sampler", "sampler='unigram'"),
     ({"output": {"name": "nce", "options": {"unique": True, "num_samples": 256}}},

@@ -624,6 +624,11 @@ def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
                 lambda cd: setattr(cd.model.moe if group == "moe" else cd.train.prune, field,
                                    value),
                 on, rf"different model \(.*{group}.{field}: saved .*, now {value!r}\)")
+    # pruning turned off: the field's own value, not None (a bug hunt, session 95)
+    cd = tiny()
+    prune(cd, True)
+    _resume_refused(tmp_path / "off", cd, lambda cd: prune(cd, False), True,
+                    r"train\.prune\.method: saved 'magnitude', now 'none'")
 
 
 def test_resume_under_another_seed_into_float16_or_another_compressive_memory_is_refused(

@@ -164,10 +164,24 @@ def main(argv=None) -> int:
             summary = ptq.quantize(args.workdir, args.out, q, calib_batches=calib_batches,
                                    eval_batches=args.eval_batches)
     except (ConfigError, ptq.NoCheckpoint, ValueError) as e:
-        print(f"hpnlp.compress: error: {e}", file=sys.stderr)
+        said = str(e)
+        if args.command == "quantize" and args.weights is not None:
+            said = as_flags(said)
+        print(f"hpnlp.compress: error: {said}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=1))
     return 0
+
+
+def as_flags(message: str) -> str:
+    """A config check's message about the quantization this command's flags set, with the
+    flags named (`--act_scale dynamic`) where it names `quant.*` fields (a bug hunt, session
+    95: "use quant.act_scale='dynamic' or leave 'mlp' out of quant.layers")."""
+    import re
+    flags = "weights|activations|act_scale|group_size|calibration|layers|percentile"
+    message = re.sub(rf"config field `quant\.({flags})`", r"`--\1`", message)
+    message = re.sub(rf"\bquant\.({flags})='([^']*)'", r"--\1 \2", message)
+    return re.sub(rf"\bquant\.({flags})\b", r"--\1", message)
 
 
 if __name__ == "__main__":

@@ -434,9 +434,11 @@ class TeacherCarry(Carry):
         if blocks:
             if tm.arch != "transformer" or tm.stack_layers or tm.reversible or sm.stack_layers \
                     or sm.reversible:
+                off = "'none'" if blocks[0].endswith("init") else "0"
                 raise config_error(*blocks, "matches the blocks of plain Transformers "
                                    "(model.stack_layers and model.reversible off, in the teacher "
-                                   "and the student)")
+                                   f"and the student); set {blocks[0]}={off} (soft targets need "
+                                   "no block match), or distill between plain Transformers")
             if sm.depth > tm.depth:
                 raise config_error(*blocks, f"the student (model.depth={sm.depth}) is deeper "
                                    f"than the teacher ({tm.depth})")

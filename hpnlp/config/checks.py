@@ -216,8 +216,11 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
                   f"{getattr(default, f)!r}")
     X = c.num_experts
     if m.arch != "transformer":
-        _fail("model.moe.num_experts", X, f"MoE replaces Transformer MLPs; model.arch={m.arch!r} "
-              "has none (use model.arch='transformer' or num_experts=0)")
+        has = ("has no MLPs" if m.arch in RECURRENT_ARCHS else "does not route its blocks' "
+               "MLPs to experts yet")  # a bug hunt (session 95): Transformer-XL's has MLPs
+        _fail("model.moe.num_experts", X, f"MoE replaces the MLPs of model.arch='transformer' "
+              f"blocks; model.arch={m.arch!r} {has} (use model.arch='transformer' or "
+              "num_experts=0)")
     if c.every > m.depth:
         _fail("model.moe.every", c.every, f"no block of model.depth={m.depth} would be MoE; "
               f"choose every <= {m.depth}")
@@ -736,6 +739,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                 _fail(f"output.{f}", getattr(cfg.output, f), f"output.* configures an LM's "
                       f"layer over the vocabulary; a model.kind={m.kind!r} model has its own "
                       "head and ignores it: leave output.* unset")
+    if m.kind == "lm":  # the output layer's own rules, now that the vocabulary is known; first,
+        # as what they refuse no other setting fixes (a bug hunt, session 95: adaptive on bytes
+        # was told to untie, then refused for the bytes)
+        softmax.check_config(cfg.output.name, cfg.output.options, vocab_size=model.vocab_size,
+                             frequency_sorted=info.get("frequency_sorted"))
     if m.kind == "lm" and getattr(softmax.get(cfg.output.name), "requires_tied", False) \
             and not cfg.output.tie_embeddings:
         _fail("output.tie_embeddings", False, f"output layer {cfg.output.name!r} predicts the "
@@ -746,9 +754,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if cfg.output.name not in tieable:
             _fail("output.tie_embeddings", True, f"output layer {cfg.output.name!r} cannot share the "
                   f"input embedding; set output.tie_embeddings=False, or use one of {tieable}")
-    if m.kind == "lm":  # the output layer's own rules, now that the vocabulary is known
-        softmax.check_config(cfg.output.name, cfg.output.options, vocab_size=model.vocab_size,
-                             frequency_sorted=info.get("frequency_sorted"))
 
     # Devices and batch.
     if not devices:

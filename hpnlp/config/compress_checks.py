@@ -188,11 +188,12 @@ def _check_lowrank(cfg: Config) -> None:
         _fail("train.prune.structure", pr.structure, "removes whole heads and neurons, which a "
               "factorized weight's U and V do not own apart; prune and shrink before "
               "factorizing, or prune unstructured or N:M (each factor pruned)")
-    for field, value, on in (("model.stack_layers", True, m.stack_layers),
-                             ("model.reversible", True, m.reversible)):
-        if on:
-            _fail(field, value, "is not combined with model.lowrank yet; factorize (and "
-                  "fine-tune) first, or set model.lowrank.rank=0")
+    for field, value, on, also in (("model.stack_layers", True, m.stack_layers,
+                                    " (and mesh.pipeline=1)"),
+                                   ("model.reversible", True, m.reversible, "")):
+        if on:  # a bug hunt (session 95): "factorize first" led to the same refusal
+            _fail(field, value, f"model.lowrank does not factorize {field.split('.')[1]} "
+                  f"blocks yet; set {field}=False{also}, or model.lowrank.rank=0")
 
 
 def _check_compress(cfg: Config) -> None:

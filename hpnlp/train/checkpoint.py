@@ -349,7 +349,8 @@ class Checkpointer:
             self.saved_train = dict(saved.get("config", {}).get("train", {}))
             old_sig = saved.get("shape_signature", {})
             diff = _saved_differs(saved, cfg, sig)
-            lines = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            lines = "; ".join(f"{k}: saved {_shown(a, saved.get('config'), k)}, now "
+                              f"{_shown(b, payload['config'], k)}" for k, (a, b) in diff.items())
             names = {saved["config"].get("attention", {}).get("name"), cfg.attention.name}
             if diff and resuming and set(diff) <= {"attention.name", "attention.options"} and \
                     names <= EXACT_ATTENTION:
@@ -641,9 +642,23 @@ def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = N
                                                  "this run has none" if k not in mine else
                                                  f"saved {saved[k]}, this run {mine[k]}")
                           for k in diff[:4])
+        fix = (f"set this run's {', '.join(f'{k}={a!r}' for k, (a, _) in fields.items())} to "
+               "read it, or name a run of this run's model shape" if fields else
+               "it must be a run of the same model shape")  # a bug hunt (session 95)
         raise config_error(field, workdir, "its parameters differ from this run's ("
                            + (f"{named}: " if named else "") + f"{len(diff)} arrays: {shown}); "
-                           "it must be a run of the same model shape")
+                           + fix)
+
+
+def _shown(value, config: dict | None, field: str) -> str:
+    """`value` of a dotted `field` as a message shows it: where a shape signature leaves a
+    field out (unset: train.prune.method 'none'), the config's own value (a bug hunt, session
+    95: "saved 'movement', now None")."""
+    if value is None:
+        for k in field.split("."):
+            config = config.get(k) if isinstance(config, dict) else None
+        return "unset" if config is None else repr(config)
+    return repr(value)
 
 
 def _saved_differs(saved: dict, cfg, sig: dict) -> dict:
