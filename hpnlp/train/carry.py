@@ -143,14 +143,20 @@ def fold_aux(sums: dict, aux, *, add_loss: bool = True) -> dict:
     over the layers (times `weight`); any other key a sum. Scalars are summed over the
     layers; a vector statistic (an MoE layer's load per expert) is kept per layer, [layers,
     ...], in block order. A stacked (scanned) block reports once per layer along its leading
-    axis.
+    axis. A layer called more than once in a step (a bi-encoder's shared trunk, once per
+    side) reports once: its calls' statistics summed, its `loss_*` parts their mean (a bug
+    hunt, session 95: a 2-layer bi-encoder logged the load of 4 MoE layers).
     """
     if not aux:
         return sums
-    reports: dict[tuple, dict] = {}  # one dict per reporting call site, in block order
+    calls: dict[tuple, dict] = {}  # each reporting call site's calls, in block order
     for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(aux)[0],
                              key=lambda pl: _natural(pl[0])):
-        reports.setdefault(tuple(path[:-1]), {})[str(path[-1].key)] = leaf
+        site = tuple(k for k in path[:-1] if not isinstance(k, jax.tree_util.SequenceKey))
+        calls.setdefault(site, {}).setdefault(str(path[-1].key), []).append(leaf)
+    reports = {site: {key: (sum(leaves) / len(leaves) if key.startswith("loss_") else
+                            sum(leaves)) for key, leaves in report.items()}
+               for site, report in calls.items()}
     entries: dict[str, list] = {}
     for report in reports.values():
         lead = jnp.ndim(report["loss"])  # a scanned block's leading layer axis, or none
