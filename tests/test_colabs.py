@@ -20,7 +20,8 @@ def test_there_are_notebooks():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_executes(path, tmp_path, monkeypatch):
-    monkeypatch.setenv("HPNLP_NOTEBOOK_STEPS", "20")
+    monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")  # the tiny settings
+    monkeypatch.setenv("HPNLP_NOTEBOOK_STEPS", "20")  # quickstart's steps
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # the notebooks' own temporary folders (quickstart's workdirs) go with the test's
@@ -107,3 +108,20 @@ def test_parallelism_says_when_jax_has_not_8_devices(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell appends to it
     with pytest.raises(RuntimeError, match=r"meshes are of 8 devices and JAX has \d+ .*restart"):
         exec(_cells("parallelism.ipynb")[0], {})
+
+
+def test_notebook_settings_have_one_meaning_each_and_name_themselves(monkeypatch):
+    """A bug hunt (session 95): HPNLP_NOTEBOOK_STEPS was quickstart's step count and every
+    other notebook's "tiny settings" switch (1000 steps asked ran them tiny); 'abc' was a bare
+    int() error."""
+    from hpnlp import notebook
+    monkeypatch.delenv("HPNLP_NOTEBOOK_QUICK", raising=False)
+    monkeypatch.setenv("HPNLP_NOTEBOOK_STEPS", "1000")
+    assert notebook.steps(300) == 1000 and not notebook.quick()
+    monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")
+    assert notebook.quick()
+    for var, value in (("HPNLP_NOTEBOOK_QUICK", "yes"), ("HPNLP_NOTEBOOK_STEPS", "abc"),
+                       ("HPNLP_NOTEBOOK_STEPS", "0")):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=rf"^{var}='{value}': "):
+            notebook.steps(300) if var.endswith("STEPS") else notebook.quick()

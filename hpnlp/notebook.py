@@ -1,0 +1,39 @@
+"""The notebooks' settings (colabs/), read from the environment the same way in each.
+
+    HPNLP_NOTEBOOK_QUICK=1   every notebook on its tiny settings (what the test suite runs)
+    HPNLP_NOTEBOOK_STEPS=N   quickstart's training steps (default 300)
+
+One variable per meaning (a bug hunt, session 95: HPNLP_NOTEBOOK_STEPS was quickstart's step
+count and the other notebooks' "tiny settings" switch, so 1000 steps asked of one ran the
+others tiny), each refused in one line naming it where its value is not one it takes.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def quick() -> bool:
+    """HPNLP_NOTEBOOK_QUICK: "1" runs a notebook on its tiny settings; "0" or unset, at the
+    sizes its text describes."""
+    value = os.environ.get("HPNLP_NOTEBOOK_QUICK", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"HPNLP_NOTEBOOK_QUICK={value!r}: set 1 for the notebooks' tiny "
+                         "settings, or 0 (or unset it) for their full sizes")
+    return value == "1"
+
+
+def steps(default: int) -> int:
+    """HPNLP_NOTEBOOK_STEPS: a notebook's training steps (a whole number >= 1), `default`
+    where unset."""
+    value = os.environ.get("HPNLP_NOTEBOOK_STEPS", "").strip()
+    if not value:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"HPNLP_NOTEBOOK_STEPS={value!r}: give a whole number of training "
+                         f"steps >= 1, or unset it for {default}")
+    return n
