@@ -112,7 +112,8 @@ def check_args(args) -> None:
     if not (first or "").startswith("# hpnlp benchmark: ") and (
             first is not None or os.path.exists(os.path.join(args.out, "results.json"))):
         # a bug hunt (session 95): a folder of the user's own results.md/json was written over
-        raise ValueError(f"--out {args.out} holds a results.{'md' if first is not None else 'json'} "
+        kind = 'md' if first is not None else 'json'
+        raise ValueError(f"--out {args.out} holds a results.{kind} "
                          "that is not an hpnlp bench's report, which this run would replace; "
                          "give another folder")
     if first is None:

@@ -255,14 +255,16 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     names = variants or attention_lib.names()
     unknown = [v for v in names if v not in attention_lib.names()]
     if unknown:
-        raise harness.BenchInputError(f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
+        raise harness.BenchInputError(
+            f"unknown attention variant(s) {unknown}; choose from {attention_lib.names()}")
     harness.full_float32_on_gpu()
     impls = row_names(names, causal=causal, backend=jax.default_backend())
     if all(i in SHORT and L > SHORT_MAX_L for i in impls for L in lengths):
         # a bug hunt (session 95): a traceback from the empty plot, after the ceiling's minute
-        raise harness.BenchInputError(f"--lengths {','.join(map(str, lengths))}: {', '.join(names)} and the "
-                         f"peers run only up to L={SHORT_MAX_L} (O(L^2) memory); add a length "
-                         f"<= {SHORT_MAX_L}, or a variant of O(L) memory (e.g. chunked, local)")
+        raise harness.BenchInputError(
+            f"--lengths {','.join(map(str, lengths))}: {', '.join(names)} and the "
+            f"peers run only up to L={SHORT_MAX_L} (O(L^2) memory); add a length "
+            f"<= {SHORT_MAX_L}, or a variant of O(L) memory (e.g. chunked, local)")
     os.makedirs(out_dir, exist_ok=True)
     info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates((jnp.float32, jnp.bfloat16), quick=quick)

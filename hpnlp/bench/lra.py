@@ -98,7 +98,8 @@ def run(out_dir: str, *, quick: bool, variants: list[str] | None = None,
     """`isolate=False` trains in this process (for tests): no per-run memory then."""
     s = settings(quick)
     if steps is not None and steps < 1:
-        raise harness.BenchInputError(f"--steps {steps}: must be >= 1 (leave it out for the default)")
+        raise harness.BenchInputError(
+            f"--steps {steps}: must be >= 1 (leave it out for the default)")
     if steps:
         s["steps"] = {t: steps for t in TASKS}
     tasks = tasks or ["listops", "text"]
@@ -107,7 +108,8 @@ def run(out_dir: str, *, quick: bool, variants: list[str] | None = None,
         raise harness.BenchInputError(f"--tasks: unknown task(s) {bad}; choose from {list(TASKS)}")
     unknown = [v for v in variants or () if v not in attention_lib.names()]
     if unknown:  # each run would fail alone, and the report would list only failures
-        raise harness.BenchInputError(f"--variants: unknown {unknown}; choose from {attention_lib.names()}")
+        raise harness.BenchInputError(
+            f"--variants: unknown {unknown}; choose from {attention_lib.names()}")
     names = variants or (list(QUICK_VARIANTS) if quick else attention_lib.names())
     names = ["dense"] + [n for n in names if n != "dense"]  # the baseline LRA divides by
     os.makedirs(out_dir, exist_ok=True)

@@ -158,7 +158,8 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
     names = impls or list(IMPLS)
     unknown = [n for n in names if n not in IMPLS]
     if unknown:
-        raise harness.BenchInputError(f"unknown rnn implementation(s) {unknown}; choose from {list(IMPLS)}")
+        raise harness.BenchInputError(
+            f"unknown rnn implementation(s) {unknown}; choose from {list(IMPLS)}")
     os.makedirs(out_dir, exist_ok=True)
     info = {**harness.machine_info(), "kernels": harness.kernel_info()}
     rates = harness.ceiling_rates(quick=quick)

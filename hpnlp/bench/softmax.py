@@ -156,22 +156,26 @@ def parse_settings(items: list[str], methods: list[str] | None = None) -> dict:
         method, dot, field = name.partition(".")
         if not (sep and dot and method and field):
             raise harness.BenchInputError(f"--set {item!r}: write METHOD.FIELD=VALUE, e.g. "
-                             "adaptive.chunk_logits=67108864")
+                                          "adaptive.chunk_logits=67108864")
         if method not in softmax_lib.names() or (methods and method not in methods):
-            raise harness.BenchInputError(f"--set {item!r}: {method!r} is not a timed output layer here; choose "
-                             f"from {methods or softmax_lib.names()}")
+            raise harness.BenchInputError(
+                f"--set {item!r}: {method!r} is not a timed output layer here; choose "
+                f"from {methods or softmax_lib.names()}")
         fields = sorted(f for f in softmax_lib.get(method).__dataclass_fields__
                         if f not in ("vocab_size", "counts", "parent", "name"))
         if field not in fields:
-            raise harness.BenchInputError(f"--set {item!r}: {method} has no option {field!r}; its options: {fields}")
+            raise harness.BenchInputError(
+                f"--set {item!r}: {method} has no option {field!r}; its options: {fields}")
         try:
             v = out.setdefault(method, {})[field] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            raise harness.BenchInputError(f"--set {item!r}: {value!r} is not a Python literal (a number, a "
-                             "quoted string, True/False, a tuple)") from None
+            raise harness.BenchInputError(
+                f"--set {item!r}: {value!r} is not a Python literal (a number, a "
+                "quoted string, True/False, a tuple)") from None
         kind = _option_kind(softmax_lib.get(method).__dataclass_fields__[field].default)
         if kind and not _is_kind(v, kind):  # a bug hunt (session 95): each row failed alone
-            raise harness.BenchInputError(f"--set {item!r}: {method}.{field} takes {kind}, not {v!r}")
+            raise harness.BenchInputError(
+                f"--set {item!r}: {method}.{field} takes {kind}, not {v!r}")
     return out
 
 
@@ -205,7 +209,8 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     names = methods or softmax_lib.names()
     unknown = [m for m in names if m not in softmax_lib.names() and m != TORCH_ADAPTIVE]
     if unknown:
-        raise harness.BenchInputError(f"unknown output layer(s) {unknown}; choose from {softmax_lib.names()}")
+        raise harness.BenchInputError(
+            f"unknown output layer(s) {unknown}; choose from {softmax_lib.names()}")
     impls = [m for m in names if m != TORCH_ADAPTIVE] + [TORCH_ADAPTIVE]
     harness.full_float32_on_gpu()
     os.makedirs(out_dir, exist_ok=True)
