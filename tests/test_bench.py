@@ -411,7 +411,7 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch, cap
     assert "targets" not in payload and payload["quick"]
     assert report.QUICK_NO_TARGETS in open(tmp_path / "q" / "results.md").read()
     # stopped again into that folder: its whole report is kept, the rows that ran are beside
-    # it (a bug hunt, session 95: they replaced it); a whole run again removes them
+    # it (a bug hunt, session 95: they replaced it); a whole run again leaves them
     calls.clear()
     monkeypatch.setattr(ba, "measure", measure)
     ba.run(str(tmp_path / "q"), quick=True, causal=False, isolate=False, variants=["dense"],
@@ -426,7 +426,8 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch, cap
                                                                   spec["mode"], 0.01))
     ba.run(str(tmp_path / "q"), quick=True, causal=False, isolate=False, variants=["dense"],
            lengths=[64])
-    assert not os.path.exists(tmp_path / "q" / "interrupted")
+    assert json.load(open(tmp_path / "q" / "interrupted" / "results.json"))["interrupted"]
+    assert not json.load(open(tmp_path / "q" / "results.json"))["interrupted"]
 
     def terminated(spec):  # a SIGTERM (hpnlp's handler raises Stopped): exit 143, as other CLIs
         raise Stopped("stopped (SIGTERM)", 143)

@@ -441,8 +441,13 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
         m.setattr(Trainer, "evaluate", lambda self, state: 1 / 0)
         assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"),
                      "--weights", "int8", "--layers", "head"]) == 1
-    assert "`layers` = 'head' is not allowed: names no product of this lm" in \
+    assert "`--layers` = 'head' is not allowed: names no product of this lm" in \
         capsys.readouterr().err
+    from hpnlp.compress.__main__ import as_flags  # a path holding a field's name is kept
+    assert as_flags("no run in sweep/quant.layers=mlp; use quant.act_scale='dynamic' (or leave "
+                    "'mlp' out of quant.layers)") == ("no run in sweep/quant.layers=mlp; use "
+                                                     "--act_scale dynamic (or leave 'mlp' out of "
+                                                     "--layers)")
     assert not os.path.exists(tmp_path / "o")  # (a bug hunt, session 94: made empty)
     # a run's config without a checkpoint (never saved one): refused, nothing written
     os.makedirs(tmp_path / "unsaved")

@@ -361,6 +361,11 @@ def test_training_logs_routing_statistics_and_resumes_exactly(tmp_path):
     assert again._groups_said({"routing_groups": 4}) == (
         "; its MoE routing groups follow the devices (model.moe.groups=0): 4 before, 1 now, so "
         "capacity keeps other tokens (set model.moe.groups=4 to route as before)")
+    with pytest.MonkeyPatch.context() as m:  # from 1 group to 4 shards: 1 is refused there
+        m.setattr(again, "routing_groups", lambda: 4)
+        assert again._groups_said({"routing_groups": 1}).endswith(
+            "(model.moe.groups must be a multiple of the 4 data-parallel shards here, so a "
+            "layout of 1 shard routes as before)")
     again.run()
     resumed = [l for l in read_jsonl(tmp_path / "full" / "metrics.jsonl") if not l.get("eval")]
     for a, b in zip(train, resumed, strict=True):

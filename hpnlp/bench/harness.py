@@ -548,19 +548,11 @@ PARTIAL = "interrupted"  # the folder in --out of an interrupted run's report be
 def report_dir(out_dir: str, interrupted: int | bool) -> str:
     """Where a `run_rows` bench writes its report: `out_dir`, but an interrupted run's goes to
     `out_dir/interrupted` where `out_dir` holds a whole report (a bug hunt, session 95: a
-    rerun stopped early replaced the finished table with its few rows). A whole run removes
-    an older interrupted one's folder there."""
+    rerun stopped early replaced the finished table with its few rows). Nothing is deleted:
+    an interrupted run's rows may be hours of work (review)."""
     import json
-    import shutil
     partial = os.path.join(out_dir, PARTIAL)
     if not interrupted:
-        try:
-            with open(os.path.join(partial, "results.md")) as f:
-                ours = f.readline().startswith("# hpnlp benchmark: ")
-        except OSError:
-            ours = False
-        if ours:
-            shutil.rmtree(partial)
         return out_dir
     try:
         with open(os.path.join(out_dir, "results.json")) as f:

@@ -178,10 +178,13 @@ def as_flags(message: str) -> str:
     flags named (`--act_scale dynamic`) where it names `quant.*` fields (a bug hunt, session
     95: "use quant.act_scale='dynamic' or leave 'mlp' out of quant.layers")."""
     import re
-    flags = "weights|activations|act_scale|group_size|calibration|layers|percentile"
-    message = re.sub(rf"config field `quant\.({flags})`", r"`--\1`", message)
-    message = re.sub(rf"\bquant\.({flags})='([^']*)'", r"--\1 \2", message)
-    return re.sub(rf"\bquant\.({flags})\b", r"--\1", message)
+    flags = ("weights|activations|act_scale|group_size|calibration|layers|percentile|"
+             "calib_batches")
+    # the field the check names (`quant.layers`, or the PTQ's own `layers`), and the fields
+    # its text names, not a path that holds one (review: sweep/quant.group_size=32)
+    message = re.sub(rf"config field `(?:quant\.)?({flags})`", r"`--\1`", message)
+    message = re.sub(rf"(?<![\w/.-])quant\.({flags})='([^']*)'", r"--\1 \2", message)
+    return re.sub(rf"(?<![\w/.-])quant\.({flags})\b", r"--\1", message)
 
 
 if __name__ == "__main__":

@@ -336,9 +336,11 @@ class Trainer:
 
     def routing_groups(self) -> int | None:
         """The MoE routing groups a train step uses where model.moe.groups=0 (one per
-        data-parallel shard: they follow the devices), else None."""
+        data-parallel shard: they follow the devices) and they change what it computes (not
+        dropless top-k routing, whose tokens all reach their experts), else None."""
         moe = self.cfg.model.moe
-        if not moe.enabled() or moe.groups:
+        if not moe.enabled() or moe.groups or (moe.dispatch == "dropless"
+                                                and moe.router != "expert_choice"):
             return None
         from hpnlp.moe.layer import batch_shards
         with self._context():
@@ -350,9 +352,11 @@ class Trainer:
         before, now = loop.get("routing_groups"), self.routing_groups()
         if before is None or now is None or before == now:
             return ""
+        keep = (f"set model.moe.groups={before} to route as before" if before % now == 0 else
+                f"model.moe.groups must be a multiple of the {now} data-parallel shards here, "
+                f"so a layout of {before} shard{'s' * (before > 1)} routes as before")  # review: refused otherwise
         return (f"; its MoE routing groups follow the devices (model.moe.groups=0): {before} "
-                f"before, {now} now, so capacity keeps other tokens (set model.moe.groups="
-                f"{before} to route as before)")
+                f"before, {now} now, so capacity keeps other tokens ({keep})")
 
     def initial_state(self):
         """(state, loop_state): restored from the newest checkpoint, or fresh."""
