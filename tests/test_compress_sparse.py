@@ -1999,7 +1999,8 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     cd.train.init_from = str(tmp_path / "x4")
     refused(cd, "from_moe", r"its parameters differ from this run's \(model\.depth: that run "
             r"2, this run 1; model\.moe\.num_experts: that run 4, this run 0; .*: \d+ arrays: "
-            r"trunk/block_0/mlp_in/bias: that run has none")
+            r"trunk/block_0/mlp_in/bias: that run has none.*\); set this run's model\.depth=2, "
+            r"model\.moe\.num_experts=4.* to read it")
     from hpnlp.train.checkpoint import Checkpointer, NoCheckpoint
     cd.train.init_from = str(tmp_path / "x4" / "checkpoints")
     with pytest.raises(NoCheckpoint, match=f"{tmp_path / 'x4' / 'checkpoints'} is inside the "

@@ -629,6 +629,11 @@ def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
     prune(cd, True)
     _resume_refused(tmp_path / "off", cd, lambda cd: prune(cd, False), True,
                     r"train\.prune\.method: saved 'magnitude', now 'none'")
+    # and an init_from of a low-rank run names the fields to set, not the group's dict
+    from hpnlp.train.checkpoint import _settings
+    low, dense = ({"model": {"lowrank": {"rank": r, "layers": "all"}}} for r in (4, 0))
+    assert _settings("model.lowrank", low, dense) == ["model.lowrank.rank=4"]
+    assert _settings("model.lowrank", {}, dense) == []
 
 
 def test_resume_under_another_seed_into_float16_or_another_compressive_memory_is_refused(

@@ -637,14 +637,17 @@ def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = N
                                "(python -m hpnlp.train.ensemble), whose parameters are stacked "
                                "member by member; name a single run (python -m hpnlp.main)")
         fields = _model_fields_differ(workdir, cfg) if cfg is not None else {}
-        named = "; ".join(f"{k}: that run {a!r}, this run {b!r}" for k, (a, b) in fields.items())
+        theirs = _read_config_json(os.path.join(workdir, "config.json")).get("config")
+        ours = to_json(cfg) if cfg is not None else {}
+        named = "; ".join(f"{k}: that run {_shown(a, theirs, k)}, this run {_shown(b, ours, k)}"
+                          for k, (a, b) in fields.items())
         shown = "; ".join(f"{'/'.join(k)}: " + ("that run has none" if k not in saved else
                                                  "this run has none" if k not in mine else
                                                  f"saved {saved[k]}, this run {mine[k]}")
                           for k in diff[:4])
-        fix = (f"set this run's {', '.join(f'{k}={a!r}' for k, (a, _) in fields.items())} to "
-               "read it, or name a run of this run's model shape" if fields else
-               "it must be a run of the same model shape")  # a bug hunt (session 95)
+        settings = [s for k in fields for s in _settings(k, theirs, ours)]
+        fix = (f"set this run's {', '.join(settings)} to read it, or name a run of this run's "
+               "model shape" if settings else "it must be a run of the same model shape")
         raise config_error(field, workdir, "its parameters differ from this run's ("
                            + (f"{named}: " if named else "") + f"{len(diff)} arrays: {shown}); "
                            + fix)
@@ -659,6 +662,20 @@ def _shown(value, config: dict | None, field: str) -> str:
             config = config.get(k) if isinstance(config, dict) else None
         return "unset" if config is None else repr(config)
     return repr(value)
+
+
+def _settings(field: str, theirs: dict, ours: dict) -> list[str]:
+    """'field=value' settings that give `ours` (a config.json config) `theirs`' value of the
+    dotted `field`, a group's field by field (a bug hunt, session 95: "set this run's
+    model.lowrank={'rank': 4, ...}", which no flag takes, or "=None")."""
+    def get(conf, path):
+        for k in path.split("."):
+            conf = conf.get(k) if isinstance(conf, dict) else None
+        return conf
+    value = get(theirs, field)
+    if not isinstance(value, dict):
+        return [] if value is None else [f"{field}={value!r}"]
+    return [f"{field}.{k}={v!r}" for k, v in value.items() if get(ours, f"{field}.{k}") != v]
 
 
 def _saved_differs(saved: dict, cfg, sig: dict) -> dict:
