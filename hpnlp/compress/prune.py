@@ -101,11 +101,7 @@ from hpnlp.train.carry import AUX_LOSS, Carry
 
 def sparsity_at(p: PruneConfig, step, total_steps: int):
     """Target sparsity after the update of step `step` (0-based; a traced int works)."""
-    if p.nm() is not None:
-        n, m = p.nm()
-        final = 1.0 - n / m
-    else:
-        final = p.sparsity
+    final = final_sparsity(p)
     t0 = p.start_step
     if p.schedule == "oneshot":
         return jnp.where(step >= t0, final, 0.0).astype(jnp.float32)
@@ -117,16 +113,23 @@ def sparsity_at(p: PruneConfig, step, total_steps: int):
     return (final * (1.0 - (1.0 - frac) ** 3)).astype(jnp.float32)
 
 
+def final_sparsity(p: PruneConfig) -> float:
+    """The sparsity the schedule ends at: `sparsity`, or 1 - N/M for N:M."""
+    return 1.0 - p.nm()[0] / p.nm()[1] if p.nm() is not None else p.sparsity
+
+
 def short_of_target(p: PruneConfig, step: int, total_steps: int) -> str | None:
     """What a run saved at `step` (updates done) lacks of its schedule's sparsity, said as
-    a line (a run stopped mid-schedule, then shrunk or sparsified), or None where it reached
-    it. The masks of the update before `step` are the latest it holds."""
-    final = 1.0 - p.nm()[0] / p.nm()[1] if p.nm() is not None else p.sparsity
-    reached = float(sparsity_at(p, step - 1, total_steps))
+    a line (a run stopped mid-schedule, then shrunk), or None where it reached it. Its
+    masks are those of the schedule's latest recompute before `step`."""
+    final, last = final_sparsity(p), int(last_update(p, step - 1, total_steps))
+    reached = float(sparsity_at(p, last, total_steps)) if last >= 0 else 0.0
     if reached >= final - 1e-6:
         return None
+    field = (f"train.prune.structure={p.structure!r}" if p.nm() is not None else
+             f"train.prune.sparsity={final:g}")
     return (f"the run was saved at step {step}, before its pruning schedule reached "
-            f"train.prune.sparsity={final:g}: its masks hold {reached:.3g}; train it on to "
+            f"{field}: its masks hold {reached:.3g}; train it on to "
             f"train.steps={total_steps} (rerun its command) for the target")
 
 
