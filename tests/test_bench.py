@@ -275,6 +275,25 @@ def test_lra_bench_reports_accuracy_beside_baseline_and_relative_speed(tmp_path,
     assert os.path.getsize(os.path.join(out, "lra_accuracy_speed.png")) > 0
 
 
+def test_lra_bench_stopped_writes_its_report(tmp_path, monkeypatch):
+    """Review (session 95): a Ctrl-C lost every row of a run whose rows take up to 30 min."""
+    from hpnlp.bench import lra
+
+    def stopped(spec):
+        raise Stopped("stopped (SIGTERM)", 143)
+    monkeypatch.setattr(lra, "measure", stopped)
+    payload = lra.run(str(tmp_path), quick=True, variants=["local"], tasks=["listops"],
+                      isolate=False)
+    assert payload["interrupted"] == 143
+    assert {r["status"] for r in payload["results"]} == {"not run: interrupted"}
+    assert "**Interrupted:**" in (tmp_path / "results.md").read_text()
+    from hpnlp.bench import quality  # softmax --quality: minutes a row
+    monkeypatch.setattr(quality, "train_for", lambda *a, **k: stopped(None))
+    payload = quality.run(str(tmp_path / "quality"), quick=True, methods=["full"], seconds=1.0)
+    assert payload["interrupted"] == 143 and payload["results"][0] == {
+        "method": "full", "tokenizer": "words", "status": "not run: interrupted"}
+
+
 def test_target_meets_its_bound_and_not_measured_never_does():
     assert report.target(0.7, 0.8, "<=") == {"value": 0.7, "bound": 0.8, "op": "<=", "met": True}
     assert not report.target(0.81, 0.8, "<=")["met"] and report.target(2.0, 2.0, ">=")["met"]

@@ -33,7 +33,6 @@ import os
 import sys
 import tempfile
 
-from tqdm.auto import tqdm
 
 from hpnlp import attention as attention_lib
 from hpnlp.bench import harness, report
@@ -117,16 +116,22 @@ def run(out_dir: str, *, quick: bool, variants: list[str] | None = None,
     # `dense` once per seed (the first is the baseline every ratio divides by), the rest once.
     specs = [dict(task=t, variant=v, seed=seed, settings=s) for t in tasks for v in names
              for seed in ((s.get("dense_seeds") or [0]) if v == "dense" else [0])]
-    results = []
-    for spec in tqdm(specs, desc="lra bench", dynamic_ncols=True):
+    def head(spec):
+        return {k: spec[k] for k in ("task", "variant", "seed")}
+
+    def row(spec):
         if isolate:
             res = harness.isolated("hpnlp.bench.lra", spec, timeout_s=1800)
         else:
             res = measure(spec)
             res["peak_rss_bytes"] = None  # a shared process: not this run's own peak
-        results.append({"task": spec["task"], "variant": spec["variant"], "seed": spec["seed"], **res})
+        return {**head(spec), **res}
+
+    # a Ctrl-C or SIGTERM keeps the rows that ran (review, session 95: each can be 30 min)
+    results, interrupted = harness.run_rows(specs, row, head, desc="lra bench")
+    out_dir = harness.report_dir(out_dir, interrupted)
     payload = {"benchmark": "lra", "machine": info, "settings": s, "tasks": tasks,
-               "results": results}
+               "interrupted": interrupted, "results": results}
     payload["summary"] = _summarize(payload)
     payload["dense_spread"] = _dense_spread(payload)
     # at the settings they are set for: no --quick, no --steps (a bug hunt, session 95)
@@ -293,7 +298,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> dict:
-    return run(args.out, quick=args.quick, variants=args.variants, tasks=args.tasks, steps=args.steps)
+    payload = run(args.out, quick=args.quick, variants=args.variants, tasks=args.tasks,
+                  steps=args.steps)
+    harness.exit_if_interrupted(payload["interrupted"], args.out)
+    return payload
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import os
 import time
 
 import jax
-from tqdm.auto import tqdm
 
 from hpnlp import softmax as softmax_lib
 from hpnlp.bench import harness, report
@@ -141,21 +140,28 @@ def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
     names = ["full"] + [n for n in names if n != "full"]
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
-    results = []
     jobs = [(t, m) for t in tokenizers for m in names]
-    for t, m in tqdm(jobs, desc="softmax quality", dynamic_ncols=True):
+
+    def row(job):
+        t, m = job
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as wd:
             try:
-                results.append(train_for(m, seconds, wd, quick=quick, tokenizer=t))
+                out = train_for(m, seconds, wd, quick=quick, tokenizer=t)
             except Exception as e:  # report, never crash the whole run
-                results.append({"method": m, "tokenizer": t,
-                                "status": f"failed: {type(e).__name__}: {str(e)[:150]}"})
+                out = {"method": m, "tokenizer": t,
+                       "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
         # Data, compilation and evaluation included: what a rerun of this row costs.
-        results[-1]["wall_seconds"] = time.perf_counter() - t0
+        return {**out, "wall_seconds": time.perf_counter() - t0}
+
+    # a Ctrl-C or SIGTERM keeps the rows that ran (review, session 95: minutes each)
+    results, interrupted = harness.run_rows(jobs, row, lambda job: {"method": job[1],
+                                                                    "tokenizer": job[0]},
+                                            desc="softmax quality")
+    out_dir = harness.report_dir(out_dir, interrupted)
     compare(results)
     payload = {"benchmark": "softmax_quality", "machine": info, "seconds": seconds, "quick": quick,
-               "tokenizers": tokenizers, "results": results}
+               "tokenizers": tokenizers, "interrupted": interrupted, "results": results}
     md = markdown(payload)
     if any("speedup" in r for r in results):
         plot_tradeoff(os.path.join(out_dir, "softmax_quality.png"), results)

@@ -355,8 +355,10 @@ def main(args) -> dict:
     methods = args.methods
     if args.quality:
         from hpnlp.bench import quality
-        return quality.run(args.out, quick=args.quick, methods=methods, seconds=args.seconds,
-                           tokenizers=args.tokenizers)
+        payload = quality.run(args.out, quick=args.quick, methods=methods,
+                              seconds=args.seconds, tokenizers=args.tokenizers)
+        harness.exit_if_interrupted(payload["interrupted"], args.out)
+        return payload
     payload = run(args.out, quick=args.quick, isolate=False if args.no_isolate else None,
                   methods=methods, vocabs=args.vocabs, settings=parse_settings(args.set, methods))
     harness.exit_if_interrupted(payload["interrupted"], args.out)
