@@ -564,7 +564,11 @@ class Trainer:
             applied = not float(m.get("skipped", 0))
             if not applied:
                 m = {**m, "grad_norm": np.zeros_like(m["grad_norm"])}
-            window["sums"] = m if window["sums"] is None else jax.tree.map(np.add, window["sums"], m)
+            # a statistic whose shape the saved window does not share (a bi-encoder's MoE load,
+            # per layer since session 95, per call before) starts again from this step
+            window["sums"] = m if window["sums"] is None else jax.tree.map(
+                lambda a, b: np.add(a, b) if np.shape(a) == np.shape(b) else b,
+                window["sums"], m)
             window["n"] += 1
             window["last"] = m
             if applied:
