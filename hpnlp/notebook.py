@@ -15,7 +15,7 @@ import os
 
 def quick() -> bool:
     """HPNLP_NOTEBOOK_QUICK: "1" runs a notebook on its tiny settings; "0" or unset, at the
-    sizes its text describes."""
+    sizes its text describes (every notebook but quickstart, whose size is its steps)."""
     value = os.environ.get("HPNLP_NOTEBOOK_QUICK", "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"HPNLP_NOTEBOOK_QUICK={value!r}: set 1 for the notebooks' tiny "

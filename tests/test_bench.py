@@ -311,6 +311,11 @@ def test_targets_table_renders_measured_bound_and_met():
     assert "| `fast` | 0.500 | <= 0.8 | yes |" in md and "| `slow` | 3.000 | <= 2.0 | NO |" in md
     assert "| `missing` | not measured | >= 1.5 | NO |" in md
     assert report.targets_md(None) == "" and report.targets_md({}) == ""
+    import tempfile  # and every results.json names its bench (gqa's and kv_cache's did not)
+    with tempfile.TemporaryDirectory() as out:
+        report.write(out, "softmax quality", {}, "")
+        assert json.load(open(os.path.join(out, "results.json"))) == {
+            "benchmark": "softmax_quality"}
     assert report.targets_md({"fast": report.target(0.5, 0.8, "<=")}, quick=True).startswith(
         "No targets: this run's sizes or steps (`--quick`, `--steps`)")
 

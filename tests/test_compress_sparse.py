@@ -951,6 +951,13 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     carry = carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
         teacher=str(tmp_path / "four"))))))
     assert [c.teacher_cfg.mesh.tensor for c in carry if c.name == "teacher"] == [1]
+    stacked = tiny("lm")  # block matching from stacked layers: every such field named (a hunt)
+    stacked.model.stack_layers = True
+    _config_only_workdir(tmp_path / "stacked", stacked)
+    with pytest.raises(ConfigError, match=r"plain Transformers .*; set train\.distill\.hidden=0, "
+                       r"train\.distill\.init='none' \(soft targets need no block match\)"):
+        carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
+            teacher=str(tmp_path / "stacked"), hidden=1.0, init="every_other")))))
     from hpnlp.train import Trainer  # and a run to fine-tune from, before anything is read
     val = tiny("lm")
     val.data.eval_split, val.train.init_from = "validation", str(lm)

@@ -254,8 +254,8 @@ def run(out_dir: str, *, quick: bool, names: tuple[str, ...] | None = None) -> d
         rows.append([f"`{r['trick']}`", r["what"], t("eager_slow"), t("eager_fast"),
                      report.fmt(r.get("eager_speedup", r.get("status")), "x"), t("jit_slow"),
                      t("jit_fast"), report.fmt(r.get("jit_speedup"), "x")])
-    sizes = ("`--quick`: small sizes (the labels name them); the full run's are larger." if quick
-             else "")
+    sizes = ("`--quick`: small sizes (the per-example rows' labels name theirs); the full run's "
+             "are larger." if quick else "")
     md = "\n".join([report.header_md(info, {}), "",
                     "Median ms; eager = op by op, jit = `jax.jit` of the same function. " + sizes,
                     "", report.table(["trick", "what", "eager slow", "eager fast", "eager speedup",

@@ -432,11 +432,14 @@ class TeacherCarry(Carry):
         if blocks:
             if tm.arch != "transformer" or tm.stack_layers or tm.reversible or sm.stack_layers \
                     or sm.reversible:
-                off = "'none'" if blocks[0].endswith("init") else "0"
+                d = self.d  # every field that matches blocks, so one fix is enough (review)
+                off = ", ".join(f"train.distill.{f}={v}" for f, v, on in (
+                    ("hidden", 0, d.hidden), ("attention", 0, d.attention),
+                    ("init", "'none'", d.init != "none")) if on)
                 raise config_error(*blocks, "matches the blocks of plain Transformers "
                                    "(model.stack_layers and model.reversible off, in the teacher "
-                                   f"and the student); set {blocks[0]}={off} (soft targets need "
-                                   "no block match), or distill between plain Transformers")
+                                   f"and the student); set {off} (soft targets need no block "
+                                   "match), or distill between plain Transformers")
             if sm.depth > tm.depth:
                 raise config_error(*blocks, f"the student (model.depth={sm.depth}) is deeper "
                                    f"than the teacher ({tm.depth})")

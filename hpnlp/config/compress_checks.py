@@ -192,8 +192,9 @@ def _check_lowrank(cfg: Config) -> None:
                                     " (and mesh.pipeline=1)"),
                                    ("model.reversible", True, m.reversible, "")):
         if on:  # a bug hunt (session 95): "factorize first" led to the same refusal
-            _fail(field, value, f"model.lowrank does not factorize {field.split('.')[1]} "
-                  f"blocks yet; set {field}=False{also}, or model.lowrank.rank=0")
+            kind = "stacked" if field.endswith("stack_layers") else "reversible"
+            _fail(field, value, f"model.lowrank does not factorize {kind} blocks yet; set "
+                  f"{field}=False{also}, or model.lowrank.rank=0")
 
 
 def _check_compress(cfg: Config) -> None:
