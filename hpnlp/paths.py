@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import shutil
 
 # What a training run keeps in its workdir (hpnlp.train): an output written there would
@@ -93,6 +94,29 @@ def check_new_output(out: str, source: str | None, flag: str = "--out", *,
         raise ValueError(f"{flag} {out} holds files this command would not write "
                          f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); give a "
                          "new or empty folder")
+    earlier = _output_source(full, may_replace)
+    if earlier is None:
+        return
+    if source is None or earlier != os.path.realpath(source):  # a bug hunt (session 95): the
+        # export of another run was replaced unsaid, and what served it then served this one
+        raise ValueError(f"{flag} {out} holds this command's output of another run "
+                         f"({earlier}); give a new folder, or delete that one to replace it")
+    print(f"hpnlp: {flag} {out} holds this command's earlier output of the same run; the new "
+          "one replaces it once written", file=sys.stderr, flush=True)
+
+
+def _output_source(folder: str, files: tuple[str, ...]) -> str | None:
+    """The run a tool's output in `folder` was made from (the `source.workdir` its
+    quant.json or sparse.json records), or None where it holds none."""
+    import json
+    for name in ("quant.json", "sparse.json"):
+        if name in files:
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    return os.path.realpath(json.load(f)["source"]["workdir"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return None
 
 
 UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes and checks them
