@@ -2029,3 +2029,10 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     up.model.moe.mlp_dim = 0
     up.train.init_from = str(tmp_path / "low")
     refused(up, "from_low", r"train\.init_from.*factorized.*start from the dense run")
+    for rank in (0, 4):  # into a dense run or one factorized alike (a bug hunt, session 95:
+        # told to set model.lowrank, then refused with it)
+        again = tiny("lm")
+        again.model.lowrank.rank = rank
+        again.train.init_from = str(tmp_path / "low")
+        refused(again, f"low{rank}", r"train\.init_from.*products are factorized .*start from "
+                r"the dense run it was factorized from, or train that run on")

@@ -241,6 +241,13 @@ class Trainer:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
+            if source.model.lowrank.enabled():  # a bug hunt (session 95): named settings to
+                # copy, then refused with them (this run reads a dense run, to factorize it)
+                raise config_error("train.init_from", cfg.train.init_from, "that run's "
+                                   "products are factorized (model.lowrank), and a run starts "
+                                   "from a dense run's weights (factorizing them itself under "
+                                   "model.lowrank); start from the dense run it was factorized "
+                                   "from, or train that run on (raise its train.steps)")
             self._convert = (transfer.conversion(cfg, source, cfg.train.init_from)
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
             src, src_batch = model, batch1
