@@ -119,6 +119,33 @@ def _output_source(folder: str, files: tuple[str, ...]) -> str | None:
     return None
 
 
+class WorkdirBusy(ValueError):
+    """Another process is training in the workdir."""
+
+
+@contextlib.contextmanager
+def training_in(workdir: str):
+    """Held while a run trains in `workdir`: a second run started there meanwhile is refused
+    in one line (a bug hunt, session 95: both trained, their log lines, TensorBoard files
+    and checkpoints mixed). An flock on the folder, so a run that dies releases it; where
+    the file system takes no locks (some network mounts), runs go on unguarded."""
+    import errno
+    import fcntl
+    os.makedirs(workdir, exist_ok=True)
+    fd = os.open(workdir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise WorkdirBusy(f"--workdir {workdir}: another process is training in it; wait "
+                              "for it to end (or stop it), or use another --workdir") from None
+    try:  # (any other error: a file system without locks, run unguarded)
+        yield
+    finally:
+        os.close(fd)  # the lock with it
+
+
 UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes and checks them
 
 

@@ -489,6 +489,15 @@ class Trainer:
         return f"; the steps from here train under a changed config ({fields})"
 
     def run(self, *, profile_dir: str | None = None) -> dict:
+        """The whole loop, refused where another process trains in the workdir (one lock,
+        taken by process 0: the others of a multi-host run share its folder)."""
+        import contextlib
+
+        from hpnlp.paths import training_in
+        with training_in(self.workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+            return self._run(profile_dir=profile_dir)
+
+    def _run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train
         state, loop = self.initial_state()
         start = int(state.step)
