@@ -472,9 +472,10 @@ def main(argv=None) -> int:
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, cfg.model.vocab_size,
                        flags=True)
         if args.draft:
-            for w in (args.workdir, args.draft):
-                if os.path.exists(os.path.join(w, "quant.json")):
-                    raise ValueError(f"--draft: {w} is a quantized folder (quant.json); "
+            for flag, w in (("--workdir", args.workdir), ("--draft", args.draft)):
+                if os.path.exists(os.path.join(w, "quant.json")):  # named by its own flag (a
+                    # bug hunt, session 95: a quantized --workdir was blamed on --draft)
+                    raise ValueError(f"{flag}: {w} is a quantized folder (quant.json); "
                                      "speculative decoding reads trained runs, so decode it "
                                      "without --draft, or draft between the runs it came from")
             draft_cfg, draft_task, draft_weights = load(args.draft)
