@@ -22,14 +22,11 @@ TASKS = {
 
 
 def get_config(arg: str = "listops"):
-    args = arg.split(",") if arg else ["listops"]
-    if args[0] == "local":  # the default task's, as in the other files (a bug hunt)
-        args = ["listops"] + args
-    name = args[0]
-    if name not in TASKS:
-        raise ValueError(f"experiments/lra.py: unknown task {name!r}; choose one of "
-                         f"{sorted(TASKS)}, first (e.g. experiments/lra.py:listops,local)")
-    args = experiment_args(",".join(args[1:]), file="experiments/lra.py", allowed=("local",))
+    # a task and `local`, in any order; `local` alone is ListOps' (a bug hunt: it was read
+    # as an unknown task)
+    args = experiment_args(arg, file="experiments/lra.py", allowed=(*TASKS, "local"),
+                           exclusive=(tuple(TASKS),))
+    name = next((t for t in TASKS if t in args), "listops")
     task, kind, seq_len = TASKS[name]
     cfg = default_configdict()
     cfg.name = f"lra_{name}"

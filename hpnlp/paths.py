@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import shutil
 
 # What a training run keeps in its workdir (hpnlp.train): an output written there would
@@ -64,12 +63,14 @@ def check_workdir(workdir: str, flag: str = "--workdir") -> None:
 
 
 def check_new_output(out: str, source: str | None, flag: str = "--out", *,
-                     may_replace: tuple[str, ...] = ()) -> None:
+                     may_replace: tuple[str, ...] = ()) -> str | None:
     """Raises ValueError, naming `flag`, where writing a tool's results into `out` would lose
     something: `out` is the run `source` it reads (if any) or inside one of its own folders
     (its checkpoints: a folder there reads as a damaged step), or holds a training run's
     files or any file other than `may_replace` (the tool's own, from an earlier call, which
-    it writes anew). A new folder inside the run is fine."""
+    it writes anew), or the tool's output of another run that still exists. A new folder
+    inside the run is fine. Returns a line to say once the call's other checks pass where it
+    replaces its earlier output of this run, else None."""
     check_writable_dir(out, flag)
     full = os.path.realpath(out)
     if source is not None:
@@ -96,13 +97,14 @@ def check_new_output(out: str, source: str | None, flag: str = "--out", *,
                          "new or empty folder")
     earlier = _output_source(full, may_replace)
     if earlier is None:
-        return
-    if source is None or earlier != os.path.realpath(source):  # a bug hunt (session 95): the
-        # export of another run was replaced unsaid, and what served it then served this one
+        return None
+    if earlier != os.path.realpath(source or "") and os.path.isdir(earlier):  # a bug hunt
+        # (session 95): the export of another run was replaced unsaid, and what served it
+        # then served this one (a source since moved or deleted: the same run, moved with it)
         raise ValueError(f"{flag} {out} holds this command's output of another run "
                          f"({earlier}); give a new folder, or delete that one to replace it")
-    print(f"hpnlp: {flag} {out} holds this command's earlier output of the same run; the new "
-          "one replaces it once written", file=sys.stderr, flush=True)
+    return (f"{flag} {out} holds this command's earlier output of {source}; the new one "
+            "replaces it once written")
 
 
 def _output_source(folder: str, files: tuple[str, ...]) -> str | None:
@@ -136,14 +138,44 @@ def training_in(workdir: str):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             os.close(fd)
-            raise WorkdirBusy(f"--workdir {workdir}: another process is training in it; wait "
-                              "for it to end (or stop it), or use another --workdir") from None
+            raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
     try:  # (any other error: a file system without locks, run unguarded)
         yield
     finally:
         os.close(fd)  # the lock with it
+
+
+BUSY = ("--workdir {workdir}: another process is training in it; wait for it to end (or stop "
+        "it), or use another --workdir")
+
+
+def check_not_training(workdir: str, processes: int = 1) -> None:
+    """`training_in`'s refusal, before a run writes anything into `workdir` (review, session
+    95: refused only in `Trainer.run`, a second run had already rewritten config.json and
+    removed the first one's checkpoint being saved). Process 0 looks; every process of a
+    multi-host run raises alike (the others would wait in its first collective)."""
+    busy = False
+    if not os.path.isdir(workdir):
+        pass
+    elif processes == 1 or _process_index() == 0:
+        try:
+            with training_in(workdir):
+                pass
+        except WorkdirBusy:
+            busy = True
+    if processes > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        busy = bool(multihost_utils.broadcast_one_to_all(np.int32(busy)))
+    if busy:
+        raise WorkdirBusy(BUSY.format(workdir=workdir))
+
+
+def _process_index() -> int:
+    import jax
+    return jax.process_index()
 
 
 UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes and checks them

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -397,14 +398,13 @@ def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path, capsys)
             ptq.quantize(workdir, out, QuantConfig(weights="int4"), eval_batches=1, repeats=1)
     assert sorted(os.listdir(out)) == sorted(ptq.OUT_FILES)
     assert {f: open(os.path.join(out, f), "rb").read() for f in ptq.OUT_FILES} == before
-    assert "holds this command's earlier output of the same run; the new one replaces it" in \
+    assert f"holds this command's earlier output of {workdir}; the new one replaces it" in \
         capsys.readouterr().err
     # the output of another run is not replaced (a bug hunt, session 95: it was, unsaid)
-    os.rename(workdir, workdir + "_moved")
-    with pytest.raises(ValueError, match=rf"--out {out} holds this command's output of another "
-                       rf"run \({workdir}\); give a new folder"):
-        ptq.quantize(workdir + "_moved", out, QuantConfig(weights="int4"), eval_batches=1)
-    os.rename(workdir + "_moved", workdir)
+    shutil.copytree(workdir, workdir + "_copy")
+    with pytest.raises(ValueError, match=rf"--out {re.escape(out)} holds this command's output "
+                       rf"of another run \({re.escape(workdir)}\); give a new folder"):
+        ptq.quantize(workdir + "_copy", out, QuantConfig(weights="int4"), eval_batches=1)
     import importlib  # refused as the LSTM run itself is (a bug hunt, session 94)
     generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
     assert generate.main(["--workdir", out, "--prompt", "And"]) == 2

@@ -29,6 +29,7 @@ def test_default_experiments_validate():
     import importlib.util
     for path, arg in (("lm.py", "bytes"), ("lm.py", "words"), ("lm.py", "bytes,moe"),
                       ("lra.py", "listops"), ("lra.py", "local"),  # ListOps' (a bug hunt)
+                      ("lra.py", "local,text"),
                       ("lra.py", "text"), ("lra.py", "retrieval"), ("rnn_lm.py", ""),
                       ("rnn_lm.py", "gru,layer_norm,variational,recurrent,zoneout,weight_drop"),
                       ("lm.py", "bytes,compressive"), ("encoder.py", ""), ("encoder.py", "bag,mine"),
@@ -45,7 +46,8 @@ def test_default_experiments_validate():
     ("lm.py", "locl", r"unknown argument\(s\) \['locl'\]; choose from \['bytes'"),
     ("lm.py", "bytes,words", r"arguments \['bytes', 'words'\] exclude each other"),
     ("lra.py", "text,lcal", r"unknown argument\(s\) \['lcal'\]"),
-    ("lra.py", "lcal", r"unknown task 'lcal'; .*, first \(e\.g\. experiments/lra\.py:listops,"),
+    ("lra.py", "lcal", r"unknown argument\(s\) \['lcal'\]; choose from \['listops', 'text'"),
+    ("lra.py", "text,listops", r"arguments \['listops', 'text'\] exclude each other"),
     ("rare_events.py", "memory,head", r"arguments \['memory', 'head'\] exclude each other"),
     ("encoder.py", "lstm,bag", r"arguments \['lstm', 'bag'\] exclude each other"),
     ("encoder.py", "batch_freq,corpus_freq", r"arguments \['batch_freq', 'corpus_freq'\] exclude"),

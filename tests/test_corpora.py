@@ -635,9 +635,10 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
                           "--greedy", "--kv-cache", "int8"]) == 0
     assert capsys.readouterr().out.startswith(prompts[0])
     assert generate.main(greedy + ["--draft", qdir]) == 2
-    assert f"--draft: {qdir} is a quantized folder (quant.json)" in capsys.readouterr().err
+    assert (f"--draft {qdir}: a quantized folder (quant.json); speculative decoding reads "
+            "trained runs: give --draft the run it was quantized from") in capsys.readouterr().err
     assert generate.main(["--workdir", qdir, "--draft", str(tmp_path), "--prompt", "And"]) == 2
-    assert f"--workdir: {qdir} is a quantized folder" in capsys.readouterr().err  # (a hunt)
+    assert f"--workdir {qdir}: a quantized folder" in capsys.readouterr().err  # (a bug hunt)
     # its source's subword model gone: one line, not a tokenizer trained afresh
     os.rename(tmp_path / "tokenizer", tmp_path / "tokenizer.moved")
     assert generate.main(["--workdir", qdir, "--prompt", "And"]) == 2

@@ -1062,20 +1062,27 @@ def test_ctrl_c_while_compiling_exits_130_in_one_line(tmp_path):
 def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
     """A bug hunt (session 95): two runs started into one --workdir both trained, their log
     lines, TensorBoard files and checkpoints mixed. The second is refused in one line before
-    it restores or compiles; a holder that dies releases the folder."""
-    from hpnlp.paths import WorkdirBusy
+    it writes anything there (review: config.json was rewritten first); a holder that dies
+    releases the folder."""
+    import re
+
+    from hpnlp.paths import WorkdirBusy, training_in
     holder = subprocess.Popen(  # another process training there: what the lock is taken by
         [sys.executable, "-c", "import fcntl, os, sys, time\n"
          f"fd = os.open({str(tmp_path)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
          "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        tr = Trainer(from_configdict(tiny(steps=4)), str(tmp_path))
-        with pytest.raises(WorkdirBusy, match=rf"^--workdir {tmp_path}: another process is "
-                           r"training in it; wait for it to end \(or stop it\), or use another"):
-            tr.run()
+        busy = (rf"^--workdir {re.escape(str(tmp_path))}: another process is training in it; "
+                r"wait for it to end \(or stop it\), or use another")
+        with pytest.raises(WorkdirBusy, match=busy):
+            Trainer(from_configdict(tiny(steps=4)), str(tmp_path))
+        assert os.listdir(tmp_path) == []  # nothing written
+        tr = Trainer(from_configdict(tiny(steps=4)), str(tmp_path / "own"))
+        with training_in(str(tmp_path / "own")):  # one that came in between: held in run()
+            with pytest.raises(WorkdirBusy, match="another process is training in it"):
+                tr.run()
     finally:
         holder.kill()
         holder.wait()
-    assert os.listdir(tmp_path / "checkpoints") == []  # refused before its first save
-    assert tr.run()["final_step"] == 4  # released with its process
+    assert Trainer(from_configdict(tiny(steps=4)), str(tmp_path)).run()["final_step"] == 4

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import flax.traverse_util as traverse
@@ -223,7 +224,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     if calib_batches <= 0:
         raise config_error("calib_batches", calib_batches, "must be > 0")
     from hpnlp.paths import check_new_output, staged
-    check_new_output(out, workdir, may_replace=OUT_FILES)
+    replacing = check_new_output(out, workdir, may_replace=OUT_FILES)
     cfg = mesh_for_these_devices(load_run_config(workdir), workdir)  # before with_quant
     if cfg.model.memory.size:
         raise config_error("model.memory.size", cfg.model.memory.size,
@@ -341,6 +342,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         "reload_identical": None,
     }
     meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
+    if replacing:  # said once every check has passed
+        print(f"hpnlp.compress: note: {replacing}", file=sys.stderr, flush=True)
     with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
         size = save(stage, cfg_q, packed, quant_vars, meta)
         _, reloaded, reloaded_quant = load(stage, cfg_q)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 import flax.traverse_util as traverse
 import jax
@@ -182,7 +183,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
         raise config_error("model.memory.size", cfg.model.memory.size,
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a sparse checkpoint does not hold")
-    check_new_output(out, workdir, may_replace=OUT_FILES)
+    replacing = check_new_output(out, workdir, may_replace=OUT_FILES)
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
                                                                  eval_batches=eval_batches))
@@ -214,6 +215,8 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     t_sparse = _forward_seconds(run, sparse, eval_batch, repeats=repeats)
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items()
                          if k.startswith("segment_ids")]))
+    if replacing:  # said once every check has passed
+        print(f"hpnlp.compress: note: {replacing}", file=sys.stderr, flush=True)
     with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
         size = save(stage, cfg, sparse, {"source": {"workdir": os.path.abspath(workdir),
                                                     "step": step}, "min_sparsity": min_sparsity})

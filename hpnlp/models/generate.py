@@ -475,9 +475,10 @@ def main(argv=None) -> int:
             for flag, w in (("--workdir", args.workdir), ("--draft", args.draft)):
                 if os.path.exists(os.path.join(w, "quant.json")):  # named by its own flag (a
                     # bug hunt, session 95: a quantized --workdir was blamed on --draft)
-                    raise ValueError(f"{flag}: {w} is a quantized folder (quant.json); "
-                                     "speculative decoding reads trained runs, so decode it "
-                                     "without --draft, or draft between the runs it came from")
+                    raise ValueError(f"{flag} {w}: a quantized folder (quant.json); "
+                                     "speculative decoding reads trained runs: give "
+                                     f"{flag} the run it was quantized from, or decode a "
+                                     "quantized --workdir without --draft")
             draft_cfg, draft_task, draft_weights = load(args.draft)
             # by default as long as both caches hold a round's drafts past it
             length = args.length or (min(cfg.model.max_len, draft_cfg.model.max_len)

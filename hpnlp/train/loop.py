@@ -198,6 +198,9 @@ class Trainer:
                                "hpnlp.compress quantize --act_scale static); train with "
                                "quant.act_scale='dynamic'")
         self.workdir = workdir
+        if not read_only:  # before anything is written there
+            from hpnlp.paths import check_not_training
+            check_not_training(workdir, jax.process_count())
         self.lm = cfg.model.kind == "lm"
         # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
         self.task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=not read_only)
@@ -241,15 +244,16 @@ class Trainer:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
-            if source.model.lowrank.enabled():  # a bug hunt (session 95): named settings to
-                # copy, then refused with them (this run reads a dense run, to factorize it)
+            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from)
+                             or gqa.conversion(cfg, source.model, cfg.train.init_from))
+            if source.model.lowrank.enabled():  # (a conversion refuses it in its own words)
+                # a bug hunt (session 95): told to copy its model.lowrank settings, then
+                # refused with them (a run reads a dense run, to factorize it itself)
                 raise config_error("train.init_from", cfg.train.init_from, "that run's "
                                    "products are factorized (model.lowrank), and a run starts "
                                    "from a dense run's weights (factorizing them itself under "
                                    "model.lowrank); start from the dense run it was factorized "
                                    "from, or train that run on (raise its train.steps)")
-            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from)
-                             or gqa.conversion(cfg, source.model, cfg.train.init_from))
             src, src_batch = model, batch1
             if self._convert:  # built as that run was, on its task's batches
                 sd = self._convert.source.data
