@@ -157,9 +157,7 @@ def check_not_training(workdir: str, processes: int = 1) -> None:
     removed the first one's checkpoint being saved). Process 0 looks; every process of a
     multi-host run raises alike (the others would wait in its first collective)."""
     busy = False
-    if not os.path.isdir(workdir):
-        pass
-    elif processes == 1 or _process_index() == 0:
+    if os.path.isdir(workdir) and (processes == 1 or _process_index() == 0):
         try:
             with training_in(workdir):
                 pass

@@ -363,9 +363,10 @@ class Trainer:
         before, now = loop.get("routing_groups"), self.routing_groups()
         if before is None or now is None or before == now:
             return ""
+        # (review: a groups setting the mesh refuses is not offered)
         keep = (f"set model.moe.groups={before} to route as before" if before % now == 0 else
                 f"model.moe.groups must be a multiple of the {now} data-parallel shards here, "
-                f"so a layout of {before} shard{'s' * (before > 1)} routes as before")  # review: refused otherwise
+                f"so a layout of {before} shard{'s' * (before > 1)} routes as before")
         return (f"; its MoE routing groups follow the devices (model.moe.groups=0): {before} "
                 f"before, {now} now, so capacity keeps other tokens ({keep})")
 
