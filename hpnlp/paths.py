@@ -156,8 +156,9 @@ def check_not_training(workdir: str, processes: int = 1) -> None:
     95: refused only in `Trainer.run`, a second run had already rewritten config.json and
     removed the first one's checkpoint being saved). Process 0 looks; every process of a
     multi-host run raises alike (the others would wait in its first collective)."""
+    import jax
     busy = False
-    if os.path.isdir(workdir) and (processes == 1 or _process_index() == 0):
+    if os.path.isdir(workdir) and (processes == 1 or jax.process_index() == 0):
         try:
             with training_in(workdir):
                 pass
@@ -169,11 +170,6 @@ def check_not_training(workdir: str, processes: int = 1) -> None:
         busy = bool(multihost_utils.broadcast_one_to_all(np.int32(busy)))
     if busy:
         raise WorkdirBusy(BUSY.format(workdir=workdir))
-
-
-def _process_index() -> int:
-    import jax
-    return jax.process_index()
 
 
 UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes and checks them

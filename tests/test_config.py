@@ -181,6 +181,8 @@ def test_task_fields_are_filled_in():
         "batching": "pad"}}, "attention.options.implementation", "choose 'xla', 'cudnn'"),
     ({"attention": {"name": "xla", "options": {"implementation": "cudnn"}}, "data": {
         "batching": "pad"}}, "attention.options.implementation", "cuDNN runs on a GPU"),
+    ({"attention": {"name": "chunked", "options": {"impl": 3}}}, "attention.options.impl",
+     "must be a string"),
     ({"model": {"width": 30, "num_heads": 4}}, "model.width", "divisible by model.num_heads"),
     ({"model": {"kind": "classifier"}}, "model.kind", "needs model.kind='lm'"),
     # a README walk: a classifier trained the same with any output layer

@@ -31,6 +31,7 @@ import numpy as np
 
 from hpnlp import softmax as softmax_lib
 from hpnlp.bench import harness, report
+from hpnlp.config import ConfigError, checks
 
 TORCH_ADAPTIVE = "torch.AdaptiveLogSoftmaxWithLoss"
 REFERENCE = "full"
@@ -161,41 +162,18 @@ def parse_settings(items: list[str], methods: list[str] | None = None) -> dict:
             raise harness.BenchInputError(
                 f"--set {item!r}: {method!r} is not a timed output layer here; choose "
                 f"from {methods or softmax_lib.names()}")
-        fields = sorted(f for f in softmax_lib.get(method).__dataclass_fields__
-                        if f not in ("vocab_size", "counts", "parent", "name"))
-        if field not in fields:
-            raise harness.BenchInputError(
-                f"--set {item!r}: {method} has no option {field!r}; its options: {fields}")
         try:
-            v = out.setdefault(method, {})[field] = ast.literal_eval(value)
+            v = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise harness.BenchInputError(
                 f"--set {item!r}: {value!r} is not a Python literal (a number, a "
                 "quoted string, True/False, a tuple)") from None
-        kind = _option_kind(softmax_lib.get(method).__dataclass_fields__[field].default)
-        if kind and not _is_kind(v, kind):  # a bug hunt (session 95): each row failed alone
-            raise harness.BenchInputError(
-                f"--set {item!r}: {method}.{field} takes {kind}, not {v!r}")
+        try:  # a bug hunt (session 95): a value of the wrong kind failed each row alone
+            checks.check_options("output.options", {field: v}, softmax_lib.get(method))
+        except ConfigError as e:
+            raise harness.BenchInputError(f"--set {item!r}: {e}") from None
+        out.setdefault(method, {})[field] = v
     return out
-
-
-def _option_kind(default) -> str | None:
-    """What an option's default says its values are: "a number", "True or False", "a
-    tuple", "a string", or None (no default to tell by)."""
-    if isinstance(default, bool):
-        return "True or False"
-    if isinstance(default, (int, float)):
-        return "a number"
-    if isinstance(default, (tuple, list)):
-        return "a tuple"
-    return "a string" if isinstance(default, str) else None
-
-
-def _is_kind(value, kind: str) -> bool:
-    return {"True or False": lambda v: isinstance(v, bool),
-            "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-            "a tuple": lambda v: isinstance(v, (tuple, list)),
-            "a string": lambda v: isinstance(v, str)}[kind](value)
 
 
 def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list[str] | None = None,

@@ -28,10 +28,11 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
+def check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
     """Options must be constructor fields of the registered module class, of their default's
-    type where it is a bool, an int or a float (found in review: 'false' from the command line
-    was a string, so true, and 'abc' failed deep inside the loss)."""
+    kind where it is a bool, an int, a float, a list or a string (found in review: 'false' from
+    the command line was a string, so true, and 'abc' failed deep inside the loss). The
+    softmax bench's `--set` uses the same check."""
     params = inspect.signature(cls).parameters
     model_set = _MODEL_SET_OUTPUT if field == "output.options" else {}
     allowed = sorted(p for p in params if p not in ("parent", "name") and p not in model_set)
@@ -52,6 +53,12 @@ def _check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
         elif isinstance(default, float):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 _fail(f"{field}.{key}", value, "must be a number")
+        elif isinstance(default, (tuple, list)):
+            if not isinstance(value, (tuple, list)):
+                _fail(f"{field}.{key}", value, "must be a list")
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                _fail(f"{field}.{key}", value, "must be a string")
 
 
 def _check_remat(remat: Any) -> None:
@@ -556,7 +563,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if cfg.attention.name not in attention.names():
         _fail("attention.name", cfg.attention.name, f"choose one of {attention.names()}")
     att_cls = attention.get(cfg.attention.name)
-    _check_options("attention.options", cfg.attention.options, att_cls)
+    check_options("attention.options", cfg.attention.options, att_cls)
     causal = m.kind == "lm" or m.causal
     if (cfg.attention.name == "chunked" and cfg.attention.options.get("impl") == "kernel"
             and m.arch == "transformer" and _backend() == "cpu"):
@@ -593,7 +600,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
 
     if cfg.output.name not in softmax.names():
         _fail("output.name", cfg.output.name, f"choose one of {softmax.names()}")
-    _check_options("output.options", cfg.output.options, softmax.get(cfg.output.name))
+    check_options("output.options", cfg.output.options, softmax.get(cfg.output.name))
 
     # Training.
     for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints",
