@@ -220,3 +220,21 @@ def test_encoder_trains_and_mines(tmp_path):
     assert 0 < metrics["mrr"] <= 1 and -1 <= metrics["pool_cosine"] <= 1
     assert metrics["mrr"] == pytest.approx(summary["eval"]["mrr"])
     assert metrics["recall@10"] > 10 / metrics["pool"]  # better than chance after 10 steps
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_text_search_takes_the_encoders_own_vector_width(bidirectional):
+    """A bug hunt (session 96): TextSearch built its index of model.width, and a bidirectional
+    LSTM's vectors (2 x width) were refused at the first add. Shapes only: nothing compiles."""
+    from hpnlp import models
+    from hpnlp.retrieval.encoder import TextSearch
+    from hpnlp.train.loop import dummy_batch
+    cfg = validate(_cfg("local,lstm", **{"rnn.bidirectional": bidirectional}))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("pair", 2, cfg.data.seq_len)
+    params = jax.eval_shape(model.init, jax.random.key(0), batch)["params"]
+    want = cfg.model.width * (2 if bidirectional else 1)
+    assert be.embedding_dim(model, params) == want
+    assert TextSearch(cfg, model, params, None).index.dim == want
+    empty = np.zeros((0, cfg.data.seq_len), np.int32)
+    assert be.embed_texts(model, params, empty, empty).shape == (0, want)

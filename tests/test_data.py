@@ -639,3 +639,39 @@ def test_validation_split_refuses_what_it_cannot_hold_out(text_file):
         cd.data.update({"eval_split": "validation", **fields})
         with pytest.raises(ConfigError, match=match):
             validate(from_configdict(cd))
+
+
+def test_subword_models_on_disk_are_compared_themselves_not_their_paths(tmp_path):
+    """A bug hunt (session 96): a folder prepared with another run's own tokenizer was refused
+    by its path, and one prepared anew at the same path passed; the models' sha256 decide
+    where both are on disk (the run's kept WORKDIR/tokenizer first, else data.prepared's)."""
+    import json
+    import os
+    for name, sha in (("p1", "a"), ("p2", "b")):
+        os.makedirs(tmp_path / name)
+        json.dump({"tokenizer": {"kind": "bpe", "model_sha256": sha * 64}},
+                  open(tmp_path / name / "meta.json", "w"))
+    os.makedirs(tmp_path / "run" / "tokenizer")
+    json.dump({"model_sha256": "a" * 64},
+              open(tmp_path / "run" / "tokenizer" / "tokenizer.json", "w"))
+    mine = cfg_of(task="word_lm", tokenizer="bpe", prepared=str(tmp_path / "p1"))
+    run, p2 = str(tmp_path / "run"), str(tmp_path / "p2")
+    assert data.different_encoding(mine, cfg_of(task="word_lm", tokenizer="bpe"), run) is None
+    assert data.different_encoding(mine, cfg_of(task="word_lm", tokenizer="bpe", prepared=p2),
+                                   run) is None  # the run's own model, its folder replaced
+    assert data.different_encoding(mine, cfg_of(task="word_lm", tokenizer="bpe", prepared=p2)
+                                   ).startswith("another bpe tokenizer (its model's sha256 bbb")
+    # no model on one side: the paths it came from, as before
+    assert data.different_encoding(mine, cfg_of(task="word_lm", tokenizer="bpe")).startswith(
+        "data.prepared=")
+    # and a whole run started from one of another encoding is refused like a trunk
+    # (a bug hunt, session 96: init_params='all' read another subword model's embedding)
+    from hpnlp.config import ConfigError, default_configdict, from_configdict
+    from hpnlp.train import transfer
+    cd = default_configdict()
+    cd.data.update(task="word_lm", tokenizer="bpe", prepared=str(tmp_path / "p1"))
+    cfg = from_configdict(cd)
+    cd.data.prepared = p2
+    with pytest.raises(ConfigError, match=r"train\.init_from.*another bpe tokenizer.*other token"):
+        transfer.conversion(cfg, from_configdict(cd), str(tmp_path / "elsewhere"))
+    assert transfer.conversion(cfg, from_configdict(cd), run) is None  # the run's own model

@@ -504,10 +504,7 @@ def test_session_93_hunt_inputs_are_one_line(tmp_path):
         with pytest.raises(RetrievalError, match="holds 15; add at least 16"):
             few.search(q, 2)
 
-    class Cfg:
-        class model:
-            width = 16
-    texts = TextSearch(Cfg, None, None, None)
+    texts = TextSearch(None, None, None, None, dim=16)
     for call in (texts.add, texts.search):
         with pytest.raises(RetrievalError, match=r"takes a list of texts, and got one string "
                            r"\('Jesus wept.'\); pass \[text\]"):
@@ -815,10 +812,7 @@ def test_short_results_are_padded_alike_ties_rank_the_lower_id_and_text_search_d
             assert (np.diff(row_s[real]) <= 0).all(), name
         assert index.search(q[:0], 5)[0].shape == (0, 5), name
 
-        class Cfg:
-            class model:
-                width = 16
-        texts = TextSearch(Cfg, None, None, None, index=name, **options)
+        texts = TextSearch(None, None, None, None, index=name, dim=16, **options)
         texts.index, texts.texts = index, [str(n) for n in range(len(x))]  # as if added
         one = q[np.argmax(pad.sum(1))][None]  # a query padded above
         texts.embed = lambda ts: one

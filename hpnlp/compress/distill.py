@@ -378,7 +378,7 @@ class TeacherCarry(Carry):
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
         from hpnlp.data import different_encoding, saw_validation
-        why = different_encoding(cfg.data, tcfg.data)
+        why = different_encoding(cfg.data, tcfg.data, self.workdir)
         if why:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "

@@ -80,19 +80,31 @@ def saw_validation(mine, theirs) -> bool:
     return False
 
 
-def different_encoding(mine, theirs) -> str | None:
-    """What makes a run trained with DataConfig `theirs` encode text otherwise than `mine`
-    (the field and both values, for an error), or None where the two encode alike: the same
-    task and tokenizer (byte_lm's and word_lm's own named or not), and, for a vocabulary
-    learned from the training text (words, subwords), the same text: a tokenizer is trained
-    deterministically, so the same kind, size and text give the same pieces. Bytes are bytes
-    whatever the text."""
+def different_encoding(mine, theirs, their_workdir: str | None = None) -> str | None:
+    """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
+    encode text otherwise than `mine` (the field and both values, for an error), or None where
+    the two encode alike: the same task and tokenizer (byte_lm's and word_lm's own named or
+    not), and, for a vocabulary learned from the training text (words, subwords), the same
+    model where both subword models are on disk (`tokenizer_sha256`), else the same text: a
+    tokenizer is trained deterministically, so the same kind, size and text give the same
+    pieces. Bytes are bytes whatever the text."""
     def name(c):
         lm = c.task in ("byte_lm", "word_lm")
         return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer
     fields = [("data.task", mine.task, theirs.task),
               ("data.tokenizer", name(mine), name(theirs))]
+    for field, a, b in fields:
+        if a != b:
+            return f"{field}={b!r} (this run: {a!r})"
+    fields = []
     if name(mine) not in ("", "bytes"):
+        # Subword models on disk on both sides are compared themselves, not the paths they
+        # came from (a bug hunt, session 96: a folder prepared with that run's own tokenizer
+        # was refused, and one prepared anew at the same path would have passed)
+        a, b = tokenizer_sha256(mine), tokenizer_sha256(theirs, their_workdir)
+        if a and b:
+            return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
+                                        f"{b[:12]}..., this run's {a[:12]}...)")
         fields += [("data.train_path", mine.train_path, theirs.train_path),
                    ("data.prepared", mine.prepared, theirs.prepared)]
         if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
@@ -105,6 +117,26 @@ def different_encoding(mine, theirs) -> str | None:
     for field, a, b in fields:
         if a != b:
             return f"{field}={b!r} (this run: {a!r})"
+    return None
+
+
+def tokenizer_sha256(cfg, workdir: str | None = None) -> str | None:
+    """The sha256 of the subword model that encodes DataConfig `cfg`'s text, where one is on
+    disk: the one a run kept (`workdir`/tokenizer), else its `data.prepared` folder's; None
+    where neither is (a tokenizer trained when the data is built, or none)."""
+    import json
+    places = [os.path.join(workdir, tokenizers.DIRNAME, tokenizers.META_FILE)] if workdir else []
+    if cfg.prepared:
+        places.append(os.path.join(cfg.prepared, "meta.json"))
+    for path in places:
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+            sha = meta.get("model_sha256") or meta.get("tokenizer", {}).get("model_sha256")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(sha, str):
+            return sha
     return None
 
 

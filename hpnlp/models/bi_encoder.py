@@ -182,7 +182,17 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256) -> n
         if pad:
             t, s = np.pad(t, ((0, pad), (0, 0))), np.pad(s, ((0, pad), (0, 0)))
         out.append(np.asarray(encode(params, t, s))[:batch_size - pad])
-    return np.concatenate(out) if out else np.zeros((0, model.cfg.model.width), np.float32)
+    return np.concatenate(out) if out else np.zeros((0, embedding_dim(model, params)),
+                                                    np.float32)
+
+
+def embedding_dim(model, params) -> int:
+    """E, the width of the model's unit vectors: model.width, or twice it for a
+    bidirectional RNN trunk (a bug hunt, session 96: taken as model.width, a text index of
+    such an encoder refused its first vectors), read from the traced encoder (no compile)."""
+    L = model.cfg.data.seq_len
+    t = jax.ShapeDtypeStruct((1, L), np.int32)
+    return int(jax.eval_shape(_encoder(model), params, t, t).shape[-1])
 
 
 @functools.lru_cache(maxsize=4)

@@ -63,9 +63,12 @@ class TextSearch:
     """Texts embedded by a bi-encoder into an hpnlp.retrieval index (any name; exact by
     default), searched by text."""
 
-    def __init__(self, cfg, model, params, encode_text, *, index: str = "exact", **options):
+    def __init__(self, cfg, model, params, encode_text, *, index: str = "exact",
+                 dim: int | None = None, **options):
+        """`dim`: the vectors' width, by default the model's (`bi_encoder.embedding_dim`)."""
         self.cfg, self.model, self.params, self.encode_text = cfg, model, params, encode_text
-        self.index = base.make(index, cfg.model.width, **options)
+        dim = be.embedding_dim(model, params) if dim is None else dim
+        self.index = base.make(index, dim, **options)
         self.texts: list[str] = []
 
     @classmethod

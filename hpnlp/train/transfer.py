@@ -47,20 +47,25 @@ def conversion(cfg: Config, source: Config, workdir: str):
     from hpnlp import data as data_lib
     from hpnlp.compress.gqa import Conversion, refuse_factorized
     mine, theirs = cfg.model.kind, source.model.kind
-    if cfg.train.init_params != "trunk":
-        if mine != theirs:
-            raise config_error("train.init_from", workdir, f"that run is a model.kind={theirs!r} "
-                               f"run (data.task={source.data.task!r}) and this one a {mine!r} "
-                               "run, so its head cannot start this one's; set "
-                               "train.init_params='trunk' to start from its embedding and trunk")
-        return None
+    trunk = cfg.train.init_params == "trunk"
+    if not trunk and mine != theirs:
+        raise config_error("train.init_from", workdir, f"that run is a model.kind={theirs!r} "
+                           f"run (data.task={source.data.task!r}) and this one a {mine!r} "
+                           "run, so its head cannot start this one's; set "
+                           "train.init_params='trunk' to start from its embedding and trunk")
     if not (data_lib.byte_ids(cfg.data) and data_lib.byte_ids(source.data)):
-        why = data_lib.different_encoding(cfg.data, source.data)
+        # whole runs too (a bug hunt, session 96: another subword model of the same size was
+        # read, every embedding row then standing for another piece)
+        why = data_lib.different_encoding(cfg.data, source.data, workdir)
         if why:
-            raise config_error("train.init_params", "trunk", f"the run train.init_from="
-                               f"{workdir} was trained with {why}, so its embedding reads other "
-                               "token ids than this run's; start from a run of the same ids "
-                               "(any two byte-level tasks share theirs)")
+            field, value = ("train.init_params", "trunk") if trunk else ("train.init_from",
+                                                                          workdir)
+            raise config_error(field, value, f"the run train.init_from={workdir} was trained "
+                               f"with {why}, so its embedding reads other token ids than this "
+                               "run's; start from a run of the same ids (any two byte-level "
+                               "tasks share theirs)")
+    if not trunk:
+        return None
     refuse_factorized(source.model, cfg.model, workdir, made="a trunk transfer copies dense "
                       "weights", first="fine-tune from the trunk")
     theirs, mine = _trunk_settings(source), _trunk_settings(cfg)
