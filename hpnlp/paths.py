@@ -31,6 +31,11 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is not writable; give a folder you can write")
 
 
+# A run's own entries in its workdir: True for a folder, False for a file
+_RUN_ENTRIES = {"checkpoints": True, "tensorboard": True, "config.json": False,
+                "summary.json": False, "metrics.jsonl": False}
+
+
 def check_workdir(workdir: str, flag: str = "--workdir") -> None:
     """Raises ValueError, naming `flag`, where a training run cannot write into `workdir`: it
     cannot be a folder (`check_writable_dir`), or it holds files and no run (no config.json,
@@ -44,6 +49,15 @@ def check_workdir(workdir: str, flag: str = "--workdir") -> None:
         return
     held = set(os.listdir(full))
     if held & {"config.json", "checkpoints"}:
+        # each of the run's own entries of its kind (a bug hunt, session 96: `checkpoints` a
+        # file trained from step 0 over the run's metrics, then failed to save at the end)
+        wrong = sorted(f for f, folder in _RUN_ENTRIES.items() if f in held
+                       and os.path.isdir(os.path.join(full, f)) != folder)
+        if wrong:
+            f = wrong[0]
+            raise ValueError(f"{flag} {workdir}: the run's {f} is not a "
+                             f"{'folder' if _RUN_ENTRIES[f] else 'file'} (replaced by hand?); "
+                             "restore it, or train in a new --workdir")
         # a resume writes its files again: one it cannot would fail after the restore, or at
         # the end of training (a bug hunt: a read-only metrics.jsonl was a 30-line traceback)
         locked = sorted(f for f in held & {"checkpoints", "summary.json", "metrics.jsonl",
@@ -55,7 +69,8 @@ def check_workdir(workdir: str, flag: str = "--workdir") -> None:
                              "writes them again; make them writable (chmod -R u+w), or copy "
                              "the run to a new folder")
         return
-    other = sorted(held - set(RUN_FOLDERS))
+    # (a tokenizer's save cut short leaves its temporary folder: not another tool's output)
+    other = sorted(f for f in held - set(RUN_FOLDERS) if not f.startswith(".tokenizer-"))
     if other:
         raise ValueError(f"{flag} {workdir} holds files but no training run ("
                          f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}: another "

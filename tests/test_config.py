@@ -102,6 +102,18 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"--workdir .*/out holds files but no training run "
                        r"\(quant.json: another tool's output\?\); give a new or empty folder"):
         check_workdir(str(out))
+    os.makedirs(tmp_path / "empty" / ".tokenizer-ab12")  # a tokenizer's save cut short
+    check_workdir(str(tmp_path / "empty"))
+    # a run's own entries of another kind (a bug hunt, session 96: `checkpoints` a file
+    # trained from step 0 over the run's metrics.jsonl)
+    for entry, kind in (("checkpoints", "folder"), ("metrics.jsonl", "file")):
+        bad = tmp_path / ("bad_" + entry)
+        os.makedirs(bad)
+        open(bad / "config.json", "w").close()
+        os.makedirs(bad / entry) if kind == "file" else open(bad / entry, "w").close()
+        with pytest.raises(ValueError, match=rf"the run's {entry} is not a {kind} \(replaced by "
+                           r"hand\?\); restore it, or train in a new --workdir"):
+            check_workdir(str(bad))
 
 
 @pytest.mark.slow  # 7.2 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it

@@ -505,6 +505,9 @@ def test_set_state_refuses_a_stream_whose_text_changed_at_the_same_count(tasks):
         data.make_iterator(edited, cfg, split="train", batch_size=8).set_state(state)
     del state["digest"]  # a state saved before the digest was: resumed as it was
     data.make_iterator(task, cfg, split="train", batch_size=8).set_state(state)
+    with pytest.raises(ValueError, match=r"holds none of its settings \(\{\}\): that step's "
+                       r"data item is damaged; move the step aside"):  # (a bug hunt, session 96)
+        data.make_iterator(task, cfg, split="train", batch_size=8).set_state({})
 
 
 @pytest.mark.parametrize("mode", ["pad", "bucket"])
@@ -675,3 +678,33 @@ def test_subword_models_on_disk_are_compared_themselves_not_their_paths(tmp_path
     with pytest.raises(ConfigError, match=r"train\.init_from.*another bpe tokenizer.*other token"):
         transfer.conversion(cfg, from_configdict(cd), str(tmp_path / "elsewhere"))
     assert transfer.conversion(cfg, from_configdict(cd), run) is None  # the run's own model
+
+
+def test_a_tokenizer_whose_id_order_was_edited_is_refused(tmp_path):
+    """A bug hunt (session 96): two ids swapped in tokenizer.json's order decoded text
+    otherwise without a word (its digest covered only tokenizer.model)."""
+    import json
+
+    from hpnlp.data import tokenizers
+    tok = tokenizers.train("bpe", 300, ["the cat sat on the mat\nthe dog ate the cat"] * 4)
+    where = str(tmp_path / tokenizers.DIRNAME)
+    tok.save(where)
+    path = tmp_path / tokenizers.DIRNAME / tokenizers.META_FILE
+    meta = json.loads(path.read_text())
+    assert tokenizers.Subword.load(where).order.tolist() == meta["order"]
+    for edit in ("swap", "repeat", "old"):
+        m = dict(meta, order=list(meta["order"]))
+        if edit == "swap":
+            m["order"][3], m["order"][4] = m["order"][4], m["order"][3]
+        elif edit == "repeat":
+            m["order"][3] = m["order"][4]
+            del m["order_sha256"]  # a folder saved before the digest: checked whole
+        else:
+            del m["order_sha256"]
+        path.write_text(json.dumps(m))
+        if edit == "old":
+            tokenizers.Subword.load(where)
+            continue
+        with pytest.raises(ValueError, match=r"tokenizer.json: its \"order\" is not the one "
+                           r"saved with the model \(edited by hand\?\); delete the folder"):
+            tokenizers.Subword.load(where)

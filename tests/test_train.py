@@ -233,6 +233,13 @@ def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeyp
                        rf"{tmp_path}/metrics.jsonl \(Is a directory\); make it writable, move "
                        r"it aside, or use a new --workdir$"):
         MetricWriter(str(tmp_path), resume_step=5)
+    (tmp_path / "metrics.jsonl").rmdir()
+    # stray bytes and lines that are no step's record are dropped on resume (a bug hunt,
+    # session 96: a UnicodeDecodeError naming no file, and an AttributeError traceback)
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe junk\nnull\n'
+                                             b'[1]\n{"step": "x"}\n{"step": 9, "loss": 1.0}\n')
+    MetricWriter(str(tmp_path), resume_step=5).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: (
         not p.endswith(("summary.json", "metrics.jsonl")) and real(p, mode)))
@@ -463,6 +470,11 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
     with pytest.raises(CheckpointMismatch, match=r"checkpoints/4 cannot be read \(.*\); it is "
                        r"damaged or incomplete: move it aside to read the step before it$"):
         run(cd, str(tmp_path / "fine_tune"))
+    with open(tmp_path / "checkpoints" / "4" / "state" / "_METADATA", "r+") as f:
+        f.truncate(100)  # and its metadata cut (a bug hunt, session 96: an AttributeError)
+    with pytest.raises(CheckpointMismatch, match=r"checkpoints/4 cannot be read \(.*\); it is "
+                       r"damaged or incomplete: move it aside to read the step before it$"):
+        run(cd, str(tmp_path / "fine_tune"))
     from hpnlp.train import checkpoint
     assert getattr(sys.unraisablehook, "hpnlp_quiet", False)
     closed = types.SimpleNamespace(object=None, exc_value=RuntimeError("Event loop is closed"))
@@ -497,7 +509,10 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     # is another model, refused (local attention holds the same arrays as dense)
     cd = tiny(steps=10)
     cd.attention.name = "chunked"
+    with open(tmp_path / "summary.json", "w") as f:  # cut (a bug hunt, session 96: the rerun
+        f.write('{"throughput": ')                   # stopped on it): written whole again
     run(cd, str(tmp_path))
+    assert json.load(open(tmp_path / "summary.json"))["final_step"] == 10
     err = capsys.readouterr().err
     assert "tiny: resuming from step 10 in " in err and (
         " under another implementation of exact attention (attention.name: saved 'dense', "
@@ -532,11 +547,54 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     cd.model.update(stack_layers=False, width=64)
     # refused from the stored metadata, naming arrays and shapes (a restore that failed
     # part-way left orbax's other reads pending on a closed event loop: 48 warnings)
-    with pytest.raises(CheckpointMismatch, match=r"other shapes than this run's model \(params/"
-                       r"embed/embedding: saved \(256, 32\), now \(256, 64\);.*and \d+ more\)"
+    with pytest.raises(CheckpointMismatch, match=r"other shapes or types than this run's model "
+                       r"\(params/embed/embedding: saved \(256, 32\) float32, now \(256, 64\) "
+                       r"float32;.*and \d+ more\)"
                        r".*its\s+config\.json"):
         run(cd, str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10"]
+
+
+def test_a_saved_array_of_another_element_type_is_named_before_the_restore(tmp_path):
+    """A bug hunt (session 96): an array saved as int32 (a checkpoint edited by hand) was cast
+    back to float32 by the restore, and the run resumed from those weights without a word."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    from hpnlp.train.checkpoint import _other_shapes
+    saver = ocp.StandardCheckpointer()
+    saver.save(epath.Path(tmp_path / "state"), {"w": np.zeros((2, 3), np.int32),
+                                                "b": np.zeros(3, np.float32)})
+    saver.wait_until_finished()
+    saver.close()
+    like = {"w": jax.ShapeDtypeStruct((2, 3), np.float32),
+            "b": jax.ShapeDtypeStruct((3,), np.float32)}
+    assert _other_shapes(str(tmp_path / "state"), like) == "w: saved (2, 3) int32, now (2, 3) float32"
+    like["w"] = jax.ShapeDtypeStruct((2, 3), np.int32)
+    assert _other_shapes(str(tmp_path / "state"), like) == ""
+
+
+def test_a_config_json_that_lost_its_signature_or_is_not_a_file(tmp_path):
+    """A bug hunt (session 96): a config.json without its shape signature called its own
+    model "a different model" and advised deleting the run; one that is a folder was a
+    traceback (a named pipe hung the reader)."""
+    from hpnlp.train.checkpoint import Checkpointer, NoCheckpoint, load_run_config
+    cfg = from_configdict(tiny())
+    Checkpointer(str(tmp_path), cfg, keep=1).close()
+    os.makedirs(tmp_path / "checkpoints" / "1")  # as if a step were saved: a resume is checked
+    path = tmp_path / "config.json"
+    saved = json.load(open(path))
+    del saved["shape_signature"]
+    json.dump(saved, open(path, "w"))
+    Checkpointer(str(tmp_path), cfg, keep=1).close()  # its own model: taken
+    wide = tiny()
+    wide.model.width = 64
+    with pytest.raises(CheckpointMismatch, match=r"model.width: saved 32, now 64"):
+        Checkpointer(str(tmp_path), from_configdict(wide), keep=1)
+    os.remove(path)
+    os.makedirs(path)
+    with pytest.raises(NoCheckpoint, match=r"config.json is not a file; .*restore it"):
+        load_run_config(str(tmp_path), require_checkpoint=False)
 
 
 def test_a_resume_keeps_the_start_its_config_json_records(tmp_path):

@@ -96,6 +96,11 @@ def check_fingerprint(saved: dict, want: dict) -> None:
             if saved.get(k) != v and (k in saved or k != "digest")}
     if not diff:
         return
+    if not set(saved) & set(want):  # a bug hunt (session 96): an emptied item was named as
+        # a stream saved under other settings ("data.task: saved None")
+        raise ValueError(f"the checkpoint's data stream state holds none of its settings "
+                         f"({saved!r:.80}): that step's data item is damaged; move the step "
+                         "aside to resume from the one before")
     fix = ("resume with the run's own data settings and batch size (its config.json), or use "
            "a new --workdir")
     if ("prepared" in saved) != ("prepared" in want):

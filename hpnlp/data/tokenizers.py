@@ -191,7 +191,8 @@ class Subword:
         with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
             f.write(self.model_proto)
         with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump({**self.describe(), "order": self.order.tolist()}, f)
+            json.dump({**self.describe(), "order": self.order.tolist(),
+                       "order_sha256": _order_sha256(self.order)}, f)
         if os.path.isdir(directory):
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -218,7 +219,18 @@ class Subword:
         if hashlib.sha256(proto).hexdigest() != meta.get("model_sha256"):
             raise ValueError(f"{directory}/{MODEL_FILE} does not match {META_FILE} (a partial "
                              f"copy?); {fix}")
+        # the id order too (a bug hunt, session 96: two ids swapped by hand decoded text
+        # otherwise without a word); folders saved before it had a digest are checked whole
+        order = tok.order
+        if (sorted(order.tolist()) != list(range(len(order))) or
+                meta.get("order_sha256", _order_sha256(order)) != _order_sha256(order)):
+            raise ValueError(f"{directory}/{META_FILE}: its \"order\" is not the one saved "
+                             f"with the model (edited by hand?); {fix}")
         return tok
+
+
+def _order_sha256(order) -> str:
+    return hashlib.sha256(np.asarray(order, np.int32).tobytes()).hexdigest()
 
 
 def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data.vocab_size",

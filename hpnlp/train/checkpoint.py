@@ -33,16 +33,28 @@ class NoCheckpoint(FileNotFoundError):
 
 
 def _read_config_json(path: str) -> dict:
-    """A run's config.json, or NoCheckpoint naming it where it is not one hpnlp wrote."""
+    """A run's config.json, or NoCheckpoint naming it where it is not one hpnlp wrote. One
+    that lost its shape signature has it rebuilt from its config (a bug hunt, session 96: its
+    own model was called "a different model", and deleting the run advised)."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a bug hunt (session 96): a folder
+        # was a traceback, and a named pipe hung the reader
+        raise NoCheckpoint(f"{path} is not a file; it is not a config.json hpnlp wrote: "
+                           "restore it, or train the run anew in a new workdir")
     try:
         with open(path) as f:
             saved = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NoCheckpoint(f"{path} is not valid JSON ({e}); it is not a config.json hpnlp "
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        what = "cannot be read" if isinstance(e, OSError) else "is not valid JSON"
+        raise NoCheckpoint(f"{path} {what} ({e}); it is not a config.json hpnlp "
                            "wrote: restore it, or train the run anew in a new workdir") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         raise NoCheckpoint(f"{path} has no \"config\" entry; it is not a config.json hpnlp "
                            "wrote: restore it, or train the run anew in a new workdir")
+    if not isinstance(saved.get("shape_signature"), dict):
+        try:
+            saved["shape_signature"] = _shape_signature(from_configdict(saved["config"]))
+        except Exception:  # noqa: BLE001 (a config this version cannot read: compared as is)
+            pass
     return saved
 
 
@@ -437,9 +449,10 @@ class Checkpointer:
         if other:  # refused from the stored metadata: a restore that fails part-way leaves
             # orbax's reads of the other arrays pending on a closed event loop
             raise CheckpointMismatch(
-                f"checkpoint {where} holds arrays of other shapes than this run's model "
-                f"({other}): the workdir holds a different model's checkpoints; resume it with "
-                "the config it was trained with (its config.json), or use a new --workdir")
+                f"checkpoint {where} holds arrays of other shapes or types than this run's model "
+                f"({other}): the workdir holds a different model's checkpoints (or one edited "
+                "since); resume it with the config it was trained with (its config.json), or "
+                "use a new --workdir")
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
@@ -570,10 +583,18 @@ def _plain_path(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
+def _shape_dtype(x) -> str:
+    """`(2, 8) float32`: an array's shape and element type, as the errors show them."""
+    dtype = getattr(x, "dtype", None)
+    return f"{tuple(x.shape)}" + (f" {np.dtype(dtype).name}" if dtype is not None else "")
+
+
 def _other_shapes(state_dir: str, abstract_state) -> str:
-    """The arrays of a saved train state whose shapes differ from `abstract_state`'s, named
-    with both shapes ("" when none differ, or when the metadata cannot say: a layout that
-    differs, or an unreadable step, is left to the restore's own error)."""
+    """The arrays of a saved train state whose shapes or element types differ from
+    `abstract_state`'s, named with both ("" when none differ, or when the metadata cannot say:
+    a layout that differs, or an unreadable step, is left to the restore's own error). A bug
+    hunt (session 96): an array saved as int32 was cast back to float32 by the restore, and
+    the run resumed from those weights without a word."""
     try:
         from etils import epath
         handler = ocp.StandardCheckpointHandler()
@@ -581,11 +602,11 @@ def _other_shapes(state_dir: str, abstract_state) -> str:
             meta = handler.metadata(epath.Path(state_dir))
         finally:
             handler.close()
-        saved = {_plain_path(p): tuple(x.shape)
+        saved = {_plain_path(p): _shape_dtype(x)
                  for p, x in jax.tree_util.tree_leaves_with_path(meta) if hasattr(x, "shape")}
     except Exception:  # noqa: BLE001 (no metadata to compare: the restore reports)
         return ""
-    now = {_plain_path(p): tuple(x.shape)
+    now = {_plain_path(p): _shape_dtype(x)
            for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
     if saved.keys() != now.keys():
         return ""
@@ -620,11 +641,16 @@ def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = N
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # the item has no step-level metadata file; its tree is what we read
+    where = os.path.join(manager.directory, str(step))
     try:
-        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(manager.directory, str(step), "state"))
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(where, "state"))
+        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+        tree["params"]
+    except Exception as e:  # noqa: BLE001 (a bug hunt, session 96: damaged metadata read as
+        # None, then an AttributeError traceback; the restore's own check says it in one line)
+        raise _unreadable(where, e, "move it aside to read the step before it") from None
     finally:
         absl.setLevel(level)
-    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
     from hpnlp.train.carry import model_params  # a method's own parameters are not the model's
     saved = {k: tuple(v.shape) for k, v in traverse.flatten_dict(model_params(tree["params"])).items()}
     mine = {k: tuple(v.shape) for k, v in traverse.flatten_dict(like).items()}

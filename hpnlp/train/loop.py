@@ -790,13 +790,19 @@ class Trainer:
             summary["carries"] = {k: r for k, r in reports.items() if r is not None}
         path = os.path.join(self.workdir, "summary.json")
         if timing["steps"] == 0 and os.path.exists(path):  # nothing trained now: keep what the
-            with open(path) as f:                          # training measured
-                old = json.load(f)
+            try:                                           # training measured
+                with open(path) as f:
+                    old = json.load(f)
+            except (OSError, ValueError):  # a bug hunt (session 96): a cut or foreign file
+                old = None                 # stopped the rerun; it is rewritten whole
             for key in ("throughput", "peak_memory", "data", "resumed_from_step"):
-                summary[key] = old.get(key, summary[key])
-        if jax.process_index() == 0:
-            with open(path, "w") as f:
+                if isinstance(old, dict) and key in old:
+                    summary[key] = old[key]
+        if jax.process_index() == 0:  # whole or not at all (a kill mid-write cut it)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
                 json.dump(summary, f, indent=1)
+            os.replace(tmp, path)
         return summary
 
 

@@ -70,16 +70,22 @@ class MetricWriter:
         if not os.path.exists(self.path):
             return
         keep = []
-        with open(self.path) as f:
+        # a line cut by a kill, stray bytes or a line that is no step's record is dropped (a
+        # bug hunt, session 96: undecodable bytes, or `null`, stopped the resume)
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a kill
+                except json.JSONDecodeError:
+                    continue
+                if not (isinstance(rec, dict) and isinstance(rec.get("step", 0), int)):
                     continue
                 if step is not None and rec.get("step", 0) <= step:
                     keep.append(line if line.endswith("\n") else line + "\n")
-        with open(self.path, "w") as f:
+        tmp = self.path + ".tmp"  # whole or not at all
+        with open(tmp, "w") as f:
             f.writelines(keep)
+        os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: dict, *, eval: bool = False) -> None:
         if not self.enabled:
