@@ -23,6 +23,7 @@ Padding is only in the masks (segment id 0, weight 0); padded slots hold id 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from hpnlp.data import listops, rare_events, text_tasks, tokenizers
@@ -138,6 +139,32 @@ def tokenizer_sha256(cfg, workdir: str | None = None) -> str | None:
         if isinstance(sha, str):
             return sha
     return None
+
+
+def check_prepared_of_run(cfg, workdir: str) -> None:
+    """A run that has trained from `data.prepared` (DataConfig `cfg`; its tokenizer kept in
+    `workdir`) is resumed or read with that folder as it was: one gone, or holding another
+    subword model now, is a ConfigError naming it and the fix (a bug hunt, session 96: told
+    to write the folder with a new preparation, or refused for its data stream)."""
+    from hpnlp.config import config_error
+    kept = os.path.join(workdir, tokenizers.DIRNAME)
+    if not (cfg.prepared and os.path.isdir(os.path.join(workdir, "checkpoints"))):
+        return
+    again = (f"restore it, or prepare the corpus again there with the run's own tokenizer "
+             f"(python -m hpnlp.data.prepare --tokenizer_from {workdir} ...)"
+             if os.path.isdir(kept) else "restore it")
+    if not os.path.exists(os.path.join(cfg.prepared, "meta.json")) and not os.path.exists(
+            os.path.join(cfg.prepared, "progress.json")):
+        raise config_error("data.prepared", cfg.prepared, f"the run in {workdir} was trained "
+                           "from this folder, which holds no meta.json now (moved or "
+                           "deleted?), and reads its vocabulary, token counts and shards "
+                           f"there; {again}")
+    theirs = tokenizer_sha256(dataclasses.replace(cfg, prepared=""), workdir)
+    mine = tokenizer_sha256(cfg)
+    if theirs and mine and theirs != mine:
+        raise config_error("data.prepared", cfg.prepared, f"this folder's tokenizer (sha256 "
+                           f"{mine[:12]}...) is not the one the run in {workdir} was trained "
+                           f"with ({kept}, sha256 {theirs[:12]}...); {again}")
 
 
 def byte_ids(cfg) -> bool:

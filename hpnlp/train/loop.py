@@ -189,6 +189,7 @@ class Trainer:
         `workdir` (hpnlp.compress uses this)."""
         if read_only:
             cfg = mesh_for_these_devices(cfg, workdir)
+        data_lib.check_prepared_of_run(cfg.data, workdir)
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
         q = cfg.model.quant
         if not read_only and q.act_scale == "static" and q.activations in ("int8", "fp8"):
