@@ -884,10 +884,16 @@ def test_early_stopping_on_patience(tmp_path, capsys):
     # the steps since the last train line get theirs (found in review: they were lost)
     train = [l["step"] for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
     assert summary["final_step"] % 7 and train[-1] == summary["final_step"]
+    # the best eval and its step are in the summary (patience 2: two evals after it)
+    evals = {l["step"]: l["accuracy"] for l in read_jsonl(tmp_path / "metrics.jsonl")
+             if l.get("eval")}
+    best = summary["best_eval"]
+    assert best["step"] == summary["final_step"] - 10 and best["accuracy"] == evals[best["step"]]
+    assert best["accuracy"] == max(evals.values())
     capsys.readouterr()
     again = run(cd, str(tmp_path))  # a rerun stays stopped, and says why
     assert again["stopped_early"] and again["final_step"] == summary["final_step"]
-    assert again["eval"] == summary["eval"]
+    assert again["eval"] == summary["eval"] and again["best_eval"] == best
     err = capsys.readouterr().err
     assert f"resuming from step {summary['final_step']} in " in err
     assert ("; it stopped early there (2 evals without a better accuracy, "

@@ -508,7 +508,7 @@ class Trainer:
         state, loop = self.initial_state()
         start = int(state.step)
         resumed = start > 0
-        best = loop.get("best")
+        best, best_step = loop.get("best"), loop.get("best_step")
         bad_evals = loop.get("bad_evals", 0)
         # A run that stopped early stays stopped while its rule still stops it: with early
         # stopping off, or a patience its bad evals have not reached, a rerun trains on (a
@@ -643,7 +643,8 @@ class Trainer:
                 "n": window["n"], "applied": window["applied"],
                 "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
-                "best": best, "bad_evals": bad_evals, "stopped_early": stopped_early,
+                "best": best, "best_step": best_step, "bad_evals": bad_evals,
+                "stopped_early": stopped_early,
                 "last_eval": last_eval, "window": win, "routing_groups": groups})
 
         pending = None
@@ -718,7 +719,7 @@ class Trainer:
                         score = last_eval.get(t.early_stopping_metric)
                         if score is not None:
                             if best is None or (score > best if maximize else score < best):
-                                best, bad_evals = score, 0
+                                best, best_step, bad_evals = score, step, 0
                             else:
                                 bad_evals += 1
                         if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
@@ -770,6 +771,10 @@ class Trainer:
             "resumed_from_step": start if resumed else None,
             "stopped_early": stopped_early,
             "eval": last_eval,
+            # the best eval of train.early_stopping_metric and its step (the parameters are
+            # the last step's: its checkpoint is kept only among train.keep_checkpoints)
+            **({"best_eval": {"step": best_step, t.early_stopping_metric: best}}
+               if best is not None and best_step is not None else {}),
             "baseline": self.task.baseline,
             "param_count": models.param_count(carry_lib.model_params(state.params)),
             "throughput": {
