@@ -678,6 +678,17 @@ def test_subword_models_on_disk_are_compared_themselves_not_their_paths(tmp_path
     with pytest.raises(ConfigError, match=r"train\.init_from.*another bpe tokenizer.*other token"):
         transfer.conversion(cfg, from_configdict(cd), str(tmp_path / "elsewhere"))
     assert transfer.conversion(cfg, from_configdict(cd), run) is None  # the run's own model
+    # a run resumed or read from its prepared folder: gone, or holding another model now, is
+    # named with the fix (a bug hunt, session 96: "write the folder", or a data-stream error)
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    data.check_prepared_of_run(mine, run)
+    with pytest.raises(ConfigError, match=r"data\.prepared.* is not the one the run in .*run "
+                       r"was trained with .*--tokenizer_from .*run"):
+        data.check_prepared_of_run(cfg_of(task="word_lm", tokenizer="bpe", prepared=p2), run)
+    with pytest.raises(ConfigError, match=r"data\.prepared.*holds no meta\.json now \(moved or "
+                       r"deleted\?\).*restore it"):
+        data.check_prepared_of_run(cfg_of(task="word_lm", tokenizer="bpe",
+                                          prepared=str(tmp_path / "gone")), run)
 
 
 def test_a_tokenizer_whose_id_order_was_edited_is_refused(tmp_path):
@@ -708,14 +719,3 @@ def test_a_tokenizer_whose_id_order_was_edited_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"tokenizer.json: its \"order\" is not the one "
                            r"saved with the model \(edited by hand\?\); delete the folder"):
             tokenizers.Subword.load(where)
-    # a run resumed or read from its prepared folder: gone, or holding another model now, is
-    # named with the fix (a bug hunt, session 96: "write the folder", or a data-stream error)
-    os.makedirs(tmp_path / "run" / "checkpoints")
-    data.check_prepared_of_run(mine, run)
-    with pytest.raises(ConfigError, match=r"data\.prepared.* is not the one the run in .*run "
-                       r"was trained with .*--tokenizer_from .*run"):
-        data.check_prepared_of_run(cfg_of(task="word_lm", tokenizer="bpe", prepared=p2), run)
-    with pytest.raises(ConfigError, match=r"data\.prepared.*holds no meta\.json now \(moved or "
-                       r"deleted\?\).*restore it"):
-        data.check_prepared_of_run(cfg_of(task="word_lm", tokenizer="bpe",
-                                          prepared=str(tmp_path / "gone")), run)
