@@ -269,6 +269,8 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         same_config_everywhere(checked, n, i, same)
     except ConfigError as e:  # every process stops here, and leaves the service together
         exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
+    from hpnlp.train.stop import ctrl_c_as_preemption
+    ctrl_c_as_preemption()
 
 
 def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:

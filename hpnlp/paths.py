@@ -140,43 +140,77 @@ class WorkdirBusy(ValueError):
     """Another process is training in the workdir."""
 
 
-@contextlib.contextmanager
-def training_in(workdir: str):
-    """Held while a run trains in `workdir`: a second run started there meanwhile is refused
-    in one line (a bug hunt, session 95: both trained, their log lines, TensorBoard files
-    and checkpoints mixed). An flock on the folder, so a run that dies releases it; where
-    the file system takes no locks (some network mounts), runs go on unguarded."""
+# The workdirs this process holds: realpath -> [the locked folder's descriptor, holders]
+_HELD: dict[str, list[int]] = {}
+
+
+def hold_workdir(workdir: str):
+    """Take `workdir`'s training lock for this process and return its release() (called
+    more than once, it releases once). Another process holding it: WorkdirBusy. Within one
+    process the lock is shared (a second hold only counts), so a process's own runs one
+    after the other never refuse each other. An flock on the folder, so a process that dies
+    releases it; where the file system takes no locks (some network mounts), runs go on
+    unguarded."""
     import errno
     import fcntl
-    os.makedirs(workdir, exist_ok=True)
-    fd = os.open(workdir, os.O_RDONLY)
+    key = os.path.realpath(workdir)
+    if key in _HELD:
+        _HELD[key][1] += 1
+    else:
+        os.makedirs(workdir, exist_ok=True)
+        fd = os.open(workdir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
+            # (any other error: a file system without locks, run unguarded)
+        _HELD[key] = [fd, 1]
+    done = []
+
+    def release() -> None:
+        if done:
+            return
+        done.append(True)
+        entry = _HELD.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _HELD[key]
+                os.close(entry[0])  # the lock with it
+    return release
+
+
+@contextlib.contextmanager
+def training_in(workdir: str):
+    """Held while a run trains in `workdir` (`hold_workdir`): a second run started there
+    meanwhile is refused in one line (a bug hunt, session 95: both trained, their log lines,
+    TensorBoard files and checkpoints mixed)."""
+    release = hold_workdir(workdir)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            os.close(fd)
-            raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
-    try:  # (any other error: a file system without locks, run unguarded)
         yield
     finally:
-        os.close(fd)  # the lock with it
+        release()
 
 
 BUSY = ("--workdir {workdir}: another process is training in it; wait for it to end (or stop "
         "it), or use another --workdir")
 
 
-def check_not_training(workdir: str, processes: int = 1) -> None:
-    """`training_in`'s refusal, before a run writes anything into `workdir` (review, session
-    95: refused only in `Trainer.run`, a second run had already rewritten config.json and
-    removed the first one's checkpoint being saved). Process 0 looks; every process of a
-    multi-host run raises alike (the others would wait in its first collective)."""
+def hold_for_training(workdir: str, processes: int = 1):
+    """`hold_workdir` for a run about to write into `workdir`, before it writes anything
+    (review, session 95: refused only in `Trainer.run`, a second run had already rewritten
+    config.json and removed the first one's checkpoint being saved), and kept until its
+    release() (a bug hunt, session 96: a probe released at once let two runs started together
+    both pass it, the loser then rewrote config.json, and a multi-host loser's other process
+    waited in a collective for good). Process 0 holds it; every process of a multi-host run
+    raises alike. Returns release()."""
     import jax
-    busy = False
-    if os.path.isdir(workdir) and (processes == 1 or jax.process_index() == 0):
+    release, busy = (lambda: None), False
+    if processes == 1 or jax.process_index() == 0:
         try:
-            with training_in(workdir):
-                pass
+            release = hold_workdir(workdir)
         except WorkdirBusy:
             busy = True
     if processes > 1:
@@ -184,7 +218,9 @@ def check_not_training(workdir: str, processes: int = 1) -> None:
         from jax.experimental import multihost_utils
         busy = bool(multihost_utils.broadcast_one_to_all(np.int32(busy)))
     if busy:
+        release()
         raise WorkdirBusy(BUSY.format(workdir=workdir))
+    return release
 
 
 UNFINISHED = ".unfinished"  # OUT/.unfinished: a tool's files while it writes and checks them

@@ -1131,6 +1131,11 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
     import re
 
     from hpnlp.paths import WorkdirBusy, training_in
+
+    def can_lock(path):  # whether another process could take the folder's lock now
+        return subprocess.run([sys.executable, "-c", "import fcntl, os\n"
+                               f"fcntl.flock(os.open({path!r}, os.O_RDONLY), "
+                               "fcntl.LOCK_EX | fcntl.LOCK_NB)"], capture_output=True).returncode == 0
     holder = subprocess.Popen(  # another process training there: what the lock is taken by
         [sys.executable, "-c", "import fcntl, os, sys, time\n"
          f"fd = os.open({str(tmp_path)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
@@ -1142,11 +1147,50 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         with pytest.raises(WorkdirBusy, match=busy):
             Trainer(from_configdict(tiny(steps=4)), str(tmp_path))
         assert os.listdir(tmp_path) == []  # nothing written
-        tr = Trainer(from_configdict(tiny(steps=4)), str(tmp_path / "own"))
-        with training_in(str(tmp_path / "own")):  # one that came in between: held in run()
-            with pytest.raises(WorkdirBusy, match="another process is training in it"):
-                tr.run()
+        # held from the Trainer's construction to the end of its run (a bug hunt, session
+        # 96: a probe let two runs started together both pass; the loser rewrote config.json)
+        own = str(tmp_path / "own")
+        tr = Trainer(from_configdict(tiny(steps=4)), own)
+        assert not can_lock(own)
+        Trainer(from_configdict(tiny(steps=4)), own)  # this process's own: shared
+        with training_in(own):
+            pass
+        assert not can_lock(own)
+        tr.run()
+        assert can_lock(own)
+        wide = tiny(steps=4)
+        wide.model.width = 64
+        with pytest.raises(CheckpointMismatch):  # a run refused after taking it: released
+            Trainer(from_configdict(wide), own)
+        assert can_lock(own)
     finally:
         holder.kill()
         holder.wait()
     assert Trainer(from_configdict(tiny(steps=4)), str(tmp_path)).run()["final_step"] == 4
+
+
+def test_ctrl_c_before_a_multi_process_loop_is_passed_on_as_the_preemption_sigterm(monkeypatch):
+    """A bug hunt (session 96): Ctrl-C in one process of a multi-process run while it was
+    being built ended that process alone; the others waited ~100 s in a collective and
+    aborted. From the join on it is the SIGTERM JAX's preemption service takes (every
+    process stops at the loop's first step), the loop's stop says Ctrl-C, and after the loop
+    Ctrl-C stops the process again."""
+    import signal
+
+    from hpnlp.train import stop
+    kills = []
+    monkeypatch.setattr(stop, "_preemption_service", lambda: True)
+    monkeypatch.setattr(stop.os, "kill", lambda pid, sig: kills.append(sig))
+    monkeypatch.setattr(stop, "_before", [])
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        stop.ctrl_c_as_preemption()
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        assert kills == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):  # a second one: at once
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        with stop.StopSignals(multi=True) as s:
+            assert s.taken == "Ctrl-C" and s.exit_code == 130
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

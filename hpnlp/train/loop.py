@@ -186,7 +186,20 @@ class Trainer:
 
     def __init__(self, cfg: Config, workdir: str, *, read_only: bool = False):
         """`read_only`: build the run to read it (restore, evaluate) without writing to
-        `workdir` (hpnlp.compress uses this)."""
+        `workdir` (hpnlp.compress uses this). Otherwise the workdir is held from here to the
+        end of `run` (`hpnlp.paths.hold_for_training`): another process's run there is refused,
+        and this one is where another holds it."""
+        self._release_workdir = lambda: None
+        try:
+            self._init(cfg, workdir, read_only=read_only)
+        except BaseException:
+            self._release_workdir()
+            raise
+
+    def __del__(self):
+        getattr(self, "_release_workdir", lambda: None)()
+
+    def _init(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
             cfg = mesh_for_these_devices(cfg, workdir)
         data_lib.check_prepared_of_run(cfg.data, workdir)
@@ -200,8 +213,8 @@ class Trainer:
                                "quant.act_scale='dynamic'")
         self.workdir = workdir
         if not read_only:  # before anything is written there
-            from hpnlp.paths import check_not_training
-            check_not_training(workdir, jax.process_count())
+            from hpnlp.paths import hold_for_training
+            self._release_workdir = hold_for_training(workdir, jax.process_count())
         self.lm = cfg.model.kind == "lm"
         # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
         self.task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=not read_only)
@@ -495,13 +508,13 @@ class Trainer:
         return f"; the steps from here train under a changed config ({fields})"
 
     def run(self, *, profile_dir: str | None = None) -> dict:
-        """The whole loop, refused where another process trains in the workdir (one lock,
-        taken by process 0: the others of a multi-host run share its folder)."""
-        import contextlib
-
-        from hpnlp.paths import training_in
-        with training_in(self.workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+        """The whole loop, in the workdir this Trainer holds (one lock, taken by process 0
+        when it was built: the others of a multi-host run share its folder), released at
+        its end."""
+        try:
             return self._run(profile_dir=profile_dir)
+        finally:
+            self._release_workdir()
 
     def _run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train

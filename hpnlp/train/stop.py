@@ -34,6 +34,29 @@ def _preemption_service() -> bool:
     return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
 
 
+# A Ctrl-C this process took before its training loop (several processes: passed on as the
+# SIGTERM that JAX's preemption service takes; `ctrl_c_as_preemption`)
+_before: list[str] = []
+
+
+def ctrl_c_as_preemption() -> None:
+    """From a multi-process run's start (its processes joined) to its training loop: Ctrl-C
+    in this process becomes the SIGTERM JAX's preemption service takes, so every process
+    stops with it at the loop's first step, saving that step (a bug hunt, session 96: a
+    Ctrl-C while the run was being built ended this process alone, and the others waited
+    about 100 s in a collective, then aborted). A second Ctrl-C stops at once."""
+    if threading.current_thread() is not threading.main_thread() or not _preemption_service():
+        return
+
+    def on_int(signum, frame):
+        if _before:
+            raise KeyboardInterrupt
+        _before.append("Ctrl-C")
+        os.kill(os.getpid(), signal.SIGTERM)
+    on_int.hpnlp_before_loop = True
+    signal.signal(signal.SIGINT, on_int)
+
+
 class StopSignals:
     """`with StopSignals(multi) as stop:` around the training loop; `stop.reached()` once per
     step says whether to save this step's checkpoint and stop, the same answer in every
@@ -41,7 +64,7 @@ class StopSignals:
 
     def __init__(self, multi: bool):
         self.multi = multi
-        self.taken: str | None = None
+        self.taken: str | None = _before[0] if multi and _before else None
         self._saved: dict[int, object] = {}
         # Several processes agree on a stop only through JAX's preemption service
         # (jax_enable_preemption_service); without it neither signal is taken here
@@ -68,7 +91,11 @@ class StopSignals:
                 not self.multi or self._sync):  # else Python refuses
             which, handler = ((signal.SIGINT, self._on_int) if self.multi
                               else (signal.SIGTERM, self._on_term))
-            self._saved[which] = signal.signal(which, handler)
+            saved = signal.signal(which, handler)
+            # after the loop Ctrl-C stops the process again (a SIGTERM would be taken by the
+            # preemption service, which no loop asks any more)
+            self._saved[which] = (signal.default_int_handler
+                                  if getattr(saved, "hpnlp_before_loop", False) else saved)
         return self
 
     def __exit__(self, *exc) -> None:
