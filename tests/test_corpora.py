@@ -348,6 +348,83 @@ def test_prepare_bad_line_after_written_shards_leaves_a_folder_a_rerun_takes(tmp
     assert "a.txt before it changed" in capsys.readouterr().err
 
 
+def test_prepare_checks_eval_first_and_resumes_after_a_fix_to_a_file_not_read(
+        tmp_path, capsys, monkeypatch):
+    """A bug hunt (session 96): a bad --eval_input line was met after the whole train split,
+    and the fixed file (or a fixed later train file) made the checkpoint unresumable ("which
+    changed since"). The eval text is read through first; an edit to a file the checkpoint
+    has not read is resumed."""
+    a, b, ev = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "ev.jsonl"
+    a.write_text("".join(f"paragraph {i} of a\n\n" for i in range(6)))
+    b.write_bytes(b"caf\xe9\n\nparagraph of b\n")
+    ev.write_text('{"body": "fine eval doc"}\n{"txt": "oops"}\n')
+    args = ["--input", f"{a},{b}", "--eval_input", str(ev), "--text_field", "body", "--out",
+            str(tmp_path / "p"), "--shard_mb", "0", "--quiet"]
+    assert prepare.main(args) == 2
+    assert "ev.jsonl:2: no 'body' field" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "p")  # before the train pass
+    ev.write_text('{"body": "fine eval doc"}\n{"body": "fixed"}\n')
+    assert prepare.main(args) == 2  # checkpointed through a.txt, then b.txt's bad byte
+    assert "b.txt:1: byte 0xe9 is not UTF-8" in capsys.readouterr().err
+    b.write_text("cafe\n\nparagraph of b\n")
+    # an eval file too large to read first: its bad line is met after the train split
+    monkeypatch.setattr(prepare, "EVAL_CHECK_MB", -1)
+    ev.write_text('{"body": 3}\n{"body": "fine eval doc"}\n')
+    assert prepare.main(args) == 2
+    assert "ev.jsonl:1: field 'body' holds a JSON number" in capsys.readouterr().err
+    ev.write_text('{"body": "fine eval doc"}\n{"body": "fixed"}\n')
+    assert prepare.main(args) == 0, capsys.readouterr().err
+    fresh = [*args[:-5], "--out", str(tmp_path / "q"), "--quiet"]
+    assert prepare.main(fresh) == 0
+    m, f = sharded.read_meta(str(tmp_path / "p")), sharded.read_meta(str(tmp_path / "q"))
+    for split in ("train", "eval"):
+        assert m["splits"][split]["documents"] == f["splits"][split]["documents"]
+        assert np.array_equal(np.concatenate(list(sharded.split_dataset(str(tmp_path / "p"), m,
+                                                                        split))),
+                              np.concatenate(list(sharded.split_dataset(str(tmp_path / "q"), f,
+                                                                        split))))
+    # an edit to a file a checkpoint has read is still refused
+    shutil.rmtree(tmp_path / "p")
+    b.write_bytes(b"cafe\n\npara\xe9\n")
+    assert prepare.main(args) == 2
+    b.write_text("cafe\n\nparagraph of b, edited\n")
+    assert prepare.main(args) == 2 and "b.txt, which changed since" in capsys.readouterr().err
+
+
+def test_prepare_skips_its_own_out_in_the_input_glob_and_refuses_a_file_given_twice(
+        tmp_path, capsys, monkeypatch):
+    """A bug hunt (session 96): `--input 'c2/*' --out c2/prep` failed on its rerun ("c2/prep:
+    is a folder"); a file given twice was read twice (one copy could be eval); the tokenizer
+    sample's MiB counted characters."""
+    c2 = tmp_path / "c2"
+    c2.mkdir()
+    (c2 / "a.txt").write_text("".join(f"paragraph {i}\n\n" for i in range(4)))
+    args = ["--input", f"{c2}/*", "--out", str(c2 / "prep"), "--eval_every", "2", "--quiet"]
+    assert prepare.main(args) == 0
+    assert prepare.main(args) == 0 and "already prepared" in capsys.readouterr().err
+    assert prepare.main([*args[:1], f"{c2}/pr*", *args[2:]]) == 2
+    assert f"--input '{c2}/pr*' matches only --out" in capsys.readouterr().err
+    for given, twice in ((f"{c2}/*.txt,{c2}/a.txt", f"{c2}/a.txt: given twice in --input; "),
+                         (f"{c2}/*.txt", f"{c2}/b.txt: given twice in --input (as {c2}/a.txt "
+                                         f"and {c2}/b.txt); name each file once")):
+        assert prepare.main(["--input", given, "--out", str(tmp_path / "d"), "--quiet"]) == 2
+        assert twice in capsys.readouterr().err
+        os.path.lexists(c2 / "b.txt") or os.symlink(c2 / "a.txt", c2 / "b.txt")  # a.txt again
+    snow = tmp_path / "snow.txt"
+    snow.write_text("".join("\u2603" * 2000 + "\n\n" for _ in range(100)))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+    monkeypatch.setattr(tokenizers, "train", stop)  # the line before its training is enough
+    with pytest.raises(Stop):
+        prepare.main(["--input", str(snow), "--tokenizer", "bpe", "--out", str(tmp_path / "s"),
+                      "--quiet"])
+    assert "on 99 documents (0.6 MiB:" in capsys.readouterr().err  # 3 bytes a snowman
+
+
 def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, prepared, capsys):
     """--tokenizer_from alone reuses the tokenizer as it is; flags that contradict it, or
     bytes (which needs none), are one line and write nothing (found by the crash hunt:
@@ -403,6 +480,9 @@ def test_a_hand_edited_meta_json_is_named(prepared, tmp_path):
                         (lambda m: m["splits"]["train"].update(shards=[]), "`splits.train.shards`"),
                         (lambda m: m["splits"]["eval"].update(tokens="many"), "`splits.eval.tokens`"),
                         (lambda m: m.update(dtype="float32"), "`dtype` = 'float32'"),
+                        # a bug hunt (session 96): numpy's "buffer size must be a multiple"
+                        (lambda m: m.update(dtype="uint8"), "`dtype` = 'uint8', but the shards "
+                                                            "of a vocabulary of 600 hold uint16"),
                         (lambda m: m["tokenizer"].pop("vocab_size"), "`tokenizer` must give")):
         d = tmp_path / "p"
         shutil.rmtree(d, ignore_errors=True)
@@ -417,29 +497,54 @@ def test_a_hand_edited_meta_json_is_named(prepared, tmp_path):
         sharded.read_meta(str(tmp_path / "p"))
 
 
-def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, tmp_path):
+def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, files, tmp_path, capsys):
     """Found by the crash hunt: a missing or truncated eval shard failed at the first eval,
-    after the training steps (and lost them); a missing counts file was a bare Errno."""
+    after the training steps (and lost them); a missing counts file was a bare Errno. A bug
+    hunt (session 96): rerunning the prepare command, as the message said, answered "already
+    prepared"; counts of another shape, and a damaged record, failed deep in numpy or grain."""
     cfg = lm_cfg(prepared=str(tmp_path / "p"), tokenizer="bpe", vocab_size=600)
     meta = sharded.read_meta(prepared)
-    shard = meta["splits"]["eval"]["shards"][0]
-    for damage, match in (("truncate", f"{shard}: cannot be read .*damaged or truncated"),
-                          ("remove", f"{shard}: shard listed in .* is missing"),
+    shard, first = meta["splits"]["eval"]["shards"][0], meta["splits"]["train"]["shards"][0]
+    again = "delete the folder and prepare the corpus again"
+    rerun = ["--input", files[0], "--eval_input", files[1], "--tokenizer", "bpe", "--vocab_size",
+             "600", "--out", str(tmp_path / "p"), "--shard_mb", "0", "--quiet"]
+    for damage, match in (("truncate", f"{shard}: cannot be read .*damaged or truncated: {again}"),
+                          ("remove", f"{shard}: shard listed in .* is missing; {again}"),
                           ("counts", f"{sharded.COUNTS_FILE}: cannot be read"),
+                          ("cut counts", rf"{sharded.COUNTS_FILE}: holds int64 counts of shape "
+                                         rf"\[200\], not one count per id .*\(\[600\]\): {again}"),
+                          ("record", f"{shard}: cannot be read \\(Corrupted Riegeli.*{again}"),
                           ("tokenizer", "not a readable hpnlp tokenizer .* the shards were encoded "
-                                        "with it: prepare the corpus again")):
+                                        f"with it: {again}")):
         shutil.rmtree(tmp_path / "p", ignore_errors=True)
         shutil.copytree(prepared, tmp_path / "p")
-        path = tmp_path / "p" / {"counts": sharded.COUNTS_FILE,
+        path = tmp_path / "p" / {"counts": sharded.COUNTS_FILE, "cut counts": sharded.COUNTS_FILE,
                                  "tokenizer": tokenizers.DIRNAME}.get(damage, shard)
         if damage == "truncate":
             path.write_bytes(path.read_bytes()[:-7])
+        elif damage == "cut counts":
+            np.save(path, np.load(path)[:200])
+        elif damage == "record":  # a record's bytes overwritten: the shard still opens
+            raw = path.read_bytes()
+            path.write_bytes(raw[:100] + b"U" * 50 + raw[150:])
         elif damage == "tokenizer":
             shutil.rmtree(path)
         else:
             os.remove(path)
         with pytest.raises(ValueError, match=match):
             data.make_task(cfg)
+        assert prepare.main(rerun) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "already prepared" not in err, err
+    # a train shard's damaged record, met while streaming: its name, not grain's traceback
+    shutil.rmtree(tmp_path / "p")
+    shutil.copytree(prepared, tmp_path / "p")
+    raw = (tmp_path / "p" / first).read_bytes()
+    (tmp_path / "p" / first).write_bytes(raw[:100] + b"U" * 50 + raw[150:])
+    ds = sharded.split_dataset(str(tmp_path / "p"), data.make_task(cfg).meta["prepared_meta"],
+                               "train")
+    with pytest.raises(ValueError, match=f"{first}: cannot be read \\(Corrupted Riegeli.*{again}"):
+        ds[0]
 
 
 # ------------------------------------------------------------------------ streaming

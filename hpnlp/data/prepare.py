@@ -42,25 +42,40 @@ from hpnlp.stopping import Stopped, sigterm_as_interrupt
 PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
 PROGRESS_COUNTS = "progress-counts.npz"
 SAMPLE_MB = 256  # --tokenizer_sample_mb's default
+EVAL_CHECK_MB = 64  # --eval_input up to this size is read through before the train split
 
 
 class PrepareError(ValueError):
     """Bad input to prepare: the message names the file (and line) and the fix."""
 
 
-def expand(pattern: str, flag: str) -> list[str]:
-    paths = []
+_NO_EVAL_TEXT = ("--eval_input {}: no eval text found (every document was empty); check the "
+                 "files")
+
+
+def expand(pattern: str, flag: str, out: str | None = None) -> list[str]:
+    """The files of a comma-joined list of paths and globs; a glob's hits in `out` (--out, a
+    folder inside the input's) left out."""
+    paths, seen = [], {}
+    mine = os.path.realpath(out) + os.sep if out else None
     for part in pattern.split(","):
         part = part.strip()
         if not part:
             raise PrepareError(f"{flag} {pattern!r} has an empty entry (a stray comma, or an "
                                "empty value); name the files, joined by commas")
         hits = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
-        if not hits:
+        # a bug hunt (session 96): the rerun of `--input 'c2/*' --out c2/prep` met its own
+        # output folder as an input ("is a folder")
+        kept = [h for h in hits if part == h or not mine
+                or not (os.path.realpath(h) + os.sep).startswith(mine)]
+        if hits and not kept:
+            raise PrepareError(f"{flag} {part!r} matches only --out {out} and its files; name "
+                               "the input files, or choose an --out outside them")
+        if not kept:
             raise PrepareError(f"{flag} {part!r} matches no file; check the path or the quotes "
                                "around the pattern")
-        paths += hits
-    for p in paths:
+        paths += kept
+    for i, p in enumerate(paths):
         if os.path.isdir(p):
             raise PrepareError(f"{p}: is a folder ({flag}); name its files, e.g. '{p}/*.txt'")
         if not os.path.isfile(p):
@@ -69,6 +84,10 @@ def expand(pattern: str, flag: str) -> list[str]:
             raise PrepareError(f"{p}: cannot be read (permissions); fix them or copy the file")
         if os.path.getsize(p) == 0:
             raise PrepareError(f"{p}: file is empty ({flag}); remove it from the input or add text")
+        st = os.stat(p)  # a bug hunt (session 96): read twice, one copy could go to eval
+        if (j := seen.setdefault((st.st_dev, st.st_ino), i)) != i:
+            also = f" (as {paths[j]} and {p})" if paths[j] != p else ""
+            raise PrepareError(f"{p}: given twice in {flag}{also}; name each file once")
     return paths
 
 
@@ -240,17 +259,14 @@ def make_tokenizer(args, paths: list[str], reused=None):
         if i % stride == 0:
             sample.append(doc)
         i += 1
+    # MiB of UTF-8, as --tokenizer_sample_mb (a bug hunt, session 96: of characters)
     print(f"training a {args.tokenizer} tokenizer of {args.vocab_size} pieces on "
-          f"{len(sample)} documents ({sum(map(len, sample)) / 2**20:.1f} MiB: a large sample "
-          "trains for minutes, in about 30 times its size in memory; --tokenizer_sample_mb "
-          "bounds both)", file=sys.stderr)
+          f"{len(sample)} documents ({sum(len(d.encode()) for d in sample) / 2**20:.1f} MiB: "
+          "a large sample trains for minutes, in about 30 times its size in memory; "
+          "--tokenizer_sample_mb bounds both)", file=sys.stderr)
     tok = tokenizers.train(args.tokenizer, args.vocab_size, sample, field="--vocab_size",
                            source=f"--input {args.input}")
     return tok.encode_many, tok.describe(), tok
-
-
-def _dtype(vocab_size: int) -> str:
-    return "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 65536 else "int32"
 
 
 def _atomic_json(path: str, obj) -> None:
@@ -319,8 +335,8 @@ def prepare(args) -> dict:
         raise PrepareError(f"--tokenizer {args.tokenizer!r}: choose bytes, bpe or unigram (word "
                            "vocabularies are built in memory: data.tokenizer='words' without "
                            "data.prepared)")
-    paths = expand(args.input, "--input")
-    eval_paths = expand(args.eval_input, "--eval_input") if args.eval_input else []
+    paths = expand(args.input, "--input", args.out)
+    eval_paths = expand(args.eval_input, "--eval_input", args.out) if args.eval_input else []
     both = [q for q in eval_paths if any(os.path.samefile(q, t) for t in paths)]
     if both:  # a bug hunt: taken, and every eval document was one trained on
         raise PrepareError(f"--eval_input {both[0]} is also an --input: the eval text must be "
@@ -339,6 +355,10 @@ def prepare(args) -> dict:
                         ("shard_mb", 0)):  # 0: a shard per document
         if getattr(args, flag) < least:
             raise PrepareError(f"--{flag} {getattr(args, flag)}: it must be >= {least}")
+    if eval_paths and sum(map(os.path.getsize, eval_paths)) <= EVAL_CHECK_MB << 20:
+        # a bug hunt (session 96): a bad eval line was met after the whole train split
+        if not sum(1 for _ in _all_documents(eval_paths, args)):
+            raise PrepareError(_NO_EVAL_TEXT.format(args.eval_input))
     out = args.out
     _check_out(out)
     created = not os.path.exists(out)
@@ -361,8 +381,18 @@ def prepare(args) -> dict:
     stamps = {os.path.abspath(p): [st.st_size, st.st_mtime_ns]
               for p in paths + eval_paths for st in [os.stat(p)]}
 
-    def changed(saved: dict) -> str | None:
-        return next((p for p, stamp in stamps.items() if saved.get(p, stamp) != stamp), None)
+    def changed(saved: dict, state: dict | None = None) -> str | None:
+        """The first input edited since `saved`; with a checkpoint's `state`, of those it has
+        read (a bug hunt, session 96: a fix to a file not read yet made the checkpoint
+        unresumable): the files before its position, the one it stopped in, and all
+        training files where the tokenizer trained here sampled them."""
+        read = stamps if state is None else {os.path.abspath(p) for si, ps in enumerate(
+            (paths, eval_paths)) for fi, p in enumerate(ps)
+            if (si, fi) < (state["stream"], state["file"])
+            or (si, fi) == (state["stream"], state["file"]) and state["offset"]
+            or si == 0 and args.tokenizer != "bytes" and reused is None}
+        return next((p for p, stamp in stamps.items()
+                     if p in read and saved.get(p, stamp) != stamp), None)
     if os.path.isfile(meta_path):
         old = _read_own_json(meta_path, ())
         if old.get("settings") == settings and old.get("complete"):
@@ -371,6 +401,10 @@ def prepare(args) -> dict:
                 raise PrepareError(f"--out {out} was prepared from {edited} "
                                    "before it changed (its size or modification time differ); "
                                    "delete that folder to prepare it again, or choose a new --out")
+            try:  # a bug hunt (session 96): a damaged shard was "already prepared"
+                sharded.check_prepared(out, old)
+            except ValueError as e:
+                raise PrepareError(str(e)) from None
             print(f"{out} is already prepared with these settings", file=sys.stderr)
             return old
         raise PrepareError(f"--out {out} already holds a prepared corpus made with other settings; "
@@ -387,7 +421,7 @@ def prepare(args) -> dict:
         if progress["settings"] != settings:
             raise PrepareError(f"--out {out} holds an unfinished preparation with other settings; "
                                "rerun it with its own flags, or choose a new --out")
-        edited = changed(progress.get("input_stamps", {}))
+        edited = changed(progress.get("input_stamps", {}), progress["state"])
         if edited:
             raise PrepareError(f"--out {out} holds an unfinished preparation of "
                                f"{edited}, which changed since (its "
@@ -405,7 +439,7 @@ def prepare(args) -> dict:
     except (ConfigError, ValueError) as e:  # ValueError: SentencePiece refusing the settings
         raise PrepareError(str(e)) from None
     V = tok_info["vocab_size"]
-    dtype = _dtype(V)
+    dtype = sharded.ids_dtype(V)
 
     # Both splits' documents as one ordered stream: (split, file index, doc, offset, line).
     streams = [("train", paths)] + ([("eval", eval_paths)] if eval_paths else [])
@@ -533,8 +567,7 @@ def prepare(args) -> dict:
         why = (f"{where}: every eval document is one token, so there is no token to predict; "
                "give longer documents")
     elif state["documents"]["eval"] == 0 and args.eval_input:
-        why = (f"--eval_input {args.eval_input}: no eval text found (every document was "
-               "empty); check the files")
+        why = _NO_EVAL_TEXT.format(args.eval_input)
     elif state["documents"]["eval"] == 0:
         why = (f"--input {args.input}: no eval document (fewer than --eval_every="
                f"{args.eval_every} documents?); lower --eval_every or give --eval_input")

@@ -41,7 +41,13 @@ META_FILE = "meta.json"
 COUNTS_FILE = "counts-train.npy"  # [V] int64 train token counts
 EVAL_TARGET_COUNTS_FILE = "counts-eval-targets.npy"  # [V]: eval tokens after each doc's first
 WINDOW_BATCHES = 128
+EVAL_READ_MB = 64  # an eval split up to this size is read whole when a run starts
 READ_THREADS = 2
+
+
+def ids_dtype(vocab_size: int) -> str:
+    """The dtype of a prepared folder's shard records (little-endian)."""
+    return "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 65536 else "int32"
 
 
 def _error(field: str, value, why: str):
@@ -83,6 +89,10 @@ def _meta_problem(meta: dict) -> str | None:
         return "`tokenizer` must give a `kind` and a positive `vocab_size`"
     if meta.get("dtype") not in ("uint8", "uint16", "int32"):
         return f"`dtype` = {meta.get('dtype')!r} is not uint8, uint16 or int32"
+    if meta["dtype"] != (want := ids_dtype(tok["vocab_size"])):  # a bug hunt (session 96):
+        # numpy's "buffer size must be a multiple of element size" at the first batch
+        return (f"`dtype` = {meta['dtype']!r}, but the shards of a vocabulary of "
+                f"{tok['vocab_size']} hold {want} ids")
     splits = meta.get("splits")
     for split in ("train", "eval"):
         sp = splits.get(split) if isinstance(splits, dict) else None
@@ -124,7 +134,7 @@ def load_tokenizer(directory: str, meta: dict):
     if meta["tokenizer"]["kind"] == "bytes":
         return text_tasks.byte_encode, text_tasks.byte_decode, None
     tok = tokenizers.Subword.load(os.path.join(directory, tokenizers.DIRNAME),
-                                  fix="the shards were encoded with it: prepare the corpus again")
+                                  fix=f"the shards were encoded with it: {AGAIN}")
     return tok.encode, tok.decode, tok
 
 
@@ -133,14 +143,11 @@ def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
     splits stay on disk (`train`/`eval` are empty; ShardedIterator reads them)."""
     meta = read_meta(cfg.prepared)
     _check_tokenizer(cfg, name, meta)
-    check_shards(cfg.prepared, meta)
+    counts, eval_counts, (encode, decode, tok) = check_prepared(cfg.prepared, meta)
     V = int(meta["tokenizer"]["vocab_size"])
-    counts, eval_counts = (_load_counts(cfg.prepared, f)
-                           for f in (COUNTS_FILE, EVAL_TARGET_COUNTS_FILE))
     logp = np.log(counts + 1.0) - np.log(counts.sum() + V)
     n_eval = eval_counts.sum()
     loss = float(-(eval_counts * logp).sum() / n_eval) if n_eval else float("nan")
-    encode, decode, tok = load_tokenizer(cfg.prepared, meta)
     if tok is not None and workdir:  # the run keeps its tokenizer beside its checkpoints
         from hpnlp.data import tokenizers
         if not os.path.isdir(os.path.join(workdir, tokenizers.DIRNAME)):
@@ -158,32 +165,60 @@ def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
               "eval_documents": meta["splits"]["eval"]["documents"]})
 
 
-def _load_counts(directory: str, name: str) -> np.ndarray:
+# What each message about a damaged folder advises: rerunning the prepare command alone
+# answers that the folder is damaged (a bug hunt, session 96: "already prepared")
+AGAIN = "delete the folder and prepare the corpus again"
+
+
+def check_prepared(directory: str, meta: dict):
+    """(train counts, eval target counts, `load_tokenizer`'s) of a prepared folder whose
+    shards `check_shards` found sound; ValueErrors name the damaged file."""
+    check_shards(directory, meta)
+    counts = tuple(_load_counts(directory, f, meta["tokenizer"]["vocab_size"])
+                   for f in (COUNTS_FILE, EVAL_TARGET_COUNTS_FILE))
+    return (*counts, load_tokenizer(directory, meta))
+
+
+def _load_counts(directory: str, name: str, V: int) -> np.ndarray:
     path = os.path.join(directory, name)
     try:
-        return np.load(path)
+        counts = np.load(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot be read ({e}); the prepared folder is incomplete: "
-                         "prepare the corpus again") from None
+                         f"{AGAIN}") from None
+    if counts.shape != (V,) or counts.dtype.kind not in "iu":  # a bug hunt (session 96):
+        # numpy's "operands could not be broadcast together" in the unigram baseline
+        raise ValueError(f"{path}: holds {counts.dtype} counts of shape {list(counts.shape)}, "
+                         f"not one count per id of the vocabulary ([{V}]): {AGAIN}")
+    return counts
+
+
+def _shard_error(path: str, e: RuntimeError) -> ValueError:
+    detail = str(e).strip().split("\n")[0][:160] or "RuntimeError"
+    return ValueError(f"{path}: cannot be read ({detail}); the shard is damaged or truncated: "
+                      f"{AGAIN}")
 
 
 def check_shards(directory: str, meta: dict) -> None:
     """ValueError naming the first shard of either split that is missing or cannot be opened
-    (a truncated file): found before any step trains, not at the first eval after them."""
+    (a truncated file), or an eval shard with a damaged record where the eval split is at
+    most EVAL_READ_MB: found before any step trains, not at the first eval after them."""
     from array_record.python import array_record_module as ar
     for split in ("train", "eval"):
-        for name in meta["splits"][split]["shards"]:
-            path = os.path.join(directory, name)
+        paths = [os.path.join(directory, name) for name in meta["splits"][split]["shards"]]
+        for path in paths:
             if not os.path.isfile(path):
                 raise ValueError(f"{path}: shard listed in {directory}/{META_FILE} is missing; "
-                                 "prepare the corpus again")
+                                 f"{AGAIN}")
+        whole = split == "eval" and sum(map(os.path.getsize, paths)) <= EVAL_READ_MB << 20
+        for path in paths:
             try:
                 reader = ar.ArrayRecordReader(path)
+                if whole:  # a bug hunt (session 96): a damaged record, met at the final eval
+                    reader.read_all()
                 reader.close()
             except RuntimeError as e:
-                detail = str(e).strip().split("\n")[0][:160] or "RuntimeError"
-                raise ValueError(f"{path}: cannot be read ({detail}); the shard is damaged or "
-                                 "truncated: prepare the corpus again") from None
+                raise _shard_error(path, e) from None
 
 
 def decode_record(record: bytes, dtype: str) -> np.ndarray:
@@ -196,8 +231,26 @@ def split_dataset(directory: str, meta: dict, split: str):
     import grain
     shards = [os.path.join(directory, s) for s in meta["splits"][split]["shards"]]
     dtype = meta["dtype"]
-    return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(shards)).map(
+    return grain.MapDataset.source(_named_source(grain)(shards)).map(
         lambda r: decode_record(r, dtype))
+
+
+def _named_source(grain):
+    """grain's ArrayRecordDataSource whose damaged record is a ValueError naming its shard
+    (a bug hunt, session 96: "Corrupted Riegeli/records file" under a 47-line traceback
+    that named no file)."""
+
+    class NamedSource(grain.sources.ArrayRecordDataSource):
+        def __getitem__(self, key):
+            try:
+                return super().__getitem__(key)
+            except RuntimeError as e:
+                try:  # array_record's own lookup of the record's shard
+                    shard = str(self.paths[self._reader_idx_and_position(key)[0]])
+                except Exception:  # noqa: BLE001 (a later array_record: name them all)
+                    shard = f"a shard in {os.path.dirname(str(self.paths[0]))}"
+                raise _shard_error(shard, e) from None
+    return NamedSource
 
 
 class ShardedIterator:
