@@ -321,6 +321,28 @@ def test_targets_table_renders_measured_bound_and_met():
         "No targets: this run's sizes or steps (`--quick`, `--steps`)")
 
 
+def test_targets_table_names_a_bad_record_and_computes_met(tmp_path, monkeypatch):
+    """A bug hunt (session 96): tools/targets_table.py on a cut results.json was a
+    JSONDecodeError naming no file, a target without `op` read "None 2.5", and `met` was
+    copied as stored rather than computed from value, op and bound."""
+    import importlib
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    tt = importlib.import_module("targets_table")
+    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
+    rec = tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+    rec.parent.mkdir(parents=True)
+    good = {"value": 3.0, "bound": 2.5, "op": "<=", "met": True}  # stored `met` is wrong
+    rec.write_text(json.dumps({"targets": {"t": good}}))
+    assert [r[4:] for r in tt.rows()] == [(3.0, "<=", 2.5, False)]
+    rec.write_text(json.dumps({"targets": {"t": good}})[:20])
+    with pytest.raises(SystemExit, match=r"b/results.json: cannot be read \(.*rerun its bench"):
+        tt.rows()
+    rec.write_text(json.dumps({"targets": {"t": {"value": 3.0, "bound": 2.5, "met": False}}}))
+    with pytest.raises(SystemExit, match=r"b/results.json: target 't' = .* is not a target"):
+        tt.rows()
+
+
 def _attention_row(impl, L, mode, median_s=None, status="ok"):
     row = {"impl": impl, "L": L, "mode": mode, "causal": False, "status": status}
     if median_s is not None:
@@ -979,6 +1001,27 @@ def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path,
         assert trained == [str(student)] and not student.exists(), field  # afresh
         trained.clear()
     assert compress.REUSED == [str(student)] * 2
+
+
+def test_a_finished_run_with_a_cut_summary_evaluates_again(tmp_path, monkeypatch):
+    """A bug hunt (session 96): a reused run's cut summary.json was a JSONDecodeError, then
+    "a training run failed in its own process"; it is run again (which evaluates a finished
+    run and writes its summary whole), as a run without one is, and not deleted."""
+    import hpnlp.train
+    import hpnlp.train.checkpoint
+    from hpnlp.bench import compress
+    from hpnlp.config import from_configdict
+    trained = []
+    monkeypatch.setattr(hpnlp.train, "run", lambda cd, out: trained.append(out) or {"new": 1})
+    monkeypatch.setattr(compress, "REUSED", [])
+    cd = compress.experiment("byte LM", compress.SIZES["quick"])
+    monkeypatch.setattr(hpnlp.train.checkpoint, "load_run_config",
+                        lambda out: from_configdict(cd))
+    run = tmp_path / "dense"
+    run.mkdir()
+    (run / "summary.json").write_text('{"eval": {"loss": 1')
+    assert compress._train(cd, str(run)) == {"new": 1}
+    assert trained == [str(run)] and run.exists() and compress.REUSED == []
 
 
 def test_a_saved_run_of_another_config_is_refused_not_deleted(tmp_path, monkeypatch, capsys):

@@ -336,6 +336,61 @@ def test_ptq_end_to_end_and_reload(trained, tmp_path):
         ptq.load(out, other)
 
 
+def test_ptq_load_names_a_damaged_quantized_folder(tmp_path):
+    """A bug hunt (session 96): a cut quant.json or quantized.npz, an array taken out of it or
+    sliced, was a traceback (or a JAX TypeError deep in the forward); each is one line naming
+    the file and saying to quantize again. Hand-packed weights: nothing trains or compiles."""
+    cd = default_configdict()
+    cd.data.task = "byte_lm"
+    cfg = from_configdict(cd)
+    w = jnp.asarray(RNG.standard_normal((16, 2, 4)), jnp.float32)
+    params = {"a": {"kernel": pack_weight(w, QuantConfig(weights="int4"), 1)},
+              "b": {"kernel": pack_weight(w, QuantConfig(weights="fp8"), 1)}}
+    good = str(tmp_path / "good")
+    ptq.save(good, cfg, params, {}, {})
+    assert ptq.load(good)[1]["a"]["kernel"].codes.shape == (8, 8)  # as saved, it loads
+    stored = dict(np.load(os.path.join(good, "quantized.npz")))
+
+    def damaged(name, change, match):
+        out = str(tmp_path / name)
+        shutil.copytree(good, out)
+        change(out)
+        with pytest.raises(ptq.NoCheckpoint, match=match):
+            ptq.load(out)
+
+    def rewrite(**arrays):
+        return lambda out: np.savez_compressed(os.path.join(out, "quantized.npz"), **arrays)
+
+    damaged("cut", lambda out: os.truncate(os.path.join(out, "quantized.npz"), 100),
+            r"quantized.npz cannot be read \(BadZipFile.*quantize the run again")
+    damaged("json", lambda out: os.truncate(os.path.join(out, "quant.json"), 50),
+            r"quant.json cannot be read \(.*quantize the run again")
+    less = {k: v for k, v in stored.items() if k != "params/a/kernel/codes"}
+    damaged("missing", rewrite(**less), r"quantized.npz has no array params/a/kernel/codes")
+    sliced = {**stored, "params/a/kernel/codes": stored["params/a/kernel/codes"][:, :3]}
+    damaged("sliced", rewrite(**sliced), r"codes as uint8 \[8, 3\], where its int4 weight of "
+            r"shape \[16, 2, 4\] stores uint8 \[8, 8\]")
+    cast = {**stored, "params/b/kernel/scale": stored["params/b/kernel/scale"].astype(np.int8)}
+    damaged("dtype", rewrite(**cast), r"params/b/kernel/scale as int8 \[1, 8\]")
+
+
+def test_a_student_that_lost_its_teacher_config_names_the_file(tmp_path):
+    """A bug hunt (session 96): a distilled run with saved checkpoints, its teacher moved and
+    WORKDIR/teacher_config.json gone, was told "no run in workdir TEACHER: train one there
+    first"; the missing copy is named. (Nothing builds: the check comes first.)"""
+    from hpnlp.compress.distill import TEACHER_CONFIG, TeacherCarry
+    cd = default_configdict()
+    cd.data.task = "byte_lm"
+    cd.train.distill.teacher = str(tmp_path / "teach")  # moved away
+    student = tmp_path / "stud"
+    (student / "checkpoints" / "8").mkdir(parents=True)
+    with pytest.raises(ptq.NoCheckpoint, match=rf"stud/{TEACHER_CONFIG} is missing: .*\(no run "
+                       rf"in {tmp_path / 'teach'}\); restore .*{TEACHER_CONFIG}, or the teacher"):
+        TeacherCarry(from_configdict(cd), workdir=str(student))
+    with pytest.raises(ptq.NoCheckpoint, match="no run in workdir .*train one there first"):
+        TeacherCarry(from_configdict(cd), workdir=str(tmp_path / "new"))  # nothing saved yet
+
+
 # 11.1 s in the suite on the 2-core Zen 3 (2026-12-01 evening): CI's slow part runs it
 @pytest.mark.slow
 def test_ptq_keeps_the_runs_int8_kv_cache(trained, tmp_path):

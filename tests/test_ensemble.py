@@ -8,6 +8,7 @@ run (seed 1) and one 2-member seed ensemble (seed 0, so its member 1 is that run
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -140,6 +141,22 @@ def test_workdir_must_hold_the_same_members(plain, ensemble):
         EnsembleTrainer(tiny(), workdir, members=0)
     with pytest.raises(CheckpointMismatch, match=r"ensemble.members: saved 2, now 1"):
         Trainer(tiny(), workdir)  # a plain run pointed at an ensemble
+
+
+def test_a_lost_or_cut_members_file(ensemble, tmp_path):
+    """A bug hunt (session 96): an ensemble that lost members.json was called "a plain run"
+    (its config.json counts the members), and a cut one was a JSON error naming no file."""
+    from hpnlp.train.ensemble import MEMBERS_FILE, _check_members_file
+    workdir = str(tmp_path / "ens")
+    os.makedirs(os.path.join(workdir, "checkpoints", "3"))
+    shutil.copy(os.path.join(ensemble[0], "config.json"), workdir)
+    _check_members_file(workdir, 2)  # no members.json: the checkpoints' own count
+    with pytest.raises(CheckpointMismatch, match=r"2-member ensemble, not of a 3.*--members 2"):
+        _check_members_file(workdir, 3)
+    with open(os.path.join(workdir, MEMBERS_FILE), "w") as f:
+        f.write('{"members": 2, "seeds": [0,\n')
+    with pytest.raises(CheckpointMismatch, match=r"ens/members.json cannot be read .*delete it"):
+        _check_members_file(workdir, 2)
 
 
 def test_members_carry_their_own_pruning_masks(tmp_path):

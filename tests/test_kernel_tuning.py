@@ -595,6 +595,23 @@ def test_a_library_cut_short_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     assert kernels._whole_library(str(lib))  # the loader's "invalid ELF header", as before
 
 
+def test_another_library_in_the_cache_is_a_reason_not_a_traceback(tmp_path):
+    """A bug hunt (session 96): a kernel's cached library replaced by another valid one was
+    "AttributeError: undefined symbol" rather than the fallback to the XLA twin; the missing
+    symbol is now a reason, as a library that will not load is. (Python's own shared
+    object stands for the foreign library: nothing compiles here.)"""
+    import _ctypes
+    import shutil
+    lib = tmp_path / "lib.so"
+    shutil.copy(_ctypes.__file__, lib)
+    k = kernels.CpuKernel("unused.cc", {"hpnlp_test_missing": "HpnlpNoSuchSymbol"},
+                          what="a test kernel")
+    k.library_path = lambda: str(lib)
+    assert not k.available()
+    assert re.search(r"lib.so has no symbol HpnlpNoSuchSymbol: not this kernel's library; "
+                     r"check the kernel cache .*delete a damaged library", k.unavailable_reason())
+
+
 @pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("Off", False),
                                        ("no", False), ("1", True), ("", True)])
 def test_tuning_is_off_for_each_way_of_saying_so(monkeypatch, value, on):

@@ -899,3 +899,24 @@ def test_damaged_index_and_datastore_files_are_one_line_naming_the_file(tmp_path
     with pytest.raises(RetrievalError, match=r"ds/keys.npy: unreadable .*build the datastore "
                                              "again"):
         knnlm.Datastore.open(str(ds))
+
+
+def test_a_cut_datastore_header_or_summary_is_one_line_naming_the_file(tmp_path):
+    """A bug hunt (session 96): a cut datastore.json was a JSON error naming no file, one
+    without its "model" a KeyError traceback, and a cut --out summary.json was called "a
+    summary.json of another command"."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    header = {"version": knnlm.VERSION, "entries": 4, "width": 2}
+    (ds / knnlm.DATASTORE).write_text(json.dumps(header)[:30])
+    with pytest.raises(RetrievalError, match=r"ds/datastore.json: unreadable \(.*delete the "
+                                             "folder and build the datastore again"):
+        knnlm.Datastore.open(str(ds))
+    (ds / knnlm.DATASTORE).write_text(json.dumps(header))  # without "model"
+    with pytest.raises(RetrievalError, match=r"ds/datastore.json: no valid 'model' in it; "
+                                             "delete the folder"):
+        knnlm.Datastore.open(str(ds), params={"w": np.zeros(2, np.float32)})
+    (ds / "summary.json").write_text('{"command": "knnlm", "work')
+    with pytest.raises(RetrievalError, match=r"holds a summary.json that cannot be read "
+                                             r"\(JSONDecodeError: .*move it aside .*run again"):
+        knnlm.check_out(str(ds), str(tmp_path / "lm"), "knnlm", str(ds))

@@ -61,14 +61,48 @@ def number(v) -> str:
     return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
+TARGET_OPS = (">=", "<=")  # hpnlp.bench.report.TARGET_OPS
+FIX = "rerun its benchmark, or restore the file (git checkout -- PATH)"
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def target(path: str, name: str, t) -> dict:
+    """A record's target `name` as `hpnlp.bench.report.target` writes it, its `met` computed
+    from value, op and bound (a bug hunt, session 96: a target without `op` read "None 2.5",
+    and `met` was copied as stored, whatever the value); SystemExit naming the file and the
+    target where an entry is not one."""
+    if not (isinstance(t, dict) and t.get("op") in TARGET_OPS and _real(t.get("bound"))
+            and (t.get("value") is None or _real(t.get("value")))):
+        raise SystemExit(f"{path}: target {name!r} = {t!r} is not a target (a value, a bound "
+                         f"and an op of {list(TARGET_OPS)}); {FIX.replace('PATH', path)}")
+    value, bound, op = t["value"], t["bound"], t["op"]
+    met = value is not None and (value >= bound if op == ">=" else value <= bound)
+    return {**t, "met": bool(met)}
+
+
 def records() -> list[tuple[str, dict]]:
     """(folder under docs/benchmarks, results.json) of every record with a targets map."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "**", "results.json"),
                                  recursive=True)):
-        with open(path) as f:
-            payload = json.load(f)
-        if payload.get("targets"):
+        try:  # a bug hunt (session 96): a cut file was a JSONDecodeError naming no file
+            with open(path) as f:
+                payload = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: cannot be read ({e}); {FIX.replace('PATH', path)}") \
+                from None
+        if not isinstance(payload, dict):
+            raise SystemExit(f"{path}: not a results.json (a JSON object); "
+                             f"{FIX.replace('PATH', path)}")
+        targets = payload.get("targets")
+        if targets and not isinstance(targets, dict):
+            raise SystemExit(f"{path}: `targets` is not a map of targets; "
+                             f"{FIX.replace('PATH', path)}")
+        if targets:
+            payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}
             out.append((os.path.relpath(os.path.dirname(path),
                                         os.path.join(ROOT, "docs", "benchmarks")), payload))
     return out

@@ -349,8 +349,8 @@ class TeacherCarry(Carry):
         a checkpoint resumes, and is read (quantize, sparsify, shrink), with the teacher's
         folder moved or deleted (a bug hunt: each failed, saying to train a teacher there)."""
         from hpnlp import models
-        from hpnlp.train.checkpoint import (config_file, has_checkpoint, load_run_config,
-                                            run_members)
+        from hpnlp.train.checkpoint import (NoCheckpoint, config_file, has_checkpoint,
+                                            load_run_config, run_members)
 
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
@@ -358,7 +358,16 @@ class TeacherCarry(Carry):
         if copy and os.path.isfile(copy) and has_checkpoint(workdir):  # the teacher it holds
             tcfg = config_file(copy)
         else:
-            tcfg = load_run_config(self.workdir, field="train.distill.teacher")
+            try:
+                tcfg = load_run_config(self.workdir, field="train.distill.teacher")
+            except NoCheckpoint as e:  # a bug hunt (session 96): a saved run that lost its
+                if not (copy and has_checkpoint(workdir)):  # copy blamed the moved teacher
+                    raise
+                why = (f"no run in {self.workdir}" if not os.path.exists(os.path.join(
+                    self.workdir, "config.json")) else str(e))
+                raise NoCheckpoint(f"{copy} is missing: the teacher's config, which this run's "
+                                   f"checkpoints are read with, and its teacher cannot give it "
+                                   f"({why}); restore {copy}, or the teacher's folder") from None
         # It runs in this run's step, on this run's mesh, and reads this run's batches: the
         # layout it trained on is not read, so its config is checked as one device's (a bug
         # hunt, session 95: a teacher trained on 4 devices was refused on 1, its mesh blamed

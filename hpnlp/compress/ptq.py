@@ -30,6 +30,8 @@ import json
 import os
 import sys
 import time
+import zipfile
+import zlib
 
 import flax.traverse_util as traverse
 import jax
@@ -142,6 +144,42 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
     return os.path.getsize(path)
 
 
+def _damaged(path: str, what: str) -> NoCheckpoint:
+    return NoCheckpoint(f"{path} {what}; it is not a file `quantize` wrote: quantize the run "
+                        "again (python -m hpnlp.compress quantize --out ...)")
+
+
+def _layout(mpath: str, key: str, info) -> dict:
+    """A packed weight's entry in quant.json: its format, float shape and contraction axes."""
+    from hpnlp.compress import formats
+    try:
+        fmt, shape, k_dims = info["fmt"], tuple(info["shape"]), info["k_dims"]
+        ok = (fmt in formats.FORMATS and all(type(d) is int and d > 0 for d in shape)
+              and type(k_dims) is int and 0 < k_dims <= len(shape))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise _damaged(mpath, f"holds no valid layout for {key} ({info!r})")
+    return {"fmt": fmt, "shape": shape, "k_dims": k_dims}
+
+
+def _check_packed(npath: str, key: str, w: QWeight) -> None:
+    """`w`'s codes [K packed, N] and scales [G, N] (G dividing K) as its format stores them."""
+    import math
+    K, N = w.k, math.prod(w.shape[w.k_dims:])
+    rows = {"int4": -(-K // 2), "binary": -(-K // 8)}.get(w.fmt, K)
+    dtype = {"int4": jnp.uint8, "binary": jnp.uint8, "fp8": jnp.float8_e4m3fn}.get(w.fmt, jnp.int8)
+    G = w.scale.shape[0] if w.scale.ndim == 2 else 0
+    for what, a, want, ok in (
+            ("codes", w.codes, f"{dtype.__name__} [{rows}, {N}]",
+             w.codes.shape == (rows, N) and w.codes.dtype == dtype),
+            ("scale", w.scale, f"float32 [G, {N}] with G dividing {K}",
+             w.scale.shape == (G, N) and G > 0 and K % G == 0 and w.scale.dtype == jnp.float32)):
+        if not ok:
+            raise _damaged(npath, f"holds {key}/{what} as {a.dtype} {list(a.shape)}, where its "
+                           f"{w.fmt} weight of shape {list(w.shape)} stores {want}")
+
+
 def load(out: str, cfg: Config | None = None):
     """(config, params with QWeights, quant collection) saved by `save`. `cfg`, when given,
     must be the model the file was made for."""
@@ -150,8 +188,18 @@ def load(out: str, cfg: Config | None = None):
         if not os.path.exists(p):
             raise NoCheckpoint(f"no quantized checkpoint in {out} ({os.path.basename(p)} missing): "
                                "make one with python -m hpnlp.compress quantize --out ...")
-    with open(mpath) as f:
-        manifest = json.load(f)
+    # a bug hunt (session 96): a cut or edited quant.json / quantized.npz was a traceback
+    # (BadZipFile, KeyError, a JSON error naming no file, or a JAX TypeError deep in the
+    # forward from an array of another shape); each is one line naming the file
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise _damaged(mpath, f"cannot be read ({e})") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("config"), dict)
+            and isinstance(manifest.get("weights"), dict)
+            and isinstance(manifest.get("dtypes", {}), dict)):
+        raise _damaged(mpath, "lacks its \"config\", \"weights\" or \"dtypes\" entry")
     saved = from_configdict(manifest["config"])
     if cfg is not None:
         from hpnlp.train.checkpoint import _shape_signature
@@ -162,26 +210,38 @@ def load(out: str, cfg: Config | None = None):
                 f"quant: saved {saved.model.quant}, given {cfg.model.quant}"
             raise ConfigError(f"the quantized checkpoint in {out} is of a different model ({lines}); "
                               "load it with its own config (hpnlp.compress.ptq.load(out))")
-    npz = np.load(npath)
+    try:
+        with np.load(npath) as npz:
+            stored = {key: npz[key] for key in npz.files}
+    except (zipfile.BadZipFile, zlib.error, OSError, ValueError, EOFError) as e:
+        raise _damaged(npath, f"cannot be read ({type(e).__name__}: {e})") from None
     views = manifest.get("dtypes", {})
 
     def get(key):
-        a = npz[key]
-        return jnp.asarray(a.view(jnp.dtype(views[key])) if key in views else a)
+        if key not in stored:
+            raise _damaged(npath, f"has no array {key} (which {mpath} lists)")
+        a = stored[key]
+        try:
+            return jnp.asarray(a.view(jnp.dtype(views[key])) if key in views else a)
+        except (TypeError, ValueError) as e:
+            raise _damaged(mpath, f"gives {key} the dtype {views[key]!r} ({e})") from None
 
     flat, quant = {}, {}
-    for key in npz.files:
+    for key in stored:
         if key.startswith("quant/"):
             quant[tuple(key.split("/")[1:])] = get(key)
     for key, info in manifest["weights"].items():
-        flat[tuple(key.split("/")[1:])] = QWeight(
-            codes=get(key + "/codes"), scale=get(key + "/scale"), fmt=info["fmt"],
-            shape=tuple(info["shape"]), k_dims=info["k_dims"])
-    for key in npz.files:
+        w = QWeight(codes=get(key + "/codes"), scale=get(key + "/scale"),
+                    **_layout(mpath, key, info))
+        _check_packed(npath, key, w)
+        flat[tuple(key.split("/")[1:])] = w
+    for key in stored:
         if key.startswith("params/") and key.rsplit("/", 1)[0] not in manifest["weights"]:
             flat[tuple(key.split("/")[1:])] = get(key)
     for key in manifest.get("factored", []):
         path = tuple(key.split("/")[1:])
+        if path + ("u",) not in flat or path + ("v",) not in flat:
+            raise _damaged(npath, f"lacks a factor of {key} (which {mpath} lists as factored)")
         flat[path] = Factored(u=flat.pop(path + ("u",)), v=flat.pop(path + ("v",)),
                               lead=manifest.get("factored_lead", {}).get(key, 0))
     return saved, traverse.unflatten_dict(flat), traverse.unflatten_dict(quant) if quant else {}

@@ -206,7 +206,13 @@ class CpuKernel:
                                 if os.path.exists(path):  # cut short: rebuilt
                                     os.unlink(path)
                                 self._build(path)
-                    lib = self._lib = ctypes.cdll.LoadLibrary(path)
+                    lib = ctypes.cdll.LoadLibrary(path)
+                    lost = [s for s in self.targets.values() if not hasattr(lib, s)]
+                    if lost:  # a bug hunt (session 96): another valid library in its place
+                        # was an AttributeError traceback, not the XLA twin
+                        raise OSError(f"{path} has no symbol {', '.join(lost)}: not this "
+                                      "kernel's library")
+                    self._lib = lib
                     for target, symbol in self.targets.items():
                         jax.ffi.register_ffi_target(
                             target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")

@@ -173,11 +173,26 @@ class Datastore:
         if not os.path.isfile(path):
             raise RetrievalError(f"{folder}: no {DATASTORE}; build the datastore first "
                                  "(python -m hpnlp.retrieval knnlm --workdir RUN --datastore DIR)")
-        with open(path) as f:
-            header = json.load(f)
+        try:  # a bug hunt (session 96): a cut file was a JSON error naming no file, and one
+            # without its "model" a KeyError traceback
+            with open(path) as f:
+                header = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RetrievalError(f"{path}: unreadable ({e}); delete the folder and build the "
+                                 "datastore again") from None
+        if not isinstance(header, dict):
+            raise RetrievalError(f"{path}: not a datastore header (a JSON object); delete the "
+                                 "folder and build the datastore again")
         if header.get("version") != VERSION:
             raise RetrievalError(f"{path}: datastore version {header.get('version')}, this hpnlp reads "
                                  f"{VERSION}; delete the folder and build it again")
+        need = (("entries", int), ("width", int)) + ((("model", str),) if params is not None
+                                                    else ())  # "model": checked against params
+        lost = [k for k, t in need
+                if not isinstance(header.get(k), t) or isinstance(header.get(k), bool)]
+        if lost:
+            raise RetrievalError(f"{path}: no valid {', '.join(repr(k) for k in lost)} in it; "
+                                 "delete the folder and build the datastore again")
         if params is not None and header["model"] != params_digest(params):
             raise RetrievalError(f"{folder}: this datastore was built by another model (parameters "
                                  f"{header['model']}, from {header.get('workdir', '?')} step "
@@ -400,8 +415,12 @@ def check_out(out: str, workdir: str, command: str, datastore: str | None = None
     try:
         with open(path) as f:
             was = _summary_source(json.load(f))
-    except (OSError, ValueError, AttributeError):
-        was = (None, "")
+    except (OSError, ValueError, AttributeError) as e:
+        # a bug hunt (session 96): a cut summary (a run stopped as it wrote it, perhaps this
+        # command's own) was called "a summary.json of another command"
+        raise RetrievalError(f"--out {out} holds a summary.json that cannot be read "
+                             f"({type(e).__name__}: {e}), perhaps cut as it was written; move it "
+                             "aside (or delete it) and run again, or give a new folder") from None
     if was != (command, os.path.realpath(workdir)):
         whose = (f"python -m hpnlp.retrieval {was[0]} of {was[1]}" if was[0]
                  else "another command")

@@ -51,7 +51,7 @@ from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.models import transformer_xl as xl
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
-                                    load_run_config)
+                                    load_run_config, run_members)
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState, make_optimizer
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
@@ -174,9 +174,21 @@ def _check_members_file(workdir: str, members: int) -> None:
     has_ckpts = os.path.isdir(ckpt) and any(d.isdigit() for d in os.listdir(ckpt))
     path = os.path.join(workdir, MEMBERS_FILE)
     saved = None
-    if os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)["members"]
+    if has_ckpts and os.path.exists(path):  # without checkpoints it is written anew
+        try:
+            with open(path) as f:
+                saved = json.load(f)["members"]
+            ok = type(saved) is int and saved >= 1
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError, KeyError, TypeError):
+            ok = False  # a bug hunt (session 96): a cut file was a JSON error naming no file
+        if not ok:
+            raise CheckpointMismatch(
+                f"{path} cannot be read as {{\"members\": M, ...}}; delete it (the run's "
+                "config.json says how many members its checkpoints hold) and run again")
+    elif has_ckpts:  # a bug hunt (session 96): a lost members.json called an ensemble's
+        # checkpoints "a plain run"; its config.json's shape signature counts the members
+        saved = run_members(workdir)
+        saved = saved if saved > 1 else None
     if has_ckpts and saved != members:
         what = "a plain run" if saved is None else f"a {saved}-member ensemble"
         hint = "" if saved is None else f", or --members {saved} to resume it"
