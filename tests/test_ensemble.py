@@ -63,6 +63,8 @@ def check_report(report, members):
         assert {"loss", "accuracy"} <= set(m) and 0.0 <= m["accuracy"] <= 1.0
     mean = np.mean([m["loss"] for m in report["members"]])
     assert report["member_mean"]["loss"] == pytest.approx(mean, rel=1e-6)
+    if "ppl" in report:  # the mean loss's (a bug hunt, session 96: the perplexities' mean)
+        assert report["member_mean"]["ppl"] == pytest.approx(np.exp(mean), rel=1e-6)
     assert report["loss"] <= mean * (1 + 1e-6)  # Jensen, up to float32 rounding
 
 

@@ -129,6 +129,8 @@ def _report(sums: dict, *, lm: bool) -> dict:
     num = len(sums["members"]["weight"])
     members = [finalize({k: v[i] for k, v in sums["members"].items()}, lm=lm) for i in range(num)]
     mean = {k: float(np.mean([m[k] for m in members])) for k in members[0]}
+    if "ppl" in mean and "loss" in mean:  # the mean loss's (a bug hunt, session 96: the mean
+        mean["ppl"] = float(np.exp(mean["loss"]))  # of the perplexities, unlike every row)
     return {**finalize(sums["ensemble"], lm=lm), "members": members, "member_mean": mean}
 
 
