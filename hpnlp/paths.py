@@ -140,8 +140,9 @@ class WorkdirBusy(ValueError):
     """Another process is training in the workdir."""
 
 
-# The workdirs this process holds: realpath -> [the locked folder's descriptor, holders]
-_HELD: dict[str, list[int]] = {}
+# The workdirs this process holds: realpath -> [the locked folder's descriptor, holders,
+# whether the hold made the folder]
+_HELD: dict[str, list] = {}
 
 
 def hold_workdir(workdir: str):
@@ -157,7 +158,8 @@ def hold_workdir(workdir: str):
     if key in _HELD:
         _HELD[key][1] += 1
     else:
-        os.makedirs(workdir, exist_ok=True)
+        made = not os.path.isdir(workdir)  # removed again if released empty (a run refused
+        os.makedirs(workdir, exist_ok=True)  # before it wrote anything leaves no folder)
         fd = os.open(workdir, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -166,7 +168,7 @@ def hold_workdir(workdir: str):
                 os.close(fd)
                 raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
             # (any other error: a file system without locks, run unguarded)
-        _HELD[key] = [fd, 1]
+        _HELD[key] = [fd, 1, made]
     done = []
 
     def release() -> None:
@@ -178,6 +180,9 @@ def hold_workdir(workdir: str):
             entry[1] -= 1
             if entry[1] == 0:
                 del _HELD[key]
+                with contextlib.suppress(OSError):
+                    if entry[2] and not os.listdir(key):
+                        os.rmdir(key)
                 os.close(entry[0])  # the lock with it
     return release
 

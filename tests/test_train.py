@@ -1163,6 +1163,10 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         with pytest.raises(CheckpointMismatch):  # a run refused after taking it: released
             Trainer(from_configdict(wide), own)
         assert can_lock(own)
+        from hpnlp.paths import hold_workdir  # a folder the hold made goes if left empty
+        release = hold_workdir(str(tmp_path / "new"))
+        release()
+        assert not os.path.exists(tmp_path / "new")
     finally:
         holder.kill()
         holder.wait()
