@@ -269,8 +269,6 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         same_config_everywhere(checked, n, i, same)
     except ConfigError as e:  # every process stops here, and leaves the service together
         exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
-    from hpnlp.train.stop import ctrl_c_as_preemption
-    ctrl_c_as_preemption()
 
 
 def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
@@ -349,6 +347,9 @@ def main(argv) -> None:
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
         join_processes(cfg)
+        if FLAGS.coordinator:  # Ctrl-C while the run is built stops every process with it
+            from hpnlp.train.stop import ctrl_c_as_preemption
+            ctrl_c_as_preemption()
         summary = run(cfg, FLAGS.workdir, profile_dir=FLAGS.profile)
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
         # Config, data-file and checkpoint problems: one line saying what and how to fix.

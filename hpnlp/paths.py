@@ -136,6 +136,16 @@ def _output_source(folder: str, files: tuple[str, ...]) -> str | None:
     return None
 
 
+def write_json(path: str, obj, indent: int | None = 1) -> None:
+    """`obj` as JSON at `path`, whole or not at all: written beside it, then moved over it (a
+    reader, or a rerun after a kill, never finds half a file)."""
+    import json
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent)
+    os.replace(tmp, path)
+
+
 class WorkdirBusy(ValueError):
     """Another process is training in the workdir."""
 
@@ -221,7 +231,11 @@ def hold_for_training(workdir: str, processes: int = 1):
     if processes > 1:
         import numpy as np
         from jax.experimental import multihost_utils
-        busy = bool(multihost_utils.broadcast_one_to_all(np.int32(busy)))
+        try:
+            busy = bool(multihost_utils.broadcast_one_to_all(np.int32(busy)))
+        except BaseException:
+            release()
+            raise
     if busy:
         release()
         raise WorkdirBusy(BUSY.format(workdir=workdir))

@@ -209,14 +209,15 @@ def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, mon
     ("adaptive.div_value='x'", r"`output\.options\.div_value` = 'x' .*must be a number"),
     ("adaptive.head_bias=1", r"`output\.options\.head_bias` = 1 .*must be True or False"),
     ("nce.sampler=2", r"`output\.options\.sampler` = 2 .*must be a string"),
-    ("adaptive.vocab_size=3", "set by the model from model.vocab_size"),
+    ("adaptive.vocab_size=3", "set by the model from --vocabs"),
 ])
 def test_softmax_bench_set_errors_name_the_item(item, message):
     from hpnlp.bench import softmax as bench_softmax
     with pytest.raises(harness.BenchInputError, match=message):
         bench_softmax.parse_settings([item])
-    assert bench_softmax.parse_settings(["adaptive.chunk_logits=1024", "adaptive.div_value=2.0"]) == {
-        "adaptive": {"chunk_logits": 1024, "div_value": 2.0}}
+    assert bench_softmax.parse_settings(["adaptive.chunk_logits=1024", "adaptive.div_value=2.0",
+                                         "full.dtype='bfloat16'"]) == {
+        "adaptive": {"chunk_logits": 1024, "div_value": 2.0}, "full": {"dtype": "bfloat16"}}
     with pytest.raises(harness.BenchInputError, match="not a timed output layer"):
         bench_softmax.parse_settings(["adaptive.chunk_logits=1"], ["full"])
     # the cutoffs at small V stay strictly increasing in (0, V) (a bug hunt: V=100 read 0 first)

@@ -181,18 +181,18 @@ def test_prepare_resumes_after_an_interruption(tmp_path, files, prepared, monkey
     monkeypatch.setattr(tokenizers.Subword, "encode_many", real)
     # killed between a checkpoint's counts and its progress (a bug hunt, session 93: the
     # counts were the newer, and the rerun counted the documents between twice)
-    real_json, cut = prepare._atomic_json, []
+    real_json, cut = prepare.write_json, []
 
     def killed(path, obj):
         if path.endswith(prepare.PROGRESS_FILE) and not cut:
             cut.append(path)
             raise KeyboardInterrupt
         real_json(path, obj)
-    monkeypatch.setattr(prepare, "_atomic_json", killed)
+    monkeypatch.setattr(prepare, "write_json", killed)
     with pytest.raises(KeyboardInterrupt):
         prepare.main(args)
     assert cut and len(glob.glob(str(tmp_path / "p" / "progress-counts*.npz"))) == 2
-    monkeypatch.setattr(prepare, "_atomic_json", real_json)
+    monkeypatch.setattr(prepare, "write_json", real_json)
     # an input changed since is not resumed at its old offset (a bug hunt)
     stat = os.stat(tmp_path / "train.txt")
     os.utime(tmp_path / "train.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))

@@ -680,10 +680,12 @@ def test_subword_models_on_disk_are_compared_themselves_not_their_paths(tmp_path
     assert transfer.conversion(cfg, from_configdict(cd), run) is None  # the run's own model
     # a run resumed or read from its prepared folder: gone, or holding another model now, is
     # named with the fix (a bug hunt, session 96: "write the folder", or a data-stream error)
-    os.makedirs(tmp_path / "run" / "checkpoints")
+    os.makedirs(tmp_path / "run" / "checkpoints")  # no step saved: nothing to check
+    data.check_prepared_of_run(cfg_of(task="word_lm", tokenizer="bpe", prepared=p2), run)
+    os.makedirs(tmp_path / "run" / "checkpoints" / "4")
     data.check_prepared_of_run(mine, run)
     with pytest.raises(ConfigError, match=r"data\.prepared.* is not the one the run in .*run "
-                       r"was trained with .*--tokenizer_from .*run"):
+                       r"was trained with .*move it aside .*--tokenizer_from .*run --out .*p2"):
         data.check_prepared_of_run(cfg_of(task="word_lm", tokenizer="bpe", prepared=p2), run)
     with pytest.raises(ConfigError, match=r"data\.prepared.*holds no meta\.json now \(moved or "
                        r"deleted\?\).*restore it"):

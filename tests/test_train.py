@@ -569,7 +569,8 @@ def test_a_saved_array_of_another_element_type_is_named_before_the_restore(tmp_p
     saver.close()
     like = {"w": jax.ShapeDtypeStruct((2, 3), np.float32),
             "b": jax.ShapeDtypeStruct((3,), np.float32)}
-    assert _other_shapes(str(tmp_path / "state"), like) == "w: saved (2, 3) int32, now (2, 3) float32"
+    assert _other_shapes(str(tmp_path / "state"), like) == (
+        "w: saved (2, 3) int32, now (2, 3) float32")
     like["w"] = jax.ShapeDtypeStruct((2, 3), np.int32)
     assert _other_shapes(str(tmp_path / "state"), like) == ""
 
@@ -587,6 +588,11 @@ def test_a_config_json_that_lost_its_signature_or_is_not_a_file(tmp_path):
     del saved["shape_signature"]
     json.dump(saved, open(path, "w"))
     Checkpointer(str(tmp_path), cfg, keep=1).close()  # its own model: taken
+    json.dump({"members": 2}, open(tmp_path / "members.json", "w"))  # a seed ensemble's
+    with pytest.raises(CheckpointMismatch, match=r"ensemble.members: saved 2, now 1"):
+        Checkpointer(str(tmp_path), cfg, keep=1)
+    Checkpointer(str(tmp_path), cfg, keep=1, members=2).close()
+    os.remove(tmp_path / "members.json")
     wide = tiny()
     wide.model.width = 64
     with pytest.raises(CheckpointMismatch, match=r"model.width: saved 32, now 64"):
@@ -903,6 +909,8 @@ def test_early_stopping_on_patience(tmp_path, capsys):
                     steps=summary["final_step"] + 3)
     on = run(cd, str(tmp_path))
     assert not on["stopped_early"] and on["final_step"] == summary["final_step"] + 3
+    # its best starts over under the other metric (review: a saved accuracy read as a loss)
+    assert on["best_eval"]["step"] > summary["final_step"] and "loss" in on["best_eval"]
 
 
 def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):
@@ -1135,13 +1143,18 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
     def can_lock(path):  # whether another process could take the folder's lock now
         return subprocess.run([sys.executable, "-c", "import fcntl, os\n"
                                f"fcntl.flock(os.open({path!r}, os.O_RDONLY), "
-                               "fcntl.LOCK_EX | fcntl.LOCK_NB)"], capture_output=True).returncode == 0
-    holder = subprocess.Popen(  # another process training there: what the lock is taken by
-        [sys.executable, "-c", "import fcntl, os, sys, time\n"
-         f"fd = os.open({str(tmp_path)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-         "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                               "fcntl.LOCK_EX | fcntl.LOCK_NB)"],
+                              capture_output=True).returncode == 0
+
+    def hold(path):  # another process training there: what the lock is taken by
+        p = subprocess.Popen(
+            [sys.executable, "-c", "import fcntl, os, sys, time\n"
+             f"fd = os.open({str(path)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "held"
+        return p
+    holder = hold(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
         busy = (rf"^--workdir {re.escape(str(tmp_path))}: another process is training in it; "
                 r"wait for it to end \(or stop it\), or use another")
         with pytest.raises(WorkdirBusy, match=busy):
@@ -1158,6 +1171,13 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         assert not can_lock(own)
         tr.run()
         assert can_lock(own)
+        other = hold(own)  # a second run() takes it again (review: it ran unguarded)
+        try:
+            with pytest.raises(WorkdirBusy, match="another process is training in it"):
+                tr.run()
+        finally:
+            other.kill()
+            other.wait()
         wide = tiny(steps=4)
         wide.model.width = 64
         with pytest.raises(CheckpointMismatch):  # a run refused after taking it: released
@@ -1196,5 +1216,6 @@ def test_ctrl_c_before_a_multi_process_loop_is_passed_on_as_the_preemption_sigte
         with stop.StopSignals(multi=True) as s:
             assert s.taken == "Ctrl-C" and s.exit_code == 130
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert stop._before == [] and stop.StopSignals(multi=True).taken is None
     finally:
         signal.signal(signal.SIGINT, previous)

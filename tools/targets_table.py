@@ -22,6 +22,9 @@ import os
 
 from sync_readme import write_or_check
 
+from hpnlp.bench import report
+from hpnlp.bench.report import TARGET_OPS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join("docs", "benchmarks", "targets.md")
 
@@ -61,7 +64,6 @@ def number(v) -> str:
     return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-TARGET_OPS = (">=", "<=")  # hpnlp.bench.report.TARGET_OPS
 FIX = "rerun its benchmark, or restore the file (git checkout -- PATH)"
 
 
@@ -78,9 +80,7 @@ def target(path: str, name: str, t) -> dict:
             and (t.get("value") is None or _real(t.get("value")))):
         raise SystemExit(f"{path}: target {name!r} = {t!r} is not a target (a value, a bound "
                          f"and an op of {list(TARGET_OPS)}); {FIX.replace('PATH', path)}")
-    value, bound, op = t["value"], t["bound"], t["op"]
-    met = value is not None and (value >= bound if op == ">=" else value <= bound)
-    return {**t, "met": bool(met)}
+    return {**t, **report.target(t["value"], t["bound"], t["op"])}
 
 
 def records() -> list[tuple[str, dict]]:

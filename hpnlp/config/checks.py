@@ -28,13 +28,16 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def check_options(field: str, options: Mapping[str, Any], cls: type) -> None:
+def check_options(field: str, options: Mapping[str, Any], cls: type,
+                  model_set: Mapping[str, str] | None = None) -> None:
     """Options must be constructor fields of the registered module class, of their default's
     kind where it is a bool, an int, a float, a list or a string (found in review: 'false' from
     the command line was a string, so true, and 'abc' failed deep inside the loss). The
-    softmax bench's `--set` uses the same check."""
+    softmax bench's `--set` uses the same check. `model_set`: {option: what sets it} of the
+    options the caller sets itself (default: the model's, for output.options)."""
     params = inspect.signature(cls).parameters
-    model_set = _MODEL_SET_OUTPUT if field == "output.options" else {}
+    if model_set is None:
+        model_set = _MODEL_SET_OUTPUT if field == "output.options" else {}
     allowed = sorted(p for p in params if p not in ("parent", "name") and p not in model_set)
     for key, value in options.items():
         if key in model_set:

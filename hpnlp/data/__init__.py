@@ -92,32 +92,33 @@ def different_encoding(mine, theirs, their_workdir: str | None = None) -> str | 
     def name(c):
         lm = c.task in ("byte_lm", "word_lm")
         return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer
-    fields = [("data.task", mine.task, theirs.task),
-              ("data.tokenizer", name(mine), name(theirs))]
-    for field, a, b in fields:
-        if a != b:
-            return f"{field}={b!r} (this run: {a!r})"
-    fields = []
-    if name(mine) not in ("", "bytes"):
-        # Subword models on disk on both sides are compared themselves, not the paths they
-        # came from (a bug hunt, session 96: a folder prepared with that run's own tokenizer
-        # was refused, and one prepared anew at the same path would have passed)
-        a, b = tokenizer_sha256(mine), tokenizer_sha256(theirs, their_workdir)
-        if a and b:
-            return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
-                                        f"{b[:12]}..., this run's {a[:12]}...)")
-        fields += [("data.train_path", mine.train_path, theirs.train_path),
-                   ("data.prepared", mine.prepared, theirs.prepared)]
-        if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
-            # shipped corpus's training chapters depend on the split, and so do words and pieces
-            fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))
-        if not mine.prepared:  # the size asked for (a prepared folder's is its own)
-            size = "word_vocab_size" if name(mine) == "words" else "vocab_size"
-            if task_info(mine)["vocab_size"] != task_info(theirs)["vocab_size"]:
-                fields.append(("data." + size, getattr(mine, size), getattr(theirs, size)))
-    for field, a, b in fields:
-        if a != b:
-            return f"{field}={b!r} (this run: {a!r})"
+    def first(fields):  # the first that differs, as "field=theirs (this run: mine)"
+        for field, a, b in fields:
+            if a != b:
+                return f"{field}={b!r} (this run: {a!r})"
+        return None
+    why = first([("data.task", mine.task, theirs.task),
+                 ("data.tokenizer", name(mine), name(theirs))])
+    if why or name(mine) in ("", "bytes"):
+        return why
+    # Subword models on disk on both sides are compared themselves, not the paths they came
+    # from (a bug hunt, session 96: a folder prepared with that run's own tokenizer was
+    # refused, and one prepared anew at the same path would have passed)
+    a, b = tokenizer_sha256(mine), tokenizer_sha256(theirs, their_workdir)
+    if a and b:
+        return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
+                                    f"{b[:12]}..., this run's {a[:12]}...)")
+    fields = [("data.train_path", mine.train_path, theirs.train_path),
+              ("data.prepared", mine.prepared, theirs.prepared)]
+    if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
+        # shipped corpus's training chapters depend on the split, and so do words and pieces
+        fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))
+    why = first(fields)
+    if why or mine.prepared:  # (review, session 96: the sizes read after, a folder gone
+        return why            # failed inside task_info) a prepared folder's size is its own
+    size = "word_vocab_size" if name(mine) == "words" else "vocab_size"  # the size asked for
+    if task_info(mine)["vocab_size"] != task_info(theirs)["vocab_size"]:
+        return first([("data." + size, getattr(mine, size), getattr(theirs, size))])
     return None
 
 
@@ -147,12 +148,12 @@ def check_prepared_of_run(cfg, workdir: str) -> None:
     subword model now, is a ConfigError naming it and the fix (a bug hunt, session 96: told
     to write the folder with a new preparation, or refused for its data stream)."""
     from hpnlp.config import config_error
-    kept = os.path.join(workdir, tokenizers.DIRNAME)
-    if not (cfg.prepared and os.path.isdir(os.path.join(workdir, "checkpoints"))):
-        return
-    again = (f"restore it, or prepare the corpus again there with the run's own tokenizer "
-             f"(python -m hpnlp.data.prepare --tokenizer_from {workdir} ...)"
-             if os.path.isdir(kept) else "restore it")
+    kept, ckpt = os.path.join(workdir, tokenizers.DIRNAME), os.path.join(workdir, "checkpoints")
+    if not (cfg.prepared and os.path.isdir(ckpt) and any(d.isdigit() for d in os.listdir(ckpt))):
+        return  # (a run that has saved a step: train.checkpoint.has_checkpoint)
+    again = (f"restore it, or move it aside and prepare the corpus there again with the run's "
+             f"own tokenizer (python -m hpnlp.data.prepare --tokenizer_from {workdir} --out "
+             f"{cfg.prepared} ...)" if os.path.isdir(kept) else "restore it")
     if not os.path.exists(os.path.join(cfg.prepared, "meta.json")) and not os.path.exists(
             os.path.join(cfg.prepared, "progress.json")):
         raise config_error("data.prepared", cfg.prepared, f"the run in {workdir} was trained "

@@ -37,6 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from hpnlp.data import sharded, text_tasks, tokenizers
+from hpnlp.paths import write_json
 from hpnlp.stopping import Stopped, sigterm_as_interrupt
 
 PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
@@ -269,12 +270,6 @@ def make_tokenizer(args, paths: list[str], reused=None):
     return tok.encode_many, tok.describe(), tok
 
 
-def _atomic_json(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-
 def _check_out(out: str) -> None:
     """PrepareError where --out cannot hold the corpus: not a folder, or one holding a
     training run or other files (a folder of this tool's own is resumed or refused by its
@@ -482,7 +477,7 @@ def prepare(args) -> dict:
         name = f"progress-counts-{state['next_shard']:05d}.npz"
         np.savez(os.path.join(out, name + ".tmp.npz"), **counts)
         os.replace(os.path.join(out, name + ".tmp.npz"), os.path.join(out, name))
-        _atomic_json(progress_path, {"settings": settings, "state": state,
+        write_json(progress_path, {"settings": settings, "state": state,
                                      "input_stamps": stamps, "counts": name})
         for f in _counts_files(out):
             if os.path.basename(f) != name:
@@ -580,7 +575,7 @@ def prepare(args) -> dict:
             "input_stamps": stamps, "tokenizer": tok_info, "dtype": dtype,
             "splits": {s: {"shards": state["shards"][s], "documents": state["documents"][s],
                            "tokens": state["tokens"][s]} for s in ("train", "eval")}}
-    _atomic_json(meta_path, meta)
+    write_json(meta_path, meta)
     os.remove(progress_path)
     for f in _counts_files(out):
         os.remove(f)

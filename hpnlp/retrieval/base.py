@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from hpnlp.paths import write_json
 from hpnlp.registry import Registry
 
 FORMAT = "hpnlp.retrieval.index"
@@ -166,10 +167,7 @@ class Index(abc.ABC):
         if os.path.exists(os.path.join(folder, HEADER)):  # a bug hunt: a save cut off over an
             os.remove(os.path.join(folder, HEADER))  # index loaded its old header, new vectors
         self._save_files(folder)
-        tmp = os.path.join(folder, HEADER + ".tmp")  # the header last: a folder with one is whole
-        with open(tmp, "w") as f:
-            json.dump(self.header(), f, indent=1)
-        os.replace(tmp, os.path.join(folder, HEADER))
+        write_json(os.path.join(folder, HEADER), self.header())  # last: a folder with one is whole
         return folder
 
     @abc.abstractmethod

@@ -11,12 +11,12 @@ metrics, and an index over any texts.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from hpnlp.models import bi_encoder as be
+from hpnlp.paths import write_json
 from hpnlp.retrieval import base
 from hpnlp.retrieval.knnlm import check_out, load_run
 
@@ -40,8 +40,7 @@ def evaluate(workdir: str, *, out: str | None = None) -> dict:
                **be.evaluate_pool(cfg, model, params, task)}
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(os.path.join(out, "summary.json"), summary)
     return summary
 
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpnlp.paths import write_json
 from hpnlp.retrieval.base import Index, RetrievalError, make
 
 DATASTORE = "datastore.json"
@@ -128,9 +129,7 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     os.replace(os.path.join(folder, "values.tmp.npy"), os.path.join(folder, "values.npy"))
     header = {"format": "hpnlp.retrieval.datastore", "version": VERSION, "entries": n,
               "width": width, "model": params_digest(params), **(meta or {})}
-    with open(os.path.join(folder, DATASTORE + ".tmp"), "w") as f:  # whole, or absent
-        json.dump(header, f, indent=1)
-    os.replace(os.path.join(folder, DATASTORE + ".tmp"), os.path.join(folder, DATASTORE))
+    write_json(os.path.join(folder, DATASTORE), header)  # whole, or absent
     return Datastore.open(folder)
 
 
@@ -510,6 +509,5 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     }
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(os.path.join(out, "summary.json"), summary)
     return summary

@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hpnlp.config import Config, from_configdict, to_json
+from hpnlp.paths import write_json
 
 
 class NoCheckpoint(FileNotFoundError):
@@ -51,8 +52,15 @@ def _read_config_json(path: str) -> dict:
         raise NoCheckpoint(f"{path} has no \"config\" entry; it is not a config.json hpnlp "
                            "wrote: restore it, or train the run anew in a new workdir")
     if not isinstance(saved.get("shape_signature"), dict):
+        try:  # a seed ensemble's members: its members.json (hpnlp.train.ensemble) says
+            with open(os.path.join(os.path.dirname(path), "members.json")) as f:
+                members = json.load(f)["members"]
+            members = members if type(members) is int and members >= 1 else 1
+        except (OSError, ValueError, KeyError, TypeError):
+            members = 1
         try:
-            saved["shape_signature"] = _shape_signature(from_configdict(saved["config"]))
+            saved["shape_signature"] = _shape_signature(from_configdict(saved["config"]),
+                                                        members)
         except Exception:  # noqa: BLE001 (a config this version cannot read: compared as is)
             pass
     return saved
@@ -417,10 +425,7 @@ class Checkpointer:
     def _write_config(self, payload: dict) -> None:
         if jax.process_index() == 0:  # atomically: other processes may be reading it
             os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
-            tmp = self.config_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(payload, f, indent=1)
-            os.replace(tmp, self.config_path)
+            write_json(self.config_path, payload)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.models import transformer_xl as xl
+from hpnlp.paths import write_json
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
                                     load_run_config, run_members)
 from hpnlp.train.loop import Trainer
@@ -217,6 +218,13 @@ class EnsembleTrainer(Trainer):
         check_ensemble_evaluates(cfg)
         self.members = members  # read by Trainer.__init__ for the checkpoint signature
         super().__init__(cfg, workdir)
+        try:
+            self._init_members(members)
+        except BaseException:  # the workdir this Trainer holds, released (review, session 96)
+            self._release_workdir()
+            raise
+
+    def _init_members(self, members: int) -> None:
         cfg = self.cfg
         self.members = members
         self.seeds = [cfg.seed + i for i in range(members)]
@@ -260,11 +268,9 @@ class EnsembleTrainer(Trainer):
                     **{k: jax.tree.map(lambda x: x[i], getattr(state, k)) for k in fields}),
                 out_shardings=single)
         if jax.process_index() == 0:
-            os.makedirs(workdir, exist_ok=True)
-            path = os.path.join(workdir, MEMBERS_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump({"members": members, "seeds": self.seeds}, f)
-            os.replace(path + ".tmp", path)
+            os.makedirs(self.workdir, exist_ok=True)
+            write_json(os.path.join(self.workdir, MEMBERS_FILE),
+                       {"members": members, "seeds": self.seeds}, indent=None)
 
     def initial_state(self):
         """(stacked state, loop_state): restored from the newest checkpoint, or member i

@@ -29,6 +29,7 @@ from hpnlp.config import MESH_AXES, Config, config_error, from_configdict, valid
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
+from hpnlp.paths import write_json
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, check_params_match, has_checkpoint,
                                     load_run_config, restore_params)
@@ -189,7 +190,7 @@ class Trainer:
         `workdir` (hpnlp.compress uses this). Otherwise the workdir is held from here to the
         end of `run` (`hpnlp.paths.hold_for_training`): another process's run there is refused,
         and this one is where another holds it."""
-        self._release_workdir = lambda: None
+        self._release_workdir, self._read_only = (lambda: None), read_only
         try:
             self._init(cfg, workdir, read_only=read_only)
         except BaseException:
@@ -197,7 +198,7 @@ class Trainer:
             raise
 
     def __del__(self):
-        getattr(self, "_release_workdir", lambda: None)()
+        (getattr(self, "_release_workdir", None) or (lambda: None))()
 
     def _init(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
@@ -511,10 +512,14 @@ class Trainer:
         """The whole loop, in the workdir this Trainer holds (one lock, taken by process 0
         when it was built: the others of a multi-host run share its folder), released at
         its end."""
+        if self._release_workdir is None:  # run again (review, session 96: unguarded)
+            from hpnlp.paths import hold_for_training
+            self._release_workdir = hold_for_training(self.workdir, jax.process_count())
         try:
             return self._run(profile_dir=profile_dir)
         finally:
             self._release_workdir()
+            self._release_workdir = None if not self._read_only else self._release_workdir
 
     def _run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -523,6 +528,10 @@ class Trainer:
         resumed = start > 0
         best, best_step = loop.get("best"), loop.get("best_step")
         bad_evals = loop.get("bad_evals", 0)
+        if loop.get("best_metric", t.early_stopping_metric) != t.early_stopping_metric:
+            # another metric on resume: its best starts over (review, session 96: the saved
+            # loss was compared with accuracies, and reported as one)
+            best, best_step, bad_evals = None, None, 0
         # A run that stopped early stays stopped while its rule still stops it: with early
         # stopping off, or a patience its bad evals have not reached, a rerun trains on (a
         # bug hunt: with either, and more steps, it trained nothing and said nothing)
@@ -657,6 +666,7 @@ class Trainer:
                 "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "best_step": best_step, "bad_evals": bad_evals,
+                "best_metric": t.early_stopping_metric,
                 "stopped_early": stopped_early,
                 "last_eval": last_eval, "window": win, "routing_groups": groups})
 
@@ -818,10 +828,7 @@ class Trainer:
                 if isinstance(old, dict) and key in old:
                     summary[key] = old[key]
         if jax.process_index() == 0:  # whole or not at all (a kill mid-write cut it)
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(summary, f, indent=1)
-            os.replace(tmp, path)
+            write_json(path, summary)
         return summary
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import sys
 import threading
 
 from jax.experimental import multihost_utils
@@ -52,6 +53,8 @@ def ctrl_c_as_preemption() -> None:
         if _before:
             raise KeyboardInterrupt
         _before.append("Ctrl-C")
+        print("hpnlp: Ctrl-C: every process stops at the first step, saving it (Ctrl-C again "
+              "stops this one at once)", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
     on_int.hpnlp_before_loop = True
     signal.signal(signal.SIGINT, on_int)
@@ -102,6 +105,7 @@ class StopSignals:
         for which, handler in self._saved.items():
             signal.signal(which, handler)
         self._saved.clear()
+        _before.clear()  # taken over by this loop's stop
 
     def reached(self) -> bool:
         if not self.multi:
