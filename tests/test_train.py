@@ -222,6 +222,35 @@ def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
         "are checked against this one; config.json is written with the next checkpoint\n")
 
 
+def test_tensorboard_purges_what_a_start_or_a_resume_trains_again(tmp_path):
+    """A run's event files open with TensorBoard's purge: at step 0 on a start (a bug hunt,
+    session 96: a run stopped before its first checkpoint left its curves, mixed with the
+    rerun's), after the restored step on a resume."""
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    from hpnlp.train.metrics import MetricWriter
+
+    def purges(workdir):  # the steps of the START session logs (TensorBoard's purge points)
+        out = []
+        for path in sorted(glob.glob(str(workdir / "tensorboard" / "*"))):
+            data, i = open(path, "rb").read(), 0
+            while i < len(data):
+                n, = struct.unpack("<Q", data[i:i + 8])
+                event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+                i += 16 + n
+                if event.HasField("session_log") and event.session_log.status == 1:
+                    out.append(event.step)
+        return out
+    for resume, want in ((None, [0]), (7, [8])):
+        w = MetricWriter(str(tmp_path / str(resume)), resume_step=resume)
+        w.write(3, {"loss": 1.0})
+        w.close()
+        assert purges(tmp_path / str(resume)) == want
+
+
 def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeypatch):
     # a bug hunt (session 92): a read-only metrics.jsonl was a 30-line PermissionError
     # traceback after the restore (a read-only summary.json would fail after training)
@@ -503,7 +532,10 @@ def test_restore_quiets_orbax_abandoned_reads_from_its_start(tmp_path, monkeypat
 
 
 def test_workdir_of_another_model_is_refused(tmp_path, capsys):
-    run(tiny(steps=10), str(tmp_path))
+    run(tiny(steps=10, log_every=1, progress=True), str(tmp_path))
+    # the bar, in a file, redraws every 15 s, not at each log line (a bug hunt, session 96:
+    # its postfix redrew it, past the interval: thousands of lines in a long run's log)
+    assert capsys.readouterr().err.count("\r") <= 4
     # Exact attention by another implementation resumes (a README walk: a dense run refused
     # `chunked`), here a run at its end, which evaluates what it restores; another variant
     # is another model, refused (local attention holds the same arrays as dense)

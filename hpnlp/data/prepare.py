@@ -38,6 +38,7 @@ import numpy as np
 
 from hpnlp.data import sharded, text_tasks, tokenizers
 from hpnlp.paths import write_json
+from hpnlp.progress import bar_interval
 from hpnlp.stopping import Stopped, sigterm_as_interrupt
 
 PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
@@ -454,7 +455,8 @@ def prepare(args) -> dict:
         counts = {"train": np.zeros(V, np.int64), "eval_targets": np.zeros(V, np.int64)}
     total_bytes = sum(os.path.getsize(p) for _, ps in streams for p in ps)
     bar = tqdm(total=total_bytes, initial=state["bytes"], unit="B", unit_scale=True,
-               desc="prepare", dynamic_ncols=True, disable=args.quiet)
+               desc="prepare", dynamic_ncols=True, disable=args.quiet,
+               mininterval=bar_interval())
     writers: dict = {}
 
     def open_writer(split):

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.paths import write_json
+from hpnlp.progress import bar_interval
 from hpnlp.retrieval.base import Index, RetrievalError, make
 
 DATASTORE = "datastore.json"
@@ -91,7 +92,8 @@ def params_digest(params) -> str:
 
 def _progress(total: int, desc: str):
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, mininterval=2.0)
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True,
+                mininterval=bar_interval(2.0))
 
 
 def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int = 64,

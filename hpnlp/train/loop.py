@@ -30,6 +30,7 @@ from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
 from hpnlp.paths import write_json
+from hpnlp.progress import bar_interval
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, check_params_match, has_checkpoint,
                                     load_run_config, restore_params)
@@ -560,7 +561,7 @@ class Trainer:
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
         bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
-                   mininterval=0.2 if sys.stderr.isatty() else 15.0)
+                   mininterval=bar_interval())
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
         saved = loop.get("window") or {}
@@ -646,8 +647,10 @@ class Trainer:
                 del line["grad_norm"]
             line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
             writer.write(step, line)
+            # shown at the bar's next timed redraw (a bug hunt, session 96: redrawn at every
+            # log line, past the interval, thousands of lines in a log file)
             bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
-                            tok_s=f"{line['tokens_per_sec']:.0f}")
+                            tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
             window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
 
         def paused(seconds: float) -> None:
