@@ -151,21 +151,27 @@ class WorkdirBusy(ValueError):
 
 
 # The workdirs this process holds: realpath -> [the locked folder's descriptor, holders,
-# whether the hold made the folder]
+# whether the hold made the folder, its owner]
 _HELD: dict[str, list] = {}
 
 
-def hold_workdir(workdir: str):
+def hold_workdir(workdir: str, owner: str | None = None):
     """Take `workdir`'s training lock for this process and return its release() (called
     more than once, it releases once). Another process holding it: WorkdirBusy. Within one
     process the lock is shared (a second hold only counts), so a process's own runs one
-    after the other never refuse each other. An flock on the folder, so a process that dies
+    after the other never refuse each other, unless their `owner`s (e.g. the models they
+    train) differ: that is refused as another process's hold is (a bug hunt, session 96: a
+    second Trainer of another model in one process rewrote the first one's config.json). An flock on the folder, so a process that dies
     releases it; where the file system takes no locks (some network mounts), runs go on
     unguarded."""
     import errno
     import fcntl
     key = os.path.realpath(workdir)
     if key in _HELD:
+        if None not in (owner, _HELD[key][3]) and owner != _HELD[key][3]:
+            raise WorkdirBusy(f"--workdir {workdir}: this process holds it for a run of another "
+                              "model (a Trainer built before, still referenced); delete that "
+                              "Trainer (or let its run end), or use another --workdir")
         _HELD[key][1] += 1
     else:
         made = not os.path.isdir(workdir)  # removed again if released empty (a run refused
@@ -178,7 +184,7 @@ def hold_workdir(workdir: str):
                 os.close(fd)
                 raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
             # (any other error: a file system without locks, run unguarded)
-        _HELD[key] = [fd, 1, made]
+        _HELD[key] = [fd, 1, made, owner]
     done = []
 
     def release() -> None:
@@ -213,7 +219,7 @@ BUSY = ("--workdir {workdir}: another process is training in it; wait for it to 
         "it), or use another --workdir")
 
 
-def hold_for_training(workdir: str, processes: int = 1):
+def hold_for_training(workdir: str, processes: int = 1, owner: str | None = None):
     """`hold_workdir` for a run about to write into `workdir`, before it writes anything
     (review, session 95: refused only in `Trainer.run`, a second run had already rewritten
     config.json and removed the first one's checkpoint being saved), and kept until its
@@ -225,20 +231,21 @@ def hold_for_training(workdir: str, processes: int = 1):
     release, busy = (lambda: None), False
     if processes == 1 or jax.process_index() == 0:
         try:
-            release = hold_workdir(workdir)
-        except WorkdirBusy:
-            busy = True
+            release = hold_workdir(workdir, owner)
+        except WorkdirBusy as e:
+            busy = str(e)
     if processes > 1:
         import numpy as np
         from jax.experimental import multihost_utils
         try:
-            busy = bool(multihost_utils.broadcast_one_to_all(np.int32(busy)))
+            said = bool(multihost_utils.broadcast_one_to_all(np.int32(bool(busy))))
         except BaseException:
             release()
             raise
+        busy = busy or (BUSY.format(workdir=workdir) if said else False)
     if busy:
         release()
-        raise WorkdirBusy(BUSY.format(workdir=workdir))
+        raise WorkdirBusy(busy)
     return release
 
 

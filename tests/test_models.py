@@ -480,3 +480,35 @@ def test_decoding_a_reversible_model_of_random_features_is_refused():
     for arch in ("lstm", "transformer_xl"):  # no key/value cache (found in review: tracebacks)
         with pytest.raises(ValueError, match=rf"model.arch='transformer'.*{arch!r}"):
             models.generate(make_cfg("lm", arch=arch), {}, prompt, length=4)
+
+
+def test_a_registered_module_of_the_wrong_shape_is_named_at_trace():
+    """A bug hunt (session 96): a registered attention variant of another output shape failed
+    in the output projection's dot_general, naming nothing; an output layer whose loss was a
+    scalar mean trained with gradients scaled down by the token count. Shapes only."""
+    from hpnlp import attention as A
+    from hpnlp.attention.dense import DenseAttention
+    from hpnlp.softmax import base as softmax_base
+    from hpnlp.softmax.full import FullSoftmax
+
+    class Short(DenseAttention):
+        def __call__(self, q, k, v, mask=None, *, causal=False, deterministic=True):
+            return super().__call__(q, k, v, mask, causal=causal)[:, 1:]
+
+    class Mean(FullSoftmax):
+        def loss(self, hidden, targets, mask=None, *, deterministic=True):
+            return super().loss(hidden, targets, mask).mean()
+    batch = lm_batch()
+
+    def trace(cfg):
+        model = models.build(cfg, deterministic=True)
+        return jax.eval_shape(lambda key: model.init(key, batch), jax.random.key(0))
+    with A.registered("short_out", Short):
+        with pytest.raises(ValueError, match=r"attention variant 'short_out' returned an output "
+                           r"of shape \(2, 15, 4, 8\); it must return \[B, L, H, D\] = "
+                           r"\(2, 16, 4, 8\)"):
+            trace(make_cfg(attention="short_out"))
+    with softmax_base._REGISTRY.registered("mean_loss", Mean):
+        with pytest.raises(ValueError, match=r"output layer Mean.loss returned shape \(\); it "
+                           r"must return each token's loss, of the targets' shape \(2, 16\)"):
+            trace(dataclasses.replace(make_cfg(), output=OutputConfig("mean_loss")))

@@ -1171,6 +1171,7 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
     import re
 
     from hpnlp.paths import WorkdirBusy, training_in
+    from hpnlp.train.checkpoint import NoCheckpoint
 
     def can_lock(path):  # whether another process could take the folder's lock now
         return subprocess.run([sys.executable, "-c", "import fcntl, os\n"
@@ -1198,23 +1199,33 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         tr = Trainer(from_configdict(tiny(steps=4)), own)
         assert not can_lock(own)
         Trainer(from_configdict(tiny(steps=4)), own)  # this process's own: shared
+        wide = tiny(steps=4)
+        wide.model.width = 64  # unless of another model (a bug hunt, session 96: it rewrote
+        with pytest.raises(WorkdirBusy, match=r"this process holds it for a run of another "
+                           r"model \(a Trainer built before, still referenced\); delete that "
+                           r"Trainer"):  # the first one's config.json)
+            Trainer(from_configdict(wide), own)
         with training_in(own):
             pass
         assert not can_lock(own)
         tr.run()
         assert can_lock(own)
-        other = hold(own)  # a second run() takes it again (review: it ran unguarded)
-        try:
-            with pytest.raises(WorkdirBusy, match="another process is training in it"):
-                tr.run()
-        finally:
-            other.kill()
-            other.wait()
+        with pytest.raises(ValueError, match=r"this Trainer of .*own has run \(its checkpoints "
+                           r"are closed\); build a new Trainer\(cfg, workdir\), which resumes"):
+            tr.run()  # (a bug hunt, session 96: unguarded, on closed checkpoints)
         wide = tiny(steps=4)
         wide.model.width = 64
         with pytest.raises(CheckpointMismatch):  # a run refused after taking it: released
             Trainer(from_configdict(wide), own)
         assert can_lock(own)
+        reader = Trainer(from_configdict(tiny(steps=4)), str(tmp_path / "typo"), read_only=True)
+        with pytest.raises(NoCheckpoint, match=r"typo has no checkpoint to read: a read-only "
+                           r"Trainer reads a trained run"):  # (a bug hunt, session 96: a
+            reader.initial_state()  # random initialization, and the folder made)
+        assert not os.path.exists(tmp_path / "typo")
+        gone = Trainer(from_configdict(tiny(steps=4)), str(tmp_path / "gone"))
+        del gone  # released at once (a bug hunt, session 96: held by a reference cycle)
+        assert can_lock(str(tmp_path / "gone"))
         from hpnlp.paths import hold_workdir  # a folder the hold made goes if left empty
         release = hold_workdir(str(tmp_path / "new"))
         release()

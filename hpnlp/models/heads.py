@@ -86,6 +86,11 @@ class TransformerLM(nn.Module):
         mask_BL = batch["segment_ids"] > 0
         loss_BL = self.output.loss(self.hidden(batch), batch["targets"], mask_BL,
                                    deterministic=self.deterministic)
+        if loss_BL.shape != mask_BL.shape:  # a bug hunt (session 96): a registered layer's
+            # scalar mean trained, its gradients scaled down by the token count
+            raise ValueError(f"output layer {type(self.output).__name__}.loss returned shape "
+                             f"{tuple(loss_BL.shape)}; it must return each token's loss, of "
+                             f"the targets' shape {tuple(mask_BL.shape)} (the model sums them)")
         return {"loss": jnp.sum(loss_BL, dtype=jnp.float32),
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
 

@@ -185,6 +185,12 @@ class MultiHeadAttention(nn.Module):
         else:
             out_BLHD = attn(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=self.causal,
                             deterministic=self.deterministic)
+            want = (*q_BLHD.shape[:3], v_BLHD.shape[-1])  # [B, L, H, the values' D]
+            if tuple(out_BLHD.shape) != want:  # a bug hunt (session 96): a registered variant
+                # of another output shape failed in the output projection's dot_general
+                raise ValueError(f"attention variant {self.attention.name!r} returned an "
+                                 f"output of shape {tuple(out_BLHD.shape)}; it must return "
+                                 f"[B, L, H, D] = {want} (the queries' and the values' D)")
         return self._out(out_BLHD)
 
     def _out(self, out_BLHD):

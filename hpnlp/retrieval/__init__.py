@@ -1,10 +1,10 @@
 """Retrieval and memory: vector indexes behind one interface, the kNN-LM.
 
     >>> from hpnlp import retrieval
-    >>> index = retrieval.make("exact", 128)        # or "ivf", "faiss_flat", "faiss_ivf",
-    >>> index.add(vectors_ND)                       #    "faiss_hnsw", "scann"
+    >>> index = retrieval.make("exact", 128)  # or ivf, faiss_flat, faiss_ivf, faiss_hnsw, scann
+    >>> index.add(vectors_ND)                                       # doctest: +SKIP
     >>> scores_QK, ids_QK = index.search(queries_QD, k=10)   # doctest: +SKIP
-    >>> index.save("/tmp/idx"); index = retrieval.load("/tmp/idx", dim=128)
+    >>> index.save("/tmp/idx"); index = retrieval.load("/tmp/idx", dim=128)  # doctest: +SKIP
 
 Every index numbers vectors in add order and ranks ties by the lower id; `exact` and
 `faiss_flat` are exact, the others approximate (recall against `exact` is what the

@@ -355,7 +355,8 @@ class Checkpointer:
         # a tool reading the run leaves them (the run may be saving now)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, cleanup_tmp_directories=not read_only))
+                max_to_keep=keep, create=not read_only,  # (a reader writes nothing: a bug
+                cleanup_tmp_directories=not read_only))   # hunt, session 96)
         # The training loop keeps the preemption sync point's step counter (hpnlp.train.stop);
         # Orbax's save would set that counter to the step number it saves.
         self.manager.reached_preemption = lambda step: False

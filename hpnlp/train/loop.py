@@ -32,8 +32,8 @@ from hpnlp.parallel.mesh import unboxed
 from hpnlp.paths import write_json
 from hpnlp.progress import bar_interval
 from hpnlp.train import carry as carry_lib
-from hpnlp.train.checkpoint import (Checkpointer, check_params_match, has_checkpoint,
-                                    load_run_config, restore_params)
+from hpnlp.train.checkpoint import (Checkpointer, NoCheckpoint, check_params_match,
+                                    has_checkpoint, load_run_config, restore_params)
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import (init_params, init_state, learning_rate_schedule,
                                make_optimizer)
@@ -191,17 +191,17 @@ class Trainer:
         `workdir` (hpnlp.compress uses this). Otherwise the workdir is held from here to the
         end of `run` (`hpnlp.paths.hold_for_training`): another process's run there is refused,
         and this one is where another holds it."""
-        self._release_workdir, self._read_only = (lambda: None), read_only
+        self._release_workdir, self._read_only, self._ran = (lambda: None), read_only, False
         try:
-            self._init(cfg, workdir, read_only=read_only)
+            self._build(cfg, workdir, read_only=read_only)
         except BaseException:
             self._release_workdir()
             raise
 
     def __del__(self):
-        (getattr(self, "_release_workdir", None) or (lambda: None))()
+        getattr(self, "_release_workdir", lambda: None)()
 
-    def _init(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
+    def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
             cfg = mesh_for_these_devices(cfg, workdir)
         data_lib.check_prepared_of_run(cfg.data, workdir)
@@ -216,7 +216,10 @@ class Trainer:
         self.workdir = workdir
         if not read_only:  # before anything is written there
             from hpnlp.paths import hold_for_training
-            self._release_workdir = hold_for_training(workdir, jax.process_count())
+            from hpnlp.train.checkpoint import _shape_signature
+            model = json.dumps(_shape_signature(cfg, getattr(self, "members", 1)),
+                               sort_keys=True, default=str)
+            self._release_workdir = hold_for_training(workdir, jax.process_count(), model)
         self.lm = cfg.model.kind == "lm"
         # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
         self.task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=not read_only)
@@ -304,8 +307,10 @@ class Trainer:
                 self._restored = restore_params(cfg.train.init_from, self.model_params)
                 self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, self._restored)
             transform = lowrank.init_transform(cfg, model, batch1)
+        carries, mesh = self.carries, self.mesh  # (not self: a Trainer deleted is collected
+        # at once, and the workdir it holds released; a bug hunt, session 96)
         init = lambda key, params=None: init_state(  # noqa: E731
-            model, tx, key, batch1, loss_scale=scale, carries=self.carries,
+            model, tx, key, batch1, loss_scale=scale, carries=carries,
             batch_size=cfg.train.batch_size, transform=transform, params=params)
         with self._context():
             # Two programs: the model's random initialization, which every run of the same
@@ -322,7 +327,7 @@ class Trainer:
                            out_shardings=state_shardings(boxed, self.mesh, self.rules))
             rest = jax.jit(lambda key, p: nn.unbox(init(key, _rebox(boxed, p))),
                            out_shardings=self.state_sharding)
-            self._init = lambda key: rest(key, shared_program(draw, key, mesh=self.mesh)(key))
+            self._init = lambda key: rest(key, shared_program(draw, key, mesh=mesh)(key))
             self.abstract_state = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                 unboxed(abstract), self.state_sharding)
@@ -389,6 +394,11 @@ class Trainer:
     def initial_state(self):
         """(state, loop_state): restored from the newest checkpoint, or fresh."""
         step = self.checkpointer.latest_step()
+        if step is None and self._read_only:  # a bug hunt (session 96): a mistyped path read
+            # a model's random initialization as the run's, without a word
+            raise NoCheckpoint(f"workdir {self.workdir} has no checkpoint to read: a read-only "
+                               "Trainer reads a trained run (train one there first, or build "
+                               "the Trainer without read_only=True to start one)")
         if step is None:
             return self.fresh_state(jax.random.key(self.cfg.seed)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
@@ -513,14 +523,17 @@ class Trainer:
         """The whole loop, in the workdir this Trainer holds (one lock, taken by process 0
         when it was built: the others of a multi-host run share its folder), released at
         its end."""
-        if self._release_workdir is None:  # run again (review, session 96: unguarded)
-            from hpnlp.paths import hold_for_training
-            self._release_workdir = hold_for_training(self.workdir, jax.process_count())
+        if self._ran:  # a bug hunt (session 96): a second run() trained on a closed checkpoint
+            # manager (its save failed at the end), from the data position the first left
+            # (a start over read other batches), and without the workdir's lock
+            raise ValueError(f"this Trainer of {self.workdir} has run (its checkpoints are "
+                             "closed); build a new Trainer(cfg, workdir), which resumes from "
+                             "the newest checkpoint there")
+        self._ran = True
         try:
             return self._run(profile_dir=profile_dir)
         finally:
             self._release_workdir()
-            self._release_workdir = None if not self._read_only else self._release_workdir
 
     def _run(self, *, profile_dir: str | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train
