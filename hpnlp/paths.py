@@ -140,7 +140,7 @@ def write_json(path: str, obj, indent: int | None = 1) -> None:
     """`obj` as JSON at `path`, whole or not at all: written beside it, then moved over it (a
     reader, or a rerun after a kill, never finds half a file)."""
     import json
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = path + ".tmp"  # (written by one process: process 0, or a tool's only one)
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=indent)
     os.replace(tmp, path)
@@ -155,35 +155,29 @@ class WorkdirBusy(ValueError):
 _HELD: dict[str, list] = {}
 
 
-def hold_workdir(workdir: str, owner: str | None = None):
+def hold_workdir(workdir: str, owner=None):
     """Take `workdir`'s training lock for this process and return its release() (called
     more than once, it releases once). Another process holding it: WorkdirBusy. Within one
     process the lock is shared (a second hold only counts), so a process's own runs one
-    after the other never refuse each other, unless their `owner`s (e.g. the models they
-    train) differ: that is refused as another process's hold is (a bug hunt, session 96: a
-    second Trainer of another model in one process rewrote the first one's config.json). An flock on the folder, so a process that dies
-    releases it; where the file system takes no locks (some network mounts), runs go on
-    unguarded."""
-    import errno
-    import fcntl
+    after the other never refuse each other; `held_by` gives the `owner` the first hold
+    named (a Trainer refuses a second one of another model: a bug hunt, session 96). An
+    flock on the folder, so a process that dies releases it; where the file system takes
+    no locks (some network mounts), runs go on unguarded."""
     key = os.path.realpath(workdir)
     if key in _HELD:
-        if None not in (owner, _HELD[key][3]) and owner != _HELD[key][3]:
-            raise WorkdirBusy(f"--workdir {workdir}: this process holds it for a run of another "
-                              "model (a Trainer built before, still referenced); delete that "
-                              "Trainer (or let its run end), or use another --workdir")
         _HELD[key][1] += 1
     else:
         made = not os.path.isdir(workdir)  # removed again if released empty (a run refused
         os.makedirs(workdir, exist_ok=True)  # before it wrote anything leaves no folder)
-        fd = os.open(workdir, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
-                raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
-            # (any other error: a file system without locks, run unguarded)
+        fd = _lock(workdir)
+        # (review, session 96: a folder that its holder removed as it released it, locked
+        # meanwhile, is no longer the folder at that path: locked again there)
+        for _ in range(3):
+            if fd is None or _same_folder(fd, workdir):
+                break
+            os.close(fd)
+            os.makedirs(workdir, exist_ok=True)
+            fd = _lock(workdir)
         _HELD[key] = [fd, 1, made, owner]
     done = []
 
@@ -199,8 +193,34 @@ def hold_workdir(workdir: str, owner: str | None = None):
                 with contextlib.suppress(OSError):
                     if entry[2] and not os.listdir(key):
                         os.rmdir(key)
-                os.close(entry[0])  # the lock with it
+                if entry[0] is not None:
+                    os.close(entry[0])  # the lock with it
     return release
+
+
+def _lock(workdir: str) -> int | None:
+    """A descriptor of `workdir` holding its flock; WorkdirBusy where another holds it; None
+    where the file system takes no locks (the run goes on unguarded)."""
+    import errno
+    import fcntl
+    fd = os.open(workdir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
+        return None
+    return fd
+
+
+def _same_folder(fd: int, workdir: str) -> bool:
+    try:
+        here = os.stat(workdir)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 @contextlib.contextmanager
@@ -219,7 +239,13 @@ BUSY = ("--workdir {workdir}: another process is training in it; wait for it to 
         "it), or use another --workdir")
 
 
-def hold_for_training(workdir: str, processes: int = 1, owner: str | None = None):
+def held_by(workdir: str):
+    """The owner this process holds `workdir` for (`hold_workdir`), or None."""
+    entry = _HELD.get(os.path.realpath(workdir))
+    return None if entry is None else entry[3]
+
+
+def hold_for_training(workdir: str, processes: int = 1, owner=None):
     """`hold_workdir` for a run about to write into `workdir`, before it writes anything
     (review, session 95: refused only in `Trainer.run`, a second run had already rewritten
     config.json and removed the first one's checkpoint being saved), and kept until its

@@ -209,7 +209,7 @@ def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, mon
     ("adaptive.div_value='x'", r"`output\.options\.div_value` = 'x' .*must be a number"),
     ("adaptive.head_bias=1", r"`output\.options\.head_bias` = 1 .*must be True or False"),
     ("nce.sampler=2", r"`output\.options\.sampler` = 2 .*must be a string"),
-    ("adaptive.vocab_size=3", "set by the model from --vocabs"),
+    ("adaptive.vocab_size=3", "is set by the bench from --vocabs, not a --set option"),
 ])
 def test_softmax_bench_set_errors_name_the_item(item, message):
     from hpnlp.bench import softmax as bench_softmax

@@ -920,3 +920,13 @@ def test_a_cut_datastore_header_or_summary_is_one_line_naming_the_file(tmp_path)
     with pytest.raises(RetrievalError, match=r"holds a summary.json that cannot be read "
                                              r"\(JSONDecodeError: .*move it aside .*run again"):
         knnlm.check_out(str(ds), str(tmp_path / "lm"), "knnlm", str(ds))
+
+
+def test_the_package_docstring_runs(tmp_path, monkeypatch):
+    """Its example is a doctest (a bug hunt, session 96: it named arrays it never made)."""
+    import doctest
+
+    import hpnlp.retrieval
+    monkeypatch.chdir(tmp_path)
+    result = doctest.testmod(hpnlp.retrieval, raise_on_error=False, verbose=False)
+    assert result.attempted >= 7 and result.failed == 0

@@ -1199,12 +1199,16 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         tr = Trainer(from_configdict(tiny(steps=4)), own)
         assert not can_lock(own)
         Trainer(from_configdict(tiny(steps=4)), own)  # this process's own: shared
-        wide = tiny(steps=4)
-        wide.model.width = 64  # unless of another model (a bug hunt, session 96: it rewrote
-        with pytest.raises(WorkdirBusy, match=r"this process holds it for a run of another "
-                           r"model \(a Trainer built before, still referenced\); delete that "
-                           r"Trainer"):  # the first one's config.json)
-            Trainer(from_configdict(wide), own)
+        chunked = tiny(steps=4)  # exact attention by another implementation: one model
+        chunked.attention.name = "chunked"
+        Trainer(from_configdict(chunked), own)
+        for field, value in (("width", 64), ("arch", "lstm")):
+            other = tiny(steps=4)  # unless of another model (a bug hunt, session 96: it
+            other.model[field] = value  # rewrote the first one's config.json)
+            with pytest.raises(WorkdirBusy, match=rf"this process holds it for a run of another "
+                               rf"model \(.*model\.{field}: .*; a Trainer built before, still "
+                               r"referenced\); delete that Trainer"):
+                Trainer(from_configdict(other), own)
         with training_in(own):
             pass
         assert not can_lock(own)

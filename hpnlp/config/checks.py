@@ -18,9 +18,10 @@ from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_P
 
 # What the model gives an output layer itself: not options (found in review: accepted, then
 # overwritten when the layer was built), with the field that sets each
-_MODEL_SET_OUTPUT = {"vocab_size": "model.vocab_size", "embed": "output.tie_embeddings",
-                     "counts": "the task's token counts", "dtype": "model.dtype",
-                     "param_dtype": "model.param_dtype", "quant": "the quant group"}
+_MODEL_SET_OUTPUT = {k: f"is set by the model from {v}; set that instead" for k, v in {
+    "vocab_size": "model.vocab_size", "embed": "output.tie_embeddings",
+    "counts": "the task's token counts", "dtype": "model.dtype",
+    "param_dtype": "model.param_dtype", "quant": "the quant group"}.items()}
 
 
 def _backend() -> str:
@@ -33,16 +34,15 @@ def check_options(field: str, options: Mapping[str, Any], cls: type,
     """Options must be constructor fields of the registered module class, of their default's
     kind where it is a bool, an int, a float, a list or a string (found in review: 'false' from
     the command line was a string, so true, and 'abc' failed deep inside the loss). The
-    softmax bench's `--set` uses the same check. `model_set`: {option: what sets it} of the
-    options the caller sets itself (default: the model's, for output.options)."""
+    softmax bench's `--set` uses the same check. `model_set`: {option: why it is refused} of
+    the options the caller sets itself (default: the model's, for output.options)."""
     params = inspect.signature(cls).parameters
     if model_set is None:
         model_set = _MODEL_SET_OUTPUT if field == "output.options" else {}
     allowed = sorted(p for p in params if p not in ("parent", "name") and p not in model_set)
     for key, value in options.items():
         if key in model_set:
-            _fail(f"{field}.{key}", value, f"is set by the model from {model_set[key]}; set "
-                  "that instead")
+            _fail(f"{field}.{key}", value, model_set[key])
         if key not in params or key in ("parent", "name"):
             _fail(f"{field}.{key}", value,
                   f"unknown option for {cls.__name__}; it takes {allowed}")

@@ -148,24 +148,27 @@ def check_prepared_of_run(cfg, workdir: str) -> None:
     subword model now, is a ConfigError naming it and the fix (a bug hunt, session 96: told
     to write the folder with a new preparation, or refused for its data stream)."""
     from hpnlp.config import config_error
-    kept, ckpt = os.path.join(workdir, tokenizers.DIRNAME), os.path.join(workdir, "checkpoints")
-    if not (cfg.prepared and os.path.isdir(ckpt) and any(d.isdigit() for d in os.listdir(ckpt))):
-        return  # (a run that has saved a step: train.checkpoint.has_checkpoint)
-    again = (f"restore it, or move it aside and prepare the corpus there again with the run's "
-             f"own tokenizer (python -m hpnlp.data.prepare --tokenizer_from {workdir} --out "
-             f"{cfg.prepared} ...)" if os.path.isdir(kept) else "restore it")
+    from hpnlp.train.checkpoint import has_checkpoint
+    if not (cfg.prepared and has_checkpoint(workdir)):
+        return
+    kept = os.path.join(workdir, tokenizers.DIRNAME)
+
+    def again(aside: str) -> str:
+        return (f"restore it, or {aside}prepare the corpus there again with the run's own "
+                f"tokenizer (python -m hpnlp.data.prepare --tokenizer_from {workdir} --out "
+                f"{cfg.prepared} ...)" if os.path.isdir(kept) else "restore it")
     if not os.path.exists(os.path.join(cfg.prepared, "meta.json")) and not os.path.exists(
             os.path.join(cfg.prepared, "progress.json")):
         raise config_error("data.prepared", cfg.prepared, f"the run in {workdir} was trained "
                            "from this folder, which holds no meta.json now (moved or "
                            "deleted?), and reads its vocabulary, token counts and shards "
-                           f"there; {again}")
+                           f"there; {again('')}")
     theirs = tokenizer_sha256(dataclasses.replace(cfg, prepared=""), workdir)
     mine = tokenizer_sha256(cfg)
     if theirs and mine and theirs != mine:
         raise config_error("data.prepared", cfg.prepared, f"this folder's tokenizer (sha256 "
                            f"{mine[:12]}...) is not the one the run in {workdir} was trained "
-                           f"with ({kept}, sha256 {theirs[:12]}...); {again}")
+                           f"with ({kept}, sha256 {theirs[:12]}...); {again('move it aside and ')}")
 
 
 def byte_ids(cfg) -> bool:

@@ -480,7 +480,7 @@ def prepare(args) -> dict:
         np.savez(os.path.join(out, name + ".tmp.npz"), **counts)
         os.replace(os.path.join(out, name + ".tmp.npz"), os.path.join(out, name))
         write_json(progress_path, {"settings": settings, "state": state,
-                                     "input_stamps": stamps, "counts": name})
+                                   "input_stamps": stamps, "counts": name})
         for f in _counts_files(out):
             if os.path.basename(f) != name:
                 os.remove(f)

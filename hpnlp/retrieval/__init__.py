@@ -1,10 +1,14 @@
 """Retrieval and memory: vector indexes behind one interface, the kNN-LM.
 
+    >>> import numpy as np
     >>> from hpnlp import retrieval
+    >>> vectors_ND = np.random.default_rng(0).standard_normal((1000, 128), np.float32)
     >>> index = retrieval.make("exact", 128)  # or ivf, faiss_flat, faiss_ivf, faiss_hnsw, scann
-    >>> index.add(vectors_ND)                                       # doctest: +SKIP
-    >>> scores_QK, ids_QK = index.search(queries_QD, k=10)   # doctest: +SKIP
-    >>> index.save("/tmp/idx"); index = retrieval.load("/tmp/idx", dim=128)  # doctest: +SKIP
+    >>> index.add(vectors_ND)
+    >>> scores_QK, ids_QK = index.search(vectors_ND[:3], k=10)
+    >>> ids_QK.shape
+    (3, 10)
+    >>> folder = index.save("/tmp/hpnlp_idx"); index = retrieval.load(folder, dim=128)
 
 Every index numbers vectors in add order and ranks ties by the lower id; `exact` and
 `faiss_flat` are exact, the others approximate (recall against `exact` is what the

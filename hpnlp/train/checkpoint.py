@@ -720,6 +720,18 @@ def _saved_differs(saved: dict, cfg, sig: dict) -> dict:
     return diff
 
 
+def other_model(a: Config, b: Config, members_a: int = 1, members_b: int = 1) -> str:
+    """The fields in which a run of `b` would be another model than a run of `a` in the same
+    workdir, as a resume's check finds them ("" where none: exact attention's
+    implementations are one model), e.g. "model.width: 32 and 64"."""
+    saved = {"shape_signature": _shape_signature(a, members_a), "config": to_json(a)}
+    diff = _saved_differs(saved, b, _shape_signature(b, members_b))
+    if set(diff) <= {"attention.name", "attention.options"} and \
+            {a.attention.name, b.attention.name} <= EXACT_ATTENTION:
+        return ""
+    return "; ".join(f"{k}: {x!r} and {y!r}" for k, (x, y) in sorted(diff.items()))
+
+
 def _model_fields_differ(workdir: str, cfg: Config) -> dict:
     """{field: (that run's, cfg's)} for the model and output-layer fields that shape the
     parameters, where the run in `workdir` (its config.json) and `cfg` differ."""

@@ -487,6 +487,9 @@ def _main(argv) -> None:
         cli.join_processes(cfg, {"--members": F.members,
                                  "--from_checkpoints": F.from_checkpoints})
         if F.members:
+            if F.coordinator:  # Ctrl-C while it is built stops every process (review, s. 96)
+                from hpnlp.train.stop import ctrl_c_as_preemption
+                ctrl_c_as_preemption()
             os.makedirs(F.workdir, exist_ok=True)
             trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members)
             report = {"mode": "seeds", "seeds": trainer.seeds,

@@ -199,7 +199,8 @@ class Trainer:
             raise
 
     def __del__(self):
-        getattr(self, "_release_workdir", lambda: None)()
+        if not sys.is_finalizing():  # (at exit the process's end releases it; review: the
+            getattr(self, "_release_workdir", lambda: None)()  # modules were torn down)
 
     def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
@@ -215,10 +216,16 @@ class Trainer:
                                "quant.act_scale='dynamic'")
         self.workdir = workdir
         if not read_only:  # before anything is written there
-            from hpnlp.paths import hold_for_training
-            from hpnlp.train.checkpoint import _shape_signature
-            model = json.dumps(_shape_signature(cfg, getattr(self, "members", 1)),
-                               sort_keys=True, default=str)
+            from hpnlp.paths import WorkdirBusy, held_by, hold_for_training
+            from hpnlp.train.checkpoint import other_model
+            model = (cfg, getattr(self, "members", 1))
+            held = held_by(workdir)  # by this process: a Trainer of another model is refused
+            differ = held and other_model(held[0], cfg, held[1], model[1])  # (a bug hunt,
+            if differ:  # session 96: it rewrote the first one's config.json)
+                raise WorkdirBusy(f"--workdir {workdir}: this process holds it for a run of "
+                                  f"another model ({differ}; a Trainer built before, still "
+                                  "referenced); delete that Trainer (or let its run end), or "
+                                  "use another --workdir")
             self._release_workdir = hold_for_training(workdir, jax.process_count(), model)
         self.lm = cfg.model.kind == "lm"
         # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.

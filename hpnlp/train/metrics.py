@@ -60,7 +60,8 @@ class MetricWriter:
             # On resume, purge events logged after the checkpoint (the steps are redone); on a
             # start, every earlier one (a bug hunt, session 96: a run stopped before its first
             # checkpoint left its curves, mixed with the rerun's, as metrics.jsonl did not)
-            self.tb = SummaryWriter(tb_dir, purge_step=0 if resume_step is None else resume_step + 1)
+            self.tb = SummaryWriter(
+                tb_dir, purge_step=0 if resume_step is None else resume_step + 1)
         except OSError as e:  # a bug hunt: a read-only metrics.jsonl was a 30-line traceback
             raise ValueError(f"workdir {workdir}: cannot write {e.filename or workdir} "
                              f"({e.strerror or e}); make it writable, move it aside, or use a "
