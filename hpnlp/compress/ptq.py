@@ -164,17 +164,20 @@ def _layout(mpath: str, key: str, info) -> dict:
 
 
 def _check_packed(npath: str, key: str, w: QWeight) -> None:
-    """`w`'s codes [K packed, N] and scales [G, N] (G dividing K) as its format stores them."""
+    """`w`'s codes [..., K packed, N] and scales [..., G, N] (G dividing K; the same leading
+    axes: stacked layers, experts) as its format stores them."""
     import math
     K, N = w.k, math.prod(w.shape[w.k_dims:])
     rows = {"int4": -(-K // 2), "binary": -(-K // 8)}.get(w.fmt, K)
     dtype = {"int4": jnp.uint8, "binary": jnp.uint8, "fp8": jnp.float8_e4m3fn}.get(w.fmt, jnp.int8)
-    G = w.scale.shape[0] if w.scale.ndim == 2 else 0
+    lead = w.codes.shape[:-2]
+    G = w.scale.shape[-2] if w.scale.ndim >= 2 else 0
     for what, a, want, ok in (
-            ("codes", w.codes, f"{dtype.__name__} [{rows}, {N}]",
-             w.codes.shape == (rows, N) and w.codes.dtype == dtype),
-            ("scale", w.scale, f"float32 [G, {N}] with G dividing {K}",
-             w.scale.shape == (G, N) and G > 0 and K % G == 0 and w.scale.dtype == jnp.float32)):
+            ("codes", w.codes, f"{dtype.__name__} [..., {rows}, {N}]",
+             w.codes.ndim >= 2 and w.codes.shape[-2:] == (rows, N) and w.codes.dtype == dtype),
+            ("scale", w.scale, f"float32 [..., G, {N}] with G dividing {K}",
+             w.scale.shape == (*lead, G, N) and G > 0 and K % G == 0
+             and w.scale.dtype == jnp.float32)):
         if not ok:
             raise _damaged(npath, f"holds {key}/{what} as {a.dtype} {list(a.shape)}, where its "
                            f"{w.fmt} weight of shape {list(w.shape)} stores {want}")

@@ -219,9 +219,13 @@ class Trainer:
             from hpnlp.paths import WorkdirBusy, held_by, hold_for_training
             from hpnlp.train.checkpoint import other_model
             model = (cfg, getattr(self, "members", 1))
-            held = held_by(workdir)  # by this process: a Trainer of another model is refused
-            differ = held and other_model(held[0], cfg, held[1], model[1])  # (a bug hunt,
-            if differ:  # session 96: it rewrote the first one's config.json)
+            # held by this process, with no checkpoint yet (which the Checkpointer compares):
+            # a Trainer of another model is refused (a bug hunt, session 96: it rewrote the
+            # first one's config.json)
+            held = held_by(workdir)
+            differ = held and not has_checkpoint(workdir) and other_model(
+                held[0], cfg, held[1], model[1])
+            if differ:
                 raise WorkdirBusy(f"--workdir {workdir}: this process holds it for a run of "
                                   f"another model ({differ}; a Trainer built before, still "
                                   "referenced); delete that Trainer (or let its run end), or "
