@@ -223,18 +223,6 @@ def _same_folder(fd: int, workdir: str) -> bool:
     return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-@contextlib.contextmanager
-def training_in(workdir: str):
-    """Held while a run trains in `workdir` (`hold_workdir`): a second run started there
-    meanwhile is refused in one line (a bug hunt, session 95: both trained, their log lines,
-    TensorBoard files and checkpoints mixed)."""
-    release = hold_workdir(workdir)
-    try:
-        yield
-    finally:
-        release()
-
-
 BUSY = ("--workdir {workdir}: another process is training in it; wait for it to end (or stop "
         "it), or use another --workdir")
 

@@ -1170,7 +1170,7 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
     releases the folder."""
     import re
 
-    from hpnlp.paths import WorkdirBusy, training_in
+    from hpnlp.paths import WorkdirBusy, hold_workdir
     from hpnlp.train.checkpoint import NoCheckpoint
 
     def can_lock(path):  # whether another process could take the folder's lock now
@@ -1209,8 +1209,7 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
                                rf"model \(.*model\.{field}: .*; a Trainer built before, still "
                                r"referenced\); delete that Trainer"):
                 Trainer(from_configdict(other), own)
-        with training_in(own):
-            pass
+        hold_workdir(own)()
         assert not can_lock(own)
         tr.run()
         assert can_lock(own)
@@ -1230,7 +1229,7 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         gone = Trainer(from_configdict(tiny(steps=4)), str(tmp_path / "gone"))
         del gone  # released at once (a bug hunt, session 96: held by a reference cycle)
         assert can_lock(str(tmp_path / "gone"))
-        from hpnlp.paths import hold_workdir  # a folder the hold made goes if left empty
+        # a folder the hold made goes if left empty
         release = hold_workdir(str(tmp_path / "new"))
         release()
         assert not os.path.exists(tmp_path / "new")

@@ -372,9 +372,8 @@ class Checkpointer:
             diff = _saved_differs(saved, cfg, sig)
             lines = "; ".join(f"{k}: saved {_shown(a, saved.get('config'), k)}, now "
                               f"{_shown(b, payload['config'], k)}" for k, (a, b) in diff.items())
-            names = {saved["config"].get("attention", {}).get("name"), cfg.attention.name}
-            if diff and resuming and set(diff) <= {"attention.name", "attention.options"} and \
-                    names <= EXACT_ATTENTION:
+            if diff and resuming and _exact_attention_switch(
+                    diff, saved["config"].get("attention", {}).get("name"), cfg.attention.name):
                 # Exact attention by another implementation (or its block sizes): the same
                 # arrays and the same function, so a resume or a tool may switch (a README
                 # walk: a dense run refused `chunked`). Other variants hold the same arrays
@@ -720,14 +719,20 @@ def _saved_differs(saved: dict, cfg, sig: dict) -> dict:
     return diff
 
 
+def _exact_attention_switch(diff: dict, name_a, name_b) -> bool:
+    """Whether two runs' differences (`_saved_differs`) are only one implementation of exact
+    attention for another (or its block sizes): one model."""
+    return set(diff) <= {"attention.name", "attention.options"} and \
+        {name_a, name_b} <= EXACT_ATTENTION
+
+
 def other_model(a: Config, b: Config, members_a: int = 1, members_b: int = 1) -> str:
     """The fields in which a run of `b` would be another model than a run of `a` in the same
     workdir, as a resume's check finds them ("" where none: exact attention's
     implementations are one model), e.g. "model.width: 32 and 64"."""
     saved = {"shape_signature": _shape_signature(a, members_a), "config": to_json(a)}
     diff = _saved_differs(saved, b, _shape_signature(b, members_b))
-    if set(diff) <= {"attention.name", "attention.options"} and \
-            {a.attention.name, b.attention.name} <= EXACT_ATTENTION:
+    if _exact_attention_switch(diff, a.attention.name, b.attention.name):
         return ""
     return "; ".join(f"{k}: {x!r} and {y!r}" for k, (x, y) in sorted(diff.items()))
 
