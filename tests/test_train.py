@@ -532,10 +532,7 @@ def test_restore_quiets_orbax_abandoned_reads_from_its_start(tmp_path, monkeypat
 
 
 def test_workdir_of_another_model_is_refused(tmp_path, capsys):
-    run(tiny(steps=10, log_every=1, progress=True), str(tmp_path))
-    # the bar, in a file, redraws every 15 s, not at each log line (a bug hunt, session 96:
-    # its postfix redrew it, past the interval: thousands of lines in a long run's log)
-    assert capsys.readouterr().err.count("\r") <= 4
+    run(tiny(steps=10), str(tmp_path))
     # Exact attention by another implementation resumes (a README walk: a dense run refused
     # `chunked`), here a run at its end, which evaluates what it restores; another variant
     # is another model, refused (local attention holds the same arrays as dense)

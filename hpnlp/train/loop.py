@@ -671,10 +671,8 @@ class Trainer:
                 del line["grad_norm"]
             line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
             writer.write(step, line)
-            # shown at the bar's next timed redraw (a bug hunt, session 96: redrawn at every
-            # log line, past the interval, thousands of lines in a log file)
             bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
-                            tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
+                            tok_s=f"{line['tokens_per_sec']:.0f}")
             window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
 
         def paused(seconds: float) -> None:
