@@ -29,6 +29,8 @@ def _interrupts_in_one_line(argv=None) -> None:
             return hook(kind, value, tb)
         # hpnlp.train's Interrupted (a bench's training run) names the step a rerun resumes
         # from and its exit status (143 for SIGTERM)
+        from hpnlp.progress import close_bars
+        close_bars()
         print(f"{prog}: {str(value) or 'interrupted'}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -199,6 +199,8 @@ def exit_interrupted(message: str, code: int = 130, together: bool = False) -> N
     every process of a multi-process run stopped at the same step (hpnlp.train.stop), so
     they leave the coordination service together; a process leaving alone would take it
     from the others mid-exit."""
+    from hpnlp.progress import close_bars
+    close_bars()
     print(message, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,7 +4,10 @@ update (a bug hunt, session 96: a 100k-step run, or a 20 GB `prepare`, wrote tho
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 
 IN_A_FILE_S = 15.0
 
@@ -12,3 +15,36 @@ IN_A_FILE_S = 15.0
 def bar_interval(terminal_s: float = 0.2) -> float:
     """tqdm's `mininterval` for a bar on stderr: `terminal_s` in a terminal, else 15 s."""
     return terminal_s if sys.stderr.isatty() else IN_A_FILE_S
+
+
+def close_bars() -> None:
+    """Close the progress bars still drawn, each ending its line, so that a last message (a
+    Ctrl-C's) starts on a line of its own, not after a bar's text (`lm_bytes:   0%| | 0/200
+    [...]hpnlp: interrupted`): a bar a Ctrl-C left (a loop over `tqdm(...)`) is closed only
+    when it is collected, and in a pipe or a file its text ends at its next redraw."""
+    from tqdm import tqdm
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def progress_bar(**kwargs):
+    """A tqdm bar on stderr redrawn at `bar_interval()`, made whole before a Ctrl-C is taken:
+    one that came as it was first drawn (before tqdm set what its `close` needs to end the
+    line) is raised once it is made."""
+    from tqdm.auto import tqdm
+    kwargs.setdefault("mininterval", bar_interval())
+    if threading.current_thread() is not threading.main_thread():
+        return tqdm(**kwargs)  # only the main thread sets handlers (and takes Ctrl-C)
+    taken = []
+    saved = signal.signal(signal.SIGINT, lambda signum, frame: taken.append(frame))
+    try:
+        bar = tqdm(**kwargs)
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    if taken:  # closed (its line ended), then to the handler it would have reached
+        bar.close()
+        if callable(saved):
+            saved(signal.SIGINT, taken[0])
+        elif saved == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+    return bar

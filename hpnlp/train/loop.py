@@ -21,7 +21,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from hpnlp import data as data_lib
 from hpnlp import models
@@ -30,7 +29,7 @@ from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
 from hpnlp.paths import write_json
-from hpnlp.progress import bar_interval
+from hpnlp.progress import progress_bar
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, NoCheckpoint, check_params_match,
                                     has_checkpoint, load_run_config, restore_params)
@@ -583,9 +582,6 @@ class Trainer:
                      if start < t.steps else "")
                   + self._changes_said(start) + self._groups_said(loop),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
-        # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
-        bar = tqdm(total=t.steps, initial=start, disable=not show, desc=cfg.name, dynamic_ncols=True,
-                   mininterval=bar_interval())
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
         saved = loop.get("window") or {}
@@ -614,7 +610,6 @@ class Trainer:
         def diverged(step: int, what: str) -> NonFiniteLoss:
             good = newest_checkpoint()
             writer.close()
-            bar.close()
             where = (f"the last good checkpoint is {good} (left intact)" if good
                      else "no checkpoint was saved yet")
             return NonFiniteLoss(
@@ -671,8 +666,10 @@ class Trainer:
                 del line["grad_norm"]
             line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
             writer.write(step, line)
+            # shown at the bar's next redraw, not forced now: in a log file a forced one was a
+            # line per log line (a bug hunt, session 96), not one per 15 s
             bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
-                            tok_s=f"{line['tokens_per_sec']:.0f}")
+                            tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
             window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
 
         def paused(seconds: float) -> None:
@@ -700,6 +697,11 @@ class Trainer:
         profiling = False
         stop = StopSignals(multi=jax.process_count() > 1)
         stopping = False
+        # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
+        # Made here, where the `try` that closes it on every way out begins: an error or a
+        # Ctrl-C then starts its line on a fresh one, not after the bar's text
+        bar = progress_bar(total=t.steps, initial=start, disable=not show, desc=cfg.name,
+                           dynamic_ncols=True)
         try:
             with self._context(), stop:
                 for step in range(start + 1, t.steps + 1):
@@ -792,22 +794,21 @@ class Trainer:
                 jax.profiler.stop_trace()
             good = newest_checkpoint()
             writer.close()
-            bar.close()
             raise Interrupted(
                 f"{'stopped (SIGTERM)' if getattr(e, 'exit_code', 130) == 143 else 'interrupted'}"
                 f" at step {step}; " + (
                     f"the newest checkpoint is {good}: rerun the same command to resume from it"
                     if good else "no checkpoint was saved yet: a rerun starts over"),
                 getattr(e, "exit_code", 130)) from None
+        finally:
+            bar.close()
         if stopping:
             good = newest_checkpoint()
             self.checkpointer.close()
             writer.close()
-            bar.close()
             raise Interrupted(stop.message(step, good), stop.exit_code, saved=True)
         jax.block_until_ready(state)
         elapsed = time.perf_counter() - timing["t0"] if timing["t0"] else 0.0
-        bar.close()
         self.checkpointer.close()
         writer.close()
         if not last_eval:  # resumed at the end: evaluate what was restored
