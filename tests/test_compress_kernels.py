@@ -210,6 +210,44 @@ def test_int8_at_k_zero_is_zero():
 
 
 @needs_kernel
+def test_int4_at_n_zero_is_empty():
+    """N = 0: preparing the weight divided its size by nothing, a ZeroDivisionError (a bug
+    hunt, session 97), where the int8 and binary weights take it."""
+    w = qk.prepare_int4_weight(packing.pack_int4(np.zeros((8, 0), np.int8)),
+                               jnp.ones((1, 0), jnp.float32), k=8)
+    for impl in ("xla", "kernel"):
+        assert qk.int4_linear(jnp.ones((3, 8), jnp.float32), w, impl=impl).shape == (3, 0)
+
+
+def _nan_inf_rows(M, K):
+    """Rows holding a NaN (in the first 64 k, the vector loops, and in the tail past them),
+    a -inf, an inf and a NaN together, then rows of ones."""
+    x = np.ones((M, K), np.float32)
+    x[0, 3], x[1, K - 1], x[2, 5], x[3, 1], x[3, 2] = np.nan, np.nan, -np.inf, np.inf, np.nan
+    return jnp.asarray(x)
+
+
+@needs_kernel
+def test_int8_linear_rows_with_nan_or_inf_are_nan():
+    """A row holding a NaN has scale NaN and one holding an inf scale inf, so their outputs
+    are NaN, in the kernel as in the twin (a bug hunt (session 97): the kernel's max |x|
+    dropped a NaN, a row of finite outputs or -inf by the build; XLA's dropped it at some
+    shapes: M = 141 here)."""
+    K, N = 70, 3
+    w = qk.prepare_int8_weight(np.ones((K, N), np.int8))
+    for M in (5, 141):
+        x = _nan_inf_rows(M, K)
+        q, scale = qk.quantize_rows_int8(x)
+        np.testing.assert_array_equal(scale[:4], [np.nan, np.nan, np.inf, np.nan])
+        np.testing.assert_array_equal(q[:4], np.zeros((4, K)))
+        ys = jax.jit(lambda x: [qk.int8_linear(x, w, impl="xla")] + [
+            qk.int8_linear(x, w, impl="kernel", threads=t) for t in (1, 2)])(x)
+        for y in ys:
+            np.testing.assert_array_equal(y, np.where(np.arange(M)[:, None] < 4, np.nan, K)
+                                          * np.ones((1, N)))
+
+
+@needs_kernel
 @pytest.mark.parametrize("xbit,wbit", [(1, 1), (0, 0), (1, 0), (0, 1)])
 def test_binary_all_ones_and_minus_ones(xbit, wbit):
     M, K, N = 3, 1000, 11
@@ -541,6 +579,11 @@ for M, K, N in [(3, 13, 5), (7, 129, 33), (9, 200, 64), (41, 1500, 37)]:
     bias = jnp.asarray(rng.standard_normal(N).astype(np.float32))
     a, b = (np.asarray(qk.int8_linear(xf, w8, bias=bias, activation="gelu", impl=i)) for i in ("kernel", "xla"))
     assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * abs(b).max())
+xn = np.ones((5, 70), np.float32)  # NaN rows (in the vector loops, past them), -inf, inf
+xn[0, 3], xn[1, 69], xn[2, 5], xn[3, 1] = np.nan, np.nan, -np.inf, np.inf
+a = np.asarray(qk.int8_linear(jnp.asarray(xn), qk.prepare_int8_weight(np.ones((70, 3), np.int8)),
+                              impl="kernel"))
+assert np.isnan(a[:4]).all() and (a[4] == 70).all(), a
 print(int8, "ok")
 """
 

@@ -612,6 +612,63 @@ def test_another_library_in_the_cache_is_a_reason_not_a_traceback(tmp_path):
                      r"check the kernel cache .*delete a damaged library", k.unavailable_reason())
 
 
+@pytest.fixture
+def umask_027():
+    """A umask other than the usual 022, so that modes are seen to follow it."""
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+@pytest.mark.usefixtures("umask_027")
+def test_a_build_without_a_whole_library_fails_and_an_empty_one_is_rebuilt(tmp_path,
+                                                                          monkeypatch):
+    """A bug hunt (session 97): a compiler that exited 0 without output (CXX=/bin/true)
+    left an empty library in the cache, and a library under 64 bytes was never rebuilt, so
+    every later process failed to load it; one that exited 1 in silence was a message
+    ending in an empty line; a build killed mid-compile left its temporary file for good;
+    and the library was 0711 whatever the umask, unreadable in a shared cache. (A script
+    copying Python's own shared object stands for the compiler: nothing compiles here.)"""
+    import _ctypes
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(cache))
+
+    def reason(cxx):
+        monkeypatch.setenv("CXX", cxx)
+        return kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").load()
+
+    false = reason("false")
+    assert "failed (exit status 1; " in false
+    assert false.endswith("(no output; the compiler is $CXX=false)")
+    assert re.search(r"with \$CXX=true exited 0 but wrote no whole library \(.*: 0 bytes\); "
+                     "set CXX to a C\\+\\+ compiler", reason("true"))
+    assert [f for f in os.listdir(cache) if not f.endswith(".lock")] == []
+    for head in (b"", b"\x7fEL", b"\x7fELF\x02\x01" + bytes(40)):  # cut within the header
+        (tmp_path / "short.so").write_bytes(head)
+        assert not kernels._whole_library(str(tmp_path / "short.so"))
+    kernel = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel")
+    lib = kernel.library_path()
+    open(lib, "wb").close()  # what CXX=/bin/true left before the fix
+    open(lib + ".abc123.tmp.so", "wb").close()  # a build that was killed
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\nfor a; do out="$a"; done\ncp {_ctypes.__file__} "$out"\n')
+    cxx.chmod(0o755)
+    assert reason(str(cxx)) is None
+    assert os.path.getsize(lib) == os.path.getsize(_ctypes.__file__)
+    assert os.stat(lib).st_mode & 0o777 == 0o750
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(lib), os.path.basename(lib)
+                                                + ".lock"])
+
+
+@pytest.mark.usefixtures("tuning_on", "umask_027")
+def test_the_tuning_file_is_readable_as_the_umask_allows(tmp_path):
+    """A bug hunt (session 97): tuning files were 0600 (mkstemp's) whatever the umask, so a
+    cache shared between users could not be read by the others."""
+    t = _tuning(tmp_path, {64: 1.0, 128: 1.0}, [])
+    t.config()
+    assert t.source == "tuned" and os.stat(t.path()).st_mode & 0o777 == 0o640
+
+
 @pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("Off", False),
                                        ("no", False), ("1", True), ("", True)])
 def test_tuning_is_off_for_each_way_of_saying_so(monkeypatch, value, on):

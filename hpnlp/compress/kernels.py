@@ -290,10 +290,15 @@ def _as_int8_weight(w) -> Int8Weight:
 def quantize_rows_int8(x_MxK):
     """Per-row (per-token) symmetric int8: (q_MxK int8, scale_M) with scale = max|row| /
     127 and q = clip(round(x * (127 / max|row|)), -127, 127) (round half to even); a row of
-    zeros has scale 0. The int8 kernel computes exactly this."""
+    zeros has scale 0; a row holding a NaN has scale NaN, one holding an inf scale inf, and
+    both q = 0 (so their outputs are NaN). The int8 kernel computes exactly this."""
     amax_M1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True, initial=0.0)  # K = 0: 0
+    # a bug hunt (session 97): XLA:CPU's row max dropped a NaN at some shapes (a [141, 70]
+    # input, jax 0.10.2; a [3, 40] one kept it), and NaN * 0 was cast to int8 as it fell
+    amax_M1 = jnp.where(jnp.isnan(x_MxK).any(axis=1, keepdims=True), jnp.nan, amax_M1)
     inv_M1 = jnp.where(amax_M1 > 0, 127.0 / jnp.where(amax_M1 > 0, amax_M1, 1.0), 0.0)
-    q_MxK = jnp.clip(jnp.round(x_MxK * inv_M1), -127, 127).astype(jnp.int8)
+    x_MxK = jnp.where(inv_M1 > 0, x_MxK * inv_M1, 0.0)
+    q_MxK = jnp.clip(jnp.round(x_MxK), -127, 127).astype(jnp.int8)
     return q_MxK, (amax_M1 / 127.0)[:, 0]
 
 
@@ -539,7 +544,9 @@ def prepare_int4_weight(packed_KhxN, scale_GxN, *, k: int) -> Int4Weight:
     if _can_pack():
         nb = layout()["int4_nb"]
         P = -(-N // nb)
-        panels = _pad_to(packed_KhxN, packed_KhxN.shape[0], P * nb).reshape(-1, P, nb)
+        Kh = packed_KhxN.shape[0]  # not -1: N = 0 has no size to divide (a bug hunt,
+        # session 97: a ZeroDivisionError)
+        panels = _pad_to(packed_KhxN, Kh, P * nb).reshape(Kh, P, nb)
         panels = panels.transpose(1, 0, 2)  # [P, Kh, nb]
         panel_scales = _pad_to(scale_GxN, G, P * nb).reshape(G, P, nb).transpose(1, 0, 2)
     return Int4Weight(packed_KhxN, scale_GxN, panels, panel_scales, k)

@@ -52,6 +52,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -817,31 +818,46 @@ void i8_item(const I8Gemm& g, int m0, int m1, int panel) {
   });
 }
 
-// max |x| over n floats (order-free: exact however it is split).
+// max |x| over n floats (order-free: exact however it is split); NaN if any x is NaN, as
+// the twin's jnp.max (a bug hunt (session 97): maxps returns its second operand where one
+// is NaN, so a NaN was dropped, or kept, by where it fell, and the row's scale was finite).
+// One unordered compare of the two loads finds a NaN in either: O(n) beside the O(n N)
+// product.
 inline float absmax(const float* x, int n) {
   int k = 0;
   float m = 0.0f;
+  bool nan = false;
 #if defined(__AVX512F__)
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  __mmask16 unord = 0;
   for (; k + 32 <= n; k += 32) {
-    a0 = _mm512_max_ps(a0, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    a1 = _mm512_max_ps(a1, _mm512_abs_ps(_mm512_loadu_ps(x + k + 16)));
+    const __m512 u = _mm512_loadu_ps(x + k), v = _mm512_loadu_ps(x + k + 16);
+    a0 = _mm512_max_ps(a0, _mm512_abs_ps(u));
+    a1 = _mm512_max_ps(a1, _mm512_abs_ps(v));
+    unord |= _mm512_cmp_ps_mask(u, v, _CMP_UNORD_Q);
   }
   m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  nan = unord != 0;
 #endif
 #if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), unord8 = _mm256_setzero_ps();
   for (; k + 16 <= n; k += 16) {
-    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-    b = _mm256_max_ps(b, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 8)));
+    const __m256 u = _mm256_loadu_ps(x + k), v = _mm256_loadu_ps(x + k + 8);
+    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, u));
+    b = _mm256_max_ps(b, _mm256_andnot_ps(sign, v));
+    unord8 = _mm256_or_ps(unord8, _mm256_cmp_ps(u, v, _CMP_UNORD_Q));
   }
   alignas(32) float t[8];
   _mm256_store_ps(t, _mm256_max_ps(a, b));
   for (float v : t) m = std::max(m, v);
+  nan = nan || _mm256_movemask_ps(unord8) != 0;
 #endif
-  for (; k < n; ++k) m = std::max(m, std::fabs(x[k]));
-  return m;
+  for (; k < n; ++k) {
+    m = std::max(m, std::fabs(x[k]));
+    nan = nan || std::isnan(x[k]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 // sum |x| over n floats, in 16 interleaved partial sums.
@@ -867,8 +883,9 @@ inline float abssum(const float* x, int n) {
   return s;
 }
 
-// The per-row int8 scale (max |x| / 127, 0 for a row of zeros) into *scale; returns the
-// factor that quantizes: 127 / max |x| (0 for zeros).
+// The per-row int8 scale (max |x| / 127, 0 for a row of zeros; NaN or inf as the row's
+// max) into *scale; returns the factor that quantizes: 127 / max |x| (0 for zeros, NaN
+// and inf, as the twin's).
 inline float quantize_scale(const float* x, int n, float* scale) {
   const float amax = absmax(x, n);
   *scale = amax / 127.0f;
@@ -904,6 +921,10 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
       const float* xr = xf + size_t(m) * g.K;
       const float inv = quantize_scale(xr, g.K, &g.xs[m]);
       int k = 0;
+      if (inv == 0.0f)  // zeros, or a NaN or inf in the row: every q is 0, so the row's
+        // output is 0 * its scale, NaN where that is NaN or inf, as the twin's (a bug hunt
+        // (session 97): x * 0 is NaN for those, converted to -32768 or 0 by the build)
+        for (; k < g.K; ++k) q[k] = i8_x(0);
       // cvtps rounds by the current mode (to nearest even, as nearbyint below and XLA's
       // round); the clip comes first, which rounding an integer bound does not change.
 #if defined(__AVX512F__)

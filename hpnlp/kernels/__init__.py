@@ -22,9 +22,11 @@ chosen per CPU by a short measurement on first use (`hpnlp.kernels.tuning`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
+import glob
 import hashlib
 import os
 import platform
@@ -116,6 +118,12 @@ def compiler() -> list[str]:
     return cxx
 
 
+def _compiler_name(cxx: list[str]) -> str:
+    """The compiler as messages name it: `$CXX=...` where the environment chose it."""
+    named = " ".join(cxx)
+    return f"$CXX={named}" if shlex.split(os.environ.get("CXX", "")) else named
+
+
 def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None:
     """Compile `source` into the shared library `out` with the kernels' flags, against the
     XLA FFI headers and `header_dir`'s simd.h (tools/kernel_ab.py passes another revision's)."""
@@ -126,9 +134,35 @@ def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None
     except OSError as e:  # CXX names no program this process can run
         raise RuntimeError(f"cannot run the C++ compiler {' '.join(cxx)!r} ({e}); install g++, "
                            "or set CXX to a compiler") from e
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling {source} failed ({' '.join(cmd)}):\n"
-                           f"{proc.stderr[-2000:]}")
+    if proc.returncode != 0:  # a bug hunt (session 97): a compiler that printed nothing
+        # (CXX=/bin/false) was a message ending in an empty line
+        status = (f"exit status {proc.returncode}" if proc.returncode > 0
+                  else f"killed by signal {-proc.returncode}")
+        said = (proc.stderr.strip() or proc.stdout.strip())[-2000:] or (
+            f"(no output; the compiler is {_compiler_name(cxx)})")
+        raise RuntimeError(f"compiling {source} failed ({status}; {' '.join(cmd)}):\n{said}")
+    if not _whole_library(out):  # a bug hunt (session 97): CXX=/bin/true left an empty
+        # file in the cache, which was then loaded (and failed) in every later process
+        size = os.path.getsize(out) if os.path.exists(out) else 0
+        raise RuntimeError(f"compiling {source} with {_compiler_name(cxx)} exited 0 but wrote "
+                           f"no whole library ({out}: {size} bytes); set CXX to a C++ "
+                           "compiler (g++)")
+
+
+def readable_mode(mode: int) -> int:
+    """`mode` less this process's umask: what a plain `open` gives a new file, where
+    `mkstemp` gives 0600 whatever the umask (a bug hunt (session 97): the cache's libraries
+    were 0711 and its tuning files 0600, so a cache shared between users could not work)."""
+    try:
+        with open("/proc/self/status") as f:  # read, not set: other threads create files
+            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")),
+                         None)
+    except (OSError, ValueError, IndexError):
+        umask = None
+    if umask is None:  # not Linux, or a kernel before 4.7: set and restore it
+        umask = os.umask(0o077)
+        os.umask(umask)
+    return mode & ~umask
 
 
 def _whole_library(path: str) -> bool:
@@ -142,7 +176,12 @@ def _whole_library(path: str) -> bool:
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return False
-    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # not 64-bit ELF: the loader's
+    if not b"\x7fELF".startswith(head[:4]):  # not ELF: the loader's
+        return True
+    if len(head) < 64:  # cut within its header, or empty (a bug hunt (session 97): such a
+        # file was never rebuilt)
+        return False
+    if head[4] != 2:  # not 64-bit ELF: the loader's
         return True
     order = "<" if head[5] == 1 else ">"
     (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
@@ -180,10 +219,17 @@ class CpuKernel:
         return f"{stem}-{digest.hexdigest()[:16]}.so"
 
     def _build(self, path: str) -> None:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        # named after the library: under its lock, one of these is a build that was killed
+        # (a bug hunt, session 97: they stayed in the cache folder for good)
+        for stale in glob.glob(glob.escape(path) + ".*.tmp.so"):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp.so",
+                                   dir=os.path.dirname(path))
         os.close(fd)
         try:
             compile_library(self.source, tmp)
+            os.chmod(tmp, readable_mode(0o755))
         except BaseException:  # a failed build leaves no file behind
             os.unlink(tmp)
             raise

@@ -46,6 +46,8 @@ import time
 import warnings
 from typing import Callable
 
+from hpnlp import kernels
+
 VERSION = 2
 MARGIN = 0.03  # another candidate must beat the default by 3% to replace it
 FINALISTS = 3  # the fastest candidates timed again beside the default
@@ -224,6 +226,9 @@ class Tuning:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1)
+            # readable as the umask allows, not mkstemp's 0600: a shared cache's other users
+            # read it (a bug hunt, session 97)
+            os.chmod(tmp, kernels.readable_mode(0o644))
             os.replace(tmp, path)  # atomic: a reader never sees half a file
         except BaseException:
             os.unlink(tmp)
