@@ -6,7 +6,7 @@ distribution over a datastore of (context vector, next token) pairs from its tra
 1. **Datastore** (`build_datastore`): the trained LM reads its training split in order, one
    chunk per row exactly as training saw it; every target token's context vector (the final
    hidden state the output layer reads) is a key, stored memory-mapped as float16
-   (`keys.f16`, [N, E]), with the next token as its value (`values.i32`). `datastore.json`
+   (`keys.npy`, [N, E]), with the next token as its value (`values.npy`, int32). `datastore.json`
    names the model (a digest of its parameters), so a datastore from another model is
    refused in one line.
 2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2;
