@@ -6,9 +6,9 @@ distribution over a datastore of (context vector, next token) pairs from its tra
 1. **Datastore** (`build_datastore`): the trained LM reads its training split in order, one
    chunk per row exactly as training saw it; every target token's context vector (the final
    hidden state the output layer reads) is a key, stored memory-mapped as float16
-   (`keys.npy`, [N, E]), with the next token as its value (`values.npy`, int32). `datastore.json`
-   names the model (a digest of its parameters), so a datastore from another model is
-   refused in one line.
+   (`keys.npy`, [N, E]), with the next token as its value (`values.npy`, int32).
+   `datastore.json` names the model (a digest of its parameters), so a datastore from
+   another model is refused in one line.
 2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2;
    MIPS serves it exactly by the usual augmentation, key [k, |k|^2] against query
    [2q, -1], whose inner product is |q|^2 - |q - k|^2.
