@@ -155,21 +155,22 @@ class WorkdirBusy(ValueError):
 _HELD: dict[str, list] = {}
 
 
-def hold_workdir(workdir: str, owner=None):
+def hold_workdir(workdir: str, owner=None, busy: str | None = None):
     """Take `workdir`'s training lock for this process and return its release() (called
     more than once, it releases once). Another process holding it: WorkdirBusy. Within one
     process the lock is shared (a second hold only counts), so a process's own runs one
     after the other never refuse each other; `held_by` gives the `owner` the first hold
     named (a Trainer refuses a second one of another model: a bug hunt, session 96). An
     flock on the folder, so a process that dies releases it; where the file system takes
-    no locks (some network mounts), runs go on unguarded."""
+    no locks (some network mounts), runs go on unguarded. `busy`: WorkdirBusy's message
+    ({workdir} filled in), BUSY's by default."""
     key = os.path.realpath(workdir)
     if key in _HELD:
         _HELD[key][1] += 1
     else:
         made = not os.path.isdir(workdir)  # removed again if released empty (a run refused
         os.makedirs(workdir, exist_ok=True)  # before it wrote anything leaves no folder)
-        fd = _lock(workdir)
+        fd = _lock(workdir, busy or BUSY)
         # (review, session 96: a folder that its holder removed as it released it, locked
         # meanwhile, is no longer the folder at that path: locked again there)
         for _ in range(3):
@@ -177,7 +178,7 @@ def hold_workdir(workdir: str, owner=None):
                 break
             os.close(fd)
             os.makedirs(workdir, exist_ok=True)
-            fd = _lock(workdir)
+            fd = _lock(workdir, busy or BUSY)
         _HELD[key] = [fd, 1, made, owner]
     done = []
 
@@ -198,7 +199,7 @@ def hold_workdir(workdir: str, owner=None):
     return release
 
 
-def _lock(workdir: str) -> int | None:
+def _lock(workdir: str, busy: str) -> int | None:
     """A descriptor of `workdir` holding its flock; WorkdirBusy where another holds it; None
     where the file system takes no locks (the run goes on unguarded)."""
     import errno
@@ -209,7 +210,7 @@ def _lock(workdir: str) -> int | None:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise WorkdirBusy(BUSY.format(workdir=workdir)) from None
+            raise WorkdirBusy(busy.format(workdir=workdir)) from None
         return None
     return fd
 
@@ -225,6 +226,8 @@ def _same_folder(fd: int, workdir: str) -> bool:
 
 BUSY = ("--workdir {workdir}: another process is training in it; wait for it to end (or stop "
         "it), or use another --workdir")
+WRITING = ("--out {workdir}: another process is writing into it (a call like this one, or a "
+           "run training there); wait for it to end (or stop it), or use another --out")
 
 
 def held_by(workdir: str):
@@ -273,7 +276,20 @@ def staged(out: str, files: tuple[str, ...] | None = None):
     it raises (a failed check, Ctrl-C) they are removed and OUT keeps what an earlier call
     wrote. A bug hunt (session 94): a rerun into the same --out, interrupted, left the new
     model's files beside the old call's summary.json; a `shrink` cut short left a run with no
-    checkpoint that its rerun refused."""
+    checkpoint that its rerun refused. OUT is held (`hold_workdir`) from the start to the
+    end: a second call into it is refused (a bug hunt, session 97: two `shrink` calls at once
+    shared the stage, one removing the other's; one failed in a traceback, and OUT was left
+    with no summary.json)."""
+    release = hold_workdir(out, busy=WRITING)
+    try:
+        with _staged(out, files) as stage:
+            yield stage
+    finally:
+        release()
+
+
+@contextlib.contextmanager
+def _staged(out: str, files: tuple[str, ...] | None):
     stage = os.path.join(out, UNFINISHED)
     shutil.rmtree(stage, ignore_errors=True)  # what a killed call left
     os.makedirs(stage)

@@ -598,6 +598,17 @@ def test_cli_refuses_flags_the_format_ignores(tmp_path, capsys, flags, match):
     assert not os.path.exists(out)
 
 
+def test_cli_sparsify_names_its_min_sparsity_flag(tmp_path, capsys):
+    """A bug hunt (session 97): --min_sparsity 1.5 was refused as the config field
+    `min_sparsity`, which no config has; now as the flag, before the run is read."""
+    from hpnlp.compress.__main__ import main
+    out = str(tmp_path / "o")
+    assert main(["sparsify", "--workdir", str(tmp_path / "none"), "--out", out,
+                 "--min_sparsity", "1.5"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "error: --min_sparsity 1.5: give the share of zeros in [0, 1)" in err, err
+    assert "\n" not in err and not os.path.exists(out)
+
 
 def test_cli_integer_flags_without_weights_on_a_run_trained_without_quantization(tmp_path,
                                                                                  capsys):
@@ -922,3 +933,37 @@ def test_every_output_layer_trains_on_the_activations_its_log_prob_reads():
         got, want = both(h, hq, t)
         np.testing.assert_allclose(got, want, atol=1e-5 if name == "class_based" else 1e-6,
                                    err_msg=name)
+
+
+def test_a_second_call_writing_into_the_same_out_is_refused(tmp_path):
+    """A bug hunt (session 97): two `shrink` calls into one --out at once shared its stage
+    (OUT/.unfinished), each clearing the other's; one ended in a traceback, and OUT was left
+    with no summary.json. Now OUT is held for the call: the second is refused in one line."""
+    import subprocess
+    import sys
+
+    from hpnlp.paths import WorkdirBusy, staged
+    out = tmp_path / "o"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, time\n"
+         f"fcntl.flock(os.open({str(out)!r}, os.O_RDONLY), fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirBusy, match=r"^--out .*: another process is writing into "
+                                              r"it \(a call like this one"):
+            with staged(str(out)):
+                pytest.fail("the block ran")
+        assert os.listdir(out) == []  # nothing of this call's
+    finally:
+        holder.kill()
+        holder.wait()
+    with staged(str(out)) as stage:  # released: a call goes on
+        with open(os.path.join(stage, "summary.json"), "w") as f:
+            f.write("{}")
+    assert os.listdir(out) == ["summary.json"]
+    with pytest.raises(RuntimeError):  # a call that fails leaves no folder it made
+        with staged(str(tmp_path / "new")):
+            raise RuntimeError
+    assert not os.path.exists(tmp_path / "new")
