@@ -220,9 +220,24 @@ def test_softmax_bench_set_errors_name_the_item(item, message):
         "adaptive": {"chunk_logits": 1024, "div_value": 2.0}, "full": {"dtype": "bfloat16"}}
     with pytest.raises(harness.BenchInputError, match="not a timed output layer"):
         bench_softmax.parse_settings(["adaptive.chunk_logits=1"], ["full"])
+    assert bench_softmax.parse_settings(["adaptive.cutoffs=(5,300)", "full.dtype='bfloat16'"],
+                                        vocabs=[1000, 512]) == {  # built at each V: fine
+        "adaptive": {"cutoffs": (5, 300)}, "full": {"dtype": "bfloat16"}}
+    with pytest.raises(harness.BenchInputError, match="full at V=64: data type 'x' not under"):
+        bench_softmax.parse_settings(["full.dtype='x'"], vocabs=[64])
     # the cutoffs at small V stay strictly increasing in (0, V) (a bug hunt: V=100 read 0 first)
     assert [bench_softmax.adaptive_cutoffs(V) for V in (3, 100, 8192)] == [
         [1], [1, 6, 25], [64, 512, 2048]]
+
+
+def test_softmax_bench_help_says_the_torch_peer_is_always_timed(capsys):
+    """A bug hunt (session 97): --help read "(default: all, plus torch...)", as if --methods
+    left the PyTorch peer out; the bench times it always (the `vs torch adaptive` column)."""
+    from hpnlp.bench.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["softmax", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "(default: all); torch.AdaptiveLogSoftmaxWithLoss is timed beside them always" in said
 
 
 def test_time_jax_max_time_caps_repeats_of_slow_calls():
@@ -1124,6 +1139,13 @@ def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
     (["softmax", "--quality", "--vocabs", "64"], "--vocabs change the timing run"),
     (["softmax", "--seconds", "3"], "--seconds set the --quality run"),
     (["softmax", "--set", "full.bogus=1"], "unknown option for FullSoftmax"),
+    # values no V takes failed each row after the run, exit 0 (a bug hunt, session 97)
+    (["softmax", "--set", "adaptive.div_value=-1"],
+     r"--set adaptive.div_value=-1: adaptive at V=8192: config field .*div_value` = -1 .*> 0"),
+    (["softmax", "--vocabs", "1000", "--set", "sampled.num_samples=0"],
+     r"sampled at V=1000: config field .*num_samples` = 0 is not allowed"),
+    (["softmax", "--vocabs", "65536,1000", "--set", "adaptive.cutoffs=(5,30000)"],
+     r"adaptive at V=1000: .*cutoffs` = \(5, 30000\) .*strictly increasing"),
     (["memory", "--devices", "3"], "--devices=3: model heads=8 is not divisible by 3"),
     (["memory", "--devices", "0"], "--devices=0: the comparison needs at least 2"),
     (["quant", "--parts", "bogus"], "--parts: unknown \\['bogus'\\]"),
@@ -1170,6 +1192,98 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
     (tmp_path / "results.json").write_text('{"my": 1}')
     with pytest.raises(ValueError, match=r"holds a results\.json that is not an hpnlp bench's"):
         bench_main.check_args(args)
+
+
+
+def test_a_quick_or_part_run_into_a_full_report_is_refused(tmp_path, capsys):
+    """A bug hunt (session 97): `moe --quick --parts parallel --out docs/benchmarks/moe` ran
+    and replaced the recorded 1.5-hour report with one table. Now refused before any work;
+    a quick or partial report, or a full run, is written anew as before."""
+    import argparse
+    from hpnlp.bench import __main__ as bench_main
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: moe\n\n...")
+    full = {"seconds": {"lm": 1.0, "layer": 1.0, "parallel": 1.0}}  # recorded before `quick`
+    (tmp_path / "results.json").write_text(json.dumps(full))
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["moe", "--quick", "--parts", "parallel", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"--out {tmp_path} holds a full run's report of the moe bench, which this --quick "
+        "--parts parallel run would replace; give another --out (or delete the folder first)")
+    args = argparse.Namespace(entry="moe", out=str(tmp_path), profile=None, quick=False,
+                              parts=["parallel"], workdir=None)
+    with pytest.raises(ValueError, match="which this --parts parallel run would replace"):
+        bench_main.check_args(args)
+    bench_main.check_args(argparse.Namespace(**{**vars(args), "parts": ["parallel", "lm",
+                                                                         "layer"]}))
+    for other in ({"quick": True, **full}, {"seconds": {"parallel": 1.0}},
+                  {"parts": ["parallel"], **full}, {"interrupted": 130, **full}):
+        (tmp_path / "results.json").write_text(json.dumps(other))
+        bench_main.check_args(args)  # not a full run's: written anew
+    # what the CLI run was asked for goes into its report (a bench's own `quick` stays)
+    with report.recorded(quick=True, parts=["parallel"]):
+        report.write(str(tmp_path), "moe", {"quick": False}, "")
+    assert {k: json.load(open(tmp_path / "results.json"))[k] for k in ("quick", "parts")} == {
+        "quick": False, "parts": ["parallel"]}
+    report.write(str(tmp_path / "b"), "moe", {}, "")  # outside: nothing recorded
+    assert "quick" not in json.load(open(tmp_path / "b" / "results.json"))
+
+
+def test_a_failed_report_write_keeps_the_old_report_and_says_so_in_one_line(
+        tmp_path, monkeypatch):
+    """A bug hunt (session 97): under a file-size limit results.json was cut in place, the old
+    report lost, and the error a traceback. Each file is now written whole beside the old one
+    (results.json last) and the bench CLI names the file in one line."""
+    import errno
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import tricks
+    out = str(tmp_path)
+    report.write(out, "tricks", {"rows": [1], "quick": True}, "old table")
+    old = {f: open(os.path.join(out, f)).read() for f in ("results.md", "results.json")}
+
+    def cut(obj, f, **kw):
+        f.write('{"rows": [')
+        raise OSError(errno.EFBIG, "File too large")
+    monkeypatch.setattr(report.json, "dump", cut)
+    monkeypatch.setattr(tricks, "main", lambda args: report.write(out, "tricks", {}, "new"))
+    with pytest.raises(SystemExit, match=re.escape(
+            f"python -m hpnlp.bench tricks: error: {out}/results.json: cannot be written (File "
+            "too large); the file there before is kept")):
+        bench_main.main(["tricks", "--quick", "--out", out])
+    assert {f: open(os.path.join(out, f)).read() for f in old} == old
+    assert sorted(os.listdir(out)) == ["results.json", "results.md"]  # no temporary left
+
+    class Fig:  # a plot cut the same way keeps the one drawn before
+        def savefig(self, path, **kw):
+            open(path, "wb").write(b"\x89PNG")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    (tmp_path / "p.png").write_bytes(b"old plot")
+    with pytest.raises(report.ReportWriteError, match=r"p\.png: cannot be written \(No space"):
+        report.savefig(Fig(), str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes() == b"old plot"
+    assert not (tmp_path / "p.png.tmp").exists()
+
+    def elsewhere(args):  # not the report's: its traceback stays
+        raise FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path.parent / "data"))
+    monkeypatch.setattr(tricks, "main", elsewhere)
+    with pytest.raises(FileNotFoundError):
+        bench_main.main(["tricks", "--quick", "--out", out])
+
+
+def test_a_plot_a_report_does_not_draw_is_removed(tmp_path):
+    """A bug hunt (session 97): `retrieval --parts knnlm` into the folder of a `--parts
+    search` run wrote a report with no search rows beside the old retrieval.png; so did the
+    other benches whose plot is drawn only for some rows (gqa, memory, rope)."""
+    from hpnlp.bench import gqa, memory, retrieval, rope
+    names = ("retrieval.png", "gqa_decode.png", "memory_by_mode.png", "rope_loss_by_position.png")
+    for name in names:
+        (tmp_path / name).write_bytes(b"an earlier run's")
+    retrieval._plot({"search": [{"index": "faiss", "n": 10, "missing": True}]}, str(tmp_path))
+    gqa._plot({"decode": []}, str(tmp_path))
+    memory._plot({"results": [{"status": "failed: x"}]}, str(tmp_path / "memory_by_mode.png"))
+    rope._plot({"quality": []}, str(tmp_path))
+    assert not any((tmp_path / name).exists() for name in names)
+    retrieval._plot({}, str(tmp_path))  # none there: nothing to remove
 
 
 TOOL_REFUSALS = [

@@ -8,13 +8,14 @@ version in a few minutes; `--profile DIR` also writes a jax.profiler trace of th
 Entries that train keep their runs in `--workdir W` where given and reuse the finished runs
 of the same config found there; `--quick` keeps its own in W/quick, so its small runs never
 meet the full run's. A run folder holding a saved run of another config is refused, never
-deleted.
+deleted; so is a --quick or --parts run whose --out holds a full run's report.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 
@@ -27,6 +28,7 @@ from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, kv_cac
                          moe, moe_convert, prune_transfer, quant, retrieval, rnn, rope,
                          softmax, sparse, speculative, train, tricks)
 
+from hpnlp.bench import report  # noqa: E402
 from hpnlp.bench.harness import BenchInputError  # noqa: E402
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
@@ -63,14 +65,28 @@ def main(argv=None) -> None:
         import jax
         ctx = jax.profiler.trace(args.profile)
     before = _plots(args.out)
-    with ctx:
+    parts = getattr(args, "parts", None)
+    with ctx, report.recorded(quick=bool(args.quick),
+                              **({} if parts is None else {"parts": list(parts)})):
         try:
             ENTRIES[args.entry].main(args)
         except compress.RunConflict as e:  # the runs trained before it are kept, and reused
             sys.exit(f"python -m hpnlp.bench {args.entry}: error: {e}")
         except BenchInputError as e:
             sp.error(str(e))
+        except OSError as e:  # a bug hunt (session 97): a full disk was a traceback
+            if not (isinstance(e, report.ReportWriteError) or _inside(e.filename, args.out)):
+                raise
+            sys.exit(f"python -m hpnlp.bench {args.entry}: error: {e}")
     print(wrote_message(args.out, before), file=sys.stderr)
+
+
+def _inside(path, folder: str) -> bool:
+    """Whether the file `path` (an OSError's `filename`, maybe None) lies in `folder`."""
+    if not isinstance(path, str):
+        return False
+    folder = os.path.realpath(folder)
+    return os.path.realpath(path).startswith(folder + os.sep)
 
 
 def _plots(out: str) -> dict[str, int]:
@@ -93,7 +109,8 @@ def wrote_message(out: str, before: dict[str, int]) -> str:
 
 def check_args(args) -> None:
     """The folders: writable, named (an empty --workdir would train in a temporary folder and
-    lose the runs), and --out not holding another bench's report, which this one would replace."""
+    lose the runs), and --out not holding another bench's report, which this one would replace,
+    nor a full run's report where this run is a --quick or --parts one."""
     from hpnlp.paths import check_writable_dir
     for flag in ("out", "profile", "workdir"):
         value = getattr(args, flag, None)
@@ -123,6 +140,40 @@ def check_args(args) -> None:
     if first.startswith("# hpnlp benchmark: ") and other != ours:
         raise ValueError(f"--out {args.out} holds the {other} bench's results, which this run would "
                          "replace; give another folder")
+    less = _less_than_full(args)
+    if less and _full_report(args.out, ENTRIES[args.entry]):
+        # a bug hunt (session 97): `moe --quick --parts parallel --out docs/benchmarks/moe`
+        # replaced the recorded 1.5-hour report with one table
+        raise ValueError(f"--out {args.out} holds a full run's report of the {ours} bench, which "
+                         f"this {less} run would replace; give another --out (or delete the "
+                         "folder first)")
+
+
+def _less_than_full(args) -> str | None:
+    """The flags that make this run less than a full one (`--quick`, `--parts P` naming not
+    every part), or None."""
+    flags = ["--quick"] if args.quick else []
+    parts = getattr(args, "parts", None)
+    every = getattr(ENTRIES[args.entry], "PARTS", None)
+    if parts is not None and every is not None and set(parts) != set(every):
+        flags.append(f"--parts {','.join(parts)}")
+    return " ".join(flags) or None
+
+
+def _full_report(out: str, mod) -> bool:
+    """Whether `out` holds a whole run's results.json: not --quick, not interrupted and, for a
+    bench of parts, of every part (those it records, else those it timed, `seconds`). Reports
+    from before session 97 may not say whether they were quick: those count as full."""
+    try:
+        with open(os.path.join(out, "results.json")) as f:
+            p = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(p, dict) or p.get("quick") or p.get("interrupted"):
+        return False
+    ran = p.get("parts", p.get("seconds"))
+    every = getattr(mod, "PARTS", None)
+    return not (every and isinstance(ran, (list, dict)) and not set(every) <= set(ran))
 
 
 if __name__ == "__main__":

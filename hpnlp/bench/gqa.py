@@ -265,6 +265,7 @@ def _plot(p: dict, out_dir: str) -> None:
     """New tokens/s against the cache's bytes per position, per batch: grouped heads (8 to
     1) on one line, latents on another."""
     if not p.get("decode"):
+        report.drop_plot(os.path.join(out_dir, "gqa_decode.png"))  # an earlier run's
         return
     series = {}
     T = p["sizes"]["decode"]["max_len"]

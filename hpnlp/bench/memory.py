@@ -554,6 +554,7 @@ def _plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     ok = _ok(payload["results"])
     if not ok:
+        report.drop_plot(path)  # an earlier run's, of rows this report does not have
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
     names = [r["name"] for r in ok]

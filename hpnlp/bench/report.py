@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Callable, Sequence
@@ -162,15 +163,85 @@ def seconds_md(p: dict) -> list[str]:
                                                   p["seconds"].items()) + "." + reused, ""]
 
 
+class ReportWriteError(OSError):
+    """A report's file that could not be written whole (a full disk, a file-size limit): the
+    one there before is kept; `python -m hpnlp.bench` says so in one line."""
+
+
+# What `python -m hpnlp.bench` was asked for (`recorded`): every report written meanwhile keeps
+# it, so a later run can tell a full run's report from a --quick or --parts one's
+_RUN: dict = {}
+
+
+@contextlib.contextmanager
+def recorded(**flags):
+    """Inside this block every report `write` writes records `flags` (e.g. quick=True,
+    parts=[...]) where the bench did not set them itself."""
+    global _RUN
+    outer, _RUN = _RUN, flags
+    try:
+        yield
+    finally:
+        _RUN = outer
+
+
+def _staged(path: str, save: Callable[[str], Any]) -> str:
+    """`save(tmp)` of the file that will replace `path`, written beside it; its name. Nothing
+    is left of it where it fails (an OSError then reads as a `ReportWriteError`)."""
+    tmp = path + ".tmp"
+    try:
+        save(tmp)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise ReportWriteError(f"{path}: cannot be written ({e.strerror or e}); the file "
+                                   "there before is kept") from e
+        raise
+    return tmp
+
+
+def savefig(fig, path: str, dpi: int = 120) -> None:
+    """`fig` as the PNG `path`, whole or not at all (drawn beside it, then moved over it)."""
+    os.replace(_staged(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png")), path)
+
+
+def drop_plot(path: str) -> None:
+    """No plot at `path`: for a run that draws none there, so that an earlier run's does not
+    stand beside a report without its rows (a bug hunt, session 97: retrieval --parts knnlm
+    kept the retrieval.png of an earlier run's search rows)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
 def write(out_dir: str, name: str, payload: dict, markdown: str) -> None:
+    """`results.md` and `results.json` in `out_dir`, each written whole beside the old one
+    before either replaces its old one, results.json last: a failed write (a full disk) keeps
+    the report there before, and a whole results.json means a whole report (a bug hunt,
+    session 97: both were written in place, and a file-size limit left results.json cut)."""
     os.makedirs(out_dir, exist_ok=True)
     payload.setdefault("benchmark", name.replace(" ", "_"))  # which bench, in every results.json
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+    for key, value in _RUN.items():
+        payload.setdefault(key, value)
     stop = ("**Interrupted:** the rows that read `not run: interrupted` did not run; rerun the "
             "command for the whole table.\n\n" if payload.get("interrupted") else "")
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"# hpnlp benchmark: {name}\n\n{stop}{markdown}\n")
+    md, js = (os.path.join(out_dir, f) for f in ("results.md", "results.json"))
+
+    def save_md(tmp):
+        with open(tmp, "w") as f:
+            f.write(f"# hpnlp benchmark: {name}\n\n{stop}{markdown}\n")
+
+    def save_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+    md_tmp = _staged(md, save_md)
+    try:
+        js_tmp = _staged(js, save_json)
+    except BaseException:
+        os.remove(md_tmp)
+        raise
+    os.replace(md_tmp, md)
+    os.replace(js_tmp, js)
 
 
 def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str, ylabel: str,
@@ -203,6 +274,8 @@ def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str
     if ax.get_legend_handles_labels()[0]:  # a run whose rows all failed plots no line
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        savefig(fig, path)
+    finally:
+        plt.close(fig)
     return exps

@@ -318,7 +318,9 @@ def _plot(p: dict, out_dir: str) -> None:
 
     rows = [r for r in p.get("search") or [] if not r.get("missing")]
     sizes = sorted({r["n"] for r in rows})
+    path = os.path.join(out_dir, "retrieval.png")
     if not sizes:
+        report.drop_plot(path)  # an earlier run's, of rows this report does not have
         return
     fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.8), squeeze=False)
     for ax, n in zip(axes[0], sizes):
@@ -331,7 +333,7 @@ def _plot(p: dict, out_dir: str) -> None:
         ax.set(yscale="log", xlabel=f"recall@{K}", ylabel="queries / s", title=f"N = {n:,}, dimension 128")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "retrieval.png"), dpi=120)
+    report.savefig(fig, path)
     plt.close(fig)
 
 

@@ -148,6 +148,7 @@ def _markdown(p: dict) -> str:
 def _plot(p: dict, out_dir: str) -> None:
     """Eval loss against position (means over buckets of `bucket` positions)."""
     if not p.get("quality"):
+        report.drop_plot(os.path.join(out_dir, "rope_loss_by_position.png"))  # an earlier run's
         return
     import matplotlib.pyplot as plt
     bucket = p["sizes"]["bucket"]

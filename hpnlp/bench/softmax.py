@@ -153,11 +153,21 @@ def _estimated_bytes(impl: str, V: int, N: int, E: int) -> float:
     return 4.0 * V * E * 4  # params, gradient and two working copies
 
 
-def parse_settings(items: list[str], methods: list[str] | None = None) -> dict:
+def default_vocabs(quick: bool) -> list[int]:
+    """The vocabulary sizes timed where --vocabs is not given."""
+    return [8192, 32768] if quick else [32768, 262144, 1048576]
+
+
+def parse_settings(items: list[str], methods: list[str] | None = None,
+                   vocabs: list[int] | None = None) -> dict:
     """`--set METHOD.FIELD=VALUE` items as {method: {field: value}}: VALUE is a Python literal
     (`adaptive.chunk_logits=67108864`, `adaptive.div_value=2.0`), FIELD one of the output
-    layer's options; errors name the item and what is allowed."""
+    layer's options; errors name the item and what is allowed. With `vocabs`, each layer given
+    settings is also built (not compiled) at each V with them and the bench's own options, so
+    a value no V takes (`adaptive.div_value=-1`) is refused here, not in each row after the
+    run (a bug hunt, session 97)."""
     out: dict = {}
+    given: dict = {}
     for item in items:
         name, sep, value = item.partition("=")
         method, dot, field = name.partition(".")
@@ -180,7 +190,27 @@ def parse_settings(items: list[str], methods: list[str] | None = None) -> dict:
         except ConfigError as e:
             raise harness.BenchInputError(f"--set {item!r}: {e}") from None
         out.setdefault(method, {})[field] = v
+        given.setdefault(method, []).append(item)
+    for method, options in out.items():
+        for V in vocabs or ():
+            try:
+                _build(method, V, {**bench_options(method, V), **options})
+            except (ValueError, TypeError) as e:  # ConfigError too; a dtype jnp cannot read
+                raise harness.BenchInputError(
+                    f"--set {' '.join(given[method])}: {method} at V={V}: {e}") from None
     return out
+
+
+def _build(impl: str, V: int, options: dict) -> None:
+    """Output layer `impl` at V with `options`, checked as a model config checks it and then
+    set up (`init`) in shapes only: every setting it refuses raises its ValueError, and
+    nothing is compiled or allocated."""
+    softmax_lib.check_config(impl, options, vocab_size=V, frequency_sorted=True)
+    layer = _layer(impl, V, options, 8)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    jax.eval_shape(lambda h, t: layer.init(rngs, h, t, None, method="loss", deterministic=False),
+                   jax.ShapeDtypeStruct((2, 8), jnp.float32),
+                   jax.ShapeDtypeStruct((2,), jnp.int32))
 
 
 def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list[str] | None = None,
@@ -188,7 +218,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     """Time every method (and PyTorch's adaptive softmax) at each V; `settings` ({method:
     {field: value}}, see `parse_settings`) override the methods' bench options."""
     N, E = (1024, 128) if quick else (8192, 512)
-    vocabs = vocabs or ([8192, 32768] if quick else [32768, 262144, 1048576])
+    vocabs = vocabs or default_vocabs(quick)
     repeats = 3 if quick else 5
     isolate = (not quick) if isolate is None else isolate
     names = methods or softmax_lib.names()
@@ -299,7 +329,9 @@ def _markdown(payload: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from hpnlp.bench import quality
     p.add_argument("--methods", type=harness.names_from(lambda: [*softmax_lib.names(), TORCH_ADAPTIVE]),
-                   default=None, help=f"comma-separated output layers (default: all, plus {TORCH_ADAPTIVE})")
+                   default=None, help="comma-separated output layers (default: all); "
+                   f"{TORCH_ADAPTIVE} is timed beside them always, the peer of the report's "
+                   "`vs torch adaptive` column")
     p.add_argument("--vocabs", type=harness.positive_ints("8192,32768"), default=None,
                    help="comma-separated vocabulary sizes (default: 32768,262144,1048576; "
                    "8192,32768 with --quick)")
@@ -331,7 +363,7 @@ def check_args(args) -> None:
     if given:
         raise ValueError(f"{', '.join(given)} set the --quality run; add --quality or drop them")
     try:
-        parse_settings(args.set, args.methods)
+        parse_settings(args.set, args.methods, args.vocabs or default_vocabs(args.quick))
     except SystemExit as e:
         raise ValueError(str(e)) from None
 
