@@ -19,10 +19,13 @@ resumes under any process count (tests/test_multihost.py).
 from __future__ import annotations
 
 import ast
+import atexit
 import json
 import os
 import re
+import signal
 import sys
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -244,26 +247,43 @@ def join_processes(cfg, flags: dict | None = None) -> None:
     print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
           "every process (--init_timeout)", file=sys.stderr, flush=True)
 
+    if i == 0 and not _can_listen(where):  # a bug hunt (session 97): a 20-line traceback,
+        # or a segfault in initialize's failure (4 of 4 tries here)
+        exit_interrupted(f"hpnlp: error: process 0 of {n}: cannot listen on --coordinator "
+                         f"{where} (in use?); choose another port", 1)
     lock, joined = threading.Lock(), []
 
     def give_up() -> None:  # before JAX's own abort at the same deadline
         with lock:  # held to the exit: a join now waits for it
             if joined:  # joined in the timer's last moment (found in review)
                 return
-            print(f"hpnlp: error: process {i} of {n}: not every process joined at {where} "
-                  f"within {limit} s; start processes 0 to {n - 1} with the same --coordinator "
-                  f"and --num_processes (process 0 on the host of {where}), or raise "
-                  "--init_timeout", file=sys.stderr, flush=True)
-            os._exit(1)
+            exit_interrupted(
+                f"hpnlp: error: process {i} of {n}: not every process joined at {where} within "
+                f"{limit} s; start processes 0 to {n - 1} with the same --coordinator and "
+                f"--num_processes (process 0 on the host of {where}), or raise --init_timeout", 1)
     timer = threading.Timer(max(limit - 1.0, 0.5), give_up)
     timer.daemon = True
     timer.start()
+    # initialize blocks in C++, where the main thread takes no Ctrl-C (a bug hunt, session
+    # 97: taken only when --init_timeout ran out): Python's signal handler writes its number
+    # to this pipe at once, and a thread reading it stops the process. (Not initialize on a
+    # thread: its "Failed to start RPC server" was a segfault there.)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    threading.Thread(target=_stop_on_ctrl_c, daemon=True, args=(
+        wake_r, f"hpnlp: interrupted: process {i} of {n} stopped waiting for every process "
+        f"to join at {where}")).start()
+    on_main = threading.current_thread() is threading.main_thread()  # (else Python refuses)
+    before = signal.set_wakeup_fd(wake_w) if on_main else None
     try:
         jax.distributed.initialize(where, n, i, initialization_timeout=limit)
         with lock:
             joined.append(True)
     finally:
         timer.cancel()
+        if on_main:
+            signal.set_wakeup_fd(before)
+        os.close(wake_w)  # the thread reads the end of the pipe, and closes it
     # the run's shape and folder too (a bug hunt: another --num_processes failed in numpy in
     # one process and hung the other; another --workdir hung both at the first checkpoint)
     same = {"--num_processes": n, "--workdir": os.path.abspath(FLAGS.workdir), **(flags or {})}
@@ -271,6 +291,137 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         same_config_everywhere(checked, n, i, same)
     except ConfigError as e:  # every process stops here, and leaves the service together
         exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
+    client = _jax_distributed().global_state.client
+    watch = threading.Thread(target=_watch_the_others, daemon=True, args=(client, n, i))
+    watch.start()
+    atexit.register(_stop_watching, client, i, watch)  # before JAX's shutdown (registered first)
+
+
+def _can_listen(where: str) -> bool:
+    """Whether a server could listen on the port of `where` (HOST:PORT) on every address, as
+    the coordination service does (gRPC's `[::]:PORT`)."""
+    import socket
+    port = int(where.rsplit(":", 1)[1])
+    family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+    try:
+        probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 here after all
+        family, probe = socket.AF_INET, socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port left
+        if family == socket.AF_INET6:  # in TIME_WAIT by an earlier run is free
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            probe.bind(("::" if family == socket.AF_INET6 else "", port))
+        except OSError:
+            return False
+    return True
+
+
+def _stop_on_ctrl_c(wake_r: int, message: str) -> None:
+    """`join_processes`'s thread: exit 130 with `message` where the signal handler wrote
+    SIGINT's number to the pipe `wake_r`; its end (closed) ends the thread."""
+    try:
+        while True:
+            got = os.read(wake_r, 1)
+            if not got:
+                return
+            if got[0] == signal.SIGINT:
+                exit_interrupted(message)
+    finally:
+        os.close(wake_r)
+
+
+def _jax_distributed():
+    from jax._src import distributed
+    return distributed
+
+
+# A key of the coordination service per process of a multi-process run, set by a process
+# that failed after joining (to its id: `tell_the_others`), or by the process itself as it
+# ends ("end")
+_STOP = "hpnlp/stop/{}"
+_leaving: list[bool] = []  # this process is ending: its own line says why, if it fails
+
+
+def _watch_the_others(client, n: int, i: int) -> None:
+    """On a thread of each process of a multi-process run from the join on: where another
+    process failed, say so and stop this one with it. A bug hunt (session 97): a data file
+    missing on one host failed that process alone, and the others waited in a collective for
+    it, then both aborted in C++ after 5 minutes."""
+    while True:
+        try:
+            who = client.blocking_key_value_get(_STOP.format(i), 600_000)
+            break
+        except Exception as e:  # noqa: BLE001
+            if "DEADLINE_EXCEEDED" not in str(e):
+                return  # the service closed: the run is ending
+    # An error every process meets (a config refused after joining) is said best by each
+    # process's own line: a moment for it
+    deadline = time.monotonic() + 3
+    while who != "end" and not _leaving and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if who != "end" and not _leaving:
+        if i == 0:
+            _remove_unused_workdir()
+        exit_interrupted(f"hpnlp: error: process {i} of {n}: process {who} failed (its own "
+                         "log says why); this one stops with it", 1, together=True)
+
+
+# The --workdir this run made (`main`): where another process failed, this one leaves it as a
+# run refused does, not holding the config.json and empty checkpoints/ that building it wrote
+_made: list[str] = []
+
+
+def _remove_unused_workdir() -> None:
+    import shutil
+    for workdir in _made:
+        checkpoints = os.path.join(workdir, "checkpoints")
+        try:
+            if (set(os.listdir(workdir)) <= {"config.json", "checkpoints"}
+                    and not (os.path.isdir(checkpoints) and os.listdir(checkpoints))):
+                shutil.rmtree(workdir)
+        except OSError:
+            pass
+
+
+def _stop_watching(client, i: int, watch) -> None:
+    """At the interpreter's exit: the watching thread ends first (a daemon thread still
+    waiting in C++ aborted the process at its exit)."""
+    _leaving.append(True)
+    try:
+        client.key_value_set(_STOP.format(i), "end")
+    except Exception:  # noqa: BLE001 (a process that failed set it; or the service is gone)
+        pass
+    watch.join(5)
+
+
+def tell_the_others() -> bool:
+    """This process of a multi-process run is failing after the join: the others stop with
+    it (`_watch_the_others`) instead of waiting in a collective for it. False where it has
+    joined no other process."""
+    client = _jax_distributed().global_state.client if FLAGS.coordinator else None
+    if client is None:
+        return False
+    if _leaving:
+        return True
+    _leaving.append(True)
+    for p in range(FLAGS.num_processes):
+        try:
+            if p != FLAGS.process_id:
+                client.key_value_set(_STOP.format(p), str(FLAGS.process_id))
+        except Exception:  # noqa: BLE001 (another process said it first)
+            pass
+    return True
+
+
+def exit_failed(message: str) -> None:
+    """Say `message` and exit 1; in a multi-process run the others stop with this one (a bug
+    hunt, session 97: they waited for it in a collective, then aborted after 5 minutes)."""
+    if tell_the_others():
+        exit_interrupted(message, 1, together=True)
+    print(message, file=sys.stderr)
+    sys.exit(1)
 
 
 def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
@@ -348,6 +499,8 @@ def main(argv) -> None:
         check_workdir(FLAGS.workdir)
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
+        if not os.path.exists(FLAGS.workdir):
+            _made.append(FLAGS.workdir)
         join_processes(cfg)
         if FLAGS.coordinator:  # Ctrl-C while the run is built stops every process with it
             from hpnlp.train.stop import ctrl_c_as_preemption
@@ -355,14 +508,16 @@ def main(argv) -> None:
         summary = run(cfg, FLAGS.workdir, profile_dir=FLAGS.profile)
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
         # Config, data-file and checkpoint problems: one line saying what and how to fix.
-        print(f"hpnlp: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_failed(f"hpnlp: error: {e}")
     except CheckpointSaveFailed as e:  # at once: orbax's writer threads would hold the exit
         exit_interrupted(f"hpnlp: error: {e}", 1)
     except Interrupted as e:  # Ctrl-C or SIGTERM while training: what a rerun resumes from
         exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
         exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
+    except Exception:  # a traceback: the other processes of the run stop with this one
+        tell_the_others()
+        raise
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=1))
 

@@ -41,19 +41,24 @@ def launch():
     for `finish`; every process still alive at teardown is killed (by its own pid)."""
     started = []
 
-    def start(workdir, *, processes=1, devices=1, extra=(), each=None):
-        # `devices` CPU devices per process; `each[i]`: process i's own extra flags.
+    def start(workdir, *, processes=1, devices=1, extra=(), each=None, cwds=None):
+        # `devices` CPU devices per process; `each[i]`: process i's own extra flags;
+        # `cwds[i]`: the folder process i starts in (as on its own host), else the repository
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
+        if cwds:
+            env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
         multi = ["--coordinator", f"127.0.0.1:{_free_port()}",
                  "--num_processes", str(processes)] if processes > 1 else []
         procs = []
         for i in range(processes):
             log = open(f"{workdir}.p{i}.log", "w")
-            cmd = [sys.executable, "-m", "hpnlp.main", *TINY, *extra, "--workdir", str(workdir),
+            tiny = [os.path.join(ROOT, a) if cwds and a.startswith("experiments/") else a
+                    for a in TINY]
+            cmd = [sys.executable, "-m", "hpnlp.main", *tiny, *extra, "--workdir", str(workdir),
                    *multi, *(["--process_id", str(i)] if multi else []),
                    *(each[i] if each else ())]  # last: absl takes a flag's last value
-            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+            procs.append((subprocess.Popen(cmd, cwd=cwds[i] if cwds else ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))
         started.extend(procs)
         return procs, time.time() + TIMEOUT
@@ -257,6 +262,55 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     assert not os.path.exists(tmp_path / "count") and not os.path.exists(tmp_path / "other")
 
 
+def test_a_failure_in_one_process_stops_the_others_at_once(tmp_path, launch):
+    """A bug hunt (session 97): a data file missing on one host failed that process after the
+    join, and the other waited in a collective for it; both aborted in C++ after 5 minutes.
+    Now the other stops with it in one line, leaving no workdir behind."""
+    os.makedirs(tmp_path / "host0")
+    os.makedirs(tmp_path / "host1")
+    with open(tmp_path / "host0" / "corpus.txt", "w") as f:
+        f.write("\n\n".join(" ".join(["the of and to in a is"] * 20) for _ in range(50)))
+    t0 = time.time()
+    logs = finish(launch(tmp_path / "run", processes=2,
+                         extra=["--config.data.train_path=corpus.txt"],
+                         cwds=[tmp_path / "host0", tmp_path / "host1"]), expect=1)
+    assert time.time() - t0 < 90, logs
+    assert logs[1].splitlines()[-1] == ("hpnlp: error: corpus.txt: no such file; "
+                                        "data.train_path must name a UTF-8 plain-text file"), logs
+    assert logs[0].splitlines()[-1] == ("hpnlp: error: process 0 of 2: process 1 failed (its "
+                                        "own log says why); this one stops with it"), logs
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_ctrl_c_or_a_busy_port_while_joining_ends_in_one_line(tmp_path, launch):
+    """A bug hunt (session 97): Ctrl-C while waiting for the other processes was taken only
+    when --init_timeout ran out, and a --coordinator port in use was a 20-line traceback."""
+    import signal
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        where = f"127.0.0.1:{busy.getsockname()[1]}"
+        (log,) = finish(launch(tmp_path / "busy", extra=[
+            "--coordinator", where, "--num_processes", "2", "--init_timeout", "60"]), expect=1)
+    assert log.splitlines()[-1] == (f"hpnlp: error: process 0 of 2: cannot listen on "
+                                    f"--coordinator {where} (in use?); choose another port"), log
+    where = f"127.0.0.1:{_free_port()}"
+    run = launch(tmp_path / "wait", extra=["--coordinator", where, "--num_processes", "2",
+                                           "--process_id", "1", "--init_timeout", "60"])
+    (proc, _), = run[0]
+    while "joining the run" not in open(f"{tmp_path / 'wait'}.p0.log").read():
+        assert proc.poll() is None and time.time() < run[1]
+        time.sleep(0.1)
+    time.sleep(0.5)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    (log,) = finish(run, expect=130)
+    assert time.time() - t0 < 30  # not the 60 s of --init_timeout
+    assert log.splitlines()[-1] == (f"hpnlp: interrupted: process 1 of 2 stopped waiting for "
+                                    f"every process to join at {where}"), log
+    assert not os.path.exists(tmp_path / "busy") and not os.path.exists(tmp_path / "wait")
+
+
 def _stop_when_training(run, workdir, after_step: int, process: int, sig) -> list[int]:
     """Send `sig` to one process of `run` once it logged `after_step`; return every process's
     exit code."""
@@ -303,3 +357,18 @@ def test_sigterm_or_ctrl_c_in_one_process_stops_both_at_one_saved_step(tmp_path,
     second = int(re.search(r"stopped at step (\d+)", log).group(1))
     assert second > first and str(second) in os.listdir(work / "checkpoints")
     assert [s for s, _ in losses(work)] == list(range(1, second + 1))
+
+
+def test_ctrl_c_after_the_last_step_is_said(tmp_path, launch):
+    """A bug hunt (session 97): Ctrl-C in one process during the final eval was ignored
+    without a word (no step is left to stop at); the run finishes, and says so."""
+    import signal
+    work = tmp_path / "run"
+    run = launch(work, processes=2,
+                 extra=["--config.train.steps=6", "--config.train.eval_batches=150"])
+    codes = _stop_when_training(run, work, 6, 1, signal.SIGINT)
+    logs = [open(f"{work}.p{i}.log").read() for i in range(2)]
+    assert codes == [0, 0], logs
+    assert ("hpnlp: Ctrl-C after the last step: the run finishes (Ctrl-C again stops this "
+            "process at once)") in logs[1], logs[1][-2000:]
+    assert summary(work)["final_step"] == 6

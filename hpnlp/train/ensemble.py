@@ -498,14 +498,16 @@ def _main(argv) -> None:
             report = {"mode": "checkpoints",
                       **weight_average(cfg, F.workdir, F.from_checkpoints)[0]}
     except (ConfigError, CheckpointMismatch, NonFiniteLoss, ValueError, FileNotFoundError) as e:
-        print(f"hpnlp: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        cli.exit_failed(f"hpnlp: error: {e}")
     except CheckpointSaveFailed as e:  # at once, as hpnlp.main: orbax's threads hold the exit
         cli.exit_interrupted(f"hpnlp: error: {e}", 1)
     except Interrupted as e:  # as hpnlp.main says it
         cli.exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
         cli.exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
+    except Exception:  # a traceback: the other processes of the run stop with this one
+        cli.tell_the_others()
+        raise
     if jax.process_index() == 0:
         with open(os.path.join(F.workdir, "ensemble.json"), "w") as f:
             json.dump(report, f, indent=1)

@@ -740,7 +740,7 @@ class Trainer:
                         profiling = False
                     # SIGTERM (or Ctrl-C in a run of several processes): save and stop here,
                     # after the eval due at this step, if one is (a resume starts after it)
-                    stopping = stop.reached() and step < t.steps
+                    stopping = stop.reached(last=step == t.steps) and step < t.steps
                     do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
                     do_ckpt = ((t.checkpoint_every and step % t.checkpoint_every == 0)
                                or step == t.steps or stopping)

@@ -72,6 +72,7 @@ class StopSignals:
         # Several processes agree on a stop only through JAX's preemption service
         # (jax_enable_preemption_service); without it neither signal is taken here
         self._sync = multi and _preemption_service()
+        self._last = False  # the loop's last step has reached its sync point
 
     def _on_term(self, signum, frame) -> None:  # one process
         if self.taken:  # a second SIGTERM: die as the first would have
@@ -83,7 +84,14 @@ class StopSignals:
         if self.taken:
             raise KeyboardInterrupt
         self.taken = "Ctrl-C"
+        if self._last:  # no step left to stop at (a bug hunt, session 97: said nothing)
+            self._finishes("after")
+            return
         os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption handler tells every process
+
+    def _finishes(self, when: str) -> None:
+        print(f"hpnlp: {self.taken} {when} the last step: the run finishes (Ctrl-C again stops "
+              "this process at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> StopSignals:
         # Several processes: Ctrl-C becomes the SIGTERM that JAX's preemption service takes;
@@ -107,10 +115,16 @@ class StopSignals:
         self._saved.clear()
         _before.clear()  # taken over by this loop's stop
 
-    def reached(self) -> bool:
+    def reached(self, last: bool = False) -> bool:
+        """`last`: the loop's last step, after which a stop is not taken but said."""
         if not self.multi:
             return self.taken is not None
-        return self._sync and multihost_utils.reached_preemption_sync_point(next(_calls))
+        got = self._sync and multihost_utils.reached_preemption_sync_point(next(_calls))
+        if last:
+            self._last = True
+            if self.taken:  # taken during the last step
+                self._finishes("during")
+        return got
 
     def message(self, step: int, checkpoint: str) -> str:
         why = (f"on {self.taken}" if not self.multi else
