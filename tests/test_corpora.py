@@ -692,10 +692,15 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
                           prompts[1], "--length", "24"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompts[0]) and ("\n" + prompts[1]) in out
-    assert generate.main(["--workdir", str(tmp_path), "--prompt", "x" * 200, "--length", "24"]) == 2
+    assert generate.main(["--workdir", str(tmp_path), "--prompt", "x" * 28, "--length", "24"]) == 2
     err = capsys.readouterr().err  # (a bug hunt: the bound was not explained)
     assert "every prompt needs 1 to 23 tokens (--length 24); these have [" in err
     assert "]; shorten it, or raise --length (up to the run's model.max_len=32)" in err
+    # one that no --length fits is not told to raise it (a bug hunt, session 97)
+    assert generate.main(["--workdir", str(tmp_path), "--prompt", "x" * 200, "--length",
+                          "24"]) == 2
+    err = capsys.readouterr().err
+    assert "]; shorten it (the longest --length is the run's model.max_len=32)" in err, err
     # found by the crash hunt: each a line naming the flag, where it had been a traceback or
     # NUL bytes
     for extra, match in ((["--length", "500"], "--length 500 exceeds the run's model.max_len=32"),

@@ -468,7 +468,8 @@ def main(argv=None) -> int:
         if args.length is not None and args.length > cfg.model.max_len:
             raise ValueError(f"--length {args.length} exceeds the run's model.max_len="
                              f"{cfg.model.max_len}; lower --length")
-        length = args.length or cfg.model.max_len
+        most = cfg.model.max_len  # the longest --length allowed
+        length = args.length or most
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, cfg.model.vocab_size,
                        flags=True)
         if args.draft:
@@ -481,8 +482,9 @@ def main(argv=None) -> int:
                                      "quantized --workdir without --draft")
             draft_cfg, draft_task, draft_weights = load(args.draft)
             # by default as long as both caches hold a round's drafts past it
-            length = args.length or (min(cfg.model.max_len, draft_cfg.model.max_len)
-                                     - max(args.draft_tokens, 1) + 1)
+            most = (min(cfg.model.max_len, draft_cfg.model.max_len)
+                    - max(args.draft_tokens, 1) + 1)
+            length = args.length or most
             speculative.check(cfg, draft_cfg, length=length, draft_tokens=args.draft_tokens,
                               prompt_len=1)
             if not speculative.same_tokenizer(args.workdir, args.draft):
@@ -502,10 +504,13 @@ def main(argv=None) -> int:
     for note in word_prompt_notes(task, args.prompt, ids):
         print(f"note: {note}", file=sys.stderr)
     if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
-        longest = max(len(x) for x in ids) >= length  # a bug hunt: the bound unexplained
-        fix = ("" if not longest else f"; shorten it, or raise --length (up to the run's "
-               f"model.max_len={cfg.model.max_len})" if length < cfg.model.max_len else
-               f"; shorten it (the run's context, model.max_len, is {cfg.model.max_len})")
+        longest = max(len(x) for x in ids)  # a bug hunt: the bound unexplained; raising
+        # --length offered only where it helps (a bug hunt, session 97: a 60-token prompt
+        # was told to raise it, up to a max_len of 48)
+        bound = (f"the run's model.max_len={cfg.model.max_len}" if not args.draft else
+                 f"{most} with --draft: the smaller model.max_len, less --draft_tokens - 1")
+        fix = ("" if longest < length else f"; shorten it, or raise --length (up to {bound})"
+               if longest < most else f"; shorten it (the longest --length is {bound})")
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
               f"these have {[len(x) for x in ids]}{fix}", file=sys.stderr)
         return 2
