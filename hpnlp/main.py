@@ -204,6 +204,8 @@ def exit_interrupted(message: str, code: int = 130, together: bool = False) -> N
     from the others mid-exit."""
     from hpnlp.progress import close_bars
     close_bars()
+    if not together:  # leaving alone (a second Ctrl-C, a failed save): the others of a
+        tell_the_others()  # multi-process run stop with it, not waiting in a collective (review)
     print(message, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -241,6 +243,8 @@ def join_processes(cfg, flags: dict | None = None) -> None:
     from hpnlp.config import Config, ConfigError, from_configdict, validate
     n, i = FLAGS.num_processes, FLAGS.process_id
     where, limit = FLAGS.coordinator, FLAGS.init_timeout
+    if not os.path.exists(FLAGS.workdir):  # this run makes it (`_remove_unused_workdir`)
+        _made.append(FLAGS.workdir)
     checked = validate(cfg if isinstance(cfg, Config) else from_configdict(cfg),
                        num_processes=n, devices=False)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -300,6 +304,7 @@ def join_processes(cfg, flags: dict | None = None) -> None:
 def _can_listen(where: str) -> bool:
     """Whether a server could listen on the port of `where` (HOST:PORT) on every address, as
     the coordination service does (gRPC's `[::]:PORT`)."""
+    import errno
     import socket
     port = int(where.rsplit(":", 1)[1])
     family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
@@ -313,8 +318,8 @@ def _can_listen(where: str) -> bool:
             probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         try:
             probe.bind(("::" if family == socket.AF_INET6 else "", port))
-        except OSError:
-            return False
+        except OSError as e:  # (another error, e.g. no IPv6 address: initialize's to meet)
+            return e.errno != errno.EADDRINUSE
     return True
 
 
@@ -368,8 +373,9 @@ def _watch_the_others(client, n: int, i: int) -> None:
                          "log says why); this one stops with it", 1, together=True)
 
 
-# The --workdir this run made (`main`): where another process failed, this one leaves it as a
-# run refused does, not holding the config.json and empty checkpoints/ that building it wrote
+# The --workdir this run made (`join_processes`): where another process failed, this one
+# leaves it as a run refused does, not holding the config.json and empty checkpoints/ that
+# building it wrote
 _made: list[str] = []
 
 
@@ -400,7 +406,9 @@ def tell_the_others() -> bool:
     """This process of a multi-process run is failing after the join: the others stop with
     it (`_watch_the_others`) instead of waiting in a collective for it. False where it has
     joined no other process."""
-    client = _jax_distributed().global_state.client if FLAGS.coordinator else None
+    if not FLAGS.coordinator or "jax._src.distributed" not in sys.modules:
+        return False  # (a Ctrl-C in the imports: nothing joined)
+    client = _jax_distributed().global_state.client
     if client is None:
         return False
     if _leaving:
@@ -499,8 +507,6 @@ def main(argv) -> None:
         check_workdir(FLAGS.workdir)
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
-        if not os.path.exists(FLAGS.workdir):
-            _made.append(FLAGS.workdir)
         join_processes(cfg)
         if FLAGS.coordinator:  # Ctrl-C while the run is built stops every process with it
             from hpnlp.train.stop import ctrl_c_as_preemption

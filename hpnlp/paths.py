@@ -224,8 +224,8 @@ def _same_folder(fd: int, workdir: str) -> bool:
     return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-BUSY = ("--workdir {workdir}: another process is training in it; wait for it to end (or stop "
-        "it), or use another --workdir")
+BUSY = ("--workdir {workdir}: another process is training or writing in it; wait for it to end "
+        "(or stop it), or use another --workdir")
 WRITING = ("--out {workdir}: another process is writing into it (a call like this one, or a "
            "run training there); wait for it to end (or stop it), or use another --out")
 

@@ -4,7 +4,6 @@ update (a bug hunt, session 96: a 100k-step run, or a 20 GB `prepare`, wrote tho
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -30,21 +29,19 @@ def close_bars() -> None:
 def progress_bar(**kwargs):
     """A tqdm bar on stderr redrawn at `bar_interval()`, made whole before a Ctrl-C is taken:
     one that came as it was first drawn (before tqdm set what its `close` needs to end the
-    line) is raised once it is made."""
+    line) is raised once it is made, and closed."""
     from tqdm.auto import tqdm
     kwargs.setdefault("mininterval", bar_interval())
-    if threading.current_thread() is not threading.main_thread():
-        return tqdm(**kwargs)  # only the main thread sets handlers (and takes Ctrl-C)
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        return tqdm(**kwargs)  # only Python's KeyboardInterrupt cuts the drawing short
     taken = []
-    saved = signal.signal(signal.SIGINT, lambda signum, frame: taken.append(frame))
+    signal.signal(signal.SIGINT, lambda signum, frame: taken.append(signum))
     try:
         bar = tqdm(**kwargs)
     finally:
-        signal.signal(signal.SIGINT, saved)
-    if taken:  # closed (its line ended), then to the handler it would have reached
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if taken:
         bar.close()
-        if callable(saved):
-            saved(signal.SIGINT, taken[0])
-        elif saved == signal.SIG_DFL:
-            os.kill(os.getpid(), signal.SIGINT)
+        raise KeyboardInterrupt
     return bar

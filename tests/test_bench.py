@@ -1194,7 +1194,6 @@ def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):
         bench_main.check_args(args)
 
 
-
 def test_a_quick_or_part_run_into_a_full_report_is_refused(tmp_path, capsys):
     """A bug hunt (session 97): `moe --quick --parts parallel --out docs/benchmarks/moe` ran
     and replaced the recorded 1.5-hour report with one table. Now refused before any work;
@@ -1208,8 +1207,11 @@ def test_a_quick_or_part_run_into_a_full_report_is_refused(tmp_path, capsys):
         bench_main.main(["moe", "--quick", "--parts", "parallel", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        f"--out {tmp_path} holds a full run's report of the moe bench, which this --quick "
-        "--parts parallel run would replace; give another --out (or delete the folder first)")
+        f"--out {tmp_path} holds a report that does not record whether it was a --quick run "
+        "(one older than this check, taken as a full run's) of the moe bench, which this "
+        "--quick --parts parallel run would replace; give another --out (or delete the folder "
+        "first)")
+    (tmp_path / "results.json").write_text(json.dumps({"quick": False, **full}))
     args = argparse.Namespace(entry="moe", out=str(tmp_path), profile=None, quick=False,
                               parts=["parallel"], workdir=None)
     with pytest.raises(ValueError, match="which this --parts parallel run would replace"):
@@ -1253,13 +1255,19 @@ def test_a_failed_report_write_keeps_the_old_report_and_says_so_in_one_line(
     assert {f: open(os.path.join(out, f)).read() for f in old} == old
     assert sorted(os.listdir(out)) == ["results.json", "results.md"]  # no temporary left
 
-    class Fig:  # a plot cut the same way keeps the one drawn before
-        def savefig(self, path, **kw):
-            open(path, "wb").write(b"\x89PNG")
-            raise OSError(errno.ENOSPC, "No space left on device")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plt.figure()
+
+    def cut(path, **kw):  # a plot cut the same way keeps the one drawn before
+        open(path, "wb").write(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(fig, "savefig", cut)
     (tmp_path / "p.png").write_bytes(b"old plot")
     with pytest.raises(report.ReportWriteError, match=r"p\.png: cannot be written \(No space"):
-        report.savefig(Fig(), str(tmp_path / "p.png"))
+        report.savefig(fig, str(tmp_path / "p.png"))
+    assert not plt.fignum_exists(fig.number)  # closed all the same
     assert (tmp_path / "p.png").read_bytes() == b"old plot"
     assert not (tmp_path / "p.png.tmp").exists()
 

@@ -304,7 +304,11 @@ def test_ctrl_c_or_a_busy_port_while_joining_ends_in_one_line(tmp_path, launch):
     time.sleep(0.5)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
-    (log,) = finish(run, expect=130)
+    try:
+        (log,) = finish(run, expect=130)
+    except BaseException as e:  # what the process inherited (a CI run, session 97: once lost)
+        raise AssertionError(f"this process: SIGINT {signal.getsignal(signal.SIGINT)}, blocked "
+                             f"{signal.pthread_sigmask(signal.SIG_BLOCK, [])}") from e
     assert time.time() - t0 < 30  # not the 60 s of --init_timeout
     assert log.splitlines()[-1] == (f"hpnlp: interrupted: process 1 of 2 stopped waiting for "
                                     f"every process to join at {where}"), log
@@ -365,8 +369,8 @@ def test_ctrl_c_after_the_last_step_is_said(tmp_path, launch):
     import signal
     work = tmp_path / "run"
     run = launch(work, processes=2,
-                 extra=["--config.train.steps=6", "--config.train.eval_batches=150"])
-    codes = _stop_when_training(run, work, 6, 1, signal.SIGINT)
+                 extra=["--config.train.steps=6", "--config.train.eval_batches=300"])
+    codes = _stop_when_training(run, work, 6, 1, signal.SIGINT)  # in the 300 batches' eval
     logs = [open(f"{work}.p{i}.log").read() for i in range(2)]
     assert codes == [0, 0], logs
     assert ("hpnlp: Ctrl-C after the last step: the run finishes (Ctrl-C again stops this "

@@ -535,7 +535,7 @@ def test_workdir_of_another_model_is_refused(tmp_path, capsys):
     run(tiny(steps=10, log_every=1, progress=True), str(tmp_path))
     # the bar, in a file, redraws every 15 s, not at each log line (a bug hunt, session 96:
     # its postfix redrew it, past the interval: thousands of lines in a long run's log)
-    assert capsys.readouterr().err.count("\r") <= 4
+    assert 1 <= capsys.readouterr().err.count("\r") <= 4
     # Exact attention by another implementation resumes (a README walk: a dense run refused
     # `chunked`), here a run at its end, which evaluates what it restores; another variant
     # is another model, refused (local attention holds the same arrays as dense)
@@ -1190,8 +1190,8 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         return p
     holder = hold(tmp_path)
     try:
-        busy = (rf"^--workdir {re.escape(str(tmp_path))}: another process is training in it; "
-                r"wait for it to end \(or stop it\), or use another")
+        busy = (rf"^--workdir {re.escape(str(tmp_path))}: another process is training or "
+                r"writing in it; wait for it to end \(or stop it\), or use another")
         with pytest.raises(WorkdirBusy, match=busy):
             Trainer(from_configdict(tiny(steps=4)), str(tmp_path))
         assert os.listdir(tmp_path) == []  # nothing written

@@ -141,12 +141,12 @@ def check_args(args) -> None:
         raise ValueError(f"--out {args.out} holds the {other} bench's results, which this run would "
                          "replace; give another folder")
     less = _less_than_full(args)
-    if less and _full_report(args.out, ENTRIES[args.entry]):
+    held = less and _full_report(args.out, ENTRIES[args.entry])
+    if held:
         # a bug hunt (session 97): `moe --quick --parts parallel --out docs/benchmarks/moe`
         # replaced the recorded 1.5-hour report with one table
-        raise ValueError(f"--out {args.out} holds a full run's report of the {ours} bench, which "
-                         f"this {less} run would replace; give another --out (or delete the "
-                         "folder first)")
+        raise ValueError(f"--out {args.out} holds {held} of the {ours} bench, which this {less} "
+                         "run would replace; give another --out (or delete the folder first)")
 
 
 def _less_than_full(args) -> str | None:
@@ -160,20 +160,24 @@ def _less_than_full(args) -> str | None:
     return " ".join(flags) or None
 
 
-def _full_report(out: str, mod) -> bool:
-    """Whether `out` holds a whole run's results.json: not --quick, not interrupted and, for a
-    bench of parts, of every part (those it records, else those it timed, `seconds`). Reports
-    from before session 97 may not say whether they were quick: those count as full."""
+def _full_report(out: str, mod) -> str | None:
+    """What `out` holds where it is a whole run's results.json (not --quick, not interrupted
+    and, for a bench of parts, of every part: those it records, else those it timed,
+    `seconds`), else None. Reports from before session 97 may not say whether they were
+    quick: those count as full (the recorded ones are), and the message says why."""
     try:
         with open(os.path.join(out, "results.json")) as f:
             p = json.load(f)
     except (OSError, ValueError):
-        return False
+        return None
     if not isinstance(p, dict) or p.get("quick") or p.get("interrupted"):
-        return False
+        return None
     ran = p.get("parts", p.get("seconds"))
     every = getattr(mod, "PARTS", None)
-    return not (every and isinstance(ran, (list, dict)) and not set(every) <= set(ran))
+    if every and isinstance(ran, (list, dict)) and not set(every) <= set(ran):
+        return None
+    return ("a full run's report" if "quick" in p else "a report that does not record whether "
+            "it was a --quick run (one older than this check, taken as a full run's)")
 
 
 if __name__ == "__main__":

@@ -1045,8 +1045,7 @@ def _plot(p: dict, out_dir: str) -> None:
         if by_method:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "quality_vs_size.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "quality_vs_size.png"))
 
 
 def runs_ahead(s: dict, workdir: str, parts) -> list[tuple]:

@@ -392,8 +392,7 @@ def _plot(p: dict, out_dir: str) -> None:
     ax.set_xlabel(f"validation {metric} (bars: seed mean; dots: each seed)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "recipes.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "recipes.png"))
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = MODEL) -> dict:

@@ -228,8 +228,7 @@ def _plot(payload: dict, out_dir: str) -> None:
     ax.set_title("LRA-style: accuracy vs speed (marker area ~ peak memory relative to dense)")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "lra_accuracy_speed.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "lra_accuracy_speed.png"))
 
 
 def _markdown(payload: dict) -> str:

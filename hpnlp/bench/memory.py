@@ -580,8 +580,7 @@ def _plot(payload: dict, path: str) -> None:
     bx.set_title("collective bytes per step")
     bx.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.savefig(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

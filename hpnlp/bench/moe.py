@@ -378,8 +378,7 @@ def _plot(p: dict, out_dir: str) -> None:
                     title="E=8 top-1, block 0: load per expert")
         axes[3].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "moe.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "moe.png"))
 
 
 def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -> dict:

@@ -130,8 +130,7 @@ def _plot(p: dict, out_dir: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "accuracy_vs_sparsity.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "accuracy_vs_sparsity.png"))
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:

@@ -235,5 +235,4 @@ def plot_tradeoff(path: str, results: list[dict]) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.savefig(fig, path)

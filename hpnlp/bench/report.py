@@ -185,7 +185,7 @@ def recorded(**flags):
         _RUN = outer
 
 
-def _staged(path: str, save: Callable[[str], Any]) -> str:
+def _written_beside(path: str, save: Callable[[str], Any]) -> str:
     """`save(tmp)` of the file that will replace `path`, written beside it; its name. Nothing
     is left of it where it fails (an OSError then reads as a `ReportWriteError`)."""
     tmp = path + ".tmp"
@@ -202,8 +202,14 @@ def _staged(path: str, save: Callable[[str], Any]) -> str:
 
 
 def savefig(fig, path: str, dpi: int = 120) -> None:
-    """`fig` as the PNG `path`, whole or not at all (drawn beside it, then moved over it)."""
-    os.replace(_staged(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png")), path)
+    """`fig` as the PNG `path`, whole or not at all (drawn beside it, then moved over it), and
+    closed."""
+    import matplotlib.pyplot as plt
+    try:
+        os.replace(_written_beside(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png")),
+                   path)
+    finally:
+        plt.close(fig)
 
 
 def drop_plot(path: str) -> None:
@@ -234,9 +240,9 @@ def write(out_dir: str, name: str, payload: dict, markdown: str) -> None:
     def save_json(tmp):
         with open(tmp, "w") as f:
             json.dump(payload, f, indent=1, default=str)
-    md_tmp = _staged(md, save_md)
+    md_tmp = _written_beside(md, save_md)
     try:
-        js_tmp = _staged(js, save_json)
+        js_tmp = _written_beside(js, save_json)
     except BaseException:
         os.remove(md_tmp)
         raise
@@ -274,8 +280,5 @@ def scaling_plot(path: str, series: dict[str, tuple[list, list]], *, xlabel: str
     if ax.get_legend_handles_labels()[0]:  # a run whose rows all failed plots no line
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    try:
-        savefig(fig, path)
-    finally:
-        plt.close(fig)
+    savefig(fig, path)
     return exps

@@ -334,7 +334,6 @@ def _plot(p: dict, out_dir: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     report.savefig(fig, path)
-    plt.close(fig)
 
 
 def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -> dict:

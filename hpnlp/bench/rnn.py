@@ -225,8 +225,7 @@ def _plot(path: str, payload: dict) -> None:
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.savefig(fig, path)
 
 
 def _needed(payload: dict) -> list[str]:

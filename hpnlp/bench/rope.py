@@ -169,8 +169,7 @@ def _plot(p: dict, out_dir: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "rope_loss_by_position.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "rope_loss_by_position.png"))
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -> dict:

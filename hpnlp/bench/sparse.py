@@ -227,8 +227,7 @@ def _plot(p: dict, out_dir: str) -> None:
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "sparse_speedup.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "sparse_speedup.png"))
 
 
 def run(out_dir: str, *, quick: bool, only: tuple[str, ...] | None = None) -> dict:

@@ -236,8 +236,7 @@ def _plot(p: dict, out_dir: str) -> None:
         ax.set_title(target)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "speculative_speedup.png"), dpi=120)
-    plt.close(fig)
+    report.savefig(fig, os.path.join(out_dir, "speculative_speedup.png"))
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None,

@@ -63,12 +63,19 @@ def candidates(model, params, batch) -> dict:
     return out
 
 
+def check_min_sparsity(value: float, name: str = "min_sparsity") -> None:
+    """ValueError naming `value` as `name` (the CLI's flag, or the argument) unless it is a
+    share of zeros in [0, 1)."""
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} {value}: give the share of zeros in [0, 1) from which a "
+                         f"weight is stored by its nonzeros, or leave it out (the default, "
+                         f"{MIN_SPARSITY})")
+
+
 def convert(model, params, batch, min_sparsity: float) -> tuple[dict, dict]:
     """(params with each candidate weight of at least `min_sparsity` zeros as a `Sparse`,
     {path: its sparsity} of those converted)."""
-    if not 0.0 <= min_sparsity < 1.0:
-        raise config_error("min_sparsity", min_sparsity, "must be in [0, 1): the share of "
-                           "zeros from which a weight is stored by its nonzeros")
+    check_min_sparsity(min_sparsity)
     flat = traverse.flatten_dict(params, is_leaf=lambda _, x: isinstance(x, (Factored, QWeight)))
     found = candidates(model, params, batch)
     done, sparsest = {}, (None, -1.0)
@@ -168,8 +175,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     from hpnlp.train.carry import model_params
     from hpnlp.train.step import finalize
 
-    if not 0.0 <= min_sparsity < 1.0:  # before anything is restored or compiled
-        raise config_error("min_sparsity", min_sparsity, "must be in [0, 1)")
+    check_min_sparsity(min_sparsity)  # before anything is restored or compiled
     cfg = load_run_config(workdir)
     q = cfg.model.quant
     if q.enabled:  # a bug hunt: a QAT run's sparse model computed in float, its loss reported

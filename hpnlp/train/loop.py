@@ -697,12 +697,13 @@ class Trainer:
         profiling = False
         stop = StopSignals(multi=jax.process_count() > 1)
         stopping = False
-        # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
-        # Made here, where the `try` that closes it on every way out begins: an error or a
-        # Ctrl-C then starts its line on a fresh one, not after the bar's text
-        bar = progress_bar(total=t.steps, initial=start, disable=not show, desc=cfg.name,
-                           dynamic_ncols=True)
+        bar = None
         try:
+            # In a terminal redraw often; in a log file (CI, nohup) every 15 s, not every step.
+            # Made in the `try` that closes it on every way out: an error or a Ctrl-C then
+            # starts its line on a fresh one, not after the bar's text
+            bar = progress_bar(total=t.steps, initial=start, disable=not show, desc=cfg.name,
+                               dynamic_ncols=True)
             with self._context(), stop:
                 for step in range(start + 1, t.steps + 1):
                     if stopped_early:  # a rerun of a run that already stopped early
@@ -801,7 +802,8 @@ class Trainer:
                     if good else "no checkpoint was saved yet: a rerun starts over"),
                 getattr(e, "exit_code", 130)) from None
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         if stopping:
             good = newest_checkpoint()
             self.checkpointer.close()

@@ -73,6 +73,7 @@ class StopSignals:
         # (jax_enable_preemption_service); without it neither signal is taken here
         self._sync = multi and _preemption_service()
         self._last = False  # the loop's last step has reached its sync point
+        self._early = self.taken is not None  # taken before the loop (review: not "during")
 
     def _on_term(self, signum, frame) -> None:  # one process
         if self.taken:  # a second SIGTERM: die as the first would have
@@ -122,8 +123,8 @@ class StopSignals:
         got = self._sync and multihost_utils.reached_preemption_sync_point(next(_calls))
         if last:
             self._last = True
-            if self.taken:  # taken during the last step
-                self._finishes("during")
+            if self.taken:  # taken during the last step, or before it where it is the first
+                self._finishes("before" if self._early else "during")
         return got
 
     def message(self, step: int, checkpoint: str) -> str:
