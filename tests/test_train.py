@@ -1269,3 +1269,24 @@ def test_ctrl_c_before_a_multi_process_loop_is_passed_on_as_the_preemption_sigte
         assert stop._before == [] and stop.StopSignals(multi=True).taken is None
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_config_json_holds_data_paths_absolute(tmp_path, monkeypatch):
+    # a bug hunt (session 98): data.prepared / data.train_path were saved as given, and a run
+    # read from another directory (generate, compress) was told its folder moved or vanished
+    from hpnlp.train.checkpoint import _changed_fields
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(f"line {i} of the text" * 4
+                                                     for i in range(200)))
+    cd = tiny(steps=4)
+    cd.data.train_path = "corpus.txt"
+    Trainer(from_configdict(cd), "run")
+    with open(tmp_path / "run" / "config.json") as f:
+        saved = json.load(f)["config"]
+    assert saved["data"]["train_path"] == str(tmp_path / "corpus.txt")
+    # a run saved before, resumed from its own directory: no changed field named
+    old = json.loads(json.dumps(saved))
+    old["data"]["train_path"] = "corpus.txt"
+    assert _changed_fields(old, saved) == {}
+    old["data"]["train_path"] = "other.txt"
+    assert list(_changed_fields(old, saved)) == ["data.train_path"]

@@ -17,7 +17,7 @@ from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, LOWRANK_
                                  MeshConfig, ModelConfig, MoEConfig, OutputConfig, PruneConfig,
                                  QuantConfig, RNNConfig, TrainConfig, config_error,
                                  default_configdict, experiment_args, from_configdict,
-                                 layers_name, to_json)
+                                 layers_name, to_json, with_absolute_paths)
 
 __all__ = [
     "AttentionConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "EncoderConfig",
@@ -26,5 +26,5 @@ __all__ = [
     "DEFAULT_RULES", "DTYPES", "ENCODER_LOSSES", "LOWRANK_LAYERS", "MEMORY_PREDICTIONS",
     "MESH_AXES", "MOE_ROUTERS", "QUANT_LAYERS", "REMAT_NAMES",
     "check_moe_fields", "config_error", "default_configdict", "experiment_args",
-    "from_configdict", "layers_name", "to_json", "validate",
+    "from_configdict", "layers_name", "to_json", "validate", "with_absolute_paths",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any, Mapping
 
 import flax.core
@@ -32,6 +33,21 @@ def to_json(cfg: "Config") -> dict:
             return [plain(x) for x in v]
         return v
     return json.loads(json.dumps(plain(dataclasses.asdict(cfg)), default=str))
+
+
+# DataConfig fields naming a file or folder that the run's readers open again (a resume,
+# generate, hpnlp.compress): a training run's config.json holds them absolute (a bug hunt,
+# session 98: a run trained from data.prepared='p1' was read from another directory as a
+# folder "moved or deleted")
+DATA_PATH_FIELDS = ("train_path", "eval_path", "prepared")
+
+
+def with_absolute_paths(cfg: "Config") -> "Config":
+    """`cfg` with its DATA_PATH_FIELDS made absolute (from the current directory)."""
+    given = {f: getattr(cfg.data, f) for f in DATA_PATH_FIELDS}
+    absolute = {f: os.path.abspath(v) for f, v in given.items() if v and not os.path.isabs(v)}
+    return (dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **absolute))
+            if absolute else cfg)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:

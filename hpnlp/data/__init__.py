@@ -108,8 +108,10 @@ def different_encoding(mine, theirs, their_workdir: str | None = None) -> str | 
     if a and b:
         return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
                                     f"{b[:12]}..., this run's {a[:12]}...)")
-    fields = [("data.train_path", mine.train_path, theirs.train_path),
-              ("data.prepared", mine.prepared, theirs.prepared)]
+    def path(p):  # a run saved before its data paths were absolute (session 98)
+        return os.path.abspath(p) if p else p
+    fields = [("data.train_path", path(mine.train_path), path(theirs.train_path)),
+              ("data.prepared", path(mine.prepared), path(theirs.prepared))]
     if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
         # shipped corpus's training chapters depend on the split, and so do words and pieces
         fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))

@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hpnlp.config import Config, from_configdict, to_json
+from hpnlp.config.fields import DATA_PATH_FIELDS
 from hpnlp.paths import write_json
 
 
@@ -218,6 +219,9 @@ _BOOKKEEPING |= {"name", "data.eval_batch_size", "data.eval_path", "model.remat"
 _BOOKKEEPING |= {".".join(p) for p in START_FIELDS}
 
 
+_PATHS = {"data." + f for f in DATA_PATH_FIELDS}
+
+
 def _changed_fields(saved: dict, now: dict) -> dict:
     """{dotted field: (saved, now)} where two config.json configs differ, but for
     _BOOKKEEPING (a bug hunt, session 94: a finished run rerun with another learning rate
@@ -228,7 +232,9 @@ def _changed_fields(saved: dict, now: dict) -> dict:
         if isinstance(a, dict) and isinstance(b, dict) and not path.endswith("options"):
             for k in sorted(set(a) | set(b)):
                 walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
-        elif a != b and a is not None and path not in _BOOKKEEPING:
+        elif a != b and a is not None and path not in _BOOKKEEPING and not (
+                # a run saved before its data paths were absolute, resumed from its directory
+                path in _PATHS and isinstance(a, str) and os.path.abspath(a) == b):
             out[path] = (a, b)
     walk(saved, now, "")
     return out

@@ -24,7 +24,8 @@ import numpy as np
 
 from hpnlp import data as data_lib
 from hpnlp import models
-from hpnlp.config import MESH_AXES, Config, config_error, from_configdict, validate
+from hpnlp.config import (MESH_AXES, Config, config_error, from_configdict, validate,
+                          with_absolute_paths)
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
@@ -204,6 +205,8 @@ class Trainer:
     def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
             cfg = mesh_for_these_devices(cfg, workdir)
+        else:  # its config.json is read from other directories (generate, a resume)
+            cfg = with_absolute_paths(cfg)
         data_lib.check_prepared_of_run(cfg.data, workdir)
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
         q = cfg.model.quant
