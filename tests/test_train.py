@@ -1290,3 +1290,11 @@ def test_config_json_holds_data_paths_absolute(tmp_path, monkeypatch):
     assert _changed_fields(old, saved) == {}
     old["data"]["train_path"] = "other.txt"
     assert list(_changed_fields(old, saved)) == ["data.train_path"]
+
+
+def test_trainer_built_leaves_no_cleanup_running(tmp_path):
+    # a bug hunt (session 98): Orbax's removal of unfinished saves ran in a thread the
+    # Checkpointer started; a script that built a Trainer and ended printed a 40-line
+    # "cannot schedule new futures after interpreter shutdown" from it (2 of 3 runs)
+    tr = Trainer(from_configdict(tiny(steps=4)), str(tmp_path))
+    assert getattr(tr.checkpointer.manager, "_cleanup_tmp_directory_future", "gone") is None

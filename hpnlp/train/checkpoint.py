@@ -363,6 +363,12 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, create=not read_only,  # (a reader writes nothing: a bug
                 cleanup_tmp_directories=not read_only))   # hunt, session 96)
+        # Orbax removes them in a thread it starts here and awaits at the first save: a script
+        # that built a Trainer and ended (to read its initial state) printed a 40-line
+        # "cannot schedule new futures after interpreter shutdown" (a bug hunt, session 98)
+        wait = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+        if wait is not None:
+            wait()
         # The training loop keeps the preemption sync point's step counter (hpnlp.train.stop);
         # Orbax's save would set that counter to the step number it saves.
         self.manager.reached_preemption = lambda step: False

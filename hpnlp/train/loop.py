@@ -198,9 +198,9 @@ class Trainer:
             self._release_workdir()
             raise
 
-    def __del__(self):
-        if not sys.is_finalizing():  # (at exit the process's end releases it; review: the
-            getattr(self, "_release_workdir", lambda: None)()  # modules were torn down)
+    def __del__(self, _finalizing=sys.is_finalizing):  # (bound here: at exit `sys` may be
+        if not _finalizing():  # None already, a bug hunt, session 98) at exit the process's
+            getattr(self, "_release_workdir", lambda: None)()  # end releases it (review)
 
     def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
