@@ -425,6 +425,60 @@ def test_prepare_skips_its_own_out_in_the_input_glob_and_refuses_a_file_given_tw
     assert "on 99 documents (0.6 MiB:" in capsys.readouterr().err  # 3 bytes a snowman
 
 
+def test_prepare_refuses_what_its_tokenizer_sample_finds_before_training_it(
+        tmp_path, capsys, monkeypatch):
+    """A bug hunt (session 98): too few documents for an eval one were said only after the
+    tokenizer was trained and everything tokenized; a bad byte met while sampling left an
+    empty --out behind."""
+    def never(*a, **k):
+        raise AssertionError("the tokenizer was trained")
+    monkeypatch.setattr(tokenizers, "train", never)
+    text = tmp_path / "a.txt"
+    for body, err in ((b"first\n\nsecond\n\nthird\n", f"--input {text}: no eval document "
+                       "(fewer than --eval_every=4 documents?); lower --eval_every or give "
+                       "--eval_input"),
+                      (b"ok\n\ncaf\xe9\n", f"{text}:3: byte 0xe9 is not UTF-8")):
+        text.write_bytes(body)
+        assert prepare.main(["--input", str(text), "--out", str(tmp_path / "p"), "--tokenizer",
+                             "bpe", "--vocab_size", "300", "--eval_every", "4", "--quiet"]) == 2
+        got = capsys.readouterr().err
+        assert got.startswith(f"error: {err}") and got.count("\n") == 1, got
+        assert not os.path.exists(tmp_path / "p")
+
+
+def test_prepare_names_the_setting_a_rerun_changed(tmp_path, capsys, monkeypatch):
+    """A bug hunt (session 98): "with other settings" named none, so the same command whose
+    glob matches one more file now (or a changed --shard_mb) was refused without saying why."""
+    g = tmp_path / "g"
+    g.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (g / name).write_text("".join(f"paragraph {i} of {name}\n\n" for i in range(4)))
+    args = ["--input", f"{g}/*", "--out", str(tmp_path / "p"), "--eval_every", "2", "--quiet",
+            "--shard_mb", "0"]
+
+    def stop(text):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare.text_tasks, "byte_encode", stop)
+    with pytest.raises(prepare.Stopped):
+        prepare.main(args)
+    monkeypatch.undo()
+    (g / "c.txt").write_text("one more\n")
+    os.remove(g / "a.txt")
+    assert prepare.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {tmp_path}/p holds an unfinished preparation with other settings "
+        f"(--input now also matches {g}/c.txt; --input no longer matches {g}/a.txt); rerun it "
+        "with its own flags, or choose a new --out\n")
+    os.remove(g / "c.txt")
+    (g / "a.txt").write_text("paragraph\n\nanother\n")
+    args[1] = f"{g}/a.txt,{g}/b.txt"
+    assert prepare.main([*args, "--out", str(tmp_path / "q")]) == 0
+    assert prepare.main([*args, "--out", str(tmp_path / "q"), "--shard_mb", "2",
+                         "--format", "text"]) == 2
+    assert "made with other settings (--format: was auto, now text; --shard_mb: was 0, now 2); " \
+        "choose a new --out" in capsys.readouterr().err
+
+
 def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, prepared, capsys):
     """--tokenizer_from alone reuses the tokenizer as it is; flags that contradict it, or
     bytes (which needs none), are one line and write nothing (found by the crash hunt:
@@ -448,7 +502,7 @@ def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, 
                  [*fresh, "--tokenizer_sample_mb", "1", "--shard_mb", "0", "--out",
                   prepared]):  # the fixture's, trained on the default sample
         assert prepare.main(args) == 2
-        assert "made with other settings" in capsys.readouterr().err
+        assert "made with other settings (--tokenizer_" in capsys.readouterr().err
 
 
 def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared):
@@ -468,6 +522,27 @@ def test_prepared_folder_of_another_tokenizer_is_refused_before_compile(prepared
             validate(from_configdict(bad))
     with pytest.raises(ConfigError, match="data.prepared.*prepare --input"):
         data.task_info(lm_cfg(prepared=prepared + "_missing"))
+
+
+def test_a_workdir_holding_another_tokenizer_is_refused_with_a_prepared_folder(prepared,
+                                                                               tmp_path):
+    """A bug hunt (session 98): a tokenizer folder another run left in the workdir was kept,
+    the run trained with the prepared folder's, and its resume was refused, advising to
+    prepare the corpus again with the other one. A resume's own folder is taken."""
+    cfg = lm_cfg(tokenizer="bpe", vocab_size=600, prepared=prepared)
+    own = tmp_path / "own"
+    data.make_task(cfg, workdir=str(own))
+    assert os.path.isfile(own / tokenizers.DIRNAME / tokenizers.MODEL_FILE)
+    data.make_task(cfg, workdir=str(own))  # the run's own, as a resume finds it
+    other = tmp_path / "other"
+    tokenizers.train("bpe", 300, ["the cat sat on the mat\nthe dog ate the cat"] * 4).save(
+        str(other / tokenizers.DIRNAME))
+    kept = other / tokenizers.DIRNAME
+    with pytest.raises(ConfigError, match=rf"`data.prepared` = .* {kept} holds a bpe tokenizer "
+                                          rf"of 300 pieces .*; move {kept} aside, or use a new "
+                                          "workdir$"):
+        data.make_task(cfg, workdir=str(other))
+    assert tokenizers.Subword.load(str(kept)).vocab_size == 300
 
 
 def test_a_hand_edited_meta_json_is_named(prepared, tmp_path):
@@ -545,6 +620,18 @@ def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, files, tmp
                                "train")
     with pytest.raises(ValueError, match=f"{first}: cannot be read \\(Corrupted Riegeli.*{again}"):
         ds[0]
+    # a bug hunt (session 98): a shard moved or cut after the run started was array_record's
+    # "open() failed" under a 50-line traceback at the next eval
+    task = data.make_task(cfg)
+    path = tmp_path / "p" / shard
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-7])
+    with pytest.raises(ValueError, match=f"{shard}: cannot be read .*truncated: {again}"):
+        data.make_iterator(task, cfg, split="eval", batch_size=4)
+    os.remove(path)
+    with pytest.raises(ValueError, match=f"{shard}: shard listed in .*/p/meta.json is missing; "
+                                         f"{again}"):
+        data.make_iterator(task, cfg, split="eval", batch_size=4)
 
 
 # ------------------------------------------------------------------------ streaming

@@ -53,6 +53,8 @@ class PrepareError(ValueError):
 
 _NO_EVAL_TEXT = ("--eval_input {}: no eval text found (every document was empty); check the "
                  "files")
+_NO_EVAL_DOC = ("--input {}: no eval document (fewer than --eval_every={} documents?); lower "
+                "--eval_every or give --eval_input")
 
 
 def expand(pattern: str, flag: str, out: str | None = None) -> list[str]:
@@ -254,13 +256,17 @@ def make_tokenizer(args, paths: list[str], reused=None):
     # An even sample of training documents: every k-th, k from the input size.
     total = sum(os.path.getsize(p) for p in paths)
     stride = max(1, -(-total // (args.tokenizer_sample_mb << 20)))
-    sample, i = [], 0
+    sample, i, held = [], 0, 0
     for j, (_, doc, _, _) in enumerate(_all_documents(paths, args)):
         if not args.eval_input and j % args.eval_every == args.eval_every - 1:
+            held += 1
             continue  # an eval document (found in review: the tokenizer learned from them)
         if i % stride == 0:
             sample.append(doc)
         i += 1
+    if not args.eval_input and i and not held:  # a bug hunt (session 98): this was said
+        # only after the tokenizer was trained and every document tokenized
+        raise PrepareError(_NO_EVAL_DOC.format(args.input, args.eval_every))
     # MiB of UTF-8, as --tokenizer_sample_mb (a bug hunt, session 96: of characters)
     print(f"training a {args.tokenizer} tokenizer of {args.vocab_size} pieces on "
           f"{len(sample)} documents ({sum(len(d.encode()) for d in sample) / 2**20:.1f} MiB: "
@@ -319,6 +325,46 @@ def _discard(out: str, created: bool) -> None:
     for f in glob.glob(os.path.join(out, "*-*.array_record")) + _counts_files(out):
         os.remove(f)
     shutil.rmtree(os.path.join(out, tokenizers.DIRNAME), ignore_errors=True)
+
+
+def _shown(path: str) -> str:
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _settings_diff(saved, settings: dict) -> str:
+    """What differs between the settings a folder was prepared with and this command's, as
+    flags: " (--shard_mb: was 1, now 2)", " (--input now also matches big/k9.txt)", or ""
+    (a bug hunt, session 98: "with other settings" named none, so a glob matching one more
+    file now read as the same command refused)."""
+    if not isinstance(saved, dict):
+        return " (its settings are not recorded)"
+    said = []
+    for key in ("inputs", "eval_inputs"):
+        flag = "--input" if key == "inputs" else "--eval_input"
+        was, now = saved.get(key) or [], settings[key]
+        added = [p for p in now if p not in was]
+        gone = [p for p in was if p not in now]
+        for files, how in ((added, "now also matches"), (gone, "no longer matches")):
+            if files:
+                more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+                said.append(f"{flag} {how} {', '.join(map(_shown, files[:3]))}{more}")
+        if not (added or gone) and was != now:
+            said.append(f"{flag} lists its files in another order")
+    defaults = {"tokenizer_sample_mb": SAMPLE_MB, "tokenizer_from_sha256": None}
+    for key in dict.fromkeys([*settings, *saved]):
+        if key in ("inputs", "eval_inputs") or key == "eval_every" and (
+                0 in (saved.get(key), settings.get(key))):  # --eval_input named above
+            continue
+        was, now = saved.get(key, defaults.get(key)), settings.get(key, defaults.get(key))
+        if was == now:
+            continue
+        if key == "tokenizer_from_sha256":
+            was, now = (f"sha256 {x[:12]}..." if isinstance(x, str) else "not given"
+                        for x in (was, now))
+            key = "tokenizer_from"
+        said.append(f"--{key}: was {was}, now {now}")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def prepare(args) -> dict:
@@ -403,8 +449,9 @@ def prepare(args) -> dict:
                 raise PrepareError(str(e)) from None
             print(f"{out} is already prepared with these settings", file=sys.stderr)
             return old
-        raise PrepareError(f"--out {out} already holds a prepared corpus made with other settings; "
-                           "choose a new --out or delete that folder")
+        raise PrepareError(f"--out {out} already holds a prepared corpus made with other settings"
+                           f"{_settings_diff(old.get('settings'), settings)}; choose a new --out "
+                           "or delete that folder")
     progress_path = os.path.join(out, PROGRESS_FILE)
     progress = None
     if os.path.isfile(progress_path):
@@ -415,8 +462,9 @@ def prepare(args) -> dict:
                                "resumed; delete the folder to "
                                "prepare it afresh, or choose a new --out")
         if progress["settings"] != settings:
-            raise PrepareError(f"--out {out} holds an unfinished preparation with other settings; "
-                               "rerun it with its own flags, or choose a new --out")
+            raise PrepareError(f"--out {out} holds an unfinished preparation with other "
+                               f"settings{_settings_diff(progress['settings'], settings)}; rerun "
+                               "it with its own flags, or choose a new --out")
         edited = changed(progress.get("input_stamps", {}), progress["state"])
         if edited:
             raise PrepareError(f"--out {out} holds an unfinished preparation of "
@@ -433,6 +481,8 @@ def prepare(args) -> dict:
             if tok is not None:
                 tok.save(tok_dir)
     except (ConfigError, ValueError) as e:  # ValueError: SentencePiece refusing the settings
+        if not progress:  # a bug hunt (session 98): a bad input met while sampling left --out
+            _discard(out, created)
         raise PrepareError(str(e)) from None
     V = tok_info["vocab_size"]
     dtype = sharded.ids_dtype(V)
@@ -566,8 +616,7 @@ def prepare(args) -> dict:
     elif state["documents"]["eval"] == 0 and args.eval_input:
         why = _NO_EVAL_TEXT.format(args.eval_input)
     elif state["documents"]["eval"] == 0:
-        why = (f"--input {args.input}: no eval document (fewer than --eval_every="
-               f"{args.eval_every} documents?); lower --eval_every or give --eval_input")
+        why = _NO_EVAL_DOC.format(args.input, args.eval_every)
     if why:  # nothing kept to resume: a rerun with the fix starts afresh
         _discard(out, created)
         raise PrepareError(why)

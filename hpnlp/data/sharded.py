@@ -150,10 +150,13 @@ def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
     loss = float(-(eval_counts * logp).sum() / n_eval) if n_eval else float("nan")
     if tok is not None and workdir:  # the run keeps its tokenizer beside its checkpoints
         from hpnlp.data import tokenizers
-        if not os.path.isdir(os.path.join(workdir, tokenizers.DIRNAME)):
+        kept = os.path.join(workdir, tokenizers.DIRNAME)
+        if not os.path.isdir(kept):
             import jax
             if jax.process_index() == 0:
-                tok.save(os.path.join(workdir, tokenizers.DIRNAME))
+                tok.save(kept)
+        else:
+            _check_kept_tokenizer(cfg, kept, tok)
     empty = task_lib.Examples(np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
     return task_lib.Task(
         name=name, kind="lm", vocab_size=V, num_classes=0, seq_len=cfg.seq_len, train=empty,
@@ -163,6 +166,24 @@ def make_task(cfg, name: str, *, workdir: str | None = None) -> task_lib.Task:
               "prepared_meta": meta, "tokenizer": meta["tokenizer"],
               "train_documents": meta["splits"]["train"]["documents"],
               "eval_documents": meta["splits"]["eval"]["documents"]})
+
+
+def _check_kept_tokenizer(cfg, kept: str, tok) -> None:
+    """A tokenizer folder already in the workdir must be `tok`, the prepared folder's (a
+    resume's own). A bug hunt (session 98): one left by another run was kept, the run trained
+    with the prepared folder's, and its resume was refused with advice to prepare the corpus
+    again with the other one. (A resume whose folder holds another one now is refused before
+    this, by `data.check_prepared_of_run`.)"""
+    from hpnlp.data import tokenizers
+    fix = f"move {kept} aside, or use a new workdir"
+    theirs = tokenizers.Subword.load(kept, fix=fix)
+    if theirs.model_proto != tok.model_proto or not np.array_equal(theirs.order, tok.order):
+        sha = (theirs.describe()["model_sha256"], tok.describe()["model_sha256"])
+        raise _error("data.prepared", cfg.prepared,
+                     f"{kept} holds a {theirs.kind} tokenizer of {theirs.vocab_size} pieces "
+                     f"(sha256 {sha[0][:12]}...), not the one this folder's shards were encoded "
+                     f"with (sha256 {sha[1][:12]}...), which the run would train with (a folder "
+                     f"left by another run?); {fix}")
 
 
 # What each message about a damaged folder advises: rerunning the prepare command alone
@@ -199,6 +220,11 @@ def _shard_error(path: str, e: RuntimeError) -> ValueError:
                       f"{AGAIN}")
 
 
+def _missing_error(path: str) -> ValueError:
+    return ValueError(f"{path}: shard listed in {os.path.dirname(path)}/{META_FILE} is missing; "
+                      f"{AGAIN}")
+
+
 def check_shards(directory: str, meta: dict) -> None:
     """ValueError naming the first shard of either split that is missing or cannot be opened
     (a truncated file), or an eval shard with a damaged record where the eval split is at
@@ -208,8 +234,7 @@ def check_shards(directory: str, meta: dict) -> None:
         paths = [os.path.join(directory, name) for name in meta["splits"][split]["shards"]]
         for path in paths:
             if not os.path.isfile(path):
-                raise ValueError(f"{path}: shard listed in {directory}/{META_FILE} is missing; "
-                                 f"{AGAIN}")
+                raise _missing_error(path)
         whole = split == "eval" and sum(map(os.path.getsize, paths)) <= EVAL_READ_MB << 20
         for path in paths:
             try:
@@ -241,6 +266,22 @@ def _named_source(grain):
     that named no file)."""
 
     class NamedSource(grain.sources.ArrayRecordDataSource):
+        def __init__(self, paths: list[str], *args, **kwargs):
+            # a bug hunt (session 98): a shard moved or deleted after the run started failed at
+            # the next eval as array_record's "open() failed" under a 50-line traceback
+            try:
+                super().__init__(paths, *args, **kwargs)
+            except RuntimeError as e:
+                from array_record.python import array_record_module as ar
+                for path in paths:  # the shard that fails (array_record's error names none)
+                    if not os.path.isfile(path):
+                        raise _missing_error(path) from None
+                    try:
+                        ar.ArrayRecordReader(path).close()
+                    except RuntimeError as e1:
+                        raise _shard_error(path, e1) from None
+                raise _shard_error(f"a shard in {os.path.dirname(paths[0])}", e) from None
+
         def __getitem__(self, key):
             try:
                 return super().__getitem__(key)
