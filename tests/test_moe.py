@@ -540,6 +540,28 @@ def test_moe_layer_built_directly_checks_its_fields(moe, field):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("moe,field,rest", [
+    ({"mlp_dim": 8}, "mlp_dim` = 8", r"each expert 16 wide, and this run's are 8; set it to 0 "
+     r"\(that run's\), and for narrower experts convert in two runs: cut the experts first, "
+     r"then prune .* and shrink .*"),
+    ({"every": 2}, "every` = 2", r"that run's MoE blocks \(every 1\); set it to 1"),
+    ({"shared_experts": 1}, "shared_experts` = 1", "that run's 0 shared experts; set it to 0"),
+])
+def test_fewer_experts_of_another_shape_are_refused_in_one_line(moe, field, rest):
+    # a bug hunt (session 98): cutting 8 experts to 4 with another expert width, `every` or
+    # shared experts passed, then failed at the first step (a flax shape error) or in a
+    # many-line device_put error naming no field, after calibration and with a workdir made
+    from hpnlp.compress import experts
+    src = ModelConfig(width=M, mlp_dim=F, moe=MoEConfig(num_experts=8))
+    dst = dataclasses.replace(src, moe=MoEConfig(num_experts=4, **moe))
+    with pytest.raises(ConfigError, match=rf"^config field `model\.moe\.{field} is not allowed: "
+                       rf"cutting train\.init_from=W's 8 experts to 4 keeps {rest}$") as e:
+        experts.change(src, dst, "W")
+    assert "\n" not in str(e.value)
+    assert experts.change(src, dataclasses.replace(src, moe=MoEConfig(num_experts=4)),
+                          "W") == "prune"
+
+
 def test_moe_statistics_summary():
     from hpnlp.moe import summarize
     sums = {"moe_tokens": 10.0, "moe_entropy": 5.0, "moe_assigned": 20.0, "moe_dropped": 2.0,

@@ -407,6 +407,35 @@ def test_empty_adapter_save_load_round_trip(name, tmp_path):
     np.testing.assert_array_equal(back.search(q, 3)[1].shape, (len(q), 3))
 
 
+def test_a_saved_scann_folder_moves_and_copies_with_its_own_index(tmp_path):
+    # a bug hunt (session 98): ScaNN saved absolute asset paths: a moved folder failed to
+    # load, and a copy searched the first folder's partition and codes (other ids, no error)
+    import shutil
+
+    from hpnlp.retrieval import external
+    if not external.available("scann"):
+        pytest.skip("scann is not installed")
+    x, q = _floats(n=400, q=5)
+    index = retrieval.make("scann", 16, leaves=20, leaves_to_search=5)
+    index.add(x)
+    _, ids = index.search(q, 3)
+    index.save(str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    os.rename(tmp_path / "a", tmp_path / "moved")
+    other = retrieval.make("scann", 16, leaves=20, leaves_to_search=5)
+    other.add(x[::-1] * 3)
+    other.save(str(tmp_path / "a"))  # the first folder now holds another index
+    for name in ("moved", "copy"):
+        np.testing.assert_array_equal(retrieval.load(str(tmp_path / name)).search(q, 3)[1], ids)
+    assets = tmp_path / "copy" / "scann" / "scann_assets.pbtxt"  # as an older hpnlp saved
+    assets.write_text(assets.read_text().replace('asset_path: "',
+                                                 f'asset_path: "{tmp_path / "a" / "scann"}/'))
+    with pytest.raises(RetrievalError, match=rf"^{tmp_path / 'copy'}: saved by an older hpnlp "
+                       rf"with absolute paths into {tmp_path / 'a'}, not its own folder .*; "
+                       "build the index again and save it$"):
+        retrieval.load(str(tmp_path / "copy"))
+
+
 def test_bad_input_is_one_clear_line(tmp_path):
     x, q = _floats(n=50)
     index = retrieval.make("exact", 16)
@@ -446,6 +475,26 @@ def test_bad_input_is_one_clear_line(tmp_path):
         with pytest.raises(RetrievalError, match=match):
             knnlm.run(str(run), str(tmp_path / "ds"), out=str(out))
     assert not (tmp_path / "ds").exists() and (run / "summary.json").read_text() == "{}"
+
+
+def test_knnlm_refuses_an_ivf_too_narrow_for_its_k_before_the_datastore(tmp_path):
+    # a bug hunt (session 98): nprobe x chunk < k_max=64 was refused at the first eval batch,
+    # after the datastore and the cells were built, telling the command (which has no k) to
+    # "lower k"
+    with pytest.raises(RetrievalError, match=r"^ivf index: k=64 is more than the 1 x 8 vectors "
+                       r"one query scans; raise nprobe or chunk in the index options \(the "
+                       r"kNN-LM searches each token's 64 nearest entries\)$"):
+        knnlm.run(str(tmp_path / "no_run"), str(tmp_path / "ds"), index="ivf",
+                  index_options={"nprobe": 1, "chunk": 8})
+    assert not (tmp_path / "ds").exists()
+    knnlm.check_index("ivf", {"nprobe": 8, "chunk": 5}, 64)  # chunks are rounded up to 8 rows
+    knnlm.check_index("ivf", {"nprobe": 1}, 64)  # the chunk is known once the cells are
+    x, q = _floats(n=400, q=3)
+    index = retrieval.make("ivf", 16, nprobe=1, lists=20)
+    index.add(x)  # 2 x 400 / 20 rows a chunk
+    with pytest.raises(RetrievalError, match=r"k=41 is more than the 1 x 40 vectors one query "
+                       "scans; raise nprobe or chunk, or lower k$"):
+        index.search(q, 41)
 
 
 def test_an_out_holding_another_commands_summary_is_refused(tmp_path):

@@ -40,8 +40,10 @@ MLP output by it, and capacity drops pass tokens through, until training adapts.
 Refused in one line, before anything is read: more experts from fewer (upcycle from the
 dense run instead), experts of another width than the dense MLP, shared experts when
 upcycling (no dense weight to start them from that keeps the model's function), stacked
-layers (routing statistics are per block), and an expert change together with a key/value
-conversion (hpnlp.compress.gqa; convert in two runs).
+layers (routing statistics are per block), a cut that also changes the experts' width,
+`every` or shared experts (a cut changes their number alone; narrower experts: cut, then
+prune and shrink), and an expert change together with a key/value conversion
+(hpnlp.compress.gqa; convert in two runs).
 """
 
 from __future__ import annotations
@@ -92,7 +94,31 @@ def change(src: ModelConfig, dst: ModelConfig, workdir: str) -> str:
                                f"copies of train.init_from={workdir}'s dense MLP of width "
                                f"{src.mlp_dim}; set it to 0 (model.mlp_dim) or {src.mlp_dim}")
         return "upcycle"
+    refuse_reshaped(src, dst, workdir)
     return "prune"
+
+
+def refuse_reshaped(src: ModelConfig, dst: ModelConfig, workdir: str) -> None:
+    """A cut of the experts changes their number alone: a bug hunt (session 98) found one
+    that also changed their width, `every` or the shared experts passed `check_params_match`
+    (the source is restored with its own moe fields), then failed at the first step (a flax
+    shape error) or in a many-line device_put error naming no field."""
+    cut = f"cutting train.init_from={workdir}'s {src.moe.num_experts} experts to " \
+          f"{dst.moe.num_experts} keeps"
+    if dst.moe.every != src.moe.every:
+        raise config_error("model.moe.every", dst.moe.every, f"{cut} that run's MoE blocks "
+                           f"(every {src.moe.every}); set it to {src.moe.every}")
+    if dst.moe.shared_experts != src.moe.shared_experts:
+        raise config_error("model.moe.shared_experts", dst.moe.shared_experts, f"{cut} that "
+                           f"run's {src.moe.shared_experts} shared experts; set it to "
+                           f"{src.moe.shared_experts}")
+    was, now = src.moe.expert_dim(src), dst.moe.expert_dim(dst)
+    if was != now:
+        raise config_error("model.moe.mlp_dim", dst.moe.mlp_dim, f"{cut} each expert {was} "
+                           f"wide, and this run's are {now}; set it to {src.moe.mlp_dim} "
+                           "(that run's), and for narrower experts convert in two runs: cut "
+                           "the experts first, then prune that run's neurons (train.prune) "
+                           "and shrink it (python -m hpnlp.compress shrink)")
 
 
 def source_config(cfg: Config, src: ModelConfig) -> Config:

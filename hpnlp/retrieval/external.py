@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import os
+import re
 
 import numpy as np
 
@@ -212,9 +213,31 @@ class ScaNN(HostIndex):
         super()._save_files(folder)
         path = os.path.join(folder, "scann")
         os.makedirs(path, exist_ok=True)
-        self.searcher.serialize(path)
+        # a bug hunt (session 98): ScaNN wrote absolute asset paths, so a moved folder would
+        # not load and a copy searched the first folder's partition and codes (other ids);
+        # relative ones are read from the folder the searcher is loaded from
+        self.searcher.serialize(path, relative_path=True)
 
     def _restore(self, folder, header):
         super()._restore(folder, header)
         if header["count"]:
-            self.searcher = self.scann.scann_ops_pybind.load_searcher(os.path.join(folder, "scann"))
+            path = os.path.join(folder, "scann")
+            _check_own_assets(folder, path)
+            self.searcher = self.scann.scann_ops_pybind.load_searcher(path)
+
+
+def _check_own_assets(folder: str, path: str) -> None:
+    """Refuses a searcher saved (by an hpnlp before session 98) with absolute asset paths
+    into another folder than its own: ScaNN would read that folder's files, no error."""
+    try:
+        with open(os.path.join(path, "scann_assets.pbtxt")) as f:
+            assets = re.findall(r'asset_path:\s*"([^"]*)"', f.read())
+    except OSError:
+        return  # ScaNN's load says what is missing
+    own = os.path.realpath(path)
+    for asset in assets:
+        if os.path.isabs(asset) and os.path.realpath(os.path.dirname(asset)) != own:
+            raise RetrievalError(f"{folder}: saved by an older hpnlp with absolute paths into "
+                                 f"{os.path.dirname(os.path.dirname(asset))}, not its own "
+                                 "folder (ScaNN would search that folder's index); build the "
+                                 "index again and save it")

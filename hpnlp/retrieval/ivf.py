@@ -337,13 +337,28 @@ class IVFIndex(HostIndex):
                             id_Mr)
         return self._panels
 
-    def _search(self, q_QD, k):
+    def check_k(self, k: int, *, fix: str = "raise nprobe or chunk, or lower k") -> None:
+        """RetrievalError where a query cannot be given k neighbours: k is more than the
+        nprobe x chunk vectors it scans. Before the cells are trained that is known only
+        where `chunk` is given (a bug hunt (session 98): the kNN-LM refused nprobe=1, chunk=8
+        only after its datastore was built and the cells trained); `fix` is the caller's."""
         o = self.options
-        m, c = self._chunk_layout()[1].shape
-        nprobe = min(o["nprobe"], m)
+        if self.centroids is None:
+            if not o["chunk"]:
+                return
+            nprobe, c = o["nprobe"], -(-o["chunk"] // 8) * 8  # as `_chunk_layout` rounds it
+        else:
+            m, c = self._chunk_layout()[1].shape
+            nprobe = min(o["nprobe"], m)
         if k > nprobe * c:
             raise RetrievalError(f"ivf index: k={k} is more than the {nprobe} x {c} "
-                                 "vectors one query scans; raise nprobe or chunk, or lower k")
+                                 f"vectors one query scans; {fix}")
+
+    def _search(self, q_QD, k):
+        o = self.options
+        m, c = self._chunk_layout()[1].shape  # trained here if need be
+        self.check_k(k)
+        nprobe = min(o["nprobe"], m)
         nq = len(q_QD)
         if self.uses_kernel():
             centroid_PDN, chunk_MTDN, id_Mr = self._packed()

@@ -375,16 +375,27 @@ def load_run(workdir: str, kind: str, hint: str):
     return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
 
 
-def check_index(name: str, options: dict) -> None:
-    """RetrievalError where index `name` with `options` cannot be made, before the datastore
-    (minutes) is built: an empty one of a small width is made and dropped."""
+def check_index(name: str, options: dict, k: int = 0) -> None:
+    """RetrievalError where index `name` with `options` cannot be made, or (as far as its
+    options tell) cannot give `k` neighbours, before the datastore (minutes) is built: an
+    empty one of a small width is made and dropped."""
     try:
-        make(name, 8, **options)
+        index = make(name, 8, **options)
     except TypeError as e:
         raise RetrievalError(f"index_options {options}: not options of the {name!r} index "
                              f"({e})") from None
     except (ValueError, KeyError) as e:
         raise RetrievalError(f"index {name!r} with options {options}: {e}") from None
+    check_k(index, k)
+
+
+def check_k(index: Index, k: int) -> None:
+    """RetrievalError where `index` cannot give each query k neighbours (an IVF index scanning
+    fewer vectors), said without "lower k": the command has no k (a bug hunt, session 98)."""
+    check = getattr(index, "check_k", None)
+    if check is not None and k:
+        check(k, fix="raise nprobe or chunk in the index options (the kNN-LM searches each "
+                     f"token's {k} nearest entries)")
 
 
 DATASTORE_FILES = (DATASTORE, DATASTORE + ".tmp", "keys.npy", "values.npy", "keys.tmp.npy",
@@ -454,7 +465,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     only the first chunks of each half (about that many tokens in all);
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
     check_metric(metric)
-    check_index(index, index_options or {})
+    check_index(index, index_options or {}, k_max)
     for name, value in (("max_eval_tokens", max_eval_tokens), ("max_datastore_tokens", max_datastore_tokens)):
         if not isinstance(value, int) or value < 0:
             raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
@@ -482,12 +493,13 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     t0 = time.perf_counter()
     idx = store.index(index, metric=metric, **(index_options or {}))
     t_index = time.perf_counter() - t0
+    kk = min(k_max, len(store.keys))
+    check_k(idx, kk)  # a chunk chosen from the cells: known once they are trained
     valid, test = split_halves(len(task.eval))
     if max_eval_tokens:
         per_chunk = max(1.0, float(np.mean(task.eval.lengths - 1)))
         n = max(1, int(max_eval_tokens / 2 / per_chunk))
         valid, test = valid[:n], test[:n]
-    kk = min(k_max, len(store.keys))
     nb_valid = neighbours(model, params, task.eval, store, idx, seq_len=L, k=kk, metric=metric,
                           select=valid)
     nb_test = neighbours(model, params, task.eval, store, idx, seq_len=L, k=kk, metric=metric,
