@@ -491,6 +491,8 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch, cap
            lengths=[64])
     assert json.load(open(tmp_path / "q" / "interrupted" / "results.json"))["interrupted"]
     assert not json.load(open(tmp_path / "q" / "results.json"))["interrupted"]
+    # a quick run of other variants says it has no targets too (a bug hunt, session 98)
+    assert report.QUICK_NO_TARGETS in open(tmp_path / "q" / "results.md").read()
 
     def terminated(spec):  # a SIGTERM (hpnlp's handler raises Stopped): exit 143, as other CLIs
         raise Stopped("stopped (SIGTERM)", 143)

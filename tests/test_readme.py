@@ -29,3 +29,21 @@ def test_sync_copies_a_section_under_its_heading(tmp_path, monkeypatch):
     out = sync_readme.render(text)
     assert "row b" in out and "old" not in out.split("r.md -->")[1].split("<!-- END")[0]
     assert out.count("row a") == 1  # only in the whole-file block
+
+
+def test_check_shows_what_differs(tmp_path, monkeypatch, capsys):
+    # a bug hunt (session 98): --check named the file only, so a record edited by hand was not
+    # named, and running the fix copied its number in unseen
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import pytest
+    import sync_readme
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    path = tmp_path / "README.md"
+    path.write_text("a\n| x | 1.14 |\nb\n")
+    sync_readme.write_or_check(str(path), "a\n| x | 1.14 |\nb\n", check=True, fix="F")
+    with pytest.raises(SystemExit) as exit_:
+        sync_readme.write_or_check(str(path), "a\n| x | 9.75 |\nb\n", check=True, fix="F")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "-| x | 1.14 |\n+| x | 9.75 |\n" in err and err.endswith(
+        "README.md is out of date: run F\n")

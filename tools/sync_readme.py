@@ -18,11 +18,13 @@ docs/benchmarks.md for the command behind each folder).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIFF_LINES = 40  # of the unified diff --check shows
 BLOCK = re.compile(r"(<!-- BEGIN generated: (\S+)(?: (#+ [^\n]*?))? -->\n)(.*?)(<!-- END generated -->)",
                    re.S)
 
@@ -75,8 +77,14 @@ def write_or_check(path: str, new: str, *, check: bool, fix: str) -> None:
         if os.path.exists(path):
             with open(path) as f:
                 old = f.read()
-        if new != old:
-            print(f"{os.path.relpath(path, ROOT)} is out of date: run {fix}", file=sys.stderr)
+        if new != old:  # what differs, first lines (a bug hunt, session 98: a record edited
+            # by hand was not named, and the fix would copy its number in unseen)
+            name = os.path.relpath(path, ROOT)
+            diff = list(difflib.unified_diff(old.splitlines(), new.splitlines(), name,
+                                             f"{name} as {fix} writes it", lineterm="", n=1))
+            shown = "\n".join(diff[:DIFF_LINES]) + (
+                f"\n... ({len(diff) - DIFF_LINES} more lines)" if len(diff) > DIFF_LINES else "")
+            print(f"{shown}\n{name} is out of date: run {fix}", file=sys.stderr)
             sys.exit(1)
         return
     with open(path, "w") as f:

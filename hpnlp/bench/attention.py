@@ -290,6 +290,7 @@ def run(out_dir: str, *, quick: bool, causal: bool, isolate: bool | None = None,
     payload = {"benchmark": "attention", "machine": info, "matmul_gflops": rates,
                "shape": {"B": B, "H": H, "D": D, "causal": causal}, "isolated": isolate,
                "interrupted": interrupted, "results": results}
+    payload["quick"] = bool(quick)  # said in its report whatever it ran (a bug hunt, session 98)
     if "chunked" in impls and TARGET_L in lengths and not causal:
         report.targets_unless_quick(payload, quick, lambda: _targets(results))
     out_dir = harness.report_dir(out_dir, interrupted)

@@ -169,8 +169,9 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
                "results": results}
     # at the shape they are set for (a README walk: --quick wrote them at B=8, L=32, H=64,
     # unmet, as if they held there)
+    payload["quick"] = shape != SIZES["full"]  # said whatever it ran (session 98)
     if set(TARGET_ROWS) <= set(names):
-        report.targets_unless_quick(payload, shape != SIZES["full"], lambda: _targets(results))
+        report.targets_unless_quick(payload, payload["quick"], lambda: _targets(results))
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "rnn", payload, _markdown(payload))
     return payload
