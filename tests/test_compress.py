@@ -465,6 +465,12 @@ def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path, capsys)
     assert generate.main(["--workdir", out, "--prompt", "And"]) == 2
     assert (f"{out}: a quantized model.kind='lm', model.arch='lstm' model; generate decodes "
             "Transformer LMs") in capsys.readouterr().err
+    half = tmp_path / "npz_alone"  # (a bug hunt, session 98: "no run in workdir ...: train one")
+    half.mkdir()
+    shutil.copy(os.path.join(out, "quantized.npz"), half)
+    assert generate.main(["--workdir", str(half), "--prompt", "And"]) == 2
+    assert (f"no quantized checkpoint in {half} (quant.json missing): make one with python -m "
+            "hpnlp.compress quantize") in capsys.readouterr().err
 
 
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it

@@ -377,11 +377,16 @@ def main(argv=None) -> int:
         except ConfigError as e:
             raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
 
+    def quantized(folder):  # quantized.npz alone too (a bug hunt, session 98: "no run in
+        # workdir ...: train one there first"; ptq.load names the file missing)
+        return any(os.path.exists(os.path.join(folder, f)) for f in ("quant.json",
+                                                                      "quantized.npz"))
+
     def load(workdir):
         """(config, task, weights()): a trained run, or a quantized one (`python -m
         hpnlp.compress quantize --out`, holding quant.json), whose `weights()` gives
         (params, quant_vars, features_key)."""
-        if os.path.exists(os.path.join(workdir, "quant.json")):
+        if quantized(workdir):
             return load_quantized(workdir)
         cfg = load_run_config(workdir)
         members = run_members(workdir)
@@ -474,7 +479,7 @@ def main(argv=None) -> int:
                        flags=True)
         if args.draft:
             for flag, w in (("--workdir", args.workdir), ("--draft", args.draft)):
-                if os.path.exists(os.path.join(w, "quant.json")):  # named by its own flag (a
+                if quantized(w):  # named by its own flag (a
                     # bug hunt, session 95: a quantized --workdir was blamed on --draft)
                     raise ValueError(f"{flag} {w}: a quantized folder (quant.json); "
                                      "speculative decoding reads trained runs: give "
