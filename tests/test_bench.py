@@ -590,6 +590,9 @@ def test_quant_bench_targets_and_table_from_a_payload():
     md = quant._markdown(payload)
     assert "### Targets" in md and "`qat_int4_loss_rel_increase`" in md and "| NO |" in md
     assert "3.00x" in md  # int8 kernel vs float32 in the layer table
+    # a part --parts left out has no table (a bug hunt, session 98: an empty one was drawn)
+    md = quant._markdown(dict(payload, lm=[], quality=[]))
+    assert "### Linear layer" in md and "### LM decoding" not in md and "### Quality" not in md
 
 
 def test_compress_bench_targets_and_table_from_a_payload():

@@ -306,20 +306,23 @@ def _targets(linear: list[dict], lm: list[dict], quality: list[dict]) -> dict:
 def _markdown(p: dict) -> str:
     s = p["sizes"]
     out = [report.header_md(p["machine"], {"float32": p["f32_rate"]}), "",
-           f"Kernel paths: {p['kernel_layout']}", "", f"Allocator: {p.get('malloc', '–')}", "",
-           f"### Linear layer [{s['M']} tokens, {s['K']} -> {s['N']}]", "",
-           report.table(["impl", "median ms", "GOP/s", "of f32 rate", "vs float32"], [
-               [r["impl"], report.fmt(r["time"]["median_s"], "ms"), f"{r['gops']:.1f}",
-                f"{r['frac_of_f32_rate']:.0%}" if r["frac_of_f32_rate"] else "–",
-                report.fmt(report.ratio(p["_f32_time"], r["time"]["median_s"]), "x")]
-               for r in p["linear"]]), "",
-           f"### LM decoding and prefill (width {s['width']}, depth {s['depth']}, "
-           f"random weights)", "",
-           report.table(["variant", f"prefill tok/s [{s['prefill'][0]}x{s['prefill'][1]}]",
-                         "decode tok/s batch 1", "decode tok/s batch 16"], [
-               [r["variant"], f"{r['prefill_tokens_per_s']:.0f}",
-                f"{r['decode_b1_tokens_per_s']:.1f}", f"{r['decode_b16_tokens_per_s']:.1f}"]
-               for r in p["lm"]])]
+           f"Kernel paths: {p['kernel_layout']}", "", f"Allocator: {p.get('malloc', '–')}"]
+    # a part --parts left out has no table (a bug hunt, session 98: an empty one)
+    if p["linear"]:
+        out += ["", f"### Linear layer [{s['M']} tokens, {s['K']} -> {s['N']}]", "",
+                report.table(["impl", "median ms", "GOP/s", "of f32 rate", "vs float32"], [
+                    [r["impl"], report.fmt(r["time"]["median_s"], "ms"), f"{r['gops']:.1f}",
+                     f"{r['frac_of_f32_rate']:.0%}" if r["frac_of_f32_rate"] else "–",
+                     report.fmt(report.ratio(p["_f32_time"], r["time"]["median_s"]), "x")]
+                    for r in p["linear"]])]
+    if p["lm"]:
+        out += ["", f"### LM decoding and prefill (width {s['width']}, depth {s['depth']}, "
+                f"random weights)", "",
+                report.table(["variant", f"prefill tok/s [{s['prefill'][0]}x{s['prefill'][1]}]",
+                              "decode tok/s batch 1", "decode tok/s batch 16"], [
+                    [r["variant"], f"{r['prefill_tokens_per_s']:.0f}",
+                     f"{r['decode_b1_tokens_per_s']:.1f}", f"{r['decode_b16_tokens_per_s']:.1f}"]
+                    for r in p["lm"]])]
     if p["quality"]:
         out += ["", "### Quality, size and speed of quantized models", "",
                 report.table(["model", "variant", "eval loss", "accuracy", "loss vs float32",
