@@ -126,7 +126,7 @@ def test_a_one_shot_pruning_is_not_lost_to_skipped_float16_steps(tmp_path):
     run trained dense. Now it happens at the first step that updates."""
     cd = tiny(prune=dict(method="magnitude", sparsity=0.75, schedule="oneshot", start_step=0))
     cd.model.dtype = "float16"
-    cd.train.loss_scale_init = 2.0 ** 15  # the default; the tiny model overflows at it
+    cd.train.loss_scale_init = 2.0 ** 20  # overflows the tiny model; a few halvings on, not
     from hpnlp.train import Trainer
     tr = Trainer(from_configdict(cd), str(tmp_path))
     state, _ = tr.initial_state()

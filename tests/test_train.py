@@ -1298,3 +1298,32 @@ def test_trainer_built_leaves_no_cleanup_running(tmp_path):
     # "cannot schedule new futures after interpreter shutdown" from it (2 of 3 runs)
     tr = Trainer(from_configdict(tiny(steps=4)), str(tmp_path))
     assert getattr(tr.checkpointer.manager, "_cleanup_tmp_directory_future", "gone") is None
+
+
+def test_float16_loss_scale_is_of_the_mean_not_the_sum():
+    # a bug hunt (session 98): the scale multiplied the loss summed over the batch, and over
+    # 2048 x 128 tokens float16 products overflowed at scale 1, the floor: every step was
+    # skipped. A float16 product summed over 131,072 positions overflows the same way.
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+
+    from hpnlp.config import TrainConfig
+    from hpnlp.train.state import init_state
+    from hpnlp.train.step import make_train_step, per_position
+
+    class Toy(nn.Module):
+        @nn.compact
+        def __call__(self, batch):
+            w = self.param("w", nn.initializers.ones, (4, 4), jnp.float32)
+            y = jnp.ones(batch["tokens"].shape + (4,), jnp.float16) @ w.astype(jnp.float16)
+            return {"loss": jnp.sum(y.astype(jnp.float32)), "weight": jnp.float32(y.size / 4)}
+
+    batch = {"tokens": jnp.zeros((256, 512), jnp.int32)}
+    assert per_position(batch) == 2.0 ** -17 and per_position({"x": np.zeros((3, 5))}) == 1 / 16
+    tx = optax.sgd(1.0)
+    state = init_state(Toy(), tx, jax.random.key(0), batch, loss_scale=1.0)
+    state, m = jax.jit(make_train_step(Toy(), tx, TrainConfig(steps=2, warmup_steps=1)))(
+        state, batch)
+    assert float(m["skipped"]) == 0.0 and float(m["loss_scale"]) == 1.0
+    assert float(m["grad_norm"]) == 4.0  # d mean / d w: 1 for each of the 16 weights

@@ -10,10 +10,12 @@ plus `weight`, so they add across devices and steps.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from hpnlp.config import TrainConfig
@@ -72,6 +74,14 @@ def _split_microbatches(batch, n: int):
     return jax.tree.map(split, batch)
 
 
+def per_position(batch) -> float:
+    """1 / the batch's positions (rows x length of its largest array) rounded up to a power
+    of 2: float16's loss scale multiplies the mean loss per position by it, and a power of 2
+    scales exactly."""
+    positions = max(math.prod(np.shape(x)[:2]) for x in jax.tree.leaves(batch))
+    return 2.0 ** -math.ceil(math.log2(max(positions, 1)))
+
+
 def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, carries=()):
     """The jittable step; `carries` (hpnlp.train.carry) wrap its loss and follow its update."""
     schedule = learning_rate_schedule(t)
@@ -89,6 +99,10 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
         features = state.features_key(t.feature_redraw_every)
         scaling = state.loss_scale is not None
         scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
+        if scaling:  # of the mean loss per position, not of the sum (a bug hunt, session 98:
+            # summed over 2048 x 128 tokens float16 products overflowed at scale 1, the floor,
+            # and every step was skipped); by a power of 2, so the gradients are unchanged
+            scale = scale * per_position(batch)
         if t.grad_accum == 1:
             (_, (sums, carry)), grads = grad_fn(state.params, state.carry, batch, rng, features, scale)
         else:  # config.validate keeps carries that cannot accumulate (XL memory) at 1 here
@@ -128,10 +142,12 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             carry = carry_lib.skipped(carries, carry, state.carry, grads_ok)
             good = jnp.where(grads_ok, state.good_steps + 1, 0)
             grow = good >= t.loss_scale_period
-            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
-                                           jnp.maximum(scale / 2, 1.0)),
+            was = state.loss_scale
+            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, was * 2, was),
+                                           jnp.maximum(was / 2, 1.0)),
                    "good_steps": jnp.where(grow, 0, good)}
-            extra = {"loss_scale": scale, "skipped": 1.0 - grads_ok.astype(jnp.float32)}
+            extra = {"loss_scale": state.loss_scale,
+                     "skipped": 1.0 - grads_ok.astype(jnp.float32)}
             grads_ok = jnp.ones((), bool)  # a skipped step leaves the state as it was: finite
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
