@@ -370,6 +370,16 @@ def test_bad_fields_rejected_at_setup(name, kw, match):
     ("class_based", {"chunk_tokens": -7}, "chunk_tokens` = -7"),
     ("hierarchical", {"chunk_tokens": 2.5}, "chunk_tokens` = 2.5"),
     ("full", {"chunk_tokens": -2}, "chunk_tokens` = -2"),
+    # a bug hunt (session 98): options the layer's mode never reads were taken, even out of
+    # range, and changed nothing; nce's log Z of nan made every loss NaN
+    ("sampled", {"sampler": "uniform", "power": 0.5}, r"power` = 0.5 is not allowed: only "
+     r"sampler='unigram' reads it, and this config has sampler='uniform'; drop it"),
+    ("hard_negative", {"recall_target": 0.5}, "only approximate=True reads it"),
+    ("nce", {"log_normalizer": float("nan")}, "log_normalizer` = nan .*must be a finite"),
+    ("binary_code", {"redundancy": -1}, r"redundancy` = -1 .*only mode='ecc' reads it, and "
+     "this config has mode='plain'"),
+    ("binary_code", {"mode": "ecc", "softmax_size": 10}, "only mode='hybrid' reads it"),
+    ("adaptive", {"mode": "dense", "chunk_logits": 1000}, "only mode='sorted' reads it"),
 ])
 def test_bad_options_refused_at_the_config_check(name, options, match):
     """Found by a bug hunt: hard_negative's recall_target 5.0 failed in the train step's

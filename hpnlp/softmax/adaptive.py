@@ -46,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.config import config_error
-from hpnlp.softmax.base import Frequencies, check_targets, frequencies, masked, register
+from hpnlp.softmax.base import (Frequencies, check_targets, frequencies, masked, refuse_unread,
+                                register)
 
 def _valid_cutoffs(cuts: tuple, vocab_size: int) -> bool:
     """Strictly increasing integers in (0, vocab_size)."""
@@ -134,6 +135,8 @@ class AdaptiveSoftmax(nn.Module):
             raise config_error(f"{field}.mode", mode, "choose 'sorted' or 'dense'")
         if not options.get("div_value", cls.div_value) > 0:
             raise config_error(f"{field}.div_value", options["div_value"], "must be > 0")
+        if mode == "dense":
+            refuse_unread(options, "chunk_logits", "mode='sorted'", "mode='dense'", field)
         chunk = options.get("chunk_logits", cls.chunk_logits)
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
                                   or chunk < 1):  # a bug hunt: checked at the model's init

@@ -43,6 +43,17 @@ def check_config(name: str, options, *, vocab_size: int, frequency_sorted: bool 
         check(options, vocab_size=vocab_size, frequency_sorted=frequency_sorted, field=field)
 
 
+def refuse_unread(options, name: str, reader: str, setting: str,
+                  field: str = "output.options") -> None:
+    """A ConfigError where `options` gives `name`, which only `reader` (e.g. "mode='ecc'")
+    reads and this config's `setting` (e.g. "mode='plain'") does not: a bug hunt (session
+    98) found such options taken, even out of range, and changing nothing."""
+    from hpnlp.config import config_error
+    if name in options:
+        raise config_error(f"{field}.{name}", options[name], f"only {reader} reads it, and "
+                           f"this config has {setting}; drop it")
+
+
 def can_tie(name: str) -> bool:
     """Whether output layer `name` can use the input embedding as its table (an `embed` field)."""
     return "embed" in {f.name for f in dataclasses.fields(get(name))}

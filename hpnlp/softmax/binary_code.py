@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.softmax.base import Frequencies, check_targets, masked, register, scores
+from hpnlp.softmax.base import (Frequencies, check_targets, masked, refuse_unread, register,
+                                scores)
 from hpnlp.softmax.tree import Vectors, cached_tables, frequency_rank
 
 MODES = ("plain", "hybrid", "ecc")
@@ -135,6 +136,9 @@ class BinaryCode(nn.Module):
         mode = options.get("mode", cls.mode)
         if mode not in MODES:
             raise config_error(f"{field}.mode", mode, f"choose one of {list(MODES)}")
+        for name, reader in (("softmax_size", "hybrid"), ("redundancy", "ecc")):
+            if mode != reader:
+                refuse_unread(options, name, f"mode={reader!r}", f"mode={mode!r}", field)
         # these two were checked only in `setup`, as errors without their config field
         size = options.get("softmax_size", cls.softmax_size)
         if mode == "hybrid" and (isinstance(size, bool) or not isinstance(size, int)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -58,7 +59,8 @@ import numpy as np
 
 from hpnlp.config import config_error
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
-                                frequencies, map_token_chunks, masked, register, scores)
+                                frequencies, map_token_chunks, masked, refuse_unread, register,
+                                scores)
 from hpnlp.softmax.full import auto_chunk_tokens
 
 SAMPLERS = ("uniform", "log_uniform", "unigram")
@@ -231,6 +233,8 @@ class SampledObjective(VocabLayer):
             raise config_error(f"{field}.num_samples", num, f"unique=True draws distinct ids, so it "
                                f"must be below model.vocab_size={vocab_size}; lower it or set "
                                f"{field}.unique=False")
+        if sampler != "unigram":
+            refuse_unread(options, "power", "sampler='unigram'", f"sampler={sampler!r}", field)
         if not get("power") >= 0:
             raise config_error(f"{field}.power", get("power"), "must be >= 0")
         if sampler == "log_uniform" and frequency_sorted is False:
@@ -344,6 +348,15 @@ class NCE(SampledObjective):
     log_normalizer: float = 0.0  # log Z subtracted from every score (the initial value when learned)
     learn_normalizer: bool = False  # learn log Z as a parameter
 
+    @classmethod
+    def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
+        super().check_config(options, vocab_size=vocab_size, frequency_sorted=frequency_sorted,
+                             field=field)
+        z = options.get("log_normalizer", cls.log_normalizer)
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z):
+            raise config_error(f"{field}.log_normalizer", z, "must be a finite number (log Z; "
+                               "nan or inf made every loss NaN: a bug hunt, session 98)")
+
     def setup(self):
         super().setup()
         if self.learn_normalizer:
@@ -433,6 +446,9 @@ class HardNegative(VocabLayer):
                                f"model.vocab_size={vocab_size})")
         # a bug hunt: recall_target 5.0 (or 0) failed in the train step's compile, a 95-line
         # XLA error, after the workdir was written; a negative margin was taken
+        if not options.get("approximate", cls.approximate):
+            refuse_unread(options, "recall_target", "approximate=True", "approximate=False",
+                          field)
         r = options.get("recall_target", cls.recall_target)
         margin = options.get("margin", cls.margin)
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
