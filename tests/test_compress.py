@@ -471,6 +471,10 @@ def test_ptq_of_an_lstm_packs_its_input_and_recurrent_products(tmp_path, capsys)
     assert generate.main(["--workdir", str(half), "--prompt", "And"]) == 2
     assert (f"no quantized checkpoint in {half} (quant.json missing): make one with python -m "
             "hpnlp.compress quantize") in capsys.readouterr().err
+    from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
+    with pytest.raises(NoCheckpoint, match=f"{half} holds a compressed copy \\(quantized.npz, "
+                       "written by python -m hpnlp.compress quantize --out\\), not a run"):
+        load_run_config(str(half))  # what the other tools read (review, session 98)
 
 
 @pytest.mark.slow  # over 8 s on the 2-core CPU: CI's slow part runs it

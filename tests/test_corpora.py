@@ -832,7 +832,7 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
                           "--greedy", "--kv-cache", "int8"]) == 0
     assert capsys.readouterr().out.startswith(prompts[0])
     assert generate.main(greedy + ["--draft", qdir]) == 2
-    assert (f"--draft {qdir}: a quantized folder (quant.json); speculative decoding reads "
+    assert (f"--draft {qdir}: a quantized folder; speculative decoding reads "
             "trained runs: give --draft the run it was quantized from") in capsys.readouterr().err
     assert generate.main(["--workdir", qdir, "--draft", str(tmp_path), "--prompt", "And"]) == 2
     assert f"--workdir {qdir}: a quantized folder" in capsys.readouterr().err  # (a bug hunt)

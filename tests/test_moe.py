@@ -541,9 +541,9 @@ def test_moe_layer_built_directly_checks_its_fields(moe, field):
 
 
 @pytest.mark.parametrize("moe,field,rest", [
-    ({"mlp_dim": 8}, "mlp_dim` = 8", r"each expert 16 wide, and this run's are 8; set it to 0 "
-     r"\(that run's\), and for narrower experts convert in two runs: cut the experts first, "
-     r"then prune .* and shrink .*"),
+    ({"mlp_dim": 8}, "mlp_dim` = 8", r"each expert 16 wide, and this run's are 8; set it to 16 "
+     r"\(that run's experts' width\), and for narrower experts convert in two runs: cut the "
+     r"experts first, then prune .* and shrink .*"),
     ({"every": 2}, "every` = 2", r"that run's MoE blocks \(every 1\); set it to 1"),
     ({"shared_experts": 1}, "shared_experts` = 1", "that run's 0 shared experts; set it to 0"),
 ])

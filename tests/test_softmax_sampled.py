@@ -364,7 +364,8 @@ def test_bad_fields_rejected_at_setup(name, kw, match):
 @pytest.mark.parametrize("name,options,match", [
     ("hard_negative", {"approximate": True, "recall_target": 5.0},
      r"output.options.recall_target` = 5.0 .*must be a number in \(0, 1\]"),
-    ("hard_negative", {"recall_target": 0.0}, "recall_target` = 0.0"),
+    ("hard_negative", {"approximate": True, "recall_target": 0.0},
+     r"recall_target` = 0.0 .*must be a number in \(0, 1\]"),
     ("hard_negative", {"margin": -1.0}, "margin` = -1.0 .*>= 0"),
     ("hard_negative", {"chunk_tokens": -7}, r"chunk_tokens` = -7 .*integer >= -1"),
     ("class_based", {"chunk_tokens": -7}, "chunk_tokens` = -7"),

@@ -115,8 +115,8 @@ def refuse_reshaped(src: ModelConfig, dst: ModelConfig, workdir: str) -> None:
     was, now = src.moe.expert_dim(src), dst.moe.expert_dim(dst)
     if was != now:
         raise config_error("model.moe.mlp_dim", dst.moe.mlp_dim, f"{cut} each expert {was} "
-                           f"wide, and this run's are {now}; set it to {src.moe.mlp_dim} "
-                           "(that run's), and for narrower experts convert in two runs: cut "
+                           f"wide, and this run's are {now}; set it to {was} (that run's "
+                           "experts' width), and for narrower experts convert in two runs: cut "
                            "the experts first, then prune that run's neurons (train.prune) "
                            "and shrink it (python -m hpnlp.compress shrink)")
 

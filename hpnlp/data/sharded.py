@@ -229,21 +229,28 @@ def check_shards(directory: str, meta: dict) -> None:
     """ValueError naming the first shard of either split that is missing or cannot be opened
     (a truncated file), or an eval shard with a damaged record where the eval split is at
     most EVAL_READ_MB: found before any step trains, not at the first eval after them."""
-    from array_record.python import array_record_module as ar
     for split in ("train", "eval"):
         paths = [os.path.join(directory, name) for name in meta["splits"][split]["shards"]]
-        for path in paths:
-            if not os.path.isfile(path):
-                raise _missing_error(path)
-        whole = split == "eval" and sum(map(os.path.getsize, paths)) <= EVAL_READ_MB << 20
-        for path in paths:
-            try:
-                reader = ar.ArrayRecordReader(path)
-                if whole:  # a bug hunt (session 96): a damaged record, met at the final eval
-                    reader.read_all()
-                reader.close()
-            except RuntimeError as e:
-                raise _shard_error(path, e) from None
+        # a bug hunt (session 96): a damaged record, met at the final eval
+        _check_paths(paths, read_all=split == "eval" and all(map(os.path.isfile, paths))
+                     and sum(map(os.path.getsize, paths)) <= EVAL_READ_MB << 20)
+
+
+def _check_paths(paths: list[str], *, read_all: bool = False) -> None:
+    """ValueError naming the first of `paths` that is missing, then the first that cannot be
+    opened (or, `read_all`, read whole)."""
+    from array_record.python import array_record_module as ar
+    for path in paths:
+        if not os.path.isfile(path):
+            raise _missing_error(path)
+    for path in paths:
+        try:
+            reader = ar.ArrayRecordReader(path)
+            if read_all:
+                reader.read_all()
+            reader.close()
+        except RuntimeError as e:
+            raise _shard_error(path, e) from None
 
 
 def decode_record(record: bytes, dtype: str) -> np.ndarray:
@@ -272,14 +279,7 @@ def _named_source(grain):
             try:
                 super().__init__(paths, *args, **kwargs)
             except RuntimeError as e:
-                from array_record.python import array_record_module as ar
-                for path in paths:  # the shard that fails (array_record's error names none)
-                    if not os.path.isfile(path):
-                        raise _missing_error(path) from None
-                    try:
-                        ar.ArrayRecordReader(path).close()
-                    except RuntimeError as e1:
-                        raise _shard_error(path, e1) from None
+                _check_paths(paths)  # the shard that fails (array_record's error names none)
                 raise _shard_error(f"a shard in {os.path.dirname(paths[0])}", e) from None
 
         def __getitem__(self, key):

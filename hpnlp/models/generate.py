@@ -332,7 +332,7 @@ def main(argv=None) -> int:
 
     from hpnlp.models import speculative
     from hpnlp.train.carry import model_params
-    from hpnlp.train.checkpoint import NoCheckpoint, load_run_config, run_members
+    from hpnlp.train.checkpoint import NoCheckpoint, compressed, load_run_config, run_members
     from hpnlp.train.loop import Trainer
 
     p = argparse.ArgumentParser(prog="python -m hpnlp.models.generate", description=main.__doc__)
@@ -378,9 +378,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
 
     def quantized(folder):  # quantized.npz alone too (a bug hunt, session 98: "no run in
-        # workdir ...: train one there first"; ptq.load names the file missing)
-        return any(os.path.exists(os.path.join(folder, f)) for f in ("quant.json",
-                                                                      "quantized.npz"))
+        return compressed(folder) == "quantize"  # workdir: train one"; ptq.load names it)
 
     def load(workdir):
         """(config, task, weights()): a trained run, or a quantized one (`python -m
@@ -481,7 +479,7 @@ def main(argv=None) -> int:
             for flag, w in (("--workdir", args.workdir), ("--draft", args.draft)):
                 if quantized(w):  # named by its own flag (a
                     # bug hunt, session 95: a quantized --workdir was blamed on --draft)
-                    raise ValueError(f"{flag} {w}: a quantized folder (quant.json); "
+                    raise ValueError(f"{flag} {w}: a quantized folder; "
                                      "speculative decoding reads trained runs: give "
                                      f"{flag} the run it was quantized from, or decode a "
                                      "quantized --workdir without --draft")

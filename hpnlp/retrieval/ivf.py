@@ -225,6 +225,11 @@ def scan_reference(q_QD, probe_QP, x_McD, id_Mc, k: int):
     return s_QK, i_QK
 
 
+def _rows(chunk: int) -> int:
+    """A chunk's rows: `chunk` rounded up to a multiple of 8."""
+    return -(-chunk // 8) * 8
+
+
 @register("ivf")
 class IVFIndex(HostIndex):
     """Inverted file over k-means cells (see the module docstring).
@@ -301,8 +306,8 @@ class IVFIndex(HostIndex):
                 self.train()
             cell = self._cell
             sizes = np.bincount(cell, minlength=len(self.centroids))
-            c = self.options["chunk"] or int(max(8, -(-2 * len(cell) // len(self.centroids))))
-            c = -(-c // 8) * 8
+            c = _rows(self.options["chunk"]
+                      or int(max(8, -(-2 * len(cell) // len(self.centroids)))))
             per_cell = -(-sizes // c)  # chunks of each cell (0 for an empty one)
             order = np.argsort(cell, kind="stable")  # ids grouped by cell, ascending within
             chunk_of_cell = np.repeat(np.arange(len(sizes)), per_cell)
@@ -346,7 +351,7 @@ class IVFIndex(HostIndex):
         if self.centroids is None:
             if not o["chunk"]:
                 return
-            nprobe, c = o["nprobe"], -(-o["chunk"] // 8) * 8  # as `_chunk_layout` rounds it
+            nprobe, c = o["nprobe"], _rows(o["chunk"])
         else:
             m, c = self._chunk_layout()[1].shape
             nprobe = min(o["nprobe"], m)

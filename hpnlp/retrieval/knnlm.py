@@ -465,10 +465,11 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     only the first chunks of each half (about that many tokens in all);
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
     check_metric(metric)
-    check_index(index, index_options or {}, k_max)
     for name, value in (("max_eval_tokens", max_eval_tokens), ("max_datastore_tokens", max_datastore_tokens)):
         if not isinstance(value, int) or value < 0:
             raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
+    # the k it searches: fewer where the datastore is capped below k_max (review, session 98)
+    check_index(index, index_options or {}, min(k_max, max_datastore_tokens or k_max))
     check_datastore_folder(datastore, workdir)
     if out:
         check_out(out, workdir, "knnlm", datastore)

@@ -87,6 +87,19 @@ def config_file(path: str) -> Config:
     return from_configdict(_read_config_json(path)["config"])
 
 
+# What `python -m hpnlp.compress` writes in a folder that is not a run: (its record, its
+# arrays, the command), each file naming the folder as that command's output
+COMPRESSED = (("quant.json", "quantized.npz", "quantize"),
+              ("sparse.json", "sparse.npz", "sparsify"))
+
+
+def compressed(folder: str) -> str | None:
+    """The `hpnlp.compress` command whose output `folder` holds (either of its files), else
+    None."""
+    return next((command for meta, data, command in COMPRESSED
+                 if any(os.path.exists(os.path.join(folder, f)) for f in (meta, data))), None)
+
+
 def load_run_config(workdir: str, *, require_checkpoint: bool = True,
                     field: str | None = None) -> Config:
     """The config a run in `workdir` was trained with (its config.json); NoCheckpoint where
@@ -95,9 +108,12 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
     path = os.path.join(workdir, "config.json")
     named = f"{field}={workdir}: " if field else ""
     if not os.path.exists(path):
-        for meta, command in (("quant.json", "quantize"), ("sparse.json", "sparsify")):
-            # found in review: a compressed copy was told to train a run there
-            if os.path.exists(os.path.join(workdir, meta)):
+        for meta, data, command in COMPRESSED:
+            # found in review: a compressed copy was told to train a run there; its data file
+            # alone too (a bug hunt, session 98)
+            found = [f for f in (meta, data) if os.path.exists(os.path.join(workdir, f))]
+            if found:
+                meta = found[0]
                 try:
                     with open(os.path.join(workdir, meta)) as f:
                         source = f"the run it was made from, {json.load(f)['source']['workdir']}"

@@ -198,9 +198,11 @@ class Trainer:
             self._release_workdir()
             raise
 
-    def __del__(self, _finalizing=sys.is_finalizing):  # (bound here: at exit `sys` may be
-        if not _finalizing():  # None already, a bug hunt, session 98) at exit the process's
-            getattr(self, "_release_workdir", lambda: None)()  # end releases it (review)
+    # At exit the process's end releases the workdir (review: the modules were torn down);
+    # sys.is_finalizing is bound here, as `sys` may be None by then (a bug hunt, session 98)
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if not _finalizing():
+            getattr(self, "_release_workdir", lambda: None)()
 
     def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
