@@ -40,7 +40,8 @@ import numpy as np
 
 from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import Factored, QWeight, Served
-from hpnlp.config import Config, ConfigError, QuantConfig, config_error, from_configdict, to_json, validate
+from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
+                          validate, with_absolute_paths)
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
 
 FLOAT_FORMATS = ("bfloat16", "float16")
@@ -136,7 +137,7 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
         put("quant/" + "/".join(path), leaf)
     path = os.path.join(out, "quantized.npz")
     np.savez_compressed(path, **arrays)
-    manifest = {"config": to_json(cfg), "weights": layout, "dtypes": views,
+    manifest = {"config": to_json(with_absolute_paths(cfg)), "weights": layout, "dtypes": views,
                 **({"factored": factored} if factored else {}),
                 **({"factored_lead": lead} if lead else {}), **meta}
     with open(os.path.join(out, "quant.json"), "w") as f:

@@ -38,7 +38,7 @@ import numpy as np
 
 from hpnlp.compress import spmm
 from hpnlp.compress.qlinear import Factored, QWeight, Sparse, Served, float_bytes, products
-from hpnlp.config import Config, config_error, from_configdict, to_json
+from hpnlp.config import Config, config_error, from_configdict, to_json, with_absolute_paths
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
 
 KINDS = ("qkv", "out", "mlp", "head")  # the products qeinsum computes from their weight alone
@@ -127,8 +127,8 @@ def save(out: str, cfg: Config, params, meta: dict) -> int:
     path = os.path.join(out, "sparse.npz")
     np.savez(path, **arrays)
     with open(os.path.join(out, "sparse.json"), "w") as f:
-        json.dump({"config": to_json(cfg), "sparse": layout, "views": views, **meta}, f,
-                  indent=1)
+        json.dump({"config": to_json(with_absolute_paths(cfg)), "sparse": layout,  # (a bug hunt,
+                   "views": views, **meta}, f, indent=1)  # session 98: an old run's relative)
     return os.path.getsize(path)
 
 

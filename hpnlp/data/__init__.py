@@ -144,6 +144,20 @@ def tokenizer_sha256(cfg, workdir: str | None = None) -> str | None:
     return None
 
 
+def check_files_of_run(cfg, workdir: str) -> None:
+    """A run read (not trained) whose data.train_path or data.eval_path (DataConfig `cfg`,
+    its config.json's: absolute) is not there now is a ConfigError naming the field and the
+    fix (a bug hunt, session 98: a project folder moved, generate said "no such file")."""
+    from hpnlp.config import config_error
+    for field in ("train_path", "eval_path"):
+        path = getattr(cfg, field)
+        if path and not os.path.exists(path):
+            raise config_error(f"data.{field}", path, f"the run in {workdir} was trained from "
+                               "this file, which is not there now (moved?); restore it, or set "
+                               f"data.{field} in {os.path.join(workdir, 'config.json')} to "
+                               "where it is now")
+
+
 def check_prepared_of_run(cfg, workdir: str) -> None:
     """A run that has trained from `data.prepared` (DataConfig `cfg`; its tokenizer kept in
     `workdir`) is resumed or read with that folder as it was: one gone, or holding another

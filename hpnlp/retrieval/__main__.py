@@ -59,7 +59,9 @@ def main(argv=None) -> int:
                                     max_eval_tokens=args.max_eval_tokens,
                                     max_datastore_tokens=args.max_datastore_tokens, out=args.out)
     except (RetrievalError, ConfigError, CheckpointMismatch, FileNotFoundError,
-            json.JSONDecodeError) as e:  # CheckpointMismatch: a README walk's seed ensemble
+            json.JSONDecodeError, ValueError) as e:  # CheckpointMismatch: a README walk's
+        # seed ensemble; ValueError: a run's data file gone, as the other CLIs say it (a bug
+        # hunt, session 98: a traceback)
         print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # a README walk: a traceback (a datastore's rerun starts

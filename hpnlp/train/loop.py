@@ -207,6 +207,7 @@ class Trainer:
     def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
         if read_only:
             cfg = mesh_for_these_devices(cfg, workdir)
+            data_lib.check_files_of_run(cfg.data, workdir)
         else:  # its config.json is read from other directories (generate, a resume)
             cfg = with_absolute_paths(cfg)
         data_lib.check_prepared_of_run(cfg.data, workdir)
