@@ -1322,7 +1322,7 @@ def test_float16_loss_scale_is_of_the_mean_not_the_sum():
 
     from hpnlp.config import TrainConfig
     from hpnlp.train.state import init_state
-    from hpnlp.train.step import make_train_step, per_position
+    from hpnlp.train.step import make_train_step, per_term
 
     class Toy(nn.Module):
         @nn.compact
@@ -1332,7 +1332,11 @@ def test_float16_loss_scale_is_of_the_mean_not_the_sum():
             return {"loss": jnp.sum(y.astype(jnp.float32)), "weight": jnp.float32(y.size / 4)}
 
     batch = {"tokens": jnp.zeros((256, 512), jnp.int32)}
-    assert per_position(batch) == 2.0 ** -17 and per_position({"x": np.zeros((3, 5))}) == 1 / 16
+    assert per_term(batch) == 2.0 ** -17 and per_term({"x": np.zeros((3, 5))}) == 1 / 16
+    # a classifier's loss sums its examples, not their positions (a bug hunt, session 98: at
+    # scale 1 its float16 gradients were of the mean / 384, 80% off)
+    assert per_term({"inputs": np.zeros((32, 384)), "label": np.zeros(32),
+                     "weight": np.zeros(32)}) == 1 / 32
     tx = optax.sgd(1.0)
     state = init_state(Toy(), tx, jax.random.key(0), batch, loss_scale=1.0)
     state, m = jax.jit(make_train_step(Toy(), tx, TrainConfig(steps=2, warmup_steps=1)))(

@@ -513,8 +513,8 @@ class TrainConfig:
     # stream, redrawn every this many steps (eval uses the current draw); 0 = never.
     feature_redraw_every: int = 1000
     # Dynamic loss scaling, active only when model.dtype = "float16": gradients of the
-    # batch's mean loss per position * scale (of its sum, a large batch overflowed at scale
-    # 1: session 98); a step whose gradients overflow is skipped and halves the scale, and
+    # batch's mean loss per token (or example) * scale (of its sum, a large batch overflowed
+    # at scale 1: session 98); a step whose gradients overflow is skipped and halves it, and
     # `loss_scale_period` good steps in a row double it (Micikevicius et al. 2018).
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 2000

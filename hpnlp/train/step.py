@@ -74,12 +74,13 @@ def _split_microbatches(batch, n: int):
     return jax.tree.map(split, batch)
 
 
-def per_position(batch) -> float:
-    """1 / the batch's positions (rows x length of its largest array) rounded up to a power
-    of 2: float16's loss scale multiplies the mean loss per position by it, and a power of 2
-    scales exactly."""
-    positions = max(math.prod(np.shape(x)[:2]) for x in jax.tree.leaves(batch))
-    return 2.0 ** -math.ceil(math.log2(max(positions, 1)))
+def per_term(batch) -> float:
+    """1 / the terms the batch's loss sums, rounded up to a power of 2 (which scales exactly):
+    its examples where it weighs each ("weight": a classifier, an encoder), else its positions
+    (rows x length of its largest array: tokens). float16's loss scale multiplies this mean."""
+    terms = (math.prod(np.shape(batch["weight"])) if "weight" in batch else
+             max(math.prod(np.shape(x)[:2]) for x in jax.tree.leaves(batch)))
+    return 2.0 ** -math.ceil(math.log2(max(terms, 1)))
 
 
 def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, carries=()):
@@ -99,10 +100,10 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
         features = state.features_key(t.feature_redraw_every)
         scaling = state.loss_scale is not None
         scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
-        if scaling:  # of the mean loss per position, not of the sum (a bug hunt, session 98:
-            # summed over 2048 x 128 tokens float16 products overflowed at scale 1, the floor,
-            # and every step was skipped); by a power of 2, so the gradients are unchanged
-            scale = scale * per_position(batch)
+        if scaling:  # of the mean loss per token (or example), not of the sum (a bug hunt,
+            # session 98: summed over 2048 x 128 tokens float16 products overflowed at scale
+            # 1, the floor, and every step was skipped); by a power of 2: the same gradients
+            scale = scale * per_term(batch)
         if t.grad_accum == 1:
             (_, (sums, carry)), grads = grad_fn(state.params, state.carry, batch, rng, features, scale)
         else:  # config.validate keeps carries that cannot accumulate (XL memory) at 1 here
