@@ -487,8 +487,8 @@ def test_knnlm_refuses_an_ivf_too_narrow_for_its_k_before_the_datastore(tmp_path
         knnlm.run(str(tmp_path / "no_run"), str(tmp_path / "ds"), index="ivf",
                   index_options={"nprobe": 1, "chunk": 8})
     assert not (tmp_path / "ds").exists()
-    # a datastore capped at 8 entries is searched for 8 (review, session 98): past the check,
-    # the missing run is what is said
+    # a datastore capped at 8 tokens may hold fewer than 64 entries (review, session 98):
+    # past the first check, the missing run is what is said
     from hpnlp.train.checkpoint import NoCheckpoint
     with pytest.raises(NoCheckpoint, match="no run in workdir .*no_run"):
         knnlm.run(str(tmp_path / "no_run"), str(tmp_path / "ds"), index="ivf",

@@ -1274,6 +1274,8 @@ def test_ctrl_c_before_a_multi_process_loop_is_passed_on_as_the_preemption_sigte
 def test_config_json_holds_data_paths_absolute(tmp_path, monkeypatch):
     # a bug hunt (session 98): data.prepared / data.train_path were saved as given, and a run
     # read from another directory (generate, compress) was told its folder moved or vanished
+    import re
+
     from hpnlp.config import ConfigError
     from hpnlp.train.checkpoint import _changed_fields, load_run_config
     monkeypatch.chdir(tmp_path)
@@ -1298,8 +1300,9 @@ def test_config_json_holds_data_paths_absolute(tmp_path, monkeypatch):
         _restore_last(cd, "run", 100)
     # a run read whose file is gone (a project folder moved): the field and the fix
     os.rename(tmp_path / "corpus.txt", tmp_path / "moved.txt")
-    with pytest.raises(ConfigError, match=rf"data.train_path` = '{tmp_path}/corpus.txt' is not "
-                       rf"allowed: the run in run was trained from this file, which is not there "
+    with pytest.raises(ConfigError, match=rf"data.train_path` = '{re.escape(str(tmp_path))}"
+                       rf"/corpus.txt' is not "
+                       rf"allowed: the run in run read this file, which is not there "
                        rf"now \(moved\?\); restore it, or set data.train_path in run/config.json"):
         Trainer(load_run_config("run", require_checkpoint=False), "run", read_only=True)
 

@@ -127,8 +127,9 @@ def save(out: str, cfg: Config, params, meta: dict) -> int:
     path = os.path.join(out, "sparse.npz")
     np.savez(path, **arrays)
     with open(os.path.join(out, "sparse.json"), "w") as f:
-        json.dump({"config": to_json(with_absolute_paths(cfg)), "sparse": layout,  # (a bug hunt,
-                   "views": views, **meta}, f, indent=1)  # session 98: an old run's relative)
+        # its data paths absolute, an older run's relative ones too (a bug hunt, session 98)
+        json.dump({"config": to_json(with_absolute_paths(cfg)), "sparse": layout,
+                   "views": views, **meta}, f, indent=1)
     return os.path.getsize(path)
 
 

@@ -42,6 +42,13 @@ def to_json(cfg: "Config") -> dict:
 DATA_PATH_FIELDS = ("train_path", "eval_path", "prepared")
 
 
+def same_data_path(saved: Any, now: Any) -> bool:
+    """Whether a DATA_PATH_FIELDS value a run saved (relative before session 98, read from
+    the current directory) names the file `now` does."""
+    return (isinstance(saved, str) and isinstance(now, str) and bool(saved)
+            and os.path.abspath(saved) == os.path.abspath(now))
+
+
 def with_absolute_paths(cfg: "Config") -> "Config":
     """`cfg` with its DATA_PATH_FIELDS made absolute (from the current directory)."""
     given = {f: getattr(cfg.data, f) for f in DATA_PATH_FIELDS}

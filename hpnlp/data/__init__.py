@@ -108,10 +108,11 @@ def different_encoding(mine, theirs, their_workdir: str | None = None) -> str | 
     if a and b:
         return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
                                     f"{b[:12]}..., this run's {a[:12]}...)")
-    def path(p):  # a run saved before its data paths were absolute (session 98)
-        return os.path.abspath(p) if p else p
-    fields = [("data.train_path", path(mine.train_path), path(theirs.train_path)),
-              ("data.prepared", path(mine.prepared), path(theirs.prepared))]
+    from hpnlp.config.fields import same_data_path
+    # a path saved relative (before session 98) and this run's absolute one: the same file
+    fields = [(f"data.{f}", a, a if same_data_path(b, a) else b)
+              for f, a, b in (("train_path", mine.train_path, theirs.train_path),
+                              ("prepared", mine.prepared, theirs.prepared))]
     if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
         # shipped corpus's training chapters depend on the split, and so do words and pieces
         fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))
@@ -146,14 +147,14 @@ def tokenizer_sha256(cfg, workdir: str | None = None) -> str | None:
 
 def check_files_of_run(cfg, workdir: str) -> None:
     """A run read (not trained) whose data.train_path or data.eval_path (DataConfig `cfg`,
-    its config.json's: absolute) is not there now is a ConfigError naming the field and the
-    fix (a bug hunt, session 98: a project folder moved, generate said "no such file")."""
+    its config.json's: absolute since session 98) is not there now is a ConfigError naming
+    the field and the fix (a bug hunt, session 98: a project moved, "no such file")."""
     from hpnlp.config import config_error
     for field in ("train_path", "eval_path"):
         path = getattr(cfg, field)
         if path and not os.path.exists(path):
-            raise config_error(f"data.{field}", path, f"the run in {workdir} was trained from "
-                               "this file, which is not there now (moved?); restore it, or set "
+            raise config_error(f"data.{field}", path, f"the run in {workdir} read this file, "
+                               "which is not there now (moved?); restore it, or set "
                                f"data.{field} in {os.path.join(workdir, 'config.json')} to "
                                "where it is now")
 
@@ -178,7 +179,8 @@ def check_prepared_of_run(cfg, workdir: str) -> None:
         raise config_error("data.prepared", cfg.prepared, f"the run in {workdir} was trained "
                            "from this folder, which holds no meta.json now (moved or "
                            "deleted?), and reads its vocabulary, token counts and shards "
-                           f"there; {again('')}")
+                           f"there; {again('')}, or set data.prepared in "
+                           f"{os.path.join(workdir, 'config.json')} to where it is now")
     theirs = tokenizer_sha256(dataclasses.replace(cfg, prepared=""), workdir)
     mine = tokenizer_sha256(cfg)
     if theirs and mine and theirs != mine:

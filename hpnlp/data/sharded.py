@@ -232,17 +232,17 @@ def check_shards(directory: str, meta: dict) -> None:
     for split in ("train", "eval"):
         paths = [os.path.join(directory, name) for name in meta["splits"][split]["shards"]]
         # a bug hunt (session 96): a damaged record, met at the final eval
-        _check_paths(paths, read_all=split == "eval" and all(map(os.path.isfile, paths))
-                     and sum(map(os.path.getsize, paths)) <= EVAL_READ_MB << 20)
+        _check_paths(paths, read_all_mb=EVAL_READ_MB if split == "eval" else 0)
 
 
-def _check_paths(paths: list[str], *, read_all: bool = False) -> None:
+def _check_paths(paths: list[str], *, read_all_mb: int = 0) -> None:
     """ValueError naming the first of `paths` that is missing, then the first that cannot be
-    opened (or, `read_all`, read whole)."""
+    opened (or, where they hold at most `read_all_mb` MiB, read whole)."""
     from array_record.python import array_record_module as ar
     for path in paths:
         if not os.path.isfile(path):
-            raise _missing_error(path)
+            raise _missing_error(path) from None
+    read_all = read_all_mb > 0 and sum(map(os.path.getsize, paths)) <= read_all_mb << 20
     for path in paths:
         try:
             reader = ar.ArrayRecordReader(path)

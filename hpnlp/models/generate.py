@@ -377,8 +377,10 @@ def main(argv=None) -> int:
         except ConfigError as e:
             raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
 
-    def quantized(folder):  # quantized.npz alone too (a bug hunt, session 98: "no run in
-        return compressed(folder) == "quantize"  # workdir: train one"; ptq.load names it)
+    # quantized.npz alone too, whose load names the file missing (a bug hunt, session 98:
+    # "no run in workdir: train one there first")
+    def quantized(folder):
+        return compressed(folder) == "quantize"
 
     def load(workdir):
         """(config, task, weights()): a trained run, or a quantized one (`python -m

@@ -36,10 +36,8 @@ def main(argv=None) -> int:
     e.add_argument("--workdir", required=True, help="a trained bi-encoder run (experiments/encoder.py)")
     e.add_argument("--out", default=None, help="folder for summary.json")
     args = p.parse_args(argv)
-    from hpnlp.config import ConfigError
     from hpnlp.retrieval import RetrievalError, encoder, knnlm
     from hpnlp.stopping import sigterm_as_interrupt
-    from hpnlp.train.checkpoint import CheckpointMismatch
     try:
         with sigterm_as_interrupt():  # as Ctrl-C: a partial datastore removed, said
             if args.command == "encoder":
@@ -58,10 +56,10 @@ def main(argv=None) -> int:
                                     index_options=options, metric=args.metric,
                                     max_eval_tokens=args.max_eval_tokens,
                                     max_datastore_tokens=args.max_datastore_tokens, out=args.out)
-    except (RetrievalError, ConfigError, CheckpointMismatch, FileNotFoundError,
-            json.JSONDecodeError, ValueError) as e:  # CheckpointMismatch: a README walk's
-        # seed ensemble; ValueError: a run's data file gone, as the other CLIs say it (a bug
-        # hunt, session 98: a traceback)
+    # RetrievalError, ConfigError, CheckpointMismatch (a README walk's seed ensemble), a JSON
+    # error and a prepared folder's damaged shard are each a ValueError, said in one line as
+    # the other CLIs say them (a bug hunt, session 98: a traceback)
+    except (ValueError, FileNotFoundError) as e:
         print(f"hpnlp.retrieval: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # a README walk: a traceback (a datastore's rerun starts

@@ -468,7 +468,8 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     for name, value in (("max_eval_tokens", max_eval_tokens), ("max_datastore_tokens", max_datastore_tokens)):
         if not isinstance(value, int) or value < 0:
             raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
-    # the k it searches: fewer where the datastore is capped below k_max (review, session 98)
+    # the k it searches: no more than a capped datastore's entries (review, session 98; its
+    # whole chunks are counted once the run is read, below)
     check_index(index, index_options or {}, min(k_max, max_datastore_tokens or k_max))
     check_datastore_folder(datastore, workdir)
     if out:
@@ -489,6 +490,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()
     train = datastore_split(task.train, max_datastore_tokens)
+    check_index(index, index_options or {}, min(k_max, int(np.sum(train.lengths - 1))))
     store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta)
     t_store = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hpnlp.config import Config, from_configdict, to_json
-from hpnlp.config.fields import DATA_PATH_FIELDS
+from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
 from hpnlp.paths import write_json
 
 
@@ -108,20 +108,22 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
     path = os.path.join(workdir, "config.json")
     named = f"{field}={workdir}: " if field else ""
     if not os.path.exists(path):
-        for meta, data, command in COMPRESSED:
-            # found in review: a compressed copy was told to train a run there; its data file
-            # alone too (a bug hunt, session 98)
-            found = [f for f in (meta, data) if os.path.exists(os.path.join(workdir, f))]
-            if found:
-                meta = found[0]
-                try:
-                    with open(os.path.join(workdir, meta)) as f:
-                        source = f"the run it was made from, {json.load(f)['source']['workdir']}"
-                except (OSError, ValueError, KeyError, TypeError):
-                    source = "the run it was made from"
-                raise NoCheckpoint(f"{named}{workdir} holds a compressed copy ({meta}, written "
-                                   f"by python -m hpnlp.compress {command} --out), not a run; "
-                                   f"name {source}")
+        # found in review: a compressed copy was told to train a run there; its arrays alone
+        # too (a bug hunt, session 98)
+        command = compressed(workdir)
+        if command is not None:
+            meta, data = next((m, d) for m, d, c in COMPRESSED if c == command)
+            source = "the run it was made from"
+            try:  # its record names the run
+                with open(os.path.join(workdir, meta)) as f:
+                    source += f", {json.load(f)['source']['workdir']}"
+            except OSError:
+                meta = data  # its arrays alone
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise NoCheckpoint(f"{named}{workdir} holds a compressed copy ({meta}, written by "
+                               f"python -m hpnlp.compress {command} --out), not a run; name "
+                               f"{source}")
         full = os.path.abspath(workdir)
         parts = full.split(os.sep)
         inner = 2 if parts[-1].isdigit() and parts[-2:-1] == ["checkpoints"] else \
@@ -250,7 +252,7 @@ def _changed_fields(saved: dict, now: dict) -> dict:
                 walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
         elif a != b and a is not None and path not in _BOOKKEEPING and not (
                 # a run saved before its data paths were absolute, resumed from its directory
-                path in _PATHS and isinstance(a, str) and os.path.abspath(a) == b):
+                path in _PATHS and same_data_path(a, b)):
             out[path] = (a, b)
     walk(saved, now, "")
     return out

@@ -48,8 +48,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hpnlp import models
-from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict, with_absolute_paths
-from hpnlp.config.fields import DATA_PATH_FIELDS
+from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
+from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
 from hpnlp.models import transformer_xl as xl
 from hpnlp.paths import write_json
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
@@ -356,11 +356,11 @@ def _restore_last(cfg, workdir: str, last_k: int):
     if os.path.exists(os.path.join(workdir, "config.json")):
         # the run's own data and the checkpoints it kept, not what the command line says
         run_cfg = load_run_config(workdir, require_checkpoint=False)
-        given = with_absolute_paths(cfg).data  # a relative path to the run's own file (a bug
-        for f in dataclasses.fields(run_cfg.data):  # hunt, session 98)
-            mine, theirs = getattr(given, f.name), getattr(run_cfg.data, f.name)
-            if f.name in DATA_PATH_FIELDS and theirs and mine == os.path.abspath(theirs):
-                continue  # a run that saved it relative
+        # a path given relatively, or saved so, names the run's own file (a bug hunt, 98)
+        for f in dataclasses.fields(run_cfg.data):
+            mine, theirs = getattr(cfg.data, f.name), getattr(run_cfg.data, f.name)
+            if f.name in DATA_PATH_FIELDS and same_data_path(theirs, mine):
+                continue
             if mine != theirs:
                 raise ConfigError(
                     f"config field `data.{f.name}` = {mine!r} is not allowed: the run in {workdir} "
