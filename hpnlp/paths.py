@@ -164,13 +164,13 @@ def hold_workdir(workdir: str, owner=None, busy: str | None = None):
     flock on the folder, so a process that dies releases it; where the file system takes
     no locks (some network mounts), runs go on unguarded. `busy`: WorkdirBusy's message
     ({workdir} filled in), BUSY's by default."""
-    key = os.path.realpath(workdir)
+    key, busy = os.path.realpath(workdir), busy or BUSY
     if key in _HELD:
         _HELD[key][1] += 1
     else:
         made = not os.path.isdir(workdir)  # removed again if released empty (a run refused
         os.makedirs(workdir, exist_ok=True)  # before it wrote anything leaves no folder)
-        fd = _lock(workdir, busy or BUSY)
+        fd = _lock(workdir, busy)
         # (review, session 96: a folder that its holder removed as it released it, locked
         # meanwhile, is no longer the folder at that path: locked again there)
         for _ in range(3):
@@ -178,7 +178,7 @@ def hold_workdir(workdir: str, owner=None, busy: str | None = None):
                 break
             os.close(fd)
             os.makedirs(workdir, exist_ok=True)
-            fd = _lock(workdir, busy or BUSY)
+            fd = _lock(workdir, busy)
         _HELD[key] = [fd, 1, made, owner]
     done = []
 

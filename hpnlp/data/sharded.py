@@ -220,11 +220,6 @@ def _shard_error(path: str, e: RuntimeError) -> ValueError:
                       f"{AGAIN}")
 
 
-def _missing_error(path: str) -> ValueError:
-    return ValueError(f"{path}: shard listed in {os.path.dirname(path)}/{META_FILE} is missing; "
-                      f"{AGAIN}")
-
-
 def check_shards(directory: str, meta: dict) -> None:
     """ValueError naming the first shard of either split that is missing or cannot be opened
     (a truncated file), or an eval shard with a damaged record where the eval split is at
@@ -241,7 +236,8 @@ def _check_paths(paths: list[str], *, read_all_mb: int = 0) -> None:
     from array_record.python import array_record_module as ar
     for path in paths:
         if not os.path.isfile(path):
-            raise _missing_error(path) from None
+            raise ValueError(f"{path}: shard listed in {os.path.dirname(path)}/{META_FILE} is "
+                             f"missing; {AGAIN}") from None
     read_all = read_all_mb > 0 and sum(map(os.path.getsize, paths)) <= read_all_mb << 20
     for path in paths:
         try:

@@ -100,29 +100,30 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
         features = state.features_key(t.feature_redraw_every)
         scaling = state.loss_scale is not None
         scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
-        if scaling:  # of the mean loss per token (or example), not of the sum (a bug hunt,
-            # session 98: summed over 2048 x 128 tokens float16 products overflowed at scale
-            # 1, the floor, and every step was skipped); by a power of 2: the same gradients
-            scale = scale * per_term(batch)
+        # of the mean loss per token (or example), not of the sum (a bug hunt, session 98:
+        # summed over 2048 x 128 tokens float16 products overflowed at scale 1, the floor, and
+        # every step was skipped); by a power of 2: the same gradients
+        applied = scale * per_term(batch) if scaling else scale
         if t.grad_accum == 1:
-            (_, (sums, carry)), grads = grad_fn(state.params, state.carry, batch, rng, features, scale)
+            (_, (sums, carry)), grads = grad_fn(state.params, state.carry, batch, rng, features,
+                                                applied)
         else:  # config.validate keeps carries that cannot accumulate (XL memory) at 1 here
             micro = _split_microbatches(batch, t.grad_accum)
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             (_, (sums0, _)), _ = jax.eval_shape(grad_fn, state.params, state.carry,
                                                 jax.tree.map(lambda x: x[0], micro), rng, features,
-                                                scale)
+                                                applied)
             init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums0))
 
             def body(acc, xs):
                 i, mb = xs
                 (_, (s, _)), g = grad_fn(state.params, state.carry, mb, jax.random.fold_in(rng, i),
-                                         features, scale)
+                                         features, applied)
                 return jax.tree.map(jnp.add, acc, (g, s)), None
 
             (grads, sums), _ = jax.lax.scan(body, init, (jnp.arange(t.grad_accum), micro))
             carry = state.carry
-        denom = jnp.maximum(sums["weight"], 1.0) * scale
+        denom = jnp.maximum(sums["weight"], 1.0) * applied
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -143,12 +144,10 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             carry = carry_lib.skipped(carries, carry, state.carry, grads_ok)
             good = jnp.where(grads_ok, state.good_steps + 1, 0)
             grow = good >= t.loss_scale_period
-            was = state.loss_scale
-            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, was * 2, was),
-                                           jnp.maximum(was / 2, 1.0)),
+            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
+                                           jnp.maximum(scale / 2, 1.0)),
                    "good_steps": jnp.where(grow, 0, good)}
-            extra = {"loss_scale": state.loss_scale,
-                     "skipped": 1.0 - grads_ok.astype(jnp.float32)}
+            extra = {"loss_scale": scale, "skipped": 1.0 - grads_ok.astype(jnp.float32)}
             grads_ok = jnp.ones((), bool)  # a skipped step leaves the state as it was: finite
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
