@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 from absl import app, flags, logging
@@ -367,10 +368,39 @@ def _watch_the_others(client, n: int, i: int) -> None:
     while who != "end" and not _leaving and time.monotonic() < deadline:
         time.sleep(0.05)
     if who != "end" and not _leaving:
-        if i == 0:
-            _remove_unused_workdir()
-        exit_interrupted(f"hpnlp: error: process {i} of {n}: process {who} failed (its own "
-                         "log says why); this one stops with it", 1, together=True)
+        _stop_with(who, n, i)
+
+
+# Held by the thread that says how this process of a multi-process run ends: the watcher
+# stopping it with a peer, or the main thread with its own error (CI, session 98: the
+# watcher's line, then the main thread's traceback of the collective the peer broke)
+_ending = threading.RLock()
+
+
+def _stop_with(who: str, n: int, i: int) -> None:
+    """Process `i` of `n` exits 1 with process `who`, which failed first (unless this
+    process's main thread is saying its own error)."""
+    if not _ending.acquire(blocking=False):
+        return
+    if i == 0:
+        _remove_unused_workdir()
+    exit_interrupted(f"hpnlp: error: process {i} of {n}: process {who} failed (its own "
+                     "log says why); this one stops with it", 1, together=True)
+
+
+def stop_if_another_failed() -> None:
+    """Where another process of the run failed first (it set this one's key), stop with it in
+    its line: this process's own error (a collective that lost it) would be a traceback that
+    hides why (CI, session 98: 1 run in 3, before `_watch_the_others` had said it)."""
+    if not FLAGS.coordinator or "jax._src.distributed" not in sys.modules:
+        return
+    client = _jax_distributed().global_state.client
+    try:
+        who = client.key_value_try_get(_STOP.format(FLAGS.process_id))
+    except Exception:  # noqa: BLE001 (no key: none failed; or no service)
+        return
+    if who != "end":
+        _stop_with(who, FLAGS.num_processes, FLAGS.process_id)
 
 
 # The --workdir this run made (`join_processes`): where another process failed, this one
@@ -411,6 +441,8 @@ def tell_the_others() -> bool:
     client = _jax_distributed().global_state.client
     if client is None:
         return False
+    if not _ending.acquire(blocking=False):  # the watcher is stopping this process with a
+        threading.Event().wait(60)            # peer that failed first: it exits
     if _leaving:
         return True
     _leaving.append(True)
@@ -522,6 +554,7 @@ def main(argv) -> None:
     except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
         exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
     except Exception:  # a traceback: the other processes of the run stop with this one
+        stop_if_another_failed()
         tell_the_others()
         raise
     if jax.process_index() == 0:

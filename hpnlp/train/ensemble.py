@@ -510,6 +510,7 @@ def _main(argv) -> None:
     except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
         cli.exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
     except Exception:  # a traceback: the other processes of the run stop with this one
+        cli.stop_if_another_failed()
         cli.tell_the_others()
         raise
     if jax.process_index() == 0:
