@@ -33,6 +33,19 @@ for causal in (False, True):
         for a, b in zip(g, g_ref):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
         assert bool(jnp.all(jnp.isfinite(out)))
+# A value head dim of its own (a bug hunt, session 99: the sum was built at the query's)
+v12 = jax.random.normal(jax.random.key(2), (B, L, H, 12))
+np.testing.assert_allclose(ring_attention(q, k, v12, seg, causal=True, mesh=mesh),
+                           dense_attention(q, k, v12, seg, causal=True), atol=1e-5, rtol=1e-5)
+# The backward pass holds about what the forward does per step, not every step's scores (a
+# bug hunt, session 99: autodiff of the loop kept n steps' [L/n, L/n] scores, 9x the forward)
+from jax.sharding import NamedSharding, PartitionSpec as P
+x = jax.ShapeDtypeStruct((1, 2048, 1, 16), jnp.float32,
+                         sharding=NamedSharding(mesh, P(None, "sequence")))
+loss = lambda q, k, v: jnp.sum(ring_attention(q, k, v, None, causal=True, mesh=mesh))
+temp = lambda f: f.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+fwd, bwd = temp(jax.jit(loss)), temp(jax.jit(jax.grad(loss, (0, 1, 2))))
+assert bwd < 4 * fwd, (fwd, bwd)
 try:
     ring_attention(q[:, :60], k[:, :60], v[:, :60], None, causal=False, mesh=mesh)
     raise SystemExit("expected an error for L=60 on 8 devices")

@@ -23,8 +23,8 @@ fused C++ kernel forward and one backward (`flash_cpu.py`: the same algorithm, w
 tile kept in its core's cache and the softmax done on the hot tile), wherever it can run:
 the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. On a GPU it
 is three Pallas (Triton) kernels (`flash_gpu.py`: one program per block of each head, all at
-once), on one device, for float32, bfloat16 and float16 at head dims up to 64. The XLA
-program below (`impl="xla"`) runs everywhere else and is both kernels' tested twin.
+once), on one device, at head dims up to 64 in float32 and 128 in bfloat16 and float16. The
+XLA program below (`impl="xla"`) runs everywhere else and is both kernels' tested twin.
 
 Block sizes (XLA path) given explicitly must divide the lengths. Left at `None`, they are
 chosen here (the tuned size, shrunk so blocks split the length evenly) and a length they
