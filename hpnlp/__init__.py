@@ -39,10 +39,14 @@ def _interrupts_in_one_line(argv=None) -> None:
     def raised_again(u):
         if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
             import signal
-            import threading  # a SIGINT again, once this hook has returned (raised in the
-            # hook, it would be printed and lost again), to the main thread: it wakes a sleep
+            import threading  # the signal again, once this hook has returned (raised in the
+            # hook, it would be printed and lost again), to the main thread: it wakes a sleep.
+            # SIGTERM for a Stopped of status 143 (a bug hunt, session 99: a SIGINT always, so
+            # a SIGTERM that landed here ended as "interrupted", status 130)
+            sig = (signal.SIGTERM if getattr(u.exc_value, "exit_code", 130) == 143
+                   else signal.SIGINT)
             main = threading.main_thread().ident
-            return threading.Timer(0.01, signal.pthread_kill, (main, signal.SIGINT)).start()
+            return threading.Timer(0.01, signal.pthread_kill, (main, sig)).start()
         return unraisable(u)
 
     sys.excepthook, sys.unraisablehook = one_line, raised_again

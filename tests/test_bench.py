@@ -359,6 +359,35 @@ def test_targets_table_names_a_bad_record_and_computes_met(tmp_path, monkeypatch
         tt.rows()
 
 
+def test_targets_table_skips_interrupted_rows_and_names_a_bad_machine(tmp_path, monkeypatch):
+    """A bug hunt (session 99): OUT/interrupted (an interrupted run's rows beside a whole
+    report) was counted as a record; a `machine` that was not a map, a number for its date,
+    a string for its cpu_detail or null features were tracebacks; Infinity read as met."""
+    import importlib
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    tt = importlib.import_module("targets_table")
+    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
+    rec = tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+    (rec.parent / "interrupted").mkdir(parents=True)
+    good = {"value": 3.0, "bound": 2.5, "op": "<="}
+    (rec.parent / "interrupted" / "results.json").write_text(json.dumps(
+        {"interrupted": 130, "targets": {"t": good}}))
+    machine = {"date": "2026-01-02T00:00", "cpu": "c", "cpu_detail": {"features": ["avx2"]}}
+    rec.write_text(json.dumps({"targets": {"t": good}, "machine": machine}))
+    assert [r[1:4] for r in tt.rows()] == [("b", "c AVX2", "2026-01-02")]
+    assert "1 (target, record) pairs" in tt.render()
+    for bad, field in (("epyc", "`machine`"), ({"date": 20261205}, "`machine.date`"),
+                       ({"cpu_detail": "AMD"}, "`machine.cpu_detail`"),
+                       ({"cpu_detail": {"features": None}}, "`machine.cpu_detail.features`")):
+        rec.write_text(json.dumps({"targets": {"t": good}, "machine": bad}))
+        with pytest.raises(SystemExit, match=re.escape(f"b/results.json: {field} = ")):
+            tt.rows()
+    rec.write_text(json.dumps({"targets": {"t": {**good, "value": float("inf")}}}))
+    with pytest.raises(SystemExit, match=r"b/results.json: target 't' = .* is not a target"):
+        tt.rows()
+
+
 def _attention_row(impl, L, mode, median_s=None, status="ok"):
     row = {"impl": impl, "L": L, "mode": mode, "causal": False, "status": status}
     if median_s is not None:
@@ -502,6 +531,36 @@ def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as exit_:
         harness.exit_if_interrupted(stopped, str(tmp_path))
     assert exit_.value.code == 143
+
+
+def test_a_stop_lost_in_a_gc_callback_is_sent_again_as_its_own_signal(monkeypatch):
+    """A bug hunt (session 99): a SIGTERM whose Stopped landed in a garbage-collection callback
+    (printed by sys.unraisablehook, lost) was sent again as a SIGINT: "interrupted", 130."""
+    import signal
+    import sys
+    import threading
+    import types
+
+    import hpnlp
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # pytest's own handlers kept
+    sent = []
+
+    class Timer:  # records the signal instead of sending it to pytest
+        def __init__(self, delay, send, args):
+            sent.append((send, args))
+
+        def start(self):
+            pass
+    monkeypatch.setattr(threading, "Timer", Timer)
+    hpnlp._interrupts_in_one_line(["python", "-m", "hpnlp.bench"])
+    for e in (Stopped("stopped (SIGTERM)", 143), KeyboardInterrupt()):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(e), exc_value=e,
+                                                 exc_traceback=None, err_msg=None, object=None))
+    main = threading.main_thread().ident
+    assert sent == [(signal.pthread_kill, (main, signal.SIGTERM)),
+                    (signal.pthread_kill, (main, signal.SIGINT))]
 
 
 def test_peak_memory_column_follows_the_backend_and_isolation():
@@ -769,6 +828,39 @@ def test_data_bench_reuses_a_prepared_folder_of_its_own_size_only(tmp_path, monk
     assert p["prepare"]["small"] == {"reused": str(tmp_path / "w" / "prepared_20MB"),
                                      "prepared_bytes": 20, "train_documents": 3,
                                      "train_tokens": 40, "eval_documents": 3, "eval_tokens": 40}
+
+
+def test_data_bench_keeps_its_text_for_an_unfinished_preparation(tmp_path, monkeypatch):
+    """A bug hunt (session 99): after a Ctrl-C the rerun wrote the text again, so prepare found
+    it changed since its checkpoint and refused to resume; a failed run left the text (2 GiB)
+    behind. Now a text there (whole: written beside it, then moved) is reused, and removed
+    unless an unfinished preparation needs it."""
+    from hpnlp.bench import data as bench_data
+    from hpnlp.data.prepare import PROGRESS_FILE
+    write, written, seen = bench_data._write_text, [], []
+    monkeypatch.setattr(bench_data, "_write_text",
+                        lambda path, size: (written.append(path), write(path, size)))
+
+    def prepare(text, out):  # 1st: a Ctrl-C after a checkpoint; 2nd: done; 3rd: an error
+        seen.append(os.stat(text).st_mtime_ns)
+        os.makedirs(out, exist_ok=True)
+        if len(seen) == 1:
+            open(os.path.join(out, PROGRESS_FILE), "w").close()
+            raise Stopped("interrupted; rerun the same command to continue from it", 130)
+        if len(seen) == 3:
+            raise SystemExit(f"prepare failed on {text}")
+        return {"done": True}
+    monkeypatch.setattr(bench_data, "_prepare", prepare)
+    text, out = str(tmp_path / "large_1MB.txt"), str(tmp_path / "prepared")
+    with pytest.raises(Stopped):
+        bench_data._prepare_text(text, 100, out)
+    assert os.path.getsize(text) == 100  # kept, whole (no .tmp beside it)
+    assert sorted(os.listdir(tmp_path)) == ["large_1MB.txt", "prepared"]
+    assert bench_data._prepare_text(text, 100, out) == {"done": True}
+    assert len(written) == 1 and seen[0] == seen[1] and not os.path.exists(text)
+    with pytest.raises(SystemExit):
+        bench_data._prepare_text(text, 100, str(tmp_path / "other"))
+    assert len(written) == 2 and sorted(os.listdir(tmp_path)) == ["other", "prepared"]
 
 
 def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, monkeypatch):
@@ -1234,6 +1326,21 @@ def test_a_quick_or_part_run_into_a_full_report_is_refused(tmp_path, capsys):
         "quick": False, "parts": ["parallel"]}
     report.write(str(tmp_path / "b"), "moe", {}, "")  # outside: nothing recorded
     assert "quick" not in json.load(open(tmp_path / "b" / "results.json"))
+
+
+def test_an_lra_steps_run_into_a_full_report_is_refused(tmp_path):
+    """A bug hunt (session 99): `lra --steps 2 --out docs/benchmarks/lra` replaced the recorded
+    report, although its report marks such a run quick (no targets): refused, as --quick is."""
+    import argparse
+    from hpnlp.bench import __main__ as bench_main
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: lra\n\n...")
+    (tmp_path / "results.json").write_text(json.dumps({"quick": False}))
+    args = argparse.Namespace(entry="lra", out=str(tmp_path), profile=None, quick=False,
+                              steps=2, variants=["dense"], tasks=["listops"])
+    with pytest.raises(ValueError, match=re.escape(
+            "holds a full run's report of the lra bench, which this --steps 2 run would")):
+        bench_main.check_args(args)
+    bench_main.check_args(argparse.Namespace(**{**vars(args), "steps": None}))  # a full run
 
 
 def test_a_failed_report_write_keeps_the_old_report_and_says_so_in_one_line(

@@ -1,6 +1,7 @@
 """README numbers are copied from benchmark outputs by tools/sync_readme.py, never typed."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,29 @@ def test_check_shows_what_differs(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "-| x | 1.14 |\n+| x | 9.75 |\n" in err and err.endswith(
         "README.md is out of date: run F\n")
+
+
+def test_sync_refuses_a_quick_or_interrupted_report_and_text_not_utf8(tmp_path, monkeypatch):
+    # a bug hunt (session 99): `bench rope --quick` into the recorded folder put its 12-step
+    # table into README.md unmarked; a results.md not UTF-8 was a UnicodeDecodeError traceback
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import pytest
+    import sync_readme
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    (tmp_path / "rope").mkdir()
+    (tmp_path / "rope" / "results.md").write_text("# hpnlp benchmark: rope\n\ntable\n")
+    record = tmp_path / "rope" / "results.json"
+    block = "<!-- BEGIN generated: rope/results.md -->\n<!-- END generated -->\n"
+    record.write_text('{"quick": false, "interrupted": false}')
+    assert "table" in sync_readme.render(block)
+    for payload, what in (('{"quick": true}', "a --quick run (`quick`: true)"),
+                          ('{"interrupted": 143}', "an interrupted run (`interrupted` set)")):
+        record.write_text(payload)
+        with pytest.raises(SystemExit, match=re.escape(
+                f"rope/results.json: README.md's generated block names rope/results.md, the "
+                f"report of {what}, not of a whole run; rerun its benchmark in full")):
+            sync_readme.render(block)
+    record.unlink()
+    (tmp_path / "rope" / "results.md").write_bytes(b"# hpnlp benchmark: rope\n\n\xff\n")
+    with pytest.raises(SystemExit, match=r"rope/results.md: is not UTF-8 text \("):
+        sync_readme.render(block)

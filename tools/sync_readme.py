@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import re
 import sys
@@ -33,8 +34,13 @@ def section(path: str, heading: str | None) -> str:
     if not os.path.isfile(os.path.join(ROOT, path)):  # a bug hunt: a traceback
         raise SystemExit(f"README.md's generated block names {path}, which does not exist; "
                          "rerun its benchmark or fix the block's BEGIN line in README.md")
-    with open(os.path.join(ROOT, path)) as f:
-        lines = f.read().splitlines()
+    check_whole(path)
+    try:
+        with open(os.path.join(ROOT, path)) as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:  # a bug hunt (session 99): a traceback
+        raise SystemExit(f"{path}: is not UTF-8 text ({e}); rerun its benchmark, or restore "
+                         f"the file (git checkout -- {path})") from None
     if heading is None:
         body = lines[1:] if lines and lines[0].startswith("# ") else lines
         return "\n".join(body).strip() + "\n"
@@ -46,6 +52,27 @@ def section(path: str, heading: str | None) -> str:
     end = next((i for i in range(start, len(lines))
                 if lines[i].startswith("#") and len(lines[i].split(" ", 1)[0]) <= len(level)), len(lines))
     return relink("\n".join(lines[start:end]).strip() + "\n", os.path.dirname(path))
+
+
+def check_whole(path: str) -> None:
+    """SystemExit, naming the results.json beside `path`, where it records a --quick or an
+    interrupted run (a bug hunt, session 99: `bench rope --quick` into the recorded folder put
+    a 12-step table into README.md, unmarked)."""
+    record = os.path.join(os.path.dirname(path), "results.json")
+    try:
+        with open(os.path.join(ROOT, record)) as f:
+            payload = json.load(f)
+    except (OSError, ValueError):  # none (targets.md), or unreadable: tools/targets_table.py's
+        return
+    if not isinstance(payload, dict):
+        return
+    what = ("a --quick run (`quick`: true)" if payload.get("quick") else
+            "an interrupted run (`interrupted` set)" if payload.get("interrupted") else None)
+    if what:
+        raise SystemExit(f"{record}: README.md's generated block names {path}, the report of "
+                         f"{what}, not of a whole run; rerun its benchmark in full "
+                         "(docs/benchmarks.md names the command), or restore the folder "
+                         f"(git checkout -- {os.path.dirname(path)})")
 
 
 LINK = re.compile(r"\]\(([^)#:\s]+)")  # a relative link's target (no scheme, not an anchor)

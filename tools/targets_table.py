@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 
 from sync_readme import write_or_check
 
 from hpnlp.bench import report
+from hpnlp.bench.harness import PARTIAL
 from hpnlp.bench.report import TARGET_OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,8 +69,8 @@ def number(v) -> str:
 FIX = "rerun its benchmark, or restore the file (git checkout -- PATH)"
 
 
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _real(x) -> bool:  # finite too (a bug hunt, session 99: a value Infinity read as met)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def target(path: str, name: str, t) -> dict:
@@ -83,11 +85,45 @@ def target(path: str, name: str, t) -> dict:
     return {**t, **report.target(t["value"], t["bound"], t["op"])}
 
 
+# a record's `machine` fields the tables read, and what each must be where present
+MACHINE_FIELDS = {"date": (str, "a string"), "cpu": (str, "a string"),
+                  "backend": (str, "a string"), "devices": (list, "a list"),
+                  "cpu_detail": (dict, "a map")}
+
+
+def check_machine(path: str, info) -> None:
+    """SystemExit naming the file and the field where a record's `machine` is not what
+    `harness.machine_info` writes (a bug hunt, session 99: "machine": "epyc", a number for
+    its date or a string for its cpu_detail were tracebacks)."""
+    fix = FIX.replace("PATH", path)
+    if info is None:
+        return
+    if not isinstance(info, dict):
+        raise SystemExit(f"{path}: `machine` = {info!r} is not a map of the machine's fields; "
+                         f"{fix}")
+    for key, (kind, what) in MACHINE_FIELDS.items():
+        if info.get(key) is not None and not isinstance(info[key], kind):
+            raise SystemExit(f"{path}: `machine.{key}` = {info[key]!r} is not {what}; {fix}")
+    detail = info.get("cpu_detail") or {}
+    for key in ("family", "model", "stepping"):  # AMD_CORES' keys
+        if detail.get(key) is not None and not _real(detail[key]):
+            raise SystemExit(f"{path}: `machine.cpu_detail.{key}` = {detail[key]!r} is not a "
+                             f"number; {fix}")
+    features = detail.get("features", [])
+    if not (isinstance(features, list) and all(isinstance(f, str) for f in features)):
+        raise SystemExit(f"{path}: `machine.cpu_detail.features` = {features!r} is not a list "
+                         f"of strings; {fix}")
+
+
 def records() -> list[tuple[str, dict]]:
-    """(folder under docs/benchmarks, results.json) of every record with a targets map."""
+    """(folder under docs/benchmarks, results.json) of every record with a targets map; not
+    the rows of an interrupted run kept beside a whole report (`OUT/interrupted`, a bug hunt,
+    session 99: counted as a record of its own)."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "**", "results.json"),
                                  recursive=True)):
+        if PARTIAL in os.path.relpath(path, ROOT).split(os.sep)[:-1]:
+            continue
         try:  # a bug hunt (session 96): a cut file was a JSONDecodeError naming no file
             with open(path) as f:
                 payload = json.load(f)
@@ -102,6 +138,7 @@ def records() -> list[tuple[str, dict]]:
             raise SystemExit(f"{path}: `targets` is not a map of targets; "
                              f"{FIX.replace('PATH', path)}")
         if targets:
+            check_machine(path, payload.get("machine"))
             payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}
             out.append((os.path.relpath(os.path.dirname(path),
                                         os.path.join(ROOT, "docs", "benchmarks")), payload))

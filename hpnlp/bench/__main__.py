@@ -8,7 +8,8 @@ version in a few minutes; `--profile DIR` also writes a jax.profiler trace of th
 Entries that train keep their runs in `--workdir W` where given and reuse the finished runs
 of the same config found there; `--quick` keeps its own in W/quick, so its small runs never
 meet the full run's. A run folder holding a saved run of another config is refused, never
-deleted; so is a --quick or --parts run whose --out holds a full run's report.
+deleted; so is a --quick or --parts run (or lra's --steps) whose --out holds a full run's
+report.
 """
 
 from __future__ import annotations
@@ -151,8 +152,12 @@ def check_args(args) -> None:
 
 def _less_than_full(args) -> str | None:
     """The flags that make this run less than a full one (`--quick`, `--parts P` naming not
-    every part), or None."""
+    every part, and those a bench names in `LESS_THAN_FULL`, given: runs its report marks
+    quick), or None. A bug hunt (session 99): `lra --steps 2` replaced the recorded report."""
     flags = ["--quick"] if args.quick else []
+    for flag in getattr(ENTRIES[args.entry], "LESS_THAN_FULL", ()):
+        if getattr(args, flag, None) is not None:
+            flags.append(f"--{flag} {getattr(args, flag)}")
     parts = getattr(args, "parts", None)
     every = getattr(ENTRIES[args.entry], "PARTS", None)
     if parts is not None and every is not None and set(parts) != set(every):

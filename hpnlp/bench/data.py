@@ -19,6 +19,7 @@ grow with the corpus). `--quick`: 2 MB and 20 MB, fewer steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,14 +32,23 @@ MB = 2**20
 
 
 def _write_text(path: str, size: int) -> None:
+    """`size` characters of the shipped corpus, repeated, as `path`: written beside it and
+    moved into place, so a `path` present is whole (`run` reuses it)."""
     from hpnlp.data import corpus
     block = "\n".join(c.text for c in corpus.kjv_chapters()) + "\n"
-    with open(path, "w") as f:
-        written = 0
-        while written < size:
-            piece = block[:size - written] if size - written < len(block) else block
-            f.write(piece)
-            written += len(piece)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            written = 0
+            while written < size:
+                piece = block[:size - written] if size - written < len(block) else block
+                f.write(piece)
+                written += len(piece)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
 
 
 def _prepare(text: str, out: str) -> dict:
@@ -50,6 +60,27 @@ def _prepare(text: str, out: str) -> dict:
     dt = time.perf_counter() - t0
     return {"seconds": dt, "input_bytes": os.path.getsize(text),
             "mb_per_sec": os.path.getsize(text) / MB / dt, **_counts(out)}
+
+
+def _prepare_text(text: str, size: int, out: str) -> dict:
+    """`_prepare` of a `size`-character text written as `text`, or the one already there
+    (`_write_text` leaves only whole ones), and the text removed after, unless `out` holds an
+    unfinished preparation, whose rerun reads it again. A bug hunt (session 99): the text was
+    written again on each run, so a rerun after a Ctrl-C found it changed (its modification
+    time) and refused to resume, and a failed run left the text (2 GiB) behind. Named by its
+    size, as the folders are, so a --quick run's text is not the full run's."""
+    from hpnlp.data.prepare import PROGRESS_FILE
+    if not os.path.isfile(text):
+        _write_text(text, size)
+    try:
+        result = _prepare(text, out)
+    except BaseException:
+        if not os.path.isfile(os.path.join(out, PROGRESS_FILE)):
+            with contextlib.suppress(OSError):
+                os.remove(text)
+        raise
+    os.remove(text)
+    return result
 
 
 def _counts(out: str) -> dict:
@@ -119,15 +150,18 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
     # named by their size (a bug hunt: a --quick run's 2 and 20 MB folders were reused by the
     # full run as its 20 MB and 2 GB corpora, their counts shown as 0)
     dirs = {name: os.path.join(root, f"prepared_{size // MB}MB") for name, size in sizes.items()}
-    for name, size in sizes.items():
-        text, out = os.path.join(root, f"{name}.txt"), dirs[name]
-        if not os.path.isfile(os.path.join(out, "meta.json")):
-            _write_text(text, size)
-            prepared[name] = _prepare(text, out)
-            os.remove(text)
-        else:
-            prepared[name] = {"reused": out, **_counts(out)}
-        bar.update(1)
+    try:
+        for name, size in sizes.items():
+            out = dirs[name]
+            if os.path.isfile(os.path.join(out, "meta.json")):
+                prepared[name] = {"reused": out, **_counts(out)}
+            else:
+                prepared[name] = _prepare_text(os.path.join(root, f"{name}_{size // MB}MB.txt"),
+                                               size, out)
+            bar.update(1)
+    except BaseException:
+        bar.close()  # the error's line below the bar, not glued to it
+        raise
     large_dir, small_dir = dirs["large"], dirs["small"]
     loader = _isolated({"part": "loader", "prepared": large_dir, "batches": batches})
     bar.update(1)
