@@ -3,6 +3,7 @@ non-finite loss stops cleanly, gradient accumulation equals one big batch."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,11 +216,49 @@ def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
     ck.close()
     assert capsys.readouterr().err == ""
     os.remove(tmp_path / "config.json")
-    Checkpointer(str(tmp_path), cfg, keep=2).close()
+    ck = Checkpointer(str(tmp_path), cfg, keep=2)
     assert capsys.readouterr().err == (
         f"hpnlp: warning: {tmp_path}/checkpoints holds checkpoints but {tmp_path}/config.json is "
         "missing: the config they were trained with is unknown, so only their arrays' shapes "
-        "are checked against this one; config.json is written with the next checkpoint\n")
+        "are checked against this one; config.json records this one once the newest is read\n")
+    # a bug hunt (session 99): a finished run saves no next checkpoint, so the file never came
+    # back; it is written once the newest checkpoint is read
+    assert not os.path.exists(tmp_path / "config.json")
+    ck.restore(5, {"x": np.zeros(2)})
+    ck.close()
+    assert json.load(open(tmp_path / "config.json"))["config"]["name"] == "tiny"
+
+
+def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path):
+    """A bug hunt (session 99): a loop item edited so that "best" was a string resumed, trained
+    ten steps, then failed at the eval with a TypeError (the steps lost); one holding a list,
+    an AttributeError."""
+    from hpnlp.train.checkpoint import Checkpointer
+    ck = Checkpointer(str(tmp_path), from_configdict(tiny(steps=10)), keep=4)
+    state = {"x": np.zeros(2)}
+    for step, data, loop in ((1, {}, {"best": "abc"}), (2, {}, [1, 2]),
+                             (3, {}, {"window": {"n": 1.5}}), (4, "x", {"best": 1.0})):
+        ck.save(step, state, data, loop)
+    ck.wait()
+    for step, item, wrong in ((1, "loop", "best = 'abc', not a number or null"),
+                              (2, "loop", "[1, 2] is not a JSON object"),
+                              (3, "loop", "window.n = 1.5, not a count"),
+                              (4, "data", "'x' is not a JSON object")):
+        where = f"{tmp_path}/checkpoints/{step}"
+        with pytest.raises(CheckpointMismatch, match=rf"^checkpoint {where}: its {item} state "
+                           rf"\({where}/{item}\) is damaged \({re.escape(wrong)}\); move the "
+                           r"step aside to resume from the step before, or use a new --workdir$"):
+            ck.restore(step, state)
+    ck.close()
+    # a data state of the wrong values names its folder too (the iterator's check)
+    tr = Trainer(from_configdict(tiny(steps=10)), str(tmp_path / "run"))
+    tr.checkpointer.save(0, tr.fresh_state(jax.random.key(0)),
+                         {**tr.train_iter.get_state(), "row": -1}, {})
+    tr.checkpointer.wait()
+    with pytest.raises(CheckpointMismatch, match=rf"^checkpoint {tmp_path}/run/checkpoints/0/"
+                       r"data: .*pass a dict that get_state\(\) returned, unedited$"):
+        tr.initial_state()
+    tr.checkpointer.close()
 
 
 def test_tensorboard_purges_what_a_start_or_a_resume_trains_again(tmp_path):
@@ -633,6 +672,48 @@ def test_a_config_json_that_lost_its_signature_or_is_not_a_file(tmp_path):
     os.makedirs(path)
     with pytest.raises(NoCheckpoint, match=r"config.json is not a file; .*restore it"):
         load_run_config(str(tmp_path), require_checkpoint=False)
+
+
+def test_a_config_json_edited_by_hand_is_named_with_its_fix(tmp_path):
+    """A bug hunt (session 99): a config.json with an unknown field and no shape signature was
+    "a different model" of equal values ("saved 128, now 128"), deleting the run advised; a
+    value it refuses was said as the command's setting; a signature and config that disagree
+    were "saved 128, now 64", read "with its config.json"; and a run that lost the file was
+    told to train one there first, its checkpoints unsaid."""
+    from hpnlp.config import ConfigError, validate
+    from hpnlp.train.checkpoint import Checkpointer, NoCheckpoint, load_run_config
+    cfg = validate(from_configdict(tiny()), num_devices=1)  # with its vocabulary, as runs save
+    Checkpointer(str(tmp_path), cfg, keep=1).close()
+    os.makedirs(tmp_path / "checkpoints" / "1")  # as if a step were saved: a resume is checked
+    path = tmp_path / "config.json"
+    good = json.load(open(path))
+    fix = (r"; that file was edited since the run wrote it \(or written by another version of "
+           r"hpnlp\): correct or remove that field there, or restore the file$")
+
+    def edit(**model):
+        saved = json.loads(json.dumps(good))
+        saved["config"]["model"].update(model)
+        json.dump(saved, open(path, "w"))
+        return saved
+    saved = edit(foo=1)
+    del saved["shape_signature"]
+    json.dump(saved, open(path, "w"))
+    with pytest.raises(ConfigError, match=rf"^{path}: config field `model.foo` = 1 is not "
+                       r"allowed: unknown field;.*" + fix):
+        Checkpointer(str(tmp_path), cfg, keep=1)
+    edit(dropout=1.5)
+    with pytest.raises(ConfigError, match=rf"^{path}: config field `model.dropout` = 1.5 is not "
+                       r"allowed: must be in \[0, 1\)" + fix):
+        load_run_config(str(tmp_path))
+    edit(width=64)
+    with pytest.raises(CheckpointMismatch, match=rf"^{path}: its shape_signature and its config "
+                       r"disagree \(model.width: shape_signature 32, config 64\), so the file "
+                       r"was edited since the run wrote it: restore it, or edit it back"):
+        Checkpointer(str(tmp_path), load_run_config(str(tmp_path)), keep=1, read_only=True)
+    os.remove(path)
+    with pytest.raises(NoCheckpoint, match=rf"^{path} is missing, and {tmp_path}/checkpoints "
+                       r"holds the run's checkpoints: rerun the command that trained it"):
+        load_run_config(str(tmp_path))
 
 
 def test_a_resume_keeps_the_start_its_config_json_records(tmp_path):

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hpnlp.config import Config, from_configdict, to_json
+from hpnlp.config import Config, ConfigError, from_configdict, to_json, validate
 from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
 from hpnlp.paths import write_json
 
@@ -59,12 +59,30 @@ def _read_config_json(path: str) -> dict:
             members = members if type(members) is int and members >= 1 else 1
         except (OSError, ValueError, KeyError, TypeError):
             members = 1
-        try:
+        try:  # (one it cannot read is said: a bug hunt, session 99, compared with no
+            # signature, listed equal values as "a different model" and advised deleting it)
             saved["shape_signature"] = _shape_signature(from_configdict(saved["config"]),
                                                         members)
-        except Exception:  # noqa: BLE001 (a config this version cannot read: compared as is)
-            pass
+        except (ConfigError, TypeError, ValueError, AttributeError) as e:
+            if not _options_as_text(saved["config"]):  # (those: load_run_config's own error)
+                raise _edited(path, e) from None
     return saved
+
+
+def _options_as_text(config: dict) -> bool:
+    """Whether a config.json's config predates configs saved readably (options as text)."""
+    return any(isinstance(group.get("options"), str) for group in (
+        config.get("attention"), config.get("output")) if isinstance(group, dict))
+
+
+def _edited(path: str, e: Exception) -> ConfigError:
+    """The error for a config.json whose config this version refuses (`e`): named as that
+    file's, not as a setting of the command (a bug hunt, session 99: "config field
+    `model.dropout` = 1.5 is not allowed", said to users who had set nothing)."""
+    what = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+    return ConfigError(f"{path}: {what}; that file was edited since the run wrote it (or "
+                       "written by another version of hpnlp): correct or remove that field "
+                       "there, or restore the file")
 
 
 def run_members(workdir: str) -> int:
@@ -132,11 +150,16 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
         if up and os.path.isfile(os.path.join(up, "config.json")):  # a bug hunt (session 94)
             raise NoCheckpoint(f"{named}{workdir} is inside the run {up} (its checkpoints); "
                                f"name the run's own folder, {up}")
+        if has_checkpoint(workdir):  # a bug hunt (session 99): "no run ...: train one there"
+            raise NoCheckpoint(
+                f"{named}{path} is missing, and {os.path.join(workdir, 'checkpoints')} holds "
+                "the run's checkpoints: rerun the command that trained it (python -m "
+                f"hpnlp.main --config ... --workdir {workdir}), which writes config.json and "
+                "trains nothing more where the run is finished, or restore the file")
         raise NoCheckpoint(f"{named}no run in workdir {workdir} (no config.json): train one "
                            "there first with python -m hpnlp.main --config ... --workdir ...")
     saved = _read_config_json(path)["config"]
-    if any(isinstance(saved.get(g, {}).get(k), str) for g, k in (("attention", "options"),
-                                                                  ("output", "options"))):
+    if _options_as_text(saved):
         raise NoCheckpoint(f"{path} was written before configs were saved readably (options as "
                            "text); retrain the run, or resume it for a few more train.steps "
                            "(config.json is rewritten with its next checkpoint)")
@@ -144,7 +167,18 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
     if require_checkpoint and not has_checkpoint(workdir):
         raise NoCheckpoint(f"{named}workdir {workdir} has no checkpoint in {ckpt}: train (or "
                            "resume) the run until it saves one, then use it")
-    return from_configdict(saved)
+    try:  # checked here, where the file is known (its task's facts from the config, which a
+        # run records with its vocabulary: no data is read); readers check it again with their
+        # data and devices
+        cfg = from_configdict(saved)
+        kind = {"classifier": "classify", "dual_encoder": "match", "bi_encoder": "match"}
+        if cfg.model.vocab_size or cfg.model.kind != "lm":
+            validate(cfg, devices=False, task_info={
+                "kind": kind.get(cfg.model.kind, "lm"), "vocab_size": cfg.model.vocab_size,
+                "num_classes": cfg.model.num_classes})
+    except ConfigError as e:
+        raise _edited(f"{named}{path}", e) from None
+    return cfg
 
 
 # The attention variants that compute softmax attention exactly (implementations of
@@ -361,6 +395,8 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
         self._pending_config = None
+        # config.json is missing beside checkpoints: written once one is read (`restore`)
+        self._config_missing = False
         # "attention.name: saved 'dense', now 'chunked'" where a resume changes only the
         # implementation of exact attention (EXACT_ATTENTION), which it may
         self.attention_changed = ""
@@ -410,6 +446,12 @@ class Checkpointer:
                 # too, but compute another model: a switch to one is refused (review).
                 self.attention_changed = lines
             elif diff and resuming:
+                edited = _signature_edited(saved, diff)
+                if edited:
+                    raise CheckpointMismatch(
+                        f"{self.config_path}: its shape_signature and its config disagree "
+                        f"({edited}), so the file was edited since the run wrote it: restore "
+                        "it, or edit it back so that they agree")
                 saved_members = old_sig.get("ensemble.members", 1)
                 if saved_members != members:  # a seed ensemble read as one run, or the reverse
                     fix = (f"It holds a seed ensemble of {saved_members}: train or evaluate it "
@@ -441,12 +483,14 @@ class Checkpointer:
                 self.changed = _changed_fields(saved["config"], payload["config"])
                 if saved == payload:
                     return  # the same config: nothing to write
-        elif resuming and jax.process_index() == 0:  # a bug hunt (session 92): unsaid
-            print(f"hpnlp: warning: {self.directory} holds checkpoints but "
-                  f"{self.config_path} is missing: the config they were trained with is "
-                  "unknown, so only their arrays' shapes are checked against this one"
-                  + ("; config.json is written with the next checkpoint" if write else ""),
-                  file=sys.stderr, flush=True)
+        elif resuming:
+            self._config_missing = True
+            if jax.process_index() == 0:  # a bug hunt (session 92): unsaid
+                print(f"hpnlp: warning: {self.directory} holds checkpoints but "
+                      f"{self.config_path} is missing: the config they were trained with is "
+                      "unknown, so only their arrays' shapes are checked against this one"
+                      + ("; config.json records this one once the newest is read" if write
+                         else ""), file=sys.stderr, flush=True)
         if write and resuming:
             self._pending_config = payload  # written with the first new checkpoint (`save`)
         elif write:
@@ -511,6 +555,17 @@ class Checkpointer:
             raise _unreadable(where, e, "move it aside to read the step before" if self.read_only
                               else "move it aside to resume from the step before, or use a new "
                               "--workdir") from e
+        for item, wrong in (("loop", _loop_state_wrong(out["loop"])),
+                            ("data", "" if isinstance(out["data"], dict) else
+                             f"{out['data']!r:.80} is not a JSON object")):
+            if wrong:  # a bug hunt (session 99): an edited loop item trained ten steps, then
+                # failed at the eval (its `best` a string), and they were lost
+                raise CheckpointMismatch(
+                    f"checkpoint {where}: its {item} state ({os.path.join(where, item)}) is "
+                    f"damaged ({wrong}); " + (
+                        "move the step aside to read the step before" if self.read_only else
+                        "move the step aside to resume from the step before, or use a new "
+                        "--workdir"))
         bad = _non_finite(getattr(out["state"], "params", {}))
         if bad:  # a bug hunt (session 92): read as it was, then blamed on the learning rate
             raise CheckpointMismatch(
@@ -519,6 +574,12 @@ class Checkpointer:
                 "step stops before its checkpoint): it is damaged; " + (
                     "move it aside to read the step before" if self.read_only else
                     "move it aside to resume from the step before, or use a new --workdir"))
+        if self._config_missing and self._pending_config is not None:
+            # A bug hunt (session 99): a finished run that lost its config.json saves no next
+            # checkpoint, so the file never came back; its arrays have now been read as this
+            # config's (a rerun that trains on writes it no earlier than before it did)
+            self._write_config(self._pending_config)
+            self._pending_config, self._config_missing = None, False
         return out["state"], out["data"], out["loop"]
 
     def wait(self) -> None:
@@ -555,6 +616,59 @@ class Checkpointer:
         return CheckpointSaveFailed(
             f"writing a checkpoint in {self.directory} failed ({type(e).__name__}: {detail}); "
             f"{newest}. Free space there, or make it writable, before rerunning")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_count(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+# The loop item's entries (hpnlp.train.loop's `save`): what each must be, and the test
+_LOOP_ENTRIES = {"best": ("a number or null", lambda v: v is None or _is_number(v)),
+                 "best_step": ("a step or null", lambda v: v is None or _is_count(v)),
+                 "bad_evals": ("a count", _is_count),
+                 "best_metric": ("a metric's name", lambda v: isinstance(v, str)),
+                 "stopped_early": ("true or false", lambda v: isinstance(v, bool)),
+                 "last_eval": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+                 "window": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+                 "routing_groups": ("a count or null", lambda v: v is None or _is_count(v))}
+_WINDOW_ENTRIES = {"sums": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+                   "dtypes": ("an object", lambda v: isinstance(v, dict)),
+                   "n": ("a count", _is_count), "applied": ("a count", _is_count),
+                   "clipped": ("a count", _is_count), "gmin": ("a number", _is_number),
+                   "gmax": ("a number", _is_number)}
+
+
+def _loop_state_wrong(loop) -> str:
+    """What is wrong with a checkpoint's loop item (its entries of another type), else "".
+    An entry left out is taken as its default (states saved before it existed)."""
+    if not isinstance(loop, dict):
+        return f"{loop!r:.80} is not a JSON object"
+    for entries, holder, name in ((_LOOP_ENTRIES, loop, ""),
+                                  (_WINDOW_ENTRIES, loop.get("window") or {}, "window.")):
+        for key, (want, ok) in entries.items():
+            if key in holder and not ok(holder[key]):
+                return f"{name}{key} = {holder[key]!r:.80}, not {want}"
+    return ""
+
+
+def _signature_edited(saved: dict, diff: dict) -> str:
+    """'field: shape_signature a, config b; ...' where a config.json's shape signature and
+    the one its own config gives disagree in fields of `diff` (a resume's differences), else
+    "": the file was edited (a bug hunt, session 99: a reader told "saved 128, now 64" to
+    read the run with its config.json, the file it had just read)."""
+    old = saved.get("shape_signature", {})
+    try:
+        own = _shape_signature(from_configdict(saved["config"]), old.get("ensemble.members", 1))
+    except Exception:  # noqa: BLE001 (a config this version cannot read: the caller's error)
+        return ""
+    old, own = _resolved(old, own), _resolved(own, old)
+    return "; ".join(f"{k}: shape_signature {_shown(old.get(k), None, k)}, config "
+                     f"{_shown(own.get(k), None, k)}" for k in sorted(diff)
+                     if k in {**old, **own} and old.get(k) != own.get(k))
 
 
 @jax.jit

@@ -32,8 +32,9 @@ from hpnlp.parallel.mesh import unboxed
 from hpnlp.paths import write_json
 from hpnlp.progress import progress_bar
 from hpnlp.train import carry as carry_lib
-from hpnlp.train.checkpoint import (Checkpointer, NoCheckpoint, check_params_match,
-                                    has_checkpoint, load_run_config, restore_params)
+from hpnlp.train.checkpoint import (Checkpointer, CheckpointMismatch, NoCheckpoint,
+                                    check_params_match, has_checkpoint, load_run_config,
+                                    restore_params)
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import (init_params, init_state, learning_rate_schedule,
                                make_optimizer)
@@ -418,7 +419,11 @@ class Trainer:
         if step is None:
             return self.fresh_state(jax.random.key(self.cfg.seed)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
-        self.train_iter.set_state(data_state)
+        try:
+            self.train_iter.set_state(data_state)
+        except ValueError as e:  # a bug hunt (session 99): the data state's fault, unnamed
+            where = os.path.join(self.checkpointer.directory, str(step))
+            raise CheckpointMismatch(f"checkpoint {where}/data: {e}") from None
         return state, loop_state
 
     def fresh_state(self, key, sharding=None):
