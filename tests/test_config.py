@@ -484,10 +484,18 @@ def test_cli_option_overrides_read_words_and_the_spaced_form(monkeypatch):
         main._env_int("HPNLP_PROCESS_ID", 0)
 
 
-def test_fused_lstm_on_a_mesh_of_several_devices_names_rnn_impl():
-    """A bug hunt (session 91): refused at the model's init as the layer's `impl`."""
+def test_fused_lstm_on_a_mesh_of_several_devices_or_no_kernel_names_rnn_impl(monkeypatch):
+    """A bug hunt (session 91): refused at the model's init as the layer's `impl`; and
+    (session 99) where the kernel cannot be built (no compiler)."""
+    from hpnlp.rnn import fused
+    monkeypatch.setattr(fused, "unavailable_reason", lambda: None)  # built or not, not here
     cfg = base(model={"arch": "lstm", "width": 32}, rnn={"impl": "fused"})
     validate(cfg, num_devices=1)
     with pytest.raises(ConfigError, match=r"`rnn.impl` = 'fused' is not allowed: the fused "
                                           r"kernel cannot run on a mesh of 2 devices"):
         validate(cfg, num_devices=2)
+    monkeypatch.setattr(fused, "unavailable_reason", lambda: "cannot run the C++ compiler 'x'")
+    with pytest.raises(ConfigError, match=r"`rnn.impl` = 'fused' is not allowed: the fused "
+                                          r"kernel cannot run here: cannot run the C\+\+ "
+                                          r"compiler 'x'.*use rnn.impl='auto'"):
+        validate(cfg, num_devices=1)

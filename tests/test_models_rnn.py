@@ -99,9 +99,11 @@ def test_rnn_config_errors_name_the_field():
     validate(from_configdict(cd), num_devices=1)
 
 
-def test_a_stacks_embeddings_are_dropped_once():
-    """model.dropout drops the embeddings once, then between layers (found in review: with
-    model.depth > 1 the trunk and the first layer both dropped them, 75% at 0.5)."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_stacks_embeddings_are_dropped_once(depth):
+    """model.dropout drops the embeddings once, then between layers and the output (found in
+    review: with model.depth > 1 the trunk and the first layer both dropped them, 75% at 0.5;
+    a bug hunt, session 99: at depth 1 the output was not dropped)."""
     import flax.linen as nn
     import jax.numpy as jnp
 
@@ -110,7 +112,8 @@ def test_a_stacks_embeddings_are_dropped_once():
     from hpnlp.models.transformer import make_embed
     from hpnlp.rnn import layers
 
-    m = ModelConfig(kind="classifier", arch="lstm", vocab_size=50, width=16, depth=2, dropout=0.5)
+    m = ModelConfig(kind="classifier", arch="lstm", vocab_size=50, width=16, depth=depth,
+                    dropout=0.5)
 
     class T(nn.Module):
         @nn.compact
@@ -138,3 +141,6 @@ def test_a_stacks_embeddings_are_dropped_once():
     (path, zeros_in, zeros_out), = set(seen)
     assert path[-2:] == ("layer_0", "dropout") and zeros_in == 0.0
     assert abs(zeros_out - 0.5) < 0.05
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    out = T().apply(T().init(rngs, toks, toks > 0), toks, toks > 0, rngs=rngs)
+    assert abs(float(jnp.mean(out == 0)) - 0.5) < 0.05  # the output, at any depth

@@ -555,6 +555,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             (m.width % 16, f"model.width={m.width} (the kernel needs a multiple of 16)"),
             (m.dtype != "float32", f"model.dtype={m.dtype!r} (the kernel computes in float32)"))
             if cond), None)
+        if blocker is None:  # a bug hunt (session 99): the layer's error, naming `impl`
+            from hpnlp.rnn import fused
+            reason = fused.unavailable_reason()
+            blocker = reason and f"here: {reason}"
         if blocker:
             _fail("rnn.impl", "fused", f"the fused kernel cannot run {blocker}; use "
                   "rnn.impl='auto' (the kernel where it applies) or 'scan'")

@@ -380,8 +380,9 @@ class OutputConfig:
 @dataclasses.dataclass(frozen=True)
 class RNNConfig:
     """Recurrent trunks (model.arch = "lstm" | "gru"): model.width is the hidden size,
-    model.depth the number of layers, model.dropout standard dropout of the embeddings
-    and between layers. Rates are probabilities; all off at evaluation."""
+    model.depth the number of layers, model.dropout standard dropout of the embeddings,
+    between layers and of the top layer's output. Rates are probabilities; all off at
+    evaluation."""
 
     combine: str = "last"  # "last" layer's outputs | "sum" of all layers | "residual"
     layer_norm: bool = False  # layer-normalized gates (Ba et al. 2016)

@@ -36,14 +36,14 @@ class RNNTrunk(nn.Module):
         m, r = self.model, self.rnn
         dt, pdt = dtypes(m)
         x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
-        if m.depth == 1:  # deeper stacks drop every layer's input, the embeddings' included
-            # (found in review: dropped here too, at 1 - (1 - p)^2)
-            x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         lengths_B = jnp.sum(seg_BL > 0, axis=1, dtype=jnp.int32)
         h_BLE, _ = StackedRNN(
             num_layers=m.depth, combine=r.combine, kind=m.arch, hidden=m.width,
             layer_norm=r.layer_norm, bidirectional=r.bidirectional, learned_init=r.learned_init,
-            dropout=m.dropout if m.depth > 1 else 0.0, variational_dropout=r.variational_dropout,
+            # every layer drops its input (the first: the embeddings), the stack its output, at
+            # any depth (a bug hunt, session 99: depth 1 dropped its embeddings here and left
+            # its output undropped)
+            dropout=m.dropout, variational_dropout=r.variational_dropout,
             state_dropout=r.state_dropout, recurrent_dropout=r.recurrent_dropout, zoneout=r.zoneout,
             weight_drop=r.weight_drop, unroll=r.unroll, impl=r.impl, dtype=dt, param_dtype=pdt,
             quant=m.quant,
