@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpnlp.compress import calibrate, formats, packing, ptq
-from hpnlp.compress.qlinear import QWeight, pack_weight, parse_spec
+from hpnlp.compress.qlinear import Factored, QWeight, pack_weight, parse_spec
 from hpnlp.config import ConfigError, QuantConfig, default_configdict, from_configdict, validate
 
 RNG = np.random.default_rng(0)
@@ -336,42 +336,123 @@ def test_ptq_end_to_end_and_reload(trained, tmp_path):
         ptq.load(out, other)
 
 
-def test_ptq_load_names_a_damaged_quantized_folder(tmp_path):
-    """A bug hunt (session 96): a cut quant.json or quantized.npz, an array taken out of it or
-    sliced, was a traceback (or a JAX TypeError deep in the forward); each is one line naming
-    the file and saying to quantize again. Hand-packed weights: nothing trains or compiles."""
+def _packed_folder(out, lowrank=None):
+    """A quantized folder of a tiny LM (int4 weights, static int8 activations; model.lowrank's
+    fields) packed by hand at the shapes `ptq.model_entries` traces: nothing trains or
+    compiles. Its arrays."""
+    import flax.traverse_util as traverse
     cd = default_configdict()
-    cd.data.task = "byte_lm"
-    cfg = from_configdict(cd)
-    w = jnp.asarray(RNG.standard_normal((16, 2, 4)), jnp.float32)
-    params = {"a": {"kernel": pack_weight(w, QuantConfig(weights="int4"), 1)},
-              "b": {"kernel": pack_weight(w, QuantConfig(weights="fp8"), 1)}}
-    good = str(tmp_path / "good")
-    ptq.save(good, cfg, params, {}, {})
-    assert ptq.load(good)[1]["a"]["kernel"].codes.shape == (8, 8)  # as saved, it loads
-    stored = dict(np.load(os.path.join(good, "quantized.npz")))
+    cd.data.update(task="byte_lm", seq_len=16)
+    cd.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, max_len=16)
+    cd.quant.update(weights="int4", activations="int8", act_scale="static")
+    cd.model.lowrank.update(lowrank or {})
+    cfg = validate(from_configdict(cd))
+    flat = {}
+    entries, factored, lead = ptq.model_entries(cfg)
+    for key, leaf in entries.items():
+        if isinstance(leaf, QWeight):
+            leaf = leaf.replace(codes=np.zeros(leaf.codes.shape, leaf.codes.dtype),
+                                scale=np.ones(leaf.scale.shape, np.float32))
+        else:
+            leaf = np.abs(RNG.standard_normal(leaf.shape)).astype(leaf.dtype)
+        flat[tuple(key.split("/"))] = leaf
+    for key in factored:
+        path = tuple(key.split("/"))
+        flat[path] = Factored(flat.pop(path + ("u",)), flat.pop(path + ("v",)), lead.get(key, 0))
+    tree = traverse.unflatten_dict(flat)
+    ptq.save(out, cfg, tree["params"], tree["quant"], {})
+    return dict(np.load(os.path.join(out, "quantized.npz")))
 
+
+def _damaged_copies(tmp_path, good, load, error):
+    """`damaged(name, change, match)`: a copy of the folder `good`, changed by `change(out)`,
+    refused by `load(out)` with an `error` matching `match`; `rewrite(npz, **arrays)` and
+    `edit(json, change)` make such changes."""
     def damaged(name, change, match):
         out = str(tmp_path / name)
         shutil.copytree(good, out)
         change(out)
-        with pytest.raises(ptq.NoCheckpoint, match=match):
-            ptq.load(out)
+        with pytest.raises(error, match=match):
+            load(out)
 
-    def rewrite(**arrays):
-        return lambda out: np.savez_compressed(os.path.join(out, "quantized.npz"), **arrays)
+    def rewrite(npz, **arrays):
+        return lambda out: np.savez(os.path.join(out, npz), **arrays)
 
+    def edit(name, change):
+        def go(out):
+            with open(os.path.join(out, name)) as f:
+                manifest = json.load(f)
+            change(manifest)
+            with open(os.path.join(out, name), "w") as f:
+                json.dump(manifest, f)
+        return go
+    return damaged, rewrite, edit
+
+
+def test_ptq_load_names_a_damaged_quantized_folder(tmp_path):
+    """A bug hunt (session 96): a cut quant.json or quantized.npz, an array taken out of it or
+    sliced, was a traceback (or a JAX TypeError deep in the forward); each is one line naming
+    the file and saying to quantize again."""
+    good = str(tmp_path / "good")
+    stored = _packed_folder(good)
+    kernel = "params/trunk/block_0/mlp_in/kernel"
+    assert ptq.load(good)[1]["trunk"]["block_0"]["mlp_in"]["kernel"].codes.shape == (8, 32)
+    damaged, rewrite, _ = _damaged_copies(tmp_path, good, ptq.load, ptq.NoCheckpoint)
     damaged("cut", lambda out: os.truncate(os.path.join(out, "quantized.npz"), 100),
             r"quantized.npz cannot be read \(BadZipFile.*quantize the run again")
     damaged("json", lambda out: os.truncate(os.path.join(out, "quant.json"), 50),
             r"quant.json cannot be read \(.*quantize the run again")
-    less = {k: v for k, v in stored.items() if k != "params/a/kernel/codes"}
-    damaged("missing", rewrite(**less), r"quantized.npz has no array params/a/kernel/codes")
-    sliced = {**stored, "params/a/kernel/codes": stored["params/a/kernel/codes"][:, :3]}
-    damaged("sliced", rewrite(**sliced), r"codes as uint8 \[8, 3\], where its int4 weight of "
-            r"shape \[16, 2, 4\] stores uint8 \[\.\.\., 8, 8\]")
-    cast = {**stored, "params/b/kernel/scale": stored["params/b/kernel/scale"].astype(np.int8)}
-    damaged("dtype", rewrite(**cast), r"params/b/kernel/scale as int8 \[1, 8\]")
+    less = {k: v for k, v in stored.items() if k != kernel + "/codes"}
+    damaged("missing", rewrite("quantized.npz", **less),
+            rf"quantized.npz has no array {kernel}/codes")
+    sliced = {**stored, kernel + "/codes": stored[kernel + "/codes"][:, :3]}
+    damaged("sliced", rewrite("quantized.npz", **sliced), r"codes as uint8 \[8, 3\], where its "
+            r"int4 weight of shape \[16, 32\] stores uint8 \[\.\.\., 8, 32\]")
+    cast = {**stored, kernel + "/scale": stored[kernel + "/scale"].astype(np.int8)}
+    damaged("dtype", rewrite("quantized.npz", **cast), rf"{kernel}/scale as int8 \[1, 32\]")
+
+
+def test_ptq_load_checks_its_arrays_against_the_model_and_refuses_non_finite_values(tmp_path):
+    """A bug hunt (session 99): a plain array of another shape or taken out, or the model
+    edited in quant.json (width, num_heads), failed in flax (ScopeParamShapeError, "query and
+    key disagree") naming neither file; a NaN or an infinity (a weight, a packed weight's
+    scale, a calibrated range) was served, generate printing NUL bytes. Each is one line
+    naming the file, against the shapes of the model its config describes (traced)."""
+    good = str(tmp_path / "good")
+    stored = _packed_folder(good)
+    damaged, rewrite, edit = _damaged_copies(tmp_path, good, ptq.load, ptq.NoCheckpoint)
+    norm = "params/trunk/final_norm/scale"
+    again = r"; it is not a file `quantize` wrote: quantize the run again"
+    damaged("shape", rewrite("quantized.npz", **{**stored, norm: np.ones(8, np.float32)}),
+            rf"quantized.npz holds {norm} of shape \[8\], where the model of the config in "
+            rf"\S+quant.json has \[16\]{again}")
+    less = {k: v for k, v in stored.items() if k != "params/trunk/pos_embedding"}
+    damaged("gone", rewrite("quantized.npz", **less), r"quantized.npz has no array "
+            r"params/trunk/pos_embedding, which the model of the config in \S+quant.json has")
+    damaged("more", rewrite("quantized.npz", **stored, **{"params/trunk/x": np.ones(2)}),
+            r"holds an array params/trunk/x, which the model .* has no place for")
+    damaged("width", edit("quant.json", lambda m: m["config"]["model"].update(width=32)),
+            r"quantized.npz holds params/\S+ of shape \[.*\], where the model of the config in "
+            r"\S+quant.json has \[.*32.*\]")
+    damaged("heads", edit("quant.json", lambda m: m["config"]["model"].update(num_heads=4)),
+            r"quant.json gives params/trunk/block_0/attention/\w+ the layout int4 \[.*\] "
+            r"\(k_dims \d\), where the model of its config packs it as int4 \[.*4.*\]")
+    nan = "a NaN or an infinity"
+    for name, key in (("nan", norm), ("inf_scale", "params/trunk/block_0/mlp_in/kernel/scale"),
+                      ("nan_range", "quant/trunk/block_0/mlp_in/kernel")):
+        bad = stored[key].copy()
+        bad.flat[0] = np.nan if "nan" in name else np.inf
+        damaged(name, rewrite("quantized.npz", **{**stored, key: bad}),
+                rf"quantized.npz holds non-finite values \({nan}\) in {key}{again}")
+    # model.lowrank's factors: quant.json's list of them (each read as a Factored of two)
+    _packed_folder(str(tmp_path / "lowrank"), lowrank=dict(rank=4, layers="mlp"))
+    assert isinstance(ptq.load(str(tmp_path / "lowrank"))[1]["trunk"]["block_0"]["mlp_in"]
+                      ["kernel"], Factored)
+    damaged, _, edit = _damaged_copies(tmp_path, str(tmp_path / "lowrank"), ptq.load,
+                                       ptq.NoCheckpoint)
+    damaged("unlisted", edit("quant.json", lambda m: m["factored"].pop(0)),
+            r"quant.json does not list params/trunk/block_0/\w+/kernel as factorized, which the "
+            r"model of its config factorizes")
 
 
 def test_a_student_that_lost_its_teacher_config_names_the_file(tmp_path):
@@ -542,6 +623,7 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     # model evaluated and decoded with another draw)
     run_json["config"]["model"]["memory"]["size"] = 0
     run_json["config"]["attention"] = {"name": "performer", "options": {}}
+    run_json["config"]["data"]["batching"] = "pad"  # (performer: no packed rows)
     json.dump(run_json, open(tmp_path / "mem" / "config.json", "w"))
     assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
                  "--weights", "int8"]) == 1

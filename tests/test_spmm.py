@@ -47,21 +47,29 @@ def test_prepare_keeps_exactly_the_nonzeros():
 def test_sparse_files_round_trip_bfloat16_leaves(tmp_path):
     """Found in review: `sparsify` of a run with model.param_dtype='bfloat16' wrote its
     bfloat16 leaves as raw bytes npz cannot type (|V2), and loading them failed. They come
-    back bfloat16, as `ptq.save` stores them."""
+    back bfloat16, as `ptq.save` stores them. (The model's own shapes: `sparsify.load`
+    checks every array against them, a bug hunt, session 99.)"""
+    import flax.traverse_util as traverse
     from test_compress_sparse import tiny
 
-    from hpnlp.compress import sparsify
+    from hpnlp.compress import ptq, sparsify
     from hpnlp.compress.qlinear import Sparse
-    from hpnlp.config import from_configdict
-    w = _weight(np.random.default_rng(1), 8, 4, 0.5)
-    scale = jnp.asarray([1.0, 0.5, -2.0, 3.25], jnp.bfloat16)
-    params = {"norm": {"scale": scale},
-              "mlp": {"kernel": Sparse(spmm.prepare_sparse_weight(w), shape=(8, 4), k_dims=1)}}
-    sparsify.save(str(tmp_path), from_configdict(tiny()), params, {})
+    from hpnlp.config import from_configdict, validate
+    cfg = validate(from_configdict(tiny()))
+    flat = {tuple(k.split("/")[1:]): np.ones(x.shape, np.float32)
+            for k, x in ptq.model_entries(cfg, packed=False)[0].items()}
+    w = _weight(np.random.default_rng(1), 16, 32, 0.5)
+    scale = jnp.linspace(-2.0, 3.25, 16).astype(jnp.bfloat16)
+    flat[("trunk", "final_norm", "scale")] = scale
+    flat[("trunk", "block_0", "mlp_in", "kernel")] = Sparse(spmm.prepare_sparse_weight(w),
+                                                          shape=(16, 32), k_dims=1)
+    sparsify.save(str(tmp_path), cfg, traverse.unflatten_dict(flat), {})
     _, back = sparsify.load(str(tmp_path))
-    assert back["norm"]["scale"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(back["norm"]["scale"]), np.asarray(scale))
-    np.testing.assert_array_equal(np.asarray(back["mlp"]["kernel"].w.dense()), w)
+    norm = back["trunk"]["final_norm"]["scale"]
+    assert norm.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(norm), np.asarray(scale))
+    kernel = back["trunk"]["block_0"]["mlp_in"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(kernel.w.dense()), w)
 
 
 @needs_kernel

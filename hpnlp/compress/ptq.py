@@ -26,6 +26,7 @@ parameters cast and the model computing in that dtype (no integer codes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ from hpnlp.compress.qlinear import Factored, QWeight, Served
 from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
                           validate, with_absolute_paths)
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
+from hpnlp.train.checkpoint import _non_finite
 
 FLOAT_FORMATS = ("bfloat16", "float16")
 OUT_FILES = ("quantized.npz", "quant.json", "summary.json")  # what `quantize` writes in OUT
@@ -102,6 +104,26 @@ def calibrate_ranges(model, params, batches, method: str):
 
 # ---------------------------------------------------------------- the packed file format
 
+def _entries(params, quant_vars):
+    """What `save` stores: ({npz key: array, or a QWeight it stores as KEY/codes and
+    KEY/scale}, the keys of model.lowrank's weights (their factors at KEY/u and KEY/v), {such
+    a key: its experts' batch axes})."""
+    entries, factored, lead = {}, [], {}
+    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: _is_qweight(x))
+    for path, leaf in flat.items():
+        key = "params/" + "/".join(path)
+        if isinstance(leaf, Factored):
+            factored.append(key)
+            if leaf.lead:  # an MoE layer's experts' factors: their batch axes
+                lead[key] = leaf.lead
+            entries.update({key + "/u": leaf.u, key + "/v": leaf.v})
+        else:
+            entries[key] = leaf
+    for path, leaf in traverse.flatten_dict(quant_vars or {}).items():
+        entries["quant/" + "/".join(path)] = leaf
+    return entries, factored, lead
+
+
 def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
     """OUT/quantized.npz (every array, packed codes as stored, zip-deflated: the zeros of a
     pruned model take less room, a 50%-zero int8 matrix about two thirds of its bytes) +
@@ -116,25 +138,14 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
             a = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
         arrays[key] = a
 
-    factored, lead = [], {}  # model.lowrank's weights: their factors at KEY/u and KEY/v
-    flat = traverse.flatten_dict(params, is_leaf=lambda _, x: _is_qweight(x))
-    for path, leaf in flat.items():
-        key = "params/" + "/".join(path)
-        parts = ((key, leaf),)
-        if isinstance(leaf, Factored):
-            factored.append(key)
-            if leaf.lead:  # an MoE layer's experts' factors: their batch axes
-                lead[key] = leaf.lead
-            parts = ((key + "/u", leaf.u), (key + "/v", leaf.v))
-        for k, a in parts:
-            if _is_qweight(a):
-                put(k + "/codes", a.codes)
-                put(k + "/scale", a.scale)
-                layout[k] = {"fmt": a.fmt, "shape": list(a.shape), "k_dims": a.k_dims}
-            else:
-                put(k, a)
-    for path, leaf in traverse.flatten_dict(quant_vars or {}).items():
-        put("quant/" + "/".join(path), leaf)
+    entries, factored, lead = _entries(params, quant_vars)
+    for k, a in entries.items():
+        if _is_qweight(a):
+            put(k + "/codes", a.codes)
+            put(k + "/scale", a.scale)
+            layout[k] = {"fmt": a.fmt, "shape": list(a.shape), "k_dims": a.k_dims}
+        else:
+            put(k, a)
     path = os.path.join(out, "quantized.npz")
     np.savez_compressed(path, **arrays)
     manifest = {"config": to_json(with_absolute_paths(cfg)), "weights": layout, "dtypes": views,
@@ -145,23 +156,160 @@ def save(out: str, cfg: Config, params, quant_vars, meta: dict) -> int:
     return os.path.getsize(path)
 
 
-def _damaged(path: str, what: str) -> NoCheckpoint:
-    return NoCheckpoint(f"{path} {what}; it is not a file `quantize` wrote: quantize the run "
-                        "again (python -m hpnlp.compress quantize --out ...)")
+def _damaged(path: str, what: str, command: str = "quantize") -> NoCheckpoint:
+    return NoCheckpoint(f"{path} {what}; it is not a file `{command}` wrote: {command} the run "
+                        f"again (python -m hpnlp.compress {command} --out ...)")
 
 
-def _layout(mpath: str, key: str, info) -> dict:
-    """A packed weight's entry in quant.json: its format, float shape and contraction axes."""
+# A bug hunt (session 99): an array of another shape or taken out of quantized.npz, or the
+# model edited in quant.json (width, num_heads), failed in flax (ScopeParamShapeError, "query
+# and key disagree") naming neither file, and a NaN or an infinity in one was served (NUL
+# bytes from generate, exit 0). The readers below are shared with `sparsify.load`, whose
+# folder had none of these guards.
+
+def read_manifest(mpath: str, entries: tuple, command: str = "quantize") -> dict:
+    """A folder's JSON (quant.json, sparse.json) with its "config" and `entries` dicts (the
+    first required, the rest optional), or one line naming the file."""
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise _damaged(mpath, f"cannot be read ({e})", command) from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("config"), dict)
+            and isinstance(manifest.get(entries[0]), dict)
+            and all(isinstance(manifest.get(k, {}), dict) for k in entries[1:])):
+        names = [f'"{k}"' for k in ("config", *entries)]
+        raise _damaged(mpath, f"lacks its {', '.join(names[:-1])} or {names[-1]} entry", command)
+    return manifest
+
+
+def read_arrays(npath: str, mpath: str, views: dict, command: str = "quantize") -> dict:
+    """A folder's npz as {key: NumPy array}, typed as its JSON's `views` say, or one line
+    naming the file; a NaN or an infinity, which neither command writes, is refused as
+    `Checkpointer.restore` refuses a run's."""
+    try:
+        with np.load(npath) as npz:
+            stored = {key: npz[key] for key in npz.files}
+    except (zipfile.BadZipFile, zlib.error, OSError, ValueError, EOFError) as e:
+        raise _damaged(npath, f"cannot be read ({type(e).__name__}: {e})", command) from None
+    for key, name in views.items():
+        if key in stored:
+            try:
+                stored[key] = stored[key].view(jnp.dtype(name))
+            except (TypeError, ValueError) as e:
+                raise _damaged(mpath, f"gives {key} the dtype {name!r} ({e})", command) from None
+    bad = [key for key, a in stored.items() if _non_finite(a)]
+    if bad:
+        raise _damaged(npath, f"holds non-finite values (a NaN or an infinity) in "
+                       f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}", command)
+    return stored
+
+
+@functools.lru_cache(maxsize=4)
+def model_entries(cfg: Config, packed: bool = True) -> tuple[dict, list, dict]:
+    """`_entries` of what `save` stores for the model of `cfg`: its parameters (factorized
+    where model.lowrank says), `packed` where `cfg.model.quant` packs them (not in a
+    bfloat16 / float16 folder, whose config keeps a QAT run's settings), and its calibrated
+    ranges (act_scale='static', which no run trains with), as shapes (jax.eval_shape: traced,
+    nothing compiled)."""
+    import flax.linen as nn
+
+    from hpnlp import models
+    from hpnlp.train.loop import dummy_batch
+    q = cfg.model.quant
+    # the float model's parameters, as `quantize` reads them (a static one's products would
+    # ask for ranges not calibrated yet when model.lowrank finds its products)
+    cfg_f = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, quant=QuantConfig(kv_cache=q.kv_cache)))
+    model_f, model = (models.build(c, deterministic=True) for c in (cfg_f, cfg))
+    kind = {"lm": "lm", "classifier": "classify"}.get(cfg.model.kind, "match")
+    batch = dummy_batch(kind, 1, cfg.data.seq_len)
+
+    def init(key):
+        p = model_f.init(key, batch)["params"]
+        if cfg.model.lowrank.enabled():
+            from hpnlp.compress import lowrank
+            p = lowrank.init_transform(cfg_f, model_f, batch)(p)
+        return nn.unbox(p)
+    params, quant = jax.eval_shape(init, jax.random.key(0)), {}
+    if q.enabled and q.act_scale == "static":
+        quant = jax.eval_shape(lambda p: model.apply(
+            {"params": p}, batch, method="evaluate", mutable=["calib"])[1]["calib"], params)
+    if q.enabled and packed:
+        params = jax.eval_shape(lambda p, qv: packed_params(model, p, batch, qv), params, quant)
+    return _entries(params, quant)
+
+
+def check_shapes(npath: str, mpath: str, got: dict, want: dict, command: str = "quantize"):
+    """One line naming the npz where its arrays ({key: shape}) are not the `want`ed ones of
+    the model that the config in `mpath` describes: one missing, one more, or another shape."""
+    where = f"the model of the config in {mpath}"
+    for key in want:
+        if key not in got:
+            raise _damaged(npath, f"has no array {key}, which {where} has", command)
+    for key, shape in got.items():
+        if key not in want:
+            raise _damaged(npath, f"holds an array {key}, which {where} has no place for",
+                           command)
+        if tuple(shape) != tuple(want[key]):
+            raise _damaged(npath, f"holds {key} of shape {list(shape)}, where {where} has "
+                           f"{list(want[key])}", command)
+
+
+def _check_model(npath: str, mpath: str, cfg: Config, stored: dict, layouts: dict,
+                 manifest: dict) -> None:
+    """A quantized folder's arrays, packed weights' `layouts` and factorized weights against
+    what `save` stores for the model of its config (`model_entries`)."""
+    want, factored, lead = model_entries(cfg, packed=bool(layouts))
+    shapes, packed = {}, {}
+    for key, leaf in want.items():
+        if _is_qweight(leaf):
+            packed[key] = {"fmt": leaf.fmt, "shape": tuple(leaf.shape), "k_dims": leaf.k_dims}
+            shapes[key + "/codes"], shapes[key + "/scale"] = leaf.codes.shape, leaf.scale.shape
+        else:
+            shapes[key] = leaf.shape
+    check_shapes(npath, mpath, {key: a.shape for key, a in stored.items()}, shapes)
+    where = "the model of its config"
+    for key, got in layouts.items():
+        if key not in packed:
+            raise _damaged(mpath, f"lists {key} as a packed weight, which {where} does not pack")
+        if got != packed[key]:
+            show = lambda x: f"{x['fmt']} {list(x['shape'])} (k_dims {x['k_dims']})"  # noqa: E731
+            raise _damaged(mpath, f"gives {key} the layout {show(got)}, where {where} packs it "
+                           f"as {show(packed[key])}")
+    for key in packed:
+        if key not in layouts:
+            raise _damaged(mpath, f"lists no layout for {key}, which {where} packs")
+    listed, leads = manifest.get("factored", []), manifest.get("factored_lead", {})
+    if not (isinstance(listed, list) and isinstance(leads, dict)):
+        raise _damaged(mpath, "holds a \"factored\" entry that is not a list, or a "
+                       "\"factored_lead\" one that is not a dict")
+    for key in listed:
+        if key not in factored:
+            raise _damaged(mpath, f"lists {key} as factorized, which {where} does not factorize")
+    for key in factored:
+        if key not in listed:
+            raise _damaged(mpath, f"does not list {key} as factorized, which {where} "
+                           "factorizes (model.lowrank)")
+        if leads.get(key, 0) != lead.get(key, 0):
+            raise _damaged(mpath, f"gives {key} {leads.get(key, 0)} experts' axes, where "
+                           f"{where} has {lead.get(key, 0)}")
+
+
+def _layout(mpath: str, key: str, info, command: str = "quantize", fmt: bool = True) -> dict:
+    """A stored weight's entry in its JSON: its float shape, contraction axes and (a packed
+    weight's, `fmt`) format."""
     from hpnlp.compress import formats
     try:
-        fmt, shape, k_dims = info["fmt"], tuple(info["shape"]), info["k_dims"]
-        ok = (fmt in formats.FORMATS and all(type(d) is int and d > 0 for d in shape)
+        shape, k_dims = tuple(info["shape"]), info["k_dims"]
+        ok = ((not fmt or info["fmt"] in formats.FORMATS)
+              and all(type(d) is int and d > 0 for d in shape)
               and type(k_dims) is int and 0 < k_dims <= len(shape))
     except (KeyError, TypeError):
         ok = False
     if not ok:
-        raise _damaged(mpath, f"holds no valid layout for {key} ({info!r})")
-    return {"fmt": fmt, "shape": shape, "k_dims": k_dims}
+        raise _damaged(mpath, f"holds no valid layout for {key} ({info!r})", command)
+    return {**({"fmt": info["fmt"]} if fmt else {}), "shape": shape, "k_dims": k_dims}
 
 
 def _check_packed(npath: str, key: str, w: QWeight) -> None:
@@ -195,15 +343,7 @@ def load(out: str, cfg: Config | None = None):
     # a bug hunt (session 96): a cut or edited quant.json / quantized.npz was a traceback
     # (BadZipFile, KeyError, a JSON error naming no file, or a JAX TypeError deep in the
     # forward from an array of another shape); each is one line naming the file
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-        raise _damaged(mpath, f"cannot be read ({e})") from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("config"), dict)
-            and isinstance(manifest.get("weights"), dict)
-            and isinstance(manifest.get("dtypes", {}), dict)):
-        raise _damaged(mpath, "lacks its \"config\", \"weights\" or \"dtypes\" entry")
+    manifest = read_manifest(mpath, ("weights", "dtypes"))
     saved = from_configdict(manifest["config"])
     if cfg is not None:
         from hpnlp.train.checkpoint import _shape_signature
@@ -214,33 +354,24 @@ def load(out: str, cfg: Config | None = None):
                 f"quant: saved {saved.model.quant}, given {cfg.model.quant}"
             raise ConfigError(f"the quantized checkpoint in {out} is of a different model ({lines}); "
                               "load it with its own config (hpnlp.compress.ptq.load(out))")
-    try:
-        with np.load(npath) as npz:
-            stored = {key: npz[key] for key in npz.files}
-    except (zipfile.BadZipFile, zlib.error, OSError, ValueError, EOFError) as e:
-        raise _damaged(npath, f"cannot be read ({type(e).__name__}: {e})") from None
-    views = manifest.get("dtypes", {})
+    stored = read_arrays(npath, mpath, manifest.get("dtypes", {}))
 
     def get(key):
         if key not in stored:
             raise _damaged(npath, f"has no array {key} (which {mpath} lists)")
-        a = stored[key]
-        try:
-            return jnp.asarray(a.view(jnp.dtype(views[key])) if key in views else a)
-        except (TypeError, ValueError) as e:
-            raise _damaged(mpath, f"gives {key} the dtype {views[key]!r} ({e})") from None
+        return jnp.asarray(stored[key])
 
+    layouts = {key: _layout(mpath, key, info) for key, info in manifest["weights"].items()}
     flat, quant = {}, {}
+    for key, layout in layouts.items():
+        w = QWeight(codes=get(key + "/codes"), scale=get(key + "/scale"), **layout)
+        _check_packed(npath, key, w)
+        flat[tuple(key.split("/")[1:])] = w
+    _check_model(npath, mpath, saved, stored, layouts, manifest)  # each array's shape
     for key in stored:
         if key.startswith("quant/"):
             quant[tuple(key.split("/")[1:])] = get(key)
-    for key, info in manifest["weights"].items():
-        w = QWeight(codes=get(key + "/codes"), scale=get(key + "/scale"),
-                    **_layout(mpath, key, info))
-        _check_packed(npath, key, w)
-        flat[tuple(key.split("/")[1:])] = w
-    for key in stored:
-        if key.startswith("params/") and key.rsplit("/", 1)[0] not in manifest["weights"]:
+        elif key.startswith("params/") and key.rsplit("/", 1)[0] not in layouts:
             flat[tuple(key.split("/")[1:])] = get(key)
     for key in manifest.get("factored", []):
         path = tuple(key.split("/")[1:])

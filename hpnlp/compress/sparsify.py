@@ -133,34 +133,80 @@ def save(out: str, cfg: Config, params, meta: dict) -> int:
     return os.path.getsize(path)
 
 
+CSC = ("col_ptr", "row", "val")  # a Sparse weight's arrays in the npz, at KEY/name
+
+
+def _damaged(path: str, what: str):
+    from hpnlp.compress.ptq import _damaged
+    return _damaged(path, what, "sparsify")
+
+
+def _csc(npath: str, mpath: str, key: str, shape: tuple, k_dims: int, col_ptr, row,
+         val) -> spmm.SparseWeight:
+    """KEY's stored arrays as the SparseWeight [K, N] its `shape` (in sparse.json) says, or
+    one line naming the file: what the kernel would read out of bounds, or the XLA twin
+    place elsewhere, is refused before anything compiles."""
+    K, N = int(np.prod(shape[:k_dims])), int(np.prod(shape[k_dims:]))
+    for name, a, want, ok in (
+            ("col_ptr", col_ptr, "int32 [N + 1]", col_ptr.dtype == np.int32),
+            ("row", row, "int32 [nonzeros]", row.dtype == np.int32),
+            ("val", val, "float [nonzeros]", jnp.issubdtype(val.dtype, jnp.floating))):
+        if a.ndim != 1 or not ok:
+            raise _damaged(npath, f"holds {key}/{name} as {a.dtype} {list(a.shape)}, where a "
+                           f"sparse weight stores {want}")
+    nnz = len(row)
+    if len(col_ptr) != N + 1:  # (it named the config's K twice: "a [512, 512] weight")
+        raise _damaged(npath, f"holds {key} as {len(col_ptr) - 1} columns (its col_ptr has "
+                       f"{len(col_ptr)} entries), where its shape in {mpath}, {list(shape)} "
+                       f"with k_dims {k_dims}, has {N}")
+    if len(val) != nnz:
+        raise _damaged(npath, f"holds {len(val)} values in {key}/val for {nnz} row indices")
+    if col_ptr[0] != 0 or col_ptr[-1] != nnz or np.any(np.diff(col_ptr) < 0):
+        raise _damaged(npath, f"holds a {key}/col_ptr that does not rise from 0 to its {nnz} "
+                       "nonzeros")
+    if nnz and (row.min() < 0 or row.max() >= K):
+        raise _damaged(npath, f"holds a row index outside [0, {K}) in {key}/row")
+    if np.any(~np.isin(np.flatnonzero(np.diff(row) <= 0) + 1, col_ptr)):
+        raise _damaged(npath, f"holds {key}/row with a column's rows not ascending")
+    return spmm.SparseWeight(jnp.asarray(col_ptr), jnp.asarray(row), jnp.asarray(val), k=K)
+
+
 def load(out: str):
-    """(config, params with Sparse weights) saved by `save`."""
+    """(config, params with Sparse weights) saved by `save`; a damaged or edited folder is
+    one line naming the file, before anything compiles."""
+    from hpnlp.compress import ptq
     mpath, npath = os.path.join(out, "sparse.json"), os.path.join(out, "sparse.npz")
     for p in (mpath, npath):
         if not os.path.exists(p):
             raise NoCheckpoint(f"no sparse checkpoint in {out} ({os.path.basename(p)} missing): "
                                "make one with python -m hpnlp.compress sparsify --out ...")
-    with open(mpath) as f:
-        manifest = json.load(f)
-    npz, views = np.load(npath), manifest.get("views", {})
-
-    def get(key):
-        a = npz[key]
-        return jnp.asarray(a.view(jnp.bfloat16) if views.get(key) == "bfloat16" else a)
-
+    # a bug hunt (session 99): none of ptq.load's guards were here: a cut sparse.npz
+    # (BadZipFile), a broken sparse.json, an array taken out (KeyError), row indices past K
+    # (an error from the compiled kernel), a model edited in sparse.json (flax's
+    # ScopeParamShapeError); each is one line naming the file, by ptq's readers
+    manifest = ptq.read_manifest(mpath, ("sparse", "views"), "sparsify")
+    cfg = from_configdict(manifest["config"])
+    stored = ptq.read_arrays(npath, mpath, manifest.get("views", {}), "sparsify")
+    want = {key: leaf.shape for key, leaf in ptq.model_entries(cfg, packed=False)[0].items()}
     flat = {}
     for key, info in manifest["sparse"].items():
-        shape = tuple(info["shape"])
-        w = spmm.SparseWeight(*(get(f"{key}/{n}") for n in ("col_ptr", "row", "val")),
-                              k=int(np.prod(shape[:info["k_dims"]])))
-        if w.shape[0] * w.shape[1] != int(np.prod(shape)):
-            raise ValueError(f"{npath}: {key} holds a [{w.shape[0]}, {w.shape[1]}] weight, but "
-                             f"sparse.json says {list(shape)}; the files are not one pair")
-        flat[tuple(key.split("/")[1:])] = Sparse(w, shape=shape, k_dims=info["k_dims"])
-    for key in npz.files:
-        if key.rsplit("/", 1)[0] not in manifest["sparse"]:
-            flat[tuple(key.split("/")[1:])] = get(key)
-    return from_configdict(manifest["config"]), traverse.unflatten_dict(flat)
+        layout = ptq._layout(mpath, key, info, "sparsify", fmt=False)
+        shape, k_dims = layout["shape"], layout["k_dims"]
+        if tuple(want.get(key, ())) != shape:
+            has = list(want[key]) if key in want else "no such weight"
+            raise _damaged(mpath, f"gives {key} the shape {list(shape)}, where the model of its "
+                           f"config has {has}")
+        for name in CSC:
+            if f"{key}/{name}" not in stored:
+                raise _damaged(npath, f"has no array {key}/{name} (which {mpath} lists)")
+        w = _csc(npath, mpath, key, shape, k_dims, *(stored.pop(f"{key}/{name}") for name in CSC))
+        flat[tuple(key.split("/")[1:])] = Sparse(w, shape=shape, k_dims=k_dims)
+    ptq.check_shapes(npath, mpath, {key: a.shape for key, a in stored.items()},
+                     {key: s for key, s in want.items() if key not in manifest["sparse"]},
+                     "sparsify")
+    for key, a in stored.items():
+        flat[tuple(key.split("/")[1:])] = jnp.asarray(a)
+    return cfg, traverse.unflatten_dict(flat)
 
 
 # ---------------------------------------------------------------- the whole command
