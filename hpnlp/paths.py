@@ -307,6 +307,10 @@ def _staged(out: str, files: tuple[str, ...] | None):
         if os.path.exists(os.path.join(out, "summary.json")):  # absent while OUT is mixed
             os.remove(os.path.join(out, "summary.json"))
         for f in files:  # the summary last: present, the rest is this call's
+            if os.path.isdir(os.path.join(out, f)):  # an earlier call's folder (checkpoints),
+                # which a file or folder cannot be moved over: moved into the stage, removed
+                # with it (a bug hunt, session 99: a `shrink` rerun)
+                os.replace(os.path.join(out, f), os.path.join(stage, f + ".earlier"))
             if os.path.exists(os.path.join(stage, f)):
                 os.replace(os.path.join(stage, f), os.path.join(out, f))
             elif os.path.exists(os.path.join(out, f)):

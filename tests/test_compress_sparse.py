@@ -379,6 +379,15 @@ def test_structured_pruning_removes_whole_heads_and_neurons_and_shrinks_to_the_s
     assert summary["model"] == {"num_heads": [4, 2], "head_dim": 4, "mlp_dim": [32, 16]}
     assert "short_of_target" not in summary  # pruned at step 1, its target
     assert sorted(os.listdir(tmp_path / "small")) == ["checkpoints", "config.json", "summary.json"]
+    # run again, its own earlier output of this run is replaced (a bug hunt, session 99: a
+    # notebook cell run twice was refused, "holds a training run"); one trained on is kept
+    assert prune.shrink_run(str(tmp_path / "pruned"), str(tmp_path / "small"),
+                            eval_batches=1) == summary
+    assert sorted(os.listdir(tmp_path / "small")) == ["checkpoints", "config.json", "summary.json"]
+    (tmp_path / "small" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"holds a training run \(checkpoints, .*metrics.jsonl"):
+        prune.shrink_run(str(tmp_path / "pruned"), str(tmp_path / "small"), eval_batches=1)
+    os.remove(tmp_path / "small" / "metrics.jsonl")
     assert summary["params"]["shrunk"] < summary["params"]["pruned"]
     np.testing.assert_allclose(summary["eval"]["loss"], summary["eval_masked"]["loss"], rtol=1e-6)
     layout = next(c for c in tr.carries if c.name == "prune").layout
@@ -453,6 +462,13 @@ def test_structured_pruning_removes_rnn_hidden_units_and_shrinks_to_the_same_mod
     assert cfg2.model.width == 16 and cfg2.model.depth == 2 and cfg2.rnn == cfg.rnn
     h2 = _jit_apply(models.build(cfg2, deterministic=True), method)(params2, batch)
     np.testing.assert_allclose(np.asarray(h2), h[..., keep], rtol=1e-5, atol=1e-6)
+    if arch == "lstm":  # a fused run shrunk to a width the kernel cannot run: the scan's
+        # (a bug hunt, session 99: its shrunk config was refused, after training)
+        import dataclasses
+        fused = dataclasses.replace(tr.cfg, rnn=dataclasses.replace(tr.cfg.rnn, impl="fused"))
+        fewer = {prune.RNN_UNITS: keep & (np.cumsum(keep) < 16)}
+        cfg3, _ = prune.shrink(fused, state.params, fewer, layout)
+        assert cfg3.model.width == 15 and cfg3.rnn.impl == "auto"
 
 
 @pytest.mark.parametrize("kind,fields,match", [
@@ -470,6 +486,68 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
         getattr(cd, group).update(values)
     with pytest.raises(ConfigError, match=match):
         validate(from_configdict(cd))
+
+
+def test_sparsify_load_names_a_damaged_or_edited_sparse_folder(tmp_path):
+    """A bug hunt (session 99): `sparsify.load` had none of `ptq.load`'s guards: a cut
+    sparse.npz (BadZipFile), a broken sparse.json (JSONDecodeError), an array taken out
+    (KeyError), row indices past K or values cut short (an error from the compiled kernel), an
+    edited mlp_dim (ScopeParamShapeError), or a weight's shape edited in sparse.json (named as
+    "a [512, 512] weight"). Each is one line naming the file, before anything compiles. The
+    folder is made by hand at the shapes `ptq.model_entries` traces: nothing trains."""
+    from test_compress import _damaged_copies
+
+    from hpnlp.compress import ptq, sparsify, spmm
+    from hpnlp.compress.qlinear import Sparse
+    cfg = validate(from_configdict(tiny()))
+    kernel = "params/trunk/block_0/mlp_in/kernel"
+    flat = {k: np.abs(RNG.standard_normal(leaf.shape)).astype(leaf.dtype) + 0.1
+            for k, leaf in ptq.model_entries(cfg)[0].items()}
+    w = flat[kernel]
+    w[RNG.random(w.shape) < 0.75] = 0
+    flat[kernel] = Sparse(spmm.prepare_sparse_weight(w), shape=w.shape, k_dims=1)
+    good = str(tmp_path / "good")
+    sparsify.save(good, cfg, traverse.unflatten_dict(
+        {tuple(k.split("/")[1:]): v for k, v in flat.items()}), {})
+    np.testing.assert_array_equal(np.asarray(sparsify.load(good)[1]["trunk"]["block_0"]["mlp_in"]
+                                             ["kernel"].w.dense()), w)  # as saved, it loads
+    stored = dict(np.load(os.path.join(good, "sparse.npz")))
+    damaged, rewrite, edit = _damaged_copies(tmp_path, good, sparsify.load, ptq.NoCheckpoint)
+    again = r"; it is not a file `sparsify` wrote: sparsify the run again"
+
+    def arrays(**changed):
+        new = {f"{kernel}/{k}": v for k, v in changed.items()}
+        return rewrite("sparse.npz", **{**stored, **new})
+    damaged("cut", lambda out: os.truncate(os.path.join(out, "sparse.npz"), 100),
+            rf"sparse.npz cannot be read \(BadZipFile.*{again}")
+    damaged("json", lambda out: os.truncate(os.path.join(out, "sparse.json"), 50),
+            rf"sparse.json cannot be read \(.*{again}")
+    less = {k: v for k, v in stored.items() if k != f"{kernel}/val"}
+    damaged("gone", rewrite("sparse.npz", **less), rf"sparse.npz has no array {kernel}/val \(")
+    row, val, col_ptr = (stored[f"{kernel}/{k}"] for k in ("row", "val", "col_ptr"))
+    damaged("row", arrays(row=row + 100000), rf"holds a row index outside \[0, 16\) in {kernel}")
+    damaged("val", arrays(val=val[:5]), rf"holds 5 values in {kernel}/val for {len(row)} row")
+    damaged("int64", arrays(row=row.astype(np.int64)), rf"{kernel}/row as int64 \[{len(row)}\]")
+    damaged("ptr", arrays(col_ptr=col_ptr[::-1].copy()), rf"{kernel}/col_ptr that does not rise")
+    n = int(np.argmax(np.diff(col_ptr) >= 2))  # a column of two nonzeros or more
+    swapped = row.copy()
+    swapped[col_ptr[n]:col_ptr[n] + 2] = swapped[col_ptr[n]:col_ptr[n] + 2][::-1]
+    damaged("order", arrays(row=swapped), r"a column's rows not ascending")
+    damaged("nan", arrays(val=np.where(np.arange(len(val)) == 3, np.nan, val)),
+            rf"sparse.npz holds non-finite values \(a NaN or an infinity\) in {kernel}/val{again}")
+    damaged("columns", arrays(col_ptr=col_ptr[:-1]), rf"holds {kernel} as 31 columns \(its "
+            r"col_ptr has 32 entries\), where its shape in \S+sparse.json, \[16, 32\] with k_dims "
+            r"1, has 32")
+    damaged("shape", edit("sparse.json", lambda m: m["sparse"][kernel].update(shape=[32, 16])),
+            rf"sparse.json gives {kernel} the shape \[32, 16\], where the model of its config has "
+            rf"\[16, 32\]{again}")
+    damaged("mlp_dim", edit("sparse.json", lambda m: m["config"]["model"].update(mlp_dim=64)),
+            rf"sparse.json gives {kernel} the shape \[16, 32\], where the model of its config has "
+            r"\[16, 64\]")
+    norm = "params/trunk/final_norm/scale"
+    damaged("plain", rewrite("sparse.npz", **{**stored, norm: np.ones(3, np.float32)}),
+            rf"sparse.npz holds {norm} of shape \[3\], where the model of the config in "
+            r"\S+sparse.json has \[16\]")
 
 
 # ---------------------------------------------------------------- distillation

@@ -584,6 +584,10 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
         flat[first] = (w.astype(jnp.float32) * math.sqrt(m.width / width)).astype(w.dtype)
         # num_heads is unused by a recurrent trunk; config.validate wants it to divide width
         model = dataclasses.replace(m, width=width, num_heads=math.gcd(m.num_heads, width))
+        from hpnlp.rnn import fused
+        if cfg.rnn.impl == "fused" and not fused.supports(width):  # the same model computed by
+            # the scan (a bug hunt, session 99: the shrunk config was refused, after training)
+            cfg = dataclasses.replace(cfg, rnn=dataclasses.replace(cfg.rnn, impl="auto"))
     else:
         model = dataclasses.replace(m, head_dim=m.dims_per_head(),
                                     num_heads=counts.get("heads", {m.num_heads}).pop(),
@@ -778,6 +782,28 @@ def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
     return dense, out
 
 
+# What `shrink_run` writes: a run of one checkpoint (step 0) and its summary
+SHRUNK_FILES = ("checkpoints", "config.json", "summary.json")
+
+
+def _shrunk_from(out: str) -> str | None:
+    """The run `out` was shrunk from (its summary.json's `source`), where `out` holds only
+    `shrink_run`'s files and its one checkpoint: a shrunk run trained on since is not it."""
+    import json
+    import os
+
+    from hpnlp.paths import UNFINISHED
+    try:
+        with open(os.path.join(out, "summary.json")) as f:
+            source = json.load(f)["source"]["workdir"]
+        if not (set(os.listdir(out)) <= set(SHRUNK_FILES) | {UNFINISHED}
+                and os.listdir(os.path.join(out, "checkpoints")) == ["0"]):
+            return None
+        return os.path.realpath(source)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> dict:
     """`python -m hpnlp.compress shrink`: the structurally pruned run in `workdir` as a
     smaller dense run in `out` (config.json and a checkpoint at step 0 holding the shrunk
@@ -800,7 +826,13 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
                            f"{workdir} was not pruned with train.prune.structure='structured', so "
                            "it has no heads, neurons or hidden units to remove")
     from hpnlp.paths import check_new_output
-    check_new_output(out, workdir)  # a new run: nothing of another run or tool written over
+    earlier = _shrunk_from(out) == os.path.realpath(workdir)  # this command's, of this run
+    # a new run: nothing of another run or tool written over, but this command's own earlier
+    # output of this run is replaced (a bug hunt, session 99: a notebook's cell run again)
+    check_new_output(out, workdir, may_replace=SHRUNK_FILES if earlier else ())
+    if earlier:
+        print(f"hpnlp.compress: note: --out {out} holds this command's earlier output of "
+              f"{workdir}; the new one replaces it once written", file=sys.stderr)
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     pruned = Trainer(cfg, workdir, read_only=True)
