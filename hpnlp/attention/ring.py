@@ -73,18 +73,18 @@ def _scores(q_BQHD, k_BKHD, seg_BQ, kseg_BK, me, src, causal):
     return jnp.where(ok_B1QK, s_BHQK, _NEG), ok_B1QK
 
 
-def _around(n, axis, body, carry, travelling):
-    """`n` steps of `body(src, carry, travelling)` -> (carry, travelling), where `travelling`
-    (a key/value block and what goes with it) is that of device `src` and moves on to the
-    next device after each step; after the n-th move each device holds its own again.
-    (Causal: `body` skips a block wholly in this device's future, not masks it.)"""
+def _around(n, axis, causal, fold, carry, travelling):
+    """`n` steps of `fold(me, src, carry, travelling)` -> (carry, travelling), where
+    `travelling` (a key/value block and what goes with it) is that of device `src` and moves
+    on to the next device after each step; after the n-th move each device holds its own
+    again. Causal: a block wholly in this device's future is skipped, not masked."""
     me = jax.lax.axis_index(axis)
     ring = [(j, (j + 1) % n) for j in range(n)]
 
     def step(i, state):
-        carry, travelling = state
         src = (me - i) % n  # the device whose key block we hold at step i
-        carry, travelling = body(me, src, carry, travelling)
+        needed = (src <= me) if causal else jnp.bool_(True)
+        carry, travelling = jax.lax.cond(needed, lambda s: fold(me, src, *s), lambda s: s, state)
         return carry, jax.lax.ppermute(travelling, axis, ring)
 
     return jax.lax.fori_loop(0, n, step, (carry, travelling))
@@ -102,25 +102,21 @@ def _ring_fwd(q_BQHD, k_BKHD, v_BKHD, seg_BQ, causal, axis, n):
     autodiff of the loop kept every step's [Q, K] scores, O(L^2 / n) per device)."""
     B, Q, H = q_BQHD.shape[:3]
 
-    def body(me, src, c, kv):
+    def fold(me, src, c, kv):
+        m_BHQ, l_BHQ, acc_BQHD = c
         k_BKHD, v_BKHD, kseg_BK = kv
-
-        def fold(c):
-            m_BHQ, l_BHQ, acc_BQHD = c
-            s_BHQK, ok_B1QK = _scores(q_BQHD, k_BKHD, seg_BQ, kseg_BK, me, src, causal)
-            m_new = jnp.maximum(m_BHQ, s_BHQK.max(-1))
-            p_BHQK = jnp.where(ok_B1QK, jnp.exp(s_BHQK - m_new[..., None]), 0.0)
-            corr_BHQ = jnp.exp(m_BHQ - m_new)
-            acc_new = (acc_BQHD * corr_BHQ.transpose(0, 2, 1)[..., None]
-                       + jnp.einsum("bhqk,bkhd->bqhd", p_BHQK, v_BKHD.astype(jnp.float32)))
-            return m_new, l_BHQ * corr_BHQ + p_BHQK.sum(-1), acc_new
-
-        needed = (src <= me) if causal else jnp.bool_(True)
-        return jax.lax.cond(needed, fold, lambda c: c, c), kv
+        s_BHQK, ok_B1QK = _scores(q_BQHD, k_BKHD, seg_BQ, kseg_BK, me, src, causal)
+        m_new = jnp.maximum(m_BHQ, s_BHQK.max(-1))
+        p_BHQK = jnp.where(ok_B1QK, jnp.exp(s_BHQK - m_new[..., None]), 0.0)
+        corr_BHQ = jnp.exp(m_BHQ - m_new)
+        acc_new = (acc_BQHD * corr_BHQ.transpose(0, 2, 1)[..., None]
+                   + jnp.einsum("bhqk,bkhd->bqhd", p_BHQK, v_BKHD.astype(jnp.float32)))
+        return (m_new, l_BHQ * corr_BHQ + p_BHQK.sum(-1), acc_new), kv
 
     init = (jnp.full((B, H, Q), _NEG, jnp.float32), jnp.zeros((B, H, Q), jnp.float32),
             jnp.zeros((B, Q, H, v_BKHD.shape[-1]), jnp.float32))
-    (m_BHQ, l_BHQ, acc_BQHD), _ = _around(n, axis, body, init, (k_BKHD, v_BKHD, seg_BQ))
+    (m_BHQ, l_BHQ, acc_BQHD), _ = _around(n, axis, causal, fold, init,
+                                          (k_BKHD, v_BKHD, seg_BQ))
     inv = jnp.where(l_BHQ > 0, 1.0 / jnp.maximum(l_BHQ, 1e-30), 0.0)
     out_BQHD = (acc_BQHD * inv.transpose(0, 2, 1)[..., None]).astype(q_BQHD.dtype)
     lse_BHQ = jnp.where(l_BHQ > 0, m_BHQ + jnp.log(jnp.maximum(l_BHQ, 1e-30)), 0.0)
@@ -132,31 +128,26 @@ def _ring_bwd(causal, axis, n, res, dout_BQHD):
     which every device adds its queries' share to, and is home after n steps; the
     probabilities are recomputed a block at a time from the log-normalizers."""
     q_BQHD, k_BKHD, v_BKHD, seg_BQ, out_BQHD, lse_BHQ = res
-    do_BQHD = dout_BQHD.astype(jnp.float32)
-    delta_BHQ = jnp.einsum("bqhd,bqhd->bhq", do_BQHD, out_BQHD.astype(jnp.float32))
+    f32 = lambda x: x.astype(jnp.float32)
+    do_BQHD = f32(dout_BQHD)
+    delta_BHQ = jnp.einsum("bqhd,bqhd->bhq", do_BQHD, f32(out_BQHD))
     scale = 1.0 / math.sqrt(q_BQHD.shape[-1])
 
-    def body(me, src, dq_BQHD, kv):
+    def fold(me, src, dq_BQHD, kv):
         k_BKHD, v_BKHD, kseg_BK, dk_BKHD, dv_BKHD = kv
+        s_BHQK, ok_B1QK = _scores(q_BQHD, k_BKHD, seg_BQ, kseg_BK, me, src, causal)
+        p_BHQK = jnp.where(ok_B1QK, jnp.exp(s_BHQK - lse_BHQ[..., None]), 0.0)
+        dp_BHQK = jnp.einsum("bqhd,bkhd->bhqk", do_BQHD, f32(v_BKHD))
+        ds_BHQK = p_BHQK * (dp_BHQK - delta_BHQ[..., None]) * scale
+        return (dq_BQHD + jnp.einsum("bhqk,bkhd->bqhd", ds_BHQK, f32(k_BKHD)),
+                (k_BKHD, v_BKHD, kseg_BK,
+                 dk_BKHD + jnp.einsum("bhqk,bqhd->bkhd", ds_BHQK, f32(q_BQHD)),
+                 dv_BKHD + jnp.einsum("bhqk,bqhd->bkhd", p_BHQK, do_BQHD)))
 
-        def grads(c):
-            dq_BQHD, dk_BKHD, dv_BKHD = c
-            s_BHQK, ok_B1QK = _scores(q_BQHD, k_BKHD, seg_BQ, kseg_BK, me, src, causal)
-            p_BHQK = jnp.where(ok_B1QK, jnp.exp(s_BHQK - lse_BHQ[..., None]), 0.0)
-            dp_BHQK = jnp.einsum("bqhd,bkhd->bhqk", do_BQHD, v_BKHD.astype(jnp.float32))
-            ds_BHQK = p_BHQK * (dp_BHQK - delta_BHQ[..., None]) * scale
-            return (dq_BQHD + jnp.einsum("bhqk,bkhd->bqhd", ds_BHQK, k_BKHD.astype(jnp.float32)),
-                    dk_BKHD + jnp.einsum("bhqk,bqhd->bkhd", ds_BHQK, q_BQHD.astype(jnp.float32)),
-                    dv_BKHD + jnp.einsum("bhqk,bqhd->bkhd", p_BHQK, do_BQHD))
-
-        needed = (src <= me) if causal else jnp.bool_(True)
-        dq_BQHD, dk_BKHD, dv_BKHD = jax.lax.cond(needed, grads, lambda c: c,
-                                                 (dq_BQHD, dk_BKHD, dv_BKHD))
-        return dq_BQHD, (k_BKHD, v_BKHD, kseg_BK, dk_BKHD, dv_BKHD)
-
-    f32 = functools.partial(jnp.zeros_like, dtype=jnp.float32)
+    zeros = functools.partial(jnp.zeros_like, dtype=jnp.float32)
     dq_BQHD, (*_, dk_BKHD, dv_BKHD) = _around(
-        n, axis, body, f32(q_BQHD), (k_BKHD, v_BKHD, seg_BQ, f32(k_BKHD), f32(v_BKHD)))
+        n, axis, causal, fold, zeros(q_BQHD),
+        (k_BKHD, v_BKHD, seg_BQ, zeros(k_BKHD), zeros(v_BKHD)))
     return (dq_BQHD.astype(q_BQHD.dtype), dk_BKHD.astype(k_BKHD.dtype),
             dv_BKHD.astype(v_BKHD.dtype), None)
 
