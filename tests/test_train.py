@@ -1106,6 +1106,13 @@ def test_float16_dynamic_loss_scaling_skips_overflow_and_adapts(tmp_path):
     assert runs, skipped
     assert scales[runs[0] + 1] == 2 * scales[runs[0]]
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+    # the schedule's count follows the steps, skipped ones too (the logged `lr` is the rate
+    # applied); Adam's counts the updates (a bug hunt, session 99: both counted the updates)
+    import optax
+    kinds = (optax.ScaleByScheduleState, optax.ScaleByAdamState)
+    counts = {type(x): int(x.count) for x in jax.tree.leaves(
+        state.opt_state, is_leaf=lambda x: isinstance(x, kinds)) if isinstance(x, kinds)}
+    assert counts == {optax.ScaleByScheduleState: 40, optax.ScaleByAdamState: 40 - sum(skipped)}
 
 
 def test_float16_master_weights_are_refused():

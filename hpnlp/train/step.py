@@ -140,7 +140,13 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             # scale; after `loss_scale_period` clean steps, try double.
             keep = lambda new_tree, old_tree: jax.tree.map(  # noqa: E731
                 lambda a, b: jnp.where(grads_ok, a, b), new_tree, old_tree)
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            # ... but the learning-rate schedule's count advances with the step, as
+            # train.steps does (a bug hunt, session 99: each skipped step delayed the whole
+            # schedule, and the logged `lr` was not the rate applied)
+            sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+            params = keep(params, state.params)
+            opt_state = jax.tree.map(lambda a, b: a if sched(a) else keep(a, b), opt_state,
+                                     state.opt_state, is_leaf=sched)
             carry = carry_lib.skipped(carries, carry, state.carry, grads_ok)
             good = jnp.where(grads_ok, state.good_steps + 1, 0)
             grow = good >= t.loss_scale_period
