@@ -1,6 +1,7 @@
 """hpnlp.compress pruning and distillation: masks, schedules, the teacher carry, bad input."""
 
 import dataclasses
+import math
 import os
 
 import flax.linen as nn
@@ -118,6 +119,52 @@ def test_cubic_schedule_is_zhu_and_gupta():
     imp = dataclasses.replace(p, schedule="imp", rounds=2, rewind_step=0)  # boundaries 49, 99
     assert [due(imp, -1, 48), due(imp, -1, 52), due(imp, 49, 98), due(imp, 49, 99)] == \
         [False, True, False, True]
+
+
+def test_a_cubic_schedule_ending_where_it_starts_reaches_its_target():
+    """A bug hunt (session 99): start_step on the run's last step clamps the schedule's end
+    (end_step 0 or train.steps) to it, and the step pruned nothing (sparsity 0 at t0 = t1)."""
+    for end in (0, 20):
+        p = PruneConfig(method="magnitude", schedule="cubic", sparsity=0.5, start_step=19,
+                        end_step=end)
+        assert prune.cubic_end(p, 20) == 19 and bool(prune.updates_at(p, 19, 20))
+        assert [float(prune.sparsity_at(p, t, 20)) for t in (18, 19)] == [0.0, 0.5]
+        assert prune.short_of_target(p, 20, 20) is None
+
+
+def test_a_sparsity_raised_on_resume_recomputes_the_masks_and_reports_what_they_hold():
+    """A bug hunt (session 99): a cubic run (0.8, end_step 14, 20 steps) resumed with 24 steps
+    and sparsity 0.9 kept its 0.8 masks (no scheduled step came after the saved one, 14),
+    and summary.json called 0.9 reached. The carry's tree is unchanged (older checkpoints
+    read): masks whose counts are not the schedule's after their last update recompute."""
+    def carry(steps, sparsity, scope="layer"):
+        cd = tiny(prune=dict(method="magnitude", sparsity=sparsity, schedule="cubic",
+                             start_step=2, end_step=14, every=3, scope=scope))
+        cd.train.steps = steps
+        c = prune.PruneCarry(from_configdict(cd))
+        c.products = {"a/kernel": (0,), "b/kernel": (0,)}
+        return c
+
+    params = {"a": {"kernel": jnp.asarray(RNG.standard_normal((8, 10)), jnp.float32)},
+              "b": {"kernel": jnp.asarray(RNG.standard_normal((4, 5)), jnp.float32)}}
+    ones = {k: jnp.ones(params[k[0]]["kernel"].shape, bool) for k in ("a/kernel", "b/kernel")}
+    for scope in ("layer", "global"):
+        old, new = carry(20, 0.8, scope), carry(24, 0.9, scope)
+        _, saved = old.after_update({"masks": ones, "last": jnp.asarray(13, jnp.int32)}, params,
+                                    None, jnp.asarray(14, jnp.int32))  # the schedule's end
+        assert int(saved["last"]) == 14 and "pending" not in old.report(saved, params)
+        _, same = old.after_update(saved, params, None, jnp.asarray(19, jnp.int32))
+        assert int(same["last"]) == 14  # unchanged config: no recompute
+        got = new.report(saved, params)  # resumed, no step trained yet: not called reached
+        assert got["target"] == pytest.approx(0.9) and "recomputes them" in got["pending"]
+        out, now = new.after_update(saved, params, None, jnp.asarray(20, jnp.int32))
+        got = new.report(now, params)
+        assert int(now["last"]) == 20 and "pending" not in got
+        assert got["sparsity"] == pytest.approx(0.9, abs=0.02) and got["target"] == \
+            pytest.approx(0.9)
+        assert not bool(jnp.any(now["masks"]["a/kernel"] & ~saved["masks"]["a/kernel"]))
+        _, later = new.after_update(now, params, None, jnp.asarray(21, jnp.int32))
+        assert int(later["last"]) == 20
 
 
 def test_a_one_shot_pruning_is_not_lost_to_skipped_float16_steps(tmp_path):
@@ -1246,9 +1293,13 @@ def test_movement_scores_take_the_straight_through_gradient():
     value = c.start(jax.jit(lambda: nn.unbox(c.init(model, params, batch, 2)))(), params)
     flat = traverse.flatten_dict(params)
     rng = np.random.default_rng(0)
-    value["last"] = jnp.int32(0)  # a half-pruned state, masks last made after step 0,
-    for k in value["masks"]:  # with some scores already
-        value["masks"][k] = jnp.asarray(rng.random(value["masks"][k].shape) < 0.5)
+    value["last"] = jnp.int32(2)  # a part-pruned state, masks last made after step 2 (the
+    # schedule's count of them: others are recomputed at once), with some scores already
+    s = prune.sparsity_at(cfg.train.prune, jnp.int32(2), cfg.train.steps)
+    for k in value["masks"]:
+        shape = value["masks"][k].shape
+        keep = rng.permutation(math.prod(shape)) >= int(jnp.round(s * math.prod(shape)))
+        value["masks"][k] = jnp.asarray(keep.reshape(shape))
         value["scores"][k] = jnp.asarray(rng.standard_normal(value["masks"][k].shape), jnp.float32)
     dense = {k: flat[tuple(k.split("/"))] for k in value["masks"]}
     value["dense"] = dense
@@ -1266,15 +1317,15 @@ def test_movement_scores_take_the_straight_through_gradient():
         lambda s: loss(with_masks(s)))(s)))(masked, value["scores"])
     updated = jax.tree.map(lambda p: p + 0.01, masked)  # what an optimizer step left
     after = jax.jit(c.after_update)
-    out, new = after(value, updated, grads, jnp.int32(1))  # no mask update at step 1
+    out, new = after(value, updated, grads, jnp.int32(3))  # no mask update at step 3
     out_flat, up_flat = traverse.flatten_dict(out), traverse.flatten_dict(updated)
     b1 = prune.SCORE_BETAS[0]
     steady = lambda v: dict(v, dense=value["dense"])  # noqa: E731  (the same dL/dS again)
-    _, twice = after(steady(new), updated, grads, jnp.int32(1))
-    _, thrice = after(steady(twice), updated, grads, jnp.int32(1))
+    _, twice = after(steady(new), updated, grads, jnp.int32(3))
+    _, thrice = after(steady(twice), updated, grads, jnp.int32(3))
     assert int(thrice["score_steps"]) == 3
     big = jax.tree.map(lambda g: 1000.0 * g, grads)  # 1000x larger from the start: the same
-    _, big_once = after(value, updated, big, jnp.int32(1))
+    _, big_once = after(value, updated, big, jnp.int32(3))
     for k in value["masks"]:
         path, m = tuple(k.split("/")), np.asarray(value["masks"][k])
         d = np.asarray(d_scores[k])
@@ -1290,7 +1341,7 @@ def test_movement_scores_take_the_straight_through_gradient():
         np.testing.assert_array_equal(np.asarray(new["dense"][k])[m], np.asarray(up_flat[path])[m])
         assert not np.any(np.asarray(out_flat[path])[~m])
     # a mask update ranks the scores afresh: some pruned entries come back
-    out, new = after(value, updated, grads, jnp.int32(2))
+    out, new = after(value, updated, grads, jnp.int32(4))
     k = "trunk/block_0/mlp_in/kernel"
     revived = np.asarray(new["masks"][k]) & ~np.asarray(value["masks"][k])
     assert revived.any()

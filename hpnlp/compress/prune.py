@@ -63,8 +63,8 @@ output layer stay dense.
   renormalizes the rest), bidirectional layers, and consumers other than those above.
 - Schedules: `oneshot` (the target after the update of step `start_step`), `cubic`
   (Zhu & Gupta 2017): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1
-  (t1: `end_step`, or the run's last step), masks recomputed every `every` steps and at
-  t1, and `imp`: iterative magnitude pruning
+  (t1: `end_step`, or the run's last step; from t1 on, s_f, even where t1 is t0), masks
+  recomputed every `every` steps and at t1, and `imp`: iterative magnitude pruning
   with weight rewinding (lottery tickets: Frankle & Carbin 2019, Frankle et al. 2020) in
   one run. The model's weights after `rewind_step` updates are kept in the carry; the steps
   after them split into `rounds` + 1 segments (`imp_boundaries`), and at the end of each but
@@ -75,7 +75,9 @@ output layer stay dense.
   run on through the rounds rather than restarting. Each recompute is one the schedule
   has come to since the last (the carry keeps its step, `updates_due`), so a step whose
   update float16 loss scaling skipped (the state is kept as it was) does not lose it: it
-  happens at the next step that updates.
+  happens at the next step that updates. And masks that do not prune what the schedule
+  asks after that step (a resume that changed `train.prune.sparsity`: the counts tell, as
+  they are exact) are recomputed at the next step too.
 
 Counts are exact: a target s prunes round(s * n) of a weight's n entries (ties broken by
 position), or round(s * total) of all of them in global scope.
@@ -109,7 +111,9 @@ def sparsity_at(p: PruneConfig, step, total_steps: int):
         done = jnp.sum(step >= jnp.asarray(imp_boundaries(p, total_steps)))
         return (1.0 - (1.0 - final) ** (done / p.rounds)).astype(jnp.float32)
     t1 = cubic_end(p, total_steps)
-    frac = jnp.clip((step - t0) / max(t1 - t0, 1), 0.0, 1.0)
+    # the target from t1 on, even where t1 is t0 (a bug hunt, session 99: a schedule starting
+    # on the run's last step, its end clamped there, pruned nothing, unsaid)
+    frac = jnp.where(step >= t1, 1.0, jnp.clip((step - t0) / max(t1 - t0, 1), 0.0, 1.0))
     return (final * (1.0 - (1.0 - frac) ** 3)).astype(jnp.float32)
 
 
@@ -695,7 +699,7 @@ class PruneCarry(Carry):
             return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed,
                                  new.get("scores"))
 
-        prune_now = updates_due(self.p, value["last"], step, self.cfg.train.steps)
+        prune_now = self._due(value, step)
         masks = jax.lax.cond(prune_now, recompute, lambda m: m, value["masks"])
         new["masks"] = masks
         new["last"] = jnp.where(prune_now, step, value["last"]).astype(jnp.int32)
@@ -716,9 +720,40 @@ class PruneCarry(Carry):
             params = _unflatten(flat, params)
         return apply_masks(params, masks), new
 
+    def holds_target(self, value):
+        """Whether the masks (structured: the unit masks) prune exactly what the schedule asks
+        after their last update, `value["last"]`, under this run's config (a traced bool):
+        counts are exact, so masks computed at another target (a resume that changed
+        train.prune.sparsity) differ in count. N:M masks hold 1 - N/M, which nothing changes."""
+        last = value["last"]
+        s = jnp.where(last >= 0, sparsity_at(self.p, last, self.cfg.train.steps), 0.0)
+        if self.p.structure == "structured":
+            ok = [jnp.all(jnp.sum(~value["groups"][k].reshape(g.rows, g.units), axis=1)
+                          == units_pruned(s, g.units)) for k, g in self.layout.items()]
+        elif self.p.nm() is not None:
+            return jnp.ones((), bool)
+        elif self.p.scope == "layer":  # as compute_masks counts them
+            ok = [jnp.sum(~m) == jnp.round(s * m.size).astype(jnp.int32)
+                  for m in value["masks"].values()]
+        else:
+            size = sum(m.size for m in value["masks"].values())
+            ok = [sum(jnp.sum(~m) for m in value["masks"].values())
+                  == jnp.round(s * size).astype(jnp.int32)]
+        return jnp.all(jnp.stack(ok))
+
+    def _due(self, value, step):
+        """Whether masks are recomputed after the update of `step`: a scheduled recompute has
+        come (`updates_due`), or the masks do not hold what the schedule asks after the last
+        (a bug hunt, session 99: train.prune.sparsity raised on resume after the schedule's
+        end changed no mask, and summary.json called the new target reached)."""
+        return (updates_due(self.p, value["last"], step, self.cfg.train.steps)
+                | ~self.holds_target(value))
+
     def report(self, value, params) -> dict:
         """The fraction of the pruned products' entries (structured: of their units) the
-        masks remove, the schedule's target after the last mask update, and that step."""
+        masks remove, the schedule's target after the last mask update, and that step; and
+        `pending` where the masks were computed at another target (a resume that changed
+        train.prune.sparsity, and trained no step since), which the next step recomputes."""
         last = np.asarray(jax.device_get(value["last"]))  # [members] in a seed ensemble
         targets = [float(sparsity_at(self.p, int(t), self.cfg.train.steps)) if t >= 0 else 0.0
                    for t in last.ravel()]
@@ -727,10 +762,18 @@ class PruneCarry(Carry):
         pruned = jax.jit(lambda ms: sum(jnp.sum(~m) for m in ms.values()))(masks)
         size = sum(m.size for m in masks.values())  # an ensemble's: all its members'
         one = last.ndim == 0
-        return {"sparsity": float(pruned) / max(size, 1),
-                "target": targets[0] if one else targets,
-                "last_update_step": int(last) if one else last.tolist(),
-                "of": "units" if self.p.structure == "structured" else "weights"}
+        held = jax.jit(self.holds_target if one else jax.vmap(self.holds_target))(
+            {k: value[k] for k in ("last", "groups" if self.p.structure == "structured"
+                                   else "masks")})
+        out = {"sparsity": float(pruned) / max(size, 1),
+               "target": targets[0] if one else targets,
+               "last_update_step": int(last) if one else last.tolist(),
+               "of": "units" if self.p.structure == "structured" else "weights"}
+        if not bool(np.all(np.asarray(held))):
+            out["pending"] = ("the masks were computed at another target than this config's "
+                              "schedule asks (train.prune changed on resume); the next "
+                              "training step recomputes them")
+        return out
 
     def _structured_update(self, value, params, step):
         flat = {"/".join(k): v for k, v in traverse.flatten_dict(params).items()}
@@ -739,7 +782,7 @@ class PruneCarry(Carry):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
             return group_masks(self.p, flat, self.layout, groups, s, self.cfg.seed)
 
-        prune_now = updates_due(self.p, value["last"], step, self.cfg.train.steps)
+        prune_now = self._due(value, step)
         groups = jax.lax.cond(prune_now, recompute, lambda g: g, value["groups"])
         masks = expand_groups(groups, self.layout, {k: w.shape for k, w in flat.items()})
         return apply_masks(params, masks), {
