@@ -62,7 +62,8 @@ flags.DEFINE_integer("init_timeout", _env_int("HPNLP_INIT_TIMEOUT", 300),
                      "Seconds each process of a multi-host run waits for every process to "
                      "join at --coordinator before it gives up.")
 flags.DEFINE_string("profile", None, "Write a jax.profiler trace of a few steps to this folder "
-                    "(open it in TensorBoard's profile tab or Perfetto).")
+                    "(open it in TensorBoard's profile tab or Perfetto); a run of several "
+                    "processes writes each one's in its subfolder process_I.")
 flags.mark_flags_as_required(["workdir"])  # --config: in _parse_flags, which says what it takes
 
 
@@ -241,7 +242,7 @@ def join_processes(cfg, flags: dict | None = None) -> None:
 
     import jax
 
-    from hpnlp.config import Config, ConfigError, from_configdict, validate
+    from hpnlp.config import Config, ConfigError, from_configdict, validate, with_absolute_paths
     n, i = FLAGS.num_processes, FLAGS.process_id
     where, limit = FLAGS.coordinator, FLAGS.init_timeout
     if not os.path.exists(FLAGS.workdir):  # this run makes it (`_remove_unused_workdir`)
@@ -275,15 +276,17 @@ def join_processes(cfg, flags: dict | None = None) -> None:
     # thread: its "Failed to start RPC server" was a segfault there.)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    threading.Thread(target=_stop_on_ctrl_c, daemon=True, args=(
-        wake_r, f"hpnlp: interrupted: process {i} of {n} stopped waiting for every process "
-        f"to join at {where}")).start()
+    threading.Thread(target=_stop_on_signal, daemon=True, args=(
+        wake_r, f"process {i} of {n} stopped waiting for every process to join at {where}",
+        f"process {i} of {n} stopped (SIGTERM) waiting for every process to join at "
+        f"{where}")).start()
     on_main = threading.current_thread() is threading.main_thread()  # (else Python refuses)
     before = signal.set_wakeup_fd(wake_w) if on_main else None
     try:
         jax.distributed.initialize(where, n, i, initialization_timeout=limit)
         with lock:
             joined.append(True)
+            _joined.append(True)
     finally:
         timer.cancel()
         if on_main:
@@ -292,8 +295,10 @@ def join_processes(cfg, flags: dict | None = None) -> None:
     # the run's shape and folder too (a bug hunt: another --num_processes failed in numpy in
     # one process and hung the other; another --workdir hung both at the first checkpoint)
     same = {"--num_processes": n, "--workdir": os.path.abspath(FLAGS.workdir), **(flags or {})}
-    try:
-        same_config_everywhere(checked, n, i, same)
+    try:  # data paths absolute, as config.json holds them (a bug hunt, session 99: one
+        # relative data.train_path named another file in each process's directory, and the
+        # run trained on both silently)
+        same_config_everywhere(with_absolute_paths(checked), n, i, same)
     except ConfigError as e:  # every process stops here, and leaves the service together
         exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
     client = _jax_distributed().global_state.client
@@ -324,16 +329,20 @@ def _can_listen(where: str) -> bool:
     return True
 
 
-def _stop_on_ctrl_c(wake_r: int, message: str) -> None:
+def _stop_on_signal(wake_r: int, message: str, on_term: str) -> None:
     """`join_processes`'s thread: exit 130 with `message` where the signal handler wrote
-    SIGINT's number to the pipe `wake_r`; its end (closed) ends the thread."""
+    SIGINT's number to the pipe `wake_r`, 143 with `on_term` for SIGTERM's (a bug hunt,
+    session 99: SIGTERM's handler raises in the main thread, blocked in C++, so it was taken
+    only when --init_timeout ran out); the pipe's end (closed) ends the thread."""
     try:
         while True:
             got = os.read(wake_r, 1)
             if not got:
                 return
             if got[0] == signal.SIGINT:
-                exit_interrupted(message)
+                exit_interrupted(f"hpnlp: interrupted: {message}")
+            if got[0] == signal.SIGTERM:
+                exit_interrupted(f"hpnlp: {on_term}", 143)
     finally:
         os.close(wake_r)
 
@@ -347,6 +356,10 @@ def _jax_distributed():
 # that failed after joining (to its id: `tell_the_others`), or by the process itself as it
 # ends ("end")
 _STOP = "hpnlp/stop/{}"
+# jax.distributed.initialize returned: this process is connected. Before it, process 0's
+# client exists unconnected, and a key set through it aborted the process in C++ ("wrong
+# service incarnation", a bug hunt, session 99: Ctrl-C or --init_timeout while waiting)
+_joined: list[bool] = []
 _leaving: list[bool] = []  # this process is ending: its own line says why, if it fails
 
 
@@ -392,7 +405,7 @@ def stop_if_another_failed() -> None:
     """Where another process of the run failed first (it set this one's key), stop with it in
     its line: this process's own error (a collective that lost it) would be a traceback that
     hides why (CI, session 98: 1 run in 3, before `_watch_the_others` had said it)."""
-    if not FLAGS.coordinator or "jax._src.distributed" not in sys.modules:
+    if not FLAGS.coordinator or not _joined:
         return
     client = _jax_distributed().global_state.client
     try:
@@ -436,8 +449,8 @@ def tell_the_others() -> bool:
     """This process of a multi-process run is failing after the join: the others stop with
     it (`_watch_the_others`) instead of waiting in a collective for it. False where it has
     joined no other process."""
-    if not FLAGS.coordinator or "jax._src.distributed" not in sys.modules:
-        return False  # (a Ctrl-C in the imports: nothing joined)
+    if not FLAGS.coordinator or not _joined:
+        return False  # (a Ctrl-C in the imports or while joining: nothing joined)
     client = _jax_distributed().global_state.client
     if client is None:
         return False
@@ -453,6 +466,31 @@ def tell_the_others() -> bool:
         except Exception:  # noqa: BLE001 (another process said it first)
             pass
     return True
+
+
+# gloo's words for a peer whose process ended (killed, out of memory) mid-collective
+_LOST = re.compile(r"\bGloo [\w -]+ failed: .*(Connection (reset|closed) by peer|Broken pipe)")
+
+
+def lost_a_process(e: BaseException) -> bool:
+    """Whether `e` is a collective's failure where another process of a multi-process run
+    is gone. A bug hunt (session 99): a peer killed mid-training left a traceback ending in
+    gloo's error, then a wait in the shutdown's barrier and a C++ abort ~70 s later."""
+    import jax
+    return (bool(FLAGS.coordinator) and isinstance(e, jax.errors.JaxRuntimeError)
+            and bool(_LOST.search(str(e))))
+
+
+def exit_lost_process() -> None:
+    """Say that this process lost another mid-collective, and exit 1 at once: the shutdown's
+    barrier would wait for the lost one, then abort in C++."""
+    if not _ending.acquire(blocking=False):  # the watcher is stopping this process with a
+        threading.Event().wait(60)            # peer that failed first (its leaving broke the
+        # collective; its shutdown took the client, so `tell_the_others` does not wait): it exits
+    n, i = FLAGS.num_processes, FLAGS.process_id
+    who = f"process {1 - i}" if n == 2 else "another process"
+    exit_interrupted(f"hpnlp: error: process {i} of {n}: lost {who} (killed?) in a collective; "
+                     "rerun the same command to resume from its last checkpoint", 1)
 
 
 def exit_failed(message: str) -> None:
@@ -478,6 +516,7 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
     from jax.experimental import multihost_utils
 
     from hpnlp.config import ConfigError, to_json
+    from hpnlp.config.fields import DATA_PATH_FIELDS
     mine = {**traverse_util.flatten_dict(to_json(cfg), sep="."), **flags}
     mine = json.dumps(mine, sort_keys=True).encode()
     mine = np.frombuffer(mine, np.uint8)
@@ -501,10 +540,13 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
                   for k in keys]
     if diffs:
         shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        paths = any(d.startswith(tuple(f"data.{f}:" for f in DATA_PATH_FIELDS)) for d in diffs)
         raise ConfigError(
             f"process {i} of {n}: the processes were started with different configs ({shown}); "
             "start every process with the same --config, --config.* overrides and other flags "
-            "(--process_id aside; --workdir: the same path, on storage every host sees)")
+            "(--process_id aside; --workdir: the same path, on storage every host sees"
+            + ("; data paths: one absolute path, as a relative one is read from each "
+               "process's own directory" if paths else "") + ")")
 
 
 def _orbax_errors_in_one_line(record) -> bool:
@@ -540,6 +582,10 @@ def main(argv) -> None:
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
         join_processes(cfg)
+        if FLAGS.profile and jax.process_count() > 1:  # the folder of this process's trace
+            # (hpnlp.train.loop: one per process), checked as --profile is before the join
+            check_writable_dir(os.path.join(FLAGS.profile, f"process_{jax.process_index()}"),
+                               "--profile")
         if FLAGS.coordinator:  # Ctrl-C while the run is built stops every process with it
             from hpnlp.train.stop import ctrl_c_as_preemption
             ctrl_c_as_preemption()
@@ -553,8 +599,10 @@ def main(argv) -> None:
         exit_interrupted(f"hpnlp: {e}", e.exit_code, e.saved)
     except KeyboardInterrupt as e:  # before the first step or after the last (SIGTERM's too)
         exit_interrupted(f"hpnlp: {str(e) or 'interrupted'}", getattr(e, "exit_code", 130))
-    except Exception:  # a traceback: the other processes of the run stop with this one
+    except Exception as e:  # a traceback: the other processes of the run stop with this one
         stop_if_another_failed()
+        if lost_a_process(e):
+            exit_lost_process()
         tell_the_others()
         raise
     if jax.process_index() == 0:

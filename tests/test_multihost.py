@@ -276,24 +276,39 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
         assert (f"different configs (--workdir: process 0 '{tmp_path / 'dir'}', process 1 "
                 f"'{tmp_path / 'other'}')") in log, log[-2000:]
     assert not os.path.exists(tmp_path / "count") and not os.path.exists(tmp_path / "other")
+    # A bug hunt (session 99): one relative data.train_path, read from each process's own
+    # directory, named another file in each, and the run trained on both silently
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for h, words in zip(hosts, ["the of and to", "in a is it"]):
+        os.makedirs(h)
+        with open(h / "corpus.txt", "w") as f:
+            f.write("\n\n".join(" ".join([words] * 40) for _ in range(50)))
+    logs = finish(launch(tmp_path / "rel", processes=2, cwds=hosts,
+                         extra=["--config.data.train_path=corpus.txt"]), expect=1)
+    for log in logs:
+        assert (f"different configs (data.train_path: process 0 '{hosts[0] / 'corpus.txt'}', "
+                f"process 1 '{hosts[1] / 'corpus.txt'}')") in log, log[-2000:]
+        assert log.splitlines()[-1].endswith(
+            "data paths: one absolute path, as a relative one is read from each process's own "
+            "directory)"), log[-2000:]
+    assert not os.path.exists(tmp_path / "rel")
 
 
 def test_a_failure_in_one_process_stops_the_others_at_once(tmp_path, launch):
     """A bug hunt (session 97): a data file missing on one host failed that process after the
     join, and the other waited in a collective for it; both aborted in C++ after 5 minutes.
-    Now the other stops with it in one line, leaving no workdir behind."""
-    os.makedirs(tmp_path / "host0")
-    os.makedirs(tmp_path / "host1")
-    with open(tmp_path / "host0" / "corpus.txt", "w") as f:
-        f.write("\n\n".join(" ".join(["the of and to in a is"] * 20) for _ in range(50)))
+    Now the other stops with it in one line, leaving no workdir behind. (A relative data path
+    that names another file in each process is refused at the join since session 99: here
+    process 1 fails after it on its own --profile folder, `process_1` a file.)"""
+    profile = tmp_path / "profile"
+    os.makedirs(profile)
+    open(profile / "process_1", "w").close()
     t0 = time.time()
-    logs = finish(launch(tmp_path / "run", processes=2,
-                         extra=["--config.data.train_path=corpus.txt"],
-                         cwds=[tmp_path / "host0", tmp_path / "host1"]), expect=1)
+    logs = finish(launch(tmp_path / "run", processes=2, extra=["--profile", str(profile)]),
+                  expect=1)
     assert time.time() - t0 < 90, logs
-    assert logs[1].splitlines()[-1] == (  # named absolute (session 98: as config.json holds it)
-        f"hpnlp: error: {tmp_path / 'host1' / 'corpus.txt'}: no such file; data.train_path must "
-        "name a UTF-8 plain-text file"), logs
+    assert logs[1].splitlines()[-1] == (f"hpnlp: error: --profile {profile / 'process_1'} is a "
+                                        "file, not a folder; give a folder"), logs
     assert logs[0].splitlines()[-1] == ("hpnlp: error: process 0 of 2: process 1 failed (its "
                                         "own log says why); this one stops with it"), logs
     assert not os.path.exists(tmp_path / "run")
@@ -314,18 +329,48 @@ def test_ctrl_c_or_a_busy_port_while_joining_ends_in_one_line(tmp_path, launch):
     where = f"127.0.0.1:{_free_port()}"
     run = launch(tmp_path / "wait", extra=["--coordinator", where, "--num_processes", "2",
                                            "--process_id", "1", "--init_timeout", "60"])
-    (proc, _), = run[0]
-    while "joining the run" not in open(f"{tmp_path / 'wait'}.p0.log").read():
-        assert proc.poll() is None and time.time() < run[1]
-        time.sleep(0.1)
-    time.sleep(0.5)
+    _wait_for_joining(run, f"{tmp_path / 'wait'}.p0.log")
     t0 = time.time()
-    proc.send_signal(signal.SIGINT)
+    run[0][0][0].send_signal(signal.SIGINT)
     (log,) = finish(run, expect=130)
     assert time.time() - t0 < 30  # not the 60 s of --init_timeout
     assert log.splitlines()[-1] == (f"hpnlp: interrupted: process 1 of 2 stopped waiting for "
                                     f"every process to join at {where}"), log
     assert not os.path.exists(tmp_path / "busy") and not os.path.exists(tmp_path / "wait")
+
+
+def _wait_for_joining(run, log_name: str) -> None:
+    (proc, _), = run[0]
+    while "joining the run" not in open(log_name).read():
+        assert proc.poll() is None and time.time() < run[1]
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+
+def test_process_0_alone_or_sigterm_while_joining_ends_in_one_line(tmp_path, launch):
+    """A bug hunt (session 99): process 0 that stopped waiting (--init_timeout, Ctrl-C)
+    aborted in C++ ("wrong service incarnation", 38 lines, exit 134) as it told the others
+    through its unconnected client; SIGTERM while waiting was taken only when --init_timeout
+    ran out."""
+    import signal
+    alone, term = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    run_alone = launch(tmp_path / "alone", extra=[
+        "--coordinator", alone, "--num_processes", "2", "--init_timeout", "3"])
+    run_term = launch(tmp_path / "term", extra=[
+        "--coordinator", term, "--num_processes", "2", "--init_timeout", "60"])
+    _wait_for_joining(run_term, f"{tmp_path / 'term'}.p0.log")
+    t0 = time.time()
+    run_term[0][0][0].send_signal(signal.SIGTERM)
+    (log,) = finish(run_term, expect=143)
+    assert time.time() - t0 < 30  # not the 60 s of --init_timeout
+    assert log.splitlines()[-1] == (f"hpnlp: process 0 of 2 stopped (SIGTERM) waiting for "
+                                    f"every process to join at {term}"), log
+    (log,) = finish(run_alone, expect=1)
+    assert log.splitlines()[-1] == (
+        f"hpnlp: error: process 0 of 2: not every process joined at {alone} within 3 s; start "
+        f"processes 0 to 1 with the same --coordinator and --num_processes (process 0 on the "
+        f"host of {alone}), or raise --init_timeout"), log
+    assert not os.path.exists(tmp_path / "alone") and not os.path.exists(tmp_path / "term")
 
 
 def _stop_when_training(run, workdir, after_step: int, process: int, sig) -> list[int]:
@@ -389,3 +434,29 @@ def test_ctrl_c_after_the_last_step_is_said(tmp_path, launch):
     assert ("hpnlp: Ctrl-C after the last step: the run finishes (Ctrl-C again stops this "
             "process at once)") in logs[1], logs[1][-2000:]
     assert summary(work)["final_step"] == 6
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_training_is_said_and_each_keeps_its_trace(tmp_path, launch):
+    """A bug hunt (session 99): a process killed mid-training (SIGKILL, out of memory) left
+    the other a traceback of gloo's "Connection reset by peer", then a wait in the shutdown's
+    barrier and a C++ abort ~70 s later; it now says so in one line and exits at once. And
+    --profile DIR of processes on one host kept one trace (both wrote HOST.xplane.pb in one
+    folder): DIR/process_I each."""
+    import glob
+    import signal
+    work, profile = tmp_path / "run", tmp_path / "profile"
+    run = launch(work, processes=2, extra=["--config.train.steps=100000",
+                                           "--config.train.checkpoint_every=0",
+                                           "--profile", str(profile)])
+    codes = _stop_when_training(run, work, 10, 1, signal.SIGKILL)  # traced steps 3-8 first
+    log = open(f"{work}.p0.log").read()
+    assert codes == [1, -signal.SIGKILL], log[-3000:]
+    assert log.splitlines()[-1] == (
+        "hpnlp: error: process 0 of 2: lost process 1 (killed?) in a collective; rerun the "
+        "same command to resume from its last checkpoint"), log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert sorted(os.listdir(profile)) == ["process_0", "process_1"]
+    for i in range(2):
+        assert glob.glob(str(profile / f"process_{i}" / "plugins" / "profile" / "*" /
+                             "*.xplane.pb")), i

@@ -721,7 +721,11 @@ class Trainer:
                         break
                     batch = next(self.train_iter)
                     if profile_dir and step == start + 3:
-                        jax.profiler.start_trace(profile_dir)
+                        # a folder per process: the processes of one host wrote one file
+                        # (HOST.xplane.pb), one trace over the other (a bug hunt, session 99)
+                        jax.profiler.start_trace(
+                            os.path.join(profile_dir, f"process_{jax.process_index()}")
+                            if jax.process_count() > 1 else profile_dir)
                         profiling = True
                     shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
                     compiles = timing["t0"] is not None and shapes not in timing["shapes"]
