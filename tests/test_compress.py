@@ -166,6 +166,50 @@ def test_zero_ranges_nan_and_bfloat16_found_in_review():
         assert float(calib(first, second)["Product_0"]["x"]) == 5.0
 
 
+def test_non_finite_values_decode_to_nan_and_fake_quant_is_quantize_dequantize():
+    """A bug hunt (session 99). A NaN or an inf in the values one scale covers decodes them
+    all to NaN in every format, as in float (a NaN had scale 0 and codes 0: silently 0, and
+    an int8 KV cache's attention finite where the float cache's is NaN; an inf zeroed a
+    ternary row), also at [141, 70], where XLA:CPU's max drops a NaN. fake_quant's forward
+    is quantize_dequantize exactly, in float32 too (x + sg(x_hat - x) gave a binary column
+    three magnitudes), with the gradient still the identity."""
+    from hpnlp.attention.cache_cpu import cached_attention, quantize_kv
+    bad = np.ones((141, 70), np.float32)
+    bad[1, 5], bad[3, 0], bad[5, 69] = np.nan, np.inf, -np.inf  # rows 1, 3, 5 turn NaN
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 6)), jnp.float32)
+    rng = 0.5 * formats.absmax(w, (0,))  # a calibrated range that clips
+    kv = jnp.asarray(RNG.standard_normal((2, 1, 4, 1, 3)), jnp.float32)  # k, v [1, 4, 1, 3]
+    kv = kv.at[0, 0, 1, 0, 0].set(np.nan)  # a NaN in key position 1
+    q = jnp.ones((1, 1, 2, 3), jnp.float32)
+    cot = jnp.arange(6.0)[None]
+
+    @jax.jit
+    def run(bad, w, kv):
+        qdq = {f: formats.quantize_dequantize(bad, f, (1,)) for f in formats.FORMATS}
+        fq = {f"{f} {jnp.dtype(dt).name} range={r is not None}": (
+            formats.fake_quant(w.astype(dt), f, (0,), rng=r),
+            formats.quantize_dequantize(w.astype(dt), f, (0,), rng=r))
+            for f in formats.FORMATS for dt in (jnp.float32, jnp.bfloat16) for r in (None, rng)}
+        grad = {f: jax.grad(lambda v: jnp.sum(formats.fake_quant(v, f, (0,)) * cot))(w)
+                for f in formats.FORMATS}
+        (ck, sk), (cv, sv) = quantize_kv(kv[0]), quantize_kv(kv[1])
+        att = [cached_attention(q, ck, cv, 3, scales=(sk, sv), impl=i) for i in ("auto", "xla")]
+        return qdq, fq, grad, (ck[0, 1, 0], sk[0, 1, 0]), att
+
+    qdq, fq, grad, (codes, scale), att = run(bad, w, kv)
+    nan_rows = np.isin(np.arange(141), [1, 3, 5])[:, None]
+    for fmt, y in qdq.items():
+        np.testing.assert_array_equal(np.isnan(y), np.broadcast_to(nan_rows, y.shape), fmt)
+    for key, (a, b) in fq.items():
+        np.testing.assert_array_equal(a, b, err_msg=key)
+        assert a.dtype == b.dtype, key
+    for fmt, g in grad.items():
+        np.testing.assert_array_equal(g, np.broadcast_to(cot, g.shape), fmt)
+    assert np.isnan(scale) and (np.asarray(codes) == 0).all()
+    for y in att:
+        assert np.isnan(y).all()
+
+
 def test_spec_order_rule():
     assert parse_spec("ble,ekhd->blkhd") == ((-1,), (0,))
     assert parse_spec("blhd,hde->ble") == ((-2, -1), (0, 1))

@@ -247,6 +247,27 @@ def test_int8_linear_rows_with_nan_or_inf_are_nan():
                                           * np.ones((1, N)))
 
 
+# GELU's tails: past the kernel's exponent clip (y < -10.4) -0 as in the twin, -inf NaN as
+# in the twin, inf and +1e30 themselves, NaN NaN; 72 columns: whole vectors and a tail
+GELU_TAILS = np.tile(np.float32([-11.0, -1e3, -1e20, -1e36, -np.inf, np.inf, np.nan, 1e30]), 9)
+
+
+@needs_kernel
+def test_int8_linear_gelu_tails_equal_the_twin():
+    """A bug hunt (session 99): where the kernel's GELU clipped its exponent at 80 it gave
+    y / (1 + e^80), not -0: -18 at y = -1e36 and -inf at -inf, where the twin gives -0 and
+    NaN. The same check runs on the AVX2 and portable builds (PORTABLE)."""
+    w = qk.prepare_int8_weight(np.ones((3, GELU_TAILS.size), np.int8))
+    x = jnp.zeros((2, 3), jnp.float32)  # y = the bias
+    ys = jax.jit(lambda x, b: [qk.int8_linear(x, w, bias=b, activation="gelu", impl="xla")] + [
+        qk.int8_linear(x, w, bias=b, activation="gelu", impl="kernel", threads=t)
+        for t in (1, 2)])(x, jnp.asarray(GELU_TAILS))
+    want = np.where(GELU_TAILS == -np.inf, np.nan, np.where(GELU_TAILS < -10, -0.0, GELU_TAILS))
+    for y in ys:
+        np.testing.assert_array_equal(y, np.broadcast_to(want, y.shape))
+        assert np.signbit(y)[:, GELU_TAILS < -10].all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("xbit,wbit", [(1, 1), (0, 0), (1, 0), (0, 1)])
 def test_binary_all_ones_and_minus_ones(xbit, wbit):
@@ -584,6 +605,11 @@ xn[0, 3], xn[1, 69], xn[2, 5], xn[3, 1] = np.nan, np.nan, -np.inf, np.inf
 a = np.asarray(qk.int8_linear(jnp.asarray(xn), qk.prepare_int8_weight(np.ones((70, 3), np.int8)),
                               impl="kernel"))
 assert np.isnan(a[:4]).all() and (a[4] == 70).all(), a
+tails = np.tile(np.float32([-11.0, -1e3, -1e20, -1e36, -np.inf, np.inf, np.nan, 1e30]), 9)
+a, b = (np.asarray(qk.int8_linear(jnp.zeros((2, 3), jnp.float32), qk.prepare_int8_weight(
+    np.ones((3, 72), np.int8)), bias=jnp.asarray(tails), activation="gelu", impl=i))
+    for i in ("kernel", "xla"))
+assert np.array_equal(a, b, equal_nan=True), (a, b)  # GELU's tails: -0, NaN at -inf
 print(int8, "ok")
 """
 

@@ -24,6 +24,11 @@ Formats (b bits, s the scale, c the integer code):
                 [0, 2^(b-1) - 2], values below half the smallest level are 0; the code
                 is sign * (k + 1), 0 for zero, so 4 bits hold 7 exponents and zero.
 
+A NaN or an infinity in the values one scale covers (or a non-finite `rng`) makes that
+scale non-finite and every value it decodes NaN, in every format (int8, int4, fp8, pow2: the
+range's scale, NaN or inf, with codes 0; binary, ternary: scale NaN), as a float model would
+show it and as the kernels' `quantize_rows_int8` does.
+
 The straight-through estimator (Bengio et al. 2013): `fake_quant`'s gradient is the
 identity where |x| <= range and zero outside (the clipped values do not move the loss).
 Scales are constants to the gradient.
@@ -43,6 +48,19 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # scale 1 kept an all-zero channel's codes 0, but let a calibrated range of 0 pass values
 # through as whole numbers (int8 up to 127) and decoded binary's +-1 codes to -1s.
 TINY = 1e-30
+
+
+def _nonzero(r):
+    """Where a range quantizes to nonzero codes: r > TINY, and a NaN range (a bug hunt
+    (session 99): `r > TINY` was False for NaN, so a NaN became scale 0 and codes 0, the
+    values silently 0, and an int8 KV cache's attention finite where the float one is NaN)."""
+    return ~(r <= TINY)
+
+
+def _codes_or_zero(ok, scale, codes):
+    """The codes where the scale is finite and nonzero; 0 elsewhere (so a NaN or inf scale
+    decodes to NaN: 0 * inf is NaN)."""
+    return jnp.where(ok & jnp.isfinite(scale), codes, 0)
 
 
 def _canon(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -82,9 +100,13 @@ class Format(abc.ABC):
         scale keeps dims. Codes are int8 (fp8: float8_e4m3fn)."""
         axes = _canon(axes, x.ndim)
         xg, red = _grouped(x.astype(jnp.float32), axes, group)
-        r = jnp.max(jnp.abs(xg), axis=red, keepdims=True) if rng is None else \
-            jnp.asarray(rng, jnp.float32)
-        return self._codes(xg, red, jnp.maximum(r, 0.0))
+        if rng is None:
+            r = jnp.max(jnp.abs(xg), axis=red, keepdims=True)
+            # XLA:CPU's max can drop a NaN (a [141, 70] input; kernels.quantize_rows_int8)
+            r = jnp.where(jnp.isnan(xg).any(axis=red, keepdims=True), jnp.nan, r)
+        else:
+            r = jnp.asarray(rng, jnp.float32)
+        return self._codes(xg, red, jnp.maximum(r, 0.0))  # maximum keeps a NaN
 
     def decode(self, codes, scale):
         return codes.astype(jnp.float32) * scale
@@ -102,26 +124,28 @@ class Uniform(Format):
         return 2 ** (self.bits - 1) - 1
 
     def _codes(self, x, red, r):
-        ok = r > TINY  # a range of 0 quantizes everything to 0 (scale 0), not x / 1
+        ok = _nonzero(r)  # a range of 0 quantizes everything to 0 (scale 0), not x / 1
         scale = jnp.where(ok, r / self.qmax, 0.0)
         codes = jnp.clip(jnp.round(x / jnp.where(ok, scale, 1.0)), -self.qmax, self.qmax)
-        return jnp.where(ok, codes, 0).astype(jnp.int8), scale
+        return _codes_or_zero(ok, scale, codes).astype(jnp.int8), scale
 
 
 class Fp8(Format):
     def _codes(self, x, red, r):
-        ok = r > TINY
+        ok = _nonzero(r)
         scale = jnp.where(ok, r / FP8_MAX, 0.0)
         codes = jnp.clip(x / jnp.where(ok, scale, 1.0), -FP8_MAX, FP8_MAX)
-        return jnp.where(ok, codes, 0.0).astype(jnp.float8_e4m3fn), scale
+        return _codes_or_zero(ok, scale, codes).astype(jnp.float8_e4m3fn), scale
 
 
 class Binary(Format):
     def _codes(self, x, red, r):
         del r
         mean = jnp.mean(jnp.abs(x), axis=red, keepdims=True)
-        # scale 0 for an all-zero group: its codes are +-1, so a scale of 1 decoded it to -1s
-        return jnp.where(x > 0, 1, -1).astype(jnp.int8), jnp.where(mean > TINY, mean, 0.0)
+        # scale 0 for an all-zero group: its codes are +-1, so a scale of 1 decoded it to -1s;
+        # NaN for a NaN or an inf (+-inf would decode an inf as +-inf, the rest too)
+        scale = jnp.where(jnp.isfinite(mean), jnp.where(mean > TINY, mean, 0.0), jnp.nan)
+        return jnp.where(x > 0, 1, -1).astype(jnp.int8), scale
 
 
 class Ternary(Format):
@@ -129,12 +153,14 @@ class Ternary(Format):
 
     def _codes(self, x, red, r):
         del r
-        t = self.THRESHOLD * jnp.mean(jnp.abs(x), axis=red, keepdims=True)
-        keep = jnp.abs(x) > t
+        mean = jnp.mean(jnp.abs(x), axis=red, keepdims=True)
+        keep = jnp.abs(x) > self.THRESHOLD * mean
         n = jnp.sum(keep, axis=red, keepdims=True)
         s = jnp.sum(jnp.where(keep, jnp.abs(x), 0.0), axis=red, keepdims=True) / jnp.maximum(n, 1)
         codes = (jnp.sign(x) * keep).astype(jnp.int8)
-        return codes, jnp.where(s > TINY, s, 1.0)
+        # scale NaN for a NaN or an inf: it had scale 1 and, its threshold NaN or inf
+        # keeping nothing, codes 0 (an inf zeroed its whole group)
+        return codes, jnp.where(jnp.isfinite(mean), jnp.where(s > TINY, s, 1.0), jnp.nan)
 
 
 class Pow2(Format):
@@ -143,13 +169,13 @@ class Pow2(Format):
         return 2 ** (self.bits - 1) - 2
 
     def _codes(self, x, red, r):
-        ok = r > TINY
+        ok = _nonzero(r)
         scale = jnp.where(ok, r, 0.0)
         u = jnp.abs(x) / jnp.where(ok, r, 1.0)
         k = jnp.clip(jnp.round(-jnp.log2(jnp.maximum(u, 1e-30))), 0, self.kmax)
-        zero = (u < 2.0 ** (-self.kmax - 0.5)) | ~ok  # nearer 0 than the smallest level
-        codes = jnp.where(zero, 0, jnp.sign(x) * (k + 1)).astype(jnp.int8)
-        return codes, scale
+        zero = u < 2.0 ** (-self.kmax - 0.5)  # nearer 0 than the smallest level
+        codes = jnp.where(zero, 0, jnp.sign(x) * (k + 1))
+        return _codes_or_zero(ok, scale, codes).astype(jnp.int8), scale
 
     def decode(self, codes, scale):
         c = codes.astype(jnp.float32)
@@ -182,14 +208,15 @@ def fake_quant(x, fmt: str, axes: Sequence[int], *, group: int = 0, rng=None):
     passes unchanged where |x| <= the range (absmax over `axes` when `rng` is None, so
     everywhere) and is zero where x was clipped."""
     x_hat = jax.lax.stop_gradient(quantize_dequantize(x, fmt, axes, group=group, rng=rng))
-    # x + sg(x_hat - x) is x_hat forward and x's gradient; summed in float32, as bfloat16
-    # rounded it off x_hat (a binary weight took three magnitudes instead of one)
+    # x_hat + (x - sg(x)) is x_hat forward, exactly (x - x is 0), and x's gradient (a bug
+    # hunt (session 99): x + sg(x_hat - x) rounds off x_hat where x and x_hat are more than
+    # a factor 2 apart, in float32 too: a binary weight took three magnitudes, not one)
     x32 = x.astype(jnp.float32)
-    ste = (x32 + jax.lax.stop_gradient(x_hat.astype(jnp.float32) - x32)).astype(x.dtype)
+    ste = (x_hat.astype(jnp.float32) + (x32 - jax.lax.stop_gradient(x32))).astype(x.dtype)
     if rng is None or not get(fmt).uses_range:
         return ste
     xg, _ = _grouped(x32, _canon(axes, x.ndim), group)
     inside = (jnp.abs(xg) <= jax.lax.stop_gradient(jnp.asarray(rng, jnp.float32))).reshape(x.shape)
-    # NaN is never inside a range: it passes through as it does without one (its code
-    # would be 0, hiding what the float model shows)
+    # NaN is never inside a range: it stays NaN (its code would be 0, hiding what the float
+    # model shows), as without a range (there its whole group is NaN)
     return jnp.where(inside | jnp.isnan(x), ste, x_hat)

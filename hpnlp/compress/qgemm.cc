@@ -535,7 +535,9 @@ struct I8Gemm {
 
 // GELU in its tanh form, flax's nn.gelu: y * (1 + tanh(c (y + 0.044715 y^3))) / 2, written
 // y / (1 + exp(-2 c (y + 0.044715 y^3))) (the same function: one exp and one division). The
-// exponent is clipped at 80, where the quotient is already -0 to float precision. With
+// exponent is clipped at 80 (y below about -10), and there the result is y * 0: -0, and NaN
+// for y = -inf, what the twin's y (1 + tanh) / 2 gives where tanh is -1 (a bug hunt (session
+// 99): the clipped quotient y / (1 + e^80) is not -0 but y * 1.8e-35, -18 at y = -1e36). With
 // AVX-512 the division is the reciprocal estimate (relative error 2^-14) refined by one
 // Newton step (then within a few ulp) and the exp is `vexp0`: a 16-lane vdivps issues once
 // every 16 cycles or so on Intel cores, and with it and `vexp` the epilogue took 1.5 ms
@@ -547,16 +549,16 @@ inline vf gelu_tanh(vf y) {
 #if defined(__AVX512F__)
   const vf d = 1.0f + vexp0(u < 80.0f ? u : splat(80.0f));
   const vf r = reinterpret_cast<vf>(_mm512_rcp14_ps(reinterpret_cast<__m512>(d)));
-  return y * (r * (2.0f - d * r));
+  return u > 80.0f ? y * 0.0f : y * (r * (2.0f - d * r));
 #else
-  return y / (1.0f + vexp(u < 80.0f ? u : splat(80.0f)));
+  return u > 80.0f ? y * 0.0f : y / (1.0f + vexp(u < 80.0f ? u : splat(80.0f)));
 #endif
 }
 // The same on one AVX2 register (without AVX-512 a 16-float vf is lowered lane by lane).
 inline v8f gelu_tanh8(v8f y) {
   const v8f u = -y * (GELU_2C + GELU_2C3 * y * y);
   const v8f cap = v8f{} + 80.0f;
-  return y / (1.0f + vexp_t<v8f, v8i>(u < cap ? u : cap));
+  return u > cap ? y * 0.0f : y / (1.0f + vexp_t<v8f, v8i>(u < cap ? u : cap));
 }
 // The epilogue's vectors: whole registers on every build. With AVX-512 one 16-float vf; else
 // 8 floats, one ymm on AVX2 (two xmm on the portable build), since without AVX-512 GCC
@@ -605,7 +607,7 @@ inline void stream_fence(bool stream) {
 }
 inline float gelu_tanh(float y) {
   const float u = -y * (GELU_2C + GELU_2C3 * y * y);
-  return y / (1.0f + std::exp(std::min(u, 80.0f)));
+  return u > 80.0f ? y * 0.0f : y / (1.0f + std::exp(std::min(u, 80.0f)));
 }
 
 // int8_linear's epilogue for one row's whole panel, from its int32 sums t: (acc * x scale) *
