@@ -259,6 +259,45 @@ def test_task_fields_are_filled_in():
     ({"attention": {"name": "chunked", "options": {"block_q": 16, "block_k": 16}},
       "data": {"batching": "bucket", "seq_len": 64, "bucket_boundaries": (24, 64)}},
      "attention.options.block_q", "bucket width 24"),
+    # a bug hunt (session 99): each taken, and read by nothing under its switch
+    ({"train": {"prune": {"l1": 0.01}}}, "train.prune.l1",
+     "train.prune.method='none' prunes nothing, so nothing reads it"),
+    ({"train": {"prune": {"l1": -1.0}}}, "train.prune.l1", "set train.prune.method"),
+    ({"train": {"prune": {"schedule": "bogus"}}}, "train.prune.schedule",
+     "(--config.train.prune.schedule=oneshot)"),
+    ({"train": {"distill": {"alpha": 5.0}}}, "train.distill.alpha",
+     "train.distill.teacher='' distills from no teacher"),
+    ({"train": {"distill": {"hidden": 1.0}}}, "train.distill.hidden", "set train.distill.teacher"),
+    ({"data": {"bucket_boundaries": (32, 64)}}, "data.bucket_boundaries",
+     "data.batching='pad' does not bucket"),
+    ({"model": {"lowrank": {"layers": "bogus"}}}, "model.lowrank.layers", "factorizes nothing"),
+    ({"model": {"encoder": {"loss": "triplet"}}}, "model.encoder.loss",
+     "model.kind='lm' has no bi-encoder"),
+    ({"model": {"memory": {"key_dim": 32}}}, "model.memory.key_dim", "model.memory.size=0"),
+    ({"model": {"kind": "classifier", "memory": {"k": 4}}, "data": {"task": "listops"}},
+     "model.memory.k", "set model.memory.size"),
+    ({"model": {"pool": "first"}}, "model.pool", "it pools nothing"),
+    ({"model": {"num_classes": 5}}, "model.num_classes", "has no classes"),
+    ({"train": {"feature_redraw_every": 10}}, "train.feature_redraw_every",
+     "attention 'dense' draws none"),
+    ({"train": {"feature_redraw_every": 10}, "data": {"batching": "pad"},
+      "attention": {"name": "performer", "options": {"redraw": False}}},
+     "train.feature_redraw_every", "set attention.options.redraw=True"),
+    ({"model": {"kind": "bi_encoder", "encoder": {"bag": "sum"}}, "data": {"task": "verse_pairs"}},
+     "model.encoder.bag", "model.arch='transformer' pools by model.pool"),
+    ({"model": {"kind": "bi_encoder", "encoder": {"margin": 0.5}}, "data": {"task": "verse_pairs"}},
+     "model.encoder.margin", "set model.encoder.loss='triplet'"),
+    ({"model": {"kind": "bi_encoder", "encoder": {"loss": "triplet", "temperature": 0.1}},
+      "data": {"task": "verse_pairs"}}, "model.encoder.temperature", "loss='in_batch'"),
+    ({"model": {"kind": "bi_encoder", "encoder": {"mine_depth": 4}},
+      "data": {"task": "verse_pairs"}}, "model.encoder.mine_depth", "mine_every=0 mines none"),
+    ({"model": {"kind": "bi_encoder", "arch": "bag", "pool": "first"},
+      "data": {"task": "verse_pairs"}}, "model.pool", "pools by model.encoder.bag"),
+    # (session 99) int() of each in hpnlp.data.batching: a ValueError or a traceback naming
+    # no field, or 32.5 trained as 32 and True as 1
+    *[({"data": {"batching": "bucket", "bucket_boundaries": bad}}, "data.bucket_boundaries",
+       f"an integer in [1, data.seq_len=64] (not [{bad[0]!r}])")
+      for bad in (("a,b",), (None,), (32.5, 64), (True, 64), (0, 64))],
     ({"mesh": {"data": -1, "fsdp": -1}}, "mesh", "at most one axis"),
     ({"mesh": {"pipeline": 0}}, "mesh.pipeline", "positive axis size"),
     ({"mesh": {"rules": {"embed": "model"}}}, "mesh.rules.embed", "'model' is not a mesh axis"),
@@ -336,6 +375,25 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     if hint:
         assert hint in msg, msg
     assert time.perf_counter() - t0 < 5.0  # no data set built, nothing compiled
+
+
+def test_fields_are_taken_where_their_switch_reads_them():
+    """The fields `validate` refuses as read by nothing (a bug hunt, session 99), each taken
+    under the switch that reads it."""
+    bi = {"kind": "bi_encoder"}
+    for groups in (
+            {"train": {"prune": {"method": "magnitude", "l1": 0.01, "schedule": "cubic"}}},
+            {"data": {"batching": "bucket", "bucket_boundaries": (32, 64)}},
+            {"model": {"lowrank": {"rank": 4, "layers": "mlp"}}},
+            {"model": {"kind": "classifier", "pool": "first", "num_classes": 12,
+                       "memory": {"size": 16, "key_dim": 32, "k": 4}},
+             "data": {"task": "listops"}},
+            {"model": {**bi, "encoder": {"loss": "triplet", "margin": 0.5, "mine_every": 5,
+                                         "mine_depth": 4}}, "data": {"task": "verse_pairs"}},
+            {"model": {**bi, "arch": "bag", "encoder": {"bag": "sum", "temperature": 0.1}},
+             "data": {"task": "verse_pairs"}},
+            {"train": {"feature_redraw_every": 10}, "attention": {"name": "performer"}}):
+        validate(base(**groups), num_devices=1)
 
 
 def test_rope_and_sinusoidal_train_past_max_len():

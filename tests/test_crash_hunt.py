@@ -188,6 +188,10 @@ def configs(draw) -> dict:
         model["moe"]["capacity_factor"] = 1.25
     if not experts:  # its other fields would be refused as ignored
         model["moe"] = {"num_experts": 0}
+    if method == "none":  # so would its other fields (session 99), and an LM's pooling
+        train["prune"] = {"method": "none"}
+    if kind == "lm":
+        model["pool"] = "mean"
     att_options = draw(ATTENTION_OPTIONS[attention])
     # options the drawn mode never reads are refused (session 92): dropped after the draw
     if attention == "strided" and att_options["mode"] == "strided":

@@ -9,11 +9,12 @@ import inspect
 import math
 from typing import Any, Mapping
 
-from hpnlp.config.compress_checks import _check_compress, _check_lowrank, _check_quant
+from hpnlp.config.compress_checks import (_check_compress, _check_lowrank, _check_quant,
+                                          _refuse_unread)
 from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_PREDICTIONS,
                                  MESH_AXES, MOE_ROUTERS, REMAT_NAMES, Config, ConfigError,
-                                 ModelConfig, MoEConfig, OutputConfig, TrainConfig, _check_choice,
-                                 _check_positive, _fail)
+                                 DataConfig, ModelConfig, MoEConfig, OutputConfig, TrainConfig,
+                                 _check_choice, _check_positive, _fail)
 
 
 # What the model gives an output layer itself: not options (found in review: accepted, then
@@ -110,6 +111,10 @@ def _check_compressive(cfg: Config) -> None:
 def _check_encoder(cfg: Config) -> None:
     """`model.encoder` (the bi-encoder, hpnlp.models.bi_encoder)."""
     e, m = cfg.model.encoder, cfg.model
+    if m.kind != "bi_encoder":
+        _refuse_unread("model.encoder", e, f"model.kind={m.kind!r} has no bi-encoder (whose "
+                       "loss, bag and mined negatives these set)", "set model.kind='bi_encoder'")
+        return
     _check_choice("model.encoder.loss", e.loss, ENCODER_LOSSES)
     _check_choice("model.encoder.bag", e.bag, ("mean", "sum"))
     _check_positive("model.encoder.temperature", e.temperature)
@@ -121,9 +126,18 @@ def _check_encoder(cfg: Config) -> None:
     if e.mine_depth > 1024:
         _fail("model.encoder.mine_depth", e.mine_depth, "must be <= 1024 (the negative is drawn "
               "from this many nearest non-positives; deeper draws are nearly random)")
-    if e.mine_every and m.kind != "bi_encoder":
-        _fail("model.encoder.mine_every", e.mine_every, "hard negatives are mined for the "
-              "bi-encoder; set model.kind='bi_encoder' or model.encoder.mine_every=0")
+    if m.arch != "bag":  # models/bi_encoder.py reads each only where said
+        _refuse_unread("model.encoder", e, f"it pools a model.arch='bag' encoder, and "
+                       f"model.arch={m.arch!r} pools by model.pool", "set model.arch='bag'",
+                       names=("bag",))
+    other = "triplet" if e.loss == "in_batch" else "in_batch"
+    _refuse_unread("model.encoder", e, f"it is the {other} loss's, and model.encoder.loss="
+                   f"{e.loss!r} trains with the other", f"set model.encoder.loss={other!r}",
+                   names=("margin",) if e.loss == "in_batch" else ("temperature", "symmetric"))
+    if not e.mine_every:
+        _refuse_unread("model.encoder", e, "it sets the mining of hard negatives, and "
+                       "model.encoder.mine_every=0 mines none", "set model.encoder.mine_every",
+                       names=("mine_depth",))
 
 
 def _check_memory(cfg: Config) -> None:
@@ -132,6 +146,8 @@ def _check_memory(cfg: Config) -> None:
     if not isinstance(mm.size, int) or mm.size < 0:
         _fail("model.memory.size", mm.size, "must be an integer >= 0 (0: no memory)")
     if not mm.size:
+        _refuse_unread("model.memory", mm, "model.memory.size=0 has no key-value memory",
+                       "set model.memory.size (slots)", but=("size",))
         return
     if m.kind != "classifier":
         _fail("model.memory.size", mm.size, f"the key-value memory answers with a class label, for "
@@ -373,6 +389,25 @@ def _check_not_transformer(cfg: Config) -> None:
                   f"default ({default!r}), or use model.arch='transformer'")
 
 
+def _check_buckets(d: DataConfig) -> None:
+    """`data.seq_len`, `data.batching` and `data.bucket_boundaries`, before anything converts
+    the boundaries (a bug hunt, session 99: hpnlp.data.batching's int() of each trained 32.5
+    as 32 and True as 1, and failed on None or 'a,b' naming no field)."""
+    _check_positive("data.seq_len", d.seq_len)
+    _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
+    if d.batching != "bucket":
+        _refuse_unread("data", d, f"they are the widths bucketing pads rows to, and "
+                       f"data.batching={d.batching!r} does not bucket", "set "
+                       "data.batching='bucket'", names=("bucket_boundaries",))
+    bad = [b for b in d.bucket_boundaries
+           if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= d.seq_len]
+    if bad:
+        _fail("data.bucket_boundaries", d.bucket_boundaries, f"every boundary must be an "
+              f"integer in [1, data.seq_len={d.seq_len}] (not {bad}); give them as "
+              f"--config.data.bucket_boundaries={max(d.seq_len // 2, 1)},{d.seq_len}, or () for "
+              "the default")
+
+
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
              num_devices: int | None = None, num_processes: int = 1,
              devices: bool = True) -> Config:
@@ -409,6 +444,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
               f"{m.dims_per_head()} (odd); set model.head_dim (or model.width / model.num_heads) "
               "even, or use model.pos_emb='learned'")
     _check_choice("model.pool", m.pool, ("mean", "first"))
+    if m.kind == "lm":  # the user's model.num_classes: validate fills a classifier's below
+        _refuse_unread("model", m, "model.kind='lm' predicts the next token: it pools nothing "
+                       "and has no classes", "use model.kind='classifier' (or 'dual_encoder')",
+                       names=("pool", "num_classes"))
+    if m.arch == "bag":
+        _refuse_unread("model", m, "a bag of embeddings pools by model.encoder.bag", "pool it "
+                       "with model.encoder.bag ('mean' or 'sum')", names=("pool",))
     if m.causal not in (True, False):
         _fail("model.causal", m.causal, "must be true or false")
     if m.causal and m.kind != "classifier":
@@ -566,11 +608,22 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
               "layers are for model.kind='classifier' or 'dual_encoder'")
 
+    _check_buckets(d)  # before the attention's rules, which see each bucket width
+
     # Attention: registry name, options, and the variant's own shape rules.
     if cfg.attention.name not in attention.names():
         _fail("attention.name", cfg.attention.name, f"choose one of {attention.names()}")
     att_cls = attention.get(cfg.attention.name)
     check_options("attention.options", cfg.attention.options, att_cls)
+    fixed = att_cls.random_features and not cfg.attention.options.get("redraw", True)
+    if fixed or not att_cls.random_features:  # the `features` stream's only readers
+        drawers = [n for n in attention.names() if attention.get(n).random_features]
+        _refuse_unread("train", t, f"it redraws random features, and attention "
+                       f"{cfg.attention.name!r} " + ("keeps one fixed draw" if fixed else
+                                                     "draws none"),
+                       "set attention.options.redraw=True" if fixed else
+                       f"use an attention that draws them ({', '.join(drawers)})",
+                       names=("feature_redraw_every",))
     causal = m.kind == "lm" or m.causal
     if (cfg.attention.name == "chunked" and cfg.attention.options.get("impl") == "kernel"
             and m.arch == "transformer" and _backend() == "cpu"):
@@ -658,10 +711,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     from hpnlp import data as data_lib
     if d.task not in data_lib.task_names():
         _fail("data.task", d.task, f"choose one of {data_lib.task_names()}")
-    _check_positive("data.seq_len", d.seq_len)
     # a bug hunt: -8 passed (it divides by the shards) and failed at the first eval, unnamed
     _check_positive("data.eval_batch_size", d.eval_batch_size, allow_zero=True)
-    _check_choice("data.batching", d.batching, ("pad", "bucket", "pack", "stream"))
     _check_choice("data.eval_split", d.eval_split, ("eval", "validation"))
     if d.prepared:  # found by a bug hunt: the text files were read by nothing, silently
         for field in ("train_path", "eval_path"):
@@ -695,9 +746,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.seq_len", d.seq_len,
               f"must be <= model.max_len={m.max_len} (the learned position table); "
               "raise model.max_len or use model.pos_emb='sinusoidal' or 'rope'")
-    if any(b <= 0 or b > d.seq_len for b in d.bucket_boundaries):
-        _fail("data.bucket_boundaries", d.bucket_boundaries,
-              f"every boundary must be in [1, data.seq_len={d.seq_len}]")
 
     info = dict(task_info) if task_info is not None else data_lib.task_info(d)
     want_kind = {"lm": "lm", "classifier": "classify", "dual_encoder": "match",

@@ -1,11 +1,32 @@
 """The checks of the compression fields, which `validate` runs: `quant.*` (QAT and PTQ's
 formats and layers), `model.lowrank` (the factorized products) and `train.distill` /
-`train.prune` (a teacher, masks and their schedules)."""
+`train.prune` (a teacher, masks and their schedules); and `_refuse_unread`, which `validate`
+uses too, for the fields a config sets and nothing reads."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Iterable
+
 from hpnlp.config.fields import (LOWRANK_LAYERS, QUANT_LAYERS, Config, ModelConfig, QuantConfig,
                                  _check_choice, _check_positive, _fail, layers_name)
+
+
+def _refuse_unread(group: str, values: Any, why: str, fix: str, *,
+                   names: Iterable[str] | None = None, but: Iterable[str] = ()) -> None:
+    """The project's rule for a field nothing reads under this config: each of `names` (all
+    fields of the dataclass `values` but those in `but`: the switch) set other than its
+    default is refused in one line naming it, `why` nothing reads it and `fix` what would
+    (a bug hunt, session 99: train.prune.l1 and train.distill.alpha, model.encoder.*,
+    model.memory.*, model.pool on an LM and more were taken and ignored)."""
+    default = type(values)()
+    if names is None:
+        names = [f.name for f in dataclasses.fields(values) if f.name not in but]
+    for name in names:
+        value, was = getattr(values, name), getattr(default, name)
+        if value != was:
+            _fail(f"{group}.{name}", value, f"{why}, so nothing reads it; {fix}, or leave it "
+                  f"at its default (--config.{group}.{name}={was})")
 
 
 def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
@@ -106,6 +127,9 @@ def _check_lowrank(cfg: Config) -> None:
         _fail("model.lowrank.energy", lr.energy, "measures the energy of trained weights: set "
               "train.init_from to the run to factorize")
     if not lr.enabled():
+        _refuse_unread("model.lowrank", lr, "model.lowrank.rank=0 (and no energy) factorizes "
+                       "nothing", "set model.lowrank.rank (or model.lowrank.energy)",
+                       names=("layers",))
         return
     _check_layers("model.lowrank.layers", lr.layers, LOWRANK_LAYERS)
     if m.arch != "transformer" and any(lr.applies(k) for k in ("qkv", "out", "mlp")):
@@ -200,7 +224,11 @@ def _check_lowrank(cfg: Config) -> None:
 def _check_compress(cfg: Config) -> None:
     """`train.distill` and `train.prune` (hpnlp.compress): fields, and what they combine with."""
     dist, p, m = cfg.train.distill, cfg.train.prune, cfg.model
-    if dist.teacher:
+    if not dist.teacher:
+        _refuse_unread("train.distill", dist, "train.distill.teacher='' distills from no "
+                       "teacher", "set train.distill.teacher to a trained run's workdir",
+                       but=("teacher",))
+    else:
         if not 0.0 <= dist.alpha <= 1.0:
             _fail("train.distill.alpha", dist.alpha, "the soft-target weight must be in [0, 1]")
         _check_positive("train.distill.temperature", dist.temperature)
@@ -238,7 +266,9 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
                   "memory through its loss and cannot distill yet; use data.batching='pack'")
     _check_choice("train.prune.method", p.method, ("none", "magnitude", "random", "movement"))
-    if p.method == "none":
+    if p.method == "none":  # no pruner is built (hpnlp.train.carry): no masks, no L1 loss
+        _refuse_unread("train.prune", p, "train.prune.method='none' prunes nothing", "set "
+                       "train.prune.method ('magnitude', 'random' or 'movement')", but=("method",))
         return
     if not (isinstance(p.sparsity, (int, float)) and 0.0 <= p.sparsity < 1.0):
         _fail("train.prune.sparsity", p.sparsity, "the fraction pruned must be in [0, 1)")
