@@ -229,6 +229,31 @@ def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
     assert json.load(open(tmp_path / "config.json"))["config"]["name"] == "tiny"
 
 
+def test_the_rates_and_summary_are_this_process_s_own(tmp_path):
+    """A bug hunt (session 99): the first log line's rate counted the first step's compile
+    (0.4 steps/s, then 20); and a resume that trained one step (untimed: it compiles) kept the
+    old summary's throughput, data counts and resume step."""
+    import time
+    tr = Trainer(from_configdict(tiny(steps=4, log_every=4, checkpoint_every=4)), str(tmp_path))
+    inner, calls = tr.train_step, []
+
+    def step(state, batch):  # the first step "compiles" for 1.5 s
+        out = inner(state, batch)
+        if not calls:
+            jax.block_until_ready(out)
+            time.sleep(1.5)
+        calls.append(1)
+        return out
+    tr.train_step = step
+    tr.run()
+    line, = [l for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
+    assert line["steps_per_sec"] > 10, line  # 4 steps in ~0.05 s, not in 1.5 s
+    summary = run(tiny(steps=5, log_every=4, checkpoint_every=4), str(tmp_path))
+    assert summary["resumed_from_step"] == 4 and summary["data"]["counted_from_step"] == 4
+    assert summary["throughput"]["timed_steps"] == 0
+    assert summary["throughput"]["steps_per_sec"] is None
+
+
 def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path):
     """A bug hunt (session 99): a loop item edited so that "best" was a string resumed, trained
     ten steps, then failed at the eval with a TypeError (the steps lost); one holding a list,
@@ -344,7 +369,8 @@ def test_a_resume_that_changes_the_learning_rate_says_so():
     # saved: step 50 of 50 is the end rate 1e-4; now: halfway down 90 decay steps
     now = 1e-4 + 0.5 * 9e-4 * (1 + np.cos(np.pi * 40 / 90))
     assert msg == ("; the learning-rate schedule changed (train.steps: saved 50, now 100): "
-                   f"its rate at step 50 is {now:.3g}, where the saved run's was 0.0001")
+                   f"its rate from step 51 is {now:.3g}, where the saved run's schedule gives "
+                   "0.0001")
     assert schedule_change({"steps": 50, "lr": 1e-3}, t, 50 - 50 + 5) == ""  # in the warmup
     assert schedule_change({"steps": 100, "lr": 1e-3, "schedule": "cosine"}, t, 50) == ""
     constant = TrainConfig(steps=100, lr=1e-3, schedule="constant")

@@ -63,8 +63,10 @@ def schedule_change(saved_train: dict, t, step: int) -> str:
         return ""
     fields = ", ".join(f"train.{f}: saved {v!r}, now {getattr(t, f)!r}"
                        for f, v in changed.items())
-    return (f"; the learning-rate schedule changed ({fields}): its rate at step {step} is "
-            f"{now:.3g}, where the saved run's was {before:.3g}")
+    # the rate of step `step + 1`, the first this resume trains and logs (a bug hunt, session
+    # 99: "at step N" named the saved run's last step, whose logged rate was another)
+    return (f"; the learning-rate schedule changed ({fields}): its rate from step {step + 1} is "
+            f"{now:.3g}, where the saved run's schedule gives {before:.3g}")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -604,7 +606,7 @@ class Trainer:
                                   "applied": saved.get("applied", saved.get("n", 0)),
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
                                   "clipped": saved.get("clipped", 0), "t0": time.perf_counter(),
-                                  "last": None}
+                                  "last": None, "here": 0, "here_tokens": 0.0}
         # The rates time steps that run a compiled program: the first step, and each step whose
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
         timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
@@ -645,6 +647,9 @@ class Trainer:
                 lambda a, b: np.add(a, b) if np.shape(a) == np.shape(b) else b,
                 window["sums"], m)
             window["n"] += 1
+            # the steps and tokens of this process's clock (a restored window's are not)
+            window["here"] += 1
+            window["here_tokens"] += float(m["tokens"])
             window["last"] = m
             if applied:
                 # The gradient norm of every step (not only the window mean), so its usual
@@ -675,13 +680,17 @@ class Trainer:
                             clipped_frac=window["clipped"] / n)
             else:  # every step skipped: no gradient to describe
                 del line["grad_norm"]
-            line.update(steps_per_sec=window["n"] / dt, tokens_per_sec=float(s["tokens"]) / dt)
+            # (a bug hunt, session 99: a resumed window's restored steps, timed by this
+            # process's clock alone, read as 0.46 steps/s where the run made 62)
+            line.update(steps_per_sec=window["here"] / dt,
+                        tokens_per_sec=window["here_tokens"] / dt)
             writer.write(step, line)
             # shown at the bar's next redraw, not forced now: in a log file a forced one was a
             # line per log line (a bug hunt, session 96), not one per 15 s
             bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
                             tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
-            window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
+            window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0,
+                          here=0, here_tokens=0.0)
 
         def paused(seconds: float) -> None:
             """Eval and checkpoint time is not training time: keep it out of the rates."""
@@ -735,13 +744,16 @@ class Trainer:
                             consume(*pending)
                             pending = None
                         jax.block_until_ready(state)
+                    if compiles or timing["t0"] is None:
                         t_compile = time.perf_counter()
                     state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
                     if pending is not None:
                         consume(*pending)
                     pending = (step, metrics)
-                    if timing["t0"] is None:  # the first (compiling) step: not timed
+                    if timing["t0"] is None:  # the first (compiling) step: not timed, nor in
+                        # its log line's rate (a bug hunt, session 99: 0.4 steps/s, then 20)
                         jax.block_until_ready(metrics)
+                        paused(time.perf_counter() - t_compile)
                         timing["t0"] = time.perf_counter()
                     elif compiles:
                         jax.block_until_ready(metrics)
@@ -844,8 +856,8 @@ class Trainer:
             "baseline": self.task.baseline,
             "param_count": models.param_count(carry_lib.model_params(state.params)),
             "throughput": {
-                "steps_per_sec": timing["steps"] / elapsed if elapsed else None,
-                "tokens_per_sec": timing["tokens"] / elapsed if elapsed else None,
+                "steps_per_sec": timing["steps"] / elapsed if timing["steps"] else None,
+                "tokens_per_sec": timing["tokens"] / elapsed if timing["steps"] else None,
                 # steps timed: the others compiled (the first, and a new batch shape's first)
                 "timed_steps": timing["steps"],
             },
@@ -861,8 +873,10 @@ class Trainer:
         if any(r is not None for r in reports.values()):  # e.g. pruning's sparsity reached
             summary["carries"] = {k: r for k, r in reports.items() if r is not None}
         path = os.path.join(self.workdir, "summary.json")
-        if timing["steps"] == 0 and os.path.exists(path):  # nothing trained now: keep what the
-            try:                                           # training measured
+        # nothing trained now: keep what the training measured (a bug hunt, session 99: a
+        # resume that trained one step, untimed, kept the old run's data and resume step)
+        if summary["final_step"] == start and os.path.exists(path):
+            try:
                 with open(path) as f:
                     old = json.load(f)
             except (OSError, ValueError):  # a bug hunt (session 96): a cut or foreign file
