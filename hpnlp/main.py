@@ -141,6 +141,38 @@ def _alias_hint(key: str) -> str:
     return f" Did you mean --config.{_ALIASES[key]}?" if key in _ALIASES else ""
 
 
+def _config_file_error(e: BaseException, argv: list[str]) -> str | None:
+    """One line for an error raised by the experiment file itself as it loaded (its
+    get_config, or Python it is not), naming the file and line; None for another's. A bug
+    hunt (session 99): a typo in the file was blamed on the overrides, and a run's
+    config.json given as --config was a 52-line traceback."""
+    given = next((argv[i + 1] if a == "--config" and i + 1 < len(argv) else a[len("--config="):]
+                  for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")),
+                 None)
+    if not given:
+        return None
+    path = os.path.realpath(given.split(":")[0])
+    line = e.lineno if isinstance(e, SyntaxError) and e.filename and \
+        os.path.realpath(e.filename) == path else None
+    tb = e.__traceback__
+    while tb is not None and line is None:
+        if os.path.realpath(tb.tb_frame.f_code.co_filename) == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None:
+        return None
+    what = str(e)
+    try:  # ml_collections' errors say the repr of their message
+        what = ast.literal_eval(what) if what.startswith("'") else what
+    except (ValueError, SyntaxError):
+        pass
+    what = " ".join(str(what).splitlines())
+    hint = ("; a run's config.json is read by the tools with --workdir, and a run resumes "
+            "with its experiment file and the same overrides" if path.endswith(".json") else
+            "; fix the experiment file")
+    return f"--config {given}: line {line}: {type(e).__name__}: {what}{hint}"
+
+
 def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
     """absl's flag parsing, with a config file that is missing or fails (an unknown
     argument), or a `--config.FIELD` that names no field, said in one line, not a traceback.
@@ -170,19 +202,23 @@ def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
         bad = re.match(r"flag (--config\.[\w.]+)=(.*): \('Non-boolean argument", msg)
         if bad:
             msg = f"{bad.group(1)}: {bad.group(2)!r} is not a boolean; give true or false"
-    except (AttributeError, KeyError) as e:  # a --config.FIELD override of no field
-        given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-        why = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
-        # the flag whose path holds the unknown name, not every flag given (found by a
-        # README walk: a typo among ten overrides was named as all ten)
-        key = re.match(r"'?(\w+)'?", why)
-        if re.fullmatch(r"\w+", why):  # a bare name (no suggestion): quoted, a sentence
-            why = f"'{why}'."
-        bad = [g for g in given if key and key.group(1) in g.split(".")[1:]]
-        msg = (f"{bad[0]}: no such config field: {why}" if len(bad) == 1
-               else f"no such config field in {bad or given}: {why}")
-        if key and "Did you mean" not in why:
-            msg += _alias_hint(key.group(1))
+    except Exception as e:  # noqa: BLE001 (the file's own error, else re-raised as it was)
+        msg = _config_file_error(e, argv)
+        if msg is None and not isinstance(e, (AttributeError, KeyError)):
+            raise
+        if msg is None:  # a --config.FIELD override of no field
+            given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+            why = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+            # the flag whose path holds the unknown name, not every flag given (found by a
+            # README walk: a typo among ten overrides was named as all ten)
+            key = re.match(r"'?(\w+)'?", why)
+            if re.fullmatch(r"\w+", why):  # a bare name (no suggestion): quoted, a sentence
+                why = f"'{why}'."
+            bad = [g for g in given if key and key.group(1) in g.split(".")[1:]]
+            msg = (f"{bad[0]}: no such config field: {why}" if len(bad) == 1
+                   else f"no such config field in {bad or given}: {why}")
+            if key and "Did you mean" not in why:
+                msg += _alias_hint(key.group(1))
     print(f"hpnlp: error: {msg}", file=sys.stderr)
     sys.exit(1)
 

@@ -121,8 +121,18 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
     """Found by the crash hunt: each had been a traceback of 40-55 lines (about 1 s each:
     they fail in flag parsing, before JAX is imported)."""
     cases = []
+    (tmp_path / "typo.py").write_text("def get_config():\n    return object().modle\n")
+    (tmp_path / "run.json").write_text('{"a": false}\n')
     for argv, match in (
             (["--config", "experiments/nosuch.py"], "--config: [Errno 2] No such file"),
+            # the file's own error, not the overrides' (a bug hunt, session 99), and a run's
+            # config.json given as the experiment (a traceback)
+            (["--config", str(tmp_path / "typo.py"), "--config.train.steps=3"],
+             f"error: --config {tmp_path}/typo.py: line 2: AttributeError: 'object' object "
+             "has no attribute 'modle'; fix the experiment file"),
+            (["--config", str(tmp_path / "run.json")], f"error: --config {tmp_path}/run.json: "
+             "line 1: NameError: name 'false' is not defined; a run's config.json is read by "
+             "the tools with --workdir"),
             (["--config", "experiments/lm.py:locl"], "unknown argument(s) ['locl']"),
             # the one flag of the unknown name, among others (a README walk: all were named)
             (["--config", "experiments/lm.py", "--config.train.steps=3", "--config.model.widht=3"],
