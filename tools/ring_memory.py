@@ -1,0 +1,64 @@
+"""Ring attention's compiled memory per device, forward and gradient, against `chunked`.
+
+    python tools/ring_memory.py [--devices 4] [--lengths 1024 2048 4096 8192]
+
+Compiles (does not run) `hpnlp.attention.ring.ring_attention` on simulated CPU devices
+(one batch row, one head of width 16, causal) and prints XLA's temporary bytes per device
+of the forward and of the gradient with respect to q, k and v, beside `chunked` (impl='xla')
+and `dense` on one device at the same length. The ring's backward pass is a second trip
+around the ring (a custom VJP); before it (session 99's bug hunt), autodiff of the loop kept
+every step's [L/n, L/n] scores: 326 MB per device at L=8192 on 4 devices, where the forward
+holds 34 MB. tests/test_attention_ring.py checks the gradient stays under 4x the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    args = ap.parse_args(argv)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from hpnlp.attention.chunked import chunked_attention
+    from hpnlp.attention.dense import dense_attention
+    from hpnlp.attention.ring import ring_attention
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(args.devices), ("sequence",))
+
+    def temp_mb(loss, x):
+        fwd = jax.jit(loss).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+        grad = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x).compile()
+        return fwd / 1e6, grad.memory_analysis().temp_size_in_bytes / 1e6
+
+    print(f"temporary MB per device ({args.devices} simulated devices for ring; B=1, H=1, D=16, "
+          "causal)")
+    print("| L | ring fwd | ring grad | chunked (xla) fwd | chunked grad | dense fwd | dense grad |")
+    print("|---|---|---|---|---|---|---|")
+    for L in args.lengths:
+        if L % args.devices:
+            sys.exit(f"--lengths {L}: must divide into --devices {args.devices}")
+        sharded = jax.ShapeDtypeStruct((1, L, 1, 16), jnp.float32,
+                                       sharding=NamedSharding(mesh, P(None, "sequence")))
+        one = jax.ShapeDtypeStruct((1, L, 1, 16), jnp.float32)
+        ring = temp_mb(lambda q, k, v: jnp.sum(ring_attention(q, k, v, None, causal=True,
+                                                              mesh=mesh)), sharded)
+        chunked = temp_mb(lambda q, k, v: jnp.sum(chunked_attention(q, k, v, None, causal=True,
+                                                                    impl="xla")), one)
+        dense = temp_mb(lambda q, k, v: jnp.sum(dense_attention(q, k, v, causal=True)), one)
+        print(f"| {L} | " + " | ".join(f"{x:.1f}" for x in (*ring, *chunked, *dense)) + " |")
+
+
+if __name__ == "__main__":
+    main()
