@@ -154,8 +154,8 @@ def _config_file_error(e: BaseException, argv: list[str]) -> str | None:
     path = os.path.realpath(given.split(":")[0])
     line = e.lineno if isinstance(e, SyntaxError) and e.filename and \
         os.path.realpath(e.filename) == path else None
-    tb = e.__traceback__
-    while tb is not None and line is None:
+    tb = None if line else e.__traceback__
+    while tb is not None:  # the innermost of the file's frames (a helper it defines)
         if os.path.realpath(tb.tb_frame.f_code.co_filename) == path:
             line = tb.tb_lineno
         tb = tb.tb_next
@@ -293,11 +293,11 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         # or a segfault in initialize's failure (4 of 4 tries here)
         exit_interrupted(f"hpnlp: error: process 0 of {n}: cannot listen on --coordinator "
                          f"{where} (in use?); choose another port", 1)
-    lock, joined = threading.Lock(), []
+    lock = threading.Lock()
 
     def give_up() -> None:  # before JAX's own abort at the same deadline
         with lock:  # held to the exit: a join now waits for it
-            if joined:  # joined in the timer's last moment (found in review)
+            if _joined:  # joined in the timer's last moment (found in review)
                 return
             exit_interrupted(
                 f"hpnlp: error: process {i} of {n}: not every process joined at {where} within "
@@ -321,7 +321,6 @@ def join_processes(cfg, flags: dict | None = None) -> None:
     try:
         jax.distributed.initialize(where, n, i, initialization_timeout=limit)
         with lock:
-            joined.append(True)
             _joined.append(True)
     finally:
         timer.cancel()
@@ -525,8 +524,11 @@ def exit_lost_process() -> None:
         # collective; its shutdown took the client, so `tell_the_others` does not wait): it exits
     n, i = FLAGS.num_processes, FLAGS.process_id
     who = f"process {1 - i}" if n == 2 else "another process"
+    from hpnlp.train.checkpoint import has_checkpoint
+    again = ("rerun the same command to resume from its last checkpoint"
+             if has_checkpoint(FLAGS.workdir) else "no checkpoint was saved: a rerun starts over")
     exit_interrupted(f"hpnlp: error: process {i} of {n}: lost {who} (killed?) in a collective; "
-                     "rerun the same command to resume from its last checkpoint", 1)
+                     f"{again}", 1)
 
 
 def exit_failed(message: str) -> None:
@@ -618,10 +620,10 @@ def main(argv) -> None:
         if FLAGS.profile:
             check_writable_dir(FLAGS.profile, "--profile")
         join_processes(cfg)
-        if FLAGS.profile and jax.process_count() > 1:  # the folder of this process's trace
-            # (hpnlp.train.loop: one per process), checked as --profile is before the join
-            check_writable_dir(os.path.join(FLAGS.profile, f"process_{jax.process_index()}"),
-                               "--profile")
+        if FLAGS.profile and jax.process_count() > 1:  # the folder of this process's trace,
+            # checked as --profile is before the join
+            from hpnlp.train.loop import profile_folder
+            check_writable_dir(profile_folder(FLAGS.profile), "--profile")
         if FLAGS.coordinator:  # Ctrl-C while the run is built stops every process with it
             from hpnlp.train.stop import ctrl_c_as_preemption
             ctrl_c_as_preemption()

@@ -37,6 +37,12 @@ for causal in (False, True):
 v12 = jax.random.normal(jax.random.key(2), (B, L, H, 12))
 np.testing.assert_allclose(ring_attention(q, k, v12, seg, causal=True, mesh=mesh),
                            dense_attention(q, k, v12, seg, causal=True), atol=1e-5, rtol=1e-5)
+w12 = jax.random.normal(jax.random.key(3), (B, L, H, 12))  # and its gradients (review)
+grads = [jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w12), (0, 1, 2))(q, k, v12) for f in (
+    lambda q, k, v: ring_attention(q, k, v, seg, causal=True, mesh=mesh),
+    lambda q, k, v: dense_attention(q, k, v, seg, causal=True))]
+for a, b in zip(*grads):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 # The backward pass holds about what the forward does per step, not every step's scores (a
 # bug hunt, session 99: autodiff of the loop kept n steps' [L/n, L/n] scores, 9x the forward)
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -291,6 +291,35 @@ def test_quantizing_an_output_layer_of_its_own_tables_is_refused():
     validate(from_configdict(cd), num_devices=1)
 
 
+def test_output_arrays_the_token_counts_shape_are_left_out_of_a_folder_s_check():
+    """Review (session 99): the adaptive softmax's default cutoffs come from the task's token
+    counts, which ptq.load's model (its folder's config alone) does not have: a quantized
+    word-level run's output tables were refused as damaged."""
+    cd = default_configdict()
+    cd.data.task, cd.model.kind, cd.output.name = "word_lm", "lm", "adaptive"
+    assert ptq.counts_shaped(from_configdict(cd)) == "params/output/"
+    cd.output.options = {"cutoffs": (20, 200)}
+    assert ptq.counts_shaped(from_configdict(cd)) == ""
+    got = {"params/a": (2, 3), "params/output/table/tail0_out": (8, 5)}
+    want = {"params/a": (2, 3), "params/output/table/tail0_out": (9, 5),
+            "params/output/table/tail1_out": (3, 5)}
+    ptq.check_shapes("q.npz", "quant.json", got, want, free="params/output/")
+    with pytest.raises(FileNotFoundError, match=r"q.npz has no array params/output/table/tail1"):
+        ptq.check_shapes("q.npz", "quant.json", got, want)
+    with pytest.raises(FileNotFoundError, match=r"holds params/a of shape \[2, 4\]"):
+        ptq.check_shapes("q.npz", "quant.json", {**got, "params/a": (2, 4)}, want,
+                         free="params/output/")
+
+
+def test_weights_beyond_float16_s_range_are_named_before_the_export():
+    """Review (session 99): `quantize --weights float16` cast a weight above 65504 to inf,
+    and its own reload refused the folder as damaged ("quantize the run again")."""
+    params = {"a": jnp.ones((2, 2)), "b": {"w": jnp.asarray([1.0, 7e4])},
+              "i": jnp.arange(3)}
+    assert ptq.beyond_range(params, jnp.float16) == ["['b']['w']"]
+    assert ptq.beyond_range(params, jnp.bfloat16) == []
+
+
 def test_unknown_quant_field_and_config_round_trip():
     cd = default_configdict()
     cd.quant.weights = "int4"

@@ -165,6 +165,11 @@ def test_a_sparsity_raised_on_resume_recomputes_the_masks_and_reports_what_they_
         assert not bool(jnp.any(now["masks"]["a/kernel"] & ~saved["masks"]["a/kernel"]))
         _, later = new.after_update(now, params, None, jnp.asarray(21, jnp.int32))
         assert int(later["last"]) == 20
+        # a lower target (review: a default cubic end moved by a longer train.steps, or the
+        # sparsity lowered) keeps the masks: a recompute would revive pruned weights
+        lower = carry(24, 0.5, scope)
+        _, kept = lower.after_update(saved, params, None, jnp.asarray(20, jnp.int32))
+        assert int(kept["last"]) == 14 and "pending" not in lower.report(saved, params)
 
 
 def test_a_one_shot_pruning_is_not_lost_to_skipped_float16_steps(tmp_path):

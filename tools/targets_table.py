@@ -106,9 +106,11 @@ def check_machine(path: str, info) -> None:
             raise SystemExit(f"{path}: `machine.{key}` = {info[key]!r} is not {what}; {fix}")
     detail = info.get("cpu_detail") or {}
     for key in ("family", "model", "stepping"):  # AMD_CORES' keys
-        if detail.get(key) is not None and not _real(detail[key]):
+        # (a number, or the text /proc/cpuinfo gave where it is none: harness.cpu_detail)
+        if detail.get(key) is not None and not (_real(detail[key]) or
+                                                 isinstance(detail[key], str)):
             raise SystemExit(f"{path}: `machine.cpu_detail.{key}` = {detail[key]!r} is not a "
-                             f"number; {fix}")
+                             f"number or text; {fix}")
     features = detail.get("features", [])
     if not (isinstance(features, list) and all(isinstance(f, str) for f in features)):
         raise SystemExit(f"{path}: `machine.cpu_detail.features` = {features!r} is not a list "

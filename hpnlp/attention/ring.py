@@ -52,12 +52,18 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
         raise ValueError(f"ring_attention: sequence length {L} must divide into {n} devices "
                          f"along {axis!r}; pad it to a multiple of {n}")
     seg_BL = jnp.ones((B, L), jnp.int32) if mask_BL is None else mask_BL.astype(jnp.int32)
+    return _sharded(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=causal, mesh=mesh, axis=axis)
+
+
+# jitted: called eagerly, a shard_map manual over `axis` alone refuses a mesh with others
+# (once, at module level: review, a jit built per call compiled every eager call again)
+@functools.partial(jax.jit, static_argnames=("causal", "mesh", "axis"))
+def _sharded(q_BLHD, k_BLHD, v_BLHD, seg_BL, *, causal, mesh, axis):
     spec, seg_spec = P(None, axis, None, None), P(None, axis)
-    local = functools.partial(_ring, causal=causal, axis=axis, n=n)
-    # jitted: called eagerly, a shard_map manual over `axis` alone refuses a mesh with others
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, seg_spec),
-                                 out_specs=spec, axis_names=frozenset({axis}),
-                                 check_vma=False))(q_BLHD, k_BLHD, v_BLHD, seg_BL)
+    local = functools.partial(_ring, causal=causal, axis=axis, n=mesh.shape[axis])
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, seg_spec),
+                         out_specs=spec, axis_names=frozenset({axis}),
+                         check_vma=False)(q_BLHD, k_BLHD, v_BLHD, seg_BL)
 
 
 def _scores(q_BQHD, k_BKHD, seg_BQ, kseg_BK, me, src, causal):

@@ -180,11 +180,11 @@ def lm_rows(s: dict, workdir: str) -> list[dict]:
         out = os.path.join(workdir, cd.name)
         summary = _train(cd, out)
         train, evals = _read_run(out)
-        # Training time at each log step: the windows' durations (the loop keeps evaluation
-        # and checkpoints out of them).
+        # Training time at each log step: the windows' durations (the loop keeps evaluation,
+        # checkpoints and compiles out of them; a window of a compiling step alone has none).
         clock, prev, elapsed = {}, 0, 0.0
         for l in train:
-            elapsed += (l["step"] - prev) / l["steps_per_sec"]
+            elapsed += (l["step"] - prev) / l["steps_per_sec"] if "steps_per_sec" in l else 0.0
             clock[l["step"]], prev = elapsed, l["step"]
         rows.append({"name": "dense" if not experts else f"E={experts} top-{k}",
                      "experts": experts, "top_k": k, "params": summary["param_count"],

@@ -24,10 +24,12 @@ Formats (b bits, s the scale, c the integer code):
                 [0, 2^(b-1) - 2], values below half the smallest level are 0; the code
                 is sign * (k + 1), 0 for zero, so 4 bits hold 7 exponents and zero.
 
-A NaN or an infinity in the values one scale covers (or a non-finite `rng`) makes that
-scale non-finite and every value it decodes NaN, in every format (int8, int4, fp8, pow2: the
+A NaN or an infinity in the values one scale covers, where the range is the values' own
+(`rng` None, as PTQ and the int8 KV cache quantize), or a non-finite `rng`, makes that scale
+non-finite and every value it decodes NaN, in every format (int8, int4, fp8, pow2: the
 range's scale, NaN or inf, with codes 0; binary, ternary: scale NaN), as a float model would
-show it and as the kernels' `quantize_rows_int8` does.
+show it and as the kernels' `quantize_rows_int8` does. Under a given finite range (a
+calibrated one) a NaN value's code is 0 in the integer formats; `fake_quant` keeps it NaN.
 
 The straight-through estimator (Bengio et al. 2013): `fake_quant`'s gradient is the
 identity where |x| <= range and zero outside (the clipped values do not move the loss).

@@ -75,9 +75,9 @@ output layer stay dense.
   run on through the rounds rather than restarting. Each recompute is one the schedule
   has come to since the last (the carry keeps its step, `updates_due`), so a step whose
   update float16 loss scaling skipped (the state is kept as it was) does not lose it: it
-  happens at the next step that updates. And masks that do not prune what the schedule
-  asks after that step (a resume that changed `train.prune.sparsity`: the counts tell, as
-  they are exact) are recomputed at the next step too.
+  happens at the next step that updates. And masks that prune less than the schedule asks
+  after that step (a resume that raised `train.prune.sparsity`: the counts tell, as they
+  are exact) are recomputed at the next step too.
 
 Counts are exact: a target s prunes round(s * n) of a weight's n entries (ties broken by
 position), or round(s * total) of all of them in global scope.
@@ -721,24 +721,26 @@ class PruneCarry(Carry):
         return apply_masks(params, masks), new
 
     def holds_target(self, value):
-        """Whether the masks (structured: the unit masks) prune exactly what the schedule asks
-        after their last update, `value["last"]`, under this run's config (a traced bool):
-        counts are exact, so masks computed at another target (a resume that changed
-        train.prune.sparsity) differ in count. N:M masks hold 1 - N/M, which nothing changes."""
+        """Whether the masks (structured: the unit masks) prune at least what the schedule
+        asks after their last update, `value["last"]`, under this run's config (a traced
+        bool): counts are exact, so masks computed at a lower target (a resume that raised
+        train.prune.sparsity) prune fewer. Masks pruning more (a target lowered by a longer
+        train.steps) hold: a recompute would revive pruned weights by position (review).
+        N:M masks hold 1 - N/M, which nothing changes."""
         last = value["last"]
         s = jnp.where(last >= 0, sparsity_at(self.p, last, self.cfg.train.steps), 0.0)
         if self.p.structure == "structured":
             ok = [jnp.all(jnp.sum(~value["groups"][k].reshape(g.rows, g.units), axis=1)
-                          == units_pruned(s, g.units)) for k, g in self.layout.items()]
+                          >= units_pruned(s, g.units)) for k, g in self.layout.items()]
         elif self.p.nm() is not None:
             return jnp.ones((), bool)
         elif self.p.scope == "layer":  # as compute_masks counts them
-            ok = [jnp.sum(~m) == jnp.round(s * m.size).astype(jnp.int32)
+            ok = [jnp.sum(~m) >= jnp.round(s * m.size).astype(jnp.int32)
                   for m in value["masks"].values()]
         else:
             size = sum(m.size for m in value["masks"].values())
             ok = [sum(jnp.sum(~m) for m in value["masks"].values())
-                  == jnp.round(s * size).astype(jnp.int32)]
+                  >= jnp.round(s * size).astype(jnp.int32)]
         return jnp.all(jnp.stack(ok))
 
     def _due(self, value, step):
@@ -752,7 +754,7 @@ class PruneCarry(Carry):
     def report(self, value, params) -> dict:
         """The fraction of the pruned products' entries (structured: of their units) the
         masks remove, the schedule's target after the last mask update, and that step; and
-        `pending` where the masks were computed at another target (a resume that changed
+        `pending` where the masks prune less than the schedule asks (a resume that raised
         train.prune.sparsity, and trained no step since), which the next step recomputes."""
         last = np.asarray(jax.device_get(value["last"]))  # [members] in a seed ensemble
         targets = [float(sparsity_at(self.p, int(t), self.cfg.train.steps)) if t >= 0 else 0.0
@@ -770,9 +772,9 @@ class PruneCarry(Carry):
                "last_update_step": int(last) if one else last.tolist(),
                "of": "units" if self.p.structure == "structured" else "weights"}
         if not bool(np.all(np.asarray(held))):
-            out["pending"] = ("the masks were computed at another target than this config's "
-                              "schedule asks (train.prune changed on resume); the next "
-                              "training step recomputes them")
+            out["pending"] = ("the masks prune less than this config's schedule asks (its "
+                              "train.prune changed on resume); the next training step "
+                              "recomputes them")
         return out
 
     def _structured_update(self, value, params, step):

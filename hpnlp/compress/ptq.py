@@ -240,9 +240,30 @@ def model_entries(cfg: Config, packed: bool = True) -> tuple[dict, list, dict]:
     return _entries(params, quant)
 
 
-def check_shapes(npath: str, mpath: str, got: dict, want: dict, command: str = "quantize"):
+def beyond_range(params, dtype) -> list[str]:
+    """The paths of the float arrays in `params` holding a value beyond `dtype`'s range (cast
+    to it, inf: float16's 65504)."""
+    top = float(jnp.finfo(dtype).max)
+    return [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(params)
+            if jnp.issubdtype(v.dtype, jnp.floating)
+            and float(jnp.max(jnp.abs(v), initial=0.0)) > top]
+
+
+def counts_shaped(cfg: Config) -> str:
+    """The prefix of the arrays whose shapes the task's token counts decide, which a folder's
+    config alone does not (the adaptive softmax's default cutoffs: review), or ""."""
+    if cfg.output.name == "adaptive" and cfg.output.options.get("cutoffs") is None:
+        return "params/output/"
+    return ""
+
+
+def check_shapes(npath: str, mpath: str, got: dict, want: dict, command: str = "quantize",
+                 free: str = ""):
     """One line naming the npz where its arrays ({key: shape}) are not the `want`ed ones of
-    the model that the config in `mpath` describes: one missing, one more, or another shape."""
+    the model that the config in `mpath` describes: one missing, one more, or another shape.
+    Keys under the prefix `free` (`counts_shaped`) are not compared."""
+    if free:
+        got, want = ({k: v for k, v in d.items() if not k.startswith(free)} for d in (got, want))
     where = f"the model of the config in {mpath}"
     for key in want:
         if key not in got:
@@ -268,9 +289,12 @@ def _check_model(npath: str, mpath: str, cfg: Config, stored: dict, layouts: dic
             shapes[key + "/codes"], shapes[key + "/scale"] = leaf.codes.shape, leaf.scale.shape
         else:
             shapes[key] = leaf.shape
-    check_shapes(npath, mpath, {key: a.shape for key, a in stored.items()}, shapes)
+    free = counts_shaped(cfg)
+    check_shapes(npath, mpath, {key: a.shape for key, a in stored.items()}, shapes, free=free)
     where = "the model of its config"
     for key, got in layouts.items():
+        if free and key.startswith(free):
+            continue
         if key not in packed:
             raise _damaged(mpath, f"lists {key} as a packed weight, which {where} does not pack")
         if got != packed[key]:
@@ -278,7 +302,7 @@ def _check_model(npath: str, mpath: str, cfg: Config, stored: dict, layouts: dic
             raise _damaged(mpath, f"gives {key} the layout {show(got)}, where {where} packs it "
                            f"as {show(packed[key])}")
     for key in packed:
-        if key not in layouts:
+        if key not in layouts and not (free and key.startswith(free)):
             raise _damaged(mpath, f"lists no layout for {key}, which {where} packs")
     listed, leads = manifest.get("factored", []), manifest.get("factored_lead", {})
     if not (isinstance(listed, list) and isinstance(leads, dict)):
@@ -476,6 +500,12 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     quant_vars = {}
     if float_dtype is not None:
         dt = jnp.dtype(float_dtype)
+        big = beyond_range(params, dt)
+        if big:  # cast to inf, which load refuses as damaged (review, session 99)
+            raise ValueError(f"the checkpoint of step {step} in {workdir} holds weights beyond "
+                             f"{float_dtype}'s range ({', '.join(big[:3])}"
+                             f"{', ...' if len(big) > 3 else ''}: {jnp.finfo(dt).max:.0f}); "
+                             "export it as --weights bfloat16")
         packed = jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                               params)
     else:

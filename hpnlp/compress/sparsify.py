@@ -188,11 +188,12 @@ def load(out: str):
     cfg = from_configdict(manifest["config"])
     stored = ptq.read_arrays(npath, mpath, manifest.get("views", {}), "sparsify")
     want = {key: leaf.shape for key, leaf in ptq.model_entries(cfg, packed=False)[0].items()}
+    free = ptq.counts_shaped(cfg)
     flat = {}
     for key, info in manifest["sparse"].items():
         layout = ptq._layout(mpath, key, info, "sparsify", fmt=False)
         shape, k_dims = layout["shape"], layout["k_dims"]
-        if tuple(want.get(key, ())) != shape:
+        if tuple(want.get(key, ())) != shape and not (free and key.startswith(free)):
             has = list(want[key]) if key in want else "no such weight"
             raise _damaged(mpath, f"gives {key} the shape {list(shape)}, where the model of its "
                            f"config has {has}")
@@ -203,7 +204,7 @@ def load(out: str):
         flat[tuple(key.split("/")[1:])] = Sparse(w, shape=shape, k_dims=k_dims)
     ptq.check_shapes(npath, mpath, {key: a.shape for key, a in stored.items()},
                      {key: s for key, s in want.items() if key not in manifest["sparse"]},
-                     "sparsify")
+                     "sparsify", free=free)
     for key, a in stored.items():
         flat[tuple(key.split("/")[1:])] = jnp.asarray(a)
     return cfg, traverse.unflatten_dict(flat)

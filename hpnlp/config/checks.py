@@ -597,7 +597,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             (m.width % 16, f"model.width={m.width} (the kernel needs a multiple of 16)"),
             (m.dtype != "float32", f"model.dtype={m.dtype!r} (the kernel computes in float32)"))
             if cond), None)
-        if blocker is None:  # a bug hunt (session 99): the layer's error, naming `impl`
+        if blocker is None and devices:  # a bug hunt (session 99): the layer's error, naming
+            # `impl` (this machine's: not a saved config's fault, devices=False)
             from hpnlp.rnn import fused
             reason = fused.unavailable_reason()
             blocker = reason and f"here: {reason}"

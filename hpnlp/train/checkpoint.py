@@ -80,9 +80,9 @@ def _edited(path: str, e: Exception) -> ConfigError:
     file's, not as a setting of the command (a bug hunt, session 99: "config field
     `model.dropout` = 1.5 is not allowed", said to users who had set nothing)."""
     what = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
-    return ConfigError(f"{path}: {what}; that file was edited since the run wrote it (or "
-                       "written by another version of hpnlp): correct or remove that field "
-                       "there, or restore the file")
+    return ConfigError(f"{path}: {what}; this version of hpnlp refuses the config that file "
+                       "holds: if it was edited, restore it (or correct that field there); if "
+                       "an older hpnlp wrote it, set that field to its default there")
 
 
 def run_members(workdir: str) -> int:
@@ -558,14 +558,13 @@ class Checkpointer:
         for item, wrong in (("loop", _loop_state_wrong(out["loop"])),
                             ("data", "" if isinstance(out["data"], dict) else
                              f"{out['data']!r:.80} is not a JSON object")):
-            if wrong:  # a bug hunt (session 99): an edited loop item trained ten steps, then
-                # failed at the eval (its `best` a string), and they were lost
+            if wrong and not self.read_only:  # (a reader uses the parameters alone) a bug
+                # hunt (session 99): an edited loop item trained ten steps, then failed at the
+                # eval (its `best` a string), and they were lost
                 raise CheckpointMismatch(
                     f"checkpoint {where}: its {item} state ({os.path.join(where, item)}) is "
-                    f"damaged ({wrong}); " + (
-                        "move the step aside to read the step before" if self.read_only else
-                        "move the step aside to resume from the step before, or use a new "
-                        "--workdir"))
+                    f"damaged ({wrong}); move the step aside to resume from the step before, "
+                    "or use a new --workdir")
         bad = _non_finite(getattr(out["state"], "params", {}))
         if bad:  # a bug hunt (session 92): read as it was, then blamed on the learning rate
             raise CheckpointMismatch(

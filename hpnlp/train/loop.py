@@ -69,6 +69,15 @@ def schedule_change(saved_train: dict, t, step: int) -> str:
             f"{now:.3g}, where the saved run's schedule gives {before:.3g}")
 
 
+def profile_folder(profile_dir: str) -> str:
+    """Where this process writes its `--profile` trace: DIR, or DIR/process_I in a run of
+    several processes (a bug hunt, session 99: those of one host wrote one HOST.xplane.pb,
+    one trace over the other)."""
+    if jax.process_count() > 1:
+        return os.path.join(profile_dir, f"process_{jax.process_index()}")
+    return profile_dir
+
+
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or infinite (or the eval loss of a step's parameters)."""
 
@@ -606,7 +615,7 @@ class Trainer:
                                   "applied": saved.get("applied", saved.get("n", 0)),
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
                                   "clipped": saved.get("clipped", 0), "t0": time.perf_counter(),
-                                  "last": None, "here": 0, "here_tokens": 0.0}
+                                  "last": None, "timed": 0, "timed_tokens": 0.0}
         # The rates time steps that run a compiled program: the first step, and each step whose
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
         timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
@@ -647,9 +656,6 @@ class Trainer:
                 lambda a, b: np.add(a, b) if np.shape(a) == np.shape(b) else b,
                 window["sums"], m)
             window["n"] += 1
-            # the steps and tokens of this process's clock (a restored window's are not)
-            window["here"] += 1
-            window["here_tokens"] += float(m["tokens"])
             window["last"] = m
             if applied:
                 # The gradient norm of every step (not only the window mean), so its usual
@@ -662,6 +668,10 @@ class Trainer:
                 writer.scalar(step, "grad_norm_step", g)
             if timing["t0"] is not None and step not in timing["untimed"]:
                 timing["tokens"] += float(m["tokens"])
+                # the window's rate too: the steps this process's clock timed (a bug hunt,
+                # session 99: the first step's compile, and a resumed window's restored steps)
+                window["timed"] += 1
+                window["timed_tokens"] += float(m["tokens"])
             if step % t.log_every == 0 or step == t.steps:
                 flush(step)
 
@@ -680,17 +690,17 @@ class Trainer:
                             clipped_frac=window["clipped"] / n)
             else:  # every step skipped: no gradient to describe
                 del line["grad_norm"]
-            # (a bug hunt, session 99: a resumed window's restored steps, timed by this
-            # process's clock alone, read as 0.46 steps/s where the run made 62)
-            line.update(steps_per_sec=window["here"] / dt,
-                        tokens_per_sec=window["here_tokens"] / dt)
+            if window["timed"]:  # none timed (a compile's step alone): no rate to say
+                line.update(steps_per_sec=window["timed"] / dt,
+                            tokens_per_sec=window["timed_tokens"] / dt)
             writer.write(step, line)
             # shown at the bar's next redraw, not forced now: in a log file a forced one was a
             # line per log line (a bug hunt, session 96), not one per 15 s
-            bar.set_postfix(loss=f"{line['loss']:.4f}", steps_s=f"{line['steps_per_sec']:.2f}",
-                            tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
+            rates = ({"steps_s": f"{line['steps_per_sec']:.2f}",
+                      "tok_s": f"{line['tokens_per_sec']:.0f}"} if window["timed"] else {})
+            bar.set_postfix(loss=f"{line['loss']:.4f}", **rates, refresh=False)
             window.update(sums=None, t0=now, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0,
-                          here=0, here_tokens=0.0)
+                          timed=0, timed_tokens=0.0)
 
         def paused(seconds: float) -> None:
             """Eval and checkpoint time is not training time: keep it out of the rates."""
@@ -730,11 +740,7 @@ class Trainer:
                         break
                     batch = next(self.train_iter)
                     if profile_dir and step == start + 3:
-                        # a folder per process: the processes of one host wrote one file
-                        # (HOST.xplane.pb), one trace over the other (a bug hunt, session 99)
-                        jax.profiler.start_trace(
-                            os.path.join(profile_dir, f"process_{jax.process_index()}")
-                            if jax.process_count() > 1 else profile_dir)
+                        jax.profiler.start_trace(profile_folder(profile_dir))
                         profiling = True
                     shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
                     compiles = timing["t0"] is not None and shapes not in timing["shapes"]
