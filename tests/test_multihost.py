@@ -329,22 +329,25 @@ def test_ctrl_c_or_a_busy_port_while_joining_ends_in_one_line(tmp_path, launch):
     where = f"127.0.0.1:{_free_port()}"
     run = launch(tmp_path / "wait", extra=["--coordinator", where, "--num_processes", "2",
                                            "--process_id", "1", "--init_timeout", "60"])
-    _wait_for_joining(run, f"{tmp_path / 'wait'}.p0.log")
-    t0 = time.time()
-    run[0][0][0].send_signal(signal.SIGINT)
-    (log,) = finish(run, expect=130)
-    assert time.time() - t0 < 30  # not the 60 s of --init_timeout
+    log = _stopped_while_joining(run, f"{tmp_path / 'wait'}.p0.log", signal.SIGINT, 130)
     assert log.splitlines()[-1] == (f"hpnlp: interrupted: process 1 of 2 stopped waiting for "
                                     f"every process to join at {where}"), log
     assert not os.path.exists(tmp_path / "busy") and not os.path.exists(tmp_path / "wait")
 
 
-def _wait_for_joining(run, log_name: str) -> None:
+def _stopped_while_joining(run, log_name: str, sig, code: int) -> str:
+    """The log of the one process of `run` sent `sig` once it waits to join, which it ends
+    with exit `code` at once."""
     (proc, _), = run[0]
     while "joining the run" not in open(log_name).read():
         assert proc.poll() is None and time.time() < run[1]
         time.sleep(0.1)
     time.sleep(0.5)
+    t0 = time.time()
+    proc.send_signal(sig)
+    (log,) = finish(run, expect=code)
+    assert time.time() - t0 < 30  # not the 60 s of --init_timeout
+    return log
 
 
 def test_process_0_alone_or_sigterm_while_joining_ends_in_one_line(tmp_path, launch):
@@ -358,11 +361,7 @@ def test_process_0_alone_or_sigterm_while_joining_ends_in_one_line(tmp_path, lau
         "--coordinator", alone, "--num_processes", "2", "--init_timeout", "3"])
     run_term = launch(tmp_path / "term", extra=[
         "--coordinator", term, "--num_processes", "2", "--init_timeout", "60"])
-    _wait_for_joining(run_term, f"{tmp_path / 'term'}.p0.log")
-    t0 = time.time()
-    run_term[0][0][0].send_signal(signal.SIGTERM)
-    (log,) = finish(run_term, expect=143)
-    assert time.time() - t0 < 30  # not the 60 s of --init_timeout
+    log = _stopped_while_joining(run_term, f"{tmp_path / 'term'}.p0.log", signal.SIGTERM, 143)
     assert log.splitlines()[-1] == (f"hpnlp: process 0 of 2 stopped (SIGTERM) waiting for "
                                     f"every process to join at {term}"), log
     (log,) = finish(run_alone, expect=1)
