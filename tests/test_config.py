@@ -435,6 +435,14 @@ def test_mesh_and_batch_against_devices_and_processes():
         validate(base(mesh={"data": 1, "sequence": 2}), num_devices=2)
     ok = validate(base(mesh={"data": 2, "sequence": 4}, attention={"name": "ring"}), num_devices=8)
     assert ok.mesh.axis_sizes(8)["sequence"] == 4
+    # the ring's tile must divide each device's share of a sequence (64 / 4 = 16)
+    ok = validate(base(mesh={"data": 2, "sequence": 4},
+                       attention={"name": "ring", "options": {"block": 8}}), num_devices=8)
+    with pytest.raises(ConfigError, match=r"`attention.options.block` = 32 .*\[16\] positions"):
+        validate(base(mesh={"data": 2, "sequence": 4},
+                      attention={"name": "ring", "options": {"block": 32}}), num_devices=8)
+    with pytest.raises(ConfigError, match=r"`attention.options.block` = 24 .*dividing data.seq_len"):
+        validate(base(attention={"name": "ring", "options": {"block": 24}}))
     with pytest.raises(ConfigError, match=r"`data.bucket_boundaries` = \[6, 64\].*\[6\]"):
         validate(base(mesh={"data": 2, "sequence": 4}, attention={"name": "ring"},
                       data={"batching": "bucket", "bucket_boundaries": (6, 64)}), num_devices=8)

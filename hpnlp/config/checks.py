@@ -895,6 +895,15 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("data.bucket_boundaries", list(d.bucket_boundaries) or "(default)",
                   f"bucket widths {odd} do not split over mesh.sequence={sizes['sequence']}; "
                   f"give widths that are multiples of {sizes['sequence']}")
+    block = cfg.attention.options.get("block")
+    if sizes["sequence"] > 1 and cfg.attention.name == "ring" and isinstance(block, int):
+        from hpnlp.data.batching import bucket_boundaries
+        widths = bucket_boundaries(d) if d.batching == "bucket" else [d.seq_len]
+        odd = [w for w in widths if (w // sizes["sequence"]) % block]
+        if odd:  # the ring's tiles split each device's share of a sequence
+            _fail("attention.options.block", block, f"each device holds L / mesh.sequence = "
+                  f"{[w // sizes['sequence'] for w in odd]} positions, which the ring's tile "
+                  "must divide; choose a divisor of them, or None")
     _check_moe(cfg, sizes)
     for axis in MESH_AXES:  # a bug hunt (session 90): data=4 with rules.batch=None ran as 1
         # (pipeline stages need rules.layers, checked below)
