@@ -513,7 +513,7 @@ def main(argv=None) -> int:
         # --length offered only where it helps (a bug hunt, session 97: a 60-token prompt
         # was told to raise it, up to a max_len of 48)
         bound = (f"the run's model.max_len={cfg.model.max_len}" if not args.draft else
-                 f"{most} with --draft: the smaller model.max_len, less --draft_tokens - 1")
+                 f"{most} with --draft: the smaller model.max_len, less --draft-tokens - 1")
         fix = ("" if longest < length else f"; shorten it, or raise --length (up to {bound})"
                if longest < most else f"; shorten it (the longest --length is {bound})")
         print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
