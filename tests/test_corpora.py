@@ -841,3 +841,80 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     assert generate.main(["--workdir", qdir, "--prompt", "And"]) == 2
     err = capsys.readouterr().err.strip()
     assert "subword model of the run it was quantized from" in err and "\n" not in err, err
+
+
+def test_a_resume_refuses_a_folder_prepared_again_or_a_shard_replaced(tmp_path, files):
+    """A bug hunt (session 100): the state held the first shard's name and the token count,
+    so a resume trained on a folder prepared again from a text edited at the same length, or
+    with a shard copied over another of its size, silently. A state saved before the digest
+    (and before the seed mixing, in grain's old order) still resumes, exactly."""
+    text = tmp_path / "t.txt"
+    text.write_text(open(files[0]).read())
+    out = str(tmp_path / "p")
+    flags = ["--input", str(text), "--eval_input", files[1], "--out", out, "--shard_mb", "0",
+             "--quiet"]
+    assert prepare.main(flags) == 0
+    cfg = lm_cfg(prepared=out)
+    state = _resumes_exactly(data.make_task(cfg), cfg, after=2, ahead=2)
+    assert state["order"] == sharded.ORDER and len(state["digest"]) == 16
+    again = "prepared again, or a shard replaced, since"
+    shutil.rmtree(out)
+    text.write_text(open(files[0]).read().replace("God", "Gxd"))
+    assert prepare.main(flags) == 0
+    task = data.make_task(cfg)
+    with pytest.raises(ValueError, match=f"{out}'s train shards: saved .* {again}"):
+        data.make_iterator(task, cfg, split="train", batch_size=4).set_state(state)
+    state = _resumes_exactly(task, cfg, after=2, ahead=2)
+    shard = tmp_path / "p" / task.meta["prepared_meta"]["splits"]["train"]["shards"][1]
+    raw = shard.read_bytes()  # its records replaced by others of the same size
+    shard.write_bytes(raw[:100] + bytes(reversed(raw[100:150])) + raw[150:])
+    with pytest.raises(ValueError, match=again):
+        data.make_iterator(task, cfg, split="train", batch_size=4).set_state(state)
+    shard.write_bytes(raw)
+    # a state of before: no digest, no order (grain's seed data.seed): resumed in that order
+    old = data.make_iterator(task, cfg, split="train", batch_size=4)
+    old._order, old._reader = None, old._make_reader(None)
+    for _ in range(3):
+        next(old)
+    state = {k: v for k, v in json.loads(json.dumps(old.get_state())).items() if k != "digest"}
+    assert "order" not in state
+    want = [next(old) for _ in range(2)]
+    new = data.make_iterator(task, cfg, split="train", batch_size=4)
+    new.set_state(state)
+    for a, b in zip(want, [next(new) for _ in range(2)]):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert "order" not in new.get_state()  # and its next checkpoint keeps that order
+
+
+def test_seeds_do_not_share_epochs_and_an_eval_prefix_samples_every_file(tmp_path, monkeypatch):
+    """A bug hunt (session 100): grain shuffles epoch e with seed + e, so data.seed 1's first
+    epoch was seed 0's second; and the eval pass read the documents in stored order, so
+    train.eval_batches scored the first input file's documents only."""
+    train, letters, digits = (tmp_path / f"{n}.txt" for n in "tab")
+    train.write_text("".join(f"document {i}\n\n" for i in range(52)))
+    letters.write_text("".join(f"{c * 12}\n\n" for c in "abcdefghijklmnopqrstuvwxyz" * 2))
+    digits.write_text("".join(f"{c * 12}\n\n" for c in "0123456789" * 5))
+    out = str(tmp_path / "p")
+    assert prepare.main(["--input", str(train), "--eval_input", f"{letters},{digits}", "--out",
+                         out, "--quiet"]) == 0
+    n = 52  # training documents, an epoch
+
+    def epochs(seed, order=sharded.ORDER):
+        cfg = lm_cfg(prepared=out, seed=seed, seq_len=8)
+        it = data.make_iterator(data.make_task(cfg), cfg, split="train", batch_size=2)
+        reader = it._make_reader(order)
+        docs = [bytes(next(reader)) for _ in range(2 * n)]
+        return docs[:n], docs[n:]
+    assert epochs(1, None)[0] == epochs(0, None)[1]  # grain's own seeds: the bug
+    assert epochs(1)[0] != epochs(0)[1] and epochs(0)[0] != epochs(0)[1]
+    monkeypatch.setattr(sharded, "WINDOW_BATCHES", 1)
+    cfg = lm_cfg(prepared=out, seq_len=8)
+    task = data.make_task(cfg)
+    per_batch = [b["targets"][b["segment_ids"] > 0] for b in
+                 data.make_iterator(task, cfg, split="eval", batch_size=2)]
+    is_letter = [np.isin(t, np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)).mean()
+                 for t in per_batch]
+    quarter = len(per_batch) // 4
+    assert 0.2 < np.mean(is_letter[:quarter]) < 0.8  # stored order: 1.0
+    meta = task.meta["prepared_meta"]["splits"]["eval"]  # still one pass, every target once
+    assert sum(map(len, per_batch)) == meta["tokens"] - meta["documents"]

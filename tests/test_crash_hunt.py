@@ -378,3 +378,32 @@ def _wide_part(part: int):
 
 for _part in range(SLOW_PARTS):
     globals()[f"test_hunt_wide_{_part}"] = _wide_part(_part)
+
+
+def test_a_signal_while_the_package_imports_is_one_line():
+    """A bug hunt (session 100): Ctrl-C or SIGTERM in a command's first seconds (JAX
+    importing) was a 60-line double traceback ("Error in sys.excepthook", exit 1: the hook
+    imported the half-imported package again) or a segfault; and a Ctrl-C lost in a garbage-
+    collection callback could be sent again while the hook had not returned, lost again. The
+    signal is sent here as `jax` starts to import, deterministically."""
+    import signal
+    for sig, line, code in ((signal.SIGINT, "interrupted", 130),
+                            (signal.SIGTERM, "stopped (SIGTERM)", 143)):
+        src = ("import os, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+               "sys.orig_argv = ['python', '-m', 'hpnlp.data.prepare']\n"
+               "class Finder:\n    def find_spec(self, name, path=None, target=None):\n"
+               f"        if name == 'jax':\n            os.kill(os.getpid(), {int(sig)})\n"
+               "sys.meta_path.insert(0, Finder())\nimport hpnlp\nprint('ran on')")
+        out = subprocess.run([sys.executable, "-c", src], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert (out.returncode, out.stdout, out.stderr) == (
+            code, "", f"python -m hpnlp.data.prepare: {line}\n"), out.stderr[-2000:]
+    # after the imports: a Stopped lost in a gc callback is raised again, its status kept
+    src = ("import sys, time\nimport hpnlp\nfrom hpnlp.stopping import Stopped\n"
+           "hpnlp._interrupts_in_one_line(['python', '-m', 'hpnlp.compress'])\n"
+           "class A:\n    def __del__(self):\n        raise Stopped('stopped (SIGTERM)', 143)\n"
+           "A()\ntime.sleep(60)\nprint('ran on')")
+    out = subprocess.run([sys.executable, "-c", src], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        143, "", "python -m hpnlp.compress: stopped (SIGTERM)\n"), out.stderr[-2000:]

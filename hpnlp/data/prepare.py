@@ -517,6 +517,10 @@ def prepare(args) -> dict:
         for split, (w, name) in writers.items():
             w.close()
             state["shards"][split].append(name)
+            # each shard's digest, for a run's data state (a bug hunt, session 100: a resume
+            # trained on a folder prepared again from an edited text silently)
+            state.setdefault("sha256", {"train": [], "eval": []})[split].append(
+                sharded.file_sha256(os.path.join(out, name)))
         writers.clear()
         state.update(where)
         state["next_shard"] += 1
@@ -622,10 +626,15 @@ def prepare(args) -> dict:
         raise PrepareError(why)
     np.save(os.path.join(out, sharded.COUNTS_FILE), counts["train"])
     np.save(os.path.join(out, sharded.EVAL_TARGET_COUNTS_FILE), counts["eval_targets"])
+    sha = state.get("sha256", {})  # a preparation resumed from before they were recorded:
+    sha = {s: sha[s] if len(sha.get(s, ())) == len(state["shards"][s]) else [  # all read now
+        sharded.file_sha256(os.path.join(out, name)) for name in state["shards"][s]]
+        for s in ("train", "eval")}
     meta = {"format": sharded.FORMAT, "complete": True, "settings": settings,
             "input_stamps": stamps, "tokenizer": tok_info, "dtype": dtype,
             "splits": {s: {"shards": state["shards"][s], "documents": state["documents"][s],
-                           "tokens": state["tokens"][s]} for s in ("train", "eval")}}
+                           "tokens": state["tokens"][s], "sha256": sha[s]}
+                       for s in ("train", "eval")}}
     write_json(meta_path, meta)
     os.remove(progress_path)
     for f in _counts_files(out):

@@ -17,16 +17,21 @@ keeps rows [p*B/n, (p+1)*B/n) of every global batch: the processes' rows are dis
 together are the single-process stream, at any process count. (Every process reads the
 window's documents, already tokenized, and assembles only its own rows.) Train keeps the
 whole batches of a window and drops its last < B rows (under 1% of a window); eval is one
-pass over the documents in stored order, every chunk scored once.
+pass over the documents in a fixed shuffled order (the same for every seed, so that a prefix,
+`train.eval_batches`, is a fair sample of a corpus stored file by file), every chunk scored
+once.
 
 The iterator state is (window, batch within it, grain's reader state at the window's
 start): small JSON that goes into the Orbax checkpoint with the rest of the run, and a
-resumed run rereads that window and continues at the exact next batch.
+resumed run rereads that window and continues at the exact next batch. The state also holds
+a digest of the split's shards (the sha256 that prepare recorded for each, their sizes and
+first and last bytes): a folder prepared again or a shard replaced since is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -43,6 +48,13 @@ EVAL_TARGET_COUNTS_FILE = "counts-eval-targets.npy"  # [V]: eval tokens after ea
 WINDOW_BATCHES = 128
 EVAL_READ_MB = 64  # an eval split up to this size is read whole when a run starts
 READ_THREADS = 2
+EVAL_ORDER_SEED = 20260101  # the eval pass's document shuffle, the same for every data.seed
+# The document order a state was saved under (`get_state`'s "order"): "mixed" draws grain's
+# shuffle seed from data.seed (a bug hunt, session 100: grain shuffles epoch e by seed + e, so
+# seed s + 1's epoch e was seed s's epoch e + 1); a state without it resumes in the order it
+# was saved under, grain's seed data.seed (train) and the stored order (eval).
+ORDER = "mixed"
+DIGEST_SAMPLE = 64 << 10  # bytes read from each end of a shard for the state's digest
 
 
 def ids_dtype(vocab_size: int) -> str:
@@ -104,6 +116,10 @@ def _meta_problem(meta: dict) -> str | None:
         for field in ("documents", "tokens"):
             if not (isinstance(sp.get(field), int) and sp[field] >= 0):
                 return f"`splits.{split}.{field}` must be a count"
+        sha = sp.get("sha256", shards)  # absent in a folder prepared before it was recorded
+        if not (isinstance(sha, list) and len(sha) == len(shards)
+                and all(isinstance(x, str) for x in sha)):
+            return f"`splits.{split}.sha256` must list one digest per shard"
     return None
 
 
@@ -249,6 +265,38 @@ def _check_paths(paths: list[str], *, read_all_mb: int = 0) -> None:
             raise _shard_error(path, e) from None
 
 
+def file_sha256(path: str) -> str:
+    """The sha256 of a file's bytes (prepare records one per shard in meta.json)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_digest(directory: str, meta: dict, split: str) -> str:
+    """A digest of a split's contents for an iterator state: per shard its name, size, the
+    sha256 prepare recorded, and its first and last DIGEST_SAMPLE bytes (a bug hunt, session
+    100: the state held the first shard's name and the token count, so a resume trained on a
+    folder prepared again from an edited text, or with a shard copied over another of its size,
+    silently). Contents, not times: a folder copied whole keeps its digest."""
+    h = hashlib.sha256()
+    sp = meta["splits"][split]
+    for name, sha in zip(sp["shards"], sp.get("sha256", [None] * len(sp["shards"]))):
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(DIGEST_SAMPLE)
+                f.seek(max(size - DIGEST_SAMPLE, len(head)))
+                tail = f.read()
+        except OSError as e:
+            raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {AGAIN}") from None
+        h.update(json.dumps([name, size, sha]).encode())
+        h.update(hashlib.sha256(head + tail).digest())
+    return h.hexdigest()[:16]
+
+
 def decode_record(record: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(record, np.dtype(dtype).newbyteorder("<")).astype(np.int32)
 
@@ -296,7 +344,6 @@ class ShardedIterator:
 
     def __init__(self, task: task_lib.Task, cfg, *, split: str, batch_size: int,
                  process_index: int = 0, process_count: int = 1):
-        import grain
         BatchIterator.check_args(split, cfg.batching, batch_size, process_index, process_count,
                                  where=" with data.prepared")
         meta = task.meta["prepared_meta"]
@@ -312,11 +359,8 @@ class ShardedIterator:
             raise ValueError(f"{self.directory}: every {split} document is one token, so the "
                              f"{split} split has no token to predict; prepare it with longer "
                              "documents")
-        ds = split_dataset(self.directory, meta, split)
-        if split == "train":
-            ds = ds.shuffle(seed=cfg.seed % 2**32).repeat()
-        self._reader = iter(ds.to_iter_dataset(grain.ReadOptions(
-            num_threads=READ_THREADS, prefetch_buffer_size=64)))
+        self._order, self._digest = ORDER, None
+        self._reader = self._make_reader(ORDER)
         # A window holds about WINDOW_BATCHES global batches of tokens.
         self._window_tokens = WINDOW_BATCHES * self.batch_size * self.seq_len
         self._window, self._inner, self._inner_batches, self._batch = -1, None, 0, 0
@@ -324,6 +368,22 @@ class ShardedIterator:
         self._counts = dict(batches=0, examples=0, tokens=0, slots=0, pad_slots=0)
         self._widths: set[int] = set()
         self._done = False
+
+    def _make_reader(self, order: str | None):
+        """grain's reader over the split's documents in `order` (ORDER, or None: that of a
+        state saved before ORDER)."""
+        import grain
+        ds = split_dataset(self.directory, self.meta, self.split)
+        if self.split == "train":
+            seed = self.seed % 2**32 if order is None else int(
+                np.random.default_rng([self.seed % 2**32, 5]).integers(2**31))
+            ds = ds.shuffle(seed=seed).repeat()
+        elif order is not None:
+            # a bug hunt (session 100): in stored order, train.eval_batches scored the first
+            # input file's documents only (the in-memory eval shuffles so too, batching.py)
+            ds = ds.shuffle(seed=EVAL_ORDER_SEED)
+        return iter(ds.to_iter_dataset(grain.ReadOptions(
+            num_threads=READ_THREADS, prefetch_buffer_size=64)))
 
     def _read_window(self) -> list[np.ndarray]:
         docs, n = [], 0
@@ -404,22 +464,42 @@ class ShardedIterator:
         return batch
 
     def _fingerprint(self) -> dict:
+        if self._digest is None:  # read once, when a state is first taken or checked
+            self._digest = split_digest(self.directory, self.meta, self.split)
         return {"task": self.task.name, "split": self.split, "batching": self.cfg.batching,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
                 "prepared": self.meta["splits"][self.split]["shards"][:1],
-                "num_tokens": self.meta["splits"][self.split]["tokens"]}
+                "num_tokens": self.meta["splits"][self.split]["tokens"],
+                "digest": self._digest}
 
     def get_state(self) -> dict:
         """The window, the batches taken from it and grain's reader state at its start
         (JSON; the same on every process, so it resumes under any process count)."""
+        order = {} if self._order is None else {"order": self._order}
         return {"window": self._window, "batch": self._batch, "reader": self._window_state,
-                **self._fingerprint()}
+                **order, **self._fingerprint()}
 
     def set_state(self, state: dict) -> None:
-        check_fingerprint(state, self._fingerprint())
+        want = self._fingerprint()
+        # the other settings first (named as ever); a state saved before the digest has none
+        check_fingerprint({k: v for k, v in state.items() if k != "digest"}
+                          if isinstance(state, dict) else state, want)
+        if "digest" in state and state["digest"] != want["digest"]:
+            raise ValueError(f"the checkpoint's data stream was saved under other settings "
+                             f"({self.directory}'s {self.split} shards: saved "
+                             f"{state['digest']!r}, now {want['digest']!r}: the folder was "
+                             "prepared again, or a shard replaced, since); resume with the "
+                             "folder the run trained from, or use a new --workdir")
         window = check_position(state, "window", -1)
         if window < 0:  # saved before the first batch
             return
+        if state.get("order") not in (None, ORDER):
+            raise ValueError(f"iterator state field 'order' = {state['order']!r:.80} is not "
+                             f"allowed: it must be {ORDER!r} or absent; pass a dict that "
+                             "get_state() returned, unedited")
+        if state.get("order") is None:  # saved before ORDER: resumed in its own order
+            self._order = None
+            self._reader = self._make_reader(None)
         try:
             self._reader.set_state(state.get("reader"))
         except (KeyError, TypeError, ValueError, AttributeError):
