@@ -311,6 +311,33 @@ def test_output_arrays_the_token_counts_shape_are_left_out_of_a_folder_s_check()
                          free="params/output/")
 
 
+def test_class_based_classes_are_left_out_and_the_other_tree_layers_checked():
+    """A bug hunt (session 100): class_based bins its classes by the task's counts (29 on the
+    byte task, where Zipf over the ids gives 16), so `quantize` refused every class_based
+    run's own folder as damaged. hierarchical and binary_code shapes follow V alone."""
+    from hpnlp import softmax
+    V, E = 40, 8
+    counts = softmax.Frequencies.of(np.r_[np.arange(20.0, 0.0, -1.0), np.zeros(V - 20)], V)
+    h, t = jnp.zeros((2, 3, E)), jnp.zeros((2, 3), jnp.int32)
+
+    def shapes(name, counts):  # {npz key: shape} of the layer as the model's `output`
+        import flax.linen as nn
+        layer = softmax.get(name)(vocab_size=V, counts=counts)
+        tree = jax.eval_shape(lambda: nn.unbox(layer.init(jax.random.key(0), h, t,
+                                                          method="loss")))
+        entries = ptq._entries({"output": tree["params"]}, {})[0]
+        return {k: v.shape for k, v in entries.items()}
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    for name in ("class_based", "hierarchical", "binary_code"):
+        cd.output.name = name
+        free = ptq.counts_shaped(from_configdict(cd))
+        got, want = shapes(name, counts), shapes(name, None)  # the task's, the folder's
+        assert (got != want) == (name == "class_based") and free == (
+            "params/output/classes/" if name == "class_based" else "")
+        ptq.check_shapes("q.npz", "quant.json", got, want, free=free)
+
+
 def test_weights_beyond_float16_s_range_are_named_before_the_export():
     """Review (session 99): `quantize --weights float16` cast a weight above 65504 to inf,
     and its own reload refused the folder as damaged ("quantize the run again")."""

@@ -591,6 +591,30 @@ def test_route_reports_where_tokens_went():
     top = probs.argmax(-1)
     np.testing.assert_allclose(w.max(-1)[routed == 1], probs.max(-1)[routed == 1], rtol=1e-6)
     assert np.all(w.argmax(-1)[routed == 1] == top[routed == 1])
+    # a bug hunt (session 100): with model.moe.groups=0 route() routed as one group, where
+    # the run's evaluation routes one group per data-parallel shard of its mesh
+    from hpnlp.moe import eval_groups
+    assert cfg.model.moe.groups == 0 and eval_groups(cfg, 1) == 1 and eval_groups(cfg, 4) == 4
+    mesh = lambda **axes: dataclasses.replace(cfg, mesh=dataclasses.replace(  # noqa: E731
+        cfg.mesh, **axes))
+    assert eval_groups(mesh(data=2, tensor=2), 4) == 2  # tensor does not split the batch
+    assert eval_groups(mesh(data=1, expert=4), 4) == 4  # rules.batch names expert
+    assert eval_groups(mesh(data=8), 4) == 4  # read with every device on the data axis
+    # a bug hunt (session 100): the output layer ran, built without the task's counts, so a
+    # class_based run's classes (as many as its counts bin, here 29) failed in flax; routing
+    # reads the trunk only (one route() for both findings: each call compiles)
+    cb = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name="class_based"))
+    wide = dict(params, output={**params["output"], "classes": {
+        "kernel": jnp.zeros((29, cfg.model.width)), "bias": jnp.zeros((29,))}})
+    two = route(cb, wide, batch, num_devices=2)[1]["weights"]
+    moe2 = dataclasses.replace(cfg.model.moe, groups=2)
+    model2 = models.build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe2)),
+                          deterministic=True)
+    _, aux = jax.jit(lambda p: model2.apply({"params": p}, batch, method="evaluate",
+                                            mutable=[AUX]))(params)
+    dropped2 = float(aux[AUX]["trunk"]["block_1"]["moe"]["moe"][0]["moe_dropped"])
+    assert ((two > 0).sum(-1) == 0)[~pad].sum() == dropped2
+    assert not np.array_equal(two, w)  # other tokens dropped than in one group
     # found in review: stacked layers failed with a KeyError deep in the collection
     with pytest.raises(ValueError, match="cannot read stacked layers"):
         route(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, stack_layers=True)),

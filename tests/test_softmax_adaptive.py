@@ -118,6 +118,13 @@ def test_rejects_bad_settings():
     with pytest.raises(ValueError, match=r"output.options.cutoffs` = 100 is not allowed: must "
                        r"be a list of increasing integers"):
         softmax.check_config("adaptive", {"cutoffs": 100}, vocab_size=V, frequency_sorted=True)
+    # a bug hunt (session 100): non-numbers crashed int() (a TypeError or a bare ValueError)
+    # and True passed as the cutoff 1
+    for bad in [("a",), (None,), ([1],), (True,), (float("nan"),)]:
+        with pytest.raises(ValueError, match=r"output.options.cutoffs` = .* must be strictly "
+                           r"increasing integers in \(0, model.vocab_size="):
+            softmax.check_config("adaptive", {"cutoffs": bad}, vocab_size=V,
+                                 frequency_sorted=True)
 
 
 def test_default_cutoffs():

@@ -12,14 +12,40 @@ import numpy as np
 from hpnlp.moe.layer import ROUTES, MoE  # noqa: F401 (MoE: the public name)
 
 
-def route(cfg, params, batch) -> dict:
+def eval_groups(cfg, num_devices: int | None = None) -> int:
+    """The routing groups the run of `cfg` evaluates in on `num_devices` devices (default:
+    this process's `jax.device_count()`): model.moe.groups, or where that is 0 one group per
+    data-parallel shard of the run's mesh laid out on those devices (`cfg.mesh.rules.batch`'s
+    axes; every device on the data axis where the mesh does not fit them, as
+    `Trainer` reads a saved run: `mesh_for_these_devices`)."""
+    import dataclasses
+    import math
+    if cfg.model.moe.groups:
+        return cfg.model.moe.groups
+    n = jax.device_count() if num_devices is None else num_devices
+    mesh = cfg.mesh
+    if not mesh.fits(n):
+        mesh = dataclasses.replace(mesh, data=-1, fsdp=1, tensor=1, sequence=1, pipeline=1,
+                                   expert=1)
+    sizes = mesh.axis_sizes(n)
+    return math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
+
+
+def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     """Where each MoE block sends the tokens of `batch` in evaluation (eval capacity):
     {block index: {"weights": [B, L, X] weight of each expert's output in each token (0: not
     routed, or dropped past capacity), "probs": [B, L, X] router probabilities}}.
 
+    The batch is routed in the groups the run's evaluation uses on `num_devices` devices
+    (default: this process's; `eval_groups`): model.moe.groups, or with groups=0 one per
+    data-parallel shard of the run's mesh there, so capacity drops what `Trainer.evaluate`
+    drops (computed on one device: the groups, not the devices, decide the routing).
+
         >>> routes = hpnlp.moe.route(cfg, state.params, batch)   # doctest: +SKIP
         >>> expert_BL = routes[1]["weights"].argmax(-1)           # top-1: each token's expert
     """
+    import dataclasses
+
     from hpnlp import models
     if not cfg.model.moe.num_experts:  # a README walk: a bare KeyError: 'moe_routes'
         raise ValueError("hpnlp.moe.route: this model has no MoE blocks "
@@ -28,9 +54,18 @@ def route(cfg, params, batch) -> dict:
         raise ValueError("hpnlp.moe.route cannot read stacked layers yet "
                          "(model.stack_layers=True: the blocks run as one scan, which keeps no "
                          "routes); route a model trained with model.stack_layers=False")
+    # a bug hunt (session 100): groups=0 routed the batch as one group (one device, no
+    # mesh), where a run evaluated on 4 devices routes in 4 and drops other tokens
+    groups = eval_groups(cfg, num_devices)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, moe=dataclasses.replace(cfg.model.moe, groups=groups)))
     model = models.build(cfg, deterministic=True)
+    # An LM's trunk only (a bug hunt, session 100: "evaluate" ran the output layer, which
+    # built without the task's token counts has other shapes than a class_based run's:
+    # flax's ScopeParamShapeError); routing never reads the output layer.
+    method = "hidden" if cfg.model.kind == "lm" else "evaluate"
     # jitted: run eagerly, the model compiles every primitive separately
-    _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate",
+    _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method=method,
                                               mutable=[ROUTES]))(params, batch)
     out = {}
     for name, sub in got[ROUTES]["trunk"].items():
