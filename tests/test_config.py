@@ -232,7 +232,7 @@ def test_task_fields_are_filled_in():
     ({"train": {"early_stopping_metric": "acc"}}, "train.early_stopping_metric", "accuracy"),
     ({"attention": {"name": "chunked", "options": {"impl": "kernel"}},
       "model": {"width": 60, "num_heads": 2}},
-     "attention.options.impl", "head dim 30 (the kernel needs a positive multiple of 16): set "
+     "attention.options.impl", "head dim 30 (the kernel needs a positive multiple of 16); set "
      "model.head_dim"),
     # a bug hunt (session 91): each taken, then ignored or refused at the model's init
     ({"attention": {"name": "ring", "options": {"axis": "seq"}}}, "attention.options.axis",
@@ -575,3 +575,45 @@ def test_fused_lstm_on_a_mesh_of_several_devices_or_no_kernel_names_rnn_impl(mon
                                           r"kernel cannot run here: cannot run the C\+\+ "
                                           r"compiler 'x'.*use rnn.impl='auto'"):
         validate(cfg, num_devices=1)
+
+
+@pytest.mark.parametrize("moe, model", [
+    ({"top_k": 5}, {}), ({"router": "foo"}, {}), ({"capacity_factor": 0}, {}),
+    ({"every": 5}, {}), ({"num_experts": -1}, {}), ({}, {"reversible": True}),
+    ({"dispatch": "dropless", "capacity_factor": 2.0}, {}),
+    ({"router": "expert_choice", "balance_loss": 0.0}, {})])
+def test_moe_fields_are_refused_before_the_devices_are_known(moe, model):
+    """A bug hunt (session 100): they were checked after the devices, so a process of a
+    multi-process run refused them only once every process had joined."""
+    with pytest.raises(ConfigError, match=r"`model\.(moe\.\w+|reversible)` = "):
+        validate(base(model={"moe": {"num_experts": 4, **moe}, **model}), devices=False)
+
+
+def test_an_implementation_this_machine_cannot_run_is_read_by_its_portable_twin(monkeypatch):
+    """A bug hunt (session 100): a GPU run's cuDNN attention, or a fused kernel's run read on
+    several devices, was refused by every reader (load_run_config's validate(devices=False)
+    too); a run trained here still refuses them, the kernel on several devices by name."""
+    from hpnlp.config.checks import portable_here
+    from hpnlp.rnn import fused
+    cudnn = base(attention={"name": "xla", "options": {"implementation": "cudnn"}},
+                 data={"batching": "pad"})
+    validate(cudnn, devices=False)
+    read, notes = portable_here(cudnn, 1)
+    assert read.attention.options["implementation"] == "xla" and len(notes) == 1
+    assert "read with 'xla', the same function" in notes[0]
+    validate(read, num_devices=1)
+    kernel = base(attention={"name": "chunked", "options": {"impl": "kernel"}},
+                  model={"width": 64})
+    with pytest.raises(ConfigError, match=r"`attention.options.impl` = 'kernel' is not allowed: "
+                       r"the fused kernel cannot run on a mesh of 4 devices .*use impl='auto'"):
+        validate(kernel, num_devices=4)
+    assert portable_here(kernel, 4)[0].attention.options["impl"] == "auto"
+    odd = base(attention={"name": "chunked", "options": {"impl": "kernel"}},
+               model={"width": 60, "num_heads": 2})
+    validate(odd, devices=False)
+    assert portable_here(odd, 1)[0].attention.options["impl"] == "auto"
+    monkeypatch.setattr(fused, "unavailable_reason", lambda: None)
+    lstm = base(model={"arch": "lstm", "width": 32}, rnn={"impl": "fused"})
+    assert portable_here(lstm, 1) == (lstm, [])
+    read, notes = portable_here(lstm, 2)
+    assert read.rnn.impl == "auto" and "a mesh of 2 devices" in notes[0]

@@ -270,6 +270,22 @@ def test_checkpoint_errors(plain, tmp_path):
         checkpoint_ensemble(other, plain, 2)
 
 
+def test_checkpoints_are_read_as_a_reader_reads_the_run(plain, capsys):
+    """A bug hunt (session 100): another --config's seed was "a different model" and the
+    reader was told to delete the run; a run of 4 devices' mesh was refused on 1."""
+    from hpnlp.train.ensemble import _restore_last
+    cfg = tiny(0)  # the run's own seed is 1
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=2, tensor=2))
+    trainer, steps, _ = _restore_last(cfg, plain, 2)
+    assert steps == [2, 4] and trainer.cfg.seed == 1 and trainer.cfg.mesh.tensor == 1
+    assert f"read with mesh.data={jax.device_count()}" in capsys.readouterr().err
+    other = tiny(1)
+    other = dataclasses.replace(other, model=dataclasses.replace(other.model, depth=2))
+    with pytest.raises(CheckpointMismatch, match=r"model.depth: saved 1, now 2\)\. Read it with "
+                                                 r"the config it was trained with"):
+        checkpoint_ensemble(other, plain, 2)
+
+
 # 8.2, 7.2, 6.9 and 8.2 s in four suites on the 2-core Zen 3 (2026-12-01), the README's command
 # over 10 min there from an empty kernel cache: CI's slow part runs it
 @pytest.mark.slow

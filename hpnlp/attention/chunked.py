@@ -368,6 +368,31 @@ class ChunkedAttention(Attention):
                     f"data.seq_len={seq_len}; divisors of {seq_len} include {divisors}, or "
                     "leave it unset (None) to pad automatically")
 
+    @classmethod
+    def cannot_run_here(cls, options, *, head_dim, num_devices):
+        """(option, portable value, why, fix) where `options` ask for the fused kernel
+        (`impl='kernel'`) and it cannot run on `num_devices` devices here, else None:
+        `validate` refuses it for a run it trains, and a run read here takes `impl='auto'`
+        (the same function, by XLA where the kernel cannot run). The GPU kernel's own limits
+        depend on the dtype the layer sees, and are its own error."""
+        if options.get("impl", cls.impl) != "kernel":
+            return None
+        use = "use impl='auto' (the kernel where it can run) or impl='xla'"
+        if num_devices > 1:  # a bug hunt (session 100): the layer's error, naming no field
+            return ("impl", "auto", f"the fused kernel cannot run on a mesh of {num_devices} "
+                    "devices (XLA cannot partition the kernel's call; the XLA path shards like "
+                    "any XLA program)", use)
+        if jax.default_backend() == "cpu":
+            why = flash_cpu.shape_blocker(head_dim)
+            if why:
+                return ("impl", "auto", f"the CPU kernel cannot run {why}", "set "
+                        "model.head_dim (or model.width / model.num_heads) to a multiple of 16, "
+                        "or " + use)
+            why = flash_cpu.KERNEL.unavailable_reason()
+            if why:
+                return ("impl", "auto", f"the CPU kernel cannot run here: {why}", use)
+        return None
+
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         def fit(block, n):
             return None if block is None else min(block, n)

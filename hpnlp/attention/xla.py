@@ -26,17 +26,24 @@ class XlaAttention(Attention):
 
     @classmethod
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):
-        """`implementation`: None, "xla", or "cudnn" where JAX runs on a GPU (a README walk:
-        another name, or cudnn on a CPU, failed after the data was built, naming no field)."""
+        """`implementation`: None, "xla", or "cudnn" (a README walk: another name failed after
+        the data was built, naming no field; cudnn off a GPU: `cannot_run_here`)."""
         super().check_config(options, seq_len=seq_len, causal=causal, field=field)
         impl = options.get("implementation")
         if impl not in (None, "xla", "cudnn"):
             raise config_error(f"{field}.implementation", impl, "choose 'xla', 'cudnn' (a GPU) "
                                "or leave it unset (None: JAX chooses)")
-        if impl == "cudnn" and jax.default_backend() != "gpu":
-            raise config_error(f"{field}.implementation", impl, f"cuDNN runs on a GPU, and JAX "
-                               f"runs on the {jax.default_backend()}; choose 'xla' or leave it "
-                               "unset")
+
+    @classmethod
+    def cannot_run_here(cls, options, *, head_dim, num_devices):
+        """(option, portable value, why, fix) where `options` ask for cuDNN and JAX runs on no
+        GPU, else None: `validate` refuses it for a run it trains (with the devices), and a
+        run read here computes the same function by XLA's implementation (a bug hunt,
+        session 100: a GPU run's config was refused by every reader)."""
+        if options.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
+            return ("implementation", "xla", f"cuDNN runs on a GPU, and JAX runs on the "
+                    f"{jax.default_backend()}", "choose 'xla' or leave it unset")
+        return None
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         check_inputs(q, k, v, mask)

@@ -375,6 +375,15 @@ class TeacherCarry(Carry):
         import dataclasses
 
         from hpnlp.config import MeshConfig
+        # what cannot run on this run's devices (a GPU teacher's cuDNN attention, a fused
+        # kernel on several devices) is read by its portable twin, said in one line (a bug
+        # hunt, session 100: refused, naming the teacher's file as edited)
+        from hpnlp.config.checks import portable_here
+        tcfg, notes = portable_here(tcfg, jax.device_count())
+        if jax.process_index() == 0:
+            for note in notes:
+                print(f"hpnlp: train.distill.teacher={self.workdir}: {note}", file=sys.stderr,
+                      flush=True)
         self.teacher_cfg = tcfg = validate(dataclasses.replace(tcfg, mesh=MeshConfig()),
                                            num_devices=1)
         for field, mine, theirs in (("data.task", cfg.data.task, tcfg.data.task),

@@ -209,9 +209,12 @@ def check_moe_fields(c: MoEConfig) -> None:
     _check_positive("model.moe.z_loss", c.z_loss, allow_zero=True)
 
 
-def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
-    """`model.moe`: fields, the mesh's expert axis, what MoE combines with (hpnlp.moe)."""
-    c, m, t, d = cfg.model.moe, cfg.model, cfg.train, cfg.data
+def _check_moe(cfg: Config) -> None:
+    """`model.moe`: fields, and what MoE combines with (hpnlp.moe), as far as none of it
+    depends on the devices (the mesh's expert axis and the batch's groups: `_check_moe_mesh`).
+    A bug hunt (session 100): all of it came after the devices' checks, so a process of a
+    multi-process run waited for the others to join before it refused a bad field."""
+    c, m = cfg.model.moe, cfg.model
     if not isinstance(c.num_experts, int) or c.num_experts < 0:
         _fail("model.moe.num_experts", c.num_experts, "must be an integer >= 0 (0: no MoE)")
     if not c.enabled():
@@ -222,10 +225,6 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
                       "model.moe.num_experts=0 (no MoE: every block keeps its dense MLP); set "
                       "num_experts > 0 to use it, or leave it at its default "
                       f"{getattr(default, f.name)!r}")
-        if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
-            _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
-                  "the batch, and mesh.rules.batch does not name it; add 'expert' to "
-                  "mesh.rules.batch or set mesh.expert=1")
         return
     check_moe_fields(c)
     default = MoEConfig()
@@ -253,8 +252,6 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
     for field, value, on, why in (
             ("model.reversible", True, m.reversible, "reversible blocks recompute themselves "
              "in a custom backward pass that cannot report the router's losses"),
-            ("mesh.pipeline", sizes["pipeline"], sizes["pipeline"] > 1, "pipeline stages apply "
-             "their layers functionally and cannot report the router's losses"),
             ("quant.act_scale", "static", m.quant.act_scale == "static" and
              m.quant.activations != "none" and m.quant.applies("mlp"), "the experts read their "
              "inputs quantized per token (dynamic), not by calibrated ranges; use "
@@ -268,6 +265,21 @@ def _check_moe(cfg: Config, sizes: Mapping[str, int]) -> None:
     if m.stack_layers and c.every != 1:
         _fail("model.moe.every", c.every, "stacked layers (model.stack_layers=True) are one "
               "block repeated; use every=1 or model.stack_layers=False")
+
+
+def _check_moe_mesh(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """`model.moe` on the mesh: its expert axis, pipeline stages, the routing groups."""
+    c, t, d = cfg.model.moe, cfg.train, cfg.data
+    if not c.enabled():
+        if sizes["expert"] > 1 and cfg.mesh.mesh_axes_of("batch").count("expert") == 0:
+            _fail("mesh.expert", sizes["expert"], "without model.moe the expert axis only splits "
+                  "the batch, and mesh.rules.batch does not name it; add 'expert' to "
+                  "mesh.rules.batch or set mesh.expert=1")
+        return
+    if sizes["pipeline"] > 1:
+        _fail("mesh.pipeline", sizes["pipeline"], "cannot be combined with model.moe: pipeline "
+              "stages apply their layers functionally and cannot report the router's losses")
+    X = c.num_experts
     ep = sizes["expert"]
     if X % ep:
         _fail("model.moe.num_experts", X, f"must be divisible by mesh.expert={ep} (each "
@@ -406,6 +418,45 @@ def _check_buckets(d: DataConfig) -> None:
               f"integer in [1, data.seq_len={d.seq_len}] (not {bad}); give them as "
               f"--config.data.bucket_boundaries={max(d.seq_len // 2, 1)},{d.seq_len}, or () for "
               "the default")
+
+
+def _attention_blocked(cfg: Config, num_devices: int) -> tuple[str, Any, str, str] | None:
+    """(option, portable value, why, fix) where attention.options name an implementation that
+    cannot run on `num_devices` devices of this machine (the variant's `cannot_run_here`)."""
+    from hpnlp import attention
+    if cfg.model.arch != "transformer" or cfg.attention.name not in attention.names():
+        return None  # (Transformer-XL attends by its own relative attention)
+    hook = getattr(attention.get(cfg.attention.name), "cannot_run_here", None)
+    if hook is None:
+        return None
+    return hook(dict(cfg.attention.options), head_dim=cfg.model.dims_per_head(),
+                num_devices=num_devices)
+
+
+def portable_here(cfg: Config, num_devices: int) -> tuple[Config, list[str]]:
+    """A saved run's `cfg` with each implementation that cannot run on `num_devices` devices
+    of this machine replaced by its portable twin, which computes the same function (cuDNN's
+    attention by XLA's, a fused kernel by `auto`), and a line saying so for each. A bug hunt
+    (session 100): a GPU run's `implementation='cudnn'`, or a fused kernel's run read on a
+    mesh of several devices, was refused by every reader, which has no flag to change it;
+    `validate` still refuses them for a run it trains, where the user sets them."""
+    notes = []
+    blocked = _attention_blocked(cfg, num_devices)
+    if blocked:
+        option, portable, why, _ = blocked
+        notes.append(f"attention.options.{option}={cfg.attention.options[option]!r} cannot "
+                     f"run here ({why}); read with {portable!r}, the same function")
+        cfg = dataclasses.replace(cfg, attention=dataclasses.replace(
+            cfg.attention, options={**cfg.attention.options, option: portable}))
+    if cfg.rnn.impl == "fused" and cfg.model.arch in ("lstm", "gru"):
+        from hpnlp.rnn import fused
+        why = (f"a mesh of {num_devices} devices" if num_devices > 1
+               else fused.unavailable_reason())
+        if why:
+            notes.append(f"rnn.impl='fused' cannot run here ({why}); read with rnn.impl='auto', "
+                         "the same function")
+            cfg = dataclasses.replace(cfg, rnn=dataclasses.replace(cfg.rnn, impl="auto"))
+    return cfg, notes
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
@@ -626,15 +677,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                        f"use an attention that draws them ({', '.join(drawers)})",
                        names=("feature_redraw_every",))
     causal = m.kind == "lm" or m.causal
-    if (cfg.attention.name == "chunked" and cfg.attention.options.get("impl") == "kernel"
-            and m.arch == "transformer" and _backend() == "cpu"):
-        # found in review: the layer's error at the model's init named no config field
-        from hpnlp.attention import flash_cpu
-        why = flash_cpu.shape_blocker(m.dims_per_head())
-        if why:
-            _fail("attention.options.impl", "kernel", f"the CPU kernel cannot run {why}: set "
-                  "model.head_dim (or model.width / model.num_heads) to a multiple of 16, or "
-                  "use impl='auto' (the kernel where it can run) or impl='xla'")
     check = getattr(att_cls, "check_config", None)
     if check is not None:
         check(dict(cfg.attention.options), seq_len=d.seq_len, causal=causal,
@@ -818,6 +860,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("output.tie_embeddings", True, f"output layer {cfg.output.name!r} cannot share the "
                   f"input embedding; set output.tie_embeddings=False, or use one of {tieable}")
 
+    _check_moe(cfg)  # (before the devices': a process checks it before it joins the others)
+
     # Devices and batch.
     if not devices:
         return dataclasses.replace(cfg, model=model)
@@ -880,6 +924,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("rnn.impl", "fused", f"the fused kernel cannot run on a mesh of {n} devices (XLA "
               "cannot partition the kernel's call); use rnn.impl='auto' (the XLA scan there) or "
               "'scan'")
+    blocked = _attention_blocked(cfg, n)  # found in review (the CPU kernel's head dims) and a
+    if blocked:  # bug hunt (session 100: a mesh of several devices): the layer's error at the
+        option, _, why, fix = blocked  # model's init named no config field
+        _fail(f"attention.options.{option}", cfg.attention.options[option], f"{why}; {fix}")
     ring_axis = cfg.attention.options.get("axis", "sequence")
     if (sizes["sequence"] > 1 and cfg.attention.name == "ring"
             and ring_axis not in mesh.mesh_axes_of("length")):
@@ -904,7 +952,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("attention.options.block", block, f"each device holds L / mesh.sequence = "
                   f"{[w // sizes['sequence'] for w in odd]} positions, which the ring's tile "
                   "must divide; choose a divisor of them, or None")
-    _check_moe(cfg, sizes)
+    _check_moe_mesh(cfg, sizes)
     for axis in MESH_AXES:  # a bug hunt (session 90): data=4 with rules.batch=None ran as 1
         # (pipeline stages need rules.layers, checked below)
         named = any(axis in mesh.mesh_axes_of(r) for r in mesh.rules)

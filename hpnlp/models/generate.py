@@ -409,7 +409,9 @@ def main(argv=None) -> int:
             state, _ = trainer.initial_state()
             return (model_params(state.params), None,
                     state.features_key(cfg.train.feature_redraw_every))
-        return cfg, trainer.task, weights
+        # the config as the reader laid it out here (a bug hunt, session 100: a GPU run's
+        # cuDNN attention, which the reader reads by XLA's, was decoded as saved)
+        return trainer.cfg, trainer.task, weights
 
     def load_quantized(out):
         """A quantized folder: its packed weights served by the integer kernels where they

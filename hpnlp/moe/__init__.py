@@ -15,19 +15,15 @@ from hpnlp.moe.layer import ROUTES, MoE  # noqa: F401 (MoE: the public name)
 def eval_groups(cfg, num_devices: int | None = None) -> int:
     """The routing groups the run of `cfg` evaluates in on `num_devices` devices (default:
     this process's `jax.device_count()`): model.moe.groups, or where that is 0 one group per
-    data-parallel shard of the run's mesh laid out on those devices (`cfg.mesh.rules.batch`'s
-    axes; every device on the data axis where the mesh does not fit them, as
-    `Trainer` reads a saved run: `mesh_for_these_devices`)."""
-    import dataclasses
+    data-parallel shard of the run's mesh laid out on those devices as `Trainer` reads a
+    saved run (`hpnlp.train.loop.reader_mesh`)."""
     import math
+
+    from hpnlp.train.loop import reader_mesh
     if cfg.model.moe.groups:
         return cfg.model.moe.groups
-    n = jax.device_count() if num_devices is None else num_devices
-    mesh = cfg.mesh
-    if not mesh.fits(n):
-        mesh = dataclasses.replace(mesh, data=-1, fsdp=1, tensor=1, sequence=1, pipeline=1,
-                                   expert=1)
-    sizes = mesh.axis_sizes(n)
+    mesh, k, _ = reader_mesh(cfg, jax.device_count() if num_devices is None else num_devices)
+    sizes = mesh.axis_sizes(k)
     return math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
 
 

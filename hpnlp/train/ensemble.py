@@ -367,6 +367,10 @@ def _restore_last(cfg, workdir: str, last_k: int):
                     f"trained with {theirs!r}, and its checkpoints are combined on its own data; "
                     f"give --config.data.{f.name}={theirs!r} (or the run's own config)")
         keep = run_cfg.train.keep_checkpoints
+        # its data (the paths as it saved them) and its seed, which a checkpoint's read does
+        # not use (a bug hunt, session 100: another --config's seed was "a different model",
+        # and the reader was told to delete the run)
+        cfg = dataclasses.replace(cfg, data=run_cfg.data, seed=run_cfg.seed)
     if keep < last_k:
         raise ConfigError(
             f"config field `train.keep_checkpoints` = {keep} is not allowed: a run keeps only its "
@@ -380,7 +384,9 @@ def _restore_last(cfg, workdir: str, last_k: int):
         raise NotEnoughCheckpoints(
             f"no run in workdir {workdir} (no config.json): train one there first with "
             "python -m hpnlp.main --workdir ...")
-    trainer = Trainer(cfg, workdir)
+    # read only: laid out for these devices as generate reads a run (a bug hunt, session
+    # 100: a run of 4 devices' mesh was refused on 1), and a mismatch is a reader's error
+    trainer = Trainer(cfg, workdir, read_only=True)
     steps = sorted(trainer.checkpointer.manager.all_steps())
     if len(steps) < last_k:
         trainer.checkpointer.close()

@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 import time
+import weakref
 from typing import Any
 
 import flax.linen as nn
@@ -24,7 +25,7 @@ import numpy as np
 
 from hpnlp import data as data_lib
 from hpnlp import models
-from hpnlp.config import (MESH_AXES, Config, config_error, from_configdict, validate,
+from hpnlp.config import (MESH_AXES, Config, MeshConfig, config_error, from_configdict, validate,
                           with_absolute_paths)
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
@@ -175,23 +176,96 @@ def _peak_memory() -> dict:
     return out
 
 
-def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
-    """A saved run read (not trained) where its mesh does not fit the devices (a tensor-
-    parallel run read on a laptop): its checkpoints do not depend on the layout, so it is read
-    with every device on the data axis, said in one line (a bug hunt, session 92: generate,
-    quantize and the kNN-LM refused it, and had no flag to lay it out otherwise)."""
-    n, mesh = jax.device_count(), cfg.mesh
-    if mesh.fits(n):
-        return cfg
+def _reader_split(cfg: Config, k: int) -> bool:
+    """Whether `k` data-parallel shards split the batches a run read here builds: its
+    training batch (per accumulation step), its eval batch, and explicit MoE groups."""
+    t, moe = cfg.train, cfg.model.moe
+    eval_bs = cfg.data.eval_batch_size or t.batch_size
+    groups = moe.groups if moe.enabled() and moe.dispatch == "capacity" else 0
+    return t.batch_size % (t.grad_accum * k) == 0 and eval_bs % k == 0 and groups % k == 0
+
+
+def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
+                ) -> tuple[MeshConfig, int, str | None]:
+    """(mesh, k devices it lays out, what changed: None where the saved mesh is kept) for a
+    run read on `n` devices (`for_these_devices`)."""
+    mesh = cfg.mesh
+    sizes = mesh.axis_sizes(n)
+    fits = mesh.fits(n)
+    shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch")) if fits else 0
+    if fits and _reader_split(cfg, shards):
+        return mesh, n, None
+    k = n
+    if fewer_devices and jax.process_count() == 1:  # (several processes' rows: all)
+        k = max(k for k in range(1, n + 1) if _reader_split(cfg, k))
     given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
+    saved = given or {"data": 1}  # a bug hunt (session 100): "on mesh {}" of all ones
+    why = (f"was trained on mesh {saved}, which does not fit the {n} device(s) here" if not
+           fits else f"splits its batch over {shards} of the {n} device(s) here, which "
+           f"does not divide it")
+    where = (f" on {k} of the {n} devices (train.batch_size={cfg.train.batch_size}, "
+             f"train.grad_accum={cfg.train.grad_accum} and data.eval_batch_size="
+             f"{cfg.data.eval_batch_size or cfg.train.batch_size} split over no more)"
+             if k < n else "")
+    why += (f"; read with mesh.data={k}{where}"
+            + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
+               else ""))
+    return dataclasses.replace(mesh, data=-1 if k == n else k, fsdp=1, tensor=1, sequence=1,
+                               pipeline=1, expert=1, pipeline_microbatches=0), k, why
+
+
+def for_these_devices(cfg: Config, workdir: str, *, fewer_devices: bool = True) -> Config:
+    """A saved run read (not trained) here: its checkpoints depend neither on the layout nor
+    on which implementation computed them, so each is chosen for these devices, said in one
+    line (a bug hunt, session 92: generate, quantize and the kNN-LM refused a tensor-parallel
+    run on a laptop, and had no flag to lay it out otherwise; session 100: so too a GPU run's
+    cuDNN attention, a fused kernel on several devices (`portable_here`), and a device count
+    that does not split the run's batch).
+
+    The mesh: where the saved one does not fit the devices, or its batch does not split over
+    them, every device on the data axis; where the batch does not split over all of them
+    (3 devices, a batch of 8), `fewer_devices` reads on the first k devices, k the most that
+    split it (`reader_devices`), else on all (callers that check the config against every
+    device themselves)."""
+    from hpnlp.config.checks import portable_here
+    # a mesh laid out here already (a reader's config passed on to another: quantize's to
+    # its Trainer) is kept, unsaid
+    mesh, k, why = (cfg.mesh, 0, None) if _laid_out(cfg.mesh) else reader_mesh(
+        cfg, jax.device_count(), fewer_devices=fewer_devices)
+    if why:
+        _LAID_OUT[id(mesh)] = (weakref.ref(mesh), k)
+        if jax.process_index() == 0:
+            print(f"hpnlp: {workdir} {why}", file=sys.stderr, flush=True)
+        cfg = dataclasses.replace(cfg, mesh=mesh)
+    cfg, notes = portable_here(cfg, len(reader_devices(cfg) or jax.devices()))
     if jax.process_index() == 0:
-        print(f"hpnlp: {workdir} was trained on mesh {given}, which does not fit the {n} "
-              f"device(s) here; read with mesh.data={n}"
-              + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
-                 else ""), file=sys.stderr, flush=True)
-    return dataclasses.replace(cfg, mesh=dataclasses.replace(
-        mesh, data=-1, fsdp=1, tensor=1, sequence=1, pipeline=1, expert=1,
-        pipeline_microbatches=0))
+        for note in notes:
+            print(f"hpnlp: {workdir}: {note}", file=sys.stderr, flush=True)
+    return cfg
+
+
+def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
+    """`for_these_devices` on every device (hpnlp.compress checks the config it derives
+    against all of them)."""
+    return for_these_devices(cfg, workdir, fewer_devices=False)
+
+
+# The meshes `for_these_devices` laid out, by identity: id -> (weak reference, devices k)
+_LAID_OUT: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _laid_out(mesh: MeshConfig) -> int | None:
+    entry = _LAID_OUT.get(id(mesh))
+    return entry[1] if entry is not None and entry[0]() is mesh else None
+
+
+def reader_devices(cfg: Config) -> list | None:
+    """The first k devices where `for_these_devices` laid a run read here on k of them, k
+    below the device count, else None (all)."""
+    k = _laid_out(cfg.mesh)
+    if not k or k >= jax.device_count():
+        return None
+    return jax.devices()[:k]
 
 
 class Trainer:
@@ -217,13 +291,16 @@ class Trainer:
             getattr(self, "_release_workdir", lambda: None)()
 
     def _build(self, cfg: Config, workdir: str, *, read_only: bool) -> None:
+        devices = None  # all
         if read_only:
-            cfg = mesh_for_these_devices(cfg, workdir)
+            cfg = for_these_devices(cfg, workdir)
+            devices = reader_devices(cfg)
             data_lib.check_files_of_run(cfg.data, workdir)
         else:  # its config.json is read from other directories (generate, a resume)
             cfg = with_absolute_paths(cfg)
         data_lib.check_prepared_of_run(cfg.data, workdir)
-        self.cfg = cfg = validate(cfg, num_processes=jax.process_count())
+        self.cfg = cfg = validate(cfg, num_processes=jax.process_count(),
+                                  num_devices=None if devices is None else len(devices))
         q = cfg.model.quant
         if not read_only and q.act_scale == "static" and q.activations in ("int8", "fp8"):
             # else the first step's trace fails, after the data and the model are built
@@ -260,7 +337,7 @@ class Trainer:
             data_lib.make_iterator(self.task, cfg.data, split="eval",
                                    batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
                                    **self.iter_args)
-        self.mesh = make_mesh(cfg.mesh)
+        self.mesh = make_mesh(cfg.mesh, devices)
         self.rules = cfg.mesh.rule_tuples()
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
         for bs in {cfg.train.batch_size, cfg.data.eval_batch_size or cfg.train.batch_size}:
