@@ -621,7 +621,13 @@ def test_a_run_that_may_have_seen_the_validation_split_is_named_and_a_resume_kee
             (bpe, cfg_of(task="word_lm", tokenizer="bpe", eval_split="validation"),
              "data.eval_split"),
             (bpe, cfg_of(task="word_lm", tokenizer="bpe", vocab_size=500), "data.vocab_size"),
-            (words, cfg_of(task="word_lm", word_vocab_size=300), "data.word_vocab_size")):
+            (words, cfg_of(task="word_lm", word_vocab_size=300), "data.word_vocab_size"),
+            # a file's last lines held out or not: other text (a bug hunt, session 100)
+            (cfg_of(task="word_lm", train_path="/t.txt", eval_path="/e.txt"),
+             cfg_of(task="word_lm", train_path="/t.txt"), "data.eval_path"),
+            (cfg_of(task="word_lm", tokenizer="bpe", train_path="/t.txt"),
+             cfg_of(task="word_lm", tokenizer="bpe", train_path="/t.txt", eval_path="/e.txt"),
+             "data.eval_path")):
         assert data.different_encoding(mine, theirs).startswith(field + "=")
     # past the shipped text's words, a larger bound is the same vocabulary
     assert data.different_encoding(cfg_of(task="word_lm", word_vocab_size=20000),

@@ -250,9 +250,12 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
         col_BK1 = jnp.where(active_B[:, None] & (j_1K <= n_B[:, None]),
                             t_B[:, None] + 1 + j_1K, out_BL.shape[1])
         out_BL = out_BL.at[rows[:, None], col_BK1].set(new_BK1, mode="drop")
-        t_B = jnp.where(active_B, t_B + n_B + 1, t_B)
+        t_prev_B, t_B = t_B, jnp.where(active_B, t_B + n_B + 1, t_B)
         return (t_B, out_BL, rewind(upd["cache"], positions(t_B)),
-                rewind(dcache, positions(t_B)), rng, rounds + 1, accepted_B + n_B,
+                rewind(dcache, positions(t_B)), rng, rounds + 1,
+                # the drafts it kept within the length (a bug hunt, session 100: those past
+                # it were counted: 40 of 40 accepted where 48 tokens took 10 target calls)
+                accepted_B + jnp.where(active_B, jnp.minimum(n_B, length - 1 - t_prev_B), 0),
                 row_rounds_B + active_B)
 
     t_B = jnp.full((B,), P - 1, jnp.int32)
