@@ -115,10 +115,11 @@ def _at_once_while_importing(prog: str | None):
 
 _imported = _at_once_while_importing(_interrupts_in_one_line())
 
-from hpnlp import xla_workarounds as _xla_workarounds  # noqa: E402
+try:  # (review: an import that failed left the handlers exiting on any later Ctrl-C)
+    from hpnlp import xla_workarounds as _xla_workarounds  # noqa: E402
 
-_xla_workarounds.apply()  # before JAX reads XLA_FLAGS (docs/xla_defects.md)
+    _xla_workarounds.apply()  # before JAX reads XLA_FLAGS (docs/xla_defects.md)
 
-from hpnlp import attention, config, data, models, softmax, train  # noqa: F401,E402
-
-_imported()
+    from hpnlp import attention, config, data, models, softmax, train  # noqa: F401,E402
+finally:
+    _imported()

@@ -513,6 +513,9 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     ({"dispatch": "dropless", "capacity_factor": 2.0}, {}, "model.moe.capacity_factor"),  # ignored
     ({"router": "expert_choice", "balance_loss": 0.1}, {}, "model.moe.balance_loss"),  # ignored
     ({"block_size": 64}, {}, "model.moe.block_size"),  # capacity dispatch: ignored
+    ({}, {"data": 2, "pipeline": 2}, "mesh.pipeline"),  # (review, session 100: the checks
+    ({"num_experts": 0}, {"data": 2, "expert": 2, "rules": {"batch": "data"}},
+     "mesh.expert"),  # of the mesh, moved)
 ])
 def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
     from test_train import tiny

@@ -183,11 +183,11 @@ def test_a_run_read_where_its_mesh_does_not_fit_reads_on_the_data_axis(capsys):
 
 def test_a_run_read_on_devices_that_do_not_split_its_batch_reads_on_fewer(capsys, monkeypatch):
     """A bug hunt (session 100): read with 3 devices, a batch of 8 was refused as
-    train.batch_size, a field the reader cannot set; and a mesh of all ones was "mesh {}"."""
+    train.batch_size, a field the reader cannot set."""
     from hpnlp.train.loop import for_these_devices
     monkeypatch.setattr(jax, "device_count", lambda: 3)
     for mesh, saved in (({"data": 1, "tensor": 4}, "mesh {'tensor': 4}, which does not fit"),
-                        ({"data": 1}, "mesh {'data': 1}, which does not fit"),
+                        ({"data": 4}, "mesh {'data': 4}, which does not fit"),
                         ({"data": -1}, "splits its batch over 3")):
         cd = tiny()
         cd.mesh.update(**mesh)
@@ -196,6 +196,11 @@ def test_a_run_read_on_devices_that_do_not_split_its_batch_reads_on_fewer(capsys
         err = capsys.readouterr().err
         assert err.startswith(f"hpnlp: /runs/tp {'was trained on ' * ('fit' in saved)}{saved}")
         assert "read with mesh.data=2 on 2 of the 3 devices (train.batch_size=8" in err, err
+    # a mesh of explicit sizes laying out fewer devices is a reader's already: kept, unsaid
+    cd = tiny()
+    cd.mesh.update(data=2)
+    cfg = from_configdict(cd)
+    assert for_these_devices(cfg, "/runs/tp") is cfg and not capsys.readouterr().err
 
 
 def test_a_checkpoint_holding_non_finite_parameters_is_damaged(tmp_path):

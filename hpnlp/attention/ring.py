@@ -50,7 +50,8 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
                    mesh: Mesh | None = None, axis: str = "sequence", block: int | None = None):
     """`mesh` None: the current mesh (`jax.set_mesh`). `block`: each ring step's tile size
     along the local query and key blocks (it must divide L / n); None: the largest
-    divisor of L / n up to DEFAULT_BLOCK."""
+    divisor of L / n up to DEFAULT_BLOCK (the whole L / n, one tile, where it has no divisor
+    above DEFAULT_BLOCK / 8)."""
     check_inputs(q_BLHD, k_BLHD, v_BLHD, mask_BL)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis not in mesh.axis_names:
@@ -67,7 +68,8 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
     local = L // n
     if block is None:
         block = _divisor_block(local, DEFAULT_BLOCK)
-    elif not (isinstance(block, int) and 0 < block and local % block == 0):
+    elif not (isinstance(block, int) and not isinstance(block, bool) and 0 < block
+              and local % block == 0):
         raise ValueError(f"ring_attention: block={block!r} must divide each device's "
                          f"{local} positions (L={L} over {n} devices); pass a divisor of "
                          f"{local}, or None")
@@ -254,7 +256,9 @@ class RingAttention(Attention):
     heads_independent = True
 
     axis: str = "sequence"
-    block: int | None = None  # each ring step's tile; None: up to DEFAULT_BLOCK (see above)
+    # each ring step's tile; None: up to DEFAULT_BLOCK (see above); without a sequence axis
+    # (the layer runs as `chunked`, which chooses its own blocks) it is not used
+    block: int | None = None
 
     @classmethod
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):

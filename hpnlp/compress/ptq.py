@@ -439,7 +439,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                "quantization; give the format to quantize it to (--weights ...)")
     from hpnlp import data as data_lib
     from hpnlp import models
-    from hpnlp.train.loop import Trainer, for_these_devices, reader_devices
+    from hpnlp.train.loop import (Trainer, for_these_devices, reader_device_count,
+                                  reader_devices)
     from hpnlp.train.step import finalize
 
     if q is not None and float_dtype is not None:
@@ -456,7 +457,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     cfg = for_these_devices(load_run_config(workdir), workdir)  # before with_quant
     # the devices it is read on (a bug hunt, session 100: 3 devices, which do not split a
     # batch of 8, were refused naming train.batch_size; the reader reads on 2 of them)
-    num_devices = len(reader_devices(cfg) or jax.devices())
+    num_devices = reader_device_count(cfg)
     if cfg.model.memory.size:
         raise config_error("model.memory.size", cfg.model.memory.size,
                            f"the run in {workdir} reads a key-value memory that lives in its train "
@@ -583,7 +584,10 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     if replacing:  # said once every check has passed
         print(f"hpnlp.compress: note: {replacing}", file=sys.stderr, flush=True)
     with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
-        size = save(stage, cfg_q, packed, quant_vars, meta)
+        # a layout on some of the devices here is this read's, not the folder's (review,
+        # session 100: saved, a folder quantized on 2 of 3 devices was refused on 1)
+        size = save(stage, dataclasses.replace(cfg_q, mesh=dataclasses.replace(
+            cfg_q.mesh, data=-1)) if reader_devices(cfg_q) else cfg_q, packed, quant_vars, meta)
         _, reloaded, reloaded_quant = load(stage, cfg_q)
         if not float_dtype:
             reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)

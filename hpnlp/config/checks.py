@@ -25,11 +25,6 @@ _MODEL_SET_OUTPUT = {k: f"is set by the model from {v}; set that instead" for k,
     "param_dtype": "model.param_dtype", "quant": "the quant group"}.items()}
 
 
-def _backend() -> str:
-    import jax
-    return jax.default_backend()
-
-
 def check_options(field: str, options: Mapping[str, Any], cls: type,
                   model_set: Mapping[str, str] | None = None) -> None:
     """Options must be constructor fields of the registered module class, of their default's
@@ -448,15 +443,24 @@ def portable_here(cfg: Config, num_devices: int) -> tuple[Config, list[str]]:
                      f"run here ({why}); read with {portable!r}, the same function")
         cfg = dataclasses.replace(cfg, attention=dataclasses.replace(
             cfg.attention, options={**cfg.attention.options, option: portable}))
-    if cfg.rnn.impl == "fused" and cfg.model.arch in ("lstm", "gru"):
-        from hpnlp.rnn import fused
-        why = (f"a mesh of {num_devices} devices" if num_devices > 1
-               else fused.unavailable_reason())
-        if why:
-            notes.append(f"rnn.impl='fused' cannot run here ({why}); read with rnn.impl='auto', "
-                         "the same function")
-            cfg = dataclasses.replace(cfg, rnn=dataclasses.replace(cfg.rnn, impl="auto"))
+    why = _rnn_blocked(cfg, num_devices)
+    if why:
+        notes.append(f"rnn.impl='fused': the kernel cannot run {why}; read with "
+                     "rnn.impl='auto', the same function")
+        cfg = dataclasses.replace(cfg, rnn=dataclasses.replace(cfg.rnn, impl="auto"))
     return cfg, notes
+
+
+def _rnn_blocked(cfg: Config, num_devices: int) -> str | None:
+    """Why the fused LSTM kernel that `cfg` asks for cannot run on `num_devices` devices of
+    this machine, else None (what the config itself rules out is validate's, by field)."""
+    if cfg.rnn.impl != "fused" or cfg.model.arch not in ("lstm", "gru"):
+        return None
+    if num_devices > 1:  # a bug hunt: the layer's error at init named its own field
+        return f"on a mesh of {num_devices} devices (XLA cannot partition the kernel's call)"
+    from hpnlp.rnn import fused  # a bug hunt (session 99): the layer's error, naming `impl`
+    reason = fused.unavailable_reason()
+    return reason and f"here: {reason}"
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
@@ -647,12 +651,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
              "rnn.recurrent_dropout or rnn.state_dropout > 0 (per-step masks in training)"),
             (m.width % 16, f"model.width={m.width} (the kernel needs a multiple of 16)"),
             (m.dtype != "float32", f"model.dtype={m.dtype!r} (the kernel computes in float32)"))
-            if cond), None)
-        if blocker is None and devices:  # a bug hunt (session 99): the layer's error, naming
-            # `impl` (this machine's: not a saved config's fault, devices=False)
-            from hpnlp.rnn import fused
-            reason = fused.unavailable_reason()
-            blocker = reason and f"here: {reason}"
+            if cond), None)  # (this machine's, with the devices: `_rnn_blocked`)
         if blocker:
             _fail("rnn.impl", "fused", f"the fused kernel cannot run {blocker}; use "
                   "rnn.impl='auto' (the kernel where it applies) or 'scan'")
@@ -919,11 +918,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("mesh.sequence", sizes["sequence"],
               "sequence parallelism splits every sequence over devices and needs "
               "attention.name='ring' (exact attention passing key/value blocks around the ring)")
-    if n > 1 and cfg.rnn.impl == "fused" and m.arch in ("lstm", "gru"):
-        # a bug hunt: the layer's error at init named its own field, not this one
-        _fail("rnn.impl", "fused", f"the fused kernel cannot run on a mesh of {n} devices (XLA "
-              "cannot partition the kernel's call); use rnn.impl='auto' (the XLA scan there) or "
-              "'scan'")
+    why = _rnn_blocked(cfg, n)
+    if why:
+        _fail("rnn.impl", "fused", f"the fused kernel cannot run {why}; use rnn.impl='auto' "
+              "(the kernel where it can run, else the XLA scan) or 'scan'")
     blocked = _attention_blocked(cfg, n)  # found in review (the CPU kernel's head dims) and a
     if blocked:  # bug hunt (session 100: a mesh of several devices): the layer's error at the
         option, _, why, fix = blocked  # model's init named no config field

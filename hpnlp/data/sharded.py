@@ -25,7 +25,8 @@ The iterator state is (window, batch within it, grain's reader state at the wind
 start): small JSON that goes into the Orbax checkpoint with the rest of the run, and a
 resumed run rereads that window and continues at the exact next batch. The state also holds
 a digest of the split's shards (the sha256 that prepare recorded for each, their sizes and
-first and last bytes): a folder prepared again or a shard replaced since is refused.
+first and last 64 KiB): a folder prepared again since is refused, and so is a shard replaced
+by one of another size or other ends.
 """
 
 from __future__ import annotations

@@ -372,8 +372,11 @@ def main(argv=None) -> int:
         if args.kv_cache is None:
             return cfg
         try:
+            # the fields alone: the reader lays the run out for these devices after (review,
+            # session 100: checked against them as saved, a GPU run's cuDNN was refused here)
             return validate(dataclasses.replace(cfg, model=dataclasses.replace(
-                cfg.model, quant=dataclasses.replace(cfg.model.quant, kv_cache=args.kv_cache))))
+                cfg.model, quant=dataclasses.replace(cfg.model.quant, kv_cache=args.kv_cache))),
+                devices=False)
         except ConfigError as e:
             raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
 

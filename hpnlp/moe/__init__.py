@@ -53,6 +53,12 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     # a bug hunt (session 100): groups=0 routed the batch as one group (one device, no
     # mesh), where a run evaluated on 4 devices routes in 4 and drops other tokens
     groups = eval_groups(cfg, num_devices)
+    rows = batch["inputs"].shape[0]
+    if not cfg.model.moe.groups and rows % groups:  # (review: the layer's error named groups)
+        raise ValueError(f"hpnlp.moe.route: the run evaluates in {groups} routing groups on "
+                         f"these devices (one per data-parallel shard), which {rows} batch "
+                         f"rows do not split into; pass a batch of a multiple of {groups} "
+                         "rows, or num_devices=1 to route it as one group")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, moe=dataclasses.replace(cfg.model.moe, groups=groups)))
     model = models.build(cfg, deterministic=True)

@@ -39,6 +39,7 @@ projection width, S a tail cluster's size, V vocabulary.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import flax.linen as nn
@@ -53,8 +54,11 @@ from hpnlp.softmax.base import (Frequencies, check_targets, frequencies, masked,
 def _valid_cutoffs(cuts: tuple, vocab_size: int) -> bool:
     """Strictly increasing integers in (0, vocab_size)."""
     # a bug hunt (session 100): "a", None or [1] crashed int() and True passed as 1
-    if not all(isinstance(c, numbers.Real) and not isinstance(c, (bool, np.bool_))
-               and np.isfinite(c) and int(c) == c for c in cuts):
+    def integral(c):  # (review: np.isfinite of an int past float64's range raised)
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, numbers.Real):
+            return False
+        return isinstance(c, numbers.Integral) or (math.isfinite(c) and int(c) == c)
+    if not all(integral(c) for c in cuts):
         return False
     return not (list(cuts) != sorted(set(cuts))
                 or (cuts and (cuts[0] <= 0 or cuts[-1] >= vocab_size)))

@@ -16,7 +16,6 @@ import os
 import resource
 import sys
 import time
-import weakref
 from typing import Any
 
 import flax.linen as nn
@@ -198,18 +197,22 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
     k = n
     if fewer_devices and jax.process_count() == 1:  # (several processes' rows: all)
         k = max(k for k in range(1, n + 1) if _reader_split(cfg, k))
+    if fits and k == n:  # (review: said "read with mesh.data=n", then validate refused it)
+        return mesh, n, None
     given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
     saved = given or {"data": 1}  # a bug hunt (session 100): "on mesh {}" of all ones
     why = (f"was trained on mesh {saved}, which does not fit the {n} device(s) here" if not
            fits else f"splits its batch over {shards} of the {n} device(s) here, which "
            f"does not divide it")
+    groups = cfg.model.moe.groups if cfg.model.moe.enabled() else 0
     where = (f" on {k} of the {n} devices (train.batch_size={cfg.train.batch_size}, "
-             f"train.grad_accum={cfg.train.grad_accum} and data.eval_batch_size="
-             f"{cfg.data.eval_batch_size or cfg.train.batch_size} split over no more)"
+             f"train.grad_accum={cfg.train.grad_accum}, data.eval_batch_size="
+             f"{cfg.data.eval_batch_size or cfg.train.batch_size}"
+             + (f" and model.moe.groups={groups}" if groups else "") + " split over no more)"
              if k < n else "")
     why += (f"; read with mesh.data={k}{where}"
             + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
-               else ""))
+               and not groups else ""))
     return dataclasses.replace(mesh, data=-1 if k == n else k, fsdp=1, tensor=1, sequence=1,
                                pipeline=1, expert=1, pipeline_microbatches=0), k, why
 
@@ -230,14 +233,13 @@ def for_these_devices(cfg: Config, workdir: str, *, fewer_devices: bool = True) 
     from hpnlp.config.checks import portable_here
     # a mesh laid out here already (a reader's config passed on to another: quantize's to
     # its Trainer) is kept, unsaid
-    mesh, k, why = (cfg.mesh, 0, None) if _laid_out(cfg.mesh) else reader_mesh(
+    mesh, _, why = (cfg.mesh, 0, None) if reader_devices(cfg) else reader_mesh(
         cfg, jax.device_count(), fewer_devices=fewer_devices)
     if why:
-        _LAID_OUT[id(mesh)] = (weakref.ref(mesh), k)
         if jax.process_index() == 0:
             print(f"hpnlp: {workdir} {why}", file=sys.stderr, flush=True)
         cfg = dataclasses.replace(cfg, mesh=mesh)
-    cfg, notes = portable_here(cfg, len(reader_devices(cfg) or jax.devices()))
+    cfg, notes = portable_here(cfg, reader_device_count(cfg))
     if jax.process_index() == 0:
         for note in notes:
             print(f"hpnlp: {workdir}: {note}", file=sys.stderr, flush=True)
@@ -245,27 +247,25 @@ def for_these_devices(cfg: Config, workdir: str, *, fewer_devices: bool = True) 
 
 
 def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
-    """`for_these_devices` on every device (hpnlp.compress checks the config it derives
-    against all of them)."""
+    """`for_these_devices` on every device (`compress shrink`, whose output is a run to
+    train on all of them)."""
     return for_these_devices(cfg, workdir, fewer_devices=False)
 
 
-# The meshes `for_these_devices` laid out, by identity: id -> (weak reference, devices k)
-_LAID_OUT: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _laid_out(mesh: MeshConfig) -> int | None:
-    entry = _LAID_OUT.get(id(mesh))
-    return entry[1] if entry is not None and entry[0]() is mesh else None
-
-
 def reader_devices(cfg: Config) -> list | None:
-    """The first k devices where `for_these_devices` laid a run read here on k of them, k
-    below the device count, else None (all)."""
-    k = _laid_out(cfg.mesh)
-    if not k or k >= jax.device_count():
+    """The first k devices where a run read here is laid out on k of them, k below the device
+    count, else None (all). Derived from the mesh: `validate` refuses a mesh of fewer devices
+    than there are, so one of explicit sizes (no -1) laying out fewer is a reader's."""
+    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    k = math.prod(sizes)
+    if jax.process_count() > 1 or -1 in sizes or k >= jax.device_count():
         return None
     return jax.devices()[:k]
+
+
+def reader_device_count(cfg: Config) -> int:
+    """How many devices a run read here is laid out on (`reader_devices`)."""
+    return len(reader_devices(cfg) or jax.devices())
 
 
 class Trainer:
