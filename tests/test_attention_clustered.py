@@ -16,7 +16,8 @@ import pytest
 import hpnlp.attention as A
 from hpnlp import models
 from hpnlp.attention.base import masked_softmax_attention, segment_mask
-from hpnlp.attention.clustered import route
+from hpnlp.attention.clustered import clustered_attention, route
+from hpnlp.attention.lsh import ROUTING
 from hpnlp.config import (AttentionConfig, ConfigError, ModelConfig, default_configdict,
                           from_configdict, validate)
 
@@ -179,6 +180,45 @@ def test_bfloat16_is_finite_and_close():
     chex.assert_tree_all_finite(out)
     ref = _apply(attn, True, params, *(x.astype(jnp.float32) for x in (q, k, v)), mask)
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2)
+
+
+def test_a_kept_routing_is_reused_not_routed_again():
+    """A bug hunt (session 100): reversible blocks replay attention on an input rebuilt from
+    the outputs (equal to rounding; in bfloat16 an argmax flipped). With the `routing`
+    collection mutable the module keeps its clusters; given them, it attends by them."""
+    attn = _module()
+    params = _params(attn)
+    (q, k, v), (q2, k2, _) = _qkv(3), _qkv(4)
+    mask = _padding([L, 19])
+
+    @jax.jit
+    def run(q, k, q2, k2, v):
+        _, kept = attn.apply({"params": params}, q, k, v, mask, causal=True, mutable=[ROUTING])
+        cluster = kept[ROUTING]["cluster"]
+        return (cluster, route(q, k, params["centroids"]),
+                attn.apply({"params": params, **kept}, q2, k2, v, mask, causal=True),
+                clustered_attention(q2, k2, v, cluster, mask, causal=True, chunk_size=W),
+                _call(attn, True, params, q2, k2, v, mask))
+
+    cluster, want, replay, by_cluster, rerouted = run(q, k, q2, k2, v)
+    np.testing.assert_array_equal(cluster, want)
+    np.testing.assert_allclose(replay, by_cluster, atol=1e-6)
+    assert float(jnp.abs(replay - rerouted).max()) > 1e-2  # q2, k2 alone route elsewhere
+    assert ROUTING not in jax.eval_shape(lambda: attn.init(_key(0), q, k, v, mask, causal=True))
+
+
+def test_value_head_dim_other_than_the_querys():
+    """A bug hunt (session 100): v's head dim 6 beside q's 8 failed to reshape; now its own,
+    dense attention at one cluster and one chunk."""
+    attn = _module(num_clusters=1, chunk_size=L)
+    params = _params(attn)
+    q, k, _ = _qkv()
+    v6 = np.random.default_rng(5).standard_normal((B, L, H, 6)).astype(np.float32)
+    mask = _padding([L, 19])
+    out = _apply(attn, True, params, q, k, v6, mask)
+    assert out.shape == (B, L, H, 6)
+    np.testing.assert_allclose(out, _dense(q, k, v6, segment_mask(mask, mask, causal=True)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_no_recompile_across_calls():

@@ -18,7 +18,7 @@ import pytest
 import hpnlp.attention as A
 from hpnlp import models
 from hpnlp.attention.lsh import (  # importing the module registers "lsh"
-    lsh_attention, lsh_windows, shared_keys, shared_qk_attention)
+    ROUTING, lsh_attention, lsh_permutation, lsh_windows, shared_keys, shared_qk_attention)
 from hpnlp.config import AttentionConfig, ConfigError, ModelConfig, default_configdict, from_configdict
 from hpnlp.models.transformer import positions_of
 
@@ -257,6 +257,45 @@ def test_features_rng_draws_rotations_without_recompiling():
     without = nn.apply(rotation_key, module)({})
     np.testing.assert_array_equal(jax.random.key_data(without), jax.random.key_data(jax.random.key(4)))
     assert not np.array_equal(jax.random.key_data(with_stream), jax.random.key_data(without))
+
+
+def test_a_kept_routing_is_reused_not_hashed_again():
+    """A bug hunt (session 100): reversible blocks replay attention on an input rebuilt from
+    the outputs (equal to rounding; in bfloat16 buckets moved). With the `routing`
+    collection mutable the module keeps its sort permutation; given one, it sorts by it."""
+    q, _, v = _qkv(seed=3)
+    q2 = _qkv(seed=4)[0]
+    mask = _padding([L, 23])
+    module = A.get("lsh")(**HASHED)  # no `features` stream: rotations from seed 0, as below
+
+    @jax.jit
+    def run(q, q2, v):
+        out, kept = module.apply({}, q, q, v, mask, causal=True, mutable=[ROUTING])
+        perm = kept[ROUTING]["perm"]
+        return (out, perm, module.apply(kept, q2, q2, v, mask, causal=True),
+                lsh_attention(q2, v, mask, causal=True, perm_BHRP=perm, **HASHED),
+                lsh_attention(q2, v, mask, causal=True, **HASHED),
+                lsh_permutation(q, mask, **HASHED))
+
+    out, perm, replay, by_perm, rehashed, want_perm = run(q, q2, v)
+    np.testing.assert_array_equal(perm, want_perm)
+    np.testing.assert_allclose(replay, by_perm, atol=1e-6)
+    assert float(jnp.abs(replay - rehashed).max()) > 1e-2  # q2 alone hashes elsewhere
+    # init and a plain apply keep nothing
+    assert ROUTING not in jax.eval_shape(lambda: module.init(jax.random.key(0), q, q, v, mask))
+
+
+def test_value_head_dim_other_than_the_querys():
+    """A bug hunt (session 100): v's head dim 6 beside q's 4 failed to reshape; now its own,
+    equal to the twin at one bucket."""
+    q = _qkv()[0][..., :4]
+    v6 = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, H, 6)), jnp.float32)
+    mask = _padding([L, 19])
+    out, ref = jax.jit(lambda q, v: (
+        lsh_attention(q, v, mask, causal=True, num_buckets=1, chunk_size=L),
+        shared_qk_attention(q, v, mask, causal=True)))(q, v6)
+    assert out.shape == (B, L, H, 6)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
 def test_decode_matches_one_bucket_causal_forward():

@@ -85,6 +85,20 @@ def test_single_block_is_dense_attention_outputs_and_grads():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_value_head_dim_other_than_the_querys():
+    """A bug hunt (session 100): v's head dim 6 beside q's 8 failed to reshape; now its own,
+    dense attention with a single block."""
+    attn = _module(block_size=L)
+    params = _params(attn)
+    q, k, _ = _qkv()
+    v6 = np.random.default_rng(5).standard_normal((B, L, H, 6)).astype(np.float32)
+    mask = _padding([L, 19])
+    out = _apply(attn, params, q, k, v6, mask)
+    assert out.shape == (B, L, H, 6)
+    np.testing.assert_allclose(out, jax.jit(dense_attention)(q, k, v6, mask), atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_hard_permutation_is_dense_attention_over_own_and_chosen_block():
     N, Q = 4, L // 4
     choice = np.array([[[2, 0, 3, 1], [1, 1, 0, 3]]] * B)  # [B, H, N]: block i sees choice[i]

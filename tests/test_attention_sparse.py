@@ -234,6 +234,21 @@ def test_decode_matches_full_causal_forward(case):
     np.testing.assert_allclose(decoded, full, atol=1e-5)
 
 
+def test_strided_value_head_dim_other_than_the_querys():
+    """A bug hunt (session 100): v's head dim 6 beside q's 8 failed to reshape in the
+    strided column part; now its own, equal to the masked dense twin."""
+    q, k, _ = _qkv(32)
+    v6 = jax.random.normal(jax.random.key(5), (B, 32, H, 6))
+    mask = _random_mask(32, seed=3)
+    mods = [_module("strided"), _module("fixed")]
+    outs = _jit(lambda q, k, v: [(m(q, k, v, mask, causal=True),
+                                  sparse.masked_dense_twin(m, q, k, v, mask, causal=True))
+                                 for m in mods])(q, k, v6)
+    for out, ref in outs:
+        assert out.shape == (B, 32, H, 6)
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_inputs_have_clear_errors():
     q, k, v = _qkv(32)
     with pytest.raises(ValueError, match="head dims differ"):

@@ -7,6 +7,7 @@ saved residuals for remat, compiled temp memory for reversible blocks.
 
 import contextlib
 import dataclasses
+import importlib
 import io
 import re
 
@@ -163,6 +164,34 @@ def test_reversible_custom_vjp_matches_plain_autodiff(pos_emb):
     assert all(float(jnp.abs(t).max()) > 0 for t in jax.tree.leaves(g))
     # Dropout is on: another key gives other outputs (so the match above used the same masks).
     assert float(jnp.max(jnp.abs(y2 - y))) > 1e-3
+
+
+@pytest.mark.parametrize("name,opts,routing_fn", [
+    ("lsh", {"chunk_size": 4, "num_buckets": 4}, "hash_buckets"),
+    ("clustered", {"chunk_size": 4, "num_clusters": 3}, "route")])
+def test_reversible_backward_reuses_the_forwards_routing(name, opts, routing_fn, monkeypatch):
+    """A bug hunt (session 100): the backward replayed F on x2 = y2 - G(y1), the forward's x2
+    only to rounding, and `lsh` hashed it again (`clustered` routed it again): in bfloat16
+    155 of 4096 buckets moved (L=512, depth 6). Now each block's routing is chosen once, in
+    the forward (counted at trace time: no compile), and the backward reuses it."""
+    module = importlib.import_module(f"hpnlp.attention.{name}")
+    calls = []
+    real = getattr(module, routing_fn)
+    monkeypatch.setattr(module, routing_fn, lambda *a: calls.append(1) or real(*a))
+    _, x_BLE, seg_BL = rev_inputs()
+    m = make_cfg(depth=2, dropout=0.0, reversible=True, dtype="bfloat16").model
+    stack = ReversibleStack(m, AttentionConfig(name, opts), causal=True, deterministic=True)
+    params = random_params(stack, x_BLE, seg_BL)
+    calls.clear()  # init's
+    jax.make_jaxpr(jax.grad(lambda p, x: rev_loss(stack, seg_BL)(p, x)[0], (0, 1)))(params, x_BLE)
+    assert len(calls) == m.depth  # the forward's only (it was 2 * depth)
+    if name == "lsh":  # and the gradients are plain autodiff's, in bfloat16
+        plain = dataclasses.replace(stack, recompute=False)
+        grad = lambda mod: jax.value_and_grad(rev_loss(mod, seg_BL), (0, 1), has_aux=True)
+        ((_, y), g), ((_, y_ref), g_ref) = run_fast(
+            lambda p, x: (grad(stack)(p, x), grad(plain)(p, x)), params, x_BLE)
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(g, g_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_reversible_keeps_causality_and_segments():

@@ -27,6 +27,12 @@ k-means by gradient descent). Its gradient, the sum over the tokens of cluster c
 output depends on the centroids only through the discrete assignment (zero task
 gradient). q and k get no gradient from routing, as in the paper.
 
+Reversible blocks: the assignment is kept in the `routing` variable collection when the
+caller makes it mutable and read from it when the caller passes it (`lsh.kept_routing`),
+so a reversible backward, which recomputes attention on an input rebuilt from the block's
+outputs (equal only to rounding), routes as the forward did (a bug hunt (session 100): in
+bfloat16 one rounding can flip the argmax).
+
 Shape letters: B batch, L length (P once padded to whole chunks), H heads, D head dim,
 C clusters, N chunks, W chunk size, K key slots a chunk sees (2W causal, 3W not), T cache.
 """
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 
 from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention,
                                   register)
+from hpnlp.attention.lsh import kept_routing
 from hpnlp.config import ConfigError
 
 _NEG = -1e30
@@ -137,7 +144,7 @@ def clustered_attention(q_BLHD, k_BLHD, v_BLHD, cluster_BLH, seg_BL, *, causal: 
     p_BHNWK = jnp.where(ok_BHNWK, jnp.exp(logits_BHNWK - m_BHNW1), 0.0)
     p_BHNWK = p_BHNWK / jnp.maximum(jnp.sum(p_BHNWK, axis=-1, keepdims=True), 1e-30)
     sout_BHPD = jnp.einsum("bhnqk,bhnkd->bhnqd", p_BHNWK,
-                           v_BHNKD.astype(jnp.float32)).reshape(B, H, P, D)
+                           v_BHNKD.astype(jnp.float32)).reshape(B, H, P, v_BLHD.shape[-1])
 
     # Undo the sort (rows with no allowed key, i.e. padding, are zeros).
     inv_BHP = jnp.argsort(spos_BHP, axis=-1)
@@ -189,7 +196,10 @@ class ClusteredAttention(Attention):
             nn.initializers.normal(1.0), ("heads", None, "kv")), (H, self.num_clusters, D),
             jnp.float32)
         seg_BL = jnp.ones((B, L), jnp.int32) if mask is None else mask.astype(jnp.int32)
-        cluster_BLH = route(q, k, centroids_HCD)
+        cluster_BLH = kept_routing(self, "cluster", lambda: route(q, k, centroids_HCD))
+        if cluster_BLH.shape != (B, L, H):
+            raise ValueError(f"clustered: the kept routing has shape {cluster_BLH.shape}, not "
+                             f"[B, L, H] = {(B, L, H)}; pass the one this input's forward kept")
         grad_HCD = jax.lax.stop_gradient(
             kmeans_grad(q, k, centroids_HCD, cluster_BLH, seg_BL != 0))
         q = _with_kmeans_grad(q, centroids_HCD, grad_HCD)

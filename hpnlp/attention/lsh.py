@@ -38,7 +38,13 @@ What this implementation does, and where it departs from the paper/trax:
   forward pass used (tested against a dense twin masked to that pattern). Under a model
   remat of the whole block the forward pass (hash included) is replayed from the same
   inputs by the same program, so the buckets come out the same (checked: model.remat
-  'full' and 'dots_saveable' give the same gradients).
+  'full' and 'dots_saveable' give the same gradients). Reversible blocks replay F on an
+  input rebuilt from the outputs, equal to the forward's only to rounding, and in bfloat16
+  one rounding moves a token across a bucket boundary (a bug hunt (session 100): the
+  backward's re-hash put 155 of 4096 token-rounds elsewhere at L=512, depth 6); so the
+  module keeps its sort permutation in the `ROUTING` variable collection when the caller
+  makes it mutable, and reads it from there when the caller passes it (`kept_routing`):
+  the reversible backward reuses the forward's buckets.
 * Causal mode masks keys after the query (positions are carried through the sort), so no
   gradient reaches out[t] from tokens after t. But which past keys token t sees depends
   on every token's bucket, future ones included (they shift chunk boundaries), as in
@@ -68,6 +74,23 @@ from hpnlp.config import ConfigError
 
 _NEG = -1e30  # masked-out scores (excluded entirely)
 _SELF = 1e5  # Reformer's self-attention penalty: finite, so "self" is a last resort
+ROUTING = "routing"  # variable collection of discrete routing a replay must reuse
+
+
+def kept_routing(module, name: str, compute):
+    """A variant's discrete routing `name` (integer arrays chosen from its inputs): read
+    from the `ROUTING` collection when the caller passes one, else `compute()`d and, when
+    the caller made the collection mutable, stored there. Reversible blocks use it: their
+    backward recomputes attention on an input rebuilt from the outputs, equal to the
+    forward's only to rounding, which can flip a bucket or cluster (`lsh`, `clustered`)."""
+    if module.scope is None:  # unbound: no collections
+        return compute()
+    if module.has_variable(ROUTING, name):
+        return module.get_variable(ROUTING, name)
+    value = compute()
+    if module.is_mutable_collection(ROUTING) and not module.is_initializing():
+        module.put_variable(ROUTING, name, value)
+    return value
 
 
 # ----------------------------------------------------------------------------- options
@@ -167,8 +190,15 @@ def sort_by_bucket(buckets_BHRP, seg_BP):
     segkey_BHRP = jnp.broadcast_to(segkey_BP[:, None, None, :], (B, H, R, P))
     pos_BHRP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, H, R, P))
     *_, perm_BHRP = jax.lax.sort((segkey_BHRP, buckets_BHRP, pos_BHRP), dimension=3, num_keys=3)
+    return jax.lax.stop_gradient(perm_BHRP), _inverse(perm_BHRP)
+
+
+def _inverse(perm_BHRP):
+    """The permutation that undoes `perm_BHRP` (along its last axis)."""
+    pos_BHRP = jnp.broadcast_to(jnp.arange(perm_BHRP.shape[-1], dtype=jnp.int32),
+                                perm_BHRP.shape)
     _, inv_BHRP = jax.lax.sort((perm_BHRP, pos_BHRP), dimension=3, num_keys=1)
-    return jax.lax.stop_gradient(perm_BHRP), jax.lax.stop_gradient(inv_BHRP)
+    return jax.lax.stop_gradient(inv_BHRP)
 
 
 def _look_back(x_BHRNC):
@@ -176,8 +206,9 @@ def _look_back(x_BHRNC):
     return jnp.concatenate([x_BHRNC, jnp.roll(x_BHRNC, 1, axis=3)], axis=4)
 
 
-def _layout(q_BLHD, mask_BL, *, num_hashes, num_buckets, chunk_size, key):
-    """Pad to a multiple of the chunk, hash, sort. Returns (q_BHPD, seg_BP, perm, inv, C)."""
+def _layout(q_BLHD, mask_BL, *, num_hashes, num_buckets, chunk_size, key, perm_BHRP=None):
+    """Pad to a multiple of the chunk, hash, sort. Returns (q_BHPD, seg_BP, perm, inv, C).
+    A given `perm_BHRP` (a forward pass's, kept for its replay) is used instead of hashing."""
     check_inputs(q_BLHD, q_BLHD, q_BLHD, mask_BL)
     for name, value in (("num_hashes", num_hashes), ("num_buckets", num_buckets),
                         ("chunk_size", chunk_size)):
@@ -190,11 +221,26 @@ def _layout(q_BLHD, mask_BL, *, num_hashes, num_buckets, chunk_size, key):
     seg_BL = jnp.ones((B, L), jnp.int32) if mask_BL is None else mask_BL.astype(jnp.int32)
     seg_BP = jnp.pad(seg_BL, ((0, 0), (0, P - L)))
     q_BHPD = jnp.pad(q_BLHD, ((0, 0), (0, P - L), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    if perm_BHRP is not None:
+        if tuple(perm_BHRP.shape) != (B, H, num_hashes, P):
+            raise ValueError(f"lsh attention: the kept sort permutation has shape "
+                             f"{tuple(perm_BHRP.shape)}, not [B, H, num_hashes, padded L] = "
+                             f"{(B, H, num_hashes, P)}; pass the one this input's forward kept")
+        return q_BHPD, seg_BP, perm_BHRP, _inverse(perm_BHRP), C
     nb = effective_num_buckets(num_buckets, L, chunk_size)
     rotations_HRDK = draw_rotations(key, H, num_hashes, D, nb)
     buckets_BHRP = hash_buckets(q_BHPD, rotations_HRDK, num_hashes)
     perm_BHRP, inv_BHRP = sort_by_bucket(buckets_BHRP, seg_BP)
     return q_BHPD, seg_BP, perm_BHRP, inv_BHRP, C
+
+
+def lsh_permutation(q_BLHD, mask_BL=None, *, num_hashes=2, num_buckets=16, chunk_size=32,
+                    key=None):
+    """The hash-sort permutation [B, H, R, P] `lsh_attention` would use (P: L padded to a
+    multiple of the chunk): `perm[..., i]` is the position of the i-th sorted token."""
+    key = jax.random.key(0) if key is None else key
+    return _layout(q_BLHD, mask_BL, num_hashes=num_hashes, num_buckets=num_buckets,
+                   chunk_size=chunk_size, key=key)[2]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -206,6 +252,7 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
     scores with the forward pass's buckets.
     """
     B, H, P, D = q_BHPD.shape
+    Dv = v_BHPD.shape[-1]  # the values' own head dim (a bug hunt (session 100): it took D)
     R, C = perm_BHRP.shape[2], chunk
     N = P // C
 
@@ -217,7 +264,7 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
 
     q_BHRNCD = sort(q_BHPD, (D,))
     k_BHRNWD = _look_back(sort(kn_BHPD, (D,)))
-    v_BHRNWD = _look_back(sort(v_BHPD, (D,)))
+    v_BHRNWD = _look_back(sort(v_BHPD, (Dv,)))
     qpos_BHRNC = perm_BHRP.reshape(B, H, R, N, C)
     kpos_BHRNW = _look_back(qpos_BHRNC)
     qseg_BHRNC = jnp.take_along_axis(seg_BP[:, None, None, :], perm_BHRP, axis=3)
@@ -250,15 +297,16 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
     o_BHRNCD = o_BHRNCD / l_BHRNC[..., None]
     # Back to original order, then weight round r by exp(lse_r - logsumexp_r lse_r). Padding
     # queries have lse 0 and output 0 in every round, so they stay 0 (never NaN).
-    o_BHRPD = jnp.take_along_axis(o_BHRNCD.reshape(B, H, R, P, D), inv_BHRP[..., None], axis=3)
+    o_BHRPD = jnp.take_along_axis(o_BHRNCD.reshape(B, H, R, P, Dv), inv_BHRP[..., None], axis=3)
     lse_BHRP = jnp.take_along_axis(lse_BHRNC.reshape(B, H, R, P), inv_BHRP, axis=3)
     w_BHRP = jax.nn.softmax(lse_BHRP, axis=2)
     return jnp.einsum("bhrp,bhrpd->bhpd", w_BHRP, o_BHRPD)
 
 
 def lsh_attention(q_BLHD, v_BLHD, mask_BL=None, *, causal=False, num_hashes=2, num_buckets=16,
-                  chunk_size=32, key=None):
-    """Functional form: shared-QK LSH attention of `q` (queries and keys) over values `v`."""
+                  chunk_size=32, key=None, perm_BHRP=None):
+    """Functional form: shared-QK LSH attention of `q` (queries and keys) over values `v`.
+    `perm_BHRP` (from `lsh_permutation`): sort by it instead of hashing `q` again."""
     if v_BLHD.shape[:3] != q_BLHD.shape[:3]:
         raise ValueError(f"lsh attention is self-attention: q{q_BLHD.shape} and v{v_BLHD.shape} "
                          "must agree on [batch, length, heads]")
@@ -266,7 +314,7 @@ def lsh_attention(q_BLHD, v_BLHD, mask_BL=None, *, causal=False, num_hashes=2, n
     L = q_BLHD.shape[1]
     q_BHPD, seg_BP, perm_BHRP, inv_BHRP, C = _layout(
         q_BLHD, mask_BL, num_hashes=num_hashes, num_buckets=num_buckets, chunk_size=chunk_size,
-        key=key)
+        key=key, perm_BHRP=perm_BHRP)
     P = q_BHPD.shape[2]
     kn_BHPD = shared_keys(q_BHPD).astype(q_BLHD.dtype)
     v_BHPD = jnp.pad(v_BLHD, ((0, 0), (0, P - L), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
@@ -341,9 +389,11 @@ class LSHAttention(Attention):
         if k.shape != q.shape:
             raise ValueError(f"lsh attention shares queries and keys, so k must have q's shape "
                              f"(it is only checked, never used): q{q.shape} k{k.shape}")
-        return lsh_attention(q, v, mask, causal=causal, num_hashes=self.num_hashes,
-                             num_buckets=self.num_buckets, chunk_size=self.chunk_size,
-                             key=self._rotation_key())
+        opts = dict(num_hashes=self.num_hashes, num_buckets=self.num_buckets,
+                    chunk_size=self.chunk_size)
+        perm_BHRP = kept_routing(self, "perm", lambda: lsh_permutation(
+            q, mask, key=self._rotation_key(), **opts))
+        return lsh_attention(q, v, mask, causal=causal, perm_BHRP=perm_BHRP, **opts)
 
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
         """Reformer decodes with full attention over the cache: exact shared-QK attention of

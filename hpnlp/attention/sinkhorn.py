@@ -80,13 +80,14 @@ def sinkhorn_attention(q_BLHD, k_BLHD, v_BLHD, valid_BL, perm_BHNN, block_size: 
     block i (a soft or hard permutation); L must be a multiple of `block_size`.
     """
     B, L, H, D = q_BLHD.shape
+    Dv = v_BLHD.shape[-1]  # the values' own head dim (a bug hunt (session 100): it took D)
     N, Q = L // block_size, block_size
     f32 = jnp.float32
     valid_BNQ = valid_BL.reshape(B, N, Q)
     keep_BNQ11 = valid_BNQ[:, :, :, None, None]
     q_BNQHD = q_BLHD.reshape(B, N, Q, H, D).astype(f32)
     k_BNKHD = jnp.where(keep_BNQ11, k_BLHD.reshape(B, N, Q, H, D), 0).astype(f32)
-    v_BNKHD = jnp.where(keep_BNQ11, v_BLHD.reshape(B, N, Q, H, D), 0).astype(f32)
+    v_BNKHD = jnp.where(keep_BNQ11, v_BLHD.reshape(B, N, Q, H, Dv), 0).astype(f32)
     perm_BHNN = perm_BHNN.astype(f32)
 
     ks_BNKHD = jnp.einsum("bhij,bjkhd->bikhd", perm_BHNN, k_BNKHD)
@@ -109,7 +110,7 @@ def sinkhorn_attention(q_BLHD, k_BLHD, v_BLHD, valid_BL, perm_BHNN, block_size: 
     p_BHNQK = p_BHNQK / jnp.maximum(jnp.sum(p_BHNQK, axis=-1, keepdims=True), _TINY)
     out_BNQHD = (jnp.einsum("bhnqk,bnkhd->bnqhd", p_BHNQK[..., :Q], v_BNKHD)
                  + jnp.einsum("bhnqk,bnkhd->bnqhd", p_BHNQK[..., Q:], vs_BNKHD))
-    return out_BNQHD.reshape(B, L, H, D).astype(q_BLHD.dtype)
+    return out_BNQHD.reshape(B, L, H, Dv).astype(q_BLHD.dtype)
 
 
 def _check_positive(options, cls, name, field, kind):

@@ -442,7 +442,10 @@ class StridedAttention(BlockSparseAttention):
         B, H, Lp, D = q_BHLD.shape
         Q, C = self.block_size, self.stride
         R, N = Lp // C, Lp // Q
-        q_BHCRD, k_BHCPD, v_BHCPD = (x.reshape(B, H, R, C, D).swapaxes(2, 3)
+        # v by its own head dim Dv (a bug hunt (session 100): it took q's D and failed to
+        # reshape when they differ, which check_inputs allows)
+        Dv = v_BHLD.shape[-1]
+        q_BHCRD, k_BHCPD, v_BHCPD = (x.reshape(B, H, R, C, x.shape[-1]).swapaxes(2, 3)
                                      for x in (q_BHLD, k_BHLD, v_BHLD))
         s_BHCRP = jnp.einsum("bhcrd,bhcpd->bhcrp", q_BHCRD, k_BHCPD,
                              preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(D))
@@ -457,7 +460,7 @@ class StridedAttention(BlockSparseAttention):
         def values(p_BHNQP):
             p_BHCRP = p_BHNQP.reshape(B, H, R, C, R).swapaxes(2, 3)
             out_BHCRD = jnp.einsum("bhcrp,bhcpd->bhcrd", p_BHCRP, v_BHCPD.astype(jnp.float32))
-            return out_BHCRD.swapaxes(2, 3).reshape(B, H, N, Q, D)
+            return out_BHCRD.swapaxes(2, 3).reshape(B, H, N, Q, Dv)
 
         return s_BHNQP, ok_B1NQP, values
 

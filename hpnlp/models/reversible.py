@@ -24,6 +24,13 @@ Choices (Trax's Reformer does the first; we differ on the second):
   passed in explicitly, so the recompute in the backward draws the same masks and features.
 - Padding and causality: F calls the same attention with the same segment ids (and, for
   model.pos_emb = "rope", the same positions: the halves' `seg` argument is the pair).
+- Discrete routing: x2 = y2 - G(y1) equals the forward's x2 only to rounding, and a variant
+  that chooses from its input (`lsh` buckets, `clustered` clusters) may choose otherwise on
+  it (a bug hunt (session 100): in bfloat16, 155 of 4096 LSH buckets moved at L=512, depth
+  6). The forward applies F with the variant's
+  `routing` collection mutable and keeps what it stores (small integer arrays, e.g. the LSH
+  sort permutation [B, H, R, L]) as residuals; the backward passes them back, so F is
+  replayed with the forward's buckets (Trax keeps them in its layers' state likewise).
 
 Shape letters as in `transformer.py`.
 """
@@ -37,6 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hpnlp.attention.lsh import ROUTING
 from hpnlp.config import AttentionConfig, ModelConfig
 from hpnlp.models.transformer import MultiHeadAttention, layer_norm, mlp
 
@@ -80,18 +88,27 @@ class MlpHalf(nn.Module):
 
 # A half as a pure function: (its params, input [B, L, E], (segment ids, positions) [B, L] each,
 # rngs) -> output [B, L, E] float32. They go in as an argument, not a closure, so `custom_vjp`
-# sees them (positions are None but for model.pos_emb = "rope").
-HalfFn = Callable[[Any, Any, Any, dict], Any]
+# sees them (positions are None but for model.pos_emb = "rope"). An F half takes one more
+# argument, its routing (None: choose it) and returns (output, the routing it used).
+HalfFn = Callable[..., Any]
+
+
+def _forward(fs: list[HalfFn], gs: list[HalfFn], params, x1_BLE, x2_BLE, seg_BL, rngs):
+    """`plain_stack`, and every F's routing (for `reversible_stack`'s backward)."""
+    routings = []
+    for f, g, (pf, pg), (rf, rg) in zip(fs, gs, params, rngs):
+        f_BLE, routing = f(pf, x2_BLE, seg_BL, rf, None)
+        routings.append(routing)
+        x1_BLE = x1_BLE + f_BLE
+        x2_BLE = x2_BLE + g(pg, x1_BLE, seg_BL, rg)
+    return x1_BLE, x2_BLE, routings
 
 
 def plain_stack(fs: list[HalfFn], gs: list[HalfFn], params, x1_BLE, x2_BLE, seg_BL, rngs):
     """The reversible forward; differentiated by plain autodiff it is the exact twin of
     `reversible_stack` (same outputs, same gradients, but every block's activations kept).
     params[i] = (F params, G params); rngs[i] = (F rngs, G rngs)."""
-    for f, g, (pf, pg), (rf, rg) in zip(fs, gs, params, rngs):
-        x1_BLE = x1_BLE + f(pf, x2_BLE, seg_BL, rf)
-        x2_BLE = x2_BLE + g(pg, x1_BLE, seg_BL, rg)
-    return x1_BLE, x2_BLE
+    return _forward(fs, gs, params, x1_BLE, x2_BLE, seg_BL, rngs)[:2]
 
 
 def reversible_stack(fs: list[HalfFn], gs: list[HalfFn]):
@@ -102,12 +119,13 @@ def reversible_stack(fs: list[HalfFn], gs: list[HalfFn]):
         return plain_stack(fs, gs, params, x1_BLE, x2_BLE, seg_BL, rngs)
 
     def fwd(params, x1_BLE, x2_BLE, seg_BL, rngs):
-        y1_BLE, y2_BLE = plain_stack(fs, gs, params, x1_BLE, x2_BLE, seg_BL, rngs)
-        # Only the outputs: every earlier activation is rebuilt from them in `bwd`.
-        return (y1_BLE, y2_BLE), (params, y1_BLE, y2_BLE, seg_BL, rngs)
+        y1_BLE, y2_BLE, routings = _forward(fs, gs, params, x1_BLE, x2_BLE, seg_BL, rngs)
+        # Only the outputs (and F's integer routing): every earlier activation is rebuilt
+        # from them in `bwd`.
+        return (y1_BLE, y2_BLE), (params, y1_BLE, y2_BLE, seg_BL, rngs, routings)
 
     def bwd(res, cotangents):
-        params, y1_BLE, y2_BLE, seg_BL, rngs = res
+        params, y1_BLE, y2_BLE, seg_BL, rngs, routings = res
         dy1_BLE, dy2_BLE = cotangents
         dparams = [None] * len(params)
         for i in reversed(range(len(params))):
@@ -117,8 +135,9 @@ def reversible_stack(fs: list[HalfFn], gs: list[HalfFn]):
             x2_BLE = y2_BLE - g_BLE
             dpg, dh_BLE = g_vjp(dy2_BLE)
             dy1_BLE = dy1_BLE + dh_BLE  # the total cotangent of y1 (direct + through G)
-            # F: y1 = x1 + F(x2).
-            f_BLE, f_vjp = jax.vjp(lambda p, h: fs[i](p, h, seg_BL, rf), pf, x2_BLE)
+            # F: y1 = x1 + F(x2), routed as in the forward (x2 is the forward's to rounding).
+            f_BLE, f_vjp = jax.vjp(lambda p, h: fs[i](p, h, seg_BL, rf, routings[i])[0], pf,
+                                   x2_BLE)
             x1_BLE = y1_BLE - f_BLE
             dpf, dh_BLE = f_vjp(dy1_BLE)
             dy2_BLE = dy2_BLE + dh_BLE  # x1's cotangent is y1's; x2's adds the path through F
@@ -178,7 +197,11 @@ class ReversibleStack(nn.Module):
             # Pure functions of explicit params and keys, so the backward can replay them.
             f_mod = AttentionHalf(m, self.attention, self.causal, self.deterministic, parent=None)
             g_mod = MlpHalf(m, self.deterministic, parent=None)
-            f = lambda p, h, seg_pos, r: f_mod.apply({"params": p}, h, *seg_pos, rngs=r)
+            def f(p, h, seg_pos, r, routing):
+                if routing is None:  # choose it, and return what the variant kept
+                    return f_mod.apply({"params": p}, h, *seg_pos, rngs=r, mutable=[ROUTING])
+                return f_mod.apply({"params": p, **routing}, h, *seg_pos, rngs=r), routing
+
             g = lambda p, h, seg, r: g_mod.apply({"params": p}, h, rngs=r)
             variables = nn.meta.unbox(self.variables["params"])
             params = [(variables[f"block_{i}"]["f"], variables[f"block_{i}"]["g"])
