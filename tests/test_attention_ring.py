@@ -48,6 +48,16 @@ grads = [jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w12), (0, 1, 2))(q, k, v1
     lambda q, k, v: dense_attention(q, k, v, seg, causal=True))]
 for a, b in zip(*grads):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+# A mesh of Explicit axes (jax.make_mesh's default; a bug hunt, session 100: shard_map
+# refused the inputs, sharded or not)
+explicit = jax.make_mesh((8,), ("sequence",))
+assert explicit.axis_types == (AxisType.Explicit,)
+np.testing.assert_allclose(ring_attention(q, k, v, seg, causal=True, mesh=explicit),
+                           dense_attention(q, k, v, seg, causal=True), atol=1e-5, rtol=1e-5)
+with jax.set_mesh(explicit):
+    g = jax.grad(lambda q: jnp.sum(ring_attention(q, k, v, seg, causal=True) * w))(q)
+np.testing.assert_allclose(g, jax.grad(lambda q: jnp.sum(
+    dense_attention(q, k, v, seg, causal=True) * w))(q), atol=1e-5, rtol=1e-5)
 # The backward pass holds about what the forward does per step, not every step's scores (a
 # bug hunt, session 99: autodiff of the loop kept n steps' [L/n, L/n] scores, 9x the forward)
 from jax.sharding import NamedSharding, PartitionSpec as P

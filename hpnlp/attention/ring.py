@@ -32,7 +32,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hpnlp.attention.base import Attention, check_inputs, register
 from hpnlp.attention.chunked import chunked_attention
@@ -90,6 +90,12 @@ def _divisor_block(n: int, target: int) -> int:
 @functools.partial(jax.jit, static_argnames=("causal", "mesh", "axis", "block"))
 def _sharded(q_BLHD, k_BLHD, v_BLHD, seg_BL, *, causal, mesh, axis, block):
     spec, seg_spec = P(None, axis, None, None), P(None, axis)
+    if AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+        # jax.make_mesh's default: shard_map then takes inputs only as its in_specs lay
+        # them out (a bug hunt, session 100: a ValueError, sharded inputs or not)
+        q_BLHD, k_BLHD, v_BLHD, seg_BL = (
+            jax.sharding.reshard(x, NamedSharding(mesh, s))
+            for x, s in ((q_BLHD, spec), (k_BLHD, spec), (v_BLHD, spec), (seg_BL, seg_spec)))
     local = functools.partial(_ring, causal=causal, axis=axis, n=mesh.shape[axis], bq=block,
                               bk=block)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, seg_spec),
