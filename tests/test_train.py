@@ -203,6 +203,47 @@ def test_a_run_read_on_devices_that_do_not_split_its_batch_reads_on_fewer(capsys
     assert for_these_devices(cfg, "/runs/tp") is cfg and not capsys.readouterr().err
 
 
+READ_ON_FEWER = r"""
+import json, sys
+import jax
+from hpnlp.config import from_configdict
+from hpnlp.train import Trainer, run
+from hpnlp.train.checkpoint import load_run_config
+sys.path.insert(0, "tests")
+from test_train import tiny
+workdir = sys.argv[1]
+if jax.device_count() == 4:  # train on 4 devices, a batch of 8
+    cd = tiny(steps=3, warmup_steps=1, checkpoint_every=3, eval_batches=1)
+    cd.mesh.data = 4
+    run(from_configdict(cd), workdir)
+    tr = Trainer(load_run_config(workdir), workdir, read_only=True)
+    print(json.dumps(tr.evaluate(tr.initial_state()[0])))
+else:  # read on 3: on 2 of them
+    tr = Trainer(load_run_config(workdir), workdir, read_only=True)
+    assert tr.mesh.devices.size == 2 and tr.cfg.mesh.data == 2, tr.mesh
+    print(json.dumps(tr.evaluate(tr.initial_state()[0])))
+"""
+
+
+# two interpreters on simulated devices, ~20 s: CI's slow part runs it
+@pytest.mark.slow
+def test_a_run_read_on_three_devices_is_read_on_two_of_them(tmp_path):
+    """Review (session 100): the reader's layout on k of n devices, on real (simulated)
+    devices: a run trained on 4 with a batch of 8, read on 3, evaluates on 2 of them to the
+    same loss."""
+    def run(devices):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+                   + f" --xla_force_host_platform_device_count={devices}")
+        proc = subprocess.run([sys.executable, "-c", READ_ON_FEWER, str(tmp_path)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    trained, _ = run(4)
+    read, said = run(3)
+    assert "read with mesh.data=2 on 2 of the 3 devices" in said, said
+    assert read["loss"] == pytest.approx(trained["loss"], abs=1e-5)
+
+
 def test_a_checkpoint_holding_non_finite_parameters_is_damaged(tmp_path):
     # a bug hunt (session 92): a bit-flipped checkpoint was resumed, and the NaN loss it made
     # was blamed on the learning rate
@@ -1233,13 +1274,14 @@ def test_a_refused_config_is_said_though_another_process_removed_the_workdir(tmp
         run(tiny(), str(tmp_path / "w"))
 
 
-@pytest.mark.slow  # two interpreters importing hpnlp: 4-7 s; CI's slow part runs it
 def _python(code: str) -> subprocess.CompletedProcess:
     """`code` run by a fresh interpreter in the repository (its output captured)."""
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
+# (the mark had sat on `_python` above since a review moved it, so this ran in the fast part)
+@pytest.mark.slow  # two interpreters importing hpnlp: 4-7 s; CI's slow part runs it
 def test_an_uncaught_ctrl_c_of_a_cli_is_one_line_even_from_a_gc_callback():
     """A bug hunt: Ctrl-C in `python -m hpnlp.models.generate` (and every CLI but hpnlp.main)
     was a traceback of 9-60 lines, and one landing in JAX's garbage-collection callback was
