@@ -17,7 +17,7 @@ import hpnlp.attention as A
 from hpnlp import models
 from hpnlp.attention.base import masked_softmax_attention, segment_mask
 from hpnlp.attention.clustered import clustered_attention, route
-from hpnlp.attention.lsh import ROUTING
+from hpnlp.attention.base import ROUTING
 from hpnlp.config import (AttentionConfig, ConfigError, ModelConfig, default_configdict,
                           from_configdict, validate)
 

@@ -17,8 +17,9 @@ import pytest
 
 import hpnlp.attention as A
 from hpnlp import models
+from hpnlp.attention.base import ROUTING
 from hpnlp.attention.lsh import (  # importing the module registers "lsh"
-    ROUTING, lsh_attention, lsh_permutation, lsh_windows, shared_keys, shared_qk_attention)
+    lsh_attention, lsh_permutation, lsh_windows, shared_keys, shared_qk_attention)
 from hpnlp.config import AttentionConfig, ConfigError, ModelConfig, default_configdict, from_configdict
 from hpnlp.models.transformer import positions_of
 

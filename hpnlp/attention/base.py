@@ -22,6 +22,27 @@ names = _REGISTRY.names
 get = _REGISTRY.get
 
 
+# Variable collection of discrete routing (integer arrays a variant chooses from its input)
+# that a replay of the forward must reuse: `kept_routing`.
+ROUTING = "routing"
+
+
+def kept_routing(module, name: str, compute):
+    """A variant's discrete routing `name` (integer arrays chosen from its inputs): read
+    from the `ROUTING` collection when the caller passes one, else `compute()`d and, when
+    the caller made the collection mutable, stored there. Reversible blocks use it: their
+    backward recomputes attention on an input rebuilt from the outputs, equal to the
+    forward's only to rounding, which can flip a bucket or cluster (`lsh`, `clustered`)."""
+    if module.scope is None:  # unbound: no collections
+        return compute()
+    if module.has_variable(ROUTING, name):
+        return module.get_variable(ROUTING, name)
+    value = compute()
+    if module.is_mutable_collection(ROUTING) and not module.is_initializing():
+        module.put_variable(ROUTING, name, value)
+    return value
+
+
 def check_inputs(q, k, v, mask, *, grouped: bool = False) -> None:
     """Shape checks that run at trace time, so a mistake fails before compiling. `grouped`:
     k and v may have G heads dividing q's H (a grouped-query cache; the caller checked G)."""

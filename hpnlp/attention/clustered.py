@@ -28,7 +28,7 @@ output depends on the centroids only through the discrete assignment (zero task
 gradient). q and k get no gradient from routing, as in the paper.
 
 Reversible blocks: the assignment is kept in the `routing` variable collection when the
-caller makes it mutable and read from it when the caller passes it (`lsh.kept_routing`),
+caller makes it mutable and read from it when the caller passes it (`base.kept_routing`),
 so a reversible backward, which recomputes attention on an input rebuilt from the block's
 outputs (equal only to rounding), routes as the forward did (a bug hunt (session 100): in
 bfloat16 one rounding can flip the argmax).
@@ -43,9 +43,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention,
-                                  register)
-from hpnlp.attention.lsh import kept_routing
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, kept_routing,
+                                  masked_softmax_attention, register)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30

@@ -69,30 +69,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import Attention, cache_put, check_inputs, register, segment_mask
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, kept_routing, register,
+                                  segment_mask)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30  # masked-out scores (excluded entirely)
 _SELF = 1e5  # Reformer's self-attention penalty: finite, so "self" is a last resort
-ROUTING = "routing"  # variable collection of discrete routing a replay must reuse
-
-
-def kept_routing(module, name: str, compute):
-    """A variant's discrete routing `name` (integer arrays chosen from its inputs): read
-    from the `ROUTING` collection when the caller passes one, else `compute()`d and, when
-    the caller made the collection mutable, stored there. Reversible blocks use it: their
-    backward recomputes attention on an input rebuilt from the outputs, equal to the
-    forward's only to rounding, which can flip a bucket or cluster (`lsh`, `clustered`)."""
-    if module.scope is None:  # unbound: no collections
-        return compute()
-    if module.has_variable(ROUTING, name):
-        return module.get_variable(ROUTING, name)
-    value = compute()
-    if module.is_mutable_collection(ROUTING) and not module.is_initializing():
-        module.put_variable(ROUTING, name, value)
-    return value
-
-
 # ----------------------------------------------------------------------------- options
 
 def option_problem(name: str, value) -> str | None:

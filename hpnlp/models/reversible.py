@@ -44,7 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.lsh import ROUTING
+from hpnlp.attention.base import ROUTING
 from hpnlp.config import AttentionConfig, ModelConfig
 from hpnlp.models.transformer import MultiHeadAttention, layer_norm, mlp
 
