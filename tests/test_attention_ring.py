@@ -82,6 +82,15 @@ try:
     raise SystemExit("expected an error for block=3 of 8 positions a device")
 except ValueError as e:
     assert "block=3 must divide each device's 8 positions" in str(e), e
+# a numpy integer is a block too (a bug hunt, session 101: np.int64(4) was refused)
+assert np.array_equal(ring_attention(q, k, v, None, causal=True, mesh=mesh, block=np.int64(2)),
+                      ring_attention(q, k, v, None, causal=True, mesh=mesh, block=2))
+for bad in ("2", 2.0, True):
+    try:
+        ring_attention(q, k, v, None, causal=False, mesh=mesh, block=bad)
+        raise SystemExit(f"expected an error for block={bad!r}")
+    except ValueError as e:
+        assert "must be an integer dividing each device's 8 positions" in str(e), e
 print("RING OK")
 """
 
@@ -92,3 +101,19 @@ def test_ring_attention_matches_dense_on_8_devices():
     proc = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "RING OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_ring_memory_tool_refuses_a_block_in_one_line_before_compiling():
+    # a bug hunt (session 101): --block 3 ended in a traceback from inside the first compile
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import ring_memory
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tools"))
+    for argv, said in ((["--lengths", "1024", "--block", "3"], "--block 3: must be a positive "
+                        "divisor of each device's L / devices = 256"),
+                       (["--lengths", "64", "--block", "0"], "--block 0:"),
+                       (["--lengths", "1022"], "--lengths 1022: must divide into --devices 4")):
+        with pytest.raises(SystemExit) as e:
+            ring_memory.main(argv)
+        assert str(e.value).startswith(said), e.value

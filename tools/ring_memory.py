@@ -28,6 +28,13 @@ def main(argv=None) -> None:
     ap.add_argument("--block", type=int, default=None,
                     help="each ring step's tile (a divisor of L / devices); default: chosen")
     args = ap.parse_args(argv)
+    for L in args.lengths:  # every setting checked before the first compile (a bug hunt,
+        # session 101: a bad --block ended in a traceback from inside the first one)
+        if L % args.devices:
+            sys.exit(f"--lengths {L}: must divide into --devices {args.devices}")
+        if args.block is not None and (args.block <= 0 or (L // args.devices) % args.block):
+            sys.exit(f"--block {args.block}: must be a positive divisor of each device's "
+                     f"L / devices = {L // args.devices} positions for --lengths {L}")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -52,8 +59,6 @@ def main(argv=None) -> None:
     print("| L | ring fwd | ring grad | chunked (xla) fwd | chunked grad | dense fwd | dense grad |")
     print("|---|---|---|---|---|---|---|")
     for L in args.lengths:
-        if L % args.devices:
-            sys.exit(f"--lengths {L}: must divide into --devices {args.devices}")
         sharded = jax.ShapeDtypeStruct((1, L, 1, 16), jnp.float32,
                                        sharding=NamedSharding(mesh, P(None, "sequence")))
         one = jax.ShapeDtypeStruct((1, L, 1, 16), jnp.float32)

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hpnlp.attention.base import Attention, check_inputs, register
@@ -51,7 +53,7 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
     """`mesh` None: the current mesh (`jax.set_mesh`). `block`: each ring step's tile size
     along the local query and key blocks (it must divide L / n); None: the largest
     divisor of L / n up to DEFAULT_BLOCK (the whole L / n, one tile, where it has no divisor
-    above DEFAULT_BLOCK / 8)."""
+    of DEFAULT_BLOCK / 8 or more)."""
     check_inputs(q_BLHD, k_BLHD, v_BLHD, mask_BL)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis not in mesh.axis_names:
@@ -68,11 +70,20 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
     local = L // n
     if block is None:
         block = _divisor_block(local, DEFAULT_BLOCK)
-    elif not (isinstance(block, int) and not isinstance(block, bool) and 0 < block
-              and local % block == 0):
-        raise ValueError(f"ring_attention: block={block!r} must divide each device's "
-                         f"{local} positions (L={L} over {n} devices); pass a divisor of "
-                         f"{local}, or None")
+    else:  # a numpy integer (computed from shapes) is an integer too (a bug hunt, session
+        # 101: np.int64(4) was refused as not dividing 8)
+        try:
+            whole = None if isinstance(block, (bool, np.bool_)) else operator.index(block)
+        except TypeError:
+            whole = None
+        if whole is None:
+            raise ValueError(f"ring_attention: block={block!r} must be an integer dividing "
+                             f"each device's {local} positions, or None")
+        if not (0 < whole and local % whole == 0):
+            raise ValueError(f"ring_attention: block={block!r} must divide each device's "
+                             f"{local} positions (L={L} over {n} devices); pass a divisor of "
+                             f"{local}, or None")
+        block = whole
     seg_BL = jnp.ones((B, L), jnp.int32) if mask_BL is None else mask_BL.astype(jnp.int32)
     return _sharded(q_BLHD, k_BLHD, v_BLHD, seg_BL, causal=causal, mesh=mesh, axis=axis,
                     block=block)
