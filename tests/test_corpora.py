@@ -632,6 +632,18 @@ def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, files, tmp
     with pytest.raises(ValueError, match=f"{shard}: shard listed in .*/p/meta.json is missing; "
                                          f"{again}"):
         data.make_iterator(task, cfg, split="eval", batch_size=4)
+    # a bug hunt (session 101): a train shard cut while the run read it gave empty records
+    # (array_record reads b"" past the cut), and the run trained on to its end on them
+    assert prepare.main(["--input", files[0], "--eval_input", files[1], "--tokenizer", "bytes",
+                         "--out", str(tmp_path / "b"), "--quiet"]) == 0  # one shard, many records
+    meta = sharded.read_meta(str(tmp_path / "b"))
+    path = tmp_path / "b" / meta["splits"]["train"]["shards"][0]
+    ds = sharded.split_dataset(str(tmp_path / "b"), meta, "train")
+    ds[0]  # the shard opened
+    os.truncate(path, path.stat().st_size // 4)
+    with pytest.raises(ValueError, match=f"{path}: cannot be read \\(record [0-9]+ is empty; the "
+                                         f"file changed after the run opened it\\).*{again}"):
+        [ds[i] for i in range(len(ds))]
 
 
 # ------------------------------------------------------------------------ streaming
