@@ -620,3 +620,63 @@ def test_an_implementation_this_machine_cannot_run_is_read_by_its_portable_twin(
     assert portable_here(lstm, 1) == (lstm, [])
     read, notes = portable_here(lstm, 2)
     assert read.rnn.impl == "auto" and "a mesh of 2 devices" in notes[0]
+
+
+@pytest.mark.parametrize("model, quant, field, hint", [
+    # quant.layers naming no product of the model: the run trained in float, without a word
+    ({}, {"weights": "int8", "layers": "head"}, "quant.layers",
+     "names no product of this lm (transformer), so nothing would be quantized (it has qkv, "
+     "out, mlp, output)"),
+    ({}, {"weights": "int8", "layers": "recurrent,input"}, "quant.layers", "it has qkv"),
+    ({"arch": "lstm", "width": 32}, {"weights": "int8", "layers": "qkv,head"}, "quant.layers",
+     "it has input, recurrent, output"),
+    # set, and read by nothing (the PTQ command refuses the same flags)
+    ({}, {"weights": "ternary", "calibration": "percentile"}, "quant.calibration",
+     "so nothing reads it"),
+    ({}, {"weights": "binary", "calibration": "mse"}, "quant.calibration", "not a clipping"),
+    ({}, {"weights": "int8", "percentile": 99.0}, "quant.percentile",
+     "read only with quant.calibration='percentile' (given 'absmax')"),
+    ({}, {"calibration": "mse"}, "quant.calibration", "quantize nothing"),
+    ({}, {"layers": "qkv"}, "quant.layers", "quantize nothing"),
+    ({}, {"weights": "int8", "act_scale": "static"}, "quant.act_scale",
+     "quant.activations='none' takes none"),
+])
+def test_quant_fields_nothing_reads_are_refused(model, quant, field, hint):
+    """A bug hunt (session 101): each was taken by a QAT run and read by nothing."""
+    with pytest.raises(ConfigError) as e:
+        validate(base(model=model, quant=quant), devices=False)
+    assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+
+
+def test_quant_fields_are_taken_where_they_are_read():
+    """The other side of the refusals above: each field where the run reads it."""
+    for model, quant in (
+            ({}, {"weights": "int8", "calibration": "percentile", "percentile": 99.0}),
+            ({}, {"weights": "int8", "layers": "qkv,head"}),  # one product it has is enough
+            ({"arch": "lstm", "width": 32}, {"weights": "int8", "layers": "recurrent"}),
+            ({}, {"activations": "int8", "act_scale": "static", "calibration": "mse"}),  # PTQ's
+            ({}, {"kv_cache": "int8"})):  # the key/value cache alone
+        validate(base(model=model, quant=quant), devices=False)
+
+
+def test_a_recurrent_lm_under_tensor_parallelism_is_not_refused_over_heads_it_lacks():
+    """A bug hunt (session 101): an LSTM LM on mesh.tensor=8 was refused over
+    model.num_heads=4 (and model.mlp_dim), which it does not have; its hidden units are
+    replicated where the axis does not divide them (trained to the 1-device losses)."""
+    lstm = {"arch": "lstm", "width": 30, "num_heads": 4, "mlp_dim": 30}
+    validate(base(model=lstm, mesh={"data": 1, "tensor": 8}), num_devices=8)
+    with pytest.raises(ConfigError, match=r"`mesh.rules.heads` .*model.num_heads=4"):
+        validate(base(model={"num_heads": 4}, mesh={"data": 1, "tensor": 8}), num_devices=8)
+
+
+def test_streams_of_a_prepared_folder_are_refused_without_suggesting_transformer_xl():
+    """A bug hunt (session 101): 'stream' with data.prepared offered model.arch=
+    'transformer_xl', and following it was refused only when the batches were read."""
+    lm = {"kind": "lm", "vocab_size": 256}
+    for arch in ("transformer", "transformer_xl"):
+        cfg = base(model={"arch": arch}, data={"prepared": "/corpus", "batching": "stream"})
+        with pytest.raises(ConfigError, match=r"`data.batching` = 'stream' .*a prepared folder "
+                           r"\(data.prepared='/corpus'\) is read in rows of .*use "
+                           r"data.batching='pack'$") as e:
+            validate(cfg, task_info=lm, num_devices=1)
+        assert "transformer_xl" not in str(e.value)

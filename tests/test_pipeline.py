@@ -278,9 +278,11 @@ def test_pipeline_config_errors():
     cd = tiny()  # a bug hunt (session 90): taken and ignored
     cd.mesh.update(pipeline=1, pipeline_microbatches=2)
     _check(cd, "mesh.pipeline_microbatches", r"mesh.pipeline is 1", num_devices=1)
-    cd = tiny(depth=3)  # depth % pipeline: the `layers` rule's divisibility check
-    cd.mesh.update(pipeline=2, data=4)
-    _check(cd, "mesh.rules.layers", r"model.depth=3 over mesh.pipeline=2")
+    cd = tiny(depth=3)  # depth % pipeline, named as such (a bug hunt, session 101: the
+    # `layers` rule's check offered "map the rule to None", refused in turn)
+    cd.mesh.update(pipeline=4, data=2)
+    _check(cd, "model.depth", r"its 3 layers do not split into mesh.pipeline=4 stages; choose "
+           r"a depth that 4 divides or a mesh.pipeline that divides 3$")
     cd = tiny()
     cd.mesh.update(pipeline=2, data=4, rules={"layers": None})
     _check(cd, "mesh.rules.layers", r"must be 'pipeline'")

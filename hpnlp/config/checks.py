@@ -801,6 +801,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
               "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
+    if d.batching == "stream" and d.prepared:  # a bug hunt (session 101): refused only when
+        # the batches were read (and, on a plain Transformer, told to use Transformer-XL)
+        from hpnlp.data.batching import MODES
+        _fail("data.batching", d.batching, f"a prepared folder (data.prepared={d.prepared!r}) "
+              f"is read in rows of {list(MODES)}, not streams; use data.batching='pack'")
     if d.batching == "stream" and m.arch == "transformer":
         _fail("data.batching", d.batching, "stream batches continue each row across batches for "
               "Transformer-XL memory, so positions grow past model.max_len, and a plain "
@@ -905,7 +910,14 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             "mlp": {"model.mlp_dim": m.mlp_dim},
             "vocab": {"model.vocab_size": model.vocab_size}, "embed": {"model.width": m.width},
             "kv": {"model.head_dim": m.dims_per_head()},
-            "layers": {"model.depth": m.depth}}
+            # with pipeline stages: model.depth's own check below, which names the stages
+            "layers": {"model.depth": m.depth} if sizes["pipeline"] == 1 else {}}
+    if m.arch in ("lstm", "gru", "bag"):  # a bug hunt (session 101): an LSTM LM on
+        # mesh.tensor=8 was refused over model.num_heads, which it does not have. Its
+        # hidden units (model.width, the `mlp` axis of rnn/layers.py's weights) hold no
+        # sharding constraint: the state's shardings replicate them where the axis does not
+        # divide (parallel/mesh.py _dividing; width 30 on tensor=4 trained the 1-device losses)
+        dims.update(heads={}, kv_heads={}, mlp={}, kv={})
     for logical, named in dims.items():
         split = math.prod(sizes[a] for a in mesh.mesh_axes_of(logical))
         for name, dim in named.items():
@@ -970,8 +982,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.eval_batch_size", eval_bs,
               f"must be a multiple of {math.lcm(shards, num_processes)} (data-parallel shards)")
     # Pipeline (GPipe, parallel/pipeline.py): stages split the stacked layer axis, and each
-    # batch the trunk sees splits into microbatches. model.depth % mesh.pipeline is the
-    # `layers` rule's check above.
+    # batch the trunk sees splits into microbatches.
     stages, micro = sizes["pipeline"], mesh.pipeline_microbatches
     if not isinstance(micro, int) or micro < 0:
         _fail("mesh.pipeline_microbatches", micro, "must be an integer >= 0 (0: = mesh.pipeline)")
@@ -992,6 +1003,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if mesh.mesh_axes_of("layers") != ("pipeline",):
             _fail("mesh.rules.layers", mesh.rules.get("layers"),
                   "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")
+        if m.depth % stages:  # a bug hunt (session 101): the `layers` rule's check offered
+            # "map the rule to None", which the check above refuses
+            _fail("model.depth", m.depth, f"its {m.depth} layers do not split into "
+                  f"mesh.pipeline={stages} stages; choose a depth that {stages} divides or a "
+                  f"mesh.pipeline that divides {m.depth}")
         for logical in sorted(mesh.rules):  # a bug hunt (session 90): JAX's error at the
             # first step's trace, the workdir written ("can only refer to Auto axes")
             if logical != "layers" and "pipeline" in mesh.mesh_axes_of(logical):

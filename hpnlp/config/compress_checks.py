@@ -29,6 +29,16 @@ def _refuse_unread(group: str, values: Any, why: str, fix: str, *,
                   f"at its default (--config.{group}.{name}={was})")
 
 
+def quant_products(m: ModelConfig) -> tuple[str, ...]:
+    """The QUANT_LAYERS kinds of product this model has: its trunk's (a Transformer's qkv,
+    out and mlp, an LSTM/GRU's input and recurrent; a bag of embeddings has none), an LM's
+    output layer, a classifier's or dual encoder's head (a bi-encoder has none)."""
+    trunk = {"lstm": ("input", "recurrent"), "gru": ("input", "recurrent"),
+             "bag": ()}.get(m.arch, ("qkv", "out", "mlp"))
+    return trunk + {"lm": ("output",), "classifier": ("head",),
+                    "dual_encoder": ("head",)}.get(m.kind, ())
+
+
 def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
     """The `quant` group: formats, the int4 group size against every contraction width."""
     from hpnlp.compress import calibrate, formats  # light modules: numerics only
@@ -46,6 +56,43 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
     if q.enabled and m.arch == "transformer_xl":
         _fail("quant.weights", q.weights, "Transformer-XL's relative-position attention has its "
               "own products, not yet quantizable; quantize model.arch='transformer' or an LSTM/GRU")
+    if not q.enabled:  # a bug hunt (session 101): each taken, and read by nothing
+        _refuse_unread("quant", q, "quant.weights='none' and quant.activations='none' "
+                       "quantize nothing", "set quant.weights (or quant.activations)",
+                       but=("weights", "activations", "kv_cache"))  # kv_cache works alone
+        return
+    # a bug hunt (session 101): each of these was taken by QAT and read by nothing, though
+    # the PTQ command refuses the same (hpnlp.compress.__main__._check_applies)
+    static = q.act_scale == "static"
+    if static and (q.activations == "none" or not formats.get(q.activations).uses_range):
+        _fail("quant.act_scale", "static", f"calibrates a range per product for int8/fp8 "
+              f"activations, and quant.activations={q.activations!r} takes none; set "
+              "quant.activations ('int8' or 'fp8'), or use quant.act_scale='dynamic'")
+    if q.percentile != QuantConfig.percentile and q.calibration != "percentile":
+        _fail("quant.percentile", q.percentile, f"is read only with "
+              f"quant.calibration='percentile' (given {q.calibration!r}); set that, or leave "
+              f"it at its default (--config.quant.percentile={QuantConfig.percentile})")
+    ranged = q.weights != "none" and formats.get(q.weights).uses_range
+    if q.calibration != "absmax" and not ranged and not static:
+        weights = ("quantizes no weights" if q.weights == "none" else "takes its scale from "
+                   "the weights' statistics, not a clipping range")
+        _fail("quant.calibration", q.calibration, f"chooses clipping ranges, and quant.weights="
+              f"{q.weights!r} {weights}, and no activation range is calibrated (quant.act_scale="
+              "'dynamic'), so nothing reads it; leave it 'absmax', or quantize weights to int8, "
+              "int4, fp8 or pow2")
+    named = [n.strip() for n in q.layers.split(",")] if q.layers != "all" else None
+    has = quant_products(m)
+    if not has:
+        _fail("quant.weights" if q.weights != "none" else "quant.activations",
+              q.weights if q.weights != "none" else q.activations, f"a model.arch={m.arch!r} "
+              f"{m.kind} has no matrix products to quantize (its bag of embeddings is a "
+              "lookup), so it would train in float; set quant.weights='none' and "
+              "quant.activations='none'")
+    if named is not None and not set(named) & set(has):  # a bug hunt (session 101): the
+        # run trained in float without a word, and only its export refused it
+        _fail("quant.layers", q.layers, f"names no product of this {m.kind} ({m.arch}), so "
+              f"nothing would be quantized (it has {', '.join(has)}); name products it has "
+              "(or 'all')")
     if q.act_scale == "static" and m.reversible:
         _fail("quant.act_scale", "static", "reversible blocks recompute themselves functionally and "
               "hold no calibrated ranges; use quant.act_scale='dynamic'")
@@ -313,9 +360,7 @@ def _check_compress(cfg: Config) -> None:
               "(0: the run's end)")
     _check_layers("train.prune.layers", p.layers, QUANT_LAYERS)
     q = m.quant
-    kinds = (("input", "recurrent", "output", "head") if m.arch in ("lstm", "gru")
-             else ("qkv", "out", "mlp", "output", "head"))  # the products this model has
-    both = [k for k in kinds if q.applies(k) and layers_name(p.layers, k)]
+    both = [k for k in quant_products(m) if q.applies(k) and layers_name(p.layers, k)]
     if q.weights == "binary" and both:  # a bug hunt: taken, and every pruned weight computed
         # as -scale (binary codes have no zero), the run reporting its sparsity
         _fail("train.prune.method", p.method, f"pruned weights must compute as zero, and "
