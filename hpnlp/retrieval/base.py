@@ -4,7 +4,11 @@ An index holds vectors of one dimension, numbered 0, 1, 2, ... in the order they
 added, and answers maximum-inner-product queries: `search(Q_QxD, k)` -> (scores [Q, k]
 float32 best first, ids [Q, k] int64). Ties rank the lower id first everywhere, so the
 exact indexes agree with a brute-force `numpy` sort to the last id. (For cosine
-similarity, add and query unit vectors.)
+similarity, add and query unit vectors.) The kinds that build a structure from the vectors
+themselves (`ivf`, the faiss kinds, `scann`: `METRICS` holds "l2") also take the option
+`metric="l2"`: the nearest vectors by Euclidean distance, scored by minus its square (best
+first still), where L2 through inner product (the kNN-LM's keys [k, |k|^2]) would build
+their cells or graph on the wrong geometry.
 
 On disk an index is a folder: `index.json` (format, version, kind, dimension, count and
 the options it was built with) beside the method's own arrays or library file. `load`
@@ -21,6 +25,7 @@ import json
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.paths import write_json
@@ -47,6 +52,14 @@ class RetrievalError(ValueError):
     naming what was wrong and the fix."""
 
 
+def check_metric(index) -> None:
+    """One line for a `metric` option `index` does not serve (its class's `METRICS`)."""
+    metric = index.options.get("metric", "ip")
+    if metric not in index.METRICS:
+        raise RetrievalError(f"{index.registry_name} index: metric={metric!r}; use one of "
+                             f"{index.METRICS} ('ip': inner product, 'l2': Euclidean)")
+
+
 def check_at_least(index, at_least: dict) -> None:
     """One line for an option of `index` that is not an integer >= its least value
     (`at_least`: name -> least), before anything is built or handed to a library."""
@@ -65,6 +78,7 @@ class Index(abc.ABC):
     """
 
     registry_name = "index"
+    METRICS: tuple[str, ...] = ("ip",)  # what its `metric` option may be ("ip" alone: none)
 
     def __init__(self, dim: int, **options: Any):
         if int(dim) <= 0:
@@ -91,7 +105,9 @@ class Index(abc.ABC):
             raise RetrievalError(f"{what} of shape {tuple(np.shape(x))} do not fit this {self.registry_name!r} "
                               f"index of dimension {self.dim}; give [n, {self.dim}] arrays (the "
                               f"same encoder{other})")
-        if not np.issubdtype(x.dtype, np.floating) and not np.issubdtype(x.dtype, np.integer):
+        # a bug hunt (session 101): numpy does not count ml_dtypes' bfloat16 as floating, and
+        # bfloat16 vectors were refused as not floating-point
+        if not jnp.issubdtype(x.dtype, jnp.floating) and not np.issubdtype(x.dtype, np.integer):
             raise RetrievalError(f"{what} have dtype {x.dtype}; give floating-point vectors")
         x = np.ascontiguousarray(x, np.float32)
         if not np.all(np.isfinite(x)):
@@ -169,6 +185,12 @@ class Index(abc.ABC):
         self._save_files(folder)
         write_json(os.path.join(folder, HEADER), self.header())  # last: a folder with one is whole
         return folder
+
+    @classmethod
+    def options_here(cls, options: dict, folder: str) -> dict:
+        """The saved `options` of an index loaded from `folder`, adjusted to this machine
+        where one is a layout rather than data (the exact index's `shards`)."""
+        return options
 
     @abc.abstractmethod
     def _save_files(self, folder: str) -> None: ...
@@ -250,7 +272,13 @@ def load(folder: str, *, dim: int | None = None, kind: str | None = None) -> Ind
     """The index saved in `folder`; `dim` / `kind`, when given, must match its header."""
     header = read_header(folder, dim=dim, kind=kind)
     cls = get(header["kind"])
-    index = cls(header["dim"], **header.get("options", {}))
+    options = header.get("options", {})
+    try:  # a bug hunt (session 101): an edited or foreign option was a TypeError traceback
+        index = cls(header["dim"], **cls.options_here(options, folder))
+    except (TypeError, ValueError) as e:
+        raise RetrievalError(f"{os.path.join(folder, HEADER)}: options {options!r} are not "
+                             f"those of a {header['kind']!r} index ({e}); save the index "
+                             "again") from None
     try:  # a bug hunt: a truncated file was BadZipFile, or the library's own error
         index._restore(folder, header)
     except RetrievalError:

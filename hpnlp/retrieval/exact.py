@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import time
 
 import jax
@@ -245,6 +246,19 @@ class ExactIndex(HostIndex):
             raise RetrievalError(f"impl={impl!r}; use one of {IMPLS}")
         self._device = None  # [n, B, D] padded blocks, built on the first search after an add
         self._panels = None  # the kernel's [P, D, NP] packed database, likewise
+
+    @classmethod
+    def options_here(cls, options: dict, folder: str) -> dict:
+        """`shards` at most the devices here, said in one line: a search layout, not data (a
+        bug hunt (session 101): an index saved on 4 devices was refused on 1, naming no
+        folder, and `load` takes no options)."""
+        shards = options.get("shards", 1) if isinstance(options, dict) else 1
+        n = jax.device_count()
+        if isinstance(shards, (int, np.integer)) and not isinstance(shards, bool) and shards > n:
+            print(f"hpnlp.retrieval: {folder}: saved with shards={shards}, searched here over "
+                  f"the {n} device(s) there are (shards={n})", file=sys.stderr, flush=True)
+            return {**options, "shards": n}
+        return options
 
     def _stale(self, x_ND):
         self._device = self._panels = None

@@ -1,7 +1,8 @@
 """Adapters to the search libraries people already use, behind hpnlp's `Index` interface:
-faiss (`faiss-cpu`: flat, IVF, HNSW, all with inner product) and ScaNN (Guo et al. 2020:
-partitioning + anisotropic quantization + reordering). Each is registered only in name
-when its library is missing; building one then says what to install.
+faiss (`faiss-cpu`: flat, IVF, HNSW) and ScaNN (Guo et al. 2020: partitioning +
+anisotropic quantization + reordering), by inner product, or (`metric="l2"`) by the
+library's own Euclidean distance on the raw vectors, scored by minus its square. Each is
+registered only in name when its library is missing; building one then says what to install.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import re
 
 import numpy as np
 
-from hpnlp.retrieval.base import HostIndex, Index, RetrievalError, check_at_least, register
+from hpnlp.retrieval.base import (HostIndex, Index, RetrievalError, check_at_least,
+                                  check_metric, register)
 
 
 def _import(module: str, package: str):
@@ -51,12 +53,23 @@ def _ties_by_id(scores_QK, ids_QK):
 
 
 class _Faiss(Index):
-    """A faiss index with METRIC_INNER_PRODUCT; faiss numbers vectors in add order too."""
+    """A faiss index with METRIC_INNER_PRODUCT, or METRIC_L2 (option `metric="l2"`); faiss
+    numbers vectors in add order too."""
+
+    # a bug hunt (session 101): the kNN-LM's L2 through inner product (keys [k, |k|^2]) built
+    # HNSW's graph on k.k' + |k|^2 |k'|^2, whose links do not follow L2 neighbours (recall@16
+    # 0.002 against exact), and IVF's cells likewise; faiss's own L2 on the raw keys instead
+    METRICS = ("ip", "l2")
 
     def __init__(self, dim: int, **options):
         super().__init__(dim, **options)
+        check_metric(self)
         self.faiss = _import("faiss", "faiss-cpu")
         self.index = self._build()
+
+    def _metric(self):
+        return (self.faiss.METRIC_L2 if self.options.get("metric") == "l2"
+                else self.faiss.METRIC_INNER_PRODUCT)
 
     @abc.abstractmethod
     def _build(self):
@@ -69,7 +82,8 @@ class _Faiss(Index):
 
     def _search(self, q_QD, k):
         self._tune()
-        return _ties_by_id(*self.index.search(q_QD, k))
+        d, ids = self.index.search(q_QD, k)
+        return _ties_by_id(-d if self.options.get("metric") == "l2" else d, ids)
 
     def _tune(self) -> None:
         pass
@@ -86,19 +100,23 @@ class _Faiss(Index):
 
 @register("faiss_flat")
 class FaissFlat(_Faiss):
-    """faiss IndexFlatIP: exact brute force (BLAS products + heaps)."""
+    """faiss IndexFlatIP (IndexFlatL2 for `metric="l2"`): exact brute force (BLAS products +
+    heaps)."""
+
+    def __init__(self, dim: int, *, metric: str = "ip"):  # a bug hunt (session 101): it took
+        super().__init__(dim, metric=metric)  # any option and ignored it
 
     def _build(self):
-        return self.faiss.IndexFlatIP(self.dim)
+        return self.faiss.IndexFlat(self.dim, self._metric())
 
 
 @register("faiss_ivf")
 class FaissIVF(_Faiss):
     """faiss IndexIVFFlat over inner-product cells. Options: `lists` (cells; 0: 4 sqrt(N)
-    at the first add), `nprobe` cells scanned per query."""
+    at the first add), `nprobe` cells scanned per query, `metric`."""
 
-    def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16):
-        super().__init__(dim, lists=lists, nprobe=nprobe)
+    def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16, metric: str = "ip"):
+        super().__init__(dim, lists=lists, nprobe=nprobe, metric=metric)
         check_at_least(self, {"lists": 0, "nprobe": 1})
 
     def _build(self):
@@ -112,9 +130,8 @@ class FaissIVF(_Faiss):
                                      f"only {len(x_ND)} vectors to train them on; use lists <= "
                                      f"{len(x_ND)} or add more vectors at once")
             self.options["lists"] = lists
-            quantizer = self.faiss.IndexFlatIP(self.dim)
-            self.index = self.faiss.IndexIVFFlat(quantizer, self.dim, lists,
-                                                 self.faiss.METRIC_INNER_PRODUCT)
+            quantizer = self.faiss.IndexFlat(self.dim, self._metric())
+            self.index = self.faiss.IndexIVFFlat(quantizer, self.dim, lists, self._metric())
             self._quantizer = quantizer  # faiss does not own it from Python
         super()._add(x_ND)
 
@@ -132,15 +149,17 @@ class FaissIVF(_Faiss):
 
 @register("faiss_hnsw")
 class FaissHNSW(_Faiss):
-    """faiss IndexHNSWFlat (Malkov & Yashunin 2018) with inner product. Options: `m` links
-    per node, `ef_construction`, `ef_search` (the recall/speed knob)."""
+    """faiss IndexHNSWFlat (Malkov & Yashunin 2018). Options: `m` links per node,
+    `ef_construction`, `ef_search` (the recall/speed knob), `metric`."""
 
-    def __init__(self, dim: int, *, m: int = 32, ef_construction: int = 80, ef_search: int = 64):
-        super().__init__(dim, m=m, ef_construction=ef_construction, ef_search=ef_search)
+    def __init__(self, dim: int, *, m: int = 32, ef_construction: int = 80, ef_search: int = 64,
+                 metric: str = "ip"):
+        super().__init__(dim, m=m, ef_construction=ef_construction, ef_search=ef_search,
+                         metric=metric)
         check_at_least(self, {"m": 2, "ef_construction": 1, "ef_search": 1})
 
     def _build(self):
-        index = self.faiss.IndexHNSWFlat(self.dim, int(self.options["m"]), self.faiss.METRIC_INNER_PRODUCT)
+        index = self.faiss.IndexHNSWFlat(self.dim, int(self.options["m"]), self._metric())
         index.hnsw.efConstruction = int(self.options["ef_construction"])
         return index
 
@@ -153,15 +172,21 @@ _SCANN_AH_CENTERS = 16  # ScaNN's asymmetric hashing: centres per block, each ne
 
 @register("scann")
 class ScaNN(HostIndex):
-    """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product.
-    Built on the first search from everything added (ScaNN indexes are not incremental).
-    Options: `leaves` (0: 2 sqrt(N)), `leaves_to_search`, `reorder` candidates rescored
-    exactly (on the LM's context vectors, which are far from unit norm, recall@10 is set by
-    `reorder`: 0.46 at 100, 0.96 at 1000 on 20K of them, whatever the leaves searched)."""
+    """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product
+    (`metric="l2"`: squared L2). Built on the first search from everything added (ScaNN
+    indexes are not incremental). Options: `leaves` (0: 2 sqrt(N)), `leaves_to_search`,
+    `reorder` candidates rescored exactly (on the LM's context vectors, which are far from
+    unit norm, recall@10 is set by `reorder`: 0.46 at 100, 0.96 at 1000 on 20K of them,
+    whatever the leaves searched), `metric`."""
 
-    def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100):
-        super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder)
+    METRICS = ("ip", "l2")  # (a bug hunt, session 101: see _Faiss)
+
+    def __init__(self, dim: int, *, leaves: int = 0, leaves_to_search: int = 32, reorder: int = 100,
+                 metric: str = "ip"):
+        super().__init__(dim, leaves=leaves, leaves_to_search=leaves_to_search, reorder=reorder,
+                         metric=metric)
         check_at_least(self, {"leaves": 0, "leaves_to_search": 1, "reorder": 1})
+        check_metric(self)
         self.scann = _import("scann", "scann")
         self.searcher = None
 
@@ -182,7 +207,8 @@ class ScaNN(HostIndex):
                                  f"partition; use leaves <= {len(x)} (or 0: chosen from the count) "
                                  "or add more vectors")
         o["leaves"] = leaves
-        builder = self.scann.scann_ops_pybind.builder(x, 10, "dot_product")
+        builder = self.scann.scann_ops_pybind.builder(
+            x, 10, "squared_l2" if o.get("metric") == "l2" else "dot_product")
         builder = builder.tree(num_leaves=leaves, num_leaves_to_search=min(o["leaves_to_search"], leaves),
                                training_sample_size=min(len(x), 250_000))
         builder = builder.score_ah(2, anisotropic_quantization_threshold=0.2)
@@ -201,7 +227,7 @@ class ScaNN(HostIndex):
         ids, scores = self.searcher.search_batched(q_QD, final_num_neighbors=k,
                                                    leaves_to_search=min(o["leaves_to_search"], o["leaves"]),
                                                    pre_reorder_num_neighbors=max(o["reorder"], k))
-        return _ties_by_id(scores, ids)
+        return _ties_by_id(-scores if o.get("metric") == "l2" else scores, ids)
 
     def _save_files(self, folder):
         """The vectors (so that a reloaded index can take more) and the built searcher

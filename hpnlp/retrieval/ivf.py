@@ -23,10 +23,17 @@ top-k lists. It ranks by (score desc, id asc) over the probed rows, as its numpy
 `scan_reference` does, and a query's scores do not depend on the other queries beside it.
 Elsewhere (`impl="xla"`, another backend, bfloat16) the scan is `search_chunks`, the pure
 function the index jits (usable inside a larger jitted program): it gathers each query's
-probed chunks into a [Q, P, c, D] copy and takes `lax.top_k` of the scores, ties keeping
-the earlier position in probe order. The two agree wherever the scores have no ties.
+probed chunks into a [Q, P, c, D] copy and takes `lax.top_k` of the scores, then of a key
+that keeps the lower id among the scores tied with the k-th, so it too ranks by (score
+desc, id asc): the two give the same ids, ties included.
 `main()` times both against the exact kernel (`python -c "from hpnlp.retrieval import ivf;
 ivf.main()" --n 1000000 --nprobe 2 4 8`).
+
+`metric="l2"` (the kNN-LM's): the cells are k-means' own L2 cells of the raw vectors, and
+the scan reads them as [x, |x|^2] against queries [2q, -1] (|q|^2 - |q - x|^2), centroids
+likewise, so that probes and results are the nearest by L2; before, the kNN-LM added keys
+already so augmented, and k-means clustered them mostly by their norms (a bug hunt,
+session 101).
 
 Shape letters: N database, Q queries, D dimension, C cells, M chunks, c chunk rows,
 P probes, K results; the kernel's T panels of NP rows a chunk, r = T x NP padded rows.
@@ -43,7 +50,7 @@ import numpy as np
 
 from hpnlp import kernels
 from hpnlp.retrieval import exact
-from hpnlp.retrieval.base import HostIndex, RetrievalError, register
+from hpnlp.retrieval.base import HostIndex, RetrievalError, check_metric, register
 
 # Queries per block of the kernel's scan: a chunk probed by several queries of a block is
 # read once for all of them, and fewer blocks than threads split the chunks instead, so up
@@ -125,8 +132,8 @@ def kmeans(x_ND: np.ndarray, cells: int, *, iters: int = 15, sample: int = 64, s
 def search_chunks(q_QD, centroid_MD, x_McD, id_Mc, k: int, nprobe: int):
     """Approximate top-k: each query scans the `nprobe` chunks whose centroids score best.
     `centroid_MD` is each chunk's cell centroid; `id_Mc` -1 marks padding. Returns
-    (scores [Q, K], ids [Q, K]); an id of -1 (score -inf) only where fewer than k real
-    vectors were scanned."""
+    (scores [Q, K], ids [Q, K]) by (score desc, id asc); an id of -1 (score -inf) only
+    where fewer than k real vectors were scanned."""
     probe_QP = jax.lax.top_k(q_QD @ centroid_MD.T, nprobe)[1]
     x_QPcD = x_McD[probe_QP]
     s_QPc = jnp.einsum("qd,qpcd->qpc", q_QD, x_QPcD.astype(jnp.float32),
@@ -134,8 +141,18 @@ def search_chunks(q_QD, centroid_MD, x_McD, id_Mc, k: int, nprobe: int):
     id_QPc = id_Mc[probe_QP]
     s_QPc = jnp.where(id_QPc >= 0, s_QPc, -jnp.inf)
     q = q_QD.shape[0]
-    top_s, pos = jax.lax.top_k(s_QPc.reshape(q, -1), k)
-    return top_s, jnp.take_along_axis(id_QPc.reshape(q, -1), pos, axis=1)
+    s_QR, id_QR = s_QPc.reshape(q, -1), id_QPc.reshape(q, -1)
+    # a bug hunt (session 101): top_k alone kept tied scores in probe order, not the lower
+    # id first (ids equal to exact search's 0.22 of the time on {-1, 0, 1} vectors): the
+    # scores above the k-th all, then the lowest ids of those equal to it
+    kth_Q1 = jax.lax.top_k(s_QR, k)[0][:, k - 1:]
+    big = jnp.iinfo(jnp.int32)
+    key_QR = jnp.where(s_QR > kth_Q1, big.max, jnp.where(s_QR == kth_Q1, -id_QR, big.min))
+    pos = jax.lax.top_k(key_QR, k)[1]
+    top_s, top_i = jnp.take_along_axis(s_QR, pos, axis=1), jnp.take_along_axis(id_QR, pos, axis=1)
+    # (0 - s: -0.0 and 0.0 are one score, as they are to the kernel)
+    _, top_i, top_s = jax.lax.sort((0.0 - top_s, top_i, top_s), dimension=1, num_keys=2)
+    return top_s, top_i
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,13 +181,17 @@ def pack_chunks(x_McD, id_Mc):
             np.ascontiguousarray(id_Mc, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("nr", "dtype"))
-def _gather_chunks(x_ND, id_Mc, nr: int, dtype: str):
+@functools.partial(jax.jit, static_argnames=("nr", "dtype", "l2"))
+def _gather_chunks(x_ND, id_Mc, nr: int, dtype: str, l2: bool = False):
     """The rows of `x_ND` that `id_Mc` names (-1: a zero row) as chunks [M, c, D] of `dtype`,
     or (`nr` > 0) in `pack_chunks`'s layout [M, c / nr, D, nr]: one gather into the output,
     where building it on the host had taken it three times over and a copy of every vector
-    besides (a README walk: the kNN-LM's ivf index peaked at 2.5x the exact one's memory)."""
-    rows = x_ND[jnp.maximum(id_Mc, 0)].astype(dtype)
+    besides (a README walk: the kNN-LM's ivf index peaked at 2.5x the exact one's memory).
+    `l2`: each row [x, |x|^2] (D + 1 wide), for queries [2q, -1]."""
+    rows = x_ND[jnp.maximum(id_Mc, 0)]
+    if l2:
+        rows = jnp.concatenate([rows, jnp.sum(rows * rows, axis=-1, keepdims=True)], axis=-1)
+    rows = rows.astype(dtype)
     rows = jnp.where((id_Mc >= 0)[..., None], rows, jnp.zeros((), dtype))
     if not nr:
         return rows
@@ -240,19 +261,27 @@ class IVFIndex(HostIndex):
     "bfloat16" | "float16"), `seed`; `impl` "auto" (the scan kernel where it can run: a CPU backend
     with a compiler, float32; the XLA scan elsewhere), "kernel" (an error where it cannot
     run) or "xla"; `threads` of the kernel (None: every core); `query_block` queries per
-    pass of the XLA scan (32). The cells are trained on the vectors present at the first
-    search (or `train`); later adds join the nearest cell.
+    pass of the XLA scan (32); `metric` "ip" or "l2" (float32 only). The cells are trained
+    on the vectors present at the first search (or `train`); later adds join the nearest cell.
     """
+
+    METRICS = ("ip", "l2")
 
     def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16, chunk: int = 0,
                  iters: int = 15, query_block: int = 32, dtype: str = "float32", seed: int = 0,
-                 impl: str = "auto", threads: int | None = None):
+                 impl: str = "auto", threads: int | None = None, metric: str = "ip"):
         super().__init__(dim, lists=lists, nprobe=nprobe, chunk=chunk, iters=iters,
-                         query_block=query_block, dtype=dtype, seed=seed, impl=impl, threads=threads)
+                         query_block=query_block, dtype=dtype, seed=seed, impl=impl,
+                         threads=threads, metric=metric)
         if impl not in exact.IMPLS:
             raise RetrievalError(f"impl={impl!r}; use one of {exact.IMPLS}")
         exact.check_options(self, at_least={"lists": 0, "nprobe": 1, "chunk": 0, "iters": 1,
                                             "query_block": 1, "seed": 0})
+        check_metric(self)
+        if metric == "l2" and dtype != "float32":
+            raise RetrievalError(f"ivf index: metric='l2' with dtype={dtype!r}: the squared norms "
+                                 "it scans by lose their precision (or overflow) below float32; "
+                                 "use dtype='float32'")
         self.centroids = None  # [C, D]
         self._cell = np.zeros((0,), np.int32)  # [N] cell of every vector
         self._stale(None)
@@ -324,9 +353,9 @@ class IVFIndex(HostIndex):
         if self._device is None:
             chunk_of_cell, ids = self._chunk_layout()
             id_Mc = jnp.asarray(ids, jnp.int32)
-            self._device = (jnp.asarray(self.centroids[chunk_of_cell]),
+            self._device = (jnp.asarray(self._l2_rows(self.centroids[chunk_of_cell])),
                             _gather_chunks(jnp.asarray(self.vectors()), id_Mc, 0,
-                                           self.options["dtype"]), id_Mc)
+                                           self.options["dtype"], self._l2()), id_Mc)
         return self._device
 
     def _packed(self):
@@ -337,10 +366,22 @@ class IVFIndex(HostIndex):
             nr = exact.layout()["np"]
             id_Mr = jnp.asarray(np.pad(ids, ((0, 0), (0, (-ids.shape[1]) % nr)),
                                        constant_values=-1), jnp.int32)
-            self._panels = (jnp.asarray(exact.pack_database(self.centroids[chunk_of_cell])),
-                            _gather_chunks(jnp.asarray(self.vectors()), id_Mr, nr, "float32"),
+            self._panels = (jnp.asarray(exact.pack_database(
+                                self._l2_rows(self.centroids[chunk_of_cell]))),
+                            _gather_chunks(jnp.asarray(self.vectors()), id_Mr, nr, "float32",
+                                           self._l2()),
                             id_Mr)
         return self._panels
+
+    def _l2(self) -> bool:
+        return self.options.get("metric") == "l2"
+
+    def _l2_rows(self, x_ND):
+        """Centroids as the scan reads them: themselves, or [c, |c|^2] for metric l2."""
+        if not self._l2():
+            return x_ND
+        x_ND = np.asarray(x_ND, np.float32)
+        return np.concatenate([x_ND, np.einsum("nd,nd->n", x_ND, x_ND)[:, None]], axis=1)
 
     def check_k(self, k: int, *, fix: str = "raise nprobe or chunk, or lower k") -> None:
         """RetrievalError where a query cannot be given k neighbours: k is more than the
@@ -365,23 +406,27 @@ class IVFIndex(HostIndex):
         self.check_k(k)
         nprobe = min(o["nprobe"], m)
         nq = len(q_QD)
+        if self._l2():  # [2q, -1] . [x, |x|^2] = |q|^2 - |q - x|^2; minus |q|^2 below
+            sq_Q1 = np.einsum("qd,qd->q", q_QD, q_QD)[:, None]
+            q_QD = np.concatenate([2.0 * q_QD, -np.ones((nq, 1), np.float32)], axis=1)
         if self.uses_kernel():
             centroid_PDN, chunk_MTDN, id_Mr = self._packed()
-            q = np.zeros((exact._pad_rows(nq, exact._QUERY_CHUNK), self.dim), np.float32)
+            q = np.zeros((exact._pad_rows(nq, exact._QUERY_CHUNK), q_QD.shape[1]), np.float32)
             q[:nq] = q_QD
             q = jnp.asarray(q)
             _, probe_QP = exact.mips_top_k(q, centroid_PDN, m, nprobe, threads=o.get("threads"))
             s, i = ivf_scan(q, probe_QP, chunk_MTDN, id_Mr, k, threads=o.get("threads"))
-            return np.asarray(s)[:nq], np.asarray(i)[:nq]
-        centroid_MD, x_McD, id_Mc = self._chunks()
-        qb = o["query_block"]
-        # as the exact index's: few query counts, so few compiles (each multiple of the
-        # query block had been one: a kNN-LM's batches, of varying real tokens, up to 128)
-        q = np.zeros((-(-exact._pad_rows(nq, exact._QUERY_CHUNK) // qb) * qb, self.dim),
-                     np.float32)
-        q[:nq] = q_QD
-        s, i = _search_fn(k, nprobe, qb)(jnp.asarray(q), centroid_MD, x_McD, id_Mc)
-        return np.asarray(s)[:nq], np.asarray(i)[:nq]
+        else:
+            centroid_MD, x_McD, id_Mc = self._chunks()
+            qb = o["query_block"]
+            # as the exact index's: few query counts, so few compiles (each multiple of the
+            # query block had been one: a kNN-LM's batches, of varying real tokens, up to 128)
+            q = np.zeros((-(-exact._pad_rows(nq, exact._QUERY_CHUNK) // qb) * qb, q_QD.shape[1]),
+                         np.float32)
+            q[:nq] = q_QD
+            s, i = _search_fn(k, nprobe, qb)(jnp.asarray(q), centroid_MD, x_McD, id_Mc)
+        s, i = np.asarray(s)[:nq], np.asarray(i)[:nq]
+        return (s - sq_Q1 if self._l2() else s), i
 
     def _arrays(self):
         if self.centroids is None and self.count:

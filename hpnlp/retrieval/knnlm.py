@@ -9,9 +9,12 @@ distribution over a datastore of (context vector, next token) pairs from its tra
    (`keys.npy`, [N, E]), with the next token as its value (`values.npy`, int32).
    `datastore.json` names the model (a digest of its parameters), so a datastore from
    another model is refused in one line.
-2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2;
-   MIPS serves it exactly by the usual augmentation, key [k, |k|^2] against query
-   [2q, -1], whose inner product is |q|^2 - |q - k|^2.
+2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2:
+   an index whose `METRICS` hold "l2" (`ivf`, faiss's, ScaNN's) searches the raw keys by
+   its own `metric="l2"`; `exact` serves it by the usual augmentation, key [k, |k|^2]
+   against query [2q, -1], whose inner product is |q|^2 - |q - k|^2 (a bug hunt (session
+   101): the others built their cells or graph on those augmented keys, whose products the
+   norms dominate: faiss_hnsw's recall@16 against exact was 0.002).
 3. **Interpolation**: p(y) = lambda p_kNN(y) + (1 - lambda) p_LM(y), with p_kNN(y) the softmax
    of -distance / T over the k nearest keys, summed over those whose value is y. k, T and
    lambda are tuned on a validation half of the held-out chunks and reported on the other
@@ -36,7 +39,7 @@ import numpy as np
 
 from hpnlp.paths import write_json
 from hpnlp.progress import bar_interval
-from hpnlp.retrieval.base import Index, RetrievalError, make
+from hpnlp.retrieval.base import Index, RetrievalError, get, make
 
 DATASTORE = "datastore.json"
 VERSION = 1
@@ -217,14 +220,18 @@ class Datastore:
 
     def index(self, name: str = "exact", *, metric: str = "l2", read_rows: int = 1 << 20,
               **options) -> Index:
-        """An index over the keys (augmented for L2, see the module docstring), filled in
-        blocks of `read_rows` from the memory map; `options` are the index's own (a bug
-        hunt: this was `block`, and took the exact index's `block` option as its own)."""
+        """An index over the keys (for L2 by the index's own metric or augmented, see the
+        module docstring), filled in blocks of `read_rows` from the memory map; `options` are
+        the index's own (a bug hunt: this was `block`, and took the exact index's `block`
+        option as its own)."""
         check_metric(metric)
-        index = make(name, self.keys.shape[1] + (metric == "l2"), **options)
+        native = metric == "l2" and "l2" in get(name).METRICS
+        augmented = metric == "l2" and not native
+        index = make(name, self.keys.shape[1] + augmented, **options,
+                     **({"metric": "l2"} if native else {}))
         for lo in range(0, len(self.keys), read_rows):
             k = np.asarray(self.keys[lo:lo + read_rows], np.float32)
-            index.add(augment_keys(k) if metric == "l2" else k)
+            index.add(augment_keys(k) if augmented else k)
         # trained and packed here, not in the first search (a README walk: ivf's k-means ran
         # inside the first eval batch, its bar at 0% for a minute and build_s 4 s of 77)
         index.prepare()
@@ -272,10 +279,8 @@ def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: in
             q_TE = q_TE.astype(np.float16).astype(np.float32)
             t0 = time.perf_counter()
             for lo in range(0, len(q_TE), query_block):
-                q = q_TE[lo:lo + query_block]
-                s, ids = index.search(augment_queries(q) if metric == "l2" else q, k)
-                d = (np.sum(q * q, axis=1, keepdims=True) - s) if metric == "l2" else -s
-                dist.append(np.maximum(d, 0.0) if metric == "l2" else d)
+                d, ids = search(index, q_TE[lo:lo + query_block], k, metric)
+                dist.append(d)
                 # id -1 (fewer than k vectors scanned) is no hit, whatever values[-1] holds
                 hit.append((store.values[ids] == target_T[lo:lo + query_block, None])
                            & (ids >= 0))
@@ -284,6 +289,23 @@ def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: in
             bar.update(len(target_T))
     return Neighbours(np.concatenate(lm), np.concatenate(dist), np.concatenate(hit),
                       search_s=t_search, lm_s=t_lm)
+
+
+def search(index: Index, q_TE, k: int, metric: str = "l2"):
+    """(distances [T, K] ascending, ids [T, K]) of the k nearest keys in an index made by
+    `Datastore.index`: squared L2 (by the index's own metric, or through the augmentation)
+    or, for "ip", minus the inner product."""
+    check_metric(metric)
+    native = index.options.get("metric") == "l2"
+    if native and metric != "l2":
+        raise RetrievalError(f"this {index.registry_name!r} index searches by L2 "
+                             f"(metric='l2'), and metric={metric!r} was asked for; make the "
+                             "index with the metric it is searched by")
+    augmented = metric == "l2" and not native
+    s, ids = index.search(augment_queries(q_TE) if augmented else q_TE, k)
+    if augmented:
+        s = s - np.sum(q_TE * q_TE, axis=1, keepdims=True)
+    return (np.maximum(-s, 0.0) if metric == "l2" else -s), ids
 
 
 def interpolate(nb: Neighbours, *, k: int, temperature: float, lam: float) -> np.ndarray:
@@ -379,6 +401,9 @@ def check_index(name: str, options: dict, k: int = 0) -> None:
     """RetrievalError where index `name` with `options` cannot be made, or (as far as its
     options tell) cannot give `k` neighbours, before the datastore (minutes) is built: an
     empty one of a small width is made and dropped."""
+    if "metric" in options:  # the index's own, set from the kNN-LM's (a TypeError in `run`)
+        raise RetrievalError(f"index_options metric={options['metric']!r}: the kNN-LM sets "
+                             "the index's metric from its own (--metric); leave it out")
     try:
         index = make(name, 8, **options)
     except TypeError as e:
