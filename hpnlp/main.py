@@ -112,6 +112,10 @@ def _take_option_overrides(argv: list[str]) -> list[str]:
             text = next(args, None)  # (found in review: refused as no such field)
             if text is None:
                 raise SystemExit(f"hpnlp: error: {arg} needs a value")
+            if text.startswith("--"):  # a bug hunt (session 101): the next flag was the value
+                raise SystemExit(f"hpnlp: error: {arg} needs a value, and the next argument is "
+                                 f"the flag {text.split('=')[0]}: did you forget the `=`? "
+                                 f"({arg}=VALUE)")
         if text.lower() in _WORDS:  # found in review: 'false' stayed a string, so true
             value = _WORDS[text.lower()]
         else:

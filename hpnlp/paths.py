@@ -36,6 +36,11 @@ _RUN_ENTRIES = {"checkpoints": True, "tensorboard": True, "config.json": False,
                 "summary.json": False, "metrics.jsonl": False}
 
 
+# What a run's first writes, cut short (killed, a full disk), leave in a folder that holds no
+# run yet: the next run writes them anew (a bug hunt, session 101)
+_RUN_LEFTOVERS = ("config.json.tmp",)
+
+
 def check_workdir(workdir: str, flag: str = "--workdir") -> None:
     """Raises ValueError, naming `flag`, where a training run cannot write into `workdir`: it
     cannot be a folder (`check_writable_dir`), or it holds files and no run (no config.json,
@@ -69,8 +74,10 @@ def check_workdir(workdir: str, flag: str = "--workdir") -> None:
                              "writes them again; make them writable (chmod -R u+w), or copy "
                              "the run to a new folder")
         return
-    # (a tokenizer's save cut short leaves its temporary folder: not another tool's output)
-    other = sorted(f for f in held - set(RUN_FOLDERS) if not f.startswith(".tokenizer-"))
+    # (a tokenizer's save cut short leaves its temporary folder, a config.json's write its
+    # .tmp: not another tool's output)
+    other = sorted(f for f in held - set(RUN_FOLDERS) - set(_RUN_LEFTOVERS)
+                   if not f.startswith(".tokenizer-"))
     if other:
         raise ValueError(f"{flag} {workdir} holds files but no training run ("
                          f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}: another "
@@ -141,9 +148,16 @@ def write_json(path: str, obj, indent: int | None = 1) -> None:
     reader, or a rerun after a kill, never finds half a file)."""
     import json
     tmp = path + ".tmp"  # (written by one process: process 0, or a tool's only one)
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent)
+        os.replace(tmp, path)
+    except BaseException:
+        # a bug hunt (session 101): a full disk left config.json.tmp, and every rerun in the
+        # folder was refused as another tool's output
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 class WorkdirBusy(ValueError):

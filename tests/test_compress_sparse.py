@@ -1151,6 +1151,61 @@ def test_structured_pruning_under_int4_groups_keeps_units_the_groups_divide():
         validate(from_configdict(cd))
 
 
+def test_shrink_refuses_a_qat_run_whose_scales_read_the_pruned_zeros(tmp_path):
+    """A bug hunt (session 101): a ternary QAT run shrunk evaluated 4.8767 where its masked
+    model had 4.9004 (int4 groups of 32: 4.5725 and 4.5668), unsaid. Refused where removing
+    a product's pruned contraction rows (zeros) changes how its kept rows quantize: absmax
+    and mse read no zero (a zero quantizes to zero under every range), whole groups go whole
+    (each case checked against hpnlp.compress.formats' quantize-dequantize in that hunt)."""
+    for kind, quant, refused in (
+            ("mlp", dict(weights="int8"), None),  # a neuron: one mlp_out row
+            ("mlp", dict(weights="int8", calibration="mse"), None),
+            ("mlp", dict(weights="fp8", calibration="mse"), None),
+            ("mlp", dict(weights="pow2"), None),
+            ("mlp", dict(weights="int4"), None),
+            ("mlp", dict(weights="int8", calibration="percentile"), "quant.calibration"),
+            ("mlp", dict(weights="pow2", calibration="percentile"), "quant.calibration"),
+            ("mlp", dict(weights="int4", group_size=8), "quant.group_size"),
+            ("mlp", dict(weights="binary"), "quant.weights"),
+            ("mlp", dict(weights="ternary"), "quant.weights"),
+            ("out", dict(weights="int4", group_size=8), None),  # a head: 8 out rows
+            ("out", dict(weights="int4", group_size=8, calibration="percentile"), None),
+            ("out", dict(weights="int4", group_size=16), "quant.group_size"),
+            ("out", dict(weights="ternary"), "quant.weights")):
+        cd = tiny(prune=dict(method="magnitude", structure="structured", layers=kind))
+        cd.quant.update(layers=kind, **quant)
+        got = prune.shrink_changes_quant(from_configdict(cd))
+        assert (got and got[0]) == refused, (kind, quant, got)
+    cd = tiny(prune=dict(method="magnitude", structure="structured"))
+    cd.quant.update(weights="ternary", layers="qkv,output")  # no product shrink cuts across
+    assert prune.shrink_changes_quant(from_configdict(cd)) is None
+    cd.model.update(arch="lstm")  # every product sums over the hidden units
+    assert prune.shrink_changes_quant(from_configdict(cd))[0] == "quant.weights"
+    cd = tiny(prune=dict(method="magnitude", structure="structured", start_step=1))
+    cd.quant.weights = "ternary"
+    _config_only_workdir(tmp_path / "run", cd)  # refused before anything is read or built
+    with pytest.raises(ConfigError, match=r"^config field `quant\.weights` = 'ternary' is not "
+                       r"allowed: the run in \S+ cannot be shrunk exactly: each channel of its "
+                       r"mlp, out products takes its scale and threshold from the mean \|w\|"):
+        prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    assert not os.path.exists(tmp_path / "small")
+
+
+def test_shrink_on_devices_that_do_not_split_the_batch_is_refused_up_front(tmp_path,
+                                                                            monkeypatch):
+    """A bug hunt (session 101): a run of a batch of 8 shrunk on 3 devices was read on 2 of
+    them, and the shrunk run, to train on all 3, was refused for that reader's mesh ("the
+    axis sizes multiply to 2, not the device count 3") after the pruned run was evaluated."""
+    cd = tiny(prune=dict(method="magnitude", structure="structured", start_step=1))
+    _config_only_workdir(tmp_path / "run", cd)
+    monkeypatch.setattr(jax, "device_count", lambda: 3)
+    with pytest.raises(ConfigError, match=r"^config field `train\.batch_size` = 4 is not "
+                       r"allowed: .* does not split over these 3 devices; shrink it on a device "
+                       r"count that splits it \(e\.g\. 2;"):
+        prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    assert not os.path.exists(tmp_path / "small")
+
+
 def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_path):
     from hpnlp.train import Trainer
     _, _, base = _teacher_workdir(tmp_path / "base", tiny("lm"))

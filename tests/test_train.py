@@ -184,10 +184,13 @@ def test_a_run_read_where_its_mesh_does_not_fit_reads_on_the_data_axis(capsys):
 def test_a_run_read_on_devices_that_do_not_split_its_batch_reads_on_fewer(capsys, monkeypatch):
     """A bug hunt (session 100): read with 3 devices, a batch of 8 was refused as
     train.batch_size, a field the reader cannot set."""
-    from hpnlp.train.loop import for_these_devices
+    import dataclasses
+
+    from hpnlp.train.loop import for_these_devices, reader_devices
     monkeypatch.setattr(jax, "device_count", lambda: 3)
     for mesh, saved in (({"data": 1, "tensor": 4}, "mesh {'tensor': 4}, which does not fit"),
                         ({"data": 4}, "mesh {'data': 4}, which does not fit"),
+                        ({"data": 2}, "mesh {'data': 2}, which does not fit"),  # (session 101)
                         ({"data": -1}, "splits its batch over 3")):
         cd = tiny()
         cd.mesh.update(**mesh)
@@ -196,11 +199,31 @@ def test_a_run_read_on_devices_that_do_not_split_its_batch_reads_on_fewer(capsys
         err = capsys.readouterr().err
         assert err.startswith(f"hpnlp: /runs/tp {'was trained on ' * ('fit' in saved)}{saved}")
         assert "read with mesh.data=2 on 2 of the 3 devices (train.batch_size=8" in err, err
-    # a mesh of explicit sizes laying out fewer devices is a reader's already: kept, unsaid
+    # a reader's layout passed on (quantize's config, its quant replaced, to its Trainer) is
+    # kept, unsaid
+    assert for_these_devices(cfg, "/runs/tp") is cfg and not capsys.readouterr().err
+    again = dataclasses.replace(cfg, seed=1)
+    assert for_these_devices(again, "/runs/tp") is again and not capsys.readouterr().err
+    assert reader_devices(again) and reader_devices(from_configdict(cd)) is None  # saved
+
+
+def test_a_run_of_an_explicit_mesh_on_fewer_devices_is_laid_out_again(capsys, monkeypatch):
+    """A bug hunt (session 101): a run trained with mesh.data=2 read on 4 devices was taken
+    for a reader's layout (explicit sizes, fewer devices: "validate refuses such a mesh", but
+    its config.json was validated where it trained) and kept on 2 of them, unsaid, where
+    hpnlp.moe.route routed in 4 groups."""
+    from hpnlp.moe import eval_groups
+    from hpnlp.train.loop import for_these_devices, reader_devices
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
     cd = tiny()
     cd.mesh.update(data=2)
-    cfg = from_configdict(cd)
-    assert for_these_devices(cfg, "/runs/tp") is cfg and not capsys.readouterr().err
+    saved = from_configdict(cd)
+    cfg = for_these_devices(saved, "/runs/d2")
+    assert cfg.mesh.data == -1 and reader_devices(cfg) is None
+    assert capsys.readouterr().err == ("hpnlp: /runs/d2 was trained on mesh {'data': 2}, which "
+                                       "does not fit the 4 device(s) here; read with "
+                                       "mesh.data=4\n")
+    assert eval_groups(saved) == 4  # as the Trainer evaluates it
 
 
 READ_ON_FEWER = r"""
@@ -410,6 +433,96 @@ def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeyp
         check_workdir(str(tmp_path))
 
 
+def test_a_full_disk_at_config_json_or_the_metrics_is_one_line_and_leaves_no_tmp(
+        tmp_path, monkeypatch):
+    # a bug hunt (session 101): a full disk at the first config.json was a 34-line traceback
+    # leaving config.json.tmp (every rerun then refused as another tool's output); at
+    # metrics.jsonl or TensorBoard's flush, 66 lines from tensorboardX, its atexit and thread
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.paths import check_workdir
+    from hpnlp.train.checkpoint import Checkpointer, CheckpointSaveFailed
+    from hpnlp.train.metrics import MetricWriter
+    cfg = validate(from_configdict(tiny(steps=10)), num_devices=1)
+    real_dump = json.dump
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def cut(obj, f, **kw):
+        f.write("{")
+        full()
+    monkeypatch.setattr(json, "dump", cut)
+    with pytest.raises(CheckpointSaveFailed, match=(
+            rf"^writing {tmp_path}/config.json failed \(OSError: \[Errno 28\] No space left on "
+            r"device\); no checkpoint is complete. Free space there, or make it writable, "
+            r"before rerunning$")):
+        Checkpointer(str(tmp_path), cfg, keep=2)
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "config.json.tmp").write_text("{")  # one a kill left: the rerun writes it anew
+    check_workdir(str(tmp_path))
+
+    (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+    msg = (r"^writing {} failed \(OSError: \[Errno 28\] No space left on device\); the newest "
+           r"complete checkpoint is step 20: a rerun of the same command resumes from it. Free "
+           r"space there, or make it writable, before rerunning$")
+    for broken, where in (("file", "metrics.jsonl"), ("tb", "tensorboard")):
+        w = MetricWriter(str(tmp_path / where))
+        (tmp_path / where / "checkpoints" / "20").mkdir(parents=True)
+        if broken == "file":  # (a file's own methods cannot be replaced)
+            w.file.close()
+            w.file = type("Full", (), {"write": len, "flush": full, "close": full})()
+        else:
+            monkeypatch.setattr(w.tb, "flush", full)
+        with pytest.raises(CheckpointSaveFailed, match=msg.format(tmp_path / where / where)):
+            w.write(3, {"loss": 1.0})
+        w.close()  # closed quietly: nothing more to fail, nor for tensorboardX's atexit close
+        for fw in w.tb.all_writers.values():
+            assert fw.event_writer._closed and not fw.event_writer._worker.is_alive()
+        fw.event_writer.close()
+
+
+def test_a_run_refused_after_saving_its_tokenizer_leaves_no_tokenizer_folder(
+        tmp_path, monkeypatch):
+    # a bug hunt (session 101): a run refused after its task saved WORKDIR/tokenizer (a
+    # distillation teacher of another tokenizer) left it, and the corrected rerun into the
+    # folder was refused as another run's
+    from hpnlp import data as data_lib
+    from hpnlp.paths import check_workdir
+    (tmp_path / "train.txt").write_text("in the beginning was the word\n" * 40)
+    cd = tiny()
+    cd.data.update(tokenizer="bpe", vocab_size=300, train_path=str(tmp_path / "train.txt"),
+                   eval_path=str(tmp_path / "train.txt"))
+    cfg = from_configdict(cd)
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused after the task was made")
+    monkeypatch.setattr(data_lib, "make_iterator", refused)
+    for held in ((), ("config.json",)):  # a folder of no run, and one of a run
+        w = tmp_path / f"w{len(held)}"
+        w.mkdir()
+        for f in held:
+            (w / f).write_text("{}")
+        with pytest.raises(ValueError, match="refused after"):
+            Trainer(cfg, str(w))
+        assert (w / "tokenizer").is_dir() == bool(held)  # a run's (or its rerun's) is kept
+    check_workdir(str(tmp_path / "w0"))
+
+
+def test_an_option_override_without_its_value_does_not_take_the_next_flag(monkeypatch):
+    # a bug hunt (session 101): `--config.attention.options.block_q --config.train.steps=3`
+    # was refused as attention.options.block_q = '--config.train.steps=3'
+    from hpnlp import main
+    monkeypatch.setattr(main, "_option_overrides", [])
+    with pytest.raises(SystemExit, match=r"^hpnlp: error: --config.attention.options.block_q "
+                       r"needs a value, and the next argument is the flag --config.train.steps: "
+                       r"did you forget the `=`\? \(--config.attention.options.block_q=VALUE\)$"):
+        main._take_option_overrides(["prog", "--config.attention.options.block_q",
+                                     "--config.train.steps=3"])
+    assert main._take_option_overrides(["p", "--config.output.options.x", "-1"]) == ["p"]
+    assert main._option_overrides == [("output", "x", -1)]
+
+
 def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
     # a bug hunt (session 92): both resumed, computing another function of the same arrays
     from hpnlp.config import to_json
@@ -424,6 +537,31 @@ def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
     saved = to_json(from_configdict(lm))
     lm.model.pool = "first"  # an LM pools nothing
     assert _config_shape_diff(saved, from_configdict(lm)) == {}
+
+
+def test_a_transformer_xl_stream_resumed_with_another_memory_shape_names_the_field():
+    # a bug hunt (session 101): another train.batch_size or memory length was refused by the
+    # restore as unnamed arrays of other shapes (the memory carried is [depth, B, M, width])
+    from hpnlp.config import to_json
+    from hpnlp.train.checkpoint import _config_shape_diff
+    cd = tiny()
+    cd.model.arch, cd.data.batching = "transformer_xl", "stream"
+    saved = to_json(from_configdict(cd))
+
+    def diff(**changes):
+        c = cd.copy_and_resolve_references()
+        for k, v in changes.items():
+            group, field = k.split("__")
+            c[group][field] = v
+        return _config_shape_diff(saved, from_configdict(c))
+    assert diff(train__batch_size=4) == {"train.batch_size": (8, 4)}
+    assert diff(model__mem_len=16) == {"model.mem_len": (32, 16)}  # 0: data.seq_len
+    assert diff(model__mem_len=32) == {}  # the same memory
+    assert diff(data__seq_len=16) == {"data.seq_len": (32, 16)}  # mem_len 0 follows it
+    assert diff(train__lr=1e-3, train__steps=50) == {}
+    cd.data.batching = "pack"  # no memory carried: a resume may change the batch
+    saved = to_json(from_configdict(cd))
+    assert diff(train__batch_size=4) == {}
 
 
 def test_a_resume_that_changes_the_learning_rate_says_so():

@@ -604,6 +604,50 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
     return dataclasses.replace(cfg, model=model, train=train), traverse.unflatten_dict(flat)
 
 
+def shrink_changes_quant(cfg: Config) -> tuple[str, object, str] | None:
+    """(field, value, why) where `shrink` of this QAT run would compute another function than
+    its masked model, else None. A product whose contraction `shrink` cuts (out: the pruned
+    heads' rows; mlp: the neurons'; an LSTM/GRU: every product, the hidden units) loses rows
+    of zeros from each channel's scale: absmax and mse (a zero quantizes to zero under every
+    range) read the same, and int4 groups the cut removes whole (model.head_dim rows that
+    quant.group_size divides) keep theirs; binary and ternary scale (ternary: threshold) by
+    the mean |w|, percentile clips at a share of the values, and int4 groups across the cut
+    rows regather other rows, all of which the zeros change (a bug hunt, session 101: a
+    ternary run shrunk evaluated 4.8767 where its masked model had 4.9004, unsaid)."""
+    q, m, p = cfg.model.quant, cfg.model, cfg.train.prune
+    if q.weights == "none":
+        return None
+    from hpnlp.config import layers_name
+    from hpnlp.config.compress_checks import quant_products
+    if m.arch in RNN_ARCHS:
+        cut = dict.fromkeys(quant_products(m), 1)
+    else:
+        heads = any(layers_name(p.layers, k) for k in ("qkv", "out"))
+        cut = {"out": m.dims_per_head()} if heads else {}
+        if layers_name(p.layers, "mlp"):
+            cut["mlp"] = 1
+    cut = {k: rows for k, rows in cut.items() if q.applies(k)}
+    g = q.group_size
+    named = ", ".join(sorted(cut))
+    split = sorted(k for k, rows in cut.items() if g and rows % g)
+    if split:
+        rows = ", ".join(f"{k}: {cut[k]}" for k in split)
+        return "quant.group_size", g, (
+            f"the int4 groups of {g} rows along the contraction of its {', '.join(split)} "
+            f"products would gather other rows once the pruned units' rows ({rows} each) are "
+            "gone, which changes their scales")
+    if cut and not g and q.weights in ("binary", "ternary"):
+        return "quant.weights", q.weights, (
+            f"each channel of its {named} products takes its scale"
+            + (" and threshold" if q.weights == "ternary" else "") + " from the mean |w| over "
+            "the contraction, the pruned rows' zeros among them, which shrink removes")
+    if cut and not g and q.calibration == "percentile":
+        return "quant.calibration", q.calibration, (
+            f"each channel of its {named} products clips at the quant.percentile={q.percentile} "
+            "of its |w|, the pruned rows' zeros among them, which shrink removes")
+    return None
+
+
 class PruneCarry(Carry):
     """The `prune` entry of the train state: {"masks": {path: bool mask}}, with "scores",
     their Adam state and "dense" (movement) or "rewind" (imp) beside them; structured
@@ -862,7 +906,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
 
     from hpnlp import models
     from hpnlp.config import config_error
-    from hpnlp.train.loop import Trainer, mesh_for_these_devices
+    from hpnlp.train.loop import Trainer, mesh_for_these_devices, reader_mesh
     from hpnlp.train.checkpoint import load_run_config
 
     cfg = mesh_for_these_devices(load_run_config(workdir), workdir)  # the shrunk run's too
@@ -870,6 +914,31 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         raise config_error("train.prune.structure", cfg.train.prune.structure, f"the run in "
                            f"{workdir} was not pruned with train.prune.structure='structured', so "
                            "it has no heads, neurons or hidden units to remove")
+    inexact = shrink_changes_quant(cfg)
+    if inexact:  # README: the shrunk model "computes what the masked model computed"
+        field, value, why = inexact
+        raise config_error(field, value, f"the run in {workdir} cannot be shrunk exactly: {why}, "
+                           "so the shrunk model would compute another function; prune under "
+                           "int8, int4 (per channel), fp8 or pow2 weights with absmax or mse "
+                           "calibration, or prune in float and quantize the shrunk run "
+                           "(python -m hpnlp.compress quantize)")
+    # a bug hunt (session 101): a batch that does not split over every device here was read
+    # on fewer of them (`for_these_devices`), and the shrunk run took that reader's mesh,
+    # which its training Trainer refused ("the axis sizes multiply to 2, not the device
+    # count 3") after the pruned run was read and evaluated
+    n = jax.device_count()
+    k = reader_mesh(cfg, n)[1]
+    if k < n:
+        t = cfg.train
+        raise config_error("train.batch_size", t.batch_size, f"the run in {workdir} is shrunk "
+                           f"into a run to train on every device here, and its batch (with "
+                           f"train.grad_accum={t.grad_accum}, data.eval_batch_size="
+                           f"{cfg.data.eval_batch_size or t.batch_size}"
+                           + (f", model.moe.groups={cfg.model.moe.groups}"
+                              if cfg.model.moe.enabled() and cfg.model.moe.groups else "")
+                           + f") does not split over these {n} devices; shrink it on a device "
+                           f"count that splits it (e.g. {k}; on a CPU, XLA_FLAGS=--xla_force_"
+                           "host_platform_device_count=N simulates N devices)")
     from hpnlp.paths import check_new_output
     earlier = _shrunk_from(out) == os.path.realpath(workdir)  # this command's, of this run
     # a new run: nothing of another run or tool written over, but this command's own earlier
@@ -893,6 +962,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     except ConfigError as e:  # e.g. int4 groups that the kept units do not split into
         raise ConfigError(f"the run in {workdir} cannot be shrunk: its smaller model's config "
                           f"is refused ({e})") from None
+    # the output run trains on every device: the run's mesh here, not its reader's (session 101)
+    cfg2 = dataclasses.replace(cfg2, mesh=cfg.mesh)
     sizes = ({"width": [cfg.model.width, cfg2.model.width]} if cfg.model.arch in RNN_ARCHS
              else {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
                    "head_dim": cfg2.model.head_dim,

@@ -308,7 +308,7 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
         a = get(saved, path)
         return get(default, path) if a is None else a
 
-    fields = []
+    fields, diff = [], {}
     recurrent = {get(saved, ("model", "arch")), get(now, ("model", "arch"))} & {"lstm", "gru"}
     method = ("train", "prune", "method")
     pruned = {get(saved, method), get(now, method)} - {None, "none"}
@@ -336,7 +336,20 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
         stream = ("data", "batching")
         if (value(stream) == "stream") != (get(now, stream) == "stream"):
             fields.append(stream)
-    return {".".join(f): (value(f), get(now, f)) for f in fields if value(f) != get(now, f)}
+        elif get(now, stream) == "stream":
+            # A bug hunt (session 101): the memory carried on a stream is [depth, batch,
+            # mem_len, width], so another train.batch_size or memory length was refused by
+            # the restore as unnamed arrays of other shapes. mem_len 0 is data.seq_len: named
+            # as the field that changed
+            fields.append(("train", "batch_size"))
+            ml, sl = ("model", "mem_len"), ("data", "seq_len")
+            was, mem = value(ml) or value(sl), get(now, ml) or get(now, sl)
+            if was != mem and value(ml) == get(now, ml):  # both 0: the segment length changed
+                diff["data.seq_len"] = (value(sl), get(now, sl))
+            elif was != mem:
+                diff["model.mem_len"] = (was, mem)
+    diff.update({".".join(f): (value(f), get(now, f)) for f in fields if value(f) != get(now, f)})
+    return diff
 
 
 def _resolved(sig: dict, other: dict) -> dict:
@@ -498,8 +511,11 @@ class Checkpointer:
 
     def _write_config(self, payload: dict) -> None:
         if jax.process_index() == 0:  # atomically: other processes may be reading it
-            os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
-            write_json(self.config_path, payload)
+            try:
+                os.makedirs(os.path.dirname(self.config_path), exist_ok=True)
+                write_json(self.config_path, payload)
+            except OSError as e:  # a bug hunt (session 101): a full disk was a 34-line traceback
+                raise write_failed(self.config_path, e, self.directory) from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -607,14 +623,21 @@ class Checkpointer:
             raise self._save_failed(e) from None
 
     def _save_failed(self, e: Exception) -> CheckpointSaveFailed:
-        steps = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit()) \
-            if os.path.isdir(self.directory) else []
-        detail = (str(e).splitlines() or ["no detail"])[0][:200]
-        newest = (f"the newest complete checkpoint is step {steps[-1]}: a rerun of the same "
-                  "command resumes from it" if steps else "no checkpoint is complete")
-        return CheckpointSaveFailed(
-            f"writing a checkpoint in {self.directory} failed ({type(e).__name__}: {detail}); "
-            f"{newest}. Free space there, or make it writable, before rerunning")
+        return write_failed(f"a checkpoint in {self.directory}", e, self.directory)
+
+
+def write_failed(what: str, e: Exception, directory: str) -> CheckpointSaveFailed:
+    """A run's failed write of `what` (a checkpoint, its config.json, its metrics) as one
+    line naming the newest complete checkpoint in `directory`, the run's checkpoints folder,
+    which a rerun resumes from."""
+    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) \
+        if os.path.isdir(directory) else []
+    detail = (str(e).splitlines() or ["no detail"])[0][:200]
+    newest = (f"the newest complete checkpoint is step {steps[-1]}: a rerun of the same "
+              "command resumes from it" if steps else "no checkpoint is complete")
+    return CheckpointSaveFailed(
+        f"writing {what} failed ({type(e).__name__}: {detail}); {newest}. Free space there, "
+        "or make it writable, before rerunning")
 
 
 def _is_number(v) -> bool:
@@ -886,7 +909,7 @@ def _model_fields_differ(workdir: str, cfg: Config) -> dict:
     diff = _saved_differs(_read_config_json(os.path.join(workdir, "config.json")), cfg,
                           _shape_signature(cfg))
     return {k: v for k, v in sorted(diff.items()) if k.startswith(("model.", "output."))
-            and k not in ("model.dtype", "model.causal", "model.pool")}
+            and k not in ("model.dtype", "model.causal", "model.pool", "model.mem_len")}
 
 
 def restore_params(workdir: str, like):

@@ -233,12 +233,15 @@ def for_these_devices(cfg: Config, workdir: str, *, fewer_devices: bool = True) 
     from hpnlp.config.checks import portable_here
     # a mesh laid out here already (a reader's config passed on to another: quantize's to
     # its Trainer) is kept, unsaid
-    mesh, _, why = (cfg.mesh, 0, None) if reader_devices(cfg) else reader_mesh(
-        cfg, jax.device_count(), fewer_devices=fewer_devices)
+    n = jax.device_count()
+    mesh, k, why = (cfg.mesh, 0, None) if _reader_layout(cfg.mesh) else reader_mesh(
+        cfg, n, fewer_devices=fewer_devices)
     if why:
         if jax.process_index() == 0:
             print(f"hpnlp: {workdir} {why}", file=sys.stderr, flush=True)
         cfg = dataclasses.replace(cfg, mesh=mesh)
+        if k < n:
+            _mark_reader_layout(mesh, k)
     cfg, notes = portable_here(cfg, reader_device_count(cfg))
     if jax.process_index() == 0:
         for note in notes:
@@ -252,13 +255,34 @@ def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
     return for_these_devices(cfg, workdir, fewer_devices=False)
 
 
+# The meshes `for_these_devices` laid out on k of the n devices here: {id(mesh): (a weak
+# reference to it, k)}, by identity (an equal mesh read from a config.json is not one), and
+# held beside the config, never in it, so never saved. A bug hunt (session 101): this was
+# inferred from the sizes (explicit, laying out fewer devices than there are, which
+# `validate` refuses), but a saved config.json was validated where it trained: a run of
+# mesh.data=2 read on 4 devices was kept on 2 of them, unsaid, while hpnlp.moe.route (which
+# asks `reader_mesh`) routed in 4 groups. A replaced config keeps its mesh object (quantize's
+# with_quant), so its Trainer keeps the layout; a replaced mesh is a new one.
+_READER_LAYOUTS: dict[int, tuple[Any, int]] = {}
+
+
+def _mark_reader_layout(mesh: MeshConfig, k: int) -> None:
+    import weakref
+    key = id(mesh)
+    _READER_LAYOUTS[key] = (weakref.ref(mesh, lambda _: _READER_LAYOUTS.pop(key, None)), k)
+
+
+def _reader_layout(mesh: MeshConfig) -> int | None:
+    """k where `for_these_devices` laid out `mesh` on k devices here, else None."""
+    ref, k = _READER_LAYOUTS.get(id(mesh), (lambda: None, 0))
+    return k if ref() is mesh else None
+
+
 def reader_devices(cfg: Config) -> list | None:
-    """The first k devices where a run read here is laid out on k of them, k below the device
-    count, else None (all). Derived from the mesh: `validate` refuses a mesh of fewer devices
-    than there are, so one of explicit sizes (no -1) laying out fewer is a reader's."""
-    sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
-    k = math.prod(sizes)
-    if jax.process_count() > 1 or -1 in sizes or k >= jax.device_count():
+    """The first k devices where `for_these_devices` laid the run read here out on k of them,
+    k below the device count, else None (all)."""
+    k = _reader_layout(cfg.mesh)
+    if k is None or jax.process_count() > 1 or k >= jax.device_count():
         return None
     return jax.devices()[:k]
 
@@ -278,9 +302,23 @@ class Trainer:
         end of `run` (`hpnlp.paths.hold_for_training`): another process's run there is refused,
         and this one is where another holds it."""
         self._release_workdir, self._read_only, self._ran = (lambda: None), read_only, False
+        unheld = self._release_workdir
+        # A bug hunt (session 101): a run refused after its task saved WORKDIR/tokenizer (a
+        # distillation teacher of another tokenizer) left it, and the corrected rerun was
+        # refused as another run's folder. Where the folder held nothing of a run, what the
+        # build made is removed, once this Trainer holds it (else it may be another's).
+        from hpnlp.data.tokenizers import DIRNAME
+        from hpnlp.paths import held_by
+        made = os.path.join(workdir, DIRNAME)
+        fresh = not read_only and jax.process_index() == 0 and not held_by(workdir) and not any(
+            os.path.exists(os.path.join(workdir, f))
+            for f in ("config.json", "checkpoints", DIRNAME))
         try:
             self._build(cfg, workdir, read_only=read_only)
         except BaseException:
+            if fresh and self._release_workdir is not unheld and os.path.isdir(made):
+                import shutil
+                shutil.rmtree(made, ignore_errors=True)
             self._release_workdir()
             raise
 

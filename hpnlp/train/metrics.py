@@ -10,6 +10,7 @@ eval lines carry `"eval": true`. Only process 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -46,6 +47,7 @@ class MetricWriter:
     def __init__(self, workdir: str, *, resume_step: int | None = None):
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self._closed = False  # (by `close`, or at a failed write)
         if not self.enabled:
             return
         try:
@@ -93,16 +95,18 @@ class MetricWriter:
         if not self.enabled:
             return
         rec = {"step": int(step), **({"eval": True} if eval else {}), **metrics}
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        with self._writing(self.path):
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
         prefix = "eval/" if eval else "train/"
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-                self.tb.add_scalar(prefix + k, v, step)
-            elif isinstance(v, list):  # a table (MoE load [layer][expert]): one series per cell
-                for idx, x in _cells(v):
-                    self.tb.add_scalar(f"{prefix}{k}/{idx}", x, step)
-        self.tb.flush()
+        with self._writing(os.path.join(os.path.dirname(self.path), "tensorboard")):
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(prefix + k, v, step)
+                elif isinstance(v, list):  # a table (MoE load [layer][expert]): a series a cell
+                    for idx, x in _cells(v):
+                        self.tb.add_scalar(f"{prefix}{k}/{idx}", x, step)
+            self.tb.flush()
 
     def scalar(self, step: int, name: str, value: float) -> None:
         """A TensorBoard-only scalar (per-step series too dense for the JSON log)."""
@@ -110,6 +114,42 @@ class MetricWriter:
             self.tb.add_scalar("train/" + name, value, step)
 
     def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            self.tb.close()
+        if self.enabled and not self._closed:
+            with self._writing(self.path):
+                self.file.close()
+            with self._writing(os.path.join(os.path.dirname(self.path), "tensorboard")):
+                self.tb.close()
+            self._closed = True
+
+    @contextlib.contextmanager
+    def _writing(self, where: str):
+        """A write's OSError as the run's one line (a bug hunt, session 101: a full disk was a
+        66-line traceback from tensorboardX, its atexit flush and its thread, where a failed
+        checkpoint save is one line naming the step a rerun resumes from)."""
+        try:
+            yield
+        except OSError as e:
+            self._close_quietly()
+            from hpnlp.train.checkpoint import write_failed
+            raise write_failed(where, e, os.path.join(os.path.dirname(self.path),
+                                                      "checkpoints")) from None
+
+    def _close_quietly(self) -> None:
+        """Both files closed, errors dropped: tensorboardX's thread stopped and its atexit
+        close (whose flush would fail again) left nothing to do."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.file.close()  # (closed even where its flush fails)
+        for w in list((getattr(self.tb, "all_writers", None) or {}).values()):
+            events = getattr(w, "event_writer", None)
+            if events is None or getattr(events, "_closed", True):
+                continue
+            events._closed = True  # what its close checks: the atexit one does nothing
+            worker = getattr(events, "_worker", None)
+            with contextlib.suppress(Exception):
+                if worker is not None and worker.is_alive():  # (a dead one reads no stop)
+                    worker.stop()  # else it reads its queue as the interpreter closes it
+            with contextlib.suppress(Exception):
+                events._ev_writer._py_recordio_writer.close()
+            with contextlib.suppress(Exception):
+                events._event_queue.close()
