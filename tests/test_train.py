@@ -226,6 +226,30 @@ def test_a_run_of_an_explicit_mesh_on_fewer_devices_is_laid_out_again(capsys, mo
     assert eval_groups(saved) == 4  # as the Trainer evaluates it
 
 
+def test_a_run_whose_tensor_axis_would_span_processes_is_read_on_the_data_axis(capsys,
+                                                                                monkeypatch):
+    """A bug hunt (session 101): a tensor-parallel run of one process read on two (a device
+    each) kept its mesh, and `check_process_rows` refused it, where every device on the data
+    axis reads it."""
+    from hpnlp.train.loop import for_these_devices
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    cd = tiny()
+    cd.mesh.update(data=1, tensor=2)
+    saved = from_configdict(cd)
+    assert for_these_devices(saved, "/runs/t2") is saved  # one process: its mesh fits
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "local_device_count", lambda: 1)
+    cfg = for_these_devices(saved, "/runs/t2")
+    assert (cfg.mesh.data, cfg.mesh.tensor) == (-1, 1)
+    assert capsys.readouterr().err.startswith(
+        "hpnlp: /runs/t2 was trained on mesh {'tensor': 2}, whose 2 devices of axes outside the "
+        "batch would span the 2 processes here; read with mesh.data=2")
+    monkeypatch.setattr(jax, "local_device_count", lambda: 2)  # 4 devices, two a process
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    cd.mesh.update(data=2)
+    assert for_these_devices(from_configdict(cd), "/runs/t2").mesh.tensor == 2
+
+
 READ_ON_FEWER = r"""
 import json, sys
 import jax

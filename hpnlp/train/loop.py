@@ -191,6 +191,12 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
     mesh = cfg.mesh
     sizes = mesh.axis_sizes(n)
     fits = mesh.fits(n)
+    # With several processes, the axes the batch rule does not name must stay within one
+    # process (`check_process_rows`; a bug hunt, session 101: a tensor-parallel run of one
+    # process was refused on two, where every device on the data axis reads it)
+    inner = math.prod(v for a, v in sizes.items() if a not in mesh.mesh_axes_of("batch"))
+    across = fits and jax.process_count() > 1 and jax.local_device_count() % inner != 0
+    fits = fits and not across
     shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch")) if fits else 0
     if fits and _reader_split(cfg, shards):
         return mesh, n, None
@@ -201,7 +207,9 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
         return mesh, n, None
     given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
     saved = given or {"data": 1}  # a bug hunt (session 100): "on mesh {}" of all ones
-    why = (f"was trained on mesh {saved}, which does not fit the {n} device(s) here" if not
+    why = (f"was trained on mesh {saved}, whose {inner} devices of axes outside the batch "
+           f"would span the {jax.process_count()} processes here" if across else
+           f"was trained on mesh {saved}, which does not fit the {n} device(s) here" if not
            fits else f"splits its batch over {shards} of the {n} device(s) here, which "
            f"does not divide it")
     groups = cfg.model.moe.groups if cfg.model.moe.enabled() else 0
