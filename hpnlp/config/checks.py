@@ -111,6 +111,12 @@ def _check_encoder(cfg: Config) -> None:
                        "loss, bag and mined negatives these set)", "set model.kind='bi_encoder'")
         return
     _check_choice("model.encoder.loss", e.loss, ENCODER_LOSSES)
+    if cfg.train.grad_accum != 1:  # a bug hunt (session 101): batch 16 in 4 microbatches
+        # scored each pair against 3 others, not 15 (loss 45.0 against 22.7), unsaid
+        _fail("train.grad_accum", cfg.train.grad_accum, "the bi-encoder scores each pair "
+              "against the batch's other pairs (in-batch negatives; the triplet loss too, "
+              "where none is mined), and a microbatch holds 1/train.grad_accum of them, so "
+              "the step would not be one big batch's; set train.grad_accum=1")
     _check_choice("model.encoder.bag", e.bag, ("mean", "sum"))
     _check_positive("model.encoder.temperature", e.temperature)
     _check_positive("model.encoder.margin", e.margin, allow_zero=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -54,9 +55,52 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([warm, decay], [t.warmup_steps])
 
 
+# What weight decay leaves out, by what a parameter is rather than by its rank (a bug hunt,
+# session 101: the rank rule decayed the LSTM/GRU biases and gains, [directions, ...] and
+# [directions, gates, H], MoE experts' biases [experts, ...], and with model.stack_layers
+# every norm and bias [depth, ...], so a stacked run was not the unstacked one's optimization):
+# - a module's own name for a bias, a norm's scale or gain, an RNN's learned initial state;
+_NO_DECAY_NAMES = ("bias", "scale", "init_c", "init_h")
+_NO_DECAY_SUFFIXES = ("_bias", "_gain")
+# - and of the rest, those with fewer than two axes besides the ones that index copies of one
+#   array (logical names: stacked blocks, experts).
+_COPY_AXES = ("layers", "expert")
+# The logical axis names of every parameter the optimizer's init has seen, by (path, shape):
+# the update's gradients carry none (the step unboxes the state; the ensemble's vmap takes
+# the member axis off the shapes, as its members' init had none).
+_LOGICAL_AXES: dict[tuple[str, tuple], tuple] = {}
+
+
+def _name(path) -> str:
+    """A parameter's own name: its last dict key (a factorized kernel's `u` is `kernel`)."""
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return str(keys[-1]) if keys else ""
+
+
+def decays(path, shape, names=None) -> bool:
+    """Whether weight decay applies to the parameter at tree path `path` of shape `shape`: a
+    matrix or a table (the rules above); `names`: its logical axis names, where known."""
+    name = _name(path)
+    if name in _NO_DECAY_NAMES or name.endswith(_NO_DECAY_SUFFIXES):
+        return False
+    names = (None,) * len(shape) if names is None else names
+    return sum(n not in _COPY_AXES for n in names) >= 2
+
+
 def _decay_mask(params):
-    """Weight decay on matrices only, not on biases, norms or 1-D tables."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices and tables, not on biases, norms, gains (`decays`).
+
+    At `tx.init` the parameters are boxed with their logical axis names (nn.LogicallyPartitioned),
+    and the names are kept by path; `tx.update` gets them unboxed and looks them up (a
+    parameter the init never saw, e.g. a model without names, is judged by its shape)."""
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+
+    def leaf(path, x):
+        key = (jax.tree_util.keystr(path), tuple(jnp.shape(x.value if is_box(x) else x)))
+        if is_box(x):
+            _LOGICAL_AXES[key] = tuple(getattr(x, "names", None) or (None,) * len(key[1]))
+        return decays(path, key[1], _LOGICAL_AXES.get(key))
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=is_box)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:

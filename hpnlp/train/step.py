@@ -5,6 +5,14 @@ accumulated over `grad_accum` microbatches inside one `lax.scan`, and divides on
 the number of real tokens (or examples) in the whole batch: the update is the same as
 one big batch, and the step counter counts optimizer steps. Metrics come back as sums
 plus `weight`, so they add across devices and steps.
+
+Where a loss is not a sum of per-token (or per-example) terms, microbatches are not one
+big batch. MoE's auxiliary losses (hpnlp.moe) are each microbatch's own: its per-token
+means weighted by its `weight` (its tokens in an LM, its examples in a classifier, so there
+not by its tokens); the balance loss is not linear in the tokens anyway, and capacity
+dispatch groups and drops within a microbatch (a bug hunt, session 101: a padded MoE
+classifier's router moved 0.002 apart at grad_accum 4). The bi-encoder's in-batch
+negatives would shrink to a microbatch's: config.validate refuses accumulation there.
 """
 
 from __future__ import annotations
