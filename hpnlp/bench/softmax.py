@@ -221,7 +221,10 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     vocabs = vocabs or default_vocabs(quick)
     repeats = 3 if quick else 5
     isolate = (not quick) if isolate is None else isolate
-    names = methods or softmax_lib.names()
+    # the reference timed too, whatever `methods` names: every speedup is against it (a bug
+    # hunt, session 101: methods=["sampled"] drew the notebook's speedup plot empty, unsaid)
+    names = ([REFERENCE] + [m for m in methods if m != REFERENCE] if methods
+             else softmax_lib.names())
     unknown = [m for m in names if m not in softmax_lib.names() and m != TORCH_ADAPTIVE]
     if unknown:
         raise harness.BenchInputError(
