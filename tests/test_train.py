@@ -490,6 +490,12 @@ def test_a_full_disk_at_config_json_or_the_metrics_is_one_line_and_leaves_no_tmp
     msg = (r"^writing {} failed \(OSError: \[Errno 28\] No space left on device\); the newest "
            r"complete checkpoint is step 20: a rerun of the same command resumes from it. Free "
            r"space there, or make it writable, before rerunning$")
+    from hpnlp.train.loop import write_summary  # and summary.json at the end
+    monkeypatch.setattr(json, "dump", full)
+    with pytest.raises(CheckpointSaveFailed, match=msg.format(tmp_path / "summary.json")):
+        write_summary(str(tmp_path), {"final_step": 20})
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert not os.path.exists(tmp_path / "summary.json.tmp")
     for broken, where in (("file", "metrics.jsonl"), ("tb", "tensorboard")):
         w = MetricWriter(str(tmp_path / where))
         (tmp_path / where / "checkpoints" / "20").mkdir(parents=True)

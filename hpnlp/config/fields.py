@@ -341,7 +341,8 @@ class ModelConfig:
     encoder: EncoderConfig = EncoderConfig()  # `model.encoder.*`: the bi-encoder's loss and mining
     # Input-embedding gradients scaled per row by token frequency (rare ids get a stronger
     # signal; models/transformer.py `scaled_take`): "none" | "batch" (PyTorch's
-    # `scale_grad_by_freq`: each row's gradient divided by its id's count in the batch) |
+    # `scale_grad_by_freq`: each row's gradient divided by its id's count in the batch, each
+    # microbatch's under train.grad_accum) |
     # "corpus" (a fixed table: divided by the id's expected count in a batch, from the task's
     # train counts, at least 1)
     embed_grad_scale: str = "none"

@@ -1014,8 +1014,19 @@ class Trainer:
                 if isinstance(old, dict) and key in old:
                     summary[key] = old[key]
         if jax.process_index() == 0:  # whole or not at all (a kill mid-write cut it)
-            write_json(path, summary)
+            write_summary(self.workdir, summary)
         return summary
+
+
+def write_summary(workdir: str, summary: dict) -> None:
+    """WORKDIR/summary.json, whole or not at all; a failed write (a full disk) is the one line
+    of every other write of the run (a bug hunt, session 101: a traceback)."""
+    path = os.path.join(workdir, "summary.json")
+    try:
+        write_json(path, summary)
+    except OSError as e:
+        from hpnlp.train.checkpoint import write_failed
+        raise write_failed(path, e, os.path.join(workdir, "checkpoints")) from None
 
 
 def run(cfg, workdir: str, *, profile_dir: str | None = None) -> dict:
