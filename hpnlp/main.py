@@ -113,9 +113,9 @@ def _take_option_overrides(argv: list[str]) -> list[str]:
             if text is None:
                 raise SystemExit(f"hpnlp: error: {arg} needs a value")
             if text.startswith("--"):  # a bug hunt (session 101): the next flag was the value
-                raise SystemExit(f"hpnlp: error: {arg} needs a value, and the next argument is "
-                                 f"the flag {text.split('=')[0]}: did you forget the `=`? "
-                                 f"({arg}=VALUE)")
+                raise SystemExit(f"hpnlp: error: {arg} needs a value ({arg}=VALUE, or the "
+                                 f"value after it), and the next argument is the flag "
+                                 f"{text.split('=')[0]}")
         if text.lower() in _WORDS:  # found in review: 'false' stayed a string, so true
             value = _WORDS[text.lower()]
         else:

@@ -639,11 +639,15 @@ def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, files, tmp
     meta = sharded.read_meta(str(tmp_path / "b"))
     path = tmp_path / "b" / meta["splits"]["train"]["shards"][0]
     ds = sharded.split_dataset(str(tmp_path / "b"), meta, "train")
-    ds[0]  # the shard opened
+    import grain
+    source = sharded._named_source(grain)([str(path)])  # (grain's batched reads: review)
+    ds[0], source[0]  # the shard opened
     os.truncate(path, path.stat().st_size // 4)
-    with pytest.raises(ValueError, match=f"{path}: cannot be read \\(record [0-9]+ is empty; the "
-                                         f"file changed after the run opened it\\).*{again}"):
+    cut = f"{path}: cannot be read \\(record [0-9]+ is empty; the file changed after the run "
+    with pytest.raises(ValueError, match=f"{cut}opened it\\).*{again}"):
         [ds[i] for i in range(len(ds))]
+    with pytest.raises(ValueError, match=f"{cut}opened it\\).*{again}"):
+        source.__getitems__(list(range(len(source))))
 
 
 # ------------------------------------------------------------------------ streaming

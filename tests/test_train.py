@@ -248,6 +248,10 @@ def test_a_run_whose_tensor_axis_would_span_processes_is_read_on_the_data_axis(c
     monkeypatch.setattr(jax, "device_count", lambda: 4)
     cd.mesh.update(data=2)
     assert for_these_devices(from_configdict(cd), "/runs/t2").mesh.tensor == 2
+    # a batch axis inside the tensor one (review): {tensor: 2, expert: 2} gives each process
+    # a tensor index and both expert ones, so every row of the batch
+    cd.mesh.update(data=1, expert=2)
+    assert for_these_devices(from_configdict(cd), "/runs/t2").mesh.tensor == 1
 
 
 READ_ON_FEWER = r"""
@@ -545,8 +549,8 @@ def test_an_option_override_without_its_value_does_not_take_the_next_flag(monkey
     from hpnlp import main
     monkeypatch.setattr(main, "_option_overrides", [])
     with pytest.raises(SystemExit, match=r"^hpnlp: error: --config.attention.options.block_q "
-                       r"needs a value, and the next argument is the flag --config.train.steps: "
-                       r"did you forget the `=`\? \(--config.attention.options.block_q=VALUE\)$"):
+                       r"needs a value \(--config.attention.options.block_q=VALUE, or the value "
+                       r"after it\), and the next argument is the flag --config.train.steps$"):
         main._take_option_overrides(["prog", "--config.attention.options.block_q",
                                      "--config.train.steps=3"])
     assert main._take_option_overrides(["p", "--config.output.options.x", "-1"]) == ["p"]

@@ -351,8 +351,8 @@ def _named_source(grain):
         def __getitems__(self, keys):
             try:
                 records = super().__getitems__(keys)
-            except RuntimeError as e:
-                raise _shard_error(self._shard(keys[0]), e) from None
+            except RuntimeError:  # the failing record's own shard named (review: the first
+                return [self[k] for k in keys]  # key's, which may lie in another)
             return [self._checked(k, r) for k, r in zip(keys, records)]
     return NamedSource
 

@@ -191,9 +191,10 @@ class CheckpointMismatch(ValueError):
 
 
 class CheckpointSaveFailed(RuntimeError):
-    """A checkpoint could not be written (a full disk, a read-only or foreign folder): one
-    line naming the folder and the newest complete step. Raised where orbax reports it, at
-    the next save or at the run's end (its writes run in the background)."""
+    """A run's write failed (a full disk, a read-only or foreign folder): a checkpoint, its
+    config.json, summary.json or log (`write_failed`): one line naming what and the newest
+    complete step. A checkpoint's is raised where orbax reports it, at the next save or at
+    the run's end (its writes run in the background)."""
 
 
 # Fields that change parameter or optimizer-state shapes: a resume must agree on them.

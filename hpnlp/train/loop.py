@@ -193,8 +193,14 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
     fits = mesh.fits(n)
     # With several processes, the axes the batch rule does not name must stay within one
     # process (`check_process_rows`; a bug hunt, session 101: a tensor-parallel run of one
-    # process was refused on two, where every device on the data axis reads it)
-    inner = math.prod(v for a, v in sizes.items() if a not in mesh.mesh_axes_of("batch"))
+    # process was refused on two, where every device on the data axis reads it). The devices
+    # lie in MESH_AXES order, each process's a block of them (parallel/mesh.py make_mesh): from
+    # the outermost such axis inward, every axis must fit in the block (review: a batch axis
+    # inside one, expert in {tensor: 2, expert: 2}, gives each process every row)
+    batch = mesh.mesh_axes_of("batch")
+    used = [a for a in MESH_AXES if sizes[a] > 1]
+    inner = math.prod(sizes[a] for a in used[next(
+        (i for i, a in enumerate(used) if a not in batch), len(used)):])
     across = fits and jax.process_count() > 1 and jax.local_device_count() % inner != 0
     fits = fits and not across
     shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch")) if fits else 0
@@ -242,14 +248,14 @@ def for_these_devices(cfg: Config, workdir: str, *, fewer_devices: bool = True) 
     # a mesh laid out here already (a reader's config passed on to another: quantize's to
     # its Trainer) is kept, unsaid
     n = jax.device_count()
-    mesh, k, why = (cfg.mesh, 0, None) if _reader_layout(cfg.mesh) else reader_mesh(
+    mesh, k, why = (cfg.mesh, 0, None) if isinstance(cfg.mesh, ReaderMesh) else reader_mesh(
         cfg, n, fewer_devices=fewer_devices)
     if why:
         if jax.process_index() == 0:
             print(f"hpnlp: {workdir} {why}", file=sys.stderr, flush=True)
-        cfg = dataclasses.replace(cfg, mesh=mesh)
         if k < n:
-            _mark_reader_layout(mesh, k)
+            mesh = ReaderMesh(**{f.name: getattr(mesh, f.name) for f in dataclasses.fields(mesh)})
+        cfg = dataclasses.replace(cfg, mesh=mesh)
     cfg, notes = portable_here(cfg, reader_device_count(cfg))
     if jax.process_index() == 0:
         for note in notes:
@@ -263,34 +269,20 @@ def mesh_for_these_devices(cfg: Config, workdir: str) -> Config:
     return for_these_devices(cfg, workdir, fewer_devices=False)
 
 
-# The meshes `for_these_devices` laid out on k of the n devices here: {id(mesh): (a weak
-# reference to it, k)}, by identity (an equal mesh read from a config.json is not one), and
-# held beside the config, never in it, so never saved. A bug hunt (session 101): this was
-# inferred from the sizes (explicit, laying out fewer devices than there are, which
-# `validate` refuses), but a saved config.json was validated where it trained: a run of
-# mesh.data=2 read on 4 devices was kept on 2 of them, unsaid, while hpnlp.moe.route (which
-# asks `reader_mesh`) routed in 4 groups. A replaced config keeps its mesh object (quantize's
-# with_quant), so its Trainer keeps the layout; a replaced mesh is a new one.
-_READER_LAYOUTS: dict[int, tuple[Any, int]] = {}
-
-
-def _mark_reader_layout(mesh: MeshConfig, k: int) -> None:
-    import weakref
-    key = id(mesh)
-    _READER_LAYOUTS[key] = (weakref.ref(mesh, lambda _: _READER_LAYOUTS.pop(key, None)), k)
-
-
-def _reader_layout(mesh: MeshConfig) -> int | None:
-    """k where `for_these_devices` laid out `mesh` on k devices here, else None."""
-    ref, k = _READER_LAYOUTS.get(id(mesh), (lambda: None, 0))
-    return k if ref() is mesh else None
+class ReaderMesh(MeshConfig):
+    """A mesh `for_these_devices` laid out on the first `data` devices here (fewer than there
+    are): a reader's, its config passed on (quantize's to its Trainer) kept as it is. Marked by
+    its class, held in the config object only: a config.json read back is a MeshConfig, so a
+    saved run is always laid out anew (a bug hunt, session 101: inferred from the sizes, a run
+    of mesh.data=2 read on 4 devices was kept on 2 of them, unsaid, while hpnlp.moe.route,
+    which asks `reader_mesh`, routed in 4 groups)."""
 
 
 def reader_devices(cfg: Config) -> list | None:
     """The first k devices where `for_these_devices` laid the run read here out on k of them,
     k below the device count, else None (all)."""
-    k = _reader_layout(cfg.mesh)
-    if k is None or jax.process_count() > 1 or k >= jax.device_count():
+    k = cfg.mesh.data
+    if not isinstance(cfg.mesh, ReaderMesh) or jax.process_count() > 1 or k >= jax.device_count():
         return None
     return jax.devices()[:k]
 
