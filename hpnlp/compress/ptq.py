@@ -432,9 +432,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     """Quantize the run in `workdir` with `q` (or cast it to `float_dtype`) into `out`;
     returns the summary also written to OUT/summary.json (module doc). `q` None and no
     `float_dtype`: the run's own `quant.*` settings, which exports a QAT run."""
-    own = None  # the run's own quant settings (a QAT run's export), where those are used
     if q is None and float_dtype is None:
-        q = own = load_run_config(workdir).quant
+        q = load_run_config(workdir).quant
         if not q.enabled:
             raise config_error("quant.weights", "none", f"the run in {workdir} trained without "
                                "quantization; give the format to quantize it to (--weights ...)")
@@ -530,14 +529,11 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         if q.weights != "none" and not any(isinstance(x, QWeight) for x in jax.tree.leaves(
                 packed, is_leaf=lambda x: isinstance(x, QWeight))):
             # found by a bug hunt: `--layers head` on an LM wrote a "quantized" folder of
-            # float weights (before anything is written); a QAT run's export names the run's
-            # own quant.layers, not a flag it was not given (a bug hunt, session 101)
-            fix = ("name products it has (or 'all')" if own is None else f"the run in "
-                   f"{workdir} trained in float: give a format and products it has (--weights "
-                   "... --layers ...) to quantize it")
-            raise config_error("layers" if own is None else "quant.layers", q.layers,
-                               f"names no product of this {cfg.model.kind} "
-                               f"({cfg.model.arch}), so nothing would be quantized; {fix}")
+            # float weights (before anything is written). (A QAT run's own quant.layers that
+            # names none is refused when its config is read: config.compress_checks.)
+            raise config_error("layers", q.layers, f"names no product of this "
+                               f"{cfg.model.kind} ({cfg.model.arch}), so nothing would be "
+                               "quantized; name products it has (or 'all')")
 
     float_eval = trainer.evaluate(state)  # after what may refuse the format (a bug hunt)
 

@@ -918,7 +918,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             "kv": {"model.head_dim": m.dims_per_head()},
             # with pipeline stages: model.depth's own check below, which names the stages
             "layers": {"model.depth": m.depth} if sizes["pipeline"] == 1 else {}}
-    if m.arch in ("lstm", "gru", "bag"):  # a bug hunt (session 101): an LSTM LM on
+    if recurrent:  # a bug hunt (session 101): an LSTM LM on
         # mesh.tensor=8 was refused over model.num_heads, which it does not have. Its
         # hidden units (model.width, the `mlp` axis of rnn/layers.py's weights) hold no
         # sharding constraint: the state's shardings replicate them where the axis does not
