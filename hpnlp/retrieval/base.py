@@ -25,7 +25,7 @@ import json
 import os
 from typing import Any
 
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from hpnlp.paths import write_json
@@ -52,12 +52,24 @@ class RetrievalError(ValueError):
     naming what was wrong and the fix."""
 
 
-def check_metric(index) -> None:
+def check_metric_option(index) -> None:
     """One line for a `metric` option `index` does not serve (its class's `METRICS`)."""
     metric = index.options.get("metric", "ip")
     if metric not in index.METRICS:
         raise RetrievalError(f"{index.registry_name} index: metric={metric!r}; use one of "
                              f"{index.METRICS} ('ip': inner product, 'l2': Euclidean)")
+
+
+def _floating(dtype) -> bool:
+    """numpy's floats, and ml_dtypes' (jax's bfloat16, float8_*), which numpy files under no
+    kind of number (kind "V"); numpy alone, so that this module needs no jax."""
+    if dtype.kind != "V":
+        return dtype.kind == "f"
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:  # a void, or ml_dtypes' int4
+        return False
+    return True
 
 
 def check_at_least(index, at_least: dict) -> None:
@@ -107,7 +119,7 @@ class Index(abc.ABC):
                               f"same encoder{other})")
         # a bug hunt (session 101): numpy does not count ml_dtypes' bfloat16 as floating, and
         # bfloat16 vectors were refused as not floating-point
-        if not jnp.issubdtype(x.dtype, jnp.floating) and not np.issubdtype(x.dtype, np.integer):
+        if not _floating(x.dtype) and not np.issubdtype(x.dtype, np.integer):
             raise RetrievalError(f"{what} have dtype {x.dtype}; give floating-point vectors")
         x = np.ascontiguousarray(x, np.float32)
         if not np.all(np.isfinite(x)):
@@ -185,6 +197,12 @@ class Index(abc.ABC):
         self._save_files(folder)
         write_json(os.path.join(folder, HEADER), self.header())  # last: a folder with one is whole
         return folder
+
+    @classmethod
+    def searches_l2(cls, options: dict) -> bool:
+        """Whether an index of these `options` takes `metric="l2"` (the kNN-LM's L2 by the
+        index's own metric; otherwise through inner product)."""
+        return "l2" in cls.METRICS
 
     @classmethod
     def options_here(cls, options: dict, folder: str) -> dict:
@@ -275,6 +293,10 @@ def load(folder: str, *, dim: int | None = None, kind: str | None = None) -> Ind
     options = header.get("options", {})
     try:  # a bug hunt (session 101): an edited or foreign option was a TypeError traceback
         index = cls(header["dim"], **cls.options_here(options, folder))
+    except RetrievalError as e:
+        # a bug hunt (session 101): the index's own line (a library to install, options it
+        # refuses together) was reworded as foreign options, "save the index again"
+        raise RetrievalError(f"{os.path.join(folder, HEADER)}: {e}") from None
     except (TypeError, ValueError) as e:
         raise RetrievalError(f"{os.path.join(folder, HEADER)}: options {options!r} are not "
                              f"those of a {header['kind']!r} index ({e}); save the index "

@@ -25,7 +25,8 @@ Elsewhere (`impl="xla"`, another backend, bfloat16) the scan is `search_chunks`,
 function the index jits (usable inside a larger jitted program): it gathers each query's
 probed chunks into a [Q, P, c, D] copy and takes `lax.top_k` of the scores, then of a key
 that keeps the lower id among the scores tied with the k-th, so it too ranks by (score
-desc, id asc): the two give the same ids, ties included.
+desc, id asc): the two give the same ids where their scores are bitwise equal, exact ties
+included (they sum the products in different orders, and the XLA scan may store bfloat16).
 `main()` times both against the exact kernel (`python -c "from hpnlp.retrieval import ivf;
 ivf.main()" --n 1000000 --nprobe 2 4 8`).
 
@@ -50,7 +51,7 @@ import numpy as np
 
 from hpnlp import kernels
 from hpnlp.retrieval import exact
-from hpnlp.retrieval.base import HostIndex, RetrievalError, check_metric, register
+from hpnlp.retrieval.base import HostIndex, RetrievalError, check_metric_option, register
 
 # Queries per block of the kernel's scan: a chunk probed by several queries of a block is
 # read once for all of them, and fewer blocks than threads split the chunks instead, so up
@@ -144,10 +145,16 @@ def search_chunks(q_QD, centroid_MD, x_McD, id_Mc, k: int, nprobe: int):
     s_QR, id_QR = s_QPc.reshape(q, -1), id_QPc.reshape(q, -1)
     # a bug hunt (session 101): top_k alone kept tied scores in probe order, not the lower
     # id first (ids equal to exact search's 0.22 of the time on {-1, 0, 1} vectors): the
-    # scores above the k-th all, then the lowest ids of those equal to it
-    kth_Q1 = jax.lax.top_k(s_QR, k)[0][:, k - 1:]
-    big = jnp.iinfo(jnp.int32)
-    key_QR = jnp.where(s_QR > kth_Q1, big.max, jnp.where(s_QR == kth_Q1, -id_QR, big.min))
+    # scores above the k-th all, then the lowest ids of those equal to it. Both top_k take
+    # float32 and the k-th score is the least of the top k, so that XLA:CPU runs each as its
+    # TopK call (review, session 101: an int32 key, or a slice of the values, made each a
+    # sort of every probed row, the selection 50x slower; one sort of (-score, id) was no
+    # faster). A tied id's key is the float32 whose bits are 0x7F7FFFFF - id: finite, normal
+    # and decreasing in the id for ids under 2.13 billion
+    kth_Q1 = jnp.min(jax.lax.top_k(s_QR, k)[0], axis=1, keepdims=True)
+    tie_QR = jax.lax.bitcast_convert_type(jnp.int32(0x7F7FFFFF) - id_QR, jnp.float32)
+    key_QR = jnp.where(s_QR > kth_Q1, jnp.inf,
+                       jnp.where((s_QR == kth_Q1) & (id_QR >= 0), tie_QR, -jnp.inf))
     pos = jax.lax.top_k(key_QR, k)[1]
     top_s, top_i = jnp.take_along_axis(s_QR, pos, axis=1), jnp.take_along_axis(id_QR, pos, axis=1)
     # (0 - s: -0.0 and 0.0 are one score, as they are to the kernel)
@@ -261,8 +268,9 @@ class IVFIndex(HostIndex):
     "bfloat16" | "float16"), `seed`; `impl` "auto" (the scan kernel where it can run: a CPU backend
     with a compiler, float32; the XLA scan elsewhere), "kernel" (an error where it cannot
     run) or "xla"; `threads` of the kernel (None: every core); `query_block` queries per
-    pass of the XLA scan (32); `metric` "ip" or "l2" (float32 only). The cells are trained
-    on the vectors present at the first search (or `train`); later adds join the nearest cell.
+    pass of the XLA scan (32); `metric` "ip" or "l2" (float32 only: `searches_l2`). The
+    cells are trained on the vectors present at the first search (or `train`); later adds
+    join the nearest cell.
     """
 
     METRICS = ("ip", "l2")
@@ -277,7 +285,7 @@ class IVFIndex(HostIndex):
             raise RetrievalError(f"impl={impl!r}; use one of {exact.IMPLS}")
         exact.check_options(self, at_least={"lists": 0, "nprobe": 1, "chunk": 0, "iters": 1,
                                             "query_block": 1, "seed": 0})
-        check_metric(self)
+        check_metric_option(self)
         if metric == "l2" and dtype != "float32":
             raise RetrievalError(f"ivf index: metric='l2' with dtype={dtype!r}: the squared norms "
                                  "it scans by lose their precision (or overflow) below float32; "
@@ -285,6 +293,13 @@ class IVFIndex(HostIndex):
         self.centroids = None  # [C, D]
         self._cell = np.zeros((0,), np.int32)  # [N] cell of every vector
         self._stale(None)
+
+    @classmethod
+    def searches_l2(cls, options: dict) -> bool:
+        """float32 storage only (see `__init__`): bfloat16 and float16 take the kNN-LM's L2
+        through inner product, as before metric="l2" was (a bug hunt (session 101): they were
+        refused after the datastore was built)."""
+        return options.get("dtype", "float32") == "float32"
 
     def _stale(self, x_ND):
         if self.centroids is not None and x_ND is not None:

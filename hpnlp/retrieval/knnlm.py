@@ -11,10 +11,11 @@ distribution over a datastore of (context vector, next token) pairs from its tra
    another model is refused in one line.
 2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2:
    an index whose `METRICS` hold "l2" (`ivf`, faiss's, ScaNN's) searches the raw keys by
-   its own `metric="l2"`; `exact` serves it by the usual augmentation, key [k, |k|^2]
-   against query [2q, -1], whose inner product is |q|^2 - |q - k|^2 (a bug hunt (session
-   101): the others built their cells or graph on those augmented keys, whose products the
-   norms dominate: faiss_hnsw's recall@16 against exact was 0.002).
+   its own `metric="l2"`; `exact` (and `ivf` storing bfloat16 or float16, whose L2 needs
+   float32) serves it by the usual augmentation, key [k, |k|^2] against query [2q, -1],
+   whose inner product is |q|^2 - |q - k|^2 (a bug hunt (session 101): the others built
+   their cells or graph on those augmented keys, whose products the norms dominate:
+   faiss_hnsw's recall@16 against exact was 0.002).
 3. **Interpolation**: p(y) = lambda p_kNN(y) + (1 - lambda) p_LM(y), with p_kNN(y) the softmax
    of -distance / T over the k nearest keys, summed over those whose value is y. k, T and
    lambda are tuned on a validation half of the held-out chunks and reported on the other
@@ -50,6 +51,12 @@ def check_metric(metric: str) -> None:
     """Any metric but "l2" would otherwise be searched as "ip", silently."""
     if metric not in METRICS:
         raise RetrievalError(f"metric={metric!r}; choose 'l2' (the paper's) or 'ip'")
+
+
+def own_l2(name: str, options: dict, metric: str) -> bool:
+    """Whether index `name` with `options` serves the kNN-LM's `metric` by its own
+    metric="l2" on the raw keys, rather than by inner product (keys [k, |k|^2] for L2)."""
+    return metric == "l2" and get(name).searches_l2(options)
 
 
 # -- the LM's context vectors ----------------------------------------------------------------
@@ -225,7 +232,7 @@ class Datastore:
         the index's own (a bug hunt: this was `block`, and took the exact index's `block`
         option as its own)."""
         check_metric(metric)
-        native = metric == "l2" and "l2" in get(name).METRICS
+        native = own_l2(name, options, metric)
         augmented = metric == "l2" and not native
         index = make(name, self.keys.shape[1] + augmented, **options,
                      **({"metric": "l2"} if native else {}))
@@ -397,15 +404,18 @@ def load_run(workdir: str, kind: str, hint: str):
     return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
 
 
-def check_index(name: str, options: dict, k: int = 0) -> None:
+def check_index(name: str, options: dict, k: int = 0, metric: str = "l2") -> None:
     """RetrievalError where index `name` with `options` cannot be made, or (as far as its
     options tell) cannot give `k` neighbours, before the datastore (minutes) is built: an
-    empty one of a small width is made and dropped."""
+    empty one of a small width is made and dropped, with the metric `Datastore.index` gives
+    it for the kNN-LM's `metric` (a bug hunt (session 101): it was made without, so options
+    refused with metric="l2" passed here and failed after the datastore was built)."""
     if "metric" in options:  # the index's own, set from the kNN-LM's (a TypeError in `run`)
         raise RetrievalError(f"index_options metric={options['metric']!r}: the kNN-LM sets "
                              "the index's metric from its own (--metric); leave it out")
     try:
-        index = make(name, 8, **options)
+        own = {"metric": "l2"} if own_l2(name, options, metric) else {}
+        index = make(name, 8, **options, **own)
     except TypeError as e:
         raise RetrievalError(f"index_options {options}: not options of the {name!r} index "
                              f"({e})") from None
@@ -495,7 +505,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
             raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
     # the k it searches: no more than a capped datastore's entries (review, session 98; its
     # whole chunks are counted once the run is read, below)
-    check_index(index, index_options or {}, min(k_max, max_datastore_tokens or k_max))
+    check_index(index, index_options or {}, min(k_max, max_datastore_tokens or k_max), metric)
     check_datastore_folder(datastore, workdir)
     if out:
         check_out(out, workdir, "knnlm", datastore)
@@ -515,7 +525,8 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()
     train = datastore_split(task.train, max_datastore_tokens)
-    check_index(index, index_options or {}, min(k_max, int(np.sum(train.lengths - 1))))
+    check_index(index, index_options or {}, min(k_max, int(np.sum(train.lengths - 1))),
+                metric)
     store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta)
     t_store = time.perf_counter() - t0
     t0 = time.perf_counter()
