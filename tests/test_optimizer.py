@@ -12,11 +12,12 @@ import pytest
 from hpnlp import models
 from hpnlp.config import default_configdict, from_configdict, validate
 from hpnlp.train.loop import dummy_batch
-from hpnlp.train.state import _decay_mask, make_optimizer
+from hpnlp.config import TrainConfig
+from hpnlp.train.state import decay_mask, make_optimizer
 
 # The matrices and tables of the models below: weight decay reaches these and nothing else.
 MATRICES = {"embedding", "kernel", "qkv", "out", "pos_embedding", "wi", "wo", "router",
-            "input_kernel", "recurrent_kernel"}
+            "input_kernel", "recurrent_kernel", "rel", "w1", "w2"}
 
 
 def _config(variant):
@@ -31,6 +32,11 @@ def _config(variant):
     elif variant in ("lstm", "gru"):  # every RNN parameter there is
         cd.model.arch = variant
         cd.rnn.update(layer_norm=True, learned_init=True)
+    elif variant == "transformer_xl":  # global biases u, v [H, D]
+        cd.model.arch = variant
+        cd.data.batching = "stream"
+    elif variant == "synthesizer":  # the dense MLP's per-head biases b1 [H, F], b2 [H, M]
+        cd.attention.update(name=variant, options={"mode": "dense", "max_len": 8})
     return validate(from_configdict(cd))
 
 
@@ -50,34 +56,58 @@ def _flat(tree):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]}
 
 
-@pytest.mark.parametrize("variant", ["plain", "stacked", "moe", "lstm", "gru"])
+@pytest.mark.parametrize("variant", ["plain", "stacked", "moe", "lstm", "gru",
+                                     "transformer_xl", "synthesizer"])
 def test_weight_decay_reaches_matrices_and_tables_only(variant):
     """Not biases, norms, gains, an RNN's initial states (a bug hunt, session 101: the rank
     rule decayed the LSTM's forget bias [1, 4, H], its gains, MoE biases [experts, F], and
-    every stacked norm [depth, D]), at the optimizer's init (boxed parameters) and at its
-    update (unboxed: the names kept from the init)."""
+    every stacked norm [depth, D]; Transformer-XL's u, v [H, D] and the synthesizer's b1,
+    b2 [H, F] were still decayed after), in a mask over the parameters as they train
+    (unboxed), which the optimizer's init (boxed) and update (unboxed) both read."""
     boxed = _boxed(variant)
     want = {path: path[-1] in MATRICES for path in _flat(boxed)}
     assert set(want.values()) == {True, False}
-    assert _flat(_decay_mask(boxed)) == want
-    unboxed = jax.tree.map(lambda b: b.value, boxed, is_leaf=_is_box)
-    assert _flat(_decay_mask(unboxed)) == want
+    mask = decay_mask(boxed)
+    assert _flat(mask) == want
+    assert jax.tree.structure(mask) == jax.tree.structure(nn.unbox(boxed))
 
 
 def test_stacked_blocks_decay_what_unstacked_ones_do():
-    def by_module(flat):  # block_0/block_1 (unstacked) and blocks (stacked) -> one module
-        return {tuple(k for k in path if not k.startswith("block")): m
-                for path, m in flat.items()}
-    plain, stacked = (by_module(_flat(_decay_mask(_boxed(v)))) for v in ("plain", "stacked"))
-    assert plain == stacked
+    """Each unstacked block against the stacked ones (review, session 101: block_0 and
+    block_1 merged into one key, the last kept, hid a difference between blocks)."""
+    def without(flat, block):  # the tree with `block` as the one block, its key dropped
+        others = lambda path: any(k.startswith("block") and k != block for k in path)  # noqa
+        return {tuple(k for k in path if k != block): m for path, m in flat.items()
+                if not others(path)}
+    plain, stacked = (_flat(decay_mask(_boxed(v))) for v in ("plain", "stacked"))
+    blocks = {k for path in plain for k in path if k.startswith("block_")}
+    assert blocks == {"block_0", "block_1"}
+    for block in sorted(blocks):
+        assert without(plain, block) == without(stacked, "blocks"), block
+
+
+def test_the_mask_is_each_optimizer_s_own_drawn_from_the_boxed_names():
+    """A bug hunt (session 101): the update's mask looked the init's axis names up in a
+    registry by path and shape, so an update the process's init had not seen (or had seen
+    with other names) fell back to the rank rule. Here no init runs at all, and two trees
+    share a path and shape: [layers, D] is a stacked vector, [embed, mlp] a matrix."""
+    sds = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+    t = TrainConfig(lr=1.0, weight_decay=0.5, warmup_steps=0, clip_norm=0.0)
+    params = {"w": jnp.ones((2, 4))}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for names, decayed in ((("layers", "embed"), False), (("embed", "mlp"), True)):
+        tx = make_optimizer(t, params={"w": nn.LogicallyPartitioned(sds, names)})
+        state = jax.tree.map(jnp.zeros_like, jax.eval_shape(tx.init, params))
+        moved = np.any(tx.update(zeros, state, params)[0]["w"] != 0)
+        assert moved == decayed, names
 
 
 def test_weight_decay_under_the_ensemble_vmap():
     """The optimizer's update, vmapped over members as the ensemble trains: with no gradient
     (Adam's step 0), decay alone moves exactly the matrices."""
-    from hpnlp.config import TrainConfig
-    boxed = _boxed("moe")
-    tx = make_optimizer(TrainConfig(lr=1.0, weight_decay=0.5, warmup_steps=0, clip_norm=0.0))
+    boxed = _boxed("moe")  # the mask is over each member's tree
+    tx = make_optimizer(TrainConfig(lr=1.0, weight_decay=0.5, warmup_steps=0, clip_norm=0.0),
+                        params=boxed)
     state = jax.eval_shape(tx.init, boxed)
     params = jax.tree.map(lambda b: jnp.ones((2,) + b.value.shape, b.value.dtype), boxed,
                           is_leaf=_is_box)

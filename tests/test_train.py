@@ -462,10 +462,13 @@ def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeyp
 
 
 def test_a_full_disk_at_config_json_or_the_metrics_is_one_line_and_leaves_no_tmp(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capfd):
     # a bug hunt (session 101): a full disk at the first config.json was a 34-line traceback
     # leaving config.json.tmp (every rerun then refused as another tool's output); at
     # metrics.jsonl or TensorBoard's flush, 66 lines from tensorboardX, its atexit and thread
+    # (a fixer's note, session 101: and its thread's own failed write, printed as it stopped)
+    import threading
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # as a run prints
     from hpnlp.config import from_configdict, validate
     from hpnlp.paths import check_workdir
     from hpnlp.train.checkpoint import Checkpointer, CheckpointSaveFailed
@@ -506,14 +509,30 @@ def test_a_full_disk_at_config_json_or_the_metrics_is_one_line_and_leaves_no_tmp
         if broken == "file":  # (a file's own methods cannot be replaced)
             w.file.close()
             w.file = type("Full", (), {"write": len, "flush": full, "close": full})()
-        else:
-            monkeypatch.setattr(w.tb, "flush", full)
+        else:  # the disk under its events file: its thread's writes fail too (session 101)
+            for fw in w.tb.all_writers.values():
+                records = fw.event_writer._ev_writer._py_recordio_writer
+                monkeypatch.setattr(records, "write", full)
+                monkeypatch.setattr(records, "flush", full)
         with pytest.raises(CheckpointSaveFailed, match=msg.format(tmp_path / where / where)):
             w.write(3, {"loss": 1.0})
         w.close()  # closed quietly: nothing more to fail, nor for tensorboardX's atexit close
         for fw in w.tb.all_writers.values():
             assert fw.event_writer._closed and not fw.event_writer._worker.is_alive()
-        fw.event_writer.close()
+        assert capfd.readouterr().err == ""
+        w.tb.close()  # what its atexit close does to each of its writers, and more
+        err = capfd.readouterr().err
+        assert "Traceback" not in err and "Exception in thread" not in err, err
+    # a resume's cut of metrics.jsonl after its step: a fixer's note (session 101): it left
+    # metrics.jsonl.tmp and said to use a new --workdir, abandoning the run's checkpoints
+    (tmp_path / "resume" / "checkpoints" / "20").mkdir(parents=True)
+    (tmp_path / "resume" / "metrics.jsonl").write_text('{"step": 20}\n{"step": 25}\n')
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(CheckpointSaveFailed, match=msg.format(tmp_path / "resume" /
+                                                              "metrics.jsonl")):
+        MetricWriter(str(tmp_path / "resume"), resume_step=20)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "resume")) == ["checkpoints", "metrics.jsonl"]
 
 
 def test_a_run_refused_after_saving_its_tokenizer_leaves_no_tokenizer_folder(
@@ -541,6 +560,37 @@ def test_a_run_refused_after_saving_its_tokenizer_leaves_no_tokenizer_folder(
             Trainer(cfg, str(w))
         assert (w / "tokenizer").is_dir() == bool(held)  # a run's (or its rerun's) is kept
     check_workdir(str(tmp_path / "w0"))
+
+
+def test_a_run_refused_after_its_config_json_or_an_ensembles_members_keeps_a_whole_run(
+        tmp_path, monkeypatch):
+    # a fixer's note (session 101): a run refused after the Checkpointer wrote config.json
+    # removed the tokenizer beside it (a run with none), and an ensemble refused in its
+    # members' init, its own handler's, kept the tokenizer folder of a fresh workdir
+    from hpnlp.paths import check_workdir, held_by
+    from hpnlp.train import loop
+    from hpnlp.train.ensemble import EnsembleTrainer
+    (tmp_path / "train.txt").write_text("in the beginning was the word\n" * 40)
+    cd = tiny()
+    cd.data.update(tokenizer="bpe", vocab_size=300, train_path=str(tmp_path / "train.txt"),
+                   eval_path=str(tmp_path / "train.txt"))
+    cfg = from_configdict(cd)
+    real = loop.Checkpointer
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused after the Checkpointer")
+    monkeypatch.setattr(loop, "Checkpointer", lambda *a, **k: (real(*a, **k), refused())[1])
+    with pytest.raises(ValueError, match="refused after"):
+        Trainer(cfg, str(tmp_path / "run"))
+    assert {"config.json", "tokenizer"} <= set(os.listdir(tmp_path / "run"))
+    assert not held_by(str(tmp_path / "run"))
+    monkeypatch.setattr(loop, "Checkpointer", lambda *a, **k: None)  # (it wrote no config.json)
+    monkeypatch.setattr(EnsembleTrainer, "_init_members", refused)
+    with pytest.raises(ValueError, match="refused after"):
+        EnsembleTrainer(cfg, str(tmp_path / "ens"), 2)
+    assert not os.path.exists(tmp_path / "ens" / "tokenizer")
+    assert not held_by(str(tmp_path / "ens"))
+    check_workdir(str(tmp_path / "ens"))
 
 
 def test_an_option_override_without_its_value_does_not_take_the_next_flag(monkeypatch):

@@ -107,8 +107,10 @@ def _measure(spec: dict) -> dict:
     cfg = _config(kind, spec["width"], spec["depth"], spec["heads"], spec["mlp"], L,
                   spec["vocab"], spec["attention"], spec.get("remat", "none"))
     model = models.build(cfg, deterministic=False)
-    tx = make_optimizer(cfg.train)
     batch = _batch(kind, B, L, spec["vocab"])
+    tx = make_optimizer(cfg.train, params=jax.eval_shape(  # (weight decay's mask)
+        lambda k: model.init({"params": k, "dropout": k}, batch)["params"],
+        jax.random.key(0)))
     # The initial state is compiled without XLA's backend optimizations: they took about
     # 4 of a worker's 9 s of start-up, for a function that runs once (its values differ
     # from an optimized init's in the last bits, which no timing depends on).

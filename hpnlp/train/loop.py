@@ -313,13 +313,24 @@ class Trainer:
         fresh = not read_only and jax.process_index() == 0 and not held_by(workdir) and not any(
             os.path.exists(os.path.join(workdir, f))
             for f in ("config.json", "checkpoints", DIRNAME))
+
+        def refused(release) -> None:
+            """A refused build's end, here or in a subclass's after it (an ensemble's members:
+            `self._refused(self._release_workdir)`): the workdir released (`release`, this
+            Trainer's hold) and, where it holds one, the tokenizer removed, unless the
+            Checkpointer has written config.json, a run's with it (a fixer's note, session 101:
+            an ensemble's failure kept the folder, and one after config.json left a run with
+            no tokenizer). (No `self` here: a Trainer deleted is collected at once.)"""
+            if fresh and release is not unheld and os.path.isdir(made) and not os.path.exists(
+                    os.path.join(workdir, "config.json")):
+                import shutil
+                shutil.rmtree(made, ignore_errors=True)
+            release()
+        self._refused = refused
         try:
             self._build(cfg, workdir, read_only=read_only)
         except BaseException:
-            if fresh and self._release_workdir is not unheld and os.path.isdir(made):
-                import shutil
-                shutil.rmtree(made, ignore_errors=True)
-            self._release_workdir()
+            refused(self._release_workdir)
             raise
 
     # At exit the process's end releases the workdir (review: the modules were torn down);
@@ -380,7 +391,7 @@ class Trainer:
         self.batch_sharding = batch_sharding(self.mesh, self.rules)
         for bs in {cfg.train.batch_size, cfg.data.eval_batch_size or cfg.train.batch_size}:
             check_process_rows(self.batch_sharding, bs)
-        tx = make_optimizer(cfg.train)
+        # tx, the optimizer: below, from the parameters the run trains (weight decay's mask)
         counts = self.task.token_counts
         model = models.build(cfg, deterministic=False, token_counts=counts)
         self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
@@ -463,6 +474,14 @@ class Trainer:
             boxed = jax.eval_shape(lambda key: init_params(model, key, batch1), key0)
             if self._convert and self._convert.check:  # e.g. a trunk transfer's shapes
                 self._convert.check(self.model_params, carry_lib.model_params(unboxed(boxed)))
+            # Weight decay's mask is drawn once from the parameters the run trains, boxed with
+            # their logical axes (a bug hunt, session 101: state.decay_mask), before `init`
+            # runs the optimizer; the ensemble's members take the same.
+            from hpnlp.train.state import train_params
+            self.boxed_params = jax.eval_shape(lambda key, p: train_params(
+                model, key, batch1, carries=carries, transform=transform,
+                params=_rebox(boxed, p)), key0, unboxed(boxed))
+            tx = make_optimizer(cfg.train, params=self.boxed_params)
             abstract = jax.eval_shape(lambda key, p: init(key, _rebox(boxed, p)), key0,
                                       unboxed(boxed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)

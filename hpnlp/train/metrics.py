@@ -64,6 +64,7 @@ class MetricWriter:
             # checkpoint left its curves, mixed with the rerun's, as metrics.jsonl did not)
             self.tb = SummaryWriter(
                 tb_dir, purge_step=0 if resume_step is None else resume_step + 1)
+            self._threads = [_ThreadWrites.install(w) for w in self.tb.all_writers.values()]
         except OSError as e:  # a bug hunt: a read-only metrics.jsonl was a 30-line traceback
             raise ValueError(f"workdir {workdir}: cannot write {e.filename or workdir} "
                              f"({e.strerror or e}); make it writable, move it aside, or use a "
@@ -87,9 +88,17 @@ class MetricWriter:
                 if step is not None and rec.get("step", 0) <= step:
                     keep.append(line if line.endswith("\n") else line + "\n")
         tmp = self.path + ".tmp"  # whole or not at all
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a bug hunt (session 101): a full disk left the .tmp and said to
+            # use a new --workdir, abandoning the run's checkpoints, which a rerun resumes
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            from hpnlp.train.checkpoint import write_failed
+            raise write_failed(self.path, e, os.path.join(os.path.dirname(self.path),
+                                                          "checkpoints")) from None
 
     def write(self, step: int, metrics: dict, *, eval: bool = False) -> None:
         if not self.enabled:
@@ -107,6 +116,7 @@ class MetricWriter:
                     for idx, x in _cells(v):
                         self.tb.add_scalar(f"{prefix}{k}/{idx}", x, step)
             self.tb.flush()
+            self._thread_failed()
 
     def scalar(self, step: int, name: str, value: float) -> None:
         """A TensorBoard-only scalar (per-step series too dense for the JSON log)."""
@@ -118,8 +128,15 @@ class MetricWriter:
             with self._writing(self.path):
                 self.file.close()
             with self._writing(os.path.join(os.path.dirname(self.path), "tensorboard")):
+                self._thread_failed()
                 self.tb.close()
             self._closed = True
+
+    def _thread_failed(self) -> None:
+        """Raises the OSError tensorboardX's writer thread met (`_ThreadWrites`), if any."""
+        for t in self._threads:
+            if t.error is not None:
+                raise t.error
 
     @contextlib.contextmanager
     def _writing(self, where: str):
@@ -146,10 +163,59 @@ class MetricWriter:
                 continue
             events._closed = True  # what its close checks: the atexit one does nothing
             worker = getattr(events, "_worker", None)
+            # As it stops, its thread writes what it has queued (and flushes, past flush_secs)
+            # to the disk that failed (an OSError in the thread, printed as a traceback), and
+            # tensorboardX's `stop` joins it with no timeout (a hung filesystem would hang the
+            # exit): its writes dropped, it is stopped as `stop` does, waiting a while (a
+            # fixer's note, session 101)
+            if worker is not None and hasattr(worker, "_record_writer"):
+                worker._record_writer = _ThreadWrites(None)
+            stopped = worker is None or not worker.is_alive()  # (a dead one reads no stop)
             with contextlib.suppress(Exception):
-                if worker is not None and worker.is_alive():  # (a dead one reads no stop)
-                    worker.stop()  # else it reads its queue as the interpreter closes it
+                if not stopped:  # else it reads its queue as the interpreter closes it
+                    worker._queue.put(worker._shutdown_signal, timeout=_STOP_SECONDS)
+                    worker.join(_STOP_SECONDS)
+                    stopped = not worker.is_alive()
+            if stopped:  # (a stuck one may be inside the file)
+                with contextlib.suppress(Exception):
+                    events._ev_writer._py_recordio_writer.close()
             with contextlib.suppress(Exception):
-                events._ev_writer._py_recordio_writer.close()
-            with contextlib.suppress(Exception):
+                if not stopped:  # what the queue still sends, dropped: the exit does not wait
+                    events._event_queue.cancel_join_thread()
                 events._event_queue.close()
+
+
+_STOP_SECONDS = 5.0  # how long a writer thread is given to stop, once its writes failed
+
+
+class _ThreadWrites:
+    """What tensorboardX's writer thread writes through (its worker's `_record_writer`, 2.6.5),
+    an OSError kept for the run's next write or close to raise as its one line: raised in the
+    thread, it ended it, printed as an "Exception in thread" traceback (a fixer's note, session
+    101: the thread writes its queue and flushes every flush_secs). `events` None: nothing is
+    written (a writer whose writes failed, stopping)."""
+
+    def __init__(self, events):
+        self.events, self.error = events, None
+
+    @classmethod
+    def install(cls, file_writer) -> "_ThreadWrites":
+        worker = getattr(getattr(file_writer, "event_writer", None), "_worker", None)
+        writes = cls(getattr(worker, "_record_writer", None))
+        if writes.events is not None:  # (another tensorboardX: its thread left as it is)
+            worker._record_writer = writes
+        return writes
+
+    def write_event(self, event) -> None:
+        self._call("write_event", event)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def _call(self, name: str, *args) -> None:
+        if self.events is None or self.error is not None:  # (the run stops at the first)
+            return
+        try:
+            getattr(self.events, name)(*args)
+        except OSError as e:
+            self.error = e

@@ -59,16 +59,19 @@ def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
 # session 101: the rank rule decayed the LSTM/GRU biases and gains, [directions, ...] and
 # [directions, gates, H], MoE experts' biases [experts, ...], and with model.stack_layers
 # every norm and bias [depth, ...], so a stacked run was not the unstacked one's optimization):
-# - a module's own name for a bias, a norm's scale or gain, an RNN's learned initial state;
-_NO_DECAY_NAMES = ("bias", "scale", "init_c", "init_h")
+# - a module's own name for a bias, a norm's scale or gain, an RNN's learned initial state,
+#   and the per-head biases named below: Transformer-XL's global content and position biases
+#   u, v [H, D] (models/transformer_xl.py), the dense synthesizer's b1 [H, F] and b2 [H, M]
+#   (attention/synthesizer.py), MoE experts' bi [X, F] and bo [X, M] (moe/layer.py) (a bug
+#   hunt, session 101: u, v, b1 and b2 were decayed as matrices; bi and bo were kept out by
+#   their axis names alone). No matrix of another module is named so under a dict key;
+#   `_name` reads dict keys only, so a factorized kernel's factors (Factored.u, .v) are its
+#   kernel's.
+_NO_DECAY_NAMES = ("bias", "scale", "init_c", "init_h", "u", "v", "b1", "b2", "bi", "bo")
 _NO_DECAY_SUFFIXES = ("_bias", "_gain")
 # - and of the rest, those with fewer than two axes besides the ones that index copies of one
 #   array (logical names: stacked blocks, experts).
 _COPY_AXES = ("layers", "expert")
-# The logical axis names of every parameter the optimizer's init has seen, by (path, shape):
-# the update's gradients carry none (the step unboxes the state; the ensemble's vmap takes
-# the member axis off the shapes, as its members' init had none).
-_LOGICAL_AXES: dict[tuple[str, tuple], tuple] = {}
 
 
 def _name(path) -> str:
@@ -87,26 +90,44 @@ def decays(path, shape, names=None) -> bool:
     return sum(n not in _COPY_AXES for n in names) >= 2
 
 
-def _decay_mask(params):
-    """Weight decay on matrices and tables, not on biases, norms, gains (`decays`).
+def _is_box(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
 
-    At `tx.init` the parameters are boxed with their logical axis names (nn.LogicallyPartitioned),
-    and the names are kept by path; `tx.update` gets them unboxed and looks them up (a
-    parameter the init never saw, e.g. a model without names, is judged by its shape)."""
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
 
+def decay_mask(params):
+    """Weight decay's mask (`decays`), a static bool tree over the parameters as they train
+    (unboxed), drawn once from `params` boxed with their logical axis names as the model's
+    init makes them (nn.LogicallyPartitioned; abstract will do: `jax.eval_shape`'s). A
+    parameter without names (a carry's trainable projection) is judged by its shape.
+
+    A bug hunt (session 101): the mask was drawn at every `tx.init` and `tx.update`, the
+    update's from names a module-level registry kept from the process's inits, by path and
+    shape, never cleared: a miss (an update no init had seen) fell back to the rank rule,
+    unsaid, and a stale entry of an earlier model answered for another."""
     def leaf(path, x):
-        key = (jax.tree_util.keystr(path), tuple(jnp.shape(x.value if is_box(x) else x)))
-        if is_box(x):
-            _LOGICAL_AXES[key] = tuple(getattr(x, "names", None) or (None,) * len(key[1]))
-        return decays(path, key[1], _LOGICAL_AXES.get(key))
-    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=is_box)
+        names = getattr(x, "names", None) if _is_box(x) else None
+        shape = jnp.shape(x.value if _is_box(x) else x)
+        return decays(path, shape, None if names is None else tuple(names))
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=_is_box)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping (optax; nothing here is rewritten by hand)."""
+def _decay_by_name_and_shape(params):
+    """`decay_mask` without logical axis names, the same at init (boxed) and update."""
+    return decay_mask(nn.unbox(params))
+
+
+def make_optimizer(t: TrainConfig, params=None) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping (optax; nothing here is rewritten by hand).
+
+    `params`: the parameters it trains, boxed with their logical axis names (as
+    `train_params` makes them; abstract will do), which weight decay's mask is drawn from
+    once (`decay_mask`); the trainer, the ensemble (each member's tree) and the benchmark
+    pass them. Without them (a test that only writes an initial state) each parameter is
+    judged by its name and shape alone, which would decay a stacked or expert array of one
+    axis besides the copies (no model here has one outside the names above)."""
+    mask = _decay_by_name_and_shape if params is None else decay_mask(params)
     adamw = optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2,
-                        weight_decay=t.weight_decay, mask=_decay_mask)
+                        weight_decay=t.weight_decay, mask=mask)
     if t.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(t.clip_norm), adamw)
     return adamw
@@ -116,6 +137,23 @@ def init_params(model, rng: jax.Array, batch):
     """The model's initial (boxed) parameters, as `init_state` draws them from `rng`."""
     params_rng, dropout_rng, _ = jax.random.split(rng, 3)
     return model.init({"params": params_rng, "dropout": dropout_rng}, batch)["params"]
+
+
+def train_params(model, rng: jax.Array, batch, *, carries=(), transform=None, params=None):
+    """The (boxed) parameters a run trains, as `init_state` makes them from `rng`: the model's
+    (`params` when already drawn), `transform`ed, with the carries' trainable entries."""
+    params_rng = jax.random.split(rng, 3)[0]
+    if params is None:
+        params = init_params(model, rng, batch)
+    if transform is not None:
+        params = transform(params)
+    from hpnlp.train.carry import TRAINABLE_PREFIX
+    extra = {}
+    for i, c in enumerate(carries):  # what methods train beside the model (carry.py)
+        value = c.trainable(model, params, batch, jax.random.fold_in(params_rng, 1 + i))
+        if value is not None:
+            extra[TRAINABLE_PREFIX + c.name] = value
+    return {**params, **extra} if extra else params
 
 
 def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = None,
@@ -129,19 +167,9 @@ def init_state(model, tx, rng: jax.Array, batch, *, loss_scale: float | None = N
     `params`: `init_params(model, rng, batch)` when already drawn (the trainer draws them
     in a program of their own, which every run of the same model shares), else drawn here.
     """
-    params_rng, _, run_rng = jax.random.split(rng, 3)
-    if params is None:
-        params = init_params(model, rng, batch)
-    if transform is not None:
-        params = transform(params)
-    from hpnlp.train.carry import TRAINABLE_PREFIX
-    extra = {}
-    for i, c in enumerate(carries):  # what methods train beside the model (carry.py)
-        value = c.trainable(model, params, batch, jax.random.fold_in(params_rng, 1 + i))
-        if value is not None:
-            extra[TRAINABLE_PREFIX + c.name] = value
-    if extra:
-        params = {**params, **extra}
+    run_rng = jax.random.split(rng, 3)[2]
+    params = train_params(model, rng, batch, carries=carries, transform=transform,
+                          params=params)
     # From the boxed params: Adam moments inherit the logical axis names, so FSDP / tensor
     # rules shard them like the parameters instead of replicating them.
     opt_state = tx.init(params)
