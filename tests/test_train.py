@@ -535,6 +535,15 @@ def test_a_full_disk_at_config_json_or_the_metrics_is_one_line_and_leaves_no_tmp
     assert sorted(os.listdir(tmp_path / "resume")) == ["checkpoints", "metrics.jsonl"]
 
 
+def _bpe_run_config(tmp_path):
+    """A tiny run whose task saves a bpe tokenizer into its workdir."""
+    (tmp_path / "train.txt").write_text("in the beginning was the word\n" * 40)
+    cd = tiny()
+    cd.data.update(tokenizer="bpe", vocab_size=300, train_path=str(tmp_path / "train.txt"),
+                   eval_path=str(tmp_path / "train.txt"))
+    return from_configdict(cd)
+
+
 def test_a_run_refused_after_saving_its_tokenizer_leaves_no_tokenizer_folder(
         tmp_path, monkeypatch):
     # a bug hunt (session 101): a run refused after its task saved WORKDIR/tokenizer (a
@@ -542,11 +551,7 @@ def test_a_run_refused_after_saving_its_tokenizer_leaves_no_tokenizer_folder(
     # folder was refused as another run's
     from hpnlp import data as data_lib
     from hpnlp.paths import check_workdir
-    (tmp_path / "train.txt").write_text("in the beginning was the word\n" * 40)
-    cd = tiny()
-    cd.data.update(tokenizer="bpe", vocab_size=300, train_path=str(tmp_path / "train.txt"),
-                   eval_path=str(tmp_path / "train.txt"))
-    cfg = from_configdict(cd)
+    cfg = _bpe_run_config(tmp_path)
 
     def refused(*args, **kwargs):
         raise ValueError("refused after the task was made")
@@ -570,11 +575,7 @@ def test_a_run_refused_after_its_config_json_or_an_ensembles_members_keeps_a_who
     from hpnlp.paths import check_workdir, held_by
     from hpnlp.train import loop
     from hpnlp.train.ensemble import EnsembleTrainer
-    (tmp_path / "train.txt").write_text("in the beginning was the word\n" * 40)
-    cd = tiny()
-    cd.data.update(tokenizer="bpe", vocab_size=300, train_path=str(tmp_path / "train.txt"),
-                   eval_path=str(tmp_path / "train.txt"))
-    cfg = from_configdict(cd)
+    cfg = _bpe_run_config(tmp_path)
     real = loop.Checkpointer
 
     def refused(*args, **kwargs):
