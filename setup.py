@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     "tensorboardX==2.6.5",
     "psutil>=5.9",
+    "ml-dtypes>=0.5",  # bfloat16's numpy dtype (hpnlp/retrieval/base.py; jax brings it too)
     # data: subword tokenizers (hpnlp/data/tokenizers.py) and prepared on-disk shards read
     # through grain (hpnlp/data/sharded.py, prepare.py)
     "sentencepiece==0.2.3",

@@ -1184,8 +1184,9 @@ def test_shrink_says_a_qat_run_whose_scales_read_the_pruned_zeros_changes(tmp_pa
     assert prune.shrink_changes_quant(from_configdict(cd))[0] == "quant.weights"
     cd = tiny(prune=dict(method="magnitude", structure="structured", start_step=1))
     cd.quant.weights = "ternary"
-    _config_only_workdir(tmp_path / "run", cd)  # said before anything is read or built
-    with pytest.raises(Exception) as e:  # (here: no checkpoint to read after the note)
+    _config_only_workdir(tmp_path / "run", cd)  # said before the run is read
+    from hpnlp.train.checkpoint import CheckpointMismatch
+    with pytest.raises(CheckpointMismatch) as e:  # (here: its empty step, after the note)
         prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
     assert capsys.readouterr().err.startswith(
         "hpnlp.compress: note: quant.weights='ternary': each channel of its mlp, out products "

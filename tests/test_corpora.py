@@ -640,14 +640,23 @@ def test_a_damaged_prepared_folder_is_named_before_any_step(prepared, files, tmp
     path = tmp_path / "b" / meta["splits"]["train"]["shards"][0]
     ds = sharded.split_dataset(str(tmp_path / "b"), meta, "train")
     import grain
-    source = sharded._named_source(grain)([str(path)])  # (grain's batched reads: review)
+    other = tmp_path / "b" / meta["splits"]["eval"]["shards"][0]
+    source = sharded._named_source(grain)([str(path), str(other)])  # grain's batched reads
     ds[0], source[0]  # the shard opened
     os.truncate(path, path.stat().st_size // 4)
     cut = f"{path}: cannot be read \\(record [0-9]+ is empty; the file changed after the run "
     with pytest.raises(ValueError, match=f"{cut}opened it\\).*{again}"):
         [ds[i] for i in range(len(ds))]
     with pytest.raises(ValueError, match=f"{cut}opened it\\).*{again}"):
-        source.__getitems__(list(range(len(source))))
+        source.__getitems__(list(range(len(ds))))
+    # a damaged record of the second shard, read in a batch beside the first's: its own
+    # shard named (review: the batch's first key's)
+    raw, damaged = other.read_bytes(), tmp_path / "b" / "damaged.array_record"
+    damaged.write_bytes(raw[:100] + b"U" * 50 + raw[150:])
+    source = sharded._named_source(grain)([str(other), str(damaged)])
+    first = len(source) // 2  # the damaged copy's first record, where its bytes were overwritten
+    with pytest.raises(ValueError, match=f"{damaged}: cannot be read \\(Corrupted"):
+        source.__getitems__([0, first])
 
 
 # ------------------------------------------------------------------------ streaming

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from hpnlp import models
-from hpnlp.config import default_configdict, from_configdict, validate
+from hpnlp.config import TrainConfig, default_configdict, from_configdict, validate
 from hpnlp.train.loop import dummy_batch
-from hpnlp.config import TrainConfig
 from hpnlp.train.state import decay_mask, make_optimizer
 
 # The matrices and tables of the models below: weight decay reaches these and nothing else.
@@ -63,7 +62,8 @@ def test_weight_decay_reaches_matrices_and_tables_only(variant):
     rule decayed the LSTM's forget bias [1, 4, H], its gains, MoE biases [experts, F], and
     every stacked norm [depth, D]; Transformer-XL's u, v [H, D] and the synthesizer's b1,
     b2 [H, F] were still decayed after), in a mask over the parameters as they train
-    (unboxed), which the optimizer's init (boxed) and update (unboxed) both read."""
+    (unboxed), drawn from the boxed ones (`make_optimizer` gives it to optax's init and
+    update: the next tests)."""
     boxed = _boxed(variant)
     want = {path: path[-1] in MATRICES for path in _flat(boxed)}
     assert set(want.values()) == {True, False}
@@ -89,7 +89,7 @@ def test_stacked_blocks_decay_what_unstacked_ones_do():
 def test_the_mask_is_each_optimizer_s_own_drawn_from_the_boxed_names():
     """A bug hunt (session 101): the update's mask looked the init's axis names up in a
     registry by path and shape, so an update the process's init had not seen (or had seen
-    with other names) fell back to the rank rule. Here no init runs at all, and two trees
+    with other names) fell back to the rank rule. Here no model's init runs, and two trees
     share a path and shape: [layers, D] is a stacked vector, [embed, mlp] a matrix."""
     sds = jax.ShapeDtypeStruct((2, 4), jnp.float32)
     t = TrainConfig(lr=1.0, weight_decay=0.5, warmup_steps=0, clip_norm=0.0)

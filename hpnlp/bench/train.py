@@ -31,7 +31,7 @@ from hpnlp import models
 from hpnlp.bench import harness, report
 from hpnlp.config import (AttentionConfig, Config, ModelConfig, TrainConfig, default_configdict,
                           from_configdict)
-from hpnlp.train.state import init_state, make_optimizer
+from hpnlp.train.state import init_state, make_optimizer, train_params
 from hpnlp.train.step import make_train_step, step_compiler_options
 
 # (name, width, depth, heads, mlp) at seq 256, batch 8: 2048 tokens a step. Batch 8 is
@@ -109,8 +109,7 @@ def _measure(spec: dict) -> dict:
     model = models.build(cfg, deterministic=False)
     batch = _batch(kind, B, L, spec["vocab"])
     tx = make_optimizer(cfg.train, params=jax.eval_shape(  # (weight decay's mask)
-        lambda k: model.init({"params": k, "dropout": k}, batch)["params"],
-        jax.random.key(0)))
+        lambda k: train_params(model, k, batch), jax.random.key(0)))
     # The initial state is compiled without XLA's backend optimizations: they took about
     # 4 of a worker's 9 s of start-up, for a function that runs once (its values differ
     # from an optimized init's in the last bits, which no timing depends on).

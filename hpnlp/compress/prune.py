@@ -924,7 +924,6 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         inexact = (f"{field}={value!r}: {why}, so the shrunk model computes another function "
                    "than the masked one (summary.json: eval against eval_masked); fine-tune it "
                    "(train.init_from=OUT), or prune in float and quantize the shrunk run")
-        print(f"hpnlp.compress: note: {inexact}", file=sys.stderr)
     # a bug hunt (session 101): a batch that does not split over every device here was read
     # on fewer of them (`for_these_devices`), and the shrunk run took that reader's mesh,
     # which its training Trainer refused ("the axis sizes multiply to 2, not the device
@@ -950,6 +949,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     if earlier:
         print(f"hpnlp.compress: note: --out {out} holds this command's earlier output of "
               f"{workdir}; the new one replaces it once written", file=sys.stderr)
+    if inexact:  # said once every check has passed (review)
+        print(f"hpnlp.compress: note: {inexact}", file=sys.stderr, flush=True)
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     pruned = Trainer(cfg, workdir, read_only=True)

@@ -92,7 +92,7 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
         # run trained in float without a word, and only its export refused it
         _fail("quant.layers", q.layers, f"names no product of this {m.kind} ({m.arch}), so "
               f"nothing would be quantized (it has {', '.join(has)}); name products it has "
-              "(or 'all'); a run saved so trained in float: set quant.weights and "
+              "(or 'all'); a run saved with it trained in float: set quant.weights and "
               "quant.activations to 'none' in its config.json")
     if q.act_scale == "static" and m.reversible:
         _fail("quant.act_scale", "static", "reversible blocks recompute themselves functionally and "

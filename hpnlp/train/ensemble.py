@@ -221,8 +221,8 @@ class EnsembleTrainer(Trainer):
         super().__init__(cfg, workdir)
         try:
             self._init_members(members)
-        except BaseException:  # the workdir this Trainer holds, released (review, session 96),
-            self._refused(self._release_workdir)  # and the tokenizer it saved (session 101)
+        except BaseException:  # the workdir this Trainer holds, released (review, session 96;
+            self._release_workdir()  # its config.json written, the tokenizer beside it kept)
             raise
 
     def _init_members(self, members: int) -> None:
@@ -242,8 +242,8 @@ class EnsembleTrainer(Trainer):
         axes = TrainState(step=None, **{k: None if getattr(abstract, k) is None else 0
                                         for k in fields})
         # Each member's carries (pruning masks, a teacher, ...) ride in its own carry slice.
-        tx = make_optimizer(cfg.train, params=self.boxed_params)  # each member's tree
-        vstep = jax.vmap(make_train_step(model, tx, cfg.train, self.carries),
+        # (self.tx: weight decay's mask is over each member's tree, as the trainer's)
+        vstep = jax.vmap(make_train_step(model, self.tx, cfg.train, self.carries),
                          in_axes=(axes, None), out_axes=(axes, 0))
         estep = make_ensemble_eval_step(self.eval_model, cfg.train, self.task.kind)
 

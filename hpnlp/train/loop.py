@@ -282,7 +282,8 @@ def reader_devices(cfg: Config) -> list | None:
     """The first k devices where `for_these_devices` laid the run read here out on k of them,
     k below the device count, else None (all)."""
     k = cfg.mesh.data
-    if not isinstance(cfg.mesh, ReaderMesh) or jax.process_count() > 1 or k >= jax.device_count():
+    if (not isinstance(cfg.mesh, ReaderMesh) or jax.process_count() > 1 or not
+            0 < k < jax.device_count()):  # (a ReaderMesh replaced stays one: review)
         return None
     return jax.devices()[:k]
 
@@ -313,24 +314,17 @@ class Trainer:
         fresh = not read_only and jax.process_index() == 0 and not held_by(workdir) and not any(
             os.path.exists(os.path.join(workdir, f))
             for f in ("config.json", "checkpoints", DIRNAME))
-
-        def refused(release) -> None:
-            """A refused build's end, here or in a subclass's after it (an ensemble's members:
-            `self._refused(self._release_workdir)`): the workdir released (`release`, this
-            Trainer's hold) and, where it holds one, the tokenizer removed, unless the
-            Checkpointer has written config.json, a run's with it (a fixer's note, session 101:
-            an ensemble's failure kept the folder, and one after config.json left a run with
-            no tokenizer). (No `self` here: a Trainer deleted is collected at once.)"""
-            if fresh and release is not unheld and os.path.isdir(made) and not os.path.exists(
-                    os.path.join(workdir, "config.json")):
-                import shutil
-                shutil.rmtree(made, ignore_errors=True)
-            release()
-        self._refused = refused
         try:
             self._build(cfg, workdir, read_only=read_only)
         except BaseException:
-            refused(self._release_workdir)
+            # the tokenizer removed unless the Checkpointer has written config.json, a run's
+            # with it (a fixer's note, session 101: one after config.json left a run with no
+            # tokenizer); an ensemble's members fail after it, so keep both
+            if (fresh and self._release_workdir is not unheld and os.path.isdir(made)
+                    and not os.path.exists(os.path.join(workdir, "config.json"))):
+                import shutil
+                shutil.rmtree(made, ignore_errors=True)
+            self._release_workdir()
             raise
 
     # At exit the process's end releases the workdir (review: the modules were torn down);
@@ -478,10 +472,10 @@ class Trainer:
             # their logical axes (a bug hunt, session 101: state.decay_mask), before `init`
             # runs the optimizer; the ensemble's members take the same.
             from hpnlp.train.state import train_params
-            self.boxed_params = jax.eval_shape(lambda key, p: train_params(
+            trained = jax.eval_shape(lambda key, p: train_params(
                 model, key, batch1, carries=carries, transform=transform,
                 params=_rebox(boxed, p)), key0, unboxed(boxed))
-            tx = make_optimizer(cfg.train, params=self.boxed_params)
+            tx = make_optimizer(cfg.train, params=trained)
             abstract = jax.eval_shape(lambda key, p: init(key, _rebox(boxed, p)), key0,
                                       unboxed(boxed))
             self.state_sharding = state_shardings(abstract, self.mesh, self.rules)

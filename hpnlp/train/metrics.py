@@ -129,7 +129,8 @@ class MetricWriter:
                 self.file.close()
             with self._writing(os.path.join(os.path.dirname(self.path), "tensorboard")):
                 self._thread_failed()
-                self.tb.close()
+                self.tb.close()  # (its thread writes what is queued as it stops: review)
+                self._thread_failed()
             self._closed = True
 
     def _thread_failed(self) -> None:
