@@ -41,8 +41,8 @@ import numpy as np
 
 from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import Factored, QWeight, Served
-from hpnlp.config import (Config, ConfigError, MeshConfig, QuantConfig, config_error,
-                          from_configdict, to_json, validate, with_absolute_paths)
+from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
+                          validate, with_absolute_paths)
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
 from hpnlp.train.checkpoint import _non_finite
 
@@ -587,10 +587,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
         # a layout on some of the devices here is this read's, not the folder's (review,
         # session 100: saved, a folder quantized on 2 of 3 devices was refused on 1)
-        # (a MeshConfig: a ReaderMesh replaced stays one, and the folder's is no reader's)
-        size = save(stage, dataclasses.replace(cfg_q, mesh=MeshConfig(**{
-            **{f.name: getattr(cfg_q.mesh, f.name) for f in dataclasses.fields(cfg_q.mesh)},
-            "data": -1})) if reader_devices(cfg_q) else cfg_q, packed, quant_vars, meta)
+        size = save(stage, dataclasses.replace(cfg_q, mesh=dataclasses.replace(
+            cfg_q.mesh, data=-1)) if reader_devices(cfg_q) else cfg_q, packed, quant_vars, meta)
         _, reloaded, reloaded_quant = load(stage, cfg_q)
         if not float_dtype:
             reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)

@@ -203,7 +203,7 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
         (i for i, a in enumerate(used) if a not in batch), len(used)):])
     across = fits and jax.process_count() > 1 and jax.local_device_count() % inner != 0
     fits = fits and not across
-    shards = math.prod(sizes[a] for a in mesh.mesh_axes_of("batch")) if fits else 0
+    shards = math.prod(sizes[a] for a in batch) if fits else 0
     if fits and _reader_split(cfg, shards):
         return mesh, n, None
     k = n
