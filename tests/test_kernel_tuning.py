@@ -115,6 +115,61 @@ def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage)
         assert t.check(json.load(f)) is None  # and rewritten sound
 
 
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+cpu family\t: {family}
+model\t\t: {model}
+model name\t: {name}
+stepping\t: {stepping}
+cache size\t: {cache}
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16
+
+processor\t: 1
+model name\t: not the first processor's
+"""
+
+
+@pytest.mark.usefixtures("tuning_on")
+def test_cpus_with_the_same_flags_but_another_model_share_no_library_or_tuning(tmp_path,
+                                                                               monkeypatch):
+    """A bug hunt (session 102): the kernel cache and the tuning records were keyed by the
+    CPU's flags alone, so Genoa and Genoa-X (or two steppings of a Xeon) shared one
+    -march=native library and one tuning record, measured on the other CPU. Now the model,
+    stepping and cache size name the library too, and a record measured on another CPU is
+    reported and measured again. (Only names are computed here: nothing compiles.)"""
+    cpus = {"genoa": ("AuthenticAMD", 25, 17, "AMD EPYC 9654 96-Core Processor", 1, "1024 KB"),
+            "genoa-x": ("AuthenticAMD", 25, 17, "AMD EPYC 9684X 96-Core Processor", 2,
+                        "1024 KB"),
+            "xeon-1": ("GenuineIntel", 6, 167, "Intel(R) Xeon(R)", 1, "16384 KB"),
+            "xeon-8": ("GenuineIntel", 6, 167, "Intel(R) Xeon(R)", 8, "16384 KB")}
+
+    def on(cpu):
+        (tmp_path / cpu).write_text(CPUINFO.format(**dict(zip(
+            ("vendor", "family", "model", "name", "stepping", "cache"), cpus[cpu]))))
+        monkeypatch.setattr(kernels, "cpu_info", lambda: kernels._read_cpuinfo(str(tmp_path / cpu)))
+
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path / "cache"))
+    names = set()
+    for cpu in cpus:
+        on(cpu)
+        names.add(kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").library_path())
+    assert len(names) == len(cpus)
+    assert kernels.cpu_name() == ("Intel(R) Xeon(R) (GenuineIntel family 6 model 167 stepping 8, "
+                                  "cache size 16384 KB)")
+    assert kernels._read_cpuinfo(str(tmp_path / "missing")) == {}  # platform.processor() then
+    on("genoa")
+    assert _tuning(tmp_path, {64: 0.5, 128: 1.0}, []).config() == {"b": 64}
+    on("genoa-x")
+    calls = []
+    t = _tuning(tmp_path, {64: 1.0, 128: 0.5}, calls)
+    with pytest.warns(RuntimeWarning, match=r"is foreign \(measured on AMD EPYC 9654 .*this CPU "
+                                            r"is AMD EPYC 9684X .*stepping 2.*measuring again"):
+        assert t.config() == {"b": 128}
+    assert t.source == "tuned" and calls
+    with open(t.path()) as f:
+        assert json.load(f)["cpu"] == kernels.cpu_name()
+
+
 @pytest.mark.usefixtures("tuning_on")
 def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path):
     def probe(_lib, cfg):
@@ -191,6 +246,32 @@ def test_compiler_command_and_a_missing_compiler(tmp_path, monkeypatch):
     reason = kernel.unavailable_reason()
     assert "cannot run the C++ compiler" in reason and "no-such-compiler" in reason
     assert [f for f in os.listdir(tmp_path / "cache") if not f.endswith(".lock")] == []
+
+
+def test_a_march_the_compiler_rejects_is_named_not_a_silent_fallback(tmp_path, monkeypatch):
+    """A bug hunt (session 102): HPNLP_KERNEL_MARCH=avx2 (not a -march g++ knows) failed every
+    build with the compiler's multi-line error, which impl="auto" hid: every kernel ran its
+    XLA twin without a word. Now the reason is one line naming the variable and the values
+    the compiler accepts, and a warning says it once a process (a preprocessor run of an
+    empty file finds it: nothing compiles here)."""
+    try:
+        cxx = kernels.compiler()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    if kernels._march_error(tuple(cxx), "avx2") is None:
+        pytest.skip(f"{' '.join(cxx)} accepts -march=avx2")
+    monkeypatch.setenv("HPNLP_KERNEL_MARCH", "avx2")
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="CPU kernels cannot be built: HPNLP_KERNEL_MARCH=avx2"):
+        reason = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").load()
+    assert re.fullmatch(r"HPNLP_KERNEL_MARCH=avx2 is not a -march that \S*\+\+ accepts \(.*\); "
+                        r"set it to one it accepts \(x86-64-v3: .*\) or unset it \(native\)",
+                        reason)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert kernels.CpuKernel(fused.KERNEL.source, {}, what="another").load() == reason
+    assert [f for f in os.listdir(tmp_path) if not f.endswith(".lock")] == []
 
 
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):

@@ -8,15 +8,17 @@
 A source is compiled with the machine's `g++` (`-O3 -march=native`) against the XLA FFI
 headers that ship with jaxlib and this folder's `simd.h`, and cached in
 `HPNLP_KERNEL_CACHE` (default `~/.cache/hpnlp/kernels`), keyed by the sources, the jaxlib
-version, the flags and the CPU. A file lock keeps concurrent processes (test workers)
-from building the same library twice. Where there is no compiler or the backend is not a
-CPU, `available()` is False and `unavailable_reason()` says why; callers then use their
-XLA twin.
+version, the flags and the CPU (its model, stepping and cache size as well as its feature
+flags: `-march=native` tunes for all of them). A file lock keeps concurrent processes
+(test workers) from building the same library twice. Where there is no compiler or the
+backend is not a CPU, `available()` is False and `unavailable_reason()` says why; callers
+then use their XLA twin.
 
 `-march=native` lets a source choose its instructions by the CPU's features at build time
 (`#if defined(__AVX512BF16__)`, ...), with a portable path where a feature is missing.
 `HPNLP_KERNEL_MARCH` replaces `native` (`x86-64-v3`: AVX2 without AVX-512), which is how
-the tests run the portable paths on a machine that has the features. Block sizes are
+the tests run the portable paths on a machine that has the features; a value the compiler
+rejects is an error naming it (a warning once, where a kernel falls back). Block sizes are
 chosen per CPU by a short measurement on first use (`hpnlp.kernels.tuning`).
 """
 
@@ -30,12 +32,14 @@ import glob
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import struct
 import subprocess
 import tempfile
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +62,89 @@ def flags() -> list[str]:
     return [*FLAGS, f"-march={march()}"]
 
 
-def _cpu_id() -> str:
+class MarchError(RuntimeError):
+    """HPNLP_KERNEL_MARCH names a -march the compiler rejects."""
+
+
+@functools.lru_cache(maxsize=None)
+def _march_error(cxx: tuple[str, ...], value: str) -> str | None:
+    """Why `cxx` rejects `-march=value` (its message on one line), or None: a preprocessor
+    run on an empty file, a few milliseconds, once per process."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+        proc = subprocess.run([*cxx, f"-march={value}", "-E", "-x", "c++", os.devnull, "-o",
+                               os.devnull], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):  # the build names the compiler's problem
+        return None
+    if proc.returncode == 0:
+        return None
+    said = [re.sub(r"^\S+: (?:fatal error|error|note): ", "", line.strip())
+            for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+    return (f"HPNLP_KERNEL_MARCH={value} is not a -march that {_compiler_name(list(cxx))} "
+            f"accepts ({'; '.join(said)[:2000] or f'exit status {proc.returncode}'}); set it "
+            "to one it accepts (x86-64-v3: AVX2 without AVX-512) or unset it (native)")
+
+
+def check_march(cxx: list[str]) -> None:
+    """MarchError where HPNLP_KERNEL_MARCH names a -march `cxx` rejects (a bug hunt (session
+    102): `avx2` failed every build with the compiler's multi-line error, which impl="auto"
+    hid, so every kernel ran its XLA twin without a word)."""
+    value = os.environ.get("HPNLP_KERNEL_MARCH")
+    error = _march_error(tuple(cxx), value) if value else None
+    if error:
+        raise MarchError(error)
+
+
+# /proc/cpuinfo's fields that name the CPU a library is built and tuned for (x86's, then
+# Arm's). A bug hunt (session 102): the flags alone keyed the cache, so two CPUs with the
+# same flags but another model or cache size (Genoa and Genoa-X, two steppings of a Xeon)
+# shared one -march=native library, tuned for the first, and one tuning record.
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "cache size",
+               "flags", "CPU implementer", "CPU architecture", "CPU variant", "CPU part",
+               "CPU revision", "Features")
+
+
+def _read_cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The fields of `path`'s first processor block ({} where it cannot be read)."""
+    fields: dict[str, str] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    if fields:  # the first block ends: one CPU model per machine
+                        break
+                    continue
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return platform.processor()
+        return {}
+    return fields
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_info() -> dict[str, str]:
+    """This machine's /proc/cpuinfo fields (its first processor's), read once."""
+    return _read_cpuinfo()
+
+
+def _cpu_id() -> str:
+    info = cpu_info()
+    named = [f"{field}: {info[field]}" for field in _CPU_FIELDS if field in info]
+    return "\n".join(named) if named else platform.processor()
+
+
+def cpu_name() -> str:
+    """The CPU as a person names it, with what tells its models apart: "AMD EPYC 9654
+    96-Core Processor (AuthenticAMD family 25 model 17 stepping 1, cache size 1024 KB)"."""
+    info = cpu_info()
+    ids = " ".join(f"{label} {info[field]}".strip() for field, label in (
+        ("vendor_id", ""), ("cpu family", "family"), ("model", "model"),
+        ("stepping", "stepping"), ("CPU implementer", "implementer"), ("CPU part", "part"),
+        ("CPU variant", "variant"), ("CPU revision", "revision")) if field in info)
+    ids = ", ".join(x for x in (ids, info.get("cache size") and
+                                f"cache size {info['cache size']}") if x)
+    name = info.get("model name") or platform.processor() or platform.machine() or "a CPU"
+    return f"{name} ({ids})" if ids else name
 
 
 def cores() -> int:
@@ -128,6 +209,7 @@ def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None
     """Compile `source` into the shared library `out` with the kernels' flags, against the
     XLA FFI headers and `header_dir`'s simd.h (tools/kernel_ab.py passes another revision's)."""
     cxx = compiler()
+    check_march(cxx)
     cmd = [*cxx, *flags(), "-I", jax.ffi.include_dir(), "-I", header_dir, source, "-o", out]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -187,6 +269,9 @@ def _whole_library(path: str) -> bool:
     (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
     shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
     return shoff + shentsize * shnum <= size
+
+
+_WARNED: set[str] = set()  # the MarchError warnings given in this process
 
 
 class CpuKernel:
@@ -269,6 +354,11 @@ class CpuKernel:
                                     "(delete a damaged library there to rebuild it)")
                 except RuntimeError as e:
                     self._reason = str(e)
+                    if isinstance(e, MarchError) and self._reason not in _WARNED:
+                        # once a process: impl="auto" runs the XLA twins without a word
+                        _WARNED.add(self._reason)
+                        warnings.warn(f"hpnlp: the CPU kernels cannot be built: {e}",
+                                      RuntimeWarning, stacklevel=3)
                 self._loaded = True
             return self._reason
 

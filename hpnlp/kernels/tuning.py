@@ -11,8 +11,9 @@ L2 size, how many loads a cycle), so a kernel does not ship one choice. The firs
 kernel runs on a CPU, `config()` times every candidate on a fixed probe problem through
 the library's plain C entry point (no XLA, no compile: seconds a pass), keeps the
 fastest, and writes it beside the library as `<library>.<name>.tune.json`. The library's
-name already carries the source, jaxlib, flags and CPU (`CpuKernel.library_path`), so a
-changed kernel or another CPU gets its own file.
+name already carries the source, jaxlib, flags and CPU (its model, stepping, cache size and
+feature flags: `CpuKernel.library_path`), so a changed kernel or another CPU gets its own
+file; the file also names the CPU it was measured on (`kernels.cpu_name`).
 
 The search is bounded and steady: every candidate is timed `repeats` times after a warmup
 (more, up to `MIN_TIME_S` of runs, when a run is short);
@@ -22,8 +23,9 @@ the default wins unless another candidate beats it by more than `MARGIN`, so two
 agree within noise. A search stops early past `budget_s`. `python -m hpnlp.kernels
 --repeat 2` shows every pass's choice and searches again to check that agreement.
 
-A cache file is used only when it parses, its checksum matches its contents, its key
-matches this kernel build, probe and candidate list, and its choice is one of the
+A cache file is used only when it parses, its checksum matches its contents, it was
+measured on this CPU, its key matches this kernel build, probe and candidate list, and its
+choice is one of the
 candidates; otherwise (a truncated write, a hand edit, a file copied from another
 machine or kernel version) it is reported, re-measured and rewritten, never used.
 
@@ -104,7 +106,8 @@ class Tuning:
 
     def key(self) -> str:
         """What a cached choice is valid for: the build, this pass, probe and candidates."""
-        return _checksum({"version": VERSION, "library": os.path.basename(self.kernel.library_path()),
+        return _checksum({"version": VERSION,
+                          "library": os.path.basename(self.kernel.library_path()),
                           "name": self.name, "shape": self.shape, "default": self.default,
                           "candidates": self.candidates})
 
@@ -125,6 +128,10 @@ class Tuning:
         body = {k: v for k, v in data.items() if k != "checksum"}
         if data["checksum"] != _checksum(body):
             return "corrupted (its checksum does not match its contents)"
+        if data.get("cpu") != kernels.cpu_name():  # a bug hunt (session 102): block sizes
+            # measured on a CPU with the same flags but another model were used here
+            return (f"foreign (measured on {data.get('cpu') or 'a CPU it does not name'}; "
+                    f"this CPU is {kernels.cpu_name()})")
         if data["key"] != self.key():
             return "stale (written for another kernel build, probe or candidate list)"
         if data["config"] not in self.candidates:
@@ -215,9 +222,9 @@ class Tuning:
         base = timings[0]["seconds"]
         fastest = min(timings, key=lambda t: t["seconds"])
         choice = fastest if fastest["seconds"] < (1 - MARGIN) * base else timings[0]
-        body = {"key": self.key(), "kernel": self.kernel.what, "pass": self.name,
-                "shape": self.shape, "config": choice["config"], "timings": timings,
-                "search_s": time.perf_counter() - start}
+        body = {"key": self.key(), "cpu": kernels.cpu_name(), "kernel": self.kernel.what,
+                "pass": self.name, "shape": self.shape, "config": choice["config"],
+                "timings": timings, "search_s": time.perf_counter() - start}
         return {**body, "checksum": _checksum(body)}
 
     def _write(self, data: dict) -> None:
