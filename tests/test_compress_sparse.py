@@ -1052,6 +1052,22 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
             student.data.update(task="word_lm", tokenizer="bpe")
         with pytest.raises(ConfigError, match=match):
             carry_lib.for_config(validate(from_configdict(student)))
+    # a bug hunt (session 102): the shared data.train_path edited between the teacher and the
+    # student, the student's own subword model (kept in its workdir before its carries are
+    # built) was not read, and a teacher of other pieces passed
+    import json
+    (tmp_path / "t.txt").write_text("the cat sat\n")
+    bpe = tiny("lm")
+    bpe.data.update(task="word_lm", tokenizer="bpe", vocab_size=300,
+                    train_path=str(tmp_path / "t.txt"), eval_path=str(tmp_path / "t.txt"))
+    _config_only_workdir(tmp_path / "bpe", bpe)
+    for name, sha in (("bpe", "b"), ("student", "a")):
+        os.makedirs(tmp_path / name / "tokenizer")
+        with open(tmp_path / name / "tokenizer" / "tokenizer.json", "w") as f:
+            json.dump({"model_sha256": sha * 64}, f)
+    bpe.train.distill.teacher = str(tmp_path / "bpe")
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*another bpe tokenizer"):
+        carry_lib.for_config(validate(from_configdict(bpe)), workdir=str(tmp_path / "student"))
     # found in review: a teacher whose own length limit this run's rows pass (linformer's
     # max_len) failed inside the first compile, naming its field as if it were this run's;
     # and a seed ensemble's stacked parameters failed deep in Orbax's restore
@@ -1064,7 +1080,6 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*cannot read this run's "
                        r"data\.seq_len=32 .*attention\.options\.max_len"):
         carry_lib.for_config(validate(from_configdict(student)))
-    import json
     _config_only_workdir(tmp_path / "ens", tiny("lm"))
     with open(tmp_path / "ens" / "config.json") as f:
         saved = json.load(f)
@@ -1093,6 +1108,36 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     val.data.eval_split, val.train.init_from = "validation", str(lm)
     with pytest.raises(ConfigError, match=r"train\.init_from.*data\.eval_split='validation'"):
         Trainer(from_configdict(val), str(tmp_path / "ft"))
+
+
+def test_a_teacher_or_init_from_checkpoint_holding_non_finite_parameters_is_damaged(tmp_path):
+    # a bug hunt (session 102): restore_params read it, and the run failed after its compile
+    # ("training became non-finite at step 1 ... Lower train.lr"), as a resume refuses it
+    import flax
+
+    from hpnlp.train.checkpoint import Checkpointer, CheckpointMismatch, restore_params
+
+    @flax.struct.dataclass
+    class State:
+        params: dict
+        step: np.ndarray
+
+    ck = Checkpointer(str(tmp_path), validate(from_configdict(tiny("lm"))), keep=3)
+    good = {"w": np.ones(3, np.float32), "codes": np.ones(2, np.int8)}
+    ck.save(5, State(good, np.array(5)), {}, {})
+    ck.wait()
+    assert np.array_equal(restore_params(str(tmp_path), good)["w"], good["w"])
+    ck.save(6, State({**good, "w": np.array([1, np.nan, 1], np.float32)}, np.array(6)), {}, {})
+    ck.close()
+    with pytest.raises(CheckpointMismatch, match=rf"^checkpoint {tmp_path}/checkpoints/6 holds "
+                       r"non-finite parameters \(\['w'\]\), .*: it is damaged; move it aside "
+                       r"to read the step before it$"):
+        restore_params(str(tmp_path), good)
+    teacher = [c for c in carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
+        teacher=str(tmp_path)))))) if c.name == "teacher"][0]
+    with pytest.raises(CheckpointMismatch, match=rf"^train\.distill\.teacher={tmp_path}: "
+                       r"checkpoint .*/6 holds non-finite parameters"):
+        teacher.start(good, None)
 
 
 @pytest.mark.parametrize("group,fields,match", [

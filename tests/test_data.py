@@ -699,6 +699,34 @@ def test_subword_models_on_disk_are_compared_themselves_not_their_paths(tmp_path
                                           prepared=str(tmp_path / "gone")), run)
 
 
+def test_this_runs_own_subword_model_is_compared_where_it_is_kept(tmp_path):
+    """A bug hunt (session 102): data.train_path edited between a teacher (or init_from) run
+    and this one; the same path and size passed, this run's own model (kept in its workdir
+    before the other run is read) unread, and a student trained against other pieces."""
+    import os
+    for name, sha in (("mine", "a"), ("same", "a"), ("theirs", "b")):
+        os.makedirs(tmp_path / name / "tokenizer")
+        json.dump({"model_sha256": sha * 64},
+                  open(tmp_path / name / "tokenizer" / "tokenizer.json", "w"))
+    bpe = cfg_of(task="word_lm", tokenizer="bpe", train_path="/t.txt", eval_path="/e.txt")
+    mine, same, theirs = (str(tmp_path / n) for n in ("mine", "same", "theirs"))
+    assert data.different_encoding(bpe, bpe, theirs, mine).startswith(
+        "another bpe tokenizer (its model's sha256 bbbbbbbbbbbb..., this run's aaaaaaaaaaaa")
+    assert data.different_encoding(bpe, bpe, same, mine) is None
+    # not kept (yet): the paths and every option, as before
+    assert data.different_encoding(bpe, bpe, theirs) is None
+    assert data.different_encoding(bpe, dataclasses.replace(bpe, vocab_size=500), theirs,
+                                   str(tmp_path / "none")).startswith("data.vocab_size=500")
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train import transfer
+    cd = default_configdict()
+    cd.data.update(task="word_lm", tokenizer="bpe", train_path="/t.txt", eval_path="/e.txt")
+    cfg = from_configdict(cd)
+    with pytest.raises(ConfigError, match=r"train\.init_from.*another bpe tokenizer"):
+        transfer.conversion(cfg, cfg, theirs, mine)
+    assert transfer.conversion(cfg, cfg, same, mine) is None
+
+
 def test_a_tokenizer_whose_id_order_was_edited_is_refused(tmp_path):
     """A bug hunt (session 96): two ids swapped in tokenizer.json's order decoded text
     otherwise without a word (its digest covered only tokenizer.model)."""

@@ -355,7 +355,8 @@ class TeacherCarry(Carry):
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
         copy = os.path.join(workdir, TEACHER_CONFIG) if workdir else ""
-        if copy and os.path.isfile(copy) and has_checkpoint(workdir):  # the teacher it holds
+        held = copy and os.path.isfile(copy) and has_checkpoint(workdir)
+        if held:  # the teacher it holds
             tcfg = config_file(copy)
         else:
             try:
@@ -396,7 +397,12 @@ class TeacherCarry(Carry):
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
         from hpnlp.data import different_encoding, saw_validation
-        why = different_encoding(cfg.data, tcfg.data, self.workdir)
+        # this run's tokenizer (Trainer saved it before its carries) against the teacher's,
+        # at the start; a resume holds the teacher it was checked with, whose folder may
+        # since hold another (a bug hunt (session 102): a student's own tokenizer, of an
+        # edited data.train_path, was not read, and one of other pieces passed)
+        why = different_encoding(cfg.data, tcfg.data, self.workdir,
+                                 None if held else workdir)
         if why:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "
@@ -539,7 +545,7 @@ class TeacherCarry(Carry):
         """The teacher's trained parameters, restored into `value`'s shapes and shardings."""
         del params
         from hpnlp.train.checkpoint import restore_params
-        return restore_params(self.workdir, value)
+        return restore_params(self.workdir, value, field="train.distill.teacher")
 
     def trainable(self, model, params, batch, key):
         """The hidden-state projection [student width, teacher width] (TinyBERT's W_h, one for

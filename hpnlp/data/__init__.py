@@ -81,14 +81,15 @@ def saw_validation(mine, theirs) -> bool:
     return False
 
 
-def different_encoding(mine, theirs, their_workdir: str | None = None) -> str | None:
+def different_encoding(mine, theirs, their_workdir: str | None = None,
+                       my_workdir: str | None = None) -> str | None:
     """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
-    encode text otherwise than `mine` (the field and both values, for an error), or None where
-    the two encode alike: the same task and tokenizer (byte_lm's and word_lm's own named or
-    not), and, for a vocabulary learned from the training text (words, subwords), the same
-    model where both subword models are on disk (`tokenizer_sha256`), else the same text: a
-    tokenizer is trained deterministically, so the same kind, size and text give the same
-    pieces. Bytes are bytes whatever the text."""
+    encode text otherwise than `mine` (this run's, in `my_workdir` where given) (the field and
+    both values, for an error), or None where the two encode alike: the same task and
+    tokenizer (byte_lm's and word_lm's own named or not), and, for a vocabulary learned from
+    the training text (words, subwords), the same model where both subword models are on disk
+    (`tokenizer_sha256`), else the same text: a tokenizer is trained deterministically, so the
+    same kind, size and text give the same pieces. Bytes are bytes whatever the text."""
     def name(c):
         lm = c.task in ("byte_lm", "word_lm")
         return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer
@@ -103,8 +104,11 @@ def different_encoding(mine, theirs, their_workdir: str | None = None) -> str | 
         return why
     # Subword models on disk on both sides are compared themselves, not the paths they came
     # from (a bug hunt, session 96: a folder prepared with that run's own tokenizer was
-    # refused, and one prepared anew at the same path would have passed)
-    a, b = tokenizer_sha256(mine), tokenizer_sha256(theirs, their_workdir)
+    # refused, and one prepared anew at the same path would have passed); this run's own
+    # too, kept in `my_workdir` before a teacher or init_from run is read (a bug hunt (session
+    # 102): data.train_path edited between the runs, the same path and size passed, and a
+    # student trained against a teacher of other pieces)
+    a, b = tokenizer_sha256(mine, my_workdir), tokenizer_sha256(theirs, their_workdir)
     if a and b:
         return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
                                     f"{b[:12]}..., this run's {a[:12]}...)")

@@ -913,11 +913,12 @@ def _model_fields_differ(workdir: str, cfg: Config) -> dict:
             and k not in ("model.dtype", "model.causal", "model.pool", "model.mem_len")}
 
 
-def restore_params(workdir: str, like):
+def restore_params(workdir: str, like, *, field: str | None = None):
     """The parameters of the newest checkpoint in `workdir`, in the shapes, dtypes and
     shardings of `like` (a parameter tree of arrays), read without the rest of the state
     (Orbax partial restore): a distillation teacher (hpnlp.compress.distill), or the start
-    of a fine-tuning run (`train.init_from`)."""
+    of a fine-tuning run (`train.init_from`); `field`, where given, the one that names
+    `workdir`, for an error."""
     manager, step = _newest(workdir)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                            sharding=getattr(a, "sharding", None)),
@@ -933,4 +934,15 @@ def restore_params(workdir: str, like):
                           "move it aside to read the step before it") from e
     finally:
         manager.close()
-    return out["state"]["params"]
+    params = out["state"]["params"]
+    bad = _non_finite(params)
+    if bad:  # a bug hunt (session 102): a resume refused it, a teacher or init_from read
+        # it, and the run failed after its compile ("training became non-finite at step 1
+        # ... Lower train.lr")
+        where = os.path.join(manager.directory, str(step))
+        raise CheckpointMismatch(
+            (f"{field}={workdir}: " if field else "") + f"checkpoint {where} holds non-finite "
+            f"parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), which "
+            "training never saves (a non-finite step stops before its checkpoint): it is "
+            "damaged; move it aside to read the step before it")
+    return params

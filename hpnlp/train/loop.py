@@ -411,7 +411,7 @@ class Trainer:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
-            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from)
+            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, workdir)
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
             if source.model.lowrank.enabled():  # (a conversion refuses it in its own words)
                 # a bug hunt (session 95): told to copy its model.lowrank settings, then
@@ -452,7 +452,8 @@ class Trainer:
                 self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(
                     cfg.model, lowrank=dataclasses.replace(lr, ranks=saved)))
             elif lr.energy and not lr.ranks:  # from the run train.init_from names
-                self._restored = restore_params(cfg.train.init_from, self.model_params)
+                self._restored = restore_params(cfg.train.init_from, self.model_params,
+                                                field="train.init_from")
                 self.cfg = cfg = lowrank.resolve_energy(cfg, model, batch1, self._restored)
             transform = lowrank.init_transform(cfg, model, batch1)
         carries, mesh = self.carries, self.mesh  # (not self: a Trainer deleted is collected
@@ -608,18 +609,19 @@ class Trainer:
         if own:  # a method's own parameters start fresh
             return {**self._params_from(workdir, carry_lib.model_params(like), key), **own}
         if self._convert:  # other key/value heads or experts (compress.gqa.conversion)
-            source, stats, c = restore_params(workdir, self.model_params), None, self._convert
+            source = restore_params(workdir, self.model_params, field="train.init_from")
+            stats, c = None, self._convert
             if c.calibrate:  # e.g. the fits weighted by the inputs, the experts' routes
                 stats = c.calibrate(self.source_eval_model(), source,
                                     self._first_train_batches(c.batches))
             converted = jax.jit(c.convert)(source, stats, like, key)
             return jax.device_put(converted, jax.tree.map(lambda a: a.sharding, like))
         if not self.cfg.model.lowrank.enabled():
-            return restore_params(workdir, like)
+            return restore_params(workdir, like, field="train.init_from")
         from hpnlp.compress import lowrank
         dense, self._restored = self._restored, None  # read once: lowrank.energy read it
         if dense is None:
-            dense = restore_params(workdir, self.model_params)
+            dense = restore_params(workdir, self.model_params, field="train.init_from")
         batch1 = dummy_batch(self.task.kind, 1, self.cfg.data.seq_len)
         found = lowrank.targets(self.cfg, self.model, dense, batch1)
         factored = jax.jit(lambda p: lowrank.factorize(p, found, self.cfg.model.lowrank.rank_of))(dense)
