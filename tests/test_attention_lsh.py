@@ -167,10 +167,16 @@ def test_recall_of_top_keys_rises_with_rounds():
         assert m > float(np.mean(coverage[r])) + 0.1, (r, m, np.mean(coverage[r]))
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _run_twice(a, b, causal):
+    """`_run(HASHED, *a, causal)` and `_run(HASHED, *b, causal)` in one program."""
+    return _run(HASHED, *a, causal), _run(HASHED, *b, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_padding_invariance_and_zero_padding_rows(causal):
-    """Padding sits in its own bucket, sorted last: its content changes no real output,
-    and padding rows (a whole row of padding too) give zeros."""
+    """Padding sits in its own bucket, sorted last: neither its content nor its amount
+    changes a real output, and padding rows (a whole row of padding too) give zeros."""
     q, k, v = _qkv()
     mask = _padding([20, 27])
     q2, k2, v2 = _qkv(seed=7)
@@ -179,6 +185,17 @@ def test_padding_invariance_and_zero_padding_rows(causal):
     out1 = _run(HASHED, q, k, v, mask, causal)
     out2 = _run(HASHED, mix(q, q2), mix(k, k2), mix(v, v2), mask, causal)
     np.testing.assert_array_equal(jnp.where(pad, 0, out1), jnp.where(pad, 0, out2))
+    # A bug hunt (session 102): chunk 0 looked back at the last chunk, real tokens or
+    # padding depending on the padded length (0.6 apart). The same rows padded to 27
+    # (28 after the chunk's padding: 7 chunks) and 64 tokens (16 chunks).
+    out27, out64 = _run_twice((q[:, :27], k[:, :27], v[:, :27], mask[:, :27]),
+                              tuple(jnp.concatenate([a, b], 1) for a, b in
+                                    ((q, q2), (k, k2), (v, v2))) + (_padding([20, 27], 64),),
+                              causal)
+    real = ~pad[:, :27]
+    for out in (out27, out64[:, :27]):
+        np.testing.assert_allclose(jnp.where(real, out, 0), jnp.where(real, out1[:, :27], 0),
+                                   atol=1e-6)
     assert float(jnp.abs(jnp.where(pad, out1, 0)).max()) == 0.0
     out = _run(HASHED, q, k, v, _padding([0, 5]), causal)
     chex.assert_tree_all_finite(out)

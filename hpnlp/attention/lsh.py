@@ -18,17 +18,24 @@ What this implementation does, and where it departs from the paper/trax:
   key third of its fused QKV projection (it gets zero gradient).
 * Self-mask: score(i, i) -= 1e5 (not -inf, as in Reformer), so a token attends to itself
   only when no other key is allowed to it (across all rounds).
-* Duplicates: a key seen several times by a query (in several rounds, or twice in one
-  round when a round has a single chunk that "looks back" at itself) has log(count)
+* Duplicates: a key seen several times by a query (in several rounds) has log(count)
   subtracted from its score at each sighting (the paper's m_ij = log N_ij; trax's
   `allow_duplicate_attention=False`), counted from the chunk each token sits in per round.
 * Padding and packing: the sort key is (segment, bucket, position) with padding
   (segment 0) sorted last, so padding sits in a bucket of its own and is masked as a key.
   Sorting by segment first (our extension; Reformer has no packing) keeps a segment's
-  chunk layout independent of other segments' content, so packed rows are supported.
-* Chunks wrap within a round (the first chunk looks back at the last chunk of the same
-  round); trax sorts all rounds as one sequence, so there the first chunk of a round looks
-  back at the previous round's last chunk. Same cost, rounds stay independent here.
+  chunk layout independent of other segments' content, so packed rows are supported. A
+  limit: chunks are cut from the row's sorted order, so in a packed row a segment's chunk
+  boundaries (and so its outputs) depend on the lengths of the segments sorted before it;
+  chunking each segment from its own start would need windows of 4C, twice the cost.
+  `num_buckets=0` derives the buckets from the padded length, so it depends on that too.
+* Chunks wrap within a round: the first chunk looks back at the round's last chunk of
+  real tokens (trax sorts all rounds as one sequence, so there it looks back at the
+  previous round's last chunk; same cost, rounds stay independent here). Until a bug hunt
+  (session 102) it wrapped to the padded row's last chunk, padding or real tokens
+  depending on the amount of padding, so a real token's output changed with the padded
+  length (0.6 at L=24 against L=32); a row without padding wraps as it did. Where the
+  real tokens fill one chunk, it looks back at itself and that repeat is masked.
 * A length that `chunk_size` does not divide is padded automatically with padding tokens
   (segment 0) up to a multiple of the chunk; no config error.
 * Same buckets in the backward pass: buckets and the sort permutation are computed from
@@ -183,9 +190,31 @@ def _inverse(perm_BHRP):
     return jax.lax.stop_gradient(inv_BHRP)
 
 
-def _look_back(x_BHRNC):
-    """Each chunk followed by the previous one (chunk 0 wraps to the last): C -> W = 2C."""
-    return jnp.concatenate([x_BHRNC, jnp.roll(x_BHRNC, 1, axis=3)], axis=4)
+def _last_real_chunk(seg_BP, C):
+    """[B] the last chunk of each row's real tokens (padding sorts last in every round)."""
+    real_B = jnp.sum(seg_BP != 0, axis=1)
+    return jnp.maximum(-(-real_B // C) - 1, 0).astype(jnp.int32)
+
+
+def _look_back(x_BHRNC, last_B):
+    """Each chunk followed by the previous one, chunk 0 by the row's last chunk of real tokens
+    (`_last_real_chunk`): C -> W = 2C. Where that is chunk 0 itself, the second half repeats
+    it; `_repeat_B` says so, for masking.
+
+    A bug hunt (session 102): chunk 0 wrapped to the padded row's last chunk, padding or
+    real tokens depending on the amount of padding, so a real token's keys changed with it.
+    A row without padding wraps as before.
+    """
+    B = x_BHRNC.shape[0]
+    first = x_BHRNC[jnp.arange(B), :, :, last_B]  # [B, H, R, C, ...]
+    previous = jnp.concatenate([first[:, :, :, None], x_BHRNC[:, :, :, :-1]], axis=3)
+    return jnp.concatenate([x_BHRNC, previous], axis=4)
+
+
+def _repeat_B(last_B):
+    """[B, 1, 1, 1, 1]: the rows whose chunk 0 looks back at itself (one chunk of real
+    tokens), so that the second half of chunk 0's window is no key."""
+    return (last_B == 0)[:, None, None, None, None]
 
 
 def _layout(q_BLHD, mask_BL, *, num_hashes, num_buckets, chunk_size, key, perm_BHRP=None):
@@ -244,14 +273,19 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
         x_sorted = jnp.take_along_axis(x[:, :, None], idx, axis=3)
         return x_sorted.reshape((B, H, R, N, C) + trailing)
 
+    last_B = _last_real_chunk(seg_BP, C)
     q_BHRNCD = sort(q_BHPD, (D,))
-    k_BHRNWD = _look_back(sort(kn_BHPD, (D,)))
-    v_BHRNWD = _look_back(sort(v_BHPD, (Dv,)))
+    k_BHRNWD = _look_back(sort(kn_BHPD, (D,)), last_B)
+    v_BHRNWD = _look_back(sort(v_BHPD, (Dv,)), last_B)
     qpos_BHRNC = perm_BHRP.reshape(B, H, R, N, C)
-    kpos_BHRNW = _look_back(qpos_BHRNC)
+    kpos_BHRNW = _look_back(qpos_BHRNC, last_B)
     qseg_BHRNC = jnp.take_along_axis(seg_BP[:, None, None, :], perm_BHRP, axis=3)
     qseg_BHRNC = qseg_BHRNC.reshape(B, H, R, N, C)
-    kseg_BHRNW = _look_back(qseg_BHRNC)
+    kseg_BHRNW = _look_back(qseg_BHRNC, last_B)
+    # chunk 0 looking back at itself: its repeat is no key (it would be seen twice)
+    repeat_BHRNW = (_repeat_B(last_B) & (jnp.arange(N) == 0)[None, None, None, :, None]
+                    & (jnp.arange(2 * C) >= C)[None, None, None, None, :])
+    kseg_BHRNW = jnp.where(repeat_BHRNW, 0, kseg_BHRNW)
 
     s_BHRNCW = jnp.einsum("bhrncd,bhrnwd->bhrncw", q_BHRNCD, k_BHRNWD,
                           preferred_element_type=jnp.float32)
@@ -263,15 +297,19 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
     s_BHRNCW = s_BHRNCW - _SELF * self_BHRNCW.astype(jnp.float32)
     if R > 1 and N > 1:
         # Count the sightings of key j by query i over all rounds: j is seen from the chunk
-        # it sits in and from the next one (which looks back at it). With one chunk (N=1)
+        # it sits in, from the next one (which looks back at it) and, when j is in the
+        # row's last chunk of real tokens (not chunk 0), from chunk 0. With one chunk (N=1)
         # or one round the count is the same for every pair, so it changes nothing.
         loc_BHRP = inv_BHRP // C  # chunk of each token, per round
         loc_BHRNCR = sort(loc_BHRP.transpose(0, 1, 3, 2), (R,))
-        kloc_BHRNWR = jnp.concatenate([loc_BHRNCR, jnp.roll(loc_BHRNCR, 1, axis=3)], axis=4)
+        kloc_BHRNWR = _look_back(loc_BHRNCR, last_B)
         qloc = loc_BHRNCR[:, :, :, :, :, None, :]
         kloc = kloc_BHRNWR[:, :, :, :, None, :, :]
+        last = last_B[:, None, None, None, None, None, None]
         count_BHRNCW = jnp.sum((qloc == kloc).astype(jnp.int32) +
-                               (qloc == (kloc + 1) % N).astype(jnp.int32), axis=-1)
+                               (qloc == kloc + 1).astype(jnp.int32) +
+                               ((qloc == 0) & (kloc == last) & (last > 0)).astype(jnp.int32),
+                               axis=-1)
         s_BHRNCW = s_BHRNCW - jnp.log(jnp.maximum(count_BHRNCW, 1).astype(jnp.float32))
 
     o_BHRNCD, l_BHRNC, lse_BHRNC = _masked_softmax_parts(s_BHRNCW, ok_BHRNCW, v_BHRNWD,
@@ -310,7 +348,8 @@ def lsh_windows(q_BLHD, mask_BL=None, *, causal=False, num_hashes=2, num_buckets
     """Which keys each query sees, for analysis and tests (not used by the forward pass).
 
     Returns `keys_BHLRW` (key positions, per round, in the query's chunk and the previous
-    one) and `ok_BHLRW` (the key is real, same segment, and not in the future if causal).
+    one) and `ok_BHLRW` (the key is real, same segment, not chunk 0's repeat of itself, and
+    not in the future if causal).
     """
     key = jax.random.key(0) if key is None else key
     B, L, H, _ = q_BLHD.shape
@@ -319,7 +358,8 @@ def lsh_windows(q_BLHD, mask_BL=None, *, causal=False, num_hashes=2, num_buckets
         key=key)
     R, P = perm_BHRP.shape[2], q_BHPD.shape[2]
     N = P // C
-    keys_BHRNW = _look_back(perm_BHRP.reshape(B, H, R, N, C))
+    last_B = _last_real_chunk(seg_BP, C)
+    keys_BHRNW = _look_back(perm_BHRP.reshape(B, H, R, N, C), last_B)
     chunk_BHRP = (inv_BHRP // C)[..., None, None]
     keys_BHRPW = jnp.take_along_axis(keys_BHRNW[:, :, :, None], chunk_BHRP, axis=4)[:, :, :, :, 0]
     keys_BHLRW = keys_BHRPW[:, :, :, :L].transpose(0, 1, 3, 2, 4)
@@ -328,6 +368,10 @@ def lsh_windows(q_BLHD, mask_BL=None, *, causal=False, num_hashes=2, num_buckets
                                      keys_BHLRW.reshape(B, H, L, 1, -1), axis=4)
     kseg_BHLRW = kseg_BHLRW.reshape(keys_BHLRW.shape)
     ok_BHLRW = (kseg_BHLRW == qseg_BL[:, None, :, None, None]) & (kseg_BHLRW != 0)
+    # chunk 0's repeat of itself, masked as in `_attend_sorted`
+    chunk_BHLR = (inv_BHRP[:, :, :, :L] // C).transpose(0, 1, 3, 2)
+    ok_BHLRW &= ~(_repeat_B(last_B) & (chunk_BHLR == 0)[..., None]
+                  & (jnp.arange(2 * C) >= C)[None, None, None, None, :])
     if causal:
         ok_BHLRW &= keys_BHLRW <= jnp.arange(L)[None, None, :, None, None]
     return keys_BHLRW, ok_BHLRW
