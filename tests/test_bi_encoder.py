@@ -105,6 +105,27 @@ def test_corpus_frequency_table():
     np.testing.assert_allclose(np.asarray(g)[:, 0], [0, w[1], 0, 0, 2 * w[4]], rtol=1e-6)
 
 
+def test_the_corpus_table_is_the_optimizer_steps_not_a_microbatchs():
+    """A bug hunt (session 102): the "corpus" table was built from one microbatch's tokens,
+    so train.grad_accum changed the update of the same batch (which accumulation must not);
+    the table is the whole step's batch's, whatever grad_accum. Built only: nothing runs."""
+    import dataclasses
+    from hpnlp import models
+    from hpnlp.config import ModelConfig, default_configdict
+    counts = np.array([0, 1, 10, 1000, 100_000])
+    base = from_configdict(default_configdict())
+    tables = []
+    for accum in (1, 4):
+        cfg = dataclasses.replace(
+            base, model=ModelConfig(kind="lm", vocab_size=5, embed_grad_scale="corpus"),
+            train=dataclasses.replace(base.train, batch_size=8, grad_accum=accum),
+            data=dataclasses.replace(base.data, seq_len=16))
+        tables.append(models.build(cfg, deterministic=True, token_counts=counts)
+                      .embed_weights.weights)
+    np.testing.assert_array_equal(tables[0], tables[1])
+    np.testing.assert_array_equal(tables[0], corpus_count_weights(counts, 8 * 16))
+
+
 def test_mined_negatives_never_include_the_positive():
     rng = np.random.default_rng(3)
     P, L, E = 40, 6, 8

@@ -753,6 +753,28 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
         assert match in err and "config.json" in err and "\n" not in err, err
 
 
+def test_generate_names_the_draft_tokens_that_leave_the_prompt_no_room(trained, capsys):
+    """A bug hunt (session 102): with --draft and no --length, a prompt past the bound
+    --draft-tokens sets was told "(--length 2)" and to shorten it; --draft-tokens 0 was
+    refused as "draft_tokens=0". Each a line naming --draft-tokens, before any decoding."""
+    import importlib
+    generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    base = ["--workdir", trained, "--prompt", "And", "--greedy", "--draft", trained]
+    for extra, want in (
+            (["--draft-tokens", "31"], "error: --draft-tokens 31 leaves room for prompts of at "
+             "most 1 tokens (the smaller model.max_len=32, less --draft-tokens - 1, is 2 tokens "
+             "in all); these have [3]; lower --draft-tokens (to 29 or fewer for these prompts), "
+             "or shorten it"),
+            (["--draft-tokens", "0"], "error: --draft-tokens 0: a round drafts at least one "
+             "token; give 1 or more (default 4)"),
+            (["--prompt", "x" * 40], "error: --draft-tokens 4 (the default) leaves room for "
+             "prompts of at most 28 tokens (the smaller model.max_len=32, less --draft-tokens "
+             "- 1, is 29 tokens in all); these have [3, 40]; shorten it (with --draft-tokens 1 "
+             "a prompt may have up to 31 tokens)")):
+        assert generate.main(base + extra) == 2
+        assert capsys.readouterr().err.strip() == want
+
+
 def _qat_run_config(workdir, **quant):
     """A run's config.json and an (empty) checkpoint folder: enough for the CLI's checks."""
     from hpnlp.config import to_json
@@ -1084,6 +1106,10 @@ def test_an_moe_run_quantizes_its_experts(tmp_path):
     s = ptq.quantize(run, str(tmp_path / "w8a8"), QuantConfig(weights="int8", activations="int8"),
                      eval_batches=1, repeats=1)
     assert s["reload_identical"] and abs(s["eval"]["loss_rel_increase"]) < 0.02
+    # the quantized eval reports the MoE statistics the float one does (a bug hunt, session
+    # 102: it had only loss, accuracy and ppl)
+    assert set(s["eval"]["quantized"]) == set(s["eval"]["float32"])
+    assert 0.0 <= s["eval"]["quantized"]["moe_dropped_frac"] <= 1.0
     moe = ptq.load(str(tmp_path / "w8a8"))[1]["trunk"]["block_0"]["moe"]
     assert isinstance(moe["wi"], QWeight) and moe["wi"].shape == (32, 4, 64)
     assert moe["router"].dtype == np.float32  # routing stays float

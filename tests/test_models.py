@@ -466,6 +466,16 @@ def test_a_vocabulary_larger_than_the_tasks_takes_its_counts():
         assert float(np.asarray(model.token_counts.counts)[V:].sum()) == 0.0
 
 
+def test_a_model_of_vocab_size_0_is_refused_in_one_line():
+    """A bug hunt (session 102): model.vocab_size 0 ("take it from the task", which validate
+    resolves) failed deep in JAX on an empty jnp.take; refused by build, before any init."""
+    from hpnlp.config import ConfigError
+    for kind in sorted(models.MODELS):
+        with pytest.raises(ConfigError, match=r"`model.vocab_size` = 0 .*config "
+                           r"hpnlp.config.validate returns .*or set model.vocab_size"):
+            models.build(make_cfg(kind, vocab_size=0), deterministic=True)
+
+
 def test_decoding_a_reversible_model_of_random_features_is_refused():
     """Found in review: decoding runs a reversible stack's blocks bound, which draw other
     random features per layer than the functional pass that trained it (log-probs 0.7

@@ -343,8 +343,9 @@ class ModelConfig:
     # signal; models/transformer.py `scaled_take`): "none" | "batch" (PyTorch's
     # `scale_grad_by_freq`: each row's gradient divided by its id's count in the batch, each
     # microbatch's under train.grad_accum) |
-    # "corpus" (a fixed table: divided by the id's expected count in a batch, from the task's
-    # train counts, at least 1)
+    # "corpus" (a fixed table: divided by the id's expected count in an optimizer step's
+    # batch, train.batch_size rows whatever train.grad_accum, from the task's train counts,
+    # at least 1)
     embed_grad_scale: str = "none"
 
     def dims_per_head(self) -> int:

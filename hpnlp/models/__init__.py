@@ -11,7 +11,7 @@ import warnings
 import jax
 import numpy as np
 
-from hpnlp.config import Config
+from hpnlp.config import Config, config_error
 from hpnlp.models.heads import Classifier, DualEncoder, TransformerLM  # noqa: F401
 from hpnlp.models.bi_encoder import BiEncoder  # noqa: F401
 from hpnlp.models.generate import generate  # noqa: F401
@@ -37,6 +37,13 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     """
     cls = MODELS[cfg.model.kind]
     V = cfg.model.vocab_size
+    if not isinstance(V, int) or V <= 0:  # every kind embeds token ids: a [V, width] table
+        # (a bug hunt, session 102: vocab_size 0, "take it from the task", failed deep in JAX
+        # on "a non-empty jnp.take() from an empty axis")
+        raise config_error("model.vocab_size", V, "the model's token table needs its size; "
+                           "build from the config hpnlp.config.validate returns (it takes the "
+                           "size from the task, hpnlp.data.task_info, as Trainer does) or set "
+                           "model.vocab_size")
     if isinstance(token_counts, np.ndarray) and token_counts.ndim == 1 and len(token_counts) < V:
         # model.vocab_size above the task's: the last ids are never seen (found in review:
         # every LM failed here; validate allows a larger table, e.g. one that splits evenly)
@@ -46,10 +53,12 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     extra = {}
     if cfg.model.embed_grad_scale == "corpus" and token_counts is not None:
         from hpnlp.models.transformer import RowWeights, corpus_count_weights
-        # slots one embedding lookup reads (a microbatch's rows x seq_len; padding included,
-        # so for padded batches the expected counts are upper bounds)
-        per_call = cfg.train.batch_size // cfg.train.grad_accum * cfg.data.seq_len
-        extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_call))
+        # slots an optimizer step's batch reads (its rows x seq_len; padding included, so for
+        # padded batches the expected counts are upper bounds); the whole batch's, not a
+        # microbatch's, so train.grad_accum leaves the update as it is (a bug hunt, session
+        # 102: grad_accum 4 and 1 gave the same batch different gradients)
+        per_step = cfg.train.batch_size * cfg.data.seq_len
+        extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_step))
     if token_counts is not None and cfg.model.kind == "lm":
         # One Frequencies per model, not one per `setup` (which flax reruns on every
         # apply): the output layers' table and sampler caches then hit.

@@ -467,6 +467,11 @@ def main(argv=None) -> int:
         if args.draft_tokens is not None and not args.draft:
             raise ValueError(f"--draft-tokens {args.draft_tokens} is for speculative decoding; "
                              "give --draft RUN too, or drop it")
+        if args.draft_tokens is not None and args.draft_tokens < 1:  # a bug hunt (session
+            # 102): refused by speculative.check in its API's words, draft_tokens=0
+            raise ValueError(f"--draft-tokens {args.draft_tokens}: a round drafts at least one "
+                             "token; give 1 or more (default 4)")
+        drafts_given = args.draft_tokens is not None
         args.draft_tokens = 4 if args.draft_tokens is None else args.draft_tokens
         top = 2**63 - len(args.prompt)  # the keys' seeds, one more per prompt, are C longs
         if not 0 <= args.seed < top:  # a bug hunt (session 90): an OverflowError traceback
@@ -513,10 +518,23 @@ def main(argv=None) -> int:
     ids = [task.encode(t) for t in args.prompt]
     for note in word_prompt_notes(task, args.prompt, ids):
         print(f"note: {note}", file=sys.stderr)
-    if max(len(x) for x in ids) >= length or min(len(x) for x in ids) == 0:
-        longest = max(len(x) for x in ids)  # a bug hunt: the bound unexplained; raising
-        # --length offered only where it helps (a bug hunt, session 97: a 60-token prompt
-        # was told to raise it, up to a max_len of 48)
+    longest = max(len(x) for x in ids)
+    if args.draft and args.length is None and longest >= length:
+        # the bound --draft-tokens set, not a --length never given (a bug hunt, session 102:
+        # "needs 1 to 1 tokens (--length 2)" for a 3-token prompt and --draft-tokens 127)
+        top = min(cfg.model.max_len, draft_cfg.model.max_len)
+        fix = (f"lower --draft-tokens (to {top - longest} or fewer for these prompts), or "
+               "shorten it" if longest < top else
+               f"shorten it (with --draft-tokens 1 a prompt may have up to {top - 1} tokens)")
+        flag = f"--draft-tokens {args.draft_tokens}{'' if drafts_given else ' (the default)'}"
+        print(f"error: {flag} leaves room for prompts of at most "
+              f"{length - 1} tokens (the smaller model.max_len={top}, less --draft-tokens - 1, "
+              f"is {length} tokens in all); these have {[len(x) for x in ids]}; {fix}",
+              file=sys.stderr)
+        return 2
+    if longest >= length or min(len(x) for x in ids) == 0:
+        # a bug hunt: the bound unexplained; raising --length offered only where it helps (a
+        # bug hunt, session 97: a 60-token prompt was told to raise it, up to a max_len of 48)
         bound = (f"the run's model.max_len={cfg.model.max_len}" if not args.draft else
                  f"{most} with --draft: the smaller model.max_len, less --draft-tokens - 1")
         fix = ("" if longest < length else f"; shorten it, or raise --length (up to {bound})"
