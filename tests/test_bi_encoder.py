@@ -54,6 +54,82 @@ def test_in_batch_loss_equals_its_formula():
     np.testing.assert_allclose(got[0], want0, rtol=1e-5)
 
 
+def _text_batch(qs, ds, labels):
+    """A pair batch of byte texts (as the batches hold them: padded, segment id 1 on text)."""
+    L = max(map(len, qs + ds))
+    out = {"label": np.array(labels, np.int32), "weight": np.ones(len(qs), np.float32)}
+    for k, texts in (("1", qs), ("2", ds)):
+        tok, seg = np.zeros((len(texts), L), np.int32), np.zeros((len(texts), L), np.int32)
+        for i, t in enumerate(texts):
+            tok[i, :len(t)], seg[i, :len(t)] = list(t.encode()), 1
+        out["inputs" + k], out["segment_ids" + k] = tok, seg
+    return out
+
+
+def test_a_batchs_own_matches_are_no_negatives():
+    """A bug hunt (session 102): a d of the same text as the row's d, or the d of a pair
+    whose q reads as the row's q, was trained as the row's negative (mining and its clash
+    mask take both as positives). Each row's loss is as if that pair were not in the batch."""
+    lord = "And the LORD spake unto Moses,"
+    qs = [lord, "In the beginning", "Let there be", "God saw", lord, lord]
+    ds = ["Speak unto the", "And the earth", "And it was so", "And the earth", "Command", "x"]
+    labels = [1, 1, 1, 1, 1, 0]  # row 5 is not a pair: its d is no match of row 0's q
+    batch = _text_batch(qs, ds, labels)
+    pos = jnp.asarray(batch["label"] == 1)
+    match = np.asarray(be.batch_matches(batch, pos))
+    want = np.zeros((6, 6), bool)
+    want[[1, 3], [3, 1]] = True  # one d text
+    want[[0, 4], [4, 0]] = True  # one q text, both pairs positive
+    want[5, [0, 4]] = True  # q_5 reads as q_0 and q_4, whose d match it (row 5 counts no loss)
+    np.testing.assert_array_equal(match, want)
+    rng = np.random.default_rng(7)
+    q, d = _unit(rng, 6, 8), _unit(rng, 6, 8)
+    d[3], q[4], q[5] = d[1], q[0], q[0]  # equal texts, equal vectors
+    valid, T, none = np.ones(6, bool), 0.1, np.zeros((6, 6), bool)
+    loss = jax.jit(be.in_batch_loss, static_argnames=("temperature", "symmetric"))  # 2 compiles
+    s = q @ d.T / T
+    for sym in (False, True):
+        got = np.asarray(loss(q, d, valid, pos, T, symmetric=sym, match_BB=match))
+        want = [_lse(s[i, ~match[i]], 0) - s[i, i] for i in range(6)]
+        if sym:
+            want = [0.5 * (w + _lse(s[~match[:, i], i], 0) - s[i, i]) for i, w in enumerate(want)]
+        np.testing.assert_allclose(got, np.where(pos, want, 0.0), rtol=1e-5, atol=1e-6)
+        # a pair's copies (rows 1 and 3), or one way a pair sharing the q (row 4 for row 0;
+        # the d-side of q_0 also leaves out q_5): as if the other row were not in the batch
+        for row, drop in ((1, 3), (3, 1)) + (() if sym else ((0, 4), (4, 0))):
+            keep = np.arange(6) != drop
+            alone = loss(q, d, keep, pos & keep, T, symmetric=sym, match_BB=none)
+            np.testing.assert_allclose(got[row], alone[row], rtol=1e-5)
+        if not sym:  # identical d texts: without the mask, neither row's loss goes below log 2
+            unmasked = np.asarray(loss(q, d, valid, pos, T, symmetric=False, match_BB=none))
+            assert (unmasked[[1, 3]] >= np.log(2) - 1e-6).all()
+            assert (got[[1, 3]] < unmasked[[1, 3]]).all()
+    # the triplet loss's hardest in-batch d is no match either
+    got = np.asarray(be.triplet_loss(q, d, valid, pos, 0.3, match_BB=match))
+    s = np.where(match | np.eye(6, dtype=bool), -np.inf, q @ d.T)
+    want = np.maximum(0.0, 0.3 + s.max(1) - np.sum(q * d, 1)) * pos
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_leaves_a_batchs_copies_out_of_loss_and_accuracy():
+    """The wiring (a bug hunt, session 102): two rows of one pair are each other's match, so
+    each has only itself to rank (loss 0) and both count as correct (the later row was never
+    counted: its argmax tied to the first). Eager, a bag model: nothing compiled."""
+    from hpnlp import models
+    cfg = validate(_cfg("local,bag"))
+    lord = "And the LORD spake unto Moses, saying,"
+    batch = _text_batch([lord, lord, "x"], ["Speak unto", "Speak unto", "y"], [1, 1, 1])
+    batch["weight"][2] = 0.0  # a filler row
+    batch["index"] = np.array([4, 9, -1], np.int32)
+    model = models.build(cfg, deterministic=True)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), batch)  # one compile, the apply's
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype), shapes)
+    out = jax.jit(model.apply)(params, batch)
+    assert float(out["correct"]) == float(out["weight"]) == 2.0
+    assert abs(float(out["loss"])) < 1e-5
+
+
 def test_triplet_loss_equals_its_formula():
     rng = np.random.default_rng(1)
     q, d, n = _unit(rng, 5, 4), _unit(rng, 5, 4), _unit(rng, 5, 4)
@@ -215,6 +291,22 @@ def _cfg(args="local", **over):
 def test_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(_cfg(**over))
+
+
+def test_a_resume_switching_mining_on_or_off_names_the_field():
+    """A bug hunt (session 102): mining on or off adds or drops the `negatives` carry, and the
+    restore refused every step as a layout naming no field ("move it aside"). Named from the
+    saved config, so mining runs saved before (no such key in their shape signature) resume."""
+    from hpnlp.config import to_json
+    from hpnlp.train.checkpoint import _saved_differs, _shape_signature, other_model
+    plain, mine = _cfg("local,bag"), _cfg("local,bag,mine")
+    assert other_model(plain, mine) == "model.encoder.mine_every: 0 and 10"
+    assert other_model(mine, plain) == "model.encoder.mine_every: 10 and 0"
+    assert other_model(mine, _cfg("local,bag,mine", **{"model.encoder.mine_every": 20})) == ""
+    saved = {"shape_signature": _shape_signature(mine), "config": to_json(mine)}
+    del saved["config"]["model"]["encoder"]["mine_every"]  # a run saved before the field: 0
+    assert _saved_differs(saved, mine, _shape_signature(mine)) == {
+        "model.encoder.mine_every": (0, 10)}
 
 
 @pytest.mark.slow  # 9.4 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it

@@ -407,6 +407,20 @@ def test_fields_are_taken_where_their_switch_reads_them():
         validate(base(**groups), num_devices=1)
 
 
+@pytest.mark.parametrize("kind,task", [("classifier", "doc_classify"),
+                                       ("dual_encoder", "doc_match"),
+                                       ("bi_encoder", "verse_pairs")])
+def test_a_left_to_right_rnn_pooling_its_first_output_is_refused(kind, task):
+    """Its first output has read one token. Found in review for the classifier; a bug hunt
+    (session 102): the dual and bi-encoders took it, and every text opening "A" got one
+    vector."""
+    model = {"kind": kind, "arch": "lstm", "width": 32, "pool": "first"}
+    with pytest.raises(ConfigError, match=r"`model.pool` = 'first'.*has read only the first "
+                                          r"token; set model.pool='mean' or rnn.bidirectional"):
+        validate(base(model=model, data={"task": task}), num_devices=1)
+    validate(base(model=model, data={"task": task}, rnn={"bidirectional": True}), num_devices=1)
+
+
 def test_rope_and_sinusoidal_train_past_max_len():
     """No table bounds their positions (only decoding's cache, generate's own check), nor an
     LSTM's, which has none, and whose width no heads need to divide (a README walk: refused

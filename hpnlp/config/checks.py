@@ -524,8 +524,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.causal and m.pool == "first":
         _fail("model.causal", m.causal, "with model.pool='first' the pooled token would see only "
               "itself; set model.pool='mean'")
-    if m.arch in ("lstm", "gru") and m.kind == "classifier" and m.pool == "first" \
-            and not cfg.rnn.bidirectional:  # found in review: it read one token
+    # found in review: a classifier read one token; a bug hunt (session 102): so did a
+    # dual_encoder's and a bi_encoder's (every text opening "A" got one vector)
+    if m.arch in ("lstm", "gru") and m.kind != "lm" and m.pool == "first" \
+            and not cfg.rnn.bidirectional:
         _fail("model.pool", m.pool, f"a left-to-right {m.arch.upper()}'s first output has read "
               "only the first token; set model.pool='mean' or rnn.bidirectional=True")
     _check_choice("model.param_dtype", m.param_dtype, DTYPES)

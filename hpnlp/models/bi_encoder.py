@@ -17,6 +17,12 @@ Losses (`model.encoder.loss`; q = a pair's first side, d its second, s(a, b) = a
 - "triplet": max(0, margin + s(q, neg) - s(q, d)), neg = the pair's mined negative, or the
   batch's hardest other d while none is mined (VSE++).
 
+A batch's other pair that matches a row under another number is a negative of neither
+(`batch_matches`, as mining's positives): a d of the same text as the row's d, or the d of
+a positive pair whose q has the same text as the row's q ("And the LORD spake unto Moses,
+saying," opens 45 pairs). Nor does the in-batch accuracy count the row wrong for ranking it
+first.
+
 Hard negatives are mined from the whole train pool with hpnlp.retrieval's exact search
 (`hpnlp.retrieval.mining`, a train-state carry); they reach the model as the batch's third
 side (`inputs3`, `segment_ids3`, `neg_weight`).
@@ -52,17 +58,36 @@ def normalize(x_BE, eps: float = 1e-6):
 NEG = -1e9  # a masked score: finite, so no row's softmax or max turns its gradient to NaN
 
 
+def same_text(tokens_BL, seg_BL):
+    """[B, B] bool: rows holding the same text as the model reads it (real where seg > 0)."""
+    t_BL = jnp.where(seg_BL > 0, tokens_BL, -1)
+    return jnp.all(t_BL[:, None, :] == t_BL[None, :, :], axis=-1)
+
+
+def batch_matches(batch, positive_B):
+    """[B, B] bool: q_a and d_b match though a != b (module doc): d_b reads as d_a and pair a
+    is positive, or q_b reads as q_a and pair b is positive. A bug hunt (session 102): they
+    were each other's negatives (two rows of one d: neither's loss below log 2)."""
+    same_d = same_text(batch["inputs2"], batch["segment_ids2"])
+    same_q = same_text(batch["inputs1"], batch["segment_ids1"])
+    match_BB = (same_d & positive_B[:, None]) | (same_q & positive_B[None, :])
+    return match_BB & ~jnp.eye(len(positive_B), dtype=bool)
+
+
 def in_batch_loss(q_BE, d_BE, valid_B, positive_B, temperature: float, *, symmetric: bool = True,
-                  n_NE=None, n_valid_N=None, n_clash_BN=None):
+                  n_NE=None, n_valid_N=None, n_clash_BN=None, match_BB=None):
     """Per-row in-batch softmax loss [B] (0 where not `positive_B`; module doc).
 
     `valid_B`: real rows (their sides are candidates); `positive_B`: rows whose two sides
-    match (their loss counts). `n_NE` / `n_valid_N`: extra negatives every q is scored
-    against, except where `n_clash_BN` (row i's positive under another number: a negative
-    mined for another row can be this row's match).
+    match (their loss counts). `match_BB` [a, b]: q_a and d_b match (`batch_matches`), so d_b
+    is no negative of q_a, nor q_a of d_b. `n_NE` / `n_valid_N`: extra negatives every q is
+    scored against, except where `n_clash_BN` (row i's positive under another number: a
+    negative mined for another row can be this row's match).
     """
     s_BB = (q_BE @ d_BE.T) / temperature
     diag_B = jnp.diagonal(s_BB)
+    if match_BB is not None:
+        s_BB = jnp.where(match_BB, NEG, s_BB)
     s_q = jnp.where(valid_B[None, :], s_BB, NEG)
     if n_NE is not None:
         keep_BN = n_valid_N[None, :] if n_clash_BN is None else n_valid_N[None, :] & ~n_clash_BN
@@ -75,13 +100,16 @@ def in_batch_loss(q_BE, d_BE, valid_B, positive_B, temperature: float, *, symmet
     return jnp.where(positive_B, loss_B, 0.0)
 
 
-def triplet_loss(q_BE, d_BE, valid_B, positive_B, margin: float, *, n_NE=None, n_valid_N=None):
+def triplet_loss(q_BE, d_BE, valid_B, positive_B, margin: float, *, n_NE=None, n_valid_N=None,
+                 match_BB=None):
     """Per-row triplet margin loss [B]: max(0, margin + s(q, neg) - s(q, d)) with neg the
-    row's own mined negative where `n_valid_N`, else the batch's hardest other valid d (no
-    loss for a row that has neither)."""
+    row's own mined negative where `n_valid_N`, else the batch's hardest other valid d that
+    is not its match (`match_BB`, as `in_batch_loss`; no loss for a row that has neither)."""
     s_BB = q_BE @ d_BE.T
     pos_B = jnp.diagonal(s_BB)
     others = valid_B[None, :] & ~jnp.eye(len(valid_B), dtype=bool)
+    if match_BB is not None:
+        others = others & ~match_BB
     neg_B = jnp.max(jnp.where(others, s_BB, NEG), axis=1)
     has_B = jnp.any(others, axis=1)
     if n_NE is not None:
@@ -125,10 +153,10 @@ class BiEncoder(nn.Module):
         d_BE = self.encode(batch["inputs2"], batch["segment_ids2"])
         valid_B = batch["weight"] > 0
         positive_B = valid_B & (batch["label"] == 1)
-        neg = {}
+        neg = {"match_BB": batch_matches(batch, positive_B)}
         if "inputs3" in batch:
-            neg = {"n_NE": self.encode(batch["inputs3"], batch["segment_ids3"]),
-                   "n_valid_N": batch["neg_weight"] > 0}
+            neg.update(n_NE=self.encode(batch["inputs3"], batch["segment_ids3"]),
+                       n_valid_N=batch["neg_weight"] > 0)
         return q_BE, d_BE, valid_B, positive_B, neg
 
     def __call__(self, batch):
@@ -139,8 +167,9 @@ class BiEncoder(nn.Module):
                                    symmetric=e.symmetric, n_clash_BN=batch.get("neg_clash"), **neg)
         else:
             loss_B = triplet_loss(q_BE, d_BE, valid_B, positive_B, e.margin, **neg)
-        # `correct`: the row's own d is the nearest of the batch's d (recall@1 in the batch)
-        s_BB = jnp.where(valid_B[None, :], q_BE @ d_BE.T, NEG)
+        # `correct`: the row's own d is the nearest of the batch's d (recall@1 in the batch),
+        # its matches under other numbers left out (a copy of its d ranked first is no miss)
+        s_BB = jnp.where(valid_B[None, :] & ~neg["match_BB"], q_BE @ d_BE.T, NEG)
         hit_B = jnp.argmax(s_BB, axis=1) == jnp.arange(s_BB.shape[0])
         w_B = positive_B.astype(jnp.float32)
         return {"loss": jnp.sum(loss_B), "correct": jnp.sum(hit_B * w_B), "weight": jnp.sum(w_B)}
