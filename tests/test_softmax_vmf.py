@@ -14,7 +14,7 @@ import softmax_testlib as lib
 import hpnlp.models.transformer as T
 import hpnlp.softmax as S
 import hpnlp.softmax.vmf as M
-from hpnlp.config import ModelConfig
+from hpnlp.config import ModelConfig, QuantConfig
 
 special = pytest.importorskip("scipy.special")
 mpmath = pytest.importorskip("mpmath")
@@ -81,8 +81,11 @@ class Tied(nn.Module):
     reg1: float = 0.0
     reg2: float = 1.0
 
+    quant: QuantConfig = QuantConfig()
+
     def setup(self):
-        self.embed = T.make_embed(ModelConfig(vocab_size=V, width=self.width))
+        self.embed = T.make_embed(ModelConfig(vocab_size=V, width=self.width, quant=self.quant),
+                                  tied=True)
         self.out = S.get("vmf")(vocab_size=V, embed=self.embed, reg1=self.reg1, reg2=self.reg2)
 
     def loss(self, h, t, mask=None, *, deterministic=True):
@@ -142,6 +145,20 @@ def test_loss_matches_float64_reference(width, reg1, reg2):
     # dloss/dê = (I_{v+1}/I_v + reg1) ê/κ - reg2 e(w), then through W
     d_pred = (ratio.reshape(kappa.shape) + reg1)[..., None] * pred / kappa[..., None] - reg2 * target
     np.testing.assert_allclose(grad, d_pred @ w.T, rtol=1e-4, atol=1e-5)
+
+
+def test_targets_read_the_table_as_the_model_uses_it():
+    """A bug hunt (session 102): vmf read the tied table's raw parameter, so QAT's targets
+    were the float rows while the lookups read int8 ones, and an int8 export (packed [E, V])
+    was refused as a table of E rows. Its targets are now `Embed.table()`'s rows."""
+    layer = Tied(quant=QuantConfig(weights="int8", layers="output"))
+    h, t = lib.inputs()
+    params = nn.unbox(jax.jit(lambda: lib.init(layer, h, t))())
+    table = params["params"]["embed"]["embedding"]
+    quantized = layer.apply(params, method=lambda m: m.embed.table())
+    assert float(jnp.abs(quantized - table).max()) > 0  # int8 rows differ from the floats
+    np.testing.assert_array_equal(layer.apply(params, method=lambda m: m.out._table()),
+                                  quantized)
 
 
 def test_targets_are_stop_gradient_and_scale_free():

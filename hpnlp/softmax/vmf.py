@@ -267,7 +267,9 @@ class VMFOutput(LogitsDistribution, nn.Module):
         self.proj = _Projection(self.param_dtype)
 
     def _table(self):
-        table_VM = self.embed.embedding
+        # the table as the model uses it (a bug hunt, session 102: an int8 export of the tied
+        # table, packed [M, V], was read as [V, M] and refused; QAT read it unquantized)
+        table_VM = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
         if table_VM.shape[0] != self.vocab_size:
             raise ValueError(f"vmf: tied embedding has {table_VM.shape[0]} rows; vocab_size is "
                              f"{self.vocab_size}")
