@@ -37,7 +37,7 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     """
     cls = MODELS[cfg.model.kind]
     V = cfg.model.vocab_size
-    if not isinstance(V, int) or V <= 0:  # every kind embeds token ids: a [V, width] table
+    if not isinstance(V, (int, np.integer)) or V <= 0:  # every kind embeds ids: a [V, E] table
         # (a bug hunt, session 102: vocab_size 0, "take it from the task", failed deep in JAX
         # on "a non-empty jnp.take() from an empty axis")
         raise config_error("model.vocab_size", V, "the model's token table needs its size; "
