@@ -1053,21 +1053,21 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
         with pytest.raises(ConfigError, match=match):
             carry_lib.for_config(validate(from_configdict(student)))
     # a bug hunt (session 102): the shared data.train_path edited between the teacher and the
-    # student, the student's own subword model (kept in its workdir before its carries are
-    # built) was not read, and a teacher of other pieces passed
+    # student, the student's own subword model (its task's hash) was not compared, and a
+    # teacher of other pieces passed
     import json
     (tmp_path / "t.txt").write_text("the cat sat\n")
     bpe = tiny("lm")
     bpe.data.update(task="word_lm", tokenizer="bpe", vocab_size=300,
                     train_path=str(tmp_path / "t.txt"), eval_path=str(tmp_path / "t.txt"))
     _config_only_workdir(tmp_path / "bpe", bpe)
-    for name, sha in (("bpe", "b"), ("student", "a")):
-        os.makedirs(tmp_path / name / "tokenizer")
-        with open(tmp_path / name / "tokenizer" / "tokenizer.json", "w") as f:
-            json.dump({"model_sha256": sha * 64}, f)
+    os.makedirs(tmp_path / "bpe" / "tokenizer")
+    with open(tmp_path / "bpe" / "tokenizer" / "tokenizer.json", "w") as f:
+        json.dump({"model_sha256": "b" * 64}, f)
     bpe.train.distill.teacher = str(tmp_path / "bpe")
     with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*another bpe tokenizer"):
-        carry_lib.for_config(validate(from_configdict(bpe)), workdir=str(tmp_path / "student"))
+        carry_lib.for_config(validate(from_configdict(bpe)), workdir=str(tmp_path / "student"),
+                             tokenizer_sha256="a" * 64)
     # found in review: a teacher whose own length limit this run's rows pass (linformer's
     # max_len) failed inside the first compile, naming its field as if it were this run's;
     # and a seed ensemble's stacked parameters failed deep in Orbax's restore

@@ -699,24 +699,30 @@ def test_subword_models_on_disk_are_compared_themselves_not_their_paths(tmp_path
                                           prepared=str(tmp_path / "gone")), run)
 
 
-def test_this_runs_own_subword_model_is_compared_where_it_is_kept(tmp_path):
+def test_this_runs_own_subword_model_is_compared_by_its_tasks_hash(tmp_path):
     """A bug hunt (session 102): data.train_path edited between a teacher (or init_from) run
-    and this one; the same path and size passed, this run's own model (kept in its workdir
-    before the other run is read) unread, and a student trained against other pieces."""
+    and this one; the same path and size passed, this run's own model unread, and a student
+    trained against other pieces. Its sha256 is the task's (in memory on every process;
+    review: only process 0 writes the file)."""
     import os
-    for name, sha in (("mine", "a"), ("same", "a"), ("theirs", "b")):
+    import types
+    for name, sha in (("same", "a"), ("theirs", "b")):
         os.makedirs(tmp_path / name / "tokenizer")
-        json.dump({"model_sha256": sha * 64},
-                  open(tmp_path / name / "tokenizer" / "tokenizer.json", "w"))
+        (tmp_path / name / "tokenizer" / "tokenizer.json").write_text(
+            json.dumps({"model_sha256": sha * 64}))
+    task = types.SimpleNamespace(meta={"tokenizer": {"kind": "bpe", "model_sha256": "a" * 64}})
+    mine = data.task_tokenizer_sha256(task)
+    assert mine == "a" * 64
+    assert data.task_tokenizer_sha256(types.SimpleNamespace(meta={})) is None
     bpe = cfg_of(task="word_lm", tokenizer="bpe", train_path="/t.txt", eval_path="/e.txt")
-    mine, same, theirs = (str(tmp_path / n) for n in ("mine", "same", "theirs"))
+    same, theirs = (str(tmp_path / n) for n in ("same", "theirs"))
     assert data.different_encoding(bpe, bpe, theirs, mine).startswith(
         "another bpe tokenizer (its model's sha256 bbbbbbbbbbbb..., this run's aaaaaaaaaaaa")
     assert data.different_encoding(bpe, bpe, same, mine) is None
-    # not kept (yet): the paths and every option, as before
+    # no hash of this run's: the paths and every option, as before
     assert data.different_encoding(bpe, bpe, theirs) is None
-    assert data.different_encoding(bpe, dataclasses.replace(bpe, vocab_size=500), theirs,
-                                   str(tmp_path / "none")).startswith("data.vocab_size=500")
+    assert data.different_encoding(bpe, dataclasses.replace(bpe, vocab_size=500),
+                                   theirs).startswith("data.vocab_size=500")
     from hpnlp.config import default_configdict, from_configdict
     from hpnlp.train import transfer
     cd = default_configdict()

@@ -343,8 +343,10 @@ class TeacherCarry(Carry):
 
     name = "teacher"
 
-    def __init__(self, cfg: Config, *, token_counts=None, workdir: str | None = None):
-        """`workdir`: the student's, whose checkpoints hold the teacher's parameters and
+    def __init__(self, cfg: Config, *, token_counts=None, workdir: str | None = None,
+                 tokenizer_sha256: str | None = None):
+        """`tokenizer_sha256`: the student's subword model's, compared with the teacher's.
+        `workdir`: the student's, whose checkpoints hold the teacher's parameters and
         whose TEACHER_CONFIG copy its config (`keep_teacher_config`): a run that has saved
         a checkpoint resumes, and is read (quantize, sparsify, shrink), with the teacher's
         folder moved or deleted (a bug hunt: each failed, saying to train a teacher there)."""
@@ -397,12 +399,12 @@ class TeacherCarry(Carry):
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
         from hpnlp.data import different_encoding, saw_validation
-        # this run's tokenizer (Trainer saved it before its carries) against the teacher's,
-        # at the start; a resume holds the teacher it was checked with, whose folder may
-        # since hold another (a bug hunt (session 102): a student's own tokenizer, of an
-        # edited data.train_path, was not read, and one of other pieces passed)
+        # this run's tokenizer against the teacher's, at the start; a resume holds the
+        # teacher it was checked with, whose folder may since hold another (a bug hunt
+        # (session 102): a student's own tokenizer, of an edited data.train_path, was not
+        # read, and one of other pieces passed)
         why = different_encoding(cfg.data, tcfg.data, self.workdir,
-                                 None if held else workdir)
+                                 None if held else tokenizer_sha256)
         if why:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "

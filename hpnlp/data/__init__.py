@@ -82,10 +82,10 @@ def saw_validation(mine, theirs) -> bool:
 
 
 def different_encoding(mine, theirs, their_workdir: str | None = None,
-                       my_workdir: str | None = None) -> str | None:
+                       my_sha256: str | None = None) -> str | None:
     """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
-    encode text otherwise than `mine` (this run's, in `my_workdir` where given) (the field and
-    both values, for an error), or None where the two encode alike: the same task and
+    encode text otherwise than `mine` (this run's, whose subword model's sha256 is `my_sha256`
+    where given: `task_tokenizer_sha256`) (the field and both values, for an error), or None where the two encode alike: the same task and
     tokenizer (byte_lm's and word_lm's own named or not), and, for a vocabulary learned from
     the training text (words, subwords), the same model where both subword models are on disk
     (`tokenizer_sha256`), else the same text: a tokenizer is trained deterministically, so the
@@ -105,10 +105,10 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     # Subword models on disk on both sides are compared themselves, not the paths they came
     # from (a bug hunt, session 96: a folder prepared with that run's own tokenizer was
     # refused, and one prepared anew at the same path would have passed); this run's own
-    # too, kept in `my_workdir` before a teacher or init_from run is read (a bug hunt (session
-    # 102): data.train_path edited between the runs, the same path and size passed, and a
-    # student trained against a teacher of other pieces)
-    a, b = tokenizer_sha256(mine, my_workdir), tokenizer_sha256(theirs, their_workdir)
+    # too, as its task holds it (a bug hunt (session 102): data.train_path edited between the
+    # runs, the same path and size passed, and a student trained against a teacher of other
+    # pieces; from memory, not the file, which only process 0 writes)
+    a, b = my_sha256 or tokenizer_sha256(mine), tokenizer_sha256(theirs, their_workdir)
     if a and b:
         return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
                                     f"{b[:12]}..., this run's {a[:12]}...)")
@@ -132,6 +132,13 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     if task_info(mine)["vocab_size"] != task_info(theirs)["vocab_size"]:
         return first([("data." + size, getattr(mine, size), getattr(theirs, size))])
     return None
+
+
+def task_tokenizer_sha256(task) -> str | None:
+    """The sha256 of the subword model a built Task encodes with (its meta's), or None
+    (bytes, words): what every process of a run holds, whoever saved the file."""
+    sha = (task.meta.get("tokenizer") or {}).get("model_sha256")
+    return sha if isinstance(sha, str) else None
 
 
 def tokenizer_sha256(cfg, workdir: str | None = None) -> str | None:

@@ -102,9 +102,11 @@ class Carry:
         return None
 
 
-def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None) -> list[Carry]:
+def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None,
+               tokenizer_sha256: str | None = None) -> list[Carry]:
     """The carries `cfg` asks for, in the order their losses wrap the model's; `workdir`:
-    the run's (where a carry keeps what it needs of another run's folder)."""
+    the run's (where a carry keeps what it needs of another run's folder);
+    `tokenizer_sha256`: its subword model's (data.task_tokenizer_sha256), for a teacher's."""
     from hpnlp.models import transformer_xl as xl
 
     out: list[Carry] = []
@@ -115,7 +117,8 @@ def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None) ->
         out.append(KVMemoryCarry(cfg))
     if cfg.train.distill.teacher:
         from hpnlp.compress.distill import TeacherCarry
-        out.append(TeacherCarry(cfg, token_counts=token_counts, workdir=workdir))
+        out.append(TeacherCarry(cfg, token_counts=token_counts, workdir=workdir,
+                                tokenizer_sha256=tokenizer_sha256))
     if cfg.model.kind == "bi_encoder" and cfg.model.encoder.mine_every:
         from hpnlp.retrieval.mining import NegativesCarry
         out.append(NegativesCarry(cfg))

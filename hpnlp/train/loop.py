@@ -391,7 +391,9 @@ class Trainer:
         self.eval_model = models.build(cfg, deterministic=True, token_counts=counts)
         scale = cfg.train.loss_scale_init if cfg.model.dtype == "float16" else None
         # What methods carry between steps (XL memory, a teacher, pruning masks): train/carry.py.
-        self.carries = carry_lib.for_config(cfg, token_counts=counts, workdir=workdir)
+        self.carries = carry_lib.for_config(
+            cfg, token_counts=counts, workdir=workdir,
+            tokenizer_sha256=data_lib.task_tokenizer_sha256(self.task))
         batch1 = dummy_batch(self.task.kind, 1, cfg.data.seq_len)
         # The parameters as the model initializes them (before any factorization): what a
         # run named by train.init_from holds (traced only for such a run), refused here,
@@ -411,7 +413,8 @@ class Trainer:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
-            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, workdir)
+            mine = data_lib.task_tokenizer_sha256(self.task)
+            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, mine)
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
             if source.model.lowrank.enabled():  # (a conversion refuses it in its own words)
                 # a bug hunt (session 95): told to copy its model.lowrank settings, then
