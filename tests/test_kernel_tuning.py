@@ -10,6 +10,7 @@ portable build (no AVX-512) runs the same checks in a subprocess (slow)."""
 import ctypes
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -81,8 +82,11 @@ def test_search_caches_and_keeps_the_default_within_noise(tmp_path):
 
 
 @pytest.mark.usefixtures("tuning_on")
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "stale", "not a candidate"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "stale", "no cpu",
+                                    "not a candidate"])
 def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage):
+    """A record without a `cpu` field (written before records named it) is stale, not
+    foreign (a bug hunt, session 102: "foreign (measured on a CPU it does not name)")."""
     seconds = {64: 0.5, 128: 1.0, 256: 1.5}
     _tuning(tmp_path, seconds, []).config()
     path = _tuning(tmp_path, seconds, []).path()
@@ -100,6 +104,9 @@ def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage)
         data["key"] = "0" * 64
         body = {k: v for k, v in data.items() if k != "checksum"}
         text = json.dumps({**body, "checksum": tuning._checksum(body)})
+    elif damage == "no cpu":
+        body = {k: v for k, v in data.items() if k not in ("checksum", "cpu")}
+        text = json.dumps({**body, "checksum": tuning._checksum(body)})
     else:  # consistent, but its choice is no candidate
         data["config"] = {"b": 48}
         body = {k: v for k, v in data.items() if k != "checksum"}
@@ -108,7 +115,8 @@ def test_a_damaged_or_stale_cache_is_measured_again_never_used(tmp_path, damage)
         f.write(text)
     calls = []
     t = _tuning(tmp_path, seconds, calls)
-    with pytest.warns(RuntimeWarning, match="tuning cache .* is .*measuring again"):
+    why = r"stale \(written before records named their CPU\); " if damage == "no cpu" else ".*"
+    with pytest.warns(RuntimeWarning, match=f"tuning cache .* is {why}measuring again"):
         assert t.config() == {"b": 64}
     assert t.source == "tuned" and calls  # measured again
     with open(path) as f:
@@ -156,7 +164,14 @@ def test_cpus_with_the_same_flags_but_another_model_share_no_library_or_tuning(t
     assert len(names) == len(cpus)
     assert kernels.cpu_name() == ("Intel(R) Xeon(R) (GenuineIntel family 6 model 167 stepping 8, "
                                   "cache size 16384 KB)")
-    assert kernels._read_cpuinfo(str(tmp_path / "missing")) == {}  # platform.processor() then
+    # the benchmarks' record reads the same fields (a bug hunt, session 102: a parser of its own)
+    from hpnlp.bench import harness
+    assert harness.cpu_detail(cache_dir=str(tmp_path / "missing")) == {
+        "vendor": "GenuineIntel", "family": 6, "model": 167, "stepping": 8,
+        "features": ["avx2", "avx512_bf16", "avx512f"]}
+    assert kernels._read_cpuinfo(str(tmp_path / "missing")) == {}
+    monkeypatch.setattr(kernels, "cpu_info", dict)  # no /proc/cpuinfo: what platform says
+    assert kernels._cpu_id() == platform.processor() and kernels.cpu_name()
     on("genoa")
     assert _tuning(tmp_path, {64: 0.5, 128: 1.0}, []).config() == {"b": 64}
     on("genoa-x")
@@ -265,13 +280,36 @@ def test_a_march_the_compiler_rejects_is_named_not_a_silent_fallback(tmp_path, m
     monkeypatch.setattr(kernels, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="CPU kernels cannot be built: HPNLP_KERNEL_MARCH=avx2"):
         reason = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").load()
-    assert re.fullmatch(r"HPNLP_KERNEL_MARCH=avx2 is not a -march that \S*\+\+ accepts \(.*\); "
-                        r"set it to one it accepts \(x86-64-v3: .*\) or unset it \(native\)",
-                        reason)
+    assert re.fullmatch(r"HPNLP_KERNEL_MARCH=avx2 is not a -march that "  # CXX="ccache g++"
+                        + re.escape(kernels._compiler_name(cxx)) + r" accepts \(.*\); set it to "
+                        r"one it accepts( \(x86-64-v3: .*\))? or unset it \(native\)", reason)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         assert kernels.CpuKernel(fused.KERNEL.source, {}, what="another").load() == reason
     assert [f for f in os.listdir(tmp_path) if not f.endswith(".lock")] == []
+
+
+def test_a_compiler_that_always_fails_is_named_not_the_march(tmp_path, monkeypatch):
+    """A bug hunt (session 102): a compiler that fails every run (CXX=false, a broken
+    wrapper) was reported as rejecting HPNLP_KERNEL_MARCH=x86-64-v3 (as the portable tests
+    set it), and the build's "(no output; the compiler is ...)" was lost; and the x86-64-v3
+    hint was given on Arm too. (Scripts stand for the compilers: nothing compiles here.)"""
+    monkeypatch.setenv("HPNLP_KERNEL_MARCH", "x86-64-v3")
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "false")
+    reason = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").load()
+    assert reason.endswith("(no output; the compiler is $CXX=false)"), reason
+    assert "HPNLP_KERNEL_MARCH" not in reason
+    picky = tmp_path / "picky"  # rejects every -march=, accepts the rest
+    picky.write_text('#!/bin/sh\ncase "$*" in *-march=*) echo "picky: error: bad -march" >&2;'
+                     ' exit 1;; esac\n')
+    picky.chmod(0o755)
+    monkeypatch.setenv("CXX", str(picky))
+    for machine, hint in (("x86_64", " (x86-64-v3: AVX2 without AVX-512)"), ("aarch64", "")):
+        monkeypatch.setattr(platform, "machine", lambda: machine)
+        assert kernels._march_error((str(picky),), "avx2") == (
+            f"HPNLP_KERNEL_MARCH=avx2 is not a -march that $CXX={picky} accepts (bad -march); "
+            f"set it to one it accepts{hint} or unset it (native)")
 
 
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):

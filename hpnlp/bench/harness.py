@@ -335,23 +335,16 @@ def _cache_bytes(size: str) -> int:
     return int(size[:-1] if scale > 1 else size) * scale
 
 
-def cpu_detail(cpuinfo: str = "/proc/cpuinfo",
+def cpu_detail(cpuinfo: str | None = None,
                cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
     """The first CPU's identity, the `KERNEL_ISA` extensions it has and its cache sizes:
     {"vendor", "family", "model", "stepping", "features": sorted list, "cache_bytes":
     {"l1d", "l2", "l3"}}. The model name alone cannot tell a VM's Xeon generations apart
-    ("Intel(R) Xeon(R) Processor"). Fails soft: what a file does not say is left out."""
+    ("Intel(R) Xeon(R) Processor"). Fails soft: what a file does not say is left out.
+    `cpuinfo` is read as the kernels read /proc/cpuinfo, the default (`kernels.cpu_info`)."""
+    from hpnlp import kernels  # one parser of cpuinfo's first block (a bug hunt, session 102)
     out: dict = {}
-    fields = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block only
-                k, _, v = line.partition(":")
-                fields.setdefault(k.strip(), v.strip())
-    except OSError:
-        pass
+    fields = kernels.cpu_info() if cpuinfo is None else kernels._read_cpuinfo(cpuinfo)
     for key, name in (("vendor_id", "vendor"), ("cpu family", "family"), ("model", "model"),
                       ("stepping", "stepping")):
         if key in fields:

@@ -67,21 +67,33 @@ class MarchError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=None)
-def _march_error(cxx: tuple[str, ...], value: str) -> str | None:
-    """Why `cxx` rejects `-march=value` (its message on one line), or None: a preprocessor
-    run on an empty file, a few milliseconds, once per process."""
+def _preprocess(cxx: tuple[str, ...], *options: str) -> subprocess.CompletedProcess | None:
+    """`cxx` run with `options` on an empty file as the preprocessor (a few milliseconds,
+    once per process), or None where it cannot run at all (the build names why)."""
     try:
-        proc = subprocess.run([*cxx, f"-march={value}", "-E", "-x", "c++", os.devnull, "-o",
+        return subprocess.run([*cxx, *options, "-E", "-x", "c++", os.devnull, "-o",
                                os.devnull], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):  # the build names the compiler's problem
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    if proc.returncode == 0:
+
+
+def _march_error(cxx: tuple[str, ...], value: str) -> str | None:
+    """Why `cxx` rejects `-march=value` (its message on one line), or None."""
+    proc = _preprocess(cxx, f"-march={value}")
+    if proc is None or proc.returncode == 0:
+        return None
+    plain = _preprocess(cxx)
+    if plain is None or plain.returncode != 0:  # a bug hunt (session 102): a compiler that
+        # fails without -march= too (CXX=/bin/false, a broken wrapper) blamed the variable,
+        # and the build's "(no output; the compiler is ...)" was lost: the build names it
         return None
     said = [re.sub(r"^\S+: (?:fatal error|error|note): ", "", line.strip())
             for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+    # a bug hunt (session 102): x86-64-v3 was offered on Arm too, where it is no -march
+    hint = " (x86-64-v3: AVX2 without AVX-512)" if platform.machine() == "x86_64" else ""
     return (f"HPNLP_KERNEL_MARCH={value} is not a -march that {_compiler_name(list(cxx))} "
             f"accepts ({'; '.join(said)[:2000] or f'exit status {proc.returncode}'}); set it "
-            "to one it accepts (x86-64-v3: AVX2 without AVX-512) or unset it (native)")
+            f"to one it accepts{hint} or unset it (native)")
 
 
 def check_march(cxx: list[str]) -> None:

@@ -128,10 +128,12 @@ class Tuning:
         body = {k: v for k, v in data.items() if k != "checksum"}
         if data["checksum"] != _checksum(body):
             return "corrupted (its checksum does not match its contents)"
-        if data.get("cpu") != kernels.cpu_name():  # a bug hunt (session 102): block sizes
+        if not data.get("cpu"):  # a bug hunt (session 102): a record from before the field
+            # was reported as measured on a foreign CPU
+            return "stale (written before records named their CPU)"
+        if data["cpu"] != kernels.cpu_name():  # a bug hunt (session 102): block sizes
             # measured on a CPU with the same flags but another model were used here
-            return (f"foreign (measured on {data.get('cpu') or 'a CPU it does not name'}; "
-                    f"this CPU is {kernels.cpu_name()})")
+            return f"foreign (measured on {data['cpu']}; this CPU is {kernels.cpu_name()})"
         if data["key"] != self.key():
             return "stale (written for another kernel build, probe or candidate list)"
         if data["config"] not in self.candidates:
