@@ -293,12 +293,15 @@ def test_config_errors_name_the_field(over, field):
         validate(_cfg(**over))
 
 
-def test_a_resume_switching_mining_on_or_off_names_the_field():
+def test_a_resume_switching_mining_on_or_off_names_the_field(tmp_path):
     """A bug hunt (session 102): mining on or off adds or drops the `negatives` carry, and the
     restore refused every step as a layout naming no field ("move it aside"). Named from the
-    saved config, so mining runs saved before (no such key in their shape signature) resume."""
+    saved config, so mining runs saved before (no such key in their shape signature) resume;
+    review (session 102): as mining, not "a different model" to delete (from config.json
+    alone: refused before Orbax reads the empty step)."""
     from hpnlp.config import to_json
-    from hpnlp.train.checkpoint import _saved_differs, _shape_signature, other_model
+    from hpnlp.train.checkpoint import (Checkpointer, CheckpointMismatch, _saved_differs,
+                                        _shape_signature, other_model)
     plain, mine = _cfg("local,bag"), _cfg("local,bag,mine")
     assert other_model(plain, mine) == "model.encoder.mine_every: 0 and 10"
     assert other_model(mine, plain) == "model.encoder.mine_every: 10 and 0"
@@ -307,6 +310,20 @@ def test_a_resume_switching_mining_on_or_off_names_the_field():
     del saved["config"]["model"]["encoder"]["mine_every"]  # a run saved before the field: 0
     assert _saved_differs(saved, mine, _shape_signature(mine)) == {
         "model.encoder.mine_every": (0, 10)}
+    os.makedirs(tmp_path / "checkpoints" / "1")
+    for was, now, fix in ((plain, mine, r"off \(model.encoder.mine_every: saved 0, now 10\), "
+                           r"whose train state lacks the mined negatives \(the model is the "
+                           r"same\): resume it with model.encoder.mine_every = 0 as saved"),
+                          (mine, plain, r"on \(model.encoder.mine_every: saved 10, now 0\), "
+                           r"whose train state holds the mined negatives \(the model is the "
+                           r"same\): resume it with model.encoder.mine_every > 0 as saved")):
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump({"shape_signature": _shape_signature(was), "config": to_json(was)}, f)
+        with pytest.raises(CheckpointMismatch, match=rf"^workdir {tmp_path} holds checkpoints "
+                           rf"of a run trained with bi-encoder mining {fix}, or start a new "
+                           rf"--workdir from its parameters with "
+                           rf"--config.train.init_from={tmp_path}$"):
+            Checkpointer(str(tmp_path), now, keep=1)
 
 
 @pytest.mark.slow  # 9.4 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it

@@ -756,7 +756,9 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
 def test_generate_names_the_draft_tokens_that_leave_the_prompt_no_room(trained, capsys):
     """A bug hunt (session 102): with --draft and no --length, a prompt past the bound
     --draft-tokens sets was told "(--length 2)" and to shorten it; --draft-tokens 0 was
-    refused as "draft_tokens=0". Each a line naming --draft-tokens, before any decoding."""
+    refused as "draft_tokens=0". Each a line naming --draft-tokens, before any decoding.
+    Review (session 102): --draft-tokens past max_len was "draft_tokens=32" too, 0 without
+    --draft was first told to add --draft, and "shorten it" of several prompts named none."""
     import importlib
     generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
     base = ["--workdir", trained, "--prompt", "And", "--greedy", "--draft", trained]
@@ -764,15 +766,21 @@ def test_generate_names_the_draft_tokens_that_leave_the_prompt_no_room(trained, 
             (["--draft-tokens", "31"], "error: --draft-tokens 31 leaves room for prompts of at "
              "most 1 tokens (the smaller model.max_len=32, less --draft-tokens - 1, is 2 tokens "
              "in all); these have [3]; lower --draft-tokens (to 29 or fewer for these prompts), "
-             "or shorten it"),
+             "or shorten the prompts longer than 1 tokens"),
             (["--draft-tokens", "0"], "error: --draft-tokens 0: a round drafts at least one "
              "token; give 1 or more (default 4)"),
+            (["--draft-tokens", "32"], "error: --draft-tokens 32 must be below the smaller "
+             "model.max_len=32 of --workdir and --draft (a round writes its drafts past the "
+             "prompt into both caches); give 1 to 31, fewer for longer prompts"),
             (["--prompt", "x" * 40], "error: --draft-tokens 4 (the default) leaves room for "
              "prompts of at most 28 tokens (the smaller model.max_len=32, less --draft-tokens "
-             "- 1, is 29 tokens in all); these have [3, 40]; shorten it (with --draft-tokens 1 "
-             "a prompt may have up to 31 tokens)")):
+             "- 1, is 29 tokens in all); these have [3, 40]; shorten the prompts longer than 28 "
+             "tokens (with --draft-tokens 1 a prompt may have up to 31 tokens)")):
         assert generate.main(base + extra) == 2
         assert capsys.readouterr().err.strip() == want
+    assert generate.main(base[:-2] + ["--draft-tokens", "0"]) == 2  # no --draft: the count
+    assert capsys.readouterr().err.strip() == ("error: --draft-tokens 0: a round drafts at "
+                                               "least one token; give 1 or more (default 4)")
 
 
 def _qat_run_config(workdir, **quant):

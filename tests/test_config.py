@@ -416,7 +416,9 @@ def test_a_left_to_right_rnn_pooling_its_first_output_is_refused(kind, task):
     vector."""
     model = {"kind": kind, "arch": "lstm", "width": 32, "pool": "first"}
     with pytest.raises(ConfigError, match=r"`model.pool` = 'first'.*has read only the first "
-                                          r"token; set model.pool='mean' or rnn.bidirectional"):
+                                          r"token; set model.pool='mean' or rnn.bidirectional"
+                                          r"=True \(a run saved so: train it again in a new "
+                                          r"--workdir\)$"):
         validate(base(model=model, data={"task": task}), num_devices=1)
     validate(base(model=model, data={"task": task}, rnn={"bidirectional": True}), num_devices=1)
 

@@ -439,7 +439,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                "quantization; give the format to quantize it to (--weights ...)")
     from hpnlp import data as data_lib
     from hpnlp import models
-    from hpnlp.train.carry import AUX, fold_aux
+    from hpnlp.train.carry import fold_eval
     from hpnlp.train.loop import (Trainer, for_these_devices, reader_device_count,
                                   reader_devices)
     from hpnlp.train.step import finalize
@@ -546,14 +546,11 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     served = packed if float_dtype else serve(model_q, packed, calib[0], quant_vars)
     kernel_products = sum(max(x.experts, 1) for x in jax.tree.leaves(  # each expert's own
         served, is_leaf=lambda x: isinstance(x, Served)) if isinstance(x, Served))
-
-    def evaluate(model, v, b):  # the sums with what the layers sow folded in, as the float
-        # eval's (a bug hunt, session 102: an MoE run's quantized eval lacked the float eval's
-        # loss_moe_* and moe_* statistics); both timed forwards below run it
-        sums, aux = model.apply(v, b, method="evaluate", mutable=[AUX])
-        return fold_aux(sums, aux.get(AUX), add_loss=False)
-
-    eval_q = jax.jit(lambda p, qv, b: evaluate(model_q, variables(p, qv), b))
+    # The sums with what the layers sow folded in, as the float eval's (a bug hunt, session
+    # 102: an MoE run's quantized eval lacked the float eval's loss_moe_* and moe_*
+    # statistics): carry.fold_eval, the float eval's own code, which both timed forwards
+    # below run
+    eval_q = jax.jit(lambda p, qv, b: fold_eval(model_q, variables(p, qv), b))
     # Transformer-XL on a stream (float formats): the eval stream's memory threaded through,
     # as in the float evaluation above (its blocks are never MoE: nothing is sown).
     eval_q_memory = jax.jit(lambda p, qv, b, mem: model_q.apply(variables(p, qv), b, mem,
@@ -563,7 +560,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         memory_step=lambda _, b, mem: eval_q_memory(served, quant_vars, b, mem)), lm=lm)
 
     model_f = trainer.eval_model
-    eval_f = jax.jit(lambda p, b: evaluate(model_f, {"params": p}, b))
+    eval_f = jax.jit(lambda p, b: fold_eval(model_f, {"params": p}, b))
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
     t_float = _forward_seconds(eval_f, params, eval_batch, repeats=repeats)
     t_quant = _forward_seconds(eval_q, served, quant_vars, eval_batch, repeats=repeats)

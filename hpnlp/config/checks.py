@@ -528,8 +528,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     # dual_encoder's and a bi_encoder's (every text opening "A" got one vector)
     if m.arch in ("lstm", "gru") and m.kind != "lm" and m.pool == "first" \
             and not cfg.rnn.bidirectional:
+        # review (session 102): a dual or bi-encoder saved so before is refused when read or
+        # resumed, and either fix changes the model a resume compares (model.pool, the RNN)
         _fail("model.pool", m.pool, f"a left-to-right {m.arch.upper()}'s first output has read "
-              "only the first token; set model.pool='mean' or rnn.bidirectional=True")
+              "only the first token; set model.pool='mean' or rnn.bidirectional=True (a run "
+              "saved so: train it again in a new --workdir)")
     _check_choice("model.param_dtype", m.param_dtype, DTYPES)
     _check_choice("model.dtype", m.dtype, DTYPES)
     if m.param_dtype == "float16":

@@ -298,7 +298,10 @@ class ModelConfig:
     # training length; not with model.arch = "transformer_xl", which has its own relative
     # positions)
     pos_emb: str = "learned"
-    pool: str = "mean"  # classifier pooling: "mean" over real tokens | "first" token
+    # How a classifier, a dual encoder (each text) and a bi-encoder (q and d) pool the
+    # trunk's outputs into one vector: "mean" over real tokens | "first" token (review,
+    # session 102: said "classifier pooling", and the encoders read it too)
+    pool: str = "mean"
     # A classifier whose tokens attend only to earlier ones, as a causal LM's trunk was
     # trained to (GPT's fine-tuning keeps the mask): what a classifier started from an LM's
     # trunk (`train.init_params='trunk'`) reads the trunk's features through. An LM is

@@ -462,15 +462,16 @@ def main(argv=None) -> int:
             args.temperature = 1.0 if args.greedy else 0.8
         check_temperature(args.temperature, args.greedy, flags=True)
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, flags=True)
+        if args.draft_tokens is not None and args.draft_tokens < 1:  # a bug hunt (session
+            # 102): refused by speculative.check in its API's words, draft_tokens=0 (review:
+            # before --draft is asked for, which would not make it allowed)
+            raise ValueError(f"--draft-tokens {args.draft_tokens}: a round drafts at least one "
+                             "token; give 1 or more (default 4)")
         # found by a bug hunt: --draft-tokens without --draft (even 0) and --length 0 were
         # taken and ignored, the latter as "model.max_len"
         if args.draft_tokens is not None and not args.draft:
             raise ValueError(f"--draft-tokens {args.draft_tokens} is for speculative decoding; "
                              "give --draft RUN too, or drop it")
-        if args.draft_tokens is not None and args.draft_tokens < 1:  # a bug hunt (session
-            # 102): refused by speculative.check in its API's words, draft_tokens=0
-            raise ValueError(f"--draft-tokens {args.draft_tokens}: a round drafts at least one "
-                             "token; give 1 or more (default 4)")
         drafts_given = args.draft_tokens is not None
         args.draft_tokens = 4 if args.draft_tokens is None else args.draft_tokens
         top = 2**63 - len(args.prompt)  # the keys' seeds, one more per prompt, are C longs
@@ -496,9 +497,15 @@ def main(argv=None) -> int:
                                      f"{flag} the run it was quantized from, or decode a "
                                      "quantized --workdir without --draft")
             draft_cfg, draft_task, draft_weights = load(args.draft)
+            top = min(cfg.model.max_len, draft_cfg.model.max_len)
+            if args.draft_tokens >= top:  # review (session 102): speculative.check's
+                # "draft_tokens=32 must be below ...; lower draft_tokens" named no flag
+                raise ValueError(f"--draft-tokens {args.draft_tokens} must be below the smaller "
+                                 f"model.max_len={top} of --workdir and --draft (a round writes "
+                                 "its drafts past the prompt into both caches); give 1 to "
+                                 f"{top - 1}, fewer for longer prompts")
             # by default as long as both caches hold a round's drafts past it
-            most = (min(cfg.model.max_len, draft_cfg.model.max_len)
-                    - max(args.draft_tokens, 1) + 1)
+            most = top - args.draft_tokens + 1
             length = args.length or most
             speculative.check(cfg, draft_cfg, length=length, draft_tokens=args.draft_tokens,
                               prompt_len=1)
@@ -522,10 +529,10 @@ def main(argv=None) -> int:
     if args.draft and args.length is None and longest >= length:
         # the bound --draft-tokens set, not a --length never given (a bug hunt, session 102:
         # "needs 1 to 1 tokens (--length 2)" for a 3-token prompt and --draft-tokens 127)
-        top = min(cfg.model.max_len, draft_cfg.model.max_len)
+        shorten = f"shorten the prompts longer than {length - 1} tokens"  # (review: "it")
         fix = (f"lower --draft-tokens (to {top - longest} or fewer for these prompts), or "
-               "shorten it" if longest < top else
-               f"shorten it (with --draft-tokens 1 a prompt may have up to {top - 1} tokens)")
+               f"{shorten}" if longest < top else
+               f"{shorten} (with --draft-tokens 1 a prompt may have up to {top - 1} tokens)")
         flag = f"--draft-tokens {args.draft_tokens}{'' if drafts_given else ' (the default)'}"
         print(f"error: {flag} leaves room for prompts of at most "
               f"{length - 1} tokens (the smaller model.max_len={top}, less --draft-tokens - 1, "

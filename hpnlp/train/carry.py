@@ -197,13 +197,19 @@ def objective(model, carries: list[Carry]) -> LossFn:
     return fn
 
 
+def fold_eval(model, variables: dict, batch, rngs=None) -> dict:
+    """The model's `evaluate` sums of `batch` under `variables` (its parameters, and what
+    else it reads: a quantized model's ranges), its layers' statistics folded in, the task's
+    loss alone: the float evaluation's and a quantized one's (hpnlp.compress.ptq)."""
+    sums, aux = model.apply(variables, batch, method="evaluate", rngs=rngs, mutable=[AUX])
+    return fold_aux(sums, aux.get(AUX), add_loss=False)
+
+
 def model_eval(model) -> EvalFn:
     """The plain evaluation: the model's `evaluate` sums (its layers' statistics folded in,
     the task's loss alone), carry unused."""
     def evaluate(params, carry, batch, rngs):
-        sums, aux = model.apply({"params": params}, batch, method="evaluate", rngs=rngs,
-                                mutable=[AUX])
-        return fold_aux(sums, aux.get(AUX), add_loss=False)
+        return fold_eval(model, {"params": params}, batch, rngs)
     return evaluate
 
 

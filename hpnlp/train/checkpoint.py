@@ -479,6 +479,20 @@ class Checkpointer:
                            f"with python -m hpnlp.train.ensemble --members {saved_members}"
                            if saved_members > 1 else "It holds a single run, not a seed "
                            "ensemble: train or evaluate it with python -m hpnlp.main")
+                elif set(diff) == {"model.encoder.mine_every"}:
+                    # review (session 102): named as "a different model", and deleting it
+                    # advised; mining keeps its negatives in the train state, not the model,
+                    # so train.init_from reads the run (_model_fields_differ leaves it out)
+                    was = diff["model.encoder.mine_every"][0]
+                    workdir = os.path.dirname(self.config_path)
+                    raise CheckpointMismatch(
+                        f"workdir {workdir} holds checkpoints of a run trained with "
+                        f"bi-encoder mining {'on' if was else 'off'} ({lines}), whose train "
+                        f"state {'holds' if was else 'lacks'} the mined negatives (the model "
+                        f"is the same): {'resume' if write else 'read'} it with "
+                        f"model.encoder.mine_every {'> 0' if was else '= 0'} as saved"
+                        + (", or start a new --workdir from its parameters with "
+                           f"--config.train.init_from={workdir}" if write else ""))
                 elif write:
                     fix = "Use a new --workdir, or delete that one to start over"
                 else:  # a tool reading the run (found by a README walk: it advised deleting it)
@@ -591,12 +605,9 @@ class Checkpointer:
                     "or use a new --workdir")
         bad = _non_finite(getattr(out["state"], "params", {}))
         if bad:  # a bug hunt (session 92): read as it was, then blamed on the learning rate
-            raise CheckpointMismatch(
-                f"checkpoint {where} holds non-finite parameters ({', '.join(bad[:3])}"
-                f"{', ...' if len(bad) > 3 else ''}), which training never saves (a non-finite "
-                "step stops before its checkpoint): it is damaged; " + (
-                    "move it aside to read the step before" if self.read_only else
-                    "move it aside to resume from the step before, or use a new --workdir"))
+            raise _non_finite_error(where, bad, "move it aside to read the step before"
+                                    if self.read_only else "move it aside to resume from the "
+                                    "step before, or use a new --workdir")
         if self._config_missing and self._pending_config is not None:
             # A bug hunt (session 99): a finished run that lost its config.json saves no next
             # checkpoint, so the file never came back; its arrays have now been read as this
@@ -715,6 +726,17 @@ def _non_finite(params) -> list[str]:
     ok = {k: bool(np.isfinite(np.asarray(x)).all()) for k, x in floats.items() if k not in spread}
     ok.update(jax.device_get(_all_finite(spread)) if spread else {})
     return [k for k in floats if not ok[k]]
+
+
+def _non_finite_error(where: str, bad: list[str], fix: str, *,
+                      named: str = "") -> CheckpointMismatch:
+    """The error for checkpoint `where` holding non-finite parameters (`bad`: their paths,
+    from `_non_finite`), read by a resume or a tool, or as another run's parameters (`named`:
+    the field and value that named it, e.g. "train.init_from=WORKDIR")."""
+    return CheckpointMismatch(
+        (f"{named}: " if named else "") + f"checkpoint {where} holds non-finite parameters "
+        f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), which training never saves "
+        f"(a non-finite step stops before its checkpoint): it is damaged; {fix}")
 
 
 def _unreadable(where: str, e: Exception, fix: str) -> CheckpointMismatch:
@@ -947,10 +969,7 @@ def restore_params(workdir: str, like, *, field: str | None = None):
     if bad:  # a bug hunt (session 102): a resume refused it, a teacher or init_from read
         # it, and the run failed after its compile ("training became non-finite at step 1
         # ... Lower train.lr")
-        where = os.path.join(manager.directory, str(step))
-        raise CheckpointMismatch(
-            (f"{field}={workdir}: " if field else "") + f"checkpoint {where} holds non-finite "
-            f"parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), which "
-            "training never saves (a non-finite step stops before its checkpoint): it is "
-            "damaged; move it aside to read the step before it")
+        raise _non_finite_error(os.path.join(manager.directory, str(step)), bad,
+                                "move it aside to read the step before it",
+                                named=f"{field}={workdir}" if field else "")
     return params
