@@ -616,6 +616,26 @@ def test_cpu_detail_reads_the_first_processor_and_its_caches(tmp_path):
                     "L3 32 MiB")
 
 
+def test_quality_reports_write_the_header_that_names_the_cpu():
+    """A bug hunt (session 102): softmax --quality and rnn --quality wrote a header of their
+    own, "- machine: AMD EPYC, 2 cores", no CPU line; so did their recorded reports."""
+    from hpnlp.bench import quality, rnn_quality
+    info = {"date": "d", "cpu": "AMD EPYC", "machine": "x86_64", "cores": 2, "backend": "cpu",
+            "versions": {}, "cpu_detail": {"vendor": "AuthenticAMD", "family": 25}}
+    head = report.header_md(info, {})
+    assert "- CPU: AMD EPYC; AuthenticAMD family 25" in head
+    assert quality.markdown({"machine": info, "seconds": 1.0, "quick": True,
+                             "tokenizers": ["words"], "results": []}).startswith(head + "\n\n")
+    assert rnn_quality.markdown({"machine": info, "quick": True,
+                                 "results": []}).startswith(head + "\n\n")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "benchmarks")
+    for folder in ("softmax_quality", "softmax_quality_bpe", "rnn_quality"):
+        with open(os.path.join(root, folder, "results.json")) as f:
+            machine = json.load(f)["machine"]
+        with open(os.path.join(root, folder, "results.md")) as f:
+            assert f.read().split("\n\n")[1] == report.header_md(machine, {}), folder
+
 def test_quant_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import quant
     ms = lambda s: {"median_s": s, "min_s": s, "max_s": s, "repeats": 1, "compile_s": 0.0,  # noqa: E731
@@ -648,6 +668,39 @@ def test_quant_bench_targets_and_table_from_a_payload():
     md = quant._markdown(dict(payload, lm=[], quality=[]))
     assert "### Linear layer" in md and "### LM decoding" not in md and "### Quality" not in md
 
+
+def test_quant_report_is_dated_when_the_run_starts(tmp_path, monkeypatch):
+    """A bug hunt (session 102): quant read the date after its three parts, every other
+    bench before its work. (The work faked: only the order is checked.)"""
+    from hpnlp import kernels as kernel_build
+    from hpnlp.bench import quant
+    from hpnlp.compress import kernels
+    calls = []
+    info = {"date": "d", "cpu": "c", "machine": "m", "cores": 2, "backend": "cpu",
+            "versions": {}}
+    monkeypatch.setattr(harness, "machine_info", lambda: calls.append("date") or info)
+    monkeypatch.setattr(kernel_build, "reuse_freed_memory", lambda: calls.append("work"))
+    monkeypatch.setattr(harness, "matmul_rate", lambda *a, **k: calls.append("work") or 1.0)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "none")
+    quant.run(str(tmp_path), quick=True, parts=())
+    assert calls == ["date", "work", "work"]
+
+
+def test_recorded_reports_name_only_plots_kept_beside_them():
+    """A bug hunt (session 102): softmax_h200_chunk_logits/*/results.md read "Plots:
+    `softmax_time.png`, ..." in folders that hold none."""
+    import glob
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    missing = []
+    for md in glob.glob(os.path.join(root, "docs", "benchmarks", "**", "results.md"),
+                        recursive=True):
+        with open(md) as f:
+            lines = [line for line in f if re.match(r"Plots?: ", line) and "not kept" not in line]
+        missing += [f"{os.path.relpath(md, root)}: {name}" for line in lines
+                    for name in re.findall(r"`([^`]+\.png)`", line)
+                    if not os.path.exists(os.path.join(os.path.dirname(md), name))]
+    assert not missing
 
 def test_compress_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import compress
@@ -875,6 +928,7 @@ def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, 
     monkeypatch.setattr(quality, "train_for", fake_train_for)
     out = str(tmp_path / "q")
     payload = quality.run(out, quick=True, methods=["sampled", "nce"], seconds=1.0)
+    assert payload["subset"] == {"methods": ["full", "sampled", "nce"]}  # session 102
     rows = {(r["tokenizer"], r["method"]): r for r in payload["results"]}
     assert [k for k in rows if k[0] == "bpe"] == [("bpe", "full"), ("bpe", "sampled"), ("bpe", "nce")]
     assert rows[("words", "sampled")]["ppl_vs_full"] == pytest.approx(0.025)
@@ -1341,6 +1395,67 @@ def test_an_lra_steps_run_into_a_full_report_is_refused(tmp_path):
                                                     "tasks": None}))
     bench_main.check_args(argparse.Namespace(**{**vars(args), "steps": None, "variants": None,
                                                 "tasks": None}))  # a full run
+
+
+def test_a_run_of_fewer_rows_steps_or_seconds_than_the_report_in_out_is_refused(
+        tmp_path, capsys, monkeypatch):
+    """A bug hunt (session 102): `rnn --impls "hpnlp GRU"`, `rnn --quality --steps N` and
+    `softmax --quality --methods full --seconds 3` replaced the recorded reports. The full
+    value is the report's (the recorded commands give --steps 300, --seconds 90, --vocabs):
+    those commands still run; a subset's report is no full one, nor README material."""
+    import argparse
+    import importlib
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import rnn as bench_rnn
+    from hpnlp.bench import softmax as bench_softmax
+    for mod in (bench_rnn, bench_softmax):  # a run not refused fails here, not minutes later
+        monkeypatch.setattr(mod, "main", lambda args: pytest.fail("ran; not refused"))
+
+    def held(name, **payload):
+        (tmp_path / "results.md").write_text(f"# hpnlp benchmark: {name}\n\n...")
+        (tmp_path / "results.json").write_text(json.dumps({"quick": False, **payload}))
+
+    def refused(argv):
+        with pytest.raises(SystemExit) as e:
+            bench_main.main([*argv, "--out", str(tmp_path)])
+        assert e.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+    held("rnn", results=[{"impl": n} for n in bench_rnn.IMPLS])
+    assert refused(["rnn", "--impls", "hpnlp GRU"]).endswith(
+        f"--out {tmp_path} holds a full run's report of the rnn bench, which this --impls "
+        '"hpnlp GRU" run would replace; give another --out (or delete the folder first)')
+    args = argparse.Namespace(entry="rnn", out=str(tmp_path), profile=None, quick=False,
+                              impls=list(bench_rnn.IMPLS), quality=False, steps=None)
+    bench_main.check_args(args)  # every row
+    held("rnn quality", results=[{"variant": "plain", "steps": 300}])
+    assert "which this --steps 30 run would" in refused(["rnn", "--quality", "--steps", "30"])
+    bench_main.check_args(argparse.Namespace(**{**vars(args), "impls": None, "quality": True,
+                                                "steps": 300}))
+    held("softmax quality", seconds=90.0, tokenizers=["words"],
+         results=[{"method": m, "tokenizer": "words"} for m in ("full", "sampled")])
+    assert "which this --seconds 3 --methods full run would" in refused(
+        ["softmax", "--quality", "--methods", "full", "--seconds", "3"])
+    args = argparse.Namespace(entry="softmax", out=str(tmp_path), profile=None, quick=False,
+                              methods=["sampled"], vocabs=None, set=[], no_isolate=False,
+                              quality=True, seconds=90.0, tokenizers=None)
+    bench_main.check_args(args)  # `full` runs whatever --methods names
+    with pytest.raises(ValueError, match="which this --tokenizers bpe run"):
+        bench_main.check_args(argparse.Namespace(**{**vars(args), "tokenizers": ["bpe"]}))
+    held("softmax", results=[{"impl": "full", "V": 32768}, {"impl": "adaptive", "V": 262144}])
+    assert "which this --vocabs 32768 run would" in refused(["softmax", "--vocabs", "32768"])
+    bench_main.check_args(argparse.Namespace(**{**vars(args), "quality": False, "seconds": None,
+                                                "methods": ["adaptive"],
+                                                "vocabs": [32768, 262144]}))
+    # a subset's report: written anew, marked, and refused by tools/sync_readme.py
+    held("softmax", subset={"methods": ["full"]}, results=[{"impl": "full", "V": 32768}])
+    bench_main.check_args(argparse.Namespace(**{**vars(args), "quality": False,
+                                                "seconds": None, "vocabs": [8192]}))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    sync_readme = importlib.import_module("sync_readme")
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"a run of a part of the rows \(`subset`: "):
+        sync_readme.check_whole("results.md")
 
 
 def test_a_failed_report_write_keeps_the_old_report_and_says_so_in_one_line(

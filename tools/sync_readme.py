@@ -55,9 +55,10 @@ def section(path: str, heading: str | None) -> str:
 
 
 def check_whole(path: str) -> None:
-    """SystemExit, naming the results.json beside `path`, where it records a --quick or an
-    interrupted run (a bug hunt, session 99: `bench rope --quick` into the recorded folder put
-    a 12-step table into README.md, unmarked)."""
+    """SystemExit, naming the results.json beside `path`, where it records a --quick, a
+    subset's or an interrupted run (a bug hunt, session 99: `bench rope --quick` into the
+    recorded folder put a 12-step table into README.md, unmarked; session 102: so would
+    `bench rnn --impls "hpnlp GRU"` its 2 rows)."""
     record = os.path.join(os.path.dirname(path), "results.json")
     try:
         with open(os.path.join(ROOT, record)) as f:
@@ -67,6 +68,8 @@ def check_whole(path: str) -> None:
     if not isinstance(payload, dict):
         return
     what = ("a --quick run (`quick`: true)" if payload.get("quick") else
+            f"a run of a part of the rows (`subset`: {json.dumps(payload['subset'])})"
+            if payload.get("subset") else
             "an interrupted run (`interrupted` set)" if payload.get("interrupted") else None)
     if what:
         raise SystemExit(f"{record}: README.md's generated block names {path}, the report of "

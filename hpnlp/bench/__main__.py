@@ -8,7 +8,8 @@ version in a few minutes; `--profile DIR` also writes a jax.profiler trace of th
 Entries that train keep their runs in `--workdir W` where given and reuse the finished runs
 of the same config found there; `--quick` keeps its own in W/quick, so its small runs never
 meet the full run's. A run folder holding a saved run of another config is refused, never
-deleted; so is a --quick or --parts run (or lra's --steps) whose --out holds a full run's
+deleted; so is a --quick or --parts run, or one of fewer rows, steps or seconds (lra's
+--steps, rnn's --impls, softmax --quality's --seconds, ...), whose --out holds a full run's
 report.
 """
 
@@ -141,23 +142,29 @@ def check_args(args) -> None:
     if first.startswith("# hpnlp benchmark: ") and other != ours:
         raise ValueError(f"--out {args.out} holds the {other} bench's results, which this run would "
                          "replace; give another folder")
-    less = _less_than_full(args)
-    held = less and _full_report(args.out, ENTRIES[args.entry])
-    if held:
+    held = _full_report(args.out, ENTRIES[args.entry])
+    less = held and _less_than_full(args, held[1])
+    if less:
         # a bug hunt (session 97): `moe --quick --parts parallel --out docs/benchmarks/moe`
         # replaced the recorded 1.5-hour report with one table
-        raise ValueError(f"--out {args.out} holds {held} of the {ours} bench, which this {less} "
+        raise ValueError(f"--out {args.out} holds {held[0]} of the {ours} bench, which this {less} "
                          "run would replace; give another --out (or delete the folder first)")
 
 
-def _less_than_full(args) -> str | None:
+def _less_than_full(args, held: dict | None = None) -> str | None:
     """The flags that make this run less than a full one (`--quick`, `--parts P` naming not
-    every part, and those a bench names in `LESS_THAN_FULL`, given: runs its report marks
-    quick), or None. A bug hunt (session 99): `lra --steps 2` replaced the recorded report."""
+    every part, those a bench names in `LESS_THAN_FULL`, given: runs its report marks
+    quick, and those its `less_than(args, held)` names against the report `held` in --out),
+    or None. A bug hunt (session 99): `lra --steps 2` replaced the recorded report; (session
+    102): so did `rnn --impls "hpnlp GRU"` and `softmax --quality --seconds 3`, flags whose
+    full value is the recorded report's, not a fixed one (its command gives --seconds 90)."""
+    mod = ENTRIES[args.entry]
     flags = ["--quick"] if args.quick else []
-    for flag in getattr(ENTRIES[args.entry], "LESS_THAN_FULL", ()):
+    for flag in getattr(mod, "LESS_THAN_FULL", ()):
         if getattr(args, flag, None) is not None:
             flags.append(f"--{flag} {getattr(args, flag)}")
+    if held is not None and hasattr(mod, "less_than"):
+        flags += mod.less_than(args, held)
     parts = getattr(args, "parts", None)
     every = getattr(ENTRIES[args.entry], "PARTS", None)
     if parts is not None and every is not None and set(parts) != set(every):
@@ -165,24 +172,25 @@ def _less_than_full(args) -> str | None:
     return " ".join(flags) or None
 
 
-def _full_report(out: str, mod) -> str | None:
-    """What `out` holds where it is a whole run's results.json (not --quick, not interrupted
-    and, for a bench of parts, of every part: those it records, else those it timed,
-    `seconds`), else None. Reports from before session 97 may not say whether they were
-    quick: those count as full (the recorded ones are), and the message says why."""
+def _full_report(out: str, mod) -> tuple[str, dict] | None:
+    """(what `out` holds, its payload) where it is a whole run's results.json (not --quick,
+    not a `subset` of the rows, not interrupted and, for a bench of parts, of every part:
+    those it records, else those it timed, `seconds`), else None. Reports from before
+    session 97 may not say whether they were quick: those count as full (the recorded ones
+    are), and the message says why."""
     try:
         with open(os.path.join(out, "results.json")) as f:
             p = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(p, dict) or p.get("quick") or p.get("interrupted"):
+    if not isinstance(p, dict) or p.get("quick") or p.get("subset") or p.get("interrupted"):
         return None
     ran = p.get("parts", p.get("seconds"))
     every = getattr(mod, "PARTS", None)
     if every and isinstance(ran, (list, dict)) and not set(every) <= set(ran):
         return None
     return ("a full run's report" if "quick" in p else "a report that does not record whether "
-            "it was a --quick run (one older than this check, taken as a full run's)")
+            "it was a --quick run (one older than this check, taken as a full run's)"), p
 
 
 if __name__ == "__main__":

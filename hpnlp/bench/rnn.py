@@ -170,6 +170,9 @@ def run(out_dir: str, *, quick: bool, sizes: dict | None = None,
     # at the shape they are set for (a README walk: --quick wrote them at B=8, L=32, H=64,
     # unmet, as if they held there)
     payload["quick"] = shape != SIZES["full"]  # said whatever it ran (session 98)
+    if set(names) != set(IMPLS):  # a part of the table: not the one the README shows (a bug
+        # hunt, session 102: `--impls "hpnlp GRU"` wrote a 2-row report, marked full)
+        payload["subset"] = {"impls": names}
     if set(TARGET_ROWS) <= set(names):
         report.targets_unless_quick(payload, payload["quick"], lambda: _targets(results))
     payload["summary"] = _summarize(payload, out_dir)
@@ -299,6 +302,23 @@ def check_args(args) -> None:
                          "tricks (drop --impls)")
     if not args.quality and args.steps:
         raise ValueError("--steps sets the --quality run; add --quality or drop --steps")
+
+
+def less_than(args, held: dict) -> list[str]:
+    """The flags that make this run less than the report `held` in --out (`python -m
+    hpnlp.bench` then refuses it, as it does --quick): --impls leaving out a layer it has
+    rows of, or --quality's --steps fewer than its runs took (a bug hunt, session 102: both
+    replaced the recorded reports; the recorded --quality run's own command gives --steps)."""
+    rows = [r for r in held.get("results") or () if isinstance(r, dict)]
+    if args.quality:
+        from hpnlp.bench import rnn_quality
+        steps = args.steps or (20 if args.quick else  # rnn_quality.run's default
+                               rnn_quality.experiment_config("")[1].train.steps)
+        ran = [r["steps"] for r in rows if isinstance(r.get("steps"), int)]
+        return [f"--steps {steps}"] if ran and steps < max(ran) else []
+    if args.impls and {r.get("impl") for r in rows} - set(args.impls):
+        return [f'--impls "{",".join(args.impls)}"']
+    return []
 
 
 def main(args) -> dict:

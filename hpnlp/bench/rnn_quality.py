@@ -69,16 +69,23 @@ def run(out_dir: str, *, quick: bool, steps: int | None = None) -> dict:
     plain = results[0]
     for r in results:
         r["vs_plain"] = r["perplexity"] / plain["perplexity"] - 1.0
-    payload = {"benchmark": "rnn_quality", "machine": info, "results": results}
+    payload = {"benchmark": "rnn_quality", "machine": info, "results": results,
+               "quick": bool(quick)}
+    report.write(out_dir, "rnn quality", payload, markdown(payload))
+    return payload
+
+
+def markdown(payload: dict) -> str:
+    """results.md's body from a payload (a recorded results.json renders again with it)."""
     cfg = experiment_config("")[1]
     rows = [[f"`{r['variant']}`", f"{r['perplexity']:.1f}", f"{100 * r['vs_plain']:+.1f}%",
-             report.fmt(r.get("steps_per_sec")), str(r["steps"])] for r in results]
-    md = "\n".join([
-        f"- date: {info['date']}", f"- machine: {info['cpu']}, {info['cores']} cores", "",
+             report.fmt(r.get("steps_per_sec")), str(r["steps"])] for r in payload["results"]]
+    # the header every bench writes, the CPU named (a bug hunt, session 102: two lines of
+    # its own, "AMD EPYC, 2 cores", told no EPYC generation from another)
+    return "\n".join([
+        report.header_md(payload["machine"], {}), "",
         f"Word-level LSTM LM (`experiments/rnn_lm.py`: V={cfg.data.word_vocab_size}, "
         f"{cfg.model.depth} layers x {cfg.model.width}, batch {cfg.train.batch_size}x"
         f"{cfg.data.seq_len}), the same steps for every variant; held-out perplexity on "
-        f"{cfg.train.eval_batches if not quick else 2} batches.", "",
+        f"{2 if payload.get('quick') else cfg.train.eval_batches} batches.", "",
         report.table(["variant", "perplexity", "vs plain", "steps/s", "steps"], rows)])
-    report.write(out_dir, "rnn quality", payload, md)
-    return payload

@@ -371,6 +371,34 @@ def check_args(args) -> None:
         raise ValueError(str(e)) from None
 
 
+def less_than(args, held: dict) -> list[str]:
+    """The flags that make this run less than the report `held` in --out (`python -m
+    hpnlp.bench` then refuses it, as it does --quick): --methods, --vocabs or --tokenizers
+    leaving out rows it has, or --quality's --seconds fewer than it trained (a bug hunt,
+    session 102: `--quality --methods full --seconds 3` replaced the recorded report; the
+    recorded runs' own commands give --seconds 90, --vocabs, --methods, so no fixed value
+    is the full one)."""
+    from hpnlp.bench import quality
+    rows = [r for r in held.get("results") or () if isinstance(r, dict)]
+    flags = []
+    if args.quality:
+        methods = [REFERENCE, *args.methods] if args.methods else softmax_lib.names()
+        seconds = args.seconds or (10.0 if args.quick else 240.0)  # quality.run's default
+        if isinstance(held.get("seconds"), (int, float)) and seconds < held["seconds"]:
+            flags.append(f"--seconds {seconds:g}")
+        given = (("methods", methods, "method"),
+                 ("tokenizers", args.tokenizers or list(quality.TOKENIZERS), "tokenizer"))
+    else:
+        methods = ([REFERENCE, TORCH_ADAPTIVE, *args.methods] if args.methods
+                   else [*softmax_lib.names(), TORCH_ADAPTIVE])
+        given = (("methods", methods, "impl"),
+                 ("vocabs", args.vocabs or default_vocabs(args.quick), "V"))
+    for flag, this, key in given:  # rows recorded before `bpe` are of words
+        if {r.get(key, "words" if key == "tokenizer" else None) for r in rows} - {None, *this}:
+            flags.append(f"--{flag} {','.join(map(str, getattr(args, flag) or this))}")
+    return flags
+
+
 def main(args) -> dict:
     methods = args.methods
     if args.quality:
