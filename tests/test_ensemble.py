@@ -1,5 +1,6 @@
-"""Ensembles: a vmapped member equals its plain run; the ensemble's NLL obeys Jensen;
-checkpoint ensembles and weight averages combine a plain run's last checkpoints; the CLI.
+"""Ensembles: a member equals its plain run, under either member loop; the ensemble's NLL
+obeys Jensen; checkpoint ensembles and weight averages combine a plain run's last
+checkpoints; the CLI.
 
 Compiles dominate on CPU, so the runs are module fixtures shared by the tests: one plain
 run (seed 1) and one 2-member seed ensemble (seed 0, so its member 1 is that run).
@@ -94,8 +95,8 @@ def ensemble(tmp_path_factory):
 
 @pytest.mark.slow
 def test_members_equal_plain_runs(plain, ensemble):
-    """Member 1 of the vmapped ensemble is the plain run with seed cfg.seed + 1: params,
-    optimizer state, RNG and every evaluation (dropout is on)."""
+    """Member 1 of the ensemble (its default member loop) is the plain run with seed
+    cfg.seed + 1: params, optimizer state, RNG and every evaluation (dropout is on)."""
     workdir, ens, summary = ensemble
     assert ens.seeds == [0, 1] and summary["final_step"] == 4
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
@@ -126,6 +127,29 @@ def test_members_equal_plain_runs(plain, ensemble):
         same = ens.evaluate(ens._stack_members(m1, m1))
     assert same["loss"] == pytest.approx(evals[4]["members"][1]["loss"], rel=1e-6)
     assert same["accuracy"] == pytest.approx(evals[4]["members"][1]["accuracy"], abs=1e-6)
+
+
+def test_member_loops_agree_and_resume_each_other(ensemble, tmp_path):
+    """A step with the members under `lax.map` is the step under `vmap` (the same params,
+    optimizer state, RNG and metrics), and a checkpoint written by one loop resumes under
+    the other: the fixture trained with the default loop, this resumes it with the other."""
+    workdir, ens, _ = ensemble
+    with pytest.raises(ValueError, match=r"member_loop = 'scan' is not allowed: .*'map'"):
+        EnsembleTrainer(tiny(0), workdir, members=2, member_loop="scan")
+    other = {"map": "vmap", "vmap": "map"}[ens.member_loop]
+    shutil.copytree(workdir, tmp_path / "ens")
+    tr = EnsembleTrainer(tiny(0), str(tmp_path / "ens"), members=2, member_loop=other)
+    state, _ = tr.initial_state()
+    assert int(state.step) == 4 and tr.member_loop == other
+    batch = _global(next(tr.train_iter), tr.batch_sharding)
+    with tr._context():
+        got, got_metrics = tr.train_step(jax.tree.map(jax.numpy.copy, state), batch)
+        expect, metrics = ens.train_step(state, batch)  # compiled by the fixture's run
+    assert int(got.step) == int(expect.step) == 5
+    chex.assert_trees_all_close(jax.device_get(got), jax.device_get(expect), atol=1e-6,
+                                rtol=1e-6)
+    chex.assert_trees_all_close(jax.device_get(got_metrics), jax.device_get(metrics),
+                                atol=1e-6, rtol=1e-6)
 
 
 # 9.4-11.2 s with its fixtures' runs in three suites on the 2-core Zen 3 (2026-12-01; the
@@ -319,6 +343,11 @@ def test_cli_from_checkpoints(plain, averaged, tmp_path):
                          text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip() == (
         "hpnlp: error: --members 0: must be at least 1")
+    bad = subprocess.run(cmd + ["--member_loop", "map"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "hpnlp: error: --member_loop map: only for --members M (how a seed ensemble's training "
+        "runs its members); drop it")
     # a field of no config is one line, as hpnlp.main says it (a README walk: 55 lines)
     bad = subprocess.run(cmd + ["--config.train.stepz=3"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)

@@ -1,17 +1,25 @@
-"""Ensembles: seeds trained together under `vmap`, checkpoint ensembles, weight averaging.
+"""Ensembles: seeds trained together in one step, checkpoint ensembles, weight averaging.
 
 Three ways to combine several sets of weights, all evaluated the same way (each member,
 the members' mean, and the ensemble):
 
 * **Seed ensemble** (`EnsembleTrainer`; Lakshminarayanan et al. 2017, "Simple and Scalable
   Predictive Uncertainty Estimation using Deep Ensembles"). M members with their own init
-  and dropout streams train in one jitted step: the one idea that makes it cheap is
-  `jax.vmap` of the plain train step over a TrainState whose params, optimizer state and
-  RNG carry a leading member axis, so M small models fill the device as one batched model
-  and every member sees the same batches. Member i is *exactly* the plain run with
-  `seed = cfg.seed + i` (same init key, same dropout key, same data): member 0 of any
-  ensemble is the plain run of `cfg.seed`. Seeds therefore overlap between ensembles of
-  neighbouring `cfg.seed`s; space them by >= M for disjoint ensembles.
+  and dropout streams train in one jitted step on a TrainState whose params, optimizer state
+  and RNG carry a leading member axis; every member sees the same batches. The step runs
+  the plain train step over the member axis (`member_loop`, `--member_loop`): batched by
+  `jax.vmap`, M small models as one batched model, or one member after another by
+  `jax.lax.map`, the same results and checkpoints either way. Batching was meant to make it
+  cheap; on CPU it did not (a bug hunt, session 102): `python tools/ensemble_speed.py`
+  (2-core AMD EPYC, jax 0.10.2, a loaded machine, two runs) timed lax.map 1.7-2.8x as fast
+  as vmap for the RNN LM (rnn_lm.py:local) and 1.08-1.24x for the Transformer LM
+  (lm.py:bytes,local), 2 and 3 members, to the same parameters, and a step under lax.map
+  cost about M plain steps (2.0-2.5 for 2 members, 2.9-3.2 for 3). So "map" is the default
+  on CPU; accelerators keep "vmap" (one batched model to fill a large device; not measured
+  there). Member i is *exactly* the plain run with `seed = cfg.seed + i` (same init key,
+  same dropout key, same data): member 0 of any ensemble is the plain run of `cfg.seed`.
+  Seeds therefore overlap between ensembles of neighbouring `cfg.seed`s; space them by
+  >= M for disjoint ensembles.
 * **Checkpoint ensemble** (`checkpoint_ensemble`; Huang et al. 2017, "Snapshot Ensembles"):
   the last K checkpoints of one plain run, each evaluated, and their predictions averaged.
 * **Weight averaging** (`weight_average`; Vaswani et al. 2017 average the last checkpoints'
@@ -55,10 +63,13 @@ from hpnlp.paths import write_json
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
                                     load_run_config, run_members)
 from hpnlp.train.loop import Trainer
-from hpnlp.train.state import TrainState, make_optimizer
+from hpnlp.train.state import TrainState
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
 
 MEMBERS_FILE = "members.json"  # in an ensemble's workdir: {"members": M, "seeds": [...]}
+# How a seed ensemble's train step runs its members: batched by `jax.vmap`, or one after
+# another by `jax.lax.map` (`default_member_loop`). Same results, same state layout.
+MEMBER_LOOPS = ("vmap", "map")
 
 
 class NotEnoughCheckpoints(ValueError):
@@ -172,6 +183,28 @@ def _reduce_members(metrics: dict) -> dict:
     return out
 
 
+def default_member_loop() -> str:
+    """How `EnsembleTrainer` runs its members unless told: "map" on CPU (measured faster
+    there, see the module docstring), "vmap" on accelerators (not measured there)."""
+    return "map" if jax.default_backend() == "cpu" else "vmap"
+
+
+def _members_one_by_one(step, fields: list[str]):
+    """`step` over the member axis with `lax.map`: each member's plain step in turn, inside
+    the one jitted program, on its slice of the stacked fields (the step counter shared);
+    the same (state, [M] metrics) as `jax.vmap(step, ...)`."""
+    def members_step(state: TrainState, batch):
+        stacked = {k: getattr(state, k) for k in fields if getattr(state, k) is not None}
+
+        def one(member):
+            new, metrics = step(state.replace(**member), batch)
+            return {k: getattr(new, k) for k in member}, new.step, metrics
+
+        out, step_M, metrics_M = jax.lax.map(one, stacked)
+        return state.replace(step=step_M[0], **out), metrics_M
+    return members_step
+
+
 def _check_members_file(workdir: str, members: int) -> None:
     """Refuse a workdir whose checkpoints hold another number of members (or a plain run)."""
     ckpt = os.path.join(workdir, "checkpoints")
@@ -202,7 +235,8 @@ def _check_members_file(workdir: str, members: int) -> None:
 
 
 class EnsembleTrainer(Trainer):
-    """`members` seeds trained as one vmapped model; `run()` is `Trainer.run`.
+    """`members` seeds trained in one step, batched by `vmap` or in turn by `lax.map`
+    (`member_loop`: "vmap" or "map"; None, `default_member_loop()`); `run()` is `Trainer.run`.
 
     The state is a TrainState whose fields have a leading [M] axis, all but the shared
     step. Train metrics are the members' mean (grad_norm, and so clipped_frac, of the mean
@@ -212,9 +246,16 @@ class EnsembleTrainer(Trainer):
     the summary counts all members.
     """
 
-    def __init__(self, cfg: Config, workdir: str, members: int):
+    def __init__(self, cfg: Config, workdir: str, members: int, *,
+                 member_loop: str | None = None):
         if not isinstance(members, int) or members < 1:
             raise ValueError(f"members = {members!r}: an ensemble needs an integer >= 1")
+        member_loop = default_member_loop() if member_loop is None else member_loop
+        if member_loop not in MEMBER_LOOPS:
+            raise ValueError(f"member_loop = {member_loop!r} is not allowed: give one of "
+                             f"{', '.join(map(repr, MEMBER_LOOPS))} (or None: "
+                             f"{default_member_loop()!r} on this backend)")
+        self.member_loop = member_loop
         _check_members_file(workdir, members)
         check_ensemble_evaluates(cfg)
         self.members = members  # read by Trainer.__init__ for the checkpoint signature
@@ -243,12 +284,15 @@ class EnsembleTrainer(Trainer):
                                         for k in fields})
         # Each member's carries (pruning masks, a teacher, ...) ride in its own carry slice.
         # (self.tx: weight decay's mask is over each member's tree, as the trainer's)
-        vstep = jax.vmap(make_train_step(model, self.tx, cfg.train, self.carries),
-                         in_axes=(axes, None), out_axes=(axes, 0))
+        step = make_train_step(model, self.tx, cfg.train, self.carries)
+        if self.member_loop == "vmap":
+            members_step = jax.vmap(step, in_axes=(axes, None), out_axes=(axes, 0))
+        else:
+            members_step = _members_one_by_one(step, fields)
         estep = make_ensemble_eval_step(self.eval_model, cfg.train, self.task.kind)
 
         def train_step(state, batch):
-            state, metrics_M = vstep(state, batch)
+            state, metrics_M = members_step(state, batch)
             return state, _reduce_members(metrics_M)
 
         with self._context():
@@ -467,6 +511,10 @@ def _main(argv) -> None:
         if F[name].present and F[name].value < 1:
             print(f"hpnlp: error: --{name} {F[name].value}: must be at least 1", file=sys.stderr)
             sys.exit(1)
+    if F["member_loop"].present and not F.members:
+        print(f"hpnlp: error: --member_loop {F.member_loop}: only for --members M (how a seed "
+              "ensemble's training runs its members); drop it", file=sys.stderr)
+        sys.exit(1)
     if (F.members > 0) == (F.from_checkpoints > 0):
         print("hpnlp: error: give exactly one of --members M (train a seed ensemble) and "
               "--from_checkpoints K (combine the last K checkpoints of a run)"
@@ -502,7 +550,8 @@ def _main(argv) -> None:
                 from hpnlp.train.stop import ctrl_c_as_preemption
                 ctrl_c_as_preemption()
             os.makedirs(F.workdir, exist_ok=True)
-            trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members)
+            trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members,
+                                      member_loop=F.member_loop)
             report = {"mode": "seeds", "seeds": trainer.seeds,
                       **trainer.run(profile_dir=F.profile)["eval"]}
         else:
@@ -538,6 +587,9 @@ if __name__ == "__main__":
                          "(member i: seed config.seed + i) in --workdir.")
     flags.DEFINE_integer("from_checkpoints", 0, "Combine the last K checkpoints of the plain "
                          "run in --workdir: each, their mean prediction, their mean weights.")
+    flags.DEFINE_enum("member_loop", None, list(MEMBER_LOOPS), "How --members' train step runs "
+                      "the members: batched by jax.vmap, or one after another by jax.lax.map "
+                      "(same results and checkpoints). Default: map on CPU, vmap elsewhere.")
     sys.argv = cli._take_option_overrides(sys.argv)
     # hpnlp.main's parser: a missing or failing config file and a --config.FIELD of no field
     # are one line (a README walk: tracebacks of 15-55 lines here)
