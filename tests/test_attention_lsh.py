@@ -122,14 +122,20 @@ def _lsh_and_twin_on_its_pattern(q, v, mask, key, *, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_hashed_lsh_is_exact_softmax_over_the_keys_it_saw(causal):
+@pytest.mark.parametrize("lengths", [[L, 23], [3, 6]])
+def test_hashed_lsh_is_exact_softmax_over_the_keys_it_saw(causal, lengths):
     """With real hashing, the round-combined output (duplicate-corrected) equals the dense
     twin masked to the union of the windows the forward pass used; so do the gradients,
-    which shows the backward pass differentiates the forward pass's buckets."""
+    which shows the backward pass differentiates the forward pass's buckets. Rows of 3 and 6
+    tokens (one and two chunks of real tokens of 8) see every key of their row."""
     q, _, v = _qkv(seed=2)
-    lsh, dense, density = _lsh_and_twin_on_its_pattern(q, v, _padding([L, 23]), jax.random.key(5),
+    lsh, dense, density = _lsh_and_twin_on_its_pattern(q, v, _padding(lengths), jax.random.key(5),
                                                        causal=causal)
-    assert 0.1 < float(density) < 0.7  # a real sparse pattern, not everything
+    if min(lengths) > 8:
+        assert 0.1 < float(density) < 0.7  # a real sparse pattern, not everything
+    else:  # chunk 0 and chunk 1 see each other (or chunk 0 itself): all pairs, self included
+        pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+        assert float(density) == pytest.approx(pairs / (B * L * L))
     _assert_all_close(lsh, dense)
 
 
@@ -176,27 +182,33 @@ def _run_twice(a, b, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_padding_invariance_and_zero_padding_rows(causal):
     """Padding sits in its own bucket, sorted last: neither its content nor its amount
-    changes a real output, and padding rows (a whole row of padding too) give zeros."""
-    q, k, v = _qkv()
-    mask = _padding([20, 27])
+    changes a real output, and padding rows (a whole row of padding too) give zeros. Rows of
+    3 and 6 tokens too: chunk 0 looks back at itself, or at chunk 1."""
     q2, k2, v2 = _qkv(seed=7)
-    pad = (mask == 0)[:, :, None, None]
-    mix = lambda a, b: jnp.where(pad, b, a)
-    out1 = _run(HASHED, q, k, v, mask, causal)
-    out2 = _run(HASHED, mix(q, q2), mix(k, k2), mix(v, v2), mask, causal)
-    np.testing.assert_array_equal(jnp.where(pad, 0, out1), jnp.where(pad, 0, out2))
-    # A bug hunt (session 102): chunk 0 looked back at the last chunk, real tokens or
-    # padding depending on the padded length (0.6 apart). The same rows padded to 27
-    # (28 after the chunk's padding: 7 chunks) and 64 tokens (16 chunks).
-    out27, out64 = _run_twice((q[:, :27], k[:, :27], v[:, :27], mask[:, :27]),
-                              tuple(jnp.concatenate([a, b], 1) for a, b in
-                                    ((q, q2), (k, k2), (v, v2))) + (_padding([20, 27], 64),),
-                              causal)
-    real = ~pad[:, :27]
-    for out in (out27, out64[:, :27]):
-        np.testing.assert_allclose(jnp.where(real, out, 0), jnp.where(real, out1[:, :27], 0),
-                                   atol=1e-6)
-    assert float(jnp.abs(jnp.where(pad, out1, 0)).max()) == 0.0
+    # seed 36: the 6-token rows' rounds leave pairs apart, so chunk 0's look-back matters
+    for lengths, seed in (([20, 27], 0), ([3, 6], 36)):
+        q, k, v = _qkv(seed)
+        mask = _padding(lengths)
+        pad = (mask == 0)[:, :, None, None]
+        mix = lambda a, b: jnp.where(pad, b, a)
+        out1 = _run(HASHED, q, k, v, mask, causal)
+        out2 = _run(HASHED, mix(q, q2), mix(k, k2), mix(v, v2), mask, causal)
+        np.testing.assert_array_equal(jnp.where(pad, 0, out1), jnp.where(pad, 0, out2))
+        assert float(jnp.abs(jnp.where(pad, out1, 0)).max()) == 0.0
+        # The same rows padded to 27 tokens (28 after the chunk's padding: 7 chunks) and 64
+        # (16 chunks), short rows to 8 too (2 chunks): in the 27s and 8s a row ends in the
+        # padded row's last chunk, where chunk 0 looked back until session 102 (lsh's docstring)
+        outs = list(_run_twice(tuple(x[:, :27] for x in (q, k, v, mask)),
+                               tuple(jnp.concatenate([a, b], 1) for a, b in
+                                     ((q, q2), (k, k2), (v, v2))) + (_padding(lengths, 64),),
+                               causal))
+        if max(lengths) <= 8:
+            outs.append(_run(HASHED, *(x[:, :8] for x in (q, k, v, mask)), causal))
+        n = max(lengths)
+        real = ~pad[:, :n]
+        for out in outs:
+            np.testing.assert_allclose(jnp.where(real, out[:, :n], 0),
+                                       jnp.where(real, out1[:, :n], 0), atol=1e-6)
     out = _run(HASHED, q, k, v, _padding([0, 5]), causal)
     chex.assert_tree_all_finite(out)
     assert float(jnp.abs(out[0]).max()) == 0.0 and float(jnp.abs(out[1, 5:]).max()) == 0.0

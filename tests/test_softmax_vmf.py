@@ -14,6 +14,7 @@ import softmax_testlib as lib
 import hpnlp.models.transformer as T
 import hpnlp.softmax as S
 import hpnlp.softmax.vmf as M
+from hpnlp.compress.qlinear import pack_weight
 from hpnlp.config import ModelConfig, QuantConfig
 
 special = pytest.importorskip("scipy.special")
@@ -159,6 +160,11 @@ def test_targets_read_the_table_as_the_model_uses_it():
     assert float(jnp.abs(quantized - table).max()) > 0  # int8 rows differ from the floats
     np.testing.assert_array_equal(layer.apply(params, method=lambda m: m.out._table()),
                                   quantized)
+    # the int8 export (ptq's packing: [E, V], contraction first) gives the QAT loss
+    exported = jax.tree.map(lambda x: x, params)
+    exported["params"]["embed"]["embedding"] = pack_weight(table.T, layer.quant, 1)
+    np.testing.assert_allclose(layer.apply(exported, h, t, None, method="loss"),
+                               layer.apply(params, h, t, None, method="loss"), rtol=1e-6)
 
 
 def test_targets_are_stop_gradient_and_scale_free():

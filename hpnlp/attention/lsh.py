@@ -34,8 +34,9 @@ What this implementation does, and where it departs from the paper/trax:
   previous round's last chunk; same cost, rounds stay independent here). Until a bug hunt
   (session 102) it wrapped to the padded row's last chunk, padding or real tokens
   depending on the amount of padding, so a real token's output changed with the padded
-  length (0.6 at L=24 against L=32); a row without padding wraps as it did. Where the
-  real tokens fill one chunk, it looks back at itself and that repeat is masked.
+  length (0.6 at L=24 against L=32 with chunk_size=8, num_buckets=4; with the default
+  chunk of 32 both are one chunk); a row without padding wraps as it did. Where the real
+  tokens fill one chunk, it looks back at itself and that repeat is masked.
 * A length that `chunk_size` does not divide is padded automatically with padding tokens
   (segment 0) up to a multiple of the chunk; no config error.
 * Same buckets in the backward pass: buckets and the sort permutation are computed from
@@ -198,23 +199,22 @@ def _last_real_chunk(seg_BP, C):
 
 def _look_back(x_BHRNC, last_B):
     """Each chunk followed by the previous one, chunk 0 by the row's last chunk of real tokens
-    (`_last_real_chunk`): C -> W = 2C. Where that is chunk 0 itself, the second half repeats
-    it; `_repeat_B` says so, for masking.
-
-    A bug hunt (session 102): chunk 0 wrapped to the padded row's last chunk, padding or
-    real tokens depending on the amount of padding, so a real token's keys changed with it.
-    A row without padding wraps as before.
-    """
+    (`_last_real_chunk`): C -> W = 2C. Where that is chunk 0 itself, `_repeat` masks it."""
     B = x_BHRNC.shape[0]
-    first = x_BHRNC[jnp.arange(B), :, :, last_B]  # [B, H, R, C, ...]
-    previous = jnp.concatenate([first[:, :, :, None], x_BHRNC[:, :, :, :-1]], axis=3)
+    # a gather along the chunk axis keeps B a batching dimension (for batch sharding)
+    first = jnp.take_along_axis(x_BHRNC, last_B.reshape((B,) + (1,) * (x_BHRNC.ndim - 1)),
+                                axis=3)  # [B, H, R, 1, C, ...]
+    previous = jnp.concatenate([first, x_BHRNC[:, :, :, :-1]], axis=3)
     return jnp.concatenate([x_BHRNC, previous], axis=4)
 
 
-def _repeat_B(last_B):
-    """[B, 1, 1, 1, 1]: the rows whose chunk 0 looks back at itself (one chunk of real
-    tokens), so that the second half of chunk 0's window is no key."""
-    return (last_B == 0)[:, None, None, None, None]
+def _repeat(last_B, chunk_BHXY, C):
+    """[B, H, X, Y, W]: the window slots of a query in chunk `chunk_BHXY` (any 4-d shape that
+    broadcasts against [B, H, X, Y]) that repeat chunk 0, which looks back at itself in a
+    row whose real tokens fit in one chunk; they are no key, so each key is seen once per
+    round (a repeat of every key alike would change the outputs only by rounding)."""
+    repeat_BHXY = (last_B == 0)[:, None, None, None] & (chunk_BHXY == 0)
+    return repeat_BHXY[..., None] & (jnp.arange(2 * C) >= C)[None, None, None, None, :]
 
 
 def _layout(q_BLHD, mask_BL, *, num_hashes, num_buckets, chunk_size, key, perm_BHRP=None):
@@ -282,10 +282,8 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
     qseg_BHRNC = jnp.take_along_axis(seg_BP[:, None, None, :], perm_BHRP, axis=3)
     qseg_BHRNC = qseg_BHRNC.reshape(B, H, R, N, C)
     kseg_BHRNW = _look_back(qseg_BHRNC, last_B)
-    # chunk 0 looking back at itself: its repeat is no key (it would be seen twice)
-    repeat_BHRNW = (_repeat_B(last_B) & (jnp.arange(N) == 0)[None, None, None, :, None]
-                    & (jnp.arange(2 * C) >= C)[None, None, None, None, :])
-    kseg_BHRNW = jnp.where(repeat_BHRNW, 0, kseg_BHRNW)
+    kseg_BHRNW = jnp.where(_repeat(last_B, jnp.arange(N)[None, None, None, :], C), 0,
+                           kseg_BHRNW)
 
     s_BHRNCW = jnp.einsum("bhrncd,bhrnwd->bhrncw", q_BHRNCD, k_BHRNWD,
                           preferred_element_type=jnp.float32)
@@ -306,10 +304,9 @@ def _attend_sorted(q_BHPD, kn_BHPD, v_BHPD, seg_BP, perm_BHRP, inv_BHRP, *, caus
         qloc = loc_BHRNCR[:, :, :, :, :, None, :]
         kloc = kloc_BHRNWR[:, :, :, :, None, :, :]
         last = last_B[:, None, None, None, None, None, None]
-        count_BHRNCW = jnp.sum((qloc == kloc).astype(jnp.int32) +
-                               (qloc == kloc + 1).astype(jnp.int32) +
-                               ((qloc == 0) & (kloc == last) & (last > 0)).astype(jnp.int32),
-                               axis=-1)
+        prev = jnp.where(qloc == 0, jnp.where(last > 0, last, -1), qloc - 1)  # looked back at
+        count_BHRNCW = jnp.sum((kloc == qloc).astype(jnp.int32) +
+                               (kloc == prev).astype(jnp.int32), axis=-1)
         s_BHRNCW = s_BHRNCW - jnp.log(jnp.maximum(count_BHRNCW, 1).astype(jnp.float32))
 
     o_BHRNCD, l_BHRNC, lse_BHRNC = _masked_softmax_parts(s_BHRNCW, ok_BHRNCW, v_BHRNWD,
@@ -368,10 +365,7 @@ def lsh_windows(q_BLHD, mask_BL=None, *, causal=False, num_hashes=2, num_buckets
                                      keys_BHLRW.reshape(B, H, L, 1, -1), axis=4)
     kseg_BHLRW = kseg_BHLRW.reshape(keys_BHLRW.shape)
     ok_BHLRW = (kseg_BHLRW == qseg_BL[:, None, :, None, None]) & (kseg_BHLRW != 0)
-    # chunk 0's repeat of itself, masked as in `_attend_sorted`
-    chunk_BHLR = (inv_BHRP[:, :, :, :L] // C).transpose(0, 1, 3, 2)
-    ok_BHLRW &= ~(_repeat_B(last_B) & (chunk_BHLR == 0)[..., None]
-                  & (jnp.arange(2 * C) >= C)[None, None, None, None, :])
+    ok_BHLRW &= ~_repeat(last_B, (inv_BHRP[:, :, :, :L] // C).transpose(0, 1, 3, 2), C)
     if causal:
         ok_BHLRW &= keys_BHLRW <= jnp.arange(L)[None, None, :, None, None]
     return keys_BHLRW, ok_BHLRW

@@ -246,7 +246,7 @@ class VocabLayer(LogitsDistribution, nn.Module):
         fake-quantized where `quant` covers the output layer), and b [V]."""
         from hpnlp.compress.qlinear import Factored
         if self.embed is not None:
-            kernel_VE = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
+            kernel_VE = tied_table(self.embed)
             if kernel_VE.shape[-1] != width:
                 raise ValueError(f"tied output embedding has width {kernel_VE.shape[-1]}, hidden "
                                  f"states have {width}")
@@ -291,6 +291,12 @@ class VocabLayer(LogitsDistribution, nn.Module):
         """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
         kernel_VE, bias_V = self.weights(width)
         return jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0)
+
+
+def tied_table(embed):
+    """A tied embedding's [V, E] table as the model uses it: `Embed.table()` (quantized rows,
+    a packed export decoded), or a plain nn.Embed's parameter."""
+    return embed.table() if hasattr(embed, "table") else embed.embedding
 
 
 def _is_packed(w) -> bool:

@@ -52,7 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.softmax.base import LogitsDistribution, check_targets, masked, register
+from hpnlp.softmax.base import LogitsDistribution, check_targets, masked, register, tied_table
 
 DEBYE_MIN_ORDER = 15.0  # orders below this recur down from order v + ceil(15 - v)
 SERIES_MAX_X = 20.0  # below DEBYE_MIN_ORDER: power series for x <= this
@@ -269,7 +269,7 @@ class VMFOutput(LogitsDistribution, nn.Module):
     def _table(self):
         # the table as the model uses it (a bug hunt, session 102: an int8 export of the tied
         # table, packed [M, V], was read as [V, M] and refused; QAT read it unquantized)
-        table_VM = self.embed.table() if hasattr(self.embed, "table") else self.embed.embedding
+        table_VM = tied_table(self.embed)
         if table_VM.shape[0] != self.vocab_size:
             raise ValueError(f"vmf: tied embedding has {table_VM.shape[0]} rows; vocab_size is "
                              f"{self.vocab_size}")
@@ -278,8 +278,7 @@ class VMFOutput(LogitsDistribution, nn.Module):
 
     def predict(self, hidden_NE):
         """ê [N, M] float32, the predicted embedding."""
-        dim = self._table().shape[-1]
-        kernel_EM = self.proj(hidden_NE.shape[-1], dim)
+        kernel_EM = self.proj(hidden_NE.shape[-1], self.embed.features)  # M: the table's width
         return jnp.einsum("...e,em->...m", hidden_NE.astype(self.dtype), kernel_EM.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
