@@ -127,7 +127,7 @@ def test_hashed_lsh_is_exact_softmax_over_the_keys_it_saw(causal, lengths):
     """With real hashing, the round-combined output (duplicate-corrected) equals the dense
     twin masked to the union of the windows the forward pass used; so do the gradients,
     which shows the backward pass differentiates the forward pass's buckets. Rows of 3 and 6
-    tokens (one and two chunks of real tokens of 8) see every key of their row."""
+    tokens (one and two chunks of 4 real tokens) see every key of their row."""
     q, _, v = _qkv(seed=2)
     lsh, dense, density = _lsh_and_twin_on_its_pattern(q, v, _padding(lengths), jax.random.key(5),
                                                        causal=causal)

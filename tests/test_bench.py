@@ -636,6 +636,7 @@ def test_quality_reports_write_the_header_that_names_the_cpu():
         with open(os.path.join(root, folder, "results.md")) as f:
             assert f.read().split("\n\n")[1] == report.header_md(machine, {}), folder
 
+
 def test_quant_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import quant
     ms = lambda s: {"median_s": s, "min_s": s, "max_s": s, "repeats": 1, "compile_s": 0.0,  # noqa: E731
@@ -701,6 +702,7 @@ def test_recorded_reports_name_only_plots_kept_beside_them():
                     for name in re.findall(r"`([^`]+\.png)`", line)
                     if not os.path.exists(os.path.join(os.path.dirname(md), name))]
     assert not missing
+
 
 def test_compress_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import compress
@@ -1423,7 +1425,7 @@ def test_a_run_of_fewer_rows_steps_or_seconds_than_the_report_in_out_is_refused(
     held("rnn", results=[{"impl": n} for n in bench_rnn.IMPLS])
     assert refused(["rnn", "--impls", "hpnlp GRU"]).endswith(
         f"--out {tmp_path} holds a full run's report of the rnn bench, which this --impls "
-        '"hpnlp GRU" run would replace; give another --out (or delete the folder first)')
+        '"hpnlp GRU" run would replace; give another --out')
     args = argparse.Namespace(entry="rnn", out=str(tmp_path), profile=None, quick=False,
                               impls=list(bench_rnn.IMPLS), quality=False, steps=None)
     bench_main.check_args(args)  # every row

@@ -1,9 +1,9 @@
-"""A seed ensemble's train step with its members under `vmap` and under `lax.map`, in one process.
+"""A seed ensemble's train step with its members under `vmap` and one by one, in one process.
 
     python tools/ensemble_speed.py [--rounds 7] [--calls 3] [--members 2 3]
 
 `hpnlp.train.ensemble.EnsembleTrainer(member_loop=...)` runs its M members batched by
-`jax.vmap` or one after another by `jax.lax.map` inside the same jitted step. For the RNN LM
+`jax.vmap` or one after another in a loop inside the same jitted step. For the RNN LM
 (`experiments/rnn_lm.py:local`) and the Transformer LM (`experiments/lm.py:bytes,local`), this
 builds both ensembles of each size from the same initial state, checks that one step gives
 the same parameters, then times them interleaved (a round times each loop once, `calls`
@@ -38,7 +38,7 @@ def main():
     args = parser.parse_args()
     print_cpu(f"; backend {jax.default_backend()}; median of {args.rounds} rounds of "
               f"{args.calls} steps")
-    print(f"{'':26s} {'vmap':>9s} {'lax.map':>9s} {'map/vmap':>9s} {'plain':>9s}   (steps/s)")
+    print(f"{'':26s} {'vmap':>9s} {'map':>9s} {'map/vmap':>9s} {'plain':>9s}   (steps/s)")
     for label, (exp, arg) in EXPERIMENTS.items():
         cd = harness.experiment_module(exp).get_config(arg)
         cd.train.progress = False

@@ -148,7 +148,7 @@ def check_args(args) -> None:
         # a bug hunt (session 97): `moe --quick --parts parallel --out docs/benchmarks/moe`
         # replaced the recorded 1.5-hour report with one table
         raise ValueError(f"--out {args.out} holds {held[0]} of the {ours} bench, which this {less} "
-                         "run would replace; give another --out (or delete the folder first)")
+                         "run would replace; give another --out")
 
 
 def _less_than_full(args, held: dict | None = None) -> str | None:
@@ -163,7 +163,7 @@ def _less_than_full(args, held: dict | None = None) -> str | None:
     for flag in getattr(mod, "LESS_THAN_FULL", ()):
         if getattr(args, flag, None) is not None:
             flags.append(f"--{flag} {getattr(args, flag)}")
-    if held is not None and hasattr(mod, "less_than"):
+    if held is not None and hasattr(mod, "less_than") and not args.quick:  # (--quick says it)
         flags += mod.less_than(args, held)
     parts = getattr(args, "parts", None)
     every = getattr(ENTRIES[args.entry], "PARTS", None)

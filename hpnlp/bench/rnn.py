@@ -316,7 +316,7 @@ def less_than(args, held: dict) -> list[str]:
                                rnn_quality.experiment_config("")[1].train.steps)
         ran = [r["steps"] for r in rows if isinstance(r.get("steps"), int)]
         return [f"--steps {steps}"] if ran and steps < max(ran) else []
-    if args.impls and {r.get("impl") for r in rows} - set(args.impls):
+    if args.impls and {r.get("impl") for r in rows} - {None, *args.impls}:
         return [f'--impls "{",".join(args.impls)}"']
     return []
 

@@ -2,8 +2,9 @@
 
 Runs `experiments/rnn_lm.py` once plain and once per trick (layer norm, variational
 dropout, recurrent dropout, zoneout, weight drop), all for the same steps on the same
-data, plus a seed ensemble of the plain model (members trained in one program with
-`vmap`, predictions averaged), and reports held-out perplexity and steps/s.
+data, plus a seed ensemble of the plain model (members trained in one program,
+`EnsembleTrainer`'s default member loop: one by one on CPU, `vmap` elsewhere; predictions
+averaged), and reports held-out perplexity and steps/s.
 """
 
 from __future__ import annotations

@@ -84,12 +84,13 @@ def saw_validation(mine, theirs) -> bool:
 def different_encoding(mine, theirs, their_workdir: str | None = None,
                        my_sha256: str | None = None) -> str | None:
     """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
-    encode text otherwise than `mine` (this run's, whose subword model's sha256 is `my_sha256`
-    where given: `task_tokenizer_sha256`) (the field and both values, for an error), or None where the two encode alike: the same task and
-    tokenizer (byte_lm's and word_lm's own named or not), and, for a vocabulary learned from
-    the training text (words, subwords), the same model where both subword models are on disk
-    (`tokenizer_sha256`), else the same text: a tokenizer is trained deterministically, so the
-    same kind, size and text give the same pieces. Bytes are bytes whatever the text."""
+    encode text otherwise than `mine` (this run's, whose subword model's sha256 is
+    `my_sha256` where given: `task_tokenizer_sha256`) (the field and both values, for an
+    error), or None where the two encode alike: the same task and tokenizer (byte_lm's and
+    word_lm's own named or not), and, for a vocabulary learned from the training text (words,
+    subwords), the same model where both subword models are known (`tokenizer_sha256`), else
+    the same text: a tokenizer is trained deterministically, so the same kind, size and text
+    give the same pieces. Bytes are bytes whatever the text."""
     def name(c):
         lm = c.task in ("byte_lm", "word_lm")
         return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer

@@ -8,18 +8,19 @@ the members' mean, and the ensemble):
   and dropout streams train in one jitted step on a TrainState whose params, optimizer state
   and RNG carry a leading member axis; every member sees the same batches. The step runs
   the plain train step over the member axis (`member_loop`, `--member_loop`): batched by
-  `jax.vmap`, M small models as one batched model, or one member after another by
-  `jax.lax.map`, the same results and checkpoints either way. Batching was meant to make it
-  cheap; on CPU it did not (a bug hunt, session 102): `python tools/ensemble_speed.py`
-  (2-core AMD EPYC, jax 0.10.2, a loaded machine, two runs) timed lax.map 1.7-2.8x as fast
-  as vmap for the RNN LM (rnn_lm.py:local) and 1.08-1.24x for the Transformer LM
-  (lm.py:bytes,local), 2 and 3 members, to the same parameters, and a step under lax.map
-  cost about M plain steps (2.0-2.5 for 2 members, 2.9-3.2 for 3). So "map" is the default
-  on CPU; accelerators keep "vmap" (one batched model to fill a large device; not measured
-  there). Member i is *exactly* the plain run with `seed = cfg.seed + i` (same init key,
-  same dropout key, same data): member 0 of any ensemble is the plain run of `cfg.seed`.
-  Seeds therefore overlap between ensembles of neighbouring `cfg.seed`s; space them by
-  >= M for disjoint ensembles.
+  `jax.vmap`, M small models as one batched model, or one member after another by a
+  `fori_loop` that updates each member's slice in place, the same results up to float
+  rounding (bit-identical in the CPU runs below) and the same checkpoints. Batching was
+  meant to make it cheap; on CPU it did not (a bug hunt, session 102): `python
+  tools/ensemble_speed.py --rounds 5 --members 2 3` (2-core AMD EPYC Zen 4, jax 0.10.2, a
+  machine loaded by other work) timed the loop 1.76x (2 members) and 1.81x (3) as fast as
+  vmap for the RNN LM (rnn_lm.py:local) and 0.92x and 1.04x, even, for the Transformer LM
+  (lm.py:bytes,local), to the same parameters; a step cost about M plain steps or more
+  either way. So "map" is the default on CPU; accelerators keep "vmap" (one batched model
+  to fill a large device; not measured there). Member i is *exactly* the plain run with
+  `seed = cfg.seed + i` (same init key, same dropout key, same data): member 0 of any
+  ensemble is the plain run of `cfg.seed`. Seeds therefore overlap between ensembles of
+  neighbouring `cfg.seed`s; space them by >= M for disjoint ensembles.
 * **Checkpoint ensemble** (`checkpoint_ensemble`; Huang et al. 2017, "Snapshot Ensembles"):
   the last K checkpoints of one plain run, each evaluated, and their predictions averaged.
 * **Weight averaging** (`weight_average`; Vaswani et al. 2017 average the last checkpoints'
@@ -68,7 +69,7 @@ from hpnlp.train.step import finalize, make_train_step, step_compiler_options
 
 MEMBERS_FILE = "members.json"  # in an ensemble's workdir: {"members": M, "seeds": [...]}
 # How a seed ensemble's train step runs its members: batched by `jax.vmap`, or one after
-# another by `jax.lax.map` (`default_member_loop`). Same results, same state layout.
+# another in a loop (`default_member_loop`). Same results up to rounding, same state layout.
 MEMBER_LOOPS = ("vmap", "map")
 
 
@@ -190,18 +191,33 @@ def default_member_loop() -> str:
 
 
 def _members_one_by_one(step, fields: list[str]):
-    """`step` over the member axis with `lax.map`: each member's plain step in turn, inside
-    the one jitted program, on its slice of the stacked fields (the step counter shared);
-    the same (state, [M] metrics) as `jax.vmap(step, ...)`."""
+    """`step` over the member axis, one member after another inside the one jitted program:
+    a `fori_loop` that reads member i's slice of the stacked fields, runs the plain step on
+    it (the step counter shared) and writes the slice back in place, so the stacked state is
+    held once (review, session 102: under `lax.map` the loop's stacked output was a second
+    copy, 20 MiB of temporaries against vmap's 12 for a 12 MiB toy state); the same (state,
+    [M] metrics) as `jax.vmap(step, ...)`."""
     def members_step(state: TrainState, batch):
         stacked = {k: getattr(state, k) for k in fields if getattr(state, k) is not None}
+        M = jax.tree.leaves(stacked)[0].shape[0]
 
-        def one(member):
+        def one(i, stacked):
+            member = jax.tree.map(lambda x: x[i], stacked)
             new, metrics = step(state.replace(**member), batch)
             return {k: getattr(new, k) for k in member}, new.step, metrics
 
-        out, step_M, metrics_M = jax.lax.map(one, stacked)
-        return state.replace(step=step_M[0], **out), metrics_M
+        metric_shapes = jax.eval_shape(one, 0, stacked)[2]
+        metrics0 = jax.tree.map(lambda s: jnp.zeros((M,) + s.shape, s.dtype), metric_shapes)
+
+        def body(i, carry):
+            stacked, _, metrics = carry
+            out, new_step, m = one(i, stacked)
+            put = lambda a, b: a.at[i].set(b)
+            return jax.tree.map(put, stacked, out), new_step, jax.tree.map(put, metrics, m)
+
+        stacked, new_step, metrics_M = jax.lax.fori_loop(0, M, body,
+                                                         (stacked, state.step, metrics0))
+        return state.replace(step=new_step, **stacked), metrics_M
     return members_step
 
 
@@ -235,7 +251,7 @@ def _check_members_file(workdir: str, members: int) -> None:
 
 
 class EnsembleTrainer(Trainer):
-    """`members` seeds trained in one step, batched by `vmap` or in turn by `lax.map`
+    """`members` seeds trained in one step, batched by `vmap` or in turn by a loop
     (`member_loop`: "vmap" or "map"; None, `default_member_loop()`); `run()` is `Trainer.run`.
 
     The state is a TrainState whose fields have a leading [M] axis, all but the shared
@@ -588,8 +604,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer("from_checkpoints", 0, "Combine the last K checkpoints of the plain "
                          "run in --workdir: each, their mean prediction, their mean weights.")
     flags.DEFINE_enum("member_loop", None, list(MEMBER_LOOPS), "How --members' train step runs "
-                      "the members: batched by jax.vmap, or one after another by jax.lax.map "
-                      "(same results and checkpoints). Default: map on CPU, vmap elsewhere.")
+                      "the members: batched by jax.vmap, or one after another in a loop "
+                      "(same results up to rounding, same checkpoints). Default: map on CPU, "
+                      "vmap elsewhere.")
     sys.argv = cli._take_option_overrides(sys.argv)
     # hpnlp.main's parser: a missing or failing config file and a --config.FIELD of no field
     # are one line (a README walk: tracebacks of 15-55 lines here)
