@@ -1357,8 +1357,7 @@ def test_a_quick_or_part_run_into_a_full_report_is_refused(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"--out {tmp_path} holds a report that does not record whether it was a --quick run "
         "(one older than this check, taken as a full run's) of the moe bench, which this "
-        "--quick --parts parallel run would replace; give another --out (or delete the folder "
-        "first)")
+        "--quick --parts parallel run would replace; give another --out")
     (tmp_path / "results.json").write_text(json.dumps({"quick": False, **full}))
     args = argparse.Namespace(entry="moe", out=str(tmp_path), profile=None, quick=False,
                               parts=["parallel"], workdir=None)
