@@ -818,7 +818,7 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     for extra, match in ((["--length", "500"], "--length 500 exceeds the run's model.max_len=32"),
                          (["--length", "1"], "--length 1: it counts the prompt too"),
                          (["--length", "0"], "--length 0: it counts the prompt too"),
-                         (["--draft-tokens", "0"], "--draft-tokens 0 is for speculative"),
+                         (["--draft-tokens", "3"], "--draft-tokens 3 is for speculative"),
                          (["--temperature", "0"], "--temperature 0.0: sampling needs"),
                          (["--temperature", "nan"], "--temperature nan: sampling needs"),
                          (["--prompt", "\udcff"], "a --prompt is not valid UTF-8")):
