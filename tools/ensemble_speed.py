@@ -20,12 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ablib import at_least, interleaved_times, largest_relative_difference, print_cpu
-from hpnlp.bench import harness
-from hpnlp.config import from_configdict
-from hpnlp.train import Trainer
+from ablib import at_least, interleaved_times, largest_relative_difference, print_cpu, trainer
 from hpnlp.train.ensemble import MEMBER_LOOPS, EnsembleTrainer
-from hpnlp.train.loop import _global
 
 EXPERIMENTS = {"RNN LM": ("rnn_lm.py", "local"), "Transformer LM": ("lm.py", "bytes,local")}
 
@@ -40,12 +36,8 @@ def main():
               f"{args.calls} steps")
     print(f"{'':26s} {'vmap':>9s} {'map':>9s} {'map/vmap':>9s} {'plain':>9s}   (steps/s)")
     for label, (exp, arg) in EXPERIMENTS.items():
-        cd = harness.experiment_module(exp).get_config(arg)
-        cd.train.progress = False
-        cfg = from_configdict(cd)
-        plain = Trainer(cfg, tempfile.mkdtemp())
-        plain_state, _ = plain.initial_state()
-        batch = _global(next(iter(plain.train_iter)), plain.batch_sharding)
+        plain, plain_state, batch = trainer(exp, arg)  # ablib's: the plain run, for scale
+        cfg = plain.cfg
         for members in args.members:
             ens = {loop: EnsembleTrainer(cfg, tempfile.mkdtemp(), members, member_loop=loop)
                    for loop in MEMBER_LOOPS}

@@ -151,7 +151,7 @@ def check_args(args) -> None:
                          "run would replace; give another --out")
 
 
-def _less_than_full(args, held: dict | None = None) -> str | None:
+def _less_than_full(args, held: dict) -> str | None:
     """The flags that make this run less than a full one (`--quick`, `--parts P` naming not
     every part, those a bench names in `LESS_THAN_FULL`, given: runs its report marks
     quick, and those its `less_than(args, held)` names against the report `held` in --out),
@@ -163,7 +163,7 @@ def _less_than_full(args, held: dict | None = None) -> str | None:
     for flag in getattr(mod, "LESS_THAN_FULL", ()):
         if getattr(args, flag, None) is not None:
             flags.append(f"--{flag} {getattr(args, flag)}")
-    if held is not None and hasattr(mod, "less_than") and not args.quick:  # (--quick says it)
+    if hasattr(mod, "less_than") and not args.quick:  # (--quick says it)
         flags += mod.less_than(args, held)
     parts = getattr(args, "parts", None)
     every = getattr(ENTRIES[args.entry], "PARTS", None)

@@ -124,6 +124,12 @@ def compare(results: list[dict]) -> None:
             r["within_5pct"] = r["ppl_vs_full"] <= WITHIN
 
 
+def default_seconds(quick: bool) -> float:
+    """Each method's training time where --seconds is not given (quick: 20 short runs, ~8
+    minutes)."""
+    return 10.0 if quick else 240.0
+
+
 def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
         seconds: float | None = None, tokenizers: list[str] | None = None) -> dict:
     """`tokenizers`: the parts to run, of `TOKENIZERS` (default: all)."""
@@ -135,7 +141,7 @@ def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
     unknown = [m for m in methods or () if m not in softmax_lib.names()]
     if unknown:  # each run would fail alone, and the report would list only failures
         raise ValueError(f"methods={unknown}: choose from {softmax_lib.names()}")
-    seconds = seconds or (10.0 if quick else 240.0)  # quick: 20 short runs, ~8 minutes
+    seconds = seconds or default_seconds(quick)
     names = methods or softmax_lib.names()
     names = ["full"] + [n for n in names if n != "full"]
     os.makedirs(out_dir, exist_ok=True)

@@ -312,8 +312,7 @@ def less_than(args, held: dict) -> list[str]:
     rows = [r for r in held.get("results") or () if isinstance(r, dict)]
     if args.quality:
         from hpnlp.bench import rnn_quality
-        steps = args.steps or (20 if args.quick else  # rnn_quality.run's default
-                               rnn_quality.experiment_config("")[1].train.steps)
+        steps = args.steps or rnn_quality.experiment_config("")[1].train.steps  # (not quick)
         ran = [r["steps"] for r in rows if isinstance(r.get("steps"), int)]
         return [f"--steps {steps}"] if ran and steps < max(ran) else []
     if args.impls and {r.get("impl") for r in rows} - {None, *args.impls}:

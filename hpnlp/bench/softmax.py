@@ -383,7 +383,7 @@ def less_than(args, held: dict) -> list[str]:
     flags = []
     if args.quality:
         methods = [REFERENCE, *args.methods] if args.methods else softmax_lib.names()
-        seconds = args.seconds or (10.0 if args.quick else 240.0)  # quality.run's default
+        seconds = args.seconds or quality.default_seconds(args.quick)
         if isinstance(held.get("seconds"), (int, float)) and seconds < held["seconds"]:
             flags.append(f"--seconds {seconds:g}")
         given = (("methods", methods, "method"),

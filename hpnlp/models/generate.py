@@ -497,15 +497,15 @@ def main(argv=None) -> int:
                                      f"{flag} the run it was quantized from, or decode a "
                                      "quantized --workdir without --draft")
             draft_cfg, draft_task, draft_weights = load(args.draft)
-            top = min(cfg.model.max_len, draft_cfg.model.max_len)
-            if args.draft_tokens >= top:  # review (session 102): speculative.check's
+            both_max = min(cfg.model.max_len, draft_cfg.model.max_len)
+            if args.draft_tokens >= both_max:  # review (session 102): speculative.check's
                 # "draft_tokens=32 must be below ...; lower draft_tokens" named no flag
                 raise ValueError(f"--draft-tokens {args.draft_tokens} must be below the smaller "
-                                 f"model.max_len={top} of --workdir and --draft (a round writes "
-                                 "its drafts past the prompt into both caches); give 1 to "
-                                 f"{top - 1}, fewer for longer prompts")
+                                 f"model.max_len={both_max} of --workdir and --draft (a round "
+                                 "writes its drafts past the prompt into both caches); give 1 "
+                                 f"to {both_max - 1}, fewer for longer prompts")
             # by default as long as both caches hold a round's drafts past it
-            most = top - args.draft_tokens + 1
+            most = both_max - args.draft_tokens + 1
             length = args.length or most
             speculative.check(cfg, draft_cfg, length=length, draft_tokens=args.draft_tokens,
                               prompt_len=1)
@@ -530,13 +530,13 @@ def main(argv=None) -> int:
         # the bound --draft-tokens set, not a --length never given (a bug hunt, session 102:
         # "needs 1 to 1 tokens (--length 2)" for a 3-token prompt and --draft-tokens 127)
         shorten = f"shorten the prompts longer than {length - 1} tokens"  # (review: "it")
-        fix = (f"lower --draft-tokens (to {top - longest} or fewer for these prompts), or "
-               f"{shorten}" if longest < top else
-               f"{shorten} (with --draft-tokens 1 a prompt may have up to {top - 1} tokens)")
+        fix = (f"lower --draft-tokens (to {both_max - longest} or fewer for these prompts), or "
+               f"{shorten}" if longest < both_max else
+               f"{shorten} (with --draft-tokens 1 a prompt may have up to {both_max - 1} tokens)")
         flag = f"--draft-tokens {args.draft_tokens}{'' if drafts_given else ' (the default)'}"
-        print(f"error: {flag} leaves room for prompts of at most "
-              f"{length - 1} tokens (the smaller model.max_len={top}, less --draft-tokens - 1, "
-              f"is {length} tokens in all); these have {[len(x) for x in ids]}; {fix}",
+        print(f"error: {flag} leaves room for prompts of at most {length - 1} tokens (the "
+              f"smaller model.max_len={both_max}, less --draft-tokens - 1, is {length} tokens "
+              f"in all); these have {[len(x) for x in ids]}; {fix}",
               file=sys.stderr)
         return 2
     if longest >= length or min(len(x) for x in ids) == 0:
