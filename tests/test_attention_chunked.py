@@ -83,6 +83,22 @@ def test_segments_and_padding_match_dense(block_q, block_k, causal):
         assert float(jnp.abs(g[1]).max()) == 0.0
 
 
+def test_row_that_sees_nothing_first_keeps_far_negative_scores():
+    """A bug hunt (session 103): a query that saw nothing in an earlier key block (another
+    packed segment's, visited for a neighbour) carried a running max of 0, so its own keys'
+    scores (-200 here) underflowed to l = 0: zeros and zero gradients instead of softmax."""
+    q, k, v = (np.zeros((1, 3, 1, 4), np.float32) for _ in range(3))
+    q[0, 0, 0], k[0, 0, 0], v[0, 0, 0] = 1.0, 1.0, 1.0  # segment 1: query 0, key 0
+    q[0, 1:, 0] = [[10.0], [9.9]]  # segment 2 sees only keys 1 and 2, at scores about -200
+    k[0, 1:, 0] = [[-10.0], [-10.01]]
+    v[0, 1:, 0] = [1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 2.0, 0.0]
+    w = jax.random.normal(jax.random.key(0), (1, 3, 1, 4))
+    seg = jnp.asarray([[1, 2, 2]], jnp.int32)
+    # key block 0 is visited (query 0 sees it) while queries 1 and 2 see nothing there
+    _assert_matches_dense(*map(jnp.asarray, (q, k, v, w)), seg, False, block_q=3, block_k=1,
+                          impl="xla")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_blocks_pad_lengths_they_do_not_divide(monkeypatch, causal):
     """block_q/block_k None: L=37 is padded to whole blocks (masked keys) and sliced back."""

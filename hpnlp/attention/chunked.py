@@ -122,10 +122,12 @@ def _forward_head(q_LD, k_SD, v_SD, segs, causal, bq, bk):
             if ok_QK is not None:
                 s_QK = jnp.where(ok_QK, s_QK, -jnp.inf)
             m_new = jnp.maximum(m_Q, s_QK.max(-1))
-            if ok_QK is not None:  # a row may have seen nothing yet: exp(-inf - -inf) is NaN
-                m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p_QK = jnp.exp(s_QK - m_new[:, None])
-            corr_Q = jnp.exp(m_Q - m_new)
+            # A row may have seen nothing yet (exp(-inf - -inf) is NaN): shift it by 0, but
+            # carry its max as -inf (a bug hunt (session 103): a carried 0 underflowed a later
+            # block's scores below about -87 to l = 0, zeroing the row), as flash_gpu does.
+            m_use = m_new if ok_QK is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p_QK = jnp.exp(s_QK - m_use[:, None])
+            corr_Q = jnp.exp(m_Q - m_use)
             l_new = l_Q * corr_Q + p_QK.sum(-1)
             acc_new = acc_QD * corr_Q[:, None] + p_QK @ _slice(v_SD, j * bk, bk)
             return m_new, l_new, acc_new

@@ -497,7 +497,10 @@ def bigbird_random_blocks(n: int, num_blocks: int, *, num_window_blocks: int, nu
     """The random key blocks of query block n: drawn without replacement from the blocks
     that are neither window nor global (causal: only earlier ones), by a generator seeded
     with (seed, n). Causal draws do not depend on `num_blocks`, so the pattern of a prefix
-    is the prefix of the pattern (decoding sees what the full pass sees)."""
+    is the prefix of the pattern (decoding sees what the full pass sees). Non-causal draws
+    do: their candidates run to the padded block count, so a real token's output changes
+    with the padding after it (bucketing; draws landing on all-padding blocks are lost). Kept
+    as is, since recorded runs depend on the pattern (a bug hunt (session 103))."""
     h, g = num_window_blocks // 2, num_global_blocks
     if causal:
         cands = np.arange(g, max(g, n - h))
@@ -518,7 +521,9 @@ class BigBirdAttention(BlockSparseAttention):
     0 <= n - m <= that), or m < num_global_blocks (global keys, seen by all), or
     n < num_global_blocks (global queries see everything), or m is one of the
     `num_random_blocks` random blocks of n (`bigbird_random_blocks`, drawn once from
-    `seed`, never from the data). Causal mode also masks j > i inside blocks.
+    `seed`, never from the data). Causal mode also masks j > i inside blocks. Non-causal
+    random blocks are drawn from the padded length's blocks, so outputs depend on the
+    padding (bucket) length; causal ones do not.
 
     Fast because every non-global query block gathers only its M = window + global +
     random key blocks through a static index table, so the cost is O(L * M * block_size);
