@@ -565,6 +565,40 @@ def test_fewer_experts_of_another_shape_are_refused_in_one_line(moe, field, rest
                           "W") == "prune"
 
 
+def test_cutting_experts_keeps_the_source_dispatch_and_this_runs_noise():
+    """A cut of the experts restores the source in a config it accepts and gives the tree of
+    this run: a bug hunt (session 103) found an expert-choice source given this run's
+    dispatch='dropless' (refused when built, naming this run's legal field), and a change of
+    model.moe.noisy keeping the source's noise weights (device_put failed naming no field)."""
+    from hpnlp.compress import experts
+    from hpnlp.config import check_moe_fields
+    dst = moe_model("lm", router="top_k", top_k=2, dispatch="dropless")
+    src = lambda **moe: dataclasses.replace(  # noqa: E731 (the source run's model, 8 experts)
+        dst.model, moe=MoEConfig(num_experts=8, every=2, **moe))
+    source = experts.conversion(dst, src(router="expert_choice"), "W").source.model.moe
+    assert (source.router, source.dispatch) == ("expert_choice", "capacity")
+    check_moe_fields(source)
+    assert experts.conversion(dst, src(), "W").source.model.moe.dispatch == "dropless"
+
+    def tree(x, noisy, seed):
+        r = jax.random.normal(jax.random.key(seed), (M, x))
+        moe = {"router": r, "wi": jnp.zeros((x, M, F)), "bi": jnp.zeros((x, F)),
+               "wo": jnp.zeros((x, F, M)), "bo": jnp.zeros((x, M))}
+        return {"embed": jnp.ones(3), "trunk": {"block_1": {"moe": {
+            **moe, **({"noise": 2.0 * r + seed} if noisy else {})}}}}
+    for was, now in [(True, False), (False, True), (True, True)]:
+        mine = dataclasses.replace(dst, model=dataclasses.replace(
+            dst.model, moe=dataclasses.replace(dst.model.moe, noisy=now)))
+        fresh = tree(X, now, 1)
+        got = experts.conversion(mine, src(noisy=was), "W").convert(
+            tree(8, was, 0), None, fresh, jax.random.key(2))
+        assert jax.tree.structure(got) == jax.tree.structure(fresh)
+        if now:  # the kept experts' noise columns where both are noisy, else this run's
+            moe = got["trunk"]["block_1"]["moe"]
+            want = 2.0 * moe["router"] if was else fresh["trunk"]["block_1"]["moe"]["noise"]
+            np.testing.assert_array_equal(moe["noise"], want)
+
+
 def test_moe_statistics_summary():
     from hpnlp.moe import summarize
     sums = {"moe_tokens": 10.0, "moe_entropy": 5.0, "moe_assigned": 20.0, "moe_dropped": 2.0,
@@ -628,6 +662,28 @@ def test_route_reports_where_tokens_went():
             cfg.model, moe=dataclasses.replace(cfg.model.moe, num_experts=0))), params, batch)
 
 
+def test_route_and_expert_usage_read_every_text_of_a_dual_encoder():
+    """A bug hunt (session 103): route() on a dual encoder's batch (inputs1, inputs2) was a
+    bare KeyError 'inputs', and experts.usage (the calibration of train.init_experts) read
+    the trunk's first call only, its padding counted (the batch has no `segment_ids`)."""
+    from hpnlp.compress import experts
+    from hpnlp.moe import route
+    cfg = moe_model("dual_encoder")
+    batch = BATCHES["dual_encoder"]()
+    model, params = init(cfg, batch)
+    routes = route(cfg, params, batch, num_devices=1)[1]
+    assert sorted(routes) == ["probs1", "probs2", "weights1", "weights2"]
+    weight, gram = experts.usage(model, params, [batch])[("trunk", "block_1", "moe")]
+    want_w, want_g = 0.0, 0.0
+    for t in "12":
+        real = batch["segment_ids" + t] > 0
+        assert not real.all() and np.all(routes["weights" + t][~real] == 0.0)
+        p_NX = routes["probs" + t][real].astype(np.float64)
+        want_w, want_g = want_w + routes["weights" + t].sum((0, 1)), want_g + p_NX.T @ p_NX
+    np.testing.assert_allclose(weight, want_w, rtol=1e-5)
+    np.testing.assert_allclose(gram, want_g, rtol=1e-5)
+
+
 def test_fold_aux_keeps_vectors_per_layer_and_scalars_summed():
     """fold_aux: scalars summed over the reporting calls, a vector kept per call (even of
     length 1), a scanned block's leading layer axis split into its layers."""
@@ -652,3 +708,17 @@ def test_fold_aux_keeps_vectors_per_layer_and_scalars_summed():
     np.testing.assert_array_equal(out["load"], [[4.0]])
     assert float(out["loss_aux"]) == 1.0 and float(out["loss_moe_z"]) == 3.0
     assert float(out["n"]) == 6.0
+
+
+def test_each_experts_weights_start_at_the_dense_mlps_fan_in():
+    """A review (session 103): the experts axis counted into lecun_normal's fan-in, so with X
+    experts each expert's wi [M, F] and wo [F, M] started sqrt(X) smaller than the dense MLP
+    it stands for; each now has std 1 / sqrt(its own fan-in)."""
+    mod = MoE(ModelConfig(width=64, mlp_dim=256, dropout=0.0, moe=MoEConfig(num_experts=8)),
+              deterministic=True)
+    x, seg = jnp.ones((1, 8, 64)), jnp.ones((1, 8), jnp.int32)
+    p = jax.tree.map(lambda a: a.unbox() if hasattr(a, "unbox") else a,
+                     jax.jit(mod.init)(jax.random.key(0), x, seg)["params"],
+                     is_leaf=lambda a: hasattr(a, "unbox"))
+    np.testing.assert_allclose(float(jnp.std(p["wi"])), 64 ** -0.5, rtol=0.05)
+    np.testing.assert_allclose(float(jnp.std(p["wo"])), 256 ** -0.5, rtol=0.05)

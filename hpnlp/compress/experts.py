@@ -12,13 +12,15 @@ experts (expert pruning) or a dense run's MLPs copied into experts (sparse upcyc
 
 **Expert pruning.** A run of `model.moe.num_experts` X' that starts from a run of X > X'
 experts (the same model otherwise) keeps X' of each MoE layer's experts: their weights,
-and their router columns (so the router ranks the kept experts as it did, its softmax over
-fewer of them), every other weight as it is. `train.init_experts` chooses which:
-"routed" keeps the experts whose outputs carried the most gate weight over
-`train.init_expert_batches` training batches, routed in evaluation as the source run
-routes them (the usage criterion of expert-pruning work, e.g. Lu et al. 2024, "Not All
-Experts are Equal"; the least-used experts are the least missed); "random" keeps a uniform
-draw per layer (from the run's seed), the control. Kept experts stay in their order.
+and their router (and noise) columns (so the router ranks the kept experts as it did, its
+softmax over fewer of them), every other weight as it is; a run that turns
+`model.moe.noisy` on starts its noise weights fresh, one that turns it off has none.
+`train.init_experts` chooses which: "routed" keeps the experts whose outputs carried the
+most gate weight over `train.init_expert_batches` training batches, routed in evaluation
+as the source run routes them (the usage criterion of expert-pruning work, e.g. Lu et al.
+2024, "Not All Experts are Equal"; the least-used experts are the least missed); "random"
+keeps a uniform draw per layer (from the run's seed), the control. Kept experts stay in
+their order.
 
 **Expert merging** (`train.init_experts='merged'`; MC-SMoE, Li et al. 2024, "Merge, Then
 Compress", without its later compression): the most routed experts are kept as dominant
@@ -126,10 +128,14 @@ def source_config(cfg: Config, src: ModelConfig) -> Config:
     as that run routes (its router, top_k and capacity; a bug hunt, session 94: the source
     was rebuilt with this run's router, and which experts were kept depended on it), on this
     run's batches and devices (its routing groups, dispatch and blocks: the source's were
-    checked against that run's batch and mesh)."""
-    here = cfg.model.moe
-    moe = dataclasses.replace(src.moe, groups=here.groups, dispatch=here.dispatch,
-                              block_size=here.block_size) if here.enabled() else src.moe
+    checked against that run's batch and mesh). An expert-choice source keeps its own
+    dispatch: a bug hunt (session 103) found this run's `dispatch='dropless'` given to one,
+    which refused it (expert choice fills its capacity) in an error about this run's field."""
+    here, moe = cfg.model.moe, src.moe
+    if here.enabled():
+        moe = dataclasses.replace(moe, groups=here.groups)
+        if moe.router != "expert_choice":
+            moe = dataclasses.replace(moe, dispatch=here.dispatch, block_size=here.block_size)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
 
 
@@ -155,22 +161,31 @@ def usage(model, params, batches) -> dict:
     """{path of each MoE layer: (weight [X], gram [X, X])}: the gate weight each expert's
     outputs carried, and the Gram matrix P^T P of the router probabilities P [tokens, X] at
     the real tokens (segment id > 0), summed over `batches` as `model` (evaluation) routes
-    them (`hpnlp.moe.ROUTES`)."""
+    them (`hpnlp.moe.ROUTES`): every text a trunk call routes (a dual or bi-encoder's two
+    or three), each at its own segment ids. A bug hunt (session 103): only the first call
+    was read, and a dual encoder's batch (segment_ids1, segment_ids2) counted its padding."""
     from hpnlp.compress.gqa import real_tokens, summed_over_batches
-    from hpnlp.moe import ROUTES
+    from hpnlp.moe import ROUTES, texts
 
     def one(params, batch):
         _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES])
-        seg = batch.get("segment_ids")
+        segs = [batch.get("segment_ids" + t) for t in texts(batch)]
         out = {}
 
         def walk(tree, path):
             if "weights" in tree and "probs" in tree:
-                p_BLX = tree["probs"][0].astype(jnp.float32)
-                real = real_tokens(seg, p_BLX.shape[:2])
-                p_NX = (p_BLX * real[..., None]).reshape(-1, p_BLX.shape[-1])
-                out[path] = (jnp.sum(tree["weights"][0].astype(jnp.float32), axis=(0, 1)),
-                             p_NX.T @ p_NX)
+                if len(tree["probs"]) != len(segs):
+                    raise ValueError(f"the MoE layer at {'/'.join(path)} routed "
+                                     f"{len(tree['probs'])} texts of a batch holding "
+                                     f"{len(segs)}; expert calibration reads one call a text")
+                weight, gram = 0.0, 0.0
+                for p_BLX, w_BLX, seg in zip(tree["probs"], tree["weights"], segs):
+                    p_BLX = p_BLX.astype(jnp.float32)
+                    real = real_tokens(seg, p_BLX.shape[:2])
+                    p_NX = (p_BLX * real[..., None]).reshape(-1, p_BLX.shape[-1])
+                    weight = weight + jnp.sum(w_BLX.astype(jnp.float32), axis=(0, 1))
+                    gram = gram + p_NX.T @ p_NX
+                out[path] = (weight, gram)
                 return
             for k, v in tree.items():
                 walk(v, path + (k,))
@@ -290,6 +305,22 @@ def upcycle(params, fresh, experts: int):
     return out
 
 
+def noise_as(params, fresh):
+    """`params` with each MoE layer's noise weights (`model.moe.noisy`) as `fresh` (this
+    run's initial parameters) has them: its own where both have them, `fresh`'s where only
+    `fresh` does, none where `fresh` has none. A bug hunt (session 103): a cut that turned
+    noisy gating on or off kept the source's, a tree that failed in device_put naming no
+    field."""
+    want = _moe_layers(fresh)
+    out = params
+    for path, layer in _moe_layers(params).items():
+        if path in want and ("noise" in layer) != ("noise" in want[path]):
+            rest = {k: v for k, v in layer.items() if k != "noise"}
+            out = _replace(out, path, {**rest, **{k: v for k, v in want[path].items()
+                                                  if k == "noise"}})
+    return out
+
+
 def conversion(cfg: Config, src: ModelConfig, workdir: str):
     """A `gqa.Conversion` that changes the experts of the `train.init_from` run (model
     `src`) into this run's, or None when they stay (module doc)."""
@@ -308,12 +339,13 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
                           lambda p, stats, fresh, key: upcycle(p, fresh, X))
     if how == "prune" and t.init_experts == "merged":
         return Conversion(source_config(cfg, src),
-                          lambda p, plans, fresh, key: merge(p, X, plans),
+                          lambda p, plans, fresh, key: noise_as(merge(p, X, plans), fresh),
                           calibrate=merge_plan(X), batches=t.init_expert_batches)
     if how == "prune":
         routed = t.init_experts == "routed"
         return Conversion(source_config(cfg, src),
-                          lambda p, stats, fresh, key: keep(p, X, stats, key),
+                          lambda p, stats, fresh, key: noise_as(keep(p, X, stats, key),
+                                                                fresh),
                           calibrate=usage if routed else None,
                           batches=t.init_expert_batches if routed else 0)
     return None

@@ -30,7 +30,9 @@ def eval_groups(cfg, num_devices: int | None = None) -> int:
 def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     """Where each MoE block sends the tokens of `batch` in evaluation (eval capacity):
     {block index: {"weights": [B, L, X] weight of each expert's output in each token (0: not
-    routed, or dropped past capacity), "probs": [B, L, X] router probabilities}}.
+    routed, or dropped past capacity), "probs": [B, L, X] router probabilities}}. A batch of
+    several texts (the dual and bi-encoder's `inputs1`, `inputs2`, `inputs3`, each routed by
+    its own trunk call) gives each text's under its number: "weights1", "probs1", ...
 
     The batch is routed in the groups the run's evaluation uses on `num_devices` devices
     (default: this process's; `eval_groups`): model.moe.groups, or with groups=0 one per
@@ -53,7 +55,10 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     # a bug hunt (session 100): groups=0 routed the batch as one group (one device, no
     # mesh), where a run evaluated on 4 devices routes in 4 and drops other tokens
     groups = eval_groups(cfg, num_devices)
-    rows = batch["inputs"].shape[0]
+    # a bug hunt (session 103): a dual encoder's batch (inputs1, inputs2) was a bare
+    # KeyError 'inputs', and only its trunk's first call was read
+    names = texts(batch)
+    rows = batch["inputs" + names[0]].shape[0]
     if not cfg.model.moe.groups and rows % groups:  # (review: the layer's error named groups)
         raise ValueError(f"hpnlp.moe.route: the run evaluates in {groups} routing groups on "
                          f"these devices (one per data-parallel shard), which {rows} batch "
@@ -70,10 +75,20 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method=method,
                                               mutable=[ROUTES]))(params, batch)
     out = {}
-    for name, sub in got[ROUTES]["trunk"].items():
-        moe = sub["moe"]
-        out[int(name[len("block_"):])] = {k: np.asarray(v[0]) for k, v in moe.items()}
+    for name, sub in got[ROUTES]["trunk"].items():  # one sown value per trunk call
+        out[int(name[len("block_"):])] = {k + text: np.asarray(calls[i])
+                                          for k, calls in sub["moe"].items()
+                                          for i, text in enumerate(names)}
     return dict(sorted(out.items()))
+
+
+def texts(batch) -> list[str]:
+    """The texts of `batch` a model routes, in the order its trunk is called on them, by the
+    suffix of their keys: [""] (`inputs`, `segment_ids`), or the dual and bi-encoder's
+    ["1", "2"] and "3" where the batch holds mined negatives (`inputs3`, `segment_ids3`)."""
+    if "inputs" in batch:
+        return [""]
+    return [t for t in ("1", "2", "3") if "inputs" + t in batch]
 
 
 def summarize(sums: dict) -> dict:

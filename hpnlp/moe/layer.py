@@ -203,7 +203,8 @@ class MoE(nn.Module):
                              "generate with a token-choice router ('switch' or 'top_k')")
         B, L, M = x_BLM.shape
         X, F = c.num_experts, c.expert_dim(m)
-        lecun = functools.partial(nn.initializers.lecun_normal, in_axis=1, out_axis=2)
+        lecun = functools.partial(nn.initializers.lecun_normal, in_axis=1, out_axis=2,
+                                  batch_axis=0)
         w_router = self.param("router", _init(nn.initializers.normal(0.02), ("embed", None)),
                               (M, X), jnp.float32)
         wi = qlinear.param(self, "wi", _init(lecun(), ("expert", "embed", "mlp")), (X, M, F), pdt)

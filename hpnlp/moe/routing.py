@@ -107,8 +107,10 @@ def slots_from_choices(choices: Choices, valid_GS, *, experts: int, slots: int
 
 def balance_loss(probs_GSX, expert_GSK, valid_GS):
     """Switch's load-balancing loss X * sum_i f_i P_i: f_i the fraction of (valid) choices
-    routed to expert i, P_i the mean router probability of i. A uniform router gives 1 (and
-    its gradient then vanishes whatever the routing); one collapsed onto an expert gives X."""
+    routed to expert i, P_i the mean router probability of i. A uniform router gives 1
+    whatever the routing, and a zero gradient only where the routing is balanced too (a
+    token's logit j gets (X f_j - 1) / (X n), n valid tokens: a bug hunt, session 103, found
+    "vanishes whatever the routing" here); one collapsed onto an expert gives X."""
     X = probs_GSX.shape[-1]
     w_GS = valid_GS.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(w_GS), 1.0)
