@@ -1110,6 +1110,37 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
         Trainer(from_configdict(val), str(tmp_path / "ft"))
 
 
+def test_a_count_shaped_output_layer_of_other_text_is_refused_before_anything_compiles(
+        tmp_path):
+    """A bug hunt (session 103): a teacher (and a train.init_from run) is built with this
+    run's token counts, so a byte-level teacher of other text (here the shipped corpus's
+    validation split) had its Huffman tree rebuilt from the student's counts, unsaid."""
+    from hpnlp.train import Trainer
+    for name, output in (("tree", "hierarchical"), ("full", "full")):
+        teacher = tiny("lm")
+        teacher.output.name, teacher.data.eval_split = output, "validation"
+        _config_only_workdir(tmp_path / name, teacher)
+    student = tiny("lm", distill=dict(teacher=str(tmp_path / "tree")))
+    student.output.name = "hierarchical"
+    with pytest.raises(ConfigError, match=r"`train\.distill\.teacher` = .*output\.name="
+                       r"'hierarchical'\) is laid out by the token counts .*data\.eval_split="
+                       r"'validation' \(this run: 'eval'\).*output\.name='full'"):
+        carry_lib.for_config(validate(from_configdict(student)))
+    student.train.distill.teacher = str(tmp_path / "full")  # its layer reads no counts
+    assert [c.name for c in carry_lib.for_config(validate(from_configdict(student)))] == [
+        "teacher"]
+    same = tiny("lm")  # the student's own text: its counts are the teacher's
+    same.output.name = "hierarchical"
+    _config_only_workdir(tmp_path / "same", same)
+    student.train.distill.teacher = str(tmp_path / "same")
+    carry_lib.for_config(validate(from_configdict(student)))
+    tune = tiny("lm")
+    tune.output.name, tune.train.init_from = "hierarchical", str(tmp_path / "tree")
+    with pytest.raises(ConfigError, match=r"`train\.init_from` = .*data\.eval_split="
+                       r"'validation' \(this run: 'eval'\).*train\.init_params='trunk'"):
+        Trainer(from_configdict(tune), str(tmp_path / "ft"))
+
+
 def test_a_teacher_or_init_from_checkpoint_holding_non_finite_parameters_is_damaged(tmp_path):
     # a bug hunt (session 102): restore_params read it, and the run failed after its compile
     # ("training became non-finite at step 1 ... Lower train.lr"), as a resume refuses it

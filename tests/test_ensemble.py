@@ -217,6 +217,36 @@ def test_members_carry_their_own_pruning_masks(tmp_path):
     assert got["sparsity"] == pytest.approx(0.5, abs=0.02)
 
 
+def test_members_draw_random_pruning_from_their_own_seeds(tmp_path):
+    """A bug hunt (session 103): random pruning drew every member's scores from cfg.seed, so
+    the members pruned the same entries and member 1 was not the plain run of seed 1. Member
+    i's masks after a step are those the plain run of seed i draws (its PruneCarry's)."""
+    from hpnlp.compress.prune import PruneCarry
+
+    def random_pruning(seed):
+        cfg = tiny(seed, steps=2, eval_every=0, checkpoint_every=0)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0),
+                                   train=dataclasses.replace(cfg.train, prune=dataclasses.replace(
+                                       cfg.train.prune, method="random", sparsity=0.5)))
+    ens = EnsembleTrainer(random_pruning(0), str(tmp_path), members=2)
+    state, _ = ens.initial_state()
+    start = [jax.device_get(ens.member_state(state, i)) for i in range(2)]
+    with ens._context():
+        state, _ = ens.train_step(state, _global(next(ens.train_iter), ens.batch_sharding))
+    (member_carry,) = [c for c in ens.carries if c.name == "prune"]
+    got = [jax.device_get(ens.member_state(state, i)).carry["prune"]["masks"] for i in range(2)]
+    for i in range(2):
+        plain = PruneCarry(random_pruning(i))  # the plain run's carry, as its Trainer's
+        plain.products = member_carry.products
+        expect = jax.jit(lambda value, params: plain.after_update(
+            value, params, None, jax.numpy.int32(0))[1]["masks"])(
+            start[i].carry["prune"], start[i].params)
+        assert sorted(got[i]) == sorted(expect)
+        for k in expect:
+            np.testing.assert_array_equal(got[i][k], expect[k], err_msg=f"member {i}: {k}")
+    assert any(not np.array_equal(got[0][k], got[1][k]) for k in got[0])
+
+
 def test_ensembles_refuse_models_whose_evaluation_reads_more_than_params(tmp_path):
     cfg = tiny()
     memory = dataclasses.replace(cfg, model=dataclasses.replace(

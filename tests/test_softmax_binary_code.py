@@ -178,7 +178,19 @@ def test_small_vocabularies():
 
 @pytest.mark.parametrize("kw,match", [(dict(mode="huffman"), "mode='huffman'"),
                                       (dict(mode="hybrid", softmax_size=V), "softmax_size=37"),
-                                      (dict(mode="ecc", redundancy=5), "redundancy=5")])
+                                      (dict(mode="ecc", redundancy=5), "redundancy=5"),
+                                      (dict(mode="ecc", redundancy=2.0), "redundancy=2.0")])
 def test_bad_fields_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         _layer(**kw).init(jax.random.key(0), *lib.inputs(), method="loss")
+
+
+def test_a_float_redundancy_is_refused_by_the_config_check():
+    """A bug hunt (session 103): redundancy=2.0 passed both checks (2.0 == 2) and failed at
+    init with numpy's TypeError, naming no field."""
+    from hpnlp.config import ConfigError
+    with pytest.raises(ConfigError, match=r"`output.options.redundancy` = 2.0 is not allowed"):
+        S.check_config("binary_code", {"mode": "ecc", "redundancy": 2.0}, vocab_size=V,
+                       frequency_sorted=True)
+    S.check_config("binary_code", {"mode": "ecc", "redundancy": 2}, vocab_size=V,
+                   frequency_sorted=True)

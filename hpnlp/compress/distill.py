@@ -306,6 +306,35 @@ def hidden_loss(student_blocks, teacher_blocks, token_weight, proj=None):
 TEACHER_CONFIG = "teacher_config.json"  # in a student's workdir: its teacher's config.json
 
 
+def counts_shape_output(cfg: Config) -> bool:
+    """Whether `cfg`'s LM output layer is laid out by its task's token counts (a Huffman
+    tree, frequency classes or ranks, adaptive clusters): one that takes `counts`, but the
+    sampled objectives, which read them only to draw negatives and to start their bias."""
+    import dataclasses
+
+    from hpnlp import softmax as softmax_lib
+    from hpnlp.softmax.sampled import SampledObjective
+    if cfg.model.kind != "lm":  # (models.build gives the counts to an LM's output only)
+        return False
+    cls = softmax_lib.get(cfg.output.name)
+    return ("counts" in {f.name for f in dataclasses.fields(cls)}
+            and not issubclass(cls, SampledObjective))
+
+
+def refuse_other_counts(cfg: Config, source: Config, field: str, value, fix: str) -> None:
+    """Refuse (naming `field` = `value`) a run `source` whose output layer is laid out by
+    its token counts (`counts_shape_output`) and whose training text is not `cfg`'s, so
+    that this run, building it from its own task's counts, would lay it out otherwise under
+    its trained weights (a bug hunt, session 103: another Huffman tree, unsaid)."""
+    from hpnlp.data import different_text
+    why = counts_shape_output(source) and different_text(cfg.data, source.data)
+    if why:
+        raise config_error(field, value, f"that run's output layer (output.name="
+                           f"{source.output.name!r}) is laid out by the token counts of its "
+                           f"training text, and it was trained with {why}, so this run's "
+                           f"counts would lay it out otherwise under its weights; {fix}")
+
+
 def keep_teacher_config(cfg: Config, workdir: str) -> None:
     """Copy the teacher's config.json into the student's `workdir` (TEACHER_CONFIG), where
     it differs, whole or not at all: with the teacher's parameters in the student's
@@ -409,6 +438,8 @@ class TeacherCarry(Carry):
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "
                                "of the same task and tokenizer")
+        refuse_other_counts(cfg, tcfg, "train.distill.teacher", self.workdir, "distill from a "
+                            "teacher trained on this run's text, or with output.name='full'")
         if tcfg.model.pos_emb == "learned" and tcfg.model.max_len < cfg.data.seq_len:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher's position "
                                f"table (model.max_len={tcfg.model.max_len}) is shorter than this "

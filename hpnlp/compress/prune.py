@@ -85,6 +85,7 @@ position), or round(s * total) of all of them in global scope.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -204,20 +205,29 @@ def nm_mask(score, contraction: tuple[int, ...], n: int, m: int):
     return jnp.transpose(keep, np.argsort(k_axes + rest))
 
 
-def scores(method: str, weights: dict, seed: int, movement: dict | None = None) -> dict:
-    """Per-weight criterion: |W| (`magnitude`), a fixed uniform draw per entry (`random`), or
-    the accumulated movement scores (`movement`, passed in)."""
+def seed_key(seed):
+    """The key random scores draw from: `jax.random.key(seed)` of an int seed (the run's
+    cfg.seed), or `seed` itself where it is a key (a seed ensemble member's: `for_member`)."""
+    if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        return seed
+    return jax.random.key(seed)
+
+
+def scores(method: str, weights: dict, seed, movement: dict | None = None) -> dict:
+    """Per-weight criterion: |W| (`magnitude`), a fixed uniform draw per entry (`random`,
+    from `seed`: an int or a key, `seed_key`), or the accumulated movement scores
+    (`movement`, passed in)."""
     if method == "movement":
         return movement
     if method == "magnitude":
         return {k: jnp.abs(w.astype(jnp.float32)) for k, w in weights.items()}
-    base = jax.random.key(seed)
+    base = seed_key(seed)
     return {k: jax.random.uniform(jax.random.fold_in(base, i), w.shape)
             for i, (k, w) in enumerate(sorted(weights.items()))}
 
 
 def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products: dict,
-                  seed: int, movement: dict | None = None) -> dict:
+                  seed, movement: dict | None = None) -> dict:
     """New masks for `weights` (path -> array) at target `sparsity`. Magnitude and random
     masks never revive an entry `masks` already pruned; movement masks are the top scores
     afresh each time (a pruned weight whose score climbs comes back, as in Sanh et al.)."""
@@ -459,12 +469,12 @@ def _on_rows(g: Group, w, path: str):
     return v.reshape(g.shape)
 
 
-def group_scores(method: str, flat: dict, layout: dict, seed: int) -> dict:
+def group_scores(method: str, flat: dict, layout: dict, seed) -> dict:
     """{group key: score of the group's shape} (`flat`: {"a/b/kernel": weight}): the sum of
     squares of every weight a unit owns (`magnitude`) or a fixed uniform draw per unit
-    (`random`)."""
+    (`random`, from `seed`: an int or a key, `seed_key`)."""
     out = {}
-    base = jax.random.key(seed)
+    base = seed_key(seed)
     for i, (key, g) in enumerate(sorted(layout.items())):
         if method == "random":
             out[key] = jax.random.uniform(jax.random.fold_in(base, i), g.shape)
@@ -491,7 +501,7 @@ def units_pruned(sparsity, units: int):
     return jnp.minimum(jnp.round(sparsity * units).astype(jnp.int32), units - 1)
 
 
-def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity, seed: int) -> dict:
+def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity, seed) -> dict:
     """New unit masks at `sparsity` of each row's units (`units_pruned`), the same count in
     every row of a group; units already pruned stay pruned."""
     s = group_scores(p.method, flat, layout, seed)
@@ -658,7 +668,15 @@ class PruneCarry(Carry):
 
     def __init__(self, cfg: Config):
         self.cfg, self.p = cfg, cfg.train.prune
+        self.seed = cfg.seed  # what random scores draw from: an int, or a member's key
         self.products: dict = {}
+
+    def for_member(self, key):
+        """Random scores drawn from the member's key, the plain run's of its seed (a bug hunt,
+        session 103: every member of a seed ensemble drew cfg.seed's masks)."""
+        member = copy.copy(self)
+        member.seed = key
+        return member
 
     def init(self, model, params, batch, batch_size: int):
         del batch_size
@@ -740,7 +758,7 @@ class PruneCarry(Carry):
 
         def recompute(masks):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
-            return compute_masks(self.p, weights, masks, s, self.products, self.cfg.seed,
+            return compute_masks(self.p, weights, masks, s, self.products, self.seed,
                                  new.get("scores"))
 
         prune_now = self._due(value, step)
@@ -826,7 +844,7 @@ class PruneCarry(Carry):
 
         def recompute(groups):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
-            return group_masks(self.p, flat, self.layout, groups, s, self.cfg.seed)
+            return group_masks(self.p, flat, self.layout, groups, s, self.seed)
 
         prune_now = self._due(value, step)
         groups = jax.lax.cond(prune_now, recompute, lambda g: g, value["groups"])

@@ -81,6 +81,43 @@ def saw_validation(mine, theirs) -> bool:
     return False
 
 
+def _first_differing(fields) -> str | None:
+    """The first (field, mine, theirs) that differs, as "field=theirs (this run: mine)"."""
+    for field, a, b in fields:
+        if a != b:
+            return f"{field}={b!r} (this run: {a!r})"
+    return None
+
+
+def _text_fields(mine, theirs) -> list[tuple]:
+    """(field, mine, theirs) of what sets the training text of DataConfigs `mine` and
+    `theirs`: the files, whether the train file's last lines are held out, the shipped
+    corpus's split."""
+    from hpnlp.config.fields import same_data_path
+    # a path saved relative (before session 98) and this run's absolute one: the same file
+    fields = [(f"data.{f}", a, a if same_data_path(b, a) else b)
+              for f, a, b in (("train_path", mine.train_path, theirs.train_path),
+                              ("prepared", mine.prepared, theirs.prepared))]
+    if mine.train_path and bool(mine.eval_path) != bool(theirs.eval_path):
+        # without data.eval_path the train file's last lines are held out, so the words and
+        # pieces come from other text (a bug hunt, session 100: two word runs of one file,
+        # 478 of 500 ids other words, drafted and distilled for each other unsaid)
+        fields.append(("data.eval_path", mine.eval_path, theirs.eval_path))
+    if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
+        # shipped corpus's training chapters depend on the split, and so do words and pieces
+        fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))
+    return fields
+
+
+def different_text(mine, theirs) -> str | None:
+    """What makes the training text of a run trained with DataConfig `theirs` other than
+    `mine`'s (as `different_encoding` says it), or None: for two runs that encode alike, what
+    makes their token counts (`Task.token_counts`) differ. Bytes are bytes whatever the
+    text, but their counts are the text's (a bug hunt, session 103: a distillation teacher's
+    Huffman tree was rebuilt from the student's counts)."""
+    return _first_differing(_text_fields(mine, theirs))
+
+
 def different_encoding(mine, theirs, their_workdir: str | None = None,
                        my_sha256: str | None = None) -> str | None:
     """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
@@ -94,11 +131,7 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     def name(c):
         lm = c.task in ("byte_lm", "word_lm")
         return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer
-    def first(fields):  # the first that differs, as "field=theirs (this run: mine)"
-        for field, a, b in fields:
-            if a != b:
-                return f"{field}={b!r} (this run: {a!r})"
-        return None
+    first = _first_differing
     why = first([("data.task", mine.task, theirs.task),
                  ("data.tokenizer", name(mine), name(theirs))])
     if why or name(mine) in ("", "bytes"):
@@ -113,20 +146,7 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     if a and b:
         return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
                                     f"{b[:12]}..., this run's {a[:12]}...)")
-    from hpnlp.config.fields import same_data_path
-    # a path saved relative (before session 98) and this run's absolute one: the same file
-    fields = [(f"data.{f}", a, a if same_data_path(b, a) else b)
-              for f, a, b in (("train_path", mine.train_path, theirs.train_path),
-                              ("prepared", mine.prepared, theirs.prepared))]
-    if mine.train_path and bool(mine.eval_path) != bool(theirs.eval_path):
-        # without data.eval_path the train file's last lines are held out, so the words and
-        # pieces come from other text (a bug hunt, session 100: two word runs of one file,
-        # 478 of 500 ids other words, drafted and distilled for each other unsaid)
-        fields.append(("data.eval_path", mine.eval_path, theirs.eval_path))
-    if not (mine.train_path or mine.eval_path or mine.prepared):  # found in review: the
-        # shipped corpus's training chapters depend on the split, and so do words and pieces
-        fields.append(("data.eval_split", mine.eval_split, theirs.eval_split))
-    why = first(fields)
+    why = first(_text_fields(mine, theirs))
     if why or mine.prepared:  # (review, session 96: the sizes read after, a folder gone
         return why            # failed inside task_info) a prepared folder's size is its own
     size = "word_vocab_size" if name(mine) == "words" else "vocab_size"  # the size asked for

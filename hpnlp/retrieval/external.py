@@ -114,7 +114,8 @@ class FaissFlat(_Faiss):
 @register("faiss_ivf")
 class FaissIVF(_Faiss):
     """faiss IndexIVFFlat: cells of faiss's k-means, assigned and scanned by inner product
-    (`metric="l2"`: by L2). Options: `lists` (cells; 0: 4 sqrt(N) at the first add), `nprobe`
+    (`metric="l2"`: by L2). Options: `lists` (cells; 0: min(N // 39, round(4 sqrt(N))), at
+    least 1, for the N vectors of the first add: faiss's k-means asks 39 per cell), `nprobe`
     cells scanned per query, `metric`."""
 
     def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16, metric: str = "ip"):
@@ -176,7 +177,8 @@ _SCANN_AH_CENTERS = 16  # ScaNN's asymmetric hashing: centres per block, each ne
 class ScaNN(HostIndex):
     """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product
     (`metric="l2"`: squared L2). Built on the first search from everything added (ScaNN
-    indexes are not incremental). Options: `leaves` (0: 2 sqrt(N)), `leaves_to_search`,
+    indexes are not incremental). Options: `leaves` (0: min(N // 100, round(2 sqrt(N))),
+    at least 1, for the N vectors added), `leaves_to_search`,
     `reorder` candidates rescored exactly (on the LM's context vectors, which are far from
     unit norm, recall@10 is set by `reorder`: 0.46 at 100, 0.96 at 1000 on 20K of them,
     whatever the leaves searched), `metric`."""

@@ -262,7 +262,8 @@ def _rows(chunk: int) -> int:
 class IVFIndex(HostIndex):
     """Inverted file over k-means cells (see the module docstring).
 
-    Options: `lists` k-means cells (default: about 4 sqrt(N), set on the first search),
+    Options: `lists` k-means cells (default: min(N // 8, round(4 sqrt(N))), at least 1, for
+    the N training vectors, set on the first search),
     `nprobe` chunks scanned per query (16), `chunk` rows per chunk (0: twice the mean cell
     size), `iters` k-means steps (15), `dtype` of the stored vectors ("float32" |
     "bfloat16" | "float16"), `seed`; `impl` "auto" (the scan kernel where it can run: a CPU backend

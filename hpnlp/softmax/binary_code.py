@@ -147,7 +147,9 @@ class BinaryCode(nn.Module):
                                f"model.vocab_size={vocab_size}) for mode='hybrid', or 0 for "
                                "min(1024, V // 2)")
         redundancy = options.get("redundancy", cls.redundancy)
-        if mode == "ecc" and (isinstance(redundancy, bool) or redundancy not in GENERATORS):
+        # a bug hunt (session 103): 2.0 passed (2.0 == 2) and failed at init in numpy
+        if mode == "ecc" and (isinstance(redundancy, bool) or not isinstance(redundancy, int)
+                              or redundancy not in GENERATORS):
             raise config_error(f"{field}.redundancy", redundancy, f"choose one of "
                                f"{sorted(GENERATORS)} (code bits per data bit)")
 
@@ -165,7 +167,9 @@ class BinaryCode(nn.Module):
             if not 1 <= softmax_size < vocab_size:
                 raise ValueError(f"binary_code softmax_size={self.softmax_size} must be in [1, vocab_size="
                                  f"{vocab_size}) for mode='hybrid'; use 0 for min(1024, V // 2)")
-        if self.mode == "ecc" and self.redundancy not in GENERATORS:
+        red = self.redundancy  # an int (a bug hunt, session 103: 2.0 failed in numpy)
+        if self.mode == "ecc" and (isinstance(red, bool) or not isinstance(red, int)
+                                   or red not in GENERATORS):
             raise ValueError(f"binary_code redundancy={self.redundancy}; choose one of "
                              f"{sorted(GENERATORS)} (code bits per data bit)")
         self.codes = cached_tables(build_codes, self.counts, vocab_size, self.mode, softmax_size,

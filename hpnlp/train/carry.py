@@ -24,6 +24,10 @@ method is one class here or beside its own code, not a new branch in the loop:
   after `start` (distillation's DistilBERT initialization copies teacher blocks here);
   `batches(n)` gives the run's first n training batches, read by an iterator of their own,
   so the run's data order is untouched (Minitron's importance reads the teacher on them);
+- `for_member(key)`: the carry as member i of a seed ensemble runs it, `key` the PRNG key
+  of that member's seed, jax.random.key(cfg.seed + i) (traced): what it draws from cfg.seed
+  in a plain run it draws from `key` (random pruning's scores), so member i is the plain
+  run of its seed; by default the carry itself;
 - `trainable(model, params, batch, key)`: parameters the method trains beside the model's
   (distillation's hidden-state projection), or None. They sit in the state's parameters
   under `carry_<name>` (`TRAINABLE_PREFIX`), so the optimizer, the gradient and the
@@ -92,6 +96,9 @@ class Carry:
 
     def start_params(self, value, params, batches):
         return params
+
+    def for_member(self, key) -> "Carry":
+        return self
 
     def trainable(self, model, params, batch, key):
         return None

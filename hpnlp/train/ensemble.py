@@ -196,14 +196,15 @@ def _members_one_by_one(step, fields: list[str]):
     it (the step counter shared) and writes the slice back in place, so the stacked state is
     held once (review, session 102: under `lax.map` the loop's stacked output was a second
     copy, 20 MiB of temporaries against vmap's 12 for a 12 MiB toy state); the same (state,
-    [M] metrics) as `jax.vmap(step, ...)`."""
-    def members_step(state: TrainState, batch):
+    [M] metrics) as `jax.vmap(step, ...)`. `step(state, batch, i)` runs member i; `index_M`
+    holds the members' indices (`jnp.arange(M)`, as vmap maps over it)."""
+    def members_step(state: TrainState, batch, index_M):
         stacked = {k: getattr(state, k) for k in fields if getattr(state, k) is not None}
         M = jax.tree.leaves(stacked)[0].shape[0]
 
         def one(i, stacked):
             member = jax.tree.map(lambda x: x[i], stacked)
-            new, metrics = step(state.replace(**member), batch)
+            new, metrics = step(state.replace(**member), batch, index_M[i])
             return {k: getattr(new, k) for k in member}, new.step, metrics
 
         metric_shapes = jax.eval_shape(one, 0, stacked)[2]
@@ -298,17 +299,27 @@ class EnsembleTrainer(Trainer):
         model = models.build(cfg, deterministic=False, token_counts=self.task.token_counts)
         axes = TrainState(step=None, **{k: None if getattr(abstract, k) is None else 0
                                         for k in fields})
-        # Each member's carries (pruning masks, a teacher, ...) ride in its own carry slice.
+        # Each member's carries (pruning masks, a teacher, ...) ride in its own carry slice,
+        # and draw from its own seed's key, as its plain run does (a bug hunt, session 103:
+        # random pruning drew every member's masks from cfg.seed's).
         # (self.tx: weight decay's mask is over each member's tree, as the trainer's)
-        step = make_train_step(model, self.tx, cfg.train, self.carries)
+        tx, carries = self.tx, self.carries
+        keys_M2 = np.stack([np.asarray(jax.random.key_data(jax.random.key(s)))
+                            for s in self.seeds])
+
+        def step(state, batch, i):
+            key = jax.random.wrap_key_data(jnp.asarray(keys_M2)[i])
+            return make_train_step(model, tx, cfg.train,
+                                   [c.for_member(key) for c in carries])(state, batch)
+
         if self.member_loop == "vmap":
-            members_step = jax.vmap(step, in_axes=(axes, None), out_axes=(axes, 0))
+            members_step = jax.vmap(step, in_axes=(axes, None, 0), out_axes=(axes, 0))
         else:
             members_step = _members_one_by_one(step, fields)
         estep = make_ensemble_eval_step(self.eval_model, cfg.train, self.task.kind)
 
         def train_step(state, batch):
-            state, metrics_M = members_step(state, batch)
+            state, metrics_M = members_step(state, batch, jnp.arange(members))
             return state, _reduce_members(metrics_M)
 
         with self._context():

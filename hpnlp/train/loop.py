@@ -416,6 +416,12 @@ class Trainer:
             mine = data_lib.task_tokenizer_sha256(self.task)
             self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, mine)
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
+            if cfg.train.init_params != "trunk":  # its output layer read whole
+                from hpnlp.compress.distill import refuse_other_counts
+                refuse_other_counts(cfg, source, "train.init_from", cfg.train.init_from,
+                                    "set train.init_params='trunk' to start from its embedding "
+                                    "and trunk under this run's own output layer, or train on "
+                                    "that run's text")
             if source.model.lowrank.enabled():  # (a conversion refuses it in its own words)
                 # a bug hunt (session 95): told to copy its model.lowrank settings, then
                 # refused with them (a run reads a dense run, to factorize it itself)
