@@ -252,3 +252,12 @@ def test_inside_the_classifier_training_mode():
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
     chex.assert_tree_all_finite((loss, grads))
     assert _max_abs(grads["trunk"]["block_0"]["attention"]["attn"]["sort"]) > 0.0
+
+
+def test_sort_weights_start_at_each_head_s_own_fan_in():
+    """A review (session 103): the heads axis counted into lecun_normal's fan-in, so each
+    head's sorting projection [D, D] started sqrt(H) smaller than a linear layer's."""
+    q = jnp.ones((1, 16, 4, 64))
+    attn = _module()
+    p = nn.unbox(jax.jit(lambda: attn.init(_key(0), q, q, q, None, causal=False))()["params"])
+    np.testing.assert_allclose(float(jnp.std(p["sort"])), 64 ** -0.5, rtol=0.05)

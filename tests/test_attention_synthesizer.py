@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,3 +296,13 @@ def test_inside_the_lm():
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
     chex.assert_tree_all_finite((loss, grads))
     assert _max_abs(grads["trunk"]["block_0"]["attention"]["attn"]["w2"]) > 0.0
+
+
+def test_dense_mode_weights_start_at_each_head_s_own_fan_in():
+    """A review (session 103): the heads axis counted into lecun_normal's fan-in, so each
+    head's w1 [D, F] and w2 [F, M] started sqrt(H) smaller than a linear layer's."""
+    q = jnp.ones((1, 16, 4, 64))
+    attn = A.get("synthesizer")(max_len=16, mode="dense")
+    p = nn.unbox(jax.jit(lambda: attn.init(_key(0), q, q, q, None, causal=False))()["params"])
+    np.testing.assert_allclose(float(jnp.std(p["w1"])), 64 ** -0.5, rtol=0.05)  # fan-in D
+    np.testing.assert_allclose(float(jnp.std(p["w2"])), 64 ** -0.5, rtol=0.1)  # fan-in F = D

@@ -331,3 +331,20 @@ def test_lengths_out_of_range_or_float_are_named_and_traced_ones_capped():
     _close(layer.apply(params, x, [6, 3, 1])[0], layer.apply(params, x, LENGTHS)[0])
     out, final = layer.apply(params, x[:, :0], jnp.zeros((B,), jnp.int32))
     assert out.shape == (B, 0, 2 * H) and float(jnp.abs(final[-1]).max()) == 0.0
+    # int8 lengths of a row longer than 127: capped at L in int32 (a review, session 103:
+    # the cap was cast to the lengths' dtype, 130 wrapping to -126, every row cut to 0)
+    x130 = _x(shape=(B, 130, E))
+    np.testing.assert_array_equal(layer.apply(params, x130, jnp.array([100, 3, 1], jnp.int8))[0],
+                                  layer.apply(params, x130, jnp.array([100, 3, 1]))[0])
+
+
+def test_each_direction_s_input_kernel_starts_at_its_own_fan_in():
+    """A review (session 103): the direction axis counted into lecun_normal's fan-in, so a
+    bidirectional layer's input kernel started sqrt(2) smaller than a one-direction one's
+    (and flax's); each direction's [E, K, H] now has std 1 / sqrt(E)."""
+    x = _x(shape=(1, 1, 256))
+    for bidirectional in (False, True):
+        w = rnn.RNNLayer(kind="lstm", hidden=64, bidirectional=bidirectional).init(
+            jax.random.key(0), x)["params"]["input_kernel"]
+        w = nn.meta.unbox(w)
+        np.testing.assert_allclose(float(jnp.std(w)), 1 / 16, rtol=0.05)

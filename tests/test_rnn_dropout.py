@@ -40,6 +40,11 @@ def test_variational_dropout_one_mask_per_sequence():
     assert 0.2 < float(jnp.mean(ratio == 0)) < 0.4
     state = _run(rnn.VariationalDropout(P, time_axis=None), (64, 32), method="mask")
     assert state.shape == (64, 32)
+    # a negative axis counts from the end (a review, session 103: -1 gave a rank-6 mask)
+    last = _run(rnn.VariationalDropout(P, time_axis=-1), (64, 32, 16), method="mask")
+    assert last.shape == (64, 32, 1)
+    np.testing.assert_array_equal(last, _run(rnn.VariationalDropout(P, time_axis=2),
+                                             (64, 32, 16), method="mask"))
     np.testing.assert_array_equal(_run(rnn.VariationalDropout(P), x, deterministic=True), x)
 
 

@@ -69,6 +69,18 @@ def test_top_k_one_and_a_tiny_top_p_keep_only_the_argmax(logp):
         np.testing.assert_array_equal(kept, np.eye(logp.shape[-1], dtype=bool)[argmax], str(kw))
 
 
+def test_a_tiny_temperature_draws_the_argmax_of_a_flat_distribution():
+    """A review (session 103): logp / T overflowed to -inf for every token once T was tiny
+    and the most probable token's p small (here 1.6e-3 < 2%), and token 0 was always drawn;
+    the logits are shifted by their max first."""
+    logp = jax.nn.log_softmax(jnp.asarray(
+        np.random.default_rng(0).normal(size=(4, 1000)) * 0.1, jnp.float32))
+    x = sampling_logits(logp, temperature=1.2e-38)
+    np.testing.assert_array_equal(jnp.max(x, axis=-1), 0.0)
+    draws = jax.random.categorical(jax.random.key(0), x, axis=-1)
+    np.testing.assert_array_equal(draws, jnp.argmax(logp, axis=-1))
+
+
 def test_each_option_keeps_the_references_tokens_with_its_renormalized_probabilities(logp):
     """Top-k exactly k tokens; top-p the smallest prefix reaching p; min-p; combined, and
     at temperatures. The mask is exact, the probabilities to float32 rounding."""

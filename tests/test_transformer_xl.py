@@ -7,6 +7,7 @@ layer inputs stop-gradient (what a memory is).
 """
 
 import dataclasses
+import json
 
 import flax.linen as nn
 import jax
@@ -365,3 +366,23 @@ def test_trainer_carries_memory_and_learns(tmp_path):
     assert s["eval"]["float32"]["loss"] == pytest.approx(with_memory, rel=1e-5)
     assert s["eval"]["quantized"]["loss"] == pytest.approx(with_memory, rel=0.01)
     assert s["reload_identical"] and s["size_bytes"]["ratio"] > 1.5  # float16 arrays on disk
+
+
+def test_a_stream_state_is_refused_on_text_edited_at_the_same_count(text_file):
+    """A review (session 103): the stream iterator's state had no digest of its text, so a
+    train_path edited after a stop, its token count kept, resumed mid-stream in other text
+    (the pad iterator has refused it since session 93)."""
+    cfg = stream_cfg(text_file)
+    task = data_lib.make_task(cfg)
+    it = data_lib.make_iterator(task, cfg, split="train", batch_size=4)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    tokens = task.train.tokens.copy()
+    tokens[5] += 1
+    edited = dataclasses.replace(task, train=dataclasses.replace(task.train, tokens=tokens))
+    with pytest.raises(ValueError, match=r"the examples' contents \(data.train_path or "
+                       r"data.eval_path edited since\?\)"):
+        data_lib.make_iterator(edited, cfg, split="train", batch_size=4).set_state(state)
+    data_lib.make_iterator(task, cfg, split="train", batch_size=4).set_state(state)
+    del state["digest"]  # a state saved before the digest was: resumed as it was
+    data_lib.make_iterator(edited, cfg, split="train", batch_size=4).set_state(state)

@@ -166,7 +166,8 @@ class SinkhornAttention(Attention):
                 raise ValueError("sinkhorn: deterministic=False draws Gumbel noise and needs a "
                                  "'dropout' (or 'features') RNG; pass rngs={'dropout': key}")
         w_HDD = self.param("sort", nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(in_axis=1, out_axis=2), ("heads", "kv", None)),
+            nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0),
+            ("heads", "kv", None)),
             (H, D, D), jnp.float32)
         valid_BL = jnp.ones((B, L), bool) if mask is None else mask != 0
         pad = -L % self.block_size

@@ -154,10 +154,10 @@ class SynthesizerAttention(Attention):
         M, F = self.max_len, self.hidden_dim or D
         box = nn.with_logical_partitioning
         if self.mode == "dense":
-            self.param("w1", box(nn.initializers.lecun_normal(in_axis=1, out_axis=2),
+            self.param("w1", box(nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0),
                                  ("heads", "kv", None)), (H, D, F), jnp.float32)
             self.param("b1", box(nn.initializers.zeros, ("heads", None)), (H, F), jnp.float32)
-            self.param("w2", box(nn.initializers.lecun_normal(in_axis=1, out_axis=2),
+            self.param("w2", box(nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0),
                                  ("heads", None, None)), (H, F, M), jnp.float32)
             self.param("b2", box(nn.initializers.zeros, ("heads", None)), (H, M), jnp.float32)
         elif self.mode == "random" and self.trainable:

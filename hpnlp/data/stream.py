@@ -13,7 +13,9 @@ Shape letters: B rows of this process's batch, W width (data.seq_len).
 Train is infinite: epoch e starts the stream at a random offset in [0, W) (from the seed
 and e), so segment edges move between epochs, and drops the < B leftover pairs. Eval is
 one pass over every pair: rows are ceil(N / B) long and the last rows' tails are padding
-(segment id 0), the only padding a stream has. The iterator state is (epoch, batch).
+(segment id 0). A train epoch's rows are S = (N - offset) // B pairs long, and its last
+batch's columns past S are padding too when W does not divide S. The iterator state is
+(epoch, batch).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class StreamIterator:
             raise ConfigError(f"config field `{field}` = {batch_size} is not allowed: the {split} "
                               f"stream of task {task.name!r} has {n} tokens, fewer than its "
                               f"{batch_size} rows; lower it")
-        self.task, self.split, self.seed = task, split, cfg.seed
+        self.task, self.split, self.seed, self._ex = task, split, cfg.seed, ex
         self.batch_size, self.seq_len = int(batch_size), cfg.seq_len
         per = batch_size // process_count
         self._lo, self._hi = process_index * per, (process_index + 1) * per
@@ -112,7 +114,10 @@ class StreamIterator:
     def _fingerprint(self) -> dict:
         return {"task": self.task.name, "split": self.split, "batching": "stream",
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
-                "num_tokens": len(self._inputs)}
+                "num_tokens": len(self._inputs),
+                # a review (session 103): as BatchIterator's, so a train_path edited after a
+                # stop, its count unchanged, is refused rather than resumed in other text
+                "digest": self._ex.digest}
 
     def get_state(self) -> dict:
         """Small and JSON-serializable; positions are in global rows, so it resumes under

@@ -126,8 +126,11 @@ def _nucleus(x_BV, keep_BV, top_p):
 
 def sampling_logits(logp_BV, *, temperature=1.0, top_k: int = 0, top_p=1.0, min_p=0.0):
     """The logits [B, V] of the distribution to sample the next token from, given the
-    model's log-probs [B, V] (B: any leading axes): `logp / temperature`, with the tokens
-    the options remove at -inf (softmax renormalizes what is left). Applied in Hugging
+    model's log-probs [B, V] (B: any leading axes): `(logp - max logp) / temperature`, with
+    the tokens the options remove at -inf (softmax renormalizes what is left). The shift
+    leaves the distribution as it is and the most probable token's logit at 0 at any
+    temperature (a review, session 103: unshifted, logp / T overflowed to -inf for every
+    token at a tiny T once the most probable had p below about 2%, and token 0 was drawn). Applied in Hugging
     Face's order, each to the tempered distribution the previous one left (renormalized):
 
     - `top_k` (0: off): the k most probable tokens;
@@ -143,9 +146,10 @@ def sampling_logits(logp_BV, *, temperature=1.0, top_k: int = 0, top_p=1.0, min_
     all at 16 x 8000 on one CPU core.
 
         >>> sampling_logits(jnp.log(jnp.array([[.5, .3, .15, .05]])), top_p=0.75)
-        Array([[-0.6931472, -1.2039728,       -inf,       -inf]], dtype=float32)
+        Array([[ 0.        , -0.51082563,        -inf,        -inf]], dtype=float32)
     """
-    x_BV = logp_BV / temperature
+    top_B1 = jnp.max(logp_BV, axis=-1, keepdims=True)
+    x_BV = (logp_BV - jnp.where(jnp.isfinite(top_B1), top_B1, 0)) / temperature
     V = x_BV.shape[-1]
     if top_k > V:
         raise ValueError(f"top_k={top_k} is larger than the vocabulary (the log-probs' last "

@@ -19,10 +19,12 @@ draft (a distilled student: `train.distill`) agrees with it often
 
 Each row keeps its own drafts: the caches hold a position per row (the key/value caches'
 `index` and the LM's `position` as [B]), so a row that accepts more advances further, and
-every row's tokens are those it would get decoded alone. After a round both caches are set
-back to each row's kept tokens by resetting those positions, which is exact for the
-key/value cache every variant without its own decode cache uses (`Attention.exact_cache`):
-entries past a row's position are never read and are overwritten. Variants with their own
+every row's tokens are those it would get decoded alone when greedy (sampled: the same
+distribution, but a round's draws are made over the batch, so other tokens). After a round
+both caches are set back to each row's kept tokens by resetting those positions, which is
+exact for the key/value cache every variant without its own decode cache uses
+(`Attention.exact_cache`): entries past a row's position are never read and are
+overwritten. Variants with their own
 cache (windows, recurrent states, features) are refused by `check`. A row that is done
 idles (its tokens and counts no longer change) until the last row is.
 """

@@ -71,8 +71,9 @@ class VariationalDropout(nn.Module):
     def mask(self, shape, dtype=jnp.float32):
         """The scaled mask, size 1 along the time axis (broadcast it over time)."""
         shape = tuple(shape)
-        if self.time_axis is not None:
-            shape = shape[:self.time_axis] + (1,) + shape[self.time_axis + 1:]
+        if self.time_axis is not None:  # a negative axis counts from the end (a review,
+            t = self.time_axis % len(shape)  # session 103: -1 built a mask of rank 2n)
+            shape = shape[:t] + (1,) + shape[t + 1:]
         return _keep_mask(self.make_rng("dropout"), check_rate("variational_dropout", self.rate),
                           shape, dtype)
 

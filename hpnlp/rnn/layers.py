@@ -199,11 +199,15 @@ class RNNLayer(nn.Module):
             _check_lengths(lengths_B, L)
             # past the inputs (traced, so not refused above) the backward direction would
             # read outside them (NaN); a row's length caps at L, as the forward one reads it
-            lengths_B = jnp.clip(lengths_B, 0, L)
+            # (in int32: a review (session 103) found uint8 lengths clipped at L = 300 wrap L)
+            lengths_B = jnp.clip(lengths_B.astype(jnp.int32), 0, L)
         D, K, H = (2 if self.bidirectional else 1), cells.NUM_GATES[self.kind], self.hidden
         G, pdt, dt = K * H, self.param_dtype, self.dtype
 
-        w_EDKH = _param(self, "input_kernel", nn.initializers.lecun_normal(in_axis=0, out_axis=(2, 3)),
+        # each direction's [E, K, H] its own fan-in E (a review (session 103): the direction axis
+        # counted into it, so a bidirectional layer started sqrt(2) smaller than flax's)
+        w_EDKH = _param(self, "input_kernel",
+                        nn.initializers.lecun_normal(in_axis=0, out_axis=(2, 3), batch_axis=1),
                         ("embed", None, None, "mlp"), (E, D, K, H), pdt)
         w_DHKH = _param(self, "recurrent_kernel", _orthogonal_per_gate, (None, None, None, "mlp"),
                         (D, H, K, H), pdt)
