@@ -40,6 +40,17 @@ def test_quantize_dequantize_error_within_half_a_step(fmt):
                                    rtol=1e-6)
 
 
+def test_pow2_zeroes_below_the_log_domain_midpoint_under_the_smallest_level():
+    """pow2 rounds k in the log domain, so a value turns 0 below 2^-0.5 (~0.71) of the
+    smallest level, not below half of it, as the module doc said (a bug hunt (session 103):
+    the words changed, not the rule QAT runs were trained by)."""
+    low = 2.0 ** -formats.get("pow2").kmax  # the smallest level, under a range of 1
+    u = np.float32([1.0, 0.6, 0.7, 0.72, 0.75, -0.75])
+    got = jax.jit(formats.quantize_dequantize, static_argnums=(1, 2))(
+        jnp.asarray(u * np.float32([1.0] + [low] * 5)), "pow2", (0,))
+    np.testing.assert_array_equal(got, np.float32([1.0, 0.0, 0.0, low, low, -low]))
+
+
 def test_int4_groups_have_their_own_scales():
     x = jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32).at[:4].multiply(100.0)
     codes, scale = formats.get("int4").encode(x, (0,), group=4)
@@ -897,6 +908,60 @@ def test_qat_under_data_and_fsdp_mesh_matches_one_device():
         np.testing.assert_allclose(g["qkv"], ref["qkv"], atol=2e-4, err_msg=name)
         assert g["losses"][-1] < g["losses"][0], name
 
+
+PIPELINE_STATIC_CODE = r"""
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+from hpnlp import models
+from hpnlp.compress import ptq
+from hpnlp.config import QuantConfig, default_configdict, from_configdict
+from hpnlp.parallel.mesh import make_mesh
+
+cd = default_configdict()
+cd.data.update(task="byte_lm", seq_len=16)
+cd.model.update(kind="lm", width=16, depth=2, num_heads=2, mlp_dim=32, max_len=16,
+                stack_layers=True)
+cd.mesh.update(pipeline=2, data=1)
+cfg = ptq.with_quant(from_configdict(cd), QuantConfig(weights="int8", activations="int8",
+                                                       act_scale="static"))
+model = models.build(cfg, deterministic=True)
+rng = np.random.default_rng(0)
+tokens = jnp.asarray(rng.integers(0, 256, (4, 16)), jnp.int32)
+batch = {"inputs": tokens, "targets": tokens, "segment_ids": jnp.ones((4, 16), jnp.int32),
+         "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (4, 16))}
+shapes = jax.eval_shape(model.init, jax.random.key(0), batch)  # random weights: no init compile
+params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype),
+                      nn.unbox(shapes["params"]))
+calib = jax.eval_shape(lambda p: model.apply({"params": p}, batch, method="evaluate",
+                                             mutable=["calib"])[1]["calib"], params)
+# the blocks' ranges [depth]: a wide one in layer 0, a clipping one in layer 1, so a stage
+# that read the other layer's ranges would change the result
+quant = jax.tree.map(lambda s: jnp.asarray([3.0, 0.2][:s.shape[0]] if s.shape else 3.0,
+                                           jnp.float32), calib)
+run = jax.jit(lambda p, q, b: model.apply({"params": p, "quant": q}, b, method="log_probs"))
+want = run(params, quant, batch)  # no mesh: nn.scan
+with jax.set_mesh(make_mesh(cfg.mesh)), nn.logical_axis_rules(cfg.mesh.rule_tuples()):
+    got = run(params, quant, batch)  # gpipe over 2 stages
+np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+print("PIPELINE STATIC OK")
+"""
+
+
+@pytest.mark.slow  # 15 s on one core (a subprocess on 2 simulated devices, two compiles)
+def test_static_ranges_reach_the_blocks_of_a_pipelined_model():
+    """A bug hunt (session 103): under mesh.pipeline > 1 the gpipe stages applied each block
+    with its params alone, so the `quant` collection (act_scale='static' ranges) never
+    reached them, and `python -m hpnlp.compress quantize` of a pipelined run failed in its
+    own quantized eval ("has no calibrated range: quantize with ..."). The ranges now ride
+    through the stages beside the params, split by layer: the 2-stage pipeline equals the
+    stacked scan, with a range per layer that clips in one of them."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    proc = subprocess.run([sys.executable, "-c", PIPELINE_STATIC_CODE], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "PIPELINE STATIC OK" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_served_int8_layer_with_gelu_epilogue_equals_its_xla_twin():

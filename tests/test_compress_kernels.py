@@ -16,7 +16,7 @@ import pytest
 
 from hpnlp import kernels
 from hpnlp.compress import kernels as qk
-from hpnlp.compress import packing
+from hpnlp.compress import formats, packing
 
 needs_kernel = pytest.mark.kernel(qk.KERNEL)
 
@@ -242,6 +242,24 @@ def test_int8_linear_rows_with_nan_or_inf_are_nan():
         np.testing.assert_array_equal(q[:4], np.zeros((4, K)))
         ys = jax.jit(lambda x: [qk.int8_linear(x, w, impl="xla")] + [
             qk.int8_linear(x, w, impl="kernel", threads=t) for t in (1, 2)])(x)
+        for y in ys:
+            np.testing.assert_array_equal(y, np.where(np.arange(M)[:, None] < 4, np.nan, K)
+                                          * np.ones((1, N)))
+
+
+@needs_kernel
+def test_binary_linear_rows_with_nan_or_inf_are_nan():
+    """A row holding a NaN or an inf has beta NaN, so its outputs are NaN, in the kernel (the
+    popcounts' path, and from AMX_MIN_ROWS rows the tiles' where the CPU has them) as in the
+    twin and in formats.py's binary scale, which the packed model decoded in XLA follows (a
+    bug hunt (session 103): beta = inf gave +-inf, the -inf row's outputs too)."""
+    K, N = 70, 3
+    w = qk.prepare_binary_weight(packing.pack_bits(np.ones((K, N))), k=K)
+    for M in (5, qk.AMX_MIN_ROWS):
+        x = _nan_inf_rows(M, K)
+        assert np.isnan(formats.quantize_dequantize(x, "binary", axes=(1,))[:4]).all()
+        ys = jax.jit(lambda x: [qk.binary_linear(x, w, impl="xla")] + [
+            qk.binary_linear(x, w, impl="kernel", threads=t) for t in (1, 2)])(x)
         for y in ys:
             np.testing.assert_array_equal(y, np.where(np.arange(M)[:, None] < 4, np.nan, K)
                                           * np.ones((1, N)))

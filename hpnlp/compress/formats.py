@@ -21,8 +21,10 @@ Formats (b bits, s the scale, c the integer code):
                 c = sign(x) [|x| > t], s = mean of |x| over |x| > t.
   pow2          signed powers of two (Miyashita et al. 2016; a product is a shift):
                 x ~ s sign(x) 2^-k, s = range, k = round(-log2(|x| / s)) clipped to
-                [0, 2^(b-1) - 2], values below half the smallest level are 0; the code
-                is sign * (k + 1), 0 for zero, so 4 bits hold 7 exponents and zero.
+                [0, 2^(b-1) - 2]: rounded in the log domain, so a value takes the level
+                nearest in log2, and values below 2^-0.5 (~0.71) of the smallest level (the
+                log-domain midpoint to the next level down, as between levels) are 0; the
+                code is sign * (k + 1), 0 for zero, so 4 bits hold 7 exponents and zero.
 
 A NaN or an infinity in the values one scale covers, where the range is the values' own
 (`rng` None, as PTQ and the int8 KV cache quantize), or a non-finite `rng`, makes that scale
@@ -175,7 +177,10 @@ class Pow2(Format):
         scale = jnp.where(ok, r, 0.0)
         u = jnp.abs(x) / jnp.where(ok, r, 1.0)
         k = jnp.clip(jnp.round(-jnp.log2(jnp.maximum(u, 1e-30))), 0, self.kmax)
-        zero = u < 2.0 ** (-self.kmax - 0.5)  # nearer 0 than the smallest level
+        # below 2^-0.5 of the smallest level, the log-domain midpoint to the next level
+        # down, as k rounds between levels (the module doc said half the smallest level; a
+        # bug hunt (session 103) corrected the words, not the rule QAT runs were trained by)
+        zero = u < 2.0 ** (-self.kmax - 0.5)
         codes = jnp.where(zero, 0, jnp.sign(x) * (k + 1))
         return _codes_or_zero(ok, scale, codes).astype(jnp.int8), scale
 

@@ -468,6 +468,10 @@ def binary_linear_xla(x_MxK, weight: BinaryWeight):
     s_MxK = jnp.where(x_MxK > 0, 1, -1).astype(jnp.int8)
     w_KxN = packing.unpack_bits(weight.bits_KbxN, weight.k, axis=0, dtype=jnp.int8)
     beta_M = jnp.mean(jnp.abs(x_MxK), axis=1)
+    # NaN for a row holding a NaN or an inf, as formats.py's binary scale (a bug hunt
+    # (session 103): beta = inf gave +-inf outputs where the packed model decoded in XLA,
+    # and the int8 kernel's rows, give NaN)
+    beta_M = jnp.where(jnp.isfinite(beta_M), beta_M, jnp.nan)
     acc_MxN = int8_matmul_xla(s_MxK, w_KxN)
     return acc_MxN.astype(jnp.float32) * beta_M[:, None] * weight.alpha_N[None, :]
 
@@ -504,7 +508,8 @@ def binary_matmul(x_bits_MxKb, weight: BinaryWeight, *, impl: str = "auto",
 def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
                   threads: int | None = None, blocking: dict | None = None):
     """XNOR-Net linear layer: sign(x) (x > 0: +1, else -1) with per-token scale beta =
-    mean|x_row|, times the prepared binary weight: popcount product * beta[m] * alpha[n]."""
+    mean|x_row|, times the prepared binary weight: popcount product * beta[m] * alpha[n].
+    A row holding a NaN or an inf has beta NaN, so its outputs are NaN (formats.py's rule)."""
     _check_options("binary_linear", threads, blocking)
     _check_binary_weight("binary_linear", weight)
     _check_x("binary_linear", x_MxK, weight.k, jnp.float32)
@@ -579,7 +584,14 @@ def int4_linear(x_MxK, weight: Int4Weight, *, impl: str = "auto", threads: int |
     """Weight-only int4 linear layer: float32 x_MxK @ (int4 weight * group scales), the
     nibbles unpacked in registers (never a float weight in memory). `impl="auto"` runs the
     kernel up to `INT4_KERNEL_MAX_ROWS` rows (decoding) and the XLA twin past them (a
-    prefill: the dequantized weight through XLA's GEMM)."""
+    prefill: the dequantized weight through XLA's GEMM).
+
+    With one group or groups of an even number of rows (every usual int4 layer) the kernel
+    sums x * n over a group before its scale (`i4_block_grouped` in qgemm.cc), so it matches
+    the twin, up to float32 rounding, for nonzero |x| in [2^-98, FLT_MAX / (8 g)] (g the
+    group's rows, K for one group: about [3.2e-30, 3.3e35] at g = 128); below, the kernel's
+    pre-scaled x is subnormal (rounded, or flushed to 0), above, its sums overflow to inf or
+    NaN where the twin's need not. A model's activations lie far inside."""
     if not isinstance(weight, Int4Weight):
         raise ValueError("int4_linear: weight must be an Int4Weight (prepare_int4_weight); got "
                          f"{type(weight).__name__}")

@@ -885,6 +885,14 @@ inline float abssum(const float* x, int n) {
   return s;
 }
 
+// binary_linear's per-row scale beta = mean |x|, NaN where that is not finite (a NaN or an
+// inf in the row, or a sum past FLT_MAX), as the twin's and formats.py's binary scale (a bug
+// hunt (session 103): an inf kept beta = inf, and the row's outputs +-inf, not NaN).
+inline float binary_beta(const float* x, int n) {
+  const float beta = abssum(x, n) / float(n);
+  return std::isfinite(beta) ? beta : std::numeric_limits<float>::quiet_NaN();
+}
+
 // The per-row int8 scale (max |x| / 127, 0 for a row of zeros; NaN or inf as the row's
 // max) into *scale; returns the factor that quantizes: 127 / max |x| (0 for zeros, NaN
 // and inf, as the twin's).
@@ -1378,7 +1386,7 @@ void b_amx_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int 
   const int kb = (g.K + 7) / 8;
   const __m512i plus = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
   for (int m = r0; m < r1; ++m) {
-    if (!xb) g.beta[m] = abssum(xf + size_t(m) * g.K, g.K) / float(g.K);
+    if (!xb) g.beta[m] = binary_beta(xf + size_t(m) * g.K, g.K);
     for (int j = 0; j < g.kw; ++j) {
       const int n = std::min(64, g.K - 64 * j);
       uint64_t word;
@@ -1423,7 +1431,7 @@ void b_rows(const BGemm& g, const uint8_t* xb, const float* xf, int r0, int r1) 
       }
     } else {
       const float* xr = xf + size_t(m) * g.K;
-      g.beta[m] = abssum(xr, g.K) / float(g.K);
+      g.beta[m] = binary_beta(xr, g.K);
       for (int j = 0; j < g.kw; ++j) b_put(g, m, j, sign_word(xr + 64 * j, std::min(64, g.K - 64 * j)));
     }
   }
@@ -1633,13 +1641,19 @@ inline void i4_block(const I4Gemm& s, int r0, int panel) {
 // i4_unpack_raw leaves each nibble n where it lies, as a float: the low one as n * 2^28
 // (a shift left), the high one as n * 16 (a mask), two instructions fewer than moving
 // both down. The activations come pre-scaled to match (x_ps below: even k times 2^-28,
-// odd k times 2^-4, exact powers of two), so every product is the same float as x * n.
+// odd k times 2^-4, exact powers of two), so every product is the same float as x * n
+// where x * 2^-28 is a normal float: |x| >= 2^-98 (~3.2e-30; below it is subnormal, rounded,
+// or 0 where the thread flushes denormals, as XLA's do).
 //
 // The same block with the scales applied per group, not per weight: the group's raw
 // nibble products accumulate in registers (no scale load or multiply a weight), then
 // acc += group sum * scale into a small array in L1 once a group. For groups of an even
 // number of rows (pairs never straddle two groups) or a single group; i4_block does the
-// rest.
+// rest. The unscaled sum overflows where the twin's x * (n * scale) may not, so this path
+// matches the twin (up to float32 rounding) for nonzero |x| in [2^-98, FLT_MAX / (8 g)], g
+// the group's rows (K for one group; ~3.3e35 at g = 128, ~4.3e37 at most): outside, it may
+// lose the product (rounded or flushed below, inf or NaN above). Not guarded, to keep the
+// inner loop as timed (a bug hunt (session 103)); a model's activations lie far inside.
 template <int R>
 inline void i4_block_grouped(const I4Gemm& s, int r0, int panel) {
   constexpr int S = R == 1 || I4_V == 1 ? 2 : 1;
@@ -1869,8 +1883,9 @@ ffi::Error BinaryMatmulImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, in
   return exception_error("binary matmul");
 }
 
-// x [M, K] float32 (binarized by sign inside, beta = mean |x| per row), w packed, alpha
-// [N] -> [M, N] float32 = (K - 2 popcount) * beta[m] * alpha[n].
+// x [M, K] float32 (binarized by sign inside, beta = mean |x| per row, NaN where not
+// finite: binary_beta), w packed, alpha [N] -> [M, N] float32 = (K - 2 popcount) * beta[m]
+// * alpha[n].
 ffi::Error BinaryLinearImpl(ffi::ThreadPool xla, int64_t threads, int64_t mc, int64_t mr,
                             int64_t amx, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                             ffi::Buffer<ffi::F32> alpha, ffi::ResultBuffer<ffi::F32> out) try {

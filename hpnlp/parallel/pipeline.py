@@ -112,22 +112,25 @@ def scan_blocks(block: nn.Module, x_BLE, seg_BL, *, length: int):
     return x_BLE
 
 
-def apply_layers(block: nn.Module, params, x_bLE, seg_bL, rngs: dict, *, first_layer, microbatch):
+def apply_layers(block: nn.Module, params, x_bLE, seg_bL, rngs: dict, *, first_layer, microbatch,
+                 quant=None):
     """A stage: the layers in `params` (leading axis n) applied in order with `lax.scan`.
 
     `block` is unbound; keys fold in the global layer index (and the microbatch, for
-    dropout), so they do not depend on how the layers are cut into stages.
+    dropout), so they do not depend on how the layers are cut into stages. `quant`: the
+    layers' `quant` collection (hpnlp.compress's calibrated ranges, leading axis n), if any.
     """
     n = jax.tree.leaves(params)[0].shape[0]
 
     def layer(x_bLE, xs):
-        p, j = xs
+        p, q, j = xs
         keys = {s: jax.random.fold_in(k, first_layer + j) for s, k in rngs.items()}
         if "dropout" in keys:
             keys["dropout"] = jax.random.fold_in(keys["dropout"], microbatch)
-        return block.apply({"params": p}, x_bLE, *_block_args(seg_bL), rngs=keys), None
+        variables = {"params": p, **({"quant": q} if q is not None else {})}
+        return block.apply(variables, x_bLE, *_block_args(seg_bL), rngs=keys), None
 
-    x_bLE, _ = lax.scan(layer, x_bLE, (params, jnp.arange(n)))
+    x_bLE, _ = lax.scan(layer, x_bLE, (params, quant, jnp.arange(n)))
     return x_bLE
 
 
@@ -228,8 +231,20 @@ def stacked_blocks(parent: nn.Module, make_block: Callable[..., nn.Module], x_BL
         return scan_blocks(make_block(name=name), x_BLE, seg_BL, length=depth)
     params = nn.meta.unbox(parent.variables["params"][name])
     rngs = {s: parent.make_rng(s) for s in RNG_STREAMS if parent.has_rng(s)}
-    stage = functools.partial(apply_layers, make_block(parent=None))
-    return gpipe(stage, params, x_BLE, seg_BL, rngs, microbatches=_MICROBATCHES.get())
+    block = make_block(parent=None)
+    quant = parent.variables.get("quant", {}).get(name)
+    if quant is None:
+        stage = functools.partial(apply_layers, block)
+        return gpipe(stage, params, x_BLE, seg_BL, rngs, microbatches=_MICROBATCHES.get())
+
+    # The calibrated ranges (hpnlp.compress, act_scale='static') go through the stages
+    # beside the params, split by layer as they are (a bug hunt (session 103): the blocks
+    # got the params alone, so a pipelined run's PTQ eval failed on every static product)
+    def stage(variables, *args, **kw):
+        return apply_layers(block, variables["params"], *args, quant=variables["quant"], **kw)
+
+    return gpipe(stage, {"params": params, "quant": quant}, x_BLE, seg_BL, rngs,
+                 microbatches=_MICROBATCHES.get())
 
 
 __all__ = ["apply_layers", "gpipe", "gpipe_reference", "pipeline_stages", "scan_blocks",
