@@ -76,6 +76,20 @@ def test_sums_shapes_and_finite(kind, attention):
     chex.assert_tree_all_finite(grads)
 
 
+def test_batch_frequency_gradients_do_not_count_padding():
+    """A review (session 103): embed_grad_scale='batch' counted padded slots, which hold id 0,
+    so the amount of padding after a row scaled the gradient of id 0's row (word_lm's and the
+    subword vocabularies' most frequent token). The same rows padded 3 slots further: equal."""
+    cfg = make_cfg("lm", embed_grad_scale="batch", depth=1, max_len=L + 3)
+    batch = lm_batch((L, 11))
+    batch["inputs"][:, :4] = 0  # id 0 among the real tokens
+    wide = {k: np.pad(v, ((0, 0), (0, 3))) for k, v in batch.items()}  # padding: id 0, seg 0
+    model, params = init(cfg, wide)
+    grad = jax.jit(jax.grad(lambda p, b: model.apply({"params": p}, b)["loss"]))
+    np.testing.assert_allclose(grad(params, wide)["embed"]["embedding"],
+                               grad(params, batch)["embed"]["embedding"], rtol=1e-5, atol=2e-6)
+
+
 def test_evaluate_refuses_targets_and_labels_out_of_range():
     # their gathers read an id past the vocabulary or classes as NaN (the LM's loss refused it)
     cfg = make_cfg("lm")

@@ -140,7 +140,8 @@ class BiEncoder(nn.Module):
         m = self.cfg.model
         if m.arch == "bag":
             mask_BL1 = (seg_BL > 0)[..., None].astype(jnp.float32)
-            sum_BE = jnp.sum(self.embed(tokens_BL).astype(jnp.float32) * mask_BL1, axis=1)
+            sum_BE = jnp.sum(self.embed(tokens_BL, seg_BL > 0).astype(jnp.float32) * mask_BL1,
+                             axis=1)
             if m.encoder.bag == "mean":
                 sum_BE = sum_BE / jnp.maximum(mask_BL1.sum(1), 1.0)
             return normalize(sum_BE)

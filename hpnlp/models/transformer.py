@@ -432,7 +432,7 @@ class Trunk(nn.Module):
     def __call__(self, embed: nn.Module, tokens_BL, seg_BL, pos_BL):
         m = self.model
         dt, pdt = dtypes(m)
-        x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        x_BLE = embed(tokens_BL, seg_BL > 0).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
         if m.pos_emb == "learned":
             table_TE = self.param("pos_embedding", _init(nn.initializers.normal(0.02), (None, "embed")),
                                   (m.max_len, m.width), pdt)
@@ -485,9 +485,13 @@ def _scaled_take_bwd(res, g):
 scaled_take.defvjp(_scaled_take_fwd, _scaled_take_bwd)
 
 
-def batch_count_weights(ids, vocab_size: int):
-    """PyTorch's `scale_grad_by_freq`: 1 / (count of each id among `ids`), 1 for absent ids."""
-    counts_V = jnp.zeros((vocab_size,), jnp.float32).at[ids.reshape(-1)].add(1.0)
+def batch_count_weights(ids, vocab_size: int, valid=None):
+    """PyTorch's `scale_grad_by_freq`: 1 / (count of each id among `ids`), 1 for absent ids.
+    `valid` (ids' shape, bool): count only those slots; padding holds id 0, a real token's
+    id in most vocabularies (a review, session 103: counted, the amount of padding scaled
+    the gradient of id 0's row)."""
+    one = jnp.ones(ids.shape, jnp.float32) if valid is None else valid.astype(jnp.float32)
+    counts_V = jnp.zeros((vocab_size,), jnp.float32).at[ids.reshape(-1)].add(one.reshape(-1))
     return 1.0 / jnp.maximum(counts_V, 1.0)
 
 
@@ -513,8 +517,9 @@ class Embed(nn.Embed):
 
     `grad_scale` ("none" | "batch" | "corpus", `model.embed_grad_scale`) scales each row's
     gradient by token frequency (`scaled_take`): "batch" divides it by the id's count among
-    this call's ids, exactly PyTorch's `scale_grad_by_freq`; "corpus" by `row_weights` (a
-    fixed table, `corpus_count_weights`)."""
+    this call's real ids (`valid`: the slots that are not padding; all when None), PyTorch's
+    `scale_grad_by_freq` with padding left out; "corpus" by `row_weights` (a fixed table,
+    `corpus_count_weights`)."""
 
     quant_rows: bool = False  # set by make_embed for a tied, quantized table
     quant: Any = None
@@ -525,7 +530,7 @@ class Embed(nn.Embed):
         self.embedding = param(self, "embedding", self.embedding_init,
                                (self.num_embeddings, self.features), self.param_dtype)
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, valid=None):
         from hpnlp.compress.qlinear import Factored, float_product, note_product
         note_product(self, "embedding", "embed", (1,))  # [V, E]: a one-hot product's table
         if isinstance(self.embedding, Factored):  # model.lowrank: A [V, r] rows, then B [r, E]
@@ -534,7 +539,8 @@ class Embed(nn.Embed):
             return float_product(rows, f.v.astype(self.dtype), None, 1)
         table_VE = self.table()
         if self.grad_scale == "batch":
-            out = scaled_take(table_VE, inputs, batch_count_weights(inputs, self.num_embeddings))
+            out = scaled_take(table_VE, inputs,
+                              batch_count_weights(inputs, self.num_embeddings, valid))
         elif self.grad_scale == "corpus":
             out = scaled_take(table_VE, inputs, jnp.asarray(self.row_weights.weights, jnp.float32))
         else:

@@ -387,7 +387,7 @@ class XLTrunk(nn.Module):
             recon = self.is_mutable_collection(AUX)
         if window_LK is not None:
             allowed_BLK = allowed_BLK & window_LK[None]
-        x_BLE = embed(tokens_BL).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        x_BLE = embed(tokens_BL, seg_BL > 0).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = remat_block(XLBlock, m)
