@@ -696,3 +696,69 @@ def test_streams_of_a_prepared_folder_are_refused_without_suggesting_transformer
                            r"data.batching='pack'$") as e:
             validate(cfg, task_info=lm, num_devices=1)
         assert "transformer_xl" not in str(e.value)
+
+
+def test_prune_and_distill_fields_their_schedule_does_not_read_are_refused():
+    """A bug hunt (session 103): each was taken under every schedule (and distill init), and
+    read only under its own (hpnlp.compress.prune, distill)."""
+    mag = {"method": "magnitude"}
+    for prune, field, hint in (
+            ({"schedule": "oneshot", "rounds": 5}, "rounds", "train.prune.schedule='imp'"),
+            ({"schedule": "cubic", "rewind_step": 10}, "rewind_step", "(this run's is 'cubic')"),
+            ({"schedule": "oneshot", "every": 7}, "every", "set train.prune.schedule='cubic'"),
+            ({"schedule": "imp", "end_step": 50}, "end_step", "for train.prune.schedule 'cubic'"),
+            ({"schedule": "imp", "start_step": 50}, "start_step", "'oneshot' or 'cubic'")):
+        with pytest.raises(ConfigError) as e:
+            validate(base(train={"prune": {**mag, **prune}}), num_devices=1)
+        assert f"`train.prune.{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+    distill = {"teacher": "/nonexistent/teacher", "importance_batches": 32}
+    with pytest.raises(ConfigError, match=r"`train.distill.importance_batches` = 32 .*"
+                       r"init='select' ranks no units.*'importance' or 'pca'"):
+        validate(base(train={"distill": {**distill, "init": "select"}}), num_devices=1)
+    for prune in ({"schedule": "oneshot", "start_step": 5},
+                  {"schedule": "cubic", "start_step": 5, "end_step": 50, "every": 7},
+                  {"schedule": "imp", "rounds": 2, "rewind_step": 10}):  # each where it is read
+        validate(base(train={"prune": {**mag, **prune}}), num_devices=1)
+    validate(base(train={"distill": {**distill, "init": "importance"}}), num_devices=1)
+
+
+def test_list_options_read_back_from_config_json_stay_hashable():
+    """A bug hunt (session 103): output.options.cutoffs came back from config.json a list, the
+    Config unhashable (retrieval.knnlm's cached forward raised TypeError) and unequal."""
+    import json
+
+    from hpnlp.config import to_json
+    info = {"kind": "lm", "vocab_size": 1000, "num_classes": 0, "frequency_sorted": True}
+    cfg = validate(base(data={"task": "word_lm"}, output={"name": "adaptive", "options": {
+        "cutoffs": (20, 200)}}), task_info=info, num_devices=1)
+    back = from_configdict(json.loads(json.dumps(to_json(cfg))))  # load_run_config's path
+    assert back == cfg and hash(back) == hash(cfg)
+    nested = from_configdict({"attention": {"options": {"x": [[1], {"y": [2, 3]}]}}})
+    assert nested.attention.options["x"] == ((1,), {"y": (2, 3)})
+    hash(nested)
+
+
+def test_a_model_quant_mapping_is_checked_and_not_replaced_by_the_quant_group():
+    """A bug hunt (session 103): `model.quant` (config.json's place for it) was built
+    unchecked, a typo a raw TypeError, and the default `quant` group silently replaced it."""
+    with pytest.raises(ConfigError, match=r"`model.quant.weightz` .*unknown field"):
+        from_configdict({"model": {"quant": {"weightz": "int8"}}})
+    cd = default_configdict()
+    with cd.unlocked():
+        cd.model.quant = {"weights": "int8"}
+    assert from_configdict(cd).quant.weights == "int8"
+    cd.quant.weights = "int4"
+    with pytest.raises(ConfigError, match=r"`quant.weights` = 'int4' .*sets model.quant too"):
+        from_configdict(cd)
+
+
+def test_the_constant_schedule_may_warm_up_to_the_last_step():
+    """A bug hunt (session 103): warmup_steps == train.steps was taken, and steps + 1 refused
+    as "must be < train.steps (the 'constant' decay needs steps after warmup)"."""
+    validate(base(train={"schedule": "constant", "steps": 100, "warmup_steps": 100}),
+             num_devices=1)
+    with pytest.raises(ConfigError) as e:
+        validate(base(train={"schedule": "constant", "steps": 100, "warmup_steps": 101}),
+                 num_devices=1)
+    assert "`train.warmup_steps` = 101" in str(e.value), str(e.value)
+    assert "must be <= train.steps=100" in str(e.value) and "decay" not in str(e.value)

@@ -744,7 +744,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     for name in ("b1", "b2"):
         if not 0 <= getattr(t, name) < 1:
             _fail(f"train.{name}", getattr(t, name), "Adam's moment decay must be in [0, 1)")
-    if t.warmup_steps > t.steps or (t.schedule != "constant" and t.warmup_steps >= t.steps):
+    if t.schedule == "constant" and t.warmup_steps > t.steps:
+        # a bug hunt (session 103): this said "must be < train.steps (the 'constant' decay
+        # needs steps after warmup)", a bound not applied, of a decay 'constant' does not have
+        _fail("train.warmup_steps", t.warmup_steps, f"must be <= train.steps={t.steps} (the "
+              "warmup ends within the run); lower it, or raise train.steps")
+    if t.schedule != "constant" and t.warmup_steps >= t.steps:
         _fail("train.warmup_steps", t.warmup_steps,
               f"must be < train.steps={t.steps} (the {t.schedule!r} decay needs steps after warmup)")
     metrics = ("loss", "accuracy", "ppl") if m.kind == "lm" else ("loss", "accuracy")

@@ -771,22 +771,18 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
     """ConfigDict (or nested dict) -> frozen `Config`; unknown fields are errors."""
     plain = _to_plain(cd) if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
     kwargs: dict[str, Any] = {}
-    quant = None
+    quant = model_quant = None
     for key, value in plain.items():
         if key == "quant":  # the user's `quant.*` group lives in ModelConfig.quant
-            names = {f.name for f in dataclasses.fields(QuantConfig)}
-            value = dict(value or {})
-            for field_name in value:
-                if field_name not in names:
-                    _fail(f"quant.{field_name}", value[field_name],
-                          f"unknown field; `quant` has {sorted(names)}")
-            quant = QuantConfig(**value)
+            quant = _subgroup("quant", QuantConfig, value)
         elif key in _GROUPS:
             cls = _GROUPS[key]
             names = {f.name for f in dataclasses.fields(cls)}
             value = dict(value or {})
-            if key == "model" and isinstance(value.get("quant"), Mapping):  # a saved config.json
-                quant = quant or QuantConfig(**value.pop("quant"))
+            if key == "model" and "quant" in value:  # a saved config.json's place for it
+                # checked as `quant` is (a bug hunt, session 103: built unchecked, a typo was
+                # a raw TypeError, and beside the `quant` group it was silently replaced)
+                model_quant = _subgroup("model.quant", QuantConfig, value.pop("quant"))
             for field_name in value:
                 if field_name not in names:
                     _fail(f"{key}.{field_name}", value[field_name],
@@ -797,7 +793,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
             if "bucket_boundaries" in value:
                 value["bucket_boundaries"] = tuple(value["bucket_boundaries"])
             if "options" in value:  # hashable: configs become flax module fields
-                value["options"] = flax.core.FrozenDict(value["options"] or {})
+                value["options"] = _hashable(dict(value["options"] or {}))
             if key == "mesh" and "rules" in value:  # given rules override the defaults one by one
                 given = {k: _rule_value(v) for k, v in dict(value["rules"] or {}).items()}
                 value["rules"] = flax.core.FrozenDict({**DEFAULT_RULES, **given})
@@ -809,6 +805,14 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                               f"{sorted([*_GROUPS, 'quant']) + ['name', 'seed']}")
     for group, cls in _GROUPS.items():
         kwargs.setdefault(group, cls())
+    if model_quant is not None:
+        given = [f.name for f in dataclasses.fields(QuantConfig) if quant is not None
+                 and getattr(quant, f.name) != getattr(QuantConfig(), f.name)]
+        if given:
+            _fail(f"quant.{given[0]}", getattr(quant, given[0]), "the config sets model.quant "
+                  "too (a saved config.json's place for the `quant` group), and the two would "
+                  "disagree: set the quantization as quant.* alone, or as model.quant alone")
+        quant = model_quant
     if quant is not None:
         kwargs["model"] = dataclasses.replace(kwargs["model"], quant=quant)
     return Config(**kwargs)
@@ -818,6 +822,8 @@ def _subgroup(field: str, cls: type, value: Any):
     """A nested group (`train.distill`) from a mapping; unknown fields are errors."""
     if isinstance(value, cls):
         return value
+    if not isinstance(value, Mapping) and value is not None:
+        _fail(field, value, f"must be a group of `{field}.*` fields (a mapping)")
     value = dict(value or {})
     names = {f.name for f in dataclasses.fields(cls)}
     for name in value:
@@ -825,5 +831,16 @@ def _subgroup(field: str, cls: type, value: Any):
             _fail(f"{field}.{name}", value[name], f"unknown field; `{field}` has {sorted(names)}")
     for f in dataclasses.fields(cls):  # hashable: configs become flax module fields
         if f.name in value and f.default_factory is flax.core.FrozenDict:
-            value[f.name] = flax.core.FrozenDict(dict(value[f.name] or {}))
+            value[f.name] = _hashable(dict(value[f.name] or {}))
     return cls(**value)
+
+
+def _hashable(value: Any) -> Any:
+    """`value` with every mapping in it a FrozenDict and every list a tuple, all the way down
+    (a bug hunt, session 103: a config.json's `output.options.cutoffs` came back a list, the
+    reloaded Config unhashable, and retrieval.knnlm's cached forward raised TypeError)."""
+    if isinstance(value, Mapping):
+        return flax.core.FrozenDict({k: _hashable(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
