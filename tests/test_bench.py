@@ -324,6 +324,30 @@ def test_target_meets_its_bound_and_not_measured_never_does():
         report.target(1.0, 1.0, ">")
 
 
+def test_a_target_whose_value_is_not_finite_is_not_met_and_the_table_takes_it(
+        tmp_path, monkeypatch):
+    """A bug hunt (session 103): report.target recorded an infinite value as meeting a ">="
+    target, and wrote a NaN (a diverged run's loss) that tools/targets_table.py then refused
+    with the whole record."""
+    import importlib
+    for value, op in ((float("inf"), ">="), (float("-inf"), "<="), (float("nan"), "<="),
+                      (float("nan"), ">=")):
+        assert not report.target(value, 2.0, op)["met"]
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    tt = importlib.import_module("targets_table")
+    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
+    rec = tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+    rec.parent.mkdir(parents=True)
+    with open(rec, "w") as f:  # as report.write writes it: NaN
+        json.dump({"targets": {"loss": report.target(float("nan"), 0.01, "<=")}}, f)
+    assert [r[4:] for r in tt.rows()] == [(pytest.approx(float("nan"), nan_ok=True), "<=",
+                                           0.01, False)]
+    assert "| nan | <= 0.01 | **no** |" in tt.render()
+    assert "| `loss` | nan | <= 0.01 | NO |" in report.targets_md(
+        {"loss": report.target(float("nan"), 0.01, "<=")})
+
+
 def test_targets_table_renders_measured_bound_and_met():
     md = report.targets_md({"fast": report.target(0.5, 0.8, "<="),
                             "slow": report.target(3.0, 2.0, "<="),
@@ -387,9 +411,9 @@ def test_targets_table_skips_interrupted_rows_and_names_a_bad_machine(tmp_path, 
         rec.write_text(json.dumps({"targets": {"t": good}, "machine": bad}))
         with pytest.raises(SystemExit, match=re.escape(f"b/results.json: {field} = ")):
             tt.rows()
-    rec.write_text(json.dumps({"targets": {"t": {**good, "value": float("inf")}}}))
-    with pytest.raises(SystemExit, match=r"b/results.json: target 't' = .* is not a target"):
-        tt.rows()
+    rec.write_text(json.dumps({"targets": {"t": {**good, "op": ">=", "met": True,
+                                                 "value": float("inf")}}}))
+    assert [r[4:] for r in tt.rows()] == [(float("inf"), ">=", 2.5, False)]  # (session 103)
 
 
 def _attention_row(impl, L, mode, median_s=None, status="ok"):
@@ -799,6 +823,26 @@ def test_moe_bench_targets_and_table_from_a_payload():
     assert t["max_expert_load_vs_mean"]["value"] == 1.7  # the window at step 5 is warmup
     md = moe._markdown(payload)
     assert "-0.0500" in md and "1.20x" in md and "(in experts)" in md and "### Targets" in md
+
+
+def test_a_part_left_out_has_no_targets_not_missed_ones():
+    """A bug hunt (session 103): moe, quant, compress and retrieval wrote the targets of the
+    parts --parts left out as `not measured ... NO` (lra leaves out a task --tasks left
+    out); a payload that timed no parts (older ones) keeps them all."""
+    from hpnlp.bench import compress, moe, quant, retrieval
+    layer = [{"tokens": 8192, "dispatch": "capacity 1.0", "total_s": 1.1, "vs_dense": 1.1}]
+    assert list(moe._targets({"seconds": {"layer": 1.0}, "layer": layer, "lm": []})) == [
+        "moe_layer_overhead_vs_dense_8k"]
+    assert len(moe._targets({"layer": layer, "lm": []})) == 3
+    assert list(quant._targets([], [], [], ("lm",))) == ["int4_decode_vs_f32",
+                                                         "w8a8_forward_vs_f32"]
+    assert len(quant._targets([], [], [])) == 7
+    assert list(compress._targets({"seconds": {"pipeline": 1.0, "forward timing": 1.0}})) == [
+        "pipeline_size_ratio"]
+    knn = [{"lm": "bytes", "test": {"ppl_reduction": 0.1}}]
+    assert retrieval._targets({"seconds": {"knnlm": 1.0}, "knnlm": knn}) == {
+        "knn_lm_ppl_reduction_bytes": report.target(0.1, 0.05, ">="),
+        "knn_lm_ppl_reduction_words": report.target(None, 0.05, ">=")}
 
 
 def test_speculative_bench_table_from_a_payload():
@@ -1457,6 +1501,111 @@ def test_a_run_of_fewer_rows_steps_or_seconds_than_the_report_in_out_is_refused(
     monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
     with pytest.raises(SystemExit, match=r"a run of a part of the rows \(`subset`: "):
         sync_readme.check_whole("results.md")
+
+
+def test_train_speculative_or_attention_runs_of_fewer_rows_are_refused_and_marked(
+        tmp_path, monkeypatch):
+    """A bug hunt (session 103): `train --variants dense`, `speculative --ks 2` and
+    `attention --variants chunked` replaced the recorded reports, and their reports were not
+    marked a `subset`. Attention's records are made with --variants/--lengths: the rows held
+    count, not the flags given."""
+    import argparse
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import speculative
+    from hpnlp.bench import train as bench_train
+
+    def check(entry, payload, **flags):
+        (tmp_path / "results.md").write_text(f"# hpnlp benchmark: {entry}\n\n...")
+        (tmp_path / "results.json").write_text(json.dumps({"quick": False, **payload}))
+        bench_main.check_args(argparse.Namespace(entry=entry, out=str(tmp_path), quick=False,
+                                                 profile=None, **flags))
+    train = {"results": [{"group": "lm", "name": "lm-256"}] + [
+        {"group": "encoder", "name": n} for n in ("dense", "chunked", bench_train.BOUND)]}
+    with pytest.raises(ValueError, match="which this --variants dense run would replace"):
+        check("train", train, variants=["dense"], no_isolate=False)
+    check("train", train, variants=["chunked"], no_isolate=False)
+    check("train", train, variants=None, no_isolate=False)
+    spec = {"rows": [{"target": t, "k": k} for t in speculative.TARGET_NAMES.values()
+                     for k in (0, 2, 4)]}
+    with pytest.raises(ValueError, match="which this --ks 2 run would replace"):
+        check("speculative", spec, workdir=None, targets=None, ks=[2])
+    with pytest.raises(ValueError, match="which this --targets wide run would replace"):
+        check("speculative", spec, workdir=None, targets=["wide"], ks=[2, 4])
+    check("speculative", spec, workdir=None, targets=None, ks=[4, 2, 8])
+    att = {"results": [{"impl": i, "L": 4096} for i in (
+        "dense", "chunked", bench_attention.XLA_TWIN, "torch.scaled_dot_product_attention")]}
+    flags = dict(causal=False, no_isolate=False)
+    with pytest.raises(ValueError, match="which this --variants chunked run would replace"):
+        check("attention", att, variants=["chunked"], lengths=[4096], **flags)
+    with pytest.raises(ValueError, match="which this --lengths 1024 run would replace"):
+        check("attention", att, variants=None, lengths=[1024], **flags)
+    check("attention", att, variants=["dense", "chunked"], lengths=[4096], **flags)
+    att["results"] = att["results"][1:]  # a per-CPU record: its own command runs again
+    check("attention", att, variants=["chunked"], lengths=[4096], **flags)
+    # and their reports are marked, as rnn's and softmax --quality's (sync_readme refuses them)
+    monkeypatch.setattr(harness, "ceiling_rates", lambda quick: {"float32": 100.0})
+    monkeypatch.setattr(bench_train, "_one", lambda spec, isolate: {**spec, "status": "failed"})
+    monkeypatch.setattr(bench_train, "_plot", lambda payload, out: None)
+    assert bench_train.run(str(tmp_path / "t"), quick=True, isolate=False, variants=["chunked"],
+                           lengths=[64])["subset"] == {"variants": ["chunked"]}
+    assert "subset" not in bench_train.run(str(tmp_path / "t"), quick=True, isolate=False,
+                                           variants=attention_lib.names(), lengths=[64])
+    monkeypatch.setattr(speculative, "train_models", lambda s, workdir: {})
+    monkeypatch.setattr(speculative, "decode_rows", lambda s, models: [])
+    monkeypatch.setattr(speculative, "_plot", lambda payload, out: None)
+    assert speculative.run(str(tmp_path / "s"), quick=False, ks=[2])["subset"] == {"ks": [2]}
+    assert speculative.run(str(tmp_path / "s"), quick=False, targets=["wide"])["subset"] == {
+        "targets": ["4x wide, 2x deep"]}
+    assert "subset" not in speculative.run(str(tmp_path / "s"), quick=False,
+                                           ks=[2, 4, 6, 8, 10, 12])
+
+
+def test_a_report_of_some_of_its_parts_is_not_copied_into_readme_or_targets(
+        tmp_path, monkeypatch):
+    """A bug hunt (session 103): tools/sync_readme.py embedded a `moe --parts parallel`
+    report as a whole one, and tools/targets_table.py counted its other parts' targets as
+    misses (python -m hpnlp.bench's own _full_report takes it as not whole)."""
+    import importlib
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    sync_readme, tt = (importlib.import_module(m) for m in ("sync_readme", "targets_table"))
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
+    folder = tmp_path / "docs" / "benchmarks" / "moe"
+    folder.mkdir(parents=True)
+    (folder / "results.md").write_text("# hpnlp benchmark: moe\n\ntable\n")
+    targets = {"t": report.target(1.0, 1.3, "<=")}
+    whole = {"quick": False, "seconds": {"lm": 1.0, "layer": 1.0, "parallel": 1.0},
+             "targets": targets}
+    (folder / "results.json").write_text(json.dumps(whole))
+    sync_readme.check_whole("docs/benchmarks/moe/results.md")
+    assert len(tt.rows()) == 1
+    for part in ({"parts": ["parallel"]}, {"seconds": {"parallel": 1.0}}):
+        (folder / "results.json").write_text(json.dumps({**whole, **part}))
+        with pytest.raises(SystemExit, match=re.escape(
+                "the report of a run without its part(s) lm, layer (`--parts`), not of a "
+                "whole run; rerun its benchmark in full")):
+            sync_readme.check_whole("docs/benchmarks/moe/results.md")
+        with pytest.raises(SystemExit, match=r"moe/results.json: the report of a run without "
+                                             r"its part\(s\) lm, layer \(`--parts`\)"):
+            tt.rows()
+    assert sync_readme.bench_parts("moe") == ("lm", "layer", "parallel")
+    assert sync_readme.bench_parts("softmax") == sync_readme.bench_parts("../x") == ()
+
+
+def test_the_documented_softmax_quality_commands_run_their_records_tokenizers():
+    """A bug hunt (session 103): the words-only record's command gave no --tokenizers, and
+    --quality runs every tokenizer by default: it would train the BPE part too."""
+    from hpnlp.bench import quality
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    commands = re.findall(r"`python -m hpnlp\.bench softmax --quality ([^`]*)--out (\S+)`", doc)
+    assert len(commands) >= 2
+    for flags, out in commands:
+        given = re.search(r"--tokenizers (\S+)", flags)
+        with open(os.path.join(root, out, "results.json")) as f:
+            recorded = json.load(f).get("tokenizers") or ["words"]  # (before `bpe`: words)
+        assert (given.group(1).split(",") if given else list(quality.TOKENIZERS)) == recorded
 
 
 def test_a_failed_report_write_keeps_the_old_report_and_says_so_in_one_line(

@@ -18,6 +18,7 @@ docs/benchmarks.md for the command behind each folder).
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import json
 import os
@@ -25,6 +26,9 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the benches' modules, whose `PARTS` say what a whole run of a bench of parts holds (this
+# checkout's, also where ROOT is pointed at a folder of records alone)
+BENCHES = os.path.join(ROOT, "hpnlp", "bench")
 DIFF_LINES = 40  # of the unified diff --check shows
 BLOCK = re.compile(r"(<!-- BEGIN generated: (\S+)(?: (#+ [^\n]*?))? -->\n)(.*?)(<!-- END generated -->)",
                    re.S)
@@ -56,9 +60,10 @@ def section(path: str, heading: str | None) -> str:
 
 def check_whole(path: str) -> None:
     """SystemExit, naming the results.json beside `path`, where it records a --quick, a
-    subset's or an interrupted run (a bug hunt, session 99: `bench rope --quick` into the
-    recorded folder put a 12-step table into README.md, unmarked; session 102: so would
-    `bench rnn --impls "hpnlp GRU"` its 2 rows)."""
+    subset's or an interrupted run, or one of some of its bench's parts (a bug hunt, session
+    99: `bench rope --quick` into the recorded folder put a 12-step table into README.md,
+    unmarked; session 102: so would `bench rnn --impls "hpnlp GRU"` its 2 rows; session 103:
+    and `bench moe --parts parallel` its one table)."""
     record = os.path.join(os.path.dirname(path), "results.json")
     try:
         with open(os.path.join(ROOT, record)) as f:
@@ -67,15 +72,52 @@ def check_whole(path: str) -> None:
         return
     if not isinstance(payload, dict):
         return
+    left_out = parts_left_out(os.path.dirname(os.path.join(ROOT, record)), payload)
     what = ("a --quick run (`quick`: true)" if payload.get("quick") else
             f"a run of a part of the rows (`subset`: {json.dumps(payload['subset'])})"
             if payload.get("subset") else
-            "an interrupted run (`interrupted` set)" if payload.get("interrupted") else None)
+            "an interrupted run (`interrupted` set)" if payload.get("interrupted") else
+            f"a run without its part(s) {', '.join(left_out)} (`--parts`)" if left_out else None)
     if what:
         raise SystemExit(f"{record}: README.md's generated block names {path}, the report of "
                          f"{what}, not of a whole run; rerun its benchmark in full "
                          "(docs/benchmarks.md names the command), or restore the folder "
                          f"(git checkout -- {os.path.dirname(path)})")
+
+
+def parts_left_out(folder: str, payload: dict) -> list[str]:
+    """The parts of its bench (the module's `PARTS`) that the run whose results.json in
+    `folder` is `payload` did not run: those missing from the `parts` it records, else from
+    the parts it timed (`seconds`), as `python -m hpnlp.bench` judges a report whole
+    (`_full_report`); [] for a bench without parts. The bench is the one the payload names,
+    else the title of the results.md beside it."""
+    name = payload.get("benchmark")
+    if not isinstance(name, str):
+        try:
+            with open(os.path.join(folder, "results.md")) as f:
+                name = f.readline().removeprefix("# hpnlp benchmark: ").strip()
+        except (OSError, UnicodeDecodeError):
+            return []
+    every = bench_parts(name)
+    ran = payload.get("parts", payload.get("seconds"))
+    if not every or not isinstance(ran, (list, dict)):
+        return []
+    return [p for p in every if p not in ran]
+
+
+def bench_parts(name: str) -> tuple[str, ...]:
+    """hpnlp.bench.`name`'s `PARTS` (() where it has none), read from its source: importing
+    it would import JAX, seconds for a tool that otherwise takes a fraction of one."""
+    path = os.path.join(BENCHES, f"{name}.py")
+    if not re.fullmatch(r"\w+", name) or not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "PARTS"):
+            return tuple(ast.literal_eval(node.value))
+    return ()
 
 
 LINK = re.compile(r"\]\(([^)#:\s]+)")  # a relative link's target (no scheme, not an anchor)

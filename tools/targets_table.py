@@ -21,7 +21,7 @@ import json
 import math
 import os
 
-from sync_readme import write_or_check
+from sync_readme import parts_left_out, write_or_check
 
 from hpnlp.bench import report
 from hpnlp.bench.harness import PARTIAL
@@ -69,17 +69,23 @@ def number(v) -> str:
 FIX = "rerun its benchmark, or restore the file (git checkout -- PATH)"
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _real(x) -> bool:  # finite too (a bug hunt, session 99: a value Infinity read as met)
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return _number(x) and math.isfinite(x)
 
 
 def target(path: str, name: str, t) -> dict:
     """A record's target `name` as `hpnlp.bench.report.target` writes it, its `met` computed
     from value, op and bound (a bug hunt, session 96: a target without `op` read "None 2.5",
     and `met` was copied as stored, whatever the value); SystemExit naming the file and the
-    target where an entry is not one."""
+    target where an entry is not one. A value NaN or infinite (a diverged run's loss) is
+    one, not met (a bug hunt, session 103: report.target wrote NaN, and this refused the
+    whole record)."""
     if not (isinstance(t, dict) and t.get("op") in TARGET_OPS and _real(t.get("bound"))
-            and (t.get("value") is None or _real(t.get("value")))):
+            and (t.get("value") is None or _number(t.get("value")))):
         raise SystemExit(f"{path}: target {name!r} = {t!r} is not a target (a value, a bound "
                          f"and an op of {list(TARGET_OPS)}); {FIX.replace('PATH', path)}")
     return {**t, **report.target(t["value"], t["bound"], t["op"])}
@@ -120,7 +126,8 @@ def check_machine(path: str, info) -> None:
 def records() -> list[tuple[str, dict]]:
     """(folder under docs/benchmarks, results.json) of every record with a targets map; not
     the rows of an interrupted run kept beside a whole report (`OUT/interrupted`, a bug hunt,
-    session 99: counted as a record of its own)."""
+    session 99: counted as a record of its own). SystemExit where such a record is a --parts
+    run's, of some of its bench's parts."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "**", "results.json"),
                                  recursive=True)):
@@ -139,6 +146,13 @@ def records() -> list[tuple[str, dict]]:
         if targets and not isinstance(targets, dict):
             raise SystemExit(f"{path}: `targets` is not a map of targets; "
                              f"{FIX.replace('PATH', path)}")
+        left_out = parts_left_out(os.path.dirname(path), payload) if targets else []
+        if left_out:  # a bug hunt (session 103): their targets read as missed
+            folder = os.path.relpath(os.path.dirname(path), ROOT)
+            raise SystemExit(f"{path}: the report of a run without its part(s) "
+                             f"{', '.join(left_out)} (`--parts`), not of a whole run; rerun "
+                             "its benchmark in full (docs/benchmarks.md names the command), "
+                             f"or restore the folder (git checkout -- {folder})")
         if targets:
             check_machine(path, payload.get("machine"))
             payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}

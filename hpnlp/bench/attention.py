@@ -429,6 +429,22 @@ def check_args(args) -> None:
                              "--causal cannot time them; drop them, or --causal")
 
 
+def less_than(args, held: dict) -> list[str]:
+    """The flags that make this run less than the report `held` in --out (`python -m
+    hpnlp.bench` then refuses it, as it does --quick): --variants or --lengths leaving out a
+    variant or a length it has rows of (a bug hunt, session 103: `--variants chunked` replaced
+    the recorded L = 4096 report of eight variants). The records are made with these flags
+    (docs/benchmarks.md), so what counts is the rows held, not the flags given."""
+    rows = [r for r in held.get("results") or () if isinstance(r, dict)]
+    flags = []
+    variants = {r.get("impl") for r in rows} & set(attention_lib.names())  # (not the peers)
+    if args.variants and variants - set(args.variants):
+        flags.append(f"--variants {','.join(args.variants)}")
+    if args.lengths and {r.get("L") for r in rows} - {None, *args.lengths}:
+        flags.append(f"--lengths {','.join(map(str, args.lengths))}")
+    return flags
+
+
 def main(args) -> dict:
     payload = run(args.out, quick=args.quick, causal=args.causal,
                   isolate=False if args.no_isolate else None,

@@ -281,7 +281,8 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
 
 # ------------------------------------------------------------------------- report
 
-def _targets(linear: list[dict], lm: list[dict], quality: list[dict]) -> dict:
+def _targets(linear: list[dict], lm: list[dict], quality: list[dict], parts=None) -> dict:
+    """The targets of the `parts` run (None: all)."""
     t = {r["impl"]: r["time"]["median_s"] for r in linear}
     f32 = t.get("float32 (XLA)")
     lmv = {r["variant"]: r for r in lm}
@@ -289,18 +290,24 @@ def _targets(linear: list[dict], lm: list[dict], quality: list[dict]) -> dict:
     get = lambda key: q[key]["loss_rel_increase"] if key in q else None  # noqa: E731
     dec = lambda v: lmv.get(v, {}).get("decode_b1_tokens_per_s")  # noqa: E731
     pre = lambda v: lmv.get(v, {}).get("prefill_s")  # noqa: E731
-    return {
-        "int8_kernel_vs_f32": report.target(report.ratio(f32, t.get("int8 w8a8 (kernel)")), 2.5, ">="),
-        "binary_kernel_vs_f32": report.target(report.ratio(f32, t.get("binary (kernel)")), 15.0, ">="),
-        "int8_kernel_vs_torch": report.target(report.ratio(
-            t.get("torch quantize_dynamic int8 Linear"), t.get("int8 w8a8 (kernel)")), 1.0, ">="),
-        "int4_decode_vs_f32": report.target(report.ratio(
-            dec("int4 weight-only (int4 kernel)"), dec("float32")), 2.0, ">="),
-        "w8a8_forward_vs_f32": report.target(report.ratio(pre("float32"), pre("w8a8 (int8 kernel)")),
-                                             2.0, ">="),
-        "w8a8_loss_rel_increase": report.target(get(("byte LM", "PTQ w8a8")), 0.01, "<="),
-        "qat_int4_loss_rel_increase": report.target(get(("byte LM", "QAT int4")), 0.02, "<="),
-    }
+    return report.targets_of_parts(parts, {
+        "linear": {
+            "int8_kernel_vs_f32": report.target(report.ratio(f32, t.get("int8 w8a8 (kernel)")),
+                                                2.5, ">="),
+            "binary_kernel_vs_f32": report.target(report.ratio(f32, t.get("binary (kernel)")),
+                                                  15.0, ">="),
+            "int8_kernel_vs_torch": report.target(report.ratio(
+                t.get("torch quantize_dynamic int8 Linear"), t.get("int8 w8a8 (kernel)")),
+                1.0, ">=")},
+        "lm": {
+            "int4_decode_vs_f32": report.target(report.ratio(
+                dec("int4 weight-only (int4 kernel)"), dec("float32")), 2.0, ">="),
+            "w8a8_forward_vs_f32": report.target(report.ratio(
+                pre("float32"), pre("w8a8 (int8 kernel)")), 2.0, ">=")},
+        "quality": {
+            "w8a8_loss_rel_increase": report.target(get(("byte LM", "PTQ w8a8")), 0.01, "<="),
+            "qat_int4_loss_rel_increase": report.target(get(("byte LM", "QAT int4")), 0.02,
+                                                        "<=")}})
 
 
 def _markdown(p: dict) -> str:
@@ -364,7 +371,7 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
                else "the C library's default",
                "kernel_layout": kernels.layout() if kernels.available() else kernels.unavailable_reason(),
                "linear": linear, "lm": lm, "quality": quality}
-    report.targets_unless_quick(payload, quick, lambda: _targets(linear, lm, quality))
+    report.targets_unless_quick(payload, quick, lambda: _targets(linear, lm, quality, parts))
     payload["_f32_time"] = next((r["time"]["median_s"] for r in linear if r["impl"] == "float32 (XLA)"),
                                 None)
     report.write(out_dir, "quant", payload, _markdown(payload))

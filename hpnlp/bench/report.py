@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from typing import Any, Callable, Sequence
 
@@ -113,11 +114,23 @@ TARGET_OPS = (">=", "<=")
 
 def target(value: float | None, bound: float, op: str) -> dict:
     """One entry of a results.json `targets` map: the measured `value` (None: not
-    measured, which never meets its target), the issue's `bound` and `op`, and `met`."""
+    measured; NaN or an infinity, e.g. a diverged run's loss: kept, and not met either),
+    the issue's `bound` and `op`, and `met`."""
     if op not in TARGET_OPS:
         raise ValueError(f"target op {op!r} is not one of {TARGET_OPS}")
-    met = value is not None and (value >= bound if op == ">=" else value <= bound)
+    # a bug hunt (session 103): an infinite value met a ">=" target
+    met = (value is not None and math.isfinite(value)
+           and (value >= bound if op == ">=" else value <= bound))
     return {"value": value, "bound": bound, "op": op, "met": bool(met)}
+
+
+def targets_of_parts(ran, by_part: dict[str, dict]) -> dict:
+    """The targets of a bench of parts (`by_part`: part -> its targets) of the parts in
+    `ran` (those the run timed, its `seconds`; None: every part), in order. A part --parts
+    left out has no targets, not missed ones (a bug hunt, session 103: its targets read
+    "not measured ... NO", where lra's leave out a task --tasks left out)."""
+    return {name: t for part, targets in by_part.items() if ran is None or part in ran
+            for name, t in targets.items()}
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
