@@ -45,6 +45,9 @@ def test_variational_dropout_one_mask_per_sequence():
     assert last.shape == (64, 32, 1)
     np.testing.assert_array_equal(last, _run(rnn.VariationalDropout(P, time_axis=2),
                                              (64, 32, 16), method="mask"))
+    with pytest.raises(ValueError, match=r"time_axis=3 is outside the input's 3 axes; use "
+                                         r"one of -3\.\.2"):
+        _run(rnn.VariationalDropout(P, time_axis=3), (64, 32, 16), method="mask")
     np.testing.assert_array_equal(_run(rnn.VariationalDropout(P), x, deterministic=True), x)
 
 

@@ -130,8 +130,9 @@ def sampling_logits(logp_BV, *, temperature=1.0, top_k: int = 0, top_p=1.0, min_
     the tokens the options remove at -inf (softmax renormalizes what is left). The shift
     leaves the distribution as it is and the most probable token's logit at 0 at any
     temperature (a review, session 103: unshifted, logp / T overflowed to -inf for every
-    token at a tiny T once the most probable had p below about 2%, and token 0 was drawn). Applied in Hugging
-    Face's order, each to the tempered distribution the previous one left (renormalized):
+    token at a tiny T once the most probable had p below about 2%, and token 0 was drawn).
+    Applied in Hugging Face's order, each to the tempered distribution the previous one left
+    (renormalized):
 
     - `top_k` (0: off): the k most probable tokens;
     - `top_p` (1.0: off): nucleus sampling (Holtzman et al. 2020), the smallest set of most

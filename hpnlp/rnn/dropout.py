@@ -72,7 +72,11 @@ class VariationalDropout(nn.Module):
         """The scaled mask, size 1 along the time axis (broadcast it over time)."""
         shape = tuple(shape)
         if self.time_axis is not None:  # a negative axis counts from the end (a review,
-            t = self.time_axis % len(shape)  # session 103: -1 built a mask of rank 2n)
+            n, t = len(shape), self.time_axis  # session 103: -1 built a mask of rank 2n)
+            if not -n <= t < n:
+                raise ValueError(f"VariationalDropout time_axis={t} is outside the input's "
+                                 f"{n} axes; use one of {-n}..{n - 1}")
+            t = t + n if t < 0 else t
             shape = shape[:t] + (1,) + shape[t + 1:]
         return _keep_mask(self.make_rng("dropout"), check_rate("variational_dropout", self.rate),
                           shape, dtype)

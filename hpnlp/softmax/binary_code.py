@@ -112,6 +112,12 @@ def bit_nll(score_NC, code_NC):
     return -jnp.sum(jax.nn.log_sigmoid(sign_NC * score_NC), axis=-1)
 
 
+def _is_redundancy(r) -> bool:
+    """An int (numpy's too, not a bool or a float: 2.0 failed in numpy) that GENERATORS has."""
+    return (isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+            and int(r) in GENERATORS)
+
+
 @register("binary_code")
 class BinaryCode(nn.Module):
     """Binary code prediction (Oda et al. 2017): sigmoids over an id's bits, not a softmax.
@@ -148,8 +154,7 @@ class BinaryCode(nn.Module):
                                "min(1024, V // 2)")
         redundancy = options.get("redundancy", cls.redundancy)
         # a bug hunt (session 103): 2.0 passed (2.0 == 2) and failed at init in numpy
-        if mode == "ecc" and (isinstance(redundancy, bool) or not isinstance(redundancy, int)
-                              or redundancy not in GENERATORS):
+        if mode == "ecc" and not _is_redundancy(redundancy):
             raise config_error(f"{field}.redundancy", redundancy, f"choose one of "
                                f"{sorted(GENERATORS)} (code bits per data bit)")
 
@@ -167,9 +172,7 @@ class BinaryCode(nn.Module):
             if not 1 <= softmax_size < vocab_size:
                 raise ValueError(f"binary_code softmax_size={self.softmax_size} must be in [1, vocab_size="
                                  f"{vocab_size}) for mode='hybrid'; use 0 for min(1024, V // 2)")
-        red = self.redundancy  # an int (a bug hunt, session 103: 2.0 failed in numpy)
-        if self.mode == "ecc" and (isinstance(red, bool) or not isinstance(red, int)
-                                   or red not in GENERATORS):
+        if self.mode == "ecc" and not _is_redundancy(self.redundancy):
             raise ValueError(f"binary_code redundancy={self.redundancy}; choose one of "
                              f"{sorted(GENERATORS)} (code bits per data bit)")
         self.codes = cached_tables(build_codes, self.counts, vocab_size, self.mode, softmax_size,
