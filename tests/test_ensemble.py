@@ -217,7 +217,8 @@ def test_members_carry_their_own_pruning_masks(tmp_path):
     assert got["sparsity"] == pytest.approx(0.5, abs=0.02)
 
 
-def test_members_draw_random_pruning_from_their_own_seeds(tmp_path):
+@pytest.mark.parametrize("member_loop", ["map", "vmap"])
+def test_members_draw_random_pruning_from_their_own_seeds(tmp_path, member_loop):
     """A bug hunt (session 103): random pruning drew every member's scores from cfg.seed, so
     the members pruned the same entries and member 1 was not the plain run of seed 1. Member
     i's masks after a step are those the plain run of seed i draws (its PruneCarry's)."""
@@ -228,7 +229,7 @@ def test_members_draw_random_pruning_from_their_own_seeds(tmp_path):
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0),
                                    train=dataclasses.replace(cfg.train, prune=dataclasses.replace(
                                        cfg.train.prune, method="random", sparsity=0.5)))
-    ens = EnsembleTrainer(random_pruning(0), str(tmp_path), members=2)
+    ens = EnsembleTrainer(random_pruning(0), str(tmp_path), members=2, member_loop=member_loop)
     state, _ = ens.initial_state()
     start = [jax.device_get(ens.member_state(state, i)) for i in range(2)]
     with ens._context():

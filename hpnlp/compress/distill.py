@@ -438,8 +438,10 @@ class TeacherCarry(Carry):
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "
                                "of the same task and tokenizer")
-        refuse_other_counts(cfg, tcfg, "train.distill.teacher", self.workdir, "distill from a "
-                            "teacher trained on this run's text, or with output.name='full'")
+        if not held:  # at the start: a run that holds its teacher is read as it trained
+            refuse_other_counts(cfg, tcfg, "train.distill.teacher", self.workdir, "distill from "
+                                "a teacher trained on this run's text, or with "
+                                "output.name='full'")
         if tcfg.model.pos_emb == "learned" and tcfg.model.max_len < cfg.data.seq_len:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher's position "
                                f"table (model.max_len={tcfg.model.max_len}) is shorter than this "

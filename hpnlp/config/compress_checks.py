@@ -269,13 +269,6 @@ def _check_lowrank(cfg: Config) -> None:
                   f"{field}=False{also}, or model.lowrank.rank=0")
 
 
-# The train.prune fields only some schedules read (hpnlp.compress.prune): 'oneshot' prunes
-# once, after start_step; 'cubic' from start_step to end_step, every `every` steps; 'imp' in
-# `rounds` rounds of the steps after `rewind_step`.
-_PRUNE_SCHEDULE_FIELDS = {"start_step": ("oneshot", "cubic"), "end_step": ("cubic",),
-                          "every": ("cubic",), "rounds": ("imp",), "rewind_step": ("imp",)}
-
-
 def _check_compress(cfg: Config) -> None:
     """`train.distill` and `train.prune` (hpnlp.compress): fields, and what they combine with."""
     dist, p, m = cfg.train.distill, cfg.train.prune, cfg.model
@@ -305,13 +298,8 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.distill.init_blocks", dist.init_blocks, "picks the teacher blocks the "
                   "student starts as, and train.distill.init='none' starts it from none; set "
                   "train.distill.init to every_other, select, importance or pca")
-        if dist.init not in ("importance", "pca"):  # a bug hunt (session 103): taken, unread
-            _refuse_unread("train.distill", dist, f"train.distill.init={dist.init!r} ranks no "
-                           "units on training batches (only 'importance' and 'pca' do)", "set "
-                           "train.distill.init='importance' or 'pca'",
-                           names=("importance_batches",))
-        elif (isinstance(dist.importance_batches, bool)
-              or not isinstance(dist.importance_batches, int) or dist.importance_batches < 1):
+        if (isinstance(dist.importance_batches, bool) or not isinstance(dist.importance_batches, int)
+                or dist.importance_batches < 1):
             _fail("train.distill.importance_batches", dist.importance_batches,
                   "must be a whole number of training batches >= 1")
         blocks = dist.matches_blocks()
@@ -334,12 +322,6 @@ def _check_compress(cfg: Config) -> None:
         _fail("train.prune.sparsity", p.sparsity, "the fraction pruned must be in [0, 1)")
     _check_choice("train.prune.scope", p.scope, ("layer", "global"))
     _check_choice("train.prune.schedule", p.schedule, ("oneshot", "cubic", "imp"))
-    for name, readers in _PRUNE_SCHEDULE_FIELDS.items():  # a bug hunt (session 103): each
-        if p.schedule not in readers:  # was taken under every schedule, and read by its own
-            schedules = " or ".join(map(repr, readers))
-            _refuse_unread("train.prune", p, f"it is for train.prune.schedule {schedules} "
-                           f"(this run's is {p.schedule!r})", f"set train.prune.schedule="
-                           f"{schedules}", names=(name,))
     if p.schedule == "imp":
         for name in ("rounds", "rewind_step"):
             v = getattr(p, name)
