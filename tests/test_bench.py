@@ -324,20 +324,26 @@ def test_target_meets_its_bound_and_not_measured_never_does():
         report.target(1.0, 1.0, ">")
 
 
+def _targets_table(tmp_path, monkeypatch):
+    """tools/targets_table.py reading records under `tmp_path`, and the path of record `b`'s
+    results.json (its folder not made)."""
+    import importlib
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    tt = importlib.import_module("targets_table")
+    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
+    return tt, tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+
+
 def test_a_target_whose_value_is_not_finite_is_not_met_and_the_table_takes_it(
         tmp_path, monkeypatch):
     """A bug hunt (session 103): report.target recorded an infinite value as meeting a ">="
     target, and wrote a NaN (a diverged run's loss) that tools/targets_table.py then refused
     with the whole record."""
-    import importlib
     for value, op in ((float("inf"), ">="), (float("-inf"), "<="), (float("nan"), "<="),
                       (float("nan"), ">=")):
         assert not report.target(value, 2.0, op)["met"]
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "tools"))
-    tt = importlib.import_module("targets_table")
-    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
-    rec = tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+    tt, rec = _targets_table(tmp_path, monkeypatch)
     rec.parent.mkdir(parents=True)
     with open(rec, "w") as f:  # as report.write writes it: NaN
         json.dump({"targets": {"loss": report.target(float("nan"), 0.01, "<=")}}, f)
@@ -369,12 +375,7 @@ def test_targets_table_names_a_bad_record_and_computes_met(tmp_path, monkeypatch
     """A bug hunt (session 96): tools/targets_table.py on a cut results.json was a
     JSONDecodeError naming no file, a target without `op` read "None 2.5", and `met` was
     copied as stored rather than computed from value, op and bound."""
-    import importlib
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "tools"))
-    tt = importlib.import_module("targets_table")
-    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
-    rec = tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+    tt, rec = _targets_table(tmp_path, monkeypatch)
     rec.parent.mkdir(parents=True)
     good = {"value": 3.0, "bound": 2.5, "op": "<=", "met": True}  # stored `met` is wrong
     rec.write_text(json.dumps({"targets": {"t": good}}))
@@ -391,12 +392,7 @@ def test_targets_table_skips_interrupted_rows_and_names_a_bad_machine(tmp_path, 
     """A bug hunt (session 99): OUT/interrupted (an interrupted run's rows beside a whole
     report) was counted as a record; a `machine` that was not a map, a number for its date,
     a string for its cpu_detail or null features were tracebacks; Infinity read as met."""
-    import importlib
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "tools"))
-    tt = importlib.import_module("targets_table")
-    monkeypatch.setattr(tt, "ROOT", str(tmp_path))
-    rec = tmp_path / "docs" / "benchmarks" / "b" / "results.json"
+    tt, rec = _targets_table(tmp_path, monkeypatch)
     (rec.parent / "interrupted").mkdir(parents=True)
     good = {"value": 3.0, "bound": 2.5, "op": "<="}
     (rec.parent / "interrupted" / "results.json").write_text(json.dumps(
@@ -1542,6 +1538,10 @@ def test_train_speculative_or_attention_runs_of_fewer_rows_are_refused_and_marke
     check("attention", att, variants=["dense", "chunked"], lengths=[4096], **flags)
     att["results"] = att["results"][1:]  # a per-CPU record: its own command runs again
     check("attention", att, variants=["chunked"], lengths=[4096], **flags)
+    att["shape"] = {"causal": False}  # and not causal over it: its bidirectional rows and
+    with pytest.raises(ValueError, match="which this --causal run would replace"):  # targets
+        check("attention", att, variants=["chunked"], lengths=[4096], causal=True,
+              no_isolate=False)
     # and their reports are marked, as rnn's and softmax --quality's (sync_readme refuses them)
     monkeypatch.setattr(harness, "ceiling_rates", lambda quick: {"float32": 100.0})
     monkeypatch.setattr(bench_train, "_one", lambda spec, isolate: {**spec, "status": "failed"})
@@ -1563,8 +1563,9 @@ def test_train_speculative_or_attention_runs_of_fewer_rows_are_refused_and_marke
 def test_a_report_of_some_of_its_parts_is_not_copied_into_readme_or_targets(
         tmp_path, monkeypatch):
     """A bug hunt (session 103): tools/sync_readme.py embedded a `moe --parts parallel`
-    report as a whole one, and tools/targets_table.py counted its other parts' targets as
-    misses (python -m hpnlp.bench's own _full_report takes it as not whole)."""
+    report as a whole one (python -m hpnlp.bench's own _full_report takes it as not whole);
+    tools/targets_table.py lists the targets such a report holds, those of its parts
+    (`report.targets_of_parts`), so a bench given a new part keeps its records' rows."""
     import importlib
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "tools"))
@@ -1586,10 +1587,11 @@ def test_a_report_of_some_of_its_parts_is_not_copied_into_readme_or_targets(
                 "the report of a run without its part(s) lm, layer (`--parts`), not of a "
                 "whole run; rerun its benchmark in full")):
             sync_readme.check_whole("docs/benchmarks/moe/results.md")
-        with pytest.raises(SystemExit, match=r"moe/results.json: the report of a run without "
-                                             r"its part\(s\) lm, layer \(`--parts`\)"):
-            tt.rows()
+        assert len(tt.rows()) == 1
     assert sync_readme.bench_parts("moe") == ("lm", "layer", "parallel")
+    from hpnlp.bench import __main__ as bench_main  # read from source as the modules hold it
+    for name, module in bench_main.ENTRIES.items():
+        assert sync_readme.bench_parts(name) == tuple(getattr(module, "PARTS", ())), name
     assert sync_readme.bench_parts("softmax") == sync_readme.bench_parts("../x") == ()
 
 

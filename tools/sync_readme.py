@@ -111,12 +111,18 @@ def bench_parts(name: str) -> tuple[str, ...]:
     path = os.path.join(BENCHES, f"{name}.py")
     if not re.fullmatch(r"\w+", name) or not os.path.isfile(path):
         return ()
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "PARTS"):
-            return tuple(ast.literal_eval(node.value))
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+        if [t.id for t in targets if isinstance(t, ast.Name)] == ["PARTS"]:
+            try:
+                return tuple(ast.literal_eval(node.value))
+            except ValueError:
+                raise SystemExit(f"{path}: `PARTS` is not a literal tuple of names, which "
+                                 "tools/sync_readme.py reads without importing the module; "
+                                 "write it as one") from None
     return ()
 
 

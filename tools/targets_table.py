@@ -21,7 +21,7 @@ import json
 import math
 import os
 
-from sync_readme import parts_left_out, write_or_check
+from sync_readme import write_or_check
 
 from hpnlp.bench import report
 from hpnlp.bench.harness import PARTIAL
@@ -146,13 +146,6 @@ def records() -> list[tuple[str, dict]]:
         if targets and not isinstance(targets, dict):
             raise SystemExit(f"{path}: `targets` is not a map of targets; "
                              f"{FIX.replace('PATH', path)}")
-        left_out = parts_left_out(os.path.dirname(path), payload) if targets else []
-        if left_out:  # a bug hunt (session 103): their targets read as missed
-            folder = os.path.relpath(os.path.dirname(path), ROOT)
-            raise SystemExit(f"{path}: the report of a run without its part(s) "
-                             f"{', '.join(left_out)} (`--parts`), not of a whole run; rerun "
-                             "its benchmark in full (docs/benchmarks.md names the command), "
-                             f"or restore the folder (git checkout -- {folder})")
         if targets:
             check_machine(path, payload.get("machine"))
             payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}

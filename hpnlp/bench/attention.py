@@ -442,6 +442,10 @@ def less_than(args, held: dict) -> list[str]:
         flags.append(f"--variants {','.join(args.variants)}")
     if args.lengths and {r.get("L") for r in rows} - {None, *args.lengths}:
         flags.append(f"--lengths {','.join(map(str, args.lengths))}")
+    shape = held.get("shape") if isinstance(held.get("shape"), dict) else {}
+    if bool(args.causal) != bool(shape.get("causal", False)):  # (review: a causal run drops
+        # the bidirectional-only rows, the bound row and the targets of a bidirectional one)
+        flags.append("--causal" if args.causal else "no --causal")
     return flags
 
 

@@ -807,7 +807,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
         kwargs.setdefault(group, cls())
     if model_quant is not None:
         given = [f.name for f in dataclasses.fields(QuantConfig) if quant is not None
-                 and quant != model_quant
+                 and getattr(quant, f.name) != getattr(model_quant, f.name)
                  and getattr(quant, f.name) != getattr(QuantConfig(), f.name)]
         if given:
             _fail(f"quant.{given[0]}", getattr(quant, given[0]), "the config sets model.quant "

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.config import ModelConfig, RNNConfig
-from hpnlp.models.transformer import dtypes
+from hpnlp.models.transformer import dtypes, embed_tokens
 from hpnlp.rnn import StackedRNN
 
 
@@ -35,7 +35,8 @@ class RNNTrunk(nn.Module):
         del pos_BL  # order is the recurrence itself
         m, r = self.model, self.rnn
         dt, pdt = dtypes(m)
-        x_BLE = embed(tokens_BL, seg_BL > 0).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        x_BLE = (embed_tokens(embed, tokens_BL, seg_BL).astype(dt)
+                 * jnp.asarray(np.sqrt(m.width), dt))
         lengths_B = jnp.sum(seg_BL > 0, axis=1, dtype=jnp.int32)
         h_BLE, _ = StackedRNN(
             num_layers=m.depth, combine=r.combine, kind=m.arch, hidden=m.width,

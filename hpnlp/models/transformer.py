@@ -432,7 +432,8 @@ class Trunk(nn.Module):
     def __call__(self, embed: nn.Module, tokens_BL, seg_BL, pos_BL):
         m = self.model
         dt, pdt = dtypes(m)
-        x_BLE = embed(tokens_BL, seg_BL > 0).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        x_BLE = (embed_tokens(embed, tokens_BL, seg_BL).astype(dt)
+                 * jnp.asarray(np.sqrt(m.width), dt))
         if m.pos_emb == "learned":
             table_TE = self.param("pos_embedding", _init(nn.initializers.normal(0.02), (None, "embed")),
                                   (m.max_len, m.width), pdt)
@@ -557,6 +558,15 @@ class Embed(nn.Embed):
         if self.quant_rows:
             return quant_weight(self.embedding.T, 1, self.quant, self, "embedding").T
         return self.embedding
+
+
+def embed_tokens(embed, tokens_BL, seg_BL):
+    """`embed`'s rows of `tokens_BL`; an `Embed` also gets the real slots (seg > 0), which
+    its "batch" gradient scale counts. Any other module or callable of the tokens alone (a
+    test's identity, a user's own) is called with the tokens alone."""
+    if isinstance(embed, Embed):
+        return embed(tokens_BL, seg_BL > 0)
+    return embed(tokens_BL)
 
 
 def make_embed(m: ModelConfig, name: str = "embed", *, tied: bool = False,

@@ -67,8 +67,8 @@ from jax.ad_checkpoint import checkpoint_name
 from hpnlp.attention.base import attend
 from hpnlp.config import Config, ModelConfig
 from hpnlp.train.carry import AUX, Carry, fold_aux
-from hpnlp.models.transformer import (_init, dtypes, layer_norm, make_embed, mlp, remat_block,
-                                      sinusoidal_table)
+from hpnlp.models.transformer import (_init, dtypes, embed_tokens, layer_norm, make_embed, mlp,
+                                      remat_block, sinusoidal_table)
 
 
 class Memory(NamedTuple):
@@ -387,7 +387,8 @@ class XLTrunk(nn.Module):
             recon = self.is_mutable_collection(AUX)
         if window_LK is not None:
             allowed_BLK = allowed_BLK & window_LK[None]
-        x_BLE = embed(tokens_BL, seg_BL > 0).astype(dt) * jnp.asarray(np.sqrt(m.width), dt)
+        x_BLE = (embed_tokens(embed, tokens_BL, seg_BL).astype(dt)
+                 * jnp.asarray(np.sqrt(m.width), dt))
         x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = remat_block(XLBlock, m)

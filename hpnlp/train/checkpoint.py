@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -404,7 +405,17 @@ def _shape_signature(cfg, members: int = 1) -> dict:
                 sig[f"train.prune.{f}"] = value
     if cfg.train.distill.teacher:  # a hidden-state projection is a trained parameter
         sig["train.distill"] = "hidden" if cfg.train.distill.hidden else "on"
-    return json.loads(json.dumps(sig, default=str))
+    # a mapping at any depth as a dict (a review, session 103: options' nested mappings are
+    # FrozenDicts since config.json's lists became tuples, and were written as their repr)
+    return json.loads(json.dumps(_plain(sig), default=str))
+
+
+def _plain(v):
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 class Checkpointer:
@@ -905,24 +916,12 @@ def _settings(field: str, theirs: dict, ours: dict) -> list[str]:
     return [f"{field}.{k}={v!r}" for k, v in value.items() if get(ours, f"{field}.{k}") != v]
 
 
-def _as_json(v):
-    """`v` as a config.json holds it (tuples as lists, mappings as dicts): a saved signature's
-    `output.options` cutoffs [20, 200] are the config's (20, 200) (a review, session 103:
-    options read back from config.json became tuples, and readers refused the run)."""
-    if isinstance(v, dict) or hasattr(v, "items"):
-        return {k: _as_json(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_as_json(x) for x in v]
-    return v
-
-
 def _saved_differs(saved: dict, cfg, sig: dict) -> dict:
     """{field: (saved, cfg's)} where a config.json's contents (`saved`) and `cfg` (of shape
     signature `sig`) differ in what shapes or defines the model's arrays."""
     old = saved.get("shape_signature", {})
     old, new = _resolved(old, sig), _resolved(sig, old)
-    diff = {k: (old.get(k), new.get(k)) for k in {**old, **new}
-            if _as_json(old.get(k)) != _as_json(new.get(k))}
+    diff = {k: (old.get(k), new.get(k)) for k in {**old, **new} if old.get(k) != new.get(k)}
     diff.update(_config_shape_diff(saved["config"], cfg))
     return diff
 
