@@ -26,13 +26,19 @@ def config_error(field: str, value: Any, allowed: str) -> ConfigError:
 def to_json(cfg: "Config") -> dict:
     """The config as plain JSON (option and rule mappings as objects), which
     `from_configdict` reads back: a run's config.json."""
+    return as_json(dataclasses.asdict(cfg))
+
+
+def as_json(v):
+    """`v` as JSON reads it back: mappings at any depth (FrozenDicts too) as objects, tuples
+    as lists, anything else JSON lacks as its str."""
     def plain(v):
         if isinstance(v, Mapping):
             return {k: plain(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v
-    return json.loads(json.dumps(plain(dataclasses.asdict(cfg)), default=str))
+    return json.loads(json.dumps(plain(v), default=str))
 
 
 # DataConfig fields naming a file or folder that the run's readers open again (a resume,

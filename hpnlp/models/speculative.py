@@ -131,15 +131,15 @@ def rewind(cache, position):
 
 
 def _probs(logp_BKV, **opts):
-    """The processed distribution (`sampling_logits` under `opts`) as probabilities. The
-    log-probs are shifted to a row maximum of exactly 0 before the temperature divides them,
-    so the most probable token's tempered logit is 0 however XLA evaluates the division (a
-    bug hunt: at temperature 1e-10 the tempered logits reached -1e11, XLA:CPU's fused
-    max-reduction and subtraction rounded x / T differently by hundreds, every shifted logit
-    underflowed, and softmax gave NaN rows: every draft refused and token 0 emitted)."""
+    """The processed distribution (`sampling_logits` under `opts`) as probabilities.
+    `sampling_logits` shifts the log-probs to a row maximum of exactly 0 before the
+    temperature divides them, so the most probable token's tempered logit is 0 however XLA
+    evaluates the division (a bug hunt: at temperature 1e-10 the tempered logits reached
+    -1e11, XLA:CPU's fused max-reduction and subtraction rounded x / T differently by
+    hundreds, every shifted logit underflowed, and softmax gave NaN rows: every draft refused
+    and token 0 emitted; the shift was made here until sampling_logits made it itself)."""
     from hpnlp.models.generate import sampling_logits
-    e_BKV = jnp.exp(sampling_logits(logp_BKV - jnp.max(logp_BKV, axis=-1, keepdims=True),
-                                    **opts))  # its maximum already exactly 0
+    e_BKV = jnp.exp(sampling_logits(logp_BKV, **opts))  # its maximum exactly 0
     return e_BKV / jnp.sum(e_BKV, axis=-1, keepdims=True)
 
 

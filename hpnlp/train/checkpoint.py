@@ -20,14 +20,13 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from hpnlp.config import Config, ConfigError, from_configdict, to_json, validate
-from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
+from hpnlp.config.fields import DATA_PATH_FIELDS, as_json, same_data_path
 from hpnlp.paths import write_json
 
 
@@ -407,15 +406,7 @@ def _shape_signature(cfg, members: int = 1) -> dict:
         sig["train.distill"] = "hidden" if cfg.train.distill.hidden else "on"
     # a mapping at any depth as a dict (a review, session 103: options' nested mappings are
     # FrozenDicts since config.json's lists became tuples, and were written as their repr)
-    return json.loads(json.dumps(_plain(sig), default=str))
-
-
-def _plain(v):
-    if isinstance(v, Mapping):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return v
+    return as_json(sig)
 
 
 class Checkpointer:
