@@ -6,8 +6,8 @@ the target, a byte LM of experiments/lm.py (the default one, and one four times 
 twice as deep, 12.8M parameters); two drafts at half its depth and width (an eighth of the
 wide target's parameters, a sixth of the default one's, whose embedding weighs more):
 distilled from it (`train.distill`, `DRAFTS`: the compress bench's text-classifier recipe
-until 2026-11-29, the teacher's important weights from its last blocks with soft targets at T = 1) and
-trained from scratch, both for the target's steps.
+until 2026-11-29, the teacher's important weights from its last blocks with soft targets at
+T = 1) and trained from scratch, both for the target's steps.
 
 Decoding: `prompts` prompts of `prompt_len` bytes from the eval text, `new_tokens` bytes each,
 at batch 1 (one prompt a call, in turn: where drafting pays most, since one token's step
