@@ -1,10 +1,12 @@
 """Subword tokenizers, `python -m hpnlp.data.prepare` and the grain-streamed path
 (hpnlp/data/tokenizers.py, prepare.py, sharded.py). Tiny texts and vocabularies."""
 
+import dataclasses
 import gzip
 import glob
 import json
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -93,6 +95,10 @@ def test_tokenizer_refuses_bad_ids_and_a_save_that_would_delete_files(tmp_path):
     with pytest.raises(ValueError, match=r"^--input big.txt: every line is longer than the "
                        r"65,536 bytes the tokenizer trains on \(the longest 70,002\)"):
         tokenizers.train("bpe", 300, ["ab" * 35001, "cd" * 33000], source="--input big.txt")
+    # a review (r6): an empty text's line named neither the file nor the flag
+    with pytest.raises(ValueError, match=r"^data.train_path=t.txt: the tokenizer's training "
+                       "text is empty"):
+        tokenizers.train("bpe", 300, ["", "\n\n"], source="data.train_path=t.txt")
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(ValueError, match="holds summary.json, which saving the tokenizer would delete"):
         tok.save(str(tmp_path))
@@ -271,7 +277,8 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
                                   "damaged meta", "meta list", "damaged progress",
                                   "progress without counts", "damaged tokenizer_from",
                                   "lone surrogate", "text_field of text", "empty eval_input",
-                                  "gzip"])
+                                  "gzip", "blank input bpe", "bom input bpe",
+                                  "vocab_size of bytes", "sample_mb of bytes"])
 def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, case):
     """Each was a traceback or a vague line: an empty --input entry (": no such file"), a JSON
     line that is not an object ("no 'text' field (has str)"), a damaged meta.json or
@@ -291,7 +298,12 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
              # found by a bug hunt: a traceback (bytes) or SentencePiece's cast error (bpe)
              "lone surrogate": ("b.jsonl", '{"text": "ok"}\n{"text": "cut \\ud83d"}\n'),
              "text_field of text": ("", ""), "empty eval_input": ("ws.txt", " \n\n\t\n"),
-             "gzip": ("w.txt", gzip.compress(b"first\n\nsecond\n"))}
+             "gzip": ("w.txt", gzip.compress(b"first\n\nsecond\n")),
+             # a review (r6): "the tokenizer's training text is empty", naming nothing
+             "blank input bpe": ("ws.txt", " \n\n\t\n"),
+             "bom input bpe": ("bom.txt", b"\xef\xbb\xbf\n\n"),
+             # a review (r6): taken and ignored, the whole input prepared as bytes
+             "vocab_size of bytes": ("", ""), "sample_mb of bytes": ("", "")}
     name, body = files[case]
     if name:
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
@@ -302,6 +314,13 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
         args += ["--text_field", "body"]
     elif case == "empty eval_input":
         args += ["--eval_input", str(tmp_path / name)]
+    elif case.endswith("input bpe"):
+        args[1] = str(tmp_path / name)
+        args += ["--tokenizer", "bpe", "--vocab_size", "300"]
+    elif case == "vocab_size of bytes":
+        args += ["--vocab_size", "500"]
+    elif case == "sample_mb of bytes":
+        args += ["--tokenizer", "bytes", "--tokenizer_sample_mb", "4"]
     elif name.endswith((".jsonl", "w.txt")):
         args[1] = str(tmp_path / name)
     elif case == "damaged tokenizer_from":
@@ -323,7 +342,15 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
                               "UTF-16 surrogate",
             "text_field of text": "--text_field 'body' names a field of JSON lines, but no input",
             "empty eval_input": "ws.txt: no eval text found",
-            "gzip": "w.txt: a gzip-compressed file, not text; decompress it first"}[case]
+            "gzip": "w.txt: a gzip-compressed file, not text; decompress it first",
+            "blank input bpe": "ws.txt: no training text found (every document was empty",
+            "bom input bpe": "bom.txt: no training text found (every document was empty",
+            "vocab_size of bytes": "--vocab_size 500 sizes a bpe/unigram tokenizer, and the "
+                                   "tokenizer is bytes (the default); add --tokenizer bpe or "
+                                   "unigram, or drop --vocab_size",
+            "sample_mb of bytes": "--tokenizer_sample_mb 4 sizes a bpe/unigram tokenizer, and "
+                                  "the tokenizer is bytes (--tokenizer bytes); add --tokenizer "
+                                  "bpe or unigram, or drop --tokenizer_sample_mb"}[case]
     assert want in err, err
     assert (sorted(os.listdir(out)) if out.exists() else None) == before
 
@@ -683,6 +710,14 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
     cfg = lm_cfg(tokenizer="bpe", vocab_size=600, prepared=prepared, batching=mode)
     task = data.make_task(cfg)
     state = _resumes_exactly(task, cfg, after=7, ahead=12)
+    if mode == "bucket":  # a review (r3, r6): a window's bucket plan under other boundaries
+        assert state["bucket_boundaries"] == [8, 16, 24, 32]
+        other = dataclasses.replace(cfg, bucket_boundaries=(16,))
+        with pytest.raises(ValueError, match=re.escape(
+                "(data.bucket_boundaries: saved [8, 16, 24, 32], now [16, 32])")):
+            data.make_iterator(task, other, split="train", batch_size=4).set_state(state)
+        old = {k: v for k, v in state.items() if k != "bucket_boundaries"}  # saved before
+        data.make_iterator(task, cfg, split="train", batch_size=4).set_state(old)
     # found by the crash hunt: a malformed position failed deep in numpy or grain
     for edit, match in (({"batch": -1}, "'batch' = -1 .* integer in"), ({"window": "a"}, "'window' = 'a'"),
                         ({"reader": {"x": 1}}, "'reader' = .* not grain's reader state")):

@@ -76,6 +76,7 @@ def first_fit(sizes: list[int], capacity: int) -> np.ndarray:
 # what each entry of an iterator state's fingerprint comes from, for its error
 _STATE_FIELDS = {"task": "data.task", "batching": "data.batching", "batch_size": "train.batch_size",
                  "seq_len": "data.seq_len", "seed": "data.seed",
+                 "bucket_boundaries": "data.bucket_boundaries",
                  "num_examples": "examples (data.train_path, data.eval_split, ...)",
                  "digest": "the examples' contents (data.train_path or data.eval_path edited "
                            "since?)",
@@ -90,10 +91,11 @@ def check_fingerprint(saved: dict, want: dict) -> None:
         raise ValueError(f"iterator state {saved!r:.80} is not a dict; pass a dict that "
                          "get_state() returned")
     # "digest": of the examples' contents (a bug hunt: a train_path edited after a stop, its
-    # paragraph count kept, resumed at the old position in a different stream); a state
-    # saved before it was recorded is checked without it
+    # paragraph count kept, resumed at the old position in a different stream);
+    # "bucket_boundaries" (a review, r3/r6: other boundaries, another bucket plan). A state
+    # saved before either was recorded is checked without it.
     diff = {k: (saved.get(k), v) for k, v in want.items()
-            if saved.get(k) != v and (k in saved or k != "digest")}
+            if saved.get(k) != v and (k in saved or k not in ("digest", "bucket_boundaries"))}
     if not diff:
         return
     if not set(saved) & set(want):  # a bug hunt (session 96): an emptied item was named as
@@ -358,9 +360,11 @@ class BatchIterator:
     # -- state and stats ----------------------------------------------------------------
 
     def _fingerprint(self) -> dict:
+        bounds = {} if self._bounds is None else {
+            "bucket_boundaries": [int(b) for b in self._bounds]}  # they shape the bucket plan
         return {"task": self.task.name, "split": self.split, "batching": self.mode,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
-                "num_examples": len(self._ex), "digest": self._ex.digest}
+                **bounds, "num_examples": len(self._ex), "digest": self._ex.digest}
 
     def get_state(self) -> dict:
         """Small and JSON-serializable: where the stream is, plus what it must match. The

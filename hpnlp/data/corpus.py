@@ -133,9 +133,12 @@ def read_text_file(path: str, field: str) -> str:
         raise ValueError(f"{path}:{line}: a NUL byte, so this is a binary file or UTF-16 without "
                          f"a byte-order mark, not UTF-8 text; {what} (re-encode UTF-16, e.g. "
                          "`iconv -f utf-16le -t utf-8`)")
+    # a review (r6): U+FEFF is not whitespace, so a "UTF-8 with BOM" file of no text passed
+    # the check and failed later (at the first eval, for data.eval_path) without its name
+    text = text.removeprefix("\ufeff")
     if not text.strip():
         raise ValueError(f"{path}: file is empty; {what} with some text in it")
-    return text.removeprefix("\ufeff")
+    return text
 
 
 def documents(lines: list[str]) -> list[str]:

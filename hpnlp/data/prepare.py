@@ -53,6 +53,8 @@ class PrepareError(ValueError):
 
 _NO_EVAL_TEXT = ("--eval_input {}: no eval text found (every document was empty); check the "
                  "files")
+_NO_TRAIN_TEXT = ("--input {}: no training text found (every document was empty or went to "
+                  "eval); check the files and --eval_every")
 _NO_EVAL_DOC = ("--input {}: no eval document (fewer than --eval_every={} documents?); lower "
                 "--eval_every or give --eval_input")
 
@@ -221,8 +223,9 @@ def _tokenizer_from(d: str):
 
 def resolve_tokenizer_flags(args):
     """--tokenizer and --vocab_size as given; left out, those of --tokenizer_from's tokenizer,
-    else bytes and 8000. Given and differing from --tokenizer_from's: an error. Returns the
-    --tokenizer_from tokenizer (None without the flag), loaded once for `make_tokenizer`."""
+    else bytes and 8000. Given and differing from --tokenizer_from's, or given for bytes
+    (as --tokenizer_sample_mb): an error. Returns the --tokenizer_from tokenizer (None
+    without the flag), loaded once for `make_tokenizer`."""
     tok = None
     if args.tokenizer_from:
         if args.tokenizer == "bytes":
@@ -238,10 +241,20 @@ def resolve_tokenizer_flags(args):
             raise PrepareError(f"--tokenizer_from {args.tokenizer_from}: holds a {tok.kind} "
                                f"tokenizer of {tok.vocab_size} pieces, not what {named} asks for; "
                                "leave those flags out to take the tokenizer's, or make them agree")
-    if args.tokenizer is None:
+    if args.tokenizer in (None, "bytes"):
+        # a review (r6): taken and ignored, so `--vocab_size 32000` without `--tokenizer bpe`
+        # prepared bytes, said only when a run asked for bpe
+        how = "bytes (the default)" if args.tokenizer is None else "bytes (--tokenizer bytes)"
+        for flag in ("vocab_size", "tokenizer_sample_mb"):
+            if getattr(args, flag) is not None:
+                raise PrepareError(f"--{flag} {getattr(args, flag)} sizes a bpe/unigram tokenizer, "
+                                   f"and the tokenizer is {how}; add --tokenizer bpe or unigram, "
+                                   f"or drop --{flag}")
         args.tokenizer = "bytes"
     if args.vocab_size is None:
         args.vocab_size = 8000
+    if args.tokenizer_sample_mb is None:
+        args.tokenizer_sample_mb = SAMPLE_MB
     return tok
 
 
@@ -267,6 +280,8 @@ def make_tokenizer(args, paths: list[str], reused=None):
     if not args.eval_input and i and not held:  # a bug hunt (session 98): this was said
         # only after the tokenizer was trained and every document tokenized
         raise PrepareError(_NO_EVAL_DOC.format(args.input, args.eval_every))
+    if not i:  # a review (r6): said as "the tokenizer's training text is empty", unnamed
+        raise PrepareError(_NO_TRAIN_TEXT.format(args.input))
     # MiB of UTF-8, as --tokenizer_sample_mb (a bug hunt, session 96: of characters)
     print(f"training a {args.tokenizer} tokenizer of {args.vocab_size} pieces on "
           f"{len(sample)} documents ({sum(len(d.encode()) for d in sample) / 2**20:.1f} MiB: "
@@ -608,8 +623,7 @@ def prepare(args) -> dict:
     bar.close()
     why = None
     if state["documents"]["train"] == 0:
-        why = (f"--input {args.input}: no training text found (every document was empty or "
-               "went to eval); check the files and --eval_every")
+        why = _NO_TRAIN_TEXT.format(args.input)
     elif state["tokens"]["train"] <= state["documents"]["train"]:
         why = (f"--input {args.input}: every training document is one token, so there is no "
                "token to predict; give longer documents")
@@ -654,9 +668,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default: 8000, or --tokenizer_from's)")
     p.add_argument("--tokenizer_from", default="", help="reuse the tokenizer of a run's workdir, "
                    "a prepared folder or a tokenizer folder (its kind and size, unless given)")
-    p.add_argument("--tokenizer_sample_mb", type=int, default=SAMPLE_MB,
+    p.add_argument("--tokenizer_sample_mb", type=int, default=None,
                    help="train the tokenizer on an even sample of at most this much text "
-                   "(its training holds about 30 times this in memory)")
+                   f"(its training holds about 30 times this in memory; default {SAMPLE_MB})")
     p.add_argument("--eval_input", default="", help="eval text (else every --eval_every-th document)")
     p.add_argument("--eval_every", type=int, default=100, help="document i is eval when i %% N == N - 1")
     p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),

@@ -40,7 +40,8 @@ import os
 import numpy as np
 
 from hpnlp.data import task as task_lib
-from hpnlp.data.batching import BatchIterator, check_fingerprint, check_position
+from hpnlp.data.batching import (BatchIterator, bucket_boundaries, check_fingerprint,
+                                  check_position)
 
 FORMAT = "hpnlp-prepared/1"
 META_FILE = "meta.json"
@@ -485,9 +486,11 @@ class ShardedIterator:
     def _fingerprint(self) -> dict:
         if self._digest is None:  # read once, when a state is first taken or checked
             self._digest = split_digest(self.directory, self.meta, self.split)
+        bounds = {"bucket_boundaries": bucket_boundaries(self.cfg)} if (
+            self.cfg.batching == "bucket") else {}  # they shape each window's bucket plan
         return {"task": self.task.name, "split": self.split, "batching": self.cfg.batching,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
-                "prepared": self.meta["splits"][self.split]["shards"][:1],
+                **bounds, "prepared": self.meta["splits"][self.split]["shards"][:1],
                 "num_tokens": self.meta["splits"][self.split]["tokens"],
                 "digest": self._digest}
 

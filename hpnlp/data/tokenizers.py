@@ -246,7 +246,7 @@ def train(kind: str, vocab_size: int, docs: Sequence[str], *, field: str = "data
         raise TypeError("the tokenizer trains on a list of texts; give [text], not text")
     lines = [line for d in docs for line in d.split(NEWLINE) if line]
     if not lines:
-        raise ValueError("the tokenizer's training text is empty; give it some text")
+        raise ValueError(f"{source}: the tokenizer's training text is empty; give it some text")
     # SentencePiece skips every line over MAX_LINE_BYTES, and with none left failed with its
     # own check's text, naming neither the text nor why (found by a README walk: a 32 MB
     # single-line file)
