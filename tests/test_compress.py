@@ -358,6 +358,15 @@ def test_weights_beyond_float16_s_range_are_named_before_the_export():
     assert ptq.beyond_range(params, jnp.bfloat16) == []
 
 
+def test_float32_params_counts_four_bytes_a_parameter_whatever_the_stored_dtype():
+    """A review: `float32_params` (quantize's and sparsify's summaries, and the ratio against
+    it) was the bytes as stored, half of float32's for a model.param_dtype='bfloat16' run."""
+    from hpnlp.compress.qlinear import float_bytes
+    tree = {"a": jnp.ones((2, 3), jnp.bfloat16), "b": {"w": np.ones(5, np.float16)},
+            "c": jnp.ones((4,), jnp.float32)}
+    assert float_bytes(tree) == 4 * (6 + 5 + 4)
+
+
 def test_unknown_quant_field_and_config_round_trip():
     cd = default_configdict()
     cd.quant.weights = "int4"

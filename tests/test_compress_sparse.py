@@ -540,6 +540,36 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
         validate(from_configdict(cd))
 
 
+# 23 s in a run of four on one loaded core (about 4 s of CPU; 2026-12-06): compiles
+# the masked, sparse and timed forwards as its sibling in test_spmm.py, which CI's slow part runs
+@pytest.mark.slow
+def test_sparsify_of_an_moe_run_keeps_its_statistics_and_counts_float32_bytes(tmp_path):
+    """A review: the sparse eval of an MoE run lacked the masked eval's loss_moe_* and moe_*
+    statistics (its apply kept nothing the layers sow; quantize's had the same bug, session
+    102), and `float32_params` of a model.param_dtype='bfloat16' run was its bfloat16 bytes.
+    The run is its initial state with 90% of its qkv weight zero: nothing trains."""
+    from hpnlp.compress import sparsify
+    from hpnlp.train import Trainer
+    cd = tiny()
+    cd.model.update(param_dtype="bfloat16")
+    cd.model.moe.update(num_experts=2, router="top_k", top_k=2)  # block 0's MLP
+    tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    state, _ = tr.initial_state()
+    flat = traverse.flatten_dict(state.params)
+    key = ("trunk", "block_0", "attention", "qkv")
+    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key]).astype(flat[key].dtype)
+    params = traverse.unflatten_dict(flat)
+    tr.checkpointer.save(1, state.replace(params=params), tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+    s = sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"), eval_batches=1,
+                          repeats=1)
+    assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
+    assert "moe_load" in s["eval"]["masked"] and any(k.startswith("loss_moe_")
+                                                      for k in s["eval"]["masked"])
+    assert set(s["eval"]["sparse"]) == set(s["eval"]["masked"])
+    assert s["size_bytes"]["float32_params"] == 4 * models.param_count(params)
+
+
 def test_sparsify_load_names_a_damaged_or_edited_sparse_folder(tmp_path):
     """A bug hunt (session 99): `sparsify.load` had none of `ptq.load`'s guards: a cut
     sparse.npz (BadZipFile), a broken sparse.json (JSONDecodeError), an array taken out
@@ -1227,6 +1257,22 @@ def test_structured_pruning_under_int4_groups_keeps_units_the_groups_divide():
         validate(from_configdict(cd))
 
 
+def test_a_dual_encoders_mlp_neurons_are_not_pruned_structurally():
+    """A review: its matching head is model.mlp_dim wide, and no group of the blocks, so a
+    shrunk run's head kept the old width and failed to build (a flax shape error) after the
+    masked model was evaluated; refused before training. Its heads can go; so can an
+    all-MoE trunk's experts' neurons (model.moe.mlp_dim, not the head's width)."""
+    cd = _dual(tiny("classifier", prune=dict(method="magnitude", structure="structured")))
+    with pytest.raises(ConfigError, match=r"train\.prune\.layers.*a dual_encoder's matching "
+                       r"head is model\.mlp_dim=32 wide too.*train\.prune\.layers='qkv,out'"):
+        validate(from_configdict(cd))
+    cd.train.prune.layers = "qkv,out"
+    validate(from_configdict(cd))
+    cd.train.prune.layers = "mlp"
+    cd.model.moe.update(num_experts=2, router="top_k", top_k=2)  # every block MoE
+    validate(from_configdict(cd))
+
+
 def test_shrink_says_a_qat_run_whose_scales_read_the_pruned_zeros_changes(tmp_path,
                                                                            capsys):
     """A bug hunt (session 101): a ternary QAT run shrunk evaluated 4.8767 where its masked
@@ -1280,6 +1326,58 @@ def test_shrink_on_devices_that_do_not_split_the_batch_is_refused_up_front(tmp_p
     with pytest.raises(ConfigError, match=r"^config field `train\.batch_size` = 4 is not "
                        r"allowed: .* does not split over these 3 devices; shrink it on a device "
                        r"count that splits it \(e\.g\. 2;"):
+        prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    assert not os.path.exists(tmp_path / "small")
+
+
+def test_shrink_resets_every_start_field_and_keeps_multi_head_attention_multi_head():
+    """A review: `shrink` cleared train.init_from and kept train.init_params='trunk' (and
+    init_experts, init_kv_*), so the shrunk run of a pruned fine-tune was refused ("set
+    train.init_from") after the masked model's evaluation; and model.num_kv_heads=4 =
+    num_heads (multi-head, as 0) stayed 4 beside the 2 kept heads ("must divide")."""
+    cd = tiny(prune=dict(method="magnitude", structure="structured"))
+    cd.model.update(num_heads=4, num_kv_heads=4)  # head_dim 4
+    cfg = validate(from_configdict(cd))
+    model = models.build(cfg, deterministic=True)
+    batch, boxed = _random_batch_and_init(model, unbox=False)
+    layout = prune.group_layout(prune.targets(cfg, model, nn.unbox(boxed), batch), boxed)
+    groups = {"trunk/block_0/heads": np.array([True, False, True, False]),
+              "trunk/block_0/neurons": np.arange(32) < 16}
+    start = dict(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2,
+                 init_experts="merged", init_expert_batches=4)
+    for fields in (dict(init_params="trunk"), start):
+        fields = {"init_from": "/runs/source", **fields}
+        tuned = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **fields))
+        cfg2, params2 = prune.shrink(tuned, nn.unbox(boxed), groups, layout)
+        assert (cfg2.model.num_heads, cfg2.model.num_kv_heads, cfg2.model.mlp_dim) == (2, 0, 16)
+        assert cfg2.train == dataclasses.replace(cfg.train, prune=PruneConfig())
+        validate(cfg2)
+    assert params2["trunk"]["block_0"]["attention"]["qkv"].shape == (16, 3, 2, 4)
+
+
+def test_a_shrunk_config_is_refused_before_the_masked_model_is_evaluated(tmp_path, monkeypatch):
+    """A review: `shrink_run` first validated the smaller model's config when its Trainer was
+    built, after the masked model was compiled and evaluated, and its `except ConfigError`
+    ("cannot be shrunk") read nothing. Here a run stopped mid-schedule under int4 groups of
+    8 keeps 12 neurons, which the groups do not split (the kept count of its target, 16,
+    they do): refused with that context, nothing evaluated or written."""
+    from hpnlp.train import Trainer
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.5, structure="structured",
+                         schedule="oneshot", start_step=1, layers="mlp"))
+    cd.quant.update(weights="int4", group_size=8, layers="mlp")
+    tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    state, _ = tr.initial_state()
+    carry = dict(state.carry)
+    carry["prune"] = {**carry["prune"], "groups": {"trunk/block_0/neurons":
+                                                   jnp.asarray(np.arange(32) < 12)}}
+    tr.checkpointer.save(2, state.replace(carry=carry), tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+
+    def evaluated(self, state):
+        raise AssertionError("evaluated before the shrunk config was checked")
+    monkeypatch.setattr(Trainer, "evaluate", evaluated)
+    with pytest.raises(ConfigError, match=r"the run in \S+ cannot be shrunk: its smaller "
+                       r"model's config is refused \(.*quant\.group_size.*model\.mlp_dim=12"):
         prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
     assert not os.path.exists(tmp_path / "small")
 

@@ -568,13 +568,18 @@ def _take_kept(g: Group, w, path: str, kept: np.ndarray):
     return jnp.take_along_axis(w, jnp.asarray(_member_view(g, kept, path, w.ndim)), axis=axes[0])
 
 
+# train.* fields of where a run starts, which a shrunk run (its parameters given) resets
+INIT_FIELDS = ("init_from", "init_params", "init_kv_heads", "init_kv_calibration",
+               "init_experts", "init_expert_batches")
+
+
 def shrink(cfg: Config, params, groups: dict, layout: dict):
     """(config, parameters) of the smaller dense model: every pruned head and neuron, or
     LSTM/GRU hidden unit, removed (module doc). Each block must keep the same number of
     heads and of neurons, as `train.prune.scope='layer'` makes it."""
     import dataclasses
 
-    from hpnlp.config import DistillConfig
+    from hpnlp.config import DistillConfig, TrainConfig
     kept = {k: _kept(layout[k], m, k) for k, m in groups.items()}
     counts: dict[str, set] = {}
     for key, g in layout.items():
@@ -603,14 +608,22 @@ def shrink(cfg: Config, params, groups: dict, layout: dict):
             # the scan (a bug hunt, session 99: the shrunk config was refused, after training)
             cfg = dataclasses.replace(cfg, rnn=dataclasses.replace(cfg.rnn, impl="auto"))
     else:
+        # explicit multi-head attention (num_kv_heads = num_heads) stays multi-head: 0, which
+        # follows the kept heads (a review: a stale 4 did not divide the 2 kept heads)
         model = dataclasses.replace(m, head_dim=m.dims_per_head(),
                                     num_heads=counts.get("heads", {m.num_heads}).pop(),
-                                    mlp_dim=counts.get("mlp", {m.mlp_dim}).pop())
+                                    mlp_dim=counts.get("mlp", {m.mlp_dim}).pop(),
+                                    num_kv_heads=0 if m.num_kv_heads == m.num_heads
+                                    else m.num_kv_heads)
         if m.moe.enabled():  # explicit: its default (0) would follow model.mlp_dim
             model = dataclasses.replace(model, moe=dataclasses.replace(
                 m.moe, mlp_dim=counts.get("expert_mlp", {m.moe.expert_dim(m)}).pop()))
+    # the smaller run starts from the parameters given here: no run to start from, so none of
+    # the fields that choose what it takes of one (a review: train.init_params='trunk' left
+    # set refused every shrunk CoFi-style fine-tune, "set train.init_from")
+    start = TrainConfig()
     train = dataclasses.replace(cfg.train, prune=PruneConfig(), distill=DistillConfig(),
-                                init_from="")
+                                **{f: getattr(start, f) for f in INIT_FIELDS})
     return dataclasses.replace(cfg, model=model, train=train), traverse.unflatten_dict(flat)
 
 
@@ -977,15 +990,19 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     pruned.checkpointer.close()
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
     from hpnlp.train.carry import model_params
-    from hpnlp.config import ConfigError
+    from hpnlp.config import ConfigError, validate
     try:
         cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
                                jax.device_get(state.carry["prune"]["groups"]), carry.layout)
+        # the output run trains on every device: the run's mesh here, not its reader's (session
+        # 101); checked as its Trainer will, before the masked model compiles (a review: a
+        # run stopped mid-schedule under int4 groups, or kept heads that mesh.tensor does not
+        # split, were refused after the evaluation, with no word of the shrink)
+        cfg2 = dataclasses.replace(cfg2, mesh=cfg.mesh)
+        validate(cfg2, num_processes=jax.process_count(), num_devices=n)
     except ConfigError as e:  # e.g. int4 groups that the kept units do not split into
         raise ConfigError(f"the run in {workdir} cannot be shrunk: its smaller model's config "
                           f"is refused ({e})") from None
-    # the output run trains on every device: the run's mesh here, not its reader's (session 101)
-    cfg2 = dataclasses.replace(cfg2, mesh=cfg.mesh)
     sizes = ({"width": [cfg.model.width, cfg2.model.width]} if cfg.model.arch in RNN_ARCHS
              else {"num_heads": [cfg.model.num_heads, cfg2.model.num_heads],
                    "head_dim": cfg2.model.head_dim,

@@ -220,7 +220,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     from hpnlp.compress.ptq import _forward_seconds
     from hpnlp.paths import check_new_output, staged
     from hpnlp.train import Trainer
-    from hpnlp.train.carry import model_params
+    from hpnlp.train.carry import fold_eval, model_params
     from hpnlp.train.step import finalize
 
     check_min_sparsity(min_sparsity)  # before anything is restored or compiled
@@ -253,7 +253,10 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     sparse, converted = convert(model, params, eval_batch, min_sparsity)
     masked_eval = trainer.evaluate(state)
 
-    run = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate"))
+    # the sums with what the layers sow folded in, as the masked eval's (a review: an MoE
+    # run's sparse eval lacked its loss_moe_* and moe_* statistics, as quantize's had in
+    # session 102): carry.fold_eval, which the timed forwards below run too
+    run = jax.jit(lambda p, b: fold_eval(model, {"params": p}, b))
     run_memory = jax.jit(lambda p, b, mem: model.apply({"params": p}, b, mem,
                                                        method="evaluate_and_memory"))
     sparse_eval = finalize(trainer.eval_sums(

@@ -421,6 +421,13 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out), "
                   f"MLP neurons (mlp) and LSTM/GRU hidden units (input, recurrent); {extra} have "
                   "no such units")
+        if (m.kind == "dual_encoder" and m.arch == "transformer" and layers_name(p.layers, "mlp")
+                and not all(m.moe.applies(i) for i in range(m.depth))):
+            # a review: its shrunk run's head kept the old width, and failed to build after
+            # the masked model was evaluated and the shrunk one written
+            _fail("train.prune.layers", p.layers, f"a dual_encoder's matching head is "
+                  f"model.mlp_dim={m.mlp_dim} wide too, and shrink narrows model.mlp_dim to the "
+                  "neurons its blocks keep; prune its heads alone (train.prune.layers='qkv,out')")
         _check_shrunk_groups(cfg)
     elif p.structure != "unstructured":
         try:
