@@ -248,6 +248,34 @@ def test_int8_linear_rows_with_nan_or_inf_are_nan():
 
 
 @needs_kernel
+def test_int8_linear_rows_too_small_to_scale_quantize_to_zeros():
+    """A row with 0 < max|x| < 127 / FLT_MAX (about 3.7e-37) quantizes to q = 0, as a row of
+    zeros, in the kernel as in the twin (review r5: 127 / max|x| overflowed to inf, x * inf
+    was NaN at the row's zeros, and the kernel converted that NaN by the column: 0 in the
+    16-wide loop, -128 or -32768 in the 8-wide one; the twin's q was 127 at the max). K = 24:
+    the 16- and 8-wide loops; 27: a tail too; 91: a 64-k tile too, so that from 16 rows
+    AMX's tiles run where the CPU has them. PORTABLE runs it on the AVX2 build."""
+    for K in (24, 27, 91):
+        x = np.ones((4, K), np.float32)
+        x[:3] = 0.0  # row 2: zeros
+        x[0, 0], x[1, K - 1] = 1e-37, -3e-37
+        q, _ = qk.quantize_rows_int8(jnp.asarray(x))
+        np.testing.assert_array_equal(q, np.where(np.arange(4)[:, None] < 3, 0, 127)
+                                      * np.ones((1, K)))
+        w = qk.prepare_int8_weight(np.ones((K, 5), np.int8))
+        for M in (4, 20):
+            xm = jnp.asarray(np.tile(x, (5, 1))[:M])
+            ys = jax.jit(lambda x: [qk.int8_linear(x, w, impl="xla")] + [
+                qk.int8_linear(x, w, impl="kernel", threads=t) for t in (1, 2)])(xm)
+            for y in ys:
+                np.testing.assert_array_equal(y, ys[0])
+                np.testing.assert_array_equal(np.asarray(y)[np.arange(M) % 4 < 3], 0.0)
+                # +0: the scale (max|x| / 127, subnormal) is flushed to 0 here, so only the
+                # sign of the codes' sum told (-0 from the 8-wide loop's -128s)
+                assert not np.signbit(y).any()
+
+
+@needs_kernel
 def test_binary_linear_rows_with_nan_or_inf_are_nan():
     """A row holding a NaN or an inf has beta NaN, so its outputs are NaN, in the kernel (the
     popcounts' path, and from AMX_MIN_ROWS rows the tiles' where the CPU has them) as in the
@@ -623,6 +651,11 @@ xn[0, 3], xn[1, 69], xn[2, 5], xn[3, 1] = np.nan, np.nan, -np.inf, np.inf
 a = np.asarray(qk.int8_linear(jnp.asarray(xn), qk.prepare_int8_weight(np.ones((70, 3), np.int8)),
                               impl="kernel"))
 assert np.isnan(a[:4]).all() and (a[4] == 70).all(), a
+xt = np.zeros((2, 27), np.float32)  # 127 / max|x| = inf: q = 0 (-32768 by AVX2's loop)
+xt[0, 0], xt[1, 26] = 1e-37, -3e-37
+a = np.asarray(qk.int8_linear(jnp.asarray(xt), qk.prepare_int8_weight(np.ones((27, 3), np.int8)),
+                              impl="kernel"))
+assert (a == 0).all() and not np.signbit(a).any(), a  # -0: codes summed below 0
 tails = np.tile(np.float32([-11.0, -1e3, -1e20, -1e36, -np.inf, np.inf, np.nan, 1e30]), 9)
 a, b = (np.asarray(qk.int8_linear(jnp.zeros((2, 3), jnp.float32), qk.prepare_int8_weight(
     np.ones((3, 72), np.int8)), bias=jnp.asarray(tails), activation="gelu", impl=i))

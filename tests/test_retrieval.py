@@ -291,6 +291,26 @@ def test_ivf_kernel_equals_numpy_ties_and_padding(d):
         ivf.ivf_scan(q, np.full((len(q), 2), 13, np.int32), chunk_MTDN, id_Mr, 3)
 
 
+def test_kernels_take_a_query_block_past_every_query():
+    """query_block 2^31 - 1 or sys.maxsize ("one block for all") is one block: the kernels'
+    C int overflowed to 0 or -1 blocks and the process died dividing by zero (SIGFPE;
+    review r5). Both wrappers clamp it to the queries."""
+    ivf = _ivf_kernel_or_skip()
+    exact = retrieval.exact
+    x, q = _ties(n=300, q=21)
+    db = exact.pack_database(x)
+    x_McD, id_Mc = _hand_chunks(x, m=5, c=70)
+    chunk_MTDN, id_Mr = ivf.pack_chunks(x_McD, id_Mc)
+    probe = np.stack([np.arange(3) + j % 3 for j in range(len(q))]).astype(np.int32)
+    want = exact.mips_top_k(q, db, len(x), 5), ivf.ivf_scan(q, probe, chunk_MTDN, id_Mr, 5)
+    for qb in (2**31 - 1, sys.maxsize):
+        got = (exact.mips_top_k(q, db, len(x), 5, query_block=qb),
+               ivf.ivf_scan(q, probe, chunk_MTDN, id_Mr, 5, query_block=qb))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(w[0]))
+            np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(w[1]))
+
+
 def test_ivf_search_chunks_equals_numpy_ties_and_padding():
     """The XLA scan against `scan_reference` on hand-dealt chunks: duplicate rows (ties
     across chunks), and k past every probed row (-inf, id -1; review, session 101); and its

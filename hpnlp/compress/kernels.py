@@ -291,12 +291,17 @@ def quantize_rows_int8(x_MxK):
     """Per-row (per-token) symmetric int8: (q_MxK int8, scale_M) with scale = max|row| /
     127 and q = clip(round(x * (127 / max|row|)), -127, 127) (round half to even); a row of
     zeros has scale 0; a row holding a NaN has scale NaN, one holding an inf scale inf, and
-    both q = 0 (so their outputs are NaN). The int8 kernel computes exactly this."""
+    both q = 0 (so their outputs are NaN); a row with 0 < max|row| < 127 / FLT_MAX (about
+    3.7e-37, where 127 / max|row| overflows to inf) has q = 0, as a row of zeros (its scale
+    max|row| / 127, its outputs 0). The int8 kernel computes exactly this."""
     amax_M1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True, initial=0.0)  # K = 0: 0
     # a bug hunt (session 97): XLA:CPU's row max dropped a NaN at some shapes (a [141, 70]
     # input, jax 0.10.2; a [3, 40] one kept it), and NaN * 0 was cast to int8 as it fell
     amax_M1 = jnp.where(jnp.isnan(x_MxK).any(axis=1, keepdims=True), jnp.nan, amax_M1)
     inv_M1 = jnp.where(amax_M1 > 0, 127.0 / jnp.where(amax_M1 > 0, amax_M1, 1.0), 0.0)
+    # review r5: a tiny max overflowed 127 / max to inf, x * inf was NaN at the row's zeros,
+    # and the kernel's loops converted that NaN to 0, -128 or -32768 by the column
+    inv_M1 = jnp.where(jnp.isfinite(inv_M1), inv_M1, 0.0)
     x_MxK = jnp.where(inv_M1 > 0, x_MxK * inv_M1, 0.0)
     q_MxK = jnp.clip(jnp.round(x_MxK), -127, 127).astype(jnp.int8)
     return q_MxK, (amax_M1 / 127.0)[:, 0]

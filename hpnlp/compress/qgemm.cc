@@ -895,11 +895,15 @@ inline float binary_beta(const float* x, int n) {
 
 // The per-row int8 scale (max |x| / 127, 0 for a row of zeros; NaN or inf as the row's
 // max) into *scale; returns the factor that quantizes: 127 / max |x| (0 for zeros, NaN
-// and inf, as the twin's).
+// and inf, as the twin's), and 0 too where that overflows (0 < max |x| < 127 / FLT_MAX,
+// about 3.7e-37): the row's codes are then all 0, as a row of zeros' are (review r5: an inf
+// factor made x * inf NaN at the row's zeros, and each loop below converted NaN its own way:
+// 0, -128 or -32768 by the column).
 inline float quantize_scale(const float* x, int n, float* scale) {
   const float amax = absmax(x, n);
   *scale = amax / 127.0f;
-  return amax > 0.0f ? 127.0f / amax : 0.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  return std::isfinite(inv) ? inv : 0.0f;
 }
 
 // Sign bits of 64 floats from x (element b of the word: x[b] > 0), n <= 64 of them real.
@@ -931,9 +935,10 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
       const float* xr = xf + size_t(m) * g.K;
       const float inv = quantize_scale(xr, g.K, &g.xs[m]);
       int k = 0;
-      if (inv == 0.0f)  // zeros, or a NaN or inf in the row: every q is 0, so the row's
-        // output is 0 * its scale, NaN where that is NaN or inf, as the twin's (a bug hunt
-        // (session 97): x * 0 is NaN for those, converted to -32768 or 0 by the build)
+      if (inv == 0.0f)  // zeros, a NaN or inf in the row, or a max |x| below 127 / FLT_MAX:
+        // every q is 0, so the row's output is 0 * its scale, NaN where that is NaN or inf,
+        // as the twin's (a bug hunt (session 97): x * 0 is NaN for those, converted to
+        // -32768 or 0 by the build)
         for (; k < g.K; ++k) q[k] = i8_x(0);
       // cvtps rounds by the current mode (to nearest even, as nearbyint below and XLA's
       // round); the clip comes first, which rounding an integer bound does not change.

@@ -72,7 +72,9 @@ def available() -> bool:
 @dataclasses.dataclass(frozen=True)
 class SparseWeight:
     """A weight W [k, N] by its nonzeros, column by column (CSC): column n's are entries
-    col_ptr[n] to col_ptr[n + 1] of `row` (their k, ascending) and `val`."""
+    col_ptr[n] to col_ptr[n + 1] of `row` (their k, ascending) and `val`. A row listed
+    twice in a column (a non-canonical CSC, as SciPy's before `sum_duplicates`) adds its
+    values, in the kernel and in `dense()` alike."""
 
     col_ptr: jax.Array  # int32 [N + 1]
     row: jax.Array  # int32 [nnz]
@@ -97,11 +99,16 @@ class SparseWeight:
         return int(sum(np.dtype(a.dtype).itemsize * a.size for a in arrays))
 
     def dense(self):
-        """The float32 [k, N] weight the arrays describe."""
+        """The float32 [k, N] weight the arrays describe, repeated (row, column) entries
+        summed as the kernel sums them."""
         K, N = self.shape
         col = jnp.repeat(jnp.arange(N, dtype=jnp.int32), jnp.diff(self.col_ptr),
                          total_repeat_length=self.nnz)
-        return jnp.zeros((K, N), jnp.float32).at[self.row, col].set(self.val)
+        # add, not set (review r5): set kept one of a repeated entry's values, by scatter
+        # order, where the kernel sums them; refusing repeats instead could not reach the
+        # arrays traced under jit, vmap or grad (the values are a data field), only concrete
+        # ones, so the twin (and the gradient, taken from it) describes what the kernel does
+        return jnp.zeros((K, N), jnp.float32).at[self.row, col].add(self.val)
 
 
 def prepare_sparse_weight(w_KxN) -> SparseWeight:

@@ -128,6 +128,9 @@ def mips_top_k(q_QD, db_PDN, count: int, k: int, *, threads: int | None = None,
     qb = TUNING.config()["qb"] if query_block is None else int(query_block)
     if int(threads) < 1 or qb < 1:
         raise RetrievalError(f"threads={threads} and query_block={qb} must be >= 1")
+    # a block past the Q queries is one block of them all; unclamped, the kernel's C int
+    # overflowed (2^31 - 1, sys.maxsize) and it divided by zero (SIGFPE: review r5)
+    qb = min(qb, max(nq, 1))
     return _kernel_fn(int(k), int(count), int(threads), qb)(q_QD, db_PDN)
 
 

@@ -224,6 +224,7 @@ def ivf_scan(q_QD, probe_QP, chunk_MTDN, id_Mr, k: int, *, threads: int | None =
     qb = QUERY_BLOCK if query_block is None else int(query_block)
     if int(threads) < 1 or qb < 1:
         raise RetrievalError(f"threads={threads} and query_block={qb} must be >= 1")
+    qb = min(qb, max(q_QD.shape[0], 1))  # one block of them all (as in `exact.mips_top_k`)
     return _scan_fn(int(k), int(threads), qb)(q_QD, probe_QP, jnp.asarray(chunk_MTDN), jnp.asarray(id_Mr))
 
 
