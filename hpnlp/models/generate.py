@@ -12,6 +12,8 @@ to its `top_k` most probable tokens, to the smallest set reaching `top_p` of the
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,14 @@ def check_temperature(temperature, greedy: bool, flags: bool = False) -> None:
     finite number above 0 (a traced one is the caller's to check). NumPy and concrete JAX
     scalars count too: `jnp.float32(0)` sampled silently from NaN logits. `flags`: named as
     the command line's."""
-    if isinstance(temperature, jax.core.Tracer) or np.ndim(temperature):
+    if isinstance(temperature, jax.core.Tracer):
+        return
+    if not _is_number(temperature):  # review r7: "0.8" passed float() here, then failed in the
+        # trace with a TypeError that named no argument
+        name = "--temperature " if flags else "temperature="
+        raise ValueError(f"{name}{temperature!r}: it must be a number (e.g. 0.8), not a "
+                         f"{type(temperature).__name__}")
+    if np.ndim(temperature):
         return
     if greedy:  # a bug hunt: generate(..., temperature=0.8) decoded greedily, unsaid (greedy is
         # the default); top_k, top_p and min_p were refused so already
@@ -45,6 +54,18 @@ def check_temperature(temperature, greedy: bool, flags: bool = False) -> None:
                          f"{greedily}")
 
 
+def _is_number(value) -> bool:
+    """A real number: Python's or NumPy's, or an array of integers or floats; not a bool,
+    a str or None (review r7: "0.9", read from a JSON file say, passed `float()` in the checks
+    and failed inside the trace)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    return isinstance(value, (np.ndarray, jax.Array)) and (
+        jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating))
+
+
 def _is_set(value, off) -> bool:
     """Whether a sampling option is on: a traced or array value always counts as on."""
     return (isinstance(value, jax.core.Tracer) or bool(np.ndim(value))
@@ -52,11 +73,12 @@ def _is_set(value, off) -> bool:
 
 
 def check_sampling(top_k, top_p, min_p, greedy: bool, vocab_size=None, *,
-                   flags: bool = False) -> None:
+                   flags: bool = False, known_ids=None) -> None:
     """A ValueError, one line naming the option and the fix, where `top_k` is not an int
-    >= 0 (or exceeds `vocab_size`), `top_p` lies outside (0, 1], `min_p` outside [0, 1), or
-    any of them is set with `greedy` (the argmax would ignore it). Traced values are the
-    caller's to check. `flags`: name them as the CLI's flags (`--top-k 5`)."""
+    >= 0 (or exceeds `vocab_size`, or `known_ids`: the ids the tokenizer decodes), `top_p`
+    is not a number in (0, 1], `min_p` not one in [0, 1), or any of them is set with `greedy`
+    (the argmax would ignore it). Traced values are the caller's to check. `flags`: name them
+    as the CLI's flags (`--top-k 5`)."""
     def name(opt, value):
         return f"--{opt.replace('_', '-')} {value}" if flags else f"{opt}={value!r}"
 
@@ -68,16 +90,19 @@ def check_sampling(top_k, top_p, min_p, greedy: bool, vocab_size=None, *,
     if vocab_size is not None and top_k > vocab_size:
         raise ValueError(f"{name('top_k', top_k)} is larger than the vocabulary "
                          f"(model.vocab_size={vocab_size}); lower it, or 0 to keep every token")
+    if known_ids is not None and top_k > known_ids:
+        known = (f"the run's tokenizer's {known_ids} token ids" if flags else
+                 f"known_ids={known_ids}, the token ids the tokenizer decodes")
+        of = "" if vocab_size is None else f" (of model.vocab_size={vocab_size})"
+        raise ValueError(f"{name('top_k', top_k)} is larger than {known}{of}; lower it, or 0 to "
+                         "keep every token")
     for opt, value, ok, allowed in (
             ("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 keeps every token; e.g. 0.9)"),
             ("min_p", min_p, lambda v: 0 <= v < 1, "in [0, 1) (0 keeps every token; e.g. 0.05)")):
-        if isinstance(value, jax.core.Tracer) or np.ndim(value):
+        if isinstance(value, jax.core.Tracer):
             continue
-        try:
-            good = ok(float(value))
-        except (TypeError, ValueError):
-            good = False
-        if not good:
+        # an array (one value per row, say) is the caller's to check, as a traced one
+        if not _is_number(value) or (not np.ndim(value) and not ok(float(value))):
             raise ValueError(f"{name(opt, value)}: it must be a number {allowed}")
     if greedy:
         for opt, value, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0)):
@@ -183,6 +208,27 @@ def check_call(length, rng, **counts) -> None:
                          "rng=jax.random.key(0)")
 
 
+def check_known_ids(known_ids) -> None:
+    """A ValueError where `known_ids` is neither None nor an int >= 1."""
+    if known_ids is not None and (isinstance(known_ids, bool) or not isinstance(
+            known_ids, (int, np.integer)) or known_ids < 1):
+        raise ValueError(f"known_ids={known_ids!r}: it counts the token ids the tokenizer "
+                         "decodes (those from it on are never emitted), so it must be an int >= "
+                         "1, or None for every id")
+
+
+def mask_unknown(logp_BV, known_ids):
+    """`logp_BV` [..., V] with the ids from `known_ids` on at -inf: no decoding picks or draws
+    them, and the options of `sampling_logits` act on the rest (a processing step like
+    top-k, so speculative decoding, masking p and q alike, still follows the target's processed
+    distribution). None: every id. A review (r7): a word LM on a file of 3,000 distinct words
+    with data.word_vocab_size=8000 (or a model.vocab_size above the task's) sampled from its
+    never-trained rows, and the CLI's decode of the output failed on them."""
+    if known_ids is None or known_ids >= logp_BV.shape[-1]:
+        return logp_BV
+    return logp_BV.at[..., known_ids:].set(-jnp.inf)
+
+
 def check_decodes(cfg: Config) -> None:
     """A ValueError, naming the field, where `cfg`'s model cannot decode a token at a time:
     not a causal Transformer LM, random features redrawn by reversible blocks, or experts
@@ -235,13 +281,19 @@ def check_prompt(cfg: Config, prompt_BP, prompt_len_B=None) -> None:
 
 def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, rng=None,
              temperature: float = 1.0, greedy: bool = True, top_k: int = 0, top_p=1.0,
-             min_p=0.0, features_key=None, token_counts=None, quant_vars=None):
+             min_p=0.0, features_key=None, token_counts=None, quant_vars=None,
+             known_ids: int | None = None):
     """Returns tokens [B, length]: the prompt followed by generated tokens.
 
     Sampled (`greedy=False`), each token is drawn from `sampling_logits` of the model's
     next-token log-probs: `temperature`, then `top_k` (0: off), `top_p` (1.0: off) and
     `min_p` (0.0: off); they are refused with `greedy` (the default), which would ignore
     them (it ignores `rng`).
+
+    `known_ids`: the token ids the tokenizer decodes, where the model has more rows (a
+    model.vocab_size above the task's, or a word file with fewer words than
+    data.word_vocab_size): ids from it on are never emitted, greedy or sampled
+    (`mask_unknown`). None: every id of the model.
 
     `prompt_len_B` None: every row's prompt is the whole of `prompt_BP`, and where the
     attention variant keeps the exact key/value cache (`Attention.exact_cache`) all but its
@@ -257,7 +309,8 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
 
     check_prompt(cfg, prompt_BP, prompt_len_B)
     check_temperature(temperature, greedy)
-    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size)
+    check_known_ids(known_ids)
+    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids)
     check_call(length, rng)
     B, P = prompt_BP.shape
     if length > cfg.model.max_len:
@@ -287,6 +340,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
         tok_B = jnp.where(t < prompt_len_B, prompt_BL[:, t], prev_B)
         logp_BV, upd = model.apply({"params": params, "cache": cache, **extra}, tok_B[:, None],
                                    method="decode_step", mutable=["cache"], rngs=rngs)
+        logp_BV = mask_unknown(logp_BV, known_ids)
         if greedy:
             nxt_B = jnp.argmax(logp_BV, axis=-1)
         else:  # position t's own draw: the same tokens with and without the prefill
@@ -491,8 +545,12 @@ def main(argv=None) -> int:
                              f"{cfg.model.max_len}; lower --length")
         most = cfg.model.max_len  # the longest --length allowed
         length = args.length or most
+        # the ids the run's tokenizer decodes: fewer than the model's rows where a word file
+        # has fewer words than data.word_vocab_size or model.vocab_size exceeds the task's
+        # (review r7: an id past them was sampled, and the decode of the output failed)
+        known = len(task.meta["words"]) if "words" in task.meta else task.vocab_size
         check_sampling(args.top_k, args.top_p, args.min_p, args.greedy, cfg.model.vocab_size,
-                       flags=True)
+                       flags=True, known_ids=known)
         if args.draft:
             for flag, w in (("--workdir", args.workdir), ("--draft", args.draft)):
                 if quantized(w):  # named by its own flag (a
@@ -566,7 +624,7 @@ def main(argv=None) -> int:
             cfg, p, draft_cfg, dp, pr, length=length, draft_tokens=args.draft_tokens, rng=key,
             temperature=args.temperature, greedy=args.greedy, top_k=args.top_k,
             top_p=args.top_p, min_p=args.min_p, token_counts=task.token_counts,
-            draft_token_counts=draft_task.token_counts))
+            draft_token_counts=draft_task.token_counts, known_ids=known))
         for i, x in enumerate(ids):
             tokens_1L, stats = run(params, draft_params, jnp.asarray([x], jnp.int32),
                                    jax.random.key(args.seed + i))
@@ -583,7 +641,8 @@ def main(argv=None) -> int:
                          rng=jax.random.key(args.seed), temperature=args.temperature,
                          greedy=args.greedy, top_k=args.top_k, top_p=args.top_p,
                          min_p=args.min_p, features_key=features_key,
-                         token_counts=task.token_counts, quant_vars=quant_vars)
+                         token_counts=task.token_counts, quant_vars=quant_vars,
+                         known_ids=known)
     for row in np.asarray(tokens_BL):
         print(task.decode(row))
     return 0

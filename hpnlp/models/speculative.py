@@ -180,17 +180,20 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, t
 def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, prompt_BP, *,
                          length: int, draft_tokens: int = 4, rng=None, temperature: float = 1.0,
                          greedy: bool = True, top_k: int = 0, top_p=1.0, min_p=0.0,
-                         token_counts=None, draft_token_counts=None):
+                         token_counts=None, draft_token_counts=None,
+                         known_ids: int | None = None):
     """Returns (tokens [B, length]: the prompt followed by the target's continuation,
     stats {"rounds": target calls after the prompt, "accepted" [B]: drafts each row kept,
     "row_rounds" [B]: the calls each row took part in, before it was done}). Every row's
     prompt is the whole of `prompt_BP` (same length). Jit it with the configs static, like
     `generate.generate`; `check` runs here, before any tracing. Sampled, `top_k`, `top_p`
     and `min_p` act as in `generate` on both the draft's and the target's distributions, so
-    the tokens follow the target's processed one."""
+    the tokens follow the target's processed one. `known_ids` (as in `generate`: the ids the
+    tokenizer decodes) masks the ids from it on in both too, before the options, so neither
+    model drafts nor emits them, greedy or sampled."""
     from hpnlp.models import build
-    from hpnlp.models.generate import (check_call, check_prompt, check_sampling,
-                                       check_temperature, sampling_logits)
+    from hpnlp.models.generate import (check_call, check_known_ids, check_prompt, check_sampling,
+                                       check_temperature, mask_unknown, sampling_logits)
 
     check_prompt(cfg, prompt_BP)
     check_call(length, rng, draft_tokens=draft_tokens)
@@ -198,7 +201,8 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
     check_temperature(temperature, greedy)
-    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size)
+    check_known_ids(known_ids)
+    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids)
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     target = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     draft = build(draft_cfg, deterministic=True, decode=True, token_counts=draft_token_counts)
@@ -223,7 +227,7 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
         dcache, tok_B, key = carry
         logq_B1V, upd = apply_d(dcache, tok_B[:, None])
         key, sub = jax.random.split(key)
-        logq_BV = logq_B1V[:, 0]
+        logq_BV = mask_unknown(logq_B1V[:, 0], known_ids)  # q as `accept` reads it too
         d_B = (jnp.argmax(logq_BV, axis=-1) if greedy else jax.random.categorical(
             sub, sampling_logits(logq_BV, **opts), axis=-1)).astype(jnp.int32)
         return (upd["cache"], d_B, key), (d_B, logq_BV)
@@ -244,6 +248,7 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
                                                           None, length=k + 1)
         d_BK, logq_BKV = d_KB[:k].T, jnp.moveaxis(logq_KBV[:k], 0, 1)
         logp_BKV, upd = apply_t(tcache, jnp.concatenate([pending_B[:, None], d_BK], axis=1))
+        logp_BKV = mask_unknown(logp_BKV, known_ids)  # p masked as q was
         n_B, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, **opts)
         n_B = jnp.where(active_B, n_B, 0)
         j_1K = jnp.arange(k + 1)[None]
