@@ -1,6 +1,7 @@
 """Bad configs fail fast, before anything compiles, naming field, value and what is allowed."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from hpnlp.config import ConfigError, default_configdict, from_configdict, validate
+from hpnlp.config import ConfigError, default_configdict, from_configdict, to_json, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +43,8 @@ def test_default_experiments_validate():
         assert mod.__doc__ and "python -m hpnlp.main --config experiments/" in mod.__doc__
         cfg = validate(from_configdict(mod.get_config(arg)), num_devices=1)
         assert cfg.model.vocab_size > 0
+        # its config.json reads back, each value of its field's kind (review r4's check)
+        assert from_configdict(json.loads(json.dumps(to_json(cfg)))) == cfg
 
 
 @pytest.mark.parametrize("path, arg, match", [
@@ -265,6 +268,12 @@ def test_task_fields_are_filled_in():
      "train.early_stopping_patience=0 turns it off"),
     ({"train": {"early_stopping_patience": 3, "eval_every": 0}},
      "train.early_stopping_patience", "set train.eval_every"),
+    # review r4: an eval_every of train.steps or more evaluates only after the last step too
+    ({"train": {"early_stopping_patience": 3, "eval_every": 1000, "steps": 1000}},
+     "train.early_stopping_patience", "set train.eval_every below train.steps"),
+    ({"train": {"early_stopping_patience": 3, "eval_every": 200, "steps": 100,
+                "warmup_steps": 10}},
+     "train.early_stopping_patience", "train.eval_every=200 evaluates only after the last step"),
     ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "decay needs steps"),
     ({"model": {"num_classes": 2, "kind": "classifier"}, "data": {"task": "listops"}},
      "model.num_classes", "has 10 classes"),
@@ -750,3 +759,102 @@ def test_the_constant_schedule_may_warm_up_to_the_last_step():
                  num_devices=1)
     assert "`train.warmup_steps` = 101" in str(e.value), str(e.value)
     assert "must be <= train.steps=100" in str(e.value) and "decay" not in str(e.value)
+
+
+@pytest.mark.parametrize("path", [("model", "dropout"), ("train", "end_lr_frac"), ("train", "b1"),
+                                  ("quant", "layers"), ("seed",), ("name",),
+                                  ("data", "bucket_boundaries"), ("train", "distill", "alpha")])
+def test_a_field_set_to_none_is_named_before_anything_reads_it(path):
+    """A review (r4): ml_collections lets None replace any value, so an experiment file's
+    `cfg.model.dropout = None` reached validate's `0 <= dropout` as a raw TypeError
+    (quant.layers an AttributeError; seed = None was taken, and failed in jax after the data
+    was built)."""
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    group = cd
+    for name in path[:-1]:
+        group = getattr(group, name)
+    setattr(group, path[-1], None)
+    field = ".".join(path)
+    with pytest.raises(ConfigError, match=rf"^config field `{re.escape(field)}` = None is not "
+                       r"allowed: must be (a|an|True) [^;]*\(the default is .+\)$"):
+        validate(from_configdict(cd), num_devices=1)
+
+
+def test_config_values_of_another_kind_are_named_and_json_kinds_taken():
+    """A review (r4): a config.json edited to `"dropout": "0.1"` was a traceback in every
+    reader. JSON's kinds stay taken: an int for a float, a list for a tuple."""
+    saved = to_json(from_configdict(default_configdict()))
+    saved["train"]["lr"] = 1
+    saved["data"]["bucket_boundaries"] = [32, 64]
+    cfg = from_configdict(saved)
+    assert cfg.train.lr == 1 and cfg.data.bucket_boundaries == (32, 64)
+    for path, value, kind in ((("model", "dropout"), "0.1", "a number (the default is 0.1)"),
+                              (("train", "steps"), 10.0, "an integer (the default is 1000)"),
+                              (("train", "steps"), True, "an integer"),
+                              (("model", "causal"), 1, "True or False (the default is False)"),
+                              (("data", "task"), 3, "a string"),
+                              (("data", "bucket_boundaries"), "32,64", "a list"),
+                              (("train", "prune", "layers"), ["mlp"], "a string"),
+                              (("seed",), "1", "an integer (the default is 0)")):
+        edited = json.loads(json.dumps(saved))
+        group = edited
+        for name in path[:-1]:
+            group = group[name]
+        group[path[-1]] = value
+        with pytest.raises(ConfigError) as e:
+            from_configdict(edited)
+        assert str(e.value).startswith(f"config field `{'.'.join(path)}` = {value!r} is not "
+                                       f"allowed: must be {kind}"), str(e.value)
+
+
+@pytest.mark.parametrize("edit", [{"model": {"dropout": "0.1"}},
+                                  {"attention": {"name": "dense", "options": 5}}])
+def test_a_config_json_of_wrong_kinds_is_the_one_line_of_an_edited_file(tmp_path, edit):
+    """A review (r4): load_run_config turned a ConfigError into the edited file's one line,
+    and let a TypeError (`"options": 5`) or a value of another kind through as a traceback."""
+    from hpnlp.train.checkpoint import load_run_config
+    saved = to_json(from_configdict(default_configdict()))
+    for group, fields in edit.items():
+        saved[group].update(fields)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"shape_signature": {}, "config": saved}))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: .*; this version of hpnlp "
+                       "refuses the config that file holds: ") as e:
+        load_run_config(str(tmp_path), require_checkpoint=False)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_routing_groups_are_checked_after_the_batch_size():
+    """A review (r4): batch_size=32 with grad_accum=3 on 4 devices was refused as
+    model.moe.groups not dividing "train.batch_size / train.grad_accum = 10", where
+    train.batch_size is no multiple of grad_accum x shards = 12."""
+    with pytest.raises(ConfigError, match=r"`train.batch_size` = 32 .*= 3 x lcm\(4 devices"):
+        validate(base(model={"moe": {"num_experts": 4}}, train={"batch_size": 32,
+                                                               "grad_accum": 3}), num_devices=4)
+    validate(base(model={"moe": {"num_experts": 4}}, train={"batch_size": 24, "grad_accum": 3}),
+             num_devices=4)
+
+
+def test_an_option_override_of_another_kind_than_the_files_is_one_line(tmp_path):
+    """A review (r4): `--config.attention.options.block_q=abc` over a file's `block_q = 64`
+    was ml_collections' type-safety traceback, not the registry's one line (hpnlp.train.ensemble
+    applies the overrides with the same `apply_option_overrides`)."""
+    config = tmp_path / "exp.py"
+    config.write_text(
+        "from hpnlp.config import default_configdict\n\n\n"
+        "def get_config(arg=''):\n"
+        "    cfg = default_configdict()\n"
+        "    cfg.data.task, cfg.data.seq_len, cfg.model.max_len = 'byte_lm', 64, 64\n"
+        "    cfg.train.batch_size = 8\n"
+        "    cfg.attention.name = 'chunked'\n"
+        "    cfg.attention.options.block_q = 64\n"
+        "    return cfg\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpnlp.main", "--config", str(config), "--workdir",
+         str(tmp_path / "w"), "--config.attention.options.block_q=abc"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hpnlp: error: config field `attention.options.block_q` = 'abc' is "
+                           "not allowed: must be a positive integer"), proc.stderr[-2000:]

@@ -409,6 +409,19 @@ def test_ensembles_refuse_a_bi_encoder_and_a_file_workdir_in_one_line(tmp_path):
         f"hpnlp: error: --workdir {tmp_path / 'f'} is a file, not a folder; give a folder")
 
 
+def test_cli_refuses_profile_with_from_checkpoints(tmp_path):
+    """A review (r4): `--from_checkpoints K --profile DIR` was taken, and DIR left empty (only
+    --members' training is traced); refused before the run is read, as --member_loop is."""
+    proc = subprocess.run([sys.executable, "-m", "hpnlp.train.ensemble", "--workdir",
+                           str(tmp_path / "run"), "--from_checkpoints", "1", "--profile",
+                           str(tmp_path / "p")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"hpnlp: error: --profile {tmp_path / 'p'}: traces a few training steps of --members M, "
+        "and --from_checkpoints K trains none; drop it"), proc.stderr[-2000:]
+    assert not (tmp_path / "p").exists()
+
+
 def test_member_metrics_reduce_over_the_member_axis_only():
     """Found in review: an MoE ensemble's per-layer, per-expert loads ([M, layers, X])
     were summed to a scalar, and its first log line failed."""

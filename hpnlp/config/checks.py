@@ -760,10 +760,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("train.early_stopping_metric", t.early_stopping_metric, "is the metric early "
               "stopping watches, and train.early_stopping_patience=0 turns it off; drop it, or "
               "set train.early_stopping_patience (evals without improvement before stopping)")
-    if t.early_stopping_patience and not t.eval_every:
+    # (review r4: an eval_every of train.steps or more was taken: its one eval, the last
+    # step's, sets the best, so nothing could stop)
+    if t.early_stopping_patience and (not t.eval_every or t.eval_every >= t.steps):
         _fail("train.early_stopping_patience", t.early_stopping_patience, "counts evals without "
-              "improvement, and train.eval_every=0 evaluates only after the last step; set "
-              "train.eval_every, or drop the patience")
+              f"improvement, and train.eval_every={t.eval_every} evaluates only after the last "
+              f"step (train.steps={t.steps}); set train.eval_every below train.steps, or drop "
+              "the patience")
 
     # Data.
     from hpnlp import data as data_lib
@@ -978,7 +981,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("attention.options.block", block, f"each device holds L / mesh.sequence = "
                   f"{[w // sizes['sequence'] for w in odd]} positions, which the ring's tile "
                   "must divide; choose a divisor of them, or None")
-    _check_moe_mesh(cfg, sizes)
     for axis in MESH_AXES:  # a bug hunt (session 90): data=4 with rules.batch=None ran as 1
         # (pipeline stages need rules.layers, checked below)
         named = any(axis in mesh.mesh_axes_of(r) for r in mesh.rules)
@@ -997,6 +999,9 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if eval_bs % math.lcm(shards, num_processes):
         _fail("data.eval_batch_size", eval_bs,
               f"must be a multiple of {math.lcm(shards, num_processes)} (data-parallel shards)")
+    # after the batch sizes' checks, which its routing groups divide (review r4: before them,
+    # batch_size=32 with grad_accum=3 was refused as model.moe.groups not dividing "32 / 3 = 10")
+    _check_moe_mesh(cfg, sizes)
     # Pipeline (GPipe, parallel/pipeline.py): stages split the stacked layer axis, and each
     # batch the trunk sees splits into microbatches.
     stages, micro = sizes["pipeline"], mesh.pipeline_microbatches

@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any, Mapping
 
 import flax.core
 import ml_collections
+import numpy as np
 
 
 class ConfigError(ValueError):
@@ -793,6 +795,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                 if field_name not in names:
                     _fail(f"{key}.{field_name}", value[field_name],
                           f"unknown field; `{key}` has {sorted(names)}")
+            _check_kinds(key, cls, value)
             for f in dataclasses.fields(cls):  # subgroups: train.distill, train.prune
                 if dataclasses.is_dataclass(f.default) and f.name in value:
                     value[f.name] = _subgroup(f"{key}.{f.name}", type(f.default), value[f.name])
@@ -805,6 +808,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                 value["rules"] = flax.core.FrozenDict({**DEFAULT_RULES, **given})
             kwargs[key] = cls(**value)
         elif key in ("seed", "name"):
+            _check_kind(key, value, getattr(Config, key))
             kwargs[key] = value
         else:
             _fail(key, value, f"unknown group; a config has "
@@ -836,10 +840,42 @@ def _subgroup(field: str, cls: type, value: Any):
     for name in value:
         if name not in names:
             _fail(f"{field}.{name}", value[name], f"unknown field; `{field}` has {sorted(names)}")
+    _check_kinds(field, cls, value)
     for f in dataclasses.fields(cls):  # hashable: configs become flax module fields
         if f.name in value and f.default_factory is flax.core.FrozenDict:
             value[f.name] = _hashable(dict(value[f.name] or {}))
     return cls(**value)
+
+
+# A field's default's kind -> the kinds of value it takes, and how its error says them; bool
+# first, as a bool is an int (and True is no integer count, nor a number, here)
+# (numbers' classes, so a NumPy integer or float a bench or an experiment computed passes)
+_KINDS = ((bool, (bool, np.bool_), "True or False"), (int, (numbers.Integral,), "an integer"),
+          (float, (numbers.Real,), "a number"), (str, (str,), "a string"),
+          (tuple, (list, tuple), "a list"))
+
+
+def _check_kinds(group: str, cls: type, given: Mapping[str, Any]) -> None:
+    """Each field of `cls` in `given` of its default's kind (`_check_kind`). A review (r4):
+    ml_collections lets None replace any value, and a config.json may be edited, so
+    `model.dropout = None` or `"dropout": "0.1"` reached `validate`'s `0 <= dropout` as a raw
+    TypeError (and `seed = None` jax, after the data was built)."""
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            _check_kind(f"{group}.{f.name}", given[f.name], default)
+
+
+def _check_kind(field: str, value: Any, default: Any) -> None:
+    """ConfigError unless `value` is of `default`'s kind: an int for a float, a list for a
+    tuple. Fields whose default is None, a mapping (options, rules, ranks) or a subgroup are
+    not judged here (their own checks read them)."""
+    for kind, takes, words in _KINDS:
+        if isinstance(default, kind):
+            if isinstance(value, takes) and (kind is bool
+                                             or not isinstance(value, (bool, np.bool_))):
+                return
+            _fail(field, value, f"must be {words} (the default is {default!r})")
 
 
 def _hashable(value: Any) -> Any:

@@ -176,7 +176,8 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
             validate(cfg, devices=False, task_info={
                 "kind": kind.get(cfg.model.kind, "lm"), "vocab_size": cfg.model.vocab_size,
                 "num_classes": cfg.model.num_classes})
-    except ConfigError as e:
+    except (ConfigError, TypeError, AttributeError) as e:  # as _read_config_json's (review r4:
+        # a value of another kind, `"options": 5`, was a traceback in every reader)
         raise _edited(f"{named}{path}", e) from None
     return cfg
 
@@ -453,7 +454,10 @@ class Checkpointer:
     def _check_or_write_config(self, cfg, members: int, write: bool = True) -> None:
         sig = _shape_signature(cfg, members)
         payload = {"shape_signature": sig, "config": to_json(cfg)}
-        resuming = os.path.isdir(self.directory) and bool(os.listdir(self.directory))
+        # a numbered folder, as `has_checkpoint`: a save cut short leaves only a temporary
+        # one, and its rerun starts over (review r3: it was refused as another model's run)
+        resuming = os.path.isdir(self.directory) and any(
+            n.isdigit() for n in os.listdir(self.directory))
         if os.path.exists(self.config_path):
             saved = _read_config_json(self.config_path)
             self.saved_train = dict(saved.get("config", {}).get("train", {}))
@@ -669,6 +673,12 @@ def _is_count(v) -> bool:
     return type(v) is int and v >= 0
 
 
+def _is_last_step(v) -> bool:
+    """A log window's last step as saved: what its train line reads of that step."""
+    return (isinstance(v, dict) and {"param_norm", "lr"} <= set(v)
+            and set(v) <= {"param_norm", "lr", "loss_scale"} and all(map(_is_number, v.values())))
+
+
 # The loop item's entries (hpnlp.train.loop's `save`): what each must be, and the test
 _LOOP_ENTRIES = {"best": ("a number or null", lambda v: v is None or _is_number(v)),
                  "best_step": ("a step or null", lambda v: v is None or _is_count(v)),
@@ -677,12 +687,15 @@ _LOOP_ENTRIES = {"best": ("a number or null", lambda v: v is None or _is_number(
                  "stopped_early": ("true or false", lambda v: isinstance(v, bool)),
                  "last_eval": ("an object or null", lambda v: v is None or isinstance(v, dict)),
                  "window": ("an object or null", lambda v: v is None or isinstance(v, dict)),
-                 "routing_groups": ("a count or null", lambda v: v is None or _is_count(v))}
+                 "routing_groups": ("a count or null", lambda v: v is None or _is_count(v)),
+                 "eval_due": ("true or false", lambda v: isinstance(v, bool))}
 _WINDOW_ENTRIES = {"sums": ("an object or null", lambda v: v is None or isinstance(v, dict)),
                    "dtypes": ("an object", lambda v: isinstance(v, dict)),
                    "n": ("a count", _is_count), "applied": ("a count", _is_count),
                    "clipped": ("a count", _is_count), "gmin": ("a number", _is_number),
-                   "gmax": ("a number", _is_number)}
+                   "gmax": ("a number", _is_number),
+                   "last": ("null or an object of numbers: param_norm, lr (and loss_scale)",
+                            lambda v: v is None or _is_last_step(v))}
 
 
 def _loop_state_wrong(loop) -> str:

@@ -547,6 +547,10 @@ def _main(argv) -> None:
               "--from_checkpoints K (combine the last K checkpoints of a run)"
               + (", not both" if F.members > 0 else ""), file=sys.stderr)
         sys.exit(1)
+    if F["profile"].present and F.from_checkpoints:  # taken and ignored (review r4)
+        print(f"hpnlp: error: --profile {F.profile}: traces a few training steps of --members "
+              "M, and --from_checkpoints K trains none; drop it", file=sys.stderr)
+        sys.exit(1)
     logging.set_verbosity(logging.WARNING)
     cfg = F.config
     if cfg is None:  # --from_checkpoints reads the run's own config (its config.json)
@@ -561,9 +565,7 @@ def _main(argv) -> None:
         except (NoCheckpoint, ConfigError) as e:
             print(f"hpnlp: error: {e}", file=sys.stderr)
             sys.exit(1)
-    for group, key, value in cli._option_overrides:
-        with cfg.unlocked():
-            getattr(cfg, group).options[key] = value
+    cli.apply_option_overrides(cfg)
     from hpnlp.paths import check_workdir, check_writable_dir
     from hpnlp.train import Interrupted, NonFiniteLoss
     try:

@@ -69,6 +69,24 @@ def schedule_change(saved_train: dict, t, step: int) -> str:
             f"{now:.3g}, where the saved run's schedule gives {before:.3g}")
 
 
+def _eval_logged(path: str, step: int) -> bool:
+    """Whether metrics.jsonl at `path` holds an eval line of `step`: a made-up eval (the one
+    that failed at a checkpoint's step) that an earlier resume ran and logged, whose rerun
+    from that checkpoint logs it once."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and rec.get("eval") is True and rec.get("step") == step:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 def profile_folder(profile_dir: str) -> str:
     """Where this process writes its `--profile` trace: DIR, or DIR/process_I in a run of
     several processes (a bug hunt, session 99: those of one host wrote one HOST.xplane.pb,
@@ -722,6 +740,10 @@ class Trainer:
         # bug hunt: with either, and more steps, it trained nothing and said nothing)
         stopped_early = (bool(loop.get("stopped_early", False)) and t.early_stopping_patience > 0
                          and bad_evals >= t.early_stopping_patience)
+        # The eval due at the restored step failed (its checkpoint was saved without it): run
+        # first, logged and counted as the uninterrupted run did (review r3: never made up,
+        # early stopping and the best went otherwise). Checkpoints from before say nothing.
+        eval_due = bool(loop.get("eval_due", False))
         writer = MetricWriter(self.workdir, resume_step=start if resumed else None)
         show = t.progress and jax.process_index() == 0
         if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
@@ -741,7 +763,8 @@ class Trainer:
                      if stopped_early and start < t.steps else "")
                   + (schedule_change(self.checkpointer.saved_train, t, start)
                      if start < t.steps else "")
-                  + self._changes_said(start) + self._groups_said(loop),
+                  + self._changes_said(start) + self._groups_said(loop)
+                  + (f"; its eval at step {start} failed, and runs first" if eval_due else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
@@ -754,7 +777,9 @@ class Trainer:
                                   "applied": saved.get("applied", saved.get("n", 0)),
                                   "gmin": saved.get("gmin", math.inf), "gmax": saved.get("gmax", 0.0),
                                   "clipped": saved.get("clipped", 0), "t0": time.perf_counter(),
-                                  "last": None, "timed": 0, "timed_tokens": 0.0}
+                                  # what its train line reads of its last step (a stop at a
+                                  # made-up eval writes that line: `take_eval`)
+                                  "last": saved.get("last"), "timed": 0, "timed_tokens": 0.0}
         # The rates time steps that run a compiled program: the first step, and each step whose
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
         timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
@@ -849,21 +874,72 @@ class Trainer:
 
         groups = self.routing_groups()
 
-        def save(step: int, state, last_eval: dict) -> None:
+        def save(step: int, state, last_eval: dict, *, eval_due: bool = False) -> None:
+            last = window["last"]
             win = None if window["sums"] is None else {
                 "sums": {k: np.asarray(v).tolist() for k, v in window["sums"].items()},
                 "dtypes": {k: str(np.asarray(v).dtype) for k, v in window["sums"].items()},
                 "n": window["n"], "applied": window["applied"],
-                "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"]}
+                "gmin": window["gmin"], "gmax": window["gmax"], "clipped": window["clipped"],
+                "last": None if last is None else {
+                    k: float(np.asarray(last[k])) for k in ("param_norm", "lr", "loss_scale")
+                    if k in last}}
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "best_step": best_step, "bad_evals": bad_evals,
                 "best_metric": t.early_stopping_metric,
-                "stopped_early": stopped_early,
+                "stopped_early": stopped_early, "eval_due": eval_due,
                 "last_eval": last_eval, "window": win, "routing_groups": groups})
 
+        def take_eval(step: int, state, *, made_up: bool = False) -> None:
+            """The eval due at `step`: run, logged, and counted for the best and early
+            stopping. `made_up`: the one that failed at the restored step, which a rerun
+            before the next checkpoint runs again (logged once: `_eval_logged`)."""
+            nonlocal last_eval, best, best_step, bad_evals, stopped_early
+            try:
+                last_eval = self.evaluate(state)
+            except Exception:
+                if not made_up:  # keep the steps trained since the last checkpoint: saved
+                    # with the eval due (a resume runs it first), then the error
+                    save(step, state, {}, eval_due=True)
+                    self.checkpointer.wait()
+                raise
+            logged = made_up and writer.enabled and _eval_logged(writer.path, step)
+            if not logged:
+                writer.write(step, last_eval, eval=True)
+            # Parameters can blow up while staying finite (the step's own loss, read before
+            # its update, still finite): their eval loss is the last check before they would
+            # be saved and named good (found by a README walk: lr=1e9 saved such a step, and
+            # its resume diverged at once)
+            if not math.isfinite(float(last_eval.get("loss", 0.0))):
+                loss = float(last_eval["loss"])
+                if not made_up:
+                    raise diverged(step, f"eval loss = {loss} on the parameters after it, "
+                                   "which are not saved")
+                writer.close()  # saved with its eval due: that checkpoint is not good
+                where = os.path.join(self.checkpointer.directory, str(step))
+                raise NonFiniteLoss(
+                    f"training became non-finite at step {step} (eval loss = {loss} on the "
+                    f"parameters checkpoint {where} holds, saved when that eval failed); move "
+                    "it aside to resume from the checkpoint before it, then lower train.lr, "
+                    "raise train.warmup_steps, keep train.clip_norm > 0, or check the data.")
+            score = last_eval.get(t.early_stopping_metric)
+            if score is not None:
+                if best is None or (score > best if maximize else score < best):
+                    best, best_step, bad_evals = score, step, 0
+                else:
+                    bad_evals += 1
+            if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
+                stopped_early = True
+                # the last steps' train line (found in review: lost)
+                if window["n"] and not logged:
+                    flush(step)
+
         pending = None
-        step = start
-        profiling = False
+        step = trained_to = start
+        # --profile traces steps 3-8 from here, or the last where fewer are left (review r4:
+        # a run of 2 steps wrote nothing, and said nothing)
+        first_traced = min(start + 3, t.steps)
+        profiling = traced = False
         stop = StopSignals(multi=jax.process_count() > 1)
         stopping = False
         bar = None
@@ -874,13 +950,17 @@ class Trainer:
             bar = progress_bar(total=t.steps, initial=start, disable=not show, desc=cfg.name,
                                dynamic_ncols=True)
             with self._context(), stop:
+                if eval_due:  # (its checkpoint exists: a stop here saves nothing more)
+                    t_pause = time.perf_counter()
+                    take_eval(start, state, made_up=True)
+                    paused(time.perf_counter() - t_pause)
                 for step in range(start + 1, t.steps + 1):
                     if stopped_early:  # a rerun of a run that already stopped early
                         break
                     batch = next(self.train_iter)
-                    if profile_dir and step == start + 3:
+                    if profile_dir and step == first_traced:
                         jax.profiler.start_trace(profile_folder(profile_dir))
-                        profiling = True
+                        profiling = traced = True
                     shapes = tuple(np.shape(x) for x in jax.tree.leaves(batch))
                     compiles = timing["t0"] is not None and shapes not in timing["shapes"]
                     timing["shapes"].add(shapes)
@@ -892,6 +972,7 @@ class Trainer:
                     if compiles or timing["t0"] is None:
                         t_compile = time.perf_counter()
                     state, metrics = self.train_step(state, _global(batch, self.batch_sharding))
+                    trained_to = step
                     if pending is not None:
                         consume(*pending)
                     pending = (step, metrics)
@@ -923,33 +1004,8 @@ class Trainer:
                     pending = None
                     t_pause = time.perf_counter()
                     if do_eval:
-                        try:
-                            last_eval = self.evaluate(state)
-                        except Exception:
-                            # keep the steps trained since the last checkpoint: saved without an
-                            # eval (a resume at the end evaluates what it restores), then the error
-                            save(step, state, {})
-                            self.checkpointer.wait()
-                            raise
-                        writer.write(step, last_eval, eval=True)
-                        # Parameters can blow up while staying finite (the step's own loss, read
-                        # before its update, still finite): their eval loss is the last check
-                        # before they would be saved and named good (found by a README walk:
-                        # lr=1e9 saved such a step, and its resume diverged at once)
-                        if not math.isfinite(float(last_eval.get("loss", 0.0))):
-                            raise diverged(step, f"eval loss = {float(last_eval['loss'])} on the "
-                                           "parameters after it, which are not saved")
-                        score = last_eval.get(t.early_stopping_metric)
-                        if score is not None:
-                            if best is None or (score > best if maximize else score < best):
-                                best, best_step, bad_evals = score, step, 0
-                            else:
-                                bad_evals += 1
-                        if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
-                            stopped_early = True
-                            do_ckpt = True
-                            if window["n"]:  # the last steps' train line (found in review: lost)
-                                flush(step)
+                        take_eval(step, state)
+                        do_ckpt = do_ckpt or stopped_early
                     if do_ckpt:
                         save(step, state, last_eval)
                     paused(time.perf_counter() - t_pause)
@@ -976,6 +1032,12 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        if profile_dir and not traced and jax.process_index() == 0:
+            why = (f"it stopped at step {trained_to}, before step {first_traced}, the first "
+                   "it traces" if trained_to > start else f"train.steps={t.steps} are done"
+                   if start >= t.steps else "it stopped early, and trained no step")
+            print(f"hpnlp: warning: --profile {profile_dir}: no trace was written ({why})",
+                  file=sys.stderr, flush=True)
         if stopping:
             good = newest_checkpoint()
             self.checkpointer.close()
@@ -985,7 +1047,8 @@ class Trainer:
         elapsed = time.perf_counter() - timing["t0"] if timing["t0"] else 0.0
         self.checkpointer.close()
         writer.close()
-        if not last_eval:  # resumed at the end: evaluate what was restored
+        if not last_eval:  # resumed at the end without its eval (a checkpoint saved before
+            # `eval_due` where that eval failed, or train.steps lowered): evaluate what it holds
             last_eval = self.evaluate(state)
         summary = {
             "name": cfg.name,
