@@ -506,6 +506,22 @@ def test_decoding_a_reversible_model_of_random_features_is_refused():
             models.generate(make_cfg("lm", arch=arch), {}, prompt, length=4)
 
 
+def test_decoding_random_features_of_the_run_s_stream_needs_their_key():
+    """A review (r12): the quickstart notebook sampled a Performer run without its features
+    key, so with its seed's draw, which it never trained with; refused before any compile."""
+    from hpnlp import models
+    from hpnlp.models.generate import check_features_key
+    prompt = jnp.zeros((1, 2), jnp.int32)
+    for name in ("performer", "lsh"):
+        cfg = dataclasses.replace(make_cfg("lm"), attention=AttentionConfig(name, {}))
+        with pytest.raises(ValueError, match=rf"attention.name={name!r} .*pass features_key="):
+            models.generate(cfg, {}, prompt, length=4)
+        check_features_key(cfg, jax.random.key(0))
+    fixed = AttentionConfig("performer", {"redraw": False})  # one draw from its seed: no key
+    check_features_key(dataclasses.replace(make_cfg("lm"), attention=fixed), None)
+    check_features_key(make_cfg("lm"), None)
+
+
 def test_a_registered_module_of_the_wrong_shape_is_named_at_trace():
     """A bug hunt (session 96): a registered attention variant of another output shape failed
     in the output projection's dot_general, naming nothing; an output layer whose loss was a

@@ -208,6 +208,19 @@ def check_call(length, rng, **counts) -> None:
                          "rng=jax.random.key(0)")
 
 
+def check_features_key(cfg: Config, features_key) -> None:
+    """A ValueError where the attention variant draws its random features from the run's
+    `features` stream (Performer with redraw, LSH) and no `features_key` is given: the model
+    would decode with a draw it never trained with (its seed's), and sample another function
+    silently (a review, r12: the quickstart notebook's sample of a Performer run)."""
+    cls = attention_lib.get(cfg.attention.name)
+    if (features_key is None and cls.random_features
+            and dict(cfg.attention.options).get("redraw", getattr(cls, "redraw", True))):
+        raise ValueError(f"attention.name={cfg.attention.name!r} draws its random features from "
+                         "the run's features stream, so decoding needs the draw it trained with: "
+                         "pass features_key=state.features_key(cfg.train.feature_redraw_every)")
+
+
 def check_known_ids(known_ids) -> None:
     """A ValueError where `known_ids` is neither None nor an int >= 1."""
     if known_ids is not None and (isinstance(known_ids, bool) or not isinstance(
@@ -308,6 +321,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     from hpnlp.models import build
 
     check_prompt(cfg, prompt_BP, prompt_len_B)
+    check_features_key(cfg, features_key)
     check_temperature(temperature, greedy)
     check_known_ids(known_ids)
     check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids)

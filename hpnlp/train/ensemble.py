@@ -35,7 +35,7 @@ accuracy can be either side. The eval step runs members one after another under
     python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
         --workdir /tmp/hpnlp/ens --members 3            # train a 3-seed ensemble
     python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
-        --workdir /tmp/hpnlp/smoke --from_checkpoints 2 \\
+        --workdir /tmp/hpnlp/lm_smoke --from_checkpoints 2 \\
         --config.train.keep_checkpoints=2               # combine an existing plain run
 
 Both print a table and write `ensemble.json` in the workdir.
