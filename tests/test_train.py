@@ -1146,7 +1146,8 @@ def test_resume_under_another_seed_into_float16_or_another_compressive_memory_is
             (None, "model.dtype", "bfloat16", False),
             (lambda cd: cd.model.update(dtype="float16"), "model.dtype", "float32", False),
             (xl, "model.comp_fn", "pool", True), (xl, "model.comp_mem_len", 0, True),
-            (xl, "data.batching", "pack", True), (xl, "model.comp_mem_len", 16, True))):
+            (xl, "data.batching", "pack", True), (xl, "model.comp_mem_len", 16, True),
+            (xl, "model.comp_rate", 4, True))):
         cd = tiny()
         if setup:
             setup(cd)
