@@ -1078,6 +1078,71 @@ def test_knnlm_refuses_a_one_chunk_eval_split_before_its_datastore_and_passes_bl
     assert index.options["block"] == 16 and len(index) == 50
 
 
+def test_knnlm_refuses_index_options_its_datastore_cannot_build_before_the_datastore(
+        tmp_path, monkeypatch):
+    """Review r10: ivf/faiss_ivf `lists` or scann `leaves` past the datastore's entries, a
+    scann of fewer than 16 of them, and impl="kernel" where the kernel cannot run were
+    refused by `store.index`, after the whole datastore pass (minutes on a training split),
+    though its entry count is known before."""
+    from types import SimpleNamespace
+
+    from hpnlp.data.task import Examples
+    from hpnlp.retrieval import exact, external
+
+    class Built(Exception):
+        pass
+
+    chunks = Examples(np.arange(27, dtype=np.int32) % 7, np.array([0, 9, 18]),
+                      np.array([9, 9, 9]))  # 3 x 8 = 24 entries
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=8, prepared=""))
+    task = SimpleNamespace(name="byte_lm", train=chunks, eval=chunks)
+    monkeypatch.setattr(knnlm, "load_lm", lambda workdir: (cfg, None, None, task, 3))
+
+    def build(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(knnlm, "build_datastore", build)
+
+    def run(index, options):
+        knnlm.run(str(tmp_path / "run"), str(tmp_path / "ds"), index=index,
+                  index_options=options)
+
+    refused = [("ivf", {"lists": 10 ** 6}, r"^ivf index: lists=1000000 cells but only 24 "
+                r"training vectors; use lists <= 24 or add more vectors first$"),
+               ("ivf", {"lists": 25, "dtype": "bfloat16"}, "lists=25 cells but only 24"),
+               ("faiss_ivf", {"lists": 25}, r"^faiss_ivf index: lists=25 cells but the first "
+                r"add has only 24 vectors to train them on; use lists <= 24 or add more "
+                r"vectors at once$"),
+               ("scann", {"leaves": 25}, r"^scann index: leaves=25 but only 24 vectors to "
+                r"partition; use leaves <= 24 \(or 0: chosen from the count\) or add more "
+                r"vectors$")]
+    for name, options, match in refused:
+        if external.available(name):
+            with pytest.raises(RetrievalError, match=match):
+                run(name, options)
+            with pytest.raises(Built):  # as many as there are entries: the datastore's turn
+                run(name, {**options, ("leaves" if name == "scann" else "lists"): 24})
+    monkeypatch.setattr(exact.KERNEL, "blocker", lambda: "no C++ compiler found")
+    for name, what in (("exact", "the exact MIPS kernel"), ("ivf", "the IVF scan kernel")):
+        with pytest.raises(RetrievalError, match=rf"^impl='kernel': {what} cannot run here: "
+                           r"no C\+\+ compiler found; use impl='auto' or 'xla'$"):
+            run(name, {"impl": "kernel"})
+        with pytest.raises(Built):
+            run(name, {"impl": "auto"})
+    assert not (tmp_path / "ds").exists()
+    # faiss trains its cells on the first add: the datastore's first READ_ROWS keys
+    if external.available("faiss_ivf"):
+        with pytest.raises(RetrievalError, match=rf"first add has only {knnlm.READ_ROWS} "):
+            knnlm.check_index("faiss_ivf", {"lists": knnlm.READ_ROWS + 1}, 8,
+                              entries=2 * knnlm.READ_ROWS)
+        knnlm.check_index("faiss_ivf", {"lists": knnlm.READ_ROWS}, 8, entries=2 * knnlm.READ_ROWS)
+    if external.available("scann"):  # its hashing's 16 centres need 16 entries
+        with pytest.raises(RetrievalError, match=r"^scann index: .* and it holds 15; add at "
+                           "least 16, or use 'exact' for so few$"):
+            knnlm.check_index("scann", {}, 8, entries=15)
+        knnlm.check_index("scann", {}, 8, entries=16)
+
+
 def test_damaged_index_and_datastore_files_are_one_line_naming_the_file(tmp_path):
     """Found by a bug hunt (session 89): truncated files raised numpy's, zipfile's or the
     library's own error, naming no file; a save cut off over an older index loaded the old

@@ -138,6 +138,13 @@ class Index(abc.ABC):
                                  "vectors for cosine similarity)")
         return x
 
+    def check_build(self, n: int, *, first: int | None = None) -> None:
+        """RetrievalError where this index, as its options stand, cannot be built here over
+        `n` vectors added in pieces, the first of `first` (None: all n) of them: the line its
+        build would give, said before the vectors are computed (review r10: the kNN-LM
+        refused lists past its datastore's entries only once they were all computed). An
+        index that any count fits does nothing."""
+
     def prepare(self) -> None:
         """Build what searches read now (trained cells, packed panels, a ScaNN searcher)
         rather than in the first search, so that the time counts as building; an index with

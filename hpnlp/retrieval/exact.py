@@ -266,6 +266,11 @@ class ExactIndex(HostIndex):
     def _stale(self, x_ND):
         self._device = self._panels = None
 
+    def check_build(self, n: int, *, first: int | None = None) -> None:
+        """`Index.check_build`: impl="kernel" where the kernel cannot run here."""
+        if self.options["impl"] == "kernel":
+            self.uses_kernel()  # raises, saying why
+
     def kernel_blocker(self) -> str | None:
         """Why this index's searches cannot run the fused kernel (None: they can)."""
         o = self.options

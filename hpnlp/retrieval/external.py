@@ -111,6 +111,14 @@ class FaissFlat(_Faiss):
         return self.faiss.IndexFlat(self.dim, self._metric())
 
 
+def _check_first_add(lists: int, first: int) -> None:
+    """One line where faiss_ivf's `lists` cells are more than the `first` add's vectors."""
+    if lists > first:
+        raise RetrievalError(f"faiss_ivf index: lists={lists} cells but the first add has "
+                             f"only {first} vectors to train them on; use lists <= "
+                             f"{first} or add more vectors at once")
+
+
 @register("faiss_ivf")
 class FaissIVF(_Faiss):
     """faiss IndexIVFFlat: cells of faiss's k-means, assigned and scanned by inner product
@@ -128,15 +136,18 @@ class FaissIVF(_Faiss):
     def _add(self, x_ND):
         if self.index is None:
             lists = self.options["lists"] or int(max(1, min(len(x_ND) // 39, round(4 * np.sqrt(len(x_ND))))))
-            if lists > len(x_ND):
-                raise RetrievalError(f"faiss_ivf index: lists={lists} cells but the first add has "
-                                     f"only {len(x_ND)} vectors to train them on; use lists <= "
-                                     f"{len(x_ND)} or add more vectors at once")
+            _check_first_add(lists, len(x_ND))
             self.options["lists"] = lists
             quantizer = self.faiss.IndexFlat(self.dim, self._metric())
             self.index = self.faiss.IndexIVFFlat(quantizer, self.dim, lists, self._metric())
             self._quantizer = quantizer  # faiss does not own it from Python
         super()._add(x_ND)
+
+    def check_build(self, n: int, *, first: int | None = None) -> None:
+        """`Index.check_build`: `lists` cells past the first add's vectors, which faiss
+        trains them on."""
+        if self.options["lists"]:
+            _check_first_add(self.options["lists"], n if first is None else first)
 
     def _tune(self):
         self.index.nprobe = int(self.options["nprobe"])
@@ -173,6 +184,19 @@ class FaissHNSW(_Faiss):
 _SCANN_AH_CENTERS = 16  # ScaNN's asymmetric hashing: centres per block, each needs a vector
 
 
+def _check_scann(n: int, leaves: int) -> None:
+    """One line where ScaNN cannot be built over `n` vectors into `leaves` leaves."""
+    if n < _SCANN_AH_CENTERS:  # a bug hunt: ScaNN's RuntimeError, or (from the kNN-LM or a
+        # TextSearch) a traceback
+        raise RetrievalError(f"scann index: its hashing trains {_SCANN_AH_CENTERS} centres "
+                             f"per block on the vectors added, and it holds {n}; add "
+                             f"at least {_SCANN_AH_CENTERS}, or use 'exact' for so few")
+    if leaves > n:
+        raise RetrievalError(f"scann index: leaves={leaves} but only {n} vectors to "
+                             f"partition; use leaves <= {n} (or 0: chosen from the count) "
+                             "or add more vectors")
+
+
 @register("scann")
 class ScaNN(HostIndex):
     """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product
@@ -200,16 +224,8 @@ class ScaNN(HostIndex):
     def _build(self):
         x = self.vectors()
         o = self.options
-        if len(x) < _SCANN_AH_CENTERS:  # a bug hunt: ScaNN's RuntimeError, or (from the
-            # kNN-LM or a TextSearch) a traceback
-            raise RetrievalError(f"scann index: its hashing trains {_SCANN_AH_CENTERS} centres "
-                                 f"per block on the vectors added, and it holds {len(x)}; add "
-                                 f"at least {_SCANN_AH_CENTERS}, or use 'exact' for so few")
         leaves = o["leaves"] or int(max(1, min(len(x) // 100, round(2 * np.sqrt(len(x))))))
-        if leaves > len(x):
-            raise RetrievalError(f"scann index: leaves={leaves} but only {len(x)} vectors to "
-                                 f"partition; use leaves <= {len(x)} (or 0: chosen from the count) "
-                                 "or add more vectors")
+        _check_scann(len(x), leaves)
         o["leaves"] = leaves
         builder = self.scann.scann_ops_pybind.builder(
             x, 10, "squared_l2" if o.get("metric") == "l2" else "dot_product")
@@ -222,6 +238,11 @@ class ScaNN(HostIndex):
         aq = float("nan") if o.get("metric") == "l2" else 0.2
         builder = builder.score_ah(2, anisotropic_quantization_threshold=aq)
         self.searcher = builder.reorder(o["reorder"]).build()
+
+    def check_build(self, n: int, *, first: int | None = None) -> None:
+        """`Index.check_build`: fewer vectors than its hashing trains on, or `leaves` past
+        them (ScaNN builds from all of them)."""
+        _check_scann(n, self.options["leaves"])
 
     def prepare(self) -> None:
         if self.searcher is None:

@@ -254,6 +254,13 @@ def scan_reference(q_QD, probe_QP, x_McD, id_Mc, k: int):
     return s_QK, i_QK
 
 
+def _check_lists(lists: int, n: int) -> None:
+    """One line where `lists` k-means cells are more than the `n` vectors they train on."""
+    if lists > n:
+        raise RetrievalError(f"ivf index: lists={lists} cells but only {n} training vectors; "
+                             f"use lists <= {n} or add more vectors first")
+
+
 def _rows(chunk: int) -> int:
     """A chunk's rows: `chunk` rounded up to a multiple of 8."""
     return -(-chunk // 8) * 8
@@ -317,14 +324,20 @@ class IVFIndex(HostIndex):
             raise RetrievalError("ivf index: no vectors to train the cells on; add vectors first, "
                                  "or pass training vectors to train(x)")
         lists = self.options["lists"] or int(max(1, min(len(x) // 8, round(4 * np.sqrt(len(x))))))
-        if lists > len(x):
-            raise RetrievalError(f"ivf index: lists={lists} cells but only {len(x)} training vectors; "
-                                 f"use lists <= {len(x)} or add more vectors first")
+        _check_lists(lists, len(x))
         self.options["lists"] = lists
         self.centroids = kmeans(x, lists, iters=self.options["iters"], seed=self.options["seed"])
         self._cell = np.asarray(_nearest(jnp.asarray(self.vectors()), jnp.asarray(self.centroids)),
                                 np.int32)
         self._stale(None)
+
+    def check_build(self, n: int, *, first: int | None = None) -> None:
+        """`Index.check_build`: `lists` cells past the n vectors they are trained on (all
+        those added before the first search), or impl="kernel" where the kernel cannot run."""
+        if self.options["lists"]:
+            _check_lists(self.options["lists"], n)
+        if self.options["impl"] == "kernel":
+            self.uses_kernel()  # raises, saying why
 
     def kernel_blocker(self) -> str | None:
         """Why this index's searches cannot run the scan kernel (None: they can)."""

@@ -45,6 +45,7 @@ from hpnlp.retrieval.base import Index, RetrievalError, get, make
 DATASTORE = "datastore.json"
 VERSION = 1
 METRICS = ("l2", "ip")
+READ_ROWS = 1 << 20  # keys read from the memory map per add (`Datastore.index`)
 
 
 def check_metric(metric: str) -> None:
@@ -225,7 +226,7 @@ class Datastore:
                                  "datastore again")
         return cls(folder, header, keys, values)
 
-    def index(self, name: str = "exact", *, metric: str = "l2", read_rows: int = 1 << 20,
+    def index(self, name: str = "exact", *, metric: str = "l2", read_rows: int = READ_ROWS,
               **options) -> Index:
         """An index over the keys (for L2 by the index's own metric or augmented, see the
         module docstring), filled in blocks of `read_rows` from the memory map; `options` are
@@ -404,9 +405,11 @@ def load_run(workdir: str, kind: str, hint: str):
     return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
 
 
-def check_index(name: str, options: dict, k: int = 0, metric: str = "l2") -> None:
+def check_index(name: str, options: dict, k: int = 0, metric: str = "l2", *,
+                entries: int | None = None) -> None:
     """RetrievalError where index `name` with `options` cannot be made, or (as far as its
-    options tell) cannot give `k` neighbours, before the datastore (minutes) is built: an
+    options tell) cannot give `k` neighbours, or (given the datastore's `entries`) cannot be
+    built over them here (`Index.check_build`), before the datastore (minutes) is built: an
     empty one of a small width is made and dropped, with the metric `Datastore.index` gives
     it for the kNN-LM's `metric` (a bug hunt (session 101): it was made without, so options
     refused with metric="l2" passed here and failed after the datastore was built)."""
@@ -422,6 +425,8 @@ def check_index(name: str, options: dict, k: int = 0, metric: str = "l2") -> Non
     except (ValueError, KeyError) as e:
         raise RetrievalError(f"index {name!r} with options {options}: {e}") from None
     check_k(index, k)
+    if entries is not None:  # review r10: refused by `store.index`, after the datastore pass
+        index.check_build(entries, first=min(entries, READ_ROWS))
 
 
 def check_k(index: Index, k: int) -> None:
@@ -525,8 +530,8 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()
     train = datastore_split(task.train, max_datastore_tokens)
-    check_index(index, index_options or {}, min(k_max, int(np.sum(train.lengths - 1))),
-                metric)
+    entries = int(np.sum(train.lengths - 1))
+    check_index(index, index_options or {}, min(k_max, entries), metric, entries=entries)
     store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta)
     t_store = time.perf_counter() - t0
     t0 = time.perf_counter()
