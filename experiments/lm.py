@@ -5,7 +5,7 @@ The default experiment (README's first command) is the byte-level one:
     python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm_bytes
     python -m hpnlp.main --config experiments/lm.py:words --workdir /tmp/hpnlp/lm_words
     python -m hpnlp.main --config experiments/lm.py:bpe --workdir /tmp/hpnlp/lm_bpe
-    python -m hpnlp.main --config experiments/lm.py:bytes,local \
+    python -m hpnlp.main --config experiments/lm.py:bytes,local \\
         --workdir /tmp/hpnlp/lm_smoke  # ~30 s
     python -m hpnlp.main --config experiments/lm.py:bytes,moe --workdir /tmp/hpnlp/lm_moe
     python -m hpnlp.main --config experiments/lm.py:bytes,compressive --workdir /tmp/hpnlp/lm_comp

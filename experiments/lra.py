@@ -4,7 +4,7 @@ classification (the "text" task) and byte-level document matching (the "retrieva
     python -m hpnlp.main --config experiments/lra.py:listops --workdir /tmp/hpnlp/listops
     python -m hpnlp.main --config experiments/lra.py:text --workdir /tmp/hpnlp/text
     python -m hpnlp.main --config experiments/lra.py:retrieval --workdir /tmp/hpnlp/retrieval
-    python -m hpnlp.main --config experiments/lra.py:listops,local \
+    python -m hpnlp.main --config experiments/lra.py:listops,local \\
         --workdir /tmp/hpnlp/listops_smoke
     (`lra.py:local` is ListOps' small preset)
 

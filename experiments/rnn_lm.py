@@ -2,7 +2,7 @@
 
     python -m hpnlp.main --config experiments/rnn_lm.py --workdir /tmp/hpnlp/rnn_lm
     python -m hpnlp.main --config experiments/rnn_lm.py:layer_norm,zoneout --workdir /tmp/hpnlp/rnn_ln_zo
-    python -m hpnlp.main --config experiments/rnn_lm.py:gru,local \
+    python -m hpnlp.main --config experiments/rnn_lm.py:gru,local \\
         --workdir /tmp/hpnlp/rnn_smoke  # ~30 s
     python -m hpnlp.bench rnn --quality --out /tmp/hpnlp/rnn_quality  # every trick, same steps
 

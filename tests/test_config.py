@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from hpnlp.config import ConfigError, default_configdict, from_configdict, to_json, validate
@@ -268,12 +269,6 @@ def test_task_fields_are_filled_in():
      "train.early_stopping_patience=0 turns it off"),
     ({"train": {"early_stopping_patience": 3, "eval_every": 0}},
      "train.early_stopping_patience", "set train.eval_every"),
-    # review r4: an eval_every of train.steps or more evaluates only after the last step too
-    ({"train": {"early_stopping_patience": 3, "eval_every": 1000, "steps": 1000}},
-     "train.early_stopping_patience", "set train.eval_every below train.steps"),
-    ({"train": {"early_stopping_patience": 3, "eval_every": 200, "steps": 100,
-                "warmup_steps": 10}},
-     "train.early_stopping_patience", "train.eval_every=200 evaluates only after the last step"),
     ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "decay needs steps"),
     ({"model": {"num_classes": 2, "kind": "classifier"}, "data": {"task": "listops"}},
      "model.num_classes", "has 10 classes"),
@@ -789,6 +784,15 @@ def test_config_values_of_another_kind_are_named_and_json_kinds_taken():
     saved["data"]["bucket_boundaries"] = [32, 64]
     cfg = from_configdict(saved)
     assert cfg.train.lr == 1 and cfg.data.bucket_boundaries == (32, 64)
+    # NumPy's numbers (a bench's or an experiment's arithmetic) are taken as Python's, so
+    # config.json writes numbers, not the text `default=str` made of them (review, s104)
+    given = json.loads(json.dumps(saved))  # a mapping: ConfigDict's type safety refuses them
+    given["model"].update(width=np.int64(64), causal=np.bool_(True))
+    given["train"]["lr"], given["seed"] = np.float32(0.5), np.int32(3)
+    cfg = from_configdict(given)
+    assert [type(v) for v in (cfg.model.width, cfg.train.lr, cfg.model.causal, cfg.seed)] == [
+        int, float, bool, int]
+    assert from_configdict(json.loads(json.dumps(to_json(cfg)))) == cfg
     for path, value, kind in ((("model", "dropout"), "0.1", "a number (the default is 0.1)"),
                               (("train", "steps"), 10.0, "an integer (the default is 1000)"),
                               (("train", "steps"), True, "an integer"),
@@ -796,7 +800,8 @@ def test_config_values_of_another_kind_are_named_and_json_kinds_taken():
                               (("data", "task"), 3, "a string"),
                               (("data", "bucket_boundaries"), "32,64", "a list"),
                               (("train", "prune", "layers"), ["mlp"], "a string"),
-                              (("seed",), "1", "an integer (the default is 0)")):
+                              (("seed",), "1", "an integer (the default is 0)"),
+                              (("attention", "options"), 5, "a mapping of option names")):
         edited = json.loads(json.dumps(saved))
         group = edited
         for name in path[:-1]:
@@ -823,6 +828,23 @@ def test_a_config_json_of_wrong_kinds_is_the_one_line_of_an_edited_file(tmp_path
                        "refuses the config that file holds: ") as e:
         load_run_config(str(tmp_path), require_checkpoint=False)
     assert "\n" not in str(e.value)
+
+
+def test_early_stopping_that_can_never_stop_is_refused_for_a_new_run():
+    """Review r4 (and of session 104): an eval_every of train.steps or more evaluates only
+    after the last step, and too few evals before it cannot count out the patience either;
+    a new run is refused (`check_new_run`, which the Trainer calls before its first
+    checkpoint), a saved one still validates (its config.json is read)."""
+    from hpnlp.config.checks import check_new_run
+    for steps, every, patience, most in ((1000, 1000, 3, 249), (100, 200, 3, 24),
+                                         (1000, 500, 3, 249), (1000, 250, 3, 249)):
+        cfg = base(train={"early_stopping_patience": patience, "eval_every": every,
+                          "steps": steps, "warmup_steps": 10})
+        validate(cfg)
+        with pytest.raises(ConfigError, match=rf"`train.early_stopping_patience` = {patience} .*"
+                           rf"set train.eval_every to at most {most}, or lower the patience"):
+            check_new_run(cfg)
+    check_new_run(base(train={"early_stopping_patience": 3, "eval_every": 249, "steps": 1000}))
 
 
 def test_moe_routing_groups_are_checked_after_the_batch_size():

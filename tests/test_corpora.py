@@ -516,7 +516,9 @@ def test_prepare_takes_its_tokenizer_flags_from_tokenizer_from(tmp_path, files, 
             == sharded.read_meta(prepared)["tokenizer"])
     for extra, msg in ((["--tokenizer", "bytes"], "--tokenizer bytes needs none"),
                        (["--vocab_size", "500"], "of 600 pieces, not what --vocab_size 500 asks for"),
-                       (["--tokenizer", "unigram"], "holds a bpe tokenizer")):
+                       (["--tokenizer", "unigram"], "holds a bpe tokenizer"),
+                       (["--tokenizer_sample_mb", "2"],  # taken and ignored (review, s104)
+                        "which --tokenizer_sample_mb 2 does not size")):
         assert prepare.main([*base, "--out", str(tmp_path / "q"), *extra]) == 2
         assert msg in capsys.readouterr().err
         assert not os.path.exists(tmp_path / "q")

@@ -469,6 +469,26 @@ def _rnn_blocked(cfg: Config, num_devices: int) -> str | None:
     return reason and f"here: {reason}"
 
 
+def check_new_run(cfg: Config) -> None:
+    """What a run that has saved no checkpoint is refused, though `validate` takes it in a
+    saved config.json (a run trained before the rule is still read and resumed): early
+    stopping that can never stop before the last step (review, session 104: eval_every >=
+    train.steps was taken, its one eval setting the best), and `compress_checks`'."""
+    t = cfg.train
+    if t.early_stopping_patience and t.eval_every:
+        before = (t.steps - 1) // t.eval_every  # evals before the last step
+        if before < t.early_stopping_patience + 1:
+            _fail("train.early_stopping_patience", t.early_stopping_patience,
+                  f"stops after that many evals without improvement over a best, and "
+                  f"train.eval_every={t.eval_every} evaluates {before} times before the last "
+                  f"step (train.steps={t.steps}), so it can never stop early; set "
+                  f"train.eval_every to at most "
+                  f"{max(1, (t.steps - 1) // (t.early_stopping_patience + 1))}, or lower the "
+                  "patience")
+    from hpnlp.config.compress_checks import check_new_run as check_new_compress
+    check_new_compress(cfg)
+
+
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
              num_devices: int | None = None, num_processes: int = 1,
              devices: bool = True) -> Config:
@@ -760,13 +780,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("train.early_stopping_metric", t.early_stopping_metric, "is the metric early "
               "stopping watches, and train.early_stopping_patience=0 turns it off; drop it, or "
               "set train.early_stopping_patience (evals without improvement before stopping)")
-    # (review r4: an eval_every of train.steps or more was taken: its one eval, the last
-    # step's, sets the best, so nothing could stop)
-    if t.early_stopping_patience and (not t.eval_every or t.eval_every >= t.steps):
+    if t.early_stopping_patience and not t.eval_every:
         _fail("train.early_stopping_patience", t.early_stopping_patience, "counts evals without "
-              f"improvement, and train.eval_every={t.eval_every} evaluates only after the last "
-              f"step (train.steps={t.steps}); set train.eval_every below train.steps, or drop "
-              "the patience")
+              "improvement, and train.eval_every=0 evaluates only after the last step; set "
+              "train.eval_every, or drop the patience")
 
     # Data.
     from hpnlp import data as data_lib

@@ -269,6 +269,22 @@ def _check_lowrank(cfg: Config) -> None:
                   f"{field}=False{also}, or model.lowrank.rank=0")
 
 
+def check_new_run(cfg: Config) -> None:
+    """What a run that has saved no checkpoint yet is refused, though `validate` takes it in
+    a saved config.json (a run trained before the rule is still read and resumed): a
+    dual encoder's MLP neurons pruned structurally (a review, session 104: its matching head
+    is model.mlp_dim wide too, no group of the blocks, so the shrunk run's head kept the old
+    width and failed to build after the masked model was evaluated and the shrunk one
+    written). Its heads can go; so can an all-MoE trunk's experts' neurons."""
+    p, m = cfg.train.prune, cfg.model
+    if (p.method != "none" and p.structure == "structured" and m.kind == "dual_encoder"
+            and m.arch == "transformer" and layers_name(p.layers, "mlp")
+            and not all(m.moe.applies(i) for i in range(m.depth))):
+        _fail("train.prune.layers", p.layers, f"a dual_encoder's matching head is "
+              f"model.mlp_dim={m.mlp_dim} wide too, and shrink narrows model.mlp_dim to the "
+              "neurons its blocks keep; prune its heads alone (train.prune.layers='qkv,out')")
+
+
 def _check_compress(cfg: Config) -> None:
     """`train.distill` and `train.prune` (hpnlp.compress): fields, and what they combine with."""
     dist, p, m = cfg.train.distill, cfg.train.prune, cfg.model
@@ -421,13 +437,6 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.prune.layers", p.layers, f"structured pruning removes heads (qkv, out), "
                   f"MLP neurons (mlp) and LSTM/GRU hidden units (input, recurrent); {extra} have "
                   "no such units")
-        if (m.kind == "dual_encoder" and m.arch == "transformer" and layers_name(p.layers, "mlp")
-                and not all(m.moe.applies(i) for i in range(m.depth))):
-            # a review: its shrunk run's head kept the old width, and failed to build after
-            # the masked model was evaluated and the shrunk one written
-            _fail("train.prune.layers", p.layers, f"a dual_encoder's matching head is "
-                  f"model.mlp_dim={m.mlp_dim} wide too, and shrink narrows model.mlp_dim to the "
-                  "neurons its blocks keep; prune its heads alone (train.prune.layers='qkv,out')")
         _check_shrunk_groups(cfg)
     elif p.structure != "unstructured":
         try:

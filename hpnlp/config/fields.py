@@ -808,8 +808,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                 value["rules"] = flax.core.FrozenDict({**DEFAULT_RULES, **given})
             kwargs[key] = cls(**value)
         elif key in ("seed", "name"):
-            _check_kind(key, value, getattr(Config, key))
-            kwargs[key] = value
+            kwargs[key] = _check_kind(key, value, getattr(Config, key))
         else:
             _fail(key, value, f"unknown group; a config has "
                               f"{sorted([*_GROUPS, 'quant']) + ['name', 'seed']}")
@@ -863,19 +862,26 @@ def _check_kinds(group: str, cls: type, given: Mapping[str, Any]) -> None:
     for f in dataclasses.fields(cls):
         if f.name in given:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            _check_kind(f"{group}.{f.name}", given[f.name], default)
+            given[f.name] = _check_kind(f"{group}.{f.name}", given[f.name], default)
 
 
-def _check_kind(field: str, value: Any, default: Any) -> None:
-    """ConfigError unless `value` is of `default`'s kind: an int for a float, a list for a
-    tuple. Fields whose default is None, a mapping (options, rules, ranks) or a subgroup are
-    not judged here (their own checks read them)."""
+def _check_kind(field: str, value: Any, default: Any) -> Any:
+    """`value`, a NumPy scalar as its Python number (config.json would write NumPy's as text,
+    which no reader takes: review of session 104), or a ConfigError unless it is of
+    `default`'s kind: an int for a float, a list for a tuple, a mapping (or None) for a
+    mapping (options, rules, ranks: their own checks read what is in them). Fields whose
+    default is None or a subgroup are not judged here."""
+    if isinstance(default, Mapping):
+        if value is not None and not isinstance(value, Mapping):
+            _fail(field, value, "must be a mapping of option names to values ({} for none)")
+        return value
     for kind, takes, words in _KINDS:
         if isinstance(default, kind):
             if isinstance(value, takes) and (kind is bool
                                              or not isinstance(value, (bool, np.bool_))):
-                return
+                return value.item() if isinstance(value, np.generic) else value
             _fail(field, value, f"must be {words} (the default is {default!r})")
+    return value
 
 
 def _hashable(value: Any) -> Any:

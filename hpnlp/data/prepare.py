@@ -231,6 +231,10 @@ def resolve_tokenizer_flags(args):
         if args.tokenizer == "bytes":
             raise PrepareError(f"--tokenizer_from {args.tokenizer_from} reuses a bpe or unigram "
                                "tokenizer, and --tokenizer bytes needs none; drop one of the two")
+        if args.tokenizer_sample_mb is not None:  # taken and ignored (a review of session 104)
+            raise PrepareError(f"--tokenizer_from {args.tokenizer_from} reuses a trained "
+                               f"tokenizer, which --tokenizer_sample_mb "
+                               f"{args.tokenizer_sample_mb} does not size; drop one of the two")
         tok = _tokenizer_from(args.tokenizer_from)
         given = (args.tokenizer, args.vocab_size)
         args.tokenizer = tok.kind if args.tokenizer is None else args.tokenizer
