@@ -124,15 +124,28 @@ def test_gradients_through_the_kernel_are_the_dense_twins():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def _repeated():
+    """A weight [2, 2] whose columns list their row twice (a non-canonical CSC), and x."""
+    w = spmm.SparseWeight(jnp.asarray([0, 2, 4], jnp.int32), jnp.asarray([0, 0, 1, 1], jnp.int32),
+                          jnp.asarray([1.0, 2.0, 4.0, 8.0], jnp.float32), k=2)
+    return w, jnp.asarray([[1.0, 0.5], [2.0, -1.0]], jnp.float32)
+
+
+def test_a_row_repeated_in_a_column_adds_in_the_twin():
+    """Review r5: the twin's dense() kept one of a repeated entry's values (by scatter
+    order), where the kernel sums them; it sums them too (no kernel needed to check)."""
+    w, x = _repeated()
+    np.testing.assert_array_equal(np.asarray(w.dense()), [[3.0, 0.0], [0.0, 12.0]])
+    np.testing.assert_array_equal(np.asarray(jax.jit(spmm.sparse_matmul, static_argnames="impl")(
+        x, w, impl="xla")), np.asarray(x) @ np.float32([[3.0, 0.0], [0.0, 12.0]]))
+
+
 @needs_kernel
 def test_a_row_repeated_in_a_column_adds_in_the_kernel_and_the_twin():
     """Review r5: a column listing a row twice (a non-canonical CSC) was summed by the kernel
     and overwritten by the twin's dense() (one of the two values, by scatter order), so
     impl="auto" and "xla" differed. Both sum it, under jit too, and the gradients agree."""
-    w = spmm.SparseWeight(jnp.asarray([0, 2, 4], jnp.int32), jnp.asarray([0, 0, 1, 1], jnp.int32),
-                          jnp.asarray([1.0, 2.0, 4.0, 8.0], jnp.float32), k=2)
-    np.testing.assert_array_equal(np.asarray(w.dense()), [[3.0, 0.0], [0.0, 12.0]])
-    x = jnp.asarray([[1.0, 0.5], [2.0, -1.0]], jnp.float32)
+    w, x = _repeated()
     want = np.asarray(x) @ np.float32([[3.0, 0.0], [0.0, 12.0]])
     both = jax.jit(lambda a, b: [spmm.sparse_matmul(a, b, impl=i) for i in ("kernel", "xla")])
     for y in both(x, w):
