@@ -1358,6 +1358,7 @@ def test_early_stopping_on_patience(tmp_path, capsys):
     assert on["best_eval"]["step"] > summary["final_step"] and "loss" in on["best_eval"]
 
 
+@pytest.mark.slow  # three short runs: 12.8 s on one loaded core of the Xeon model 167 (s104)
 def test_an_eval_that_failed_is_made_up_on_resume_as_the_run_without_the_failure(
         tmp_path, monkeypatch, capsys):
     """Review r3: an eval that failed (its checkpoint saved without it) was never made up:
