@@ -44,9 +44,10 @@ from tqdm.auto import tqdm
 from hpnlp.bench import harness, report
 
 SIZES = {
-    # 3500 steps: at the default run's 800 every top-1 MoE is still far behind the dense LM
+    # 3500 steps: at the default run's 800 every top-1 MoE is still behind the dense LM
     # (routed experts start slower: scaling the Switch gate up to undo its 1/E start made
-    # it worse in a GPU sweep); the E = 8 top-1 LM passes the dense one near 3000 steps.
+    # it worse in a GPU sweep); the E = 8 top-1 LM passes the dense one near step 1250
+    # (near 3000 before its experts started at the dense MLP's fan-in), E = 16 near 2000.
     "full": dict(lm_steps=3500, lm_quick=False, experts=(4, 8, 16), top_ks=(1, 2),
                  eval_every=250, tokens=(2048, 4096, 8192, 16384, 32768), repeats=5),
     "quick": dict(lm_steps=60, lm_quick=True, experts=(8,), top_ks=(1, 2), eval_every=30,
