@@ -315,6 +315,43 @@ def test_lra_bench_stopped_writes_its_report(tmp_path, monkeypatch):
         "method": "full", "tokenizer": "words", "status": "not run: interrupted"}
 
 
+def test_an_lra_run_of_some_variants_or_tasks_is_marked_subset(tmp_path, monkeypatch):
+    """Review r6: `lra --variants dense --tasks listops` wrote a report marked whole, which
+    `python -m hpnlp.bench` then kept from a full rerun into its --out and
+    tools/sync_readme.py copied into README.md. The matching task beside the default two is
+    more than a whole run, not a part of one."""
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import lra
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tools"))
+    import sync_readme
+
+    def measure(spec):  # no training: the mark depends on the rows asked for only
+        return {"task": spec["task"], "variant": spec["variant"], "seed": spec["seed"],
+                "status": "ok", "accuracy": 0.5, "eval_loss": 1.0, "baseline_accuracy": 0.2,
+                "steps": 1, "steps_per_sec": 10.0, "peak_rss_bytes": None, "param_count": 1}
+    monkeypatch.setattr(lra, "measure", measure)
+    monkeypatch.setattr(lra, "_plot", lambda payload, out_dir: None)
+
+    def subset(name, **kw):
+        lra.run(str(tmp_path / name), isolate=False, **kw)
+        return json.load(open(tmp_path / name / "results.json")).get("subset")
+    assert subset("a", quick=False, variants=["dense"], tasks=["listops"]) == {
+        "variants": ["dense"], "tasks": ["listops"]}
+    assert bench_main._full_report(str(tmp_path / "a"), lra) is None
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    with pytest.raises(SystemExit, match=re.escape(
+            'the report of a run of a part of the rows (`subset`: {"variants": ["dense"]')):
+        sync_readme.check_whole("a/results.md")
+    assert subset("b", quick=False, variants=["local"]) == {"variants": ["dense", "local"]}
+    assert subset("c", quick=False, tasks=["text"]) == {"tasks": ["text"]}
+    assert subset("d", quick=False, tasks=["listops", "text", "retrieval"]) is None
+    assert subset("e", quick=False, variants=attention_lib.names(),
+                  tasks=["text", "listops"]) is None
+    assert bench_main._full_report(str(tmp_path / "e"), lra) is not None
+    assert subset("f", quick=True) is None  # marked `quick`, its three variants no subset
+
+
 def test_target_meets_its_bound_and_not_measured_never_does():
     assert report.target(0.7, 0.8, "<=") == {"value": 0.7, "bound": 0.8, "op": "<=", "met": True}
     assert not report.target(0.81, 0.8, "<=")["met"] and report.target(2.0, 2.0, ">=")["met"]
@@ -410,6 +447,20 @@ def test_targets_table_skips_interrupted_rows_and_names_a_bad_machine(tmp_path, 
     rec.write_text(json.dumps({"targets": {"t": {**good, "op": ">=", "met": True,
                                                  "value": float("inf")}}}))
     assert [r[4:] for r in tt.rows()] == [(float("inf"), ">=", 2.5, False)]  # (session 103)
+
+
+def test_targets_table_takes_a_record_of_some_parts(tmp_path, monkeypatch):
+    """Review r6: records()' docstring promised a SystemExit for a --parts run's record, which
+    the table takes on purpose: its targets are those of the parts it ran."""
+    tt, rec = _targets_table(tmp_path, monkeypatch)
+    rec.parent.mkdir(parents=True)
+    targets = report.targets_of_parts(["distill"], {
+        "distill": {"d": report.target(2.0, 1.5, ">=")},
+        "prune": {"p": report.target(1.0, 1.5, ">=")}})
+    rec.write_text(json.dumps({"benchmark": "compress", "parts": ["distill"],
+                               "targets": targets}))
+    assert [r[:2] + r[4:] for r in tt.rows()] == [("d", "b", 2.0, ">=", 1.5, True)]
+    assert "### b" in tt.render()
 
 
 def _attention_row(impl, L, mode, median_s=None, status="ok"):
@@ -613,6 +664,22 @@ def test_machine_info_names_the_cpu_precisely(tmp_path):
     assert harness.cpu_detail(str(tmp_path / "no"), str(tmp_path / "no")) == {}
     old = {k: v for k, v in info.items() if k != "cpu_detail"}
     assert report.cpu_md(old) is None and "- machine: " in report.header_md(old, {})
+
+
+def test_cores_and_torch_threads_are_the_cores_this_process_may_run_on(monkeypatch):
+    """Review r6: the PyTorch peers got `os.cpu_count()` threads and the header said as many
+    cores, where hpnlp's kernels and XLA run on the process's affinity: under a cpuset the
+    peer oversubscribed its cores, and a slowed peer read as a met target."""
+    import sys
+    import types
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    info = harness.machine_info()
+    assert info["cores"] == 1 and info["host_cpus"] == 8
+    threads = []
+    torch = types.SimpleNamespace(set_num_threads=threads.append)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert harness.torch_or_none() is torch and threads == [1]
 
 
 def test_cpu_detail_reads_the_first_processor_and_its_caches(tmp_path):

@@ -74,3 +74,21 @@ def test_sync_refuses_a_quick_or_interrupted_report_and_text_not_utf8(tmp_path, 
     (tmp_path / "rope" / "results.md").write_bytes(b"# hpnlp benchmark: rope\n\n\xff\n")
     with pytest.raises(SystemExit, match=r"rope/results.md: is not UTF-8 text \("):
         sync_readme.render(block)
+
+
+def test_sync_relinks_a_whole_file_block_as_it_does_a_section(tmp_path, monkeypatch):
+    # review r6: a whole-file block's relative links were copied as written, so a report's
+    # link to its plot would point at the root from README.md
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import sync_readme
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "benchmarks" / "x").mkdir(parents=True)
+    (tmp_path / "docs" / "benchmarks" / "x" / "results.md").write_text(
+        "# t\n\n[p](p.png) and [s](../y/results.md#a)\n\n### A\n\n[q](q.png)\n")
+    out = sync_readme.render("<!-- BEGIN generated: docs/benchmarks/x/results.md -->\n"
+                             "<!-- END generated -->\n"
+                             "<!-- BEGIN generated: docs/benchmarks/x/results.md ### A -->\n"
+                             "<!-- END generated -->\n")
+    assert "[p](docs/benchmarks/x/p.png)" in out and "](p.png)" not in out
+    assert "[s](docs/benchmarks/y/results.md#a)" in out
+    assert out.count("[q](docs/benchmarks/x/q.png)") == 2  # in the whole file and its section

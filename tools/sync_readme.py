@@ -11,7 +11,8 @@ README.md marks each generated block as
 
 The block is replaced by that file's text: the section under the given heading (up to the
 next heading of the same level), or the whole file after its title when no heading is
-given. The files themselves are written by `python -m hpnlp.bench ...` (see
+given; either way its relative links are rewritten to read from the root, where README.md
+is. The files themselves are written by `python -m hpnlp.bench ...` (see
 docs/benchmarks.md for the command behind each folder).
 """
 
@@ -47,7 +48,8 @@ def section(path: str, heading: str | None) -> str:
                          f"the file (git checkout -- {path})") from None
     if heading is None:
         body = lines[1:] if lines and lines[0].startswith("# ") else lines
-        return "\n".join(body).strip() + "\n"
+        # relinked as a section is (review r6: a whole file's links were copied as written)
+        return relink("\n".join(body).strip() + "\n", os.path.dirname(path))
     level = heading.split(" ", 1)[0]
     try:
         start = lines.index(heading) + 1

@@ -126,8 +126,9 @@ def check_machine(path: str, info) -> None:
 def records() -> list[tuple[str, dict]]:
     """(folder under docs/benchmarks, results.json) of every record with a targets map; not
     the rows of an interrupted run kept beside a whole report (`OUT/interrupted`, a bug hunt,
-    session 99: counted as a record of its own). SystemExit where such a record is a --parts
-    run's, of some of its bench's parts."""
+    session 99: counted as a record of its own). A record of some of its bench's parts
+    (`--parts`) is taken: its targets are those of the parts it ran
+    (`report.targets_of_parts`)."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "**", "results.json"),
                                  recursive=True)):

@@ -398,6 +398,7 @@ def kernel_info() -> dict:
 
 
 def machine_info() -> dict:
+    from hpnlp import kernels
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -410,7 +411,10 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "cpu": cpu,
         "cpu_detail": cpu_detail(),
-        "cores": os.cpu_count(),
+        # the cores this process may run on (its affinity: a cpuset, `taskset`), which hpnlp's
+        # kernels, XLA and the PyTorch peers (`torch_or_none`) use; the host may have more
+        "cores": kernels.cores(),
+        "host_cpus": os.cpu_count(),
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()],
         "float32_precision": float32_precision(),
@@ -420,12 +424,16 @@ def machine_info() -> dict:
 
 
 def torch_or_none():
-    """PyTorch if installed (the `bench` extra), else None: a peer is then 'skipped'."""
+    """PyTorch if installed (the `bench` extra), else None: a peer is then 'skipped'. Its
+    threads are the cores this process may run on (`kernels.cores()`, what hpnlp's kernels
+    and XLA use), not the host's: more would oversubscribe the peer under a cpuset (review
+    r6: it was given `os.cpu_count()`, and a slowed peer read as a met target)."""
     try:
         import torch
     except ImportError:
         return None
-    torch.set_num_threads(os.cpu_count() or 1)
+    from hpnlp import kernels
+    torch.set_num_threads(kernels.cores())
     return torch
 
 

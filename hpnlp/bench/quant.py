@@ -98,7 +98,6 @@ def _linear_calls(M: int, K: int, N: int, group: int) -> tuple[dict, dict]:
         calls[name] = (lambda c=compiled, a=args: jax.block_until_ready(c(*a)))
     torch = harness.torch_or_none()
     if torch is not None:
-        torch.set_num_threads(os.cpu_count() or 1)
         lin = torch.nn.Linear(K, N, bias=False)
         with torch.no_grad():
             lin.weight.copy_(torch.from_numpy(np.asarray(w).T.copy()))
