@@ -1263,7 +1263,7 @@ def test_a_dual_encoders_mlp_neurons_are_not_pruned_structurally(tmp_path):
     masked model was evaluated; a new run is refused before training (a run saved before
     the rule still validates: its config.json is read). Its heads can go; so can an
     all-MoE trunk's experts' neurons (model.moe.mlp_dim, not the head's width)."""
-    from hpnlp.config.compress_checks import check_new_run
+    from hpnlp.config.compress_checks import check_new_compress_run
     from hpnlp.train import Trainer
     cd = _dual(tiny("classifier", prune=dict(method="magnitude", structure="structured")))
     refused = (r"train\.prune\.layers.*a dual_encoder's matching head is model\.mlp_dim=32 "
@@ -1272,10 +1272,10 @@ def test_a_dual_encoders_mlp_neurons_are_not_pruned_structurally(tmp_path):
         Trainer(from_configdict(cd), str(tmp_path / "new"))
     validate(from_configdict(cd))  # a saved run's config.json is still read
     cd.train.prune.layers = "qkv,out"
-    check_new_run(from_configdict(cd))
+    check_new_compress_run(from_configdict(cd))
     cd.train.prune.layers = "mlp"
     cd.model.moe.update(num_experts=2, router="top_k", top_k=2)  # every block MoE
-    check_new_run(from_configdict(cd))
+    check_new_compress_run(from_configdict(cd))
 
 
 def test_shrink_says_a_qat_run_whose_scales_read_the_pruned_zeros_changes(tmp_path,

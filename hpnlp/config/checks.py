@@ -473,7 +473,8 @@ def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
-    train.steps was taken, its one eval setting the best), and `compress_checks`'."""
+    train.steps was taken, its one eval setting the best), and
+    `compress_checks.check_new_compress_run`'s."""
     t = cfg.train
     if t.early_stopping_patience and t.eval_every:
         before = (t.steps - 1) // t.eval_every  # evals before the last step
@@ -485,8 +486,8 @@ def check_new_run(cfg: Config) -> None:
                   f"train.eval_every to at most "
                   f"{max(1, (t.steps - 1) // (t.early_stopping_patience + 1))}, or lower the "
                   "patience")
-    from hpnlp.config.compress_checks import check_new_run as check_new_compress
-    check_new_compress(cfg)
+    from hpnlp.config.compress_checks import check_new_compress_run
+    check_new_compress_run(cfg)
 
 
 def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,

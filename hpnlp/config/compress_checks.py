@@ -269,7 +269,7 @@ def _check_lowrank(cfg: Config) -> None:
                   f"{field}=False{also}, or model.lowrank.rank=0")
 
 
-def check_new_run(cfg: Config) -> None:
+def check_new_compress_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint yet is refused, though `validate` takes it in
     a saved config.json (a run trained before the rule is still read and resumed): a
     dual encoder's MLP neurons pruned structurally (a review, session 104: its matching head

@@ -426,8 +426,9 @@ class Trainer:
         # train a run there), and so does one whose ranks lowrank.energy chose (below).
         # Nor is that run read once this one has (review, session 94: config.json keeps
         # init_from, and a source trained anew as another model was refused for good).
-        started = cfg.train.init_from and has_checkpoint(workdir)
-        if not has_checkpoint(workdir):  # what a new run is refused that a saved one is not
+        saved = has_checkpoint(workdir)
+        started = cfg.train.init_from and saved
+        if not saved:  # what a new run is refused that a saved one is not
             from hpnlp.config.checks import check_new_run
             check_new_run(cfg)
         if cfg.train.init_from and not started:
