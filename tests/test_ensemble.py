@@ -186,6 +186,43 @@ def test_a_lost_or_cut_members_file(ensemble, tmp_path):
         _check_members_file(workdir, 2)
 
 
+def test_a_one_member_ensemble_resumes_without_members_json(tmp_path):
+    """Review r3: a 1-member ensemble's shape signature was a plain run's (members 1), so with
+    members.json lost `--members 1` was refused as "a plain run", and a plain run on its
+    workdir was told to resume with its own config. Its signature marks it stacked; one saved
+    before the mark resumes as before where its members.json says 1, and gains the mark."""
+    from hpnlp.train.checkpoint import Checkpointer, StackedMembers
+    from hpnlp.train.ensemble import MEMBERS_FILE, _check_members_file
+    cfg, workdir = tiny(0), str(tmp_path / "ens1")
+    ens = EnsembleTrainer(cfg, workdir, members=1)
+    state, _ = ens.initial_state()  # saved as the run would save it, without a step's compile
+    ens.checkpointer.save(1, state.replace(step=state.step + 1), ens.train_iter.get_state(), {})
+    ens.checkpointer.close()
+    config_json = os.path.join(workdir, "config.json")
+    with open(config_json) as f:
+        saved = json.load(f)
+    assert saved["shape_signature"]["ensemble.stacked"] is True
+    os.remove(os.path.join(workdir, MEMBERS_FILE))
+    with pytest.raises(CheckpointMismatch, match=r"It holds a seed ensemble of 1: train or "
+                       r"evaluate it with python -m hpnlp.train.ensemble --members 1\."):
+        Trainer(cfg, workdir)  # hpnlp.main's
+    resumed = EnsembleTrainer(cfg, workdir, members=1)
+    state, _ = resumed.initial_state()
+    assert int(state.step) == 1 and state.rng.shape[0] == 1
+    os.remove(os.path.join(workdir, MEMBERS_FILE))
+    with pytest.raises(CheckpointMismatch, match=r"1-member ensemble, not of a 2.*--members 1"):
+        _check_members_file(workdir, 2)
+    # saved before the mark: its members.json tells it from a plain run
+    del saved["shape_signature"]["ensemble.stacked"]
+    with open(config_json, "w") as f:
+        json.dump(saved, f)
+    with open(os.path.join(workdir, MEMBERS_FILE), "w") as f:
+        json.dump({"members": 1, "seeds": [0]}, f)
+    checkpointer = Checkpointer(workdir, resumed.cfg, keep=3, members=StackedMembers(1))
+    assert checkpointer._pending_config["shape_signature"]["ensemble.stacked"] is True
+    checkpointer.close()
+
+
 def test_members_carry_their_own_pruning_masks(tmp_path):
     """A carry (here pruning's masks) works per member: each member's pruned weights are
     exactly zero after steps, at the sparsity asked for, with masks of its own weights."""

@@ -86,6 +86,18 @@ def test_rates_are_checked():
         _run(rnn.Dropout(1.5), jnp.ones((2, 2)), deterministic=False)
 
 
+@pytest.mark.parametrize("rate", [1.5, -0.3, True])
+def test_zoneout_rate_checked_at_evaluation_too(rate):
+    """Review r3: evaluation mixes by the rate (p prev + (1 - p) new), and a rate training
+    refuses was taken there: 1.5 extrapolated, True returned prev."""
+    from hpnlp.config import ConfigError
+    prev, new = jnp.ones((2, 3)), jnp.zeros((2, 3))
+    with pytest.raises(ConfigError, match="`zoneout` = "):
+        rnn.Zoneout(rate).apply({}, prev, new, deterministic=True)
+    with pytest.raises(ConfigError, match="`zoneout` = "):
+        rnn.Zoneout(rate).apply({}, (2, 3), method="masks", deterministic=True)
+
+
 # --- wiring inside RNNLayer ------------------------------------------------------------
 
 B, L, E, H = 3, 5, 4, 4

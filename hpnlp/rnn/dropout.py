@@ -125,13 +125,16 @@ class Zoneout(nn.Module):
 
     def masks(self, shape, *, deterministic: bool):
         """0/1 keep-previous indicators for all steps at once, or None when deterministic."""
-        if deterministic or check_rate("zoneout", self.rate) == 0.0:
+        # checked in both modes: evaluation mixes by the rate too (review r3: 1.5 was refused
+        # in training and extrapolated, 1.5 prev - 0.5 new, at evaluation)
+        rate = check_rate("zoneout", self.rate)
+        if deterministic or rate == 0.0:
             return None
-        return jax.random.bernoulli(self.make_rng("dropout"), self.rate, shape).astype(jnp.float32)
+        return jax.random.bernoulli(self.make_rng("dropout"), rate, shape).astype(jnp.float32)
 
     def __call__(self, prev, new, *, deterministic: bool):
         keep = self.masks(new.shape, deterministic=deterministic)
-        return zoneout_mix(prev, new, keep, self.rate)
+        return zoneout_mix(prev, new, keep, check_rate("zoneout", self.rate))
 
 
 class WeightDrop(nn.Module):

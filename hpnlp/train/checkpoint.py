@@ -34,6 +34,39 @@ class NoCheckpoint(FileNotFoundError):
     """The workdir has no trained run to read (to quantize, distill from or fine-tune)."""
 
 
+class StackedMembers(int):
+    """A seed ensemble's member count (`EnsembleTrainer.members`, `run_members` of its
+    workdir): its state stacks every array on a leading member axis, even for one member,
+    where a plain run's count is the int 1. The type carries that through the Trainer's
+    `members=` into the shape signature (review r3: a 1-member ensemble was recorded as a
+    plain run, so it could not resume without members.json, and hpnlp.main on it advised the
+    config it was trained with)."""
+
+
+def is_stacked(members: int) -> bool:
+    """Whether a member count is a seed ensemble's (its arrays stacked member by member)."""
+    return isinstance(members, StackedMembers) or members > 1
+
+
+def _signature_members(sig: dict) -> int:
+    """The member count a shape signature records: a StackedMembers where its arrays are
+    stacked (its "ensemble.stacked" mark, or more than one member), else the int."""
+    members = sig.get("ensemble.members", 1)
+    if type(members) is not int:  # an edited file's: the comparisons with its config name it
+        return members
+    return StackedMembers(members) if members > 1 or sig.get("ensemble.stacked") else members
+
+
+def _members_file(folder: str) -> int | None:
+    """The member count a seed ensemble's members.json in `folder` records, else None."""
+    try:  # (hpnlp.train.ensemble writes it)
+        with open(os.path.join(folder, "members.json")) as f:
+            members = json.load(f)["members"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return members if type(members) is int and members >= 1 else None
+
+
 def _read_config_json(path: str) -> dict:
     """A run's config.json, or NoCheckpoint naming it where it is not one hpnlp wrote. One
     that lost its shape signature has it rebuilt from its config (a bug hunt, session 96: its
@@ -53,12 +86,9 @@ def _read_config_json(path: str) -> dict:
         raise NoCheckpoint(f"{path} has no \"config\" entry; it is not a config.json hpnlp "
                            "wrote: restore it, or train the run anew in a new workdir")
     if not isinstance(saved.get("shape_signature"), dict):
-        try:  # a seed ensemble's members: its members.json (hpnlp.train.ensemble) says
-            with open(os.path.join(os.path.dirname(path), "members.json")) as f:
-                members = json.load(f)["members"]
-            members = members if type(members) is int and members >= 1 else 1
-        except (OSError, ValueError, KeyError, TypeError):
-            members = 1
+        # a seed ensemble's members: its members.json (hpnlp.train.ensemble) says
+        members = _members_file(os.path.dirname(path))
+        members = 1 if members is None else StackedMembers(members)
         try:  # (one it cannot read is said: a bug hunt, session 99, compared with no
             # signature, listed equal values as "a different model" and advised deleting it)
             saved["shape_signature"] = _shape_signature(from_configdict(saved["config"]),
@@ -87,11 +117,12 @@ def _edited(path: str, e: Exception) -> ConfigError:
 
 def run_members(workdir: str) -> int:
     """How many models a run's checkpoints stack: M for a seed ensemble (EnsembleTrainer),
-    1 for a plain run (its config.json's shape signature; 1 where it has none)."""
+    as a StackedMembers (`is_stacked`; of 1 too), the int 1 for a plain run (its config.json's
+    shape signature; 1 where it has none)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return 1
-    return int(_read_config_json(path).get("shape_signature", {}).get("ensemble.members", 1))
+    return _signature_members(_read_config_json(path).get("shape_signature", {}))
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -374,7 +405,10 @@ def _resolved(sig: dict, other: dict) -> dict:
 
 
 def _shape_signature(cfg, members: int = 1) -> dict:
-    sig = {"ensemble.members": members}  # a seed ensemble stacks M copies of every array
+    sig = {"ensemble.members": int(members)}  # a seed ensemble stacks M copies of every array
+    if members == 1 and isinstance(members, StackedMembers):  # one of them, told apart from a
+        # plain run (review r3); M > 1 says it already, so runs saved before still resume
+        sig["ensemble.stacked"] = True
     for group, fields in _SHAPE_FIELDS.items():
         sub = getattr(cfg, group)
         for f in fields:
@@ -464,6 +498,12 @@ class Checkpointer:
             saved = _read_config_json(self.config_path)
             self.saved_train = dict(saved.get("config", {}).get("train", {}))
             old_sig = saved.get("shape_signature", {})
+            unmarked = sig.get("ensemble.stacked") and _signature_members(old_sig) == 1 and \
+                "ensemble.stacked" not in old_sig and \
+                _members_file(os.path.dirname(self.config_path)) == 1
+            if unmarked:  # a 1-member ensemble saved before the mark, as its members.json
+                # says: resumed as before, and config.json gains the mark (written below)
+                old_sig = saved["shape_signature"] = {**old_sig, "ensemble.stacked": True}
             diff = _saved_differs(saved, cfg, sig)
             lines = "; ".join(f"{k}: saved {_shown(a, saved.get('config'), k)}, now "
                               f"{_shown(b, payload['config'], k)}" for k, (a, b) in diff.items())
@@ -481,11 +521,12 @@ class Checkpointer:
                         f"{self.config_path}: its shape_signature and its config disagree "
                         f"({edited}), so the file was edited since the run wrote it: restore "
                         "it, or edit it back so that they agree")
-                saved_members = old_sig.get("ensemble.members", 1)
-                if saved_members != members:  # a seed ensemble read as one run, or the reverse
+                saved_members = _signature_members(old_sig)
+                if (saved_members, is_stacked(saved_members)) != (members, is_stacked(members)):
+                    # a seed ensemble read as one run, or the reverse (of one member too)
                     fix = (f"It holds a seed ensemble of {saved_members}: train or evaluate it "
                            f"with python -m hpnlp.train.ensemble --members {saved_members}"
-                           if saved_members > 1 else "It holds a single run, not a seed "
+                           if is_stacked(saved_members) else "It holds a single run, not a seed "
                            "ensemble: train or evaluate it with python -m hpnlp.main")
                 elif set(diff) == {"model.encoder.mine_every"}:
                     # review (session 102): named as "a different model", and deleting it
@@ -524,7 +565,7 @@ class Checkpointer:
                 payload = json.loads(json.dumps(payload))
                 self.start_changed = _keep_saved_start(saved["config"], payload["config"])
                 self.changed = _changed_fields(saved["config"], payload["config"])
-                if saved == payload:
+                if saved == payload and not unmarked:
                     return  # the same config: nothing to write
         elif resuming:
             self._config_missing = True
@@ -720,7 +761,7 @@ def _signature_edited(saved: dict, diff: dict) -> str:
     read the run with its config.json, the file it had just read)."""
     old = saved.get("shape_signature", {})
     try:
-        own = _shape_signature(from_configdict(saved["config"]), old.get("ensemble.members", 1))
+        own = _shape_signature(from_configdict(saved["config"]), _signature_members(old))
     except Exception:  # noqa: BLE001 (a config this version cannot read: the caller's error)
         return ""
     old, own = _resolved(old, own), _resolved(own, old)
@@ -876,8 +917,9 @@ def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = N
                                                    if saved[k] != mine[k])
     if diff:
         members = run_members(workdir)
-        if members > 1:
-            raise config_error(field, workdir, f"it holds a seed ensemble of {members} members "
+        if is_stacked(members):
+            raise config_error(field, workdir, f"it holds a seed ensemble of {members} "
+                               f"member{'s' if members > 1 else ''} "
                                "(python -m hpnlp.train.ensemble), whose parameters are stacked "
                                "member by member; name a single run (python -m hpnlp.main)")
         fields = _model_fields_differ(workdir, cfg) if cfg is not None else {}

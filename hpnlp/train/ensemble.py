@@ -62,7 +62,7 @@ from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
 from hpnlp.models import transformer_xl as xl
 from hpnlp.paths import write_json
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
-                                    load_run_config, run_members)
+                                    StackedMembers, is_stacked, load_run_config, run_members)
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
@@ -240,9 +240,10 @@ def _check_members_file(workdir: str, members: int) -> None:
                 f"{path} cannot be read as {{\"members\": M, ...}}; delete it (the run's "
                 "config.json says how many members its checkpoints hold) and run again")
     elif has_ckpts:  # a bug hunt (session 96): a lost members.json called an ensemble's
-        # checkpoints "a plain run"; its config.json's shape signature counts the members
+        # checkpoints "a plain run"; its config.json's shape signature counts the members, and
+        # marks one member's as stacked (review r3: a 1-member ensemble's read as a plain run)
         saved = run_members(workdir)
-        saved = saved if saved > 1 else None
+        saved = saved if is_stacked(saved) else None
     if has_ckpts and saved != members:
         what = "a plain run" if saved is None else f"a {saved}-member ensemble"
         hint = "" if saved is None else f", or --members {saved} to resume it"
@@ -275,7 +276,9 @@ class EnsembleTrainer(Trainer):
         self.member_loop = member_loop
         _check_members_file(workdir, members)
         check_ensemble_evaluates(cfg)
-        self.members = members  # read by Trainer.__init__ for the checkpoint signature
+        # read by Trainer.__init__ for the checkpoint signature: a StackedMembers, so that one
+        # member's is told apart from a plain run's
+        self.members = StackedMembers(members)
         super().__init__(cfg, workdir)
         try:
             self._init_members(members)
@@ -285,7 +288,7 @@ class EnsembleTrainer(Trainer):
 
     def _init_members(self, members: int) -> None:
         cfg = self.cfg
-        self.members = members
+        self.members = StackedMembers(members)
         self.seeds = [cfg.seed + i for i in range(members)]
         # The plain trainer's pieces stay, for one member: init and evaluate.
         self.member_sharding = single = self.state_sharding
