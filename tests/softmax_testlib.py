@@ -99,3 +99,29 @@ def check_rejects_out_of_vocab(layer, *, vocab: int = V):
                                (t, jnp.ones((B, 2), bool), r"mask has shape \(3, 2\)")]:
         with pytest.raises(ValueError, match=match):
             layer.apply(params, h, bad_t, mask, method="loss", rngs={"dropout": jax.random.key(4)})
+
+
+def check_eval_chunks(layer, monkeypatch, *, vocab: int = V, atol: float = 1e-5):
+    """`softmax.nll_and_argmax` (what LM evaluation reads) walks token chunks, and equals
+    -log_prob[target] and the argmax of `log_prob`: the automatic chunk is forced to 4
+    tokens (1 of each of the B=3 rows a chunk: 5 chunks). A holder's `out` is the layer."""
+    import hpnlp.softmax as S
+    from hpnlp.softmax import base, full
+    h, t = inputs(vocab=vocab)
+    params = init(layer, h, t)
+    monkeypatch.setattr(full, "CHUNK_LOGITS_BYTES", 4 * vocab * 4)
+    chunks = []
+
+    def spy(fn, lead, chunk, *arrays, **kw):
+        chunks.append(chunk)
+        return real(fn, lead, chunk, *arrays, **kw)
+    real = base.map_token_chunks
+    monkeypatch.setattr(base, "map_token_chunks", spy)
+    read = lambda m, h, t: S.nll_and_argmax(getattr(m, "out", m), h, t)  # noqa: E731
+    logp, (nll, top) = jax.jit(lambda p, h, t: (layer.apply(p, h, method="log_prob"),
+                                                layer.apply(p, h, t, method=read)))(params, h, t)
+    assert chunks == [4], chunks
+    assert nll.shape == top.shape == (B, L) and top.dtype == jnp.int32
+    np.testing.assert_allclose(nll, -jnp.take_along_axis(logp, t[..., None], -1)[..., 0],
+                               atol=atol, rtol=atol)
+    np.testing.assert_array_equal(top, jnp.argmax(logp, -1))

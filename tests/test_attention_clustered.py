@@ -5,6 +5,7 @@ dense mask, so one jitted reference serves every test."""
 
 import dataclasses
 import functools
+import os
 
 import chex
 import flax.linen as nn
@@ -84,6 +85,24 @@ def test_one_cluster_and_one_chunk_is_dense_attention(causal):
     g = _grads(attn, causal, params, q, k, v, mask, w)[1:]
     for a, b in zip(g, _dense_grads(q, k, v, allowed, w)[1:]):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_one_cluster_is_dense_only_when_the_chunk_covers_the_length():
+    """Review r1 (session 105): the README said "exact with 1 cluster", but a token sees
+    only the tokens within `chunk_size` slots of it: with one cluster and chunk_size < L,
+    causal attention is a sliding window of chunk_size, not dense. The README states the
+    condition (test_one_cluster_and_one_chunk_is_dense_attention pins chunk_size = L)."""
+    attn = _module(num_clusters=1)  # chunk_size W = 4 < L
+    q, k, v = _qkv()
+    allowed = segment_mask(ONES, ONES, causal=True)
+    window = allowed & (np.arange(L)[:, None] - np.arange(L)[None, :] < W)[None, None]
+    out = _apply(attn, True, _params(attn), q, k, v, ONES)
+    np.testing.assert_allclose(out, _dense(q, k, v, window), atol=1e-5, rtol=1e-5)
+    assert _max_abs(out - _dense(q, k, v, allowed)) > 0.1
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "README.md")) as f:
+        row = next(line for line in f if line.startswith("| `clustered` |"))
+    assert "exact with 1 cluster and `chunk_size` >= L" in row, row
 
 
 def _reference_mask(cluster_BLH, seg_BL, causal):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hpnlp.attention as A
 import hpnlp.attention.chunked as C
 import hpnlp.attention.flash_gpu as F
 from hpnlp.attention.dense import dense_attention
@@ -107,7 +108,36 @@ def test_what_the_gpu_kernel_takes_on_a_gpu(monkeypatch):
     # impl='kernel' trains on the GPU kernels; decoding has no GPU kernel, so it reads by XLA
     assert C.ChunkedAttention(impl="kernel").cache_impl() == "auto"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert C.ChunkedAttention(impl="kernel").cache_impl() == "kernel"
+    # nor is the CPU's decode kernel the training one: "auto" (test_kernel_impl_decodes_float16)
+    assert C.ChunkedAttention(impl="kernel").cache_impl() == "auto"
+    assert C.ChunkedAttention(impl="xla").cache_impl() == "xla"
+
+
+def test_kernel_impl_decodes_float16():
+    """Review r1 (session 105): impl='kernel' trained in float16 on the CPU (the training
+    kernel widens it to float32), then decoding asked the cache kernel, which takes float32
+    and bfloat16 only, for impl='kernel' and failed, naming no config field. It decodes by
+    the cache's "auto" now: the dense layer's decode, to float16 rounding."""
+    B, T, D = 2, 8, 16
+    q, k, v, _ = _qkv(B, T, T, D, seed=3, dtype=jnp.float16)
+    dense, chunked = A.get("dense")(), C.ChunkedAttention(impl="kernel")
+
+    @jax.jit
+    def decode(q, k, v):
+        outs = []
+        for m in (dense, chunked):
+            cache, out = m.init_cache(B, T, H, D, jnp.float16), []
+            for t in range(T):
+                o, cache = m.decode_step(cache, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+                out.append(o)
+            outs.append(jnp.concatenate(out, 1))
+        return outs
+
+    want, got = decode(q, k, v)
+    assert got.dtype == jnp.float16
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-3)
+    full = dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(got.astype(jnp.float32), full, atol=1e-2)
 
 
 def test_empty_lengths_and_bad_shapes():

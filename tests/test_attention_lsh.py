@@ -7,6 +7,7 @@ program), so cases share compiled functions where they can.
 
 import dataclasses
 import functools
+import os
 
 import chex
 import flax.linen as nn
@@ -339,6 +340,25 @@ def test_decode_matches_one_bucket_causal_forward():
         outs.append(o)
     full = _run(dict(num_buckets=1, chunk_size=L), q, k, v, _padding([L, L]), True)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5)
+
+
+def test_one_bucket_is_exact_only_when_the_chunks_cover_the_sequence():
+    """Review r1 (session 105): the README said "exact with 1 bucket" and that decoding is
+    "its 1-bucket forward", but with more than 2 chunks a chunk sees only itself and the one
+    before: at L = 32, chunk 8 (4 chunks) the 1-bucket forward is not the twin nor the
+    decode, while chunk 16 (2 chunks) is both. The README states the condition."""
+    q, k, v = _qkv(seed=2)
+    ones = _padding([L, L])
+    ref = twin(q, v, ones, causal=True)  # what decoding computes (test_decode_matches_...)
+    two = _run(dict(num_buckets=1, chunk_size=L // 2), q, k, v, ones, True)
+    four = _run(dict(num_buckets=1, chunk_size=L // 4), q, k, v, ones, True)
+    np.testing.assert_allclose(two, ref, atol=1e-5)
+    assert float(jnp.max(jnp.abs(four - ref))) > 0.1
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "README.md")) as f:
+        row = next(line for line in f if line.startswith("| `lsh` |"))
+    assert "with 1 bucket and at most 2 chunks (L <= 2 `chunk_size`)" in row, row
+    assert "its 1-bucket forward with chunks covering the sequence" in row, row
 
 
 def test_bad_options_and_inputs_have_clear_errors():

@@ -1045,6 +1045,31 @@ def test_training_with_static_activation_ranges_is_refused_before_building(tmp_p
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_static_ranges_no_named_product_calibrates_are_refused_before_the_restore(
+        trained, tmp_path, capsys):
+    """A review (r5): --act_scale static with --layers output (the output layer reads its
+    input quantized per token, never a calibrated range) restored the run and failed in its
+    first calibration batch with KeyError: 'calib', a traceback naming no flag. Now one line
+    naming the field (the flag in the CLI), before the run is restored."""
+    from hpnlp.compress.__main__ import main
+    from hpnlp.train import Trainer
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static", layers="output")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("the run was restored"))
+        with pytest.raises(ConfigError, match=r"^config field `quant.act_scale` = 'static' is "
+                           r"not allowed: calibrates the input ranges of the qkv, out, mlp "
+                           r"products, and quant.layers='output' names none of them"):
+            ptq.quantize(trained, str(tmp_path / "o"), q, calib_batches=1, repeats=1)
+        assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"),
+                     "--weights", "int8", "--activations", "int8", "--act_scale", "static",
+                     "--layers", "output"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hpnlp.compress: error: `--act_scale` = 'static' is not allowed: ")
+    assert "--layers output names none of them" in err and "use --act_scale dynamic" in err, err
+    assert "\n" not in err
+    assert not os.path.exists(tmp_path / "o")
+
+
 # ---------------------------------------------------------------- a factorized model, quantized
 
 

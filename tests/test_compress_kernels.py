@@ -275,6 +275,83 @@ def test_int8_linear_rows_too_small_to_scale_quantize_to_zeros():
                 assert not np.signbit(y).any()
 
 
+def _old_factor(x):
+    """The per-row factor the kernel quantized by before review r5: fl(127 / max|x|)."""
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    return np.float32(127) / np.where(amax > 0, amax, np.float32(1))
+
+
+def _tie_rows(M, K):
+    """Rows [M, K] of half-steps (x * fl(1 / s) = n + 0.5 exactly, s = max|x| * fl(1 /
+    127): formats' rule as XLA computes it) and of values a last bit from one, where the
+    old factor fl(127 / max|x|) differs from fl(1 / s) and rounds apart, in every part of a
+    row: AVX-512's 16-wide loop, AVX2's 8-wide one and the tail (K = 27). Row 0 is the
+    review's (r5), max 6.9453125 and +-0.35546875 (x / s = 6.5; code 7 by either factor,
+    both fl(128 / 7)); row 1 has max|x| = 5e-31, at most formats.TINY: codes 0."""
+    rng = _rng("ties", M, K)
+    x = np.zeros((M, K), np.float32)
+    m = 2
+    while m < M:
+        amax = np.float32(rng.uniform(0.5, 50))
+        s = amax * np.float32(1 / 127)
+        new, old = np.float32(1) / s, np.float32(127) / amax
+        if new == old and m % 2:  # odd rows: factors that differ
+            continue
+        for k in range(K):
+            h = np.float32(rng.integers(-126, 126) + 0.5)
+            near = [np.float32(h / new)]  # and the two floats either side of it
+            up = down = near[0]
+            for _ in range(2):
+                up, down = (np.nextafter(up, np.float32(np.inf)),
+                            np.nextafter(down, np.float32(-np.inf)))
+                near += [up, down]
+            ties = [v for v in near if v * new == h]  # a half-step, or two factors apart
+            apart = [v for v in near if np.rint(v * new) != np.rint(v * old)]
+            x[m, k] = (ties + apart + near)[0] if rng.random() < 0.5 else (apart + ties + near)[0]
+        x[m, rng.integers(K)] = amax * rng.choice([-1, 1])
+        m += 1
+    x[0] = 0.35546875 * np.where(np.arange(K) % 2, 1, -1)
+    x[0, 0] = 6.9453125
+    x[1, 5] = 5e-31
+    return x
+
+
+@needs_kernel
+def test_int8_per_token_codes_are_formats_codes_at_half_steps():
+    """A review (r5): the kernel and its twin quantized a token by x * fl(127 / max|x|),
+    and formats.py's int8 (QAT, the packed model decoded in XLA) by x / s, which XLA
+    computes as x * fl(1 / s), s = max|x| * fl(1 / 127): the two factors differ in their
+    last bit at some rows, and a value near a half-step rounded apart, so a served w8a8
+    product was not its QAT model's. Now the kernel takes formats' factor: the twin's codes
+    are formats', and the kernel's (an identity weight returns q * s, on the vector path
+    and from 16 rows AMX's where the CPU has it, one and two threads) too. PORTABLE checks
+    the portable, AVX2 and AVX-512 builds."""
+    K = 27
+    x = _tie_rows(24, K)
+    encode = lambda x: formats.get("int8").encode(x, (1,))  # noqa: E731
+    codes, scale = (np.asarray(a) for a in jax.jit(encode)(jnp.asarray(x)))
+    scale = scale.reshape(-1)
+    # formats' rule, in float32 products (row 1: scale 0, codes 0)
+    inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))[:, None]
+    np.testing.assert_array_equal(codes, np.where(scale[:, None] > 0, np.rint(x * inv), 0))
+    assert scale[0] == 7 / 128 and (codes[0, 1:] == np.where(np.arange(1, K) % 2, 7, -7)).all()
+    assert (x[2:] * inv[2:] == np.trunc(x[2:] * inv[2:]) + np.copysign(0.5, x[2:])).sum() > 50
+    # what tells the old factor apart: codes it rounds the other way
+    old = np.clip(np.rint(x * _old_factor(x)), -127, 127)
+    assert (old[2:] != codes[2:]).sum() > 20
+    for got in (encode(jnp.asarray(x)), qk.quantize_rows_int8(jnp.asarray(x)),
+                jax.jit(qk.quantize_rows_int8)(jnp.asarray(x))):  # the twin's scale: 5e-31 / 127
+        np.testing.assert_array_equal(np.asarray(got[0]), codes)
+        np.testing.assert_array_equal(np.asarray(got[1]).reshape(-1)[scale > 0], scale[scale > 0])
+    w = qk.prepare_int8_weight(np.eye(K, dtype=np.int8))
+    want = codes.astype(np.float32) * scale[:, None]
+    for M in (5, 24):
+        ys = jax.jit(lambda x: [qk.int8_linear(x, w, impl="kernel", threads=t)
+                                for t in (1, 2)])(jnp.asarray(x[:M]))
+        for y in ys:
+            np.testing.assert_array_equal(y, want[:M])
+
+
 @needs_kernel
 def test_binary_linear_rows_with_nan_or_inf_are_nan():
     """A row holding a NaN or an inf has beta NaN, so its outputs are NaN, in the kernel (the
@@ -661,6 +738,14 @@ a, b = (np.asarray(qk.int8_linear(jnp.zeros((2, 3), jnp.float32), qk.prepare_int
     np.ones((3, 72), np.int8)), bias=jnp.asarray(tails), activation="gelu", impl=i))
     for i in ("kernel", "xla"))
 assert np.array_equal(a, b, equal_nan=True), (a, b)  # GELU's tails: -0, NaN at -inf
+# formats.py's int8 codes at half-steps and values the old factor rounded apart, in every
+# loop of a row (_tie_rows), and max|x| <= formats.TINY: codes 0 (an identity weight: q * s)
+from hpnlp.compress import formats
+xh = np.load(sys.argv[3])
+c, s = (np.asarray(v) for v in formats.get("int8").encode(jnp.asarray(xh), (1,)))
+a = np.asarray(qk.int8_linear(jnp.asarray(xh), qk.prepare_int8_weight(
+    np.eye(xh.shape[1], dtype=np.int8)), impl="kernel"))
+assert np.array_equal(a, c.astype(np.float32) * s), (a, c)
 print(int8, "ok")
 """
 
@@ -680,6 +765,8 @@ def test_portable_build_computes_the_same(march, path, tmp_path):
     # would make the GPU the backend it refuses
     env = dict(os.environ, HPNLP_KERNEL_MARCH=march, HPNLP_KERNEL_TUNE="0",
                HPNLP_KERNEL_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", PORTABLE, path, binary], env=env,
+    np.save(tmp_path / "ties.npy", _tie_rows(24, 27))
+    proc = subprocess.run([sys.executable, "-c", PORTABLE, path, binary,
+                           str(tmp_path / "ties.npy")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and f"{path} ok" in proc.stdout, proc.stderr[-3000:]

@@ -847,6 +847,23 @@ def test_early_stopping_that_can_never_stop_is_refused_for_a_new_run():
     check_new_run(base(train={"early_stopping_patience": 3, "eval_every": 249, "steps": 1000}))
 
 
+def test_clustered_in_float16_is_refused_for_a_new_run():
+    """Review r1 (session 105): `clustered` injects its centroids' k-means gradient in the
+    backward pass, past float16's loss scale, which the train step then divides out of every
+    gradient: the centroids trained 1/scale as fast (1/32 at 8 x 128 tokens). A new run is
+    refused by both fields; a saved one still validates; bfloat16 and float32 train."""
+    from hpnlp.config.checks import check_new_run
+    cfg = base(model={"dtype": "float16"}, attention={"name": "clustered"})
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"^config field `attention.name` = 'clustered' is not "
+                       r"allowed: with model.dtype='float16'.* set model.dtype='bfloat16' or "
+                       r"'float32'$"):
+        check_new_run(cfg)
+    for dtype in ("bfloat16", "float32"):
+        check_new_run(base(model={"dtype": dtype}, attention={"name": "clustered"}))
+    check_new_run(base(model={"dtype": "float16"}))
+
+
 def test_moe_routing_groups_are_checked_after_the_batch_size():
     """A review (r4): batch_size=32 with grad_accum=3 on 4 devices was refused as
     model.moe.groups not dividing "train.batch_size / train.grad_accum = 10", where
@@ -880,3 +897,44 @@ def test_an_option_override_of_another_kind_than_the_files_is_one_line(tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hpnlp: error: config field `attention.options.block_q` = 'abc' is "
                            "not allowed: must be a positive integer"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model, quant, field, hint", [
+    # a review (r5): the recurrent product quantizes its weights only, so activations set
+    # for it alone were taken and read by nothing (QAT trained float activations)
+    ({"arch": "lstm", "width": 32}, {"weights": "int8", "activations": "int8",
+                                     "layers": "recurrent"}, "quant.activations",
+     "the recurrent product quantizes its weights only (the state h stays float32), and "
+     "quant.layers='recurrent' names no other product of this lm (lstm), so nothing reads it"),
+    ({"arch": "gru", "width": 32}, {"weights": "int8", "activations": "int8",
+                                    "act_scale": "static", "layers": "recurrent"},
+     "quant.activations", "or set quant.activations='none' and quant.act_scale='dynamic'"),
+    # static ranges over products none of which calibrates one: PTQ failed with a KeyError
+    ({}, {"weights": "int8", "activations": "int8", "act_scale": "static", "layers": "output"},
+     "quant.act_scale", "calibrates the input ranges of the qkv, out, mlp products, and "
+     "quant.layers='output' names none of them (the output layer reads its input quantized "
+     "per token)"),
+    ({"arch": "lstm", "width": 32}, {"weights": "int8", "activations": "int8",
+                                     "act_scale": "static", "layers": "output,recurrent"},
+     "quant.act_scale", "names none of them (the output layer reads its input quantized per "
+     "token and the recurrent product quantizes its weights only)"),
+])
+def test_quant_activations_no_named_product_reads_are_refused(model, quant, field, hint):
+    with pytest.raises(ConfigError) as e:
+        validate(base(model=model, quant=quant), devices=False)
+    assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+
+
+def test_quant_activations_are_taken_where_a_named_product_reads_them():
+    """The other side of the refusals above."""
+    lstm = {"arch": "lstm", "width": 32}
+    for model, quant in (
+            (lstm, {"weights": "int8", "activations": "int8", "layers": "input,recurrent"}),
+            (lstm, {"weights": "int8", "activations": "int8", "layers": "output,recurrent"}),
+            (lstm, {"weights": "int8", "layers": "recurrent"}),  # weights alone
+            ({}, {"weights": "int8", "activations": "int8", "layers": "output"}),  # per token
+            ({}, {"weights": "int8", "activations": "int8", "act_scale": "static",
+                  "layers": "output,mlp"}),  # the MLP's ranges calibrated (PTQ's)
+            (lstm, {"weights": "int8", "activations": "int8", "act_scale": "static",
+                    "layers": "input"})):
+        validate(base(model=model, quant=quant), devices=False)

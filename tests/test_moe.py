@@ -201,6 +201,21 @@ def test_expert_choice_takes_each_experts_top_tokens():
     np.testing.assert_allclose(stats["moe_load"], [min(C, L) + min(C, 6)] * X)
 
 
+def test_expert_choice_evaluates_at_the_capacity_it_trained_with():
+    """Review r4: evaluation took eval_capacity_factor (2.0 against 1.25 here: 4 slots per
+    expert and group against 3), and with expert choice the capacity is the routing, so
+    every token summed more experts than training gave it. Evaluation now routes as training
+    does, and a config setting eval_capacity_factor with expert choice is refused."""
+    mod = layer(router="expert_choice", top_k=1, capacity_factor=1.25, eval_capacity_factor=2.0)
+    x, seg = inputs(lengths=(L, 6))
+    p = init_params(mod, x, seg)
+    y_train, stats_train = apply(mod, p, x, seg)
+    y_eval, stats_eval = apply(mod.clone(deterministic=True), p, x, seg)
+    np.testing.assert_allclose(y_eval, y_train, atol=1e-6)
+    C = routing.capacity(L, experts=X, top_k=1, factor=1.25)
+    np.testing.assert_allclose(stats_eval["moe_load"], [min(C, L) + min(C, 6)] * X)
+
+
 def test_balance_loss_formula_uniform_and_collapsed():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 16, X)).astype(np.float32) * 2
@@ -512,6 +527,8 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     ({"num_experts": 0, "top_k": 2, "router": "top_k"}, {}, "model.moe.top_k"),  # was dense, silently
     ({"dispatch": "dropless", "capacity_factor": 2.0}, {}, "model.moe.capacity_factor"),  # ignored
     ({"router": "expert_choice", "balance_loss": 0.1}, {}, "model.moe.balance_loss"),  # ignored
+    ({"router": "expert_choice", "eval_capacity_factor": 1.0}, {},  # review r4: evaluated
+     "model.moe.eval_capacity_factor"),  # another model (a wider capacity, more experts)
     ({"block_size": 64}, {}, "model.moe.block_size"),  # capacity dispatch: ignored
     ({}, {"data": 2, "pipeline": 2}, "mesh.pipeline"),  # (review, session 100: the checks
     ({"num_experts": 0}, {"data": 2, "expert": 2, "rules": {"batch": "data"}},
@@ -528,7 +545,6 @@ def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
 
 
 @pytest.mark.parametrize("moe,field", [
-    ({"groups": 3}, "model.moe.groups"),  # was a reshape TypeError from inside the layer
     ({"top_k": 5, "router": "top_k"}, "model.moe.top_k"),  # was lax.top_k's ValueError
     ({"top_k": 0}, "model.moe.top_k"),  # was an output of zeros
     ({"dispatch": "scatter"}, "model.moe.dispatch"),  # was capacity dispatch, silently
@@ -541,6 +557,22 @@ def test_moe_layer_built_directly_checks_its_fields(moe, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
         layer(**moe).init(jax.random.key(0), x, seg)
     assert "\n" not in str(e.value)
+
+
+def test_rows_the_groups_do_not_split_are_padded_to_whole_groups():
+    """Review r4: passes with a row count of their own (a one-row init, the bi-encoder's
+    256-row pool evaluation, mining's 512, the kNN-LM's 64) were refused by the layer where
+    the groups did not divide their tokens (found earlier by the crash hunt as a reshape
+    TypeError), so a valid groups=3 run died at one. Padded with empty rows instead: 2 rows
+    in 3 groups route as 2 rows in 2 groups (one row a group, the same capacity)."""
+    x, seg = inputs(lengths=(L, 5))
+    p = init_params(layer(), x, seg)
+    for kw in ({"router": "switch"}, {"router": "expert_choice"},
+               {"router": "top_k", "top_k": 2, "dispatch": "dropless"}):
+        y3, stats3 = apply(layer(groups=3, **kw), p, x, seg)
+        y2, stats2 = apply(layer(groups=2, **kw), p, x, seg)
+        np.testing.assert_allclose(y3, y2, atol=1e-6)
+        chex.assert_trees_all_close(stats3, stats2, atol=1e-5)
 
 
 @pytest.mark.parametrize("moe,field,rest", [
@@ -660,6 +692,45 @@ def test_route_reports_where_tokens_went():
     with pytest.raises(ValueError, match=r"no MoE blocks \(model.moe.num_experts=0\)"):
         route(dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, moe=dataclasses.replace(cfg.model.moe, num_experts=0))), params, batch)
+
+
+def test_route_of_a_dropless_run_takes_a_batch_of_any_rows():
+    """Review r4: a dropless run read on 4 devices (groups=0: 4 routing groups) refused a
+    2-row batch, though dropless token choice drops nothing and routes alike in any groups."""
+    from hpnlp.moe import route
+    cfg = moe_model("lm", router="top_k", top_k=2, dispatch="dropless", eval_capacity_factor=2.0)
+    batch = lm_batch(lengths=(16, 11))
+    model, params = init(cfg, batch)
+    four = route(cfg, params, batch, num_devices=4)[1]
+    one = route(cfg, params, batch, num_devices=1)[1]
+    np.testing.assert_array_equal(four["weights"], one["weights"])
+    real = batch["segment_ids"] > 0
+    assert np.all((four["weights"] > 0).sum(-1)[real] == 2)  # nothing dropped
+
+
+def test_knnlm_pads_its_batches_to_whole_routing_groups(tmp_path):
+    """Review r4: the kNN-LM's 1-row width probe and its 4-row batches of 16 tokens, which 3
+    routing groups (model.moe.groups=3) do not split, failed once the datastore's folder was
+    made. Padded with empty rows to whole groups; with no choice dropped (eval capacity X),
+    a training chunk's own contexts are their own nearest keys."""
+    from hpnlp.data.task import lm_chunks
+    from hpnlp.retrieval import knnlm
+    from flax.core import FrozenDict
+    cfg = moe_model("lm", groups=3)  # the kNN-LM's jitted forward is cached by its model:
+    cfg = dataclasses.replace(cfg, attention=dataclasses.replace(  # options hashable
+        cfg.attention, options=FrozenDict()))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, V, n).astype(np.int32) for n in rng.integers(5, 40, 8)]
+    train = lm_chunks(docs, 16)
+    model, params = init(cfg, next(knnlm.ordered_batches(train, rows=3, seq_len=16)))
+    store = knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=16,
+                                  rows=4)
+    assert len(store.keys) == int(np.sum(train.lengths - 1))
+    np.testing.assert_array_equal(store.values, np.concatenate(
+        [train.tokens[s + 1:s + n] for s, n in zip(train.starts, train.lengths)]))
+    nb = knnlm.neighbours(model, params, train, store, store.index("exact"), seq_len=16, k=1,
+                          rows=4, select=[0])
+    assert len(nb.hit) == train.lengths[0] - 1 and nb.hit[:, 0].mean() > 0.9
 
 
 def test_route_and_expert_usage_read_every_text_of_a_dual_encoder():

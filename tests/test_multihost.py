@@ -56,9 +56,10 @@ def launch():
     for `finish`; every process still alive at teardown is killed (by its own pid)."""
     started = []
 
-    def start(workdir, *, processes=1, devices=1, extra=(), each=None, cwds=None):
+    def start(workdir, *, processes=1, devices=1, extra=(), each=None, cwds=None, config=None):
         # `devices` CPU devices per process; `each[i]`: process i's own extra flags;
-        # `cwds[i]`: the folder process i starts in (as on its own host), else the repository
+        # `cwds[i]`: the folder process i starts in (as on its own host), else the repository;
+        # `config`: another experiment than TINY's (its overrides still apply)
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
         if cwds:
@@ -69,7 +70,7 @@ def launch():
         for i in range(processes):
             log = open(f"{workdir}.p{i}.log", "w")
             tiny = [os.path.join(ROOT, a) if cwds and a.startswith("experiments/") else a
-                    for a in TINY]
+                    for a in [TINY[0], config or TINY[1], *TINY[2:]]]
             cmd = [sys.executable, "-m", "hpnlp.main", *tiny, *extra, "--workdir", str(workdir),
                    *multi, *(["--process_id", str(i)] if multi else []),
                    *(each[i] if each else ())]  # last: absl takes a flag's last value
@@ -198,6 +199,26 @@ def _same_on_one_and_two_processes(tmp_path, launch, extra):
     finish(run_two)
     assert [s for s, _ in losses(one)] == [1, 2, 3]
     assert losses(two) == losses(one)
+
+
+@pytest.mark.slow  # two runs at once, each ~30 s on the 2-core CPU
+def test_a_bi_encoders_pool_metrics_are_measured_on_two_processes(tmp_path, launch):
+    """A review (r7): a bi-encoder run of several processes left the held-out pool's
+    recall@1/10 and MRR out of every eval, unsaid. Every process now gathers the parameters
+    and measures the whole pool: the numbers of 1 process with 2 devices (the same
+    parameters, bitwise: the reasoning of the first test)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["--config.train.steps=3", "--config.train.checkpoint_every=3",
+             "--config.train.warmup_steps=1"]
+    run_one = launch(one, devices=2, extra=extra, config="experiments/encoder.py:local")
+    run_two = launch(two, processes=2, extra=extra, config="experiments/encoder.py:local")
+    finish(run_one)
+    finish(run_two)
+    assert losses(two) == losses(one)
+    s_one, s_two = summary(one), summary(two)
+    assert (s_two["processes"], s_one["processes"]) == (2, 1)
+    assert {"recall@1", "recall@10", "mrr"} <= set(s_two["eval"])
+    assert s_two["eval"] == s_one["eval"]
 
 
 @pytest.mark.slow

@@ -131,3 +131,78 @@ def test_map_token_chunks_equals_one_call_and_keeps_rows_whole(lead, chunk):
     g = jax.grad(lambda x: jnp.sum(S.map_token_chunks(fn, lead, chunk, x, t)))(x)
     g_ref = jax.grad(lambda x: jnp.sum(fn(x.reshape(-1, 5), t.reshape(-1))))(x)
     np.testing.assert_allclose(g, g_ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("full", {}), ("full", {"chunk_tokens": 4, "z_loss": 1e-3}), ("sampled", {}),
+    ("nce", {"num_samples": 8}), ("negative_sampling", {}), ("hard_negative", {}),
+    ("class_based", {"num_classes": 6})])
+def test_eval_walks_token_chunks_and_reads_log_prob(name, kw, monkeypatch):
+    """Review r2: evaluation read the whole [N, V] `log_prob` (32 GiB at 8K tokens x 1M
+    ids) where the loss walks chunks; it reads each token's NLL and argmax chunk by chunk."""
+    lib.check_eval_chunks(S.get(name)(vocab_size=lib.V, **kw), monkeypatch)
+
+
+def _tiny_lm(**model):
+    from hpnlp import models
+    from hpnlp.config import default_configdict, from_configdict, validate
+    cd = default_configdict()
+    cd.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, max_len=16, dropout=0.0)
+    cd.model.update(**model)
+    cd.data.update(task="byte_lm", seq_len=16)
+    return models.build(validate(from_configdict(cd)), deterministic=True)
+
+
+def test_lm_eval_sums_chunked_equal_the_log_prob_ones(monkeypatch):
+    """TransformerLM.evaluate over 4 chunks of tokens (padding masked) sums what the whole
+    [B, L, V] log_prob gave: NLL and correct argmax of the real tokens."""
+    from hpnlp.softmax import full
+    model = _tiny_lm()
+    rng = np.random.default_rng(0)
+    seg = (np.arange(16)[None, :] < np.asarray([[16], [9]])).astype(np.int32)
+    batch = {"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),
+             "targets": rng.integers(0, 256, (2, 16)).astype(np.int32),
+             "segment_ids": seg, "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1))}
+    params = jax.jit(model.init)(jax.random.key(0), batch)
+    logp = jax.jit(lambda p, b: model.apply(p, b, method="log_probs"))(params, batch)
+    # every third target the model's argmax, padded positions too: some are correct
+    t = np.where(np.arange(16) % 3 == 0, np.asarray(jnp.argmax(logp, -1)), batch["targets"])
+    batch["targets"] = t.astype(np.int32)
+    mask = seg > 0
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    correct = float(jnp.sum((jnp.argmax(logp, -1) == t) & mask))
+    assert 0 < correct < float(jnp.sum(jnp.argmax(logp, -1) == t))
+    # a chunk's logits budget of 8 tokens: 4 chunks of 4 tokens of each of the 2 rows
+    monkeypatch.setattr(full, "CHUNK_LOGITS_BYTES", 8 * 256 * 4)
+    got = jax.jit(lambda p, b: model.apply(p, b, method="evaluate"))(params, batch)
+    assert float(got["weight"]) == 25.0
+    np.testing.assert_allclose(got["loss"], jnp.sum(jnp.where(mask, nll, 0.0)), rtol=1e-6)
+    assert float(got["correct"]) == correct
+
+
+def test_lm_eval_of_a_million_ids_fits_where_the_chunked_loss_does():
+    """Review r2: at 8K tokens x 2^20 ids the eval step's logits were 32 GiB; compiled
+    (nothing run or allocated), its temporaries stay within a few chunks' logits."""
+    import flax.linen as nn
+    from hpnlp.softmax.full import CHUNK_LOGITS_BYTES
+    model = _tiny_lm(vocab_size=2**20, max_len=128)
+    batch = {k: jax.ShapeDtypeStruct((64, 128), jnp.int32)
+             for k in ("inputs", "targets", "segment_ids", "positions")}
+    params = jax.eval_shape(lambda b: nn.unbox(model.init(jax.random.key(0), b)), batch)
+    compiled = jax.jit(lambda p, b: model.apply(p, b, method="evaluate")).lower(
+        params, batch).compile()
+    # a chunk's product and its biased logits (two buffers); the whole [B, L, V] was 128x
+    assert compiled.memory_analysis().temp_size_in_bytes < 3 * CHUNK_LOGITS_BYTES
+
+
+def test_trains_nll_marks_the_objectives_whose_exp_is_a_perplexity():
+    """Review r2: train lines logged exp(loss) as `ppl` for hinge, logistic, bitwise and
+    vMF objectives; only the exact ones (and evaluation's NLL) carry it."""
+    from hpnlp.train.step import finalize
+    exact = {"full", "class_based", "hierarchical", "adaptive"}
+    assert {n for n in S.names() if S.trains_nll(n)} == exact
+    sums = {"loss": 6.0, "weight": 2.0}
+    for name in S.names():
+        assert ("ppl" in finalize(sums, lm=True, output=name)) == (name in exact), name
+    assert finalize(sums, lm=True)["ppl"] == pytest.approx(np.exp(3.0))  # eval lines
+    assert "ppl" not in finalize(sums, lm=False, output="full")

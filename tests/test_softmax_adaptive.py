@@ -62,6 +62,27 @@ def test_sorted_tail_matches_dense_twin(chunk_logits):
         assert float(jnp.abs(jnp.where(mask[..., None], 0.0, g1[1])).max()) == 0.0
 
 
+def test_sorted_backward_finite_past_the_cluster():
+    """Review r2: a cluster's last chunk reads the next cluster's tokens too; their tail
+    logits in this cluster (never trained, unbounded) above ~88.7 made exp inf, and inf * 0
+    NaN in the cluster's gradients. Tail 0 walks 4 tokens a chunk here: its 5 tokens take
+    two, the second reading 3 tail-1 tokens whose hidden states are 300 times larger."""
+    sorted_ = make(cutoffs=(5, 15), chunk_logits=40)
+    dense = make(cutoffs=(5, 15), mode="dense")
+    t = jnp.asarray([[5, 15, 16, 6, 17], [18, 7, 19, 20, 21], [8, 22, 9, 23, 24]])
+    h = jax.random.normal(jax.random.key(0), (3, 5, E))
+    h = jnp.where((t >= 15)[..., None], 300 * h, h)
+    params = jax.jit(lambda: lib.init(dense, h, t))()
+    loss1, g1 = _loss_and_grads(sorted_, params, h, t, None)
+    loss0, g0 = _loss_and_grads(dense, params, h, t, None)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(g1))
+
+    def close(a, b):  # float32 sums of terms up to ~1e3: relative to the largest entry
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+    close(loss1, loss0)
+    jax.tree.map(close, g1, g0)
+
+
 def test_param_shapes_follow_pytorch():
     layer = make(cutoffs=(5, 15, 30), div_value=2.0, head_bias=True)
     h, t = lib.inputs()

@@ -77,6 +77,24 @@ def test_alias_table_on_skewed_distribution():
     np.testing.assert_allclose(implied, p, rtol=1e-5, atol=1e-12)
 
 
+def test_unigram_proposal_of_a_large_power_is_finite():
+    """Review r2: counts**power overflowed float64 (6e4**80), so q = inf / inf was NaN and
+    every loss NaN; in log space any finite power is exact, log q finite for every id."""
+    counts = np.array([6e4, 1.0, 3.0, 0.0, 20.0])
+    s = SM.make_sampler("unigram", 5, counts, power=80)
+    p = s.probs()
+    assert np.all(np.isfinite(p)) and p.sum() == pytest.approx(1.0) and p[0] > 0.999
+    assert np.all(np.isfinite(s.log_q)) and np.all(np.isfinite(s.accept))
+    assert s.log_q[2] == pytest.approx(80 * np.log(3 / 6e4), rel=1e-6)  # not 0 = exp(-792)
+    freqs = Frequencies.of(counts, 5)  # a zero count stays 0 without a floor; powers agree
+    np.testing.assert_allclose(freqs.probs(0.5), counts ** 0.5 / (counts ** 0.5).sum(),
+                               rtol=1e-12)
+    assert freqs.probs(0.5)[3] == 0.0 and freqs.log_probs(0.5)[3] == -np.inf
+    np.testing.assert_allclose(freqs.probs(0.0), 0.2)  # counts**0: every id, as numpy's 0**0
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        freqs.probs(float("inf"))
+
+
 def test_log_uniform_needs_sorted_counts():
     unsorted = Frequencies.of(np.array([5.0, 9.0, 1.0, 1.0]), 4)
     with pytest.raises(ValueError, match="renumber the vocabulary by frequency"):
@@ -381,6 +399,14 @@ def test_bad_fields_rejected_at_setup(name, kw, match):
      "this config has mode='plain'"),
     ("binary_code", {"mode": "ecc", "softmax_size": 10}, "only mode='hybrid' reads it"),
     ("adaptive", {"mode": "dense", "chunk_logits": 1000}, "only mode='sorted' reads it"),
+    # review r2: inf (or 1e400 from a literal) passed, and the losses were inf or NaN
+    ("full", {"z_loss": float("inf")}, r"z_loss` = inf .*must be a number >= 0 and finite"),
+    ("sampled", {"power": float("inf")}, r"power` = inf .*must be a number >= 0 and finite"),
+    ("nce", {"power": 1e400}, r"power` = inf .*and finite"),
+    ("class_based", {"bin_power": float("inf")}, r"bin_power` = inf .*> 0 and finite"),
+    ("hard_negative", {"margin": float("inf")}, r"margin` = inf .*>= 0 and finite"),
+    ("vmf", {"reg1": float("inf")}, r"reg1` = inf .*>= 0 and finite"),
+    ("vmf", {"reg2": float("inf")}, r"reg2` = inf .*> 0 and finite"),
 ])
 def test_bad_options_refused_at_the_config_check(name, options, match):
     """Found by a bug hunt: hard_negative's recall_target 5.0 failed in the train step's
@@ -440,6 +466,23 @@ def test_hard_negative_zero_when_target_wins_by_margin():
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree_util.tree_leaves((gp, gh)))
     table["kernel"] = table["kernel"].replace_boxed(0.5 * jnp.eye(v))  # margin violated by 0.5
     np.testing.assert_allclose(layer.apply(params, h, t, method="loss"), 3 * 0.5, rtol=1e-6)
+
+
+def test_hard_negative_train_lines_carry_no_perplexity(tmp_path):
+    """Review r2: train lines logged exp(hinge loss) as `ppl` (1 once the margins are met);
+    they carry none, and eval lines, of the exact log_prob, keep theirs."""
+    from test_train import read_jsonl, tiny
+
+    from hpnlp.train import run
+    cd = tiny(steps=3, warmup_steps=1, log_every=1, eval_every=3, eval_batches=1,
+              checkpoint_every=0)
+    cd.output.name, cd.output.options = "hard_negative", {"num_negatives": 4}
+    run(cd, str(tmp_path))
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    train = [line for line in lines if not line.get("eval")]
+    evals = [line for line in lines if line.get("eval")]
+    assert len(train) == 3 and not any("ppl" in line for line in train), train
+    assert evals and all(line["ppl"] == pytest.approx(np.exp(line["loss"])) for line in evals)
 
 
 @pytest.mark.parametrize("name", ["nce", "negative_sampling"])

@@ -99,11 +99,12 @@ class Tied(nn.Module):
         return self.out.top_k(h, k)
 
 
-def test_contract():
+def test_contract(monkeypatch):
     layer = Tied(reg1=0.02, reg2=0.1)
     lib.check_normalized(layer)
     lib.check_padding(layer)
     lib.check_rejects_out_of_vocab(layer)
+    lib.check_eval_chunks(layer, monkeypatch)  # review r2: evaluation read the whole [N, V]
 
 
 def test_needs_tied_embedding():

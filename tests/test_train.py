@@ -1273,6 +1273,27 @@ def test_train_step_compiles_once(tmp_path):
     assert tr.train_step._cache_size() == 1
 
 
+def test_eval_reads_the_feature_draw_the_last_train_step_trained_with(tmp_path):
+    """A review (r7): the eval after step k read draw k // R (R = train.feature_redraw_every),
+    the next step's, so at k a multiple of R (the final eval of every Performer run at the
+    defaults) it scored a draw no step had trained with. It reads train step k's, (k-1) // R
+    (draw 0 at step 0), as do ensembles and generate (`TrainState.features_key`)."""
+    import jax.numpy as jnp
+    R = 2
+    cd = tiny(feature_redraw_every=R, eval_batches=1)
+    cd.data.batching = "pad"
+    cd.attention.update(name="performer", options={"num_features": 16, "chunk_size": 16})
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    state, _ = tr.initial_state()
+    at = lambda k: state.replace(step=jnp.asarray(k, jnp.int32))  # noqa: E731
+    data = lambda key: np.asarray(jax.random.key_data(key))  # noqa: E731
+    for k in range(7):  # train step k runs at state.step = k - 1
+        np.testing.assert_array_equal(data(at(k).features_key(R)),
+                                      data(at(max(k - 1, 0)).train_features_key(R)))
+    loss = {k: float(tr.eval_sums(at(k))["loss"]) for k in (1, 2, 3)}
+    assert loss[2] == loss[1] != loss[3], loss  # steps 1-2 trained with draw 0, step 3 with 1
+
+
 def test_initial_state_draws_parameters_in_a_program_runs_share(tmp_path):
     """The trainer draws the parameters in a program of their own, then the rest of the
     state from them: bit for bit what one program of `init_state` computes (movement

@@ -337,11 +337,13 @@ class ChunkedAttention(Attention):
     impl: str = "auto"  # "auto": CPU/GPU kernel where it can run, else XLA; "kernel"; "xla"
 
     def cache_impl(self) -> str:
-        """Decoding follows the same choice where a decode kernel exists (the CPU's); on a GPU,
-        where `impl='kernel'` means the training kernels, decoding reads its cache by XLA."""
-        if self.impl == "kernel" and jax.default_backend() == "gpu":
-            return "auto"
-        return self.impl
+        """`impl='kernel'` asks for the training kernels; decoding's cache kernel (the CPU's,
+        `cache_cpu`) is another, with its own dtypes (float32, bfloat16: not float16, which the
+        training kernel widens to float32), so such a run decodes by "auto" (that kernel where
+        it can run, else its XLA twin, the same function), and on a GPU by XLA (review r1,
+        session 105: a float16 run trained on the CPU kernel, then every decode failed, naming
+        no config field). `impl='xla'` decodes by XLA."""
+        return "xla" if self.impl == "xla" else "auto"
 
     @classmethod
     def check_config(cls, options, *, seq_len, causal, field="attention.options"):

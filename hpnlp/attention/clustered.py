@@ -25,7 +25,11 @@ sum_t (|u(q_t) - mu_c(t)|^2 + |u(k_t) - mu_c(t)|^2) / 2, u(x) = x / |x| (mini-ba
 k-means by gradient descent). Its gradient, the sum over the tokens of cluster c of
 (2 mu_c - u(q_t) - u(k_t)), is injected through a custom VJP, because the attention
 output depends on the centroids only through the discrete assignment (zero task
-gradient). q and k get no gradient from routing, as in the paper.
+gradient). q and k get no gradient from routing, as in the paper. The injected gradient
+is not scaled by the cotangent that arrives, so float16's loss scale (which the train step
+multiplies into the loss and divides out of every gradient) would divide it: a new run of
+`clustered` with model.dtype='float16' is refused (`config.checks.check_new_run`); a layer
+cannot learn the scale from its cotangents alone.
 
 Reversible blocks: the assignment is kept in the `routing` variable collection when the
 caller makes it mutable and read from it when the caller passes it (`base.kept_routing`),

@@ -59,7 +59,9 @@ What this implementation does, and where it departs from the paper/trax:
   Reformer: out[t] is not a function of tokens <= t alone unless the chunks cover the
   sequence (num_buckets=1 and at most 2 chunks).
 * Decoding: as in Reformer, incremental decoding is full attention over the cache: exact
-  shared-QK attention over cached normalized keys, equal to the `num_buckets=1` forward.
+  shared-QK attention over cached normalized keys, equal to the `num_buckets=1` forward
+  when its chunks cover the sequence (at most 2 chunks: L <= 2 * chunk_size); with more,
+  each chunk sees only itself and the previous one, and decoding sees more.
 
 Random rotations come from the `features` RNG stream when the caller provides one
 (constant between redraws), else from `jax.random.key(seed)`.

@@ -13,7 +13,11 @@ shape); None means the tensor's own absmax over `axes`.
 Formats (b bits, s the scale, c the integer code):
   int8 / int4   symmetric uniform: s = range / (2^(b-1) - 1), c = clip(round(x / s)),
                 so c is in [-127, 127] / [-7, 7] (never -128: the kernels' VNNI offset
-                trick and sign symmetry want it).
+                trick and sign symmetry want it). In float32 both divisions are products
+                with a reciprocal, s = range * fl(1 / 127) and c = round(x * fl(1 / s)), as
+                XLA computed them (so x / s = 6.5 exactly may still round to 7); the int8
+                kernel's per-token codes (kernels.quantize_rows_int8, qgemm.cc) are these,
+                code for code (a review (r5): its factor fl(127 / range) rounded apart).
   fp8           e4m3 (`jnp.float8_e4m3fn`): s = range / 448, c = float8(x / s).
   binary        sign with a per-channel scale, s = mean |x| (BinaryConnect; XNOR-Net's
                 optimal scale, Rastegari et al. 2016); c in {-1, +1}.
@@ -129,8 +133,12 @@ class Uniform(Format):
 
     def _codes(self, x, red, r):
         ok = _nonzero(r)  # a range of 0 quantizes everything to 0 (scale 0), not x / 1
-        scale = jnp.where(ok, r / self.qmax, 0.0)
-        codes = jnp.clip(jnp.round(x / jnp.where(ok, scale, 1.0)), -self.qmax, self.qmax)
+        # r / qmax and x / scale as XLA computed them (it makes a division by a constant or
+        # by a broadcast scale a product with the reciprocal), written out so the rule does
+        # not hang on that rewrite: the int8 kernel's per-token codes are these (review r5)
+        scale = jnp.where(ok, r * (1.0 / self.qmax), 0.0)
+        inv = 1.0 / jnp.where(ok, scale, 1.0)
+        codes = jnp.clip(jnp.round(x * inv), -self.qmax, self.qmax)
         return _codes_or_zero(ok, scale, codes).astype(jnp.int8), scale
 
 

@@ -17,11 +17,11 @@ not on the kernel's panels: train the float weight and prepare it again, not a p
 weight's leaves.
 
 - int8 x int8 -> int32 (`int8_matmul`, exact), and `int8_linear`, which quantizes the
-  activations per token inside the kernel (scale max|row| / 127, round to nearest even,
-  clip to [-127, 127]) and rescales the int32 product by both scales. AVX-512 VNNI
-  (`vpdpbusd` on x + 128 as u8, minus 128 colsum(w)) or AVX2 (int16 `vpmaddwd`); see the
-  top of `qgemm.cc` for why not `vpmaddubsw`. On AMX (`int8_products()`), `tdpbusd` tiles
-  from 16 rows.
+  activations per token inside the kernel (formats.py's int8 codes, `quantize_rows_int8`:
+  scale max|row| / 127, round to nearest even, clip to [-127, 127]) and rescales the int32
+  product by both scales. AVX-512 VNNI (`vpdpbusd` on x + 128 as u8, minus 128 colsum(w))
+  or AVX2 (int16 `vpmaddwd`); see the top of `qgemm.cc` for why not `vpmaddubsw`. On AMX
+  (`int8_products()`), `tdpbusd` tiles from 16 rows.
 - binary (`binary_matmul` on packed bits, exact: K - 2 popcount(x xor w); `binary_linear`
   binarizes x by sign with XNOR-Net's per-token scale beta = mean|x|). VPOPCNTDQ or the
   AVX2 nibble-LUT popcount (Mula); on AMX (`binary_products()`), the +-1 values as int8
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp import kernels, xla_workarounds
-from hpnlp.compress import packing
+from hpnlp.compress import formats, packing
 from hpnlp.kernels import tuning
 
 KERNEL = kernels.CpuKernel(
@@ -288,23 +288,26 @@ def _as_int8_weight(w) -> Int8Weight:
 
 
 def quantize_rows_int8(x_MxK):
-    """Per-row (per-token) symmetric int8: (q_MxK int8, scale_M) with scale = max|row| /
-    127 and q = clip(round(x * (127 / max|row|)), -127, 127) (round half to even); a row of
-    zeros has scale 0; a row holding a NaN has scale NaN, one holding an inf scale inf, and
-    both q = 0 (so their outputs are NaN); a row with 0 < max|row| < 127 / FLT_MAX (about
-    3.7e-37, where 127 / max|row| overflows to inf) has q = 0, as a row of zeros (its scale
-    max|row| / 127, its outputs 0). The int8 kernel computes exactly this."""
+    """Per-row (per-token) symmetric int8: (q_MxK int8, scale_M) with scale s = max|row| *
+    fl(1 / 127) and q = clip(round(x * fl(1 / s)), -127, 127) (round half to even):
+    formats.py's int8 rule as XLA computes it, which QAT and the packed model decoded in XLA
+    run, code for code (a review (r5): the factor was fl(127 / max|row|), which differs from
+    fl(1 / s) in its last bit at some rows and rounded a value near a half-step the other
+    way). A row of zeros has scale 0; a row holding a NaN has scale NaN, one holding an inf
+    scale inf, and both q = 0 (so their outputs are NaN); a row with 0 < max|row| <=
+    formats.TINY (1e-30) has q = 0, as formats codes it (its scale max|row| * fl(1 / 127),
+    its outputs 0; this takes in the rows where 127 / max|row| overflowed to inf, review
+    r5). The int8 kernel computes exactly this."""
     amax_M1 = jnp.max(jnp.abs(x_MxK), axis=1, keepdims=True, initial=0.0)  # K = 0: 0
     # a bug hunt (session 97): XLA:CPU's row max dropped a NaN at some shapes (a [141, 70]
     # input, jax 0.10.2; a [3, 40] one kept it), and NaN * 0 was cast to int8 as it fell
     amax_M1 = jnp.where(jnp.isnan(x_MxK).any(axis=1, keepdims=True), jnp.nan, amax_M1)
-    inv_M1 = jnp.where(amax_M1 > 0, 127.0 / jnp.where(amax_M1 > 0, amax_M1, 1.0), 0.0)
-    # review r5: a tiny max overflowed 127 / max to inf, x * inf was NaN at the row's zeros,
-    # and the kernel's loops converted that NaN to 0, -128 or -32768 by the column
-    inv_M1 = jnp.where(jnp.isfinite(inv_M1), inv_M1, 0.0)
-    x_MxK = jnp.where(inv_M1 > 0, x_MxK * inv_M1, 0.0)
+    scale_M1 = amax_M1 * (1.0 / 127)  # formats.Uniform's scale and factor, written alike
+    ok_M1 = (amax_M1 > formats.TINY) & jnp.isfinite(amax_M1)  # else every code is 0
+    inv_M1 = 1.0 / jnp.where(ok_M1, scale_M1, 1.0)
+    x_MxK = jnp.where(ok_M1, x_MxK * inv_M1, 0.0)
     q_MxK = jnp.clip(jnp.round(x_MxK), -127, 127).astype(jnp.int8)
-    return q_MxK, (amax_M1 / 127.0)[:, 0]
+    return q_MxK, scale_M1[:, 0]
 
 
 def int8_matmul_xla(x_MxK, q_KxN):

@@ -98,8 +98,10 @@ def calibrate_ranges(model, params, batches, method: str):
     """The `quant` collection: each product's activation range over `batches` (step 3)."""
     from hpnlp.compress import calibrate
 
+    # .get: a pass in which no product calibrates makes no `calib` collection (validate
+    # refuses such quant.layers: config.compress_checks.CALIBRATED)
     run = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate",
-                                           mutable=["calib"])[1]["calib"])
+                                           mutable=["calib"])[1].get("calib", {}))
     per_batch = [run(params, b) for b in batches]
     return jax.tree.map(lambda *r: calibrate.combine(jnp.stack(r), method), *per_batch)
 
@@ -236,7 +238,8 @@ def model_entries(cfg: Config, packed: bool = True) -> tuple[dict, list, dict]:
     params, quant = jax.eval_shape(init, jax.random.key(0)), {}
     if q.enabled and q.act_scale == "static":
         quant = jax.eval_shape(lambda p: model.apply(
-            {"params": p}, batch, method="evaluate", mutable=["calib"])[1]["calib"], params)
+            {"params": p}, batch, method="evaluate", mutable=["calib"])[1].get("calib", {}),
+            params)
     if q.enabled and packed:
         params = jax.eval_shape(lambda p, qv: packed_params(model, p, batch, qv), params, quant)
     return _entries(params, quant)

@@ -893,17 +893,24 @@ inline float binary_beta(const float* x, int n) {
   return std::isfinite(beta) ? beta : std::numeric_limits<float>::quiet_NaN();
 }
 
-// The per-row int8 scale (max |x| / 127, 0 for a row of zeros; NaN or inf as the row's
-// max) into *scale; returns the factor that quantizes: 127 / max |x| (0 for zeros, NaN
-// and inf, as the twin's), and 0 too where that overflows (0 < max |x| < 127 / FLT_MAX,
-// about 3.7e-37): the row's codes are then all 0, as a row of zeros' are (review r5: an inf
-// factor made x * inf NaN at the row's zeros, and each loop below converted NaN its own way:
-// 0, -128 or -32768 by the column).
+// The per-row int8 scale s = max |x| * fl(1 / 127) (0 for a row of zeros; NaN or inf as
+// the row's max) into *scale; returns the factor that quantizes, fl(1 / s): q =
+// round(x * fl(1 / s)) is formats.py's int8 rule as XLA computes it (round(x / s), whose
+// division by a broadcast scale XLA makes a product with the scale's reciprocal, as it makes
+// max |x| / 127 one with fl(1 / 127)), which QAT and the packed model decoded in XLA run:
+// code for code (a review (r5): the factor fl(127 / max |x|) differed from fl(1 / s) in its
+// last bit at some rows, and rounded a value near a half-step the other way). The factor
+// is 0, every code of the row 0, as formats' and the twin's, where max |x| is 0, NaN, inf,
+// or at most formats.TINY (1e-30): that takes in the rows where 127 / max |x| overflowed
+// (review r5: an inf factor made x * inf NaN at the row's zeros, and each loop below
+// converted NaN its own way: 0, -128 or -32768 by the column), and keeps s a normal float
+// and 1 / s finite.
+constexpr float kQuantTiny = 1e-30f;  // formats.TINY
+
 inline float quantize_scale(const float* x, int n, float* scale) {
   const float amax = absmax(x, n);
-  *scale = amax / 127.0f;
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  return std::isfinite(inv) ? inv : 0.0f;
+  *scale = amax * (1.0f / 127.0f);
+  return amax > kQuantTiny && std::isfinite(amax) ? 1.0f / *scale : 0.0f;
 }
 
 // Sign bits of 64 floats from x (element b of the word: x[b] > 0), n <= 64 of them real.
@@ -920,8 +927,8 @@ inline uint64_t sign_word(const float* x, int n) {
 }
 
 // Activations to the kernel's operand: int8 values as they are, float rows quantized per
-// row (scale max|x| / 127, round to nearest even, clip to [-127, 127]): what the XLA twin
-// computes, operation for operation.
+// row (x * fl(1 / s), s = max|x| * fl(1 / 127), round to nearest even, clip to [-127,
+// 127]): what the XLA twin and formats.py's int8 compute, operation for operation.
 void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0, int r1) {
   const size_t ldx = size_t(g.kq) * I8_KP;
   // blocked (AMX): a row is quantized here, then copied to its k-tiles and tail
@@ -935,7 +942,7 @@ void i8_quantize_rows(const I8Gemm& g, const int8_t* x8, const float* xf, int r0
       const float* xr = xf + size_t(m) * g.K;
       const float inv = quantize_scale(xr, g.K, &g.xs[m]);
       int k = 0;
-      if (inv == 0.0f)  // zeros, a NaN or inf in the row, or a max |x| below 127 / FLT_MAX:
+      if (inv == 0.0f)  // zeros, a NaN or inf in the row, or a max |x| of at most 1e-30:
         // every q is 0, so the row's output is 0 * its scale, NaN where that is NaN or inf,
         // as the twin's (a bug hunt (session 97): x * 0 is NaN for those, converted to
         // -32768 or 0 by the build)

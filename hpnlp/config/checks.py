@@ -236,6 +236,10 @@ def _check_moe(cfg: Config) -> None:
     if c.router == "expert_choice":
         ignored.append(("balance_loss", "expert-choice routing balances the experts' loads by "
                         "construction (each takes its capacity)"))
+        # review r4: its capacity is its routing, so a wider one evaluated another model
+        ignored.append(("eval_capacity_factor", "expert-choice routing evaluates at the "
+                        "capacity it trained with (capacity_factor), since its capacity decides "
+                        "how many experts each token gets"))
     for f, why in ignored:
         if getattr(c, f) != getattr(default, f):
             _fail(f"model.moe.{f}", getattr(c, f), f"is ignored: {why}; leave it at its default "
@@ -473,9 +477,17 @@ def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
-    train.steps was taken, its one eval setting the best), and
-    `compress_checks.check_new_compress_run`'s."""
+    train.steps was taken, its one eval setting the best), `clustered` attention in float16
+    (below), and `compress_checks.check_new_compress_run`'s."""
     t = cfg.train
+    if cfg.attention.name == "clustered" and cfg.model.dtype == "float16":
+        # review r1 (session 105): the layer injects its k-means gradient in the backward
+        # pass, where the train step's loss scale (train/step.py's `applied`) cannot reach
+        # it, and the step divides every gradient by that scale
+        _fail("attention.name", cfg.attention.name, "with model.dtype='float16': its centroids' "
+              "k-means gradient is injected in the backward pass, which float16's loss scale "
+              "does not reach, so it would come out divided by that scale (which moves as it "
+              "adapts); set model.dtype='bfloat16' or 'float32'")
     if t.early_stopping_patience and t.eval_every:
         before = (t.steps - 1) // t.eval_every  # evals before the last step
         if before < t.early_stopping_patience + 1:

@@ -29,6 +29,12 @@ def _refuse_unread(group: str, values: Any, why: str, fix: str, *,
                   f"at its default (--config.{group}.{name}={was})")
 
 
+# The QUANT_LAYERS kinds whose input `quant.act_scale='static'` reads by a calibrated range
+# (qlinear.quant_act): the output layer reads its hidden states quantized per token, and the
+# recurrent product quantizes its weights only (the state h stays float32).
+CALIBRATED = ("qkv", "out", "mlp", "head", "input")
+
+
 def quant_products(m: ModelConfig) -> tuple[str, ...]:
     """The QUANT_LAYERS kinds of product this model has: its trunk's (a Transformer's qkv,
     out and mlp, an LSTM/GRU's input and recurrent; a bag of embeddings has none), an LM's
@@ -94,6 +100,25 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
               f"nothing would be quantized (it has {', '.join(has)}); name products it has "
               "(or 'all'); a run saved with it trained in float: set quant.weights and "
               "quant.activations to 'none' in its config.json")
+    quantized = [k for k in has if named is None or k in named]
+    if q.activations != "none" and quantized == ["recurrent"]:  # a review (r5): QAT trained
+        # float activations and PTQ's summary said int8, without a word
+        also = " and quant.act_scale='dynamic'" if static else ""
+        _fail("quant.activations", q.activations, f"the recurrent product quantizes its weights "
+              f"only (the state h stays float32), and quant.layers={q.layers!r} names no other "
+              f"product of this {m.kind} ({m.arch}), so nothing reads it; add 'input' to "
+              f"quant.layers, or set quant.activations='none'{also} (a run saved with it "
+              "trained with float activations: set that in its config.json)")
+    if static and not set(quantized) & set(CALIBRATED):  # a review (r5): PTQ restored the run
+        # and failed with a KeyError: 'calib' in its first calibration batch
+        per = " and ".join(w for k, w in (("output", "the output layer reads its input "
+                                           "quantized per token"),
+                                          ("recurrent", "the recurrent product quantizes its "
+                                           "weights only")) if k in quantized)
+        _fail("quant.act_scale", "static", f"calibrates the input ranges of the "
+              f"{', '.join(k for k in has if k in CALIBRATED)} products, and quant.layers="
+              f"{q.layers!r} names none of them ({per}), so nothing would be calibrated; use "
+              "quant.act_scale='dynamic', or name such a product in quant.layers")
     if q.act_scale == "static" and m.reversible:
         _fail("quant.act_scale", "static", "reversible blocks recompute themselves functionally and "
               "hold no calibrated ranges; use quant.act_scale='dynamic'")

@@ -183,7 +183,9 @@ class MoEConfig:
 
     num_experts: int = 0  # X; 0 = off (every block keeps its dense MLP)
     every: int = 1  # MoE in every n-th block (blocks n-1, 2n-1, ...; 2 = Switch's every other)
-    top_k: int = 1  # experts per token (expert_choice: the mean experts per token)
+    # experts per token (expert_choice: mean experts per token = top_k x capacity_factor,
+    # padding and capacity's rounding aside)
+    top_k: int = 1
     mlp_dim: int = 0  # each expert's hidden width; 0 = model.mlp_dim
     # "switch": top-1, gate = the router probability (Fedus et al. 2021) | "top_k": token
     # choice, gates = softmax over the k chosen logits (Shazeer et al. 2017; top_k >= 2) |
@@ -196,8 +198,10 @@ class MoEConfig:
     # token order) and pass through the residual (GShard, Switch) | "dropless": every choice is
     # computed (tokens sorted by expert, products over padded blocks; hpnlp.moe.dispatch)
     dispatch: str = "capacity"
-    capacity_factor: float = 1.25  # training
-    eval_capacity_factor: float = 2.0  # evaluation (decoding is always dropless)
+    capacity_factor: float = 1.25  # training (and expert_choice's evaluation)
+    # evaluation of token choice (decoding is always dropless); expert_choice evaluates at
+    # capacity_factor, since its capacity is its routing
+    eval_capacity_factor: float = 2.0
     shared_experts: int = 0  # experts every token uses besides its routed ones (DeepSeekMoE)
     balance_loss: float = 0.01  # weight of X * sum_i fraction_i * prob_i (Switch), per MoE layer
     z_loss: float = 0.001  # weight of mean logsumexp(router logits)^2 (ST-MoE)
@@ -531,7 +535,8 @@ class TrainConfig:
     early_stopping_metric: str = "loss"  # an eval metric name
     progress: bool = True  # tqdm bar
     # Random-feature attention (Performer) draws its features from the `features` RNG
-    # stream, redrawn every this many steps (eval uses the current draw); 0 = never.
+    # stream, redrawn every this many steps; 0 = never. Eval, ensembles and generate use the
+    # draw the last train step trained with (TrainState.features_key).
     feature_redraw_every: int = 1000
     # Dynamic loss scaling, active only when model.dtype = "float16": gradients of the
     # batch's mean loss per token (or example) * scale (of its sum, a large batch overflowed

@@ -180,7 +180,8 @@ class BiEncoder(nn.Module):
     @staticmethod
     def split_metrics(cfg: Config, model, params, task) -> dict:
         """What the Trainer adds to each evaluation: the whole held-out pool's recall@1/10 and
-        MRR (`evaluate_pool`), beside the in-batch loss and accuracy."""
+        MRR (`evaluate_pool`), beside the in-batch loss and accuracy; in a run of several
+        processes each measures the whole pool, from the parameters gathered to it."""
         return {k: v for k, v in evaluate_pool(cfg, model, params, task).items()
                 if k in ("recall@1", "recall@10", "mrr")}
 

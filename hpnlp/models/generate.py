@@ -315,9 +315,10 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
 
     `features_key`: the random-feature draw the model was trained with, for variants
     that use the `features` stream (Performer); pass
-    `state.features_key(cfg.train.feature_redraw_every)`. `token_counts`: the train
-    counts the model was built with, for frequency-based output layers. `quant_vars`: a
-    quantized model's calibrated activation ranges (`compress.ptq.load`'s third value).
+    `state.features_key(cfg.train.feature_redraw_every)` (its last train step's draw).
+    `token_counts`: the train counts the model was built with, for frequency-based output
+    layers. `quant_vars`: a quantized model's calibrated activation ranges
+    (`compress.ptq.load`'s third value).
     """
     from hpnlp.models import build
 

@@ -3,7 +3,8 @@
 Each model's `__call__(batch)` returns metric *sums* plus their denominator `weight`
 (real tokens or real examples), so they add across devices and microbatches; the train
 step divides once. `evaluate(batch)` returns the same keys measured exactly (for the LM:
-the normalized log-probability of the output layer, whatever its training objective).
+the normalized log-probability of the output layer, whatever its training objective, read
+token by token: `lm_eval_sums`).
 
 Shape letters as in `transformer.py`; C classes, V vocabulary.
 """
@@ -46,6 +47,18 @@ def _output_layer(cfg: Config, embed: nn.Module | None, token_counts=None):
     if "counts" in fields and token_counts is not None:
         kwargs["counts"] = softmax_lib.frequencies(token_counts, cfg.model.vocab_size)
     return cls(**kwargs, name="output")
+
+
+def lm_eval_sums(output: nn.Module, hidden_BLE, batch) -> dict:
+    """An LM's exact eval sums under `output`'s normalized log-probabilities: NLL, correct
+    argmax and real tokens. Each token's NLL and argmax only (`softmax.nll_and_argmax`),
+    over token chunks where the layer has them, so evaluation fits wherever the chunked
+    loss does (review r2: the whole [B, L, V] was 32 GiB at 8K tokens x 1M ids)."""
+    mask_BL = batch["segment_ids"] > 0
+    nll_BL, pred_BL = softmax_lib.nll_and_argmax(output, hidden_BLE, batch["targets"])
+    return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0), dtype=jnp.float32),
+            "correct": jnp.sum((pred_BL == batch["targets"]) & mask_BL, dtype=jnp.float32),
+            "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
 
 
 def make_trunk(cfg: Config, *, causal: bool, deterministic: bool, decode: bool = False):
@@ -98,13 +111,7 @@ class TransformerLM(nn.Module):
         # the loss checks its targets in `output.loss`; log_prob's gather would read an id
         # past the vocabulary as NaN (checked where the values are concrete: eager calls)
         check_targets(batch["targets"], self.output.vocab_size)
-        mask_BL = batch["segment_ids"] > 0
-        logp_BLV = self.output.log_prob(self.hidden(batch))
-        nll_BL = -jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0]
-        correct_BL = jnp.argmax(logp_BLV, axis=-1) == batch["targets"]
-        return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0)),
-                "correct": jnp.sum(correct_BL & mask_BL, dtype=jnp.float32),
-                "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
+        return lm_eval_sums(self.output, self.hidden(batch), batch)
 
     def log_probs(self, batch):
         """[B, L, V] next-token log-probabilities (teacher forcing)."""

@@ -474,15 +474,11 @@ class TransformerXLLM(nn.Module):
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, new
 
     def evaluate_and_memory(self, batch, memory=None):
-        """Exact sums (the output layer's normalized log-probs) and the new Memory."""
-        mask_BL = batch["segment_ids"] > 0
+        """Exact sums (the output layer's normalized log-probs, token-chunked as the loss:
+        `heads.lm_eval_sums`) and the new Memory."""
+        from hpnlp.models.heads import lm_eval_sums  # heads imports the model registry
         h_BLE, new = self.hidden(batch, memory)
-        logp_BLV = self.output.log_prob(h_BLE)
-        nll_BL = -jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0]
-        correct_BL = jnp.argmax(logp_BLV, axis=-1) == batch["targets"]
-        return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0), dtype=jnp.float32),
-                "correct": jnp.sum(correct_BL & mask_BL, dtype=jnp.float32),
-                "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, new
+        return lm_eval_sums(self.output, h_BLE, batch), new
 
     def log_probs(self, batch, memory=None):
         return self.output.log_prob(self.hidden(batch, memory)[0])

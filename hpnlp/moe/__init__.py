@@ -28,7 +28,8 @@ def eval_groups(cfg, num_devices: int | None = None) -> int:
 
 
 def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
-    """Where each MoE block sends the tokens of `batch` in evaluation (eval capacity):
+    """Where each MoE block sends the tokens of `batch` in evaluation (token choice at
+    eval_capacity_factor, expert choice at the capacity_factor it trained with):
     {block index: {"weights": [B, L, X] weight of each expert's output in each token (0: not
     routed, or dropped past capacity), "probs": [B, L, X] router probabilities}}. A batch of
     several texts (the dual and bi-encoder's `inputs1`, `inputs2`, `inputs3`, each routed by
@@ -38,6 +39,8 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     (default: this process's; `eval_groups`): model.moe.groups, or with groups=0 one per
     data-parallel shard of the run's mesh there, so capacity drops what `Trainer.evaluate`
     drops (computed on one device: the groups, not the devices, decide the routing).
+    Dropless token choice drops nothing, so its routes are the same in any groups: its batch
+    is routed as one group, whatever its rows.
 
         >>> routes = hpnlp.moe.route(cfg, state.params, batch)   # doctest: +SKIP
         >>> expert_BL = routes[1]["weights"].argmax(-1)           # top-1: each token's expert
@@ -54,18 +57,21 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
                          "routes); route a model trained with model.stack_layers=False")
     # a bug hunt (session 100): groups=0 routed the batch as one group (one device, no
     # mesh), where a run evaluated on 4 devices routes in 4 and drops other tokens
-    groups = eval_groups(cfg, num_devices)
+    c = cfg.model.moe
+    # review r4: a dropless run's batch was refused for rows its groups did not split into
+    groups = (1 if c.dispatch == "dropless" and c.router != "expert_choice"
+              else eval_groups(cfg, num_devices))
     # a bug hunt (session 103): a dual encoder's batch (inputs1, inputs2) was a bare
     # KeyError 'inputs', and only its trunk's first call was read
     names = texts(batch)
     rows = batch["inputs" + names[0]].shape[0]
-    if not cfg.model.moe.groups and rows % groups:  # (review: the layer's error named groups)
+    if not c.groups and rows % groups:  # (review: the layer's error named groups)
         raise ValueError(f"hpnlp.moe.route: the run evaluates in {groups} routing groups on "
                          f"these devices (one per data-parallel shard), which {rows} batch "
                          f"rows do not split into; pass a batch of a multiple of {groups} "
                          "rows, or num_devices=1 to route it as one group")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, moe=dataclasses.replace(cfg.model.moe, groups=groups)))
+        cfg.model, moe=dataclasses.replace(c, groups=groups)))
     model = models.build(cfg, deterministic=True)
     # An LM's trunk only (a bug hunt, session 100: "evaluate" ran the output layer, which
     # built without the task's token counts has other shapes than a class_based run's:

@@ -5,11 +5,15 @@ Shape letters as in `routing.py` (B batch, L length too). The Transformer block 
 `model.moe` names.
 
 Routing groups are the batch's rows split into G equal blocks (`model.moe.groups`, default
-one per data-parallel shard), and capacity is per group, so a run routes the same way on
-one device and on many. With `mesh.expert` > 1 the experts are sharded over the `expert`
-mesh axis and the capacity buffers move by all-to-all inside `shard_map` (GShard): each
-device routes its own groups, sends each expert's slots to the device holding it, runs
-its X / mesh.expert experts on every device's slots, and sends the results back.
+one per data-parallel shard), and capacity is per group, so with an explicit
+`model.moe.groups` a run routes the same way on one device and on many; the default follows
+the device count. A batch of rows G does not divide (a pass with a row count of its own: a
+one-row init, the bi-encoder's pool evaluation and mining, the kNN-LM) is padded with empty
+rows, routed nowhere, up to whole groups. With `mesh.expert` > 1 the experts are sharded
+over the `expert` mesh axis and the capacity buffers move by all-to-all inside `shard_map`
+(GShard): each device routes its own groups, sends each expert's slots to the device
+holding it, runs its X / mesh.expert experts on every device's slots, and sends the results
+back.
 
 Every call reports into the `aux` collection (`sow`, read by hpnlp.train.carry's
 `fold_aux`): the auxiliary loss to add (per-token mean, weighted by the config), and sums
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hpnlp.compress import formats, qlinear
-from hpnlp.config import ModelConfig, check_moe_fields, config_error
+from hpnlp.config import ModelConfig, check_moe_fields
 from hpnlp.models.transformer import _init, dtypes, mlp
 from hpnlp.moe import dispatch, routing
 from hpnlp.train.carry import AUX  # the collection layers report auxiliary losses into
@@ -227,12 +231,13 @@ class MoE(nn.Module):
 
         # One group per row block; decoding (one token per row) routes the batch as one.
         G = 1 if self.decode else (c.groups or batch_shards())
-        if (B * L) % G:
-            raise config_error("model.moe.groups", c.groups, f"{G} routing groups must divide the "
-                               f"{B} x {L} tokens of the batch; choose groups dividing {B * L}")
-        S = B * L // G
-        x_GSM = x_BLM.reshape(G, S, M)
-        valid_GS = (seg_BL > 0).reshape(G, S)
+        # Rows the groups do not split (a one-row init or probe, the bi-encoder's 256-row pool
+        # evaluation, mining's 512, the kNN-LM's 64) get empty rows up to whole groups, routed
+        # nowhere. Review r4: a valid groups=3 run died at such a pass (it was refused here).
+        pad = -B % G
+        S = (B + pad) * L // G
+        x_GSM = jnp.pad(x_BLM, ((0, pad), (0, 0), (0, 0))).reshape(G, S, M)
+        valid_GS = jnp.pad(seg_BL > 0, ((0, pad), (0, 0))).reshape(G, S)
         logits_GSX = jnp.einsum("gsm,mx->gsx", x_GSM.astype(jnp.float32), w_router)
         if c.noisy:  # trained through the noise it scales; used in training only
             w_noise = self.param("noise", _init(nn.initializers.zeros, ("embed", None)), (M, X),
@@ -248,7 +253,11 @@ class MoE(nn.Module):
                  "moe_entropy": routing.entropy_sum(probs_GSX, valid_GS),
                  "loss_moe_z": routing.z_loss(logits_GSX, valid_GS)}
         aux = c.z_loss * stats["loss_moe_z"]
-        factor = c.capacity_factor if not self.deterministic else c.eval_capacity_factor
+        # Expert choice evaluates at the capacity it trained with: its capacity is its routing
+        # (a larger C gives every token more experts), where token choice only drops less.
+        # Review r4: eval_capacity_factor 2.0 summed 1.6x the experts training did.
+        factor = (c.capacity_factor if not self.deterministic or c.router == "expert_choice"
+                  else c.eval_capacity_factor)
         C = S if served and self.decode else routing.capacity(S, experts=X, top_k=c.top_k,
                                                                factor=factor)
         if c.router == "expert_choice":
@@ -289,9 +298,9 @@ class MoE(nn.Module):
             y_GSM = self._capacity_experts(xq_GSM, slots, experts, act, linear)
             weights = lambda: _weights(slots, X)  # noqa: E731
         if self.is_mutable_collection(ROUTES):  # asked for (hpnlp.moe.route): what went where
-            self.sow(ROUTES, "weights", weights().reshape(B, L, X))
-            self.sow(ROUTES, "probs", probs_GSX.reshape(B, L, X))
-        y_BLM = y_GSM.reshape(B, L, M)
+            self.sow(ROUTES, "weights", weights().reshape(B + pad, L, X)[:B])
+            self.sow(ROUTES, "probs", probs_GSX.reshape(B + pad, L, X)[:B])
+        y_BLM = y_GSM.reshape(B + pad, L, M)[:B]
         if c.shared_experts:  # DeepSeekMoE: experts every token uses, as one wider MLP
             y_BLM = y_BLM + mlp(m, x_BLM, width=c.shared_experts * F, name="shared")
         self.sow(AUX, "moe", {"loss": aux, **stats})

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -119,6 +120,8 @@ class AdaptiveSoftmax(nn.Module):
     `head_bias`), `params/tail{i}_proj` [E, E // div_value^(i+1)], `params/tail{i}_out`
     [that, cluster size]. Requires ids sorted by frequency.
     """
+
+    trains_nll: ClassVar[bool] = True
 
     vocab_size: int = 0
     cutoffs: tuple[int, ...] | None = None  # increasing, in (0, V); None: cost-model default
@@ -335,7 +338,9 @@ def _cluster_bwd(chunk, dtype, res, g_P):
                                                          h_PE, rel_P, lse_P, g_P)
         x_CD = jnp.dot(h_CE.astype(dtype), proj_ED.astype(dtype), preferred_element_type=jnp.float32)
         logits_CS = jnp.dot(x_CD.astype(dtype), out_DS.astype(dtype), preferred_element_type=jnp.float32)
-        prob_CS = jnp.exp(logits_CS - lse_C[:, None])
+        # rows past the cluster (the next cluster's tokens, padding) have lse 0 saved and
+        # untrained tail logits: exp could be inf there, and inf * 0 NaN (review r2)
+        prob_CS = jnp.where(valid_C[:, None], jnp.exp(logits_CS - lse_C[:, None]), 0.0)
         hit_CS = jnp.arange(logits_CS.shape[1])[None, :] == rel_C[:, None]
         g_C = jnp.where(valid_C, g_C, 0.0)
         dlogits_CS = (jnp.where(hit_CS, prob_CS - 1.0, prob_CS) * g_C[:, None]).astype(dtype)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Any, Callable
+import math
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -57,6 +58,39 @@ def refuse_unread(options, name: str, reader: str, setting: str,
 def can_tie(name: str) -> bool:
     """Whether output layer `name` can use the input embedding as its table (an `embed` field)."""
     return "embed" in {f.name for f in dataclasses.fields(get(name))}
+
+
+def trains_nll(name: str) -> bool:
+    """Whether output layer `name`'s training `loss` is -log p(target) under its `log_prob`
+    (its class's `trains_nll`; a layer that does not say is taken not to), so that exp of
+    the training loss is a perplexity: not for sampled estimates, margins, logistic or
+    bitwise objectives, nor a continuous output's (review r2: train lines read vmf's e^50)."""
+    return bool(getattr(get(name), "trains_nll", False))
+
+
+def nll_and_argmax(layer, hidden_NE, targets_N):
+    """(-log p(target) [N] float32, the most likely id [N] int32) of each token under
+    `layer`'s `log_prob`, what evaluation reads: `layer.nll_and_argmax` where the layer has
+    it (over token chunks, never the whole [N, V] where it would not fit: the VocabLayers,
+    vmf), else read off the whole `log_prob`."""
+    own = getattr(layer, "nll_and_argmax", None)
+    if own is not None:
+        return own(hidden_NE, targets_N)
+    return log_prob_nll_and_argmax(layer.log_prob(hidden_NE), targets_N)
+
+
+def log_prob_nll_and_argmax(logp_NV, targets_N):
+    """`nll_and_argmax` read off log-probabilities [N, V]."""
+    nll_N = -jnp.take_along_axis(logp_NV, targets_N[..., None], axis=-1)[..., 0]
+    return nll_N, jnp.argmax(logp_NV, axis=-1).astype(jnp.int32)
+
+
+def logits_nll_and_argmax(logits_NV, targets_N):
+    """`nll_and_argmax` of a softmax of float32 `logits_NV`: logsumexp - logit[target], and
+    the argmax (that of the log-probabilities too)."""
+    lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
+    picked_N = jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0]
+    return lse_N - picked_N, jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
 
 
 def check_targets(targets, vocab_size: int | None = None, hidden=None, mask=None) -> None:
@@ -137,12 +171,34 @@ class Frequencies:
                 "word_lm already is) or pick a method that reads the counts themselves")
 
     def probs(self, power: float = 1.0, floor: float = 0.0) -> np.ndarray:
-        """counts**power normalized; `floor` (a count) keeps unseen ids reachable."""
-        p = np.maximum(self.counts, floor) ** power
-        total = p.sum()
-        if total <= 0:
+        """counts**power normalized; `floor` (a count) keeps unseen ids reachable.
+
+        Computed in log space, so finite for every finite power (review r2: counts**power
+        in float64 overflowed from power ~70 on the shipped word counts, inf / inf = NaN);
+        a count of 0 keeps probability 0 (power > 0; counts**0 is 1 for every id)."""
+        lp = self._shifted_log(power, floor)
+        p = np.exp(lp)  # max(lp) = 0: the largest is 1, the sum in [1, V]
+        return p / p.sum()
+
+    def log_probs(self, power: float = 1.0, floor: float = 0.0) -> np.ndarray:
+        """log of `probs(power, floor)`, without its underflow: finite for every id whose
+        count (or `floor`) is > 0, however small its probability."""
+        lp = self._shifted_log(power, floor)
+        return lp - np.log(np.exp(lp).sum())
+
+    def _shifted_log(self, power: float, floor: float) -> np.ndarray:
+        """power * log max(counts, floor), shifted so that its largest entry is 0."""
+        if not (isinstance(power, (int, float, np.number)) and math.isfinite(power)
+                and power >= 0):
+            raise ValueError(f"power={power!r}: counts**power needs a finite number >= 0")
+        c = np.maximum(self.counts, floor)
+        if power == 0:  # counts**0: 1 for every id, a count of 0 too (as numpy's 0.0**0)
+            return np.zeros(c.shape)
+        if not np.any(c > 0):
             raise ValueError("token counts are all zero; nothing to build a distribution from")
-        return p / total
+        with np.errstate(divide="ignore"):  # log 0 = -inf: a zero count keeps probability 0
+            lp = power * np.log(c)
+        return lp - lp.max()
 
 
 def frequencies(counts: Frequencies | np.ndarray | None, vocab_size: int) -> Frequencies:
@@ -185,6 +241,9 @@ class _OutputTable(nn.Module):
 class LogitsDistribution:
     """Mixin for layers whose evaluation distribution is a softmax of `logits(hidden)`."""
 
+    # whether `loss` is -log_prob[target] (`trains_nll`): the exact objectives say True
+    trains_nll: ClassVar[bool] = False
+
     def log_prob(self, hidden_NE):
         return jax.nn.log_softmax(self.logits(hidden_NE), axis=-1)
 
@@ -193,6 +252,29 @@ class LogitsDistribution:
 
     def __call__(self, hidden_NE):
         return self.log_prob(hidden_NE)
+
+    def nll_and_argmax(self, hidden_NE, targets_N):
+        """Each token's -log_prob[target] [N] and most likely id [N] (module-level
+        `nll_and_argmax`), over token chunks as the loss takes them (the layer's
+        `chunk_tokens`, else automatic: one chunk's [C, V] float32 under 256 MiB), so
+        evaluation fits wherever training does (review r2: 8K tokens x 1M ids, 32 GiB of
+        logits, stopped a run that trained by chunks at its first eval). Unchunked, it is
+        read off `log_prob` itself. No backward: no remat."""
+        from hpnlp.softmax.full import auto_chunk_tokens
+        num_tokens = targets_N.size
+        chunk = getattr(self, "chunk_tokens", -1)
+        chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if chunk < 0 else chunk
+        if not chunk or chunk >= num_tokens:
+            return log_prob_nll_and_argmax(self.log_prob(hidden_NE), targets_N)
+        one_chunk, inputs = self.chunk_eval(hidden_NE)
+        return map_token_chunks(one_chunk, targets_N.shape, chunk, *inputs, targets_N,
+                                remat=False)
+
+    def chunk_eval(self, hidden_NE):
+        """(fn(*inputs_C, targets_C) -> `nll_and_argmax` of a chunk's C tokens, inputs [*N, ...]):
+        the module's own calls made here (flax refuses them inside the chunk loop, a JAX
+        transform), `fn` pure."""
+        raise NotImplementedError
 
 
 class VocabLayer(LogitsDistribution, nn.Module):
@@ -287,6 +369,15 @@ class VocabLayer(LogitsDistribution, nn.Module):
         kernel_VE, bias_V = self._decoded(stored, bias_V, hidden_NE.shape[-1])
         return scores(self.quant_hidden(hidden_NE), kernel_VE, bias_V, self.dtype)
 
+    def chunk_eval(self, hidden_NE):
+        """`log_softmax(logits)`'s per-chunk `nll_and_argmax`: the decoded table multiplied
+        chunk by chunk, as `full`'s chunked loss does."""
+        kernel_VE, bias_V = self.weights(hidden_NE.shape[-1])
+
+        def one_chunk(h_CE, t_C):
+            return logits_nll_and_argmax(scores(h_CE, kernel_VE, bias_V, self.dtype), t_C)
+        return one_chunk, (self.quant_hidden(hidden_NE),)
+
     def rows(self, ids, width: int):
         """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
         kernel_VE, bias_V = self.weights(width)
@@ -320,13 +411,14 @@ def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
     and no device gathers another's tokens (cutting the flattened tokens instead makes each
     chunk live on one device, and every device then computes every chunk). `remat`: the
     backward recomputes a chunk instead of storing it (`lax.map` of a `jax.checkpoint`).
-    `chunk == 0`, or no fewer tokens than `chunk`: one call on all tokens.
+    `chunk == 0`, or no fewer tokens than `chunk`: one call on all tokens. `fn` may return
+    a tuple of per-token arrays (each shaped back).
     """
     num_tokens = int(np.prod(lead))
     flat = lambda a, n: a.reshape((n,) + a.shape[len(lead):])  # noqa: E731
     if not chunk or chunk >= num_tokens:
         out = fn(*(flat(a, num_tokens) for a in arrays))
-        return out.reshape(tuple(lead) + out.shape[1:])
+        return jax.tree.map(lambda o: o.reshape(tuple(lead) + o.shape[1:]), out)
     B = lead[0] if len(lead) > 1 else 1
     R = num_tokens // B
     c = max(1, min(R, chunk // B))  # tokens per row per chunk
@@ -340,10 +432,13 @@ def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
     def body(xs):
         return fn(*(x.reshape((B * c,) + x.shape[2:]) for x in xs))
 
+    def join(out):  # [R/c, B * c, ...] -> [*lead, ...]
+        out = jnp.moveaxis(out.reshape((-1, B, c) + out.shape[2:]), 0, 1)  # [B, R/c, c, ...]
+        out = out.reshape((B, -1) + out.shape[3:])[:, :R]
+        return out.reshape(tuple(lead) + out.shape[2:])
+
     out = jax.lax.map(jax.checkpoint(body) if remat else body, tuple(split(a) for a in arrays))
-    out = jnp.moveaxis(out.reshape((-1, B, c) + out.shape[2:]), 0, 1)  # [B, R/c, c, ...]
-    out = out.reshape((B, -1) + out.shape[3:])[:, :R]
-    return out.reshape(tuple(lead) + out.shape[2:])
+    return jax.tree.map(join, out)
 
 
 def computed_vector(make_values: Callable[[], np.ndarray]) -> Callable:

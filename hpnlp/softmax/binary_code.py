@@ -31,6 +31,7 @@ R ids with bits (V, or V - K for hybrid).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -126,6 +127,8 @@ class BinaryCode(nn.Module):
     `head/bias` [K + 1]. Training loss: bit-wise BCE (+ softmax NLL for hybrid), which is
     >= -log_prob[target] (equal for hybrid's softmax ids); `log_prob` is normalized over V.
     """
+
+    trains_nll: ClassVar[bool] = False  # the BCE only bounds -log p: no perplexity of it
 
     vocab_size: int = 0
     counts: Frequencies | None = None  # train counts per id; None = ids already sorted by frequency

@@ -9,13 +9,17 @@ Token chunking is what lets the exact loss run where the logits cannot exist: 8K
 x 1M classes is 32 GiB of float32 logits. The loss is a `lax.map` over chunks of tokens
 whose body is `jax.checkpoint`ed, so the forward keeps one chunk's logits at a time and
 the backward recomputes each chunk's logits instead of storing them: memory is
-O(chunk x V + V x E), the arithmetic the same as unchunked.
+O(chunk x V + V x E), the arithmetic the same as unchunked. Evaluation, which needs only
+each token's NLL and argmax (`nll_and_argmax`), walks the same chunks.
 
 Shape letters: N any leading dims, T flattened tokens, C tokens per chunk, E hidden
 width, V vocabulary, K top-k.
 """
 
 from __future__ import annotations
+
+import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -80,18 +84,22 @@ class FullSoftmax(VocabLayer):
     Params: `table/kernel` [V, E] (absent when tied) and `table/bias` [V].
     """
 
+    trains_nll: ClassVar[bool] = True  # -log p(target) (plus z_loss's small penalty)
+
     z_loss: float = 0.0
     chunk_tokens: int = -1  # tokens per loss chunk; -1 = auto (chunk above 256 MiB of logits), 0 = never
 
     @classmethod
     def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
-        """Found in review: a negative z_loss was taken, and the loss fell without bound
-        (chunk_tokens: checked for every layer by `base.check_config`)."""
+        """Found in review: a negative z_loss was taken, and the loss fell without bound;
+        inf made every loss inf or NaN (review r2). chunk_tokens: checked for every layer by
+        `base.check_config`."""
         from hpnlp.config import config_error
         z = options.get("z_loss", cls.z_loss)
-        if isinstance(z, bool) or not isinstance(z, (int, float)) or not z >= 0:
-            raise config_error(f"{field}.z_loss", z, "must be a number >= 0 (a negative one "
-                               "rewards large logits without bound)")
+        if (isinstance(z, bool) or not isinstance(z, (int, float)) or not z >= 0
+                or not math.isfinite(z)):
+            raise config_error(f"{field}.z_loss", z, "must be a number >= 0 and finite (a "
+                               "negative one rewards large logits without bound)")
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
         del deterministic  # the exact loss has no randomness

@@ -174,18 +174,25 @@ def alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def proposal_probs(kind: str, vocab_size: int, counts, power: float) -> np.ndarray | None:
     """q [V] float64 of a sampler (None: uniform)."""
+    log_q = proposal_log_probs(kind, vocab_size, counts, power)
+    return None if log_q is None else np.exp(log_q)
+
+
+def proposal_log_probs(kind: str, vocab_size: int, counts, power: float) -> np.ndarray | None:
+    """log q [V] float64 of a sampler (None: uniform), finite for every id: computed in log
+    space (review r2: counts**power overflowed float64 from power ~70, and q was NaN)."""
     if kind == "uniform":
         return None
     if kind == "log_uniform":
         if counts is not None:
             frequencies(counts, vocab_size).require_sorted("sampler='log_uniform'")
         i = np.arange(vocab_size, dtype=np.float64)
-        return np.log1p(1.0 / (i + 1.0)) / np.log(vocab_size + 1.0)
+        return np.log(np.log1p(1.0 / (i + 1.0)) / np.log(vocab_size + 1.0))
     if kind == "unigram":
         freq = frequencies(counts, vocab_size)
         seen = freq.counts[freq.counts > 0]
         # Unseen ids get the rarest seen id's count, so every log q is finite.
-        return freq.probs(power, floor=seen.min() if seen.size else 0.0)
+        return freq.log_probs(power, floor=seen.min() if seen.size else 0.0)
     raise ValueError(f"sampler={kind!r} is not one of {SAMPLERS}")
 
 
@@ -198,11 +205,11 @@ def make_sampler(kind: str, vocab_size: int, counts: Frequencies | np.ndarray | 
 
 
 def _build_sampler(kind, vocab_size, counts, power) -> Sampler:
-    p = proposal_probs(kind, vocab_size, counts, power)
-    if p is None:
+    log_q = proposal_log_probs(kind, vocab_size, counts, power)
+    if log_q is None:
         return Sampler(kind, vocab_size, None, None, None)
-    accept, alias = alias_table(p)
-    return Sampler(kind, vocab_size, np.log(p).astype(np.float32), accept, alias)
+    accept, alias = alias_table(np.exp(log_q))
+    return Sampler(kind, vocab_size, log_q.astype(np.float32), accept, alias)
 
 
 _cached_sampler = functools.lru_cache(maxsize=8)(_build_sampler)
@@ -235,8 +242,10 @@ class SampledObjective(VocabLayer):
                                f"{field}.unique=False")
         if sampler != "unigram":
             refuse_unread(options, "power", "sampler='unigram'", f"sampler={sampler!r}", field)
-        if not get("power") >= 0:
-            raise config_error(f"{field}.power", get("power"), "must be >= 0")
+        power = get("power")  # review r2: inf made q = inf / inf, every loss NaN
+        if (isinstance(power, bool) or not isinstance(power, (int, float)) or not power >= 0
+                or not math.isfinite(power)):
+            raise config_error(f"{field}.power", power, "must be a number >= 0 and finite")
         if sampler == "log_uniform" and frequency_sorted is False:
             raise config_error(f"{field}.sampler", sampler, "the log-uniform (Zipf) proposal assumes "
                                "ids ranked by frequency, and this task's ids are not (bytes); use "
@@ -253,8 +262,8 @@ class SampledObjective(VocabLayer):
             raise ValueError(f"{name}: unique=True draws num_samples={self.num_samples} distinct "
                              f"ids out of vocab_size={self.vocab_size}; lower num_samples below "
                              "the vocabulary size or set unique=False")
-        if self.power < 0:
-            raise ValueError(f"{name}: power={self.power}; it must be >= 0")
+        if not 0 <= self.power < math.inf:
+            raise ValueError(f"{name}: power={self.power}; it must be >= 0 and finite")
         self.proposal = make_sampler(self.sampler, self.vocab_size, self.counts, self.power)
 
     def negatives(self, num_tokens: int, *, deterministic: bool = True) -> Draw:
@@ -407,8 +416,10 @@ class NegativeSampling(SampledObjective):
     def initial_bias(self):
         """Start at the context-free optimum, s(w) = log(unigram(w) / (k q(w))) (see NCE)."""
         def values():
-            q = make_sampler(self.sampler, self.vocab_size, self.counts, self.power).probs()
-            return _log_unigram(self.counts, self.vocab_size) - np.log(self.num_samples * q)
+            s = make_sampler(self.sampler, self.vocab_size, self.counts, self.power)
+            # log q itself: q = exp(log q) can underflow to 0 (a large power)
+            log_q = np.log(s.probs()) if s.log_q is None else s.log_q.astype(np.float64)
+            return _log_unigram(self.counts, self.vocab_size) - np.log(self.num_samples) - log_q
         return computed_vector(values)
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
@@ -454,8 +465,9 @@ class HardNegative(VocabLayer):
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise config_error(f"{field}.recall_target", r, "must be a number in (0, 1] "
                                "(approx_max_k's recall target, e.g. 0.95)")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
-            raise config_error(f"{field}.margin", margin, "must be a number >= 0")
+        if (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0
+                or not math.isfinite(margin)):  # review r2: inf made every loss inf
+            raise config_error(f"{field}.margin", margin, "must be a number >= 0 and finite")
 
     def setup(self):
         super().setup()

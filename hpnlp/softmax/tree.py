@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, fan_in_init, frequencies,
-                                map_token_chunks, masked, register, scores)
+                                log_prob_nll_and_argmax, map_token_chunks, masked, register, scores)
 from hpnlp.softmax.full import auto_chunk_tokens
 
 _TABLES: dict = {}
@@ -172,6 +173,8 @@ class ClassBasedSoftmax(VocabLayer):
     -log_prob[target].
     """
 
+    trains_nll: ClassVar[bool] = True
+
     counts: Frequencies | None = None  # train counts per id; None = Zipf over frequency-sorted ids
     num_classes: int = 0  # C; 0 = round(sqrt(V)). Fewer when ids run out (see `class_bins`)
     bin_power: float = 1.0  # bin counts**power: 1 = equal unigram mass (Mikolov 2011), 0.5 = smaller M
@@ -186,10 +189,10 @@ class ClassBasedSoftmax(VocabLayer):
         if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= vocab_size:
             raise config_error(f"{field}.num_classes", c, f"must be an integer in [1, "
                                f"model.vocab_size={vocab_size}], or 0 for round(sqrt(V))")
-        p = options.get("bin_power", cls.bin_power)
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
-            raise config_error(f"{field}.bin_power", p, "must be a number > 0 (1.0: classes of "
-                               "equal unigram mass, 0.5: smaller classes)")
+        p = options.get("bin_power", cls.bin_power)  # review r2: inf binned by NaN masses
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < math.inf:
+            raise config_error(f"{field}.bin_power", p, "must be a number > 0 and finite (1.0: "
+                               "classes of equal unigram mass, 0.5: smaller classes)")
 
     def setup(self):
         super().setup()
@@ -197,8 +200,9 @@ class ClassBasedSoftmax(VocabLayer):
         if not 1 <= num_classes <= self.vocab_size:
             raise ValueError(f"class_based num_classes={self.num_classes} must be in [1, vocab_size="
                              f"{self.vocab_size}]; use 0 for round(sqrt(vocab_size))")
-        if not self.bin_power > 0:
-            raise ValueError(f"class_based bin_power={self.bin_power} must be > 0 (1.0 = unigram mass)")
+        if not 0 < self.bin_power < math.inf:
+            raise ValueError(f"class_based bin_power={self.bin_power} must be > 0 and finite "
+                             "(1.0 = unigram mass)")
         self.bins = cached_tables(class_bins, self.counts, self.vocab_size, num_classes, float(self.bin_power))
         self.classes = Vectors(self.bins.num_classes, None, self.param_dtype)
 
@@ -224,14 +228,33 @@ class ClassBasedSoftmax(VocabLayer):
         """Exact: class log-prob plus the word's log-softmax within its class, for all V ids."""
         lead = hidden_NE.shape[:-1]
         class_lp_TC = self._class_log_probs(hidden_NE).reshape(-1, self.bins.num_classes)
-        logits_VT = self.logits(hidden_NE).reshape(-1, self.vocab_size).T
-        class_V, num_classes = jnp.asarray(self.bins.class_V), self.bins.num_classes
-        max_CT = jax.ops.segment_max(logits_VT, class_V, num_segments=num_classes)
-        shifted_VT = logits_VT - jax.lax.stop_gradient(jnp.take(max_CT, class_V, axis=0))
-        sum_CT = jax.ops.segment_sum(jnp.exp(shifted_VT), class_V, num_segments=num_classes)
-        member_lp_VT = shifted_VT - jnp.take(jnp.log(sum_CT), class_V, axis=0)
-        logp_VT = member_lp_VT + jnp.take(class_lp_TC.T, class_V, axis=0)
-        return logp_VT.T.reshape(*lead, self.vocab_size)
+        logp_TV = _class_factored(class_lp_TC, self.logits(hidden_NE).reshape(-1, self.vocab_size),
+                                  self.bins)
+        return logp_TV.reshape(*lead, self.vocab_size)
+
+    def chunk_eval(self, hidden_NE):
+        """`log_prob` a chunk of tokens at a time (`nll_and_argmax`), from the decoded tables."""
+        width = hidden_NE.shape[-1]
+        kernel_CE, bias_C = self.classes(width)
+        kernel_VE, bias_V = self.weights(width)
+
+        def one_chunk(h_TE, quant_h_TE, t_T):
+            class_lp_TC = jax.nn.log_softmax(scores(h_TE, kernel_CE, bias_C, self.dtype), axis=-1)
+            logits_TV = scores(quant_h_TE, kernel_VE, bias_V, self.dtype)
+            return log_prob_nll_and_argmax(_class_factored(class_lp_TC, logits_TV, self.bins), t_T)
+        return one_chunk, (hidden_NE, self.quant_hidden(hidden_NE))
+
+
+def _class_factored(class_lp_TC, logits_TV, bins: ClassBins):
+    """log p(c(w)) + log softmax over w's class of the word logits: [T, V] log-probabilities."""
+    logits_VT = logits_TV.T
+    class_V, num_classes = jnp.asarray(bins.class_V), bins.num_classes
+    max_CT = jax.ops.segment_max(logits_VT, class_V, num_segments=num_classes)
+    shifted_VT = logits_VT - jax.lax.stop_gradient(jnp.take(max_CT, class_V, axis=0))
+    sum_CT = jax.ops.segment_sum(jnp.exp(shifted_VT), class_V, num_segments=num_classes)
+    member_lp_VT = shifted_VT - jnp.take(jnp.log(sum_CT), class_V, axis=0)
+    logp_VT = member_lp_VT + jnp.take(class_lp_TC.T, class_V, axis=0)
+    return logp_VT.T
 
 
 # ----------------------------------------------------------------------------- hierarchical
@@ -331,6 +354,8 @@ class HierarchicalSoftmax(nn.Module):
     vectors of the target's path, O(D E) per token with D ~ log2 V (shorter for frequent
     ids). Params: `nodes/kernel` [V - 1, E], `nodes/bias` [V - 1]. Loss == -log_prob[target].
     """
+
+    trains_nll: ClassVar[bool] = True
 
     vocab_size: int = 0
     counts: Frequencies | None = None  # train counts per id; None = Zipf over frequency-sorted ids

@@ -52,7 +52,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.softmax.base import LogitsDistribution, check_targets, masked, register, tied_table
+from hpnlp.softmax.base import (LogitsDistribution, check_targets, logits_nll_and_argmax, masked,
+                                register, tied_table)
 
 DEBYE_MIN_ORDER = 15.0  # orders below this recur down from order v + ceil(15 - v)
 SERIES_MAX_X = 20.0  # below DEBYE_MIN_ORDER: power series for x <= this
@@ -237,6 +238,7 @@ class VMFOutput(LogitsDistribution, nn.Module):
     """
 
     requires_tied: ClassVar[bool] = True  # validate: output.tie_embeddings must be True
+    trains_nll: ClassVar[bool] = False  # NLLvMF, a density of vectors, not -log p of an id
 
     vocab_size: int = 0
     embed: nn.Module | None = None  # required: targets are its rows, normalized, stop-gradient
@@ -247,13 +249,15 @@ class VMFOutput(LogitsDistribution, nn.Module):
 
     @classmethod
     def check_config(cls, options, *, vocab_size, frequency_sorted, field="output.options"):
-        """A bug hunt: reg1 and reg2 were checked only at the model's init, naming no field."""
+        """A bug hunt: reg1 and reg2 were checked only at the model's init, naming no field;
+        review r2: inf passed, and every loss was inf."""
         from hpnlp.config import config_error
         for name, rule, ok in (("reg1", ">= 0", lambda x: x >= 0), ("reg2", "> 0",
                                                                      lambda x: x > 0)):
             x = options.get(name, getattr(cls, name))
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(x):
-                raise config_error(f"{field}.{name}", x, f"must be a number {rule}")
+            if (isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(x)
+                    or not math.isfinite(x)):
+                raise config_error(f"{field}.{name}", x, f"must be a number {rule} and finite")
 
     def setup(self):
         if self.vocab_size <= 0:
@@ -262,8 +266,9 @@ class VMFOutput(LogitsDistribution, nn.Module):
             raise ValueError(
                 "vmf predicts the target's input embedding, so it needs the tied embedding table: "
                 "set output.tie_embeddings=True (or pass embed=<the model's nn.Embed>)")
-        if self.reg1 < 0 or self.reg2 <= 0:
-            raise ValueError(f"vmf: reg1={self.reg1} must be >= 0 and reg2={self.reg2} > 0")
+        if not (0 <= self.reg1 < math.inf and 0 < self.reg2 < math.inf):
+            raise ValueError(f"vmf: reg1={self.reg1} must be >= 0 and reg2={self.reg2} > 0, "
+                             "both finite")
         self.proj = _Projection(self.param_dtype)
 
     def _table(self):
@@ -302,4 +307,12 @@ class VMFOutput(LogitsDistribution, nn.Module):
         return jnp.einsum("...m,vm->...v", pred_NM.astype(self.dtype), unit_VM.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
+    def chunk_eval(self, hidden_NE):
+        """`logits` a chunk of tokens at a time (`nll_and_argmax`): ê [N, M] computed whole."""
+        unit_VM = unit_rows(self._table())
 
+        def one_chunk(pred_CM, t_C):
+            logits_CV = jnp.einsum("cm,vm->cv", pred_CM.astype(self.dtype),
+                                   unit_VM.astype(self.dtype), preferred_element_type=jnp.float32)
+            return logits_nll_and_argmax(logits_CV, t_C)
+        return one_chunk, (self.predict(hidden_NE),)

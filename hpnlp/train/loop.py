@@ -690,8 +690,18 @@ class Trainer:
         # A model may measure the whole eval split at once (the bi-encoder: each held-out
         # query searched against the whole held-out pool), beside the batch sums.
         split_metrics = getattr(type(self.eval_model), "split_metrics", None)
-        if split_metrics is not None and jax.process_count() == 1:
-            params = jax.device_get(carry_lib.model_params(state.params))
+        if split_metrics is None:
+            return out
+        params = carry_lib.model_params(state.params)
+        if jax.process_count() == 1:
+            out.update(split_metrics(self.cfg, self.eval_model, jax.device_get(params), self.task))
+            return out
+        # Several processes (a review, r7: they measured none, unsaid): each gathers the whole
+        # of every parameter and measures the whole split alike on its own devices, outside
+        # the run's mesh (whose constraints would lay the pass out across the processes).
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(params, tiled=True)
+        with jax.set_mesh(None):
             out.update(split_metrics(self.cfg, self.eval_model, params, self.task))
         return out
 
@@ -850,7 +860,8 @@ class Trainer:
             dt = max(now - window["t0"], 1e-9)
             s, m, n = window["sums"], window["last"], window["applied"]
             line = finalize({**s, "grad_norm": s["grad_norm"] / max(n, 1),
-                             "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm)
+                             "param_norm": m["param_norm"], "lr": m["lr"]}, lm=self.lm,
+                            output=self.cfg.output.name)
             if "loss_scale" in m:  # float16: the current scale and the steps it skipped
                 line.update(loss_scale=float(m["loss_scale"]), skipped_steps=int(s["skipped"]))
             if n:  # the gradient norms of the steps that applied an update

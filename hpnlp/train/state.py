@@ -36,8 +36,23 @@ class TrainState:
         return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
     def features_key(self, redraw_every: int) -> jax.Array:
-        """Key of the `features` stream: constant between redraws, shared by train and eval."""
-        draw = self.step // redraw_every if redraw_every else jnp.zeros((), jnp.int32)
+        """Key of the `features` draw the parameters were trained with, the last train step's:
+        draw `(step - 1) // redraw_every` (draw 0 at step 0, the one the first step trains
+        with); a new draw every `redraw_every` steps (0: never). Eval, ensembles and decoding
+        read it, so they score the parameters under the draw that made them, and a resumed run
+        reads the same from its saved step. `train_features_key` is the next step's draw: at
+        a step that is a multiple of `redraw_every`, one no step has trained with yet (a
+        review, r7: evals read that one, and the final eval of every Performer run whose
+        train.steps was a multiple of train.feature_redraw_every scored an untrained draw)."""
+        return self._draw_key(jnp.maximum(self.step, 1) - 1, redraw_every)
+
+    def train_features_key(self, redraw_every: int) -> jax.Array:
+        """Key of the draw the next train step (from `step` to `step + 1`) trains with, draw
+        `step // redraw_every`: after that step, `features_key` is this one."""
+        return self._draw_key(self.step, redraw_every)
+
+    def _draw_key(self, step, redraw_every: int) -> jax.Array:
+        draw = step // redraw_every if redraw_every else jnp.zeros((), jnp.int32)
         base = jax.random.fold_in(jax.random.wrap_key_data(self.rng), 2**31 - 1)  # not a step key
         return jax.random.fold_in(base, draw)
 

@@ -105,7 +105,7 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
 
     def train_step(state: TrainState, batch):
         rng = state.step_key()
-        features = state.features_key(t.feature_redraw_every)
+        features = state.train_features_key(t.feature_redraw_every)
         scaling = state.loss_scale is not None
         scale = state.loss_scale if scaling else jnp.ones((), jnp.float32)
         # of the mean loss per token (or example), not of the sum (a bug hunt, session 98:
@@ -176,7 +176,8 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
 
 
 def make_eval_step(model, t: TrainConfig, *, memory: bool = False, carries=()):
-    """eval_step(state, batch) -> sums, with the `features` draw current at state.step;
+    """eval_step(state, batch) -> sums, with the `features` draw state.params were trained
+    with (`TrainState.features_key`: the last train step's, not the next one's);
     `carries` (hpnlp.train.carry) wrap the evaluation and read their entries of state.carry
     (the classifier's key-value memory answers from the trained memory).
 
@@ -196,8 +197,13 @@ def make_eval_step(model, t: TrainConfig, *, memory: bool = False, carries=()):
     return eval_step
 
 
-def finalize(sums: dict, *, lm: bool) -> dict:
-    """Host-side: sums -> means. `loss` per real token / example; `ppl` for LMs."""
+def finalize(sums: dict, *, lm: bool, output: str | None = None) -> dict:
+    """Host-side: sums -> means. `loss` per real token / example; `ppl` for LMs.
+
+    `output`: the LM's output layer (its registry name) where the sums are of its training
+    `loss` (train lines): `ppl` only if that loss is -log p (`softmax.trains_nll`; review
+    r2: exp of hard_negative's hinge, of NCE's logistic loss, of vmf's NLLvMF was logged as
+    a perplexity). None: the sums are the exact NLL (evaluation's)."""
     w = max(float(sums["weight"]), 1.0)
     out = {"loss": float(sums["loss"]) / w}
     if "correct" in sums:
@@ -205,6 +211,9 @@ def finalize(sums: dict, *, lm: bool) -> dict:
     for k in sums:  # other predictions' hits (the memory's and the head's): accuracy_<name>
         if k.startswith("correct_"):
             out["accuracy_" + k[len("correct_"):]] = float(sums[k]) / w
+    if lm and output is not None:  # a training loss: exp of it is a perplexity only of -log p
+        from hpnlp import softmax
+        lm = softmax.trains_nll(output)
     if lm:  # of the model's own loss on the labels: distillation's `loss` mixes in the
         import math  # teacher's soft targets at T^2 (a bug hunt, session 94: ppl 3e6)
         task = float(sums["loss_hard"]) / w if "loss_hard" in sums else out["loss"]
