@@ -1050,6 +1050,22 @@ def test_importance_reads_real_tokens_only_and_splits_like_the_train_step():
         np.testing.assert_allclose(np.asarray(got[2][k]), np.asarray(v), rtol=1e-5)
 
 
+def test_a_one_member_ensemble_teacher_is_refused_as_one(tmp_path):
+    """Review (session 105): the teacher's guard asked for more than one member, so a
+    1-member seed ensemble (its stacked mark) passed it, to the Trainer's mismatch naming no
+    field; it is refused naming train.distill.teacher, in the singular."""
+    from hpnlp.train.checkpoint import Checkpointer, StackedMembers
+    Checkpointer(str(tmp_path / "ens"), validate(from_configdict(tiny("lm"))), keep=1,
+                 members=StackedMembers(1)).close()
+    os.makedirs(tmp_path / "ens" / "checkpoints" / "1")
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*holds a seed ensemble of 1 "
+                       r"member \(EnsembleTrainer\), whose checkpoints stack its parameters "
+                       r"member by member; distill from a plain run") as e:
+        carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
+            teacher=str(tmp_path / "ens"))))))
+    assert "\n" not in str(e.value)
+
+
 def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path):
     _teacher_workdir(tmp_path, tiny("classifier"))
     cfg = validate(from_configdict(tiny("lm", distill=dict(teacher=str(tmp_path)))))

@@ -205,7 +205,7 @@ def test_expert_choice_evaluates_at_the_capacity_it_trained_with():
     """Review r4: evaluation took eval_capacity_factor (2.0 against 1.25 here: 4 slots per
     expert and group against 3), and with expert choice the capacity is the routing, so
     every token summed more experts than training gave it. Evaluation now routes as training
-    does, and a config setting eval_capacity_factor with expert choice is refused."""
+    does, and a new run setting eval_capacity_factor with expert choice is refused (below)."""
     mod = layer(router="expert_choice", top_k=1, capacity_factor=1.25, eval_capacity_factor=2.0)
     x, seg = inputs(lengths=(L, 6))
     p = init_params(mod, x, seg)
@@ -527,8 +527,6 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     ({"num_experts": 0, "top_k": 2, "router": "top_k"}, {}, "model.moe.top_k"),  # was dense, silently
     ({"dispatch": "dropless", "capacity_factor": 2.0}, {}, "model.moe.capacity_factor"),  # ignored
     ({"router": "expert_choice", "balance_loss": 0.1}, {}, "model.moe.balance_loss"),  # ignored
-    ({"router": "expert_choice", "eval_capacity_factor": 1.0}, {},  # review r4: evaluated
-     "model.moe.eval_capacity_factor"),  # another model (a wider capacity, more experts)
     ({"block_size": 64}, {}, "model.moe.block_size"),  # capacity dispatch: ignored
     ({}, {"data": 2, "pipeline": 2}, "mesh.pipeline"),  # (review, session 100: the checks
     ({"num_experts": 0}, {"data": 2, "expert": 2, "rules": {"batch": "data"}},
@@ -542,6 +540,30 @@ def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
         validate(from_configdict(cd), num_devices=4)
     assert "\n" not in str(e.value)
+
+
+def test_expert_choice_eval_capacity_factor_is_refused_for_a_new_run():
+    """Review r4: expert choice evaluates at capacity_factor (its capacity is its routing), so
+    its eval_capacity_factor is not read. A new run setting it is refused in one line
+    (`check_new_run`); a saved run's config.json that set it before the rule (the workaround)
+    still validates, so the run resumes and its tools read it (a diff review, session 105:
+    refused in validate, none of them could). Token choice still reads the field."""
+    from test_train import tiny
+
+    from hpnlp.config.checks import check_new_run
+
+    def cfg(**moe):
+        cd = tiny()
+        cd.model.moe.update(num_experts=X, **moe)
+        return validate(from_configdict(cd), num_devices=1)
+
+    saved = cfg(router="expert_choice", eval_capacity_factor=1.25)  # validates
+    with pytest.raises(ConfigError, match=r"^config field `model\.moe\.eval_capacity_factor` = "
+                       r"1\.25 is not allowed: is ignored with router='expert_choice', .*; "
+                       r"leave it at its default 2\.0 \(model\.moe\.capacity_factor sets both\)$"):
+        check_new_run(saved)
+    check_new_run(cfg(router="expert_choice"))
+    check_new_run(cfg(router="top_k", top_k=2, eval_capacity_factor=1.25))
 
 
 @pytest.mark.parametrize("moe,field", [

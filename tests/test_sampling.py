@@ -377,6 +377,24 @@ def test_cli_names_a_seed_ensemble_and_a_reader_never_trains_a_tokenizer(tmp_pat
                            save=False)
 
 
+def test_cli_names_a_one_member_seed_ensemble(tmp_path, capsys):
+    """Review (session 105): the guard asked for more than one member, so a 1-member seed
+    ensemble (its stacked mark) passed it, and the Trainer's mismatch advised
+    hpnlp.train.ensemble; it is named as one, in the singular, before any load."""
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train.checkpoint import Checkpointer, StackedMembers
+    generate = importlib.import_module("hpnlp.models.generate")
+    cd = default_configdict()
+    cd.data.task, cd.model.kind = "byte_lm", "lm"
+    Checkpointer(str(tmp_path / "ens"), from_configdict(cd), keep=1,
+                 members=StackedMembers(1)).close()
+    os.makedirs(tmp_path / "ens" / "checkpoints" / "1")
+    assert generate.main(["--workdir", str(tmp_path / "ens"), "--prompt", "x", "--greedy"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --workdir {tmp_path}/ens: a seed ensemble of 1 member; generate decodes one LM "
+        "run (train a plain one with python -m hpnlp.main)")
+
+
 @pytest.mark.slow
 def test_cli_passes_the_sampling_flags_with_and_without_a_draft(tmp_path, capsys):
     """A tiny byte LM trained two steps: --top-k 1 prints the --greedy text, alone and

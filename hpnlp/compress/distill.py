@@ -381,7 +381,7 @@ class TeacherCarry(Carry):
         folder moved or deleted (a bug hunt: each failed, saying to train a teacher there)."""
         from hpnlp import models
         from hpnlp.train.checkpoint import (NoCheckpoint, config_file, has_checkpoint,
-                                            load_run_config, run_members)
+                                            is_stacked, load_run_config, run_members)
 
         self.cfg, self.d = cfg, cfg.train.distill
         self.workdir = self.d.teacher
@@ -460,10 +460,13 @@ class TeacherCarry(Carry):
                                    f"{tcfg.data.seq_len} or distill from a teacher of longer "
                                    "inputs") from None
         members = run_members(self.workdir)
-        if members > 1:  # found in review: restored into one model's shapes, deep in Orbax
+        # found in review: restored into one model's shapes, deep in Orbax; a 1-member
+        # ensemble too (review, session 105: the Trainer's mismatch, naming no field)
+        if is_stacked(members):
             raise config_error("train.distill.teacher", self.workdir, f"holds a seed ensemble "
-                               f"of {members} (EnsembleTrainer), whose checkpoints stack its "
-                               "members' parameters; distill from a plain run (python -m "
+                               f"of {members} member{'s' if members > 1 else ''} "
+                               "(EnsembleTrainer), whose checkpoints stack its parameters "
+                               "member by member; distill from a plain run (python -m "
                                "hpnlp.main)")
         if saw_validation(cfg.data, tcfg.data):
             raise config_error("train.distill.teacher", self.workdir, "the teacher may have "

@@ -236,10 +236,8 @@ def _check_moe(cfg: Config) -> None:
     if c.router == "expert_choice":
         ignored.append(("balance_loss", "expert-choice routing balances the experts' loads by "
                         "construction (each takes its capacity)"))
-        # review r4: its capacity is its routing, so a wider one evaluated another model
-        ignored.append(("eval_capacity_factor", "expert-choice routing evaluates at the "
-                        "capacity it trained with (capacity_factor), since its capacity decides "
-                        "how many experts each token gets"))
+        # its eval_capacity_factor, which it no longer reads, is refused for a new run only
+        # (`check_new_run`): a run saved while the field was read still validates
     for f, why in ignored:
         if getattr(c, f) != getattr(default, f):
             _fail(f"model.moe.{f}", getattr(c, f), f"is ignored: {why}; leave it at its default "
@@ -478,8 +476,9 @@ def check_new_run(cfg: Config) -> None:
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
     train.steps was taken, its one eval setting the best), `clustered` attention in float16
-    (below), and `compress_checks.check_new_compress_run`'s."""
-    t = cfg.train
+    and an expert-choice eval_capacity_factor (below), and
+    `compress_checks.check_new_compress_run`'s."""
+    t, moe = cfg.train, cfg.model.moe
     if cfg.attention.name == "clustered" and cfg.model.dtype == "float16":
         # review r1 (session 105): the layer injects its k-means gradient in the backward
         # pass, where the train step's loss scale (train/step.py's `applied`) cannot reach
@@ -488,6 +487,15 @@ def check_new_run(cfg: Config) -> None:
               "k-means gradient is injected in the backward pass, which float16's loss scale "
               "does not reach, so it would come out divided by that scale (which moves as it "
               "adapts); set model.dtype='bfloat16' or 'float32'")
+    default = MoEConfig().eval_capacity_factor
+    if moe.enabled() and moe.router == "expert_choice" and moe.eval_capacity_factor != default:
+        # review r4 (session 105): its capacity is its routing (a wider one gives every token
+        # more experts), so it evaluates at capacity_factor; a run saved while the field was
+        # read (set to capacity_factor, the workaround) still validates and resumes
+        _fail("model.moe.eval_capacity_factor", moe.eval_capacity_factor, "is ignored with "
+              "router='expert_choice', which evaluates at the capacity it trained with "
+              "(capacity_factor), since its capacity decides how many experts each token gets; "
+              f"leave it at its default {default!r} (model.moe.capacity_factor sets both)")
     if t.early_stopping_patience and t.eval_every:
         before = (t.steps - 1) // t.eval_every  # evals before the last step
         if before < t.early_stopping_patience + 1:

@@ -407,7 +407,8 @@ def main(argv=None) -> int:
 
     from hpnlp.models import speculative
     from hpnlp.train.carry import model_params
-    from hpnlp.train.checkpoint import NoCheckpoint, compressed, load_run_config, run_members
+    from hpnlp.train.checkpoint import (NoCheckpoint, compressed, is_stacked, load_run_config,
+                                        run_members)
     from hpnlp.train.loop import Trainer
 
     p = argparse.ArgumentParser(prog="python -m hpnlp.models.generate", description=main.__doc__)
@@ -468,11 +469,13 @@ def main(argv=None) -> int:
             return load_quantized(workdir)
         cfg = load_run_config(workdir)
         members = run_members(workdir)
-        if members > 1:  # a bug hunt: "holds checkpoints of a different model", which it is not
+        # a bug hunt: "holds checkpoints of a different model", which it is not; a 1-member
+        # ensemble too (review, session 105: past this, the Trainer's mismatch named another tool)
+        if is_stacked(members):
             flag = "--draft" if workdir == args.draft else "--workdir"
-            raise NoCheckpoint(f"{flag} {workdir}: a seed ensemble of {members} members; "
-                               "generate decodes one LM run (train a plain one with python -m "
-                               "hpnlp.main)")
+            raise NoCheckpoint(f"{flag} {workdir}: a seed ensemble of {members} "
+                               f"member{'s' if members > 1 else ''}; generate decodes one LM run "
+                               "(train a plain one with python -m hpnlp.main)")
         if cfg.model.kind != "lm" or cfg.model.arch != "transformer":
             raise NoCheckpoint(f"{workdir}: a model.kind={cfg.model.kind!r}, model.arch="
                                f"{cfg.model.arch!r} run; generate decodes Transformer LMs "

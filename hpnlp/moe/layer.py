@@ -9,11 +9,15 @@ one per data-parallel shard), and capacity is per group, so with an explicit
 `model.moe.groups` a run routes the same way on one device and on many; the default follows
 the device count. A batch of rows G does not divide (a pass with a row count of its own: a
 one-row init, the bi-encoder's pool evaluation and mining, the kNN-LM) is padded with empty
-rows, routed nowhere, up to whole groups. With `mesh.expert` > 1 the experts are sharded
-over the `expert` mesh axis and the capacity buffers move by all-to-all inside `shard_map`
-(GShard): each device routes its own groups, sends each expert's slots to the device
-holding it, runs its X / mesh.expert experts on every device's slots, and sends the results
-back.
+rows, routed nowhere, up to whole groups. The empty rows count toward their group's
+capacity, as a row's padding tokens do (C is sized for the group's S tokens), so the real
+tokens of a padded group get slightly more room than those of a full one: token choice
+drops fewer, expert choice gives each token more experts (at groups=3, the last group of the
+kNN-LM's 64 rows holds 20 real rows in room for 22). With `mesh.expert` > 1 the experts are
+sharded over the `expert` mesh axis and the capacity buffers move by all-to-all inside
+`shard_map` (GShard): each device routes its own groups, sends each expert's slots to the
+device holding it, runs its X / mesh.expert experts on every device's slots, and sends the
+results back.
 
 Every call reports into the `aux` collection (`sow`, read by hpnlp.train.carry's
 `fold_aux`): the auxiliary loss to add (per-token mean, weighted by the config), and sums
@@ -234,6 +238,8 @@ class MoE(nn.Module):
         # Rows the groups do not split (a one-row init or probe, the bi-encoder's 256-row pool
         # evaluation, mining's 512, the kNN-LM's 64) get empty rows up to whole groups, routed
         # nowhere. Review r4: a valid groups=3 run died at such a pass (it was refused here).
+        # They count in S, so in C: a padded group's real tokens get a little more room than
+        # a full group's (fewer dropped; with expert choice, more experts each).
         pad = -B % G
         S = (B + pad) * L // G
         x_GSM = jnp.pad(x_BLM, ((0, pad), (0, 0), (0, 0))).reshape(G, S, M)
