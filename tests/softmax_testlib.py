@@ -101,14 +101,16 @@ def check_rejects_out_of_vocab(layer, *, vocab: int = V):
             layer.apply(params, h, bad_t, mask, method="loss", rngs={"dropout": jax.random.key(4)})
 
 
-def check_eval_chunks(layer, monkeypatch, *, vocab: int = V, atol: float = 1e-5):
+def check_eval_chunks(layer, monkeypatch, *, vocab: int = V, atol: float = 1e-5,
+                      params=None):
     """`softmax.nll_and_argmax` (what LM evaluation reads) walks token chunks, and equals
     -log_prob[target] and the argmax of `log_prob`: the automatic chunk is forced to 4
-    tokens (1 of each of the B=3 rows a chunk: 5 chunks). A holder's `out` is the layer."""
+    tokens (1 of each of the B=3 rows a chunk: 5 chunks). A holder's `out` is the layer.
+    `params`: these instead of the layer's own init (a served or factored table)."""
     import hpnlp.softmax as S
     from hpnlp.softmax import base, full
     h, t = inputs(vocab=vocab)
-    params = init(layer, h, t)
+    params = init(layer, h, t) if params is None else params
     monkeypatch.setattr(full, "CHUNK_LOGITS_BYTES", 4 * vocab * 4)
     chunks = []
 

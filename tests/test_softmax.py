@@ -136,11 +136,53 @@ def test_map_token_chunks_equals_one_call_and_keeps_rows_whole(lead, chunk):
 @pytest.mark.parametrize("name,kw", [
     ("full", {}), ("full", {"chunk_tokens": 4, "z_loss": 1e-3}), ("sampled", {}),
     ("nce", {"num_samples": 8}), ("negative_sampling", {}), ("hard_negative", {}),
-    ("class_based", {"num_classes": 6})])
+    ("class_based", {"num_classes": 6}),
+    # chunk_tokens sizes class_based's member gather: eval chunks its [C, V] logits by the
+    # automatic budget all the same (found in review: 64 >= 15 tokens read [N, V] whole)
+    ("class_based", {"num_classes": 6, "chunk_tokens": 64})])
 def test_eval_walks_token_chunks_and_reads_log_prob(name, kw, monkeypatch):
     """Review r2: evaluation read the whole [N, V] `log_prob` (32 GiB at 8K tokens x 1M
     ids) where the loss walks chunks; it reads each token's NLL and argmax chunk by chunk."""
     lib.check_eval_chunks(S.get(name)(vocab_size=lib.V, **kw), monkeypatch)
+
+
+def _with_table(layer, kernel):
+    """`layer`'s init params with its output table's kernel replaced by `kernel`."""
+    h, t = lib.inputs()
+    params = lib.init(layer, h, t)["params"]
+    return {"params": {**params, "table": {**params["table"], "kernel": kernel}}}
+
+
+@pytest.mark.parametrize("name", ["full", "class_based"])
+def test_eval_chunks_multiply_a_factored_table_through_its_rank(name, monkeypatch):
+    """Found in review: chunked evaluation densified a low-rank output table (U V, the
+    [V, E] `model.lowrank` removes) where `logits` takes two products through the rank.
+    Each chunk takes those products now, and equals the log_prob path."""
+    from hpnlp.compress.qlinear import Factored
+    layer = S.get(name)(vocab_size=lib.V, **({"num_classes": 6} if name == "class_based" else {}))
+    u = jax.random.normal(jax.random.key(5), (lib.V, 4))
+    v = jax.random.normal(jax.random.key(6), (4, lib.E)) * lib.E ** -0.5
+    params = _with_table(layer, Factored(u, v))
+    monkeypatch.setattr(Factored, "dense", lambda self: pytest.fail("the table was densified"))
+    lib.check_eval_chunks(layer, monkeypatch, params=params)
+
+
+def test_eval_chunks_of_a_served_table_run_its_integer_kernel(monkeypatch):
+    """Found in review: chunked evaluation of a `ptq.serve`d output table dequantized it to
+    a float [V, E] product where `logits` runs the int8 kernel; each chunk runs the kernel
+    now, and equals the log_prob path (the same kernel over all tokens)."""
+    from hpnlp.compress import kernels, qlinear
+    from hpnlp.config import QuantConfig
+    if not kernels.available():
+        pytest.skip(str(kernels.unavailable_reason()))
+    q = QuantConfig(weights="int8", activations="int8")  # dynamic per token: the kernel's
+    layer = S.get("full")(vocab_size=lib.V, quant=q)
+    w_VE = jax.random.normal(jax.random.key(5), (lib.V, lib.E)) * lib.E ** -0.5
+    served = qlinear.prepare(qlinear.pack_weight(w_VE.T, q, 1), q)  # packed [E, V]
+    assert isinstance(served, qlinear.Served)
+    monkeypatch.setattr(qlinear.Served, "dequantize",
+                        lambda self, dtype=None: pytest.fail("the table was dequantized"))
+    lib.check_eval_chunks(layer, monkeypatch, params=_with_table(layer, served))
 
 
 def _tiny_lm(**model):

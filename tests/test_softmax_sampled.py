@@ -95,6 +95,32 @@ def test_unigram_proposal_of_a_large_power_is_finite():
         freqs.probs(float("inf"))
 
 
+def test_frequencies_are_counts_over_their_sum_bit_for_bit_where_finite():
+    """Found in review: the log-space `probs` moved every p by ~1e-15 at power 1, which could
+    flip a class bin or an adaptive cutoff of a saved run, and the sampler's tables. Where
+    counts**power is finite they are computed as before review r2, bit for bit; log space
+    only where it overflows (power 80 here)."""
+    c = np.random.default_rng(0).integers(0, 1000, 300).astype(np.float64)
+    c[5] = 0.0
+    freqs = Frequencies.of(c, 300)
+    assert np.array_equal(freqs.probs(), c / c.sum())
+    p = c ** 0.75 / (c ** 0.75).sum()
+    assert np.array_equal(freqs.probs(0.75), p)
+    with np.errstate(divide="ignore"):
+        assert np.array_equal(freqs.log_probs(0.75), np.log(p))  # log 0 = -inf for id 5
+    # the unigram sampler's alias table and log q as they were built before
+    q = np.maximum(c, c[c > 0].min()) ** 0.75
+    q = q / q.sum()
+    s = SM.make_sampler("unigram", 300, freqs, 0.75)
+    accept, alias = SM.alias_table(q)
+    assert np.array_equal(s.accept, accept) and np.array_equal(s.alias, alias)
+    assert np.array_equal(s.log_q, np.log(q).astype(np.float32))
+    big = Frequencies.of(np.array([6e4, 1.0, 3.0, 0.0, 20.0]), 5)  # 6e4**80 = inf
+    p80, lp80 = big.probs(80), big.log_probs(80)
+    assert np.all(np.isfinite(p80)) and p80.sum() == pytest.approx(1.0) and p80[3] == 0.0
+    assert np.all(np.isfinite(lp80[[0, 1, 2, 4]])) and lp80[3] == -np.inf
+
+
 def test_log_uniform_needs_sorted_counts():
     unsorted = Frequencies.of(np.array([5.0, 9.0, 1.0, 1.0]), 4)
     with pytest.raises(ValueError, match="renumber the vocabulary by frequency"):

@@ -4,7 +4,8 @@ Each model's `__call__(batch)` returns metric *sums* plus their denominator `wei
 (real tokens or real examples), so they add across devices and microbatches; the train
 step divides once. `evaluate(batch)` returns the same keys measured exactly (for the LM:
 the normalized log-probability of the output layer, whatever its training objective, read
-token by token: `lm_eval_sums`).
+token by token: `lm_eval_sums`; over token chunks for most layers, not yet for adaptive,
+hierarchical and binary_code).
 
 Shape letters as in `transformer.py`; C classes, V vocabulary.
 """
@@ -52,8 +53,10 @@ def _output_layer(cfg: Config, embed: nn.Module | None, token_counts=None):
 def lm_eval_sums(output: nn.Module, hidden_BLE, batch) -> dict:
     """An LM's exact eval sums under `output`'s normalized log-probabilities: NLL, correct
     argmax and real tokens. Each token's NLL and argmax only (`softmax.nll_and_argmax`),
-    over token chunks where the layer has them, so evaluation fits wherever the chunked
-    loss does (review r2: the whole [B, L, V] was 32 GiB at 8K tokens x 1M ids)."""
+    over token chunks where the layer walks them (review r2: the whole [B, L, V] was 32 GiB
+    at 8K tokens x 1M ids): full, the sampled objectives, class_based, vmf. Adaptive,
+    hierarchical and binary_code still read their whole [B, L, V] `log_prob` here, though
+    their losses chunk: their evaluation needs that much memory."""
     mask_BL = batch["segment_ids"] > 0
     nll_BL, pred_BL = softmax_lib.nll_and_argmax(output, hidden_BLE, batch["targets"])
     return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0), dtype=jnp.float32),

@@ -474,8 +474,8 @@ class TransformerXLLM(nn.Module):
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, new
 
     def evaluate_and_memory(self, batch, memory=None):
-        """Exact sums (the output layer's normalized log-probs, token-chunked as the loss:
-        `heads.lm_eval_sums`) and the new Memory."""
+        """Exact sums (the output layer's normalized log-probs, token-chunked as the loss
+        where the layer chunks its logits: `heads.lm_eval_sums`) and the new Memory."""
         from hpnlp.models.heads import lm_eval_sums  # heads imports the model registry
         h_BLE, new = self.hidden(batch, memory)
         return lm_eval_sums(self.output, h_BLE, batch), new

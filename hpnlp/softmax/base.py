@@ -72,7 +72,8 @@ def nll_and_argmax(layer, hidden_NE, targets_N):
     """(-log p(target) [N] float32, the most likely id [N] int32) of each token under
     `layer`'s `log_prob`, what evaluation reads: `layer.nll_and_argmax` where the layer has
     it (over token chunks, never the whole [N, V] where it would not fit: the VocabLayers,
-    vmf), else read off the whole `log_prob`."""
+    vmf), else read off the whole `log_prob` [N, V] (adaptive, hierarchical, binary_code:
+    their losses chunk, their evaluation does not yet)."""
     own = getattr(layer, "nll_and_argmax", None)
     if own is not None:
         return own(hidden_NE, targets_N)
@@ -173,24 +174,43 @@ class Frequencies:
     def probs(self, power: float = 1.0, floor: float = 0.0) -> np.ndarray:
         """counts**power normalized; `floor` (a count) keeps unseen ids reachable.
 
-        Computed in log space, so finite for every finite power (review r2: counts**power
-        in float64 overflowed from power ~70 on the shipped word counts, inf / inf = NaN);
-        a count of 0 keeps probability 0 (power > 0; counts**0 is 1 for every id)."""
+        Directly, c**power / sum, wherever that is finite (bit for bit what the layers built
+        on it read before review r2: class bins, adaptive cutoffs, sampler tables), else in
+        log space (review r2: counts**power in float64 overflowed from power ~70 on the
+        shipped word counts, inf / inf = NaN); a count of 0 keeps probability 0 (power > 0;
+        counts**0 is 1 for every id)."""
+        p = self._direct(power, floor)
+        if p is not None:
+            return p
         lp = self._shifted_log(power, floor)
         p = np.exp(lp)  # max(lp) = 0: the largest is 1, the sum in [1, V]
         return p / p.sum()
 
     def log_probs(self, power: float = 1.0, floor: float = 0.0) -> np.ndarray:
         """log of `probs(power, floor)`, without its underflow: finite for every id whose
-        count (or `floor`) is > 0, however small its probability."""
+        count (or `floor`) is > 0, however small its probability (np.log of the direct
+        probabilities where each of those is > 0, else computed in log space)."""
+        p = self._direct(power, floor)
+        if p is not None and np.all((p > 0) | (np.maximum(self.counts, floor) == 0)):
+            with np.errstate(divide="ignore"):  # a zero count: log 0 = -inf, as in log space
+                return np.log(p)
         lp = self._shifted_log(power, floor)
         return lp - np.log(np.exp(lp).sum())
 
+    def _direct(self, power: float, floor: float) -> np.ndarray | None:
+        """c**power / its sum, or None where the powers overflow (or underflow to a zero
+        sum from counts > 0): `_shifted_log`'s then."""
+        _check_power(power)
+        with np.errstate(over="ignore", under="ignore"):
+            p = np.maximum(self.counts, floor) ** power
+        total = p.sum()
+        if not (np.isfinite(total) and total > 0):
+            return None
+        return p / total
+
     def _shifted_log(self, power: float, floor: float) -> np.ndarray:
         """power * log max(counts, floor), shifted so that its largest entry is 0."""
-        if not (isinstance(power, (int, float, np.number)) and math.isfinite(power)
-                and power >= 0):
-            raise ValueError(f"power={power!r}: counts**power needs a finite number >= 0")
+        _check_power(power)
         c = np.maximum(self.counts, floor)
         if power == 0:  # counts**0: 1 for every id, a count of 0 too (as numpy's 0.0**0)
             return np.zeros(c.shape)
@@ -199,6 +219,12 @@ class Frequencies:
         with np.errstate(divide="ignore"):  # log 0 = -inf: a zero count keeps probability 0
             lp = power * np.log(c)
         return lp - lp.max()
+
+
+def _check_power(power) -> None:
+    if not (isinstance(power, (int, float, np.number)) and math.isfinite(power)
+            and power >= 0):
+        raise ValueError(f"power={power!r}: counts**power needs a finite number >= 0")
 
 
 def frequencies(counts: Frequencies | np.ndarray | None, vocab_size: int) -> Frequencies:
@@ -255,20 +281,27 @@ class LogitsDistribution:
 
     def nll_and_argmax(self, hidden_NE, targets_N):
         """Each token's -log_prob[target] [N] and most likely id [N] (module-level
-        `nll_and_argmax`), over token chunks as the loss takes them (the layer's
-        `chunk_tokens`, else automatic: one chunk's [C, V] float32 under 256 MiB), so
-        evaluation fits wherever training does (review r2: 8K tokens x 1M ids, 32 GiB of
-        logits, stopped a run that trained by chunks at its first eval). Unchunked, it is
-        read off `log_prob` itself. No backward: no remat."""
-        from hpnlp.softmax.full import auto_chunk_tokens
+        `nll_and_argmax`), over token chunks (`eval_chunk_tokens`), so evaluation holds one
+        chunk's [C, V] where training chunks its loss (review r2: 8K tokens x 1M ids, 32 GiB
+        of logits, stopped a run that trained by chunks at its first eval); adaptive,
+        hierarchical and binary_code are no LogitsDistributions, and their evaluation still
+        reads the whole `log_prob` [N, V]. Unchunked, it is read off `log_prob` itself. No
+        backward: no remat."""
         num_tokens = targets_N.size
-        chunk = getattr(self, "chunk_tokens", -1)
-        chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if chunk < 0 else chunk
+        chunk = self.eval_chunk_tokens(num_tokens)
         if not chunk or chunk >= num_tokens:
             return log_prob_nll_and_argmax(self.log_prob(hidden_NE), targets_N)
         one_chunk, inputs = self.chunk_eval(hidden_NE)
         return map_token_chunks(one_chunk, targets_N.shape, chunk, *inputs, targets_N,
                                 remat=False)
+
+    def eval_chunk_tokens(self, num_tokens: int) -> int:
+        """Tokens per eval chunk (0: none): the layer's `chunk_tokens` where it sizes the
+        loss's [C, V] logits too and is set, else automatic (one chunk's [C, V] float32
+        under 256 MiB per device)."""
+        from hpnlp.softmax.full import auto_chunk_tokens
+        chunk = getattr(self, "chunk_tokens", -1)
+        return auto_chunk_tokens(num_tokens, self.vocab_size) if chunk < 0 else chunk
 
     def chunk_eval(self, hidden_NE):
         """(fn(*inputs_C, targets_C) -> `nll_and_argmax` of a chunk's C tokens, inputs [*N, ...]):
@@ -347,41 +380,59 @@ class VocabLayer(LogitsDistribution, nn.Module):
         """Hidden states as the output product reads them: per-token fake quantization when
         `quant.activations` is set for the output layer (always dynamic: a calibrated static
         range covers the trunk's products)."""
-        if not self.quantized() or self.quant.activations == "none":
-            return hidden_NE
-        from hpnlp.compress.formats import fake_quant
-        return fake_quant(hidden_NE, self.quant.activations, (-1,))
+        return _quant_tokens(hidden_NE, self.quant.activations if self.quantized() else "none")
 
     def logits(self, hidden_NE):
         """float32 logits [N, V] for every id: by the integer kernel that computes the
         product where the weight was prepared for one (`ptq.serve`), else in XLA."""
+        return self._logits_fn(hidden_NE.shape[-1])(hidden_NE)
+
+    def _logits_fn(self, width: int):
+        """`logits` as a pure function of hidden states [N, E], `_stored` read here once,
+        so a chunk loop (where flax refuses the module's own calls) multiplies each chunk
+        by the very product `logits` takes: a Served table by its integer kernel, a
+        Factored one through the rank, else the decoded [V, E] table (found in review:
+        chunked eval read a served table dequantized, a low-rank one densified)."""
         from hpnlp.compress.qlinear import Factored, Served, float_product, served_product
-        stored, bias_V = self._stored(hidden_NE.shape[-1])
-        if isinstance(stored, Served):  # quantizes hidden_NE itself, as quant_hidden does
-            return served_product(hidden_NE, stored, 1, jnp.float32, bias_V.astype(jnp.float32))
+        stored, bias_V = self._stored(width)
+        dtype = self.dtype
+        if isinstance(stored, Served):  # quantizes the hidden states itself, as quant_hidden does
+            return lambda h_NE: served_product(h_NE, stored, 1, jnp.float32,
+                                               bias_V.astype(jnp.float32))
         if isinstance(stored, Factored):  # model.lowrank: W [V, E] = U [V, r] V [r, E], so
             # logits = (h V^T) U^T + b, two products through the rank
-            t_Nr = float_product(hidden_NE.astype(self.dtype), stored.v.T.astype(self.dtype), None, 1)
-            logits_NV = float_product(t_Nr, stored.u.T.astype(self.dtype), None, 1,
-                                      jnp.float32)
-            return logits_NV + bias_V.astype(jnp.float32).reshape(
-                (1,) * (logits_NV.ndim - 1) + (-1,))
-        kernel_VE, bias_V = self._decoded(stored, bias_V, hidden_NE.shape[-1])
-        return scores(self.quant_hidden(hidden_NE), kernel_VE, bias_V, self.dtype)
+            def factored(h_NE):
+                t_Nr = float_product(h_NE.astype(dtype), stored.v.T.astype(dtype), None, 1)
+                logits_NV = float_product(t_Nr, stored.u.T.astype(dtype), None, 1, jnp.float32)
+                return logits_NV + bias_V.astype(jnp.float32).reshape(
+                    (1,) * (logits_NV.ndim - 1) + (-1,))
+            return factored
+        kernel_VE, bias_V = self._decoded(stored, bias_V, width)
+        activations = self.quant.activations if self.quantized() else "none"
+        return lambda h_NE: scores(_quant_tokens(h_NE, activations), kernel_VE, bias_V, dtype)
 
     def chunk_eval(self, hidden_NE):
-        """`log_softmax(logits)`'s per-chunk `nll_and_argmax`: the decoded table multiplied
-        chunk by chunk, as `full`'s chunked loss does."""
-        kernel_VE, bias_V = self.weights(hidden_NE.shape[-1])
+        """`log_softmax(logits)`'s per-chunk `nll_and_argmax`: each chunk through the
+        product `logits` takes (`_logits_fn`), as `full`'s chunked loss walks them."""
+        logits_fn = self._logits_fn(hidden_NE.shape[-1])
 
         def one_chunk(h_CE, t_C):
-            return logits_nll_and_argmax(scores(h_CE, kernel_VE, bias_V, self.dtype), t_C)
-        return one_chunk, (self.quant_hidden(hidden_NE),)
+            return logits_nll_and_argmax(logits_fn(h_CE), t_C)
+        return one_chunk, (hidden_NE,)
 
     def rows(self, ids, width: int):
         """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
         kernel_VE, bias_V = self.weights(width)
         return jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0)
+
+
+def _quant_tokens(hidden_NE, activations: str):
+    """`VocabLayer.quant_hidden` as a pure function: per-token fake quantization to
+    `activations` ("none": unchanged)."""
+    if activations == "none":
+        return hidden_NE
+    from hpnlp.compress.formats import fake_quant
+    return fake_quant(hidden_NE, activations, (-1,))
 
 
 def tied_table(embed):

@@ -173,27 +173,38 @@ def alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def proposal_probs(kind: str, vocab_size: int, counts, power: float) -> np.ndarray | None:
-    """q [V] float64 of a sampler (None: uniform)."""
-    log_q = proposal_log_probs(kind, vocab_size, counts, power)
-    return None if log_q is None else np.exp(log_q)
-
-
-def proposal_log_probs(kind: str, vocab_size: int, counts, power: float) -> np.ndarray | None:
-    """log q [V] float64 of a sampler (None: uniform), finite for every id: computed in log
-    space (review r2: counts**power overflowed float64 from power ~70, and q was NaN)."""
+    """q [V] float64 of a sampler (None: uniform): counts**power / sum directly wherever that
+    is finite (`Frequencies.probs`: the tables of runs saved before review r2, bit for bit)."""
     if kind == "uniform":
         return None
     if kind == "log_uniform":
         if counts is not None:
             frequencies(counts, vocab_size).require_sorted("sampler='log_uniform'")
         i = np.arange(vocab_size, dtype=np.float64)
-        return np.log(np.log1p(1.0 / (i + 1.0)) / np.log(vocab_size + 1.0))
+        return np.log1p(1.0 / (i + 1.0)) / np.log(vocab_size + 1.0)
     if kind == "unigram":
-        freq = frequencies(counts, vocab_size)
-        seen = freq.counts[freq.counts > 0]
-        # Unseen ids get the rarest seen id's count, so every log q is finite.
-        return freq.log_probs(power, floor=seen.min() if seen.size else 0.0)
+        freq, floor = _unigram(counts, vocab_size)
+        return freq.probs(power, floor=floor)
     raise ValueError(f"sampler={kind!r} is not one of {SAMPLERS}")
+
+
+def proposal_log_probs(kind: str, vocab_size: int, counts, power: float) -> np.ndarray | None:
+    """log q [V] float64 of a sampler (None: uniform), finite for every id: log of
+    `proposal_probs`, or computed in log space where q underflows or its powers overflow
+    (review r2: counts**power overflowed float64 from power ~70, and q was NaN)."""
+    if kind == "unigram":
+        freq, floor = _unigram(counts, vocab_size)
+        return freq.log_probs(power, floor=floor)
+    q = proposal_probs(kind, vocab_size, counts, power)
+    return None if q is None else np.log(q)
+
+
+def _unigram(counts, vocab_size: int) -> tuple[Frequencies, float]:
+    """The counts, and the floor that gives unseen ids the rarest seen id's count (so every
+    log q is finite)."""
+    freq = frequencies(counts, vocab_size)
+    seen = freq.counts[freq.counts > 0]
+    return freq, seen.min() if seen.size else 0.0
 
 
 def make_sampler(kind: str, vocab_size: int, counts: Frequencies | np.ndarray | None = None,
@@ -205,10 +216,11 @@ def make_sampler(kind: str, vocab_size: int, counts: Frequencies | np.ndarray | 
 
 
 def _build_sampler(kind, vocab_size, counts, power) -> Sampler:
-    log_q = proposal_log_probs(kind, vocab_size, counts, power)
-    if log_q is None:
+    q = proposal_probs(kind, vocab_size, counts, power)
+    if q is None:
         return Sampler(kind, vocab_size, None, None, None)
-    accept, alias = alias_table(np.exp(log_q))
+    accept, alias = alias_table(q)
+    log_q = proposal_log_probs(kind, vocab_size, counts, power)
     return Sampler(kind, vocab_size, log_q.astype(np.float32), accept, alias)
 
 
@@ -417,9 +429,13 @@ class NegativeSampling(SampledObjective):
         """Start at the context-free optimum, s(w) = log(unigram(w) / (k q(w))) (see NCE)."""
         def values():
             s = make_sampler(self.sampler, self.vocab_size, self.counts, self.power)
-            # log q itself: q = exp(log q) can underflow to 0 (a large power)
-            log_q = np.log(s.probs()) if s.log_q is None else s.log_q.astype(np.float64)
-            return _log_unigram(self.counts, self.vocab_size) - np.log(self.num_samples) - log_q
+            q = s.probs()
+            with np.errstate(divide="ignore"):
+                log_kq = np.log(self.num_samples * q)
+            if s.log_q is not None:  # q = exp(log q) underflows to 0 at a large power: log q
+                log_kq = np.where(q > 0, log_kq,
+                                  np.log(self.num_samples) + s.log_q.astype(np.float64))
+            return _log_unigram(self.counts, self.vocab_size) - log_kq
         return computed_vector(values)
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):

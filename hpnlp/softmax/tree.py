@@ -232,17 +232,24 @@ class ClassBasedSoftmax(VocabLayer):
                                   self.bins)
         return logp_TV.reshape(*lead, self.vocab_size)
 
+    def eval_chunk_tokens(self, num_tokens: int) -> int:
+        """Always automatic: `chunk_tokens` sizes the loss's [C, M, E] member gather, not the
+        [C, V] logits evaluation holds (found in review: chunk_tokens=8192 at V = 1M made
+        each eval chunk 32 GiB)."""
+        return auto_chunk_tokens(num_tokens, self.vocab_size)
+
     def chunk_eval(self, hidden_NE):
-        """`log_prob` a chunk of tokens at a time (`nll_and_argmax`), from the decoded tables."""
+        """`log_prob` a chunk of tokens at a time (`nll_and_argmax`): the word logits by the
+        product `logits` takes (`_logits_fn`)."""
         width = hidden_NE.shape[-1]
         kernel_CE, bias_C = self.classes(width)
-        kernel_VE, bias_V = self.weights(width)
+        logits_fn = self._logits_fn(width)
 
-        def one_chunk(h_TE, quant_h_TE, t_T):
+        def one_chunk(h_TE, t_T):
             class_lp_TC = jax.nn.log_softmax(scores(h_TE, kernel_CE, bias_C, self.dtype), axis=-1)
-            logits_TV = scores(quant_h_TE, kernel_VE, bias_V, self.dtype)
-            return log_prob_nll_and_argmax(_class_factored(class_lp_TC, logits_TV, self.bins), t_T)
-        return one_chunk, (hidden_NE, self.quant_hidden(hidden_NE))
+            return log_prob_nll_and_argmax(_class_factored(class_lp_TC, logits_fn(h_TE), self.bins),
+                                           t_T)
+        return one_chunk, (hidden_NE,)
 
 
 def _class_factored(class_lp_TC, logits_TV, bins: ClassBins):
