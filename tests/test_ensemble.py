@@ -223,6 +223,51 @@ def test_a_one_member_ensemble_resumes_without_members_json(tmp_path):
     checkpointer.close()
 
 
+def test_a_one_member_ensemble_saved_before_the_mark_is_read_as_one(tmp_path, capsys):
+    """Review: `run_members` read a 1-member ensemble saved before the "ensemble.stacked" mark
+    (its members.json says 1) as a plain run's int 1, so generate and distill took its stacked
+    [1, ...] arrays for one model's, and hpnlp.main's Trainer passed its check into the
+    restore. It is a stacked 1, as its own resume reads it; a plain run is still the int 1.
+    (Nothing builds: the checks come first.)"""
+    import importlib
+    from hpnlp.compress.distill import TeacherCarry
+    from hpnlp.config import validate
+    from hpnlp.train.checkpoint import Checkpointer, StackedMembers, is_stacked, run_members
+    from hpnlp.train.ensemble import MEMBERS_FILE
+    cfg, workdir = validate(tiny(0), num_devices=1), str(tmp_path / "ens")  # as a run's
+    Checkpointer(workdir, cfg, keep=1, members=StackedMembers(1)).close()
+    os.makedirs(os.path.join(workdir, "checkpoints", "1"))  # as if a step were saved
+    config_json = os.path.join(workdir, "config.json")
+    with open(config_json) as f:
+        saved = json.load(f)
+    del saved["shape_signature"]["ensemble.stacked"]  # as written before the mark
+    with open(config_json, "w") as f:
+        json.dump(saved, f)
+    with open(os.path.join(workdir, MEMBERS_FILE), "w") as f:
+        json.dump({"members": 1, "seeds": [0]}, f)
+    members = run_members(workdir)
+    assert members == 1 and isinstance(members, StackedMembers) and is_stacked(members)
+    with pytest.raises(CheckpointMismatch, match=r"It holds a seed ensemble of 1: train or "
+                       r"evaluate it with python -m hpnlp.train.ensemble --members 1\."):
+        Trainer(cfg, workdir)  # hpnlp.main's
+    generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    assert generate.main(["--workdir", workdir, "--prompt", "x", "--greedy"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --workdir {workdir}: a seed ensemble of 1 member; generate decodes one LM run "
+        "(train a plain one with python -m hpnlp.main)")
+    scope = {}
+    exec(TINY, scope)
+    student = scope["get_config"]()
+    student.train.distill.teacher = workdir
+    with pytest.raises(ConfigError, match=r"holds a seed ensemble of 1 member \(EnsembleTrainer"):
+        TeacherCarry(validate(from_configdict(student), num_devices=1))  # as a run builds it
+    with open(config_json) as f:  # read, not rewritten
+        assert "ensemble.stacked" not in json.load(f)["shape_signature"]
+    plain = str(tmp_path / "plain")  # the same signature, without members.json
+    Checkpointer(plain, cfg, keep=1).close()
+    assert type(run_members(plain)) is int and run_members(plain) == 1
+
+
 def test_members_carry_their_own_pruning_masks(tmp_path):
     """A carry (here pruning's masks) works per member: each member's pruned weights are
     exactly zero after steps, at the sparsity asked for, with masks of its own weights."""

@@ -1044,16 +1044,20 @@ def test_a_resume_keeps_the_start_its_config_json_records(tmp_path):
     cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2)
     Checkpointer(str(tmp_path), from_configdict(cd), keep=1)  # writes config.json
     os.makedirs(tmp_path / "checkpoints" / "10")  # a checkpoint to resume
-    cd.train.update(init_from="", init_kv_heads="mean", init_kv_calibration=0, steps=20)
+    cd.train.update(init_from="", init_kv_heads="mean", init_kv_calibration=0, steps=20,
+                    loss_scale_init=1024.0)  # float16's first scale: a resume restores its own
     ck = Checkpointer(str(tmp_path), from_configdict(cd), keep=1)
     assert ck.start_changed == ("train.init_from: saved '/runs/source', now ''; "
                                 "train.init_kv_heads: saved 'svd', now 'mean'; "
-                                "train.init_kv_calibration: saved 2, now 0")
+                                "train.init_kv_calibration: saved 2, now 0; "
+                                "train.loss_scale_init: saved 32768.0, now 1024.0")
+    assert ck.changed == {}  # not "the steps from here train under a changed config"
     ck._write_config(ck._pending_config)  # as its first checkpoint would
     saved = json.load(open(tmp_path / "config.json"))["config"]["train"]
     assert (saved["init_from"], saved["init_kv_heads"], saved["init_kv_calibration"],
-            saved["steps"]) == ("/runs/source", "svd", 2, 20)
-    cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2)
+            saved["loss_scale_init"], saved["steps"]) == ("/runs/source", "svd", 2, 2.0**15, 20)
+    cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2,
+                    loss_scale_init=2.0**15)
     assert Checkpointer(str(tmp_path), from_configdict(cd), keep=1).start_changed == ""
     # what trains the model, changed, is named (a bug hunt, session 94: a finished run rerun
     # with another rate trained nothing and showed its old summary, unsaid); how often it

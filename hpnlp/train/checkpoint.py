@@ -67,6 +67,15 @@ def _members_file(folder: str) -> int | None:
     return members if type(members) is int and members >= 1 else None
 
 
+def _unmarked_one(sig: dict, folder: str) -> bool:
+    """Whether a shape signature is a 1-member seed ensemble's saved before its
+    "ensemble.stacked" mark: one member, no mark, and its members.json in `folder` says 1 (a
+    plain run's workdir has none)."""
+    members = sig.get("ensemble.members", 1)
+    return type(members) is int and members == 1 and "ensemble.stacked" not in sig and \
+        _members_file(folder) == 1
+
+
 def _read_config_json(path: str) -> dict:
     """A run's config.json, or NoCheckpoint naming it where it is not one hpnlp wrote. One
     that lost its shape signature has it rebuilt from its config (a bug hunt, session 96: its
@@ -122,7 +131,12 @@ def run_members(workdir: str) -> int:
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return 1
-    return _signature_members(_read_config_json(path).get("shape_signature", {}))
+    sig = _read_config_json(path).get("shape_signature", {})
+    if _unmarked_one(sig, workdir):  # a 1-member ensemble saved before the mark, as the
+        # Trainer's resume reads it (a review: generate and distill read its stacked [1, ...]
+        # arrays as a plain run's)
+        return StackedMembers(1)
+    return _signature_members(sig)
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -272,7 +286,10 @@ def _default_config_json() -> dict:
 START_FIELDS = (("train", "init_from"), ("train", "init_params"), ("train", "init_kv_heads"),
                 ("train", "init_kv_calibration"), ("train", "init_experts"),
                 ("train", "init_expert_batches"), ("train", "distill", "init"),
-                ("train", "distill", "importance_batches"), ("train", "distill", "init_blocks"))
+                ("train", "distill", "importance_batches"), ("train", "distill", "init_blocks"),
+                # float16's first loss scale: a resume restores the scale the run reached (a
+                # review, r4: a resume said it trained "under" another value it never read)
+                ("train", "loss_scale_init"))
 
 
 def _keep_saved_start(saved: dict, payload: dict) -> str:
@@ -498,11 +515,11 @@ class Checkpointer:
             saved = _read_config_json(self.config_path)
             self.saved_train = dict(saved.get("config", {}).get("train", {}))
             old_sig = saved.get("shape_signature", {})
-            unmarked = sig.get("ensemble.stacked") and _signature_members(old_sig) == 1 and \
-                "ensemble.stacked" not in old_sig and \
-                _members_file(os.path.dirname(self.config_path)) == 1
+            unmarked = _unmarked_one(old_sig, os.path.dirname(self.config_path))
             if unmarked:  # a 1-member ensemble saved before the mark, as its members.json
-                # says: resumed as before, and config.json gains the mark (written below)
+                # says: resumed as before, and config.json gains the mark (written below); a
+                # plain run's resume of it (hpnlp.main's) is refused naming --members 1 (a
+                # review: it got past this check and failed in the restore)
                 old_sig = saved["shape_signature"] = {**old_sig, "ensemble.stacked": True}
             diff = _saved_differs(saved, cfg, sig)
             lines = "; ".join(f"{k}: saved {_shown(a, saved.get('config'), k)}, now "
