@@ -202,7 +202,7 @@ class ScaNN(HostIndex):
     """ScaNN's tree (partitioning) + asymmetric hashing + exact reordering, dot product
     (`metric="l2"`: squared L2). Built on the first search from everything added (ScaNN
     indexes are not incremental). Options: `leaves` (0: min(N // 100, round(2 sqrt(N))),
-    at least 1, for the N vectors added), `leaves_to_search`,
+    at least 1, chosen again at each build for the N vectors added so far), `leaves_to_search`,
     `reorder` candidates rescored exactly (on the LM's context vectors, which are far from
     unit norm, recall@10 is set by `reorder`: 0.46 at 100, 0.96 at 1000 on 20K of them,
     whatever the leaves searched), `metric`."""
@@ -217,16 +217,24 @@ class ScaNN(HostIndex):
         check_metric_option(self)
         self.scann = _import("scann", "scann")
         self.searcher = None
+        self._leaves = None  # the searcher's leaf count (`_chosen_leaves` of its build's N)
 
     def _stale(self, x_ND):
         self.searcher = None
 
+    def _chosen_leaves(self, n: int) -> int:
+        """The leaf count of a build over `n` vectors: the `leaves` option, or (0) one chosen
+        from n."""
+        return self.options["leaves"] or int(max(1, min(n // 100, round(2 * np.sqrt(n)))))
+
     def _build(self):
         x = self.vectors()
         o = self.options
-        leaves = o["leaves"] or int(max(1, min(len(x) // 100, round(2 * np.sqrt(len(x))))))
+        # review r1: the count chosen for leaves=0 was written over the option, so every
+        # rebuild after more adds (and a reload, from index.json) kept the first build's count
+        leaves = self._chosen_leaves(len(x))
         _check_scann(len(x), leaves)
-        o["leaves"] = leaves
+        self._leaves = leaves
         builder = self.scann.scann_ops_pybind.builder(
             x, 10, "squared_l2" if o.get("metric") == "l2" else "dot_product")
         builder = builder.tree(num_leaves=leaves, num_leaves_to_search=min(o["leaves_to_search"], leaves),
@@ -255,7 +263,8 @@ class ScaNN(HostIndex):
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
         o = self.options
         ids, scores = self.searcher.search_batched(q_QD, final_num_neighbors=k,
-                                                   leaves_to_search=min(o["leaves_to_search"], o["leaves"]),
+                                                   leaves_to_search=min(o["leaves_to_search"],
+                                                                        self._leaves),
                                                    pre_reorder_num_neighbors=max(o["reorder"], k))
         return _ties_by_id(-scores if o.get("metric") == "l2" else scores, ids)
 
@@ -280,6 +289,8 @@ class ScaNN(HostIndex):
             path = os.path.join(folder, "scann")
             _check_own_assets(folder, path)
             self.searcher = self.scann.scann_ops_pybind.load_searcher(path)
+            # saved over all `count` vectors (`_save_files` builds a stale searcher first)
+            self._leaves = self._chosen_leaves(header["count"])
 
 
 def _check_own_assets(folder: str, path: str) -> None:
