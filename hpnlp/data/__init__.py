@@ -125,12 +125,13 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     `my_sha256` where given: `task_tokenizer_sha256`) (the field and both values, for an
     error), or None where the two encode alike: the same task and tokenizer (byte_lm's and
     word_lm's own named or not), and, for a vocabulary learned from the training text (words,
-    subwords), the same model where both subword models are known (`tokenizer_sha256`), else
-    the same text: a tokenizer is trained deterministically, so the same kind, size and text
-    give the same pieces. Bytes are bytes whatever the text."""
-    def name(c):
-        lm = c.task in ("byte_lm", "word_lm")
-        return text_tasks.lm_tokenizer(c, c.task) if lm else c.tokenizer
+    verse_book's too; subwords), the same model where both subword models are known
+    (`tokenizer_sha256`), else the same text: a tokenizer is trained deterministically, so the
+    same kind, size and text give the same pieces. Bytes are bytes whatever the text."""
+    def name(c):  # verse_book encodes with word_lm's words, learned from its training
+        if c.task in LM_TASKS:  # chapters (review r2: two splits' runs passed as one)
+            return text_tasks.lm_tokenizer(c, c.task)
+        return "words" if c.task == "verse_book" else c.tokenizer
     first = _first_differing
     why = first([("data.task", mine.task, theirs.task),
                  ("data.tokenizer", name(mine), name(theirs))])

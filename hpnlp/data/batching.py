@@ -375,8 +375,14 @@ class BatchIterator:
     def set_state(self, state: dict) -> None:
         check_fingerprint(state, self._fingerprint())
         epoch = check_position(state, "epoch", 0, None if self.split == "train" else 0)
-        self._row = check_position(state, "row", 0, self.num_rows(epoch))
-        self._epoch = epoch
+        row = check_position(state, "row", 0, self.num_rows(epoch))
+        if self.mode == "bucket" and row % self.batch_size:
+            # a bucket batch is B rows of one width: from another row it would mix two
+            # buckets' rows, and fail in numpy at a wider one (review r2)
+            raise ValueError(f"iterator state field 'row' = {row} is not allowed: bucket "
+                             f"batches start at multiples of batch_size={self.batch_size}; "
+                             "pass a dict that get_state() returned, unedited")
+        self._row, self._epoch = row, epoch
 
     def stats(self) -> dict:
         """Padding so far (all processes' rows): `padding_fraction` of this mode, and

@@ -55,7 +55,8 @@ def encode(text: str) -> np.ndarray:
 
 
 def decode(ids) -> str:
-    return " ".join(VOCAB[i] for i in np.asarray(ids).tolist() if i != 0)
+    """Ids -> whitespace-separated tokens, padding (id 0) left out."""
+    return " ".join(VOCAB[i] for i in task_lib.checked_ids(ids, len(VOCAB)).tolist() if i != 0)
 
 
 def _median(vals: list[int]) -> int:

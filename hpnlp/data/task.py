@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -80,6 +80,20 @@ class Task:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Task.kind={self.kind!r}; choose one of {KINDS}")
+
+
+def checked_ids(ids: Iterable[int], vocab_size: int) -> np.ndarray:
+    """`ids` as one row of int64, each in [0, vocab_size), else one ValueError naming them and
+    the range: what every `Task.decode` reads (numpy or a tuple would read -1 as the last
+    entry and 1.7 as 1, silently; found by the crash hunt, and in review r2 for words,
+    ListOps and bytes)."""
+    a = np.asarray(ids if hasattr(ids, "__array__") else list(ids))
+    if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.min() < 0
+                                   or a.max() >= vocab_size)):
+        bad = a if a.ndim != 1 or a.dtype.kind not in "iu" else a[(a < 0) | (a >= vocab_size)]
+        raise ValueError(f"token ids {np.ravel(bad)[:4].tolist()} (shape {a.shape}, "
+                         f"{a.dtype}): give one row of integer ids in [0, {vocab_size})")
+    return a.astype(np.int64)
 
 
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

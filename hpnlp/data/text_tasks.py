@@ -43,7 +43,8 @@ def byte_encode(text: str) -> np.ndarray:
 
 
 def byte_decode(ids: Iterable[int]) -> str:
-    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+    return task_lib.checked_ids(ids, 256).astype(np.uint8).tobytes().decode(
+        "utf-8", errors="replace")
 
 
 def word_tokens(text: str) -> list[str]:
@@ -80,8 +81,8 @@ class WordVocab:
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> words joined by spaces, <eos> as a line end (lossy: case and spacing)."""
         lines, cur = [], []
-        for i in ids:
-            w = self.words[int(i)]
+        for i in task_lib.checked_ids(ids, len(self.words)).tolist():
+            w = self.words[i]
             if w == EOS:
                 lines.append(" ".join(cur))
                 cur = []

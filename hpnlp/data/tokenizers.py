@@ -37,6 +37,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from hpnlp.data.task import checked_ids
+
 SUBWORD = ("bpe", "unigram")
 KINDS = ("bytes", "words") + SUBWORD
 NEWLINE = "\n"
@@ -126,19 +128,8 @@ class Subword:
     def encode(self, text: str) -> np.ndarray:
         return self.encode_many([text])[0]
 
-    def _checked(self, ids: Iterable[int]) -> np.ndarray:
-        """`ids` as one row of int64, each in [0, vocab_size) (numpy would read -1 as the
-        last piece, and 1.7 as 1, silently)."""
-        a = np.asarray(list(ids))
-        if a.size and (a.ndim != 1 or a.dtype.kind not in "iu" or a.min() < 0
-                       or a.max() >= self.vocab_size):
-            bad = a if a.ndim != 1 or a.dtype.kind not in "iu" else a[(a < 0) | (a >= self.vocab_size)]
-            raise ValueError(f"token ids {np.ravel(bad)[:4].tolist()} (shape {a.shape}, "
-                             f"{a.dtype}): give one row of integer ids in [0, {self.vocab_size})")
-        return a.astype(np.int64)
-
     def decode(self, ids: Iterable[int]) -> str:
-        sp_ids = self.order[self._checked(ids)].tolist()
+        sp_ids = self.order[checked_ids(ids, self.vocab_size)].tolist()
         nl = self._sp.piece_to_id(NEWLINE)
         lines, cur = [], []
         for i in sp_ids:
@@ -164,7 +155,8 @@ class Subword:
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         """The piece of each id (for inspection: "▁the", "<0x0A>", ...)."""
-        return [self._sp.id_to_piece(int(self.order[i])) for i in self._checked(ids)]
+        return [self._sp.id_to_piece(int(self.order[i]))
+                for i in checked_ids(ids, self.vocab_size)]
 
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size,
