@@ -8,6 +8,7 @@ float32); with dropout on, `gpipe` against its slow twin `gpipe_reference`.
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -301,3 +302,49 @@ def test_pipeline_config_errors():
     _check(cd, "mesh.pipeline", r"model.arch='lstm'")
     cd = tiny(reversible=True)
     _check(cd, "model.stack_layers", r"model.reversible=False", num_devices=1)
+
+
+# 8 simulated devices: a student pipelined over 4 stages (2 data shards) built with a teacher
+# of stacked layers (train.distill.teacher=argv[1]); argv[2]: the student's workdir.
+_TEACHER = r"""
+import json, os, sys
+from hpnlp.config import ConfigError, from_configdict
+from hpnlp.train import Trainer
+
+teacher, work, cd = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cd["train"]["distill"] = dict(cd["train"]["distill"], teacher=teacher)
+try:
+    Trainer(from_configdict(dict(cd, mesh=dict(cd["mesh"], pipeline=4, data=2))), work)
+    print("BUILT")
+except ConfigError as e:
+    print("REFUSED", json.dumps([str(e), os.path.exists(os.path.join(work, "config.json"))]))
+# stages that split both depths: it builds (the teacher is pipelined like the student)
+tr = Trainer(from_configdict(dict(cd, mesh=dict(cd["mesh"], pipeline=2, data=4))), work + "2")
+assert tr.carries[0].teacher_cfg.model.depth == 6
+print("OK")
+"""
+
+
+def test_a_stacked_teacher_whose_depth_the_pipeline_does_not_split_is_refused_at_build(
+        tmp_path):
+    """Review r4: a distillation teacher's stacked blocks run in the student's step, so under
+    its mesh.pipeline stages; a depth they do not split built, config.json was written, and
+    the first step's trace failed with a bare ValueError naming the teacher's model.depth as
+    this run's. Refused at the build, naming train.distill.teacher, before config.json."""
+    teacher = tiny(depth=6)
+    teacher.train.update(steps=1, warmup_steps=0)
+    Trainer(from_configdict(teacher), str(tmp_path / "teacher")).run()  # on 1 device
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TEACHER, str(tmp_path / "teacher"),
+                           str(tmp_path / "student"), json.dumps(tiny().to_dict())], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.endswith("OK\n"), proc.stderr[-3000:]
+    assert proc.stdout.startswith("REFUSED "), proc.stdout
+    message, written = json.loads(proc.stdout.splitlines()[0][len("REFUSED "):])
+    assert "`train.distill.teacher`" in message and "\n" not in message
+    assert re.search(r"the teacher's 6 stacked layers \(its model\.depth\) run in this run's "
+                     r"mesh\.pipeline=4 stages, which do not split them; distill from a teacher "
+                     r"whose model\.depth 4 divides \(or one of model\.stack_layers=False\), or "
+                     r"set mesh\.pipeline to one that divides both 4 and 6$", message), message
+    assert not written  # refused before config.json

@@ -1103,6 +1103,56 @@ def test_resume_of_a_recurrent_run_under_another_rnn_model_is_refused(tmp_path, 
                         rf"now {value!r}\)")
 
 
+def test_an_lstm_trunk_starts_a_classifier_under_its_own_dropout_and_names_what_differs():
+    """Review r4: train.init_params='trunk' compared the whole RNNConfig, so an LSTM LM's
+    trunk under the classifier was refused for its training-only settings (dropout variants,
+    weight_drop, impl, unroll), the message naming the dataclass. It compares what the
+    trunk's arrays or eval function read, each named as rnn.<field>; an LSTM classifier on a
+    Transformer's trunk names model.arch (it failed with a KeyError). Configs and shapes
+    alone: nothing compiles."""
+    import flax.linen as nn
+
+    from hpnlp import models
+    from hpnlp.config import ConfigError, validate
+    from hpnlp.train import transfer
+    from hpnlp.train.loop import dummy_batch
+
+    def config(kind, **rnn):
+        cd = tiny()
+        cd.model.arch = "lstm"
+        cd.rnn.update(**rnn)
+        if kind == "classifier":
+            cd.model.kind = "classifier"
+            cd.data.update(task="doc_classify", batching="pad")
+            cd.train.update(init_from="lm", init_params="trunk")
+        return validate(from_configdict(cd), num_devices=1)
+
+    def shapes(cfg):
+        batch = dummy_batch("lm" if cfg.model.kind == "lm" else "classify", 1, cfg.data.seq_len)
+        return nn.unbox(jax.eval_shape(models.build(cfg, deterministic=True).init,
+                                       jax.random.key(0), batch)["params"])
+
+    lm = config("lm", weight_drop=0.2, variational_dropout=0.3, zoneout=0.1)
+    for rnn in (dict(), dict(impl="scan", unroll=4, state_dropout=0.2, recurrent_dropout=0.1)):
+        cls = config("classifier", zoneout=0.1, **rnn)
+        conv = transfer.conversion(cls, lm, "lm")
+        assert conv is not None and conv.source is lm
+        conv.check(shapes(lm), shapes(cls))  # the LM's trunk arrays start the classifier's
+    for rnn, shown in ((dict(), "rnn.zoneout=0.0 (that run: 0.1)"),
+                       (dict(zoneout=0.1, layer_norm=True), "rnn.layer_norm=True (that run: "
+                        "False)")):
+        field = shown.split("=")[0]
+        with pytest.raises(ConfigError, match=re.escape(
+                f"{shown}; set {field} to that run's")) as e:
+            transfer.conversion(config("classifier", **rnn), lm, "lm")
+        assert "`train.init_params`" in str(e.value) and "RNNConfig" not in str(e.value)
+    transformer = tiny()
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.arch='lstm' (that run: 'transformer')")):
+        transfer.conversion(config("classifier"), validate(from_configdict(transformer),
+                                                           num_devices=1), "lm")
+
+
 def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
     """Found by a bug hunt (session 89): another model.moe.noisy (a router `noise`
     parameter) or train.prune.layers (the masks' tree) failed in the restore as a layout "of

@@ -477,6 +477,18 @@ class TeacherCarry(Carry):
             raise config_error("train.distill.teacher", self.workdir, "a Transformer-XL teacher "
                                "needs its memory; distill from a model.arch='transformer' run")
         sm, tm = cfg.model, tcfg.model
+        # Its stacked blocks run in this run's step, so under this run's pipeline stages
+        # (parallel.pipeline.stacked_blocks), which must split its depth as they split the
+        # student's (review r4: the first step's trace failed, naming model.depth as ours)
+        from hpnlp.train.loop import reader_device_count
+        stages = cfg.mesh.axis_sizes(reader_device_count(cfg))["pipeline"]
+        if stages > 1 and tm.stack_layers and tm.depth % stages:
+            raise config_error("train.distill.teacher", self.workdir, f"the teacher's "
+                               f"{tm.depth} stacked layers (its model.depth) run in this run's "
+                               f"mesh.pipeline={stages} stages, which do not split them; "
+                               f"distill from a teacher whose model.depth {stages} divides (or "
+                               "one of model.stack_layers=False), or set mesh.pipeline to one "
+                               f"that divides both {sm.depth} and {tm.depth}")
         if self.d.attention:
             from hpnlp import attention as attention_lib
             if not attention_lib.get(tcfg.attention.name).returns_probabilities:

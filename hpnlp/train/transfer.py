@@ -27,6 +27,12 @@ POSITIONS = ("trunk", "pos_embedding")  # a learned position table: [max_len, wi
 TRUNK_FIELDS = ("arch", "width", "depth", "num_heads", "head_dim", "num_kv_heads",
                 "kv_latent_dim", "kv_latent_rope_dim", "kv_latent_norm", "mlp_dim", "pos_emb",
                 "reversible", "stack_layers", "moe")
+# An LSTM/GRU trunk's (model.arch, width and depth are the cell and the stack): what its
+# arrays or its eval function read. Not its dropout variants and weight_drop (the identity at
+# evaluation, and a fine-tune sets its own, as model.dropout) nor impl and unroll (how the
+# recurrence runs): a review (r4) found each of those refused, the whole RNNConfig named.
+# zoneout stays: its eval output is the expectation p prev + (1 - p) new.
+RNN_TRUNK_FIELDS = ("combine", "layer_norm", "learned_init", "bidirectional", "zoneout")
 
 
 def _trunk_settings(cfg: Config) -> dict:
@@ -35,7 +41,7 @@ def _trunk_settings(cfg: Config) -> dict:
     out.update({"attention.name": cfg.attention.name,
                 "attention.options": dict(cfg.attention.options)})
     if cfg.model.arch in ("lstm", "gru"):
-        out["rnn"] = cfg.rnn
+        out.update({f"rnn.{f}": getattr(cfg.rnn, f) for f in RNN_TRUNK_FIELDS})
     return out
 
 
@@ -71,7 +77,8 @@ def conversion(cfg: Config, source: Config, workdir: str, my_sha256: str | None 
     refuse_factorized(source.model, cfg.model, workdir, made="a trunk transfer copies dense "
                       "weights", first="fine-tune from the trunk")
     theirs, mine = _trunk_settings(source), _trunk_settings(cfg)
-    differ = [k for k in mine if mine[k] != theirs[k]]
+    # the fields both trunks have: an LSTM's against a Transformer's differ in model.arch
+    differ = [k for k in mine if k in theirs and mine[k] != theirs[k]]
     if differ:
         shown = "; ".join(f"{k}={mine[k]!r} (that run: {theirs[k]!r})" for k in differ[:4])
         raise config_error("train.init_params", "trunk", f"this run reads the trunk of the run "
