@@ -233,8 +233,9 @@ def test_errors_say_what_cannot_run():
         CC.cached_attention(q, k, v, 3, impl="fast")
     with pytest.raises(ValueError, match=r"index must be one position or one per row \(1\)"):
         CC.cached_attention(q, k, v, jnp.array([3, 4]))
-    with pytest.raises(ValueError, match="threads must be >= 1"):
-        CC.cached_attention(q, k, v, 3, threads=0)
+    for threads in (0, 2.5):  # 2.5 ran on two threads, unsaid
+        with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+            CC.cached_attention(q, k, v, 3, threads=threads)
     kc, ks = CC.quantize_kv(k)
     with pytest.raises(ValueError, match=r"an int8 cache needs scales=\(k_scale, v_scale\)"):
         CC.cached_attention(q, kc, kc, 3)

@@ -17,7 +17,7 @@ import hpnlp.attention.chunked as C
 import hpnlp.attention.flash_cpu as F
 from hpnlp.attention.dense import dense_attention
 
-pytestmark = pytest.mark.kernel(F.KERNEL)
+needs_kernel = pytest.mark.kernel(F.KERNEL)
 
 H = 2
 
@@ -64,6 +64,7 @@ def _assert_close(got, want, tol=1e-5):
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol, err_msg=name)
 
 
+@needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("B, L, D, threads", [(3, 37, 16, 2), (2, 70, 64, 2), (2, 33, 48, 1)])
@@ -81,6 +82,7 @@ def test_matches_dense(B, L, D, threads, masked, causal):
             assert float(jnp.abs(x[0]).max()) == 0.0
 
 
+@needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
 def test_cross_attention_lengths_differ(causal):
     q, k, v, w = _qkv(2, 21, 45, 32, seed=7)
@@ -89,6 +91,7 @@ def test_cross_attention_lengths_differ(causal):
     _assert_close(got, want)
 
 
+@needs_kernel
 def test_tuned_tiles_several_column_blocks_and_threads():
     """The default production tiles (not the small ones of the other tests), a head dim of
     128 (two 64-column register blocks), lengths no tile divides, padding, both directions."""
@@ -104,6 +107,7 @@ def test_tuned_tiles_several_column_blocks_and_threads():
         _assert_close(got, want)
 
 
+@needs_kernel
 def test_gradients_hold_float32_accuracy_at_large_scores():
     """Scores near 1e4: dV against a float64 reference, as a fraction of its largest entry,
     median over 4 draws at most 7e-4. With the logsumexp saved in base e and converted
@@ -128,6 +132,7 @@ def test_gradients_hold_float32_accuracy_at_large_scores():
     assert np.median(errors) <= 7e-4, errors
 
 
+@needs_kernel
 def test_value_head_dim_other_than_the_query_s_is_refused():
     q, k, _, _ = _qkv(1, 16, 16, 16)
     v = jnp.ones((1, 16, H, 32))
@@ -136,6 +141,7 @@ def test_value_head_dim_other_than_the_query_s_is_refused():
         F.flash_attention(q, k, v)
 
 
+@needs_kernel
 def test_empty_lengths():
     """No keys: every query sees nothing (zeros, no gradient); no queries: empty output."""
     q, k, v, w = _qkv(1, 20, 20, 16, seed=9)
@@ -153,6 +159,7 @@ def test_empty_lengths():
         F.flash_attention(q, k, v, seg[:, :5], seg)
 
 
+@needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_matches_its_xla_twin(causal):
     """`chunked` impl='kernel' against impl='xla' on one tile size the XLA path also uses."""
@@ -163,6 +170,7 @@ def test_kernel_matches_its_xla_twin(causal):
     _assert_close(run("kernel"), run("xla"))
 
 
+@needs_kernel
 def test_auto_uses_the_kernel_where_it_can():
     q, k, v, _ = _qkv(1, 16, 16, 16)
     hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q, k, v).as_text()
@@ -175,6 +183,7 @@ def test_auto_uses_the_kernel_where_it_can():
     assert "hpnlp_flash" not in hlo
 
 
+@needs_kernel
 def test_padding_invariance_and_causality_by_gradient():
     B, L, D = 2, 40, 16
     q, k, v, _ = _qkv(B, L, L, D, seed=11)
@@ -192,6 +201,7 @@ def test_padding_invariance_and_causality_by_gradient():
         assert float(jnp.abs(x[:, :t + 1]).max()) > 0.0
 
 
+@needs_kernel
 def test_bfloat16_vmap_and_no_recompile():
     q, k, v, _ = _qkv(2, 24, 24, 16, seed=2, dtype=jnp.bfloat16)
     out = F.flash_attention(q, k, v, causal=True)
@@ -213,6 +223,7 @@ def test_bfloat16_vmap_and_no_recompile():
         chex.assert_tree_all_finite(step(q.astype(jnp.float32) + s, k, v))
 
 
+@needs_kernel
 def test_errors_say_what_and_how():
     q, k, v, _ = _qkv(1, 16, 16, 8)
     with pytest.raises(ValueError, match=r"impl='kernel' cannot run here: head dim 8 .* impl='xla'"):
@@ -234,15 +245,35 @@ def test_errors_say_what_and_how():
         F.flash_attention(z, z, z)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(threads=0), "threads must be an integer >= 1"),
+    (dict(threads=-4), "threads must be an integer >= 1"),
+    (dict(threads=2.7), "threads must be an integer >= 1"),
+    (dict(threads=True), "threads must be an integer >= 1"),
+    (dict(fwd_blocks=64), "fwd_blocks must be two positive multiples of 16 .*; got 64"),
+    (dict(bwd_blocks=(16.5, 16)), "bwd_blocks must be two positive multiples of 16"),
+    (dict(bwd_blocks=(32.0, 16)), "bwd_blocks must be two positive multiples of 16")])
+def test_bad_threads_and_blocks_are_refused_before_any_build(kwargs, message, monkeypatch):
+    """Found in review: threads=0, -4 or 2.7 ran on one or two threads without a word (the
+    kernel clamps and truncates them), fwd_blocks=64 was a bare TypeError and a block of
+    16.5 ran as 16. Refused as cached attention and sparse_matmul refuse them, before the
+    kernel is built or tuned (so this test needs no compiler)."""
+    monkeypatch.setattr(F.KERNEL, "load", lambda: pytest.fail("the kernel was asked for"))
+    q = jnp.zeros((1, 16, 1, 16))
+    with pytest.raises(ValueError, match=f"flash attention: {message}"):
+        F.flash_attention(q, q, q, **kwargs)
+
+
+@needs_kernel
 def test_one_pass_given_tunes_only_the_other(monkeypatch):
-    """Blocks given for one pass (any sequence of two ints, a NumPy array too): only the
-    other pass's tuning is asked for."""
+    """Blocks given for one pass (any sequence of two ints, a NumPy array too; NumPy's
+    integer threads too): only the other pass's tuning is asked for."""
     asked = []
     monkeypatch.setattr(F, "tuned_block", lambda p, bf16=False, regime="long": (
         asked.append(p), (16, 16))[1])
     q, k, v, w = _qkv(1, 40, 40, 16, seed=3)
-    got = _out_and_grads(lambda q, k, v: F.flash_attention(q, k, v, fwd_blocks=np.array([16, 32])),
-                         q, k, v, w)
+    got = _out_and_grads(lambda q, k, v: F.flash_attention(
+        q, k, v, fwd_blocks=np.array([16, 32]), threads=np.int64(2)), q, k, v, w)
     assert asked == ["bwd"]
     _assert_close(got, _out_and_grads(lambda q, k, v: dense_attention(q, k, v, None), q, k, v, w))
 
@@ -255,6 +286,7 @@ def _grad_temp_bytes(length):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@needs_kernel
 def test_forward_backward_memory_is_linear_in_length():
     small, big = _grad_temp_bytes(2048), _grad_temp_bytes(8192)
     assert big / small < 5.0, (small, big)

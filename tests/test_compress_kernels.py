@@ -634,8 +634,9 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="weight must be an Int4Weight"):
         qk.int4_linear(jnp.zeros((2, 13), jnp.float32), w)
     # whichever path runs (found in review: the twin's path let them pass)
-    with pytest.raises(ValueError, match="int8_linear: threads must be >= 1"):
-        qk.int8_linear(jnp.zeros((2, 13), jnp.float32), w, impl="xla", threads=0)
+    for threads in (0, 2.5):
+        with pytest.raises(ValueError, match="int8_linear: threads must be an integer >= 1"):
+            qk.int8_linear(jnp.zeros((2, 13), jnp.float32), w, impl="xla", threads=threads)
     with pytest.raises(ValueError, match="int8_matmul: blocking must be"):
         qk.int8_matmul(x, w, impl="xla", blocking={"mc": 0, "mr": 2})
     if qk.available():
@@ -645,7 +646,7 @@ def test_bad_inputs_name_the_argument():
         # computed no rows, silently
         with pytest.raises(ValueError, match=r"'mc': 1\.\.2\*\*30"):
             qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 2**31 - 1, "mr": 4})
-        with pytest.raises(ValueError, match="threads must be >= 1"):
+        with pytest.raises(ValueError, match="threads must be an integer >= 1"):
             qk.int8_matmul(x, w, impl="kernel", threads=0)
 
 

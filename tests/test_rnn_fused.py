@@ -14,7 +14,7 @@ from hpnlp import rnn
 from hpnlp.config import ConfigError
 from hpnlp.rnn import cells, fused
 
-pytestmark = pytest.mark.kernel(fused.KERNEL)
+needs_kernel = pytest.mark.kernel(fused.KERNEL)
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
@@ -34,6 +34,7 @@ def _project(pp, x_TBE):
 # E: 12 and 17 (a short input tile each side of the vector width), 100 (several full tiles
 # and groups of the in-kernel dx, split over threads), 1. L = 77: the input projection and
 # dx run in blocks of 36 steps at B = 7 (256 rows), so two full blocks and a short one.
+@needs_kernel
 @pytest.mark.parametrize("threads,L,E", [(1, 5, 12), (2, 5, 12), (5, 1, 12), (3, 3, 100),
                                          (2, 2, 17), (2, 2, 1), (2, 77, 12)])
 def test_kernel_matches_the_scan_with_padding(threads, L, E):
@@ -70,6 +71,7 @@ def test_kernel_matches_the_scan_with_padding(threads, L, E):
     assert not np.asarray(g_got[2])[np.asarray(valid) == 0].any()  # padding's dx exactly 0
 
 
+@needs_kernel
 @pytest.mark.parametrize("cfg", [dict(), dict(bidirectional=True, learned_init=True, weight_drop=0.3,
                                                variational_dropout=0.2, dropout=0.1)],
                          ids=["plain", "bidirectional,dropout"])
@@ -96,6 +98,7 @@ def test_layer_fused_equals_scan(cfg):
     _close(g_ref, g_got)
 
 
+@needs_kernel
 def test_auto_picks_the_kernel_only_where_it_runs_and_fused_says_why_not():
     x = jnp.ones((2, 3, 4))
 
@@ -114,8 +117,49 @@ def test_auto_picks_the_kernel_only_where_it_runs_and_fused_says_why_not():
         rnn.RNNLayer(hidden=16, impl="cuda").init(jax.random.key(0), x)
 
 
+@needs_kernel
 def test_kernel_rejects_a_hidden_size_it_cannot_tile():
     with pytest.raises(Exception, match="multiple of 16"):
         fused.lstm_forward(jnp.zeros((2, 1, 3)), jnp.zeros((3, 40)), jnp.zeros((40,)),
                            jnp.zeros((10, 40)),
                            jnp.zeros((1, 10)), jnp.zeros((1, 10)), jnp.ones((2, 1)), threads=1)
+
+
+def _zero_operands(L=2, B=1, E=3, H=16):
+    """Zeros of every shape the kernel's calls take: x_LBE, w_EG, b_G, w_HG, c0_BH,
+    valid_LB, the gates act_LBG (dz_LBG alike), cc_LBH (hp_LBH alike), d_out_BLH."""
+    z = jnp.zeros
+    return (z((L, B, E)), z((E, 4 * H)), z((4 * H,)), z((H, 4 * H)), z((B, H)), jnp.ones((L, B)),
+            z((L, B, 4 * H)), z((L, B, H)), z((B, L, H)))
+
+
+@pytest.mark.parametrize("threads", [0, -4, 2.7, True])
+def test_bad_threads_are_refused_before_any_build(threads, monkeypatch):
+    """Found in review: threads=0, -4 or 2.7 ran on one or two threads without a word (the
+    kernel clamps and the attribute truncates them). Refused by every entry point, as
+    cached attention and sparse_matmul refuse them, before the kernel is built or tuned
+    (so this test needs no compiler)."""
+    monkeypatch.setattr(fused.KERNEL, "load", lambda: pytest.fail("the kernel was asked for"))
+    x, w_EG, b_G, w_HG, c0, valid, act, cc, d_out = _zero_operands()
+    bad = "fused LSTM: threads must be an integer >= 1"
+    with pytest.raises(ValueError, match=bad):
+        fused.lstm_layer(w_EG, b_G, w_HG, x, (c0, c0), valid, threads)
+    with pytest.raises(ValueError, match=bad):
+        fused.lstm_backward(act, cc, c0, w_HG, w_EG, valid, d_out, c0, c0, threads=threads)
+    with pytest.raises(ValueError, match=bad):
+        fused.lstm_weight_grads(cc, x, act, threads=threads)
+
+
+def test_block_sizes_that_are_not_integers_are_refused_before_any_build(monkeypatch):
+    """Found in review: {"kc": 100.7, "mr": 6} ran truncated to kc = 100 without a word."""
+    monkeypatch.setattr(fused.KERNEL, "load", lambda: pytest.fail("the kernel was asked for"))
+    x, w_EG, b_G, w_HG, c0, valid, act, cc, d_out = _zero_operands()
+    bad = "fused LSTM: block sizes must be integers"
+    for blocking in ({"kc": 100.7, "mr": 6}, {"kc": 128, "mr": 6.0}, {"kc": True, "mr": 6}):
+        with pytest.raises(ValueError, match=bad):
+            fused.lstm_forward(x, w_EG, b_G, w_HG, c0, c0, valid, threads=1, blocking=blocking)
+    with pytest.raises(ValueError, match=bad):
+        fused.lstm_backward(act, cc, c0, w_HG, w_EG, valid, d_out, c0, c0,
+                            blocking={"kc": 64.5, "mr": 4})
+    with pytest.raises(ValueError, match=bad):
+        fused.lstm_weight_grads(cc, x, act, blocking={"kc": 128, "mc": 48.5})

@@ -175,8 +175,9 @@ def test_bad_input_says_what_and_how():
     for impl in ("xla", "auto"):
         with pytest.raises(ValueError, match="vectors must be one of"):
             spmm.sparse_matmul(jnp.ones((2, 4)), sw, vectors=3, impl=impl)
-        with pytest.raises(ValueError, match="threads must be >= 1"):
-            spmm.sparse_matmul(jnp.ones((2, 4)), sw, threads=0, impl=impl)
+        for threads in (0, 2.5):
+            with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+                spmm.sparse_matmul(jnp.ones((2, 4)), sw, threads=threads, impl=impl)
     if spmm.available():
         # arrays that do not describe a K x N matrix are refused by the kernel, not read
         bad = spmm.SparseWeight(sw.col_ptr, sw.row.at[2].set(7), sw.val, k=4)

@@ -168,8 +168,8 @@ def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, scales=None, impl: str = 
         scales = tuple(jnp.asarray(s, jnp.float32) for s in scales)
     if impl not in IMPLS:
         raise ValueError(f"cached attention: impl={impl!r} is not one of {IMPLS}")
-    if threads is not None and int(threads) < 1:
-        raise ValueError(f"cached attention: threads must be >= 1; got {threads}")
+    if threads is not None and (not kernels.is_integer(threads) or threads < 1):
+        raise ValueError(f"cached attention: threads must be an integer >= 1; got {threads!r}")
     reason = "impl='xla'" if impl == "xla" else blocker(q_BLHD, k_BTHD, v_BTHD, coded)
     if impl == "kernel" and reason is not None:
         raise ValueError(f"cached attention: impl='kernel' cannot run here: {reason}. Use "

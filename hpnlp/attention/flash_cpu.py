@@ -19,6 +19,7 @@ Shape letters: B batch, L query length, S key length, H heads, D head dim.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 import jax
@@ -218,6 +219,28 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
     (bfloat16 only): True runs the products widened to float32, False on the CPU's own
     bfloat16 instructions where it has them; None: each pass's tuned choice."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, None)
+    # The options are checked before the kernel is built or tuned, as the other kernels'
+    # wrappers do (found in review: threads=0, -4 or 2.7 ran on one or two threads without
+    # a word, as the kernel clamps and truncates them; fwd_blocks=64 was a bare TypeError).
+    if threads is not None and (not kernels.is_integer(threads) or threads < 1):
+        raise ValueError(f"flash attention: threads must be an integer >= 1 (None: every "
+                         f"core); got {threads!r}")
+    threads = None if threads is None else operator.index(threads)
+    if widen is not None and not isinstance(widen, (bool, np.bool_)):
+        raise ValueError(f"flash attention: widen must be True, False or None (tuned); got "
+                         f"{widen!r}")
+    given = {"fwd_blocks": fwd_blocks, "bwd_blocks": bwd_blocks}
+    for name, blk in given.items():
+        if blk is None:
+            continue
+        try:
+            pair = len(blk) == 2 and all(kernels.is_integer(x) for x in blk)
+        except TypeError:  # not a sequence
+            pair = False
+        if not pair or any(x <= 0 or x % 16 or x > MAX_BLOCK for x in blk):
+            raise ValueError(f"flash attention: {name} must be two positive multiples of 16 "
+                             f"(queries, keys), at most {MAX_BLOCK}; got {blk!r}")
+        given[name] = tuple(operator.index(x) for x in blk)
     reason = blocker(q_BLHD.shape[-1], v_BSHD.shape[-1])
     if reason is not None:
         raise RuntimeError(f"the flash attention kernel cannot run here: {reason}. Use "
@@ -228,18 +251,7 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                                 kseg_BS.shape != k_BSHD.shape[:2]):
         raise ValueError(f"flash attention: segment ids must be [B, L] = {q_BLHD.shape[:2]} and "
                          f"[B, S] = {k_BSHD.shape[:2]}; got {qseg_BL.shape} and {kseg_BS.shape}")
-    if widen is not None and not isinstance(widen, (bool, np.bool_)):
-        raise ValueError(f"flash attention: widen must be True, False or None (tuned); got "
-                         f"{widen!r}")
     bf16 = all(x.dtype == jnp.bfloat16 for x in (q_BLHD, k_BSHD, v_BSHD))
-    given = {"fwd_blocks": fwd_blocks, "bwd_blocks": bwd_blocks}
-    for name, blk in given.items():  # checked before any tuning runs
-        if blk is None:
-            continue
-        blk = given[name] = tuple(int(x) for x in blk)
-        if len(blk) != 2 or any(x <= 0 or x % 16 or x > MAX_BLOCK for x in blk):
-            raise ValueError(f"flash attention: {name} must be two positive multiples of 16 "
-                             f"(queries, keys), at most {MAX_BLOCK}; got {blk}")
     rg = regime(q_BLHD.shape[1], k_BSHD.shape[1], causal)
     if fwd_blocks is None and bwd_blocks is None:
         blocks = tuned_blocks(bf16, rg)

@@ -228,8 +228,8 @@ def _use_kernel(what: str, impl: str, panels) -> bool:
 def _check_options(what: str, threads, blocking=None) -> None:
     """`threads` and `blocking` checked whichever path runs, before any compile (found in
     review: with impl="xla", or "auto" where the kernel cannot run, threads=0 passed)."""
-    if threads is not None and int(threads) < 1:
-        raise ValueError(f"{what}: threads must be >= 1; got {threads}")
+    if threads is not None and (not kernels.is_integer(threads) or threads < 1):
+        raise ValueError(f"{what}: threads must be an integer >= 1; got {threads!r}")
     if blocking is not None and (
             set(blocking) != {"mc", "mr"} or not 1 <= blocking["mc"] <= 2**30
             or blocking["mr"] < 1):

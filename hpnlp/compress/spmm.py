@@ -164,8 +164,8 @@ def sparse_matmul(x_MxK, w: SparseWeight, *, impl: str = "auto", threads: int | 
         raise ValueError(f"sparse_matmul: impl must be one of {IMPLS}; got {impl!r}")
     # checked whichever path runs (as the quantized products do): threads=0 or a bad
     # `vectors` passed with impl="xla", or "auto" where the kernel cannot run
-    if threads is not None and int(threads) < 1:
-        raise ValueError(f"sparse_matmul: threads must be >= 1; got {threads}")
+    if threads is not None and (not kernels.is_integer(threads) or threads < 1):
+        raise ValueError(f"sparse_matmul: threads must be an integer >= 1; got {threads!r}")
     # the given row block now; the tuned one only on the kernel's path (below), not to tune
     # for the XLA path
     n_vectors = None if vectors is None else _vectors(vectors)

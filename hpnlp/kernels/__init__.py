@@ -30,6 +30,7 @@ import fcntl
 import functools
 import glob
 import hashlib
+import operator
 import os
 import platform
 import re
@@ -43,6 +44,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 HEADER_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -165,6 +167,16 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def is_integer(x) -> bool:
+    """Whether x is an integer (Python's, NumPy's, anything with __index__), not a bool: what
+    the kernels' wrappers take for a thread count or a block size."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return not isinstance(x, (bool, np.bool_))
 
 
 def with_twin_gradient(kernel, twin, *args):

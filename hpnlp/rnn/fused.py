@@ -86,10 +86,21 @@ TUNINGS["dw"] = tuning.Tuning(
     shape=" ".join(f"{k}={v}" for k, v in DW_PROBE.items()))
 
 
+def _check_threads(threads) -> None:
+    """Found in review: threads=0, -4 or 2.7 ran on one or two threads without a word (the
+    kernel clamps and the attribute truncates them); refused as the other kernels' wrappers
+    do, before anything is built or tuned."""
+    if threads is not None and (not kernels.is_integer(threads) or threads < 1):
+        raise ValueError(f"fused LSTM: threads must be an integer >= 1 (None: chosen by the "
+                         f"problem's size); got {threads!r}")
+
+
 def _blocking(name: str, given: dict | None) -> dict:
     cfg = dict(given) if given is not None else TUNINGS[name].config()
-    if any(isinstance(v, int) and v >= 2 ** 31 for v in cfg.values()):
-        raise ValueError(f"fused LSTM: block sizes must fit int32; got {given}")
+    # found in review: a float block ({"kc": 100.7}) ran truncated to 100 without a word
+    if (not all(kernels.is_integer(v) for v in cfg.values())
+            or any(v >= 2 ** 31 for v in cfg.values())):
+        raise ValueError(f"fused LSTM: block sizes must be integers that fit int32; got {given}")
     if name == "dw":
         if set(cfg) != {"kc", "mc"} or cfg["kc"] <= 0 or cfg["mc"] <= 0:
             raise ValueError(f"fused LSTM: weight-gradient blocking must be {{'kc': > 0, "
@@ -137,6 +148,7 @@ def lstm_forward(x_LBE, w_EG, b_G, w_HG, c0_BH, h0_BH, valid_LB, *, save: bool =
     (out_BLH, (c_BH, h_BH) final state, hp_LBH, cc_LBH, act_LBG) with, when `save`, what
     the backward pass reads: h entering every step, c after it, and the activated gates
     (i, f, o, g); without `save` those three are empty (a forward pass only)."""
+    _check_threads(threads)
     L, B, _ = x_LBE.shape
     H, G = w_HG.shape
     n = L if save else 0
@@ -152,6 +164,7 @@ def lstm_backward(act_LBG, cc_LBH, c0_BH, w_HG, w_EG, valid_LB, d_out_BLH, d_h_B
     """The recurrence backward: (dz_LBG, db_G, d_h0_BH, d_c0_BH, d_x_LBE), dz the gradient
     of the gate pre-activations (equal to that of the input projection), db its sum over
     steps and rows (the bias gradient) and d_x = dz W_x^T the input's gradient."""
+    _check_threads(threads)
     L, B, G = act_LBG.shape
     H, E = G // 4, w_EG.shape[0]
     return _call("hpnlp_lstm_bwd", [(L, B, G), (G,), (B, H), (B, H), (L, B, E)], act_LBG,
@@ -165,6 +178,7 @@ def lstm_weight_grads(hp_LBH, x_LBE, dz_LBG, *, threads: int | None = None,
     packs dz once for both (XLA:CPU runs these products, which contract both operands'
     leading axis, in Eigen; see fused_lstm.cc). `threads` None: every core, or one for a
     small product; `lstm_layer`'s `threads` sets it too."""
+    _check_threads(threads)
     L, B, G = dz_LBG.shape
     H, E = G // 4, x_LBE.shape[-1]
     if threads is None:
