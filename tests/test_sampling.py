@@ -128,6 +128,67 @@ def test_traced_top_p_and_min_p_under_jit_match_the_concrete_ones(logp):
                                       sampling_logits(logp, top_k=10, top_p=tp, min_p=mp))
 
 
+def test_per_row_options_match_calling_row_by_row(logp):
+    """Review r6: a [B] temperature, top_p or min_p (one value per row, which check_sampling
+    invited) met the vocabulary axis: top_p's bisection failed deep in the trace with a
+    TypeError naming no option, min_p and temperature with a broadcast error, and where
+    B == V (the 8 x 8 case) they would cut or divide token j by row j's value. [B] and [B, 1]
+    both give each row its own, traced or concrete, over [B, V] and speculative decoding's
+    [B, K, V], exactly as calling row by row."""
+    square = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(2).normal(size=(8, 8)) * 2,
+                                            jnp.float32))
+    run = jax.jit(lambda x, kw: sampling_logits(x, top_k=5, **kw))
+    for x in (logp, square, logp.reshape(2, 3, -1)):
+        B = x.shape[0]
+        opts = dict(temperature=np.linspace(0.5, 2.0, B), top_p=np.linspace(0.3, 1.0, B),
+                    min_p=np.linspace(0.4, 0.0, B))
+        off = dict(temperature=np.ones(B), top_p=np.ones(B), min_p=np.zeros(B))
+        for name in (*opts, "all three"):  # one alone (the others off), then all three
+            kw_B = {n: np.float32(v) for n, v in opts.items() if name in (n, "all three")}
+            kw_B = {**{n: np.float32(v) for n, v in off.items()}, **kw_B}
+            want = np.concatenate([run(x[b:b + 1], {n: v[b] for n, v in kw_B.items()})
+                                   for b in range(B)])
+            for shape in ((B,), (B, 1)):
+                kw = {n: jnp.asarray(v).reshape(shape) for n, v in kw_B.items()}
+                np.testing.assert_array_equal(run(x, kw), want, str((name, shape)))
+
+
+@pytest.mark.parametrize("kw, got", [
+    (dict(top_p=jnp.full((5,), 0.9)), r"\(5,\)"),
+    (dict(min_p=jnp.full((6, 50), 0.1)), r"\(6, 50\)"),
+    (dict(temperature=jnp.ones((1, 6))), r"\(1, 6\)"),
+    (dict(top_p=jnp.full((6, 1, 1), 0.9)), r"\(6, 1, 1\)")])
+def test_an_option_array_of_another_shape_is_refused_by_name(logp, kw, got):
+    (opt,) = kw
+    match = (rf"^{opt}: an array must give one value per row, shape \(6,\) or \(6, 1\) \(or be a "
+             rf"number\); got shape {got}")
+    with pytest.raises(ValueError, match=match):
+        sampling_logits(logp, **kw)
+    with pytest.raises(ValueError, match=match):  # traced: its shape is known before the trace
+        jax.jit(lambda x, kw: sampling_logits(x, **kw))(logp, kw)
+
+
+def test_generate_and_speculative_take_one_option_value_per_row(lms):
+    """Review r6: [B] options failed in `generate`'s and `speculative_generate`'s traces.
+    Traced under jit, row 0's top_p of 1e-6 keeps the argmax alone, so it decodes the greedy
+    tokens, while row 1 (top_p 1, temperature 1.5) samples others."""
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    prompt = jnp.tile(inputs[:1, :2], (2, 1))
+    greedy = np.asarray(jax.jit(lambda p, pr: models.generate(cfg, p, pr, length=LEN))(
+        params, prompt))
+    kw = dict(temperature=jnp.array([1.0, 1.5]), top_p=jnp.array([1e-6, 1.0]),
+              min_p=jnp.array([[0.5], [0.0]]))
+    got = jax.jit(lambda p, pr, kw: models.generate(cfg, p, pr, length=LEN, greedy=False,
+                                                    rng=jax.random.key(5), **kw))(
+        params, prompt, kw)
+    spec, _ = jax.jit(lambda p, dp, pr, kw: speculative.speculative_generate(
+        cfg, p, draft_cfg, dp, pr, length=LEN, draft_tokens=3, greedy=False,
+        rng=jax.random.key(5), **kw))(params, draft_params, prompt, kw)
+    for out in (np.asarray(got), np.asarray(spec)):
+        np.testing.assert_array_equal(out[0], greedy[0])
+        assert np.any(out[1] != greedy[1])
+
+
 def test_draws_follow_the_processed_distribution():
     """20,000 draws from one fixed logit vector, each option cutting the kept set further
     (12 -> 9 -> 7 -> 4 tokens): tokens outside it never, the others within 4.5 binomial
@@ -310,6 +371,18 @@ REFUSALS = [
     (dict(top_p=[0.9]), r"top_p=\[0.9\]: it must be a number"),
     (dict(temperature="0.8"), "temperature='0.8': it must be a number .*not a str"),
     (dict(temperature=None, greedy=True), "temperature=None: it must be a number"),
+    # a review (r6): arrays (one value per row) passed unchecked, and failed in the trace
+    (dict(top_p=np.full(3, 0.9)), r"^top_p: an array must give one value per row, shape "
+                                  r"\(2,\) or \(2, 1\) \(or be a number\); got shape \(3,\)$"),
+    (dict(min_p=np.full((1, 2), 0.1)), r"^min_p: an array .*got shape \(1, 2\)$"),
+    (dict(temperature=np.full((2, V), 0.8)), rf"^temperature: an array .*got shape \(2, {V}\)$"),
+    (dict(top_p=np.array([0.9, 1.5])), r"top_p=\[0.9, 1.5\]: each value must be a number in "
+                                       r"\(0, 1\]"),
+    (dict(min_p=np.array([[0.1], [-0.1]])), r"min_p=\[\[0.1\], \[-0.1\]\]: each value must"),
+    (dict(temperature=np.array([0.8, 0.0])), r"temperature=\[0.8, 0.0\]: sampling needs a finite "
+                                             "temperature"),
+    (dict(temperature=np.array([0.8, 1.0]), greedy=True), "temperature=array.* shapes sampling, "
+                                                          "which greedy decoding does not do"),
     (dict(known_ids=0), "known_ids=0: it counts the token ids the tokenizer decodes"),
     (dict(known_ids=5, top_k=6), "top_k=6 is larger than known_ids=5, the token ids the "
                                  r"tokenizer decodes \(of model.vocab_size=40\)"),

@@ -22,20 +22,21 @@ from hpnlp import attention as attention_lib
 from hpnlp.config import Config
 
 
-def check_temperature(temperature, greedy: bool, flags: bool = False) -> None:
+def check_temperature(temperature, greedy: bool, flags: bool = False, *, batch=None) -> None:
     """A ValueError where sampling (not `greedy`) is asked at a temperature that is not a
     finite number above 0 (a traced one is the caller's to check). NumPy and concrete JAX
-    scalars count too: `jnp.float32(0)` sampled silently from NaN logits. `flags`: named as
-    the command line's."""
+    scalars count too: `jnp.float32(0)` sampled silently from NaN logits. An array gives one
+    temperature per row, each checked, and with `batch` (the rows) its shape too: [B] or [B, 1]
+    (`_row_shape`). `flags`: named as the command line's."""
     if isinstance(temperature, jax.core.Tracer):
+        if batch is not None and not greedy and np.ndim(temperature):
+            _row_shape("temperature", np.shape(temperature), (batch,))
         return
     if not _is_number(temperature):  # review r7: "0.8" passed float() here, then failed in the
         # trace with a TypeError that named no argument
         name = "--temperature " if flags else "temperature="
         raise ValueError(f"{name}{temperature!r}: it must be a number (e.g. 0.8), not a "
                          f"{type(temperature).__name__}")
-    if np.ndim(temperature):
-        return
     if greedy:  # a bug hunt: generate(..., temperature=0.8) decoded greedily, unsaid (greedy is
         # the default); top_k, top_p and min_p were refused so already
         if not flags and _is_set(temperature, 1.0):
@@ -43,13 +44,17 @@ def check_temperature(temperature, greedy: bool, flags: bool = False) -> None:
                              "decoding does not do (the argmax would ignore it); pass "
                              "greedy=False to sample, or leave temperature at 1.0")
         return
+    if batch is not None and np.ndim(temperature):
+        _row_shape("temperature", np.shape(temperature), (batch,))
     # float32's smallest normal: below it the temperature flushed to 0 on the CPU and every
     # token sampled was 0 (a bug hunt, session 90: 1e-38 emitted NULs where 1e-30 was greedy)
     tiny = float(np.finfo(np.float32).tiny)
-    if not tiny <= float(temperature) < float("inf"):
+    t = np.asarray(temperature, np.float64)
+    if not np.all((tiny <= t) & (t < np.inf)):
         name, greedily = (("--temperature ", "--greedy for the argmax") if flags
                           else ("temperature=", "decode greedily"))
-        raise ValueError(f"{name}{temperature}: sampling needs a finite temperature of at least "
+        shown = t.tolist() if t.ndim else temperature
+        raise ValueError(f"{name}{shown}: sampling needs a finite temperature of at least "
                          f"{tiny:.3g} (float32's smallest normal); give one (e.g. 0.8), or "
                          f"{greedily}")
 
@@ -73,12 +78,14 @@ def _is_set(value, off) -> bool:
 
 
 def check_sampling(top_k, top_p, min_p, greedy: bool, vocab_size=None, *,
-                   flags: bool = False, known_ids=None) -> None:
+                   flags: bool = False, known_ids=None, batch=None) -> None:
     """A ValueError, one line naming the option and the fix, where `top_k` is not an int
     >= 0 (or exceeds `vocab_size`, or `known_ids`: the ids the tokenizer decodes), `top_p`
     is not a number in (0, 1], `min_p` not one in [0, 1), or any of them is set with `greedy`
-    (the argmax would ignore it). Traced values are the caller's to check. `flags`: name them
-    as the CLI's flags (`--top-k 5`)."""
+    (the argmax would ignore it). An array of `top_p` or `min_p` gives one value per row, each
+    checked, and with `batch` (the rows) its shape too: [B] or [B, 1] (`_row_shape`). Traced
+    values are the caller's to check (their shapes are checked). `flags`: name them as the
+    CLI's flags (`--top-k 5`)."""
     def name(opt, value):
         return f"--{opt.replace('_', '-')} {value}" if flags else f"{opt}={value!r}"
 
@@ -97,13 +104,18 @@ def check_sampling(top_k, top_p, min_p, greedy: bool, vocab_size=None, *,
         raise ValueError(f"{name('top_k', top_k)} is larger than {known}{of}; lower it, or 0 to "
                          "keep every token")
     for opt, value, ok, allowed in (
-            ("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1] (1 keeps every token; e.g. 0.9)"),
-            ("min_p", min_p, lambda v: 0 <= v < 1, "in [0, 1) (0 keeps every token; e.g. 0.05)")):
+            ("top_p", top_p, lambda v: (0 < v) & (v <= 1),
+             "in (0, 1] (1 keeps every token; e.g. 0.9)"),
+            ("min_p", min_p, lambda v: (0 <= v) & (v < 1),
+             "in [0, 1) (0 keeps every token; e.g. 0.05)")):
         if isinstance(value, jax.core.Tracer):
             continue
-        # an array (one value per row, say) is the caller's to check, as a traced one
-        if not _is_number(value) or (not np.ndim(value) and not ok(float(value))):
-            raise ValueError(f"{name(opt, value)}: it must be a number {allowed}")
+        # an array gives one value per row, each checked (review r6: its values and shape
+        # were left to the caller, and a [B] one failed deep in the trace)
+        if not _is_number(value) or not np.all(ok(np.asarray(value, np.float64))):
+            array = _is_number(value) and np.ndim(value)
+            raise ValueError(f"{name(opt, np.asarray(value).tolist() if array else value)}: "
+                             f"{'each value' if array else 'it'} must be a number {allowed}")
     if greedy:
         for opt, value, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0)):
             if not isinstance(value, jax.core.Tracer) and _is_set(value, off):
@@ -112,6 +124,26 @@ def check_sampling(top_k, top_p, min_p, greedy: bool, vocab_size=None, *,
                 raise ValueError(f"{name(opt, value)} shapes sampling, which "
                                  f"{'--greedy' if flags else 'greedy decoding'} does not do "
                                  f"(the argmax would ignore it); {fix}")
+    elif batch is not None:  # a traced array's shape too: known before the trace
+        for opt, value in (("top_p", top_p), ("min_p", min_p)):
+            if np.ndim(value):
+                _row_shape(opt, np.shape(value), (batch,))
+
+
+def _row_shape(opt: str, shape, lead) -> tuple:
+    """The shape an array option `opt` of `shape` takes against values [*lead, V]: one value
+    per row, aligned with the leading axes from the left and padded with 1s, so [B] and [B, 1]
+    both give row b its own (a 1 broadcasts). Review r6: a [B] top_p, broadcast from the right
+    as NumPy does, met the vocabulary axis: a TypeError deep in the bisection, or, where
+    B == V, token j cut or divided by row j's value, unsaid. A ValueError naming `opt` for any
+    other shape."""
+    shape, lead = tuple(shape), tuple(lead)
+    full = shape + (1,) * (len(lead) + 1 - len(shape))
+    if (len(full) != len(lead) + 1 or full[-1] != 1
+            or any(n not in (1, m) for n, m in zip(full, lead))):
+        raise ValueError(f"{opt}: an array must give one value per row, shape {lead} or "
+                         f"{lead + (1,)} (or be a number); got shape {shape}")
+    return full
 
 
 def _order_keys(x_BV):
@@ -171,9 +203,18 @@ def sampling_logits(logp_BV, *, temperature=1.0, top_k: int = 0, top_p=1.0, min_
     traced. No sort: a top-k, a bisection for top_p (`_nucleus`) and a max, about 1 ms in
     all at 16 x 8000 on one CPU core.
 
+    `temperature`, `top_p` and `min_p` are each a number, or an array of one value per row,
+    aligned with the leading axes from the left ([B] or [B, 1] for [B, V]; [B] or [B, K] for
+    [B, K, V]), the same as calling row by row; another shape is a ValueError (`_row_shape`).
+
         >>> sampling_logits(jnp.log(jnp.array([[.5, .3, .15, .05]])), top_p=0.75)
         Array([[ 0.        , -0.51082563,        -inf,        -inf]], dtype=float32)
     """
+    # an array per row as [B, 1] (review r6: a [B] one was applied along the vocabulary)
+    lead = logp_BV.shape[:-1]
+    temperature, top_p, min_p = (
+        v if not jnp.ndim(v) else jnp.reshape(v, _row_shape(opt, jnp.shape(v), lead))
+        for opt, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)))
     top_B1 = jnp.max(logp_BV, axis=-1, keepdims=True)
     x_BV = (logp_BV - jnp.where(jnp.isfinite(top_B1), top_B1, 0)) / temperature
     V = x_BV.shape[-1]
@@ -302,7 +343,8 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     Sampled (`greedy=False`), each token is drawn from `sampling_logits` of the model's
     next-token log-probs: `temperature`, then `top_k` (0: off), `top_p` (1.0: off) and
     `min_p` (0.0: off); they are refused with `greedy` (the default), which would ignore
-    them (it ignores `rng`).
+    them (it ignores `rng`). `temperature`, `top_p` and `min_p` may be arrays of one value per
+    row, [B] or [B, 1].
 
     `known_ids`: the token ids the tokenizer decodes, where the model has more rows (a
     model.vocab_size above the task's, or a word file with fewer words than
@@ -324,11 +366,12 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
 
     check_prompt(cfg, prompt_BP, prompt_len_B)
     check_features_key(cfg, features_key)
-    check_temperature(temperature, greedy)
-    check_known_ids(known_ids)
-    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids)
-    check_call(length, rng)
     B, P = prompt_BP.shape
+    check_temperature(temperature, greedy, batch=B)
+    check_known_ids(known_ids)
+    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids,
+                   batch=B)
+    check_call(length, rng)
     if length > cfg.model.max_len:
         raise ValueError(f"generate(length={length}) exceeds model.max_len={cfg.model.max_len}")
     if P > length:

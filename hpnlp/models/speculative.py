@@ -188,9 +188,10 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     prompt is the whole of `prompt_BP` (same length). Jit it with the configs static, like
     `generate.generate`; `check` runs here, before any tracing. Sampled, `top_k`, `top_p`
     and `min_p` act as in `generate` on both the draft's and the target's distributions, so
-    the tokens follow the target's processed one. `known_ids` (as in `generate`: the ids the
-    tokenizer decodes) masks the ids from it on in both too, before the options, so neither
-    model drafts nor emits them, greedy or sampled."""
+    the tokens follow the target's processed one; `temperature`, `top_p` and `min_p` may be
+    arrays of one value per row, [B] or [B, 1], as there. `known_ids` (as in `generate`: the
+    ids the tokenizer decodes) masks the ids from it on in both too, before the options, so
+    neither model drafts nor emits them, greedy or sampled."""
     from hpnlp.models import build
     from hpnlp.models.generate import (check_call, check_known_ids, check_prompt, check_sampling,
                                        check_temperature, mask_unknown, sampling_logits)
@@ -200,9 +201,10 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     B, P = prompt_BP.shape
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
-    check_temperature(temperature, greedy)
+    check_temperature(temperature, greedy, batch=B)
     check_known_ids(known_ids)
-    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids)
+    check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids,
+                   batch=B)
     opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     target = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     draft = build(draft_cfg, deterministic=True, decode=True, token_counts=draft_token_counts)
