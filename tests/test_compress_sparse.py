@@ -172,6 +172,39 @@ def test_a_sparsity_raised_on_resume_recomputes_the_masks_and_reports_what_they_
         assert int(kept["last"]) == 14 and "pending" not in lower.report(saved, params)
 
 
+def test_a_scheduled_recompute_at_a_lower_target_revives_no_pruned_weight():
+    """A review: a cubic run (0.9, every 10) that ended at 100 steps, resumed with 1000, came
+    to a scheduled recompute at step 100 at the new, lower target (0.244) and pruned only
+    that share of its -inf entries: the rest (the later positions) came back, sparsity 0.9
+    fell to 0.244 unsaid. Magnitude and random masks (and structured units) keep what they
+    prune until the target passes it; movement masks follow their scores at the target."""
+    params = {"a": {"kernel": jnp.asarray(RNG.standard_normal((8, 10)), jnp.float32)},
+              "b": {"kernel": jnp.asarray(RNG.standard_normal((4, 5)), jnp.float32)}}
+    weights = {k: params[k[0]]["kernel"] for k in ("a/kernel", "b/kernel")}
+    ones = {k: jnp.ones(w.shape, bool) for k, w in weights.items()}
+    for method, scope in (("magnitude", "layer"), ("random", "global")):
+        cd = tiny(prune=dict(method=method, sparsity=0.9, schedule="cubic", every=10,
+                             scope=scope))
+        cd.train.steps = 1000
+        c = prune.PruneCarry(from_configdict(cd))
+        c.products = {k: (0,) for k in weights}
+        saved = prune.compute_masks(c.p, weights, ones, 0.9, {}, 0)  # the 100-step run's end
+        _, now = c.after_update({"masks": saved, "last": jnp.asarray(99, jnp.int32)}, params,
+                                None, jnp.asarray(100, jnp.int32))
+        assert int(now["last"]) == 100  # the schedule's recompute, at 0.9 * (1 - 0.9^3)
+        for k, m in now["masks"].items():
+            assert not bool(jnp.any(m & ~saved[k])), (method, scope, k)
+        assert c.report(now, params)["sparsity"] == pytest.approx(0.9, abs=0.01)
+    movement = prune.compute_masks(PruneConfig(method="movement"), weights, saved, 0.25, {},
+                                   0, {k: jnp.abs(w) for k, w in weights.items()})
+    assert int((~movement["a/kernel"]).sum()) == 20  # afresh by score, at the target
+    g = prune.Group("expert_mlp", 4, {"e/wi": 2}, 2, {"e/wi": 0})  # 2 rows of 4 units
+    flat = {"e/wi": jnp.asarray(RNG.standard_normal((2, 3, 4)), jnp.float32)}
+    groups = {"e": jnp.asarray([[False, False, True, False], [False, True, False, False]])}
+    got = prune.group_masks(PruneConfig(method="magnitude"), flat, {"e": g}, groups, 0.25, 0)
+    np.testing.assert_array_equal(np.asarray(got["e"]), np.asarray(groups["e"]))
+
+
 def test_a_one_shot_pruning_is_not_lost_to_skipped_float16_steps(tmp_path):
     """Found in review: with float16 loss scaling, the first steps overflow and are skipped
     (the state kept as it was), and a one-shot pruning at step 0 was lost with them: the

@@ -281,6 +281,17 @@ def test_task_fields_are_filled_in():
     ({"train": {"prune": {"l1": -1.0}}}, "train.prune.l1", "set train.prune.method"),
     ({"train": {"prune": {"schedule": "bogus"}}}, "train.prune.schedule",
      "(--config.train.prune.schedule=oneshot)"),
+    # a review: each taken and ignored by the schedule chosen (imp prunes at its rounds'
+    # boundaries, oneshot at start_step, cubic has no rounds)
+    *[({"train": {"prune": {"method": "magnitude", "schedule": schedule, name: value}}},
+       f"train.prune.{name}", f"train.prune.schedule={schedule!r} does not use it, so nothing "
+       f"reads it; use train.prune.schedule={by} for it")
+      for schedule, name, value, by in (("imp", "start_step", 500, "'oneshot' or 'cubic'"),
+                                        ("imp", "every", 5, "'cubic'"),
+                                        ("oneshot", "end_step", 10, "'cubic'"),
+                                        ("oneshot", "every", 5, "'cubic'"),
+                                        ("oneshot", "rewind_step", 2, "'imp'"),
+                                        ("cubic", "rounds", 5, "'imp'"))],
     ({"train": {"distill": {"alpha": 5.0}}}, "train.distill.alpha",
      "train.distill.teacher='' distills from no teacher"),
     ({"train": {"distill": {"hidden": 1.0}}}, "train.distill.hidden", "set train.distill.teacher"),
@@ -399,6 +410,11 @@ def test_fields_are_taken_where_their_switch_reads_them():
     bi = {"kind": "bi_encoder"}
     for groups in (
             {"train": {"prune": {"method": "magnitude", "l1": 0.01, "schedule": "cubic"}}},
+            {"train": {"prune": {"method": "magnitude", "schedule": "cubic", "start_step": 5,
+                                 "end_step": 50, "every": 5}}},
+            {"train": {"prune": {"method": "magnitude", "schedule": "oneshot", "start_step": 5}}},
+            {"train": {"prune": {"method": "magnitude", "schedule": "imp", "rounds": 2,
+                                 "rewind_step": 5}}},
             {"data": {"batching": "bucket", "bucket_boundaries": (32, 64)}},
             {"model": {"lowrank": {"rank": 4, "layers": "mlp"}}},
             {"model": {"kind": "classifier", "pool": "first", "num_classes": 12,

@@ -175,6 +175,8 @@ def configs(draw) -> dict:
                       "scope": "layer" if nm != "unstructured" else draw(st.sampled_from(["layer", "global"])),
                       "schedule": "oneshot" if nm != "unstructured" else draw(st.sampled_from(["oneshot", "cubic"])),
                       "every": 1, "layers": draw(st.sampled_from(["qkv,out,mlp,input,recurrent", "all"]))}
+    if train["prune"]["schedule"] != "cubic":  # only cubic reads it (refused as ignored)
+        del train["prune"]["every"]
     experts = draw(st.sampled_from([0, 0, 2, 4]))
     router = draw(st.sampled_from(["switch", "top_k", "expert_choice"]))
     top_k = 1 if router == "switch" else 2 if router == "top_k" else draw(st.sampled_from([1, 2]))

@@ -25,7 +25,10 @@ output layer stay dense.
   L1-regularized training adds `l1 * sum |W|` over the pruned products to the per-token
   objective (`train.prune.l1`; an auxiliary loss beside the model's, which `loss` and `ppl`
   still log; the sum is logged as `loss_l1`), so magnitude masks find what it drove to zero.
-  A pruned weight's score is -inf, so masks only ever lose entries: gradual schedules nest.
+  A pruned weight's score is -inf, and a recompute prunes at least what the masks already do,
+  so masks only ever lose entries: gradual schedules nest, and a target lowered on resume (a
+  longer train.steps moves the cubic schedule and imp's rounds) keeps them until it passes
+  them.
 - Scope: `layer` (each weight pruned to the target on its own) or `global` (one ranking of
   every pruned weight's |W|; layers end at different sparsities).
 - Structure: unstructured, or N:M (N kept in every M consecutive weights along the
@@ -229,8 +232,10 @@ def scores(method: str, weights: dict, seed, movement: dict | None = None) -> di
 def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products: dict,
                   seed, movement: dict | None = None) -> dict:
     """New masks for `weights` (path -> array) at target `sparsity`. Magnitude and random
-    masks never revive an entry `masks` already pruned; movement masks are the top scores
-    afresh each time (a pruned weight whose score climbs comes back, as in Sanh et al.)."""
+    masks never revive an entry `masks` already pruned: they prune at least as many as
+    `masks` do (a target below theirs keeps them); movement masks are the top scores afresh
+    each time, at the target (a pruned weight whose score climbs comes back, as in Sanh et
+    al.)."""
     s = scores(p.method, weights, seed, movement)
     if p.method != "movement":
         s = {k: jnp.where(masks[k], v, -jnp.inf) for k, v in s.items()}
@@ -238,12 +243,19 @@ def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products
         n, m = p.nm()
         keep = masks if p.method != "movement" else {k: True for k in s}
         return {k: nm_mask(v, products[k], n, m) & keep[k] for k, v in s.items()}
+
+    def count(size, pruned):
+        # a review: a scheduled recompute after a resume with a longer train.steps (a lower
+        # target) pruned only round(s * n) of the -inf entries, reviving the rest by position
+        n = jnp.round(sparsity * size).astype(jnp.int32)
+        return n if p.method == "movement" else jnp.maximum(n, pruned)
+
     if p.scope == "layer":
-        return {k: _keep_top(v.reshape(-1), jnp.round(sparsity * v.size).astype(jnp.int32)
-                             ).reshape(v.shape) for k, v in s.items()}
+        return {k: _keep_top(v.reshape(-1), count(v.size, jnp.sum(~masks[k]))).reshape(v.shape)
+                for k, v in s.items()}
     keys = sorted(s)
     flat = jnp.concatenate([s[k].reshape(-1) for k in keys])
-    keep = _keep_top(flat, jnp.round(sparsity * flat.size).astype(jnp.int32))
+    keep = _keep_top(flat, count(flat.size, sum(jnp.sum(~masks[k]) for k in keys)))
     out, at = {}, 0
     for k in keys:
         out[k] = keep[at:at + s[k].size].reshape(s[k].shape)
@@ -503,13 +515,15 @@ def units_pruned(sparsity, units: int):
 
 def group_masks(p: PruneConfig, flat: dict, layout: dict, groups: dict, sparsity, seed) -> dict:
     """New unit masks at `sparsity` of each row's units (`units_pruned`), the same count in
-    every row of a group; units already pruned stay pruned."""
+    every row of a group; units already pruned stay pruned (each row prunes at least those:
+    a lower target keeps them, as in `compute_masks`)."""
     s = group_scores(p.method, flat, layout, seed)
     out = {}
     for key, g in layout.items():
-        count = units_pruned(sparsity, g.units)
+        before = jnp.sum(~jnp.asarray(groups[key]).reshape(g.rows, g.units), axis=1)
+        count = jnp.maximum(units_pruned(sparsity, g.units), before)  # [rows]
         score = jnp.where(groups[key], s[key], -jnp.inf).reshape(g.rows, g.units)
-        out[key] = jax.vmap(_keep_top, (0, None))(score, count).reshape(g.shape)
+        out[key] = jax.vmap(_keep_top)(score, count).reshape(g.shape)
     return out
 
 
@@ -800,7 +814,8 @@ class PruneCarry(Carry):
         asks after their last update, `value["last"]`, under this run's config (a traced
         bool): counts are exact, so masks computed at a lower target (a resume that raised
         train.prune.sparsity) prune fewer. Masks pruning more (a target lowered by a longer
-        train.steps) hold: a recompute would revive pruned weights by position (review).
+        train.steps) hold: there is nothing to recompute (a scheduled recompute keeps what
+        they prune, `compute_masks`, `group_masks`).
         N:M masks hold 1 - N/M, which nothing changes."""
         last = value["last"]
         s = jnp.where(last >= 0, sparsity_at(self.p, last, self.cfg.train.steps), 0.0)

@@ -29,6 +29,12 @@ def _refuse_unread(group: str, values: Any, why: str, fix: str, *,
                   f"at its default (--config.{group}.{name}={was})")
 
 
+# The train.prune fields of the schedules -> the schedules that read them (hpnlp.compress.prune:
+# sparsity_at, last_update, imp_boundaries); under any other schedule they are refused
+SCHEDULE_FIELDS = {"start_step": ("oneshot", "cubic"), "end_step": ("cubic",),
+                   "every": ("cubic",), "rounds": ("imp",), "rewind_step": ("imp",)}
+
+
 # The QUANT_LAYERS kinds whose input `quant.act_scale='static'` reads by a calibrated range
 # (qlinear.quant_act): the output layer reads its hidden states quantized per token, and the
 # recurrent product quantizes its weights only (the state h stays float32).
@@ -363,6 +369,13 @@ def _check_compress(cfg: Config) -> None:
         _fail("train.prune.sparsity", p.sparsity, "the fraction pruned must be in [0, 1)")
     _check_choice("train.prune.scope", p.scope, ("layer", "global"))
     _check_choice("train.prune.schedule", p.schedule, ("oneshot", "cubic", "imp"))
+    # a review: imp's start_step, oneshot's end_step and every, cubic's rounds were taken and
+    # ignored (imp prunes at its rounds' boundaries, hpnlp.compress.prune.imp_boundaries)
+    for name, by in SCHEDULE_FIELDS.items():
+        if p.schedule not in by:
+            _refuse_unread("train.prune", p, f"train.prune.schedule={p.schedule!r} does not use "
+                           "it", f"use train.prune.schedule={' or '.join(map(repr, by))} for it",
+                           names=(name,))
     if p.schedule == "imp":
         for name in ("rounds", "rewind_step"):
             v = getattr(p, name)
