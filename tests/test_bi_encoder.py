@@ -406,3 +406,112 @@ def test_text_search_takes_the_encoders_own_vector_width(bidirectional):
     assert TextSearch(cfg, model, params, None).index.dim == want
     empty = np.zeros((0, cfg.data.seq_len), np.int32)
     assert be.embed_texts(model, params, empty, empty).shape == (0, want)
+
+
+def test_a_performer_encoder_embeds_with_the_draw_it_trained_with(tmp_path, monkeypatch):
+    """A review (session 106): the pool's evaluation, `python -m hpnlp.retrieval encoder` and
+    TextSearch ran the encoder with no `features` key, so a Performer's (redrawn) features
+    were its seed's draw, one it never trained with. They embed with the run's
+    `state.features_key` now (its last train step's draw, not the next one's) and refuse to
+    embed without it."""
+    import types
+
+    import flax.linen as nn
+
+    from hpnlp import models
+    from hpnlp.data.task import Examples
+    from hpnlp.retrieval import RetrievalError, encoder
+    from hpnlp.train.loop import dummy_batch
+    from test_retrieval import fake_trained_run
+    cfg = validate(_cfg("local", **{"attention.name": "performer",
+                                     "attention.options": {"num_features": 16},
+                                     "train.feature_redraw_every": 2}))
+    model = models.build(cfg, deterministic=True)
+    L = cfg.data.seq_len
+    params = jax.jit(lambda k: nn.unbox(model.init(k, dummy_batch("pair", 2, L))["params"]))(
+        jax.random.key(0))
+    texts = ["In the beginning", "God created", "the heaven and the earth.", "And the earth",
+             "was without form", "and void;"]
+    encode_text = lambda t: np.frombuffer(t.encode(), np.uint8).astype(np.int32)  # noqa: E731
+    ids = [encode_text(t) for t in texts]
+    n = np.array([len(x) for x in ids])  # three pairs: texts 0 and 1, 2 and 3, 4 and 5
+    pairs = Examples(np.concatenate(ids), (np.cumsum(n) - n).reshape(3, 2), n.reshape(3, 2),
+                     np.ones(3, np.int32))
+    task = types.SimpleNamespace(eval=pairs, train=pairs, name="tiny", encode=encode_text)
+    state = fake_trained_run(monkeypatch, cfg, model, params, task)
+    trained, other = state.features_key(2), state.train_features_key(2)
+    tok, seg = np.zeros((len(ids), L), np.int32), np.zeros((len(ids), L), np.int32)
+    for i, x in enumerate(ids):
+        tok[i, :len(x)], seg[i, :len(x)] = x, 1
+    direct = jax.jit(lambda p, t, s, key: model.apply({"params": p}, t, s, method="encode",
+                                                      rngs={"features": key}))
+    want, want_other = (np.asarray(direct(params, tok, seg, key)) for key in (trained, other))
+    assert np.abs(want - want_other).max() > 1e-3
+    np.testing.assert_allclose(be.embed_texts(model, params, tok, seg, features_key=trained),
+                               want, atol=1e-5)
+    search = encoder.TextSearch.from_run(str(tmp_path))
+    np.testing.assert_allclose(search.embed(texts), want, atol=1e-5)
+    metrics = be.evaluate_pool(cfg, model, params, task, features_key=trained)
+    d = want[1::2].astype(np.float64)
+    total = d.sum(0)
+    assert metrics["pool_cosine"] == pytest.approx((total @ total - np.sum(d * d)) / 6, abs=1e-5)
+    assert encoder.evaluate(str(tmp_path))["pool_cosine"] == metrics["pool_cosine"]
+    assert be.BiEncoder.split_metrics(cfg, model, params, task, features_key=trained) == {
+        k: metrics[k] for k in ("recall@1", "recall@10", "mrr")}
+    no_key = (r"^attention.name='performer' draws its random features from the run's features "
+              r"stream, so {} needs the draw it trained with: pass features_key=state\.")
+    for call, what in ((lambda: be.embed_texts(model, params, tok, seg), "embedding texts"),
+                       (lambda: be.evaluate_pool(cfg, model, params, task), "embedding texts"),
+                       (lambda: encoder.TextSearch(cfg, model, params, encode_text),
+                        "TextSearch")):
+        with pytest.raises(RetrievalError, match=no_key.format(what)):
+            call()
+
+
+def test_mining_encodes_with_the_draw_the_step_trained_with(monkeypatch):
+    """A review (session 106): mining ran a Performer encoder with no `features` key, so its
+    seed's draw, one it never trained with; the train step hands its carries the draw it
+    trained with (`Carry.after_update`'s `features`), and mining embeds with it."""
+    import flax.linen as nn
+
+    from hpnlp.retrieval import RetrievalError, mining
+    from hpnlp.train.loop import dummy_batch
+    cfg = validate(_cfg("local,mine", **{
+        "attention.name": "performer", "attention.options": {"num_features": 16},
+        "train.feature_redraw_every": 2, "data.seq_len": 16, "model.max_len": 16,
+        "model.encoder.mine_every": 1, "train.steps": 4, "train.warmup_steps": 0}))
+    carry = mining.NegativesCarry(cfg)
+    model = carry.encoder
+    params = jax.jit(lambda k: nn.unbox(model.init(k, dummy_batch("pair", 2, 16))["params"]))(
+        jax.random.key(0))
+    seen = []
+    monkeypatch.setattr(mining, "mine", lambda encode, *a, **k: seen.append(encode) or
+                        jnp.full((carry.pairs,), -1, jnp.int32))
+    tok, seg = jnp.asarray(carry.q_tok[:4]), jnp.asarray(carry.q_seg[:4])
+    key, other = jax.random.key(5), jax.random.key(6)
+    carry.after_update(carry.init(model, params, None, 2), params, None, jnp.asarray(0), key)
+    direct = lambda k: model.apply({"params": params}, tok, seg, method="encode",  # noqa: E731
+                                   rngs={"features": k})
+    np.testing.assert_allclose(seen[-1](params, tok, seg), direct(key), atol=1e-6)
+    assert np.abs(np.asarray(direct(key) - direct(other))).max() > 1e-3
+    with pytest.raises(RetrievalError, match="mining hard negatives needs the draw"):
+        carry.after_update(carry.init(model, params, None, 2), params, None, jnp.asarray(0))
+
+
+def test_the_trainer_evaluates_the_pool_with_the_draw_it_trained_with(tmp_path, monkeypatch):
+    """The Trainer's evaluation hands the pool's metrics `state.features_key` (a review,
+    session 106: it embedded a Performer encoder's pool with its seed's draw)."""
+    from hpnlp.train.loop import Trainer
+    cfg = validate(_cfg("local", **{
+        "attention.name": "performer", "attention.options": {"num_features": 16},
+        "train.feature_redraw_every": 2, "data.seq_len": 16, "model.max_len": 16,
+        "train.steps": 4, "train.warmup_steps": 0, "train.eval_batches": 1}))
+    seen = []
+    monkeypatch.setattr(be.BiEncoder, "split_metrics", staticmethod(
+        lambda cfg, model, params, task, *, features_key=None: seen.append(features_key) or {}))
+    tr = Trainer(cfg, str(tmp_path / "run"))
+    state, _ = tr.initial_state()
+    state = state.replace(step=jnp.asarray(5, state.step.dtype))  # draw 2 trained step 5
+    tr.evaluate(state)
+    np.testing.assert_array_equal(jax.random.key_data(seen[-1]),
+                                  jax.random.key_data(state.features_key(2)))

@@ -859,8 +859,9 @@ def test_interpolation_formula_and_lambda_zero_is_the_lm():
     assert store.index("ivf", lists=4).centroids is not None
 
 
-def _tiny_lm():
-    """A random-init 1-block LM over a 40-token vocabulary and synthetic documents."""
+def _tiny_lm(attention=None):
+    """A random-init 1-block LM over a 40-token vocabulary and synthetic documents;
+    `attention`: a config group's dict (default dense)."""
     import dataclasses
 
     import flax.linen as nn
@@ -870,6 +871,9 @@ def _tiny_lm():
     from hpnlp.data.task import lm_chunks
     cd = default_configdict()
     cd.data.seq_len = 16
+    if attention:  # redrawn every 2 steps
+        cd.attention.name, cd.attention.options = attention["name"], attention["options"]
+        cd.train.feature_redraw_every = 2
     cfg = from_configdict(cd)
     cfg = dataclasses.replace(cfg, model=ModelConfig(kind="lm", vocab_size=40, width=16, depth=1,
                                                      num_heads=2, mlp_dim=32, max_len=16, dropout=0.0))
@@ -949,6 +953,82 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
     with pytest.raises(RetrievalError, match=r"holds a datastore of [\d,]+ entries, and this run "
                                              r"asks for [\d,]+ \(--max_datastore_tokens"):
         knnlm.datastore_for(model, params, fewer, str(tmp_path / "ds"), seq_len=L)
+
+
+def fake_trained_run(monkeypatch, cfg, model, params, task, *, step: int = 4):
+    """A TrainState at `step` (trained draw `state.features_key`), served to `knnlm.load_trained`
+    by a stand-in Trainer: a trained run's loading, without training one."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from hpnlp.train import checkpoint, loop
+    from hpnlp.train.state import TrainState
+    state = TrainState(step=jnp.asarray(step, jnp.int32), params=params, opt_state=None,
+                       rng=jax.random.key_data(jax.random.key(3)))
+
+    class Trainer:
+        def __init__(self, cfg, workdir, read_only=False):
+            self.eval_model, self.task = model, task
+            self.checkpointer = types.SimpleNamespace(latest_step=lambda: step, close=lambda: None)
+
+        def initial_state(self):
+            return state, None
+    monkeypatch.setattr(loop, "Trainer", Trainer)
+    monkeypatch.setattr(checkpoint, "load_run_config", lambda workdir: cfg)
+    return state
+
+
+def test_knn_lm_of_a_performer_reads_the_draw_it_trained_with(tmp_path, monkeypatch):
+    """A review (session 106): the datastore and the held-out queries ran the LM with no
+    `features` key, so a Performer (redraw) embedded with its seed's draw, one it never trained
+    with. They read the run's `state.features_key` now (draw 1 at step 4 with
+    train.feature_redraw_every=2, not the next step's draw 2), record it in datastore.json,
+    and refuse a pass without it, or a datastore of another draw."""
+    import types
+
+    import jax
+    cfg, model, params, train, held = _tiny_lm({"name": "performer",
+                                                "options": {"num_features": 8}})
+    L = cfg.data.seq_len
+    task = types.SimpleNamespace(train=train, eval=held, name="tiny")
+    state = fake_trained_run(monkeypatch, cfg, model, params, task)
+    trained, other = state.features_key(2), state.train_features_key(2)
+    os.makedirs(tmp_path / "run")
+    grid = {"k": (4,), "temperature": (1.0,), "lam": (0.0, 0.5)}
+    summary = knnlm.run(str(tmp_path / "run"), str(tmp_path / "ds"), k_max=4, grid=grid)
+    store = knnlm.Datastore.open(str(tmp_path / "ds"), params=params, features_key=trained)
+    assert store.header["features"] == knnlm.draw_id(trained) != knnlm.draw_id(other)
+    forward = knnlm._forward(model)
+    batch = next(knnlm.ordered_batches(train, rows=64, seq_len=L))
+    real = batch["segment_ids"] > 0
+    keys = [np.asarray(forward(params, batch, {"features": key})[0])[real].astype(np.float16)
+            for key in (trained, other)]
+    np.testing.assert_array_equal(store.keys[:int(real.sum())], keys[0])
+    assert np.abs(keys[0].astype(np.float32) - keys[1]).max() > 1e-2
+    index = store.index("exact")
+    test = knnlm.split_halves(len(held))[1]
+    nb = knnlm.neighbours(model, params, held, store, index, seq_len=L, k=4, select=test,
+                          features_key=trained)
+    assert knnlm.perplexity(nb.lm_logp) == pytest.approx(summary["test"]["lm_ppl"], rel=1e-6)
+    no_key = r"^attention.name='performer' draws its random features from the run's features "
+    for call, what in (
+            (lambda: knnlm.build_datastore(model, params, train, str(tmp_path / "ds2"),
+                                           seq_len=L), "the kNN-LM's datastore"),
+            (lambda: knnlm.neighbours(model, params, held, store, index, seq_len=L, k=4),
+             "the kNN-LM's search")):
+        with pytest.raises(RetrievalError, match=no_key + rf"stream, so {what} needs the draw "
+                           r"it trained with: pass features_key=state\.features_key\("):
+            call()
+    assert not (tmp_path / "ds2").exists()
+    for key in (None, other):
+        with pytest.raises(RetrievalError, match=r"this datastore's keys come from the "
+                           r"random-feature draw [0-9a-f]{16}, and this model's passes read "
+                           r"(none|[0-9a-f]{16}) .*build one for this run in a new folder$"):
+            knnlm.Datastore.open(str(tmp_path / "ds"), params=params, features_key=key)
+    with pytest.raises(RetrievalError, match=r"passes read [0-9a-f]{16} "):
+        knnlm.neighbours(model, params, held, store, index, seq_len=L, k=4, features_key=other)
 
 
 def test_datastore_split_keeps_the_first_chunks_up_to_the_cap():
@@ -1066,7 +1146,7 @@ def test_knnlm_refuses_a_one_chunk_eval_split_before_its_datastore_and_passes_bl
     one = Examples(np.arange(9, dtype=np.int32), np.array([0]), np.array([9]))
     cfg = SimpleNamespace(data=SimpleNamespace(seq_len=8, prepared=""))
     task = SimpleNamespace(name="byte_lm", train=one, eval=one)
-    monkeypatch.setattr(knnlm, "load_lm", lambda workdir: (cfg, None, None, task, 3))
+    monkeypatch.setattr(knnlm, "load_trained", lambda *a: (cfg, None, None, task, 3, None))
     monkeypatch.setattr(knnlm, "datastore_for", lambda *a, **k: pytest.fail("datastore built"))
     with pytest.raises(RetrievalError, match=r"held-out split has 1 chunk\(s\) of "
                                              r"data.seq_len=8 tokens.*at least 2"):
@@ -1094,9 +1174,11 @@ def test_knnlm_refuses_index_options_its_datastore_cannot_build_before_the_datas
 
     chunks = Examples(np.arange(27, dtype=np.int32) % 7, np.array([0, 9, 18]),
                       np.array([9, 9, 9]))  # 3 x 8 = 24 entries
-    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=8, prepared=""))
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=8, prepared=""),
+                          model=SimpleNamespace(arch="lstm"))  # no random features
     task = SimpleNamespace(name="byte_lm", train=chunks, eval=chunks)
-    monkeypatch.setattr(knnlm, "load_lm", lambda workdir: (cfg, None, None, task, 3))
+    model = SimpleNamespace(cfg=cfg)
+    monkeypatch.setattr(knnlm, "load_trained", lambda *a: (cfg, model, None, task, 3, None))
 
     def build(*args, **kwargs):
         raise Built

@@ -773,7 +773,7 @@ class PruneCarry(Carry):
                         loss_l1=l1 * sums["weight"]), carry
         return l1_loss
 
-    def after_update(self, value, params, grads, step):
+    def after_update(self, value, params, grads, step, features=None):
         if self.p.structure == "structured":
             return self._structured_update(value, params, step)
         flat = _flatten(params)

@@ -28,7 +28,9 @@ Hard negatives are mined from the whole train pool with hpnlp.retrieval's exact 
 side (`inputs3`, `segment_ids3`, `neg_weight`).
 
 Evaluation over a whole pool (`pool_metrics`, `evaluate_pool`): each held-out q is searched
-against every held-out d; recall@1, recall@10 and the mean reciprocal rank of its own d.
+against every held-out d; recall@1, recall@10 and the mean reciprocal rank of its own d. An
+encoder whose attention reads the run's random features (Performer, LSH) embeds with the draw
+it trained with (`features_key`, as evaluation and decoding do).
 
 Shape letters: B batch, N mined negatives (= B), L length, E width, V vocabulary, Q queries,
 P pool.
@@ -178,12 +180,14 @@ class BiEncoder(nn.Module):
     evaluate = __call__
 
     @staticmethod
-    def split_metrics(cfg: Config, model, params, task) -> dict:
+    def split_metrics(cfg: Config, model, params, task, *, features_key=None) -> dict:
         """What the Trainer adds to each evaluation: the whole held-out pool's recall@1/10 and
         MRR (`evaluate_pool`), beside the in-batch loss and accuracy; in a run of several
-        processes each measures the whole pool, from the parameters gathered to it."""
-        return {k: v for k, v in evaluate_pool(cfg, model, params, task).items()
-                if k in ("recall@1", "recall@10", "mrr")}
+        processes each measures the whole pool, from the parameters gathered to it.
+        `features_key`: `state.features_key(cfg.train.feature_redraw_every)`, the draw the
+        parameters trained with (`embed_texts`)."""
+        metrics = evaluate_pool(cfg, model, params, task, features_key=features_key)
+        return {k: v for k, v in metrics.items() if k in ("recall@1", "recall@10", "mrr")}
 
 
 # -- evaluation over a whole pool ------------------------------------------------------------
@@ -203,8 +207,17 @@ def side_arrays(ex, side: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, seg
 
 
-def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256) -> np.ndarray:
-    """Unit vectors [P, E] of padded texts, `batch_size` at a time (one compile)."""
+def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256,
+                features_key=None) -> np.ndarray:
+    """Unit vectors [P, E] of padded texts, `batch_size` at a time (one compile).
+
+    `features_key`: the random-feature draw the encoder trained with, where its attention
+    reads the run's `features` stream (Performer, LSH): `state.features_key(
+    cfg.train.feature_redraw_every)`; refused without it there, before any compile (a review,
+    session 106: the pool's evaluation and TextSearch embedded with the seed's draw,
+    silently; `hpnlp.retrieval.knnlm.features_rngs`)."""
+    from hpnlp.retrieval.knnlm import features_rngs
+    rngs = features_rngs(model.cfg, features_key, "embedding texts")
     encode = _encoder(model)
     out, P = [], len(tokens_PL)
     for i in range(0, P, batch_size):
@@ -212,7 +225,7 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256) -> n
         pad = batch_size - len(t)
         if pad:
             t, s = np.pad(t, ((0, pad), (0, 0))), np.pad(s, ((0, pad), (0, 0)))
-        out.append(np.asarray(encode(params, t, s))[:batch_size - pad])
+        out.append(np.asarray(encode(params, t, s, rngs))[:batch_size - pad])
     return np.concatenate(out) if out else np.zeros((0, embedding_dim(model, params)),
                                                     np.float32)
 
@@ -223,13 +236,14 @@ def embedding_dim(model, params) -> int:
     such an encoder refused its first vectors), read from the traced encoder (no compile)."""
     L = model.cfg.data.seq_len
     t = jax.ShapeDtypeStruct((1, L), np.int32)
-    return int(jax.eval_shape(_encoder(model), params, t, t).shape[-1])
+    return int(jax.eval_shape(_encoder(model), params, t, t, {}).shape[-1])  # any draw's
 
 
 @functools.lru_cache(maxsize=4)
 def _encoder(model):
-    """Jitted (params, tokens, seg) -> unit vectors; one per model (as knnlm._forward)."""
-    return jax.jit(lambda p, t, s: model.apply({"params": p}, t, s, method="encode"))
+    """Jitted (params, tokens, seg, rngs) -> unit vectors; one per model (as knnlm._forward)."""
+    return jax.jit(lambda p, t, s, rngs: model.apply({"params": p}, t, s, method="encode",
+                                                     rngs=rngs))
 
 
 def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
@@ -260,15 +274,16 @@ def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
     return out
 
 
-def evaluate_pool(cfg: Config, model, params, task, *, split: str = "eval") -> dict:
+def evaluate_pool(cfg: Config, model, params, task, *, split: str = "eval",
+                  features_key=None) -> dict:
     """recall@1, recall@10 and MRR of `split`'s first sides searched against all its second
-    sides (the positive pairs of a match task)."""
+    sides (the positive pairs of a match task); `features_key` as `embed_texts`."""
     ex = task.eval if split == "eval" else task.train
     keep = np.flatnonzero(ex.labels == 1)
     q_tok, q_seg = side_arrays(ex, 0, cfg.data.seq_len)
     d_tok, d_seg = side_arrays(ex, 1, cfg.data.seq_len)
-    q = embed_texts(model, params, q_tok[keep], q_seg[keep])
-    d = embed_texts(model, params, d_tok, d_seg)
+    q = embed_texts(model, params, q_tok[keep], q_seg[keep], features_key=features_key)
+    d = embed_texts(model, params, d_tok, d_seg, features_key=features_key)
     # queries ordered as `keep`: put each one's own item first in the pool's order
     order = np.concatenate([keep, np.setdiff1d(np.arange(len(ex)), keep)])
     # mean cosine between two different pool items: near 1, the encoder has collapsed and

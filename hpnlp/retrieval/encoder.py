@@ -18,13 +18,14 @@ import numpy as np
 from hpnlp.models import bi_encoder as be
 from hpnlp.paths import write_json
 from hpnlp.retrieval import base
-from hpnlp.retrieval.knnlm import check_out, load_run
+from hpnlp.retrieval.knnlm import check_out, features_rngs, load_run, load_trained
 
 HINT = "python -m hpnlp.main --config experiments/encoder.py --workdir ..."
 
 
 def load_encoder(workdir: str):
-    """(cfg, eval model, params, task, step) of the bi-encoder trained in `workdir`."""
+    """(cfg, eval model, params, task, step) of the bi-encoder trained in `workdir`
+    (`knnlm.load_trained` also gives its random-feature draw)."""
     return load_run(workdir, "bi_encoder", HINT)
 
 
@@ -33,11 +34,11 @@ def evaluate(workdir: str, *, out: str | None = None) -> dict:
     (hpnlp.models.bi_encoder.evaluate_pool); also written to OUT/summary.json."""
     if out:
         check_out(out, workdir, "encoder")
-    cfg, model, params, task, step = load_encoder(workdir)
+    cfg, model, params, task, step, features_key = load_trained(workdir, "bi_encoder", HINT)
     summary = {"command": "encoder", "workdir": os.path.abspath(workdir), "step": int(step),
                "task": task.name, "arch": cfg.model.arch, "loss": cfg.model.encoder.loss,
                "mined": bool(cfg.model.encoder.mine_every),
-               **be.evaluate_pool(cfg, model, params, task)}
+               **be.evaluate_pool(cfg, model, params, task, features_key=features_key)}
     if out:
         os.makedirs(out, exist_ok=True)
         write_json(os.path.join(out, "summary.json"), summary)
@@ -63,17 +64,24 @@ class TextSearch:
     default), searched by text."""
 
     def __init__(self, cfg, model, params, encode_text, *, index: str = "exact",
-                 dim: int | None = None, **options):
-        """`dim`: the vectors' width, by default the model's (`bi_encoder.embedding_dim`)."""
+                 dim: int | None = None, features_key=None, **options):
+        """`dim`: the vectors' width, by default the model's (`bi_encoder.embedding_dim`).
+        `features_key`: the random-feature draw the encoder trained with, where its attention
+        reads one (`state.features_key(cfg.train.feature_redraw_every)`; `from_run` reads the
+        run's): refused here without it (a review, session 106: embedded with the seed's)."""
+        if cfg is not None:
+            features_rngs(cfg, features_key, "TextSearch")
         self.cfg, self.model, self.params, self.encode_text = cfg, model, params, encode_text
+        self.features_key = features_key
         dim = be.embedding_dim(model, params) if dim is None else dim
         self.index = base.make(index, dim, **options)
         self.texts: list[str] = []
 
     @classmethod
     def from_run(cls, workdir: str, *, index: str = "exact", **options) -> "TextSearch":
-        cfg, model, params, task, _ = load_encoder(workdir)
-        return cls(cfg, model, params, task.encode, index=index, **options)
+        cfg, model, params, task, _, features_key = load_trained(workdir, "bi_encoder", HINT)
+        return cls(cfg, model, params, task.encode, index=index, features_key=features_key,
+                   **options)
 
     def embed(self, texts) -> np.ndarray:
         """Unit vectors [n, E] of `texts` (each cut to data.seq_len tokens)."""
@@ -83,7 +91,8 @@ class TextSearch:
         seg = np.zeros((len(ids), L), np.int32)
         for i, x in enumerate(ids):
             tokens[i, :len(x)], seg[i, :len(x)] = x, 1
-        return be.embed_texts(self.model, self.params, tokens, seg)
+        return be.embed_texts(self.model, self.params, tokens, seg,
+                              features_key=self.features_key)
 
     def add(self, texts) -> None:
         texts = _texts(texts, "add")

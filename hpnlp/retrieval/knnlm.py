@@ -7,8 +7,9 @@ distribution over a datastore of (context vector, next token) pairs from its tra
    chunk per row exactly as training saw it; every target token's context vector (the final
    hidden state the output layer reads) is a key, stored memory-mapped as float16
    (`keys.npy`, [N, E]), with the next token as its value (`values.npy`, int32).
-   `datastore.json` names the model (a digest of its parameters), so a datastore from
-   another model is refused in one line.
+   `datastore.json` names the model (a digest of its parameters, and the random-feature
+   draw its passes read, `features_rngs`), so a datastore from another model is refused in
+   one line.
 2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2:
    an index whose `METRICS` hold "l2" (`ivf`, faiss's, ScaNN's) searches the raw keys by
    its own `metric="l2"`; `exact` (and `ivf` storing bfloat16 or float16, whose L2 needs
@@ -60,6 +61,63 @@ def own_l2(name: str, options: dict, metric: str) -> bool:
     return metric == "l2" and get(name).searches_l2(options)
 
 
+# -- the draw of a trained run's random features ---------------------------------------------
+
+def reads_features(cfg) -> bool:
+    """Whether a whole pass of `cfg`'s model reads the run's `features` stream: attention of
+    random features (`Attention.random_features`) that draws them from it (Performer unless
+    attention.options.redraw=False; LSH's rotations always) in a model with attention."""
+    from hpnlp import attention
+    from hpnlp.config.checks import RECURRENT_ARCHS
+    if cfg.model.arch in RECURRENT_ARCHS:
+        return False
+    cls = attention.get(cfg.attention.name)
+    return bool(cls.random_features
+                and dict(cfg.attention.options).get("redraw", getattr(cls, "redraw", True)))
+
+
+def features_rngs(cfg, features_key, what: str) -> dict:
+    """The rngs of a pass of `cfg`'s model outside training: {"features": features_key}, the
+    draw its parameters trained with (`TrainState.features_key`), where the pass reads the
+    run's `features` stream (`reads_features`); else {}. A RetrievalError where it reads it
+    and no key is given: the attention would fall back to its seed's draw, one the parameters
+    never trained with, and embed or score with another function, silently (a review, session
+    106: the bi-encoder's pool evaluation, TextSearch and the kNN-LM did). As
+    `hpnlp.models.generate.check_features_key`, but LSH too: decoding reads its cache by full
+    attention, and a whole pass hashes by the stream's rotations."""
+    if not reads_features(cfg):
+        return {}
+    if features_key is None:
+        raise RetrievalError(f"attention.name={cfg.attention.name!r} draws its random features "
+                             f"from the run's features stream, so {what} needs the draw it "
+                             "trained with: pass features_key=state.features_key("
+                             "cfg.train.feature_redraw_every) (knnlm.load_trained gives a run's)")
+    return {"features": features_key}
+
+
+def draw_id(features_key) -> str | None:
+    """A short digest of a `features` key (the draw a datastore's keys came from); None: none."""
+    if features_key is None:
+        return None
+    data = jnp.asarray(features_key)
+    if jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(data)
+    return hashlib.sha1(np.ascontiguousarray(np.asarray(data)).tobytes()).hexdigest()[:16]
+
+
+def check_draw(folder: str, header: dict, features_key) -> None:
+    """RetrievalError where a datastore's keys came from another random-feature draw than the
+    one `features_key` (None: a model that reads none) gives the queries."""
+    have, want = header.get("features"), draw_id(features_key)
+    if have != want:
+        raise RetrievalError(f"{folder}: this datastore's keys come from the random-feature "
+                             f"draw {have or 'of none'}, and this model's passes read "
+                             f"{want or 'none'} (a Performer's draw moves every "
+                             "train.feature_redraw_every steps; datastores of hpnlp before "
+                             "session 106 read its seed's); build one for this run in a new "
+                             "folder")
+
+
 # -- the LM's context vectors ----------------------------------------------------------------
 
 def ordered_batches(ex, *, rows: int, seq_len: int, select=None):
@@ -82,14 +140,17 @@ def ordered_batches(ex, *, rows: int, seq_len: int, select=None):
 
 @functools.lru_cache(maxsize=8)
 def _forward(model):
-    """Jitted (params, batch) -> (hidden [B, L, E] float32, log p(target) [B, L]); one per
-    model, so the datastore and both held-out halves share its compile."""
+    """(params, batch, rngs=None) -> (hidden [B, L, E] float32, log p(target) [B, L]), jitted;
+    one per model, so the datastore and both held-out halves share its compile; `rngs` from
+    `features_rngs` (None: {}, a model that reads no draw)."""
     def run(module, batch):
         h_BLE = module.hidden(batch)
         logp_BLV = module.output.log_prob(h_BLE)
         return (h_BLE.astype(jnp.float32),
                 jnp.take_along_axis(logp_BLV, batch["targets"][..., None], axis=-1)[..., 0])
-    return jax.jit(lambda params, batch: model.apply({"params": params}, batch, method=run))
+    jitted = jax.jit(lambda params, batch, rngs: model.apply({"params": params}, batch,
+                                                             method=run, rngs=rngs))
+    return lambda params, batch, rngs=None: jitted(params, batch, rngs or {})
 
 
 def params_digest(params) -> str:
@@ -108,15 +169,17 @@ def _progress(total: int, desc: str):
 
 
 def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int = 64,
-                    meta: dict | None = None) -> "Datastore":
+                    meta: dict | None = None, features_key=None) -> "Datastore":
     """Write the (key, value) datastore of split `ex` under `folder` (progress bar); keys
     float16 memory-mapped. Written to temporary names and renamed, so an interrupted build
-    leaves no datastore that looks whole."""
+    leaves no datastore that looks whole. `features_key`: the random-feature draw the model
+    trained with, where its attention reads one (`features_rngs`)."""
+    rngs = features_rngs(model.cfg, features_key, "the kNN-LM's datastore")
     os.makedirs(folder, exist_ok=True)
     n = int(np.sum(ex.lengths - 1))
     probe = next(ordered_batches(ex, rows=1, seq_len=seq_len, select=[0]))
     forward = _forward(model)
-    width = int(forward(params, probe)[0].shape[-1])
+    width = int(forward(params, probe, rngs)[0].shape[-1])
     tmp = os.path.join(folder, "keys.tmp.npy")
     keys = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(n, width))
     values = np.empty((n,), np.int32)
@@ -124,7 +187,7 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     try:
         with _progress(n, "datastore") as bar:
             for batch in ordered_batches(ex, rows=rows, seq_len=seq_len):
-                h_BLE, _ = forward(params, batch)
+                h_BLE, _ = forward(params, batch, rngs)
                 real = batch["segment_ids"] > 0
                 got = np.asarray(h_BLE)[real]
                 keys[at:at + len(got)] = got.astype(np.float16)
@@ -141,7 +204,8 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
     os.replace(os.path.join(folder, "keys.tmp.npy"), os.path.join(folder, "keys.npy"))
     os.replace(os.path.join(folder, "values.tmp.npy"), os.path.join(folder, "values.npy"))
     header = {"format": "hpnlp.retrieval.datastore", "version": VERSION, "entries": n,
-              "width": width, "model": params_digest(params), **(meta or {})}
+              "width": width, "model": params_digest(params),
+              **({"features": draw_id(rngs["features"])} if rngs else {}), **(meta or {})}
     write_json(os.path.join(folder, DATASTORE), header)  # whole, or absent
     return Datastore.open(folder)
 
@@ -156,11 +220,14 @@ def datastore_split(train, max_tokens: int = 0):
     return Examples(train.tokens, train.starts[:n], train.lengths[:n])
 
 
-def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | None = None):
+def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | None = None,
+                  features_key=None):
     """(datastore, built): the one in `folder` if this model built it of split `ex` (another
-    model's, or one of another number of entries, is refused), else a new one of `ex`."""
+    model's, one of another random-feature draw, or one of another number of entries, is
+    refused), else a new one of `ex`."""
+    rngs = features_rngs(model.cfg, features_key, "the kNN-LM's datastore")
     if os.path.isfile(os.path.join(folder, DATASTORE)):
-        store = Datastore.open(folder, params=params)
+        store = Datastore.open(folder, params=params, features_key=rngs.get("features"))
         want = int(np.sum(ex.lengths - 1))
         if store.header["entries"] != want:  # a README walk: a cap was silently ignored
             raise RetrievalError(
@@ -168,7 +235,8 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
                 f"run asks for {want:,} (--max_datastore_tokens sets how many); give another "
                 "--datastore folder, or delete this one to build it again")
         return store, False
-    return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta), True
+    return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta,
+                           features_key=rngs.get("features")), True
 
 
 @dataclasses.dataclass
@@ -179,8 +247,10 @@ class Datastore:
     values: np.ndarray  # [N] int32
 
     @classmethod
-    def open(cls, folder: str, *, params=None) -> "Datastore":
-        """Open the datastore in `folder`; with `params`, refuse one built by another model."""
+    def open(cls, folder: str, *, params=None, features_key=None) -> "Datastore":
+        """Open the datastore in `folder`; with `params`, refuse one built by another model,
+        or under another random-feature draw than `features_key` (`check_draw`; None for a
+        model that reads none: `features_rngs(cfg, key, ...).get("features")`)."""
         path = os.path.join(folder, DATASTORE)
         if not os.path.isfile(path):
             raise RetrievalError(f"{folder}: no {DATASTORE}; build the datastore first "
@@ -209,6 +279,8 @@ class Datastore:
             raise RetrievalError(f"{folder}: this datastore was built by another model (parameters "
                                  f"{header['model']}, from {header.get('workdir', '?')} step "
                                  f"{header.get('step', '?')}); build one for this run in a new folder")
+        if params is not None:
+            check_draw(folder, header, features_key)
         # a bug hunt: a truncated file was numpy's error, naming neither the file nor the fix
         arrays = {}
         for name, mmap in (("keys", "r"), ("values", None)):
@@ -269,9 +341,14 @@ class Neighbours:
 
 
 def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: int, k: int,
-               metric: str = "l2", select=None, rows: int = 64, query_block: int = 4096) -> Neighbours:
-    """The LM and its k nearest datastore entries for every target of the chosen chunks."""
+               metric: str = "l2", select=None, rows: int = 64, query_block: int = 4096,
+               features_key=None) -> Neighbours:
+    """The LM and its k nearest datastore entries for every target of the chosen chunks;
+    `features_key`: the random-feature draw the LM trained with (`features_rngs`), the one its
+    datastore was built with."""
     check_metric(metric)
+    rngs = features_rngs(model.cfg, features_key, "the kNN-LM's search")
+    check_draw(store.folder, store.header, rngs.get("features"))
     forward = _forward(model)
     lm, dist, hit = [], [], []
     t_lm = t_search = 0.0
@@ -279,7 +356,7 @@ def neighbours(model, params, ex, store: Datastore, index: Index, *, seq_len: in
     with _progress(total, "kNN-LM eval") as bar:
         for batch in ordered_batches(ex, rows=rows, seq_len=seq_len, select=select):
             t0 = time.perf_counter()
-            h_BLE, logp_BL = jax.block_until_ready(forward(params, batch))
+            h_BLE, logp_BL = jax.block_until_ready(forward(params, batch, rngs))
             t_lm += time.perf_counter() - t0
             real = batch["segment_ids"] > 0
             q_TE, target_T = np.asarray(h_BLE)[real], batch["targets"][real]
@@ -381,9 +458,11 @@ def split_halves(n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
 
 # -- a trained run, end to end ---------------------------------------------------------------
 
-def load_run(workdir: str, kind: str, hint: str):
-    """(cfg, eval model, params, task, step) of the `kind` run trained in `workdir`; `hint`
-    says how to train one."""
+def load_trained(workdir: str, kind: str, hint: str):
+    """(cfg, eval model, params, task, step, features_key) of the `kind` run trained in
+    `workdir`; `hint` says how to train one. `features_key`: the random-feature draw its
+    parameters trained with (`TrainState.features_key`, its last train step's), which a pass
+    of a model whose attention reads the `features` stream needs (`features_rngs`)."""
     from hpnlp.train.carry import model_params
     from hpnlp.train.checkpoint import load_run_config
     from hpnlp.train.loop import Trainer
@@ -402,7 +481,14 @@ def load_run(workdir: str, kind: str, hint: str):
         raise RetrievalError(f"{workdir}: no checkpoint to read; train it first ({hint})")
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()
-    return cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task, step
+    return (cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task,
+            step, state.features_key(cfg.train.feature_redraw_every))
+
+
+def load_run(workdir: str, kind: str, hint: str):
+    """(cfg, eval model, params, task, step): `load_trained` less the random-feature draw (for
+    a model whose attention reads none)."""
+    return load_trained(workdir, kind, hint)[:5]
 
 
 def check_index(name: str, options: dict, k: int = 0, metric: str = "l2", *,
@@ -491,9 +577,13 @@ def check_datastore_folder(datastore: str, workdir: str) -> None:
         raise RetrievalError(str(e)) from None
 
 
+LM_HINT = "python -m hpnlp.main --config experiments/lm.py --workdir ..."
+
+
 def load_lm(workdir: str):
-    """(cfg, eval model, params, task, step) of the LM trained in `workdir`."""
-    return load_run(workdir, "lm", "python -m hpnlp.main --config experiments/lm.py --workdir ...")
+    """(cfg, eval model, params, task, step) of the LM trained in `workdir` (`load_trained`
+    also gives its random-feature draw)."""
+    return load_run(workdir, "lm", LM_HINT)
 
 
 def run(workdir: str, datastore: str, *, index: str = "exact", index_options: dict | None = None,
@@ -514,7 +604,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     check_datastore_folder(datastore, workdir)
     if out:
         check_out(out, workdir, "knnlm", datastore)
-    cfg, model, params, task, step = load_lm(workdir)
+    cfg, model, params, task, step, features_key = load_trained(workdir, "lm", LM_HINT)
     if len(task.eval) < 2:  # a bug hunt: one chunk left the test half empty, a traceback
         # after the datastore was built
         raise RetrievalError(f"{workdir}'s held-out split has {len(task.eval)} chunk(s) of "
@@ -532,7 +622,8 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     train = datastore_split(task.train, max_datastore_tokens)
     entries = int(np.sum(train.lengths - 1))
     check_index(index, index_options or {}, min(k_max, entries), metric, entries=entries)
-    store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta)
+    store, built = datastore_for(model, params, train, datastore, seq_len=L, meta=meta,
+                                 features_key=features_key)
     t_store = time.perf_counter() - t0
     t0 = time.perf_counter()
     idx = store.index(index, metric=metric, **(index_options or {}))
@@ -545,9 +636,9 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
         n = max(1, int(max_eval_tokens / 2 / per_chunk))
         valid, test = valid[:n], test[:n]
     nb_valid = neighbours(model, params, task.eval, store, idx, seq_len=L, k=kk, metric=metric,
-                          select=valid)
+                          select=valid, features_key=features_key)
     nb_test = neighbours(model, params, task.eval, store, idx, seq_len=L, k=kk, metric=metric,
-                         select=test)
+                         select=test, features_key=features_key)
     best = tune(nb_valid, grid)
     lm_ppl = perplexity(nb_test.lm_logp)
     knn_ppl = perplexity(interpolate(nb_test, k=best["k"], temperature=best["temperature"],

@@ -122,12 +122,16 @@ class NegativesCarry(Carry):
             return inner(params, carry, {**batch, **extra}, rngs)
         return with_negatives
 
-    def after_update(self, value, params, grads, step):
+    def after_update(self, value, params, grads, step, features=None):
+        from hpnlp.retrieval.knnlm import features_rngs
         e = self.cfg.model.encoder
         encoder = self.encoder
+        # the draw the step trained with, where the encoder's attention reads one (a review,
+        # session 106: mining embedded with a Performer's seed draw, one it never trained with)
+        rngs = features_rngs(self.cfg, features, "mining hard negatives")
 
         def encode(p, tok, seg):
-            return encoder.apply({"params": p}, tok, seg, method="encode")
+            return encoder.apply({"params": p}, tok, seg, method="encode", rngs=rngs)
 
         def remine(_):
             key = jax.random.fold_in(jax.random.key(self.cfg.seed + 7919), step)

@@ -15,8 +15,9 @@ method is one class here or beside its own code, not a new branch in the loop:
 - `evaluate(model, inner)`: wraps the evaluation `inner(params, carry, batch, rngs) -> sums`
   (the eval step's, with the eval model and the state's carry): what a method's model needs
   at evaluation from its entry (the classifier's key-value memory reads the trained memory);
-- `after_update(value, params, grads, step) -> (params, value)`: runs after the optimizer
-  update (pruning applies and advances its masks here);
+- `after_update(value, params, grads, step, features) -> (params, value)`: runs after the
+  optimizer update (pruning applies and advances its masks here; mining re-mines hard
+  negatives here, with `features`, the random-feature draw the step trained with);
 - `skipped(new, old, applied) -> value`: the entry after a float16 step that loss scaling
   may skip (by default the old one where it was skipped; Transformer-XL's memory moves on
   with the stream);
@@ -86,7 +87,7 @@ class Carry:
     def evaluate(self, model, inner: EvalFn) -> EvalFn:
         return inner
 
-    def after_update(self, value, params, grads, step):
+    def after_update(self, value, params, grads, step, features=None):
         return params, value
 
     def skipped(self, new, old, applied):
@@ -233,9 +234,10 @@ def skipped(carries: list[Carry], new: dict, old: dict, applied) -> dict:
     return {**new, **{c.name: c.skipped(new[c.name], old[c.name], applied) for c in carries}}
 
 
-def after_update(carries: list[Carry], carry: dict, params, grads, step):
-    """Every carry's post-update step, in order -> (params, carry)."""
+def after_update(carries: list[Carry], carry: dict, params, grads, step, features=None):
+    """Every carry's post-update step, in order -> (params, carry); `features`: the key of the
+    random-feature draw the step trained with (`TrainState.train_features_key`)."""
     carry = dict(carry)
     for c in carries:
-        params, carry[c.name] = c.after_update(carry[c.name], params, grads, step)
+        params, carry[c.name] = c.after_update(carry[c.name], params, grads, step, features)
     return params, carry

@@ -693,8 +693,14 @@ class Trainer:
         if split_metrics is None:
             return out
         params = carry_lib.model_params(state.params)
+        # the random-feature draw the parameters trained with (Performer, LSH encoders; a
+        # review, session 106: the pool was embedded with the seed's), from the replicated
+        # rng and step each process holds, so it runs outside the run's mesh too
+        rng, step = jax.device_get((state.rng, state.step))
+        key = state.replace(rng=rng, step=step).features_key(self.cfg.train.feature_redraw_every)
         if jax.process_count() == 1:
-            out.update(split_metrics(self.cfg, self.eval_model, jax.device_get(params), self.task))
+            out.update(split_metrics(self.cfg, self.eval_model, jax.device_get(params), self.task,
+                                     features_key=key))
             return out
         # Several processes (a review, r7: they measured none, unsaid): each gathers the whole
         # of every parameter and measures the whole split alike on its own devices, outside
@@ -702,7 +708,8 @@ class Trainer:
         from jax.experimental import multihost_utils
         params = multihost_utils.process_allgather(params, tiled=True)
         with jax.set_mesh(None):
-            out.update(split_metrics(self.cfg, self.eval_model, params, self.task))
+            out.update(split_metrics(self.cfg, self.eval_model, params, self.task,
+                                     features_key=key))
         return out
 
     def _changes_said(self, start: int) -> str:

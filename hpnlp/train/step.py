@@ -135,7 +135,8 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        params, carry = carry_lib.after_update(carries, carry, params, grads, state.step)
+        params, carry = carry_lib.after_update(carries, carry, params, grads, state.step,
+                                               features)
         # `finite` checks the gradients and the *updated* params element by element (a norm
         # can overflow while every value is finite): the loop refuses to checkpoint a state
         # whose update blew up even when this step's loss was still finite.
