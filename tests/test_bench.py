@@ -2076,3 +2076,28 @@ def test_retrieval_bench_datastores_follow_their_cap_and_their_lm(tmp_path, monk
         monkeypatch.setattr(bench_compress, "REUSED", reused)
         assert bench_retrieval._trained(quick, "bytes", str(tmp_path)) == out
         assert sorted(os.listdir(tmp_path)) == sorted(left)
+
+
+@pytest.mark.parametrize("impl", ["jax.nn.dot_product_attention", "dense", "synthesizer"])
+def test_attention_fwd_bwd_times_a_whole_train_step(monkeypatch, impl):
+    """A review (session 106): the gradients alone of sum(output) let XLA drop the forward's
+    P V product of every row whose output ends in it (5 of a step's 6 products), and no row
+    differentiated its own parameters (Synthesizer's [H, F, L] logits product). The timed
+    callable does at least the 6 products and, for a variant with parameters, their gradient."""
+    seen = {}
+
+    def fake(fn, *args, **kw):
+        seen["flops"] = jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+        seen["args"] = args
+        return harness.Timing(1.0, 1.0, 1.0, 1, 0.0)
+    monkeypatch.setattr(harness, "time_jax", fake)
+    L, D = 128, 64
+    bench_attention.measure(dict(impl=impl, L=L, mode="fwd_bwd", causal=False, B=1, H=1, D=D,
+                                 repeats=1))
+    products = 6 * 2 * L * L * D
+    if impl == "synthesizer":  # + its logits product's weight gradient, 2 L^2 F (F = D here)
+        products += 2 * L * L * D
+    assert seen["flops"] >= products
+    _, grads = jax.jit(bench_attention._step(bench_attention._jax_fn(
+        impl, L, False, B=1, H=1, D=D)[0]))(*seen["args"])
+    assert jax.tree.structure(grads[0]) == jax.tree.structure(seen["args"][0])  # the params'

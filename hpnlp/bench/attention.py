@@ -33,6 +33,14 @@ runs that include `chunked` and L=4096): `chunked` forward+backward time over Py
 SDPA's at L=4096, float32 (`chunked_vs_torch_f32`) and bfloat16 (`chunked_vs_torch_bf16`),
 each <= 0.8.
 
+Forward+backward is a train step's work (`_step`): the value of a scalar of the output and
+the gradients of q, k, v and the variant's own parameters, under a random output cotangent;
+PyTorch's rows do the same. Records before 2026-12-06 timed the gradients of sum(output)
+alone, of q, k, v: XLA then dropped the forward's P V product of the rows whose output ends
+in it (the reference, flax, dense, synthesizer, linformer, sinkhorn, clustered: 5 of a step's
+6 products) and no row computed its own weight gradients; `chunked` and PyTorch did all 6
+then too, so the targets read the same work.
+
 FLOP convention: forward = 4·B·H·L²·D (QKᵀ and PV; halved when causal), backward = 2x
 forward, so forward+backward = 3x forward. Approximations are reported by time only.
 """
@@ -81,6 +89,12 @@ def _inputs(L: int, *, B: int, H: int, D: int, seed: int = 0, dtype=jnp.float32)
     # dtypes get the same values, rounded.
     return tuple((jax.random.normal(k, (B, L, H, D), jnp.float32) * (D ** -0.25)).astype(dtype)
                  for k in ks)
+
+
+def _cotangent(L: int, *, B: int, H: int, D: int):
+    """The output cotangent a forward+backward row is timed under: random, float32 [B, L, H, D]
+    (a constant one, d sum(output), would let XLA simplify backward products)."""
+    return jax.random.normal(jax.random.key(7), (B, L, H, D), jnp.float32)
 
 
 def _dtype(impl: str):
@@ -141,18 +155,20 @@ def _products_only(L: int, *, B, H, D):
 
 
 def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
-    """(forward fn of q, k, v) for a registry variant or a JAX/Flax peer."""
+    """(f(params, q, k, v) -> output, params) for a registry variant (its parameters: a
+    variant's own, such as Linformer's projections or Synthesizer's logits, which a train
+    step differentiates too) or a JAX/Flax peer (params {})."""
     if impl == "jax.nn.dot_product_attention":
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+        return lambda p, q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal), {}
     if impl == CUDNN:
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                            implementation="cudnn")
+        return lambda p, q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"), {}
     if impl == "flax.linen.dot_product_attention":
         import flax.linen as nn
         if causal:
             mask = nn.make_causal_mask(jnp.ones((B, L)))
-            return lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask)
-        return lambda q, k, v: nn.dot_product_attention(q, k, v)
+            return lambda p, q, k, v: nn.dot_product_attention(q, k, v, mask=mask), {}
+        return lambda p, q, k, v: nn.dot_product_attention(q, k, v), {}
     if impl == XLA_TWIN:
         module = attention_lib.get("chunked")(impl="xla")
     elif impl == BF16_CHUNKED:
@@ -163,8 +179,21 @@ def _jax_fn(impl: str, L: int, causal: bool, *, B, H, D):
     params = module.init({"params": key, "features": key},
                          *_inputs(L, B=B, H=H, D=D, dtype=_dtype(impl)), None,
                          causal=causal, deterministic=True)
-    return lambda q, k, v: module.apply(params, q, k, v, None, causal=causal, deterministic=True,
-                                        rngs={"features": key})
+    return (lambda p, q, k, v: module.apply(p, q, k, v, None, causal=causal, deterministic=True,
+                                            rngs={"features": key}), params)
+
+
+def _step(fwd):
+    """A train step's work on attention `fwd(params, q, k, v)`: the value of a scalar of its
+    output and the gradients of q, k, v and the variant's parameters, under a random output
+    cotangent `r` [B, L, H, D]. The gradients alone of sum(output) (timed before 2026-12-06)
+    let XLA drop the forward's last product where the output ends in one (P V: the
+    reference, flax, dense, synthesizer, linformer, sinkhorn, clustered ran 5 of a step's 6
+    products; the custom-gradient rows, `chunked` among them, and PyTorch ran all 6), and
+    left out the variants' own weight gradients (Synthesizer's [H, F, L] logits product)."""
+    def loss(p, q, k, v, r):
+        return jnp.sum(fwd(p, q, k, v).astype(jnp.float32) * r)
+    return jax.value_and_grad(loss, (0, 1, 2, 3))  # of (params, q, k, v, r), as a step's
 
 
 def _flops(L: int, causal: bool, *, B, H, D) -> float:
@@ -193,9 +222,10 @@ def measure(spec: dict) -> dict:
                     sdpa(q, k, v, is_causal=causal)
         else:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
+            r = torch.randn(B, H, L, D, generator=g).to(device=device)  # as `_cotangent`
 
-            def call():
-                sdpa(q, k, v, is_causal=causal).sum().backward()
+            def call():  # the value and its gradients, as `_step`
+                (sdpa(q, k, v, is_causal=causal).float() * r).sum().backward()
         t, peak = harness.time_torch(torch, device, call, repeats=repeats, warmup=1, min_time_s=0.3)
         out["time"], out["torch_device"] = t.as_dict(), device
         if peak is not None:
@@ -204,9 +234,11 @@ def measure(spec: dict) -> dict:
         if impl == BOUND:
             fn = _products_only(L, B=B, H=H, D=D)[mode]
         else:
-            fwd = _jax_fn(impl, L, causal, B=B, H=H, D=D)
-            fn = fwd if mode == "fwd" else jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
+            f, params = _jax_fn(impl, L, causal, B=B, H=H, D=D)
+            fn = (lambda q, k, v: f(params, q, k, v)) if mode == "fwd" else _step(f)
         args = _inputs(L, B=B, H=H, D=D, dtype=_dtype(impl))
+        if mode != "fwd" and impl != BOUND:  # the parameters are arguments, as in a step
+            args = (params, *args, _cotangent(L, B=B, H=H, D=D))
         t = harness.time_jax(fn, *args, repeats=repeats, warmup=1, min_time_s=0.3,
                              max_time_s=spec.get("max_time_s"))
         out["compiled_memory"], out["time"] = t.memory, t.as_dict()
