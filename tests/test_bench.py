@@ -2101,3 +2101,16 @@ def test_attention_fwd_bwd_times_a_whole_train_step(monkeypatch, impl):
     _, grads = jax.jit(bench_attention._step(bench_attention._jax_fn(
         impl, L, False, B=1, H=1, D=D)[0]))(*seen["args"])
     assert jax.tree.structure(grads[0]) == jax.tree.structure(seen["args"][0])  # the params'
+
+
+def test_moe_layer_rows_time_a_whole_train_step():
+    """A session-106 find: the gradients alone of sum(mlp(x) * r) let XLA drop the dense
+    MLP's second forward product, the baseline of moe_layer_overhead_vs_dense_8k; the timed
+    step computes all six (two forward, four backward)."""
+    from hpnlp.bench import moe
+    T, M, F = 64, 16, 32
+    p = {"wi": jnp.ones((M, F)), "bi": jnp.zeros((1, F)), "wo": jnp.ones((F, M)),
+         "bo": jnp.zeros((1, M))}
+    x = r = jnp.ones((T, M))
+    flops = moe.step(moe.dense_mlp).lower(p, x, r).compile().cost_analysis()["flops"]
+    assert flops >= 6 * 2 * T * M * F

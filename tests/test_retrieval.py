@@ -940,6 +940,9 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
         knnlm.Datastore.open(str(tmp_path / "ds"), params=other)
     with pytest.raises(RetrievalError, match="no datastore.json"):
         knnlm.Datastore.open(str(tmp_path / "nothing"))
+    # a dense LM's run key (knnlm.load_trained gives one for every run) opens it with its cfg
+    assert len(knnlm.Datastore.open(str(tmp_path / "ds"), params=params, cfg=model.cfg,
+                                    features_key=jax.random.key(3)).keys)
     # the folder's datastore is reused for the same split, refused for another number of
     # entries (a README walk: --max_datastore_tokens was ignored where a datastore stood)
     assert knnlm.datastore_for(model, params, train, str(tmp_path / "ds"), seq_len=L)[1] is False
@@ -1025,8 +1028,15 @@ def test_knn_lm_of_a_performer_reads_the_draw_it_trained_with(tmp_path, monkeypa
     for key in (None, other):
         with pytest.raises(RetrievalError, match=r"this datastore's keys come from the "
                            r"random-feature draw [0-9a-f]{16}, and this model's passes read "
-                           r"(none|[0-9a-f]{16}) .*build one for this run in a new folder$"):
+                           r"(none|[0-9a-f]{16}) .*pass the draw this model's passes read "
+                           r".*build one for this run in a new folder$"):
             knnlm.Datastore.open(str(tmp_path / "ds"), params=params, features_key=key)
+    # with the model's config: the run's key as it comes (a dense LM's too), refused by name
+    # where the model reads one and none is given (the diff review)
+    assert len(knnlm.Datastore.open(str(tmp_path / "ds"), params=params, features_key=trained,
+                                    cfg=model.cfg).keys)
+    with pytest.raises(RetrievalError, match="pass features_key=state"):
+        knnlm.Datastore.open(str(tmp_path / "ds"), params=params, cfg=model.cfg)
     with pytest.raises(RetrievalError, match=r"passes read [0-9a-f]{16} "):
         knnlm.neighbours(model, params, held, store, index, seq_len=L, k=4, features_key=other)
 

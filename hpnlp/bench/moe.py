@@ -114,6 +114,12 @@ def dense_mlp(p, x_TM, r_TM):
     return jnp.sum((h @ p["wo"] + p["bo"]) * r_TM)
 
 
+def step(fn):
+    """A train step's work on `fn(params, x, r) -> scalar`, jitted: its value and the
+    gradients of params and x (module doc: the gradients alone let XLA drop a product)."""
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+
+
 def layer_rows(s: dict) -> list[dict]:
     """Forward + backward times of the layer, per dispatch and token count, split by stage."""
     M, F, X = LAYER["width"], LAYER["expert_dim"], LAYER["experts"]
@@ -128,7 +134,7 @@ def layer_rows(s: dict) -> list[dict]:
         calls = {}
 
         def add(key, fn, p):
-            g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))  # a train step's work
+            g = step(fn)
             calls[key] = lambda g=g, p=p: jax.block_until_ready(g(p, x, r))
         add(("dense", 4), dense_mlp, p_dense)
         for name, (kind, factor) in variants.items():

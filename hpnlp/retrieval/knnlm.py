@@ -114,7 +114,11 @@ def check_draw(folder: str, header: dict, features_key) -> None:
                              f"draw {have or 'of none'}, and this model's passes read "
                              f"{want or 'none'} (a Performer's draw moves every "
                              "train.feature_redraw_every steps; datastores of hpnlp before "
-                             "session 106 read its seed's); build one for this run in a new "
+                             "session 106 read its seed's): pass the draw this model's passes "
+                             "read (features_key=state.features_key(cfg.train."
+                             "feature_redraw_every) for a model whose attention reads the run's "
+                             "features stream, None for one that reads none; cfg=... filters "
+                             "a run's key by its model), or build one for this run in a new "
                              "folder")
 
 
@@ -227,7 +231,7 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
     refused), else a new one of `ex`."""
     rngs = features_rngs(model.cfg, features_key, "the kNN-LM's datastore")
     if os.path.isfile(os.path.join(folder, DATASTORE)):
-        store = Datastore.open(folder, params=params, features_key=rngs.get("features"))
+        store = Datastore.open(folder, params=params, features_key=features_key, cfg=model.cfg)
         want = int(np.sum(ex.lengths - 1))
         if store.header["entries"] != want:  # a README walk: a cap was silently ignored
             raise RetrievalError(
@@ -247,10 +251,13 @@ class Datastore:
     values: np.ndarray  # [N] int32
 
     @classmethod
-    def open(cls, folder: str, *, params=None, features_key=None) -> "Datastore":
+    def open(cls, folder: str, *, params=None, features_key=None, cfg=None) -> "Datastore":
         """Open the datastore in `folder`; with `params`, refuse one built by another model,
-        or under another random-feature draw than `features_key` (`check_draw`; None for a
-        model that reads none: `features_rngs(cfg, key, ...).get("features")`)."""
+        or under another random-feature draw than `features_key`, the draw the model's
+        passes read (`check_draw`): with `cfg` (the model's config), the run's key as
+        `load_trained` gives it, whatever the model (`features_rngs` keeps it where the model
+        reads one, refuses its absence by name); without, the key of a model that reads one,
+        None for one that reads none."""
         path = os.path.join(folder, DATASTORE)
         if not os.path.isfile(path):
             raise RetrievalError(f"{folder}: no {DATASTORE}; build the datastore first "
@@ -280,6 +287,9 @@ class Datastore:
                                  f"{header['model']}, from {header.get('workdir', '?')} step "
                                  f"{header.get('step', '?')}); build one for this run in a new folder")
         if params is not None:
+            if cfg is not None:  # the diff review: a dense LM's run key was refused as a draw
+                features_key = features_rngs(cfg, features_key,
+                                             "the kNN-LM's datastore").get("features")
             check_draw(folder, header, features_key)
         # a bug hunt: a truncated file was numpy's error, naming neither the file nor the fix
         arrays = {}
