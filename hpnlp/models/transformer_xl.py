@@ -433,7 +433,9 @@ class TransformerXLLM(nn.Module):
     `loss_and_memory(batch, memory)` / `evaluate_and_memory(batch, memory)` carry the
     memory; `__call__(batch)` / `evaluate(batch)` start every batch from an empty memory
     (what the generic Trainer does: no state beyond the parameters). Batches: inputs,
-    targets, segment_ids [B, L] (positions, if present, are ignored: XL is relative). With
+    targets, segment_ids [B, L]; positions, where present, are not embedded (XL is
+    relative), but a row whose first position is 0 starts a new text, so its memory is
+    emptied (`_memory`: the first batch of a stream's epoch, every pad or pack batch). With
     model.comp_mem_len > 0 the memory carries the compressed memory too, and an apply with
     the `aux` collection mutable gets the reconstruction loss there (MemoryCarry folds it in).
     """
