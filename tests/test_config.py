@@ -320,6 +320,8 @@ def test_task_fields_are_filled_in():
       "data": {"task": "verse_pairs"}}, "model.encoder.mine_depth", "mine_every=0 mines none"),
     ({"model": {"kind": "bi_encoder", "arch": "bag", "pool": "first"},
       "data": {"task": "verse_pairs"}}, "model.pool", "pools by model.encoder.bag"),
+    ({"model": {"kind": "bi_encoder", "arch": "bag", "dropout": 0.5},
+      "data": {"task": "verse_pairs"}}, "model.dropout", "has no layer it drops out"),
     # (session 99) int() of each in hpnlp.data.batching: a ValueError or a traceback naming
     # no field, or 32.5 trained as 32 and True as 1
     *[({"data": {"batching": "bucket", "bucket_boundaries": bad}}, "data.bucket_boundaries",

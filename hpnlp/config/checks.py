@@ -553,6 +553,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.arch == "bag":
         _refuse_unread("model", m, "a bag of embeddings pools by model.encoder.bag", "pool it "
                        "with model.encoder.bag ('mean' or 'sum')", names=("pool",))
+        # a review (r13): its sum of embeddings has no dropout; a rate was taken, unread
+        _refuse_unread("model", m, "a bag of embeddings has no layer it drops out",
+                       "use model.arch='transformer' (or 'lstm') for dropout",
+                       names=("dropout",))
     if m.causal not in (True, False):
         _fail("model.causal", m.causal, "must be true or false")
     if m.causal and m.kind != "classifier":
