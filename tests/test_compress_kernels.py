@@ -637,14 +637,20 @@ def test_bad_inputs_name_the_argument():
     for threads in (0, 2.5):
         with pytest.raises(ValueError, match="int8_linear: threads must be an integer >= 1"):
             qk.int8_linear(jnp.zeros((2, 13), jnp.float32), w, impl="xla", threads=threads)
-    with pytest.raises(ValueError, match="int8_matmul: blocking must be"):
-        qk.int8_matmul(x, w, impl="xla", blocking={"mc": 0, "mr": 2})
+    for bad in ({"mc": 0, "mr": 2}, {"mc": 64.5, "mr": 2}, {"mc": 64, "mr": 2.5},
+                {"mc": True, "mr": 2}, {"mc": "64", "mr": 2}, ["mc", "mr"]):
+        with pytest.raises(ValueError, match="int8_matmul: blocking must be"):
+            qk.int8_matmul(x, w, impl="xla", blocking=bad)
+    with pytest.raises(ValueError, match="k must be an integer"):  # 13.5 built K = 13
+        qk.prepare_binary_weight(jnp.zeros((2, 4), jnp.uint8), k=13.5)
+    with pytest.raises(ValueError, match="k must be an integer"):
+        qk.prepare_int4_weight(jnp.zeros((4, 4), jnp.uint8), jnp.ones((1, 4), jnp.float32), k=7.9)
     if qk.available():
         with pytest.raises(ValueError, match="blocking must be"):
             qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 8, "mr": 99})
         # found in review: mc of 2**31 - 1 overflowed the kernel's int row-chunk count and
         # computed no rows, silently
-        with pytest.raises(ValueError, match=r"'mc': 1\.\.2\*\*30"):
+        with pytest.raises(ValueError, match=r"'mc': an integer 1\.\.2\*\*30"):
             qk.int8_matmul(x, w, impl="kernel", blocking={"mc": 2**31 - 1, "mr": 4})
         with pytest.raises(ValueError, match="threads must be an integer >= 1"):
             qk.int8_matmul(x, w, impl="kernel", threads=0)

@@ -230,11 +230,14 @@ def _check_options(what: str, threads, blocking=None) -> None:
     review: with impl="xla", or "auto" where the kernel cannot run, threads=0 passed)."""
     if threads is not None and (not kernels.is_integer(threads) or threads < 1):
         raise ValueError(f"{what}: threads must be an integer >= 1; got {threads!r}")
+    # a review (r12): {"mc": 64.5, "mr": 2.7} ran as 64 and 2, and {"mc": "64"} was a bare
+    # TypeError
     if blocking is not None and (
-            set(blocking) != {"mc", "mr"} or not 1 <= blocking["mc"] <= 2**30
-            or blocking["mr"] < 1):
-        raise ValueError(f"{what}: blocking must be {{'mc': 1..2**30, 'mr': >= 1}}; got "
-                         f"{blocking}")
+            not isinstance(blocking, dict) or set(blocking) != {"mc", "mr"}
+            or not all(kernels.is_integer(v) for v in blocking.values())
+            or not 1 <= blocking["mc"] <= 2**30 or blocking["mr"] < 1):
+        raise ValueError(f"{what}: blocking must be {{'mc': an integer 1..2**30, 'mr': an "
+                         f"integer >= 1}}; got {blocking!r}")
 
 
 def _threads(threads: int | None, M: int, K: int, N: int, kind: str) -> np.int64:
@@ -409,8 +412,8 @@ def prepare_binary_weight(bits_KbxN, alpha_N=None, *, k: int) -> BinaryWeight:
     """Re-lay packed sign bits ([ceil(k/8), N] uint8, `packing.pack_bits` along K) and the
     per-output-channel scales (default ones) once, for `binary_matmul` / `binary_linear`."""
     bits_KbxN = jnp.asarray(bits_KbxN)
-    if int(k) < 0:
-        raise ValueError(f"prepare_binary_weight: k must be >= 0; got {k}")
+    if not kernels.is_integer(k) or k < 0:  # a review (r12): k=13.5 built a K=13 weight
+        raise ValueError(f"prepare_binary_weight: k must be an integer >= 0; got {k!r}")
     k = int(k)
     _check("prepare_binary_weight", "bits_KbxN", bits_KbxN, ndim=2, dtype=jnp.uint8)
     if bits_KbxN.shape[0] != -(-k // 8):
@@ -542,6 +545,8 @@ def prepare_int4_weight(packed_KhxN, scale_GxN, *, k: int) -> Int4Weight:
     """Re-lay a packed int4 weight ([ceil(k/2), N] uint8, `packing.pack_int4` along K) and
     its group scales [G, N] (group g = k / G rows of K each) once, for `int4_linear`."""
     packed_KhxN, scale_GxN = jnp.asarray(packed_KhxN), jnp.asarray(scale_GxN)
+    if not kernels.is_integer(k):  # a review (r12): k=7.9 dropped the weight's 8th row
+        raise ValueError(f"prepare_int4_weight: k must be an integer >= 1; got {k!r}")
     k = int(k)
     _check("prepare_int4_weight", "packed_KhxN", packed_KhxN, ndim=2, dtype=jnp.uint8)
     if k < 1 or packed_KhxN.shape[0] != -(-k // 2):
