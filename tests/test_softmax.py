@@ -92,6 +92,28 @@ def test_full_chunked_loss_matches_unchunked(z_loss):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
 
 
+def test_full_chunked_loss_multiplies_a_factored_table_through_its_rank(monkeypatch):
+    """The chunked training loss took `weights()`, the densified [V, E] of a `model.lowrank`
+    table (U V); each chunk takes the two products through the rank now, with the values and
+    gradients of the unchunked loss (which `logits` computes so)."""
+    from hpnlp.compress.qlinear import Factored
+    layer, params, h, t = _setup()
+    chunked = S.get("full")(vocab_size=V, chunk_tokens=4)
+    u = jax.random.normal(jax.random.key(5), (V, 3))
+    v = jax.random.normal(jax.random.key(6), (3, h.shape[-1])) * h.shape[-1] ** -0.5
+    params = {"params": {**params["params"],
+                         "table": {**params["params"]["table"], "kernel": Factored(u, v)}}}
+
+    def total(layer):
+        return lambda p, h: jnp.sum(layer.apply(p, h, t, method="loss"))
+
+    v0, g0 = jax.value_and_grad(total(layer), argnums=(0, 1))(params, h)
+    monkeypatch.setattr(Factored, "dense", lambda self: pytest.fail("the table was densified"))
+    v1, g1 = jax.value_and_grad(total(chunked), argnums=(0, 1))(params, h)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g1, g0)
+
+
 def test_full_auto_chunking_keeps_logits_small():
     from hpnlp.softmax.full import CHUNK_LOGITS_BYTES, auto_chunk
     assert auto_chunk(8192, 32768) == 2048 and auto_chunk(100, 37) == 0

@@ -24,7 +24,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from hpnlp.softmax.base import VocabLayer, check_targets, map_token_chunks, masked, register, scores
+from hpnlp.softmax.base import VocabLayer, check_targets, map_token_chunks, masked, register
 
 CHUNK_LOGITS_BYTES = 256 * 2**20  # auto chunking keeps one chunk's float32 logits under this
 
@@ -61,11 +61,12 @@ def auto_chunk_tokens(num_tokens: int, floats_per_token: int) -> int:
     return auto_chunk(num_tokens // shards, floats_per_token) * shards
 
 
-def chunked_nll(hidden_NE, targets_N, kernel_VE, bias_V, *, dtype, chunk: int, z_loss: float = 0.0):
-    """Per-token -log softmax(h W^T + b)[target] (+ z-loss), about `chunk` tokens at a time
-    (each chunk a slice of every row: see `base.map_token_chunks`)."""
+def chunked_nll(logits_fn, hidden_NE, targets_N, *, chunk: int, z_loss: float = 0.0):
+    """Per-token -log softmax(logits_fn(h))[target] (+ z-loss), about `chunk` tokens at a
+    time (each chunk a slice of every row: see `base.map_token_chunks`); `logits_fn`: the
+    layer's product (`VocabLayer._logits_fn`)."""
     def one_chunk(h_CE, t_C):
-        return _nll(scores(h_CE, kernel_VE, bias_V, dtype), t_C, z_loss)
+        return _nll(logits_fn(h_CE), t_C, z_loss)
     return map_token_chunks(one_chunk, targets_N.shape, chunk, hidden_NE, targets_N)
 
 
@@ -108,9 +109,10 @@ class FullSoftmax(VocabLayer):
         num_tokens = targets_N.size
         chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
         if chunk and chunk < num_tokens:
-            kernel_VE, bias_V = self.weights(width)
-            loss_N = chunked_nll(self.quant_hidden(hidden_NE), targets_N, kernel_VE, bias_V, dtype=self.dtype,
-                                 chunk=chunk, z_loss=self.z_loss)
+            # each chunk through the product `logits` takes: a factorized table (model.lowrank)
+            # through its rank, not densified to [V, E] (as the chunked eval since session 105)
+            loss_N = chunked_nll(self._logits_fn(width), hidden_NE, targets_N, chunk=chunk,
+                                 z_loss=self.z_loss)
         else:
             loss_N = _nll(self.logits(hidden_NE), targets_N, self.z_loss)
         return masked(loss_N, mask_N)
