@@ -1,5 +1,6 @@
 """Sampled objectives: contract, sampler statistics, accidental hits, consistency with full softmax."""
 
+import re
 from functools import partial
 
 import flax.linen as nn
@@ -365,6 +366,9 @@ def test_deterministic_uses_fixed_key_and_training_draws_vary():
 
 
 def test_tied_embedding_receives_the_gradient():
+    """The output path's own gradient reaches the tied table (review r18: targets that were
+    also inputs got the input path's gradient, so a stop_gradient on the output read passed):
+    targets never inputs, each row checked, and equal to the gradient with h a free input."""
     v, width = 11, 6
 
     class Tied(nn.Module):
@@ -372,18 +376,26 @@ def test_tied_embedding_receives_the_gradient():
             self.embed = nn.Embed(v, width)
             self.out = S.get("sampled")(vocab_size=v, embed=self.embed, num_samples=5)
 
-        def __call__(self, tok, t):
-            return self.out.loss(self.embed(tok), t)
+        def __call__(self, tok, t, h=None):
+            return self.out.loss(self.embed(tok) if h is None else h, t)
 
-    tok = jnp.arange(4) % v
-    t = (tok + 1) % v
+    tok = jnp.arange(4)
+    t = tok + 5  # rows 5-8: no input reads them
     variables = jax.jit(Tied().init)(jax.random.key(0), tok, t)
     assert "kernel" not in variables["params"]["out"]["table"]
-    g = jax.jit(jax.grad(lambda p: jnp.sum(Tied().apply(p, tok, t))))(variables)
-    assert float(jnp.abs(g["params"]["embed"]["embedding"][np.asarray(t)]).sum()) > 0
+    h = variables["params"]["embed"]["embedding"][tok]
+    grad = jax.jit(jax.grad(lambda p, h: jnp.sum(Tied().apply(p, tok, t, h))))
+    g = grad(variables, None)["params"]["embed"]["embedding"]
+    g_out = grad(variables, h)["params"]["embed"]["embedding"]  # the output path alone
+    assert np.all(np.abs(np.asarray(g_out)[np.asarray(t)]).sum(-1) > 0)
+    not_inputs = np.setdiff1d(np.arange(v), np.asarray(tok))
+    np.testing.assert_allclose(np.asarray(g)[not_inputs], np.asarray(g_out)[not_inputs],
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_bfloat16_compute_keeps_float32_loss():
+    """Review r18: the loss matched float32's when `dtype` was ignored; it must differ (a
+    bfloat16 product ran), within bfloat16's tolerance, and the program must hold bf16 dots."""
     layer = S.get("sampled")(vocab_size=lib.V, num_samples=8, dtype=jnp.bfloat16)
     h, t = lib.inputs()
     params = jax.jit(lambda: lib.init(layer, h, t))()
@@ -391,6 +403,9 @@ def test_bfloat16_compute_keeps_float32_loss():
     ref = S.get("sampled")(vocab_size=lib.V, num_samples=8).apply(params, h, t, method="loss")
     assert loss.dtype == jnp.float32
     np.testing.assert_allclose(loss, ref, rtol=0.05, atol=0.05)
+    assert float(jnp.max(jnp.abs(loss - ref))) > 0
+    hlo = jax.jit(lambda p: layer.apply(p, h, t, method="loss")).lower(params).as_text()
+    assert re.search(r"dot_general.*bf16>, tensor<.*bf16>", hlo), "no bfloat16 dot ran"
 
 
 @pytest.mark.parametrize("name,kw,match", [
