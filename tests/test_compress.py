@@ -992,6 +992,8 @@ def test_served_int8_layer_with_gelu_epilogue_equals_its_xla_twin():
     want, got = np.asarray(run(packed)), np.asarray(run(served))
     assert want.min() < -0.1 and want.max() > 2.0  # GELU's curve and its linear tail
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # the kernel ran (review r17: auto falls back to the twin, equal values, without panels)
+    assert jax.jit(run).lower(served).compile().as_text().count("hpnlp_int8_linear") == 1
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -1153,6 +1155,8 @@ def test_quantized_factorized_product_is_two_quantized_products():
         want = np.asarray(want)
         np.testing.assert_allclose(np.asarray(apply(served)), want, rtol=1e-5,
                                    atol=1e-5 * np.abs(want).max())
+        # one kernel call per factor (review r17: auto's twin gives the same values)
+        assert apply.lower(served).compile().as_text().count("hpnlp_int8_linear") == 2, act
 
 
 

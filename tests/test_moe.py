@@ -249,6 +249,30 @@ def test_balance_loss_formula_uniform_and_collapsed():
         assert float(switch_loss(z)) > 1.0
 
 
+def test_router_z_loss_value_and_its_weight_in_the_layers_loss():
+    """ST-MoE's router z-loss: routing.z_loss is the mean over valid tokens of
+    logsumexp(logits)^2; the layer reports it for its router's logits (padding left out) and
+    adds it to its loss times model.moe.z_loss (review r18: neither was checked)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 16, X)) * 3
+    valid = rng.random((2, 16)) > 0.3
+    z = np.log(np.sum(np.exp(logits[valid]), -1))  # float64
+    np.testing.assert_allclose(
+        float(routing.z_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(valid))),
+        np.mean(z ** 2), rtol=1e-5)
+    mod = layer(router="top_k", top_k=2, z_loss=0.25, balance_loss=0.5)
+    x, seg = inputs(lengths=(L, 5))
+    p = init_params(mod, x, seg)
+    _, stats = apply(mod, p, x, seg)
+    real = np.asarray(seg) > 0
+    logits = np.asarray(x, np.float64)[real] @ np.asarray(p["router"], np.float64)
+    want_z = np.mean(np.log(np.sum(np.exp(logits), -1)) ** 2)
+    np.testing.assert_allclose(float(stats["loss_moe_z"]), want_z, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(stats["loss"]),
+        0.25 * float(stats["loss_moe_z"]) + 0.5 * float(stats["loss_moe_balance"]), rtol=1e-6)
+
+
 @pytest.mark.parametrize("router,k,kind", [("switch", 1, "capacity"), ("top_k", 2, "dropless"),
                                            ("expert_choice", 1, "capacity")])
 def test_padding_is_routed_nowhere_and_counts_in_no_statistic(router, k, kind):
@@ -388,19 +412,20 @@ def test_training_logs_routing_statistics_and_resumes_exactly(tmp_path):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
 
 
-# 6.5, 6.1, 6.3 and 7.2 s in four suites on the 2-core Zen 3 (2026-12-01), the README's command
-# over 10 min there from an empty kernel cache: CI's slow part runs it
+# 6.5, 6.1, 6.3 and 7.2 s in four suites on the 2-core Zen 3 (2026-12-01) with two of its three
+# runs, the README's command over 10 min there from an empty kernel cache: CI's slow part runs it
 @pytest.mark.slow
-def test_balance_loss_reaches_the_gradient(tmp_path):
+def test_router_aux_losses_reach_the_gradient(tmp_path):
     """The router's auxiliary losses are part of the objective: its gradient changes with the
-    balance weight, the experts' does not (the task loss alone reaches them)."""
+    balance weight and with the z-loss weight (review r18: z_loss was always 0 here), the
+    experts' does not (the task loss alone reaches them)."""
     from hpnlp.train import Trainer
     from hpnlp.train.loop import _global
     grads = {}
-    for w in (0.0, 1.0):
-        cd = _tiny_moe(balance_loss=w, z_loss=0.0)
+    for w in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):  # (balance_loss, z_loss)
+        cd = _tiny_moe(balance_loss=w[0], z_loss=w[1])
         cd.model.dropout = 0.0
-        tr = Trainer(from_configdict(cd), str(tmp_path / str(w)))
+        tr = Trainer(from_configdict(cd), str(tmp_path / "_".join(map(str, w))))
         state, _ = tr.initial_state()
         batch = _global(next(tr.train_iter), tr.batch_sharding)
         from hpnlp.train import carry as carry_lib
@@ -410,8 +435,9 @@ def test_balance_loss_reaches_the_gradient(tmp_path):
             sums, _ = loss_fn(p, state.carry, batch, {"dropout": jax.random.key(0)})
             return sums["loss"] + sums["loss_aux"]
         grads[w] = jax.jit(jax.grad(objective))(state.params)["trunk"]["block_1"]["moe"]
-    assert float(jnp.abs(grads[1.0]["router"] - grads[0.0]["router"]).max()) > 1e-6
-    np.testing.assert_allclose(grads[1.0]["wi"], grads[0.0]["wi"], atol=1e-7)
+    for w in ((1.0, 0.0), (0.0, 1.0)):
+        assert float(jnp.abs(grads[w]["router"] - grads[0.0, 0.0]["router"]).max()) > 1e-6, w
+        np.testing.assert_allclose(grads[w]["wi"], grads[0.0, 0.0]["wi"], atol=1e-7, err_msg=str(w))
 
 
 # Each dispatch and each factorization in the default run; the other two pairings (5-7 s each
