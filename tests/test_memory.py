@@ -195,20 +195,40 @@ def test_reversible_backward_reuses_the_forwards_routing(name, opts, routing_fn,
 
 
 def test_reversible_keeps_causality_and_segments():
+    """Review r18: the changes are a vector, not a constant (the layer norm in front of each
+    attention cancels `+ 1.0`, so the unchanged-position checks held for any stack), and
+    bidirectionality is shown, not assumed (a causal stack passed the segment checks)."""
     params, x_BLE, seg_BL = rev_inputs()
     seg_BL = jnp.asarray([[1] * 8 + [2] * 8, [1] * 11 + [0] * 5], jnp.int32)
-    changed_BLE = x_BLE.at[:, 11:].add(1.0)
+    d_E = jax.random.normal(jax.random.key(5), (E,))
+    changed_BLE = x_BLE.at[:, 11:].add(d_E)
     run = lambda causal, x: rev_stack(causal=causal, deterministic=True).apply(
         {"params": params}, x, seg_BL)
-    both_BLE = x_BLE.at[0, 8:].add(1.0).at[1, 11:].add(1.0)
-    y, y2, z, z2 = run_fast(lambda x, c, b: (run(True, x), run(True, c), run(False, x), run(False, b)),
-                            x_BLE, changed_BLE, both_BLE)
+    both_BLE = x_BLE.at[0, 8:].add(d_E).at[1, 11:].add(d_E)
+    # one token changed inside segment 2 of row 0 (position 12) and inside row 1's segment (5)
+    inside_BLE = x_BLE.at[0, 12].add(d_E).at[1, 5].add(d_E)
+    y, y2, y3, z, z2, z3 = run_fast(
+        lambda x, c, b, i: (run(True, x), run(True, c), run(True, i), run(False, x), run(False, b),
+                            run(False, i)),
+        x_BLE, changed_BLE, both_BLE, inside_BLE)
+    moved = lambda a, b: jnp.max(jnp.abs(a - b), -1)  # noqa: E731  (per position)
     np.testing.assert_allclose(y2[:, :11], y[:, :11], atol=1e-6)  # causal: the past ignores the future
     assert float(jnp.max(jnp.abs(y2[:, 11:] - y[:, 11:]))) > 1e-3
+    np.testing.assert_allclose(y3[0, :12], y[0, :12], atol=1e-6)
+    np.testing.assert_allclose(y3[1, :5], y[1, :5], atol=1e-6)
+    assert float(jnp.min(moved(y3[0, 13:], y[0, 13:]))) > 1e-3  # ... and the future sees it
+    assert float(jnp.min(moved(y3[1, 6:11], y[1, 6:11]))) > 1e-3
     # Bidirectional: packed segment 1 never sees segment 2; real tokens never see padding.
     np.testing.assert_allclose(z2[0, :8], z[0, :8], atol=1e-6)
     np.testing.assert_allclose(z2[1, :11], z[1, :11], atol=1e-6)
     assert float(jnp.max(jnp.abs(z2[0, 8:] - z[0, 8:]))) > 1e-3
+    # ... and it is bidirectional: other than the causal stack at every real token, and a
+    # change moves every earlier position of its own segment, and none of another segment.
+    assert float(jnp.min(moved(z[0], y[0]))) > 1e-3
+    assert float(jnp.min(moved(z[1, :11], y[1, :11]))) > 1e-3
+    assert float(jnp.min(moved(z3[0, 8:12], z[0, 8:12]))) > 1e-3, moved(z3, z)[0]
+    np.testing.assert_allclose(z3[0, :8], z[0, :8], atol=1e-6)
+    assert float(jnp.min(moved(z3[1, :5], z[1, :5]))) > 1e-3, moved(z3, z)[1]
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])

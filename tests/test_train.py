@@ -1536,14 +1536,22 @@ def test_a_checkpoints_folder_holding_only_a_cut_save_starts_over(tmp_path):
 
 
 def test_bfloat16_compute_trains_with_float32_master_weights(tmp_path):
+    """Review r18: a step that ignored model.dtype passed (float32 trains too). The jitted
+    step's matrix products run in bfloat16: at least the block's four projections and the
+    logits, forward and backward (a float32 step has none)."""
+    from test_models import bf16_dots
     cd = tiny(steps=12)
     cd.model.dtype = "bfloat16"
     tr = Trainer(from_configdict(cd), str(tmp_path))
     state, _ = tr.initial_state()
     losses = []
     with tr._context():
-        for _ in range(12):
-            state, m = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+        for i in range(12):
+            batch = _global(next(tr.train_iter), tr.batch_sharding)
+            if i == 0:
+                n = bf16_dots(tr.train_step.lower(state, batch).as_text())
+                assert n >= 2 * (4 + 1), n
+            state, m = tr.train_step(state, batch)
             losses.append(float(m["loss"]) / float(m["weight"]))
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
