@@ -321,7 +321,8 @@ def test_task_fields_are_filled_in():
     ({"model": {"kind": "bi_encoder", "arch": "bag", "pool": "first"},
       "data": {"task": "verse_pairs"}}, "model.pool", "pools by model.encoder.bag"),
     ({"model": {"kind": "bi_encoder", "arch": "bag", "dropout": 0.5},
-      "data": {"task": "verse_pairs"}}, "model.dropout", "has no layer it drops out"),
+      "data": {"task": "verse_pairs"}}, "model.dropout", "drops out, so nothing reads it; use "
+     "model.arch='transformer' (or 'lstm') for dropout, or set it to 0.0"),
     # (session 99) int() of each in hpnlp.data.batching: a ValueError or a traceback naming
     # no field, or 32.5 trained as 32 and True as 1
     *[({"data": {"batching": "bucket", "bucket_boundaries": bad}}, "data.bucket_boundaries",
@@ -426,6 +427,7 @@ def test_fields_are_taken_where_their_switch_reads_them():
                                          "mine_depth": 4}}, "data": {"task": "verse_pairs"}},
             {"model": {**bi, "arch": "bag", "encoder": {"bag": "sum", "temperature": 0.1}},
              "data": {"task": "verse_pairs"}},
+            {"model": {**bi, "arch": "bag", "dropout": 0.0}, "data": {"task": "verse_pairs"}},
             {"train": {"feature_redraw_every": 10}, "attention": {"name": "performer"}}):
         validate(base(**groups), num_devices=1)
 

@@ -315,7 +315,8 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     assert not os.path.exists(tmp_path / "rel")
 
 
-# 5.6 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3
+# 5.6 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
+# the only check that one process's failure stops the others: CI's slow part runs it
 @pytest.mark.slow
 def test_a_failure_in_one_process_stops_the_others_at_once(tmp_path, launch):
     """A bug hunt (session 97): a data file missing on one host failed that process after the
@@ -373,7 +374,8 @@ def _stopped_while_joining(run, log_name: str, sig, code: int) -> str:
     return log
 
 
-# 4.2 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3
+# 4.2 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
+# the only check of a lone process 0 or a SIGTERM while joining: CI's slow part runs it
 @pytest.mark.slow
 def test_process_0_alone_or_sigterm_while_joining_ends_in_one_line(tmp_path, launch):
     """A bug hunt (session 99): process 0 that stopped waiting (--init_timeout, Ctrl-C)
@@ -445,7 +447,8 @@ def test_sigterm_or_ctrl_c_in_one_process_stops_both_at_one_saved_step(tmp_path,
     assert [s for s, _ in losses(work)] == list(range(1, second + 1))
 
 
-# 11.1 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3
+# 11.1 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
+# the only check that Ctrl-C after a multi-process run's last step is said: CI's slow part runs it
 @pytest.mark.slow
 def test_ctrl_c_after_the_last_step_is_said(tmp_path, launch):
     """A bug hunt (session 97): Ctrl-C in one process during the final eval was ignored

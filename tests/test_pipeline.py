@@ -325,7 +325,8 @@ print("OK")
 """
 
 
-# 4.7 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3
+# 4.7 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
+# the only check of a teacher's depth against the pipeline stages: CI's slow part runs it
 @pytest.mark.slow
 def test_a_stacked_teacher_whose_depth_the_pipeline_does_not_split_is_refused_at_build(
         tmp_path):

@@ -347,7 +347,8 @@ def test_checkpoints_without_their_config_json_are_said(tmp_path, capsys):
     assert json.load(open(tmp_path / "config.json"))["config"]["name"] == "tiny"
 
 
-# 4.7 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3
+# 4.7 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
+# the only check of a one-step resume's first rates and summary: CI's slow part runs it
 @pytest.mark.slow
 def test_the_rates_and_summary_are_this_process_s_own(tmp_path):
     """A bug hunt (session 99): the first log line's rate counted the first step's compile
@@ -787,7 +788,8 @@ def test_non_finite_training_stops_and_no_checkpoint_holds_it(tmp_path, lr):
         assert not kept and "no checkpoint was saved yet" in str(e.value)
 
 
-# 5.1 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3
+# 5.1 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
+# the only check that Ctrl-C names the resume and a non-finite eval stops before its checkpoint: CI's slow part runs it
 @pytest.mark.slow
 def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoint(
         tmp_path, monkeypatch, capsys):

@@ -554,9 +554,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _refuse_unread("model", m, "a bag of embeddings pools by model.encoder.bag", "pool it "
                        "with model.encoder.bag ('mean' or 'sum')", names=("pool",))
         # a review (r13): its sum of embeddings has no dropout; a rate was taken, unread
-        _refuse_unread("model", m, "a bag of embeddings has no layer it drops out",
-                       "use model.arch='transformer' (or 'lstm') for dropout",
-                       names=("dropout",))
+        # (0.0 says what a bag does, and the default is taken as unset)
+        if m.dropout not in (0.0, type(m)().dropout):
+            _fail("model.dropout", m.dropout, "a bag of embeddings has no layer it drops out, "
+                  "so nothing reads it; use model.arch='transformer' (or 'lstm') for dropout, "
+                  "or set it to 0.0")
     if m.causal not in (True, False):
         _fail("model.causal", m.causal, "must be true or false")
     if m.causal and m.kind != "classifier":
