@@ -984,7 +984,8 @@ def fake_trained_run(monkeypatch, cfg, model, params, task, *, step: int = 4):
 
 
 # 5.2 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
-# the only check of the kNN-LM's random-feature draw (the bi-encoder's is test_bi_encoder.py's, fast): CI's slow part runs it
+# the only check of the kNN-LM's random-feature draw (the bi-encoder's, in
+# test_bi_encoder.py, is fast): CI's slow part runs it
 @pytest.mark.slow
 def test_knn_lm_of_a_performer_reads_the_draw_it_trained_with(tmp_path, monkeypatch):
     """A review (session 106): the datastore and the held-out queries ran the LM with no

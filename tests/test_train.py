@@ -789,7 +789,8 @@ def test_non_finite_training_stops_and_no_checkpoint_holds_it(tmp_path, lr):
 
 
 # 5.1 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;
-# the only check that Ctrl-C names the resume and a non-finite eval stops before its checkpoint: CI's slow part runs it
+# the only check that Ctrl-C names the resume and a non-finite eval stops before its
+# checkpoint: CI's slow part runs it
 @pytest.mark.slow
 def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoint(
         tmp_path, monkeypatch, capsys):
