@@ -684,6 +684,11 @@ def test_an_implementation_this_machine_cannot_run_is_read_by_its_portable_twin(
 ])
 def test_quant_fields_nothing_reads_are_refused(model, quant, field, hint):
     """A bug hunt (session 101): each was taken by a QAT run and read by nothing."""
+    _refused_naming(model, quant, field, hint)
+
+
+def _refused_naming(model, quant, field, hint):
+    """`validate` of the config refuses it naming `field`, with `hint` in the message."""
     with pytest.raises(ConfigError) as e:
         validate(base(model=model, quant=quant), devices=False)
     assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
@@ -940,9 +945,7 @@ def test_an_option_override_of_another_kind_than_the_files_is_one_line(tmp_path)
      "token and the recurrent product quantizes its weights only)"),
 ])
 def test_quant_activations_no_named_product_reads_are_refused(model, quant, field, hint):
-    with pytest.raises(ConfigError) as e:
-        validate(base(model=model, quant=quant), devices=False)
-    assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+    _refused_naming(model, quant, field, hint)
 
 
 def test_quant_activations_are_taken_where_a_named_product_reads_them():

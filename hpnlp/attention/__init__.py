@@ -12,6 +12,7 @@ dense `[L, L]` mask: that would undo every memory saving.
     >>> out = A.get("dense")()(q, k, v, seg, causal=True, deterministic=True)  # doctest: +SKIP
 """
 
-from hpnlp.attention.base import Attention, register, registered, names, get  # noqa: F401
+from hpnlp.attention.base import (  # noqa: F401
+    Attention, draws_features, register, registered, names, get)
 from hpnlp.attention import (  # noqa: F401  (registration side effects)
     chunked, clustered, dense, kernel, linformer, lsh, ring, sinkhorn, sparse, synthesizer, xla)

@@ -22,6 +22,17 @@ names = _REGISTRY.names
 get = _REGISTRY.get
 
 
+def draws_features(name: str, options, *, decoding: bool = False) -> bool:
+    """Whether variant `name` with `options` draws from the run's `features` stream, so a
+    pass outside training needs the draw its parameters trained with: a variant of
+    `random_features` unless its `redraw` option is off (Performer: its `redraw`, True by
+    default); one without that option (LSH) draws its rotations in a whole pass, and decodes
+    by full attention over its cache (`decoding`: no draw)."""
+    cls = get(name)
+    return bool(cls.random_features
+                and dict(options).get("redraw", getattr(cls, "redraw", not decoding)))
+
+
 # Variable collection of discrete routing (integer arrays a variant chooses from its input)
 # that a replay of the forward must reuse: `kept_routing`.
 ROUTING = "routing"

@@ -255,9 +255,8 @@ def check_features_key(cfg: Config, features_key) -> None:
     model would decode with a draw it never trained with (its seed's), and sample another
     function silently (a review, r12: the quickstart notebook's sample of a Performer run).
     LSH decodes by full attention over its cache, reading no features: no key needed."""
-    cls = attention_lib.get(cfg.attention.name)
-    if (features_key is None and cls.random_features
-            and dict(cfg.attention.options).get("redraw", getattr(cls, "redraw", False))):
+    if features_key is None and attention_lib.draws_features(
+            cfg.attention.name, cfg.attention.options, decoding=True):
         raise ValueError(f"attention.name={cfg.attention.name!r} draws its random features from "
                          "the run's features stream, so decoding needs the draw it trained with: "
                          "pass features_key=state.features_key(cfg.train.feature_redraw_every)")

@@ -69,11 +69,8 @@ def reads_features(cfg) -> bool:
     attention.options.redraw=False; LSH's rotations always) in a model with attention."""
     from hpnlp import attention
     from hpnlp.config.checks import RECURRENT_ARCHS
-    if cfg.model.arch in RECURRENT_ARCHS:
-        return False
-    cls = attention.get(cfg.attention.name)
-    return bool(cls.random_features
-                and dict(cfg.attention.options).get("redraw", getattr(cls, "redraw", True)))
+    return (cfg.model.arch not in RECURRENT_ARCHS
+            and attention.draws_features(cfg.attention.name, cfg.attention.options))
 
 
 def features_rngs(cfg, features_key, what: str) -> dict:
@@ -231,7 +228,7 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
     refused), else a new one of `ex`."""
     rngs = features_rngs(model.cfg, features_key, "the kNN-LM's datastore")
     if os.path.isfile(os.path.join(folder, DATASTORE)):
-        store = Datastore.open(folder, params=params, features_key=features_key, cfg=model.cfg)
+        store = Datastore.open(folder, params=params, features_key=rngs.get("features"))
         want = int(np.sum(ex.lengths - 1))
         if store.header["entries"] != want:  # a README walk: a cap was silently ignored
             raise RetrievalError(

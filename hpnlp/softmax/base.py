@@ -306,8 +306,9 @@ class LogitsDistribution:
     def chunk_eval(self, hidden_NE):
         """(fn(*inputs_C, targets_C) -> `nll_and_argmax` of a chunk's C tokens, inputs [*N, ...]):
         the module's own calls made here (flax refuses them inside the chunk loop, a JAX
-        transform), `fn` pure."""
-        raise NotImplementedError
+        transform), `fn` pure. Every layer that is a LogitsDistribution defines it."""
+        raise NotImplementedError(f"{type(self).__name__} is a LogitsDistribution, so it must "
+                                  "define chunk_eval (VocabLayer's and VMFOutput's are the models)")
 
 
 class VocabLayer(LogitsDistribution, nn.Module):
