@@ -1,5 +1,6 @@
 """A bi-encoder that embeds verses for search (hpnlp.models.bi_encoder) on `verse_pairs`:
-each verse is trained to find the verse after it among all others.
+each odd-numbered verse of a chapter (1st, 3rd, ...) is trained to find the verse after it
+among all others.
 
     python -m hpnlp.main --config experiments/encoder.py --workdir /tmp/hpnlp/encoder
     python -m hpnlp.main --config experiments/encoder.py:bag --workdir /tmp/hpnlp/encoder_bag
