@@ -199,6 +199,14 @@ def test_bad_inputs_have_clear_errors():
             A.get(name)()(q[:, :3], k, v, jnp.ones((B, 3), jnp.int32), causal=False)
 
 
+def test_xla_refuses_a_value_head_dim_other_than_the_keys():
+    """A review (session 107): `jax.nn.dot_product_attention` needs v shaped like k, and its
+    own error named neither the variant nor a way out."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"'xla' .*head dim equal to k's.*use 'dense'"):
+        A.get("xla")()(q, k, v[..., :6], None, causal=False)
+
+
 def test_no_queries_or_no_keys_give_zeros():
     """Found by the crash hunt: dense (the reference) failed on a max over no keys, and
     chunked's XLA path divided by zero choosing blocks for an empty length."""

@@ -115,6 +115,97 @@ def test_hard_permutation_is_dense_attention_over_own_and_chosen_block():
     np.testing.assert_allclose(out, _np_attention(q, k, v, allowed), atol=1e-5, rtol=1e-5)
 
 
+def _reference(q, k, v, valid, perm, Q):
+    """The sorted slots spelled out block by block: slot k of query block i has mass
+    m = sum_j P[i, j] [key (j, k) is real], key and value the m-normalized mixes of the real
+    keys and values, and softmax weight m (logit + log m). Needs m > 0 on every slot."""
+    B, L, H, D = q.shape
+    N = L // Q
+    real_BNQ = valid.reshape(B, N, Q).astype(jnp.float32)
+    k_BNQHD, v_BNQHD = k.reshape(B, N, Q, H, D), v.reshape(B, N, Q, H, -1)
+    outs = []
+    for i in range(N):
+        mass_BHQ = jnp.einsum("bhj,bjq->bhq", perm[:, :, i], real_BNQ)
+        mix_BHNQ = perm[:, :, i, :, None] * real_BNQ[:, None] / mass_BHQ[:, :, None]
+        keys = jnp.concatenate([k_BNQHD[:, i], jnp.einsum("bhjq,bjqhd->bqhd", mix_BHNQ,
+                                                          k_BNQHD)], axis=1)
+        values = jnp.concatenate([v_BNQHD[:, i], jnp.einsum("bhjq,bjqhd->bqhd", mix_BHNQ,
+                                                            v_BNQHD)], axis=1)
+        own_B1Q = jnp.where(real_BNQ[:, None, i] > 0, 0.0, -jnp.inf)
+        logw_BHS = jnp.concatenate([jnp.broadcast_to(own_B1Q, mass_BHQ.shape),
+                                    jnp.log(mass_BHQ)], axis=-1)
+        s_BHQS = jnp.einsum("bqhd,bshd->bhqs", q[:, i * Q:(i + 1) * Q], keys) / np.sqrt(D)
+        p_BHQS = jax.nn.softmax(s_BHQS + logw_BHS[:, :, None, :], axis=-1)
+        out = jnp.einsum("bhqs,bshd->bqhd", p_BHQS, values)
+        outs.append(jnp.where(real_BNQ[:, i, :, None, None] > 0, out, 0.0))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _soft_perm(n, seed=3, batch=B):
+    scores = np.random.default_rng(seed).standard_normal((batch, H, n, n)).astype(np.float32)
+    return gumbel_sinkhorn(scores, np.ones((batch, n), bool), iters=8, temperature=1.0)
+
+
+def test_soft_permutation_outputs_average_real_values_only():
+    """A review (session 107): a sorted slot's key and value were sum_j P[i, j] x_j over the
+    real keys, i.e. scaled by the slot's real mass on top of its + log(mass) weight, so with
+    a soft permutation and a partly padded block, identical values averaged to 0.93 (or,
+    unpadded, to P's row sum): every real output must be the one value c."""
+    c = np.random.default_rng(4).standard_normal(D).astype(np.float32)
+    # the review's numbers: q = 0, half of each block sorted to each, 2 of 8 keys padded
+    q1, v1 = np.zeros((1, 8, 1, D), np.float32), np.broadcast_to(c, (1, 8, 1, D))
+    valid1 = np.arange(8)[None] < 6
+    run = jax.jit(sinkhorn_attention, static_argnums=5)
+    out = run(q1, q1, v1, valid1, np.full((1, 1, 2, 2), 0.5, np.float32), 4)
+    np.testing.assert_allclose(out[:, :6], v1[:, :6], atol=1e-6, rtol=0)
+    # random queries and keys, Gumbel-Sinkhorn of random scores, last block partly padded
+    q, k, _ = _qkv()
+    v = np.broadcast_to(c, (B, L, H, D))
+    mask = _padding([29, 21])
+    out = run(q, k, v, mask != 0, _soft_perm(4), 8)
+    real = (mask != 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, out, c), v, atol=1e-6, rtol=0)
+    attn = _module()
+    out = _apply(attn, _params(attn), q, k, v, mask)
+    np.testing.assert_allclose(np.where(real, out, c), v, atol=1e-6, rtol=0)
+
+
+@jax.jit
+def _outputs_and_grads(q, k, v, valid, perm, w):
+    fns = (lambda q, k, v, p: sinkhorn_attention(q, k, v, valid, p, 4),
+           lambda q, k, v, p: _reference(q, k, v, valid, p, 4))
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)) * w[:, :, None, None])
+    return [(fn(q, k, v, perm), jax.grad(loss(fn), (0, 1, 2, 3))(q, k, v, perm)) for fn in fns]
+
+
+def test_soft_permutation_matches_the_spelled_out_reference_outputs_and_grads():
+    """Forward and gradients (q, k, v and the permutation, through which the sorter trains)
+    against `_reference`: soft permutation, a partly padded last block, v's own head dim."""
+    rng = np.random.default_rng(6)
+    q, k = (rng.standard_normal((B, 12, H, D)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, 12, H, 6)).astype(np.float32)
+    valid = _padding([10, 12], 12) != 0
+    (out, grads), (ref, ref_grads) = _outputs_and_grads(q, k, v, valid, _soft_perm(3), valid)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_grads_stay_finite_when_a_slot_has_almost_no_real_mass():
+    """The renormalization divides by the slot mass: a near-hard permutation onto the padded
+    slots leaves masses of 1e-20, whose 1 / mass^2 overflowed float32 into NaN gradients."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 8, 1, D)).astype(np.float32) for _ in range(3))
+    valid = np.arange(8)[None] < 6
+    perm = np.array([[[[1e-20, 1.0], [1.0, 1e-20]]]], np.float32)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(sinkhorn_attention(*a, valid, perm, 4))),
+                             (0, 1, 2)))(q, k, v)
+    chex.assert_tree_all_finite(grads)
+    perm_grad = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(sinkhorn_attention(q, k, v, valid,
+                                                                               p, 4)))))(perm)
+    chex.assert_tree_all_finite(perm_grad)
+
+
 def test_sinkhorn_is_doubly_stochastic_and_cold_sinkhorn_is_the_best_permutation():
     rng = np.random.default_rng(0)
     sinkhorn = jax.jit(functools.partial(gumbel_sinkhorn, iters=100))

@@ -6,20 +6,23 @@ own. The sorter scores block-to-block assignments from block summaries (the mean
 each block), and Gumbel-Sinkhorn normalization (`sinkhorn_iters` alternating row and
 column normalizations in log space, at `temperature`) turns the scores into a soft
 permutation P, differentiable end to end. Every query block then attends to its own block
-plus the P-sorted key/value block, sum_j P[i, j] * block_j: O(L * block_size) scores
-instead of O(L^2), and O((L / block_size)^2) for the sorter.
+plus the P-sorted key/value block, sum_j P[i, j] * block_j (slot by slot renormalized over
+the real keys, see Padding): O(L * block_size) scores instead of O(L^2), and
+O((L / block_size)^2) for the sorter.
 
 Sorting network: a bilinear score R[i, j] = s_i W s_j / sqrt(D) per head between block
 summaries s (not the paper's MLP with L/block_size outputs), so any length works; a
 length that is not a multiple of `block_size` is padded automatically. Gumbel noise is
 added only when not deterministic, drawn from the "dropout" RNG (or "features").
 
-Padding: padded keys are left out of the summaries and zeroed before sorting; all-padding
-blocks are excluded from the assignment; a sorted key slot counts with its real mass
-sum_j P[i, j] [key j is real], i.e. its logit gets + log(mass), so a hard permutation
-behaves exactly like attending to the chosen block with its own mask. Padding queries
-give zeros. With a single block the layer is exactly dense attention (the sorted block is
-the block itself, each key counted twice, which softmax cancels).
+Padding: padded keys are left out of the summaries and all-padding blocks are excluded
+from the assignment. A sorted key slot counts with its real mass m = sum_j P[i, j] [key j
+is real], i.e. its logit gets + log(m), and its key and value are the m-normalized mixes
+sum_j P[i, j] [key j is real] k_j / m (and v_j), so every output is a softmax average of
+real values (the paper's P K, divided by P's row sum, ~1, where nothing is padded). A hard
+permutation behaves exactly like attending to the chosen block with its own mask. Padding
+queries give zeros. With a single block the layer is exactly dense attention (the sorted
+block is the block itself, each key counted twice, which softmax cancels).
 
 The sorter needs summaries of whole blocks, future included, so the variant is not
 causal; it sorts across segments, so it takes right padding only (mask != 0 = real).
@@ -39,6 +42,10 @@ from hpnlp.config import ConfigError
 
 _NEG = -1e30
 _TINY = 1e-30
+# Sorted slots are renormalized by max(mass, _MIN_MASS): the gradient of 1 / mass goes as
+# 1 / mass^2, which overflows float32 for a mass near _TINY (inf * 0 = NaN); below it the
+# slot's softmax weight carries the factor mass < 1e-12, so leaving its mean shrunk is moot.
+_MIN_MASS = 1e-12
 
 
 def gumbel_sinkhorn(scores_BHNN, valid_BN, *, iters: int, temperature: float, noise_BHNN=None):
@@ -90,9 +97,14 @@ def sinkhorn_attention(q_BLHD, k_BLHD, v_BLHD, valid_BL, perm_BHNN, block_size: 
     v_BNKHD = jnp.where(keep_BNQ11, v_BLHD.reshape(B, N, Q, H, Dv), 0).astype(f32)
     perm_BHNN = perm_BHNN.astype(f32)
 
-    ks_BNKHD = jnp.einsum("bhij,bjkhd->bikhd", perm_BHNN, k_BNKHD)
-    vs_BNKHD = jnp.einsum("bhij,bjkhd->bikhd", perm_BHNN, v_BNKHD)
     mass_BHNK = jnp.einsum("bhij,bjk->bhik", perm_BHNN, valid_BNQ.astype(f32))
+    # A sorted slot's key and value are the mass-weighted mean of its real keys and values:
+    # sum_j P[i, j] k_j alone is mass * mean (the padded share adds zeros), which scaled them
+    # by the mass on top of the + log(mass) weight below, so an output was no longer an
+    # average of real values (a review (session 107)). Hard permutations: mass is 0 or 1.
+    inv_BNKH1 = (1.0 / jnp.maximum(mass_BHNK, _MIN_MASS)).transpose(0, 2, 3, 1)[..., None]
+    ks_BNKHD = jnp.einsum("bhij,bjkhd->bikhd", perm_BHNN, k_BNKHD) * inv_BNKH1
+    vs_BNKHD = jnp.einsum("bhij,bjkhd->bikhd", perm_BHNN, v_BNKHD) * inv_BNKH1
 
     scale = 1.0 / jnp.sqrt(f32(D))
     local_BHNQK = jnp.einsum("bnqhd,bnkhd->bhnqk", q_BNQHD, k_BNKHD) * scale

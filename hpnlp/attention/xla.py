@@ -47,6 +47,10 @@ class XlaAttention(Attention):
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):
         check_inputs(q, k, v, mask)
+        if v.shape[-1] != k.shape[-1]:  # JAX's own error names neither the variant nor a fix
+            raise ValueError(f"attention variant 'xla' (jax.nn.dot_product_attention) needs v's "
+                             f"head dim equal to k's: k{k.shape} v{v.shape}; use 'dense' or "
+                             "'chunked' for a separate value head dim")
         lengths = None if mask is None else jnp.sum(mask != 0, axis=-1).astype(jnp.int32)
         dtype = q.dtype
         if dtype == jnp.float16 and jax.default_backend() == "cpu":
