@@ -889,6 +889,21 @@ def test_clustered_in_float16_is_refused_for_a_new_run():
     check_new_run(base(model={"dtype": "float16"}))
 
 
+def test_bfloat16_master_weights_are_refused_for_a_new_run():
+    """Review (session 107): model.param_dtype='bfloat16' kept the master weights (and
+    Adam's moments) in bfloat16, whose rounding took every update below ~2^-8 of a weight:
+    a norm gain of 1.0 never moved at lr 1e-3. A new run is refused; a saved one validates
+    (tests/test_train.py resumes one); bfloat16 compute on float32 weights is the fix."""
+    from hpnlp.config.checks import check_new_run
+    cfg = base(model={"param_dtype": "bfloat16"})
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"^config field `model.param_dtype` = 'bfloat16' is "
+                       r"not allowed: bfloat16 master weights round away .*; keep "
+                       r"model.param_dtype='float32' and set model.dtype='bfloat16'$"):
+        check_new_run(cfg)
+    check_new_run(base(model={"dtype": "bfloat16"}))
+
+
 def test_moe_routing_groups_are_checked_after_the_batch_size():
     """A review (r4): batch_size=32 with grad_accum=3 on 4 devices was refused as
     model.moe.groups not dividing "train.batch_size / train.grad_accum = 10", where

@@ -471,14 +471,30 @@ def _rnn_blocked(cfg: Config, num_devices: int) -> str | None:
     return reason and f"here: {reason}"
 
 
+def check_master_weights(cfg: Config) -> None:
+    """A new run's parameters are its master weights: float16 ones are refused by `validate`,
+    bfloat16 ones here (review, session 107). bfloat16 keeps 8 significant bits, and optax
+    rounds each updated parameter, and Adam's moments (kept in the parameters' dtype), back
+    to it: a norm gain of 1.0 stayed exactly 1.0 through a run at lr 1e-3, and AdamW's decay
+    (lr x weight_decay x w) is far below half a bfloat16 ulp. A run saved so before this rule
+    still validates, resumes and is read (`compress shrink` of one writes a new run, and is
+    refused here like it); a quantized copy's bfloat16 parameters are exported, not trained."""
+    if cfg.model.param_dtype == "bfloat16":
+        _fail("model.param_dtype", "bfloat16", "bfloat16 master weights round away every update "
+              "below ~2^-8 of a weight (a LayerNorm gain of 1.0 never moves at train.lr=1e-3, "
+              "and AdamW's weight decay never changes a weight); keep "
+              "model.param_dtype='float32' and set model.dtype='bfloat16'")
+
+
 def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
     train.steps was taken, its one eval setting the best), `clustered` attention in float16
-    and an expert-choice eval_capacity_factor (below), and
-    `compress_checks.check_new_compress_run`'s."""
+    and an expert-choice eval_capacity_factor (below), bfloat16 master weights
+    (`check_master_weights`), and `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
+    check_master_weights(cfg)
     if cfg.attention.name == "clustered" and cfg.model.dtype == "float16":
         # review r1 (session 105): the layer injects its k-means gradient in the backward
         # pass, where the train step's loss scale (train/step.py's `applied`) cannot reach

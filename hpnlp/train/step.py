@@ -163,7 +163,11 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
                                            jnp.maximum(scale / 2, 1.0)),
                    "good_steps": jnp.where(grow, 0, good)}
             extra = {"loss_scale": scale, "skipped": 1.0 - grads_ok.astype(jnp.float32)}
-            grads_ok = jnp.ones((), bool)  # a skipped step leaves the state as it was: finite
+            # A skipped step leaves the state as it was: finite. But at the floor (scale 1,
+            # at most the mean loss's gradients) halving fixes nothing: a NaN there (0 * inf,
+            # sqrt at 0) or a real blow-up is reported, and the loop stops as in bfloat16
+            # (review, session 107: every later step was skipped, and the run "finished").
+            grads_ok = grads_ok | (scale > 1.0)
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
         metrics = dict(sums, **extra, grad_norm=optax.tree.norm(grads),
