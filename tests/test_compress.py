@@ -289,6 +289,40 @@ def test_bad_quant_config_names_the_field(quant, field):
         validate(_cfg(**quant), num_devices=1)
 
 
+def test_int4_groups_must_divide_only_the_contractions_quantized():
+    """A review: quant.group_size was checked against model.width, model.mlp_dim and the
+    heads for every arch and quant.layers, so an LSTM (no MLP, no heads) was refused on
+    model.mlp_dim, a Transformer whose MLP stays float on it too. Each quantized product's
+    contraction is still checked, by name."""
+    def cfg(model, kind="lm", task="byte_lm", **quant):
+        cd = default_configdict()
+        cd.data.task, cd.model.kind = task, kind
+        cd.model.update(model)
+        cd.quant.update(weights="int4", **quant)
+        return from_configdict(cd)
+
+    lstm, heads = dict(arch="lstm", width=96), dict(width=96, num_heads=2, mlp_dim=100)
+    dual = dict(width=12, num_heads=2, mlp_dim=64)
+    for model, kind, task, quant in (
+            (lstm, "lm", "byte_lm", dict(group_size=48)),  # input, recurrent, output: 96
+            (dict(arch="gru", width=90), "lm", "byte_lm", dict(group_size=30)),  # no heads (4 x 22)
+            (heads, "lm", "byte_lm", dict(group_size=48, layers="qkv,out")),  # mlp_dim float
+            (dual, "dual_encoder", "doc_match", dict(group_size=16, layers="head"))):  # 48, 64
+        validate(cfg(model, kind, task, **quant), num_devices=1)
+    for model, kind, task, quant, want in (
+            (lstm, "lm", "byte_lm", dict(group_size=64), "model.width=96"),
+            (lstm, "lm", "byte_lm", dict(group_size=64, layers="recurrent"), "model.width=96"),
+            (heads, "lm", "byte_lm", dict(group_size=48, layers="qkv,mlp"), "model.mlp_dim=100"),
+            (dict(heads, head_dim=40), "lm", "byte_lm", dict(group_size=48, layers="out"),
+             r"model.num_heads \* head size=80"),
+            (dict(dual, mlp_dim=40), "dual_encoder", "doc_match",
+             dict(group_size=16, layers="head"), "model.mlp_dim=40"),
+            (dict(dual, width=10), "dual_encoder", "doc_match", dict(group_size=16, layers="head"),
+             r"the dual encoder head's input 4 \* model.width=40")):
+        with pytest.raises(ConfigError, match=r"`quant.group_size` = \d+ .*must divide " + want):
+            validate(cfg(model, kind, task, **quant), num_devices=1)
+
+
 def test_quantizing_an_output_layer_of_its_own_tables_is_refused():
     """Found in review: quant.layers naming 'output' was ignored for these (float evals)."""
     cd = default_configdict()

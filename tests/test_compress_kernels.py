@@ -532,7 +532,9 @@ def test_gradients_through_the_kernels_are_the_twins():
     it through impl="xla" in every differentiable argument. int4 (weight-only): x's and the
     scales' exact float gradients, what an adapter over a frozen int4 layer trains by;
     int8 and binary: their quantizers' (rounding and sign have none; only the scales and,
-    for int8, the bias carry one)."""
+    for int8, the bias carry one). Since the kernel's gradient is the twin's by
+    construction, each is also checked against a float64 reference written out by hand
+    (a review: comparing the twin with itself could not catch a wrong twin gradient)."""
     M, K, N = 5, 70, 18
     xf = jnp.asarray(_rng("grad", M, K).standard_normal((M, K)).astype(np.float32))
     bias = jnp.asarray(_rng("grad bias", N).standard_normal(N).astype(np.float32))
@@ -550,6 +552,7 @@ def test_gradients_through_the_kernels_are_the_twins():
     def floats(tree):  # the float leaves of each argument: what has a gradient
         return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
 
+    grads = {}
     for name, (fn, args) in cases.items():
         def loss(*a, impl):
             return jnp.vdot(fn(*a, impl=impl), cot)
@@ -562,6 +565,40 @@ def test_gradients_through_the_kernels_are_the_twins():
         for g, h in zip(floats(got), floats(want), strict=True):
             _close(g, h, rtol=1e-4)
         assert any(float(jnp.abs(g).max()) > 0 for g in floats(got)), name
+        grads[name] = got
+    # The references, in float64 from the forward codes (no autodiff): y = acc * s_M * w_N
+    # (+ b, then GELU), s_M = max|x_row| / 127 (int8) or beta_M = mean|x_row| (binary); the
+    # codes (round, sign) pass no gradient, so x's flows through the row scale alone.
+    x64, cot64 = np.asarray(xf, np.float64), np.asarray(cot, np.float64)
+    # int8: the bias gets cot * gelu'(pre), the weight scales cot * gelu' * acc * s_M, and x
+    # only each row's absmax element: sign(x) / 127 * sum_n cot * gelu' * acc * w_N
+    q_MxK, s_M = (np.asarray(a, np.float64) for a in qk.quantize_rows_int8(xf))
+    acc_MxN = q_MxK @ np.asarray(w8.q_KxN, np.float64)  # exact: integers below 2^53
+    w_N = np.asarray(w8.scale_N, np.float64)
+    pre_MxN = acc_MxN * s_M[:, None] * w_N[None, :] + np.asarray(bias, np.float64)[None, :]
+    c = np.sqrt(2 / np.pi)
+    t_MxN = np.tanh(c * (pre_MxN + 0.044715 * pre_MxN ** 3))
+    dgelu_MxN = 0.5 * (1 + t_MxN) + 0.5 * pre_MxN * (1 - t_MxN ** 2) * c * (
+        1 + 3 * 0.044715 * pre_MxN ** 2)  # the tanh form's derivative
+    d_MxN = cot64 * dgelu_MxN
+    g_x, g_w, g_b = grads["int8"]
+    _close(g_b, d_MxN.sum(0), rtol=1e-4)
+    _close(g_w.scale_N, (d_MxN * acc_MxN * s_M[:, None]).sum(0), rtol=1e-4)
+    top_M = np.argmax(np.abs(x64), axis=1)
+    at_top = np.zeros_like(x64, bool)
+    at_top[np.arange(M), top_M] = True
+    np.testing.assert_array_equal(np.asarray(g_x)[~at_top], 0)
+    _close(np.asarray(g_x)[at_top], np.sign(x64[at_top]) / 127 * (d_MxN * acc_MxN * w_N).sum(1),
+           rtol=1e-4)
+    # binary: alpha gets sum_m cot * acc * beta_M, and x everywhere sign(x) / K * sum_n cot *
+    # acc * alpha_N (beta is a mean)
+    wb = cases["binary"][1][1]
+    acc_MxN = np.where(x64 > 0, 1.0, -1.0) @ packing.unpack_bits(
+        np.asarray(wb.bits_KbxN), K, axis=0, dtype=np.int8).astype(np.float64)
+    beta_M, alpha_N = np.abs(x64).mean(1), np.asarray(wb.alpha_N, np.float64)
+    g_x, g_w = grads["binary"]
+    _close(g_w.alpha_N, (cot64 * acc_MxN * beta_M[:, None]).sum(0), rtol=1e-4)
+    _close(g_x, np.sign(x64) / K * (cot64 * acc_MxN * alpha_N).sum(1)[:, None], rtol=1e-4)
     # int4: x's gradient is the cotangent times the dequantized weight's transpose
     g_x = jax.jit(jax.grad(lambda x, w: jnp.vdot(qk.int4_linear(x, w, impl="kernel"), cot)))(
         xf, cases["int4"][1][1])

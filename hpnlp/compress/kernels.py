@@ -76,8 +76,10 @@ IMPLS = ("auto", "kernel", "xla")
 # machine has not scheduled. `python -m hpnlp.compress.kernels --one-row` measures one row
 # (decoding) on one thread against two; on a 2-core Xeon (model 207), microseconds: int4
 # [1, 256 -> 256] 3.4/4.0, [1, 256 -> 512] 6.4/6.0, [1, 512 -> 2048] 48/29; int8
-# [1, 256 -> 512] 2.1/2.9, [1, 512 -> 512] 3.9/3.8, [1, 512 -> 2048] 14/10. The binary
-# kernel counts in 32-bit words of K (its threshold predates these measurements).
+# [1, 256 -> 512] 2.1/2.9, [1, 512 -> 512] 3.9/3.8, [1, 512 -> 2048] 14/10 (at commit
+# a490506, 2026-11-24, before the helpers inside an XLA call became its intra-op threads;
+# docs/quant.md quotes this measurement). The binary kernel counts in 32-bit words of K
+# (its threshold predates these measurements).
 _MIN_PARALLEL_MACS = {"int8": 1 << 18, "int4": 1 << 17, "binary": 1 << 21}
 
 # Blocking of the int8 and binary products: mc rows per work item (a thread keeps their

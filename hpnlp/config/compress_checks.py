@@ -134,12 +134,35 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
         _fail("quant.group_size", q.group_size, f"group scales are for quant.weights='int4' "
               f"(got {q.weights!r}); set quant.group_size=0")
     if q.group_size:  # every contraction the quantized products sum over must split evenly
-        widths = {"model.width": m.width, "model.mlp_dim": m.mlp_dim,
-                  "model.num_heads * head size": m.num_heads * m.dims_per_head()}
-        for name, width in widths.items():
+        for name, width in _quantized_contractions(m, quantized).items():
             if width % q.group_size:
                 _fail("quant.group_size", q.group_size, f"must divide {name}={width} (int4 "
                       "groups split each product's contraction); choose a divisor of it")
+
+
+def _quantized_contractions(m: ModelConfig, quantized: list[str]) -> dict[str, int]:
+    """{name: width} of the contractions the `quantized` kinds of product sum over in this
+    model, which int4 groups split (a review: every arch was checked against the
+    Transformer's width, mlp_dim and heads, whatever quant.layers named, so an LSTM of width
+    96 in groups of 48 was refused on a model.mlp_dim it does not have). Where a product
+    contracts a multiple of a width (a bidirectional RNN's 2 x width into its next layer
+    and its head, MoE's shared experts), a divisor of the width divides it too. MoE experts'
+    width (checks._check_moe) and the low-rank ranks (_check_lowrank) are checked there."""
+    on = set(quantized)
+    dual = "head" in on and m.kind == "dual_encoder"
+    widths = {}
+    # qkv, the MLP's first product (each expert's too), the output layer, a classifier's
+    # head and an RNN's input (its first layer reads the embeddings) and recurrent products
+    if on & {"qkv", "mlp", "output", "input", "recurrent"} or ("head" in on and not dual):
+        widths["model.width"] = m.width
+    elif dual:  # its first head product reads [u, v, u*v, u-v] of the pooled encodings
+        widths["the dual encoder head's input 4 * model.width"] = 4 * m.width
+    dense = not all(m.moe.applies(i) for i in range(m.depth))  # any block's MLP not MoE
+    if ("mlp" in on and dense) or dual:  # the dense MLP's second product; the dual
+        widths["model.mlp_dim"] = m.mlp_dim  # encoder's second head product (its classes')
+    if "out" in on:  # the attention output: every head's values
+        widths["model.num_heads * head size"] = m.num_heads * m.dims_per_head()
+    return widths
 
 
 def _check_shrunk_groups(cfg: Config) -> None:
