@@ -1,6 +1,6 @@
-"""Ensembles: a member equals its plain run, under either member loop; the ensemble's NLL
-obeys Jensen; checkpoint ensembles and weight averages combine a plain run's last
-checkpoints; the CLI.
+"""Ensembles: a member equals its plain run, under either member loop; the ensemble scores
+the mean of its members' probabilities (an LM's by token chunks), and its NLL obeys Jensen;
+checkpoint ensembles and weight averages combine a plain run's last checkpoints; the CLI.
 
 Compiles dominate on CPU, so the runs are module fixtures shared by the tests: one plain
 run (seed 1) and one 2-member seed ensemble (seed 0, so its member 1 is that run).
@@ -15,9 +15,11 @@ import sys
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hpnlp import data as data_lib
 from hpnlp.config import ConfigError, default_configdict, from_configdict
 from hpnlp.train import Trainer, run
 from hpnlp.train.checkpoint import CheckpointMismatch
@@ -127,6 +129,101 @@ def test_members_equal_plain_runs(plain, ensemble):
         same = ens.evaluate(ens._stack_members(m1, m1))
     assert same["loss"] == pytest.approx(evals[4]["members"][1]["loss"], rel=1e-6)
     assert same["accuracy"] == pytest.approx(evals[4]["members"][1]["accuracy"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def scored_batch(ensemble):
+    """(trainer, stacked members, eval batch, each member's log-probabilities [M, B, L, V]
+    float64, computed by its own `model.apply`): the fixture ensemble's trainer and trained
+    members, and one eval batch with padded tokens (row 0 from position 20, row 5 whole)."""
+    workdir, ens, _ = ensemble
+    cfg = ens.cfg
+    reader = EnsembleTrainer(tiny(0), workdir, members=2)
+    members, _ = reader.initial_state()  # the fixture's last checkpoint
+    reader.checkpointer.close()
+    it = data_lib.make_iterator(ens.task, cfg.data, split="eval", **ens.iter_args,
+                                batch_size=cfg.data.eval_batch_size or cfg.train.batch_size)
+    batch = dict(next(iter(it)))
+    segment_ids = np.array(batch["segment_ids"])
+    segment_ids[0, 20:] = 0
+    segment_ids[5] = 0
+    batch["segment_ids"] = segment_ids
+    redraw = cfg.train.feature_redraw_every
+    log_probs = jax.jit(lambda s, b: ens.eval_model.apply(
+        {"params": s.params}, b, method="log_probs", rngs={"features": s.features_key(redraw)}))
+    logp_MBLV = np.stack([np.asarray(log_probs(ens.member_state(members, i), batch), np.float64)
+                          for i in range(2)])
+    return ens, members, batch, logp_MBLV
+
+
+def expected_sums(logp_BLV, batch) -> dict:
+    """Summed NLL, correct argmax and real tokens of log-probabilities [B, L, V], in numpy."""
+    target_BL, real_BL = batch["targets"], batch["segment_ids"] > 0
+    nll_BL = -np.take_along_axis(logp_BLV, target_BL[..., None], axis=-1)[..., 0]
+    return {"loss": nll_BL[real_BL].sum(), "weight": real_BL.sum(),
+            "correct": (logp_BLV.argmax(-1) == target_BL)[real_BL].sum()}
+
+
+def check_sums(got, logp_MBLV, batch):
+    """`got` (an ensemble eval step's sums) are the mean-probability ensemble's, and each
+    member's, of the members' log-probabilities [M, B, L, V]."""
+    M = len(logp_MBLV)
+    expect = expected_sums(np.logaddexp.reduce(logp_MBLV, axis=0) - np.log(M), batch)
+    assert got["ensemble"]["weight"] == expect["weight"] == 8 * 32 - 12 - 32
+    assert got["ensemble"]["loss"] == pytest.approx(expect["loss"], rel=1e-5)
+    assert got["ensemble"]["correct"] == expect["correct"]
+    for i in range(M):
+        expect = expected_sums(logp_MBLV[i], batch)
+        assert got["members"]["weight"][i] == expect["weight"]
+        assert got["members"]["loss"][i] == pytest.approx(expect["loss"], rel=1e-5)
+        assert got["members"]["correct"][i] == expect["correct"]
+
+
+def test_the_ensemble_is_the_mean_of_the_members_probabilities(scored_batch):
+    """Review (session 107): no test checked the ensemble's own formula, and a geometric
+    mean or a per-token max of the members passed them all. On one batch its sums are those
+    of logsumexp_m(log p_m) - log M over the real tokens, from each member's log-probs by
+    its own model.apply; where the members disagree its NLL is strictly below their mean
+    (a geometric mean's equals it)."""
+    ens, members, batch, logp_MBLV = scored_batch
+    with ens._context():  # compiled by the fixture's run
+        got = jax.device_get(ens.ensemble_eval_step(members, _global(batch, ens.batch_sharding)))
+    check_sums(got, logp_MBLV, batch)
+    weight = got["ensemble"]["weight"]
+    assert got["ensemble"]["loss"] / weight < np.mean(got["members"]["loss"]) / weight - 0.1
+
+
+def test_an_lm_ensemble_evaluates_by_token_chunks(scored_batch, monkeypatch, tmp_path):
+    """Review (session 107): the ensemble's evaluation held each member's whole [B, L, V]
+    log-probabilities, a running copy and their logaddexp, where the plain evaluation walks
+    token chunks (at 16K tokens x 250K ids, over 40 GiB against 256 MiB). With chunks forced
+    to 5 tokens a row (8 rows: 7 chunks of the 32 positions, the last padded by 3, and the
+    batch's padded tokens), its sums are the unchunked step's and the formula's; at V = 4096
+    and 2 tokens a row, the compiled step's temporaries are under half of one [B, L, V]
+    float32 (unchunked: 3 of them)."""
+    from hpnlp.softmax import full
+    from hpnlp.train.ensemble import make_ensemble_eval_step
+    ens, members, host_batch, logp_MBLV = scored_batch
+    with ens._context():
+        batch = _global(host_batch, ens.batch_sharding)
+        unchunked = jax.device_get(ens.ensemble_eval_step(members, batch))  # the fixture's
+        monkeypatch.setattr(full, "auto_chunk", lambda num_tokens, vocab_size: 40)
+        step = jax.jit(make_ensemble_eval_step(ens.eval_model, ens.cfg.train, "lm"))
+        got = jax.device_get(step(members.replace(step=jnp.broadcast_to(members.step, (2,))),
+                                  batch))
+    chex.assert_trees_all_close(got, unchunked, rtol=1e-6)
+    check_sums(got, logp_MBLV, host_batch)
+
+    cfg = tiny(0)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=4096))
+    big = EnsembleTrainer(cfg, str(tmp_path), members=2)
+    monkeypatch.setattr(full, "auto_chunk", lambda num_tokens, vocab_size: 16)
+    B, L = host_batch["targets"].shape
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in host_batch.items()}
+    with big._context():
+        compiled = big.ensemble_eval_step.lower(big.abstract_state, abstract_batch).compile()
+    big.checkpointer.close()
+    assert compiled.memory_analysis().temp_size_in_bytes < B * L * 4096 * 4 / 2
 
 
 def test_member_loops_agree_and_resume_each_other(ensemble, tmp_path):

@@ -658,7 +658,9 @@ def test_cutting_experts_keeps_the_source_dispatch_and_this_runs_noise():
     source = experts.conversion(dst, src(router="expert_choice"), "W").source.model.moe
     assert (source.router, source.dispatch) == ("expert_choice", "capacity")
     check_moe_fields(source)
-    assert experts.conversion(dst, src(), "W").source.model.moe.dispatch == "dropless"
+    # a token-choice source keeps its own dispatch too (review, session 107: it took this
+    # run's; test_cutting_experts_ranks_them_as_the_source_evaluates)
+    assert experts.conversion(dst, src(), "W").source.model.moe.dispatch == "capacity"
 
     def tree(x, noisy, seed):
         r = jax.random.normal(jax.random.key(seed), (M, x))
@@ -677,6 +679,28 @@ def test_cutting_experts_keeps_the_source_dispatch_and_this_runs_noise():
             moe = got["trunk"]["block_1"]["moe"]
             want = 2.0 * moe["router"] if was else fresh["trunk"]["block_1"]["moe"]["noise"]
             np.testing.assert_array_equal(moe["noise"], want)
+
+
+def test_cutting_experts_ranks_them_as_the_source_evaluates():
+    """A review (session 107): a token-choice source was routed with this run's dispatch, so
+    a capacity source cut by a dropless run ranked its experts by gate weight that included
+    the choices its own evaluation drops (and a dropless source cut by a capacity run lost
+    choices at an eval_capacity_factor it never used), where the docs promise the routes of
+    the source's evaluation: `experts.usage` of the conversion's source model is the gate
+    weight `hpnlp.moe.route` reports for the source run."""
+    from hpnlp.compress import experts
+    from hpnlp.moe import route
+    dst = moe_model("lm", router="top_k", top_k=2, dispatch="dropless")
+    src = dataclasses.replace(dst, model=dataclasses.replace(dst.model, moe=MoEConfig(
+        num_experts=8, every=2, router="top_k", top_k=2, eval_capacity_factor=0.5)))
+    source = experts.conversion(dst, src.model, "W").source
+    batch = lm_batch(lengths=(16, 11))
+    _, params = init(src, batch)
+    got = experts.usage(models.build(source, deterministic=True), params, [batch])
+    w = route(src, params, batch, num_devices=1)[1]["weights"]
+    real = batch["segment_ids"] > 0
+    assert ((w > 0).sum(-1)[real] < 2).any()  # the source's evaluation drops choices
+    np.testing.assert_allclose(got[("trunk", "block_1", "moe")][0], w.sum((0, 1)), rtol=1e-5)
 
 
 def test_moe_statistics_summary():

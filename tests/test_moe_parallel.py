@@ -3,7 +3,10 @@
 Experts sharded over `mesh.expert`, alone and composed with data and FSDP parallelism:
 five training steps (dropout on, capacity tight enough that choices are dropped) give the
 same losses, dropped-choice counts and parameters as one device routing the same groups
-(`model.moe.groups=8`), and the compiled step moves tokens by all-to-all.
+(`model.moe.groups=8`), and the compiled step moves tokens by all-to-all. A model whose
+experts or groups the mesh does not split (a teacher, a source run) runs without the
+all-to-all, as on one device; a bi-encoder's pool evaluation routes in the run's groups
+inside and outside its mesh.
 """
 
 import json
@@ -55,8 +58,8 @@ print("MOE PARALLEL OK")
 """
 
 
-def _run(out_dir, modes, devices):
-    run_modes(out_dir, modes, devices, code=CODE, done="MOE PARALLEL OK")
+def _run(out_dir, modes, devices, code=CODE, done="MOE PARALLEL OK"):
+    run_modes(out_dir, modes, devices, code=code, done=done)
 
 
 @pytest.mark.slow
@@ -82,3 +85,81 @@ def test_expert_parallel_matches_one_device(tmp_path):
                                        err_msg=f"{name} {key}")
             close = np.isclose(params[key], ref_params[key], atol=1e-5, rtol=1e-5)
             assert close.mean() > 0.999, (name, key, close.mean())
+
+
+# A layer of `experts` experts routing in `groups` groups, applied with no mesh and under a
+# {data: 1, expert: 4} mesh (the batch over data x expert: 4 shards); its outputs and
+# statistics must agree.
+FOREIGN = r"""
+import json, sys
+import flax.linen as nn
+import jax, numpy as np
+from hpnlp.config import MeshConfig, ModelConfig, MoEConfig
+from hpnlp.moe.layer import MoE
+from hpnlp.parallel.mesh import make_mesh
+from hpnlp.train.carry import AUX
+
+out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+x = jax.random.normal(jax.random.key(0), (8, 4, 8))
+seg = np.ones((8, 4), np.int32)
+mc = MeshConfig(data=1, expert=4)
+for name, (experts, groups) in cases.items():
+    mod = MoE(ModelConfig(width=8, mlp_dim=16, dropout=0.0, moe=MoEConfig(
+        num_experts=experts, groups=groups, capacity_factor=1.0, eval_capacity_factor=1.0)))
+    params = jax.jit(mod.init)(jax.random.key(1), x, seg)
+    f = jax.jit(lambda p, x, seg: mod.apply(p, x, seg, mutable=[AUX]))
+    one = f(params, x, seg)
+    with jax.set_mesh(make_mesh(mc)), nn.logical_axis_rules(mc.rule_tuples()):
+        four = f(params, x, seg)
+    np.testing.assert_allclose(four[0], one[0], atol=1e-5, err_msg=name)
+    for k, v in one[1][AUX]["moe"][0].items():
+        np.testing.assert_allclose(four[1][AUX]["moe"][0][k], v, rtol=1e-5, err_msg=name)
+    assert float(one[1][AUX]["moe"][0]["moe_dropped"]) > 0, name  # capacity binds
+print("FOREIGN OK")
+"""
+
+
+@pytest.mark.slow  # a subprocess on 4 simulated devices, as the test above
+def test_a_model_whose_experts_or_groups_the_mesh_does_not_split_runs_without_shard_map(
+        tmp_path):
+    """A review (session 107): this run's mesh is checked against this run's experts and
+    groups only, but `train.init_from`'s source (cutting 6 experts to 4 on mesh.expert=4)
+    and a distillation teacher (6 experts, or explicit groups=2, under a student's
+    mesh.expert=4) are traced under it too, and the layer's shard_map refused them in a JAX
+    error naming no field. Such a layer runs as GSPMD lays it out, as on one device."""
+    _run(tmp_path, {"experts": [6, 4], "groups": [8, 2]}, 4, code=FOREIGN, done="FOREIGN OK")
+
+
+POOL = r"""
+import json, sys, tempfile
+from hpnlp.config import default_configdict, from_configdict
+from hpnlp.train import Trainer
+
+out_dir = sys.argv[1]
+cd = default_configdict()
+cd.data.update(task="verse_pairs", seq_len=16, batching="pad")
+cd.model.update(kind="bi_encoder", width=16, depth=2, num_heads=2, mlp_dim=32, max_len=16)
+cd.model.moe.update(num_experts=4, every=2, eval_capacity_factor=0.5)  # groups=0, drops
+cd.train.update(steps=1, warmup_steps=0, batch_size=8, eval_batches=1, progress=False)
+cd.mesh.update(data=2)
+tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+state, _ = tr.initial_state()
+outside = tr.evaluate(state)  # as the run's end and a tool evaluate: outside the run's mesh
+with tr._context():  # as the run loop's evals
+    inside = tr.evaluate(state)
+json.dump({"outside": outside, "inside": inside}, open(f"{out_dir}/pool.json", "w"))
+print("POOL OK")
+"""
+
+
+@pytest.mark.slow  # a Trainer and two pool evaluations in a subprocess on 2 simulated devices
+def test_a_pool_evaluation_routes_in_the_runs_groups_wherever_it_is_traced(tmp_path):
+    """A review (session 107): with model.moe.groups=0 the bi-encoder's pool evaluation
+    routed in the groups of the mesh it was traced under: one per data-parallel shard in the
+    run loop, one at the run's end, in a tool's `Trainer.evaluate` and with several
+    processes, so capacity dropped other choices and recall and MRR differed between them.
+    The pool is now routed in the run's groups (`Trainer.routing_groups`) wherever."""
+    _run(tmp_path, {}, 2, code=POOL, done="POOL OK")
+    got = json.load(open(tmp_path / "pool.json"))
+    for k in ("recall@1", "recall@10", "mrr"):
+        assert got["outside"][k] == got["inside"][k], (k, got)

@@ -17,10 +17,10 @@ softmax over fewer of them), every other weight as it is; a run that turns
 `model.moe.noisy` on starts its noise weights fresh, one that turns it off has none.
 `train.init_experts` chooses which: "routed" keeps the experts whose outputs carried the
 most gate weight over `train.init_expert_batches` training batches, routed in evaluation
-as the source run routes them (the usage criterion of expert-pruning work, e.g. Lu et al.
-2024, "Not All Experts are Equal"; the least-used experts are the least missed); "random"
-keeps a uniform draw per layer (from the run's seed), the control. Kept experts stay in
-their order.
+as the source run routes them (its router, dispatch and capacity, in this run's routing
+groups; the usage criterion of expert-pruning work, e.g. Lu et al. 2024, "Not All Experts
+are Equal"; the least-used experts are the least missed); "random" keeps a uniform draw
+per layer (from the run's seed), the control. Kept experts stay in their order.
 
 **Expert merging** (`train.init_experts='merged'`; MC-SMoE, Li et al. 2024, "Merge, Then
 Compress", without its later compression): the most routed experts are kept as dominant
@@ -125,17 +125,18 @@ def refuse_reshaped(src: ModelConfig, dst: ModelConfig, workdir: str) -> None:
 
 def source_config(cfg: Config, src: ModelConfig) -> Config:
     """`cfg` with the `train.init_from` run's experts: the shapes it is restored in, routed
-    as that run routes (its router, top_k and capacity; a bug hunt, session 94: the source
-    was rebuilt with this run's router, and which experts were kept depended on it), on this
-    run's batches and devices (its routing groups, dispatch and blocks: the source's were
-    checked against that run's batch and mesh). An expert-choice source keeps its own
-    dispatch: a bug hunt (session 103) found this run's `dispatch='dropless'` given to one,
-    which refused it (expert choice fills its capacity) in an error about this run's field."""
+    as that run evaluates (its router, top_k, dispatch and capacity; a bug hunt, session
+    94: the source was rebuilt with this run's router, and which experts were kept depended
+    on it), in this run's routing groups (the source's were checked against that run's
+    batch and mesh; the layer pads a batch to whole groups, and runs experts this run's
+    mesh does not split without its all-to-all). A review (session 107): a token-choice
+    source took this run's dispatch, so a capacity source cut by a dropless run counted the
+    choices its evaluation drops, and a dropless one cut by a capacity run lost choices at
+    an eval_capacity_factor it never used. (Session 103: an expert-choice source given this
+    run's `dispatch='dropless'` refused it, in an error about this run's field.)"""
     here, moe = cfg.model.moe, src.moe
     if here.enabled():
         moe = dataclasses.replace(moe, groups=here.groups)
-        if moe.router != "expert_choice":
-            moe = dataclasses.replace(moe, dispatch=here.dispatch, block_size=here.block_size)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
 
 

@@ -17,7 +17,8 @@ kNN-LM's 64 rows holds 20 real rows in room for 22). With `mesh.expert` > 1 the 
 sharded over the `expert` mesh axis and the capacity buffers move by all-to-all inside
 `shard_map` (GShard): each device routes its own groups, sends each expert's slots to the
 device holding it, runs its X / mesh.expert experts on every device's slots, and sends the
-results back.
+results back; a model traced under a mesh that does not split its experts or groups (a
+distillation teacher, `train.init_from`'s source) runs as GSPMD lays it out instead.
 
 Every call reports into the `aux` collection (`sow`, read by hpnlp.train.carry's
 `fold_aux`): the auxiliary loss to add (per-token mean, weighted by the config), and sums
@@ -54,12 +55,27 @@ def batch_shards() -> int:
     return 1 if mesh.empty else math.prod(mesh.shape[a] for a in _batch_axes(mesh))
 
 
-def _expert_axis() -> tuple[int, tuple[str, ...]]:
-    """(experts' shards over the `expert` mesh axis, the batch's mesh axes)."""
+def _mesh_experts() -> int:
+    """The current mesh's `expert` axis size (1 without a mesh or the axis)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "expert" not in mesh.axis_names or mesh.shape["expert"] == 1:
+    return 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
+
+
+def _expert_axis(experts: int, groups: int) -> tuple[int, tuple[str, ...]]:
+    """(experts' shards over the `expert` mesh axis, the batch's mesh axes) for a layer of
+    `experts` experts routing `groups` groups, or (1, ()) where they do not split over those
+    axes: that layer runs its experts as GSPMD lays them out (the same result, without the
+    all-to-all). A review (session 107): the config checks this run's experts and groups
+    against its mesh, but a model of another number of experts or groups is traced under
+    it too (train.init_from's source when cutting experts, a distillation teacher), and
+    shard_map refused it in a JAX error naming no field."""
+    mesh, ep = jax.sharding.get_abstract_mesh(), _mesh_experts()
+    if ep == 1:
         return 1, ()
-    return mesh.shape["expert"], _batch_axes(mesh)
+    axes = _batch_axes(mesh)
+    if experts % ep or "expert" not in axes or groups % math.prod(mesh.shape[a] for a in axes):
+        return 1, ()
+    return ep, axes
 
 
 ROUTES = "moe_routes"  # what `hpnlp.moe.route` reads: each token's weight on each expert
@@ -226,7 +242,7 @@ class MoE(nn.Module):
         # weights), and in decoding a slot for every token in every expert (nothing dropped,
         # as dropless; each expert's kernel reads its weights once a step, where dropless
         # blocks of one token each would read them once a block).
-        served = _is_served(wi) and _expert_axis()[0] == 1
+        served = _is_served(wi) and _mesh_experts() == 1
         dropless = dropless and not (served and self.decode)
         if not served:
             wi, wo = (_as_float(w) for w in (wi, wo))
@@ -314,9 +330,9 @@ class MoE(nn.Module):
 
     def _capacity_experts(self, x_GSM, slots: routing.Slots, experts, act, linear):
         """Slot buffers through the experts and back to tokens; over the expert mesh axis
-        (all-to-all in shard_map) when `mesh.expert` > 1. `act`: the experts' hidden
-        activations as their second products read them (`expert_inputs`); `linear`: each
-        product (`dispatch.expert_mlp`)."""
+        (all-to-all in shard_map) when `mesh.expert` > 1 splits the experts and the groups
+        (`_expert_axis`). `act`: the experts' hidden activations as their second products
+        read them (`expert_inputs`); `linear`: each product (`dispatch.expert_mlp`)."""
         def local(x_GSM, token_GXC, slot_GSJ, gate_GSJ, wi, bi, wo, bo, *, ep: int):
             buf_GXCM = dispatch.gather(x_GSM, token_GXC)
             if ep > 1:  # my groups' slots of every expert -> every group's slots of my experts
@@ -326,7 +342,7 @@ class MoE(nn.Module):
                 out_GXCM = jax.lax.all_to_all(out_GXCM, "expert", 0, 1, tiled=True)
             return dispatch.combine(out_GXCM, slot_GSJ, gate_GSJ)
 
-        ep, batch_axes = _expert_axis()
+        ep, batch_axes = _expert_axis(slots.token_GXC.shape[1], x_GSM.shape[0])
         if ep == 1 or self.decode:
             return local(x_GSM, *slots, *experts, ep=1)
         g, e = P(batch_axes), P("expert")

@@ -30,7 +30,9 @@ the members' mean, and the ensemble):
 The ensemble predicts the mean of the members' probabilities, log p = logsumexp_m(log p_m)
 - log M. Its NLL is never above the members' mean NLL (Jensen: -log is convex); its
 accuracy can be either side. The eval step runs members one after another under
-`lax.scan`, keeping a running `logaddexp`, so memory does not grow with M.
+`lax.scan`, keeping a running `logaddexp`, so memory does not grow with M; an LM's also
+walks token chunks as its plain evaluation does (`make_ensemble_eval_step`), so a chunk's
+[C, V], not the batch's [B, L, V], is what it holds.
 
     python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
         --workdir /tmp/hpnlp/ens --members 3            # train a 3-seed ensemble
@@ -61,6 +63,8 @@ from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
 from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
 from hpnlp.models import transformer_xl as xl
 from hpnlp.paths import write_json
+from hpnlp.softmax.base import log_prob_nll_and_argmax, map_token_chunks
+from hpnlp.softmax.full import auto_chunk_tokens
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
                                     StackedMembers, is_stacked, load_run_config, run_members)
 from hpnlp.train.loop import Trainer
@@ -88,14 +92,40 @@ def _targets(kind: str, batch) -> tuple[jax.Array, jax.Array]:
     return batch["label"], batch["weight"].astype(jnp.float32)
 
 
-def _sums(logp_PO, target_P, weight_P) -> dict:
+def _sums_of(nll_P, pred_P, target_P, weight_P) -> dict:
     """Summed NLL, correct predictions and weight: the keys `finalize` reads."""
-    nll_P = -jnp.take_along_axis(logp_PO, target_P[..., None], axis=-1)[..., 0]
-    correct_P = (jnp.argmax(logp_PO, axis=-1) == target_P).astype(jnp.float32)
+    correct_P = (pred_P == target_P).astype(jnp.float32)
     real_P = weight_P > 0
     return {"loss": jnp.sum(jnp.where(real_P, nll_P * weight_P, 0.0)),
             "correct": jnp.sum(jnp.where(real_P, correct_P * weight_P, 0.0)),
             "weight": jnp.sum(weight_P)}
+
+
+def _sums(logp_PO, target_P, weight_P) -> dict:
+    """`_sums_of` each site's NLL and argmax under log-probabilities [*P, O]."""
+    return _sums_of(*log_prob_nll_and_argmax(logp_PO, target_P), target_P, weight_P)
+
+
+def _hidden(module, batch):
+    """An LM's final hidden states [B, L, E] (Transformer-XL's `hidden` also returns its new
+    memory; from no memory, as its `log_probs`)."""
+    h = module.hidden(batch)
+    return h[0] if isinstance(h, tuple) else h
+
+
+def _output_log_prob(module, hidden_NE):
+    return module.output.log_prob(hidden_NE).astype(jnp.float32)
+
+
+def _eval_chunk(module, num_tokens: int) -> tuple[int, int]:
+    """(tokens per eval chunk, V) of an LM's output layer: the chunk its own evaluation
+    walks (`eval_chunk_tokens`: one chunk's [C, V] float32 under 256 MiB per device unless
+    `chunk_tokens` says otherwise), or that automatic size for the layers whose own
+    evaluation reads the whole [B, L, V] (adaptive, hierarchical, binary_code)."""
+    out = module.output
+    own = getattr(out, "eval_chunk_tokens", None)
+    return (own(num_tokens) if own is not None
+            else auto_chunk_tokens(num_tokens, out.vocab_size)), out.vocab_size
 
 
 def make_ensemble_eval_step(model, t: TrainConfig, kind: str):
@@ -104,22 +134,24 @@ def make_ensemble_eval_step(model, t: TrainConfig, kind: str):
     `members` is a TrainState whose step, params and rng all have a leading member axis
     (opt_state is not read). `kind` is the task kind: "lm", "classify" or "match". Each
     member's log-probabilities are the normalized ones its plain `evaluate` scores.
-    """
-    def log_probs(member: TrainState, batch):
-        rngs = {"features": member.features_key(t.feature_redraw_every)}
-        variables = {"params": member.params}
-        if kind == "lm":
-            logp = model.apply(variables, batch, method="log_probs", rngs=rngs)
-        else:
-            logits = model.apply(variables, batch, method="logits", rngs=rngs)
-            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return logp.astype(jnp.float32)
 
-    def eval_step(members: TrainState, batch):
+    An LM is scored by token chunks, as its plain evaluation is (review, session 107: the
+    whole [B, L, V] per member, a running copy and the `logaddexp` of the two were 40 GiB at
+    16K tokens x 250K ids, where the plain evaluation held 256 MiB): each member's hidden
+    states once ([M, B, L, E]), then per chunk of C tokens the members' output layers one
+    after another on [C, E] beside a running `logaddexp` [C, V], so the peak is a few
+    [C, V], whatever M and the batch's tokens.
+    """
+    def rngs(member: TrainState) -> dict:
+        return {"features": member.features_key(t.feature_redraw_every)}
+
+    def log_probs(member: TrainState, batch):  # each example's [B, C] (classify, match)
+        logits = model.apply({"params": member.params}, batch, method="logits",
+                             rngs=rngs(member))
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+    def per_example(members: TrainState, batch, num: int):
         target_P, weight_P = _targets(kind, batch)
-        members = TrainState(step=members.step, params=members.params, opt_state=None,
-                             rng=members.rng)  # what evaluation reads
-        num = members.step.shape[0]
 
         def one(logsum_PO, member):
             logp_PO = log_probs(member, batch)
@@ -130,6 +162,43 @@ def make_ensemble_eval_step(model, t: TrainConfig, kind: str):
         logsum_PO, per_member = jax.lax.scan(one, init_PO, members)
         ensemble_PO = logsum_PO - jnp.log(jnp.float32(num))
         return {"members": per_member, "ensemble": _sums(ensemble_PO, target_P, weight_P)}
+
+    def per_token(members: TrainState, batch, num: int):
+        target_BL, weight_BL = _targets(kind, batch)
+        h_MBLE = jax.lax.map(lambda m: model.apply({"params": m.params}, batch,
+                                                   method=_hidden, rngs=rngs(m)), members)
+        first = jax.tree.map(lambda x: x[0], members)
+        chunk, V = model.apply({"params": first.params}, target_BL.size, method=_eval_chunk)
+
+        def one_chunk(h_CME, target_C):
+            def one(logsum_CV, xs):
+                member, h_CE = xs
+                logp_CV = model.apply({"params": member.params}, h_CE,
+                                      method=_output_log_prob, rngs=rngs(member))
+                return (jnp.logaddexp(logsum_CV, logp_CV),
+                        log_prob_nll_and_argmax(logp_CV, target_C))
+
+            init_CV = jnp.full((target_C.shape[0], V), -jnp.inf, jnp.float32)
+            logsum_CV, (nll_MC, pred_MC) = jax.lax.scan(
+                one, init_CV, (members, jnp.moveaxis(h_CME, 1, 0)))
+            nll_C, pred_C = log_prob_nll_and_argmax(logsum_CV - jnp.log(jnp.float32(num)),
+                                                    target_C)
+            return nll_C, pred_C, nll_MC.T, pred_MC.T
+
+        # tokens lead ([B, L, M, E]): the chunks cut L, the batch axis stays whole in each
+        nll_BL, pred_BL, nll_BLM, pred_BLM = map_token_chunks(
+            one_chunk, target_BL.shape, chunk, jnp.moveaxis(h_MBLE, 0, 2), target_BL,
+            remat=False)
+        per_member = jax.vmap(_sums_of, in_axes=(-1, -1, None, None))(
+            nll_BLM, pred_BLM, target_BL, weight_BL)
+        return {"members": per_member,
+                "ensemble": _sums_of(nll_BL, pred_BL, target_BL, weight_BL)}
+
+    def eval_step(members: TrainState, batch):
+        members = TrainState(step=members.step, params=members.params, opt_state=None,
+                             rng=members.rng)  # what evaluation reads
+        num = members.step.shape[0]
+        return (per_token if kind == "lm" else per_example)(members, batch, num)
 
     return eval_step
 

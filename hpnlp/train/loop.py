@@ -698,8 +698,9 @@ class Trainer:
         # rng and step each process holds, so it runs outside the run's mesh too
         rng, step = jax.device_get((state.rng, state.step))
         key = state.replace(rng=rng, step=step).features_key(self.cfg.train.feature_redraw_every)
+        model = self._split_model()
         if jax.process_count() == 1:
-            out.update(split_metrics(self.cfg, self.eval_model, jax.device_get(params), self.task,
+            out.update(split_metrics(self.cfg, model, jax.device_get(params), self.task,
                                      features_key=key))
             return out
         # Several processes (a review, r7: they measured none, unsaid): each gathers the whole
@@ -708,9 +709,26 @@ class Trainer:
         from jax.experimental import multihost_utils
         params = multihost_utils.process_allgather(params, tiled=True)
         with jax.set_mesh(None):
-            out.update(split_metrics(self.cfg, self.eval_model, params, self.task,
-                                     features_key=key))
+            out.update(split_metrics(self.cfg, model, params, self.task, features_key=key))
         return out
+
+    def _split_model(self):
+        """The eval model a split's metrics are measured with: with MoE routing groups that
+        follow the devices (model.moe.groups=0, capacity dispatch) those are pinned to the
+        groups the run's steps route in (`routing_groups`), as `hpnlp.moe.route` pins them.
+        A review (session 107): the layer read them from the mesh where the pass was traced,
+        so the bi-encoder's pool routed in one group per shard inside the run loop and in
+        one at its end, in a tool's `evaluate` or with several processes (outside the mesh),
+        and its recall and MRR, which capacity drops change, differed between them."""
+        groups = self.routing_groups()
+        if groups is None:
+            return self.eval_model
+        if getattr(self, "_pinned", (None,))[0] != groups:
+            cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(
+                self.cfg.model, moe=dataclasses.replace(self.cfg.model.moe, groups=groups)))
+            self._pinned = (groups, models.build(cfg, deterministic=True,
+                                                 token_counts=self.task.token_counts))
+        return self._pinned[1]
 
     def _changes_said(self, start: int) -> str:
         """'; ...' naming what a resume's config changes in what trains the model (the
