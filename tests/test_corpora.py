@@ -870,7 +870,9 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     out, err = capsys.readouterr()
     assert out == want and "speculative:" in err and " target calls; " in err
     assert generate.main(greedy + ["--draft", str(tmp_path), "--draft-tokens", "10"]) == 2
-    assert "past the target's model.max_len=32" in capsys.readouterr().err
+    assert ("error: --length 24 with --draft-tokens 10 writes 33 cache positions, past the "
+            "smaller model.max_len=32 of --workdir and --draft; lower --length (to 23 or fewer) "
+            "or --draft-tokens (to 9 or fewer)") in capsys.readouterr().err
     # no --length: as long as the caches allow (32 - 4 + 1 tokens)
     assert generate.main(["--workdir", str(tmp_path), "--prompt", prompts[0], "--greedy",
                           "--draft", str(tmp_path)]) == 0

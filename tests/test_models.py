@@ -537,6 +537,43 @@ def test_decoding_random_features_of_the_run_s_stream_needs_their_key():
     check_features_key(make_cfg("lm"), None)
 
 
+def test_decoding_a_frequency_based_output_layer_needs_its_train_counts():
+    """A review (session 107): without token_counts, generate built a hierarchical layer's
+    Huffman tree from a Zipf stand-in over the ids, not the counts it trained with, and each
+    id read another's path (log-probs garbage, unsaid); class_based's classes and adaptive's
+    default cutoffs failed deep in flax where their shapes differed. Refused in one line
+    naming the argument; with the counts, greedy decoding is the teacher-forced argmax."""
+    from hpnlp.models.generate import check_token_counts
+    counts = np.random.default_rng(0).integers(1, 100, V)  # not Zipf over the ids
+    cfg = dataclasses.replace(make_cfg("lm", depth=1), output=OutputConfig("hierarchical"))
+    batch = lm_batch()
+    model = models.build(cfg, deterministic=True, token_counts=counts)
+    params = jax.jit(lambda key: nn.unbox(model.init(key, batch)["params"]))(jax.random.key(0))
+    prompt = batch["inputs"][:, :3]
+    with pytest.raises(ValueError, match=r"^output.name='hierarchical' builds its Huffman tree "
+                       r"from the train counts .*pass token_counts=trainer.task.token_counts "):
+        models.generate(cfg, params, prompt, length=8)
+    out = models.generate(cfg, params, prompt, length=8, token_counts=counts)
+    seg = jnp.ones_like(out)
+    lp = jax.jit(lambda p: model.apply({"params": p}, {
+        "inputs": out, "segment_ids": seg, "positions": jnp.cumsum(seg, 1) - 1},
+        method="log_probs"))(params)
+    np.testing.assert_array_equal(out[:, 3:], jnp.argmax(lp[:, 2:-1], -1))
+    # the layers whose decoded tables come from the counts; not the sampled objectives', whose
+    # counts only drew training negatives and set the initial bias
+    for name, options, built in (("class_based", {}, "its frequency classes"),
+                                 ("binary_code", {}, "its ids' codewords"),
+                                 ("adaptive", {}, "its default cutoffs")):
+        lm = dataclasses.replace(cfg, output=OutputConfig(name, options=options))
+        with pytest.raises(ValueError, match=rf"^output.name={name!r} builds {built}"):
+            check_token_counts(lm, None)
+        check_token_counts(lm, counts)
+    for name, options in (("adaptive", {"cutoffs": (8, 20)}), ("full", {}), ("sampled", {}),
+                          ("nce", {}), ("negative_sampling", {}), ("vmf", {})):
+        check_token_counts(dataclasses.replace(cfg, output=OutputConfig(name, options=options)),
+                           None)
+
+
 def test_a_registered_module_of_the_wrong_shape_is_named_at_trace():
     """A bug hunt (session 96): a registered attention variant of another output shape failed
     in the output projection's dot_general, naming nothing; an output layer whose loss was a

@@ -468,6 +468,46 @@ def test_cli_names_a_one_member_seed_ensemble(tmp_path, capsys):
         "run (train a plain one with python -m hpnlp.main)")
 
 
+def test_cli_help_promises_the_targets_tokens_only_when_greedy(capsys):
+    """A review (session 107): --draft promised "the same output as the target's", which
+    sampled (the CLI's default) draws other tokens from the same distribution."""
+    generate = importlib.import_module("hpnlp.models.generate")
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("with --greedy the target's own tokens; sampled, tokens distributed as the "
+            "target's (other draws than without --draft)") in text, text
+
+
+def test_cli_names_the_flags_where_a_draft_round_runs_past_max_len(tmp_path, capsys):
+    """A review (session 107): --length 24 --draft-tokens 10 on runs of max_len 32 was
+    refused in speculative.check's words ("lower length or draft_tokens"); one line naming
+    the flags and their bounds, before any weights load (two runs' configs and empty
+    checkpoint folders: nothing is trained or read)."""
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train.checkpoint import Checkpointer
+    generate = importlib.import_module("hpnlp.models.generate")
+    for name, max_len in (("run", 32), ("short", 16)):
+        cd = default_configdict()
+        cd.data.update(task="byte_lm", seq_len=16)
+        cd.model.update(kind="lm", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=max_len,
+                        vocab_size=256)
+        Checkpointer(str(tmp_path / name), from_configdict(cd), keep=1).close()
+        os.makedirs(tmp_path / name / "checkpoints" / "1")
+    run = str(tmp_path / "run")
+    for draft, flags, want in (
+            (run, ["--draft-tokens", "10"], "--length 24 with --draft-tokens 10 writes 33 cache "
+             "positions, past the smaller model.max_len=32 of --workdir and --draft; lower "
+             "--length (to 23 or fewer) or --draft-tokens (to 9 or fewer)"),
+            # a draft shorter than --length: no --draft-tokens fits it
+            (str(tmp_path / "short"), [], "--length 24 with --draft-tokens 4 writes 27 cache "
+             "positions, past the smaller model.max_len=16 of --workdir and --draft; lower "
+             "--length (to 13 or fewer)")):
+        assert generate.main(["--workdir", run, "--prompt", "x", "--length", "24", "--draft",
+                              draft, *flags]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {want}"
+
+
 @pytest.mark.slow
 def test_cli_passes_the_sampling_flags_with_and_without_a_draft(tmp_path, capsys):
     """A tiny byte LM trained two steps: --top-k 1 prints the --greedy text, alone and

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpnlp import models
-from hpnlp.config import AttentionConfig, DataConfig
+from hpnlp.config import AttentionConfig, DataConfig, OutputConfig
 from hpnlp.models import speculative
 from test_models import V, init, lm_batch, make_cfg
 
@@ -256,6 +256,14 @@ def test_bad_sampling_arguments_are_refused_before_tracing(lms):
     cases = [(dict(temperature=jnp.float32(0), greedy=False), r"temperature=0\.0: sampling"),
              (dict(temperature=np.float32("inf"), greedy=False), "temperature=inf"),
              (dict(rng=42), r"rng=42 is not a JAX random key; pass one, e\.g\. rng=jax"),
+             # a review (session 107): uint32 arrays of any shape passed, and sampling failed
+             # in the trace on "invalid PRNG key data" (greedy ignored them, unsaid)
+             (dict(rng=jnp.uint32(7), greedy=False), r"rng: a uint32 array of shape \(\) is "
+              r"not a JAX random key \(one key has shape \(2,\) as raw uint32 data\); pass"),
+             (dict(rng=np.arange(3, dtype=np.uint32)), r"uint32 array of shape \(3,\) is not"),
+             (dict(rng=jax.random.split(jax.random.key(0), 2), greedy=False),
+              r"rng: a key array of shape \(2,\) is not a JAX random key \(one key has shape "
+              r"\(\)\)"),
              (dict(length=float(LEN)), "length=14.0: it counts tokens")]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -271,6 +279,21 @@ def test_bad_sampling_arguments_are_refused_before_tracing(lms):
     # a list of lengths is as good as an array
     np.testing.assert_array_equal(models.generate(cfg, params, prompt, [2, 3], length=4),
                                   models.generate(cfg, params, prompt, jnp.array([2, 3]), length=4))
+
+
+def test_frequency_based_output_layers_need_each_runs_train_counts():
+    """A review (session 107): without token_counts and draft_token_counts, a hierarchical
+    target or draft decoded through a Huffman tree of a Zipf stand-in, not its run's counts
+    (silently other tokens); refused, each by its argument, before anything is built."""
+    counts = np.ones(V)
+    cfg = dataclasses.replace(make_cfg("lm"), output=OutputConfig("hierarchical"))
+    prompt = jnp.zeros((1, 3), jnp.int32)
+    for draft_cfg, kw, match in (
+            (make_cfg("lm"), {}, "target's .* pass token_counts="),
+            (cfg, dict(token_counts=counts), "draft's .* pass draft_token_counts=")):
+        with pytest.raises(ValueError, match=rf"^speculative decoding: the {match}trainer\.task"):
+            speculative.speculative_generate(cfg, {}, draft_cfg, {}, prompt, length=8,
+                                             draft_tokens=2, **kw)
 
 
 def test_several_tokens_a_call_need_the_exact_cache():

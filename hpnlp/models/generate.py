@@ -238,15 +238,27 @@ def sampling_logits(logp_BV, *, temperature=1.0, top_k: int = 0, top_p=1.0, min_
 
 def check_call(length, rng, **counts) -> None:
     """A ValueError where `length` (or another count of tokens in `counts`) is not an int,
-    or `rng` is not a JAX random key (a seed given as an int, say): both failed inside JAX."""
+    or `rng` is not one JAX random key (a seed given as an int, say, or a uint32 array of
+    another shape than a raw key's): both failed inside JAX."""
     for name, n in dict(length=length, **counts).items():
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise ValueError(f"{name}={n!r}: it counts tokens, so it must be an int")
+    if rng is None:
+        return
     dtype = getattr(rng, "dtype", None)
-    if rng is not None and not (dtype is not None and (
-            jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32)):
+    if dtype is None or not (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
         raise ValueError(f"rng={rng!r} is not a JAX random key; pass one, e.g. "
                          "rng=jax.random.key(0)")
+    # one key: a typed one of shape (), or a raw one of the default implementation's data shape
+    # (threefry's (2,)). A review (session 107): jnp.uint32(7) passed, and sampling failed in
+    # the trace on "invalid PRNG key data", naming no argument (greedy ignored it, unsaid)
+    typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    one = () if typed else jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+    if np.shape(rng) != one:
+        kind = "key array" if typed else "uint32 array"
+        raise ValueError(f"rng: a {kind} of shape {np.shape(rng)} is not a JAX random key (one "
+                         f"key has shape {one}{'' if typed else ' as raw uint32 data'}); pass "
+                         "one, e.g. rng=jax.random.key(0)")
 
 
 def check_features_key(cfg: Config, features_key) -> None:
@@ -281,6 +293,44 @@ def mask_unknown(logp_BV, known_ids):
     if known_ids is None or known_ids >= logp_BV.shape[-1]:
         return logp_BV
     return logp_BV.at[..., known_ids:].set(-jnp.inf)
+
+
+# what each frequency-based output layer builds from the train counts (`models.build`'s
+# `token_counts`), for `check_token_counts`'s message; a layer with a `counts` field not named
+# here (a newly registered one) is taken to build something from them too
+_BUILT_FROM_COUNTS = {"hierarchical": "its Huffman tree", "class_based": "its frequency classes",
+                      "binary_code": "its ids' codewords (by frequency rank)",
+                      "adaptive": "its default cutoffs (output.options.cutoffs unset)"}
+
+
+def check_token_counts(cfg: Config, token_counts, arg: str = "token_counts",
+                       role: str = "") -> None:
+    """A ValueError where `token_counts` is None and `cfg`'s output layer builds a table that
+    decoding reads from the train counts: a Huffman tree, frequency classes, codewords by frequency
+    rank, an adaptive softmax's default cutoffs. Training builds it from the task's counts;
+    without them `build` takes a Zipf stand-in over the ids, so each id read another's path,
+    class or code (wrong log-probs, unsaid) or the parameters' shapes differed (a flax error
+    naming no argument): a review (session 107). The sampled objectives (sampled, nce,
+    negative_sampling) read the counts only to draw their training negatives and to set their
+    initial bias, which the trained parameters replace: not refused. `arg`: the argument's
+    name; `role`: the model's, as the message's prefix (speculative decoding's draft)."""
+    if token_counts is not None or cfg.model.kind != "lm":
+        return
+    import dataclasses
+
+    from hpnlp import softmax as softmax_lib
+    from hpnlp.softmax.sampled import SampledObjective
+    name = cfg.output.name
+    cls = softmax_lib.get(name)
+    if ("counts" not in {f.name for f in dataclasses.fields(cls)}
+            or issubclass(cls, SampledObjective)
+            or (name == "adaptive" and cfg.output.options.get("cutoffs") is not None)):
+        return
+    built = _BUILT_FROM_COUNTS.get(name, "its tables")
+    raise ValueError(f"{role}output.name={name!r} builds {built} from the train counts the run "
+                     f"trained with, and decoding must build the same: pass {arg}="
+                     "trainer.task.token_counts (trainer: the run's hpnlp.train.Trainer(cfg, "
+                     "workdir, read_only=True))")
 
 
 def check_decodes(cfg: Config) -> None:
@@ -357,9 +407,10 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     `features_key`: the random-feature draw the model was trained with, for variants
     that use the `features` stream (Performer); pass
     `state.features_key(cfg.train.feature_redraw_every)` (its last train step's draw).
-    `token_counts`: the train counts the model was built with, for frequency-based output
-    layers. `quant_vars`: a quantized model's calibrated activation ranges
-    (`compress.ptq.load`'s third value).
+    `token_counts`: the train counts the model was built with (`Trainer.task.token_counts`),
+    which output layers that build tables from them need (`check_token_counts`: hierarchical,
+    class_based, binary_code, adaptive without cutoffs). `quant_vars`: a quantized model's
+    calibrated activation ranges (`compress.ptq.load`'s third value).
     """
     from hpnlp.models import build
 
@@ -375,6 +426,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
         raise ValueError(f"generate(length={length}) exceeds model.max_len={cfg.model.max_len}")
     if P > length:
         raise ValueError(f"prompt length {P} exceeds generate(length={length})")
+    check_token_counts(cfg, token_counts)
     model = build(cfg, deterministic=True, decode=True, token_counts=token_counts)
     # jitted: an eager init runs the model op by op, compiling every primitive separately
     cache = jax.jit(lambda tok: model.init(jax.random.key(0), tok, method="decode_step")["cache"])(
@@ -477,8 +529,9 @@ def main(argv=None) -> int:
                    "from it, so a row alone with the same seed draws other tokens (with "
                    "--draft, the next prompt's seed is one more)")
     p.add_argument("--draft", default="", help="a smaller LM run of the same task and "
-                   "vocabulary (e.g. a distilled student) for speculative decoding: the same "
-                   "output as the target's, in fewer target calls")
+                   "vocabulary (e.g. a distilled student) for speculative decoding, in fewer "
+                   "target calls: with --greedy the target's own tokens; sampled, tokens "
+                   "distributed as the target's (other draws than without --draft)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="tokens the draft proposes per target call (with --draft; default 4)")
     p.add_argument("--kv-cache", choices=("none", "int8"), default=None,
@@ -631,6 +684,14 @@ def main(argv=None) -> int:
             # by default as long as both caches hold a round's drafts past it
             most = both_max - args.draft_tokens + 1
             length = args.length or most
+            if length > most:  # a review (session 107): speculative.check's "lower length or
+                # draft_tokens" named no flag
+                fewer = (f" or --draft-tokens (to {both_max - length + 1} or fewer)"
+                         if length <= both_max else "")
+                raise ValueError(f"--length {length} with --draft-tokens {args.draft_tokens} "
+                                 f"writes {length + args.draft_tokens - 1} cache positions, past "
+                                 f"the smaller model.max_len={both_max} of --workdir and --draft; "
+                                 f"lower --length (to {most} or fewer){fewer}")
             speculative.check(cfg, draft_cfg, length=length, draft_tokens=args.draft_tokens,
                               prompt_len=1)
             if not speculative.same_tokenizer(args.workdir, args.draft):

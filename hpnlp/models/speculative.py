@@ -191,16 +191,24 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     the tokens follow the target's processed one; `temperature`, `top_p` and `min_p` may be
     arrays of one value per row, [B] or [B, 1], as there. `known_ids` (as in `generate`: the
     ids the tokenizer decodes) masks the ids from it on in both too, before the options, so
-    neither model drafts nor emits them, greedy or sampled."""
+    neither model drafts nor emits them, greedy or sampled. `token_counts` and
+    `draft_token_counts`: each run's train counts (`Trainer.task.token_counts`), which output
+    layers that build tables from them need (`generate.check_token_counts`)."""
     from hpnlp.models import build
     from hpnlp.models.generate import (check_call, check_known_ids, check_prompt, check_sampling,
-                                       check_temperature, mask_unknown, sampling_logits)
+                                       check_temperature, check_token_counts, mask_unknown,
+                                       sampling_logits)
 
     check_prompt(cfg, prompt_BP)
     check_call(length, rng, draft_tokens=draft_tokens)
     B, P = prompt_BP.shape
     k = draft_tokens
     check(cfg, draft_cfg, length=length, draft_tokens=k, prompt_len=P)
+    # each model's frequency-based tables from its own run's counts (a review, session 107:
+    # without them both decoded through a Zipf stand-in, unsaid)
+    check_token_counts(cfg, token_counts, "token_counts", "speculative decoding: the target's ")
+    check_token_counts(draft_cfg, draft_token_counts, "draft_token_counts",
+                       "speculative decoding: the draft's ")
     check_temperature(temperature, greedy, batch=B)
     check_known_ids(known_ids)
     check_sampling(top_k, top_p, min_p, greedy, cfg.model.vocab_size, known_ids=known_ids,
