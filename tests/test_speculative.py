@@ -109,6 +109,34 @@ def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
         np.testing.assert_array_equal(run(params, inputs[:, :6], None), stepwise)
 
 
+def test_a_prefill_fills_the_cache_without_the_output_layer(lms, monkeypatch):
+    """A review (session 107): generate's and speculative decoding's prefill ran
+    `decode_tokens`, whose [B, P - 1, V] log-probs it threw away; called eagerly (no jit to
+    drop them) they were computed, 16 GiB at 8 prompts of 512 over 1M ids. `prefill` writes
+    the same cache and returns the hidden states; eager calls never reach the output layer
+    with the prompt's 3 tokens but its last (verification reads draft_tokens + 1 = 2)."""
+    from hpnlp.softmax.full import FullSoftmax
+    cfg, params, draft_cfg, draft_params, inputs = lms
+    model = models.build(cfg, deterministic=True, decode=True)
+    cache = model.init(jax.random.key(0), inputs[:, :1], method="decode_step")["cache"]
+    h, a = model.apply({"params": params, "cache": cache}, inputs[:, :5], method="prefill",
+                       mutable=["cache"])
+    _, b = model.apply({"params": params, "cache": cache}, inputs[:, :5],
+                       method="decode_tokens", mutable=["cache"])
+    assert h.shape == (2, 5, cfg.model.width)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    wide = []
+    log_prob = FullSoftmax.log_prob
+    monkeypatch.setattr(FullSoftmax, "log_prob", lambda self, h_BKE: (
+        wide.append(h_BKE.shape) if h_BKE.ndim == 3 and h_BKE.shape[1] == 3 else None,
+        log_prob(self, h_BKE))[1])
+    # traced (nothing compiled): the output layer's calls are the eager ones' shapes
+    jax.eval_shape(lambda: models.generate(cfg, params, inputs[:, :4], length=6, greedy=True))
+    jax.eval_shape(lambda: speculative.speculative_generate(
+        cfg, params, draft_cfg, draft_params, inputs[:, :4], length=6, draft_tokens=1))
+    assert not wide, wide
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperature):
     """Many rounds of two rows with k = 2 drafts drawn from q (per-position distributions

@@ -442,7 +442,7 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
         prompt_len_B = jnp.full((B,), P, jnp.int32)
         if P > 1 and attention_lib.get(cfg.attention.name).exact_cache():
             cache = model.apply({"params": params, "cache": cache, **extra}, prompt_BP[:, :-1],
-                                method="decode_tokens", mutable=["cache"], rngs=rngs)[1]["cache"]
+                                method="prefill", mutable=["cache"], rngs=rngs)[1]["cache"]
             start = P - 1
 
     def step(carry, t):

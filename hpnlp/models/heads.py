@@ -130,6 +130,13 @@ class TransformerLM(nn.Module):
         the cache and the tokens before it -> next-token log-probs [B, K, V] (speculative
         decoding's verification; K = 1 is `decode_step`). K > 1 needs the exact key/value cache
         (`Attention.exact_cache`)."""
+        return self.output.log_prob(self.prefill(tokens_BK))
+
+    def prefill(self, tokens_BK):
+        """`decode_tokens` without its output layer: the K tokens into the cache -> their
+        hidden states [B, K, E]. A prompt's prefill reads only the cache, and called eagerly
+        (no jit to drop dead outputs) the log-probs it threw away were a [B, K, V] array (a
+        review, session 107: 16 GiB at 8 prompts of 512 tokens over 1M ids)."""
         pos = self.position.value
         K = tokens_BK.shape[1]
         if K > 1 and not attention_lib.get(self.cfg.attention.name).exact_cache():
@@ -142,7 +149,7 @@ class TransformerLM(nn.Module):
                            jnp.broadcast_to(pos_BK, tokens_BK.shape))
         if not self.is_initializing():
             self.position.value = pos + K
-        return self.output.log_prob(h_BKE)
+        return h_BKE
 
 
 def _pool(h_BLE, seg_BL, how: str):

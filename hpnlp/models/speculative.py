@@ -221,13 +221,13 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     def decoder(model, params):
         """(its empty decode cache, `apply(cache, tokens) -> (log-probs, {"cache": ...})`)."""
         cache = model.init(jax.random.key(0), zeros_B1, method="decode_step")["cache"]
-        return cache, lambda c, toks: model.apply({"params": params, "cache": c}, toks,
-                                                  method="decode_tokens", mutable=["cache"])
+        return cache, lambda c, toks, method="decode_tokens": model.apply(
+            {"params": params, "cache": c}, toks, method=method, mutable=["cache"])
     tcache, apply_t = decoder(target, params)
     dcache, apply_d = decoder(draft, draft_params)
-    if P > 1:  # the prompt but its last token, in one call each
-        tcache = apply_t(tcache, prompt_BP[:, :-1])[1]["cache"]
-        dcache = apply_d(dcache, prompt_BP[:, :-1])[1]["cache"]
+    if P > 1:  # the prompt but its last token, in one call each, into the caches alone
+        tcache = apply_t(tcache, prompt_BP[:, :-1], "prefill")[1]["cache"]
+        dcache = apply_d(dcache, prompt_BP[:, :-1], "prefill")[1]["cache"]
     # a round writes up to k + 1 tokens after a row's pending one, past `length` in the last
     out_BL = jnp.zeros((B, length + k), jnp.int32).at[:, :P].set(prompt_BP)
     rng = jax.random.key(0) if rng is None else rng
