@@ -302,6 +302,14 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         _made.append(FLAGS.workdir)
     checked = validate(cfg if isinstance(cfg, Config) else from_configdict(cfg),
                        num_processes=n, devices=False)
+    if not (flags or {}).get("--from_checkpoints"):  # this run trains (ensemble's combining
+        # of a run's checkpoints reads them): the Trainer's own refusals, here before the join
+        # (a review, session 107: a process started alone waited out --init_timeout first)
+        from hpnlp.config.checks import check_new_run, check_training
+        from hpnlp.train.checkpoint import has_checkpoint
+        check_training(checked)
+        if not has_checkpoint(FLAGS.workdir):
+            check_new_run(checked)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
           "every process (--init_timeout)", file=sys.stderr, flush=True)

@@ -395,6 +395,29 @@ def test_task_fields_are_filled_in():
      "output.options.num_classes", "[1, model.vocab_size=256]"),
     ({"output": {"name": "class_based", "options": {"bin_power": 0}}},
      "output.options.bin_power", "> 0"),
+    # a review (session 107): each taken and read by nothing
+    ({"model": {"lowrank": {"rank": 8, "layers": "head"}}}, "model.lowrank.layers",
+     "names no product of this lm (transformer), so nothing would be factorized (it has qkv, "
+     "out, mlp, output, embed)"),
+    ({"model": {"kind": "bi_encoder", "lowrank": {"rank": 4, "layers": "head"}},
+      "data": {"task": "verse_pairs"}}, "model.lowrank.layers", "names no product"),
+    ({"data": {"vocab_size": 16000}}, "data.vocab_size", "this run's ids are bytes (data."
+     "tokenizer='', data.task='byte_lm'), so nothing reads it; set data.tokenizer='bpe'"),
+    ({"data": {"task": "word_lm", "tokenizer": "words", "vocab_size": 100}}, "data.vocab_size",
+     "this run's ids are words"),
+    ({"model": {"kind": "classifier"}, "data": {"task": "listops", "vocab_size": 100}},
+     "data.vocab_size", "data.task='listops' has its own ids, so nothing reads it"),
+    ({"model": {"kind": "bi_encoder", "num_classes": 5}, "data": {"task": "verse_pairs"}},
+     "model.num_classes", "has no classes, so nothing reads it"),
+    ({"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "fused", "unroll": 8}},
+     "rnn.unroll", "runs none, so nothing reads it; use rnn.impl='scan'"),
+    ({"train": {"distill": {"teacher": "/t", "init": "select", "importance_batches": 32}}},
+     "train.distill.importance_batches", "init='select' ranks none, so nothing reads it"),
+    ({"train": {"distill": {"teacher": "/t", "chunk_tokens": 4096}},
+      "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
+     "train.distill.chunk_tokens", "(never chunked), so nothing reads it"),
+    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "hidden": 1.0, "temperature": 4.0}}},
+     "train.distill.temperature", "alpha=0 gives it no weight, so nothing reads it"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()
@@ -428,7 +451,16 @@ def test_fields_are_taken_where_their_switch_reads_them():
             {"model": {**bi, "arch": "bag", "encoder": {"bag": "sum", "temperature": 0.1}},
              "data": {"task": "verse_pairs"}},
             {"model": {**bi, "arch": "bag", "dropout": 0.0}, "data": {"task": "verse_pairs"}},
-            {"train": {"feature_redraw_every": 10}, "attention": {"name": "performer"}}):
+            {"train": {"feature_redraw_every": 10}, "attention": {"name": "performer"}},
+            # a review (session 107): each taken where it is read
+            {"model": {"lowrank": {"rank": 8, "layers": "head,embed"}}},
+            {"model": {"kind": "classifier", "lowrank": {"rank": 4, "layers": "head"}},
+             "data": {"task": "listops"}},
+            {"data": {"tokenizer": "bpe", "vocab_size": 500}},
+            {"model": {**bi, "num_classes": 2}, "data": {"task": "verse_pairs"}},  # the task's
+            {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "scan", "unroll": 8}},
+            {"train": {"distill": {"teacher": "/t", "init": "pca", "importance_batches": 2,
+                                   "chunk_tokens": 64, "temperature": 4.0}}}):
         validate(base(**groups), num_devices=1)
 
 
@@ -502,6 +534,38 @@ def test_mesh_and_batch_against_devices_and_processes():
         validate(base(train={"batch_size": 12}), num_devices=8)
     with pytest.raises(ConfigError, match="2 processes"):
         validate(base(train={"batch_size": 9}), num_devices=1, num_processes=2)
+
+
+@pytest.mark.parametrize("arch", ["lstm", "transformer_xl"])
+def test_sequence_parallelism_without_ring_attention_says_mesh_sequence_1(arch):
+    """A review (session 107): an LSTM or Transformer-XL on mesh.sequence=2 was told to set
+    attention.name='ring', which its own check refuses ("leave it 'dense'"), and back."""
+    model = {"arch": arch, "width": 32}
+    with pytest.raises(ConfigError, match=rf"^config field `mesh.sequence` = 2 .*model.arch="
+                       rf"'{arch}' cannot use; set mesh.sequence=1$"):
+        validate(base(model=model, mesh={"data": 1, "sequence": 2}), num_devices=2)
+
+
+def test_the_mesh_fields_are_checked_before_the_devices_are_known():
+    """A review (session 107): a misspelled rule or a 0 axis was named only once the devices
+    were counted, so a process of a multi-process run named it after the others joined."""
+    for mesh, field in (({"rules": {"heads": "tensr"}}, "mesh.rules.heads"),
+                        ({"rules": {"hidden": "tensor"}}, "mesh.rules.hidden"),
+                        ({"tensor": 0}, "mesh.tensor"), ({"data": -1, "fsdp": -1}, "mesh")):
+        with pytest.raises(ConfigError, match=rf"`{field}`"):
+            validate(base(mesh=mesh), devices=False)
+
+
+def test_a_trainer_refuses_a_new_run_before_its_data_is_built(tmp_path, monkeypatch):
+    """A review (session 107): `check_new_run` came after the task was built (for bpe, a
+    tokenizer trained and saved in the workdir), the workdir held and ListOps generated."""
+    from hpnlp import data
+    from hpnlp.train import Trainer
+    monkeypatch.setattr(data, "make_task", lambda *a, **k: pytest.fail("the task was built"))
+    cfg = base(train={"steps": 800, "eval_every": 400, "early_stopping_patience": 2})
+    with pytest.raises(ConfigError, match="`train.early_stopping_patience` = 2"):
+        Trainer(cfg, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_unknown_field_in_configdict():
@@ -601,6 +665,47 @@ def test_cli_option_overrides_read_words_and_the_spaced_form(monkeypatch):
     monkeypatch.setenv("HPNLP_PROCESS_ID", "two")
     with pytest.raises(SystemExit, match="HPNLP_PROCESS_ID='two' is not an integer"):
         main._env_int("HPNLP_PROCESS_ID", 0)
+
+
+def test_a_new_runs_and_a_training_runs_refusals_come_before_the_join(tmp_path, monkeypatch):
+    """A review (session 107): `check_new_run` (early stopping that can never stop) and the
+    training refusal of quant.act_scale='static' came after jax.distributed.initialize, so a
+    process started alone waited out --init_timeout and never named the field. In-process:
+    the join itself (jax's config for it, first) is what must not be reached."""
+    import types
+
+    import jax
+
+    from hpnlp import main
+
+    def joined(*a, **k):
+        raise AssertionError("joined")
+    monkeypatch.setattr(jax.config, "update", joined)
+    monkeypatch.setattr(jax.distributed, "initialize", joined)
+    workdir = tmp_path / "run"
+    monkeypatch.setattr(main, "FLAGS", types.SimpleNamespace(
+        coordinator="127.0.0.1:1", num_processes=2, process_id=1, init_timeout=5,
+        workdir=str(workdir)))
+    monkeypatch.setattr(main, "_made", [])
+
+    def cfg(**train):
+        cd = default_configdict()
+        cd.data.task = "byte_lm"
+        cd.train.update(batch_size=8, **train)
+        return cd
+    patience = cfg(steps=800, eval_every=400, early_stopping_patience=2)
+    with pytest.raises(ConfigError, match="`train.early_stopping_patience` = 2"):
+        main.join_processes(patience)
+    static = cfg()
+    static.quant.update(weights="int8", activations="int8", act_scale="static")
+    with pytest.raises(ConfigError, match="`quant.act_scale` = 'static'.*training run"):
+        main.join_processes(static)
+    # a saved run resumes with the new-run rules it predates; checkpoints combined train none
+    os.makedirs(workdir / "checkpoints" / "400")
+    with pytest.raises(AssertionError, match="joined"):
+        main.join_processes(patience)
+    with pytest.raises(AssertionError, match="joined"):
+        main.join_processes(static, {"--members": 0, "--from_checkpoints": 2})
 
 
 def test_fused_lstm_on_a_mesh_of_several_devices_or_no_kernel_names_rnn_impl(monkeypatch):
@@ -870,6 +975,24 @@ def test_early_stopping_that_can_never_stop_is_refused_for_a_new_run():
                            rf"set train.eval_every to at most {most}, or lower the patience"):
             check_new_run(cfg)
     check_new_run(base(train={"early_stopping_patience": 3, "eval_every": 249, "steps": 1000}))
+
+
+def test_early_stopping_too_patient_for_every_step_an_eval_is_told_what_works():
+    """A review (session 107): where even train.eval_every=1 evaluates too few times, the
+    refusal said "set train.eval_every to at most 1" with eval_every=1 itself."""
+    from hpnlp.config.checks import check_new_run
+    for every, patience, most, fix in (
+            (1, 3, 2, "lower it to at most 2, set it to 0 (no early stopping), or raise "
+                      "train.steps to at least 5"),
+            (2, 3, 0, "set it to 0 (no early stopping), or raise train.steps to at least 9")):
+        train = {"steps": 4, "eval_every": every, "early_stopping_patience": patience,
+                 "warmup_steps": 1}
+        with pytest.raises(ConfigError) as e:
+            check_new_run(base(train=train))
+        assert str(e.value).endswith("can never stop early; " + fix), str(e.value)
+        # each fix it offers is taken
+        for fixed in ({"early_stopping_patience": most}, {"steps": (patience + 1) * every + 1}):
+            check_new_run(base(train={**train, **fixed}))
 
 
 def test_clustered_in_float16_is_refused_for_a_new_run():

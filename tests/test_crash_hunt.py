@@ -224,6 +224,10 @@ def students(draw) -> dict:
                "attention": draw(st.sampled_from([0.0, 0.0, 1.0])),
                "init": draw(st.sampled_from(["none", "every_other", "select", "importance"])),
                "init_blocks": draw(st.sampled_from(["first", "last"])), "importance_batches": 2}
+    if distill["init"] != "importance":  # each refused as ignored (a review, session 107)
+        del distill["importance_batches"]
+    if not distill["alpha"]:
+        del distill["temperature"], distill["chunk_tokens"]
     return {"model": model, "train": {"steps": 2, "distill": distill}}
 
 

@@ -471,6 +471,32 @@ def _rnn_blocked(cfg: Config, num_devices: int) -> str | None:
     return reason and f"here: {reason}"
 
 
+def _check_mesh_fields(cfg: Config) -> None:
+    """The mesh's fields as far as they do not depend on the device count: axis sizes, one
+    -1 at most, `mesh.rules`' names. A review (session 107): they came after the devices'
+    checks, so a process of a multi-process run waited for the others to join (or for
+    --init_timeout) before it named a misspelled rule."""
+    mesh = cfg.mesh
+    for name in MESH_AXES:
+        v = getattr(mesh, name)
+        if not isinstance(v, int) or v == 0 or v < -1:
+            _fail(f"mesh.{name}", v, "must be a positive axis size or -1 (fill the rest)")
+    filled = [a for a in MESH_AXES if getattr(mesh, a) == -1]
+    if len(filled) > 1:
+        _fail("mesh", {a: -1 for a in filled}, "at most one axis may be -1")
+    for logical, axes in mesh.rules.items():
+        if logical not in DEFAULT_RULES:
+            _fail(f"mesh.rules.{logical}", axes,
+                  f"unknown logical axis name; the models use {sorted(DEFAULT_RULES)}")
+        named = mesh.axes_in(axes or None)
+        for a in named:
+            if a not in MESH_AXES:
+                _fail(f"mesh.rules.{logical}", axes, f"{a!r} is not a mesh axis; use None "
+                      f"(replicated) or names from {list(MESH_AXES)}")
+        if len(set(named)) != len(named):
+            _fail(f"mesh.rules.{logical}", axes, "names a mesh axis twice")
+
+
 def check_master_weights(cfg: Config) -> None:
     """A new run's parameters are its master weights: float16 ones are refused by `validate`,
     bfloat16 ones here (review, session 107). bfloat16 keeps 8 significant bits, and optax
@@ -484,6 +510,18 @@ def check_master_weights(cfg: Config) -> None:
               "below ~2^-8 of a weight (a LayerNorm gain of 1.0 never moves at train.lr=1e-3, "
               "and AdamW's weight decay never changes a weight); keep "
               "model.param_dtype='float32' and set model.dtype='bfloat16'")
+
+
+def check_training(cfg: Config) -> None:
+    """What a run that trains is refused (new or resumed), though a reader of its config
+    takes it: quantized activations with `quant.act_scale='static'`, whose ranges only PTQ
+    calibrates (else the first step's trace failed, after the data and the model were built).
+    The Trainer calls it, and so does a process of a multi-process run before it joins."""
+    q = cfg.model.quant
+    if q.act_scale == "static" and q.activations in ("int8", "fp8"):
+        _fail("quant.act_scale", "static", "a training run has no calibrated activation ranges "
+              "(PTQ calibrates them: python -m hpnlp.compress quantize --act_scale static); "
+              "train with quant.act_scale='dynamic'")
 
 
 def check_new_run(cfg: Config) -> None:
@@ -515,13 +553,17 @@ def check_new_run(cfg: Config) -> None:
     if t.early_stopping_patience and t.eval_every:
         before = (t.steps - 1) // t.eval_every  # evals before the last step
         if before < t.early_stopping_patience + 1:
+            every = (t.steps - 1) // (t.early_stopping_patience + 1)
+            # a review (session 107): where even eval_every=1 is too few evals, "at most 1"
+            # was offered with eval_every=1 itself
+            fix = (f"set train.eval_every to at most {every}, or lower the patience" if every
+                   else (f"lower it to at most {before - 1}, " if before > 1 else "") +
+                   f"set it to 0 (no early stopping), or raise train.steps to at least "
+                   f"{(t.early_stopping_patience + 1) * t.eval_every + 1}")
             _fail("train.early_stopping_patience", t.early_stopping_patience,
                   f"stops after that many evals without improvement over a best, and "
                   f"train.eval_every={t.eval_every} evaluates {before} times before the last "
-                  f"step (train.steps={t.steps}), so it can never stop early; set "
-                  f"train.eval_every to at most "
-                  f"{max(1, (t.steps - 1) // (t.early_stopping_patience + 1))}, or lower the "
-                  "patience")
+                  f"step (train.steps={t.steps}), so it can never stop early; {fix}")
     from hpnlp.config.compress_checks import check_new_compress_run
     check_new_compress_run(cfg)
 
@@ -729,6 +771,10 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if blocker:
             _fail("rnn.impl", "fused", f"the fused kernel cannot run {blocker}; use "
                   "rnn.impl='auto' (the kernel where it applies) or 'scan'")
+        # a review (session 107): taken, and the kernel has no scan to unroll ('auto' picks
+        # per machine, so its unroll is read wherever the scan runs)
+        _refuse_unread("rnn", r, "it unrolls the XLA scan, and the fused kernel (rnn.impl="
+                       "'fused') runs none", "use rnn.impl='scan' (or 'auto')", names=("unroll",))
     if m.arch != "transformer" and m.kind == "lm" and r.bidirectional:
         _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
               "layers are for model.kind='classifier' or 'dual_encoder'")
@@ -859,8 +905,21 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                   f"'validation' holds out data.listops_num_eval={d.listops_num_eval} of the "
                   f"data.listops_num_train={d.listops_num_train} generated training examples; "
                   "raise data.listops_num_train above it")
-    from hpnlp.data.tokenizers import KINDS as tokenizer_kinds
+    from hpnlp.data.tokenizers import KINDS as tokenizer_kinds, SUBWORD
     _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
+    if d.task not in data_lib.LM_TASKS:  # a review (session 107): each taken, recorded in
+        # config.json and read by nothing (experiments/lm.py documents vocab_size as the
+        # size to change, and a byte LM without data.tokenizer=bpe trained on 256 byte ids)
+        _refuse_unread("data", d, f"it sizes an LM task's bpe/unigram tokenizer, and "
+                       f"data.task={d.task!r} has its own ids", "use data.task='byte_lm' (or "
+                       "'word_lm') with data.tokenizer='bpe'", names=("vocab_size",))
+    else:
+        from hpnlp.data.text_tasks import lm_tokenizer
+        kind = lm_tokenizer(d, d.task)
+        if kind not in SUBWORD:
+            _refuse_unread("data", d, f"it sizes a bpe/unigram tokenizer, and this run's ids "
+                           f"are {kind} (data.tokenizer={d.tokenizer!r}, data.task={d.task!r})",
+                           "set data.tokenizer='bpe' (or 'unigram')", names=("vocab_size",))
     # sinusoidal and rope positions have no table: rows longer than model.max_len train, and
     # only decoding (generate: length <= model.max_len, the cache's size) is bounded by it
     if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch == "transformer":
@@ -900,6 +959,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.vocab_size and m.vocab_size < info["vocab_size"]:
         _fail("model.vocab_size", m.vocab_size,
               f"data.task={d.task!r} has {info['vocab_size']} token ids; use 0 to take it from the task")
+    if m.kind == "bi_encoder" and m.num_classes not in (0, info.get("num_classes", 0)):
+        # a review (session 107): taken and recorded, and models/bi_encoder.py reads none (the
+        # task's count, which validate fills in and config.json keeps, is taken)
+        _fail("model.num_classes", m.num_classes, "model.kind='bi_encoder' scores pairs of "
+              "embeddings and has no classes, so nothing reads it; leave it at its default "
+              "(--config.model.num_classes=0)")
     if m.num_classes and m.num_classes < info.get("num_classes", 0):
         _fail("model.num_classes", m.num_classes,
               f"data.task={d.task!r} has {info['num_classes']} classes; use 0 to take it from the task")
@@ -944,6 +1009,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                   f"input embedding; set output.tie_embeddings=False, or use one of {tieable}")
 
     _check_moe(cfg)  # (before the devices': a process checks it before it joins the others)
+    _check_mesh_fields(cfg)  # (so are these)
 
     # Devices and batch.
     if not devices:
@@ -951,13 +1017,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     import jax
     n = jax.device_count() if num_devices is None else num_devices
     mesh = cfg.mesh
-    for name in MESH_AXES:
-        v = getattr(mesh, name)
-        if not isinstance(v, int) or v == 0 or v < -1:
-            _fail(f"mesh.{name}", v, "must be a positive axis size or -1 (fill the rest)")
     filled = [a for a in MESH_AXES if getattr(mesh, a) == -1]
-    if len(filled) > 1:
-        _fail("mesh", {a: -1 for a in filled}, "at most one axis may be -1")
     sizes = mesh.axis_sizes(n)
     if not mesh.fits(n):
         given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
@@ -972,17 +1032,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("mesh", given, f"the axis sizes multiply to {math.prod(fixed.values())}, not the "
               f"device count {n}; give sizes whose product is {n}, or set one axis to -1 to "
               "fill the rest" + simulate)
-    for logical, axes in mesh.rules.items():
-        if logical not in DEFAULT_RULES:
-            _fail(f"mesh.rules.{logical}", axes,
-                  f"unknown logical axis name; the models use {sorted(DEFAULT_RULES)}")
-        named = mesh.axes_in(axes or None)
-        for a in named:
-            if a not in MESH_AXES:
-                _fail(f"mesh.rules.{logical}", axes,
-                      f"{a!r} is not a mesh axis; use None (replicated) or names from {list(MESH_AXES)}")
-        if len(set(named)) != len(named):
-            _fail(f"mesh.rules.{logical}", axes, "names a mesh axis twice")
     # Every dimension the rules shard must split evenly over its mesh axes.
     dims = {"heads": {"model.num_heads": m.num_heads},
             "kv_heads": {"model.num_kv_heads": m.kv_heads()} if m.kv_heads() < m.num_heads else {},
@@ -1005,6 +1054,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                 _fail(f"mesh.rules.{logical}", mesh.rules.get(logical),
                       f"it splits {name}={dim} over {axes} = {split}, which does not divide it; "
                       "change the axis size or map the rule to None")
+    if sizes["sequence"] > 1 and m.arch != "transformer":  # a review (session 107): the ring
+        # advice below was refused for these archs' attention.name, and that refusal's fix
+        # brought this one back
+        _fail("mesh.sequence", sizes["sequence"], f"sequence parallelism splits each sequence "
+              f"over devices for ring attention (attention.name='ring'), which model.arch="
+              f"{m.arch!r} cannot use; set mesh.sequence=1")
     if sizes["sequence"] > 1 and cfg.attention.name != "ring":
         _fail("mesh.sequence", sizes["sequence"],
               "sequence parallelism splits every sequence over devices and needs "

@@ -259,6 +259,14 @@ def _check_lowrank(cfg: Config) -> None:
     if "output" in named and m.kind != "lm":
         _fail("model.lowrank.layers", lr.layers, f"'output' is an LM's output layer and "
               f"model.kind={m.kind!r} has none; drop 'output' (a classifier's is 'head')")
+    # the kinds this model has: quant's but an RNN's own (which model.lowrank does not
+    # factorize), and every model's embedding table
+    has = [k for k in quant_products(m) if k in LOWRANK_LAYERS] + ["embed"]
+    if lr.layers != "all" and not named & set(has):  # a review (session 107): 'head' on an
+        # LM or a bi-encoder trained dense, its config.json saying model.lowrank.rank
+        _fail("model.lowrank.layers", lr.layers, f"names no product of this {m.kind} "
+              f"({m.arch}), so nothing would be factorized (it has {', '.join(has)}); name "
+              "products it has (or 'all')")
 
     def vectors() -> bool:  # the output layer is one [V, E] matrix of vectors (asked late:
         from hpnlp import softmax  # output.name itself is checked after this)
@@ -372,6 +380,23 @@ def _check_compress(cfg: Config) -> None:
                 or dist.importance_batches < 1):
             _fail("train.distill.importance_batches", dist.importance_batches,
                   "must be a whole number of training batches >= 1")
+        # a review (session 107): each taken where compress/distill.py reads none
+        if dist.init not in ("importance", "pca"):
+            _refuse_unread("train.distill", dist, f"it sizes the teacher's unit ranking of "
+                           f"train.distill.init='importance' or 'pca', and "
+                           f"train.distill.init={dist.init!r} ranks none", "set "
+                           "train.distill.init='importance' (or 'pca')",
+                           names=("importance_batches",))
+        if not dist.alpha:  # the soft targets' loss is weighed by alpha (and not computed
+            # where nothing else needs the teacher's forward)
+            _refuse_unread("train.distill", dist, "it shapes the soft targets' loss, and "
+                           "train.distill.alpha=0 gives it no weight", "set train.distill.alpha "
+                           "> 0", names=("temperature", "chunk_tokens"))
+        elif m.kind != "lm":
+            _refuse_unread("train.distill", dist, f"it chunks an LM's soft targets over its "
+                           f"vocabulary, and a model.kind={m.kind!r} model's are its classes' "
+                           "(never chunked)", "distill an LM (model.kind='lm')",
+                           names=("chunk_tokens",))
         blocks = dist.matches_blocks()
         if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
             _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "

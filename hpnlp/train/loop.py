@@ -362,13 +362,13 @@ class Trainer:
         data_lib.check_prepared_of_run(cfg.data, workdir)
         self.cfg = cfg = validate(cfg, num_processes=jax.process_count(),
                                   num_devices=None if devices is None else len(devices))
-        q = cfg.model.quant
-        if not read_only and q.act_scale == "static" and q.activations in ("int8", "fp8"):
-            # else the first step's trace fails, after the data and the model are built
-            raise config_error("quant.act_scale", "static", "a training run has no calibrated "
-                               "activation ranges (PTQ calibrates them: python -m "
-                               "hpnlp.compress quantize --act_scale static); train with "
-                               "quant.act_scale='dynamic'")
+        from hpnlp.config.checks import check_new_run, check_training
+        if not read_only:
+            check_training(cfg)
+        # what a new run is refused that a saved one is not: here, before the workdir is held
+        # and the data built (a review, session 107: a subword tokenizer was trained first)
+        if not has_checkpoint(workdir):
+            check_new_run(cfg)
         self.workdir = workdir
         if not read_only:  # before anything is written there
             from hpnlp.paths import WorkdirBusy, held_by, hold_for_training
@@ -428,9 +428,6 @@ class Trainer:
         # init_from, and a source trained anew as another model was refused for good).
         saved = has_checkpoint(workdir)
         started = cfg.train.init_from and saved
-        if not saved:  # what a new run is refused that a saved one is not
-            from hpnlp.config.checks import check_new_run
-            check_new_run(cfg)
         if cfg.train.init_from and not started:
             from hpnlp.compress import gqa
             from hpnlp.train import transfer
