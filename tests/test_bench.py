@@ -2103,6 +2103,32 @@ def test_attention_fwd_bwd_times_a_whole_train_step(monkeypatch, impl):
     assert jax.tree.structure(grads[0]) == jax.tree.structure(seen["args"][0])  # the params'
 
 
+def test_torch_fwd_bwd_rows_return_fresh_gradients(monkeypatch):
+    """A review (session 107): PyTorch's rows called `.backward()`, which added each call's
+    gradients into the leaves' `.grad` (three more passes over [B, H, L, D] a call) where
+    `jax.value_and_grad` returns fresh ones; the softmax peer did the same for its hidden
+    states. Each timed call now returns its gradients and leaves `.grad` unset."""
+    torch = pytest.importorskip("torch")
+    from hpnlp.bench import softmax as bench_softmax
+    calls = []
+
+    def fake(torch_, device, call, **kw):
+        for _ in range(2):
+            calls.append(call())
+        return harness.Timing(1.0, 1.0, 1.0, 1, 0.0), None
+    monkeypatch.setattr(harness, "time_torch", fake)
+    bench_attention.measure(dict(impl="torch.scaled_dot_product_attention", L=8,
+                                 mode="fwd_bwd", causal=True, B=1, H=1, D=4, repeats=1))
+    (loss, (dq, dk, dv)), (loss2, (dq2, _, _)) = calls  # the value and fresh gradients
+    assert dq.shape == dk.shape == dv.shape == (1, 1, 8, 4) and float(loss) == float(loss2)
+    torch.testing.assert_close(dq, dq2)  # the second call's, not the sum of both
+    calls.clear()
+    bench_softmax.measure(dict(impl=bench_softmax.TORCH_ADAPTIVE, V=64, N=16, E=8, repeats=1,
+                               options={}))
+    (g1, g2) = calls
+    torch.testing.assert_close(g1[0], g2[0])  # h's gradient, not twice it
+
+
 def test_moe_layer_rows_time_a_whole_train_step():
     """A session-106 find: the gradients alone of sum(mlp(x) * r) let XLA drop the dense
     MLP's second forward product, the baseline of moe_layer_overhead_vs_dense_8k; the timed

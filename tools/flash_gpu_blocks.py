@@ -119,9 +119,8 @@ def main(argv=None) -> int:
                                       requires_grad=True) for _ in range(3))
             sdpa = torch.nn.functional.scaled_dot_product_attention
 
-            def step():
-                out = sdpa(tq, tk, tv)
-                out.sum().backward()
+            def step():  # fresh gradients, as jax's (`.backward()` added into .grad)
+                return torch.autograd.grad(sdpa(tq, tk, tv).sum(), (tq, tk, tv))
 
             t, _ = harness.time_torch(torch, dev, step, repeats=20, min_time_s=0.3)
             rows.append({"dtype": name, "what": "torch sdpa",

@@ -201,6 +201,16 @@ def _flops(L: int, causal: bool, *, B, H, D) -> float:
     return f / 2 if causal else f
 
 
+def torch_value_and_grads(torch, sdpa, q, k, v, r, causal: bool):
+    """PyTorch's forward+backward row: sum(sdpa(q, k, v) * r) and its gradients for q, k
+    and v, returned fresh as `jax.value_and_grad` returns them. A review (session 107):
+    `.backward()` added each call's gradients into the leaves' `.grad` (three more passes
+    over [B, H, L, D] a call, about 1% of the peer's time at L = 4096), work a train step
+    that sets its gradients to None first does not do."""
+    loss = (sdpa(q, k, v, is_causal=causal).float() * r).sum()
+    return loss, torch.autograd.grad(loss, (q, k, v))
+
+
 def measure(spec: dict) -> dict:
     """One (implementation, length, mode) configuration; runs in the calling process."""
     impl, L, mode, causal = spec["impl"], spec["L"], spec["mode"], spec["causal"]
@@ -225,7 +235,7 @@ def measure(spec: dict) -> dict:
             r = torch.randn(B, H, L, D, generator=g).to(device=device)  # as `_cotangent`
 
             def call():  # the value and its gradients, as `_step`
-                (sdpa(q, k, v, is_causal=causal).float() * r).sum().backward()
+                return torch_value_and_grads(torch, sdpa, q, k, v, r, causal)
         t, peak = harness.time_torch(torch, device, call, repeats=repeats, warmup=1, min_time_s=0.3)
         out["time"], out["torch_device"] = t.as_dict(), device
         if peak is not None:
