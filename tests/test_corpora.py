@@ -722,7 +722,12 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
         data.make_iterator(task, cfg, split="train", batch_size=4).set_state(old)
     # found by the crash hunt: a malformed position failed deep in numpy or grain
     for edit, match in (({"batch": -1}, "'batch' = -1 .* integer in"), ({"window": "a"}, "'window' = 'a'"),
-                        ({"reader": {"x": 1}}, "'reader' = .* not grain's reader state")):
+                        ({"reader": {"x": 1}}, "'reader' = .* not grain's reader state"),
+                        # a review (session 107): -1 was grain's bare IndexError, 2.5 a TypeError
+                        # in a prefetch thread, True a silent resume at document 1
+                        *(({"reader": {"next_index": v}}, f"'reader' = {{'next_index': {v}}} "
+                           "is not grain's") for v in (-1, 2.5, True)),
+                        ({"reader": [3]}, r"'reader' = \[3\] is not grain's")):
         with pytest.raises(ValueError, match=match):
             data.make_iterator(task, cfg, split="train", batch_size=4).set_state({**state, **edit})
     one = data.make_iterator(task, cfg, split="train", batch_size=4)
@@ -743,6 +748,9 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
     ends = [i for i in range(len(states) - 1) if states[i]["window"] != states[i + 1]["window"]]
     i = next((i for i in ends if rows[i] < 4), ends[0])
     again = data.make_iterator(task, cfg, split="eval", batch_size=4)
+    with pytest.raises(ValueError, match="'reader' = .* is not grain's"):  # a review (session 107):
+        again.set_state({**states[i], "reader": {"next_index": 10**6}})  # grain's IndexError
+    again = data.make_iterator(task, cfg, split="eval", batch_size=4)
     again.set_state(states[i])
     assert sum(1 for _ in again) == len(states) - 1 - i
     meta = task.meta["prepared_meta"]["splits"]["eval"]
@@ -754,6 +762,28 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
     assert list(again) == []
     assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(np.concatenate(
         [d[1:] for d in sharded.split_dataset(prepared, task.meta["prepared_meta"], "eval")])))
+
+
+def test_streamed_batches_resume_exactly_across_epoch_boundaries(tmp_path, monkeypatch):
+    """A review (session 107): the other streamed resumes stay in epoch 0. Five short documents
+    of unequal lengths, a shard each, a window a batch: a state whose window starts in
+    epoch 0 and reads into epoch 1, and states saved in epochs 3 and 5 (grain's reader past
+    the split's end, reshuffled each epoch) give the same batches again."""
+    monkeypatch.setattr(sharded, "WINDOW_BATCHES", 1)
+    train, ev = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
+    train.write_text("".join(json.dumps({"text": f"doc {i} " + "ab" * 3 * i}) + "\n"
+                             for i in range(5)))
+    ev.write_text(json.dumps({"text": "held out"}) + "\n")
+    out = str(tmp_path / "p")
+    assert prepare.main(["--input", str(train), "--eval_input", str(ev), "--out", out,
+                         "--shard_mb", "0", "--quiet"]) == 0
+    cfg = lm_cfg(prepared=out, seq_len=8)
+    task = data.make_task(cfg)
+    meta = task.meta["prepared_meta"]["splits"]["train"]
+    assert meta["documents"] == len(meta["shards"]) == 5
+    at = [_resumes_exactly(task, cfg, after=after, ahead=4)["reader"]["next_index"]
+          for after in (3, 9, 13)]
+    assert at[0] < 5 < 3 * 5 <= at[1] < at[2]  # the reader's position counts on over epochs
 
 
 def test_windows_of_one_token_documents_are_skipped_and_a_split_of_them_refused(

@@ -522,12 +522,22 @@ class ShardedIterator:
         if state.get("order") is None:  # saved before ORDER: resumed in its own order
             self._order = None
             self._reader = self._make_reader(None)
+        reader = state.get("reader")
+        at = reader.get("next_index") if isinstance(reader, dict) else None
+        # checked here as check_position does: grain took True as 1 (a silent resume at
+        # another document), 2.5 until a prefetch thread failed on it, and -1 (or one past an
+        # eval split's end) with a bare IndexError (a review, session 107)
+        ok = isinstance(at, (int, np.integer)) and not isinstance(at, bool) and at >= 0
         try:
-            self._reader.set_state(state.get("reader"))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise ValueError(f"iterator state field 'reader' = {state.get('reader')!r:.80} is not "
-                             "grain's reader state; pass a dict that get_state() returned, "
-                             "unedited") from None
+            if ok:
+                self._reader.set_state(reader)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            ok = False
+        if not ok:
+            raise ValueError(f"iterator state field 'reader' = {reader!r:.80} is not grain's "
+                             "reader state (a dict whose 'next_index' is an integer >= 0, a "
+                             "position in the split); pass a dict that get_state() returned, "
+                             "unedited")
         if not self._open_window(window):  # saved at the end of the eval pass
             check_position(state, "batch", 0, 0)
             self._done = True
