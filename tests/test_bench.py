@@ -203,6 +203,9 @@ def test_softmax_bench_compares_with_full_and_reports_missing_peer(tmp_path, mon
     for f in ("results.json", "results.md", "softmax_time.png", "softmax_memory.png"):
         assert os.path.getsize(os.path.join(out, f)) > 0, f
     assert "V = 512" in open(os.path.join(out, "results.md")).read()
+    # marked quick by the bench itself, outside the CLI's report.recorded (session 107: the
+    # colab's softmax.run(quick=True) wrote a report the README sync read as a full run's)
+    assert json.load(open(os.path.join(out, "results.json")))["quick"] is True
 
 
 @pytest.mark.parametrize("item, message", [
@@ -703,6 +706,56 @@ def test_cpu_detail_reads_the_first_processor_and_its_caches(tmp_path):
                     "L3 32 MiB")
 
 
+GRAVITON_CPUINFO = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes "
+                   "pmull sha1 sha2 crc32 atomics sve\nCPU implementer\t: 0x41\n"
+                   "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\n"
+                   "CPU revision\t: 1\n\nprocessor\t: 1\nCPU part\t: 0xd0c\n")
+
+
+def test_an_arm_cpu_is_named_and_macos_peak_rss_is_bytes(tmp_path, monkeypatch):
+    """Session 107: an aarch64 Linux header read "- machine:  (aarch64)" and "- CPU: ?" (its
+    /proc/cpuinfo has no model name, vendor or family, but an implementer and a part), the
+    targets table called it "? (AVX2 only)", and on macOS, where ru_maxrss is in bytes, every
+    peak RSS was 1024 times its size."""
+    import sys
+    import types
+    from hpnlp import kernels
+    from hpnlp.train import loop
+    (tmp_path / "cpuinfo").write_text(GRAVITON_CPUINFO)
+    d = harness.cpu_detail(str(tmp_path / "cpuinfo"), str(tmp_path / "no"))
+    assert d == {"implementer": "0x41", "part": "0xd40", "variant": "0x1", "revision": 1,
+                 "features": []}
+    monkeypatch.setattr(kernels, "cpu_info", lambda: kernels._read_cpuinfo(
+        str(tmp_path / "cpuinfo")))
+    monkeypatch.setattr(harness.platform, "processor", lambda: "")
+    monkeypatch.setattr(harness.platform, "machine", lambda: "aarch64")
+    info = harness.machine_info()
+    assert info["cpu"] == "aarch64" and info["cpu_detail"]["part"] == "0xd40"
+    line = report.header_md(info, {}).splitlines()[2]  # (then this machine's caches)
+    assert line.startswith("- CPU: aarch64; implementer 0x41, part 0xd40, variant 0x1, "
+                           "revision 1; ISA: none of the kernels' extensions")
+    tt, _ = _targets_table(tmp_path, monkeypatch)
+    assert tt.short_machine(info) == "aarch64 (implementer 0x41, part 0xd40)"
+    assert tt.machine(info) == "aarch64 (implementer 0x41, part 0xd40, variant 0x1, revision 1)"
+    x86 = {"cpu": "c", "machine": "x86_64", "cpu_detail": {"vendor": "GenuineIntel", "model": 85,
+                                                           "stepping": 7, "features": ["avx2"]}}
+    assert tt.short_machine(x86) == "Intel Xeon model 85, stepping 7 (AVX2 only)"
+    x86["cpu_detail"]["features"] = []
+    assert tt.short_machine(x86) == "Intel Xeon model 85, stepping 7 (x86_64)"
+    # macOS: no /proc/cpuinfo; sysctl names the CPU, and ru_maxrss counts bytes
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(kernels, "cpu_info", dict)
+    monkeypatch.setattr(harness.subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(
+        stdout="Apple M2\n" if cmd == ["sysctl", "-n", "machdep.cpu.brand_string"] else ""))
+    assert harness.cpu_model() == "Apple M2"
+    monkeypatch.setattr(harness.resource, "getrusage",
+                        lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**20))
+    assert harness.peak_rss_bytes() == 3 * 2**20
+    assert loop._peak_memory()["host_peak_rss_bytes"] == 3 * 2**20
+    monkeypatch.setattr(sys, "platform", "linux")  # KiB there
+    assert harness.peak_rss_bytes() == loop._peak_memory()["host_peak_rss_bytes"] == 3 * 2**30
+
+
 def test_quality_reports_write_the_header_that_names_the_cpu():
     """A bug hunt (session 102): softmax --quality and rnn --quality wrote a header of their
     own, "- machine: AMD EPYC, 2 cores", no CPU line; so did their recorded reports."""
@@ -771,7 +824,7 @@ def test_quant_report_is_dated_when_the_run_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "matmul_rate", lambda *a, **k: calls.append("work") or 1.0)
     monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: "none")
-    quant.run(str(tmp_path), quick=True, parts=())
+    assert quant.run(str(tmp_path), quick=True, parts=())["repeats"] == 3  # (session 107)
     assert calls == ["date", "work", "work"]
 
 
@@ -906,6 +959,21 @@ def test_a_part_left_out_has_no_targets_not_missed_ones():
     assert retrieval._targets({"seconds": {"knnlm": 1.0}, "knnlm": knn}) == {
         "knn_lm_ppl_reduction_bytes": report.target(0.1, 0.05, ">="),
         "knn_lm_ppl_reduction_words": report.target(None, 0.05, ">=")}
+
+
+def test_retrieval_approximate_targets_are_not_measured_without_the_exact_row():
+    """Session 107: where the exact row at the largest n was missing (failed, or skipped for
+    memory) but ivf rows ran, both approximate-search targets read "measured 0.000"."""
+    from hpnlp.bench import retrieval
+    ivf = [{"n": 1000, "index": "ivf", "qps": 500.0, "recall": 0.95}]
+    exact = {"n": 1000, "index": "exact", "qps": 400.0, "gflops": 8.0, "matmul_gflops": 10.0}
+    names = ("approx_recall_at_5x_qps", "approx_qps_vs_exact_at_0.9_recall")
+    for rows in (ivf, [{**exact, "missing": "skipped: too big"}, *ivf]):
+        t = retrieval._targets({"seconds": {"search": 1.0}, "search": rows})
+        assert [t[k]["value"] for k in (*names, "exact_search_matmul_fraction")] == [None] * 3
+    # measured, and none fast enough: 0, as before
+    t = retrieval._targets({"seconds": {"search": 1.0}, "search": [exact, *ivf]})
+    assert [t[k]["value"] for k in names] == [0.0, pytest.approx(1.25)]
 
 
 def test_speculative_bench_table_from_a_payload():
@@ -1564,6 +1632,57 @@ def test_a_run_of_fewer_rows_steps_or_seconds_than_the_report_in_out_is_refused(
     monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
     with pytest.raises(SystemExit, match=r"a run of a part of the rows \(`subset`: "):
         sync_readme.check_whole("results.md")
+
+
+def test_a_quant_run_of_fewer_repeats_than_the_report_in_out_is_refused(
+        tmp_path, capsys, monkeypatch):
+    """A review (session 107): `quant --repeats 1` replaced the recorded report, its LM rows and the
+    targets read from them one call over one call, unmarked."""
+    import argparse
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import quant
+    monkeypatch.setattr(quant, "main", lambda args: pytest.fail("ran; not refused"))
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: quant\n\n...")
+    for held, repeats in (({"repeats": 7}, 1), ({"repeats": 9}, 8), ({}, 6)):  # ({}: older)
+        (tmp_path / "results.json").write_text(json.dumps({"quick": False, **held}))
+        with pytest.raises(SystemExit) as e:
+            bench_main.main(["quant", "--repeats", str(repeats), "--out", str(tmp_path)])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            f"--out {tmp_path} holds a full run's report of the quant bench, which this "
+            f"--repeats {repeats} run would replace; give another --out")
+    args = argparse.Namespace(entry="quant", out=str(tmp_path), profile=None, quick=False,
+                              repeats=None, parts=list(quant.PARTS), workdir=None)
+    for repeats in (None, 7, 20):  # the default, as many or more
+        bench_main.check_args(argparse.Namespace(**{**vars(args), "repeats": repeats}))
+    (tmp_path / "results.json").write_text(json.dumps({"quick": False, "repeats": 3}))
+    bench_main.check_args(argparse.Namespace(**{**vars(args), "repeats": 3}))
+
+
+def test_every_bench_run_records_whether_it_was_quick():
+    """Session 107: half the benches marked `quick` only through the CLI's report.recorded,
+    so a `run(quick=True)` from Python (the colab's softmax.run) wrote a report the README
+    sync and the --out guard took for a full run's. Each `run` must say it itself: a
+    payload["quick"] = ..., a {"quick": ...} payload or report.targets_unless_quick."""
+    import ast
+    import inspect
+    import textwrap
+    from hpnlp.bench import __main__ as bench_main
+
+    def records_quick(node) -> bool:
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            return isinstance(node.slice, ast.Constant) and node.slice.value == "quick"
+        if isinstance(node, ast.Dict):
+            return any(isinstance(k, ast.Constant) and k.value == "quick" for k in node.keys)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            return node.func.attr == "targets_unless_quick"
+        return False
+    missing = []
+    for name, mod in bench_main.ENTRIES.items():
+        tree = ast.parse(textwrap.dedent(inspect.getsource(mod.run)))
+        if not any(records_quick(node) for node in ast.walk(tree)):
+            missing.append(name)
+    assert missing == []
 
 
 def test_train_speculative_or_attention_runs_of_fewer_rows_are_refused_and_marked(

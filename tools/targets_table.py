@@ -24,7 +24,7 @@ import os
 from sync_readme import write_or_check
 
 from hpnlp.bench import report
-from hpnlp.bench.harness import PARTIAL
+from hpnlp.bench.harness import CPU_IDS, PARTIAL
 from hpnlp.bench.report import TARGET_OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,18 +37,21 @@ AMD_CORES = {(25, 1): "Zen 3", (25, 17): "Zen 4", (26, 2): "Zen 5"}
 
 def machine(info: dict) -> str:
     """The machine a record names: its accelerator, or its CPU with family, model and
-    stepping and whether the kernels had AVX-512 there."""
+    stepping (an Arm CPU's implementer, part, variant and revision) and whether the kernels
+    had AVX-512 there."""
     if info.get("backend", "cpu") != "cpu":
         return (info.get("devices") or ["?"])[0]
     d = info.get("cpu_detail") or {}
-    ident = ", ".join(f"{k} {d[k]}" for k in ("family", "model", "stepping") if k in d)
+    ident = ", ".join(f"{k} {d[k]}" for k in CPU_IDS if k in d)
     isa = "AVX-512" if "avx512f" in d.get("features", []) else "AVX2" if "avx2" in d.get("features", []) else ""
     return " ".join(x for x in (info.get("cpu") or "?", f"({ident})" if ident else "", isa) if x)
 
 
 def short_machine(info: dict) -> str:
     """The machine in a few words: an EPYC by its core generation, a Xeon by model and
-    stepping, "AVX2 only" where the kernels had no AVX-512."""
+    stepping, an Arm CPU by implementer and part; "AVX2 only" where the kernels had AVX2 but
+    no AVX-512, the architecture where they had neither (session 107: an aarch64 record read
+    "? (AVX2 only)")."""
     if info.get("backend", "cpu") != "cpu":
         return (info.get("devices") or ["?"])[0]
     d = info.get("cpu_detail") or {}
@@ -58,8 +61,14 @@ def short_machine(info: dict) -> str:
     elif d.get("vendor") == "GenuineIntel":
         name = f"Intel Xeon model {model}, stepping {stepping}"
     else:
-        name = info.get("cpu") or "?"
-    return name + ("" if "avx512f" in d.get("features", []) else " (AVX2 only)")
+        arm = ", ".join(f"{k} {d[k]}" for k in ("implementer", "part") if k in d)
+        name = (info.get("cpu") or "?") + (f" ({arm})" if arm else "")
+    features, arch = d.get("features", []), info.get("machine")
+    if "avx512f" in features:
+        return name
+    if "avx2" in features:
+        return name + " (AVX2 only)"
+    return name + (f" ({arch})" if arch and arch not in name else "")
 
 
 def number(v) -> str:

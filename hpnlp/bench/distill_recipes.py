@@ -422,6 +422,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
                    "structured_check": structured,
                    "seconds": time.perf_counter() - t0,
                    "reused_runs": compress.reused_since(before)}
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "distill_recipes", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -288,6 +288,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
         harness.run_parts(payload, {"decode": lambda: decode_rows(s),
                                     "quality": lambda: quality_rows(s, workdir or tmp)}, parts)
     payload["reused_runs"] = len(compress.REUSED) - reused
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "gqa", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

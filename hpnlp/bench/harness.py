@@ -152,8 +152,10 @@ def executable_memory(compiled) -> dict:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident memory of this process so far (Linux reports KiB, macOS bytes: a review,
+    session 107: every macOS "peak RSS MiB" cell read 1024 times its size)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
+        1 if sys.platform == "darwin" else 1024)
 
 
 def positive_ints(example: str) -> Callable[[str], list[int]]:
@@ -335,18 +337,27 @@ def _cache_bytes(size: str) -> int:
     return int(size[:-1] if scale > 1 else size) * scale
 
 
+# cpu_detail's names of the /proc/cpuinfo fields that tell one CPU model from another: x86's,
+# then Arm's, which has no vendor, family or model line (session 107: an aarch64 header read
+# "- CPU: ?"); `CPU_IDS` are those after the vendor, in the order a report names them
+CPU_FIELDS = {"vendor_id": "vendor", "cpu family": "family", "model": "model",
+              "stepping": "stepping", "CPU implementer": "implementer", "CPU part": "part",
+              "CPU variant": "variant", "CPU revision": "revision"}
+CPU_IDS = tuple(name for name in CPU_FIELDS.values() if name != "vendor")
+
+
 def cpu_detail(cpuinfo: str | None = None,
                cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
     """The first CPU's identity, the `KERNEL_ISA` extensions it has and its cache sizes:
-    {"vendor", "family", "model", "stepping", "features": sorted list, "cache_bytes":
-    {"l1d", "l2", "l3"}}. The model name alone cannot tell a VM's Xeon generations apart
-    ("Intel(R) Xeon(R) Processor"). Fails soft: what a file does not say is left out.
+    {"vendor", "family", "model", "stepping" (x86), "implementer", "part", "variant",
+    "revision" (Arm), "features": sorted list, "cache_bytes": {"l1d", "l2", "l3"}}. The
+    model name alone cannot tell a VM's Xeon generations apart ("Intel(R) Xeon(R)
+    Processor"), and an Arm CPU has none. Fails soft: what a file does not say is left out.
     `cpuinfo` is read as the kernels read /proc/cpuinfo, the default (`kernels.cpu_info`)."""
     from hpnlp import kernels  # one parser of cpuinfo's first block (a bug hunt, session 102)
     out: dict = {}
     fields = kernels.cpu_info() if cpuinfo is None else kernels._read_cpuinfo(cpuinfo)
-    for key, name in (("vendor_id", "vendor"), ("cpu family", "family"), ("model", "model"),
-                      ("stepping", "stepping")):
+    for key, name in CPU_FIELDS.items():
         if key in fields:
             out[name] = int(fields[key]) if fields[key].isdigit() else fields[key]
     flags = fields.get("flags", fields.get("Features"))
@@ -397,15 +408,22 @@ def kernel_info() -> dict:
             "bf16_products": flash_cpu.bf16_products()}
 
 
+def cpu_model() -> str:
+    """The CPU's name: /proc/cpuinfo's model name; on macOS, sysctl's brand string ("Apple
+    M2"); else the architecture (an Arm Linux has no model name: `cpu_detail` then names its
+    implementer and part)."""
+    from hpnlp import kernels
+    name = kernels.cpu_info().get("model name")
+    if not name and sys.platform == "darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            name = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+    return name or platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     from hpnlp import kernels
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": platform.machine(),

@@ -123,6 +123,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
         harness.run_parts(payload, {"decode": lambda: gqa.decode_rows(s, s["decode_variants"]),
                                     "quality": lambda: quality_rows(s, workdir or tmp)}, parts)
     payload["reused_runs"] = len(compress.REUSED) - reused
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "kv_cache", payload, _markdown(payload))
     return payload
 

@@ -395,6 +395,7 @@ def run(out_dir: str, *, quick: bool, devices: int = 8, model: dict | None = Non
             tail = err.read().strip().splitlines()[-5:]
             raise RuntimeError(f"memory bench child failed (exit {proc.returncode}): " + " | ".join(tail))
     payload = dict(benchmark="memory", machine=info, model=model, devices=devices, results=results)
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     payload["summary"] = _summarize(results)
     os.makedirs(out_dir, exist_ok=True)
     _plot(payload, os.path.join(out_dir, "memory_by_mode.png"))

@@ -369,6 +369,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
         harness.run_parts(payload, {"prune": lambda: prune_rows(s, wd),
                                     "upcycle": lambda: upcycle_rows(s, wd)}, parts)
     payload["reused_runs"] = compress.reused_since(before)
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "moe_convert", payload, _markdown(payload))
     return payload
 

@@ -157,6 +157,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
                    "seconds": {"all": time.perf_counter() - t0},
                    "reused_runs": compress.reused_since(before)}
         payload["movement_minus_magnitude"] = {str(k): v for k, v in margins(payload).items()}
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "prune_transfer", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -342,6 +342,17 @@ def _markdown(p: dict) -> str:
 
 
 PARTS = ("linear", "lm", "quality")
+REPEATS = 7  # a full run's timing repeats per row
+
+
+def less_than(args, held: dict) -> list[str]:
+    """The flags that make this run less than the report `held` in --out (`python -m
+    hpnlp.bench` then refuses it, as it does --quick): --repeats fewer than it timed (its
+    `repeats`; `REPEATS` for a report older than that record). A review (session 107): `--repeats 1`
+    replaced the recorded report, its LM rows and their targets one call over one call."""
+    had = held.get("repeats")
+    had = had if isinstance(had, int) and not isinstance(had, bool) else REPEATS
+    return [f"--repeats {args.repeats}"] if args.repeats and args.repeats < had else []
 
 
 def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
@@ -356,7 +367,7 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
     # again, a fixed cost that hides what the products themselves take.
     reuse = kernel_build.reuse_freed_memory()
     s = SIZES["quick" if quick else "full"]
-    repeats = repeats or (3 if quick else 7)
+    repeats = repeats or (3 if quick else REPEATS)
     rate = harness.matmul_rate(jnp.float32, n=256 if quick else 2048)
     linear = linear_rows(s["M"], s["K"], s["N"], group=s["group"], repeats=repeats,
                          rate=rate) if "linear" in parts else []
@@ -365,7 +376,7 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
     if "quality" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             quality = quality_rows(s, workdir or tmp)
-    payload = {"sizes": s, "machine": info, "f32_rate": rate,
+    payload = {"sizes": s, "repeats": repeats, "machine": info, "f32_rate": rate,
                "malloc": "freed buffers reused (hpnlp.kernels.reuse_freed_memory)" if reuse
                else "the C library's default",
                "kernel_layout": kernels.layout() if kernels.available() else kernels.unavailable_reason(),
@@ -379,7 +390,7 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=harness.positive_number(int), default=None,
-                   help="timing repeats per row (default 7, 3 with --quick)")
+                   help=f"timing repeats per row (default {REPEATS}, 3 with --quick)")
     p.add_argument("--parts", type=harness.names_from(PARTS), default=list(PARTS),
                    help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--workdir", default=None, help="keep the quality runs' workdirs here")

@@ -12,7 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from hpnlp.bench.harness import fit_exponent  # noqa: E402
+from hpnlp.bench.harness import CPU_IDS, fit_exponent  # noqa: E402
 
 
 def _bytes_short(n: int) -> str:
@@ -23,14 +23,15 @@ def _bytes_short(n: int) -> str:
 
 
 def cpu_md(info: dict) -> str | None:
-    """The CPU line: model name, vendor, family/model/stepping, the kernels' ISA
-    extensions and the cache sizes (`harness.cpu_detail`), so a reader can tell one Xeon
-    generation, or an EPYC, from another. None for results recorded without `cpu_detail`."""
+    """The CPU line: model name, vendor, family/model/stepping (an Arm CPU's implementer,
+    part, variant and revision), the kernels' ISA extensions and the cache sizes
+    (`harness.cpu_detail`), so a reader can tell one Xeon generation, or an EPYC, from
+    another. None for results recorded without `cpu_detail`."""
     d = info.get("cpu_detail")
     if not d:
         return None
     parts = [info.get("cpu") or "?"]
-    ident = ", ".join(f"{k} {d[k]}" for k in ("family", "model", "stepping") if k in d)
+    ident = ", ".join(f"{k} {d[k]}" for k in CPU_IDS if k in d)
     parts.append(" ".join(x for x in (d.get("vendor"), ident) if x))
     if "features" in d:
         parts.append("ISA: " + (", ".join(d["features"]) or "none of the kernels' extensions"))

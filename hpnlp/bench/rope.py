@@ -182,6 +182,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, parts=PARTS) -
             payload["quality"] = quality_rows(s, workdir or tmp)
             payload["seconds"]["quality"] = time.perf_counter() - t0
     payload["reused_runs"] = len(compress.REUSED) - reused
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "rope", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -252,6 +252,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
                "shape": {"N": N, "E": E}, "isolated": isolate, "interrupted": interrupted,
                "results": results}
     out_dir = harness.report_dir(out_dir, interrupted)
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     payload["summary"] = _summarize(payload, out_dir)
     report.write(out_dir, "softmax", payload, _markdown(payload))
     return payload

@@ -245,6 +245,7 @@ def run(out_dir: str, *, quick: bool, only: tuple[str, ...] | None = None) -> di
         payload["rows"] += product_rows(name, K, N, T, pattern, q, s, torch, seed=i)
     payload["seconds"]["products"] = time.perf_counter() - t0
     payload["block"] = block_rows(payload["rows"])
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     payload["breakeven"] = breakeven(payload["block"])
     report.write(out_dir, "sparse", payload, _markdown(payload))
     _plot(payload, out_dir)

@@ -264,6 +264,7 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None,
         t0 = time.perf_counter()
         payload["rows"] = decode_rows(s, models)
         payload["seconds"]["decode"] = time.perf_counter() - t0
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     report.write(out_dir, "speculative", payload, _markdown(payload))
     _plot(payload, out_dir)
     return payload

@@ -201,6 +201,7 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None,
     if variants and set(attention_lib.names()) - {"dense", *variants}:  # a part of the table,
         # not the README's (a bug hunt, session 103: `--variants dense` wrote it, marked full)
         payload["subset"] = {"variants": variants}
+    payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     payload["summary"] = _summarize(payload)
     out_dir = harness.report_dir(out_dir, interrupted)
     _plot(payload, out_dir)

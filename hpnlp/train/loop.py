@@ -186,7 +186,8 @@ def _rebox(boxed, values):
 
 
 def _peak_memory() -> dict:
-    out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, but
+           * (1 if sys.platform == "darwin" else 1024)}  # bytes on macOS (session 107)
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
