@@ -346,6 +346,12 @@ def test_task_fields_are_filled_in():
     ({"model": {"num_kv_heads": 1}, "train": {"prune": {"method": "magnitude", "sparsity": 0.5,
                                                        "structure": "structured"}}},
      "train.prune.structure", "train.prune.layers='mlp'"),
+    # a review (session 107): Transformer-XL's attention is no declared product, so it stayed
+    # dense (summary.json saying the target), and 'qkv,out' alone failed at init
+    *[({"model": {"arch": "transformer_xl"}, "data": {"batching": "stream"},
+        "train": {"prune": {"method": "magnitude", "sparsity": 0.75, **layers}}},
+       "train.prune.layers", "not prunable yet, so they would stay dense; set "
+       "train.prune.layers='mlp'") for layers in ({}, {"layers": "qkv,out"}, {"layers": "all"})],
     ({"model": {"reversible": True, "remat": "full"}}, "model.remat", "model.reversible=True"),
     ({"model": {"pos_emb": "alibi"}}, "model.pos_emb", "'rope'"),
     ({"model": {"pos_emb": "rope", "arch": "transformer_xl"}}, "model.pos_emb",
@@ -418,6 +424,9 @@ def test_task_fields_are_filled_in():
      "train.distill.chunk_tokens", "(never chunked), so nothing reads it"),
     ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "hidden": 1.0, "temperature": 4.0}}},
      "train.distill.temperature", "alpha=0 gives it no weight, so nothing reads it"),
+    # a review (session 107): read, converted or factorized, then replaced by the teacher's
+    ({"train": {"init_from": "/r", "distill": {"teacher": "/t", "init": "every_other"}}},
+     "train.init_from", "drop train.init_from, or set train.distill.init='none'"),
 ])
 def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     t0 = time.perf_counter()
@@ -1010,6 +1019,28 @@ def test_clustered_in_float16_is_refused_for_a_new_run():
     for dtype in ("bfloat16", "float32"):
         check_new_run(base(model={"dtype": dtype}, attention={"name": "clustered"}))
     check_new_run(base(model={"dtype": "float16"}))
+
+
+def test_an_eval_file_that_is_the_train_file_is_refused_for_a_new_run(tmp_path):
+    """A review (session 107): data.eval_path equal to data.train_path was taken, every eval
+    document one trained on (and a kNN-LM of the run found each held-out target's own entry
+    at distance 0). A new run is refused, by the file's name, another name of it, or a name
+    of a file not there yet; a saved one still validates (`knnlm.run` refuses it there)."""
+    from hpnlp.config.checks import check_new_run
+    (tmp_path / "t.txt").write_text("text\n")
+    (tmp_path / "e.txt").write_text("text\n")  # the same text, another file: held out
+    os.symlink(tmp_path / "t.txt", tmp_path / "same.txt")
+    t = str(tmp_path / "t.txt")
+    for train, held in ((t, t), (t, str(tmp_path / "same.txt")), (t, str(tmp_path / ".." /
+                        tmp_path.name / "t.txt")), ("missing.txt", os.path.abspath("missing.txt"))):
+        cfg = base(data={"train_path": train, "eval_path": held})
+        validate(cfg)
+        with pytest.raises(ConfigError, match=r"^config field `data.eval_path` = .* names "
+                           r"data.train_path's file, .*held out: give another file, or drop "
+                           r"data.eval_path \(the end of the train file is then held out\)$"):
+            check_new_run(cfg)
+    for held in (str(tmp_path / "e.txt"), ""):
+        check_new_run(base(data={"train_path": t, "eval_path": held}))
 
 
 def test_bfloat16_master_weights_are_refused_for_a_new_run():

@@ -179,6 +179,14 @@ def configs(draw) -> dict:
                       "every": 1, "layers": draw(st.sampled_from(["qkv,out,mlp,input,recurrent", "all"]))}
     if train["prune"]["schedule"] != "cubic":  # only cubic reads it (refused as ignored)
         del train["prune"]["every"]
+    if arch == "transformer_xl":  # its attention is not prunable (refused, session 107)
+        train["prune"]["layers"] = "mlp"
+    if nm == "structured" and mesh.get("tensor") and arch == "transformer":
+        # the shrunk model's heads and neurons must split over mesh.tensor (refused up front,
+        # session 107): half of the 32 neurons, and of 4 heads (1 of 2 would not split)
+        train["prune"]["sparsity"] = 0.5
+        if heads == 2:
+            train["prune"]["layers"] = "mlp"
     experts = draw(st.sampled_from([0, 0, 2, 4]))
     router = draw(st.sampled_from(["switch", "top_k", "expert_choice"]))
     top_k = 1 if router == "switch" else 2 if router == "top_k" else draw(st.sampled_from([1, 2]))

@@ -703,6 +703,29 @@ def test_cutting_experts_ranks_them_as_the_source_evaluates():
     np.testing.assert_allclose(got[("trunk", "block_1", "moe")][0], w.sum((0, 1)), rtol=1e-5)
 
 
+def test_cutting_experts_of_a_random_feature_run_routes_under_its_trained_draw(tmp_path):
+    """A review (session 107): the expert calibration of a Performer `train.init_from` run
+    routed under its seed's projection, not the draw it trained with (its saved rng and
+    step), so experts were ranked by another function's routes (as the key/value fits were,
+    `gqa.calibrated_from`). `usage` (and the merge plan, which calls it) read it."""
+    from hpnlp.compress import experts
+    from test_compress_sparse import _distill_batch, _teacher_workdir, tiny
+    cd = tiny("lm")
+    cd.model.depth = 2
+    cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
+    cd.attention.update(name="performer", options={"num_features": 8})
+    cd.train.feature_redraw_every = 1
+    _, model, state = _teacher_workdir(tmp_path, cd, step=3)
+    batch = _distill_batch("lm", np.random.default_rng(5))
+    got = experts._with_trained_draw(experts.usage, str(tmp_path))(model, state.params, [batch])
+    want, seed = (experts.usage(model, state.params, [batch], rngs)
+                  for rngs in ({"features": state.features_key(1)}, None))
+    for path in want:
+        chex.assert_trees_all_close(got[path], want[path], rtol=1e-6, atol=1e-6)
+    last = max(want)  # the last MoE layer reads a Performer's output
+    assert not np.allclose(got[last][1], seed[last][1], rtol=1e-4)
+
+
 def test_moe_statistics_summary():
     from hpnlp.moe import summarize
     sums = {"moe_tokens": 10.0, "moe_entropy": 5.0, "moe_assigned": 20.0, "moe_dropped": 2.0,

@@ -7,7 +7,8 @@ The teacher is any hpnlp run of the same task and vocabulary (its `config.json` 
 checkpoint). Its parameters are the `teacher` carry of the student's train state
 (hpnlp.train.carry): restored once at a fresh start, sharded like the student's by their
 logical axis names, never updated, and saved in the student's checkpoints so a resumed run
-continues exactly (the teacher's workdir may change meanwhile).
+continues exactly (the teacher's workdir may change meanwhile); a teacher of random-feature
+attention (Performer, LSH) runs under the draw it trained with, held beside them.
 
 The loss per token (LM) or example (classifier, dual encoder), Hinton et al. 2015:
 
@@ -104,11 +105,17 @@ def _output_log_prob(module, hidden):
 
 
 def _lm_hidden_and_hard(module, batch):
-    """(hard-label sums like TransformerLM.__call__, hidden [B, L, E])."""
+    """(hard-label sums like the LM's `__call__`, hidden [B, L, E]). A Transformer-XL
+    student (pack or pad batches: a fresh memory each batch, as its `__call__`) returns
+    (hidden, new memory) from `hidden` (a review, session 107: the tuple reached the output
+    layer and the first step's trace failed); its loss masks as `loss_and_memory` does."""
     mask_BL = batch["segment_ids"] > 0
     h_BLE = module.hidden(batch)
-    loss_BL = module.output.loss(h_BLE, batch["targets"], mask_BL, deterministic=module.deterministic)
-    return {"loss": jnp.sum(loss_BL, dtype=jnp.float32),
+    if isinstance(h_BLE, tuple):
+        h_BLE = h_BLE[0]
+    loss_BL = module.output.loss(h_BLE, batch["targets"], mask_BL,
+                                 deterministic=module.deterministic)
+    return {"loss": jnp.sum(jnp.where(mask_BL, loss_BL, 0.0), dtype=jnp.float32),
             "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, h_BLE
 
 
@@ -189,15 +196,17 @@ def _importance_capture(module, method_name: str) -> bool:
     return method_name == "__call__" and module.name in IMPORTANCE_MODULES
 
 
-def unit_importance(module_def, variables, batches, method, *, microbatches: int = 1) -> dict:
+def unit_importance(module_def, variables, batches, method, *, microbatches: int = 1,
+                    rngs=None) -> dict:
     """{"embed": [E], "block_i/heads": [H], "block_i/mlp": [F]}: each unit's
     importance (module doc; squared, so ranking it ranks the L2 norm) summed over `batches`,
     from the activations one apply per batch captures (`method`: the model's trunk output),
     `microbatches` rows at a time as the train step splits them (train.grad_accum).
-    Replicated on every device (under a mesh), so every process reads the same ranking."""
+    Replicated on every device (under a mesh), so every process reads the same ranking.
+    `rngs`: the apply's (`TeacherCarry.variables`: a random-feature teacher's trained draw)."""
     def micro(variables, batch):
         _, state = module_def.apply(variables, batch, method=method, mutable=["intermediates"],
-                                    capture_intermediates=_importance_capture)
+                                    capture_intermediates=_importance_capture, rngs=rngs)
         w_BL = token_weights(batch)
         per_token = w_BL / jnp.maximum(w_BL.sum(1, keepdims=True), 1.0)
 
@@ -306,6 +315,48 @@ def hidden_loss(student_blocks, teacher_blocks, token_weight, proj=None):
 TEACHER_CONFIG = "teacher_config.json"  # in a student's workdir: its teacher's config.json
 
 
+def trained_features_key(workdir: str, redraw_every: int, *, field: str):
+    """The key of the `features` draw the newest checkpoint in `workdir` trained with
+    (`TrainState.features_key` of its saved rng and step; `redraw_every`: that run's
+    train.feature_redraw_every), read without the rest of its state; `field` names
+    `workdir` in an error."""
+    import orbax.checkpoint as ocp
+
+    from hpnlp.train.checkpoint import _newest, _quiet_aborted_reads, _unreadable
+    from hpnlp.train.state import TrainState
+    manager, step = _newest(workdir)
+    data = jax.random.key_data(jax.random.key(0))
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # replicated in the run
+    item = {"rng": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=one),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=one)}
+    _quiet_aborted_reads()
+    try:
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)))["state"]
+    except Exception as e:  # noqa: BLE001 (whatever orbax raises: the step cannot be read)
+        raise _unreadable(os.path.join(manager.directory, str(step)), e,
+                          f"move it aside to read the step before it ({field}={workdir})") from e
+    finally:
+        manager.close()
+    state = TrainState(step=jnp.asarray(out["step"]), params=None, opt_state=None,
+                       rng=jnp.asarray(out["rng"]))
+    return state.features_key(redraw_every)
+
+
+def trained_rngs(cfg: Config, workdir: str, *, field: str) -> dict:
+    """A pass's rngs for `cfg`'s model with the parameters of the run in `workdir`:
+    {"features": the draw that run trained with} where the model reads that stream
+    (hpnlp.retrieval.knnlm.reads_features: without it, a pass falls back to its seed's
+    draw, which the parameters never trained with), else {} (its checkpoint is not opened)."""
+    from hpnlp.retrieval.knnlm import reads_features
+    if not reads_features(cfg):
+        return {}
+    from hpnlp.train.checkpoint import load_run_config
+    redraw = load_run_config(workdir, field=field).train.feature_redraw_every
+    return {"features": trained_features_key(workdir, redraw, field=field)}
+
+
 def counts_shape_output(cfg: Config) -> bool:
     """Whether `cfg`'s LM output layer is laid out by its task's token counts (a Huffman
     tree, frequency classes or ranks, adaptive clusters): one that takes `counts`, but the
@@ -368,7 +419,13 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
 
 
 class TeacherCarry(Carry):
-    """The `teacher` entry of the train state: the teacher's parameters (module doc)."""
+    """The `teacher` entry of the train state: the teacher's parameters (module doc); for a
+    teacher whose attention draws random features from the run's `features` stream
+    (hpnlp.retrieval.knnlm.reads_features: Performer, LSH), {"params": them, "features": the
+    key data of the draw it trained with}, read from its checkpoint at the start, so that
+    every teacher pass runs the function whose loss the teacher's run reported, and a resume
+    has it without the teacher's folder (a review, session 107: passes ran its seed's draw).
+    Other teachers keep the parameters alone, so runs saved before keep their layout."""
 
     name = "teacher"
 
@@ -576,6 +633,15 @@ class TeacherCarry(Carry):
                                        f"embeddings and output layer, so {f} must be the "
                                        f"teacher's ({theirs!r}); this run has {mine!r}")
         self.teacher = models.build(tcfg, deterministic=True, token_counts=token_counts)
+        self._token_counts = token_counts
+        from hpnlp.retrieval.knnlm import reads_features
+        self.draws = reads_features(tcfg)
+
+    def variables(self, value):
+        """(the teacher's parameters, the rngs of its passes) of the carry's `value`."""
+        if not self.draws:
+            return value, {}
+        return value["params"], {"features": jax.random.wrap_key_data(value["features"])}
 
     def init(self, model, params, batch, batch_size: int):
         """Zeros in the teacher's parameters' shapes and logical axes (so shardings), as its
@@ -589,13 +655,24 @@ class TeacherCarry(Carry):
                 from hpnlp.compress import lowrank
                 value = lowrank.init_transform(self.teacher_cfg, self.teacher, batch)(value)
             return value
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw, batch))
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(draw, batch))
+        if not self.draws:
+            return zeros
+        return {"params": zeros, "features": jnp.zeros_like(jax.random.key_data(
+            jax.random.key(0)))}
 
     def start(self, value, params):
-        """The teacher's trained parameters, restored into `value`'s shapes and shardings."""
+        """The teacher's trained parameters, restored into `value`'s shapes and shardings
+        (and the key data of the random-feature draw they trained with: `variables`)."""
         del params
         from hpnlp.train.checkpoint import restore_params
-        return restore_params(self.workdir, value, field="train.distill.teacher")
+        field = "train.distill.teacher"
+        if not self.draws:
+            return restore_params(self.workdir, value, field=field)
+        key = trained_features_key(self.workdir, self.teacher_cfg.train.feature_redraw_every,
+                                   field=field)
+        return {"params": restore_params(self.workdir, value["params"], field=field),
+                "features": jax.random.key_data(key)}
 
     def trainable(self, model, params, batch, key):
         """The hidden-state projection [student width, teacher width] (TinyBERT's W_h, one for
@@ -618,6 +695,7 @@ class TeacherCarry(Carry):
         import flax.traverse_util as traverse
         src = init_map(self.cfg.model.depth, self.teacher_cfg.model.depth, self.d.init_blocks)
         from hpnlp.compress import lowrank
+        value, rngs = self.variables(value)
         teacher = {k: t.dense() if lowrank.is_factored(t) else t  # a factorized teacher's U V
                    for k, t in traverse.flatten_dict(value).items()}
         select = self.d.init in ("select", "importance", "pca")
@@ -626,7 +704,7 @@ class TeacherCarry(Carry):
             data = batches(self.d.importance_batches)
             method = "hidden" if self.cfg.model.kind == "lm" else "pooled"
             scores = {k: np.asarray(v) for k, v in unit_importance(
-                self.teacher, {"params": value}, data, method,
+                self.teacher, {"params": value}, data, method, rngs=rngs,
                 microbatches=self.cfg.train.grad_accum).items()}  # on the host, fetched once
             bad = sorted(k for k, v in scores.items() if not np.all(np.isfinite(v)))
             if bad:
@@ -639,9 +717,16 @@ class TeacherCarry(Carry):
             names = {p: tuple(getattr(b, "names", ()) or ())
                      for p, b in traverse.flatten_dict(boxed).items()}
         if self.d.init == "pca":  # the width by rotation (hpnlp.compress.slicing), not a cut
+            import dataclasses
+
+            from hpnlp import models
             from hpnlp.compress import slicing
+            tcfg = self.teacher_cfg  # the same parameters without remat, whose own trace
+            # would hold what the covariance pass grabs (`stream_covariance`)
+            plain = models.build(dataclasses.replace(tcfg, model=dataclasses.replace(
+                tcfg.model, remat="none")), deterministic=True, token_counts=self._token_counts)
             basis = slicing.stream_basis(slicing.stream_covariance(
-                self.teacher, {"params": value}, data, method,
+                plain, {"params": value}, data, method, rngs=rngs,
                 microbatches=self.cfg.train.grad_accum), self.cfg.model.width)
         out, cut = traverse.flatten_dict(trainable_params(params)), {}
         student = traverse.flatten_dict(model_params(params))
@@ -695,7 +780,7 @@ class TeacherCarry(Carry):
         teacher = self.teacher
 
         def distill_loss(params, carry, batch, rngs):
-            tparams = carry["teacher"]
+            tparams, trngs = self.variables(carry["teacher"])
             own = params.get(TRAINABLE_PREFIX + self.name) or {}
             want = dict(blocks=bool(d.hidden), probs=bool(d.attention))
             token_weight = None  # what the hidden and attention losses weigh tokens by
@@ -703,7 +788,8 @@ class TeacherCarry(Carry):
                 (hard, h_BLE), s_int = intermediates(student, {"params": params}, batch,
                                                      _lm_hidden_and_hard, rngs=rngs, aux=True,
                                                      **want)
-                t_BLE, t_int = intermediates(teacher, {"params": tparams}, batch, "hidden", **want)
+                t_BLE, t_int = intermediates(teacher, {"params": tparams}, batch, "hidden",
+                                             rngs=trngs, **want)
                 t_BLE = jax.lax.stop_gradient(t_BLE)
                 mask_BL = batch["segment_ids"] > 0
                 chunk = d.chunk_tokens
@@ -717,7 +803,8 @@ class TeacherCarry(Carry):
                 from hpnlp.models.heads import _classification_sums
                 z_s, s_int = intermediates(student, {"params": params}, batch, _logits,
                                            rngs=rngs, aux=True, **want)
-                z_t, t_int = intermediates(teacher, {"params": tparams}, batch, _logits, **want)
+                z_t, t_int = intermediates(teacher, {"params": tparams}, batch, _logits,
+                                           rngs=trngs, **want)
                 z_t = jax.lax.stop_gradient(z_t)
                 hard = _classification_sums(z_s, batch["label"], batch["weight"])
                 soft = jnp.sum(soft_cross_entropy(z_t, z_s, d.temperature) * batch["weight"])

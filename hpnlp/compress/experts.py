@@ -158,18 +158,21 @@ def _replace(tree, path, value):
     return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}
 
 
-def usage(model, params, batches) -> dict:
+def usage(model, params, batches, rngs=None) -> dict:
     """{path of each MoE layer: (weight [X], gram [X, X])}: the gate weight each expert's
     outputs carried, and the Gram matrix P^T P of the router probabilities P [tokens, X] at
     the real tokens (segment id > 0), summed over `batches` as `model` (evaluation) routes
     them (`hpnlp.moe.ROUTES`): every text a trunk call routes (a dual or bi-encoder's two
     or three), each at its own segment ids. A bug hunt (session 103): only the first call
-    was read, and a dual encoder's batch (segment_ids1, segment_ids2) counted its padding."""
+    was read, and a dual encoder's batch (segment_ids1, segment_ids2) counted its padding.
+    `rngs`: the passes' (`_with_trained_draw`: the random-feature draw the source trained
+    with)."""
     from hpnlp.compress.gqa import real_tokens, summed_over_batches
     from hpnlp.moe import ROUTES, texts
 
     def one(params, batch):
-        _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES])
+        _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES],
+                             rngs=rngs)
         segs = [batch.get("segment_ids" + t) for t in texts(batch)]
         out = {}
 
@@ -229,8 +232,8 @@ def keep(params, experts: int, stats: dict | None, key):
 def merge_plan(experts: int):
     """`calibrate` of `train.init_experts='merged'`: {path of each MoE layer: `plan_layer`
     of its `usage`}. On the host (scipy)."""
-    def calibrate(model, params, batches):
-        stats = usage(model, params, batches)
+    def calibrate(model, params, batches, rngs=None):
+        stats = usage(model, params, batches, rngs)
         return {path: plan_layer(*_used(stats, path), layer, experts)
                 for path, layer in sorted(_moe_layers(params).items())}
     return calibrate
@@ -322,6 +325,18 @@ def noise_as(params, fresh):
     return out
 
 
+def _with_trained_draw(calibrate, workdir: str):
+    """`calibrate` of the `train.init_from` run in `workdir` whose passes draw a
+    random-feature attention's features (Performer, LSH) as that run trained with, not from
+    its seed (a review, session 107: experts were ranked by another function's routes; as
+    `gqa.calibrated_from`)."""
+    def with_draw(model, params, batches):
+        from hpnlp.compress.distill import trained_rngs
+        return calibrate(model, params, batches,
+                         rngs=trained_rngs(model.cfg, workdir, field="train.init_from"))
+    return with_draw
+
+
 def conversion(cfg: Config, src: ModelConfig, workdir: str):
     """A `gqa.Conversion` that changes the experts of the `train.init_from` run (model
     `src`) into this run's, or None when they stay (module doc)."""
@@ -341,12 +356,13 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     if how == "prune" and t.init_experts == "merged":
         return Conversion(source_config(cfg, src),
                           lambda p, plans, fresh, key: noise_as(merge(p, X, plans), fresh),
-                          calibrate=merge_plan(X), batches=t.init_expert_batches)
+                          calibrate=_with_trained_draw(merge_plan(X), workdir),
+                          batches=t.init_expert_batches)
     if how == "prune":
         routed = t.init_experts == "routed"
         return Conversion(source_config(cfg, src),
                           lambda p, stats, fresh, key: noise_as(keep(p, X, stats, key),
                                                                 fresh),
-                          calibrate=usage if routed else None,
+                          calibrate=_with_trained_draw(usage, workdir) if routed else None,
                           batches=t.init_expert_batches if routed else 0)
     return None

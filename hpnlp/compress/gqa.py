@@ -129,16 +129,17 @@ def query_and_kv(tree: dict):
     return tree["q"], tree["kv"]
 
 
-def input_covariances(model, params, batches) -> dict:
+def input_covariances(model, params, batches, *, rngs=None) -> dict:
     """{the path of each block's attention parameters: X^T X / n [E, E]}, X its input (the
     block's `norm1` output) at the n real tokens of `batches` (segment id > 0), in float32:
     what `init_kv_calibration` weights the fits by. The mean, not the sum: the fit's subspace
     is the same either way, but `fit_factors`' split W = L^-T U sqrt(S) scales with L, and a
     sum over n tokens would make W sqrt(n) times smaller and V that much larger than the
     weights' own split (an optimizer's first steps, each about the learning rate per entry,
-    then throw W far off: a 2-step run at 3e-4 read 3.27 from a 1.54 start)."""
+    then throw W far off: a 2-step run at 3e-4 read 3.27 from a 1.54 start). `rngs`: the
+    apply's (`calibrated_from`: the random-feature draw the source run trained with)."""
     def one(params, batch):
-        _, state = model.apply({"params": params}, batch, mutable=["intermediates"],
+        _, state = model.apply({"params": params}, batch, mutable=["intermediates"], rngs=rngs,
                                capture_intermediates=lambda mdl, name: (
                                    name == "__call__" and mdl.name == "norm1"))
         seg = batch.get("segment_ids")
@@ -157,6 +158,17 @@ def input_covariances(model, params, batches) -> dict:
         return out
     total = summed_over_batches(one, params, batches)
     return {k: xx / jnp.maximum(n, 1.0) for k, (xx, n) in total.items()}
+
+
+def calibrated_from(workdir: str) -> Callable:
+    """`input_covariances` of the `train.init_from` run in `workdir`, whose passes draw a
+    random-feature attention's features (Performer, LSH) as that run trained with, not from
+    its seed (a review, session 107: the fits were weighted by inputs of another function)."""
+    def calibrate(model, params, batches):
+        from hpnlp.compress.distill import trained_rngs
+        return input_covariances(model, params, batches,
+                                 rngs=trained_rngs(model.cfg, workdir, field="train.init_from"))
+    return calibrate
 
 
 def real_tokens(seg, shape):
@@ -265,7 +277,7 @@ def _kv_conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | 
     g_src = source_kv_heads(src, m, workdir)
     calibrated = cfg.train.init_kv_calibration
     # the SVD fits weighted by the inputs' covariances, when calibrated
-    fits = dict(calibrate=input_covariances, batches=calibrated) if calibrated else {}
+    fits = dict(calibrate=calibrated_from(workdir), batches=calibrated) if calibrated else {}
     if calibrated and (m.stack_layers or m.reversible):
         raise config_error("train.init_kv_calibration", calibrated, "reads each block's "
                            "attention input, which stacked or reversible blocks do not expose "

@@ -16,12 +16,16 @@ Which weights: the product weights the model declares (`qlinear.note_product`, t
 record quantization uses), of the kinds `train.prune.layers` names: an MoE layer's experts
 (`mlp`, each expert's weights along its own contraction), and a factorized product's U
 and V (model.lowrank) as two weights. Biases, norms and (by default) embeddings and the
-output layer stay dense.
+output layer stay dense, and so do latent attention's `k_up` and `v_up` (its `q` and
+`kv_down` are its qkv products). Transformer-XL's attention declares no products (config
+validation refuses qkv and out there).
 
 - Criteria: `magnitude` (|W|), `random` (a fixed random score per weight: the control) and
   `movement` (Sanh et al. 2020: scores learned by Adam on the straight-through
   estimator's gradient, `movement_update`; the carry then also holds the scores, their
-  moments and the dense weights, and a pruned weight can come back);
+  moments and the dense weights, and under `cubic` a pruned weight can come back; a
+  one-shot mask is made once, from the scores of the steps up to `start_step`, which must
+  not be 0: after one step every score is that batch's gradient sign, +-1);
   L1-regularized training adds `l1 * sum |W|` over the pruned products to the per-token
   objective (`train.prune.l1`; an auxiliary loss beside the model's, which `loss` and `ppl`
   still log; the sum is logged as `loss_l1`), so magnitude masks find what it drove to zero.
@@ -29,8 +33,9 @@ output layer stay dense.
   so masks only ever lose entries: gradual schedules nest, and a target lowered on resume (a
   longer train.steps moves the cubic schedule and imp's rounds) keeps them until it passes
   them.
-- Scope: `layer` (each weight pruned to the target on its own) or `global` (one ranking of
-  every pruned weight's |W|; layers end at different sparsities).
+- Scope: `layer` (each weight pruned to the target on its own, each expert of an MoE
+  layer too: `Product.lead`) or `global` (one ranking of every pruned weight's |W|; layers
+  end at different sparsities).
 - Structure: unstructured, or N:M (N kept in every M consecutive weights along the
   contraction, as 2:4 sparse hardware wants); N:M masks are made once, at `start_step`.
   Or `structured`: whole attention heads and MLP neurons (`group_layout`), the same
@@ -230,12 +235,13 @@ def scores(method: str, weights: dict, seed, movement: dict | None = None) -> di
 
 
 def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products: dict,
-                  seed, movement: dict | None = None) -> dict:
+                  seed, movement: dict | None = None, leads: Mapping | None = None) -> dict:
     """New masks for `weights` (path -> array) at target `sparsity`. Magnitude and random
     masks never revive an entry `masks` already pruned: they prune at least as many as
     `masks` do (a target below theirs keeps them); movement masks are the top scores afresh
     each time, at the target (a pruned weight whose score climbs comes back, as in Sanh et
-    al.)."""
+    al.). `leads`: {path: Product.lead} where a weight's leading axes index a batch of
+    weights (an MoE layer's experts), each pruned to the target on its own in layer scope."""
     s = scores(p.method, weights, seed, movement)
     if p.method != "movement":
         s = {k: jnp.where(masks[k], v, -jnp.inf) for k, v in s.items()}
@@ -250,9 +256,15 @@ def compute_masks(p: PruneConfig, weights: dict, masks: dict, sparsity, products
         n = jnp.round(sparsity * size).astype(jnp.int32)
         return n if p.method == "movement" else jnp.maximum(n, pruned)
 
-    if p.scope == "layer":
-        return {k: _keep_top(v.reshape(-1), count(v.size, jnp.sum(~masks[k]))).reshape(v.shape)
-                for k, v in s.items()}
+    if p.scope == "layer":  # each weight on its own; each expert of an MoE layer too (a
+        # review: its experts were ranked as one, so one of small weights lost nearly all)
+        out = {}
+        for k, v in s.items():
+            rows = v.reshape(math.prod(v.shape[:(leads or {}).get(k, 0)]), -1)
+            pruned = jnp.sum(~masks[k].reshape(rows.shape), axis=1)
+            n = jnp.broadcast_to(count(rows.shape[1], pruned), pruned.shape)
+            out[k] = jax.vmap(_keep_top)(rows, n).reshape(v.shape)
+        return out
     keys = sorted(s)
     flat = jnp.concatenate([s[k].reshape(-1) for k in keys])
     keep = _keep_top(flat, count(flat.size, sum(jnp.sum(~masks[k]) for k in keys)))
@@ -313,7 +325,8 @@ def targets(cfg: Config, model, params, batch) -> dict:
             continue
         if isinstance(flat.get(k), Factored):  # V contracts its rank axis (after the lead)
             out["/".join(k + (FACTORS[0],))] = v
-            out["/".join(k + (FACTORS[1],))] = qlinear.Product(v.kind, (flat[k].lead,))
+            out["/".join(k + (FACTORS[1],))] = qlinear.Product(v.kind, (flat[k].lead,),
+                                                                flat[k].lead)
         else:
             out["/".join(k)] = v
     return out
@@ -697,6 +710,7 @@ class PruneCarry(Carry):
         self.cfg, self.p = cfg, cfg.train.prune
         self.seed = cfg.seed  # what random scores draw from: an int, or a member's key
         self.products: dict = {}
+        self.leads: dict = {}  # {path: Product.lead}: an MoE layer's experts, each its own
 
     def for_member(self, key):
         """Random scores drawn from the member's key, the plain run's of its seed (a bug hunt,
@@ -709,6 +723,7 @@ class PruneCarry(Carry):
         del batch_size
         found = targets(self.cfg, model, nn.unbox(params), batch)
         self.products = {k: v.contraction for k, v in found.items()}
+        self.leads = {k: v.lead for k, v in found.items() if v.lead}
         if not self.products:
             from hpnlp.config import config_error
             raise config_error("train.prune.layers", self.p.layers, "names no product this model "
@@ -786,7 +801,7 @@ class PruneCarry(Carry):
         def recompute(masks):
             s = sparsity_at(self.p, step, self.cfg.train.steps)
             return compute_masks(self.p, weights, masks, s, self.products, self.seed,
-                                 new.get("scores"))
+                                 new.get("scores"), self.leads)
 
         prune_now = self._due(value, step)
         masks = jax.lax.cond(prune_now, recompute, lambda m: m, value["masks"])
@@ -824,9 +839,11 @@ class PruneCarry(Carry):
                           >= units_pruned(s, g.units)) for k, g in self.layout.items()]
         elif self.p.nm() is not None:
             return jnp.ones((), bool)
-        elif self.p.scope == "layer":  # as compute_masks counts them
-            ok = [jnp.sum(~m) >= jnp.round(s * m.size).astype(jnp.int32)
-                  for m in value["masks"].values()]
+        elif self.p.scope == "layer":  # as compute_masks counts them (each expert on its own)
+            rows = {k: m.reshape(math.prod(m.shape[:self.leads.get(k, 0)]), -1)
+                    for k, m in value["masks"].items()}
+            ok = [jnp.all(jnp.sum(~r, axis=1) >= jnp.round(s * r.shape[1]).astype(jnp.int32))
+                  for r in rows.values()]
         else:
             size = sum(m.size for m in value["masks"].values())
             ok = [sum(jnp.sum(~m) for m in value["masks"].values())

@@ -84,9 +84,13 @@ def check(cfg, teacher_cfg) -> None:
                                f"residual stream, but {who} has {why}; use init='importance'")
 
 
-def stream_covariance(module_def, variables, batches, method, *, microbatches: int = 1):
+def stream_covariance(module_def, variables, batches, method, *, microbatches: int = 1,
+                      rngs=None):
     """[E, E] float64: the sum over real tokens of x x^T, x each LayerNorm input (`NORMS`)
-    centered over the channels and scaled to unit RMS (module doc), over `batches`."""
+    centered over the channels and scaled to unit RMS (module doc), over `batches`.
+    `module_def` must be built with model.remat='none': the inputs are grabbed by a method
+    interceptor, which inside a remat's own trace grabs that trace's tracers (a review,
+    session 107: an UnexpectedTracerError). `rngs`: the apply's (a random-feature draw)."""
     import flax.linen as nn
 
     from hpnlp.compress.distill import per_batch, token_weights
@@ -100,7 +104,7 @@ def stream_covariance(module_def, variables, batches, method, *, microbatches: i
                 inputs.append(args[0])
             return next_fun(*args, **kwargs)
         with nn.intercept_methods(grab):
-            module_def.apply(variables, batch, method=method)
+            module_def.apply(variables, batch, method=method, rngs=rngs)
         if not inputs:
             raise ValueError("the model called no LayerNorm named " + ", ".join(NORMS))
         w_BL = token_weights(batch)

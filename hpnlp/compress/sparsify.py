@@ -90,10 +90,14 @@ def convert(model, params, batch, min_sparsity: float) -> tuple[dict, dict]:
                                 shape=tuple(w_np.shape), k_dims=k_dims)
             done["/".join(path)] = q
     if not done and not sparsest[0]:  # found by a bug hunt: told to lower --min_sparsity 0
+        factored = any(prod.kind in KINDS and isinstance(flat.get(path), Factored)
+                       for path, prod in products(model, params, batch).items())
+        why = ("a factorized product, model.lowrank, is two products the sparse kernel does "
+               "not take); sparsify a pruned run without model.lowrank" if factored else
+               "an MoE layer's experts, and weights not stored contraction first, are not "
+               "taken)")
         raise ValueError("the run has no plain qkv, out, MLP or head product weight to store "
-                         "sparse (a factorized product, model.lowrank, is two products the "
-                         "sparse kernel does not take); sparsify a pruned run without "
-                         "model.lowrank")
+                         f"sparse ({why}")
     if not done:
         raise ValueError(f"no product weight is at least {min_sparsity:.0%} zeros (the "
                          f"sparsest, {sparsest[0]}, is {sparsest[1]:.1%} zeros); prune the run "
@@ -225,6 +229,17 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
 
     check_min_sparsity(min_sparsity)  # before anything is restored or compiled
     cfg = load_run_config(workdir)
+    from hpnlp.config.compress_checks import quant_products
+    m = cfg.model
+    has = quant_products(m)
+    if not set(has) & set(KINDS):  # a review (session 107): an LSTM LM was restored, then
+        # refused naming model.lowrank, which it did not have
+        raise config_error("model.arch", m.arch, f"the {m.arch} {m.kind} run in {workdir} has "
+                           + (f"{', '.join(has)} products" if has else "no products (a "
+                              "lookup)") + ", and "
+                           "sparsify stores only qkv, out, MLP and head weights (those the "
+                           "sparse kernel computes from their weight alone), so nothing would "
+                           "be converted; serve it dense")
     q = cfg.model.quant
     if q.enabled:  # a bug hunt: a QAT run's sparse model computed in float, its loss reported
         field = "quant.weights" if q.weights != "none" else "quant.activations"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from typing import Any, Mapping
 
 from hpnlp.config.compress_checks import (_check_compress, _check_lowrank, _check_quant,
@@ -14,7 +15,7 @@ from hpnlp.config.compress_checks import (_check_compress, _check_lowrank, _chec
 from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_PREDICTIONS,
                                  MESH_AXES, MOE_ROUTERS, REMAT_NAMES, Config, ConfigError,
                                  DataConfig, ModelConfig, MoEConfig, OutputConfig, TrainConfig,
-                                 _check_choice, _check_positive, _fail)
+                                 _check_choice, _check_positive, _fail, same_data_path)
 
 
 # What the model gives an output layer itself: not options (found in review: accepted, then
@@ -524,15 +525,35 @@ def check_training(cfg: Config) -> None:
               "train with quant.act_scale='dynamic'")
 
 
+def eval_is_train(d: DataConfig) -> bool:
+    """Whether data.eval_path names data.train_path's file (by another name too, where both
+    exist; else the names are compared, and reading the missing one names it)."""
+    if not (isinstance(d.train_path, str) and isinstance(d.eval_path, str)
+            and d.train_path and d.eval_path):
+        return False
+    try:
+        return os.path.samefile(d.train_path, d.eval_path)
+    except OSError:
+        return same_data_path(d.train_path, d.eval_path)
+
+
 def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
     train.steps was taken, its one eval setting the best), `clustered` attention in float16
-    and an expert-choice eval_capacity_factor (below), bfloat16 master weights
-    (`check_master_weights`), and `compress_checks.check_new_compress_run`'s."""
+    and an expert-choice eval_capacity_factor (below), an eval file that is the train file
+    (`eval_is_train`), bfloat16 master weights (`check_master_weights`), and
+    `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
     check_master_weights(cfg)
+    if eval_is_train(cfg.data):
+        # a review (session 107): taken, every eval document one trained on, and a kNN-LM
+        # of the run found each held-out target's own entry at distance 0 (perplexity ~1);
+        # `python -m hpnlp.data.prepare` refuses --eval_input equal to an --input likewise
+        _fail("data.eval_path", cfg.data.eval_path, "names data.train_path's file, so every "
+              "eval document would be one trained on; the eval text must be held out: give "
+              "another file, or drop data.eval_path (the end of the train file is then held out)")
     if cfg.attention.name == "clustered" and cfg.model.dtype == "float16":
         # review r1 (session 105): the layer injects its k-means gradient in the backward
         # pass, where the train step's loss scale (train/step.py's `applied`) cannot reach

@@ -6,6 +6,7 @@ uses too, for the fields a config sets and nothing reads."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable
 
 from hpnlp.config.fields import (LOWRANK_LAYERS, QUANT_LAYERS, Config, ModelConfig, QuantConfig,
@@ -165,37 +166,74 @@ def _quantized_contractions(m: ModelConfig, quantized: list[str]) -> dict[str, i
     return widths
 
 
+def _kept_units(n: int, sparsity: float) -> int:
+    """Of `n` units, how many structured pruning at `sparsity` keeps (never none), counted
+    in float32 as the masks count them (compress.prune.units_pruned)."""
+    import numpy as np
+    return n - min(int(np.round(np.float32(sparsity) * np.float32(n))), n - 1)
+
+
+def _shrunk_units(cfg: Config) -> dict[str, tuple[int, int, str | None]]:
+    """{name: (units, each unit's size, the logical axis that shards it)} of what structured
+    pruning narrows in the shrunk model (None: an expert's width, which no config check
+    splits over the mesh: its weights' shardings replicate where it does not divide)."""
+    p, m = cfg.train.prune, cfg.model
+    if m.arch in ("lstm", "gru"):  # the embedding's width: its "embed" axis
+        return {"model.width": (m.width, 1, "embed")}
+    units = {}
+    if layers_name(p.layers, "mlp"):  # the dense blocks' neurons, each expert's
+        if not all(m.moe.applies(i) for i in range(m.depth)):
+            units["model.mlp_dim"] = (m.mlp_dim, 1, "mlp")
+        if m.moe.enabled():
+            units["model.moe.mlp_dim (each expert's)"] = (m.moe.expert_dim(m), 1, None)
+    if layers_name(p.layers, "qkv") or layers_name(p.layers, "out"):
+        units["model.num_heads * head size"] = (m.num_heads, m.dims_per_head(), "heads")
+    return units
+
+
 def _check_shrunk_groups(cfg: Config) -> None:
     """Structured pruning under int4 groups: the shrunk model's contractions (the units kept,
     as compress.prune.units_pruned counts them) must split into quant.group_size groups too,
     or `shrink` refuses the trained run (a bug hunt, session 94: found after training)."""
-    p, m, g = cfg.train.prune, cfg.model, cfg.model.quant.group_size
+    p, g = cfg.train.prune, cfg.model.quant.group_size
     if not g or not isinstance(p.sparsity, (int, float)):
         return
-
-    import numpy as np
-
-    def kept(n: int, sparsity: float = p.sparsity) -> int:  # in float32, as the masks count
-        return n - min(int(np.round(np.float32(sparsity) * np.float32(n))), n - 1)
-    if m.arch in ("lstm", "gru"):
-        units = {"model.width": (m.width, 1)}
-    else:
-        units = {}
-        if layers_name(p.layers, "mlp"):  # the dense blocks' neurons, each expert's
-            if not all(m.moe.applies(i) for i in range(m.depth)):
-                units["model.mlp_dim"] = (m.mlp_dim, 1)
-            if m.moe.enabled():
-                units["model.moe.mlp_dim (each expert's)"] = (m.moe.expert_dim(m), 1)
-        if layers_name(p.layers, "qkv") or layers_name(p.layers, "out"):
-            units["model.num_heads * head size"] = (m.num_heads, m.dims_per_head())
-    for name, (n, size) in units.items():
-        if kept(n) * size % g:
+    kept = _kept_units
+    for name, (n, size, _) in _shrunk_units(cfg).items():
+        if kept(n, p.sparsity) * size % g:
             fits = [s / 100 for s in range(1, 100) if kept(n, s / 100) * size % g == 0]
-            _fail("train.prune.sparsity", p.sparsity, f"keeps {kept(n) * size} of {name}="
-                  f"{n * size} in the shrunk model, which quant.group_size={g} does not divide "
-                  "(int4 groups split each product's contraction); choose a sparsity that keeps "
-                  f"a multiple of {g}" + (f" (e.g. {fits[len(fits) // 2]})" if fits else "")
-                  + " or another group size")
+            _fail("train.prune.sparsity", p.sparsity, f"keeps {kept(n, p.sparsity) * size} of "
+                  f"{name}={n * size} in the shrunk model, which quant.group_size={g} does not "
+                  "divide (int4 groups split each product's contraction); choose a sparsity "
+                  f"that keeps a multiple of {g}" + (f" (e.g. {fits[len(fits) // 2]})" if fits
+                                                     else "") + " or another group size")
+
+
+def _check_shrunk_mesh(cfg: Config) -> None:
+    """Structured pruning on a mesh: the shrunk model's heads, model.mlp_dim neurons or
+    LSTM/GRU width must split over the mesh axes that shard them, as `validate` asks of every
+    run, or `shrink` refuses the trained run (a review, session 107: kept heads that
+    mesh.tensor did not split were refused after training, and shrink has no flag to change
+    the mesh). A new run's rule (a saved run is still read and evaluated); only mesh axes of
+    a fixed size count here (a -1 axis follows the devices, and `shrink` checks it)."""
+    p, mesh = cfg.train.prune, cfg.mesh
+    if p.method == "none" or p.structure != "structured":
+        return
+    units = {name: (n, size, math.prod(getattr(mesh, a) for a in mesh.mesh_axes_of(logical)),
+                    logical) for name, (n, size, logical) in _shrunk_units(cfg).items()
+             if logical and -1 not in [getattr(mesh, a) for a in mesh.mesh_axes_of(logical)]}
+    kept = _kept_units
+    for name, (n, size, split, logical) in units.items():
+        if kept(n, p.sparsity) % split:
+            fits = [s / 100 for s in range(1, 100)
+                    if all(kept(n2, s / 100) % d == 0 for n2, _, d, _ in units.values())]
+            axes = " x ".join(f"mesh.{a}={getattr(mesh, a)}" for a in mesh.mesh_axes_of(logical))
+            _fail("train.prune.sparsity", p.sparsity, f"keeps {kept(n, p.sparsity)} of "
+                  f"{name.split(' * ')[0]}={n} in the shrunk model, and mesh.rules.{logical} "
+                  f"splits them over {axes}, which does not divide that, so `shrink` would "
+                  "refuse the trained run; choose a sparsity that keeps a multiple of "
+                  f"{split}" + (f" (e.g. {fits[len(fits) // 2]})" if fits else "")
+                  + f", or another mesh (mesh.rules.{logical}=None replicates them)")
 
 
 def _check_layers(field: str, layers: str, allowed) -> None:
@@ -337,7 +375,8 @@ def check_new_compress_run(cfg: Config) -> None:
     dual encoder's MLP neurons pruned structurally (a review, session 104: its matching head
     is model.mlp_dim wide too, no group of the blocks, so the shrunk run's head kept the old
     width and failed to build after the masked model was evaluated and the shrunk one
-    written). Its heads can go; so can an all-MoE trunk's experts' neurons."""
+    written). Its heads can go; so can an all-MoE trunk's experts' neurons. And kept units
+    that the mesh does not split (`_check_shrunk_mesh`)."""
     p, m = cfg.train.prune, cfg.model
     if (p.method != "none" and p.structure == "structured" and m.kind == "dual_encoder"
             and m.arch == "transformer" and layers_name(p.layers, "mlp")
@@ -345,6 +384,7 @@ def check_new_compress_run(cfg: Config) -> None:
         _fail("train.prune.layers", p.layers, f"a dual_encoder's matching head is "
               f"model.mlp_dim={m.mlp_dim} wide too, and shrink narrows model.mlp_dim to the "
               "neurons its blocks keep; prune its heads alone (train.prune.layers='qkv,out')")
+    _check_shrunk_mesh(cfg)
 
 
 def _check_compress(cfg: Config) -> None:
@@ -376,6 +416,11 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.distill.init_blocks", dist.init_blocks, "picks the teacher blocks the "
                   "student starts as, and train.distill.init='none' starts it from none; set "
                   "train.distill.init to every_other, select, importance or pca")
+        if dist.init != "none" and cfg.train.init_from:  # a review (session 107): read,
+            # converted or factorized, then every weight replaced by the teacher's
+            _fail("train.init_from", cfg.train.init_from, f"train.distill.init={dist.init!r} "
+                  "starts the student as the teacher's blocks, which replace every weight "
+                  "read from it; drop train.init_from, or set train.distill.init='none'")
         if (isinstance(dist.importance_batches, bool) or not isinstance(dist.importance_batches, int)
                 or dist.importance_batches < 1):
             _fail("train.distill.importance_batches", dist.importance_batches,
@@ -553,3 +598,24 @@ def _check_compress(cfg: Config) -> None:
             if width % mm:
                 _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
                       "(groups split each product's contraction)")
+    if m.arch == "transformer_xl" and any(layers_name(p.layers, k) for k in ("qkv", "out")):
+        # a review (session 107): its qkv, rel and out are plain einsums no pruning masks, so
+        # they stayed dense while summary.json reported the target (and 'qkv,out' alone
+        # failed at init: "names no product this model has")
+        _fail("train.prune.layers", p.layers, "Transformer-XL's relative-position attention "
+              "has its own qkv, rel and out products, not prunable yet, so they would stay "
+              "dense; set train.prune.layers='mlp' (or 'mlp,output' for its output layer too)")
+    if p.method == "movement" and p.schedule == "oneshot" and p.start_step == 0:
+        # a review (session 107): after one step each Adam score is -sign(dL/dS) (m / sqrt(v)
+        # = d / |d|), so the one mask made was one batch's gradient signs, ties pruned by
+        # position (a kernel's leading rows), and a one-shot mask is never made again
+        why = ("makes its one mask after step 0, from one batch's movement scores: each is "
+               "that batch's gradient sign (+-1), so ties are pruned by position")
+        if p.structure != "unstructured":  # N:M: made once, at start_step (one-shot only)
+            _fail("train.prune.start_step", p.start_step, f"N:M movement pruning {why}; set "
+                  "train.prune.start_step > 0 so the scores accumulate first (or "
+                  "train.prune.method='magnitude')")
+        _fail("train.prune.schedule", p.schedule, f"with train.prune.method='movement' and "
+              f"train.prune.start_step=0 it {why}; use train.prune.schedule='cubic' (masks "
+              "recomputed as the scores accumulate, a pruned weight able to come back), or "
+              "a start_step > 0 for a one-shot mask of accumulated scores")

@@ -324,7 +324,9 @@ class ExactIndex(HostIndex):
         x_nBD = self._blocks()
         nq = len(q_QD)
         qb = min(o["query_block"], _pad_rows(nq, o["query_block"]))
-        rows = _pad_rows(nq, qb)
+        # a whole number of passes of qb rows: _pad_rows alone gave 1024 rows for 600 queries
+        # and query_block=1000, which the reshape into passes refused (a bug hunt, session 107)
+        rows = -(-nq // qb) * qb
         q = np.zeros((rows, x_nBD.shape[2]), np.float32)
         q[:nq, :self.dim] = q_QD
         # Large k: smaller groups, so the second stage stays a small fraction of the block.

@@ -305,9 +305,10 @@ class IVFIndex(HostIndex):
 
     @classmethod
     def searches_l2(cls, options: dict) -> bool:
-        """float32 storage only (see `__init__`): bfloat16 and float16 take the kNN-LM's L2
-        through inner product, as before metric="l2" was (a bug hunt (session 101): they were
-        refused after the datastore was built)."""
+        """float32 storage only (see `__init__`): bfloat16 and float16 would take the kNN-LM's
+        L2 through inner product, which `knnlm.check_augmented_dtype` refuses before the
+        datastore is built (a bug hunt (session 101): `__init__` refused them only after it;
+        session 107: through the augmentation they lost the same precision, silently)."""
         return options.get("dtype", "float32") == "float32"
 
     def _stale(self, x_ND):

@@ -12,11 +12,12 @@ distribution over a datastore of (context vector, next token) pairs from its tra
    one line.
 2. **Search**: the keys go into any `hpnlp.retrieval` index. The paper's distance is L2:
    an index whose `METRICS` hold "l2" (`ivf`, faiss's, ScaNN's) searches the raw keys by
-   its own `metric="l2"`; `exact` (and `ivf` storing bfloat16 or float16, whose L2 needs
-   float32) serves it by the usual augmentation, key [k, |k|^2] against query [2q, -1],
-   whose inner product is |q|^2 - |q - k|^2 (a bug hunt (session 101): the others built
-   their cells or graph on those augmented keys, whose products the norms dominate:
-   faiss_hnsw's recall@16 against exact was 0.002).
+   its own `metric="l2"`; `exact` serves it by the usual augmentation, key [k, |k|^2]
+   against query [2q, -1], whose inner product is |q|^2 - |q - k|^2 (a bug hunt (session
+   101): the others built their cells or graph on those augmented keys, whose products the
+   norms dominate: faiss_hnsw's recall@16 against exact was 0.002). Augmented keys stored
+   below float32 (`exact` or `ivf` with dtype bfloat16 or float16) are refused: their |k|^2
+   column loses its precision (`check_augmented_dtype`).
 3. **Interpolation**: p(y) = lambda p_kNN(y) + (1 - lambda) p_LM(y), with p_kNN(y) the softmax
    of -distance / T over the k nearest keys, summed over those whose value is y. k, T and
    lambda are tuned on a validation half of the held-out chunks and reported on the other
@@ -59,6 +60,19 @@ def own_l2(name: str, options: dict, metric: str) -> bool:
     """Whether index `name` with `options` serves the kNN-LM's `metric` by its own
     metric="l2" on the raw keys, rather than by inner product (keys [k, |k|^2] for L2)."""
     return metric == "l2" and get(name).searches_l2(options)
+
+
+def check_augmented_dtype(name: str, options: dict, metric: str) -> None:
+    """RetrievalError where the kNN-LM's L2 goes through keys [k, |k|^2] (not `own_l2`) into
+    an index storing them below float32 (a bug hunt, session 107: the |k|^2 column, ~300 for
+    an LM's context vectors, rounded by up to 0.6 in bfloat16, a weight e^0.6 at T = 1; and
+    ivf's cells followed the norms, recall@8 0.31: what `ivf`'s own metric='l2' refuses)."""
+    dtype = options.get("dtype", "float32")
+    if metric == "l2" and dtype != "float32" and not own_l2(name, options, metric):
+        cells = " (and its cells, fitted to them, follow the norms)" if name == "ivf" else ""
+        raise RetrievalError(f"index_options dtype={dtype!r}: the {name!r} index serves the "
+                             f"kNN-LM's L2 through keys [k, |k|^2], whose |k|^2 column loses "
+                             f"its precision below float32{cells}; use dtype='float32'")
 
 
 # -- the draw of a trained run's random features ---------------------------------------------
@@ -312,6 +326,7 @@ class Datastore:
         the index's own (a bug hunt: this was `block`, and took the exact index's `block`
         option as its own)."""
         check_metric(metric)
+        check_augmented_dtype(name, options, metric)
         native = own_l2(name, options, metric)
         augmented = metric == "l2" and not native
         index = make(name, self.keys.shape[1] + augmented, **options,
@@ -517,6 +532,7 @@ def check_index(name: str, options: dict, k: int = 0, metric: str = "l2", *,
                              f"({e})") from None
     except (ValueError, KeyError) as e:
         raise RetrievalError(f"index {name!r} with options {options}: {e}") from None
+    check_augmented_dtype(name, options, metric)
     check_k(index, k)
     if entries is not None:  # review r10: refused by `store.index`, after the datastore pass
         index.check_build(entries, first=min(entries, READ_ROWS))
@@ -623,6 +639,14 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
                              f"{cfg.data.prepared}), whose text stays in its shards; the kNN-LM "
                              "builds its datastore from a run's in-memory training split: use a "
                              "run of the shipped corpus or a data.train_path file")
+    from hpnlp.config.checks import eval_is_train
+    if eval_is_train(cfg.data):  # refused to a new run (`check_new_run`), not a saved one
+        # a review (session 107): every held-out target's own entry was in the datastore, at
+        # distance 0 (its context and hidden state the same), and the perplexity fell to ~1
+        raise RetrievalError(f"{workdir} evaluates on its training file (data.eval_path = "
+                             f"data.train_path = {cfg.data.eval_path}), so the datastore would "
+                             "hold every held-out target; train the LM with a held-out "
+                             "data.eval_path")
     L = cfg.data.seq_len
     meta = {"workdir": os.path.abspath(workdir), "step": step, "task": task.name}
     t0 = time.perf_counter()
