@@ -2029,16 +2029,18 @@ def test_float16_nonfinite_gradient_at_the_loss_scale_floor_is_reported():
     """Review (session 107): a NaN gradient that halving the scale cannot fix (0 * inf in
     `where`'s gradient, here) was skipped as an overflow at scale 1, the floor, too: every
     later step skipped, `finite` 1, and the run "finished" untrained. Above the floor it is
-    skipped (finite); at the floor, `finite` is 0, which stops the loop (NonFiniteLoss)."""
+    skipped (finite); at the floor, FLOOR_SKIPS in a row report `finite` 0, which stops the
+    loop (NonFiniteLoss), while one spike at the floor between clean steps is skipped (a
+    re-read of that fix: the first one had stopped the run)."""
     import flax.linen as nn
     import jax.numpy as jnp
     import optax
 
     from hpnlp.config import TrainConfig
     from hpnlp.train.state import init_state
-    from hpnlp.train.step import make_train_step
+    from hpnlp.train.step import FLOOR_SKIPS, make_train_step
 
-    class Toy(nn.Module):  # a finite loss whose every gradient is NaN
+    class Toy(nn.Module):  # a finite loss whose every gradient is NaN where a token is 0
         @nn.compact
         def __call__(self, batch):
             w_4 = self.param("w", nn.initializers.ones, (4,))
@@ -2046,13 +2048,14 @@ def test_float16_nonfinite_gradient_at_the_loss_scale_floor_is_reported():
             y_BxLx4 = jnp.where(x_BxLx4 > 0, jnp.sqrt(x_BxLx4), 0.0)
             return {"loss": jnp.sum(y_BxLx4), "weight": jnp.float32(batch["tokens"].size)}
 
-    batch = {"tokens": jnp.zeros((2, 4), jnp.float32)}
-    tx = optax.sgd(1.0)
-    state = init_state(Toy(), tx, jax.random.key(0), batch, loss_scale=2.0)
+    nan, clean = ({"tokens": jnp.full((2, 4), v, jnp.float32)} for v in (0.0, 1.0))
+    tx = optax.sgd(0.0)  # the parameters stay where the clean steps' gradients are finite
+    state = init_state(Toy(), tx, jax.random.key(0), nan, loss_scale=2.0)
     step = jax.jit(make_train_step(Toy(), tx, TrainConfig(steps=3, warmup_steps=1)))
     seen = []
-    for _ in range(2):
+    for batch in [nan, nan, clean, nan] + [nan] * (FLOOR_SKIPS - 1):
         state, m = step(state, batch)
         seen.append((float(m["loss_scale"]), float(m["skipped"]), float(m["finite"])))
-    assert seen == [(2.0, 1.0, 1.0), (1.0, 1.0, 0.0)]
+    assert seen == ([(2.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 0.0, 1.0)]
+                    + [(1.0, 1.0, 1.0)] * (FLOOR_SKIPS - 1) + [(1.0, 1.0, 0.0)])
     np.testing.assert_array_equal(np.asarray(state.params["w"]), np.ones(4))  # kept

@@ -91,6 +91,9 @@ def per_term(batch) -> float:
     return 2.0 ** -math.ceil(math.log2(max(terms, 1)))
 
 
+FLOOR_SKIPS = 4  # non-finite steps in a row at loss scale 1 that stop a float16 run
+
+
 def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, carries=()):
     """The jittable step; `carries` (hpnlp.train.carry) wrap its loss and follow its update."""
     schedule = learning_rate_schedule(t)
@@ -157,17 +160,22 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             opt_state = jax.tree.map(lambda a, b: a if sched(a) else keep(a, b), opt_state,
                                      state.opt_state, is_leaf=sched)
             carry = carry_lib.skipped(carries, carry, state.carry, grads_ok)
-            good = jnp.where(grads_ok, state.good_steps + 1, 0)
+            # good_steps counts clean steps since the last skip, or (negative) the skips in a
+            # row at the scale's floor, 1, where halving fixes nothing
+            floor = scale <= 1.0
+            good = jnp.where(grads_ok, jnp.maximum(state.good_steps, 0) + 1,
+                             jnp.where(floor, jnp.minimum(state.good_steps, 0) - 1, 0))
             grow = good >= t.loss_scale_period
             new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
                                            jnp.maximum(scale / 2, 1.0)),
                    "good_steps": jnp.where(grow, 0, good)}
             extra = {"loss_scale": scale, "skipped": 1.0 - grads_ok.astype(jnp.float32)}
-            # A skipped step leaves the state as it was: finite. But at the floor (scale 1,
-            # at most the mean loss's gradients) halving fixes nothing: a NaN there (0 * inf,
-            # sqrt at 0) or a real blow-up is reported, and the loop stops as in bfloat16
-            # (review, session 107: every later step was skipped, and the run "finished").
-            grads_ok = grads_ok | (scale > 1.0)
+            # A skipped step leaves the state as it was: finite. But FLOOR_SKIPS in a row at
+            # the floor are no overflow a scale can fix (a NaN from 0 * inf or sqrt at 0, a
+            # real blow-up): reported, so the loop stops as in bfloat16 (a review, session
+            # 107: every later step was skipped, and the run "finished"); one such spike is
+            # skipped as any overflow (a re-read of that fix: it stopped the run at once)
+            grads_ok = grads_ok | (good > -FLOOR_SKIPS)
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
         metrics = dict(sums, **extra, grad_norm=optax.tree.norm(grads),
