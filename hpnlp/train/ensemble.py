@@ -30,9 +30,10 @@ the members' mean, and the ensemble):
 The ensemble predicts the mean of the members' probabilities, log p = logsumexp_m(log p_m)
 - log M. Its NLL is never above the members' mean NLL (Jensen: -log is convex); its
 accuracy can be either side. The eval step runs members one after another under
-`lax.scan`, keeping a running `logaddexp`, so memory does not grow with M; an LM's also
+`lax.scan`, keeping a running `logaddexp`, so no [*, V] array grows with M; an LM's also
 walks token chunks as its plain evaluation does (`make_ensemble_eval_step`), so a chunk's
-[C, V], not the batch's [B, L, V], is what it holds.
+[C, V], not the batch's [B, L, V], is what it holds (beside every member's hidden states,
+[M, B, L, E]).
 
     python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
         --workdir /tmp/hpnlp/ens --members 3            # train a 3-seed ensemble
@@ -140,7 +141,8 @@ def make_ensemble_eval_step(model, t: TrainConfig, kind: str):
     16K tokens x 250K ids, where the plain evaluation held 256 MiB): each member's hidden
     states once ([M, B, L, E]), then per chunk of C tokens the members' output layers one
     after another on [C, E] beside a running `logaddexp` [C, V], so the peak is a few
-    [C, V], whatever M and the batch's tokens.
+    [C, V], whatever M and the batch's tokens, plus the members' hidden states [M, B, L, E]
+    (and their copy in token-major order).
     """
     def rngs(member: TrainState) -> dict:
         return {"features": member.features_key(t.feature_redraw_every)}
