@@ -982,6 +982,36 @@ def test_a_random_feature_teacher_distills_under_the_draw_it_trained_with(tmp_pa
     assert set(jax.eval_shape(lambda: c.init(student, params, batch, 2))) == set(tstate.params)
 
 
+def test_a_student_saved_before_its_teachers_draw_was_carried_resumes_and_is_read(
+        tmp_path, monkeypatch):
+    """Review (session 107): the carry's {"params", "features"} layout was built for every
+    Performer teacher, so a student saved before (the teacher's parameters alone) was refused
+    by its resume and by every reader as another layout. The newest checkpoint's layout is
+    kept, with the seed's draw it trained against; a new run carries the trained draw."""
+    from hpnlp.retrieval import knnlm
+    from hpnlp.train import Trainer
+    tcd = tiny("classifier")
+    tcd.attention.update(name="performer", options={"num_features": 8})
+    _teacher_workdir(tmp_path / "teacher", tcd, step=3)
+    cfg = validate(from_configdict(tiny("classifier", distill=dict(
+        teacher=str(tmp_path / "teacher"), alpha=1.0))))
+    old = str(tmp_path / "old")
+    with monkeypatch.context() as m:  # as an hpnlp before the draw was carried saved it
+        m.setattr(knnlm, "reads_features", lambda cfg: False)
+        tr = Trainer(cfg, old)
+        state, _ = tr.initial_state()
+        tr.checkpointer.save(2, state.replace(step=state.step + 2), tr.train_iter.get_state(), {})
+        tr.checkpointer.wait()
+    for read_only in (False, True):
+        tr = Trainer(cfg, old, read_only=read_only)
+        back, _ = tr.initial_state()
+        assert int(back.step) == 2 and tr.carries[0].variables(back.carry["teacher"])[1] == {}
+        for a, b in zip(jax.tree.leaves(state.carry), jax.tree.leaves(back.carry)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fresh = Trainer(cfg, str(tmp_path / "new"))
+    assert set(fresh.abstract_state.carry["teacher"]) == {"params", "features"}
+
+
 def test_a_transformer_xl_student_distills_from_a_transformer(tmp_path):
     """Review (session 107): a Transformer-XL student (pack batches) handed its (hidden,
     memory) to the output layer and the first step's trace failed. Its hard loss is its own

@@ -425,7 +425,9 @@ class TeacherCarry(Carry):
     key data of the draw it trained with}, read from its checkpoint at the start, so that
     every teacher pass runs the function whose loss the teacher's run reported, and a resume
     has it without the teacher's folder (a review, session 107: passes ran its seed's draw).
-    Other teachers keep the parameters alone, so runs saved before keep their layout."""
+    Other teachers keep the parameters alone, as runs saved before did; so does a student
+    whose newest checkpoint holds such a teacher's parameters alone (saved before the draw
+    was kept), whose teacher runs under its seed's draw, the one that student trained with."""
 
     name = "teacher"
 
@@ -635,7 +637,27 @@ class TeacherCarry(Carry):
         self.teacher = models.build(tcfg, deterministic=True, token_counts=token_counts)
         self._token_counts = token_counts
         from hpnlp.retrieval.knnlm import reads_features
-        self.draws = reads_features(tcfg)
+        self.draws = reads_features(tcfg) and not self._saved_without_draw(workdir)
+
+    def _saved_without_draw(self, workdir: str | None) -> bool:
+        """Whether the student's newest checkpoint in `workdir` holds the teacher's
+        parameters without the draw (read from its metadata): saved before the carry kept it,
+        so it resumes, and is read, in that layout, under the seed's draw it trained with (a
+        review, session 107: its restore was refused as another layout, naming no fix)."""
+        if not workdir:
+            return False
+        from hpnlp.train.checkpoint import saved_state_tree
+        saved = (saved_state_tree(workdir) or {}).get("carry")
+        held = saved.get(self.name) if isinstance(saved, dict) else None
+        if not isinstance(held, dict) or set(held) == {"params", "features"}:
+            return False
+        if jax.process_index() == 0:
+            print(f"hpnlp: train.distill.teacher={self.workdir}: the checkpoints in {workdir} "
+                  "hold the teacher without the random-feature draw it trained with (saved by "
+                  "an older hpnlp), so its passes keep its seed's draw, as this run's steps "
+                  "did; a new --workdir distills under its trained draw", file=sys.stderr,
+                  flush=True)
+        return True
 
     def variables(self, value):
         """(the teacher's parameters, the rngs of its passes) of the carry's `value`."""

@@ -902,6 +902,33 @@ def _newest(workdir: str):
     return manager, step
 
 
+def saved_state_tree(workdir: str) -> dict | None:
+    """The train state's tree in the newest checkpoint of `workdir`, as its orbax metadata
+    reads back (nested dicts of array metadata; no array is read), for a layout that follows
+    what a run saved; None where there is no checkpoint or its metadata cannot be read (the
+    restore then says so)."""
+    if not has_checkpoint(workdir):
+        return None
+    try:
+        manager, step = _newest(workdir)
+    except NoCheckpoint:  # numbered folders orbax does not count as steps
+        return None
+    manager.close()
+    import logging
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # the item has no step-level metadata file; its tree is read
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(manager.directory, str(step),
+                                                              "state"))
+        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+        return tree if isinstance(tree, dict) else None
+    except Exception:  # noqa: BLE001 (damaged metadata: the restore's own check reports it)
+        return None
+    finally:
+        absl.setLevel(level)
+
+
 def check_params_match(workdir: str, like, *, field: str, cfg: Config | None = None) -> None:
     """Refuse (naming `field`) when the newest checkpoint in `workdir` holds parameters of
     other names or shapes than `like` (arrays or ShapeDtypeStructs), before any restore.
