@@ -143,16 +143,21 @@ def test_movement_masks_made_once_from_step_0s_scores_are_refused():
     got = np.asarray(moved["scores"][k])
     np.testing.assert_allclose(got, -np.sign(np.asarray(d)), rtol=1e-4)
     assert len(np.unique(got)) <= 12  # a few ulps apart, of 48: ties everywhere
+    # refused to a new run; a run saved so (movement's defaults, trained before the rule) is
+    # still read and resumed (`validate`: tests/test_config.py's saved-run test)
+    from hpnlp.config.checks import check_new_run
     with pytest.raises(ConfigError, match=r"^config field `train\.prune\.schedule` = 'oneshot' "
                        r".*gradient sign \(\+-1\), so ties are pruned by position; use "
                        r"train\.prune\.schedule='cubic'"):
-        validate(from_configdict(tiny(prune=dict(method="movement", sparsity=0.9))))
+        check_new_run(validate(from_configdict(tiny(prune=dict(method="movement",
+                                                               sparsity=0.9)))))
     with pytest.raises(ConfigError, match=r"`train\.prune\.start_step` = 0 .*N:M movement.*set "
                        r"train\.prune\.start_step > 0"):
-        validate(from_configdict(tiny(prune=dict(method="movement", structure="2:4"))))
+        check_new_run(validate(from_configdict(tiny(prune=dict(method="movement",
+                                                               structure="2:4")))))
     for fields in (dict(schedule="cubic"), dict(start_step=2), dict(structure="2:4",
                                                                      start_step=2)):
-        validate(from_configdict(tiny(prune=dict(method="movement", **fields))))
+        check_new_run(validate(from_configdict(tiny(prune=dict(method="movement", **fields)))))
 
 
 def test_cubic_schedule_is_zhu_and_gupta():
@@ -1649,6 +1654,36 @@ def test_a_shrunk_config_is_refused_before_the_masked_model_is_evaluated(tmp_pat
     monkeypatch.setattr(Trainer, "evaluate", evaluated)
     with pytest.raises(ConfigError, match=r"the run in \S+ cannot be shrunk: its smaller "
                        r"model's config is refused \(.*quant\.group_size.*model\.mlp_dim=12"):
+        prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    assert not os.path.exists(tmp_path / "small")
+
+
+def test_a_shrunk_run_a_new_run_may_not_be_is_refused_before_the_masked_model_is_evaluated(
+        tmp_path, monkeypatch):
+    """A review (session 107): the shrunk run is a new run, and `check_new_run` (here its
+    bfloat16 master weights, of a run saved before that rule) refused it only in its
+    Trainer, after the pruned run was evaluated, and not as the shrink's refusal."""
+    from hpnlp.config import checks
+    from hpnlp.train import Trainer
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.5, structure="structured",
+                         schedule="oneshot", start_step=1, layers="mlp"))
+    cd.model.param_dtype = "bfloat16"
+    with monkeypatch.context() as patch:  # built as a run saved before the rule was
+        patch.setattr(checks, "check_master_weights", lambda cfg: None)
+        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    state, _ = tr.initial_state()
+    carry = dict(state.carry)
+    carry["prune"] = {**carry["prune"], "groups": {"trunk/block_0/neurons":
+                                                   jnp.asarray(np.arange(32) < 16)}}
+    tr.checkpointer.save(2, state.replace(carry=carry), tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+
+    def evaluated(self, state):
+        raise AssertionError("evaluated before the shrunk run was checked as a new run")
+    monkeypatch.setattr(Trainer, "evaluate", evaluated)
+    with pytest.raises(ConfigError, match=r"^the run in \S+ cannot be shrunk: its smaller "
+                       r"model's config is refused \(config field `model\.param_dtype` = "
+                       r"'bfloat16'.*keep model\.param_dtype='float32'"):
         prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
     assert not os.path.exists(tmp_path / "small")
 

@@ -346,12 +346,6 @@ def test_task_fields_are_filled_in():
     ({"model": {"num_kv_heads": 1}, "train": {"prune": {"method": "magnitude", "sparsity": 0.5,
                                                        "structure": "structured"}}},
      "train.prune.structure", "train.prune.layers='mlp'"),
-    # a review (session 107): Transformer-XL's attention is no declared product, so it stayed
-    # dense (summary.json saying the target), and 'qkv,out' alone failed at init
-    *[({"model": {"arch": "transformer_xl"}, "data": {"batching": "stream"},
-        "train": {"prune": {"method": "magnitude", "sparsity": 0.75, **layers}}},
-       "train.prune.layers", "not prunable yet, so they would stay dense; set "
-       "train.prune.layers='mlp'") for layers in ({}, {"layers": "qkv,out"}, {"layers": "all"})],
     ({"model": {"reversible": True, "remat": "full"}}, "model.remat", "model.reversible=True"),
     ({"model": {"pos_emb": "alibi"}}, "model.pos_emb", "'rope'"),
     ({"model": {"pos_emb": "rope", "arch": "transformer_xl"}}, "model.pos_emb",
@@ -401,6 +395,19 @@ def test_task_fields_are_filled_in():
      "output.options.num_classes", "[1, model.vocab_size=256]"),
     ({"output": {"name": "class_based", "options": {"bin_power": 0}}},
      "output.options.bin_power", "> 0"),
+])
+def test_bad_fields_name_field_value_and_fix(groups, field, hint):
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        validate(base(**groups), num_devices=1)
+    msg = str(e.value)
+    assert f"`{field}`" in msg, msg
+    if hint:
+        assert hint in msg, msg
+    assert time.perf_counter() - t0 < 5.0  # no data set built, nothing compiled
+
+
+@pytest.mark.parametrize("groups, field, hint", [
     # a review (session 107): each taken and read by nothing
     ({"model": {"lowrank": {"rank": 8, "layers": "head"}}}, "model.lowrank.layers",
      "names no product of this lm (transformer), so nothing would be factorized (it has qkv, "
@@ -422,26 +429,51 @@ def test_task_fields_are_filled_in():
     ({"train": {"distill": {"teacher": "/t", "chunk_tokens": 4096}},
       "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
      "train.distill.chunk_tokens", "(never chunked), so nothing reads it"),
-    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "hidden": 1.0, "temperature": 4.0}}},
+    ({"train": {"distill": {"teacher": "/t", "alpha": 1.0, "hidden": 1.0, "chunk_tokens": 0}},
+      "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
+     "train.distill.chunk_tokens", "(never chunked), so nothing reads it"),
+    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "temperature": 4.0}}},
      "train.distill.temperature", "alpha=0 gives it no weight, so nothing reads it"),
+    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "chunk_tokens": 0}}},
+     "train.distill.chunk_tokens", "alpha=0 gives it no weight, so nothing reads it"),
     # a review (session 107): read, converted or factorized, then replaced by the teacher's
     ({"train": {"init_from": "/r", "distill": {"teacher": "/t", "init": "every_other"}}},
      "train.init_from", "drop train.init_from, or set train.distill.init='none'"),
+    # a review (session 107): Transformer-XL's attention is no declared product, so it stayed
+    # dense (summary.json saying the target), and 'qkv,out' alone failed at init
+    *[({"model": {"arch": "transformer_xl"}, "data": {"batching": "stream"},
+        "train": {"prune": {"method": "magnitude", "sparsity": 0.75, **layers}}},
+       "train.prune.layers", "not prunable yet, so they would stay dense; set "
+       "train.prune.layers='mlp'") for layers in ({}, {"layers": "qkv,out"}, {"layers": "all"})],
+    # a review (session 107): one batch's gradient signs (tests/test_compress_sparse.py)
+    ({"train": {"prune": {"method": "movement"}}}, "train.prune.schedule",
+     "use train.prune.schedule='cubic'"),
 ])
-def test_bad_fields_name_field_value_and_fix(groups, field, hint):
-    t0 = time.perf_counter()
-    with pytest.raises(ConfigError) as e:
-        validate(base(**groups), num_devices=1)
-    msg = str(e.value)
-    assert f"`{field}`" in msg, msg
-    if hint:
-        assert hint in msg, msg
-    assert time.perf_counter() - t0 < 5.0  # no data set built, nothing compiled
+def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field, hint,
+                                                                   tmp_path):
+    """A review (session 107): these rules were put in `validate`, which also checks every
+    saved run's config.json (`load_run_config`) and every resume, so a run saved with one
+    (some of them defaults: train.prune.layers on Transformer-XL, movement's one-shot
+    schedule at start_step 0) was refused by every reader, with no edit of config.json that
+    helped. A new run is refused (`check_new_run`: the Trainer's, and main.py's before a
+    multi-process join), and a saved one is read."""
+    from hpnlp.config.checks import check_new_run
+    from hpnlp.train.checkpoint import load_run_config
+    cfg = validate(base(**groups), num_devices=1)  # a saved run's config, read as it is
+    os.makedirs(tmp_path / "checkpoints" / "1")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"config": to_json(cfg)}, f)
+    assert load_run_config(str(tmp_path)) == cfg
+    for checked in (cfg, validate(base(**groups), devices=False)):  # main.py's, too
+        with pytest.raises(ConfigError) as e:
+            check_new_run(checked)
+        assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
 
 
 def test_fields_are_taken_where_their_switch_reads_them():
-    """The fields `validate` refuses as read by nothing (a bug hunt, session 99), each taken
-    under the switch that reads it."""
+    """The fields `validate` (or `check_new_run`) refuses as read by nothing (a bug hunt,
+    session 99), each taken under the switch that reads it, by a new run too."""
+    from hpnlp.config.checks import check_new_run
     bi = {"kind": "bi_encoder"}
     for groups in (
             {"train": {"prune": {"method": "magnitude", "l1": 0.01, "schedule": "cubic"}}},
@@ -469,8 +501,21 @@ def test_fields_are_taken_where_their_switch_reads_them():
             {"model": {**bi, "num_classes": 2}, "data": {"task": "verse_pairs"}},  # the task's
             {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "scan", "unroll": 8}},
             {"train": {"distill": {"teacher": "/t", "init": "pca", "importance_batches": 2,
-                                   "chunk_tokens": 64, "temperature": 4.0}}}):
-        validate(base(**groups), num_devices=1)
+                                   "chunk_tokens": 64, "temperature": 4.0}}},
+            # a review (session 107): at alpha=0 the soft loss is still computed and logged
+            # (loss_soft) where hidden or attention matching runs the teacher
+            {"train": {"distill": {"teacher": "/t", "alpha": 0.0, "hidden": 1.0,
+                                   "chunk_tokens": 0, "temperature": 4.0}}},
+            {"train": {"distill": {"teacher": "/t", "alpha": 0.0, "attention": 1.0,
+                                   "chunk_tokens": 16}}},
+            {"train": {"distill": {"teacher": "/t", "alpha": 0.0, "hidden": 1.0,
+                                   "temperature": 4.0}},
+             "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
+            {"train": {"prune": {"method": "movement", "schedule": "cubic"}}},
+            {"train": {"prune": {"method": "movement", "start_step": 2}}},
+            {"model": {"arch": "transformer_xl"}, "data": {"batching": "stream"},
+             "train": {"prune": {"method": "magnitude", "layers": "mlp,output"}}}):
+        check_new_run(validate(base(**groups), num_devices=1))
 
 
 @pytest.mark.parametrize("kind,task", [("classifier", "doc_classify"),
@@ -709,10 +754,15 @@ def test_a_new_runs_and_a_training_runs_refusals_come_before_the_join(tmp_path, 
     static.quant.update(weights="int8", activations="int8", act_scale="static")
     with pytest.raises(ConfigError, match="`quant.act_scale` = 'static'.*training run"):
         main.join_processes(static)
+    unread = cfg()  # a rule a later review (session 107) moved out of `validate`
+    unread.data.vocab_size = 16000
+    with pytest.raises(ConfigError, match="`data.vocab_size` = 16000 .*nothing reads it"):
+        main.join_processes(unread)
     # a saved run resumes with the new-run rules it predates; checkpoints combined train none
     os.makedirs(workdir / "checkpoints" / "400")
-    with pytest.raises(AssertionError, match="joined"):
-        main.join_processes(patience)
+    for saved in (patience, unread):
+        with pytest.raises(AssertionError, match="joined"):
+            main.join_processes(saved)
     with pytest.raises(AssertionError, match="joined"):
         main.join_processes(static, {"--members": 0, "--from_checkpoints": 2})
 

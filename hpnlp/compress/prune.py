@@ -1023,6 +1023,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
     from hpnlp.train.carry import model_params
     from hpnlp.config import ConfigError, validate
+    from hpnlp.config.checks import check_new_run, check_training
     try:
         cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
                                jax.device_get(state.carry["prune"]["groups"]), carry.layout)
@@ -1031,7 +1032,12 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         # run stopped mid-schedule under int4 groups, or kept heads that mesh.tensor does not
         # split, were refused after the evaluation, with no word of the shrink)
         cfg2 = dataclasses.replace(cfg2, mesh=cfg.mesh)
-        validate(cfg2, num_processes=jax.process_count(), num_devices=n)
+        checked = validate(cfg2, num_processes=jax.process_count(), num_devices=n)
+        # and as a new run, which OUT is (a review, session 107: a run saved with bfloat16
+        # master weights, or its train file as its eval file, was refused by the new run's
+        # Trainer after the masked model was evaluated, not named as the shrink's)
+        check_training(checked)
+        check_new_run(checked)
     except ConfigError as e:  # e.g. int4 groups that the kept units do not split into
         raise ConfigError(f"the run in {workdir} cannot be shrunk: its smaller model's config "
                           f"is refused ({e})") from None

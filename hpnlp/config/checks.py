@@ -537,16 +537,49 @@ def eval_is_train(d: DataConfig) -> bool:
         return same_data_path(d.train_path, d.eval_path)
 
 
+def _check_unread_of_new_run(cfg: Config) -> None:
+    """Fields a review (session 107) found taken, recorded in config.json and read by
+    nothing: refused to a new run only. A run saved with one trained as if it were unset,
+    and a later review of that session found every reader of it refused (`validate` runs
+    on each saved config.json) with no edit of the file that helped."""
+    m, d, r = cfg.model, cfg.data, cfg.rnn
+    from hpnlp import data as data_lib
+    if d.task not in data_lib.LM_TASKS:  # experiments/lm.py documents data.vocab_size as
+        # the size to change, and a byte LM without data.tokenizer=bpe trained on 256 byte ids
+        _refuse_unread("data", d, f"it sizes an LM task's bpe/unigram tokenizer, and "
+                       f"data.task={d.task!r} has its own ids", "use data.task='byte_lm' (or "
+                       "'word_lm') with data.tokenizer='bpe'", names=("vocab_size",))
+    else:
+        from hpnlp.data.text_tasks import lm_tokenizer
+        from hpnlp.data.tokenizers import SUBWORD
+        kind = lm_tokenizer(d, d.task)
+        if kind not in SUBWORD:
+            _refuse_unread("data", d, f"it sizes a bpe/unigram tokenizer, and this run's ids "
+                           f"are {kind} (data.tokenizer={d.tokenizer!r}, data.task={d.task!r})",
+                           "set data.tokenizer='bpe' (or 'unigram')", names=("vocab_size",))
+    if r.impl == "fused" and m.arch in ("lstm", "gru"):  # ('auto' picks per machine, so its
+        # unroll is read wherever the scan runs)
+        _refuse_unread("rnn", r, "it unrolls the XLA scan, and the fused kernel (rnn.impl="
+                       "'fused') runs none", "use rnn.impl='scan' (or 'auto')", names=("unroll",))
+    if m.kind == "bi_encoder" and m.num_classes:  # models/bi_encoder.py reads none; the
+        # task's count, which validate fills in and config.json keeps, is taken
+        if m.num_classes != data_lib.task_info(d).get("num_classes", 0):
+            _fail("model.num_classes", m.num_classes, "model.kind='bi_encoder' scores pairs "
+                  "of embeddings and has no classes, so nothing reads it; leave it at its "
+                  "default (--config.model.num_classes=0)")
+
+
 def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
     train.steps was taken, its one eval setting the best), `clustered` attention in float16
     and an expert-choice eval_capacity_factor (below), an eval file that is the train file
-    (`eval_is_train`), bfloat16 master weights (`check_master_weights`), and
-    `compress_checks.check_new_compress_run`'s."""
+    (`eval_is_train`), bfloat16 master weights (`check_master_weights`), fields nothing
+    reads (`_check_unread_of_new_run`), and `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
     check_master_weights(cfg)
+    _check_unread_of_new_run(cfg)
     if eval_is_train(cfg.data):
         # a review (session 107): taken, every eval document one trained on, and a kNN-LM
         # of the run found each held-out target's own entry at distance 0 (perplexity ~1);
@@ -792,10 +825,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if blocker:
             _fail("rnn.impl", "fused", f"the fused kernel cannot run {blocker}; use "
                   "rnn.impl='auto' (the kernel where it applies) or 'scan'")
-        # a review (session 107): taken, and the kernel has no scan to unroll ('auto' picks
-        # per machine, so its unroll is read wherever the scan runs)
-        _refuse_unread("rnn", r, "it unrolls the XLA scan, and the fused kernel (rnn.impl="
-                       "'fused') runs none", "use rnn.impl='scan' (or 'auto')", names=("unroll",))
     if m.arch != "transformer" and m.kind == "lm" and r.bidirectional:
         _fail("rnn.bidirectional", True, "a language model reads left to right; bidirectional "
               "layers are for model.kind='classifier' or 'dual_encoder'")
@@ -926,21 +955,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                   f"'validation' holds out data.listops_num_eval={d.listops_num_eval} of the "
                   f"data.listops_num_train={d.listops_num_train} generated training examples; "
                   "raise data.listops_num_train above it")
-    from hpnlp.data.tokenizers import KINDS as tokenizer_kinds, SUBWORD
+    from hpnlp.data.tokenizers import KINDS as tokenizer_kinds
     _check_choice("data.tokenizer", d.tokenizer, ("",) + tokenizer_kinds)
-    if d.task not in data_lib.LM_TASKS:  # a review (session 107): each taken, recorded in
-        # config.json and read by nothing (experiments/lm.py documents vocab_size as the
-        # size to change, and a byte LM without data.tokenizer=bpe trained on 256 byte ids)
-        _refuse_unread("data", d, f"it sizes an LM task's bpe/unigram tokenizer, and "
-                       f"data.task={d.task!r} has its own ids", "use data.task='byte_lm' (or "
-                       "'word_lm') with data.tokenizer='bpe'", names=("vocab_size",))
-    else:
-        from hpnlp.data.text_tasks import lm_tokenizer
-        kind = lm_tokenizer(d, d.task)
-        if kind not in SUBWORD:
-            _refuse_unread("data", d, f"it sizes a bpe/unigram tokenizer, and this run's ids "
-                           f"are {kind} (data.tokenizer={d.tokenizer!r}, data.task={d.task!r})",
-                           "set data.tokenizer='bpe' (or 'unigram')", names=("vocab_size",))
     # sinusoidal and rope positions have no table: rows longer than model.max_len train, and
     # only decoding (generate: length <= model.max_len, the cache's size) is bounded by it
     if d.seq_len > m.max_len and m.pos_emb == "learned" and m.arch == "transformer":
@@ -980,12 +996,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if m.vocab_size and m.vocab_size < info["vocab_size"]:
         _fail("model.vocab_size", m.vocab_size,
               f"data.task={d.task!r} has {info['vocab_size']} token ids; use 0 to take it from the task")
-    if m.kind == "bi_encoder" and m.num_classes not in (0, info.get("num_classes", 0)):
-        # a review (session 107): taken and recorded, and models/bi_encoder.py reads none (the
-        # task's count, which validate fills in and config.json keeps, is taken)
-        _fail("model.num_classes", m.num_classes, "model.kind='bi_encoder' scores pairs of "
-              "embeddings and has no classes, so nothing reads it; leave it at its default "
-              "(--config.model.num_classes=0)")
     if m.num_classes and m.num_classes < info.get("num_classes", 0):
         _fail("model.num_classes", m.num_classes,
               f"data.task={d.task!r} has {info['num_classes']} classes; use 0 to take it from the task")

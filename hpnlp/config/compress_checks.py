@@ -297,14 +297,6 @@ def _check_lowrank(cfg: Config) -> None:
     if "output" in named and m.kind != "lm":
         _fail("model.lowrank.layers", lr.layers, f"'output' is an LM's output layer and "
               f"model.kind={m.kind!r} has none; drop 'output' (a classifier's is 'head')")
-    # the kinds this model has: quant's but an RNN's own (which model.lowrank does not
-    # factorize), and every model's embedding table
-    has = [k for k in quant_products(m) if k in LOWRANK_LAYERS] + ["embed"]
-    if lr.layers != "all" and not named & set(has):  # a review (session 107): 'head' on an
-        # LM or a bi-encoder trained dense, its config.json saying model.lowrank.rank
-        _fail("model.lowrank.layers", lr.layers, f"names no product of this {m.kind} "
-              f"({m.arch}), so nothing would be factorized (it has {', '.join(has)}); name "
-              "products it has (or 'all')")
 
     def vectors() -> bool:  # the output layer is one [V, E] matrix of vectors (asked late:
         from hpnlp import softmax  # output.name itself is checked after this)
@@ -376,8 +368,25 @@ def check_new_compress_run(cfg: Config) -> None:
     is model.mlp_dim wide too, no group of the blocks, so the shrunk run's head kept the old
     width and failed to build after the masked model was evaluated and the shrunk one
     written). Its heads can go; so can an all-MoE trunk's experts' neurons. And kept units
-    that the mesh does not split (`_check_shrunk_mesh`)."""
-    p, m = cfg.train.prune, cfg.model
+    that the mesh does not split (`_check_shrunk_mesh`), and the rules of a review of session
+    107 (`_check_new_distill`, `_check_new_prune` and model.lowrank.layers below): each was
+    first put in `validate`, which a later review found refused every reader and resume of a
+    run saved before it, some of them holding only defaults."""
+    p, m, lr = cfg.train.prune, cfg.model, cfg.model.lowrank
+    # the kinds this model has: quant's but an RNN's own (which model.lowrank does not
+    # factorize), and every model's embedding table
+    has = [k for k in quant_products(m) if k in LOWRANK_LAYERS] + ["embed"]
+    named = {n.strip() for n in lr.layers.split(",")}
+    if lr.enabled() and lr.layers != "all" and not named & set(has):  # 'head' on an LM or
+        # a bi-encoder trained dense, its config.json saying model.lowrank.rank (a saved
+        # one is read as it trained: model.lowrank finds no product to factorize)
+        _fail("model.lowrank.layers", lr.layers, f"names no product of this {m.kind} "
+              f"({m.arch}), so nothing would be factorized (it has {', '.join(has)}); name "
+              "products it has (or 'all')")
+    if cfg.train.distill.teacher:
+        _check_new_distill(cfg)
+    if p.method != "none":
+        _check_new_prune(cfg)
     if (p.method != "none" and p.structure == "structured" and m.kind == "dual_encoder"
             and m.arch == "transformer" and layers_name(p.layers, "mlp")
             and not all(m.moe.applies(i) for i in range(m.depth))):
@@ -385,6 +394,64 @@ def check_new_compress_run(cfg: Config) -> None:
               f"model.mlp_dim={m.mlp_dim} wide too, and shrink narrows model.mlp_dim to the "
               "neurons its blocks keep; prune its heads alone (train.prune.layers='qkv,out')")
     _check_shrunk_mesh(cfg)
+
+
+def _check_new_distill(cfg: Config) -> None:
+    """`train.distill` fields a new run is refused (a review, session 107): each taken where
+    compress/distill.py reads none."""
+    dist, m = cfg.train.distill, cfg.model
+    if dist.init != "none" and cfg.train.init_from:  # read, converted or factorized, then
+        # every weight replaced by the teacher's
+        _fail("train.init_from", cfg.train.init_from, f"train.distill.init={dist.init!r} "
+              "starts the student as the teacher's blocks, which replace every weight "
+              "read from it; drop train.init_from, or set train.distill.init='none'")
+    if dist.init not in ("importance", "pca"):  # (a START_FIELD: a resume keeps the saved
+        # value in config.json, which is why a saved run must still validate with it)
+        _refuse_unread("train.distill", dist, f"it sizes the teacher's unit ranking of "
+                       f"train.distill.init='importance' or 'pca', and "
+                       f"train.distill.init={dist.init!r} ranks none", "set "
+                       "train.distill.init='importance' (or 'pca')",
+                       names=("importance_batches",))
+    if not (dist.alpha or dist.hidden or dist.attention):  # compress/distill.py's
+        # `Distiller.loss` computes no soft targets then (no teacher forward). Under
+        # alpha=0 with hidden or attention matching it still computes and logs loss_soft
+        # (temperature and chunk_tokens shape it), so they are taken there
+        _refuse_unread("train.distill", dist, "it shapes the soft targets' loss, and "
+                       "train.distill.alpha=0 gives it no weight", "set train.distill.alpha "
+                       "> 0", names=("temperature", "chunk_tokens"))
+    elif m.kind != "lm":
+        _refuse_unread("train.distill", dist, f"it chunks an LM's soft targets over its "
+                       f"vocabulary, and a model.kind={m.kind!r} model's are its classes' "
+                       "(never chunked)", "distill an LM (model.kind='lm')",
+                       names=("chunk_tokens",))
+
+
+def _check_new_prune(cfg: Config) -> None:
+    """`train.prune` settings a new run is refused (a review, session 107). Both refuse
+    defaults (train.prune.layers; a one-shot schedule at start_step 0), so a run saved with
+    them must still validate: its config.json is read, and resumed as it trained."""
+    p, m = cfg.train.prune, cfg.model
+    if m.arch == "transformer_xl" and any(layers_name(p.layers, k) for k in ("qkv", "out")):
+        # its qkv, rel and out are plain einsums no pruning masks, so they stayed dense while
+        # summary.json reported the target (and 'qkv,out' alone failed at init: "names no
+        # product this model has")
+        _fail("train.prune.layers", p.layers, "Transformer-XL's relative-position attention "
+              "has its own qkv, rel and out products, not prunable yet, so they would stay "
+              "dense; set train.prune.layers='mlp' (or 'mlp,output' for its output layer too)")
+    if p.method == "movement" and p.schedule == "oneshot" and p.start_step == 0:
+        # after one step each Adam score is -sign(dL/dS) (m / sqrt(v) = d / |d|), so the one
+        # mask made was one batch's gradient signs, ties pruned by position (a kernel's
+        # leading rows), and a one-shot mask is never made again
+        why = ("makes its one mask after step 0, from one batch's movement scores: each is "
+               "that batch's gradient sign (+-1), so ties are pruned by position")
+        if p.structure != "unstructured":  # N:M: made once, at start_step (one-shot only)
+            _fail("train.prune.start_step", p.start_step, f"N:M movement pruning {why}; set "
+                  "train.prune.start_step > 0 so the scores accumulate first (or "
+                  "train.prune.method='magnitude')")
+        _fail("train.prune.schedule", p.schedule, f"with train.prune.method='movement' and "
+              f"train.prune.start_step=0 it {why}; use train.prune.schedule='cubic' (masks "
+              "recomputed as the scores accumulate, a pruned weight able to come back), or "
+              "a start_step > 0 for a one-shot mask of accumulated scores")
 
 
 def _check_compress(cfg: Config) -> None:
@@ -416,32 +483,10 @@ def _check_compress(cfg: Config) -> None:
             _fail("train.distill.init_blocks", dist.init_blocks, "picks the teacher blocks the "
                   "student starts as, and train.distill.init='none' starts it from none; set "
                   "train.distill.init to every_other, select, importance or pca")
-        if dist.init != "none" and cfg.train.init_from:  # a review (session 107): read,
-            # converted or factorized, then every weight replaced by the teacher's
-            _fail("train.init_from", cfg.train.init_from, f"train.distill.init={dist.init!r} "
-                  "starts the student as the teacher's blocks, which replace every weight "
-                  "read from it; drop train.init_from, or set train.distill.init='none'")
         if (isinstance(dist.importance_batches, bool) or not isinstance(dist.importance_batches, int)
                 or dist.importance_batches < 1):
             _fail("train.distill.importance_batches", dist.importance_batches,
                   "must be a whole number of training batches >= 1")
-        # a review (session 107): each taken where compress/distill.py reads none
-        if dist.init not in ("importance", "pca"):
-            _refuse_unread("train.distill", dist, f"it sizes the teacher's unit ranking of "
-                           f"train.distill.init='importance' or 'pca', and "
-                           f"train.distill.init={dist.init!r} ranks none", "set "
-                           "train.distill.init='importance' (or 'pca')",
-                           names=("importance_batches",))
-        if not dist.alpha:  # the soft targets' loss is weighed by alpha (and not computed
-            # where nothing else needs the teacher's forward)
-            _refuse_unread("train.distill", dist, "it shapes the soft targets' loss, and "
-                           "train.distill.alpha=0 gives it no weight", "set train.distill.alpha "
-                           "> 0", names=("temperature", "chunk_tokens"))
-        elif m.kind != "lm":
-            _refuse_unread("train.distill", dist, f"it chunks an LM's soft targets over its "
-                           f"vocabulary, and a model.kind={m.kind!r} model's are its classes' "
-                           "(never chunked)", "distill an LM (model.kind='lm')",
-                           names=("chunk_tokens",))
         blocks = dist.matches_blocks()
         if blocks and (m.kind == "dual_encoder" or m.arch != "transformer"):
             _fail(*blocks, "matches Transformer blocks of an LM or classifier; this run has "
@@ -598,24 +643,3 @@ def _check_compress(cfg: Config) -> None:
             if width % mm:
                 _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
                       "(groups split each product's contraction)")
-    if m.arch == "transformer_xl" and any(layers_name(p.layers, k) for k in ("qkv", "out")):
-        # a review (session 107): its qkv, rel and out are plain einsums no pruning masks, so
-        # they stayed dense while summary.json reported the target (and 'qkv,out' alone
-        # failed at init: "names no product this model has")
-        _fail("train.prune.layers", p.layers, "Transformer-XL's relative-position attention "
-              "has its own qkv, rel and out products, not prunable yet, so they would stay "
-              "dense; set train.prune.layers='mlp' (or 'mlp,output' for its output layer too)")
-    if p.method == "movement" and p.schedule == "oneshot" and p.start_step == 0:
-        # a review (session 107): after one step each Adam score is -sign(dL/dS) (m / sqrt(v)
-        # = d / |d|), so the one mask made was one batch's gradient signs, ties pruned by
-        # position (a kernel's leading rows), and a one-shot mask is never made again
-        why = ("makes its one mask after step 0, from one batch's movement scores: each is "
-               "that batch's gradient sign (+-1), so ties are pruned by position")
-        if p.structure != "unstructured":  # N:M: made once, at start_step (one-shot only)
-            _fail("train.prune.start_step", p.start_step, f"N:M movement pruning {why}; set "
-                  "train.prune.start_step > 0 so the scores accumulate first (or "
-                  "train.prune.method='magnitude')")
-        _fail("train.prune.schedule", p.schedule, f"with train.prune.method='movement' and "
-              f"train.prune.start_step=0 it {why}; use train.prune.schedule='cubic' (masks "
-              "recomputed as the scores accumulate, a pruned weight able to come back), or "
-              "a start_step > 0 for a one-shot mask of accumulated scores")
