@@ -131,23 +131,36 @@ def test_a_model_whose_experts_or_groups_the_mesh_does_not_split_runs_without_sh
 
 
 POOL = r"""
-import json, sys, tempfile
+import dataclasses, json, sys, tempfile
 from hpnlp.config import default_configdict, from_configdict
+from hpnlp.retrieval import encoder
 from hpnlp.train import Trainer
+from hpnlp.train.checkpoint import load_run_config
+from hpnlp.train.loop import ReaderMesh
 
-out_dir = sys.argv[1]
+out_dir, workdir = sys.argv[1], tempfile.mkdtemp()
 cd = default_configdict()
 cd.data.update(task="verse_pairs", seq_len=16, batching="pad")
 cd.model.update(kind="bi_encoder", width=16, depth=2, num_heads=2, mlp_dim=32, max_len=16)
 cd.model.moe.update(num_experts=4, every=2, eval_capacity_factor=0.5)  # groups=0, drops
 cd.train.update(steps=1, warmup_steps=0, batch_size=8, eval_batches=1, progress=False)
 cd.mesh.update(data=2)
-tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+tr = Trainer(from_configdict(cd), workdir)
 state, _ = tr.initial_state()
-outside = tr.evaluate(state)  # as the run's end and a tool evaluate: outside the run's mesh
-with tr._context():  # as the run loop's evals
-    inside = tr.evaluate(state)
-json.dump({"outside": outside, "inside": inside}, open(f"{out_dir}/pool.json", "w"))
+with tr._context():  # as the run loop's evals: in its mesh, two groups
+    run = tr.evaluate(state)
+# saved with the groups its steps route in, the loop item's entry as `Trainer.run` saves it
+# (test_moe.py checks that it does): cheaper here than a train step's compile
+tr.checkpointer.save(0, state, tr.train_iter.get_state(), {"routing_groups": tr.routing_groups()})
+tr.checkpointer.close()
+# outside any mesh: python -m hpnlp.retrieval encoder (and TextSearch), and a tool's
+# Trainer.evaluate on one device (as `for_these_devices` lays the run out there)
+tool = encoder.evaluate(workdir)
+cfg = load_run_config(workdir)
+reader = Trainer(dataclasses.replace(cfg, mesh=ReaderMesh(data=1)), workdir, read_only=True)
+assert reader.routing_groups() == 1
+one = reader.evaluate(reader.initial_state()[0])
+json.dump({"run": run, "tool": tool, "one_device": one}, open(f"{out_dir}/pool.json", "w"))
 print("POOL OK")
 """
 
@@ -158,8 +171,12 @@ def test_a_pool_evaluation_routes_in_the_runs_groups_wherever_it_is_traced(tmp_p
     routed in the groups of the mesh it was traced under: one per data-parallel shard in the
     run loop, one at the run's end, in a tool's `Trainer.evaluate` and with several
     processes, so capacity dropped other choices and recall and MRR differed between them.
-    The pool is now routed in the run's groups (`Trainer.routing_groups`) wherever."""
+    The pool is now routed in the run's groups (`Trainer.split_model`) wherever. Then
+    (session 107's review) `python -m hpnlp.retrieval encoder` used the unpinned model (one
+    group outside a mesh), and a reader on one device pinned its own one group, not the two
+    the run saved: both now measure what the run's own eval did."""
     _run(tmp_path, {}, 2, code=POOL, done="POOL OK")
     got = json.load(open(tmp_path / "pool.json"))
     for k in ("recall@1", "recall@10", "mrr"):
-        assert got["outside"][k] == got["inside"][k], (k, got)
+        for where in ("tool", "one_device"):
+            assert got[where][k] == got["run"][k], (where, k, got[where][k], got["run"][k])

@@ -999,6 +999,9 @@ def fake_trained_run(monkeypatch, cfg, model, params, task, *, step: int = 4):
 
         def initial_state(self):
             return state, None
+
+        def split_model(self, step):  # a bi-encoder's (`Trainer.split_model`)
+            return model
     monkeypatch.setattr(loop, "Trainer", Trainer)
     monkeypatch.setattr(checkpoint, "load_run_config", lambda workdir: cfg)
     return state

@@ -31,7 +31,8 @@ def load_encoder(workdir: str):
 
 def evaluate(workdir: str, *, out: str | None = None) -> dict:
     """recall@1, recall@10 and MRR of the held-out pairs against the whole held-out pool
-    (hpnlp.models.bi_encoder.evaluate_pool); also written to OUT/summary.json."""
+    (hpnlp.models.bi_encoder.evaluate_pool), routed in the run's MoE groups as its own
+    evaluation was (`Trainer.split_model`); also written to OUT/summary.json."""
     if out:
         check_out(out, workdir, "encoder")
     cfg, model, params, task, step, features_key = load_trained(workdir, "bi_encoder", HINT)

@@ -484,7 +484,8 @@ def load_trained(workdir: str, kind: str, hint: str):
     """(cfg, eval model, params, task, step, features_key) of the `kind` run trained in
     `workdir`; `hint` says how to train one. `features_key`: the random-feature draw its
     parameters trained with (`TrainState.features_key`, its last train step's), which a pass
-    of a model whose attention reads the `features` stream needs (`features_rngs`)."""
+    of a model whose attention reads the `features` stream needs (`features_rngs`). A
+    bi-encoder's eval model routes in the run's MoE groups (`Trainer.split_model`)."""
     from hpnlp.train.carry import model_params
     from hpnlp.train.checkpoint import load_run_config
     from hpnlp.train.loop import Trainer
@@ -503,7 +504,10 @@ def load_trained(workdir: str, kind: str, hint: str):
         raise RetrievalError(f"{workdir}: no checkpoint to read; train it first ({hint})")
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()
-    return (cfg, trainer.eval_model, jax.device_get(model_params(state.params)), trainer.task,
+    # a bi-encoder's pool routed in the MoE groups the run's own evaluation measured it in
+    # (`Trainer.split_model`; a review, session 107: routed as one group, other drops)
+    model = trainer.split_model(state.step) if kind == "bi_encoder" else trainer.eval_model
+    return (cfg, model, jax.device_get(model_params(state.params)), trainer.task,
             step, state.features_key(cfg.train.feature_redraw_every))
 
 

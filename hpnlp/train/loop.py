@@ -588,6 +588,9 @@ class Trainer:
         if step is None:
             return self.fresh_state(jax.random.key(self.cfg.seed)), {}
         state, data_state, loop_state = self.checkpointer.restore(step, self.abstract_state)
+        # the routing groups its steps ran in (`split_model`; a reader's loop item may be damaged)
+        saved = loop_state.get("routing_groups") if isinstance(loop_state, dict) else None
+        self._restored_groups = (step, saved if type(saved) is int and saved > 0 else None)
         try:
             self.train_iter.set_state(data_state)
         except ValueError as e:  # a bug hunt (session 99): the data state's fault, unnamed
@@ -696,7 +699,7 @@ class Trainer:
         # rng and step each process holds, so it runs outside the run's mesh too
         rng, step = jax.device_get((state.rng, state.step))
         key = state.replace(rng=rng, step=step).features_key(self.cfg.train.feature_redraw_every)
-        model = self._split_model()
+        model = self.split_model(step)
         if jax.process_count() == 1:
             out.update(split_metrics(self.cfg, model, jax.device_get(params), self.task,
                                      features_key=key))
@@ -710,17 +713,26 @@ class Trainer:
             out.update(split_metrics(self.cfg, model, params, self.task, features_key=key))
         return out
 
-    def _split_model(self):
-        """The eval model a split's metrics are measured with: with MoE routing groups that
-        follow the devices (model.moe.groups=0, capacity dispatch) those are pinned to the
-        groups the run's steps route in (`routing_groups`), as `hpnlp.moe.route` pins them.
+    def split_model(self, step) -> nn.Module:
+        """The eval model a split's metrics of the state at `step` are measured with (the
+        bi-encoder's pool: `evaluate`, and a tool's through `knnlm.load_trained`). With MoE
+        routing groups that follow the devices (model.moe.groups=0, capacity dispatch) it is
+        pinned to the groups the steps that made that state routed in: for the state
+        `initial_state` restored, those its checkpoint saved ("routing_groups"; a reader on
+        other devices routes as the run did), else, and for a checkpoint saved before they
+        were, this run's own (`routing_groups`).
+
         A review (session 107): the layer read them from the mesh where the pass was traced,
-        so the bi-encoder's pool routed in one group per shard inside the run loop and in
-        one at its end, in a tool's `evaluate` or with several processes (outside the mesh),
-        and its recall and MRR, which capacity drops change, differed between them."""
+        so the pool routed in one group per shard inside the run loop and in one at its end,
+        in a tool or with several processes (outside the mesh); then `python -m
+        hpnlp.retrieval encoder` and TextSearch used the unpinned model, and a reader pinned
+        its own shard count. Capacity drops differ between groups, and so did recall and MRR."""
         groups = self.routing_groups()
         if groups is None:
             return self.eval_model
+        restored_step, saved = getattr(self, "_restored_groups", (None, None))
+        if saved and restored_step == int(step):
+            groups = saved
         if getattr(self, "_pinned", (None,))[0] != groups:
             cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(
                 self.cfg.model, moe=dataclasses.replace(self.cfg.model.moe, groups=groups)))
