@@ -470,6 +470,27 @@ def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field,
         assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
 
 
+def test_a_runs_unread_fields_are_cleared_for_the_new_run_shrink_writes():
+    """A re-read (session 107): `compress shrink` writes a new run of a pruned run's config,
+    and a run saved before the rules above with a field nothing reads (data.vocab_size on
+    bytes, rnn.unroll under the fused kernel, a bi-encoder's num_classes) was refused there,
+    the fix a flag shrink does not take: `without_unread` sets them back to their defaults,
+    and keeps each where it is read."""
+    from hpnlp.config.checks import check_new_run, without_unread
+    for groups in ({"data": {"vocab_size": 16000}},
+                   {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "fused", "unroll": 8}},
+                   {"model": {"kind": "bi_encoder", "num_classes": 5},
+                    "data": {"task": "verse_pairs"}}):
+        cfg = validate(base(**groups), num_devices=1)
+        with pytest.raises(ConfigError):
+            check_new_run(cfg)
+        check_new_run(validate(without_unread(cfg), num_devices=1))
+    for groups in ({"data": {"tokenizer": "bpe", "vocab_size": 512}},
+                   {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "scan", "unroll": 8}}):
+        cfg = validate(base(**groups), num_devices=1)
+        assert without_unread(cfg) == cfg
+
+
 def test_fields_are_taken_where_their_switch_reads_them():
     """The fields `validate` (or `check_new_run`) refuses as read by nothing (a bug hunt,
     session 99), each taken under the switch that reads it, by a new run too."""

@@ -1023,10 +1023,11 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
     from hpnlp.train.carry import model_params
     from hpnlp.config import ConfigError, validate
-    from hpnlp.config.checks import check_new_run, check_training
+    from hpnlp.config.checks import check_new_run, check_training, without_unread
     try:
         cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
                                jax.device_get(state.carry["prune"]["groups"]), carry.layout)
+        cfg2 = without_unread(cfg2)  # a field an older run took and nothing reads
         # the output run trains on every device: the run's mesh here, not its reader's (session
         # 101); checked as its Trainer will, before the masked model compiles (a review: a
         # run stopped mid-schedule under int4 groups, or kept heads that mesh.tensor does not

@@ -569,6 +569,28 @@ def _check_unread_of_new_run(cfg: Config) -> None:
                   "default (--config.model.num_classes=0)")
 
 
+def without_unread(cfg: Config) -> Config:
+    """`cfg` with the fields `_check_unread_of_new_run` refuses set back to their defaults:
+    nothing reads them, so a run saved with one computes what this config does (`compress
+    shrink` writes a new run of an older run's config: a re-read, session 107)."""
+    from hpnlp import data as data_lib
+    from hpnlp.config.fields import DataConfig, ModelConfig, RNNConfig
+    m, d, r = cfg.model, cfg.data, cfg.rnn
+    if d.task not in data_lib.LM_TASKS:
+        subword = False
+    else:
+        from hpnlp.data.text_tasks import lm_tokenizer
+        from hpnlp.data.tokenizers import SUBWORD
+        subword = lm_tokenizer(d, d.task) in SUBWORD
+    if not subword:
+        d = dataclasses.replace(d, vocab_size=DataConfig().vocab_size)
+    if r.impl == "fused" and m.arch in ("lstm", "gru"):
+        r = dataclasses.replace(r, unroll=RNNConfig().unroll)
+    if m.kind == "bi_encoder":
+        m = dataclasses.replace(m, num_classes=ModelConfig().num_classes)
+    return dataclasses.replace(cfg, model=m, data=d, rnn=r)
+
+
 def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
