@@ -926,6 +926,9 @@ def _distill_sums(cfg, student, batch):
     return c, params, jax.jit(lambda p: loss_fn(p, carry, batch, {})[0])(params)
 
 
+# 4.5 and 3.8 s on the Xeon model 167 (2026-12-06, its fast suite at 6 min 8 s; about twice
+# on a Zen 3): CI's slow part runs it (the soft loss at T = 1 stays in the fast one)
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lm", "classifier"])
 def test_distillation_mixes_hard_and_soft_at_temperature_squared(tmp_path, kind):
     """Review (session 107): at alpha=1, T=1 neither T^2, the / T inside both softmaxes nor
@@ -952,6 +955,8 @@ def test_distillation_mixes_hard_and_soft_at_temperature_squared(tmp_path, kind)
     np.testing.assert_allclose(sums["loss"], 0.7 * hard + 0.3 * soft, rtol=1e-5)
 
 
+# 4.2 s on the Xeon model 167 (2026-12-06): CI's slow part runs it
+@pytest.mark.slow
 def test_a_random_feature_teacher_distills_under_the_draw_it_trained_with(tmp_path):
     """Review (session 107): a Performer teacher ran under its seed's projection, not the
     draw of its last train step (state.features_key), so its soft targets were another
@@ -987,6 +992,8 @@ def test_a_random_feature_teacher_distills_under_the_draw_it_trained_with(tmp_pa
     assert set(jax.eval_shape(lambda: c.init(student, params, batch, 2))) == set(tstate.params)
 
 
+# 3.1 s on the Xeon model 167 (2026-12-06): CI's slow part runs it
+@pytest.mark.slow
 def test_a_student_saved_before_its_teachers_draw_was_carried_resumes_and_is_read(
         tmp_path, monkeypatch):
     """Review (session 107): the carry's {"params", "features"} layout was built for every
@@ -1017,6 +1024,8 @@ def test_a_student_saved_before_its_teachers_draw_was_carried_resumes_and_is_rea
     assert set(fresh.abstract_state.carry["teacher"]) == {"params", "features"}
 
 
+# 3.1 s on the Xeon model 167 (2026-12-06): CI's slow part runs it
+@pytest.mark.slow
 def test_a_transformer_xl_student_distills_from_a_transformer(tmp_path):
     """Review (session 107): a Transformer-XL student (pack batches) handed its (hidden,
     memory) to the output layer and the first step's trace failed. Its hard loss is its own

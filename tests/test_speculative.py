@@ -109,6 +109,8 @@ def test_generate_prefills_a_whole_prompt_in_one_call_with_the_same_tokens(lms):
         np.testing.assert_array_equal(run(params, inputs[:, :6], None), stepwise)
 
 
+# 4.2 s on the Xeon model 167 (2026-12-06): CI's slow part runs it
+@pytest.mark.slow
 def test_a_prefill_fills_the_cache_without_the_output_layer(lms, monkeypatch):
     """A review (session 107): generate's and speculative decoding's prefill ran
     `decode_tokens`, whose [B, P - 1, V] log-probs it threw away; called eagerly (no jit to
