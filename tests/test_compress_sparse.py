@@ -1640,6 +1640,22 @@ def test_shrink_resets_every_start_field_and_keeps_multi_head_attention_multi_he
     assert params2["trunk"]["block_0"]["attention"]["qkv"].shape == (16, 3, 2, 4)
 
 
+def _structured_mlp_run():
+    """A tiny LM pruning its MLP's neurons to half, one-shot at step 1."""
+    return tiny(prune=dict(method="magnitude", sparsity=0.5, structure="structured",
+                           schedule="oneshot", start_step=1, layers="mlp"))
+
+
+def _save_kept_neurons(tr, kept: int) -> None:
+    """Save `tr`'s initial state at step 2 with block 0's first `kept` of 32 neurons kept."""
+    state, _ = tr.initial_state()
+    carry = dict(state.carry)
+    carry["prune"] = {**carry["prune"], "groups": {"trunk/block_0/neurons":
+                                                   jnp.asarray(np.arange(32) < kept)}}
+    tr.checkpointer.save(2, state.replace(carry=carry), tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+
+
 def test_a_shrunk_config_is_refused_before_the_masked_model_is_evaluated(tmp_path, monkeypatch):
     """A review: `shrink_run` first validated the smaller model's config when its Trainer was
     built, after the masked model was compiled and evaluated, and its `except ConfigError`
@@ -1647,16 +1663,9 @@ def test_a_shrunk_config_is_refused_before_the_masked_model_is_evaluated(tmp_pat
     8 keeps 12 neurons, which the groups do not split (the kept count of its target, 16,
     they do): refused with that context, nothing evaluated or written."""
     from hpnlp.train import Trainer
-    cd = tiny(prune=dict(method="magnitude", sparsity=0.5, structure="structured",
-                         schedule="oneshot", start_step=1, layers="mlp"))
+    cd = _structured_mlp_run()
     cd.quant.update(weights="int4", group_size=8, layers="mlp")
-    tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    state, _ = tr.initial_state()
-    carry = dict(state.carry)
-    carry["prune"] = {**carry["prune"], "groups": {"trunk/block_0/neurons":
-                                                   jnp.asarray(np.arange(32) < 12)}}
-    tr.checkpointer.save(2, state.replace(carry=carry), tr.train_iter.get_state(), {})
-    tr.checkpointer.close()
+    _save_kept_neurons(Trainer(from_configdict(cd), str(tmp_path / "run")), 12)
 
     def evaluated(self, state):
         raise AssertionError("evaluated before the shrunk config was checked")
@@ -1674,18 +1683,12 @@ def test_a_shrunk_run_a_new_run_may_not_be_is_refused_before_the_masked_model_is
     Trainer, after the pruned run was evaluated, and not as the shrink's refusal."""
     from hpnlp.config import checks
     from hpnlp.train import Trainer
-    cd = tiny(prune=dict(method="magnitude", sparsity=0.5, structure="structured",
-                         schedule="oneshot", start_step=1, layers="mlp"))
+    cd = _structured_mlp_run()
     cd.model.param_dtype = "bfloat16"
     with monkeypatch.context() as patch:  # built as a run saved before the rule was
         patch.setattr(checks, "check_master_weights", lambda cfg: None)
         tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    state, _ = tr.initial_state()
-    carry = dict(state.carry)
-    carry["prune"] = {**carry["prune"], "groups": {"trunk/block_0/neurons":
-                                                   jnp.asarray(np.arange(32) < 16)}}
-    tr.checkpointer.save(2, state.replace(carry=carry), tr.train_iter.get_state(), {})
-    tr.checkpointer.close()
+    _save_kept_neurons(tr, 16)
 
     def evaluated(self, state):
         raise AssertionError("evaluated before the shrunk run was checked as a new run")
