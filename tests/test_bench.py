@@ -2226,7 +2226,7 @@ def test_torch_fwd_bwd_rows_return_fresh_gradients(monkeypatch):
     """A review (session 107): PyTorch's rows called `.backward()`, which added each call's
     gradients into the leaves' `.grad` (three more passes over [B, H, L, D] a call) where
     `jax.value_and_grad` returns fresh ones; the softmax peer did the same for its hidden
-    states. Each timed call now returns its gradients and leaves `.grad` unset."""
+    states. Each timed call now returns its own gradients (equal call to call, not summed)."""
     torch = pytest.importorskip("torch")
     from hpnlp.bench import softmax as bench_softmax
     calls = []

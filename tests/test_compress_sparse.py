@@ -961,8 +961,8 @@ def test_a_random_feature_teacher_distills_under_the_draw_it_trained_with(tmp_pa
     """Review (session 107): a Performer teacher ran under its seed's projection, not the
     draw of its last train step (state.features_key), so its soft targets were another
     function's. Saved at step 3 with a new draw every step, at alpha=1, T=1 the loss is the
-    CE against its log-probs under its trained draw, which the carry holds (a resume reads
-    it there, without the teacher's folder); a dense teacher's carry stays its parameters."""
+    CE against its log-probs under its trained draw, which the carry holds (what a resume
+    restores); a dense teacher's carry stays its parameters."""
     def performer(cd):
         cd.attention.update(name="performer", options={"num_features": 8})
         return cd

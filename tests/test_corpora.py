@@ -766,9 +766,9 @@ def test_streamed_batches_resume_exactly_and_split_over_processes(prepared, monk
 
 def test_streamed_batches_resume_exactly_across_epoch_boundaries(tmp_path, monkeypatch):
     """A review (session 107): the other streamed resumes stay in epoch 0. Five short documents
-    of unequal lengths, a shard each, a window a batch: a state whose window starts in
-    epoch 0 and reads into epoch 1, and states saved in epochs 3 and 5 (grain's reader past
-    the split's end, reshuffled each epoch) give the same batches again."""
+    of unequal lengths, a shard each, a window a batch: a state saved in epoch 0 and two in
+    later epochs (grain's reader past the split's end, from the fourth on, reshuffled each
+    epoch) give the same batches again."""
     monkeypatch.setattr(sharded, "WINDOW_BATCHES", 1)
     train, ev = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
     train.write_text("".join(json.dumps({"text": f"doc {i} " + "ab" * 3 * i}) + "\n"

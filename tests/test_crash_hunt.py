@@ -15,8 +15,8 @@ a fresh one takes the next. Configurations with a multi-device mesh go to a work
 simulated CPU devices.
 
 The default run draws a fixed-seed handful (`HUNT_EXAMPLES`); the `slow` run explores
-many more (`HPNLP_HUNT_EXAMPLES` overrides both; the slow run's parts share its count).
-Workers run with the suite's cheap compile flags. The large-shape smoke run
+many more (`HPNLP_HUNT_EXAMPLES` overrides both; the slow run's 4 parts split it, at
+least one each). Workers run with the suite's cheap compile flags. The large-shape smoke run
 (`tests/test_large_shapes.py`) runs at XLA's full optimization, where the pad over-read of
 docs/xla_defects.md showed.
 """

@@ -709,7 +709,7 @@ def test_cutting_experts_of_a_random_feature_run_routes_under_its_trained_draw(t
     """A review (session 107): the expert calibration of a Performer `train.init_from` run
     routed under its seed's projection, not the draw it trained with (its saved rng and
     step), so experts were ranked by another function's routes (as the key/value fits were,
-    `gqa.calibrated_from`). `usage` (and the merge plan, which calls it) read it."""
+    `gqa.calibrated_from`): the conversion's calibrate, routed and merged, reads it."""
     from hpnlp.compress import experts
     from test_compress_sparse import _distill_batch, _teacher_workdir, tiny
     cd = tiny("lm")
@@ -717,15 +717,22 @@ def test_cutting_experts_of_a_random_feature_run_routes_under_its_trained_draw(t
     cd.model.moe.update(num_experts=4, router="top_k", top_k=2)
     cd.attention.update(name="performer", options={"num_features": 8})
     cd.train.feature_redraw_every = 1
-    _, model, state = _teacher_workdir(tmp_path, cd, step=3)
+    src, model, state = _teacher_workdir(tmp_path, cd, step=3)
     batch = _distill_batch("lm", np.random.default_rng(5))
-    got = experts._with_trained_draw(experts.usage, str(tmp_path))(model, state.params, [batch])
+    cd.model.moe.num_experts = 2  # this run cuts the source's 4
+    dst = validate(from_configdict(cd))
+    routed = experts.conversion(dst, src.model, str(tmp_path)).calibrate
+    got = routed(model, state.params, [batch])
     want, seed = (experts.usage(model, state.params, [batch], rngs)
                   for rngs in ({"features": state.features_key(1)}, None))
     for path in want:
         chex.assert_trees_all_close(got[path], want[path], rtol=1e-6, atol=1e-6)
     last = max(want)  # the last MoE layer reads a Performer's output
     assert not np.allclose(got[last][1], seed[last][1], rtol=1e-4)
+    cd.train.update(init_from=str(tmp_path), init_experts="merged")
+    plans = experts.conversion(validate(from_configdict(cd)), src.model,
+                               str(tmp_path)).calibrate(model, state.params, [batch])
+    np.testing.assert_allclose(plans[last]["weight"], want[last][0], rtol=1e-6)
 
 
 def test_moe_statistics_summary():

@@ -205,7 +205,7 @@ def torch_value_and_grads(torch, sdpa, q, k, v, r, causal: bool):
     """PyTorch's forward+backward row: sum(sdpa(q, k, v) * r) and its gradients for q, k
     and v, returned fresh as `jax.value_and_grad` returns them. A review (session 107):
     `.backward()` added each call's gradients into the leaves' `.grad` (three more passes
-    over [B, H, L, D] a call, about 1% of the peer's time at L = 4096), work a train step
+    over [B, H, L, D] a call, an estimated ~1% of the peer's time at L = 4096), work a step
     that sets its gradients to None first does not do."""
     loss = (sdpa(q, k, v, is_causal=causal).float() * r).sum()
     return loss, torch.autograd.grad(loss, (q, k, v))

@@ -165,7 +165,7 @@ def usage(model, params, batches, rngs=None) -> dict:
     them (`hpnlp.moe.ROUTES`): every text a trunk call routes (a dual or bi-encoder's two
     or three), each at its own segment ids. A bug hunt (session 103): only the first call
     was read, and a dual encoder's batch (segment_ids1, segment_ids2) counted its padding.
-    `rngs`: the passes' (`_with_trained_draw`: the random-feature draw the source trained
+    `rngs`: the passes' (`gqa.with_trained_draw`: the random-feature draw the source trained
     with)."""
     from hpnlp.compress.gqa import real_tokens, summed_over_batches
     from hpnlp.moe import ROUTES, texts
@@ -325,22 +325,10 @@ def noise_as(params, fresh):
     return out
 
 
-def _with_trained_draw(calibrate, workdir: str):
-    """`calibrate` of the `train.init_from` run in `workdir` whose passes draw a
-    random-feature attention's features (Performer, LSH) as that run trained with, not from
-    its seed (a review, session 107: experts were ranked by another function's routes; as
-    `gqa.calibrated_from`)."""
-    def with_draw(model, params, batches):
-        from hpnlp.compress.distill import trained_rngs
-        return calibrate(model, params, batches,
-                         rngs=trained_rngs(model.cfg, workdir, field="train.init_from"))
-    return with_draw
-
-
 def conversion(cfg: Config, src: ModelConfig, workdir: str):
     """A `gqa.Conversion` that changes the experts of the `train.init_from` run (model
     `src`) into this run's, or None when they stay (module doc)."""
-    from hpnlp.compress.gqa import Conversion
+    from hpnlp.compress.gqa import Conversion, with_trained_draw
     how = change(src, cfg.model, workdir)
     t, X = cfg.train, cfg.model.moe.num_experts
     if how != "prune" and t.init_experts != "routed":
@@ -356,13 +344,13 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     if how == "prune" and t.init_experts == "merged":
         return Conversion(source_config(cfg, src),
                           lambda p, plans, fresh, key: noise_as(merge(p, X, plans), fresh),
-                          calibrate=_with_trained_draw(merge_plan(X), workdir),
+                          calibrate=with_trained_draw(merge_plan(X), workdir),
                           batches=t.init_expert_batches)
     if how == "prune":
         routed = t.init_experts == "routed"
         return Conversion(source_config(cfg, src),
                           lambda p, stats, fresh, key: noise_as(keep(p, X, stats, key),
                                                                 fresh),
-                          calibrate=_with_trained_draw(usage, workdir) if routed else None,
+                          calibrate=with_trained_draw(usage, workdir) if routed else None,
                           batches=t.init_expert_batches if routed else 0)
     return None

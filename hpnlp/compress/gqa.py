@@ -160,15 +160,23 @@ def input_covariances(model, params, batches, *, rngs=None) -> dict:
     return {k: xx / jnp.maximum(n, 1.0) for k, (xx, n) in total.items()}
 
 
-def calibrated_from(workdir: str) -> Callable:
-    """`input_covariances` of the `train.init_from` run in `workdir`, whose passes draw a
-    random-feature attention's features (Performer, LSH) as that run trained with, not from
-    its seed (a review, session 107: the fits were weighted by inputs of another function)."""
-    def calibrate(model, params, batches):
+def with_trained_draw(calibrate: Callable, workdir: str) -> Callable:
+    """`calibrate(model, params, batches, rngs=...)` of the `train.init_from` run in
+    `workdir` as a `Conversion`'s calibrate: its passes draw a random-feature attention's
+    features (Performer, LSH) as that run trained with, not from its seed (a review, session
+    107: key/value fits were weighted by another function's inputs, experts ranked by its
+    routes)."""
+    def with_draw(model, params, batches):
         from hpnlp.compress.distill import trained_rngs
-        return input_covariances(model, params, batches,
-                                 rngs=trained_rngs(model.cfg, workdir, field="train.init_from"))
-    return calibrate
+        return calibrate(model, params, batches,
+                         rngs=trained_rngs(model.cfg, workdir, field="train.init_from"))
+    return with_draw
+
+
+def calibrated_from(workdir: str) -> Callable:
+    """`input_covariances` of the `train.init_from` run in `workdir`, under its trained draw
+    (`with_trained_draw`)."""
+    return with_trained_draw(input_covariances, workdir)
 
 
 def real_tokens(seg, shape):

@@ -17,8 +17,8 @@ record quantization uses), of the kinds `train.prune.layers` names: an MoE layer
 (`mlp`, each expert's weights along its own contraction), and a factorized product's U
 and V (model.lowrank) as two weights. Biases, norms and (by default) embeddings and the
 output layer stay dense, and so do latent attention's `k_up` and `v_up` (its `q` and
-`kv_down` are its qkv products). Transformer-XL's attention declares no products (config
-validation refuses qkv and out there).
+`kv_down` are its qkv products). Transformer-XL's attention declares no products (a new
+run is refused qkv and out there: compress_checks._check_new_prune).
 
 - Criteria: `magnitude` (|W|), `random` (a fixed random score per weight: the control) and
   `movement` (Sanh et al. 2020: scores learned by Adam on the straight-through

@@ -537,56 +537,64 @@ def eval_is_train(d: DataConfig) -> bool:
         return same_data_path(d.train_path, d.eval_path)
 
 
-def _check_unread_of_new_run(cfg: Config) -> None:
-    """Fields a review (session 107) found taken, recorded in config.json and read by
-    nothing: refused to a new run only. A run saved with one trained as if it were unset,
-    and a later review of that session found every reader of it refused (`validate` runs
-    on each saved config.json) with no edit of the file that helped."""
-    m, d, r = cfg.model, cfg.data, cfg.rnn
+def _unread_of_new_run(cfg: Config) -> dict[str, bool]:
+    """Which of the fields a review (session 107) found taken, recorded in config.json and
+    read by nothing this config holds away from the default: {field: set and unread}, for
+    `_check_unread_of_new_run`'s refusals and `without_unread`'s clearing alike."""
     from hpnlp import data as data_lib
-    if d.task not in data_lib.LM_TASKS:  # experiments/lm.py documents data.vocab_size as
-        # the size to change, and a byte LM without data.tokenizer=bpe trained on 256 byte ids
-        _refuse_unread("data", d, f"it sizes an LM task's bpe/unigram tokenizer, and "
-                       f"data.task={d.task!r} has its own ids", "use data.task='byte_lm' (or "
-                       "'word_lm') with data.tokenizer='bpe'", names=("vocab_size",))
-    else:
+    m, d, r = cfg.model, cfg.data, cfg.rnn
+    tokenizer = None
+    if d.task in data_lib.LM_TASKS:
         from hpnlp.data.text_tasks import lm_tokenizer
-        from hpnlp.data.tokenizers import SUBWORD
-        kind = lm_tokenizer(d, d.task)
-        if kind not in SUBWORD:
-            _refuse_unread("data", d, f"it sizes a bpe/unigram tokenizer, and this run's ids "
-                           f"are {kind} (data.tokenizer={d.tokenizer!r}, data.task={d.task!r})",
-                           "set data.tokenizer='bpe' (or 'unigram')", names=("vocab_size",))
-    if r.impl == "fused" and m.arch in ("lstm", "gru"):  # ('auto' picks per machine, so its
-        # unroll is read wherever the scan runs)
-        _refuse_unread("rnn", r, "it unrolls the XLA scan, and the fused kernel (rnn.impl="
+        tokenizer = lm_tokenizer(d, d.task)
+    from hpnlp.data.tokenizers import SUBWORD
+    return {"data.vocab_size": tokenizer not in SUBWORD and d.vocab_size != DataConfig().vocab_size,
+            # ('auto' picks per machine, so its unroll is read wherever the scan runs)
+            "rnn.unroll": (r.impl == "fused" and m.arch in ("lstm", "gru")
+                           and r.unroll != type(r)().unroll),
+            # the task's count, which validate fills in and config.json keeps, is taken
+            "model.num_classes": (m.kind == "bi_encoder" and m.num_classes not in (
+                0, data_lib.task_info(d).get("num_classes", 0)))}
+
+
+def _check_unread_of_new_run(cfg: Config) -> None:
+    """Refused to a new run only: a run saved with one trained as if it were unset, and a
+    later review of that session found every reader of it refused (`validate` runs on each
+    saved config.json) with no edit of the file that helped."""
+    m, d = cfg.model, cfg.data
+    unread = _unread_of_new_run(cfg)
+    if unread["data.vocab_size"]:  # experiments/lm.py documents data.vocab_size as the size
+        # to change, and a byte LM without data.tokenizer=bpe trained on 256 byte ids
+        from hpnlp import data as data_lib
+        if d.task not in data_lib.LM_TASKS:
+            _refuse_unread("data", d, f"it sizes an LM task's bpe/unigram tokenizer, and "
+                           f"data.task={d.task!r} has its own ids", "use data.task='byte_lm' "
+                           "(or 'word_lm') with data.tokenizer='bpe'", names=("vocab_size",))
+        from hpnlp.data.text_tasks import lm_tokenizer
+        _refuse_unread("data", d, f"it sizes a bpe/unigram tokenizer, and this run's ids are "
+                       f"{lm_tokenizer(d, d.task)} (data.tokenizer={d.tokenizer!r}, data.task="
+                       f"{d.task!r})", "set data.tokenizer='bpe' (or 'unigram')",
+                       names=("vocab_size",))
+    if unread["rnn.unroll"]:
+        _refuse_unread("rnn", cfg.rnn, "it unrolls the XLA scan, and the fused kernel (rnn.impl="
                        "'fused') runs none", "use rnn.impl='scan' (or 'auto')", names=("unroll",))
-    if m.kind == "bi_encoder" and m.num_classes:  # models/bi_encoder.py reads none; the
-        # task's count, which validate fills in and config.json keeps, is taken
-        if m.num_classes != data_lib.task_info(d).get("num_classes", 0):
-            _fail("model.num_classes", m.num_classes, "model.kind='bi_encoder' scores pairs "
-                  "of embeddings and has no classes, so nothing reads it; leave it at its "
-                  "default (--config.model.num_classes=0)")
+    if unread["model.num_classes"]:  # models/bi_encoder.py reads none
+        _fail("model.num_classes", m.num_classes, "model.kind='bi_encoder' scores pairs of "
+              "embeddings and has no classes, so nothing reads it; leave it at its default "
+              "(--config.model.num_classes=0)")
 
 
 def without_unread(cfg: Config) -> Config:
     """`cfg` with the fields `_check_unread_of_new_run` refuses set back to their defaults:
     nothing reads them, so a run saved with one computes what this config does (`compress
     shrink` writes a new run of an older run's config: a re-read, session 107)."""
-    from hpnlp import data as data_lib
-    from hpnlp.config.fields import DataConfig, ModelConfig, RNNConfig
+    unread = _unread_of_new_run(cfg)
     m, d, r = cfg.model, cfg.data, cfg.rnn
-    if d.task not in data_lib.LM_TASKS:
-        subword = False
-    else:
-        from hpnlp.data.text_tasks import lm_tokenizer
-        from hpnlp.data.tokenizers import SUBWORD
-        subword = lm_tokenizer(d, d.task) in SUBWORD
-    if not subword:
+    if unread["data.vocab_size"]:
         d = dataclasses.replace(d, vocab_size=DataConfig().vocab_size)
-    if r.impl == "fused" and m.arch in ("lstm", "gru"):
-        r = dataclasses.replace(r, unroll=RNNConfig().unroll)
-    if m.kind == "bi_encoder":
+    if unread["rnn.unroll"]:
+        r = dataclasses.replace(r, unroll=type(r)().unroll)
+    if unread["model.num_classes"]:
         m = dataclasses.replace(m, num_classes=ModelConfig().num_classes)
     return dataclasses.replace(cfg, model=m, data=d, rnn=r)
 

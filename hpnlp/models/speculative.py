@@ -219,7 +219,8 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     zeros_B1 = jnp.zeros((B, 1), jnp.int32)
 
     def decoder(model, params):
-        """(its empty decode cache, `apply(cache, tokens) -> (log-probs, {"cache": ...})`)."""
+        """(its empty decode cache, `apply(cache, tokens, method) -> (log-probs, or the hidden
+        states with method='prefill', {"cache": ...})`)."""
         cache = model.init(jax.random.key(0), zeros_B1, method="decode_step")["cache"]
         return cache, lambda c, toks, method="decode_tokens": model.apply(
             {"params": params, "cache": c}, toks, method=method, mutable=["cache"])
