@@ -331,6 +331,50 @@ def test_masks_hold_pruned_weights_at_zero_through_steps_and_a_checkpoint(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_optimizer_is_given_no_gradient_at_a_pruned_entry(tmp_path):
+    """The model computes with W' = W * M, so dL/dW is zero where M is: the optimizer's
+    moments take no gradient there (each decays by its beta exactly) and the logged grad_norm
+    is of the kept entries' gradients alone (a review, session 108: the pruned entries' dL/dW'
+    reached global-norm clipping, Adam's moments and grad_norm)."""
+    import optax
+
+    from hpnlp.train import Trainer
+    cd = tiny(prune=dict(method="magnitude", sparsity=0.75, start_step=0))
+    cd.train.clip_norm = 1e9  # in the optimizer, unreached: Adam's mu holds the gradient
+    cfg = from_configdict(cd)
+    tr = Trainer(cfg, str(tmp_path))
+    state, _ = tr.initial_state()
+    def adam(s):  # host copies: the next step donates the state's buffers
+        (a,) = [x for x in jax.tree.leaves(s.opt_state, is_leaf=lambda x: isinstance(
+            x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)]
+        return jax.device_get(a)
+
+    with tr._context():
+        steps = []
+        for _ in range(3):  # masks made after step 0's update; steps 1 and 2 train under them
+            state, metrics = tr.train_step(state, _global(next(tr.train_iter), tr.batch_sharding))
+            steps.append((adam(state), float(metrics["grad_norm"])))
+    before, after = steps[1][0], steps[2][0]
+    masks = jax.device_get(state.carry["prune"]["masks"])
+    b1, b2 = cfg.train.b1, cfg.train.b2
+    flat = {k: [traverse.flatten_dict(t)[tuple(k.split("/"))] for t in
+                (before.mu, after.mu, before.nu, after.nu)] for k in masks}
+    pruned = 0
+    for k, (mu0, mu1, nu0, nu1) in flat.items():
+        off = ~np.asarray(masks[k])
+        pruned += off.sum()
+        np.testing.assert_allclose(np.asarray(mu1)[off], b1 * np.asarray(mu0)[off], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(nu1)[off], b2 * np.asarray(nu0)[off], rtol=1e-6)
+        assert np.abs(np.asarray(mu1)[~off] - b1 * np.asarray(mu0)[~off]).max() > 1e-6
+    assert pruned > 0
+    # the step's grad_norm is that of the gradients the optimizer was given: Adam's
+    # first-moment update (1 - b1) g at step 2, recovered from mu
+    g2 = [(np.asarray(a) - b1 * np.asarray(b)) / (1 - b1) for a, b in
+          zip(jax.tree.leaves(after.mu), jax.tree.leaves(before.mu))]
+    np.testing.assert_allclose(steps[2][1], np.sqrt(sum(float((g * g).sum()) for g in g2)),
+                               rtol=1e-3)
+
+
 def _pruned_steps(cd, workdir, steps: int = 2):
     """(train state, {path: mask as numpy}) after `steps` training steps of config `cd`."""
     from hpnlp.train import Trainer

@@ -788,6 +788,17 @@ class PruneCarry(Carry):
                         loss_l1=l1 * sums["weight"]), carry
         return l1_loss
 
+    def gradients(self, value, grads):
+        """The optimizer's gradients: zero at the pruned entries. The model computes with
+        W' = W * M, so dL/dW = dL/dW' * M (a review, session 108: the pruned entries' dL/dW'
+        reached global-norm clipping, which shrank the kept weights' updates more the more
+        was pruned, the logged grad_norm, and Adam's moments, which a weight movement pruning
+        revives came back with). `after_update` still reads dL/dW' (movement's scores)."""
+        if self.p.structure == "structured":
+            shapes = {"/".join(k): v.shape for k, v in traverse.flatten_dict(grads).items()}
+            return apply_masks(grads, expand_groups(value["groups"], self.layout, shapes))
+        return apply_masks(grads, value["masks"])
+
     def after_update(self, value, params, grads, step, features=None):
         if self.p.structure == "structured":
             return self._structured_update(value, params, step)

@@ -15,6 +15,9 @@ method is one class here or beside its own code, not a new branch in the loop:
 - `evaluate(model, inner)`: wraps the evaluation `inner(params, carry, batch, rngs) -> sums`
   (the eval step's, with the eval model and the state's carry): what a method's model needs
   at evaluation from its entry (the classifier's key-value memory reads the trained memory);
+- `gradients(value, grads) -> grads`: the gradients the optimizer is given (its clipping,
+  its moments and the logged grad_norm read them): pruning zeroes the pruned entries' here,
+  as the model computes with W' = W * M; `after_update` still gets the step's own;
 - `after_update(value, params, grads, step, features) -> (params, value)`: runs after the
   optimizer update (pruning applies and advances its masks here; mining re-mines hard
   negatives here, with `features`, the random-feature draw the step trained with);
@@ -86,6 +89,9 @@ class Carry:
 
     def evaluate(self, model, inner: EvalFn) -> EvalFn:
         return inner
+
+    def gradients(self, value, grads):
+        return grads
 
     def after_update(self, value, params, grads, step, features=None):
         return params, value
@@ -232,6 +238,13 @@ def evaluation(model, carries: list[Carry]) -> EvalFn:
 def skipped(carries: list[Carry], new: dict, old: dict, applied) -> dict:
     """Every carry's entry after a step loss scaling may have skipped (`Carry.skipped`)."""
     return {**new, **{c.name: c.skipped(new[c.name], old[c.name], applied) for c in carries}}
+
+
+def gradients(carries: list[Carry], carry: dict, grads):
+    """The gradients the optimizer is given: every carry's `gradients`, in order."""
+    for c in carries:
+        grads = c.gradients(carry[c.name], grads)
+    return grads
 
 
 def after_update(carries: list[Carry], carry: dict, params, grads, step, features=None):

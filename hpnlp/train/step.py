@@ -136,7 +136,10 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             carry = state.carry
         denom = jnp.maximum(sums["weight"], 1.0) * applied
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # what the optimizer trains: a carry may hold entries out (pruning's masks), so that
+        # clipping, Adam's moments and the logged grad_norm are of the weights that train
+        opt_grads = carry_lib.gradients(carries, carry, grads)
+        updates, opt_state = tx.update(opt_grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params, carry = carry_lib.after_update(carries, carry, params, grads, state.step,
                                                features)
@@ -178,7 +181,7 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             grads_ok = grads_ok | (good > -FLOOR_SKIPS)
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
-        metrics = dict(sums, **extra, grad_norm=optax.tree.norm(grads),
+        metrics = dict(sums, **extra, grad_norm=optax.tree.norm(opt_grads),
                        param_norm=optax.tree.norm(params),
                        finite=(grads_ok & all_finite(params)).astype(jnp.float32),
                        tokens=tokens, lr=schedule(state.step))
