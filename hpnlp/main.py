@@ -197,6 +197,10 @@ def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
     then None when not given)."""
     try:
         rest = FLAGS(argv)
+        if FLAGS["init_timeout"].present and not FLAGS.coordinator:  # read by join_processes
+            # only, which one process skips (review r6: taken and ignored without a word)
+            raise flags.Error("--init_timeout: only for a multi-process run (--coordinator "
+                              "HOST:PORT); drop it")
         if FLAGS.config is None:
             if not config_required:
                 return rest

@@ -1,6 +1,7 @@
-"""How often a long command's progress bar redraws: often in a terminal, every 15 s where
-stderr is a file or a pipe (CI, nohup), so a log gets a few lines a minute, not one per
-update (a bug hunt, session 96: a 100k-step run, or a 20 GB `prepare`, wrote thousands)."""
+"""How often a long command's progress bar redraws: often in a terminal or a notebook,
+every 15 s where stderr is a file or a pipe (CI, nohup), so a log gets a few lines a minute,
+not one per update (a bug hunt, session 96: a 100k-step run, or a 20 GB `prepare`, wrote
+thousands)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ IN_A_FILE_S = 15.0
 
 
 def bar_interval(terminal_s: float = 0.2) -> float:
-    """tqdm's `mininterval` for a bar on stderr: `terminal_s` in a terminal, else 15 s."""
-    return terminal_s if sys.stderr.isatty() else IN_A_FILE_S
+    """tqdm's `mininterval` for a bar on stderr: `terminal_s` in a terminal or a Jupyter
+    kernel (Colab's too), else 15 s. A kernel's stderr is ipykernel's stream, which is no tty,
+    and tqdm.auto's bar there is a widget that honours mininterval (review r6: a notebook's
+    bar moved every 15 s)."""
+    in_a_kernel = type(sys.stderr).__module__.split(".")[0] == "ipykernel"
+    return terminal_s if in_a_kernel or sys.stderr.isatty() else IN_A_FILE_S
 
 
 def close_bars() -> None:

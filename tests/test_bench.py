@@ -463,7 +463,40 @@ def test_targets_table_takes_a_record_of_some_parts(tmp_path, monkeypatch):
     rec.write_text(json.dumps({"benchmark": "compress", "parts": ["distill"],
                                "targets": targets}))
     assert [r[:2] + r[4:] for r in tt.rows()] == [("d", "b", 2.0, ">=", 1.5, True)]
-    assert "### b" in tt.render()
+    assert "### compress" in tt.render()  # the bench it names (review r6), not its folder
+
+
+def test_targets_table_makes_one_table_per_bench_whatever_targets_its_records_hold(
+        tmp_path, monkeypatch):
+    """Review r6: records were grouped by their set of target names, so a bench that gained a
+    target and was re-recorded in its main folder only split in two `### rnn` sections (the
+    others' folders' common prefix `rnn_`, stripped), and README.md copied the first, which
+    held the main record alone. A record's bench is the one its results.json names, else its
+    results.md's title, else the start of its folder's name that names a bench module."""
+    tt, rec = _targets_table(tmp_path, monkeypatch)
+    t = report.target(2.0, 1.5, ">=")
+    records = {"rnn": ({"benchmark": "rnn", "targets": {"a": t, "b": t, "c": t}}, None),
+               "rnn_x": ({"targets": {"a": t, "b": t}}, "# hpnlp benchmark: rnn\n"),
+               "rnn_y": ({"targets": {"a": t, "b": report.target(1.0, 1.5, ">=")}}, None)}
+    for folder, (payload, title) in records.items():
+        (rec.parent.parent / folder).mkdir(parents=True)
+        (rec.parent.parent / folder / "results.json").write_text(json.dumps(payload))
+        if title:
+            (rec.parent.parent / folder / "results.md").write_text(title)
+    md = tt.render()
+    assert md.count("### rnn") == 1
+    table = md.split("### rnn\n\n")[1].split("\n\n")[0].splitlines()
+    assert table[0] == "| record | machine | date | `a` >= 1.5 | `b` >= 1.5 | `c` >= 1.5 | met |"
+    assert [row.split(" | ", 1)[1] for row in table[2:]] == [
+        "? | ? | 2 | 2 | 2 | 3 of 3 |", "? | ? | 2 | 2 | – | 2 of 2 |",
+        "? | ? | 2 | **1** | – | 1 of 2 |"]
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        f"| [`{f}`]({f}/results.md)" for f in ("rnn", "rnn_x", "rnn_y")]
+    (rec.parent.parent / "rnn_y" / "results.json").write_text(json.dumps(
+        {"benchmark": "rnn\n### x", "targets": {"a": t}}))
+    with pytest.raises(SystemExit, match=r"rnn_y/results.json: `benchmark` = 'rnn\\n### x' is "
+                                         r"not a bench's name"):
+        tt.render()
 
 
 def _attention_row(impl, L, mode, median_s=None, status="ok"):
@@ -1880,6 +1913,14 @@ TOOL_REFUSALS = [
      "--workdir /nonexistent: no config.json there"),
     (["movement_oneshot.py", "--workdir", "/nonexistent", "--sparsity", "1.5"],
      "--sparsity 1.5: must be in \\(0, 1\\)"),
+    # {tmp}: the test's tmp_path, where `config_only` is a run stopped before its end (review
+    # r6: its missing summary.json was a traceback after every init's evaluation)
+    (["distill_init_loss.py", "--teacher", "{tmp}/config_only"],
+     "--teacher .*/config_only: no readable summary.json there"),
+    # review r6: a file as --out was a traceback after every configuration was timed
+    (["flash_gpu_blocks.py", "--out", "{tmp}/config_only/config.json"],
+     "--out .*/config_only/config.json is a file, not a folder"),
+    (["ring_memory.py", "--devices", "0"], "--devices: 0: must be at least 1"),
 ]
 # Runs each tool as `python tools/NAME.py ARGS` would (as __main__, tools/ on the path), all in
 # one process: one JAX start-up instead of one per tool (2.3 s each on a 2-core EPYC Zen 3).
@@ -1905,7 +1946,7 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def test_tools_refuse_bad_flags_in_one_line_before_timing():
+def test_tools_refuse_bad_flags_in_one_line_before_timing(tmp_path):
     """Found by the crash hunt: --rounds 0 compiled everything and printed nan; kernel_ab's
     --length -5 or --bwd-blocks 0,0 failed in the probe after both builds (abc: a
     traceback); an unknown --experiment and a missing --raw failed as tracebacks. Each
@@ -1913,7 +1954,9 @@ def test_tools_refuse_bad_flags_in_one_line_before_timing():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commands = [argv for argv, _ in TOOL_REFUSALS]
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text("{}")
+    commands = [[a.replace("{tmp}", str(tmp_path)) for a in argv] for argv, _ in TOOL_REFUSALS]
     proc = subprocess.run([sys.executable, "-c", _TOOL_DRIVER, os.path.join(root, "tools"),
                            json.dumps(commands)], capture_output=True, text=True, timeout=300,
                           cwd=root)

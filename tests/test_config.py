@@ -157,6 +157,9 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
             # after absl's usage dump, 39 lines (a README walk)
             (["--config", "experiments/lm.py", "steps=3"], "error: unexpected arguments "
              "['steps=3']: every setting is a flag (--name=value); --help lists them"),
+            # parsed, then read only by a multi-process run's join (review r6: ignored)
+            (["--config", "experiments/lm.py", "--init_timeout", "30"], "hpnlp: error: "
+             "--init_timeout: only for a multi-process run (--coordinator HOST:PORT); drop it"),
     ):
         cases.append((subprocess.Popen(  # side by side: each is a second of Python's imports
             [sys.executable, "-m", "hpnlp.main", *argv, "--workdir", str(tmp_path / "w")],
@@ -165,6 +168,26 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
         err = proc.communicate(timeout=120)[1].strip()
         assert proc.returncode == 1 and err.startswith("hpnlp: error: ") and match in err, err
         assert "\n" not in err and not (tmp_path / "w").exists()
+
+
+def test_a_progress_bar_redraws_often_in_a_terminal_or_a_notebook(monkeypatch):
+    """Review r6: in Jupyter or Colab stderr is ipykernel's stream, no tty, so a run's bar (the
+    notebook widget, which honours mininterval) moved every 15 s, as in a log file."""
+    import io
+
+    from hpnlp import progress
+
+    class OutStream(io.StringIO):  # as ipykernel.iostream.OutStream says of itself
+        __module__ = "ipykernel.iostream"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, interval in ((io.StringIO(), progress.IN_A_FILE_S), (OutStream(), 0.2),
+                             (Terminal(), 0.2)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert progress.bar_interval() == interval, type(stream)
 
 
 def test_tensor_parallelism_splits_the_key_value_heads_too():

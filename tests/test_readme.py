@@ -28,8 +28,46 @@ def test_sync_copies_a_section_under_its_heading(tmp_path, monkeypatch):
     text = ("x\n<!-- BEGIN generated: r.md ### B -->\nold\n<!-- END generated -->\n"
             "<!-- BEGIN generated: r.md -->\n<!-- END generated -->\n")
     out = sync_readme.render(text)
-    assert "row b" in out and "old" not in out.split("r.md -->")[1].split("<!-- END")[0]
+    # each block by its own marker (review r6: the split took the whole-file block, so a
+    # `### B` block left as it was, or copied empty, passed)
+    assert out.split("r.md ### B -->\n")[1].split("<!-- END")[0] == "row b\n"
     assert out.count("row a") == 1  # only in the whole-file block
+    whole = out.split("r.md -->\n")[1].split("<!-- END")[0]
+    assert whole == "intro\n\n### A\n\nrow a\n\n### B\n\nrow b\n"
+
+
+def test_sync_refuses_a_heading_it_copies_that_occurs_twice(tmp_path, monkeypatch):
+    # review r6: `lines.index(heading)` copied the first of two `### rnn` sections of
+    # targets.md, so README.md lost records and both --checks passed
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import pytest
+    import sync_readme
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    (tmp_path / "r.md").write_text("# t\n\n### B\n\nrow 1\n\n### B\n\nrow 2\n")
+    with pytest.raises(SystemExit, match=re.escape(
+            "r.md has 2 lines '### B', so the block would copy the first of them; regenerate")):
+        sync_readme.render("<!-- BEGIN generated: r.md ### B -->\n<!-- END generated -->\n")
+
+
+def test_sync_names_the_line_of_a_marker_it_does_not_read(tmp_path, monkeypatch):
+    # review r6: a marker the block pattern did not take (`###B`, a CRLF) was skipped, so
+    # --check passed on numbers never rewritten; a BEGIN without its END took the next
+    # block's BEGIN as its text, and writing deleted that marker
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import pytest
+    import sync_readme
+    monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
+    (tmp_path / "r.md").write_text("# t\n\n### B\n\nrow b\n")
+    good = "<!-- BEGIN generated: r.md ### B -->\nold\n<!-- END generated -->\n"
+    assert sync_readme.render("x\n" + good) == "x\n" + good.replace("old", "row b")
+    for text, number in (("<!-- BEGIN generated: r.md ###B -->\nold\n<!-- END generated -->\n",
+                          1),
+                         ("x\n" + good.replace(" -->\nold", " -->\r\nold"), 2),
+                         ("x\n" + good.replace("<!-- END generated -->\n", "") + good, 4),
+                         (good + "<!-- END generated -->\n", 4)):
+        with pytest.raises(SystemExit, match=rf"^README.md:{number}: '<!-- (BEGIN|END) "
+                                             r"generated.* is not a generated block's marker"):
+            sync_readme.render(text)
 
 
 def test_check_shows_what_differs(tmp_path, monkeypatch, capsys):

@@ -40,6 +40,7 @@ def main() -> None:
         p.error(f"--eval-batches {args.eval_batches}: give a positive number (0: the teacher's)")
     if not os.path.exists(os.path.join(args.teacher, "config.json")):
         sys.exit(f"--teacher {args.teacher}: no config.json there; pass a finished run's workdir")
+    summary = teacher_summary(p, args.teacher)
     tcfg = validate(load_run_config(args.teacher))
     print(f"teacher {args.teacher}: eval split {tcfg.data.eval_split!r}")
     for init in args.inits:
@@ -54,10 +55,31 @@ def main() -> None:
         if init == "pca":
             line += f" (kept components' energy {energy(tr, state):.3f})"
         print(line, flush=True)
-    with open(os.path.join(args.teacher, "summary.json")) as f:
-        summary = json.load(f)
     print(f"teacher: loss {summary['eval']['loss']:.4f}; unigram loss "
           f"{summary['baseline']['unigram_loss']:.4f} (its run's summary.json)")
+
+
+def teacher_summary(p: argparse.ArgumentParser, teacher: str) -> dict:
+    """The teacher run's summary.json, with the losses the last line prints; a parser error
+    naming what is missing before any student is built (review r6: a run stopped by Ctrl-C,
+    or still training, has none, a FileNotFoundError after every init's evaluation)."""
+    path = os.path.join(teacher, "summary.json")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except OSError as e:
+        p.error(f"--teacher {teacher}: no readable summary.json there ({e.strerror}): a run "
+                "writes it when it ends; pass a finished run's workdir")
+    except ValueError as e:
+        p.error(f"--teacher {teacher}: its summary.json is not JSON ({e}); pass a finished "
+                "run's workdir")
+    for section, key in (("eval", "loss"), ("baseline", "unigram_loss")):
+        part = summary.get(section) if isinstance(summary, dict) else None
+        value = part.get(key) if isinstance(part, dict) else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            p.error(f"--teacher {teacher}: its summary.json has no number {section}.{key}; pass "
+                    "a finished byte-LM run's workdir")
+    return summary
 
 
 def energy(tr, state) -> float:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from hpnlp.attention import chunked, flash_gpu
 from hpnlp.bench import harness
+from hpnlp.paths import check_writable_dir
 
 # (query block, key block, warps, pipeline stages) of the forward; (held block, looped block,
 # warps, stages) of the two backward kernels.
@@ -80,6 +81,11 @@ def main(argv=None) -> int:
     for name in ("L", "B", "H", "D"):  # a bug hunt: a bad shape became rows of errors
         if getattr(a, name) < 1:
             p.error(f"--{name} {getattr(a, name)}: give a positive size")
+    if a.out:  # review r6: a file there was a traceback after every configuration was timed
+        try:
+            check_writable_dir(a.out, "--out")
+        except ValueError as e:
+            p.error(str(e))
     if jax.default_backend() != "gpu":
         print("flash_gpu_blocks: needs the GPU backend (JAX_PLATFORMS=cuda)", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on a GPU machine whose image has jax (CUDA), flax, optax and orbax but not
 # hpnlp's other needs: those travel as wheels in WHEELS (default .whl: grain, array-record,
-# ml-collections, portpicker, tensorboardX; see README "On a GPU"). Usage, from the repo root:
+# ml-collections, portpicker, tensorboardX; see docs/tests.md "On a GPU"). Usage, from the
+# repo root:
 #   bash tools/gpu_suite.sh [pytest arguments]   (-m "not slow" unless they give -m)
 # Writes the log to $OUT/suite.txt when OUT is set (the lent machines' output folder).
 set -o pipefail

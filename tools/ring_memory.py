@@ -20,10 +20,13 @@ import argparse
 import os
 import sys
 
+from ablib import at_least  # (imports JAX; its devices are made only after the flags below)
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", type=int, default=4)
+    # (review r6: 0 was a ZeroDivisionError, -1 reached XLA as a device count)
+    ap.add_argument("--devices", type=at_least(1), default=4)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--block", type=int, default=None,
                     help="each ring step's tile (a divisor of L / devices); default: chosen")
@@ -37,8 +40,9 @@ def main(argv=None) -> None:
                      f"L / devices = {L // args.devices} positions for --lengths {L}")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+    if "JAX_PLATFORMS" not in os.environ:  # (JAX read the variable when ablib imported it)
+        jax.config.update("jax_platforms", "cpu")
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -33,6 +33,9 @@ BENCHES = os.path.join(ROOT, "hpnlp", "bench")
 DIFF_LINES = 40  # of the unified diff --check shows
 BLOCK = re.compile(r"(<!-- BEGIN generated: (\S+)(?: (#+ [^\n]*?))? -->\n)(.*?)(<!-- END generated -->)",
                    re.S)
+# anything that reads as a block's marker, taken by BLOCK or not (review r6: a marker BLOCK
+# did not take, say `###B` or a CRLF, was skipped without a word and its numbers kept)
+MARKER = re.compile(r"<!--\s*(?:BEGIN|END)\s+generated", re.I)
 
 
 def section(path: str, heading: str | None) -> str:
@@ -51,10 +54,13 @@ def section(path: str, heading: str | None) -> str:
         # relinked as a section is (review r6: a whole file's links were copied as written)
         return relink("\n".join(body).strip() + "\n", os.path.dirname(path))
     level = heading.split(" ", 1)[0]
-    try:
-        start = lines.index(heading) + 1
-    except ValueError:
+    if heading not in lines:
         raise SystemExit(f"{path} has no line {heading!r}; rerun its benchmark or fix README.md")
+    if lines.count(heading) > 1:  # review r6: the first was copied, whichever it was
+        raise SystemExit(f"{path} has {lines.count(heading)} lines {heading!r}, so the block "
+                         "would copy the first of them; regenerate the file (its benchmark, or "
+                         "python tools/targets_table.py for targets.md) so the heading is unique")
+    start = lines.index(heading) + 1
     end = next((i for i in range(start, len(lines))
                 if lines[i].startswith("#") and len(lines[i].split(" ", 1)[0]) <= len(level)), len(lines))
     return relink("\n".join(lines[start:end]).strip() + "\n", os.path.dirname(path))
@@ -93,18 +99,33 @@ def parts_left_out(folder: str, payload: dict) -> list[str]:
     the parts it timed (`seconds`), as `python -m hpnlp.bench` judges a report whole
     (`_full_report`); [] for a bench without parts. The bench is the one the payload names,
     else the title of the results.md beside it."""
-    name = payload.get("benchmark")
-    if not isinstance(name, str):
-        try:
-            with open(os.path.join(folder, "results.md")) as f:
-                name = f.readline().removeprefix("# hpnlp benchmark: ").strip()
-        except (OSError, UnicodeDecodeError):
-            return []
+    name = bench_name(folder, payload)
+    if name is None:
+        return []
     every = bench_parts(name)
     ran = payload.get("parts", payload.get("seconds"))
     if not every or not isinstance(ran, (list, dict)):
         return []
     return [p for p in every if p not in ran]
+
+
+TITLE = "# hpnlp benchmark: "  # results.md's first line, as hpnlp.bench.report writes it
+
+
+def bench_name(folder: str, payload: dict) -> str | None:
+    """The bench whose record in `folder` is `payload` (its results.json): the name the
+    payload gives (`benchmark`), else the title of the results.md beside it; None where
+    neither names one."""
+    name = payload.get("benchmark")
+    if isinstance(name, str):
+        return name
+    try:
+        with open(os.path.join(folder, "results.md")) as f:
+            title = f.readline().rstrip("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    name = title.removeprefix(TITLE).strip().replace(" ", "_")  # as report.write names it
+    return name if title.startswith(TITLE) and re.fullmatch(r"\w+", name) else None
 
 
 def bench_parts(name: str) -> tuple[str, ...]:
@@ -137,6 +158,18 @@ def relink(text: str, folder: str) -> str:
 
 
 def render(readme: str) -> str:
+    """`readme` with each generated block's body copied anew; SystemExit naming the line of
+    a marker BLOCK does not take (review r6: it was skipped, so --check passed on a block
+    never rewritten; a BEGIN left without its END took the next block's BEGIN as text)."""
+    taken = {i for m in BLOCK.finditer(readme) for i in (m.start(1), m.start(5))}
+    for m in MARKER.finditer(readme):
+        if m.start() not in taken:
+            number = readme.count("\n", 0, m.start()) + 1
+            raise SystemExit(
+                f"README.md:{number}: {readme.splitlines()[number - 1].strip()!r} is not a "
+                "generated block's marker that tools/sync_readme.py reads; write "
+                "'<!-- BEGIN generated: PATH -->' or '<!-- BEGIN generated: PATH ### HEADING -->'"
+                " and, lines below, '<!-- END generated -->', each on a line of its own")
     return BLOCK.sub(lambda m: m.group(1) + section(m.group(2), m.group(3)) + m.group(5), readme)
 
 

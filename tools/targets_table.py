@@ -20,8 +20,9 @@ import glob
 import json
 import math
 import os
+import re
 
-from sync_readme import write_or_check
+from sync_readme import BENCHES, bench_name, write_or_check
 
 from hpnlp.bench import report
 from hpnlp.bench.harness import CPU_IDS, PARTIAL
@@ -156,6 +157,10 @@ def records() -> list[tuple[str, dict]]:
         if targets and not isinstance(targets, dict):
             raise SystemExit(f"{path}: `targets` is not a map of targets; "
                              f"{FIX.replace('PATH', path)}")
+        name = payload.get("benchmark")
+        if name is not None and not (isinstance(name, str) and re.fullmatch(r"\w+", name)):
+            raise SystemExit(f"{path}: `benchmark` = {name!r} is not a bench's name; "
+                             f"{FIX.replace('PATH', path)}")
         if targets:
             check_machine(path, payload.get("machine"))
             payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}
@@ -175,19 +180,37 @@ def rows() -> list[tuple]:
     return sorted(out, key=lambda r: (r[0], r[1]))
 
 
+def benchmark(folder: str, payload: dict) -> str:
+    """The bench a record (its folder under docs/benchmarks) is of: the one its results.json
+    names (`benchmark`), else its results.md's title (as tools/sync_readme.py reads them),
+    else the longest start of the folder's name, cut at a `_`, that names a module of
+    hpnlp/bench (`rnn_epyc_zen3`: rnn), else the folder's name."""
+    name = bench_name(os.path.join(ROOT, "docs", "benchmarks", folder), payload)
+    if name:
+        return name
+    words = os.path.basename(folder).split("_")
+    for n in range(len(words), 0, -1):
+        if os.path.isfile(os.path.join(BENCHES, "_".join(words[:n]) + ".py")):
+            return "_".join(words[:n])
+    return os.path.basename(folder)
+
+
 def by_benchmark() -> list[str]:
-    """A table per benchmark (the records sharing one set of targets, named by their folders'
-    common prefix): a row per record, its main folder first, a column per target."""
-    groups: dict[tuple, list] = {}
+    """A table per benchmark: a row per record, its main folder (the bench's name) first, a
+    column per target any of them holds, "–" where a record holds no target of that name.
+    (Review r6: records grouped by their set of targets split a bench that gained a target
+    in two sections that could share one heading, and README.md copied the first.)"""
+    groups: dict[str, list] = {}
     for folder, payload in records():
-        groups.setdefault(tuple(sorted(payload["targets"])), []).append((folder, payload))
+        groups.setdefault(benchmark(folder, payload), []).append((folder, payload))
     lines = []
-    for names, members in sorted(groups.items(), key=lambda g: g[1][0][0]):
-        name = os.path.commonprefix([f for f, _ in members]).rstrip("_") or members[0][0]
+    for name, members in sorted(groups.items()):
         members.sort(key=lambda m: (m[0] != name, m[0]))
+        names = sorted({n for _, p in members for n in p["targets"]})
         heads = []
         for n in names:
-            given = {(p["targets"][n].get("op"), p["targets"][n].get("bound")) for _, p in members}
+            given = {(p["targets"][n].get("op"), p["targets"][n].get("bound"))
+                     for _, p in members if n in p["targets"]}
             op, bound = next(iter(given))
             heads.append(f"`{n}` {op} {number(bound)}" if len(given) == 1 else f"`{n}`")
         lines += [f"### {name}", "",
@@ -197,13 +220,16 @@ def by_benchmark() -> list[str]:
             info = payload.get("machine") or {}
             cells, met = [], 0
             for n in names:
-                tg = payload["targets"][n]
+                tg = payload["targets"].get(n)
+                if tg is None:  # a target its bench gained after this record
+                    cells.append("–")
+                    continue
                 met += bool(tg.get("met"))
                 value = number(tg.get("value"))
                 cells.append(value if tg.get("met") else f"**{value}**")
             lines.append(f"| [`{folder}`]({folder}/results.md) | {short_machine(info)} | "
                          f"{(info.get('date') or '?')[:10]} | " + " | ".join(cells)
-                         + f" | {met} of {len(names)} |")
+                         + f" | {met} of {len(payload['targets'])} |")
         lines.append("")
     return lines
 
