@@ -79,9 +79,14 @@ def run_one(overrides: dict) -> dict:
                 out.update(second_run(overrides, changes, workdir, name))
                 if out["status"] != "ok":
                     return out
-    # Expert-choice routing ranks a whole group's tokens, which one decoded token is not.
-    if (full.model.kind == "lm" and full.model.arch == "transformer"
-            and not (full.model.moe.enabled() and full.model.moe.router == "expert_choice")):
+    decodes = full.model.kind == "lm" and full.model.arch == "transformer"
+    if decodes:  # what cannot decode a token at a time is refused up front, in one line
+        from hpnlp.models.generate import check_decodes  # (expert-choice routing ranks a
+        try:  # whole group's tokens; a pipelined run's random features are drawn per stage)
+            check_decodes(full)
+        except ValueError as e:
+            decodes, out["decoded"] = False, f"refused: {e}"
+    if decodes:
         from hpnlp.models import build
         from hpnlp.train.loop import dummy_batch
         import flax.linen as nn

@@ -304,6 +304,44 @@ def test_pipeline_config_errors():
     _check(cd, "model.stack_layers", r"model.reversible=False", num_devices=1)
 
 
+def test_a_pipelined_run_of_random_features_is_refused_for_decoding(monkeypatch):
+    """Found in review: the stages (`apply_layers`) fold each layer's index into the
+    features key, the unpipelined `nn.scan` that decodes splits it, so a Performer layer
+    draws another projection there. Checked on one device with `gpipe`'s slow twin (its
+    keys; test_pipeline_training_matches_one_device: the same function where nothing is
+    drawn); `generate` refuses decoding such a run in one line."""
+    from hpnlp.models.generate import check_decodes
+    from hpnlp.parallel import pipeline
+    batch = lm_batch()
+    batch["segment_ids"] = jnp.ones_like(batch["segment_ids"])  # performer: padding only
+    batch["positions"] = jnp.broadcast_to(jnp.arange(16), (4, 16))
+    key = jax.random.key(7)
+    cd = tiny(depth=2)
+    cd.data.batching = "pad"
+    cd.attention.update(name="performer", options={"num_features": 16})
+    model = models.build(validate(from_configdict(cd), num_devices=1), deterministic=True)
+    params = random_params(model, batch)
+    # a fresh jit each: the stages are read when it traces
+    f = lambda: jax.jit(lambda p: model.apply(  # noqa: E731
+        {"params": p}, batch, method="log_probs", rngs={"features": key}))(params)
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "pipeline_stages", lambda axis="pipeline": 2)
+        patch.setattr(pipeline, "gpipe", lambda stage, params, x, seg, rngs, microbatches:
+                      pipeline.gpipe_reference(stage, params, x, seg, rngs, microbatches=2))
+        piped = f()
+    assert float(jnp.max(jnp.abs(piped - f()))) > 1e-2
+
+    cd.mesh.update(pipeline=2, data=1)
+    cfg = validate(from_configdict(cd), num_devices=2)
+    with pytest.raises(ValueError, match=r"^decoding a mesh.pipeline=2 run .* decode a run "
+                       r"trained with mesh.pipeline=1 or attention.options.redraw=False$"):
+        check_decodes(cfg)
+    cd.attention.options = {"num_features": 16, "redraw": False}  # the seed's: one draw
+    check_decodes(validate(from_configdict(cd), num_devices=2))
+    cd.attention.name, cd.attention.options = "lsh", {}  # decodes by full attention: no draw
+    check_decodes(validate(from_configdict(cd), num_devices=2))
+
+
 # 8 simulated devices: a student pipelined over 4 stages (2 data shards) built with a teacher
 # of stacked layers (train.distill.teacher=argv[1]); argv[2]: the student's workdir.
 _TEACHER = r"""

@@ -221,6 +221,20 @@ def test_generate_with_top_k_one_samples_the_greedy_tokens(lms):
     np.testing.assert_array_equal(got, want)
 
 
+def test_greedy_rows_of_unequal_prompts_decode_as_each_row_alone(lms):
+    """What the CLI always runs (it passes the prompts' lengths): a row past its prompt feeds
+    its own last token while the longer row still reads its prompt. Each row's tokens equal
+    a batch-1 generate of that row's prompt alone (which prefills it)."""
+    cfg, params, *_, inputs = lms
+    lens = (5, 2)
+    got, *alone = jax.jit(lambda p, pr: [  # one compile
+        models.generate(cfg, p, pr[:, :max(lens)], jnp.asarray(lens), length=LEN),
+        *(models.generate(cfg, p, pr[b:b + 1, :n], length=LEN) for b, n in enumerate(lens))])(
+        params, inputs)
+    for b in range(len(lens)):
+        np.testing.assert_array_equal(got[b], alone[b][0], err_msg=f"row {b}")
+
+
 @pytest.mark.parametrize("kw", [dict(top_k=3), dict(temperature=0.7, top_p=0.5, min_p=0.3)])
 def test_every_sampled_token_is_allowed_at_its_step(lms, kw):
     """32 rows of 13 sampled tokens: each is among those the options keep under the model's

@@ -24,11 +24,11 @@ from hpnlp.train.loop import Trainer
 B, L, E, DEPTH = 2, 8, 16, 2
 
 
-def xl_config(mem_len=0, output="full"):
+def xl_config(mem_len=0, output="full", **model):
     cd = default_configdict()
     cd.data.update(task="byte_lm", seq_len=L, batching="stream")
     cd.model.update(kind="lm", arch="transformer_xl", width=E, depth=DEPTH, num_heads=2, mlp_dim=32,
-                    dropout=0.0, mem_len=mem_len)
+                    dropout=0.0, mem_len=mem_len, **model)
     cd.output.name = output
     cd.train.update(batch_size=B, steps=10, warmup_steps=1)
     return validate(from_configdict(cd), task_info={"kind": "lm", "vocab_size": 256}, num_devices=1)
@@ -42,11 +42,12 @@ def stream_batch(tokens_BN, seg_BN, start, stop):
 _SETUPS = {}
 
 
-def setup(mem_len=0, output="full"):
+def setup(mem_len=0, output="full", **model):
     """(model, random params (u, v and the norms away from their init), jitted apply of
-    `nll`), built once per test module."""
-    if (mem_len, output) not in _SETUPS:
-        cfg = xl_config(mem_len, output)
+    `nll`), built once per test module; `model`: more model fields (the compressed memory)."""
+    name = (mem_len, output, *sorted(model.items()))
+    if name not in _SETUPS:
+        cfg = xl_config(mem_len, output, **model)
         if output == "adaptive":
             opts = {"cutoffs": (64,)}
             cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, options=opts))
@@ -64,8 +65,8 @@ def setup(mem_len=0, output="full"):
 
         params = jax.tree_util.tree_map_with_path(draw, shapes)
         apply = jax.jit(lambda p, *a, **kw: model.apply({"params": p}, *a, method=nll, **kw))
-        _SETUPS[mem_len, output] = model, params, apply
-    return _SETUPS[mem_len, output]
+        _SETUPS[name] = model, params, apply
+    return _SETUPS[name]
 
 
 def band(n, seg_len, mem, prefix=0):
@@ -209,6 +210,34 @@ def test_a_new_epochs_rows_and_a_skipped_step_move_the_memory_on():
     new = full._replace(hidden_XBME=full.hidden_XBME.at[:, 1].set(jnp.inf))
     kept = carry.skipped(new, xl.init_memory(cfg, B), jnp.asarray(False))
     assert kept.valid_BM[0].all() and not kept.valid_BM[1].any()  # the overflowed row afresh
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_overflowed_row_reads_a_fresh_memory_next(compressed):
+    """Found in review: a skipped step's overflowed row was only marked invalid, its inf
+    kept; the next segment's layer norm made it NaN, and 0 * NaN in the value product gave
+    every query of the row NaN (and the compressed memory's reconstruction loss NaN). The
+    next segment now runs finite, the row as from an empty memory, the other row as before."""
+    comp = {"comp_mem_len": L // 2, "comp_rate": 2, "comp_fn": "pool"} if compressed else {}
+    model, params, apply = setup(L, **comp)
+    tokens = jax.random.randint(jax.random.key(6), (B, 2 * L + 1), 0, 256)
+    seg = jnp.ones((B, 2 * L), jnp.int32)
+    s1, s2 = stream_batch(tokens, seg, 0, L), stream_batch(tokens, seg, L, 2 * L)
+    fresh = xl.init_memory(model.cfg, B)
+    mem = apply(params, s1, fresh)[1]
+    poisoned = mem._replace(hidden_XBME=mem.hidden_XBME.at[1:, 1].set(jnp.inf))  # layer 1's input
+    if compressed:
+        poisoned = poisoned._replace(comp_XBCE=mem.comp_XBCE.at[:, 1].set(jnp.nan))
+    kept = xl.MemoryCarry(model.cfg).skipped(poisoned, mem, jnp.asarray(False))
+    (out, new), (ref_fresh, _), (ref_mem, _) = (apply(params, s2, m) for m in (kept, fresh, mem))
+    assert np.isfinite(out).all() and all(np.isfinite(x).all() for x in jax.tree.leaves(new))
+    np.testing.assert_allclose(out[1], ref_fresh[1], atol=1e-6)
+    np.testing.assert_allclose(out[0], ref_mem[0], atol=1e-6)
+    if compressed:  # the step's sums, the reconstruction loss with them
+        sums, _ = jax.jit(xl.MemoryCarry(model.cfg).loss(model, None))(
+            params, {"memory": kept}, s2, {})
+        assert all(np.isfinite(float(v)) for v in sums.values()), sums
+        assert float(sums["loss_recon"]) > 0.0  # row 0 evicted real positions
 
 
 def test_config_fields():

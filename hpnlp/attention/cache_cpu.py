@@ -12,8 +12,8 @@ as products batched over (b, h), which it can only do after transposing both who
 so those dimensions lead, every step; at batch 16 and 512 positions those copies took most
 of a width-512 LM's decoding step. The kernel reads the cache where it lies, and only the
 positions written so far. The XLA program (`impl="xla"`) runs everywhere else and is the
-kernel's tested twin. Gradients (decoding is not trained, but a step is differentiable)
-come from the twin.
+kernel's tested twin. Derivatives (decoding is not trained, but a step is differentiable),
+forward and reverse mode, are the twin's.
 
 Grouped-query attention (`model.num_kv_heads`): the cache may hold G key/value heads, G
 dividing the queries' H; query head h reads cache head h // (H / G).
@@ -30,7 +30,6 @@ dim.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -91,52 +90,35 @@ def blocker(q_BLHD, k_BTHD, v_BTHD, coded: bool = False) -> str | None:
     return KERNEL.blocker()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _kernel(q_BLHD, k_BTHD, v_BTHD, index, threads):
-    return jax.ffi.ffi_call(
-        "hpnlp_cached_attention" + ("_bf16" if q_BLHD.dtype == jnp.bfloat16 else ""),
-        jax.ShapeDtypeStruct(q_BLHD.shape, q_BLHD.dtype), vmap_method="sequential")(
-        q_BLHD, k_BTHD, v_BTHD, index, scale=np.float32(1.0 / np.sqrt(q_BLHD.shape[-1])),
-        threads=np.int64(kernels.cores() if threads is None else threads))
+    """The kernel, differentiated as the twin in every mode (`kernels.with_twin_gradient`:
+    found in review, a `custom_vjp` here left `jax.jvp` and `jacfwd` to impl='xla' only)."""
+    options = dict(scale=np.float32(1.0 / np.sqrt(q_BLHD.shape[-1])),
+                   threads=np.int64(kernels.cores() if threads is None else threads))
+
+    def kernel(q, k, v, i):
+        return jax.ffi.ffi_call(
+            "hpnlp_cached_attention" + ("_bf16" if q.dtype == jnp.bfloat16 else ""),
+            jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(q, k, v, i, **options)
+
+    return kernels.with_twin_gradient(kernel, cached_attention_xla, q_BLHD, k_BTHD, v_BTHD, index)
 
 
-def _kernel_fwd(q_BLHD, k_BTHD, v_BTHD, index, threads):
-    return _kernel(q_BLHD, k_BTHD, v_BTHD, index, threads), (q_BLHD, k_BTHD, v_BTHD, index)
-
-
-def _kernel_bwd(threads, res, do_BLHD):
-    q_BLHD, k_BTHD, v_BTHD, index = res
-    _, vjp = jax.vjp(lambda q, k, v: cached_attention_xla(q, k, v, index), q_BLHD, k_BTHD, v_BTHD)
-    return (*vjp(do_BLHD), None)
-
-
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _kernel_i8(q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index, threads):
-    return jax.ffi.ffi_call(
-        "hpnlp_cached_attention_i8", jax.ShapeDtypeStruct(q_BLHD.shape, jnp.float32),
-        vmap_method="sequential")(
-        q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index,
-        scale=np.float32(1.0 / np.sqrt(q_BLHD.shape[-1])),
-        threads=np.int64(kernels.cores() if threads is None else threads))
+    """`_kernel` over an int8 cache: the query's and the scales' derivatives are the twin's
+    (the integer codes and index have none)."""
+    options = dict(scale=np.float32(1.0 / np.sqrt(q_BLHD.shape[-1])),
+                   threads=np.int64(kernels.cores() if threads is None else threads))
 
+    def kernel(q, k, v, ks, vs, i):
+        return jax.ffi.ffi_call(
+            "hpnlp_cached_attention_i8", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            vmap_method="sequential")(q, k, v, ks, vs, i, **options)
 
-def _kernel_i8_fwd(q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index, threads):
-    return (_kernel_i8(q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index, threads),
-            (q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index))
+    def twin(q, k, v, ks, vs, i):
+        return cached_attention_xla(q, k, v, i, (ks, vs))
 
-
-def _kernel_i8_bwd(threads, res, do_BLHD):
-    q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index = res
-    _, vjp = jax.vjp(lambda q, ks, vs: cached_attention_xla(q, k_BTGD, v_BTGD, index, (ks, vs)),
-                     q_BLHD, ks_BTG, vs_BTG)
-    dq, dks, dvs = vjp(do_BLHD)
-    return dq, None, None, dks, dvs, None  # the integer codes and index take no gradient
-
-
-_kernel_i8.defvjp(_kernel_i8_fwd, _kernel_i8_bwd)
+    return kernels.with_twin_gradient(kernel, twin, q_BLHD, k_BTGD, v_BTGD, ks_BTG, vs_BTG, index)
 
 
 def cached_attention(q_BLHD, k_BTHD, v_BTHD, index, *, scales=None, impl: str = "auto",

@@ -335,8 +335,9 @@ def check_token_counts(cfg: Config, token_counts, arg: str = "token_counts",
 
 def check_decodes(cfg: Config) -> None:
     """A ValueError, naming the field, where `cfg`'s model cannot decode a token at a time:
-    not a causal Transformer LM, random features redrawn by reversible blocks, or experts
-    that choose their tokens (`expert_choice` ranks a whole group's)."""
+    not a causal Transformer LM, random features redrawn by reversible blocks or drawn per
+    pipeline stage (mesh.pipeline other than 1), or experts that choose their tokens
+    (`expert_choice` ranks a whole group's)."""
     if cfg.model.kind != "lm":
         raise ValueError(f"decoding needs a causal LM (model.kind='lm'); this config is a "
                          f"model.kind={cfg.model.kind!r} one")
@@ -351,6 +352,16 @@ def check_decodes(cfg: Config) -> None:
         raise ValueError(f"decoding a model.reversible=True model with attention.name="
                          f"{cfg.attention.name!r} would draw other random features than its "
                          "training did; decode a model.reversible=False run of it")
+    if cfg.mesh.pipeline != 1 and attention_lib.draws_features(  # -1: every device
+            cfg.attention.name, cfg.attention.options, decoding=True):
+        # found in review: the pipeline stages fold each layer's index into the features key,
+        # the unpipelined scan that decodes splits it, so the layers' draws differ
+        # (parallel/pipeline.py); the redraw=False draw (the seed's) is the same in both
+        raise ValueError(f"decoding a mesh.pipeline={cfg.mesh.pipeline} run with attention.name="
+                         f"{cfg.attention.name!r} would draw other random features per layer "
+                         "than its pipelined training did (decoding runs the layers unpipelined); "
+                         "decode a run trained with mesh.pipeline=1 or attention.options.redraw="
+                         "False")
     if cfg.model.moe.num_experts and cfg.model.moe.router == "expert_choice":
         # a README walk: a traceback from the layer's own check, inside the decode's trace
         raise ValueError("decoding a model.moe.router='expert_choice' model: each expert ranks "

@@ -96,10 +96,18 @@ def init_memory(cfg: Config, batch_size: int) -> Memory:
 
 
 def fresh_rows(memory: Memory, rows_B) -> Memory:
-    """`memory` with the rows where `rows_B` is True emptied (no valid slot)."""
+    """`memory` with the rows where `rows_B` is True emptied: no valid slot, and zeros in
+    every slot. The values go too (found in review): a masked slot still meets the value
+    product as 0 * v, and an overflowed row's inf turns NaN under the next segment's layer
+    norm, so invalid alone gave every query of the row NaN and skipped the steps after."""
     keep_B1 = ~rows_B[:, None]
-    return memory._replace(valid_BM=memory.valid_BM & keep_B1, comp_valid_BC=(
-        None if memory.comp_valid_BC is None else memory.comp_valid_BC & keep_B1))
+
+    def clear(x_XBSE):
+        return None if x_XBSE is None else jnp.where(rows_B[None, :, None, None], 0, x_XBSE)
+    return memory._replace(
+        hidden_XBME=clear(memory.hidden_XBME), valid_BM=memory.valid_BM & keep_B1,
+        comp_XBCE=clear(memory.comp_XBCE), comp_valid_BC=(
+            None if memory.comp_valid_BC is None else memory.comp_valid_BC & keep_B1))
 
 
 def carries_memory(cfg: Config) -> bool:

@@ -30,7 +30,10 @@ unpipelined run, so with dropout > 0 the masks differ from the mesh.pipeline = 1
 they change with M; and the variants that draw random features from the `features` stream
 (LSH's rotations, Performer's projections) draw other ones per layer than the mesh.pipeline
 = 1 run, so the same weights evaluate otherwise there (found in review: eval losses 1-2%
-apart on a tiny LM). Evaluate such a run under the mesh.pipeline it trained with.
+apart on a tiny LM). Evaluate such a run under the mesh.pipeline it trained with. Decoding
+always runs the scan, so `generate` refuses a run whose decoding draws (`check_decodes`:
+Performer with redraw; LSH decodes by full attention). The keys stay as they are: deriving
+them otherwise would change every saved run's draw.
 
 Shape letters: B batch, b microbatch rows (B / M), M microbatches, L length, E width,
 P pipeline stages.
