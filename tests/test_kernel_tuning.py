@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -312,6 +313,140 @@ def test_a_compiler_that_always_fails_is_named_not_the_march(tmp_path, monkeypat
             f"set it to one it accepts{hint} or unset it (native)")
 
 
+# A compiler for an AVX2-only CPU (an EPYC Zen 3), as a script: it answers the preprocessor
+# runs (`-march=... -dM -E`: the ISA macros; `-E`: accepts every -march) and `--version`, and
+# writes the command of anything else (a compile) to `compiled` beside itself.
+AVX2_ONLY_CXX = """#!/bin/sh
+case "$*" in
+  *--version*) echo "fakecc 1.0";;
+  *-march=native*-dM*) printf '#define __AVX2__ 1\\n#define __FMA__ 1\\n#define __SSE4_2__ 1\\n'
+                       printf '#define __znver3__ 1\\n';;
+  *-march=x86-64-v3*-dM*) printf '#define __AVX2__ 1\\n#define __FMA__ 1\\n';;
+  *-march=x86-64-v4*-dM*) printf '#define __AVX2__ 1\\n#define __AVX512F__ 1\\n'
+                          printf '#define __AVX512BW__ 1\\n#define __SSE4_2__ 1\\n';;
+  *-E*) ;;
+  *) echo "$*" >> "$(dirname "$0")/compiled"; exit 1;;
+esac
+"""
+
+
+def test_a_march_this_cpu_cannot_run_is_refused_not_built_or_loaded(tmp_path, monkeypatch):
+    """Found in review: HPNLP_KERNEL_MARCH=x86-64-v4 (or icelake-server) on an AVX2-only CPU
+    passed the check (the compiler accepts it), built and loaded, and its first AVX-512
+    instruction killed the process with SIGILL: no message, no XLA twin, and the library
+    stayed in the cache for the next process. Now the instruction sets the value enables
+    are compared with -march=native's (their macros): one line naming the variable and the
+    sets this CPU lacks, a warning once, the twin; nothing compiles, and a library already
+    cached for the value is not loaded. (A script stands for the compiler.)"""
+    cxx = tmp_path / "cxx"
+    cxx.write_text(AVX2_ONLY_CXX)
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HPNLP_KERNEL_MARCH", "x86-64-v4")
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="CPU kernels cannot be built: HPNLP_KERNEL_MARCH="
+                                            "x86-64-v4 enables AVX512BW, AVX512F, which"):
+        reason = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").load()
+    assert reason == (
+        f"HPNLP_KERNEL_MARCH=x86-64-v4 enables AVX512BW, AVX512F, which this CPU "
+        f"({kernels.cpu_name()}) lacks (its library would die of an illegal instruction); set "
+        "it to a -march this CPU runs (x86-64-v3: AVX2 without AVX-512) or unset it (native)")
+    assert not (tmp_path / "compiled").exists()
+    kernel = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel")
+    os.makedirs(tmp_path / "cache", exist_ok=True)  # a library built for it before the check
+    import _ctypes
+    shutil.copy(_ctypes.__file__, kernel.library_path())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once a process
+        assert kernel.load() == reason and kernel._lib is None
+    # a subset of this CPU's (the portable tests' value) passes; a compiler that cannot
+    # preprocess -march=native leaves the value to the build
+    assert kernels._isa_error((str(cxx),), "x86-64-v3") is None
+    assert kernels._isa_error(("false",), "x86-64-v4") is None
+    assert not (tmp_path / "compiled").exists()
+
+
+def test_the_compilers_command_and_release_name_the_library(tmp_path, monkeypatch):
+    """Found in review: the library's name left out $CXX, so `CXX="g++ -O0 -g"` (or
+    `-fsanitize=address`) loaded the cached optimized library, or cached its own under the
+    name every later process loads, and another g++ release rebuilt nothing. Now the
+    command's program (links followed), its flags and its `--version` name the library.
+    (Only names are computed: nothing compiles.)"""
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path / "cache"))
+
+    def name(cxx=None):
+        if cxx is None:
+            monkeypatch.delenv("CXX", raising=False)
+        else:
+            monkeypatch.setenv("CXX", cxx)
+        return kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").library_path()
+
+    if shutil.which("g++"):  # what compiler() runs without CXX
+        plain = name("g++")
+        assert name() == plain  # one compiler, one library
+        assert len({plain, name("g++ -O0"), name("g++ -fsanitize=address")}) == 3
+    releases = []
+    for release in ("12.2.0", "13.1.0"):  # one command, `cxx`, two releases on the PATH
+        folder = tmp_path / release
+        folder.mkdir()
+        (folder / "cxx").write_text(f'#!/bin/sh\necho "cxx (fake) {release}"\n')
+        (folder / "cxx").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        releases.append(name("cxx"))
+    assert releases[0] != releases[1]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_jaxlibs_version_and_ffi_headers_name_the_library(tmp_path, monkeypatch):
+    """Found in review: the library's name held jax's version, not the jaxlib whose FFI
+    headers it is compiled against (jax runs with an older jaxlib than itself). Now
+    jaxlib's version and a digest of the headers name it: the same headers elsewhere name the
+    same library, a changed c_api.h or version another. (Nothing compiles.)"""
+    import jaxlib
+    real = jax.ffi.include_dir()
+    monkeypatch.setenv("HPNLP_KERNEL_CACHE", str(tmp_path / "cache"))
+
+    def name(folder, c_api):
+        api = folder / "xla" / "ffi" / "api"
+        api.mkdir(parents=True)
+        for header in ("api.h", "ffi.h", "c_api.h"):
+            (api / header).write_bytes(open(os.path.join(real, "xla", "ffi", "api", header),
+                                            "rb").read())
+        with open(api / "c_api.h", "a") as f:
+            f.write(c_api)
+        monkeypatch.setattr(jax.ffi, "include_dir", lambda: str(folder))
+        return kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel").library_path()
+
+    a = name(tmp_path / "a", "")
+    assert name(tmp_path / "copy", "") == a  # where the headers lie does not matter
+    assert name(tmp_path / "b", "// XLA_FFI_API_MINOR 2\n") != a
+    monkeypatch.setattr(jaxlib, "__version__", "0.0.1")
+    assert name(tmp_path / "old", "") != a
+    assert kernels.ffi_key(str(tmp_path / "old")).startswith("jaxlib 0.0.1 ")
+
+
+@pytest.mark.usefixtures("tuning_on")
+def test_another_core_count_measures_again(tmp_path, monkeypatch):
+    """Found in review: a tuning record named its CPU but not the threads its probes ran on
+    (`kernels.cores()`), so two sizes of one VM sharing a cache folder shared one choice:
+    blocks measured on 2 threads left most of 64 idle. Now the count is in the record and
+    its key: another count is reported stale and measured again."""
+    monkeypatch.setattr(kernels, "cores", lambda: 2)
+    assert _tuning(tmp_path, {64: 0.5, 128: 1.0}, []).config() == {"b": 64}
+    monkeypatch.setattr(kernels, "cores", lambda: 8)
+    calls = []
+    t = _tuning(tmp_path, {64: 1.0, 128: 0.5}, calls)
+    with pytest.warns(RuntimeWarning, match=r"is stale \(measured on 2 threads; this process "
+                                            r"runs 8\); measuring again"):
+        assert t.config() == {"b": 128}
+    assert t.source == "tuned" and calls
+    with open(t.path()) as f:
+        assert json.load(f)["threads"] == 8
+    again = _tuning(tmp_path, {64: 1.0, 128: 0.5}, [])
+    assert again.config() == {"b": 128} and again.source == "cache"
+
+
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
     calls = []
@@ -419,12 +554,13 @@ def test_short_causal_attention_runs_its_own_tuning(monkeypatch):
 
 
 @needs_flash
-@pytest.mark.parametrize("causal", [False, True])
-def test_one_head_on_two_threads_splits_its_key_blocks(causal):
-    """B*H = 1 < 2 threads: the backward splits the head's key blocks over the threads and
-    sums their dQ shares; the same as one thread and as the dense oracle."""
-    q, k, v, w = _qkv(1, 200, 1, 32, seed=2)
-    seg = _segments(1, 200)
+@pytest.mark.parametrize("causal, batch", [(False, 1), (True, 1), (True, 3)])
+def test_few_heads_on_two_threads_split_their_key_blocks(causal, batch):
+    """B*H = 1 < 2 threads, or an uneven 3 (found in review: untested): the backward splits
+    each head's key blocks over the threads (3 shares a head at B*H = 3) and sums their dQ
+    shares; the same as one thread and as the dense oracle."""
+    q, k, v, w = _qkv(batch, 200, 1, 32, seed=2)
+    seg = _segments(batch, 200)
     blocks = dict(fwd_blocks=(32, 32), bwd_blocks=(32, 32))  # 7 key blocks to split
     run = lambda t: _out_and_grads(lambda q, k, v: F.flash_attention(  # noqa: E731
         q, k, v, seg, seg, causal=causal, threads=t, **blocks), q, k, v, w)
@@ -435,19 +571,19 @@ def test_one_head_on_two_threads_splits_its_key_blocks(causal):
         np.testing.assert_allclose(a, c, atol=1e-5, rtol=1e-5)
 
 
-def check_bfloat16(configs=({},), causals=(False, True)):
+def check_bfloat16(configs=({},), causals=(False, True), batch=2, heads=2, threads=2):
     """The bfloat16 kernel against the float32 oracle on the same (bfloat16) inputs: outputs
     and gradients within bfloat16 tolerance, no NaN, and exact zeros on rows that see no
     key; for each of `configs` (flash_attention's block and widen arguments; {}: this run's
-    own). Shared with the portable-build subprocess below."""
+    own), on `threads` threads. Shared with the portable-build subprocess below."""
     for causal in causals:
-        q, k, v, w = _qkv(2, 150, 2, 32, seed=3, dtype=jnp.bfloat16)
-        seg = _segments(2, 150)
+        q, k, v, w = _qkv(batch, 150, heads, 32, seed=3, dtype=jnp.bfloat16)
+        seg = _segments(batch, 150)
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         want = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, causal=causal), *f32, w)
         for blocks in configs:
             got = _out_and_grads(lambda q, k, v: F.flash_attention(
-                q, k, v, seg, seg, causal=causal, threads=2, **blocks), q, k, v, w)
+                q, k, v, seg, seg, causal=causal, threads=threads, **blocks), q, k, v, w)
             assert all(x.dtype == jnp.bfloat16 for x in got)
             for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
                 a = np.asarray(a.astype(jnp.float32))
@@ -480,6 +616,17 @@ def test_bfloat16_kernel_matches_float32_within_bfloat16_tolerance():
     if "avx512_bf16" in flags and kernels.march() == "native":  # the products this CPU has
         assert F.bf16_products() in (("amx", "avx512_bf16") if "amx_bf16" in flags
                                      else ("avx512_bf16",))
+
+
+@needs_flash
+@pytest.mark.parametrize("batch, heads, threads", [(2, 2, 3), (1, 1, 2)])
+def test_bfloat16_backward_splits_key_blocks_over_few_or_uneven_heads(batch, heads, threads):
+    """Found in review: the bfloat16 backward's key-block split (each share's dQ written
+    unscaled in float32, then summed and scaled into bfloat16) was untested: the bfloat16
+    checks ran B*H = 4 on 2 threads, never split. B*H = 4 on 3 threads splits each head's 5
+    key blocks in 3 shares, B*H = 1 on 2 threads in 5."""
+    check_bfloat16([dict(fwd_blocks=(32, 32), bwd_blocks=(32, 32))], causals=(True,),
+                   batch=batch, heads=heads, threads=threads)
 
 
 @needs_flash
@@ -595,7 +742,8 @@ import test_kernel_tuning as T
 T.check_bfloat16()
 T.test_vexp0_is_exp_to_a_few_ulp_and_zero_below_minus_87()
 assert F.bf16_products() == "float32", F.bf16_products()
-T.test_one_head_on_two_threads_splits_its_key_blocks(True)
+T.test_few_heads_on_two_threads_split_their_key_blocks(True, 3)
+T.test_bfloat16_backward_splits_key_blocks_over_few_or_uneven_heads(2, 2, 3)
 T.test_every_lstm_blocking_candidate_computes_what_the_default_does()
 import test_rnn_fused  # the 8-float tiles against the XLA scan: E = 12, 17 and 100 split
 for case in [(2, 5, 12), (3, 3, 100), (2, 2, 17)]:  # across tiles and threads otherwise
@@ -765,18 +913,20 @@ def test_a_build_without_a_whole_library_fails_and_an_empty_one_is_rebuilt(tmp_p
     for head in (b"", b"\x7fEL", b"\x7fELF\x02\x01" + bytes(40)):  # cut within the header
         (tmp_path / "short.so").write_bytes(head)
         assert not kernels._whole_library(str(tmp_path / "short.so"))
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\nfor a; do out="$a"; done\ncp {_ctypes.__file__} "$out"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))  # the compiler names the library
     kernel = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel")
     lib = kernel.library_path()
     open(lib, "wb").close()  # what CXX=/bin/true left before the fix
     open(lib + ".abc123.tmp.so", "wb").close()  # a build that was killed
-    cxx = tmp_path / "cxx"
-    cxx.write_text(f'#!/bin/sh\nfor a; do out="$a"; done\ncp {_ctypes.__file__} "$out"\n')
-    cxx.chmod(0o755)
     assert reason(str(cxx)) is None
     assert os.path.getsize(lib) == os.path.getsize(_ctypes.__file__)
     assert os.stat(lib).st_mode & 0o777 == 0o750
-    assert sorted(os.listdir(cache)) == sorted([os.path.basename(lib), os.path.basename(lib)
-                                                + ".lock"])
+    # the killed build's file is gone (the locks of false's and true's builds, named after
+    # their compilers, stay)
+    assert [f for f in os.listdir(cache) if not f.endswith(".lock")] == [os.path.basename(lib)]
 
 
 @pytest.mark.usefixtures("tuning_on", "umask_027")

@@ -7,19 +7,21 @@
 
 A source is compiled with the machine's `g++` (`-O3 -march=native`) against the XLA FFI
 headers that ship with jaxlib and this folder's `simd.h`, and cached in
-`HPNLP_KERNEL_CACHE` (default `~/.cache/hpnlp/kernels`), keyed by the sources, the jaxlib
-version, the flags and the CPU (its model, stepping and cache size as well as its feature
-flags: `-march=native` tunes for all of them). A file lock keeps concurrent processes
-(test workers) from building the same library twice. Where there is no compiler or the
-backend is not a CPU, `available()` is False and `unavailable_reason()` says why; callers
+`HPNLP_KERNEL_CACHE` (default `~/.cache/hpnlp/kernels`), keyed by the sources, the compiler
+(`$CXX`'s whole command, its resolved path and its `--version`), jaxlib (its version and a
+digest of its FFI headers), the flags and the CPU (its model, stepping and cache size as well
+as its feature flags: `-march=native` tunes for all of them). A file lock keeps concurrent
+processes (test workers) from building the same library twice. Where there is no compiler or
+the backend is not a CPU, `available()` is False and `unavailable_reason()` says why; callers
 then use their XLA twin.
 
 `-march=native` lets a source choose its instructions by the CPU's features at build time
 (`#if defined(__AVX512BF16__)`, ...), with a portable path where a feature is missing.
 `HPNLP_KERNEL_MARCH` replaces `native` (`x86-64-v3`: AVX2 without AVX-512), which is how
-the tests run the portable paths on a machine that has the features; a value the compiler
-rejects is an error naming it (a warning once, where a kernel falls back). Block sizes are
-chosen per CPU by a short measurement on first use (`hpnlp.kernels.tuning`).
+the tests run the portable paths on a machine that has the features. A value the compiler
+rejects, or one that enables an instruction set this CPU lacks (its ISA macros against
+`-march=native`'s), is an error naming it (a warning once, where a kernel falls back). Block
+sizes are chosen per CPU by a short measurement on first use (`hpnlp.kernels.tuning`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def flags() -> list[str]:
 
 
 class MarchError(RuntimeError):
-    """HPNLP_KERNEL_MARCH names a -march the compiler rejects."""
+    """HPNLP_KERNEL_MARCH names a -march the compiler rejects, or one this CPU cannot run."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,12 +100,48 @@ def _march_error(cxx: tuple[str, ...], value: str) -> str | None:
             f"to one it accepts{hint} or unset it (native)")
 
 
+# The macros that name an instruction set a -march lets the compiler emit (x86's, then Arm's):
+# __AVX512F__, __AMX_TILE__, __FMA__, __ARM_FEATURE_SVE. Not the CPU names (__znver3__,
+# __tune_icelake_server__) nor system instructions (SGX, PCONFIG) that a VM hides from
+# -march=native but that no kernel is compiled into.
+_ISA_MACRO = re.compile(r"^#define __((?:AVX|AMX|EVEX|SSE|FMA|F16C|BMI|POPCNT|LZCNT|ADX|MOVBE|"
+                        r"GFNI|VAES|VPCLMULQDQ|PCLMUL|ARM_FEATURE_|ARM_NEON)\w*?)(?:__)? ", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def _isa_macros(cxx: tuple[str, ...], value: str) -> frozenset[str] | None:
+    """The instruction sets `cxx -march=value` enables, by their macros' names ("AVX512F",
+    "AMX_TILE"): its preprocessor's definitions for an empty file (a few milliseconds, once
+    per process); None where it cannot say."""
+    try:
+        proc = subprocess.run([*cxx, f"-march={value}", "-dM", "-E", "-x", "c++", os.devnull],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return frozenset(_ISA_MACRO.findall(proc.stdout)) if proc.returncode == 0 else None
+
+
+def _isa_error(cxx: tuple[str, ...], value: str) -> str | None:
+    """Why this CPU cannot run what `cxx -march=value` builds (the instruction sets it enables
+    that `-march=native` does not), or None; None too where either cannot be preprocessed
+    (the build, or the -march check, names why)."""
+    want, have = _isa_macros(cxx, value), _isa_macros(cxx, "native")
+    if want is None or have is None or want <= have:
+        return None
+    hint = " (x86-64-v3: AVX2 without AVX-512)" if "AVX2" in have else ""
+    return (f"HPNLP_KERNEL_MARCH={value} enables {', '.join(sorted(want - have))}, which this "
+            f"CPU ({cpu_name()}) lacks (its library would die of an illegal instruction); set "
+            f"it to a -march this CPU runs{hint} or unset it (native)")
+
+
 def check_march(cxx: list[str]) -> None:
     """MarchError where HPNLP_KERNEL_MARCH names a -march `cxx` rejects (a bug hunt (session
     102): `avx2` failed every build with the compiler's multi-line error, which impl="auto"
-    hid, so every kernel ran its XLA twin without a word)."""
+    hid, so every kernel ran its XLA twin without a word), or one that enables instructions
+    this CPU lacks (found in review: `x86-64-v4` on an AVX2-only EPYC built and loaded, and
+    its first AVX-512 instruction killed the process with SIGILL, no message, no twin)."""
     value = os.environ.get("HPNLP_KERNEL_MARCH")
-    error = _march_error(tuple(cxx), value) if value else None
+    error = (_march_error(tuple(cxx), value) or _isa_error(tuple(cxx), value)) if value else None
     if error:
         raise MarchError(error)
 
@@ -229,6 +267,52 @@ def _compiler_name(cxx: list[str]) -> str:
     return f"$CXX={named}" if shlex.split(os.environ.get("CXX", "")) else named
 
 
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cxx: tuple[str, ...], resolved: str) -> str:
+    """The compiler as a library's key names it: the program its command runs (`resolved`,
+    with links followed: `CXX=g++` and no CXX name one compiler), the rest of the command
+    (flags in $CXX, such as `-O0 -g` or `-fsanitize=address`, change the library) and its
+    release (`--version`'s first line; "" where it prints none): one short run per command
+    and process."""
+    try:
+        proc = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60)
+        release = (proc.stdout.strip().splitlines() or [""])[0] if proc.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        release = ""
+    return "\n".join([resolved, shlex.join(cxx[1:]), release])
+
+
+def compiler_key() -> str:
+    """What names the compiler in a library's key (`_compiler_identity`); "" where there is
+    none (a build then says so). Found in review: the key left out $CXX, so a library built by
+    `CXX="g++ -fsanitize=address"` or `-O0`, or by an older g++, was the one every later
+    process loaded, and a new compiler or flags rebuilt nothing."""
+    try:
+        cxx = compiler()
+    except RuntimeError:
+        return ""
+    found = shutil.which(cxx[0])
+    return _compiler_identity(tuple(cxx), os.path.realpath(found) if found else cxx[0])
+
+
+@functools.lru_cache(maxsize=None)
+def ffi_key(include_dir: str) -> str:
+    """What names jaxlib in a library's key: its version and a digest of the FFI headers the
+    library is compiled against (`include_dir`'s files), read once. Found in review: the key
+    held jax's version, though jax runs with an older jaxlib than itself, whose headers
+    differ."""
+    import jaxlib
+    digest = hashlib.sha256(jaxlib.__version__.encode())
+    for root, dirs, files in sorted(os.walk(include_dir)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            digest.update(os.path.relpath(path, include_dir).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return f"jaxlib {jaxlib.__version__} {digest.hexdigest()}"
+
+
 def compile_library(source: str, out: str, header_dir: str = HEADER_DIR) -> None:
     """Compile `source` into the shared library `out` with the kernels' flags, against the
     XLA FFI headers and `header_dir`'s simd.h (tools/kernel_ab.py passes another revision's)."""
@@ -313,17 +397,19 @@ class CpuKernel:
     def library_path(self) -> str:
         cache = os.environ.get("HPNLP_KERNEL_CACHE") or os.path.join(
             os.path.expanduser("~"), ".cache", "hpnlp", "kernels")
-        return os.path.join(cache, self._library_name(tuple(flags())))
+        return os.path.join(cache, self._library_name(tuple(flags()), compiler_key(),
+                                                      ffi_key(jax.ffi.include_dir())))
 
     @functools.lru_cache(maxsize=None)  # noqa: B019  (a few kernels, alive all process long)
-    def _library_name(self, build_flags: tuple[str, ...]) -> str:
-        """The library's file name: the sources, jaxlib, flags and CPU, read once."""
+    def _library_name(self, build_flags: tuple[str, ...], compiler_id: str, ffi_id: str) -> str:
+        """The library's file name, from the sources and the CPU (read once), the compiler,
+        jaxlib, and the flags."""
         digest = hashlib.sha256()
         for path in (self.source, *_HEADERS):
             with open(path, "rb") as f:
                 digest.update(f.read())
-        digest.update(jax.__version__.encode() + " ".join(build_flags).encode()
-                      + platform.machine().encode() + _cpu_id().encode())
+        for part in (compiler_id, ffi_id, " ".join(build_flags), platform.machine(), _cpu_id()):
+            digest.update(part.encode() + b"\0")
         stem = os.path.splitext(os.path.basename(self.source))[0]
         return f"{stem}-{digest.hexdigest()[:16]}.so"
 
@@ -352,6 +438,9 @@ class CpuKernel:
                     if jax.default_backend() != "cpu":
                         raise RuntimeError(f"{self.what} is a CPU kernel; the backend is "
                                            f"{jax.default_backend()!r}")
+                    if os.environ.get("HPNLP_KERNEL_MARCH"):  # before a cached library
+                        # too: one built for instructions this CPU lacks would kill the process
+                        check_march(compiler())
                     path = self.library_path()
                     if not _whole_library(path):
                         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -11,9 +11,12 @@ L2 size, how many loads a cycle), so a kernel does not ship one choice. The firs
 kernel runs on a CPU, `config()` times every candidate on a fixed probe problem through
 the library's plain C entry point (no XLA, no compile: seconds a pass), keeps the
 fastest, and writes it beside the library as `<library>.<name>.tune.json`. The library's
-name already carries the source, jaxlib, flags and CPU (its model, stepping, cache size and
-feature flags: `CpuKernel.library_path`), so a changed kernel or another CPU gets its own
-file; the file also names the CPU it was measured on (`kernels.cpu_name`).
+name already carries the source, the compiler, jaxlib, the flags and the CPU (its model,
+stepping, cache size and feature flags: `CpuKernel.library_path`), so a changed kernel or
+another CPU gets its own file; the file also names the CPU it was measured on
+(`kernels.cpu_name`) and the threads the probes ran on (`kernels.cores()`, the kernels'
+default thread count), which its key holds too: the same CPU model with another core count
+(two VM sizes sharing a cache folder) measures again.
 
 The search is bounded and steady: every candidate is timed `repeats` times after a warmup
 (more, up to `MIN_TIME_S` of runs, when a run is short);
@@ -24,10 +27,10 @@ agree within noise. A search stops early past `budget_s`. `python -m hpnlp.kerne
 --repeat 2` shows every pass's choice and searches again to check that agreement.
 
 A cache file is used only when it parses, its checksum matches its contents, it was
-measured on this CPU, its key matches this kernel build, probe and candidate list, and its
-choice is one of the
-candidates; otherwise (a truncated write, a hand edit, a file copied from another
-machine or kernel version) it is reported, re-measured and rewritten, never used.
+measured on this CPU and thread count, its key matches this kernel build, probe and
+candidate list, and its choice is one of the candidates; otherwise (a truncated write, a
+hand edit, a file copied from another machine or kernel version) it is reported,
+re-measured and rewritten, never used.
 
 `HPNLP_KERNEL_TUNE=0` skips tuning (the defaults run); the kernels' Python wrappers take
 explicit block sizes, which override both. A cache folder this process cannot write (a
@@ -105,11 +108,13 @@ class Tuning:
         return f"{os.path.splitext(self.kernel.library_path())[0]}.{self.name}.tune.json"
 
     def key(self) -> str:
-        """What a cached choice is valid for: the build, this pass, probe and candidates."""
+        """What a cached choice is valid for: the build, this pass, probe, candidates and the
+        probes' thread count (found in review: a choice measured on 2 threads was used on a
+        64-core instance of the same CPU model, where its blocks left most threads idle)."""
         return _checksum({"version": VERSION,
                           "library": os.path.basename(self.kernel.library_path()),
                           "name": self.name, "shape": self.shape, "default": self.default,
-                          "candidates": self.candidates})
+                          "candidates": self.candidates, "threads": kernels.cores()})
 
     def config(self) -> dict[str, int]:
         """The block sizes to run with on this CPU (tuned on first use, then cached)."""
@@ -134,6 +139,9 @@ class Tuning:
         if data["cpu"] != kernels.cpu_name():  # a bug hunt (session 102): block sizes
             # measured on a CPU with the same flags but another model were used here
             return f"foreign (measured on {data['cpu']}; this CPU is {kernels.cpu_name()})"
+        if "threads" in data and data["threads"] != kernels.cores():
+            return (f"stale (measured on {data['threads']} threads; this process runs "
+                    f"{kernels.cores()})")
         if data["key"] != self.key():
             return "stale (written for another kernel build, probe or candidate list)"
         if data["config"] not in self.candidates:
@@ -224,8 +232,9 @@ class Tuning:
         base = timings[0]["seconds"]
         fastest = min(timings, key=lambda t: t["seconds"])
         choice = fastest if fastest["seconds"] < (1 - MARGIN) * base else timings[0]
-        body = {"key": self.key(), "cpu": kernels.cpu_name(), "kernel": self.kernel.what,
-                "pass": self.name, "shape": self.shape, "config": choice["config"],
+        body = {"key": self.key(), "cpu": kernels.cpu_name(), "threads": kernels.cores(),
+                "kernel": self.kernel.what, "pass": self.name, "shape": self.shape,
+                "config": choice["config"],
                 "timings": timings, "search_s": time.perf_counter() - start}
         return {**body, "checksum": _checksum(body)}
 

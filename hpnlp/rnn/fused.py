@@ -14,9 +14,9 @@ computes a tile's four gates in registers, with the gate arithmetic applied stra
 the accumulators (see the top of `fused_lstm.cc`).
 
 The kernel is C++ compiled on first use (`hpnlp.kernels`: the machine's `g++`, cached per
-source, jaxlib version and CPU). Where there is no compiler or the platform is not a
-CPU, `available()` is False with the reason in `unavailable_reason()`, and
-`RNNLayer(impl="auto")` uses the XLA scan.
+source, compiler, jaxlib (its version and FFI headers) and CPU). Where there is no compiler
+or the platform is not a CPU, `available()` is False with the reason in
+`unavailable_reason()`, and `RNNLayer(impl="auto")` uses the XLA scan.
 """
 
 from __future__ import annotations
