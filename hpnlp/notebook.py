@@ -2,6 +2,7 @@
 
     HPNLP_NOTEBOOK_QUICK=1   every notebook on its tiny settings (what the test suite runs)
     HPNLP_NOTEBOOK_STEPS=N   quickstart's training steps (default 300)
+    HPNLP_NOTEBOOK_STACK=1   parallelism's stacked layers and its pipeline mode (default off)
 
 One variable per meaning (a bug hunt, session 95: HPNLP_NOTEBOOK_STEPS was quickstart's step
 count and the other notebooks' "tiny settings" switch, so 1000 steps asked of one ran the
@@ -13,14 +14,25 @@ from __future__ import annotations
 import os
 
 
+def _switch(var: str, on: str, off: str) -> bool:
+    """An on/off setting: "1" on; "0" or unset off; anything else refused naming `var`."""
+    value = os.environ.get(var, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{var}={value!r}: set 1 for {on}, or 0 (or unset it) for {off}")
+    return value == "1"
+
+
 def quick() -> bool:
     """HPNLP_NOTEBOOK_QUICK: "1" runs a notebook on its tiny settings; "0" or unset, at the
     sizes its text describes (every notebook but quickstart, whose size is its steps)."""
-    value = os.environ.get("HPNLP_NOTEBOOK_QUICK", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"HPNLP_NOTEBOOK_QUICK={value!r}: set 1 for the notebooks' tiny "
-                         "settings, or 0 (or unset it) for their full sizes")
-    return value == "1"
+    return _switch("HPNLP_NOTEBOOK_QUICK", "the notebooks' tiny settings", "their full sizes")
+
+
+def stack() -> bool:
+    """HPNLP_NOTEBOOK_STACK: "1" gives parallelism.ipynb's model stacked layers in every mode,
+    and a fourth mode of two pipeline stages; "0" or unset, one array per layer's weight."""
+    return _switch("HPNLP_NOTEBOOK_STACK", "stacked layers and the pipeline mode",
+                   "unstacked layers")
 
 
 def steps(default: int) -> int:

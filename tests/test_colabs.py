@@ -20,6 +20,10 @@ def test_there_are_notebooks():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_executes(path, tmp_path, monkeypatch):
+    # HPNLP_NOTEBOOK_STACK passes through from the caller's environment: parallelism's stacked
+    # layers and pipeline mode cost 56 s against 17 s (one core of a 2-core Xeon, session 108:
+    # four modes of depth 2, each ~11 s to compile init and step), so the suite leaves them to
+    # `HPNLP_NOTEBOOK_STACK=1 python -m pytest tests/test_colabs.py -k parallelism`.
     monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")  # the tiny settings
     monkeypatch.setenv("HPNLP_NOTEBOOK_STEPS", "20")  # quickstart's steps
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -120,8 +124,156 @@ def test_notebook_settings_have_one_meaning_each_and_name_themselves(monkeypatch
     assert notebook.steps(300) == 1000 and not notebook.quick()
     monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")
     assert notebook.quick()
+    monkeypatch.setenv("HPNLP_NOTEBOOK_STACK", "1")
+    assert notebook.stack() and notebook.steps(300) == 1000
+    read = {"HPNLP_NOTEBOOK_QUICK": notebook.quick, "HPNLP_NOTEBOOK_STACK": notebook.stack,
+            "HPNLP_NOTEBOOK_STEPS": lambda: notebook.steps(300)}
     for var, value in (("HPNLP_NOTEBOOK_QUICK", "yes"), ("HPNLP_NOTEBOOK_STEPS", "abc"),
-                       ("HPNLP_NOTEBOOK_STEPS", "0")):
+                       ("HPNLP_NOTEBOOK_STEPS", "0"), ("HPNLP_NOTEBOOK_STACK", "True")):
         monkeypatch.setenv(var, value)
         with pytest.raises(ValueError, match=rf"^{var}='{value}': "):
-            notebook.steps(300) if var.endswith("STEPS") else notebook.quick()
+            read[var]()
+
+
+def test_parallelism_reads_stack_from_its_setting(monkeypatch):
+    """STACK = False was written in the cell, so the stacked layers and the pipeline mode the
+    text offers could not be run by a test (a review, session 108): HPNLP_NOTEBOOK_STACK."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell appends to it
+    for value, want in (("1", True), ("", False)):
+        monkeypatch.setenv("HPNLP_NOTEBOOK_STACK", value)
+        ns = {}
+        try:
+            exec(_cells("parallelism.ipynb")[0], ns)
+        except RuntimeError:  # not 8 devices in this process: said after STACK is read
+            pass
+        assert ns["STACK"] is want
+
+
+def test_attention_zoo_model_runs_chunkeds_kernel():
+    """Its model section gave `chunked` block_q / block_k, which select the XLA program, so
+    the only model in colabs/ with `chunked` never ran its fused kernel (a review, session
+    108): the config the cell builds, full and tiny, runs the kernel where there is one."""
+    from hpnlp import attention
+    from hpnlp.attention import chunked
+    from hpnlp.config import from_configdict
+    if (why := chunked.kernel_blocker(16, 16, "auto", None, None)) is not None:
+        pytest.skip(f"no fused attention kernel here: {why}")
+    cell = _cells("attention_zoo.ipynb")[3]
+    config = cell[:cell.index("summary = train.run(")]  # the config lines, not the training
+    for quick in (True, False):
+        ns = {"QUICK": quick}
+        exec(config, ns)
+        cfg = from_configdict(ns["cfg"])
+        assert cfg.attention.name == "chunked"
+        layer = attention.get("chunked")(**dict(cfg.attention.options))
+        D = cfg.model.dims_per_head()
+        assert chunked.kernel_blocker(D, D, layer.impl, layer.block_q, layer.block_k) is None
+
+
+def test_quantization_quantizes_the_products_its_kernels_serve():
+    """Its w8a8 (static ranges) and binary (weights only) models were served decoded in XLA
+    while §3 timed the kernels as theirs (a review, session 108): each kernel §3 times is
+    the one of a model the notebook quantizes."""
+    import ast
+    import inspect
+    import re
+
+    from hpnlp.compress import kernels, qlinear
+    from hpnlp.config import QuantConfig
+    cell = _cells("quantization.ipynb")[1]
+    assign = next(n for n in ast.parse(cell).body if isinstance(n, ast.Assign)
+                  and [getattr(t, "id", None) for t in n.targets] == ["settings"])
+    settings = eval(compile(ast.Expression(assign.value), "settings", "eval"),
+                    {"QuantConfig": QuantConfig})
+    assert "kernels.time_linear(" in _cells("quantization.ipynb")[3]
+    timed = set(re.findall(r'"(\w+)_kernel"', inspect.getsource(kernels.time_linear)))
+    assert timed == {"int8", "binary", "int4"}, timed
+    for fmt in timed:
+        served = [name for name, q in settings.items()
+                  if q.weights == fmt and qlinear.kernel_for(q, fmt) is not None]
+        assert served, f"no setting quantizes a product the {fmt} kernel computes: {settings}"
+
+
+def test_notebooks_that_read_experiments_say_to_clone_the_repository():
+    """approximate_softmax's quality section reads experiments/lm.py, which a pip install
+    lacks, and its text said nothing (a review, session 108): every notebook whose code
+    reaches harness.experiment_module says how to get a checkout before any long work."""
+    import re
+    reaching = []
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+        benches = [os.path.join(ROOT, "hpnlp", "bench", m + ".py")
+                   for m in re.findall(r"from hpnlp\.bench import (\w+)", code)]
+        if "experiment_module" in code or any(
+                "experiment_module(" in open(b).read() for b in benches if os.path.isfile(b)):
+            reaching.append(os.path.basename(path))
+            intro = next(c.source for c in nb.cells if c.cell_type == "markdown")
+            assert "git clone" in intro and "pip install -e" in intro, path
+    assert {"approximate_softmax.ipynb", "retrieval.ipynb"} <= set(reaching), reaching
+
+
+def test_attention_zoo_patterns_raise_a_variant_that_fails_on_the_tests_settings(monkeypatch):
+    """A variant that raised drew its error as a plot title and the notebook test passed (a
+    review, session 108): on the tests' settings the cell raises, naming it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from hpnlp import attention
+
+    class Broken:
+        def __init__(self, **_):
+            raise ValueError("boom")
+    get = attention.get
+    monkeypatch.setattr(attention, "names", lambda: ["dense", "broken"])
+    monkeypatch.setattr(attention, "get", lambda name: Broken if name == "broken" else get(name))
+    monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")
+    setup, patterns = _cells("attention_zoo.ipynb")[:2]
+    ns = {}
+    exec(setup, ns)
+    with pytest.raises(RuntimeError, match=r"^variants that failed at L=32: "
+                                           r"\{'broken': 'ValueError: boom'\}$"):
+        exec(patterns, ns)
+    ns["plt"].close("all")
+
+
+SKIPPED = {"status": "skipped: torch not installed (pip install -e '.[bench]')"}
+
+
+@pytest.mark.parametrize("name,cell,module,pngs,payload", [
+    ("attention_zoo.ipynb", 2, "attention", ("attention_time_fwd_bwd.png", "attention_memory.png"),
+     {"results": [{"status": "ok"}, SKIPPED]}),
+    ("approximate_softmax.ipynb", 2, "softmax", ("softmax_time.png",),
+     {"results": [{"status": "ok"}, SKIPPED],
+      "summary": {"speedup_vs_full": {"full": {1024: 1.0}}}}),
+    ("approximate_softmax.ipynb", 3, "quality", ("softmax_quality.png",),
+     {"results": [{"method": "full", "perplexity": 9.0}]}),
+], ids=["attention_zoo-bench", "approximate_softmax-bench", "approximate_softmax-quality"])
+def test_benchmark_cells_raise_a_failed_row_on_the_tests_settings(
+        name, cell, module, pngs, payload, monkeypatch):
+    """The harness reports a row that raised as status 'failed: ...' and the cells only
+    plotted the rows, so a broken variant or method left the notebook test green (a review,
+    session 108): on the tests' settings a failed row raises; a skipped one does not."""
+    import importlib
+
+    import matplotlib
+    matplotlib.use("Agg")
+    bench = importlib.import_module(f"hpnlp.bench.{module}")
+
+    def run_with(*extra):  # the bench's `run`: its plots (empty files) and these rows
+        def run(out, **_):
+            for png in pngs:
+                with open(os.path.join(out, png), "wb") as f:
+                    f.write(b"\x89PNG\r\n\x1a\n")
+            return {**payload, "results": payload["results"] + list(extra)}
+        return run
+    monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")
+    setup, code = _cells(name)[0], _cells(name)[cell]
+    ns = {}
+    exec(setup, ns)
+    monkeypatch.setattr(bench, "run", run_with())
+    exec(code, ns)  # the rows that ran, and those that cannot by design
+    monkeypatch.setattr(bench, "run", run_with({"method": "sampled", "status": "failed: boom"}))
+    with pytest.raises(RuntimeError, match=r"that failed: \[\{'method': 'sampled', "
+                                           r"'status': 'failed: boom'\}\]$"):
+        exec(code, ns)
+    ns["plt"].close("all")
