@@ -370,6 +370,29 @@ def test_binary_linear_rows_with_nan_or_inf_are_nan():
                                           * np.ones((1, N)))
 
 
+@needs_kernel
+def test_binary_linear_rows_too_small_to_scale_are_zeros():
+    """A row with mean|x| at most formats.TINY (1e-31 here, and zeros) has beta 0, so its
+    outputs are 0, in the kernel (popcounts; from AMX_MIN_ROWS rows the tiles where the CPU
+    has them) as in the twin and formats.py's binary scale, which QAT and the packed model
+    decoded in XLA follow (review r8: beta kept 1e-31, outputs of about K * 1e-31)."""
+    K, N = 70, 3
+    rng = _rng("binary tiny", K, N)
+    w_KxN = np.where(rng.standard_normal((K, N)) > 0, 1.0, -1.0).astype(np.float32)
+    w = qk.prepare_binary_weight(packing.pack_bits(w_KxN), k=K)
+    for M in (5, qk.AMX_MIN_ROWS):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        x[0] = 1e-31 * np.where(np.arange(K) % 3 == 0, 1.0, -1.0)  # K - 2 count != 0
+        x[1] = 0.0
+        want = np.asarray(formats.quantize_dequantize(jnp.asarray(x), "binary", axes=(1,))) @ w_KxN
+        assert (want[:2] == 0).all()
+        ys = jax.jit(lambda x: [qk.binary_linear(x, w, impl="xla")] + [
+            qk.binary_linear(x, w, impl="kernel", threads=t) for t in (1, 2)])(jnp.asarray(x))
+        for y in ys:
+            np.testing.assert_array_equal(np.asarray(y)[:2], 0.0)
+            _close(y, want)
+
+
 # GELU's tails: past the kernel's exponent clip (y < -10.4) -0 as in the twin, -inf NaN as
 # in the twin, inf and +1e30 themselves, NaN NaN; 72 columns: whole vectors and a tail
 GELU_TAILS = np.tile(np.float32([-11.0, -1e3, -1e20, -1e36, -np.inf, np.inf, np.nan, 1e30]), 9)
@@ -490,6 +513,58 @@ def test_concurrent_calls_share_the_thread_pool():
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(run, range(4)))
+
+
+# run_items outside an XLA call (the tuning probes): 3 row chunks of 4 panels on 2 threads,
+# items claimed one at a time. "setup": chunk 2's setup throws on the helper (which starts
+# from the back) while the caller is held in its first item, so the caller meets chunk 2
+# later; "pool": no helper of the kernels' pool can start.
+QGEMM_CASES = r"""
+int run_case(const std::string& name) {
+  const int M = 12, P = 4, mc = 4;
+  std::atomic<int> setups{0}, items{0};
+  if (name == "pool") {
+    starts_left = 0;
+    run_items(M, P, mc, P, 2, [&](int, int) { ++setups; }, [&](int, int, int) { ++items; });
+    CHECK(setups == 3 && items == 12);
+    return 0;
+  }
+  std::atomic<bool> failed{false};
+  try {
+    run_items(M, P, mc, P, 2, [&](int r0, int) {
+      if (r0 == 8) failed = true, throw std::bad_alloc();
+    }, [&](int m0, int, int) {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (m0 == 0 && !failed && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5))
+        std::this_thread::yield();
+      ++items;
+    });
+  } catch (const std::bad_alloc&) {
+    return 0;
+  }
+  CHECK(!"the setup's exception");
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def qgemm_harness(tmp_path_factory):
+    from test_rnn_fused import build_harness
+    return build_harness(tmp_path_factory.mktemp("qgemm_harness"), qk.KERNEL.source,
+                         QGEMM_CASES)
+
+
+@needs_kernel
+@pytest.mark.slow  # the harness's build: 3-6 s
+@pytest.mark.parametrize("case", ["setup", "pool"])
+def test_a_failed_setup_or_helper_start_is_no_hang_or_abort(qgemm_harness, case):
+    """Found in review: a row chunk whose setup threw (an AMX int8 row's scratch) stayed
+    "being set up", and every other thread that reached it spun forever, where the handler's
+    "out of memory" error was meant; and a helper of the kernels' own pool that could not
+    start (EAGAIN at a limit on threads) failed the call, where the caller can claim all the
+    work itself."""
+    proc = qgemm_harness(case)
+    assert proc.returncode == 0 and f"ok {case}" in proc.stdout, proc.stdout + proc.stderr
 
 
 @needs_kernel

@@ -163,3 +163,108 @@ def test_block_sizes_that_are_not_integers_are_refused_before_any_build(monkeypa
                             blocking={"kc": 64.5, "mr": 4})
     with pytest.raises(ValueError, match=bad):
         fused.lstm_weight_grads(cc, x, act, blocking={"kc": 128, "mc": 48.5})
+
+
+# A C++ test program around a kernel's source (#included, so that its internal functions
+# are in reach) with pthread_create interposed: `starts_left = n` lets n more threads start,
+# then every start fails with EAGAIN, as at a limit on threads (RLIMIT_NPROC or a cgroup's
+# pids.max; the first does not bind root, which containers often run as, so a test that
+# set it proved nothing there). The body defines `int run_case(const std::string&)`; the
+# program prints "ok <case>" where it returns 0.
+HARNESS_PRELUDE = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <cerrno>
+#include <cstdio>
+#include <string>
+static std::atomic<int> starts_left{-1};  // -1: every start succeeds
+extern "C" int pthread_create(pthread_t* t, const pthread_attr_t* a, void* (*f)(void*),
+                              void* arg) {
+  using Real = int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+  static Real real = reinterpret_cast<Real>(dlsym(RTLD_NEXT, "pthread_create"));
+  for (int n = starts_left.load(); n >= 0;)
+    if (n == 0) return EAGAIN;
+    else if (starts_left.compare_exchange_weak(n, n - 1)) break;
+  return real(t, a, f, arg);
+}
+#define CHECK(c) if (!(c)) return std::printf("failed: %s (line %d)\n", #c, __LINE__), 1
+int run_case(const std::string& name);
+int main(int, char** argv) {
+  const int rc = run_case(argv[1]);
+  if (rc == 0) std::printf("ok %s\n", argv[1]);
+  return rc;
+}
+"""
+
+
+def build_harness(directory, source, body):
+    """The program `source` + HARNESS_PRELUDE + `body` (-O0: 2-3 s to build, the FFI headers
+    most of it), built in `directory`; returns run(case) -> its CompletedProcess."""
+    import subprocess
+
+    from hpnlp import kernels
+    cc = directory / "harness.cc"
+    cc.write_text(f'#include "{source}"\n{HARNESS_PRELUDE}\n{body}')
+    exe = str(directory / "harness")
+    proc = subprocess.run([*kernels.compiler(), "-std=c++17", "-O0", f"-march={kernels.march()}",
+                           "-w", "-I", jax.ffi.include_dir(), "-I", kernels.HEADER_DIR,
+                           str(cc), "-o", exe, "-pthread", "-ldl"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def run(case, timeout=30):
+        try:
+            return subprocess.run([exe, case], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{case}: no answer in {timeout} s (a thread waits for one that left)")
+    return run
+
+
+# Each case checks a failure (a thread that cannot start; a helper whose scratch allocation
+# throws before the first barrier) gives the probe's -1, then that the next call succeeds.
+# The allocation that fails: the first on a helper thread of the size of a thread's partial
+# sums (`part`, run_fwd's and run_bwd's first allocation).
+LSTM_CASES = r"""
+static std::atomic<size_t> fail_size{0};
+static thread_local bool main_thread = false;
+void* operator new(size_t n) {
+  size_t want = fail_size.load();
+  if (want != 0 && n == want && !main_thread && fail_size.compare_exchange_strong(want, 0))
+    throw std::bad_alloc();
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+
+int run_case(const std::string& name) {
+  main_thread = true;
+  const int64_t B = 2, H = 256, L = 3, backward = name.find("bwd") != std::string::npos;
+  if (name.rfind("start", 0) == 0) starts_left = 1;  // 1 of the 2 helpers starts
+  else fail_size = size_t(chunk_steps(B)) * B * 4 * NR * sizeof(float);
+  CHECK(hpnlp_lstm_probe(B, H, L, 128, 6, backward, 3) == -1.0);
+  CHECK(fail_size == 0);  // the allocation did fail (where it was armed)
+  starts_left = -1;
+  CHECK(hpnlp_lstm_probe(B, H, L, 128, 6, backward, 3) >= 0.0);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lstm_harness(tmp_path_factory):
+    return build_harness(tmp_path_factory.mktemp("lstm_harness"), fused.KERNEL.source,
+                         LSTM_CASES)
+
+
+@needs_kernel
+@pytest.mark.slow  # the harness's build: 2-4 s
+@pytest.mark.parametrize("case", ["start_fwd", "start_bwd", "alloc_fwd", "alloc_bwd"])
+def test_a_thread_that_fails_is_an_error_not_an_abort_or_a_hang(lstm_harness, case):
+    """Found in review: a thread that could not start (EAGAIN at a limit on threads) after
+    another had started called std::terminate (a joinable std::thread unwound), and a helper
+    whose scratch allocation threw left the others waiting at the barrier forever, where the
+    handler's "out of memory" error was meant. Both are now the probe's failure (-1), the
+    handlers' Python error, and the next call runs."""
+    proc = lstm_harness(case)
+    assert proc.returncode == 0 and f"ok {case}" in proc.stdout, proc.stdout + proc.stderr

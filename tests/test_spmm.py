@@ -91,6 +91,47 @@ def test_kernel_matches_float64_at_every_row_block():
             assert np.abs(np.asarray(y) - want).max() <= 1e-5 * scale, (M, K, N, q, v, t)
 
 
+# Outside an XLA call (the tuning probe) the row blocks are claimed by threads started for
+# the call: with 1 of 3 helpers able to start, the product runs on 2 (and is the dense one)
+# where it called std::terminate (found in review).
+SPMM_CASES = r"""
+#include <cmath>
+int run_case(const std::string& name) {
+  starts_left = name == "none" ? 0 : 1;
+  CHECK(hpnlp_spmm_probe(64, 40, 24, 5, 1, 4) >= 0.0);
+  const int M = 70, K = 9, N = 5;  // blocks of NR rows: more than 4 of them
+  std::vector<float> x(M * K), val, y(M * N, -1.0f), want(M * N, 0.0f);
+  std::vector<int32_t> col_ptr{0}, row;
+  for (int i = 0; i < M * K; ++i) x[i] = float(i % 7) - 3.0f;
+  for (int n = 0; n < N; ++n) {
+    for (int k = n % 2; k < K; k += 2) {
+      row.push_back(k), val.push_back(0.5f * float(k + n));
+      for (int m = 0; m < M; ++m) want[m * N + n] += x[m * K + k] * val.back();
+    }
+    col_ptr.push_back(int32_t(row.size()));
+  }
+  run(Csc{M, K, N, x.data(), col_ptr.data(), row.data(), val.data(), y.data()}, 1, 4);
+  for (int i = 0; i < M * N; ++i) CHECK(std::abs(y[i] - want[i]) <= 1e-4f * std::abs(want[i]));
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def spmm_harness(tmp_path_factory):
+    from test_rnn_fused import build_harness
+    return build_harness(tmp_path_factory.mktemp("spmm_harness"), spmm.KERNEL.source,
+                         SPMM_CASES)
+
+
+@needs_kernel
+@pytest.mark.slow  # the harness's build: 2-3 s
+@pytest.mark.parametrize("case", ["one", "none"])
+def test_a_helper_that_cannot_start_leaves_the_work_to_the_others(spmm_harness, case):
+    proc = spmm_harness(case)
+    assert proc.returncode == 0 and f"ok {case}" in proc.stdout, proc.stdout + proc.stderr
+
+
 @needs_kernel
 def test_auto_runs_the_kernel_under_jit_and_vmap():
     rng = np.random.default_rng(2)

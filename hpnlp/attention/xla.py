@@ -4,6 +4,12 @@ Padding travels as per-row lengths (`query_seq_lengths` / `key_value_seq_lengths
 only mask form the call takes without a dense [L, L] matrix. So this variant assumes
 right padding (one segment per row) and refuses packed batches at config time. On a GPU
 the same call can take `implementation="cudnn"`.
+
+Exact in float32. In bfloat16 the call takes its softmax in float32 but rounds the
+probabilities to bfloat16 before their product with the values (jax's reference path,
+`probs.astype(key.dtype)`), where `dense` keeps the probabilities and that product in float32
+and rounds once at the end: one more rounding of every probability, about 2^-9 relative (a
+review, session 108). Kept: this variant is JAX's call as JAX makes it.
 """
 
 from __future__ import annotations

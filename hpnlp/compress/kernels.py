@@ -481,10 +481,12 @@ def binary_linear_xla(x_MxK, weight: BinaryWeight):
     s_MxK = jnp.where(x_MxK > 0, 1, -1).astype(jnp.int8)
     w_KxN = packing.unpack_bits(weight.bits_KbxN, weight.k, axis=0, dtype=jnp.int8)
     beta_M = jnp.mean(jnp.abs(x_MxK), axis=1)
-    # NaN for a row holding a NaN or an inf, as formats.py's binary scale (a bug hunt
-    # (session 103): beta = inf gave +-inf outputs where the packed model decoded in XLA,
-    # and the int8 kernel's rows, give NaN)
-    beta_M = jnp.where(jnp.isfinite(beta_M), beta_M, jnp.nan)
+    # formats.py's binary scale: NaN for a row holding a NaN or an inf (a bug hunt (session
+    # 103): beta = inf gave +-inf outputs where the packed model decoded in XLA, and the
+    # int8 kernel's rows, give NaN), and 0 for a mean of at most formats.TINY (review r8:
+    # beta was kept there, outputs of K * 1e-30 where the decoded model's are 0)
+    beta_M = jnp.where(jnp.isfinite(beta_M), jnp.where(beta_M > formats.TINY, beta_M, 0.0),
+                       jnp.nan)
     acc_MxN = int8_matmul_xla(s_MxK, w_KxN)
     return acc_MxN.astype(jnp.float32) * beta_M[:, None] * weight.alpha_N[None, :]
 
@@ -522,7 +524,8 @@ def binary_linear(x_MxK, weight: BinaryWeight, *, impl: str = "auto",
                   threads: int | None = None, blocking: dict | None = None):
     """XNOR-Net linear layer: sign(x) (x > 0: +1, else -1) with per-token scale beta =
     mean|x_row|, times the prepared binary weight: popcount product * beta[m] * alpha[n].
-    A row holding a NaN or an inf has beta NaN, so its outputs are NaN (formats.py's rule)."""
+    A row holding a NaN or an inf has beta NaN, so its outputs are NaN, and a row with mean|x|
+    at most formats.TINY has beta 0, so its outputs are 0 (formats.py's rule)."""
     _check_options("binary_linear", threads, blocking)
     _check_binary_weight("binary_linear", weight)
     _check_x("binary_linear", x_MxK, weight.k, jnp.float32)

@@ -188,8 +188,13 @@ class Pool {
     const std::function<void(int)> job = std::ref(guarded);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      while (int(helpers_.size()) < threads - 1)
-        helpers_.emplace_back([this] { loop(); }), helpers_.back().detach();
+      try {
+        while (int(helpers_.size()) < threads - 1)
+          helpers_.emplace_back([this] { loop(); }), helpers_.back().detach();
+      } catch (const std::exception&) {
+        // a helper that fails to start (pthread_create's EAGAIN at a limit on threads):
+        // the work is claimed, so the helpers there are (or the caller alone) do it
+      }
     }
     join_.open(&job, threads - 1);
     {
@@ -269,19 +274,28 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
       }
     return;
   }
-  // state[c]: 0 not started, 1 being set up, 2 ready
+  // state[c]: 0 not started, 1 being set up, 2 ready, 3 failed (its setup threw: the call
+  // fails with that exception, and a thread that waited on the chunk would wait forever)
   std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[chunks]);
   for (int c = 0; c < chunks; ++c) state[c].store(0, std::memory_order_relaxed);
   auto start = [&](int c) {  // set chunk c up unless another thread has begun to
     int expect = 0;
     if (!state[c].compare_exchange_strong(expect, 1, std::memory_order_acq_rel)) return false;
-    rows(c, setup);
+    try {
+      rows(c, setup);
+    } catch (...) {
+      state[c].store(3, std::memory_order_release);
+      throw;
+    }
     state[c].store(2, std::memory_order_release);
     return true;
   };
-  auto ready = [&](int c) {
-    if (state[c].load(std::memory_order_acquire) == 2 || start(c)) return;
-    for (int spin = 0; state[c].load(std::memory_order_acquire) != 2; ++spin) spin_pause(spin);
+  auto ready = [&](int c) {  // false: chunk c failed, and this thread stops
+    int st = state[c].load(std::memory_order_acquire);
+    if (st == 2 || (st == 0 && start(c))) return true;
+    for (int spin = 0; (st = state[c].load(std::memory_order_acquire)) == 1; ++spin)
+      spin_pause(spin);
+    return st == 2;
   };
   // Items [front, back) are left; the caller (t = 0) claims from the front, helpers from
   // the back, so over repeated calls on the same shapes (decoding) each core keeps
@@ -314,7 +328,7 @@ void run_items(int M, int P, int mc, int pg, int threads, Setup&& setup, Item&& 
         int c, p;
         locate(i, &c, &p);
         if (c != current) {
-          ready(c);
+          if (!ready(c)) return;
           const int next = front ? c + 1 : c - 1;  // the chunk this thread reaches next
           if (next >= 0 && next < chunks) start(next);
           current = c;
@@ -885,12 +899,16 @@ inline float abssum(const float* x, int n) {
   return s;
 }
 
+constexpr float kQuantTiny = 1e-30f;  // formats.TINY
+
 // binary_linear's per-row scale beta = mean |x|, NaN where that is not finite (a NaN or an
-// inf in the row, or a sum past FLT_MAX), as the twin's and formats.py's binary scale (a bug
-// hunt (session 103): an inf kept beta = inf, and the row's outputs +-inf, not NaN).
+// inf in the row, or a sum past FLT_MAX), 0 where it is at most formats.TINY, as the twin's
+// and formats.py's binary scale (a bug hunt (session 103): an inf kept beta = inf, and the
+// row's outputs +-inf, not NaN; review r8: a mean of 1e-31 was kept, where formats' is 0).
 inline float binary_beta(const float* x, int n) {
   const float beta = abssum(x, n) / float(n);
-  return std::isfinite(beta) ? beta : std::numeric_limits<float>::quiet_NaN();
+  if (!std::isfinite(beta)) return std::numeric_limits<float>::quiet_NaN();
+  return beta > kQuantTiny ? beta : 0.0f;
 }
 
 // The per-row int8 scale s = max |x| * fl(1 / 127) (0 for a row of zeros; NaN or inf as
@@ -905,8 +923,6 @@ inline float binary_beta(const float* x, int n) {
 // (review r5: an inf factor made x * inf NaN at the row's zeros, and each loop below
 // converted NaN its own way: 0, -128 or -32768 by the column), and keeps s a normal float
 // and 1 / s finite.
-constexpr float kQuantTiny = 1e-30f;  // formats.TINY
-
 inline float quantize_scale(const float* x, int n, float* scale) {
   const float amax = absmax(x, n);
   *scale = amax * (1.0f / 127.0f);

@@ -29,8 +29,9 @@ int64_t hpnlp_fma_lanes() { return NR; }
 int64_t hpnlp_fma_accumulators() { return ACC; }
 
 // Seconds for `threads` threads to run `iters` rounds of ACC vector FMAs each (2 x NR x
-// ACC x iters x threads floating-point operations), or -1 for bad arguments.
-double hpnlp_fma_peak(int64_t threads, int64_t iters) {
+// ACC x iters x threads floating-point operations), or -1 for bad arguments or a thread that
+// could not start (an exception may not leave a C entry point: it would abort the process).
+double hpnlp_fma_peak(int64_t threads, int64_t iters) try {
   if (threads < 1 || iters < 1) return -1.0;
   float sink[64] = {};
   const auto t0 = std::chrono::steady_clock::now();
@@ -49,6 +50,8 @@ double hpnlp_fma_peak(int64_t threads, int64_t iters) {
   volatile float keep = sink[0];
   (void)keep;
   return seconds;
+} catch (...) {
+  return -1.0;
 }
 
 }  // extern "C"

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -400,13 +401,22 @@ inline float hmax(vf v) {
 #endif
 }
 
+// What Barrier::wait throws once the barrier is aborted.
+struct BarrierAborted : std::runtime_error {
+  BarrierAborted() : std::runtime_error("another thread of the kernel failed") {}
+};
+
 // A barrier for a fixed set of threads: spin briefly, then yield (the kernels run beside
-// other processes in a test run; a pure spin would starve them).
+// other processes in a test run; a pure spin would starve them). abort() makes every
+// wait, current or later, throw BarrierAborted: a thread that has left by an exception
+// never arrives, and the others would wait for it forever (Guarded aborts the barrier of
+// a `parallel` call on the first exception).
 class Barrier {
  public:
   explicit Barrier(int n) : n_(n) {}
   void wait() {
     if (n_ == 1) return;
+    if (aborted_.load(std::memory_order_acquire)) throw BarrierAborted();
     int gen = gen_.load(std::memory_order_acquire);
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       count_.store(0, std::memory_order_relaxed);
@@ -414,17 +424,20 @@ class Barrier {
       return;
     }
     for (int spin = 0; gen_.load(std::memory_order_acquire) == gen; ++spin) {
+      if (aborted_.load(std::memory_order_relaxed)) throw BarrierAborted();
       if (spin > 4000) std::this_thread::yield();
 #if defined(__x86_64__)
       else __builtin_ia32_pause();
 #endif
     }
   }
+  void abort() { aborted_.store(true, std::memory_order_release); }
 
  private:
   const int n_;
   std::atomic<int> count_{0};
   std::atomic<int> gen_{0};
+  std::atomic<bool> aborted_{false};
 };
 
 // One poll of a spin-wait: a pause instruction, or after 2000 polls a yield of the core.
@@ -436,18 +449,31 @@ inline void spin_pause(int spin) {
 }
 
 // fn(t) as several threads run it: the first exception any of them throws (std::bad_alloc
-// of a scratch buffer, say) is kept for the caller to rethrow after the join.
+// of a scratch buffer, say) is kept for the caller to rethrow after the join, and aborts
+// `barrier` (if the threads meet at one), so that no thread waits for the one that left.
 template <class F>
 class Guarded {
  public:
-  explicit Guarded(F& fn) : fn_(fn) {}
+  explicit Guarded(F& fn, Barrier* barrier = nullptr) : fn_(fn), barrier_(barrier) {}
   void operator()(int t) {
     try {
       fn_(t);
     } catch (...) {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!error_) error_ = std::current_exception();
+      fail(std::current_exception());
     }
+  }
+  // Keeps e unless an earlier exception is kept (kept before the barrier is aborted, so the
+  // BarrierAborted of the threads it releases never hides it).
+  void fail(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!error_) error_ = e;
+    }
+    if (barrier_ != nullptr) barrier_->abort();
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return error_ != nullptr;
   }
   void rethrow() {
     if (error_) std::rethrow_exception(error_);
@@ -455,6 +481,7 @@ class Guarded {
 
  private:
   F& fn_;
+  Barrier* barrier_;
   std::exception_ptr error_;
   std::mutex mu_;
 };
@@ -486,17 +513,34 @@ struct JoinSlots {
   }
 };
 
+// Threads 1 .. threads - 1 running g(t), appended to *pool; the exception that stopped the
+// starts, or null (std::system_error where pthread_create fails with EAGAIN: a limit on
+// the process's, the user's or the cgroup's threads). The threads started before it run.
+template <class G>
+std::exception_ptr start_threads(int threads, G& g, std::vector<std::thread>* pool) {
+  try {
+    pool->reserve(threads - 1);
+    for (int t = 1; t < threads; ++t) pool->emplace_back(std::ref(g), t);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
 // Run fn(thread_index) on `threads` threads started for the call (the caller is thread 0)
-// and join. For work that needs every thread at once (the fused LSTM's barriers); work
-// claimed dynamically goes through join_parallel below, which needs no thread started. An
-// exception in any of them (std::bad_alloc of a scratch buffer, say) is rethrown here,
-// after the join, for the FFI handler to turn into an error instead of std::terminate.
+// and join. For work that needs every thread at once, meeting at `barrier` (the fused
+// LSTM's); work claimed dynamically goes through join_parallel below, which needs no
+// thread started. An exception in any of them (std::bad_alloc of a scratch buffer, say)
+// aborts the barrier and is rethrown here, after the join, for the FFI handler to turn
+// into an error instead of a hang or std::terminate. So is a thread that fails to start:
+// the caller then runs nothing, and the threads started meet the aborted barrier (a
+// std::thread left joinable as the exception unwound past it called std::terminate).
 template <class F>
-void parallel(int threads, F&& fn) {
-  Guarded<std::remove_reference_t<F>> guarded(fn);
+void parallel(int threads, F&& fn, Barrier* barrier = nullptr) {
+  Guarded<std::remove_reference_t<F>> guarded(fn, barrier);
   std::vector<std::thread> pool;
-  for (int p = 1; p < threads; ++p) pool.emplace_back(std::ref(guarded), p);
-  guarded(0);
+  if (std::exception_ptr failed = start_threads(threads, guarded, &pool)) guarded.fail(failed);
+  if (!guarded.failed()) guarded(0);
   for (auto& t : pool) t.join();
   guarded.rethrow();
 }
@@ -550,13 +594,19 @@ void run_joined(ffi::ThreadPool& xla, int threads, F& fn) {
 }
 
 // fn(t) on the caller and on helpers that join (as run_joined: work claimed dynamically):
-// XLA's intra-op threads inside an FFI call that has them, else `threads` threads started
-// for the call (all of which run).
+// XLA's intra-op threads inside an FFI call that has them, else up to threads - 1
+// threads started for the call. As the work is claimed, a thread that fails to start
+// (start_threads) leaves it to those that did, with no error.
 template <class F>
 void join_parallel(int threads, F&& fn) {
   if (threads <= 1) return fn(0);
   if (ffi::ThreadPool* xla = XlaPool::current()) return run_joined(*xla, threads, fn);
-  parallel(threads, fn);
+  Guarded<std::remove_reference_t<F>> guarded(fn);
+  std::vector<std::thread> pool;
+  start_threads(threads, guarded, &pool);
+  guarded(0);
+  for (auto& t : pool) t.join();
+  guarded.rethrow();
 }
 
 inline int clamp_threads(int64_t threads, int64_t shares) {

@@ -292,6 +292,8 @@ void run_fwd(Fwd& s, int threads) {
   const int H = s.H, E = s.E, K = E + H, G = 4 * H, tiles = H / NR;
   s.wp.resize(size_t(K) * G);
   Barrier barrier(threads);
+  // with the barrier: a thread whose scratch below fails to allocate aborts it (simd.h),
+  // where the others waited for it at the first wait forever
   parallel(threads, [&](int p) {
     int u0, u1;
     share(tiles, threads, p, &u0, &u1);
@@ -319,7 +321,7 @@ void run_fwd(Fwd& s, int threads) {
 #if defined(__x86_64__)
     if (s.stream) __builtin_ia32_sfence();  // the streamed outputs are visible on return
 #endif
-  });
+  }, &barrier);
 }
 
 // --------------------------------------------------------------------------- backward
@@ -497,7 +499,7 @@ void run_bwd(Bwd& s, int threads) {
           bwd_dx_group(s, t, std::min(chunk, s.L - t), 4 * gi, std::min(4, xtiles - 4 * gi),
                        wxt.data() + size_t(gi) * G * 4 * NR, part.data());
     }
-  });
+  }, &barrier);
 }
 
 // ------------------------------------------------------------------- weight gradients
