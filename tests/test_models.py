@@ -77,6 +77,23 @@ def test_sums_shapes_and_finite(kind, attention):
     chex.assert_tree_all_finite(grads)
 
 
+def test_a_dual_encoder_encodes_both_texts_with_one_draw_of_random_features():
+    """Review r1: the shared trunk ran once per text, and flax's make_rng counter gave each
+    call of it another Performer draw: the same text on both sides got two vectors. One
+    trunk call for both now: equal, and `encode`'s own."""
+    cfg = dataclasses.replace(make_cfg("dual_encoder", depth=1),
+                              attention=AttentionConfig("performer", {"num_features": 16}))
+    batch = match_batch()
+    batch.update(inputs2=batch["inputs1"], segment_ids2=batch["segment_ids1"])
+    model, params = init(cfg, batch)
+    rngs = {"features": jax.random.key(3)}
+    u, v = jax.jit(lambda p: model.apply({"params": p}, batch, method="sides", rngs=rngs))(params)
+    np.testing.assert_array_equal(u, v)
+    alone = jax.jit(lambda p: model.apply({"params": p}, batch["inputs1"], batch["segment_ids1"],
+                                          method="encode", rngs=rngs))(params)
+    np.testing.assert_allclose(u, alone, atol=1e-5)
+
+
 def test_batch_frequency_gradients_do_not_count_padding():
     """A review (session 103): embed_grad_scale='batch' counted padded slots, which hold id 0,
     so the amount of padding after a row scaled the gradient of id 0's row (word_lm's and the
@@ -604,3 +621,30 @@ def test_a_registered_module_of_the_wrong_shape_is_named_at_trace():
         with pytest.raises(ValueError, match=r"output layer Mean.loss returned shape \(\); it "
                            r"must return each token's loss, of the targets' shape \(2, 16\)"):
             trace(dataclasses.replace(make_cfg(), output=OutputConfig("mean_loss")))
+
+
+def test_the_lm_loss_counts_no_padding_whatever_its_output_layer_returns_there():
+    """Review r1: the LM summed its output layer's per-token losses unmasked, trusting the
+    layer to zero the padded slots (`lm_eval_sums` masks them itself): a registered layer
+    that does not added padding loss, or NaN. Masked by the model now: `full`'s sums."""
+    from hpnlp.softmax import base as softmax_base
+    from hpnlp.softmax.full import FullSoftmax
+
+    class Unmasked(FullSoftmax):
+        def loss(self, hidden, targets, mask=None, *, deterministic=True):
+            return super().loss(hidden, targets, None)
+
+    class NaNPadded(FullSoftmax):
+        def loss(self, hidden, targets, mask=None, *, deterministic=True):
+            return jnp.where(mask, super().loss(hidden, targets, mask), jnp.nan)
+    batch = lm_batch()  # row 1: 5 slots of padding
+    cfg = make_cfg(depth=1)
+    model, params = init(cfg, batch)
+    want = jax.jit(model.apply)({"params": params}, batch)
+    for name, layer in (("unmasked", Unmasked), ("nan_padded", NaNPadded)):
+        with softmax_base._REGISTRY.registered(name, layer):
+            other = models.build(dataclasses.replace(cfg, output=OutputConfig(name)),
+                                 deterministic=True)
+            got = jax.jit(other.apply)({"params": params}, batch)
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, err_msg=name)
+        assert float(got["weight"]) == float(want["weight"])

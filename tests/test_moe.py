@@ -313,8 +313,10 @@ def test_every_model_kind_takes_moe_blocks(kind):
     assert set(blocks["block_1"]["moe"]) == {"router", "wi", "bi", "wo", "bo", "shared_in", "shared_out"}
     sums, aux = jax.jit(lambda p: model.apply({"params": p}, batch, mutable=[AUX]))(params)
     chex.assert_tree_all_finite((sums, aux))
-    calls = 2 if kind == "dual_encoder" else 1  # the dual encoder's trunk encodes two texts
-    assert len(aux[AUX]["trunk"]["block_1"]["moe"]["moe"]) == calls
+    # one call: the dual encoder's trunk encodes both texts at once (review r1), their tokens
+    (report,) = aux[AUX]["trunk"]["block_1"]["moe"]["moe"]
+    segs = [v for k, v in batch.items() if k.startswith("segment_ids")]
+    assert float(report["moe_tokens"]) == sum(int(np.sum(s > 0)) for s in segs)
 
 
 def test_decode_with_moe_matches_the_forward_pass_and_generates():

@@ -162,34 +162,34 @@ def usage(model, params, batches, rngs=None) -> dict:
     """{path of each MoE layer: (weight [X], gram [X, X])}: the gate weight each expert's
     outputs carried, and the Gram matrix P^T P of the router probabilities P [tokens, X] at
     the real tokens (segment id > 0), summed over `batches` as `model` (evaluation) routes
-    them (`hpnlp.moe.ROUTES`): every text a trunk call routes (a dual or bi-encoder's two
-    or three), each at its own segment ids. A bug hunt (session 103): only the first call
-    was read, and a dual encoder's batch (segment_ids1, segment_ids2) counted its padding.
+    them (`hpnlp.moe.ROUTES`): every text the trunk call routes (a dual or bi-encoder's two
+    or three, in one call: `heads.stack_sides`), each at its own segment ids. A bug hunt
+    (session 103): only the first text was read, and a dual encoder's batch (segment_ids1,
+    segment_ids2) counted its padding.
     `rngs`: the passes' (`gqa.with_trained_draw`: the random-feature draw the source trained
     with)."""
     from hpnlp.compress.gqa import real_tokens, summed_over_batches
+    from hpnlp.models.heads import stack_sides
     from hpnlp.moe import ROUTES, texts
 
     def one(params, batch):
         _, got = model.apply({"params": params}, batch, method="evaluate", mutable=[ROUTES],
                              rngs=rngs)
         segs = [batch.get("segment_ids" + t) for t in texts(batch)]
+        seg = segs[0] if len(segs) == 1 else stack_sides(*segs)  # as the trunk call reads them
         out = {}
 
         def walk(tree, path):
             if "weights" in tree and "probs" in tree:
-                if len(tree["probs"]) != len(segs):
+                if len(tree["probs"]) != 1:
                     raise ValueError(f"the MoE layer at {'/'.join(path)} routed "
-                                     f"{len(tree['probs'])} texts of a batch holding "
-                                     f"{len(segs)}; expert calibration reads one call a text")
-                weight, gram = 0.0, 0.0
-                for p_BLX, w_BLX, seg in zip(tree["probs"], tree["weights"], segs):
-                    p_BLX = p_BLX.astype(jnp.float32)
-                    real = real_tokens(seg, p_BLX.shape[:2])
-                    p_NX = (p_BLX * real[..., None]).reshape(-1, p_BLX.shape[-1])
-                    weight = weight + jnp.sum(w_BLX.astype(jnp.float32), axis=(0, 1))
-                    gram = gram + p_NX.T @ p_NX
-                out[path] = (weight, gram)
+                                     f"{len(tree['probs'])} calls; expert calibration reads "
+                                     "one call of every text")
+                p_BLX = tree["probs"][0].astype(jnp.float32)
+                real = real_tokens(seg, p_BLX.shape[:2])
+                p_NX = (p_BLX * real[..., None]).reshape(-1, p_BLX.shape[-1])
+                weight = jnp.sum(tree["weights"][0].astype(jnp.float32), axis=(0, 1))
+                out[path] = (weight, p_NX.T @ p_NX)
                 return
             for k, v in tree.items():
                 walk(v, path + (k,))

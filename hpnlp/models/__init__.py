@@ -53,11 +53,13 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     extra = {}
     if cfg.model.embed_grad_scale == "corpus" and token_counts is not None:
         from hpnlp.models.transformer import RowWeights, corpus_count_weights
-        # slots an optimizer step's batch reads (its rows x seq_len; padding included, so for
-        # padded batches the expected counts are upper bounds); the whole batch's, not a
-        # microbatch's, so train.grad_accum leaves the update as it is (a bug hunt, session
-        # 102: grad_accum 4 and 1 gave the same batch different gradients)
-        per_step = cfg.train.batch_size * cfg.data.seq_len
+        # slots an optimizer step's batch reads (its rows x seq_len x the texts embedded per
+        # row; padding included, so for padded batches the expected counts are upper bounds);
+        # the whole batch's, not a microbatch's, so train.grad_accum leaves the update as it
+        # is (a bug hunt, session 102: grad_accum 4 and 1 gave the same batch different
+        # gradients). A pair model embeds 2 texts a row, 3 with mined negatives (review r1:
+        # counted as 1, its expected counts were 2-3x too low, no upper bounds)
+        per_step = cfg.train.batch_size * cfg.data.seq_len * _texts_per_row(cfg)
         extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_step))
     if token_counts is not None and cfg.model.kind == "lm":
         # One Frequencies per model, not one per `setup` (which flax reruns on every
@@ -67,6 +69,14 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     if decode:
         return cls(cfg, deterministic=True, decode=True, **extra)
     return cls(cfg, deterministic=deterministic, **extra)
+
+
+def _texts_per_row(cfg: Config) -> int:
+    """Texts the model embeds per batch row: a pair's two sides, and a bi-encoder's mined
+    negative (hpnlp.retrieval.mining) where it mines; one for the other kinds."""
+    if cfg.model.kind == "bi_encoder":
+        return 3 if cfg.model.encoder.mine_every else 2
+    return 2 if cfg.model.kind == "dual_encoder" else 1
 
 
 def param_count(params) -> int:

@@ -1,7 +1,8 @@
 """The bi-encoder: texts embedded to unit vectors for search, trained on matching pairs.
 
 One shared encoder embeds both sides of a pair (`verse_pairs`: a verse and the next one;
-any `match` task, whose label-0 rows then serve only as negatives). The encoder is the
+any `match` task, whose label-0 rows then serve only as negatives), all sides in one call
+(so with one draw of any random features, `heads.encode_sides`). The encoder is the
 model's trunk (`model.arch` "transformer", "lstm" or "gru") pooled by `model.pool` (mean
 over real tokens, or the first token), or, for `model.arch = "bag"`, a bag of embeddings
 (StarSpace, Wu et al. 2018: the sum or mean of the token embeddings over real tokens only,
@@ -152,14 +153,19 @@ class BiEncoder(nn.Module):
         return normalize(_pool(h_BLE, seg_BL, m.pool))
 
     def _sides(self, batch):
-        q_BE = self.encode(batch["inputs1"], batch["segment_ids1"])
-        d_BE = self.encode(batch["inputs2"], batch["segment_ids2"])
+        from hpnlp.models.heads import encode_sides
+        # every side in one call of the encoder: one random-feature draw for all of them, the
+        # one `encode` alone applies in the pool's evaluation, search and mining (review r1)
+        sides = [(batch["inputs1"], batch["segment_ids1"]),
+                 (batch["inputs2"], batch["segment_ids2"])]
+        if "inputs3" in batch:
+            sides.append((batch["inputs3"], batch["segment_ids3"]))
+        q_BE, d_BE, *n_NE = encode_sides(self.encode, *sides)
         valid_B = batch["weight"] > 0
         positive_B = valid_B & (batch["label"] == 1)
         neg = {"match_BB": batch_matches(batch, positive_B)}
-        if "inputs3" in batch:
-            neg.update(n_NE=self.encode(batch["inputs3"], batch["segment_ids3"]),
-                       n_valid_N=batch["neg_weight"] > 0)
+        if n_NE:
+            neg.update(n_NE=n_NE[0], n_valid_N=batch["neg_weight"] > 0)
         return q_BE, d_BE, valid_B, positive_B, neg
 
     def __call__(self, batch):
@@ -219,6 +225,7 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256,
     from hpnlp.retrieval.knnlm import features_rngs
     rngs = features_rngs(model.cfg, features_key, "embedding texts")
     encode = _encoder(model)
+    batch_size = whole_microbatches(batch_size)
     out, P = [], len(tokens_PL)
     for i in range(0, P, batch_size):
         t, s = tokens_PL[i:i + batch_size], seg_PL[i:i + batch_size]
@@ -230,12 +237,27 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256,
                                                     np.float32)
 
 
+def whole_microbatches(rows: int) -> int:
+    """`rows` rounded up to a multiple of the pipeline's microbatch count where the current
+    mesh pipelines the trunk (`mesh.pipeline` > 1; the count the trainer's context set from
+    mesh.pipeline_microbatches, hpnlp.parallel.pipeline), else `rows`. Review r3: the pool's
+    evaluation (256 rows a call) and mining (512) sent the pipelined trunk batches that
+    pipeline_microbatches=6 does not split, and the run died at its first eval, every resume
+    again (validate checks the train and eval batches only)."""
+    from hpnlp.parallel import pipeline
+    stages = pipeline.pipeline_stages()
+    if stages == 1:
+        return rows
+    M = pipeline._MICROBATCHES.get() or stages  # as `stacked_blocks` reads it
+    return -(-rows // M) * M
+
+
 def embedding_dim(model, params) -> int:
     """E, the width of the model's unit vectors: model.width, or twice it for a
     bidirectional RNN trunk (a bug hunt, session 96: taken as model.width, a text index of
     such an encoder refused its first vectors), read from the traced encoder (no compile)."""
     L = model.cfg.data.seq_len
-    t = jax.ShapeDtypeStruct((1, L), np.int32)
+    t = jax.ShapeDtypeStruct((whole_microbatches(1), L), np.int32)  # a pipeline splits the rows
     return int(jax.eval_shape(_encoder(model), params, t, t, {}).shape[-1])  # any draw's
 
 

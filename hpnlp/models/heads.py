@@ -107,7 +107,9 @@ class TransformerLM(nn.Module):
             raise ValueError(f"output layer {type(self.output).__name__}.loss returned shape "
                              f"{tuple(loss_BL.shape)}; it must return each token's loss, of "
                              f"the targets' shape {tuple(mask_BL.shape)} (the model sums them)")
-        return {"loss": jnp.sum(loss_BL, dtype=jnp.float32),
+        # masked here too, as `lm_eval_sums` does (review r1): a registered layer that leaves
+        # a value at padding (NaN included: NaN * 0 is NaN) added padding loss to training
+        return {"loss": jnp.sum(jnp.where(mask_BL, loss_BL, 0.0), dtype=jnp.float32),
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
 
     def evaluate(self, batch):
@@ -157,6 +159,43 @@ def _pool(h_BLE, seg_BL, how: str):
         return h_BLE[:, 0]
     mask_BL1 = (seg_BL > 0)[..., None].astype(jnp.float32)
     return jnp.sum(h_BLE.astype(jnp.float32) * mask_BL1, axis=1) / jnp.maximum(mask_BL1.sum(1), 1.0)
+
+
+def stack_sides(*sides_BL):
+    """[B * S, W]: the rows of S sides (each [B, W_s]) interleaved, row b's sides next to each
+    other (rows b*S ... b*S + S - 1), each widened with zeros (empty slots) to the widest W:
+    how `encode_sides` lays out its one trunk call."""
+    W = max(a_BL.shape[1] for a_BL in sides_BL)
+    a_BSL = jnp.stack([jnp.pad(a_BL, ((0, 0), (0, W - a_BL.shape[1]))) for a_BL in sides_BL],
+                      axis=1)
+    return a_BSL.reshape(-1, W)
+
+
+def unstack_sides(x_NW, widths):
+    """`stack_sides` undone for what that call reports per token ([B * S, W, ...], a numpy or
+    jax array): each side's [B, W_s, ...], `widths` the sides' own W_s."""
+    x_BSW = x_NW.reshape((-1, len(widths)) + tuple(x_NW.shape[1:]))
+    return [x_BSW[:, s, :w] for s, w in enumerate(widths)]
+
+
+def encode_sides(encode, *sides):
+    """Each side's vectors [B, E], from ONE call of `encode(tokens_NL, seg_NL) -> [N, E]` over
+    every side's rows (`sides`: (tokens_BL, seg_BL) pairs of the same B; `stack_sides`).
+
+    One call, because a shared trunk's random features (Performer's projections, LSH's
+    rotations, a reversible stack's per-block keys) come from flax's `make_rng`, whose counter
+    moves on at every call of the same layer within one apply: a call per side gave each side
+    another draw, so the two towers were two functions, and neither side's the one `encode`
+    alone (the pool's evaluation, search, mining) applies (review r1). Row b's sides lie next
+    to each other, so a data shard's rows stay on it and a batch that pipeline microbatches
+    split still splits. A narrower side gets empty slots up to the widest (mined negatives
+    are seq_len wide beside a bucket's rows); what the trunk's layers report per token
+    (`hpnlp.moe.route`) comes back per side with `unstack_sides`."""
+    B, S = sides[0][0].shape[0], len(sides)
+    tok_NW = stack_sides(*(tok_BL for tok_BL, _ in sides))
+    seg_NW = stack_sides(*(seg_BL for _, seg_BL in sides))
+    v_BSE = encode(tok_NW, seg_NW).reshape(B, S, -1)
+    return [v_BSE[:, i] for i in range(S)]
 
 
 def _classification_sums(logits_BC, label_B, weight_B):
@@ -270,8 +309,9 @@ class Classifier(nn.Module):
 
 
 class DualEncoder(nn.Module):
-    """Siamese encoder for matching (LRA retrieval): one shared trunk encodes both texts;
-    the head sees [u, v, u*v, u-v]. Batches: inputs1/2, segment_ids1/2, label, weight."""
+    """Siamese encoder for matching (LRA retrieval): one shared trunk encodes both texts, in
+    one call (`encode_sides`); the head sees [u, v, u*v, u-v]. Batches: inputs1/2,
+    segment_ids1/2, label, weight."""
 
     cfg: Config
     deterministic: bool = True
@@ -293,9 +333,14 @@ class DualEncoder(nn.Module):
         h_BLE = self.trunk(self.embed, tokens_BL, seg_BL, positions_of(seg_BL))
         return _pool(h_BLE, seg_BL, self.cfg.model.pool)
 
+    def sides(self, batch):
+        """(u, v) [B, E]: both texts through one trunk call (`encode_sides`: one random-feature
+        draw for both)."""
+        return encode_sides(self.encode, (batch["inputs1"], batch["segment_ids1"]),
+                            (batch["inputs2"], batch["segment_ids2"]))
+
     def logits(self, batch):
-        u_BE = self.encode(batch["inputs1"], batch["segment_ids1"])
-        v_BE = self.encode(batch["inputs2"], batch["segment_ids2"])
+        u_BE, v_BE = self.sides(batch)
         feats = jnp.concatenate([u_BE, v_BE, u_BE * v_BE, u_BE - v_BE], axis=-1)
         return self.head(nn.gelu(self.mlp(feats)))
 

@@ -32,8 +32,8 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     eval_capacity_factor, expert choice at the capacity_factor it trained with):
     {block index: {"weights": [B, L, X] weight of each expert's output in each token (0: not
     routed, or dropped past capacity), "probs": [B, L, X] router probabilities}}. A batch of
-    several texts (the dual and bi-encoder's `inputs1`, `inputs2`, `inputs3`, each routed by
-    its own trunk call) gives each text's under its number: "weights1", "probs1", ...
+    several texts (the dual and bi-encoder's `inputs1`, `inputs2`, `inputs3`, routed in one
+    trunk call) gives each text's under its number: "weights1", "probs1", ...
 
     The batch is routed in the groups the run's evaluation uses on `num_devices` devices
     (default: this process's; `eval_groups`): model.moe.groups, or with groups=0 one per
@@ -80,16 +80,20 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     # jitted: run eagerly, the model compiles every primitive separately
     _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method=method,
                                               mutable=[ROUTES]))(params, batch)
+    # one sown value a block: the dual and bi-encoder route all their texts in one trunk
+    # call (`heads.encode_sides`, review r1), split back into the texts here
+    from hpnlp.models.heads import unstack_sides
+    widths = [batch["inputs" + t].shape[1] for t in names]
     out = {}
-    for name, sub in got[ROUTES]["trunk"].items():  # one sown value per trunk call
-        out[int(name[len("block_"):])] = {k + text: np.asarray(calls[i])
-                                          for k, calls in sub["moe"].items()
-                                          for i, text in enumerate(names)}
+    for name, sub in got[ROUTES]["trunk"].items():
+        out[int(name[len("block_"):])] = {
+            k + text: x for k, (call,) in sub["moe"].items()
+            for text, x in zip(names, unstack_sides(np.asarray(call), widths))}
     return dict(sorted(out.items()))
 
 
 def texts(batch) -> list[str]:
-    """The texts of `batch` a model routes, in the order its trunk is called on them, by the
+    """The texts of `batch` a model routes, in the order its trunk call stacks them, by the
     suffix of their keys: [""] (`inputs`, `segment_ids`), or the dual and bi-encoder's
     ["1", "2"] and "3" where the batch holds mined negatives (`inputs3`, `segment_ids3`)."""
     if "inputs" in batch:

@@ -60,16 +60,22 @@ def pick_negatives(ids_PK, group_P, qgroup_P, depth: int, key):
 def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, qgroup_P, depth: int, key):
     """[P] int32 negatives (module doc); `encode(params, tokens, seg) -> [n, E]` unit vectors.
 
-    The token arrays are padded to a multiple of QUERY_BLOCK rows (pad rows never match)."""
+    The texts are embedded and searched QUERY_BLOCK at a time, or the next multiple of a
+    pipelined trunk's microbatch count (`whole_microbatches`), their rows padded here to
+    whole blocks (pad rows never match)."""
+    from hpnlp.models.bi_encoder import whole_microbatches
     from hpnlp.retrieval.exact import blocked_top_k
     P = group_P.shape[0]
     rows = q_tok.shape[0]
+    per = whole_microbatches(QUERY_BLOCK)
+    n = -(-rows // per) * per
 
     def embed(tok, seg):
-        blocks = (tok.reshape(-1, QUERY_BLOCK, tok.shape[1]), seg.reshape(-1, QUERY_BLOCK, seg.shape[1]))
-        return jax.lax.map(lambda ts: encode(params, *ts), blocks).reshape(rows, -1)
+        tok_nL, seg_nL = (jnp.pad(a, ((0, n - rows), (0, 0))) for a in (tok, seg))
+        blocks = (tok_nL.reshape(-1, per, tok.shape[1]), seg_nL.reshape(-1, per, seg.shape[1]))
+        return jax.lax.map(lambda ts: encode(params, *ts), blocks).reshape(n, -1)
 
-    q_PE, d_PE = embed(q_tok, q_seg), embed(d_tok, d_seg)
+    q_PE, d_PE = embed(q_tok, q_seg), embed(d_tok, d_seg)[:rows]
     # the positives can take places ahead of the negatives: search past all of them
     most = lambda g: int(np.max(np.bincount(np.asarray(g))))  # noqa: E731
     k = min(P, depth + most(group_P) + most(qgroup_P))
@@ -77,7 +83,7 @@ def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, qgroup_P, depth: i
     pad = -(-rows // block) * block - rows
     d_nBE = jnp.pad(d_PE, ((0, pad), (0, 0))).reshape(-1, block, d_PE.shape[1])
     search = lambda q: blocked_top_k(q, d_nBE, P, k)[1]  # noqa: E731
-    ids = jax.lax.map(search, q_PE.reshape(-1, QUERY_BLOCK, q_PE.shape[1])).reshape(rows, k)[:P]
+    ids = jax.lax.map(search, q_PE.reshape(-1, per, q_PE.shape[1])).reshape(n, k)[:P]
     return pick_negatives(ids, jnp.asarray(group_P), jnp.asarray(qgroup_P), depth, key)
 
 
