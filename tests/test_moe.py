@@ -877,7 +877,7 @@ def test_fold_aux_keeps_vectors_per_layer_and_scalars_summed():
     assert float(out["n"]) == 8.0
     np.testing.assert_array_equal(out["load"], [[1.0], [1.0], [2.0], [2.0]])
     assert "loss_aux" not in fold_aux({"loss": 1.0, "weight": 1.0}, aux, add_loss=False)
-    # a layer called twice (a bi-encoder's trunk, once per side) is one layer: its loads
+    # a layer called twice (a shared trunk applied twice) is one layer: its loads
     # summed, its loss parts averaged (a bug hunt, session 95: 2 layers logged as 4)
     other = {**one, "loss_moe_z": jnp.float32(4.0), "load": jnp.full((1,), 3.0)}
     out = fold_aux({"loss": jnp.float32(7.0), "weight": jnp.float32(1.0)},

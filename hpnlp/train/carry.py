@@ -160,9 +160,10 @@ def fold_aux(sums: dict, aux, *, add_loss: bool = True) -> dict:
     over the layers (times `weight`); any other key a sum. Scalars are summed over the
     layers; a vector statistic (an MoE layer's load per expert) is kept per layer, [layers,
     ...], in block order. A stacked (scanned) block reports once per layer along its leading
-    axis. A layer called more than once in a step (a bi-encoder's shared trunk, once per
-    side) reports once: its calls' statistics summed, its `loss_*` parts their mean (a bug
-    hunt, session 95: a 2-layer bi-encoder logged the load of 4 MoE layers).
+    axis. A layer called more than once in a step (a model that applies a shared trunk twice;
+    the two-sided encoders did, once per side, until session 108: `heads.encode_sides`)
+    reports once: its calls' statistics summed, its `loss_*` parts their mean (a bug hunt,
+    session 95: a 2-layer bi-encoder logged the load of 4 MoE layers).
     """
     if not aux:
         return sums
