@@ -409,33 +409,72 @@ def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path):
     tr.checkpointer.close()
 
 
-def test_tensorboard_purges_what_a_start_or_a_resume_trains_again(tmp_path):
-    """A run's event files open with TensorBoard's purge: at step 0 on a start (a bug hunt,
-    session 96: a run stopped before its first checkpoint left its curves, mixed with the
-    rerun's), after the restored step on a resume."""
+def tb_events(workdir):
+    """The TensorBoard events on disk in WORKDIR/tensorboard (what a killed run leaves: not
+    what the writer holds in its buffer or queue)."""
     import glob
     import struct
 
     from tensorboardX.proto import event_pb2
+    for path in sorted(glob.glob(os.path.join(str(workdir), "tensorboard", "*"))):
+        data, i = open(path, "rb").read(), 0
+        while i + 12 <= len(data):
+            n, = struct.unpack("<Q", data[i:i + 8])
+            yield event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 16 + n
 
+
+def tb_scalars(workdir) -> set:
+    """{(tag, step)} of the scalars on disk (`tb_events`)."""
+    return {(v.tag, e.step) for e in tb_events(workdir) if e.HasField("summary")
+            for v in e.summary.value}
+
+
+def slow_tensorboard_thread(monkeypatch):
+    """tensorboardX's writer thread takes 20 ms an event, so that what a test finds on disk
+    is there because the run waited for it, not by luck."""
+    from tensorboardX.event_file_writer import EventsWriter
+    write = EventsWriter.write_event
+    monkeypatch.setattr(EventsWriter, "write_event",
+                        lambda self, event: (time.sleep(0.02), write(self, event))[1])
+
+
+def test_tensorboard_purges_what_a_start_or_a_resume_trains_again(tmp_path):
+    """A run's event files open with TensorBoard's purge: at step 0 on a start (a bug hunt,
+    session 96: a run stopped before its first checkpoint left its curves, mixed with the
+    rerun's), after the restored step on a resume."""
     from hpnlp.train.metrics import MetricWriter
 
     def purges(workdir):  # the steps of the START session logs (TensorBoard's purge points)
-        out = []
-        for path in sorted(glob.glob(str(workdir / "tensorboard" / "*"))):
-            data, i = open(path, "rb").read(), 0
-            while i < len(data):
-                n, = struct.unpack("<Q", data[i:i + 8])
-                event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-                i += 16 + n
-                if event.HasField("session_log") and event.session_log.status == 1:
-                    out.append(event.step)
-        return out
+        return [e.step for e in tb_events(workdir)
+                if e.HasField("session_log") and e.session_log.status == 1]
     for resume, want in ((None, [0]), (7, [8])):
         w = MetricWriter(str(tmp_path / str(resume)), resume_step=resume)
         w.write(3, {"loss": 1.0})
         w.close()
         assert purges(tmp_path / str(resume)) == want
+
+
+def test_metric_writer_sync_puts_every_queued_event_on_disk(tmp_path, monkeypatch):
+    """A review (r4): tensorboardX's `flush` reaches only the events its thread has written
+    (into a buffer it flushes every 120 s), so a kill soon after a checkpoint lost the
+    TensorBoard events up to it, which the resume (it purges the later steps) never redoes.
+    `sync`, which the loop calls before it saves, waits for the thread and flushes."""
+    from hpnlp.train.metrics import MetricWriter
+    slow_tensorboard_thread(monkeypatch)
+    w = MetricWriter(str(tmp_path))
+    w.write(3, {"loss": 1.0, "load": [[0.5, 0.5]]})
+    w.scalar(4, "grad_norm_step", 2.0)
+    w.write(4, {"loss": 0.5}, eval=True)
+    w.sync()
+    assert tb_scalars(tmp_path) == {("train/loss", 3), ("train/load/0/0", 3),
+                                    ("train/load/0/1", 3), ("train/grad_norm_step", 4),
+                                    ("eval/loss", 4)}
+    w.scalar(5, "grad_norm_step", 1.0)
+    w.sync()  # again, and after the writer is closed (nothing to do)
+    assert ("train/grad_norm_step", 5) in tb_scalars(tmp_path)
+    w.close()
+    w.sync()
 
 
 def test_a_run_whose_files_cannot_be_written_again_is_one_line(tmp_path, monkeypatch):
@@ -766,24 +805,29 @@ def kill_and_resume_matches(tmp_path, extra=(), steps=120):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # lr=1e39 in f32
-@pytest.mark.parametrize("lr", [1e30, 1e39])
+@pytest.mark.parametrize("lr", [1e3, 1e39])
 def test_non_finite_training_stops_and_no_checkpoint_holds_it(tmp_path, lr):
-    """lr=1e30 blows up the loss a few steps in; lr=1e39 makes the very first update
-    infinite while that step's loss is still finite. Neither may reach a checkpoint."""
+    """lr=1e3 blows up the loss a few steps in; lr=1e39 makes the very first update
+    infinite while that step's loss is still finite. Neither may reach a checkpoint, nor
+    parameters an update made huge but finite: the steps checkpointed here are no eval steps
+    (train.eval_every=0), and a review (r4) found such parameters saved and named the last
+    good checkpoint, whose eval loss was NaN (lr=1e30 saved them at step 1, lr=1e3 at its
+    last step before the NaN loss)."""
     cd = tiny(steps=40, lr=lr, warmup_steps=0, schedule="constant", clip_norm=0.0,
-              checkpoint_every=1)
+              checkpoint_every=1, eval_batches=1)
     with pytest.raises(NonFiniteLoss, match=r"non-finite at step (\d+) \(") as e:
         run(cd, str(tmp_path))
     bad_step = int(e.value.args[0].split("at step ")[1].split(" ")[0])
     kept = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
     assert all(k < bad_step for k in kept)
-    if lr == 1e30:
+    if lr == 1e3:
         assert kept and "last good checkpoint is step" in str(e.value)
         trainer = Trainer(from_configdict(cd), str(tmp_path))
         state, _ = trainer.initial_state()
         assert int(state.step) == max(kept)
         chex.assert_tree_all_finite(state.params)
         chex.assert_tree_all_finite(state.opt_state)
+        assert np.isfinite(trainer.evaluate(state)["loss"])
     else:
         assert not kept and "no checkpoint was saved yet" in str(e.value)
 
@@ -1160,6 +1204,38 @@ def test_an_lstm_trunk_starts_a_classifier_under_its_own_dropout_and_names_what_
                                                            num_devices=1), "lm")
 
 
+def test_a_trunk_starts_a_classifier_under_another_exact_attention_or_moe_layout():
+    """A review (r4): a trunk transfer compared attention.name and options, and the whole
+    MoEConfig, so a dense LM's trunk under `chunked` attention (or other blocks), or under
+    another dropless block_size or balance loss, was refused, where a resume switches. What
+    computes another function is still named, field by field. Configs alone: nothing
+    compiles."""
+    from hpnlp.config import ConfigError, validate
+    from hpnlp.train import transfer
+
+    def config(kind, attention="dense", options=None, **moe):
+        cd = tiny()
+        cd.attention.update(name=attention, options=options or {})
+        cd.model.moe.update(num_experts=2, dispatch="dropless", **moe)
+        if kind == "classifier":
+            cd.model.kind = "classifier"
+            cd.data.update(task="doc_classify", batching="pad")
+            cd.train.update(init_from="lm", init_params="trunk")
+        return validate(from_configdict(cd), num_devices=1)
+
+    lm = config("lm")
+    for cls in (config("classifier", "chunked", {"block_q": 8, "block_k": 8}),
+                config("classifier", block_size=16, balance_loss=0.1, z_loss=0.0)):
+        assert transfer.conversion(cls, lm, "lm").source is lm
+    for cls, shown in ((config("classifier", "performer"),
+                        "attention.name='performer' (that run: 'dense')"),
+                       (config("classifier", top_k=2, router="top_k"),
+                        "model.moe.top_k=2 (that run: 1); model.moe.router='top_k'")):
+        with pytest.raises(ConfigError, match=re.escape(shown)) as e:
+            transfer.conversion(cls, lm, "lm")
+        assert "MoEConfig(" not in str(e.value)
+
+
 def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):
     """Found by a bug hunt (session 89): another model.moe.noisy (a router `noise`
     parameter) or train.prune.layers (the masks' tree) failed in the restore as a layout "of
@@ -1239,6 +1315,43 @@ def test_a_float16_run_resumes_in_bfloat16_without_its_loss_scale(tmp_path):
     assert restored.loss_scale is None and restored.good_steps is None
     chex.assert_trees_all_equal((restored.step, restored.params, restored.opt_state),
                                 (state.step, state.params, state.opt_state))
+
+
+def test_a_float16_run_resumed_mid_log_window_in_bfloat16_finishes(tmp_path, monkeypatch):
+    """A review (r4): a float16 step's metrics hold loss_scale and skipped, a bfloat16 one's
+    do not, so a resume in bfloat16 (allowed) from a checkpoint inside a log window failed at
+    its first step in a tree map over the saved window ("Dict key mismatch"), as did every
+    rerun. The window is merged by key, keeping the new step's. The resumed run's checkpoint
+    also finds the TensorBoard events of its step on disk (the loop syncs its writer first;
+    the writer's thread slowed, so none is there by luck)."""
+    from hpnlp.train.checkpoint import Checkpointer
+    cd = tiny(steps=10, checkpoint_every=7, eval_batches=1)
+    cd.model.dtype = "float16"
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    inner = tr.train_step
+
+    def stopping(state, batch):  # after the checkpoint at step 7, inside the window 6-10
+        if int(state.step) == 7:
+            raise KeyboardInterrupt
+        return inner(state, batch)
+
+    tr.train_step = stopping
+    with pytest.raises(Interrupted, match="at step 8; the newest checkpoint is step 7 in "):
+        tr.run()
+    slow_tensorboard_thread(monkeypatch)
+    on_disk, save = {}, Checkpointer.save
+
+    def saving(self, step, state, data_state, loop_state):
+        on_disk[step] = tb_scalars(tmp_path)
+        save(self, step, state, data_state, loop_state)
+    monkeypatch.setattr(Checkpointer, "save", saving)
+    cd.model.dtype = "bfloat16"
+    summary = run(cd, str(tmp_path))
+    assert (summary["resumed_from_step"], summary["final_step"]) == (7, 10)
+    train = [l for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
+    assert [l["step"] for l in train] == [5, 10]
+    assert np.isfinite(train[-1]["loss"]) and "loss_scale" not in train[-1]
+    assert {("train/loss", 10), ("train/grad_norm_step", 10), ("eval/loss", 10)} <= on_disk[10]
 
 
 def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folder(tmp_path):
@@ -1395,6 +1508,43 @@ def test_eval_reads_the_feature_draw_the_last_train_step_trained_with(tmp_path):
     assert loss[2] == loss[1] != loss[3], loss  # steps 1-2 trained with draw 0, step 3 with 1
 
 
+def test_a_resume_that_moves_random_features_across_pipeline_stages_says_so(tmp_path, capsys):
+    """A review (r3): pipeline stages key the `features` stream per layer otherwise than the
+    stacked scan of one stage (parallel/pipeline.py), so a Performer resumed under another
+    mesh.pipeline computes with other features; the resume line dropped every mesh field as
+    "the same computation laid out otherwise". It says so, from the stages the checkpoint's
+    loop item records (the loop's own: test_a_resume_on_another_held_out_set...), or for a
+    checkpoint saved before it did, from its config.json's mesh.pipeline. Nothing trains."""
+    import dataclasses
+    cd = tiny(steps=12)
+    cd.data.batching = "pad"
+    cd.model.update(stack_layers=True, depth=2)
+    cd.attention.update(name="performer", options={"num_features": 16, "chunk_size": 16})
+    cfg, work = from_configdict(cd), str(tmp_path)
+    tr = Trainer(cfg, work)
+    state, _ = tr.initial_state()
+    tr.checkpointer.save(5, state.replace(step=np.asarray(5, np.int32)),
+                         tr.train_iter.get_state(), {"pipeline_stages": 2})
+    tr.checkpointer.close()
+    tr = Trainer(cfg, work)
+    tr.train_step = lambda state, batch: (_ for _ in ()).throw(KeyboardInterrupt)
+    with pytest.raises(Interrupted):
+        tr.run()
+    said = ("; attention.name='performer' draws random features per layer, which pipeline "
+            "stages key otherwise than one stage does: its steps ran in 2 stages, these run in "
+            "1, so the same weights compute with other features (set mesh.pipeline > 1 to "
+            "compute as before)")
+    assert said in capsys.readouterr().err
+    assert tr._pipeline_said({"pipeline_stages": 1}, 5) == ""
+    assert tr._pipeline_said({"pipeline_stages": 2}, 12) == ""  # nothing to train
+    assert tr._pipeline_said({}, 5) == ""  # saved before the loop item held it: its config's,
+    tr.checkpointer.changed = {"mesh.pipeline": (2, 1)}  # here the same, or another
+    assert tr._pipeline_said({}, 5) == said
+    tr.cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, name="dense",
+                                                                    options={}))
+    assert tr._pipeline_said({"pipeline_stages": 2}, 5) == ""  # no random features
+
+
 def test_initial_state_draws_parameters_in_a_program_runs_share(tmp_path):
     """The trainer draws the parameters in a program of their own, then the rest of the
     state from them: bit for bit what one program of `init_state` computes (movement
@@ -1478,6 +1628,36 @@ def test_early_stopping_on_patience(tmp_path, capsys):
     assert not on["stopped_early"] and on["final_step"] == summary["final_step"] + 3
     # its best starts over under the other metric (review: a saved accuracy read as a loss)
     assert on["best_eval"]["step"] > summary["final_step"] and "loss" in on["best_eval"]
+
+
+def test_a_resume_on_another_held_out_set_starts_early_stopping_over(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A review (r4): the eval set's fields are bookkeeping to the resume's config check,
+    and the best and the count of evals without a better one carried over a change of them,
+    so a run stopped early stayed stopped (or stopped at once) on scores of another set,
+    unsaid. Another set starts them over, said. The evals are scripted: nothing else
+    compiles but the train step."""
+    from hpnlp.train.checkpoint import Checkpointer
+    scores = iter([1.0, 2.0, 3.0])
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": next(scores)})
+    saved, save = [], Checkpointer.save
+    monkeypatch.setattr(Checkpointer, "save", lambda self, step, state, data, loop: (
+        saved.append(loop), save(self, step, state, data, loop))[1])
+    cd = tiny(steps=12, eval_every=2, early_stopping_patience=2, eval_batches=1,
+              checkpoint_every=0)
+    first = run(cd, str(tmp_path))
+    assert first["stopped_early"] and first["final_step"] == 6
+    assert saved[-1]["eval_set"] == {"data.train_path": "", "data.eval_split": "eval",
+                                     "train.eval_batches": 1, "data.eval_batch_size": 8}
+    assert saved[-1]["pipeline_stages"] == 1  # (what `_pipeline_said` reads: one device)
+    capsys.readouterr()
+    scores = iter([2.6, 2.5, 2.4])  # the other set's: above the old best, and improving
+    cd.train.eval_batches = 2
+    again = run(cd, str(tmp_path))
+    assert not again["stopped_early"] and again["final_step"] == 12
+    assert again["best_eval"] == {"step": 12, "loss": 2.4}
+    assert ("; it evaluates on another held-out set (train.eval_batches: saved 1, now 2), so "
+            "its best loss (step 2) and the evals since it start over") in capsys.readouterr().err
 
 
 @pytest.mark.slow  # three short runs: 12.8 s on one loaded core of the Xeon model 167 (s104)

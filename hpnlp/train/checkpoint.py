@@ -748,7 +748,9 @@ _LOOP_ENTRIES = {"best": ("a number or null", lambda v: v is None or _is_number(
                  "last_eval": ("an object or null", lambda v: v is None or isinstance(v, dict)),
                  "window": ("an object or null", lambda v: v is None or isinstance(v, dict)),
                  "routing_groups": ("a count or null", lambda v: v is None or _is_count(v)),
-                 "eval_due": ("true or false", lambda v: isinstance(v, bool))}
+                 "eval_due": ("true or false", lambda v: isinstance(v, bool)),
+                 "eval_set": ("an object", lambda v: isinstance(v, dict)),
+                 "pipeline_stages": ("a count", _is_count)}
 _WINDOW_ENTRIES = {"sums": ("an object or null", lambda v: v is None or isinstance(v, dict)),
                    "dtypes": ("an object", lambda v: isinstance(v, dict)),
                    "n": ("a count", _is_count), "applied": ("a count", _is_count),

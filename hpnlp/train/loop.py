@@ -24,6 +24,7 @@ import numpy as np
 
 from hpnlp import data as data_lib
 from hpnlp import models
+from hpnlp.attention import draws_features
 from hpnlp.config import (MESH_AXES, Config, MeshConfig, config_error, from_configdict, validate,
                           with_absolute_paths)
 from hpnlp.models import transformer_xl as xl
@@ -85,6 +86,20 @@ def _eval_logged(path: str, step: int) -> bool:
     except OSError:
         pass
     return False
+
+
+def held_out_set(cfg: Config) -> dict:
+    """{field: value} of what sets the batches a run's evals read: the eval file (or, where
+    there is none, the train file whose end is held out; a prepared folder), the split, how
+    many batches and of how many rows. A resume on another set starts early stopping's best
+    over (`_run`)."""
+    d, t = cfg.data, cfg.train
+    paths = {"data.prepared": d.prepared} if d.prepared else {}
+    paths.update({"data.eval_path": d.eval_path} if d.eval_path
+                 else {"data.train_path": d.train_path})
+    return {**{k: os.path.abspath(v) if v else v for k, v in paths.items()},
+            "data.eval_split": d.eval_split, "train.eval_batches": t.eval_batches,
+            "data.eval_batch_size": d.eval_batch_size or t.batch_size}
 
 
 def profile_folder(profile_dir: str) -> str:
@@ -577,6 +592,29 @@ class Trainer:
         return (f"; its MoE routing groups follow the devices (model.moe.groups=0): {before} "
                 f"before, {now} now, so capacity keeps other tokens ({keep})")
 
+    def _pipeline_said(self, loop: dict, start: int) -> str:
+        """'; ...' where a resume of a model whose attention draws random features from the
+        `features` stream (Performer's projections, LSH's rotations) moves between pipeline
+        stages and none: the stages key that stream per layer otherwise than the stacked
+        scan (parallel/pipeline.py), so the same weights compute another function (a review,
+        r3: said as the same computation laid out otherwise, i.e. not at all)."""
+        a = self.cfg.attention
+        if start >= self.cfg.train.steps or not (self.cfg.model.stack_layers
+                                                 and draws_features(a.name, a.options)):
+            return ""
+        now, before = int(self.mesh.shape["pipeline"]), loop.get("pipeline_stages")
+        if type(before) is not int:  # a checkpoint saved before the loop item held its stages:
+            # the saved config's, where it gives a size (-1 fills with the devices there)
+            was = self.checkpointer.changed.get("mesh.pipeline", (None,))[0]
+            before = was if type(was) is int and was > 0 else None
+        if before is None or (before > 1) == (now > 1):
+            return ""
+        return (f"; attention.name={a.name!r} draws random features per layer, which pipeline "
+                f"stages key otherwise than one stage does: its steps ran in {before} "
+                f"stage{'s' * (before > 1)}, these run in {now}, so the same weights compute "
+                f"with other features (set mesh.pipeline{'=1' if before == 1 else ' > 1'} "
+                "to compute as before)")
+
     def initial_state(self):
         """(state, loop_state): restored from the newest checkpoint, or fresh."""
         step = self.checkpointer.latest_step()
@@ -660,11 +698,13 @@ class Trainer:
         # `like`'s own placement: a seed ensemble's member is one slice of its stacked state
         return jax.device_put(factored, jax.tree.map(lambda a: a.sharding, like))
 
-    def eval_sums(self, state, eval_step=None, memory_step=None) -> dict:
+    def eval_sums(self, state, eval_step=None, memory_step=None, *,
+                  batches: int | None = None) -> dict:
         """Host sums of `eval_step` (default: this trainer's, with memory for Transformer-XL
-        on a stream) over the eval batches. For Transformer-XL on a stream, the eval stream's
-        memory is threaded through `memory_step(state, batch, memory) -> (sums, memory)`
-        (default: this trainer's) unless only an `eval_step` is given (memoryless)."""
+        on a stream) over the eval batches (the first `batches`; None: train.eval_batches).
+        For Transformer-XL on a stream, the eval stream's memory is threaded through
+        `memory_step(state, batch, memory) -> (sums, memory)` (default: this trainer's)
+        unless only an `eval_step` is given (memoryless)."""
         cfg = self.cfg
         memory = None
         if getattr(self, "eval_memory", None) and (eval_step is None or memory_step is not None):
@@ -674,10 +714,10 @@ class Trainer:
         it = data_lib.make_iterator(self.task, cfg.data, split="eval",
                                     batch_size=cfg.data.eval_batch_size or cfg.train.batch_size,
                                     **self.iter_args)
-        total = None
+        total, limit = None, cfg.train.eval_batches if batches is None else batches
         with self._context():
             for i, batch in enumerate(it):
-                if cfg.train.eval_batches and i >= cfg.train.eval_batches:
+                if limit and i >= limit:
                     break
                 if memory is not None:
                     sums, memory = memory_step(state, _global(batch, self.batch_sharding), memory)
@@ -747,7 +787,10 @@ class Trainer:
         said = schedule_change(self.checkpointer.saved_train, t, start) if start < t.steps else ""
         changed = {k: v for k, v in self.checkpointer.changed.items()
                    if not (said and k in {f"train.{f}" for f in SCHEDULE_FIELDS})
-                   and not k.startswith("mesh.")  # the same computation laid out otherwise
+                   # the same computation laid out otherwise (but for random features across
+                   # pipeline stages, and MoE groups that follow the devices: said on their own,
+                   # `_pipeline_said` and `_groups_said`)
+                   and not k.startswith("mesh.")
                    and not (self.checkpointer.attention_changed and k.startswith("attention."))}
         if not changed:
             return ""
@@ -784,6 +827,20 @@ class Trainer:
             # another metric on resume: its best starts over (review, session 96: the saved
             # loss was compared with accuracies, and reported as one)
             best, best_step, bad_evals = None, None, 0
+        # So does another held-out set (a review, r4: a resume on another eval file, or
+        # another number of eval batches, compared its scores with the old set's best, and
+        # stopped early on that, unsaid: these fields are bookkeeping to the config check)
+        eval_set = held_out_set(cfg)
+        saved_set = loop.get("eval_set")
+        eval_moved = {k: (saved_set.get(k), eval_set.get(k)) for k in {**saved_set, **eval_set}
+                      if saved_set.get(k) != eval_set.get(k)} if isinstance(saved_set, dict) else {}
+        eval_said = ""
+        if eval_moved and best is not None:
+            eval_said = ("; it evaluates on another held-out set (" + "; ".join(
+                f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in eval_moved.items())
+                + f"), so its best {t.early_stopping_metric} (step {best_step}) and the evals "
+                "since it start over")
+            best, best_step, bad_evals = None, None, 0
         # A run that stopped early stays stopped while its rule still stops it: with early
         # stopping off, or a patience its bad evals have not reached, a rerun trains on (a
         # bug hunt: with either, and more steps, it trained nothing and said nothing)
@@ -813,6 +870,7 @@ class Trainer:
                   + (schedule_change(self.checkpointer.saved_train, t, start)
                      if start < t.steps else "")
                   + self._changes_said(start) + self._groups_said(loop)
+                  + self._pipeline_said(loop, start) + eval_said
                   + (f"; its eval at step {start} failed, and runs first" if eval_due else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # The partial log window is part of the checkpoint, so a resumed run logs the same
@@ -863,11 +921,15 @@ class Trainer:
             applied = not float(m.get("skipped", 0))
             if not applied:
                 m = {**m, "grad_norm": np.zeros_like(m["grad_norm"])}
-            # a statistic whose shape the saved window does not share (a bi-encoder's MoE load,
-            # per layer since session 95, per call before) starts again from this step
-            window["sums"] = m if window["sums"] is None else jax.tree.map(
-                lambda a, b: np.add(a, b) if np.shape(a) == np.shape(b) else b,
-                window["sums"], m)
+            # Merged by key, keeping this step's: a statistic whose shape the saved window does
+            # not share (a bi-encoder's MoE load, per layer since session 95, per call before),
+            # or that it lacks, starts again from this step, and one this step no longer has is
+            # dropped (a review, r4: a float16 window's loss_scale and skipped resumed in
+            # bfloat16, or another MoE router's balance loss, failed every rerun in a tree map)
+            old = window["sums"]
+            window["sums"] = m if old is None else {
+                k: np.add(old[k], v) if k in old and np.shape(old[k]) == np.shape(v) else v
+                for k, v in m.items()}
             window["n"] += 1
             window["last"] = m
             if applied:
@@ -923,6 +985,7 @@ class Trainer:
                 timing["t0"] += seconds
 
         groups = self.routing_groups()
+        stages = int(self.mesh.shape["pipeline"])
 
         def save(step: int, state, last_eval: dict, *, eval_due: bool = False) -> None:
             last = window["last"]
@@ -934,11 +997,32 @@ class Trainer:
                 "last": None if last is None else {
                     k: float(np.asarray(last[k])) for k in ("param_norm", "lr", "loss_scale")
                     if k in last}}
+            # what is logged up to this step, TensorBoard's events too, is on disk before the
+            # checkpoint a resume purges only the later steps after (a review, r4: queued in
+            # tensorboardX's thread, a kill lost them, and no resume redid them)
+            writer.sync()
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "best_step": best_step, "bad_evals": bad_evals,
                 "best_metric": t.early_stopping_metric,
                 "stopped_early": stopped_early, "eval_due": eval_due,
-                "last_eval": last_eval, "window": win, "routing_groups": groups})
+                "last_eval": last_eval, "window": win, "routing_groups": groups,
+                "eval_set": eval_set, "pipeline_stages": stages})
+
+        def check_unevaluated(step: int, state) -> None:
+            """Parameters saved at a step with no eval: their loss on one held-out batch is
+            finite, or the run stops before they are saved and named good (a review, r4: at a
+            checkpoint step that was no eval step, lr=1e9 saved parameters its update had made
+            huge but finite, named "the last good checkpoint", whose resume diverged at once)."""
+            try:  # (an ensemble evaluates its stacked members with a step of its own)
+                sums = self.eval_sums(state, getattr(self, "ensemble_eval_step", None),
+                                      batches=1)
+            except Exception:  # keep the steps trained since the last checkpoint, as an
+                save(step, state, last_eval)  # eval that fails does (`take_eval`)
+                self.checkpointer.wait()
+                raise
+            if not all(np.all(np.isfinite(x)) for x in jax.tree.leaves(sums)):
+                raise diverged(step, "its parameters' loss on a held-out batch is not finite; "
+                               "they are not saved")
 
         def take_eval(step: int, state, *, made_up: bool = False) -> None:
             """The eval due at `step`: run, logged, and counted for the best and early
@@ -1057,6 +1141,9 @@ class Trainer:
                         take_eval(step, state)
                         do_ckpt = do_ckpt or stopped_early
                     if do_ckpt:
+                        if not (do_eval or stopping):  # (a signal's save is not held up by an
+                            # eval, whose compile, where none ran yet, may outlast its grace)
+                            check_unevaluated(step, state)
                         save(step, state, last_eval)
                     paused(time.perf_counter() - t_pause)
                     if stopped_early or stopping:

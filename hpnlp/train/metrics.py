@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 
 import jax
 
@@ -123,6 +124,20 @@ class MetricWriter:
         if self.enabled:
             self.tb.add_scalar("train/" + name, value, step)
 
+    def sync(self) -> None:
+        """Everything written so far reaches the files (the OS: what a killed process leaves),
+        TensorBoard's events too: the loop calls it before it saves a checkpoint, whose resume
+        purges only the steps after it. A review (r4): tensorboardX's thread writes the queued
+        events into a buffer it flushes every 120 s, and its `flush` reaches only what the
+        thread has written, so a kill soon after a checkpoint lost the events up to it."""
+        if not self.enabled or self._closed:
+            return
+        with self._writing(os.path.join(os.path.dirname(self.path), "tensorboard")):
+            for t in self._threads:
+                t.reach()  # the thread has written what was queued before
+            self.tb.flush()
+            self._thread_failed()
+
     def close(self) -> None:
         if self.enabled and not self._closed:
             with self._writing(self.path):
@@ -189,6 +204,15 @@ class MetricWriter:
 _STOP_SECONDS = 5.0  # how long a writer thread is given to stop, once its writes failed
 
 
+class _Mark:
+    """Queued to tensorboardX's writer thread behind events (`_ThreadWrites.reach`): the
+    thread reaches it once it has written them (it passes through the queue's pipe pickled,
+    so it is a class of its own, told apart by its type)."""
+
+    def __init__(self, number: int):
+        self.number = number
+
+
 class _ThreadWrites:
     """What tensorboardX's writer thread writes through (its worker's `_record_writer`, 2.6.5),
     an OSError kept for the run's next write or close to raise as its one line: raised in the
@@ -198,16 +222,39 @@ class _ThreadWrites:
 
     def __init__(self, events):
         self.events, self.error = events, None
+        self.queue_event = self.worker = None  # (`install`)
+        self._marks = self._reached = 0  # the `_Mark`s queued, and the last the thread wrote
+        self._reaching = threading.Condition()
 
     @classmethod
     def install(cls, file_writer) -> "_ThreadWrites":
-        worker = getattr(getattr(file_writer, "event_writer", None), "_worker", None)
+        event_writer = getattr(file_writer, "event_writer", None)
+        worker = getattr(event_writer, "_worker", None)
         writes = cls(getattr(worker, "_record_writer", None))
         if writes.events is not None:  # (another tensorboardX: its thread left as it is)
             worker._record_writer = writes
+            writes.queue_event, writes.worker = event_writer.add_event, worker
         return writes
 
+    def reach(self) -> None:
+        """Returns once the thread has written every event queued before this call (or has
+        stopped): a mark queued behind them, which it hands to `write_event`."""
+        if self.queue_event is None or self.events is None:
+            return
+        with self._reaching:
+            self._marks += 1
+            mark = self._marks
+        self.queue_event(_Mark(mark))
+        with self._reaching:
+            while self._reached < mark and self.worker.is_alive():
+                self._reaching.wait(0.1)
+
     def write_event(self, event) -> None:
+        if isinstance(event, _Mark):  # (written by nothing: what `reach` waits for)
+            with self._reaching:
+                self._reached = event.number
+                self._reaching.notify_all()
+            return
         self._call("write_event", event)
 
     def flush(self) -> None:

@@ -15,10 +15,13 @@ start from any `init_from`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.traverse_util as traverse
 import jax.numpy as jnp
 
 from hpnlp.config import Config, config_error
+from hpnlp.train.checkpoint import EXACT_ATTENTION
 
 KEPT = ("embed", "trunk")  # the top-level parameter groups a trunk transfer reads
 POSITIONS = ("trunk", "pos_embedding")  # a learned position table: [max_len, width]
@@ -26,7 +29,11 @@ POSITIONS = ("trunk", "pos_embedding")  # a learned position table: [max_len, wi
 # another's trunk must have that run's (some change no shape: positions, attention)
 TRUNK_FIELDS = ("arch", "width", "depth", "num_heads", "head_dim", "num_kv_heads",
                 "kv_latent_dim", "kv_latent_rope_dim", "kv_latent_norm", "mlp_dim", "pos_emb",
-                "reversible", "stack_layers", "moe")
+                "reversible", "stack_layers")
+# model.moe's fields but these, each named: how dropless blocks are laid out, and the
+# training losses' weights (a fine-tune sets its own, as model.dropout). A review (r4): the
+# whole MoEConfig was compared, so another block_size, which a resume may change, was refused.
+MOE_NOT_TRUNK = ("block_size", "balance_loss", "z_loss")
 # An LSTM/GRU trunk's (model.arch, width and depth are the cell and the stack): what its
 # arrays or its eval function read. Not its dropout variants and weight_drop (the identity at
 # evaluation, and a fine-tune sets its own, as model.dropout) nor impl and unroll (how the
@@ -38,6 +45,9 @@ RNN_TRUNK_FIELDS = ("combine", "layer_norm", "learned_init", "bidirectional", "z
 def _trunk_settings(cfg: Config) -> dict:
     """{field: value} of what defines `cfg`'s trunk beside its weights."""
     out = {f"model.{f}": getattr(cfg.model, f) for f in TRUNK_FIELDS}
+    moe = cfg.model.moe  # (off: its expert count alone, the other fields read by nothing)
+    out.update({f"model.moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)
+                if f.name not in MOE_NOT_TRUNK and (moe.enabled() or f.name == "num_experts")})
     out.update({"attention.name": cfg.attention.name,
                 "attention.options": dict(cfg.attention.options)})
     if cfg.model.arch in ("lstm", "gru"):
@@ -79,6 +89,10 @@ def conversion(cfg: Config, source: Config, workdir: str, my_sha256: str | None 
     theirs, mine = _trunk_settings(source), _trunk_settings(cfg)
     # the fields both trunks have: an LSTM's against a Transformer's differ in model.arch
     differ = [k for k in mine if k in theirs and mine[k] != theirs[k]]
+    if {cfg.attention.name, source.attention.name} <= EXACT_ATTENTION:
+        # one function of the arrays whichever computes it, as a resume may switch (a review,
+        # r4: a dense LM's trunk was refused under `chunked`, or other block sizes)
+        differ = [k for k in differ if not k.startswith("attention.")]
     if differ:
         shown = "; ".join(f"{k}={mine[k]!r} (that run: {theirs[k]!r})" for k in differ[:4])
         raise config_error("train.init_params", "trunk", f"this run reads the trunk of the run "
