@@ -38,8 +38,48 @@ def cheap_compile_flags(jaxlib_version: str | None = None) -> tuple[str, ...]:
             *extra)
 
 
+_WHITESPACE = " \t\r\n"  # what XLA's flag parser skips between flags
+
+
+def xla_reads(xla_flags: str) -> tuple[list[str], str]:
+    """`xla_flags` (an XLA_FLAGS value that starts with '-') split as XLA splits it
+    (`ParseArgvFromString`, xla/parse_flags_from_env.cc): the flags it reads, and the rest,
+    which it ignores without a word. XLA stops at the first token that does not start with
+    '-' (`intra_op_parallelism_threads=1`, a TensorFlow session option, is one). A quoted
+    value (`--flag="a b"`) belongs to its flag."""
+    def skip(i):  # the first index at or after i that is not whitespace
+        while i < len(xla_flags) and xla_flags[i] in _WHITESPACE:
+            i += 1
+        return i
+
+    read, b = [], skip(0)
+    while b < len(xla_flags) and xla_flags[b] == "-":
+        e = b  # past the flag's name: ASCII letters, digits, '-' and '_'
+        while e < len(xla_flags) and xla_flags[e].isascii() and (
+                xla_flags[e].isalnum() or xla_flags[e] in "-_"):
+            e += 1
+        if xla_flags[e:e + 1] == "=" and xla_flags[e + 1:e + 2] in ("'", '"'):
+            quote, e = xla_flags[e + 1], e + 2
+            while e < len(xla_flags) and xla_flags[e] != quote:
+                e += 2 if quote == '"' and xla_flags[e] == "\\" else 1  # an escaped character
+            e = min(e + 1, len(xla_flags))  # past the closing quote
+        else:
+            while e < len(xla_flags) and xla_flags[e] not in _WHITESPACE:
+                e += 1
+        read.append(xla_flags[b:e])
+        b = skip(e)
+    return read, xla_flags[b:].rstrip(_WHITESPACE)
+
+
 def with_flags(xla_flags: str, flags) -> str:
-    """`xla_flags` plus each of `flags` it does not hold yet (xdist workers inherit the
-    controller's XLA_FLAGS, and read conftest.py again)."""
-    have = xla_flags.split()
-    return " ".join(have + [f for f in flags if f not in have])
+    """`xla_flags` plus each of `flags` that XLA does not read in it yet (xdist workers inherit
+    the controller's XLA_FLAGS, and read conftest.py again). They go before the first token
+    XLA would not read (`xla_reads`): appended after it, XLA would drop them silently. A
+    value that does not start with '-' is to XLA the name of a file of flags: refused."""
+    if xla_flags.strip(_WHITESPACE) and not xla_flags.lstrip(_WHITESPACE).startswith("-"):
+        raise ValueError(
+            f"XLA_FLAGS={xla_flags!r} does not start with '-', so XLA reads it as the name of a "
+            f"file of flags, and hpnlp cannot add {' '.join(flags)} to it: put those flags in "
+            "that file, or give XLA_FLAGS the flags themselves (each starting with '--')")
+    read, ignored = xla_reads(xla_flags)
+    return " ".join(read + [f for f in flags if f not in read] + ([ignored] if ignored else []))

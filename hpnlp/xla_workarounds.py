@@ -40,6 +40,8 @@ import os
 import sys
 import warnings
 
+from hpnlp.compile_flags import with_flags
+
 # jaxlib versions on which the pad over-read was reproduced (docs/xla_defects.md): 0.11.2
 # on the 16-core host of a lent GPU machine, its CPU backend, by the suite's repro test.
 PAD_OVERREAD_JAXLIB = ("0.10.2", "0.11.2")
@@ -178,7 +180,13 @@ def apply() -> list[str]:
             "(docs/xla_defects.md); import hpnlp before running any JAX computation, or set "
             f"XLA_FLAGS='{flag}' yourself", RuntimeWarning, stacklevel=3)
     elif flag is not None:
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-        done.append(flag)
+        try:  # before any token XLA stops reading at (appended after it, XLA drops the flag)
+            os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), [flag])
+            done.append(flag)
+        except ValueError:  # a file of flags: XLA would not read the value as flags at all
+            warnings.warn(
+                f"XLA_FLAGS names a file of flags (it does not start with '-'), so hpnlp cannot "
+                f"add {flag}, which avoids a segmentation fault of this jaxlib on AVX-512 CPUs "
+                f"(docs/xla_defects.md); add {flag} to that file", RuntimeWarning, stacklevel=3)
     APPLIED.extend(done)
     return done

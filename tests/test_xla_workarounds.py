@@ -10,6 +10,7 @@ import pytest
 import envlib
 from envlib import full_optimization_env
 from hpnlp import xla_workarounds as xw
+from hpnlp.compile_flags import with_flags, xla_reads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPRO = os.path.join(ROOT, "docs", "repro", "xla_cpu_pad_overread.py")
@@ -24,14 +25,31 @@ def test_repro_runs_clean_after_importing_hpnlp():
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
 
+# CPUs (vendor, family, model, stepping in /proc/cpuinfo) on which the reproduction faulted
+# without the workaround: the 2-core Xeon model 167, stepping 1, with jaxlib 0.10.2 (SIGSEGV in
+# this test, 2026-12-06). On other AVX-512 CPUs the back end may not emit the unmasked load.
+FAULTED_ON = {("GenuineIntel", "6", "167", "1")}
+
+
 def test_repro_crashes_without_the_workaround_where_it_applies():
-    """The defect the workaround exists for is real here (and would tell us once XLA fixes it)."""
+    """The defect the workaround exists for is real here; on a CPU where it faulted before,
+    a clean run fails: XLA may have fixed it, and the workaround may go for this jaxlib."""
     if xw.pad_overread_flag() is None and xw.ISA_FLAG not in xw.APPLIED:
         pytest.skip("the workaround does not apply to this jaxlib/CPU")
     env = full_optimization_env(xw.ISA_FLAG, HPNLP_XLA_WORKAROUNDS="0", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, REPRO], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, REPRO], env=env, capture_output=True, text=True,
+                          timeout=300)
     if proc.returncode == 0:
-        pytest.skip("the over-read does not fault on this CPU (the unmasked load was not emitted)")
+        from hpnlp import kernels
+        info = kernels.cpu_info()
+        cpu = tuple(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping"))
+        version = xw.importlib.metadata.version("jaxlib")
+        if cpu not in FAULTED_ON:
+            pytest.skip(f"the over-read does not fault on this CPU {cpu} (the unmasked load "
+                        "was not emitted)")
+        pytest.fail(f"the pad over-read no longer faults on this CPU {cpu}, where it did: the "
+                    f"workaround ({xw.ISA_FLAG}) can be retired for jaxlib {version} (drop it "
+                    "from xla_workarounds.PAD_OVERREAD_JAXLIB)")
     assert proc.returncode in (-11, 139), (proc.returncode, proc.stderr[-2000:])
 
 
@@ -63,6 +81,54 @@ def test_apply_after_the_backend_started_warns_instead(monkeypatch):
     assert os.environ["XLA_FLAGS"] == ""
 
 
+# An XLA_FLAGS value as docs/benchmarks.md once gave it for the lra bench: the second token is
+# a TensorFlow session option, not an XLA flag, and has no leading '-'.
+BARE = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _xla_would_read(xla_flags: str) -> list[str]:
+    """The tokens XLA reads (xla/parse_flags_from_env.cc, for values without quotes): those
+    up to the first that does not start with '-'; it ignores that one and the rest."""
+    tokens = xla_flags.split()
+    bare = next((i for i, t in enumerate(tokens) if not t.startswith("-")), len(tokens))
+    return tokens[:bare]
+
+
+def test_apply_puts_the_flag_where_xla_reads_it(monkeypatch):
+    """Appended after a bare token XLA stopped before the ISA cap: the repro crashed after
+    `import hpnlp` on the Xeon model 167 (SIGSEGV) with XLA_FLAGS=BARE."""
+    monkeypatch.setattr(xw, "pad_overread_flag", lambda: xw.ISA_FLAG)
+    monkeypatch.setattr(xw, "_backend_started", lambda: False)
+    monkeypatch.setattr(xw, "malloc_workaround_wanted", lambda: False)
+    monkeypatch.setattr(xw, "APPLIED", [])
+    monkeypatch.setenv("XLA_FLAGS", BARE)
+    assert xw.apply() == [xw.ISA_FLAG]
+    assert xw.ISA_FLAG in _xla_would_read(os.environ["XLA_FLAGS"]), os.environ["XLA_FLAGS"]
+    assert os.environ["XLA_FLAGS"].endswith("intra_op_parallelism_threads=1")  # the user's, kept
+    # A value that does not start with '-' is a file of flags to XLA: left alone, and said so
+    monkeypatch.setenv("XLA_FLAGS", "/etc/xla_flags")
+    with pytest.warns(RuntimeWarning, match="add --xla_cpu_max_isa=AVX2 to that file"):
+        assert xw.apply() == []
+    assert os.environ["XLA_FLAGS"] == "/etc/xla_flags"
+
+
+def test_with_flags_puts_them_where_xla_reads_them():
+    device = "--xla_force_host_platform_device_count=8"  # the moe and memory benches' flag
+    for have in ("", BARE, f"{BARE} --xla_dump_to=/tmp/d", "  --a=1\t ", "--a=1 x --b=2"):
+        got = with_flags(have, [device, "--c=3"])
+        assert {device, "--c=3"} <= set(_xla_would_read(got)), (have, got)
+        assert [t for t in got.split() if t not in (device, "--c=3")] == have.split(), got
+    assert with_flags(f"{BARE} {device}", [device]).split()[1] == device  # read, not skipped
+    assert with_flags("--a=1 --b=2", ["--b=2"]) == "--a=1 --b=2"
+    with pytest.raises(ValueError, match="XLA_FLAGS='flags.txt' does not start with '-'"):
+        with_flags("flags.txt", [device])
+    # As XLA's parser reads quotes: a quoted value holds spaces and ends its flag
+    assert xla_reads('--a="x y" --b=\'p q\' c --d') == (['--a="x y"', "--b='p q'"], "c --d")
+    assert xla_reads('--a="x \\" y" --b=1') == (['--a="x \\" y"', "--b=1"], "")
+    assert xla_reads('--a="x"y --b') == (['--a="x"'], "y --b")
+    assert xla_reads("--a=1 -") == (["--a=1", "-"], "")
+
+
 def test_steps_compile_without_ynn_fusions(monkeypatch):
     """Train and eval steps compile with XLA:CPU's YNN fusions off (`train.step`; they ran
     hpnlp's models slower, docs/xla_defects.md), to the same outputs; the day this XLA
@@ -87,6 +153,18 @@ def test_steps_compile_without_ynn_fusions(monkeypatch):
     np.testing.assert_allclose(ours(x, w), default(x, w), rtol=1e-5, atol=1e-6)
     monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", "0")  # the switch that keeps XLA's default
     assert step.step_compiler_options() == step.CPU_REMAT_COMPILER_OPTIONS
+
+
+def test_every_step_compiler_option_is_a_documented_defect():
+    """docs/xla_defects.md lists each XLA option the train and eval steps compile with (the
+    remat one was missing, and it stays on with HPNLP_XLA_WORKAROUNDS=0)."""
+    from hpnlp.train import step
+
+    doc = open(os.path.join(ROOT, "docs", "xla_defects.md")).read()
+    for options in (step.CPU_REMAT_COMPILER_OPTIONS, step.CPU_NO_YNN_FUSION_OPTIONS):
+        for name, value in options.items():
+            assert name in doc and value in doc, (name, value)
+    assert "cse_barrier_expander` pass off" in doc.split("\n## ")[0]  # the intro says it stays
 
 
 # A jitted call whose 64 MiB output XLA:CPU allocates with malloc on every call: the page

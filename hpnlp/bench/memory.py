@@ -366,9 +366,9 @@ def run(out_dir: str, *, quick: bool, devices: int = 8, model: dict | None = Non
         raise ValueError(f"--devices={devices}: the comparison needs at least 2 devices")
     check_sizes(model, devices)
     mode_list = [m for m in modes(devices, model) if not only or m["name"] in only]
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
-                         f"--xla_force_host_platform_device_count={devices}".strip())
+    from hpnlp.compile_flags import with_flags  # (where XLA reads it: before a bare token)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_flags(
+        os.environ.get("XLA_FLAGS", ""), [f"--xla_force_host_platform_device_count={devices}"]))
     spec = dict(model=model, modes=mode_list)
     info, results = None, []
     with tempfile.TemporaryFile("w+") as err:

@@ -265,8 +265,9 @@ def ep_measure(mesh: dict) -> dict:
 
 
 def parallel_rows() -> list[dict]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    from hpnlp.compile_flags import with_flags  # (where XLA reads it: before a bare token)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_flags(
+        os.environ.get("XLA_FLAGS", ""), ["--xla_force_host_platform_device_count=8"]))
     rows = []
     for mesh in ({"data": 1, "expert": 8}, {"data": 2, "expert": 4}):
         proc = subprocess.run([sys.executable, "-c", EP_CODE, json.dumps(mesh)], env=env,
