@@ -524,6 +524,38 @@ def test_mining_encodes_with_the_draw_the_step_trained_with(monkeypatch):
         carry.after_update(carry.init(model, params, None, 2), params, None, jnp.asarray(0))
 
 
+def test_mining_embeds_the_pool_with_the_weights_pruning_leaves(monkeypatch):
+    """Review r10 (session 108): the carries' `after_update` ran mining before pruning, so a
+    step that both pruned and mined mined with weights that pruning then zeroed (or, under
+    imp, rewound); mining now reads the encoder that trains next, masked."""
+    import flax.linen as nn
+    import flax.traverse_util as traverse
+
+    from hpnlp.train import carry as carry_lib
+    from hpnlp.train.loop import dummy_batch
+    cfg = validate(_cfg("local,mine", **{
+        "model.encoder.mine_every": 1, "train.steps": 4, "train.warmup_steps": 0,
+        "train.prune.method": "magnitude", "train.prune.sparsity": 0.5}))
+    carries = carry_lib.for_config(cfg)
+    assert [c.name for c in carries] == ["prune", "negatives"]
+    model = carries[1].encoder
+    batch = dummy_batch("pair", 2, cfg.data.seq_len)
+    params = jax.jit(lambda k: nn.unbox(model.init(k, batch)["params"]))(jax.random.key(0))
+    value = {c.name: c.start(nn.unbox(c.init(model, params, batch, 2)), params)
+             for c in carries}
+    seen = []
+    monkeypatch.setattr(mining, "mine", lambda encode, p, *a, **k: seen.append(p) or
+                        jnp.full((carries[1].pairs,), -1, jnp.int32))
+    # step 0: the one-shot pruning (start_step 0) and a mining are both due
+    params, value = carry_lib.after_update(carries, value, params, None, jnp.asarray(0))
+    (mined,) = seen
+    flat = traverse.flatten_dict(mined)
+    masks = value["prune"]["masks"]
+    assert masks and not all(np.all(np.asarray(m)) for m in masks.values())
+    for k, m in masks.items():
+        assert not np.any(np.asarray(flat[tuple(k.split("/"))])[~np.asarray(m)]), k
+
+
 def test_the_trainer_evaluates_the_pool_with_the_draw_it_trained_with(tmp_path, monkeypatch):
     """The Trainer's evaluation hands the pool's metrics `state.features_key` (a review,
     session 106: it embedded a Performer encoder's pool with its seed's draw)."""

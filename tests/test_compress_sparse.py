@@ -2665,6 +2665,65 @@ def test_uptraining_in_a_seed_ensemble_pools_each_members_copy(tmp_path, capsys)
             "their seeds draw in training (dropout: model.dropout=0.0)") in err
 
 
+def test_an_moe_student_whose_blocks_start_as_teacher_blocks_of_the_other_kind_is_refused(
+        tmp_path):
+    """Review r10 (session 108): the check compared model.moe.every, and a depth-2 student
+    (every 2: block 1 MoE) of a depth-4 teacher (every 2: blocks 1 and 3) passed, its block 1
+    then copied from dense teacher block 2 ('first') or its dense block 0 from MoE block 1
+    ('last'), failing late in the start ("has no teacher twin (None)"). Refused when the
+    carry is built, naming init_blocks where the other mapping fits; a different `every`
+    that maps MoE onto MoE is taken. Nothing trains: the teacher's folder holds its config."""
+    from hpnlp.train.checkpoint import Checkpointer
+    moe = dict(num_experts=2, router="switch", every=2)
+    tcd = tiny("lm")
+    tcd.model.update(depth=4)
+    tcd.model.moe.update(moe)
+    teacher = str(tmp_path / "t")
+    Checkpointer(teacher, validate(from_configdict(tcd)), keep=1).close()
+    os.makedirs(os.path.join(teacher, "checkpoints", "1"))  # as if a step were saved
+
+    def carry(every, blocks):
+        cd = tiny("lm", distill=dict(teacher=teacher, init="every_other", init_blocks=blocks))
+        cd.model.update(depth=2)
+        cd.model.moe.update(dict(moe, every=every))
+        return distill.TeacherCarry(validate(from_configdict(cd)))
+
+    for blocks, where in (("first", r"blocks \[0, 2\].*student block 1 is MoE where teacher "
+                                    r"block 2 is dense"),
+                          ("last", r"blocks \[1, 3\].*student block 0 is dense where teacher "
+                                   r"block 1 is MoE")):
+        with pytest.raises(ConfigError, match=r"`train\.distill\.init` = 'every_other' is not "
+                           r"allowed: .*" + where + r" \(model\.moe\.every=2, the teacher's "
+                           r"2\); use a student model\.depth or model\.moe\.every .*, or "
+                           r"init='none'$"):
+            carry(2, blocks)
+    with pytest.raises(ConfigError, match=r"student block 0 is MoE where teacher block 0 is "
+                       r"dense .*; use train\.distill\.init_blocks='last' \(which maps MoE "
+                       r"onto MoE\), or a student"):
+        carry(1, "first")
+    carry(1, "last")  # every student block MoE, from teacher blocks 1 and 3
+
+
+def test_a_seed_ensemble_of_students_the_teacher_starts_is_said_to_start_alike(tmp_path,
+                                                                             capsys):
+    """Review r10 (session 108): train.distill.init gives every member the teacher's weights,
+    the same for every seed, and only train.init_from's start was compared, so an ensemble of
+    distilled students (dropout 0, the same batches) trained M copies of one model, unsaid."""
+    from hpnlp.train.ensemble import EnsembleTrainer
+    _teacher_workdir(tmp_path / "t", tiny("lm"))
+    cd = tiny("lm", distill=dict(teacher=str(tmp_path / "t"), init="every_other"))
+    stacked, _ = EnsembleTrainer(from_configdict(cd), str(tmp_path / "ens"),
+                                 members=2).initial_state()
+    emb = np.asarray(stacked.params["embed"]["embedding"])
+    np.testing.assert_array_equal(emb[0], emb[1])
+    err = capsys.readouterr().err
+    assert ("hpnlp: warning: the 2 members start from the same parameters "
+            "(train.distill.init='every_other' starts each from the weights of the teacher in "
+            f"{tmp_path / 't'}, the same for every seed): they differ only by what their seeds "
+            "draw in training (dropout: model.dropout=0.0)") in err, err
+    assert "(train.distill.init='none')" in err
+
+
 def _routed_batch(seed: int = 0):
     batch = dummy_batch("lm", 2, 16)
     batch["inputs"] = np.random.default_rng(seed).integers(0, 256, (2, 16)).astype(np.int32)

@@ -471,6 +471,12 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     # a review (session 107): one batch's gradient signs (tests/test_compress_sparse.py)
     ({"train": {"prune": {"method": "movement"}}}, "train.prune.schedule",
      "use train.prune.schedule='cubic'"),
+    # review r10 (session 108): each microbatch's Embed counted its own ids, so accumulation
+    # changed the embedding table's update of the same batch
+    ({"model": {"embed_grad_scale": "batch"}, "train": {"grad_accum": 2}},
+     "model.embed_grad_scale", "with train.grad_accum=2 divides each row's gradient by its "
+     "id's count in a microbatch, not in the step's batch, so accumulation would change the "
+     "update; set model.embed_grad_scale='corpus'"),
 ])
 def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field, hint,
                                                                    tmp_path):
@@ -491,6 +497,29 @@ def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field,
         with pytest.raises(ConfigError) as e:
             check_new_run(checked)
         assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+
+
+def test_batch_embedding_gradients_are_taken_without_accumulation_and_corpus_with_it():
+    """The refusal above is of 'batch' under accumulation alone: 'corpus' counts the step's
+    whole batch whatever train.grad_accum (tests/test_bi_encoder.py), and 'batch' without
+    accumulation counts the batch the step trains on."""
+    from hpnlp.config.checks import check_new_run
+    for scale, accum in (("batch", 1), ("corpus", 2), ("none", 2)):
+        check_new_run(validate(base(model={"embed_grad_scale": scale},
+                                    train={"grad_accum": accum}), num_devices=1))
+
+
+def test_pruning_stacked_layers_under_a_pipeline_says_mesh_pipeline_1_too():
+    """Review r10 (session 108): pruning's refusal of stacked layers told a pipelined run to
+    set model.stack_layers=False, which the pipeline check then refused (it needs stacked
+    layers); it says mesh.pipeline=1 as well there, as its low-rank twin does."""
+    for pipeline, also in ((2, " (and mesh.pipeline=1)"), (1, "")):
+        with pytest.raises(ConfigError) as e:
+            validate(base(model={"stack_layers": True}, mesh={"pipeline": pipeline},
+                          train={"prune": {"method": "magnitude"}}), num_devices=2)
+        msg = str(e.value)
+        assert "`model.stack_layers`" in msg and msg.endswith(
+            "prune a model with model.stack_layers=False and model.reversible=False" + also), msg
 
 
 def test_a_runs_unread_fields_are_cleared_for_the_new_run_shrink_writes():
@@ -987,6 +1016,22 @@ def test_the_constant_schedule_may_warm_up_to_the_last_step():
                  num_devices=1)
     assert "`train.warmup_steps` = 101" in str(e.value), str(e.value)
     assert "must be <= train.steps=100" in str(e.value) and "decay" not in str(e.value)
+
+
+def test_a_new_run_of_one_step_with_a_warmup_is_refused():
+    """A review (r12): the step from optimizer count 0 applies the warmup's rate there, 0, so
+    steps=1 with a warmup ('constant' takes warmup_steps == train.steps) left the parameters
+    as they were, and the run reported as if it had trained. Refused for a new run
+    (`check_new_run`); a saved run's config.json still validates."""
+    from hpnlp.config.checks import check_new_run
+    cfg = base(train={"schedule": "constant", "steps": 1, "warmup_steps": 1})
+    validate(cfg, num_devices=1)
+    with pytest.raises(ConfigError, match=r"`train.warmup_steps` = 1 is not allowed: with "
+                       r"train.steps=1 .*train nothing; set train.warmup_steps=0, or raise "
+                       r"train.steps$"):
+        check_new_run(cfg)
+    check_new_run(base(train={"schedule": "constant", "steps": 1, "warmup_steps": 0}))
+    check_new_run(base(train={"schedule": "constant", "steps": 2, "warmup_steps": 2}))
 
 
 @pytest.mark.parametrize("path", [("model", "dropout"), ("train", "end_lr_frac"), ("train", "b1"),

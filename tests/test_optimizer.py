@@ -1,4 +1,5 @@
-"""The optimizer (hpnlp/train/state.py): which parameters weight decay reaches.
+"""The optimizer (hpnlp/train/state.py): which parameters weight decay reaches, and where the
+learning-rate schedule's ends fall.
 
 Init only, no training: each model's boxed parameters come from `jax.eval_shape`.
 """
@@ -116,6 +117,28 @@ def test_weight_decay_under_the_ensemble_vmap():
     moved = _flat(update(jax.tree.map(jnp.zeros_like, params), opt, params))
     want = {path: path[-1] in MATRICES for path in moved}
     assert {path: bool(np.any(u != 0)) for path, u in moved.items()} == want
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_the_schedule_s_ends_by_optimizer_count(schedule):
+    """What train.end_lr_frac's comment says (a review, r12: it said "final lr"): step s
+    applies the rate at count s - 1, so a warmup's first step applies 0, the peak comes at
+    count warmup_steps, and the decay reaches lr * end_lr_frac at count train.steps, one past
+    the last step's. Recorded runs trained so: kept, not shifted."""
+    from hpnlp.train.state import learning_rate_schedule
+    frac = 0.1 if schedule != "constant" else TrainConfig.end_lr_frac  # (constant: unread)
+    f = learning_rate_schedule(TrainConfig(steps=10, warmup_steps=3, lr=1.0, end_lr_frac=frac,
+                                           schedule=schedule))
+    assert float(f(0)) == 0.0 and float(f(3)) == 1.0
+    if schedule == "constant":
+        assert float(f(9)) == float(f(10)) == 1.0
+    else:  # the last step (count 9) applies more than the end
+        np.testing.assert_allclose(float(f(10)), 0.1, rtol=1e-6)
+        assert float(f(9)) > 0.1 + 1e-3
+    # two steps, warmup 1: the rates applied are 0 and lr, the end comes after them
+    two = learning_rate_schedule(TrainConfig(steps=2, warmup_steps=1, lr=1.0, end_lr_frac=frac,
+                                             schedule=schedule))
+    assert [float(two(c)) for c in (0, 1)] == [0.0, 1.0]
 
 
 @pytest.mark.parametrize("loss", ["in_batch", "triplet"])

@@ -584,8 +584,7 @@ class TeacherCarry(Carry):
                         "kv_latent_rope_dim": m.latent_rope_dims()}
             mine, theirs = shapes(sm), shapes(tm)
             select = self.d.init in ("select", "importance", "pca")
-            if bool(sm.moe.num_experts) != bool(tm.moe.num_experts) or (
-                    sm.moe.num_experts and sm.moe.every != tm.moe.every):  # a bug hunt
+            if bool(sm.moe.num_experts) != bool(tm.moe.num_experts):  # a bug hunt
                 # (session 94): "the student's ... has no teacher twin (None)"
                 def mlp(m):
                     return (f"a mixture of {m.moe.num_experts} experts every {m.moe.every} "
@@ -594,6 +593,8 @@ class TeacherCarry(Carry):
                                    f"MLPs, and the teacher's are {mlp(tm)} where the student's "
                                    f"are {mlp(sm)}; give the student the teacher's model.moe "
                                    "num_experts and every, or use init='none'")
+            if sm.moe.num_experts:
+                self._check_moe_blocks_map(sm, tm)
             if self.d.init == "pca":
                 from hpnlp.compress import slicing
                 slicing.check(cfg, tcfg)
@@ -638,6 +639,33 @@ class TeacherCarry(Carry):
         self._token_counts = token_counts
         from hpnlp.retrieval.knnlm import reads_features
         self.draws = reads_features(tcfg) and not self._saved_without_draw(workdir)
+
+    def _check_moe_blocks_map(self, sm, tm) -> None:
+        """Every student block starts as its teacher block (`init_map`): an MoE block must
+        come from an MoE block and a dense one from a dense one (review r10, session 108:
+        comparing model.moe.every passed a depth-2 student of a depth-4 teacher, every=2,
+        whose blocks map onto the teacher's of the other kind, and the start failed late,
+        "has no teacher twin (None)"); a different `every` that maps kind to kind is taken."""
+        def kinds(blocks):
+            src = init_map(sm.depth, tm.depth, blocks)
+            return [(i, src[i]) for i in range(sm.depth)
+                    if sm.moe.applies(i) != tm.moe.applies(src[i])]
+        bad = kinds(self.d.init_blocks)
+        if not bad:
+            return
+        i, j = bad[0]
+        kind = lambda moe: "MoE" if moe else "dense"  # noqa: E731
+        other = "last" if self.d.init_blocks == "first" else "first"
+        fixes = ([f"train.distill.init_blocks={other!r} (which maps MoE onto MoE)"]
+                 if not kinds(other) else [])
+        fixes += ["a student model.depth or model.moe.every whose blocks map MoE onto MoE "
+                  "(model.moe.every=1 in both)", "init='none'"]
+        raise config_error("train.distill.init", self.d.init, f"copies the teacher's blocks "
+                           f"{init_map(sm.depth, tm.depth, self.d.init_blocks)} into the "
+                           f"student's (train.distill.init_blocks={self.d.init_blocks!r}), and "
+                           f"student block {i} is {kind(sm.moe.applies(i))} where teacher block "
+                           f"{j} is {kind(tm.moe.applies(j))} (model.moe.every={sm.moe.every}, "
+                           f"the teacher's {tm.moe.every}); use " + ", or ".join(fixes))
 
     def _saved_without_draw(self, workdir: str | None) -> bool:
         """Whether the student's newest checkpoint in `workdir` holds the teacher's

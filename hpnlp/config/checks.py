@@ -603,13 +603,23 @@ def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
-    train.steps was taken, its one eval setting the best), `clustered` attention in float16
-    and an expert-choice eval_capacity_factor (below), an eval file that is the train file
+    train.steps was taken, its one eval setting the best), a run of one step with a warmup
+    (its one step applies the warmup's rate 0), `clustered` attention in float16, an
+    expert-choice eval_capacity_factor, `model.embed_grad_scale='batch'` under
+    train.grad_accum (below), an eval file that is the train file
     (`eval_is_train`), bfloat16 master weights (`check_master_weights`), fields nothing
     reads (`_check_unread_of_new_run`), and `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
     check_master_weights(cfg)
     _check_unread_of_new_run(cfg)
+    if t.steps == 1 and t.warmup_steps >= 1:
+        # a review (r12, session 108): the step at optimizer count c applies schedule(c), and
+        # a warmup's rate at count 0 is 0, so a run of one step with a warmup ('constant'
+        # takes warmup_steps == train.steps) left its parameters as they were and wrote a
+        # summary as if it had trained; a saved run's config.json still validates
+        _fail("train.warmup_steps", t.warmup_steps, "with train.steps=1 the warmup's first "
+              "rate, 0, is the only one a step applies, so the run would train nothing; set "
+              "train.warmup_steps=0, or raise train.steps")
     if eval_is_train(cfg.data):
         # a review (session 107): taken, every eval document one trained on, and a kNN-LM
         # of the run found each held-out target's own entry at distance 0 (perplexity ~1);
@@ -634,6 +644,16 @@ def check_new_run(cfg: Config) -> None:
               "router='expert_choice', which evaluates at the capacity it trained with "
               "(capacity_factor), since its capacity decides how many experts each token gets; "
               f"leave it at its default {default!r} (model.moe.capacity_factor sets both)")
+    if cfg.model.embed_grad_scale == "batch" and t.grad_accum != 1:
+        # review r10 (session 108): the Embed of each microbatch counts its own ids, so an id
+        # seen once in each of 4 microbatches had its row's gradient 4x one big batch's, and
+        # accumulation changed the update of the same batch (train/step.py's promise); the
+        # step's whole-batch counts would have to reach every model's Embed call
+        _fail("model.embed_grad_scale", "batch", f"with train.grad_accum={t.grad_accum} "
+              "divides each row's gradient by its id's count in a microbatch, not in the step's "
+              "batch, so accumulation would change the update; set "
+              "model.embed_grad_scale='corpus' (a fixed table of the step's whole batch) or "
+              "train.grad_accum=1")
     if t.early_stopping_patience and t.eval_every:
         before = (t.steps - 1) // t.eval_every  # evals before the last step
         if before < t.early_stopping_patience + 1:

@@ -534,9 +534,12 @@ def _check_compress(cfg: Config) -> None:
     if not isinstance(p.every, int) or p.every < 1:
         _fail("train.prune.every", p.every, "must be an integer >= 1 (steps between mask updates)")
     if m.stack_layers or m.reversible:
+        # pipeline stages need stacked layers: said, or the fix led to the pipeline's refusal
+        # (review r10, session 108; the low-rank twin's was mended so in session 95)
+        also = " (and mesh.pipeline=1)" if cfg.mesh.pipeline != 1 else ""
         _fail("model.stack_layers" if m.stack_layers else "model.reversible", True, "pruning "
               "masks are per layer; prune a model with model.stack_layers=False and "
-              "model.reversible=False")
+              f"model.reversible=False{also}")
     end = p.end_step or cfg.train.steps
     if p.schedule == "cubic" and end <= p.start_step:
         _fail("train.prune.end_step", p.end_step, f"the cubic schedule needs end_step (0: "

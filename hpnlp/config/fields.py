@@ -521,7 +521,10 @@ class TrainConfig:
     lr: float = 1e-3
     warmup_steps: int = 100
     schedule: str = "cosine"  # "cosine" | "linear" | "constant" (after warmup)
-    end_lr_frac: float = 0.1  # final lr as a fraction of `lr`
+    # where the decay ends, as a fraction of `lr`: the rate reaches lr * end_lr_frac at
+    # optimizer count train.steps, one past the last step's (step s applies the rate at count
+    # s - 1, the first step the warmup's 0), so the last step applies a little more
+    end_lr_frac: float = 0.1
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.98

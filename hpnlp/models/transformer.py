@@ -519,8 +519,9 @@ class Embed(nn.Embed):
     `grad_scale` ("none" | "batch" | "corpus", `model.embed_grad_scale`) scales each row's
     gradient by token frequency (`scaled_take`): "batch" divides it by the id's count among
     this call's real ids (`valid`: the slots that are not padding; all when None), PyTorch's
-    `scale_grad_by_freq` with padding left out; "corpus" by `row_weights` (a fixed table,
-    `corpus_count_weights`)."""
+    `scale_grad_by_freq` with padding left out (a call sees one microbatch under
+    train.grad_accum, so a new run refuses the two together: `config.checks.check_new_run`);
+    "corpus" by `row_weights` (a fixed table, `corpus_count_weights`)."""
 
     quant_rows: bool = False  # set by make_embed for a tied, quantized table
     quant: Any = None

@@ -13,7 +13,18 @@ with every checkpoint. Its `loss` adds each batch row's negative as the batch's 
 (`inputs3`, `segment_ids3`, `neg_weight`) for the model's loss (hpnlp.models.bi_encoder);
 its `after_update` re-mines, inside the jitted step, under a `lax.cond`, so the steps
 between minings pay nothing. (The pool's token arrays, a few MB, are constants of the
-compiled step.)
+compiled step.) It mines after pruning's `after_update` (hpnlp.train.carry.for_config), so
+with the masked (or rewound) encoder that trains next.
+
+Under model.dtype='float16', a step that loss scaling skips (an overflow) keeps the
+negatives it had (`Carry.skipped`; its own were mined from non-finite weights), and the
+step counter moves on, so a scheduled mining that falls on a skipped step is lost, not
+delayed: the next comes `mine_every` steps later (pruning delays its updates instead,
+`prune.updates_due`). The first steps of a float16 run are the ones skipped most, while
+the scale comes down: where step `mine_every - 1` is one of them, the run trains without
+hard negatives (all -1) for `2 * mine_every` steps. Keeping the last mining's step in the
+carry would fix it, at the cost of a new checkpoint layout; it is said here instead
+(review r10, session 108).
 
 Shape letters: P train pairs, L length, E width, K candidates searched per query.
 """

@@ -133,12 +133,16 @@ def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None,
         from hpnlp.compress.distill import TeacherCarry
         out.append(TeacherCarry(cfg, token_counts=token_counts, workdir=workdir,
                                 tokenizer_sha256=tokenizer_sha256))
-    if cfg.model.kind == "bi_encoder" and cfg.model.encoder.mine_every:
-        from hpnlp.retrieval.mining import NegativesCarry
-        out.append(NegativesCarry(cfg))
     if cfg.train.prune.method != "none":
         from hpnlp.compress.prune import PruneCarry
         out.append(PruneCarry(cfg))
+    if cfg.model.kind == "bi_encoder" and cfg.model.encoder.mine_every:
+        # after pruning: `after_update` runs in this order, and mining embeds the pool with
+        # the encoder that trains next, masked (or rewound) by pruning's (review r10, session
+        # 108: it mined with the weights pruning then zeroed). Their losses commute: mining's
+        # adds batch keys, pruning's L1 adds to loss_aux
+        from hpnlp.retrieval.mining import NegativesCarry
+        out.append(NegativesCarry(cfg))
     return out
 
 

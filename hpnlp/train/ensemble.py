@@ -426,7 +426,9 @@ class EnsembleTrainer(Trainer):
             return super().initial_state()
         states = [self.fresh_state(jax.random.key(s), self.member_sharding) for s in self.seeds]
         with self._context():
-            if self.cfg.train.init_from and self.members > 1 and _same_params(states):
+            # whatever starts them (review r10, session 108: train.distill.init copies the
+            # teacher into every member, and only train.init_from's start was compared)
+            if self.members > 1 and _same_params(states):
                 self._say_same_start()
             return self._stack_members(*states), {}
 
@@ -434,13 +436,22 @@ class EnsembleTrainer(Trainer):
         # a bug hunt (session 94): an ensemble started from one run trained M copies of one
         # model, unsaid, where nothing in training drew differently for its members
         if jax.process_index() == 0:
-            m = self.cfg.model
+            t, m = self.cfg.train, self.cfg.model
+            if t.init_from:
+                cause = (f"train.init_from={t.init_from} holds one run, read whole into each",
+                         "no train.init_from")
+            elif t.distill.teacher and t.distill.init != "none":
+                cause = (f"train.distill.init={t.distill.init!r} starts each from the weights "
+                         f"of the teacher in {t.distill.teacher}, the same for every seed",
+                         "train.distill.init='none'")
+            else:  # no start of the model's own draws from the seed
+                cause = ("nothing in their initialization draws from their seeds",
+                         "initializers that draw")
             print(f"hpnlp: warning: the {self.members} members start from the same parameters "
-                  f"(train.init_from={self.cfg.train.init_from} holds one run, read whole "
-                  "into each): they differ only by what their seeds draw in training "
+                  f"({cause[0]}): they differ only by what their seeds draw in training "
                   f"(dropout: model.dropout={m.dropout}), and members that draw alike train "
                   "alike; keep some randomness in training (model.dropout > 0), or train "
-                  "the members from their own seeds (no train.init_from)", file=sys.stderr,
+                  f"the members from their own seeds ({cause[1]})", file=sys.stderr,
                   flush=True)
 
     def member_state(self, state, i: int) -> TrainState:

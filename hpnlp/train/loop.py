@@ -810,6 +810,10 @@ class Trainer:
             raise ValueError(f"this Trainer of {self.workdir} has run (its checkpoints are "
                              "closed); build a new Trainer(cfg, workdir), which resumes from "
                              "the newest checkpoint there")
+        if self._read_only:  # a review (r12): it trained and wrote into a workdir it does
+            # not hold (no lock: a run there was not refused), truncating its metrics.jsonl
+            raise ValueError(f"this Trainer of {self.workdir} was built read_only=True, to read "
+                             "the run; build Trainer(cfg, workdir) to train it")
         self._ran = True
         try:
             return self._run(profile_dir=profile_dir)
@@ -984,6 +988,21 @@ class Trainer:
             if timing["t0"] is not None:
                 timing["t0"] += seconds
 
+        def stop_profiling() -> None:
+            """Write --profile's trace, once: at step start+8, or in the loop's `finally`
+            (fewer steps left, or a run that stopped or failed while tracing: a review, r12,
+            found only Ctrl-C stopped it, so a divergence's trace was never written, and the
+            process's next start_trace failed, "already started"). Not training time."""
+            nonlocal profiling
+            if not profiling:
+                return
+            profiling = False  # once, even where writing it fails
+            t_pause = time.perf_counter()
+            try:
+                jax.profiler.stop_trace()
+            finally:
+                paused(time.perf_counter() - t_pause)
+
         groups = self.routing_groups()
         stages = int(self.mesh.shape["pipeline"])
 
@@ -1062,7 +1081,11 @@ class Trainer:
                     best, best_step, bad_evals = score, step, 0
                 else:
                     bad_evals += 1
-            if t.early_stopping_patience and bad_evals >= t.early_stopping_patience:
+            # what ends the run before train.steps (a review, r12: set at the last step, where
+            # the steps ran out, it said the run stopped early, and a rerun with more steps
+            # trained nothing; its bad evals are saved, so that one stops at its next)
+            if (t.early_stopping_patience and bad_evals >= t.early_stopping_patience
+                    and step < t.steps):
                 stopped_early = True
                 # the last steps' train line (found in review: lost)
                 if window["n"] and not logged:
@@ -1124,8 +1147,7 @@ class Trainer:
                     bar.update(1)
                     if profiling and step == start + 8:
                         jax.block_until_ready(metrics)
-                        jax.profiler.stop_trace()
-                        profiling = False
+                        stop_profiling()
                     # SIGTERM (or Ctrl-C in a run of several processes): save and stop here,
                     # after the eval due at this step, if one is (a resume starts after it)
                     stopping = stop.reached(last=step == t.steps) and step < t.steps
@@ -1150,14 +1172,10 @@ class Trainer:
                         break
                 if pending is not None:
                     consume(*pending)
-                if profiling:
-                    jax.profiler.stop_trace()
         except KeyboardInterrupt as e:
             # Ctrl-C: a save under way completes, and the user reads one line saying what a
             # rerun resumes from (found by a README walk: a 30-line traceback, no step named);
             # a SIGTERM the CLI's handler raised (where the loop set none) keeps its status
-            if profiling:
-                jax.profiler.stop_trace()
             good = newest_checkpoint()
             writer.close()
             raise Interrupted(
@@ -1167,8 +1185,11 @@ class Trainer:
                     if good else "no checkpoint was saved yet: a rerun starts over"),
                 getattr(e, "exit_code", 130)) from None
         finally:
-            if bar is not None:
-                bar.close()
+            try:  # the trace of the steps that failed too (`stop_profiling`)
+                stop_profiling()
+            finally:
+                if bar is not None:
+                    bar.close()
         if profile_dir and not traced and jax.process_index() == 0:
             why = (f"it stopped at step {trained_to}, before step {first_traced}, the first "
                    "it traces" if trained_to > start else f"train.steps={t.steps} are done"

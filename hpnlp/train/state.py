@@ -58,7 +58,11 @@ class TrainState:
 
 
 def learning_rate_schedule(t: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to `lr`, then cosine / linear decay to `lr * end_lr_frac`."""
+    """Linear warmup from 0 to `lr`, then cosine / linear decay to `lr * end_lr_frac`, by
+    optimizer count: step s (1 .. train.steps) applies the rate at count s - 1, so the first
+    step of a warmup applies 0, the peak comes at count warmup_steps, and the decay reaches
+    `lr * end_lr_frac` at count train.steps, one past the last step's. (Recorded runs trained
+    so; `check_new_run` refuses a run of one step with a warmup, which would train nothing.)"""
     end = t.lr * t.end_lr_frac
     if t.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, max(t.steps, 1), end)
