@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -1269,3 +1270,14 @@ def test_quant_activations_are_taken_where_a_named_product_reads_them():
             (lstm, {"weights": "int8", "activations": "int8", "act_scale": "static",
                     "layers": "input"})):
         validate(base(model=model, quant=quant), devices=False)
+
+
+def test_an_all_ones_mesh_on_several_devices_is_named_as_data_1():
+    """Review r3 (session 108): `mesh.data=1` on 8 devices was refused as "`mesh` = {}"."""
+    with pytest.raises(ConfigError, match=r"`mesh` = \{'data': 1\}.*multiply to 1, not the "
+                       r"device count 8"):
+        validate(base(mesh={"data": 1}), num_devices=8)
+    from hpnlp.config import MeshConfig
+    from hpnlp.parallel.mesh import make_mesh
+    with pytest.raises(ValueError, match=r"^mesh \{'data': 1\} needs 1 devices and there are 2"):
+        make_mesh(MeshConfig(data=1), devices=[types.SimpleNamespace(platform="cpu")] * 2)

@@ -1101,7 +1101,8 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     filled = [a for a in MESH_AXES if getattr(mesh, a) == -1]
     sizes = mesh.axis_sizes(n)
     if not mesh.fits(n):
-        given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1}
+        # all ones (`mesh.data=1` on 8 devices) reads as data 1, not {} (review r3)
+        given = {a: getattr(mesh, a) for a in MESH_AXES if getattr(mesh, a) != 1} or {"data": 1}
         fixed = {a: v for a, v in given.items() if v != -1}
         simulate = (" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates "
                     "N devices)" if jax.default_backend() == "cpu" else "")

@@ -28,7 +28,8 @@ def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     sizes = mesh_cfg.axis_sizes(len(devices))
     shape = tuple(sizes[a] for a in AXES)
     if int(np.prod(shape)) != len(devices) or 0 in shape:  # else a reshape error naming no axis
-        given = {a: getattr(mesh_cfg, a) for a in AXES if getattr(mesh_cfg, a) != 1}
+        given = {a: getattr(mesh_cfg, a) for a in AXES if getattr(mesh_cfg, a) != 1} or {
+            "data": 1}  # all ones reads as data 1, not {} (review r3)
         fixed = int(np.prod([v for v in given.values() if v != -1]))
         need = f"a multiple of {fixed}" if -1 in given.values() else str(fixed)
         raise ValueError(f"mesh {given} needs {need} devices and there are {len(devices)} "
