@@ -127,3 +127,44 @@ def check_eval_chunks(layer, monkeypatch, *, vocab: int = V, atol: float = 1e-5,
     np.testing.assert_allclose(nll, -jnp.take_along_axis(logp, t[..., None], -1)[..., 0],
                                atol=atol, rtol=atol)
     np.testing.assert_array_equal(top, jnp.argmax(logp, -1))
+
+
+def check_half_precision(layer, *, dtype=jnp.bfloat16, vocab: int = V, exact: bool = True):
+    """In 16-bit compute (`dtype`, hidden states in it as a trunk hands them over), log_prob
+    and loss stay float32 (DESIGN.md's dtype policy), log_prob normalized, padding without
+    loss or gradient, and loss, log_prob and gradients equal the float32 layer's to `dtype`'s
+    rounding (review r9: no output layer's 16-bit path but `sampled`'s bfloat16 ran).
+
+    One compiled program runs both layers: forward and backward, float32 and `dtype`.
+    `exact`: the loss is -log_prob[target] (not a sampled objective)."""
+    h, t = inputs(vocab=vocab)
+    params = init(layer, h, t)  # float32 parameters, as a 16-bit run keeps them
+    half = layer.clone(dtype=dtype)
+    mask = jnp.asarray([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+    weight_BL = jnp.linspace(0.5, 1.5, B * L).reshape(B, L)  # a non-uniform cotangent
+
+    def run(m, params, h):
+        def total(p, h):
+            loss = m.apply(p, h, t, mask, method="loss", rngs={"dropout": jax.random.key(4)})
+            return jnp.sum(loss * weight_BL), loss
+        (_, loss), grads = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(params, h)
+        return m.apply(params, h, method="log_prob"), loss, grads
+
+    (logp32, loss32, g32), (logp, loss, g) = jax.jit(lambda p, h: (
+        run(layer, p, h), run(half, p, h.astype(dtype))))(params, h)
+    assert logp.dtype == loss.dtype == jnp.float32, (logp.dtype, loss.dtype)
+    assert g[1].dtype == dtype  # the hidden states' gradient in the dtype they came in
+    np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, atol=1e-5)
+    assert float(jnp.abs(jnp.where(mask, 0.0, loss)).max()) == 0.0
+    assert float(jnp.abs(jnp.where(mask[..., None], 0.0, g[1].astype(jnp.float32))).max()) == 0.0
+    if exact:
+        nll = -jnp.take_along_axis(logp, t[..., None], -1)[..., 0]
+        np.testing.assert_allclose(loss, jnp.where(mask, nll, 0.0), rtol=1e-4, atol=1e-4)
+
+    def close(a, b):  # entries near zero held relative to the array's largest: every layer's
+        # bfloat16 differences measured at most 5.4e-3 of it (float16 rounds 8 times finer)
+        a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * float(jnp.abs(b).max()))
+    close(logp, logp32)
+    close(loss, loss32)
+    jax.tree.map(close, g, g32)
