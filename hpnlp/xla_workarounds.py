@@ -40,7 +40,7 @@ import os
 import sys
 import warnings
 
-from hpnlp.compile_flags import with_flags
+from hpnlp.compile_flags import with_flags, xla_reads
 
 # jaxlib versions on which the pad over-read was reproduced (docs/xla_defects.md): 0.11.2
 # on the 16-core host of a lent GPU machine, its CPU backend, by the suite's repro test.
@@ -81,12 +81,14 @@ def _backend_started() -> bool:
 def pad_overread_flag() -> str | None:
     """The XLA flag this process needs against the pad over-read, or None.
 
-    None when: workarounds are off, the user chose an ISA cap themselves, the jaxlib is not
-    one the defect was seen on, or the CPU has no AVX-512.
+    None when: workarounds are off, the user chose an ISA cap themselves (where XLA reads it:
+    one after a bare token in XLA_FLAGS is ignored by XLA, so it caps nothing; review d2), the
+    jaxlib is not one the defect was seen on, or the CPU has no AVX-512.
     """
     if os.environ.get("HPNLP_XLA_WORKAROUNDS", "1") == "0":
         return None
-    if "--xla_cpu_max_isa" in os.environ.get("XLA_FLAGS", ""):
+    read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
+    if any(f.split("=", 1)[0] == "--xla_cpu_max_isa" for f in read):
         return None
     try:
         version = importlib.metadata.version("jaxlib")

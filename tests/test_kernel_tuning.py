@@ -386,13 +386,16 @@ def test_the_compilers_command_and_release_name_the_library(tmp_path, monkeypatc
         plain = name("g++")
         assert name() == plain  # one compiler, one library
         assert len({plain, name("g++ -O0"), name("g++ -fsanitize=address")}) == 3
+    # one program at one path upgraded in place (found in review: two releases in two folders
+    # differed by their paths alone, so this held with `--version` left out of the key)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
     releases = []
-    for release in ("12.2.0", "13.1.0"):  # one command, `cxx`, two releases on the PATH
-        folder = tmp_path / release
-        folder.mkdir()
+    for release in ("12.2.0", "13.1.0"):
         (folder / "cxx").write_text(f'#!/bin/sh\necho "cxx (fake) {release}"\n')
         (folder / "cxx").chmod(0o755)
-        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        kernels._compiler_identity.cache_clear()  # one `--version` run per command and process
         releases.append(name("cxx"))
     assert releases[0] != releases[1]
     assert not (tmp_path / "cache").exists()
@@ -427,13 +430,31 @@ def test_jaxlibs_version_and_ffi_headers_name_the_library(tmp_path, monkeypatch)
 
 
 @pytest.mark.usefixtures("tuning_on")
-def test_another_core_count_measures_again(tmp_path, monkeypatch):
+def test_each_core_count_keeps_its_own_record(tmp_path, monkeypatch):
     """Found in review: a tuning record named its CPU but not the threads its probes ran on
     (`kernels.cores()`), so two sizes of one VM sharing a cache folder shared one choice:
-    blocks measured on 2 threads left most of 64 idle. Now the count is in the record and
-    its key: another count is reported stale and measured again."""
+    blocks measured on 2 threads left most of 64 idle. The count went into the record and its
+    key, but not the file's name, so a process pinned to one core and a two-core one each
+    found the other's record stale and measured again at every switch. Now the count names
+    the file: both records live side by side, and one copied onto another count's name is
+    reported stale and measured again."""
     monkeypatch.setattr(kernels, "cores", lambda: 2)
-    assert _tuning(tmp_path, {64: 0.5, 128: 1.0}, []).config() == {"b": 64}
+    two = _tuning(tmp_path, {64: 0.5, 128: 1.0}, [])
+    assert two.config() == {"b": 64} and two.source == "tuned"
+    monkeypatch.setattr(kernels, "cores", lambda: 8)
+    eight = _tuning(tmp_path, {64: 1.0, 128: 0.5}, [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "stale": the 2-thread record is not this one's
+        assert eight.config() == {"b": 128} and eight.source == "tuned"
+    eight_path = eight.path()
+    with open(eight_path) as f:
+        assert json.load(f)["threads"] == 8
+    monkeypatch.setattr(kernels, "cores", lambda: 2)
+    calls = []
+    again = _tuning(tmp_path, {64: 1.0, 128: 0.5}, calls)
+    assert again.config() == {"b": 64} and again.source == "cache" and calls == []
+    assert again.path() != eight_path
+    shutil.copy(again.path(), eight_path)  # a 2-thread record under the 8-thread name
     monkeypatch.setattr(kernels, "cores", lambda: 8)
     calls = []
     t = _tuning(tmp_path, {64: 1.0, 128: 0.5}, calls)
@@ -441,10 +462,6 @@ def test_another_core_count_measures_again(tmp_path, monkeypatch):
                                             r"runs 8\); measuring again"):
         assert t.config() == {"b": 128}
     assert t.source == "tuned" and calls
-    with open(t.path()) as f:
-        assert json.load(f)["threads"] == 8
-    again = _tuning(tmp_path, {64: 1.0, 128: 0.5}, [])
-    assert again.config() == {"b": 128} and again.source == "cache"
 
 
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):

@@ -25,15 +25,33 @@ def test_repro_runs_clean_after_importing_hpnlp():
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
 
-# CPUs (vendor, family, model, stepping in /proc/cpuinfo) on which the reproduction faulted
-# without the workaround: the 2-core Xeon model 167, stepping 1, with jaxlib 0.10.2 (SIGSEGV in
-# this test, 2026-12-06). On other AVX-512 CPUs the back end may not emit the unmasked load.
-FAULTED_ON = {("GenuineIntel", "6", "167", "1")}
+# (CPU, jaxlib) pairs on which the reproduction faulted without the workaround; a CPU is its
+# (vendor, family, model, stepping) in /proc/cpuinfo. The 2-core Xeon model 167, stepping 1,
+# with jaxlib 0.10.2 (SIGSEGV in this test, 2026-12-06). jaxlib 0.11.2 faulted on another
+# host (docs/xla_defects.md), whose CPU was not recorded. On other AVX-512 CPUs the back end
+# may not emit the unmasked load; a pair goes here once it has been seen faulting.
+XEON_167 = ("GenuineIntel", "6", "167", "1")
+FAULTED_ON = {(XEON_167, "0.10.2")}
+
+
+def _ran_clean(cpu: tuple, version: str):
+    """A clean run of the reproduction without the workaround on `cpu` with jaxlib `version`:
+    a failure where that pair faulted before (XLA may have fixed it), else a skip (found in
+    review d2: keyed by the CPU alone, a model-167 Xeon with jaxlib 0.11.2, never seen
+    faulting there, failed saying the workaround could be retired for 0.11.2, which faults
+    elsewhere)."""
+    if (cpu, version) not in FAULTED_ON:
+        pytest.skip(f"the over-read was not yet seen faulting here (CPU {cpu}, jaxlib "
+                    f"{version}; the unmasked load was not emitted)")
+    pytest.fail(f"the pad over-read no longer faults on this CPU {cpu} with jaxlib {version}, "
+                f"where it did: the workaround ({xw.ISA_FLAG}) can be retired for jaxlib "
+                f"{version} (drop it from xla_workarounds.PAD_OVERREAD_JAXLIB)")
 
 
 def test_repro_crashes_without_the_workaround_where_it_applies():
-    """The defect the workaround exists for is real here; on a CPU where it faulted before,
-    a clean run fails: XLA may have fixed it, and the workaround may go for this jaxlib."""
+    """The defect the workaround exists for is real here; on a CPU where it faulted before
+    with this jaxlib, a clean run fails: XLA may have fixed it, and the workaround may go for
+    this jaxlib."""
     if xw.pad_overread_flag() is None and xw.ISA_FLAG not in xw.APPLIED:
         pytest.skip("the workaround does not apply to this jaxlib/CPU")
     env = full_optimization_env(xw.ISA_FLAG, HPNLP_XLA_WORKAROUNDS="0", JAX_PLATFORMS="cpu")
@@ -43,14 +61,16 @@ def test_repro_crashes_without_the_workaround_where_it_applies():
         from hpnlp import kernels
         info = kernels.cpu_info()
         cpu = tuple(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping"))
-        version = xw.importlib.metadata.version("jaxlib")
-        if cpu not in FAULTED_ON:
-            pytest.skip(f"the over-read does not fault on this CPU {cpu} (the unmasked load "
-                        "was not emitted)")
-        pytest.fail(f"the pad over-read no longer faults on this CPU {cpu}, where it did: the "
-                    f"workaround ({xw.ISA_FLAG}) can be retired for jaxlib {version} (drop it "
-                    "from xla_workarounds.PAD_OVERREAD_JAXLIB)")
+        _ran_clean(cpu, xw.importlib.metadata.version("jaxlib"))
     assert proc.returncode in (-11, 139), (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_clean_run_fails_only_where_that_cpu_and_jaxlib_faulted():
+    with pytest.raises(pytest.fail.Exception, match="can be retired for jaxlib 0.10.2"):
+        _ran_clean(XEON_167, "0.10.2")
+    for cpu, version in ((XEON_167, "0.11.2"), (("AuthenticAMD", "25", "17", "1"), "0.10.2")):
+        with pytest.raises(pytest.skip.Exception, match="not yet seen faulting here"):
+            _ran_clean(cpu, version)
 
 
 def test_flag_only_where_needed(monkeypatch):
@@ -92,6 +112,18 @@ def _xla_would_read(xla_flags: str) -> list[str]:
     tokens = xla_flags.split()
     bare = next((i for i, t in enumerate(tokens) if not t.startswith("-")), len(tokens))
     return tokens[:bare]
+
+
+def test_an_isa_cap_xla_does_not_read_is_not_the_users_choice(monkeypatch):
+    """Found in review (d2): `--xla_cpu_max_isa` anywhere in XLA_FLAGS counted as the user's
+    cap, also after a bare token, where XLA ignores it: no cap, and no workaround either."""
+    monkeypatch.setattr(xw, "cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(xw.importlib.metadata, "version", lambda name: xw.PAD_OVERREAD_JAXLIB[0])
+    monkeypatch.delenv("HPNLP_XLA_WORKAROUNDS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", f"{BARE} --xla_cpu_max_isa=AVX512_CORE")  # not read
+    assert xw.pad_overread_flag() == xw.ISA_FLAG
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_max_isa=AVX512_CORE {BARE}")  # read: theirs
+    assert xw.pad_overread_flag() is None
 
 
 def test_apply_puts_the_flag_where_xla_reads_it(monkeypatch):

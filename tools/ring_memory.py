@@ -38,8 +38,14 @@ def main(argv=None) -> None:
         if args.block is not None and (args.block <= 0 or (L // args.devices) % args.block):
             sys.exit(f"--block {args.block}: must be a positive divisor of each device's "
                      f"L / devices = {L // args.devices} positions for --lengths {L}")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
+    from hpnlp.compile_flags import with_flags  # (review d2: appended after a bare token such
+    # as intra_op_parallelism_threads=1, XLA never read the count, and the mesh failed)
+    try:
+        os.environ["XLA_FLAGS"] = with_flags(
+            os.environ.get("XLA_FLAGS", ""),
+            [f"--xla_force_host_platform_device_count={args.devices}"])
+    except ValueError as e:  # a flags file's name: XLA_FLAGS=... says what to do instead
+        sys.exit(str(e))
     import jax
     if "JAX_PLATFORMS" not in os.environ:  # (JAX read the variable when ablib imported it)
         jax.config.update("jax_platforms", "cpu")

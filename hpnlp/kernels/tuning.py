@@ -10,13 +10,14 @@ The best tile sizes depend on the CPU (an AMD EPYC's 32 KB L1 against a Xeon's 4
 L2 size, how many loads a cycle), so a kernel does not ship one choice. The first time a
 kernel runs on a CPU, `config()` times every candidate on a fixed probe problem through
 the library's plain C entry point (no XLA, no compile: seconds a pass), keeps the
-fastest, and writes it beside the library as `<library>.<name>.tune.json`. The library's
-name already carries the source, the compiler, jaxlib, the flags and the CPU (its model,
-stepping, cache size and feature flags: `CpuKernel.library_path`), so a changed kernel or
-another CPU gets its own file; the file also names the CPU it was measured on
-(`kernels.cpu_name`) and the threads the probes ran on (`kernels.cores()`, the kernels'
-default thread count), which its key holds too: the same CPU model with another core count
-(two VM sizes sharing a cache folder) measures again.
+fastest, and writes it beside the library as `<library>.<name>.t<threads>.tune.json`. The
+library's name already carries the source, the compiler, jaxlib, the flags and the CPU (its
+model, stepping, cache size and feature flags: `CpuKernel.library_path`), so a changed kernel
+or another CPU gets its own file; the file also names the CPU it was measured on
+(`kernels.cpu_name`), and the threads the probes ran on (`kernels.cores()`, the kernels'
+default thread count) name the file and are in its key: the same CPU model with another core
+count (two VM sizes sharing a cache folder, or a process pinned to one core beside one that
+is not) keeps its own record beside the other's.
 
 The search is bounded and steady: every candidate is timed `repeats` times after a warmup
 (more, up to `MIN_TIME_S` of runs, when a run is short);
@@ -105,7 +106,11 @@ class Tuning:
         REGISTRY.append(self)
 
     def path(self) -> str:
-        return f"{os.path.splitext(self.kernel.library_path())[0]}.{self.name}.tune.json"
+        """The record's file: one per thread count (found in review: a process pinned to one
+        core and a two-core one sharing a cache folder each found the other's record stale
+        and measured again, up to `budget_s` a pass, at every switch)."""
+        stem = os.path.splitext(self.kernel.library_path())[0]
+        return f"{stem}.{self.name}.t{kernels.cores()}.tune.json"
 
     def key(self) -> str:
         """What a cached choice is valid for: the build, this pass, probe, candidates and the

@@ -190,7 +190,11 @@ def encode_sides(encode, *sides):
     to each other, so a data shard's rows stay on it and a batch that pipeline microbatches
     split still splits. A narrower side gets empty slots up to the widest (mined negatives
     are seq_len wide beside a bucket's rows); what the trunk's layers report per token
-    (`hpnlp.moe.route`) comes back per side with `unstack_sides`."""
+    (`hpnlp.moe.route`) comes back per side with `unstack_sides`. So under
+    `data.batching='bucket'` with mining (`model.encoder.mine_every`) every side is widened to
+    `data.seq_len`, 3 * seq_len tokens a row through the trunk where a bucket of width W held
+    2 * W + seq_len (2.4x at W=64, seq_len=512; more with quadratic attention): 'pad' or a
+    smaller `data.seq_len` avoids the cost."""
     B, S = sides[0][0].shape[0], len(sides)
     tok_NW = stack_sides(*(tok_BL for tok_BL, _ in sides))
     seg_NW = stack_sides(*(seg_BL for _, seg_BL in sides))
