@@ -375,6 +375,42 @@ def test_the_optimizer_is_given_no_gradient_at_a_pruned_entry(tmp_path):
                                rtol=1e-3)
 
 
+def test_structured_pruning_gives_the_optimizer_no_gradient_at_a_pruned_unit():
+    """The structured twin of the test above (a review, d1: its branch of
+    `PruneCarry.gradients`, the unit masks expanded over the gradients' shapes, was run by
+    training tests only as "does not crash"): a pruned head's qkv and out entries and a
+    pruned neuron's mlp_in column, bias and mlp_out row get no gradient, every other entry
+    its own. No compile: the model's parameters are shapes, the gradients ones."""
+    cfg = validate(from_configdict(tiny(prune=dict(method="magnitude", sparsity=0.5,
+                                                   structure="structured"))))
+    model = models.build(cfg, deterministic=True)
+    batch = dummy_batch("lm", 2, 16)
+    boxed = jax.eval_shape(lambda k: model.init(k, batch)["params"], jax.random.key(0))
+    c = prune.PruneCarry(cfg)
+    value = c.init(model, boxed, batch, 2)
+    heads, neurons = np.array([True, False]), np.arange(32) % 3 != 0
+    groups = {"trunk/block_0/heads": jnp.asarray(heads),
+              "trunk/block_0/neurons": jnp.asarray(neurons)}
+    assert set(value["groups"]) == set(groups)
+    grads = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), nn.unbox(boxed))
+    got = traverse.flatten_dict(jax.device_get(c.gradients(dict(value, groups=groups), grads)),
+                                sep="/")
+    masks = prune.expand_groups(groups, c.layout, {k: g.shape for k, g in got.items()})
+    assert set(masks) == {"trunk/block_0/attention/qkv", "trunk/block_0/attention/out",
+                          "trunk/block_0/mlp_in/kernel", "trunk/block_0/mlp_in/bias",
+                          "trunk/block_0/mlp_out/kernel"}
+    for k, g in got.items():  # the masks' entries zero, every other parameter's untouched
+        np.testing.assert_array_equal(g, np.asarray(masks.get(k, True), np.float32) * np.ones(
+            g.shape, np.float32), err_msg=k)
+    # and by hand: qkv [E, 3, H, D], out [H, D, E], mlp_in [E, F] and its bias, mlp_out [F, E]
+    block = {k.split("/", 2)[2]: g for k, g in got.items() if k.startswith("trunk/block_0/")}
+    assert not block["attention/qkv"][:, :, 1].any() and block["attention/qkv"][:, :, 0].all()
+    assert not block["attention/out"][1].any() and block["attention/out"][0].all()
+    for k, g in (("mlp_in/kernel", block["mlp_in/kernel"].T), ("mlp_in/bias", block[
+            "mlp_in/bias"]), ("mlp_out/kernel", block["mlp_out/kernel"])):  # neurons first
+        assert not g[~neurons].any() and g[neurons].all(), k
+
+
 def _pruned_steps(cd, workdir, steps: int = 2):
     """(train state, {path: mask as numpy}) after `steps` training steps of config `cd`."""
     from hpnlp.train import Trainer
@@ -1746,6 +1782,43 @@ def test_a_shrunk_run_a_new_run_may_not_be_is_refused_before_the_masked_model_is
     assert not os.path.exists(tmp_path / "small")
 
 
+def test_a_saved_run_s_train_fields_a_new_run_is_refused_are_rewritten_in_its_shrunk_run(
+        tmp_path, monkeypatch, capsys):
+    """A review (d1): `check_new_run`'s refusals of model.embed_grad_scale='batch' under
+    train.grad_accum and of one step with a warmup (review r10, r12 of session 108) refused
+    shrinking a run saved with them, offering config edits `shrink_run` takes none of. These
+    train-only fields of the shrunk run are rewritten (grad_accum 1, warmup_steps 0), and
+    said. The evals are scripted: nothing compiles but the two models' inits."""
+    import json
+
+    from hpnlp.config import checks
+    from hpnlp.train import Trainer
+    cd = _structured_mlp_run()
+    cd.model.embed_grad_scale = "batch"
+    cd.train.update(grad_accum=2, steps=1, warmup_steps=1, schedule="constant")
+    cd.train.prune.start_step = 0
+    with monkeypatch.context() as patch:  # built as a run saved before the rules were
+        patch.setattr(checks, "check_new_run", lambda cfg: None)
+        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    _save_kept_neurons(tr, 16)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": 1.0})
+    summary = prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    assert summary["config_rewritten"] == {"train.grad_accum": [2, 1],
+                                           "train.warmup_steps": [1, 0]}
+    assert ("hpnlp.compress: note: the shrunk run is a new run, which is refused what the "
+            "run's config.json holds, so its own has train.grad_accum=1 where the run has 2 "
+            "(model.embed_grad_scale='batch' under accumulation counts each microbatch's ids); "
+            "train.warmup_steps=0 where the run has 1 (with train.steps=1 a warmup trains "
+            "nothing); a fine-tune of it") in capsys.readouterr().err
+    with open(tmp_path / "small" / "summary.json") as f:
+        assert json.load(f)["config_rewritten"] == summary["config_rewritten"]
+    from hpnlp.train.checkpoint import load_run_config
+    small = load_run_config(str(tmp_path / "small"))
+    assert (small.train.grad_accum, small.train.warmup_steps, small.model.mlp_dim) == (1, 0, 16)
+    assert small.model.embed_grad_scale == "batch"
+    checks.check_new_run(small)
+
+
 def test_structured_pruning_whose_kept_units_the_mesh_cannot_split_is_refused_up_front():
     """A review (session 107): the mesh's rules split heads and MLP neurons over
     mesh.tensor (an LSTM/GRU's width over mesh.fsdp), checked against the unshrunk model, so
@@ -2671,8 +2744,10 @@ def test_an_moe_student_whose_blocks_start_as_teacher_blocks_of_the_other_kind_i
     (every 2: block 1 MoE) of a depth-4 teacher (every 2: blocks 1 and 3) passed, its block 1
     then copied from dense teacher block 2 ('first') or its dense block 0 from MoE block 1
     ('last'), failing late in the start ("has no teacher twin (None)"). Refused when the
-    carry is built, naming init_blocks where the other mapping fits; a different `every`
-    that maps MoE onto MoE is taken. Nothing trains: the teacher's folder holds its config."""
+    carry is built, naming init_blocks where the other mapping fits, and else only student
+    fields, with the teacher's MoE blocks (a review, d1: "model.moe.every=1 in both" was
+    offered beside a trained teacher of every=2); a different `every` that maps MoE onto MoE
+    is taken. Nothing trains: the teacher's folder holds its config."""
     from hpnlp.train.checkpoint import Checkpointer
     moe = dict(num_experts=2, router="switch", every=2)
     tcd = tiny("lm")
@@ -2694,8 +2769,9 @@ def test_an_moe_student_whose_blocks_start_as_teacher_blocks_of_the_other_kind_i
                                    r"block 1 is MoE")):
         with pytest.raises(ConfigError, match=r"`train\.distill\.init` = 'every_other' is not "
                            r"allowed: .*" + where + r" \(model\.moe\.every=2, the teacher's "
-                           r"2\); use a student model\.depth or model\.moe\.every .*, or "
-                           r"init='none'$"):
+                           r"2\); use a student model\.depth or model\.moe\.every whose MoE "
+                           r"blocks start as the teacher's MoE blocks \[1, 3\] and whose dense "
+                           r"ones as its others, or init='none'$"):
             carry(2, blocks)
     with pytest.raises(ConfigError, match=r"student block 0 is MoE where teacher block 0 is "
                        r"dense .*; use train\.distill\.init_blocks='last' \(which maps MoE "

@@ -475,9 +475,9 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     # review r10 (session 108): each microbatch's Embed counted its own ids, so accumulation
     # changed the embedding table's update of the same batch
     ({"model": {"embed_grad_scale": "batch"}, "train": {"grad_accum": 2}},
-     "model.embed_grad_scale", "with train.grad_accum=2 divides each row's gradient by its "
-     "id's count in a microbatch, not in the step's batch, so accumulation would change the "
-     "update; set model.embed_grad_scale='corpus'"),
+     "model.embed_grad_scale", "with train.grad_accum=2 it would divide each row's gradient "
+     "by its id's count in a microbatch, not in the step's batch, so accumulation would change "
+     "the update; set model.embed_grad_scale='corpus' (where the task has train token counts"),
 ])
 def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field, hint,
                                                                    tmp_path):

@@ -342,6 +342,25 @@ def test_a_pipelined_run_of_random_features_is_refused_for_decoding(monkeypatch)
     check_decodes(validate(from_configdict(cd), num_devices=2))
 
 
+def test_a_pipelined_run_of_random_features_read_on_one_device_says_so():
+    """A review of session 108: laid out for the devices here (`reader_mesh`: pipeline 1), a
+    pipelined Performer run's config no longer says it was pipelined, so `generate`'s
+    refusal could not see it: the reader's line says what its decodes and evaluations
+    compute."""
+    from hpnlp.train.loop import reader_mesh
+    cd = tiny(depth=2)
+    cd.data.batching = "pad"
+    cd.attention.update(name="performer", options={"num_features": 16})
+    cd.mesh.update(pipeline=2, data=1)
+    cfg = validate(from_configdict(cd), num_devices=2)
+    mesh, k, why = reader_mesh(cfg, 1)
+    assert mesh.pipeline == 1 and k == 1
+    assert "draws random features per layer otherwise in one stage" in why
+    cd.attention.name, cd.attention.options = "dense", {}  # nothing drawn, nothing said
+    _, _, why = reader_mesh(validate(from_configdict(cd), num_devices=2), 1)
+    assert "random features" not in why
+
+
 # 8 simulated devices: a student pipelined over 4 stages (2 data shards) built with a teacher
 # of stacked layers (train.distill.teacher=argv[1]); argv[2]: the student's workdir.
 _TEACHER = r"""

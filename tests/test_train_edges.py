@@ -1,11 +1,13 @@
-"""Training loop edges (hpnlp/train/loop.py) a review (r12) found: early stopping at the last
-step, --profile's trace when a run fails or pauses, and a read-only Trainer's run()."""
+"""Training loop edges (hpnlp/train/loop.py) reviews (r12, d1) found: early stopping at the
+last step, --profile's trace when a run fails or pauses, a read-only Trainer's run(), a
+checkpoint's one-batch check, and what makes another held-out set."""
 
 import glob
 import os
 import time
 
 import jax
+import numpy as np
 import pytest
 from test_train import read_jsonl, tiny
 
@@ -69,16 +71,108 @@ def test_profile_writes_the_trace_of_a_run_that_fails_while_tracing(tmp_path, mo
 
 def test_profile_s_trace_write_is_not_training_time(tmp_path, monkeypatch):
     """A review (r12): stop_trace at step start+8 (it writes the trace) was timed as
-    training, in the window's rate and the summary's. The profiler is faked here, its
-    write half a second's sleep: 8 tiny steps take far less."""
-    traced = []
+    training, in the window's rate and the summary's. The profiler is faked here, its write
+    an hour on the loop's clock (which it moves on, sleeping not at all): whatever the 8
+    tiny steps take, the rates leave out that hour (a review, d1: a half-second sleep
+    asserted 8 steps took under half a second, which a loaded machine may not give)."""
+    class Clock:  # the loop's `time`, its perf_counter moved on by the fake writes
+        skew = 0.0
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def perf_counter(self):
+            return time.perf_counter() + self.skew
+    clock, traced, hour = Clock(), [], 3600.0
+
+    def stop_trace():
+        traced.append("stop")
+        clock.skew += hour
+    monkeypatch.setattr(loop_lib, "time", clock)
     monkeypatch.setattr(jax.profiler, "start_trace", lambda folder: traced.append("start"))
-    monkeypatch.setattr(jax.profiler, "stop_trace",
-                        lambda: (traced.append("stop"), time.sleep(0.5)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", stop_trace)
     cd = tiny(steps=9, checkpoint_every=0, eval_batches=1, log_every=9)
     summary = run(cd, str(tmp_path / "run"), profile_dir=str(tmp_path / "p"))
     assert traced == ["start", "stop"]  # at step 8 (3-8 traced)
     timed = summary["throughput"]["timed_steps"]
-    assert timed == 8 and summary["throughput"]["steps_per_sec"] > timed / 0.5
+    assert timed == 8 and summary["throughput"]["steps_per_sec"] > timed / hour
     line, = [l for l in read_jsonl(tmp_path / "run" / "metrics.jsonl") if not l.get("eval")]
-    assert line["steps_per_sec"] > timed / 0.5
+    assert line["steps_per_sec"] > timed / hour
+
+
+def test_a_checkpoint_s_one_batch_check_that_fails_saves_nothing_and_checks_the_loss_alone(
+        tmp_path, monkeypatch):
+    """A review (d1): at a checkpoint step with no eval, the one-batch eval that checks the
+    parameters before they are saved (`check_unevaluated`) saved them when it failed (an
+    unreadable shard, out of memory), unchecked, as good: the rerun resumed from them and
+    nothing checked them again. Not saved; the rerun resumes from the checkpoint before. It
+    checks only the loss, as an eval step does: a statistic that is not finite (a max, a
+    ratio) stopped runs at checkpoint steps alone. The evals are scripted: nothing else
+    compiles but the train step."""
+    checks = []
+
+    def eval_sums(self, state, eval_step=None, memory_step=None, *, batches=None):
+        assert batches == 1  # (no eval step here: the checkpoints' checks alone)
+        checks.append(int(state.step))
+        if len(checks) == 2:
+            raise OSError("an unreadable eval shard")
+        return {"loss": np.float32(3.0), "weight": np.float32(2.0), "ratio": np.float32(np.inf)}
+    monkeypatch.setattr(Trainer, "eval_sums", eval_sums)
+    cd = tiny(steps=3, checkpoint_every=1, eval_batches=1, warmup_steps=1)
+    with pytest.raises(OSError, match="an unreadable eval shard"):
+        run(cd, str(tmp_path))
+    assert checks == [1, 2]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    state, _ = Trainer(from_configdict(cd), str(tmp_path), read_only=True).initial_state()
+    assert int(state.step) == 1
+
+
+def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read():
+    """A review (d1): the eval batch size was part of the held-out set with
+    train.eval_batches=0 too, where every batch of the split is read (its last completed
+    with filler rows), so a resume that changed only train.batch_size said the run
+    evaluates on another set, and its best started over. It counts where it sets the
+    batches read: a number of them, or the rows an eval stream is cut into."""
+    def held_out(eval_batches, batch_size, batching="pack"):
+        cd = tiny(eval_batches=eval_batches)
+        cd.train.batch_size = batch_size
+        cd.data.batching = batching
+        return loop_lib.held_out_set(from_configdict(cd))
+    assert held_out(0, 8) == held_out(0, 16)
+    assert "data.eval_batch_size" not in held_out(0, 8)
+    assert held_out(2, 8)["data.eval_batch_size"] == 8 and held_out(2, 8) != held_out(2, 16)
+    assert held_out(0, 8, "stream") != held_out(0, 16, "stream")
+
+
+def test_a_finished_run_rerun_on_another_held_out_set_keeps_its_best_and_an_old_save_s_batch(
+        tmp_path, monkeypatch, capsys):
+    """A review (d1): a finished run rerun with another train.eval_batches said its best
+    starts over, trained nothing, and its summary lost best_eval (its last eval still the
+    old set's). It keeps both. And a run saved while the set counted the eval batch size at
+    train.eval_batches=0 resumes at another batch size on the same set, its best kept (not
+    said to start over). The evals are scripted: nothing else compiles but the train step."""
+    scores = iter([1.0, 0.5])  # steps 2 and 4
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": next(scores)})
+    real = loop_lib.held_out_set
+    with monkeypatch.context() as patch:  # saved as before the review
+        patch.setattr(loop_lib, "held_out_set", lambda cfg: {
+            **real(cfg), "data.eval_batch_size": cfg.data.eval_batch_size or cfg.train.batch_size})
+        cd = tiny(steps=4, eval_every=2, eval_batches=0, checkpoint_every=0, warmup_steps=1)
+        first = run(cd, str(tmp_path))
+    assert first["best_eval"] == {"step": 4, "loss": 0.5}
+    cd.train.eval_batches = 1
+    capsys.readouterr()
+    again = run(cd, str(tmp_path))
+    assert again["final_step"] == 4 and again["best_eval"] == first["best_eval"]
+    assert again["eval"] == first["eval"] == {"loss": 0.5}
+    assert "another held-out set" not in capsys.readouterr().err
+    cd.train.update(eval_batches=0, steps=8)
+    cd.data.eval_batch_size = 4
+
+    def stop(batch, sharding):  # the resume is said before the first step, which is not run
+        raise RuntimeError("stopped before step 5")
+    monkeypatch.setattr(loop_lib, "_global", stop)
+    with pytest.raises(RuntimeError, match="stopped before step 5"):
+        run(cd, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "resuming from step 4" in err and "another held-out set" not in err, err

@@ -658,8 +658,13 @@ class TeacherCarry(Carry):
         other = "last" if self.d.init_blocks == "first" else "first"
         fixes = ([f"train.distill.init_blocks={other!r} (which maps MoE onto MoE)"]
                  if not kinds(other) else [])
-        fixes += ["a student model.depth or model.moe.every whose blocks map MoE onto MoE "
-                  "(model.moe.every=1 in both)", "init='none'"]
+        # the teacher is trained: only the student's fields are the user's to change (a
+        # review, d1: "model.moe.every=1 in both" was offered beside a teacher of every=2)
+        moe_blocks = [j for j in range(tm.depth) if tm.moe.applies(j)]
+        fixes += [f"a student model.depth or model.moe.every whose MoE blocks start as the "
+                  f"teacher's MoE blocks {moe_blocks} and whose dense ones as its others"
+                  if moe_blocks else "a dense student (model.moe.num_experts=0: the teacher "
+                  "has no MoE block)", "init='none'"]
         raise config_error("train.distill.init", self.d.init, f"copies the teacher's blocks "
                            f"{init_map(sm.depth, tm.depth, self.d.init_blocks)} into the "
                            f"student's (train.distill.init_blocks={self.d.init_blocks!r}), and "

@@ -1044,6 +1044,19 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         # run stopped mid-schedule under int4 groups, or kept heads that mesh.tensor does not
         # split, were refused after the evaluation, with no word of the shrink)
         cfg2 = dataclasses.replace(cfg2, mesh=cfg.mesh)
+        # train-only fields a new run is refused and a saved one kept (review r10, r12 of
+        # session 108), rewritten, and said: this command takes no config, and an edit of the
+        # pruned run's config.json would not be that run's (a review, d1: their refusal here
+        # offered a fix nothing could apply)
+        t2, rewritten = cfg2.train, {}  # {field: (the run's, the shrunk run's, why)}
+        if cfg2.model.embed_grad_scale == "batch" and t2.grad_accum != 1:
+            rewritten["train.grad_accum"] = (t2.grad_accum, 1, "model.embed_grad_scale='batch' "
+                                             "under accumulation counts each microbatch's ids")
+        if t2.steps == 1 and t2.warmup_steps >= 1:
+            rewritten["train.warmup_steps"] = (t2.warmup_steps, 0, "with train.steps=1 a "
+                                               "warmup trains nothing")
+        cfg2 = dataclasses.replace(cfg2, train=dataclasses.replace(
+            t2, **{k[len("train."):]: v for k, (_, v, _) in rewritten.items()}))
         checked = validate(cfg2, num_processes=jax.process_count(), num_devices=n)
         # and as a new run, which OUT is (a review, session 107: a run saved with bfloat16
         # master weights, or its train file as its eval file, was refused by the new run's
@@ -1074,6 +1087,13 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     short = short_of_target(cfg.train.prune, step, cfg.train.steps)
     if short:  # a bug hunt (session 94): a run stopped mid-schedule was shrunk unsaid
         print(f"hpnlp.compress: note: {short}", file=sys.stderr)
+    if rewritten:
+        print("hpnlp.compress: note: the shrunk run is a new run, which is refused what the "
+              "run's config.json holds, so its own has " + "; ".join(
+                  f"{k}={now!r} where the run has {was!r} ({why})"
+                  for k, (was, now, why) in rewritten.items())
+              + "; a fine-tune of it (train.init_from=OUT) sets its own train fields",
+              file=sys.stderr)
     masked_eval = pruned.evaluate(state)
     from hpnlp.paths import staged
     with staged(out) as stage:  # OUT a whole run, or nothing of this call's
@@ -1093,6 +1113,9 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         }
         if short:
             summary["short_of_target"] = short
+        if rewritten:
+            summary["config_rewritten"] = {k: [was, now]
+                                           for k, (was, now, _) in rewritten.items()}
         if inexact:
             summary["inexact"] = inexact
         with open(os.path.join(stage, "summary.json"), "w") as f:

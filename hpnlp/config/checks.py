@@ -649,11 +649,11 @@ def check_new_run(cfg: Config) -> None:
         # seen once in each of 4 microbatches had its row's gradient 4x one big batch's, and
         # accumulation changed the update of the same batch (train/step.py's promise); the
         # step's whole-batch counts would have to reach every model's Embed call
-        _fail("model.embed_grad_scale", "batch", f"with train.grad_accum={t.grad_accum} "
-              "divides each row's gradient by its id's count in a microbatch, not in the step's "
-              "batch, so accumulation would change the update; set "
-              "model.embed_grad_scale='corpus' (a fixed table of the step's whole batch) or "
-              "train.grad_accum=1")
+        _fail("model.embed_grad_scale", "batch", f"with train.grad_accum={t.grad_accum} it "
+              "would divide each row's gradient by its id's count in a microbatch, not in the "
+              "step's batch, so accumulation would change the update; set "
+              "model.embed_grad_scale='corpus' (where the task has train token counts: a fixed "
+              "table of the step's whole batch) or train.grad_accum=1")
     if t.early_stopping_patience and t.eval_every:
         before = (t.steps - 1) // t.eval_every  # evals before the last step
         if before < t.early_stopping_patience + 1:

@@ -92,14 +92,17 @@ def held_out_set(cfg: Config) -> dict:
     """{field: value} of what sets the batches a run's evals read: the eval file (or, where
     there is none, the train file whose end is held out; a prepared folder), the split, how
     many batches and of how many rows. A resume on another set starts early stopping's best
-    over (`_run`)."""
+    over (`_run`). The rows per batch only where they set what is read: a number of batches,
+    or a stream cut into that many rows (a review, d1: the whole split, its last batch
+    completed with filler rows, is the same set at any batch size)."""
     d, t = cfg.data, cfg.train
     paths = {"data.prepared": d.prepared} if d.prepared else {}
     paths.update({"data.eval_path": d.eval_path} if d.eval_path
                  else {"data.train_path": d.train_path})
     return {**{k: os.path.abspath(v) if v else v for k, v in paths.items()},
             "data.eval_split": d.eval_split, "train.eval_batches": t.eval_batches,
-            "data.eval_batch_size": d.eval_batch_size or t.batch_size}
+            **({"data.eval_batch_size": d.eval_batch_size or t.batch_size}
+               if t.eval_batches or d.batching == "stream" else {})}
 
 
 def profile_folder(profile_dir: str) -> str:
@@ -258,9 +261,18 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
              f"{cfg.data.eval_batch_size or cfg.train.batch_size}"
              + (f" and model.moe.groups={groups}" if groups else "") + " split over no more)"
              if k < n else "")
+    a = cfg.attention
+    unpiped = (sizes["pipeline"] > 1 if fits else mesh.pipeline not in (1, -1)) and \
+        draws_features(a.name, a.options)
     why += (f"; read with mesh.data={k}{where}"
             + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
-               and not groups else ""))
+               and not groups else "")
+            # (a review of session 108: `generate` refuses decoding a pipelined run of random
+            # features from its config, and this layout made that config say pipeline 1)
+            + (f"; its attention ({a.name!r}) draws random features per layer otherwise in "
+               "one stage than in the pipeline stages it trained in (hpnlp/parallel/"
+               "pipeline.py), so its evaluations and decodes here compute another function "
+               "than its training did" if unpiped else ""))
     return dataclasses.replace(mesh, data=-1 if k == n else k, fsdp=1, tensor=1, sequence=1,
                                pipeline=1, expert=1, pipeline_microbatches=0), k, why
 
@@ -836,10 +848,16 @@ class Trainer:
         # stopped early on that, unsaid: these fields are bookkeeping to the config check)
         eval_set = held_out_set(cfg)
         saved_set = loop.get("eval_set")
+        if isinstance(saved_set, dict) and "data.eval_batch_size" not in eval_set:
+            # one that does not set the batches read now (saved before `held_out_set` left
+            # it out there): no change of set
+            saved_set = {k: v for k, v in saved_set.items() if k != "data.eval_batch_size"}
         eval_moved = {k: (saved_set.get(k), eval_set.get(k)) for k in {**saved_set, **eval_set}
                       if saved_set.get(k) != eval_set.get(k)} if isinstance(saved_set, dict) else {}
         eval_said = ""
-        if eval_moved and best is not None:
+        # (a finished run trains nothing here: its best, of the set it trained with, stays
+        # the summary's, beside its last eval, of that set too; a review, d1)
+        if eval_moved and best is not None and start < t.steps:
             eval_said = ("; it evaluates on another held-out set (" + "; ".join(
                 f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in eval_moved.items())
                 + f"), so its best {t.early_stopping_metric} (step {best_step}) and the evals "
@@ -929,7 +947,9 @@ class Trainer:
             # not share (a bi-encoder's MoE load, per layer since session 95, per call before),
             # or that it lacks, starts again from this step, and one this step no longer has is
             # dropped (a review, r4: a float16 window's loss_scale and skipped resumed in
-            # bfloat16, or another MoE router's balance loss, failed every rerun in a tree map)
+            # bfloat16, or another MoE router's balance loss, failed every rerun in a tree map).
+            # A loss part started again is still averaged over the whole window in its first
+            # line (`finalize` divides it by the window's weight), so it reads low there.
             old = window["sums"]
             window["sums"] = m if old is None else {
                 k: np.add(old[k], v) if k in old and np.shape(old[k]) == np.shape(v) else v
@@ -1031,16 +1051,19 @@ class Trainer:
             """Parameters saved at a step with no eval: their loss on one held-out batch is
             finite, or the run stops before they are saved and named good (a review, r4: at a
             checkpoint step that was no eval step, lr=1e9 saved parameters its update had made
-            huge but finite, named "the last good checkpoint", whose resume diverged at once)."""
+            huge but finite, named "the last good checkpoint", whose resume diverged at once).
+            Where that eval fails (an unreadable shard, out of memory), they are unchecked: not
+            saved either, and a rerun resumes from the checkpoint before (a review, d1: saved
+            as good, nothing checked them again). The loss alone, as `take_eval` checks it."""
             try:  # (an ensemble evaluates its stacked members with a step of its own)
                 sums = self.eval_sums(state, getattr(self, "ensemble_eval_step", None),
                                       batches=1)
-            except Exception:  # keep the steps trained since the last checkpoint, as an
-                save(step, state, last_eval)  # eval that fails does (`take_eval`)
+            except Exception:  # the previous checkpoint's save, if under way, completes
                 self.checkpointer.wait()
                 raise
-            if not all(np.all(np.isfinite(x)) for x in jax.tree.leaves(sums)):
-                raise diverged(step, "its parameters' loss on a held-out batch is not finite; "
+            loss = finalize(sums["ensemble"] if "members" in sums else sums, lm=self.lm)["loss"]
+            if not math.isfinite(loss):
+                raise diverged(step, f"its parameters' loss on a held-out batch is {loss}; "
                                "they are not saved")
 
         def take_eval(step: int, state, *, made_up: bool = False) -> None:
