@@ -109,7 +109,7 @@ def test_parallelism_says_when_jax_has_not_8_devices(monkeypatch):
     import jax
     if jax.device_count() == 8:
         pytest.skip("this process has 8 devices")
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell adds to it (through with_flags)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell adds to it
     with pytest.raises(RuntimeError, match=r"meshes are of 8 devices and JAX has \d+ .*restart"):
         exec(_cells("parallelism.ipynb")[0], {})
 
@@ -138,7 +138,7 @@ def test_notebook_settings_have_one_meaning_each_and_name_themselves(monkeypatch
 def test_parallelism_reads_stack_from_its_setting(monkeypatch):
     """STACK = False was written in the cell, so the stacked layers and the pipeline mode the
     text offers could not be run by a test (a review, session 108): HPNLP_NOTEBOOK_STACK."""
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell adds to it (through with_flags)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell adds to it
     for value, want in (("1", True), ("", False)):
         monkeypatch.setenv("HPNLP_NOTEBOOK_STACK", value)
         ns = {}

@@ -57,7 +57,9 @@ def _scaled_grad(model, rngs):
         sums = model.apply({"params": params}, _as_batch_of_one(example), rngs=rngs)
         weight = jnp.maximum(sums["weight"], 1.0)
         log2_excess = jnp.ceil(jnp.log2(weight / EXACT_TOKENS))  # log2 may round up: harmless
-        scale = jax.lax.stop_gradient(jnp.exp2(jnp.maximum(log2_excess, 0.0)))
+        # ldexp: an exact power of 2 (exp2 is exp(x ln 2), a re-read found: not exactly one)
+        scale = jax.lax.stop_gradient(jnp.ldexp(jnp.ones((), jnp.float32), jnp.maximum(
+            log2_excess, 0.0).astype(jnp.int32)))
         return sums["loss"] / weight * scale, scale
     return jax.grad(scaled, has_aux=True)
 
