@@ -356,6 +356,10 @@ def test_a_pipelined_run_of_random_features_read_on_one_device_says_so():
     mesh, k, why = reader_mesh(cfg, 1)
     assert mesh.pipeline == 1 and k == 1
     assert "draws random features per layer otherwise in one stage" in why
+    assert "decodes here compute another function" in why
+    cd.mesh.update(data=2, pipeline=-1)  # filled the devices it trained on (here 4: 2 stages),
+    _, _, why = reader_mesh(validate(from_configdict(cd), num_devices=4), 1)  # unsaid in it
+    assert "decodes here may compute another function" in why
     cd.attention.name, cd.attention.options = "dense", {}  # nothing drawn, nothing said
     _, _, why = reader_mesh(validate(from_configdict(cd), num_devices=2), 1)
     assert "random features" not in why

@@ -101,7 +101,7 @@ def test_profile_s_trace_write_is_not_training_time(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_s_one_batch_check_that_fails_saves_nothing_and_checks_the_loss_alone(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     """A review (d1): at a checkpoint step with no eval, the one-batch eval that checks the
     parameters before they are saved (`check_unevaluated`) saved them when it failed (an
     unreadable shard, out of memory), unchecked, as good: the rerun resumed from them and
@@ -123,6 +123,9 @@ def test_a_checkpoint_s_one_batch_check_that_fails_saves_nothing_and_checks_the_
         run(cd, str(tmp_path))
     assert checks == [1, 2]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    # and it says so (a re-read, d3: the raw error alone said nothing of the steps dropped)
+    assert ("the one-batch check of step 2's parameters failed, so they are not saved; a "
+            "rerun resumes from step 1 in ") in capsys.readouterr().err
     state, _ = Trainer(from_configdict(cd), str(tmp_path), read_only=True).initial_state()
     assert int(state.step) == 1
 

@@ -262,17 +262,19 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
              + (f" and model.moe.groups={groups}" if groups else "") + " split over no more)"
              if k < n else "")
     a = cfg.attention
-    unpiped = (sizes["pipeline"] > 1 if fits else mesh.pipeline not in (1, -1)) and \
-        draws_features(a.name, a.options)
+    # (mesh.pipeline=-1 filled the devices it trained on, which this config does not say:
+    # "may", a re-read of this note found it silent or wrong there)
+    unpiped = mesh.pipeline != 1 and draws_features(a.name, a.options)
+    may = " may" if mesh.pipeline == -1 else ""
     why += (f"; read with mesh.data={k}{where}"
             + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
                and not groups else "")
             # (a review of session 108: `generate` refuses decoding a pipelined run of random
             # features from its config, and this layout made that config say pipeline 1)
             + (f"; its attention ({a.name!r}) draws random features per layer otherwise in "
-               "one stage than in the pipeline stages it trained in (hpnlp/parallel/"
-               "pipeline.py), so its evaluations and decodes here compute another function "
-               "than its training did" if unpiped else ""))
+               f"one stage than in pipeline stages (hpnlp/parallel/pipeline.py), so its "
+               f"evaluations and decodes here{may} compute another function than its "
+               f"training did (mesh.pipeline={mesh.pipeline})" if unpiped else ""))
     return dataclasses.replace(mesh, data=-1 if k == n else k, fsdp=1, tensor=1, sequence=1,
                                pipeline=1, expert=1, pipeline_microbatches=0), k, why
 
@@ -1060,6 +1062,11 @@ class Trainer:
                                       batches=1)
             except Exception:  # the previous checkpoint's save, if under way, completes
                 self.checkpointer.wait()
+                good = newest_checkpoint()  # said, as a diverged run's is (a re-read, d3)
+                print(f"hpnlp: the one-batch check of step {step}'s parameters failed, so they "
+                      "are not saved; a rerun resumes from "
+                      + (good or "the start"),
+                      file=sys.stderr, flush=True)
                 raise
             loss = finalize(sums["ensemble"] if "members" in sums else sums, lm=self.lm)["loss"]
             if not math.isfinite(loss):
