@@ -554,6 +554,9 @@ def test_decoding_random_features_of_the_run_s_stream_needs_their_key():
     check_features_key(make_cfg("lm"), None)
 
 
+# 2.5 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the
+# suite read 6 min 16 s for 1729 tests, about 12 min at the Zen 3's ratio): CI's slow part runs it
+@pytest.mark.slow
 def test_decoding_a_frequency_based_output_layer_needs_its_train_counts():
     """A review (session 107): without token_counts, generate built a hierarchical layer's
     Huffman tree from a Zipf stand-in over the ids, not the counts it trained with, and each

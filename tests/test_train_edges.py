@@ -49,6 +49,9 @@ def _traces(folder):
     return glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.xplane.pb"))
 
 
+# 2.8 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the
+# suite read 6 min 16 s for 1729 tests, about 12 min at the Zen 3's ratio): CI's slow part runs it
+@pytest.mark.slow
 def test_profile_writes_the_trace_of_a_run_that_fails_while_tracing(tmp_path, monkeypatch):
     """A review (r12): only Ctrl-C stopped the trace of a run that ended in the traced steps
     (3-8), so a divergence's trace (the one worth reading) was never written, and the
