@@ -49,6 +49,7 @@ import numpy as np
 
 from hpnlp.config import Config
 from hpnlp.models.transformer import make_embed, positions_of
+from hpnlp.parallel.pipeline import whole_microbatches
 
 
 def normalize(x_BE, eps: float = 1e-6):
@@ -235,21 +236,6 @@ def embed_texts(model, params, tokens_PL, seg_PL, *, batch_size: int = 256,
         out.append(np.asarray(encode(params, t, s, rngs))[:batch_size - pad])
     return np.concatenate(out) if out else np.zeros((0, embedding_dim(model, params)),
                                                     np.float32)
-
-
-def whole_microbatches(rows: int) -> int:
-    """`rows` rounded up to a multiple of the pipeline's microbatch count where the current
-    mesh pipelines the trunk (`mesh.pipeline` > 1; the count the trainer's context set from
-    mesh.pipeline_microbatches, hpnlp.parallel.pipeline), else `rows`. Review r3: the pool's
-    evaluation (256 rows a call) and mining (512) sent the pipelined trunk batches that
-    pipeline_microbatches=6 does not split, and the run died at its first eval, every resume
-    again (validate checks the train and eval batches only)."""
-    from hpnlp.parallel import pipeline
-    stages = pipeline.pipeline_stages()
-    if stages == 1:
-        return rows
-    M = pipeline._MICROBATCHES.get() or stages  # as `stacked_blocks` reads it
-    return -(-rows // M) * M
 
 
 def embedding_dim(model, params) -> int:

@@ -77,6 +77,20 @@ def pipeline_stages(axis: str = AXIS) -> int:
     return mesh.shape[axis]
 
 
+def whole_microbatches(rows: int) -> int:
+    """`rows` rounded up to a multiple of the microbatch count a pipelined trunk splits its
+    batch into here (the `use_microbatches` context's, 0 or unset: the stages P), else `rows`
+    where nothing is pipelined: for passes whose batch is theirs, not the config's (a
+    bi-encoder's pool evaluation and mining: review r3, session 108, found them sending
+    batches that pipeline_microbatches=6 does not split, and the run died at its first eval,
+    every resume again; validate checks the train and eval batches only)."""
+    P = pipeline_stages()
+    if P == 1:
+        return rows
+    M = _MICROBATCHES.get() or P  # as `stacked_blocks` reads it
+    return -(-rows // M) * M
+
+
 def _to_micro(x_B, M: int):
     """[B, ...] -> [M, B/M, ...]; microbatch i = rows i, i+M, ... so each keeps a share of
     every data-parallel shard (as `train.step._split_microbatches`). A tuple (segment ids

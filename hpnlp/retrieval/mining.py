@@ -72,9 +72,9 @@ def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, qgroup_P, depth: i
     """[P] int32 negatives (module doc); `encode(params, tokens, seg) -> [n, E]` unit vectors.
 
     The texts are embedded and searched QUERY_BLOCK at a time, or the next multiple of a
-    pipelined trunk's microbatch count (`whole_microbatches`), their rows padded here to
-    whole blocks (pad rows never match)."""
-    from hpnlp.models.bi_encoder import whole_microbatches
+    pipelined trunk's microbatch count (`pipeline.whole_microbatches`), their rows padded
+    here to whole blocks (pad rows never match)."""
+    from hpnlp.parallel.pipeline import whole_microbatches
     from hpnlp.retrieval.exact import blocked_top_k
     P = group_P.shape[0]
     rows = q_tok.shape[0]

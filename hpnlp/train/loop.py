@@ -1060,9 +1060,8 @@ class Trainer:
             try:  # (an ensemble evaluates its stacked members with a step of its own)
                 sums = self.eval_sums(state, getattr(self, "ensemble_eval_step", None),
                                       batches=1)
-            except Exception:  # the previous checkpoint's save, if under way, completes
-                self.checkpointer.wait()
-                good = newest_checkpoint()  # said, as a diverged run's is (a re-read, d3)
+            except Exception:  # said, as a diverged run's is (a re-read, d3), once the
+                good = newest_checkpoint()  # previous checkpoint's save, if under way, is done
                 print(f"hpnlp: the one-batch check of step {step}'s parameters failed, so they "
                       "are not saved; a rerun resumes from "
                       + (good or "the start"),
