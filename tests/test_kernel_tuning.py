@@ -464,6 +464,40 @@ def test_each_core_count_keeps_its_own_record(tmp_path, monkeypatch):
     assert t.source == "tuned" and calls
 
 
+@pytest.mark.parametrize("version", ["v1", "v2", "v2 in a container"])
+def test_a_cgroup_cpu_limit_caps_the_cores(tmp_path, monkeypatch, version):
+    """A bug hunt (session 109): `cores()` read the affinity alone, so a container limited to
+    2 cores' worth of time (`docker --cpus=2`, a Kubernetes CPU limit) on a 96-CPU host
+    split every kernel over 96 threads. The smallest quota along the process's cgroup path
+    caps it (rounded up), v1 and v2, and where the path is the host's (a container's
+    namespace shows its own cgroup as the mount's root) the root's limit is read."""
+    root, proc = tmp_path / "cg", tmp_path / "cgroup"
+    if version == "v1":
+        proc.write_text("4:memory:/a\n2:cpu,cpuacct:/job/task\n0::/\n")
+        for d, quota in (("cpu,cpuacct/job", "350000"), ("cpu,cpuacct/job/task", "-1")):
+            (root / d).mkdir(parents=True)
+            (root / d / "cpu.cfs_quota_us").write_text(quota + "\n")
+            (root / d / "cpu.cfs_period_us").write_text("100000\n")
+        want = 3.5
+    else:
+        proc.write_text("0::/host/slice/pod\n")
+        top = root if version == "v2 in a container" else root / "host/slice/pod"
+        top.mkdir(parents=True)
+        (top / "cpu.max").write_text("150000 100000\n")
+        if version == "v2":
+            (root / "host" / "cpu.max").write_text("max 100000\n")
+        want = 1.5
+    assert kernels.cgroup_cpu_limit(str(root), str(proc)) == want
+    (tmp_path / "none").mkdir()
+    assert kernels.cgroup_cpu_limit(str(tmp_path / "none"), str(proc)) is None
+    assert kernels.cgroup_cpu_limit(str(root), str(tmp_path / "missing")) is None
+    monkeypatch.setattr(kernels, "cgroup_cpu_limit", lambda: want)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)))
+    assert kernels.cores() == {1.5: 2, 3.5: 4}[want]  # rounded up
+    monkeypatch.setattr(kernels, "cgroup_cpu_limit", lambda: None)
+    assert kernels.cores() == 96
+
+
 def test_tuning_off_runs_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("HPNLP_KERNEL_TUNE", "0")
     calls = []

@@ -32,6 +32,7 @@ import fcntl
 import functools
 import glob
 import hashlib
+import math
 import operator
 import os
 import platform
@@ -200,11 +201,79 @@ def cpu_name() -> str:
 
 
 def cores() -> int:
-    """CPU cores this process may run on: the default thread count of every kernel."""
+    """CPU cores this process may run on: the default thread count of every kernel. The
+    CPUs it may be scheduled on, fewer where its cgroup's CPU bandwidth is less (a container
+    run with `docker --cpus=2`, or a Kubernetes CPU limit, keeps every CPU of its host in
+    its affinity, and a kernel that split its work over 96 threads there would have them
+    wait their turns on 2 cores' worth of time: a bug hunt, session 109)."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return max(1, min(n, math.ceil(limit))) if limit is not None else n
+
+
+def _cgroup_quota(directory: str) -> float | None:
+    """The CPU bandwidth one cgroup directory sets, in cores (quota / period), or None:
+    cgroup v2's `cpu.max` ("max 100000" or "200000 100000") or v1's `cpu.cfs_quota_us`
+    (-1: none) over `cpu.cfs_period_us`."""
+    try:
+        with open(os.path.join(directory, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+    except OSError:
+        try:
+            with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return None
+    try:
+        quota_f, period_f = float(quota), float(period)
+    except ValueError:  # "max"
+        return None
+    return quota_f / period_f if quota_f > 0 and period_f > 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup"
+                     ) -> float | None:
+    """The smallest CPU bandwidth limit, in cores, of this process's cgroup and its parents
+    (v2, or v1's cpu controller), None where none is set or cgroups cannot be read. Its path
+    in `self_cgroup` is looked for under the mount (where a container sees its own cgroup as
+    the mount's root, the path there is the host's and is not found: the root's own limit
+    is read then)."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    mounts = []  # (mount directory, this process's path under it)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: the unified hierarchy (under unified/ on hybrid hosts)
+            mounts += [(root, path), (os.path.join(root, "unified"), path)]
+        elif "cpu" in controllers.split(","):
+            mounts += [(os.path.join(root, controllers), path), (os.path.join(root, "cpu"), path)]
+    limits = []
+    for mount, path in mounts:
+        if not os.path.isdir(mount):
+            continue
+        here = os.path.normpath(os.path.join(mount, path.lstrip("/")))
+        if not os.path.isdir(here) or os.path.commonpath([here, mount]) != mount:
+            here = mount
+        while True:
+            quota = _cgroup_quota(here)
+            if quota is not None:
+                limits.append(quota)
+            if here == mount:
+                break
+            here = os.path.dirname(here)
+    return min(limits) if limits else None
 
 
 def is_integer(x) -> bool:
