@@ -234,6 +234,38 @@ def test_ivf_nearest_centroid_in_blocks_equals_numpy():
     assert ivf._nearest_blocks._cache_size() == before + 1
 
 
+def _dot_precisions(jaxpr):
+    """The `precision` of every dot_general in `jaxpr` and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _dot_precisions(sub)
+    return out
+
+
+def test_ivf_probes_and_cell_assignment_run_at_highest_precision():
+    """Review (session 109): the probe product and k-means' assignment took the default
+    precision (TF32 on GPU, bfloat16 on TPU): not the L2-nearest cells there."""
+    import jax
+    import jax.numpy as jnp
+
+    from hpnlp.retrieval import ivf
+    highest = jax.lax.Precision.HIGHEST
+    x, c = jnp.ones((10, 4)), jnp.ones((3, 4))
+    q, x_McD, id_Mc = jnp.ones((2, 4)), jnp.ones((3, 8, 4)), jnp.zeros((3, 8), jnp.int32)
+    for what, jaxpr in (
+            ("_nearest_blocks", jax.make_jaxpr(lambda x, c: ivf._nearest_blocks(x, c, 4))(x, c)),
+            ("search_chunks", jax.make_jaxpr(
+                lambda q, c: ivf.search_chunks(q, c, x_McD, id_Mc, 2, 2))(q, c))):
+        got = _dot_precisions(jaxpr.jaxpr)
+        assert got and all(p in (highest, (highest, highest)) for p in got), (what, got)
+
+
 @pytest.mark.parametrize("impl", ["auto", "xla"])
 def test_ivf_scanning_every_chunk_is_exact_and_fewer_probes_trade_recall(impl):
     x, q = _floats()
@@ -443,6 +475,26 @@ def test_ivf_impl_choice_and_errors(tmp_path, monkeypatch):
     back = retrieval.load(folder)
     assert back.options["impl"] == "auto" and back.uses_kernel()
     np.testing.assert_array_equal(back.search(q, 3)[1], i_xla)
+
+
+@pytest.mark.parametrize("kind", ["exact", "ivf"])
+def test_an_index_saved_with_the_kernel_loads_as_auto_where_it_cannot_run(kind, tmp_path,
+                                                                          monkeypatch, capsys):
+    """Review (session 109): saved with impl="kernel" and loaded where the kernel cannot run,
+    its first search raised "use impl='auto'", which `load` had no way to take."""
+    from hpnlp.retrieval import exact
+    x, q = _ties(n=60)
+    index = retrieval.make(kind, 8, impl="kernel",
+                           **(dict(lists=3, nprobe=1000, iters=2) if kind == "ivf" else {}))
+    index.add(x)
+    folder = index.save(str(tmp_path / kind))
+    monkeypatch.setattr(exact.KERNEL, "blocker", lambda: "no C++ compiler found")
+    back = retrieval.load(folder)
+    assert back.options["impl"] == "auto" and not back.uses_kernel()
+    assert capsys.readouterr().err == (f"hpnlp.retrieval: {folder}: saved with impl='kernel', "
+                                       "searched here with impl='auto' (the kernel cannot run "
+                                       "here: no C++ compiler found)\n")
+    np.testing.assert_array_equal(back.search(q, 3)[1], retrieval.exact_reference(q, x, 3)[1])
 
 
 @pytest.mark.parametrize("name", retrieval.names())
@@ -1324,6 +1376,29 @@ def test_damaged_index_and_datastore_files_are_one_line_naming_the_file(tmp_path
     with pytest.raises(RetrievalError, match=r"ds/keys.npy: unreadable .*build the datastore "
                                              "again"):
         knnlm.Datastore.open(str(ds))
+
+
+def test_an_ivf_cell_file_out_of_step_with_its_vectors_is_one_line_naming_the_folder(
+        tmp_path):
+    """Review (session 109): a `cell` array short of the vectors loaded, and the vectors past
+    it were never found; centroids of another width were not checked either."""
+    x, _ = _ties(n=40)
+    index = retrieval.make("ivf", 8, lists=3, iters=2)
+    index.add(x)
+    folder = index.save(str(tmp_path / "idx"))
+    arrays = os.path.join(folder, "arrays.npz")
+    with np.load(arrays) as f:
+        saved = dict(f)
+    for field, bad, what in (("cell", saved["cell"][:-1], r"cell of shape \(39,\)"),
+                             ("cell", saved["cell"] + 3, r"cell of shape \(40,\) int32 in "),
+                             ("centroids", saved["centroids"][:, :-1],
+                              r"centroids of shape \(3, 7\), the header dimension 8")):
+        np.savez(arrays, **{**saved, field: bad})
+        with pytest.raises(RetrievalError, match=rf"^{folder}: arrays.npz holds {what}.*; save "
+                                                 "the index again$"):
+            retrieval.load(folder)
+    np.savez(arrays, **saved)
+    assert len(retrieval.load(folder)) == 40
 
 
 def test_a_cut_datastore_header_or_summary_is_one_line_naming_the_file(tmp_path):

@@ -209,6 +209,21 @@ def _pad_rows(n: int, chunk: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def impl_here(options, folder: str) -> dict:
+    """`impl="kernel"` loaded where the kernel cannot run (`KERNEL.blocker()`) as "auto",
+    said in one line: a search layout, not data, as `shards` (review, session 109: an index
+    saved with it on a CPU could not be searched on a GPU host, and `load` takes no
+    options)."""
+    if not isinstance(options, dict) or options.get("impl") != "kernel":
+        return options
+    reason = KERNEL.blocker()
+    if reason is None:
+        return options
+    print(f"hpnlp.retrieval: {folder}: saved with impl='kernel', searched here with "
+          f"impl='auto' (the kernel cannot run here: {reason})", file=sys.stderr, flush=True)
+    return {**options, "impl": "auto"}
+
+
 def uses_kernel(index: HostIndex, what: str) -> bool:
     """Whether `index`'s searches run its CPU kernel: its `impl` option ("xla": never;
     "kernel": always, else an error naming `index.kernel_blocker()`; "auto": where that is
@@ -254,14 +269,14 @@ class ExactIndex(HostIndex):
     def options_here(cls, options: dict, folder: str) -> dict:
         """`shards` at most the devices here, said in one line: a search layout, not data (a
         bug hunt (session 101): an index saved on 4 devices was refused on 1, naming no
-        folder, and `load` takes no options)."""
+        folder, and `load` takes no options); `impl_here` likewise."""
         shards = options.get("shards", 1) if isinstance(options, dict) else 1
         n = jax.device_count()
         if isinstance(shards, (int, np.integer)) and not isinstance(shards, bool) and shards > n:
             print(f"hpnlp.retrieval: {folder}: saved with shards={shards}, searched here over "
                   f"the {n} device(s) there are (shards={n})", file=sys.stderr, flush=True)
-            return {**options, "shards": n}
-        return options
+            options = {**options, "shards": n}
+        return impl_here(options, folder)
 
     def _stale(self, x_ND):
         self._device = self._panels = None

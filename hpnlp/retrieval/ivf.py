@@ -86,7 +86,10 @@ def _nearest_blocks(x_ND, c_CD, block: int):
     def one(i, out_N):
         start = jnp.minimum(i * block, n - block)
         x = jax.lax.dynamic_slice_in_dim(x_ND, start, block)
-        near = jnp.argmax(x @ c_CD.T - half_norm_C[None, :], axis=1).astype(jnp.int32)
+        # HIGHEST: the default is TF32 on GPU and bfloat16 on TPU, whose cells were not the
+        # L2-nearest (review, session 109)
+        x_C = jnp.matmul(x, c_CD.T, precision=jax.lax.Precision.HIGHEST)
+        near = jnp.argmax(x_C - half_norm_C[None, :], axis=1).astype(jnp.int32)
         return jax.lax.dynamic_update_slice_in_dim(out_N, near, start, 0)
     return jax.lax.fori_loop(0, -(-n // block), one, jnp.zeros((n,), jnp.int32))
 
@@ -135,7 +138,11 @@ def search_chunks(q_QD, centroid_MD, x_McD, id_Mc, k: int, nprobe: int):
     `centroid_MD` is each chunk's cell centroid; `id_Mc` -1 marks padding. Returns
     (scores [Q, K], ids [Q, K]) by (score desc, id asc); an id of -1 (score -inf) only
     where fewer than k real vectors were scanned."""
-    probe_QP = jax.lax.top_k(q_QD @ centroid_MD.T, nprobe)[1]
+    # HIGHEST, as the scan: at the default (TF32 on GPU, bfloat16 on TPU) the |c|^2 ~ 300 of
+    # an L2 centroid rounded by up to 1, and the probes were not the nearest cells (review,
+    # session 109)
+    probe_QP = jax.lax.top_k(jnp.matmul(q_QD, centroid_MD.T, precision=jax.lax.Precision.HIGHEST),
+                             nprobe)[1]
     x_QPcD = x_McD[probe_QP]
     s_QPc = jnp.einsum("qd,qpcd->qpc", q_QD, x_QPcD.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
@@ -466,10 +473,33 @@ class IVFIndex(HostIndex):
             return super()._arrays()  # "no vectors to train the cells on")
         return {**super()._arrays(), "centroids": self.centroids, "cell": self._cell}
 
+    @classmethod
+    def options_here(cls, options: dict, folder: str) -> dict:
+        """`impl="kernel"` as "auto" where the kernel cannot run here (`exact.impl_here`)."""
+        return exact.impl_here(options, folder)
+
     def _restored(self, npz):
         if "centroids" in npz.files:
             self.centroids, self._cell = npz["centroids"], npz["cell"]
         self._stale(None)
+
+    def _restore(self, folder: str, header: dict) -> None:
+        """`HostIndex._restore`, and the cells checked against the vectors: a `cell` short of
+        them left the rest in no chunk, never found, and a longer one named ids past the
+        count (review, session 109: searched wrong, no error)."""
+        super()._restore(folder, header)
+        if self.centroids is None:
+            return
+        c, cell, n = self.centroids, self._cell, header["count"]
+        if c.ndim != 2 or c.shape[1] != self.dim or not len(c):
+            raise RetrievalError(f"{folder}: arrays.npz holds centroids of shape {c.shape}, "
+                                 f"the header dimension {self.dim}; save the index again")
+        if (cell.shape != (n,) or cell.dtype.kind not in "iu"
+                or (n and not 0 <= cell.min() <= cell.max() < len(c))):
+            seen = f" in [{cell.min()}, {cell.max()}]" if cell.size and cell.ndim == 1 else ""
+            raise RetrievalError(f"{folder}: arrays.npz holds cell of shape {cell.shape} "
+                                 f"{cell.dtype}{seen}, not one of the {len(c)} cells for each "
+                                 f"of the header's {n} vectors; save the index again")
 
 
 def _data(n: int, queries: int, dim: int, kind: str, seed: int = 0):
