@@ -365,6 +365,26 @@ def test_a_one_member_ensemble_saved_before_the_mark_is_read_as_one(tmp_path, ca
     assert type(run_members(plain)) is int and run_members(plain) == 1
 
 
+def test_a_plain_run_after_an_unsaved_one_member_ensemble_stays_plain(tmp_path):
+    """Review r1: a `--members 1` ensemble stopped before its first checkpoint (or whose
+    checkpoints were deleted) left members.json saying 1, and a plain run trained there after
+    it had an unmarked signature beside it, so it was read as a 1-member ensemble saved before
+    the mark: its resume refused ("It holds a seed ensemble of 1"), generate and distill too.
+    A new plain run's config removes the leftover. (Nothing builds: the checks come first.)"""
+    from hpnlp.config import validate
+    from hpnlp.train.checkpoint import Checkpointer, StackedMembers, run_members
+    from hpnlp.train.ensemble import MEMBERS_FILE
+    cfg, workdir = validate(tiny(0), num_devices=1), str(tmp_path / "w")  # as a run's
+    Checkpointer(workdir, cfg, keep=1, members=StackedMembers(1)).close()  # the ensemble's
+    with open(os.path.join(workdir, MEMBERS_FILE), "w") as f:  # as EnsembleTrainer writes it
+        json.dump({"members": 1, "seeds": [0]}, f)
+    Checkpointer(workdir, cfg, keep=1).close()  # the plain run over it (hpnlp.main's)
+    assert not os.path.exists(os.path.join(workdir, MEMBERS_FILE))
+    os.makedirs(os.path.join(workdir, "checkpoints", "2"))  # as if it saved a step
+    assert type(run_members(workdir)) is int and run_members(workdir) == 1
+    Checkpointer(workdir, cfg, keep=1).close()  # its resume: no CheckpointMismatch
+
+
 def test_members_carry_their_own_pruning_masks(tmp_path):
     """A carry (here pruning's masks) works per member: each member's pruned weights are
     exactly zero after steps, at the sparsity asked for, with masks of its own weights."""
@@ -589,6 +609,35 @@ def test_ensembles_refuse_a_bi_encoder_and_a_file_workdir_in_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         f"hpnlp: error: --workdir {tmp_path / 'f'} is a file, not a folder; give a folder")
+
+
+def test_a_refused_ensemble_leaves_no_empty_workdir(tmp_path):
+    """Review r1: `--members M` made its --workdir before the config was refused (here a
+    bi-encoder's), and left it empty; hpnlp.train.run removes a folder it made. The CLI's
+    trainer (`seed_ensemble`) does too, and keeps a folder that was there. Refused before
+    anything builds."""
+    from hpnlp.train.ensemble import seed_ensemble
+    cfg = tiny()
+    bi = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind="bi_encoder"))
+    for made in (True, False):
+        workdir = tmp_path / f"new{made}"
+        if not made:
+            workdir.mkdir()
+        with pytest.raises(ConfigError, match="'bi_encoder' is not allowed in an ensemble"):
+            seed_ensemble(bi, str(workdir), 2)
+        assert workdir.exists() is not made
+
+
+def test_the_cli_report_is_written_whole_or_not_at_all(tmp_path):
+    """Review r1: ensemble.json was opened and dumped in place, so a write cut short (a kill;
+    here a value JSON refuses) left half a file over the last report."""
+    from hpnlp.train.ensemble import _write_report
+    _write_report(str(tmp_path), {"mode": "seeds", "loss": 1.0})
+    with pytest.raises(TypeError):
+        _write_report(str(tmp_path), {"mode": "seeds", "loss": object()})
+    with open(tmp_path / "ensemble.json") as f:
+        assert json.load(f) == {"mode": "seeds", "loss": 1.0}
+    assert os.listdir(tmp_path) == ["ensemble.json"]
 
 
 def test_cli_refuses_profile_with_from_checkpoints(tmp_path):

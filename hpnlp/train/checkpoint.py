@@ -596,6 +596,10 @@ class Checkpointer:
             self._pending_config = payload  # written with the first new checkpoint (`save`)
         elif write:
             self._write_config(payload)
+            if not is_stacked(members):  # a new plain run: an earlier ensemble's members.json
+                # left here (one stopped before it saved, or its checkpoints deleted) would
+                # read this run as a 1-member ensemble saved before the mark (review r1)
+                self._drop_members_file()
 
     def _write_config(self, payload: dict) -> None:
         if jax.process_index() == 0:  # atomically: other processes may be reading it
@@ -604,6 +608,17 @@ class Checkpointer:
                 write_json(self.config_path, payload)
             except OSError as e:  # a bug hunt (session 101): a full disk was a 34-line traceback
                 raise write_failed(self.config_path, e, self.directory) from None
+
+    def _drop_members_file(self) -> None:
+        path = os.path.join(os.path.dirname(self.config_path), "members.json")
+        if jax.process_index() == 0 and os.path.lexists(path):
+            try:
+                os.remove(path)
+            except OSError as e:
+                raise CheckpointSaveFailed(
+                    f"{path} is left from a seed ensemble trained in this workdir before, and "
+                    f"removing it failed ({type(e).__name__}: {e}); delete it (this run is "
+                    "not an ensemble) and run again") from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

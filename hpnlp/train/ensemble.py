@@ -611,6 +611,32 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _write_report(workdir: str, report: dict) -> None:
+    """WORKDIR/ensemble.json, whole or not at all, as the run's other files (a review, r1: a
+    kill mid-write cut it)."""
+    write_json(os.path.join(workdir, "ensemble.json"), report, indent=1)
+
+
+def seed_ensemble(cfg, workdir: str, members: int, *,
+                  member_loop: str | None = None) -> EnsembleTrainer:
+    """The EnsembleTrainer of `members` seeds of `cfg` (a ConfigDict or `Config`) in
+    `workdir`, made where missing: a refused config leaves no empty folder behind, as
+    hpnlp.train.run's (a review, r1: --members M left one)."""
+    if not isinstance(cfg, Config):
+        cfg = from_configdict(cfg)
+    made = not os.path.exists(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        return EnsembleTrainer(cfg, workdir, members, member_loop=member_loop)
+    except Exception:
+        try:  # (another process of the run may have removed it first)
+            if made and not os.listdir(workdir):
+                os.rmdir(workdir)
+        except OSError:
+            pass
+        raise
+
+
 def _main(argv) -> None:
     from absl import flags, logging
 
@@ -663,9 +689,7 @@ def _main(argv) -> None:
             if F.coordinator:  # Ctrl-C while it is built stops every process (review, s. 96)
                 from hpnlp.train.stop import ctrl_c_as_preemption
                 ctrl_c_as_preemption()
-            os.makedirs(F.workdir, exist_ok=True)
-            trainer = EnsembleTrainer(from_configdict(cfg), F.workdir, F.members,
-                                      member_loop=F.member_loop)
+            trainer = seed_ensemble(cfg, F.workdir, F.members, member_loop=F.member_loop)
             report = {"mode": "seeds", "seeds": trainer.seeds,
                       **trainer.run(profile_dir=F.profile)["eval"]}
         else:
@@ -684,13 +708,12 @@ def _main(argv) -> None:
         cli.tell_the_others()
         raise
     if jax.process_index() == 0:
-        with open(os.path.join(F.workdir, "ensemble.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        _write_report(F.workdir, report)
         print(format_table(report))
 
 
 __all__ = ["EnsembleTrainer", "NotEnoughCheckpoints", "checkpoint_ensemble", "format_table",
-           "make_ensemble_eval_step", "weight_average"]
+           "make_ensemble_eval_step", "seed_ensemble", "weight_average"]
 
 
 if __name__ == "__main__":

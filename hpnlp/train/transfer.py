@@ -40,18 +40,24 @@ MOE_NOT_TRUNK = ("block_size", "balance_loss", "z_loss")
 # recurrence runs): a review (r4) found each of those refused, the whole RNNConfig named.
 # zoneout stays: its eval output is the expectation p prev + (1 - p) new.
 RNN_TRUNK_FIELDS = ("combine", "layer_norm", "learned_init", "bidirectional", "zoneout")
+# What an LSTM/GRU trunk reads of TRUNK_FIELDS. The Transformer's sizes (num_heads, mlp_dim,
+# ...) are ignored there, and an experiment sets them for every arch it offers: a review (r1)
+# found an LSTM trunk refused over model.mlp_dim. Its attention and MoE fields are held at
+# their defaults (config/checks.py), so there is nothing of them to compare.
+RNN_MODEL_FIELDS = ("arch", "width", "depth")
 
 
 def _trunk_settings(cfg: Config) -> dict:
     """{field: value} of what defines `cfg`'s trunk beside its weights."""
+    if cfg.model.arch in ("lstm", "gru"):
+        return {**{f"model.{f}": getattr(cfg.model, f) for f in RNN_MODEL_FIELDS},
+                **{f"rnn.{f}": getattr(cfg.rnn, f) for f in RNN_TRUNK_FIELDS}}
     out = {f"model.{f}": getattr(cfg.model, f) for f in TRUNK_FIELDS}
     moe = cfg.model.moe  # (off: its expert count alone, the other fields read by nothing)
     out.update({f"model.moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)
                 if f.name not in MOE_NOT_TRUNK and (moe.enabled() or f.name == "num_experts")})
     out.update({"attention.name": cfg.attention.name,
                 "attention.options": dict(cfg.attention.options)})
-    if cfg.model.arch in ("lstm", "gru"):
-        out.update({f"rnn.{f}": getattr(cfg.rnn, f) for f in RNN_TRUNK_FIELDS})
     return out
 
 
