@@ -1207,6 +1207,31 @@ def test_an_lstm_trunk_starts_a_classifier_under_its_own_dropout_and_names_what_
                                                            num_devices=1), "lm")
 
 
+def test_an_lstm_trunk_transfer_ignores_the_transformer_sizes_the_lstm_ignores():
+    """Review r1: an LSTM trunk transfer compared the Transformer's TRUNK_FIELDS too, so an
+    LSTM LM's trunk under a classifier whose experiment sets another model.mlp_dim or
+    num_heads (fields an LSTM ignores) was refused. Width and depth are still named.
+    Configs alone: nothing compiles."""
+    from hpnlp.config import ConfigError, validate
+    from hpnlp.train import transfer
+
+    def config(kind, **model):
+        cd = tiny()
+        cd.model.update(arch="lstm", **model)
+        if kind == "classifier":
+            cd.model.kind = "classifier"
+            cd.data.update(task="doc_classify", batching="pad")
+            cd.train.update(init_from="lm", init_params="trunk")
+        return validate(from_configdict(cd), num_devices=1)
+
+    lm = config("lm")
+    conv = transfer.conversion(config("classifier", mlp_dim=128, num_heads=4), lm, "lm")
+    assert conv is not None and conv.source is lm
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.width=64 (that run: 32); set model.width to that run's")):
+        transfer.conversion(config("classifier", width=64, mlp_dim=128), lm, "lm")
+
+
 def test_a_trunk_starts_a_classifier_under_another_exact_attention_or_moe_layout():
     """A review (r4): a trunk transfer compared attention.name and options, and the whole
     MoEConfig, so a dense LM's trunk under `chunked` attention (or other blocks), or under
