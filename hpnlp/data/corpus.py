@@ -14,6 +14,8 @@ import functools
 import importlib.resources
 import lzma
 import pathlib
+import re
+import shlex
 
 # Section groups of the Protestant canon (Law .. General epistles + Revelation). Hebrews
 # goes with the general epistles, as in most modern groupings (its authorship is unknown).
@@ -111,6 +113,28 @@ def kjv_splits(eval_split: str = "eval") -> tuple[list[Chapter], list[Chapter]]:
 # ---------------------------------------------------------------------------------------
 # Users' plain-text files
 
+# A compressed file's first bytes and how to unpack it (a bug hunt: a gzip file was told
+# to re-encode from latin1; a stored zip's first line is valid UTF-8, so its own bytes are
+# read whatever its lines decode to). Shared by prepare and `read_text_file`.
+_COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gzip -dc {} > TEXT"),
+               (re.compile(rb"BZh[1-9]1AY&SY"), "bzip2", "bzip2 -dc {} > TEXT"),
+               (re.compile(rb"\xfd7zXZ\x00"), "xz", "xz -dc {} > TEXT"),
+               (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", "zstd -dc {} > TEXT"),
+               (re.compile(rb"PK\x03\x04"), "zip", "unzip -p {} > TEXT"))
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # 0xfe and 0xff never occur in UTF-8
+UTF16_BOM_ERROR = ("starts with a UTF-16 byte-order mark, so it is UTF-16, not UTF-8; "
+                   "re-encode the file (e.g. `iconv -f utf-16 -t utf-8`)")
+
+
+def compressed_error(path: str, head: bytes) -> str | None:
+    """What to say of a file whose first bytes (`head`, 10 are enough) are a compressed
+    format's, else None."""
+    for magic, kind, unpack in _COMPRESSED:
+        if magic.match(head):
+            return (f"a {kind}-compressed file, not text; decompress it first (e.g. "
+                    f"`{unpack.format(shlex.quote(path))}`)")
+    return None
+
 
 def read_text_file(path: str, field: str) -> str:
     """A UTF-8 text file, or a ValueError that names the file, the line and the field."""
@@ -119,7 +143,16 @@ def read_text_file(path: str, field: str) -> str:
     if not p.is_file():
         raise ValueError(f"{path}: {'is a folder, not a file' if p.is_dir() else 'no such file'}; "
                          f"{what}")
-    raw = p.read_bytes()
+    try:  # a review (r3): a file without read permission ended in a PermissionError traceback
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {what} that this user "
+                         "can read (fix its permissions or copy it)") from None
+    # a review (r3): these were told to re-encode from latin1, which makes mojibake
+    if (why := compressed_error(path, raw[:10])) is not None:
+        raise ValueError(f"{path}: {why}; {what}")
+    if raw.startswith(UTF16_BOMS):
+        raise ValueError(f"{path}: {UTF16_BOM_ERROR}; {what}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

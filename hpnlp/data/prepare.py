@@ -29,14 +29,12 @@ import argparse
 import glob
 import json
 import os
-import re
-import shlex
 import sys
 from typing import Iterator
 
 import numpy as np
 
-from hpnlp.data import sharded, text_tasks, tokenizers
+from hpnlp.data import corpus, sharded, text_tasks, tokenizers
 from hpnlp.paths import write_json
 from hpnlp.progress import bar_interval
 from hpnlp.stopping import Stopped, sigterm_as_interrupt
@@ -107,22 +105,9 @@ def _is_jsonl(path: str, fmt: str) -> bool:
     return fmt == "jsonl" or (fmt == "auto" and path.endswith((".jsonl", ".json")))
 
 
-# A compressed file's first bytes and how to unpack it (a bug hunt: a gzip file was told
-# to re-encode from latin1; a stored zip's first line is valid UTF-8, so its own bytes are
-# read whatever its lines decode to)
-_COMPRESSED = ((re.compile(rb"\x1f\x8b"), "gzip", "gzip -dc {} > TEXT"),
-               (re.compile(rb"BZh[1-9]1AY&SY"), "bzip2", "bzip2 -dc {} > TEXT"),
-               (re.compile(rb"\xfd7zXZ\x00"), "xz", "xz -dc {} > TEXT"),
-               (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", "zstd -dc {} > TEXT"),
-               (re.compile(rb"PK\x03\x04"), "zip", "unzip -p {} > TEXT"))
-
-
 def _check_not_compressed(path: str, head: bytes) -> None:
-    for magic, kind, unpack in _COMPRESSED:
-        if magic.match(head):
-            raise PrepareError(f"{path}: a {kind}-compressed file, not text; decompress it "
-                               f"first (e.g. `{unpack.format(shlex.quote(path))}`) and give the "
-                               "text file")
+    if (why := corpus.compressed_error(path, head)) is not None:
+        raise PrepareError(f"{path}: {why} and give the text file")
 
 
 def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
@@ -143,10 +128,8 @@ def documents(path: str, *, fmt: str, text_field: str, offset: int = 0,
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                if pos == len(raw) and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-                    raise PrepareError(f"{path}: starts with a UTF-16 byte-order mark, so it is "
-                                       "UTF-16, not UTF-8; re-encode the file (e.g. `iconv -f "
-                                       "utf-16 -t utf-8`)") from None
+                if pos == len(raw) and raw.startswith(corpus.UTF16_BOMS):
+                    raise PrepareError(f"{path}: {corpus.UTF16_BOM_ERROR}") from None
                 raise PrepareError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8 "
                                    f"({e.reason}); re-encode the file (e.g. `iconv -f latin1 -t "
                                    "utf-8`)") from None

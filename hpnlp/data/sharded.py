@@ -15,8 +15,10 @@ batches (pad, bucket or pack, chunks shuffled within the window; the same row as
 the same per-process slicing), so both paths share the batching logic and process p of n
 keeps rows [p*B/n, (p+1)*B/n) of every global batch: the processes' rows are disjoint and
 together are the single-process stream, at any process count. (Every process reads the
-window's documents, already tokenized, and assembles only its own rows.) Train keeps the
-whole batches of a window and drops its last < B rows (under 1% of a window); eval is one
+window's documents, already tokenized, and assembles only its own rows.) Train keeps whole
+batches only: under pad and pack a window's last < B rows are dropped (under 1% of a window);
+under bucket none are, and its last batch is completed with repeats of up to B - 1 of the
+window's chunks (the first in its shuffled order, trained twice), as in memory. Eval is one
 pass over the documents in a fixed shuffled order (the same for every seed, so that a prefix,
 `train.eval_batches`, is a fair sample of a corpus stored file by file), every chunk scored
 once.
