@@ -64,10 +64,13 @@ In one run on this CPU:
    trained from scratch as the teacher is, for its steps.
 5. Pipeline (`pipeline`, Deep Compression's order): the targets' distilled LM student pruned to 50%
    while fine-tuned, then int8 weights by `python -m hpnlp.compress quantize`: its
-   quantized file on disk against the float32 teacher's parameters. Beside it low rank
+   quantized.npz against the float32 teacher's parameters at 4 bytes each (the quant.json
+   beside it, config and layouts, ~5 KB, is counted on neither side, as the teacher's
+   config.json is not). Beside it low rank
    composed with quantization: the `lowrank` part's half-parameter model under w8a8 (each
    factor of qkv, out and the MLP int8, its input int8 per token: two int8-kernel products
-   per weight; the tied output table int8 too), no further training.
+   per weight; the tied output table int8 too), no further training, its size counted
+   the same way (its quant.json ~7 KB).
 
 Forward speed (`measure_forward`): every model of the run, compiled and warmed, timed in
 turn over the same rounds at the end, each against its own teacher.
@@ -77,9 +80,9 @@ scratch-teacher gap on both models (`distill_gap_closed_lm`, `distill_gap_closed
 >= 0.5); the structurally pruned and the factorized model at half the parameters run at
 least 1.6x faster than the teacher (`structured_half_params_speedup`,
 `lowrank_half_params_speedup`) and lose at most 3% relative eval loss
-(`..._loss_rel`); the pipeline ends at least 8x smaller on disk than the float32 teacher
-(`pipeline_size_ratio` >= 8). `--quick` shrinks every run; its runs train side by side as
-the full run's, in processes that compile with the cheap-compile flags
+(`..._loss_rel`); the pipeline's quantized.npz is at least 8x smaller than the float32
+teacher's parameters (`pipeline_size_ratio` >= 8). `--quick` shrinks every run; its runs
+train side by side as the full run's, in processes that compile with the cheap-compile flags
 (`hpnlp.compile_flags`: a few steps are mostly compiling), while the forward timing
 compiles as users do. Every part's runs (and the pipeline's quantizations) go to one set of
 processes, one a core, started once (`harness.side_by_side_processes`), and every run the

@@ -17,11 +17,13 @@ Three parts, in one run on this CPU:
    timed in interleaved rounds across the four variants (medians).
 3. Quality: the default byte LM (experiments/lm.py) and the text classifier
    (experiments/lra.py:text at 256 bytes) trained in float32, then PTQ bfloat16, w8, w8a8
-   (static percentile ranges), int4 (groups of 32), and QAT runs of the same steps for
-   int4, ternary, binary and pow2 weights, each packed with `python -m hpnlp.compress
-   quantize`: eval metric, size on disk, forward time (hpnlp.compress.ptq's summary).
-   The QAT runs fine-tune the trained float32 model (`train.init_from`) for a quarter of
-   its steps at a third of its learning rate, as QAT is usually applied.
+   (static percentile ranges), int4 (groups of 32), and QAT runs for int4, ternary,
+   binary and pow2 weights, each packed with `python -m hpnlp.compress quantize`: eval
+   metric, size (each packed model's quantized.npz, not its few-KB quant.json; the float32
+   row's is its parameters at 4 bytes each, no file), forward time (hpnlp.compress.ptq's
+   summary). The QAT runs fine-tune the trained float32 model (`train.init_from`) for a
+   quarter of its steps at 0.3x its learning rate (`QAT_STEPS_FRAC`, `QAT_LR_FRAC`), as
+   QAT is usually applied.
 
 Targets (issue 20; `targets` in results.json): int8 kernel / float32 XLA >= 2.5
 (`int8_kernel_vs_f32`), binary kernel / float32 >= 15 (`binary_kernel_vs_f32`), int8
@@ -221,7 +223,7 @@ def _experiment(kind: str, s: dict):
 
 
 # QAT as it is usually run: fine-tuning the trained float32 model with the quantizers in
-# the forward pass, for a quarter of its steps at a third of its learning rate.
+# the forward pass, for a quarter of its steps at 0.3x its learning rate.
 QAT_STEPS_FRAC, QAT_LR_FRAC = 0.25, 0.3
 
 

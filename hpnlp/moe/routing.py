@@ -110,7 +110,16 @@ def balance_loss(probs_GSX, expert_GSK, valid_GS):
     routed to expert i, P_i the mean router probability of i. A uniform router gives 1
     whatever the routing, and a zero gradient only where the routing is balanced too (a
     token's logit j gets (X f_j - 1) / (X n), n valid tokens: a bug hunt, session 103, found
-    "vanishes whatever the routing" here); one collapsed onto an expert gives X."""
+    "vanishes whatever the routing" here); one collapsed onto an expert gives X.
+
+    Over the whole batch: f and P sum over every routing group G as well as its tokens, not
+    per group as Switch and GShard take it (Mesh-TF's gating reduces over a group's tokens,
+    then averages f_i P_i over the groups). Capacity binds per group, so an imbalance local
+    to the groups that cancels across them (group 0's tokens on expert 0, group 1's on expert
+    1) reads 1 here, with no gradient, while each group drops past its capacity: the layer's
+    `moe_dropped_frac` shows it, `moe_load_max_vs_mean` (the same sums) does not. In
+    exchange the loss does not depend on how many groups, by default the data-parallel
+    device count, the batch is split into."""
     X = probs_GSX.shape[-1]
     w_GS = valid_GS.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(w_GS), 1.0)
