@@ -8,6 +8,7 @@ import os
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,8 +43,8 @@ def init_params(mod, x, seg, router_scale=1.0):
     p = jax.tree.map(lambda a: a.unbox() if hasattr(a, "unbox") else a, p,
                      is_leaf=lambda a: hasattr(a, "unbox"))
     ks = jax.random.split(jax.random.key(2), 2)
-    p = dict(p, router=jax.random.normal(ks[0], (M, X)) * router_scale,
-             bi=jax.random.normal(ks[1], (X, F)) * 0.1)
+    p = dict(p, router=jax.random.normal(ks[0], p["router"].shape) * router_scale,
+             bi=jax.random.normal(ks[1], p["bi"].shape) * 0.1)
     return p
 
 
@@ -62,6 +63,7 @@ def loop_choices(p, x, seg, *, k, capacity, groups=B):
     priority simulated (first choices of every token, then second choices; token order
     within each). -> (choice [G, S, k], kept [G, S, k])."""
     probs = jax.nn.softmax(jnp.einsum("blm,mx->blx", x, p["router"]), -1)
+    X = p["router"].shape[1]
     pn = np.asarray(probs).reshape(groups, -1, X)
     valid = np.asarray(seg).reshape(groups, -1) > 0
     S = pn.shape[1]
@@ -84,6 +86,7 @@ def loop_reference(p, x, choice, kept, *, renormalize, expert=expert):
     token's chosen rows gathered, so the traced program holds X experts, not a copy of one
     per token and choice."""
     groups, S, k = choice.shape
+    M, X = p["router"].shape
     xs = x.reshape(groups * S, M)
     ps = jax.nn.softmax(xs @ p["router"], -1)
     c = choice.reshape(-1, k)
@@ -134,6 +137,66 @@ def test_dispatch_and_combine_equal_a_per_token_loop(router, k, dispatch_kind, f
     g = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
     g_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1)))(p, x)  # the loop, traced once
     chex.assert_trees_all_close(g, g_ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode,router,k,shape", [(True, "switch", 1, (3, 1)),
+                                                   (False, "top_k", 2, (1, 2))])
+def test_dropless_few_tokens_many_experts_equal_a_per_token_loop(decode, router, k, shape):
+    """Review r5: dropless rows (decoding's among them) reserved a block for every expert,
+    72 rows through 9 experts' weights for one decoded token of 8 experts. Now only the
+    experts that can get a choice are counted, and here the bound is tight: every choice
+    is an expert of its own, one block each (3 and 4 blocks of 8 rows), so one block fewer
+    would lose a choice (checked: it does)."""
+    Xw = 16
+    mod = layer(router=router, top_k=k, dispatch="dropless", num_experts=Xw, groups=1)
+    mod = mod.clone(deterministic=True, decode=decode)
+    x = jax.random.normal(jax.random.key(0), (*shape, M))
+    seg = jnp.ones(shape, jnp.int32)
+    p = init_params(mod, x, seg)
+    y, stats = apply(mod, p, x, seg)
+    choice, kept = loop_choices(p, x, seg, k=k, capacity=None, groups=1)
+    assert len(np.unique(choice)) == choice.size  # each choice a block of its own
+    assert dispatch.block_rows(choice.size, Xw) == (8, 8 * choice.size)
+    np.testing.assert_allclose(y, loop_reference(p, x, choice, kept, renormalize=k > 1),
+                               atol=1e-5)
+    assert float(stats["moe_dropped"]) == 0.0
+
+
+def test_block_rows_bound_every_choice_and_reserve_no_block_per_empty_expert():
+    """Review r5: block_rows(1, 8) was (8, 72). R is the worst case of the sum over experts
+    of ceil(choices / b) blocks: checked against it, found by dynamic programming over how
+    P choices can split among X experts."""
+    assert dispatch.block_rows(1, 8) == (8, 8)  # one decoded token: one block
+    assert dispatch.block_rows(1, 64)[1] <= 16
+    for b in (1, 2, 3, 8):
+        for X_ in (1, 2, 3, 5, 8):
+            worst = [0] * 41  # worst[p]: the most blocks p choices take over the experts so far
+            for _ in range(X_):
+                worst = [max(-(-s // b) + worst[p - s] for s in range(p + 1)) for p in range(41)]
+            for P in range(1, 41):  # enough rows, and not a block more
+                assert dispatch.block_rows(P, X_, b) == (b, b * worst[P]), (P, X_, b)
+
+
+def test_router_logits_are_products_at_highest_precision():
+    """Review r5: the router's logits (and noisy gating's noise scale) took the default
+    matmul precision, TF32 on a GPU and one bf16 pass on a TPU, so top-k flipped near-tied
+    experts there. Both [G, S, X] products ask for HIGHEST (read from the traced program:
+    the CPU computes float32 whatever the precision, so values cannot show it)."""
+    mod = layer(noisy=True)
+    x, seg = inputs()
+    p = init_params(mod, x, seg)
+    jaxpr = jax.make_jaxpr(lambda p: mod.apply({"params": p}, x, seg, mutable=[AUX],
+                                               rngs={"dropout": jax.random.key(0)}))(p)
+
+    def dots(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+    router = [e.params["precision"] for e in dots(jaxpr.jaxpr)
+              if e.outvars[0].aval.shape == (B, L, X)]  # [G, S, X]: groups = B rows here
+    assert router == [(jax.lax.Precision.HIGHEST,) * 2] * 2, router
 
 
 def test_capacity_drops_exactly_the_choices_past_capacity_in_priority_order():

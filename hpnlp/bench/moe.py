@@ -81,7 +81,8 @@ def moe_prefix(stage: int, *, dispatch_kind: str, factor: float):
         T, M = x_TM.shape
         X = p["router"].shape[1]
         x_GSM, valid_GS = x_TM[None], jnp.ones((1, T), bool)
-        logits = jnp.einsum("gsm,mx->gsx", x_GSM, p["router"])
+        logits = jnp.einsum("gsm,mx->gsx", x_GSM, p["router"],
+                            precision=jax.lax.Precision.HIGHEST)  # as the layer's router
         probs = jax.nn.softmax(logits, -1)
         choices = routing.switch(probs, top_k=1)
         aux = routing.balance_loss(probs, choices.expert_GSK, valid_GS) + routing.z_loss(logits, valid_GS)

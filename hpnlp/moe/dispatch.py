@@ -92,11 +92,18 @@ class Rows(NamedTuple):
 def block_rows(pairs: int, experts: int, block: int = 0) -> tuple[int, int]:
     """(b, R): rows per block (0: automatic, about P / 8X rounded to a power of two in
     [8, 256], so padding costs ~1/16 of the rows on average) and the static row count, an
-    upper bound of sum over experts of their choices rounded up to b."""
+    upper bound of sum over experts of their choices rounded up to b.
+
+    The bound, reached: an expert with s >= 1 choices takes ceil(s / b) = 1 + (s - 1) // b
+    blocks, so n experts with choices take at most n + (P - n) // b, which never falls as n
+    grows; at most n = min(X, P) experts get a choice (the worst case: n - 1 of them one
+    choice each, the last the rest). Review r5: R was ceil(P / b) b + X b, so one decoded
+    token (P = 1, X = 8) ran 72 rows through 9 experts' weights, where 8 rows hold it."""
     if not block:
         block = 1 << max(3, min(8, round(max(pairs / (8 * experts), 1.0)).bit_length() - 1))
-    rows = -(-pairs // block) * block + experts * block
-    return block, rows
+    n = min(experts, pairs)
+    blocks = n + (pairs - n) // block
+    return block, max(blocks, 1) * block
 
 
 def sort_rows(choices: Choices, valid_T, *, experts: int, block: int = 0) -> Rows:

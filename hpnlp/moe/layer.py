@@ -260,13 +260,17 @@ class MoE(nn.Module):
         S = (B + pad) * L // G
         x_GSM = jnp.pad(x_BLM, ((0, pad), (0, 0), (0, 0))).reshape(G, S, M)
         valid_GS = jnp.pad(seg_BL > 0, ((0, pad), (0, 0))).reshape(G, S)
-        logits_GSX = jnp.einsum("gsm,mx->gsx", x_GSM.astype(jnp.float32), w_router)
+        # Float32 products in fact: the default precision is TF32 on a GPU and one bf16 pass
+        # on a TPU, and top-k over logits ~1e-3 off flips near-tied experts (routing that
+        # differs from the CPU's). The product costs M * X per token. Review r5.
+        router_logits = functools.partial(jnp.einsum, "gsm,mx->gsx",
+                                          precision=jax.lax.Precision.HIGHEST)
+        logits_GSX = router_logits(x_GSM.astype(jnp.float32), w_router)
         if c.noisy:  # trained through the noise it scales; used in training only
             w_noise = self.param("noise", _init(nn.initializers.zeros, ("embed", None)), (M, X),
                                  jnp.float32)
             if not self.deterministic:
-                std_GSX = jax.nn.softplus(jnp.einsum("gsm,mx->gsx", x_GSM.astype(jnp.float32),
-                                                     w_noise))
+                std_GSX = jax.nn.softplus(router_logits(x_GSM.astype(jnp.float32), w_noise))
                 logits_GSX = logits_GSX + std_GSX * jax.random.normal(
                     self.make_rng("dropout"), logits_GSX.shape)
         probs_GSX = jax.nn.softmax(logits_GSX, axis=-1)
