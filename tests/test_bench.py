@@ -358,6 +358,45 @@ def test_an_lra_run_of_some_variants_or_tasks_is_marked_subset(tmp_path, monkeyp
     assert subset("f", quick=True) is None  # marked `quick`, its three variants no subset
 
 
+def test_lra_bench_configs_are_taken_as_new_runs_at_one_step_too():
+    """Review r2: `lra --steps 1` failed every row, its warmup of 1 refused at one step (the
+    warmup's rate 0 the only one applied); and generated ListOps is no longer than the
+    rows (the bench runs it at 128: data.listops_max_length set with data.seq_len)."""
+    from hpnlp.bench import lra
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.config.checks import check_new_run
+    for quick in (False, True):
+        for steps in (None, 1, 2):
+            s = lra.settings(quick)
+            if steps:
+                s["steps"] = {t: steps for t in lra.TASKS}
+            for task in lra.TASKS:
+                cfg = validate(from_configdict(lra._config(task, "dense", s)), num_devices=1)
+                check_new_run(cfg)
+                assert cfg.train.warmup_steps == {1: 0, 2: 1}.get(steps, s["steps"][task] // 10)
+
+
+def test_lra_report_says_how_much_of_the_held_out_split_its_accuracy_covers(tmp_path,
+                                                                             monkeypatch):
+    """Review r2: "Accuracy on the held-out split", while text's is over 64 batches of 16,
+    1,024 of its 1,589 windows, and its majority baseline over all of them."""
+    from hpnlp.bench import lra
+
+    def measure(spec):  # no training: the report's text depends on the settings only
+        return {"task": spec["task"], "variant": spec["variant"], "seed": spec["seed"],
+                "status": "ok", "accuracy": 0.5, "eval_loss": 1.0, "baseline_accuracy": 0.2,
+                "steps": 1, "steps_per_sec": 10.0, "peak_rss_bytes": None, "param_count": 1}
+    monkeypatch.setattr(lra, "measure", measure)
+    monkeypatch.setattr(lra, "_plot", lambda payload, out_dir: None)
+    lra.run(str(tmp_path), quick=False, variants=["dense"], isolate=False)
+    md = (tmp_path / "results.md").read_text()
+    assert "Accuracy on the held-out split" not in md
+    assert ("Accuracy over the first 64 eval batches of 16 rows (at most 1,024 held-out "
+            "examples, in a fixed shuffled order)") in md
+    assert "1,024 of the text task's 1,589 windows" in md and "whole split" in md
+    assert "1,024 of the text task's 1,589 windows" in " ".join(lra.__doc__.split())
+
+
 def test_target_meets_its_bound_and_not_measured_never_does():
     assert report.target(0.7, 0.8, "<=") == {"value": 0.7, "bound": 0.8, "op": "<=", "met": True}
     assert not report.target(0.81, 0.8, "<=")["met"] and report.target(2.0, 2.0, ">=")["met"]

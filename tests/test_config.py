@@ -560,7 +560,7 @@ def test_fields_are_taken_where_their_switch_reads_them():
             {"model": {"lowrank": {"rank": 4, "layers": "mlp"}}},
             {"model": {"kind": "classifier", "pool": "first", "num_classes": 12,
                        "memory": {"size": 16, "key_dim": 32, "k": 4}},
-             "data": {"task": "listops"}},
+             "data": {"task": "listops", "listops_max_length": 64}},
             {"model": {**bi, "encoder": {"loss": "triplet", "margin": 0.5, "mine_every": 5,
                                          "mine_depth": 4}}, "data": {"task": "verse_pairs"}},
             {"model": {**bi, "arch": "bag", "encoder": {"bag": "sum", "temperature": 0.1}},
@@ -570,7 +570,7 @@ def test_fields_are_taken_where_their_switch_reads_them():
             # a review (session 107): each taken where it is read
             {"model": {"lowrank": {"rank": 8, "layers": "head,embed"}}},
             {"model": {"kind": "classifier", "lowrank": {"rank": 4, "layers": "head"}},
-             "data": {"task": "listops"}},
+             "data": {"task": "listops", "listops_max_length": 64}},
             {"data": {"tokenizer": "bpe", "vocab_size": 500}},
             {"model": {**bi, "num_classes": 2}, "data": {"task": "verse_pairs"}},  # the task's
             {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "scan", "unroll": 8}},

@@ -85,6 +85,30 @@ def test_listops_deterministic_per_seed():
     assert sum(np.array_equal(x, y) for x, y in zip(a, c)) < 5
 
 
+def test_listops_negative_seeds_draw_their_own_expressions():
+    """Review r2: Random(int) seeds with abs(seed), so seed -1 drew seed 1's expressions
+    (a seed sweep over +-k counted one data set twice); now seed % 2**32, as batch order."""
+    cfg = cfg_of(**TINY_LISTOPS)
+    one, _ = listops.generate(cfg, 20, seed=1)
+    minus, _ = listops.generate(cfg, 20, seed=-1)
+    wrapped, _ = listops.generate(cfg, 20, seed=2**32 - 1)
+    assert sum(np.array_equal(x, y) for x, y in zip(one, minus)) < 5
+    assert all(np.array_equal(x, y) for x, y in zip(minus, wrapped))
+
+
+def test_listops_validation_split_needs_more_train_than_eval_examples_called_directly():
+    """Review r2: validate refuses it, but make_task(DataConfig(...)) cut at n_train -
+    n_eval <= 0: 100 train and no eval examples, or none to train on, the error naming
+    data.seq_len."""
+    for n_train in (50, 40):
+        cfg = cfg_of(**dict(TINY_LISTOPS, listops_num_train=n_train, listops_num_eval=50,
+                            eval_split="validation"))
+        with pytest.raises(ConfigError, match=rf"^data\.listops_num_train={n_train}, data\."
+                           r"listops_num_eval=50: data\.eval_split='validation' holds out .*; "
+                           r"raise data\.listops_num_train above listops_num_eval$"):
+            listops.make_task(cfg)
+
+
 @pytest.mark.parametrize("lo,hi,depth,args", [(16, 128, 10, 10), (1, 20, 3, 3), (1500, 2048, 10, 10),
                                               (40, 60, 6, 2)])
 def test_listops_lengths_labels_and_shape(lo, hi, depth, args):
@@ -280,6 +304,10 @@ def test_user_text_file_tasks(text_file):
     (b"fine line\nsecond \xe9 line\n", ":2:", "not UTF-8"),
     (b"fine line\n" + bytes(64), ":2:", "a NUL byte, so this is a binary file"),  # valid UTF-8
     ("only one line\n", "", "cannot be split"),
+    # a review (r3): these two were told to re-encode from latin1 (`iconv -f latin1`)
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\x03+I\xad(\xe1\x02\x00'\xda\xec7\x05\x00\x00\x00",
+     "", "a gzip-compressed file, not text; decompress it first"),  # gzip.compress(b"text\n")
+    ("x\ny\n".encode("utf-16"), "", "starts with a UTF-16 byte-order mark"),
 ])
 def test_user_text_file_errors(tmp_path, content, where, what):
     path = tmp_path / "user.txt"
@@ -291,6 +319,38 @@ def test_user_text_file_errors(tmp_path, content, where, what):
         with pytest.raises(ValueError) as e:
             data.make_task(cfg_of(task=name, train_path=str(path)))
         assert f"{path}{where}" in str(e.value) and what in str(e.value)
+        assert ("latin1" in str(e.value)) == (what == "not UTF-8") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["chmod", "patched"])
+def test_an_unreadable_user_text_file_is_one_line_naming_the_field(tmp_path, monkeypatch,
+                                                                   text_file, how):
+    # a review (r3): a PermissionError is no FileNotFoundError, so main printed a traceback
+    path = tmp_path / "locked.txt"
+    path.write_text("some text\n\nmore text\n")
+    if how == "chmod":
+        path.chmod(0)
+        try:
+            path.read_bytes()
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("this user reads files without read permission (root)")
+    else:  # what chmod 0 does for a user who is not root, so that root runs it too
+        read_bytes = corpus.pathlib.Path.read_bytes
+
+        def denied(self):
+            if self == path:
+                raise PermissionError(13, "Permission denied", str(self))
+            return read_bytes(self)
+        monkeypatch.setattr(corpus.pathlib.Path, "read_bytes", denied)
+    for name in ("byte_lm", "word_lm"):
+        for field, paths in (("train_path", {"train_path": str(path)}),
+                             ("eval_path", {"train_path": text_file, "eval_path": str(path)})):
+            with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: cannot be read "
+                               rf"\(Permission denied\); data.{field} must name a UTF-8 "
+                               "plain-text file that this user can read"):
+                data.make_task(cfg_of(task=name, **paths))
 
 
 def test_an_eval_file_of_only_a_byte_order_mark_is_refused_when_the_task_is_built(
@@ -695,6 +755,91 @@ def test_a_run_that_may_have_seen_the_validation_split_is_named_and_a_resume_kee
     sig = _shape_signature(from_configdict(cd))
     cd.data.eval_split = "validation"  # a resume under the other split is another run
     assert _shape_signature(from_configdict(cd)) == {**sig, "data.eval_split": "validation"}
+
+
+def test_a_run_trained_on_a_generated_listops_eval_set_is_named():
+    """Review r2: a run's eval set is the slice of the generated sequence after its
+    listops_num_train, so a run of the same seed and generator fields with more training
+    examples trained on it; init_from and distillation took such a run."""
+    mine = cfg_of(**TINY_LISTOPS)  # eval: examples 200..249 of the sequence
+    small, big = data.make_task(mine), data.make_task(cfg_of(**dict(TINY_LISTOPS,
+                                                                     listops_num_train=400)))
+    assert np.array_equal(small.eval.example(0), big.train.example(200))  # the leak
+    assert data.saw_eval(mine, cfg_of(**dict(TINY_LISTOPS, listops_num_train=400)))
+    # 'validation' holds out its last listops_num_eval: trained on 350, or on 200
+    val = dict(TINY_LISTOPS, eval_split="validation")
+    assert data.saw_eval(mine, cfg_of(**dict(val, listops_num_train=400)))
+    assert not data.saw_eval(mine, cfg_of(**dict(val, listops_num_train=250)))
+    for theirs in (TINY_LISTOPS, dict(TINY_LISTOPS, listops_num_train=100),
+                   dict(TINY_LISTOPS, listops_num_train=400, seed=1),  # other sequences
+                   dict(TINY_LISTOPS, listops_num_train=400, listops_max_length=100),
+                   dict(TINY_LISTOPS, listops_num_train=400, train_path="/t.tsv")):
+        assert not data.saw_eval(mine, cfg_of(**theirs)), theirs
+    for me in (val, dict(TINY_LISTOPS, train_path="/t.tsv")):  # saw_validation's; a file
+        assert not data.saw_eval(cfg_of(**me), cfg_of(**dict(me, listops_num_train=400)))
+    # seeds as generate takes them: -1 draws 2**32 - 1's sequence
+    assert data.saw_eval(cfg_of(**dict(TINY_LISTOPS, seed=-1)),
+                         cfg_of(**dict(TINY_LISTOPS, seed=2**32 - 1, listops_num_train=400)))
+    assert not data.saw_validation(cfg_of(**dict(val, seed=-1)),
+                                   cfg_of(**dict(val, seed=2**32 - 1)))
+
+
+def test_init_from_or_a_teacher_trained_on_a_listops_eval_set_is_refused(tmp_path):
+    """Review r2: the two call sites of `saw_eval` (a few config files, nothing trained)."""
+    from hpnlp.config import default_configdict, from_configdict, to_json, validate
+    from hpnlp.train import Trainer
+    from hpnlp.train import carry as carry_lib
+
+    def cfg(**data):
+        cd = default_configdict()
+        cd.model.update(kind="classifier", width=16, depth=1, num_heads=2, mlp_dim=32,
+                        max_len=128)
+        cd.data.update(**{**TINY_LISTOPS, "listops_num_train": 20, "listops_num_eval": 10,
+                          **data})
+        cd.train.update(steps=4, batch_size=4, warmup_steps=1, eval_every=0, progress=False)
+        return cd
+    big = tmp_path / "big"  # a run's config.json and a checkpoint step: read, not restored
+    (big / "checkpoints" / "1").mkdir(parents=True)
+    with open(big / "config.json", "w") as f:
+        json.dump({"config": to_json(validate(from_configdict(cfg(listops_num_train=40)),
+                                              num_devices=1))}, f)
+    student = cfg()
+    student.train.distill.teacher = str(big)
+    with pytest.raises(ConfigError, match=r"^config field `train\.distill\.teacher` = .*the "
+                       r"teacher trained on the generated ListOps examples this run evaluates "
+                       r"on .*data\.listops_num_train=40, this run's 20\); distill from a "
+                       r"teacher of data\.listops_num_train <= 20 .*set this run's data\."
+                       r"listops_num_train=40$"):
+        carry_lib.for_config(validate(from_configdict(student), num_devices=1))
+    fine_tune = cfg()
+    fine_tune.train.init_from = str(big)
+    with pytest.raises(ConfigError, match=r"^config field `train\.init_from` = .*that run "
+                       r"trained on the generated ListOps examples this run evaluates on .*"
+                       r"start from a run of data\.listops_num_train <= 20 "):
+        Trainer(from_configdict(fine_tune), str(tmp_path / "ft"))
+
+
+def test_generated_listops_longer_than_seq_len_is_refused_to_a_new_run(tmp_path):
+    """Review r2: cut to data.seq_len, each keeping its whole expression's label, with a
+    warning only (`--config.data.seq_len=256` on lra.py:listops, which pairs the two at 512);
+    a saved run still validates, and a user's TSV is cut as LRA cuts it."""
+    from hpnlp.bench import harness
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.config.checks import check_new_run
+    lra = harness.experiment_module("lra.py")
+    for arg in ("listops", "local"):  # as the README runs them
+        check_new_run(validate(from_configdict(lra.get_config(arg)), num_devices=1))
+    cd = lra.get_config("listops")
+    cd.data.seq_len = 256
+    cfg = validate(from_configdict(cd), num_devices=1)  # a saved run's config still reads
+    with pytest.raises(ConfigError, match=r"^config field `data\.listops_max_length` = 512 is "
+                       r"not allowed: generates ListOps longer than data\.seq_len=256, .*; set "
+                       r"data\.listops_max_length=256, or raise data\.seq_len to 512$"):
+        check_new_run(cfg)
+    tsv = tmp_path / "l.tsv"
+    tsv.write_text("Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4 ]\t3\n")
+    cd.data.train_path = str(tsv)
+    check_new_run(validate(from_configdict(cd), num_devices=1))
 
 
 def test_verse_book_runs_of_other_chapters_are_other_word_ids():

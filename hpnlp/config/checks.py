@@ -604,7 +604,8 @@ def check_new_run(cfg: Config) -> None:
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
     train.steps was taken, its one eval setting the best), a run of one step with a warmup
-    (its one step applies the warmup's rate 0), `clustered` attention in float16, an
+    (its one step applies the warmup's rate 0), generated ListOps longer than data.seq_len
+    (cut, with the whole expression's label), `clustered` attention in float16, an
     expert-choice eval_capacity_factor, `model.embed_grad_scale='batch'` under
     train.grad_accum (below), an eval file that is the train file
     (`eval_is_train`), bfloat16 master weights (`check_master_weights`), fields nothing
@@ -620,6 +621,15 @@ def check_new_run(cfg: Config) -> None:
         _fail("train.warmup_steps", t.warmup_steps, "with train.steps=1 the warmup's first "
               "rate, 0, is the only one a step applies, so the run would train nothing; set "
               "train.warmup_steps=0, or raise train.steps")
+    d = cfg.data
+    if d.task == "listops" and not d.train_path and d.listops_max_length > d.seq_len:
+        # review r2: taken with a warning (kept for a user's TSV, which LRA cuts too), and
+        # `--config.data.seq_len=256` on experiments/lra.py:listops (which pairs the two at
+        # 512) cut half the expressions mid-tree, each keeping its whole expression's label
+        _fail("data.listops_max_length", d.listops_max_length, f"generates ListOps longer than "
+              f"data.seq_len={d.seq_len}, which would be cut, each keeping the label of the "
+              f"whole expression, which the cut input no longer determines; set data."
+              f"listops_max_length={d.seq_len}, or raise data.seq_len to {d.listops_max_length}")
     if eval_is_train(cfg.data):
         # a review (session 107): taken, every eval document one trained on, and a kNN-LM
         # of the run found each held-out target's own entry at distance 0 (perplexity ~1);

@@ -65,6 +65,16 @@ def _entry(cfg):
     return _TASKS[cfg.task]
 
 
+# what draws generated ListOps' one sequence of expressions, beside data.seed: a run's
+# examples are its first listops_num_train (+ listops_num_eval) of it, whatever their number
+_LISTOPS_STREAM = ("task", "listops_min_length", "listops_max_length", "listops_max_depth",
+                   "listops_max_args")
+
+
+def _listops_seed(cfg) -> int:
+    return cfg.seed % 2**32  # as listops.generate seeds it
+
+
 def saw_validation(mine, theirs) -> bool:
     """Whether a run trained with DataConfig `theirs` may have trained on the examples that
     `mine` (`eval_split='validation'`) holds out: a run that did not hold them out too, or
@@ -75,10 +85,24 @@ def saw_validation(mine, theirs) -> bool:
     if theirs.eval_split != "validation":
         return True
     if mine.task == "listops" or theirs.task == "listops":
-        fields = ("task", "seed", "listops_num_train", "listops_num_eval", "listops_min_length",
-                  "listops_max_length", "listops_max_depth", "listops_max_args")
-        return any(getattr(mine, f) != getattr(theirs, f) for f in fields)
+        fields = ("task", "listops_num_train", "listops_num_eval", *_LISTOPS_STREAM[1:])
+        return (_listops_seed(mine) != _listops_seed(theirs)
+                or any(getattr(mine, f) != getattr(theirs, f) for f in fields))
     return False
+
+
+def saw_eval(mine, theirs) -> bool:
+    """Whether a run trained with DataConfig `theirs` trained on the examples that `mine`
+    (`eval_split='eval'`, generated ListOps) evaluates on: its eval set is the slice after
+    its listops_num_train of the sequence that data.seed and the generator fields draw, so
+    a run drawing the same sequence and training on more of it trained on that slice (review
+    r2: `train.init_from` a run of listops_num_train=40000 into one of 20000 was taken)."""
+    if mine.eval_split != "eval" or mine.task != "listops" or mine.train_path:
+        return False
+    same = (not theirs.train_path and _listops_seed(mine) == _listops_seed(theirs)
+            and all(getattr(mine, f) == getattr(theirs, f) for f in _LISTOPS_STREAM))
+    held = theirs.listops_num_eval if theirs.eval_split == "validation" else 0  # its last
+    return same and theirs.listops_num_train - held > mine.listops_num_train
 
 
 def _first_differing(fields) -> str | None:

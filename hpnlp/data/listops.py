@@ -210,6 +210,13 @@ def _check_cfg(cfg) -> None:
     if cfg.listops_num_train < 1 or cfg.listops_num_eval < 1:
         raise ConfigError(f"data.listops_num_train={cfg.listops_num_train}, data.listops_num_eval="
                           f"{cfg.listops_num_eval}: both must be >= 1")
+    if cfg.eval_split == "validation" and cfg.listops_num_train <= cfg.listops_num_eval:
+        # (validate refuses it too; this is the library path, make_task(DataConfig(...)),
+        # where make_task's cut went negative: review r2, train and eval sliced wrongly)
+        raise ConfigError(f"data.listops_num_train={cfg.listops_num_train}, data.listops_num_eval="
+                          f"{cfg.listops_num_eval}: data.eval_split='validation' holds out the "
+                          "last listops_num_eval generated training examples; raise "
+                          "data.listops_num_train above listops_num_eval")
 
 
 def generate(cfg, num: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -226,7 +233,9 @@ def generate(cfg, num: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
             f"data.listops_max_length={cfg.listops_max_length}] with data.listops_max_depth="
             f"{cfg.listops_max_depth} and data.listops_max_args={cfg.listops_max_args}; "
             "widen the length range or allow deeper / wider trees")
-    rng = random.Random(seed)
+    # modulo 2**32 as the batch order's seed: Random(int) seeds with abs(seed), so seed -1
+    # drew seed 1's expressions (review r2)
+    rng = random.Random(seed % 2**32)
     seen, seqs, labels = set(), [], []
     for _ in range(20 * num + 1000):
         out: list[int] = []

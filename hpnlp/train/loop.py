@@ -496,6 +496,14 @@ class Trainer:
                                    "trained on the examples this run holds out for "
                                    "data.eval_split='validation'; start from a run trained with "
                                    "it too (and, for ListOps, the same generator settings)")
+            if data_lib.saw_eval(cfg.data, source.data):  # generated ListOps (review r2)
+                n, theirs = cfg.data.listops_num_train, source.data.listops_num_train
+                raise config_error("train.init_from", cfg.train.init_from, "that run trained on "
+                                   "the generated ListOps examples this run evaluates on (the "
+                                   f"same data.seed and generator fields, data.listops_num_train="
+                                   f"{theirs}, this run's {n}); start from a run of data."
+                                   f"listops_num_train <= {n} or of another data.seed, or set "
+                                   f"this run's data.listops_num_train={theirs}")
             check_params_match(cfg.train.init_from, self.model_params, field="train.init_from",
                                cfg=self._convert.source if self._convert else cfg)
         transform = None
