@@ -12,7 +12,7 @@ import pytest
 
 from hpnlp import models
 from hpnlp.models import speculative
-from hpnlp.models.generate import sampling_logits
+from hpnlp.models.generate import mask_unknown, sampling_logits
 from test_models import V, init, lm_batch, make_cfg
 from test_speculative import noisy
 
@@ -346,8 +346,8 @@ def test_accept_follows_the_processed_target_where_the_supports_differ(temperatu
 
     def one(key):
         kd, ka = jax.random.split(key)
-        d_12 = jax.random.categorical(kd, sampling_logits(logq, **kw), axis=-1).astype(jnp.int32)
-        n_1, y_1 = speculative.accept(logp, logq, d_12, ka, greedy=False, **kw)
+        d_12, q_12V = speculative.draw(logq, kd, greedy=False, **kw)
+        n_1, y_1 = speculative.accept(logp, q_12V, d_12, ka, greedy=False, **kw)
         return n_1, jnp.where(jnp.arange(3)[None] < n_1[:, None], jnp.pad(d_12, ((0, 0), (0, 1))),
                               y_1[:, None])
 
@@ -361,6 +361,66 @@ def test_accept_follows_the_processed_target_where_the_supports_differ(temperatu
         got = np.bincount(reached, minlength=5) / len(reached)
         assert np.all(got[want[pos] == 0] == 0)
         np.testing.assert_allclose(got, want[pos], atol=4.5 * np.sqrt(0.25 / len(reached)))
+
+
+
+def test_speculative_accept_weighs_each_draft_by_the_distribution_it_was_drawn_from(
+        lms, monkeypatch):
+    """Review r4: `accept` recomputed the draft's processed q from its log-probs at
+    [B, k, V], in another program and shape than the draw's [B, V], so exactness rested on
+    both making the same data-dependent cuts (top-p's mass threshold, top-k's ties, min-p's
+    floor); a reduction summed in another order could move a cut by one token. Here a cut
+    made at [B, k, V] alone (the shape only such a recomputation has: p is [B, k + 1, V])
+    drops the least probable token kept, as a rounding at the threshold would. The target
+    drafts for itself (p = q to float rounding, so every draft is kept), 512 rows of one
+    prompt, with `known_ids`=5 and top_p=0.8 (over the 5 known ids, renormalized: 3 kept;
+    review r4's F2, the nucleus over -inf entries, end to end): every draft kept, no id >= 5,
+    and the first token follows the processed p. Recomputing q, a draft of the least probable kept
+    token was kept where q gave it 0, and emitted where the others were refused: 0.32 of the
+    first tokens for p's 0.17 (9 standard errors), with 28% of the rows refusing a draft."""
+    gen = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    cfg, params, *_, inputs = lms
+    k, P, n, known = 2, 2, 512, 5
+    nucleus, seen = gen._nucleus, set()
+
+    def recut(x, keep, top_p):
+        out = nucleus(x, keep, top_p)
+        seen.add(x.shape)
+        if x.ndim == 3 and x.shape[1] == k:  # the cut one token up, unless one is left
+            low = jnp.min(jnp.where(out, x, jnp.inf), axis=-1, keepdims=True)
+            out = out & ((x > low) | (jnp.sum(out, axis=-1, keepdims=True) == 1))
+        return out
+    monkeypatch.setattr(gen, "_nucleus", recut)
+    prompt = jnp.tile(inputs[:1, :P], (n, 1))
+    out, stats = jax.jit(lambda p, pr: speculative.speculative_generate(
+        cfg, p, cfg, p, pr, length=P + 2, draft_tokens=k, greedy=False, top_p=0.8,
+        known_ids=known, rng=jax.random.key(4)))(params, prompt)
+    assert (n, k + 1, V) in seen  # accept's sampling_logits run through the patch
+    out = np.asarray(out)
+    assert np.all(out[:, P:] < known)
+    np.testing.assert_array_equal(stats["accepted"], k)  # every row kept both drafts
+    logp = next_token_logp(cfg, params, prompt[:1])[0, P - 1]
+    want = np.zeros(V)
+    want[:known] = reference(logp[:known] - np.logaddexp.reduce(logp[:known]), top_p=0.8)
+    assert (want > 0).sum() == 3, want
+    got = np.bincount(out[:, P], minlength=V) / n
+    assert np.all(got[want == 0] == 0)
+    np.testing.assert_array_less(np.abs(got - want), 4.5 * np.sqrt(want * (1 - want) / n) + 1e-9)
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.7, min_p=0.05), dict(top_k=10, top_p=0.7),
+                                dict(temperature=0.5, top_p=0.9, min_p=0.02)])
+def test_options_over_masked_ids_act_on_the_known_ones_renormalized(logp, kw):
+    """Review r4: `mask_unknown`'s -inf entries reach `_nucleus`, which keeps them out of its
+    bisection's start and orders them below every kept value; no test had top-p or min-p
+    see one. The processed distribution over 50 ids with those from 30 on masked is the
+    reference's over the first 30, renormalized."""
+    got = np.asarray(jax.nn.softmax(sampling_logits(mask_unknown(logp, 30), **kw), axis=-1))
+    want = reference(jax.nn.log_softmax(logp[:, :30], axis=-1), **kw)
+    assert np.all(got[:, 30:] == 0)
+    assert (want > 0).sum(-1).max() < 30, kw  # the cuts bite
+    np.testing.assert_array_equal(got[:, :30] > 0, want > 0, str(kw))
+    np.testing.assert_allclose(got[:, :30], want, atol=1e-6, err_msg=str(kw))
 
 
 REFUSALS = [

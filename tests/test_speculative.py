@@ -153,8 +153,8 @@ def test_accepted_or_resampled_tokens_follow_the_targets_distribution(temperatur
 
     def one(key):
         kd, ka = jax.random.split(key)
-        d_B2 = jax.random.categorical(kd, logq / temperature, axis=-1).astype(jnp.int32)
-        n_B, y_B = speculative.accept(logp, logq, d_B2, ka, greedy=False, temperature=temperature)
+        d_B2, q_B2V = speculative.draw(logq, kd, greedy=False, temperature=temperature)
+        n_B, y_B = speculative.accept(logp, q_B2V, d_B2, ka, greedy=False, temperature=temperature)
         return n_B, jnp.where(jnp.arange(3)[None] < n_B[:, None], jnp.pad(d_B2, ((0, 0), (0, 1))),
                               y_B[:, None])
 
@@ -178,8 +178,10 @@ def test_a_tiny_temperature_keeps_the_greedy_drafts():
                                [0.7, 0.1, 0.1, 0.1]]]))
     d = jnp.argmax(logp[:, :2], axis=-1).astype(jnp.int32)
     for t in (1e-10, 1e-20):
-        n, y = jax.jit(lambda lp, lq, d, k: speculative.accept(
-            lp, lq, d, k, greedy=False, temperature=t))(logp, logp[:, :2], d, jax.random.key(0))
+        # the draft (the target itself) drew d, the argmax, from q: both jitted, as decoding is
+        n, y = jax.jit(lambda lp, d, k: speculative.accept(
+            lp, speculative.draw(lp[:, :2], k, greedy=False, temperature=t)[1], d, k,
+            greedy=False, temperature=t))(logp, d, jax.random.key(0))
         assert int(n[0]) == 2 and int(y[0]) == 0, t
 
 

@@ -6,9 +6,10 @@ k + 1 tokens and k + 1 single steps agree to float rounding, about 2e-5 in the t
 only a near-tie in the target's argmax could tell them apart), and when sampling, every
 token is distributed as the target's next-token distribution p (a draft token d is kept with
 probability min(1, p(d) / q(d)); at the first one refused, a token is drawn from the
-residual max(p - q, 0), renormalized). That holds for any p and q, so the sampling options
-(`generate.sampling_logits`: temperature, top-k, top-p, min-p) process both, and the output
-follows the target's processed distribution.
+residual max(p - q, 0), renormalized). That holds for any p, and any q that is exactly the
+distribution each draft was drawn from (`draw` hands `accept` the very probabilities it drew
+from), so the sampling options (`generate.sampling_logits`: temperature, top-k, top-p, min-p)
+process both, and the output follows the target's processed distribution.
 
 A round costs `draft_tokens + 1` draft steps and one target call on `draft_tokens + 1`
 tokens (`TransformerLM.decode_tokens`), and emits between 1 and `draft_tokens + 1` tokens.
@@ -130,28 +131,51 @@ def rewind(cache, position):
     return jax.tree_util.tree_map_with_path(f, cache)
 
 
-def _probs(logp_BKV, **opts):
-    """The processed distribution (`sampling_logits` under `opts`) as probabilities.
-    `sampling_logits` shifts the log-probs to a row maximum of exactly 0 before the
-    temperature divides them, so the most probable token's tempered logit is 0 however XLA
-    evaluates the division (a bug hunt: at temperature 1e-10 the tempered logits reached
-    -1e11, XLA:CPU's fused max-reduction and subtraction rounded x / T differently by
-    hundreds, every shifted logit underflowed, and softmax gave NaN rows: every draft refused
-    and token 0 emitted; the shift was made here until sampling_logits made it itself)."""
-    from hpnlp.models.generate import sampling_logits
-    e_BKV = jnp.exp(sampling_logits(logp_BKV, **opts))  # its maximum exactly 0
+def _normalized(x_BKV):
+    """Probabilities from processed logits (`sampling_logits`'), whose row maximum is
+    exactly 0: no second shift, so the most probable token's e^0 = 1 keeps every sum >= 1
+    (a bug hunt: at temperature 1e-10 the tempered logits reached -1e11, XLA:CPU's fused
+    max-reduction and subtraction rounded x / T differently by hundreds, every shifted logit
+    underflowed, and softmax gave NaN rows: every draft refused and token 0 emitted; the
+    shift was made here until sampling_logits made it itself)."""
+    e_BKV = jnp.exp(x_BKV)
     return e_BKV / jnp.sum(e_BKV, axis=-1, keepdims=True)
 
 
-def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, top_k: int = 0,
+def _probs(logp_BKV, **opts):
+    """The processed distribution (`sampling_logits` under `opts`) as probabilities."""
+    from hpnlp.models.generate import sampling_logits
+    return _normalized(sampling_logits(logp_BKV, **opts))
+
+
+def draw(logq_BV, key, *, greedy: bool, temperature=1.0, top_k: int = 0, top_p=1.0,
+         min_p=0.0):
+    """A draft step's token d_B from the draft's log-probs [B, V] (masked by `known_ids`
+    already), and q_BV: the processed distribution it was drawn from, as probabilities, for
+    `accept` (None when greedy: the argmax, and a verdict that reads no q). q is computed
+    here from the very logits d is drawn from, so its support is d's by construction: review
+    r4 found `accept` recomputing it from the log-probs at [B, k, V], in another program and
+    shape, where a reduction summed in another order could move a data-dependent cut (top-p's
+    mass threshold, a tie at the k-th value, min-p's floor) by one token, and a draft outside
+    the recomputed support (q = 0) would be kept with probability 1, not min(1, p / q)."""
+    if greedy:
+        return jnp.argmax(logq_BV, axis=-1).astype(jnp.int32), None
+    from hpnlp.models.generate import sampling_logits
+    x_BV = sampling_logits(logq_BV, temperature=temperature, top_k=top_k, top_p=top_p,
+                           min_p=min_p)
+    return jax.random.categorical(key, x_BV, axis=-1).astype(jnp.int32), _normalized(x_BV)
+
+
+def accept(logp_BKV, q_BKV, d_BK, key, *, greedy: bool, temperature: float, top_k: int = 0,
            top_p=1.0, min_p=0.0):
     """One round's verdict, row by row. logp: the target's log-probs at the k + 1 positions
-    after the pending token (the last follows all k drafts); logq: the draft's at the first
-    k, which drew d from their `sampling_logits` under the same options. Returns (n_B, y_B):
-    the drafts each row keeps (its longest accepted prefix) and its next token after them:
-    the target's argmax (greedy), or a draw from the residual max(p - q, 0) at the first
-    refused draft, or from p after all k were kept; p and q are both processed by
-    `sampling_logits` (temperature, top_k, top_p, min_p)."""
+    after the pending token (the last follows all k drafts); q: the draft's processed
+    distribution at the first k, the probabilities each d was drawn from (`draw`'s; unread
+    when greedy, None will do). Returns (n_B, y_B): the drafts each row keeps (its longest
+    accepted prefix) and its next token after them: the target's argmax (greedy), or a draw
+    from the residual max(p - q, 0) at the first refused draft, or from p after all k were
+    kept; p is processed here by `sampling_logits` (temperature, top_k, top_p, min_p) as
+    `draw` processed q."""
     B, K1, _ = logp_BKV.shape
     k = K1 - 1
     rows = jnp.arange(B)
@@ -159,13 +183,12 @@ def accept(logp_BKV, logq_BKV, d_BK, key, *, greedy: bool, temperature: float, t
         ok_BK = d_BK == jnp.argmax(logp_BKV[:, :k], axis=-1)
     else:
         ku, key = jax.random.split(key)
-        opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        p_BKV, q_BKV = _probs(logp_BKV, **opts), _probs(logq_BKV, **opts)
+        p_BKV = _probs(logp_BKV, temperature=temperature, top_k=top_k, top_p=top_p,
+                       min_p=min_p)
         p_BK = jnp.take_along_axis(p_BKV[:, :k], d_BK[..., None], axis=-1)[..., 0]
         q_BK = jnp.take_along_axis(q_BKV, d_BK[..., None], axis=-1)[..., 0]
-        # u < p/q without the division: a draft outside the processed q's support (q = 0,
-        # which a draw cannot give) is kept where p has it, never with NaN; one outside p's
-        # (p = 0) is refused
+        # u < p/q without the division: a draft outside p's support (p = 0) is refused, and
+        # one with q = 0 (which a draw cannot give: q is `draw`'s own) is never a NaN
         ok_BK = jax.random.uniform(ku, (B, k)) * q_BK < p_BK
     n_B = jnp.sum(jnp.cumprod(ok_BK.astype(jnp.int32), axis=1), axis=1)
     if greedy:
@@ -196,8 +219,7 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
     layers that build tables from them need (`generate.check_token_counts`)."""
     from hpnlp.models import build
     from hpnlp.models.generate import (check_call, check_known_ids, check_prompt, check_sampling,
-                                       check_temperature, check_token_counts, mask_unknown,
-                                       sampling_logits)
+                                       check_temperature, check_token_counts, mask_unknown)
 
     check_prompt(cfg, prompt_BP)
     check_call(length, rng, draft_tokens=draft_tokens)
@@ -238,10 +260,9 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
         dcache, tok_B, key = carry
         logq_B1V, upd = apply_d(dcache, tok_B[:, None])
         key, sub = jax.random.split(key)
-        logq_BV = mask_unknown(logq_B1V[:, 0], known_ids)  # q as `accept` reads it too
-        d_B = (jnp.argmax(logq_BV, axis=-1) if greedy else jax.random.categorical(
-            sub, sampling_logits(logq_BV, **opts), axis=-1)).astype(jnp.int32)
-        return (upd["cache"], d_B, key), (d_B, logq_BV)
+        # masked before the options, as p is; q: what d was drawn from (None when greedy)
+        d_B, q_BV = draw(mask_unknown(logq_B1V[:, 0], known_ids), sub, greedy=greedy, **opts)
+        return (upd["cache"], d_B, key), (d_B, q_BV)
 
     def positions(t_B):
         """The caches' positions for rows at t: their own, or, for a row that is done (t
@@ -255,12 +276,13 @@ def speculative_generate(cfg: Config, params, draft_cfg: Config, draft_params, p
         pending_B = out_BL[rows, t_B]
         # k + 1 draft steps: the last feeds the k-th draft, so the draft's cache holds every
         # token the round may keep
-        (dcache, _, _), (d_KB, logq_KBV) = jax.lax.scan(draft_step, (dcache, pending_B, kd),
-                                                          None, length=k + 1)
-        d_BK, logq_BKV = d_KB[:k].T, jnp.moveaxis(logq_KBV[:k], 0, 1)
+        (dcache, _, _), (d_KB, q_KBV) = jax.lax.scan(draft_step, (dcache, pending_B, kd),
+                                                       None, length=k + 1)
+        d_BK = d_KB[:k].T
+        q_BKV = None if greedy else jnp.moveaxis(q_KBV[:k], 0, 1)
         logp_BKV, upd = apply_t(tcache, jnp.concatenate([pending_B[:, None], d_BK], axis=1))
         logp_BKV = mask_unknown(logp_BKV, known_ids)  # p masked as q was
-        n_B, y_B = accept(logp_BKV, logq_BKV, d_BK, ka, greedy=greedy, **opts)
+        n_B, y_B = accept(logp_BKV, q_BKV, d_BK, ka, greedy=greedy, **opts)
         n_B = jnp.where(active_B, n_B, 0)
         j_1K = jnp.arange(k + 1)[None]
         new_BK1 = jnp.where(j_1K < n_B[:, None], jnp.pad(d_BK, ((0, 0), (0, 1))), y_B[:, None])
