@@ -31,7 +31,10 @@ Beside the soft targets (Transformer students of the teacher's width):
   read with flax's `capture_intermediates`, so no model code changes. Where the widths
   differ the student's states go through a learned projection W_h [student width, teacher
   width] (TinyBERT), this carry's trainable entry (hpnlp.train.carry): trained with the
-  student, saved in its checkpoints, left out of its size and of anything exported.
+  student, saved in its checkpoints, left out of its size and of anything exported. Under
+  `init = "pca"` it is there at every width and starts at P^T, the rotation the student's
+  stream was given (s = x P, below), so s W_h is the teacher's state (at the teacher's
+  width) or its part on the kept components (narrower), not a random map of it.
 - `train.distill.init = "every_other"` (DistilBERT): the student starts as the teacher with
   one block of every Lt / Ls (`init_map`): embeddings, positions, norms and output layer
   copied, so its shapes must be the teacher's but for depth.
@@ -299,7 +302,8 @@ def attention_loss(student_probs, teacher_probs, query_weight):
 def hidden_loss(student_blocks, teacher_blocks, token_weight, proj=None):
     """Summed over real tokens (weighted by `token_weight` [B, L]) of the mean over mapped
     block pairs of the squared error per teacher feature, mean over features; `proj`
-    [student width, teacher width] maps the student's states first (widths that differ)."""
+    [student width, teacher width] maps the student's states first (widths that differ, or
+    a rotated stream: `TeacherCarry.projects`)."""
     pairs = layer_map(len(student_blocks), len(teacher_blocks))
     total = 0.0
     for s_BLE, j in zip(student_blocks, pairs):
@@ -486,7 +490,7 @@ class TeacherCarry(Carry):
                 raise config_error("train.distill.teacher", self.workdir,
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
-        from hpnlp.data import different_encoding, saw_validation
+        from hpnlp.data import different_encoding, saw_eval, saw_validation
         # this run's tokenizer against the teacher's, at the start; a resume holds the
         # teacher it was checked with, whose folder may since hold another (a bug hunt
         # (session 102): a student's own tokenizer, of an edited data.train_path, was not
@@ -532,6 +536,14 @@ class TeacherCarry(Carry):
                                "trained on the examples this run holds out for data.eval_split="
                                "'validation'; train the teacher with data.eval_split='validation' "
                                "too (and, for ListOps, the same generator settings)")
+        if saw_eval(cfg.data, tcfg.data):  # generated ListOps (review r2)
+            n, theirs = cfg.data.listops_num_train, tcfg.data.listops_num_train
+            raise config_error("train.distill.teacher", self.workdir, "the teacher trained on "
+                               "the generated ListOps examples this run evaluates on (the same "
+                               f"data.seed and generator fields, data.listops_num_train={theirs}, "
+                               f"this run's {n}); distill from a teacher of data.listops_num_train"
+                               f" <= {n} or of another data.seed, or set this run's "
+                               f"data.listops_num_train={theirs}")
         if tcfg.model.arch == "transformer_xl":
             raise config_error("train.distill.teacher", self.workdir, "a Transformer-XL teacher "
                                "needs its memory; distill from a model.arch='transformer' run")
@@ -639,6 +651,12 @@ class TeacherCarry(Carry):
         self._token_counts = token_counts
         from hpnlp.retrieval.knnlm import reads_features
         self.draws = reads_features(tcfg) and not self._saved_without_draw(workdir)
+        # whether the hidden-state loss reads the student's states through `hidden_proj`:
+        # where the widths differ, and under init='pca' at any width, whose stream is the
+        # teacher's rotated (a review, r8: unprojected at the teacher's width, the loss of a
+        # student that computes the teacher was large and pushed it to undo the rotation)
+        self.projects = bool(self.d.hidden) and (sm.width != tm.width or (
+            self.d.init == "pca" and not self._saved_unprojected(workdir)))
 
     def _check_moe_blocks_map(self, sm, tm) -> None:
         """Every student block starts as its teacher block (`init_map`): an MoE block must
@@ -692,6 +710,25 @@ class TeacherCarry(Carry):
                   flush=True)
         return True
 
+    def _saved_unprojected(self, workdir: str | None) -> bool:
+        """Whether the student's newest checkpoint in `workdir` holds no hidden-state
+        projection (saved before a pca student of the teacher's width had one; the
+        checkpointer refuses a resume with another train.distill.hidden): it resumes, and is
+        read, in that layout, its states matched unprojected as its steps matched them."""
+        if not workdir:
+            return False
+        from hpnlp.train.checkpoint import saved_state_tree
+        saved = (saved_state_tree(workdir) or {}).get("params")
+        if not isinstance(saved, dict) or TRAINABLE_PREFIX + self.name in saved:
+            return False
+        if jax.process_index() == 0:
+            print(f"hpnlp: train.distill.init='pca': the checkpoints in {workdir} hold no "
+                  "hidden-state projection (saved by an older hpnlp), so it resumes in that "
+                  "layout: the student's rotated states are matched with the teacher's "
+                  "unprojected, as its steps matched them; a new --workdir matches them "
+                  "through the rotation", file=sys.stderr, flush=True)
+        return True
+
     def variables(self, value):
         """(the teacher's parameters, the rngs of its passes) of the carry's `value`."""
         if not self.draws:
@@ -731,20 +768,24 @@ class TeacherCarry(Carry):
 
     def trainable(self, model, params, batch, key):
         """The hidden-state projection [student width, teacher width] (TinyBERT's W_h, one for
-        every block pair), trained with the student, when the widths differ."""
+        every block pair), trained with the student, when the widths differ or the stream is
+        rotated (`projects`): a random start here, which `start_params` replaces with P^T
+        under init='pca' (a resumed run reads its trained one from its checkpoint)."""
         del model, params, batch
-        e_s, e_t = self.cfg.model.width, self.teacher_cfg.model.width
-        if not self.d.hidden or e_s == e_t:
+        if not self.projects:
             return None
+        e_s, e_t = self.cfg.model.width, self.teacher_cfg.model.width
         return {"hidden_proj": jax.random.normal(key, (e_s, e_t), jnp.float32) * e_s ** -0.5}
 
     def start_params(self, value, params, batches):
         """`train.distill.init`: the student's parameters as the teacher's, block i from
         teacher block `init_map(...)[i]` (DistilBERT), each the leading slice of its twin
         where the student is narrower (`select`), or its slice of the teacher's most
-        important units (`importance`, on `batches(importance_batches)`). The carries'
-        trainable entries (the hidden-state projection) have no teacher twin and keep their
-        own start."""
+        important units (`importance`, on `batches(importance_batches)`), or rotated into
+        the leading components of its stream (`pca`). The carries' trainable entries (the
+        hidden-state projection) have no teacher twin and keep their own start, but under
+        `pca`, where the projection starts at P^T: the student's states s = x P mapped back
+        to the teacher's basis, x P P^T (x itself at the teacher's width)."""
         if self.d.init == "none":
             return params
         import flax.traverse_util as traverse
@@ -818,6 +859,9 @@ class TeacherCarry(Carry):
                                    f"Transformer's residual stream and does not know the "
                                    f"teacher's weight {e}; use init='importance'") from None
             cut = {path: (tpath, rotated[path]) for path, (tpath, _) in cut.items()}
+            if self.projects:
+                out[TRAINABLE_PREFIX + self.name, "hidden_proj"] = jnp.asarray(basis.T,
+                                                                               jnp.float32)
         for path, (tpath, t) in cut.items():
             w = student[path]
             if lowrank.is_factored(w):  # a factorized student: its rank's SVD of the copy

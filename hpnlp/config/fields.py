@@ -433,7 +433,8 @@ class DistillConfig:
     # Hidden-state matching (TinyBERT / MobileBERT): weight of the mean squared error between
     # each student block's output and its teacher block's (student block i of Ls matches
     # teacher block (i + 1) Lt / Ls - 1), per real token; where the widths differ the
-    # student's states go through a learned projection (TinyBERT's W_h)
+    # student's states go through a learned projection (TinyBERT's W_h), as under init='pca'
+    # at any width, started at the student's rotation P^T
     hidden: float = 0.0
     # Attention-map matching (TinyBERT / MobileBERT): weight of the KL between the teacher's
     # and the student's attention distributions of the same block pairs, per real query;
