@@ -1,6 +1,7 @@
 """hpnlp.compress: formats, STE, calibration, packing, QAT through the config, PTQ end to end."""
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -127,7 +128,9 @@ def test_zero_ranges_nan_and_bfloat16_found_in_review():
     a mostly-zero column's percentile range falls back to its absmax (it clipped the
     nonzeros to 0); NaN passes a static range as it passes a dynamic one; bfloat16 weights'
     fake quantization is the quantized value itself; a product run twice a batch (a dual
-    encoder's trunk) records the wider of its calls' ranges, not the last."""
+    encoder's trunk) records the wider of its calls' ranges, not the last; a channel of
+    tiny nonzeros (<= TINY) decodes to 0 in every format (a review, r7: ternary's scale fell
+    back to 1, decoding 1e-31s to 1s)."""
     x = jnp.asarray([[0.3], [0.7], [2.6], [-40.2], [300.0]], jnp.float32)
     w = RNG.standard_normal((8, 3)).astype(np.float32)
     w[:, 1] = 0.0
@@ -139,8 +142,10 @@ def test_zero_ranges_nan_and_bfloat16_found_in_review():
     @jax.jit  # one compile for all of it, not one per eager op
     def run(x, w, sparse, nan, wb):
         zero = jnp.zeros((1, 1))
+        tiny = jnp.full((8, 1), 1e-31, jnp.float32)
         return {"zero_range": {f: formats.quantize_dequantize(x, f, (0,), rng=zero)
                                for f in ("int8", "int4", "fp8", "pow2")},
+                "tiny": {f: formats.quantize_dequantize(tiny, f, (0,)) for f in formats.FORMATS},
                 "zero_column": {f: formats.fake_quant(w, f, (0,))[:, 1]
                                 for f in ("binary", "ternary", "int8")},
                 "percentile": calibrate.choose_range(sparse, "int8", (0,), "percentile",
@@ -152,6 +157,8 @@ def test_zero_ranges_nan_and_bfloat16_found_in_review():
     got = jax.tree.map(np.asarray, run(x, jnp.asarray(w), jnp.asarray(sparse), nan, wb))
     for fmt, v in {**got["zero_range"], **got["zero_column"]}.items():
         np.testing.assert_array_equal(v, 0.0, err_msg=fmt)
+    for fmt, v in got["tiny"].items():
+        assert np.all(np.abs(v) <= 1e-30), (fmt, v)
     assert float(got["percentile"][0, 0]) == pytest.approx(2.6)
     assert np.isnan(got["nan"][0, 1]) and np.isfinite(np.delete(got["nan"], 1)).all()
     for fmt, (fq, qdq) in got["bf16"].items():
@@ -1107,6 +1114,109 @@ def test_static_ranges_no_named_product_calibrates_are_refused_before_the_restor
     assert "--layers output names none of them" in err and "use --act_scale dynamic" in err, err
     assert "\n" not in err
     assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize("arch", ["transformer", "lstm"])
+def test_static_ranges_leave_padding_out_so_batching_moves_none(arch):
+    """A review (r7): calibration reduced each product's input over every position, padding
+    (segment 0) too, so a batch's ranges depended on how much of it was padding (absmax
+    stretched by padding rows, the percentile moved by them). Now a batch and the same batch
+    padded to twice its length calibrate to the same ranges, bit for bit: a Transformer's
+    qkv, out and mlp products (the blocks' `calibration_mask`), an LSTM's input products
+    (the layers' lengths; the second layer's input is the first's zeroed padding). The
+    percentile, the bench's and the README's method; each method's masked reduction is
+    `test_calibration_methods_leave_masked_entries_out`'s."""
+    import flax.linen as nn
+
+    from hpnlp import models
+    from hpnlp.config import ModelConfig, RNNConfig
+    B, L, V = 3, 8, 20
+    seg = (np.arange(L)[None] < np.array([[8], [5], [2]])).astype(np.int32)
+    toks = np.random.default_rng(0).integers(1, V, (B, L)).astype(np.int32) * seg
+    batch = {"inputs": toks, "segment_ids": seg, "label": np.zeros(B, np.int32),
+             "weight": np.ones(B, np.float32)}
+    padded = {k: np.concatenate([v, np.zeros_like(v)], 1) if v.ndim == 2 else v
+              for k, v in batch.items()}
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static",
+                    calibration="percentile")
+    m = ModelConfig(kind="classifier", arch=arch, vocab_size=V, num_classes=2, width=8,
+                    depth=1 if arch == "transformer" else 2, num_heads=2, mlp_dim=16,
+                    max_len=2 * L, dropout=0.0, quant=q)
+    cfg = dataclasses.replace(from_configdict(default_configdict()), model=m,
+                              rnn=RNNConfig(impl="scan"))
+    model = models.build(cfg, deterministic=True)
+    shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), batch))["params"]
+    rng = np.random.default_rng(1)  # random weights by shape: no init compile
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), shapes)
+    want, got = (ptq.calibrate_ranges(model, params, [b], "percentile") for b in (batch, padded))
+    leaves = jax.tree_util.tree_leaves_with_path(want)
+    # qkv, out, mlp_in, mlp_out (two LSTM layers' inputs), and the head's (pooled) input
+    assert len(leaves) == (5 if arch == "transformer" else 3), leaves
+    assert all(float(r) > 0 for _, r in leaves), leaves
+    jax.tree.map(np.testing.assert_array_equal, want, got)
+
+
+def test_calibration_methods_leave_masked_entries_out():
+    """`choose_range(..., valid=)` by each method: entries left out move nothing (x padded
+    with large junk and masked gives x's range, bit for bit), and an all-true mask gives
+    what no mask gives, bit for bit (an unpadded batch calibrates as it always did, so
+    ranges recorded before keep); NaN among the valid entries stays NaN, and a slice with
+    none valid has range 0."""
+    x = jnp.asarray(RNG.standard_normal((3, 8, 16)), jnp.float32)
+    junk = 50.0 * jnp.asarray(RNG.standard_normal((3, 8, 16)), jnp.float32)
+    v = np.arange(16)[None, :, None] < 8  # [1, 2L, 1]: the first L positions of each row
+    nan = jnp.asarray([[1.0, np.nan, 3.0, 4.0]], jnp.float32)
+
+    @jax.jit
+    def run(x, junk, v, nan):
+        out = {}
+        for m in calibrate.METHODS:
+            rng = functools.partial(calibrate.choose_range, fmt="int8", axes=(0, 1, 2),
+                                    method=m)
+            out[m] = (rng(x), rng(jnp.concatenate([x, junk], 1), valid=v),
+                      rng(x, valid=jnp.ones(x.shape, bool)),
+                      calibrate.choose_range(nan, "int8", (0, 1), m,
+                                             valid=jnp.asarray([[True, True, True, False]])),
+                      calibrate.choose_range(nan, "int8", (1,), m,
+                                             valid=jnp.zeros((1, 4), bool)))
+        return out
+    for m, (plain, padded, all_true, with_nan, none) in run(x, junk, v, nan).items():
+        np.testing.assert_array_equal(padded, plain, err_msg=m)
+        np.testing.assert_array_equal(all_true, plain, err_msg=m)
+        assert np.isnan(with_nan).all() and float(none[0, 0]) == 0.0, (m, with_nan, none)
+
+
+def test_factorized_products_calibrate_over_the_real_tokens():
+    """Both inputs of a factorized product (x, then x U, flattened to [B * L, ...]) leave
+    out the positions `calibration_mask` marks as padding; a product whose input does not
+    lead with the mask's [B, L] is named, not silently mismatched."""
+    import flax.linen as nn
+
+    from hpnlp.compress import lowrank, qlinear
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static",
+                    calibration="percentile")
+    layer = _factored_layer(q)
+
+    class Masked(nn.Module):
+        @nn.compact
+        def __call__(self, x, w, valid):
+            with qlinear.calibration_mask(self, valid):
+                return layer.copy(parent=self, name="layer")(x, w)
+    w = lowrank.svd_factors(jnp.asarray(RNG.standard_normal((3, 8, 24)), jnp.float32), 2, 6)
+    x = jnp.asarray(RNG.standard_normal((2, 4, 3, 8)), jnp.float32)
+    junk = 100.0 * jnp.asarray(RNG.standard_normal((2, 4, 3, 8)), jnp.float32)
+    valid = np.broadcast_to(np.arange(8) < 4, (2, 8))
+
+    @jax.jit
+    def calib(x, valid):
+        return Masked().apply({}, x, w, valid, mutable=["calib"])[1]["calib"]["layer"]
+    want, got = calib(x, np.ones((2, 4), bool)), calib(jnp.concatenate([x, junk], 1), valid)
+    assert set(got) == {"w", "w" + qlinear.RANK_INPUT}
+    jax.tree.map(np.testing.assert_array_equal, want, got)
+    with pytest.raises(ValueError, match=r"calibrating product layer/w: its input of "
+                       r"shape \(16, 24\) does not lead with the real-token mask's \(2, 5\)"):
+        Masked().apply({}, jnp.concatenate([x, junk], 1), w, np.ones((2, 5), bool),
+                       mutable=["calib"])
 
 
 # ---------------------------------------------------------------- a factorized model, quantized

@@ -171,8 +171,10 @@ class Ternary(Format):
         s = jnp.sum(jnp.where(keep, jnp.abs(x), 0.0), axis=red, keepdims=True) / jnp.maximum(n, 1)
         codes = (jnp.sign(x) * keep).astype(jnp.int8)
         # scale NaN for a NaN or an inf: it had scale 1 and, its threshold NaN or inf
-        # keeping nothing, codes 0 (an inf zeroed its whole group)
-        return codes, jnp.where(jnp.isfinite(mean), jnp.where(s > TINY, s, 1.0), jnp.nan)
+        # keeping nothing, codes 0 (an inf zeroed its whole group); scale 0 for a group of
+        # values <= TINY, as every format's (a review, r7: scale 1 decoded its +-1 codes
+        # to +-1, a channel of 1e-31s to 1s)
+        return codes, jnp.where(jnp.isfinite(mean), jnp.where(s > TINY, s, 0.0), jnp.nan)
 
 
 class Pow2(Format):

@@ -21,7 +21,8 @@ weight is:
   sparse kernel (`hpnlp.compress.spmm`) computes the float product.
 
 In calibration (the `calib` collection mutable) a product records its input's range for
-this batch (`calibrate.choose_range`, per tensor) and leaves activations in float.
+this batch (`calibrate.choose_range`, per tensor) over its real tokens (`calibration_mask`:
+the trunk's blocks and the RNN layers name them) and leaves activations in float.
 
 Specs must read "x_free + contraction, w_contraction + w_free -> x_free + w_free" in that
 order (every product in hpnlp does): a weight is then a [K, N] matrix after moving its
@@ -30,6 +31,8 @@ contraction axes to the front, which is how it is quantized and packed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -349,14 +352,56 @@ def quant_weight(w, k_dims: int, q: QuantConfig, module: nn.Module | None = None
     return formats.fake_quant(w_KN, q.weights, (0,), group=q.group_size, rng=rng).reshape(w.shape)
 
 
+# The real tokens [B, L] (bool) of the products called inside `calibration_mask`, or None.
+# A context, not an argument: every product a block calls (qkv, out, the MLP's, a factorized
+# product's two) reads the mask of the block's own rows without a `valid` argument threaded
+# through each layer between them.
+_CALIB_VALID = contextvars.ContextVar("hpnlp_calib_valid", default=None)
+
+
+@contextlib.contextmanager
+def calibration_mask(module: nn.Module, valid_BL):
+    """In calibration (the `calib` collection mutable; elsewhere nothing), the products
+    called inside record their ranges over the tokens where `valid_BL` [B, L] (bool: the
+    segment ids > 0, or a row's length) only: padding is left out, so a batch's ranges do
+    not depend on how much of it is padding (a review, r7: padding rows stretched absmax
+    and moved the percentile). Their inputs must lead with [B, L] (or [B * L])."""
+    if valid_BL is None or not _mutable(module, "calib"):
+        yield
+        return
+    token = _CALIB_VALID.set(jnp.asarray(valid_BL, bool))
+    try:
+        yield
+    finally:
+        _CALIB_VALID.reset(token)
+
+
+def _calib_valid(module: nn.Module, name: str, x):
+    """`calibration_mask`'s mask shaped to broadcast against product input `x` (x's leading
+    axes [B, L], or [B * L] flattened: a factorized product's), or None outside one."""
+    valid = _CALIB_VALID.get()
+    if valid is None:
+        return None
+    if tuple(x.shape[:valid.ndim]) == tuple(valid.shape):
+        return valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim))
+    if x.ndim and x.shape[0] == valid.size:
+        return valid.reshape((-1,) + (1,) * (x.ndim - 1))
+    raise ValueError(f"calibrating product {'/'.join(module.path)}/{name}: its input of shape "
+                     f"{tuple(x.shape)} does not lead with the real-token mask's "
+                     f"{tuple(valid.shape)}; call it outside `qlinear.calibration_mask`, or "
+                     "give the mask of its own rows")
+
+
 def quant_act(module: nn.Module, name: str, x, x_axes: tuple[int, ...], q: QuantConfig):
     """Activations under `q`: fake-quantized per token (`dynamic`) or by the product's
-    calibrated range (`static`); recorded, not quantized, in calibration."""
+    calibrated range (`static`); recorded, not quantized, in calibration (over the real
+    tokens `calibration_mask` names, where it does)."""
     if q.activations == "none":
         return x
     if _mutable(module, "calib"):
         r = calibrate.choose_range(jax.lax.stop_gradient(x), q.activations, tuple(range(x.ndim)),
-                                   q.calibration, percentile=q.percentile).reshape(())
+                                   q.calibration, percentile=q.percentile,
+                                   valid=_calib_valid(module, name, x)).reshape(())
         # a product that runs more than once a batch (a dual encoder's trunk: both texts)
         # keeps the widest of its calls' ranges (found in review: the last call's alone)
         var = module.variable("calib", name, lambda: jnp.zeros((), jnp.float32))

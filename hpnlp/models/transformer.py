@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import attention as attention_lib
 from hpnlp.compress.formats import fake_quant
-from hpnlp.compress.qlinear import Dense, Epilogue, param, qeinsum
+from hpnlp.compress.qlinear import Dense, Epilogue, calibration_mask, param, qeinsum
 from hpnlp.config import REMAT_NAMES, AttentionConfig, ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -394,13 +394,16 @@ class Block(nn.Module):
         """`pos_BL`: the tokens' positions, which only `model.pos_emb = "rope"` reads."""
         m = self.model
         drop = functools.partial(nn.Dropout, rate=m.dropout, deterministic=self.deterministic)
-        h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
-                                   name="attention")(layer_norm(m, "norm1")(x_BLE), seg_BL,
-                                                     pos_BL)
-        x_BLE = x_BLE + drop()(h_BLE)
-        x_BLE = x_BLE + drop()(feed_forward(m, layer_norm(m, "norm2")(x_BLE), seg_BL,
-                                            index=self.index, deterministic=self.deterministic,
-                                            decode=self.decode))
+        # PTQ calibration ranges over real tokens only (padding, segment 0, left out)
+        with calibration_mask(self, None if seg_BL is None else seg_BL > 0):
+            h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic,
+                                       self.decode, name="attention")(
+                layer_norm(m, "norm1")(x_BLE), seg_BL, pos_BL)
+            x_BLE = x_BLE + drop()(h_BLE)
+            x_BLE = x_BLE + drop()(feed_forward(m, layer_norm(m, "norm2")(x_BLE), seg_BL,
+                                                index=self.index,
+                                                deterministic=self.deterministic,
+                                                decode=self.decode))
         return nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
 
 

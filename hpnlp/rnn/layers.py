@@ -236,7 +236,7 @@ class RNNLayer(nn.Module):
         x_BLE = Dropout(self.dropout, name="dropout")(x_BLE, deterministic=deterministic)
         x_BLE = VariationalDropout(self.variational_dropout, name="variational_dropout")(
             x_BLE, deterministic=deterministic)
-        w_EDKH, w_DHKH, x_BLE = self._quantized(w_EDKH, w_DHKH, x_BLE)
+        w_EDKH, w_DHKH, x_BLE = self._quantized(w_EDKH, w_DHKH, x_BLE, lengths_B)
         # Time-major, so that each scan step reads one contiguous slice; the backward
         # direction reads each row reversed within its length.
         x_LBE = jnp.swapaxes(x_BLE, 0, 1).astype(dt)
@@ -310,16 +310,22 @@ class RNNLayer(nn.Module):
         return out_BLM, final
 
 
-    def _quantized(self, w_EDKH, w_DHKH, x_BLE):
-        """The input and recurrent products' operands under `quant` (hpnlp.compress)."""
-        from hpnlp.compress.qlinear import QWeight, note_product, quant_act, quant_weight
+    def _quantized(self, w_EDKH, w_DHKH, x_BLE, lengths_B=None):
+        """The input and recurrent products' operands under `quant` (hpnlp.compress); PTQ
+        calibrates the input product's range over each row's first `lengths_B` steps (its
+        padding left out, `qlinear.calibration_mask`)."""
+        from hpnlp.compress.qlinear import (QWeight, calibration_mask, note_product, quant_act,
+                                            quant_weight)
         note_product(self, "input_kernel", "input", (0,))  # [E, D, 4, H]
         note_product(self, "recurrent_kernel", "recurrent", (1,))  # [D, H, 4, H]
         q = self.quant
         if q is not None and (q.applies("input") or isinstance(w_EDKH, QWeight)):
             w_EDKH = quant_weight(w_EDKH, 1, q, self, "input_kernel")
             if q.applies("input"):
-                x_BLE = quant_act(self, "input", x_BLE, (-1,), q)
+                valid_BL = (None if lengths_B is None
+                            else jnp.arange(x_BLE.shape[1])[None, :] < lengths_B[:, None])
+                with calibration_mask(self, valid_BL):
+                    x_BLE = quant_act(self, "input", x_BLE, (-1,), q)
         if q is not None and (q.applies("recurrent") or isinstance(w_DHKH, QWeight)):
             # contraction (the H of h_{t-1}) first: [H, D, K, H], per-channel (D, K, H)
             packed = isinstance(w_DHKH, QWeight)
