@@ -176,6 +176,10 @@ def test_listops_tsv_round_trip(tmp_path, listops_task):
     ("Source\tTarget\n7\t7\n] [MAX 1 2\t2\n", ":3:", "closes no operator"),
     ("Source\tTarget\n", "", "no examples"),
     (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN \xff 2 ]\t2\n", ":3:", "not UTF-8"),
+    # a review (r3): these two were called "not UTF-8 text", saying nothing of what they are
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\x03+I\xad(\xe1\x02\x00'\xda\xec7\x05\x00\x00\x00",
+     "", "a gzip-compressed file, not text; decompress it first"),  # gzip.compress(b"text\n")
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n".encode("utf-16"), "", "starts with a UTF-16 byte-order"),
 ])
 def test_listops_tsv_errors_name_file_and_line(tmp_path, content, where, what):
     path = tmp_path / "bad.tsv"
@@ -186,6 +190,27 @@ def test_listops_tsv_errors_name_file_and_line(tmp_path, content, where, what):
     with pytest.raises(ValueError) as e:
         listops.load_tsv(str(path))
     assert f"{path}{where}" in str(e.value) and what in str(e.value)
+
+
+def test_an_unreadable_listops_tsv_is_one_line_naming_the_field(tmp_path, monkeypatch):
+    # a review (r3): load_tsv read with no error handling, so a file without read permission
+    # ended in a PermissionError traceback (patched: chmod 0 does not stop root)
+    good, path = tmp_path / "good.tsv", tmp_path / "locked.tsv"
+    for p in (good, path):
+        p.write_text("Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4 ]\t3\n")
+    read_bytes = listops.pathlib.Path.read_bytes
+
+    def denied(self):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_bytes(self)
+    monkeypatch.setattr(listops.pathlib.Path, "read_bytes", denied)
+    for field, paths in (("train_path", {"train_path": str(path)}),
+                         ("eval_path", {"train_path": str(good), "eval_path": str(path)})):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: cannot be read "
+                           rf"\(Permission denied\); data\.{field} must name an LRA ListOps TSV "
+                           r"\(UTF-8 text\) that this user can read \(fix its permissions"):
+            data.make_task(cfg_of(**{**TINY_LISTOPS, **paths}))
 
 
 # ------------------------------------------------------------------------------ corpus
@@ -969,6 +994,69 @@ def test_this_runs_own_subword_model_is_compared_by_its_tasks_hash(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.init_from.*another bpe tokenizer"):
         transfer.conversion(cfg, cfg, theirs, mine)
     assert transfer.conversion(cfg, cfg, same, mine) is None
+
+
+def test_a_run_of_an_edited_train_file_is_other_text_though_its_path_is_the_same(tmp_path):
+    """A review (r3): a word run (and a byte or word run whose output layer is laid out by its
+    token counts) of data.train_path, the file edited before another run started from it
+    (train.init_from) or distilled from it, passed as "the same text": the paths were
+    compared, so its ids named other words, unsaid. The digest of the text it trained on,
+    kept in its folder (data.TEXT_FILE), is compared with this run's (its task's)."""
+    import types
+
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.train import transfer
+    f = tmp_path / "notes.txt"
+    f.write_text("".join(f"the cat sat on the mat {i % 7}\n\n" for i in range(40)))
+    cd = default_configdict()
+    cd.data.update(task="word_lm", train_path=str(f), word_vocab_size=64, seq_len=16)
+    cfg = from_configdict(cd)
+    run = tmp_path / "run"
+    run.mkdir()
+    before = data.make_task(cfg.data)
+    data.save_text_record(before, cfg.data, str(run))  # as the Trainer keeps it
+    mine = data.task_text_digest(before)
+    assert mine == data.train_text_digest(cfg.data) and len(mine) == 64
+    assert transfer.conversion(cfg, cfg, str(run), None, mine) is None  # the file as it was
+    with open(f, "a") as fh:
+        fh.write("zebra zebra zebra\n\n" * 50)
+    after = data.make_task(cfg.data)
+    assert after.meta["words"] != before.meta["words"]  # its ids name other words now
+    now = data.task_text_digest(after)
+    said = (rf"data\.train_path='{re.escape(str(f))}' as it was then: its contents changed since "
+            rf"that run trained \(sha256 {mine[:12]}\.\.\., now {now[:12]}\.\.\.\)")
+    for how in ("all", "trunk"):
+        cd.train.init_params = how
+        with pytest.raises(ConfigError, match=rf"`train\.init_(from|params)` = .* not allowed: "
+                           rf"the run train\.init_from=.*run was trained with {said}, so its "
+                           "embedding reads other token ids"):
+            transfer.conversion(from_configdict(cd), cfg, str(run), None, now)
+    # bytes encode alike whatever the text, but their counts (a Huffman tree's) are its own
+    byte = dataclasses.replace(cfg.data, task="byte_lm")
+    assert data.different_encoding(byte, byte, str(run), None, now) is None
+    assert re.fullmatch(said, data.different_text(byte, byte, str(run), now))
+    # a run saved before its text was kept, or no digest of this run's: the paths, as before
+    assert transfer.conversion(cfg, cfg, str(tmp_path / "old"), None, now) is None
+    assert data.different_encoding(cfg.data, cfg.data, str(run)) is None
+    # a prepared folder prepared again at its path: its train split and counts are its text
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    (prep / "meta.json").write_text(json.dumps({"splits": {"train": {"shards": ["a"]}},
+                                                "tokenizer": {"kind": "bytes"}}))
+    np.save(prep / "counts-train.npy", np.arange(256))
+    on_prep = cfg_of(task="byte_lm", prepared=str(prep))
+    first = data.train_text_digest(on_prep)
+    data.save_text_record(types.SimpleNamespace(meta={"text_digest": first}), on_prep, str(run))
+    assert data.different_text(on_prep, on_prep, str(run), first) is None
+    np.save(prep / "counts-train.npy", np.arange(256) + 1)
+    again = data.train_text_digest(on_prep)
+    assert data.different_text(on_prep, on_prep, str(run), again).startswith(
+        f"data.prepared={str(prep)!r} as it was then: its contents changed")
+    # the shipped corpus's text is fixed per split: nothing kept, a stale record removed
+    shipped = cfg_of(task="word_lm")
+    assert data.train_text_digest(shipped) is None
+    data.save_text_record(types.SimpleNamespace(meta={}), shipped, str(run))
+    assert not (run / data.TEXT_FILE).exists()
 
 
 def test_a_tokenizer_whose_id_order_was_edited_is_refused(tmp_path):

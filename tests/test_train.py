@@ -611,6 +611,46 @@ def test_a_run_refused_after_saving_its_tokenizer_leaves_no_tokenizer_folder(
     check_workdir(str(tmp_path / "w0"))
 
 
+def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_changed(tmp_path):
+    """A review (r3): a word run of data.train_path, its file edited since, was taken as a
+    teacher or train.init_from run of "the same text" (the paths compared), its ids naming
+    other words. The run keeps its text's digest (WORKDIR/text.json) with its first
+    checkpoint; both refuse it once the file changed, before anything compiles."""
+    from hpnlp import data as data_lib
+    from hpnlp.config import ConfigError, validate
+    from hpnlp.train import carry as carry_lib
+    f = tmp_path / "notes.txt"
+    f.write_text("".join(f"the cat sat on the mat {i % 7}\n\n" for i in range(60)))
+    cd = tiny(steps=1, batch_size=2, checkpoint_every=0, warmup_steps=0, schedule="constant")
+    cd.data.update(task="word_lm", train_path=str(f), word_vocab_size=32, seq_len=8)
+    cd.model.update(max_len=8, dropout=0.0)
+    a = str(tmp_path / "a")
+    run(cd, a)
+    with open(os.path.join(a, data_lib.TEXT_FILE)) as fh:
+        kept = json.load(fh)
+    assert kept == {"field": "data.train_path", "path": str(f),
+                    "sha256": data_lib.train_text_digest(from_configdict(cd).data)}
+    student = tiny()
+    student.update_from_flattened_dict({"train.distill.teacher": a})
+    student.data, student.model = cd.data, cd.model
+    carry_lib.for_config(validate(from_configdict(student)))  # the same text: taken
+    with open(f, "a") as fh:
+        fh.write("zebra zebra zebra\n\n" * 50)
+    said = r"data\.train_path='.*notes\.txt' as it was then: its contents changed since"
+    with pytest.raises(ConfigError, match=rf"`train\.distill\.teacher` = .*{said}"):
+        carry_lib.for_config(validate(from_configdict(student)))
+    cd.train.init_from = a
+    with pytest.raises(ConfigError, match=rf"`train\.init_from` = .*{said}"):
+        Trainer(from_configdict(cd), str(tmp_path / "b"))
+    # an output laid out by the counts (a byte run's too) is refused for them, by its text
+    from hpnlp.compress.distill import refuse_other_counts
+    cd.output.name = "hierarchical"
+    tree = from_configdict(cd)
+    with pytest.raises(ConfigError, match=rf"`train\.init_from` = .*laid out by the token "
+                       rf"counts .*trained with {said}"):
+        refuse_other_counts(tree, tree, "train.init_from", a, "train on that run's text")
+
+
 def test_a_run_refused_after_its_config_json_or_an_ensembles_members_keeps_a_whole_run(
         tmp_path, monkeypatch):
     # a fixer's note (session 101): a run refused after the Checkpointer wrote config.json

@@ -381,8 +381,9 @@ def refuse_other_counts(cfg: Config, source: Config, field: str, value, fix: str
     its token counts (`counts_shape_output`) and whose training text is not `cfg`'s, so
     that this run, building it from its own task's counts, would lay it out otherwise under
     its trained weights (a bug hunt, session 103: another Huffman tree, unsaid)."""
-    from hpnlp.data import different_text
-    why = counts_shape_output(source) and different_text(cfg.data, source.data)
+    from hpnlp.data import different_text, train_text_digest
+    why = counts_shape_output(source) and different_text(  # (`value`: that run's folder)
+        cfg.data, source.data, value, train_text_digest(cfg.data))
     if why:
         raise config_error(field, value, f"that run's output layer (output.name="
                            f"{source.output.name!r}) is laid out by the token counts of its "
@@ -490,13 +491,14 @@ class TeacherCarry(Carry):
                 raise config_error("train.distill.teacher", self.workdir,
                                    f"the teacher was trained with {field}={theirs!r}, this run has "
                                    f"{mine!r}; distill from a run of the same task and vocabulary")
-        from hpnlp.data import different_encoding, saw_eval, saw_validation
+        from hpnlp.data import different_encoding, saw_eval, saw_validation, train_text_digest
         # this run's tokenizer against the teacher's, at the start; a resume holds the
         # teacher it was checked with, whose folder may since hold another (a bug hunt
         # (session 102): a student's own tokenizer, of an edited data.train_path, was not
         # read, and one of other pieces passed)
         why = different_encoding(cfg.data, tcfg.data, self.workdir,
-                                 None if held else tokenizer_sha256)
+                                 None if held else tokenizer_sha256,
+                                 None if held else train_text_digest(cfg.data))
         if why:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "

@@ -133,25 +133,111 @@ def _text_fields(mine, theirs) -> list[tuple]:
     return fields
 
 
-def different_text(mine, theirs) -> str | None:
-    """What makes the training text of a run trained with DataConfig `theirs` other than
-    `mine`'s (as `different_encoding` says it), or None: for two runs that encode alike, what
-    makes their token counts (`Task.token_counts`) differ. Bytes are bytes whatever the
-    text, but their counts are the text's (a bug hunt, session 103: a distillation teacher's
-    Huffman tree was rebuilt from the student's counts)."""
-    return _first_differing(_text_fields(mine, theirs))
+# WORKDIR/text.json: what a run's training text was (`train_text_digest`), kept beside its
+# checkpoints by the Trainer where the text is a user's file or a prepared folder
+TEXT_FILE = "text.json"
+
+
+def train_text_digest(cfg) -> str | None:
+    """The sha256 of what DataConfig `cfg`'s vocabulary and token counts are built from, where
+    that is a user's file or a prepared folder (the shipped corpus's text is fixed per
+    data.eval_split): data.train_path's bytes, or a prepared folder's train split as prepare
+    recorded it (its shards and their sha256s), its tokenizer and its train counts. None for
+    other tasks, or where it cannot be read (building the task names that)."""
+    import hashlib
+    import json
+
+    from hpnlp.data import sharded
+    if cfg.task not in LM_TASKS or not (cfg.prepared or cfg.train_path):
+        return None
+    try:
+        if not cfg.prepared:
+            return sharded.file_sha256(cfg.train_path)
+        with open(os.path.join(cfg.prepared, sharded.META_FILE)) as f:
+            meta = json.load(f)
+        h = hashlib.sha256(json.dumps([meta["splits"]["train"], meta["tokenizer"]],
+                                      sort_keys=True).encode())
+        h.update(sharded.file_sha256(os.path.join(cfg.prepared, sharded.COUNTS_FILE)).encode())
+        return h.hexdigest()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def task_text_digest(task) -> str | None:
+    """The `train_text_digest` a built Task was made with (its meta's), or None."""
+    digest = task.meta.get("text_digest")
+    return digest if isinstance(digest, str) else None
+
+
+def save_text_record(task, cfg, workdir: str) -> None:
+    """Keep what the training text of a run (DataConfig `cfg`, its built `task`) in `workdir`
+    is (TEXT_FILE), for the runs that later distill from it or start from it to compare
+    (`different_text`); a stale one is removed where the text has no digest (the shipped
+    corpus). Process 0 of a run started from step 0 calls it, at its first save."""
+    from hpnlp.paths import write_json
+    path = os.path.join(workdir, TEXT_FILE)
+    digest = task_text_digest(task)
+    if digest is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    field = "data.prepared" if cfg.prepared else "data.train_path"
+    write_json(path, {"field": field, "path": cfg.prepared or cfg.train_path, "sha256": digest})
+
+
+def _kept_text_digest(workdir: str, field: str) -> str | None:
+    """The digest of the `field` text the run in `workdir` trained on (its TEXT_FILE), or
+    None: a run saved before it was kept, or of other text."""
+    import json
+    try:
+        with open(os.path.join(workdir, TEXT_FILE)) as f:
+            kept = json.load(f)
+        digest = kept["sha256"] if kept["field"] == field else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return digest if isinstance(digest, str) else None
+
+
+def _changed_text(mine, their_workdir: str | None, my_text: str | None) -> str | None:
+    """Where the run in `their_workdir` trained on data.train_path (or data.prepared) as
+    `mine` names it, but with other contents than `my_text` (this run's `train_text_digest`):
+    that field and both digests, for an error; else None. A review (r3): two word runs of
+    one file edited between them passed as the same text, their paths compared, and the
+    ids of one named other words in the other; a count-laid-out output, another tree."""
+    if not (their_workdir and my_text):
+        return None
+    field = "data.prepared" if mine.prepared else "data.train_path"
+    theirs = _kept_text_digest(their_workdir, field)
+    if theirs is None or theirs == my_text:
+        return None
+    return (f"{field}={mine.prepared or mine.train_path!r} as it was then: its contents changed "
+            f"since that run trained (sha256 {theirs[:12]}..., now {my_text[:12]}...)")
+
+
+def different_text(mine, theirs, their_workdir: str | None = None,
+                   my_text: str | None = None) -> str | None:
+    """What makes the training text of a run trained with DataConfig `theirs` (in
+    `their_workdir`, where given) other than `mine`'s (as `different_encoding` says it), or
+    None: for two runs that encode alike, what makes their token counts (`Task.token_counts`)
+    differ. Bytes are bytes whatever the text, but their counts are the text's (a bug hunt,
+    session 103: a distillation teacher's Huffman tree was rebuilt from the student's
+    counts). `my_text`: this run's `train_text_digest`, compared with the one that run kept
+    where both are known; None compares the fields alone."""
+    return (_first_differing(_text_fields(mine, theirs))
+            or _changed_text(mine, their_workdir, my_text))
 
 
 def different_encoding(mine, theirs, their_workdir: str | None = None,
-                       my_sha256: str | None = None) -> str | None:
+                       my_sha256: str | None = None, my_text: str | None = None) -> str | None:
     """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
     encode text otherwise than `mine` (this run's, whose subword model's sha256 is
     `my_sha256` where given: `task_tokenizer_sha256`) (the field and both values, for an
     error), or None where the two encode alike: the same task and tokenizer (byte_lm's and
     word_lm's own named or not), and, for a vocabulary learned from the training text (words,
     verse_book's too; subwords), the same model where both subword models are known
-    (`tokenizer_sha256`), else the same text: a tokenizer is trained deterministically, so the
-    same kind, size and text give the same pieces. Bytes are bytes whatever the text."""
+    (`tokenizer_sha256`), else the same text (`different_text`, with `my_text`): a tokenizer
+    is trained deterministically, so the same kind, size and text give the same pieces.
+    Bytes are bytes whatever the text."""
     def name(c):  # verse_book encodes with word_lm's words, learned from its training
         if c.task in LM_TASKS:  # chapters (review r2: two splits' runs passed as one)
             return text_tasks.lm_tokenizer(c, c.task)
@@ -171,7 +257,7 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     if a and b:
         return None if a == b else (f"another {name(mine)} tokenizer (its model's sha256 "
                                     f"{b[:12]}..., this run's {a[:12]}...)")
-    why = first(_text_fields(mine, theirs))
+    why = different_text(mine, theirs, their_workdir, my_text)
     if why or mine.prepared:  # (review, session 96: the sizes read after, a folder gone
         return why            # failed inside task_info) a prepared folder's size is its own
     size = "word_vocab_size" if name(mine) == "words" else "vocab_size"  # the size asked for
@@ -275,15 +361,20 @@ def make_task(cfg, *, workdir: str | None = None, save_tokenizer: bool = True) -
     """Build the task named by cfg.task (DataConfig); deterministic in cfg.seed. A subword
     tokenizer (data.tokenizer) is kept in `workdir`/tokenizer: loaded when there, else trained
     and saved there (unless `save_tokenizer` is False); without a workdir it is trained in
-    memory. With data.prepared the task reads on-disk shards (hpnlp/data/sharded.py)."""
+    memory. With data.prepared the task reads on-disk shards (hpnlp/data/sharded.py). An LM
+    task of a user's file or a prepared folder holds its `train_text_digest` (meta
+    "text_digest": `task_text_digest`)."""
     make, _ = _entry(cfg)
     if cfg.prepared:
         from hpnlp.data import sharded
-        return sharded.make_task(cfg, cfg.task, workdir=workdir if save_tokenizer else None)
-    if cfg.task in LM_TASKS:
-        return make(cfg, cfg.task, save_tokenizer=save_tokenizer,
+        task = sharded.make_task(cfg, cfg.task, workdir=workdir if save_tokenizer else None)
+    elif cfg.task in LM_TASKS:
+        task = make(cfg, cfg.task, save_tokenizer=save_tokenizer,
                     tokenizer_dir=os.path.join(workdir, tokenizers.DIRNAME) if workdir else None)
-    return make(cfg, cfg.task)
+    else:
+        return make(cfg, cfg.task)
+    digest = train_text_digest(cfg)  # what the text was: a user's file, a prepared folder
+    return dataclasses.replace(task, meta={**task.meta, "text_digest": digest}) if digest else task
 
 
 def make_iterator(task: Task, cfg, *, split: str, batch_size: int, process_index: int = 0,

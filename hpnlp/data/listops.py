@@ -32,6 +32,7 @@ import warnings
 import numpy as np
 
 from hpnlp.data import task as task_lib
+from hpnlp.data.corpus import UTF16_BOM_ERROR, UTF16_BOMS, compressed_error
 
 OPS = ("[MIN", "[MAX", "[MED", "[SM")
 VOCAB = ("<pad>",) + tuple("0123456789") + OPS + ("]",)
@@ -272,14 +273,26 @@ def _key(buf: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     return (buf[idx].astype(np.int64) << (8 * np.arange(width))).sum(1)
 
 
-def load_tsv(path: str) -> tuple[list[np.ndarray], np.ndarray]:
+def load_tsv(path: str, field: str | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """Read an LRA ListOps TSV -> (token id arrays, labels). Vectorized: LRA's files are
-    ~100K rows of thousands of tokens, too many for a per-token Python loop."""
+    ~100K rows of thousands of tokens, too many for a per-token Python loop. `field`: the
+    config field that names it (data.train_path / data.eval_path), for the errors that say
+    what to give it instead."""
     p = pathlib.Path(path)
     if not p.is_file():
         what = "is a folder, not a file" if p.is_dir() else "no such file"
         raise ValueError(f"{path}: {what}; expected {_WHAT}")
-    raw = p.read_bytes()
+    give = f"{field or 'the path'} must name an LRA ListOps TSV (UTF-8 text)"
+    try:  # a review (r3): a file without read permission ended in a PermissionError traceback
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {give} that this user "
+                         "can read (fix its permissions or copy it)") from None
+    # a review (r3): these were called "not UTF-8 text", with no word of what they are
+    if (why := compressed_error(path, raw[:10])) is not None:
+        raise ValueError(f"{path}: {why}; {give}")
+    if raw.startswith(UTF16_BOMS):
+        raise ValueError(f"{path}: {UTF16_BOM_ERROR}; {give}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -358,9 +371,9 @@ def make_task(cfg) -> task_lib.Task:
         raise ConfigError(f"config field `data.eval_path` = {cfg.eval_path!r} needs data.train_path "
                           "too; set both, or neither to generate ListOps")
     if cfg.train_path:
-        train_x, train_y = load_tsv(cfg.train_path)
+        train_x, train_y = load_tsv(cfg.train_path, "data.train_path")
         if cfg.eval_path:
-            eval_x, eval_y = load_tsv(cfg.eval_path)
+            eval_x, eval_y = load_tsv(cfg.eval_path, "data.eval_path")
         else:  # hold out the last 10% of rows, as the LM loaders do
             if len(train_x) < 2:
                 raise ValueError(f"{cfg.train_path}: one row cannot be split into train and eval; "

@@ -463,7 +463,8 @@ class Trainer:
             from hpnlp.train import transfer
             source = load_run_config(cfg.train.init_from, field="train.init_from")
             mine = data_lib.task_tokenizer_sha256(self.task)
-            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, mine)
+            self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, mine,
+                                                 data_lib.task_text_digest(self.task))
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
             if cfg.train.init_params != "trunk":  # its output layer read whole
                 from hpnlp.compress.distill import refuse_other_counts
@@ -1036,6 +1037,8 @@ class Trainer:
         groups = self.routing_groups()
         stages = int(self.mesh.shape["pipeline"])
 
+        text_kept = []  # the step whose save kept WORKDIR/text.json (`save`)
+
         def save(step: int, state, last_eval: dict, *, eval_due: bool = False) -> None:
             last = window["last"]
             win = None if window["sums"] is None else {
@@ -1050,6 +1053,15 @@ class Trainer:
             # checkpoint a resume purges only the later steps after (a review, r4: queued in
             # tensorboardX's thread, a kill lost them, and no resume redid them)
             writer.sync()
+            if not (resumed or text_kept) and jax.process_index() == 0:
+                # What its text was (WORKDIR/text.json), for the runs that distill from or
+                # start from this one (data.different_text; a review, r3: a word run's file
+                # edited between them passed as the same text): kept with its first
+                # checkpoint, the one such runs need, so a run refused or stopped before
+                # leaves none; a resume keeps its start's (other text is refused by the data
+                # state it restores)
+                data_lib.save_text_record(self.task, cfg.data, self.workdir)
+                text_kept.append(step)
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "best_step": best_step, "bad_evals": bad_evals,
                 "best_metric": t.early_stopping_metric,

@@ -61,9 +61,11 @@ def _trunk_settings(cfg: Config) -> dict:
     return out
 
 
-def conversion(cfg: Config, source: Config, workdir: str, my_sha256: str | None = None):
+def conversion(cfg: Config, source: Config, workdir: str, my_sha256: str | None = None,
+               my_text: str | None = None):
     """The trunk transfer from the run in `workdir` (trained with `source`) into `cfg`'s run
-    (whose subword model's sha256, `my_sha256`, is compared with that run's), a
+    (whose subword model's sha256, `my_sha256`, and training text's digest, `my_text`
+    (data.task_text_digest), are compared with that run's), a
     compress.gqa.Conversion; None for `train.init_params='all'` (the run restores whole, or
     through another conversion). A run of another kind of task under 'all' is refused here,
     naming 'trunk'."""
@@ -79,8 +81,9 @@ def conversion(cfg: Config, source: Config, workdir: str, my_sha256: str | None 
     if not (data_lib.byte_ids(cfg.data) and data_lib.byte_ids(source.data)):
         # whole runs too (a bug hunt, session 96: another subword model of the same size was
         # read, every embedding row then standing for another piece; session 102: this run's
-        # own, of an edited data.train_path, was not read, and one of other pieces passed)
-        why = data_lib.different_encoding(cfg.data, source.data, workdir, my_sha256)
+        # own, of an edited data.train_path, was not read, and one of other pieces passed;
+        # review r3: words of an edited file, compared by its path)
+        why = data_lib.different_encoding(cfg.data, source.data, workdir, my_sha256, my_text)
         if why:
             field, value = ("train.init_params", "trunk") if trunk else ("train.init_from",
                                                                           workdir)
