@@ -10,7 +10,8 @@ import shutil
 
 # What a training run keeps in its workdir (hpnlp.train): an output written there would
 # replace the run's summary or mix with its checkpoints.
-RUN_FILES = ("config.json", "checkpoints", "summary.json", "metrics.jsonl", "teacher_config.json")
+RUN_FILES = ("config.json", "checkpoints", "summary.json", "metrics.jsonl", "teacher_config.json",
+             "text.json")
 RUN_FOLDERS = ("checkpoints", "tensorboard", "tokenizer")  # a run's own, written as it trains
 
 
