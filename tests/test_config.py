@@ -249,6 +249,9 @@ def test_task_fields_are_filled_in():
     # a bug hunt (session 90): inf ran to the end, every step skipped; 1e-30 underflowed
     ({"train": {"loss_scale_init": float("inf")}}, "train.loss_scale_init", "finite number"),
     ({"train": {"loss_scale_init": 1e-30}}, "train.loss_scale_init", ">= 1"),
+    # a review (r10): finite here, inf in the float32 state; every step skipped
+    ({"model": {"dtype": "float16"}, "train": {"loss_scale_init": 1e39}},
+     "train.loss_scale_init", "must be at most 3.403e+38, float32's largest"),
     ({"train": {"lr": float("inf")}}, "train.lr", "finite number > 0"),
     ({"train": {"loss_scale_period": 7}}, "train.loss_scale_period", "model.dtype='float32'"),
     ({"train": {"schedule": "constant", "end_lr_frac": 0.5}}, "train.end_lr_frac", "not decay"),

@@ -110,3 +110,33 @@ def test_float16_per_example_gradients_are_the_float32_ones(factor):
         g16, g32 = (np.asarray(g).reshape(len(g), -1) for g in (g16, g32))   # compile a shape
         off_B, size_B = np.linalg.norm(g16 - g32, axis=1), np.linalg.norm(g32, axis=1)
         assert np.all(off_B <= 1e-2 * size_B), (g32.shape, off_B, size_B)
+
+
+
+def test_each_example_draws_its_own_dropout_mask_and_shares_the_features_draw():
+    """A review (r10): every example got the same `rngs`, so under dropout all B examples
+    shared one mask (and one draw of sampled negatives), where each row of the batch forward
+    draws its own: two identical examples had the same loss and gradient norm. `features`
+    is one draw for the whole batch (a random-feature projection), so it stays shared."""
+    import flax.linen as nn
+
+    class Toy(nn.Module):  # a model's interface: batch -> sums; each stream if supplied
+        @nn.compact
+        def __call__(self, batch):
+            w_16 = self.param("w", nn.initializers.ones, (16,))
+            y_Bx16 = batch["x"][:, None] * w_16[None]
+            if self.has_rng("dropout"):
+                y_Bx16 = nn.Dropout(0.5, deterministic=False)(y_Bx16)
+            if self.has_rng("features"):
+                y_Bx16 = y_Bx16 * jax.random.normal(self.make_rng("features"), (16,))[None]
+            return {"loss": jnp.sum(y_Bx16), "weight": jnp.float32(batch["x"].size)}
+
+    model, batch = Toy(), {"x": jnp.ones((2,), jnp.float32)}  # two identical examples
+    params = {"w": jnp.ones((16,), jnp.float32)}
+    key = jax.random.key(3)
+    both = jax.jit(lambda b, r: (per_example_losses(model, params, b, r),
+                                 per_example_grad_norms(model, params, b, r)))
+    losses, norms = both(batch, {"dropout": key})
+    assert losses[0] != losses[1] and norms[0] != norms[1], (losses, norms)
+    losses, norms = both(batch, {"features": key})
+    assert losses[0] == losses[1] != 16.0 and norms[0] == norms[1], (losses, norms)

@@ -182,3 +182,41 @@ def test_a_finished_run_rerun_on_another_held_out_set_keeps_its_best_and_an_old_
         run(cd, str(tmp_path))
     err = capsys.readouterr().err
     assert "resuming from step 4" in err and "another held-out set" not in err, err
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # inf in f32
+def test_float16_loss_scale_past_float32_s_range_is_reported_and_growth_is_capped():
+    """A review (r10): an init scale past float32's largest was inf in the state, which
+    halving never moves: every step skipped, `finite` 1, and the run "finished" untrained.
+    An inf scale counts as the floor (FLOOR_SKIPS skips in a row report `finite` 0, which
+    stops the loop), and doubling stops at MAX_LOSS_SCALE, short of inf."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+
+    from hpnlp.config import TrainConfig
+    from hpnlp.train.state import init_state
+    from hpnlp.train.step import FLOOR_SKIPS, MAX_LOSS_SCALE, make_train_step
+
+    class Toy(nn.Module):  # a gradient of 1 per token: finite at any finite scale
+        @nn.compact
+        def __call__(self, batch):
+            w = self.param("w", nn.initializers.ones, ())
+            return {"loss": jnp.sum(batch["tokens"] * w),
+                    "weight": jnp.float32(batch["tokens"].size)}
+
+    batch, tx = {"tokens": jnp.ones((2, 4), jnp.float32)}, optax.sgd(0.0)
+    state = init_state(Toy(), tx, jax.random.key(0), batch,
+                       loss_scale=float(np.finfo(np.float32).max) * 10)
+    step = jax.jit(make_train_step(Toy(), tx, TrainConfig(steps=3, warmup_steps=1,
+                                                          loss_scale_period=1)))
+    seen = []
+    for _ in range(FLOOR_SKIPS):
+        state, m = step(state, batch)
+        seen.append((float(m["loss_scale"]), float(m["skipped"]), float(m["finite"])))
+    assert seen == [(np.inf, 1.0, 1.0)] * (FLOOR_SKIPS - 1) + [(np.inf, 1.0, 0.0)]
+    # a clean step at the cap, a full period (1) of them: no doubling past it
+    state, m = step(state.replace(loss_scale=jnp.float32(MAX_LOSS_SCALE),
+                                  good_steps=jnp.zeros((), jnp.int32)), batch)
+    assert (float(m["skipped"]), float(m["finite"])) == (0.0, 1.0)
+    assert float(state.loss_scale) == MAX_LOSS_SCALE

@@ -384,6 +384,8 @@ def _check_kv_latent(cfg: Config) -> None:
 
 RECURRENT_ARCHS = ("lstm", "gru", "bag")  # model.arch values without attention
 
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127  # float32's largest finite value, about 3.4028e38
+
 
 def _check_not_transformer(cfg: Config) -> None:
     """An LSTM, a GRU or a bag of embeddings has no attention, heads, position embeddings or
@@ -945,6 +947,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if t.loss_scale_init < 1:  # a bug hunt: 1e-30 underflowed every float16 gradient to 0
         _fail("train.loss_scale_init", t.loss_scale_init, "must be >= 1, the dynamic loss "
               "scale's floor (float16 gradients scaled below 1 underflow)")
+    # a review (r10): 1e39, finite here, was inf in the float32 state: every step skipped
+    if t.loss_scale_init > FLOAT32_MAX:
+        _fail("train.loss_scale_init", t.loss_scale_init, f"must be at most {FLOAT32_MAX:.4g}, "
+              "float32's largest, where the loss scale is kept (past it, inf skips every step); "
+              "float16 gradients need no more than 2**64, and the default is 2**15")
     # Found by a bug hunt (session 90): each taken and ignored.
     if m.dtype != "float16":
         for name in ("loss_scale_init", "loss_scale_period"):

@@ -21,6 +21,18 @@ token's cotangent never falls below 1/EXACT_TOKENS of its own. Not the train ste
 2^15 (hpnlp.train.step): at it a one-token example of a width-128 LM overflowed float16 (at
 2^12 it did not), and here there is no step to skip (tests/test_per_example.py).
 
+Random draws: each example gets `rngs` folded with its index, so under dropout each draws its
+own mask (and its own sampled negatives), as each row of the batch forward does; one key for
+all had given every example the same mask (a review, r10). The `features` stream (a
+random-feature projection or LSH rotation, one draw the whole batch shares) is left whole.
+
+The quantities are of the task loss alone (`sums["loss"]`): the layers' auxiliary losses the
+train step adds (MoE's balance and z-losses, the Compressive Transformer's reconstruction
+loss, sown into the AUX collection, which `apply` here does not make mutable) are left out.
+They are batch statistics (MoE's balance loss is of the experts' load over all the batch's
+tokens) with no per-example share. For such a model the token-weighted mean of per-example
+gradients is the task loss's batch gradient, not that of the objective the step trains.
+
     >>> losses_B = per_example_losses(model, params, batch)          # doctest: +SKIP
     >>> norms_B = per_example_grad_norms(model, params, batch)       # doctest: +SKIP
 """
@@ -29,11 +41,26 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+SHARED_STREAMS = ("features",)  # drawn once for the batch, so not folded per example
 
 
 def _as_batch_of_one(example):
     return jax.tree.map(lambda x: jnp.asarray(x)[None], example)
+
+
+def _example_rngs(rngs, i):
+    """`rngs` of the i-th example: each stream but SHARED_STREAMS folded with i."""
+    return rngs and {s: k if s in SHARED_STREAMS else jax.random.fold_in(k, i)
+                     for s, k in rngs.items()}
+
+
+def _over_examples(fn, batch, rngs):
+    """[B] of fn(example, its rngs), by one vmap."""
+    B = np.shape(jax.tree.leaves(batch)[0])[0]
+    return jax.vmap(lambda ex, i: fn(ex, _example_rngs(rngs, i)))(batch, jnp.arange(B))
 
 
 def example_loss(model, params, example, rngs=None):
@@ -44,16 +71,16 @@ def example_loss(model, params, example, rngs=None):
 
 def per_example_losses(model, params, batch, rngs=None):
     """[B] mean loss of each example of `batch` (a dict of [B, ...] arrays)."""
-    return jax.vmap(lambda ex: example_loss(model, params, ex, rngs))(batch)
+    return _over_examples(lambda ex, r: example_loss(model, params, ex, r), batch, rngs)
 
 
 EXACT_TOKENS = 1024  # an example's tokens whose mean's gradient needs no scale (see above)
 
 
-def _scaled_grad(model, rngs):
-    """(params, example) -> (the gradient of example_loss times `scale`, scale): the mean
-    differentiated times a power of 2 (see above), for the caller to divide in float32."""
-    def scaled(params, example):
+def _scaled_grad(model):
+    """(params, example, rngs) -> (the gradient of example_loss times `scale`, scale): the
+    mean differentiated times a power of 2 (see above), for the caller to divide in float32."""
+    def scaled(params, example, rngs):
         sums = model.apply({"params": params}, _as_batch_of_one(example), rngs=rngs)
         weight = jnp.maximum(sums["weight"], 1.0)
         log2_excess = jnp.ceil(jnp.log2(weight / EXACT_TOKENS))  # log2 may round up: harmless
@@ -66,16 +93,16 @@ def _scaled_grad(model, rngs):
 
 def per_example_grads(model, params, batch, rngs=None):
     """Gradient of each example's mean loss: every parameter gets a leading [B] axis."""
-    def one(example):
-        grads, scale = _scaled_grad(model, rngs)(params, example)
+    def one(example, example_rngs):
+        grads, scale = _scaled_grad(model)(params, example, example_rngs)
         return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
-    return jax.vmap(one)(batch)
+    return _over_examples(one, batch, rngs)
 
 
 def per_example_grad_norms(model, params, batch, rngs=None):
     """[B] global L2 norm of each example's gradient, without keeping B gradients at once
     beyond what one vmapped step needs."""
-    def one(example):
-        grads, scale = _scaled_grad(model, rngs)(params, example)
+    def one(example, example_rngs):
+        grads, scale = _scaled_grad(model)(params, example, example_rngs)
         return optax.tree.norm(grads) / scale  # float32: a power of 2 divides exactly
-    return jax.vmap(one)(batch)
+    return _over_examples(one, batch, rngs)

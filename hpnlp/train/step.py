@@ -92,6 +92,7 @@ def per_term(batch) -> float:
 
 
 FLOOR_SKIPS = 4  # non-finite steps in a row at loss scale 1 that stop a float16 run
+MAX_LOSS_SCALE = 2.0**64  # where float16's dynamic loss scale stops doubling (see train_step)
 
 
 def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, carries=()):
@@ -164,13 +165,18 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
                                      state.opt_state, is_leaf=sched)
             carry = carry_lib.skipped(carries, carry, state.carry, grads_ok)
             # good_steps counts clean steps since the last skip, or (negative) the skips in a
-            # row at the scale's floor, 1, where halving fixes nothing
-            floor = scale <= 1.0
+            # row at the scale's floor, 1, where halving fixes nothing, or at an inf scale,
+            # which halving never moves (a review, r10: an init scale past float32's range
+            # was inf, every step skipped, `finite` 1, and the run "finished" untrained)
+            floor = (scale <= 1.0) | ~jnp.isfinite(scale)
             good = jnp.where(grads_ok, jnp.maximum(state.good_steps, 0) + 1,
                              jnp.where(floor, jnp.minimum(state.good_steps, 0) - 1, 0))
             grow = good >= t.loss_scale_period
-            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, scale * 2, scale),
-                                           jnp.maximum(scale / 2, 1.0)),
+            # capped: 2^64 lifts a gradient of 2^-88 into float16 (whose least is 2^-24), far
+            # past what training feels, while doubling on (scaled gradients that never
+            # overflow) would reach float32's inf, 2^128, and stick there as above
+            new = {"loss_scale": jnp.where(grads_ok, jnp.where(grow, jnp.minimum(
+                       scale * 2, MAX_LOSS_SCALE), scale), jnp.maximum(scale / 2, 1.0)),
                    "good_steps": jnp.where(grow, 0, good)}
             extra = {"loss_scale": scale, "skipped": 1.0 - grads_ok.astype(jnp.float32)}
             # A skipped step leaves the state as it was: finite. But FLOOR_SKIPS in a row at
