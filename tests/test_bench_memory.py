@@ -120,3 +120,120 @@ def test_cli_registers_entry(capsys):
     with pytest.raises(SystemExit):
         bench_main(["memory", "--help"])
     assert "--devices" in capsys.readouterr().out
+
+
+def _ok_row(mode: dict, n: int = 8) -> dict:
+    """A measured row as the child sends it (sizes made up; every field the report reads)."""
+    mib = 2**20
+    return dict(mode, status="ok", devices=n, compile_s=1.0, mesh_shape=mode["mesh"],
+                per_device=dict(params=mib, opt_state=2 * mib, params_opt=3 * mib,
+                                other_state=0, batch=1024),
+                global_param_bytes=mib, formula_param_bytes=mib,
+                memory_analysis=dict(argument=4 * mib, output=4 * mib, alias=4 * mib,
+                                     temp=mib, generated_code=0, peak_estimate=5 * mib),
+                collectives=memory.summarize_collectives([]), largest_collectives=[],
+                textbook=memory.textbook(mode, TINY, mib, 8))
+
+
+class _FakeChild:
+    """Stands in for the bench's child: sends `lines`, then exits `returncode`, or, with
+    hang=True, sends them and then hangs until killed (exit -9)."""
+
+    def __init__(self, lines, returncode, hang=False):
+        import threading
+        self.returncode, self.killed, self.lines = None, threading.Event(), lines
+        self._code, self._hang = returncode, hang
+        self.stdout = self._read()
+
+    def _read(self):
+        yield from self.lines
+        if self._hang:
+            self.killed.wait(10)
+
+    def __call__(self, cmd, *, stdout, stderr, text, env):  # the Popen call
+        assert env["JAX_PLATFORMS"] == "cpu" and "--worker" in cmd
+        stderr.write("F0101 hlo.cc:1] Check failed: something in XLA\n")
+        return self
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        self.returncode = self._code = -9
+        self.killed.set()
+
+    def wait(self):
+        self.returncode = self._code
+        return self.returncode
+
+
+def test_rows_measured_before_a_child_crash_timeout_or_interrupt_are_reported(
+        tmp_path, monkeypatch):
+    """Review r12: any non-zero exit of the child (an XLA abort, the OOM killer, Ctrl-C) and
+    the deadline raised RuntimeError before the report was written, losing every measured
+    row; a mode whose compile hung was never timed out. The rows received are written, the
+    others failed (or `not run: interrupted`, with `interrupted` set, after a Ctrl-C)."""
+    from hpnlp.bench import harness
+    from hpnlp.stopping import Stopped
+    only = ("replicated (data=8)", "fsdp=8", "tensor=8")
+    mode_list = [m for m in memory.modes(8, TINY) if m["name"] in only]
+    lines = [json.dumps({"machine": harness.machine_info()}) + "\n", "a log line\n",
+             json.dumps(_ok_row(mode_list[0])) + "\n"]
+
+    def run(name, child, **kw):
+        monkeypatch.setattr(memory.subprocess, "Popen", child)
+        out = str(tmp_path / name)
+        payload = memory.run(out, quick=True, devices=8, model=TINY, only=only, **kw)
+        assert payload == json.load(open(os.path.join(out, "results.json")))
+        return payload, open(os.path.join(out, "results.md")).read()
+    payload, md = run("crash", _FakeChild(lines, -9))
+    status = [r["status"] for r in payload["results"]]
+    assert [r["name"] for r in payload["results"]] == list(only)
+    assert status[0] == "ok" and payload["interrupted"] is False
+    assert status[1] == ("failed: child exited -9 (killed: out of memory?): "
+                         "F0101 hlo.cc:1] Check failed: something in XLA")
+    assert status[2] == "failed: not reached, the child exited -9 (killed: out of memory?) " \
+                        "during `fsdp=8`"
+    assert "| replicated (data=8) | 1 | 2 | 3 |" in md and "failed: child exited -9" in md
+    assert run("segv", _FakeChild(lines, -11))[0]["results"][1]["status"].startswith(
+        "failed: child exited -11 (signal SIGSEGV): F0101")
+    # a mode whose compile hangs: killed at the deadline, the row before it kept
+    payload, _ = run("hang", _FakeChild(lines, 0, hang=True), timeout_s=0.3)
+    assert [r["status"][:46] for r in payload["results"]] == [
+        "ok", "failed: child exited -9 (timeout after 0.3 s):",
+        "failed: not reached, the child exited -9 (time"]
+    # a Ctrl-C or SIGTERM: the rows sent kept, the rest not run, and the run says so
+
+    class StoppedQueue:
+        def __init__(self):
+            self.left = list(lines)
+
+        def get(self, timeout):
+            if not self.left:
+                raise Stopped("stopped (SIGTERM)", 143)
+            return self.left.pop(0)
+    monkeypatch.setattr(memory, "_lines", lambda stream: StoppedQueue())
+    payload, md = run("stopped", _FakeChild([], 0, hang=True))
+    assert payload["interrupted"] == 143 and "**Interrupted:**" in md
+    assert [r["status"] for r in payload["results"]] == ["ok"] + [harness.INTERRUPTED] * 2
+
+
+def test_a_run_on_another_device_count_into_a_recorded_report_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """Review r12: `memory --devices 2 --out docs/benchmarks/memory` replaced the recorded
+    8-device report (no mixed modes, the FSDP verdict not judged), and README embedded it
+    under prose that says 8 devices. Refused as --quick is; the held count runs."""
+    ran = []
+    monkeypatch.setattr(memory, "main", lambda args: ran.append(args.devices) or {})
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: memory\n\n...")
+    (tmp_path / "results.json").write_text(json.dumps({"quick": False, "devices": 8}))
+    with pytest.raises(SystemExit) as e:
+        bench_main(["memory", "--devices", "2", "--out", str(tmp_path)])
+    assert e.value.code == 2 and ran == []
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"--out {tmp_path} holds a full run's report of the memory bench, which this "
+        "--devices 2 run would replace; give another --out")
+    bench_main(["memory", "--out", str(tmp_path)])  # the default, 8
+    (tmp_path / "results.json").write_text(json.dumps({"quick": True, "devices": 8}))
+    bench_main(["memory", "--devices", "2", "--out", str(tmp_path)])  # a quick report's
+    assert ran == [8, 2]

@@ -9,8 +9,8 @@ Entries that train keep their runs in `--workdir W` where given and reuse the fi
 of the same config found there; `--quick` keeps its own in W/quick, so its small runs never
 meet the full run's. A run folder holding a saved run of another config is refused, never
 deleted; so is a --quick or --parts run, or one of fewer rows, steps or seconds (lra's
---steps, rnn's --impls, softmax --quality's --seconds, ...), whose --out holds a full run's
-report.
+--steps, rnn's --impls, softmax --quality's --seconds, ...) or of another setup (memory's
+--devices, train's and softmax's --no-isolate), whose --out holds a full run's report.
 """
 
 from __future__ import annotations

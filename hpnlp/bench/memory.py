@@ -49,16 +49,19 @@ import argparse
 import json
 import math
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from hpnlp.bench import report
+from hpnlp.bench import harness, report
 
 FULL_MODEL = dict(task="word_lm", vocab=12000, width=512, depth=4, heads=8, mlp=2048, L=512, B_per_device=8)
 QUICK_MODEL = dict(task="byte_lm", vocab=256, width=64, depth=2, heads=8, mlp=256, L=64, B_per_device=2)
@@ -346,7 +349,6 @@ def measure(model: dict, mode: dict) -> dict:
 
 def _worker(spec: dict) -> None:
     """Child process: one JSON line for the machine, then one per mode as it finishes."""
-    from hpnlp.bench import harness
     print(json.dumps({"machine": harness.machine_info()}), flush=True)
     for mode in spec["modes"]:
         try:
@@ -360,7 +362,11 @@ def _worker(spec: dict) -> None:
 
 def run(out_dir: str, *, quick: bool, devices: int = 8, model: dict | None = None,
         only: tuple[str, ...] = (), timeout_s: float = 3600) -> dict:
-    """Measure every mode (or the `only` mode names) in a child with `devices` CPU devices."""
+    """Measure every mode (or the `only` mode names) in a child with `devices` CPU devices.
+
+    The report holds every row the child sent: where it crashes, passes `timeout_s` (it is
+    killed then) or a Ctrl-C or SIGTERM stops the run, the modes it did not report read
+    failed (with its exit status and the tail of its stderr) or `not run: interrupted`."""
     model = dict(model or (QUICK_MODEL if quick else FULL_MODEL))
     if devices < 2:
         raise ValueError(f"--devices={devices}: the comparison needs at least 2 devices")
@@ -370,37 +376,92 @@ def run(out_dir: str, *, quick: bool, devices: int = 8, model: dict | None = Non
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_flags(
         os.environ.get("XLA_FLAGS", ""), [f"--xla_force_host_platform_device_count={devices}"]))
     spec = dict(model=model, modes=mode_list)
-    info, results = None, []
+    info, results, stop, why, eof = None, [], None, None, False
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "hpnlp.bench.memory", "--worker", json.dumps(spec)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        t_end = time.time() + timeout_s
-        with tqdm(total=len(mode_list), desc="memory bench", dynamic_ncols=True) as bar:
-            for line in proc.stdout:
-                if not line.startswith("{"):
-                    continue
-                rec = json.loads(line)
-                if "machine" in rec:
-                    info = rec["machine"]
-                    continue
-                results.append(rec)
-                bar.set_postfix_str(rec["name"][:40])
-                bar.update(1)
-                if time.time() > t_end:
-                    proc.kill()
-                    break
-        proc.wait()
-        if proc.returncode != 0 or info is None:
-            err.seek(0)
-            tail = err.read().strip().splitlines()[-5:]
-            raise RuntimeError(f"memory bench child failed (exit {proc.returncode}): " + " | ".join(tail))
-    payload = dict(benchmark="memory", machine=info, model=model, devices=devices, results=results)
+        lines = _lines(proc.stdout)
+        t_end = time.monotonic() + timeout_s
+        try:
+            with tqdm(total=len(mode_list), desc="memory bench", dynamic_ncols=True) as bar:
+                while True:
+                    try:  # a real deadline: a mode whose compile hangs sends no line at all
+                        line = lines.get(timeout=max(0.0, t_end - time.monotonic()))
+                    except queue.Empty:
+                        why = f"timeout after {timeout_s:g} s"
+                        break
+                    if line is None:  # the child closed its stdout: it is exiting
+                        eof = True
+                        break
+                    if not line.startswith("{"):
+                        continue
+                    rec = json.loads(line)
+                    if "machine" in rec:
+                        info = rec["machine"]
+                        continue
+                    results.append(rec)
+                    bar.set_postfix_str(rec["name"][:40])
+                    bar.update(1)
+        except KeyboardInterrupt as e:  # hpnlp.stopping.Stopped carries 143 for SIGTERM
+            stop = e
+        finally:
+            if not eof:  # (a child at its end is not killed: its own exit status says why)
+                proc.kill()
+            proc.wait()
+        err.seek(0)
+        tail = " | ".join(err.read().strip().splitlines()[-3:])[-300:]
+    if info is None:  # not even the machine line: nothing was measured, nothing to report
+        if stop is not None:
+            raise stop
+        raise RuntimeError(f"memory bench child failed (exit {proc.returncode}"
+                           + (f", {why}" if why else "") + "): " + tail)
+    # Modes the child did not report: a crash (an XLA abort, the OOM killer), the deadline
+    # or a Ctrl-C stopped it. The rows it sent are kept, as `harness.run_rows` keeps them
+    # (review r12: a RuntimeError lost every row measured before the crash).
+    interrupted = getattr(stop, "exit_code", 130) if stop is not None else False
+    results += _missing_rows(mode_list[len(results):], proc.returncode, why, tail, interrupted)
+    payload = dict(benchmark="memory", machine=info, model=model, devices=devices,
+                   interrupted=interrupted, results=results)
     payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     payload["summary"] = _summarize(results)
     os.makedirs(out_dir, exist_ok=True)
+    out_dir = harness.report_dir(out_dir, interrupted)  # a stopped run keeps a whole report
     _plot(payload, os.path.join(out_dir, "memory_by_mode.png"))
     report.write(out_dir, "memory", payload, _markdown(payload))
     return payload
+
+
+def _lines(stream) -> "queue.Queue[str | None]":
+    """The lines of `stream`, read by a thread into a queue that ends with None at EOF, so
+    the reader can wait for the next one with a timeout."""
+    q = queue.Queue()
+
+    def read():
+        try:
+            for line in stream:
+                q.put(line)
+        finally:
+            q.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    return q
+
+
+def _missing_rows(missing: list[dict], returncode: int, why: str | None, tail: str,
+                  interrupted: int | bool) -> list[dict]:
+    """Rows for the modes the child did not report: `harness.INTERRUPTED` after a Ctrl-C or
+    SIGTERM, else failed, the first (the mode the child was on) with the child's exit status
+    and the tail of its stderr, the rest as not reached."""
+    if interrupted:
+        return [dict(mode, status=harness.INTERRUPTED) for mode in missing]
+    if why is None:
+        why = ("killed: out of memory?" if returncode in (-9, 137) else
+               f"signal {signal.Signals(-returncode).name}" if returncode < 0
+               and -returncode in signal.valid_signals() else
+               "sent no row for this mode" if returncode == 0 else "error")
+    died = f"child exited {returncode} ({why})"
+    return [dict(mode, status=(f"failed: {died}" + (f": {tail}" if tail else "")) if i == 0
+                 else f"failed: not reached, the {died} during `{missing[0]['name']}`")
+            for i, mode in enumerate(missing)]
 
 
 def _ok(results):
@@ -595,8 +656,19 @@ def check_args(args) -> None:
     check_sizes(QUICK_MODEL if args.quick else FULL_MODEL, args.devices)
 
 
+def less_than(args, held: dict) -> list[str]:
+    """The flags that make this run other than the report `held` in --out (`python -m
+    hpnlp.bench` then refuses it, as it does --quick): --devices N where the report was
+    measured on another count (review r12: `--devices 2` replaced the recorded 8-device
+    report, its mixed modes and its FSDP verdict gone, under README prose that says 8)."""
+    if isinstance(held.get("devices"), int) and args.devices != held["devices"]:
+        return [f"--devices {args.devices}"]
+    return []
+
+
 def main(args) -> dict:
     payload = run(args.out, quick=args.quick, devices=args.devices)
+    harness.exit_if_interrupted(payload["interrupted"], args.out)
     s = payload["summary"]
     if "fsdp_over_replicated_params_opt" in s:
         print(f"fsdp/replicated params+opt per device: {s['fsdp_over_replicated_params_opt']:.4f} "

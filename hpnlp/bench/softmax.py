@@ -378,7 +378,8 @@ def less_than(args, held: dict) -> list[str]:
     leaving out rows it has, or --quality's --seconds fewer than it trained (a bug hunt,
     session 102: `--quality --methods full --seconds 3` replaced the recorded report; the
     recorded runs' own commands give --seconds 90, --vocabs, --methods, so no fixed value
-    is the full one)."""
+    is the full one); --no-isolate where the timing run was measured isolated (review r12:
+    the V = 262144 block lost its peak RSS column)."""
     from hpnlp.bench import quality
     rows = [r for r in held.get("results") or () if isinstance(r, dict)]
     flags = []
@@ -394,6 +395,8 @@ def less_than(args, held: dict) -> list[str]:
                    else [*softmax_lib.names(), TORCH_ADAPTIVE])
         given = (("methods", methods, "impl"),
                  ("vocabs", args.vocabs or default_vocabs(args.quick), "V"))
+        if args.no_isolate and held.get("isolated") is True:
+            flags.append("--no-isolate")
     for flag, this, key in given:  # rows recorded before `bpe` are of words
         if {r.get(key, "words" if key == "tokenizer" else None) for r in rows} - {None, *this}:
             flags.append(f"--{flag} {','.join(map(str, getattr(args, flag) or this))}")

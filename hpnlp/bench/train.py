@@ -302,8 +302,13 @@ def _markdown(payload: dict) -> str:
             r = next((r for r in res if r["group"] == "encoder" and r["name"] == name and r["L"] == L), {})
             compiled = (f" / {x['relative_compiled_memory']:.3f}x"
                         if isolated and x and x.get("relative_compiled_memory") else "")
-            cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x{compiled}"
-                         f"{' †' if _drifted(x) else ''}" if x else (r.get("status") or "–")[:60])
+            if x:
+                cells.append(f"{x['relative_speed']:.2f}x / {x['relative_memory']:.2f}x{compiled}"
+                             f"{' †' if _drifted(x) else ''}")
+            else:  # an ok row without a ratio: its `dense` row at this L failed (review r12:
+                # the cell read `ok`, hiding that the denominator was missing)
+                cells.append("no dense row" if r.get("status") == "ok"
+                             else (r.get("status") or "–")[:60])
         rows.append(cells)
     what = "speed / memory (RSS) / memory (compiled)" if isolated else "speed / memory"
     parts += [report.table(["attention"] + [f"L={L} {what}" for L in lengths], rows), ""]
@@ -348,12 +353,17 @@ def less_than(args, held: dict) -> list[str]:
     """The flags that make this run less than the report `held` in --out (`python -m
     hpnlp.bench` then refuses it, as it does --quick): --variants leaving out an encoder
     variant it has rows of (a bug hunt, session 103: `--variants dense` replaced the
-    recorded report). `dense` and the bound row run always."""
+    recorded report); --no-isolate where it was measured isolated (review r12: the table
+    lost its RSS column under README prose citing RSS ratios). `dense` and the bound row
+    run always."""
     rows = [r for r in held.get("results") or () if isinstance(r, dict)]
     held_names = {r.get("name") for r in rows if r.get("group") == "encoder"}
+    flags = []
     if args.variants and held_names - {None, "dense", BOUND, *args.variants}:
-        return [f"--variants {','.join(args.variants)}"]
-    return []
+        flags.append(f"--variants {','.join(args.variants)}")
+    if args.no_isolate and held.get("isolated") is True:
+        flags.append("--no-isolate")
+    return flags
 
 
 def main(args) -> dict:
