@@ -4,6 +4,7 @@ kernel bodies and block loops (tiny shapes, small blocks so every loop runs seve
 the `accelerator` tests run the compiled Triton kernels on a GPU."""
 
 import functools
+import types
 
 import chex
 import jax
@@ -86,6 +87,17 @@ def test_16_bit_matches_float32_and_never_nans(dtype):
     _assert_close((out, grads), _out_and_grads(dense_attention, *f32, w, seg, True), 5e-2)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_mask_matches_dense(causal):
+    """A review (r14): with no mask and lengths the blocks divide the kernels take no
+    segment ids (the path of every padding-free batch); L = 48 pads the queries alone to 64,
+    zero rows that run with no ids."""
+    for L in (48, 64):
+        q, k, v, w = _qkv(2, L, 64, 16, seed=6)
+        got = _out_and_grads(_kernel(), q, k, v, w, None, causal)
+        _assert_close(got, _out_and_grads(dense_attention, q, k, v, w, None, causal), 1e-5)
+
+
 def test_blocks_are_checked():
     q, k, v, _ = _qkv(1, 16, 16, 16)
     with pytest.raises(ValueError, match="fwd_k.*power of two"):
@@ -111,6 +123,36 @@ def test_what_the_gpu_kernel_takes_on_a_gpu(monkeypatch):
     # nor is the CPU's decode kernel the training one: "auto" (test_kernel_impl_decodes_float16)
     assert C.ChunkedAttention(impl="kernel").cache_impl() == "auto"
     assert C.ChunkedAttention(impl="xla").cache_impl() == "xla"
+
+
+def test_float32_takes_the_gpu_kernel_only_at_measured_blocks(monkeypatch):
+    """A review (r14): on a GPU with no measured float32 blocks the rule's blocks ran 1.21x
+    slower than the XLA program (an H200, head dim 64), and `auto` took them on every GPU."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(F, "_device_kind", lambda: "Other GPU")
+    assert "float32 at head dim 64 on 'Other GPU', which has no measured blocks (float32_d64" \
+        in F.blocker(64, 64, jnp.float32)
+    assert F.blocker(64, 64, jnp.bfloat16) is None  # 16-bit: the rule's blocks beat XLA
+    monkeypatch.setattr(F, "_device_kind", lambda: "NVIDIA H200")  # flash_gpu_blocks.json's
+    assert F.blocker(64, 64, jnp.float32) is None
+    assert "float32_d32" in F.blocker(32, 32, jnp.float32)  # a width it has no entry for
+
+
+def test_gpus_before_ampere_are_refused(monkeypatch):
+    """A review (r14): the kernels were compiled only on Hopper; below compute capability
+    8.0 bfloat16 products and the rule's shared memory are untried, and would fail at
+    compile time naming neither the GPU nor impl='xla'."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    device = types.SimpleNamespace(compute_capability="7.5", device_kind="Tesla T4")
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [device])
+    assert F.compute_capability() == (7, 5)
+    why = F.blocker(64, 64, jnp.bfloat16)
+    assert "compute capability 7.5 (the GPU kernels need 8.0 or newer" in why
+    assert "impl='xla'" in why
+    with pytest.raises(ValueError, match="impl='kernel' cannot run here: compute capability 7.5"):
+        C.chunked_attention(*_qkv(1, 16, 16, 16, dtype=jnp.bfloat16)[:3], impl="kernel")
+    device.compute_capability = "8.6"
+    assert F.blocker(64, 64, jnp.bfloat16) is None
 
 
 def test_kernel_impl_decodes_float16():
@@ -150,9 +192,12 @@ def test_empty_lengths_and_bad_shapes():
 
 @pytest.mark.accelerator
 def test_auto_runs_the_kernel_on_a_gpu():
-    q, k, v, _ = _qkv(1, 128, 128, 64)
+    q, k, v, _ = _qkv(1, 128, 128, 64, dtype=jnp.bfloat16)
     hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q, k, v).as_text()
     assert "hpnlp_flash_fwd" in hlo
+    x = jnp.zeros((1, 128, 2, 64), jnp.float32)  # float32: at this GPU's measured blocks only
+    hlo = jax.jit(lambda x: C.chunked_attention(x, x, x)).lower(x).as_text()
+    assert ("hpnlp_flash_fwd" in hlo) == (F.blocker(64, 64, jnp.float32) is None)
     for dtype, kernel in ((jnp.bfloat16, True), (jnp.float32, False)):  # head dim 128
         x = jnp.zeros((1, 128, 2, 128), dtype)
         hlo = jax.jit(lambda x: C.chunked_attention(x, x, x)).lower(x).as_text()

@@ -904,6 +904,58 @@ def test_an_implementation_this_machine_cannot_run_is_read_by_its_portable_twin(
     assert read.rnn.impl == "auto" and "a mesh of 2 devices" in notes[0]
 
 
+def test_cudnn_attention_is_refused_on_a_gpu_where_it_cannot_run(monkeypatch):
+    """A review (r14): cuDNN's attention at model.dtype='float32' (the default), or at a head
+    dim cuDNN does not take, passed validate on a GPU and failed at the model's first trace
+    (jax's "Q must be fp16/bf16..."), naming no config field. A run read here takes 'xla'."""
+    import jax
+    from hpnlp.attention import flash_gpu
+    from hpnlp.config.checks import portable_here
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+    def cudnn(**model):
+        return base(attention={"name": "xla", "options": {"implementation": "cudnn"}},
+                    data={"batching": "pad"}, model=model)
+    with pytest.raises(ConfigError, match=r"`attention.options.implementation` = 'cudnn' is "
+                       r"not allowed: .*model.dtype='float32'.*set model.dtype='bfloat16'"):
+        validate(cudnn(), num_devices=1)
+    assert portable_here(cudnn(), 1)[0].attention.options["implementation"] == "xla"
+    validate(cudnn(dtype="bfloat16"), num_devices=1)  # head dim 32
+    with pytest.raises(ConfigError, match=r"implementation.*multiples of 8 up to 128, and the "
+                       r"model's is 25; set model.head_dim"):
+        validate(cudnn(dtype="float16", width=200, num_heads=8, mlp_dim=64), num_devices=1)
+    wide = cudnn(dtype="bfloat16", width=384, num_heads=2)  # head dim 192
+    with pytest.raises(ConfigError, match=r"implementation.*up to 128, and the model's is 192"):
+        validate(wide, num_devices=1)
+    monkeypatch.setattr(flash_gpu, "compute_capability", lambda: (9, 0))  # Hopper: 256
+    validate(wide, num_devices=1)
+
+
+def test_chunked_kernel_is_refused_on_a_gpu_by_the_gpu_kernels_limits(monkeypatch):
+    """A review (r14): impl='kernel' on a GPU at a head dim or dtype the GPU kernels do not
+    take passed validate and failed at the model's init, after the data was built."""
+    import jax
+    from hpnlp.attention import flash_gpu
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(flash_gpu, "_device_kind", lambda: "NVIDIA H200")  # measured blocks
+
+    def kernel(**model):
+        return base(attention={"name": "chunked", "options": {"impl": "kernel"}}, model=model)
+    with pytest.raises(ConfigError, match=r"`attention.options.impl` = 'kernel' is not allowed: "
+                       r"the GPU kernel cannot run here: head dim 128 .*float32.* up to 64.*"
+                       r"use impl='auto'"):
+        validate(kernel(width=512, num_heads=4), num_devices=1)
+    validate(kernel(width=512, num_heads=4, dtype="bfloat16"), num_devices=1)
+    validate(kernel(width=256, num_heads=4), num_devices=1)  # float32 d64: the H200's entry
+    monkeypatch.setattr(flash_gpu, "_device_kind", lambda: "Other GPU")
+    with pytest.raises(ConfigError, match=r"impl.*float32 at head dim 64 on 'Other GPU', "
+                       r"which has no measured blocks"):
+        validate(kernel(width=256, num_heads=4), num_devices=1)
+    monkeypatch.setattr(flash_gpu, "compute_capability", lambda: (7, 5))
+    with pytest.raises(ConfigError, match=r"impl.*compute capability 7.5"):
+        validate(kernel(dtype="bfloat16"), num_devices=1)
+
+
 @pytest.mark.parametrize("model, quant, field, hint", [
     # quant.layers naming no product of the model: the run trained in float, without a word
     ({}, {"weights": "int8", "layers": "head"}, "quant.layers",
@@ -1284,3 +1336,48 @@ def test_an_all_ones_mesh_on_several_devices_is_named_as_data_1():
     from hpnlp.parallel.mesh import make_mesh
     with pytest.raises(ValueError, match=r"^mesh \{'data': 1\} needs 1 devices and there are 2"):
         make_mesh(MeshConfig(data=1), devices=[types.SimpleNamespace(platform="cpu")] * 2)
+
+
+def test_pruning_an_output_layer_that_keeps_its_own_tables_is_refused_to_a_new_run():
+    """Review r11: only a VocabLayer declares the `output` product, so naming 'output' in
+    train.prune.layers under hierarchical or binary_code left their tables dense while
+    summary.json reported the target ('output' alone failed at init, naming no product).
+    A new run is refused, as model.lowrank.layers is; a saved run (it trained, its output
+    dense) still validates, and 'all' (whichever the model has) is taken."""
+    from hpnlp.config.checks import check_new_run
+    prune = {"method": "magnitude", "sparsity": 0.75}
+    for name in ("hierarchical", "binary_code"):
+        for layers in ("mlp,output", "output"):
+            cfg = validate(base(output={"name": name}, train={"prune": dict(prune, layers=layers)}),
+                           num_devices=1)  # a saved run's config.json is read
+            with pytest.raises(ConfigError) as e:
+                check_new_run(cfg)
+            msg = str(e.value)
+            assert "`train.prune.layers`" in msg and f"output layer {name!r} keeps its own " \
+                "tables" in msg and "drop 'output' or use output.name='full'" in msg, msg
+        check_new_run(validate(base(output={"name": name}, train={"prune": dict(
+            prune, layers="all")}), num_devices=1))
+    check_new_run(validate(base(train={"prune": dict(prune, layers="mlp,output")}),
+                           num_devices=1))  # 'full': its [V, E] table is masked
+
+
+def test_nm_pruning_checks_the_widths_of_the_products_it_prunes():
+    """Review r11: M was checked against model.width, model.mlp_dim and the heads' width
+    whatever the arch and train.prune.layers, so an LSTM of width 96 under '1:3' was refused
+    on a model.mlp_dim it does not have; now the pruned products' contractions are checked,
+    as int4 groups' are (and the experts' width where 'mlp' is pruned on an MoE model)."""
+    def nm(model, structure, **prune):
+        return base(model=model, train={"prune": dict(method="magnitude", structure=structure,
+                                                      **prune)})
+    validate(nm({"arch": "lstm", "width": 96}, "1:3"), num_devices=1)  # mlp_dim 512: unread
+    with pytest.raises(ConfigError, match=r"`train\.prune\.structure`.*M=3 must divide "
+                       r"model\.width=98"):
+        validate(nm({"arch": "lstm", "width": 98}, "1:3"), num_devices=1)
+    validate(nm({"mlp_dim": 102}, "2:4", layers="qkv,out"), num_devices=1)
+    with pytest.raises(ConfigError, match=r"M=4 must divide model\.mlp_dim=102"):
+        validate(nm({"mlp_dim": 102}, "2:4", layers="mlp"), num_devices=1)
+    moe = {"depth": 2, "moe": {"num_experts": 4, "router": "top_k", "top_k": 2, "mlp_dim": 6}}
+    validate(nm(moe, "2:4", layers="qkv,out"), num_devices=1)
+    with pytest.raises(ConfigError, match=r"M=4 must divide model\.moe\.mlp_dim \(each "
+                       r"expert's width\)=6"):
+        validate(nm(moe, "2:4", layers="mlp"), num_devices=1)

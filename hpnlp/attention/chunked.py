@@ -23,8 +23,10 @@ fused C++ kernel forward and one backward (`flash_cpu.py`: the same algorithm, w
 tile kept in its core's cache and the softmax done on the hot tile), wherever it can run:
 the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. On a GPU it
 is three Pallas (Triton) kernels (`flash_gpu.py`: one program per block of each head, all at
-once), on one device, at head dims up to 64 in float32 and 128 in bfloat16 and float16. The
-XLA program below (`impl="xla"`) runs everywhere else and is both kernels' tested twin.
+once), on one device of compute capability 8.0 or newer, at head dims up to 128 in bfloat16
+and float16 and up to 64 in float32 where the GPU model has measured float32 blocks
+(`flash_gpu.blocker`). The XLA program below (`impl="xla"`) runs everywhere else and is both
+kernels' tested twin.
 
 Block sizes (XLA path) given explicitly must divide the lengths. Left at `None`, they are
 chosen here (the tuned size, shrunk so blocks split the length evenly) and a length they
@@ -373,12 +375,14 @@ class ChunkedAttention(Attention):
                     "leave it unset (None) to pad automatically")
 
     @classmethod
-    def cannot_run_here(cls, options, *, head_dim, num_devices):
+    def cannot_run_here(cls, options, *, head_dim, num_devices, dtype):
         """(option, portable value, why, fix) where `options` ask for the fused kernel
-        (`impl='kernel'`) and it cannot run on `num_devices` devices here, else None:
-        `validate` refuses it for a run it trains, and a run read here takes `impl='auto'`
-        (the same function, by XLA where the kernel cannot run). The GPU kernel's own limits
-        depend on the dtype the layer sees, and are its own error."""
+        (`impl='kernel'`) and it cannot run on `num_devices` devices here at head dim
+        `head_dim` in the compute `dtype`, else None: `validate` refuses it for a run it trains,
+        and a run read here takes `impl='auto'` (the same function, by XLA where the kernel
+        cannot run). On a GPU the reasons are `flash_gpu.blocker`'s, which the layer's trace
+        asks with the same dtype and head dim (a review, r14: a float32 head dim over 64 passed
+        validate and failed at the model's init, after the data was built)."""
         if options.get("impl", cls.impl) != "kernel":
             return None
         use = "use impl='auto' (the kernel where it can run) or impl='xla'"
@@ -386,6 +390,10 @@ class ChunkedAttention(Attention):
             return ("impl", "auto", f"the fused kernel cannot run on a mesh of {num_devices} "
                     "devices (XLA cannot partition the kernel's call; the XLA path shards like "
                     "any XLA program)", use)
+        if jax.default_backend() == "gpu":
+            why = flash_gpu.blocker(head_dim, head_dim, dtype)
+            if why:
+                return ("impl", "auto", f"the GPU kernel cannot run here: {why}", use)
         if jax.default_backend() == "cpu":
             why = flash_cpu.shape_blocker(head_dim)
             if why:

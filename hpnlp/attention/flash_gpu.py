@@ -42,12 +42,19 @@ from hpnlp.attention.base import check_inputs
 LOG2E = math.log2(math.e)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # The widest head dim `auto` gives the kernels, per product width: compiled, checked against the
-# twin and timed on a GPU (an H200, `tools/flash_gpu_blocks.py`). At head dim 128 the 16-bit
-# kernels ran forward+backward 11-17x faster than the XLA program (L = 4096), but the float32
-# ones, their products on the CUDA cores, 4.7x slower at the rule's blocks (and the fastest
-# forward alone about as long as XLA's forward+backward), so float32 stops at 64.
+# twin and timed on one GPU, an H200 (`tools/flash_gpu_blocks.py`, L = 4096), and on no other.
+# At head dim 128 the 16-bit kernels ran forward+backward 11-17x faster than the XLA program,
+# but the float32 ones, their products on the CUDA cores, 4.7x slower at the rule's blocks (and
+# the fastest forward alone about as long as XLA's forward+backward), so float32 stops at 64.
+# Even at 64 float32 wins only at the H200's measured blocks, and only at L = 4096 (11.2
+# against 12.0 ms; the rule's blocks took 14.2, and at L = 16384 the kernels took 168.4 ms
+# against 165.4): `blocker` leaves float32 to XLA on a GPU with no measured entry.
 # `flash_attention` itself takes any head dim (the interpreter tests run other widths).
 MAX_HEAD_DIM = {4: 64, 2: 128}
+# The oldest GPUs the kernels are offered to: they were compiled only on Hopper (9.0); below
+# Ampere (8.0) bfloat16 tensor-core products and the rule's shared memory (about 64 KB for a
+# float32 backward tile, 99 KB for a 16-bit one at head dim 128) are untried.
+MIN_CAPABILITY = (8, 0)
 
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
@@ -58,12 +65,34 @@ def blocker(head_dim: int, value_dim: int, dtype) -> str | None:
         return f"the GPU kernel needs the GPU backend; it is {jax.default_backend()!r}"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
         return f"dtype {jnp.dtype(dtype).name} (the GPU kernel takes float32, bfloat16, float16)"
+    capability = compute_capability()
+    if capability is not None and capability < MIN_CAPABILITY:
+        return (f"compute capability {'.'.join(map(str, capability))} (the GPU kernels need "
+                f"{'.'.join(map(str, MIN_CAPABILITY))} or newer: they were compiled only on "
+                "Hopper, and older GPUs' bfloat16 products and shared memory are untried); "
+                "impl='xla' runs there")
     widest = MAX_HEAD_DIM[jnp.dtype(dtype).itemsize]
     if max(head_dim, value_dim) > widest:
         return (f"head dim {max(head_dim, value_dim)} (the GPU kernels in "
                 f"{jnp.dtype(dtype).name} are checked and faster than XLA up to {widest}; call "
                 "flash_gpu.flash_attention directly to try a wider one)")
+    key = tuned_key(dtype, max(head_dim, value_dim))
+    if jnp.dtype(dtype).itemsize == 4 and key not in tuned_table().get(_device_kind(), {}):
+        # a review (r14): without measured blocks float32 was measured slower than XLA
+        return (f"float32 at head dim {max(head_dim, value_dim)} on {_device_kind()!r}, which "
+                f"has no measured blocks ({key} in flash_gpu_blocks.json; on an H200 the "
+                "rule's blocks ran 1.21x slower than the XLA program, which runs it here); "
+                "`python tools/flash_gpu_blocks.py --write` on this GPU measures them")
     return kernels.single_device_reason()
+
+
+def compute_capability() -> tuple[int, ...] | None:
+    """The first device's CUDA compute capability, (9, 0) for Hopper; None where it has none
+    that reads as numbers (a CPU, a ROCm GPU)."""
+    try:
+        return tuple(int(x) for x in str(jax.devices()[0].compute_capability).split("."))
+    except (AttributeError, ValueError):
+        return None
 
 
 def _pow2(n: int, least: int = 16) -> int:

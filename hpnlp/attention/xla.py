@@ -3,7 +3,8 @@
 Padding travels as per-row lengths (`query_seq_lengths` / `key_value_seq_lengths`), the
 only mask form the call takes without a dense [L, L] matrix. So this variant assumes
 right padding (one segment per row) and refuses packed batches at config time. On a GPU
-the same call can take `implementation="cudnn"`.
+the same call can take `implementation="cudnn"`, in bfloat16 or float16 at head dims that
+are multiples of 8 up to 128 (256 on Hopper), jax's limits, which `cannot_run_here` checks.
 
 Exact in float32. In bfloat16 the call takes its softmax in float32 but rounds the
 probabilities to bfloat16 before their product with the values (jax's reference path,
@@ -41,14 +42,30 @@ class XlaAttention(Attention):
                                "or leave it unset (None: JAX chooses)")
 
     @classmethod
-    def cannot_run_here(cls, options, *, head_dim, num_devices):
-        """(option, portable value, why, fix) where `options` ask for cuDNN and JAX runs on no
-        GPU, else None: `validate` refuses it for a run it trains (with the devices), and a
-        run read here computes the same function by XLA's implementation (a bug hunt,
-        session 100: a GPU run's config was refused by every reader)."""
-        if options.get("implementation") == "cudnn" and jax.default_backend() != "gpu":
+    def cannot_run_here(cls, options, *, head_dim, num_devices, dtype):
+        """(option, portable value, why, fix) where `options` ask for cuDNN and it cannot run
+        here: JAX runs on no GPU, or the compute `dtype` or `head_dim` is one cuDNN's attention
+        refuses; else None. `validate` refuses it for a run it trains (with the devices), and a
+        run read here computes the same function by XLA's implementation (a bug hunt, session
+        100: a GPU run's config was refused by every reader). A review (r14): float32, the
+        default model.dtype, passed validate on a GPU and failed at the model's first trace
+        (jax's `check_layout`), naming no config field."""
+        if options.get("implementation") != "cudnn":
+            return None
+        unset = "choose 'xla' or leave it unset"
+        if jax.default_backend() != "gpu":
             return ("implementation", "xla", f"cuDNN runs on a GPU, and JAX runs on the "
-                    f"{jax.default_backend()}", "choose 'xla' or leave it unset")
+                    f"{jax.default_backend()}", unset)
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return ("implementation", "xla", f"cuDNN's attention takes bfloat16 or float16, "
+                    f"and model.dtype={jnp.dtype(dtype).name!r} computes in "
+                    f"{jnp.dtype(dtype).name}", f"set model.dtype='bfloat16', or {unset}")
+        from hpnlp.attention.flash_gpu import compute_capability
+        widest = 256 if (compute_capability() or (0,)) >= (9, 0) else 128  # Hopper: 256 (jax)
+        if head_dim % 8 or head_dim > widest:
+            return ("implementation", "xla", f"cuDNN's attention on this GPU takes head dims "
+                    f"that are multiples of 8 up to {widest}, and the model's is {head_dim}",
+                    f"set model.head_dim (or model.width / model.num_heads) to one, or {unset}")
         return None
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):

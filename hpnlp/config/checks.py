@@ -428,7 +428,8 @@ def _check_buckets(d: DataConfig) -> None:
 
 def _attention_blocked(cfg: Config, num_devices: int) -> tuple[str, Any, str, str] | None:
     """(option, portable value, why, fix) where attention.options name an implementation that
-    cannot run on `num_devices` devices of this machine (the variant's `cannot_run_here`)."""
+    cannot run on `num_devices` devices of this machine (the variant's `cannot_run_here`, given
+    the compute dtype q, k and v are cast to)."""
     from hpnlp import attention
     if cfg.model.arch != "transformer" or cfg.attention.name not in attention.names():
         return None  # (Transformer-XL attends by its own relative attention)
@@ -436,7 +437,7 @@ def _attention_blocked(cfg: Config, num_devices: int) -> tuple[str, Any, str, st
     if hook is None:
         return None
     return hook(dict(cfg.attention.options), head_dim=cfg.model.dims_per_head(),
-                num_devices=num_devices)
+                num_devices=num_devices, dtype=cfg.model.dtype)
 
 
 def portable_here(cfg: Config, num_devices: int) -> tuple[Config, list[str]]:
