@@ -18,7 +18,9 @@ record quantization uses), of the kinds `train.prune.layers` names: an MoE layer
 and V (model.lowrank) as two weights. Biases, norms and (by default) embeddings and the
 output layer stay dense, and so do latent attention's `k_up` and `v_up` (its `q` and
 `kv_down` are its qkv products). Transformer-XL's attention declares no products (a new
-run is refused qkv and out there: compress_checks._check_new_prune).
+run is refused qkv and out there: compress_checks._check_new_prune). With
+`output.tie_embeddings`, naming `output` prunes the input embedding table too: the tied output
+layer declares the Embed's table as its product, so the lookup reads the pruned rows' zeros.
 
 - Criteria: `magnitude` (|W|), `random` (a fixed random score per weight: the control) and
   `movement` (Sanh et al. 2020: scores learned by Adam on the straight-through
@@ -34,8 +36,8 @@ run is refused qkv and out there: compress_checks._check_new_prune).
   longer train.steps moves the cubic schedule and imp's rounds) keeps them until it passes
   them.
 - Scope: `layer` (each weight pruned to the target on its own, each expert of an MoE
-  layer too: `Product.lead`) or `global` (one ranking of every pruned weight's |W|; layers
-  end at different sparsities).
+  layer too: `Product.lead`) or `global` (one ranking of every pruned weight's score, |W|
+  or the method's; layers end at different sparsities).
 - Structure: unstructured, or N:M (N kept in every M consecutive weights along the
   contraction, as 2:4 sparse hardware wants); N:M masks are made once, at `start_step`.
   Or `structured`: whole attention heads and MLP neurons (`group_layout`), the same

@@ -143,12 +143,13 @@ def _check_quant(q: QuantConfig, m: ModelConfig) -> None:
 
 def _quantized_contractions(m: ModelConfig, quantized: list[str]) -> dict[str, int]:
     """{name: width} of the contractions the `quantized` kinds of product sum over in this
-    model, which int4 groups split (a review: every arch was checked against the
-    Transformer's width, mlp_dim and heads, whatever quant.layers named, so an LSTM of width
-    96 in groups of 48 was refused on a model.mlp_dim it does not have). Where a product
-    contracts a multiple of a width (a bidirectional RNN's 2 x width into its next layer
-    and its head, MoE's shared experts), a divisor of the width divides it too. MoE experts'
-    width (checks._check_moe) and the low-rank ranks (_check_lowrank) are checked there."""
+    model, which int4 groups split (and N:M pruning's, of the pruned kinds) (a review: every
+    arch was checked against the Transformer's width, mlp_dim and heads, whatever
+    quant.layers named, so an LSTM of width 96 in groups of 48 was refused on a
+    model.mlp_dim it does not have). Where a product contracts a multiple of a width (a
+    bidirectional RNN's 2 x width into its next layer and its head, MoE's shared experts), a
+    divisor of the width divides it too. MoE experts' width (checks._check_moe; N:M's in
+    _check_compress) and the low-rank ranks (_check_lowrank) are checked there."""
     on = set(quantized)
     dual = "head" in on and m.kind == "dual_encoder"
     widths = {}
@@ -236,6 +237,15 @@ def _check_shrunk_mesh(cfg: Config) -> None:
                   + f", or another mesh (mesh.rules.{logical}=None replicates them)")
 
 
+def _output_vectors(cfg: Config) -> bool:
+    """Whether the LM's output layer is one [V, E] matrix of output vectors (a VocabLayer:
+    full, sampled, nce, ...), the weight model.lowrank factorizes and pruning masks as
+    'output'; adaptive, hierarchical, binary_code and vmf keep their own tables."""
+    from hpnlp import softmax  # late: the registry (output.name is checked after this)
+    from hpnlp.softmax.base import VocabLayer
+    return issubclass(softmax.get(cfg.output.name), VocabLayer)
+
+
 def _check_layers(field: str, layers: str, allowed) -> None:
     """A `layers` field: "all" or a comma list of `allowed` product kinds."""
     if layers == "all":
@@ -298,16 +308,12 @@ def _check_lowrank(cfg: Config) -> None:
         _fail("model.lowrank.layers", lr.layers, f"'output' is an LM's output layer and "
               f"model.kind={m.kind!r} has none; drop 'output' (a classifier's is 'head')")
 
-    def vectors() -> bool:  # the output layer is one [V, E] matrix of vectors (asked late:
-        from hpnlp import softmax  # output.name itself is checked after this)
-        from hpnlp.softmax.base import VocabLayer
-        return issubclass(softmax.get(cfg.output.name), VocabLayer)
-    if "output" in named and m.kind == "lm" and not vectors():
+    if "output" in named and m.kind == "lm" and not _output_vectors(cfg):
         _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} keeps "
               "its own tables, not one [V, E] matrix of output vectors; drop 'output' or "
               "use output.name='full' (or another VocabLayer: sampled, nce, ...)")
     tied = m.kind == "lm" and cfg.output.tie_embeddings
-    if tied and lr.applies("embed") and not vectors():
+    if tied and lr.applies("embed") and not _output_vectors(cfg):
         _fail("model.lowrank.layers", lr.layers, f"output layer {cfg.output.name!r} reads "
               "the tied embedding table itself, so the table cannot be factorized; drop "
               "'embed' from model.lowrank.layers")
@@ -427,9 +433,10 @@ def _check_new_distill(cfg: Config) -> None:
 
 
 def _check_new_prune(cfg: Config) -> None:
-    """`train.prune` settings a new run is refused (a review, session 107). Both refuse
-    defaults (train.prune.layers; a one-shot schedule at start_step 0), so a run saved with
-    them must still validate: its config.json is read, and resumed as it trained."""
+    """`train.prune` settings a new run is refused (a review, session 107; 'output' of an
+    output layer with its own tables: review r11). A run saved with one trained (some are
+    defaults: train.prune.layers on Transformer-XL; a one-shot schedule at start_step 0), so
+    it must still validate: its config.json is read, and resumed as it trained."""
     p, m = cfg.train.prune, cfg.model
     if m.arch == "transformer_xl" and any(layers_name(p.layers, k) for k in ("qkv", "out")):
         # its qkv, rel and out are plain einsums no pruning masks, so they stayed dense while
@@ -438,6 +445,15 @@ def _check_new_prune(cfg: Config) -> None:
         _fail("train.prune.layers", p.layers, "Transformer-XL's relative-position attention "
               "has its own qkv, rel and out products, not prunable yet, so they would stay "
               "dense; set train.prune.layers='mlp' (or 'mlp,output' for its output layer too)")
+    named = {n.strip() for n in p.layers.split(",")}  # "all": whichever the model has
+    if "output" in named and m.kind == "lm" and not _output_vectors(cfg):
+        # review r11: only a VocabLayer records the 'output' product, so the others' tables
+        # stayed dense while summary.json reported the target ('output' alone failed at
+        # init: "names no product this model has")
+        _fail("train.prune.layers", p.layers, f"output layer {cfg.output.name!r} keeps its "
+              "own tables, not one [V, E] matrix of output vectors, so pruning would leave "
+              "them dense; drop 'output' or use output.name='full' (or another VocabLayer: "
+              "sampled, nce, ...)")
     if p.method == "movement" and p.schedule == "oneshot" and p.start_step == 0:
         # after one step each Adam score is -sign(dL/dS) (m / sqrt(v) = d / |d|), so the one
         # mask made was one batch's gradient signs, ties pruned by position (a kernel's
@@ -638,11 +654,14 @@ def _check_compress(cfg: Config) -> None:
         if p.schedule != "oneshot":
             _fail("train.prune.schedule", p.schedule, "N:M masks are made once, at start_step; "
                   "set train.prune.schedule='oneshot'")
-        widths = [("model.width", m.width), ("model.mlp_dim", m.mlp_dim),
-                  ("model.num_heads * head size", m.num_heads * m.dims_per_head())]
-        if m.moe.enabled():  # found in review: the experts' own width went unchecked
-            widths.append(("model.moe.mlp_dim (each expert's width)", m.moe.expert_dim(m)))
-        for field, width in widths:
+        # the contractions of the products pruned, as int4 groups check theirs (review r11:
+        # every Transformer width was checked whatever the arch and train.prune.layers, so
+        # an LSTM of width 96 under '1:3' was refused on a model.mlp_dim it does not have)
+        pruned = [k for k in quant_products(m) if layers_name(p.layers, k)]
+        widths = _quantized_contractions(m, pruned)
+        if m.moe.enabled() and "mlp" in pruned:  # found in review: the experts' own width
+            widths["model.moe.mlp_dim (each expert's width)"] = m.moe.expert_dim(m)
+        for field, width in widths.items():
             if width % mm:
                 _fail("train.prune.structure", p.structure, f"M={mm} must divide {field}={width} "
                       "(groups split each product's contraction)")

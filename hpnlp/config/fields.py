@@ -474,8 +474,11 @@ class PruneConfig:
     # "none" | "magnitude" | "random" (the control) | "movement" (Sanh et al. 2020: scores
     # learned through a straight-through mask; pruned weights may come back)
     method: str = "none"
-    sparsity: float = 0.5  # final fraction of each pruned weight set to zero, in [0, 1)
-    # "layer": every weight to `sparsity` | "global": one magnitude threshold over them all
+    # final fraction set to zero, in [0, 1): of each pruned weight (scope "layer"), or of
+    # all of them together (scope "global": each weight ends at its own sparsity)
+    sparsity: float = 0.5
+    # "layer": every weight to `sparsity` | "global": one ranking of the method's scores
+    # (|W|, random, movement's) over them all
     scope: str = "layer"
     # "unstructured" | "N:M" (e.g. "2:4": N kept in every M consecutive weights along the
     # contraction; the sparsity is then 1 - N/M) | "structured": whole attention heads (when

@@ -45,7 +45,8 @@ Compressive Transformer's compressed memory when model.comp_mem_len > 0,
 models/transformer_xl.py; its evaluation threads the eval stream's own fresh memory, so the
 Trainer keeps a separate eval step for it), `teacher` (hpnlp.compress.distill), `prune`
 (hpnlp.compress.prune), `kv_memory` (the classifier's key-value memory with ages,
-hpnlp.retrieval.memory).
+hpnlp.retrieval.memory), `negatives` (a bi-encoder's mined hard negatives,
+hpnlp.retrieval.mining; after `prune`, so it mines with the weights pruning leaves).
 """
 
 from __future__ import annotations
