@@ -169,6 +169,34 @@ def test_batch_frequency_scaling_equals_pytorch_scale_grad_by_freq():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_batch_frequency_counts_an_id_over_every_text_of_a_row():
+    """Review r13 (README): since session 108 a row's texts are embedded in one call
+    (`heads.encode_sides`), so model.embed_grad_scale='batch' divides an id's gradient by its
+    count over q, d and the mined negatives together, not over its own side: the gradient
+    under 'none' divided by that count. A bag model: the forward is the same under both."""
+    import dataclasses
+
+    from hpnlp import models
+    batch = _text_batch(["abca", "bd"], ["cab", "aadb"], [1, 1])
+    batch.update(inputs3=batch["inputs2"][::-1], segment_ids3=batch["segment_ids2"][::-1],
+                 neg_weight=np.ones(2, np.float32))
+    grads = []
+    for scale in ("none", "batch"):
+        cfg = validate(_cfg("local,bag"))
+        model = models.build(dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, embed_grad_scale=scale)), deterministic=True)
+        shapes = jax.eval_shape(model.init, jax.random.key(0), batch)
+        rng = np.random.default_rng(0)
+        params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype), shapes)
+        g = jax.jit(jax.grad(lambda p: model.apply(p, batch)["loss"]))(params)
+        grads.append(np.asarray(jax.tree.leaves(g["params"]["embed"])[0]))
+    ids = np.concatenate([batch["inputs" + t][batch["segment_ids" + t] > 0] for t in "123"])
+    count = np.bincount(ids, minlength=grads[0].shape[0])
+    assert count[ord("a")] == 8 and np.abs(grads[0][ord("a")]).max() > 0
+    np.testing.assert_allclose(grads[1], grads[0] / np.maximum(count, 1)[:, None], rtol=1e-5,
+                               atol=1e-7)
+
+
 def test_corpus_frequency_table():
     counts = np.array([0, 1, 10, 1000, 100_000])
     w = corpus_count_weights(counts, tokens_per_batch=1000)
@@ -253,6 +281,46 @@ def test_mined_negatives_never_include_the_positive():
     z = jnp.zeros(2, jnp.int32)
     none = mining.pick_negatives(jnp.zeros((2, 3), jnp.int32), z, z, 2, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(none), [-1, -1])  # only positives found
+
+
+def test_a_label_0_pairs_d_is_mined_and_clashes_as_a_negative(monkeypatch):
+    """Review r13: mining took the d of every pair whose q reads as q_i for q_i's match, a
+    label-0 pair's too, so the hardest negatives of a match task with label-0 rows were never
+    mined, and masked (`neg_clash`) when mined for another row, while the same d in a batch
+    stayed a negative (`batch_matches`). The carry's query groups are the positive pairs'
+    only: pair 1 (label 0) opens with q_0's text and its d is q_0's nearest non-positive."""
+    import types
+
+    from hpnlp import data as data_lib
+    from hpnlp.data.task import Examples, concat
+    pairs = [("ab", "ab", 1), ("ab", "abz", 0), ("xy", "zzzz", 1), ("pq", "rst", 1),
+             ("ab", "aab", 1)]  # pair 4: a positive of q_0's text, nearer than d_1
+    tokens, starts, lengths = concat([np.frombuffer(t.encode(), np.uint8)
+                                      for q, d, _ in pairs for t in (q, d)])
+    ex = Examples(tokens, starts.reshape(-1, 2), lengths.reshape(-1, 2),
+                  np.array([label for *_, label in pairs], np.int32))
+    monkeypatch.setattr(data_lib, "make_task",
+                        lambda cfg: types.SimpleNamespace(train=ex, token_counts=None))
+    carry = mining.NegativesCarry(validate(_cfg("local,bag,mine")))
+    emb = jnp.asarray(_unit(np.random.default_rng(5), 256, 16))
+
+    def encode(params, t, s):  # a bag of random unit vectors
+        return be.normalize(jnp.sum(params[t] * (s > 0)[..., None], axis=1))
+
+    @jax.jit  # one compile each (eagerly, a hundred small ones)
+    def run(q_tok, q_seg, d_tok, d_seg):
+        return (encode(emb, q_tok[:1], q_seg[:1]) @ encode(emb, d_tok[:5], d_seg[:5]).T,
+                mining.mine(encode, emb, q_tok, q_seg, d_tok, d_seg, carry.group,
+                            carry.qgroup, 1, jax.random.key(0)))
+    s, neg = run(carry.q_tok, carry.q_seg, carry.d_tok, carry.d_seg)
+    assert list(np.argsort(-np.asarray(s[0]))[:3]) == [0, 4, 1]
+    assert int(neg[0]) == 1
+    # rows 0, 2, 3 of a batch holding the negatives mined for them: d_1, d_4, d_1
+    got = jax.jit(carry.loss(None, lambda params, carry, batch, rngs: batch))(
+        None, {"negatives": jnp.array([1, 0, 4, 1, 2])}, {"index": np.array([0, 2, 3])}, None)
+    want = np.zeros((3, 3), bool)
+    want[0, 1] = True  # d_4 is q_0's match (a positive pair of its q's text); d_1 is not
+    np.testing.assert_array_equal(np.asarray(got["neg_clash"]), want)
 
 
 def test_pool_metrics_ranks_exactly():

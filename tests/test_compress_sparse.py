@@ -2344,12 +2344,34 @@ def test_iterative_magnitude_pruning_rewinds_survivors_to_step_k(tmp_path):
         assert (~m).mean() == pytest.approx(frac, abs=1e-3)
         np.testing.assert_array_equal(w[m], w2[m])  # survivors rewound
         assert not w[~m].any()
-        before = seen[i - 1][0]  # pruned by the magnitude the round ended with
-        kept = np.abs(before[m & seen[i - 1][1]])
-        assert np.abs(before[~m & seen[i - 1][1]]).max() <= kept.min()
     assert not (seen[5][1] & ~seen[3][1]).any()  # nested
     assert not np.array_equal(seen[4][2], seen[1][2])
     assert not np.array_equal(seen[4][0][seen[4][1]], w2[seen[4][1]])  # trains between rounds
+    # ranked by the weights each round ended with: the run's are rewound before the test
+    # sees them (review r11: it compared the step before's, one update early), so the
+    # carry's after_update is called at the boundaries with known weights
+    c = prune.PruneCarry(cfg)
+    c.products = {"a/kernel": (0,)}
+    after, rng = jax.jit(c.after_update), np.random.default_rng(0)  # jitted: one compile
+
+    def params_of(a, e):
+        return {"a": {"kernel": jnp.asarray(a, jnp.float32)},
+                "e": {"embedding": jnp.asarray(e, jnp.float32)}}
+    rewind = {"a/kernel": rng.standard_normal((8, 10)), "e/embedding": rng.standard_normal(3)}
+    value = {"masks": {"a/kernel": jnp.ones((8, 10), bool)}, "last": jnp.asarray(-1, jnp.int32),
+             "rewind": {k: jnp.asarray(v, jnp.float32) for k, v in rewind.items()},
+             "rewound": jnp.ones((), bool)}
+    for step, frac in ((3, 0.5), (5, 0.75)):
+        was = np.asarray(value["masks"]["a/kernel"])
+        a = rng.standard_normal((8, 10)) * was  # the round's last update (pruned: zero)
+        out, value = after(value, params_of(a, rng.standard_normal(3)), None,
+                           jnp.asarray(step, jnp.int32))
+        m = np.asarray(value["masks"]["a/kernel"])
+        assert int(value["last"]) == step and (~m).mean() == frac and not (m & ~was).any()
+        assert np.abs(a[was & ~m]).max() <= np.abs(a[m]).min()  # by these weights' |w|
+        np.testing.assert_array_equal(out["a"]["kernel"],  # survivors rewound, the rest 0
+                                      np.where(m, np.float32(rewind["a/kernel"]), 0))
+        np.testing.assert_array_equal(out["e"]["embedding"], np.float32(rewind["e/embedding"]))
 
 
 @pytest.mark.slow  # 10-14 s, its 2 cases, on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
@@ -2690,6 +2712,32 @@ def test_calibration_of_a_random_feature_run_reads_the_draw_it_trained_with(tmp_
     for path in want:
         np.testing.assert_allclose(got[path], want[path], rtol=1e-6, atol=1e-7)
     assert not np.allclose(got[max(got)], seed[max(got)], rtol=1e-4)  # block 1's differs
+
+
+def test_kv_calibration_of_a_pair_model_reads_the_real_tokens_of_every_text():
+    """Review r13: a dual encoder's batch has no `segment_ids`, and its texts run the trunk
+    in one call (`heads.stack_sides`), so every padded slot of both sides (their own padding
+    and the widening of the narrower one) counted in each block's X^T X and in n. The same
+    pairs widened with 8 pad columns a side (ids 0, segment 0) calibrate alike."""
+    from hpnlp.compress import gqa
+    model = models.build(validate(from_configdict(_dual(tiny("classifier")))),
+                         deterministic=True)
+    rng = np.random.default_rng(3)
+    batch = {"label": np.array([1, 0, 1], np.int32), "weight": np.ones(3, np.float32),
+             "index": np.arange(3, dtype=np.int32)}
+    for t, L, n in (("1", 8, [8, 5, 2]), ("2", 6, [3, 6, 1])):  # side 2 the narrower
+        batch["segment_ids" + t] = (np.arange(L)[None] < np.array(n)[:, None]).astype(np.int32)
+        batch["inputs" + t] = rng.integers(1, 256, (3, L)).astype(np.int32) * batch[
+            "segment_ids" + t]
+    wide = {k: np.pad(v, ((0, 0), (0, 8))) if v.ndim == 2 else v for k, v in batch.items()}
+    params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
+    got, want = (gqa.input_covariances(model, params, [b]) for b in (wide, batch))
+    assert set(got) == {("trunk", "block_0", "attention")}
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+    with pytest.raises(ValueError, match=r"real_tokens: seg of shape \(3, 8\) does not mark "
+                       r"activations of \[B, L\] = \(6, 8\); pass the segment ids"):
+        gqa.real_tokens(batch["segment_ids1"], (6, 8))
 
 
 def test_calibrated_fit_is_the_best_rank_r_fit_of_the_outputs_on_its_inputs():

@@ -137,12 +137,20 @@ def input_covariances(model, params, batches, *, rngs=None) -> dict:
     sum over n tokens would make W sqrt(n) times smaller and V that much larger than the
     weights' own split (an optimizer's first steps, each about the learning rate per entry,
     then throw W far off: a 2-step run at 3e-4 read 3.27 from a 1.54 start). `rngs`: the
-    apply's (`calibrated_from`: the random-feature draw the source run trained with)."""
+    apply's (`calibrated_from`: the random-feature draw the source run trained with).
+    A dual or bi-encoder's texts go through one trunk call (`heads.stack_sides`), read at
+    their own segment ids stacked as that call lays them out, as `experts.usage` reads them
+    (review r13: a pair batch has no `segment_ids`, so every padded slot of every side
+    counted)."""
+    from hpnlp.models.heads import stack_sides
+    from hpnlp.moe import texts
+
     def one(params, batch):
         _, state = model.apply({"params": params}, batch, mutable=["intermediates"], rngs=rngs,
                                capture_intermediates=lambda mdl, name: (
                                    name == "__call__" and mdl.name == "norm1"))
-        seg = batch.get("segment_ids")
+        segs = [batch.get("segment_ids" + t) for t in texts(batch)]
+        seg = segs[0] if len(segs) == 1 else stack_sides(*segs)  # as the trunk call reads them
         out = {}  # path: (X^T X, tokens)
 
         def walk(tree, path):
@@ -181,9 +189,13 @@ def calibrated_from(workdir: str) -> Callable:
 
 def real_tokens(seg, shape):
     """[B, L] 1.0 at the real tokens (segment id > 0) of a batch's `segment_ids` `seg`; all
-    ones where the batch has none of that shape."""
-    return (jnp.ones(shape) if seg is None or seg.shape != shape
-            else (seg > 0).astype(jnp.float32))
+    ones where the batch has none. Segment ids of another shape than the activations they
+    mark are refused (review r13: taken as all ones, a pair batch counted every pad slot)."""
+    if seg is not None and tuple(seg.shape) != tuple(shape):
+        raise ValueError(f"real_tokens: seg of shape {tuple(seg.shape)} does not mark "
+                         f"activations of [B, L] = {tuple(shape)}; pass the segment ids of the "
+                         "call that made them (a pair model's: heads.stack_sides of each text's)")
+    return jnp.ones(shape) if seg is None else (seg > 0).astype(jnp.float32)
 
 
 def summed_over_batches(one, params, batches) -> dict:

@@ -4,9 +4,11 @@ Every `model.encoder.mine_every` steps (not after the last) the current encoder 
 train pair's two sides; each first side q_i is searched (hpnlp.retrieval's `blocked_top_k`, exact) against
 all second sides, and its negative is drawn uniformly from its `mine_depth` nearest second
 sides that are not its positive: never d_i itself, nor any d_j whose text (as the model
-reads it, truncated to data.seq_len) equals d_i's, nor any d_j whose pair's first side
-equals q_i's (trained as q_i's match under another number: "And the LORD spake unto Moses,
-saying," opens 45 pairs). Until the first mining no pair has a negative (-1).
+reads it, truncated to data.seq_len) equals d_i's, nor any d_j of a positive pair (label 1)
+whose first side equals q_i's (trained as q_i's match under another number: "And the LORD
+spake unto Moses, saying," opens 45 pairs). A label-0 pair's d is a negative like any
+other, as `bi_encoder.batch_matches` keeps it in a batch (`query_groups`). Until the first
+mining no pair has a negative (-1).
 
 This is a train-state carry (hpnlp.train.carry) named `negatives`: [pairs] int32, saved
 with every checkpoint. Its `loss` adds each batch row's negative as the batch's third side
@@ -49,9 +51,23 @@ def duplicate_groups(tokens_PL, seg_PL) -> np.ndarray:
     return np.array([first.setdefault(k, i) for i, k in enumerate(keys)], np.int32)
 
 
+def query_groups(tokens_PL, seg_PL, labels_P) -> np.ndarray:
+    """[P] int32: `duplicate_groups` of the pairs' first sides, each label-0 pair in a group of
+    its own (P + its index): its d is no match of its q's text, so `positives` never takes it
+    for one (review r13: it was never mined for a q of the same text, and masked as a
+    negative mined for another row, while the same d in a batch stayed a negative). Its own
+    group also lets a positive pair's d of its q text be mined for a label-0 row: that row
+    counts no loss, so the negative serves only the other rows, whose `neg_clash` masks it
+    where it is their match."""
+    group_P = duplicate_groups(tokens_PL, seg_PL)
+    P = len(group_P)
+    return np.where(np.asarray(labels_P) == 1, group_P, P + np.arange(P)).astype(np.int32)
+
+
 def positives(ids, group_P, qgroup_P, rows):
     """Whether pair ids[...] is a match for the query of pair rows[...] (broadcast): its
-    second side has the same text as that pair's, or its first side the same query text."""
+    second side has the same text as that pair's, or its first side the same query text
+    (`qgroup_P`: `query_groups`, where a label-0 pair matches no other)."""
     return (group_P[ids] == group_P[rows]) | (qgroup_P[ids] == qgroup_P[rows])
 
 
@@ -114,7 +130,8 @@ class NegativesCarry(Carry):
         sides = [side_arrays(ex, s, L) for s in (0, 1)]
         self.pairs = len(ex)
         self.group = duplicate_groups(*sides[1])  # pairs whose second sides read the same
-        self.qgroup = duplicate_groups(*sides[0])  # pairs whose first sides read the same
+        # positive pairs whose first sides read the same
+        self.qgroup = query_groups(*sides[0], ex.labels)
         rows = -(-self.pairs // QUERY_BLOCK) * QUERY_BLOCK
         pad = lambda a: np.pad(a, ((0, rows - len(a)), (0, 0)))  # noqa: E731
         (self.q_tok, self.q_seg), (self.d_tok, self.d_seg) = [(pad(t), pad(s)) for t, s in sides]
