@@ -215,3 +215,42 @@ def test_no_queries_or_no_keys_give_zeros():
         for Lq, S in ((0, 0), (3, 0), (0, 3)):
             out = A.get(name)(**impl)(q[:, :Lq], k[:, :S], v[:, :S], None, causal=False)
             assert out.shape == (B, Lq, H, D) and float(jnp.abs(out).sum()) == 0.0
+
+
+# Variants whose decode cache is their own (not `Attention.exact_cache`), tiny options.
+OWN_CACHE = {
+    "local": {"block_size": 4}, "sliding_window": {"block_size": 4, "window": 6},
+    "strided": {"block_size": 4, "stride": 4},
+    "bigbird": {"block_size": 4, "num_global_blocks": 1, "num_random_blocks": 1},
+    "lsh": {"chunk_size": 4, "num_buckets": 4}, "synthesizer": {"max_len": 16},
+    "clustered": {"chunk_size": 4}, "performer": {"num_features": 8, "chunk_size": 4},
+    "linear": {"chunk_size": 4},
+}
+
+
+def test_own_cache_list_names_every_variant_with_a_cache_of_its_own():
+    """So a new such variant gets the refusal test below (and the check it tests)."""
+    assert set(OWN_CACHE) == {n for n in A.names() if not A.get(n).exact_cache()}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_CACHE))
+def test_own_cache_decode_refuses_several_tokens_or_per_row_index(name):
+    """A review (r9 F1): these steps write one token at one slot and move the index by one,
+    so K = 2 tokens or an index per row computed a wrong result silently (a ring buffer
+    overwrote slots, a recurrent state dropped tokens 2..K) or failed deep in a broadcast
+    (`clustered`). Traced only (eval_shape): the refusal happens before any compute."""
+    n = 16
+    attn = A.get(name)(**OWN_CACHE[name])
+    assert not type(attn).exact_cache()
+    q, k, v = _qkv(length=n)
+    variables = jax.eval_shape(lambda q, k, v: attn.init(jax.random.key(0), q, k, v,
+                                                         causal=True), q, k, v)
+    step = lambda w, c, q, k, v: attn.apply(w, c, q, k, v, method="decode_step")  # noqa: E731
+    cache = attn.init_cache(B, n, H, D, jnp.float32)
+    per_row = dict(cache, index=jnp.zeros((B,), jnp.int32))
+    for c, K, why in ((cache, 2, r"2 tokens and an index of shape \(\)"),
+                      (per_row, 1, rf"1 tokens and an index of shape \({B},\)")):
+        with pytest.raises(ValueError, match=f"{name} attention decodes one token a call with "
+                                             f"one index for every row .*{why}.*exact-cache"):
+            jax.eval_shape(step, variables, c, q[:, :K], k[:, :K], v[:, :K])
+    jax.eval_shape(step, variables, cache, q[:, :1], k[:, :1], v[:, :1])  # one token: fine

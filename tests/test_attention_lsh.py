@@ -232,6 +232,26 @@ def test_causality_by_gradient_and_k_is_unused():
     assert float(jnp.abs(gk).max()) == 0.0  # shared QK: the passed keys are never used
 
 
+def test_causal_outputs_depend_on_later_tokens_buckets():
+    """A review (r9 F2): the gradient test above passes by construction (buckets come from
+    stop_gradient(q)), but the *value* of out[t] depends on later tokens: a later token's
+    bucket moves the chunk boundaries of the sorted sequence, so which past keys t shares a
+    chunk with. Pinned here, and stated in the README's causal cell, as in Reformer; with
+    one bucket the sort is by position, and nothing a later token does changes out[t]."""
+    q, k, v = _qkv()
+    ones, t = _padding([L, L]), 25
+    q2 = q.at[:, t].set(-q[:, t])  # the opposite rotation wins: another bucket, every round
+    earlier = lambda a, b: float(jnp.abs(a - b)[:, :t].max())  # noqa: E731
+    assert earlier(_run(HASHED, q, k, v, ones, True), _run(HASHED, q2, k, v, ones, True)) > 0.1
+    q2, v2 = q.at[:, t:].set(-q[:, t:]), v.at[:, t:].set(3 * v[:, t:])  # every later token
+    one = dict(num_buckets=1, chunk_size=L // 2)
+    assert earlier(_run(one, q, k, v, ones, True), _run(one, q2, k, v2, ones, True)) == 0.0
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "README.md")) as f:
+        row = next(line for line in f if line.startswith("| `lsh` |"))
+    assert "which past keys a token sees depends on later tokens' buckets" in row, row
+
+
 def test_fully_masked_rows_have_finite_gradients():
     q, k, v = _qkv()
     grads = _weighted_grads(q, k, v, _padding([0, 5]), jnp.ones((B, L)))

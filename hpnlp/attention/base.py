@@ -75,6 +75,19 @@ def check_inputs(q, k, v, mask, *, grouped: bool = False) -> None:
                          f"{q.shape[1]} must equal the key length {k.shape[1]}; pass mask=None")
 
 
+def check_one_token(name: str, cache, q_BKHD) -> None:
+    """Refuses what a variant's own decode cache (ring buffer, recurrent state, routed or
+    pattern-masked cache) cannot take: K > 1 tokens in one call, or an index of one position
+    per row ([B]). Its step writes one token at one slot and moves the index by one, so either
+    would compute a wrong result silently (or fail deep in a broadcast)."""
+    K, index_shape = q_BKHD.shape[1], jnp.shape(cache["index"])
+    if K != 1 or index_shape:
+        raise ValueError(f"{name} attention decodes one token a call with one index for every "
+                         f"row (its decode cache is its own); got {K} tokens and an index of "
+                         f"shape {index_shape}; use an exact-cache variant (dense, chunked) for "
+                         "prefill or per-row positions")
+
+
 def segment_mask(q_seg_BL, k_seg_BS, *, causal: bool, q_pos_BL=None, k_pos_BS=None):
     """Boolean [B, 1, L, S] mask from segment ids (0 = padding) and, if causal, positions."""
     B, L = q_seg_BL.shape

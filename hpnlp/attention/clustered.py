@@ -47,8 +47,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import (Attention, cache_put, check_inputs, kept_routing,
-                                  masked_softmax_attention, register)
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, check_one_token,
+                                  kept_routing, masked_softmax_attention, register)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30
@@ -216,6 +216,7 @@ class ClusteredAttention(Attention):
 
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
         """Token at cache['index'] attends to its last `chunk_size` cluster-mates so far."""
+        check_one_token(self.registry_name, cache, q_B1HD)
         check_inputs(q_B1HD, k_B1HD, v_B1HD, None)
         self._check()
         idx = cache["index"]

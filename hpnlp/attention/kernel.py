@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from hpnlp import linalg
-from hpnlp.attention.base import Attention, check_inputs, register
+from hpnlp.attention.base import Attention, check_inputs, check_one_token, register
 from hpnlp.config import ConfigError
 
 KERNEL_STATE = "kernel_state"  # checkpoint name of S, z: all that `recompute` keeps
@@ -282,6 +282,7 @@ class _KernelAttention(Attention):
 
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
         """One token: S <- S * decay + phi(k) v^T, out = phi(q) . S / (phi(q) . z + EPS)."""
+        check_one_token(self.registry_name, cache, q_B1HD)
         valid_B1 = jnp.ones(q_B1HD.shape[:2], bool)
         phi_q_BH1M, phi_k_BH1M, shift_BH1 = self._features(q_B1HD, k_B1HD, valid_B1, True)
         phi_q_BHM, phi_k_BHM = phi_q_BH1M[:, :, 0], phi_k_BH1M[:, :, 0]

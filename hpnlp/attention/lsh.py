@@ -79,8 +79,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import (Attention, cache_put, check_inputs, kept_routing, register,
-                                  segment_mask)
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, check_one_token,
+                                  kept_routing, register, segment_mask)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30  # masked-out scores (excluded entirely)
@@ -421,6 +421,7 @@ class LSHAttention(Attention):
         """Reformer decodes with full attention over the cache: exact shared-QK attention of
         the new query over the cached keys (its own included, self-masked). The base class's
         cache layout is kept, but cache["k"] holds normalized shared keys, not `k`."""
+        check_one_token(self.registry_name, cache, q_B1HD)
         check_inputs(q_B1HD, k_B1HD, v_B1HD, None)
         idx = cache["index"]
         kn_B1HD = shared_keys(q_B1HD).astype(cache["k"].dtype)

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.attention.base import (Attention, cache_put, check_inputs, masked_softmax_attention,
-                                  register, segment_mask)
+from hpnlp.attention.base import (Attention, cache_put, check_inputs, check_one_token,
+                                  masked_softmax_attention, register, segment_mask)
 from hpnlp.config import ConfigError
 
 _NEG = -1e30
@@ -218,6 +218,7 @@ class BlockSparseAttention(Attention):
 
     def _full_cache_step(self, cache, q_B1HD, k_B1HD, v_B1HD, allow_T: Callable):
         """The base class's exact KV cache, with the pattern applied to the cached keys."""
+        check_one_token(self.registry_name, cache, q_B1HD)
         idx = cache["index"]
         k_BTHD, v_BTHD = cache_put(cache["k"], k_B1HD, idx), cache_put(cache["v"], v_B1HD, idx)
         j_T = jnp.arange(k_BTHD.shape[1])
@@ -239,6 +240,7 @@ class _RingBufferDecode:
                 "index": jnp.zeros((), jnp.int32)}
 
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
+        check_one_token(self.registry_name, cache, q_B1HD)
         idx = cache["index"]
         W = cache["pos"].shape[0]
         slot = idx % W

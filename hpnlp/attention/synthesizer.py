@@ -33,8 +33,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hpnlp.attention.base import (Attention, attend, cache_put, check_inputs, register,
-                                  segment_mask)
+from hpnlp.attention.base import (Attention, attend, cache_put, check_inputs, check_one_token,
+                                  register, segment_mask)
 from hpnlp.config import ConfigError
 
 MODES = ("dense", "random", "factorized")
@@ -238,6 +238,7 @@ class SynthesizerAttention(Attention):
 
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
         """Token at cache['index']: its row of synthesized logits over the cached values."""
+        check_one_token(self.registry_name, cache, q_B1HD)
         check_inputs(q_B1HD, k_B1HD, v_B1HD, None)
         self._check_mode()
         idx = cache["index"]
