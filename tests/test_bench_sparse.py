@@ -35,6 +35,43 @@ def test_breakeven_is_where_a_sparse_product_wins_from_then_on():
     assert got["jax bcoo"] is None and got["torch dense"] is None
 
 
+def _check_blocks(p: dict) -> None:
+    """A timed block sums its products' times; an untimed one says why (a review, session
+    109: a skipped impl's None was compared with the 0 of no timed rows)."""
+    for b in p["block"]:
+        mine = [r for r in p["rows"] if (r["pattern"], r["sparsity_asked"], r["impl"])
+                == (b["pattern"], b["sparsity"], b["impl"])]
+        if b["median_s"] is None:
+            assert b["status"] != "ok" and any(r["status"] != "ok" for r in mine)
+            continue
+        assert b["status"] == "ok" and all(r["status"] == "ok" for r in mine)
+        assert b["median_s"] == pytest.approx(sum(r["time"]["median_s"] for r in mine))
+
+
+def test_a_run_without_pytorch_or_xla_dense_reports_the_rest(tmp_path, monkeypatch):
+    """A review (session 109): CI has no PyTorch, and the quick-run test failed there; one
+    implementation that raised lost the whole run; and a block without an `xla dense` time
+    (a TF32 `wrong` on a GPU) made the report a TypeError."""
+    monkeypatch.setattr(harness, "torch_or_none", lambda: None)
+    monkeypatch.setitem(sparse.SIZES, "quick", dict(tokens=8, sparsities=(), repeats=1))
+
+    def calls(x, w, torch):  # the real ones compile for seconds (BCOO's fromdense alone)
+        assert torch is None  # what the run passes without PyTorch
+        return {"xla dense": lambda: 1 / 0, "scipy csr": lambda: x @ w}
+    monkeypatch.setattr(sparse, "_calls", calls)
+    monkeypatch.setattr(sparse, "_plot", lambda p, out_dir: None)  # matplotlib: seconds
+    p = sparse.run(str(tmp_path), quick=True, only=("out",))
+    assert {r["impl"]: r["status"] for r in p["rows"]} == {
+        "xla dense": "failed: ZeroDivisionError: division by zero", "scipy csr": "ok",
+        "torch dense": "skipped (no PyTorch)", "torch csr": "skipped (no PyTorch)",
+        "hpnlp csc": "skipped (no kernel here)", "jax bcoo": "skipped (no kernel here)"}
+    _check_blocks(p)
+    md = open(tmp_path / "results.md").read()
+    ms = next(b["median_s"] for b in p["block"] if b["impl"] == "scipy csr")
+    assert f"| {ms * 1e3:.2f} |" in md  # the ms alone: no speed-up to show
+    assert "skipped (no PyTorch)" in md and "failed: ZeroDivisionError" in md
+
+
 @pytest.mark.slow  # 7.9 s in the suite on the 2-core Zen 3 (2026-12-01): CI's slow part runs it
 def test_quick_run_checks_every_product_and_sums_the_block(tmp_path):
     p = sparse.run(str(tmp_path), quick=True, only=("out", "mlp_out"))
@@ -52,10 +89,7 @@ def test_quick_run_checks_every_product_and_sums_the_block(tmp_path):
         assert r["max_rel_err"] <= sparse.TOLERANCE and r["time"]["median_s"] > 0
         if r["pattern"] == "unstructured":
             assert abs(r["sparsity"] - r["sparsity_asked"]) < 1e-3
-    for b in p["block"]:
-        mine = [r for r in timed if (r["pattern"], r["sparsity_asked"], r["impl"])
-                == (b["pattern"], b["sparsity"], b["impl"])]
-        assert b["median_s"] == sum(r["time"]["median_s"] for r in mine)
+    _check_blocks(p)
     saved = json.load(open(tmp_path / "results.json"))
     assert saved["breakeven"] == p["breakeven"]
     md = open(tmp_path / "results.md").read()

@@ -50,20 +50,26 @@ def machine(info: dict) -> str:
 
 def short_machine(info: dict) -> str:
     """The machine in a few words: an EPYC by its core generation, a Xeon by model and
-    stepping, an Arm CPU by implementer and part; "AVX2 only" where the kernels had AVX2 but
-    no AVX-512, the architecture where they had neither (session 107: an aarch64 record read
-    "? (AVX2 only)")."""
+    stepping (each only where its model name says so: a review, session 109, found a Ryzen
+    and a Core i7 named "AMD EPYC" and "Intel Xeon"), another x86 CPU by its model name, an
+    Arm CPU by implementer and part; "AVX2 only" where the kernels had AVX2 but no AVX-512,
+    the architecture where they had neither (session 107: an aarch64 record read "? (AVX2
+    only)")."""
     if info.get("backend", "cpu") != "cpu":
         return (info.get("devices") or ["?"])[0]
     d = info.get("cpu_detail") or {}
     family, model, stepping = d.get("family"), d.get("model"), d.get("stepping")
-    if d.get("vendor") == "AuthenticAMD":
+    cpu, vendor = info.get("cpu") or "", d.get("vendor")
+    x86 = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor)
+    if x86 == "AMD" and "epyc" in cpu.lower():
         name = "AMD EPYC " + AMD_CORES.get((family, model), f"family {family} model {model}")
-    elif d.get("vendor") == "GenuineIntel":
+    elif x86 == "Intel" and "xeon" in cpu.lower():
         name = f"Intel Xeon model {model}, stepping {stepping}"
+    elif x86:
+        name = cpu or f"{x86} family {family} model {model}, stepping {stepping}"
     else:
         arm = ", ".join(f"{k} {d[k]}" for k in ("implementer", "part") if k in d)
-        name = (info.get("cpu") or "?") + (f" ({arm})" if arm else "")
+        name = (cpu or "?") + (f" ({arm})" if arm else "")
     features, arch = d.get("features", []), info.get("machine")
     if "avx512f" in features:
         return name

@@ -151,9 +151,25 @@ def executable_memory(compiled) -> dict:
     return out
 
 
+# where Linux keeps this process image's own high-water mark (`peak_rss_bytes`)
+PROC_STATUS = "/proc/self/status"
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports KiB, macOS bytes: a review,
-    session 107: every macOS "peak RSS MiB" cell read 1024 times its size)."""
+    """Peak resident memory of this process image so far: Linux's `VmHWM`, which starts at
+    zero at exec. Not `ru_maxrss` there: it survives exec, so a child that `subprocess.run`
+    starts (vfork) begins at its parent's peak, and every `isolated` row read at least the
+    bench parent's peak (a review, session 109: a 14 MiB child read 1051 MiB under a parent
+    that had touched 1 GiB). Without /proc (macOS, which resets it at exec) `ru_maxrss`:
+    KiB on Linux, bytes on macOS (a review, session 107: every macOS "peak RSS MiB" cell read
+    1024 times its size)."""
+    try:
+        with open(PROC_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):  # "VmHWM:\t   13676 kB"
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
         1 if sys.platform == "darwin" else 1024)
 
