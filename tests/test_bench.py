@@ -184,6 +184,56 @@ def test_train_bench_flags_ratios_taken_at_different_machine_speeds():
     assert "2 ratio(s) read past it (`linear` at 1024, `local` at 1024)" in md
 
 
+def test_train_encoder_cell_says_when_its_length_has_no_dense_row():
+    """Review r12: a variant that ran fine where `dense` failed at that length read `ok`,
+    hiding that its ratio is missing because the denominator is."""
+    from hpnlp.bench import train as bench_train
+
+    def row(name, status):
+        return dict(group="encoder", name=name, L=1024, status=status, steps_per_sec=1.0,
+                    compiled_memory={"total_bytes": 2**28}, time={})
+    payload = {"machine": harness.machine_info(), "matmul_gflops": {"float32": 200.0},
+               "isolated": False,
+               "results": [row("dense", "failed: XlaRuntimeError: RESOURCE_EXHAUSTED"),
+                           row("local", "ok")]}
+    payload["summary"] = bench_train._summarize(payload)
+    md = bench_train._markdown(payload)
+    assert "| `local` | no dense row |" in md
+    assert "| `dense` | failed: XlaRuntimeError: RESOURCE_EXHAUSTED |" in md
+
+
+def test_a_no_isolate_run_into_an_isolated_report_is_refused(tmp_path, capsys, monkeypatch):
+    """Review r12: `train --no-isolate` (and softmax's, attention's) into a recorded --out
+    replaced an isolated report, its RSS columns gone under README prose that cites them.
+    Refused as --quick is; into a report measured in one process it runs."""
+    import argparse
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import attention as bench_attention
+    from hpnlp.bench import softmax as bench_softmax
+    from hpnlp.bench import train as bench_train
+    for mod in (bench_train, bench_softmax, bench_attention):
+        monkeypatch.setattr(mod, "main", lambda args: pytest.fail("ran; not refused"))
+    for entry in ("train", "softmax", "attention"):
+        (tmp_path / "results.md").write_text(f"# hpnlp benchmark: {entry}\n\n...")
+        (tmp_path / "results.json").write_text(json.dumps(
+            {"quick": False, "isolated": True, "results": []}))
+        with pytest.raises(SystemExit) as e:
+            bench_main.main([entry, "--no-isolate", "--out", str(tmp_path)])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            f"--out {tmp_path} holds a full run's report of the {entry} bench, which this "
+            "--no-isolate run would replace; give another --out")
+        flags = {"train": dict(variants=None),
+                 "attention": dict(variants=None, lengths=None, causal=False)}.get(entry, dict(
+            methods=None, vocabs=None, set=[], quality=False, seconds=None, tokenizers=None))
+        args = argparse.Namespace(entry=entry, out=str(tmp_path), profile=None, quick=False,
+                                  no_isolate=True, **flags)
+        (tmp_path / "results.json").write_text(json.dumps(
+            {"quick": False, "isolated": False, "results": []}))
+        bench_main.check_args(args)  # a report measured in one process: run again so
+        bench_main.check_args(argparse.Namespace(**{**vars(args), "no_isolate": False}))
+
+
 # 2.8 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the
 # suite read 6 min 16 s for 1729 tests, about 12 min at the Zen 3's ratio): CI's slow part runs it
 @pytest.mark.slow
@@ -812,8 +862,9 @@ def test_an_arm_cpu_is_named_and_macos_peak_rss_is_bytes(tmp_path, monkeypatch):
     tt, _ = _targets_table(tmp_path, monkeypatch)
     assert tt.short_machine(info) == "aarch64 (implementer 0x41, part 0xd40)"
     assert tt.machine(info) == "aarch64 (implementer 0x41, part 0xd40, variant 0x1, revision 1)"
-    x86 = {"cpu": "c", "machine": "x86_64", "cpu_detail": {"vendor": "GenuineIntel", "model": 85,
-                                                           "stepping": 7, "features": ["avx2"]}}
+    x86 = {"cpu": "Intel(R) Xeon(R) Processor", "machine": "x86_64",
+           "cpu_detail": {"vendor": "GenuineIntel", "model": 85, "stepping": 7,
+                          "features": ["avx2"]}}
     assert tt.short_machine(x86) == "Intel Xeon model 85, stepping 7 (AVX2 only)"
     x86["cpu_detail"]["features"] = []
     assert tt.short_machine(x86) == "Intel Xeon model 85, stepping 7 (x86_64)"
@@ -825,10 +876,57 @@ def test_an_arm_cpu_is_named_and_macos_peak_rss_is_bytes(tmp_path, monkeypatch):
     assert harness.cpu_model() == "Apple M2"
     monkeypatch.setattr(harness.resource, "getrusage",
                         lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**20))
+    monkeypatch.setattr(harness, "PROC_STATUS", str(tmp_path / "no"))  # no /proc: ru_maxrss
     assert harness.peak_rss_bytes() == 3 * 2**20
     assert loop._peak_memory()["host_peak_rss_bytes"] == 3 * 2**20
     monkeypatch.setattr(sys, "platform", "linux")  # KiB there
     assert harness.peak_rss_bytes() == loop._peak_memory()["host_peak_rss_bytes"] == 3 * 2**30
+
+
+def test_peak_rss_is_this_process_images_own_not_its_parents(tmp_path, monkeypatch):
+    """A review (session 109): on Linux ru_maxrss survives exec, so a fresh child of
+    subprocess.run (vfork) read its parent's peak, and every `isolated` row read at least the
+    bench parent's peak: 128 MiB touched here showed up in a child that never held it."""
+    import inspect
+    import subprocess
+    import sys
+    from hpnlp.train import loop
+    # the function's own code in a fresh interpreter, without the seconds of importing JAX
+    code = (f"import resource, sys\nPROC_STATUS = {harness.PROC_STATUS!r}\n"
+            + inspect.getsource(harness.peak_rss_bytes) + "\nprint(peak_rss_bytes())")
+    big = np.ones(2**24)  # 128 MiB, touched: this process's peak is at least that
+    try:
+        child = int(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                   text=True, check=True).stdout)
+    finally:
+        del big
+    assert harness.peak_rss_bytes() >= 2**27 > 4 * child  # a bare Python's: ~14 MiB
+    # the training loop's summary reads the same mark (the data and lra benches report it)
+    (tmp_path / "status").write_text("Name:\tpython\nVmHWM:\t       5 kB\nVmRSS:\t 4 kB\n")
+    monkeypatch.setattr(harness, "PROC_STATUS", str(tmp_path / "status"))
+    assert harness.peak_rss_bytes() == loop._peak_memory()["host_peak_rss_bytes"] == 5 * 2**10
+
+
+def test_the_targets_table_names_a_xeon_or_an_epyc_only_where_the_cpu_is_one(
+        tmp_path, monkeypatch):
+    """A review (session 109): the vendor alone named the machine, so a Ryzen read "AMD EPYC
+    family 25 model 97" and a Core i7 "Intel Xeon model 154, stepping 3"."""
+    tt, _ = _targets_table(tmp_path, monkeypatch)
+    ryzen = {"cpu": "AMD Ryzen 9 7950X 16-Core Processor", "machine": "x86_64",
+             "cpu_detail": {"vendor": "AuthenticAMD", "family": 25, "model": 97,
+                            "features": ["avx2", "avx512f"]}}
+    assert tt.short_machine(ryzen) == "AMD Ryzen 9 7950X 16-Core Processor"
+    core = {"cpu": "12th Gen Intel(R) Core(TM) i7-12700K", "machine": "x86_64",
+            "cpu_detail": {"vendor": "GenuineIntel", "family": 6, "model": 151, "stepping": 2,
+                           "features": ["avx2"]}}
+    assert tt.short_machine(core) == "12th Gen Intel(R) Core(TM) i7-12700K (AVX2 only)"
+    # the records' own names keep their short forms (README's embedded tables)
+    epyc = dict(ryzen, cpu="AMD EPYC", cpu_detail=dict(ryzen["cpu_detail"], model=17))
+    assert tt.short_machine(epyc) == "AMD EPYC Zen 4"
+    xeon = dict(core, cpu="Intel(R) Xeon(R) Processor")
+    assert tt.short_machine(xeon) == "Intel Xeon model 151, stepping 2 (AVX2 only)"
+    assert tt.short_machine(dict(core, cpu="")) == ("Intel family 6 model 151, stepping 2 "
+                                                    "(AVX2 only)")
 
 
 def test_quality_reports_write_the_header_that_names_the_cpu():

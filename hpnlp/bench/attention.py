@@ -476,7 +476,9 @@ def less_than(args, held: dict) -> list[str]:
     hpnlp.bench` then refuses it, as it does --quick): --variants or --lengths leaving out a
     variant or a length it has rows of (a bug hunt, session 103: `--variants chunked` replaced
     the recorded L = 4096 report of eight variants). The records are made with these flags
-    (docs/benchmarks.md), so what counts is the rows held, not the flags given."""
+    (docs/benchmarks.md), so what counts is the rows held, not the flags given; and
+    --no-isolate where the report was measured isolated (its memory column is each row's
+    fresh process's: a review, r12, found train's and softmax's taken so)."""
     rows = [r for r in held.get("results") or () if isinstance(r, dict)]
     flags = []
     variants = {r.get("impl") for r in rows} & set(attention_lib.names())  # (not the peers)
@@ -488,6 +490,8 @@ def less_than(args, held: dict) -> list[str]:
     if bool(args.causal) != bool(shape.get("causal", False)):  # (review: a causal run drops
         # the bidirectional-only rows, the bound row and the targets of a bidirectional one)
         flags.append("--causal" if args.causal else "no --causal")
+    if args.no_isolate and held.get("isolated") is True:
+        flags.append("--no-isolate")
     return flags
 
 
