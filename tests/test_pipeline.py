@@ -412,3 +412,42 @@ def test_a_stacked_teacher_whose_depth_the_pipeline_does_not_split_is_refused_at
                      r"whose model\.depth 4 divides \(or one of model\.stack_layers=False\), or "
                      r"set mesh\.pipeline to one that divides both 4 and 6$", message), message
     assert not written  # refused before config.json
+
+
+def test_the_pool_is_evaluated_in_the_runs_pipeline_outside_its_loop():
+    """Review r13 (session 109): `Trainer.evaluate` measured a bi-encoder's held-out pool
+    outside the run's mesh where it was called outside the loop (a run resumed at
+    train.steps, a user's call), so a pipelined Performer or LSH trunk, which draws its
+    features per stage, embedded the pool with another function than its steps. The pool
+    now runs in the Trainer's context. Stand-ins: nothing compiles."""
+    import types
+
+    from jax.sharding import AbstractMesh
+
+    from hpnlp.parallel.pipeline import pipeline_stages
+    from hpnlp.train import loop
+    seen = []
+
+    class Model:
+        @staticmethod
+        def split_metrics(cfg, model, params, task, *, features_key=None):
+            seen.append(pipeline_stages())
+            return {"mrr": 1.0}
+
+    class State:
+        params, rng, step = {"w": np.zeros(2, np.float32)}, np.zeros(2, np.uint32), 3
+
+        def replace(self, **kw):
+            return self
+
+        def features_key(self, every):
+            return None
+
+    tr = object.__new__(loop.Trainer)
+    tr.eval_model, tr.lm, tr.task = Model(), False, None
+    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(feature_redraw_every=0))
+    tr.eval_sums = lambda state: {"weight": 1.0, "loss": 0.5}
+    tr.split_model = lambda step: None
+    tr._context = lambda: jax.sharding.use_abstract_mesh(AbstractMesh((2,), ("pipeline",)))
+    out = tr.evaluate(State())
+    assert seen == [2] and out["mrr"] == 1.0

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import sys
 import time
 from typing import Any
@@ -204,8 +203,10 @@ def _rebox(boxed, values):
 
 
 def _peak_memory() -> dict:
-    out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, but
-           * (1 if sys.platform == "darwin" else 1024)}  # bytes on macOS (session 107)
+    # this process image's own peak, not ru_maxrss, which a bench's child inherits from its
+    # parent on Linux (a review, session 109; the data and lra benches report this one)
+    from hpnlp.bench.harness import peak_rss_bytes
+    out = {"host_peak_rss_bytes": peak_rss_bytes()}
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
@@ -764,14 +765,28 @@ class Trainer:
         key = state.replace(rng=rng, step=step).features_key(self.cfg.train.feature_redraw_every)
         model = self.split_model(step)
         if jax.process_count() == 1:
-            out.update(split_metrics(self.cfg, model, jax.device_get(params), self.task,
-                                     features_key=key))
+            # in the run's mesh and pipeline, as its steps: a pipelined Performer or LSH trunk
+            # draws its features per stage (parallel/pipeline.py), and the pool evaluated
+            # unpipelined, at the end of a run resumed at train.steps or from a user's call,
+            # measured another function than its training and in-batch eval (review r13)
+            with self._context():
+                out.update(split_metrics(self.cfg, model, jax.device_get(params), self.task,
+                                         features_key=key))
             return out
         # Several processes (a review, r7: they measured none, unsaid): each gathers the whole
         # of every parameter and measures the whole split alike on its own devices, outside
         # the run's mesh (whose constraints would lay the pass out across the processes).
         from jax.experimental import multihost_utils
+        from hpnlp.attention import draws_features
         params = multihost_utils.process_allgather(params, tiled=True)
+        if self.mesh.shape["pipeline"] > 1 and not getattr(self, "_pool_said", False) and \
+                draws_features(self.cfg.attention.name, self.cfg.attention.options):
+            self._pool_said = True  # said once a run (review r13)
+            print(f"{self.cfg.name}: note: the held-out pool's metrics (recall, MRR) run "
+                  "unpipelined on each process, so this pipelined run's random features are "
+                  "drawn per layer otherwise there than in its steps and in-batch eval: they "
+                  "measure another function; evaluate it on one process to read its own",
+                  file=sys.stderr, flush=True)
         with jax.set_mesh(None):
             out.update(split_metrics(self.cfg, model, params, self.task, features_key=key))
         return out
