@@ -264,21 +264,17 @@ def test_centroids_get_the_kmeans_gradient_and_descend_to_the_cluster_means():
         return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
     # The task gradient cannot reach the centroids (routing is discrete); what arrives is
-    # the k-means gradient sum_{t in c} (2 mu_c - u(q_t) - u(k_t)) over the real tokens' count
-    # (a mean: summed, it set global-norm clipping for every other gradient; session 109),
-    # computed here independently.
+    # the k-means gradient sum_{t in c} (2 mu_c - u(q_t) - u(k_t)), computed here independently.
     q, k, v = _qkv()
     c = np.random.default_rng(2).standard_normal((H, 2, D)).astype(np.float32)
     x = unit(q) + unit(k)  # [B, L, H, D]
     cluster = np.argmax(np.einsum("blhd,hcd->blhc", x, unit(c)), axis=-1)
     onehot = np.eye(2)[cluster] * (mask != 0)[:, :, None, None]  # [B, L, H, C]
     expected = (2 * onehot.sum((0, 1))[:, :, None] * c - np.einsum("blhc,blhd->hcd", onehot, x))
-    expected = expected / (mask != 0).sum()
     np.testing.assert_allclose(centroid_grad(c, q, k, v), expected, rtol=1e-5, atol=1e-5)
 
     # Tokens whose unit q and k lie near +u or -u (per head): gradient descent on the
-    # centroids (lr N / (2 n) would be Lloyd's step, N tokens, n of them in the cluster) must
-    # find the two directions.
+    # centroids (lr 1/(2 n) would be Lloyd's step) must find the two directions.
     rng = np.random.default_rng(3)
     u = unit(rng.standard_normal((H, D)))
     side = rng.choice([-1.0, 1.0], (B, L, 1, 1))
@@ -286,7 +282,7 @@ def test_centroids_get_the_kmeans_gradient_and_descend_to_the_cluster_means():
             for _ in range(2))
     c = np.random.default_rng(4).standard_normal((H, 2, D)).astype(np.float32)
     for _ in range(30):
-        c = c - 0.005 * (mask != 0).sum() * np.asarray(centroid_grad(c, q, k, v))
+        c = c - 0.005 * np.asarray(centroid_grad(c, q, k, v))
     cos = np.einsum("hcd,hd->hc", unit(c), u)
     np.testing.assert_allclose(np.sort(cos, axis=-1), [[-1.0, 1.0]] * H, atol=0.02)
 

@@ -155,3 +155,29 @@ def test_accumulation_is_refused_where_a_microbatch_would_shrink_the_negatives(l
         validate(from_configdict(cd))
     cd.train.grad_accum = 1
     validate(from_configdict(cd))
+
+
+def test_clipping_and_grad_norm_leave_clustered_attentions_kmeans_step_out():
+    """A review (session 109; tools/grad_norm_parts.py): `clustered` attention's centroids
+    receive a k-means step through their backward, 95-100% of the global gradient norm, so
+    clipping scaled every other gradient by 1/8 to 1/21 (the byte LM) or 7.3e-4 (the LRA
+    ListOps classifier), and grad_norm logged the k-means term. Clipping now reads and
+    scales the other leaves only, with optax's own state (saved runs' optimizer states read
+    as before)."""
+    import optax
+
+    from hpnlp.train.state import clip_by_global_norm, clipped_part
+    t = TrainConfig(lr=1.0, warmup_steps=0, steps=10, weight_decay=0.0, clip_norm=1.0)
+    params = {"attn": {"centroids": jnp.zeros((2, 3)), "kernel": jnp.zeros((3, 3))}}
+    state = make_optimizer(t, params).init(params)
+    assert state[0] == optax.clip_by_global_norm(1.0).init(params)  # optax's EmptyState
+    clip = clip_by_global_norm(1.0)
+    grads = {"attn": {"centroids": jnp.full((2, 3), 100.0), "kernel": jnp.full((3, 3), 0.1)}}
+    out, _ = clip.update(grads, clip.init(params))  # the rest's norm 0.3: no clip
+    np.testing.assert_array_equal(out["attn"]["kernel"], grads["attn"]["kernel"])
+    np.testing.assert_array_equal(out["attn"]["centroids"], grads["attn"]["centroids"])
+    big = {"attn": {"centroids": grads["attn"]["centroids"], "kernel": jnp.full((3, 3), 2.0)}}
+    out, _ = clip.update(big, clip.init(params))
+    np.testing.assert_allclose(optax.tree.norm(out["attn"]["kernel"]), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(out["attn"]["centroids"], big["attn"]["centroids"])
+    assert float(optax.tree.norm(clipped_part(grads))) == pytest.approx(0.3, rel=1e-6)

@@ -22,15 +22,17 @@ Centroids: a `centroids` parameter [H, C, D] (spherical: compared after normaliz
 The training step only updates `params`, so the paper's exponential moving average cannot
 be stored; instead the optimizer trains the centroids on the k-means objective
 sum_t (|u(q_t) - mu_c(t)|^2 + |u(k_t) - mu_c(t)|^2) / 2, u(x) = x / |x| (mini-batch
-k-means by gradient descent), as its mean over the real tokens. Its gradient, the sum over
-the tokens of cluster c of (2 mu_c - u(q_t) - u(k_t)) over their count, is injected through a
-custom VJP, because the attention
+k-means by gradient descent). Its gradient, the sum over the tokens of cluster c of
+(2 mu_c - u(q_t) - u(k_t)), is injected through a custom VJP, because the attention
 output depends on the centroids only through the discrete assignment (zero task
-gradient). q and k get no gradient from routing, as in the paper. The injected gradient
-is not scaled by the cotangent that arrives, so float16's loss scale (which the train step
-multiplies into the loss and divides out of every gradient) would divide it: a new run of
-`clustered` with model.dtype='float16' is refused (`config.checks.check_new_run`); a layer
-cannot learn the scale from its cotangents alone.
+gradient). q and k get no gradient from routing, as in the paper. Being no gradient of the
+objective, it is left out of global-norm clipping and the logged grad_norm
+(`train.state.clips`): a review (session 109) measured it at 95-100% of the norm, which scaled
+every other gradient by 1/8 to 1/21 in the byte LM and 7.3e-4 in the LRA ListOps
+classifier. The injected gradient is not scaled by the cotangent that arrives, so
+float16's loss scale (which the train step multiplies into the loss and divides out of every
+gradient) would divide it: a new run of `clustered` with model.dtype='float16' is refused
+(`config.checks.check_new_run`); a layer cannot learn the scale from its cotangents alone.
 
 Reversible blocks: the assignment is kept in the `routing` variable collection when the
 caller makes it mutable and read from it when the caller passes it (`base.kept_routing`),
@@ -68,21 +70,13 @@ def route(q_BLHD, k_BLHD, centroids_HCD):
 
 
 def kmeans_grad(q_BLHD, k_BLHD, centroids_HCD, cluster_BLH, valid_BL):
-    """d/d mu of the mean over real tokens of (|u(q_t) - mu_c(t)|^2 + |u(k_t) - mu_c(t)|^2) / 2.
-
-    A mean, not a sum (a review, session 109): summed over the batch's tokens, about sqrt(D)
-    per centroid times their count, it was 95-100% of the global gradient norm, so global-norm
-    clipping (on by default) scaled every other gradient by 1/8 to 1/21 through an LM's run
-    and by 7e-4 in the LRA ListOps classifier (whose step divides by examples, not tokens),
-    and the logged grad_norm was the k-means term's. Adam's step does not depend on the
-    gradient's scale, so the centroids descend as before."""
+    """d/d mu of sum_t (|u(q_t) - mu_c(t)|^2 + |u(k_t) - mu_c(t)|^2) / 2 over real tokens."""
     C = centroids_HCD.shape[1]
     onehot_BLHC = jax.nn.one_hot(cluster_BLH, C, dtype=jnp.float32) * valid_BL[:, :, None, None]
     x_BLHD = _unit(q_BLHD) + _unit(k_BLHD)
     count_HC = jnp.sum(onehot_BLHC, axis=(0, 1))
     total_HCD = jnp.einsum("blhc,blhd->hcd", onehot_BLHC, x_BLHD)
-    tokens = jnp.maximum(jnp.sum(valid_BL, dtype=jnp.float32), 1.0)
-    return (2.0 * count_HC[:, :, None] * centroids_HCD - total_HCD) / tokens
+    return 2.0 * count_HC[:, :, None] * centroids_HCD - total_HCD
 
 
 @jax.custom_vjp

@@ -28,7 +28,7 @@ import optax
 
 from hpnlp.config import TrainConfig
 from hpnlp.train import carry as carry_lib
-from hpnlp.train.state import TrainState, learning_rate_schedule
+from hpnlp.train.state import TrainState, clipped_part, learning_rate_schedule
 
 
 # `jax.checkpoint` (`model.remat`) keeps a block's backward-pass recomputation apart from
@@ -187,7 +187,9 @@ def make_train_step(model, tx: optax.GradientTransformation, t: TrainConfig, car
             grads_ok = grads_ok | (good > -FLOOR_SKIPS)
         tokens = sum(jnp.sum(v != 0, dtype=jnp.float32) for k, v in batch.items()
                      if k.startswith("segment_ids"))
-        metrics = dict(sums, **extra, grad_norm=optax.tree.norm(opt_grads),
+        # the norm clipping reads (state.clips: a k-means step injected into clustered
+        # attention's centroids is no gradient of the objective)
+        metrics = dict(sums, **extra, grad_norm=optax.tree.norm(clipped_part(opt_grads)),
                        param_norm=optax.tree.norm(params),
                        finite=(grads_ok & all_finite(params)).astype(jnp.float32),
                        tokens=tokens, lr=schedule(state.step))
