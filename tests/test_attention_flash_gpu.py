@@ -138,6 +138,20 @@ def test_float32_takes_the_gpu_kernel_only_at_measured_blocks(monkeypatch):
     assert "float32_d32" in F.blocker(32, 32, jnp.float32)  # a width it has no entry for
 
 
+def test_an_explicit_kernel_runs_float32_at_the_rules_blocks(monkeypatch):
+    """A diff review (d2): the measured-blocks rule refused impl='kernel' too, so a float32
+    run saved on the H200 could not resume on an H100 (nor at head dim 32 on the H200). It is
+    `auto`'s choice only; the head dim and capability limits hold for both."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(F, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    assert "no measured blocks" in C.kernel_blocker(64, 64, "auto", None, None, jnp.float32)
+    assert C.kernel_blocker(64, 64, "kernel", None, None, jnp.float32) is None
+    assert F.blocker(32, 32, jnp.float32, impl="kernel") is None
+    assert "up to 64" in C.kernel_blocker(128, 128, "kernel", None, None, jnp.float32)
+    monkeypatch.setattr(F, "compute_capability", lambda: (7, 5))
+    assert "compute capability 7.5" in F.blocker(64, 64, jnp.float32, impl="kernel")
+
+
 def test_gpus_before_ampere_are_refused(monkeypatch):
     """A review (r14): the kernels were compiled only on Hopper; below compute capability
     8.0 bfloat16 products and the rule's shared memory are untried, and would fail at

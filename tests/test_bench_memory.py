@@ -137,17 +137,20 @@ def _ok_row(mode: dict, n: int = 8) -> dict:
 
 class _FakeChild:
     """Stands in for the bench's child: sends `lines`, then exits `returncode`, or, with
-    hang=True, sends them and then hangs until killed (exit -9)."""
+    hang=True, sends them and then hangs until killed (exit -9); `hanging` is set once every
+    line is in the parent's queue (the reader thread asks for the next only after that)."""
 
     def __init__(self, lines, returncode, hang=False):
         import threading
         self.returncode, self.killed, self.lines = None, threading.Event(), lines
+        self.hanging = threading.Event()
         self._code, self._hang = returncode, hang
         self.stdout = self._read()
 
     def _read(self):
         yield from self.lines
         if self._hang:
+            self.hanging.set()
             self.killed.wait(10)
 
     def __call__(self, cmd, *, stdout, stderr, text, env):  # the Popen call
@@ -180,6 +183,8 @@ def test_rows_measured_before_a_child_crash_timeout_or_interrupt_are_reported(
     lines = [json.dumps({"machine": harness.machine_info()}) + "\n", "a log line\n",
              json.dumps(_ok_row(mode_list[0])) + "\n"]
 
+    monkeypatch.setattr(memory, "_plot", lambda p, path: None)  # matplotlib: seconds
+
     def run(name, child, **kw):
         monkeypatch.setattr(memory.subprocess, "Popen", child)
         out = str(tmp_path / name)
@@ -190,6 +195,8 @@ def test_rows_measured_before_a_child_crash_timeout_or_interrupt_are_reported(
     status = [r["status"] for r in payload["results"]]
     assert [r["name"] for r in payload["results"]] == list(only)
     assert status[0] == "ok" and payload["interrupted"] is False
+    assert payload["died"] == "the child exited -9 (killed: out of memory?) during `fsdp=8`"
+    assert md.startswith("# hpnlp benchmark: memory\n\n**Partial:** the child exited -9")
     assert status[1] == ("failed: child exited -9 (killed: out of memory?): "
                          "F0101 hlo.cc:1] Check failed: something in XLA")
     assert status[2] == "failed: not reached, the child exited -9 (killed: out of memory?) " \
@@ -197,8 +204,15 @@ def test_rows_measured_before_a_child_crash_timeout_or_interrupt_are_reported(
     assert "| replicated (data=8) | 1 | 2 | 3 |" in md and "failed: child exited -9" in md
     assert run("segv", _FakeChild(lines, -11))[0]["results"][1]["status"].startswith(
         "failed: child exited -11 (signal SIGSEGV): F0101")
-    # a mode whose compile hangs: killed at the deadline, the row before it kept
-    payload, _ = run("hang", _FakeChild(lines, 0, hang=True), timeout_s=0.3)
+    # a mode whose compile hangs: killed at the deadline, the row before it kept. The clock
+    # passes the deadline only once the child hangs with every line sent (a diff review, d2:
+    # a real 0.3 s deadline needed the reader thread to be that quick on a loaded machine).
+    hang = _FakeChild(lines, 0, hang=True)
+    clock = iter([0.0])  # the first read sets the deadline
+    with monkeypatch.context() as m:
+        m.setattr(memory, "time", type("Clock", (), dict(monotonic=staticmethod(
+            lambda: next(clock, 1e9 if hang.hanging.is_set() else 0.0)))))
+        payload, _ = run("hang", hang, timeout_s=0.3)
     assert [r["status"][:46] for r in payload["results"]] == [
         "ok", "failed: child exited -9 (timeout after 0.3 s):",
         "failed: not reached, the child exited -9 (time"]
@@ -214,8 +228,44 @@ def test_rows_measured_before_a_child_crash_timeout_or_interrupt_are_reported(
             return self.left.pop(0)
     monkeypatch.setattr(memory, "_lines", lambda stream: StoppedQueue())
     payload, md = run("stopped", _FakeChild([], 0, hang=True))
-    assert payload["interrupted"] == 143 and "**Interrupted:**" in md
+    assert payload["interrupted"] == 143 and "**Interrupted:**" in md and "died" not in payload
     assert [r["status"] for r in payload["results"]] == ["ok"] + [harness.INTERRUPTED] * 2
+
+
+def test_a_crashed_run_keeps_the_recorded_report_and_exits_nonzero(tmp_path, monkeypatch, capsys):
+    """A diff review (d2): a child killed by the OOM killer or the deadline wrote its partial
+    report over the whole one in --out, and `python -m hpnlp.bench memory` exited 0. It goes
+    to --out/interrupted, as an interrupted run's does, and the run exits 1 saying where."""
+    from hpnlp.bench import harness
+    recorded = json.dumps({"benchmark": "memory", "quick": False, "devices": 8,
+                           "interrupted": False, "results": []})
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: memory\n\nthe recorded one\n")
+    (tmp_path / "results.json").write_text(recorded)
+    first = memory.modes(8, memory.FULL_MODEL)[0]
+    lines = [json.dumps({"machine": harness.machine_info()}) + "\n",
+             json.dumps(_ok_row(first)) + "\n"]
+    monkeypatch.setattr(memory.subprocess, "Popen", _FakeChild(lines, -9))
+    monkeypatch.setattr(memory, "_plot", lambda p, path: None)  # matplotlib: seconds
+    with pytest.raises(SystemExit) as e:
+        bench_main(["memory", "--out", str(tmp_path)])
+    assert e.value.code == 1
+    assert (tmp_path / "results.json").read_text() == recorded
+    assert "the recorded one" in (tmp_path / "results.md").read_text()
+    partial = json.load(open(tmp_path / "interrupted" / "results.json"))
+    assert [r["status"][:6] for r in partial["results"][:2]] == ["ok", "failed"]
+    assert partial["died"].startswith("the child exited -9 (killed: out of memory?) during")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"memory bench: {partial['died']}: {tmp_path}/interrupted reports the rows it sent "
+        f"(the whole report of the run before is kept in {tmp_path})")
+
+
+def test_a_child_killed_by_a_real_time_signal_is_reported():
+    """A diff review (d2): signal.Signals(-rc) raised ValueError for SIGRTMIN+k (no enum
+    members), losing the whole report."""
+    mode = dict(name="fsdp=8", kind="fsdp", mesh=dict(fsdp=8))
+    rows = memory._missing_rows([mode], -40, None, "", False)
+    assert rows[0]["status"] == "failed: child exited -40 (signal 40)"
+    assert memory._child_exit(-11, None) == "child exited -11 (signal SIGSEGV)"
 
 
 def test_a_run_on_another_device_count_into_a_recorded_report_is_refused(

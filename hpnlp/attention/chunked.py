@@ -24,9 +24,11 @@ tile kept in its core's cache and the softmax done on the hot tile), wherever it
 the CPU backend, one device, head dim a multiple of 16, no explicit block sizes. On a GPU it
 is three Pallas (Triton) kernels (`flash_gpu.py`: one program per block of each head, all at
 once), on one device of compute capability 8.0 or newer, at head dims up to 128 in bfloat16
-and float16 and up to 64 in float32 where the GPU model has measured float32 blocks
-(`flash_gpu.blocker`). The XLA program below (`impl="xla"`) runs everywhere else and is both
-kernels' tested twin.
+and float16; in float32 only at the head dims whose blocks were measured on that GPU model
+(`flash_gpu_blocks.json`: the H200's `float32_d64`, head dims 33-64), since at the rule's
+blocks float32 ran slower than XLA (`flash_gpu.blocker`). `impl="kernel"` runs float32 up to
+64 on any such GPU, at the rule's blocks where none were measured. The XLA program below
+(`impl="xla"`) runs everywhere else and is both kernels' tested twin.
 
 Block sizes (XLA path) given explicitly must divide the lengths. Left at `None`, they are
 chosen here (the tuned size, shrunk so blocks split the length evenly) and a length they
@@ -274,8 +276,8 @@ def kernel_blocker(head_dim: int, value_dim: int, impl: str, block_q, block_k,
     if block_q is not None or block_k is not None:  # impl='kernel' refuses them (a bug hunt:
         # they were dropped silently); the kernels' own blocks are tuned per CPU
         return "explicit block sizes (they tune the XLA program)"
-    if jax.default_backend() == "gpu":
-        return flash_gpu.blocker(head_dim, value_dim, dtype)
+    if jax.default_backend() == "gpu":  # (`auto` also needs float32's blocks measured)
+        return flash_gpu.blocker(head_dim, value_dim, dtype, impl=impl)
     return flash_cpu.blocker(head_dim, value_dim)
 
 
@@ -380,9 +382,10 @@ class ChunkedAttention(Attention):
         (`impl='kernel'`) and it cannot run on `num_devices` devices here at head dim
         `head_dim` in the compute `dtype`, else None: `validate` refuses it for a run it trains,
         and a run read here takes `impl='auto'` (the same function, by XLA where the kernel
-        cannot run). On a GPU the reasons are `flash_gpu.blocker`'s, which the layer's trace
-        asks with the same dtype and head dim (a review, r14: a float32 head dim over 64 passed
-        validate and failed at the model's init, after the data was built)."""
+        cannot run). On a GPU the reasons are `flash_gpu.blocker`'s for impl='kernel', which
+        the layer's trace asks with the same dtype and head dim (a review, r14: a float32 head
+        dim over 64 passed validate and failed at the model's init, after the data was built);
+        `auto`'s float32 rule of measured blocks is a choice of speed, not refused here."""
         if options.get("impl", cls.impl) != "kernel":
             return None
         use = "use impl='auto' (the kernel where it can run) or impl='xla'"
@@ -391,7 +394,7 @@ class ChunkedAttention(Attention):
                     "devices (XLA cannot partition the kernel's call; the XLA path shards like "
                     "any XLA program)", use)
         if jax.default_backend() == "gpu":
-            why = flash_gpu.blocker(head_dim, head_dim, dtype)
+            why = flash_gpu.blocker(head_dim, head_dim, dtype, impl="kernel")
             if why:
                 return ("impl", "auto", f"the GPU kernel cannot run here: {why}", use)
         if jax.default_backend() == "cpu":

@@ -48,7 +48,9 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # the fastest forward alone about as long as XLA's forward+backward), so float32 stops at 64.
 # Even at 64 float32 wins only at the H200's measured blocks, and only at L = 4096 (11.2
 # against 12.0 ms; the rule's blocks took 14.2, and at L = 16384 the kernels took 168.4 ms
-# against 165.4): `blocker` leaves float32 to XLA on a GPU with no measured entry.
+# against 165.4): `blocker` has `auto` leave float32 to XLA on a GPU model with no measured
+# entry for its head dim; an explicit impl='kernel' runs the rule's blocks there (slower, and
+# as correct: a run saved so resumes on any GPU the kernels take).
 # `flash_attention` itself takes any head dim (the interpreter tests run other widths).
 MAX_HEAD_DIM = {4: 64, 2: 128}
 # The oldest GPUs the kernels are offered to: they were compiled only on Hopper (9.0); below
@@ -59,8 +61,10 @@ MIN_CAPABILITY = (8, 0)
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
 
-def blocker(head_dim: int, value_dim: int, dtype) -> str | None:
-    """Why the GPU kernel cannot run this attention in the current trace; None if it can."""
+def blocker(head_dim: int, value_dim: int, dtype, *, impl: str = "auto") -> str | None:
+    """Why the GPU kernel cannot run this attention in the current trace, or, for
+    `impl="auto"`, why `auto` leaves it to XLA (float32 with no measured blocks, the one
+    reason of speed, not of what runs); None if it runs it."""
     if jax.default_backend() != "gpu":
         return f"the GPU kernel needs the GPU backend; it is {jax.default_backend()!r}"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
@@ -77,12 +81,16 @@ def blocker(head_dim: int, value_dim: int, dtype) -> str | None:
                 f"{jnp.dtype(dtype).name} are checked and faster than XLA up to {widest}; call "
                 "flash_gpu.flash_attention directly to try a wider one)")
     key = tuned_key(dtype, max(head_dim, value_dim))
-    if jnp.dtype(dtype).itemsize == 4 and key not in tuned_table().get(_device_kind(), {}):
-        # a review (r14): without measured blocks float32 was measured slower than XLA
+    if (impl == "auto" and jnp.dtype(dtype).itemsize == 4
+            and key not in tuned_table().get(_device_kind(), {})):
+        # a review (r14): without measured blocks float32 was measured slower than XLA. Only
+        # `auto`'s choice (a diff review, d2: it refused impl='kernel', so a float32 run saved
+        # on the H200 could not resume on an H100)
         return (f"float32 at head dim {max(head_dim, value_dim)} on {_device_kind()!r}, which "
                 f"has no measured blocks ({key} in flash_gpu_blocks.json; on an H200 the "
-                "rule's blocks ran 1.21x slower than the XLA program, which runs it here); "
-                "`python tools/flash_gpu_blocks.py --write` on this GPU measures them")
+                "rule's blocks ran 1.21x slower than the XLA program, which `auto` runs here); "
+                "`python tools/flash_gpu_blocks.py --write` on this GPU measures them, and "
+                "impl='kernel' runs the rule's")
     return kernels.single_device_reason()
 
 

@@ -19,8 +19,9 @@ attention_h100*) used `--no-isolate`: XLA's GPU compile and autotuning make each
 seconds there, and a fresh process per row adds a CUDA start-up to each (that isolated path
 has not run on a GPU yet).
 `chunked` runs its fused CPU kernel (`hpnlp.attention.flash_cpu`), on a GPU its Pallas
-kernels (`hpnlp.attention.flash_gpu`); beside it, the row "chunked (xla)" times the same
-algorithm as the XLA program it runs elsewhere, and
+kernels (`hpnlp.attention.flash_gpu`; float32 only where its blocks were measured, so far
+the H200 at head dims 33-64, else the XLA program); beside it, the row "chunked (xla)"
+times the same algorithm as the XLA program it runs elsewhere, and
 (bidirectional runs) the row "chunked products only" times that program's block matrix
 products alone, without the softmax arithmetic: the floor of any XLA-built design here,
 which the kernel gets under by keeping each tile in its core's cache. Beside `chunked`

@@ -366,7 +366,9 @@ def run(out_dir: str, *, quick: bool, devices: int = 8, model: dict | None = Non
 
     The report holds every row the child sent: where it crashes, passes `timeout_s` (it is
     killed then) or a Ctrl-C or SIGTERM stops the run, the modes it did not report read
-    failed (with its exit status and the tail of its stderr) or `not run: interrupted`."""
+    failed (with its exit status and the tail of its stderr) or `not run: interrupted`, and
+    such a report goes to `out_dir/interrupted` where `out_dir` holds a whole one
+    (`harness.report_dir`); a crashed run's payload says how in `died`."""
     model = dict(model or (QUICK_MODEL if quick else FULL_MODEL))
     if devices < 2:
         raise ValueError(f"--devices={devices}: the comparison needs at least 2 devices")
@@ -419,15 +421,25 @@ def run(out_dir: str, *, quick: bool, devices: int = 8, model: dict | None = Non
     # or a Ctrl-C stopped it. The rows it sent are kept, as `harness.run_rows` keeps them
     # (review r12: a RuntimeError lost every row measured before the crash).
     interrupted = getattr(stop, "exit_code", 130) if stop is not None else False
-    results += _missing_rows(mode_list[len(results):], proc.returncode, why, tail, interrupted)
+    missing = mode_list[len(results):]
+    results += _missing_rows(missing, proc.returncode, why, tail, interrupted)
     payload = dict(benchmark="memory", machine=info, model=model, devices=devices,
                    interrupted=interrupted, results=results)
+    if missing and not interrupted:  # the child crashed or met the deadline: a partial report
+        payload["died"] = f"the {_child_exit(proc.returncode, why)} during `{missing[0]['name']}`"
     payload["quick"] = bool(quick)  # its own, not only the CLI's (session 107)
     payload["summary"] = _summarize(results)
     os.makedirs(out_dir, exist_ok=True)
-    out_dir = harness.report_dir(out_dir, interrupted)  # a stopped run keeps a whole report
-    _plot(payload, os.path.join(out_dir, "memory_by_mode.png"))
-    report.write(out_dir, "memory", payload, _markdown(payload))
+    # A stopped or crashed run keeps a whole report there (a diff review, d2: a child killed
+    # by the OOM killer wrote its 1 ok and 12 failed rows over docs/benchmarks/memory).
+    where = harness.report_dir(out_dir, interrupted or "died" in payload)
+    _plot(payload, os.path.join(where, "memory_by_mode.png"))
+    report.write(where, "memory", payload, _markdown(payload))
+    if "died" in payload:  # (`main` then exits 1, as the RuntimeError before this did)
+        kept = (f" (the whole report of the run before is kept in {out_dir})"
+                if where != out_dir else "")
+        print(f"memory bench: {payload['died']}: {where} reports the rows it sent{kept}",
+              file=sys.stderr)
     return payload
 
 
@@ -453,15 +465,26 @@ def _missing_rows(missing: list[dict], returncode: int, why: str | None, tail: s
     and the tail of its stderr, the rest as not reached."""
     if interrupted:
         return [dict(mode, status=harness.INTERRUPTED) for mode in missing]
-    if why is None:
-        why = ("killed: out of memory?" if returncode in (-9, 137) else
-               f"signal {signal.Signals(-returncode).name}" if returncode < 0
-               and -returncode in signal.valid_signals() else
-               "sent no row for this mode" if returncode == 0 else "error")
-    died = f"child exited {returncode} ({why})"
+    died = _child_exit(returncode, why)
     return [dict(mode, status=(f"failed: {died}" + (f": {tail}" if tail else "")) if i == 0
                  else f"failed: not reached, the {died} during `{missing[0]['name']}`")
             for i, mode in enumerate(missing)]
+
+
+def _child_exit(returncode: int, why: str | None) -> str:
+    """'child exited -11 (signal SIGSEGV)': the child's exit status and, unless `why` says it
+    (the deadline), what it likely means."""
+    if why is None:
+        if returncode in (-9, 137):
+            why = "killed: out of memory?"
+        elif returncode < 0:
+            try:
+                why = f"signal {signal.Signals(-returncode).name}"
+            except ValueError:  # real-time signals (SIGRTMIN+k) are no enum members
+                why = f"signal {-returncode}"
+        else:
+            why = "sent no row for this mode" if returncode == 0 else "error"
+    return f"child exited {returncode} ({why})"
 
 
 def _ok(results):
@@ -498,7 +521,9 @@ def _mib(x):
 def _markdown(payload: dict) -> str:
     m, res, s = payload["model"], payload["results"], payload["summary"]
     n = payload["devices"]
-    parts = [report.header_md(payload["machine"], {}),
+    died = (f"**Partial:** {payload['died']}, so that mode and those after it read failed. "
+            "Rerun the command for the whole table.\n" if payload.get("died") else None)
+    parts = ([died] if died else []) + [report.header_md(payload["machine"], {}),
              f"- {n} simulated CPU devices (`--xla_force_host_platform_device_count={n}`); "
              "nothing is timed, every number comes from compiling one train step", "",
              f"Model: Transformer LM, width {m['width']}, depth {m['depth']}, {m['heads']} heads, MLP "
@@ -669,6 +694,8 @@ def less_than(args, held: dict) -> list[str]:
 def main(args) -> dict:
     payload = run(args.out, quick=args.quick, devices=args.devices)
     harness.exit_if_interrupted(payload["interrupted"], args.out)
+    if "died" in payload:  # `run` said where its report is: a script must not see success
+        raise SystemExit(1)
     s = payload["summary"]
     if "fsdp_over_replicated_params_opt" in s:
         print(f"fsdp/replicated params+opt per device: {s['fsdp_over_replicated_params_opt']:.4f} "
