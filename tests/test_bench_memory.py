@@ -287,3 +287,21 @@ def test_a_run_on_another_device_count_into_a_recorded_report_is_refused(
     (tmp_path / "results.json").write_text(json.dumps({"quick": True, "devices": 8}))
     bench_main(["memory", "--devices", "2", "--out", str(tmp_path)])  # a quick report's
     assert ran == [8, 2]
+
+
+def test_a_report_whose_child_died_is_partial_to_the_checks_that_keep_whole_ones(tmp_path):
+    """Session 109 (fA's note): a memory report written by a run whose child died (`died`)
+    into an empty --out looked whole to `report_dir` (a later partial run went beside it, not
+    over it), to --quick's refusal and to sync_readme's."""
+    import json
+
+    from hpnlp.bench import __main__ as bench_main
+    from hpnlp.bench import harness
+    from hpnlp.bench import memory as bench_memory
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"quick": False, "died": "the child exited -9 (killed: out of memory?)", "results": []}))
+    assert harness.report_dir(str(tmp_path), 130) == str(tmp_path)  # replaced, not kept
+    assert bench_main._full_report(str(tmp_path), bench_memory) is None
+    (tmp_path / "results.json").write_text(json.dumps({"quick": False, "results": []}))
+    assert harness.report_dir(str(tmp_path), 130) == str(tmp_path / harness.PARTIAL)
+    assert bench_main._full_report(str(tmp_path), bench_memory) is not None

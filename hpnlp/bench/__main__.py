@@ -183,7 +183,8 @@ def _full_report(out: str, mod) -> tuple[str, dict] | None:
             p = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(p, dict) or p.get("quick") or p.get("subset") or p.get("interrupted"):
+    if not isinstance(p, dict) or p.get("quick") or p.get("subset") or p.get("interrupted") \
+            or p.get("died"):  # (a memory bench whose child died: partial; session 109)
         return None
     ran = p.get("parts", p.get("seconds"))
     every = getattr(mod, "PARTS", None)

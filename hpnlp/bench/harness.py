@@ -591,7 +591,9 @@ def report_dir(out_dir: str, interrupted: int | bool) -> str:
         return out_dir
     try:
         with open(os.path.join(out_dir, "results.json")) as f:
-            whole = not json.load(f).get("interrupted")
+            held = json.load(f)
+        # (a memory bench whose child died is partial too: `died`; session 109)
+        whole = not (held.get("interrupted") or held.get("died"))
     except (OSError, ValueError, AttributeError):
         whole = False
     if whole:
