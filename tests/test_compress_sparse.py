@@ -1868,6 +1868,32 @@ def test_a_saved_run_s_train_fields_a_new_run_is_refused_are_rewritten_in_its_sh
     checks.check_new_run(small)
 
 
+def test_a_saved_generated_listops_run_a_new_run_may_not_be_is_shrunk_with_its_data(
+        tmp_path, monkeypatch):
+    """A review (d1): `check_new_run`'s rules of how generated ListOps is drawn (longer than
+    data.seq_len, review r2; a negative data.seed) refused shrinking a run saved before them,
+    offering data edits `shrink_run` takes no config for, which would draw other examples
+    than the run trained on: its shrunk run keeps the run's data, and is taken. The evals are
+    scripted: nothing compiles but the two models' inits."""
+    from hpnlp.config import checks
+    from hpnlp.train import Trainer
+    from hpnlp.train.checkpoint import load_run_config
+    cd = _structured_mlp_run()
+    cd.model.kind = "classifier"
+    cd.data.update(task="listops", seq_len=16, seed=-3, listops_num_train=16,
+                   listops_num_eval=8, listops_min_length=8, listops_max_length=24)
+    with monkeypatch.context() as patch:  # built as a run saved before the rules were
+        patch.setattr(checks, "check_new_run", lambda cfg: None)
+        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    _save_kept_neurons(tr, 16)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": 1.0})
+    prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    small = load_run_config(str(tmp_path / "small"))
+    assert small.data == tr.cfg.data and small.model.mlp_dim == 16
+    with pytest.raises(ConfigError, match=r"^config field `data\.listops_max_length` = 24 "):
+        checks.check_new_run(small)  # a new run of its fields, not of its folder, is refused
+
+
 def test_structured_pruning_whose_kept_units_the_mesh_cannot_split_is_refused_up_front():
     """A review (session 107): the mesh's rules split heads and MLP neurons over
     mesh.tensor (an LSTM/GRU's width over mesh.fsdp), checked against the unshrunk model, so

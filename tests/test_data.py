@@ -5,6 +5,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -85,15 +86,33 @@ def test_listops_deterministic_per_seed():
     assert sum(np.array_equal(x, y) for x, y in zip(a, c)) < 5
 
 
-def test_listops_negative_seeds_draw_their_own_expressions():
-    """Review r2: Random(int) seeds with abs(seed), so seed -1 drew seed 1's expressions
-    (a seed sweep over +-k counted one data set twice); now seed % 2**32, as batch order."""
+def test_listops_negative_seeds_are_refused_to_a_new_run_and_saved_ones_draw_as_they_did():
+    """Review r2: Random(int) seeds with abs(seed), so seed -1 drew seed 1's expressions (a
+    seed sweep over +-k counted one data set twice). Seeding seed % 2**32 instead (r2) gave
+    saved runs other examples (a review, d1: a resume refused, naming edited files; an
+    evaluation on another eval set, unsaid), so a new run is refused a negative data.seed,
+    and a saved one validates and draws abs(seed)'s, which saw_eval compares."""
+    from hpnlp.config import default_configdict, from_configdict, validate
+    from hpnlp.config.checks import check_new_run
     cfg = cfg_of(**TINY_LISTOPS)
     one, _ = listops.generate(cfg, 20, seed=1)
     minus, _ = listops.generate(cfg, 20, seed=-1)
-    wrapped, _ = listops.generate(cfg, 20, seed=2**32 - 1)
-    assert sum(np.array_equal(x, y) for x, y in zip(one, minus)) < 5
-    assert all(np.array_equal(x, y) for x, y in zip(minus, wrapped))
+    assert all(np.array_equal(x, y) for x, y in zip(one, minus))
+    cd = default_configdict()
+    cd.model.update(kind="classifier", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=128)
+    cd.data.update(**TINY_LISTOPS, seed=-3)
+    saved = validate(from_configdict(cd), num_devices=1)  # a saved run's config still reads
+    with pytest.raises(ConfigError, match=r"^config field `data\.seed` = -3 is not allowed: "
+                       r"draws the generated ListOps expressions of data\.seed=3 \(.*\); give "
+                       r"data\.seed=3, or another seed >= 0$"):
+        check_new_run(saved)
+    three = dataclasses.replace(saved.data, seed=3)
+    task, of_three = data.make_task(saved.data), data.make_task(three)
+    assert all(np.array_equal(task.train.example(i), of_three.train.example(i))
+               for i in range(len(task.train)))
+    assert data.saw_eval(saved.data, dataclasses.replace(three, listops_num_train=250))
+    cd.data.update(train_path="l.tsv")  # a user's file: the seed orders batches only
+    check_new_run(validate(from_configdict(cd), num_devices=1))
 
 
 def test_listops_validation_split_needs_more_train_than_eval_examples_called_directly():
@@ -802,15 +821,19 @@ def test_a_run_trained_on_a_generated_listops_eval_set_is_named():
         assert not data.saw_eval(mine, cfg_of(**theirs)), theirs
     for me in (val, dict(TINY_LISTOPS, train_path="/t.tsv")):  # saw_validation's; a file
         assert not data.saw_eval(cfg_of(**me), cfg_of(**dict(me, listops_num_train=400)))
-    # seeds as generate takes them: -1 draws 2**32 - 1's sequence
+    # seeds as generate takes them: -1 draws 1's sequence (a saved run's; a new run is
+    # refused a negative data.seed), and 2**32 - 1 another
     assert data.saw_eval(cfg_of(**dict(TINY_LISTOPS, seed=-1)),
-                         cfg_of(**dict(TINY_LISTOPS, seed=2**32 - 1, listops_num_train=400)))
-    assert not data.saw_validation(cfg_of(**dict(val, seed=-1)),
-                                   cfg_of(**dict(val, seed=2**32 - 1)))
+                         cfg_of(**dict(TINY_LISTOPS, seed=1, listops_num_train=400)))
+    assert not data.saw_eval(cfg_of(**dict(TINY_LISTOPS, seed=-1)),
+                             cfg_of(**dict(TINY_LISTOPS, seed=2**32 - 1, listops_num_train=400)))
+    assert not data.saw_validation(cfg_of(**dict(val, seed=-1)), cfg_of(**dict(val, seed=1)))
+    assert data.saw_validation(cfg_of(**dict(val, seed=-1)), cfg_of(**dict(val, seed=2**32 - 1)))
 
 
 def test_init_from_or_a_teacher_trained_on_a_listops_eval_set_is_refused(tmp_path):
     """Review r2: the two call sites of `saw_eval` (a few config files, nothing trained)."""
+    from hpnlp.compress.distill import TEACHER_CONFIG
     from hpnlp.config import default_configdict, from_configdict, to_json, validate
     from hpnlp.train import Trainer
     from hpnlp.train import carry as carry_lib
@@ -836,6 +859,14 @@ def test_init_from_or_a_teacher_trained_on_a_listops_eval_set_is_refused(tmp_pat
                        r"teacher of data\.listops_num_train <= 20 .*set this run's data\."
                        r"listops_num_train=40$"):
         carry_lib.for_config(validate(from_configdict(student), num_devices=1))
+    # a student that holds its teacher (saved before the rule) is resumed and read as it
+    # trained (a review, d1: every read of it, quantize to evaluate, was refused)
+    held = tmp_path / "student"
+    (held / "checkpoints" / "2").mkdir(parents=True)
+    shutil.copy(big / "config.json", held / TEACHER_CONFIG)
+    carry, = carry_lib.for_config(validate(from_configdict(student), num_devices=1),
+                                  workdir=str(held))
+    assert carry.teacher_cfg.data.listops_num_train == 40
     fine_tune = cfg()
     fine_tune.train.init_from = str(big)
     with pytest.raises(ConfigError, match=r"^config field `train\.init_from` = .*that run "

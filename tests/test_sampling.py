@@ -364,6 +364,10 @@ def test_accept_follows_the_processed_target_where_the_supports_differ(temperatu
 
 
 
+# 2.1, 3.0 and 3.1 s in three runs of it alone on the Xeon model 167 stepping 1 (2026-12-06,
+# --durations, its fixture apart: a 512-row speculative_generate compiled): CI's slow part
+# runs it
+@pytest.mark.slow
 def test_speculative_accept_weighs_each_draft_by_the_distribution_it_was_drawn_from(
         lms, monkeypatch):
     """Review r4: `accept` recomputed the draft's processed q from its log-probs at
@@ -374,10 +378,11 @@ def test_speculative_accept_weighs_each_draft_by_the_distribution_it_was_drawn_f
     drops the least probable token kept, as a rounding at the threshold would. The target
     drafts for itself (p = q to float rounding, so every draft is kept), 512 rows of one
     prompt, with `known_ids`=5 and top_p=0.8 (over the 5 known ids, renormalized: 3 kept;
-    review r4's F2, the nucleus over -inf entries, end to end): every draft kept, no id >= 5,
-    and the first token follows the processed p. Recomputing q, a draft of the least probable kept
-    token was kept where q gave it 0, and emitted where the others were refused: 0.32 of the
-    first tokens for p's 0.17 (9 standard errors), with 28% of the rows refusing a draft."""
+    review r4's F2, the nucleus over -inf entries, end to end): (nearly) every draft kept,
+    no id >= 5, and the first token follows the processed p. Recomputing q, a draft of the
+    least probable kept token was kept where q gave it 0, and emitted where the others were
+    refused: 0.32 of the first tokens for p's 0.17 (9 standard errors), with 28% of the rows
+    refusing a draft."""
     gen = importlib.import_module("hpnlp.models.generate")  # the module, not the function
     cfg, params, *_, inputs = lms
     k, P, n, known = 2, 2, 512, 5
@@ -398,7 +403,10 @@ def test_speculative_accept_weighs_each_draft_by_the_distribution_it_was_drawn_f
     assert (n, k + 1, V) in seen  # accept's sampling_logits run through the patch
     out = np.asarray(out)
     assert np.all(out[:, P:] < known)
-    np.testing.assert_array_equal(stats["accepted"], k)  # every row kept both drafts
+    # (nearly) every row kept both drafts: p (one target call over k + 1 tokens) and q (the
+    # draft's single steps) round alike only to ~2e-5, so another XLA or CPU may refuse a
+    # draft at top-p's boundary now and then; the bias this pins refused in 28% of the rows
+    assert np.mean(stats["accepted"]) >= 0.99 * k, np.bincount(stats["accepted"])
     logp = next_token_logp(cfg, params, prompt[:1])[0, P - 1]
     want = np.zeros(V)
     want[:known] = reference(logp[:known] - np.logaddexp.reduce(logp[:known]), top_p=0.8)

@@ -538,7 +538,10 @@ class TeacherCarry(Carry):
                                "trained on the examples this run holds out for data.eval_split="
                                "'validation'; train the teacher with data.eval_split='validation' "
                                "too (and, for ListOps, the same generator settings)")
-        if saw_eval(cfg.data, tcfg.data):  # generated ListOps (review r2)
+        # generated ListOps (review r2); at the start, as init_from's twin: a student saved
+        # before the rule is resumed and read as it trained (a review, d1: refused, its fix,
+        # another listops_num_train, one its checkpoints' data state refuses)
+        if not held and saw_eval(cfg.data, tcfg.data):
             n, theirs = cfg.data.listops_num_train, tcfg.data.listops_num_train
             raise config_error("train.distill.teacher", self.workdir, "the teacher trained on "
                                "the generated ListOps examples this run evaluates on (the same "

@@ -1036,7 +1036,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
     from hpnlp.train.carry import model_params
     from hpnlp.config import ConfigError, validate
-    from hpnlp.config.checks import check_new_run, check_training, without_unread
+    from hpnlp.config.checks import check_new_run, check_training, of_saved_data, without_unread
     try:
         cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
                                jax.device_get(state.carry["prune"]["groups"]), carry.layout)
@@ -1064,7 +1064,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         # master weights, or its train file as its eval file, was refused by the new run's
         # Trainer after the masked model was evaluated, not named as the shrink's)
         check_training(checked)
-        check_new_run(checked)
+        with of_saved_data():  # its data is the run's: other data fields draw other examples
+            check_new_run(checked)
     except ConfigError as e:  # e.g. int4 groups that the kept units do not split into
         raise ConfigError(f"the run in {workdir} cannot be shrunk: its smaller model's config "
                           f"is refused ({e})") from None
@@ -1099,7 +1100,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     masked_eval = pruned.evaluate(state)
     from hpnlp.paths import staged
     with staged(out) as stage:  # OUT a whole run, or nothing of this call's
-        small = Trainer(cfg2, stage)
+        with of_saved_data():  # as checked above
+            small = Trainer(cfg2, stage)
         fresh, _ = small.initial_state()
         state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
         small.checkpointer.save(0, state2, small.train_iter.get_state(), {})

@@ -4,6 +4,8 @@ the bad value and what is allowed (`hpnlp.config.config_error`)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import math
@@ -602,17 +604,34 @@ def without_unread(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=m, data=d, rnn=r)
 
 
+_SAVED_DATA = contextvars.ContextVar("saved_data", default=False)  # set by `of_saved_data`
+
+
+@contextlib.contextmanager
+def of_saved_data():
+    """Within it, `check_new_run` leaves out its rules of how generated ListOps is drawn: for
+    a new run of a saved run's data fields, `shrink`'s output, whose config that command
+    writes (it takes none) and whose other data fields would draw other examples than the
+    pruned run trained on (a review, d1: a run saved before the rules could not be shrunk)."""
+    token = _SAVED_DATA.set(True)
+    try:
+        yield
+    finally:
+        _SAVED_DATA.reset(token)
+
+
 def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
     stopping that can never stop before the last step (review, session 104: eval_every >=
     train.steps was taken, its one eval setting the best), a run of one step with a warmup
     (its one step applies the warmup's rate 0), generated ListOps longer than data.seq_len
-    (cut, with the whole expression's label), `clustered` attention in float16, an
-    expert-choice eval_capacity_factor, `model.embed_grad_scale='batch'` under
-    train.grad_accum (below), an eval file that is the train file
-    (`eval_is_train`), bfloat16 master weights (`check_master_weights`), fields nothing
-    reads (`_check_unread_of_new_run`), and `compress_checks.check_new_compress_run`'s."""
+    (cut, with the whole expression's label) or of a negative data.seed (`of_saved_data`
+    leaves these two out), `clustered` attention in float16, an expert-choice
+    eval_capacity_factor, `model.embed_grad_scale='batch'` under train.grad_accum (below),
+    an eval file that is the train file (`eval_is_train`), bfloat16 master weights
+    (`check_master_weights`), fields nothing reads (`_check_unread_of_new_run`), and
+    `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
     check_master_weights(cfg)
     _check_unread_of_new_run(cfg)
@@ -625,7 +644,8 @@ def check_new_run(cfg: Config) -> None:
               "rate, 0, is the only one a step applies, so the run would train nothing; set "
               "train.warmup_steps=0, or raise train.steps")
     d = cfg.data
-    if d.task == "listops" and not d.train_path and d.listops_max_length > d.seq_len:
+    generated = d.task == "listops" and not d.train_path and not _SAVED_DATA.get()
+    if generated and d.listops_max_length > d.seq_len:
         # review r2: taken with a warning (kept for a user's TSV, which LRA cuts too), and
         # `--config.data.seq_len=256` on experiments/lra.py:listops (which pairs the two at
         # 512) cut half the expressions mid-tree, each keeping its whole expression's label
@@ -633,6 +653,12 @@ def check_new_run(cfg: Config) -> None:
               f"data.seq_len={d.seq_len}, which would be cut, each keeping the label of the "
               f"whole expression, which the cut input no longer determines; set data."
               f"listops_max_length={d.seq_len}, or raise data.seq_len to {d.listops_max_length}")
+    if generated and d.seed < 0:
+        # a review (d1): random.Random(int) seeds with the int's absolute value, so a seed
+        # sweep over +-N counted one data set twice; saved runs still draw so (listops.py)
+        _fail("data.seed", d.seed, f"draws the generated ListOps expressions of data.seed="
+              f"{-d.seed} (Python's Random seeds with an int's absolute value); give "
+              f"data.seed={-d.seed}, or another seed >= 0")
     if eval_is_train(cfg.data):
         # a review (session 107): taken, every eval document one trained on, and a kNN-LM
         # of the run found each held-out target's own entry at distance 0 (perplexity ~1);

@@ -438,15 +438,18 @@ def _check_new_prune(cfg: Config) -> None:
     defaults: train.prune.layers on Transformer-XL; a one-shot schedule at start_step 0), so
     it must still validate: its config.json is read, and resumed as it trained."""
     p, m = cfg.train.prune, cfg.model
+    tables = m.kind == "lm" and not _output_vectors(cfg)  # no 'output' product to prune
     if m.arch == "transformer_xl" and any(layers_name(p.layers, k) for k in ("qkv", "out")):
         # its qkv, rel and out are plain einsums no pruning masks, so they stayed dense while
         # summary.json reported the target (and 'qkv,out' alone failed at init: "names no
-        # product this model has")
+        # product this model has"); 'output' offered only where the rule below takes it (a
+        # review, d1: two refusals in a row)
         _fail("train.prune.layers", p.layers, "Transformer-XL's relative-position attention "
               "has its own qkv, rel and out products, not prunable yet, so they would stay "
-              "dense; set train.prune.layers='mlp' (or 'mlp,output' for its output layer too)")
+              "dense; set train.prune.layers='mlp'"
+              + ("" if tables else " (or 'mlp,output' for its output layer too)"))
     named = {n.strip() for n in p.layers.split(",")}  # "all": whichever the model has
-    if "output" in named and m.kind == "lm" and not _output_vectors(cfg):
+    if "output" in named and tables:
         # review r11: only a VocabLayer records the 'output' product, so the others' tables
         # stayed dense while summary.json reported the target ('output' alone failed at
         # init: "names no product this model has")
