@@ -181,3 +181,31 @@ def test_clipping_and_grad_norm_leave_clustered_attentions_kmeans_step_out():
     np.testing.assert_allclose(optax.tree.norm(out["attn"]["kernel"]), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(out["attn"]["centroids"], big["attn"]["centroids"])
     assert float(optax.tree.norm(clipped_part(grads))) == pytest.approx(0.3, rel=1e-6)
+
+
+def test_the_steps_grad_norm_and_clip_leave_the_centroids_out():
+    """The train step's logged grad_norm is the norm clipping reads (session 109, d3: no test
+    pinned it): a toy with a `centroids` parameter of gradient 300 and a `kernel` of
+    gradient 0.4 logs 0.4, and the kernel's step is not scaled down by the centroids'."""
+    import flax.linen as nn
+    import optax
+
+    from hpnlp.train.state import clip_by_global_norm, init_state
+    from hpnlp.train.step import make_train_step
+
+    class Toy(nn.Module):
+        @nn.compact
+        def __call__(self, batch):
+            c = self.param("centroids", nn.initializers.zeros, ())
+            w = self.param("kernel", nn.initializers.zeros, ())
+            return {"loss": jnp.sum(batch["x"]) * (300.0 * c + 0.4 * w),
+                    "weight": jnp.float32(batch["x"].size)}
+
+    t = TrainConfig(lr=1.0, warmup_steps=0, steps=2, weight_decay=0.0, clip_norm=1.0)
+    batch = {"x": jnp.ones((2, 3), jnp.float32)}
+    tx = optax.chain(clip_by_global_norm(1.0), optax.sgd(1.0))
+    state = init_state(Toy(), tx, jax.random.key(0), batch)
+    state, m = jax.jit(make_train_step(Toy(), tx, t))(state, batch)
+    assert float(m["grad_norm"]) == pytest.approx(0.4, rel=1e-6)
+    np.testing.assert_allclose(state.params["kernel"], -0.4, rtol=1e-6)  # unclipped
+    np.testing.assert_allclose(state.params["centroids"], -300.0, rtol=1e-6)

@@ -10,7 +10,9 @@ tokens or examples, before clipping) and its norm split by the last name in each
 path (`centroids`, `kernel`, `embedding`, ...), largest first. Beside it the step's logged
 `grad_norm`, the norm its clipping reads (`hpnlp.train.state.clips`: all of it but what is
 no gradient of the objective, and a pruning mask's entries), and the clip factor it gives,
-`train.clip_norm / grad_norm` (1: no clip). Session 109 measured with it that `clustered`
+`train.clip_norm / grad_norm` (1: no clip). The split is of one gradient of the whole batch
+(under train.grad_accum the step sums its microbatches' instead, and under float16 it unscales
+a scaled one: the two norms then differ by rounding). Session 109 measured with it that `clustered`
 attention's injected k-means step was 95-100% of the whole norm (the LRA ListOps
 classifier's first step: 1376 against the rest's 1.73), which clipping then read (a factor of
 7.3e-4); it reads the rest's 1.73 now (0.577).
@@ -20,6 +22,7 @@ import argparse
 import collections
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 
@@ -81,8 +84,17 @@ def main() -> None:
     if args.steps < 1 or args.top < 1:
         p.error("--steps and --top must be >= 1")
     cfg = from_configdict(apply_sets(load_configdict(args.config), args.set))
+    workdir = tempfile.mkdtemp(prefix="grad_norm_parts_")
+    try:
+        measure(cfg, workdir, args)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(cfg, workdir: str, args) -> None:
+    """Print the split of `args.steps` first steps' gradient norms of a run of `cfg`."""
     t = cfg.train
-    trainer = Trainer(cfg, tempfile.mkdtemp(prefix="grad_norm_parts_"))
+    trainer = Trainer(cfg, workdir)
     state, _ = trainer.initial_state()
     objective = carry_lib.objective(trainer.model, list(trainer.carries))
 

@@ -581,8 +581,9 @@ PARTIAL = "interrupted"  # the folder in --out of an interrupted run's report be
 
 
 def report_dir(out_dir: str, interrupted: int | bool) -> str:
-    """Where a `run_rows` bench writes its report: `out_dir`, but an interrupted run's goes to
-    `out_dir/interrupted` where `out_dir` holds a whole report (a bug hunt, session 95: a
+    """Where a `run_rows` bench writes its report: `out_dir`, but an interrupted run's (or a
+    memory run's whose child died: `died`) goes to `out_dir/interrupted` where `out_dir`
+    holds a whole report (a bug hunt, session 95: a
     rerun stopped early replaced the finished table with its few rows). Nothing is deleted:
     an interrupted run's rows may be hours of work (review)."""
     import json

@@ -4,7 +4,7 @@ Train lines: `{"step": s, "loss": ..., "grad_norm": ..., "grad_norm_min": ..., "
 "clipped_frac": ..., "lr": ..., "steps_per_sec": ...}` (the gradient-norm range and the
 fraction of steps clipped over the log window; TensorBoard also gets `train/grad_norm_step`
 at every step; a float16 step skipped for overflow is left out of them, and a window of
-only skipped steps has none);
+only skipped steps has none; the norm is the one clipping reads, `train.state.clips`);
 eval lines carry `"eval": true`. Only process 0 writes.
 """
 

@@ -101,8 +101,11 @@ def per_example_grads(model, params, batch, rngs=None):
 
 def per_example_grad_norms(model, params, batch, rngs=None):
     """[B] global L2 norm of each example's gradient, without keeping B gradients at once
-    beyond what one vmapped step needs."""
+    beyond what one vmapped step needs: the norm the train step clips and logs
+    (`train.state.clipped_part`: `clustered` attention's injected k-means step left out)."""
+    from hpnlp.train.state import clipped_part
+
     def one(example, example_rngs):
         grads, scale = _scaled_grad(model)(params, example, example_rngs)
-        return optax.tree.norm(grads) / scale  # float32: a power of 2 divides exactly
+        return optax.tree.norm(clipped_part(grads)) / scale  # float32: a power of 2 divides exactly
     return _over_examples(one, batch, rngs)
