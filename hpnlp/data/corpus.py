@@ -136,6 +136,23 @@ def compressed_error(path: str, head: bytes) -> str | None:
     return None
 
 
+def read_bytes_of_text(path: str, what: str) -> bytes:
+    """The bytes of the file `path` that should be text, or a ValueError ending in `what` (the
+    field and what it must name): one it cannot read (a review, r3: a file without read
+    permission ended in a PermissionError traceback), a compressed file, or UTF-16 with a
+    byte-order mark (these were told to re-encode from latin1, which makes mojibake)."""
+    try:
+        raw = pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {what} that this user "
+                         "can read (fix its permissions or copy it)") from None
+    if (why := compressed_error(path, raw[:10])) is not None:
+        raise ValueError(f"{path}: {why}; {what}")
+    if raw.startswith(UTF16_BOMS):
+        raise ValueError(f"{path}: {UTF16_BOM_ERROR}; {what}")
+    return raw
+
+
 def read_text_file(path: str, field: str) -> str:
     """A UTF-8 text file, or a ValueError that names the file, the line and the field."""
     p = pathlib.Path(path)
@@ -143,16 +160,7 @@ def read_text_file(path: str, field: str) -> str:
     if not p.is_file():
         raise ValueError(f"{path}: {'is a folder, not a file' if p.is_dir() else 'no such file'}; "
                          f"{what}")
-    try:  # a review (r3): a file without read permission ended in a PermissionError traceback
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {what} that this user "
-                         "can read (fix its permissions or copy it)") from None
-    # a review (r3): these were told to re-encode from latin1, which makes mojibake
-    if (why := compressed_error(path, raw[:10])) is not None:
-        raise ValueError(f"{path}: {why}; {what}")
-    if raw.startswith(UTF16_BOMS):
-        raise ValueError(f"{path}: {UTF16_BOM_ERROR}; {what}")
+    raw = read_bytes_of_text(path, what)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

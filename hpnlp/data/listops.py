@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 
 from hpnlp.data import task as task_lib
-from hpnlp.data.corpus import UTF16_BOM_ERROR, UTF16_BOMS, compressed_error
+from hpnlp.data.corpus import read_bytes_of_text
 
 OPS = ("[MIN", "[MAX", "[MED", "[SM")
 VOCAB = ("<pad>",) + tuple("0123456789") + OPS + ("]",)
@@ -284,16 +284,7 @@ def load_tsv(path: str, field: str | None = None) -> tuple[list[np.ndarray], np.
         what = "is a folder, not a file" if p.is_dir() else "no such file"
         raise ValueError(f"{path}: {what}; expected {_WHAT}")
     give = f"{field or 'the path'} must name an LRA ListOps TSV (UTF-8 text)"
-    try:  # a review (r3): a file without read permission ended in a PermissionError traceback
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {give} that this user "
-                         "can read (fix its permissions or copy it)") from None
-    # a review (r3): these were called "not UTF-8 text", with no word of what they are
-    if (why := compressed_error(path, raw[:10])) is not None:
-        raise ValueError(f"{path}: {why}; {give}")
-    if raw.startswith(UTF16_BOMS):
-        raise ValueError(f"{path}: {UTF16_BOM_ERROR}; {give}")
+    raw = read_bytes_of_text(path, give)  # (a compressed or UTF-16 file named as such: r3)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
