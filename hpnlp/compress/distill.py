@@ -376,14 +376,18 @@ def counts_shape_output(cfg: Config) -> bool:
             and not issubclass(cls, SampledObjective))
 
 
-def refuse_other_counts(cfg: Config, source: Config, field: str, value, fix: str) -> None:
+def refuse_other_counts(cfg: Config, source: Config, field: str, value, fix: str, *,
+                        my_text: str | None = None) -> None:
     """Refuse (naming `field` = `value`) a run `source` whose output layer is laid out by
     its token counts (`counts_shape_output`) and whose training text is not `cfg`'s, so
     that this run, building it from its own task's counts, would lay it out otherwise under
-    its trained weights (a bug hunt, session 103: another Huffman tree, unsaid)."""
+    its trained weights (a bug hunt, session 103: another Huffman tree, unsaid). `my_text`:
+    this run's `data.train_text_digest` where its task holds it (else read here)."""
     from hpnlp.data import different_text, train_text_digest
-    why = counts_shape_output(source) and different_text(  # (`value`: that run's folder)
-        cfg.data, source.data, value, train_text_digest(cfg.data))
+    if not counts_shape_output(source):
+        return
+    why = different_text(cfg.data, source.data, value,  # (`value`: that run's folder)
+                         my_text or train_text_digest(cfg.data))
     if why:
         raise config_error(field, value, f"that run's output layer (output.name="
                            f"{source.output.name!r}) is laid out by the token counts of its "
@@ -437,8 +441,9 @@ class TeacherCarry(Carry):
     name = "teacher"
 
     def __init__(self, cfg: Config, *, token_counts=None, workdir: str | None = None,
-                 tokenizer_sha256: str | None = None):
-        """`tokenizer_sha256`: the student's subword model's, compared with the teacher's.
+                 tokenizer_sha256: str | None = None, text_digest: str | None = None):
+        """`tokenizer_sha256`: the student's subword model's, compared with the teacher's;
+        `text_digest`: its training text's (`data.task_text_digest`; else read here).
         `workdir`: the student's, whose checkpoints hold the teacher's parameters and
         whose TEACHER_CONFIG copy its config (`keep_teacher_config`): a run that has saved
         a checkpoint resumes, and is read (quantize, sparsify, shrink), with the teacher's
@@ -496,9 +501,9 @@ class TeacherCarry(Carry):
         # teacher it was checked with, whose folder may since hold another (a bug hunt
         # (session 102): a student's own tokenizer, of an edited data.train_path, was not
         # read, and one of other pieces passed)
+        my_text = None if held else text_digest or train_text_digest(cfg.data)  # (read once)
         why = different_encoding(cfg.data, tcfg.data, self.workdir,
-                                 None if held else tokenizer_sha256,
-                                 None if held else train_text_digest(cfg.data))
+                                 None if held else tokenizer_sha256, my_text)
         if why:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
                                f"with {why}, so its tokens are not this run's; distill from a run "
@@ -506,7 +511,7 @@ class TeacherCarry(Carry):
         if not held:  # at the start: a run that holds its teacher is read as it trained
             refuse_other_counts(cfg, tcfg, "train.distill.teacher", self.workdir, "distill from "
                                 "a teacher trained on this run's text, or with "
-                                "output.name='full'")
+                                "output.name='full'", my_text=my_text)
         if tcfg.model.pos_emb == "learned" and tcfg.model.max_len < cfg.data.seq_len:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher's position "
                                f"table (model.max_len={tcfg.model.max_len}) is shorter than this "

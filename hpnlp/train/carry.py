@@ -118,10 +118,12 @@ class Carry:
 
 
 def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None,
-               tokenizer_sha256: str | None = None) -> list[Carry]:
+               tokenizer_sha256: str | None = None,
+               text_digest: str | None = None) -> list[Carry]:
     """The carries `cfg` asks for, in the order their losses wrap the model's; `workdir`:
     the run's (where a carry keeps what it needs of another run's folder);
-    `tokenizer_sha256`: its subword model's (data.task_tokenizer_sha256), for a teacher's."""
+    `tokenizer_sha256`, `text_digest`: its subword model's and its training text's
+    (data.task_tokenizer_sha256, data.task_text_digest), for a teacher's."""
     from hpnlp.models import transformer_xl as xl
 
     out: list[Carry] = []
@@ -133,7 +135,7 @@ def for_config(cfg: Config, *, token_counts=None, workdir: str | None = None,
     if cfg.train.distill.teacher:
         from hpnlp.compress.distill import TeacherCarry
         out.append(TeacherCarry(cfg, token_counts=token_counts, workdir=workdir,
-                                tokenizer_sha256=tokenizer_sha256))
+                                tokenizer_sha256=tokenizer_sha256, text_digest=text_digest))
     if cfg.train.prune.method != "none":
         from hpnlp.compress.prune import PruneCarry
         out.append(PruneCarry(cfg))

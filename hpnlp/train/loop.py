@@ -442,7 +442,8 @@ class Trainer:
         # What methods carry between steps (XL memory, a teacher, pruning masks): train/carry.py.
         self.carries = carry_lib.for_config(
             cfg, token_counts=counts, workdir=workdir,
-            tokenizer_sha256=data_lib.task_tokenizer_sha256(self.task))
+            tokenizer_sha256=data_lib.task_tokenizer_sha256(self.task),
+            text_digest=data_lib.task_text_digest(self.task))
         batch1 = dummy_batch(self.task.kind, 1, cfg.data.seq_len)
         # The parameters as the model initializes them (before any factorization): what a
         # run named by train.init_from holds (traced only for such a run), refused here,
@@ -472,7 +473,7 @@ class Trainer:
                 refuse_other_counts(cfg, source, "train.init_from", cfg.train.init_from,
                                     "set train.init_params='trunk' to start from its embedding "
                                     "and trunk under this run's own output layer, or train on "
-                                    "that run's text")
+                                    "that run's text", my_text=data_lib.task_text_digest(self.task))
             if source.model.lowrank.enabled():  # (a conversion refuses it in its own words)
                 # a bug hunt (session 95): told to copy its model.lowrank settings, then
                 # refused with them (a run reads a dense run, to factorize it itself)
