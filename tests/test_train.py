@@ -1197,6 +1197,16 @@ def test_resume_of_a_recurrent_run_under_another_rnn_model_is_refused(tmp_path, 
                         rf"now {value!r}\)")
 
 
+def _trunk_transfer_config(cd, kind: str):
+    """`cd` validated as the LM ("lm") or as a classifier starting from its trunk
+    (train.init_from='lm', init_params='trunk'), for the trunk transfer tests below."""
+    from hpnlp.config import validate
+    if kind == "classifier":
+        cd.model.kind = "classifier"
+        cd.data.update(task="doc_classify", batching="pad")
+        cd.train.update(init_from="lm", init_params="trunk")
+    return validate(from_configdict(cd), num_devices=1)
+
 def test_an_lstm_trunk_starts_a_classifier_under_its_own_dropout_and_names_what_differs():
     """Review r4: train.init_params='trunk' compared the whole RNNConfig, so an LSTM LM's
     trunk under the classifier was refused for its training-only settings (dropout variants,
@@ -1215,11 +1225,7 @@ def test_an_lstm_trunk_starts_a_classifier_under_its_own_dropout_and_names_what_
         cd = tiny()
         cd.model.arch = "lstm"
         cd.rnn.update(**rnn)
-        if kind == "classifier":
-            cd.model.kind = "classifier"
-            cd.data.update(task="doc_classify", batching="pad")
-            cd.train.update(init_from="lm", init_params="trunk")
-        return validate(from_configdict(cd), num_devices=1)
+        return _trunk_transfer_config(cd, kind)
 
     def shapes(cfg):
         batch = dummy_batch("lm" if cfg.model.kind == "lm" else "classify", 1, cfg.data.seq_len)
@@ -1252,17 +1258,13 @@ def test_an_lstm_trunk_transfer_ignores_the_transformer_sizes_the_lstm_ignores()
     LSTM LM's trunk under a classifier whose experiment sets another model.mlp_dim or
     num_heads (fields an LSTM ignores) was refused. Width and depth are still named.
     Configs alone: nothing compiles."""
-    from hpnlp.config import ConfigError, validate
+    from hpnlp.config import ConfigError
     from hpnlp.train import transfer
 
     def config(kind, **model):
         cd = tiny()
         cd.model.update(arch="lstm", **model)
-        if kind == "classifier":
-            cd.model.kind = "classifier"
-            cd.data.update(task="doc_classify", batching="pad")
-            cd.train.update(init_from="lm", init_params="trunk")
-        return validate(from_configdict(cd), num_devices=1)
+        return _trunk_transfer_config(cd, kind)
 
     lm = config("lm")
     conv = transfer.conversion(config("classifier", mlp_dim=128, num_heads=4), lm, "lm")
@@ -1278,18 +1280,14 @@ def test_a_trunk_starts_a_classifier_under_another_exact_attention_or_moe_layout
     another dropless block_size or balance loss, was refused, where a resume switches. What
     computes another function is still named, field by field. Configs alone: nothing
     compiles."""
-    from hpnlp.config import ConfigError, validate
+    from hpnlp.config import ConfigError
     from hpnlp.train import transfer
 
     def config(kind, attention="dense", options=None, **moe):
         cd = tiny()
         cd.attention.update(name=attention, options=options or {})
         cd.model.moe.update(num_experts=2, dispatch="dropless", **moe)
-        if kind == "classifier":
-            cd.model.kind = "classifier"
-            cd.data.update(task="doc_classify", batching="pad")
-            cd.train.update(init_from="lm", init_params="trunk")
-        return validate(from_configdict(cd), num_devices=1)
+        return _trunk_transfer_config(cd, kind)
 
     lm = config("lm")
     for cls in (config("classifier", "chunked", {"block_q": 8, "block_k": 8}),
