@@ -145,7 +145,7 @@ def test_dropless_few_tokens_many_experts_equal_a_per_token_loop(decode, router,
     """Review r5: dropless rows (decoding's among them) reserved a block for every expert,
     72 rows through 9 experts' weights for one decoded token of 8 experts. Now only the
     experts that can get a choice are counted, and here the bound is tight: every choice
-    is an expert of its own, one block each (3 and 4 blocks of 8 rows), so one block fewer
+    is an expert of its own, one block each (3 and 4 blocks), so one block fewer
     would lose a choice (checked: it does)."""
     Xw = 16
     mod = layer(router=router, top_k=k, dispatch="dropless", num_experts=Xw, groups=1)
@@ -167,6 +167,11 @@ def test_block_rows_bound_every_choice_and_reserve_no_block_per_empty_expert():
     of ceil(choices / b) blocks: checked against it, found by dynamic programming over how
     P choices can split among X experts."""
     assert dispatch.block_rows(1, 8) == (8, 8)  # one decoded token: one block
+    # an expert gets at most one choice a token: blocks no longer than the tokens (one
+    # decoded token's choice one row, not 8)
+    assert dispatch.block_rows(1, 8, tokens=1) == (1, 1)
+    assert dispatch.block_rows(6, 8, tokens=3) == (3, 18)
+    assert dispatch.block_rows(64 * 2, 8, tokens=64) == (8, 8 * 8 + 120)
     assert dispatch.block_rows(1, 64)[1] <= 16
     for b in (1, 2, 3, 8):
         for X_ in (1, 2, 3, 5, 8):
@@ -592,15 +597,21 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     # factorized weight's are two each)
     per = 2 * (2 if rank else 1)
     assert calls == (per if dispatch_kind == "dropless" else per * X), calls
-    if dispatch_kind == "dropless":  # decoding (dropless) serves them with a slot per token
-        m = mod.model  # a capacity this small would drop choices: decoding drops none
-        dec = MoE(dataclasses.replace(m, moe=dataclasses.replace(m.moe, eval_capacity_factor=0.25)),
-                  deterministic=True, decode=True)
-        run = jax.jit(lambda p: dec.apply({"params": p}, x, seg, mutable=[AUX])[0])
+    m = mod.model  # a capacity this small would drop choices: decoding drops none
+    dec = MoE(dataclasses.replace(m, moe=dataclasses.replace(m.moe, eval_capacity_factor=0.25)),
+              deterministic=True, decode=True)
+    # decoding serves the experts with a slot per token in every expert where a step has as
+    # many choices as experts (2 x 8 tokens x 2 >= 4: each product's X calls), else with
+    # dropless blocks, one a choice (one token's 2 choices: the products' calls in the loop
+    # over blocks, 2 blocks of 1 row; it had been X calls, X - 2 of them on empty slots)
+    for x_d, seg_d, count in ((x, seg, per * X), (x[:1, :1], seg[:1, :1], per)):
+        if count == per * X and dispatch_kind != "dropless":
+            continue  # the slots' case runs in the slow part
+        run = jax.jit(lambda p: dec.apply({"params": p}, x_d, seg_d, mutable=[AUX])[0])
         want = run(packed)
         np.testing.assert_allclose(np.asarray(run(served)), np.asarray(want), rtol=1e-5,
                                    atol=1e-5 * float(jnp.abs(want).max()))
-        assert run.lower(served).as_text().count("hpnlp_int8_linear") == per * X
+        assert run.lower(served).as_text().count("hpnlp_int8_linear") == count
 
 
 # -- Config errors, one line before anything compiles ------------------------------------

@@ -89,10 +89,12 @@ class Rows(NamedTuple):
     expert_N: jax.Array  # int32 expert of each block
 
 
-def block_rows(pairs: int, experts: int, block: int = 0) -> tuple[int, int]:
+def block_rows(pairs: int, experts: int, block: int = 0, tokens: int = 0) -> tuple[int, int]:
     """(b, R): rows per block (0: automatic, about P / 8X rounded to a power of two in
-    [8, 256], so padding costs ~1/16 of the rows on average) and the static row count, an
-    upper bound of sum over experts of their choices rounded up to b.
+    [8, 256], so padding costs ~1/16 of the rows on average, and at most `tokens` where
+    given: an expert gets at most one choice per token, so a longer block is only padding,
+    as a decoded token's 8 rows for its one choice were) and the static row count, an upper
+    bound of sum over experts of their choices rounded up to b.
 
     The bound, reached: an expert with s >= 1 choices takes ceil(s / b) = 1 + (s - 1) // b
     blocks, so n experts with choices take at most n + (P - n) // b, which never falls as n
@@ -101,6 +103,7 @@ def block_rows(pairs: int, experts: int, block: int = 0) -> tuple[int, int]:
     token (P = 1, X = 8) ran 72 rows through 9 experts' weights, where 8 rows hold it."""
     if not block:
         block = 1 << max(3, min(8, round(max(pairs / (8 * experts), 1.0)).bit_length() - 1))
+        block = min(block, tokens) if tokens > 0 else block
     n = min(experts, pairs)
     blocks = n + (pairs - n) // block
     return block, max(blocks, 1) * block
@@ -112,7 +115,7 @@ def sort_rows(choices: Choices, valid_T, *, experts: int, block: int = 0) -> Row
     expert_TK, gate_TK = choices
     T, K = expert_TK.shape
     X, P = experts, T * K
-    b, R = block_rows(P, X, block)
+    b, R = block_rows(P, X, block, tokens=T)
     e_P = jnp.where(valid_T[:, None], expert_TK, X).reshape(P)  # padding sorts last
     order_P = jnp.argsort(e_P, stable=True)
     e_sorted = e_P[order_P]

@@ -239,11 +239,15 @@ class MoE(nn.Module):
         dropless = c.router != "expert_choice" and (c.dispatch == "dropless" or self.decode)
         # Served experts (ptq.serve) run on their kernels, on one device: the capacity
         # dispatch's slots, dropless blocks (each block's kernel call with its expert's
-        # weights), and in decoding a slot for every token in every expert (nothing dropped,
-        # as dropless; each expert's kernel reads its weights once a step, where dropless
-        # blocks of one token each would read them once a block).
+        # weights), and in decoding whichever takes fewer kernel calls of the two that drop
+        # nothing: a slot for every token in every expert (X calls a product, each reading
+        # its expert's weights once a step) or dropless blocks (one a choice while the step
+        # has fewer choices than experts: one decoded token of top-1 routing ran 8 calls, 7
+        # of them on an empty slot, and trailed XLA's dropless decoding; docs/moe.md).
         served = _is_served(wi) and _mesh_experts() == 1
-        dropless = dropless and not (served and self.decode)
+        if served and self.decode:
+            b, R = dispatch.block_rows(B * L * c.top_k, X, c.block_size, tokens=B * L)
+            dropless = dropless and R // b < X
         if not served:
             wi, wo = (_as_float(w) for w in (wi, wo))
         experts = [w if _is_served(w) else w.astype(dt) for w in (wi, bi, wo, bo)]
