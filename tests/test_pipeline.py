@@ -304,6 +304,24 @@ def test_pipeline_config_errors():
     _check(cd, "model.stack_layers", r"model.reversible=False", num_devices=1)
 
 
+def test_gpipe_tells_a_pass_of_its_own_rows_to_pad_them():
+    """A review (r2): `gpipe`'s batch-split error told the user to change train.batch_size,
+    which validate has already checked: only a pass of its own rows (a model.apply, a pool,
+    mining) reaches it. It names the pad, whole_microbatches. The check precedes any trace,
+    so an abstract mesh of 2 stages and no stage function suffice."""
+    from jax.sharding import AbstractMesh
+
+    from hpnlp.parallel.pipeline import gpipe
+    mesh = AbstractMesh((2,), ("pipeline",))
+    for B, micro, M in ((4, 3, 3), (3, 0, 2)):  # 0: one microbatch per stage
+        with pytest.raises(ValueError, match=re.escape(
+                f"pipeline: a pass's batch of {B} rows does not split into {M} microbatches "
+                f"(mesh.pipeline_microbatches, 0: mesh.pipeline); pad its rows to a multiple of "
+                f"{M} (hpnlp.parallel.pipeline.whole_microbatches)")):
+            gpipe(None, {"w": jnp.zeros((2, 1))}, jnp.zeros((B, 1, 1)),
+                  jnp.zeros((B, 1), jnp.int32), microbatches=micro, mesh=mesh)
+
+
 def test_a_pipelined_run_of_random_features_is_refused_for_decoding(monkeypatch):
     """Found in review: the stages (`apply_layers`) fold each layer's index into the
     features key, the unpipelined `nn.scan` that decodes splits it, so a Performer layer

@@ -639,6 +639,13 @@ def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_change
     said = r"data\.train_path='.*notes\.txt' as it was then: its contents changed since"
     with pytest.raises(ConfigError, match=rf"`train\.distill\.teacher` = .*{said}"):
         carry_lib.for_config(validate(from_configdict(student)))
+    # the run itself, read (generate, evaluate) or resumed: its words rebuilt from the new
+    # text under its weights (a bug hunt, session 110: a word replaced everywhere kept every
+    # id, and generate decoded the new word), refused before any weights are read
+    for read_only in (True, False):
+        with pytest.raises(ConfigError, match=r"`data\.train_path` = .*sha256 .*its vocabulary "
+                           "would be built from the new contents under its trained weights"):
+            Trainer(from_configdict(cd), a, read_only=read_only)
     cd.train.init_from = a
     with pytest.raises(ConfigError, match=rf"`train\.init_from` = .*{said}"):
         Trainer(from_configdict(cd), str(tmp_path / "b"))
@@ -1300,6 +1307,28 @@ def test_a_trunk_starts_a_classifier_under_another_exact_attention_or_moe_layout
         with pytest.raises(ConfigError, match=re.escape(shown)) as e:
             transfer.conversion(cls, lm, "lm")
         assert "MoEConfig(" not in str(e.value)
+
+
+def test_a_trunk_transfer_compares_the_head_layout_as_the_model_resolves_it():
+    """A review (r3): a trunk transfer compared model.head_dim, num_kv_heads and
+    kv_latent_rope_dim as given, so a run setting the layout its source left at 0 (width /
+    num_heads, num_heads, D / 2: the same arrays and function) was refused. Another layout is
+    still named, as resolved. Configs alone: nothing compiles."""
+    from hpnlp.config import ConfigError
+    from hpnlp.train import transfer
+
+    def config(kind, **model):
+        cd = tiny()  # width 32, 2 heads: D = 16
+        cd.model.update(pos_emb="rope", kv_latent_dim=16, **model)
+        return _trunk_transfer_config(cd, kind)
+
+    lm = config("lm")
+    cls = config("classifier", head_dim=16, num_kv_heads=2, kv_latent_rope_dim=8)
+    assert transfer.conversion(cls, lm, "lm").source is lm
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.kv_latent_rope_dim=4 (that run: 8); set model.kv_latent_rope_dim to that "
+            "run's")):
+        transfer.conversion(config("classifier", head_dim=16, kv_latent_rope_dim=4), lm, "lm")
 
 
 def test_resume_under_another_moe_noise_or_pruned_layers_is_refused(tmp_path):

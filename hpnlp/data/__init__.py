@@ -307,6 +307,37 @@ def check_files_of_run(cfg, workdir: str) -> None:
                                "where it is now")
 
 
+def check_text_of_run(cfg, task, workdir: str) -> None:
+    """A run resumed or read (Config `cfg`, its `task` built now) whose vocabulary is learned
+    from its training text (words; a subword model not kept with the run) or whose output
+    layer is laid out by that text's token counts, with data.train_path's (or
+    data.prepared's) contents changed since it trained (its TEXT_FILE): a ConfigError naming
+    the field and the fix, before any weights are read. Bytes are bytes whatever the text.
+    A bug hunt (session 110): `generate` of a word run whose file had one word replaced by
+    another everywhere decoded the new word, its id given to the old one's embedding (the
+    same ids in the same places: the data stream's digest of them passed)."""
+    from hpnlp.compress.distill import counts_shape_output
+    from hpnlp.config import config_error
+    my_text = task_text_digest(task)
+    if not my_text:
+        return
+    field = "data.prepared" if cfg.data.prepared else "data.train_path"
+    theirs = _kept_text_digest(workdir, field)
+    if theirs is None or theirs == my_text:
+        return
+    what = [w for w, reads in (
+        ("vocabulary", different_encoding(cfg.data, cfg.data, workdir,
+                                          task_tokenizer_sha256(task), my_text)),
+        ("output layer's layout (its token counts)", counts_shape_output(cfg))) if reads]
+    if what:
+        raise config_error(field, cfg.data.prepared or cfg.data.train_path,
+                           f"the run in {workdir} trained on its contents as they were then "
+                           f"(sha256 {theirs[:12]}..., {os.path.join(workdir, TEXT_FILE)}), "
+                           f"which changed since (now {my_text[:12]}...), and its "
+                           f"{' and '.join(what)} would be built from the new contents under "
+                           "its trained weights; restore that file, or train a new run on it")
+
+
 def check_prepared_of_run(cfg, workdir: str) -> None:
     """A run that has trained from `data.prepared` (DataConfig `cfg`; its tokenizer kept in
     `workdir`) is resumed or read with that folder as it was: one gone, or holding another

@@ -3,10 +3,11 @@
 Model code names its axes logically (`embed`, `heads`, `mlp`, `vocab`, `kv`, `layers` for
 parameters; `batch`, `length`, `activation_*` for activations). `cfg.mesh.rules`
 (default `hpnlp.config.DEFAULT_RULES`) maps them onto the mesh axes `data`, `fsdp`,
-`tensor`, `sequence`, `pipeline`, `expert`: batch over data x fsdp, parameters' `embed`
-dim over fsdp (ZeRO-3 style: gathered per layer by GSPMD), heads / MLP / vocab over
+`tensor`, `sequence`, `pipeline`, `expert`: batch over data x fsdp x expert, parameters'
+`embed` dim over fsdp (ZeRO-3 style: gathered per layer by GSPMD), heads / MLP / vocab over
 tensor (Megatron style), activations' length over sequence (ring attention), stacked
-layers over pipeline. With every axis of size 1 this is plain single-device code.
+layers over pipeline, MoE experts over expert. With every axis of size 1 this is plain
+single-device code.
 """
 
 from __future__ import annotations

@@ -165,9 +165,11 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
     M = microbatches or P
     B = x_BLE.shape[0]
     if B % M:
-        raise ValueError(f"pipeline: batch of {B} rows does not split into mesh.pipeline_microbatches"
-                         f"={M} microbatches; choose a divisor of the per-step batch "
-                         "(train.batch_size / train.grad_accum)")
+        # validate checks the train and eval batches, so these rows are the pass's own (a
+        # user's model.apply, a pool, mining): the config fields are not what to change (r2)
+        raise ValueError(f"pipeline: a pass's batch of {B} rows does not split into {M} "
+                         f"microbatches (mesh.pipeline_microbatches, 0: mesh.{axis}); pad its "
+                         f"rows to a multiple of {M} (hpnlp.parallel.pipeline.whole_microbatches)")
     depth = jax.tree.leaves(params)[0].shape[0]
     if depth % P:
         raise ValueError(f"pipeline: model.depth={depth} layers do not split over mesh.{axis}={P}")

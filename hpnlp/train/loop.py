@@ -420,6 +420,8 @@ class Trainer:
         self.lm = cfg.model.kind == "lm"
         # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
         self.task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=not read_only)
+        if has_checkpoint(workdir):  # its vocabulary or output layout of the text it trained on
+            data_lib.check_text_of_run(cfg, self.task, workdir)
         pi, pc = jax.process_index(), jax.process_count()
         self.iter_args = dict(process_index=pi, process_count=pc)
         self.train_iter = data_lib.make_iterator(self.task, cfg.data, split="train",

@@ -53,6 +53,11 @@ def _trunk_settings(cfg: Config) -> dict:
         return {**{f"model.{f}": getattr(cfg.model, f) for f in RNN_MODEL_FIELDS},
                 **{f"rnn.{f}": getattr(cfg.rnn, f) for f in RNN_TRUNK_FIELDS}}
     out = {f"model.{f}": getattr(cfg.model, f) for f in TRUNK_FIELDS}
+    # as the model resolves them (0: width / num_heads, num_heads, D / 2), so a run giving a
+    # head layout explicitly reads the trunk of one that left it at 0 (a review, r3: refused)
+    out.update({"model.head_dim": cfg.model.dims_per_head(),
+                "model.num_kv_heads": cfg.model.kv_heads(),
+                "model.kv_latent_rope_dim": cfg.model.latent_rope_dims()})
     moe = cfg.model.moe  # (off: its expert count alone, the other fields read by nothing)
     out.update({f"model.moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)
                 if f.name not in MOE_NOT_TRUNK and (moe.enabled() or f.name == "num_experts")})
