@@ -524,20 +524,90 @@ def test_a_model_of_vocab_size_0_is_refused_in_one_line():
             models.build(make_cfg(kind, vocab_size=0), deterministic=True)
 
 
-def test_decoding_a_reversible_model_of_random_features_is_refused():
+def test_a_reversible_model_decodes_unless_it_redraws_random_features():
     """Found in review: decoding runs a reversible stack's blocks bound, which draw other
     random features per layer than the functional pass that trained it (log-probs 0.7
-    apart for Performer); refused before anything is built."""
-    from hpnlp import models
+    apart for Performer); refused before anything is built. Review r4: that refused every
+    random-feature variant, but LSH decodes by full attention over its cache (no draw) and
+    Performer with redraw=False takes its seed's draw in both passes: each decodes what its
+    forward pass computes (LSH at one bucket and one chunk, where the two are equal)."""
     prompt = jnp.zeros((1, 2), jnp.int32)
-    for name in ("performer", "lsh"):
-        cfg = make_cfg("lm", reversible=True)
-        cfg = dataclasses.replace(cfg, attention=AttentionConfig(name, {}))
-        with pytest.raises(ValueError, match=rf"model.reversible=True .*{name!r}"):
-            models.generate(cfg, {}, prompt, length=4)
+    rev = make_cfg("lm", reversible=True, depth=1)  # one block: a quicker compile
+    redrawn = dataclasses.replace(rev, attention=AttentionConfig("performer", {}))
+    with pytest.raises(ValueError, match=r"model.reversible=True .*'performer' .*decode a "
+                       r"model.reversible=False run of it, or one trained with "
+                       r"attention.options.redraw=False$"):
+        models.generate(redrawn, {}, prompt, length=4)
     for arch in ("lstm", "transformer_xl"):  # no key/value cache (found in review: tracebacks)
         with pytest.raises(ValueError, match=rf"model.arch='transformer'.*{arch!r}"):
             models.generate(make_cfg("lm", arch=arch), {}, prompt, length=4)
+    batch = lm_batch(lengths=(L, L))
+    for name, opts in (("performer", {"redraw": False}),
+                       ("lsh", {"num_buckets": 1, "chunk_size": L})):
+        cfg = dataclasses.replace(rev, attention=AttentionConfig(name, opts))
+        model, params = init(cfg, batch)
+        assert_decodes_like_forward(cfg, model, params, batch, exact=False)
+        out = models.generate(cfg, params, batch["inputs"][:, :2], length=3)  # not refused
+        np.testing.assert_array_equal(out[:, :2], batch["inputs"][:, :2])
+
+
+def test_a_corpus_grad_scaled_lm_decodes_without_its_token_counts():
+    """Review r4: model.embed_grad_scale='corpus' scales only the embedding's gradient (a
+    fixed table from the train counts), yet generate without token_counts failed inside its
+    init's trace, telling the user to pass them to models.build; decoding takes no gradient,
+    so it decodes what the same parameters decode unscaled."""
+    cfg = make_cfg("lm", depth=1, embed_grad_scale="corpus")
+    plain = make_cfg("lm", depth=1)
+    batch = lm_batch()
+    # the same parameters (the table is none), from numpy: no initializers to compile
+    shapes = jax.eval_shape(models.build(plain, deterministic=True).init, jax.random.key(0), batch)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: jnp.asarray(0.5 * rng.standard_normal(s.shape), s.dtype),
+                          nn.unbox(shapes["params"]))
+    prompt = batch["inputs"][:, :3]
+    np.testing.assert_array_equal(models.generate(cfg, params, prompt, length=8),
+                                  models.generate(plain, params, prompt, length=8))
+
+
+def test_the_cli_decodes_by_default_no_further_than_its_learned_positions_trained(
+        tmp_path, capsys):
+    """Review r4: with model.pos_emb='learned' and data.seq_len below model.max_len, the
+    table's rows from seq_len on take no gradient, and the CLI's default --length (max_len)
+    decoded into them, unsaid. Its default is data.seq_len there (and a prompt it cannot hold
+    is told why), with --draft too; a longer --length is noted; sinusoidal and rope
+    positions, from no table, keep max_len. A run's config and an empty checkpoint folder:
+    nothing is trained, and the weights' read fails after these checks."""
+    import importlib
+    import os
+
+    from hpnlp.train.checkpoint import Checkpointer
+    generate = importlib.import_module("hpnlp.models.generate")  # the module, not the function
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", seq_len=8)
+    cd.model.update(kind="lm", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=32,
+                    vocab_size=256)
+    Checkpointer(str(tmp_path / "learned"), from_configdict(cd), keep=1).close()
+    os.makedirs(tmp_path / "learned" / "checkpoints" / "1")
+    learned = ["--workdir", str(tmp_path / "learned"), "--greedy", "--prompt", "x" * 10]
+    why = "by default the run's data.seq_len: the positions its learned position table trained"
+    for extra, bound in (([], "the run's model.max_len=32"),
+                         (["--draft", str(tmp_path / "learned")],
+                          "29 with --draft: the smaller model.max_len, less --draft-tokens - 1")):
+        assert generate.main(learned + extra) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: every prompt needs 1 to 7 tokens (--length 8, {why}); these have [10]; "
+            f"shorten it, or raise --length (up to {bound})")
+    assert generate.main(learned + ["--length", "20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == ("note: --length 20 decodes positions 8..19, which the run's training "
+                      "(data.seq_len=8) never reached: their rows of its learned position table "
+                      "(model.pos_emb='learned') are untrained, so the text there may degrade; "
+                      "--length 8 or less keeps to trained positions"), err
+    assert len(err) == 2 and err[1].startswith("error: "), err  # the empty checkpoint's
+    assert generate.trained_length(from_configdict(cd)) == 8
+    for pos_emb in ("sinusoidal", "rope"):  # the CLI's default stays model.max_len
+        cd.model.pos_emb = pos_emb
+        assert generate.trained_length(from_configdict(cd)) is None
 
 
 def test_decoding_random_features_of_the_run_s_stream_needs_their_key():

@@ -328,6 +328,22 @@ def test_frequency_based_output_layers_need_each_runs_train_counts():
                                              draft_tokens=2, **kw)
 
 
+def test_corpus_grad_scaled_lms_speculate_without_their_token_counts(lms):
+    """Review r4: model.embed_grad_scale='corpus' (a gradient table from the train counts)
+    made speculative decoding without token_counts fail inside both models' init traces;
+    decoding takes no gradient, so neither needs them. Traced only, where the error was
+    raised (test_models' test_a_corpus_grad_scaled_lm_decodes_... compares the tokens)."""
+    cfg, params, draft_cfg, draft_params, inputs = lms
+
+    def corpus(c):
+        return dataclasses.replace(c, model=dataclasses.replace(c.model,
+                                                                embed_grad_scale="corpus"))
+    out, _ = jax.eval_shape(lambda p, dp, pr: speculative.speculative_generate(
+        corpus(cfg), p, corpus(draft_cfg), dp, pr, length=LEN, draft_tokens=2),
+        params, draft_params, inputs[:, :3])
+    assert out.shape == (2, LEN)
+
+
 # 3.6 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the
 # suite read 6 min 16 s for 1729 tests, about 12 min at the Zen 3's ratio): CI's slow part runs it
 @pytest.mark.slow

@@ -335,9 +335,9 @@ def check_token_counts(cfg: Config, token_counts, arg: str = "token_counts",
 
 def check_decodes(cfg: Config) -> None:
     """A ValueError, naming the field, where `cfg`'s model cannot decode a token at a time:
-    not a causal Transformer LM, random features redrawn by reversible blocks or drawn per
-    pipeline stage (mesh.pipeline other than 1), or experts that choose their tokens
-    (`expert_choice` ranks a whole group's)."""
+    not a causal Transformer LM, random features drawn at decode time
+    (`attention.draws_features`) by reversible blocks or per pipeline stage (mesh.pipeline
+    other than 1), or experts that choose their tokens (`expert_choice` ranks a whole group's)."""
     if cfg.model.kind != "lm":
         raise ValueError(f"decoding needs a causal LM (model.kind='lm'); this config is a "
                          f"model.kind={cfg.model.kind!r} one")
@@ -346,12 +346,18 @@ def check_decodes(cfg: Config) -> None:
                          f"(model.arch='transformer'); this config is a model.arch="
                          f"{cfg.model.arch!r} one")
     from hpnlp import attention as attention_lib
-    if cfg.model.reversible and attention_lib.get(cfg.attention.name).random_features:
+    if cfg.model.reversible and attention_lib.draws_features(
+            cfg.attention.name, cfg.attention.options, decoding=True):
         # found in review: decoding runs the blocks bound, which draw other features per
-        # layer than the functional pass that trained and evaluates the model
+        # layer (make_rng) than the functional pass that trained and evaluates the model (its
+        # per-block keys). Only a draw at decode time differs (review r4: the class flag also
+        # refused LSH, which decodes by full attention, drawing nothing, and Performer with
+        # redraw=False, whose one draw is its seed's in both passes)
         raise ValueError(f"decoding a model.reversible=True model with attention.name="
-                         f"{cfg.attention.name!r} would draw other random features than its "
-                         "training did; decode a model.reversible=False run of it")
+                         f"{cfg.attention.name!r} (features redrawn: attention.options.redraw="
+                         "True) would draw other random features than its training did; decode "
+                         "a model.reversible=False run of it, or one trained with "
+                         "attention.options.redraw=False")
     if cfg.mesh.pipeline != 1 and attention_lib.draws_features(  # -1: every device
             cfg.attention.name, cfg.attention.options, decoding=True):
         # found in review: the pipeline stages fold each layer's index into the features key,
@@ -400,6 +406,11 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
              known_ids: int | None = None):
     """Returns tokens [B, length]: the prompt followed by generated tokens.
 
+    `length` <= model.max_len (the cache's positions). With learned positions
+    (model.pos_emb='learned') training reached only those below data.seq_len, and the
+    table's rows past them keep their init: keep `length` <= data.seq_len
+    (`trained_length`, the CLI's default) for positions the model learned.
+
     Sampled (`greedy=False`), each token is drawn from `sampling_logits` of the model's
     next-token log-probs: `temperature`, then `top_k` (0: off), `top_p` (1.0: off) and
     `min_p` (0.0: off); they are refused with `greedy` (the default), which would ignore
@@ -420,7 +431,8 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     `state.features_key(cfg.train.feature_redraw_every)` (its last train step's draw).
     `token_counts`: the train counts the model was built with (`Trainer.task.token_counts`),
     which output layers that build tables from them need (`check_token_counts`: hierarchical,
-    class_based, binary_code, adaptive without cutoffs). `quant_vars`: a quantized model's
+    class_based, binary_code, adaptive without cutoffs; not model.embed_grad_scale='corpus',
+    whose table scales only gradients). `quant_vars`: a quantized model's
     calibrated activation ranges (`compress.ptq.load`'s third value).
     """
     from hpnlp.models import build
@@ -474,6 +486,17 @@ def generate(cfg: Config, params, prompt_BP, prompt_len_B=None, *, length: int, 
     return jnp.concatenate([prompt_BL[:, :start], toks_LB.T], axis=1)
 
 
+def trained_length(cfg: Config) -> int | None:
+    """The positions `cfg`'s training reached where its model reads a learned table of them
+    (model.pos_emb='learned'): data.seq_len, its rows' length (packed segments restart at
+    0). The table's rows from there to model.max_len took no gradient and keep their init
+    (review r4: the CLI decoded up to max_len by default, into them, unsaid). None for
+    sinusoidal and rope positions: computed from the position, they read no table."""
+    if cfg.model.pos_emb != "learned":
+        return None
+    return min(cfg.data.seq_len, cfg.model.max_len)
+
+
 def word_prompt_notes(task, prompts, ids=None) -> list[str]:
     """A word-level LM reads its prompts lowercased, and words outside its vocabulary as
     <unk>: said, not done silently (a README walk's prompt came back lowercased, one word as
@@ -522,7 +545,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
     p.add_argument("--length", type=int, default=None, help="tokens in all, prompt included "
                    "(default: model.max_len; with --draft, less the drafts a round writes past "
-                   "it: model.max_len - draft_tokens + 1)")
+                   "it: model.max_len - draft_tokens + 1; at most data.seq_len where the run's "
+                   "positions are learned, model.pos_emb='learned': the positions its training "
+                   "reached; a longer --length is noted)")
     p.add_argument("--temperature", type=float, default=None,
                    help="divides the logits before sampling (default 0.8; not with --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most probable "
@@ -669,7 +694,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--length {args.length} exceeds the run's model.max_len="
                              f"{cfg.model.max_len}; lower --length")
         most = cfg.model.max_len  # the longest --length allowed
-        length = args.length or most
+        # by default no further than the learned positions training reached (review r4)
+        trained = trained_length(cfg) or most
+        length = args.length or min(most, trained)
         # the ids the run's tokenizer decodes: fewer than the model's rows where a word file
         # has fewer words than data.word_vocab_size or model.vocab_size exceeds the task's
         # (review r7: an id past them was sampled, and the decode of the output failed)
@@ -694,7 +721,7 @@ def main(argv=None) -> int:
                                  f"to {both_max - 1}, fewer for longer prompts")
             # by default as long as both caches hold a round's drafts past it
             most = both_max - args.draft_tokens + 1
-            length = args.length or most
+            length = args.length or min(most, trained)  # the target's: its tokens are output
             if length > most:  # a review (session 107): speculative.check's "lower length or
                 # draft_tokens" named no flag
                 fewer = (f" or --draft-tokens (to {both_max - length + 1} or fewer)"
@@ -722,7 +749,8 @@ def main(argv=None) -> int:
     for note in word_prompt_notes(task, args.prompt, ids):
         print(f"note: {note}", file=sys.stderr)
     longest = max(len(x) for x in ids)
-    if args.draft and args.length is None and longest >= length:
+    capped = args.length is None and length < most  # by trained_length
+    if args.draft and args.length is None and longest >= length and not capped:
         # the bound --draft-tokens set, not a --length never given (a bug hunt, session 102:
         # "needs 1 to 1 tokens (--length 2)" for a 3-token prompt and --draft-tokens 127)
         shorten = f"shorten the prompts longer than {length - 1} tokens"  # (review: "it")
@@ -742,9 +770,17 @@ def main(argv=None) -> int:
                  f"{most} with --draft: the smaller model.max_len, less --draft-tokens - 1")
         fix = ("" if longest < length else f"; shorten it, or raise --length (up to {bound})"
                if longest < most else f"; shorten it (the longest --length is {bound})")
-        print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}); "
+        why = (", by default the run's data.seq_len: the positions its learned position "
+               "table trained" if capped else "")
+        print(f"error: every prompt needs 1 to {length - 1} tokens (--length {length}{why}); "
               f"these have {[len(x) for x in ids]}{fix}", file=sys.stderr)
         return 2
+    if length > trained:  # said, not refused: a longer text is the user's to ask for
+        print(f"note: --length {length} decodes positions {trained}..{length - 1}, which the "
+              f"run's training (data.seq_len={trained}) never reached: their rows of its "
+              "learned position table (model.pos_emb='learned') are untrained, so the text "
+              f"there may degrade; --length {trained} or less keeps to trained positions",
+              file=sys.stderr)
     try:  # the checkpoints are read here (a bug hunt: a damaged one gave a 41-line traceback)
         params, quant_vars, features_key = weights()
         if args.draft:
