@@ -38,7 +38,8 @@ def get_config(arg: str = "bytes"):
     cfg.data.task = "word_lm" if words else "byte_lm"
     cfg.data.seq_len = 128  # tokens per training row
     cfg.data.batching = "pack"  # documents packed into rows with segment ids: no padding waste
-    cfg.data.word_vocab_size = 8000  # words: most frequent kept, the rest -> <unk>
+    if words:  # (only words read it: a new run is refused it under bytes or subwords)
+        cfg.data.word_vocab_size = 8000  # most frequent kept, the rest -> <unk>
     if subword:
         cfg.data.tokenizer = subword
         cfg.data.vocab_size = 8000  # pieces

@@ -35,7 +35,9 @@ def get_config(arg: str = "listops"):
     cfg.data.task = task
     cfg.data.seq_len = seq_len  # bytes (text, retrieval) or ListOps tokens per example
     cfg.data.batching = "bucket" if name == "listops" else "pad"  # ListOps lengths vary widely
-    cfg.data.listops_max_length = seq_len
+    listops = name == "listops"  # (the generator's fields are refused to the other tasks)
+    if listops:
+        cfg.data.listops_max_length = seq_len
 
     cfg.model.kind = kind
     cfg.model.width = 128
@@ -58,9 +60,10 @@ def get_config(arg: str = "listops"):
 
     if "local" in args:
         cfg.data.seq_len = 128
-        cfg.data.listops_max_length = 128
-        cfg.data.listops_num_train = 512
-        cfg.data.listops_num_eval = 128
+        if listops:
+            cfg.data.listops_max_length = 128
+            cfg.data.listops_num_train = 512
+            cfg.data.listops_num_eval = 128
         cfg.model.max_len = 128
         cfg.train.steps = 40
         cfg.train.warmup_steps = 5

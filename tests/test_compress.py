@@ -884,6 +884,24 @@ def test_cli_refuses_flags_the_format_ignores(tmp_path, capsys, flags, match):
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("weights", [[], ["--weights", "int8", "--activations", "int8",
+                                          "--act_scale", "static"]])
+def test_cli_names_a_calib_batches_below_1_as_its_flag(tmp_path, capsys, weights):
+    """Review r1: a QAT export of a run of static activation ranges (no --weights) with
+    --calib_batches 0 was refused as the config field `calib_batches`, which no config has;
+    the flag by its own name on either path, before the run's checkpoint is read."""
+    from hpnlp.compress.__main__ import main
+    _qat_run_config(str(tmp_path / "qat"), weights="int8", activations="int8",
+                    act_scale="static")
+    out = str(tmp_path / "o")
+    assert main(["quantize", "--workdir", str(tmp_path / "qat"), "--out", out, *weights,
+                 "--calib_batches", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("hpnlp.compress: error: --calib_batches 0: give a count of training "
+                   "batches >= 1, or leave it out for 8"), err
+    assert not os.path.exists(out)
+
+
 def test_cli_sparsify_names_its_min_sparsity_flag(tmp_path, capsys):
     """A bug hunt (session 97): --min_sparsity 1.5 was refused as the config field
     `min_sparsity`, which no config has; now as the flag, before the run is read."""

@@ -32,7 +32,10 @@ def base(**groups):
 
 def test_default_experiments_validate():
     import importlib.util
+
+    from hpnlp.config.checks import check_new_run
     for path, arg in (("lm.py", "bytes"), ("lm.py", "words"), ("lm.py", "bytes,moe"),
+                      ("lm.py", "bpe"),
                       ("lra.py", "listops"), ("lra.py", "local"),  # ListOps' (a bug hunt)
                       ("lra.py", "local,text"),
                       ("lra.py", "text"), ("lra.py", "retrieval"), ("rnn_lm.py", ""),
@@ -45,6 +48,9 @@ def test_default_experiments_validate():
         assert mod.__doc__ and "python -m hpnlp.main --config experiments/" in mod.__doc__
         cfg = validate(from_configdict(mod.get_config(arg)), num_devices=1)
         assert cfg.model.vocab_size > 0
+        # and it starts as a new run (review r1: lm.py set data.word_vocab_size for bytes and
+        # subwords, and lra.py the generator's fields for text and retrieval)
+        check_new_run(cfg)
         # its config.json reads back, each value of its field's kind (review r4's check)
         assert from_configdict(json.loads(json.dumps(to_json(cfg)))) == cfg
 
@@ -481,6 +487,40 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
      "model.embed_grad_scale", "with train.grad_accum=2 it would divide each row's gradient "
      "by its id's count in a microbatch, not in the step's batch, so accumulation would change "
      "the update; set model.embed_grad_scale='corpus' (where the task has train token counts"),
+    # review r1: dropless routes are the same in any groups (validate took groups=4 and
+    # refused groups=3, which does not divide train.batch_size=8, over a field nothing reads)
+    *[({"model": {"moe": {"num_experts": 4, "dispatch": "dropless", "groups": g}}},
+       "model.moe.groups", "are the same in any routing groups, so nothing reads it; use "
+       "model.moe.dispatch='capacity'") for g in (4, 3)],
+    # review r1: refused by PruneCarry.init, after the data were built
+    ({"train": {"prune": {"method": "magnitude", "layers": "head"}}}, "train.prune.layers",
+     "names no product of this lm (transformer), so nothing would be pruned (it has qkv, out, "
+     "mlp, output); name products it has"),
+    ({"train": {"prune": {"method": "magnitude", "layers": "input,recurrent"}}},
+     "train.prune.layers", "names no product of this lm (transformer)"),
+    ({"model": {"kind": "classifier"}, "data": {"task": "doc_classify"},
+      "train": {"prune": {"method": "random", "layers": "output"}}}, "train.prune.layers",
+     "names no product of this classifier (transformer), so nothing would be pruned (it has "
+     "qkv, out, mlp, head)"),
+    ({"model": {"kind": "bi_encoder", "arch": "bag", "dropout": 0.0},
+      "data": {"task": "verse_pairs"}, "train": {"prune": {"method": "magnitude"}}},
+     "train.prune.layers", "(it has none); set train.prune.method='none'"),
+    # review r1: each read by a task or tokenizer this run does not have
+    ({"data": {"word_vocab_size": 4000}}, "data.word_vocab_size", "this run's ids are bytes "
+     "(data.tokenizer='', data.task='byte_lm'), so nothing reads it; set data.tokenizer='words'"),
+    ({"data": {"tokenizer": "bpe", "word_vocab_size": 4000}}, "data.word_vocab_size",
+     "(a bpe/unigram tokenizer's size is data.vocab_size)"),
+    ({"model": {"kind": "classifier"}, "data": {"task": "doc_classify", "word_vocab_size": 300}},
+     "data.word_vocab_size", "data.task='doc_classify' has its own ids, so nothing reads it"),
+    ({"data": {"listops_max_depth": 3}}, "data.listops_max_depth", "the generated ListOps of "
+     "data.task='listops', and this run's data.task is 'byte_lm', so nothing reads it"),
+    # review r1: the ring over an axis the sequence is not split over (here one device: the
+    # layer runs as `chunked`), and its tile where its axis has one device
+    ({"attention": {"name": "ring", "options": {"axis": "data"}}}, "attention.options.axis",
+     "over mesh.data > 1, which splits no sequence, each device would gather the others' rows"),
+    ({"attention": {"name": "ring", "options": {"block": 16}}}, "attention.options.block",
+     "mesh.sequence=1 gives the ring one device, so the layer runs as `chunked` (which chooses "
+     "its own blocks) and nothing reads it"),
 ])
 def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field, hint,
                                                                    tmp_path):
@@ -501,6 +541,25 @@ def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field,
         with pytest.raises(ConfigError) as e:
             check_new_run(checked)
         assert f"`{field}`" in str(e.value) and hint in str(e.value), str(e.value)
+
+
+def test_listops_generator_fields_are_refused_to_a_new_run_of_a_listops_file(tmp_path):
+    """Review r1: a user's TSV reads none of them, and check_new_run's rule of
+    data.listops_max_length > data.seq_len is for generated ListOps, so it was taken without
+    a word."""
+    from hpnlp.config.checks import check_new_run
+    tsv = tmp_path / "l.tsv"
+    tsv.write_text("Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 3 4 ]\t3\n")
+    cfg = validate(base(model={"kind": "classifier"},
+                        data={"task": "listops", "train_path": str(tsv),
+                              "listops_max_length": 256}), num_devices=1)
+    with pytest.raises(ConfigError, match=r"^config field `data\.listops_max_length` = 256 is "
+                       r"not allowed: it shapes the ListOps generated without data\.train_path, "
+                       r"and data\.train_path='.*l\.tsv' reads the expressions from a file, so "
+                       r"nothing reads it; drop data\.train_path \(and data\.eval_path\) to "
+                       r"generate them, or leave it at its default "
+                       r"\(--config\.data\.listops_max_length=512\)$"):
+        check_new_run(cfg)
 
 
 def test_batch_embedding_gradients_are_taken_without_accumulation_and_corpus_with_it():
@@ -536,14 +595,22 @@ def test_a_runs_unread_fields_are_cleared_for_the_new_run_shrink_writes():
     for groups in ({"data": {"vocab_size": 16000}},
                    {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "fused", "unroll": 8}},
                    {"model": {"kind": "bi_encoder", "num_classes": 5},
-                    "data": {"task": "verse_pairs"}}):
+                    "data": {"task": "verse_pairs"}},
+                   # review r1's
+                   {"data": {"word_vocab_size": 300, "listops_num_train": 64}},
+                   {"model": {"moe": {"num_experts": 4, "dispatch": "dropless", "groups": 4}}},
+                   {"attention": {"name": "ring", "options": {"axis": "data", "block": 8}}}):
         cfg = validate(base(**groups), num_devices=1)
         with pytest.raises(ConfigError):
             check_new_run(cfg)
         check_new_run(validate(without_unread(cfg), num_devices=1))
     for groups in ({"data": {"tokenizer": "bpe", "vocab_size": 512}},
-                   {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "scan", "unroll": 8}}):
-        cfg = validate(base(**groups), num_devices=1)
+                   {"model": {"arch": "lstm", "width": 32}, "rnn": {"impl": "scan", "unroll": 8}},
+                   {"data": {"task": "word_lm", "word_vocab_size": 300}},
+                   {"model": {"moe": {"num_experts": 4, "groups": 4}}},  # capacity's
+                   {"mesh": {"data": 1, "sequence": 2},
+                    "attention": {"name": "ring", "options": {"block": 8}}}):
+        cfg = validate(base(**groups), devices=False)
         assert without_unread(cfg) == cfg
 
 
@@ -591,7 +658,21 @@ def test_fields_are_taken_where_their_switch_reads_them():
             {"train": {"prune": {"method": "movement", "schedule": "cubic"}}},
             {"train": {"prune": {"method": "movement", "start_step": 2}}},
             {"model": {"arch": "transformer_xl"}, "data": {"batching": "stream"},
-             "train": {"prune": {"method": "magnitude", "layers": "mlp,output"}}}):
+             "train": {"prune": {"method": "magnitude", "layers": "mlp,output"}}},
+            # review r1: each where it is read
+            {"data": {"task": "word_lm", "word_vocab_size": 300}},
+            {"model": {"kind": "classifier"}, "data": {"task": "verse_book", "seq_len": 16,
+                                                       "word_vocab_size": 500}},
+            {"model": {"kind": "classifier"},
+             "data": {"task": "listops", "listops_max_length": 64, "listops_min_length": 8,
+                      "listops_max_depth": 3, "listops_max_args": 4,
+                      "listops_num_train": 64, "listops_num_eval": 16}},
+            {"model": {"moe": {"num_experts": 4, "router": "top_k", "top_k": 2,
+                               "groups": 4}}},
+            {"model": {"arch": "lstm", "width": 32},
+             "train": {"prune": {"method": "magnitude", "layers": "input,recurrent"}}},
+            {"model": {"kind": "classifier"}, "data": {"task": "doc_classify"},
+             "train": {"prune": {"method": "magnitude", "layers": "head"}}}):
         check_new_run(validate(base(**groups), num_devices=1))
 
 
@@ -665,6 +746,31 @@ def test_mesh_and_batch_against_devices_and_processes():
         validate(base(train={"batch_size": 12}), num_devices=8)
     with pytest.raises(ConfigError, match="2 processes"):
         validate(base(train={"batch_size": 9}), num_devices=1, num_processes=2)
+
+
+def test_a_ring_over_another_axis_is_checked_against_that_axis_whatever_mesh_sequence():
+    """Review r1: with mesh.sequence=1 the ring runs over attention.options.axis wherever that
+    has several devices, and validate checked its lengths and tile against mesh.sequence
+    alone, so a seq_len mesh.data=4 does not divide (62) failed at the first trace, naming no
+    field. A run saved with such an axis that divides is still read (a new one is refused:
+    `check_new_run`, above)."""
+    from hpnlp.config.checks import check_new_run
+
+    def ring(seq_len=64, **options):
+        return base(mesh={"data": 4}, attention={"name": "ring", "options": options},
+                    data={"seq_len": seq_len})
+
+    with pytest.raises(ConfigError, match=r"^config field `attention\.options\.axis` = 'data' "
+                       r"is not allowed: the ring would split each sequence over mesh\.data=4 "
+                       r"devices, which do not divide its lengths \[62\]; set it to 'sequence'"):
+        validate(ring(62, axis="data"), num_devices=4)
+    with pytest.raises(ConfigError, match=r"`attention\.options\.block` = 32 .*L / mesh\.data "
+                       r"= \[16\] positions"):
+        validate(ring(axis="data", block=32), num_devices=4)
+    saved = validate(ring(axis="data", block=8), num_devices=4)
+    with pytest.raises(ConfigError, match=r"`attention\.options\.axis` = 'data'"):
+        check_new_run(saved)
+    validate(ring(62), num_devices=4)  # the default axis, of one device here: `chunked`
 
 
 @pytest.mark.parametrize("arch", ["lstm", "transformer_xl"])
@@ -796,6 +902,28 @@ def test_cli_option_overrides_read_words_and_the_spaced_form(monkeypatch):
     monkeypatch.setenv("HPNLP_PROCESS_ID", "two")
     with pytest.raises(SystemExit, match="HPNLP_PROCESS_ID='two' is not an integer"):
         main._env_int("HPNLP_PROCESS_ID", 0)
+
+
+def test_an_init_timeout_from_the_environment_is_checked_only_where_a_join_reads_it(
+        tmp_path, monkeypatch):
+    """Review r6: absl checks defaults too, so HPNLP_INIT_TIMEOUT=0 (a cluster profile's)
+    refused every run of one process, which never reads it, as "flag --init_timeout=0"; a
+    multi-process run's refusal now names the variable the value came from."""
+    from absl import flags
+
+    from hpnlp import main
+    env = dict(os.environ, HPNLP_INIT_TIMEOUT="0")
+    # past flag parsing: refused for its stray word, which main() checks first (no JAX start)
+    proc = subprocess.run([sys.executable, "-m", "hpnlp.main", "--config", "experiments/lm.py",
+                           "--workdir", str(tmp_path / "w"), "stray"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stderr.startswith("hpnlp: error: unexpected arguments ['stray']"), proc.stderr
+    assert main._valid_init_timeout({"coordinator": None, "init_timeout": 0})
+    monkeypatch.setenv("HPNLP_INIT_TIMEOUT", "0")
+    with pytest.raises(flags.ValidationError, match=r"^HPNLP_INIT_TIMEOUT=0 \(--init_timeout's "
+                       r"default\): must be at least 1 \(the seconds each process waits"):
+        main._valid_init_timeout({"coordinator": "127.0.0.1:1", "init_timeout": 0})
+    assert main._valid_init_timeout({"coordinator": "127.0.0.1:1", "init_timeout": 1})
 
 
 def test_a_new_runs_and_a_training_runs_refusals_come_before_the_join(tmp_path, monkeypatch):

@@ -146,9 +146,13 @@ def configs(draw) -> dict:
         model["pos_emb"] = "learned"
     if arch in ("lstm", "gru") and batching == "stream":
         batching = "pack"
-    data = {"task": task, "seq_len": seq_len, "batching": batching, "word_vocab_size": 300,
-            "listops_num_train": 64, "listops_num_eval": 16, "listops_min_length": 8,
-            "listops_max_length": seq_len, "listops_max_depth": 3}
+    data = {"task": task, "seq_len": seq_len, "batching": batching}
+    # each set where its task reads it (review r1: a new run is refused them elsewhere)
+    if task == "word_lm":
+        data["word_vocab_size"] = 300
+    if task == "listops":
+        data.update(listops_num_train=64, listops_num_eval=16, listops_min_length=8,
+                    listops_max_length=seq_len, listops_max_depth=3)
     if batching == "bucket":
         data["bucket_boundaries"] = [seq_len // 2, seq_len]
     out_name = draw(st.sampled_from(sorted(OUTPUT_OPTIONS))) if kind == "lm" else "full"

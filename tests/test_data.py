@@ -112,6 +112,8 @@ def test_listops_negative_seeds_are_refused_to_a_new_run_and_saved_ones_draw_as_
                for i in range(len(task.train)))
     assert data.saw_eval(saved.data, dataclasses.replace(three, listops_num_train=250))
     cd.data.update(train_path="l.tsv")  # a user's file: the seed orders batches only
+    # (and no generator field is read: a new run is refused them, review r1)
+    cd.data.update({f: getattr(DataConfig(), f) for f in TINY_LISTOPS if "listops_" in f})
     check_new_run(validate(from_configdict(cd), num_devices=1))
 
 

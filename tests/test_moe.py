@@ -670,6 +670,37 @@ def test_expert_choice_eval_capacity_factor_is_refused_for_a_new_run():
     check_new_run(cfg(router="top_k", top_k=2, eval_capacity_factor=1.25))
 
 
+def test_dropless_routing_groups_are_refused_for_a_new_run_and_divide_no_batch():
+    """Review r1: dropless routes (and the router's losses, summed over the groups) are the
+    same in any routing groups, and the layer pads rows they do not split, yet validate took
+    groups=4, and refused groups=3 for not dividing the batch, a field nothing reads. A new
+    run is refused a non-zero groups (`check_new_run`); a saved run's config.json that set
+    it still validates, so the run resumes and its tools read it. Capacity dispatch, whose
+    capacity binds per group, still takes groups that divide its batches and no others."""
+    from test_train import tiny
+
+    from hpnlp.config.checks import check_new_run, without_unread
+
+    def cfg(**moe):
+        cd = tiny()
+        cd.model.moe.update(num_experts=X, router="top_k", top_k=2, **moe)
+        cd.mesh.data = 4
+        return validate(from_configdict(cd), num_devices=4)
+
+    saved = cfg(dispatch="dropless", groups=3)  # validates: 3 groups, 8 rows, 4 shards
+    with pytest.raises(ConfigError, match=r"^config field `model\.moe\.groups` = 3 is not "
+                       r"allowed: model\.moe\.dispatch='dropless' computes every choice of "
+                       r"every token: .*; use model\.moe\.dispatch='capacity', whose capacity "
+                       r"binds per group, or leave it at its default "
+                       r"\(--config\.model\.moe\.groups=0\)$"):
+        check_new_run(saved)
+    check_new_run(without_unread(saved))  # what `compress shrink` writes of such a run
+    check_new_run(cfg(dispatch="dropless"))
+    check_new_run(cfg(groups=8))
+    with pytest.raises(ConfigError, match=r"`model\.moe\.groups` = 3 .*must divide the rows"):
+        cfg(groups=3)
+
+
 @pytest.mark.parametrize("moe,field", [
     ({"top_k": 5, "router": "top_k"}, "model.moe.top_k"),  # was lax.top_k's ValueError
     ({"top_k": 0}, "model.moe.top_k"),  # was an output of zeros

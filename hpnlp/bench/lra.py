@@ -67,10 +67,12 @@ def _config(task: str, variant: str, s: dict, seed: int = 0):
     cfg = harness.experiment_module("lra.py").get_config(task)
     L = s["seq_len"][task]
     cfg.name = f"lra_{task}_{variant}"
-    cfg.data.seq_len = cfg.model.max_len = cfg.data.listops_max_length = L
-    cfg.data.listops_num_train = s["listops_num_train"]
-    cfg.data.listops_num_eval = s["listops_num_eval"]
-    cfg.data.listops_max_depth = s.get("listops_max_depth", cfg.data.listops_max_depth)
+    cfg.data.seq_len = cfg.model.max_len = L
+    if cfg.data.task == "listops":  # (the generator's fields are refused to the other tasks)
+        cfg.data.listops_max_length = L
+        cfg.data.listops_num_train = s["listops_num_train"]
+        cfg.data.listops_num_eval = s["listops_num_eval"]
+        cfg.data.listops_max_depth = s.get("listops_max_depth", cfg.data.listops_max_depth)
     cfg.model.update(width=s["width"], depth=s["depth"], num_heads=s["heads"], mlp_dim=s["mlp"],
                      dropout=s.get("dropout", cfg.model.dropout))
     cfg.attention.name = variant

@@ -285,7 +285,9 @@ def _config(model: dict, mode: dict, n: int):
     from hpnlp.config import default_configdict, from_configdict
     cd = default_configdict()
     cd.name = "bench-memory"
-    cd.data.update(task=model["task"], seq_len=model["L"], batching="pack", word_vocab_size=model["vocab"])
+    cd.data.update(task=model["task"], seq_len=model["L"], batching="pack")
+    if model["task"] == "word_lm":  # (refused where unread: byte_lm's ids are its 256 bytes)
+        cd.data.word_vocab_size = model["vocab"]
     cd.model.update(kind="lm", width=model["width"], depth=model["depth"], num_heads=model["heads"],
                     mlp_dim=model["mlp"], max_len=model["L"], dropout=0.0, remat=mode.get("remat", "none"))
     if not mode.get("chunk_loss"):

@@ -52,8 +52,10 @@ def _config(method: str, quick: bool, tokenizer: str = "words"):
     preset, V, _ = TOKENIZERS[tokenizer]
     cfg = harness.experiment_module("lm.py").get_config(preset)
     cfg.name = f"quality_{tokenizer}_{method}"
-    cfg.data.word_vocab_size = V  # read by the words task only
-    if tokenizer != "words":  # read by the subword tokenizers only (check_new_run refuses it else)
+    # each read by its tokenizer only (check_new_run refuses it else)
+    if tokenizer == "words":
+        cfg.data.word_vocab_size = V
+    else:
         cfg.data.vocab_size = V
     cfg.output.name = method
     cfg.output.tie_embeddings = "embed" in softmax_lib.get(method).__dataclass_fields__

@@ -145,6 +145,11 @@ def main(argv=None) -> int:
             check_min_sparsity(args.min_sparsity, "--min_sparsity")
         if args.command == "quantize":
             _check_applies(args)
+            if args.calib_batches is not None and args.calib_batches < 1:  # review r1: a QAT
+                # export's was refused as the config field `calib_batches`, which no config has
+                raise ValueError(f"--calib_batches {args.calib_batches}: give a count of "
+                                 "training batches >= 1, or leave it out for "
+                                 f"{CALIB_BATCHES}")
             calib_batches = CALIB_BATCHES if args.calib_batches is None else args.calib_batches
             percentile = {} if args.percentile is None else {"percentile": args.percentile}
         if args.command == "shrink":

@@ -303,6 +303,10 @@ def _check_moe_mesh(cfg: Config, sizes: Mapping[str, int]) -> None:
         if sizes["sequence"] > 1:
             _fail("mesh.sequence", sizes["sequence"], "expert parallelism routes whole rows; "
                   "set mesh.sequence=1 with mesh.expert > 1")
+    if c.dispatch != "capacity":  # review r1: dropless routes are the same in any groups, and
+        # the layer pads rows they do not split (a new run is refused a non-zero groups:
+        # `_check_unread_of_new_run`; train/loop.py's _reader_split reads none either)
+        return
     groups = c.groups or shards
     rows = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
             "data.eval_batch_size (or train.batch_size)": d.eval_batch_size or t.batch_size}
@@ -542,9 +546,15 @@ def eval_is_train(d: DataConfig) -> bool:
         return same_data_path(d.train_path, d.eval_path)
 
 
+# What draws generated ListOps (hpnlp/data/listops.py); a train_path TSV reads none of them
+LISTOPS_FIELDS = ("listops_num_train", "listops_num_eval", "listops_min_length",
+                  "listops_max_length", "listops_max_depth", "listops_max_args")
+
+
 def _unread_of_new_run(cfg: Config) -> dict[str, bool]:
-    """Which of the fields a review (session 107) found taken, recorded in config.json and
-    read by nothing this config holds away from the default: {field: set and unread}, for
+    """Which of the fields a review (session 107, and review r1) found taken, recorded in
+    config.json and read by nothing this config holds away from the default (or, the ring's
+    axis, read wrongly): {field: set and unread}, for
     `_check_unread_of_new_run`'s refusals and `without_unread`'s clearing alike."""
     from hpnlp import data as data_lib
     m, d, r = cfg.model, cfg.data, cfg.rnn
@@ -553,13 +563,39 @@ def _unread_of_new_run(cfg: Config) -> dict[str, bool]:
         from hpnlp.data.text_tasks import lm_tokenizer
         tokenizer = lm_tokenizer(d, d.task)
     from hpnlp.data.tokenizers import SUBWORD
-    return {"data.vocab_size": tokenizer not in SUBWORD and d.vocab_size != DataConfig().vocab_size,
+    default, moe, a = DataConfig(), m.moe, cfg.attention
+    ring = a.name == "ring"
+    axis = a.options.get("axis", "sequence") if ring else "sequence"
+
+    def alone(axis):  # the ring's axis of one device (mesh.<axis>=1; a -1 axis depends on the
+        # devices): the layer runs as `chunked`, which reads neither option
+        return ring and axis in MESH_AXES and getattr(cfg.mesh, axis) == 1
+
+    wrong = ring and axis != "sequence" and axis in MESH_AXES and (
+        alone(axis) or axis not in cfg.mesh.mesh_axes_of("length"))
+    return {"data.vocab_size": tokenizer not in SUBWORD and d.vocab_size != default.vocab_size,
+            # review r1: read by the words tokenizer and verse_book's word vocabulary only
+            "data.word_vocab_size": (tokenizer != "words" and d.task != "verse_book"
+                                     and d.word_vocab_size != default.word_vocab_size),
+            # review r1: read by generated ListOps only (a train_path TSV reads none)
+            "data.listops_*": ((d.task != "listops" or bool(d.train_path)) and any(
+                getattr(d, f) != getattr(default, f) for f in LISTOPS_FIELDS)),
             # ('auto' picks per machine, so its unroll is read wherever the scan runs)
             "rnn.unroll": (r.impl == "fused" and m.arch in ("lstm", "gru")
                            and r.unroll != type(r)().unroll),
             # the task's count, which validate fills in and config.json keeps, is taken
             "model.num_classes": (m.kind == "bi_encoder" and m.num_classes not in (
-                0, data_lib.task_info(d).get("num_classes", 0)))}
+                0, data_lib.task_info(d).get("num_classes", 0))),
+            # review r1: dropless routes (and the router's losses, summed over the groups)
+            # are the same in any groups; the layer pads rows they do not split
+            "model.moe.groups": (moe.enabled() and moe.dispatch == "dropless"
+                                 and moe.groups != MoEConfig().groups),
+            # review r1: the ring over an axis the sequence is not split over gathered each
+            # device's rows for its share of every sequence (or, of one device, ran chunked)
+            "attention.options.axis": wrong,
+            # (of the axis it is refused for: 'sequence', so one fix clears both)
+            "attention.options.block": (alone("sequence" if wrong else axis)
+                                        and a.options.get("block") is not None)}
 
 
 def _check_unread_of_new_run(cfg: Config) -> None:
@@ -587,6 +623,52 @@ def _check_unread_of_new_run(cfg: Config) -> None:
         _fail("model.num_classes", m.num_classes, "model.kind='bi_encoder' scores pairs of "
               "embeddings and has no classes, so nothing reads it; leave it at its default "
               "(--config.model.num_classes=0)")
+    if unread["data.word_vocab_size"]:  # experiments/lm.py:bpe took it, and trained 8000 pieces
+        from hpnlp import data as data_lib
+        if d.task not in data_lib.LM_TASKS:
+            _refuse_unread("data", d, f"it sizes the word vocabulary of data.tokenizer='words' "
+                           f"and of data.task='verse_book', and data.task={d.task!r} has its "
+                           "own ids", "use data.task='word_lm' (or 'verse_book')",
+                           names=("word_vocab_size",))
+        from hpnlp.data.text_tasks import lm_tokenizer
+        _refuse_unread("data", d, f"it sizes the word vocabulary of data.tokenizer='words', and "
+                       f"this run's ids are {lm_tokenizer(d, d.task)} (data.tokenizer="
+                       f"{d.tokenizer!r}, data.task={d.task!r})", "set data.tokenizer='words' "
+                       "(a bpe/unigram tokenizer's size is data.vocab_size)",
+                       names=("word_vocab_size",))
+    if unread["data.listops_*"]:
+        why, fix = ((f"it shapes the ListOps generated without data.train_path, and "
+                     f"data.train_path={d.train_path!r} reads the expressions from a file",
+                     "drop data.train_path (and data.eval_path) to generate them")
+                    if d.task == "listops" else
+                    (f"it shapes the generated ListOps of data.task='listops', and this run's "
+                     f"data.task is {d.task!r}", "use data.task='listops'"))
+        _refuse_unread("data", d, why, fix, names=LISTOPS_FIELDS)
+    if unread["model.moe.groups"]:
+        _refuse_unread("model.moe", m.moe, "model.moe.dispatch='dropless' computes every "
+                       "choice of every token: its routes, and the router's losses (summed over "
+                       "the groups), are the same in any routing groups", "use "
+                       "model.moe.dispatch='capacity', whose capacity binds per group",
+                       names=("groups",))
+    a, mesh = cfg.attention, cfg.mesh
+    axis = a.options.get("axis", "sequence")
+    if unread["attention.options.axis"]:
+        length = mesh.mesh_axes_of("length")
+        _fail("attention.options.axis", axis, f"the ring passes key/value blocks around the "
+              f"mesh axis the sequence is split over ({list(length)}, mesh.rules.length), and "
+              + (f"mesh.{axis}=1 has one device, so the layer runs as `chunked` and nothing "
+                 "reads it" if axis in length else
+                 f"over mesh.{axis} > 1, which splits no sequence, each device would gather "
+                 "the others' rows (or heads) for its share of every sequence in every "
+                 f"attention layer (at mesh.{axis}=1 the layer runs as `chunked`, reading "
+                 "nothing)")
+              + "; set it to 'sequence' (with mesh.sequence > 1 for sequence parallelism)")
+    if unread["attention.options.block"]:
+        axis = "sequence" if unread["attention.options.axis"] else axis
+        _fail("attention.options.block", a.options["block"], f"it sizes the ring's tiles, and "
+              f"mesh.{axis}=1 gives the ring one device, so the layer runs as `chunked` (which "
+              f"chooses its own blocks) and nothing reads it; set mesh.{axis} > 1 for sequence "
+              "parallelism, or leave it at its default (None)")
 
 
 def without_unread(cfg: Config) -> Config:
@@ -594,14 +676,25 @@ def without_unread(cfg: Config) -> Config:
     nothing reads them, so a run saved with one computes what this config does (`compress
     shrink` writes a new run of an older run's config: a re-read, session 107)."""
     unread = _unread_of_new_run(cfg)
-    m, d, r = cfg.model, cfg.data, cfg.rnn
+    m, d, r, a = cfg.model, cfg.data, cfg.rnn, cfg.attention
+    default = DataConfig()
     if unread["data.vocab_size"]:
-        d = dataclasses.replace(d, vocab_size=DataConfig().vocab_size)
+        d = dataclasses.replace(d, vocab_size=default.vocab_size)
+    if unread["data.word_vocab_size"]:
+        d = dataclasses.replace(d, word_vocab_size=default.word_vocab_size)
+    if unread["data.listops_*"]:
+        d = dataclasses.replace(d, **{f: getattr(default, f) for f in LISTOPS_FIELDS})
     if unread["rnn.unroll"]:
         r = dataclasses.replace(r, unroll=type(r)().unroll)
     if unread["model.num_classes"]:
         m = dataclasses.replace(m, num_classes=ModelConfig().num_classes)
-    return dataclasses.replace(cfg, model=m, data=d, rnn=r)
+    if unread["model.moe.groups"]:
+        m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, groups=MoEConfig().groups))
+    cleared = {k for k in ("axis", "block") if unread[f"attention.options.{k}"]}
+    if cleared:  # (a ring over another axis computes what it does over none: the same values)
+        a = dataclasses.replace(a, options=type(a.options)(
+            {k: v for k, v in a.options.items() if k not in cleared}))
+    return dataclasses.replace(cfg, model=m, data=d, rnn=r, attention=a)
 
 
 _SAVED_DATA = contextvars.ContextVar("saved_data", default=False)  # set by `of_saved_data`
@@ -1213,14 +1306,26 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
             _fail("data.bucket_boundaries", list(d.bucket_boundaries) or "(default)",
                   f"bucket widths {odd} do not split over mesh.sequence={sizes['sequence']}; "
                   f"give widths that are multiples of {sizes['sequence']}")
+    # The ring runs over its axis wherever that has several devices (attention/ring.py), the
+    # sequence split or not: a new run is refused another axis (`check_new_run`), and a run
+    # saved with one still reads it, but not where its trace would fail (review r1: with
+    # mesh.sequence=1 and axis='data', a seq_len mesh.data does not divide failed there, and
+    # the block check below was skipped)
+    n_ring = sizes.get(ring_axis, 1) if cfg.attention.name == "ring" else 1
     block = cfg.attention.options.get("block")
-    if sizes["sequence"] > 1 and cfg.attention.name == "ring" and isinstance(block, int):
+    if n_ring > 1 and (ring_axis != "sequence" or isinstance(block, int)):
         from hpnlp.data.batching import bucket_boundaries
         widths = bucket_boundaries(d) if d.batching == "bucket" else [d.seq_len]
-        odd = [w for w in widths if (w // sizes["sequence"]) % block]
+        odd = [w for w in widths if w % n_ring]
+        if odd and ring_axis != "sequence":  # (mesh.sequence's own checks are above)
+            _fail("attention.options.axis", ring_axis, f"the ring would split each sequence "
+                  f"over mesh.{ring_axis}={n_ring} devices, which do not divide its lengths "
+                  f"{odd}; set it to 'sequence', the axis sequence parallelism splits "
+                  "(mesh.sequence > 1)")
+        odd = [w for w in widths if isinstance(block, int) and (w // n_ring) % block]
         if odd:  # the ring's tiles split each device's share of a sequence
-            _fail("attention.options.block", block, f"each device holds L / mesh.sequence = "
-                  f"{[w // sizes['sequence'] for w in odd]} positions, which the ring's tile "
+            _fail("attention.options.block", block, f"each device holds L / mesh.{ring_axis} = "
+                  f"{[w // n_ring for w in odd]} positions, which the ring's tile "
                   "must divide; choose a divisor of them, or None")
     for axis in MESH_AXES:  # a bug hunt (session 90): data=4 with rules.batch=None ran as 1
         # (pipeline stages need rules.layers, checked below)

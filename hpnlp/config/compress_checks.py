@@ -434,7 +434,8 @@ def _check_new_distill(cfg: Config) -> None:
 
 def _check_new_prune(cfg: Config) -> None:
     """`train.prune` settings a new run is refused (a review, session 107; 'output' of an
-    output layer with its own tables: review r11). A run saved with one trained (some are
+    output layer with its own tables: review r11; layers that name no product the model has:
+    review r1, once refused by PruneCarry.init). A run saved with one trained (some are
     defaults: train.prune.layers on Transformer-XL; a one-shot schedule at start_step 0), so
     it must still validate: its config.json is read, and resumed as it trained."""
     p, m = cfg.train.prune, cfg.model
@@ -457,6 +458,17 @@ def _check_new_prune(cfg: Config) -> None:
               "own tables, not one [V, E] matrix of output vectors, so pruning would leave "
               "them dense; drop 'output' or use output.name='full' (or another VocabLayer: "
               "sampled, nce, ...)")
+    # the kinds a pruner finds in this model (`prune.targets`): quant's, but Transformer-XL's
+    # attention (refused above) and an output layer of its own tables
+    has = [k for k in quant_products(m) if not (k == "output" and tables) and not (
+        m.arch == "transformer_xl" and k in ("qkv", "out"))]
+    if not set(has) & (set(has) if p.layers == "all" else named):
+        # review r1: refused by PruneCarry.init, after the data (a bpe tokenizer trained) were
+        # built, as quant.layers and model.lowrank.layers are before anything is
+        _fail("train.prune.layers", p.layers, f"names no product of this {m.kind} ({m.arch}), "
+              f"so nothing would be pruned (it has {', '.join(has) or 'none'}); "
+              + ("name products it has (or 'all')" if has else
+                 "set train.prune.method='none'"))
     if p.method == "movement" and p.schedule == "oneshot" and p.start_step == 0:
         # after one step each Adam score is -sign(dL/dS) (m / sqrt(v) = d / |d|), so the one
         # mask made was one batch's gradient signs, ties pruned by position (a kernel's
