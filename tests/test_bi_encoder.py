@@ -633,6 +633,52 @@ def test_mining_embeds_the_pool_with_the_weights_pruning_leaves(monkeypatch):
         assert not np.any(np.asarray(flat[tuple(k.split("/"))])[~np.asarray(m)]), k
 
 
+def test_a_mining_a_float16_step_skipped_happens_at_the_next_step_that_updates(monkeypatch):
+    """Review r7: mining was due by the step number alone, and a float16 step that loss
+    scaling skipped put the old negatives back, so a mining due at a skipped step was lost:
+    with steps 0 and 1 skipped and mine_every 2, the pairs had no negative (all -1) until
+    step 3. It is owed now, marked in the carry ([P] int32, the layout checkpoints saved
+    before hold): the next step that updates mines, under its own weights, and the schedule
+    goes on (step 3). An inf scale forces the overflows."""
+    import flax.linen as nn
+
+    from hpnlp.train.loop import dummy_batch
+    from hpnlp.train.state import init_state, make_optimizer
+    from hpnlp.train.step import make_train_step
+    cfg = validate(_cfg("local,mine,bag", **{
+        "model.dtype": "float16", "model.encoder.mine_every": 2, "train.steps": 6,
+        "train.warmup_steps": 0}))
+    carry = mining.NegativesCarry(cfg)
+    model, tx, P = carry.encoder, make_optimizer(cfg.train), carry.pairs
+    batch = dummy_batch("pair", 2, cfg.data.seq_len)
+    batch["inputs1"][:, :3], batch["inputs2"][:, :3], batch["label"][:] = 5, 7, 1
+
+    def fake_mine(params):  # negatives that tell which weights mined them
+        leaf = jax.tree.leaves(params)[0]
+        return ((jnp.arange(P) + (jnp.sum(jnp.abs(leaf)) * 1e3).astype(jnp.int32)) % P
+                ).astype(jnp.int32)
+    monkeypatch.setattr(mining, "mine", lambda encode, params, *a, **k: fake_mine(params))
+    state = jax.jit(lambda k: nn.unbox(init_state(model, tx, k, batch, loss_scale=1.0,
+                                                  carries=[carry], batch_size=2)))(
+        jax.random.key(0))
+    step = jax.jit(make_train_step(model, tx, cfg.train, [carry]))
+    for i, scale in enumerate([np.inf, np.inf, 1.0, 1.0]):
+        state, m = step(state.replace(loss_scale=jnp.float32(scale)), batch)
+        value = state.carry["negatives"]
+        assert value.shape == (P,) and value.dtype == jnp.int32
+        assert float(m["skipped"]) == (i < 2)
+        neg = np.asarray(mining.negatives_of(value))
+        if i < 2:  # step 0 is not due; step 1 is, and owes its mining
+            assert (neg == -1).all() and bool(mining.owed(value)) == (i == 1)
+        else:  # step 2 mines what step 1 owed; step 3 is due by the schedule
+            assert not mining.owed(value)
+            np.testing.assert_array_equal(neg, fake_mine(state.params))
+    loss = carry.loss(model, lambda params, carry, batch, rngs: batch)  # an owed carry's
+    got = loss(None, {"negatives": mining.owe(jnp.array([2, -1, 0]))},  # negatives
+               {"index": np.array([0, 1, 2, -1])}, None)
+    np.testing.assert_array_equal(got["neg_weight"], [1, 0, 1, 0])
+
+
 def test_the_trainer_evaluates_the_pool_with_the_draw_it_trained_with(tmp_path, monkeypatch):
     """The Trainer's evaluation hands the pool's metrics `state.features_key` (a review,
     session 106: it embedded a Performer encoder's pool with its seed's draw)."""

@@ -710,6 +710,34 @@ def test_bfloat16_passes_tune_their_products_with_their_blocks():
         F.flash_attention(q, q, q, fwd_blocks=(16, 16), bwd_blocks=(16, 16), widen=1)
 
 
+@needs_flash
+def test_a_bfloat16_pass_given_its_blocks_tunes_nothing(monkeypatch):
+    """Review r5: bfloat16 q, k, v with both passes' blocks given still asked both bfloat16
+    tunings for `widen`, which on a fresh cache searched every block and widen pair (up to
+    20 s a pass, inside the trace) for a choice paired with blocks the call does not run. A
+    pass given its blocks runs the CPU's own products (its tuning's default) and asks no
+    tuning; a pass left to tuning runs its tuned blocks and widen."""
+    asked = []
+
+    def config(self):  # every bfloat16 choice widens, as a search may choose
+        asked.append(self.name)
+        return dict(self.default, **({"widen": 1} if "widen" in self.default else {}))
+    monkeypatch.setattr(tuning.Tuning, "config", config)
+    q = jnp.zeros((1, 16, 1, 16), jnp.bfloat16)
+
+    def widens(**blocks):  # {pass: the widen its kernel is given}
+        def loss(q):
+            return jnp.sum(F.flash_attention(q, q, q, **blocks).astype(jnp.float32))
+        hlo = jax.jit(jax.grad(loss)).lower(q).as_text()
+        return dict(re.findall(r"@hpnlp_flash_(fwd|bwd)_bf16\(.*?widen = (true|false)", hlo))
+
+    assert widens(fwd_blocks=(16, 16), bwd_blocks=(16, 32)) == {"fwd": "false", "bwd": "false"}
+    assert asked == []
+    assert widens(fwd_blocks=(16, 16)) == {"fwd": "false", "bwd": "true"}
+    assert set(asked) == {"bwd_bf16"}
+    assert widens(bwd_blocks=(16, 32), widen=True) == {"fwd": "true", "bwd": "true"}
+
+
 # 2.7 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the
 # suite read 6 min 16 s for 1729 tests, about 12 min at the Zen 3's ratio): CI's slow part runs it
 @pytest.mark.slow

@@ -212,10 +212,12 @@ def test_bad_input_says_what_and_how():
         spmm.sparse_matmul(jnp.ones((2, 4)), jnp.eye(4))
     with pytest.raises(ValueError, match=r"must be \[K, N\]"):
         spmm.prepare_sparse_weight(np.ones(4, np.float32))
-    # whichever path runs (found in review: impl="xla" took threads=0 and vectors=3)
+    # whichever path runs (found in review: impl="xla" took threads=0 and vectors=3; review
+    # r5: vectors=True ran as 1, and 4.0 as 4)
     for impl in ("xla", "auto"):
-        with pytest.raises(ValueError, match="vectors must be one of"):
-            spmm.sparse_matmul(jnp.ones((2, 4)), sw, vectors=3, impl=impl)
+        for vectors in (3, True, 4.0):
+            with pytest.raises(ValueError, match="vectors must be one of"):
+                spmm.sparse_matmul(jnp.ones((2, 4)), sw, vectors=vectors, impl=impl)
         for threads in (0, 2.5):
             with pytest.raises(ValueError, match="threads must be an integer >= 1"):
                 spmm.sparse_matmul(jnp.ones((2, 4)), sw, threads=threads, impl=impl)

@@ -119,11 +119,12 @@ def tuned_blocks(bf16: bool = False, regime: str = "long") -> tuple[tuple[int, i
     return tuned_block("fwd", bf16, regime), tuned_block("bwd", bf16, regime)
 
 
-def tuned_widen(regime: str = "long") -> tuple[bool, bool]:
-    """(forward, backward): whether the bfloat16 kernel's products run widened to float32
-    rather than on the CPU's own bfloat16 instructions, for this CPU and `regime`: measured
-    once with the blocks, cached."""
-    return tuple(bool(TUNINGS[p, True, regime].config()["widen"]) for p in ("fwd", "bwd"))
+def tuned_widen(regime: str = "long", passes: tuple[str, ...] = ("fwd", "bwd")
+                ) -> tuple[bool, ...]:
+    """Per pass of `passes` (default: forward, backward): whether the bfloat16 kernel's
+    products run widened to float32 rather than on the CPU's own bfloat16 instructions, for
+    this CPU and `regime`: measured once with the blocks, cached."""
+    return tuple(bool(TUNINGS[p, True, regime].config()["widen"]) for p in passes)
 
 
 def bf16_products() -> str:
@@ -217,7 +218,8 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
     (queries, keys) tile of each pass, multiples of 16; None: this CPU's tuned choice for
     the call's regime (`regime()`: short causal rows tune apart from long ones). `widen`
     (bfloat16 only): True runs the products widened to float32, False on the CPU's own
-    bfloat16 instructions where it has them; None: each pass's tuned choice."""
+    bfloat16 instructions where it has them; None: each pass's tuned choice, where its
+    blocks are tuned (a pass given its blocks runs the CPU's own, and tunes nothing)."""
     check_inputs(q_BLHD, k_BSHD, v_BSHD, None)
     # The options are checked before the kernel is built or tuned, as the other kernels'
     # wrappers do (found in review: threads=0, -4 or 2.7 ran on one or two threads without
@@ -260,10 +262,16 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, qseg_BL=None, kseg_BS=None, *, causa
                        for p, blk in zip(("fwd", "bwd"), given.values()))
     if not bf16:
         wides = (False, False)  # float32 products either way
-    elif widen is None:
-        wides = tuned_widen(regime(q_BLHD.shape[1], k_BSHD.shape[1], causal))
-    else:
+    elif widen is not None:
         wides = (bool(widen),) * 2
+    elif fwd_blocks is None and bwd_blocks is None:
+        wides = tuned_widen(rg)
+    else:  # a pass given its blocks runs its tuning's default products, the CPU's own:
+        # the tuned widen was chosen with the tuned blocks (review r5: given both passes'
+        # blocks, a fresh cache searched every bfloat16 block and widen, 20 s a pass, for them)
+        wides = tuple(tuned_widen(rg, (p,))[0] if blk is None
+                      else bool(TUNINGS[p, True, rg].default["widen"])
+                      for p, blk in zip(("fwd", "bwd"), given.values()))
     blocks = tuple((*blk, w) for blk, w in zip(blocks, wides))
     segs = None if qseg_BL is None else (qseg_BL, kseg_BS)
     scale = 1.0 / float(np.sqrt(q_BLHD.shape[-1]))

@@ -150,8 +150,10 @@ def sparse_matmul_xla(x_MxK, w: SparseWeight):
 
 def _vectors(given: int | None) -> np.int64:
     v = TUNING.config()["vectors"] if given is None else given
-    if v not in VECTORS:
-        raise ValueError(f"sparse_matmul: vectors must be one of {VECTORS}; got {given}")
+    # an integer, as the threads and blocks of every kernel here (review r5: True, == 1, and
+    # 4.0 ran as 1 and 4 without a word)
+    if not kernels.is_integer(v) or v not in VECTORS:
+        raise ValueError(f"sparse_matmul: vectors must be one of {VECTORS}; got {given!r}")
     return np.int64(v)
 
 

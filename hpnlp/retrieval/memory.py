@@ -165,7 +165,16 @@ def reference_lookup(keys_SD, values_S, q_BD, k: int):
 class KVMemoryCarry(Carry):
     """The classifier's memory as the train state's `kv_memory` carry (hpnlp.train.carry):
     each train step's loss reads the memory as the step found it (head loss + loss_weight x
-    margin loss) and leaves it updated by the batch; evaluation reads the trained memory."""
+    margin loss) and leaves it updated by the batch; evaluation reads the trained memory.
+
+    A float16 step that loss scaling skips (an overflow) keeps the memory as it was
+    (`Carry.skipped`'s default, by intent; review r7 asked): its batch is neither trained
+    on nor written, as if the step had not run, and its examples are written when they come
+    again. Unlike Transformer-XL's memory (`MemoryCarry.skipped`), which moves on because
+    the next segment of its stream continues the skipped one, nothing here needs the skipped
+    batch: examples are independent. And a forward pass that overflowed can give non-finite
+    queries, and one written as a key gives every later query a NaN similarity: the memory
+    keeps no write of a step whose update was undone."""
 
     name = "kv_memory"  # "memory" is Transformer-XL's
 

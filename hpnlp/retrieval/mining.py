@@ -18,15 +18,17 @@ between minings pay nothing. (The pool's token arrays, a few MB, are constants o
 compiled step.) It mines after pruning's `after_update` (hpnlp.train.carry.for_config), so
 with the masked (or rewound) encoder that trains next.
 
-Under model.dtype='float16', a step that loss scaling skips (an overflow) keeps the
-negatives it had (`Carry.skipped`; its own were mined from non-finite weights), and the
-step counter moves on, so a scheduled mining that falls on a skipped step is lost, not
-delayed: the next comes `mine_every` steps later (pruning delays its updates instead,
-`prune.updates_due`). The first steps of a float16 run are the ones skipped most, while
-the scale comes down: where step `mine_every - 1` is one of them, the run trains without
-hard negatives (all -1) for `2 * mine_every` steps. Keeping the last mining's step in the
-carry would fix it, at the cost of a new checkpoint layout; it is said here instead
-(review r10, session 108).
+Under model.dtype='float16', a step that loss scaling skips (an overflow: its gradients are
+not finite, and its update is undone) mines nothing, as its updated weights are not finite:
+a mining due then is owed, not lost, and happens at the next step that updates (as pruning
+delays its updates, `prune.updates_due`); the ones after it keep the schedule. (Review r7:
+it was lost, and the next came `mine_every` steps later; where step `mine_every - 1` was
+skipped, as the first steps of a float16 run often are while the scale comes down, the run
+trained without hard negatives, all -1, for `2 * mine_every` steps.) The owed mining is
+marked in the carry itself, which so keeps its layout, and checkpoints saved before the
+mark resume: every entry moves down by P + 1, below -1 (`owe`, `owed`, `negatives_of`).
+`after_update` tells a skip by the step's own test (`all_finite` of the gradients), and the
+carry's `skipped` keeps what it decided.
 
 Shape letters: P train pairs, L length, E width, K candidates searched per query.
 """
@@ -82,6 +84,28 @@ def pick_negatives(ids_PK, group_P, qgroup_P, depth: int, key):
     hit_PK = ok_PK & (rank_PK == r_P[:, None])
     chosen = jnp.take_along_axis(ids_PK, jnp.argmax(hit_PK, axis=1)[:, None], axis=1)[:, 0]
     return jnp.where(avail_P > 0, chosen, -1).astype(jnp.int32)
+
+
+def all_finite(tree):
+    """Whether every value of `tree` is finite: the train step's test for a float16 step that
+    loss scaling skips, read of its gradients (hpnlp.train.step)."""
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def owe(neg_P):
+    """The carry of negatives `neg_P` (each in [-1, P)) with a mining owed (module doc): all
+    moved down by P + 1, to [-P - 2, -2]."""
+    return neg_P - (neg_P.shape[0] + 1)
+
+
+def owed(value_P):
+    """Whether the carry `value_P` owes a mining (traced bool)."""
+    return jnp.min(value_P) < -1
+
+
+def negatives_of(value_P):
+    """The negatives [P] the carry `value_P` holds, owed or not: each pair's, or -1."""
+    return jnp.where(owed(value_P), value_P + value_P.shape[0] + 1, value_P)
 
 
 def mine(encode, params, q_tok, q_seg, d_tok, d_seg, group_P, qgroup_P, depth: int, key):
@@ -145,7 +169,7 @@ class NegativesCarry(Carry):
 
         def with_negatives(params, carry, batch, rngs):
             idx_B = jnp.maximum(batch["index"], 0)
-            neg_B = jnp.where(batch["index"] >= 0, carry[self.name][idx_B], -1)
+            neg_B = jnp.where(batch["index"] >= 0, negatives_of(carry[self.name])[idx_B], -1)
             ok_B = neg_B >= 0
             row_B = jnp.maximum(neg_B, 0)
             # whole texts (seq_len wide, encoded on their own), whatever a bucket's width
@@ -172,6 +196,16 @@ class NegativesCarry(Carry):
             return mine(encode, params, jnp.asarray(self.q_tok), jnp.asarray(self.q_seg),
                         jnp.asarray(self.d_tok), jnp.asarray(self.d_seg), self.group,
                         self.qgroup, e.mine_depth, key)
-        # every mine_every steps, but not after the last (nothing would train on them)
-        due = ((step + 1) % e.mine_every == 0) & (step + 1 < self.cfg.train.steps)
-        return params, jax.lax.cond(due, remine, lambda _: value, None)
+        # every mine_every steps, or the first step that updates after one that float16 loss
+        # scaling skipped (module doc), but not after the last (nothing would train on them)
+        neg_P, updates = negatives_of(value), all_finite(grads)
+        scheduled = ((step + 1) % e.mine_every == 0) | owed(value)
+        due = scheduled & (step + 1 < self.cfg.train.steps)
+        mined = jax.lax.cond(due & updates, remine, lambda _: neg_P, None)
+        return params, jnp.where(due & ~updates, owe(neg_P), mined)
+
+    def skipped(self, new, old, applied):
+        """`after_update` already kept the old negatives on a step whose gradients are not
+        finite, the step's own test for a skip, and marked a mining due there as owed (module
+        doc): its entry stands (the default would undo the mark)."""
+        return jnp.where(applied | owed(new), new, old)

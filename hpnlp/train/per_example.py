@@ -17,9 +17,12 @@ within 2e-3 of its norm up to n=1024, also with a 32768-word table; 6e-3, 2e-2, 
 2^-12, where the global norm was off only 1.5e-3: its large entries round, small ones flush).
 So the mean is differentiated times a power of 2 (1 up to EXACT_TOKENS tokens, past that
 their count / EXACT_TOKENS rounded up) and the gradient divided by it in float32, exactly: a
-token's cotangent never falls below 1/EXACT_TOKENS of its own. Not the train step's fixed
-2^15 (hpnlp.train.step): at it a one-token example of a width-128 LM overflowed float16 (at
-2^12 it did not), and here there is no step to skip (tests/test_per_example.py).
+token's cotangent never falls below 1/EXACT_TOKENS of its own. Not the train step's dynamic
+scale (hpnlp.train.step: `loss_scale`, from train.loss_scale_init, times 2^-ceil(log2 of the
+batch's terms), halved at a step it skips on an overflow, doubled after clean steps): here
+there is no step to skip, so the scale must never overflow, and a fixed 2^15 did (a one-token
+example of a width-128 LM overflowed float16 at it; at 2^12 it did not;
+tests/test_per_example.py).
 
 Random draws: each example gets `rngs` folded with its index, so under dropout each draws its
 own mask (and its own sampled negatives), as each row of the batch forward does; one key for
