@@ -80,7 +80,22 @@ flags.register_validator(
     "coordinator", _valid_coordinator,
     "must be HOST:PORT (port 1..65535), the address process 0 listens on, e.g. "
     "--coordinator=10.0.0.1:8476 (HPNLP_COORDINATOR sets the default)")
-flags.register_validator("init_timeout", lambda v: v >= 1, "must be at least 1 (seconds)")
+
+
+def _valid_init_timeout(f: dict) -> bool:
+    """--init_timeout >= 1 where it is read: a multi-process run's join. Not in a run of one
+    process (review r6: absl checks defaults too, so HPNLP_INIT_TIMEOUT=0 exported by a
+    cluster profile refused every run of one process, naming a flag it was never given)."""
+    if not f["coordinator"] or f["init_timeout"] >= 1:
+        return True
+    env = os.environ.get("HPNLP_INIT_TIMEOUT", "").strip()
+    given = ("--init_timeout" if FLAGS["init_timeout"].present or not env else
+             f"HPNLP_INIT_TIMEOUT={env} (--init_timeout's default)")
+    raise flags.ValidationError(f"{given}: must be at least 1 (the seconds each process waits "
+                                "for the others at --coordinator)")
+
+
+flags.register_multi_flags_validator(["coordinator", "init_timeout"], _valid_init_timeout)
 flags.register_multi_flags_validator(
     ["coordinator", "num_processes", "process_id"],
     lambda f: f["num_processes"] >= 1 and 0 <= f["process_id"] < f["num_processes"]

@@ -15,6 +15,8 @@ arithmetic to fold the loads into, so capping XLA's code generation at AVX2
 (`--xla_cpu_max_isa=AVX2`) removes the whole class. XLA already prefers 256-bit vectors
 on these CPUs; the byte LM trains at the same speed either way (docs/xla_defects.md).
 The kernels hpnlp compiles itself (`hpnlp.kernels`) are not affected and keep AVX-512.
+`HPNLP_ISA_WORKAROUND=0` skips this one alone (`=1` keeps it with `HPNLP_XLA_WORKAROUNDS=0`):
+tools/xla_workaround_ab.py times it so, the other settings alike in both arms.
 
 **XLA:CPU faults its buffers in again on every call (performance).** XLA:CPU allocates each
 call's temporaries (one block: 134 MB for the default byte LM's train step) and outputs
@@ -81,11 +83,13 @@ def _backend_started() -> bool:
 def pad_overread_flag() -> str | None:
     """The XLA flag this process needs against the pad over-read, or None.
 
-    None when: workarounds are off, the user chose an ISA cap themselves (where XLA reads it:
+    None when: it is switched off (`HPNLP_ISA_WORKAROUND=0`, or `HPNLP_XLA_WORKAROUNDS=0`
+    unless `HPNLP_ISA_WORKAROUND=1`), the user chose an ISA cap themselves (where XLA reads it:
     one after a bare token in XLA_FLAGS is ignored by XLA, so it caps nothing; review d2), the
     jaxlib is not one the defect was seen on, or the CPU has no AVX-512.
     """
-    if os.environ.get("HPNLP_XLA_WORKAROUNDS", "1") == "0":
+    switch = os.environ.get("HPNLP_ISA_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
+    if switch == "0":
         return None
     read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
     if any(f.split("=", 1)[0] == "--xla_cpu_max_isa" for f in read):

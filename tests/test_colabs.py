@@ -4,6 +4,7 @@ import glob
 import os
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 
@@ -41,6 +42,11 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
 def _cells(name):
     nb = nbformat.read(os.path.join(ROOT, "colabs", name), as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def _markdown(name):
+    nb = nbformat.read(os.path.join(ROOT, "colabs", name), as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "markdown"]
 
 
 @pytest.mark.parametrize("steps", [1, 2, 20])
@@ -234,6 +240,50 @@ def test_attention_zoo_patterns_raise_a_variant_that_fails_on_the_tests_settings
                                            r"\{'broken': 'ValueError: boom'\}$"):
         exec(patterns, ns)
     ns["plt"].close("all")
+
+
+def test_approximate_softmax_raises_a_layer_whose_log_prob_does_not_sum_to_one(monkeypatch):
+    """Its section 1 "checks that every method's evaluation distribution sums to one" and only
+    printed the largest row sum, so a layer off on some rows or everywhere left the notebook
+    test green (review r6): the cell raises, naming the method and its smallest..largest sum."""
+    from hpnlp import softmax
+    full, get = softmax.get("full"), softmax.get
+
+    class Shifted(full):
+        def log_prob(self, hidden_NE):
+            return super().log_prob(hidden_NE) - 0.1  # every row sums to exp(-0.1)
+    monkeypatch.setattr(softmax, "names", lambda: ["full", "shifted"])
+    monkeypatch.setattr(softmax, "get", lambda name: Shifted if name == "shifted" else get(name))
+    setup, check = _cells("approximate_softmax.ipynb")[:2]
+    assert "Every method defines a distribution" in _markdown("approximate_softmax.ipynb")[1]
+    ns = {}
+    exec(setup, ns)
+    with pytest.raises(RuntimeError, match=r"^log_prob does not sum to 1 .*: "
+                                           r"\{'shifted': '0\.9048\d\d\.\.0\.9048\d\d'\}$"):
+        exec(check, ns)
+
+
+def test_compression_raises_a_pruned_kernel_off_its_sparsity(monkeypatch, tmp_path):
+    """Its section 2 said the pruned weights' zeros match the target and only printed them
+    (review r6): on a kernel whose zeros are off the target the cell raises, naming it. The
+    runs are stood in for (their summaries, the kernel's parameters): the cell's check alone."""
+    import tempfile
+    import types
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the setup cell's `work`
+    monkeypatch.setenv("HPNLP_NOTEBOOK_QUICK", "1")
+    cells = _cells("compression.ipynb")
+    assert "fraction of exact\nzeros in the pruned weights" in _markdown("compression.ipynb")[2]
+    ns = {}
+    exec(cells[0], ns)
+    kernel = np.ones((4, 100), np.float32)
+    kernel[:, :50] = 0  # 50% zero: right for 0.5, off for 0.9
+    params = {"trunk": {"block_0": {"mlp_in": {"kernel": kernel}}}}
+    ns.update(W=32, D=2, params_of=lambda out: params,
+              train=types.SimpleNamespace(run=lambda cfg, out: {"eval": {"loss": 1.0}}))
+    with pytest.raises(RuntimeError, match=r"^magnitude pruning to 90% left 50\.0% of "
+                                           r"block_0/mlp_in's kernel zero$"):
+        exec(cells[2], ns)
 
 
 SKIPPED = {"status": "skipped: torch not installed (pip install -e '.[bench]')"}

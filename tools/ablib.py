@@ -70,6 +70,10 @@ def interleaved_times(programs: dict, *, rounds: int, calls: int, shuffle: bool 
         for k in order:
             fn, fresh = programs[k]
             inputs = [fresh() for _ in range(calls)]
+            # made before the clock starts (review r6): JAX dispatches asynchronously, so an
+            # input still being computed at t0 counted as the calls' time (XLA:CPU runs a lone
+            # copy inline, but not a program with a dot or a loop, and a GPU runs none inline)
+            jax.block_until_ready(inputs)
             t0 = time.perf_counter()
             for x in inputs:
                 out = fn(*x)

@@ -10,12 +10,15 @@ default forward. Float32 products at full precision (`highest`), as the attentio
 runs them. Writes blocks.json (every row; blocks_d<D>.json at another head dim) to --out;
 `--write` stores the fastest forward and backward configuration of each dtype for this GPU
 model and head dim in `flash_gpu.TUNED_PATH`, which `flash_gpu.default_blocks` reads from
-then on.
+then on. Both are written after each dtype's sweep, whole or not at all, so a sweep cut off
+(a lent GPU's time running out) keeps what it timed, and the committed table is never left
+cut.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 
 from hpnlp.attention import chunked, flash_gpu
 from hpnlp.bench import harness
-from hpnlp.paths import check_writable_dir
+from hpnlp.paths import check_writable_dir, write_json
 
 # (query block, key block, warps, pipeline stages) of the forward; (held block, looped block,
 # warps, stages) of the two backward kernels.
@@ -62,9 +65,19 @@ def _write_tuned(rows, head_dim) -> None:
         entry = _fastest(mine, "fwd", "fwd_ms") | _fastest(mine, "fwd+bwd", "fwd_bwd_ms")
         if entry:
             table.setdefault(kind, {})[flash_gpu.tuned_key(dtype, head_dim)] = entry
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
+    # beside it, then moved over it (review r6: open(path, "w") cut the committed file first,
+    # and a kill or a full disk then left every GPU `chunked` run failing on its JSON);
+    # not paths.write_json: the committed file's keys are sorted and it ends in a newline
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     print(f"wrote {path}: {json.dumps(table.get(kind))}")
 
 
@@ -134,13 +147,13 @@ def main(argv=None) -> int:
         for r in rows:
             print(json.dumps(r), flush=True)
         result["rows"] += rows
-    if a.write:
-        _write_tuned(result["rows"], a.D)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        name = "blocks.json" if a.D == 64 else f"blocks_d{a.D}.json"
-        with open(os.path.join(a.out, name), "w") as f:
-            json.dump(result, f, indent=1)
+        # after each dtype (review r6: a sweep cut off by the budget lost every row)
+        if a.write:
+            _write_tuned(result["rows"], a.D)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            file = "blocks.json" if a.D == 64 else f"blocks_d{a.D}.json"
+            write_json(os.path.join(a.out, file), result)
     return 0
 
 

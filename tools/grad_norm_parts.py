@@ -2,7 +2,8 @@
 parameter's own name, and the factor global-norm clipping scales every gradient by.
 
     python tools/grad_norm_parts.py --config experiments/lra.py:listops \
-        [--set attention.name=clustered ...] [--steps 1] [--top 8]
+        [--set attention.name=clustered --set attention.options.num_clusters=8 ...] \
+        [--steps 1] [--top 8]
 
 Each step is the run's own (`Trainer.train_step` from its initial state, on its training
 batches); its gradient is taken as the step takes it (the objective's, over the batch's
@@ -19,6 +20,7 @@ classifier's first step: 1376 against the rest's 1.73), which clipping then read
 """
 
 import argparse
+import ast
 import collections
 import importlib.util
 import os
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpnlp.config import from_configdict
+from hpnlp.config import ConfigError, from_configdict
 from hpnlp.train import Trainer
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.loop import _global
@@ -49,19 +51,58 @@ def load_configdict(spec: str):
 
 
 def apply_sets(cd, sets):
-    """`field.path=value` overrides, each value parsed as the field's own type."""
+    """`field.path=value` overrides, each value parsed as the field's own type (a field that is
+    None, a tuple or a dict: a Python literal, else the text); `attention.options.KEY=VALUE`
+    and `output.options.KEY=VALUE`, keys the chosen variant takes that the file need not list,
+    as `hpnlp.main` reads `--config.attention.options.KEY=VALUE`. A mistake is one line naming
+    the --set (review r6: a missing field, an option key, or 64.0 for an int was a
+    traceback, and a boolean took any word but true/1/yes as false)."""
+    from hpnlp import main as cli
     for item in sets:
         key, sep, text = item.partition("=")
         if not sep:
             raise SystemExit(f"--set {item}: give field.path=value")
+        if cli._OPTION.match(f"--config.{item}"):
+            saved = cli._option_overrides[:]  # the command line's own, in a process that has one
+            cli._option_overrides[:] = []
+            try:
+                cli._take_option_overrides([f"--config.{item}"])
+                cli.apply_option_overrides(cd)
+            finally:
+                cli._option_overrides[:] = saved
+            continue
         *parents, leaf = key.split(".")
-        node = cd
-        for name in parents:
-            node = node[name]
-        old = node[leaf]
-        value = (text.lower() in ("1", "true", "yes") if isinstance(old, bool) else
-                 type(old)(text) if isinstance(old, (int, float, str)) else text)
-        node[leaf] = value
+        try:
+            node = cd
+            for name in parents:
+                node = node[name]
+            old = node[leaf]
+        except KeyError as e:  # ml_collections' message: the name, then "Did you mean ..."
+            why = " ".join(str(e.args[0]).split()) if e.args else key
+            raise SystemExit(f"--set {item}: no such config field: {why}") from None
+        except (TypeError, AttributeError):  # a name under a field that is not a group
+            raise SystemExit(f"--set {item}: no such config field: {key}") from None
+        if isinstance(old, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise SystemExit(f"--set {item}: {key} is a boolean; give true or false")
+            value = text.lower() in ("true", "1")
+        elif isinstance(old, (int, float, str)):
+            try:
+                value = type(old)(text)
+            except ValueError:
+                kind = "an integer" if isinstance(old, int) else "a number"
+                raise SystemExit(f"--set {item}: {key} takes {kind}; {text!r} is not one") from None
+        elif text.lower() in cli._WORDS:
+            value = cli._WORDS[text.lower()]
+        else:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text
+        try:
+            node[leaf] = value
+        except (TypeError, ValueError) as e:  # ml_collections' type safety
+            raise SystemExit(f"--set {item}: {' '.join(str(e).split())}") from None
     return cd
 
 
@@ -77,16 +118,19 @@ def parts(grads) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="experiments/NAME.py[:variant]")
-    p.add_argument("--set", action="append", default=[], help="field.path=value (repeatable)")
+    p.add_argument("--set", action="append", default=[],
+                   help="field.path=value, or attention.options.KEY=value (repeatable)")
     p.add_argument("--steps", type=int, default=1, help="steps to measure, from the start")
     p.add_argument("--top", type=int, default=8, help="names to list per step")
     args = p.parse_args()
     if args.steps < 1 or args.top < 1:
         p.error("--steps and --top must be >= 1")
-    cfg = from_configdict(apply_sets(load_configdict(args.config), args.set))
+    cd = apply_sets(load_configdict(args.config), args.set)
     workdir = tempfile.mkdtemp(prefix="grad_norm_parts_")
     try:
-        measure(cfg, workdir, args)
+        measure(from_configdict(cd), workdir, args)
+    except ConfigError as e:  # the config's checks (an option the variant does not take)
+        raise SystemExit(f"grad_norm_parts: {e}") from None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
