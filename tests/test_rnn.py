@@ -120,6 +120,51 @@ def test_fast_backward_matches_autodiff(kind, cfg):
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree_util.tree_leaves(g_fast))
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_forward_mode_needs_the_autodiff_twin_and_matches_reverse_mode(kind):
+    """Review r9: `jax.jvp` fails on the default layer (its fast backward is a custom_vjp,
+    reverse mode only), as RNNLayer's docstring says; `fast_backward=False`, the way it
+    names, runs forward mode: J t equals finite differences, and u . (J t) equals
+    (J^T u) . t taken by reverse mode of the default layer."""
+    fast = rnn.RNNLayer(kind=kind, hidden=H)
+    twin = rnn.RNNLayer(kind=kind, hidden=H, fast_backward=False)
+    x, t, u = _x(), _x(seed=2), _x(seed=3, shape=(B, L, H))
+    params = _init(fast, x, LENGTHS)
+    f = {m: functools.partial(lambda m, x: m.apply(params, x, LENGTHS)[0], m) for m in (fast, twin)}
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jit(lambda x, t: jax.jvp(f[fast], (x,), (t,)))(x, t)
+
+    @jax.jit
+    def all_three(x, t, u):
+        eps = 1e-3
+        fd = (f[twin](x + eps * t) - f[twin](x - eps * t)) / (2 * eps)
+        return jax.jvp(f[twin], (x,), (t,))[1], fd, jax.vjp(f[fast], x)[1](u)[0]
+
+    jt, fd, jtu = all_three(x, t, u)
+    _close(jt, fd, dict(rtol=2e-3, atol=2e-3))
+    np.testing.assert_allclose(jnp.vdot(u, jt), jnp.vdot(jtu, t), rtol=1e-5)
+    assert float(jnp.abs(jt).max()) > 0.1
+
+
+# 3.4 s on a shared 2-core machine (2026-12-06): two second-order compiles
+@pytest.mark.slow
+def test_grad_of_grad_runs_on_the_scan_s_fast_backward():
+    """RNNLayer's docstring (review r9): reverse over reverse runs on the scan, its
+    hand-written backward included, and equals the autodiff twin's."""
+    fast = rnn.RNNLayer(kind="lstm", hidden=H)
+    twin = rnn.RNNLayer(kind="lstm", hidden=H, fast_backward=False)
+    x = _x()
+    params = _init(fast, x, LENGTHS)
+
+    def grad_of_grad(m, x):
+        g = jax.grad(lambda x: jnp.sum(jnp.sin(m.apply(params, x, LENGTHS)[0])))
+        return jax.grad(lambda x: jnp.sum(g(x) ** 2))(x)
+
+    gg_fast, gg_twin = jax.jit(lambda x: [grad_of_grad(m, x) for m in (fast, twin)])(x)
+    _close(gg_fast, gg_twin)
+    assert float(jnp.abs(gg_fast).max()) > 0
+
+
 def test_recurrence_gradients_bfloat16_compute_match_autodiff():
     layer = rnn.RNNLayer(kind="lstm", hidden=H, dtype=jnp.bfloat16)
     twin = rnn.RNNLayer(kind="lstm", hidden=H, dtype=jnp.bfloat16, fast_backward=False)
@@ -222,6 +267,15 @@ def test_flip_within_length():
                                   [[3, 2, 1, 0], [5, 4, 6, 7], [8, 9, 10, 11]])
     np.testing.assert_array_equal(rnn.flip_within_length(x.T, jnp.array([4, 2, 0]), time_major=True),
                                   rnn.flip_within_length(x, jnp.array([4, 2, 0])).T)
+    # Review r9: a length past L read outside the row (NaN for float rows). Concrete ones
+    # are refused as the layer refuses them; traced ones cap at L, as in the layer.
+    with pytest.raises(ValueError, match=r"`lengths_B` must be in 0\.\.4 .*got \[5, 2\]"):
+        rnn.flip_within_length(jnp.ones((2, 4)), jnp.array([5, 2]))
+    with pytest.raises(ValueError, match=r"`lengths_B` must have shape \(3,\)"):
+        rnn.flip_within_length(x, jnp.array([4, 2]))
+    xf = jnp.arange(8.0).reshape(2, 4)
+    np.testing.assert_array_equal(jax.jit(rnn.flip_within_length)(xf, jnp.array([5, 2])),
+                                  [[3, 2, 1, 0], [5, 4, 6, 7]])
 
 
 def test_stacked_rnn_combines_layers():

@@ -1,11 +1,15 @@
 """`python -m hpnlp.bench rnn`: hpnlp's LSTM/GRU layers against `flax.linen.RNN` cells.
 
-Rows, all at one shape in one run: `hpnlp.rnn.RNNLayer` LSTM (input projection in chunks
-of 8 steps, the default; and in one product for all steps), its autodiff twin, and
-`flax.linen.RNN(OptimizedLSTMCell)`; `RNNLayer` GRU against `flax.linen.RNN(GRUCell)`; and
-the bound, "LSTM matrix products only": the products every LSTM layer of this shape must
-do, with no gate arithmetic, so its speedup over flax is the most any implementation
-built from XLA's products can reach on this machine.
+Rows, all at one shape in one run, `hpnlp.rnn.RNNLayer` LSTM as: `hpnlp LSTM`, the default
+layer (`impl="auto"`: the fused C++ kernel where it runs, `hpnlp.rnn.fused`);
+`hpnlp LSTM (scan)`, the XLA scan with the input projection in blocks of `chunk=8` steps
+(the default); `hpnlp LSTM (scan, one product)`, the scan with `chunk=None`;
+`hpnlp LSTM (autodiff)`, the scan's autodiff twin (`fast_backward=False`); against
+`flax.linen.RNN(OptimizedLSTMCell)`. `RNNLayer` GRU (the scan) against
+`flax.linen.RNN(GRUCell)`. And the bound, "LSTM matrix products only": the products an
+LSTM layer of this shape built from XLA's products does, with no gate arithmetic, so its
+speedup over flax is the most such a layer (the LSTM scan rows) can reach here; the
+fused kernel does its products itself and is not bound by it.
 Forward and forward+backward (gradient of the output sum with respect to parameters and
 inputs) wall time (median, min, max), CPU time (process time, which other processes on a
 shared machine inflate far less than wall time), achieved GFLOP/s and its fraction of
@@ -64,13 +68,15 @@ def _flops(kind: str, *, B, L, E, H) -> float:
 
 
 def _products_only(H: int, x):
-    """The matrix products an LSTM layer cannot avoid, done as `RNNLayer` does them, and
-    nothing else. Forward: per block of 8 steps one input product ([8*B, E] x [E, 4H]),
-    then 8 dependent recurrent products ([B, H] x [H, 4H]; each step's h is a slice of the
-    last product: no gate arithmetic). Backward: L dependent [B, 4H] x [4H, H] products
-    and the three whole-sequence ones (dW_h, dW_x, dx). Its time is about the floor for
-    an LSTM at this shape built from XLA's products on this machine, so its speedup over
-    flax bounds what any such implementation can reach."""
+    """The matrix products an LSTM layer cannot avoid, done as `RNNLayer`'s scan does them
+    (the default `chunk=8`), and nothing else. Forward: per block of 8 steps one input
+    product ([8*B, E] x [E, 4H]), then 8 dependent recurrent products ([B, H] x [H, 4H];
+    each step's h is a slice of the last product: no gate arithmetic). Backward: L
+    dependent [B, 4H] x [4H, H] products and the three whole-sequence ones (dW_h, dW_x,
+    dx). Its time is about the floor for an LSTM at this shape built from XLA's products
+    on this machine, so its speedup over flax bounds the LSTM scan rows. Not the fused
+    kernel (`hpnlp LSTM` on CPU), which computes its products itself and beats it (the
+    README's record: 376 against 505 ms forward+backward)."""
     B, L, E = x.shape
     G, T = 4 * H, 8
     k1, k2 = jax.random.split(jax.random.key(0))

@@ -4,8 +4,8 @@ The speed tricks, all by construction (the layer in `hpnlp.rnn.layers` feeds the
 
 1. The input projection is taken out of the recurrence: ONE matrix product for all steps
    ([L*B, E] x [E, K*H]), or one per block of T steps (`run_layer(chunk=T)`, [T*B, E] x
-   [E, K*H], which on CPU keeps the block in cache), so a step only does the recurrent
-   product.
+   [E, K*H], which bounds the memory of a forward-only pass; not faster: see
+   `run_layer`), so a step only does the recurrent product.
 2. The K gates come from one fused product per step, [B, H] x [H, K*H] (K = 4 for the
    LSTM, 3 for the GRU), laid out so that one `sigmoid` covers all sigmoid gates.
 3. Time-major inside the scan ([L, B, ...]) so each step reads one contiguous slice.
@@ -46,6 +46,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hpnlp.rnn.dropout import zoneout_mix
 
@@ -222,14 +223,36 @@ def _fast_layer_bwd(step, project, T, unroll, tied, res, cts):
 _fast_layer.defvjp(_fast_layer_fwd, _fast_layer_bwd)
 
 
+def checked_lengths(lengths_B, B: int, L: int):
+    """`lengths_B` (an array or a list) as int32 lengths capped to 0..L. A ValueError where
+    they are not B integers, or (where concrete, not traced) not in 0..L: past the inputs
+    the backward direction read outside them (NaN), and float lengths failed inside its
+    gather. A traced length past L caps at L, as the forward direction reads it (in int32:
+    a review (session 103) found uint8 lengths clipped at L = 300 wrap L)."""
+    lengths_B = jnp.asarray(lengths_B)
+    if tuple(lengths_B.shape) != (B,):
+        raise ValueError(f"`lengths_B` must have shape ({B},) (one length per row), got "
+                         f"{tuple(lengths_B.shape)}")
+    if not jnp.issubdtype(lengths_B.dtype, jnp.integer):
+        raise ValueError(f"`lengths_B` must be integer lengths; got dtype {lengths_B.dtype}")
+    if not isinstance(lengths_B, jax.core.Tracer) and lengths_B.size:
+        lens = np.asarray(lengths_B)
+        if int(lens.min()) < 0 or int(lens.max()) > L:
+            raise ValueError(f"`lengths_B` must be in 0..{L} (the inputs' length); got "
+                             f"{lens.tolist()}")
+    return jnp.clip(lengths_B.astype(jnp.int32), 0, L)
+
+
 def flip_within_length(x, lengths_B=None, *, time_major: bool = False):
     """Reverse each row's first `lengths_B[b]` steps; padding stays at the end, so the
     backward direction starts at each row's last real token. `x` is [B, L, ...], or
-    [L, B, ...] with `time_major=True`."""
+    [L, B, ...] with `time_major=True`. Lengths are checked as the layer checks them
+    (`checked_lengths`; review r9: a length past L read NaN here)."""
     t_ax = 0 if time_major else 1
     if lengths_B is None:
         return jnp.flip(x, axis=t_ax)
     L = x.shape[t_ax]
+    lengths_B = checked_lengths(lengths_B, x.shape[1 - t_ax], L)
     t_L = jnp.arange(L)
     idx_BL = jnp.where(t_L[None, :] < lengths_B[:, None], lengths_B[:, None] - 1 - t_L[None, :],
                        t_L[None, :])
@@ -246,13 +269,19 @@ def run_layer(step: Callable, project: Callable, pp, pw, w_HG, x_LBE, carry0,
     `project(pp, x_TBE) -> xw_TBG` is the input projection (bias, and layer norm,
     included) with its parameters `pp`. With `chunk=None` it runs once for all L steps,
     one [L*B, E] x [E, G] product. With `chunk=T` the forward pass projects T steps at a
-    time ([T*B, E] x [E, G]) and runs their recurrence before the next chunk, so the
-    projected block is still in cache when the steps read it; on CPU a product of a few
-    hundred rows runs at a higher rate than one of L*B rows whose output spills out of
-    cache (`python -m hpnlp.bench rnn` measures both). The backward pass (`fast_backward`)
-    is one reverse scan over all L steps followed by whole-sequence products for every
-    weight and input gradient; `fast_backward=False` differentiates the same forward
-    pass with JAX's autodiff (the reference twin). `tied`: see `_fast_layer`.
+    time ([T*B, E] x [E, G]) and runs their recurrence before the next chunk, so a pass
+    that is not differentiated holds one block of the [L, B, G] projection, not all of it
+    (an LSTM at B=32, L=256, E=H=512: XLA's temporary buffers 21 MiB with T = 8 against
+    144 MiB in one product, the forward compiled for CPU by jax 0.10.2); a differentiated
+    pass stores every step's projection for the backward either way. It is not faster: the
+    recorded `python -m hpnlp.bench rnn` runs on six CPUs (docs/benchmarks/rnn*/results.json,
+    rows `hpnlp LSTM (scan)`, T = 8, and `hpnlp LSTM (scan, one product)`) read one product
+    at least as fast in forward+backward on 5 of 6 (T = 8 took 1.01x-1.20x its time there,
+    the most on the AMD EPYC Zen 3; 0.99x on the Zen 5) and forward 0.90x-1.19x. The
+    backward pass (`fast_backward`) is one reverse scan over all L steps followed by
+    whole-sequence products for every weight and input gradient; `fast_backward=False`
+    differentiates the same forward pass with JAX's autodiff (the reference twin, the one
+    that takes forward mode: `_fast_layer` is a custom_vjp). `tied`: see `_fast_layer`.
     Returns (final carry, outputs h_LBH); gradients flow to `pp`, `pw`, `w_HG`, `x_LBE`
     and `carry0` (the masks in `ex_L` and `state_mask_BH` are constants).
     """

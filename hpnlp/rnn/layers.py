@@ -7,10 +7,11 @@
 
 The fast idea (details in `hpnlp.rnn.cells`): the input projection is taken out of the
 recurrence, one matrix product for all steps (`chunk=None`) or for each block of `chunk`
-steps (default 8: on CPU a cache-sized product runs faster than one [L*B, E] product); each
-step does one fused [B, H] x [H, K*H] product; and the backward pass is one reverse scan
-with one product per step, after which every weight and input gradient is one product over
-all steps instead of one per step (or per block). Both
+steps (default 8, for memory, not speed: a forward pass that is not differentiated holds
+one block of the [L, B, K*H] projection instead of all of it; see `cells.run_layer` for the
+measurements); each step does one fused [B, H] x [H, K*H] product; and the backward pass is
+one reverse scan with one product per step, after which every weight and input gradient is
+one product over all steps instead of one per step (or per block). Both
 directions of a bidirectional layer run in the same scan. On CPU the plain LSTM runs its
 recurrence as a fused C++ kernel instead (`hpnlp.rnn.fused`, field `impl`). Against
 `flax.linen.RNN(OptimizedLSTMCell)` see `python -m hpnlp.bench rnn`.
@@ -36,7 +37,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hpnlp import linalg
 from hpnlp.config import ConfigError
@@ -91,20 +91,6 @@ def _check_fields(m) -> None:
         raise ConfigError(f"field `impl` = {m.impl!r} is not allowed: choose from {IMPLS}")
 
 
-def _check_lengths(lengths_B, L: int) -> None:
-    """A ValueError where `lengths_B` are not integers, or (where concrete, not traced) not
-    in 0..L: past the inputs the backward direction read outside them (NaN), and float
-    lengths failed inside its gather."""
-    if not jnp.issubdtype(lengths_B.dtype, jnp.integer):
-        raise ValueError(f"`lengths_B` must be integer lengths; got dtype {lengths_B.dtype}")
-    if isinstance(lengths_B, jax.core.Tracer) or not lengths_B.size:
-        return
-    lens = np.asarray(lengths_B)
-    if int(lens.min()) < 0 or int(lens.max()) > L:
-        raise ValueError(f"`lengths_B` must be in 0..{L} (the inputs' length); got "
-                         f"{lens.tolist()}")
-
-
 def _fused_blocker(m, deterministic: bool) -> str | None:
     """Why the fused kernel (`hpnlp.rnn.fused`) cannot run this layer; None if it can."""
     if m.kind != "lstm":
@@ -145,16 +131,26 @@ class RNNLayer(nn.Module):
       weight_drop: DropConnect of the recurrent matrix, one mask per forward pass
         (Wan et al. 2013; AWD-LSTM, Merity et al. 2018).
 
-    `chunk`: steps whose input projection is one product (None: all L steps at once).
+    `chunk`: steps whose input projection is one product (None: all L steps at once). The
+    default 8 bounds a forward-only pass's projection buffer (evaluation, inference at long
+    L); `chunk=None` trains at least as fast (see `cells.run_layer`).
     `fast_backward=False` runs the same scan under plain autodiff (the reference twin);
     `unroll` is passed to `lax.scan`.
     `impl`: "scan" runs the recurrence as an XLA `lax.scan` (`hpnlp.rnn.cells`); "fused"
     as one C++ kernel call per pass (`hpnlp.rnn.fused`: LSTM in float32 without layer
     norm, zoneout, or recurrent/state dropout in training, hidden a multiple of 16, one
     device; an error says which condition fails); "auto" (default) is "fused" wherever it
-    can run and "scan" elsewhere. Both give the same outputs and gradients (`chunk` and
-    `unroll` shape the scan only). Compute in `dtype` (matrix products), state and gate
-    math in float32, parameters in `param_dtype`.
+    can run and "scan" elsewhere. Both give the same outputs and reverse-mode gradients
+    (`chunk` and `unroll` shape the scan only). Compute in `dtype` (matrix products), state
+    and gate math in float32, parameters in `param_dtype`.
+
+    Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`, `jax.hessian`, JVP products) needs
+    `fast_backward=False` (which also turns the fused kernel off): the hand-written
+    backward and the fused kernel are `jax.custom_vjp`s, which JAX refuses to
+    differentiate forward ("can't apply forward-mode autodiff (jvp) to a custom_vjp
+    function"); a `custom_jvp` twin would lose the fast backward. Reverse over reverse
+    (`grad` of `grad`) runs on the scan, fast backward included, but not through the
+    fused kernel, whose C++ calls have no derivative of their own: use `impl="scan"`.
     """
 
     kind: str = "lstm"
@@ -191,16 +187,8 @@ class RNNLayer(nn.Module):
             raise ValueError(f"RNNLayer expects inputs [batch, length, features], got shape "
                              f"{x_BLE.shape}")
         B, L, E = x_BLE.shape
-        if lengths_B is not None:
-            lengths_B = jnp.asarray(lengths_B)  # a list of lengths, say
-            if tuple(lengths_B.shape) != (B,):
-                raise ValueError(f"`lengths_B` must have shape ({B},) (one length per row), got "
-                                 f"{tuple(lengths_B.shape)}")
-            _check_lengths(lengths_B, L)
-            # past the inputs (traced, so not refused above) the backward direction would
-            # read outside them (NaN); a row's length caps at L, as the forward one reads it
-            # (in int32: a review (session 103) found uint8 lengths clipped at L = 300 wrap L)
-            lengths_B = jnp.clip(lengths_B.astype(jnp.int32), 0, L)
+        if lengths_B is not None:  # refused where bad, capped at L where traced
+            lengths_B = cells.checked_lengths(lengths_B, B, L)
         D, K, H = (2 if self.bidirectional else 1), cells.NUM_GATES[self.kind], self.hidden
         G, pdt, dt = K * H, self.param_dtype, self.dtype
 
