@@ -270,6 +270,9 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     for i, log in enumerate(logs):
         assert f"config field `mesh` does not split the batch over processes: process {i} of 2" \
             in log, log[-2000:]
+        # the axes the default rule leaves out, not `expert`, which it splits the batch over
+        assert "does not name (tensor, sequence, pipeline) within one process" in log, \
+            log[-2000:]
     assert not os.path.exists(tmp_path / "tensor" / "checkpoints")
     # A bug hunt (session 92): processes started with different configs aborted in gloo's
     # C++ "collective mismatch" (another model.width), or would train on (another train.lr).

@@ -136,6 +136,51 @@ def test_a_checkpoint_s_one_batch_check_that_fails_saves_nothing_and_checks_the_
     assert int(state.step) == 1
 
 
+# 4.1 and 8.9 s (the first compiles) on one core of the Xeon model 167 stepping 1 beside
+# other work (2026-12-06, load 2.7 on 2 cores): CI's slow part runs it
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_before", [False, True])
+def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step(
+        tmp_path, monkeypatch, capsys, saved_before):
+    """A review (r3): a run stopped after its checkpoint at a step with no eval (6, evals
+    every 5), rerun with train.steps lowered to 6, wrote step 5's eval as summary.json's
+    eval beside final_step 6. Step 6's eval runs first, logged once, as the run of 6 steps
+    ran it; for a checkpoint saved before `last_eval_step`, where the config that saved it
+    did not evaluate there. The evals are scripted: nothing else compiles but the train
+    step."""
+    from hpnlp.train import Interrupted
+    from hpnlp.train.checkpoint import Checkpointer
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": float(state.step)})
+    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
+        "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
+    if saved_before:
+        save = Checkpointer.save
+        monkeypatch.setattr(Checkpointer, "save", lambda self, step, state, data, loop: save(
+            self, step, state, data, {k: v for k, v in loop.items() if k != "last_eval_step"}))
+    cd = tiny(steps=8, eval_every=5, checkpoint_every=6, eval_batches=1, warmup_steps=1)
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    inner = tr.train_step
+
+    def stopping(state, batch):  # step 7, after the checkpoint at 6
+        if int(state.step) == 6:
+            raise KeyboardInterrupt
+        return inner(state, batch)
+    tr.train_step = stopping
+    with pytest.raises(Interrupted, match="at step 7; the newest checkpoint is step 6 in "):
+        tr.run()
+    cd.train.steps = 6
+    capsys.readouterr()
+    first = run(cd, str(tmp_path))
+    assert "; it was saved without an eval of step 6, which runs first" in \
+        capsys.readouterr().err
+    again = run(cd, str(tmp_path))
+    for summary in (first, again):
+        assert (summary["final_step"], summary["eval"]) == (6, {"loss": 6.0})
+        assert summary["best_eval"] == {"step": 5, "loss": 5.0}
+    assert [(l["step"], l["loss"]) for l in read_jsonl(tmp_path / "metrics.jsonl")
+            if l.get("eval")] == [(5, 5.0), (6, 6.0)]
+
+
 def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read():
     """A review (d1): the eval batch size was part of the held-out set with
     train.eval_batches=0 too, where every batch of the split is read (its last completed

@@ -10,5 +10,5 @@ where the layer can (not yet adaptive, hierarchical, binary_code: their whole [N
 """
 
 from hpnlp.softmax.base import (Frequencies, can_tie, check_config, frequencies, get, map_token_chunks,  # noqa: F401
-                                names, nll_and_argmax, register, trains_nll)
+                                layout_options, names, nll_and_argmax, register, trains_nll)
 from hpnlp.softmax import adaptive, binary_code, full, sampled, tree, vmf  # noqa: F401  (registration side effects)

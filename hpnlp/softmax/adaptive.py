@@ -122,6 +122,8 @@ class AdaptiveSoftmax(nn.Module):
     """
 
     trains_nll: ClassVar[bool] = True
+    # the sorted tail and its dense twin read the same parameters (`base.layout_options`)
+    layout_options: ClassVar[frozenset] = frozenset({"mode", "chunk_logits"})
 
     vocab_size: int = 0
     cutoffs: tuple[int, ...] | None = None  # increasing, in (0, V); None: cost-model default

@@ -68,6 +68,19 @@ def trains_nll(name: str) -> bool:
     return bool(getattr(get(name), "trains_nll", False))
 
 
+def layout_options(name: str) -> frozenset:
+    """The options of output layer `name` that set only how its loss is computed (a chunk
+    size, an exact twin): its class's `layout_options`, none where it says none. Neither a
+    parameter's shape nor the loss beyond float rounding depends on them, so a resume may
+    change them (hpnlp.train.checkpoint; review r3: another `chunk_tokens`, set to fit
+    memory, was refused as a different model). Empty for a name not registered (an edited
+    config.json's: the resume's check names it)."""
+    try:
+        return frozenset(getattr(get(name), "layout_options", ()))
+    except (ValueError, TypeError):
+        return frozenset()
+
+
 def nll_and_argmax(layer, hidden_NE, targets_N):
     """(-log p(target) [N] float32, the most likely id [N] int32) of each token under
     `layer`'s `log_prob`, what evaluation reads: `layer.nll_and_argmax` where the layer has

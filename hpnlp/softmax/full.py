@@ -86,6 +86,7 @@ class FullSoftmax(VocabLayer):
     """
 
     trains_nll: ClassVar[bool] = True  # -log p(target) (plus z_loss's small penalty)
+    layout_options: ClassVar[frozenset] = frozenset({"chunk_tokens"})  # (`base.layout_options`)
 
     z_loss: float = 0.0
     chunk_tokens: int = -1  # tokens per loss chunk; -1 = auto (chunk above 256 MiB of logits), 0 = never

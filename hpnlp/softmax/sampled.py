@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -458,6 +458,8 @@ class HardNegative(VocabLayer):
 
     Params: `table/kernel` [V, E] (absent when tied) and `table/bias` [V].
     """
+
+    layout_options: ClassVar[frozenset] = frozenset({"chunk_tokens"})  # (`base.layout_options`)
 
     num_negatives: int = 10  # K
     margin: float = 1.0

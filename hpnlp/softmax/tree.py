@@ -174,6 +174,7 @@ class ClassBasedSoftmax(VocabLayer):
     """
 
     trains_nll: ClassVar[bool] = True
+    layout_options: ClassVar[frozenset] = frozenset({"chunk_tokens"})  # (`base.layout_options`)
 
     counts: Frequencies | None = None  # train counts per id; None = Zipf over frequency-sorted ids
     num_classes: int = 0  # C; 0 = round(sqrt(V)). Fewer when ids run out (see `class_bins`)
@@ -363,6 +364,7 @@ class HierarchicalSoftmax(nn.Module):
     """
 
     trains_nll: ClassVar[bool] = True
+    layout_options: ClassVar[frozenset] = frozenset({"chunk_tokens"})  # (`base.layout_options`)
 
     vocab_size: int = 0
     counts: Frequencies | None = None  # train counts per id; None = Zipf over frequency-sorted ids

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from hpnlp import softmax
 from hpnlp.config import Config, ConfigError, from_configdict, to_json, validate
 from hpnlp.config.fields import DATA_PATH_FIELDS, as_json, same_data_path
 from hpnlp.paths import write_json
@@ -324,11 +325,25 @@ _BOOKKEEPING |= {".".join(p) for p in START_FIELDS}
 _PATHS = {"data." + f for f in DATA_PATH_FIELDS}
 
 
+def _without_layout(config: dict) -> dict:
+    """A config.json config whose output.options leave out its layer's layout options
+    (`softmax.layout_options`: chunk sizes, which a resume may change unsaid, as
+    _BOOKKEEPING's model.remat)."""
+    output = config.get("output")
+    if not isinstance(output, dict) or not isinstance(output.get("options"), dict):
+        return config
+    layout = softmax.layout_options(output.get("name"))
+    return {**config, "output": {**output, "options": {
+        k: v for k, v in output["options"].items() if k not in layout}}}
+
+
 def _changed_fields(saved: dict, now: dict) -> dict:
     """{dotted field: (saved, now)} where two config.json configs differ, but for
     _BOOKKEEPING (a bug hunt, session 94: a finished run rerun with another learning rate
-    or distillation weight trained nothing and printed its old summary, unsaid)."""
+    or distillation weight trained nothing and printed its old summary, unsaid) and the
+    output layer's layout options."""
     out = {}
+    saved, now = _without_layout(saved), _without_layout(now)
 
     def walk(a, b, path):
         if isinstance(a, dict) and isinstance(b, dict) and not path.endswith("options"):
@@ -414,7 +429,13 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
 def _resolved(sig: dict, other: dict) -> dict:
     """A shape signature with `model.head_dim` as the run computes it (width / heads) where
     `other` sets it and `sig` does not (a README walk: a run shrunk with head_dim set to that
-    refused its own resume from a config leaving it unset)."""
+    refused its own resume from a config leaving it unset), and its `output.options` without
+    the layer's layout options (`softmax.layout_options`; review r3: another `chunk_tokens`
+    was "a different model", and deleting the run advised). config.json's signature keeps
+    them, as it did: both sides of a comparison drop them here."""
+    options, layout = sig.get("output.options"), softmax.layout_options(sig.get("output.name"))
+    if isinstance(options, dict) and layout & set(options):
+        sig = {**sig, "output.options": {k: v for k, v in options.items() if k not in layout}}
     if other.get("model.head_dim") and not sig.get("model.head_dim") and \
             sig.get("model.width") and sig.get("model.num_heads"):
         sig = {**sig, "model.head_dim": sig["model.width"] // sig["model.num_heads"]}
@@ -472,6 +493,7 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.config_path = os.path.join(os.path.abspath(workdir), "config.json")
         self._pending_config = None
+        self._pending_step = None  # the step of the first save that writes it (`_write_pending`)
         # config.json is missing beside checkpoints: written once one is read (`restore`)
         self._config_missing = False
         # "attention.name: saved 'dense', now 'chunked'" where a resume changes only the
@@ -593,7 +615,7 @@ class Checkpointer:
                       + ("; config.json records this one once the newest is read" if write
                          else ""), file=sys.stderr, flush=True)
         if write and resuming:
-            self._pending_config = payload  # written with the first new checkpoint (`save`)
+            self._pending_config = payload  # written with the first new checkpoint (`wait`)
         elif write:
             self._write_config(payload)
             if not is_stacked(members):  # a new plain run: an earlier ensemble's members.json
@@ -624,17 +646,29 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, loop_state: dict) -> None:
+        if self._pending_config is not None and self._pending_step is None:
+            self._pending_step = step  # (set first: a Ctrl-C inside orbax's save may leave
+            # that step to commit)
         with self._saving():
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(data_state),
                 loop=ocp.args.JsonSave(loop_state)))
-        if self._pending_config is not None:  # a resume's changed config, now that it trains:
-            # once its first checkpoint is committed (a process stopped while that save ran
-            # resumes the step before, which the old config.json describes)
+        if self._pending_config is not None:  # a resume's changed config, now that it trains
             self.wait()
+
+    def _write_pending(self) -> None:
+        """A resume's changed config, written once its first checkpoint is committed, by
+        whichever wait finds it so (a process stopped while that save ran resumes the step
+        before, which the old config.json describes). A review (r3): written by `save` alone,
+        a Ctrl-C during its wait left that step committed (the loop's own wait finished it)
+        and config.json describing the old config, taken by the rerun as the same one."""
+        if self._pending_config is None or self._pending_step is None:
+            return
+        newest = self.latest_step()
+        if newest is not None and newest >= self._pending_step:
             self._write_config(self._pending_config)
-            self._pending_config = None
+            self._pending_config = self._pending_step = None
 
     def restore(self, step: int, abstract_state):
         """abstract_state: ShapeDtypeStructs carrying the target shardings."""
@@ -700,6 +734,7 @@ class Checkpointer:
     def wait(self) -> None:
         with self._saving():
             self.manager.wait_until_finished()
+        self._write_pending()
 
     def close(self) -> None:
         self.wait()
@@ -761,6 +796,7 @@ _LOOP_ENTRIES = {"best": ("a number or null", lambda v: v is None or _is_number(
                  "best_metric": ("a metric's name", lambda v: isinstance(v, str)),
                  "stopped_early": ("true or false", lambda v: isinstance(v, bool)),
                  "last_eval": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+                 "last_eval_step": ("a step or null", lambda v: v is None or _is_count(v)),
                  "window": ("an object or null", lambda v: v is None or isinstance(v, dict)),
                  "routing_groups": ("a count or null", lambda v: v is None or _is_count(v)),
                  "eval_due": ("true or false", lambda v: isinstance(v, bool)),

@@ -69,10 +69,11 @@ def schedule_change(saved_train: dict, t, step: int) -> str:
             f"{now:.3g}, where the saved run's schedule gives {before:.3g}")
 
 
-def _eval_logged(path: str, step: int) -> bool:
-    """Whether metrics.jsonl at `path` holds an eval line of `step`: a made-up eval (the one
-    that failed at a checkpoint's step) that an earlier resume ran and logged, whose rerun
-    from that checkpoint logs it once."""
+def _logged(path: str, step: int, *, eval: bool = True) -> bool:
+    """Whether metrics.jsonl at `path` holds an eval line (`eval`, else a train line) of
+    `step`: a made-up eval (the one that failed at a checkpoint's step) that an earlier
+    resume ran and logged, whose rerun from that checkpoint logs it once; the train line
+    its early stop flushed there (`_run`)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -80,7 +81,8 @@ def _eval_logged(path: str, step: int) -> bool:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(rec, dict) and rec.get("eval") is True and rec.get("step") == step:
+                if isinstance(rec, dict) and (rec.get("eval") is True) == eval and \
+                        rec.get("step") == step:
                     return True
     except OSError:
         pass
@@ -162,12 +164,19 @@ def check_process_rows(sharding, batch_size: int) -> None:
         held.update(range(*idx[0].indices(batch_size)))
     if held != set(range(pi * per, (pi + 1) * per)):
         from hpnlp.config import ConfigError
+        # the axes the batch is not split over, as this sharding's rule names them (review r2:
+        # a fixed list named `expert`, which the default rule and expert parallelism split the
+        # batch over, so the advice gave up a valid layout)
+        spec = sharding.spec[0] if len(sharding.spec) else None
+        batch = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+        others = [a for a in sharding.mesh.axis_names if a not in batch]
         raise ConfigError(
             f"config field `mesh` does not split the batch over processes: process {pi} of {pc} "
-            f"reads rows {pi * per}..{(pi + 1) * per - 1} of each global batch of {batch_size}, but "
-            f"its devices hold rows {min(held)}..{max(held)} ({len(held)} rows). Keep the mesh axes "
-            "that `mesh.rules.batch` does not name (tensor, sequence, pipeline, expert) within one "
-            "process, so the batch axes split the processes evenly and in process order")
+            f"reads rows {pi * per}..{(pi + 1) * per - 1} of each global batch of {batch_size}, "
+            f"but its devices hold rows {min(held)}..{max(held)} ({len(held)} rows). Keep the "
+            "mesh axes that `mesh.rules.batch` does not name"
+            + (f" ({', '.join(others)})" if others else "") + " within one process, so the "
+            "batch axes split the processes evenly and in process order")
 
 
 _SHARED_PROGRAMS: dict = {}  # (program text, devices) -> compiled; the newest few
@@ -884,9 +893,30 @@ class Trainer:
         eval_moved = {k: (saved_set.get(k), eval_set.get(k)) for k in {**saved_set, **eval_set}
                       if saved_set.get(k) != eval_set.get(k)} if isinstance(saved_set, dict) else {}
         eval_said = ""
+        # The eval due at the restored step failed (its checkpoint was saved without it): run
+        # first, logged and counted as the uninterrupted run did (review r3: never made up,
+        # early stopping and the best went otherwise). Checkpoints from before say nothing.
+        eval_due = bool(loop.get("eval_due", False))
+        last_eval: dict = loop.get("last_eval") or {}
+        last_eval_step = loop.get("last_eval_step")
+        # Nothing left to train from a step saved without its own eval (by checkpoint_every or
+        # a SIGTERM, rerun with train.steps lowered to it): that step's eval runs first, as the
+        # run of these train.steps ran it (review r3: the summary gave an older step's eval
+        # beside final_step). A checkpoint saved before `last_eval_step` evaluated there where
+        # the config that saved it did: its eval step, its last step, or an early stop.
+        stale_eval = False
+        if resumed and start >= t.steps and last_eval and not eval_due:
+            if "last_eval_step" in loop:
+                stale_eval = last_eval_step != start
+            else:
+                every = self.checkpointer.saved_train.get("eval_every")
+                stale_eval = not (loop.get("stopped_early") or
+                                  start == self.checkpointer.saved_train.get("steps") or
+                                  (type(every) is int and every > 0 and start % every == 0))
         # (a finished run trains nothing here: its best, of the set it trained with, stays
-        # the summary's, beside its last eval, of that set too; a review, d1)
-        if eval_moved and best is not None and start < t.steps:
+        # the summary's, beside its last eval, of that set too, unless that eval runs again;
+        # a review, d1)
+        if eval_moved and best is not None and (start < t.steps or stale_eval):
             eval_said = ("; it evaluates on another held-out set (" + "; ".join(
                 f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in eval_moved.items())
                 + f"), so its best {t.early_stopping_metric} (step {best_step}) and the evals "
@@ -897,10 +927,6 @@ class Trainer:
         # bug hunt: with either, and more steps, it trained nothing and said nothing)
         stopped_early = (bool(loop.get("stopped_early", False)) and t.early_stopping_patience > 0
                          and bad_evals >= t.early_stopping_patience)
-        # The eval due at the restored step failed (its checkpoint was saved without it): run
-        # first, logged and counted as the uninterrupted run did (review r3: never made up,
-        # early stopping and the best went otherwise). Checkpoints from before say nothing.
-        eval_due = bool(loop.get("eval_due", False))
         writer = MetricWriter(self.workdir, resume_step=start if resumed else None)
         show = t.progress and jax.process_index() == 0
         if resumed and jax.process_index() == 0:  # said, not only in summary.json at the end
@@ -922,7 +948,9 @@ class Trainer:
                      if start < t.steps else "")
                   + self._changes_said(start) + self._groups_said(loop)
                   + self._pipeline_said(loop, start) + eval_said
-                  + (f"; its eval at step {start} failed, and runs first" if eval_due else ""),
+                  + (f"; its eval at step {start} failed, and runs first" if eval_due else "")
+                  + (f"; it was saved without an eval of step {start}, which runs first"
+                     if stale_eval else ""),
                   file=sys.stderr, flush=True)  # a README walk: a rerun that trained nothing
         # The partial log window is part of the checkpoint, so a resumed run logs the same
         # averages as an uninterrupted one.
@@ -938,10 +966,16 @@ class Trainer:
                                   # what its train line reads of its last step (a stop at a
                                   # made-up eval writes that line: `take_eval`)
                                   "last": saved.get("last"), "timed": 0, "timed_tokens": 0.0}
+        # A made-up eval that stopped the run early flushed the restored window at `start`,
+        # and that stop saves nothing, so the checkpoint still holds the window: one whose line
+        # is in metrics.jsonl is not averaged into the next line again (review r3: a rerun with
+        # a larger patience logged step `start` twice, in its own line and in the next)
+        if eval_due and window["n"] and writer.enabled and _logged(writer.path, start,
+                                                                   eval=False):
+            window.update(sums=None, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
         # The rates time steps that run a compiled program: the first step, and each step whose
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
         timing = {"tokens": 0.0, "steps": 0, "t0": None, "shapes": set(), "untimed": {start + 1}}
-        last_eval: dict = loop.get("last_eval") or {}
         maximize = t.early_stopping_metric in _MAXIMIZE
 
         def newest_checkpoint() -> str | None:
@@ -1084,7 +1118,8 @@ class Trainer:
                 "best": best, "best_step": best_step, "bad_evals": bad_evals,
                 "best_metric": t.early_stopping_metric,
                 "stopped_early": stopped_early, "eval_due": eval_due,
-                "last_eval": last_eval, "window": win, "routing_groups": groups,
+                "last_eval": last_eval, "last_eval_step": last_eval_step if last_eval else None,
+                "window": win, "routing_groups": groups,
                 "eval_set": eval_set, "pipeline_stages": stages})
 
         def check_unevaluated(step: int, state) -> None:
@@ -1112,18 +1147,19 @@ class Trainer:
 
         def take_eval(step: int, state, *, made_up: bool = False) -> None:
             """The eval due at `step`: run, logged, and counted for the best and early
-            stopping. `made_up`: the one that failed at the restored step, which a rerun
-            before the next checkpoint runs again (logged once: `_eval_logged`)."""
-            nonlocal last_eval, best, best_step, bad_evals, stopped_early
+            stopping. `made_up`: the one the restored step's checkpoint was saved without
+            (it failed there, or none was due: `stale_eval`), which a rerun before the next
+            checkpoint runs again (logged once: `_logged`)."""
+            nonlocal last_eval, last_eval_step, best, best_step, bad_evals, stopped_early
             try:
-                last_eval = self.evaluate(state)
+                last_eval, last_eval_step = self.evaluate(state), step
             except Exception:
                 if not made_up:  # keep the steps trained since the last checkpoint: saved
                     # with the eval due (a resume runs it first), then the error
                     save(step, state, {}, eval_due=True)
                     self.checkpointer.wait()
                 raise
-            logged = made_up and writer.enabled and _eval_logged(writer.path, step)
+            logged = made_up and writer.enabled and _logged(writer.path, step)
             if not logged:
                 writer.write(step, last_eval, eval=True)
             # Parameters can blow up while staying finite (the step's own loss, read before
@@ -1139,7 +1175,8 @@ class Trainer:
                 where = os.path.join(self.checkpointer.directory, str(step))
                 raise NonFiniteLoss(
                     f"training became non-finite at step {step} (eval loss = {loss} on the "
-                    f"parameters checkpoint {where} holds, saved when that eval failed); move "
+                    f"parameters checkpoint {where} holds, saved "
+                    f"{'when that eval failed' if eval_due else 'without an eval'}); move "
                     "it aside to resume from the checkpoint before it, then lower train.lr, "
                     "raise train.warmup_steps, keep train.clip_norm > 0, or check the data.")
             score = last_eval.get(t.early_stopping_metric)
@@ -1174,7 +1211,8 @@ class Trainer:
             bar = progress_bar(total=t.steps, initial=start, disable=not show, desc=cfg.name,
                                dynamic_ncols=True)
             with self._context(), stop:
-                if eval_due:  # (its checkpoint exists: a stop here saves nothing more)
+                if eval_due or stale_eval:  # (its checkpoint exists: a stop here saves
+                    # nothing more)
                     t_pause = time.perf_counter()
                     take_eval(start, state, made_up=True)
                     paused(time.perf_counter() - t_pause)
