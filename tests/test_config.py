@@ -599,7 +599,9 @@ def test_a_runs_unread_fields_are_cleared_for_the_new_run_shrink_writes():
                    # review r1's
                    {"data": {"word_vocab_size": 300, "listops_num_train": 64}},
                    {"model": {"moe": {"num_experts": 4, "dispatch": "dropless", "groups": 4}}},
-                   {"attention": {"name": "ring", "options": {"axis": "data", "block": 8}}}):
+                   {"attention": {"name": "ring", "options": {"axis": "data", "block": 8}}},
+                   {"model": {"moe": {"num_experts": 4, "router": "expert_choice",
+                                      "eval_capacity_factor": 1.25}}}):
         cfg = validate(base(**groups), num_devices=1)
         with pytest.raises(ConfigError):
             check_new_run(cfg)

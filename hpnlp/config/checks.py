@@ -690,6 +690,11 @@ def without_unread(cfg: Config) -> Config:
         m = dataclasses.replace(m, num_classes=ModelConfig().num_classes)
     if unread["model.moe.groups"]:
         m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, groups=MoEConfig().groups))
+    if m.moe.enabled() and m.moe.router == "expert_choice":  # `check_new_run` refuses its
+        # eval_capacity_factor, read by nothing since review r4 (session 105; fixer fA's
+        # note: a saved run that took it, as the workaround then, was refused by shrink)
+        m = dataclasses.replace(m, moe=dataclasses.replace(
+            m.moe, eval_capacity_factor=MoEConfig().eval_capacity_factor))
     cleared = {k for k in ("axis", "block") if unread[f"attention.options.{k}"]}
     if cleared:  # (a ring over another axis computes what it does over none: the same values)
         a = dataclasses.replace(a, options=type(a.options)(

@@ -265,7 +265,8 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
            f"was trained on mesh {saved}, which does not fit the {n} device(s) here" if not
            fits else f"splits its batch over {shards} of the {n} device(s) here, which "
            f"does not divide it")
-    groups = cfg.model.moe.groups if cfg.model.moe.enabled() else 0
+    moe = cfg.model.moe  # (dropless routing groups split no batch: `_reader_split`)
+    groups = moe.groups if moe.enabled() and moe.dispatch == "capacity" else 0
     where = (f" on {k} of the {n} devices (train.batch_size={cfg.train.batch_size}, "
              f"train.grad_accum={cfg.train.grad_accum}, data.eval_batch_size="
              f"{cfg.data.eval_batch_size or cfg.train.batch_size}"
