@@ -130,6 +130,90 @@ def test_conv_compressor_trained_by_reconstruction_only():
     np.testing.assert_array_equal(memory.comp_valid_BC, [[True] * 4, [True, True, False, False]])
 
 
+def test_rate_2_slots_hold_the_mean_of_their_own_group():
+    """Review r11: the twin above runs at rate 1, where pooling is the identity, so nothing
+    pinned what a slot holds at R > 1 (strided groups, a conv pairing the wrong weights, or a
+    slot beside another group's validity would all pass). `pool_compress` and ConvCompress
+    against numpy: slot g of R consecutive positions gR .. gR + R - 1, the conv's
+    b + sum_r W_r old[gR + r], starting as the pooling."""
+    R, G = 2, 3
+    x = np.arange(B * G * R * E, dtype=np.float32).reshape(B, G * R, E)
+    want = (x[:, 0::2] + x[:, 1::2]) / 2  # pairs (0, 1), (2, 3), ...: contiguous groups
+    np.testing.assert_allclose(xl.pool_compress(jnp.asarray(x), R), want, rtol=1e-6)
+    m = from_configdict(configdict(comp_mem_len=L // 2, comp_rate=R)).model
+    conv = xl.ConvCompress(m)
+    params = nn.unbox(conv.init(jax.random.key(0), jnp.asarray(x))["params"])
+    np.testing.assert_allclose(conv.apply({"params": params}, jnp.asarray(x)), want, rtol=1e-6)
+    rng = np.random.default_rng(2)
+    w_REE, b_E = rng.normal(size=(R, E, E)), rng.normal(size=E)
+    x = rng.normal(size=x.shape)
+    want = b_E + sum(x[:, r::R] @ w_REE[r] for r in range(R))  # slot g reads gR + r
+    got = conv.apply({"params": {"kernel": jnp.asarray(w_REE, jnp.float32),
+                                 "bias": jnp.asarray(b_E, jnp.float32)}},
+                     jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_segment_compresses_the_layer_inputs_it_evicts():
+    """Review r11: in the model, at rate 2 with pooling, the G slots a segment adds to each
+    layer's compressed memory are the pairs of that layer's inputs it evicts (the memory the
+    segment before left, M = L), each slot valid iff both of its positions were (row 1's last
+    3 positions of segment 1 are padding: its slots 2 and 3 hold a pad)."""
+    R, C = 2, L // 2
+    G = L // R
+    cfg, _, params, objective = setup(mem_len=L, comp_mem_len=C, comp_rate=R, comp_fn="pool")
+    step = jax.jit(objective)
+    s1, s2 = stream(2, 3, pad_last=L + 3)
+    sums, mem1 = step(params, xl.init_memory(cfg, B), s1)
+    assert float(sums["loss_recon"]) == 0.0  # it evicted a fresh memory
+    _, mem2 = step(params, mem1, s2)
+    old_XBME = np.asarray(mem1.hidden_XBME, np.float32)  # what segment 2 evicts, per layer
+    want_XBGE = (old_XBME[:, :, 0::2] + old_XBME[:, :, 1::2]) / 2
+    np.testing.assert_allclose(mem2.comp_XBCE[:, :, -G:], want_XBGE, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(mem2.comp_valid_BC[:, -G:],
+                                  [[True] * G, [True, True, False, False]])
+
+
+def test_reconstruction_loss_is_its_formula():
+    """Review r11: `reconstruction_loss` was checked for == 0 and > 0 only. Against numpy:
+    the squared error between the content attention (the block's norm1 and query/key/value
+    projections, no positions) over the evicted positions and over their slots, each under
+    its validity, summed over heads and dims and averaged over real queries and H x D."""
+    m = from_configdict(configdict(comp_mem_len=L // 2, comp_rate=2)).model
+    rng = np.random.default_rng(4)
+    H = m.num_heads
+    D = E // H
+    block = {"norm1": {"scale": 1.0 + 0.2 * rng.normal(size=E), "bias": 0.2 * rng.normal(size=E)},
+             "attention": {"qkv": rng.normal(size=(E, 3, H, D)) / np.sqrt(E)}}  # what it reads
+    h, old = rng.normal(size=(B, L, E)), rng.normal(size=(B, L, E))
+    new = rng.normal(size=(B, L // 2, E))
+    valid = np.array([[True, True, True, True], [True, False, True, False]])
+    query = np.ones((B, L), bool)
+    query[1, -3:] = False
+
+    def ln(x):
+        p = block["norm1"]
+        mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        return (x - mu) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+    def attention(kv, ok):  # [B, L, H, D]
+        w = block["attention"]["qkv"]
+        q = np.einsum("ble,ehd->blhd", ln(h), w[:, 0])
+        k, v = (np.einsum("bne,ehd->bnhd", ln(kv), w[:, j]) for j in (1, 2))
+        s = np.einsum("blhd,bnhd->bhln", q, k) / np.sqrt(q.shape[-1])
+        s = np.where(ok[:, None, None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("bhln,bnhd->blhd", p / p.sum(-1, keepdims=True), v)
+
+    err = np.square(attention(new, valid) - attention(old, np.repeat(valid, 2, 1))).sum((2, 3))
+    want = (err * query).sum() / (query.sum() * H * D)
+    got = jax.jit(xl.reconstruction_loss, static_argnums=1)(
+        jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), block), m,
+        *(jnp.asarray(a, jnp.float32) for a in (h, old, new)), jnp.asarray(valid),
+        jnp.asarray(query))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
 def test_config_errors():
     def check(match, **model):
         with pytest.raises(ConfigError, match=match):

@@ -521,6 +521,13 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     ({"attention": {"name": "ring", "options": {"block": 16}}}, "attention.options.block",
      "mesh.sequence=1 gives the ring one device, so the layer runs as `chunked` (which chooses "
      "its own blocks) and nothing reads it"),
+    # review r11: the reconstruction loss trains a conv compressor only; pooling's weight
+    # scaled the logged loss_aux (0.0 too: the loss is still computed and logged)
+    *[({"model": {"arch": "transformer_xl", "comp_mem_len": 16, "comp_rate": 2,
+                  "comp_fn": "pool", "comp_loss_weight": w}, "data": {"batching": "stream"}},
+       "model.comp_loss_weight", "model.comp_fn='pool' (mean pooling) has no parameters, so it "
+       "would scale the logged loss_aux and train nothing; set model.comp_fn='conv', or leave "
+       "it at its default (--config.model.comp_loss_weight=1.0)") for w in (2.0, 0.0)],
 ])
 def test_new_runs_are_refused_what_a_saved_run_is_still_read_with(groups, field, hint,
                                                                    tmp_path):
@@ -601,7 +608,11 @@ def test_a_runs_unread_fields_are_cleared_for_the_new_run_shrink_writes():
                    {"model": {"moe": {"num_experts": 4, "dispatch": "dropless", "groups": 4}}},
                    {"attention": {"name": "ring", "options": {"axis": "data", "block": 8}}},
                    {"model": {"moe": {"num_experts": 4, "router": "expert_choice",
-                                      "eval_capacity_factor": 1.25}}}):
+                                      "eval_capacity_factor": 1.25}}},
+                   # review r11's
+                   {"model": {"arch": "transformer_xl", "comp_mem_len": 16, "comp_rate": 2,
+                              "comp_fn": "pool", "comp_loss_weight": 2.0},
+                    "data": {"batching": "stream"}}):
         cfg = validate(base(**groups), num_devices=1)
         with pytest.raises(ConfigError):
             check_new_run(cfg)
@@ -611,7 +622,10 @@ def test_a_runs_unread_fields_are_cleared_for_the_new_run_shrink_writes():
                    {"data": {"task": "word_lm", "word_vocab_size": 300}},
                    {"model": {"moe": {"num_experts": 4, "groups": 4}}},  # capacity's
                    {"mesh": {"data": 1, "sequence": 2},
-                    "attention": {"name": "ring", "options": {"block": 8}}}):
+                    "attention": {"name": "ring", "options": {"block": 8}}},
+                   {"model": {"arch": "transformer_xl", "comp_mem_len": 16, "comp_rate": 2,
+                              "comp_fn": "conv", "comp_loss_weight": 2.0},  # trains conv's
+                    "data": {"batching": "stream"}}):
         cfg = validate(base(**groups), devices=False)
         assert without_unread(cfg) == cfg
 

@@ -171,6 +171,36 @@ def test_memory_is_stop_gradient_and_used():
     assert np.all(g_slot[:, : L // 2] == 0.0) and np.all(g_slot[:, L // 2:] > 0.0)
 
 
+def test_a_pass_without_memory_reads_no_memory_slots():
+    """Review r11: a pass given no memory (every pack or pad batch, an XL distillation
+    student, evaluation that resets the memory) built M = seq_len empty slots and attended
+    over 2L keys, half always masked. It reads none now (M = 0): the outputs and the
+    parameter gradients equal the old pass's over the M empty slots, and the parameters
+    (what a saved run restores) are the same whatever M: `setup`'s come from `init`, which
+    now reads no memory, and the pass over M = L takes them (flax checks each shape)."""
+    model, params, apply = setup(L)
+    tokens = jax.random.randint(jax.random.key(7), (B, L + 1), 0, 256)
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 2, 2, 3, 3, 0, 0]], jnp.int32)  # packed
+    batch = stream_batch(tokens, seg, 0, L)
+    old = xl.init_memory(model.cfg, B)  # what `_memory` built before: M = L empty slots
+    assert old.hidden_XBME.shape[2] == L
+
+    @jax.jit
+    def loss_and_grads(p, memory):
+        def loss(p):
+            nll_BL, new = apply(p, batch, memory)
+            return jnp.sum(jnp.where(seg > 0, nll_BL, 0.0)), (nll_BL, new)
+        return jax.value_and_grad(loss, has_aux=True)(p)
+
+    (_, (nll_none, new)), g_none = loss_and_grads(params, None)
+    (_, (nll_old, _)), g_old = loss_and_grads(params, old)
+    assert new.hidden_XBME.shape == (DEPTH, B, 0, E) and new.valid_BM.shape == (B, 0)
+    np.testing.assert_allclose(nll_none, nll_old, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_none), jax.tree.leaves(g_old)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g_none)) > 1e-3
+
+
 # 3.1 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, session 109, --durations:
 # the suite read 6 min 12 s for 1775 tests in CI): CI's slow part runs it
 @pytest.mark.slow

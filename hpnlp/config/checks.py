@@ -595,7 +595,12 @@ def _unread_of_new_run(cfg: Config) -> dict[str, bool]:
             "attention.options.axis": wrong,
             # (of the axis it is refused for: 'sequence', so one fix clears both)
             "attention.options.block": (alone("sequence" if wrong else axis)
-                                        and a.options.get("block") is not None)}
+                                        and a.options.get("block") is not None),
+            # review r11: the reconstruction loss it weights trains the conv compressor
+            # alone (every other input stop-gradient); pooling has no parameters, so the
+            # weight scaled the logged loss_aux and trained nothing
+            "model.comp_loss_weight": (bool(m.comp_mem_len) and m.comp_fn == "pool" and
+                                       m.comp_loss_weight != ModelConfig().comp_loss_weight)}
 
 
 def _check_unread_of_new_run(cfg: Config) -> None:
@@ -663,6 +668,12 @@ def _check_unread_of_new_run(cfg: Config) -> None:
                  f"attention layer (at mesh.{axis}=1 the layer runs as `chunked`, reading "
                  "nothing)")
               + "; set it to 'sequence' (with mesh.sequence > 1 for sequence parallelism)")
+    if unread["model.comp_loss_weight"]:
+        _fail("model.comp_loss_weight", m.comp_loss_weight, "it weights the attention-"
+              "reconstruction loss, which trains only a learned compressor, and model.comp_fn="
+              "'pool' (mean pooling) has no parameters, so it would scale the logged loss_aux "
+              "and train nothing; set model.comp_fn='conv', or leave it at its default "
+              f"(--config.model.comp_loss_weight={ModelConfig().comp_loss_weight})")
     if unread["attention.options.block"]:
         axis = "sequence" if unread["attention.options.axis"] else axis
         _fail("attention.options.block", a.options["block"], f"it sizes the ring's tiles, and "
@@ -690,6 +701,8 @@ def without_unread(cfg: Config) -> Config:
         m = dataclasses.replace(m, num_classes=ModelConfig().num_classes)
     if unread["model.moe.groups"]:
         m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, groups=MoEConfig().groups))
+    if unread["model.comp_loss_weight"]:  # (the pooled memory's loss_aux, logged, moves)
+        m = dataclasses.replace(m, comp_loss_weight=ModelConfig().comp_loss_weight)
     if m.moe.enabled() and m.moe.router == "expert_choice":  # `check_new_run` refuses its
         # eval_capacity_factor, read by nothing since review r4 (session 105; fixer fA's
         # note: a saved run that took it, as the workaround then, was refused by shrink)

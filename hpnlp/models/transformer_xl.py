@@ -41,11 +41,11 @@ inputs, with those inputs and the attention's parameters stop-gradient. Layers r
 the `aux` collection (hpnlp.train.carry.fold_aux) as `loss_recon` (mean over layers), added
 to the objective times model.comp_loss_weight (summed over layers).
 
-Shape letters: B batch, L segment length, M memory length (model.mem_len, 0: = data.seq_len),
-C compressed memory length (model.comp_mem_len), R compression rate (model.comp_rate),
-G = L / R slots each segment compresses into, N = C + M keys before the segment,
-K = N + L keys, E width, H heads, D head dim (E / H), F MLP width, X layers (model.depth),
-V vocabulary.
+Shape letters: B batch, L segment length, M memory length (model.mem_len, 0: = data.seq_len;
+0 in a pass given no memory to carry on, `TransformerXLLM._memory`), C compressed memory
+length (model.comp_mem_len), R compression rate (model.comp_rate), G = L / R slots each
+segment compresses into, N = C + M keys before the segment, K = N + L keys, E width,
+H heads, D head dim (E / H), F MLP width, X layers (model.depth), V vocabulary.
 
     >>> model = TransformerXLLM(cfg, deterministic=False)            # doctest: +SKIP
     >>> memory = init_memory(cfg, batch_size)                        # doctest: +SKIP
@@ -85,9 +85,11 @@ def mem_len(cfg: Config) -> int:
     return cfg.model.mem_len or cfg.data.seq_len
 
 
-def init_memory(cfg: Config, batch_size: int) -> Memory:
-    """An empty memory: nothing valid, so the first segment attends only to itself."""
-    m, M, C = cfg.model, mem_len(cfg), cfg.model.comp_mem_len
+def init_memory(cfg: Config, batch_size: int, *, slots: int | None = None) -> Memory:
+    """An empty memory: nothing valid, so the first segment attends only to itself. `slots`:
+    its plain slots M (default `mem_len`; 0 for a pass that carries no memory on)."""
+    m, C = cfg.model, cfg.model.comp_mem_len
+    M = mem_len(cfg) if slots is None else slots
     dt = dtypes(m)[0]
     comp = ((jnp.zeros((m.depth, batch_size, C, m.width), dt), jnp.zeros((batch_size, C), bool))
             if C else (None, None))
@@ -439,13 +441,14 @@ class TransformerXLLM(nn.Module):
     """Causal LM on the XL trunk, with any registry output layer (heads._output_layer).
 
     `loss_and_memory(batch, memory)` / `evaluate_and_memory(batch, memory)` carry the
-    memory; `__call__(batch)` / `evaluate(batch)` start every batch from an empty memory
-    (what the generic Trainer does: no state beyond the parameters). Batches: inputs,
-    targets, segment_ids [B, L]; positions, where present, are not embedded (XL is
-    relative), but a row whose first position is 0 starts a new text, so its memory is
-    emptied (`_memory`: the first batch of a stream's epoch, every pad or pack batch). With
-    model.comp_mem_len > 0 the memory carries the compressed memory too, and an apply with
-    the `aux` collection mutable gets the reconstruction loss there (MemoryCarry folds it in).
+    memory; `__call__(batch)` / `evaluate(batch)` start every batch from no memory (what
+    the generic Trainer does: no state beyond the parameters; M = 0, a compressive model
+    its empty slots: `_memory`). Batches: inputs, targets, segment_ids [B, L]; positions,
+    where present, are not embedded (XL is relative), but a row whose first position is 0
+    starts a new text, so its memory is emptied (`_memory`: the first batch of a stream's
+    epoch, a pad or pack batch given a memory). With model.comp_mem_len > 0 the memory
+    carries the compressed memory too, and an apply with the `aux` collection mutable gets
+    the reconstruction loss there (MemoryCarry folds it in).
     """
 
     cfg: Config
@@ -464,8 +467,13 @@ class TransformerXLLM(nn.Module):
         self.output = _output_layer(self.cfg, self.embed, self.token_counts)
 
     def _memory(self, batch, memory):
-        if memory is None:
-            return init_memory(self.cfg, batch["inputs"].shape[0])
+        if memory is None:  # nothing before the batch: no plain slots (review r11: M =
+            # data.seq_len empty ones doubled every pack/pad pass's keys, all masked; the
+            # outputs are the same, as a real key's distance does not depend on M). A
+            # compressive model keeps its M: with none its segment would be what leaves the
+            # memory, compressed and reconstructed (another loss_recon and compressed memory)
+            plain = None if self.cfg.model.comp_mem_len else 0
+            return init_memory(self.cfg, batch["inputs"].shape[0], slots=plain)
         if "positions" in batch:  # a stream row at position 0 starts over (a new epoch, at
             # another offset): nothing before it (found in review: it read the last epoch's)
             memory = fresh_rows(memory, batch["positions"][:, 0] == 0)

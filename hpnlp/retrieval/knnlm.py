@@ -4,7 +4,13 @@ distribution over a datastore of (context vector, next token) pairs from its tra
     python -m hpnlp.retrieval knnlm --workdir TRAINED_LM --datastore DIR [--index exact]
 
 1. **Datastore** (`build_datastore`): the trained LM reads its training split in order, one
-   chunk per row exactly as training saw it; every target token's context vector (the final
+   chunk per row from a fresh start: as training saw it for a Transformer LM however it was
+   batched (a packed chunk attends within itself, its positions from 0), and for an LSTM/GRU
+   LM trained on `data.batching='pad'`. An RNN LM trained on 'pack' (experiments/lm.py's
+   default) read a short chunk with the state the chunks packed before it in its row left
+   (hpnlp/models/recurrent.py), so its `lm_ppl` here, each chunk from a zero state, can
+   differ a little from the run's own evaluation (review r11); the keys and the queries are
+   read alike, so the kNN part is consistent. Every target token's context vector (the final
    hidden state the output layer reads) is a key, stored memory-mapped as float16
    (`keys.npy`, [N, E]), with the next token as its value (`values.npy`, int32).
    `datastore.json` names the model (a digest of its parameters, and the random-feature
@@ -136,8 +142,9 @@ def check_draw(folder: str, header: dict, features_key) -> None:
 # -- the LM's context vectors ----------------------------------------------------------------
 
 def ordered_batches(ex, *, rows: int, seq_len: int, select=None):
-    """In-order LM batches of a split's chunks (one chunk per row, as training packs them),
-    with the targets' flat positions. `select`: chunk indices to read (default all)."""
+    """In-order LM batches of a split's chunks (one chunk per row from position 0, as
+    `pad` batches them; `pack` shares a row, which only an RNN's state crosses), with the
+    targets' flat positions. `select`: chunk indices to read (default all)."""
     chunks = np.arange(len(ex)) if select is None else np.asarray(select)
     for lo in range(0, len(chunks), rows):
         idx = chunks[lo:lo + rows]
