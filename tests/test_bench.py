@@ -544,6 +544,37 @@ def test_targets_table_skips_interrupted_rows_and_names_a_bad_machine(tmp_path, 
     assert [r[4:] for r in tt.rows()] == [(float("inf"), ">=", 2.5, False)]  # (session 103)
 
 
+def test_a_partial_record_writes_and_lists_no_target_defined_over_a_whole_run(tmp_path,
+                                                                             monkeypatch):
+    """Review r10: an LRA run stopped after dense seed 0, into a folder with no whole report
+    (so into that folder itself), wrote `listops_dense_accuracy_vs_majority`, defined as the
+    mean over dense's seeds, from that one seed, and tools/targets_table.py listed it (and
+    any --quick, subset or died record's targets) as a record, while tools/sync_readme.py
+    refused it for README.md."""
+    from hpnlp.bench import lra
+    ok = {"task": "listops", "variant": "dense", "status": "ok", "baseline_accuracy": 0.2}
+    results = [dict(ok, seed=0, accuracy=0.6)] + [
+        {"task": "listops", "variant": "dense", "seed": s, "status": harness.INTERRUPTED}
+        for s in (1, 2)]
+    payload = {"settings": {"dense_seeds": [0, 1, 2]}, "tasks": ["listops"], "results": results}
+    payload["dense_spread"] = lra._dense_spread(payload)
+    t = lra._targets(payload)["listops_dense_accuracy_vs_majority"]
+    assert t["value"] is None and not t["met"]
+    payload["results"] = [dict(ok, seed=s, accuracy=a) for s, a in ((0, 0.6), (1, 0.5), (2, 0.4))]
+    payload["dense_spread"] = lra._dense_spread(payload)
+    t = lra._targets(payload)["listops_dense_accuracy_vs_majority"]
+    assert t["value"] == pytest.approx(30.0) and t["met"]
+    tt, rec = _targets_table(tmp_path, monkeypatch)
+    rec.parent.mkdir(parents=True)
+    good = {"value": 3.0, "bound": 2.5, "op": ">="}
+    for flag in ({"interrupted": 130}, {"interrupted": 143}, {"died": ["dense"]},
+                 {"quick": True}, {"subset": {"variants": ["dense"]}}):
+        rec.write_text(json.dumps({**flag, "targets": {"t": good}}))
+        assert tt.rows() == [], flag
+    rec.write_text(json.dumps({"interrupted": False, "quick": False, "targets": {"t": good}}))
+    assert [r[:2] for r in tt.rows()] == [("t", "b")]
+
+
 def test_targets_table_takes_a_record_of_some_parts(tmp_path, monkeypatch):
     """Review r6: records()' docstring promised a SystemExit for a --parts run's record, which
     the table takes on purpose: its targets are those of the parts it ran."""
@@ -950,6 +981,27 @@ def test_quality_reports_write_the_header_that_names_the_cpu():
             assert f.read().split("\n\n")[1] == report.header_md(machine, {}), folder
 
 
+def test_recorded_reports_are_what_their_bench_renders_from_their_json():
+    """Review r10: docs/benchmarks/lra/results.md (and README.md's copy) still said "Accuracy
+    on the held-out split", rendered before lra._markdown said that accuracy covers the first
+    eval batches. A record whose bench renders its table from results.json alone reads as
+    `report.write` would write it today (re-render with the bench's markdown function, then
+    `python tools/sync_readme.py`)."""
+    from hpnlp.bench import compress, distill_recipes, lra, rnn_quality
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "benchmarks")
+    for folder, title, markdown in (
+            ("lra", "lra", lra._markdown), ("rnn_quality", "rnn quality", rnn_quality.markdown),
+            ("compress", "compress", compress._markdown),
+            ("distill_recipes", "distill_recipes", distill_recipes._markdown),
+            ("distill_recipes_lm", "distill_recipes", distill_recipes._markdown)):
+        with open(os.path.join(root, folder, "results.json")) as f:
+            payload = json.load(f)
+        assert not payload.get("interrupted"), folder  # (report.write's note would lead)
+        with open(os.path.join(root, folder, "results.md")) as f:
+            assert f.read() == f"# hpnlp benchmark: {title}\n\n{markdown(payload)}\n", folder
+
+
 def test_quant_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import quant
     ms = lambda s: {"median_s": s, "min_s": s, "max_s": s, "repeats": 1, "compile_s": 0.0,  # noqa: E731
@@ -1261,6 +1313,34 @@ def test_data_bench_keeps_its_text_for_an_unfinished_preparation(tmp_path, monke
     assert len(written) == 2 and sorted(os.listdir(tmp_path)) == ["other", "prepared"]
 
 
+def test_softmax_quality_trains_every_method_on_one_schedule_whatever_its_speed():
+    """Review r10: a warmup of 50 steps in a fixed time budget left `full` (40 timed steps) at
+    0.8x the rate and `class_based` (10) at 0.2x while the fast methods trained at the full
+    rate. Every method now starts at the rate; a record made with the warmup says which rows
+    ended inside it."""
+    from hpnlp.bench import quality
+    from hpnlp.train.state import learning_rate_schedule
+    for t in quality.TOKENIZERS:
+        for m in ("full", "class_based", "sampled"):
+            train = quality._config(m, False, t).train
+            assert train.warmup_steps == 0 and train.schedule == "constant", (t, m)
+            assert float(learning_rate_schedule(train)(0)) == pytest.approx(train.lr)
+    info = {"date": "d", "cpu": "c", "machine": "x86_64", "cores": 2, "backend": "cpu",
+            "versions": {}}
+    results = [{"method": m, "tokenizer": "bpe", "vocab_size": 32000, "steps": n,
+                "perplexity": 1.0, "ppl_vs_full": 0.0, "within_5pct": True, "speedup": 1.0,
+                "per_word_ppl": 1.0} for m, n in (("full", 40), ("class_based", 10),
+                                                  ("sampled", 280))]
+    payload = {"machine": info, "seconds": 60.0, "quick": False, "tokenizers": ["bpe"],
+               "results": results}
+    recorded = quality.markdown(payload)  # the committed records: no `warmup_steps`
+    assert "after 50 warmup steps" in recorded
+    assert ("Ended inside the warmup (the share of the lr its last step applied): `full` 0.8x, "
+            "`class_based` 0.2x.") in recorded
+    now = quality.markdown(dict(payload, warmup_steps=quality.WARMUP_STEPS))
+    assert "from the first step (no warmup" in now and "inside the warmup" not in now
+
+
 def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, monkeypatch):
     from hpnlp.bench import quality
     ppl = {("words", "full"): 80.0, ("words", "sampled"): 82.0, ("bpe", "full"): 100.0,
@@ -1286,6 +1366,7 @@ def test_softmax_quality_compares_each_tokenization_with_its_own_full(tmp_path, 
     assert rows[("bpe", "sampled")]["ppl_vs_full"] == pytest.approx(0.2)
     assert not rows[("bpe", "sampled")]["within_5pct"]
     assert rows[("bpe", "nce")]["status"] == "failed: RuntimeError: boom"
+    assert payload["warmup_steps"] == 0  # the next record's markdown says so
     md = open(os.path.join(out, "results.md")).read()
     assert "**Words, V = 12070**" in md and "**BPE subwords, V = 32000**" in md
     assert "| `sampled` | 120.0 | 132.0 | +20.0% | no | 30 | 3.00x |" in md  # per word beside
@@ -1470,6 +1551,31 @@ def test_compress_queues_every_run_ahead_after_what_it_reads(tmp_path):
     lowrank = [out for _, out in compress.runs_ahead(s, wd, ("lowrank",))]
     assert lowrank[0] == teachers[0] and all("lowrank_" in o or "dense_width_" in o
                                              for o in lowrank[1:]), lowrank
+
+
+def test_compress_scratch_twins_train_as_many_steps_as_the_models_they_are_read_against(
+        monkeypatch):
+    """The dense models from scratch beside the low-rank and the structured rows train the
+    teacher's steps plus the fine-tune's, as those rows do in all (review r10: the low-rank
+    twin trained the teacher's 800 against the factorized model's 800 + 200), and the
+    low-rank twin's folder names its steps so a workdir's earlier 800-step run is not taken
+    for it."""
+    from hpnlp.bench import compress
+
+    def size(cd):  # monotone in what the parts bisect over, without tracing (3 s -> 0.1 s)
+        m = cd.model
+        mats = 2 * m.lowrank.rank * (m.width + m.mlp_dim) if m.lowrank.rank else (
+            2 * m.width * m.mlp_dim)
+        return mats + 4 * m.width * m.num_heads * (m.head_dim or m.width // m.num_heads)
+    monkeypatch.setattr(compress, "param_count", size)
+    s, wd = compress.SIZES["full"], "/wd"
+    teacher = compress.teacher_config("byte LM", s).train.steps
+    _, ranked, (dense, out), width = compress._lowrank_runs(s, wd, "/wd/teacher")
+    assert {cd.train.steps for cd, _ in ranked.values()} == {s["prune_steps"]}
+    assert dense.train.steps == teacher + s["prune_steps"]
+    assert out == os.path.join(wd, f"dense_width_{width}_{teacher + s['prune_steps']}_steps")
+    (pruned, _), (twin, _) = compress._structured_runs(s, wd, "/wd/teacher")[1:]
+    assert twin.train.steps == teacher + pruned.train.steps
 
 
 def test_reused_runs_are_those_finished_before_the_bench_run(tmp_path, monkeypatch):
@@ -2381,6 +2487,43 @@ def test_retrieval_bench_datastores_follow_their_cap_and_their_lm(tmp_path, monk
         monkeypatch.setattr(bench_compress, "REUSED", reused)
         assert bench_retrieval._trained(quick, "bytes", str(tmp_path)) == out
         assert sorted(os.listdir(tmp_path)) == sorted(left)
+
+
+def test_retrieval_bench_memory_part_reuses_its_runs_and_deletes_nothing(tmp_path, monkeypatch):
+    """Review r11: `bench retrieval --parts memory` deleted W/head and W/memory whatever they
+    held (another tool's output in a shared --workdir too), and retrained both on every
+    rerun. It goes through `_train` as the bench's other parts do: foreign files are a
+    RunConflict, left in place, and finished runs of its configs are reused."""
+    import hpnlp.train
+    import hpnlp.train.checkpoint
+    from hpnlp.bench import compress as bench_compress
+    from hpnlp.bench import kv_memory
+    from hpnlp.config import from_configdict
+    trained = []
+    monkeypatch.setattr(hpnlp.train, "run", lambda cd, out: trained.append(out) or {})
+    monkeypatch.setattr(bench_compress, "REUSED", [])
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "notes.txt").write_text("mine")
+    with pytest.raises(bench_compress.RunConflict, match=rf"^{tmp_path / 'head'} holds files "
+                       r"that are not a run's \(notes.txt\)"):
+        kv_memory.rows(True, str(tmp_path))
+    assert (tmp_path / "head" / "notes.txt").read_text() == "mine" and not trained
+    (tmp_path / "head" / "notes.txt").unlink()
+    # finished runs of both configs (their config.json read as the bench's own): reused
+    monkeypatch.setattr(hpnlp.train.checkpoint, "load_run_config", lambda out: from_configdict(
+        kv_memory.config(os.path.basename(out), True)))
+    for arg in ("head", "memory"):
+        os.makedirs(tmp_path / arg, exist_ok=True)
+        (tmp_path / arg / "summary.json").write_text('{"final_step": 300}')
+    classes = 66
+    monkeypatch.setattr(kv_memory, "per_class", lambda wd: {
+        "count": np.ones(classes), "head": np.zeros(classes),
+        **({"memory": np.ones(classes)} if wd.endswith("memory") else {})})
+    rows = kv_memory.rows(True, str(tmp_path))
+    assert not trained and sorted(bench_compress.REUSED) == [str(tmp_path / a)
+                                                              for a in ("head", "memory")]
+    assert [(r["prediction"], r["steps"], r["run_seconds"]) for r in rows[:3]] == [
+        ("head", 300, None), ("memory", 300, None), ("head", 300, None)]
 
 
 @pytest.mark.parametrize("impl", ["jax.nn.dot_product_attention", "dense", "synthesizer"])

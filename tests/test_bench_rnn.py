@@ -82,3 +82,59 @@ def test_rnn_targets_are_recorded_only_at_the_shape_they_are_set_for(tmp_path, m
     # `--impls` report read as the full one, and would have gone into README.md)
     assert full["subset"] == {"impls": rows}
     assert "subset" not in bench_rnn.run(str(tmp_path / "f"), quick=False)
+
+
+def test_rnn_quality_keeps_the_rows_that_ran_when_one_fails_or_it_is_stopped(tmp_path,
+                                                                              monkeypatch):
+    """Review r10: `rnn --quality` trained its variants with no `harness.run_rows`, so a
+    Ctrl-C, a SIGTERM or one failing variant lost every finished row (minutes each) and wrote
+    no report. Now a failing variant is a row that says so, a stop keeps the rows before it
+    and the command exits with the stop's status."""
+    import argparse
+
+    import hpnlp.train
+    from hpnlp.bench import rnn_quality
+    from hpnlp.stopping import Stopped
+    calls = []
+
+    def fake_run(cfg, workdir):  # plain trains, the first trick fails, the next is stopped
+        calls.append(cfg.name)
+        if len(calls) == 2:
+            raise ValueError("bad trick")
+        if len(calls) == 3:
+            raise Stopped("stopped (SIGTERM)", 143)
+        return {"eval": {"loss": 5.0}, "throughput": {"steps_per_sec": 2.0}}
+    monkeypatch.setattr(hpnlp.train, "run", fake_run)
+    payload = rnn_quality.run(str(tmp_path), quick=True)
+    assert payload["interrupted"] == 143
+    rows = payload["results"]
+    assert rows[0]["variant"] == "plain" and rows[0]["vs_plain"] == 0.0
+    assert rows[0]["steps"] == 20
+    assert rows[1] == {"variant": "layer_norm", "status": "failed: ValueError: bad trick"}
+    assert [r["status"] for r in rows[2:]] == ["not run: interrupted"] * (len(rows) - 2)
+    assert rows[-1]["variant"] == f"ensemble of {rnn_quality.ENSEMBLE_MEMBERS} (plain, seeds)"
+    with open(tmp_path / "results.json") as f:
+        assert json.load(f)["results"] == rows
+    md = (tmp_path / "results.md").read_text()
+    assert "**Interrupted:**" in md and "| `plain` | 148.4 | +0.0% | 2 | 20 |" in md
+    assert "| `layer_norm` | failed: ValueError: bad trick |  |  |  |" in md
+    calls[:] = ["", ""]  # the command: stopped at its first row, it exits as a stop does
+    args = argparse.Namespace(out=str(tmp_path / "cmd"), quick=True, quality=True, steps=None)
+    with pytest.raises(SystemExit) as stop:
+        bench_rnn.main(args)
+    assert stop.value.code == 143 and (tmp_path / "cmd" / "results.json").exists()
+
+
+@pytest.mark.parametrize("steps", [1, 2, None])
+def test_rnn_quality_configs_are_valid_at_any_steps(steps):
+    """Review r10: `rnn --quality --steps 1` gave every run warmup_steps = 1, which the cosine
+    decay's check refuses (it needs steps after the warmup), naming a field the user never set
+    (lra._config's fix of review r2)."""
+    from hpnlp.bench import rnn_quality
+    from hpnlp.config import from_configdict, validate
+    mod, _ = rnn_quality.experiment_config("")
+    for v in ("", *mod.TRICKS):
+        cfg = validate(from_configdict(rnn_quality._quick(rnn_quality.experiment_config(v)[1],
+                                                          steps)))
+        assert cfg.train.steps == (steps or mod.get_config(v).train.steps), v
+        assert cfg.train.warmup_steps < cfg.train.steps, v

@@ -139,12 +139,19 @@ def check_machine(path: str, info) -> None:
                          f"of strings; {fix}")
 
 
+# what makes a results.json the report of less than a whole run, as tools/sync_readme.py's
+# check_whole reads it (less its `--parts`, taken below)
+NOT_WHOLE = ("quick", "subset", "interrupted", "died")
+
+
 def records() -> list[tuple[str, dict]]:
     """(folder under docs/benchmarks, results.json) of every record with a targets map; not
     the rows of an interrupted run kept beside a whole report (`OUT/interrupted`, a bug hunt,
-    session 99: counted as a record of its own). A record of some of its bench's parts
-    (`--parts`) is taken: its targets are those of the parts it ran
-    (`report.targets_of_parts`)."""
+    session 99: counted as a record of its own), nor a report of less than a whole run
+    written into its own folder (`NOT_WHOLE`: review r10, an LRA run stopped after one dense
+    seed wrote a target defined over three, which this table listed while sync_readme.py
+    refused the record). A record of some of its bench's parts (`--parts`) is taken: its
+    targets are those of the parts it ran (`report.targets_of_parts`)."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "**", "results.json"),
                                  recursive=True)):
@@ -167,7 +174,7 @@ def records() -> list[tuple[str, dict]]:
         if name is not None and not (isinstance(name, str) and re.fullmatch(r"\w+", name)):
             raise SystemExit(f"{path}: `benchmark` = {name!r} is not a bench's name; "
                              f"{FIX.replace('PATH', path)}")
-        if targets:
+        if targets and not any(payload.get(k) for k in NOT_WHOLE):
             check_machine(path, payload.get("machine"))
             payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}
             out.append((os.path.relpath(os.path.dirname(path),

@@ -61,7 +61,8 @@ In one run on this CPU:
    replaced by truncated-SVD factors (`model.lowrank.rank`, `train.init_from`) at the rank
    that halves its parameters, half that rank and twice it, each fine-tuned for the pruning
    runs' steps; beside them a dense model of about the half-parameter size (width scaled)
-   trained from scratch as the teacher is, for its steps.
+   trained from scratch as the teacher is, for the same steps in all (the teacher's plus
+   the fine-tune's; the records up to 2026-12-06 gave it the teacher's alone).
 5. Pipeline (`pipeline`, Deep Compression's order): the targets' distilled LM student pruned to 50%
    while fine-tuned, then int8 weights by `python -m hpnlp.compress quantize`: its
    quantized.npz against the float32 teacher's parameters at 4 bytes each (the quant.json
@@ -754,11 +755,18 @@ def _lowrank_runs(s: dict, workdir: str, tdir: str) -> tuple:
     def dense_of(width):  # trained as the teacher is, at its rate
         cd = teacher_config(model, s)
         cd.model.width, cd.model.mlp_dim = width, 4 * width
+        # the same total as the factorized models' (the teacher's steps and their fine-tune's),
+        # as `_structured_scratch`'s: the records up to 2026-12-06 gave it the teacher's alone
+        # (review r10), and here steps buy more than the teacher's weights
+        cd.train.steps += s["prune_steps"]
         return cd
-    # a dense model of about the half-rank model's size, from scratch for the teacher's steps
+    # a dense model of about the half-rank model's size, from scratch for the same steps
     width = closest(range(2 * heads, base.model.width + 1, 2 * heads),
                     lambda w: param_count(dense_of(w)), param_count(_with_rank(s, r_half)))
-    dense = (dense_of(width), os.path.join(workdir, f"dense_width_{width}"))
+    cd = dense_of(width)
+    # its steps in the folder's name: a workdir's run of the earlier 800 steps stays aside
+    # (under its old name `_train` would refuse it as a saved run of another config)
+    dense = (cd, os.path.join(workdir, f"dense_width_{width}_{cd.train.steps}_steps"))
     return r_half, {r: _lowrank_config(s, workdir, r, tdir) for r in sorted(ranks)}, dense, width
 
 
@@ -773,7 +781,8 @@ def lowrank_rows(s: dict, workdir: str) -> list[dict]:
         row = _row(model, "low-rank SVD + fine-tune", f"rank {r}", summary, out, metric)
         row["rank"], row["half_params"] = r, r == r_half
         rows.append(row)
-    rows.append(_row(model, "dense, scratch", f"width {width}, same size", _train(*dense),
+    rows.append(_row(model, "dense, scratch",
+                     f"width {width}, same size, {dense[0].train.steps} steps", _train(*dense),
                      dense[1], metric))
     value = _teacher_value(tdir, metric)
     for row in rows:

@@ -217,14 +217,18 @@ def _dense_spread(payload: dict) -> dict:
 
 def _targets(payload: dict) -> dict:
     """Issue 24: dense (mean over its seeds) beats the majority class by >= 15 points on
-    ListOps and >= 10 points on text. Accuracies in points (percent)."""
+    ListOps and >= 10 points on text. Accuracies in points (percent); not measured (None)
+    unless every seed of `settings.dense_seeds` ran (review r10: a run stopped after seed 0
+    wrote one seed's accuracy as the mean, which could read met)."""
     out = {}
+    seeds = len(payload["settings"].get("dense_seeds") or [0])  # as run()'s specs count them
     for t, bound in (("listops", 15.0), ("text", 10.0)):
         if t not in payload["tasks"]:  # --tasks left it out: not a miss (a bug hunt)
             continue
         spread = payload["dense_spread"].get(t)
         base = next((r.get("baseline_accuracy") for r in _ok(payload["results"], t, "dense")), None)
-        value = 100 * (spread["mean"] - base) if spread and base is not None else None
+        whole = spread is not None and len(spread["accuracies"]) == seeds
+        value = 100 * (spread["mean"] - base) if whole and base is not None else None
         out[f"{t}_dense_accuracy_vs_majority"] = report.target(value, bound, ">=")
     return out
 

@@ -1,10 +1,10 @@
 """`python -m hpnlp.bench softmax --quality`: perplexity at equal training time, per output layer.
 
 Trains the LM of `experiments/lm.py` on the shipped corpus once per output layer and
-tokenization for the same wall-clock seconds of training (compilation excluded), with a
-constant learning rate after warmup (a decay schedule would need the step count in
-advance, which is what differs between methods). Two tokenizations, each its own table
-compared with `full` on the same tokenization in the same run (`tokenizers=`):
+tokenization for the same wall-clock seconds of training (compilation excluded), at one
+constant learning rate from the first step (`WARMUP_STEPS`; a decay schedule would need the
+step count in advance, which is what differs between methods). Two tokenizations, each its own
+table compared with `full` on the same tokenization in the same run (`tokenizers=`):
 
 - `words`: the whole train vocabulary, 12,070 words (`experiments/lm.py:words`);
 - `bpe`: SentencePiece BPE of 32,000 pieces (`experiments/lm.py:bpe`), the size the
@@ -38,6 +38,19 @@ from hpnlp.bench import harness, report
 
 WITHIN = 0.05  # "as good as full": perplexity within 5%
 
+# No warmup: every arm trains at the same rate from its first step, whatever its speed. A
+# warmup counted in steps is a different schedule for each arm in a fixed time budget (review
+# r10: the records up to 2026-12-06 warmed over 50 steps, so at V = 32K `full`'s 41 steps
+# ended at 0.8x the rate and `class_based`'s 11 at 0.2x, while the fast arms spent 16-20% of
+# their steps in it); a warmup by a share of the time would need the rate fed by the clock,
+# outside the optimizer's step-counted schedule. Adam's step is about the rate whatever the
+# gradient's scale, and this small LM at 3e-3 trains without one: on the words part (60 steps,
+# one core of the Xeon model 167, 2026-12-06) `full`, `adaptive`, `sampled` and
+# `hierarchical` fell with no spike, `full`'s train loss to 4.68 at step 60 (4.94 warmed up).
+WARMUP_STEPS = 0
+# What the records before WARMUP_STEPS (payloads without `warmup_steps`) warmed over.
+RECORDED_WARMUP_STEPS = 50
+
 # tokenizer -> (preset of experiments/lm.py, vocabulary size, the table's title). Both sizes
 # are large enough that the output layer is most of the step.
 TOKENIZERS = {
@@ -62,7 +75,7 @@ def _config(method: str, quick: bool, tokenizer: str = "words"):
     cfg.output.options = bench_options(method, V)
     cfg.train.schedule = "constant"
     cfg.train.steps = 10**6  # bounded by time, not steps
-    cfg.train.warmup_steps = 50
+    cfg.train.warmup_steps = WARMUP_STEPS
     cfg.train.eval_batches = 4 if quick else 25
     cfg.train.progress = False
     if quick:
@@ -170,7 +183,8 @@ def run(out_dir: str, *, quick: bool, methods: list[str] | None = None,
     out_dir = harness.report_dir(out_dir, interrupted)
     compare(results)
     payload = {"benchmark": "softmax_quality", "machine": info, "seconds": seconds, "quick": quick,
-               "tokenizers": tokenizers, "interrupted": interrupted, "results": results}
+               "tokenizers": tokenizers, "warmup_steps": WARMUP_STEPS,
+               "interrupted": interrupted, "results": results}
     if set(names) != set(softmax_lib.names()):  # a part of each table, not the README's (a
         # bug hunt, session 102: `--methods full` wrote a one-row report, marked full)
         payload["subset"] = {"methods": names}
@@ -196,20 +210,30 @@ def _rows(results: list[dict], per_word: bool) -> list[list[str]]:
     return rows
 
 
+def rate_reached(steps: int, warmup: int) -> float:
+    """The share of the learning rate a row's last step applied: `steps` timed steps after
+    the untimed first one, step s of a warmup applying (s - 1) / warmup of the rate."""
+    return min(steps / warmup, 1.0) if warmup else 1.0
+
+
 def markdown(payload: dict) -> str:
     """results.md's body from a payload: one table per tokenization."""
     info, seconds, quick = payload["machine"], payload["seconds"], payload["quick"]
     tokenizers = payload.get("tokenizers") or ["words"]  # results recorded before `bpe`
+    warmup = payload.get("warmup_steps", RECORDED_WARMUP_STEPS)
     cfg = _config("full", quick, tokenizers[0])
+    schedule = (f"constant lr {cfg.train.lr} from the first step (no warmup: the same schedule "
+                "for every method, whatever its speed)" if not warmup else
+                f"constant lr {cfg.train.lr} after {warmup} warmup steps (linear from 0, "
+                "counted in steps: a method that took fewer never reached that lr)")
     # the header every bench writes, the CPU named (a bug hunt, session 102: two lines of its
     # own, "AMD EPYC, 2 cores", told no EPYC generation from another)
     lines = [report.header_md(info, {}), "",
              f"LMs on the shipped corpus (width {cfg.model.width}, depth {cfg.model.depth}, "
              f"batch {cfg.train.batch_size}x{cfg.data.seq_len} tokens), {seconds:.0f} s of training "
-             f"per method (compilation excluded), constant lr {cfg.train.lr} after "
-             f"{cfg.train.warmup_steps} warmup steps; exact normalized perplexity per token on "
-             f"{cfg.train.eval_batches} held-out batches. Each table compares with `full` on the "
-             "same tokenization."]
+             f"per method (compilation excluded), {schedule}; exact normalized perplexity per "
+             f"token on {cfg.train.eval_batches} held-out batches. Each table compares with "
+             "`full` on the same tokenization."]
     for t in tokenizers:
         _, V, title = TOKENIZERS[t]
         results = [r for r in payload["results"] if r.get("tokenizer", "words") == t]
@@ -222,6 +246,11 @@ def markdown(payload: dict) -> str:
             report.table(["method", "perplexity"] + (["per word"] if per_word else [])
                          + ["vs full", f"within {WITHIN:.0%}", "steps", "steps/s vs full"],
                          _rows(results, per_word))]
+        short = [f"`{r['method']}` {rate_reached(r['steps'], warmup):.2g}x" for r in results
+                 if "steps" in r and rate_reached(r["steps"], warmup) < 1]
+        if short:  # review r10: their rows compare schedules as well as output layers
+            lines += ["", "Ended inside the warmup (the share of the lr its last step applied): "
+                      + ", ".join(short) + "."]
     return "\n".join(lines)
 
 

@@ -329,5 +329,7 @@ def less_than(args, held: dict) -> list[str]:
 def main(args) -> dict:
     if getattr(args, "quality", False):
         from hpnlp.bench import rnn_quality
-        return rnn_quality.run(args.out, quick=args.quick, steps=args.steps)
+        payload = rnn_quality.run(args.out, quick=args.quick, steps=args.steps)
+        harness.exit_if_interrupted(payload["interrupted"], args.out)
+        return payload
     return run(args.out, quick=args.quick, impls=getattr(args, "impls", None))

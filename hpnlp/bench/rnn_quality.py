@@ -13,8 +13,6 @@ import math
 import os
 import tempfile
 
-from tqdm.auto import tqdm
-
 from hpnlp.bench import harness, report
 
 ENSEMBLE_MEMBERS = 3
@@ -29,49 +27,66 @@ def _quick(cfg, steps: int | None):
     cfg.train.progress = False
     if steps:
         cfg.train.steps = steps
-        cfg.train.warmup_steps = min(cfg.train.warmup_steps, max(steps // 5, 1))
+        # below the steps too: the 'cosine' decay needs steps after its warmup (a review, r10:
+        # --steps 1 gave every run warmup_steps = 1, refused by name; lra._config's fix)
+        cfg.train.warmup_steps = min(cfg.train.warmup_steps, max(steps // 5, 1), steps - 1)
         cfg.train.eval_every = 0
         cfg.train.checkpoint_every = 0
         cfg.train.log_every = max(steps // 2, 1)
     return cfg
 
 
-def run(out_dir: str, *, quick: bool, steps: int | None = None) -> dict:
+def _label(v: str) -> str:
+    return f"ensemble of {ENSEMBLE_MEMBERS} (plain, seeds)" if v == "ensemble" else v
+
+
+def _train(v: str, *, quick: bool, steps: int | None) -> dict:
+    """Variant `v`'s row: its config trained in a temporary folder, then evaluated."""
     from hpnlp import train
+    from hpnlp.config import from_configdict
+    cfg = _quick(experiment_config("" if v in ("plain", "ensemble") else v)[1], steps)
+    if quick:
+        cfg.train.eval_batches = 2
+    with tempfile.TemporaryDirectory() as wd:
+        if v == "ensemble":
+            from hpnlp.train.ensemble import EnsembleTrainer
+            summary = EnsembleTrainer(from_configdict(cfg), wd, members=ENSEMBLE_MEMBERS).run()
+            ev = summary["eval"]  # the ensemble's metrics; members listed beside them
+            row = {"member_perplexities": [math.exp(m["loss"]) for m in ev["members"]]}
+        else:
+            summary = train.run(cfg, wd)
+            ev, row = summary["eval"], {}
+    return {"eval_loss": ev["loss"], "perplexity": math.exp(ev["loss"]), **row,
+            "steps_per_sec": summary.get("throughput", {}).get("steps_per_sec"),
+            "steps": cfg.train.steps}
+
+
+def run(out_dir: str, *, quick: bool, steps: int | None = None) -> dict:
     steps = steps or (20 if quick else None)
     mod, _ = experiment_config("")
-    variants = ["plain", *mod.TRICKS]
+    variants = ["plain", *mod.TRICKS, "ensemble"]
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
-    results = []
-    for v in tqdm(variants + ["ensemble"], desc="rnn quality", dynamic_ncols=True):
-        cfg = _quick(experiment_config("" if v in ("plain", "ensemble") else v)[1], steps)
-        if quick:
-            cfg.train.eval_batches = 2
-        with tempfile.TemporaryDirectory() as wd:
-            if v == "ensemble":
-                from hpnlp.train.ensemble import EnsembleTrainer
-                from hpnlp.config import from_configdict
-                tr = EnsembleTrainer(from_configdict(cfg), wd, members=ENSEMBLE_MEMBERS)
-                summary = tr.run()
-                ev = summary["eval"]  # the ensemble's metrics; members listed beside them
-                members = [m["loss"] for m in ev["members"]]
-                row = {"variant": f"ensemble of {ENSEMBLE_MEMBERS} (plain, seeds)",
-                       "eval_loss": ev["loss"], "perplexity": math.exp(ev["loss"]),
-                       "member_perplexities": [math.exp(x) for x in members],
-                       "steps_per_sec": summary.get("throughput", {}).get("steps_per_sec")}
-            else:
-                summary = train.run(cfg, wd)
-                row = {"variant": v, "eval_loss": summary["eval"]["loss"],
-                       "perplexity": math.exp(summary["eval"]["loss"]),
-                       "steps_per_sec": summary.get("throughput", {}).get("steps_per_sec")}
-        row["steps"] = cfg.train.steps
-        results.append(row)
+
+    def head(v):
+        return {"variant": _label(v)}
+
+    def row(v):
+        try:
+            return {**head(v), **_train(v, quick=quick, steps=steps)}
+        except Exception as e:  # report, never crash the whole run (the rows before: minutes)
+            return {**head(v), "status": f"failed: {type(e).__name__}: {str(e)[:150]}"}
+
+    # a Ctrl-C or SIGTERM keeps the rows that ran (review r10: the six before the ensemble,
+    # 8-10 minutes of training, were lost, as quality.py's and lra.py's were before session 95)
+    results, interrupted = harness.run_rows(variants, row, head, desc="rnn quality")
+    out_dir = harness.report_dir(out_dir, interrupted)
     plain = results[0]
     for r in results:
-        r["vs_plain"] = r["perplexity"] / plain["perplexity"] - 1.0
+        if "perplexity" in r and "perplexity" in plain:
+            r["vs_plain"] = r["perplexity"] / plain["perplexity"] - 1.0
     payload = {"benchmark": "rnn_quality", "machine": info, "results": results,
-               "quick": bool(quick)}
+               "quick": bool(quick), "interrupted": interrupted}
     report.write(out_dir, "rnn quality", payload, markdown(payload))
     return payload
 
@@ -79,8 +94,11 @@ def run(out_dir: str, *, quick: bool, steps: int | None = None) -> dict:
 def markdown(payload: dict) -> str:
     """results.md's body from a payload (a recorded results.json renders again with it)."""
     cfg = experiment_config("")[1]
-    rows = [[f"`{r['variant']}`", f"{r['perplexity']:.1f}", f"{100 * r['vs_plain']:+.1f}%",
-             report.fmt(r.get("steps_per_sec")), str(r["steps"])] for r in payload["results"]]
+    rows = [[f"`{r['variant']}`", f"{r['perplexity']:.1f}",
+             f"{100 * r['vs_plain']:+.1f}%" if "vs_plain" in r else "–",
+             report.fmt(r.get("steps_per_sec")), str(r["steps"])] if "perplexity" in r
+            else [f"`{r['variant']}`", r.get("status", "–"), "", "", ""]  # failed or not run
+            for r in payload["results"]]
     # the header every bench writes, the CPU named (a bug hunt, session 102: two lines of
     # its own, "AMD EPYC, 2 cores", told no EPYC generation from another)
     return "\n".join([
