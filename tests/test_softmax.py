@@ -29,23 +29,39 @@ def test_registry():
         S.get("nope")
 
 
+def _z_penalty(layer, params, h, t, mask):
+    """(per-token loss, the z-loss penalty `loss` sowed into AUX, or None where none)."""
+    loss, aux = layer.apply({"params": params["params"]}, h, t, mask, method="loss",
+                            mutable=["aux"])
+    if not aux:
+        return loss, None
+    (report,) = aux["aux"]["z_loss"]
+    assert report.keys() == {"loss", "loss_output_z"}  # the objective's and the logged one
+    return loss, report["loss"]
+
+
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
 def test_full_log_prob_normalized_and_loss_matches(z_loss):
     layer, params, h, t = _setup(z_loss=z_loss)
     logp = layer.apply(params, h, method="log_prob")
     np.testing.assert_allclose(jnp.exp(logp).sum(-1), 1.0, atol=1e-5)
-    loss = layer.apply(params, h, t, None, method="loss")
+    mask = jnp.arange(5)[None, :] < jnp.asarray([5, 3, 1])[:, None]
+    loss, penalty = _z_penalty(layer, params, h, t, mask)
     nll = -jnp.take_along_axis(logp, t[..., None], -1)[..., 0]
+    # the NLL alone, z_loss or not (review r8: the penalty was in it, so train lines logged
+    # it as loss and exp of it as ppl)
+    np.testing.assert_allclose(loss, jnp.where(mask, nll, 0.0), atol=1e-5)
     if z_loss == 0:
-        np.testing.assert_allclose(loss, nll, atol=1e-5)
+        assert penalty is None
     else:
         # review r18: `loss >= nll` passed with the z-loss dropped or taken as z * lse; its
-        # value is z * lse^2, lse from the params (not from the layer's own log_prob)
+        # value is z * lse^2, lse from the params (not from the layer's own log_prob), here
+        # its mean over the real tokens, which the train step adds times their count
         table = nn.unbox(params)["params"]["table"]
         logits = jnp.einsum("ble,ve->blv", h, table["kernel"]) + table["bias"][None, None]
         lse = jax.nn.logsumexp(logits, axis=-1)
-        assert float((loss - nll).min()) > 0
-        np.testing.assert_allclose(loss, nll + z_loss * lse**2, rtol=1e-5)
+        want = z_loss * jnp.sum(jnp.where(mask, lse**2, 0.0)) / jnp.sum(mask)
+        np.testing.assert_allclose(penalty, want, rtol=1e-5)
 
 
 def test_mask_zeroes_padding_and_top_k():
@@ -90,8 +106,11 @@ def test_full_chunked_loss_matches_unchunked(z_loss):
     chunked = S.get("full")(vocab_size=V, z_loss=z_loss, chunk_tokens=4)  # 15 tokens: ragged last chunk
     mask = jnp.arange(5)[None, :] < jnp.asarray([5, 3, 1])[:, None]
 
-    def total(layer):
-        return lambda p, h: jnp.sum(layer.apply(p, h, t, mask, method="loss"))
+    def total(layer):  # the objective: the NLL, and the z-loss penalty times the real tokens
+        def objective(p, h):
+            loss, penalty = _z_penalty(layer, p, h, t, mask)
+            return jnp.sum(loss) + (0.0 if penalty is None else penalty * jnp.sum(mask))
+        return objective
 
     v0, g0 = jax.value_and_grad(total(layer), argnums=(0, 1))(params, h)
     v1, g1 = jax.value_and_grad(total(chunked), argnums=(0, 1))(params, h)
@@ -196,6 +215,44 @@ def test_eval_chunks_multiply_a_factored_table_through_its_rank(name, monkeypatc
     lib.check_eval_chunks(layer, monkeypatch, params=params)
 
 
+@pytest.mark.parametrize("name,kw", [
+    ("sampled", {"num_samples": 8}), ("nce", {"num_samples": 8, "unique": True}),
+    ("negative_sampling", {"num_samples": 8, "shared": False}),
+    ("hard_negative", {"num_negatives": 3}), ("class_based", {"num_classes": 16})])
+def test_training_losses_take_a_factored_table_through_its_rank(name, kw):
+    """Review r8: the sampled objectives, hard_negative and class_based multiplied a
+    `model.lowrank` table (U V) out to its [V, E] every step, and back through it in the
+    backward, to gather a few rows. Rows are U[ids] V now, hard_negative's search and
+    class_based's members go through the rank, and the compiled step holds no [V, E] buffer
+    (V = 1031 > the 15 tokens' 135 rows); loss and gradients (of U, V, b and the hidden
+    states) are the densified table's."""
+    import re
+    from hpnlp.compress.qlinear import Factored
+    V, r = 1031, 4
+    layer = S.get(name)(vocab_size=V, **kw)
+    h, t = lib.inputs(vocab=V)
+    params = nn.unbox(lib.init(layer, h, t))["params"]
+    params["table"] = {"bias": params["table"]["bias"]}  # the kernel: U and V's, below
+    u = jax.random.normal(jax.random.key(5), (V, r))
+    v = jax.random.normal(jax.random.key(6), (r, lib.E)) * lib.E ** -0.5
+    mask = jnp.arange(lib.L)[None, :] < jnp.asarray([5, 3, 1])[:, None]
+    weight_BL = jnp.linspace(0.5, 1.5, lib.B * lib.L).reshape(lib.B, lib.L)
+
+    def total(kernel_of):
+        def f(u, v, params, h):  # deterministic: both draw the same negatives
+            p = {**params, "table": {**params["table"], "kernel": kernel_of(u, v)}}
+            return jnp.sum(layer.apply({"params": p}, h, t, mask, method="loss") * weight_BL)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+    factored = total(Factored)
+    hlo = factored.lower(u, v, params, h).compile().as_text()
+    assert not re.search(rf"\[{V},{lib.E}\]|\[{lib.E},{V}\]", hlo), "a [V, E] buffer"
+    l_f, g_f = factored(u, v, params, h)
+    l_d, g_d = total(lambda u, v: u @ v)(u, v, params, h)
+    np.testing.assert_allclose(l_f, l_d, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g_f, g_d)
+
+
 def test_eval_chunks_of_a_served_table_run_its_integer_kernel(monkeypatch):
     """Found in review: chunked evaluation of a `ptq.serve`d output table dequantized it to
     a float [V, E] product where `logits` runs the int8 kernel; each chunk runs the kernel
@@ -214,14 +271,65 @@ def test_eval_chunks_of_a_served_table_run_its_integer_kernel(monkeypatch):
     lib.check_eval_chunks(layer, monkeypatch, params=_with_table(layer, served))
 
 
-def _tiny_lm(**model):
+def _tiny_lm(output=None, **model):
     from hpnlp import models
     from hpnlp.config import default_configdict, from_configdict, validate
     cd = default_configdict()
     cd.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, max_len=16, dropout=0.0)
     cd.model.update(**model)
     cd.data.update(task="byte_lm", seq_len=16)
+    if output is not None:
+        cd.output.options = output
     return models.build(validate(from_configdict(cd)), deterministic=True)
+
+
+def _byte_batch(lengths=(16, 9)):
+    rng = np.random.default_rng(0)
+    seg = (np.arange(16)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+    return {"inputs": rng.integers(0, 256, (len(lengths), 16)).astype(np.int32),
+            "targets": rng.integers(0, 256, (len(lengths), 16)).astype(np.int32),
+            "segment_ids": seg, "positions": np.tile(np.arange(16, dtype=np.int32),
+                                                     (len(lengths), 1))}
+
+
+def test_full_z_loss_trains_beside_the_logged_nll():
+    """Review r8: `full`'s z-loss was inside the per-token loss, so train lines logged
+    NLL + z E[lse^2] as `loss` and exp of it as `ppl` (2.9x the perplexity at z_loss=0.01,
+    V=32K, at init), off the eval lines' scale. The train step's sums now carry the NLL the
+    evaluation reads, the penalty as `loss_aux` (which the step adds) and `loss_output_z`,
+    and the objective and its gradient are what the per-token penalty gave. The loss is
+    chunked (4 chunks): the unchunked path's penalty is checked above."""
+    from hpnlp.train import carry
+    from hpnlp.train.step import finalize
+    z = 0.1
+    model = _tiny_lm(output={"z_loss": z, "chunk_tokens": 8})
+    batch = _byte_batch()
+    mask = batch["segment_ids"] > 0
+    params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
+
+    def by_hand(p):  # the old per-token objective: sum over real tokens of NLL + z lse^2
+        h = model.apply({"params": p}, batch, method="hidden")
+        logits = model.apply({"params": p}, h, method=lambda m, h: m.output.logits(h))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        nll = lse - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+        nll, lse2 = jnp.where(mask, nll, 0.0), jnp.where(mask, lse**2, 0.0)
+        return jnp.sum(nll + z * lse2), (jnp.sum(nll), jnp.sum(lse2))
+
+    def objective(p):
+        sums = carry.model_loss(model)(p, {}, batch, None)[0]
+        return sums["loss"] + sums[carry.AUX_LOSS], sums
+
+    (obj, sums), g, (want, (nll, lse2)), g_want = jax.jit(lambda p: (
+        *jax.value_and_grad(objective, has_aux=True)(p),
+        *jax.value_and_grad(by_hand, has_aux=True)(p)))(params)
+    # the NLL, which evaluation reads too (`lm_eval_sums`: -log_prob[target] of the logits)
+    np.testing.assert_allclose(sums["loss"], nll, rtol=1e-5)
+    np.testing.assert_allclose(sums[carry.AUX_LOSS], z * lse2, rtol=1e-5)
+    np.testing.assert_allclose(obj, want, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g, g_want)
+    line = finalize(jax.device_get(sums), lm=True, output="full")
+    assert line["ppl"] == pytest.approx(np.exp(float(nll) / 25.0), rel=1e-5)
+    assert line["loss_output_z"] == pytest.approx(z * float(lse2) / 25.0, rel=1e-5)
 
 
 def test_lm_eval_sums_chunked_equal_the_log_prob_ones(monkeypatch):
@@ -229,11 +337,8 @@ def test_lm_eval_sums_chunked_equal_the_log_prob_ones(monkeypatch):
     [B, L, V] log_prob gave: NLL and correct argmax of the real tokens."""
     from hpnlp.softmax import full
     model = _tiny_lm()
-    rng = np.random.default_rng(0)
-    seg = (np.arange(16)[None, :] < np.asarray([[16], [9]])).astype(np.int32)
-    batch = {"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),
-             "targets": rng.integers(0, 256, (2, 16)).astype(np.int32),
-             "segment_ids": seg, "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1))}
+    batch = _byte_batch()
+    seg = batch["segment_ids"]
     params = jax.jit(model.init)(jax.random.key(0), batch)
     logp = jax.jit(lambda p, b: model.apply(p, b, method="log_probs"))(params, batch)
     # every third target the model's argmax, padded positions too: some are correct

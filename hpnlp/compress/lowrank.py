@@ -27,10 +27,12 @@ experts' wider MLP as any Dense), the classifier heads, and the tables of any mo
 `embed`, the input embedding [V, E] as A [V, r] B [r, E] (ALBERT's factorized embedding: a
 lookup of A's rows, then one product with B), and `output`, the output layer's vectors [V,
 E] (a `VocabLayer`: full, sampled, nce, ...) with logits (h B^T) A^T + b, two products
-through the rank, where its exact `logits` are computed (evaluation, and `full`'s loss below
-its chunking size; the chunked loss and the sampled objectives multiply the factors back
-into the table). A tied table is one weight, the output layer's: `output` factorizes it for
-both uses. The LSTM's own products stay dense.
+through the rank, wherever logits are computed (evaluation, `full`'s loss, chunked or not,
+hard_negative's search); the rows a sampled objective or hard_negative gathers are A[ids]
+B, and class_based scores its members through the rank: training forms the [V, E] table
+only where that costs less (`rows` of V ids or more, class_based at a small V). A tied
+table is one weight, the output layer's: `output` factorizes it for both uses. The LSTM's
+own products stay dense.
 
 Quantized (`quant.*`, QAT or `python -m hpnlp.compress quantize`): each factor is a product
 of its own (`qlinear._factored_product`): U and V quantized per output channel, x and x U

@@ -376,9 +376,7 @@ class VocabLayer(LogitsDistribution, nn.Module):
         from hpnlp.compress.qlinear import Factored
         if self.embed is not None:
             kernel_VE = tied_table(self.embed)
-            if kernel_VE.shape[-1] != width:
-                raise ValueError(f"tied output embedding has width {kernel_VE.shape[-1]}, hidden "
-                                 f"states have {width}")
+            _check_width(kernel_VE.shape[-1], width)
         elif isinstance(kernel_VE, Factored):  # model.lowrank: the table its factors make
             kernel_VE = kernel_VE.dense()
         elif self.quantized() or _is_packed(kernel_VE):
@@ -407,20 +405,14 @@ class VocabLayer(LogitsDistribution, nn.Module):
         by the very product `logits` takes: a Served table by its integer kernel, a
         Factored one through the rank, else the decoded [V, E] table (found in review:
         chunked eval read a served table dequantized, a low-rank one densified)."""
-        from hpnlp.compress.qlinear import Factored, Served, float_product, served_product
+        from hpnlp.compress.qlinear import Factored, Served, served_product
         stored, bias_V = self._stored(width)
         dtype = self.dtype
         if isinstance(stored, Served):  # quantizes the hidden states itself, as quant_hidden does
             return lambda h_NE: served_product(h_NE, stored, 1, jnp.float32,
                                                bias_V.astype(jnp.float32))
-        if isinstance(stored, Factored):  # model.lowrank: W [V, E] = U [V, r] V [r, E], so
-            # logits = (h V^T) U^T + b, two products through the rank
-            def factored(h_NE):
-                t_Nr = float_product(h_NE.astype(dtype), stored.v.T.astype(dtype), None, 1)
-                logits_NV = float_product(t_Nr, stored.u.T.astype(dtype), None, 1, jnp.float32)
-                return logits_NV + bias_V.astype(jnp.float32).reshape(
-                    (1,) * (logits_NV.ndim - 1) + (-1,))
-            return factored
+        if isinstance(stored, Factored):
+            return factored_logits(stored, bias_V, dtype)
         kernel_VE, bias_V = self._decoded(stored, bias_V, width)
         activations = self.quant.activations if self.quantized() else "none"
         return lambda h_NE: scores(_quant_tokens(h_NE, activations), kernel_VE, bias_V, dtype)
@@ -436,8 +428,46 @@ class VocabLayer(LogitsDistribution, nn.Module):
 
     def rows(self, ids, width: int):
         """Output vectors and biases of `ids`: ([*ids.shape, E], [*ids.shape])."""
-        kernel_VE, bias_V = self.weights(width)
-        return jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0)
+        return self._rows_fn(width, ids.size)(ids)
+
+    def _rows_fn(self, width: int, num_rows: int):
+        """`rows` as a pure function of ids (`_stored` read here once, so a chunk loop may
+        gather with it), for about `num_rows` ids a call. A Factored table (model.lowrank)
+        gives U[ids] V, [R, r] x [r, E], where fewer rows than V are asked for: review r8,
+        the sampled objectives and hard_negative multiplied out the whole [V, E] (2 V r E
+        flops and a [V, E] buffer, and as much again backward) to gather R << V rows of it.
+        From V rows on, multiplying the table out once costs less, and holds no more."""
+        from hpnlp.compress.qlinear import Factored, float_product
+        stored, bias_V = self._stored(width)
+        if isinstance(stored, Factored) and num_rows < self.vocab_size:
+            if self.embed is not None:
+                _check_width(stored.v.shape[-1], width)
+
+            def factored(ids):
+                u_Rr = jnp.take(stored.u, ids, axis=0)
+                return float_product(u_Rr, stored.v, None, 1), jnp.take(bias_V, ids, axis=0)
+            return factored
+        kernel_VE, bias_V = self._decoded(stored, bias_V, width)
+        return lambda ids: (jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0))
+
+
+def factored_logits(table, bias_V, dtype):
+    """float32 logits of a Factored table (model.lowrank), W [V, E] = U [V, r] V [r, E], as a
+    pure function of hidden states [N, E]: (h V^T) U^T + b, two products through the rank,
+    never the [V, E] table."""
+    from hpnlp.compress.qlinear import float_product
+
+    def logits(h_NE):
+        t_Nr = float_product(h_NE.astype(dtype), table.v.T.astype(dtype), None, 1)
+        logits_NV = float_product(t_Nr, table.u.T.astype(dtype), None, 1, jnp.float32)
+        return logits_NV + bias_V.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
+    return logits
+
+
+def _check_width(table_width: int, width: int) -> None:
+    if table_width != width:
+        raise ValueError(f"tied output embedding has width {table_width}, hidden states have "
+                         f"{width}")
 
 
 def _quant_tokens(hidden_NE, activations: str):

@@ -5,6 +5,14 @@ and output embeddings (Press & Wolf 2017; the model passes its `nn.Embed`), z-lo
 (`z_loss * logsumexp^2`, PaLM) that pushes the normalizer towards 1 so that the
 unnormalized logit is usable as a log-probability, and token chunking of the loss.
 
+The z-loss is a regularizer, kept out of `loss` as MoE's router losses are: `loss` returns
+each token's NLL alone, and the penalty, z_loss times the mean of logsumexp^2 over the real
+tokens, is sown into the AUX collection (hpnlp.train.carry.fold_aux), which adds it to the
+objective the step minimizes and logs it as `loss_output_z`. So a train line's `loss` and
+`ppl` are the NLL's, on the scale of the eval lines' (review r8: they carried the penalty,
+1.08 nats at z_loss=0.01 and V=32K at init); the gradient is what it was. An apply that does
+not make AUX mutable (`per_example`) leaves the penalty out, as it does MoE's.
+
 Token chunking is what lets the exact loss run where the logits cannot exist: 8K tokens
 x 1M classes is 32 GiB of float32 logits. The loss is a `lax.map` over chunks of tokens
 whose body is `jax.checkpoint`ed, so the forward keeps one chunk's logits at a time and
@@ -61,21 +69,18 @@ def auto_chunk_tokens(num_tokens: int, floats_per_token: int) -> int:
     return auto_chunk(num_tokens // shards, floats_per_token) * shards
 
 
-def chunked_nll(logits_fn, hidden_NE, targets_N, *, chunk: int, z_loss: float = 0.0):
-    """Per-token -log softmax(logits_fn(h))[target] (+ z-loss), about `chunk` tokens at a
-    time (each chunk a slice of every row: see `base.map_token_chunks`); `logits_fn`: the
-    layer's product (`VocabLayer._logits_fn`)."""
+def chunked_nll(logits_fn, hidden_NE, targets_N, *, chunk: int):
+    """Per-token (-log softmax(logits_fn(h))[target], logsumexp) [N] each, about `chunk`
+    tokens at a time (each chunk a slice of every row: see `base.map_token_chunks`);
+    `logits_fn`: the layer's product (`VocabLayer._logits_fn`)."""
     def one_chunk(h_CE, t_C):
-        return _nll(logits_fn(h_CE), t_C, z_loss)
+        return _nll_and_lse(logits_fn(h_CE), t_C)
     return map_token_chunks(one_chunk, targets_N.shape, chunk, hidden_NE, targets_N)
 
 
-def _nll(logits_NV, targets_N, z_loss: float):
+def _nll_and_lse(logits_NV, targets_N):
     lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
-    loss_N = lse_N - jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0]
-    if z_loss:
-        loss_N = loss_N + z_loss * jnp.square(lse_N)
-    return loss_N
+    return lse_N - jnp.take_along_axis(logits_NV, targets_N[..., None], axis=-1)[..., 0], lse_N
 
 
 @register("full")
@@ -85,7 +90,7 @@ class FullSoftmax(VocabLayer):
     Params: `table/kernel` [V, E] (absent when tied) and `table/bias` [V].
     """
 
-    trains_nll: ClassVar[bool] = True  # -log p(target) (plus z_loss's small penalty)
+    trains_nll: ClassVar[bool] = True  # -log p(target); z_loss's penalty goes to AUX
     layout_options: ClassVar[frozenset] = frozenset({"chunk_tokens"})  # (`base.layout_options`)
 
     z_loss: float = 0.0
@@ -112,8 +117,20 @@ class FullSoftmax(VocabLayer):
         if chunk and chunk < num_tokens:
             # each chunk through the product `logits` takes: a factorized table (model.lowrank)
             # through its rank, not densified to [V, E] (as the chunked eval since session 105)
-            loss_N = chunked_nll(self._logits_fn(width), hidden_NE, targets_N, chunk=chunk,
-                                 z_loss=self.z_loss)
+            nll_N, lse_N = chunked_nll(self._logits_fn(width), hidden_NE, targets_N, chunk=chunk)
         else:
-            loss_N = _nll(self.logits(hidden_NE), targets_N, self.z_loss)
-        return masked(loss_N, mask_N)
+            nll_N, lse_N = _nll_and_lse(self.logits(hidden_NE), targets_N)
+        if self.z_loss:
+            self.sow_z_loss(lse_N, mask_N)
+        return masked(nll_N, mask_N)
+
+    def sow_z_loss(self, lse_N, mask_N):
+        """z_loss * mean(logsumexp^2) over the real tokens into the AUX collection (module
+        doc): `loss`, a per-token mean the train step adds to the objective times the real
+        tokens (so it adds z_loss * sum(lse^2), what the per-token penalty added), and
+        `loss_output_z`, the same penalty logged beside the NLL."""
+        from hpnlp.train.carry import AUX  # late: hpnlp.train imports the models
+        sq_N = masked(jnp.square(lse_N), mask_N)
+        real = sq_N.size if mask_N is None else jnp.sum(mask_N, dtype=jnp.float32)
+        penalty = self.z_loss * jnp.sum(sq_N) / jnp.maximum(real, 1.0)
+        self.sow(AUX, "z_loss", {"loss": penalty, "loss_output_z": penalty})

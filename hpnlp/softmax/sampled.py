@@ -17,7 +17,8 @@ and evaluation work as they do for `full`.
 Why the first three are fast: one draw of S negatives is shared by the whole batch (Zoph
 et al. 2016). A step costs one [T + S, E] gather and one [T, E] x [E, S] matmul instead
 of [T, E] x [E, V]. With `shared=False` each token draws its own S ids ([T, S] ids and a
-[T, S, E] gather), as in word2vec.
+[T, S, E] gather), as in word2vec; the gather walks token chunks whose [C, S, E] float32 stays
+under `full.CHUNK_LOGITS_BYTES` per device, recomputed in the backward, as `full`'s logits.
 
 One `Sampler` serves all three. With replacement it uses Walker's alias method: O(1) per
 draw and exact per id. An inverse CDF in float32 cannot reach ids rarer than 2^-24. The
@@ -59,8 +60,8 @@ import numpy as np
 
 from hpnlp.config import config_error
 from hpnlp.softmax.base import (Frequencies, VocabLayer, check_targets, computed_vector,
-                                frequencies, map_token_chunks, masked, refuse_unread, register,
-                                scores)
+                                factored_logits, frequencies, map_token_chunks, masked,
+                                refuse_unread, register, scores)
 from hpnlp.softmax.full import auto_chunk_tokens
 
 SAMPLERS = ("uniform", "log_uniform", "unigram")
@@ -146,6 +147,34 @@ class Sampler:
 def _log_inclusion(a):
     """log(1 - exp(-exp(a))), i.e. log P(Gumbel > -a). It tends to a for a << 0."""
     return jnp.where(a < -20.0, a, jnp.log(-jnp.expm1(-jnp.exp(jnp.minimum(a, 30.0)))))
+
+
+def inclusion_log_probs(log_q: np.ndarray, num: int) -> np.ndarray:
+    """log pi [V] float64: each id's probability of being among `num` distinct draws
+    (Gumbel-top-k of log q [V], finite), approximately: pi_i = 1 - exp(-q_i t) with the one
+    t that makes sum(pi) = num. It is `Sampler.log_count`'s pi_i(kappa) at a fixed threshold
+    t = exp(-kappa) in place of the random one (Rosén 1997's approximation of successive
+    sampling). Measured against the Monte-Carlo mean of pi_i(kappa): within 0.004 nats at
+    V = 256, num = 64, and 0.014 at V = 50, num = 8 (2.1 and 0.55 for k q). t by bisection
+    in log space: sum(pi) grows with t, from <= num at t = num (pi_i <= q_i t) to >= num
+    where the rarest id's pi alone reaches num / V (needs num < V); about 35 passes over V,
+    0.3 s at V = 2^20."""
+    lo = math.log(num)
+    hi = max(lo, math.log(-math.log1p(-num / log_q.shape[0])) - float(log_q.min()))
+    log_pi = lambda log_t: _np_log_inclusion(log_q + log_t)  # noqa: E731
+    while hi - lo > 1e-10 * max(1.0, abs(lo)):
+        mid = 0.5 * (lo + hi)
+        if np.exp(log_pi(mid)).sum() < num:
+            lo = mid
+        else:
+            hi = mid
+    return log_pi(0.5 * (lo + hi))
+
+
+def _np_log_inclusion(a):
+    """`_log_inclusion` in float64 numpy."""
+    with np.errstate(divide="ignore"):  # exp(a) underflows where a << 0: that side is a
+        return np.where(a < -30.0, a, np.log(-np.expm1(-np.exp(np.minimum(a, 30.0)))))
 
 
 def alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -292,21 +321,34 @@ class SampledObjective(VocabLayer):
         hidden_TE, targets_T = hidden_NE.reshape(-1, width), targets_N.reshape(-1)
         num_tokens = targets_T.shape[0]
         draw = self.negatives(num_tokens, deterministic=deterministic)
+        if not self.shared:
+            s_TJ = self._per_token_scores(hidden_NE, targets_N, draw.ids)
+            return s_TJ[:, 0], s_TJ[:, 1:], draw, draw.ids == targets_T[:, None]
         # One gather for targets and negatives together: its backward is one scatter-add
         # into a [V, E] gradient, not two.
         w_RE, b_R = self.rows(jnp.concatenate([targets_T, draw.ids.reshape(-1)]), width)
         s_T = _dot(hidden_TE, w_RE[:num_tokens], self.dtype) + b_R[:num_tokens].astype(jnp.float32)
-        w_RE, b_R = w_RE[num_tokens:], b_R[num_tokens:].astype(jnp.float32)
-        if self.shared:
-            s_TS = scores(hidden_TE, w_RE, b_R, self.dtype)
-            hits_TS = draw.ids[None, :] == targets_T[:, None]
-        else:
-            w_TSE = w_RE.reshape(num_tokens, self.num_samples, width)
-            s_TS = jnp.einsum("te,tse->ts", hidden_TE.astype(self.dtype), w_TSE.astype(self.dtype),
+        s_TS = scores(hidden_TE, w_RE[num_tokens:], b_R[num_tokens:], self.dtype)
+        return s_T, s_TS, draw, draw.ids[None, :] == targets_T[:, None]
+
+    def _per_token_scores(self, hidden_NE, targets_N, ids_TS):
+        """Scores [T, 1 + S] of each token's target and its own S negatives (`shared=False`):
+        each token's rows gathered, [T, 1 + S, E], over token chunks whose [C, S, E] stays
+        under the automatic budget (`auto_chunk_tokens`), recomputed in the backward (review
+        r8: at T = 8192 the default S = 1024 and E = 512 gathered 16 GiB at once)."""
+        width, S = hidden_NE.shape[-1], self.num_samples
+        rows_fn = self._rows_fn(width, targets_N.size * (1 + S))
+        dtype = self.dtype
+
+        def one_chunk(h_CE, t_C, ids_CS):
+            w_CJE, b_CJ = rows_fn(jnp.concatenate([t_C[:, None], ids_CS], axis=1))  # J = 1 + S
+            s_CJ = jnp.einsum("ce,cje->cj", h_CE.astype(dtype), w_CJE.astype(dtype),
                               preferred_element_type=jnp.float32)
-            s_TS = s_TS + b_R.reshape(num_tokens, self.num_samples)
-            hits_TS = draw.ids == targets_T[:, None]
-        return s_T, s_TS, draw, hits_TS
+            return s_CJ + b_CJ.astype(jnp.float32)
+        chunk = auto_chunk_tokens(targets_N.size, S * width)
+        s_NJ = map_token_chunks(one_chunk, targets_N.shape, chunk, hidden_NE, targets_N,
+                                ids_TS.reshape(targets_N.shape + (S,)))
+        return s_NJ.reshape(-1, 1 + S)
 
     def _per_token(self, loss_T, targets_N, mask_N):
         check_targets(targets_N, mask=mask_N)
@@ -426,16 +468,23 @@ class NegativeSampling(SampledObjective):
     num_samples: int = 64  # word2vec uses 5-20 per token; shared across a batch, a few more
 
     def initial_bias(self):
-        """Start at the context-free optimum, s(w) = log(unigram(w) / (k q(w))) (see NCE)."""
+        """Start at the context-free optimum, s(w) = log(unigram(w) / c(w)) (see NCE), c(w)
+        w's expected count among the negatives: k q(w) with replacement; with `unique=True`
+        its inclusion probability pi(w) <= 1 (review r8: k q(w) there too, which passes 1 for
+        frequent ids and started byte_lm's space 1.2 nats low at k = 64), by
+        `inclusion_log_probs`' approximation; the uniform sampler's is exact, k / V = k q."""
         def values():
             s = make_sampler(self.sampler, self.vocab_size, self.counts, self.power)
-            q = s.probs()
-            with np.errstate(divide="ignore"):
-                log_kq = np.log(self.num_samples * q)
-            if s.log_q is not None:  # q = exp(log q) underflows to 0 at a large power: log q
-                log_kq = np.where(q > 0, log_kq,
-                                  np.log(self.num_samples) + s.log_q.astype(np.float64))
-            return _log_unigram(self.counts, self.vocab_size) - log_kq
+            if self.unique and s.log_q is not None:
+                log_count = inclusion_log_probs(s.log_q.astype(np.float64), self.num_samples)
+            else:
+                q = s.probs()
+                with np.errstate(divide="ignore"):
+                    log_count = np.log(self.num_samples * q)
+                if s.log_q is not None:  # q = exp(log q) underflows to 0 at a large power
+                    log_count = np.where(q > 0, log_count,
+                                         np.log(self.num_samples) + s.log_q.astype(np.float64))
+            return _log_unigram(self.counts, self.vocab_size) - log_count
         return computed_vector(values)
 
     def loss(self, hidden_NE, targets_N, mask_N=None, *, deterministic: bool = True):
@@ -495,13 +544,20 @@ class HardNegative(VocabLayer):
 
     def hardest(self, hidden_NE, targets_N):
         """ids [N, K] of the K highest-scoring ids other than the target (no gradient)."""
+        from hpnlp.compress.qlinear import Factored
         width = hidden_NE.shape[-1]
-        kernel_VE, bias_V = jax.lax.stop_gradient(self.weights(width))
+        stored, bias_V = self._stored(width)
+        if isinstance(stored, Factored):  # model.lowrank: through the rank, as `full`'s chunks
+            # (review r8: the search multiplied out the [V, E] table)
+            score_fn = factored_logits(*jax.lax.stop_gradient((stored, bias_V)), self.dtype)
+        else:
+            kernel_VE, bias_V = jax.lax.stop_gradient(self._decoded(stored, bias_V, width))
+            score_fn = lambda h_CE: scores(h_CE, kernel_VE, bias_V, self.dtype)  # noqa: E731
         num_tokens = targets_N.size
         chunk = auto_chunk_tokens(num_tokens, self.vocab_size) if self.chunk_tokens < 0 else self.chunk_tokens
 
         def search(h_CE, t_C):
-            s_CV = scores(h_CE, kernel_VE, bias_V, self.dtype)
+            s_CV = score_fn(h_CE)
             ids_V = jnp.arange(self.vocab_size, dtype=t_C.dtype)
             s_CV = jnp.where(ids_V[None, :] == t_C[:, None], -jnp.inf, s_CV)
             if self.approximate:

@@ -138,12 +138,13 @@ def class_bins(freqs: Frequencies, num_classes: int, power: float = 1.0) -> Clas
     return ClassBins(class_of_rank[rank_V], rank_V, order_V, start_C, size_C)
 
 
-def _member_nll(hidden_TE, targets_T, kernel_VE, bias_V, bins: ClassBins, dtype):
+def _member_nll(hidden_TE, targets_T, member_scores, bias_V, bins: ClassBins):
     """-log p(w | c(w), h): softmax over the members of the target's class only.
 
     Members of a class are consecutive ranks, so the [T, M] member ids come from the [V]
     rank order (a padded [C, M] table without storing it); slots past the class's size are
-    masked with -inf.
+    masked with -inf. `member_scores(hidden_TE, member_TM)`: h . w of those members, float32
+    [T, M], without the bias (`_member_scores`).
     """
     vocab_size = bins.order_V.shape[0]
     class_T = jnp.take(bins.class_V, targets_T)
@@ -152,9 +153,7 @@ def _member_nll(hidden_TE, targets_T, kernel_VE, bias_V, bins: ClassBins, dtype)
     rank_TM = start_T[:, None] + slot_M[None, :]
     member_TM = jnp.take(bins.order_V, jnp.minimum(rank_TM, vocab_size - 1))
     real_TM = slot_M[None, :] < jnp.take(bins.size_C, class_T)[:, None]
-    vectors_TME = jnp.take(kernel_VE, member_TM, axis=0).astype(dtype)
-    scores_TM = jnp.einsum("te,tme->tm", hidden_TE.astype(dtype), vectors_TME,
-                           preferred_element_type=jnp.float32)
+    scores_TM = member_scores(hidden_TE, member_TM)
     scores_TM = jnp.where(real_TM, scores_TM + jnp.take(bias_V, member_TM).astype(jnp.float32), -jnp.inf)
     slot_T = jnp.take(bins.rank_V, targets_T) - start_T
     target_T = jnp.take_along_axis(scores_TM, slot_T[:, None], axis=-1)[:, 0]
@@ -214,12 +213,28 @@ class ClassBasedSoftmax(VocabLayer):
         class_lp_NC = self._class_log_probs(hidden_NE)
         class_N = jnp.take(self.bins.class_V, targets_N)
         class_nll_N = -jnp.take_along_axis(class_lp_NC, class_N[..., None], axis=-1)[..., 0]
-        kernel_VE, bias_V = self.weights(width)
+        member_scores, bias_V = self._member_table(width, targets_N.size)
         chunk = _tokens_per_chunk(self.chunk_tokens, targets_N.size, self.bins.max_size * width)
         member_nll_N = map_token_chunks(  # the member product reads what `logits` reads
-            lambda h, t: _member_nll(h, t, kernel_VE, bias_V, self.bins, self.dtype), lead, chunk,
+            lambda h, t: _member_nll(h, t, member_scores, bias_V, self.bins), lead, chunk,
             self.quant_hidden(hidden_NE), targets_N)  # (found in review: unquantized in QAT)
         return masked(class_nll_N + member_nll_N, mask_N)
+
+    def _member_table(self, width: int, num_tokens: int):
+        """(`_member_nll`'s member_scores, b [V]) for `num_tokens` tokens. A Factored table
+        (model.lowrank: U [V, r] V [r, E]) scores through the rank where that costs fewer
+        flops, T r (E + M) against V r E + T M E for multiplying it out to [V, E] and
+        gathering rows of E (review r8: always multiplied out, a [V, E] buffer and its
+        gradient every step); at a small V and many tokens (a byte LM's) multiplying the
+        table out costs less, and its [V, E] is then small."""
+        from hpnlp.compress.qlinear import Factored
+        stored, bias_V = self._stored(width)
+        if isinstance(stored, Factored):
+            T, M, r, V = num_tokens, self.bins.max_size, stored.rank, self.vocab_size
+            if T * r * (width + M) <= V * r * width + T * M * width:
+                return _member_scores(stored, self.dtype), bias_V
+        kernel_VE, bias_V = self._decoded(stored, bias_V, width)
+        return _member_scores(kernel_VE, self.dtype), bias_V
 
     def _class_log_probs(self, hidden_NE):
         kernel_CE, bias_C = self.classes(hidden_NE.shape[-1])
@@ -251,6 +266,25 @@ class ClassBasedSoftmax(VocabLayer):
             return log_prob_nll_and_argmax(_class_factored(class_lp_TC, logits_fn(h_TE), self.bins),
                                            t_T)
         return one_chunk, (hidden_NE,)
+
+
+def _member_scores(table, dtype):
+    """`_member_nll`'s member_scores of a [V, E] table: each member's row gathered, [T, M,
+    E]; of a Factored one (model.lowrank, U [V, r] V [r, E]) through the rank: h V^T once,
+    [T, r], against U's member rows [T, M, r], never the [V, E] table."""
+    from hpnlp.compress.qlinear import Factored, float_product
+    if isinstance(table, Factored):
+        def factored(h_TE, member_TM):
+            t_Tr = float_product(h_TE.astype(dtype), table.v.T.astype(dtype), None, 1)
+            u_TMr = jnp.take(table.u, member_TM, axis=0).astype(dtype)
+            return jnp.einsum("tr,tmr->tm", t_Tr, u_TMr, preferred_element_type=jnp.float32)
+        return factored
+
+    def dense(h_TE, member_TM):
+        vectors_TME = jnp.take(table, member_TM, axis=0).astype(dtype)
+        return jnp.einsum("te,tme->tm", h_TE.astype(dtype), vectors_TME,
+                          preferred_element_type=jnp.float32)
+    return dense
 
 
 def _class_factored(class_lp_TC, logits_TV, bins: ClassBins):

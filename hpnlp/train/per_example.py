@@ -31,7 +31,8 @@ random-feature projection or LSH rotation, one draw the whole batch shares) is l
 
 The quantities are of the task loss alone (`sums["loss"]`): the layers' auxiliary losses the
 train step adds (MoE's balance and z-losses, the Compressive Transformer's reconstruction
-loss, sown into the AUX collection, which `apply` here does not make mutable) are left out.
+loss, `full`'s z-loss, sown into the AUX collection, which `apply` here does not make
+mutable) are left out.
 They are batch statistics (MoE's balance loss is of the experts' load over all the batch's
 tokens) with no per-example share. For such a model the token-weighted mean of per-example
 gradients is the task loss's batch gradient, not that of the objective the step trains.
