@@ -1,8 +1,8 @@
 """Kernel-feature attention (`performer`, `linear`): fast paths against their slow twin,
 FAVOR+ approximation quality, the redraw stream, decoding, and the interface contracts.
 
-Compiles dominate the run time, so tests share a few cached jitted functions (`_fwd`,
-`_grads`) and always pass a mask array (all ones = no padding)."""
+Compiles dominate the run time, so tests share a few cached jitted functions (`_forward`,
+`_with_stream`, `_grads`) and always pass a mask array (all ones = no padding)."""
 
 import dataclasses
 import functools
@@ -20,6 +20,8 @@ from hpnlp import models
 from hpnlp.attention.dense import dense_attention
 from hpnlp.config import AttentionConfig, ConfigError, ModelConfig, default_configdict, from_configdict
 from hpnlp.train.step import step_compiler_options
+
+from attention_testlib import assert_compiles_once
 
 B, L, H, D = 2, 40, 2, 8
 CHUNK = 16  # does not divide L: the padded last chunk is always exercised
@@ -40,15 +42,16 @@ def _module(name, **kw):
     return A.get(name)(**{**VARIANTS[name], **kw})
 
 
-@functools.lru_cache(maxsize=None)
-def _fwd(name, causal, kw=()):
-    """Jitted unbound call (no `features` stream: the seed key)."""
-    mod = _module(name, **dict(kw))
-    return jax.jit(lambda q, k, v, mask: mod(q, k, v, mask, causal=causal, deterministic=True))
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(mod, causal, q, k, v, mask):
+    """Unbound call (no `features` stream: the seed key). The module is a static argument, as
+    a trainer's step holds it: each configuration compiles once however often it is rebuilt
+    (`test_no_recompile_across_calls`)."""
+    return mod(q, k, v, mask, causal=causal, deterministic=True)
 
 
 def _run(name, q, k, v, mask, causal, **kw):
-    return _fwd(name, causal, tuple(sorted(kw.items())))(q, k, v, mask)
+    return _forward(_module(name, **kw), causal, q, k, v, mask)
 
 
 def _twin(name, q, k, v, mask, causal):
@@ -188,23 +191,21 @@ def test_performer_error_falls_as_features_grow():
     assert errs[-1] < 0.01, errs
 
 
-@functools.lru_cache(maxsize=None)
-def _with_stream(**kw):
-    mod = _module("performer", **kw)
-    return jax.jit(lambda q, k, v, mask, key: mod.apply({}, q, k, v, mask, causal=True,
-                                                          rngs={"features": key}))
+@functools.partial(jax.jit, static_argnums=0)
+def _with_stream(mod, q, k, v, mask, key):
+    return mod.apply({}, q, k, v, mask, causal=True, rngs={"features": key})
 
 
 def test_redraw_stream():
     q, k, v = _qkv()
-    f = _with_stream()
+    f = functools.partial(_with_stream, _module("performer"))
     a, a2, b = (f(q, k, v, NO_PAD, jax.random.key(s)) for s in (1, 1, 2))
     np.testing.assert_array_equal(a, a2)
     assert float(jnp.abs(a - b).max()) > 1e-3
     # Without the stream: the seed key. redraw=False ignores the stream and uses the seed.
     seeded = _run("performer", q, k, v, NO_PAD, True)
     assert float(jnp.abs(a - seeded).max()) > 1e-3
-    fixed = _with_stream(redraw=False)
+    fixed = functools.partial(_with_stream, _module("performer", redraw=False))
     for s in (1, 2):
         np.testing.assert_allclose(fixed(q, k, v, NO_PAD, jax.random.key(s)), seeded, atol=1e-6)
     assert float(jnp.abs(_run("performer", q, k, v, NO_PAD, True, seed=1) - seeded).max()) > 1e-3
@@ -302,16 +303,14 @@ def test_bfloat16_is_finite_and_close(name):
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_no_recompile_across_calls(name):
-    chex.clear_trace_counter()
-    mod = _module(name)
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def f(q, k, v, mask, key):
-        return mod.apply({}, q, k, v, mask, causal=True, rngs={"features": key})
-
-    for seed in range(3):
-        f(*_qkv(seed), _padding([L, 3 + seed]), jax.random.key(seed))
+    """A module rebuilt per call (as from a config) is a static argument equal to the last:
+    one program for all three calls, the one `test_padding_invariance` compiled; with a new
+    `features` key each call too, the one `test_redraw_stream` compiled."""
+    calls = [(*_qkv(seed), _padding([L, 3 + seed])) for seed in range(3)]
+    assert_compiles_once(_forward, ((_module(name), True, *a) for a in calls))
+    if name == "performer":
+        assert_compiles_once(_with_stream, ((_module(name), *a, jax.random.key(seed))
+                                            for seed, a in enumerate(calls)))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

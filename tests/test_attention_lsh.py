@@ -24,6 +24,8 @@ from hpnlp.attention.lsh import (  # importing the module registers "lsh"
 from hpnlp.config import AttentionConfig, ConfigError, ModelConfig, default_configdict, from_configdict
 from hpnlp.models.transformer import positions_of
 
+from attention_testlib import assert_compiles_once
+
 B, L, H, D = 2, 32, 2, 8
 HASHED = {"num_hashes": 3, "num_buckets": 8, "chunk_size": 4}  # 8 chunks: real hashing
 
@@ -41,12 +43,13 @@ def _padding(lengths, length=L):
 
 
 def _run(opts, q, k, v, mask, causal, rngs=None):
-    return _apply(tuple(sorted(opts.items())), q, k, v, mask, causal, rngs)
+    return _apply(A.get("lsh")(**opts), q, k, v, mask, causal, rngs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _apply(opts, q, k, v, mask, causal, rngs):
-    module = A.get("lsh")(**dict(opts))
+def _apply(module, q, k, v, mask, causal, rngs):
+    """The module a static argument, as a trainer's step holds it: one compile per
+    configuration however often it is rebuilt (`test_features_rng_...`)."""
     return module.apply({}, q, k, v, mask, causal=causal, deterministic=True, rngs=rngs)
 
 
@@ -287,15 +290,11 @@ def test_bfloat16_is_finite_and_close():
 
 
 def test_features_rng_draws_rotations_without_recompiling():
-    chex.clear_trace_counter()
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def f(q, k, v, mask, key):
-        return _apply(tuple(sorted(HASHED.items())), q, k, v, mask, True, {"features": key})
-
-    for seed in range(3):
-        chex.assert_tree_all_finite(f(*_qkv(seed), _padding([L, 3 + seed]), jax.random.key(seed)))
+    """A new `features` key and a module rebuilt (as from a config) each call: one program."""
+    chex.assert_tree_all_finite(assert_compiles_once(_apply, (
+        (A.get("lsh")(**HASHED), *_qkv(seed), _padding([L, 3 + seed]), True,
+         {"features": jax.random.key(seed)}) for seed in range(3))))
+    f = lambda q, k, v, mask, key: _run(HASHED, q, k, v, mask, True, {"features": key})  # noqa: E731
     q, k, v = _qkv()
     full = _padding([L, L])
     a, b = f(q, k, v, full, jax.random.key(0)), f(q, k, v, full, jax.random.key(1))

@@ -19,6 +19,8 @@ from hpnlp.attention.dense import dense_attention
 from hpnlp.config import AttentionConfig, ConfigError, ModelConfig, default_configdict, from_configdict
 from hpnlp.models.transformer import positions_of
 
+from attention_testlib import assert_compiles_once
+
 B, H, D = 2, 2, 8
 # (name, options, length): lengths that the block size (or stride) does not divide
 # exercise the automatic padding.
@@ -39,6 +41,13 @@ _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_le
 def _module(case):
     name, opts, _ = CASES[case]
     return A.get(name)(**opts)
+
+
+@functools.partial(_jit, static_argnums=(0, 1))
+def _forward(attn, causal, q, k, v, mask):
+    """The module a static argument, as a trainer's step holds it: one compile per
+    configuration however often it is rebuilt (`test_no_recompile_across_calls`)."""
+    return attn(q, k, v, mask, causal=causal)
 
 
 def _qkv(length, seed=0, dtype=jnp.float32):
@@ -152,8 +161,8 @@ def test_padding_invariance(case):
     mask = _padding([20, 27], length)
     pad = (mask == 0)[:, :, None, None]
     mix = lambda a, b: jnp.where(pad, b, a)  # noqa: E731
-    f = _jit(lambda q, k, v: attn(q, k, v, mask, causal=False))
-    out1, out2 = f(q, k, v), f(mix(q, q2), mix(k, k2), mix(v, v2))
+    out1 = _forward(attn, False, q, k, v, mask)
+    out2 = _forward(attn, False, mix(q, q2), mix(k, k2), mix(v, v2), mask)
     np.testing.assert_allclose(jnp.where(pad, 0, out1), jnp.where(pad, 0, out2), atol=1e-6)
 
 
@@ -199,16 +208,11 @@ def test_bfloat16_is_finite_and_close(case):
 
 @pytest.mark.parametrize("case", ONE_PER_VARIANT)
 def test_no_recompile_across_calls(case):
-    attn, length = _module(case), CASES[case][2]
-    chex.clear_trace_counter()
-
-    @_jit
-    @chex.assert_max_traces(n=1)
-    def f(q, k, v, mask):
-        return attn(q, k, v, mask, causal=True)
-
-    for seed in range(3):
-        f(*_qkv(length, seed), _padding([length, 3 + seed], length))
+    """A module rebuilt per call (as from a config) is a static argument equal to the last:
+    one program for all three calls, the one `test_padding_invariance` compiled."""
+    length = CASES[case][2]
+    assert_compiles_once(_forward, ((_module(case), False, *_qkv(length, seed),
+                                     _padding([length, 3 + seed], length)) for seed in range(3)))
 
 
 @pytest.mark.parametrize("case", ["local", "local_prev", "sliding_window", "strided", "fixed", "bigbird"])

@@ -20,6 +20,7 @@ from hpnlp.config import (AttentionConfig, ConfigError, ModelConfig, default_con
                           from_configdict, validate)
 
 from attention_testlib import max_abs as _max_abs, rbg_key as _key, fill_params as _fill, call_attention as _call, apply_attention as _apply  # noqa: F401
+from attention_testlib import assert_compiles_once
 
 B, L, H, D, M = 2, 32, 2, 8, 48
 MODES = {"dense": {"mode": "dense"}, "random": {"mode": "random"},
@@ -200,17 +201,11 @@ def test_bfloat16_is_finite_and_close():
 
 
 def test_no_recompile_across_calls():
-    attn = _module("factorized")
-    p = _params(attn)
-    chex.clear_trace_counter()
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def f(p, q, k, v, mask):
-        return _call(attn, True, p, q, k, v, mask)
-
-    for seed in range(3):
-        f(p, *_qkv(seed), _padding([L, 3 + seed]))
+    """A module rebuilt per call (as from a config) is a static argument equal to the last:
+    one program for all three calls, the one `test_padding_invariance[factorized]` compiled."""
+    p = _params(_module("factorized"))
+    assert_compiles_once(_apply, ((_module("factorized"), True, p, *_qkv(seed),
+                                   _padding([L, 3 + seed])) for seed in range(3)))
 
 
 @pytest.mark.parametrize("case", sorted(MODES))

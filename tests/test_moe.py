@@ -16,7 +16,7 @@ import pytest
 from hpnlp import models
 from hpnlp.config import ConfigError, MoEConfig, ModelConfig, from_configdict, validate
 from hpnlp.moe import dispatch, routing
-from hpnlp.moe.layer import MoE
+from hpnlp.moe.layer import ROUTES, MoE
 from hpnlp.train.carry import AUX
 
 B, L, M, F, X = 2, 8, 8, 16, 4  # rows, length, width, expert width, experts
@@ -172,6 +172,7 @@ def test_block_rows_bound_every_choice_and_reserve_no_block_per_empty_expert():
     assert dispatch.block_rows(1, 8, tokens=1) == (1, 1)
     assert dispatch.block_rows(6, 8, tokens=3) == (3, 18)
     assert dispatch.block_rows(64 * 2, 8, tokens=64) == (8, 8 * 8 + 120)
+    assert dispatch.block_rows(1, 8, 256, tokens=1) == (1, 1)  # model.moe.block_size's too
     assert dispatch.block_rows(1, 64)[1] <= 16
     for b in (1, 2, 3, 8):
         for X_ in (1, 2, 3, 5, 8):
@@ -205,8 +206,9 @@ def test_router_logits_are_products_at_highest_precision():
 
 
 def test_capacity_drops_exactly_the_choices_past_capacity_in_priority_order():
-    """Every token prefers expert 0: its C slots go to the first C tokens of each group
-    (first choices before second choices), the rest are dropped; dropless drops none."""
+    """Every token prefers expert 0: its C slots go to the first C tokens of each group,
+    the rest are dropped; dropless drops none. (Each expert here gets choices of one rank
+    only, so this checks token order within a rank; across ranks: the test below.)"""
     x, seg = inputs()
     for kind in ("capacity", "dropless"):
         mod = layer(router="top_k", top_k=2, dispatch=kind, capacity_factor=1.0)
@@ -233,7 +235,7 @@ def test_capacity_drops_exactly_the_choices_past_capacity_in_priority_order():
 
 
 def test_slots_fill_in_priority_order():
-    """routing.slots_from_choices against a hand-worked case: expert 0 has 2 slots."""
+    """routing.slots_from_choices against hand-worked cases: expert 0 has 2 slots, then 1."""
     expert = jnp.array([[[0, 1], [0, 2], [1, 0], [0, 1]]])  # [G=1, S=4, K=2]
     gate = jnp.full((1, 4, 2), 0.5)
     valid = jnp.array([[True, True, False, True]])
@@ -242,6 +244,51 @@ def test_slots_fill_in_priority_order():
     # Expert 0: first choices of tokens 0, 1 (token 2 is padding, token 3 is past capacity).
     np.testing.assert_array_equal(slots.token_GXC[0], [[0, 1], [0, 3], [1, 4]])
     np.testing.assert_array_equal(kept[0], [[1, 1], [1, 1], [0, 0], [0, 1]])
+    # Across ranks (review r12 F3: above, the only cross-rank choices are padding's), the
+    # same shapes (no new compiles): expert 0's 2 slots go to the first choices of tokens 1
+    # and 2, not token 0's earlier second choice; expert 2's to token 3's first choice and
+    # token 1's second, not token 2's.
+    expert = jnp.array([[[1, 0], [0, 2], [0, 2], [2, 1]]])
+    slots, kept = routing.slots_from_choices(routing.Choices(expert, gate), jnp.ones_like(valid),
+                                             experts=3, slots=2)
+    np.testing.assert_array_equal(slots.token_GXC[0], [[1, 2], [0, 3], [3, 1]])
+    np.testing.assert_array_equal(kept[0], [[1, 0], [1, 1], [1, 0], [1, 1]])
+
+
+def test_capacity_serves_every_first_choice_before_any_second_choice():
+    """The layer's own routes (review r12 F3: no test had an expert get choices of two
+    ranks, and the layer was held only through its output against the loop's `kept`). Even
+    tokens choose expert 0 then 1, odd tokens 1 then 0: each expert gets the first choices
+    of half the group's tokens, exactly its C slots, and the second choices of the other
+    half. Every first choice is kept and every second dropped; a queue in token order keeps
+    tokens 0-3's choices and drops 4-7's instead (as many: `moe_dropped` cannot tell)."""
+    mod = layer(router="top_k", top_k=2, dispatch="capacity", capacity_factor=1.0)
+    x, seg = inputs()
+    p = init_params(mod, x, seg)
+    router = np.zeros((M, X), np.float32)
+    router[0] = [2.5, 2.5, -1.0, -2.0]  # logits = 10 * row 0 +- 10 * row 1
+    router[1] = [0.5, -0.5, 0.0, 0.0]
+    p = dict(p, router=jnp.asarray(router))
+    even = np.arange(L) % 2 == 0
+    x_alt = x.at[..., 0].set(10.0).at[..., 1].set(jnp.asarray(np.where(even, 10.0, -10.0)))
+    y, out = jax.jit(lambda p, x, seg: mod.apply({"params": p}, x, seg, mutable=[AUX, ROUTES])
+                     )(p, x_alt, seg)
+    C = routing.capacity(L, experts=X, top_k=2, factor=1.0)
+    assert C == L // 2
+    first = np.where(even, 0, 1)  # each token's first choice; its second is the other one
+    weights_BLX = np.asarray(out[ROUTES]["weights"][0])
+    tokens = np.arange(L)
+    assert (weights_BLX[:, tokens, first] > 0).all(), weights_BLX  # kept
+    np.testing.assert_array_equal(weights_BLX[:, tokens, 1 - first], 0.0)  # dropped
+    assert float(out[AUX]["moe"][0]["moe_dropped"]) == B * L
+    choice = np.broadcast_to(np.stack([first, 1 - first], -1), (B, L, 2))
+    kept = np.broadcast_to(np.array([True, False]), (B, L, 2))
+    np.testing.assert_allclose(y, loop_reference(p, x_alt, choice, kept, renormalize=True),
+                               atol=1e-5)
+    # ...and the test's own loop agrees (the other tests hold the layer to it)
+    loop_choice, loop_kept = loop_choices(p, x_alt, seg, k=2, capacity=C)
+    np.testing.assert_array_equal(loop_choice, choice)
+    np.testing.assert_array_equal(loop_kept, kept)
 
 
 def test_expert_choice_takes_each_experts_top_tokens():

@@ -2499,3 +2499,49 @@ def test_float16_trains_past_the_transformer(tmp_path, change):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.1, losses
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
     assert all(bool(np.all(np.isfinite(p))) for p in jax.tree.leaves(state.params))
+
+
+@pytest.mark.slow  # trains, quantizes and decodes a tiny word LM: about 10 s
+def test_a_quantized_word_run_is_not_decoded_after_its_training_file_changed(tmp_path, capsys):
+    """Review d1: `generate` of a `compress quantize` folder builds no Trainer, so the
+    changed-text refusal (data.check_text_of_run) did not reach it, and a quantized word LM
+    whose training file had a word replaced everywhere decoded the new word."""
+    from hpnlp.compress.__main__ import main as compress_main
+    from hpnlp.models.generate import main as generate_main
+    f = tmp_path / "notes.txt"
+    f.write_text("".join(f"the cat sat on the mat {i % 7}\n\n" for i in range(60)))
+    cd = tiny(steps=1, batch_size=2, checkpoint_every=0, warmup_steps=0, schedule="constant")
+    cd.data.update(task="word_lm", train_path=str(f), word_vocab_size=32, seq_len=8)
+    cd.model.update(max_len=8, dropout=0.0)
+    a, q = str(tmp_path / "a"), str(tmp_path / "q")
+    run(cd, a)
+    assert compress_main(["quantize", "--workdir", a, "--out", q, "--weights", "int8"]) == 0
+    argv = ["--workdir", q, "--prompt", "the", "--length", "4", "--greedy"]
+    assert generate_main(argv) == 0  # the file as it was
+    f.write_text(f.read_text().replace("cat", "zebra"))  # the same ids in the same places
+    capsys.readouterr()
+    assert generate_main(argv) != 0
+    err = capsys.readouterr().err
+    assert "`data.train_path`" in err and "its vocabulary would be built from the new " \
+        "contents" in err, err
+
+
+def test_a_resume_says_no_change_of_a_field_nothing_reads():
+    """Review d2: experiments/lm.py stopped setting data.word_vocab_size=8000 for bytes and
+    subwords (a new run is refused it there: nothing reads it), so every byte run saved
+    before was said to resume under a changed config; a field unread on both sides is not a
+    change (`checks.without_unread`), one read still is."""
+    from hpnlp.config import to_json
+    from hpnlp.train.checkpoint import _changed_fields
+    cd = tiny()
+    cd.data.word_vocab_size = 8000
+    saved = to_json(from_configdict(cd))
+    cd.data.word_vocab_size = 10000
+    assert _changed_fields(saved, to_json(from_configdict(cd))) == {}
+    cd.train.lr = cd.train.lr * 2
+    assert list(_changed_fields(saved, to_json(from_configdict(cd)))) == ["train.lr"]
+    cd.data.update(task="word_lm")  # read: a change
+    words = to_json(from_configdict(cd))
+    cd.data.word_vocab_size = 8000
+    assert list(_changed_fields(words, to_json(from_configdict(cd)))) == [
+        "data.word_vocab_size"]

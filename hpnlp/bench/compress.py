@@ -307,6 +307,7 @@ def _train(cd, out: str) -> dict:
     import json
 
     from hpnlp.config import from_configdict, validate
+    from hpnlp.config.checks import without_unread
     from hpnlp.paths import RUN_FILES, RUN_FOLDERS
     from hpnlp.train import run
     from hpnlp.train.checkpoint import has_checkpoint, load_run_config
@@ -314,6 +315,9 @@ def _train(cd, out: str) -> dict:
     if os.path.exists(out):
         try:
             saved, now = validate(load_run_config(out)), validate(from_configdict(cd))
+            # fields nothing reads, set back to their defaults (review d2: runs saved before
+            # experiments/lm.py stopped setting data.word_vocab_size on bytes were retrained)
+            saved, now = without_unread(saved), without_unread(now)
             same = saved == now
             why = f"a saved run of another config ({_config_diff(saved, now)})"
         except Exception as e:  # noqa: BLE001 (an unreadable or unfinished run is retrained)

@@ -655,6 +655,8 @@ def main(argv=None) -> int:
                                "run's tokenizer folder")
         task = data_lib.make_task(cfg.data, workdir=source if source and os.path.isdir(source)
                                   else None, save_tokenizer=False)
+        if source and os.path.isdir(source):  # the text its vocabulary came from, as a run's
+            data_lib.check_text_of_run(cfg, task, source)  # (review d1: Trainer's only)
 
         def weights():
             model = models.build(cfg, deterministic=True, token_counts=task.token_counts)

@@ -91,10 +91,10 @@ class Rows(NamedTuple):
 
 def block_rows(pairs: int, experts: int, block: int = 0, tokens: int = 0) -> tuple[int, int]:
     """(b, R): rows per block (0: automatic, about P / 8X rounded to a power of two in
-    [8, 256], so padding costs ~1/16 of the rows on average, and at most `tokens` where
-    given: an expert gets at most one choice per token, so a longer block is only padding,
-    as a decoded token's 8 rows for its one choice were) and the static row count, an upper
-    bound of sum over experts of their choices rounded up to b.
+    [8, 256], so padding costs ~1/16 of the rows on average; automatic or given, at most
+    `tokens` where given: an expert gets at most one choice per token, so a longer block is
+    only padding, as a decoded token's 8 rows for its one choice were) and the static row
+    count, an upper bound of sum over experts of their choices rounded up to b.
 
     The bound, reached: an expert with s >= 1 choices takes ceil(s / b) = 1 + (s - 1) // b
     blocks, so n experts with choices take at most n + (P - n) // b, which never falls as n
@@ -103,7 +103,7 @@ def block_rows(pairs: int, experts: int, block: int = 0, tokens: int = 0) -> tup
     token (P = 1, X = 8) ran 72 rows through 9 experts' weights, where 8 rows hold it."""
     if not block:
         block = 1 << max(3, min(8, round(max(pairs / (8 * experts), 1.0)).bit_length() - 1))
-        block = min(block, tokens) if tokens > 0 else block
+    block = min(block, tokens) if tokens > 0 else block  # (model.moe.block_size's too: d1)
     n = min(experts, pairs)
     blocks = n + (pairs - n) // block
     return block, max(blocks, 1) * block

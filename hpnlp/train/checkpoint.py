@@ -337,13 +337,25 @@ def _without_layout(config: dict) -> dict:
         k: v for k, v in output["options"].items() if k not in layout}}}
 
 
+def _without_unread(config: dict) -> dict:
+    """A config.json config with the fields nothing reads in it set back to their defaults
+    (`checks.without_unread`), or as it is where it cannot be read so. Review d2: a run of
+    experiments/lm.py:bytes saved with data.word_vocab_size=8000 (read by words alone),
+    resumed after the experiment stopped setting it, was said to train under a changed config."""
+    from hpnlp.config.checks import without_unread
+    try:
+        return json.loads(json.dumps(to_json(without_unread(from_configdict(config)))))
+    except Exception:  # noqa: BLE001 (an edited or older file: compared as it is)
+        return config
+
+
 def _changed_fields(saved: dict, now: dict) -> dict:
     """{dotted field: (saved, now)} where two config.json configs differ, but for
     _BOOKKEEPING (a bug hunt, session 94: a finished run rerun with another learning rate
     or distillation weight trained nothing and printed its old summary, unsaid) and the
     output layer's layout options."""
     out = {}
-    saved, now = _without_layout(saved), _without_layout(now)
+    saved, now = _without_layout(_without_unread(saved)), _without_layout(_without_unread(now))
 
     def walk(a, b, path):
         if isinstance(a, dict) and isinstance(b, dict) and not path.endswith("options"):

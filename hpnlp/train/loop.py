@@ -917,7 +917,7 @@ class Trainer:
         # (a finished run trains nothing here: its best, of the set it trained with, stays
         # the summary's, beside its last eval, of that set too, unless that eval runs again;
         # a review, d1)
-        if eval_moved and best is not None and (start < t.steps or stale_eval):
+        if eval_moved and best is not None and (start < t.steps or stale_eval or eval_due):
             eval_said = ("; it evaluates on another held-out set (" + "; ".join(
                 f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in eval_moved.items())
                 + f"), so its best {t.early_stopping_metric} (step {best_step}) and the evals "
