@@ -563,9 +563,19 @@ def test_listops_generator_fields_are_refused_to_a_new_run_of_a_listops_file(tmp
     with pytest.raises(ConfigError, match=r"^config field `data\.listops_max_length` = 256 is "
                        r"not allowed: it shapes the ListOps generated without data\.train_path, "
                        r"and data\.train_path='.*l\.tsv' reads the expressions from a file, so "
-                       r"nothing reads it; drop data\.train_path \(and data\.eval_path\) to "
-                       r"generate them, or leave it at its default "
-                       r"\(--config\.data\.listops_max_length=512\)$"):
+                       r"nothing reads it; leave it at its default "
+                       r"\(--config\.data\.listops_max_length=512\), or drop data\.train_path "
+                       r"\(and data\.eval_path\) to generate them$"):
+        check_new_run(cfg)
+    # review d2: the experiments/lra.py:listops,local preset sets three; all said at once
+    cfg = validate(base(model={"kind": "classifier"},
+                        data={"task": "listops", "train_path": str(tsv), "listops_max_length": 128,
+                              "listops_num_train": 512, "listops_num_eval": 128}), num_devices=1)
+    with pytest.raises(ConfigError, match=r"^config field `data\.listops_num_train` = 512 .*"
+                       r"nothing reads it \(nor data\.listops_num_eval, "
+                       r"data\.listops_max_length\); leave them at their defaults "
+                       r"\(--config\.data\.listops_num_train=20000 --config\.data\."
+                       r"listops_num_eval=2000 --config\.data\.listops_max_length=512\), "):
         check_new_run(cfg)
 
 
