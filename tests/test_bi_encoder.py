@@ -679,6 +679,27 @@ def test_a_mining_a_float16_step_skipped_happens_at_the_next_step_that_updates(m
     np.testing.assert_array_equal(got["neg_weight"], [1, 0, 1, 0])
 
 
+# about 30 s on the 2-core machine (a run and its export compile): CI's slow part runs it
+@pytest.mark.slow
+def test_quantize_reports_the_quantized_encoders_pool_metrics(tmp_path):
+    """A bug hunt (session 110): `compress quantize` of a bi-encoder reported recall@1/10
+    and MRR for the float model alone (`trainer.evaluate` adds them; the quantized side had
+    the in-batch sums only). A static export: the pool's passes read the calibrated ranges."""
+    from hpnlp.compress import ptq
+    from hpnlp.compress.qlinear import QuantConfig
+    from hpnlp.train.loop import Trainer
+    cfg = _cfg("local", **{"train.steps": 1, "train.warmup_steps": 0, "train.eval_every": 1,
+                           "train.eval_batches": 1, "train.checkpoint_every": 1,
+                           "data.seq_len": 16, "model.max_len": 16})
+    run = str(tmp_path / "run")
+    Trainer(cfg, run).run()
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static")
+    s = ptq.quantize(run, str(tmp_path / "q"), q, calib_batches=1, eval_batches=1, repeats=1)
+    got, want = s["eval"]["quantized"], s["eval"]["float32"]
+    assert set(got) == set(want) >= {"recall@1", "recall@10", "mrr"}
+    assert 0 < got["mrr"] <= 1 and got["mrr"] == pytest.approx(want["mrr"], rel=0.2)
+
+
 def test_the_trainer_evaluates_the_pool_with_the_draw_it_trained_with(tmp_path, monkeypatch):
     """The Trainer's evaluation hands the pool's metrics `state.features_key` (a review,
     session 106: it embedded a Performer encoder's pool with its seed's draw)."""

@@ -1167,13 +1167,25 @@ def test_streams_of_a_prepared_folder_are_refused_without_suggesting_transformer
     """A bug hunt (session 101): 'stream' with data.prepared offered model.arch=
     'transformer_xl', and following it was refused only when the batches were read."""
     lm = {"kind": "lm", "vocab_size": 256}
-    for arch in ("transformer", "transformer_xl"):
-        cfg = base(model={"arch": arch}, data={"prepared": "/corpus", "batching": "stream"})
-        with pytest.raises(ConfigError, match=r"`data.batching` = 'stream' .*a prepared folder "
-                           r"\(data.prepared='/corpus'\) is read in rows of .*use "
-                           r"data.batching='pack'$") as e:
+    cfg = base(data={"prepared": "/corpus", "batching": "stream"})
+    with pytest.raises(ConfigError, match=r"`data.batching` = 'stream' .*a prepared folder "
+                       r"\(data.prepared='/corpus'\) is read in rows of .*, not streams; use "
+                       r"data.batching='pack'$") as e:
+        validate(cfg, task_info=lm, num_devices=1)
+    assert "transformer_xl" not in str(e.value)
+    # A bug hunt (session 110): with memory, "use pack" led to model.mem_len's refusal ("set
+    # both": stream) and back; it names the constraint and the fixes that work instead
+    compressive = {"arch": "transformer_xl", "mem_len": 16, "comp_mem_len": 8, "comp_rate": 4}
+    for model, drop in (({"arch": "transformer_xl"}, "model.arch='transformer'"),
+                        (compressive,
+                         "model.arch='transformer', model.mem_len=0, model.comp_mem_len=0")):
+        cfg = base(model=model, data={"prepared": "/corpus", "batching": "stream"})
+        with pytest.raises(ConfigError, match=r"`data.batching` = 'stream' .*never streams, and "
+                           r"the memory carried from batch to batch .*needs stream batches, so it "
+                           r"cannot train on a prepared folder: train on a data.train_path file "
+                           r"instead of data.prepared, or drop the memory \(" + re.escape(drop)
+                           + r"\) and use data.batching='pack'$"):
             validate(cfg, task_info=lm, num_devices=1)
-        assert "transformer_xl" not in str(e.value)
 
 
 def test_list_options_read_back_from_config_json_stay_hashable():

@@ -1248,6 +1248,22 @@ def test_knnlm_refuses_a_one_chunk_eval_split_before_its_datastore_and_passes_bl
     assert index.options["block"] == 16 and len(index) == 50
 
 
+def test_knnlm_refuses_a_prepared_corpus_run_before_counting_its_chunks(tmp_path, monkeypatch):
+    """A bug hunt (session 110): a prepared corpus's in-memory splits are empty, and the chunk
+    count fired first, blaming a held-out split of 117 chunks ("a longer data.eval_path file",
+    which a prepared run has none of)."""
+    from types import SimpleNamespace
+
+    from hpnlp.data.task import Examples
+    empty = Examples(np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=8, prepared="prep_uni"))
+    task = SimpleNamespace(name="prepared", train=empty, eval=empty)
+    monkeypatch.setattr(knnlm, "load_trained", lambda *a: (cfg, None, None, task, 3, None))
+    with pytest.raises(RetrievalError, match=r"trained on a prepared corpus \(data.prepared="
+                                             r"prep_uni\).*data.train_path file$"):
+        knnlm.run(str(tmp_path / "run"), str(tmp_path / "ds"))
+
+
 def test_knnlm_refuses_index_options_its_datastore_cannot_build_before_the_datastore(
         tmp_path, monkeypatch):
     """Review r10: ivf/faiss_ivf `lists` or scann `leaves` past the datastore's entries, a

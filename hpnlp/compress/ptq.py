@@ -430,6 +430,19 @@ def _forward_seconds(fn, *args, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
+class _WithQuant:
+    """`model`'s passes with its calibrated activation ranges (the "quant" collection)
+    beside the parameters a pass is given: a split's metrics (`split_metrics`) apply
+    {"params": p} alone, which an act_scale='static' model refuses."""
+
+    def __init__(self, model, quant_vars):
+        self.model, self.cfg, self.quant_vars = model, model.cfg, quant_vars
+
+    def apply(self, variables, *args, **kwargs):
+        extra = {"quant": self.quant_vars} if self.quant_vars else {}
+        return self.model.apply({**variables, **extra}, *args, **kwargs)
+
+
 def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtype: str | None = None,
              calib_batches: int = 8, eval_batches: int | None = None, repeats: int = 5) -> dict:
     """Quantize the run in `workdir` with `q` (or cast it to `float_dtype`) into `out`;
@@ -561,6 +574,16 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     quant_eval = finalize(trainer.eval_sums(
         state, eval_step=lambda _, b: eval_q(served, quant_vars, b),
         memory_step=lambda _, b, mem: eval_q_memory(served, quant_vars, b, mem)), lm=lm)
+    # The whole held-out split's metrics (the bi-encoder's pool: recall@1/10, MRR), as the
+    # float eval's `trainer.evaluate` adds them (a bug hunt, session 110: the summary had them
+    # for the float model alone, and the quantized encoder's retrieval was measured nowhere)
+    split_metrics = getattr(type(model_q), "split_metrics", None)
+    if split_metrics is not None:
+        rng, at = jax.device_get((state.rng, state.step))
+        key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
+        with trainer._context():
+            quant_eval.update(split_metrics(cfg_q, _WithQuant(model_q, quant_vars), served,
+                                            trainer.task, features_key=key))
 
     model_f = trainer.eval_model
     eval_f = jax.jit(lambda p, b: fold_eval(model_f, {"params": p}, b))

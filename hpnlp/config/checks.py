@@ -1193,8 +1193,19 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if d.batching == "stream" and d.prepared:  # a bug hunt (session 101): refused only when
         # the batches were read (and, on a plain Transformer, told to use Transformer-XL)
         from hpnlp.data.batching import MODES
-        _fail("data.batching", d.batching, f"a prepared folder (data.prepared={d.prepared!r}) "
-              f"is read in rows of {list(MODES)}, not streams; use data.batching='pack'")
+        rows = f"a prepared folder (data.prepared={d.prepared!r}) is read in rows of {list(MODES)}"
+        memory = {"model.arch": "'transformer'" if m.arch == "transformer_xl" else "",
+                  "model.mem_len": "0" if m.mem_len else "",
+                  "model.comp_mem_len": "0" if m.comp_mem_len else ""}
+        if any(memory.values()):  # a bug hunt (session 110): "use pack" led to the mem_len
+            # refusal's "set both" (stream), and back: memory cannot train on such a folder
+            drop = ", ".join(f"{k}={v}" for k, v in memory.items() if v)
+            _fail("data.batching", d.batching, f"{rows}, never streams, and the memory carried "
+                  "from batch to batch (Transformer-XL's, the compressed one) needs stream "
+                  "batches, so it cannot train on a prepared folder: train on a data.train_path "
+                  f"file instead of data.prepared, or drop the memory ({drop}) and use "
+                  "data.batching='pack'")
+        _fail("data.batching", d.batching, f"{rows}, not streams; use data.batching='pack'")
     if d.batching == "stream" and m.arch == "transformer":
         _fail("data.batching", d.batching, "stream batches continue each row across batches for "
               "Transformer-XL memory, so positions grow past model.max_len, and a plain "

@@ -639,17 +639,19 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     if out:
         check_out(out, workdir, "knnlm", datastore)
     cfg, model, params, task, step, features_key = load_trained(workdir, "lm", LM_HINT)
+    # before the chunk count (a bug hunt, session 110: a prepared task's in-memory splits are
+    # empty, and the count blamed the held-out split's size)
+    if cfg.data.prepared:
+        raise RetrievalError(f"{workdir} trained on a prepared corpus (data.prepared="
+                             f"{cfg.data.prepared}), whose text stays in its shards; the kNN-LM "
+                             "builds its datastore from a run's in-memory training split: use a "
+                             "run of the shipped corpus or a data.train_path file")
     if len(task.eval) < 2:  # a bug hunt: one chunk left the test half empty, a traceback
         # after the datastore was built
         raise RetrievalError(f"{workdir}'s held-out split has {len(task.eval)} chunk(s) of "
                              f"data.seq_len={cfg.data.seq_len} tokens; the kNN-LM tunes on "
                              "alternate chunks and tests on the others, so it needs at least 2: "
                              "a longer data.eval_path file (or a run with a shorter seq_len)")
-    if cfg.data.prepared:
-        raise RetrievalError(f"{workdir} trained on a prepared corpus (data.prepared="
-                             f"{cfg.data.prepared}), whose text stays in its shards; the kNN-LM "
-                             "builds its datastore from a run's in-memory training split: use a "
-                             "run of the shipped corpus or a data.train_path file")
     from hpnlp.config.checks import eval_is_train
     if eval_is_train(cfg.data):  # refused to a new run (`check_new_run`), not a saved one
         # a review (session 107): every held-out target's own entry was in the datastore, at
