@@ -71,6 +71,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "kernel(k): needs the hand-written kernel k (an "
                             "hpnlp.kernels.CpuKernel); skipped, with its reason, where it "
                             "cannot build")
+    # Strict markers (there is no ini file to say so; review r12 F4): a misspelt
+    # `@pytest.mark.slwo` only warned, so `-m "not slow"` ran that test in the fast suite and
+    # a misspelt `accelerator` ran on the CPU. Now it fails its file's collection, naming it.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnknownMarkWarning")
 
 
 def pytest_runtest_setup(item):

@@ -150,6 +150,17 @@ def test_every_module_a_test_skips_without_is_a_test_dependency():
     assert skipped and skipped - {"torch"} <= have, skipped - {"torch"} - have
 
 
+def test_a_misspelt_marker_is_an_error():
+    """A review (r12 F4): pytest ran without strict markers (there is no ini file), so a
+    misspelt `@pytest.mark.slwo` only warned: `-m "not slow"` ran that test in the fast
+    suite, and a misspelt `accelerator` test ran on the CPU. conftest.py makes it an error."""
+    import pytest
+    with pytest.raises(pytest.PytestUnknownMarkWarning, match="slwo"):
+        pytest.mark.slwo
+    for name in ("slow", "accelerator", "kernel", "parametrize", "filterwarnings"):
+        getattr(pytest.mark, name)  # registered or pytest's own: no error
+
+
 def test_the_default_experiments_table_reads_its_committed_run():
     """A review (session 106): the headline table was credited to a run whose loss it did not
     show (the Zen 4 read 1.5173, the table 1.512). It reads the committed summary.json."""
