@@ -682,10 +682,15 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     ({}, {"data": 2, "pipeline": 2}, "mesh.pipeline"),  # (review, session 100: the checks
     ({"num_experts": 0}, {"data": 2, "expert": 2, "rules": {"batch": "data"}},
      "mesh.expert"),  # of the mesh, moved)
+    # the crash hunt (session 110): XLA:CPU's compiler aborted the process
+    ({"dtype": "bfloat16"}, {"data": 2, "expert": 2}, "model.dtype"),
 ])
 def test_bad_moe_fields_fail_before_compile(moe, mesh, field):
     from test_train import tiny
     cd = tiny()
+    moe = dict(moe)
+    if "dtype" in moe:
+        cd.model.dtype = moe.pop("dtype")
     cd.model.moe.update(**{"num_experts": X, **moe})
     cd.mesh.update(**mesh)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:

@@ -293,6 +293,15 @@ def _check_moe_mesh(cfg: Config, sizes: Mapping[str, int]) -> None:
     batch_axes = cfg.mesh.mesh_axes_of("batch")
     shards = math.prod(sizes[a] for a in batch_axes)
     if ep > 1:
+        import jax
+        if cfg.model.dtype == "bfloat16" and jax.default_backend() == "cpu":
+            # found by the crash hunt (session 110): the train step's compile aborted the
+            # process (jaxlib 0.10.2's AllReducePromotion, "Invalid binary instruction opcode
+            # copy", the defect hpnlp.parallel.pipeline works around); float16 compiles
+            _fail("model.dtype", "bfloat16", f"with expert parallelism (mesh.expert={ep}) "
+                  "aborts XLA:CPU's compiler (jaxlib 0.10.2: AllReducePromotion, \"Invalid "
+                  "binary instruction opcode copy\"); on CPU set model.dtype='float32' or "
+                  "'float16', or mesh.expert=1")
         if "expert" not in batch_axes:
             _fail("mesh.rules.batch", cfg.mesh.rules.get("batch"), "expert parallelism sends "
                   "each device's own tokens to the experts' devices, so the batch must be split "
