@@ -703,6 +703,9 @@ def test_attention_markdown_on_a_gpu_reports_device_memory():
     assert "accelerator" not in report.header_md(cpu_run, {})
 
 
+# 2.9 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
+# read 7 min 58 s for 1838 tests): CI's slow part runs it
+@pytest.mark.slow
 def test_attention_bench_interrupted_reports_what_ran(tmp_path, monkeypatch, capsys):
     ba = bench_attention
     monkeypatch.setattr(harness, "ceiling_rates", lambda dtypes, quick: {"float32": 100.0,
@@ -2195,6 +2198,9 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+# 3.5 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
+# read 7 min 58 s for 1838 tests): CI's slow part runs it
+@pytest.mark.slow
 def test_tools_refuse_bad_flags_in_one_line_before_timing(tmp_path):
     """Found by the crash hunt: --rounds 0 compiled everything and printed nan; kernel_ab's
     --length -5 or --bwd-blocks 0,0 failed in the probe after both builds (abc: a

@@ -227,6 +227,9 @@ def _nan_inf_rows(M, K):
     return jnp.asarray(x)
 
 
+# 3.0 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
+# read 7 min 58 s for 1838 tests): CI's slow part runs it
+@pytest.mark.slow
 @needs_kernel
 def test_int8_linear_rows_with_nan_or_inf_are_nan():
     """A row holding a NaN has scale NaN and one holding an inf scale inf, so their outputs
@@ -247,6 +250,9 @@ def test_int8_linear_rows_with_nan_or_inf_are_nan():
                                           * np.ones((1, N)))
 
 
+# 2.6 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
+# read 7 min 58 s for 1838 tests): CI's slow part runs it
+@pytest.mark.slow
 @needs_kernel
 def test_int8_linear_rows_too_small_to_scale_quantize_to_zeros():
     """A row with 0 < max|x| < 127 / FLT_MAX (about 3.7e-37) quantizes to q = 0, as a row of

@@ -84,7 +84,10 @@ class _Stretched:
         return {**sums, "weight": sums["weight"] * self.factor}
 
 
-@pytest.mark.parametrize("factor", [1, 2**12], ids=["64_tokens", "256K_tokens"])
+# 64_tokens: 4.1 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite read
+# 7 min 58 s for 1838 tests): CI's slow part runs it (256K_tokens stays)
+@pytest.mark.parametrize("factor", [pytest.param(1, marks=pytest.mark.slow), 2**12],
+                         ids=["64_tokens", "256K_tokens"])
 def test_float16_per_example_gradients_are_the_float32_ones(factor):
     """Review r9: a float16 model's per-example gradients, of a mean over an example's tokens
     with no loss scale, were suspected to flush small cotangents to zero. Measured (session

@@ -71,9 +71,12 @@ def test_kernel_matches_the_scan_with_padding(threads, L, E):
     assert not np.asarray(g_got[2])[np.asarray(valid) == 0].any()  # padding's dx exactly 0
 
 
+# bidirectional,dropout: 3.3 s in the fast suite on the Xeon model 207 (2026-12-07,
+# --durations: the suite read 7 min 58 s for 1838 tests): CI's slow part runs it (plain stays)
 @needs_kernel
-@pytest.mark.parametrize("cfg", [dict(), dict(bidirectional=True, learned_init=True, weight_drop=0.3,
-                                               variational_dropout=0.2, dropout=0.1)],
+@pytest.mark.parametrize("cfg", [dict(), pytest.param(dict(
+    bidirectional=True, learned_init=True, weight_drop=0.3, variational_dropout=0.2, dropout=0.1),
+    marks=pytest.mark.slow)],
                          ids=["plain", "bidirectional,dropout"])
 def test_layer_fused_equals_scan(cfg):
     B, L, E, H = 3, 6, 5, 16

@@ -81,6 +81,9 @@ def test_a_tiny_temperature_draws_the_argmax_of_a_flat_distribution():
     np.testing.assert_array_equal(draws, jnp.argmax(logp, axis=-1))
 
 
+# 2.6 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
+# read 7 min 58 s for 1838 tests): CI's slow part runs it
+@pytest.mark.slow
 def test_each_option_keeps_the_references_tokens_with_its_renormalized_probabilities(logp):
     """Top-k exactly k tokens; top-p the smallest prefix reaching p; min-p; combined, and
     at temperatures. The mask is exact, the probabilities to float32 rounding."""
@@ -168,6 +171,9 @@ def test_an_option_array_of_another_shape_is_refused_by_name(logp, kw, got):
         jax.jit(lambda x, kw: sampling_logits(x, **kw))(logp, kw)
 
 
+# 3.3 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
+# read 7 min 58 s for 1838 tests): CI's slow part runs it
+@pytest.mark.slow
 def test_generate_and_speculative_take_one_option_value_per_row(lms):
     """Review r6: [B] options failed in `generate`'s and `speculative_generate`'s traces.
     Traced under jit, row 0's top_p of 1e-6 keeps the argmax alone, so it decodes the greedy
@@ -530,7 +536,7 @@ def test_cli_names_a_seed_ensemble_and_a_reader_never_trains_a_tokenizer(tmp_pat
         "run (train a plain one with python -m hpnlp.main)")
     cd.data.update(tokenizer="bpe", vocab_size=300)
     with pytest.raises(ConfigError, match=rf"^{tmp_path}/tokenizer/tokenizer.json is missing: "
-                       r"the run's bpe tokenizer, which reading the run needs"):
+                       r"the run's bpe tokenizer, which reading or resuming the run needs"):
         tokenizers.for_run(from_configdict(cd).data, ["a b c"], str(tmp_path / "tokenizer"),
                            save=False)
 

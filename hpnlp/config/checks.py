@@ -1203,9 +1203,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         # the batches were read (and, on a plain Transformer, told to use Transformer-XL)
         from hpnlp.data.batching import MODES
         rows = f"a prepared folder (data.prepared={d.prepared!r}) is read in rows of {list(MODES)}"
-        memory = {"model.arch": "'transformer'" if m.arch == "transformer_xl" else "",
-                  "model.mem_len": "0" if m.mem_len else "",
-                  "model.comp_mem_len": "0" if m.comp_mem_len else ""}
+        # (a re-read, session 111: Transformer-XL without memory trains on 'pack', and the
+        # compressed memory's other fields set back to their defaults go with it)
+        memory = {"model.mem_len": "0" if m.mem_len else "",
+                  "model.comp_mem_len": "0" if m.comp_mem_len else "",
+                  **{f"model.{k}": repr(getattr(ModelConfig, k))
+                     for k in ("comp_rate", "comp_fn", "comp_loss_weight")
+                     if m.comp_mem_len and getattr(m, k) != getattr(ModelConfig, k)}}
         if any(memory.values()):  # a bug hunt (session 110): "use pack" led to the mem_len
             # refusal's "set both" (stream), and back: memory cannot train on such a folder
             drop = ", ".join(f"{k}={v}" for k, v in memory.items() if v)

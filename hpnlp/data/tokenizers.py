@@ -313,8 +313,9 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
         # folder was gone trained another one, and wrote other text from the same ids
         from hpnlp.config import ConfigError
         raise ConfigError(f"{os.path.join(directory, META_FILE)} is missing: the run's "
-                          f"{cfg.tokenizer} tokenizer, which reading the run needs (one trained "
-                          "now could split text otherwise); restore the run's tokenizer folder")
+                          f"{cfg.tokenizer} tokenizer, which reading or resuming the run needs "
+                          "(one trained now could split text otherwise); restore the run's "
+                          "tokenizer folder")
     tok = _train_cached(cfg.tokenizer, int(cfg.vocab_size), tuple(train_docs), digest,
                         f"data.train_path={cfg.train_path}" if cfg.train_path
                         else "the training split")

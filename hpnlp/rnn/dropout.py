@@ -46,10 +46,12 @@ def _keep_mask(key, rate: float, shape, dtype):
 
 
 def _drop(x, mask):
-    """x * mask in float32, rounded to x's dtype once per element. A bfloat16 mask holds
-    1/(1-p) rounded once for every element (p = 0.1: 1.109375 for 1.1111, an expectation
-    0.16% low at every dropout site; review r9); per-element rounding has no shared bias."""
-    return (x.astype(jnp.float32) * mask.astype(jnp.float32)).astype(x.dtype)
+    """x * mask in float32 (or x's wider dtype), rounded to x's dtype once per element. A
+    bfloat16 mask holds 1/(1-p) rounded once for every element (p = 0.1: 1.109375 for 1.1111,
+    an expectation 0.16% low at every dropout site; review r9); per-element rounding has no
+    shared bias."""
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return (x.astype(wide) * mask.astype(wide)).astype(x.dtype)
 
 
 class Dropout(nn.Module):

@@ -10,8 +10,10 @@ each token's NLL alone, and the penalty, z_loss times the mean of logsumexp^2 ov
 tokens, is sown into the AUX collection (hpnlp.train.carry.fold_aux), which adds it to the
 objective the step minimizes and logs it as `loss_output_z`. So a train line's `loss` and
 `ppl` are the NLL's, on the scale of the eval lines' (review r8: they carried the penalty,
-1.08 nats at z_loss=0.01 and V=32K at init); the gradient is what it was. An apply that does
-not make AUX mutable (`per_example`) leaves the penalty out, as it does MoE's.
+1.08 nats at z_loss=0.01 and V=32K at init); the gradient is what it was, except under
+distillation, whose (1 - alpha) weight of the hard loss no longer scales the penalty: it
+counts at full weight there, as MoE's router losses do. An apply that does not make AUX
+mutable (`per_example`) leaves the penalty out, as it does MoE's.
 
 Token chunking is what lets the exact loss run where the logits cannot exist: 8K tokens
 x 1M classes is 32 GiB of float32 logits. The loss is a `lax.map` over chunks of tokens

@@ -278,8 +278,9 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
     unpiped = mesh.pipeline != 1 and draws_features(a.name, a.options)
     may = " may" if mesh.pipeline == -1 else ""
     why += (f"; read with mesh.data={k}{where}"
-            + (" (its MoE routing groups follow the devices)" if cfg.model.moe.num_experts
-               and not groups else "")
+            # (dropless groups split no batch nor route: a re-read, session 111)
+            + (" (its MoE routing groups follow the devices)" if moe.enabled()
+               and moe.dispatch == "capacity" and not moe.groups else "")
             # (a review of session 108: `generate` refuses decoding a pipelined run of random
             # features from its config, and this layout made that config say pipeline 1)
             + (f"; its attention ({a.name!r}) draws random features per layer otherwise in "
@@ -428,9 +429,15 @@ class Trainer:
                                   "use another --workdir")
             self._release_workdir = hold_for_training(workdir, jax.process_count(), model)
         self.lm = cfg.model.kind == "lm"
-        # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume.
-        self.task = data_lib.make_task(cfg.data, workdir=workdir, save_tokenizer=not read_only)
-        if has_checkpoint(workdir):  # its vocabulary or output layout of the text it trained on
+        # A subword tokenizer lives with the run (WORKDIR/tokenizer) and is reused on resume;
+        # a resumed run's lost one is refused as a reader's is, not trained again (on text
+        # that may have changed, which check_text_of_run then could not see: a re-read,
+        # session 111); a prepared folder's is its own, copied, never trained
+        resumed = has_checkpoint(workdir)
+        self.task = data_lib.make_task(
+            cfg.data, workdir=workdir,
+            save_tokenizer=not read_only and (not resumed or bool(cfg.data.prepared)))
+        if resumed:  # its vocabulary or output layout of the text it trained on
             data_lib.check_text_of_run(cfg, self.task, workdir)
         pi, pc = jax.process_index(), jax.process_count()
         self.iter_args = dict(process_index=pi, process_count=pc)
