@@ -1178,25 +1178,26 @@ def test_streams_of_a_prepared_folder_are_refused_without_suggesting_transformer
     assert "transformer_xl" not in str(e.value)
     # A bug hunt (session 110): with memory, "use pack" led to model.mem_len's refusal ("set
     # both": stream) and back; it names the constraint and the fixes that work instead
-    # (a re-read, session 111: Transformer-XL without memory trains on 'pack', so the plain
-    # advice holds; the compressed memory's fields set go back to their defaults with it)
-    xl = base(model={"arch": "transformer_xl"}, data={"prepared": "/corpus", "batching": "stream"})
-    with pytest.raises(ConfigError, match=r"is read in rows of .*, not streams; use "
-                       r"data.batching='pack'$"):
-        validate(xl, task_info=lm, num_devices=1)
-    validate(base(model={"arch": "transformer_xl"}, data={"prepared": "/corpus", "batching":
-                                                          "pack"}), task_info=lm, num_devices=1)
+    # (a re-read, session 111: Transformer-XL's memory, mem_len 0 its segment's length, is
+    # named whatever mem_len says; its compressed memory's fields set go back with it, and
+    # the config the advice gives validates)
     compressive = {"arch": "transformer_xl", "mem_len": 16, "comp_mem_len": 8, "comp_rate": 4}
-    for model, drop in (({"arch": "transformer_xl", "mem_len": 16}, "model.mem_len=0"),
-                        (compressive,
-                         "model.mem_len=0, model.comp_mem_len=0, model.comp_rate=3")):
+    for model, drop, fixed in (
+            ({"arch": "transformer_xl"}, "", {"arch": "transformer_xl"}),
+            ({"arch": "transformer_xl", "mem_len": 16}, " with model.mem_len=0",
+             {"arch": "transformer_xl"}),
+            (compressive, " with model.mem_len=0, model.comp_mem_len=0, model.comp_rate=3",
+             {"arch": "transformer_xl"})):
         cfg = base(model=model, data={"prepared": "/corpus", "batching": "stream"})
         with pytest.raises(ConfigError, match=r"`data.batching` = 'stream' .*never streams, and "
-                           r"the memory carried from batch to batch .*needs stream batches, so it "
-                           r"cannot train on a prepared folder: train on a data.train_path file "
-                           r"instead of data.prepared, or drop the memory \(" + re.escape(drop)
-                           + r"\) and use data.batching='pack'$"):
+                           r"the memory Transformer-XL carries from batch to batch .*needs "
+                           r"stream batches, so it cannot train on a prepared folder: train on "
+                           r"a data.train_path file instead of data.prepared, or use "
+                           r"data.batching='pack'" + re.escape(drop)
+                           + r", where it carries no memory$"):
             validate(cfg, task_info=lm, num_devices=1)
+        validate(base(model=fixed, data={"prepared": "/corpus", "batching": "pack"}),
+                 task_info=lm, num_devices=1)
 
 
 def test_list_options_read_back_from_config_json_stay_hashable():

@@ -637,7 +637,10 @@ def test_a_resume_whose_tokenizer_folder_is_lost_is_refused_and_trains_none(tmp_
     """A re-read (session 111): a resumed subword run whose WORKDIR/tokenizer was gone trained
     another on the text as it is now and saved it, so `check_text_of_run` compared that one
     with itself (a changed file passed) and later readers read it as the run's own. It is
-    refused as a reader's is, before anything is written."""
+    refused as a reader's is, before anything is written; a run of another tokenizer's ids
+    resumed with a subword one is refused naming data.tokenizer (not a lost folder)."""
+    import dataclasses
+
     from hpnlp.config import ConfigError
     from hpnlp.train.checkpoint import Checkpointer
     cfg = _bpe_run_config(tmp_path)
@@ -646,6 +649,15 @@ def test_a_resume_whose_tokenizer_folder_is_lost_is_refused_and_trains_none(tmp_
     os.makedirs(w / "checkpoints" / "1")  # a saved step: what has_checkpoint reads
     with pytest.raises(ConfigError, match=r"tokenizer.json is missing: the run's bpe "
                        r"tokenizer, which reading or resuming the run needs"):
+        Trainer(cfg, str(w))
+    assert not (w / "tokenizer").exists()
+    # a run of other ids (here bytes) resumed with a bpe tokenizer: named as the change it is
+    w = tmp_path / "bytes"
+    Checkpointer(str(w), dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, tokenizer="bytes", vocab_size=type(cfg.data)().vocab_size)), keep=1).close()
+    os.makedirs(w / "checkpoints" / "1")
+    with pytest.raises(ConfigError, match=r"`data.tokenizer` = 'bpe' .*trained on "
+                       r"data.tokenizer='bytes' ids \(its config.json\)"):
         Trainer(cfg, str(w))
     assert not (w / "tokenizer").exists()
 

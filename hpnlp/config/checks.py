@@ -1203,21 +1203,21 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         # the batches were read (and, on a plain Transformer, told to use Transformer-XL)
         from hpnlp.data.batching import MODES
         rows = f"a prepared folder (data.prepared={d.prepared!r}) is read in rows of {list(MODES)}"
-        # (a re-read, session 111: Transformer-XL without memory trains on 'pack', and the
-        # compressed memory's other fields set back to their defaults go with it)
-        memory = {"model.mem_len": "0" if m.mem_len else "",
-                  "model.comp_mem_len": "0" if m.comp_mem_len else "",
-                  **{f"model.{k}": repr(getattr(ModelConfig, k))
-                     for k in ("comp_rate", "comp_fn", "comp_loss_weight")
-                     if m.comp_mem_len and getattr(m, k) != getattr(ModelConfig, k)}}
-        if any(memory.values()):  # a bug hunt (session 110): "use pack" led to the mem_len
-            # refusal's "set both" (stream), and back: memory cannot train on such a folder
-            drop = ", ".join(f"{k}={v}" for k, v in memory.items() if v)
-            _fail("data.batching", d.batching, f"{rows}, never streams, and the memory carried "
-                  "from batch to batch (Transformer-XL's, the compressed one) needs stream "
-                  "batches, so it cannot train on a prepared folder: train on a data.train_path "
-                  f"file instead of data.prepared, or drop the memory ({drop}) and use "
-                  "data.batching='pack'")
+        if m.arch == "transformer_xl":  # a bug hunt (session 110): "use pack" led to the
+            # mem_len refusal's "set both" (stream), and back. Its memory (mem_len 0: the
+            # segment's length) cannot train on such a folder; on 'pack' it carries none, its
+            # memory's own fields back to their defaults (a re-read, session 111)
+            drop = ", ".join(
+                (["model.mem_len=0"] if m.mem_len else [])
+                + (["model.comp_mem_len=0"] if m.comp_mem_len else [])
+                + [f"model.{k}={getattr(ModelConfig, k)!r}"
+                   for k in ("comp_rate", "comp_fn", "comp_loss_weight")
+                   if m.comp_mem_len and getattr(m, k) != getattr(ModelConfig, k)])
+            _fail("data.batching", d.batching, f"{rows}, never streams, and the memory "
+                  "Transformer-XL carries from batch to batch (the compressed one too) needs "
+                  "stream batches, so it cannot train on a prepared folder: train on a "
+                  "data.train_path file instead of data.prepared, or use data.batching='pack'"
+                  + (f" with {drop}" if drop else "") + ", where it carries no memory")
         _fail("data.batching", d.batching, f"{rows}, not streams; use data.batching='pack'")
     if d.batching == "stream" and m.arch == "transformer":
         _fail("data.batching", d.batching, "stream batches continue each row across batches for "

@@ -353,6 +353,27 @@ def reader_device_count(cfg: Config) -> int:
     return len(reader_devices(cfg) or jax.devices())
 
 
+def _check_saved_tokenizer(cfg: Config, workdir: str) -> None:
+    """A run resumed or read with a subword data.tokenizer (bpe, unigram) where its
+    config.json's ids were another tokenizer's: a ConfigError naming the field, before the
+    task is built (a re-read, session 111: a bytes run resumed with a bpe tokenizer was told
+    its tokenizer folder was lost, which it never had; before that, one was trained and
+    saved into the run). Other changes are the Checkpointer's to name."""
+    from hpnlp.data import LM_TASKS
+    from hpnlp.data.text_tasks import lm_tokenizer
+    d = cfg.data
+    if (d.prepared or d.task not in LM_TASKS or d.tokenizer not in ("bpe", "unigram")
+            or not os.path.isfile(os.path.join(workdir, "config.json"))):
+        return
+    saved = load_run_config(workdir).data
+    was = lm_tokenizer(saved, saved.task) if saved.task in LM_TASKS else None
+    if was is not None and was != d.tokenizer:
+        raise config_error("data.tokenizer", d.tokenizer,
+                           f"the run in {workdir} trained on data.tokenizer={was!r} ids (its "
+                           "config.json), which its weights read; set it back to resume or "
+                           "read the run, or use a new --workdir")
+
+
 class Trainer:
     """Holds what one run builds; `run()` is the whole loop. Split out so tests and
     notebooks can build a trainer, take a few steps, and look inside."""
@@ -434,6 +455,8 @@ class Trainer:
         # that may have changed, which check_text_of_run then could not see: a re-read,
         # session 111); a prepared folder's is its own, copied, never trained
         resumed = has_checkpoint(workdir)
+        if resumed:
+            _check_saved_tokenizer(cfg, workdir)
         self.task = data_lib.make_task(
             cfg.data, workdir=workdir,
             save_tokenizer=not read_only and (not resumed or bool(cfg.data.prepared)))
