@@ -643,19 +643,20 @@ def test_a_resume_whose_tokenizer_folder_is_lost_is_refused_and_trains_none(tmp_
 
     from hpnlp.config import ConfigError
     from hpnlp.train.checkpoint import Checkpointer
+    def saved_run(name, cfg):
+        w = tmp_path / name
+        Checkpointer(str(w), cfg, keep=1).close()
+        os.makedirs(w / "checkpoints" / "1")  # a saved step: what has_checkpoint reads
+        return w
     cfg = _bpe_run_config(tmp_path)
-    w = tmp_path / "w"
-    Checkpointer(str(w), cfg, keep=1).close()
-    os.makedirs(w / "checkpoints" / "1")  # a saved step: what has_checkpoint reads
+    w = saved_run("w", cfg)
     with pytest.raises(ConfigError, match=r"tokenizer.json is missing: the run's bpe "
                        r"tokenizer, which reading or resuming the run needs"):
         Trainer(cfg, str(w))
     assert not (w / "tokenizer").exists()
     # a run of other ids (here bytes) resumed with a bpe tokenizer: named as the change it is
-    w = tmp_path / "bytes"
-    Checkpointer(str(w), dataclasses.replace(cfg, data=dataclasses.replace(
-        cfg.data, tokenizer="bytes", vocab_size=type(cfg.data)().vocab_size)), keep=1).close()
-    os.makedirs(w / "checkpoints" / "1")
+    w = saved_run("bytes", dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, tokenizer="bytes", vocab_size=type(cfg.data)().vocab_size)))
     with pytest.raises(ConfigError, match=r"`data.tokenizer` = 'bpe' .*trained on "
                        r"data.tokenizer='bytes' ids \(its config.json\)"):
         Trainer(cfg, str(w))

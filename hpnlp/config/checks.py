@@ -75,6 +75,10 @@ def _check_remat(remat: Any) -> None:
                                          "names:<a>,<b>"))
 
 
+# The compressed memory's fields besides its size (model.comp_mem_len), read only where it is on
+COMPRESSIVE_FIELDS = ("comp_rate", "comp_fn", "comp_loss_weight")
+
+
 def _check_compressive(cfg: Config) -> None:
     """`model.comp_*`: the Compressive Transformer's memory (models/transformer_xl.py)."""
     m, d = cfg.model, cfg.data
@@ -85,7 +89,7 @@ def _check_compressive(cfg: Config) -> None:
     _check_choice("model.comp_fn", m.comp_fn, ("pool", "conv"))
     _check_positive("model.comp_loss_weight", m.comp_loss_weight, allow_zero=True)
     if not m.comp_mem_len:
-        for name in ("comp_rate", "comp_fn", "comp_loss_weight"):  # a bug hunt: ignored
+        for name in COMPRESSIVE_FIELDS:  # a bug hunt: ignored
             if getattr(m, name) != getattr(ModelConfig, name):  # a bug hunt: "drop it" from
                 # an experiment that sets it cannot be done on the command line
                 _fail(f"model.{name}", getattr(m, name), "sets the compressed memory, and "
@@ -1211,7 +1215,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                 (["model.mem_len=0"] if m.mem_len else [])
                 + (["model.comp_mem_len=0"] if m.comp_mem_len else [])
                 + [f"model.{k}={getattr(ModelConfig, k)!r}"
-                   for k in ("comp_rate", "comp_fn", "comp_loss_weight")
+                   for k in COMPRESSIVE_FIELDS
                    if m.comp_mem_len and getattr(m, k) != getattr(ModelConfig, k)])
             _fail("data.batching", d.batching, f"{rows}, never streams, and the memory "
                   "Transformer-XL carries from batch to batch (the compressed one too) needs "

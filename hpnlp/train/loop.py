@@ -428,9 +428,10 @@ class Trainer:
         from hpnlp.config.checks import check_new_run, check_training
         if not read_only:
             check_training(cfg)
+        resumed = has_checkpoint(workdir)  # (nothing below saves one before the Checkpointer)
         # what a new run is refused that a saved one is not: here, before the workdir is held
         # and the data built (a review, session 107: a subword tokenizer was trained first)
-        if not has_checkpoint(workdir):
+        if not resumed:
             check_new_run(cfg)
         self.workdir = workdir
         if not read_only:  # before anything is written there
@@ -441,7 +442,7 @@ class Trainer:
             # a Trainer of another model is refused (a bug hunt, session 96: it rewrote the
             # first one's config.json)
             held = held_by(workdir)
-            differ = held and not has_checkpoint(workdir) and other_model(
+            differ = held and not resumed and other_model(
                 held[0], cfg, held[1], model[1])
             if differ:
                 raise WorkdirBusy(f"--workdir {workdir}: this process holds it for a run of "
@@ -454,7 +455,6 @@ class Trainer:
         # a resumed run's lost one is refused as a reader's is, not trained again (on text
         # that may have changed, which check_text_of_run then could not see: a re-read,
         # session 111); a prepared folder's is its own, copied, never trained
-        resumed = has_checkpoint(workdir)
         if resumed:
             _check_saved_tokenizer(cfg, workdir)
         self.task = data_lib.make_task(
@@ -500,7 +500,7 @@ class Trainer:
         # train a run there), and so does one whose ranks lowrank.energy chose (below).
         # Nor is that run read once this one has (review, session 94: config.json keeps
         # init_from, and a source trained anew as another model was refused for good).
-        saved = has_checkpoint(workdir)
+        saved = resumed
         started = cfg.train.init_from and saved
         if cfg.train.init_from and not started:
             from hpnlp.compress import gqa
@@ -556,7 +556,7 @@ class Trainer:
             from hpnlp.compress import lowrank
             lr = cfg.model.lowrank
             saved = (load_run_config(workdir).model.lowrank.ranks
-                     if lr.energy and not lr.ranks and has_checkpoint(workdir) else None)
+                     if lr.energy and not lr.ranks and resumed else None)
             if saved:  # a resume: the ranks its start chose, which its config.json holds
                 # (a bug hunt: it read train.init_from's run again, and failed where that
                 # had moved; a different energy is refused by the checkpoint's config check)
