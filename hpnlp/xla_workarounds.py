@@ -32,6 +32,17 @@ themselves (`GLIBC_TUNABLES`, `MALLOC_*_` variables or an `LD_PRELOAD`ed allocat
 cost is memory: freed memory stays with the process, and peak RSS rose 1.2x to 2x on the
 steps measured. `HPNLP_MALLOC_WORKAROUND=0` skips this one alone (`=1` keeps it with
 `HPNLP_XLA_WORKAROUNDS=0`).
+
+**XLA:CPU's cached multi-device programs can deadlock (hang, then abort).** A program
+loaded from JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`) no longer
+orders its collectives against those inside its loops, so on several CPU devices they can
+run at once and fill XLA's thread pool with collectives waiting on each other: XLA aborts
+after 40 s ("Termination timeout for `all reduce` ... only 2 of them arrived"). Freshly
+compiled, the same program runs. A process that simulates several CPU devices
+(`--xla_force_host_platform_device_count=N` in XLA_FLAGS, N > 1) on jaxlib 0.10.2 runs with
+the cache off (`jax_enable_compilation_cache=False`): it compiles its programs afresh.
+`HPNLP_CACHE_WORKAROUND=0` skips this one alone (`=1` keeps it with
+`HPNLP_XLA_WORKAROUNDS=0`).
 """
 
 from __future__ import annotations
@@ -47,6 +58,11 @@ from hpnlp.compile_flags import with_flags, xla_reads
 # jaxlib versions on which the pad over-read was reproduced (docs/xla_defects.md): 0.11.2
 # on the 16-core host of a lent GPU machine, its CPU backend, by the suite's repro test.
 PAD_OVERREAD_JAXLIB = ("0.10.2", "0.11.2")
+# jaxlib versions whose programs loaded from JAX's persistent compilation cache can deadlock
+# on several CPU devices (docs/xla_defects.md: the cache's copy loses the order of its
+# collectives; seen on 0.10.2)
+CACHED_COLLECTIVES_JAXLIB = ("0.10.2",)
+CACHE_SETTING = "jax_enable_compilation_cache=False"
 ISA_FLAG = "--xla_cpu_max_isa=AVX2"
 APPLIED: list[str] = []  # the flags and malloc settings `apply()` made in this process
 # glibc's mallopt parameters (malloc.h) and the values the re-fault workaround gives them:
@@ -101,6 +117,33 @@ def pad_overread_flag() -> str | None:
     if version not in PAD_OVERREAD_JAXLIB or "avx512f" not in cpu_flags():
         return None
     return ISA_FLAG
+
+
+def host_devices() -> int:
+    """The CPU devices XLA_FLAGS asks XLA to simulate (`--xla_force_host_platform_device_count`,
+    where XLA reads it), or 1."""
+    read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
+    n = 1
+    for f in read:
+        name, _, value = f.partition("=")
+        if name == "--xla_force_host_platform_device_count" and value.strip().isdigit():
+            n = int(value)
+    return n
+
+
+def cache_workaround_wanted() -> bool:
+    """Whether this process should keep its programs out of JAX's persistent compilation
+    cache: it runs on several simulated CPU devices (XLA_FLAGS), with a jaxlib whose cached
+    multi-device programs can deadlock, and it is not switched off (`HPNLP_CACHE_WORKAROUND=0`,
+    or `HPNLP_XLA_WORKAROUNDS=0` unless `HPNLP_CACHE_WORKAROUND=1`)."""
+    switch = os.environ.get("HPNLP_CACHE_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
+    if switch == "0" or host_devices() <= 1:
+        return False
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return version in CACHED_COLLECTIVES_JAXLIB and _accelerator_plugin() is None
 
 
 def _user_tuned_malloc() -> str | None:
@@ -170,8 +213,9 @@ def malloc_reused() -> bool:
 
 
 def apply() -> list[str]:
-    """Set malloc against re-faulting (once per process) and add the needed XLA flags to
-    XLA_FLAGS (child processes inherit them); returns what this call did."""
+    """Set malloc against re-faulting (once per process), add the needed XLA flags to
+    XLA_FLAGS (child processes inherit them), and keep a process on several simulated CPU
+    devices out of the persistent compilation cache; returns what this call did."""
     done = []
     started = _backend_started()
     # After JAX started, its threads keep the malloc arenas they took (and their re-faults):
@@ -194,5 +238,9 @@ def apply() -> list[str]:
                 f"XLA_FLAGS names a file of flags (it does not start with '-'), so hpnlp cannot "
                 f"add {flag}, which avoids a segmentation fault of this jaxlib on AVX-512 CPUs "
                 f"(docs/xla_defects.md); add {flag} to that file", RuntimeWarning, stacklevel=3)
+    if CACHE_SETTING not in APPLIED and cache_workaround_wanted():
+        import jax  # (reads no XLA flag: the backend starts at the first computation)
+        jax.config.update("jax_enable_compilation_cache", False)
+        done.append(CACHE_SETTING)
     APPLIED.extend(done)
     return done

@@ -44,7 +44,7 @@ def run_one(overrides: dict) -> dict:
     import numpy as np
 
     from hpnlp.config import ConfigError, from_configdict, validate
-    from hpnlp.config.checks import check_new_run
+    from hpnlp.config.checks import check_new_run, check_training
     from hpnlp.models import generate
     from hpnlp.train import run
 
@@ -56,6 +56,7 @@ def run_one(overrides: dict) -> dict:
         cfg = from_configdict(overrides)
         full = validate(cfg, num_processes=1)
         check_new_run(full)  # what a run in a fresh workdir is refused beside validate's
+        check_training(full)  # and what a run that trains is (a reader takes it)
     except ConfigError as e:
         return {"status": "refused", "message": str(e)}
     with tempfile.TemporaryDirectory() as workdir:

@@ -578,6 +578,24 @@ def test_a_corpus_grad_scaled_lm_decodes_without_its_token_counts():
                                   models.generate(plain, params, prompt, length=8))
 
 
+def test_a_corpus_grad_scaled_model_evaluates_without_its_token_counts():
+    """The crash hunt (session 112): `python -m hpnlp.compress quantize` of a run with
+    model.embed_grad_scale='corpus' failed in its reload check, which builds the model's
+    shapes (`ptq.model_entries`: models.build, deterministic) without the task's counts
+    ("needs the task's train token counts"). A model that
+    takes no gradient (deterministic: evaluation, shapes) has the parameters of the plain one
+    without them; one that trains still refuses to guess them."""
+    cfg = make_cfg("lm", depth=1, embed_grad_scale="corpus")
+    batch, key = lm_batch(), jax.random.key(0)
+    plain = jax.eval_shape(models.build(make_cfg("lm", depth=1), deterministic=True).init, key,
+                           batch)
+    scaled = jax.eval_shape(models.build(cfg, deterministic=True).init, key, batch)
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), scaled) == jax.tree.map(
+        lambda s: (s.shape, s.dtype), plain)
+    with pytest.raises(ValueError, match="needs the task's train token counts"):
+        jax.eval_shape(models.build(cfg, deterministic=False).init, key, batch)
+
+
 def test_the_cli_decodes_by_default_no_further_than_its_learned_positions_trained(
         tmp_path, capsys):
     """Review r4: with model.pos_emb='learned' and data.seq_len below model.max_len, the

@@ -278,6 +278,44 @@ def test_malloc_workaround_only_where_wanted(monkeypatch):
     assert not xw.malloc_workaround_wanted()
 
 
+def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
+    """XLA:CPU's cached multi-device programs can deadlock (docs/xla_defects.md): a process
+    simulating several CPU devices on jaxlib 0.10.2 keeps out of the persistent compilation
+    cache, and only such a process (tests/test_crash_hunt.py runs the deadlock)."""
+    import jax
+    for name in ("HPNLP_XLA_WORKAROUNDS", "HPNLP_CACHE_WORKAROUND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setattr(xw.importlib.metadata, "version",
+                        lambda name: xw.CACHED_COLLECTIVES_JAXLIB[0])
+    count = "--xla_force_host_platform_device_count="
+    for flags, n in (("", 1), (count + "4", 4), (count + "1", 1), (f"{count}8 {count}2", 2),
+                     (f"{BARE} {count}4", 1)):  # XLA stops reading at the bare token
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert xw.host_devices() == n, flags
+        assert xw.cache_workaround_wanted() == (n > 1), flags
+    monkeypatch.setenv("XLA_FLAGS", count + "4")
+    for name, value in (("HPNLP_CACHE_WORKAROUND", "0"), ("HPNLP_XLA_WORKAROUNDS", "0"),
+                        ("JAX_PLATFORMS", "cuda")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert not xw.cache_workaround_wanted(), name
+    monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", "0")
+    monkeypatch.setenv("HPNLP_CACHE_WORKAROUND", "1")  # this one kept, the others off
+    assert xw.cache_workaround_wanted()
+    monkeypatch.setattr(xw.importlib.metadata, "version", lambda name: "0.10.1")  # not seen
+    assert not xw.cache_workaround_wanted()
+    # apply() turns the cache off (recorded, not done: this process keeps its cache)
+    updates = []
+    monkeypatch.setattr(xw, "cache_workaround_wanted", lambda: True)
+    monkeypatch.setattr(xw, "pad_overread_flag", lambda: None)
+    monkeypatch.setattr(xw, "malloc_workaround_wanted", lambda: False)
+    monkeypatch.setattr(xw, "APPLIED", [])
+    monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+    assert xw.apply() == [xw.CACHE_SETTING] and xw.apply() == []  # once a process
+    assert updates == [("jax_enable_compilation_cache", False)]
+
+
 def test_cheap_compile_flags_only_what_the_jaxlib_knows(monkeypatch):
     # XLA aborts on a flag it does not know: jaxlib 0.11.2 dropped the fusion-emitter one.
     # The codegen-split one is passed to the same versions (not checked on newer ones).

@@ -33,7 +33,8 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
     `token_counts` [V] (the task's train counts per id) feed the frequency-based output
     layers (Huffman trees, frequency classes, unigram samplers; without them those
     assume frequency-sorted ids) and the fixed gradient table of
-    `model.embed_grad_scale = "corpus"`, which a `decode` model (no gradients) does without.
+    `model.embed_grad_scale = "corpus"`, which a `decode` or `deterministic` model (no
+    gradients: hpnlp trains with deterministic=False) does without.
     """
     cls = MODELS[cfg.model.kind]
     V = cfg.model.vocab_size
@@ -61,10 +62,12 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
         # counted as 1, its expected counts were 2-3x too low, no upper bounds)
         per_step = cfg.train.batch_size * cfg.data.seq_len * _texts_per_row(cfg)
         extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_step))
-    elif cfg.model.embed_grad_scale == "corpus" and decode:
+    elif cfg.model.embed_grad_scale == "corpus" and (decode or deterministic):
         # the table scales only the embedding's gradient (scaled_take's VJP; its forward is a
-        # plain take), which decoding never takes: ones stand in (review r4: generate without
-        # token_counts failed inside its init's trace, telling the user to pass them to build)
+        # plain take), which decoding and evaluation never take: ones stand in (review r4:
+        # generate without token_counts failed inside its init's trace, telling the user to
+        # pass them to build; the crash hunt, session 112: so did `python -m hpnlp.compress
+        # quantize`'s reload check of such a run, which builds its shapes without them)
         from hpnlp.models.transformer import RowWeights
         extra["embed_weights"] = RowWeights(np.ones(V, np.float32))
     if token_counts is not None and cfg.model.kind == "lm":
