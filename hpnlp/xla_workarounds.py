@@ -38,9 +38,10 @@ loaded from JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`) no 
 orders its collectives against those inside its loops, so on several CPU devices they can
 run at once and fill XLA's thread pool with collectives waiting on each other: XLA aborts
 after 40 s ("Termination timeout for `all reduce` ... only 2 of them arrived"). Freshly
-compiled, the same program runs. A process that simulates several CPU devices
-(`--xla_force_host_platform_device_count=N` in XLA_FLAGS, N > 1) on jaxlib 0.10.2 runs with
-the cache off (`jax_enable_compilation_cache=False`): it compiles its programs afresh.
+compiled, the same program runs. A process that asks for several CPU devices
+(`--xla_force_host_platform_device_count=N` in XLA_FLAGS, or `JAX_NUM_CPU_DEVICES=N`, N > 1)
+on jaxlib 0.10.2 runs with the cache off (`jax_enable_compilation_cache=False`): it
+compiles its programs afresh.
 `HPNLP_CACHE_WORKAROUND=0` skips this one alone (`=1` keeps it with
 `HPNLP_XLA_WORKAROUNDS=0`).
 """
@@ -120,8 +121,12 @@ def pad_overread_flag() -> str | None:
 
 
 def host_devices() -> int:
-    """The CPU devices XLA_FLAGS asks XLA to simulate (`--xla_force_host_platform_device_count`,
-    where XLA reads it), or 1."""
+    """The CPU devices this process asks for: `JAX_NUM_CPU_DEVICES` (JAX's
+    `jax_num_cpu_devices`, which JAX gives the CPU client in place of the flag), else
+    XLA_FLAGS' `--xla_force_host_platform_device_count` (where XLA reads it), else 1."""
+    env = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if env.isdigit():
+        return max(int(env), 1)
     read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
     n = 1
     for f in read:
@@ -133,9 +138,11 @@ def host_devices() -> int:
 
 def cache_workaround_wanted() -> bool:
     """Whether this process should keep its programs out of JAX's persistent compilation
-    cache: it runs on several simulated CPU devices (XLA_FLAGS), with a jaxlib whose cached
-    multi-device programs can deadlock, and it is not switched off (`HPNLP_CACHE_WORKAROUND=0`,
-    or `HPNLP_XLA_WORKAROUNDS=0` unless `HPNLP_CACHE_WORKAROUND=1`)."""
+    cache: it asks for several CPU devices (`host_devices`; on a machine with an accelerator
+    too, as the test suite's `JAX_PLATFORMS=cuda,cpu` runs meshes of CPU devices), with a
+    jaxlib whose cached multi-device programs can deadlock, and it is not switched off
+    (`HPNLP_CACHE_WORKAROUND=0`, or `HPNLP_XLA_WORKAROUNDS=0` unless
+    `HPNLP_CACHE_WORKAROUND=1`)."""
     switch = os.environ.get("HPNLP_CACHE_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
     if switch == "0" or host_devices() <= 1:
         return False
@@ -143,7 +150,7 @@ def cache_workaround_wanted() -> bool:
         version = importlib.metadata.version("jaxlib")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return version in CACHED_COLLECTIVES_JAXLIB and _accelerator_plugin() is None
+    return version in CACHED_COLLECTIVES_JAXLIB
 
 
 def _user_tuned_malloc() -> str | None:
@@ -241,6 +248,12 @@ def apply() -> list[str]:
     if CACHE_SETTING not in APPLIED and cache_workaround_wanted():
         import jax  # (reads no XLA flag: the backend starts at the first computation)
         jax.config.update("jax_enable_compilation_cache", False)
+        try:  # JAX decides at its first compile whether to use the cache, and keeps that
+            # answer: after a computation before `import hpnlp`, the setting alone did nothing
+            from jax._src import compilation_cache
+            compilation_cache.reset_cache()
+        except (ImportError, AttributeError):  # a JAX without them: asks again, or never did
+            pass
         done.append(CACHE_SETTING)
     APPLIED.extend(done)
     return done

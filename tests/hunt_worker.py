@@ -92,7 +92,7 @@ def run_one(overrides: dict) -> dict:
         from hpnlp.train.loop import dummy_batch
         import flax.linen as nn
 
-        model = build(full, deterministic=True)
+        model = build(full, deterministic=True, forward_only=True)
         params = jax.jit(lambda k: nn.unbox(model.init(
             k, dummy_batch("lm", 1, full.data.seq_len))["params"]))(jax.random.key(1))
         length = min(full.data.seq_len, full.model.max_len)

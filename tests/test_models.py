@@ -578,22 +578,34 @@ def test_a_corpus_grad_scaled_lm_decodes_without_its_token_counts():
                                   models.generate(plain, params, prompt, length=8))
 
 
-def test_a_corpus_grad_scaled_model_evaluates_without_its_token_counts():
+def test_a_corpus_grad_scaled_model_builds_forward_only_without_its_token_counts():
     """The crash hunt (session 112): `python -m hpnlp.compress quantize` of a run with
     model.embed_grad_scale='corpus' failed in its reload check, which builds the model's
-    shapes (`ptq.model_entries`: models.build, deterministic) without the task's counts
-    ("needs the task's train token counts"). A model that
-    takes no gradient (deterministic: evaluation, shapes) has the parameters of the plain one
-    without them; one that trains still refuses to guess them."""
+    shapes (`ptq.model_entries`) without the task's counts ("needs the task's train token
+    counts"); so did `hpnlp.moe.route`. Built `forward_only` (no gradient taken: shapes,
+    evaluation, routing) it has the parameters of the plain model without them; any other
+    build, deterministic too (per-example gradient norms take gradients of one), still
+    refuses to guess them."""
     cfg = make_cfg("lm", depth=1, embed_grad_scale="corpus")
     batch, key = lm_batch(), jax.random.key(0)
     plain = jax.eval_shape(models.build(make_cfg("lm", depth=1), deterministic=True).init, key,
                            batch)
-    scaled = jax.eval_shape(models.build(cfg, deterministic=True).init, key, batch)
+    scaled = jax.eval_shape(models.build(cfg, deterministic=True, forward_only=True).init, key,
+                            batch)
     assert jax.tree.map(lambda s: (s.shape, s.dtype), scaled) == jax.tree.map(
         lambda s: (s.shape, s.dtype), plain)
-    with pytest.raises(ValueError, match="needs the task's train token counts"):
-        jax.eval_shape(models.build(cfg, deterministic=False).init, key, batch)
+    for deterministic in (True, False):
+        with pytest.raises(ValueError, match="needs the task's train token counts"):
+            jax.eval_shape(models.build(cfg, deterministic=deterministic).init, key, batch)
+    from hpnlp.compress.ptq import model_entries  # the reload check's shapes
+    from hpnlp.config import validate
+    cd = default_configdict()
+    cd.data.update(task="byte_lm", seq_len=8)
+    cd.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, max_len=8)
+    cd.quant.weights = "int8"
+    entries = model_entries(validate(from_configdict(cd), num_devices=1))
+    cd.model.embed_grad_scale = "corpus"
+    assert model_entries(validate(from_configdict(cd), num_devices=1)) == entries
 
 
 def test_the_cli_decodes_by_default_no_further_than_its_learned_positions_trained(

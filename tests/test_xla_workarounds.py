@@ -283,9 +283,8 @@ def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
     simulating several CPU devices on jaxlib 0.10.2 keeps out of the persistent compilation
     cache, and only such a process (tests/test_crash_hunt.py runs the deadlock)."""
     import jax
-    for name in ("HPNLP_XLA_WORKAROUNDS", "HPNLP_CACHE_WORKAROUND"):
+    for name in ("HPNLP_XLA_WORKAROUNDS", "HPNLP_CACHE_WORKAROUND", "JAX_NUM_CPU_DEVICES"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setattr(xw.importlib.metadata, "version",
                         lambda name: xw.CACHED_COLLECTIVES_JAXLIB[0])
     count = "--xla_force_host_platform_device_count="
@@ -294,9 +293,16 @@ def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
         monkeypatch.setenv("XLA_FLAGS", flags)
         assert xw.host_devices() == n, flags
         assert xw.cache_workaround_wanted() == (n > 1), flags
+    for env, flags, n in (("4", "", 4), ("1", count + "4", 1)):  # JAX's own setting wins
+        with monkeypatch.context() as m:
+            m.setenv("JAX_NUM_CPU_DEVICES", env)
+            m.setenv("XLA_FLAGS", flags)
+            assert xw.host_devices() == n and xw.cache_workaround_wanted() == (n > 1), env
     monkeypatch.setenv("XLA_FLAGS", count + "4")
-    for name, value in (("HPNLP_CACHE_WORKAROUND", "0"), ("HPNLP_XLA_WORKAROUNDS", "0"),
-                        ("JAX_PLATFORMS", "cuda")):
+    with monkeypatch.context() as m:  # meshes of CPU devices beside an accelerator
+        m.setenv("JAX_PLATFORMS", "cuda,cpu")
+        assert xw.cache_workaround_wanted()
+    for name, value in (("HPNLP_CACHE_WORKAROUND", "0"), ("HPNLP_XLA_WORKAROUNDS", "0")):
         with monkeypatch.context() as m:
             m.setenv(name, value)
             assert not xw.cache_workaround_wanted(), name
@@ -312,8 +318,11 @@ def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
     monkeypatch.setattr(xw, "malloc_workaround_wanted", lambda: False)
     monkeypatch.setattr(xw, "APPLIED", [])
     monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+    from jax._src import compilation_cache
+    monkeypatch.setattr(compilation_cache, "reset_cache", lambda: updates.append("reset"))
     assert xw.apply() == [xw.CACHE_SETTING] and xw.apply() == []  # once a process
-    assert updates == [("jax_enable_compilation_cache", False)]
+    # JAX asks whether to use the cache again (its answer is kept from its first compile)
+    assert updates == [("jax_enable_compilation_cache", False), "reset"]
 
 
 def test_cheap_compile_flags_only_what_the_jaxlib_knows(monkeypatch):

@@ -225,7 +225,8 @@ def model_entries(cfg: Config, packed: bool = True) -> tuple[dict, list, dict]:
     # ask for ranges not calibrated yet when model.lowrank finds its products)
     cfg_f = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, quant=QuantConfig(kv_cache=q.kv_cache)))
-    model_f, model = (models.build(c, deterministic=True) for c in (cfg_f, cfg))
+    model_f, model = (models.build(c, deterministic=True, forward_only=True)
+                      for c in (cfg_f, cfg))
     kind = {"lm": "lm", "classifier": "classify"}.get(cfg.model.kind, "match")
     batch = dummy_batch(kind, 1, cfg.data.seq_len)
 

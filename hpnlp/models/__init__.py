@@ -27,14 +27,15 @@ MODELS = {"lm": TransformerLM, "classifier": Classifier, "dual_encoder": DualEnc
           "bi_encoder": BiEncoder}
 
 
-def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_counts=None):
+def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_counts=None,
+          forward_only: bool = False):
     """The model for `cfg.model.kind`; `deterministic=True` turns dropout off (eval).
 
     `token_counts` [V] (the task's train counts per id) feed the frequency-based output
     layers (Huffman trees, frequency classes, unigram samplers; without them those
     assume frequency-sorted ids) and the fixed gradient table of
-    `model.embed_grad_scale = "corpus"`, which a `decode` or `deterministic` model (no
-    gradients: hpnlp trains with deterministic=False) does without.
+    `model.embed_grad_scale = "corpus"`, which a `decode` model does without, and one built
+    `forward_only` (its gradients never taken: shapes, evaluation, routing).
     """
     cls = MODELS[cfg.model.kind]
     V = cfg.model.vocab_size
@@ -62,7 +63,7 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
         # counted as 1, its expected counts were 2-3x too low, no upper bounds)
         per_step = cfg.train.batch_size * cfg.data.seq_len * _texts_per_row(cfg)
         extra["embed_weights"] = RowWeights(corpus_count_weights(token_counts, per_step))
-    elif cfg.model.embed_grad_scale == "corpus" and (decode or deterministic):
+    elif cfg.model.embed_grad_scale == "corpus" and (decode or forward_only):
         # the table scales only the embedding's gradient (scaled_take's VJP; its forward is a
         # plain take), which decoding and evaluation never take: ones stand in (review r4:
         # generate without token_counts failed inside its init's trace, telling the user to

@@ -72,7 +72,7 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
                          "rows, or num_devices=1 to route it as one group")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, moe=dataclasses.replace(c, groups=groups)))
-    model = models.build(cfg, deterministic=True)
+    model = models.build(cfg, deterministic=True, forward_only=True)
     # An LM's trunk only (a bug hunt, session 100: "evaluate" ran the output layer, which
     # built without the task's token counts has other shapes than a class_based run's:
     # flax's ScopeParamShapeError); routing never reads the output layer.
