@@ -33,12 +33,12 @@ cost is memory: freed memory stays with the process, and peak RSS rose 1.2x to 2
 steps measured. `HPNLP_MALLOC_WORKAROUND=0` skips this one alone (`=1` keeps it with
 `HPNLP_XLA_WORKAROUNDS=0`).
 
-**XLA:CPU's cached multi-device programs can deadlock (hang, then abort).** A program
-loaded from JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`) no longer
-orders its collectives against those inside its loops, so on several CPU devices they can
-run at once and fill XLA's thread pool with collectives waiting on each other: XLA aborts
-after 40 s ("Termination timeout for `all reduce` ... only 2 of them arrived"). Freshly
-compiled, the same program runs. A process that asks for several CPU devices
+**XLA:CPU's cached multi-device programs can deadlock (hang, then abort).** On several CPU
+devices a program loaded from JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`)
+can fill XLA's thread pool with collectives waiting on each other (by XLA's source, the
+cache's copy no longer orders the collectives inside its loops against the others): XLA
+aborts after 40 s ("Termination timeout for `all reduce` ... only 2 of them arrived").
+Freshly compiled, the same program runs. A process that asks for several CPU devices
 (`--xla_force_host_platform_device_count=N` in XLA_FLAGS, or `JAX_NUM_CPU_DEVICES=N`, N > 1)
 on jaxlib 0.10.2 runs with the cache off (`jax_enable_compilation_cache=False`): it
 compiles its programs afresh.
@@ -65,7 +65,7 @@ PAD_OVERREAD_JAXLIB = ("0.10.2", "0.11.2")
 CACHED_COLLECTIVES_JAXLIB = ("0.10.2",)
 CACHE_SETTING = "jax_enable_compilation_cache=False"
 ISA_FLAG = "--xla_cpu_max_isa=AVX2"
-APPLIED: list[str] = []  # the flags and malloc settings `apply()` made in this process
+APPLIED: list[str] = []  # the flags, malloc and cache settings `apply()` made in this process
 # glibc's mallopt parameters (malloc.h) and the values the re-fault workaround gives them:
 # every thread allocates from the one heap (other arenas' heaps cannot hold blocks over
 # 64 MB and map them instead), large blocks come from that heap instead of their own
