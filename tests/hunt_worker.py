@@ -38,13 +38,25 @@ import traceback
 REPLY = "HUNT "
 
 
+def checked(fields: dict, num_devices: int | None = None):
+    """The validated config of the run in `fields`, refused (ConfigError) as a new run
+    that trains is before it starts: `validate`, then what a run in a fresh workdir is
+    refused beside it (`check_new_run`) and what a run that trains is (`check_training`;
+    a reader takes it). The crash hunt's repair asks the same in its own process."""
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.config.checks import check_new_run, check_training
+    full = validate(from_configdict(fields), num_devices=num_devices, num_processes=1)
+    check_new_run(full)
+    check_training(full)
+    return full
+
+
 def run_one(overrides: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from hpnlp.config import ConfigError, from_configdict, validate
-    from hpnlp.config.checks import check_new_run, check_training
+    from hpnlp.config import ConfigError, from_configdict
     from hpnlp.models import generate
     from hpnlp.train import run
 
@@ -54,9 +66,7 @@ def run_one(overrides: dict) -> dict:
     then = overrides.pop("then", None)
     try:
         cfg = from_configdict(overrides)
-        full = validate(cfg, num_processes=1)
-        check_new_run(full)  # what a run in a fresh workdir is refused beside validate's
-        check_training(full)  # and what a run that trains is (a reader takes it)
+        full = checked(overrides)
     except ConfigError as e:
         return {"status": "refused", "message": str(e)}
     with tempfile.TemporaryDirectory() as workdir:

@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
 # (imported before JAX starts its backend, which the package warns of)
-from hpnlp.config import ConfigError, default_configdict, from_configdict, validate
-from hpnlp.config.checks import check_new_run, check_training
+from hpnlp.config import ConfigError, default_configdict, from_configdict
+from hunt_worker import checked
 from hpnlp.config.compress_checks import _check_new_distill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -386,10 +386,7 @@ def refusal(config: dict) -> str | None:
     accept it."""
     fields = {k: v for k, v in config.items() if k not in ("ptq", "student", "then")}
     try:
-        full = validate(from_configdict(fields), num_devices=devices_for(config),
-                        num_processes=1)
-        check_new_run(full)
-        check_training(full)
+        checked(fields, num_devices=devices_for(config))
     except ConfigError as e:
         return str(e)
     return None
