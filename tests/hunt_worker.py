@@ -28,6 +28,7 @@ was running. The parent sets the simulated device count (XLA_FLAGS) when it star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,15 +37,73 @@ import tempfile
 import traceback
 
 REPLY = "HUNT "
+# A user's data files, as the hunt's draws name them (data.train_path, data.eval_path,
+# data.prepared = "@NAME"): written once per process by `data_dir`, on first use.
+DATA = {"@text": "train.txt", "@eval_text": "eval.txt", "@listops": "listops.tsv",
+        "@listops_eval": "listops_eval.tsv", "@prepared": "prepared"}
+DATA_ENV = "HPNLP_HUNT_DATA"  # the folder, inherited by the workers a test starts after it
+_DATA_DIR: list[str] = []
+
+
+def data_dir() -> str:
+    """The folder of the files in `DATA`, written on first use (DATA_ENV names one already
+    written): 60 training and 8 eval chapters of the embedded text as plain-text files
+    (a paragraph each), the same prepared (`python -m hpnlp.data.prepare`, bytes), and
+    ListOps TSVs of 48 and 16 generated expressions."""
+    if _DATA_DIR:
+        return _DATA_DIR[0]
+    where = os.environ.get(DATA_ENV)
+    if not where or not os.path.isdir(os.path.join(where, DATA["@prepared"])):
+        import atexit
+        import shutil
+
+        import numpy as np
+
+        from hpnlp.config import DataConfig
+        from hpnlp.data import corpus, listops, prepare
+        where = tempfile.mkdtemp(prefix="hpnlp-hunt-data-")
+        atexit.register(shutil.rmtree, where, True)
+        path = {name: os.path.join(where, f) for name, f in DATA.items()}
+        train, eval_ = corpus.kjv_splits()
+        for name, chapters in (("@text", train[:60]), ("@eval_text", eval_[:8])):
+            with open(path[name], "w") as f:
+                f.write("\n".join(c.text for c in chapters))
+        cfg = DataConfig(task="listops", listops_min_length=8, listops_max_length=32,
+                         listops_max_depth=3)
+        seqs, labels = listops.generate(cfg, 64, seed=0)
+        rows = [f"{listops.decode(s)}\t{y}" for s, y in zip(seqs, labels)]
+        for name, part in (("@listops", rows[:48]), ("@listops_eval", rows[48:])):
+            with open(path[name], "w") as f:
+                f.write("Source\tTarget\n" + "\n".join(part) + "\n")
+        with contextlib.redirect_stdout(sys.stderr):  # (a worker's stdout is its replies)
+            assert prepare.main(["--input", path["@text"], "--eval_input", path["@eval_text"],
+                                 "--out", path["@prepared"], "--shard_mb", "0", "--quiet"]) == 0
+        assert np.all(labels < listops.NUM_CLASSES)
+        os.environ[DATA_ENV] = where
+    _DATA_DIR.append(where)
+    return where
+
+
+def with_data(fields: dict) -> dict:
+    """`fields` with each data path drawn as "@NAME" (`DATA`) naming its file."""
+    data = fields.get("data") or {}
+    named = {k: v for k, v in data.items() if k in ("train_path", "eval_path", "prepared")
+             and isinstance(v, str) and v in DATA}
+    if not named:
+        return fields
+    return {**fields, "data": {**data, **{k: os.path.join(data_dir(), DATA[v])
+                                          for k, v in named.items()}}}
 
 
 def checked(fields: dict, num_devices: int | None = None):
     """The validated config of the run in `fields`, refused (ConfigError) as a new run
     that trains is before it starts: `validate`, then what a run in a fresh workdir is
     refused beside it (`check_new_run`) and what a run that trains is (`check_training`;
-    a reader takes it). The crash hunt's repair asks the same in its own process."""
+    a reader takes it). The crash hunt's repair asks the same in its own process. Data
+    paths drawn as "@NAME" name the hunt's files (`with_data`)."""
     from hpnlp.config import from_configdict, validate
     from hpnlp.config.checks import check_new_run, check_training
+    fields = with_data(fields)
     full = validate(from_configdict(fields), num_devices=num_devices, num_processes=1)
     check_new_run(full)
     check_training(full)
@@ -60,7 +119,7 @@ def run_one(overrides: dict) -> dict:
     from hpnlp.models import generate
     from hpnlp.train import run
 
-    overrides = dict(overrides)
+    overrides = with_data(dict(overrides))
     fmt = overrides.pop("ptq", None)
     student = overrides.pop("student", None)
     then = overrides.pop("then", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import hpnlp  # noqa: F401  (its XLA flags before RNGS below starts JAX's backend)
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1464,3 +1464,84 @@ def test_a_second_call_writing_into_the_same_out_is_refused(tmp_path):
         with staged(str(tmp_path / "new")):
             raise RuntimeError
     assert not os.path.exists(tmp_path / "new")
+
+
+def test_quantized_rows_are_the_quantized_tables_rows_in_values_and_gradients():
+    """`qlinear.quant_rows` (session 113): a sampled objective's or a tied lookup's rows,
+    gathered and then fake-quantized, equal the rows of the whole table fake-quantized, in
+    values and straight-through gradients, for every weight format and calibration (each
+    row of a [V, E] table has its own scale and range), repeated ids included."""
+    from hpnlp.compress.qlinear import quant_rows, quant_weight
+    V, E = 13, 16
+    w = jax.random.normal(jax.random.key(0), (V, E)).at[3, 5].set(9.0)  # an outlier row
+    ids = jnp.array([[3, 0, 3], [12, 7, 3]])
+    c = jax.random.normal(jax.random.key(1), ids.shape + (E,))
+    configs = [QuantConfig(weights=f, calibration=cal, group_size=8 if f == "int4" else 0,
+                           percentile=90.0)
+               for f in sorted(formats.FORMATS) for cal in ("absmax", "percentile", "mse")
+               if cal == "absmax" or f in ("int8", "int4")]  # (each range is chosen per row)
+
+    @jax.jit  # one compile for every format
+    def both(w):
+        out = []
+        for q in configs:
+            def rows_first(w, q=q):
+                return quant_rows(jnp.take(w, ids, axis=0), q)
+
+            def table_first(w, q=q):
+                return jnp.take(quant_weight(w.T, 1, q).T, ids, axis=0)
+            for f in (rows_first, table_first):
+                out.append((f(w), jax.grad(lambda w, f=f: jnp.sum(f(w) * c))(w)))
+        return out
+
+    got = both(w)
+    for i, q in enumerate(configs):
+        (rows, g_rows), (table, g_table) = got[2 * i], got[2 * i + 1]
+        np.testing.assert_array_equal(rows, table, err_msg=str(q))
+        np.testing.assert_array_equal(g_rows, g_table, err_msg=str(q))
+    assert len(configs) == 10
+
+
+def test_qat_sampled_rows_and_tied_lookups_quantize_only_the_rows_they_read():
+    """A sampled objective's rows and a tied embedding's lookups under QAT (session 113):
+    the same values and gradients as the rows of the whole fake-quantized table, and the
+    [E, V] table is no longer quantized to read them (it was, every step, for R << V rows)."""
+    import flax.linen as nn
+
+    import hpnlp.softmax as S
+    from hpnlp.config import ModelConfig
+    from hpnlp.models import transformer as T
+    V, E = 37, 16
+    q = QuantConfig(weights="int8", layers="output")
+    ids = jnp.array([[1, 5, 1, 30], [2, 2, 9, 36]])
+    c = jax.random.normal(jax.random.key(1), ids.shape + (E,))
+    whole = f"f32[{E},{V}]"  # the table transposed, contraction first, as quant_weight takes it
+
+    class Tied(nn.Module):
+        def setup(self):
+            self.embed = T.make_embed(ModelConfig(vocab_size=V, width=E, quant=q), tied=True)
+            self.out = S.get("sampled")(vocab_size=V, embed=self.embed, num_samples=4, quant=q)
+
+    for layer, rows, table in (
+            (S.get("sampled")(vocab_size=V, num_samples=4, quant=q),
+             lambda m, ids: m.rows(ids, E)[0], lambda m: m.weights(E)[0]),
+            (Tied(), lambda m, ids: m.embed(ids), lambda m: m.embed.table()),
+            (Tied(), lambda m, ids: m.out.rows(ids, E)[0], lambda m: m.embed.table())):
+        p = nn.unbox(layer.init(jax.random.key(0), ids, method=lambda m, ids: (
+            (m.embed(ids), m.out.rows(ids, E)) if isinstance(m, Tied) else m.rows(ids, E))))
+
+        def read(p, layer=layer, rows=rows):
+            return layer.apply(p, ids, method=rows)
+
+        def gathered(p, layer=layer, table=table):
+            return jnp.take(layer.apply(p, method=table), ids, axis=0)
+
+        @jax.jit
+        def both(p):
+            return [(f(p), jax.grad(lambda p, f=f: jnp.sum(f(p) * c))(p))
+                    for f in (read, gathered)]
+        (got, g_got), (want, g_want) = both(p)
+        np.testing.assert_array_equal(got, want)
+        jax.tree.map(np.testing.assert_array_equal, g_got, g_want)
+        assert whole not in str(jax.make_jaxpr(read)(p))
+        assert whole in str(jax.make_jaxpr(gathered)(p))

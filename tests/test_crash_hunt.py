@@ -18,9 +18,13 @@ simulated CPU devices.
 
 The default run trains a fixed-seed handful (`HUNT_EXAMPLES`); the `slow` run explores
 many more (`HPNLP_HUNT_EXAMPLES` overrides both; the slow run's 4 parts split it, at
-least one each). Workers run with the suite's cheap compile flags. The large-shape smoke run
-(`tests/test_large_shapes.py`) runs at XLA's full optimization, where the pad over-read of
-docs/xla_defects.md showed.
+least one each; `HPNLP_HUNT_SEED` moves the slow parts' seeds, 2026 + part by default, to
+draw configurations the recorded runs have not). Workers run with the suite's cheap
+compile flags. The large-shape smoke run (`tests/test_large_shapes.py`) runs at XLA's full
+optimization, where the pad over-read of docs/xla_defects.md showed.
+
+Data paths are drawn as "@NAME" (session 113): a user's text file, eval file, prepared
+folder or ListOps TSV, which `hunt_worker.data_dir` writes once per process.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ HUNT_EXAMPLES = 2
 REFUSAL_EXAMPLES = int(os.environ.get("HPNLP_REFUSAL_EXAMPLES", 150))
 SLOW_HUNT_EXAMPLES = 32
 SLOW_PARTS = 4
+SLOW_SEED = int(os.environ.get("HPNLP_HUNT_SEED", 2026))
 TIMEOUT_S = 300
 MESH_DEVICES = 4
 
@@ -246,7 +251,11 @@ def more(draw, model: dict, data: dict, train: dict, quant: dict, rnn: dict, mes
     tokenizers, static activation ranges, the RNN's normalization, learned initial state,
     dropouts and unrolling, the learning-rate schedule, early stopping, feature redraws,
     movement pruning, L1 and iterative magnitude pruning with rewinding, and a pipeline's
-    microbatches. The rules' refusals of what these combine with are repaired away."""
+    microbatches; and since session 113 a user's data files (`data_files`), float16's loss
+    scale, clipping and weight decay off, Adam's b2, an eval batch size, the data seed, the
+    calibration percentile, MoE's balance loss, eval capacity and dropless block, and a
+    cubic schedule's start and end. The rules' refusals of what these combine with are
+    repaired away."""
     kind = model["kind"]
     if kind in ("dual_encoder", "bi_encoder") and draw(st.integers(0, 3)) == 0:
         model["arch"] = "bag"
@@ -299,6 +308,50 @@ def more(draw, model: dict, data: dict, train: dict, quant: dict, rnn: dict, mes
              "rewind_step": 1}
     if mesh.get("pipeline"):
         mesh["pipeline_microbatches"] = draw(st.sampled_from([0, 2, 4]))
+    data_files(draw, data)
+    if model["dtype"] == "float16":  # a scale that overflows at once, or one that grows
+        train.update(loss_scale_init=draw(st.sampled_from([32768.0, 2.0 ** 40, 1.0])),
+                     loss_scale_period=draw(st.sampled_from([2000, 1])))
+    train.update(clip_norm=draw(st.sampled_from([1.0, 1.0, 0.0])),
+                 weight_decay=draw(st.sampled_from([0.01, 0.0])),
+                 b2=draw(st.sampled_from([0.98, 0.999])))
+    data["eval_batch_size"] = draw(st.sampled_from([0, 0, 4, 6]))
+    data["seed"] = draw(st.sampled_from([0, 0, 1]))
+    if quant["calibration"] == "percentile":
+        quant["percentile"] = draw(st.sampled_from([99.99, 99.0]))
+    if model["moe"].get("num_experts"):
+        model["moe"].update(balance_loss=draw(st.sampled_from([0.01, 0.0])),
+                            eval_capacity_factor=draw(st.sampled_from([2.0, 0.5])))
+        if model["moe"].get("dispatch") == "dropless":
+            model["moe"]["block_size"] = draw(st.sampled_from([0, 0, 4]))
+    if train["prune"].get("schedule") == "cubic":
+        train["prune"].update(start_step=draw(st.sampled_from([0, 1])),
+                              end_step=draw(st.sampled_from([0, 2])))
+
+
+def data_files(draw, data: dict) -> None:
+    """A user's own data (session 113), in a fifth of the LM and ListOps draws: a text file
+    (with or without an eval file; a held-out validation split), a prepared folder, or a
+    ListOps TSV, named "@NAME" and written by the workers (hunt_worker.DATA)."""
+    task = data["task"]
+    if task not in ("byte_lm", "word_lm", "listops") or draw(st.integers(0, 4)):
+        return
+    if task == "listops":  # the generator's fields are read by nothing (refused as unread)
+        for k in [k for k in data if k.startswith("listops_")]:
+            del data[k]
+        data["train_path"] = "@listops"
+        if draw(st.booleans()):
+            data["eval_path"] = "@listops_eval"
+        return
+    how = draw(st.sampled_from(["text", "text", "prepared"]))
+    if how == "prepared":
+        data["prepared"] = "@prepared"
+        return
+    data["train_path"] = "@text"
+    if draw(st.booleans()):
+        data["eval_path"] = "@eval_text"
+    else:
+        data["eval_split"] = draw(st.sampled_from(["eval", "validation"]))
 
 
 @st.composite
@@ -590,7 +643,7 @@ def _wide_part(part: int):
     def test_hunt_wide(pool, config):
         check(pool, config)
     test_hunt_wide.__name__ = f"test_hunt_wide_{part}"
-    return pytest.mark.slow(seed(2026 + part)(settings(
+    return pytest.mark.slow(seed(SLOW_SEED + part)(settings(
         max_examples=max(1, _examples(SLOW_HUNT_EXAMPLES) // SLOW_PARTS), deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck))(given(config=configs())(test_hunt_wide))))

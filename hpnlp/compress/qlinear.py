@@ -352,6 +352,23 @@ def quant_weight(w, k_dims: int, q: QuantConfig, module: nn.Module | None = None
     return formats.fake_quant(w_KN, q.weights, (0,), group=q.group_size, rng=rng).reshape(w.shape)
 
 
+def quant_rows(rows_XE, q: QuantConfig) -> jax.Array:
+    """Rows [..., E] gathered from a [V, E] table whose product contracts E, fake-quantized
+    as `quant_weight(table.T, 1, q).T` quantizes them within the whole table: each row (a
+    column of the [E, V] weight) has its own scale, range and groups, so its values and
+    straight-through gradients do not depend on the other rows. A sampled objective's R
+    rows, or a tied embedding's looked-up ones, cost R rows' quantization rather than V's
+    (session 113: the whole table was fake-quantized every step to gather R << V rows).
+    Not in an export (`exporting`), where `quant_weight` packs the whole table."""
+    flat_EX = rows_XE.reshape(-1, rows_XE.shape[-1]).T
+    return quant_weight(flat_EX, 1, q).T.reshape(rows_XE.shape)
+
+
+def exporting(module: nn.Module) -> bool:
+    """Whether `module` is applied to export its packed weights (`qexport` mutable)."""
+    return _mutable(module, "qexport")
+
+
 # The real tokens [B, L] (bool) of the products called inside `calibration_mask`, or None.
 # A context, not an argument: every product a block calls (qkv, out, the MLP's, a factorized
 # product's two) reads the mask of the block's own rows without a `valid` argument threaded

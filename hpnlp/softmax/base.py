@@ -436,8 +436,11 @@ class VocabLayer(LogitsDistribution, nn.Module):
         gives U[ids] V, [R, r] x [r, E], where fewer rows than V are asked for: review r8,
         the sampled objectives and hard_negative multiplied out the whole [V, E] (2 V r E
         flops and a [V, E] buffer, and as much again backward) to gather R << V rows of it.
-        From V rows on, multiplying the table out once costs less, and holds no more."""
-        from hpnlp.compress.qlinear import Factored, float_product
+        From V rows on, multiplying the table out once costs less, and holds no more.
+        Likewise a fake-quantized table (QAT) quantizes the gathered rows only
+        (`qlinear.quant_rows`: the same values and gradients)."""
+        from hpnlp.compress.qlinear import (Factored, exporting, float_product,
+                                             quant_rows)
         stored, bias_V = self._stored(width)
         if isinstance(stored, Factored) and num_rows < self.vocab_size:
             if self.embed is not None:
@@ -447,6 +450,17 @@ class VocabLayer(LogitsDistribution, nn.Module):
                 u_Rr = jnp.take(stored.u, ids, axis=0)
                 return float_product(u_Rr, stored.v, None, 1), jnp.take(bias_V, ids, axis=0)
             return factored
+        owner = self.embed if self.embed is not None else self.table
+        quant = getattr(owner, "quant", None) if self.embed is not None else self.quant
+        if (num_rows < self.vocab_size and not _is_packed(stored) and not exporting(owner)
+                and (getattr(owner, "quant_rows", False) if self.embed is not None
+                     else self.quantized())):
+            # the rows gathered, then fake-quantized: as gathering the quantized table, in
+            # values and gradients (each row its own scale), at R rows' cost, not V's
+            if self.embed is not None:
+                _check_width(stored.shape[-1], width)
+            return lambda ids: (quant_rows(jnp.take(stored, ids, axis=0), quant),
+                                jnp.take(bias_V, ids, axis=0))
         kernel_VE, bias_V = self._decoded(stored, bias_V, width)
         return lambda ids: (jnp.take(kernel_VE, ids, axis=0), jnp.take(bias_V, ids, axis=0))
 
