@@ -420,20 +420,27 @@ def test_unknown_quant_field_and_config_round_trip():
         from_configdict({"quant": {"bits": 4}})
 
 
-def _train(workdir, arch="transformer", steps=12, lowrank=None, init_from="", moe=None, **quant):
+def _train(workdir, arch="transformer", steps=12, lowrank=None, init_from="", moe=None,
+           attention=None, redraw_every=None, **quant):
     from hpnlp.train import run
     cd = default_configdict()
+    if attention:  # attention.name and its options
+        cd.attention.name = attention["name"]
+        cd.attention.options = attention.get("options", {})
     if moe:  # model.moe's fields
         cd.model.moe.update(moe)
     if lowrank:  # model.lowrank's fields; train.init_from the run it factorizes
         cd.model.lowrank.update(lowrank)
         cd.train.init_from = init_from
-    cd.data.task, cd.data.seq_len, cd.data.batching = "byte_lm", 32, "pack"
+    cd.data.task, cd.data.seq_len = "byte_lm", 32
+    cd.data.batching = "pad" if attention else "pack"  # (performer: no packed rows)
     cd.model.update(kind="lm", arch=arch, width=32, depth=1, num_heads=2, mlp_dim=64, max_len=32,
                     dropout=0.0)
     cd.output.tie_embeddings = True
     cd.train.update(steps=steps, batch_size=8, warmup_steps=2, lr=3e-3, log_every=4, eval_every=0,
                     eval_batches=2, checkpoint_every=0, progress=False)
+    if redraw_every is not None:
+        cd.train.feature_redraw_every = redraw_every
     for k, v in quant.items():
         setattr(cd.quant, k, v)
     return run(cd, workdir)
@@ -783,15 +790,6 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
                  "--weights", "int8"]) == 1
     assert "`model.memory.size`" in capsys.readouterr().err
-    # random features drawn from the train state's key (found in review: the quantized
-    # model evaluated and decoded with another draw)
-    run_json["config"]["model"]["memory"]["size"] = 0
-    run_json["config"]["attention"] = {"name": "performer", "options": {}}
-    run_json["config"]["data"]["batching"] = "pad"  # (performer: no packed rows)
-    json.dump(run_json, open(tmp_path / "mem" / "config.json", "w"))
-    assert main(["quantize", "--workdir", str(tmp_path / "mem"), "--out", str(tmp_path / "o"),
-                 "--weights", "int8"]) == 1
-    assert "`attention.name` = 'performer'" in capsys.readouterr().err
     # found by the crash hunt: nothing of a run written over (its summary.json was replaced),
     # settings a format ignores named, and a damaged config.json named
     before = open(os.path.join(trained, "summary.json")).read()
@@ -1545,3 +1543,58 @@ def test_qat_sampled_rows_and_tied_lookups_quantize_only_the_rows_they_read():
         jax.tree.map(np.testing.assert_array_equal, g_got, g_want)
         assert whole not in str(jax.make_jaxpr(read)(p))
         assert whole in str(jax.make_jaxpr(gathered)(p))
+
+
+@pytest.mark.slow  # trains, quantizes and decodes a run: CI's slow part runs it
+def test_a_performer_run_quantizes_under_the_draw_it_trained_with(tmp_path, capsys):
+    """A Performer run's random features come from its train state's key (a new draw every
+    train.feature_redraw_every steps). Quantizing one was refused until session 113 (its
+    files kept no draw, and the model would have been evaluated and decoded under its
+    seed's); now quant.json keeps the last step's draw, the quantized eval reads it, and
+    generate decodes under it. A quant.json without it is refused, naming the file."""
+    import importlib
+
+    from hpnlp import data as data_lib
+    from hpnlp import models
+    from hpnlp.train import Trainer
+    from hpnlp.train.carry import fold_eval
+    from hpnlp.train.step import finalize
+    run, out = str(tmp_path / "run"), str(tmp_path / "int8")
+    _train(run, steps=3, attention={"name": "performer", "options": {"num_features": 16}},
+           redraw_every=1)
+    s = ptq.quantize(run, out, QuantConfig(weights="int8"), eval_batches=1, repeats=1)
+    assert s["reload_identical"]
+    trainer = Trainer(ptq.load_run_config(run), run, read_only=True)
+    state, _ = trainer.initial_state()
+    trainer.checkpointer.close()
+    trained, first = (jax.random.key_data(state.features_key(r)) for r in (1, 0))
+    key = ptq.load_features_key(out)
+    np.testing.assert_array_equal(jax.random.key_data(key), trained)
+    assert not np.array_equal(trained, first)  # the last step's draw, not the first's
+    # the summary's quantized loss is the one under that draw (the attention falls back to
+    # its seed's without one, silently)
+    cfg_q, packed, qv = ptq.load(out)
+    task = data_lib.make_task(cfg_q.data)
+    batch = next(iter(data_lib.make_iterator(task, cfg_q.data, split="eval", batch_size=8)))
+    model = models.build(cfg_q, deterministic=True, token_counts=task.token_counts)
+    served = ptq.serve(model, packed, batch, qv)
+
+    @jax.jit
+    def losses(served, batch, key):
+        return [fold_eval(model, {"params": served}, batch, rngs) for rngs in
+                ({"features": key}, None)]
+    under_key, seeds = (finalize(jax.device_get(x), lm=True)["loss"]
+                        for x in losses(served, batch, key))
+    assert under_key == pytest.approx(s["eval"]["quantized"]["loss"], rel=1e-6)
+    assert abs(seeds - under_key) > 1e-6
+    generate = importlib.import_module("hpnlp.models.generate")
+    assert generate.main(["--workdir", out, "--prompt", "And", "--length", "8",
+                          "--greedy"]) == 0
+    capsys.readouterr()
+    manifest = json.load(open(os.path.join(out, "quant.json")))
+    del manifest[ptq.FEATURES]
+    json.dump(manifest, open(os.path.join(out, "quant.json"), "w"))
+    assert generate.main(["--workdir", out, "--prompt", "And", "--length", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (f"{out}/quant.json has no 'features_key', the random-feature draw its "
+            "attention.name='performer' model trained with") in err and "\n" not in err

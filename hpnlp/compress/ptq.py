@@ -419,6 +419,37 @@ def load(out: str, cfg: Config | None = None):
     return saved, traverse.unflatten_dict(flat), traverse.unflatten_dict(quant) if quant else {}
 
 
+FEATURES = "features_key"  # quant.json's entry of the draw (`quantize`)
+
+
+def key_json(key) -> dict:
+    """A random key as quant.json holds it: its implementation's name and its data."""
+    return {"impl": str(jax.random.key_impl(key)),
+            "data": np.asarray(jax.random.key_data(key)).tolist()}
+
+
+def load_features_key(out: str):
+    """The random-feature draw the quantized model in `out` was trained with and evaluated
+    under (`quantize`), for passes that read the `features` stream (Performer, LSH:
+    `hpnlp.retrieval.knnlm.reads_features`); None for a model that reads none. A folder
+    whose model reads one and that holds none (or a damaged one) is refused, naming the
+    file: the model would run under another draw than its weights trained with."""
+    from hpnlp.retrieval.knnlm import reads_features
+    mpath = os.path.join(out, "quant.json")
+    manifest = read_manifest(mpath, ("weights",))
+    cfg = from_configdict(manifest["config"])
+    if not reads_features(cfg):
+        return None
+    entry = manifest.get(FEATURES)
+    try:
+        return jax.random.wrap_key_data(np.asarray(entry["data"], np.uint32),
+                                        impl=entry["impl"])
+    except (TypeError, KeyError, ValueError) as e:
+        what = "has no" if entry is None else f"has a damaged ({type(e).__name__})"
+        raise _damaged(mpath, f"{what} {FEATURES!r}, the random-feature draw its "
+                       f"attention.name={cfg.attention.name!r} model trained with") from None
+
+
 # ---------------------------------------------------------------- the whole command
 
 def _forward_seconds(fn, *args, repeats: int = 5) -> float:
@@ -481,13 +512,6 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a quantized checkpoint does not hold; quantize a run "
                            "without model.memory")
-    from hpnlp import attention as attention_lib
-    if attention_lib.get(cfg.attention.name).random_features:  # found in review: evaluated
-        # and decoded with another draw than the trained one, which its files do not keep
-        raise config_error("attention.name", cfg.attention.name, f"the run in {workdir} draws "
-                           "random features from its train state's key, which a quantized "
-                           "checkpoint does not keep yet; quantize a run of an attention "
-                           "variant without random features (e.g. 'dense' or 'chunked')")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     kv_cache = cfg.model.quant.kv_cache  # the run's key/value cache stays the quantized model's
@@ -554,6 +578,14 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                "quantized; name products it has (or 'all')")
 
     float_eval = trainer.evaluate(state)  # after what may refuse the format (a bug hunt)
+    # The random-feature draw the weights trained with (Performer, LSH: the run's last
+    # step's), from the replicated rng and step, for every pass below and kept in quant.json
+    # (`load_features_key`): before session 113 such runs were refused, their files keeping
+    # no draw (found in review: evaluated and decoded with another one)
+    rng, at = jax.device_get((state.rng, state.step))
+    key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
+    from hpnlp.retrieval.knnlm import reads_features
+    rngs = {"features": key} if reads_features(cfg) else None
 
     def variables(p, qv):
         return {"params": p, **({"quant": qv} if qv else {})}
@@ -567,7 +599,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     # 102: an MoE run's quantized eval lacked the float eval's loss_moe_* and moe_*
     # statistics): carry.fold_eval, the float eval's own code, which both timed forwards
     # below run
-    eval_q = jax.jit(lambda p, qv, b: fold_eval(model_q, variables(p, qv), b))
+    eval_q = jax.jit(lambda p, qv, b: fold_eval(model_q, variables(p, qv), b, rngs))
     # Transformer-XL on a stream (float formats): the eval stream's memory threaded through,
     # as in the float evaluation above (its blocks are never MoE: nothing is sown).
     eval_q_memory = jax.jit(lambda p, qv, b, mem: model_q.apply(variables(p, qv), b, mem,
@@ -580,14 +612,12 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     # for the float model alone, and the quantized encoder's retrieval was measured nowhere)
     split_metrics = getattr(type(model_q), "split_metrics", None)
     if split_metrics is not None:
-        rng, at = jax.device_get((state.rng, state.step))
-        key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
         with trainer._context():
             quant_eval.update(split_metrics(cfg_q, _WithQuant(model_q, quant_vars), served,
                                             trainer.task, features_key=key))
 
     model_f = trainer.eval_model
-    eval_f = jax.jit(lambda p, b: fold_eval(model_f, {"params": p}, b))
+    eval_f = jax.jit(lambda p, b: fold_eval(model_f, {"params": p}, b, rngs))
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
     t_float = _forward_seconds(eval_f, params, eval_batch, repeats=repeats)
     t_quant = _forward_seconds(eval_q, served, quant_vars, eval_batch, repeats=repeats)
@@ -613,7 +643,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                             "packed weights decoded in the jitted forward (XLA)")},
         "reload_identical": None,
     }
-    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step}}
+    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step},
+            **({FEATURES: key_json(key)} if rngs else {})}
     if replacing:  # said once every check has passed
         print(f"hpnlp.compress: note: {replacing}", file=sys.stderr, flush=True)
     with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
@@ -622,6 +653,10 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         size = save(stage, dataclasses.replace(cfg_q, mesh=dataclasses.replace(
             cfg_q.mesh, data=-1)) if reader_devices(cfg_q) else cfg_q, packed, quant_vars, meta)
         _, reloaded, reloaded_quant = load(stage, cfg_q)
+        if rngs and not jnp.array_equal(jax.random.key_data(load_features_key(stage)),
+                                        jax.random.key_data(key)):
+            raise RuntimeError(f"the quantized checkpoint written for {out} did not reload "
+                               "its random-feature draw")
         if not float_dtype:
             reloaded = serve(model_q, reloaded, calib[0], reloaded_quant)
         # placed as the run's own arrays are (a mesh may shard them; a sharded low-precision

@@ -661,7 +661,8 @@ def main(argv=None) -> int:
         def weights():
             model = models.build(cfg, deterministic=True, token_counts=task.token_counts)
             batch = dummy_batch("lm", 1, cfg.data.seq_len)
-            return ptq.serve(model, packed, batch, quant_vars), quant_vars, None
+            return (ptq.serve(model, packed, batch, quant_vars), quant_vars,
+                    ptq.load_features_key(out))  # Performer's, LSH's draw (else None)
         return cfg, task, weights
 
     try:
