@@ -17,6 +17,8 @@ takes it) and, for each, writes one line `HUNT {"status": ..., ...}` to stdout:
   with finite losses, or refused in one line before it trains (`student_refused`); then,
   where it names `then` (fields merged likewise, `train.init_from` the run where they say
   FIRST), that run with finite losses or refused in one line (`then_refused`); then,
+  where it names `ensemble` (`members`, `member_loop`), the same config as a seed
+  ensemble, trained and evaluated finite or refused in one line (`ensemble_refused`); then,
   for a Transformer LM, decoding (`hpnlp.models.generate`, greedy for even seeds, sampled
   for odd) from initial parameters.
 - `error`: anything else raised (`message` and the traceback's tail).
@@ -123,6 +125,7 @@ def run_one(overrides: dict) -> dict:
     fmt = overrides.pop("ptq", None)
     student = overrides.pop("student", None)
     then = overrides.pop("then", None)
+    ensemble = overrides.pop("ensemble", None)
     try:
         cfg = from_configdict(overrides)
         full = checked(overrides)
@@ -149,6 +152,10 @@ def run_one(overrides: dict) -> dict:
                 out.update(second_run(overrides, changes, workdir, name))
                 if out["status"] != "ok":
                     return out
+        if ensemble is not None:
+            out.update(seed_ensemble(overrides, ensemble, workdir, out["eval_loss"]))
+            if out["status"] != "ok":
+                return out
     decodes = full.model.kind == "lm" and full.model.arch == "transformer"
     if decodes:  # what cannot decode a token at a time is refused up front, in one line
         from hpnlp.models.generate import check_decodes  # (expert-choice routing ranks a
@@ -229,6 +236,50 @@ def second_run(first: dict, changes: dict, workdir: str, name: str) -> dict:
     if isinstance(losses, str):
         return {"status": "error", "message": f"{name}: {losses}"}
     return {f"{name}_loss": losses[-1]}
+
+
+def seed_ensemble(fields: dict, spec: dict, workdir: str, plain_eval_loss: float) -> dict:
+    """The run's config as a seed ensemble (`hpnlp.train.ensemble`: spec["members"] seeds
+    trained in one step, their members stepped by spec["member_loop"]): finite training
+    losses, a finite eval of every member and of the ensemble, and member 0's eval the
+    plain run's (`plain_eval_loss`), or a one-line refusal before it trains
+    (`ensemble_refused`)."""
+    from hpnlp.config import ConfigError, from_configdict
+    from hpnlp.train.ensemble import seed_ensemble as ensemble_of
+    out = os.path.join(workdir, "ensemble")
+    try:
+        trainer = ensemble_of(from_configdict(fields), out, spec["members"],
+                              member_loop=spec["member_loop"])
+        summary = trainer.run()
+    except ConfigError as e:
+        trained = os.path.exists(os.path.join(out, "metrics.jsonl"))
+        if "\n" in str(e) or trained:
+            return {"status": "error", "message": f"the ensemble's refusal is not one line "
+                                                  f"before training: {e}"}
+        return {"ensemble_refused": str(e)}
+    numbers = [x for x in _numbers(summary["eval"])]
+    losses = _losses(out, summary) if os.path.exists(os.path.join(out, "metrics.jsonl")) \
+        else "no metrics.jsonl"
+    if isinstance(losses, str) or not numbers or not all(math.isfinite(x) for x in numbers):
+        return {"status": "error", "message": f"ensemble: losses {losses}, eval "
+                                              f"{summary['eval']}"}
+    # member 0 is the plain run (its seed, dropout and data): the same eval, to float
+    # rounding where vmap batches the members (hpnlp.train.ensemble's module doc)
+    first, plain = summary["eval"]["members"][0]["loss"], plain_eval_loss
+    tolerance = 1e-3 if spec["member_loop"] == "vmap" else 1e-4
+    if abs(first - plain) > tolerance * max(1.0, abs(plain)):
+        return {"status": "error", "message": f"the ensemble's member 0 evaluated {first}, the "
+                                              f"plain run of its seed {plain}"}
+    return {"ensemble_loss": losses[-1]}
+
+
+def _numbers(tree) -> list[float]:
+    """Every float in a summary's nested dicts and lists."""
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _numbers(v)]
+    if isinstance(tree, (list, tuple)):
+        return [x for v in tree for x in _numbers(v)]
+    return [float(tree)] if isinstance(tree, float) else []
 
 
 def quantized(workdir: str, fmt) -> dict:

@@ -1467,8 +1467,9 @@ def test_a_second_call_writing_into_the_same_out_is_refused(tmp_path):
 def test_quantized_rows_are_the_quantized_tables_rows_in_values_and_gradients():
     """`qlinear.quant_rows` (session 113): a sampled objective's or a tied lookup's rows,
     gathered and then fake-quantized, equal the rows of the whole table fake-quantized, in
-    values and straight-through gradients, for every weight format and calibration (each
-    row of a [V, E] table has its own scale and range), repeated ids included."""
+    values and straight-through gradients, for every weight format (absmax) and the
+    percentile and MSE ranges (int8, int4 by groups): each row of a [V, E] table has its
+    own scale and range. Repeated ids included."""
     from hpnlp.compress.qlinear import quant_rows, quant_weight
     V, E = 13, 16
     w = jax.random.normal(jax.random.key(0), (V, E)).at[3, 5].set(9.0)  # an outlier row
@@ -1550,23 +1551,26 @@ def test_a_performer_run_quantizes_under_the_draw_it_trained_with(tmp_path, caps
     """A Performer run's random features come from its train state's key (a new draw every
     train.feature_redraw_every steps). Quantizing one was refused until session 113 (its
     files kept no draw, and the model would have been evaluated and decoded under its
-    seed's); now quant.json keeps the last step's draw, the quantized eval reads it, and
-    generate decodes under it. A quant.json without it is refused, naming the file."""
+    seed's); now quant.json keeps the last step's draw, the static ranges are calibrated
+    and the quantized eval runs under it, and generate decodes under it. A quant.json
+    without it, or with a damaged one, is refused, naming the file."""
     import importlib
 
     from hpnlp import data as data_lib
     from hpnlp import models
-    from hpnlp.train import Trainer
+    from hpnlp.train import Trainer, carry
     from hpnlp.train.carry import fold_eval
     from hpnlp.train.step import finalize
     run, out = str(tmp_path / "run"), str(tmp_path / "int8")
     _train(run, steps=3, attention={"name": "performer", "options": {"num_features": 16}},
            redraw_every=1)
-    s = ptq.quantize(run, out, QuantConfig(weights="int8"), eval_batches=1, repeats=1)
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static")
+    s = ptq.quantize(run, out, q, calib_batches=1, eval_batches=1, repeats=1)
     assert s["reload_identical"]
     trainer = Trainer(ptq.load_run_config(run), run, read_only=True)
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()
+    float_params = carry.model_params(state.params)
     trained, first = (jax.random.key_data(state.features_key(r)) for r in (1, 0))
     key = ptq.load_features_key(out)
     np.testing.assert_array_equal(jax.random.key_data(key), trained)
@@ -1578,10 +1582,15 @@ def test_a_performer_run_quantizes_under_the_draw_it_trained_with(tmp_path, caps
     batch = next(iter(data_lib.make_iterator(task, cfg_q.data, split="eval", batch_size=8)))
     model = models.build(cfg_q, deterministic=True, token_counts=task.token_counts)
     served = ptq.serve(model, packed, batch, qv)
+    # the static ranges were calibrated under it too (found in review: under the seed's)
+    calib = [next(iter(data_lib.make_iterator(task, cfg_q.data, split="train", batch_size=8)))]
+    for rngs, same in (({"features": key}, True), (None, False)):
+        ranges = ptq.calibrate_ranges(model, float_params, calib, "absmax", rngs)
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, ranges, qv))) == same
 
     @jax.jit
     def losses(served, batch, key):
-        return [fold_eval(model, {"params": served}, batch, rngs) for rngs in
+        return [fold_eval(model, {"params": served, "quant": qv}, batch, rngs) for rngs in
                 ({"features": key}, None)]
     under_key, seeds = (finalize(jax.device_get(x), lm=True)["loss"]
                         for x in losses(served, batch, key))
@@ -1592,9 +1601,14 @@ def test_a_performer_run_quantizes_under_the_draw_it_trained_with(tmp_path, caps
                           "--greedy"]) == 0
     capsys.readouterr()
     manifest = json.load(open(os.path.join(out, "quant.json")))
-    del manifest[ptq.FEATURES]
-    json.dump(manifest, open(os.path.join(out, "quant.json"), "w"))
-    assert generate.main(["--workdir", out, "--prompt", "And", "--length", "8"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert (f"{out}/quant.json has no 'features_key', the random-feature draw its "
-            "attention.name='performer' model trained with") in err and "\n" not in err
+    for damage, what in ((None, "has no"), ([[1, 2]], "has a damaged (ValueError)"),
+                         ([-1, 5], "has a damaged (OverflowError)")):
+        if damage is None:
+            del manifest[ptq.FEATURES]
+        else:
+            manifest[ptq.FEATURES] = {"impl": "threefry2x32", "data": damage}
+        json.dump(manifest, open(os.path.join(out, "quant.json"), "w"))
+        assert generate.main(["--workdir", out, "--prompt", "And", "--length", "8"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (f"{out}/quant.json {what} 'features_key', the random-feature draw its "
+                "attention.name='performer' model trained with") in err and "\n" not in err

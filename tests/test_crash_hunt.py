@@ -8,7 +8,9 @@ teacher of a drawn student (`train.distill.*`: shallower, maybe narrower or fact
 drawn init and losses), which must train finite or be refused in one line before it trains;
 and an eighth start a run with other experts (`train.init_from`: fewer, or a dense run
 upcycled) or a run of another task from their trunk (`train.init_params='trunk'`), held to
-the same.
+the same; and an eighth are trained again as a seed ensemble of 1 or 2 members
+(`hpnlp.train.ensemble`, the members looped or vmapped), whose evaluation must be finite and
+whose member 0 must evaluate as the plain run did, or refuse in one line.
 
 Each configuration runs in a worker process (`tests/hunt_worker.py`), so a segmentation
 fault or an abort is reported as this test's failure, with its configuration, instead of
@@ -239,6 +241,10 @@ def configs(draw) -> dict:
             "output": output, "train": train, "data": data, "mesh": mesh, "rnn": rnn,
             "ptq": ptq, "student": student,
             "then": draw(st.one_of(expert_changes(), transfers()))
+            if draw(st.integers(0, 7)) == 0 else None,
+            # (session 113) the same config as a seed ensemble (hpnlp.train.ensemble)
+            "ensemble": {"members": draw(st.sampled_from([1, 2])),
+                         "member_loop": draw(st.sampled_from(["map", "vmap"]))}
             if draw(st.integers(0, 7)) == 0 else None}
 
 
@@ -437,7 +443,8 @@ def refusal(config: dict) -> str | None:
     """What `validate`, `check_new_run` and `check_training` (the worker's checks before it
     trains) say of the hunted run in `config` on its worker's devices, or None where they
     accept it."""
-    fields = {k: v for k, v in config.items() if k not in ("ptq", "student", "then")}
+    fields = {k: v for k, v in config.items()
+              if k not in ("ptq", "student", "then", "ensemble")}
     try:
         checked(fields, num_devices=devices_for(config))
     except ConfigError as e:

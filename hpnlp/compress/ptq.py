@@ -94,13 +94,14 @@ def serve(model, params, batch, quant_vars=None):
     return _put_back(model, params, batch, quant_vars, "qserve")
 
 
-def calibrate_ranges(model, params, batches, method: str):
-    """The `quant` collection: each product's activation range over `batches` (step 3)."""
+def calibrate_ranges(model, params, batches, method: str, rngs=None):
+    """The `quant` collection: each product's activation range over `batches` (step 3),
+    the passes under `rngs` (a random-feature model's trained draw: {"features": key})."""
     from hpnlp.compress import calibrate
 
     # .get: a pass in which no product calibrates makes no `calib` collection (validate
     # refuses such quant.layers: config.compress_checks.CALIBRATED)
-    run = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate",
+    run = jax.jit(lambda p, b: model.apply({"params": p}, b, method="evaluate", rngs=rngs,
                                            mutable=["calib"])[1].get("calib", {}))
     per_batch = [run(params, b) for b in batches]
     return jax.tree.map(lambda *r: calibrate.combine(jnp.stack(r), method), *per_batch)
@@ -442,9 +443,12 @@ def load_features_key(out: str):
         return None
     entry = manifest.get(FEATURES)
     try:
-        return jax.random.wrap_key_data(np.asarray(entry["data"], np.uint32),
-                                        impl=entry["impl"])
-    except (TypeError, KeyError, ValueError) as e:
+        key = jax.random.wrap_key_data(np.asarray(entry["data"], np.uint32),
+                                       impl=entry["impl"])
+        if key.shape != ():
+            raise ValueError(f"a key of shape {key.shape}")
+        return key
+    except (TypeError, KeyError, ValueError, OverflowError) as e:
         what = "has no" if entry is None else f"has a damaged ({type(e).__name__})"
         raise _damaged(mpath, f"{what} {FEATURES!r}, the random-feature draw its "
                        f"attention.name={cfg.attention.name!r} model trained with") from None
@@ -553,6 +557,15 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
         batch_size=cfg.data.eval_batch_size or cfg.train.batch_size)))
 
     model_q = models.build(cfg_q, deterministic=True, token_counts=trainer.task.token_counts)
+    # The random-feature draw the weights trained with (Performer, LSH: the run's last
+    # step's), from the replicated rng and step, for every pass below (calibration
+    # included) and kept in quant.json (`load_features_key`): before session 113 such runs
+    # were refused, their files keeping no draw (found in review: evaluated and decoded
+    # with another one)
+    rng, at = jax.device_get((state.rng, state.step))
+    key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
+    from hpnlp.retrieval.knnlm import reads_features
+    rngs = {"features": key} if reads_features(cfg) else None
     quant_vars = {}
     if float_dtype is not None:
         dt = jnp.dtype(float_dtype)
@@ -566,7 +579,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                               params)
     else:
         if q.act_scale == "static":
-            quant_vars = calibrate_ranges(model_q, params, calib, q.calibration)
+            quant_vars = calibrate_ranges(model_q, params, calib, q.calibration, rngs)
         packed = packed_params(model_q, params, calib[0], quant_vars)
         if q.weights != "none" and not any(isinstance(x, QWeight) for x in jax.tree.leaves(
                 packed, is_leaf=lambda x: isinstance(x, QWeight))):
@@ -578,14 +591,6 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                "quantized; name products it has (or 'all')")
 
     float_eval = trainer.evaluate(state)  # after what may refuse the format (a bug hunt)
-    # The random-feature draw the weights trained with (Performer, LSH: the run's last
-    # step's), from the replicated rng and step, for every pass below and kept in quant.json
-    # (`load_features_key`): before session 113 such runs were refused, their files keeping
-    # no draw (found in review: evaluated and decoded with another one)
-    rng, at = jax.device_get((state.rng, state.step))
-    key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
-    from hpnlp.retrieval.knnlm import reads_features
-    rngs = {"features": key} if reads_features(cfg) else None
 
     def variables(p, qv):
         return {"params": p, **({"quant": qv} if qv else {})}

@@ -356,7 +356,9 @@ def quant_rows(rows_XE, q: QuantConfig) -> jax.Array:
     """Rows [..., E] gathered from a [V, E] table whose product contracts E, fake-quantized
     as `quant_weight(table.T, 1, q).T` quantizes them within the whole table: each row (a
     column of the [E, V] weight) has its own scale, range and groups, so its values and
-    straight-through gradients do not depend on the other rows. A sampled objective's R
+    straight-through gradients do not depend on the other rows (bit for bit on one device;
+    under a mesh a row's sums may add in another order once gathered, a last-bit
+    difference in binary's and ternary's means and mse's errors). A sampled objective's R
     rows, or a tied embedding's looked-up ones, cost R rows' quantization rather than V's
     (session 113: the whole table was fake-quantized every step to gather R << V rows).
     Not in an export (`exporting`), where `quant_weight` packs the whole table."""
