@@ -97,7 +97,7 @@ def with_data(fields: dict) -> dict:
                                           for k, v in named.items()}}}
 
 
-def checked(fields: dict, num_devices: int | None = None):
+def checked(fields: dict, num_devices: int | None = None, num_processes: int = 1):
     """The validated config of the run in `fields`, refused (ConfigError) as a new run
     that trains is before it starts: `validate`, then what a run in a fresh workdir is
     refused beside it (`check_new_run`) and what a run that trains is (`check_training`;
@@ -106,7 +106,8 @@ def checked(fields: dict, num_devices: int | None = None):
     from hpnlp.config import from_configdict, validate
     from hpnlp.config.checks import check_new_run, check_training
     fields = with_data(fields)
-    full = validate(from_configdict(fields), num_devices=num_devices, num_processes=1)
+    full = validate(from_configdict(fields), num_devices=num_devices,
+                    num_processes=num_processes)
     check_new_run(full)
     check_training(full)
     return full

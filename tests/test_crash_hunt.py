@@ -41,7 +41,7 @@ import sys
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, assume, given, seed, settings
+from hypothesis import HealthCheck, Phase, assume, given, seed, settings
 from hypothesis import strategies as st
 
 # (imported before JAX starts its backend, which the package warns of)
@@ -439,20 +439,20 @@ KEPT = {"model", "data", "train", "model.kind", "data.task"}
 MAX_REPAIRS = 16
 
 
-def refusal(config: dict) -> str | None:
+def refusal(config: dict, devices: int | None = None, processes: int = 1) -> str | None:
     """What `validate`, `check_new_run` and `check_training` (the worker's checks before it
-    trains) say of the hunted run in `config` on its worker's devices, or None where they
-    accept it."""
+    trains) say of the hunted run in `config` on its worker's devices (or `devices` over
+    `processes`), or None where they accept it."""
     fields = {k: v for k, v in config.items()
               if k not in ("ptq", "student", "then", "ensemble")}
     try:
-        checked(fields, num_devices=devices_for(config))
+        checked(fields, num_devices=devices or devices_for(config), num_processes=processes)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def repaired(config: dict) -> dict | None:
+def repaired(config: dict, devices: int | None = None, processes: int = 1) -> dict | None:
     """`config` with each field a refusal names set back to its default (or removed where
     it has none, an option), until the run is accepted; where the named field is at its
     default already (a rule's default that the drawn fields around it refuse), the nearest
@@ -460,7 +460,7 @@ def repaired(config: dict) -> dict | None:
     refusal on the way that is not one line naming its field fails the test."""
     config = copy.deepcopy(config)
     for _ in range(MAX_REPAIRS):
-        msg = refusal(config)
+        msg = refusal(config, devices, processes)
         if msg is None:
             return config
         named = FIELD.match(msg)
@@ -658,6 +658,109 @@ def _wide_part(part: int):
 
 for _part in range(SLOW_PARTS):
     globals()[f"test_hunt_wide_{_part}"] = _wide_part(_part)
+
+
+# Two processes (session 113): the hunted configuration, its mesh on 2 devices, trained by
+# `python -m hpnlp.main` on 2 local processes of 1 device each (jax.distributed, gloo) and on
+# 1 process of 2 devices; the losses must be equal bitwise, as tests/test_multihost.py
+# reasons (the same partitioned program; sums of 2 floats do not depend on order). Each
+# example starts 3 processes: a few draws in the slow run (HPNLP_HUNT_EXAMPLES / 8 where set).
+TWO_PROCESS_EXAMPLES = 2
+TWO_PROCESS_TIMEOUT_S = 420
+EXPERIMENT = """import json
+
+import ml_collections
+
+FIELDS = json.loads({fields!r})
+
+
+def get_config(arg=None):
+    return ml_collections.ConfigDict(FIELDS)
+"""
+
+
+def on_two_devices(drawn: dict) -> dict:
+    """`drawn`, the hunted run alone, its mesh's other axes kept (each 2 or absent) and
+    its data axis taking the rest of 2 devices; 3 steps, a checkpoint at the end."""
+    config = {k: copy.deepcopy(v) for k, v in drawn.items()
+              if k not in ("ptq", "student", "then", "ensemble")}
+    config["mesh"] = {**config["mesh"], "data": -1}
+    config["train"].update(steps=3, checkpoint_every=3, log_every=1)
+    return config
+
+
+def _launch(config: dict, workdir: str, processes: int, devices: int) -> list:
+    """`python -m hpnlp.main` of `config` (as an experiment file beside `workdir`) on
+    `processes` local processes of `devices` CPU devices each: [(Popen, log path)]."""
+    import socket
+    from hunt_worker import with_data
+    experiment = workdir + ".py"
+    with open(experiment, "w") as f:
+        f.write(EXPERIMENT.format(fields=json.dumps(with_data(config))))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"))
+    multi = []
+    if processes > 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        multi = ["--coordinator", f"127.0.0.1:{port}", "--num_processes", str(processes)]
+    started = []
+    for i in range(processes):
+        log = f"{workdir}.p{i}.log"
+        with open(log, "w") as out:
+            started.append((subprocess.Popen(
+                [sys.executable, "-m", "hpnlp.main", "--config", experiment, "--workdir", workdir,
+                 *multi, *(["--process_id", str(i)] if multi else [])],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), log))
+    return started
+
+
+def _finished(started: list, deadline: float) -> list[str]:
+    """Each process's exit code (or "timeout", the rest then killed) and log tail."""
+    import time
+    out = []
+    for proc, log in started:
+        try:
+            code = proc.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = "timeout"
+        with open(log) as f:
+            out.append((code, f.read()[-3000:]))
+    return out
+
+
+def _train_losses(workdir: str) -> list:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(x["step"], x["loss"]) for x in map(json.loads, f) if not x.get("eval")]
+
+
+@pytest.mark.slow
+@seed(4100)
+@settings(max_examples=max(1, int(os.environ["HPNLP_HUNT_EXAMPLES"]) // 8)
+          if "HPNLP_HUNT_EXAMPLES" in os.environ else TWO_PROCESS_EXAMPLES,
+          deadline=None, database=None, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.generate))  # (shrinking: minutes a step)
+@given(drawn=configs())
+def test_hunt_two_processes_train_as_one(drawn):
+    import time
+    config = repaired(on_two_devices(drawn), devices=2, processes=2)
+    assume(config is not None)
+    with tempfile.TemporaryDirectory() as tmp:
+        one, two = os.path.join(tmp, "one"), os.path.join(tmp, "two")
+        runs = [_launch(config, one, 1, 2), _launch(config, two, 2, 1)]
+        deadline = time.time() + TWO_PROCESS_TIMEOUT_S
+        ends = [_finished(run, deadline) for run in runs]
+        shown = json.dumps(config, sort_keys=True)
+        for name, end in zip(("1 process of 2 devices", "2 processes of 1"), ends):
+            assert all(code == 0 for code, _ in end), (
+                f"configuration {shown}\n{name}: exit codes {[c for c, _ in end]}\n"
+                + "\n".join(f"--- process {i}:\n{tail}" for i, (_, tail) in enumerate(end)))
+        assert _train_losses(two) == _train_losses(one), (
+            f"configuration {shown}\nlosses on 2 processes {_train_losses(two)}, on 1 "
+            f"{_train_losses(one)}")
 
 
 # XLA:CPU's cached multi-device programs can deadlock (docs/xla_defects.md): the wide hunt

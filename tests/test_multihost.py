@@ -267,12 +267,14 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     # reads half of it: refused by both processes, before compiling, and neither hangs.
     logs = finish(launch(tmp_path / "tensor", processes=2,
                          extra=["--config.mesh.data=1", "--config.mesh.tensor=2"]), expect=1)
-    for i, log in enumerate(logs):
-        assert f"config field `mesh` does not split the batch over processes: process {i} of 2" \
-            in log, log[-2000:]
-        # the axes the default rule leaves out, not `expert`, which it splits the batch over
-        assert "does not name (tensor, sequence, pipeline) within one process" in log, \
-            log[-2000:]
+    for log in logs:  # (validate's check since session 113, before the Trainer's of its
+        # shardings: the same for every process, naming the axis)
+        assert ("config field `mesh.tensor` = 2 is not allowed: the batch would not split over "
+                "the 2 processes (1 device each): the batch axes (data, fsdp, expert) cut each "
+                "batch into 1 shard, not a multiple of the processes") in log, log[-2000:]
+        # the axes of the mesh the default rule leaves out, not `expert`, which it splits the
+        # batch over
+        assert "does not name (tensor) within one process" in log, log[-2000:]
     assert not os.path.exists(tmp_path / "tensor" / "checkpoints")
     # A bug hunt (session 92): processes started with different configs aborted in gloo's
     # C++ "collective mismatch" (another model.width), or would train on (another train.lr).

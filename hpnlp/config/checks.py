@@ -494,6 +494,55 @@ def _rnn_blocked(cfg: Config, num_devices: int) -> str | None:
     return reason and f"here: {reason}"
 
 
+def _check_process_rows(mesh, sizes: dict, n: int, num_processes: int, real: bool) -> None:
+    """Refuse a mesh whose batch shards do not split the processes evenly and in process
+    order: process p reads rows [p B / P, (p + 1) B / P) of each global batch (the data
+    iterator), and its devices must hold those rows. The devices lie in the mesh in
+    row-major order as `parallel.mesh.make_mesh` lays jax.devices() out: each one's process
+    read from JAX where `real` (this process's devices), else assumed in blocks of n / P (a
+    count given to validate). A crash hunt (session 113): a reader's validate of
+    mesh.pipeline=2 on 2 processes of 1 device accepted it, and the run was refused only
+    by the Trainer's check of its shardings (`train.loop.check_process_rows`, which stays)."""
+    if num_processes <= 1 or n % num_processes:
+        return
+    local = n // num_processes
+    if real:
+        import jax
+        owner = [d.process_index for d in jax.devices()]
+        if len(owner) != n:
+            return
+    batch_axes = mesh.mesh_axes_of("batch")
+    coords = [range(sizes[a]) for a in MESH_AXES]
+    import itertools
+    shard_of = []  # each device's batch shard, in row-major device order
+    for c in itertools.product(*coords):
+        at = dict(zip(MESH_AXES, c))
+        shard = 0
+        for a in batch_axes:
+            shard = shard * sizes[a] + at[a]
+        shard_of.append(shard)
+    shards = math.prod(sizes[a] for a in batch_axes)
+    if not real:
+        owner = [i // local for i in range(n)]
+    for p in range(num_processes):
+        held = {shard for shard, q in zip(shard_of, owner) if q == p}
+        want = set(range(p * shards // num_processes, (p + 1) * shards // num_processes))
+        if shards % num_processes or held != want:
+            others = [a for a in MESH_AXES if a not in batch_axes and sizes[a] > 1]
+            field = f"mesh.{others[0]}" if others else "mesh.rules.batch"
+            value = sizes[others[0]] if others else mesh.rules.get("batch")
+            where = (f"the batch axes ({', '.join(batch_axes)}) cut each batch into {shards} "
+                     f"shard{'s' if shards > 1 else ''}, not a multiple of the processes"
+                     if shards % num_processes else
+                     f"process {p}'s devices would hold batch shards {sorted(held)} of "
+                     f"{shards}, and it reads shards {sorted(want)}")
+            _fail(field, value, f"the batch would not split over the {num_processes} "
+                  f"processes ({local} device{'s' if local > 1 else ''} each): {where}. Keep "
+                  "the mesh axes that mesh.rules.batch does not name"
+                  + (f" ({', '.join(others)})" if others else "") + " within one process, "
+                  "and the batch axes a multiple of the processes")
+
+
 def _check_mesh_fields(cfg: Config) -> None:
     """The mesh's fields as far as they do not depend on the device count: axis sizes, one
     -1 at most, `mesh.rules`' names. A review (session 107): they came after the devices'
@@ -1400,6 +1449,7 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     if eval_bs % math.lcm(shards, num_processes):
         _fail("data.eval_batch_size", eval_bs,
               f"must be a multiple of {math.lcm(shards, num_processes)} (data-parallel shards)")
+    _check_process_rows(mesh, sizes, n, num_processes, real=num_devices is None)
     # after the batch sizes' checks, which its routing groups divide (review r4: before them,
     # batch_size=32 with grad_accum=3 was refused as model.moe.groups not dividing "32 / 3 = 10")
     _check_moe_mesh(cfg, sizes)
