@@ -750,9 +750,17 @@ def test_hunt_two_processes_train_as_one(drawn):
     assume(config is not None)
     with tempfile.TemporaryDirectory() as tmp:
         one, two = os.path.join(tmp, "one"), os.path.join(tmp, "two")
-        runs = [_launch(config, one, 1, 2), _launch(config, two, 2, 1)]
-        deadline = time.time() + TWO_PROCESS_TIMEOUT_S
-        ends = [_finished(run, deadline) for run in runs]
+        runs = []
+        try:
+            runs.append(_launch(config, one, 1, 2))
+            runs.append(_launch(config, two, 2, 1))
+            deadline = time.time() + TWO_PROCESS_TIMEOUT_S
+            ends = [_finished(run, deadline) for run in runs]
+        finally:  # none left running, whatever stopped the test
+            for proc, _ in (p for run in runs for p in run):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         shown = json.dumps(config, sort_keys=True)
         for name, end in zip(("1 process of 2 devices", "2 processes of 1"), ends):
             assert all(code == 0 for code, _ in end), (

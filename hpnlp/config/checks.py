@@ -511,36 +511,51 @@ def _check_process_rows(mesh, sizes: dict, n: int, num_processes: int, real: boo
         owner = [d.process_index for d in jax.devices()]
         if len(owner) != n:
             return
-    batch_axes = mesh.mesh_axes_of("batch")
-    coords = [range(sizes[a]) for a in MESH_AXES]
-    import itertools
-    shard_of = []  # each device's batch shard, in row-major device order
-    for c in itertools.product(*coords):
-        at = dict(zip(MESH_AXES, c))
-        shard = 0
-        for a in batch_axes:
-            shard = shard * sizes[a] + at[a]
-        shard_of.append(shard)
-    shards = math.prod(sizes[a] for a in batch_axes)
-    if not real:
+    else:
         owner = [i // local for i in range(n)]
-    for p in range(num_processes):
-        held = {shard for shard, q in zip(shard_of, owner) if q == p}
-        want = set(range(p * shards // num_processes, (p + 1) * shards // num_processes))
-        if shards % num_processes or held != want:
-            others = [a for a in MESH_AXES if a not in batch_axes and sizes[a] > 1]
-            field = f"mesh.{others[0]}" if others else "mesh.rules.batch"
-            value = sizes[others[0]] if others else mesh.rules.get("batch")
-            where = (f"the batch axes ({', '.join(batch_axes)}) cut each batch into {shards} "
-                     f"shard{'s' if shards > 1 else ''}, not a multiple of the processes"
-                     if shards % num_processes else
-                     f"process {p}'s devices would hold batch shards {sorted(held)} of "
-                     f"{shards}, and it reads shards {sorted(want)}")
-            _fail(field, value, f"the batch would not split over the {num_processes} "
-                  f"processes ({local} device{'s' if local > 1 else ''} each): {where}. Keep "
-                  "the mesh axes that mesh.rules.batch does not name"
-                  + (f" ({', '.join(others)})" if others else "") + " within one process, "
-                  "and the batch axes a multiple of the processes")
+    import itertools
+    coords = list(itertools.product(*(range(sizes[a]) for a in MESH_AXES)))  # row-major
+    batch_axes = mesh.mesh_axes_of("batch")
+    shards = math.prod(sizes[a] for a in batch_axes)
+
+    def fault(axes) -> tuple | None:
+        """(process, shards held, shards read) of the first process whose differ, the
+        batch split over `axes` (most significant first, as the sharding's spec)."""
+        shard_of = []
+        for c in coords:
+            at, shard = dict(zip(MESH_AXES, c)), 0
+            for a in axes:
+                shard = shard * sizes[a] + at[a]
+            shard_of.append(shard)
+        for p in range(num_processes):
+            held = {shard for shard, q in zip(shard_of, owner) if q == p}
+            want = set(range(p * shards // num_processes, (p + 1) * shards // num_processes))
+            if shards % num_processes or held != want:
+                return p, held, want
+        return None
+
+    found = fault(batch_axes)
+    if found is None:
+        return
+    p, held, want = found
+    others = [a for a in MESH_AXES if a not in batch_axes and sizes[a] > 1]
+    in_order = tuple(a for a in MESH_AXES if a in batch_axes)
+    if in_order != tuple(batch_axes) and fault(in_order) is None:  # (a review: the order
+        # of the rule's axes, not another axis, is what splits the batch out of order)
+        _fail("mesh.rules.batch", mesh.rules.get("batch"), f"the batch would not split over "
+              f"the {num_processes} processes in process order: name its axes in the mesh's "
+              f"order, {','.join(in_order)}")
+    field = f"mesh.{others[0]}" if others else "mesh.rules.batch"
+    value = sizes[others[0]] if others else mesh.rules.get("batch")
+    where = (f"the batch axes ({', '.join(batch_axes)}) cut each batch into {shards} "
+             f"shard{'s' if shards > 1 else ''}, not a multiple of the processes"
+             if shards % num_processes else
+             f"process {p}'s devices would hold batch shards {sorted(held)} of "
+             f"{shards}, and it reads shards {sorted(want)}")
+    _fail(field, value, f"the batch would not split over the {num_processes} processes "
+          f"({local} device{'s' if local > 1 else ''} each): {where}. Keep the mesh axes "
+          "that mesh.rules.batch does not name" + (f" ({', '.join(others)})" if others else "")
+          + " within one process, and the batch axes a multiple of the processes")
 
 
 def _check_mesh_fields(cfg: Config) -> None:
