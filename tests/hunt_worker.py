@@ -257,7 +257,16 @@ def seed_ensemble(fields: dict, spec: dict, workdir: str, plain_eval_loss: float
         if "\n" in str(e) or trained:
             return {"status": "error", "message": f"the ensemble's refusal is not one line "
                                                   f"before training: {e}"}
-        return {"ensemble_refused": str(e)}
+        # the plain run trained, so only what an ensemble cannot evaluate may refuse it (a
+        # review, session 113: any one-line refusal passed)
+        from hpnlp.train.ensemble import check_ensemble_evaluates
+        try:
+            check_ensemble_evaluates(checked(fields))
+        except ConfigError as expected:
+            if str(expected) == str(e):
+                return {"ensemble_refused": str(e)}
+        return {"status": "error", "message": f"the ensemble of a run that trained alone was "
+                                              f"refused: {e}"}
     numbers = [x for x in _numbers(summary["eval"])]
     losses = _losses(out, summary) if os.path.exists(os.path.join(out, "metrics.jsonl")) \
         else "no metrics.jsonl"
