@@ -1,9 +1,12 @@
 """The suite's cheap-compile XLA flags (set by conftest.py) and an environment without
-them, for subprocesses that must compile as users do (XLA's full optimization)."""
+them, for subprocesses that must compile as users do (XLA's full optimization); what
+tests that start `python -m hpnlp.main` processes share (a free port, a run's losses)."""
 
 import importlib.util
+import json
 import os
 import pathlib
+import socket
 
 # hpnlp/compile_flags.py, loaded by its path rather than imported from the package: importing
 # hpnlp in pytest's controller (conftest.py reads this first) would apply hpnlp's XLA
@@ -29,3 +32,16 @@ def full_optimization_env(*drop: str, **extra: str) -> dict:
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(gone))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a coordinator's, for local processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_losses(workdir) -> list[tuple[int, float]]:
+    """(step, loss) of each train line of the run's metrics.jsonl."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(x["step"], x["loss"]) for x in map(json.loads, f) if not x.get("eval")]

@@ -154,7 +154,7 @@ def run_one(overrides: dict) -> dict:
                 if out["status"] != "ok":
                     return out
         if ensemble is not None:
-            out.update(seed_ensemble(overrides, ensemble, workdir, out["eval_loss"]))
+            out.update(seed_ensemble(overrides, full, ensemble, workdir, out["eval_loss"]))
             if out["status"] != "ok":
                 return out
     decodes = full.model.kind == "lm" and full.model.arch == "transformer"
@@ -228,24 +228,21 @@ def second_run(first: dict, changes: dict, workdir: str, name: str) -> dict:
         validate(cfg, num_processes=1)
         summary = run(cfg, out)
     except ConfigError as e:
-        trained = os.path.exists(os.path.join(out, "metrics.jsonl"))
-        if "\n" in str(e) or trained:
-            return {"status": "error", "message": f"the {name} run's refusal is not one line "
-                                                  f"before training: {e}"}
-        return {f"{name}_refused": str(e)}
+        return _late_refusal(e, out, f"the {name} run") or {f"{name}_refused": str(e)}
     losses = _losses(out, summary)
     if isinstance(losses, str):
         return {"status": "error", "message": f"{name}: {losses}"}
     return {f"{name}_loss": losses[-1]}
 
 
-def seed_ensemble(fields: dict, spec: dict, workdir: str, plain_eval_loss: float) -> dict:
-    """The run's config as a seed ensemble (`hpnlp.train.ensemble`: spec["members"] seeds
-    trained in one step, their members stepped by spec["member_loop"]): finite training
-    losses, a finite eval of every member and of the ensemble, and member 0's eval the
-    plain run's (`plain_eval_loss`), or a one-line refusal before it trains
-    (`ensemble_refused`)."""
+def seed_ensemble(fields: dict, full, spec: dict, workdir: str, plain_eval_loss: float) -> dict:
+    """The run's config (`fields`, validated as `full`) as a seed ensemble
+    (`hpnlp.train.ensemble`: spec["members"] seeds trained in one step, their members
+    stepped by spec["member_loop"]): finite training losses, a finite eval of every member
+    and of the ensemble, and member 0's eval the plain run's (`plain_eval_loss`), or a
+    one-line refusal before it trains (`ensemble_refused`)."""
     from hpnlp.config import ConfigError, from_configdict
+    from hpnlp.train.ensemble import check_ensemble_evaluates
     from hpnlp.train.ensemble import seed_ensemble as ensemble_of
     out = os.path.join(workdir, "ensemble")
     try:
@@ -253,23 +250,20 @@ def seed_ensemble(fields: dict, spec: dict, workdir: str, plain_eval_loss: float
                               member_loop=spec["member_loop"])
         summary = trainer.run()
     except ConfigError as e:
-        trained = os.path.exists(os.path.join(out, "metrics.jsonl"))
-        if "\n" in str(e) or trained:
-            return {"status": "error", "message": f"the ensemble's refusal is not one line "
-                                                  f"before training: {e}"}
+        late = _late_refusal(e, out, "the ensemble")
+        if late:
+            return late
         # the plain run trained, so only what an ensemble cannot evaluate may refuse it (a
         # review, session 113: any one-line refusal passed)
-        from hpnlp.train.ensemble import check_ensemble_evaluates
         try:
-            check_ensemble_evaluates(checked(fields))
+            check_ensemble_evaluates(full)
         except ConfigError as expected:
             if str(expected) == str(e):
                 return {"ensemble_refused": str(e)}
         return {"status": "error", "message": f"the ensemble of a run that trained alone was "
                                               f"refused: {e}"}
-    numbers = [x for x in _numbers(summary["eval"])]
-    losses = _losses(out, summary) if os.path.exists(os.path.join(out, "metrics.jsonl")) \
-        else "no metrics.jsonl"
+    numbers = _numbers(summary["eval"])
+    losses = _losses(out, summary)
     if isinstance(losses, str) or not numbers or not all(math.isfinite(x) for x in numbers):
         return {"status": "error", "message": f"ensemble: losses {losses}, eval "
                                               f"{summary['eval']}"}
@@ -278,13 +272,22 @@ def seed_ensemble(fields: dict, spec: dict, workdir: str, plain_eval_loss: float
     # 16-bit compute; not where early stopping watches the ensemble's loss (a review,
     # session 113: it may stop at another step than the plain run)
     first, plain = summary["eval"]["members"][0]["loss"], plain_eval_loss
-    tolerance = (1e-2 if fields["model"].get("dtype", "float32") != "float32" else
+    tolerance = (1e-2 if full.model.dtype != "float32" else
                  1e-3 if spec["member_loop"] == "vmap" else 1e-4)
-    stops = fields["train"].get("early_stopping_patience", 0) > 0 and spec["members"] > 1
+    stops = full.train.early_stopping_patience > 0 and spec["members"] > 1
     if not stops and abs(first - plain) > tolerance * max(1.0, abs(plain)):
         return {"status": "error", "message": f"the ensemble's member 0 evaluated {first}, the "
                                               f"plain run of its seed {plain}"}
     return {"ensemble_loss": losses[-1]}
+
+
+def _late_refusal(e, out: str, what: str) -> dict | None:
+    """The error reply where refusal `e` of a second run in `out` is not one line before it
+    trained (None where it is)."""
+    if "\n" in str(e) or os.path.exists(os.path.join(out, "metrics.jsonl")):
+        return {"status": "error", "message": f"{what}'s refusal is not one line before "
+                                              f"training: {e}"}
+    return None
 
 
 def _numbers(tree) -> list[float]:

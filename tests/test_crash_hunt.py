@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 
 # (imported before JAX starts its backend, which the package warns of)
 from hpnlp.config import ConfigError, default_configdict, from_configdict
+from envlib import free_port, train_losses
 from hunt_worker import checked
 from hpnlp.config.compress_checks import _check_new_distill
 
@@ -692,19 +693,14 @@ def on_two_devices(drawn: dict) -> dict:
 def _launch(config: dict, workdir: str, processes: int, devices: int) -> list:
     """`python -m hpnlp.main` of `config` (as an experiment file beside `workdir`) on
     `processes` local processes of `devices` CPU devices each: [(Popen, log path)]."""
-    import socket
     from hunt_worker import with_data
     experiment = workdir + ".py"
     with open(experiment, "w") as f:
         f.write(EXPERIMENT.format(fields=json.dumps(with_data(config))))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"))
-    multi = []
-    if processes > 1:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        multi = ["--coordinator", f"127.0.0.1:{port}", "--num_processes", str(processes)]
+    multi = ["--coordinator", f"127.0.0.1:{free_port()}",
+             "--num_processes", str(processes)] if processes > 1 else []
     started = []
     for i in range(processes):
         log = f"{workdir}.p{i}.log"
@@ -730,11 +726,6 @@ def _finished(started: list, deadline: float) -> list[str]:
         with open(log) as f:
             out.append((code, f.read()[-3000:]))
     return out
-
-
-def _train_losses(workdir: str) -> list:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [(x["step"], x["loss"]) for x in map(json.loads, f) if not x.get("eval")]
 
 
 @pytest.mark.slow
@@ -766,9 +757,9 @@ def test_hunt_two_processes_train_as_one(drawn):
             assert all(code == 0 for code, _ in end), (
                 f"configuration {shown}\n{name}: exit codes {[c for c, _ in end]}\n"
                 + "\n".join(f"--- process {i}:\n{tail}" for i, (_, tail) in enumerate(end)))
-        assert _train_losses(two) == _train_losses(one), (
-            f"configuration {shown}\nlosses on 2 processes {_train_losses(two)}, on 1 "
-            f"{_train_losses(one)}")
+        assert train_losses(two) == train_losses(one), (
+            f"configuration {shown}\nlosses on 2 processes {train_losses(two)}, on 1 "
+            f"{train_losses(one)}")
 
 
 # XLA:CPU's cached multi-device programs can deadlock (docs/xla_defects.md): the wide hunt

@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from envlib import free_port as _free_port, train_losses as losses
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 12, 6  # checkpoints at 6 and 12; the resumes restart from 6
 TIMEOUT = 360  # seconds per run, all its processes together (~30 s each on an idle machine)
@@ -28,12 +30,6 @@ TINY = ["--config", "experiments/lm.py:bytes,local", f"--config.train.steps={STE
         "--config.train.log_every=1", "--config.train.batch_size=8", "--config.train.progress=False",
         "--config.data.seq_len=32", "--config.model.max_len=32", "--config.model.width=32",
         "--config.model.depth=1", "--config.model.mlp_dim=64", "--config.model.dropout=0.1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -109,11 +105,6 @@ def finish(run, *, expect=0) -> list[str]:
                           for i, (c, t) in enumerate(zip(codes, logs)))
         pytest.fail(f"run {procs[0][1].name}: exit codes {codes}, expected {expect}:\n{tails}")
     return logs
-
-
-def losses(workdir) -> list[tuple[int, float]]:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [(l["step"], l["loss"]) for l in map(json.loads, f) if not l.get("eval")]
 
 
 def summary(workdir) -> dict:

@@ -361,14 +361,18 @@ def quant_rows(rows_XE, q: QuantConfig) -> jax.Array:
     difference in binary's and ternary's means and mse's errors). A sampled objective's R
     rows, or a tied embedding's looked-up ones, cost R rows' quantization rather than V's
     (session 113: the whole table was fake-quantized every step to gather R << V rows).
-    Not in an export (`exporting`), where `quant_weight` packs the whole table."""
+    Where it applies: `quantizes_rows`."""
     flat_EX = rows_XE.reshape(-1, rows_XE.shape[-1]).T
     return quant_weight(flat_EX, 1, q).T.reshape(rows_XE.shape)
 
 
-def exporting(module: nn.Module) -> bool:
-    """Whether `module` is applied to export its packed weights (`qexport` mutable)."""
-    return _mutable(module, "qexport")
+def quantizes_rows(table_VE, quantized: bool, num_rows: int, module: nn.Module) -> bool:
+    """Whether `num_rows` rows read from `module`'s [V, E] table (`quantized`: under QAT)
+    are fake-quantized after the gather (`quant_rows`) rather than with the whole table:
+    fewer rows than V, a float table (not packed or factored), and not in an export, where
+    `quant_weight` packs the whole table (the `qexport` collection mutable)."""
+    return (quantized and not isinstance(table_VE, (QWeight, Served, Factored))
+            and num_rows < table_VE.shape[0] and not _mutable(module, "qexport"))
 
 
 # The real tokens [B, L] (bool) of the products called inside `calibration_mask`, or None.

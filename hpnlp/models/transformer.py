@@ -536,8 +536,8 @@ class Embed(nn.Embed):
                                (self.num_embeddings, self.features), self.param_dtype)
 
     def __call__(self, inputs, valid=None):
-        from hpnlp.compress.qlinear import (Factored, QWeight, Served, exporting, float_product,
-                                             note_product, quant_rows)
+        from hpnlp.compress.qlinear import (Factored, float_product, note_product, quant_rows,
+                                             quantizes_rows)
         note_product(self, "embedding", "embed", (1,))  # [V, E]: a one-hot product's table
         if isinstance(self.embedding, Factored):  # model.lowrank: A [V, r] rows, then B [r, E]
             f = self.embedding
@@ -545,8 +545,7 @@ class Embed(nn.Embed):
             return float_product(rows, f.v.astype(self.dtype), None, 1)
         # a quantized table's looked-up rows are quantized after the lookup where they are
         # fewer than its rows (`quant_rows`: the same values and gradients, at their cost)
-        rows_first = (self.quant_rows and not isinstance(self.embedding, (QWeight, Served))
-                      and inputs.size < self.num_embeddings and not exporting(self))
+        rows_first = quantizes_rows(self.embedding, self.quant_rows, inputs.size, self)
         table_VE = self.embedding if rows_first else self.table()
         if self.grad_scale == "batch":
             out = scaled_take(table_VE, inputs,

@@ -439,8 +439,7 @@ class VocabLayer(LogitsDistribution, nn.Module):
         From V rows on, multiplying the table out once costs less, and holds no more.
         Likewise a fake-quantized table (QAT) quantizes the gathered rows only
         (`qlinear.quant_rows`: the same values and gradients)."""
-        from hpnlp.compress.qlinear import (Factored, exporting, float_product,
-                                             quant_rows)
+        from hpnlp.compress.qlinear import Factored, float_product, quant_rows, quantizes_rows
         stored, bias_V = self._stored(width)
         if isinstance(stored, Factored) and num_rows < self.vocab_size:
             if self.embed is not None:
@@ -450,11 +449,12 @@ class VocabLayer(LogitsDistribution, nn.Module):
                 u_Rr = jnp.take(stored.u, ids, axis=0)
                 return float_product(u_Rr, stored.v, None, 1), jnp.take(bias_V, ids, axis=0)
             return factored
-        owner = self.embed if self.embed is not None else self.table
-        quant = getattr(owner, "quant", None) if self.embed is not None else self.quant
-        if (num_rows < self.vocab_size and not _is_packed(stored) and not exporting(owner)
-                and (getattr(owner, "quant_rows", False) if self.embed is not None
-                     else self.quantized())):
+        # tied: quantized as the embedding's lookups are (`Embed.quant_rows`, its quant)
+        owner, quant, quantized = ((self.embed, getattr(self.embed, "quant", None),
+                                    getattr(self.embed, "quant_rows", False))
+                                   if self.embed is not None else
+                                   (self.table, self.quant, self.quantized()))
+        if quantizes_rows(stored, quantized, num_rows, owner):
             # the rows gathered, then fake-quantized: as gathering the quantized table, in
             # values and gradients (each row its own scale), at R rows' cost, not V's
             if self.embed is not None:
