@@ -255,6 +255,11 @@ def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):
     # a bug hunt: the eval file as one of the training inputs was taken (eval = train text)
     err = fails(("t.txt", b"x\n"), "--eval_input", str(tmp_path / "t.txt"))
     assert "--eval_input " + str(tmp_path / "t.txt") + " is also an --input" in err, err
+    # a review (session 114): taken and ignored (every --input document was trained on)
+    (tmp_path / "ev.txt").write_bytes(b"held out\n")
+    err = fails(("tr.txt", b"x\n"), "--eval_input", str(tmp_path / "ev.txt"), "--eval_every", "10")
+    assert "--eval_every 10 holds out every N-th --input document, and --eval_input names the " \
+        "eval text; drop one of the two" in err, err
     # found by the crash hunt: a run's workdir as --out (its tokenizer was replaced), a bad
     # number as a traceback, and an error whose fix led to "an unfinished preparation with
     # other settings" (what the failed call wrote is removed)
@@ -312,7 +317,9 @@ def test_prepare_bad_input_and_damaged_folders_are_one_line(tmp_path, capsys, ca
         args[1] += ","
     elif case == "text_field of text":
         args += ["--text_field", "body"]
-    elif case == "empty eval_input":
+    elif case == "empty eval_input":  # not with --eval_every (refused as taken and ignored)
+        args = [a for i, a in enumerate(args) if i not in (4, 5)]
+        assert "--eval_every" not in args
         args += ["--eval_input", str(tmp_path / name)]
     elif case.endswith("input bpe"):
         args[1] = str(tmp_path / name)

@@ -504,6 +504,27 @@ def test_an_index_saved_with_the_kernel_loads_as_auto_where_it_cannot_run(kind, 
 
 
 @pytest.mark.parametrize("name", retrieval.names())
+def test_an_index_holds_its_own_copy_and_an_empty_one_prepares(name):
+    """A review (session 114): an index kept the caller's float32 array, so what it built
+    later (blocks, panels, IVF cells) read whatever was written there since; an empty exact
+    index's prepare() failed to reshape its XLA blocks."""
+    x, q = _floats(n=300)
+    index, buf = retrieval.make(name, 16), x.copy()
+    index.add(buf)
+    buf[:] = 0.0
+    np.testing.assert_array_equal(index.search(q, 3)[1],
+                                  _with(retrieval.make(name, 16), x).search(q, 3)[1])
+    if name == "exact":
+        for impl in ("xla", "auto"):
+            retrieval.make(name, 16, impl=impl).prepare()
+
+
+def _with(index, x):
+    index.add(x)
+    return index
+
+
+@pytest.mark.parametrize("name", retrieval.names())
 def test_save_load_round_trip(name, tmp_path):
     x, q = _floats(n=1500)
     index = retrieval.make(name, 16)
@@ -1077,7 +1098,6 @@ def test_knn_lm_of_a_performer_reads_the_draw_it_trained_with(tmp_path, monkeypa
     and refuse a pass without it, or a datastore of another draw."""
     import types
 
-    import jax
     cfg, model, params, train, held = _tiny_lm({"name": "performer",
                                                 "options": {"num_features": 8}})
     L = cfg.data.seq_len
@@ -1156,7 +1176,20 @@ def test_knnlm_flags_and_datastore_folder_checked_before_loading(tmp_path, capsy
                           ({"datastore": str(tmp_path / "f")}, "--datastore .*/f is a file"),
                           ({"datastore": str(run_dir)}, "--datastore .*/run is the run it reads"),
                           ({"datastore": str(run_dir / "checkpoints" / "d")}, "inside the run's own"),
-                          ({"datastore": str(tmp_path)}, "holds files this command would not write")):
+                          ({"datastore": str(tmp_path)},
+                           "holds files this command would not write"),
+                          # a review (session 114): refused only after the datastore was
+                          # built and searched
+                          ({"datastore": str(tmp_path / "ds"), "k_max": 0},
+                           "k_max=0: give a whole number of neighbours >= 1"),
+                          ({"datastore": str(tmp_path / "ds"), "grid": dict(
+                              knnlm.GRID, temperature=(1.0, 0.0))},
+                           r"grid\['temperature'\] holds 0.0: give temperatures > 0"),
+                          ({"datastore": str(tmp_path / "ds"),
+                            "grid": dict(knnlm.GRID, lam=(1.5,))},
+                           r"grid\['lam'\] holds 1.5: give weights in \[0, 1\]"),
+                          ({"datastore": str(tmp_path / "ds"), "grid": dict(knnlm.GRID, k=(2.5,))},
+                           r"grid\['k'\] holds 2.5: give whole numbers")):
         with pytest.raises(RetrievalError, match=match):
             knnlm.run(str(run_dir), **kwargs)
     assert main(["knnlm", "--workdir", str(run_dir), "--datastore", str(tmp_path / "ds"),

@@ -248,6 +248,12 @@ def test_bad_drafts_and_lengths_are_refused_before_compiling():
         (dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
             cfg.model.moe, num_experts=4, router="expert_choice"))), ok,
          "the draft: decoding a model.moe.router='expert_choice' model"),
+        # a review (session 114): a config not validated cast its float keys into int8
+        (dataclasses.replace(cfg, attention=AttentionConfig("sliding_window", {}),
+                             model=dataclasses.replace(cfg.model, quant=dataclasses.replace(
+                                 cfg.model.quant, kv_cache="int8"))), ok,
+         "the draft: config field `quant.kv_cache` = 'int8' is not allowed: "
+         "attention.name='sliding_window' decodes through a cache of its own"),
     ]
     # a byte LM's own tokenizer, named or not: the same
     byte_lm = dataclasses.replace(cfg, data=DataConfig(task="byte_lm"))

@@ -42,6 +42,7 @@ from hpnlp.stopping import Stopped, sigterm_as_interrupt
 PROGRESS_FILE = "progress.json"  # checkpoint of an unfinished preparation
 PROGRESS_COUNTS = "progress-counts.npz"
 SAMPLE_MB = 256  # --tokenizer_sample_mb's default
+EVAL_EVERY = 100  # --eval_every's default: document i is eval when i % 100 == 99
 EVAL_CHECK_MB = 64  # --eval_input up to this size is read through before the train split
 
 
@@ -392,6 +393,11 @@ def prepare(args) -> dict:
         raise PrepareError(f"--text_field {args.text_field!r} names a field of JSON lines, but "
                            "no input is JSON lines (.jsonl/.json, or --format jsonl); drop it, "
                            "or give --format jsonl")
+    if eval_paths and args.eval_every is not None:  # a review (session 114): taken and ignored
+        raise PrepareError(f"--eval_every {args.eval_every} holds out every N-th --input document, "
+                           "and --eval_input names the eval text; drop one of the two")
+    if args.eval_every is None:
+        args.eval_every = EVAL_EVERY
     if not eval_paths and args.eval_every < 2:
         raise PrepareError("--eval_every must be >= 2 (every N-th document is eval) unless "
                            "--eval_input names the eval text")
@@ -659,7 +665,8 @@ def parser() -> argparse.ArgumentParser:
                    help="train the tokenizer on an even sample of at most this much text "
                    f"(its training holds about 30 times this in memory; default {SAMPLE_MB})")
     p.add_argument("--eval_input", default="", help="eval text (else every --eval_every-th document)")
-    p.add_argument("--eval_every", type=int, default=100, help="document i is eval when i %% N == N - 1")
+    p.add_argument("--eval_every", type=int, default=None, help="document i is eval when "
+                   f"i %% N == N - 1 (default {EVAL_EVERY}; not with --eval_input)")
     p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),
                    help="auto: .jsonl/.json files are JSON lines, the rest plain text")
     p.add_argument("--text_field", default="text", help="the text of a JSON line")

@@ -368,6 +368,11 @@ def check_decodes(cfg: Config) -> None:
                          "than its pipelined training did (decoding runs the layers unpipelined); "
                          "decode a run trained with mesh.pipeline=1 or attention.options.redraw="
                          "False")
+    # a review (session 114): a config not validated with an int8 cache and a variant that
+    # keeps a cache of its own cast its float keys into int8 (sliding_window) or crashed
+    # mid-scan (clustered); validate's own check
+    from hpnlp.config.checks import _check_kv_cache
+    _check_kv_cache(cfg)
     if cfg.model.moe.num_experts and cfg.model.moe.router == "expert_choice":
         # a README walk: a traceback from the layer's own check, inside the decode's trace
         raise ValueError("decoding a model.moe.router='expert_choice' model: each expert ranks "

@@ -153,6 +153,10 @@ class Index(abc.ABC):
     def add(self, vectors) -> None:
         """Append `vectors` [N, D]; they get ids count, count + 1, ..."""
         x = self._vectors(vectors, "vectors to add")
+        if isinstance(vectors, np.ndarray) and np.may_share_memory(x, vectors):
+            # a review (session 114): the index kept the caller's float32 array, and what it
+            # builds later (blocks, panels, IVF cells) read whatever was written there since
+            x = x.copy()
         top = float(np.abs(x).max()) if x.size else 0.0
         if self.options.get("dtype") == "float16" and top > _FLOAT16_MAX:  # a bug hunt: cast
             # to inf, then searched to no neighbours at all

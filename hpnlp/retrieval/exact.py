@@ -301,7 +301,9 @@ class ExactIndex(HostIndex):
 
     def prepare(self) -> None:
         """Build what searches read (the packed panels or the XLA blocks) now, not on the
-        first search."""
+        first search; nothing where nothing was added."""
+        if not self.count:  # a review (session 114): the XLA blocks of none failed to reshape
+            return
         if self.uses_kernel():
             self._packed()
         else:

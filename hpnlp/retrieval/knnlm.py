@@ -451,6 +451,27 @@ GRID = {"k": (8, 16, 32, 64), "temperature": (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 10
         "lam": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)}
 
 
+def check_grid(grid: dict) -> None:
+    """A RetrievalError naming the value where `grid` holds a setting `interpolate` refuses:
+    checked before the datastore is built and searched (a review, session 114: only `tune`,
+    after both, refused a temperature of 0 or a lambda past 1)."""
+    if not isinstance(grid, dict):
+        raise RetrievalError(f"grid={grid!r}: give a dict of 'k', 'temperature' and 'lam' lists")
+    for name in ("k", "temperature", "lam"):  # a bug hunt: an empty k was a TypeError
+        if not len(grid.get(name, ())):
+            raise RetrievalError(f"grid[{name!r}] is empty; give at least one value to try")
+    for k in grid["k"]:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise RetrievalError(f"grid['k'] holds {k!r}: give whole numbers of neighbours >= 1")
+    for t in grid["temperature"]:
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not t > 0:
+            raise RetrievalError(f"grid['temperature'] holds {t!r}: give temperatures > 0")
+    for lam in grid["lam"]:
+        if isinstance(lam, bool) or not isinstance(lam, (int, float, np.number)) \
+                or not 0.0 <= lam <= 1.0:
+            raise RetrievalError(f"grid['lam'] holds {lam!r}: give weights in [0, 1]")
+
+
 def tune(nb: Neighbours, grid: dict = GRID) -> dict:
     """The (k, temperature, lambda) of the grid with the lowest perplexity on `nb`; a grid k
     past the neighbours searched counts as all of them (found in review: with fewer than the
@@ -459,9 +480,7 @@ def tune(nb: Neighbours, grid: dict = GRID) -> dict:
     if searched < 1:
         raise RetrievalError("no neighbours were searched (an empty datastore?); build the "
                              "datastore from a run's training text first")
-    for name in ("k", "temperature", "lam"):  # a bug hunt: an empty k was a TypeError
-        if not len(grid.get(name, ())):
-            raise RetrievalError(f"grid[{name!r}] is empty; give at least one value to try")
+    check_grid(grid)
     best = None
     for k in sorted({min(k, searched) for k in grid["k"]}):
         for t in grid["temperature"]:
@@ -629,6 +648,10 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     only the first chunks of each half (about that many tokens in all);
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
     check_metric(metric)
+    if isinstance(k_max, bool) or not isinstance(k_max, (int, np.integer)) or k_max < 1:
+        # a review (session 114): 0 or 2.5 failed in the first search, the datastore built
+        raise RetrievalError(f"k_max={k_max!r}: give a whole number of neighbours >= 1")
+    check_grid(grid)
     for name, value in (("max_eval_tokens", max_eval_tokens), ("max_datastore_tokens", max_datastore_tokens)):
         if not isinstance(value, int) or value < 0:
             raise RetrievalError(f"{name}={value!r}: give a count of tokens >= 1, or 0 for all")
