@@ -684,7 +684,8 @@ def test_quantized_experts_are_each_experts_quantized_mlp(dispatch_kind, factor,
     ({"num_experts": 0, "top_k": 2, "router": "top_k"}, {}, "model.moe.top_k"),  # was dense, silently
     ({"dispatch": "dropless", "capacity_factor": 2.0}, {}, "model.moe.capacity_factor"),  # ignored
     ({"router": "expert_choice", "balance_loss": 0.1}, {}, "model.moe.balance_loss"),  # ignored
-    ({"block_size": 64}, {}, "model.moe.block_size"),  # capacity dispatch: ignored
+    # capacity dispatch: ignored, but by a token-choice LM's decoding (a review, session 114)
+    ({"block_size": 64, "router": "expert_choice"}, {}, "model.moe.block_size"),
     ({}, {"data": 2, "pipeline": 2}, "mesh.pipeline"),  # (review, session 100: the checks
     ({"num_experts": 0}, {"data": 2, "expert": 2, "rules": {"batch": "data"}},
      "mesh.expert"),  # of the mesh, moved)
@@ -729,6 +730,9 @@ def test_expert_choice_eval_capacity_factor_is_refused_for_a_new_run():
         check_new_run(saved)
     check_new_run(cfg(router="expert_choice"))
     check_new_run(cfg(router="top_k", top_k=2, eval_capacity_factor=1.25))
+    # a review (session 114): a token-choice LM of capacity dispatch decodes through
+    # dropless blocks of model.moe.block_size, which was refused as ignored
+    check_new_run(cfg(router="top_k", top_k=2, block_size=64))
 
 
 def test_dropless_routing_groups_are_refused_for_a_new_run_and_divide_no_batch():

@@ -236,7 +236,12 @@ def _check_moe(cfg: Config) -> None:
         return
     check_moe_fields(c)
     default = MoEConfig()
-    ignored = [("block_size", "it sizes dropless dispatch's blocks, and dispatch='capacity'")]
+    ignored = []
+    if c.router == "expert_choice" or m.kind != "lm":
+        # a review (session 114): a token-choice LM of capacity dispatch decodes through
+        # dropless blocks (MoE.decode), which block_size sizes: it was refused as ignored
+        ignored = [("block_size", "it sizes dropless dispatch's blocks (and a token-choice "
+                    "LM's decoding), and dispatch='capacity'")]
     if c.dispatch == "dropless":
         ignored = [(f, "dropless dispatch gives every token its experts, with no capacity")
                    for f in ("capacity_factor", "eval_capacity_factor")]

@@ -208,7 +208,9 @@ class MoEConfig:
     # Routing groups (capacity is per group): the batch's rows split into this many blocks;
     # 0 = one per data-parallel shard (what each device holds), as GShard's groups
     groups: int = 0
-    block_size: int = 0  # dropless: rows per padded block of one expert; 0 = automatic
+    # dropless dispatch (and a token-choice LM's decoding, dropless under either dispatch):
+    # rows per padded block of one expert; 0 = automatic
+    block_size: int = 0
 
     def enabled(self) -> bool:
         return self.num_experts > 0
