@@ -1,6 +1,7 @@
 """hpnlp.compress pruning and distillation: masks, schedules, the teacher carry, bad input."""
 
 import dataclasses
+import json
 import math
 import os
 
@@ -1079,6 +1080,52 @@ def test_a_random_feature_teacher_distills_under_the_draw_it_trained_with(tmp_pa
     (c,) = carry_lib.for_config(validate(from_configdict(tiny("classifier", distill=dict(
         teacher=str(tmp_path / "dense"), alpha=1.0)))))
     assert set(jax.eval_shape(lambda: c.init(student, params, batch, 2))) == set(tstate.params)
+
+
+MESH_TEACHER_CODE = r"""
+import jax
+from hpnlp.config import default_configdict, from_configdict, validate
+from hpnlp.train.loop import run
+import hpnlp.compress.distill as distill
+import sys
+keys = []
+def traced(*args, **kw):
+    keys.append(jax.random.key_data(_key(*args, **kw)).tolist())
+    return _key(*args, **kw)
+_key, distill.trained_features_key = distill.trained_features_key, traced
+cd = default_configdict()
+cd.data.update(task="doc_classify", seq_len=16, batching="pad")
+cd.model.update(kind="classifier", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=16)
+cd.attention.update(name="performer", options={"num_features": 8})
+cd.train.update(steps=2, batch_size=8, warmup_steps=1, eval_every=0, eval_batches=1,
+                checkpoint_every=0, feature_redraw_every=1, progress=False)
+cd.mesh.data = -1
+run(validate(from_configdict(cd), num_devices=jax.device_count()), sys.argv[1] + "/teacher")
+cd.train.distill.update(teacher=sys.argv[1] + "/teacher", alpha=1.0)
+run(validate(from_configdict(cd), num_devices=jax.device_count()), sys.argv[1] + "/student")
+print("KEYS", keys)
+"""
+
+
+# 15 s on the Xeon model 207 (2026-12-07): CI's slow part runs it
+@pytest.mark.slow
+def test_a_random_feature_teacher_distills_on_a_mesh_of_several_devices(tmp_path):
+    """The crash hunt (session 114): the teacher's trained draw was computed from its step
+    restored onto one device, which failed every op under the student's mesh of several
+    (the Trainer's context), so no Performer or LSH teacher distilled on mesh.data > 1."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    proc = subprocess.run([sys.executable, "-c", MESH_TEACHER_CODE, str(tmp_path)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the draw the teacher's workdir gives on one device, outside a mesh (its last step's:
+    # `test_a_random_feature_teacher_distills_under_the_draw_it_trained_with`)
+    keys = json.loads(proc.stdout.split("KEYS ", 1)[1])
+    alone = distill.trained_features_key(str(tmp_path / "teacher"), 1, field="teacher")
+    assert keys and keys[0] == jax.random.key_data(alone).tolist()
 
 
 # 3.1 s on the Xeon model 167 (2026-12-06): CI's slow part runs it

@@ -195,6 +195,11 @@ def test_listops_tsv_round_trip(tmp_path, listops_task):
     ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAX 1 [MIN 2 3 ]\t2\n", ":3:", "1 operator(s) never closed"),
     ("Source\tTarget\n[SM 1 2 ]\t3\n[MAX 1 2 ] ]\t2\n[MIN 1 2 ]\t1\n", ":3:", "closes no operator"),
     ("Source\tTarget\n7\t7\n] [MAX 1 2\t2\n", ":3:", "closes no operator"),
+    # a review (session 114): balanced, but no one expression (loaded and trained on)
+    ("Source\tTarget\n7\t7\n[MAX 1 2 ]\t2\n[MAX ]\t3\n", ":4:", "an operator with no arguments"),
+    ("Source\tTarget\n[SM 1 [MIN 2 ] ]\t3\n1 2 3\t4\n", ":3:", "more than one expression"),
+    ("Source\tTarget\n[MAX 1 2 ] [MIN 3 4 ]\t2\n", ":2:", "more than one expression"),
+    ("Source\tTarget\n[MAX 1 ] 5\t1\n", ":2:", "more than one expression"),
     ("Source\tTarget\n", "", "no examples"),
     (b"Source\tTarget\n[MAX 1 2 ]\t2\n[MIN \xff 2 ]\t2\n", ":3:", "not UTF-8"),
     # a review (r3): these two were called "not UTF-8 text", saying nothing of what they are

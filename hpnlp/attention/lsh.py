@@ -58,10 +58,12 @@ What this implementation does, and where it departs from the paper/trax:
   on every token's bucket, future ones included (they shift chunk boundaries), as in
   Reformer: out[t] is not a function of tokens <= t alone unless the chunks cover the
   sequence (num_buckets=1 and at most 2 chunks).
-* Decoding: as in Reformer, incremental decoding is full attention over the cache: exact
-  shared-QK attention over cached normalized keys, equal to the `num_buckets=1` forward
-  when its chunks cover the sequence (at most 2 chunks: L <= 2 * chunk_size); with more,
-  each chunk sees only itself and the previous one, and decoding sees more.
+* Decoding: incremental decoding is full attention over the cache: exact shared-QK
+  attention over cached normalized keys, equal to the `num_buckets=1` forward when its
+  chunks cover the sequence (at most 2 chunks: L <= 2 * chunk_size); with more, each
+  chunk sees only itself and the previous one, and decoding sees more. (Reformer's trax
+  code decodes otherwise: the new query attends to the latest keys that share one of its
+  buckets, which matches its forward pass no better.)
 
 Random rotations come from the `features` RNG stream when the caller provides one
 (constant between redraws), else from `jax.random.key(seed)`.
@@ -418,8 +420,9 @@ class LSHAttention(Attention):
         return lsh_attention(q, v, mask, causal=causal, perm_BHRP=perm_BHRP, **opts)
 
     def decode_step(self, cache, q_B1HD, k_B1HD, v_B1HD):
-        """Reformer decodes with full attention over the cache: exact shared-QK attention of
-        the new query over the cached keys (its own included, self-masked). The base class's
+        """Decodes with full attention over the cache (not Reformer's bucketed decoding: the
+        module docstring): exact shared-QK attention of the new query over the cached keys
+        (its own included, self-masked). The base class's
         cache layout is kept, but cache["k"] holds normalized shared keys, not `k`."""
         check_one_token(self.registry_name, cache, q_B1HD)
         check_inputs(q_B1HD, k_B1HD, v_B1HD, None)

@@ -343,8 +343,10 @@ def trained_features_key(workdir: str, redraw_every: int, *, field: str):
                           f"move it aside to read the step before it ({field}={workdir})") from e
     finally:
         manager.close()
-    state = TrainState(step=jnp.asarray(out["step"]), params=None, opt_state=None,
-                       rng=jnp.asarray(out["rng"]))
+    # on the host: restored onto one device, they failed every op under the student's mesh
+    # of several (the crash hunt, session 114: a Performer or LSH teacher on mesh.data=2)
+    state = TrainState(step=np.asarray(out["step"]), params=None, opt_state=None,
+                       rng=np.asarray(out["rng"]))
     return state.features_key(redraw_every)
 
 

@@ -349,6 +349,20 @@ def load_tsv(path: str, field: str | None = None) -> tuple[list[np.ndarray], np.
                f"{end[r]} operator(s) never closed by ']'")
         raise ValueError(f"{path}:{linenos[r]}: the brackets do not balance ({why}); "
                          f"expected {_WHAT}")
+    # a review (session 114): balanced rows that are no one expression loaded, each trained
+    # on a label no expression gives: an operator of no arguments ('[MAX ]'), or a row whose
+    # depth is back at 0 before its last token ('1 2', '[MAX 1 ] 5'; one digit is one)
+    tok_row = np.repeat(np.arange(len(sources)), counts)
+    last = np.zeros(len(kept), bool)
+    last[first + counts - 1] = True
+    is_op = (kept >= OP0) & (kept != END)
+    for bad, why in ((np.flatnonzero(~last & (depth - before[tok_row] <= 0)),
+                      "more than one expression (a value, or a ']' closing the first "
+                      "operator, before the line's end)"),
+                     (np.flatnonzero(is_op[:-1] & (kept[1:] == END)),
+                      "an operator with no arguments")):
+        if bad.size:
+            raise ValueError(f"{path}:{linenos[tok_row[bad[0]]]}: {why}; expected {_WHAT}")
     seqs = np.split(kept.astype(np.int32), np.cumsum(counts)[:-1])
     return seqs, np.array(labels, np.int32)
 
