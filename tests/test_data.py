@@ -937,6 +937,13 @@ def test_every_decode_refuses_ids_outside_its_vocabulary(listops_task, text_file
         byte.decode(np.array([2, 300, -4]))
     assert byte.decode(byte.encode("épée\n")) == "épée\n"
     assert listops.decode([0, 12, 1, 3, 15, 0]) == "[MAX 0 2 ]"
+    # a review (session 114): a last <eos> was dropped, so "a\n" decoded as "a"
+    index = {w: i for i, w in enumerate(words.meta["words"])}
+    word = next(w for w in words.meta["words"] if w.isalpha())
+    E, W = index["<eos>"], index[word]
+    for ids, text in (([E], "\n"), ([E, E], "\n\n"), ([W, E], f"{word}\n"),
+                      ([W, E, W], f"{word}\n{word}"), ([W, W, E, E], f"{word} {word}\n\n")):
+        assert words.decode(ids) == text, (text, ids)
 
 
 def test_validation_split_refuses_what_it_cannot_hold_out(text_file):
@@ -1124,4 +1131,11 @@ def test_a_tokenizer_whose_id_order_was_edited_is_refused(tmp_path):
             continue
         with pytest.raises(ValueError, match=r"tokenizer.json: its \"order\" is not the one "
                            r"saved with the model \(edited by hand\?\); delete the folder"):
+            tokenizers.Subword.load(where)
+    # a review (session 114): JSON of other types was a TypeError traceback
+    for bad, why in (([], "tokenizer.json holds no JSON object"),
+                     (dict(meta, order=None), "int"), (dict(meta, order=5), "no list of ids")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=rf"not a readable hpnlp tokenizer \(.*{why}.*\); "
+                           "delete the folder"):
             tokenizers.Subword.load(where)

@@ -79,7 +79,8 @@ class WordVocab:
         return self.ids(word_tokens(text))
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Ids -> words joined by spaces, <eos> as a line end (lossy: case and spacing)."""
+        """Ids -> words joined by spaces, each <eos> a line end, the last one too (lossy:
+        case and spacing)."""
         lines, cur = [], []
         for i in task_lib.checked_ids(ids, len(self.words)).tolist():
             w = self.words[i]
@@ -88,7 +89,8 @@ class WordVocab:
                 cur = []
             else:
                 cur.append(w)
-        return "\n".join(lines + ([" ".join(cur)] if cur else []))
+        # a review (session 114): a last <eos> was dropped ("a\n" decoded as "a")
+        return "".join(line + "\n" for line in lines) + " ".join(cur)
 
 
 def _lm_documents(cfg) -> tuple[list[str], list[str], object]:

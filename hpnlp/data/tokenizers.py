@@ -203,10 +203,15 @@ class Subword:
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
+            if not isinstance(meta, dict):  # a review (session 114): a TypeError traceback
+                raise ValueError(f"{META_FILE} holds no JSON object")
             with open(os.path.join(directory, MODEL_FILE), "rb") as f:
                 proto = f.read()
-            tok = cls(meta["kind"], proto, np.asarray(meta["order"], np.int32), meta["trained_on"])
-        except (OSError, ValueError, KeyError) as e:
+            order = np.asarray(meta["order"], np.int32)
+            if order.ndim != 1:
+                raise ValueError("its \"order\" is no list of ids")
+            tok = cls(meta["kind"], proto, order, meta["trained_on"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{directory}: not a readable hpnlp tokenizer ({e}); {fix}") from None
         if hashlib.sha256(proto).hexdigest() != meta.get("model_sha256"):
             raise ValueError(f"{directory}/{MODEL_FILE} does not match {META_FILE} (a partial "
