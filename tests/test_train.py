@@ -663,7 +663,8 @@ def test_a_resume_whose_tokenizer_folder_is_lost_is_refused_and_trains_none(tmp_
     assert not (w / "tokenizer").exists()
 
 
-def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_changed(tmp_path):
+def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_changed(
+        tmp_path, monkeypatch):
     """A review (r3): a word run of data.train_path, its file edited since, was taken as a
     teacher or train.init_from run of "the same text" (the paths compared), its ids naming
     other words. The run keeps its text's digest (WORKDIR/text.json) with its first
@@ -677,6 +678,17 @@ def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_change
     cd.data.update(task="word_lm", train_path=str(f), word_vocab_size=32, seq_len=8)
     cd.model.update(max_len=8, dropout=0.0)
     a = str(tmp_path / "a")
+    # a review (session 114): text.json's failed write (a full disk) was a traceback, as no
+    # other write of the run
+    from hpnlp.train.checkpoint import CheckpointSaveFailed
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(data_lib, "save_text_record", full)
+    with pytest.raises(CheckpointSaveFailed, match=rf"^writing {a}/text\.json failed \(OSError: "
+                       r"\[Errno 28\] No space left on device\); no checkpoint is complete"):
+        run(cd, a)
+    monkeypatch.undo()
     run(cd, a)
     with open(os.path.join(a, data_lib.TEXT_FILE)) as fh:
         kept = json.load(fh)
@@ -729,10 +741,24 @@ def test_a_run_refused_after_its_config_json_or_an_ensembles_members_keeps_a_who
     assert {"config.json", "tokenizer"} <= set(os.listdir(tmp_path / "run"))
     assert not held_by(str(tmp_path / "run"))
     monkeypatch.setattr(loop, "Checkpointer", real)
+    members = EnsembleTrainer._init_members
     monkeypatch.setattr(EnsembleTrainer, "_init_members", refused)
     with pytest.raises(ValueError, match="refused after"):
         EnsembleTrainer(cfg, str(tmp_path / "ens"), 2)
     assert {"config.json", "tokenizer"} <= set(os.listdir(tmp_path / "ens"))
+    assert not held_by(str(tmp_path / "ens"))
+    # a review (session 114): members.json's failed write (a full disk) was a traceback
+    from hpnlp.train import ensemble
+    from hpnlp.train.checkpoint import CheckpointSaveFailed
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(EnsembleTrainer, "_init_members", members)
+    monkeypatch.setattr(ensemble, "write_json", full)
+    with pytest.raises(CheckpointSaveFailed, match=rf"^writing {tmp_path}/ens/members\.json "
+                       r"failed \(OSError: \[Errno 28\] No space left on device\); no "
+                       "checkpoint is complete"):
+        EnsembleTrainer(cfg, str(tmp_path / "ens"), 2)
     assert not held_by(str(tmp_path / "ens"))
 
 

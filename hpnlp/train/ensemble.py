@@ -67,7 +67,8 @@ from hpnlp.paths import write_json
 from hpnlp.softmax.base import log_prob_nll_and_argmax, map_token_chunks
 from hpnlp.softmax.full import auto_chunk_tokens
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
-                                    StackedMembers, is_stacked, load_run_config, run_members)
+                                    StackedMembers, is_stacked, load_run_config, run_members,
+                                    write_failed)
 from hpnlp.train.loop import Trainer
 from hpnlp.train.state import TrainState
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
@@ -416,8 +417,11 @@ class EnsembleTrainer(Trainer):
                 out_shardings=single)
         if jax.process_index() == 0:
             os.makedirs(self.workdir, exist_ok=True)
-            write_json(os.path.join(self.workdir, MEMBERS_FILE),
-                       {"members": members, "seeds": self.seeds}, indent=None)
+            path = os.path.join(self.workdir, MEMBERS_FILE)
+            try:
+                write_json(path, {"members": members, "seeds": self.seeds}, indent=None)
+            except OSError as e:  # a review (session 114): a traceback (a full disk)
+                raise write_failed(path, e, os.path.join(self.workdir, "checkpoints")) from None
 
     def initial_state(self):
         """(stacked state, loop_state): restored from the newest checkpoint, or member i

@@ -34,7 +34,7 @@ from hpnlp.progress import progress_bar
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, CheckpointMismatch, NoCheckpoint,
                                     check_params_match, has_checkpoint, load_run_config,
-                                    restore_params)
+                                    restore_params, write_failed)
 from hpnlp.train.metrics import MetricWriter
 from hpnlp.train.state import (init_params, init_state, learning_rate_schedule,
                                make_optimizer)
@@ -1143,7 +1143,12 @@ class Trainer:
                 # checkpoint, the one such runs need, so a run refused or stopped before
                 # leaves none; a resume keeps its start's (other text is refused by the data
                 # state it restores)
-                data_lib.save_text_record(self.task, cfg.data, self.workdir)
+                try:
+                    data_lib.save_text_record(self.task, cfg.data, self.workdir)
+                except OSError as e:  # a review (session 114): a traceback, as no other
+                    # write of the run (a full disk)
+                    raise write_failed(os.path.join(self.workdir, data_lib.TEXT_FILE), e,
+                                       self.checkpointer.directory) from None
                 text_kept.append(step)
             self.checkpointer.save(step, state, self.train_iter.get_state(), {
                 "best": best, "best_step": best_step, "bad_evals": bad_evals,
@@ -1398,7 +1403,6 @@ def write_summary(workdir: str, summary: dict) -> None:
     try:
         write_json(path, summary)
     except OSError as e:
-        from hpnlp.train.checkpoint import write_failed
         raise write_failed(path, e, os.path.join(workdir, "checkpoints")) from None
 
 
