@@ -347,10 +347,9 @@ def test_nce_starts_at_the_train_unigram_unseen_ids_at_half_the_rarest_count():
     layer = S.get("nce")(vocab_size=4, num_samples=8, counts=Frequencies.of(
         np.array([6, 2, 0, 0]), 4))
     params = nn.unbox(lib.init(layer, jnp.zeros((2, 4)), jnp.array([0, 1])))
-    bias = jax.tree_util.tree_leaves({k: v for k, v in jax.tree_util.tree_flatten_with_path(
-        params)[0] and [(jax.tree_util.keystr(p), x) for p, x in
-                        jax.tree_util.tree_flatten_with_path(params)[0]] if "bias" in k})
-    np.testing.assert_allclose(bias[0], np.log(np.array([6, 2, 1, 1]) / 10), rtol=1e-6)
+    (bias,) = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+               if "bias" in jax.tree_util.keystr(path)]
+    np.testing.assert_allclose(bias, np.log(np.array([6, 2, 1, 1]) / 10), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- layer details
