@@ -120,6 +120,22 @@ def test_calibration_methods():
     assert float(calibrate.choose_range(x, "int4", (0,), "mse")[0]) == float(mse[0])
     with pytest.raises(ValueError, match="unknown calibration"):
         calibrate.choose_range(x, "int8", (0,), "kl")
+    # a review (session 114): these were taken (an axis past ndim wrapped onto another, any
+    # method averaged) or failed inside a reshape naming nothing
+    w = jnp.ones((8, 4))
+    for call, match in (
+            (lambda: calibrate.choose_range(x, "int8", (0,), "percentile", percentile=150),
+             r"percentile=150: give a percentage in \(0, 100\]"),
+            (lambda: calibrate.combine(w, "kl"), "unknown calibration method 'kl'"),
+            (lambda: formats.fake_quant(w, "int8", axes=(-3,)),
+             r"axes \(-3,\) are not axes of a 2-D array"),
+            (lambda: formats.fake_quant(w, "int8", axes=(0, -2)), r"name an axis twice"),
+            (lambda: formats.fake_quant(w, "int4", axes=(0,), group=-4),
+             r"group size -4: give a whole number >= 0"),
+            (lambda: formats.fake_quant(w, "int4", axes=(0,), group=4.0),
+             r"group size 4\.0: give a whole number >= 0")):
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 def test_zero_ranges_nan_and_bfloat16_found_in_review():

@@ -36,6 +36,8 @@ def choose_range(x, fmt: str, axes: Sequence[int], method: str = "absmax", *,
     `valid` (None: all; module doc)."""
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; choose one of {list(METHODS)}")
+    if method == "percentile" and not 0 < percentile <= 100:  # a review (session 114)
+        raise ValueError(f"percentile={percentile!r}: give a percentage in (0, 100], e.g. 99.99")
     axes = formats._canon(axes, x.ndim)
     if valid is not None:
         valid = jnp.broadcast_to(jnp.asarray(valid, bool), x.shape)
@@ -100,4 +102,6 @@ def _masked_percentile(a, valid, percentile: float, red: tuple[int, ...]):
 def combine(per_batch, method: str):
     """One range from a batch-major stack [n_batches, ...]: absmax takes the max over
     batches (nothing seen is clipped), percentile and mse the mean (a typical batch)."""
+    if method not in METHODS:  # a review (session 114): anything else was averaged
+        raise ValueError(f"unknown calibration method {method!r}; choose one of {list(METHODS)}")
     return jnp.max(per_batch, axis=0) if method == "absmax" else jnp.mean(per_batch, axis=0)

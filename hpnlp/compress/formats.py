@@ -50,6 +50,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # A range below this quantizes its channel to 0: scale 0 and codes 0 (no 0/0). Before,
@@ -72,11 +73,21 @@ def _codes_or_zero(ok, scale, codes):
 
 
 def _canon(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
-    return tuple(sorted(a % ndim for a in axes))
+    # a review (session 114): an axis past ndim wrapped onto another (-3 of a 2-D weight
+    # read as 1: per-row scales where per-column were asked for)
+    if any(isinstance(a, bool) or not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"axes {tuple(axes)} are not axes of a {ndim}-D array")
+    out = tuple(sorted(a % ndim for a in axes))
+    if len(set(out)) != len(out):
+        raise ValueError(f"axes {tuple(axes)} name an axis twice")
+    return out
 
 
 def _grouped(x, axes: tuple[int, ...], group: int):
     """x with axes[0] split into [n_groups, group]; the reduce axes in that shape."""
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+        # a review (session 114): -4 or 16.0 failed inside reshape, naming neither
+        raise ValueError(f"group size {group!r}: give a whole number >= 0 (0: no groups)")
     if not group:
         return x, axes
     a = axes[0]
