@@ -931,9 +931,9 @@ def test_the_command_refuses_a_negative_repeat(capsys):
 def test_a_library_cut_short_in_the_cache_is_rebuilt_not_loaded(tmp_path):
     """A bug hunt (session 90): a kernel library cut to half its size in the cache (a copy
     that ran out of space) killed the process in the loader with a bus error, no message.
-    `load` now rebuilds one whose ELF section table ends past the file; a file that is not
-    a library at all is still the loader's to name. (A shared object of Python's own stands
-    for a built kernel: nothing compiles here.)"""
+    `load` now rebuilds one whose ELF section table ends past the file, and one that is not
+    ELF at all. (A shared object of Python's own stands for a built kernel: nothing
+    compiles here.)"""
     import _ctypes
     import shutil
     lib = tmp_path / "lib.so"
@@ -943,8 +943,11 @@ def test_a_library_cut_short_in_the_cache_is_rebuilt_not_loaded(tmp_path):
         f.truncate(os.path.getsize(lib) // 2)
     assert not kernels._whole_library(str(lib))
     assert not kernels._whole_library(str(tmp_path / "missing.so"))  # built on first use
-    lib.write_bytes(b"not a library")
-    assert kernels._whole_library(str(lib))  # the loader's "invalid ELF header", as before
+    # not ELF at all: rebuilt too (a review, session 114: left to the loader's "invalid ELF
+    # header", never rebuilt, so impl="auto" ran the XLA twins for good, silently)
+    for junk in (b"not a library", bytes(4096)):
+        lib.write_bytes(junk)
+        assert not kernels._whole_library(str(lib))
 
 
 def test_another_library_in_the_cache_is_a_reason_not_a_traceback(tmp_path):
@@ -1004,6 +1007,10 @@ def test_a_build_without_a_whole_library_fails_and_an_empty_one_is_rebuilt(tmp_p
     monkeypatch.setenv("CXX", str(cxx))  # the compiler names the library
     kernel = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel")
     lib = kernel.library_path()
+    with open(lib, "wb") as f:  # zeros a crash left after the build's rename (session 114)
+        f.write(bytes(4096))
+    assert reason(str(cxx)) is None
+    assert os.path.getsize(lib) == os.path.getsize(_ctypes.__file__)
     open(lib, "wb").close()  # what CXX=/bin/true left before the fix
     open(lib + ".abc123.tmp.so", "wb").close()  # a build that was killed
     assert reason(str(cxx)) is None

@@ -1005,6 +1005,22 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
         run(cd, str(tmp_path))
     assert (e.value.exit_code, e.value.saved) == (130, False)
     monkeypatch.setattr(loop, "_global", real_global)
+    # Ctrl-C while the last step's save is written (a review, session 114: that wait ran
+    # after the loop, where the KeyboardInterrupt reached the CLI, whose exit killed the save)
+    from hpnlp.train.checkpoint import Checkpointer
+    real_wait, waits = Checkpointer.wait, []
+
+    def wait(self):
+        waits.append(1)
+        if len(waits) == 1:
+            raise KeyboardInterrupt
+        real_wait(self)
+    monkeypatch.setattr(Checkpointer, "wait", wait)
+    with pytest.raises(Interrupted, match=r"^interrupted at step 2; the newest checkpoint is "
+                       r"step 2 in .*: rerun the same command to resume from it$"):
+        run(tiny(steps=2, checkpoint_every=0, warmup_steps=1), str(tmp_path / "last"))
+    monkeypatch.setattr(Checkpointer, "wait", real_wait)
+    assert os.listdir(tmp_path / "last" / "checkpoints") == ["2"]
     capsys.readouterr()
     real = Trainer.evaluate
     monkeypatch.setattr(Trainer, "evaluate", lambda self, state: (

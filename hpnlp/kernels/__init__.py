@@ -428,15 +428,17 @@ def _whole_library(path: str) -> bool:
     """Whether `path` holds a whole shared library: its ELF section table (which the linker
     writes last) ends within the file. A library cut short (a copy of the cache that ran out
     of space) killed the process in the loader with a bus error, no message (a bug hunt,
-    session 90); one that is not ELF at all is left to the loader, which names it."""
+    session 90); one that is not ELF at all (zeros a crash left after the rename, a damaged
+    copy) is no build of ours either (a review, session 114: left to the loader, it was never
+    rebuilt, and impl="auto" ran the XLA twins for good, silently)."""
     try:
         with open(path, "rb") as f:
             head = f.read(64)
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return False
-    if not b"\x7fELF".startswith(head[:4]):  # not ELF: the loader's
-        return True
+    if not b"\x7fELF".startswith(head[:4]):  # not ELF: rebuilt
+        return False
     if len(head) < 64:  # cut within its header, or empty (a bug hunt (session 97): such a
         # file was never rebuilt)
         return False
@@ -516,7 +518,7 @@ class CpuKernel:
                         with open(path + ".lock", "w") as lock:  # one builder at a time
                             fcntl.flock(lock, fcntl.LOCK_EX)
                             if not _whole_library(path):
-                                if os.path.exists(path):  # cut short: rebuilt
+                                if os.path.exists(path):  # cut short, or no ELF: rebuilt
                                     os.unlink(path)
                                 self._build(path)
                     lib = ctypes.cdll.LoadLibrary(path)

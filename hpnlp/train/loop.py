@@ -1313,6 +1313,9 @@ class Trainer:
                         break
                 if pending is not None:
                     consume(*pending)
+                # the last save's wait here, where Ctrl-C is the loop's (a review, session
+                # 114: after the loop it escaped to the CLI, whose exit killed the save)
+                self.checkpointer.wait()
         except KeyboardInterrupt as e:
             # Ctrl-C: a save under way completes, and the user reads one line saying what a
             # rerun resumes from (found by a README walk: a 30-line traceback, no step named);
