@@ -17,7 +17,8 @@ reads a corpus prepared by `python -m hpnlp.data.prepare`); `moe` makes every
 block's MLP a Switch mixture of 8 experts of the same width (hpnlp.moe: 8x the MLP
 parameters, the same compute per token); `compressive` makes it a Compressive Transformer
 (Rae et al. 2020: Transformer-XL on stream batches whose evicted memory is compressed 4 to 1
-by a learned convolution into a second memory, models/transformer_xl.py); `local` shrinks
+by a learned convolution into a second memory, models/transformer_xl.py; not with `moe`,
+whose experts route the MLPs of plain Transformer blocks only); `local` shrinks
 the run to a quick smoke test (big_vision's `runlocal`).
 """
 
@@ -29,7 +30,7 @@ TOKENIZATIONS = ("bytes", "words", "bpe", "unigram")
 def get_config(arg: str = "bytes"):
     args = experiment_args(arg, file="experiments/lm.py", default=("bytes",),
                            allowed=(*TOKENIZATIONS, "moe", "compressive", "local"),
-                           exclusive=(TOKENIZATIONS,))
+                           exclusive=(TOKENIZATIONS, ("moe", "compressive")))
     words = "words" in args
     subword = next((a for a in ("bpe", "unigram") if a in args), None)
     cfg = default_configdict()

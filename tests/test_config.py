@@ -58,6 +58,8 @@ def test_default_experiments_validate():
 @pytest.mark.parametrize("path, arg, match", [
     ("lm.py", "locl", r"unknown argument\(s\) \['locl'\]; choose from \['bytes'"),
     ("lm.py", "bytes,words", r"arguments \['bytes', 'words'\] exclude each other"),
+    # a review (session 114): refused by validate, naming config fields, not the arguments
+    ("lm.py", "bytes,moe,compressive", r"arguments \['moe', 'compressive'\] exclude each other"),
     ("lra.py", "text,lcal", r"unknown argument\(s\) \['lcal'\]"),
     ("lra.py", "lcal", r"unknown argument\(s\) \['lcal'\]; choose from \['listops', 'text'"),
     ("lra.py", "text,listops", r"arguments \['listops', 'text'\] exclude each other"),

@@ -2324,7 +2324,7 @@ def test_ctrl_c_while_compiling_exits_130_in_one_line(tmp_path):
 # 3.9 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the
 # suite read 6 min 16 s for 1729 tests, about 12 min at the Zen 3's ratio): CI's slow part runs it
 @pytest.mark.slow
-def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
+def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path, monkeypatch):
     """A bug hunt (session 95): two runs started into one --workdir both trained, their log
     lines, TensorBoard files and checkpoints mixed. The second is refused in one line before
     it writes anything there (review: config.json was rewritten first); a holder that dies
@@ -2394,6 +2394,24 @@ def test_a_second_run_in_a_workdir_being_trained_is_refused(tmp_path):
         release = hold_workdir(str(tmp_path / "new"))
         release()
         assert not os.path.exists(tmp_path / "new")
+        # but not one another process holds: a review (session 114): a run that made the
+        # folder and lost the race for it removed it, the winner's lock with it
+        from hpnlp.train import loop
+        racing = []
+
+        def lost_race(cfg, workdir):
+            racing.append(hold(workdir))
+            raise WorkdirBusy("busy")
+        monkeypatch.setattr(loop, "Trainer", lost_race)
+        try:
+            with pytest.raises(WorkdirBusy):
+                run(tiny(steps=4), str(tmp_path / "race"))
+            assert os.path.isdir(tmp_path / "race")
+        finally:
+            monkeypatch.undo()
+            for p in racing:
+                p.kill()
+                p.wait()
     finally:
         holder.kill()
         holder.wait()

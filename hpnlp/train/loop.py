@@ -9,6 +9,7 @@ same workdir resumes from the newest one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -29,7 +30,7 @@ from hpnlp.config import (MESH_AXES, Config, MeshConfig, config_error, from_conf
 from hpnlp.models import transformer_xl as xl
 from hpnlp.parallel import batch_sharding, make_mesh, state_shardings
 from hpnlp.parallel.mesh import unboxed
-from hpnlp.paths import write_json
+from hpnlp.paths import WorkdirBusy, hold_workdir, write_json
 from hpnlp.progress import progress_bar
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.checkpoint import (Checkpointer, CheckpointMismatch, NoCheckpoint,
@@ -626,7 +627,6 @@ class Trainer:
             keep_teacher_config(cfg, workdir)
 
     def _context(self):
-        import contextlib
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(nn.logical_axis_rules(self.rules))
@@ -1418,11 +1418,18 @@ def run(cfg, workdir: str, *, profile_dir: str | None = None) -> dict:
     try:
         trainer = Trainer(cfg, workdir)
     except Exception:  # a refused config leaves no empty folder behind (found by a README walk)
-        try:  # another process of the run may have removed it first (a README walk: its
-            if made and not os.listdir(workdir):  # FileNotFoundError hid the config's error)
-                os.rmdir(workdir)
-        except OSError:
-            pass
+        # another process of the run may have removed it first (a README walk: its
+        # FileNotFoundError hid the config's error); and not while another process holds it
+        # (a review, session 114: a run refused as busy removed the folder the winner had
+        # locked, whose later writes made an unlocked one at the same path)
+        with contextlib.suppress(OSError, WorkdirBusy):
+            if made:
+                release = hold_workdir(workdir)
+                try:
+                    if not os.listdir(workdir):
+                        os.rmdir(workdir)
+                finally:
+                    release()
         raise
     return trainer.run(profile_dir=profile_dir)
 
