@@ -119,6 +119,10 @@ def test_evaluate_refuses_targets_and_labels_out_of_range():
     bad = dict(batch, targets=np.where(np.arange(L) == 3, V, batch["targets"]).astype(np.int32))
     with pytest.raises(ValueError, match=f"target id {V} is outside the vocabulary"):
         model.apply({"params": params}, bad, method="evaluate")
+    # Transformer-XL's too (a review, session 114: NaN, said nowhere)
+    model, params = init(make_cfg("lm", arch="transformer_xl"), batch)
+    with pytest.raises(ValueError, match=f"target id {V} is outside the vocabulary"):
+        model.apply({"params": params}, bad, method="evaluate")
     cfg = make_cfg("classifier")
     batch = cls_batch()
     model, params = init(cfg, batch)

@@ -56,7 +56,10 @@ def lm_eval_sums(output: nn.Module, hidden_BLE, batch) -> dict:
     over token chunks where the layer walks them (review r2: the whole [B, L, V] was 32 GiB
     at 8K tokens x 1M ids): full, the sampled objectives, class_based, vmf. Adaptive,
     hierarchical and binary_code still read their whole [B, L, V] `log_prob` here, though
-    their losses chunk: their evaluation needs that much memory."""
+    their losses chunk: their evaluation needs that much memory. The targets are checked
+    (`check_targets`) where they are concrete: the gather reads an id past the vocabulary
+    as NaN (a review, session 114: Transformer-XL's evaluate did not check them)."""
+    check_targets(batch["targets"], output.vocab_size)
     mask_BL = batch["segment_ids"] > 0
     nll_BL, pred_BL = softmax_lib.nll_and_argmax(output, hidden_BLE, batch["targets"])
     return {"loss": jnp.sum(jnp.where(mask_BL, nll_BL, 0.0), dtype=jnp.float32),
@@ -113,10 +116,7 @@ class TransformerLM(nn.Module):
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}
 
     def evaluate(self, batch):
-        # the loss checks its targets in `output.loss`; log_prob's gather would read an id
-        # past the vocabulary as NaN (checked where the values are concrete: eager calls)
-        check_targets(batch["targets"], self.output.vocab_size)
-        return lm_eval_sums(self.output, self.hidden(batch), batch)
+        return lm_eval_sums(self.output, self.hidden(batch), batch)  # (targets checked)
 
     def log_probs(self, batch):
         """[B, L, V] next-token log-probabilities (teacher forcing)."""
