@@ -340,18 +340,6 @@ def test_nce_recovers_maximum_likelihood_unigram(learn):
         assert abs(float(nn.unbox(params)["params"]["log_z"]) - 1.0) > 1e-3
 
 
-def test_nce_starts_at_the_train_unigram_unseen_ids_at_half_the_rarest_count():
-    """A review (session 114): half the rarest count was added to every id's count, seen ones
-    too, so a word seen once started log 1.5 too high (the docstring's start: the train
-    unigram, unseen ids at half the smallest seen count)."""
-    layer = S.get("nce")(vocab_size=4, num_samples=8, counts=Frequencies.of(
-        np.array([6, 2, 0, 0]), 4))
-    params = nn.unbox(lib.init(layer, jnp.zeros((2, 4)), jnp.array([0, 1])))
-    (bias,) = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-               if "bias" in jax.tree_util.keystr(path)]
-    np.testing.assert_allclose(bias, np.log(np.array([6, 2, 1, 1]) / 10), rtol=1e-6)
-
-
 # ----------------------------------------------------------------------------- layer details
 
 @pytest.mark.parametrize("shared", [True, False])

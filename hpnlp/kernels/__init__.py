@@ -41,6 +41,7 @@ import shlex
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -437,8 +438,8 @@ def _whole_library(path: str) -> bool:
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return False
-    if not b"\x7fELF".startswith(head[:4]):  # not ELF: rebuilt
-        return False
+    if not b"\x7fELF".startswith(head[:4]):  # not ELF: rebuilt where libraries are ELF
+        return not sys.platform.startswith("linux")  # (elsewhere the loader's to name)
     if len(head) < 64:  # cut within its header, or empty (a bug hunt (session 97): such a
         # file was never rebuilt)
         return False

