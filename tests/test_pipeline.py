@@ -320,6 +320,17 @@ def test_gpipe_tells_a_pass_of_its_own_rows_to_pad_them():
                 f"{M} (hpnlp.parallel.pipeline.whole_microbatches)")):
             gpipe(None, {"w": jnp.zeros((2, 1))}, jnp.zeros((B, 1, 1)),
                   jnp.zeros((B, 1), jnp.int32), microbatches=micro, mesh=mesh)
+    # a count that is no whole number >= 0 (a review, session 114: -2 passed `8 % -2` and
+    # failed in a reshape naming nothing; 2.0 as a float shape), here and in the context
+    from hpnlp.parallel.pipeline import use_microbatches
+    for micro in (-2, 2.0):
+        match = re.escape(f"pipeline: microbatches={micro!r}; give a whole number >= 0")
+        with pytest.raises(ValueError, match=match):
+            gpipe(None, {"w": jnp.zeros((2, 1))}, jnp.zeros((8, 1, 1)),
+                  jnp.zeros((8, 1), jnp.int32), microbatches=micro, mesh=mesh)
+        with pytest.raises(ValueError, match=match):
+            with use_microbatches(micro):
+                pass
 
 
 def test_a_pipelined_run_of_random_features_is_refused_for_decoding(monkeypatch):

@@ -49,6 +49,7 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as PS
 
@@ -62,11 +63,21 @@ _MICROBATCHES = contextvars.ContextVar("pipeline_microbatches", default=0)
 @contextlib.contextmanager
 def use_microbatches(n: int):
     """Within this context pipelined trunks split the batch into `n` microbatches (0: P)."""
-    token = _MICROBATCHES.set(n)
+    token = _MICROBATCHES.set(_microbatch_count(n))
     try:
         yield
     finally:
         _MICROBATCHES.reset(token)
+
+
+def _microbatch_count(n) -> int:
+    """`n` as a microbatch count, a whole number >= 0 (0: one per stage); a ValueError naming
+    it otherwise (a review, session 114: -2 passed `B % -2` and failed in a reshape, 2.0 as
+    a float shape)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"pipeline: microbatches={n!r}; give a whole number >= 0 (0: one per "
+                         "stage, mesh.pipeline_microbatches)")
+    return int(n)
 
 
 def pipeline_stages(axis: str = AXIS) -> int:
@@ -162,7 +173,7 @@ def gpipe(stage_fn: Callable, params, x_BLE, seg_BL, rngs: dict | None = None, *
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     P = mesh.shape[axis]
-    M = microbatches or P
+    M = _microbatch_count(microbatches) or P
     B = x_BLE.shape[0]
     if B % M:
         # validate checks the train and eval batches, so these rows are the pass's own (a
