@@ -340,6 +340,16 @@ def test_pool_metrics_ranks_exactly():
     same = np.ones((20, 8), np.float32) / np.sqrt(8)  # a collapsed encoder: ranked by id, at chance
     got = be.pool_metrics(same, same)
     assert got["recall@1"] == 1 / 20 and got["recall@10"] == 10 / 20
+    # a review (session 114): a query or an item gone NaN ranked first (a NaN compares
+    # false with everything): the query now ranks last, the item ahead of every other's own
+    nan_q = d[:30].copy()
+    nan_q[3] = np.nan
+    got = be.pool_metrics(nan_q, d)
+    assert got["recall@10"] == 29 / 30 and got["mrr"] == pytest.approx((29 + 1 / 50) / 30)
+    nan_d = d.copy()
+    nan_d[40] = np.nan
+    assert be.pool_metrics(d[:30], nan_d)["recall@1"] == 0.0
+    assert be.pool_metrics(d[:30], nan_d)["recall@10"] == 1.0
 
 
 def test_verse_pairs_task():

@@ -261,7 +261,10 @@ def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
     plus those scoring exactly the same with a lower id. Every score, the own item's
     included, comes from the same blocked product, so two equal vectors score exactly alike
     and no tolerance is needed (a tolerance would let a collapsed encoder, whose scores all
-    lie within it, tie its way to the top). Counted exactly over blocks of the pool."""
+    lie within it, tie its way to the top). Counted exactly over blocks of the pool. A query
+    whose own score is not finite ranks last, and an item scoring NaN ranks ahead of every
+    other's own (a review, session 114: a NaN compares false with everything, so a query
+    or item gone NaN (a float16 overflow, a quantized encoder) ranked first, a perfect hit)."""
     q = jnp.asarray(q_QE, jnp.float32)
     d = jnp.asarray(d_PE, jnp.float32)
     nq = q.shape[0]
@@ -273,9 +276,10 @@ def pool_metrics(q_QE, d_PE, *, ks=(1, 10), block: int = 4096) -> dict:
     above = jnp.zeros(nq, jnp.int32)
     for i, s in blocks:
         j = i + jnp.arange(s.shape[1])[None, :]
-        ahead = (s > own_Q[:, None]) | ((s == own_Q[:, None]) & (j < rows))
+        ahead = ((s > own_Q[:, None]) | ((s == own_Q[:, None]) & (j < rows))
+                 | (jnp.isnan(s) & (j != rows)))
         above = above + jnp.sum(ahead, axis=1, dtype=jnp.int32)
-    rank = np.asarray(above) + 1
+    rank = np.where(np.isfinite(np.asarray(own_Q)), np.asarray(above) + 1, d.shape[0])
     out = {f"recall@{k}": float(np.mean(rank <= k)) for k in ks}
     out["mrr"] = float(np.mean(1.0 / rank))
     out["pool"] = int(d.shape[0])
