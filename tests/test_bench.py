@@ -533,6 +533,10 @@ def test_targets_table_skips_interrupted_rows_and_names_a_bad_machine(tmp_path, 
     rec.write_text(json.dumps({"targets": {"t": good}, "machine": machine}))
     assert [r[1:4] for r in tt.rows()] == [("b", "c AVX2", "2026-01-02")]
     assert "1 (target, record) pairs" in tt.render()
+    # a run timed under the profiler is no record (a review, session 114)
+    rec.write_text(json.dumps({"targets": {"t": good}, "machine": machine, "profiled": "/t"}))
+    assert tt.rows() == []
+    rec.write_text(json.dumps({"targets": {"t": good}, "machine": machine}))
     for bad, field in (("epyc", "`machine`"), ({"date": 20261205}, "`machine.date`"),
                        ({"cpu_detail": "AMD"}, "`machine.cpu_detail`"),
                        ({"cpu_detail": {"features": None}}, "`machine.cpu_detail.features`")):
@@ -1888,6 +1892,13 @@ def test_a_run_of_fewer_rows_steps_or_seconds_than_the_report_in_out_is_refused(
     args = argparse.Namespace(entry="rnn", out=str(tmp_path), profile=None, quick=False,
                               impls=list(bench_rnn.IMPLS), quality=False, steps=None)
     bench_main.check_args(args)  # every row
+    # a run timed under the profiler (a review, session 114: it wrote an ordinary record, its
+    # JAX rows traced and PyTorch's peers not): no full run's, refused into a recorded folder
+    assert refused(["rnn", "--profile", str(tmp_path / "trace")]).endswith(
+        f"which this --profile {tmp_path / 'trace'} run would replace; give another --out")
+    held("rnn", profiled=str(tmp_path / "trace"), results=[{"impl": n} for n in bench_rnn.IMPLS])
+    assert bench_main._full_report(str(tmp_path), bench_rnn) is None
+    held("rnn", results=[{"impl": n} for n in bench_rnn.IMPLS])
     held("rnn quality", results=[{"variant": "plain", "steps": 300}])
     assert "which this --steps 30 run would" in refused(["rnn", "--quality", "--steps", "30"])
     bench_main.check_args(argparse.Namespace(**{**vars(args), "impls": None, "quality": True,
@@ -1916,6 +1927,9 @@ def test_a_run_of_fewer_rows_steps_or_seconds_than_the_report_in_out_is_refused(
     sync_readme = importlib.import_module("sync_readme")
     monkeypatch.setattr(sync_readme, "ROOT", str(tmp_path))
     with pytest.raises(SystemExit, match=r"a run of a part of the rows \(`subset`: "):
+        sync_readme.check_whole("results.md")
+    held("softmax", profiled="/tmp/trace", results=[{"impl": "full", "V": 32768}])
+    with pytest.raises(SystemExit, match=r"a run timed under the profiler \(`profiled`: "):
         sync_readme.check_whole("results.md")
 
 

@@ -86,6 +86,8 @@ def check_whole(path: str) -> None:
             if payload.get("subset") else
             "an interrupted run (`interrupted` set)" if payload.get("interrupted") else
             f"a run whose child died (`died`: {payload['died']})" if payload.get("died") else
+            f"a run timed under the profiler (`profiled`: {payload['profiled']})"
+            if payload.get("profiled") else
             f"a run without its part(s) {', '.join(left_out)} (`--parts`)" if left_out else None)
     if what:
         raise SystemExit(f"{record}: README.md's generated block names {path}, the report of "

@@ -141,7 +141,7 @@ def check_machine(path: str, info) -> None:
 
 # what makes a results.json the report of less than a whole run, as tools/sync_readme.py's
 # check_whole reads it (less its `--parts`, taken below)
-NOT_WHOLE = ("quick", "subset", "interrupted", "died")
+NOT_WHOLE = ("quick", "subset", "interrupted", "died", "profiled")
 
 
 def records() -> list[tuple[str, dict]]:

@@ -68,8 +68,11 @@ def main(argv=None) -> None:
         ctx = jax.profiler.trace(args.profile)
     before = _plots(args.out)
     parts = getattr(args, "parts", None)
+    # a profiled run is recorded as such (a review, session 114: timed under the tracer, which
+    # sees this process's JAX work and not PyTorch's peers, it wrote an ordinary record)
     with ctx, report.recorded(quick=bool(args.quick),
-                              **({} if parts is None else {"parts": list(parts)})):
+                              **({} if parts is None else {"parts": list(parts)}),
+                              **({"profiled": args.profile} if args.profile else {})):
         try:
             ENTRIES[args.entry].main(args)
         except compress.RunConflict as e:  # the runs trained before it are kept, and reused
@@ -160,6 +163,8 @@ def _less_than_full(args, held: dict) -> str | None:
     full value is the recorded report's, not a fixed one (its command gives --seconds 90)."""
     mod = ENTRIES[args.entry]
     flags = ["--quick"] if args.quick else []
+    if args.profile:
+        flags.append(f"--profile {args.profile}")
     for flag in getattr(mod, "LESS_THAN_FULL", ()):
         if getattr(args, flag, None) is not None:
             flags.append(f"--{flag} {getattr(args, flag)}")
@@ -184,8 +189,8 @@ def _full_report(out: str, mod) -> tuple[str, dict] | None:
     except (OSError, ValueError):
         return None
     if not isinstance(p, dict) or p.get("quick") or p.get("subset") or p.get("interrupted") \
-            or p.get("died"):  # (a memory bench whose child died: partial; session 109)
-        return None
+            or p.get("died") or p.get("profiled"):  # (a memory bench whose child died:
+        return None  # partial; session 109)
     ran = p.get("parts", p.get("seconds"))
     every = getattr(mod, "PARTS", None)
     if every and isinstance(ran, (list, dict)) and not set(every) <= set(ran):
