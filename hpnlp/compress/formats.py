@@ -50,7 +50,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from hpnlp import kernels
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # A range below this quantizes its channel to 0: scale 0 and codes 0 (no 0/0). Before,
@@ -85,7 +86,7 @@ def _canon(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
 
 def _grouped(x, axes: tuple[int, ...], group: int):
     """x with axes[0] split into [n_groups, group]; the reduce axes in that shape."""
-    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+    if not kernels.is_integer(group) or group < 0:
         # a review (session 114): -4 or 16.0 failed inside reshape, naming neither
         raise ValueError(f"group size {group!r}: give a whole number >= 0 (0: no groups)")
     if not group:

@@ -49,9 +49,10 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as PS
+
+from hpnlp import kernels
 
 AXIS = "pipeline"
 RNG_STREAMS = ("dropout", "features")
@@ -74,7 +75,7 @@ def _microbatch_count(n) -> int:
     """`n` as a microbatch count, a whole number >= 0 (0: one per stage); a ValueError naming
     it otherwise (a review, session 114: -2 passed `B % -2` and failed in a reshape, 2.0 as
     a float shape)."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    if not kernels.is_integer(n) or n < 0:
         raise ValueError(f"pipeline: microbatches={n!r}; give a whole number >= 0 (0: one per "
                          "stage, mesh.pipeline_microbatches)")
     return int(n)

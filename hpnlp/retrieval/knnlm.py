@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpnlp import kernels
 from hpnlp.paths import write_json
 from hpnlp.progress import bar_interval
 from hpnlp.retrieval.base import Index, RetrievalError, get, make
@@ -461,7 +462,7 @@ def check_grid(grid: dict) -> None:
         if not len(grid.get(name, ())):
             raise RetrievalError(f"grid[{name!r}] is empty; give at least one value to try")
     for k in grid["k"]:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        if not kernels.is_integer(k) or k < 1:
             raise RetrievalError(f"grid['k'] holds {k!r}: give whole numbers of neighbours >= 1")
     for t in grid["temperature"]:
         if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not t > 0:
@@ -648,7 +649,7 @@ def run(workdir: str, datastore: str, *, index: str = "exact", index_options: di
     only the first chunks of each half (about that many tokens in all);
     `max_datastore_tokens` > 0 builds the datastore from the first training chunks only."""
     check_metric(metric)
-    if isinstance(k_max, bool) or not isinstance(k_max, (int, np.integer)) or k_max < 1:
+    if not kernels.is_integer(k_max) or k_max < 1:
         # a review (session 114): 0 or 2.5 failed in the first search, the datastore built
         raise RetrievalError(f"k_max={k_max!r}: give a whole number of neighbours >= 1")
     check_grid(grid)
