@@ -540,8 +540,12 @@ def test_checkpoints_are_read_as_a_reader_reads_the_run(plain, capsys):
     from hpnlp.train.ensemble import _restore_last
     cfg = tiny(0)  # the run's own seed is 1
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=2, tensor=2))
+    # and the run's own interval of feature redraws, which picks each checkpoint's draw (a
+    # review, session 115: the command line's was taken, and a redrawn run scored on draw 0)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, feature_redraw_every=7))
     trainer, steps, _ = _restore_last(cfg, plain, 2)
     assert steps == [2, 4] and trainer.cfg.seed == 1 and trainer.cfg.mesh.tensor == 1
+    assert trainer.cfg.train.feature_redraw_every == tiny(1).train.feature_redraw_every != 7
     assert f"read with mesh.data={jax.device_count()}" in capsys.readouterr().err
     other = tiny(1)
     other = dataclasses.replace(other, model=dataclasses.replace(other.model, depth=2))
@@ -632,6 +636,31 @@ def test_a_refused_ensemble_leaves_no_empty_workdir(tmp_path):
         with pytest.raises(ConfigError, match="'bi_encoder' is not allowed in an ensemble"):
             seed_ensemble(bi, str(workdir), 2)
         assert workdir.exists() is not made
+    # but not one another process holds (a review, session 115, of session 114's fix to
+    # hpnlp.train.run): a seed ensemble that made the folder and lost the race for its lock
+    # removed it, the winner's lock with it
+    from hpnlp.train import ensemble as ensemble_lib
+    from hpnlp.paths import WorkdirBusy
+    holders = []
+
+    def lost_race(cfg, workdir, members, member_loop=None):
+        holders.append(subprocess.Popen(
+            [sys.executable, "-c", "import fcntl, os, time\n"
+             f"fd = os.open({workdir!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True))
+        assert holders[-1].stdout.readline().strip() == "held"
+        raise WorkdirBusy("busy")
+    race = tmp_path / "race"
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(ensemble_lib, "EnsembleTrainer", lost_race)
+            with pytest.raises(WorkdirBusy):
+                seed_ensemble(cfg, str(race), 2)
+        assert race.is_dir()
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
 
 
 def test_the_cli_report_is_written_whole_or_not_at_all(tmp_path):
@@ -644,6 +673,17 @@ def test_the_cli_report_is_written_whole_or_not_at_all(tmp_path):
     with open(tmp_path / "ensemble.json") as f:
         assert json.load(f) == {"mode": "seeds", "loss": 1.0}
     assert os.listdir(tmp_path) == ["ensemble.json"]
+    # a failed write is one line naming the file (a review, session 115: a traceback)
+    from hpnlp.train import ensemble as ensemble_lib
+    from hpnlp.train.checkpoint import CheckpointSaveFailed
+
+    def full(*_, **__):
+        raise OSError(28, "No space left on device")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ensemble_lib, "write_json", full)
+        with pytest.raises(CheckpointSaveFailed, match=r"writing .*ensemble\.json failed "
+                           r"\(OSError: \[Errno 28\] No space left on device\)"):
+            _write_report(str(tmp_path), {"mode": "seeds", "loss": 2.0})
 
 
 # 3.1 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite

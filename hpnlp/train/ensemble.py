@@ -69,7 +69,7 @@ from hpnlp.softmax.full import auto_chunk_tokens
 from hpnlp.train.checkpoint import (CheckpointMismatch, CheckpointSaveFailed, NoCheckpoint,
                                     StackedMembers, is_stacked, load_run_config, run_members,
                                     write_failed)
-from hpnlp.train.loop import Trainer
+from hpnlp.train.loop import Trainer, remove_if_empty
 from hpnlp.train.state import TrainState
 from hpnlp.train.step import finalize, make_train_step, step_compiler_options
 
@@ -531,7 +531,13 @@ def _restore_last(cfg, workdir: str, last_k: int):
         # its data (the paths as it saved them) and its seed, which a checkpoint's read does
         # not use (a bug hunt, session 100: another --config's seed was "a different model",
         # and the reader was told to delete the run)
-        cfg = dataclasses.replace(cfg, data=run_cfg.data, seed=run_cfg.seed)
+        # and the interval of its random features' redraws, which picks each checkpoint's
+        # draw (a review, session 115: the command line's default of 1000 scored every
+        # checkpoint of a run redrawn each 50 steps with draw 0, and said nothing)
+        cfg = dataclasses.replace(
+            cfg, data=run_cfg.data, seed=run_cfg.seed,
+            train=dataclasses.replace(
+                cfg.train, feature_redraw_every=run_cfg.train.feature_redraw_every))
     if keep < last_k:
         raise ConfigError(
             f"config field `train.keep_checkpoints` = {keep} is not allowed: a run keeps only its "
@@ -617,8 +623,13 @@ def format_table(report: dict) -> str:
 
 def _write_report(workdir: str, report: dict) -> None:
     """WORKDIR/ensemble.json, whole or not at all, as the run's other files (a review, r1: a
-    kill mid-write cut it)."""
-    write_json(os.path.join(workdir, "ensemble.json"), report, indent=1)
+    kill mid-write cut it); a failed write is one line (a review, session 115), as the run's
+    other reports'."""
+    path = os.path.join(workdir, "ensemble.json")
+    try:
+        write_json(path, report, indent=1)
+    except OSError as e:
+        raise write_failed(path, e, os.path.join(workdir, "checkpoints")) from None
 
 
 def seed_ensemble(cfg, workdir: str, members: int, *,
@@ -632,12 +643,9 @@ def seed_ensemble(cfg, workdir: str, members: int, *,
     os.makedirs(workdir, exist_ok=True)
     try:
         return EnsembleTrainer(cfg, workdir, members, member_loop=member_loop)
-    except Exception:
-        try:  # (another process of the run may have removed it first)
-            if made and not os.listdir(workdir):
-                os.rmdir(workdir)
-        except OSError:
-            pass
+    except Exception:  # not while another process holds it (a review, session 115)
+        if made:
+            remove_if_empty(workdir)
         raise
 
 
@@ -712,7 +720,10 @@ def _main(argv) -> None:
         cli.tell_the_others()
         raise
     if jax.process_index() == 0:
-        _write_report(F.workdir, report)
+        try:
+            _write_report(F.workdir, report)
+        except CheckpointSaveFailed as e:
+            cli.exit_interrupted(f"hpnlp: error: {e}", 1)
         print(format_table(report))
 
 

@@ -1418,20 +1418,25 @@ def run(cfg, workdir: str, *, profile_dir: str | None = None) -> dict:
     try:
         trainer = Trainer(cfg, workdir)
     except Exception:  # a refused config leaves no empty folder behind (found by a README walk)
-        # another process of the run may have removed it first (a README walk: its
-        # FileNotFoundError hid the config's error); and not while another process holds it
-        # (a review, session 114: a run refused as busy removed the folder the winner had
-        # locked, whose later writes made an unlocked one at the same path)
-        with contextlib.suppress(OSError, WorkdirBusy):
-            if made:
-                release = hold_workdir(workdir)
-                try:
-                    if not os.listdir(workdir):
-                        os.rmdir(workdir)
-                finally:
-                    release()
+        if made:
+            remove_if_empty(workdir)
         raise
     return trainer.run(profile_dir=profile_dir)
+
+
+def remove_if_empty(workdir: str) -> None:
+    """Remove `workdir`, made by a run its config or a lock then refused, if it is still empty
+    and no other process holds it. Another process of the run may have removed it first (a
+    README walk: its FileNotFoundError hid the config's error); and not while another process
+    holds it (a review, session 114: a run refused as busy removed the folder the winner had
+    locked, whose later writes made an unlocked one at the same path)."""
+    with contextlib.suppress(OSError, WorkdirBusy):
+        release = hold_workdir(workdir)
+        try:
+            if not os.listdir(workdir):
+                os.rmdir(workdir)
+        finally:
+            release()
 
 
 __all__ = ["Interrupted", "NonFiniteLoss", "Trainer", "run", "dummy_batch"]
