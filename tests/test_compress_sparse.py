@@ -671,6 +671,8 @@ def test_structured_pruning_removes_rnn_hidden_units_and_shrinks_to_the_same_mod
     cd = tiny(kind, prune=dict(method="magnitude", sparsity=0.5, structure="structured",
                                schedule="oneshot", start_step=1))
     cd.model.update(arch=arch, width=32, depth=2)
+    if kind == "classifier":  # with a key-value memory, which the shrunk run keeps (a review,
+        cd.model.memory.update(size=16, key_dim=8, k=4)  # session 115: OUT's was empty)
     cd.rnn.update(rnn)
     cd.output.tie_embeddings = kind == "lm"
     cfg = from_configdict(cd)
@@ -707,6 +709,17 @@ def test_structured_pruning_removes_rnn_hidden_units_and_shrinks_to_the_same_mod
     assert summary["model"] == {"width": [32, 16]}
     assert summary["params"]["shrunk"] < summary["params"]["pruned"]
     np.testing.assert_allclose(summary["eval"]["loss"], summary["eval_masked"]["loss"], rtol=1e-5)
+    if kind == "classifier":
+        from hpnlp.train.checkpoint import load_run_config
+        assert summary["eval"]["accuracy_memory"] == summary["eval_masked"]["accuracy_memory"]
+        small = Trainer(load_run_config(str(tmp_path / "small")), str(tmp_path / "small"),
+                        read_only=True)
+        kept, _ = small.initial_state()
+        small.checkpointer.close()
+        written = jax.device_get(state.carry["kv_memory"])
+        assert (written.values_S >= 0).any()  # the trained memory holds something
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(kept.carry["kv_memory"]),
+                     written)
     cfg2, params2 = prune.shrink(tr.cfg, state.params, groups, layout)
     assert cfg2.model.width == 16 and cfg2.model.depth == 2 and cfg2.rnn == cfg.rnn
     h2 = _jit_apply(models.build(cfg2, deterministic=True), method)(params2, batch)

@@ -1103,7 +1103,14 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         with of_saved_data():  # as checked above
             small = Trainer(cfg2, stage)
         fresh, _ = small.initial_state()
-        state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params))
+        carry2 = dict(fresh.carry)
+        if "kv_memory" in carry2:  # a classifier's trained key-value memory: its keys read the
+            # pooled encoding, which the shrunk model computes as the masked one did (a
+            # review, session 115: OUT held an empty memory, evaluated and resumed so)
+            carry2["kv_memory"] = jax.device_put(jax.device_get(state.carry["kv_memory"]),
+                                                 small.state_sharding.carry["kv_memory"])
+        state2 = fresh.replace(params=jax.device_put(params2, small.state_sharding.params),
+                               carry=carry2)
         small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
         small.checkpointer.wait()
         small.checkpointer.close()
