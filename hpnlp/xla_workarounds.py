@@ -97,6 +97,18 @@ def _backend_started() -> bool:
         return False
 
 
+OFF = ("0", "false", "off", "no")
+
+
+def switched_off(name: str = "HPNLP_XLA_WORKAROUNDS") -> bool:
+    """Whether the workaround switch `name` (or, where it is unset or empty, the global
+    HPNLP_XLA_WORKAROUNDS) says 0, false, off or no, as HPNLP_KERNEL_TUNE reads them (a
+    review, session 115: only an exact "0" turned a workaround off, and an empty
+    HPNLP_ISA_WORKAROUND= shadowed HPNLP_XLA_WORKAROUNDS=0)."""
+    value = os.environ.get(name, "").strip() or os.environ.get("HPNLP_XLA_WORKAROUNDS", "")
+    return value.strip().lower() in OFF
+
+
 def pad_overread_flag() -> str | None:
     """The XLA flag this process needs against the pad over-read, or None.
 
@@ -105,8 +117,7 @@ def pad_overread_flag() -> str | None:
     one after a bare token in XLA_FLAGS is ignored by XLA, so it caps nothing; review d2), the
     jaxlib is not one the defect was seen on, or the CPU has no AVX-512.
     """
-    switch = os.environ.get("HPNLP_ISA_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
-    if switch == "0":
+    if switched_off("HPNLP_ISA_WORKAROUND"):
         return None
     read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
     if any(f.split("=", 1)[0] == "--xla_cpu_max_isa" for f in read):
@@ -143,8 +154,7 @@ def cache_workaround_wanted() -> bool:
     jaxlib whose cached multi-device programs can deadlock, and it is not switched off
     (`HPNLP_CACHE_WORKAROUND=0`, or `HPNLP_XLA_WORKAROUNDS=0` unless
     `HPNLP_CACHE_WORKAROUND=1`)."""
-    switch = os.environ.get("HPNLP_CACHE_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
-    if switch == "0" or host_devices() <= 1:
+    if switched_off("HPNLP_CACHE_WORKAROUND") or host_devices() <= 1:
         return False
     try:
         version = importlib.metadata.version("jaxlib")
@@ -194,8 +204,7 @@ def malloc_workaround_wanted() -> bool:
     not where it is switched off (`HPNLP_MALLOC_WORKAROUND=0`, or `HPNLP_XLA_WORKAROUNDS=0`
     unless `HPNLP_MALLOC_WORKAROUND=1`), malloc was tuned by the user, JAX has an
     accelerator, or the C library is not glibc."""
-    switch = os.environ.get("HPNLP_MALLOC_WORKAROUND", os.environ.get("HPNLP_XLA_WORKAROUNDS", "1"))
-    if switch == "0":
+    if switched_off("HPNLP_MALLOC_WORKAROUND"):
         return False
     # cheapest first: the plugin check reads every installed distribution's metadata
     return not (_glibc() is None or _user_tuned_malloc() or _accelerator_plugin())

@@ -84,6 +84,16 @@ def test_flag_only_where_needed(monkeypatch):
     assert xw.pad_overread_flag() == xw.ISA_FLAG
     monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", "0")  # switched off
     assert xw.pad_overread_flag() is None
+    # as HPNLP_KERNEL_TUNE reads its switch; an empty own switch is unset (a review,
+    # session 115: only an exact "0" was off, and HPNLP_ISA_WORKAROUND= shadowed the global)
+    for off in ("false", "Off", " 0", "no"):
+        monkeypatch.setenv("HPNLP_XLA_WORKAROUNDS", off)
+        assert xw.pad_overread_flag() is None and not xw.malloc_workaround_wanted(), off
+    monkeypatch.setenv("HPNLP_ISA_WORKAROUND", "")
+    assert xw.pad_overread_flag() is None
+    monkeypatch.setenv("HPNLP_ISA_WORKAROUND", "1")  # its own switch wins
+    assert xw.pad_overread_flag() == xw.ISA_FLAG
+    monkeypatch.delenv("HPNLP_ISA_WORKAROUND")
     monkeypatch.delenv("HPNLP_XLA_WORKAROUNDS")
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX512_CORE")  # the user's own choice wins
     assert xw.pad_overread_flag() is None

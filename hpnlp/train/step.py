@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpnlp import xla_workarounds
 from hpnlp.config import TrainConfig
 from hpnlp.train import carry as carry_lib
 from hpnlp.train.state import TrainState, clipped_part, learning_rate_schedule
@@ -69,7 +69,7 @@ def step_compiler_options() -> dict | None:
     if jax.default_backend() != "cpu":
         return None
     options = dict(CPU_REMAT_COMPILER_OPTIONS)
-    if (os.environ.get("HPNLP_XLA_WORKAROUNDS", "1") != "0"
+    if (not xla_workarounds.switched_off()
             and _xla_knows(tuple(CPU_NO_YNN_FUSION_OPTIONS.items()))):
         options.update(CPU_NO_YNN_FUSION_OPTIONS)
     return options
