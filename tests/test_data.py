@@ -628,7 +628,9 @@ def test_set_state_refuses_a_stream_whose_text_changed_at_the_same_count(tasks):
     edited = dataclasses.replace(task, train=dataclasses.replace(task.train, tokens=tokens))
     with pytest.raises(ValueError, match=r"saved under other settings \(the examples' contents "
                        r"\(data.train_path or data.eval_path edited since\?\): saved '\w+', "
-                       r"now '\w+'\)"):
+                       r"now '\w+'; a data.eval_path given or dropped since changes them too: "
+                       r"without one, the last 10% of data.train_path's lines are held out of "
+                       r"training\)"):  # (that hint: a review, session 115)
         data.make_iterator(edited, cfg, split="train", batch_size=8).set_state(state)
     del state["digest"]  # a state saved before the digest was: resumed as it was
     data.make_iterator(task, cfg, split="train", batch_size=8).set_state(state)

@@ -523,6 +523,8 @@ def test_checkpoint_errors(plain, tmp_path):
         weight_average(tiny(1, keep_checkpoints=5), plain, 3)
     with pytest.raises(NotEnoughCheckpoints, match="no run in workdir"):
         checkpoint_ensemble(tiny(), str(tmp_path / "nothing"), 2)
+    with pytest.raises(NotEnoughCheckpoints, match="no run in workdir"):  # not "retrain with
+        checkpoint_ensemble(tiny(), str(tmp_path / "nothing"), 4)  # more" (review, s. 115)
     with pytest.raises(ValueError, match="last_k = 0"):
         checkpoint_ensemble(tiny(1), plain, 0)
     # found by the crash hunt: the members were scored on whatever data the command line

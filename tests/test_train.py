@@ -429,6 +429,12 @@ def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path):
                        r"data: .*pass a dict that get_state\(\) returned, unedited$"):
         tr.initial_state()
     tr.checkpointer.close()
+    # a reader reads the parameters whatever the training stream's state (a review, session
+    # 115: generate refused a byte-level run whose text had grown since)
+    reader = Trainer(from_configdict(tiny(steps=10)), str(tmp_path / "run"), read_only=True)
+    state, _ = reader.initial_state()
+    assert int(state.step) == 0
+    reader.checkpointer.close()
 
 
 def tb_events(workdir):

@@ -111,6 +111,10 @@ def check_fingerprint(saved: dict, want: dict) -> None:
                          + fix)
     lines = "; ".join(f"{_STATE_FIELDS.get(k, k)}: saved {a!r}, now {b!r}"
                       for k, (a, b) in diff.items())
+    if {"num_examples", "digest"} & set(diff):  # a review (session 115): data.eval_path,
+        # which a resume may change, given to a data.train_path run saved without one
+        lines += ("; a data.eval_path given or dropped since changes them too: without one, "
+                  "the last 10% of data.train_path's lines are held out of training")
     raise ValueError(f"the checkpoint's data stream was saved under other settings ({lines}); "
                      + fix)
 

@@ -538,11 +538,6 @@ def _restore_last(cfg, workdir: str, last_k: int):
             cfg, data=run_cfg.data, seed=run_cfg.seed,
             train=dataclasses.replace(
                 cfg.train, feature_redraw_every=run_cfg.train.feature_redraw_every))
-    if keep < last_k:
-        raise ConfigError(
-            f"config field `train.keep_checkpoints` = {keep} is not allowed: a run keeps only its "
-            f"last {keep} checkpoints, fewer than the {last_k} asked for; train with "
-            f"--config.train.keep_checkpoints={last_k} (or more), or combine at most {keep}")
     if os.path.exists(os.path.join(workdir, MEMBERS_FILE)):
         raise CheckpointMismatch(
             f"workdir {workdir} holds a seed ensemble (EnsembleTrainer); checkpoint ensembles and "
@@ -551,6 +546,12 @@ def _restore_last(cfg, workdir: str, last_k: int):
         raise NotEnoughCheckpoints(
             f"no run in workdir {workdir} (no config.json): train one there first with "
             "python -m hpnlp.main --workdir ...")
+    # (after those: a review, session 115, found a mistyped folder told to retrain)
+    if keep < last_k:
+        raise ConfigError(
+            f"config field `train.keep_checkpoints` = {keep} is not allowed: a run keeps only its "
+            f"last {keep} checkpoints, fewer than the {last_k} asked for; train with "
+            f"--config.train.keep_checkpoints={last_k} (or more), or combine at most {keep}")
     # read only: laid out for these devices as generate reads a run (a bug hunt, session
     # 100: a run of 4 devices' mesh was refused on 1), and a mismatch is a reader's error
     trainer = Trainer(cfg, workdir, read_only=True)

@@ -696,6 +696,10 @@ class Trainer:
         # the routing groups its steps ran in (`split_model`; a reader's loop item may be damaged)
         saved = loop_state.get("routing_groups") if isinstance(loop_state, dict) else None
         self._restored_groups = (step, saved if type(saved) is int and saved > 0 else None)
+        if self._read_only:  # a reader reads the parameters alone, whatever the training
+            # stream's position (a review, session 115: generate refused a byte-level run whose
+            # text had grown since, as its checkpoint restore already lets a reader through)
+            return state, loop_state
         try:
             self.train_iter.set_state(data_state)
         except ValueError as e:  # a bug hunt (session 99): the data state's fault, unnamed
