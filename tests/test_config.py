@@ -290,6 +290,15 @@ def test_task_fields_are_filled_in():
      "output.options.reg1", "must be a number >= 0"),
     ({"output": {"name": "adaptive", "options": {"chunk_logits": "big"}},
       "data": {"task": "word_lm"}}, "output.options.chunk_logits", "an integer >= 1"),
+    # a review (session 115): nan and inf were taken (a NaN loss; a uniform sort; 1-wide tails)
+    ({"attention": {"name": "sinkhorn", "options": {"temperature": float("nan")}},
+      "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
+     "attention.options.temperature", "must be a positive finite number"),
+    ({"attention": {"name": "sinkhorn", "options": {"temperature": float("inf")}},
+      "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
+     "attention.options.temperature", "must be a positive finite number"),
+    ({"output": {"name": "adaptive", "options": {"div_value": float("inf")}},
+      "data": {"task": "word_lm"}}, "output.options.div_value", "must be a finite number > 0"),
     ({"model": {"mem_len": 64}}, "model.mem_len", "data.batching='stream'"),
     ({"model": {"comp_fn": "pool"}}, "model.comp_fn", "model.comp_mem_len=0 has none"),
     # a bug hunt (session 93): the fix it named, data.eval_path, is refused beside a folder
@@ -467,10 +476,21 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
     ({"train": {"distill": {"teacher": "/t", "alpha": 1.0, "hidden": 1.0, "chunk_tokens": 0}},
       "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},
      "train.distill.chunk_tokens", "(never chunked), so nothing reads it"),
-    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "temperature": 4.0}}},
+    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "temperature": 4.0,
+                            "init": "select"}}},
      "train.distill.temperature", "alpha=0 gives it no weight, so nothing reads it"),
-    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "chunk_tokens": 0}}},
+    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "chunk_tokens": 0, "init": "select"}}},
      "train.distill.chunk_tokens", "alpha=0 gives it no weight, so nothing reads it"),
+    # a review (session 115): no step would mine, and the summary said "mined"
+    ({"model": {"kind": "bi_encoder", "encoder": {"mine_every": 10}},
+      "data": {"task": "verse_pairs"}, "train": {"steps": 10, "warmup_steps": 1}},
+     "model.encoder.mine_every",
+     "with train.steps=10 no step mines (the first mining follows step "
+     "model.encoder.mine_every, and none follows the last), so no pair would get a hard "
+     "negative; set it to at most 9 or 0 (no mining), or raise train.steps"),
+    # a review (session 115): a teacher of no weight and no init, loaded and read by nothing
+    ({"train": {"distill": {"teacher": "/t", "alpha": 0.0}}}, "train.distill.alpha",
+     "the teacher '/t' is read by nothing; give it a weight"),
     # a review (session 107): read, converted or factorized, then replaced by the teacher's
     ({"train": {"init_from": "/r", "distill": {"teacher": "/t", "init": "every_other"}}},
      "train.init_from", "drop train.init_from, or set train.distill.init='none'"),

@@ -375,6 +375,9 @@ def students(draw, kind: str = "lm") -> dict:
                "attention": draw(st.sampled_from([0.0, 0.0, 1.0])),
                "init": draw(st.sampled_from(["none", "every_other", "select", "importance"])),
                "init_blocks": draw(st.sampled_from(["first", "last"])), "importance_batches": 2}
+    if distill["init"] == "none" and not (distill["alpha"] or distill["hidden"]
+                                          or distill["attention"]):
+        distill["alpha"] = 1.0  # a teacher read by nothing is refused (a review, session 115)
     if distill["init"] != "importance":  # each refused as ignored (a review, session 107)
         del distill["importance_batches"]
     if not (distill["alpha"] or distill["hidden"] or distill["attention"]):  # no soft loss

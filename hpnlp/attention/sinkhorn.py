@@ -33,6 +33,8 @@ of a block, K key slots (block_size each; 2 * block_size once local and sorted a
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -127,9 +129,10 @@ def sinkhorn_attention(q_BLHD, k_BLHD, v_BLHD, valid_BL, perm_BHNN, block_size: 
 
 def _check_positive(options, cls, name, field, kind):
     value = options.get(name, getattr(cls, name))
-    if not isinstance(value, kind) or isinstance(value, bool) or value <= 0:
+    if (not isinstance(value, kind) or isinstance(value, bool) or value <= 0
+            or not math.isfinite(value)):  # (a review, session 115: nan and inf taken)
         raise ConfigError(f"config field `{field}.{name}` = {value!r} is not allowed: "
-                          f"must be a positive {'integer' if kind is int else 'number'}")
+                          f"must be a positive {'integer' if kind is int else 'finite number'}")
 
 
 @register("sinkhorn")

@@ -829,7 +829,8 @@ def check_new_run(cfg: Config) -> None:
     (cut, with the whole expression's label) or of a negative data.seed (`of_saved_data`
     leaves these two out), `clustered` attention in float16, an expert-choice
     eval_capacity_factor, `model.embed_grad_scale='batch'` under train.grad_accum (below),
-    an eval file that is the train file (`eval_is_train`), bfloat16 master weights
+    an eval file that is the train file (`eval_is_train`), a bi-encoder's mining that no step
+    runs (model.encoder.mine_every >= train.steps), bfloat16 master weights
     (`check_master_weights`), fields nothing reads (`_check_unread_of_new_run`), and
     `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
@@ -866,6 +867,15 @@ def check_new_run(cfg: Config) -> None:
         _fail("data.eval_path", cfg.data.eval_path, "names data.train_path's file, so every "
               "eval document would be one trained on; the eval text must be held out: give "
               "another file, or drop data.eval_path (the end of the train file is then held out)")
+    e = cfg.model.encoder
+    if cfg.model.kind == "bi_encoder" and 0 < t.steps <= e.mine_every:
+        # a review (session 115): mining runs after step mine_every - 1 and never after the
+        # last, so none ran, the run trained on in-batch negatives alone, its summary "mined"
+        _fail("model.encoder.mine_every", e.mine_every, f"with train.steps={t.steps} no "
+              "step mines (the first mining follows step model.encoder.mine_every, and none "
+              "follows the last), so no pair would get a hard negative; set it to "
+              + (f"at most {t.steps - 1} or " if t.steps > 1 else "") + "0 (no mining), or "
+              "raise train.steps")
     if cfg.attention.name == "clustered" and cfg.model.dtype == "float16":
         # review r1 (session 105): the layer injects its k-means gradient in the backward
         # pass, where the train step's loss scale (train/step.py's `applied`) cannot reach

@@ -418,6 +418,14 @@ def _check_new_distill(cfg: Config) -> None:
                        f"train.distill.init={dist.init!r} ranks none", "set "
                        "train.distill.init='importance' (or 'pca')",
                        names=("importance_batches",))
+    if not (dist.alpha or dist.hidden or dist.attention) and dist.init == "none":
+        # a review (session 115): the teacher loaded, carried and saved in every checkpoint,
+        # and read by nothing (Distiller.loss computes no teacher term, no init copies it)
+        _fail("train.distill.alpha", dist.alpha, "with train.distill.hidden=0, "
+              "train.distill.attention=0 and train.distill.init='none' the teacher "
+              f"{dist.teacher!r} is read by nothing; give it a weight (train.distill.alpha, "
+              "hidden or attention > 0) or an init (train.distill.init), or drop "
+              "train.distill.teacher")
     if not (dist.alpha or dist.hidden or dist.attention):  # compress/distill.py's
         # `Distiller.loss` computes no soft targets then (no teacher forward). Under
         # alpha=0 with hidden or attention matching it still computes and logs loss_soft

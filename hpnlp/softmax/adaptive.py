@@ -147,8 +147,10 @@ class AdaptiveSoftmax(nn.Module):
         mode = options.get("mode", cls.mode)
         if mode not in ("sorted", "dense"):
             raise config_error(f"{field}.mode", mode, "choose 'sorted' or 'dense'")
-        if not options.get("div_value", cls.div_value) > 0:
-            raise config_error(f"{field}.div_value", options["div_value"], "must be > 0")
+        div = options.get("div_value", cls.div_value)
+        if (isinstance(div, bool) or not isinstance(div, numbers.Real) or not math.isfinite(div)
+                or div <= 0):  # (a review, session 115: inf made every tail 1 wide)
+            raise config_error(f"{field}.div_value", div, "must be a finite number > 0")
         if mode == "dense":
             refuse_unread(options, "chunk_logits", "mode='sorted'", "mode='dense'", field)
         chunk = options.get("chunk_logits", cls.chunk_logits)
