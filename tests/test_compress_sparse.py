@@ -1729,6 +1729,17 @@ def test_structured_pruning_under_int4_groups_keeps_units_the_groups_divide():
     with pytest.raises(ConfigError, match=r"keeps 12 of model\.moe\.mlp_dim \(each expert's\)="
                        r"24 in the shrunk model"):
         validate(from_configdict(cd))
+    # only a quantized product's contraction is grouped (a review, session 115): with the MLP
+    # in float, its kept neurons need no multiple of 8; with `out` in float, nor the heads
+    cd.quant.layers = "qkv,out"
+    validate(from_configdict(cd))
+    cd.model.moe.update(num_experts=0, mlp_dim=0)
+    cd.model.update(width=48, num_heads=4, mlp_dim=64)  # heads of 12: 2 kept, 24 wide
+    cd.quant.update(layers="qkv,out", group_size=16)
+    with pytest.raises(ConfigError, match=r"keeps 24 of model\.num_heads \* head size=48"):
+        validate(from_configdict(cd))
+    cd.quant.layers = "qkv,mlp"
+    validate(from_configdict(cd))
 
 
 def test_a_dual_encoders_mlp_neurons_are_not_pruned_structurally(tmp_path):
