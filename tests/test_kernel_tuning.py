@@ -187,7 +187,7 @@ def test_cpus_with_the_same_flags_but_another_model_share_no_library_or_tuning(t
 
 
 @pytest.mark.usefixtures("tuning_on")
-def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path):
+def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path, monkeypatch, capsys):
     def probe(_lib, cfg):
         raise RuntimeError("probe failed")
     t = tuning.Tuning(FakeKernel(tmp_path), "pass", default={"b": 128}, candidates=[{"b": 64}],
@@ -196,6 +196,10 @@ def test_a_failing_probe_runs_the_defaults_and_writes_nothing(tmp_path):
     with pytest.warns(RuntimeWarning, match="tuning fake kernel/pass failed .*default blocks"):
         assert t.config() == {"b": 128}
     assert t.source == "default" and not os.path.exists(t.path())
+    # --repeat has no search of it to compare, and says no agreement (a review, session 115)
+    monkeypatch.setattr(tuning, "REGISTRY", [t])  # main's imports registered theirs already
+    assert tuning.main(["--repeat", "1"]) == 1
+    assert "not repeated: no recorded search of this pass" in capsys.readouterr().out
 
 
 @pytest.mark.usefixtures("tuning_on")
@@ -918,6 +922,11 @@ def test_the_command_names_a_kernel_that_cannot_run_and_refuses_a_retune_with_tu
     with pytest.raises(SystemExit):
         tuning.main(["--retune"])
     assert "--retune measures the block sizes, which HPNLP_KERNEL_TUNE=0 turns off" in \
+        capsys.readouterr().err
+    # nor does --repeat say the choices agree, having measured nothing (a review, s. 115)
+    with pytest.raises(SystemExit):
+        tuning.main(["--repeat", "1"])
+    assert "--repeat measures the block sizes, which HPNLP_KERNEL_TUNE=0 turns off" in \
         capsys.readouterr().err
 
 

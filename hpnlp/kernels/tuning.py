@@ -283,9 +283,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 0:
         p.error(f"--repeat must be >= 0 (extra searches per pass); got {args.repeat}")
-    if args.retune and not enabled():  # a bug hunt (session 90): it deleted every saved
-        # search and measured nothing
-        p.error("--retune measures the block sizes, which HPNLP_KERNEL_TUNE="
+    if (args.retune or args.repeat) and not enabled():  # a bug hunt (session 90): --retune
+        # deleted every saved search and measured nothing (a review, session 115: --repeat
+        # measured nothing and said the choices agreed)
+        flag = "--retune" if args.retune else "--repeat"
+        p.error(f"{flag} measures the block sizes, which HPNLP_KERNEL_TUNE="
                 f"{os.environ['HPNLP_KERNEL_TUNE']} turns off; unset it (or set it to 1)")
     import hpnlp.attention.flash_cpu  # noqa: F401  (registers its tunings)
     import hpnlp.rnn.fused  # noqa: F401
@@ -309,6 +311,11 @@ def main(argv=None) -> int:
             why = (f": the kernel cannot run here: {t.kernel.unavailable_reason()}"
                    if enabled() and not t.kernel.available() else "")
             print(f"{name}: {cfg} ({t.source}{why})")
+            if args.repeat and not why:  # a search not kept (a cache folder it could not
+                # write, a probe that failed): nothing to compare again, no agreement said
+                agree = False
+                print("  not repeated: no recorded search of this pass to compare with (see "
+                      "the warning above)")
             continue
         secs = {json.dumps(x["config"], sort_keys=True): x["seconds"] for x in data["timings"]}
         mine, base = secs[json.dumps(cfg, sort_keys=True)], data["timings"][0]["seconds"]
