@@ -24,6 +24,10 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a file, not a folder; give a folder")
     parent = full
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # a dangling link: makedirs cannot make it a folder (a
+            # review, session 115: a traceback from the run's FileExistsError)
+            raise ValueError(f"{flag} {path}: {parent} is a link to {os.readlink(parent)}, "
+                             "which does not exist; create that folder, or give another path")
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: {parent} is a file, so the folder cannot be made; "

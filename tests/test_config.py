@@ -86,6 +86,13 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
         check_writable_dir(str(tmp_path / "f"), "--out")
     with pytest.raises(ValueError, match="--profile .*/f/p: .*/f is a file, so the folder"):
         check_writable_dir(str(tmp_path / "f" / "p"), "--profile")
+    # a dangling link, or one on the way (a review, session 115: the run's makedirs raised
+    # FileExistsError, a traceback)
+    os.symlink(tmp_path / "missing" / "x", tmp_path / "w")
+    for path in (tmp_path / "w", tmp_path / "w" / "run"):
+        with pytest.raises(ValueError, match=rf"--workdir {path}: {tmp_path}/w is a link to "
+                           rf"{tmp_path}/missing/x, which does not exist; create that folder"):
+            check_writable_dir(str(path), "--workdir")
     run, out = tmp_path / "run", tmp_path / "out"
     for d in (run / "checkpoints", out):
         os.makedirs(d)
