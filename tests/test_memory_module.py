@@ -156,6 +156,11 @@ def test_verse_book_split_is_as_documented():
     # eval verses are the held-out chapters' (compared as word ids)
     eval_words = {tuple(t.encode(line)) for c in eval_ch for line in c.text.splitlines()}
     assert all(tuple(t.eval.example(i)) in eval_words for i in range(0, len(t.eval), 50))
+    # under eval_split='validation' only books it trains on are evaluated (a review, session
+    # 115: 2 John's one chapter is held out there, and its verses were eval examples)
+    v = data.make_task(_task_cfg(eval_split="validation")).meta
+    assert v["eval_counts"][rare_events.BOOKS.index("2 John")] == 0
+    assert not np.any((v["eval_counts"] > 0) & (v["train_counts"] == 0))
     # deterministic in data.seed
     again = data.make_task(_task_cfg())
     np.testing.assert_array_equal(again.train.labels, t.train.labels)
