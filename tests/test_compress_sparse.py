@@ -786,6 +786,35 @@ def test_sparsify_of_an_moe_run_keeps_its_statistics_and_counts_float32_bytes(tm
     assert s["size_bytes"]["float32_params"] == 4 * models.param_count(params)
 
 
+@pytest.mark.slow
+def test_sparsify_of_a_performer_run_evaluates_under_its_trained_draw(tmp_path):
+    """A review (session 115): the sparse model's passes read no `features` stream, so a
+    Performer's ran under its seed's draw, not the one its weights trained with: its loss
+    against the masked model's was off, and sparse.json kept no draw. As quantize does since
+    session 113. The run is its initial state with 90% of its qkv weight zero."""
+    import json
+
+    from hpnlp.compress import ptq, sparsify
+    from hpnlp.train import Trainer
+    cd = tiny()
+    cd.attention.update(name="performer", options={"num_features": 8})
+    tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    state, _ = tr.initial_state()
+    flat = traverse.flatten_dict(state.params)
+    key = ("trunk", "block_0", "attention", "qkv")
+    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key])
+    state = state.replace(params=traverse.unflatten_dict(flat), step=state.step + 1)
+    tr.checkpointer.save(1, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+    s = sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"), eval_batches=1,
+                          repeats=1)
+    assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
+    assert abs(s["eval"]["loss_rel_diff"]) < 1e-5, s["eval"]
+    with open(tmp_path / "sparse" / "sparse.json") as f:
+        assert json.load(f)[ptq.FEATURES] == ptq.key_json(
+            state.features_key(tr.cfg.train.feature_redraw_every))
+
+
 def test_sparsify_load_names_a_damaged_or_edited_sparse_folder(tmp_path):
     """A bug hunt (session 99): `sparsify.load` had none of `ptq.load`'s guards: a cut
     sparse.npz (BadZipFile), a broken sparse.json (JSONDecodeError), an array taken out
@@ -2022,6 +2051,16 @@ def test_transformer_xl_prunes_its_mlps_and_sparsify_refuses_an_rnn_lm_before_re
                        r"run in \S+ has input, recurrent, output products, and sparsify stores "
                        r"only qkv, out, MLP and head weights .*; serve it dense$"):
         sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"))
+    assert not os.path.exists(tmp_path / "sparse")
+    # a factorized run, before anything is read (a review, session 115: its factors were
+    # written as pickled objects, and the reload, after the evaluation, read "damaged")
+    low = tiny(prune=dict(method="magnitude", sparsity=0.75))
+    low.model.lowrank.update(rank=4, layers="mlp")
+    _config_only_workdir(tmp_path / "low", low)
+    with pytest.raises(ConfigError, match=r"^config field `model\.lowrank\.rank` = 4 .*is "
+                       r"factorized \(model\.lowrank\).*sparsify a pruned run without "
+                       r"model\.lowrank$"):
+        sparsify.sparsify(str(tmp_path / "low"), str(tmp_path / "sparse"))
     assert not os.path.exists(tmp_path / "sparse")
 
 

@@ -248,6 +248,12 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                            "weights and activations, so the sparse model would not be the one "
                            "trained; sparsify a run trained without quant.*, or serve this one "
                            "with python -m hpnlp.compress quantize")
+    if cfg.model.lowrank.enabled():  # a review (session 115): its factors were written as
+        # pickled objects, and the reload, after the whole evaluation, read "damaged"
+        raise config_error("model.lowrank.rank", cfg.model.lowrank.rank, f"the run in "
+                           f"{workdir} is factorized (model.lowrank), and sparsify stores plain "
+                           "product weights sparse (a factor pair is two products the sparse "
+                           "kernel does not take); sparsify a pruned run without model.lowrank")
     if cfg.model.memory.size:
         raise config_error("model.memory.size", cfg.model.memory.size,
                            f"the run in {workdir} reads a key-value memory that lives in its train "
@@ -267,16 +273,30 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     model = trainer.eval_model
     sparse, converted = convert(model, params, eval_batch, min_sparsity)
     masked_eval = trainer.evaluate(state)
+    # the random-feature draw the weights trained with (Performer, LSH), as quantize takes
+    # it, for every pass below, kept in sparse.json (a review, session 115: the sparse model
+    # was evaluated under the seed's draw, and its loss against the masked one's was off)
+    from hpnlp.compress.ptq import FEATURES, key_json
+    from hpnlp.retrieval.knnlm import reads_features
+    rng, at = jax.device_get((state.rng, state.step))
+    key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
+    rngs = {"features": key} if reads_features(cfg) else None
 
     # the sums with what the layers sow folded in, as the masked eval's (a review: an MoE
     # run's sparse eval lacked its loss_moe_* and moe_* statistics, as quantize's had in
     # session 102): carry.fold_eval, which the timed forwards below run too
-    run = jax.jit(lambda p, b: fold_eval(model, {"params": p}, b))
+    run = jax.jit(lambda p, b: fold_eval(model, {"params": p}, b, rngs))
     run_memory = jax.jit(lambda p, b, mem: model.apply({"params": p}, b, mem,
                                                        method="evaluate_and_memory"))
     sparse_eval = finalize(trainer.eval_sums(
         state, eval_step=lambda _, b: run(sparse, b),
         memory_step=lambda _, b, mem: run_memory(sparse, b, mem)), lm=trainer.lm)
+    # the whole held-out pool's metrics, as the masked eval's (a bi-encoder's recall@k, MRR)
+    split_metrics = getattr(type(model), "split_metrics", None)
+    if split_metrics is not None:
+        with trainer._context():
+            sparse_eval.update(split_metrics(cfg, model, sparse, trainer.task,
+                                             features_key=key))
 
     flat = traverse.flatten_dict(params)
     dense_bytes = sum(np.asarray(flat[tuple(k.split("/"))]).nbytes for k in converted)
@@ -291,7 +311,8 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
         print(f"hpnlp.compress: note: {replacing}", file=sys.stderr, flush=True)
     with staged(out, OUT_FILES) as stage:  # OUT's files replaced once all are written
         size = save(stage, cfg, sparse, {"source": {"workdir": os.path.abspath(workdir),
-                                                    "step": step}, "min_sparsity": min_sparsity})
+                                                    "step": step}, "min_sparsity": min_sparsity,
+                                         **({FEATURES: key_json(key)} if rngs else {})})
         _, reloaded = load(stage)
         identical = all(bool(jnp.array_equal(a, b)) for a, b in zip(
             jax.tree.leaves(run(sparse, eval_batch)), jax.tree.leaves(run(reloaded, eval_batch))))
