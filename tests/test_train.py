@@ -98,6 +98,13 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
     # and says so (a README walk: it said only "resuming from step 40")
     assert "resuming from step 40 in " in (err := capsys.readouterr().err) and \
         "; train.steps=40 are done, nothing to train (raise --config.train.steps" in err
+    # but not what a summary of another step says (a review, session 115: an earlier,
+    # shorter run's, left by a later run stopped before it wrote its own, was kept)
+    earlier = dict(saved, final_step=20)
+    with open(tmp_path / "summary.json", "w") as f:
+        json.dump(earlier, f)
+    again = run(tiny(steps=40, eval_every=20), str(tmp_path))
+    assert again["resumed_from_step"] == 40 and again["data"] != saved["data"]
     # a resume under a changed config writes config.json with its first checkpoint, so a
     # resume that fails before one leaves the file describing the checkpoints
     from hpnlp.config import from_configdict, validate

@@ -100,6 +100,14 @@ def test_profile_s_trace_write_is_not_training_time(tmp_path, monkeypatch):
     monkeypatch.setattr(loop_lib, "time", clock)
     monkeypatch.setattr(jax.profiler, "start_trace", lambda folder: traced.append("start"))
     monkeypatch.setattr(jax.profiler, "stop_trace", stop_trace)
+    # nor the wait for the last step's save, an hour too (a review, session 115)
+    from hpnlp.train.checkpoint import Checkpointer
+    real_wait = Checkpointer.wait
+
+    def slow_wait(self):
+        clock.skew += hour
+        return real_wait(self)
+    monkeypatch.setattr(Checkpointer, "wait", slow_wait)
     cd = tiny(steps=9, checkpoint_every=0, eval_batches=1, log_every=9)
     summary = run(cd, str(tmp_path / "run"), profile_dir=str(tmp_path / "p"))
     assert traced == ["start", "stop"]  # at step 8 (3-8 traced)

@@ -1318,8 +1318,11 @@ class Trainer:
                 if pending is not None:
                     consume(*pending)
                 # the last save's wait here, where Ctrl-C is the loop's (a review, session
-                # 114: after the loop it escaped to the CLI, whose exit killed the save)
+                # 114: after the loop it escaped to the CLI, whose exit killed the save); not
+                # training time (a review, session 115: the rates counted the last write)
+                t_pause = time.perf_counter()
                 self.checkpointer.wait()
+                paused(time.perf_counter() - t_pause)
         except KeyboardInterrupt as e:
             # Ctrl-C: a save under way completes, and the user reads one line saying what a
             # rerun resumes from (found by a README walk: a 30-line traceback, no step named);
@@ -1395,9 +1398,13 @@ class Trainer:
                     old = json.load(f)
             except (OSError, ValueError):  # a bug hunt (session 96): a cut or foreign file
                 old = None                 # stopped the rerun; it is rewritten whole
-            for key in ("throughput", "peak_memory", "data", "resumed_from_step"):
-                if isinstance(old, dict) and key in old:
-                    summary[key] = old[key]
+            # only a summary of this very step's (a review, session 115: one left by an
+            # earlier, shorter run, the later run stopped before it wrote its own, gave its
+            # steps' rates and "resumed from none" to the steps since)
+            if isinstance(old, dict) and old.get("final_step") == start:
+                for key in ("throughput", "peak_memory", "data", "resumed_from_step"):
+                    if key in old:
+                        summary[key] = old[key]
         if jax.process_index() == 0:  # whole or not at all (a kill mid-write cut it)
             write_summary(self.workdir, summary)
         return summary
