@@ -1054,3 +1054,21 @@ def test_peak_command_says_why_the_probe_cannot_run(monkeypatch):
     monkeypatch.setattr(peak.KERNEL, "unavailable_reason", lambda: "no C++ compiler found")
     with pytest.raises(SystemExit, match="the FMA peak probe cannot run here: no C"):
         peak.main([])
+
+
+def test_every_kernel_source_compiles_where_a_compiler_is():
+    """A review (session 115): a kernel whose source failed to compile was "unavailable", as
+    on a machine with no compiler, so every test of it skipped, impl='auto' ran its XLA twin,
+    and the suite passed. Where a compiler runs, each source must build (its branches for
+    this CPU's instructions included)."""
+    from hpnlp.kernels import peak
+    if platform.machine() != "x86_64":
+        pytest.skip("the kernels target x86-64")
+    try:
+        subprocess.run([*kernels.compiler(), "--version"], capture_output=True, check=True)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"no C++ compiler runs here ({e})")
+    for kernel in (F.KERNEL, cache_cpu.KERNEL, fused.KERNEL, exact.KERNEL, qkernels.KERNEL,
+                   spmm.KERNEL, peak.KERNEL):
+        reason = kernel.unavailable_reason()
+        assert reason is None or not reason.startswith("compiling "), reason
