@@ -1027,9 +1027,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
               f"{workdir}; the new one replaces it once written", file=sys.stderr)
     if inexact:  # said once every check has passed (review)
         print(f"hpnlp.compress: note: {inexact}", file=sys.stderr, flush=True)
-    if eval_batches is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
-    pruned = Trainer(cfg, workdir, read_only=True)
+    pruned = Trainer(cfg, workdir, read_only=True)  # (--eval_batches counts the two evals
+    # alone: a review, session 115, found it written into OUT's config.json)
     step = pruned.checkpointer.latest_step()
     state, _ = pruned.initial_state()
     pruned.checkpointer.close()
@@ -1097,7 +1096,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
                   for k, (was, now, why) in rewritten.items())
               + "; a fine-tune of it (train.init_from=OUT) sets its own train fields",
               file=sys.stderr)
-    masked_eval = pruned.evaluate(state)
+    masked_eval = pruned.evaluate(state, batches=eval_batches)
     from hpnlp.paths import staged
     with staged(out) as stage:  # OUT a whole run, or nothing of this call's
         with of_saved_data():  # as checked above
@@ -1114,7 +1113,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         small.checkpointer.save(0, state2, small.train_iter.get_state(), {})
         small.checkpointer.wait()
         small.checkpointer.close()
-        shrunk_eval = small.evaluate(state2)
+        shrunk_eval = small.evaluate(state2, batches=eval_batches)
         summary = {
             "source": {"workdir": os.path.abspath(workdir), "step": step},
             "model": sizes,
