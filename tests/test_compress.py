@@ -621,6 +621,11 @@ def test_ptq_load_checks_its_arrays_against_the_model_and_refuses_non_finite_val
     damaged("heads", edit("quant.json", lambda m: m["config"]["model"].update(num_heads=4)),
             r"quant.json gives params/trunk/block_0/attention/\w+ the layout int4 \[.*\] "
             r"\(k_dims \d\), where the model of its config packs it as int4 \[.*4.*\]")
+    # a config that validate refuses (a review, session 115: failed in the model's trace,
+    # naming no file)
+    damaged("format", edit("quant.json", lambda m: m["config"]["model"]["quant"].update(
+        weights="int3")), r"quant.json holds a config this hpnlp refuses \(.*int3.*\); it is "
+        r"not a file `quantize` wrote")
     nan = "a NaN or an infinity"
     for name, key in (("nan", norm), ("inf_scale", "params/trunk/block_0/mlp_in/kernel/scale"),
                       ("nan_range", "quant/trunk/block_0/mlp_in/kernel")):

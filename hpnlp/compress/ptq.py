@@ -41,7 +41,7 @@ import numpy as np
 
 from hpnlp.compress import qlinear
 from hpnlp.compress.qlinear import Factored, QWeight, Served
-from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, from_configdict, to_json,
+from hpnlp.config import (Config, ConfigError, QuantConfig, config_error, to_json,
                           validate, with_absolute_paths)
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config  # noqa: F401 (re-exported)
 from hpnlp.train.checkpoint import _non_finite
@@ -186,6 +186,16 @@ def read_manifest(mpath: str, entries: tuple, command: str = "quantize") -> dict
         names = [f'"{k}"' for k in ("config", *entries)]
         raise _damaged(mpath, f"lacks its {', '.join(names[:-1])} or {names[-1]} entry", command)
     return manifest
+
+
+def manifest_config(mpath: str, manifest: dict, command: str = "quantize") -> Config:
+    """The config a folder's JSON holds, checked as a run's config.json is (a review, session
+    115: an edited format or group size failed in the model's trace, naming no file)."""
+    from hpnlp.train.checkpoint import saved_config
+    try:
+        return saved_config(manifest["config"])
+    except (ConfigError, TypeError, AttributeError) as e:
+        raise _damaged(mpath, f"holds a config this hpnlp refuses ({e})", command) from None
 
 
 def read_arrays(npath: str, mpath: str, views: dict, command: str = "quantize") -> dict:
@@ -382,7 +392,7 @@ def load(out: str, cfg: Config | None = None):
     # (BadZipFile, KeyError, a JSON error naming no file, or a JAX TypeError deep in the
     # forward from an array of another shape); each is one line naming the file
     manifest = read_manifest(mpath, ("weights", "dtypes"))
-    saved = from_configdict(manifest["config"])
+    saved = manifest_config(mpath, manifest)
     if cfg is not None:
         from hpnlp.train.checkpoint import _shape_signature
         a, b = _shape_signature(saved), _shape_signature(cfg)
@@ -438,7 +448,7 @@ def load_features_key(out: str):
     from hpnlp.retrieval.knnlm import reads_features
     mpath = os.path.join(out, "quant.json")
     manifest = read_manifest(mpath, ("weights",))
-    cfg = from_configdict(manifest["config"])
+    cfg = manifest_config(mpath, manifest)
     if not reads_features(cfg):
         return None
     entry = manifest.get(FEATURES)

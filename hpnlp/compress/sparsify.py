@@ -38,7 +38,7 @@ import numpy as np
 
 from hpnlp.compress import spmm
 from hpnlp.compress.qlinear import Factored, QWeight, Sparse, Served, float_bytes, products
-from hpnlp.config import Config, config_error, from_configdict, to_json, with_absolute_paths
+from hpnlp.config import Config, config_error, to_json, with_absolute_paths
 from hpnlp.train.checkpoint import NoCheckpoint, load_run_config
 
 KINDS = ("qkv", "out", "mlp", "head")  # the products qeinsum computes from their weight alone
@@ -189,7 +189,7 @@ def load(out: str):
     # (an error from the compiled kernel), a model edited in sparse.json (flax's
     # ScopeParamShapeError); each is one line naming the file, by ptq's readers
     manifest = ptq.read_manifest(mpath, ("sparse", "views"), "sparsify")
-    cfg = from_configdict(manifest["config"])
+    cfg = ptq.manifest_config(mpath, manifest, "sparsify")
     stored = ptq.read_arrays(npath, mpath, manifest.get("views", {}), "sparsify")
     want = {key: leaf.shape for key, leaf in ptq.model_entries(cfg, packed=False)[0].items()}
     free = ptq.counts_shaped(cfg)

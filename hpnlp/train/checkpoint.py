@@ -213,18 +213,24 @@ def load_run_config(workdir: str, *, require_checkpoint: bool = True,
     if require_checkpoint and not has_checkpoint(workdir):
         raise NoCheckpoint(f"{named}workdir {workdir} has no checkpoint in {ckpt}: train (or "
                            "resume) the run until it saves one, then use it")
-    try:  # checked here, where the file is known (its task's facts from the config, which a
-        # run records with its vocabulary: no data is read); readers check it again with their
-        # data and devices
-        cfg = from_configdict(saved)
-        kind = {"classifier": "classify", "dual_encoder": "match", "bi_encoder": "match"}
-        if cfg.model.vocab_size or cfg.model.kind != "lm":
-            validate(cfg, devices=False, task_info={
-                "kind": kind.get(cfg.model.kind, "lm"), "vocab_size": cfg.model.vocab_size,
-                "num_classes": cfg.model.num_classes})
+    try:
+        return saved_config(saved)
     except (ConfigError, TypeError, AttributeError) as e:  # as _read_config_json's (review r4:
         # a value of another kind, `"options": 5`, was a traceback in every reader)
         raise _edited(f"{named}{path}", e) from None
+
+
+def saved_config(saved: dict) -> Config:
+    """A config as a file saved it (a run's config.json, a compressed folder's quant.json or
+    sparse.json), checked where the file is known: its task's facts from the config, which a
+    run records with its vocabulary (no data is read); readers check it again with their data
+    and devices. Raises ConfigError, TypeError or AttributeError."""
+    cfg = from_configdict(saved)
+    kind = {"classifier": "classify", "dual_encoder": "match", "bi_encoder": "match"}
+    if cfg.model.vocab_size or cfg.model.kind != "lm":
+        validate(cfg, devices=False, task_info={
+            "kind": kind.get(cfg.model.kind, "lm"), "vocab_size": cfg.model.vocab_size,
+            "num_classes": cfg.model.num_classes})
     return cfg
 
 
