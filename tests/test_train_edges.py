@@ -190,6 +190,10 @@ def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step
         assert summary["best_eval"] == {"step": 5, "loss": 5.0}
     assert [(l["step"], l["loss"]) for l in read_jsonl(tmp_path / "metrics.jsonl")
             if l.get("eval")] == [(5, 5.0), (6, 6.0)]
+    # and step 6's train line before it, once, as the run of 6 steps wrote it (a review,
+    # session 115: the restored window of step 6 was never written)
+    assert [(l["step"], bool(l.get("eval"))) for l in read_jsonl(
+        tmp_path / "metrics.jsonl")] == [(5, False), (5, True), (6, False), (6, True)]
 
 
 def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read():

@@ -1255,6 +1255,13 @@ class Trainer:
             with self._context(), stop:
                 if eval_due or stale_eval:  # (its checkpoint exists: a stop here saves
                     # nothing more)
+                    if (stale_eval and window["n"] and window["last"] is not None
+                            and not (writer.enabled and _logged(writer.path, start,
+                                                                eval=False))):
+                        # the last step's train line, as the run of these steps wrote it
+                        # before its eval (a review, session 115: the restored window's
+                        # steps went unlogged); once: no checkpoint follows to say so
+                        flush(start)
                     t_pause = time.perf_counter()
                     take_eval(start, state, made_up=True)
                     paused(time.perf_counter() - t_pause)
