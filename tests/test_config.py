@@ -1,6 +1,7 @@
 """Bad configs fail fast, before anything compiles, naming field, value and what is allowed."""
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -1611,3 +1612,36 @@ def test_nm_pruning_checks_the_widths_of_the_products_it_prunes():
     with pytest.raises(ConfigError, match=r"M=4 must divide model\.moe\.mlp_dim \(each "
                        r"expert's width\)=6"):
         validate(nm(moe, "2:4", layers="mlp"), num_devices=1)
+
+
+def test_every_argument_combination_of_every_preset_starts_a_new_run():
+    """A review (session 115): the presets' combinations were checked a few at a time. Each
+    file's arguments (as its error for an unknown one lists them), every combination it takes
+    (those it refuses as exclusive, in one line naming the file, aside), validate as a new
+    run."""
+    import ast
+    import importlib.util
+    import itertools
+
+    from hpnlp.config.checks import check_new_run
+    counted = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py"))):
+        spec = importlib.util.spec_from_file_location("exp", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        with pytest.raises(ValueError, match="choose from") as e:
+            mod.get_config("no_such_argument")
+        allowed = ast.literal_eval(re.search(r"choose from (\[.*\])", str(e.value)).group(1))
+        for r in range(len(allowed) + 1):
+            for combo in itertools.combinations(allowed, r):
+                try:
+                    cd = mod.get_config(",".join(combo))
+                except ValueError as refused:
+                    assert "exclude each other" in str(refused), (path, combo, refused)
+                    continue
+                try:
+                    check_new_run(validate(from_configdict(cd), num_devices=1))
+                except ConfigError as err:
+                    raise AssertionError(f"{os.path.basename(path)}:{','.join(combo)}: {err}")
+                counted += 1
+    assert counted > 100
