@@ -298,6 +298,10 @@ def test_task_fields_are_filled_in():
      "output.options.reg1", "must be a number >= 0"),
     ({"output": {"name": "adaptive", "options": {"chunk_logits": "big"}},
       "data": {"task": "word_lm"}}, "output.options.chunk_logits", "an integer >= 1"),
+    # a review (session 115): "use 'pack'" alone led to the memory fields' refusal
+    ({"model": {"arch": "transformer_xl", "mem_len": 16}, "data": {"batching": "stream"},
+      "train": {"distill": {"teacher": "/t"}}}, "train.distill.teacher",
+     "use data.batching='pack' with model.mem_len=0, where it carries no memory"),
     # a review (session 115): nan and inf were taken (a NaN loss; a uniform sort; 1-wide tails)
     ({"attention": {"name": "sinkhorn", "options": {"temperature": float("nan")}},
       "model": {"kind": "classifier"}, "data": {"task": "doc_classify"}},

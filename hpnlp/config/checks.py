@@ -79,6 +79,20 @@ def _check_remat(remat: Any) -> None:
 COMPRESSIVE_FIELDS = ("comp_rate", "comp_fn", "comp_loss_weight")
 
 
+def xl_on_pack(m) -> str:
+    """The fix that moves a Transformer-XL model `m` (a ModelConfig) off stream batches:
+    data.batching='pack' with its memory's fields back to their defaults, which 'pack' refuses
+    otherwise (mem_len 0: the segment's length; a re-read, session 111; each message that
+    said 'pack' alone led to the mem_len refusal, and back: a review, session 115)."""
+    drop = ", ".join(
+        (["model.mem_len=0"] if m.mem_len else [])
+        + (["model.comp_mem_len=0"] if m.comp_mem_len else [])
+        + [f"model.{k}={getattr(ModelConfig, k)!r}" for k in COMPRESSIVE_FIELDS
+           if m.comp_mem_len and getattr(m, k) != getattr(ModelConfig, k)])
+    return ("use data.batching='pack'" + (f" with {drop}" if drop else "")
+            + ", where it carries no memory")
+
+
 def _check_compressive(cfg: Config) -> None:
     """`model.comp_*`: the Compressive Transformer's memory (models/transformer_xl.py)."""
     m, d = cfg.model, cfg.data
@@ -1285,20 +1299,11 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         from hpnlp.data.batching import MODES
         rows = f"a prepared folder (data.prepared={d.prepared!r}) is read in rows of {list(MODES)}"
         if m.arch == "transformer_xl":  # a bug hunt (session 110): "use pack" led to the
-            # mem_len refusal's "set both" (stream), and back. Its memory (mem_len 0: the
-            # segment's length) cannot train on such a folder; on 'pack' it carries none, its
-            # memory's own fields back to their defaults (a re-read, session 111)
-            drop = ", ".join(
-                (["model.mem_len=0"] if m.mem_len else [])
-                + (["model.comp_mem_len=0"] if m.comp_mem_len else [])
-                + [f"model.{k}={getattr(ModelConfig, k)!r}"
-                   for k in COMPRESSIVE_FIELDS
-                   if m.comp_mem_len and getattr(m, k) != getattr(ModelConfig, k)])
+            # mem_len refusal's "set both" (stream), and back
             _fail("data.batching", d.batching, f"{rows}, never streams, and the memory "
                   "Transformer-XL carries from batch to batch (the compressed one too) needs "
                   "stream batches, so it cannot train on a prepared folder: train on a "
-                  "data.train_path file instead of data.prepared, or use data.batching='pack'"
-                  + (f" with {drop}" if drop else "") + ", where it carries no memory")
+                  "data.train_path file instead of data.prepared, or " + xl_on_pack(m))
         _fail("data.batching", d.batching, f"{rows}, not streams; use data.batching='pack'")
     if d.batching == "stream" and m.arch == "transformer":
         _fail("data.batching", d.batching, "stream batches continue each row across batches for "

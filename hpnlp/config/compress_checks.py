@@ -543,8 +543,9 @@ def _check_compress(cfg: Config) -> None:
                   "predicted distributions, and a bi-encoder predicts none (it scores pairs of "
                   "embeddings against the batch); distill an lm, classifier or dual_encoder run")
         if m.arch == "transformer_xl" and cfg.data.batching == "stream":
+            from hpnlp.config.checks import xl_on_pack
             _fail("train.distill.teacher", dist.teacher, "Transformer-XL on a stream carries "
-                  "memory through its loss and cannot distill yet; use data.batching='pack'")
+                  "memory through its loss and cannot distill yet; " + xl_on_pack(m))
     _check_choice("train.prune.method", p.method, ("none", "magnitude", "random", "movement"))
     if p.method == "none":  # no pruner is built (hpnlp.train.carry): no masks, no L1 loss
         _refuse_unread("train.prune", p, "train.prune.method='none' prunes nothing", "set "

@@ -498,12 +498,15 @@ def check_ensemble_evaluates(cfg: Config) -> None:
             "average, and its evaluation reads each run's trained memory from the train state, "
             "which the ensemble's evaluation does not; train the members as separate runs, or set "
             "model.memory.size=0")
-    if xl.carries_memory(cfg):
+    if xl.carries_memory(cfg):  # (a review, session 115: "use 'pack' or a Transformer" led
+        # to the memory fields' refusal, and named nothing a run's checkpoints could take)
+        from hpnlp.config.checks import xl_on_pack
         raise ConfigError(
             "config field `data.batching` = 'stream' is not allowed in an ensemble of "
             "Transformer-XL runs: their evaluation threads the eval stream's memory from batch to "
-            "batch and the ensemble's scores each batch alone; use data.batching='pack' or "
-            "model.arch='transformer'")
+            "batch and the ensemble's scores each batch alone; the checkpoints of a run trained "
+            "on a stream cannot be combined (evaluate each alone), and a seed ensemble (--members) "
+            "of this model can train on " + xl_on_pack(cfg.model).removeprefix("use "))
 
 
 def _restore_last(cfg, workdir: str, last_k: int):
