@@ -3219,3 +3219,28 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
         again.train.init_from = str(tmp_path / "low")
         refused(again, f"low{rank}", r"train\.init_from.*products are factorized .*start from "
                 r"the dense run it was factorized from, or train that run on")
+
+
+def test_a_saved_bi_encoder_whose_mining_no_step_runs_shrinks_with_mining_off(tmp_path,
+                                                                             monkeypatch):
+    """A review (session 115) of that session's rule: a new bi-encoder run whose mining no
+    step runs (model.encoder.mine_every >= train.steps) is refused, and a saved one shrank to
+    a run the rule refused, with a fix `shrink_run` takes none of. Its shrunk run mines none,
+    as the run did, and says so. The evals are scripted: nothing compiles but the inits."""
+    from hpnlp.config import checks
+    from hpnlp.train import Trainer
+    cd = _structured_mlp_run()
+    cd.model.kind, cd.data.task = "bi_encoder", "verse_pairs"
+    cd.model.encoder.update(mine_every=6, mine_depth=2)  # train.steps=6
+    with monkeypatch.context() as patch:  # built as a run saved before the rule was
+        patch.setattr(checks, "check_new_run", lambda cfg: None)
+        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    _save_kept_neurons(tr, 16)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {"loss": 1.0})
+    summary = prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    assert summary["config_rewritten"] == {"model.encoder.mine_every": [6, 0],
+                                           "model.encoder.mine_depth": [2, 10]}
+    from hpnlp.train.checkpoint import load_run_config
+    small = load_run_config(str(tmp_path / "small"))
+    assert (small.model.encoder.mine_every, small.model.mlp_dim) == (0, 16)
+    checks.check_new_run(small)

@@ -194,6 +194,19 @@ def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step
     # session 115: the restored window of step 6 was never written)
     assert [(l["step"], bool(l.get("eval"))) for l in read_jsonl(
         tmp_path / "metrics.jsonl")] == [(5, False), (5, True), (6, False), (6, True)]
+    # a later run of 8 steps from that checkpoint does not average step 6 into its next line
+    cd.train.steps = 8
+    run(cd, str(tmp_path))
+    train = [l for l in read_jsonl(tmp_path / "metrics.jsonl") if not l.get("eval")]
+    assert [l["step"] for l in train] == [5, 6, 8]
+    ours = read_jsonl(tmp_path / "metrics.jsonl")
+    fresh = str(tmp_path / "fresh")  # the line of 7-8 alone, as an uninterrupted run of
+    run(tiny(steps=8, eval_every=5, checkpoint_every=6, eval_batches=1, warmup_steps=1,
+             log_every=2), fresh)  # 8 steps logging every 2 writes it (same data, seed)
+    want = {l["step"]: l for l in read_jsonl(os.path.join(fresh, "metrics.jsonl"))
+            if not l.get("eval")}
+    assert [l for l in ours if not l.get("eval")][-1]["loss"] == pytest.approx(
+        want[8]["loss"], rel=1e-6)
 
 
 def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read():

@@ -1056,8 +1056,21 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         if t2.steps == 1 and t2.warmup_steps >= 1:
             rewritten["train.warmup_steps"] = (t2.warmup_steps, 0, "with train.steps=1 a "
                                                "warmup trains nothing")
+        enc = cfg2.model.encoder
+        if cfg2.model.kind == "bi_encoder" and 0 < t2.steps <= enc.mine_every:  # (a review,
+            # session 115, of that session's rule)
+            rewritten["model.encoder.mine_every"] = (enc.mine_every, 0, "no step of "
+                                                     "train.steps would mine")
+            depth = type(enc)().mine_depth
+            if enc.mine_depth != depth:
+                rewritten["model.encoder.mine_depth"] = (enc.mine_depth, depth, "mining alone "
+                                                         "reads it")
         cfg2 = dataclasses.replace(cfg2, train=dataclasses.replace(
-            t2, **{k[len("train."):]: v for k, (_, v, _) in rewritten.items()}))
+            t2, **{k[len("train."):]: v for k, (_, v, _) in rewritten.items()
+                   if k.startswith("train.")}))
+        if "model.encoder.mine_every" in rewritten:
+            cfg2 = dataclasses.replace(cfg2, model=dataclasses.replace(
+                cfg2.model, encoder=dataclasses.replace(enc, mine_every=0, mine_depth=depth)))
         checked = validate(cfg2, num_processes=jax.process_count(), num_devices=n)
         # and as a new run, which OUT is (a review, session 107: a run saved with bfloat16
         # master weights, or its train file as its eval file, was refused by the new run's

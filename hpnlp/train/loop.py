@@ -1004,11 +1004,12 @@ class Trainer:
                                   # made-up eval writes that line: `take_eval`)
                                   "last": saved.get("last"), "timed": 0, "timed_tokens": 0.0}
         # A made-up eval that stopped the run early flushed the restored window at `start`,
-        # and that stop saves nothing, so the checkpoint still holds the window: one whose line
-        # is in metrics.jsonl is not averaged into the next line again (review r3: a rerun with
-        # a larger patience logged step `start` twice, in its own line and in the next)
-        if eval_due and window["n"] and writer.enabled and _logged(writer.path, start,
-                                                                   eval=False):
+        # as a finished rerun from a step saved mid-window does, and neither saves anything,
+        # so the checkpoint still holds the window: one whose line is in metrics.jsonl is not
+        # averaged into the next line again (review r3: a rerun with a larger patience logged
+        # step `start` twice, in its own line and in the next; a review, session 115, of the
+        # finished rerun's line). A checkpoint at a step that logs holds an empty window.
+        if window["n"] and writer.enabled and _logged(writer.path, start, eval=False):
             window.update(sums=None, n=0, applied=0, gmin=math.inf, gmax=0.0, clipped=0)
         # The rates time steps that run a compiled program: the first step, and each step whose
         # batch has shapes no earlier step had (bucketing: a new bucket compiles), are left out.
