@@ -819,6 +819,31 @@ def test_sparsify_of_a_performer_run_evaluates_under_its_trained_draw(tmp_path):
             state.features_key(tr.cfg.train.feature_redraw_every))
 
 
+@pytest.mark.slow
+def test_sparsify_of_a_bi_encoder_measures_the_sparse_models_pool(tmp_path):
+    """A review (session 115): the masked model's eval had the held-out pool's recall@k and
+    MRR (`split_metrics`), and the sparse model's none. The run is its initial state with 90%
+    of its qkv weight zero: the two measure the same model."""
+    from hpnlp.compress import sparsify
+    from hpnlp.train import Trainer
+    cd = tiny()
+    cd.model.kind, cd.data.task = "bi_encoder", "verse_pairs"
+    tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    state, _ = tr.initial_state()
+    flat = traverse.flatten_dict(state.params)
+    key = ("trunk", "block_0", "attention", "qkv")
+    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key])
+    tr.checkpointer.save(1, state.replace(params=traverse.unflatten_dict(flat)),
+                         tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+    s = sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"), eval_batches=1,
+                          repeats=1)
+    masked, sparse = s["eval"]["masked"], s["eval"]["sparse"]
+    assert {"recall@1", "recall@10", "mrr"} <= set(sparse) and set(sparse) == set(masked)
+    for k in ("recall@1", "recall@10", "mrr"):
+        assert sparse[k] == pytest.approx(masked[k], abs=1e-6), k
+
+
 def test_sparsify_load_names_a_damaged_or_edited_sparse_folder(tmp_path):
     """A bug hunt (session 99): `sparsify.load` had none of `ptq.load`'s guards: a cut
     sparse.npz (BadZipFile), a broken sparse.json (JSONDecodeError), an array taken out

@@ -406,7 +406,7 @@ def test_the_rates_and_summary_are_this_process_s_own(tmp_path):
     assert summary["throughput"]["steps_per_sec"] is None
 
 
-def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path):
+def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path, capsys):
     """A bug hunt (session 99): a loop item edited so that "best" was a string resumed, trained
     ten steps, then failed at the eval with a TypeError (the steps lost); one holding a list,
     an AttributeError."""
@@ -439,9 +439,12 @@ def test_a_damaged_loop_or_data_state_is_one_line_at_the_restore(tmp_path):
     # a reader reads the parameters whatever the training stream's state (a review, session
     # 115: generate refused a byte-level run whose text had grown since)
     reader = Trainer(from_configdict(tiny(steps=10)), str(tmp_path / "run"), read_only=True)
+    capsys.readouterr()
     state, _ = reader.initial_state()
     assert int(state.step) == 0
     reader.checkpointer.close()
+    assert capsys.readouterr().err.startswith(f"hpnlp: note: checkpoint {tmp_path}/run/checkpoints"
+                                              "/0/data does not match the data this config reads")
 
 
 def tb_events(workdir):

@@ -248,9 +248,11 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                            "weights and activations, so the sparse model would not be the one "
                            "trained; sparsify a run trained without quant.*, or serve this one "
                            "with python -m hpnlp.compress quantize")
-    if cfg.model.lowrank.enabled():  # a review (session 115): its factors were written as
-        # pickled objects, and the reload, after the whole evaluation, read "damaged"
-        raise config_error("model.lowrank.rank", cfg.model.lowrank.rank, f"the run in "
+    lr = cfg.model.lowrank
+    if lr.enabled():  # a review (session 115): its factors were written as pickled objects,
+        # and the reload, after the whole evaluation, read "damaged"
+        field = ("rank" if lr.rank else "energy" if lr.energy else "ranks")
+        raise config_error(f"model.lowrank.{field}", getattr(lr, field), f"the run in "
                            f"{workdir} is factorized (model.lowrank), and sparsify stores plain "
                            "product weights sparse (a factor pair is two products the sparse "
                            "kernel does not take); sparsify a pruned run without model.lowrank")

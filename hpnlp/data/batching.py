@@ -84,9 +84,10 @@ _STATE_FIELDS = {"task": "data.task", "batching": "data.batching", "batch_size":
                  "prepared": "data.prepared's shards"}
 
 
-def check_fingerprint(saved: dict, want: dict) -> None:
+def check_fingerprint(saved: dict, want: dict, task=None) -> None:
     """Refuse an iterator state saved under different data settings (it would resume at
-    the wrong place in a different stream), naming the settings."""
+    the wrong place in a different stream), naming the settings (and, for `task` built from
+    a user's files, data.eval_path as a cause of other examples)."""
     if not isinstance(saved, dict):
         raise ValueError(f"iterator state {saved!r:.80} is not a dict; pass a dict that "
                          "get_state() returned")
@@ -111,8 +112,9 @@ def check_fingerprint(saved: dict, want: dict) -> None:
                          + fix)
     lines = "; ".join(f"{_STATE_FIELDS.get(k, k)}: saved {a!r}, now {b!r}"
                       for k, (a, b) in diff.items())
-    if {"num_examples", "digest"} & set(diff):  # a review (session 115): data.eval_path,
-        # which a resume may change, given to a data.train_path run saved without one
+    if {"num_examples", "digest"} & set(diff) and task is not None and isinstance(
+            task.meta.get("source"), dict):  # a review (session 115): data.eval_path, which
+        # a resume may change, given to a data.train_path run saved without one (or dropped)
         lines += ("; a data.eval_path given or dropped since changes them too: without one, "
                   "the last 10% of data.train_path's lines are held out of training")
     raise ValueError(f"the checkpoint's data stream was saved under other settings ({lines}); "
@@ -377,7 +379,7 @@ class BatchIterator:
         return {"epoch": self._epoch, "row": self._row, **self._fingerprint()}
 
     def set_state(self, state: dict) -> None:
-        check_fingerprint(state, self._fingerprint())
+        check_fingerprint(state, self._fingerprint(), self.task)
         epoch = check_position(state, "epoch", 0, None if self.split == "train" else 0)
         row = check_position(state, "row", 0, self.num_rows(epoch))
         if self.split == "train" and row == self.num_rows(epoch):

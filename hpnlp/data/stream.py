@@ -125,7 +125,7 @@ class StreamIterator:
         return {"epoch": self._epoch, "batch": self._batch, **self._fingerprint()}
 
     def set_state(self, state: dict) -> None:
-        check_fingerprint(state, self._fingerprint())
+        check_fingerprint(state, self._fingerprint(), self.task)
         epoch = check_position(state, "epoch", 0, None if self.split == "train" else 0)
         S = self._layout(epoch)[1]
         self._batch = check_position(state, "batch", 0, math.ceil(S / self.seq_len))

@@ -696,15 +696,19 @@ class Trainer:
         # the routing groups its steps ran in (`split_model`; a reader's loop item may be damaged)
         saved = loop_state.get("routing_groups") if isinstance(loop_state, dict) else None
         self._restored_groups = (step, saved if type(saved) is int and saved > 0 else None)
-        if self._read_only:  # a reader reads the parameters alone, whatever the training
-            # stream's position (a review, session 115: generate refused a byte-level run whose
-            # text had grown since, as its checkpoint restore already lets a reader through)
-            return state, loop_state
         try:
             self.train_iter.set_state(data_state)
         except ValueError as e:  # a bug hunt (session 99): the data state's fault, unnamed
             where = os.path.join(self.checkpointer.directory, str(step))
-            raise CheckpointMismatch(f"checkpoint {where}/data: {e}") from None
+            if not self._read_only:
+                raise CheckpointMismatch(f"checkpoint {where}/data: {e}") from None
+            # a reader reads the parameters whatever the training stream's state, and says so
+            # (a review, session 115: generate refused a byte-level run whose text had grown
+            # since, as the checkpoint's restore already lets a reader through)
+            print(f"hpnlp: note: checkpoint {where}/data does not match the data this config "
+                  f"reads now ({str(e).split('; resume with')[0]}); its parameters are read as "
+                  "saved, and any evaluation here reads the data as it is now",
+                  file=sys.stderr, flush=True)
         return state, loop_state
 
     def fresh_state(self, key, sharding=None):
