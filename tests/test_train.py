@@ -1667,6 +1667,9 @@ def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folde
             distill.keep_teacher_config(from_configdict(cd), str(work))
             assert (work / distill.TEACHER_CONFIG).read_bytes() == \
                 (source / "config.json").read_bytes()
+            # through a file of its own, not one named by its pid, which another host's
+            # process may share (a review, session 115), none left behind
+            assert not [f for f in os.listdir(work) if f.endswith(".tmp")]
         shutil.move(source, tmp_path / "moved")
         with pytest.raises(NoCheckpoint, match="no config.json"):  # a run not yet saved
             Trainer(from_configdict(cd), str(work), read_only=True)

@@ -401,7 +401,8 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
     """Copy the teacher's config.json into the student's `workdir` (TEACHER_CONFIG), where
     it differs, whole or not at all: with the teacher's parameters in the student's
     checkpoints, the run needs nothing more of the teacher's folder."""
-    import shutil
+    import contextlib
+    import tempfile
 
     from hpnlp.train.checkpoint import has_checkpoint
     src = os.path.join(cfg.train.distill.teacher, "config.json")
@@ -424,9 +425,17 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
                       "started with", file=sys.stderr, flush=True)
             return
     os.makedirs(workdir, exist_ok=True)
-    tmp = f"{dst}.{os.getpid()}.tmp"  # each process of a multi-process run its own
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    # each process of a multi-process run its own file (a review, session 115: named by its
+    # pid, which another host's process may share, as each container's first process does)
+    fd, tmp = tempfile.mkstemp(dir=workdir, prefix=f".{TEACHER_CONFIG}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class TeacherCarry(Carry):

@@ -700,7 +700,11 @@ def _main(argv) -> None:
         if F.profile:
             check_writable_dir(F.profile, "--profile")
         cli.join_processes(cfg, {"--members": F.members,
-                                 "--from_checkpoints": F.from_checkpoints})
+                                 "--from_checkpoints": F.from_checkpoints,
+                                 # its step's collectives (a review, session 115); not
+                                 # the backend's default, which would start JAX before
+                                 # the join
+                                 "--member_loop": F.member_loop or "(default)"})
         if F.members:
             if F.coordinator:  # Ctrl-C while it is built stops every process (review, s. 96)
                 from hpnlp.train.stop import ctrl_c_as_preemption
