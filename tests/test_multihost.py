@@ -177,11 +177,18 @@ def test_importance_init_ranks_the_same_units_on_two_processes(tmp_path, launch)
                "--config.train.distill.importance_batches=2", "--config.model.width=16",
                "--config.model.num_heads=2", "--config.model.mlp_dim=32"]
     _same_on_one_and_two_processes(tmp_path, launch, student)
+    # init=pca rotates the teacher's weights on the host, which an fsdp axis across the
+    # processes splits between them (a review, session 115: each process failed, "spans
+    # non-addressable devices")
+    os.makedirs(tmp_path / "pca")
+    pca = [a.replace("=importance", "=pca") for a in student]
+    _same_on_one_and_two_processes(tmp_path / "pca", launch,
+                                   [*pca, "--config.mesh.data=1", "--config.mesh.fsdp=2"])
 
 
 def _same_on_one_and_two_processes(tmp_path, launch, extra):
     """3 steps of the run `extra` describes on 1 process with 2 devices and on 2 processes
-    of 1: the same losses, bitwise."""
+    of 1 (in tmp_path/one and tmp_path/two): the same losses, bitwise."""
     one, two = tmp_path / "one", tmp_path / "two"
     extra = [*extra, "--config.train.steps=3", "--config.train.checkpoint_every=3",
              "--config.train.warmup_steps=1"]

@@ -845,6 +845,13 @@ class TeacherCarry(Carry):
             basis = slicing.stream_basis(slicing.stream_covariance(
                 plain, {"params": value}, data, method, rngs=rngs,
                 microbatches=self.cfg.train.grad_accum), self.cfg.model.width)
+            # the teacher's weights whole on the host, which the rotation reads: on a mesh
+            # across processes (mesh.fsdp) each holds a part (a review, session 115: "spans
+            # non-addressable devices" in every process)
+            from jax.experimental import multihost_utils
+            teacher = {k: np.asarray(t if t.is_fully_addressable or t.is_fully_replicated
+                                     else multihost_utils.process_allgather(t, tiled=True))
+                       for k, t in teacher.items()}
         out, cut = traverse.flatten_dict(trainable_params(params)), {}
         student = traverse.flatten_dict(model_params(params))
         for path, w in student.items():
@@ -873,8 +880,8 @@ class TeacherCarry(Carry):
             cut[path] = tpath, t
         if self.d.init == "pca":
             try:
-                rotated = slicing.rotate(cut, {k: np.asarray(v) for k, v in teacher.items()},
-                                         basis, tied=self.cfg.output.tie_embeddings)
+                rotated = slicing.rotate(cut, teacher, basis,
+                                         tied=self.cfg.output.tie_embeddings)
             except ValueError as e:
                 raise config_error("train.distill.init", self.d.init, f"rotates a plain "
                                    f"Transformer's residual stream and does not know the "
