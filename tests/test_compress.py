@@ -787,8 +787,23 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
         m.setattr(Trainer, "evaluate", lambda self, state: 1 / 0)
         assert main(["quantize", "--workdir", trained, "--out", str(tmp_path / "o"),
                      "--weights", "int8", "--layers", "head"]) == 1
-    assert "`--layers` = 'head' is not allowed: names no product of this lm" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "`--layers` = 'head' is not allowed: names no product of this lm" in err
+    # nor a QAT run's fix in its config.json, which this run is not (a review, session 115)
+    assert "config.json" not in err and err.rstrip().endswith("(or 'all')")
+    # a model with no products: nothing to quantize, said before its restore (a review,
+    # session 115: told "--weights none", which this command refuses)
+    from hpnlp.config import to_json
+    bag = default_configdict()
+    bag.model.update(kind="bi_encoder", arch="bag")
+    bag.data.task = "verse_pairs"
+    os.makedirs(tmp_path / "bag" / "checkpoints" / "1")
+    with open(tmp_path / "bag" / "config.json", "w") as f:
+        json.dump({"config": to_json(validate(from_configdict(bag)))}, f)
+    assert main(["quantize", "--workdir", str(tmp_path / "bag"), "--out", str(tmp_path / "o"),
+                 "--weights", "int8"]) == 1
+    assert "has no matrix products to quantize (its bag of embeddings is a lookup); serve it " \
+        "in float" in capsys.readouterr().err
     from hpnlp.compress.__main__ import as_flags  # a path holding a field's name is kept
     assert as_flags("no run in sweep/quant.layers=mlp; use quant.act_scale='dynamic' (or leave "
                     "'mlp' out of quant.layers)") == ("no run in sweep/quant.layers=mlp; use "

@@ -191,6 +191,10 @@ def as_flags(message: str) -> str:
              "calib_batches")
     # the field the check names (`quant.layers`, or the PTQ's own `layers`), and the fields
     # its text names, not a path that holds one (review: sweep/quant.group_size=32)
+    # not a clause about a QAT run's own config.json, which this command's run is not (a
+    # review, session 115: "set --weights and --activations to 'none' in its config.json")
+    message = re.sub(r"; a run saved with it trained in float: [^;]*in its config\.json", "",
+                     message)
     message = re.sub(rf"config field `(?:quant\.)?({flags})`", r"`--\1`", message)
     message = re.sub(rf"(?<![\w/.-])quant\.({flags})='([^']*)'", r"--\1 \2", message)
     return re.sub(rf"(?<![\w/.-])quant\.({flags})\b", r"--\1", message)

@@ -526,6 +526,13 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a quantized checkpoint does not hold; quantize a run "
                            "without model.memory")
+    from hpnlp.config.compress_checks import quant_products
+    if q is not None and not quant_products(cfg.model):  # a review (session 115): refused
+        # by the QAT check, whose fix read "--weights none", which this command refuses
+        raise config_error("model.arch", cfg.model.arch, f"the {cfg.model.arch} "
+                           f"{cfg.model.kind} run in {workdir} has no matrix products to "
+                           "quantize (its bag of embeddings is a lookup); serve it in float, "
+                           "or export it as --weights bfloat16 or float16")
     if eval_batches is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
     kv_cache = cfg.model.quant.kv_cache  # the run's key/value cache stays the quantized model's
