@@ -353,6 +353,9 @@ def test_task_fields_are_filled_in():
     ({"train": {"distill": {"hidden": 1.0}}}, "train.distill.hidden", "set train.distill.teacher"),
     ({"data": {"bucket_boundaries": (32, 64)}}, "data.bucket_boundaries",
      "data.batching='pad' does not bucket"),
+    # the default a shell takes, quoted (a review, session 115: a bash syntax error)
+    ({"data": {"bucket_boundaries": (32, 64)}}, "data.bucket_boundaries",
+     "or leave it at its default ('--config.data.bucket_boundaries=()')"),
     ({"model": {"lowrank": {"layers": "bogus"}}}, "model.lowrank.layers", "factorizes nothing"),
     ({"model": {"encoder": {"loss": "triplet"}}}, "model.encoder.loss",
      "model.kind='lm' has no bi-encoder"),

@@ -10,7 +10,8 @@ import math
 from typing import Any, Iterable
 
 from hpnlp.config.fields import (LOWRANK_LAYERS, QUANT_LAYERS, Config, ModelConfig, QuantConfig,
-                                 _check_choice, _check_positive, _fail, layers_name)
+                                 _check_choice, _check_positive, _fail, config_flag,
+                                 layers_name)
 
 
 def _refuse_unread(group: str, values: Any, why: str, fix: str, *,
@@ -27,7 +28,7 @@ def _refuse_unread(group: str, values: Any, why: str, fix: str, *,
         value, was = getattr(values, name), getattr(default, name)
         if value != was:
             _fail(f"{group}.{name}", value, f"{why}, so nothing reads it; {fix}, or leave it "
-                  f"at its default (--config.{group}.{name}={was})")
+                  f"at its default ({config_flag(f'{group}.{name}', str(was))})")
 
 
 # The train.prune fields of the schedules -> the schedules that read them (hpnlp.compress.prune:

@@ -20,6 +20,14 @@ class ConfigError(ValueError):
     """A config field has a value hpnlp cannot run. The message names field, value and fix."""
 
 
+def config_flag(field: str, text: str) -> str:
+    """`--config.FIELD=TEXT` as a shell takes it: quoted where TEXT holds parentheses or
+    spaces (a review, session 115: `--config.data.bucket_boundaries=(128, 256)` pasted was a
+    bash syntax error)."""
+    flag = f"--config.{field}={text}"
+    return f"'{flag}'" if any(c in text for c in "() ") and "'" not in text else flag
+
+
 def config_error(field: str, value: Any, allowed: str) -> ConfigError:
     """The error for one bad field, in the words every config check uses."""
     return ConfigError(f"config field `{field}` = {value!r} is not allowed: {allowed}")

@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hpnlp import models
 from hpnlp.config import Config, ConfigError, TrainConfig, from_configdict
-from hpnlp.config.fields import DATA_PATH_FIELDS, same_data_path
+from hpnlp.config.fields import DATA_PATH_FIELDS, config_flag, same_data_path
 from hpnlp.models import transformer_xl as xl
 from hpnlp.paths import write_json
 from hpnlp.softmax.base import log_prob_nll_and_argmax, map_token_chunks
@@ -529,7 +529,7 @@ def _restore_last(cfg, workdir: str, last_k: int):
                 raise ConfigError(
                     f"config field `data.{f.name}` = {mine!r} is not allowed: the run in {workdir} "
                     f"trained with {theirs!r}, and its checkpoints are combined on its own data; "
-                    f"give --config.data.{f.name}={theirs!r} (or the run's own config)")
+                    f"give {config_flag(f'data.{f.name}', repr(theirs))} (or the run's own config)")
         keep = run_cfg.train.keep_checkpoints
         # its data (the paths as it saved them) and its seed, which a checkpoint's read does
         # not use (a bug hunt, session 100: another --config's seed was "a different model",
