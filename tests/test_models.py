@@ -648,6 +648,16 @@ def test_the_cli_decodes_by_default_no_further_than_its_learned_positions_traine
                       "--length 8 or less keeps to trained positions"), err
     assert len(err) == 2 and err[1].startswith("error: "), err  # the empty checkpoint's
     assert generate.trained_length(from_configdict(cd)) == 8
+    # --kv-cache int8 of a run whose attention keeps a cache of its own: the fix is this
+    # command's flag, not the run's fields (a review, session 115)
+    cd.attention.name = "sliding_window"
+    Checkpointer(str(tmp_path / "window"), from_configdict(cd), keep=1).close()
+    os.makedirs(tmp_path / "window" / "checkpoints" / "1")
+    assert generate.main(["--workdir", str(tmp_path / "window"), "--prompt", "x",
+                          "--kv-cache", "int8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --kv-cache int8 for ") and err.endswith(
+        "; for this run, decode without --kv-cache (or with --kv-cache none)"), err
     for pos_emb in ("sinusoidal", "rope"):  # the CLI's default stays model.max_len
         cd.model.pos_emb = pos_emb
         assert generate.trained_length(from_configdict(cd)) is None

@@ -589,8 +589,10 @@ def main(argv=None) -> int:
             return validate(dataclasses.replace(cfg, model=dataclasses.replace(
                 cfg.model, quant=dataclasses.replace(cfg.model.quant, kv_cache=args.kv_cache))),
                 devices=False)
-        except ConfigError as e:
-            raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}") from None
+        except ConfigError as e:  # (the trained run's fields are not this command's to
+            # change: a review, session 115, found "set quant.kv_cache='none'" its only fix)
+            raise ValueError(f"--kv-cache {args.kv_cache} for {workdir}: {e}; for this run, "
+                             "decode without --kv-cache (or with --kv-cache none)") from None
 
     # quantized.npz alone too, whose load names the file missing (a bug hunt, session 98:
     # "no run in workdir: train one there first")
