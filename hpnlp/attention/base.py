@@ -178,6 +178,14 @@ class Attention(nn.Module):
     heads_independent: ClassVar[bool] = False
     # True: draws random features or rotations from the `features` stream (make_rng)
     random_features: ClassVar[bool] = False
+
+    @classmethod
+    def block_aligned(cls, options) -> bool:
+        """Whether, under `options`, what a token sees depends on where its row's blocks start
+        (blocks from column 0), not on its distances alone: a document packed mid-row would
+        attend otherwise than alone or decoded, so `data.batching='pack'` is refused (a
+        review, session 115: `local`, `bigbird` and `strided` mode='fixed' were taken)."""
+        return False
     registry_name: ClassVar[str] = ""
 
     @classmethod

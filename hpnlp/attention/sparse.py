@@ -263,6 +263,10 @@ class LocalAttention(_RingBufferDecode, BlockSparseAttention):
     of block_size (or 2 * block_size) keys.
     """
 
+    @classmethod
+    def block_aligned(cls, options) -> bool:
+        return True
+
     heads_independent = True
 
     block_size: int = 64
@@ -366,6 +370,10 @@ class StridedAttention(BlockSparseAttention):
     Cost O(L * (b + L / s)) for "strided", O(L * (b + L * c / s)) for "fixed".
     Decoding uses the exact full cache with this mask applied.
     """
+
+    @classmethod
+    def block_aligned(cls, options) -> bool:
+        return options.get("mode", cls.mode) == "fixed"
 
     heads_independent = True
 
@@ -532,6 +540,10 @@ class BigBirdAttention(BlockSparseAttention):
     only the few global query blocks run dense rows. Decoding uses the exact full cache
     with the block pattern applied.
     """
+
+    @classmethod
+    def block_aligned(cls, options) -> bool:
+        return True
 
     _positive = ("block_size", "num_window_blocks")
     block_size: int = 64

@@ -1294,6 +1294,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
               "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
+    if d.batching == "pack" and att_cls.block_aligned(cfg.attention.options):
+        _fail("data.batching", d.batching,
+              f"attention {cfg.attention.name!r} places its blocks from each row's first column, "
+              "so a document packed mid-row would attend to other tokens than it does alone or "
+              "when decoded (which counts from its own first token); use data.batching='pad' "
+              "(a document a row), or a variant whose pattern follows distances alone "
+              "('sliding_window', or 'strided' with mode='strided')")
     if d.batching == "stream" and d.prepared:  # a bug hunt (session 101): refused only when
         # the batches were read (and, on a plain Transformer, told to use Transformer-XL)
         from hpnlp.data.batching import MODES
