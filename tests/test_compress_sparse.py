@@ -1614,6 +1614,17 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
             student.data.update(task="word_lm", tokenizer="bpe")
         with pytest.raises(ConfigError, match=match):
             carry_lib.for_config(validate(from_configdict(student)))
+    # a teacher whose attention cannot separate a packed row's documents, which trained on
+    # one a row, and a packing student (a review, session 115: it read the packed rows)
+    teacher = tiny("lm")
+    teacher.data.batching = "pad"
+    teacher.attention.update(name="performer", options={"num_features": 8})
+    _config_only_workdir(tmp_path / "perf", teacher)
+    student = tiny("lm", distill=dict(teacher=str(tmp_path / "perf")))
+    student.data.batching = "pack"
+    with pytest.raises(ConfigError, match=r"`data.batching` = 'pack' is not allowed: the "
+                       r"teacher's attention 'performer' cannot read packed rows"):
+        carry_lib.for_config(validate(from_configdict(student)))
     # a bug hunt (session 102): the shared data.train_path edited between the teacher and the
     # student, the student's own subword model (its task's hash) was not compared, and a
     # teacher of other pieces passed

@@ -540,6 +540,17 @@ class TeacherCarry(Carry):
                                    f"run refuses it: {e}); lower data.seq_len to "
                                    f"{tcfg.data.seq_len} or distill from a teacher of longer "
                                    "inputs") from None
+        if cfg.data.batching == "pack" and tcfg.model.arch == "transformer":
+            # a review (session 115): a teacher whose attention cannot separate the documents
+            # of a packed row (it trained on 'pad') read this run's, each document's soft
+            # targets and states with the others' context in them
+            from hpnlp import attention
+            a = attention.get(tcfg.attention.name)
+            if not a.supports_segments or a.block_aligned(tcfg.attention.options):
+                raise config_error("data.batching", "pack", f"the teacher's attention "
+                                   f"{tcfg.attention.name!r} cannot read packed rows as its "
+                                   "documents alone (it trained on rows of one document), "
+                                   "and it would read this run's; use data.batching='pad'")
         members = run_members(self.workdir)
         # found in review: restored into one model's shapes, deep in Orbax; a 1-member
         # ensemble too (review, session 105: the Trainer's mismatch, naming no field)
