@@ -112,6 +112,7 @@ def test_the_gpu_kernel_is_not_chosen_off_a_gpu():
 
 def test_what_the_gpu_kernel_takes_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(F, "compute_capability", lambda: (9, 0))  # a Hopper
     assert F.blocker(64, 48, jnp.bfloat16) is None
     assert "float32 are checked and faster than XLA up to 64" in F.blocker(128, 128, jnp.float32)
     assert F.blocker(128, 128, jnp.bfloat16) is None  # 16-bit products: up to 128
@@ -129,6 +130,7 @@ def test_float32_takes_the_gpu_kernel_only_at_measured_blocks(monkeypatch):
     """A review (r14): on a GPU with no measured float32 blocks the rule's blocks ran 1.21x
     slower than the XLA program (an H200, head dim 64), and `auto` took them on every GPU."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(F, "compute_capability", lambda: (9, 0))  # a Hopper
     monkeypatch.setattr(F, "_device_kind", lambda: "Other GPU")
     assert "float32 at head dim 64 on 'Other GPU', which has no measured blocks (float32_d64" \
         in F.blocker(64, 64, jnp.float32)
@@ -143,6 +145,7 @@ def test_an_explicit_kernel_runs_float32_at_the_rules_blocks(monkeypatch):
     run saved on the H200 could not resume on an H100 (nor at head dim 32 on the H200). It is
     `auto`'s choice only; the head dim and capability limits hold for both."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(F, "compute_capability", lambda: (9, 0))  # a Hopper
     monkeypatch.setattr(F, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
     assert "no measured blocks" in C.kernel_blocker(64, 64, "auto", None, None, jnp.float32)
     assert C.kernel_blocker(64, 64, "kernel", None, None, jnp.float32) is None
@@ -167,6 +170,10 @@ def test_gpus_before_ampere_are_refused(monkeypatch):
         C.chunked_attention(*_qkv(1, 16, 16, 16, dtype=jnp.bfloat16)[:3], impl="kernel")
     device.compute_capability = "8.6"
     assert F.blocker(64, 64, jnp.bfloat16) is None
+    # a ROCm GPU, which has no CUDA compute capability (a review, session 115: it passed)
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [types.SimpleNamespace(
+        device_kind="AMD Instinct MI300X")])
+    assert "no CUDA compute capability" in F.blocker(64, 64, jnp.bfloat16)
 
 
 def test_kernel_impl_decodes_float16():

@@ -1113,6 +1113,14 @@ def test_cudnn_attention_is_refused_on_a_gpu_where_it_cannot_run(monkeypatch):
     from hpnlp.attention import flash_gpu
     from hpnlp.config.checks import portable_here
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    # a GPU with no CUDA capability (ROCm) is refused cuDNN (a review, session 115: taken,
+    # then JAX's "cuDNN is not detected" at the first trace); an Ampere one below
+    monkeypatch.setattr(flash_gpu, "compute_capability", lambda: None)
+    with pytest.raises(ConfigError, match=r"cuDNN runs on an NVIDIA GPU, and this GPU has no "
+                       r"CUDA compute capability"):
+        validate(base(attention={"name": "xla", "options": {"implementation": "cudnn"}},
+                      data={"batching": "pad"}, model={"dtype": "bfloat16"}), num_devices=1)
+    monkeypatch.setattr(flash_gpu, "compute_capability", lambda: (8, 0))
 
     def cudnn(**model):
         return base(attention={"name": "xla", "options": {"implementation": "cudnn"}},
@@ -1139,6 +1147,7 @@ def test_chunked_kernel_is_refused_on_a_gpu_by_the_gpu_kernels_limits(monkeypatc
     from hpnlp.attention import flash_gpu
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(flash_gpu, "_device_kind", lambda: "NVIDIA H200")  # measured blocks
+    monkeypatch.setattr(flash_gpu, "compute_capability", lambda: (9, 0))
 
     def kernel(**model):
         return base(attention={"name": "chunked", "options": {"impl": "kernel"}}, model=model)
@@ -1155,6 +1164,15 @@ def test_chunked_kernel_is_refused_on_a_gpu_by_the_gpu_kernels_limits(monkeypatc
     validate(kernel(width=256, num_heads=4), num_devices=1)
     monkeypatch.setattr(flash_gpu, "compute_capability", lambda: (7, 5))
     with pytest.raises(ConfigError, match=r"impl.*compute capability 7.5"):
+        validate(kernel(dtype="bfloat16"), num_devices=1)
+    # a GPU with no CUDA capability (ROCm), and a TPU (a review, session 115: both taken,
+    # then failed at the first trace, naming no field)
+    monkeypatch.setattr(flash_gpu, "compute_capability", lambda: None)
+    with pytest.raises(ConfigError, match=r"impl.*no CUDA compute capability"):
+        validate(kernel(dtype="bfloat16"), num_devices=1)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ConfigError, match=r"impl.*the fused kernels run on a CPU or a GPU, and "
+                       r"JAX runs on the tpu"):
         validate(kernel(dtype="bfloat16"), num_devices=1)
 
 

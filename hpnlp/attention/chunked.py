@@ -406,6 +406,10 @@ class ChunkedAttention(Attention):
             why = flash_cpu.KERNEL.unavailable_reason()
             if why:
                 return ("impl", "auto", f"the CPU kernel cannot run here: {why}", use)
+        if jax.default_backend() not in ("cpu", "gpu"):  # a review (session 115): a TPU's
+            # run was taken, then failed at its first trace, naming no field
+            return ("impl", "auto", f"the fused kernels run on a CPU or a GPU, and JAX runs "
+                    f"on the {jax.default_backend()}", use)
         return None
 
     def __call__(self, q, k, v, mask=None, *, causal: bool = False, deterministic: bool = True):

@@ -70,7 +70,10 @@ def blocker(head_dim: int, value_dim: int, dtype, *, impl: str = "auto") -> str 
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
         return f"dtype {jnp.dtype(dtype).name} (the GPU kernel takes float32, bfloat16, float16)"
     capability = compute_capability()
-    if capability is not None and capability < MIN_CAPABILITY:
+    if capability is None:  # a review (session 115): a ROCm GPU passed the check below
+        return ("no CUDA compute capability (the GPU kernels are Triton programs compiled and "
+                "tuned for NVIDIA GPUs only); impl='xla' runs there")
+    if capability < MIN_CAPABILITY:
         return (f"compute capability {'.'.join(map(str, capability))} (the GPU kernels need "
                 f"{'.'.join(map(str, MIN_CAPABILITY))} or newer: they were compiled only on "
                 "Hopper, and older GPUs' bfloat16 products and shared memory are untried); "

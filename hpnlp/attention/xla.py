@@ -61,7 +61,12 @@ class XlaAttention(Attention):
                     f"and model.dtype={jnp.dtype(dtype).name!r} computes in "
                     f"{jnp.dtype(dtype).name}", f"set model.dtype='bfloat16', or {unset}")
         from hpnlp.attention.flash_gpu import compute_capability
-        widest = 256 if (compute_capability() or (0,)) >= (9, 0) else 128  # Hopper: 256 (jax)
+        capability = compute_capability()
+        if capability is None:  # a review (session 115): a ROCm GPU was taken, and JAX's
+            # cuDNN path failed at the first trace ("cuDNN is not detected")
+            return ("implementation", "xla", "cuDNN runs on an NVIDIA GPU, and this GPU has "
+                    "no CUDA compute capability", unset)
+        widest = 256 if capability >= (9, 0) else 128  # Hopper: 256 (jax)
         if head_dim % 8 or head_dim > widest:
             return ("implementation", "xla", f"cuDNN's attention on this GPU takes head dims "
                     f"that are multiples of 8 up to {widest}, and the model's is {head_dim}",
