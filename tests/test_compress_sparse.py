@@ -756,6 +756,22 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
 
 # 23 s in a run of four on one loaded core (about 4 s of CPU; 2026-12-06): compiles
 # the masked, sparse and timed forwards as its sibling in test_spmm.py, which CI's slow part runs
+def _sparse_qkv_run(tr, step: int = 1):
+    """Save `tr`'s initial state at `step` (its state's step too) with 90% of block 0's qkv
+    weight zero, and sparsify that run; (the state saved, sparsify's summary)."""
+    from hpnlp.compress import sparsify
+    state, _ = tr.initial_state()
+    flat = traverse.flatten_dict(state.params)
+    key = ("trunk", "block_0", "attention", "qkv")
+    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key]).astype(flat[key].dtype)
+    state = state.replace(params=traverse.unflatten_dict(flat), step=state.step + step)
+    tr.checkpointer.save(step, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+    s = sparsify.sparsify(tr.workdir, tr.workdir + "_sparse", eval_batches=1, repeats=1)
+    assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
+    return state, s
+
+
 @pytest.mark.slow
 def test_sparsify_of_an_moe_run_keeps_its_statistics_and_counts_float32_bytes(tmp_path,
                                                                              monkeypatch):
@@ -763,7 +779,6 @@ def test_sparsify_of_an_moe_run_keeps_its_statistics_and_counts_float32_bytes(tm
     statistics (its apply kept nothing the layers sow; quantize's had the same bug, session
     102), and `float32_params` of a model.param_dtype='bfloat16' run was its bfloat16 bytes.
     The run is its initial state with 90% of its qkv weight zero: nothing trains."""
-    from hpnlp.compress import sparsify
     from hpnlp.config import checks
     from hpnlp.train import Trainer
     cd = tiny()
@@ -774,20 +789,11 @@ def test_sparsify_of_an_moe_run_keeps_its_statistics_and_counts_float32_bytes(tm
     with monkeypatch.context() as patch:
         patch.setattr(checks, "check_master_weights", lambda cfg: None)
         tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    state, _ = tr.initial_state()
-    flat = traverse.flatten_dict(state.params)
-    key = ("trunk", "block_0", "attention", "qkv")
-    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key]).astype(flat[key].dtype)
-    params = traverse.unflatten_dict(flat)
-    tr.checkpointer.save(1, state.replace(params=params), tr.train_iter.get_state(), {})
-    tr.checkpointer.close()
-    s = sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"), eval_batches=1,
-                          repeats=1)
-    assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
+    state, s = _sparse_qkv_run(tr)
     assert "moe_load" in s["eval"]["masked"] and any(k.startswith("loss_moe_")
                                                       for k in s["eval"]["masked"])
     assert set(s["eval"]["sparse"]) == set(s["eval"]["masked"])
-    assert s["size_bytes"]["float32_params"] == 4 * models.param_count(params)
+    assert s["size_bytes"]["float32_params"] == 4 * models.param_count(state.params)
 
 
 @pytest.mark.slow
@@ -798,23 +804,14 @@ def test_sparsify_of_a_performer_run_evaluates_under_its_trained_draw(tmp_path):
     session 113. The run is its initial state with 90% of its qkv weight zero."""
     import json
 
-    from hpnlp.compress import ptq, sparsify
+    from hpnlp.compress import ptq
     from hpnlp.train import Trainer
     cd = tiny()
     cd.attention.update(name="performer", options={"num_features": 8})
     tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    state, _ = tr.initial_state()
-    flat = traverse.flatten_dict(state.params)
-    key = ("trunk", "block_0", "attention", "qkv")
-    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key])
-    state = state.replace(params=traverse.unflatten_dict(flat), step=state.step + 1)
-    tr.checkpointer.save(1, state, tr.train_iter.get_state(), {})
-    tr.checkpointer.close()
-    s = sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"), eval_batches=1,
-                          repeats=1)
-    assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
+    state, s = _sparse_qkv_run(tr)
     assert abs(s["eval"]["loss_rel_diff"]) < 1e-5, s["eval"]
-    with open(tmp_path / "sparse" / "sparse.json") as f:
+    with open(tmp_path / "run_sparse" / "sparse.json") as f:
         assert json.load(f)[ptq.FEATURES] == ptq.key_json(
             state.features_key(tr.cfg.train.feature_redraw_every))
 
@@ -824,20 +821,11 @@ def test_sparsify_of_a_bi_encoder_measures_the_sparse_models_pool(tmp_path):
     """A review (session 115): the masked model's eval had the held-out pool's recall@k and
     MRR (`split_metrics`), and the sparse model's none. The run is its initial state with 90%
     of its qkv weight zero: the two measure the same model."""
-    from hpnlp.compress import sparsify
     from hpnlp.train import Trainer
     cd = tiny()
     cd.model.kind, cd.data.task = "bi_encoder", "verse_pairs"
     tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    state, _ = tr.initial_state()
-    flat = traverse.flatten_dict(state.params)
-    key = ("trunk", "block_0", "attention", "qkv")
-    flat[key] = jnp.where(RNG.random(flat[key].shape) < 0.9, 0, flat[key])
-    tr.checkpointer.save(1, state.replace(params=traverse.unflatten_dict(flat)),
-                         tr.train_iter.get_state(), {})
-    tr.checkpointer.close()
-    s = sparsify.sparsify(str(tmp_path / "run"), str(tmp_path / "sparse"), eval_batches=1,
-                          repeats=1)
+    _, s = _sparse_qkv_run(tr)
     masked, sparse = s["eval"]["masked"], s["eval"]["sparse"]
     assert {"recall@1", "recall@10", "mrr"} <= set(sparse) and set(sparse) == set(masked)
     for k in ("recall@1", "recall@10", "mrr"):
