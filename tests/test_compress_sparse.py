@@ -1962,6 +1962,20 @@ def test_a_shrunk_run_a_new_run_may_not_be_is_refused_before_the_masked_model_is
     assert not os.path.exists(tmp_path / "small")
 
 
+def _shrink_a_run_saved_before_the_rules(cd, tmp_path, monkeypatch) -> dict:
+    """`shrink_run`'s summary of the run `cd` (in tmp_path/run, shrunk into tmp_path/small)
+    built as one saved before `check_new_run`'s rules, 16 of its 32 neurons kept; the evals
+    scripted: nothing compiles but the two models' inits."""
+    from hpnlp.config import checks
+    from hpnlp.train import Trainer
+    with monkeypatch.context() as patch:
+        patch.setattr(checks, "check_new_run", lambda cfg: None)
+        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
+    _save_kept_neurons(tr, 16)
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {"loss": 1.0})
+    return prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+
+
 def test_a_saved_run_s_train_fields_a_new_run_is_refused_are_rewritten_in_its_shrunk_run(
         tmp_path, monkeypatch, capsys):
     """A review (d1): `check_new_run`'s refusals of model.embed_grad_scale='batch' under
@@ -1972,17 +1986,11 @@ def test_a_saved_run_s_train_fields_a_new_run_is_refused_are_rewritten_in_its_sh
     import json
 
     from hpnlp.config import checks
-    from hpnlp.train import Trainer
     cd = _structured_mlp_run()
     cd.model.embed_grad_scale = "batch"
     cd.train.update(grad_accum=2, steps=1, warmup_steps=1, schedule="constant")
     cd.train.prune.start_step = 0
-    with monkeypatch.context() as patch:  # built as a run saved before the rules were
-        patch.setattr(checks, "check_new_run", lambda cfg: None)
-        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    _save_kept_neurons(tr, 16)
-    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {"loss": 1.0})
-    summary = prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    summary = _shrink_a_run_saved_before_the_rules(cd, tmp_path, monkeypatch)
     assert summary["config_rewritten"] == {"train.grad_accum": [2, 1],
                                            "train.warmup_steps": [1, 0]}
     assert ("hpnlp.compress: note: the shrunk run is a new run, which is refused what the "
@@ -3252,16 +3260,10 @@ def test_a_saved_bi_encoder_whose_mining_no_step_runs_shrinks_with_mining_off(tm
     a run the rule refused, with a fix `shrink_run` takes none of. Its shrunk run mines none,
     as the run did, and says so. The evals are scripted: nothing compiles but the inits."""
     from hpnlp.config import checks
-    from hpnlp.train import Trainer
     cd = _structured_mlp_run()
     cd.model.kind, cd.data.task = "bi_encoder", "verse_pairs"
     cd.model.encoder.update(mine_every=6, mine_depth=2)  # train.steps=6
-    with monkeypatch.context() as patch:  # built as a run saved before the rule was
-        patch.setattr(checks, "check_new_run", lambda cfg: None)
-        tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    _save_kept_neurons(tr, 16)
-    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {"loss": 1.0})
-    summary = prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small"))
+    summary = _shrink_a_run_saved_before_the_rules(cd, tmp_path, monkeypatch)
     assert summary["config_rewritten"] == {"model.encoder.mine_every": [6, 0],
                                            "model.encoder.mine_depth": [2, 10]}
     from hpnlp.train.checkpoint import load_run_config
