@@ -1590,13 +1590,22 @@ def test_reused_runs_are_those_finished_before_the_bench_run(tmp_path, monkeypat
     reused that were in the workdir before the bench run started, not those its side-by-side
     processes (or an earlier part) trained this time and `_train` then found finished."""
     from hpnlp.bench import compress
-    (tmp_path / "earlier").mkdir()
+    for run in ("earlier", "unfinished", "retrained"):
+        (tmp_path / run).mkdir()
+    (tmp_path / "earlier" / "summary.json").write_text("{}")
+    (tmp_path / "retrained" / "summary.json").write_text("{}")
     before = compress.runs_in(str(tmp_path))
     (tmp_path / "side_by_side").mkdir()
-    monkeypatch.setattr(compress, "REUSED", [str(tmp_path / "earlier"),
-                                             str(tmp_path / "side_by_side")])
+    # nor a folder an interrupted run left, nor a run trained anew since (a review, session
+    # 115: both counted as reused)
+    for run in ("side_by_side", "unfinished", "retrained"):
+        (tmp_path / run / "summary.json").write_text("{}")
+    os.utime(tmp_path / "retrained" / "summary.json", ns=(1, before[str(
+        tmp_path / "retrained")] + 10**9))
+    monkeypatch.setattr(compress, "REUSED", [str(tmp_path / r) for r in (
+        "earlier", "side_by_side", "unfinished", "retrained")])
     assert compress.reused_since(before) == 1
-    assert compress.runs_in(str(tmp_path / "absent")) == set()
+    assert compress.runs_in(str(tmp_path / "absent")) == {}
 
 
 def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path, monkeypatch):
@@ -1629,6 +1638,17 @@ def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path,
         assert trained == [str(student)] and not student.exists(), field  # afresh
         trained.clear()
     assert compress.REUSED == [str(student)] * 2
+    # a user's file beside the stale run is not deleted with it (a review, session 115: the
+    # check came before the teacher's, and the folder went, unsaid)
+    student.mkdir()
+    (student / "summary.json").write_text("{}")
+    os.utime(student / "summary.json", (2000, 2000))  # before the teacher's (3000)
+    (student / "notes.txt").write_text("mine")
+    with pytest.raises(compress.RunConflict, match=r"holds files that are not a run's "
+                       r"\(notes.txt\), which this bench would delete with the run it trains "
+                       r"anew"):
+        compress._train(cd, str(student))
+    assert (student / "notes.txt").read_text() == "mine" and not trained
 
 
 def test_a_finished_run_with_a_cut_summary_evaluates_again(tmp_path, monkeypatch):
@@ -1674,7 +1694,7 @@ def test_a_saved_run_of_another_config_is_refused_not_deleted(tmp_path, monkeypa
     (run / "summary.json").unlink()
     (run / "notes.txt").write_text("mine")  # not a run's: refused, not deleted (a bug hunt)
     with pytest.raises(compress.RunConflict, match=rf"^{run} holds files that are not a run's "
-                       r"\(notes.txt\), which this bench would delete with its unfinished run"):
+                       r"\(notes.txt\), which this bench would delete with the run it trains anew"):
         compress._train(full, str(run))
     (run / "notes.txt").unlink()  # nothing saved: cleared, trained afresh
     assert compress._train(full, str(run)) == {"new": 1} and not run.exists()

@@ -281,17 +281,30 @@ REUSED: list[str] = []  # runs `_train` found finished (by an earlier bench run,
 # run's side-by-side processes: `reused_since`)
 
 
-def runs_in(workdir: str) -> set[str]:
-    """The runs' folders in `workdir` now (before a bench run starts: `reused_since`)."""
+def _summary_mtime(run: str) -> float | None:
+    try:
+        return os.stat(os.path.join(run, "summary.json")).st_mtime_ns
+    except OSError:
+        return None
+
+
+def runs_in(workdir: str) -> dict[str, int]:
+    """The finished runs in `workdir` now, each with its summary.json's modification time
+    (before a bench run starts: `reused_since`)."""
     wd = os.path.abspath(workdir)
-    return {os.path.join(wd, n) for n in os.listdir(wd)} if os.path.isdir(wd) else set()
+    names = os.listdir(wd) if os.path.isdir(wd) else []
+    found = {os.path.join(wd, n): _summary_mtime(os.path.join(wd, n)) for n in names}
+    return {p: t for p, t in found.items() if t is not None}
 
 
-def reused_since(before: set[str]) -> int:
-    """How many runs `_train` reused that were in their workdir before (`runs_in`): those an
-    earlier bench run left finished, not those this run trained (in its side-by-side
-    processes, or in a part before: the teacher) and found again."""
-    return len({os.path.abspath(p) for p in REUSED} & before)
+def reused_since(before: dict[str, int]) -> int:
+    """How many runs `_train` reused that were finished in their workdir before (`runs_in`)
+    and are as they were: those an earlier bench run left, not those this run trained (in its
+    side-by-side processes, or in a part before: the teacher; or a folder an interrupted run
+    left unfinished, or one retrained for a newer source: a review, session 115, found both
+    counted) and found again."""
+    return len({p for p in map(os.path.abspath, REUSED)
+                if p in before and _summary_mtime(p) == before[p]})
 
 
 class RunConflict(ValueError):
@@ -327,14 +340,15 @@ def _train(cd, out: str) -> dict:
         if not same and (os.path.exists(done) or has_checkpoint(out)):
             raise RunConflict(f"{out} holds {why}, which this bench would replace; give "
                               f"another --workdir, or delete {out}")
-        other = sorted(set(os.listdir(out)) - set(RUN_FILES + RUN_FOLDERS) - {"config.json.tmp"})
-        if not same and other:  # a bug hunt: deleted with the rest, unsaid
-            raise RunConflict(f"{out} holds files that are not a run's ({', '.join(other[:3])}"
-                              f"{', ...' if len(other) > 3 else ''}), which this bench would "
-                              "delete with its unfinished run; move them aside, or give another "
-                              "--workdir")
         if same and os.path.exists(done) and _newer_source(cd, done):
             same = False  # its teacher or starting run was retrained since: so is it
+        other = sorted(set(os.listdir(out)) - set(RUN_FILES + RUN_FOLDERS) - {"config.json.tmp"})
+        if not same and other:  # a bug hunt: deleted with the rest, unsaid (and, a review,
+            # session 115, with a run retrained for a newer source, checked before that)
+            raise RunConflict(f"{out} holds files that are not a run's ({', '.join(other[:3])}"
+                              f"{', ...' if len(other) > 3 else ''}), which this bench would "
+                              "delete with the run it trains anew; move them aside, or give "
+                              "another --workdir")
         if same and os.path.exists(done):
             try:
                 with open(done) as f:
