@@ -161,7 +161,7 @@ def test_gpus_before_ampere_are_refused(monkeypatch):
     compile time naming neither the GPU nor impl='xla'."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     device = types.SimpleNamespace(compute_capability="7.5", device_kind="Tesla T4")
-    monkeypatch.setattr(jax, "devices", lambda *a, **k: [device])
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [device])
     assert F.compute_capability() == (7, 5)
     why = F.blocker(64, 64, jnp.bfloat16)
     assert "compute capability 7.5 (the GPU kernels need 8.0 or newer" in why
@@ -171,7 +171,7 @@ def test_gpus_before_ampere_are_refused(monkeypatch):
     device.compute_capability = "8.6"
     assert F.blocker(64, 64, jnp.bfloat16) is None
     # a ROCm GPU, which has no CUDA compute capability (a review, session 115: it passed)
-    monkeypatch.setattr(jax, "devices", lambda *a, **k: [types.SimpleNamespace(
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [types.SimpleNamespace(
         device_kind="AMD Instinct MI300X")])
     assert "no CUDA compute capability" in F.blocker(64, 64, jnp.bfloat16)
 

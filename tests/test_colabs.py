@@ -98,14 +98,17 @@ def test_quickstart_attention_choices_it_offers_validate(monkeypatch):
         offered.update({name: batching for name in re.findall(r'"(\w+)"', ln.partition("#")[2])
                         if name not in ("pad", "pack")})
     assert {"chunked", "xla"} <= set(offered), offered
-    # and "local" with the block the comment gives (its default block is the whole sequence)
+    # and "local" with the block the comment gives (its default block is the whole sequence),
+    # with "pad" too (a review, session 115: a new run of it on packed rows is refused)
     local = re.search(r'"local" with cfg.attention.options = (\{[^}]*\})', lines[at + 2])
-    offered["local"] = ("pack", eval(local.group(1)))
+    assert '"pad" too' in lines[at + 3], lines[at + 3]
+    offered["local"] = ("pad", eval(local.group(1)))
+    from hpnlp.config.checks import check_new_run
     for name, batching in offered.items():
         batching, options = batching if isinstance(batching, tuple) else (batching, {})
         cfg = ns["cfg"].copy_and_resolve_references()
         cfg.attention.name, cfg.attention.options, cfg.data.batching = name, options, batching
-        validate(from_configdict(cfg))
+        check_new_run(validate(from_configdict(cfg)))  # as a new run of it is
 
 
 def test_parallelism_says_when_jax_has_not_8_devices(monkeypatch):

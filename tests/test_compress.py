@@ -805,6 +805,10 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     assert "has no matrix products to quantize (its bag of embeddings is a lookup); serve it " \
         "in float" in capsys.readouterr().err
     from hpnlp.compress.__main__ import as_flags  # a path holding a field's name is kept
+    # a QAT run's config.json clause is this command's run's no more (a review, session 115)
+    assert as_flags("add 'input' to quant.layers, or set quant.activations='none' (a run saved "
+                    "with it trained with float activations: set that in its config.json)") == (
+        "add 'input' to --layers, or set --activations none")
     assert as_flags("no run in sweep/quant.layers=mlp; use quant.act_scale='dynamic' (or leave "
                     "'mlp' out of quant.layers)") == ("no run in sweep/quant.layers=mlp; use "
                                                      "--act_scale dynamic (or leave 'mlp' out of "

@@ -2098,6 +2098,13 @@ def test_transformer_xl_prunes_its_mlps_and_sparsify_refuses_an_rnn_lm_before_re
                        r"model\.lowrank$"):
         sparsify.sparsify(str(tmp_path / "low"), str(tmp_path / "sparse"))
     assert not os.path.exists(tmp_path / "sparse")
+    # factorized by kept energy (its ranks resolved as a run saves them): named so
+    by_energy = tiny(prune=dict(method="magnitude", sparsity=0.75))
+    by_energy.model.lowrank.update(layers="mlp", energy=0.9, ranks={
+        "trunk/block_0/mlp_in/kernel": 4, "trunk/block_0/mlp_out/kernel": 4})
+    _config_only_workdir(tmp_path / "energy", by_energy)
+    with pytest.raises(ConfigError, match=r"^config field `model\.lowrank\.energy` = 0.9 "):
+        sparsify.sparsify(str(tmp_path / "energy"), str(tmp_path / "sparse"))
 
 
 def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_path):

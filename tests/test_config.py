@@ -298,13 +298,6 @@ def test_task_fields_are_filled_in():
      "output.options.reg1", "must be a number >= 0"),
     ({"output": {"name": "adaptive", "options": {"chunk_logits": "big"}},
       "data": {"task": "word_lm"}}, "output.options.chunk_logits", "an integer >= 1"),
-    # a review (session 115): blocks from each row's first column, so a document packed
-    # mid-row attended otherwise than alone or decoded
-    *[({"attention": {"name": name, "options": options}, "data": {"batching": "pack"}},
-       "data.batching", "places its blocks from each row's first column")
-      for name, options in (("local", {"block_size": 8}), ("bigbird", {"block_size": 8}),
-                            ("strided", {"mode": "fixed", "block_size": 8, "stride": 8,
-                                         "num_summary": 2}))],
     # a review (session 115): "use 'pack'" alone led to the memory fields' refusal
     ({"model": {"arch": "transformer_xl", "mem_len": 16}, "data": {"batching": "stream"},
       "train": {"distill": {"teacher": "/t"}}}, "train.distill.teacher",
@@ -503,6 +496,13 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
      "train.distill.temperature", "alpha=0 gives it no weight, so nothing reads it"),
     ({"train": {"distill": {"teacher": "/t", "alpha": 0.0, "chunk_tokens": 0, "init": "select"}}},
      "train.distill.chunk_tokens", "alpha=0 gives it no weight, so nothing reads it"),
+    # a review (session 115): blocks from each row's first column, so a document packed
+    # mid-row attended otherwise than alone or decoded
+    *[({"attention": {"name": name, "options": options}, "data": {"batching": "pack"}},
+       "data.batching", "places its blocks from each row's first column")
+      for name, options in (("local", {"block_size": 8}), ("bigbird", {"block_size": 8}),
+                            ("strided", {"mode": "fixed", "block_size": 8, "stride": 8,
+                                         "num_summary": 2}))],
     # a review (session 115): no step would mine, and the summary said "mined"
     ({"model": {"kind": "bi_encoder", "encoder": {"mine_every": 10}},
       "data": {"task": "verse_pairs"}, "train": {"steps": 10, "warmup_steps": 1}},
@@ -1682,8 +1682,9 @@ def test_every_argument_combination_of_every_preset_starts_a_new_run():
 def test_patterns_of_distances_alone_train_on_packed_rows():
     """The other side of the rule above (a review, session 115): a pattern that follows
     distances alone sees the same tokens wherever a document starts in its row."""
+    from hpnlp.config.checks import check_new_run
     for name, options in (("sliding_window", {"block_size": 8, "window": 16}),
                           ("strided", {"mode": "strided", "block_size": 8, "stride": 8}),
                           ("dense", {})):
-        validate(base(attention={"name": name, "options": options}, data={"batching": "pack"}),
-                 num_devices=1)
+        check_new_run(validate(base(attention={"name": name, "options": options},
+                                    data={"batching": "pack"}), num_devices=1))

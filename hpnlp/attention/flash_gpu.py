@@ -100,8 +100,8 @@ def blocker(head_dim: int, value_dim: int, dtype, *, impl: str = "auto") -> str 
 def compute_capability() -> tuple[int, ...] | None:
     """The first device's CUDA compute capability, (9, 0) for Hopper; None where it has none
     that reads as numbers (a CPU, a ROCm GPU)."""
-    try:
-        return tuple(int(x) for x in str(jax.devices()[0].compute_capability).split("."))
+    try:  # a device of this process (in a run of several, devices()[0] is process 0's)
+        return tuple(int(x) for x in str(jax.local_devices()[0].compute_capability).split("."))
     except (AttributeError, ValueError):
         return None
 

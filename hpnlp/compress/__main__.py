@@ -195,6 +195,8 @@ def as_flags(message: str) -> str:
     # review, session 115: "set --weights and --activations to 'none' in its config.json")
     message = re.sub(r"; a run saved with it trained in float: [^;]*in its config\.json", "",
                      message)
+    message = re.sub(r" \(a run saved with it trained with [^()]*in its config\.json\)", "",
+                     message)
     message = re.sub(rf"config field `(?:quant\.)?({flags})`", r"`--\1`", message)
     message = re.sub(rf"(?<![\w/.-])quant\.({flags})='([^']*)'", r"--\1 \2", message)
     return re.sub(rf"(?<![\w/.-])quant\.({flags})\b", r"--\1", message)

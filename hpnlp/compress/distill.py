@@ -431,6 +431,8 @@ def keep_teacher_config(cfg: Config, workdir: str) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        from hpnlp import kernels  # mkstemp's 0600: readable as a copy under the umask is
+        os.chmod(tmp, kernels.readable_mode(0o644))  # (a review of session 115's change)
         os.replace(tmp, dst)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -540,7 +542,7 @@ class TeacherCarry(Carry):
                                    f"run refuses it: {e}); lower data.seq_len to "
                                    f"{tcfg.data.seq_len} or distill from a teacher of longer "
                                    "inputs") from None
-        if cfg.data.batching == "pack" and tcfg.model.arch == "transformer":
+        if not held and cfg.data.batching == "pack" and tcfg.model.arch == "transformer":
             # a review (session 115): a teacher whose attention cannot separate the documents
             # of a packed row (it trained on 'pad') read this run's, each document's soft
             # targets and states with the others' context in them

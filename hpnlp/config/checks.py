@@ -17,7 +17,8 @@ from hpnlp.config.compress_checks import (_check_compress, _check_lowrank, _chec
 from hpnlp.config.fields import (DEFAULT_RULES, DTYPES, ENCODER_LOSSES, MEMORY_PREDICTIONS,
                                  MESH_AXES, MOE_ROUTERS, REMAT_NAMES, Config, ConfigError,
                                  DataConfig, ModelConfig, MoEConfig, OutputConfig, TrainConfig,
-                                 _check_choice, _check_positive, _fail, same_data_path)
+                                 _check_choice, _check_positive, _fail, config_flag,
+                                 same_data_path)
 
 
 # What the model gives an output layer itself: not options (found in review: accepted, then
@@ -460,8 +461,8 @@ def _check_buckets(d: DataConfig) -> None:
     if bad:
         _fail("data.bucket_boundaries", d.bucket_boundaries, f"every boundary must be an "
               f"integer in [1, data.seq_len={d.seq_len}] (not {bad}); give them as "
-              f"--config.data.bucket_boundaries={max(d.seq_len // 2, 1)},{d.seq_len}, or () for "
-              "the default")
+              f"--config.data.bucket_boundaries={max(d.seq_len // 2, 1)},{d.seq_len}, or "
+              f"{config_flag('data.bucket_boundaries', '()')} for the default")
 
 
 def _attention_blocked(cfg: Config, num_devices: int) -> tuple[str, Any, str, str] | None:
@@ -844,7 +845,8 @@ def check_new_run(cfg: Config) -> None:
     leaves these two out), `clustered` attention in float16, an expert-choice
     eval_capacity_factor, `model.embed_grad_scale='batch'` under train.grad_accum (below),
     an eval file that is the train file (`eval_is_train`), a bi-encoder's mining that no step
-    runs (model.encoder.mine_every >= train.steps), bfloat16 master weights
+    runs (model.encoder.mine_every >= train.steps), packed rows under attention whose blocks
+    start at each row's first column (`Attention.block_aligned`), bfloat16 master weights
     (`check_master_weights`), fields nothing reads (`_check_unread_of_new_run`), and
     `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
@@ -874,6 +876,16 @@ def check_new_run(cfg: Config) -> None:
         _fail("data.seed", d.seed, f"draws the generated ListOps expressions of data.seed="
               f"{-d.seed} (Python's Random seeds with an int's absolute value); give "
               f"data.seed={-d.seed}, or another seed >= 0")
+    from hpnlp import attention
+    if cfg.data.batching == "pack" and cfg.model.arch == "transformer" and attention.get(
+            cfg.attention.name).block_aligned(cfg.attention.options):
+        # a review (session 115): taken; a run saved so is still read and resumed
+        _fail("data.batching", "pack",
+              f"attention {cfg.attention.name!r} places its blocks from each row's first column, "
+              "so a document packed mid-row would attend to other tokens than it does alone or "
+              "when decoded (which counts from its own first token); use data.batching='pad' "
+              "(a document a row), or a variant whose pattern follows distances alone "
+              "('sliding_window', or 'strided' with mode='strided')")
     if eval_is_train(cfg.data):
         # a review (session 107): taken, every eval document one trained on, and a kNN-LM
         # of the run found each held-out target's own entry at distance 0 (perplexity ~1);
@@ -1294,13 +1306,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "
               "row), so packed rows cannot be separated; use data.batching='pad' or another attention")
-    if d.batching == "pack" and att_cls.block_aligned(cfg.attention.options):
-        _fail("data.batching", d.batching,
-              f"attention {cfg.attention.name!r} places its blocks from each row's first column, "
-              "so a document packed mid-row would attend to other tokens than it does alone or "
-              "when decoded (which counts from its own first token); use data.batching='pad' "
-              "(a document a row), or a variant whose pattern follows distances alone "
-              "('sliding_window', or 'strided' with mode='strided')")
     if d.batching == "stream" and d.prepared:  # a bug hunt (session 101): refused only when
         # the batches were read (and, on a plain Transformer, told to use Transformer-XL)
         from hpnlp.data.batching import MODES
