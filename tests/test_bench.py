@@ -2628,3 +2628,25 @@ def test_moe_layer_rows_time_a_whole_train_step():
     x = r = jnp.ones((T, M))
     flops = moe.step(moe.dense_mlp).lower(p, x, r).compile().cost_analysis()["flops"]
     assert flops >= 6 * 2 * T * M * F
+
+
+def test_quant_quality_reuses_its_runs_as_the_compress_bench_does(tmp_path, monkeypatch):
+    """A review (session 115): the quant bench's quality part trained by hpnlp.train.run,
+    which resumed a finished run of a changed config unsaid and never checked that a QAT run
+    started from the float run now in the workdir. It trains by `compress._train` (reused,
+    refused or trained anew: tested above); nothing trains or quantizes here."""
+    from hpnlp.bench import compress, quant
+    from hpnlp.compress import ptq
+    calls = []
+    monkeypatch.setattr(compress, "_train", lambda cd, out: calls.append(
+        (out, cd.train.init_from)) or {"task": "t"})
+    ev = {"loss": 2.0, "accuracy": 0.5}
+    monkeypatch.setattr(ptq, "quantize", lambda *a, **k: {
+        "eval": {"float32": ev, "quantized": ev}, "size_bytes": {
+            "float32_params": 4, "quantized_file": 1},
+        "forward": {"float32_s": 1.0, "quantized_s": 1.0, "how": "x"}})
+    rows = quant.quality_rows(quant.SIZES["quick"], str(tmp_path))
+    floats = [out for out, init in calls if not init]
+    assert len(floats) == 2 and all(init in floats for _, init in calls if init)
+    assert len(calls) == 2 * (1 + len(quant.QAT)) and len(rows) == 2 * (
+        1 + len(quant.PTQ) + len(quant.QAT))
