@@ -2635,8 +2635,13 @@ def test_quant_quality_reuses_its_runs_as_the_compress_bench_does(tmp_path, monk
     which resumed a finished run of a changed config unsaid and never checked that a QAT run
     started from the float run now in the workdir. It trains by `compress._train` (reused,
     refused or trained anew: tested above); nothing trains or quantizes here."""
+    import hpnlp.train
     from hpnlp.bench import compress, quant
     from hpnlp.compress import ptq
+
+    def trains(*_, **__):
+        raise AssertionError("trained by hpnlp.train.run, not compress._train")
+    monkeypatch.setattr(hpnlp.train, "run", trains)
     calls = []
     monkeypatch.setattr(compress, "_train", lambda cd, out: calls.append(
         (out, cd.train.init_from)) or {"task": "t"})

@@ -754,8 +754,6 @@ def test_structured_rnn_pruning_refuses_what_it_cannot_remove(kind, fields, matc
         validate(from_configdict(cd))
 
 
-# 23 s in a run of four on one loaded core (about 4 s of CPU; 2026-12-06): compiles
-# the masked, sparse and timed forwards as its sibling in test_spmm.py, which CI's slow part runs
 def _sparse_qkv_run(tr, step: int = 1):
     """Save `tr`'s initial state at `step` (its state's step too) with 90% of block 0's qkv
     weight zero, and sparsify that run; (the state saved, sparsify's summary)."""
@@ -772,6 +770,8 @@ def _sparse_qkv_run(tr, step: int = 1):
     return state, s
 
 
+# 23 s in a run of four on one loaded core (about 4 s of CPU; 2026-12-06): compiles
+# the masked, sparse and timed forwards as its sibling in test_spmm.py, which CI's slow part runs
 @pytest.mark.slow
 def test_sparsify_of_an_moe_run_keeps_its_statistics_and_counts_float32_bytes(tmp_path,
                                                                              monkeypatch):
@@ -1613,6 +1613,11 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     with pytest.raises(ConfigError, match=r"`data.batching` = 'pack' is not allowed: the "
                        r"teacher's attention 'performer' cannot read packed rows"):
         carry_lib.for_config(validate(from_configdict(student)))
+    # a student saved so before the rule, holding its teacher, is read as it trained
+    held = tmp_path / "held"
+    os.makedirs(held / "checkpoints" / "1")
+    distill.keep_teacher_config(from_configdict(student), str(held))
+    carry_lib.for_config(validate(from_configdict(student)), workdir=str(held))
     # a bug hunt (session 102): the shared data.train_path edited between the teacher and the
     # student, the student's own subword model (its task's hash) was not compared, and a
     # teacher of other pieces passed
@@ -3258,6 +3263,23 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
         again.train.init_from = str(tmp_path / "low")
         refused(again, f"low{rank}", r"train\.init_from.*products are factorized .*start from "
                 r"the dense run it was factorized from, or train that run on")
+
+
+def test_a_saved_packed_run_of_block_aligned_attention_shrinks_to_a_padded_run(tmp_path,
+                                                                              monkeypatch):
+    """A review (session 115) of that session's rule: a new run of packed rows under attention
+    whose blocks start at each row's first column is refused, and a saved one shrank to a run
+    the rule refused. Its shrunk run reads rows of one document, said."""
+    from hpnlp.config import checks
+    cd = _structured_mlp_run()
+    cd.data.batching = "pack"
+    cd.attention.update(name="local", options={"block_size": 8})
+    summary = _shrink_a_run_saved_before_the_rules(cd, tmp_path, monkeypatch)
+    assert summary["config_rewritten"] == {"data.batching": ["pack", "pad"]}
+    from hpnlp.train.checkpoint import load_run_config
+    small = load_run_config(str(tmp_path / "small"))
+    assert (small.data.batching, small.attention.name) == ("pad", "local")
+    checks.check_new_run(small)
 
 
 def test_a_saved_bi_encoder_whose_mining_no_step_runs_shrinks_with_mining_off(tmp_path,

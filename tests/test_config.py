@@ -353,6 +353,8 @@ def test_task_fields_are_filled_in():
     ({"train": {"distill": {"hidden": 1.0}}}, "train.distill.hidden", "set train.distill.teacher"),
     ({"data": {"bucket_boundaries": (32, 64)}}, "data.bucket_boundaries",
      "data.batching='pad' does not bucket"),
+    ({"data": {"batching": "bucket", "bucket_boundaries": (0, 64)}}, "data.bucket_boundaries",
+     "or '--config.data.bucket_boundaries=()' for the default"),
     # the default a shell takes, quoted (a review, session 115: a bash syntax error)
     ({"data": {"bucket_boundaries": (32, 64)}}, "data.bucket_boundaries",
      "or leave it at its default ('--config.data.bucket_boundaries=()')"),

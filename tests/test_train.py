@@ -1668,8 +1668,12 @@ def test_a_run_with_a_checkpoint_needs_neither_its_source_nor_its_teachers_folde
             assert (work / distill.TEACHER_CONFIG).read_bytes() == \
                 (source / "config.json").read_bytes()
             # through a file of its own, not one named by its pid, which another host's
-            # process may share (a review, session 115), none left behind
+            # process may share (a review, session 115), none left behind, and readable as a
+            # copy is under the umask (mkstemp's 0600 was not)
             assert not [f for f in os.listdir(work) if f.endswith(".tmp")]
+            from hpnlp import kernels
+            assert os.stat(work / distill.TEACHER_CONFIG).st_mode & 0o777 == \
+                kernels.readable_mode(0o644)
         shutil.move(source, tmp_path / "moved")
         with pytest.raises(NoCheckpoint, match="no config.json"):  # a run not yet saved
             Trainer(from_configdict(cd), str(work), read_only=True)

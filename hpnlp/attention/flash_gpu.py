@@ -140,7 +140,7 @@ def tuned_key(dtype, head_dim: int) -> str:
 
 
 def _device_kind() -> str:
-    return jax.devices()[0].device_kind
+    return jax.local_devices()[0].device_kind  # this process's, as `compute_capability`
 
 
 def default_blocks(dtype, head_dim: int) -> dict:

@@ -281,7 +281,7 @@ REUSED: list[str] = []  # runs `_train` found finished (by an earlier bench run,
 # run's side-by-side processes: `reused_since`)
 
 
-def _summary_mtime(run: str) -> float | None:
+def _summary_mtime(run: str) -> int | None:
     try:
         return os.stat(os.path.join(run, "summary.json")).st_mtime_ns
     except OSError:

@@ -551,8 +551,8 @@ class TeacherCarry(Carry):
             if not a.supports_segments or a.block_aligned(tcfg.attention.options):
                 raise config_error("data.batching", "pack", f"the teacher's attention "
                                    f"{tcfg.attention.name!r} cannot read packed rows as its "
-                                   "documents alone (it trained on rows of one document), "
-                                   "and it would read this run's; use data.batching='pad'")
+                                   "documents alone, and it would read this run's; use "
+                                   "data.batching='pad'")
         members = run_members(self.workdir)
         # found in review: restored into one model's shapes, deep in Orbax; a 1-member
         # ensemble too (review, session 105: the Trainer's mismatch, naming no field)

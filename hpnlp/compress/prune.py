@@ -1065,9 +1065,17 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
             if enc.mine_depth != depth:
                 rewritten["model.encoder.mine_depth"] = (enc.mine_depth, depth, "mining alone "
                                                          "reads it")
+        from hpnlp import attention
+        if cfg2.data.batching == "pack" and cfg2.model.arch == "transformer" and attention.get(
+                cfg2.attention.name).block_aligned(cfg2.attention.options):  # (a review of
+            # session 115's rule: a run saved so is read, and its new shrunk run refused)
+            rewritten["data.batching"] = ("pack", "pad", f"attention {cfg2.attention.name!r} "
+                                          "places its blocks from each row's first column")
         cfg2 = dataclasses.replace(cfg2, train=dataclasses.replace(
             t2, **{k[len("train."):]: v for k, (_, v, _) in rewritten.items()
                    if k.startswith("train.")}))
+        if "data.batching" in rewritten:
+            cfg2 = dataclasses.replace(cfg2, data=dataclasses.replace(cfg2.data, batching="pad"))
         if "model.encoder.mine_every" in rewritten:
             cfg2 = dataclasses.replace(cfg2, model=dataclasses.replace(
                 cfg2.model, encoder=dataclasses.replace(enc, mine_every=0, mine_depth=depth)))

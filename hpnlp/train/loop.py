@@ -804,7 +804,8 @@ class Trainer:
     def evaluate(self, state, *, batches: int | None = None) -> dict:
         """The held-out metrics of `state` over the first `batches` eval batches (None:
         train.eval_batches), with the model's whole-split metrics where it has them."""
-        out = finalize(self.eval_sums(state, batches=batches), lm=self.lm)
+        out = finalize(self.eval_sums(state) if batches is None else
+                       self.eval_sums(state, batches=batches), lm=self.lm)
         # A model may measure the whole eval split at once (the bi-encoder: each held-out
         # query searched against the whole held-out pool), beside the batch sums.
         split_metrics = getattr(type(self.eval_model), "split_metrics", None)
