@@ -1035,7 +1035,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     carry = next(c for c in pruned.carries if isinstance(c, PruneCarry))
     from hpnlp.train.carry import model_params
     from hpnlp.config import ConfigError, validate
-    from hpnlp.config.checks import check_new_run, check_training, of_saved_data, without_unread
+    from hpnlp.config.checks import (check_new_run, check_training, of_saved_data,
+                                     packs_block_aligned, without_unread)
     try:
         cfg2, params2 = shrink(pruned.cfg, model_params(jax.device_get(state.params)),
                                jax.device_get(state.carry["prune"]["groups"]), carry.layout)
@@ -1065,10 +1066,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
             if enc.mine_depth != depth:
                 rewritten["model.encoder.mine_depth"] = (enc.mine_depth, depth, "mining alone "
                                                          "reads it")
-        from hpnlp import attention
-        if cfg2.data.batching == "pack" and cfg2.model.arch == "transformer" and attention.get(
-                cfg2.attention.name).block_aligned(cfg2.attention.options):  # (a review of
-            # session 115's rule: a run saved so is read, and its new shrunk run refused)
+        if packs_block_aligned(cfg2):  # (a review of session 115's rule: a run saved so is
+            # read, and its new shrunk run refused)
             rewritten["data.batching"] = ("pack", "pad", f"attention {cfg2.attention.name!r} "
                                           "places its blocks from each row's first column")
         cfg2 = dataclasses.replace(cfg2, train=dataclasses.replace(

@@ -579,8 +579,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     # included) and kept in quant.json (`load_features_key`): before session 113 such runs
     # were refused, their files keeping no draw (found in review: evaluated and decoded
     # with another one)
-    rng, at = jax.device_get((state.rng, state.step))
-    key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
+    key = state.host_features_key(cfg.train.feature_redraw_every)
     from hpnlp.retrieval.knnlm import reads_features
     rngs = {"features": key} if reads_features(cfg) else None
     quant_vars = {}

@@ -280,8 +280,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
     # was evaluated under the seed's draw, and its loss against the masked one's was off)
     from hpnlp.compress.ptq import FEATURES, key_json
     from hpnlp.retrieval.knnlm import reads_features
-    rng, at = jax.device_get((state.rng, state.step))
-    key = state.replace(rng=rng, step=at).features_key(cfg.train.feature_redraw_every)
+    key = state.host_features_key(cfg.train.feature_redraw_every)
     rngs = {"features": key} if reads_features(cfg) else None
 
     # the sums with what the layers sow folded in, as the masked eval's (a review: an MoE

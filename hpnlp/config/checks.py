@@ -835,6 +835,14 @@ def of_saved_data():
         _SAVED_DATA.reset(token)
 
 
+def packs_block_aligned(cfg: Config) -> bool:
+    """Whether `cfg` packs documents into rows (data.batching='pack') under Transformer
+    attention whose blocks start at each row's first column (`Attention.block_aligned`)."""
+    from hpnlp import attention
+    return (cfg.data.batching == "pack" and cfg.model.arch == "transformer"
+            and attention.get(cfg.attention.name).block_aligned(cfg.attention.options))
+
+
 def check_new_run(cfg: Config) -> None:
     """What a run that has saved no checkpoint is refused, though `validate` takes it in a
     saved config.json (a run trained before the rule is still read and resumed): early
@@ -876,9 +884,7 @@ def check_new_run(cfg: Config) -> None:
         _fail("data.seed", d.seed, f"draws the generated ListOps expressions of data.seed="
               f"{-d.seed} (Python's Random seeds with an int's absolute value); give "
               f"data.seed={-d.seed}, or another seed >= 0")
-    from hpnlp import attention
-    if cfg.data.batching == "pack" and cfg.model.arch == "transformer" and attention.get(
-            cfg.attention.name).block_aligned(cfg.attention.options):
+    if packs_block_aligned(cfg):
         # a review (session 115): taken; a run saved so is still read and resumed
         _fail("data.batching", "pack",
               f"attention {cfg.attention.name!r} places its blocks from each row's first column, "

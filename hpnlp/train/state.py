@@ -46,6 +46,12 @@ class TrainState:
         train.steps was a multiple of train.feature_redraw_every scored an untrained draw)."""
         return self._draw_key(jnp.maximum(self.step, 1) - 1, redraw_every)
 
+    def host_features_key(self, redraw_every: int) -> jax.Array:
+        """`features_key` from the host's copy of the replicated rng and step, so a pass
+        outside the run's mesh (a tool's evaluation, a compressed model's) can read it."""
+        rng, step = jax.device_get((self.rng, self.step))
+        return self.replace(rng=rng, step=step).features_key(redraw_every)
+
     def train_features_key(self, redraw_every: int) -> jax.Array:
         """Key of the draw the next train step (from `step` to `step + 1`) trains with, draw
         `step // redraw_every`: after that step, `features_key` is this one."""
