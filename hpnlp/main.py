@@ -2,7 +2,7 @@
 
     python -m hpnlp.main --config experiments/lm.py --workdir /tmp/hpnlp/lm
     python -m hpnlp.main --config experiments/lra.py:listops --workdir /tmp/hpnlp/listops \\
-        --config.train.steps=200 --config.train.batch_size=16
+        --config.train.steps=500 --config.train.batch_size=16
 
 Per-variant options that the config file does not list can still be set from the command
 line: `--config.attention.options.block_q=64` (values parsed as Python literals; unknown

@@ -2655,3 +2655,24 @@ def test_quant_quality_reuses_its_runs_as_the_compress_bench_does(tmp_path, monk
     assert len(floats) == 2 and all(init in floats for _, init in calls if init)
     assert len(calls) == 2 * (1 + len(quant.QAT)) and len(rows) == 2 * (
         1 + len(quant.PTQ) + len(quant.QAT))
+
+
+def test_a_distill_recipes_run_of_another_model_into_a_recorded_report_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """A README walk (session 116): the byte LM's distill_recipes command without its
+    `--model 'byte LM'` replaced the recorded byte LM report with the text classifier's.
+    Refused as --quick is; the report's own model runs."""
+    from hpnlp.bench import distill_recipes
+    from hpnlp.bench.__main__ import main as bench_main
+    ran = []
+    monkeypatch.setattr(distill_recipes, "main", lambda args: ran.append(args.model))
+    (tmp_path / "results.md").write_text("# hpnlp benchmark: distill_recipes\n\n...")
+    (tmp_path / "results.json").write_text(json.dumps({"quick": False, "model": "byte LM"}))
+    with pytest.raises(SystemExit) as e:
+        bench_main(["distill_recipes", "--out", str(tmp_path)])
+    assert e.value.code == 2 and ran == []
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"--out {tmp_path} holds a full run's report of the distill_recipes bench, which this "
+        "--model 'text classifier' run would replace; give another --out")
+    bench_main(["distill_recipes", "--model", "byte LM", "--out", str(tmp_path)])
+    assert ran == ["byte LM"]

@@ -1074,3 +1074,33 @@ def test_each_experts_weights_start_at_the_dense_mlps_fan_in():
                      is_leaf=lambda a: hasattr(a, "unbox"))
     np.testing.assert_allclose(float(jnp.std(p["wi"])), 64 ** -0.5, rtol=0.05)
     np.testing.assert_allclose(float(jnp.std(p["wo"])), 256 ** -0.5, rtol=0.05)
+
+
+def test_capacity_is_the_ceiling_of_the_factor_as_written():
+    """A review (session 116): 1.1 * 720 * 1 / 8 in floats is 99 + 2^-46, so ceil gave each
+    expert 100 slots, one more than the documented ceil(factor * S * k / X)."""
+    assert routing.capacity(720, experts=8, top_k=1, factor=1.1) == 99
+    assert routing.capacity(1440, experts=8, top_k=1, factor=1.1) == 198
+    assert routing.capacity(50, experts=5, top_k=1, factor=1.1) == 11
+    assert routing.capacity(64, experts=8, top_k=2, factor=1.25) == 20  # exact: unchanged
+    assert routing.capacity(7, experts=8, top_k=1, factor=1.0) == 1  # at least 1
+    assert routing.capacity(4, experts=2, top_k=2, factor=2.0) == 4  # at most the tokens
+
+
+@pytest.mark.slow  # a Trainer and its checkpoint: 13 s alone on the Xeon model 207
+def test_knnlm_reads_a_language_model_in_the_runs_routing_groups(tmp_path):
+    """A review (session 116): `knnlm.load_trained` pinned the run's MoE routing groups
+    (model.moe.groups=0 follows the devices) for a bi-encoder only; a language model ran in
+    one group outside a mesh, so capacity dropped other tokens than the run's own
+    evaluation, and the datastore's keys and perplexities were another function's."""
+    from hpnlp.retrieval import knnlm
+    from hpnlp.train import Trainer
+    cd = _tiny_moe(eval_capacity_factor=0.5)
+    workdir = str(tmp_path / "lm")
+    tr = Trainer(from_configdict(cd), workdir)
+    state, _ = tr.initial_state()
+    # saved as a run of 2 data-parallel shards saves its routing groups (`Trainer.run`)
+    tr.checkpointer.save(0, state, tr.train_iter.get_state(), {"routing_groups": 2})
+    tr.checkpointer.close()
+    model = knnlm.load_trained(workdir, "lm", "train one")[1]
+    assert model.cfg.model.moe.groups == 2

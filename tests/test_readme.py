@@ -1,7 +1,10 @@
 """README numbers are copied from benchmark outputs by tools/sync_readme.py, never typed."""
 
+import glob
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -178,3 +181,85 @@ def test_the_default_experiments_table_reads_its_committed_run():
     assert rows["perplexity"] == f"{s['eval']['ppl']:.2f}"
     assert rows["next-byte accuracy"] == f"{s['eval']['accuracy']:.3f}"
     assert "docs/benchmarks/default_lm" in head
+
+
+def _documented_training_commands():
+    """(where, argv) of every `python -m hpnlp.main` command the README, docs, experiment
+    files, notebooks and module docstrings show in code (a fenced block, an indented
+    docstring line, a notebook cell), with its continuation lines joined."""
+    texts = []
+    for path in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs/*.md"))]:
+        with open(path, encoding="utf-8") as f:
+            blocks = re.findall(r"^```[a-z]*\n(.*?)^```", f.read(), re.S | re.M)
+        texts += [(os.path.relpath(path, ROOT), b) for b in blocks]
+    for path in sorted(glob.glob(os.path.join(ROOT, "experiments/*.py")) +
+                       glob.glob(os.path.join(ROOT, "hpnlp/**/*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            texts.append((os.path.relpath(path, ROOT), f.read().replace("\\\\\n", "\\\n")))
+    for path in glob.glob(os.path.join(ROOT, "colabs/*.ipynb")):
+        with open(path, encoding="utf-8") as f:
+            cells = json.load(f)["cells"]
+        texts += [(os.path.relpath(path, ROOT), "".join(c["source"])) for c in cells]
+    found = []
+    for where, text in texts:
+        text = text.replace("\\\n", " ")
+        for m in re.finditer(r"(?<![`\w])python -m hpnlp\.main (.*)", text):
+            words = []
+            try:
+                tokens = shlex.split(m.group(1), comments=True)
+            except ValueError:
+                continue
+            for tok in tokens:
+                if tok in ("&&", "|", ";", "||") or tok.endswith(("`", '"', ")")):
+                    break
+                words.append(tok)
+            found.append((where, words))
+    return found
+
+
+def test_every_documented_training_command_passes_the_new_run_checks():
+    """A README walk (session 116): the one example in `python -m hpnlp.main --help` set
+    train.steps=200 on a preset with warmup_steps=200, refused by `validate`. Every
+    `python -m hpnlp.main` command shown in code in the README, docs, experiment files,
+    notebooks and module docstrings is parsed as hpnlp.main parses it (the config file and
+    its --config overrides) and passes `validate` and `check_new_run`; only a refusal that a
+    path an earlier command writes does not exist yet is taken."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from hpnlp import main as hmain
+    from hpnlp.config import from_configdict, validate
+    from hpnlp.config.checks import check_new_run
+
+    commands = _documented_training_commands()
+    assert len(commands) > 40, commands
+    refused = []
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        for where, argv in commands:
+            hmain._option_overrides.clear()
+            args, keep = iter(hmain._take_option_overrides(argv)), []
+            for a in args:
+                if a == "--config" or a.startswith("--config.") and "=" not in a:
+                    keep += [a, next(args)]
+                elif a.startswith("--config"):
+                    keep.append(a)
+                else:
+                    assert a in ("--workdir", "--coordinator", "--num_processes",
+                                 "--process_id", "--profile", "--init_timeout"), (where, a)
+                    next(args)
+            fv = flags.FlagValues()
+            config_flags.DEFINE_config_file("config", None, "", flag_values=fv,
+                                            lock_config=True, sys_argv=["prog", *keep])
+            try:
+                fv(["prog", *keep])
+                hmain.apply_option_overrides(fv.config)
+                check_new_run(validate(from_configdict(fv.config)))
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (each said below)
+                if not re.search(r"\S+ does not exist; write the folder with", str(e)):
+                    refused.append(f"{where}: {' '.join(argv)}\n    {e}")
+    finally:
+        hmain._option_overrides.clear()
+        os.chdir(cwd)
+    assert not refused, "\n".join(refused)

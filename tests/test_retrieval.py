@@ -538,6 +538,25 @@ def test_save_load_round_trip(name, tmp_path):
     np.testing.assert_allclose(s2, s, rtol=1e-6)
 
 
+def test_a_save_that_is_refused_keeps_the_index_saved_there_and_numpy_options_save(tmp_path):
+    """A review (session 116): `save` removed the header of an index already in the folder
+    before IVF trained its cells, which `lists` past the vectors refuses: the old index no
+    longer loaded. And a numpy integer option, taken by the checks, failed json in `save`
+    (after the old header was gone)."""
+    x, q = _floats(n=200)
+    folder = str(tmp_path / "ix")
+    _with(retrieval.make("ivf", 16, lists=4), x).save(folder)
+    want = retrieval.load(folder, dim=16).search(q, 3)[1]
+    with pytest.raises(RetrievalError, match="lists=100"):
+        _with(retrieval.make("ivf", 16, lists=100), x[:50]).save(folder)
+    np.testing.assert_array_equal(retrieval.load(folder, dim=16).search(q, 3)[1], want)
+    index = _with(retrieval.make("ivf", 16, lists=np.int64(4), nprobe=np.int32(2)), x)
+    index.save(folder)
+    back = retrieval.load(folder, dim=16)
+    assert back.options["lists"] == 4 and type(back.options["nprobe"]) is int
+    np.testing.assert_array_equal(back.search(q, 3)[1], index.search(q, 3)[1])
+
+
 @pytest.mark.parametrize("name", ["faiss_flat", "faiss_ivf", "faiss_hnsw", "scann"])
 def test_empty_adapter_save_load_round_trip(name, tmp_path):
     # found by the crash hunt: an empty faiss_ivf saved but failed to load

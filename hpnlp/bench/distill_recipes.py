@@ -428,6 +428,15 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None, model: str = M
     return payload
 
 
+def less_than(args, held: dict) -> list[str]:
+    """--model where the report `held` in --out is another model's (a README walk, session
+    116: the byte LM's command without its --model replaced the recorded byte LM report with
+    the text classifier's; `python -m hpnlp.bench` refuses it, as it does --quick)."""
+    if held.get("model", MODEL) != args.model:
+        return [f"--model {args.model!r}"]
+    return []
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="keep the runs' workdirs here (reused)")
     p.add_argument("--model", default=MODEL, choices=sorted(compress.MODELS),

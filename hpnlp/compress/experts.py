@@ -1,9 +1,10 @@
 """A trained run into a mixture of experts of another size, by `train.init_from`: fewer
 experts (expert pruning) or a dense run's MLPs copied into experts (sparse upcycling).
 
-    # keep the 4 most-routed of each MoE layer's 8 experts, then fine-tune
+    # keep the 4 most-routed of each MoE layer's 8 experts (the README's /tmp/hpnlp/lm_moe:
+    # python -m hpnlp.main --config experiments/lm.py:bytes,moe), then fine-tune
     python -m hpnlp.main --config experiments/lm.py:bytes,moe --workdir /tmp/hpnlp/moe4 \\
-        --config.model.moe.num_experts=4 --config.train.init_from=/tmp/hpnlp/moe8 \\
+        --config.model.moe.num_experts=4 --config.train.init_from=/tmp/hpnlp/lm_moe \\
         --config.train.steps=200 --config.train.warmup_steps=20
     # every expert a copy of the dense run's MLP (sparse upcycling)
     python -m hpnlp.main --config experiments/lm.py:bytes,moe --workdir /tmp/hpnlp/up8 \\

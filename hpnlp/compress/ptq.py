@@ -1,6 +1,6 @@
 """Post-training quantization of a trained run: calibrate, pack, evaluate, reload, report.
 
-    python -m hpnlp.compress quantize --workdir /tmp/hpnlp/lm --out /tmp/hpnlp/lm_w8a8 \\
+    python -m hpnlp.compress quantize --workdir /tmp/hpnlp/lm_bytes --out /tmp/hpnlp/lm_w8a8 \\
         --weights int8 --activations int8 --act_scale static --calibration percentile
 
 1. The run's config (`WORKDIR/config.json`) and newest checkpoint are restored, and the

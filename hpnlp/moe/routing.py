@@ -12,6 +12,7 @@ Padding tokens (`valid` False) are chosen by no router and enter no statistic.
 
 from __future__ import annotations
 
+import fractions
 import math
 from typing import NamedTuple
 
@@ -38,8 +39,10 @@ class Slots(NamedTuple):
 
 def capacity(tokens: int, *, experts: int, top_k: int, factor: float) -> int:
     """C = ceil(factor * tokens * top_k / experts) slots per expert, at least 1 and at most
-    `tokens` (an expert never holds a token twice)."""
-    return max(1, min(tokens, math.ceil(factor * tokens * top_k / experts)))
+    `tokens` (an expert never holds a token twice). Exact in the factor as written (a review,
+    session 116: 1.1 * 720 / 8 in floats is 99 + 2^-46, which ceil made 100)."""
+    exact = fractions.Fraction(repr(float(factor))) * tokens * top_k / experts
+    return max(1, min(tokens, math.ceil(exact)))
 
 
 def switch(probs_GSX, *, top_k: int) -> Choices:

@@ -80,6 +80,7 @@ def check_at_least(index, at_least: dict) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
             raise RetrievalError(f"{index.registry_name} index: {name}={v!r}; give an integer "
                                  f">= {least}")
+        index.options[name] = int(v)  # a numpy integer, stored as one, failed save's json
 
 
 class Index(abc.ABC):
@@ -206,6 +207,10 @@ class Index(abc.ABC):
     def save(self, folder: str) -> str:
         """Write the index to `folder` (created); returns the folder."""
         os.makedirs(folder, exist_ok=True)
+        # what can still fail, before an index already saved there loses its header (a
+        # review, session 116: IVF's cells trained, and refused, only in `_save_files`)
+        self._ready_to_save()
+        json.dumps(self.header())
         if os.path.exists(os.path.join(folder, HEADER)):  # a bug hunt: a save cut off over an
             os.remove(os.path.join(folder, HEADER))  # index loaded its old header, new vectors
         self._save_files(folder)
@@ -223,6 +228,10 @@ class Index(abc.ABC):
         """The saved `options` of an index loaded from `folder`, adjusted to this machine
         where one is a layout rather than data (the exact index's `shards`)."""
         return options
+
+    def _ready_to_save(self) -> None:
+        """Build what `_save_files` writes where that can fail (cells trained, a searcher
+        built): `save` calls it before it removes the header of an index already there."""
 
     @abc.abstractmethod
     def _save_files(self, folder: str) -> None: ...

@@ -268,13 +268,16 @@ class ScaNN(HostIndex):
                                                    pre_reorder_num_neighbors=max(o["reorder"], k))
         return _ties_by_id(-scores if o.get("metric") == "l2" else scores, ids)
 
+    def _ready_to_save(self) -> None:
+        if self.count and self.searcher is None:
+            self._build()
+
     def _save_files(self, folder):
         """The vectors (so that a reloaded index can take more) and the built searcher
         (none while empty: ScaNN cannot build one from no vectors)."""
         if not self.count:
             return super()._save_files(folder)
-        if self.searcher is None:
-            self._build()
+        self._ready_to_save()
         super()._save_files(folder)
         path = os.path.join(folder, "scann")
         os.makedirs(path, exist_ok=True)

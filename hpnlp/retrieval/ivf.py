@@ -466,9 +466,12 @@ class IVFIndex(HostIndex):
         s, i = np.asarray(s)[:nq], np.asarray(i)[:nq]
         return (s - sq_Q1 if self._l2() else s), i
 
-    def _arrays(self):
+    def _ready_to_save(self) -> None:
         if self.centroids is None and self.count:
             self.train()
+
+    def _arrays(self):
+        self._ready_to_save()
         if self.centroids is None:  # empty: saved and reloaded as the others (a bug hunt:
             return super()._arrays()  # "no vectors to train the cells on")
         return {**super()._arrays(), "centroids": self.centroids, "cell": self._cell}

@@ -531,9 +531,10 @@ def load_trained(workdir: str, kind: str, hint: str):
         raise RetrievalError(f"{workdir}: no checkpoint to read; train it first ({hint})")
     state, _ = trainer.initial_state()
     trainer.checkpointer.close()
-    # a bi-encoder's pool routed in the MoE groups the run's own evaluation measured it in
-    # (`Trainer.split_model`; a review, session 107: routed as one group, other drops)
-    model = trainer.split_model(state.step) if kind == "bi_encoder" else trainer.eval_model
+    # routed in the MoE groups the run's own evaluation measured it in (`Trainer.split_model`;
+    # a review, session 107: a bi-encoder's pool routed as one group, other drops; session
+    # 116: so did the kNN-LM's language model, its keys and perplexities another function's)
+    model = trainer.split_model(state.step)
     return (cfg, model, jax.device_get(model_params(state.params)), trainer.task,
             step, state.features_key(cfg.train.feature_redraw_every))
 

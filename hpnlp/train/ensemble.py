@@ -38,8 +38,7 @@ walks token chunks as its plain evaluation does (`make_ensemble_eval_step`), so 
     python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
         --workdir /tmp/hpnlp/ens --members 3            # train a 3-seed ensemble
     python -m hpnlp.train.ensemble --config experiments/lm.py:bytes,local \\
-        --workdir /tmp/hpnlp/lm_smoke --from_checkpoints 2 \\
-        --config.train.keep_checkpoints=2               # combine an existing plain run
+        --workdir /tmp/hpnlp/lm_smoke --from_checkpoints 2   # combine an existing plain run
 
 Both print a table and write `ensemble.json` in the workdir.
 
