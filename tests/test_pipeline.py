@@ -295,6 +295,10 @@ def test_pipeline_config_errors():
     cd.attention.name = "ring"
     cd.mesh.update(pipeline=2, sequence=2, data=2)
     _check(cd, "mesh.pipeline", r"set mesh.sequence=1 or mesh.pipeline=1")
+    cd = tiny()  # a review (session 116): the bubble ticks' k-means gradients were added
+    cd.attention.name = "clustered"
+    cd.mesh.update(pipeline=2, data=4)
+    _check(cd, "mesh.pipeline", r"cannot yet run clustered attention")
     cd = tiny(arch="lstm")
     _check(cd, "model.stack_layers", r"model.arch='lstm'", num_devices=1)
     cd = tiny(arch="lstm", stack_layers=False)
@@ -441,6 +445,74 @@ def test_a_stacked_teacher_whose_depth_the_pipeline_does_not_split_is_refused_at
                      r"whose model\.depth 4 divides \(or one of model\.stack_layers=False\), or "
                      r"set mesh\.pipeline to one that divides both 4 and 6$", message), message
     assert not written  # refused before config.json
+
+
+# 8 simulated devices: each teacher of argv[1] (name -> [attention, mesh]) saved at its init,
+# then each student of argv[2] (name -> [teacher, mesh, attention]) built or refused (before
+# its config.json); argv[3]: the folder, argv[4]: the config both start from.
+_TEACHERS = r"""
+import json, os, sys
+from hpnlp.config import ConfigError, from_configdict
+from hpnlp.train import Trainer
+
+teachers, students, work = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+cd = json.loads(sys.argv[4])
+for name, (attention, mesh) in teachers.items():
+    tr = Trainer(from_configdict(dict(cd, attention=attention, mesh=dict(cd["mesh"], **mesh))),
+                 os.path.join(work, name))
+    state, _ = tr.initial_state()
+    tr.checkpointer.save(0, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.close()
+said = {}
+for name, (teacher, mesh, attention) in students.items():
+    distill = dict(cd["train"]["distill"], teacher=os.path.join(work, teacher))
+    student = dict(cd, mesh=dict(cd["mesh"], **mesh), attention=attention,
+                   train=dict(cd["train"], distill=distill))
+    try:
+        Trainer(from_configdict(student), os.path.join(work, name))
+        said[name] = "BUILT"
+    except ConfigError as e:
+        said[name] = [str(e), os.path.exists(os.path.join(work, name, "config.json"))]
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.slow  # two teachers saved and four students built on 8 simulated devices
+def test_a_teacher_that_would_compute_otherwise_in_the_students_layout_is_refused(tmp_path):
+    """A review (session 116): a teacher's stacked blocks run in the student's step, under
+    its mesh. A Performer teacher (features redrawn) trained in one stage gave a pipelined
+    student soft targets of other random features per layer (pipeline stages key them
+    otherwise), without a word; a ring teacher whose block does not divide each device's
+    share of the student's lengths failed at the first trace, naming attention.options.block,
+    the student's own and fine. Both are refused at the build, naming
+    train.distill.teacher; a student in a layout the teacher computes alike builds."""
+    cd = tiny()
+    cd.data.batching = "pad"  # (a Performer cannot separate packed documents)
+    dense, ring = {"name": "dense", "options": {}}, {"name": "ring", "options": {}}
+    teachers = {"performer": ({"name": "performer", "options": {}}, {"data": 8}),
+                "ring": ({"name": "ring", "options": {"block": 8}}, {"sequence": 2, "data": 4})}
+    students = {"performer_pipelined": ("performer", {"pipeline": 2, "data": 4}, dense),
+                "performer_one_stage": ("performer", {"data": 8}, dense),
+                "ring_sequence_4": ("ring", {"sequence": 4, "data": 2}, ring),
+                "ring_sequence_2": ("ring", {"sequence": 2, "data": 4}, ring)}
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TEACHERS, json.dumps(teachers),
+                           json.dumps(students), str(tmp_path), json.dumps(cd.to_dict())],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.splitlines()[-1])
+    assert said["performer_one_stage"] == said["ring_sequence_2"] == "BUILT", said
+    for name, want in (("performer_pipelined", r"the teacher's attention.name='performer' "
+                        r"draws random features per layer, which it drew in mesh.pipeline=1 "
+                        r"and this run's 2 stages would draw otherwise; set mesh.pipeline=1"),
+                       ("ring_sequence_4", r"the teacher's ring attention "
+                        r"\(attention.options.block=8\) runs over this run's mesh.sequence=4 "
+                        r"devices, whose shares of the lengths \[16\] \(4 positions\) it does "
+                        r"not divide")):
+        message, written = said[name]
+        assert "`train.distill.teacher`" in message and re.search(want, message), message
+        assert not written, name  # refused before config.json
 
 
 def test_the_pool_is_evaluated_in_the_runs_pipeline_outside_its_loop():

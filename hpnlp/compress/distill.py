@@ -498,6 +498,7 @@ class TeacherCarry(Carry):
             for note in notes:
                 print(f"hpnlp: train.distill.teacher={self.workdir}: {note}", file=sys.stderr,
                       flush=True)
+        trained_stages = tcfg.mesh.pipeline  # (-1: every device there)
         self.teacher_cfg = tcfg = validate(dataclasses.replace(tcfg, mesh=MeshConfig()),
                                            num_devices=1)
         for field, mine, theirs in (("data.task", cfg.data.task, tcfg.data.task),
@@ -594,6 +595,21 @@ class TeacherCarry(Carry):
                                f"distill from a teacher whose model.depth {stages} divides (or "
                                "one of model.stack_layers=False), or set mesh.pipeline to one "
                                f"that divides both {sm.depth} and {tm.depth}")
+        from hpnlp.attention import draws_features
+        if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options) \
+                and (stages > 1) != (trained_stages != 1):
+            # a review (session 116): pipeline stages key the `features` stream per layer
+            # otherwise than one stage does (parallel/pipeline.py), so the teacher's soft
+            # targets came from other projections or rotations than it trained with
+            raise config_error("train.distill.teacher", self.workdir, f"the teacher's "
+                               f"attention.name={tcfg.attention.name!r} draws random features "
+                               f"per layer, which it drew in mesh.pipeline={trained_stages} and "
+                               f"this run's {stages} stage{'s' * (stages > 1)} would draw "
+                               "otherwise; set mesh.pipeline" + (" > 1" if stages == 1 else
+                                                                 "=1") + " as the teacher "
+                               "trained, or distill from a teacher of attention.options."
+                               "redraw=False")
+        self._check_ring_teacher(cfg, tcfg)
         if self.d.attention:
             from hpnlp import attention as attention_lib
             if not attention_lib.get(tcfg.attention.name).returns_probabilities:
@@ -691,6 +707,31 @@ class TeacherCarry(Carry):
         # student that computes the teacher was large and pushed it to undo the rotation)
         self.projects = bool(self.d.hidden) and (sm.width != tm.width or (
             self.d.init == "pca" and not self._saved_unprojected(workdir)))
+
+    def _check_ring_teacher(self, cfg: Config, tcfg: Config) -> None:
+        """A ring-attention teacher runs its ring over this run's mesh and batches, so its
+        `block` must divide each device's share of this run's lengths (a review, session
+        116: a teacher of block=64 under this run's mesh.sequence=4 at seq_len=128 failed at
+        the first trace, naming attention.options.block, which is this run's and fine)."""
+        if tcfg.attention.name != "ring":
+            return
+        from hpnlp.train.loop import reader_device_count
+        axis = tcfg.attention.options.get("axis", "sequence")
+        n = cfg.mesh.axis_sizes(reader_device_count(cfg)).get(axis, 1)
+        block = tcfg.attention.options.get("block")
+        if n <= 1 or not isinstance(block, int):
+            return
+        from hpnlp.data.batching import bucket_boundaries
+        widths = bucket_boundaries(cfg.data) if cfg.data.batching == "bucket" else [
+            cfg.data.seq_len]
+        odd = [w for w in widths if (w // n) % block]
+        if odd:
+            raise config_error("train.distill.teacher", self.workdir, f"the teacher's ring "
+                               f"attention (attention.options.block={block}) runs over this "
+                               f"run's mesh.{axis}={n} devices, whose shares of the lengths "
+                               f"{odd} ({', '.join(str(w // n) for w in odd)} positions) it "
+                               f"does not divide; set mesh.{axis} so that each share is a "
+                               f"multiple of {block}, or distill from a teacher of another block")
 
     def _check_moe_blocks_map(self, sm, tm) -> None:
         """Every student block starts as its teacher block (`init_map`): an MoE block must

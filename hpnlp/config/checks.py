@@ -1523,6 +1523,13 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if sizes["sequence"] > 1:  # ring attention's shard_map does not nest in the stages' yet
             _fail("mesh.pipeline", stages, f"pipeline stages cannot yet run ring attention over "
                   f"mesh.sequence={sizes['sequence']}; set mesh.sequence=1 or mesh.pipeline=1")
+        if cfg.attention.name == "clustered":
+            # a review (session 116): every stage runs its layers at each of the M + P - 1
+            # ticks, and the centroids' k-means gradient (clustered's backward tap) is added
+            # whatever cotangent reaches it, so the bubble ticks' stale rows added theirs
+            _fail("mesh.pipeline", stages, "pipeline stages cannot yet run clustered attention: "
+                  "its centroids' k-means update would count the pipeline's idle ticks too; set "
+                  "mesh.pipeline=1 (with mesh.fsdp or mesh.data for the devices)")
         if mesh.mesh_axes_of("layers") != ("pipeline",):
             _fail("mesh.rules.layers", mesh.rules.get("layers"),
                   "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")
