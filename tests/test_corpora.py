@@ -103,6 +103,12 @@ def test_tokenizer_refuses_bad_ids_and_a_save_that_would_delete_files(tmp_path):
     with pytest.raises(ValueError, match="holds summary.json, which saving the tokenizer would delete"):
         tok.save(str(tmp_path))
     assert (tmp_path / "summary.json").read_text() == "{}"
+    # a review (session 116): a file at the folder's path was told to save to that same path
+    (tmp_path / tokenizers.DIRNAME).write_text("a copied model")
+    with pytest.raises(ValueError, match=r"tokenizer: is a file, which saving the tokenizer "
+                       r"would delete; move or delete that file, or save the tokenizer elsewhere$"):
+        tok.save(str(tmp_path / tokenizers.DIRNAME))
+    (tmp_path / tokenizers.DIRNAME).unlink()
     tok.save(str(tmp_path / tokenizers.DIRNAME))
     tok.save(str(tmp_path / tokenizers.DIRNAME))  # its own folder is replaced
     assert tokenizers.Subword.load(str(tmp_path / tokenizers.DIRNAME)).decode(tok.encode("cat")) == "cat"
@@ -206,6 +212,15 @@ def test_prepare_resumes_after_an_interruption(tmp_path, files, prepared, monkey
     assert prepare.main(args) == 2
     assert "train.txt, which changed since" in capsys.readouterr().err
     os.utime(tmp_path / "train.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # its tokenizer damaged: the fix is a fresh --out (a review, session 116: "delete the
+    # folder to train it again" led to "no such folder")
+    model = tmp_path / "p" / tokenizers.DIRNAME / tokenizers.MODEL_FILE
+    kept = model.read_bytes()
+    model.write_bytes(b"x")
+    assert prepare.main(args) == 2
+    assert (f"the shards kept in {tmp_path}/p were encoded with it: delete {tmp_path}/p to "
+            "prepare afresh, or choose a new --out") in capsys.readouterr().err
+    model.write_bytes(kept)
     assert prepare.main(args) == 0
     a, b = sharded.read_meta(prepared), sharded.read_meta(str(tmp_path / "p"))
     for split in ("train", "eval"):
@@ -457,6 +472,20 @@ def test_prepare_skips_its_own_out_in_the_input_glob_and_refuses_a_file_given_tw
         prepare.main(["--input", str(snow), "--tokenizer", "bpe", "--out", str(tmp_path / "s"),
                       "--quiet"])
     assert "on 99 documents (0.6 MiB:" in capsys.readouterr().err  # 3 bytes a snowman
+    monkeypatch.undo()
+    # a review (session 116): --batch_mb counted characters too, so a batch of snowmen was 3x
+    # the MiB it names; and a file whose name holds [ was read as a glob
+    (tmp_path / "vol[1].txt").write_text("".join("\u2603" * 2000 + "\n\n" for _ in range(600)))
+    (tmp_path / "vol1.txt").write_text("another file\n")
+    batches, make = [], prepare.make_tokenizer
+
+    def counted(*a, **k):
+        encode_many, info, tok = make(*a, **k)
+        return (lambda docs: batches.append(len(docs)) or encode_many(docs)), info, tok
+    monkeypatch.setattr(prepare, "make_tokenizer", counted)
+    assert prepare.main(["--input", str(tmp_path / "vol[1].txt"), "--out",
+                         str(tmp_path / "v"), "--batch_mb", "1", "--quiet"]) == 0
+    assert sum(batches) == 600 and max(batches) == 175, batches  # 6,000 bytes a document
 
 
 def test_prepare_refuses_what_its_tokenizer_sample_finds_before_training_it(
@@ -908,7 +937,7 @@ def test_generate_cli_decodes_a_subword_run_to_text(tmp_path, files, capsys):
     want = capsys.readouterr().out
     assert generate.main(greedy + ["--draft", str(tmp_path), "--draft-tokens", "3"]) == 0
     out, err = capsys.readouterr()
-    assert out == want and "speculative:" in err and " target calls; " in err
+    assert out == want and "speculative:" in err and " target calls after the prompt's; " in err
     assert generate.main(greedy + ["--draft", str(tmp_path), "--draft-tokens", "10"]) == 2
     assert ("error: --length 24 with --draft-tokens 10 writes 33 cache positions, past the "
             "smaller model.max_len=32 of --workdir and --draft; lower --length (to 23 or fewer) "
@@ -1022,3 +1051,23 @@ def test_seeds_do_not_share_epochs_and_an_eval_prefix_samples_every_file(tmp_pat
     assert 0.2 < np.mean(is_letter[:quarter]) < 0.8  # stored order: 1.0
     meta = task.meta["prepared_meta"]["splits"]["eval"]  # still one pass, every target once
     assert sum(map(len, per_batch)) == meta["tokens"] - meta["documents"]
+
+
+def test_a_kept_tokenizer_of_other_text_names_the_field_that_chose_it(tmp_path):
+    """A review (session 116): a run's tokenizer trained on other text than the config's
+    training split was said of data.train_path whatever changed: a run of the shipped corpus
+    resumed under another data.eval_split was told train_path = '' (never set), and one whose
+    file had changed to use the run's own settings. Each names its field and its fix."""
+    folder = str(tmp_path / tokenizers.DIRNAME)
+    tokenizers.train("bpe", 300, ["the cat sat on the mat\nthe dog ate the cat"] * 4).save(folder)
+    other = ["a bird flew over the hill\nthe fox ran"] * 4
+    for cd, want in ((dict(eval_split="validation"), r"^config field `data.eval_split` = "
+                      r"'validation' is not allowed: .* the fields that choose the split "
+                      r"\(data.eval_split, data.eval_path\) differ from the run's; use the "
+                      r"run's own data settings"),
+                     (dict(train_path="t.txt"), r"^config field `data.train_path` = 't.txt' is "
+                      r"not allowed: .* the run's file changed since, or the fields .* restore "
+                      r"the file, or use")):
+        cfg = DataConfig(task="word_lm", tokenizer="bpe", vocab_size=300, **cd)
+        with pytest.raises(ConfigError, match=want):
+            tokenizers.for_run(cfg, other, folder)

@@ -160,10 +160,13 @@ def test_frequencies_checks():
     np.testing.assert_allclose(S.frequencies(None, 4).probs().sum(), 1.0)
 
 
-@pytest.mark.parametrize("lead,chunk", [((3, 10), 4), ((3, 10), 8), ((2, 7), 6), ((20,), 6), ((3, 10), 0)])
+@pytest.mark.parametrize("lead,chunk", [((3, 10), 4), ((3, 10), 8), ((2, 7), 6), ((20,), 6),
+                                        ((3, 10), 0), ((6, 5), 4), ((7, 3), 2), ((8, 3), 5)])
 def test_map_token_chunks_equals_one_call_and_keeps_rows_whole(lead, chunk):
-    """Chunks cut the tokens of every row (batch dim whole), padding is dropped, and the
-    result (and its gradient) equals one call over all tokens."""
+    """Chunks cut the tokens of every row (batch dim whole while `chunk` holds a token of
+    each row, else interleaved groups of rows: a review, session 116, found B tokens a chunk
+    whatever `chunk` said), padding is dropped, and the result (and its gradient) equals one
+    call over all tokens."""
     x = jax.random.normal(jax.random.key(0), lead + (5,))
     t = jnp.arange(np.prod(lead)).reshape(lead) % 5
     fn = lambda h, t: jnp.sum(h * h, -1) + jnp.take_along_axis(h, t[:, None], -1)[:, 0]  # noqa: E731
@@ -174,7 +177,9 @@ def test_map_token_chunks_equals_one_call_and_keeps_rows_whole(lead, chunk):
         return fn(h, t)
     got = S.map_token_chunks(spy, lead, chunk, x, t)
     np.testing.assert_allclose(got, fn(x.reshape(-1, 5), t.reshape(-1)).reshape(lead), rtol=1e-6)
-    if chunk and chunk < np.prod(lead) and len(lead) > 1:
+    if chunk and chunk < np.prod(lead):
+        assert seen[0][0] <= chunk
+    if chunk and chunk < np.prod(lead) and len(lead) > 1 and chunk >= lead[0]:
         assert seen[0][0] % lead[0] == 0  # every chunk holds the same number of tokens of each row
     g = jax.grad(lambda x: jnp.sum(S.map_token_chunks(fn, lead, chunk, x, t)))(x)
     g_ref = jax.grad(lambda x: jnp.sum(fn(x.reshape(-1, 5), t.reshape(-1))))(x)

@@ -506,7 +506,8 @@ def bigbird_random_blocks(n: int, num_blocks: int, *, num_window_blocks: int, nu
                           num_random_blocks: int, seed: int, causal: bool) -> np.ndarray:
     """The random key blocks of query block n: drawn without replacement from the blocks
     that are neither window nor global (causal: only earlier ones), by a generator seeded
-    with (seed, n). Causal draws do not depend on `num_blocks`, so the pattern of a prefix
+    with (seed, n): the same for every head and layer (BigBird's reference draws per head).
+    Causal draws do not depend on `num_blocks`, so the pattern of a prefix
     is the prefix of the pattern (decoding sees what the full pass sees). Non-causal draws
     do: their candidates run to the padded block count, so a real token's output changes
     with the padding after it (bucketing; draws landing on all-padding blocks are lost). Kept

@@ -68,7 +68,10 @@ def expand(pattern: str, flag: str, out: str | None = None) -> list[str]:
         if not part:
             raise PrepareError(f"{flag} {pattern!r} has an empty entry (a stray comma, or an "
                                "empty value); name the files, joined by commas")
-        hits = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+        # a file's own name first, though it holds *?[ (a review, session 116: vol[1].txt
+        # was read as a glob, another file prepared or "matches no file")
+        hits = sorted(glob.glob(part)) if any(c in part for c in "*?[") and \
+            not os.path.isfile(part) else [part]
         # a bug hunt (session 96): the rerun of `--input 'c2/*' --out c2/prep` met its own
         # output folder as an input ("is a folder")
         kept = [h for h in hits if part == h or not mine
@@ -482,7 +485,11 @@ def prepare(args) -> dict:
     tok_dir = os.path.join(out, tokenizers.DIRNAME)
     try:
         if progress and args.tokenizer != "bytes":  # resume with the tokenizer already trained
-            tok = tokenizers.Subword.load(tok_dir)
+            # (a review, session 116: "delete the folder to train it again" led to "no such
+            # folder": the kept shards were encoded with it, so only a fresh --out trains one)
+            tok = tokenizers.Subword.load(tok_dir, fix=f"the shards kept in {out} were encoded "
+                                          f"with it: delete {out} to prepare afresh, or choose "
+                                          "a new --out")
             encode_many, tok_info = tok.encode_many, tok.describe()
         else:
             encode_many, tok_info, tok = make_tokenizer(args, paths, reused)
@@ -587,7 +594,7 @@ def prepare(args) -> dict:
                 since_ckpt += step
                 last = (fi, pos, lineno)
                 pending.append((split, doc))
-                pending_bytes += len(doc)
+                pending_bytes += len(doc.encode("utf-8"))  # --batch_mb's bytes, not characters
                 if pending_bytes >= batch_bytes:
                     flush()
                 if since_ckpt >= shard_bytes:

@@ -173,10 +173,12 @@ class Subword:
             if other is None or other:
                 what = "is a file" if other is None else (
                     f"holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}")
-                beside = directory if other else os.path.dirname(directory) or "."
+                # a file: its own path is the folder asked for (a run's WORKDIR/tokenizer), so
+                # the fix is the file's (a review, session 116: it suggested the same path)
+                fix = (f"save it to a folder of its own (e.g. {os.path.join(directory, DIRNAME)})"
+                       if other else "move or delete that file, or save the tokenizer elsewhere")
                 raise ValueError(f"{directory}: {what}, which saving the tokenizer would delete; "
-                                 f"save it to a folder of its own (e.g. "
-                                 f"{os.path.join(beside, DIRNAME)})")
+                                 f"{fix}")
         parent = os.path.dirname(os.path.abspath(directory))
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
@@ -309,10 +311,18 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
                                 f"{cfg.vocab_size} (data.vocab_size); use the run's own settings, "
                                 "or a new workdir")
         if tok.trained_on != digest:
-            raise _config_error("data.train_path", cfg.train_path,
-                                f"the tokenizer in {directory} was trained on other text than "
-                                "this config's training split; use the run's own data settings, "
-                                "or a new workdir")
+            # a review (session 116): said of data.train_path whatever changed (a run of the
+            # shipped corpus resumed under another data.eval_split named train_path = ''), and
+            # "use the run's own settings" to a run whose file had changed
+            field, value = (("data.train_path", cfg.train_path) if cfg.train_path else
+                            ("data.eval_split", cfg.eval_split))
+            raise _config_error(field, value, f"the tokenizer in {directory} was trained on "
+                                "other text than this config's training split: the run's "
+                                f"{'file changed since, or ' if cfg.train_path else ''}the "
+                                "fields that choose the split (data.eval_split, data.eval_path) "
+                                "differ from the run's; "
+                                f"{'restore the file, or ' if cfg.train_path else ''}use the "
+                                "run's own data settings, or a new workdir")
         return tok, "loaded"
     if directory and not save:  # a bug hunt: a reader of a run (generate) whose tokenizer
         # folder was gone trained another one, and wrote other text from the same ids

@@ -809,7 +809,10 @@ def main(argv=None) -> int:
                                    jax.random.key(args.seed + i))
             print(task.decode(np.asarray(tokens_1L)[0]))
             rounds, kept = int(stats["rounds"]), int(np.sum(stats["accepted"]))
-            print(f"speculative: {length - len(x)} tokens in {rounds} target calls; "
+            # (a review, session 116: the prompt's own call was not counted among them)
+            calls = f"{rounds} target calls after the prompt's" if len(x) > 1 else \
+                f"{rounds} target calls"
+            print(f"speculative: {length - len(x)} tokens in {calls}; "
                   f"{kept} of {rounds * args.draft_tokens} drafts accepted", file=sys.stderr)
         return 0
     prompt_BP = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
