@@ -392,6 +392,20 @@ def test_ivf_search_chunks_equals_numpy_ties_and_padding():
                     and ",140]" in line], "a sort over every probed row"
 
 
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_ivf_finds_each_vector_for_itself_at_one_probe_whatever_its_metric(impl):
+    """A review (session 116): vectors are filed in k-means' L2 cells, and inner-product
+    queries probed by q . c alone, so a unit vector was not found for itself at nprobe=1
+    where another cell's centroid was longer. Probes are the L2-nearest cells for both
+    metrics; each cell one chunk here, so each query's own cell is scanned."""
+    x, _ = _floats(n=2000)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    for metric in ("ip", "l2"):
+        index = _with(retrieval.make("ivf", 16, lists=16, nprobe=1, chunk=2000, impl=impl,
+                                     metric=metric), x)
+        np.testing.assert_array_equal(index.search(x, 1)[1][:, 0], np.arange(len(x)))
+
+
 def test_ivf_kernel_equals_search_chunks():
     """Gaussian data (no ties): the kernel path and the XLA path (`search_chunks`) of one
     index, and the two scans on the same probes, agree."""
@@ -419,8 +433,10 @@ def test_ivf_kernel_equals_search_chunks():
                            np.pad(ids, ((0, 0), (0, pad)), constant_values=-1))
     for got, ref in zip(index._packed()[1:], want):
         np.testing.assert_array_equal(np.asarray(got), ref)
-    s2, i2 = jax.jit(lambda q: ivf.search_chunks(q, centroid_MD, x_McD, id_Mc, 10, 4))(jnp.asarray(q))
-    probe = jax.lax.top_k(jnp.asarray(q) @ centroid_MD.T, 4)[1]
+    s2, i2 = jax.jit(lambda q, p: ivf.search_chunks(q, centroid_MD, x_McD, id_Mc, 10, 4, p))(
+        jnp.asarray(q), jnp.asarray(np.concatenate([q, np.ones((len(q), 1), np.float32)], 1)))
+    p = np.concatenate([q, np.ones((len(q), 1), np.float32)], 1)  # `probe_rows`' queries
+    probe = jax.lax.top_k(jnp.asarray(p) @ centroid_MD.T, 4)[1]
     s, i = ivf.ivf_scan(q, probe, *index._packed()[1:], 10)
     np.testing.assert_array_equal(np.asarray(i), np.asarray(i2))
     np.testing.assert_allclose(np.asarray(s), np.asarray(s2), rtol=1e-5, atol=1e-5)
