@@ -4,8 +4,8 @@ CPU kernel or by its jittable XLA twin.
 Jégou et al. 2011 (the IVF of faiss): k-means (in JAX) splits the database into `lists`
 cells; a query finds its L2-nearest cell centroids (whatever the metric: the cells are
 k-means' L2 cells, so those hold its nearest vectors; `IVFIndex.probe_rows`), scans only
-the vectors of those cells, and returns their top k exactly scored. The one idea that makes it fast: a query touches
-`nprobe x chunk` vectors instead of N.
+the vectors of those cells, and returns their top k exactly scored. The one idea that
+makes it fast: a query touches `nprobe x chunk` vectors instead of N.
 
 To stay jittable with static shapes, every cell is cut into **chunks** of at most `chunk`
 vectors (default twice the mean cell size), each padded and stored as one contiguous
