@@ -765,8 +765,12 @@ def _sparse_qkv_run(tr, step: int = 1):
     state = state.replace(params=traverse.unflatten_dict(flat), step=state.step + step)
     tr.checkpointer.save(step, state, tr.train_iter.get_state(), {})
     tr.checkpointer.close()
-    s = sparsify.sparsify(tr.workdir, tr.workdir + "_sparse", eval_batches=1, repeats=1)
+    s = sparsify.sparsify(tr.workdir, tr.workdir + "_sparse", eval_batches=2, repeats=1)
     assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
+    # --eval_batches counts the two evals alone (a review, session 116: it was written into
+    # sparse.json's config)
+    assert sparsify.load(tr.workdir + "_sparse")[0].train.eval_batches == \
+        tr.cfg.train.eval_batches != 2
     return state, s
 
 
@@ -3299,3 +3303,50 @@ def test_a_saved_bi_encoder_whose_mining_no_step_runs_shrinks_with_mining_off(tm
     small = load_run_config(str(tmp_path / "small"))
     assert (small.model.encoder.mine_every, small.model.mlp_dim) == (0, 16)
     checks.check_new_run(small)
+
+
+def test_shrink_names_a_run_that_pruned_nothing_yet_and_a_draw_its_new_run_reads_otherwise():
+    """A review (session 116): a run saved at its start_step (that step's update not yet
+    done), or after only the cubic's first recompute (target 0), was told to prune to a
+    higher sparsity, not to train on; and a Performer run saved past its first redraw was
+    shrunk into a new run that reads draw 0, its eval set beside the masked model's (the
+    trained draw) unsaid."""
+    one = PruneConfig(method="magnitude", sparsity=0.5, structure="structured",
+                      schedule="oneshot", start_step=4)
+    assert [prune.pruned_nothing_yet(one, s, 20) for s in (0, 4, 5)] == [True, True, False]
+    cubic = dataclasses.replace(one, schedule="cubic", every=2, end_step=10)
+    assert [prune.pruned_nothing_yet(cubic, s, 20) for s in (4, 5, 6, 7)] == [
+        True, True, True, False]
+    cd = tiny()
+    cd.attention.name = "performer"
+    cd.train.feature_redraw_every = 10
+    cfg = from_configdict(cd)
+    assert prune.other_draw(cfg, 10) is None  # steps 1..10 trained with draw 0
+    assert prune.other_draw(cfg, 11).startswith(
+        "attention.name='performer' draws its random features by step "
+        "(train.feature_redraw_every=10): the run's step 11 trained with draw 1, and the "
+        "shrunk run, a new run at step 0, reads draw 0")
+    cd.attention.options = {"redraw": False}  # one draw, the seed's, in both
+    assert prune.other_draw(from_configdict(cd), 11) is None
+
+
+def test_nm_masks_hold_their_pattern_only_where_every_group_keeps_n():
+    """A review (session 116): N:M masks were taken as held whatever they were, so a resume
+    from 2:4 to 1:4 (or from unstructured masks to 2:4) after a one-shot schedule's update
+    kept the old masks and reported the new target as held. They hold where every M
+    consecutive entries along the contraction keep at most N."""
+    w = jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32)  # contracted over axis 0
+    ones = {"w": jnp.ones(w.shape, bool)}
+    two = prune.compute_masks(PruneConfig(method="magnitude", structure="2:4"), {"w": w}, ones,
+                              0.5, {"w": (0,)}, 0)
+    one = prune.compute_masks(PruneConfig(method="magnitude", structure="1:4"), {"w": w}, ones,
+                              0.75, {"w": (0,)}, 0)
+
+    def holds(structure, masks, last=0):
+        c = prune.PruneCarry(from_configdict(tiny(prune=dict(
+            method="magnitude", structure=structure, schedule="oneshot"))))
+        c.products = {"w": (0,)}
+        return bool(c.holds_target({"masks": masks, "last": jnp.int32(last)}))
+    assert holds("2:4", two) and holds("1:4", one) and holds("2:4", one)  # 1 of 4 kept: <= 2
+    assert not holds("1:4", two)  # 2 of every 4 kept
+    assert not holds("2:4", ones) and holds("2:4", ones, last=-1)  # none made yet: none due

@@ -209,6 +209,40 @@ def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step
         want[8]["loss"], rel=1e-6)
 
 
+# two short runs of a tiny model: CI's slow part runs it, as the test above
+@pytest.mark.slow
+def test_a_finished_rerun_from_a_step_saved_before_any_eval_evaluates_and_logs_it(
+        tmp_path, monkeypatch):
+    """A review (session 116): a run stopped after its checkpoint at step 6 with no eval
+    before it (evals every 10), rerun with train.steps lowered to 6, evaluated step 6 only
+    after the logs were closed: no eval line in metrics.jsonl, no best_eval in the summary,
+    and the restored window's train line never written. Both now go to the logs, as the run
+    of 6 steps wrote them."""
+    from hpnlp.train import Interrupted
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
+        "loss": float(state.step)})
+    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
+        "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
+    cd = tiny(steps=8, eval_every=10, checkpoint_every=6, eval_batches=1, warmup_steps=1,
+              log_every=5)
+    tr = Trainer(from_configdict(cd), str(tmp_path))
+    inner = tr.train_step
+
+    def stopping(state, batch):  # step 7, after the checkpoint at 6
+        if int(state.step) == 6:
+            raise KeyboardInterrupt
+        return inner(state, batch)
+    tr.train_step = stopping
+    with pytest.raises(Interrupted, match="at step 7; the newest checkpoint is step 6 in "):
+        tr.run()
+    cd.train.steps = 6
+    summary = run(cd, str(tmp_path))
+    assert (summary["final_step"], summary["eval"]) == (6, {"loss": 6.0})
+    assert summary["best_eval"] == {"step": 6, "loss": 6.0}
+    assert [(l["step"], bool(l.get("eval"))) for l in read_jsonl(
+        tmp_path / "metrics.jsonl")] == [(5, False), (6, False), (6, True)]
+
+
 def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read():
     """A review (d1): the eval batch size was part of the held-out set with
     train.eval_batches=0 too, where every batch of the split is read (its last completed
@@ -224,6 +258,15 @@ def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read(
     assert "data.eval_batch_size" not in held_out(0, 8)
     assert held_out(2, 8)["data.eval_batch_size"] == 8 and held_out(2, 8) != held_out(2, 16)
     assert held_out(0, 8, "stream") != held_out(0, 16, "stream")
+    # generated ListOps evaluates on its data.listops_num_eval examples (a review, session
+    # 116: a resume on another count kept the old set's best); a file's examples are the file's
+    cd = tiny()
+    cd.data.update(task="listops", seq_len=64, listops_max_length=64)
+    sets = [loop_lib.held_out_set(from_configdict(cd))]
+    cd.data.listops_num_eval = 500
+    sets.append(loop_lib.held_out_set(from_configdict(cd)))
+    assert sets[0] != sets[1] and sets[1]["data.listops_num_eval"] == 500
+    assert "data.listops_num_eval" not in held_out(0, 8)
 
 
 def test_a_finished_run_rerun_on_another_held_out_set_keeps_its_best_and_an_old_save_s_batch(

@@ -155,6 +155,32 @@ def cubic_end(p: PruneConfig, total_steps: int) -> int:
     return min(p.end_step or total_steps, total_steps - 1)
 
 
+def pruned_nothing_yet(p: PruneConfig, step: int, total_steps: int) -> bool:
+    """Whether a run saved at `step` (updates done) holds masks of sparsity 0 by its schedule:
+    no recompute yet (a checkpoint at start_step is saved before that step's update), or only
+    the cubic's first, whose target is 0 (a review, session 116: such a run was told to prune
+    to a higher sparsity, not to train on past its pruning steps)."""
+    last = int(last_update(p, step - 1, total_steps))
+    return last < 0 or float(sparsity_at(p, last, total_steps)) == 0.0
+
+
+def other_draw(cfg, step: int) -> str | None:
+    """A line where the run saved at `step` trained with another random-feature draw than
+    draw 0, which a new run shrunk from it reads at its step 0 (Performer's redrawn features,
+    LSH's rotations: `TrainState.features_key`), else None. A review (session 116): its eval
+    was set beside the masked model's, under the trained draw, as the same function."""
+    from hpnlp.retrieval.knnlm import reads_features
+    every = cfg.train.feature_redraw_every
+    draw = (max(step, 1) - 1) // every if every else 0
+    if not reads_features(cfg) or draw == 0:
+        return None
+    return (f"attention.name={cfg.attention.name!r} draws its random features by step "
+            f"(train.feature_redraw_every={every}): the run's step {step} trained with draw "
+            f"{draw}, and the shrunk run, a new run at step 0, reads draw 0, so it computes with "
+            "other features than the masked model (summary.json: eval against eval_masked); "
+            "fine-tune it (train.init_from=OUT) to train its weights under its own draws")
+
+
 def last_update(p: PruneConfig, step, total_steps: int):
     """The latest step <= `step` after whose update the schedule recomputes masks (module
     doc), -1 before the first (a traced int works)."""
@@ -198,6 +224,15 @@ def _keep_top(score_n, prune_count):
     return rank >= prune_count
 
 
+def _nm_groups(x, contraction: tuple[int, ...], m: int):
+    """`x` as [K / M, M, rest]: every M consecutive entries along the contraction axes (moved
+    first and flattened)."""
+    k_axes = tuple(a % x.ndim for a in contraction)
+    rest = tuple(a for a in range(x.ndim) if a not in k_axes)
+    moved = jnp.transpose(x, k_axes + rest)
+    return moved.reshape(math.prod(moved.shape[:len(k_axes)]) // m, m, -1)
+
+
 def nm_mask(score, contraction: tuple[int, ...], n: int, m: int):
     """Keep the N highest scores in every M consecutive entries along the contraction axes
     (moved first and flattened)."""
@@ -208,7 +243,7 @@ def nm_mask(score, contraction: tuple[int, ...], n: int, m: int):
     if not 0 < n < m or K % m:  # else the groups would straddle the contraction's rows silently
         raise ValueError(f"{n}:{m} mask of a weight {tuple(score.shape)} contracted over axes "
                          f"{contraction} (K={K}): needs 0 < N < M and M dividing K")
-    groups = moved.reshape(K // m, m, -1)
+    groups = _nm_groups(score, contraction, m)
     order = jnp.argsort(-groups, axis=1, stable=True)  # highest first
     rank = jnp.argsort(order, axis=1, stable=True)
     keep = (rank < n).reshape(moved.shape)
@@ -844,14 +879,19 @@ class PruneCarry(Carry):
         train.prune.sparsity) prune fewer. Masks pruning more (a target lowered by a longer
         train.steps) hold: there is nothing to recompute (a scheduled recompute keeps what
         they prune, `compute_masks`, `group_masks`).
-        N:M masks hold 1 - N/M, which nothing changes."""
+        N:M masks, once made, hold where every M consecutive entries along the contraction
+        keep at most N (a review, session 116: a resume from 2:4 to 1:4, or from unstructured
+        masks to 2:4, kept the old masks and reported the new target as held)."""
         last = value["last"]
         s = jnp.where(last >= 0, sparsity_at(self.p, last, self.cfg.train.steps), 0.0)
         if self.p.structure == "structured":
             ok = [jnp.all(jnp.sum(~value["groups"][k].reshape(g.rows, g.units), axis=1)
                           >= units_pruned(s, g.units)) for k, g in self.layout.items()]
         elif self.p.nm() is not None:
-            return jnp.ones((), bool)
+            n, m = self.p.nm()
+            ok = [jnp.all(jnp.sum(_nm_groups(mask, self.products[k], m), axis=1) <= n)
+                  for k, mask in value["masks"].items()]
+            return (last < 0) | jnp.all(jnp.stack(ok))
         elif self.p.scope == "layer":  # as compute_masks counts them (each expert on its own)
             rows = {k: m.reshape(math.prod(m.shape[:self.leads.get(k, 0)]), -1)
                     for k, m in value["masks"].items()}
@@ -1100,8 +1140,9 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         # a copy of itself, unsaid
         p = cfg.train.prune
         field, value, fix = (("train.prune.start_step", p.start_step, "train it on past its "
-                              "pruning steps first") if step < p.start_step else
-                             ("train.prune.sparsity", p.sparsity, "prune it to a higher sparsity"))
+                              "pruning steps first") if pruned_nothing_yet(p, step, cfg.train.steps)
+                             else ("train.prune.sparsity", p.sparsity, "prune it to a higher "
+                                   "sparsity"))
         raise config_error(field, value, f"the run in {workdir} (step {step}) has pruned no "
                            f"head, neuron or unit (its pruning starts at train.prune.start_step="
                            f"{p.start_step}, to train.prune.sparsity={p.sparsity}), so shrinking "
@@ -1109,6 +1150,9 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
     short = short_of_target(cfg.train.prune, step, cfg.train.steps)
     if short:  # a bug hunt (session 94): a run stopped mid-schedule was shrunk unsaid
         print(f"hpnlp.compress: note: {short}", file=sys.stderr)
+    redrawn = other_draw(cfg, step)
+    if redrawn:
+        print(f"hpnlp.compress: note: {redrawn}", file=sys.stderr)
     if rewritten:
         print("hpnlp.compress: note: the shrunk run is a new run, which is refused what the "
               "run's config.json holds, so its own has " + "; ".join(
@@ -1143,6 +1187,8 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         }
         if short:
             summary["short_of_target"] = short
+        if redrawn:
+            summary["features_draw"] = redrawn
         if rewritten:
             summary["config_rewritten"] = {k: [was, now]
                                            for k, (was, now, _) in rewritten.items()}

@@ -26,7 +26,6 @@ with them as it is (qeinsum dispatches on the weight's type).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -261,9 +260,9 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                            f"the run in {workdir} reads a key-value memory that lives in its train "
                            "state, which a sparse checkpoint does not hold")
     replacing = check_new_output(out, workdir, may_replace=OUT_FILES)
-    if eval_batches is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                                 eval_batches=eval_batches))
+    # --eval_batches counts the two evals alone, not written into sparse.json's config (a
+    # review, session 116, as shrink's in session 115)
+    counted = {} if eval_batches is None else {"batches": eval_batches}
     trainer = Trainer(cfg, workdir, read_only=True)
     step = trainer.checkpointer.latest_step()
     state, _ = trainer.initial_state()
@@ -274,7 +273,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
         batch_size=cfg.data.eval_batch_size or cfg.train.batch_size)))
     model = trainer.eval_model
     sparse, converted = convert(model, params, eval_batch, min_sparsity)
-    masked_eval = trainer.evaluate(state)
+    masked_eval = trainer.evaluate(state, **counted)
     # the random-feature draw the weights trained with (Performer, LSH), as quantize takes
     # it, for every pass below, kept in sparse.json (a review, session 115: the sparse model
     # was evaluated under the seed's draw, and its loss against the masked one's was off)
@@ -291,7 +290,7 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                                                        method="evaluate_and_memory"))
     sparse_eval = finalize(trainer.eval_sums(
         state, eval_step=lambda _, b: run(sparse, b),
-        memory_step=lambda _, b, mem: run_memory(sparse, b, mem)), lm=trainer.lm)
+        memory_step=lambda _, b, mem: run_memory(sparse, b, mem), **counted), lm=trainer.lm)
     # the whole held-out pool's metrics, as the masked eval's (a bi-encoder's recall@k, MRR)
     split_metrics = getattr(type(model), "split_metrics", None)
     if split_metrics is not None:

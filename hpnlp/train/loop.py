@@ -101,10 +101,14 @@ def held_out_set(cfg: Config) -> dict:
     paths = {"data.prepared": d.prepared} if d.prepared else {}
     paths.update({"data.eval_path": d.eval_path} if d.eval_path
                  else {"data.train_path": d.train_path})
+    # generated ListOps evaluates on the data.listops_num_eval examples after its training
+    # ones (a review, session 116: a resume on another count kept the old set's best)
+    generated = d.task == "listops" and not d.train_path and not d.prepared
     return {**{k: os.path.abspath(v) if v else v for k, v in paths.items()},
             "data.eval_split": d.eval_split, "train.eval_batches": t.eval_batches,
             **({"data.eval_batch_size": d.eval_batch_size or t.batch_size}
-               if t.eval_batches or d.batching == "stream" else {})}
+               if t.eval_batches or d.batching == "stream" else {}),
+            **({"data.listops_num_eval": d.listops_num_eval} if generated else {})}
 
 
 def profile_folder(profile_dir: str) -> str:
@@ -932,8 +936,11 @@ class Trainer:
             # one that does not set the batches read now (saved before `held_out_set` left
             # it out there): no change of set
             saved_set = {k: v for k, v in saved_set.items() if k != "data.eval_batch_size"}
-        eval_moved = {k: (saved_set.get(k), eval_set.get(k)) for k in {**saved_set, **eval_set}
-                      if saved_set.get(k) != eval_set.get(k)} if isinstance(saved_set, dict) else {}
+        now_set = ({k: v for k, v in eval_set.items() if k != "data.listops_num_eval"}
+                   if isinstance(saved_set, dict) and "data.listops_num_eval" not in saved_set
+                   else eval_set)  # (saved before `held_out_set` held it: not a change)
+        eval_moved = {k: (saved_set.get(k), now_set.get(k)) for k in {**saved_set, **now_set}
+                      if saved_set.get(k) != now_set.get(k)} if isinstance(saved_set, dict) else {}
         eval_said = ""
         # The eval due at the restored step failed (its checkpoint was saved without it): run
         # first, logged and counted as the uninterrupted run did (review r3: never made up,
@@ -947,10 +954,11 @@ class Trainer:
         # beside final_step). A checkpoint saved before `last_eval_step` evaluated there where
         # the config that saved it did: its eval step, its last step, or an early stop.
         stale_eval = False
-        if resumed and start >= t.steps and last_eval and not eval_due:
-            if "last_eval_step" in loop:
+        if resumed and start >= t.steps and not eval_due:
+            if "last_eval_step" in loop:  # None where no eval ran yet (a review, session 116:
+                # then the step's eval ran after the logs closed, unlogged, no best_eval)
                 stale_eval = last_eval_step != start
-            else:
+            elif last_eval:
                 every = self.checkpointer.saved_train.get("eval_every")
                 stale_eval = not (loop.get("stopped_early") or
                                   start == self.checkpointer.saved_train.get("steps") or
