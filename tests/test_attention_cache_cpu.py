@@ -193,6 +193,21 @@ def test_int8_gradients_equal_the_twins():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_int8_twin_of_a_bfloat16_query_reads_the_cache_in_float32():
+    """A review (session 116): the kernel scores a bfloat16 query against the int8 cache's
+    codes x scales in float32, and the twin (impl='xla', other backends, several devices)
+    rounded the dequantized keys and values to bfloat16 first: not the kernel's function.
+    The twin now computes in float32 and casts its output, as the kernel does."""
+    q, k, v = _qkv(2, 2, 24, 4, 16, jnp.float32, G=2)
+    (kc, ks), (vc, vs) = CC.quantize_kv(k), CC.quantize_kv(v)
+    twin = jax.jit(lambda q: CC.cached_attention(q, kc, vc, jnp.int32(9), scales=(ks, vs),
+                                                 impl="xla"))
+    got = twin(q.astype(jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    want = twin(q.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @needs_kernel
 @pytest.mark.parametrize("impl,runs", [("auto", True), ("xla", False)])
 def test_the_default_decode_step_runs_the_kernel(impl, runs):

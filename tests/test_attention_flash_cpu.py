@@ -174,6 +174,22 @@ def test_kernel_matches_its_xla_twin(causal):
 
 
 @needs_kernel
+def test_a_score_that_is_not_a_number_reaches_the_output_as_the_twins_does():
+    """A review (session 116): a row whose softmax sum was NaN (an inf query entry against a
+    zero key entry) counted as one that saw no key, and the kernel wrote zeros where its
+    XLA twin wrote NaN, hiding a divergence. NaN rows stay NaN; the others are the twin's."""
+    q, k, v, _ = _qkv(1, 16, 16, 16, seed=4)
+    q = q.at[0, 3, 0, 0].set(jnp.inf)
+    k = k.at[0, 5, 0, 0].set(0.0)
+    seg = jnp.ones((1, 16), jnp.int32)
+    got, want = (C.chunked_attention(q, k, v, seg, causal=False, impl=impl)
+                 for impl in ("kernel", "xla"))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert bool(jnp.isnan(want[0, 3, 0]).all())
+    np.testing.assert_allclose(jnp.nan_to_num(got), jnp.nan_to_num(want), atol=1e-5)
+
+
+@needs_kernel
 def test_auto_uses_the_kernel_where_it_can():
     q, k, v, _ = _qkv(1, 16, 16, 16)
     hlo = jax.jit(lambda q, k, v: C.chunked_attention(q, k, v)).lower(q, k, v).as_text()

@@ -66,8 +66,12 @@ def cached_attention_xla(q_BLHD, k_BTGD, v_BTGD, index, scales=None):
     """The XLA twin: masked softmax attention over the whole cache, in float32 (grouped
     heads repeated; an int8 cache dequantized first)."""
     from hpnlp.models.transformer import repeat_kv_heads  # it imports the attention package
-    if scales is not None:
+    if scales is not None:  # in float32, as the kernel (`_kernel_i8`): a bfloat16 query read
+        # the dequantized cache rounded to bfloat16 (a review, session 116)
         k_BTGD, v_BTGD = dequantize_kv(k_BTGD, scales[0]), dequantize_kv(v_BTGD, scales[1])
+        out = cached_attention_xla(q_BLHD.astype(jnp.float32), k_BTGD.astype(jnp.float32),
+                                   v_BTGD.astype(jnp.float32), index)
+        return out.astype(q_BLHD.dtype)
     H = q_BLHD.shape[2]
     k_BTHD, v_BTHD = repeat_kv_heads(k_BTGD, H), repeat_kv_heads(v_BTGD, H)
     L, T = q_BLHD.shape[1], k_BTHD.shape[1]

@@ -259,7 +259,9 @@ void finish_rows(const Problem& p, int64_t bh, int64_t q0, int nq, const float* 
   const int64_t D = p.D;
   for (int c = 0; c < nq; ++c) {
     T* out = o + p.row(bh / p.H, p.L, bh % p.H, q0 + c);
-    if (l[c] > 0.0f) {
+    // a row that saw a key: a NaN sum too, written as the XLA twin writes it (a review,
+    // session 116: it counted as no key, its output zeros)
+    if (!(l[c] == 0.0f)) {
       const vf inv = splat(1.0f / l[c]);
       for (int64_t d = 0; d < D; d += NR) put(out + d, load(acc + c * D + d) * inv);
       lse[bh * p.L + q0 + c] = m[c] + std::log2(l[c]);  // base 2, as m
