@@ -295,10 +295,14 @@ def test_pipeline_config_errors():
     cd.attention.name = "ring"
     cd.mesh.update(pipeline=2, sequence=2, data=2)
     _check(cd, "mesh.pipeline", r"set mesh.sequence=1 or mesh.pipeline=1")
-    cd = tiny()  # a review (session 116): the bubble ticks' k-means gradients were added
-    cd.attention.name = "clustered"
+    cd = tiny()  # a review (session 116): the bubble ticks' k-means gradients were added;
+    cd.attention.name = "clustered"  # training is refused, a reader of a saved run reads it
     cd.mesh.update(pipeline=2, data=4)
-    _check(cd, "mesh.pipeline", r"cannot yet run clustered attention")
+    cfg = validate(from_configdict(cd), num_devices=8)
+    from hpnlp.config.checks import check_training
+    with pytest.raises(ConfigError, match=r"`mesh.pipeline` = 2 .*cannot yet train clustered "
+                       r"attention"):
+        check_training(cfg)
     cd = tiny(arch="lstm")
     _check(cd, "model.stack_layers", r"model.arch='lstm'", num_devices=1)
     cd = tiny(arch="lstm", stack_layers=False)

@@ -183,18 +183,24 @@ def test_the_default_experiments_table_reads_its_committed_run():
     assert "docs/benchmarks/default_lm" in head
 
 
+_COMMAND = re.compile(r"^[ \t]*(?:\$ )?(?:[^#\n]*?&&[ \t]*)?python -m "
+                      r"(hpnlp\.main|hpnlp\.train\.ensemble) (.*)$", re.M)
+
+
 def _documented_training_commands():
-    """(where, argv) of every `python -m hpnlp.main` command the README, docs, experiment
-    files, notebooks and module docstrings show in code (a fenced block, an indented
-    docstring line, a notebook cell), with its continuation lines joined."""
+    """(where, module, argv or a parse error) of every `python -m hpnlp.main` and
+    `python -m hpnlp.train.ensemble` command that starts a line of code in the README, the
+    docs, the experiment files, the notebooks and the module docstrings (a fenced block, a
+    docstring's indented line, a notebook cell), its continuation lines joined, cut at an
+    unquoted `&&`, `|`, `;` or `#`."""
     texts = []
+    fence = re.compile(r"^[ \t]*```[\w+-]*[ \t]*\n(.*?)^[ \t]*```", re.S | re.M)
     for path in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs/*.md"))]:
         with open(path, encoding="utf-8") as f:
-            blocks = re.findall(r"^```[a-z]*\n(.*?)^```", f.read(), re.S | re.M)
-        texts += [(os.path.relpath(path, ROOT), b) for b in blocks]
+            texts += [(os.path.relpath(path, ROOT), b) for b in fence.findall(f.read())]
     for path in sorted(glob.glob(os.path.join(ROOT, "experiments/*.py")) +
                        glob.glob(os.path.join(ROOT, "hpnlp/**/*.py"), recursive=True)):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:  # a docstring's continuation: \\ in the source
             texts.append((os.path.relpath(path, ROOT), f.read().replace("\\\\\n", "\\\n")))
     for path in glob.glob(os.path.join(ROOT, "colabs/*.ipynb")):
         with open(path, encoding="utf-8") as f:
@@ -202,64 +208,79 @@ def _documented_training_commands():
         texts += [(os.path.relpath(path, ROOT), "".join(c["source"])) for c in cells]
     found = []
     for where, text in texts:
-        text = text.replace("\\\n", " ")
-        for m in re.finditer(r"(?<![`\w])python -m hpnlp\.main (.*)", text):
+        for m in _COMMAND.finditer(text.replace("\\\n", " ")):
+            lexer = shlex.shlex(m.group(2), posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
             words = []
             try:
-                tokens = shlex.split(m.group(1), comments=True)
-            except ValueError:
-                continue
-            for tok in tokens:
-                if tok in ("&&", "|", ";", "||") or tok.endswith(("`", '"', ")")):
-                    break
-                words.append(tok)
-            found.append((where, words))
+                for tok in lexer:
+                    if set(tok) <= set(lexer.punctuation_chars):  # an unquoted && | ; ( )
+                        break
+                    words.append(tok)
+            except ValueError as e:  # unbalanced quotes
+                words = f"does not parse: {e}"
+            found.append((where, m.group(1), words))
     return found
 
 
-def test_every_documented_training_command_passes_the_new_run_checks():
+def test_every_documented_training_command_passes_the_new_run_checks(monkeypatch):
     """A README walk (session 116): the one example in `python -m hpnlp.main --help` set
-    train.steps=200 on a preset with warmup_steps=200, refused by `validate`. Every
-    `python -m hpnlp.main` command shown in code in the README, docs, experiment files,
-    notebooks and module docstrings is parsed as hpnlp.main parses it (the config file and
-    its --config overrides) and passes `validate` and `check_new_run`; only a refusal that a
-    path an earlier command writes does not exist yet is taken."""
+    train.steps=200 on a preset with warmup_steps=200, refused by `validate`. Every training
+    command shown in code in the README, docs, experiment files, notebooks and module
+    docstrings is parsed as hpnlp.main parses it (the config file and its --config
+    overrides) and passes `validate` (one device, as a reader's machine) and, where it
+    trains, `check_training` and `check_new_run`. A prepared folder (data.prepared) is
+    written by an earlier command: its task is given, not read."""
     from absl import flags
     from ml_collections import config_flags
 
     from hpnlp import main as hmain
     from hpnlp.config import from_configdict, validate
-    from hpnlp.config.checks import check_new_run
+    from hpnlp.config.checks import check_new_run, check_training
 
     commands = _documented_training_commands()
-    assert len(commands) > 40, commands
+    per = {}
+    for where, _, _ in commands:
+        per[where] = per.get(where, 0) + 1
+    assert per.get("README.md", 0) >= 30 and per.get("colabs/approximate_softmax.ipynb") == 1
+    assert all(per.get(os.path.relpath(p, ROOT)) for p in glob.glob(
+        os.path.join(ROOT, "experiments/*.py")) if not p.endswith("__init__.py")), per
+    own = {"hpnlp.main": ("--workdir", "--coordinator", "--num_processes", "--process_id",
+                          "--profile", "--init_timeout"),
+           "hpnlp.train.ensemble": ("--workdir", "--members", "--from_checkpoints",
+                                    "--member_loop")}
     refused = []
-    cwd = os.getcwd()
-    os.chdir(ROOT)
+    monkeypatch.chdir(ROOT)
     try:
-        for where, argv in commands:
-            hmain._option_overrides.clear()
-            args, keep = iter(hmain._take_option_overrides(argv)), []
-            for a in args:
-                if a == "--config" or a.startswith("--config.") and "=" not in a:
-                    keep += [a, next(args)]
-                elif a.startswith("--config"):
-                    keep.append(a)
-                else:
-                    assert a in ("--workdir", "--coordinator", "--num_processes",
-                                 "--process_id", "--profile", "--init_timeout"), (where, a)
-                    next(args)
-            fv = flags.FlagValues()
-            config_flags.DEFINE_config_file("config", None, "", flag_values=fv,
-                                            lock_config=True, sys_argv=["prog", *keep])
+        for where, module, argv in commands:
             try:
+                assert isinstance(argv, list), argv
+                hmain._option_overrides.clear()
+                args, keep, given = iter(hmain._take_option_overrides(argv)), [], {}
+                for a in args:
+                    if a == "--config" or a.startswith("--config.") and "=" not in a:
+                        keep += [a, next(args)]
+                    elif a.startswith("--config"):
+                        keep.append(a)
+                    else:
+                        name, eq, value = a.partition("=")
+                        assert name in own[module], f"{a}: not a flag of {module}"
+                        given[name] = value if eq else next(args)
+                fv = flags.FlagValues()
+                config_flags.DEFINE_config_file("config", None, "", flag_values=fv,
+                                                lock_config=True, sys_argv=["prog", *keep])
                 fv(["prog", *keep])
                 hmain.apply_option_overrides(fv.config)
-                check_new_run(validate(from_configdict(fv.config)))
+                cfg = from_configdict(fv.config)
+                d = cfg.data
+                info = ({"kind": "lm", "vocab_size": d.vocab_size or 256, "num_classes": 0}
+                        if d.prepared else None)
+                checked = validate(cfg, task_info=info, num_devices=1)
+                if not given.get("--from_checkpoints"):  # it trains
+                    check_training(checked)
+                    check_new_run(checked)
             except (Exception, SystemExit) as e:  # noqa: BLE001 (each said below)
-                if not re.search(r"\S+ does not exist; write the folder with", str(e)):
-                    refused.append(f"{where}: {' '.join(argv)}\n    {e}")
+                refused.append(f"{where}: {module} {argv}\n    {type(e).__name__}: {e}")
     finally:
         hmain._option_overrides.clear()
-        os.chdir(cwd)
     assert not refused, "\n".join(refused)

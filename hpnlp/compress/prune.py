@@ -155,13 +155,12 @@ def cubic_end(p: PruneConfig, total_steps: int) -> int:
     return min(p.end_step or total_steps, total_steps - 1)
 
 
-def pruned_nothing_yet(p: PruneConfig, step: int, total_steps: int) -> bool:
-    """Whether a run saved at `step` (updates done) holds masks of sparsity 0 by its schedule:
-    no recompute yet (a checkpoint at start_step is saved before that step's update), or only
-    the cubic's first, whose target is 0 (a review, session 116: such a run was told to prune
-    to a higher sparsity, not to train on past its pruning steps)."""
-    last = int(last_update(p, step - 1, total_steps))
-    return last < 0 or float(sparsity_at(p, last, total_steps)) == 0.0
+def final_prunes_units(p: PruneConfig, layout: dict) -> bool:
+    """Whether the schedule's final target removes a unit of some group (`layout`'s): a run
+    that removed none is then one that has not trained far enough (saved at its start_step,
+    before that step's update, or at a cubic target too small for a whole unit; a review,
+    session 116: such runs were told to prune to a higher sparsity, not to train on)."""
+    return any(int(units_pruned(final_sparsity(p), g.units)) > 0 for g in layout.values())
 
 
 def other_draw(cfg, step: int) -> str | None:
@@ -1140,7 +1139,7 @@ def shrink_run(workdir: str, out: str, *, eval_batches: int | None = None) -> di
         # a copy of itself, unsaid
         p = cfg.train.prune
         field, value, fix = (("train.prune.start_step", p.start_step, "train it on past its "
-                              "pruning steps first") if pruned_nothing_yet(p, step, cfg.train.steps)
+                              "pruning steps first") if final_prunes_units(p, carry.layout)
                              else ("train.prune.sparsity", p.sparsity, "prune it to a higher "
                                    "sparsity"))
         raise config_error(field, value, f"the run in {workdir} (step {step}) has pruned no "

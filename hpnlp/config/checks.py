@@ -620,8 +620,17 @@ def check_master_weights(cfg: Config) -> None:
 def check_training(cfg: Config) -> None:
     """What a run that trains is refused (new or resumed), though a reader of its config
     takes it: quantized activations with `quant.act_scale='static'`, whose ranges only PTQ
-    calibrates (else the first step's trace failed, after the data and the model were built).
+    calibrates (else the first step's trace failed, after the data and the model were built),
+    and clustered attention under pipeline stages.
     The Trainer calls it, and so does a process of a multi-process run before it joins."""
+    if cfg.attention.name == "clustered" and cfg.mesh.pipeline > 1:
+        # a review (session 116): every stage runs its layers at each of the M + P - 1 ticks,
+        # and the centroids' k-means gradient (clustered's backward tap) is added whatever
+        # cotangent reaches it, so the bubble ticks' stale rows added theirs (a reader of a
+        # run saved so evaluates as it did: training alone is refused)
+        _fail("mesh.pipeline", cfg.mesh.pipeline, "pipeline stages cannot yet train clustered "
+              "attention: its centroids' k-means update would count the pipeline's idle ticks "
+              "too; set mesh.pipeline=1 (with mesh.fsdp or mesh.data for the devices)")
     q = cfg.model.quant
     if q.act_scale == "static" and q.activations in ("int8", "fp8"):
         _fail("quant.act_scale", "static", "a training run has no calibrated activation ranges "
@@ -1523,13 +1532,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         if sizes["sequence"] > 1:  # ring attention's shard_map does not nest in the stages' yet
             _fail("mesh.pipeline", stages, f"pipeline stages cannot yet run ring attention over "
                   f"mesh.sequence={sizes['sequence']}; set mesh.sequence=1 or mesh.pipeline=1")
-        if cfg.attention.name == "clustered":
-            # a review (session 116): every stage runs its layers at each of the M + P - 1
-            # ticks, and the centroids' k-means gradient (clustered's backward tap) is added
-            # whatever cotangent reaches it, so the bubble ticks' stale rows added theirs
-            _fail("mesh.pipeline", stages, "pipeline stages cannot yet run clustered attention: "
-                  "its centroids' k-means update would count the pipeline's idle ticks too; set "
-                  "mesh.pipeline=1 (with mesh.fsdp or mesh.data for the devices)")
         if mesh.mesh_axes_of("layers") != ("pipeline",):
             _fail("mesh.rules.layers", mesh.rules.get("layers"),
                   "must be 'pipeline' when mesh.pipeline > 1 (each stage holds its own layers)")
