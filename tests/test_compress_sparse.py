@@ -2877,6 +2877,12 @@ def test_svd_uptraining_fits_each_groups_heads_and_folds_the_rest_into_queries_a
     cd.model.pos_emb = "rope"
     with pytest.raises(ConfigError, match=r"train\.init_kv_heads.*RoPE"):
         Trainer(from_configdict(cd), str(tmp_path / "rope"))
+    # nor attention that reads q or k otherwise than by q . k (a review, session 116)
+    cd.model.pos_emb = default_configdict().model.pos_emb
+    cd.attention.name = "lsh"
+    with pytest.raises(ConfigError, match=r"train\.init_kv_heads.*attention.name='lsh' reads "
+                       r"queries or keys otherwise; use train.init_kv_heads='mean'"):
+        Trainer(from_configdict(cd), str(tmp_path / "lsh"))
     cd = tiny("lm")
     cd.train.init_kv_heads = "svd"
     with pytest.raises(ConfigError, match=r"train\.init_kv_heads.*set train\.init_from"):
@@ -3235,7 +3241,10 @@ def test_fewer_experts_keep_the_most_routed_and_upcycled_experts_are_the_dense_m
     cd = moe_cd(4)
     cd.train.update(init_from=str(tmp_path / "x4"), init_experts="random")
     refused(cd, "same", r"train\.init_experts.*keeps that run's 4 experts as they are")
-    cd.train.init_from = ""
+    cd.train.update(init_experts="routed", init_expert_batches=2)  # read by nothing (a review,
+    refused(cd, "same_batches", r"train\.init_expert_batches.*keeps that run's 4 experts as "
+            r"they are; leave it 8")  # session 116)
+    cd.train.update(init_experts="random", init_expert_batches=8, init_from="")
     refused(cd, "none", r"train\.init_experts.*set train\.init_from")
     cd.train.update(init_from=str(tmp_path / "x4"), init_experts="routed", init_expert_batches=0)
     refused(cd, "zero", r"train\.init_expert_batches.*integer >= 1")

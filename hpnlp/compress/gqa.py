@@ -69,9 +69,26 @@ def refuse_factorized(src: ModelConfig, dst: ModelConfig, workdir: str, *, made:
                            "factorize that run")
 
 
+# Attention whose scores are products q . k (and whose output is linear in the values): a D x
+# D map folded into the queries (and outputs) is exact there. The others read q or k alone
+# (LSH hashes q as its keys, clustered and sinkhorn route by them, synthesizer's dense mode
+# and the kernel variants map q and k through a nonlinearity).
+DOT_PRODUCT_ATTENTION = ("dense", "chunked", "xla", "ring", "local", "sliding_window", "strided",
+                         "bigbird", "linformer")
+
+
 def check_svd(cfg: Config, workdir: str) -> None:
     """`train.init_kv_heads='svd'` folds a D x D map into each query head's weights, which
-    a rotation between the projection and the scores (RoPE) would not commute with."""
+    a rotation between the projection and the scores (RoPE) would not commute with, nor
+    attention that reads queries or keys other than through q . k (a review, session 116:
+    LSH, the kernel variants, clustered, sinkhorn and synthesizer converted to another
+    function)."""
+    if cfg.attention.name not in DOT_PRODUCT_ATTENTION:
+        raise config_error("train.init_kv_heads", "svd", f"folds each key head's D x D "
+                           f"remainder into its query heads' weights (train.init_from="
+                           f"{workdir}), exact where scores are products q . k, and "
+                           f"attention.name={cfg.attention.name!r} reads queries or keys "
+                           "otherwise; use train.init_kv_heads='mean'")
     if cfg.model.pos_emb == "rope":
         raise config_error("train.init_kv_heads", "svd", f"folds each key head's D x D "
                            f"remainder into its query heads' weights (train.init_from="
