@@ -1089,6 +1089,9 @@ def test_an_implementation_this_machine_cannot_run_is_read_by_its_portable_twin(
     read, notes = portable_here(cudnn, 1)
     assert read.attention.options["implementation"] == "xla" and len(notes) == 1
     assert "read with 'xla', the same function" in notes[0]
+    # hashable, as the options were (a review, session 116: a plain dict failed the kNN-LM's
+    # and the bi-encoder's passes, cached by their model)
+    assert type(read.attention.options) is type(cudnn.attention.options) and hash(read)
     validate(read, num_devices=1)
     kernel = base(attention={"name": "chunked", "options": {"impl": "kernel"}},
                   model={"width": 64})

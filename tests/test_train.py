@@ -806,6 +806,16 @@ def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
     saved = to_json(from_configdict(lm))
     lm.model.pool = "first"  # an LM pools nothing
     assert _config_shape_diff(saved, from_configdict(lm)) == {}
+    # an expert's width 0 is model.mlp_dim's (a review, session 116: a shrunk run's explicit
+    # width, resumed from a config of 0, was refused as another model)
+    moe = tiny()
+    moe.model.moe.update(num_experts=2, mlp_dim=moe.model.mlp_dim)
+    saved = to_json(from_configdict(moe))
+    moe.model.moe.mlp_dim = 0
+    assert _config_shape_diff(saved, from_configdict(moe)) == {}
+    moe.model.moe.mlp_dim = 8
+    assert _config_shape_diff(saved, from_configdict(moe)) == {
+        "model.moe.mlp_dim": (moe.model.mlp_dim, 8)}
 
 
 def test_a_transformer_xl_stream_resumed_with_another_memory_shape_names_the_field():
@@ -1257,6 +1267,7 @@ def test_a_resume_keeps_the_start_its_config_json_records(tmp_path):
     ones stay, and the resume says which it was given otherwise."""
     from hpnlp.train.checkpoint import Checkpointer
     cd = tiny(steps=10)
+    cd.model.dtype = "float16"  # (whose loss_scale_init alone is kept: the test below)
     cd.train.update(init_from="/runs/source", init_kv_heads="svd", init_kv_calibration=2)
     Checkpointer(str(tmp_path), from_configdict(cd), keep=1)  # writes config.json
     os.makedirs(tmp_path / "checkpoints" / "10")  # a checkpoint to resume
@@ -1574,21 +1585,29 @@ def test_a_float16_run_resumes_in_bfloat16_without_its_loss_scale(tmp_path):
     """A review (session 107) suspected that a float16 checkpoint (its state holds
     `loss_scale` and `good_steps`) failed the restore of a bfloat16 resume, whose state has
     neither, as a layout naming no field. It restores: the arrays the new state has, the
-    loss scale left behind."""
+    loss scale left behind. And (a review, session 116) the config.json its next checkpoint
+    writes does not keep float16's first loss scale, which `validate` refuses beside
+    bfloat16: every reader of the run refused the file as edited."""
+    from hpnlp.train.checkpoint import load_run_config
     cd = tiny()
     cd.model.dtype = "float16"
+    cd.train.loss_scale_init = 1024.0
     tr = Trainer(from_configdict(cd), str(tmp_path))
     state, _ = tr.initial_state()
     state = state.replace(step=state.step + 5, loss_scale=state.loss_scale * 4)
     tr.checkpointer.save(5, state, tr.train_iter.get_state(), {})
     tr.checkpointer.close()
     cd.model.dtype = "bfloat16"
+    cd.train.loss_scale_init = 2.0**15  # the default: validate refuses another outside float16
     tr = Trainer(from_configdict(cd), str(tmp_path))
     restored, _ = tr.initial_state()
+    tr.checkpointer.save(6, restored.replace(step=restored.step + 1), tr.train_iter.get_state(),
+                         {})
     tr.checkpointer.close()
     assert restored.loss_scale is None and restored.good_steps is None
     chex.assert_trees_all_equal((restored.step, restored.params, restored.opt_state),
                                 (state.step, state.params, state.opt_state))
+    assert load_run_config(str(tmp_path)).model.dtype == "bfloat16"
 
 
 # 3.7 s in the fast suite on the Xeon model 167 stepping 1 (2026-12-06, --durations: the

@@ -492,8 +492,11 @@ def portable_here(cfg: Config, num_devices: int) -> tuple[Config, list[str]]:
         option, portable, why, _ = blocked
         notes.append(f"attention.options.{option}={cfg.attention.options[option]!r} cannot "
                      f"run here ({why}); read with {portable!r}, the same function")
+        # of the options' own type (a FrozenDict): a plain dict made the Config unhashable,
+        # and the kNN-LM's and the bi-encoder's cached passes failed on it (a review, 116)
         cfg = dataclasses.replace(cfg, attention=dataclasses.replace(
-            cfg.attention, options={**cfg.attention.options, option: portable}))
+            cfg.attention, options=type(cfg.attention.options)(
+                {**cfg.attention.options, option: portable})))
     why = _rnn_blocked(cfg, num_devices)
     if why:
         notes.append(f"rnn.impl='fused': the kernel cannot run {why}; read with "

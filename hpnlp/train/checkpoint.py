@@ -311,6 +311,12 @@ def _keep_saved_start(saved: dict, payload: dict) -> str:
                 break
         else:
             k = path[-1]
+            if path == ("train", "loss_scale_init") and (
+                    payload.get("model", {}).get("dtype") != "float16"):
+                # float16's alone: a resume in another dtype, which `validate` refuses a
+                # scale, would write config.json with the saved one, which every reader then
+                # refused as edited (a review, session 116)
+                continue
             if k in a and k in b and a[k] != b[k]:
                 changed.append(f"{'.'.join(path)}: saved {a[k]!r}, now {b[k]!r}")
                 b[k] = a[k]
@@ -440,7 +446,16 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
                 diff["data.seq_len"] = (value(sl), get(now, sl))
             elif was != mem:
                 diff["model.mem_len"] = (was, mem)
-    diff.update({".".join(f): (value(f), get(now, f)) for f in fields if value(f) != get(now, f)})
+    experts_dim = ("model", "moe", "mlp_dim")
+
+    def resolved(side, f):  # an expert's width as the layer takes it: 0 is model.mlp_dim's (a
+        # review, session 116: a shrunk run's explicit width, resumed from a config of 0 and
+        # the same model.mlp_dim, was refused as another model)
+        v = side(f)
+        return (v or side(("model", "mlp_dim"))) if f == experts_dim else v
+    now_value = lambda f: get(now, f)  # noqa: E731
+    diff.update({".".join(f): (value(f), get(now, f)) for f in fields
+                 if resolved(value, f) != resolved(now_value, f)})
     return diff
 
 
