@@ -1056,8 +1056,12 @@ def test_quant_report_is_dated_when_the_run_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "matmul_rate", lambda *a, **k: calls.append("work") or 1.0)
     monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(kernels, "unavailable_reason", lambda: "none")
-    assert quant.run(str(tmp_path), quick=True, parts=())["repeats"] == 3  # (session 107)
+    got = quant.run(str(tmp_path), quick=True, parts=())
+    assert got["repeats"] == 3  # (session 107)
     assert calls == ["date", "work", "work"]
+    # the parts it ran are its own payload's (a review, session 116: a call from Python, not
+    # through the CLI's wrapper, read as a whole run)
+    assert got["parts"] == [] and json.load(open(tmp_path / "results.json"))["parts"] == []
 
 
 def test_recorded_reports_name_only_plots_kept_beside_them():
@@ -1128,6 +1132,11 @@ def test_compress_bench_targets_and_table_from_a_payload():
     assert "text classifier, student, scratch: 0.6200, 0.5800" in md  # a mean's seeds
     assert (f"Gap closed, byte LM: `student, distilled` 0.333, `{compress.DISTILLED}` 0.667 "
             "(the last, the targets' row).") in md  # a row not run is left out
+    # a scratch student past the teacher leaves no gap to close: not measured, not met (a
+    # review, session 116: a worse distilled student read as closing 5 times the gap)
+    assert compress.gap_closed(0.470, 0.495, 0.490, "accuracy") is None
+    assert compress.gap_closed(1.45, 1.38, 1.40, "loss") is None
+    assert compress.gap_closed(0.65, 0.60, 0.80, "accuracy") == pytest.approx(0.25)
     md = compress._markdown(dict(payload, distill=distill[:-1]))  # no targets' row
     assert "Gap closed, text classifier: `student, distilled` 0.5.\n" in md
     # each model's students: soft targets alone, its recipe's initialization alone, its recipe
@@ -1257,6 +1266,27 @@ def test_data_bench_targets_and_table_from_a_payload():
     payload["train"]["large"] = {"status": "failed: killed (out of memory?)"}
     assert bench_data._targets(payload)["rss_2gb_vs_20mb"] == {"value": None, "bound": 1.2,
                                                               "op": "<=", "met": False}
+
+
+def test_an_interrupted_data_bench_removes_its_own_folder(tmp_path, monkeypatch):
+    """A review (session 116): without --workdir the bench's temporary folder (a 2 GB text
+    and its shards) was removed at its normal end only: a Ctrl-C left it in /tmp."""
+    from hpnlp.bench import data as bench_data
+    seen = []
+
+    def interrupted(root, *args):
+        seen.append(root)
+        os.makedirs(root, exist_ok=True)
+        open(os.path.join(root, "large_2048MB.txt"), "w").close()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_data, "_run_in", interrupted)
+    monkeypatch.setattr(bench_data.harness, "machine_info", lambda: {})
+    with pytest.raises(KeyboardInterrupt):
+        bench_data.run(str(tmp_path / "out"), quick=True)
+    assert seen and not os.path.exists(seen[0])
+    with pytest.raises(KeyboardInterrupt):  # a --workdir is the user's: kept
+        bench_data.run(str(tmp_path / "out"), quick=True, workdir=str(tmp_path / "w"))
+    assert seen[1] == str(tmp_path / "w") and os.path.exists(seen[1])
 
 
 def test_data_bench_reuses_a_prepared_folder_of_its_own_size_only(tmp_path, monkeypatch):

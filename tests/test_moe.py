@@ -1009,6 +1009,14 @@ def test_knnlm_pads_its_batches_to_whole_routing_groups(tmp_path):
     nb = knnlm.neighbours(model, params, train, store, store.index("exact"), seq_len=16, k=1,
                           rows=4, select=[0])
     assert len(nb.hit) == train.lengths[0] - 1 and nb.hit[:, 0].mean() > 0.9
+    # its keys are those of 3 groups: a model routing in others is refused it (a review,
+    # session 116: one built before the run's groups were pinned was reused, unsaid)
+    assert store.header["routing_groups"] == 3
+    other = models.build(dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, moe=dataclasses.replace(cfg.model.moe, groups=1))), deterministic=True)
+    with pytest.raises(knnlm.RetrievalError, match=r"computed in 3 MoE routing group\(s\), and "
+                       r"this run's model routes in 1 "):
+        knnlm.datastore_for(other, params, train, str(tmp_path / "ds"), seq_len=16)
 
 
 # 2.6 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite

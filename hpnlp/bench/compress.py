@@ -963,10 +963,13 @@ def pipeline_rows(s: dict, workdir: str) -> list[dict]:
 PARTS = ("distill", "prune", "structured", "lowrank", "pipeline")
 
 
-def gap_closed(student: float, scratch: float, teacher: float) -> float | None:
+def gap_closed(student: float, scratch: float, teacher: float,
+               metric: str = "loss") -> float | None:
     """The share of the scratch student's gap to the teacher that `student` closes, on a
-    loss or an accuracy alike; None where there is no gap."""
-    if teacher == scratch:
+    loss (`metric` "loss": lower is better) or an accuracy alike; None where there is no
+    gap: the teacher no better than the scratch student (a review, session 116: a scratch
+    student past the teacher made the share of a worse student large and positive, met)."""
+    if (teacher >= scratch) if metric == "loss" else (teacher <= scratch):
         return None
     return (scratch - student) / (scratch - teacher)
 
@@ -974,7 +977,7 @@ def gap_closed(student: float, scratch: float, teacher: float) -> float | None:
 def _gap_closed(rows: list[dict], model: str, method: str = DISTILLED) -> float | None:
     by = {r["method"]: r["value"] for r in rows if r["model"] == model}
     t, sc, d = by.get("teacher"), by.get("student, scratch"), by.get(method)
-    return None if None in (t, sc, d) else gap_closed(d, sc, t)
+    return None if None in (t, sc, d) else gap_closed(d, sc, t, MODELS[model][2])
 
 
 def _half(rows: list[dict]) -> tuple[float | None, float | None]:

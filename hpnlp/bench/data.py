@@ -136,13 +136,21 @@ def _isolated(spec):
 
 
 def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
-    from tqdm.auto import tqdm
     small, large = (2 * MB, 20 * MB) if quick else (20 * MB, 2048 * MB)
     steps, batches = (20, 200) if quick else (200, 2000)
     os.makedirs(out_dir, exist_ok=True)
     info = harness.machine_info()
-    tmp = None if workdir else tempfile.TemporaryDirectory()
-    root = workdir or tmp.name
+    # without --workdir, a folder of its own, removed however the run ends (a review,
+    # session 116: an interrupted run left its 2 GB text and shards in /tmp)
+    if workdir:
+        return _run_in(workdir, out_dir, quick, info, small, large, steps, batches)
+    with tempfile.TemporaryDirectory() as root:
+        return _run_in(root, out_dir, quick, info, small, large, steps, batches)
+
+
+def _run_in(root: str, out_dir: str, quick: bool, info: dict, small: int, large: int,
+            steps: int, batches: int) -> dict:
+    from tqdm.auto import tqdm
     os.makedirs(root, exist_ok=True)
     sizes = {"small": small, "large": large}
     prepared = {}
@@ -176,8 +184,6 @@ def run(out_dir: str, *, quick: bool, workdir: str | None = None) -> dict:
                "loader": loader, "in_memory_loader": in_memory, "train": train}
     report.targets_unless_quick(payload, quick, lambda: _targets(payload))
     report.write(out_dir, "data", payload, _markdown(payload))
-    if tmp:
-        tmp.cleanup()
     return payload
 
 

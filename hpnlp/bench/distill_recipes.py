@@ -278,15 +278,15 @@ def recipe_rows(s: dict, workdir: str, seeds: int, lr_scales=(),
     lr_rows = [_recipe_row(s, workdir, seeds, r["method"], r["fields"], k, model=model)
                for k in tqdm(scales, desc="learning rates", leave=False)
                for r in (rows[0], best)]
-    scratch = rows[0]["value"]
+    scratch, metric = rows[0]["value"], compress.MODELS[model][2]
     for r in rows:
         r["gap_closed"] = (None if r is rows[0] else
-                           compress.gap_closed(r["value"], scratch, teacher["value"]))
+                           compress.gap_closed(r["value"], scratch, teacher["value"], metric))
     for r in lr_rows:  # against the scratch student at the same rate
         base = next(x["value"] for x in lr_rows if x["fields"] is None
                     and x["lr_scale"] == r["lr_scale"])
         r["gap_closed"] = (None if r["fields"] is None else
-                           compress.gap_closed(r["value"], base, teacher["value"]))
+                           compress.gap_closed(r["value"], base, teacher["value"], metric))
     return teacher, rows, lr_rows
 
 
@@ -333,12 +333,14 @@ def _markdown(p: dict) -> str:
                 report.table(["learning rate", "student, scratch", best["method"],
                               "gap closed"],
                              [[f"x{rate(a):g}", f"{a['value']:.4f}", f"{b['value']:.4f}",
-                               _gap(compress.gap_closed(b["value"], a["value"], t["value"]))]
+                               _gap(compress.gap_closed(b["value"], a["value"], t["value"],
+                                                        metric))]
                               for a, b in zip(scratch, recipe)]), ""]
         a, b = max(scratch, key=key), max(recipe, key=key)
+        closes = _gap(compress.gap_closed(b["value"], a["value"], t["value"], metric))
         out += [f"Each at its best rate here (scratch x{rate(a):g}: {a['value']:.4f}; the "
                 f"recipe x{rate(b):g}: {b['value']:.4f}), the recipe closes "
-                f"{_gap(compress.gap_closed(b['value'], a['value'], t['value']))} of the gap.", ""]
+                f"{closes} of the gap.", ""]
     teachers = p.get("teacher_lr_check") or []
     if teachers:
         out += ["The teacher's learning-rate check: the teacher alone again at multiples of "

@@ -384,7 +384,10 @@ def run(out_dir: str, *, quick: bool, repeats: int | None = None, parts=PARTS,
                "malloc": "freed buffers reused (hpnlp.kernels.reuse_freed_memory)" if reuse
                else "the C library's default",
                "kernel_layout": kernels.layout() if kernels.available() else kernels.unavailable_reason(),
-               "linear": linear, "lm": lm, "quality": quality}
+               "linear": linear, "lm": lm, "quality": quality,
+               # the parts it ran, in its own payload (a review, session 116: only the CLI's
+               # wrapper wrote them, so a call from Python read as a whole run)
+               "parts": list(parts)}
     report.targets_unless_quick(payload, quick, lambda: _targets(linear, lm, quality, parts))
     payload["_f32_time"] = next((r["time"]["median_s"] for r in linear if r["impl"] == "float32 (XLA)"),
                                 None)

@@ -217,18 +217,23 @@ def build_datastore(model, params, ex, folder: str, *, seq_len: int, rows: int =
                 values[at:at + len(got)] = batch["targets"][real]
                 at += len(got)
                 bar.update(len(got))
-    except BaseException:  # Ctrl-C included: no partial keys left (a README walk: 957 MB)
-        os.remove(tmp)  # unlinked while mapped: freed when the map goes
+        assert at == n, (at, n)
+        keys.flush()
+        del keys
+        np.save(os.path.join(folder, "values.tmp.npy"), values)
+    except BaseException:  # Ctrl-C included: no partial keys left (a README walk: 957 MB),
+        # nor after the loop (a review, session 116: a stop in the flush or the values' save)
+        for name in ("keys.tmp.npy", "values.tmp.npy"):
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))  # unlinked while mapped: freed after
         raise
-    assert at == n, (at, n)
-    keys.flush()
-    del keys
-    np.save(os.path.join(folder, "values.tmp.npy"), values)
     os.replace(os.path.join(folder, "keys.tmp.npy"), os.path.join(folder, "keys.npy"))
     os.replace(os.path.join(folder, "values.tmp.npy"), os.path.join(folder, "values.npy"))
+    groups = routing_groups(model)
     header = {"format": "hpnlp.retrieval.datastore", "version": VERSION, "entries": n,
               "width": width, "model": params_digest(params),
-              **({"features": draw_id(rngs["features"])} if rngs else {}), **(meta or {})}
+              **({"features": draw_id(rngs["features"])} if rngs else {}),
+              **({"routing_groups": groups} if groups else {}), **(meta or {})}
     write_json(os.path.join(folder, DATASTORE), header)  # whole, or absent
     return Datastore.open(folder)
 
@@ -241,6 +246,13 @@ def datastore_split(train, max_tokens: int = 0):
     from hpnlp.data.task import Examples
     n = int(np.searchsorted(np.cumsum(train.lengths - 1), max_tokens)) + 1
     return Examples(train.tokens, train.starts[:n], train.lengths[:n])
+
+
+def routing_groups(model) -> int | None:
+    """The MoE routing groups `model` routes in where they are fixed (set, or pinned to the
+    run's by `Trainer.split_model`), else None: a datastore's keys are that function's."""
+    moe = model.cfg.model.moe
+    return int(moe.groups) if moe.enabled() and moe.groups else None
 
 
 def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | None = None,
@@ -257,6 +269,15 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
                 f"{folder}: holds a datastore of {store.header['entries']:,} entries, and this "
                 f"run asks for {want:,} (--max_datastore_tokens sets how many); give another "
                 "--datastore folder, or delete this one to build it again")
+        theirs, mine = store.header.get("routing_groups"), routing_groups(model)
+        if theirs != mine:  # a review (session 116): a datastore built before the model was
+            # pinned to the run's MoE routing groups holds another function's keys
+            raise RetrievalError(
+                f"{folder}: holds a datastore whose keys the model computed in "
+                f"{theirs or 'the default'} MoE routing group(s), and this run's model routes "
+                f"in {mine or 'the default'} (model.moe.groups, or the run's own; one built "
+                "by an hpnlp before session 116 routed in one); give another --datastore "
+                "folder, or delete this one to build it again")
         return store, False
     return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta,
                            features_key=rngs.get("features")), True
