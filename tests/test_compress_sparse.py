@@ -769,7 +769,16 @@ def _sparse_qkv_run(tr, step: int = 1):
     state = state.replace(params=traverse.unflatten_dict(flat), step=state.step + step)
     tr.checkpointer.save(step, state, tr.train_iter.get_state(), {})
     tr.checkpointer.close()
-    s = sparsify.sparsify(tr.workdir, tr.workdir + "_sparse", eval_batches=2, repeats=1)
+    from hpnlp.train import Trainer
+    real, counted = Trainer.eval_sums, []
+
+    def eval_sums(self, state, *args, **kw):
+        counted.append(kw.get("batches"))
+        return real(self, state, *args, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "eval_sums", eval_sums)
+        s = sparsify.sparsify(tr.workdir, tr.workdir + "_sparse", eval_batches=2, repeats=1)
+    assert counted == [2, 2]  # the masked eval's and the sparse one's
     assert list(s["converted"]) == ["trunk/block_0/attention/qkv"] and s["reload_identical"]
     # --eval_batches counts the two evals alone (a review, session 116: it was written into
     # sparse.json's config)
@@ -3355,3 +3364,15 @@ def test_nm_masks_hold_their_pattern_only_where_every_group_keeps_n():
     assert holds("2:4", two) and holds("1:4", one) and holds("2:4", one)  # 1 of 4 kept: <= 2
     assert not holds("1:4", two)  # 2 of every 4 kept
     assert not holds("2:4", ones) and holds("2:4", ones, last=-1)  # none made yet: none due
+
+
+@pytest.mark.slow  # a bpe tokenizer trained and two shrinks: 10.5 s on the Xeon model 207
+def test_a_shrink_of_a_subword_run_replaces_its_own_earlier_output(tmp_path, monkeypatch):
+    """A review (session 116): the shrunk run of a bpe run holds its tokenizer, which the
+    check of this command's own earlier output did not take, so a rerun (a notebook cell run
+    again) was refused: "holds a training run". The evals are scripted."""
+    cd = _structured_mlp_run()
+    cd.data.update(task="word_lm", tokenizer="bpe", vocab_size=400)
+    first = _shrink_a_run_saved_before_the_rules(cd, tmp_path, monkeypatch)
+    assert "tokenizer" in os.listdir(tmp_path / "small")
+    assert prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small")) == first

@@ -186,6 +186,21 @@ def test_map_token_chunks_equals_one_call_and_keeps_rows_whole(lead, chunk):
     np.testing.assert_allclose(g, g_ref, rtol=1e-6)
 
 
+def test_token_chunks_under_the_batch_take_interleaved_rows_that_split_over_the_devices(
+        monkeypatch):
+    """Where `chunk` is under the batch's rows, chunk j holds rows j, j + k, ... (a review,
+    session 116), k the least divisor whose groups fit and divide over the batch's devices:
+    each chunk's least row id, read by every token of it, is its row's id mod k."""
+    from hpnlp.softmax import full
+    rows = jnp.broadcast_to(jnp.arange(6)[:, None], (6, 5))
+    least = S.map_token_chunks(lambda r: jnp.broadcast_to(jnp.min(r), r.shape), (6, 5), 4, rows)
+    np.testing.assert_array_equal(least, rows % 2)  # k = 2: groups of 3 rows
+    assert S.base._row_groups(40, 16) == 4  # groups of 10 rows
+    monkeypatch.setattr(full, "batch_shards", lambda: 8)  # 5 rows a device
+    assert S.base._row_groups(40, 16) == 5  # groups of 8: one row of each device
+    assert S.base._row_groups(6, 4) == 2  # none divides: the least that fits
+
+
 @pytest.mark.parametrize("name,kw", [
     ("full", {}), ("full", {"chunk_tokens": 4, "z_loss": 1e-3}), ("sampled", {}),
     ("nce", {"num_samples": 8}), ("negative_sampling", {}), ("hard_negative", {}),

@@ -301,6 +301,14 @@ def test_a_finished_run_rerun_on_another_held_out_set_keeps_its_best_and_an_old_
         run(cd, str(tmp_path))
     err = capsys.readouterr().err
     assert "resuming from step 4" in err and "another held-out set" not in err, err
+    # a field the saved set predates (generated ListOps' eval count, session 116) is no change
+    with monkeypatch.context() as patch:
+        patch.setattr(loop_lib, "held_out_set", lambda cfg: {
+            **real(cfg), "data.listops_num_eval": 500})
+        with pytest.raises(RuntimeError, match="stopped before step 5"):
+            run(cd, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "resuming from step 4" in err and "another held-out set" not in err, err
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # inf in f32

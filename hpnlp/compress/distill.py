@@ -596,8 +596,13 @@ class TeacherCarry(Carry):
                                "one of model.stack_layers=False), or set mesh.pipeline to one "
                                f"that divides both {sm.depth} and {tm.depth}")
         from hpnlp.attention import draws_features
+        from hpnlp.attention import get as attention_class
+        # (a mesh.pipeline of -1 took every device there: how many, its config does not say)
         if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options) \
-                and (stages > 1) != (trained_stages != 1):
+                and isinstance(trained_stages, int) and trained_stages > 0 \
+                and (stages > 1) != (trained_stages > 1):
+            one_draw = (", or distill from a teacher of attention.options.redraw=False"
+                        if hasattr(attention_class(tcfg.attention.name), "redraw") else "")
             # a review (session 116): pipeline stages key the `features` stream per layer
             # otherwise than one stage does (parallel/pipeline.py), so the teacher's soft
             # targets came from other projections or rotations than it trained with
@@ -607,8 +612,7 @@ class TeacherCarry(Carry):
                                f"this run's {stages} stage{'s' * (stages > 1)} would draw "
                                "otherwise; set mesh.pipeline" + (" > 1" if stages == 1 else
                                                                  "=1") + " as the teacher "
-                               "trained, or distill from a teacher of attention.options."
-                               "redraw=False")
+                               f"trained{one_draw}")
         self._check_ring_teacher(cfg, tcfg)
         if self.d.attention:
             from hpnlp import attention as attention_lib

@@ -136,7 +136,9 @@ def kmeans(x_ND: np.ndarray, cells: int, *, iters: int = 15, sample: int = 64, s
 
 def search_chunks(q_QD, centroid_MD, x_McD, id_Mc, k: int, nprobe: int, probe_QD=None):
     """Approximate top-k: each query scans the `nprobe` chunks whose centroids score best
-    against `probe_QD` (default the query itself; the index's: `IVFIndex.probe_rows`).
+    against `probe_QD` (default the query itself). An index's own centroids are its
+    `IVFIndex.probe_rows`, one column wider than the vectors: with them, pass probe_QD =
+    [q, 1] for metric "ip" (for "l2" the scan's query [2q, -1] is the probe's too).
     `centroid_MD` is each chunk's cell centroid; `id_Mc` -1 marks padding. Returns
     (scores [Q, K], ids [Q, K]) by (score desc, id asc); an id of -1 (score -inf) only
     where fewer than k real vectors were scanned."""

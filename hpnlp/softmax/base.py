@@ -511,6 +511,16 @@ def scores(hidden_NE, kernel_VE, bias_V, dtype):
     return logits_NV + bias_V.astype(jnp.float32).reshape((1,) * (logits_NV.ndim - 1) + (-1,))
 
 
+def _row_groups(B: int, chunk: int) -> int:
+    """The least divisor k of B whose groups of B / k rows fit `chunk` and split evenly over
+    the devices the batch is split over (k dividing each one's rows), else the least that
+    fits."""
+    from hpnlp.softmax.full import batch_shards
+    shards = batch_shards()
+    fits = [k for k in range(1, B + 1) if B % k == 0 and B // k <= chunk]
+    return next((k for k in fits if (B // k) % shards == 0), fits[0])
+
+
 def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
     """`fn` on at most `chunk` tokens at a time; per-token outputs shaped `lead` (+ fn's
     trailing dims).
@@ -522,9 +532,10 @@ def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
     chunk live on one device, and every device then computes every chunk). Where `chunk` is
     under B, one token of every row is more than it: the rows are cut too, into k
     interleaved groups (rows j, j + k, j + 2k, ... with k the least divisor of B that brings
-    a group to `chunk` rows), so each group still spreads over the devices that split the
-    batch (a review, session 116: a chunk held B tokens whatever `chunk` said, 4x the
-    automatic budget's logits at V = 2^20 and B = 256). `remat`: the backward recomputes a
+    a group to `chunk` rows, and that divides each device's rows where one does: `_row_groups`),
+    so each group spreads evenly over the devices that split the batch (a review, session
+    116: a chunk held B tokens whatever `chunk` said, 4x the automatic budget's logits at
+    V = 2^20 and B = 256). `remat`: the backward recomputes a
     chunk instead of storing it (`lax.map` of a `jax.checkpoint`). `chunk == 0`, or no fewer
     tokens than `chunk`: one call on all tokens. `fn` may return a tuple of per-token arrays
     (each shaped back).
@@ -536,7 +547,7 @@ def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
         return jax.tree.map(lambda o: o.reshape(tuple(lead) + o.shape[1:]), out)
     B = lead[0] if len(lead) > 1 else 1
     R = num_tokens // B
-    k = 1 if chunk >= B else next(d for d in range(1, B + 1) if B % d == 0 and B // d <= chunk)
+    k = 1 if chunk >= B else _row_groups(B, chunk)
     g = B // k  # rows per chunk: row i * k + j is row i of group j
     c = max(1, min(R, chunk // g))  # tokens per row per chunk
     pad = (-R) % c
