@@ -1,8 +1,10 @@
 """What the A/B tools share: a Trainer for an experiment, compare two compiled variants'
 outputs, time them interleaved."""
 
+import atexit
 import os
 import platform
+import shutil
 import tempfile
 import time
 
@@ -45,9 +47,18 @@ def trainer(experiment: str, arg: str, **fields):
         for name in path:
             node = node[name]
         node[last] = value
-    tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+    tr = Trainer(from_configdict(cd), scratch_dir())
     state, _ = tr.initial_state()
     return tr, state, _global(next(iter(tr.train_iter)), tr.batch_sharding)
+
+
+def scratch_dir(prefix: str = "hpnlp_tool_") -> str:
+    """A temporary folder removed when the process exits (a review, session 116: the tools'
+    Trainer folders, and qgemm_ab's copy of the package and its two kernel caches, were left
+    in /tmp on every call)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def largest_relative_difference(a, b) -> float:

@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import ml_collections
 import numpy as np
 
+from ablib import scratch_dir
 from hpnlp.bench import compress
 from hpnlp.config import from_configdict, to_json, validate
 from hpnlp.train import Trainer
@@ -49,7 +49,7 @@ def main() -> None:
         cd.train.progress = False
         if args.eval_batches:
             cd.train.eval_batches = args.eval_batches
-        tr = Trainer(from_configdict(cd), tempfile.mkdtemp())
+        tr = Trainer(from_configdict(cd), scratch_dir())
         state, _ = tr.initial_state()
         line = f"init={init}: loss {tr.evaluate(state)['loss']:.4f}"
         if init == "pca":

@@ -13,14 +13,14 @@ quotes this script's output.
 """
 
 import argparse
-import tempfile
 
 import hpnlp  # noqa: F401  (its XLA flags, before JAX starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ablib import at_least, interleaved_times, largest_relative_difference, print_cpu, trainer
+from ablib import (at_least, interleaved_times, largest_relative_difference, print_cpu, scratch_dir,
+                   trainer)
 from hpnlp.train.ensemble import MEMBER_LOOPS, EnsembleTrainer
 
 EXPERIMENTS = {"RNN LM": ("rnn_lm.py", "local"), "Transformer LM": ("lm.py", "bytes,local")}
@@ -39,7 +39,7 @@ def main():
         plain, plain_state, batch = trainer(exp, arg)  # ablib's: the plain run, for scale
         cfg = plain.cfg
         for members in args.members:
-            ens = {loop: EnsembleTrainer(cfg, tempfile.mkdtemp(), members, member_loop=loop)
+            ens = {loop: EnsembleTrainer(cfg, scratch_dir(), members, member_loop=loop)
                    for loop in MEMBER_LOOPS}
             state, _ = ens["vmap"].initial_state()  # the same stacked layout for both
             copy = lambda s=state: (jax.tree.map(jnp.copy, s), batch)  # noqa: E731

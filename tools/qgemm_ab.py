@@ -22,9 +22,8 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 
-from ablib import at_least, print_cpu
+from ablib import at_least, print_cpu, scratch_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,7 +108,7 @@ def main() -> None:
     ap.add_argument("--threads", type=at_least(0), default=0, help="0: the kernels' default")
     args = ap.parse_args()
     print_cpu()
-    tmp = tempfile.mkdtemp(prefix="qgemm_ab_")
+    tmp = scratch_dir("qgemm_ab_")
     sides = {args.rev: (extract(args.rev, os.path.join(tmp, "rev")), os.path.join(tmp, "c_rev")),
              "tree": (ROOT, os.path.join(tmp, "c_tree"))}
     got = {name: [] for name in sides}

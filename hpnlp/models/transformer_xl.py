@@ -264,7 +264,10 @@ class ConvCompress(nn.Module):
 def content_attention(block, m: ModelConfig, h_BLE, kv_BNE, valid_BN):
     """Algorithm 1's attn(h, mem) with an XL block's parameters `block` (its `norm1` and
     query/key/value projections): plain content softmax over `kv` (no positions, and no
-    causal mask: the memory precedes every query), each head's output [B, L, H, D] before
+    causal mask: the compressor's reconstruction target, whose keys may include positions of
+    the current segment where model.mem_len < data.seq_len; only later segments read the
+    compressed slots, so nothing past a prediction reaches it), each head's output
+    [B, L, H, D] before
     the output projection, in float32. Rows with no valid key give 0."""
     f32 = jnp.float32
     norm = nn.LayerNorm(dtype=f32, param_dtype=dtypes(m)[1], parent=None)
