@@ -130,6 +130,7 @@ def test_run_keeps_its_tokenizer_in_the_workdir_and_reuses_it(tmp_path, files):
     assert data.task_info(cfg) == {"kind": "lm", "vocab_size": 500, "num_classes": 0,
                                    "frequency_sorted": True}
     assert first.decode(first.encode(ODD)) == ODD
+    os.makedirs(tmp_path / "checkpoints" / "1")  # a run that has saved one keeps its tokenizer
     with pytest.raises(ConfigError, match=r"holds a bpe tokenizer of 500 pieces .* unigram of 400"):
         data.make_task(lm_cfg(tokenizer="unigram", vocab_size=400, train_path=files[0],
                               eval_path=files[1]), workdir=str(tmp_path))
@@ -1061,6 +1062,13 @@ def test_a_kept_tokenizer_of_other_text_names_the_field_that_chose_it(tmp_path):
     folder = str(tmp_path / tokenizers.DIRNAME)
     tokenizers.train("bpe", 300, ["the cat sat on the mat\nthe dog ate the cat"] * 4).save(folder)
     other = ["a bird flew over the hill\nthe fox ran"] * 4
+    # a workdir of no checkpoint (its first run stopped before one) starts over: its tokenizer
+    # is trained anew and replaced (a review, session 116: it was refused, "a new workdir")
+    cfg = DataConfig(task="word_lm", tokenizer="bpe", vocab_size=300, eval_split="validation")
+    tok, how = tokenizers.for_run(cfg, other, folder)
+    assert how == "trained" and tokenizers.Subword.load(folder).trained_on == tok.trained_on
+    tokenizers.train("bpe", 300, ["the cat sat on the mat\nthe dog ate the cat"] * 4).save(folder)
+    os.makedirs(tmp_path / "checkpoints" / "3")  # a run that has saved one keeps its own
     for cd, want in ((dict(eval_split="validation"), r"^config field `data.eval_split` = "
                       r"'validation' is not allowed: .* the fields that choose the split "
                       r"\(data.eval_split, data.eval_path\) differ from the run's; use the "

@@ -296,13 +296,31 @@ def _train_cached(kind: str, vocab_size: int, docs: tuple[str, ...], digest: str
     return train(kind, vocab_size, docs, digest=digest, source=source)
 
 
+def _kept_by_no_checkpoint(directory: str, cfg, digest: str) -> bool:
+    """Whether the tokenizer kept in `directory` (WORKDIR/tokenizer) is of other settings
+    than `cfg`'s (kind, size, training text `digest`) in a workdir that holds no checkpoint:
+    the run that saved it stopped before its first one, so a rerun starts over (a review,
+    session 116: it was refused the kept tokenizer, told to use a new workdir)."""
+    from hpnlp.train.checkpoint import has_checkpoint
+    if has_checkpoint(os.path.dirname(os.path.abspath(directory))):
+        return False
+    try:
+        tok = Subword.load(directory)
+    except ValueError:  # damaged: said by the load of a run that keeps it
+        return False
+    return (tok.kind, tok.vocab_size, tok.trained_on) != (cfg.tokenizer, cfg.vocab_size, digest)
+
+
 def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
             save: bool = True) -> tuple[Subword, str]:
     """(tokenizer, "loaded" | "trained") for a run: the one saved in `directory` when there is
     one (refused if it is of another kind or size, or was trained on other text), else trained
     on `train_docs` and saved there (`save`, process 0 only)."""
     digest = text_digest(train_docs)
-    if directory and os.path.isfile(os.path.join(directory, META_FILE)):
+    if directory and os.path.isfile(os.path.join(directory, META_FILE)) and save and \
+            _kept_by_no_checkpoint(directory, cfg, digest):
+        pass  # a new run's, whose first run stopped before any checkpoint: trained anew below
+    elif directory and os.path.isfile(os.path.join(directory, META_FILE)):
         tok = Subword.load(directory)
         if (tok.kind, tok.vocab_size) != (cfg.tokenizer, cfg.vocab_size):
             raise _config_error("data.tokenizer", cfg.tokenizer,
