@@ -3376,3 +3376,25 @@ def test_a_shrink_of_a_subword_run_replaces_its_own_earlier_output(tmp_path, mon
     first = _shrink_a_run_saved_before_the_rules(cd, tmp_path, monkeypatch)
     assert "tokenizer" in os.listdir(tmp_path / "small")
     assert prune.shrink_run(str(tmp_path / "run"), str(tmp_path / "small")) == first
+
+
+@pytest.mark.slow  # two Trainers' builds: 3.6 s on the Xeon model 207
+def test_a_calibrated_conversion_of_a_run_of_another_function_is_refused(tmp_path):
+    """A review (session 116): a calibrated conversion (key/value covariances, expert routes)
+    ran the train.init_from run's model as this run's config builds it: a Performer run's
+    covariances were computed under this run's dense attention (its trained draw skipped).
+    Refused, naming the field; the same conversion uncalibrated builds."""
+    from hpnlp.train import Trainer
+    cd = tiny("lm")
+    cd.model.num_heads = 4
+    cd.attention.update(name="performer", options={"num_features": 8})
+    _teacher_workdir(tmp_path / "performer", cd)
+    cd = tiny("lm")
+    cd.model.update(num_heads=4, num_kv_heads=2)
+    cd.train.update(init_from=str(tmp_path / "performer"), init_kv_heads="svd",
+                    init_kv_calibration=2)
+    with pytest.raises(ConfigError, match=r"`attention.name` = 'dense' .*calibrates on that "
+                       r"run's model, which has attention.name='performer'"):
+        Trainer(from_configdict(cd), str(tmp_path / "gqa"))
+    cd.train.init_kv_calibration = 0
+    Trainer(from_configdict(cd), str(tmp_path / "gqa_fit")).checkpointer.close()

@@ -292,6 +292,28 @@ class Conversion:
     check: Callable | None = None
 
 
+def check_calibration_source(cfg: Config, source: Config, workdir: str) -> None:
+    """A calibrated conversion (`Conversion.calibrate`: key/value covariances, expert routes)
+    runs the `train.init_from` run's model as this run's config builds it, with that run's
+    shapes (`source_config`): the fields that choose its function must be that run's, or the
+    statistics are another function's (a review, session 116: a Performer run's covariances
+    computed under this run's dense attention, its trained draw skipped; a float run's
+    under this run's QAT). Refused, naming the field, before anything is read."""
+    m, s = cfg.model, source.model
+    for field, mine, theirs in (
+            ("attention.name", cfg.attention.name, source.attention.name),
+            ("model.pos_emb", m.pos_emb, s.pos_emb), ("model.causal", m.causal, s.causal),
+            ("model.quant.weights", m.quant.weights, s.quant.weights),
+            ("model.quant.activations", m.quant.activations, s.quant.activations)):
+        if mine != theirs:
+            raise config_error(field, mine, f"this run's conversion of train.init_from={workdir} "
+                               f"calibrates on that run's model, which has {field}={theirs!r}, "
+                               f"and its statistics would be read under this run's; convert with "
+                               f"{field}={theirs!r} (change it in a run after), or calibrate "
+                               "nothing (train.init_kv_calibration=0, train.init_experts="
+                               "'random')")
+
+
 def conversion(cfg: Config, src: ModelConfig, workdir: str) -> Conversion | None:
     """The conversion of the `train.init_from` run in `workdir` (model `src`) into this
     run: its key/value heads pooled into fewer (here) or into a latent (hpnlp.compress.mla),

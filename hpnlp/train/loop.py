@@ -515,6 +515,8 @@ class Trainer:
             self._convert = (transfer.conversion(cfg, source, cfg.train.init_from, mine,
                                                  data_lib.task_text_digest(self.task))
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
+            if self._convert is not None and self._convert.calibrate is not None:
+                gqa.check_calibration_source(cfg, source, cfg.train.init_from)
             if cfg.train.init_params != "trunk":  # its output layer read whole
                 from hpnlp.compress.distill import refuse_other_counts
                 refuse_other_counts(cfg, source, "train.init_from", cfg.train.init_from,
