@@ -352,6 +352,23 @@ def test_lra_bench_reports_accuracy_beside_baseline_and_relative_speed(tmp_path,
     assert os.path.getsize(os.path.join(out, "lra_accuracy_speed.png")) > 0
 
 
+def test_lra_relative_memory_reads_the_devices_peak_where_runs_have_one():
+    """A review (session 116): on an accelerator the relative memory read each run's host
+    RSS (the runtime's, ~1.0x for every variant), not the device's peak bytes in use."""
+    from hpnlp.bench import lra
+
+    def res(variant, rss, device):
+        return {"task": "listops", "variant": variant, "seed": 0, "status": "ok",
+                "accuracy": 0.5, "steps_per_sec": 10.0, "peak_rss_bytes": rss,
+                "peak_device_bytes": device}
+    gpu = lra._summarize({"tasks": ["listops"], "results": [res("dense", 100, 40),
+                                                            res("local", 101, 10)]})
+    assert gpu["local"]["listops"]["relative_memory"] == pytest.approx(0.25)
+    cpu = lra._summarize({"tasks": ["listops"], "results": [res("dense", 100, None),
+                                                            res("local", 50, None)]})
+    assert cpu["local"]["listops"]["relative_memory"] == pytest.approx(0.5)
+
+
 def test_lra_bench_stopped_writes_its_report(tmp_path, monkeypatch):
     """Review (session 95): a Ctrl-C lost every row of a run whose rows take up to 30 min."""
     from hpnlp.bench import lra

@@ -322,10 +322,13 @@ def load_tsv(path: str, field: str | None = None) -> tuple[list[np.ndarray], np.
     starts, ends = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
     width = ends - starts
     ids = np.where(width == 1, _SINGLE[buf[starts]], -2)
-    for key, tok in _KEYS.items():
-        hit = (width == len(key)) & (_key(buf, starts, len(key)) == _key(
-            np.frombuffer(key, np.uint8), np.zeros(1, np.int64), len(key))[0])
-        ids[hit] = tok
+    for key, tok in _KEYS.items():  # each key of the tokens of its width alone (a review,
+        # session 116: [N, 4] int64 copies of every token, ~100 bytes a token, ran LRA's own
+        # training file, ~1e8 tokens, out of memory)
+        cand = np.flatnonzero(width == len(key))
+        hit = _key(buf, starts[cand], len(key)) == _key(
+            np.frombuffer(key, np.uint8), np.zeros(1, np.int64), len(key))[0]
+        ids[cand[hit]] = tok
     row = np.searchsorted(np.flatnonzero(buf == ord("\n")), starts)
     if (bad := np.flatnonzero(ids == -2)).size:
         i = bad[0]
