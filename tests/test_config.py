@@ -253,6 +253,11 @@ def test_task_fields_are_filled_in():
      "must be a string"),
     ({"model": {"width": 30, "num_heads": 4}}, "model.width", "divisible by model.num_heads"),
     ({"model": {"kind": "classifier"}}, "model.kind", "needs model.kind='lm'"),
+    # a review (session 116): a task of positive pairs only taught a dual encoder a constant
+    ({"model": {"kind": "dual_encoder"}, "data": {"task": "verse_pairs"}}, "model.kind",
+     "holds positive pairs only (every label 'same')"),
+    ({"model": {"kind": "classifier"}, "data": {"task": "verse_pairs"}}, "model.kind",
+     "needs model.kind='bi_encoder'"),
     # a README walk: a classifier trained the same with any output layer
     ({"model": {"kind": "classifier"}, "data": {"task": "listops"}, "output": {"name": "vmf"}},
      "output.name", "a model.kind='classifier' model has its own head and ignores it"),

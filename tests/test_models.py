@@ -529,6 +529,12 @@ def test_a_model_of_vocab_size_0_is_refused_in_one_line():
         with pytest.raises(ConfigError, match=r"`model.vocab_size` = 0 .*config "
                            r"hpnlp.config.validate returns .*or set model.vocab_size"):
             models.build(make_cfg(kind, vocab_size=0), deterministic=True)
+    # and a classifier's of no classes (a review, session 116: Dense(0), then an argmax of an
+    # empty class axis inside JAX)
+    for kind in ("classifier", "dual_encoder"):
+        with pytest.raises(ConfigError, match=r"`model.num_classes` = 0 .*or set "
+                           r"model.num_classes"):
+            models.build(make_cfg(kind, num_classes=0), deterministic=True)
 
 
 # 5.3 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite

@@ -143,3 +143,15 @@ def test_each_example_draws_its_own_dropout_mask_and_shares_the_features_draw():
     assert losses[0] != losses[1] and norms[0] != norms[1], (losses, norms)
     losses, norms = both(batch, {"features": key})
     assert losses[0] == losses[1] != 16.0 and norms[0] == norms[1], (losses, norms)
+
+
+def test_a_bi_encoder_is_refused_per_example_losses():
+    """A review (session 116): a bi-encoder's loss reads the batch's other pairs as its
+    negatives, so each example alone scored 0 and every gradient was 0, unsaid."""
+    cd = default_configdict()
+    cd.model.update(kind="bi_encoder", width=16, depth=1, num_heads=2, mlp_dim=32, max_len=16)
+    cd.data.update(task="verse_pairs", seq_len=16)
+    model = models.build(validate(from_configdict(cd)), deterministic=True)
+    for fn in (per_example_losses, per_example_grads, per_example_grad_norms):
+        with pytest.raises(ValueError, match="its loss is defined over a whole batch"):
+            fn(model, {}, {"inputs1": np.zeros((2, 16), np.int32)})

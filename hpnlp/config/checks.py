@@ -1315,11 +1315,19 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
     info = dict(task_info) if task_info is not None else data_lib.task_info(d)
     want_kind = {"lm": "lm", "classifier": "classify", "dual_encoder": "match",
                  "bi_encoder": "match"}[m.kind]
+    # a task of positive pairs only (every label 'same') trains a bi-encoder, whose negatives
+    # are the batch's other pairs; a dual encoder's classifier of it learns a constant (a
+    # review, session 116: 100% accuracy, loss 0)
+    match = "bi_encoder" if info.get("positives_only") else "dual_encoder"
     if info["kind"] != want_kind:
-        kinds = {"lm": "lm", "classify": "classifier", "match": "dual_encoder"}
+        kinds = {"lm": "lm", "classify": "classifier", "match": match}
         _fail("model.kind", m.kind,
               f"data.task={d.task!r} is a {info['kind']!r} task and needs "
               f"model.kind={kinds[info['kind']]!r}")
+    if m.kind == "dual_encoder" and info.get("positives_only"):
+        _fail("model.kind", m.kind, f"data.task={d.task!r} holds positive pairs only (every "
+              "label 'same'), so a dual encoder's classifier of them learns a constant; use "
+              "model.kind='bi_encoder' (the batch's other pairs its negatives)")
     if d.batching == "pack" and not getattr(att_cls, "supports_segments", True):
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "

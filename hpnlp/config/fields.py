@@ -333,7 +333,8 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; softmax and losses always run in float32
     # Per-block rematerialization: "none" | "full" | "dots_saveable" | "names:qkv,mlp_in"
     # (save only these REMAT_NAMES activations, recompute the rest in the backward pass) |
-    # "elementwise" (recompute only the layer norms' and gelu's outputs, keep all else).
+    # "elementwise" (recompute only the layer norms and gelu: their statistics and temporaries
+    # are freed; their outputs, the next products' inputs, those products keep).
     remat: str = "none"
     # Reversible residual blocks (RevNet/Reformer, models/reversible.py): the backward pass
     # recomputes each block's inputs from its outputs, so activation memory stops growing

@@ -46,6 +46,13 @@ def build(cfg: Config, *, deterministic: bool, decode: bool = False, token_count
                            "build from the config hpnlp.config.validate returns (it takes the "
                            "size from the task, hpnlp.data.task_info, as Trainer does) or set "
                            "model.vocab_size")
+    C = cfg.model.num_classes
+    if cfg.model.kind in ("classifier", "dual_encoder") and (
+            not isinstance(C, (int, np.integer)) or C < 1):  # (a review, session 116: Dense(0),
+        # and an argmax of an empty class axis inside JAX)
+        raise config_error("model.num_classes", C, "the classifier's head needs its class "
+                           "count; build from the config hpnlp.config.validate returns (it takes "
+                           "the count from the task) or set model.num_classes")
     if isinstance(token_counts, np.ndarray) and token_counts.ndim == 1 and len(token_counts) < V:
         # model.vocab_size above the task's: the last ids are never seen (found in review:
         # every LM failed here; validate allows a larger table, e.g. one that splits evenly)

@@ -377,9 +377,10 @@ class Block(nn.Module):
     e.g. "names:qkv,mlp_in" keeps the two big projections and recomputes the attention
     scores, norms and gelu in the backward pass. The block input is always saved. (The MLP's
     output has no name: the backward never needs it, only its sum with the residual.)
-    `model.remat = "elementwise"` is not a block policy: it keeps everything but the two
-    layer norms' outputs and gelu's, which the backward pass recomputes from their inputs
-    (`layer_norm`, `mlp`).
+    `model.remat = "elementwise"` is not a block policy: the backward pass recomputes the two
+    layer norms and gelu from their inputs (`layer_norm`, `mlp`), which frees their own
+    residuals (the norms' statistics, gelu's temporaries); their outputs are the next
+    products' inputs, which those products keep (a review, session 116: said to be freed).
     """
 
     model: ModelConfig

@@ -67,8 +67,21 @@ def _over_examples(fn, batch, rngs):
     return jax.vmap(lambda ex, i: fn(ex, _example_rngs(rngs, i)))(batch, jnp.arange(B))
 
 
+def _check_per_example(model) -> None:
+    """A ValueError for a model whose loss is not a sum over its examples: the bi-encoder's
+    reads the batch's other pairs as negatives, so one example alone scored 0 (in-batch) or
+    nothing (triplet), every gradient 0, unsaid (a review, session 116)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.model.kind == "bi_encoder":
+        raise ValueError("per-example losses of a model.kind='bi_encoder' model: its loss is "
+                         "defined over a whole batch (the other pairs are each pair's "
+                         "negatives), so one example alone has none; use a classifier, a "
+                         "dual encoder or an LM")
+
+
 def example_loss(model, params, example, rngs=None):
     """Mean loss over one example's real tokens (or its weight, for classifiers)."""
+    _check_per_example(model)
     sums = model.apply({"params": params}, _as_batch_of_one(example), rngs=rngs)
     return sums["loss"] / jnp.maximum(sums["weight"], 1.0)
 
@@ -84,6 +97,8 @@ EXACT_TOKENS = 1024  # an example's tokens whose mean's gradient needs no scale 
 def _scaled_grad(model):
     """(params, example, rngs) -> (the gradient of example_loss times `scale`, scale): the
     mean differentiated times a power of 2 (see above), for the caller to divide in float32."""
+    _check_per_example(model)
+
     def scaled(params, example, rngs):
         sums = model.apply({"params": params}, _as_batch_of_one(example), rngs=rngs)
         weight = jnp.maximum(sums["weight"], 1.0)
