@@ -267,6 +267,8 @@ def _markdown(payload: dict) -> str:
     summ = payload["summary"]
     lengths = ", ".join(f"{t} {s['seq_len'][t]}" for t in tasks)
     steps = ", ".join(f"{t} {s['steps'][t]}" for t in tasks)
+    memory = ("the device's peak bytes in use per run" if any(
+        r.get("peak_device_bytes") for r in res) else "the peak RSS of a fresh process per run")
     parts = [report.header_md(payload["machine"], {}), "",
              f"Same model for every variant: width {s['width']}, depth {s['depth']}, {s['heads']} "
              f"heads, MLP {s['mlp']}, batch {s['batch']} (AdamW, warmup then cosine decay), "
@@ -277,8 +279,7 @@ def _markdown(payload: dict) -> str:
              "the default settings all 1,000 ListOps examples, and 1,024 of the text task's "
              "1,589 windows), while the majority class is scored on the whole split; speed is "
              "training steps/s (compile and evaluation excluded) "
-             "and memory the peak RSS of a fresh process per run (on an accelerator, the "
-             "device's peak bytes in use), both divided by `dense` (its "
+             f"and memory {memory}, both divided by `dense` (its "
              "first seed) on the same task. `dense (seed N)` rows rerun dense with another "
              "initialization and dropout seed (same data), for the seed-to-seed spread.", ""]
     base = {t: next((r.get("baseline_accuracy") for r in _ok(res, t)), None) for t in tasks}
