@@ -1058,6 +1058,8 @@ def test_ctrl_c_names_the_resume_and_a_non_finite_eval_stops_before_its_checkpoi
         run(cd, str(tmp_path))
     assert "tiny: resuming from step 4 in " in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    # its eval is not logged: a NaN line is not JSON (a review, session 116)
+    assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()
     # the newest checkpoint's array files gone: one line, without TensorStore's pointer to
     # more detail (it printed as a bound method's repr)
     for root, _, files in os.walk(tmp_path / "checkpoints" / "4" / "state"):

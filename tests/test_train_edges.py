@@ -3,6 +3,7 @@ last step, --profile's trace when a run fails or pauses, a read-only Trainer's r
 checkpoint's one-batch check, and what makes another held-out set."""
 
 import glob
+import json
 import os
 import time
 
@@ -46,6 +47,25 @@ def test_patience_reached_at_the_last_step_is_no_early_stop_and_a_longer_rerun_t
     assert "stopped early there" not in capsys.readouterr().err
     assert longer["final_step"] == 8 and longer["stopped_early"]
     assert longer["best_eval"] == {"step": 4, "loss": 0.5}
+
+
+# a short run of a tiny model: 6 s on the Xeon model 207; CI's slow part runs it
+@pytest.mark.slow
+def test_a_signal_at_the_eval_that_stops_early_finishes_the_run(tmp_path, monkeypatch):
+    """A review (session 116): a SIGTERM at a step whose eval reached the patience saved the
+    step stopped early, then ended the run as stopped by the signal (exit 143, no summary),
+    and its rerun trained nothing. It finishes as an early stop. The evals are scripted."""
+    from hpnlp.train import stop as stop_lib
+    scores = iter([1.0, 1.5, 1.6])  # steps 2, 4, 6: two evals without a better loss at 6
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {"loss": next(scores)})
+    calls = []
+    monkeypatch.setattr(stop_lib.StopSignals, "reached",  # a SIGTERM during step 6
+                        lambda self, last=False: calls.append(1) or len(calls) == 6)
+    cd = tiny(steps=10, eval_every=2, early_stopping_patience=2, eval_batches=1,
+              checkpoint_every=0)
+    summary = run(cd, str(tmp_path))
+    assert summary["stopped_early"] and summary["final_step"] == 6
+    assert json.load(open(tmp_path / "summary.json"))["final_step"] == 6
 
 
 def _traces(folder):

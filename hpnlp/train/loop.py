@@ -1217,13 +1217,11 @@ class Trainer:
                     save(step, state, {}, eval_due=True)
                     self.checkpointer.wait()
                 raise
-            logged = made_up and writer.enabled and _logged(writer.path, step)
-            if not logged:
-                writer.write(step, last_eval, eval=True)
             # Parameters can blow up while staying finite (the step's own loss, read before
             # its update, still finite): their eval loss is the last check before they would
             # be saved and named good (found by a README walk: lr=1e9 saved such a step, and
-            # its resume diverged at once)
+            # its resume diverged at once). Before the eval is logged (a review, session 116:
+            # its NaN line, not JSON, was kept, and a finite rerun's eval then not logged)
             if not math.isfinite(float(last_eval.get("loss", 0.0))):
                 loss = float(last_eval["loss"])
                 if not made_up:
@@ -1237,6 +1235,11 @@ class Trainer:
                     f"{'when that eval failed' if eval_due else 'without an eval'}); move "
                     "it aside to resume from the checkpoint before it, then lower train.lr, "
                     "raise train.warmup_steps, keep train.clip_norm > 0, or check the data.")
+            logged = made_up and writer.enabled and _logged(writer.path, step)
+            if not logged:
+                writer.write(step, last_eval, eval=True)
+                if made_up:  # into TensorBoard now: no checkpoint save comes to sync it
+                    writer.sync()  # before the next (a review, session 116)
             score = last_eval.get(t.early_stopping_metric)
             if score is not None:
                 if best is None or (score > best if maximize else score < best):
@@ -1249,8 +1252,11 @@ class Trainer:
             if (t.early_stopping_patience and bad_evals >= t.early_stopping_patience
                     and step < t.steps):
                 stopped_early = True
-                # the last steps' train line (found in review: lost)
-                if window["n"] and not logged:
+                # the last steps' train line (found in review: lost), unless written already
+                # (a made-up eval's rerun: its eval line logged, not always its train line;
+                # a review, session 116)
+                if window["n"] and not (writer.enabled and _logged(writer.path, step,
+                                                                   eval=False)):
                     flush(step)
 
         pending = None
@@ -1332,6 +1338,10 @@ class Trainer:
                     if do_eval:
                         take_eval(step, state)
                         do_ckpt = do_ckpt or stopped_early
+                        # an early stop here finishes the run, a signal at this step or not
+                        # (a review, session 116: saved stopped early, it ended as stopped by
+                        # SIGTERM, no summary, and its rerun trained nothing)
+                        stopping = stopping and not stopped_early
                     if do_ckpt:
                         if not (do_eval or stopping):  # (a signal's save is not held up by an
                             # eval, whose compile, where none ran yet, may outlast its grace)
