@@ -3398,3 +3398,14 @@ def test_a_calibrated_conversion_of_a_run_of_another_function_is_refused(tmp_pat
         Trainer(from_configdict(cd), str(tmp_path / "gqa"))
     cd.train.init_kv_calibration = 0
     Trainer(from_configdict(cd), str(tmp_path / "gqa_fit")).checkpointer.close()
+
+
+def test_shrink_tells_a_run_to_train_on_only_where_its_final_target_removes_units():
+    """A review (session 116): the choice between "train it on" and "prune to a higher
+    sparsity" for a run that removed no unit: the first where the schedule's final target
+    removes a unit of some group (a run saved before it got there), the second where even
+    that target removes none."""
+    heads = {"trunk/block_0/heads": prune.Group("heads", 4, {})}
+    p = PruneConfig(method="magnitude", structure="structured", sparsity=0.1)
+    assert not prune.final_prunes_units(p, heads)  # round(0.4) = 0 of 4 heads
+    assert prune.final_prunes_units(dataclasses.replace(p, sparsity=0.5), heads)

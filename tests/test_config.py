@@ -253,9 +253,7 @@ def test_task_fields_are_filled_in():
      "must be a string"),
     ({"model": {"width": 30, "num_heads": 4}}, "model.width", "divisible by model.num_heads"),
     ({"model": {"kind": "classifier"}}, "model.kind", "needs model.kind='lm'"),
-    # a review (session 116): a task of positive pairs only taught a dual encoder a constant
-    ({"model": {"kind": "dual_encoder"}, "data": {"task": "verse_pairs"}}, "model.kind",
-     "holds positive pairs only (every label 'same')"),
+    # a review (session 116): not a dual encoder, which learns a constant of positive pairs
     ({"model": {"kind": "classifier"}, "data": {"task": "verse_pairs"}}, "model.kind",
      "needs model.kind='bi_encoder'"),
     # a README walk: a classifier trained the same with any output layer
@@ -1096,7 +1094,8 @@ def test_an_implementation_this_machine_cannot_run_is_read_by_its_portable_twin(
     assert "read with 'xla', the same function" in notes[0]
     # hashable, as the options were (a review, session 116: a plain dict failed the kNN-LM's
     # and the bi-encoder's passes, cached by their model)
-    assert type(read.attention.options) is type(cudnn.attention.options) and hash(read)
+    assert type(read.attention.options) is type(cudnn.attention.options)
+    hash(read)
     validate(read, num_devices=1)
     kernel = base(attention={"name": "chunked", "options": {"impl": "kernel"}},
                   model={"width": 64})
@@ -1698,3 +1697,15 @@ def test_patterns_of_distances_alone_train_on_packed_rows():
                           ("dense", {})):
         check_new_run(validate(base(attention={"name": name, "options": options},
                                     data={"batching": "pack"}), num_devices=1))
+
+
+def test_a_new_dual_encoder_of_positive_pairs_only_is_refused():
+    """A review (session 116): on a task of positive pairs only (every label 'same') a dual
+    encoder's classifier learned a constant: 100% accuracy, loss 0. A new run is refused,
+    naming the bi-encoder; a saved one is still read (`validate` takes it)."""
+    from hpnlp.config.checks import check_new_run
+    cfg = base(model={"kind": "dual_encoder"}, data={"task": "verse_pairs"})
+    cfg = validate(cfg, num_devices=1)
+    with pytest.raises(ConfigError, match=r"`model.kind` = 'dual_encoder' .*holds positive "
+                       r"pairs only .*use model.kind='bi_encoder'"):
+        check_new_run(cfg)

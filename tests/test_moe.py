@@ -1017,6 +1017,15 @@ def test_knnlm_pads_its_batches_to_whole_routing_groups(tmp_path):
     with pytest.raises(knnlm.RetrievalError, match=r"computed in 3 MoE routing group\(s\), and "
                        r"this run's model routes in 1 "):
         knnlm.datastore_for(other, params, train, str(tmp_path / "ds"), seq_len=16)
+    assert knnlm.datastore_for(model, params, train, str(tmp_path / "ds"), seq_len=16)[1] is False
+    # one built before the groups were recorded (their keys routed in one, outside a mesh)
+    path = tmp_path / "ds" / knnlm.DATASTORE
+    header = json.loads(path.read_text())
+    del header["routing_groups"]
+    path.write_text(json.dumps(header))
+    with pytest.raises(knnlm.RetrievalError, match=r"computed in 1 MoE routing group\(s\), "
+                       r"and this run's model routes in 3 "):
+        knnlm.datastore_for(model, params, train, str(tmp_path / "ds"), seq_len=16)
 
 
 # 2.6 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite

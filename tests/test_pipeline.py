@@ -556,3 +556,22 @@ def test_the_pool_is_evaluated_in_the_runs_pipeline_outside_its_loop():
     tr._context = lambda: jax.sharding.use_abstract_mesh(AbstractMesh((2,), ("pipeline",)))
     out = tr.evaluate(State())
     assert seen == [2] and out["mrr"] == 1.0
+
+
+# a Trainer's build and two saves: ~3 s on the Xeon model 207; CI's slow part runs it
+@pytest.mark.slow
+def test_a_teachers_pipeline_stages_are_read_from_its_checkpoint(tmp_path):
+    """A review (session 116): a teacher of mesh.pipeline=-1 (every device) says in its
+    config how many stages it trained in no more; its checkpoint's loop item does, which
+    the check of its random-feature draw against the student's stages reads."""
+    from hpnlp.compress.distill import checkpoint_pipeline_stages
+    tr = Trainer(from_configdict(tiny()), str(tmp_path / "t"))
+    state, _ = tr.initial_state()
+    tr.checkpointer.save(0, state, tr.train_iter.get_state(), {})
+    tr.checkpointer.wait()
+    assert checkpoint_pipeline_stages(str(tmp_path / "t")) is None  # not recorded
+    tr.checkpointer.save(1, state.replace(step=state.step + 1), tr.train_iter.get_state(),
+                         {"pipeline_stages": 4})
+    tr.checkpointer.close()
+    assert checkpoint_pipeline_stages(str(tmp_path / "t")) == 4
+    assert checkpoint_pipeline_stages(str(tmp_path / "none")) is None

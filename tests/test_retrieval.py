@@ -1047,11 +1047,13 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
     monkeypatch.setattr(knnlm, "ordered_batches", real)
     assert os.listdir(tmp_path / "ds") == []
     # nor a stop after the loop, in the values' save (a review, session 116: keys.tmp.npy left)
-    save = np.save
-    monkeypatch.setattr(np, "save", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
-    with pytest.raises(KeyboardInterrupt):
-        knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=L)
-    monkeypatch.setattr(np, "save", save)
+    def cut(path, *a, **k):  # a part written, then the stop
+        open(path, "wb").write(b"\x93NUMPY")
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(np, "save", cut)
+        with pytest.raises(KeyboardInterrupt):
+            knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=L)
     assert os.listdir(tmp_path / "ds") == []
     store = knnlm.build_datastore(model, params, train, str(tmp_path / "ds"), seq_len=L)
     assert store.keys.dtype == np.float16 and len(store.keys) == int(np.sum(train.lengths - 1))

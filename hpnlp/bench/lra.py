@@ -188,9 +188,9 @@ def _summarize(payload: dict) -> dict:
         row = {"accuracy": r["accuracy"]}
         if base:
             row["relative_speed"] = r["steps_per_sec"] / base["steps_per_sec"]
-            key = ("peak_device_bytes" if r.get("peak_device_bytes")
-                   and base.get("peak_device_bytes") else "peak_rss_bytes")
-            if r[key] and base[key]:
+            # the task's one measure, the one its dense row has (not row by row)
+            key = "peak_device_bytes" if base.get("peak_device_bytes") else "peak_rss_bytes"
+            if r.get(key) and base[key]:
                 row["relative_memory"] = r[key] / base[key]
         out.setdefault(_label(r), {})[r["task"]] = row
     for v, per_task in out.items():

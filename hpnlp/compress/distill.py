@@ -350,6 +350,26 @@ def trained_features_key(workdir: str, redraw_every: int, *, field: str):
     return state.features_key(redraw_every)
 
 
+def checkpoint_pipeline_stages(workdir: str) -> int | None:
+    """The pipeline stages the newest checkpoint in `workdir` trained in (its loop item's
+    "pipeline_stages"), None where it is not recorded or cannot be read."""
+    import orbax.checkpoint as ocp
+
+    from hpnlp.train.checkpoint import _newest
+    try:
+        manager, step = _newest(workdir)
+    except Exception:  # noqa: BLE001 (no checkpoint: nothing recorded)
+        return None
+    try:
+        loop = manager.restore(step, args=ocp.args.Composite(loop=ocp.args.JsonRestore()))["loop"]
+    except Exception:  # noqa: BLE001 (an unreadable step: said where its state is read)
+        return None
+    finally:
+        manager.close()
+    stages = loop.get("pipeline_stages") if isinstance(loop, dict) else None
+    return stages if type(stages) is int and stages > 0 else None
+
+
 def trained_rngs(cfg: Config, workdir: str, *, field: str) -> dict:
     """A pass's rngs for `cfg`'s model with the parameters of the run in `workdir`:
     {"features": the draw that run trained with} where the model reads that stream
@@ -597,7 +617,10 @@ class TeacherCarry(Carry):
                                f"that divides both {sm.depth} and {tm.depth}")
         from hpnlp.attention import draws_features
         from hpnlp.attention import get as attention_class
-        # (a mesh.pipeline of -1 took every device there: how many, its config does not say)
+        if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options):
+            # the stages its checkpoint trained in, else its config's count (-1 took every
+            # device there: how many, the config does not say)
+            trained_stages = checkpoint_pipeline_stages(self.workdir) or trained_stages
         if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options) \
                 and isinstance(trained_stages, int) and trained_stages > 0 \
                 and (stages > 1) != (trained_stages > 1):

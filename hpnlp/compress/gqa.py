@@ -299,12 +299,16 @@ def check_calibration_source(cfg: Config, source: Config, workdir: str) -> None:
     statistics are another function's (a review, session 116: a Performer run's covariances
     computed under this run's dense attention, its trained draw skipped; a float run's
     under this run's QAT). Refused, naming the field, before anything is read."""
+    from hpnlp.train.checkpoint import EXACT_ATTENTION
     m, s = cfg.model, source.model
+    a, b = cfg.attention, source.attention
+    exact = a.name in EXACT_ATTENTION and b.name in EXACT_ATTENTION  # one function, any layout
     for field, mine, theirs in (
-            ("attention.name", cfg.attention.name, source.attention.name),
+            ("attention.name", a.name, a.name if exact else b.name),
+            ("attention.options", dict(a.options), dict(a.options if exact else b.options)),
             ("model.pos_emb", m.pos_emb, s.pos_emb), ("model.causal", m.causal, s.causal),
-            ("model.quant.weights", m.quant.weights, s.quant.weights),
-            ("model.quant.activations", m.quant.activations, s.quant.activations)):
+            ("quant.weights", m.quant.weights, s.quant.weights),
+            ("quant.activations", m.quant.activations, s.quant.activations)):
         if mine != theirs:
             raise config_error(field, mine, f"this run's conversion of train.init_from={workdir} "
                                f"calibrates on that run's model, which has {field}={theirs!r}, "

@@ -986,10 +986,10 @@ def movement_update(value: dict, weights: dict, grads) -> tuple[dict, dict]:
     return dense, out
 
 
-# What `shrink_run` writes: a run of one checkpoint (step 0) and its summary
-# what `shrink_run` writes: the new run's files, its tokenizer (a subword run's), its training
-# text's digest and a distilled student's teacher config (a review, session 116: a rerun of a
-# bpe run's shrink was refused its own earlier output, "holds a training run")
+# What `shrink_run` writes: the new run's files (one checkpoint, step 0, and its summary),
+# its tokenizer (a subword run's), its training text's digest and a distilled student's
+# teacher config (a review, session 116: a rerun of a bpe run's shrink was refused its own
+# earlier output, "holds a training run")
 SHRUNK_FILES = ("checkpoints", "config.json", "summary.json", "tokenizer", "text.json",
                 "teacher_config.json")
 

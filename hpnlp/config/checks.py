@@ -626,7 +626,7 @@ def check_training(cfg: Config) -> None:
     calibrates (else the first step's trace failed, after the data and the model were built),
     and clustered attention under pipeline stages.
     The Trainer calls it, and so does a process of a multi-process run before it joins."""
-    if cfg.attention.name == "clustered" and cfg.mesh.pipeline > 1:
+    if cfg.attention.name == "clustered" and cfg.mesh.pipeline != 1:  # (-1: every device)
         # a review (session 116): every stage runs its layers at each of the M + P - 1 ticks,
         # and the centroids' k-means gradient (clustered's backward tap) is added whatever
         # cotangent reaches it, so the bubble ticks' stale rows added theirs (a reader of a
@@ -871,6 +871,13 @@ def check_new_run(cfg: Config) -> None:
     `compress_checks.check_new_compress_run`'s."""
     t, moe = cfg.train, cfg.model.moe
     check_master_weights(cfg)
+    if cfg.model.kind == "dual_encoder":  # (a saved one is still read)
+        from hpnlp import data as data_lib
+        if data_lib.task_info(cfg.data).get("positives_only"):
+            _fail("model.kind", cfg.model.kind, f"data.task={cfg.data.task!r} holds positive "
+                  "pairs only (every label 'same'), so a dual encoder's classifier of them "
+                  "learns a constant; use model.kind='bi_encoder' (the batch's other pairs its "
+                  "negatives)")
     _check_unread_of_new_run(cfg)
     if t.steps == 1 and t.warmup_steps >= 1:
         # a review (r12, session 108): the step at optimizer count c applies schedule(c), and
@@ -1324,10 +1331,6 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
         _fail("model.kind", m.kind,
               f"data.task={d.task!r} is a {info['kind']!r} task and needs "
               f"model.kind={kinds[info['kind']]!r}")
-    if m.kind == "dual_encoder" and info.get("positives_only"):
-        _fail("model.kind", m.kind, f"data.task={d.task!r} holds positive pairs only (every "
-              "label 'same'), so a dual encoder's classifier of them learns a constant; use "
-              "model.kind='bi_encoder' (the batch's other pairs its negatives)")
     if d.batching == "pack" and not getattr(att_cls, "supports_segments", True):
         _fail("data.batching", d.batching,
               f"attention {cfg.attention.name!r} takes padding as lengths only (one segment per "

@@ -301,9 +301,11 @@ def _kept_by_no_checkpoint(directory: str, cfg, digest: str) -> bool:
     than `cfg`'s (kind, size, training text `digest`) in a workdir that holds no checkpoint:
     the run that saved it stopped before its first one, so a rerun starts over (a review,
     session 116: it was refused the kept tokenizer, told to use a new workdir)."""
+    import jax
+
     from hpnlp.train.checkpoint import has_checkpoint
-    if has_checkpoint(os.path.dirname(os.path.abspath(directory))):
-        return False
+    if jax.process_count() > 1 or has_checkpoint(os.path.dirname(os.path.abspath(directory))):
+        return False  # (several processes: one would replace the folder the others read)
     try:
         tok = Subword.load(directory)
     except ValueError:  # damaged: said by the load of a run that keeps it

@@ -269,15 +269,16 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
                 f"{folder}: holds a datastore of {store.header['entries']:,} entries, and this "
                 f"run asks for {want:,} (--max_datastore_tokens sets how many); give another "
                 "--datastore folder, or delete this one to build it again")
-        theirs, mine = store.header.get("routing_groups"), routing_groups(model)
+        # (one group where none is recorded: a datastore built before session 116 routed in
+        # one outside a mesh, as a model of no fixed groups does)
+        theirs, mine = store.header.get("routing_groups") or 1, routing_groups(model) or 1
         if theirs != mine:  # a review (session 116): a datastore built before the model was
             # pinned to the run's MoE routing groups holds another function's keys
             raise RetrievalError(
-                f"{folder}: holds a datastore whose keys the model computed in "
-                f"{theirs or 'the default'} MoE routing group(s), and this run's model routes "
-                f"in {mine or 'the default'} (model.moe.groups, or the run's own; one built "
-                "by an hpnlp before session 116 routed in one); give another --datastore "
-                "folder, or delete this one to build it again")
+                f"{folder}: holds a datastore whose keys the model computed in {theirs} MoE "
+                f"routing group(s), and this run's model routes in {mine} (model.moe.groups, "
+                "or the run's own); give another --datastore folder, or delete this one to "
+                "build it again")
         return store, False
     return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta,
                            features_key=rngs.get("features")), True
