@@ -239,8 +239,9 @@ def test_the_corpus_table_counts_every_text_a_row_embeds():
     for args, kind, texts in (("local,bag", "bi_encoder", 2), ("local,bag,mine", "bi_encoder", 3),
                               ("local", "dual_encoder", 2)):
         cfg = _cfg(args, **{"model.vocab_size": 256})
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind=kind,
-                                                                 embed_grad_scale="corpus"))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, kind=kind, embed_grad_scale="corpus",  # (a dual encoder's 2 classes)
+            num_classes=2 if kind == "dual_encoder" else cfg.model.num_classes))
         B, L = cfg.train.batch_size, cfg.data.seq_len
         got = models.build(cfg, deterministic=True, token_counts=counts).embed_weights.weights
         np.testing.assert_array_equal(got, corpus_count_weights(counts, texts * B * L),
