@@ -575,3 +575,4 @@ def test_a_teachers_pipeline_stages_are_read_from_its_checkpoint(tmp_path):
     tr.checkpointer.close()
     assert checkpoint_pipeline_stages(str(tmp_path / "t")) == 4
     assert checkpoint_pipeline_stages(str(tmp_path / "none")) is None
+    assert not os.path.exists(tmp_path / "none")  # a reader creates nothing

@@ -355,7 +355,9 @@ def checkpoint_pipeline_stages(workdir: str) -> int | None:
     "pipeline_stages"), None where it is not recorded or cannot be read."""
     import orbax.checkpoint as ocp
 
-    from hpnlp.train.checkpoint import _newest
+    from hpnlp.train.checkpoint import _newest, has_checkpoint
+    if not has_checkpoint(workdir):  # (a manager made on a missing folder would create it)
+        return None
     try:
         manager, step = _newest(workdir)
     except Exception:  # noqa: BLE001 (no checkpoint: nothing recorded)
@@ -617,9 +619,11 @@ class TeacherCarry(Carry):
                                f"that divides both {sm.depth} and {tm.depth}")
         from hpnlp.attention import draws_features
         from hpnlp.attention import get as attention_class
-        if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options):
+        if not held and tm.stack_layers and draws_features(tcfg.attention.name,
+                                                           tcfg.attention.options):
             # the stages its checkpoint trained in, else its config's count (-1 took every
-            # device there: how many, the config does not say)
+            # device there: how many, the config does not say); at the start only: a resume
+            # holds the teacher it started with, whose folder may since hold another run
             trained_stages = checkpoint_pipeline_stages(self.workdir) or trained_stages
         if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options) \
                 and isinstance(trained_stages, int) and trained_stages > 0 \

@@ -303,9 +303,10 @@ def check_calibration_source(cfg: Config, source: Config, workdir: str) -> None:
     m, s = cfg.model, source.model
     a, b = cfg.attention, source.attention
     exact = a.name in EXACT_ATTENTION and b.name in EXACT_ATTENTION  # one function, any layout
+    # (the variant alone: its options written otherwise, defaults spelled out or layout
+    # ones such as chunk sizes, are mostly the same function, and are left to the user)
     for field, mine, theirs in (
             ("attention.name", a.name, a.name if exact else b.name),
-            ("attention.options", dict(a.options), dict(a.options if exact else b.options)),
             ("model.pos_emb", m.pos_emb, s.pos_emb), ("model.causal", m.causal, s.causal),
             ("quant.weights", m.quant.weights, s.quant.weights),
             ("quant.activations", m.quant.activations, s.quant.activations)):

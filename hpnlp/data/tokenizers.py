@@ -324,12 +324,18 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
         pass  # a new run's, whose first run stopped before any checkpoint: trained anew below
     elif directory and os.path.isfile(os.path.join(directory, META_FILE)):
         tok = Subword.load(directory)
+        from hpnlp.train.checkpoint import has_checkpoint
+        # a run of several processes whose first try saved no checkpoint (one process
+        # replacing the folder the others read: not done; a review, session 116)
+        anew = ("" if not save or has_checkpoint(os.path.dirname(os.path.abspath(directory)))
+                else f" (the workdir holds no checkpoint: delete {directory} to train one "
+                "anew)")
         if (tok.kind, tok.vocab_size) != (cfg.tokenizer, cfg.vocab_size):
             raise _config_error("data.tokenizer", cfg.tokenizer,
                                 f"{directory} holds a {tok.kind} tokenizer of {tok.vocab_size} "
                                 f"pieces and this config asks for {cfg.tokenizer} of "
                                 f"{cfg.vocab_size} (data.vocab_size); use the run's own settings, "
-                                "or a new workdir")
+                                f"or a new workdir{anew}")
         if tok.trained_on != digest:
             # a review (session 116): said of data.train_path whatever changed (a run of the
             # shipped corpus resumed under another data.eval_split named train_path = ''), and
@@ -342,7 +348,7 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
                                 "fields that choose the split (data.eval_split, data.eval_path) "
                                 "differ from the run's; "
                                 f"{'restore the file, or ' if cfg.train_path else ''}use the "
-                                "run's own data settings, or a new workdir")
+                                f"run's own data settings, or a new workdir{anew}")
         return tok, "loaded"
     if directory and not save:  # a bug hunt: a reader of a run (generate) whose tokenizer
         # folder was gone trained another one, and wrote other text from the same ids

@@ -271,14 +271,17 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
                 "--datastore folder, or delete this one to build it again")
         # (one group where none is recorded: a datastore built before session 116 routed in
         # one outside a mesh, as a model of no fixed groups does)
-        theirs, mine = store.header.get("routing_groups") or 1, routing_groups(model) or 1
+        recorded = store.header.get("routing_groups")
+        theirs, mine = recorded or 1, routing_groups(model) or 1
         if theirs != mine:  # a review (session 116): a datastore built before the model was
             # pinned to the run's MoE routing groups holds another function's keys
+            built = (f"in {theirs} MoE routing group(s)" if recorded else "in MoE routing "
+                     "groups it does not record (built before session 116: one outside a mesh, "
+                     "or model.moe.groups)")
             raise RetrievalError(
-                f"{folder}: holds a datastore whose keys the model computed in {theirs} MoE "
-                f"routing group(s), and this run's model routes in {mine} (model.moe.groups, "
-                "or the run's own); give another --datastore folder, or delete this one to "
-                "build it again")
+                f"{folder}: holds a datastore whose keys the model computed {built}, and this "
+                f"run's model routes in {mine} (model.moe.groups, or the run's own); give "
+                "another --datastore folder, or delete this one to build it again")
         return store, False
     return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta,
                            features_key=rngs.get("features")), True
