@@ -167,6 +167,21 @@ def test_a_checkpoint_s_one_batch_check_that_fails_saves_nothing_and_checks_the_
     assert int(state.step) == 1
 
 
+def _stopped_at_step_7(cd, workdir: str) -> None:
+    """Run `cd` in `workdir` and stop it by Ctrl-C in step 7, after its checkpoint at 6."""
+    from hpnlp.train import Interrupted
+    tr = Trainer(from_configdict(cd), workdir)
+    inner = tr.train_step
+
+    def stopping(state, batch):
+        if int(state.step) == 6:
+            raise KeyboardInterrupt
+        return inner(state, batch)
+    tr.train_step = stopping
+    with pytest.raises(Interrupted, match="at step 7; the newest checkpoint is step 6 in "):
+        tr.run()
+
+
 # 4.1 and 8.9 s (the first compiles) on one core of the Xeon model 167 stepping 1 beside
 # other work (2026-12-06, load 2.7 on 2 cores): CI's slow part runs it
 @pytest.mark.slow
@@ -179,7 +194,6 @@ def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step
     ran it; for a checkpoint saved before `last_eval_step`, where the config that saved it
     did not evaluate there. The evals are scripted: nothing else compiles but the train
     step."""
-    from hpnlp.train import Interrupted
     from hpnlp.train.checkpoint import Checkpointer
     monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": float(state.step)})
     monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
@@ -189,16 +203,7 @@ def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step
         monkeypatch.setattr(Checkpointer, "save", lambda self, step, state, data, loop: save(
             self, step, state, data, {k: v for k, v in loop.items() if k != "last_eval_step"}))
     cd = tiny(steps=8, eval_every=5, checkpoint_every=6, eval_batches=1, warmup_steps=1)
-    tr = Trainer(from_configdict(cd), str(tmp_path))
-    inner = tr.train_step
-
-    def stopping(state, batch):  # step 7, after the checkpoint at 6
-        if int(state.step) == 6:
-            raise KeyboardInterrupt
-        return inner(state, batch)
-    tr.train_step = stopping
-    with pytest.raises(Interrupted, match="at step 7; the newest checkpoint is step 6 in "):
-        tr.run()
+    _stopped_at_step_7(cd, str(tmp_path))
     cd.train.steps = 6
     capsys.readouterr()
     first = run(cd, str(tmp_path))
@@ -238,23 +243,13 @@ def test_a_finished_rerun_from_a_step_saved_before_any_eval_evaluates_and_logs_i
     after the logs were closed: no eval line in metrics.jsonl, no best_eval in the summary,
     and the restored window's train line never written. Both now go to the logs, as the run
     of 6 steps wrote them."""
-    from hpnlp.train import Interrupted
     monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
         "loss": float(state.step)})
     monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
         "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
     cd = tiny(steps=8, eval_every=10, checkpoint_every=6, eval_batches=1, warmup_steps=1,
               log_every=5)
-    tr = Trainer(from_configdict(cd), str(tmp_path))
-    inner = tr.train_step
-
-    def stopping(state, batch):  # step 7, after the checkpoint at 6
-        if int(state.step) == 6:
-            raise KeyboardInterrupt
-        return inner(state, batch)
-    tr.train_step = stopping
-    with pytest.raises(Interrupted, match="at step 7; the newest checkpoint is step 6 in "):
-        tr.run()
+    _stopped_at_step_7(cd, str(tmp_path))
     cd.train.steps = 6
     summary = run(cd, str(tmp_path))
     assert (summary["final_step"], summary["eval"]) == (6, {"loss": 6.0})

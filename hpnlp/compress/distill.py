@@ -619,14 +619,14 @@ class TeacherCarry(Carry):
                                f"that divides both {sm.depth} and {tm.depth}")
         from hpnlp.attention import draws_features
         from hpnlp.attention import get as attention_class
-        if not held and tm.stack_layers and draws_features(tcfg.attention.name,
-                                                           tcfg.attention.options):
+        per_layer = tm.stack_layers and draws_features(tcfg.attention.name,
+                                                       tcfg.attention.options)
+        if not held and per_layer:
             # the stages its checkpoint trained in, else its config's count (-1 took every
             # device there: how many, the config does not say); at the start only: a resume
             # holds the teacher it started with, whose folder may since hold another run
             trained_stages = checkpoint_pipeline_stages(self.workdir) or trained_stages
-        if tm.stack_layers and draws_features(tcfg.attention.name, tcfg.attention.options) \
-                and isinstance(trained_stages, int) and trained_stages > 0 \
+        if per_layer and isinstance(trained_stages, int) and trained_stages > 0 \
                 and (stages > 1) != (trained_stages > 1):
             one_draw = (", or distill from a teacher of attention.options.redraw=False"
                         if hasattr(attention_class(tcfg.attention.name), "redraw") else "")

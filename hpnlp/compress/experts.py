@@ -332,19 +332,16 @@ def conversion(cfg: Config, src: ModelConfig, workdir: str):
     from hpnlp.compress.gqa import Conversion, with_trained_draw
     how = change(src, cfg.model, workdir)
     t, X = cfg.train, cfg.model.moe.num_experts
+    does = ("copies that run's dense MLP into every expert" if how == "upcycle" else
+            f"keeps that run's {src.moe.num_experts} experts as they are"
+            if src.moe.num_experts else "has no experts to cut")
     if how != "prune" and t.init_experts != "routed":
-        does = ("copies that run's dense MLP into every expert" if how == "upcycle" else
-                f"keeps that run's {src.moe.num_experts} experts as they are"
-                if src.moe.num_experts else "has no experts to cut")
         raise config_error("train.init_experts", t.init_experts, f"chooses which experts of "
                            f"train.init_from={workdir} a run of fewer keeps, and this run "
                            f"{does}; leave it 'routed'")
     default_batches = type(t)().init_expert_batches
     if how != "prune" and t.init_expert_batches != default_batches:
         # a review (session 116): taken and read by nothing, as init_experts was
-        does = ("copies that run's dense MLP into every expert" if how == "upcycle" else
-                f"keeps that run's {src.moe.num_experts} experts as they are"
-                if src.moe.num_experts else "has no experts to cut")
         raise config_error("train.init_expert_batches", t.init_expert_batches, f"routes "
                            f"batches through train.init_from={workdir} to choose which experts "
                            f"a run of fewer keeps, and this run {does}; leave it "
