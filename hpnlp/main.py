@@ -329,6 +329,7 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         check_training(checked)
         if not has_checkpoint(FLAGS.workdir):
             check_new_run(checked)
+    texts = text_digests(with_absolute_paths(checked).data)  # before the join: read at once
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     print(f"hpnlp: process {i} of {n}: joining the run at {where}, waiting up to {limit} s for "
           "every process (--init_timeout)", file=sys.stderr, flush=True)
@@ -373,11 +374,13 @@ def join_processes(cfg, flags: dict | None = None) -> None:
         os.close(wake_w)  # the thread reads the end of the pipe, and closes it
     # the run's shape and folder too (a bug hunt: another --num_processes failed in numpy in
     # one process and hung the other; another --workdir hung both at the first checkpoint)
-    same = {"--num_processes": n, "--workdir": os.path.abspath(FLAGS.workdir), **(flags or {})}
+    same = {"--num_processes": n, "--workdir": os.path.abspath(FLAGS.workdir), **(flags or {}),
+            **texts}
     try:  # data paths absolute, as config.json holds them (a bug hunt, session 99: one
         # relative data.train_path named another file in each process's directory, and the
         # run trained on both silently)
-        same_config_everywhere(with_absolute_paths(checked), n, i, same)
+        same_config_everywhere(with_absolute_run_paths(with_absolute_paths(checked)), n, i,
+                               same)
     except ConfigError as e:  # every process stops here, and leaves the service together
         exit_interrupted(f"hpnlp: error: {e}", 1, together=True)
     client = _jax_distributed().global_state.client
@@ -584,6 +587,44 @@ def exit_failed(message: str) -> None:
     sys.exit(1)
 
 
+RUN_PATH_FIELDS = ("train.init_from", "train.distill.teacher")  # the runs a run reads
+TEXT_KEY = "the training text's sha256"  # compared across processes where it has one
+EVAL_TEXT_KEY = "the eval text's sha256"
+
+
+def text_digests(data) -> dict:
+    """{TEXT_KEY: the training text's sha256, EVAL_TEXT_KEY: data.eval_path's} where DataConfig
+    `data` reads a user's file or a prepared folder, for the processes' comparison (a review,
+    session 117: one path, another file on each host, a stale copy, and each process built
+    its own vocabulary, plan or eval set from its own, unsaid)."""
+    from hpnlp.data import sharded, train_text_digest
+    out = {}
+    text = train_text_digest(data)
+    if text is not None:
+        out[TEXT_KEY] = text
+    if data.eval_path:
+        try:
+            out[EVAL_TEXT_KEY] = sharded.file_sha256(data.eval_path)
+        except OSError:  # missing on this host: its own error, after the join, names it
+            out[EVAL_TEXT_KEY] = None
+    return out
+
+
+def with_absolute_run_paths(cfg):
+    """`cfg` with the runs it reads (RUN_PATH_FIELDS) absolute from this process's directory,
+    for the processes' comparison (config.json keeps them as given): a review (session 117)
+    found a relative one read in each process's own directory, each restoring its replicas
+    from another run, unsaid, as data paths had been (session 99)."""
+    import dataclasses
+    t = cfg.train
+
+    def absolute(path):
+        return os.path.abspath(path) if path else path
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        t, init_from=absolute(t.init_from),
+        distill=dataclasses.replace(t.distill, teacher=absolute(t.distill.teacher))))
+
+
 def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
     """Every process of a run must run one config (and the same `flags`, e.g. an ensemble's
     {"--members": M}): refused, in every process, where any differs from process 0's, naming
@@ -622,13 +663,17 @@ def same_config_everywhere(cfg, n: int, i: int, flags: dict) -> None:
                   for k in keys]
     if diffs:
         shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
-        paths = any(d.startswith(tuple(f"data.{f}:" for f in DATA_PATH_FIELDS)) for d in diffs)
+        paths = any(d.startswith(tuple(f"data.{f}:" for f in DATA_PATH_FIELDS)
+                                 + tuple(f"{f}:" for f in RUN_PATH_FIELDS)) for d in diffs)
         raise ConfigError(
             f"process {i} of {n}: the processes were started with different configs ({shown}); "
             "start every process with the same --config, --config.* overrides and other flags "
             "(--process_id aside; --workdir: the same path, on storage every host sees"
-            + ("; data paths: one absolute path, as a relative one is read from each "
-               "process's own directory" if paths else "") + ")")
+            + ("; data paths and the runs it reads: one absolute path, as a relative one is "
+               "read from each process's own directory" if paths else "")
+            + ("; the same data files on every host (data.train_path, data.eval_path or "
+               "data.prepared)" if any(d.startswith((TEXT_KEY + ":", EVAL_TEXT_KEY + ":"))
+                                       for d in diffs) else "") + ")")
 
 
 def _orbax_errors_in_one_line(record) -> bool:

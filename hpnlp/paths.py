@@ -122,6 +122,14 @@ def check_new_output(out: str, source: str | None, flag: str = "--out", *,
         raise ValueError(f"{flag} {out} holds files this command would not write "
                          f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); give a "
                          "new or empty folder")
+    manifests = [f for f in ("quant.json", "sparse.json") if f in may_replace]
+    present = os.listdir(full)
+    if manifests and "summary.json" in present and not set(manifests) & set(present):
+        # a review (session 117): another command's summary.json alone (a retrieval
+        # report's) was removed unsaid; this tool's own output holds its manifest beside
+        # its summary (moved in last)
+        raise ValueError(f"{flag} {out} holds a summary.json that is not this command's (no "
+                         f"{' or '.join(manifests)} beside it); give a new folder")
     earlier = _output_source(full, may_replace)
     if earlier is None:
         return None
@@ -186,6 +194,9 @@ def hold_workdir(workdir: str, owner=None, busy: str | None = None):
     key, busy = os.path.realpath(workdir), busy or BUSY
     if key in _HELD:
         _HELD[key][1] += 1
+        if _HELD[key][3] is None:  # a first hold of no owner (a bench's look at a run folder,
+            # a review, session 117) does not hide the model a Trainer holds it for
+            _HELD[key][3] = owner
     else:
         made = not os.path.isdir(workdir)  # removed again if released empty (a run refused
         os.makedirs(workdir, exist_ok=True)  # before it wrote anything leaves no folder)

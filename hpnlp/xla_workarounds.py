@@ -138,6 +138,11 @@ def host_devices() -> int:
     env = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
     if env.isdigit():
         return max(int(env), 1)
+    if "jax" in sys.modules:  # set in code, `jax.config.update("jax_num_cpu_devices", N)`
+        # (a review, session 117: read from the environment alone, missed)
+        n = getattr(sys.modules["jax"].config, "jax_num_cpu_devices", -1)
+        if isinstance(n, int) and n > 1:
+            return n
     read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
     n = 1
     for f in read:
@@ -254,6 +259,16 @@ def apply() -> list[str]:
                 f"XLA_FLAGS names a file of flags (it does not start with '-'), so hpnlp cannot "
                 f"add {flag}, which avoids a segmentation fault of this jaxlib on AVX-512 CPUs "
                 f"(docs/xla_defects.md); add {flag} to that file", RuntimeWarning, stacklevel=3)
+    APPLIED.extend(done)
+    return done + guard_cache()  # (which records its own in APPLIED)
+
+
+def guard_cache() -> list[str]:
+    """Keep this process out of JAX's persistent compilation cache where it asks for several
+    CPU devices (`cache_workaround_wanted`), once: at `import hpnlp`, and again where a mesh
+    is made (`hpnlp.parallel.make_mesh`; a review, session 117: devices asked for after the
+    import, by XLA_FLAGS or jax.config, left the cache on). Returns what it did."""
+    done = []
     if CACHE_SETTING not in APPLIED and cache_workaround_wanted():
         import jax  # (reads no XLA flag: the backend starts at the first computation)
         jax.config.update("jax_enable_compilation_cache", False)
@@ -264,5 +279,5 @@ def apply() -> list[str]:
         except (ImportError, AttributeError):  # a JAX without them: asks again, or never did
             pass
         done.append(CACHE_SETTING)
-    APPLIED.extend(done)
+        APPLIED.append(CACHE_SETTING)
     return done

@@ -1682,12 +1682,11 @@ def test_a_finished_run_is_reused_only_if_what_it_read_has_not_changed(tmp_path,
         assert compress._train(cd, str(student)) == {} and not trained, field  # reused
         os.utime(teacher / "summary.json", (3000, 3000))  # the teacher trained again
         assert compress._train(cd, str(student)) == {"new": 1}, field
-        assert trained == [str(student)] and not student.exists(), field  # afresh
+        assert trained == [str(student)] and os.listdir(student) == [], field  # afresh
         trained.clear()
     assert compress.REUSED == [str(student)] * 2
     # a user's file beside the stale run is not deleted with it (a review, session 115: the
     # check came before the teacher's, and the folder went, unsaid)
-    student.mkdir()
     (student / "summary.json").write_text("{}")
     os.utime(student / "summary.json", (2000, 2000))  # before the teacher's (3000)
     (student / "notes.txt").write_text("mine")
@@ -1744,7 +1743,23 @@ def test_a_saved_run_of_another_config_is_refused_not_deleted(tmp_path, monkeypa
                        r"\(notes.txt\), which this bench would delete with the run it trains anew"):
         compress._train(full, str(run))
     (run / "notes.txt").unlink()  # nothing saved: cleared, trained afresh
-    assert compress._train(full, str(run)) == {"new": 1} and not run.exists()
+    (run / "metrics.jsonl").write_text("")
+    assert compress._train(full, str(run)) == {"new": 1} and os.listdir(run) == []
+    # held by another process, as a run still training with nothing saved (a review,
+    # session 117: deleted under it): WorkdirBusy, the folder untouched
+    import fcntl
+
+    from hpnlp.paths import WorkdirBusy
+    (run / "metrics.jsonl").write_text("")
+    fd = os.open(run, os.O_RDONLY)  # another open file: its flock refuses this process's
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(WorkdirBusy):
+            compress._train(full, str(run))
+    finally:
+        os.close(fd)
+    assert os.listdir(run) == ["metrics.jsonl"] and trained == [str(run)]
+    (run / "metrics.jsonl").unlink()
     # the reason is said: what the config differs in, or why it cannot be read (a bug hunt:
     # a copied workdir's runs started from the old path, and a run without its checkpoints,
     # were both "another config", with "delete" as the fix)
@@ -1832,6 +1847,10 @@ def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
     (["compress", "--parts", ""], "--parts: '' names nothing"),
     (["retrieval", "--parts", "search,bogus"], "--parts: unknown \\['bogus'\\]"),
     (["tricks", "--out", ""], "--out is empty; give a folder$"),
+    # taken and ignored (a review, session 117)
+    (["quant", "--parts", "linear,lm", "--workdir", "/tmp"],
+     "--workdir /tmp: only the quality part keeps runs there; drop it, or add --parts quality"),
+    (["moe", "--parts", "layer", "--workdir", "/tmp"], "only the lm part keeps runs there"),
     (["data", "--workdir", ""], "--workdir is empty; give a folder \\(or leave the flag out\\)"),
 ])
 def test_bench_flag_values_are_refused_in_one_line_before_any_work(tmp_path, capsys, argv, match):
@@ -1848,6 +1867,33 @@ def test_bench_flag_values_are_refused_in_one_line_before_any_work(tmp_path, cap
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(match, last), last
     assert not (tmp_path / "o").exists()
+
+
+def test_profile_is_refused_where_the_rows_run_in_processes_of_their_own(tmp_path):
+    """A review (session 117): `--profile` traced the parent and none of the isolated rows."""
+    import argparse
+    from hpnlp.bench.__main__ import check_args
+    prof = str(tmp_path / "prof")
+
+    def args(entry, **kw):
+        return argparse.Namespace(entry=entry, out=str(tmp_path / "o"), profile=prof,
+                                  **{"quick": False, **kw})
+    for entry in ("attention", "softmax", "train"):
+        with pytest.raises(ValueError, match=r"--profile traces this process, and "
+                                             f"{entry} runs its measured work in processes of "
+                                             r"its own; add --no-isolate \(or --quick"):
+            check_args(args(entry, no_isolate=False))
+        check_args(args(entry, no_isolate=True))  # measured here: traced
+        check_args(args(entry, no_isolate=False, quick=True))
+    check_args(args("softmax", no_isolate=False, quality=True))  # trains here
+    for entry in ("compress", "data", "lra", "memory"):
+        with pytest.raises(ValueError, match=f"{entry} runs its measured work in processes of "
+                                             "its own$"):
+            check_args(args(entry, quick=True))
+    with pytest.raises(ValueError, match="; leave out --parts parallel$"):
+        check_args(args("moe", parts=["lm", "parallel"]))
+    check_args(args("moe", parts=["lm", "layer"]))
+    check_args(args("rnn"))
 
 
 def test_bench_out_holding_another_bench_report_is_refused(tmp_path, capsys):

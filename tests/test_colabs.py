@@ -111,6 +111,13 @@ def test_quickstart_attention_choices_it_offers_validate(monkeypatch):
         check_new_run(validate(from_configdict(cfg)))  # as a new run of it is
 
 
+def _keep_this_process_cache(monkeypatch):
+    """The cell applies hpnlp's workarounds for the 8 devices it asks for, which would turn
+    this test process's persistent compilation cache off (a review, session 117): kept on."""
+    from hpnlp import xla_workarounds
+    monkeypatch.setattr(xla_workarounds, "guard_cache", lambda: [])
+
+
 def test_parallelism_says_when_jax_has_not_8_devices(monkeypatch):
     """With JAX already started on one device (or XLA_FLAGS of the user's own), the notebook
     failed three cells later in a reshape ("cannot reshape array of size 4 into shape
@@ -119,6 +126,7 @@ def test_parallelism_says_when_jax_has_not_8_devices(monkeypatch):
     if jax.device_count() == 8:
         pytest.skip("this process has 8 devices")
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell adds to it
+    _keep_this_process_cache(monkeypatch)
     with pytest.raises(RuntimeError, match=r"meshes are of 8 devices and JAX has \d+ .*restart"):
         exec(_cells("parallelism.ipynb")[0], {})
 
@@ -148,6 +156,7 @@ def test_parallelism_reads_stack_from_its_setting(monkeypatch):
     """STACK = False was written in the cell, so the stacked layers and the pipeline mode the
     text offers could not be run by a test (a review, session 108): HPNLP_NOTEBOOK_STACK."""
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the cell adds to it
+    _keep_this_process_cache(monkeypatch)
     for value, want in (("1", True), ("", False)):
         monkeypatch.setenv("HPNLP_NOTEBOOK_STACK", value)
         ns = {}

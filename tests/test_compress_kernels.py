@@ -887,14 +887,18 @@ print(int8, "ok")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("march,path", [("x86-64", "portable"), ("x86-64-v3", "avx2"),
+                                        ("skylake-avx512", "avx2"),
                                         ("icelake-server", "avx512_vnni")])
 def test_portable_build_computes_the_same(march, path, tmp_path):
     """Built for plain x86-64 (no AVX2), for AVX2 without AVX-512 (whatever CPU runs the
-    test), or for AVX-512 VNNI without AMX (a CPU with VNNI: the vector path of an AMX
-    machine): those paths equal the twins."""
+    test), for AVX-512 without VNNI (Skylake-X: the int16 panels' AVX-512 quantization and
+    epilogue, a review, session 117: compiled, never run), or for AVX-512 VNNI without AMX
+    (a CPU with VNNI: the vector path of an AMX machine): those paths equal the twins."""
     import sys
     if march == "icelake-server" and not {"avx512_vnni", "avx512_vpopcntdq"} <= set(_cpu_flags()):
         pytest.skip("this CPU has no AVX-512 VNNI / VPOPCNTDQ")
+    if march == "skylake-avx512" and not {"avx512f", "avx512bw"} <= set(_cpu_flags()):
+        pytest.skip("this CPU has no AVX-512 BW")
     binary = "avx512_vpopcntdq" if path == "avx512_vnni" else path
     # JAX_PLATFORMS=cpu: the kernel is a CPU one, and on a GPU machine the suite's cuda,cpu
     # would make the GPU the backend it refuses

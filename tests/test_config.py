@@ -113,7 +113,12 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
     os.makedirs(out / ".unfinished")  # what a killed call of the tool left: replaced too
     check_new_output(str(out), str(run), may_replace=("quant.json", "summary.json"))
     os.rmdir(out / ".unfinished")
+    os.remove(out / "quant.json")  # a summary.json alone (a retrieval report's): not the tool's
+    with pytest.raises(ValueError, match=r"holds a summary.json that is not this command's \(no "
+                                         r"quant.json beside it\)"):
+        check_new_output(str(out), str(run), may_replace=("quant.json", "summary.json"))
     os.remove(out / "summary.json")
+    (out / "quant.json").write_text("{}")
     # a training run's --workdir: new, empty, tensorboard only or a run (it resumes); another
     # tool's output is refused (a README walk: a kNN-LM's summary.json was overwritten, and a
     # datastore beside a run's files was refused by knnlm ever after)
@@ -1377,6 +1382,14 @@ def test_config_values_of_another_kind_are_named_and_json_kinds_taken():
     assert [type(v) for v in (cfg.model.width, cfg.train.lr, cfg.model.causal, cfg.seed)] == [
         int, float, bool, int]
     assert from_configdict(json.loads(json.dumps(to_json(cfg)))) == cfg
+    # in an options mapping too (a review, session 117: written "3", refused by every reader)
+    given["output"].update(name="binary_code", options={"mode": "ecc",
+                                                        "redundancy": np.int64(3)})
+    given["attention"]["options"] = {"cutoffs": (np.int64(2), np.int32(5))}
+    written = to_json(from_configdict(given))
+    assert written["output"]["options"]["redundancy"] == 3
+    assert written["attention"]["options"]["cutoffs"] == [2, 5]
+    assert type(written["output"]["options"]["redundancy"]) is int
     for path, value, kind in ((("model", "dropout"), "0.1", "a number (the default is 0.1)"),
                               (("train", "steps"), 10.0, "an integer (the default is 1000)"),
                               (("train", "steps"), True, "an integer"),

@@ -83,8 +83,11 @@ ATTENTION_OPTIONS = {
     "linear": st.fixed_dictionaries({"chunk_size": st.just(8), "recompute": st.booleans()}),
     "linformer": st.fixed_dictionaries({"proj_len": st.just(8), "max_len": st.just(32)}),
     "sinkhorn": st.fixed_dictionaries({"block_size": st.just(8), "sinkhorn_iters": st.just(2)}),
-    "synthesizer": st.fixed_dictionaries({"mode": st.sampled_from(["dense", "random", "factorized_random"]),
-                                          "max_len": st.just(32), "rank": st.just(4)}),
+    # "factorized" (a review, session 117: "factorized_random", no mode, ran as dense)
+    "synthesizer": st.fixed_dictionaries({"mode": st.sampled_from(["dense", "random",
+                                                                   "factorized"]),
+                                          "max_len": st.just(32), "rank": st.just(4),
+                                          "trainable": st.booleans()}),
     "ring": st.just({}),
 }
 SAMPLED = st.fixed_dictionaries({"sampler": st.sampled_from(["uniform", "log_uniform", "unigram"]),
@@ -234,6 +237,8 @@ def configs(draw) -> dict:
         att_options = {k: v for k, v in att_options.items() if k != "num_summary"}
     if attention == "synthesizer" and att_options["mode"] != "factorized":
         att_options = {k: v for k, v in att_options.items() if k != "rank"}
+    if attention == "synthesizer" and att_options["mode"] == "dense":
+        att_options = {k: v for k, v in att_options.items() if k != "trainable"}
     more(draw, model, data, train, quant, rnn, mesh)
     ptq = draw(st.sampled_from(PTQ_FORMATS)) if draw(st.integers(0, 3)) == 0 else None
     student = draw(students(kind)) if draw(st.integers(0, 7)) == 0 else None

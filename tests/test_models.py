@@ -481,6 +481,27 @@ def test_dropout_is_active_only_in_training():
     chex.assert_trees_all_equal(ev.apply({"params": params}, batch), ev.apply({"params": params}, batch))
 
 
+def test_the_transformers_dropout_is_flaxs_in_float32_and_unbiased_in_bfloat16():
+    """A review (session 117): flax's nn.Dropout divided a bfloat16 input by 0.9 rounded to
+    0.8984375, every kept value 1.113x, the sublayers' outputs 0.17% larger in training
+    than at eval. The Transformer's Dropout draws flax's mask under flax's name and computes
+    flax's in float32 bit for bit (the records' runs are unchanged); in bfloat16 the kept
+    elements' sum over the inputs' is 1/(1-p) to within per-element rounding."""
+    import flax.linen as nn
+    from hpnlp.models.transformer import Dropout
+    x = jax.random.uniform(jax.random.key(2), (1 << 16,), minval=0.5, maxval=4.0)
+
+    def run(cls, x):
+        return cls(0.1).apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    np.testing.assert_array_equal(run(Dropout, x), run(nn.Dropout, x))
+    assert Dropout(0.1).apply({}, x, deterministic=True) is x
+    for cls, bias in ((nn.Dropout, 1.7e-3), (Dropout, 0.0)):  # flax's, then ours
+        y = np.asarray(run(cls, x.astype(jnp.bfloat16)), np.float32)
+        xf = np.asarray(x.astype(jnp.bfloat16), np.float32)
+        kept = y != 0
+        assert abs(y[kept].sum() / xf[kept].sum() * 0.9 - 1 - bias) < 2e-4, cls
+
+
 @pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)])
 def test_layer_norm_equals_flax_values_and_gradients(dtype, out_dtype):
     """transformer.LayerNorm (its own backward: scale and bias gradients as products) against

@@ -907,6 +907,16 @@ def test_cutting_experts_of_a_random_feature_run_routes_under_its_trained_draw(t
     plans = experts.conversion(validate(from_configdict(cd)), src.model,
                                str(tmp_path)).calibrate(model, state.params, [batch])
     np.testing.assert_allclose(plans[last]["weight"], want[last][0], rtol=1e-6)
+    # hpnlp.moe.route too (a review, session 117: it routed under the seed's draw, unsaid)
+    from hpnlp.moe import route
+    from hpnlp.retrieval import RetrievalError
+    cfg = src  # the source run's config: 4 experts
+    with pytest.raises(RetrievalError, match="so hpnlp.moe.route needs the draw it trained with"):
+        route(cfg, state.params, batch)
+    routes = route(cfg, state.params, batch, features_key=state.features_key(1))
+    b = max(routes)  # the last MoE block's index
+    assert not np.allclose(routes[b]["probs"], route(
+        cfg, state.params, batch, features_key=jax.random.key(0))[b]["probs"], rtol=1e-4)
 
 
 def test_moe_statistics_summary():

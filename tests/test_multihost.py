@@ -318,12 +318,51 @@ def test_bad_multihost_settings_fail_clearly(tmp_path, launch):
     logs = finish(launch(tmp_path / "rel", processes=2, cwds=hosts,
                          extra=["--config.data.train_path=corpus.txt"]), expect=1)
     for log in logs:
+        # and their texts differ (a review, session 117: one absolute path to another copy
+        # on each host was not compared)
         assert (f"different configs (data.train_path: process 0 '{hosts[0] / 'corpus.txt'}', "
-                f"process 1 '{hosts[1] / 'corpus.txt'}')") in log, log[-2000:]
+                f"process 1 '{hosts[1] / 'corpus.txt'}'; the training text's sha256: process 0 "
+                "'") in log, log[-2000:]
         assert log.splitlines()[-1].endswith(
-            "data paths: one absolute path, as a relative one is read from each process's own "
-            "directory)"), log[-2000:]
+            "data paths and the runs it reads: one absolute path, as a relative one is read "
+            "from each process's own directory; the same data files on every host "
+            "(data.train_path, data.eval_path or data.prepared))"), log[-2000:]
     assert not os.path.exists(tmp_path / "rel")
+
+
+def test_the_runs_a_run_reads_are_compared_across_processes_as_absolute_paths(tmp_path,
+                                                                             monkeypatch):
+    """A review (session 117): a relative train.init_from or train.distill.teacher was
+    compared as given and read in each process's own directory, each process restoring its
+    replicas from another run, unsaid (as data paths, session 99, above)."""
+    from hpnlp.config import default_configdict, from_configdict
+    from hpnlp.main import with_absolute_run_paths
+    cd = default_configdict()
+    cd.train.init_from, cd.train.distill.teacher = "runs/base", "runs/teacher"
+    cfg = from_configdict(cd)
+    for d in ("host0", "host1"):
+        os.makedirs(tmp_path / d)
+    monkeypatch.chdir(tmp_path / "host0")
+    got = with_absolute_run_paths(cfg)
+    assert got.train.init_from == str(tmp_path / "host0" / "runs" / "base")
+    assert got.train.distill.teacher == str(tmp_path / "host0" / "runs" / "teacher")
+    monkeypatch.chdir(tmp_path / "host1")
+    assert with_absolute_run_paths(cfg).train.init_from != got.train.init_from
+    cd.train.init_from, cd.train.distill.teacher = "", ""  # none: unchanged
+    assert with_absolute_run_paths(from_configdict(cd)) == from_configdict(cd)
+    # and the data files' contents (a stale copy at one path on one host)
+    import hashlib
+
+    from hpnlp.main import EVAL_TEXT_KEY, TEXT_KEY, text_digests
+    (tmp_path / "train.txt").write_text("the cat sat\n")
+    (tmp_path / "eval.txt").write_text("a dog\n")
+    cd.data.update(task="byte_lm", train_path=str(tmp_path / "train.txt"),
+                   eval_path=str(tmp_path / "eval.txt"))
+    sha = {p: hashlib.sha256((tmp_path / p).read_bytes()).hexdigest()
+           for p in ("train.txt", "eval.txt")}
+    assert text_digests(from_configdict(cd).data) == {TEXT_KEY: sha["train.txt"],
+                                                      EVAL_TEXT_KEY: sha["eval.txt"]}
+    assert text_digests(from_configdict(default_configdict()).data) == {}  # the shipped corpus
 
 
 # 5.6 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;

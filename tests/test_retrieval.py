@@ -1100,6 +1100,28 @@ def test_knn_lm_end_to_end_on_a_tiny_lm(tmp_path, monkeypatch):
     with pytest.raises(RetrievalError, match=r"holds a datastore of [\d,]+ entries, and this run "
                                              r"asks for [\d,]+ \(--max_datastore_tokens"):
         knnlm.datastore_for(model, params, fewer, str(tmp_path / "ds"), seq_len=L)
+    # a folder another process builds in is refused, not shared (a review, session 117: two
+    # builds at once shared the temporary keys file, one truncating the other's)
+    import fcntl
+
+    from hpnlp.paths import WorkdirBusy
+    os.makedirs(tmp_path / "busy")
+    fd = os.open(tmp_path / "busy", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(WorkdirBusy, match=r"busy: another process is building a "
+                                              r"datastore here; wait for it"):
+            knnlm.datastore_for(model, params, train, str(tmp_path / "busy"), seq_len=L)
+    finally:
+        os.close(fd)
+    fd = os.open(tmp_path / "ds", os.O_RDONLY)  # a datastore written whole: read by any
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert knnlm.datastore_for(model, params, train, str(tmp_path / "ds"), seq_len=L)[1] \
+            is False
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path / "busy") == []
 
 
 def fake_trained_run(monkeypatch, cfg, model, params, task, *, step: int = 4):

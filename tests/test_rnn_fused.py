@@ -126,6 +126,11 @@ def test_kernel_rejects_a_hidden_size_it_cannot_tile():
         fused.lstm_forward(jnp.zeros((2, 1, 3)), jnp.zeros((3, 40)), jnp.zeros((40,)),
                            jnp.zeros((10, 40)),
                            jnp.zeros((1, 10)), jnp.zeros((1, 10)), jnp.ones((2, 1)), threads=1)
+    # nor 0 (a review, session 117: its backward left the x-gradient unwritten)
+    x, w_x, _, _, h0, valid, act, cc, d_out = _zero_operands(H=0)
+    with pytest.raises(ValueError, match="a positive multiple of 16, not 0"):
+        fused.lstm_backward(act, cc, h0, jnp.zeros((0, 0)), w_x, valid, d_out, h0, h0,
+                            threads=1)
 
 
 def _zero_operands(L=2, B=1, E=3, H=16):

@@ -510,6 +510,8 @@ def test_sampling_logits_refuses_a_top_k_past_its_vocabulary(logp):
     # a bug hunt (session 90): float32 flushed it to 0 and every token sampled was 0
     (["--temperature", "1e-38"], "--temperature 1e-38: sampling needs a finite temperature"),
     (["--seed", str(2**64)], f"--seed {2**64}: give a seed from 0 to {2**63 - 2}"),  # a traceback
+    (["--seed", "7", "--greedy"], "--seed 7 draws the samples, which --greedy does not take "
+                                  "(the argmax draws nothing); drop one of the two"),  # ignored
 ])
 def test_cli_refuses_bad_sampling_flags_in_one_line_before_loading(tmp_path, capsys, flags,
                                                                    match):

@@ -130,6 +130,16 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, monkeypatch, capsys):
     assert resumed["resumed_from_step"] == 12 and np.isfinite(resumed["eval"]["loss"])
     evals = [l for l in read_jsonl(other / "metrics.jsonl") if l.get("eval")]
     assert [l["step"] for l in evals] == [12] and evals[0]["loss"] == resumed["eval"]["loss"]
+    # not where several processes run: one may fail alone, and its save's barrier would meet
+    # the others' next step (a review, session 117)
+    from hpnlp.train import loop
+    alone = tmp_path / "eval_fails_in_one_process"
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "evaluate", lambda self, state: 1 / 0)
+        m.setattr(loop, "saves_after_a_failed_eval", lambda: False)
+        with pytest.raises(ZeroDivisionError):
+            run(tiny(steps=12, checkpoint_every=0), str(alone))
+    assert not os.path.exists(alone / "checkpoints") or not os.listdir(alone / "checkpoints")
     # a checkpoint that is not the run's state (here the one just saved; or one of a run
     # whose train state another version laid out): one line, not orbax's traceback
     with pytest.raises(CheckpointMismatch, match=r"checkpoints/50 cannot be read as this run's "
@@ -163,6 +173,21 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
 
     def fails(*args, **kwargs):
         raise OSError(28, "No space left on device")
+    # a background save that fails: its error is orbax's finalize thread's, which
+    # check_for_errors does not see (a review, session 117: the run trained on to its next
+    # checkpoint); the next log window's check raises it
+    import threading
+    late = Checkpointer(str(tmp_path / "late"), cfg, keep=2)
+    own = late.manager._checkpointer.wait_until_finished
+    monkeypatch.setattr(late.manager._checkpointer, "wait_until_finished", lambda: (
+        own() if threading.current_thread() is threading.main_thread() else fails()))
+    late.save(1, {"x": np.zeros(2)}, {}, {})
+    for _ in range(200):
+        if not late.manager.is_saving_in_progress():
+            break
+        time.sleep(0.05)
+    with pytest.raises(CheckpointSaveFailed, match=r"No space left on device"):
+        late.check()
     for name in ("save", "check_for_errors", "wait_until_finished"):
         monkeypatch.setattr(ck.manager, name, fails)
     msg = (rf"writing a checkpoint in {tmp_path}/checkpoints failed \(OSError: \[Errno 28\] No "
@@ -792,7 +817,7 @@ def test_an_option_override_without_its_value_does_not_take_the_next_flag(monkey
     assert main._option_overrides == [("output", "x", -1)]
 
 
-def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
+def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model(tmp_path):
     # a bug hunt (session 92): both resumed, computing another function of the same arrays
     from hpnlp.config import to_json
     from hpnlp.train.checkpoint import _config_shape_diff
@@ -816,6 +841,23 @@ def test_a_classifier_resumed_causal_or_pooled_otherwise_is_another_model():
     moe.model.moe.mlp_dim = 8
     assert _config_shape_diff(saved, from_configdict(moe)) == {
         "model.moe.mlp_dim": (moe.model.mlp_dim, 8)}
+    # IMP's rewind point is captured once (a review, session 117: resumed at rewind_step 0,
+    # a run saved before its capture at 200 rewound every weight to the zeros it held)
+    imp = tiny()
+    imp.train.prune.update(method="magnitude", schedule="imp", rounds=2, rewind_step=3)
+    saved = to_json(from_configdict(imp))
+    imp.train.prune.rewind_step = 0
+    assert _config_shape_diff(saved, from_configdict(imp)) == {
+        "train.prune.rewind_step": (3, 0)}
+    imp.train.prune.rewind_step = 3
+    assert _config_shape_diff(saved, from_configdict(imp)) == {}
+    from hpnlp.train.checkpoint import Checkpointer
+    Checkpointer(str(tmp_path), from_configdict(imp), keep=1)  # config.json
+    os.makedirs(tmp_path / "checkpoints" / "10")
+    imp.train.prune.rewind_step = 0
+    with pytest.raises(CheckpointMismatch, match=r"rewinds to its weights after 3 updates .*"
+                       r"resume it with train.prune.rewind_step=3 as saved$"):
+        Checkpointer(str(tmp_path), from_configdict(imp), keep=1)
 
 
 def test_a_transformer_xl_stream_resumed_with_another_memory_shape_names_the_field():
@@ -1332,6 +1374,23 @@ def test_a_resume_may_change_the_output_layer_s_layout_options_alone(tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"output.options: saved \{'num_negatives': "
                        r"3\}, now \{'num_negatives': 4\}"):
         resume("hard_negative", {"num_negatives": 3}, {"num_negatives": 4, "chunk_tokens": 8})
+    # an attention variant's too (a review, session 117): the kernel variants' prefix sums'
+    # chunks and the backward's recomputation; their features' count stays refused
+    def attend(name, saved, now):
+        work = tmp_path / str(len(os.listdir(tmp_path)))
+        cd = tiny(steps=10)
+        cd.attention.update(name=name, options=saved)
+        Checkpointer(str(work), from_configdict(cd), keep=1)
+        os.makedirs(work / "checkpoints" / "10")
+        cd.attention.options = now
+        cd.train.steps = 20
+        return Checkpointer(str(work), from_configdict(cd), keep=1)
+    assert attend("performer", {"num_features": 8}, {"num_features": 8, "chunk_size": 4,
+                                                     "recompute": False}).changed == {}
+    assert attend("linear", {"chunk_size": 8}, {}).changed == {}
+    with pytest.raises(CheckpointMismatch, match=r"attention.options: saved \{'num_features': "
+                       r"8\}, now \{'num_features': 16\}"):
+        attend("performer", {"num_features": 8, "recompute": False}, {"num_features": 16})
 
 
 def test_a_ctrl_c_in_the_first_save_of_a_changed_config_leaves_config_json_to_the_next_wait(

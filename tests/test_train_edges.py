@@ -95,6 +95,30 @@ def test_profile_writes_the_trace_of_a_run_that_fails_while_tracing(tmp_path, mo
     jax.profiler.stop_trace()
 
 
+# 2.4 s on the 2-core AMD EPYC Zen 4 (2026-12-07): CI's slow part runs it
+@pytest.mark.slow
+def test_an_error_in_the_loop_waits_for_the_save_under_way(tmp_path, monkeypatch):
+    """A review (session 117): an error other than Ctrl-C or a divergence left the loop with
+    a checkpoint's save under way, which the CLI's exit (and a multi-process run's peers)
+    then killed, the workdir's lock released while it wrote: the save completes first."""
+    from hpnlp.train.checkpoint import Checkpointer
+    real, calls, waited = loop_lib._global, [], []
+
+    def fail_at_step_3(batch, sharding):  # steps 1, 2, step 2's checkpoint check, step 3
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("a shard unreadable at step 3")
+        return real(batch, sharding)
+    monkeypatch.setattr(loop_lib, "_global", fail_at_step_3)
+    wait = Checkpointer.wait
+    monkeypatch.setattr(Checkpointer, "wait", lambda self: (
+        waited.append(self.manager.is_saving_in_progress()), wait(self)))
+    cd = tiny(steps=6, checkpoint_every=2, eval_every=0)
+    with pytest.raises(RuntimeError, match="a shard unreadable at step 3"):
+        run(cd, str(tmp_path / "run"))
+    assert waited and sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+
+
 # 2.8 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
 # read 7 min 58 s for 1838 tests): CI's slow part runs it
 @pytest.mark.slow
@@ -256,6 +280,26 @@ def test_a_finished_rerun_from_a_step_saved_before_any_eval_evaluates_and_logs_i
     assert summary["best_eval"] == {"step": 6, "loss": 6.0}
     assert [(l["step"], bool(l.get("eval"))) for l in read_jsonl(
         tmp_path / "metrics.jsonl")] == [(5, False), (6, False), (6, True)]
+
+
+# two short runs of a tiny model: CI's slow part runs it, as the tests above
+@pytest.mark.slow
+def test_a_rerun_lowered_to_a_step_saved_mid_window_logs_that_window(tmp_path, monkeypatch):
+    """A review (session 117): a run stopped after its checkpoint at step 6, evaluated there
+    (evals every 6, logs every 5), rerun with train.steps lowered to 6, never wrote the train
+    line of steps 6..6 its checkpoint's window held, which a run of 6 steps writes."""
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
+        "loss": float(state.step)})
+    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
+        "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
+    cd = tiny(steps=8, eval_every=6, checkpoint_every=6, eval_batches=1, warmup_steps=1,
+              log_every=5)
+    _stopped_at_step_7(cd, str(tmp_path))
+    cd.train.steps = 6
+    for _ in range(2):  # written once
+        assert run(cd, str(tmp_path))["final_step"] == 6
+        assert sorted((l["step"], bool(l.get("eval"))) for l in read_jsonl(
+            tmp_path / "metrics.jsonl")) == [(5, False), (6, False), (6, True)]
 
 
 def test_the_held_out_set_counts_its_batch_size_only_where_it_sets_what_is_read():

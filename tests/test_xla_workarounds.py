@@ -308,6 +308,13 @@ def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
             m.setenv("JAX_NUM_CPU_DEVICES", env)
             m.setenv("XLA_FLAGS", flags)
             assert xw.host_devices() == n and xw.cache_workaround_wanted() == (n > 1), env
+    with monkeypatch.context() as m:  # set in code (a review, session 117: missed)
+        import sys
+        import types
+        m.setenv("XLA_FLAGS", "")
+        m.setitem(sys.modules, "jax", types.SimpleNamespace(
+            config=types.SimpleNamespace(jax_num_cpu_devices=4)))
+        assert xw.host_devices() == 4 and xw.cache_workaround_wanted()
     monkeypatch.setenv("XLA_FLAGS", count + "4")
     with monkeypatch.context() as m:  # meshes of CPU devices beside an accelerator
         m.setenv("JAX_PLATFORMS", "cuda,cpu")
@@ -333,6 +340,13 @@ def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
     assert xw.apply() == [xw.CACHE_SETTING] and xw.apply() == []  # once a process
     # JAX asks whether to use the cache again (its answer is kept from its first compile)
     assert updates == [("jax_enable_compilation_cache", False), "reset"]
+    assert xw.APPLIED == [xw.CACHE_SETTING]
+    # devices asked for after the import: a mesh's making turns it off (a review, s117)
+    monkeypatch.setattr(xw, "APPLIED", [])
+    from hpnlp.config import MeshConfig
+    from hpnlp.parallel import make_mesh
+    make_mesh(MeshConfig(), jax.devices()[:1])
+    assert xw.APPLIED == [xw.CACHE_SETTING] and updates[2:] == updates[:2]
 
 
 def test_cheap_compile_flags_only_what_the_jaxlib_knows(monkeypatch):

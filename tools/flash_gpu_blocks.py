@@ -12,7 +12,8 @@ runs them. Writes blocks.json (every row; blocks_d<D>.json at another head dim) 
 model and head dim in `flash_gpu.TUNED_PATH`, which `flash_gpu.default_blocks` reads from
 then on. Both are written after each dtype's sweep, whole or not at all, so a sweep cut off
 (a lent GPU's time running out) keeps what it timed, and the committed table is never left
-cut.
+cut: float32's rows alone go to blocks.partial.json beside the record, which the whole
+sweep's blocks.json replaces.
 """
 
 from __future__ import annotations
@@ -150,10 +151,14 @@ def main(argv=None) -> int:
         # after each dtype (review r6: a sweep cut off by the budget lost every row)
         if a.write:
             _write_tuned(result["rows"], a.D)
-        if a.out:
+        if a.out:  # a sweep cut off after float32 is written beside the record, not over it
+            # (a review, session 117: it replaced the committed two-dtype blocks.json)
             os.makedirs(a.out, exist_ok=True)
-            file = "blocks.json" if a.D == 64 else f"blocks_d{a.D}.json"
-            write_json(os.path.join(a.out, file), result)
+            stem = os.path.join(a.out, "blocks" if a.D == 64 else f"blocks_d{a.D}")
+            whole = dtype == jnp.bfloat16
+            write_json(stem + (".json" if whole else ".partial.json"), result)
+            if whole and os.path.exists(stem + ".partial.json"):
+                os.remove(stem + ".partial.json")
     return 0
 
 

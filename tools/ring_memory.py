@@ -46,6 +46,9 @@ def main(argv=None) -> None:
             [f"--xla_force_host_platform_device_count={args.devices}"])
     except ValueError as e:  # a flags file's name: XLA_FLAGS=... says what to do instead
         sys.exit(str(e))
+    from hpnlp import xla_workarounds
+    xla_workarounds.apply()  # again for the simulated devices (a review, session 117: applied
+    # at `import hpnlp` for one, it left JAX's persistent compilation cache on)
     import jax
     if "JAX_PLATFORMS" not in os.environ:  # (JAX read the variable when ablib imported it)
         jax.config.update("jax_platforms", "cpu")

@@ -178,6 +178,10 @@ class Attention(nn.Module):
     heads_independent: ClassVar[bool] = False
     # True: draws random features or rotations from the `features` stream (make_rng)
     random_features: ClassVar[bool] = False
+    # The options that set only how the function is computed (memory, recomputation, the
+    # prefix sums' chunks): a resume may change them (hpnlp.train.checkpoint), as an output
+    # layer's `layout_options`
+    layout_options: ClassVar[frozenset] = frozenset()
 
     @classmethod
     def block_aligned(cls, options) -> bool:

@@ -235,6 +235,12 @@ class _KernelAttention(Attention):
     """
 
     supports_segments: ClassVar[bool] = False
+    # every head's features come from one map (Performer: one projection a layer, shared by
+    # the heads): structured pruning may remove heads (a review, session 117)
+    heads_independent = True
+    # the causal prefix sums' chunks and the backward's recomputation: one function (a
+    # review, session 117: a resume that changed them was refused as a different model)
+    layout_options = frozenset({"chunk_size", "recompute"})
     chunk_size: int = 64
     recompute: bool = True
 

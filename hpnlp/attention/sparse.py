@@ -546,6 +546,7 @@ class BigBirdAttention(BlockSparseAttention):
     def block_aligned(cls, options) -> bool:
         return True
 
+    heads_independent = True  # the random blocks are every head's (a review, session 117)
     _positive = ("block_size", "num_window_blocks")
     block_size: int = 64
     num_window_blocks: int = 3  # odd: the query's own block and (w - 1) / 2 on each side

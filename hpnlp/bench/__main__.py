@@ -3,7 +3,10 @@
 Each entry writes DIR/results.json and DIR/results.md, most also PNG plots (the closing
 line names those it wrote; tricks, quant and data write none). `--quick` runs a small
 version in a few minutes; `--profile DIR` also writes a jax.profiler trace of the run
-(open with TensorBoard's profile plugin or https://ui.perfetto.dev).
+(open with TensorBoard's profile plugin or https://ui.perfetto.dev): of this process, so it is
+refused where the measured work runs in worker processes (compress, data, distill_recipes,
+lra, memory, moe_convert, prune_transfer, moe's parallel part; attention, softmax's timing
+run and train unless --no-isolate or --quick).
 
 Entries that train keep their runs in `--workdir W` where given and reuse the finished runs
 of the same config found there; `--quick` keeps its own in W/quick, so its small runs never
@@ -32,6 +35,7 @@ from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, kv_cac
 
 from hpnlp.bench import report  # noqa: E402
 from hpnlp.bench.harness import BenchInputError  # noqa: E402
+from hpnlp.paths import WorkdirBusy  # noqa: E402
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
            "tricks": tricks, "memory": memory, "quant": quant, "compress": compress, "moe": moe,
@@ -39,6 +43,13 @@ ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lr
            "retrieval": retrieval, "data": data, "distill_recipes": distill_recipes,
            "speculative": speculative, "gqa": gqa, "rope": rope, "kv_cache": kv_cache,
            "sparse": sparse, "prune_transfer": prune_transfer}
+
+
+# entries whose measured work always runs in worker processes (lra's tasks, data's loaders,
+# memory's per-setting runs, the runs the training benches train side by side), which a
+# jax.profiler trace of this process does not see
+ALWAYS_ISOLATED = ("compress", "data", "distill_recipes", "lra", "memory", "moe_convert",
+                   "prune_transfer")
 
 
 def main(argv=None) -> None:
@@ -76,6 +87,8 @@ def main(argv=None) -> None:
         try:
             ENTRIES[args.entry].main(args)
         except compress.RunConflict as e:  # the runs trained before it are kept, and reused
+            sys.exit(f"python -m hpnlp.bench {args.entry}: error: {e}")
+        except WorkdirBusy as e:  # a run folder another process trains (a review, s117)
             sys.exit(f"python -m hpnlp.bench {args.entry}: error: {e}")
         except BenchInputError as e:
             sp.error(str(e))
@@ -124,6 +137,22 @@ def check_args(args) -> None:
                              + ("" if flag == "out" else " (or leave the flag out)"))
         if value:
             check_writable_dir(value, f"--{flag}")
+    used = getattr(ENTRIES.get(getattr(args, "entry", None)), "WORKDIR_PARTS", None)
+    if used and getattr(args, "workdir", None) and not set(args.parts) & set(used):
+        # a review (session 117): taken and ignored where no part asked for trains a run
+        raise ValueError(f"--workdir {args.workdir}: only the {' and '.join(used)} "
+                         f"{'parts keep' if len(used) > 1 else 'part keeps'} runs there; drop "
+                         f"it, or add --parts {','.join(used)}")
+    isolates = (getattr(args, "no_isolate", True) is False and not args.quick
+                and not getattr(args, "quality", False))  # (softmax --quality: here)
+    parallel = args.entry == "moe" and "parallel" in (getattr(args, "parts", None) or ())
+    if args.profile and (args.entry in ALWAYS_ISOLATED or isolates or parallel):
+        # a review (session 117): the trace held the parent's calibration and none of the
+        # rows, each measured in a worker process of its own that jax.profiler does not see
+        raise ValueError(f"--profile traces this process, and {args.entry} runs its measured "
+                         "work in processes of its own"
+                         + ("; add --no-isolate (or --quick)" if isolates else
+                            "; leave out --parts parallel" if parallel else ""))
     try:
         with open(os.path.join(args.out, "results.md")) as f:
             first = f.readline()

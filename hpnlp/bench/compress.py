@@ -317,6 +317,19 @@ def _train(cd, out: str) -> dict:
     RunConflict where `out` holds a saved run of another config (or one whose config.json
     this version cannot read): a bug hunt found such runs deleted (a --quick run of the
     same bench, or another bench's runs in a shared --workdir)."""
+    from hpnlp.paths import hold_workdir
+    # held from the look to the run's end (a review, session 117: a second bench process on
+    # the same --workdir found a run still training, with no checkpoint yet, "unreadable",
+    # and deleted it under the first); another process's run: WorkdirBusy
+    release = hold_workdir(out) if os.path.isdir(out) else None
+    try:
+        return _train_held(cd, out)
+    finally:
+        if release is not None:
+            release()
+
+
+def _train_held(cd, out: str) -> dict:
     import json
 
     from hpnlp.config import from_configdict, validate
@@ -358,9 +371,15 @@ def _train(cd, out: str) -> dict:
             if isinstance(summary, dict):
                 REUSED.append(out)
                 return summary
-        if not same:  # another config's run with nothing saved: start afresh
+        if not same:  # another config's run with nothing saved: start afresh (emptied, not
+            # removed: the folder keeps the lock this process holds)
             import shutil
-            shutil.rmtree(out)
+            for name in os.listdir(out):
+                path = os.path.join(out, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
     return run(cd, out)
 
 

@@ -58,6 +58,7 @@ SIZES = {
                   quality_latent=(64,), eval_batches=2),
 }
 PARTS = ("decode", "quality")
+WORKDIR_PARTS = ("quality",)  # the parts that keep runs in --workdir
 
 
 def _kv_name(G: int, H: int, latent: int = 0) -> str:

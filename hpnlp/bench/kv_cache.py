@@ -39,6 +39,7 @@ SIZES = {
                   trained_int8_kv=(4,)),
 }
 PARTS = ("decode", "quality")
+WORKDIR_PARTS = ("quality",)  # the parts that keep runs in --workdir
 
 
 def _evaluate(cd, workdir: str) -> tuple[dict, np.ndarray]:

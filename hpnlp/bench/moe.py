@@ -284,6 +284,7 @@ def parallel_rows() -> list[dict]:
 # ------------------------------------------------------------------------- report
 
 PARTS = ("lm", "layer", "parallel")
+WORKDIR_PARTS = ("lm",)  # the parts that keep runs in --workdir
 
 
 def _targets(p: dict) -> dict:

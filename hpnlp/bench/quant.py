@@ -346,6 +346,7 @@ def _markdown(p: dict) -> str:
 
 
 PARTS = ("linear", "lm", "quality")
+WORKDIR_PARTS = ("quality",)  # the parts that keep runs in --workdir
 REPEATS = 7  # a full run's timing repeats per row
 
 

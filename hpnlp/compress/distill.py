@@ -576,6 +576,14 @@ class TeacherCarry(Carry):
                                    f"{tcfg.attention.name!r} cannot read packed rows as its "
                                    "documents alone, and it would read this run's; use "
                                    "data.batching='pad'")
+        recurrent = ("lstm", "gru")  # read a packed row as one stream, the state carried on
+        if not held and cfg.data.batching == "pack" and tcfg.model.arch in recurrent and \
+                cfg.model.arch not in recurrent:  # a review (session 117), as above
+            raise config_error("data.batching", "pack", f"the teacher's model.arch="
+                               f"{tcfg.model.arch!r} reads a packed row as one stream (its "
+                               "state crosses the documents), so each document's soft targets "
+                               "would hold the others' context, which this run's model does "
+                               "not see; use data.batching='pad'")
         members = run_members(self.workdir)
         # found in review: restored into one model's shapes, deep in Orbax; a 1-member
         # ensemble too (review, session 105: the Trainer's mismatch, naming no field)
@@ -736,8 +744,8 @@ class TeacherCarry(Carry):
         # where the widths differ, and under init='pca' at any width, whose stream is the
         # teacher's rotated (a review, r8: unprojected at the teacher's width, the loss of a
         # student that computes the teacher was large and pushed it to undo the rotation)
-        self.projects = bool(self.d.hidden) and (sm.width != tm.width or (
-            self.d.init == "pca" and not self._saved_unprojected(workdir)))
+        self.projects = bool(self.d.hidden) and (sm.width != tm.width or
+                                                 self._projects_at_width(workdir))
 
     def _check_ring_teacher(self, cfg: Config, tcfg: Config) -> None:
         """A ring-attention teacher runs its ring over this run's mesh and batches, so its
@@ -816,24 +824,28 @@ class TeacherCarry(Carry):
                   flush=True)
         return True
 
-    def _saved_unprojected(self, workdir: str | None) -> bool:
-        """Whether the student's newest checkpoint in `workdir` holds no hidden-state
-        projection (saved before a pca student of the teacher's width had one; the
-        checkpointer refuses a resume with another train.distill.hidden): it resumes, and is
-        read, in that layout, its states matched unprojected as its steps matched them."""
-        if not workdir:
-            return False
-        from hpnlp.train.checkpoint import saved_state_tree
-        saved = (saved_state_tree(workdir) or {}).get("params")
-        if not isinstance(saved, dict) or TRAINABLE_PREFIX + self.name in saved:
-            return False
-        if jax.process_index() == 0:
+    def _projects_at_width(self, workdir: str | None) -> bool:
+        """Whether a student of the teacher's width reads its states through a projection:
+        as its newest checkpoint in `workdir` holds them (train.distill.init is read only
+        when a run starts, so a resume may leave it out or change it: a review, session 117,
+        found a pca student resumed without the flag refused as "another version"), else
+        under init='pca'. A pca student saved with none (by an older hpnlp) resumes, and is
+        read, in that layout: its states matched unprojected, as its steps matched them."""
+        saved = None
+        if workdir:
+            from hpnlp.train.checkpoint import saved_state_tree
+            saved = (saved_state_tree(workdir) or {}).get("params")
+        if not isinstance(saved, dict):
+            return self.d.init == "pca"
+        projects = TRAINABLE_PREFIX + self.name in saved
+        if self.d.init == "pca" and not projects and jax.process_index() == 0:
             print(f"hpnlp: train.distill.init='pca': the checkpoints in {workdir} hold no "
-                  "hidden-state projection (saved by an older hpnlp), so it resumes in that "
-                  "layout: the student's rotated states are matched with the teacher's "
-                  "unprojected, as its steps matched them; a new --workdir matches them "
-                  "through the rotation", file=sys.stderr, flush=True)
-        return True
+                  "hidden-state projection (saved by an older hpnlp, or started with another "
+                  "train.distill.init), so it resumes in that layout: the student's states "
+                  "are matched with the teacher's unprojected, as its steps matched them; a "
+                  "new --workdir matches a rotated student's through the rotation",
+                  file=sys.stderr, flush=True)
+        return projects
 
     def variables(self, value):
         """(the teacher's parameters, the rngs of its passes) of the carry's `value`."""

@@ -41,12 +41,15 @@ def to_json(cfg: "Config") -> dict:
 
 def as_json(v):
     """`v` as JSON reads it back: mappings at any depth (FrozenDicts too) as objects, tuples
-    as lists, anything else JSON lacks as its str."""
+    as lists, numpy scalars as their Python numbers, anything else JSON lacks as its str."""
     def plain(v):
         if isinstance(v, Mapping):
             return {k: plain(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
+        if isinstance(v, np.generic):  # a review (session 117): an option's np.int64 was
+            # written as the string "3", which every reader of config.json then refused
+            return v.item()
         return v
     return json.loads(json.dumps(plain(v), default=str))
 

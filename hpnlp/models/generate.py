@@ -565,8 +565,9 @@ def main(argv=None) -> int:
                    "0.0: all); --top-k, --top-p and --min-p apply in that order, after "
                    "--temperature, and with --draft to both runs")
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
-    p.add_argument("--seed", type=int, default=0,
-                   help="the sampling key's seed (>= 0); the prompts are sampled together "
+    p.add_argument("--seed", type=int, default=None,
+                   help="the sampling key's seed (>= 0, default 0; not with --greedy); the "
+                   "prompts are sampled together "
                    "from it, so a row alone with the same seed draws other tokens (with "
                    "--draft, the next prompt's seed is one more)")
     p.add_argument("--draft", default="", help="a smaller LM run of the same task and "
@@ -693,6 +694,10 @@ def main(argv=None) -> int:
                              "give --draft RUN too, or drop it")
         drafts_given = args.draft_tokens is not None
         args.draft_tokens = 4 if args.draft_tokens is None else args.draft_tokens
+        if args.greedy and args.seed is not None:  # a review (session 117): taken, ignored
+            raise ValueError(f"--seed {args.seed} draws the samples, which --greedy does not "
+                             "take (the argmax draws nothing); drop one of the two")
+        args.seed = 0 if args.seed is None else args.seed
         top = 2**63 - len(args.prompt)  # the keys' seeds, one more per prompt, are C longs
         if not 0 <= args.seed < top:  # a bug hunt (session 90): an OverflowError traceback
             raise ValueError(f"--seed {args.seed}: give a seed from 0 to {top - 1}")

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from hpnlp.attention.base import ROUTING
 from hpnlp.config import AttentionConfig, ModelConfig
-from hpnlp.models.transformer import MultiHeadAttention, layer_norm, mlp
+from hpnlp.models.transformer import Dropout, MultiHeadAttention, layer_norm, mlp
 
 # Random streams a block may draw from (dropout; attention variants' random features).
 RNG_STREAMS = ("dropout", "features")
@@ -66,7 +66,7 @@ class AttentionHalf(nn.Module):
         m = self.model
         h_BLE = MultiHeadAttention(m, self.attention, self.causal, self.deterministic, self.decode,
                                    name="attention")(layer_norm(m, "norm")(x_BLE), seg_BL, pos_BL)
-        h_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(h_BLE)
+        h_BLE = Dropout(m.dropout, deterministic=self.deterministic)(h_BLE)
         return nn.with_logical_constraint(h_BLE.astype(jnp.float32),
                                           ("batch", "length", "activation_embed"))
 
@@ -81,7 +81,7 @@ class MlpHalf(nn.Module):
     def __call__(self, x_BLE):
         m = self.model
         h_BLE = mlp(m, layer_norm(m, "norm")(x_BLE))
-        h_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(h_BLE)
+        h_BLE = Dropout(m.dropout, deterministic=self.deterministic)(h_BLE)
         return nn.with_logical_constraint(h_BLE.astype(jnp.float32),
                                           ("batch", "length", "activation_embed"))
 

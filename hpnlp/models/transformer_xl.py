@@ -67,8 +67,8 @@ from jax.ad_checkpoint import checkpoint_name
 from hpnlp.attention.base import attend
 from hpnlp.config import Config, ModelConfig
 from hpnlp.train.carry import AUX, Carry, fold_aux
-from hpnlp.models.transformer import (_init, dtypes, embed_tokens, layer_norm, make_embed, mlp,
-                                      remat_block, sinusoidal_table)
+from hpnlp.models.transformer import (Dropout, _init, dtypes, embed_tokens, layer_norm,
+                                      make_embed, mlp, remat_block, sinusoidal_table)
 
 
 class Memory(NamedTuple):
@@ -346,7 +346,7 @@ class XLBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BLE, mem_BME, rel_KE, u_HD, w_HD, allowed_BLK):
         m = self.model
-        drop = functools.partial(nn.Dropout, rate=m.dropout, deterministic=self.deterministic)
+        drop = functools.partial(Dropout, rate=m.dropout, deterministic=self.deterministic)
         h_BKE = layer_norm(m, "norm1")(jnp.concatenate([mem_BME.astype(x_BLE.dtype), x_BLE], axis=1))
         x_BLE = x_BLE + drop()(XLAttention(m, name="attention")(h_BKE, rel_KE, u_HD, w_HD,
                                                                   allowed_BLK))
@@ -402,7 +402,7 @@ class XLTrunk(nn.Module):
             allowed_BLK = allowed_BLK & window_LK[None]
         x_BLE = (embed_tokens(embed, tokens_BL, seg_BL).astype(dt)
                  * jnp.asarray(np.sqrt(m.width), dt))
-        x_BLE = nn.Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
+        x_BLE = Dropout(m.dropout, deterministic=self.deterministic)(x_BLE)
         x_BLE = nn.with_logical_constraint(x_BLE, ("batch", "length", "activation_embed"))
         block_cls = remat_block(XLBlock, m)
         new_XBME, new_XBCE = [], []

@@ -27,7 +27,7 @@ def eval_groups(cfg, num_devices: int | None = None) -> int:
     return math.prod(sizes[a] for a in mesh.mesh_axes_of("batch"))
 
 
-def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
+def route(cfg, params, batch, *, num_devices: int | None = None, features_key=None) -> dict:
     """Where each MoE block sends the tokens of `batch` in evaluation (token choice at
     eval_capacity_factor, expert choice at the capacity_factor it trained with):
     {block index: {"weights": [B, L, X] weight of each expert's output in each token (0: not
@@ -40,7 +40,10 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     data-parallel shard of the run's mesh there, so capacity drops what `Trainer.evaluate`
     drops (computed on one device: the groups, not the devices, decide the routing).
     Dropless token choice drops nothing, so its routes are the same in any groups: its batch
-    is routed as one group, whatever its rows.
+    is routed as one group, whatever its rows. A model whose attention draws random features
+    from the run's stream (Performer with redraws, LSH) routes under the draw it trained
+    with, `features_key=state.features_key(cfg.train.feature_redraw_every)` (refused without
+    it: a review, session 117, found it routed under its seed's draw, another function).
 
         >>> routes = hpnlp.moe.route(cfg, state.params, batch)   # doctest: +SKIP
         >>> expert_BL = routes[1]["weights"].argmax(-1)           # top-1: each token's expert
@@ -72,6 +75,8 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
                          "rows, or num_devices=1 to route it as one group")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, moe=dataclasses.replace(c, groups=groups)))
+    from hpnlp.retrieval.knnlm import features_rngs
+    rngs = features_rngs(cfg, features_key, "hpnlp.moe.route")
     model = models.build(cfg, deterministic=True, forward_only=True)
     # An LM's trunk only (a bug hunt, session 100: "evaluate" ran the output layer, which
     # built without the task's token counts has other shapes than a class_based run's:
@@ -79,7 +84,7 @@ def route(cfg, params, batch, *, num_devices: int | None = None) -> dict:
     method = "hidden" if cfg.model.kind == "lm" else "evaluate"
     # jitted: run eagerly, the model compiles every primitive separately
     _, got = jax.jit(lambda p, b: model.apply({"params": p}, b, method=method,
-                                              mutable=[ROUTES]))(params, batch)
+                                              mutable=[ROUTES], rngs=rngs))(params, batch)
     # one sown value a block: the dual and bi-encoder route all their texts in one trunk
     # call (`heads.encode_sides`, review r1), split back into the texts here
     from hpnlp.models.heads import unstack_sides

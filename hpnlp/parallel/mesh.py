@@ -25,6 +25,8 @@ assert dict(DEFAULT_RULES).keys() == _DEFAULT_RULE_MAP.keys()
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
+    from hpnlp import xla_workarounds
+    xla_workarounds.guard_cache()  # devices asked for after `import hpnlp` (review, s117)
     devices = jax.devices() if devices is None else devices
     sizes = mesh_cfg.axis_sizes(len(devices))
     shape = tuple(sizes[a] for a in AXES)

@@ -261,30 +261,46 @@ def datastore_for(model, params, ex, folder: str, *, seq_len: int, meta: dict | 
     model's, one of another random-feature draw, or one of another number of entries, is
     refused), else a new one of `ex`."""
     rngs = features_rngs(model.cfg, features_key, "the kNN-LM's datastore")
-    if os.path.isfile(os.path.join(folder, DATASTORE)):
-        store = Datastore.open(folder, params=params, features_key=rngs.get("features"))
-        want = int(np.sum(ex.lengths - 1))
-        if store.header["entries"] != want:  # a README walk: a cap was silently ignored
-            raise RetrievalError(
-                f"{folder}: holds a datastore of {store.header['entries']:,} entries, and this "
-                f"run asks for {want:,} (--max_datastore_tokens sets how many); give another "
-                "--datastore folder, or delete this one to build it again")
-        # (one group where none is recorded: a datastore built before session 116 routed in
-        # one outside a mesh, as a model of no fixed groups does)
-        recorded = store.header.get("routing_groups")
-        theirs, mine = recorded or 1, routing_groups(model) or 1
-        if theirs != mine:  # a review (session 116): a datastore built before the model was
-            # pinned to the run's MoE routing groups holds another function's keys
-            built = (f"in {theirs} MoE routing group(s)" if recorded else "in MoE routing "
-                     "groups it does not record (built before session 116: one outside a mesh, "
-                     "or model.moe.groups)")
-            raise RetrievalError(
-                f"{folder}: holds a datastore whose keys the model computed {built}, and this "
-                f"run's model routes in {mine} (model.moe.groups, or the run's own); give "
-                "another --datastore folder, or delete this one to build it again")
-        return store, False
-    return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta,
-                           features_key=rngs.get("features")), True
+    if not os.path.isfile(os.path.join(folder, DATASTORE)):
+        from hpnlp.paths import hold_workdir
+        # built holding the folder, looked at again once held (a review, session 117: two
+        # calls building one new folder at once shared its temporary files, one truncating
+        # the other's keys); a datastore written whole is read by any number at once
+        release = hold_workdir(folder, busy="{workdir}: another process is building a "
+                               "datastore here; wait for it to finish, or give another "
+                               "--datastore folder")
+        try:
+            if not os.path.isfile(os.path.join(folder, DATASTORE)):
+                return build_datastore(model, params, ex, folder, seq_len=seq_len, meta=meta,
+                                       features_key=rngs.get("features")), True
+        finally:
+            release()
+    return _opened(model, params, ex, folder, rngs), False
+
+
+def _opened(model, params, ex, folder: str, rngs) -> "Datastore":
+    """The datastore in `folder`, checked against this run's model and split (`datastore_for`)."""
+    store = Datastore.open(folder, params=params, features_key=rngs.get("features"))
+    want = int(np.sum(ex.lengths - 1))
+    if store.header["entries"] != want:  # a README walk: a cap was silently ignored
+        raise RetrievalError(
+            f"{folder}: holds a datastore of {store.header['entries']:,} entries, and this "
+            f"run asks for {want:,} (--max_datastore_tokens sets how many); give another "
+            "--datastore folder, or delete this one to build it again")
+    # (one group where none is recorded: a datastore built before session 116 routed in
+    # one outside a mesh, as a model of no fixed groups does)
+    recorded = store.header.get("routing_groups")
+    theirs, mine = recorded or 1, routing_groups(model) or 1
+    if theirs != mine:  # a review (session 116): a datastore built before the model was
+        # pinned to the run's MoE routing groups holds another function's keys
+        built = (f"in {theirs} MoE routing group(s)" if recorded else "in MoE routing "
+                 "groups it does not record (built before session 116: one outside a mesh, "
+                 "or model.moe.groups)")
+        raise RetrievalError(
+            f"{folder}: holds a datastore whose keys the model computed {built}, and this "
+            f"run's model routes in {mine} (model.moe.groups, or the run's own); give "
+            "another --datastore folder, or delete this one to build it again")
+    return store
 
 
 @dataclasses.dataclass

@@ -120,8 +120,9 @@ def unavailable_reason() -> str | None:
 
 
 def supports(hidden: int) -> bool:
-    """The kernel takes hidden sizes in multiples of 16 (its tiles are 16 or 8 units)."""
-    return hidden % 16 == 0
+    """The kernel takes hidden sizes in multiples of 16 (its tiles are 16 or 8 units), and
+    not 0 (a review, session 117: its backward wrote no x-gradient there)."""
+    return hidden > 0 and hidden % 16 == 0
 
 
 def default_threads(B: int, H: int) -> int:
@@ -136,6 +137,9 @@ def _call(target: str, out_shapes, *args, B: int, H: int, threads: int | None, *
     if reason is not None:
         raise RuntimeError(f"the fused LSTM kernel is unavailable: {reason}. Use "
                            "impl='scan' (the XLA recurrence) instead.")
+    if not supports(H):  # (a review, session 117: H = 0's backward wrote no x-gradient)
+        raise ValueError(f"the fused LSTM kernel takes a hidden size that is a positive "
+                         f"multiple of 16, not {H}; use impl='scan' (the XLA recurrence)")
     threads = default_threads(B, H) if threads is None else threads
     out_types = [jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes]
     return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(

@@ -338,15 +338,19 @@ _PATHS = {"data." + f for f in DATA_PATH_FIELDS}
 
 
 def _without_layout(config: dict) -> dict:
-    """A config.json config whose output.options leave out its layer's layout options
-    (`softmax.layout_options`: chunk sizes, which a resume may change unsaid, as
+    """A config.json config whose output.options and attention.options leave out their
+    layer's layout options (`softmax.layout_options`, the attention variant's
+    `layout_options`: chunk sizes, recomputation, which a resume may change unsaid, as
     _BOOKKEEPING's model.remat)."""
-    output = config.get("output")
-    if not isinstance(output, dict) or not isinstance(output.get("options"), dict):
-        return config
-    layout = softmax.layout_options(output.get("name"))
-    return {**config, "output": {**output, "options": {
-        k: v for k, v in output["options"].items() if k not in layout}}}
+    for group, layout_of in (("output", softmax.layout_options),
+                             ("attention", _attention_layout)):
+        part = config.get(group)
+        if not isinstance(part, dict) or not isinstance(part.get("options"), dict):
+            continue
+        layout = layout_of(part.get("name"))
+        config = {**config, group: {**part, "options": {
+            k: v for k, v in part["options"].items() if k not in layout}}}
+    return config
 
 
 def _without_unread(config: dict) -> dict:
@@ -412,6 +416,11 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
     # Transformer-XL's compressive memory (on or off, its compressor) holds parameters, and
     # its memory is a carry only on a stream ("another version" in the restore).
     fields.append(("seed",))
+    # A review (session 117): iterative magnitude pruning's rewind point is captured once, at
+    # its step; resumed under another, a run saved before it rewound every weight to zeros
+    # never captured (resumed at 0), and one saved after it to the old point, unsaid
+    if "imp" in {value(("train", "prune", "schedule")), get(now, ("train", "prune", "schedule"))}:
+        fields.append(("train", "prune", "rewind_step"))
     # A bug hunt (session 92): a classifier resumed causal, or pooling the first token, as
     # another function of the same arrays (another model, as another attention variant is)
     if "lm" not in {value(("model", "kind")), get(now, ("model", "kind"))}:
@@ -459,16 +468,29 @@ def _config_shape_diff(saved: dict, cfg) -> dict:
     return diff
 
 
+def _attention_layout(name) -> frozenset:
+    """Attention variant `name`'s `layout_options`; none for a name not registered."""
+    from hpnlp import attention
+    try:
+        return frozenset(getattr(attention.get(name), "layout_options", ()))
+    except (ValueError, TypeError):
+        return frozenset()
+
+
 def _resolved(sig: dict, other: dict) -> dict:
     """A shape signature with `model.head_dim` as the run computes it (width / heads) where
     `other` sets it and `sig` does not (a README walk: a run shrunk with head_dim set to that
     refused its own resume from a config leaving it unset), and its `output.options` without
     the layer's layout options (`softmax.layout_options`; review r3: another `chunk_tokens`
-    was "a different model", and deleting the run advised). config.json's signature keeps
+    was "a different model", and deleting the run advised), and its `attention.options`
+    without the variant's. config.json's signature keeps
     them, as it did: both sides of a comparison drop them here."""
-    options, layout = sig.get("output.options"), softmax.layout_options(sig.get("output.name"))
-    if isinstance(options, dict) and layout & set(options):
-        sig = {**sig, "output.options": {k: v for k, v in options.items() if k not in layout}}
+    for group, layout in (("output", softmax.layout_options(sig.get("output.name"))),
+                          ("attention", _attention_layout(sig.get("attention.name")))):
+        options = sig.get(group + ".options")  # (attention's: a review, session 117)
+        if isinstance(options, dict) and layout & set(options):
+            sig = {**sig, group + ".options": {k: v for k, v in options.items()
+                                               if k not in layout}}
     if other.get("model.head_dim") and not sig.get("model.head_dim") and \
             sig.get("model.width") and sig.get("model.num_heads"):
         sig = {**sig, "model.head_dim": sig["model.width"] // sig["model.num_heads"]}
@@ -614,6 +636,14 @@ class Checkpointer:
                         f"model.encoder.mine_every {'> 0' if was else '= 0'} as saved"
                         + (", or start a new --workdir from its parameters with "
                            f"--config.train.init_from={workdir}" if write else ""))
+                elif set(diff) == {"train.prune.rewind_step"}:  # a review (session 117)
+                    was = diff["train.prune.rewind_step"][0]
+                    workdir = os.path.dirname(self.config_path)
+                    raise CheckpointMismatch(
+                        f"workdir {workdir} holds checkpoints of an iterative magnitude pruning "
+                        f"run that rewinds to its weights after {was} updates ({lines}), which "
+                        "it captures once, at that step: resume it with "
+                        f"train.prune.rewind_step={was} as saved")
                 elif write:
                     fix = "Use a new --workdir, or delete that one to start over"
                 else:  # a tool reading the run (found by a README walk: it advised deleting it)
@@ -778,6 +808,11 @@ class Checkpointer:
         window, so a full disk stops the run within a window, not a checkpoint later)."""
         with self._saving():
             self.manager.check_for_errors()
+            if not self.manager.is_saving_in_progress():
+                # a review (session 117): orbax's finalize thread takes the writer's error
+                # from where check_for_errors looks and keeps it until that thread is joined,
+                # which a finished save's wait does at once (and raises it)
+                self.manager.wait_until_finished()
 
     @contextlib.contextmanager
     def _saving(self):

@@ -379,6 +379,23 @@ def _check_saved_tokenizer(cfg: Config, workdir: str) -> None:
                            "read the run, or use a new --workdir")
 
 
+def wide_sum(x):
+    """A step's or an eval batch's sum on the host, in float64 where it is a float: the
+    sums of a whole eval or log window pass 2^24 tokens (a review, session 117: summed in
+    float32, the token count stopped counting exactly there, and the loss with it)."""
+    x = np.asarray(x)
+    return x.astype(np.float64) if np.issubdtype(x.dtype, np.floating) else x
+
+
+def saves_after_a_failed_eval() -> bool:
+    """Whether an eval that raised saves the steps trained since the last checkpoint before
+    the error: in a single process only. An eval may fail in one process alone (its host's
+    memory, its shard of a file), and the save's barrier there would meet the others' next
+    step's collectives (a review, session 117: a hang, or gloo's abort, where the error's
+    own line stops the others at once: `hpnlp.main`'s watch)."""
+    return jax.process_count() == 1
+
+
 class Trainer:
     """Holds what one run builds; `run()` is the whole loop. Split out so tests and
     notebooks can build a trainer, take a few steps, and look inside."""
@@ -804,6 +821,7 @@ class Trainer:
                     sums, memory = memory_step(state, _global(batch, self.batch_sharding), memory)
                 else:
                     sums = eval_step(state, _global(batch, self.batch_sharding))
+                sums = jax.tree.map(wide_sum, sums)
                 total = sums if total is None else jax.tree.map(np.add, total, sums)
         return jax.device_get(total)
 
@@ -1066,10 +1084,10 @@ class Trainer:
             # bfloat16, or another MoE router's balance loss, failed every rerun in a tree map).
             # A loss part started again is still averaged over the whole window in its first
             # line (`finalize` divides it by the window's weight), so it reads low there.
-            old = window["sums"]
-            window["sums"] = m if old is None else {
+            old, wide = window["sums"], {k: wide_sum(v) for k, v in m.items()}
+            window["sums"] = wide if old is None else {
                 k: np.add(old[k], v) if k in old and np.shape(old[k]) == np.shape(v) else v
-                for k, v in m.items()}
+                for k, v in wide.items()}
             window["n"] += 1
             window["last"] = m
             if applied:
@@ -1212,8 +1230,9 @@ class Trainer:
             try:
                 last_eval, last_eval_step = self.evaluate(state), step
             except Exception:
-                if not made_up:  # keep the steps trained since the last checkpoint: saved
-                    # with the eval due (a resume runs it first), then the error
+                if not made_up and saves_after_a_failed_eval():  # keep the steps trained
+                    # since the last checkpoint: saved with the eval due (a resume runs it
+                    # first), then the error
                     save(step, state, {}, eval_due=True)
                     self.checkpointer.wait()
                 raise
@@ -1275,15 +1294,17 @@ class Trainer:
             bar = progress_bar(total=t.steps, initial=start, disable=not show, desc=cfg.name,
                                dynamic_ncols=True)
             with self._context(), stop:
+                if ((stale_eval or start >= t.steps) and window["n"]
+                        and window["last"] is not None
+                        and not (writer.enabled and _logged(writer.path, start, eval=False))):
+                    # the last step's train line, as the run of these steps wrote it before
+                    # its eval (a review, session 115: the restored window's steps went
+                    # unlogged), or as a run ending at this step writes it (a review, session
+                    # 117: train.steps lowered to a step saved mid-window); once: no
+                    # checkpoint follows to say so
+                    flush(start)
                 if eval_due or stale_eval:  # (its checkpoint exists: a stop here saves
                     # nothing more)
-                    if (stale_eval and window["n"] and window["last"] is not None
-                            and not (writer.enabled and _logged(writer.path, start,
-                                                                eval=False))):
-                        # the last step's train line, as the run of these steps wrote it
-                        # before its eval (a review, session 115: the restored window's
-                        # steps went unlogged); once: no checkpoint follows to say so
-                        flush(start)
                     t_pause = time.perf_counter()
                     take_eval(start, state, made_up=True)
                     paused(time.perf_counter() - t_pause)
@@ -1370,6 +1391,13 @@ class Trainer:
                     f"the newest checkpoint is {good}: rerun the same command to resume from it"
                     if good else "no checkpoint was saved yet: a rerun starts over"),
                 getattr(e, "exit_code", 130)) from None
+        except Exception:
+            # a save under way completes before the error leaves the loop (a review, session
+            # 117: the CLI's exit, and a multi-process run's peers, killed it, and the lock
+            # went while it wrote); its own failure is the next run's to say
+            with contextlib.suppress(Exception):
+                self.checkpointer.wait()
+            raise
         finally:
             try:  # the trace of the steps that failed too (`stop_profiling`)
                 stop_profiling()
