@@ -234,7 +234,12 @@ def _lock(workdir: str, busy: str) -> int | None:
     where the file system takes no locks (the run goes on unguarded)."""
     import errno
     import fcntl
-    fd = os.open(workdir, os.O_RDONLY)
+    try:
+        fd = os.open(workdir, os.O_RDONLY)
+    except FileNotFoundError:  # removed by a holder that released it empty, since this
+        # process saw it (a review, session 117): made again, as the holder would
+        os.makedirs(workdir, exist_ok=True)
+        fd = os.open(workdir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

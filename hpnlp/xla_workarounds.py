@@ -141,8 +141,8 @@ def host_devices() -> int:
     if "jax" in sys.modules:  # set in code, `jax.config.update("jax_num_cpu_devices", N)`
         # (a review, session 117: read from the environment alone, missed)
         n = getattr(sys.modules["jax"].config, "jax_num_cpu_devices", -1)
-        if isinstance(n, int) and n > 1:
-            return n
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:  # (JAX's -1: unset)
+            return max(n, 1)
     read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
     n = 1
     for f in read:

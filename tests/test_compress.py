@@ -1652,3 +1652,20 @@ def test_a_performer_run_quantizes_under_the_draw_it_trained_with(tmp_path, caps
         err = capsys.readouterr().err.strip()
         assert (f"{out}/quant.json {what} 'features_key', the random-feature draw its "
                 "attention.name='performer' model trained with") in err and "\n" not in err
+
+
+def test_kernel_products_count_each_stacked_layer_and_expert():
+    """A review (session 117): under model.stack_layers a served weight's arrays carry the
+    scan's [depth] axis, and summary.json's `kernel_products` counted a depth-4 stack's
+    weight once. Each layer and each expert counts (no compile: the count reads shapes)."""
+    from hpnlp.compress import ptq
+    from hpnlp.compress.qlinear import QWeight, Served
+
+    def served(scale_shape, experts=0):
+        packed = QWeight(codes=np.zeros((*scale_shape[:-2], 8, scale_shape[-1]), np.int8),
+                         scale=np.zeros(scale_shape, np.float32), fmt="int8", shape=(8, 4))
+        return Served(w=None, fmt="int8", shape=(8, 4), packed=packed, experts=experts)
+    assert ptq.served_products(served((1, 4))) == 1
+    assert ptq.served_products(served((4, 1, 4))) == 4  # a stack of 4 layers
+    assert ptq.served_products(served((1, 12), experts=3)) == 3  # [K, X*N] experts
+    assert ptq.served_products(served((2, 1, 12), experts=3)) == 6

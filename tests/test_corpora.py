@@ -222,6 +222,18 @@ def test_prepare_resumes_after_an_interruption(tmp_path, files, prepared, monkey
     assert (f"the shards kept in {tmp_path}/p were encoded with it: delete {tmp_path}/p to "
             "prepare afresh, or choose a new --out") in capsys.readouterr().err
     model.write_bytes(kept)
+    # a second call while another process writes into --out (a review, session 117: it
+    # took the other's progress for a stopped run's and removed the shard being written)
+    import fcntl
+    fd = os.open(tmp_path / "p", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        listed = sorted(os.listdir(tmp_path / "p"))
+        assert prepare.main(args) == 2
+        assert "another process is writing into it" in capsys.readouterr().err
+        assert sorted(os.listdir(tmp_path / "p")) == listed
+    finally:
+        os.close(fd)
     assert prepare.main(args) == 0
     a, b = sharded.read_meta(prepared), sharded.read_meta(str(tmp_path / "p"))
     for split in ("train", "eval"):
@@ -230,6 +242,13 @@ def test_prepare_resumes_after_an_interruption(tmp_path, files, prepared, monkey
     assert a["splits"]["train"]["tokens"] == b["splits"]["train"]["tokens"]
     assert np.array_equal(np.load(os.path.join(prepared, sharded.COUNTS_FILE)),
                           np.load(tmp_path / "p" / sharded.COUNTS_FILE))
+
+
+def test_prepare_reads_json_lines_by_their_usual_names():
+    """A review (session 117): .ndjson and .JSONL files were read as text."""
+    for name in ("a.jsonl", "a.json", "a.ndjson", "A.JSONL", "b.NDJSON"):
+        assert prepare._is_jsonl(name, "auto"), name
+    assert not prepare._is_jsonl("a.txt", "auto") and not prepare._is_jsonl("a.jsonl", "text")
 
 
 def test_prepare_jsonl_and_its_bad_input(tmp_path, capsys):

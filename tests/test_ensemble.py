@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import chex
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -689,6 +690,11 @@ def test_the_cli_report_is_written_whole_or_not_at_all(tmp_path):
         with pytest.raises(CheckpointSaveFailed, match=r"writing .*ensemble\.json failed "
                            r"\(OSError: \[Errno 28\] No space left on device\)"):
             _write_report(str(tmp_path), {"mode": "seeds", "loss": 2.0})
+        # a run's checkpoints read: a rerun reads them again, resuming nothing (a review,
+        # session 117: "a rerun of the same command resumes from" step N)
+        with pytest.raises(CheckpointSaveFailed, match=r"ensemble\.json failed \(OSError: .*"
+                           r"and rerun the same command \(it reads the checkpoints again\)$"):
+            _write_report(str(tmp_path), {"mode": "checkpoints", "loss": 2.0}, read=True)
 
 
 # 3.1 s in the fast suite on the Xeon model 207 (2026-12-07, --durations: the suite
@@ -716,3 +722,34 @@ def test_member_metrics_reduce_over_the_member_axis_only():
                            "grad_norm": np.asarray([1.0, 3.0]), "tokens": np.asarray([5, 5])})
     np.testing.assert_array_equal(got["moe_load"], load.sum(0))
     assert float(got["loss"]) == 3.0 and float(got["grad_norm"]) == 2.0 and int(got["tokens"]) == 5
+
+
+# a 4-step pruned run and its average: CI's slow part runs it
+@pytest.mark.slow
+def test_a_pruned_runs_weight_average_keeps_its_newest_masks(tmp_path):
+    """A review (session 117): the average of a pruned run's checkpoints kept every weight
+    any of them kept, a denser model than each, scored as one of the run's. It is masked by
+    the newest checkpoint's masks: zero where those prune, the plain mean elsewhere."""
+    import dataclasses
+
+    from hpnlp.config import PruneConfig
+    cfg = tiny(1)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, prune=PruneConfig(
+        method="magnitude", sparsity=0.5, schedule="cubic", start_step=1, every=1)))
+    run(cfg, str(tmp_path))
+    report, params = weight_average(cfg, str(tmp_path), 2)
+    assert report["steps"] == [2, 4]
+    tr = Trainer(cfg, str(tmp_path), read_only=True)
+    states = [tr.checkpointer.restore(s, tr.abstract_state)[0] for s in (2, 4)]
+    tr.checkpointer.close()
+    masks = {k: np.asarray(m) for k, m in states[1].carry["prune"]["masks"].items()}
+    assert masks
+    flat = {"/".join(k): np.asarray(v) for k, v in
+            flax.traverse_util.flatten_dict(jax.device_get(params)).items()}
+    old, new = ({"/".join(k): np.asarray(v) for k, v in flax.traverse_util.flatten_dict(
+        s.params).items()} for s in states)
+    for k, mask in masks.items():
+        assert not flat[k][~mask].any(), k
+        np.testing.assert_allclose(flat[k][mask], ((old[k] + new[k]) / 2)[mask], rtol=1e-6,
+                                   atol=1e-7)
+    assert any((old[k][~m] != 0).any() for k, m in masks.items())  # the earlier kept more

@@ -461,8 +461,9 @@ from hpnlp.train import Trainer
 
 teachers, students, work = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 cd = json.loads(sys.argv[4])
-for name, (attention, mesh) in teachers.items():
-    tr = Trainer(from_configdict(dict(cd, attention=attention, mesh=dict(cd["mesh"], **mesh))),
+for name, (attention, mesh, *model) in teachers.items():
+    tr = Trainer(from_configdict(dict(cd, attention=attention, mesh=dict(cd["mesh"], **mesh),
+                                      model=dict(cd["model"], **(model[0] if model else {})))),
                  os.path.join(work, name))
     state, _ = tr.initial_state()
     tr.checkpointer.save(0, state, tr.train_iter.get_state(), {})
@@ -484,7 +485,8 @@ print(json.dumps(said))
 @pytest.mark.slow  # two teachers saved and four students built on 8 simulated devices
 def test_a_teacher_that_would_compute_otherwise_in_the_students_layout_is_refused(tmp_path):
     """A review (session 116): a teacher's stacked blocks run in the student's step, under
-    its mesh. A Performer teacher (features redrawn) trained in one stage gave a pipelined
+    its mesh (session 117: an MoE teacher routing by capacity too). A Performer teacher
+    (features redrawn) trained in one stage gave a pipelined
     student soft targets of other random features per layer (pipeline stages key them
     otherwise), without a word; a ring teacher whose block does not divide each device's
     share of the student's lengths failed at the first trace, naming attention.options.block,
@@ -493,9 +495,13 @@ def test_a_teacher_that_would_compute_otherwise_in_the_students_layout_is_refuse
     cd = tiny()
     cd.data.batching = "pad"  # (a Performer cannot separate packed documents)
     dense, ring = {"name": "dense", "options": {}}, {"name": "ring", "options": {}}
+    moe = {"moe": dict(cd.model.moe.to_dict(), num_experts=4, router="top_k", top_k=2,
+                       groups=8)}
     teachers = {"performer": ({"name": "performer", "options": {}}, {"data": 8}),
-                "ring": ({"name": "ring", "options": {"block": 8}}, {"sequence": 2, "data": 4})}
-    students = {"performer_pipelined": ("performer", {"pipeline": 2, "data": 4}, dense),
+                "ring": ({"name": "ring", "options": {"block": 8}}, {"sequence": 2, "data": 4}),
+                "moe": (dense, {"data": 8}, moe)}
+    students = {"moe_pipelined": ("moe", {"pipeline": 2, "data": 4}, dense),
+                "performer_pipelined": ("performer", {"pipeline": 2, "data": 4}, dense),
                 "performer_one_stage": ("performer", {"data": 8}, dense),
                 "ring_sequence_4": ("ring", {"sequence": 4, "data": 2}, ring),
                 "ring_sequence_2": ("ring", {"sequence": 2, "data": 4}, ring)}
@@ -510,6 +516,11 @@ def test_a_teacher_that_would_compute_otherwise_in_the_students_layout_is_refuse
     for name, want in (("performer_pipelined", r"the teacher's attention.name='performer' "
                         r"draws random features per layer, which it drew in mesh.pipeline=1 "
                         r"and this run's 2 stages would draw otherwise; set mesh.pipeline=1"),
+                       # an MoE teacher by capacity routes each microbatch alone there (a
+                       # review, session 117)
+                       ("moe_pipelined", r"the teacher's MoE layers route by capacity, which "
+                        r"this run's mesh.pipeline=2 stages would bind over each microbatch "
+                        r"alone"),
                        ("ring_sequence_4", r"the teacher's ring attention "
                         r"\(attention.options.block=8\) runs over this run's mesh.sequence=4 "
                         r"devices, whose shares of the lengths \[16\] \(4 positions\) it does "

@@ -1551,3 +1551,12 @@ def test_the_package_docstring_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = doctest.testmod(hpnlp.retrieval, raise_on_error=False, verbose=False)
     assert result.attempted >= 7 and result.failed == 0
+
+
+def test_text_search_refuses_a_metric_whose_scores_are_not_cosines():
+    """A review (session 117): metric='l2' was taken, and -|q - x|^2 returned as cosines."""
+    from hpnlp.retrieval.encoder import TextSearch
+    with pytest.raises(RetrievalError, match=r"TextSearch: metric='l2'; its scores are the unit "
+                                             r"embeddings' cosines"):
+        TextSearch(None, None, None, None, dim=4, metric="l2")
+    assert TextSearch(None, None, None, None, dim=4, index="ivf", metric="ip").index.dim == 4

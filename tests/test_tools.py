@@ -129,3 +129,23 @@ def test_grad_norm_parts_sets_options_and_refuses_mistakes_in_one_line():
                        ("model.width", "give field.path=value")):
         with pytest.raises(SystemExit, match=f"^--set {item}: {said}"):
             tool.apply_sets(load(), [item])
+
+
+def test_a_targets_value_is_shown_on_its_side_of_the_bound_and_links_keep_their_scheme():
+    """A review (session 117): 0.8004 under "<= 0.8" read "0.800" (and "0.8" in targets.md)
+    marked missed; 1.9996 under ">= 2" read "2". Digits are added until the shown value is
+    not the bound; a value far from it is shown as before. And sync_readme's relink made an
+    absolute link's scheme a path ("https" of https://...)."""
+    from hpnlp.bench.report import beside_bound, targets_md
+    assert beside_bound(0.8004, 0.8, 3, "f") == "0.8004"
+    assert beside_bound(1.9996, 2.0, 3, "g") == "1.9996"
+    assert beside_bound(0.73612, 0.8, 3, "f") == "0.736"  # as before
+    assert beside_bound(0.8, 0.8, 3, "f") == "0.800"  # the bound itself
+    table = targets_md({"x": {"value": 0.8004, "bound": 0.8, "op": "<=", "met": False}})
+    assert "| `x` | 0.8004 | <= 0.8 | NO |" in table
+    targets_table = _tool("targets_table")
+    assert targets_table.number(0.8004, 0.8) == "0.8004" and targets_table.number(0.5) == "0.5"
+    sync_readme = _tool("sync_readme")
+    text = "[plot](a.png) and [site](https://a.org/x) and [top](#targets)"
+    assert sync_readme.relink(text, "docs/benchmarks/b") == (
+        "[plot](docs/benchmarks/b/a.png) and [site](https://a.org/x) and [top](#targets)")

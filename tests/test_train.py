@@ -213,6 +213,15 @@ def test_a_run_read_where_its_mesh_does_not_fit_reads_on_the_data_axis(capsys):
         f"device(s) here; read with mesh.data={n}\n")
     assert mesh_for_these_devices(cfg, "/runs/tp") is cfg  # one that fits is kept, unsaid
     assert capsys.readouterr().err == ""
+    # pipeline stages filled (-1) on the devices it trained on: one stage here, which its
+    # microbatches refuse (a review, session 117: refused, naming fields a reader cannot set)
+    pp = tiny()
+    pp.model.update(stack_layers=True, depth=2)
+    pp.mesh.update(data=1, pipeline=-1, pipeline_microbatches=2)
+    cfg = mesh_for_these_devices(from_configdict(pp), "/runs/pp")
+    assert (cfg.mesh.pipeline, cfg.mesh.pipeline_microbatches, cfg.mesh.data) == (1, 0, -1)
+    assert (f"hpnlp: /runs/pp was trained on mesh {{'pipeline': -1}}, which does not fit the {n} "
+            "device(s) here (") in capsys.readouterr().err
 
 
 def test_a_run_read_on_devices_that_do_not_split_its_batch_reads_on_fewer(capsys, monkeypatch):

@@ -406,3 +406,17 @@ def test_float16_loss_scale_past_float32_s_range_is_reported_and_growth_is_cappe
                                   good_steps=jnp.zeros((), jnp.int32)), batch)
     assert (float(m["skipped"]), float(m["finite"])) == (0.0, 1.0)
     assert float(state.loss_scale) == MAX_LOSS_SCALE
+
+
+# a 2-step run: CI's slow part runs it
+@pytest.mark.slow
+def test_a_seed_ensemble_member_blown_up_at_an_eval_is_not_saved_as_good(tmp_path, monkeypatch):
+    """A review (session 117): the checks read the ensemble's loss alone, whose mean of the
+    members' probabilities stayed finite where one member's had overflowed, so the step was
+    saved and named good. Each member's loss counts (the evals are scripted)."""
+    from hpnlp.train.loop import NonFiniteLoss
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
+        "loss": 1.0, "members": [{"loss": 1.0}, {"loss": float("inf")}]})
+    with pytest.raises(NonFiniteLoss, match="eval loss = inf"):
+        run(tiny(steps=2, eval_every=2, checkpoint_every=2, warmup_steps=1), str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoints" / "2")

@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # (review r6: 0 was a ZeroDivisionError, -1 reached XLA as a device count)
     ap.add_argument("--devices", type=at_least(1), default=4)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--lengths", type=at_least(1), nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--block", type=int, default=None,
                     help="each ring step's tile (a divisor of L / devices); default: chosen")
     args = ap.parse_args(argv)

@@ -152,7 +152,9 @@ def bench_parts(name: str) -> tuple[str, ...]:
     return ()
 
 
-LINK = re.compile(r"\]\(([^)#:\s]+)")  # a relative link's target (no scheme, not an anchor)
+# a relative link's target (no scheme, not an anchor): the whole target, up to its end (a
+# review, session 117: "https" of https://... was matched, and the URL made a path)
+LINK = re.compile(r"\]\(([^)#:\s]+)(?=[)#\s])")
 
 
 def relink(text: str, folder: str) -> str:
@@ -203,8 +205,10 @@ def write_or_check(path: str, new: str, *, check: bool, fix: str) -> None:
             print(f"{shown}\n{name} is out of date: run {fix}", file=sys.stderr)
             sys.exit(1)
         return
-    with open(path, "w") as f:
+    tmp = path + ".tmp"  # whole or not at all (a review, session 117: a kill mid-write left
+    with open(tmp, "w") as f:  # README.md cut)
         f.write(new)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,14 @@ def short_machine(info: dict) -> str:
     return name + (f" ({arch})" if arch and arch not in name else "")
 
 
-def number(v) -> str:
-    return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+def number(v, bound=None) -> str:
+    """`v` in 3 significant digits, more where fewer would show a value that misses (or
+    meets) `bound` as equal to it (`report.beside_bound`)."""
+    if v is None:
+        return "–"
+    if not isinstance(v, float):
+        return str(v)
+    return report.beside_bound(v, bound, 3, "g") if _number(bound) else f"{v:.3g}"
 
 
 FIX = "rerun its benchmark, or restore the file (git checkout -- PATH)"
@@ -238,7 +244,7 @@ def by_benchmark() -> list[str]:
                     cells.append("–")
                     continue
                 met += bool(tg.get("met"))
-                value = number(tg.get("value"))
+                value = number(tg.get("value"), tg.get("bound"))
                 cells.append(value if tg.get("met") else f"**{value}**")
             lines.append(f"| [`{folder}`]({folder}/results.md) | {short_machine(info)} | "
                          f"{(info.get('date') or '?')[:10]} | " + " | ".join(cells)
@@ -257,14 +263,16 @@ def render() -> str:
              "[benchmarks.md](../benchmarks.md). The attention targets are issue 25's for a "
              "CPU kernel; a GPU record of the attention bench carries the map too (the bench "
              "writes it wherever `chunked` ran), where `chunked` is XLA's blocks and the peer "
-             "PyTorch's CUDA kernels. A target whose rows did not run (no L = 4096, or "
-             "interrupted) reads – and is not met.", "",
+             "PyTorch's CUDA kernels. A target whose rows did not run (no L = 4096) reads – and "
+             "is not met; a record of an interrupted, --quick, died or profiled run is left "
+             "out (a --parts run's holds its parts' targets).", "",
              f"{len(rs)} (target, record) pairs, {met} met.", "",
              "| target | record | machine | date | measured | bound | met |",
              "|---|---|---|---|---|---|---|"]
     for name, folder, mach, date, value, op, bound, ok in rs:
         lines.append(f"| `{name}` | [`{folder}`]({folder}/results.md) | {mach} | {date} | "
-                     f"{number(value)} | {op} {number(bound)} | {'yes' if ok else '**no**'} |")
+                     f"{number(value, bound)} | {op} {number(bound)} | "
+                     f"{'yes' if ok else '**no**'} |")
     lines += ["", "## By benchmark", "",
               "Each benchmark's records side by side: a row per record, a column per target with "
               "its bound, misses in bold.", ""] + by_benchmark()

@@ -321,12 +321,11 @@ def _train(cd, out: str) -> dict:
     # held from the look to the run's end (a review, session 117: a second bench process on
     # the same --workdir found a run still training, with no checkpoint yet, "unreadable",
     # and deleted it under the first); another process's run: WorkdirBusy
-    release = hold_workdir(out) if os.path.isdir(out) else None
+    release = hold_workdir(out)  # (made here and released empty: removed again)
     try:
         return _train_held(cd, out)
     finally:
-        if release is not None:
-            release()
+        release()
 
 
 def _train_held(cd, out: str) -> dict:

@@ -152,6 +152,22 @@ def targets_unless_quick(payload: dict, quick: bool, make: Callable[[], dict]) -
         payload["targets"] = make()
 
 
+def beside_bound(value, bound, digits: int, kind: str) -> str:
+    """`value` written with `digits` (kind "f": decimals, "g": significant digits), more
+    where fewer would show it equal to `bound` while it is not (a review, session 117:
+    0.8004 under "<= 0.8" read "0.800 ... NO")."""
+    text = f"{value:.{digits}{kind}}"
+    try:
+        same = float(text) == float(bound) != value
+    except (TypeError, ValueError, OverflowError):
+        return text
+    while same and digits < 12:
+        digits += 1
+        text = f"{value:.{digits}{kind}}"
+        same = float(text) == float(bound)
+    return text
+
+
 def targets_md(targets: dict | None, quick: bool = False) -> str:
     """The "### Targets" table of a payload's `targets` map ("" when it has none; a line
     saying why for a `--quick` run)."""
@@ -159,7 +175,8 @@ def targets_md(targets: dict | None, quick: bool = False) -> str:
         return QUICK_NO_TARGETS
     if not targets:
         return ""
-    rows = [[f"`{name}`", "not measured" if t["value"] is None else f"{t['value']:.3f}",
+    rows = [[f"`{name}`", "not measured" if t["value"] is None else
+             beside_bound(t["value"], t["bound"], 3, "f"),
              f"{t['op']} {t['bound']}", "yes" if t["met"] else "NO"]
             for name, t in targets.items()]
     return "### Targets\n\n" + table(["target", "measured", "bound", "met"], rows)

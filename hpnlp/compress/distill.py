@@ -625,6 +625,17 @@ class TeacherCarry(Carry):
                                f"distill from a teacher whose model.depth {stages} divides (or "
                                "one of model.stack_layers=False), or set mesh.pipeline to one "
                                f"that divides both {sm.depth} and {tm.depth}")
+        moe = tm.moe
+        if stages > 1 and tm.stack_layers and moe.enabled() and (
+                moe.dispatch == "capacity" or moe.router == "expert_choice"):
+            # a review (session 117): in pipeline stages each microbatch is routed alone, so
+            # its capacity binds over other tokens than the teacher's own evaluation
+            raise config_error("train.distill.teacher", self.workdir, "the teacher's MoE "
+                               "layers route by capacity, which this run's "
+                               f"mesh.pipeline={stages} stages would bind over each "
+                               "microbatch alone, another function than the teacher's; set "
+                               "mesh.pipeline=1, or distill from a teacher of "
+                               "model.stack_layers=False or dropless token choice")
         from hpnlp.attention import draws_features
         from hpnlp.attention import get as attention_class
         per_layer = tm.stack_layers and draws_features(tcfg.attention.name,

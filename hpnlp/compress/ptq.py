@@ -489,6 +489,17 @@ class _WithQuant:
         return self.model.apply({**variables, **extra}, *args, **kwargs)
 
 
+
+def served_products(x: Served) -> int:
+    """The kernel products one `Served` leaf computes: each expert's own, and each stacked
+    layer's (model.stack_layers: its packed arrays carry the scan's leading [depth] axis
+    over a weight's [G, N] scales; a review, session 117, found a depth-4 stack counted as
+    one layer)."""
+    layers = 1
+    if x.packed is not None:
+        layers = int(np.prod(np.shape(x.packed.scale)[:-2], dtype=np.int64))
+    return layers * max(x.experts, 1)
+
 def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtype: str | None = None,
              calib_batches: int = 8, eval_batches: int | None = None, repeats: int = 5) -> dict:
     """Quantize the run in `workdir` with `q` (or cast it to `float_dtype`) into `out`;
@@ -614,7 +625,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     # What a user of the file runs: integer kernels where they serve the format (`serve`),
     # packed weights decoded in XLA elsewhere.
     served = packed if float_dtype else serve(model_q, packed, calib[0], quant_vars)
-    kernel_products = sum(max(x.experts, 1) for x in jax.tree.leaves(  # each expert's own
+    kernel_products = sum(served_products(x) for x in jax.tree.leaves(
         served, is_leaf=lambda x: isinstance(x, Served)) if isinstance(x, Served))
     # The sums with what the layers sow folded in, as the float eval's (a bug hunt, session
     # 102: an MoE run's quantized eval lacked the float eval's loss_moe_* and moe_*
@@ -640,6 +651,8 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
     model_f = trainer.eval_model
     eval_f = jax.jit(lambda p, b: fold_eval(model_f, {"params": p}, b, rngs))
     tokens = int(np.sum([np.sum(v != 0) for k, v in eval_batch.items() if k.startswith("segment_ids")]))
+    rows = max(int(np.size(v)) for k, v in eval_batch.items() if k.startswith("segment_ids"))
+    from hpnlp.compress.kernels import INT4_KERNEL_MAX_ROWS
     t_float = _forward_seconds(eval_f, params, eval_batch, repeats=repeats)
     t_quant = _forward_seconds(eval_q, served, quant_vars, eval_batch, repeats=repeats)
     float_bytes = qlinear.float_bytes(params)
@@ -661,7 +674,12 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                     "kernel_products": kernel_products,
                     "how": ("integer kernels (hpnlp.compress.kernels) for the products they "
                             "serve, the rest decoded in XLA" if kernel_products else
-                            "packed weights decoded in the jitted forward (XLA)")},
+                            "packed weights decoded in the jitted forward (XLA)")
+                    # a review (session 117): int4's kernel serves up to its rows, a decode
+                    # step's; a batch's products past them ran on its XLA twin
+                    + (f"; int4 products of over {INT4_KERNEL_MAX_ROWS} rows (this batch's "
+                       f"{rows}) on the kernel's XLA twin" if kernel_products and
+                       q.weights == "int4" and rows > INT4_KERNEL_MAX_ROWS else "")},
         "reload_identical": None,
     }
     meta = {"source": {"workdir": os.path.abspath(workdir), "step": step},

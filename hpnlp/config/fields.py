@@ -249,7 +249,9 @@ class EncoderConfig:
     temperature: float = 0.05
     symmetric: bool = True
     margin: float = 0.2
-    bag: str = "mean"  # model.arch = "bag" (StarSpace-style bag of embeddings): "mean" | "sum"
+    # model.arch = "bag" (StarSpace-style bag of embeddings): "mean" | "sum", one model in
+    # fact: every embedding is scaled to unit length, which a row's token count cancels
+    bag: str = "mean"
     # Hard negatives mined from the whole train pool with hpnlp.retrieval's exact search every
     # `mine_every` steps (0: none), one per pair drawn from its `mine_depth` nearest non-positives.
     mine_every: int = 0

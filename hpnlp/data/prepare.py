@@ -7,8 +7,9 @@
         --config.data.vocab_size=8000
 
 Inputs are plain text (a document is a paragraph: a run of non-blank lines, as for
-`data.train_path`) or JSON lines (`--format jsonl`, or files ending in .jsonl/.json: one
-document per line, its `--text_field`). The eval split is `--eval_input`, or else every
+`data.train_path`) or JSON lines (`--format jsonl`, or files ending in .jsonl, .json or
+.ndjson, in any case: one document per line, its `--text_field`). The eval split is
+`--eval_input`, or else every
 `--eval_every`-th document. The tokenizer is `bytes`, or a `bpe`/`unigram` SentencePiece
 model trained on an even sample of the training documents (at most `--tokenizer_sample_mb`)
 or reused from a folder that holds one (`--tokenizer_from`: a run's workdir, another
@@ -105,8 +106,13 @@ def _json_kind(obj) -> str:
             float: "number", type(None): "null"}.get(type(obj), type(obj).__name__)
 
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # `--format auto`'s, in any case
+
+
 def _is_jsonl(path: str, fmt: str) -> bool:
-    return fmt == "jsonl" or (fmt == "auto" and path.endswith((".jsonl", ".json")))
+    # (a review, session 117: .ndjson and .JSONL files were read as text, each whole file
+    # one document of JSON syntax)
+    return fmt == "jsonl" or (fmt == "auto" and path.lower().endswith(JSONL_SUFFIXES))
 
 
 def _check_not_compressed(path: str, head: bytes) -> None:
@@ -374,6 +380,16 @@ def _settings_diff(saved, settings: dict) -> str:
 
 
 def prepare(args) -> dict:
+    """`_prepare`, holding --out while it writes (released however it ends)."""
+    held = []
+    try:
+        return _prepare(args, held)
+    finally:
+        for release in held:
+            release()
+
+
+def _prepare(args, held: list) -> dict:
     from array_record.python import array_record_module as ar
     from tqdm.auto import tqdm
     from hpnlp.config import ConfigError
@@ -394,7 +410,8 @@ def prepare(args) -> dict:
                                              for q in paths + eval_paths):
         # found by a bug hunt: taken and ignored
         raise PrepareError(f"--text_field {args.text_field!r} names a field of JSON lines, but "
-                           "no input is JSON lines (.jsonl/.json, or --format jsonl); drop it, "
+                           "no input is JSON lines (.jsonl/.json/.ndjson, or --format jsonl); drop "
+                           "it, "
                            "or give --format jsonl")
     if eval_paths and args.eval_every is not None:  # a review (session 114): taken and ignored
         raise PrepareError(f"--eval_every {args.eval_every} holds out every N-th --input document, "
@@ -416,6 +433,10 @@ def prepare(args) -> dict:
     _check_out(out)
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
+    from hpnlp.paths import WRITING, hold_workdir
+    # a review (session 117): the same command started again while the first still wrote
+    # took its progress for a stopped run's and removed the shard it was writing
+    held.append(hold_workdir(out, busy=WRITING))
     meta_path = os.path.join(out, sharded.META_FILE)
     settings = {"inputs": [os.path.abspath(p) for p in paths],
                 "eval_inputs": [os.path.abspath(p) for p in eval_paths],
@@ -675,7 +696,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_every", type=int, default=None, help="document i is eval when "
                    f"i %% N == N - 1 (default {EVAL_EVERY}; not with --eval_input)")
     p.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),
-                   help="auto: .jsonl/.json files are JSON lines, the rest plain text")
+                   help="auto: .jsonl/.json/.ndjson files (any case) are JSON lines, the rest text")
     p.add_argument("--text_field", default="text", help="the text of a JSON line")
     p.add_argument("--shard_mb", type=int, default=256, help="input MiB per shard (and checkpoint); 0: a shard per document")
     p.add_argument("--batch_mb", type=int, default=8, help="text tokenized at once (memory bound)")
@@ -684,11 +705,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from hpnlp.paths import WorkdirBusy
     args = parser().parse_args(argv)
     try:
         with sigterm_as_interrupt():  # as Ctrl-C: what was checkpointed is kept, and said
             meta = prepare(args)
     except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except WorkdirBusy as e:  # another prepare writes into --out (a review, session 117)
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = meta["splits"]

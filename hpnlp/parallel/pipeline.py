@@ -22,7 +22,9 @@ layer stay outside, under the automatic (GSPMD) sharding of the other mesh axes.
 
 What holds: with dropout off, the pipelined trunk computes the same function as the
 stacked scan (tested to 1e-5 on losses and parameters after training steps) for every
-attention variant that draws no random features; `clustered` is refused (its centroids'
+attention variant that draws no random features (nor noise: `sinkhorn` draws its Gumbel
+noise in training from the dropout stream whatever the rate, so it matches
+`gpipe_reference` only); `clustered` is refused (its centroids'
 k-means gradient is added whatever cotangent reaches it, so the idle ticks would add
 theirs). With dropout on, `gpipe` equals its slow
 twin `gpipe_reference` (every microbatch through all layers in turn), masks included: keys

@@ -75,6 +75,11 @@ class TextSearch:
         self.cfg, self.model, self.params, self.encode_text = cfg, model, params, encode_text
         self.features_key = features_key
         dim = be.embedding_dim(model, params) if dim is None else dim
+        if options.get("metric", "ip") != "ip":  # a review (session 117): scores of l2,
+            # -|q - x|^2, were returned as cosines
+            raise base.RetrievalError(f"TextSearch: metric={options['metric']!r}; its scores "
+                                      "are the unit embeddings' cosines, an index's inner "
+                                      "products: leave metric out (or 'ip')")
         self.index = base.make(index, dim, **options)
         self.texts: list[str] = []
 

@@ -593,13 +593,20 @@ def checkpoint_ensemble(cfg, workdir: str, last_k: int) -> dict:
 def weight_average(cfg, workdir: str, last_k: int):
     """-> (report, params): the uniform mean of the last `last_k` checkpoints' params,
     evaluated. `report` is `checkpoint_ensemble`'s (the members come from the same pass)
-    plus "weight_average": the averaged model's metrics. Params average in float32."""
+    plus "weight_average": the averaged model's metrics. Params average in float32; a pruned
+    run's average is masked by its newest checkpoint's masks."""
     trainer, steps, states = _restore_last(cfg, workdir, last_k)
     report = {**_ensemble_of(trainer, states), "steps": steps}
     mean = lambda *xs: (sum(x.astype(jnp.float32) for x in xs) / len(xs)).astype(xs[0].dtype)
     with trainer._context():
         params = jax.jit(lambda *p: jax.tree.map(mean, *p),
                          out_shardings=trainer.state_sharding.params)(*(s.params for s in states))
+    # A pruned run's average keeps the newest checkpoint's masks (a review, session 117: the
+    # union of the K checkpoints' kept weights, denser than any of them, was scored as one
+    # of the run's models): what it prunes is zero, as in the newest checkpoint
+    pruning = next((c for c in trainer.carries if c.name == "prune"), None)
+    if pruning is not None:
+        params = pruning.gradients(states[-1].carry["prune"], params)
     # The newest checkpoint's step and RNG: random-feature layers use its current draw.
     report["weight_average"] = trainer.evaluate(states[-1].replace(params=params))
     return report, params
@@ -624,14 +631,21 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_report(workdir: str, report: dict) -> None:
+def _write_report(workdir: str, report: dict, *, read: bool = False) -> None:
     """WORKDIR/ensemble.json, whole or not at all, as the run's other files (a review, r1: a
     kill mid-write cut it); a failed write is one line (a review, session 115), as the run's
-    other reports'."""
+    other reports'. `read`: the report of a run's checkpoints read (--from_checkpoints),
+    which a rerun reads again, resuming nothing (a review, session 117)."""
     path = os.path.join(workdir, "ensemble.json")
     try:
         write_json(path, report, indent=1)
     except OSError as e:
+        if read:
+            from hpnlp.train.checkpoint import CheckpointSaveFailed
+            detail = (str(e).splitlines() or ["no detail"])[0][:200]
+            raise CheckpointSaveFailed(f"writing {path} failed ({type(e).__name__}: {detail}); "
+                                       "free space there, or make it writable, and rerun the "
+                                       "same command (it reads the checkpoints again)") from None
         raise write_failed(path, e, os.path.join(workdir, "checkpoints")) from None
 
 
@@ -695,7 +709,12 @@ def _main(argv) -> None:
     from hpnlp.paths import check_workdir, check_writable_dir
     from hpnlp.train import Interrupted, NonFiniteLoss
     try:
-        check_workdir(F.workdir)  # before a compile: it takes ensemble.json
+        if F.from_checkpoints:  # a run read, not resumed: ensemble.json is all it writes
+            # (a review, session 117: a run whose checkpoints were write-protected was
+            # refused, "a resume writes them again")
+            check_writable_dir(F.workdir, "--workdir")
+        else:
+            check_workdir(F.workdir)  # before a compile
         if F.profile:
             check_writable_dir(F.profile, "--profile")
         cli.join_processes(cfg, {"--members": F.members,
@@ -728,7 +747,7 @@ def _main(argv) -> None:
         raise
     if jax.process_index() == 0:
         try:
-            _write_report(F.workdir, report)
+            _write_report(F.workdir, report, read=bool(F.from_checkpoints))
         except CheckpointSaveFailed as e:
             cli.exit_interrupted(f"hpnlp: error: {e}", 1)
         print(format_table(report))

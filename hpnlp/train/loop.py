@@ -236,6 +236,19 @@ def _reader_split(cfg: Config, k: int) -> bool:
     return t.batch_size % (t.grad_accum * k) == 0 and eval_bs % k == 0 and groups % k == 0
 
 
+def _refused_on(cfg: Config, n: int) -> str:
+    """Why `cfg`'s own mesh, its -1 axes filled on `n` devices, cannot lay the run out there
+    (its pipeline stages or expert shards against the model), or "" where it can."""
+    from hpnlp.config import ConfigError
+    if not any(getattr(cfg.mesh, a) == -1 for a in MESH_AXES if a != "data"):
+        return ""
+    try:
+        validate(cfg, num_devices=n)
+    except ConfigError as e:
+        return str(e).splitlines()[0]
+    return ""
+
+
 def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
                 ) -> tuple[MeshConfig, int, str | None]:
     """(mesh, k devices it lays out, what changed: None where the saved mesh is kept) for a
@@ -255,6 +268,10 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
         (i for i, a in enumerate(used) if a not in batch), len(used)):])
     across = fits and jax.process_count() > 1 and jax.local_device_count() % inner != 0
     fits = fits and not across
+    refused = fits and _refused_on(cfg, n)  # a review (session 117): mesh.pipeline=-1 (or
+    # expert) filled 8 devices; on 2 its one stage refused its pipeline_microbatches, on 6
+    # its depth: read on the data axis instead, as a mesh that does not fit is
+    fits = fits and not refused
     shards = math.prod(sizes[a] for a in batch) if fits else 0
     if fits and _reader_split(cfg, shards):
         return mesh, n, None
@@ -267,9 +284,10 @@ def reader_mesh(cfg: Config, n: int, *, fewer_devices: bool = True
     saved = given or {"data": 1}  # a bug hunt (session 100): "on mesh {}" of all ones
     why = (f"was trained on mesh {saved}, whose {inner} devices of axes outside the batch "
            f"would span the {jax.process_count()} processes here" if across else
-           f"was trained on mesh {saved}, which does not fit the {n} device(s) here" if not
-           fits else f"splits its batch over {shards} of the {n} device(s) here, which "
-           f"does not divide it")
+           f"was trained on mesh {saved}, which does not fit the {n} device(s) here"
+           + (f" ({refused})" if refused else "") if not fits else
+           f"splits its batch over {shards} of the {n} device(s) here, which does not "
+           "divide it")
     moe = cfg.model.moe  # (dropless routing groups split no batch: `_reader_split`)
     groups = moe.groups if moe.enabled() and moe.dispatch == "capacity" else 0
     where = (f" on {k} of the {n} devices (train.batch_size={cfg.train.batch_size}, "
@@ -1217,6 +1235,12 @@ class Trainer:
                       file=sys.stderr, flush=True)
                 raise
             loss = finalize(sums["ensemble"] if "members" in sums else sums, lm=self.lm)["loss"]
+            if "members" in sums:  # each member's too (a review, session 117: one member's
+                # blown up, the ensemble's mean probabilities stayed finite, and it was saved)
+                m = sums["members"]
+                losses = [finalize({k: v[i] for k, v in m.items()}, lm=self.lm)["loss"]
+                          for i in range(len(m["weight"]))]
+                loss = next((x for x in losses if not math.isfinite(x)), loss)
             if not math.isfinite(loss):
                 raise diverged(step, f"its parameters' loss on a held-out batch is {loss}; "
                                "they are not saved")
@@ -1241,8 +1265,11 @@ class Trainer:
             # be saved and named good (found by a README walk: lr=1e9 saved such a step, and
             # its resume diverged at once). Before the eval is logged (a review, session 116:
             # its NaN line, not JSON, was kept, and a finite rerun's eval then not logged)
-            if not math.isfinite(float(last_eval.get("loss", 0.0))):
-                loss = float(last_eval["loss"])
+            blown = next((float(m["loss"]) for m in last_eval.get("members", ())
+                          if not math.isfinite(float(m.get("loss", 0.0)))), None)
+            if blown is not None or not math.isfinite(float(last_eval.get("loss", 0.0))):
+                # (a seed ensemble's members each: a review, session 117)
+                loss = float(last_eval["loss"]) if blown is None else blown
                 if not made_up:
                     raise diverged(step, f"eval loss = {loss} on the parameters after it, "
                                    "which are not saved")
@@ -1393,10 +1420,13 @@ class Trainer:
                 getattr(e, "exit_code", 130)) from None
         except Exception:
             # a save under way completes before the error leaves the loop (a review, session
-            # 117: the CLI's exit, and a multi-process run's peers, killed it, and the lock
-            # went while it wrote); its own failure is the next run's to say
-            with contextlib.suppress(Exception):
-                self.checkpointer.wait()
+            # 117: the CLI's exit killed it, and the lock went while it wrote); its own
+            # failure is the next run's to say. In a single process: in several, the save's
+            # commit waits on every process, where a peer may be gone (the error's own line
+            # stops the others at once, `hpnlp.main`'s watch)
+            if jax.process_count() == 1:
+                with contextlib.suppress(Exception):
+                    self.checkpointer.wait()
             raise
         finally:
             try:  # the trace of the steps that failed too (`stop_profiling`)
