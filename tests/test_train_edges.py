@@ -191,6 +191,15 @@ def test_a_checkpoint_s_one_batch_check_that_fails_saves_nothing_and_checks_the_
     assert int(state.step) == 1
 
 
+def _scripted_evals(monkeypatch) -> None:
+    """Evals that read the state's step as their loss, and a checkpoint's one-batch check
+    that passes: nothing compiles but the train step."""
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
+        "loss": float(state.step)})
+    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
+        "loss": np.float32(3.0), "weight": np.float32(2.0)})
+
+
 def _stopped_at_step_7(cd, workdir: str) -> None:
     """Run `cd` in `workdir` and stop it by Ctrl-C in step 7, after its checkpoint at 6."""
     from hpnlp.train import Interrupted
@@ -219,9 +228,7 @@ def test_a_finished_rerun_from_a_step_saved_without_its_eval_evaluates_that_step
     did not evaluate there. The evals are scripted: nothing else compiles but the train
     step."""
     from hpnlp.train.checkpoint import Checkpointer
-    monkeypatch.setattr(Trainer, "evaluate", lambda self, state: {"loss": float(state.step)})
-    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
-        "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
+    _scripted_evals(monkeypatch)
     if saved_before:
         save = Checkpointer.save
         monkeypatch.setattr(Checkpointer, "save", lambda self, step, state, data, loop: save(
@@ -267,10 +274,7 @@ def test_a_finished_rerun_from_a_step_saved_before_any_eval_evaluates_and_logs_i
     after the logs were closed: no eval line in metrics.jsonl, no best_eval in the summary,
     and the restored window's train line never written. Both now go to the logs, as the run
     of 6 steps wrote them."""
-    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
-        "loss": float(state.step)})
-    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
-        "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
+    _scripted_evals(monkeypatch)
     cd = tiny(steps=8, eval_every=10, checkpoint_every=6, eval_batches=1, warmup_steps=1,
               log_every=5)
     _stopped_at_step_7(cd, str(tmp_path))
@@ -288,10 +292,7 @@ def test_a_rerun_lowered_to_a_step_saved_mid_window_logs_that_window(tmp_path, m
     """A review (session 117): a run stopped after its checkpoint at step 6, evaluated there
     (evals every 6, logs every 5), rerun with train.steps lowered to 6, never wrote the train
     line of steps 6..6 its checkpoint's window held, which a run of 6 steps writes."""
-    monkeypatch.setattr(Trainer, "evaluate", lambda self, state, **kw: {
-        "loss": float(state.step)})
-    monkeypatch.setattr(Trainer, "eval_sums", lambda self, state, *args, batches=None: {
-        "loss": np.float32(3.0), "weight": np.float32(2.0)})  # the checkpoint's check
+    _scripted_evals(monkeypatch)
     cd = tiny(steps=8, eval_every=6, checkpoint_every=6, eval_batches=1, warmup_steps=1,
               log_every=5)
     _stopped_at_step_7(cd, str(tmp_path))
