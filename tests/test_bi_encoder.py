@@ -708,11 +708,22 @@ def test_quantize_reports_the_quantized_encoders_pool_metrics(tmp_path):
     from hpnlp.train.loop import Trainer
     cfg = _cfg("local", **{"train.steps": 1, "train.warmup_steps": 0, "train.eval_every": 1,
                            "train.eval_batches": 1, "train.checkpoint_every": 1,
-                           "data.seq_len": 16, "model.max_len": 16})
+                           "data.seq_len": 16, "model.max_len": 16, "model.moe.num_experts": 2})
     run = str(tmp_path / "run")
     Trainer(cfg, run).run()
-    q = QuantConfig(weights="int8", activations="int8", act_scale="static")
-    s = ptq.quantize(run, str(tmp_path / "q"), q, calib_batches=1, eval_batches=1, repeats=1)
+    q = QuantConfig(weights="int8", activations="int8", act_scale="static", layers="qkv,out")
+    # both pools in the routing groups the run's checkpoint routed in (a review, session 118:
+    # the quantized pool routed in this mesh's): here as if it had saved 2
+    real, groups = be.BiEncoder.split_metrics, []
+
+    def split_metrics(cfg, model, params, task, *, features_key=None):
+        groups.append(model.cfg.model.moe.groups)
+        return real(cfg, model, params, task, features_key=features_key)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(be.BiEncoder, "split_metrics", staticmethod(split_metrics))
+        m.setattr(Trainer, "split_groups", lambda self, step: 2)
+        s = ptq.quantize(run, str(tmp_path / "q"), q, calib_batches=1, eval_batches=1, repeats=1)
+    assert groups == [2, 2]
     got, want = s["eval"]["quantized"], s["eval"]["float32"]
     assert set(got) == set(want) >= {"recall@1", "recall@10", "mrr"}
     assert 0 < got["mrr"] <= 1 and got["mrr"] == pytest.approx(want["mrr"], rel=0.2)

@@ -484,9 +484,12 @@ def test_qat_trains_with_float_shadow_weights(tmp_path):
     s = ptq.quantize(str(tmp_path / "qat"), str(tmp_path / "packed"), eval_batches=1, repeats=1)
     assert s["format"]["weights"] == "int4" and s["reload_identical"]
     assert open(tmp_path / "qat" / "config.json").read() == before
-    _, params, _ = ptq.load(str(tmp_path / "packed"))
+    cfg_q, params, _ = ptq.load(str(tmp_path / "packed"))
     kernel = params["trunk"]["block_0"]["mlp_in"]["kernel"]
     assert kernel.fmt == "int4" and kernel.codes.shape == (16, 64)  # K = 32 two per byte
+    # --eval_batches counts the two evals alone (a review, session 118: it was written into
+    # quant.json's config)
+    assert cfg_q.train.eval_batches == cfg.train.eval_batches != 1
 
 
 @pytest.fixture(scope="module")

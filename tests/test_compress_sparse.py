@@ -863,6 +863,10 @@ def test_sparsify_of_a_performer_run_evaluates_under_its_trained_draw(tmp_path):
     with open(tmp_path / "run_sparse" / "sparse.json") as f:
         assert json.load(f)[ptq.FEATURES] == ptq.key_json(
             state.features_key(tr.cfg.train.feature_redraw_every))
+    # and read back through the API (a review, session 118: only quant.json's could be)
+    from hpnlp.compress import sparsify
+    key = sparsify.load_features_key(str(tmp_path / "run_sparse"))
+    assert ptq.key_json(key) == ptq.key_json(state.features_key(tr.cfg.train.feature_redraw_every))
 
 
 @pytest.mark.slow
@@ -874,7 +878,17 @@ def test_sparsify_of_a_bi_encoder_measures_the_sparse_models_pool(tmp_path):
     cd = tiny()
     cd.model.kind, cd.data.task = "bi_encoder", "verse_pairs"
     tr = Trainer(from_configdict(cd), str(tmp_path / "run"))
-    _, s = _sparse_qkv_run(tr)
+    real, pools = Trainer.split_model, []
+
+    def split_model(self, step):  # the model each pool is measured with
+        pools.append(int(step))
+        return real(self, step)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "split_model", split_model)
+        _, s = _sparse_qkv_run(tr)
+    # both pools by the run's split model, pinned to its MoE routing groups (a review, session
+    # 118: the sparse pool took the eval model, routed in this mesh's groups)
+    assert len(pools) == 2 and len(set(pools)) == 1, pools
     masked, sparse = s["eval"]["masked"], s["eval"]["sparse"]
     assert {"recall@1", "recall@10", "mrr"} <= set(sparse) and set(sparse) == set(masked)
     for k in ("recall@1", "recall@10", "mrr"):
@@ -2184,6 +2198,16 @@ def test_transformer_xl_prunes_its_mlps_and_sparsify_refuses_an_rnn_lm_before_re
     _config_only_workdir(tmp_path / "energy", by_energy)
     with pytest.raises(ConfigError, match=r"^config field `model\.lowrank\.energy` = 0.9 "):
         sparsify.sparsify(str(tmp_path / "energy"), str(tmp_path / "sparse"))
+    # stacked or reversible blocks, whose products are not recorded (a review, session 118:
+    # an LM refused after its restore naming neither, a classifier's head alone converted)
+    for field in ("stack_layers", "reversible"):  # (trained dense: pruning refuses them)
+        cd = tiny()
+        cd.model[field] = True
+        _config_only_workdir(tmp_path / field, cd)
+        with pytest.raises(ConfigError, match=rf"^config field `model\.{field}` = True .*"
+                           rf"sparsify a run trained with model\.{field}=False$"):
+            sparsify.sparsify(str(tmp_path / field), str(tmp_path / "sparse"))
+        assert not os.path.exists(tmp_path / "sparse")
 
 
 def test_init_from_starts_from_a_runs_parameters_and_refuses_another_shape(tmp_path):
@@ -2733,6 +2757,15 @@ def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
     lr = dataclasses.replace(cfg.model.lowrank, ranks={"trunk/block_0/mlp_in/kernel": 4})
     with pytest.raises(ConfigError, match=r"model\.lowrank\.ranks.*set model\.lowrank\.energy"):
         validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lowrank=lr)))
+    # a new run given ranks (another run's config.json) skipped the energy's measure and took
+    # ranks checked against nothing (a review, session 118); a saved run's still validate
+    from hpnlp.config.checks import check_new_run
+    cd = tiny()
+    cd.train.init_from = "SRC"
+    cd.model.lowrank.update(energy=0.9, layers="mlp", ranks={"trunk/block_0/mlp_in/kernel": 99})
+    with pytest.raises(ConfigError, match=r"`model\.lowrank\.ranks` = .*is written by a run "
+                       r"that chose them .*leave it unset"):
+        check_new_run(validate(from_configdict(cd)))
     # the embedding and output layers: what a factorization of them cannot be
     for kind, fields, match in (
             ("lm", dict(layers="embed", tie=True), r"model\.lowrank\.layers.*name 'output' too"),
@@ -2753,6 +2786,14 @@ def test_structured_heads_and_lowrank_ranks_refuse_what_they_cannot_do():
         cd.model.embed_grad_scale = fields.get("grad", "none")
         with pytest.raises(ConfigError, match=match):
             validate(from_configdict(cd))
+    # a bidirectional RNN's head reads 2 x width (a review, session 118: bounded by width)
+    cd = tiny("classifier")
+    cd.model.update(arch="lstm", width=4)
+    cd.model.lowrank.update(rank=6, layers="head")
+    with pytest.raises(ConfigError, match=r"head product is \[4, 8\] .*of rank at most 4"):
+        validate(from_configdict(cd))
+    cd.rnn.bidirectional = True  # [8, 8]
+    validate(from_configdict(cd))
 
 
 # ---------------------------------------------------------------- grouped-query uptraining
@@ -2869,7 +2910,9 @@ def test_latent_conversion_is_the_joint_svd_of_a_runs_key_and_value_weights(tmp_
     for fields, match in (
             (dict(kv_latent_dim=8), r"model\.kv_latent_norm.*set model\.kv_latent_norm=false"),
             (dict(kv_latent_dim=17, kv_latent_norm=False), r"at most 16 .*kv_latent_dim <= 16"),
-            (dict(kv_latent_dim=8, kv_latent_norm=False, pos_emb="rope"), "without RoPE"),
+            # (a review, session 118: named train.init_from, a run of learned positions)
+            (dict(kv_latent_dim=8, kv_latent_norm=False, pos_emb="rope"),
+             r"`model.pos_emb` = 'rope' .*without RoPE, .*convert with model.pos_emb='learned'"),
             (dict(kv_latent_dim=8, kv_latent_norm=False, lowrank=dict(rank=2)),
              r"model\.lowrank\.rank.*convert to model\.kv_latent_dim first"),
             (dict(num_kv_heads=2, lowrank=dict(rank=2)),
@@ -3455,6 +3498,28 @@ def test_a_calibrated_conversion_of_a_run_of_another_function_is_refused(tmp_pat
         Trainer(from_configdict(cd), str(tmp_path / "gqa"))
     cd.train.init_kv_calibration = 0
     Trainer(from_configdict(cd), str(tmp_path / "gqa_fit")).checkpointer.close()
+    # a review (session 118): the key/value cache's fake quantization, the QAT settings past
+    # the formats and the MoE routing were not compared (configs alone, nothing read)
+    from hpnlp.compress import gqa
+
+    base = from_configdict(tiny("lm"))
+
+    def run(quant=None, moe=None):
+        m = base.model
+        return dataclasses.replace(base, model=dataclasses.replace(
+            m, quant=dataclasses.replace(m.quant, **(quant or {})),
+            moe=dataclasses.replace(m.moe, **(moe or {}))))
+
+    def refused(field, value, mine, theirs):
+        with pytest.raises(ConfigError, match=rf"`{field}` = {value} .*calibrates on that run's "
+                           rf"model, which has {field}="):
+            gqa.check_calibration_source(mine, theirs, "SRC")
+    refused("quant.kv_cache", "'int8'", run({"kv_cache": "int8"}), run())
+    refused("quant.group_size", "64", run({"weights": "int4", "group_size": 64}),
+            run({"weights": "int4", "group_size": 32}))
+    gqa.check_calibration_source(run({"group_size": 64}), run(), "SRC")  # unread: no format
+    moe = {"num_experts": 4, "router": "top_k"}
+    refused("model.moe.top_k", "1", run(moe=dict(moe, top_k=1)), run(moe=dict(moe, top_k=2)))
 
 
 def test_shrink_tells_a_run_to_train_on_only_where_its_final_target_removes_units():
@@ -3466,3 +3531,19 @@ def test_shrink_tells_a_run_to_train_on_only_where_its_final_target_removes_unit
     p = PruneConfig(method="magnitude", structure="structured", sparsity=0.1)
     assert not prune.final_prunes_units(p, heads)  # round(0.4) = 0 of 4 heads
     assert prune.final_prunes_units(dataclasses.replace(p, sparsity=0.5), heads)
+
+
+def test_kept_energy_of_a_batch_of_weights_is_its_neediests():
+    """A review (session 118): `kept_energy` took an expert batch [X, K, N] for one
+    [X * K, N] matrix; it reads each weight on its own (the least kept, as rank_for_energy
+    serves the neediest)."""
+    from hpnlp.compress import lowrank
+    rng = np.random.default_rng(0)
+    w = np.stack([rng.standard_normal((6, 5)) * np.array([9, 1, 1, 1, 1.0]),
+                  rng.standard_normal((6, 5))]).astype(np.float32)
+    each = [lowrank.kept_energy(w[i], 1, 2) for i in range(2)]
+    assert lowrank.kept_energy(w, 1, 2, lead=1) == pytest.approx(min(each), rel=1e-6)
+    assert each[0] > each[1]  # (the scaled weight keeps more at rank 2)
+    r = lowrank.rank_for_energy(w, 1, 0.9, lead=1)
+    kept = [lowrank.kept_energy(w, 1, n, lead=1) for n in (r, r - 1)]
+    assert kept[0] >= 0.9 - 1e-6 > kept[1]

@@ -130,7 +130,19 @@ def test_run_keeps_its_tokenizer_in_the_workdir_and_reuses_it(tmp_path, files):
     assert data.task_info(cfg) == {"kind": "lm", "vocab_size": 500, "num_classes": 0,
                                    "frequency_sorted": True}
     assert first.decode(first.encode(ODD)) == ODD
+    # a review (session 118): a damaged folder read by a reader of the run, or resumed (a
+    # run with a checkpoint), was told "delete the folder to train it again", after which the
+    # run could not start at all: told to restore it (a new run's is told to delete it)
+    model = tmp_path / tokenizers.DIRNAME / tokenizers.MODEL_FILE
+    kept = model.read_bytes()
+    model.write_bytes(kept[:len(kept) // 2])
+    with pytest.raises(ValueError, match=r"\(a partial copy\?\); restore the run's tokenizer "
+                       r"folder from a copy"):
+        data.make_task(cfg, workdir=str(tmp_path), save_tokenizer=False)
     os.makedirs(tmp_path / "checkpoints" / "1")  # a run that has saved one keeps its tokenizer
+    with pytest.raises(ValueError, match="restore the run's tokenizer folder"):
+        data.make_task(cfg, workdir=str(tmp_path))
+    model.write_bytes(kept)
     with pytest.raises(ConfigError, match=r"holds a bpe tokenizer of 500 pieces .* unigram of 400"):
         data.make_task(lm_cfg(tokenizer="unigram", vocab_size=400, train_path=files[0],
                               eval_path=files[1]), workdir=str(tmp_path))

@@ -419,6 +419,11 @@ def test_an_eval_file_of_only_a_byte_order_mark_is_refused_when_the_task_is_buil
 def test_config_errors_name_the_field(text_file):
     with pytest.raises(ConfigError, match="data.train_path"):
         data.make_task(cfg_of(task="doc_classify", train_path=text_file))
+    # an eval file alone is named as such (a review, session 118: `data.train_path` = '')
+    for name in ("doc_classify", "verse_pairs", "verse_book"):
+        with pytest.raises(ConfigError, match=rf"`data.eval_path` = '.*' is not allowed for "
+                           rf"data.task='{name}': it is built from the shipped corpus"):
+            data.make_task(cfg_of(task=name, eval_path=text_file))
     with pytest.raises(ConfigError, match="data.eval_path"):
         data.make_task(cfg_of(task="byte_lm", eval_path=text_file))
     with pytest.raises(ConfigError, match="data.word_vocab_size"):
@@ -783,6 +788,10 @@ def test_a_run_that_may_have_seen_the_validation_split_is_named_and_a_resume_kee
     from hpnlp.train.checkpoint import _shape_signature
     val, ev = cfg_of(task="byte_lm", eval_split="validation"), cfg_of(task="byte_lm")
     assert data.saw_validation(val, ev) and not data.saw_validation(ev, val)
+    # a run of a user's file or prepared folder read no shipped text (a review, session 118:
+    # refused, told to take a run of a validation split, which such a run cannot have)
+    assert not data.saw_validation(val, cfg_of(task="byte_lm", train_path="t.txt"))
+    assert not data.saw_validation(val, cfg_of(task="byte_lm", prepared="folder"))
     assert not data.saw_validation(val, cfg_of(task="doc_classify", eval_split="validation"))
     lo = dict(TINY_LISTOPS, eval_split="validation")
     assert not data.saw_validation(cfg_of(**lo), cfg_of(**lo))

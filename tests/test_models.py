@@ -777,6 +777,11 @@ def test_a_registered_module_of_the_wrong_shape_is_named_at_trace():
         with pytest.raises(ValueError, match=r"output layer Mean.loss returned shape \(\); it "
                            r"must return each token's loss, of the targets' shape \(2, 16\)"):
             trace(dataclasses.replace(make_cfg(), output=OutputConfig("mean_loss")))
+        # Transformer-XL's loss too (a review, session 118: unchecked, a [B] loss broadcast)
+        with pytest.raises(ValueError, match=r"output layer Mean.loss returned shape \(\); it "
+                           r"must return each token's loss, of the targets' shape \(2, 16\)"):
+            trace(dataclasses.replace(make_cfg(arch="transformer_xl"),
+                                      output=OutputConfig("mean_loss")))
 
 
 def test_the_lm_loss_counts_no_padding_whatever_its_output_layer_returns_there():

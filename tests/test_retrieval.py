@@ -868,6 +868,10 @@ def test_adapter_options_out_of_range_are_one_clear_line():
     from hpnlp.retrieval import external
     x, q = _floats(n=20)
     for name, options, match in (("faiss_hnsw", {"m": 1}, "m=1; give an integer >= 2"),
+                                 # a review (session 118): checked after faiss built with it,
+                                 # and m < 0 looped in faiss's constructor without end
+                                 ("faiss_hnsw", {"m": -1}, "m=-1; give an integer >= 2"),
+                                 ("faiss_hnsw", {"ef_construction": 0}, "ef_construction=0"),
                                  ("faiss_hnsw", {"ef_search": 0}, "ef_search=0"),
                                  ("faiss_ivf", {"nprobe": 0}, "nprobe=0; give an integer >= 1"),
                                  ("faiss_ivf", {"lists": -3}, "lists=-3"),
@@ -1560,3 +1564,12 @@ def test_text_search_refuses_a_metric_whose_scores_are_not_cosines():
                                              r"embeddings' cosines"):
         TextSearch(None, None, None, None, dim=4, metric="l2")
     assert TextSearch(None, None, None, None, dim=4, index="ivf", metric="ip").index.dim == 4
+
+
+def test_an_index_dimension_that_is_not_a_positive_whole_number_is_refused():
+    # a review (session 118): int(dim) alone built a 128-wide index for 128.7, 1 for True
+    for dim in (0, -3, 128.7, True, "16"):
+        with pytest.raises(RetrievalError, match="index dimension .* must be a positive integer"):
+            retrieval.make("exact", dim)
+    assert retrieval.make("exact", 16.0).dim == 16  # a JSON number that is whole
+    assert retrieval.make("exact", np.int64(8)).dim == 8

@@ -417,3 +417,20 @@ def test_bfloat16_contract(name, kw):
     """Review r9: only `sampled`'s bfloat16 path was tested; every layer's, with float32
     losses and log_probs."""
     lib.check_half_precision(S.get(name)(vocab_size=lib.V, **kw), exact=S.trains_nll(name))
+
+
+def test_hard_negative_takes_narrow_integer_targets():
+    """A review (session 118): the search's id range was built in the targets' dtype, so
+    uint8 targets past a vocabulary of 256 wrapped (ids 256.. read as 0..) and a target's
+    aliases were left out of the negatives."""
+    layer = S.get("hard_negative")(vocab_size=300, num_negatives=4, chunk_tokens=0)
+    h = jax.random.normal(jax.random.key(0), (6, E))
+    t = jnp.asarray([0, 1, 3, 44, 200, 255], jnp.int32)
+    params = nn.unbox(layer.init(jax.random.key(1), h))
+    # ids 256.. scored over the rest, so each is among the hardest negatives: a wrapped
+    # range left out the target's alias t + 256
+    bias = params["params"]["table"]["bias"]
+    params["params"]["table"]["bias"] = bias.at[256:].add(10.0)
+    wide = layer.apply(params, h, t, method="loss")
+    narrow = layer.apply(params, h, t.astype(jnp.uint8), method="loss")
+    np.testing.assert_array_equal(np.asarray(narrow), np.asarray(wide))

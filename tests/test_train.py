@@ -713,8 +713,11 @@ def test_a_resume_whose_tokenizer_folder_is_lost_is_refused_and_trains_none(tmp_
     assert not (w / "tokenizer").exists()
 
 
+# 5.2 s alone on the 2-core Zen 4 (2026-12-08, with its quantized folder's check added in
+# session 118): CI's slow part runs it
+@pytest.mark.slow
 def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_changed(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     """A review (r3): a word run of data.train_path, its file edited since, was taken as a
     teacher or train.init_from run of "the same text" (the paths compared), its ids naming
     other words. The run keeps its text's digest (WORKDIR/text.json) with its first
@@ -744,6 +747,14 @@ def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_change
         kept = json.load(fh)
     assert kept == {"field": "data.train_path", "path": str(f),
                     "sha256": data_lib.train_text_digest(from_configdict(cd).data)}
+    # a quantized folder keeps it too, for a reader once the run has moved (a review,
+    # session 118: its words were rebuilt from the file as it is now, unchecked)
+    from hpnlp.compress import ptq
+    from hpnlp.compress.qlinear import QuantConfig
+    q = str(tmp_path / "q")
+    ptq.quantize(a, q, QuantConfig(weights="int8"), eval_batches=1, repeats=1)
+    with open(os.path.join(q, "quant.json")) as fh:
+        assert json.load(fh)["source"][data_lib.TEXT_FILE] == kept
     student = tiny()
     student.update_from_flattened_dict({"train.distill.teacher": a})
     student.data, student.model = cd.data, cd.model
@@ -760,6 +771,14 @@ def test_a_word_run_keeps_its_texts_digest_and_is_not_read_after_its_file_change
         with pytest.raises(ConfigError, match=r"`data\.train_path` = .*sha256 .*its vocabulary "
                            "would be built from the new contents under its trained weights"):
             Trainer(from_configdict(cd), a, read_only=read_only)
+    import importlib
+    generate = importlib.import_module("hpnlp.models.generate")  # the module
+    os.rename(a, a + ".moved")  # its quantized folder, read with the run gone
+    assert generate.main(["--workdir", q, "--prompt", "the cat", "--length", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "as the quantized folder's quant.json keeps it" in err and \
+        "its vocabulary would be built from the new contents" in err, err
+    os.rename(a + ".moved", a)
     cd.train.init_from = a
     with pytest.raises(ConfigError, match=rf"`train\.init_from` = .*{said}"):
         Trainer(from_configdict(cd), str(tmp_path / "b"))

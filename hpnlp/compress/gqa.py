@@ -298,18 +298,28 @@ def check_calibration_source(cfg: Config, source: Config, workdir: str) -> None:
     shapes (`source_config`): the fields that choose its function must be that run's, or the
     statistics are another function's (a review, session 116: a Performer run's covariances
     computed under this run's dense attention, its trained draw skipped; a float run's
-    under this run's QAT). Refused, naming the field, before anything is read."""
+    under this run's QAT). Refused, naming the field, before anything is read. `cfg` is the
+    config the calibration builds that model from (`Conversion.source`: this run's, with that
+    run's heads or experts). A review (session 118): this run's `quant.kv_cache`, its QAT
+    settings past the formats (group size, calibration, layers) and its MoE routing were not
+    compared, and a key/value fit read the source under them."""
     from hpnlp.train.checkpoint import EXACT_ATTENTION
     m, s = cfg.model, source.model
     a, b = cfg.attention, source.attention
     exact = a.name in EXACT_ATTENTION and b.name in EXACT_ATTENTION  # one function, any layout
     # (the variant alone: its options written otherwise, defaults spelled out or layout
     # ones such as chunk sizes, are mostly the same function, and are left to the user)
-    for field, mine, theirs in (
-            ("attention.name", a.name, a.name if exact else b.name),
-            ("model.pos_emb", m.pos_emb, s.pos_emb), ("model.causal", m.causal, s.causal),
-            ("quant.weights", m.quant.weights, s.quant.weights),
-            ("quant.activations", m.quant.activations, s.quant.activations)):
+    pairs = [("attention.name", a.name, a.name if exact else b.name),
+             ("model.pos_emb", m.pos_emb, s.pos_emb), ("model.causal", m.causal, s.causal)]
+    quant = ["weights", "activations", "kv_cache"]
+    if m.quant.weights != "none" or m.quant.activations != "none":  # (the formats come first)
+        quant += ["act_scale", "group_size", "calibration", "percentile", "layers"]
+    pairs += [(f"quant.{f}", getattr(m.quant, f), getattr(s.quant, f)) for f in quant]
+    if m.moe.enabled() and s.moe.enabled():  # routed as it evaluates
+        moe = ["router", "top_k", "dispatch", "eval_capacity_factor", "shared_experts"]
+        moe += ["capacity_factor"] if "expert_choice" in (m.moe.router, s.moe.router) else []
+        pairs += [(f"model.moe.{f}", getattr(m.moe, f), getattr(s.moe, f)) for f in moe]
+    for field, mine, theirs in pairs:
         if mine != theirs:
             raise config_error(field, mine, f"this run's conversion of train.init_from={workdir} "
                                f"calibrates on that run's model, which has {field}={theirs!r}, "

@@ -126,9 +126,12 @@ def fit_factors(m_EN, rank: int, cov_EE=None):
     return w, root[:, None] * vt[:rank, :]
 
 
-def kept_energy(w, k_dims: int, rank: int) -> float:
-    s2 = jnp.square(singular_values(w, k_dims))
-    return float(jnp.sum(s2[:rank]) / jnp.sum(s2))
+def kept_energy(w, k_dims: int, rank: int, lead: int = 0) -> float:
+    """The fraction of sum(S^2) a rank-`rank` truncated SVD keeps (of every weight of a
+    batch, `lead` axes: the least among them, as `rank_for_energy` serves the neediest; a
+    review, session 118: the batch was taken for one matrix)."""
+    s2 = jnp.square(singular_values(w, k_dims, lead))
+    return float(jnp.min(jnp.sum(s2[..., :rank], axis=-1) / jnp.sum(s2, axis=-1)))
 
 
 def rank_for_energy(w, k_dims: int, energy: float, lead: int = 0) -> int:

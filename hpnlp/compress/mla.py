@@ -46,7 +46,12 @@ def converts(src: ModelConfig, dst: ModelConfig, workdir: str) -> bool:
         raise config_error("model.kv_latent_norm", True, f"{why} (train.init_from={workdir}) "
                            "is a linear map, the joint SVD of its key and value weights, and a "
                            "layer norm of the latent is not; set model.kv_latent_norm=false")
-    if src.pos_emb == "rope" or dst.pos_emb == "rope":
+    if dst.pos_emb == "rope" and src.pos_emb != "rope":  # a review (session 118): said of
+        # train.init_from, told to convert a run of learned positions, which it was
+        raise config_error("model.pos_emb", dst.pos_emb, f"{why} (train.init_from={workdir}) "
+                           "is implemented without RoPE, and that run's positions are "
+                           f"{src.pos_emb!r}; convert with model.pos_emb={src.pos_emb!r}")
+    if src.pos_emb == "rope":
         raise config_error("train.init_from", workdir, f"{why} is implemented without RoPE: the "
                            "latent's rotary key is one key shared by every head, where that "
                            "run rotates each head's own; train the RoPE latent model from "

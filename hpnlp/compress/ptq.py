@@ -439,16 +439,19 @@ def key_json(key) -> dict:
             "data": np.asarray(jax.random.key_data(key)).tolist()}
 
 
-def load_features_key(out: str):
+def load_features_key(out: str, *, command: str = "quantize"):
     """The random-feature draw the quantized model in `out` was trained with and evaluated
-    under (`quantize`), for passes that read the `features` stream (Performer, LSH:
-    `hpnlp.retrieval.knnlm.reads_features`); None for a model that reads none. A folder
-    whose model reads one and that holds none (or a damaged one) is refused, naming the
-    file: the model would run under another draw than its weights trained with."""
+    under (`quantize`; `command="sparsify"`: the sparse model's, in sparse.json), for passes
+    that read the `features` stream (Performer, LSH: `hpnlp.retrieval.knnlm.reads_features`);
+    None for a model that reads none. A folder whose model reads one and that holds none (or
+    a damaged one) is refused, naming the file: the model would run under another draw than
+    its weights trained with."""
     from hpnlp.retrieval.knnlm import reads_features
-    mpath = os.path.join(out, "quant.json")
-    manifest = read_manifest(mpath, ("weights",))
-    cfg = manifest_config(mpath, manifest)
+    file, entry = {"quantize": ("quant.json", "weights"),
+                   "sparsify": ("sparse.json", "sparse")}[command]
+    mpath = os.path.join(out, file)
+    manifest = read_manifest(mpath, (entry,), command)
+    cfg = manifest_config(mpath, manifest, command)
     if not reads_features(cfg):
         return None
     entry = manifest.get(FEATURES)
@@ -461,7 +464,8 @@ def load_features_key(out: str):
     except (TypeError, KeyError, ValueError, OverflowError) as e:
         what = "has no" if entry is None else f"has a damaged ({type(e).__name__})"
         raise _damaged(mpath, f"{what} {FEATURES!r}, the random-feature draw its "
-                       f"attention.name={cfg.attention.name!r} model trained with") from None
+                       f"attention.name={cfg.attention.name!r} model trained with",
+                       command) from None
 
 
 # ---------------------------------------------------------------- the whole command
@@ -544,8 +548,9 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                            f"{cfg.model.kind} run in {workdir} has no matrix products to "
                            "quantize (its bag of embeddings is a lookup); serve it in float, "
                            "or export it as --weights bfloat16 or float16")
-    if eval_batches is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=eval_batches))
+    # --eval_batches counts the two evals alone, not written into quant.json's config (a
+    # review, session 118, as sparsify's in session 116 and shrink's in 115)
+    counted = {} if eval_batches is None else {"batches": eval_batches}
     kv_cache = cfg.model.quant.kv_cache  # the run's key/value cache stays the quantized model's
     if q is not None and q.kv_cache == "none":
         q = dataclasses.replace(q, kv_cache=kv_cache)
@@ -617,7 +622,7 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                f"{cfg.model.kind} ({cfg.model.arch}), so nothing would be "
                                "quantized; name products it has (or 'all')")
 
-    float_eval = trainer.evaluate(state)  # after what may refuse the format (a bug hunt)
+    float_eval = trainer.evaluate(state, **counted)  # after what may refuse the format (a bug hunt)
 
     def variables(p, qv):
         return {"params": p, **({"quant": qv} if qv else {})}
@@ -638,14 +643,22 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                                                                  method="evaluate_and_memory"))
     quant_eval = finalize(trainer.eval_sums(
         state, eval_step=lambda _, b: eval_q(served, quant_vars, b),
-        memory_step=lambda _, b, mem: eval_q_memory(served, quant_vars, b, mem)), lm=lm)
+        memory_step=lambda _, b, mem: eval_q_memory(served, quant_vars, b, mem), **counted),
+        lm=lm)
     # The whole held-out split's metrics (the bi-encoder's pool: recall@1/10, MRR), as the
     # float eval's `trainer.evaluate` adds them (a bug hunt, session 110: the summary had them
     # for the float model alone, and the quantized encoder's retrieval was measured nowhere)
     split_metrics = getattr(type(model_q), "split_metrics", None)
     if split_metrics is not None:
+        # in the MoE routing groups the float pool routed in (`Trainer.split_model`; a review,
+        # session 118: the quantized pool routed in this mesh's, the float one in the run's)
+        groups, mq = trainer.split_groups(step), cfg_q.model
+        pool_model = model_q if groups is None else models.build(
+            dataclasses.replace(cfg_q, model=dataclasses.replace(
+                mq, moe=dataclasses.replace(mq.moe, groups=groups))),
+            deterministic=True, token_counts=trainer.task.token_counts)
         with trainer._context():
-            quant_eval.update(split_metrics(cfg_q, _WithQuant(model_q, quant_vars), served,
+            quant_eval.update(split_metrics(cfg_q, _WithQuant(pool_model, quant_vars), served,
                                             trainer.task, features_key=key))
 
     model_f = trainer.eval_model
@@ -682,7 +695,13 @@ def quantize(workdir: str, out: str, q: QuantConfig | None = None, *, float_dtyp
                        q.weights == "int4" and rows > INT4_KERNEL_MAX_ROWS else "")},
         "reload_identical": None,
     }
-    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step},
+    from hpnlp.data import TEXT_FILE, kept_text
+    # the run's TEXT_FILE (its training text's digest) kept here too, for a reader of this
+    # folder once the run is moved (a review, session 118: a word model then decoded under
+    # a vocabulary rebuilt from the file as it is now, unchecked)
+    text = kept_text(workdir)
+    meta = {"source": {"workdir": os.path.abspath(workdir), "step": step,
+                       **({TEXT_FILE: text} if text else {})},
             **({FEATURES: key_json(key)} if rngs else {})}
     if replacing:  # said once every check has passed
         print(f"hpnlp.compress: note: {replacing}", file=sys.stderr, flush=True)

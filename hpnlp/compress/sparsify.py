@@ -21,7 +21,9 @@ product at the byte LM's shapes on the CPUs measured (`python -m hpnlp.bench spa
    sparse, the file) and forward speed beside the masked model.
 
 `load(OUT)` gives (config, params) for `model.apply`: the model the run builds computes
-with them as it is (qeinsum dispatches on the weight's type).
+with them as it is (qeinsum dispatches on the weight's type); a Performer's or LSH run's
+passes take the draw its weights trained with, `load_features_key(OUT)` (as `rngs=
+{"features": key}`).
 """
 
 from __future__ import annotations
@@ -174,6 +176,13 @@ def _csc(npath: str, mpath: str, key: str, shape: tuple, k_dims: int, col_ptr, r
     return spmm.SparseWeight(jnp.asarray(col_ptr), jnp.asarray(row), jnp.asarray(val), k=K)
 
 
+def load_features_key(out: str):
+    """The random-feature draw the sparse model in `out` was trained with (Performer, LSH),
+    kept in sparse.json; None for a model that reads none (`ptq.load_features_key`)."""
+    from hpnlp.compress import ptq
+    return ptq.load_features_key(out, command="sparsify")
+
+
 def load(out: str):
     """(config, params with Sparse weights) saved by `save`; a damaged or edited folder is
     one line naming the file, before anything compiles."""
@@ -239,6 +248,16 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                            "sparsify stores only qkv, out, MLP and head weights (those the "
                            "sparse kernel computes from their weight alone), so nothing would "
                            "be converted; serve it dense")
+    for field in ("stack_layers", "reversible"):  # a review (session 118): their blocks'
+        # products are not recorded (nn.scan's collections; reversible halves applied apart),
+        # so an LM was refused after its restore naming neither, and a classifier's head
+        # alone converted, unsaid
+        if getattr(m, field):
+            raise config_error(f"model.{field}", True, f"the run in {workdir} holds its blocks "
+                               + ("stacked as one (nn.scan)" if field == "stack_layers" else
+                                  "as reversible halves") + ", whose products sparsify does "
+                               f"not take apart; sparsify a run trained with model.{field}"
+                               "=False")
     q = cfg.model.quant
     if q.enabled:  # a bug hunt: a QAT run's sparse model computed in float, its loss reported
         field = "quant.weights" if q.weights != "none" else "quant.activations"
@@ -293,10 +312,11 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
         memory_step=lambda _, b, mem: run_memory(sparse, b, mem), **counted), lm=trainer.lm)
     # the whole held-out pool's metrics, as the masked eval's (a bi-encoder's recall@k, MRR)
     split_metrics = getattr(type(model), "split_metrics", None)
-    if split_metrics is not None:
+    if split_metrics is not None:  # in the MoE routing groups of the masked model's pool (a
+        # review, session 118: the sparse pool routed in this mesh's, the masked in the run's)
         with trainer._context():
-            sparse_eval.update(split_metrics(cfg, model, sparse, trainer.task,
-                                             features_key=key))
+            sparse_eval.update(split_metrics(cfg, trainer.split_model(step), sparse,
+                                             trainer.task, features_key=key))
 
     flat = traverse.flatten_dict(params)
     dense_bytes = sum(np.asarray(flat[tuple(k.split("/"))]).nbytes for k in converted)
@@ -314,6 +334,10 @@ def sparsify(workdir: str, out: str, *, min_sparsity: float = MIN_SPARSITY,
                                                     "step": step}, "min_sparsity": min_sparsity,
                                          **({FEATURES: key_json(key)} if rngs else {})})
         _, reloaded = load(stage)
+        if rngs and not jnp.array_equal(jax.random.key_data(load_features_key(stage)),
+                                        jax.random.key_data(key)):  # (a review, session 118)
+            raise RuntimeError(f"the sparse checkpoint written for {out} did not reload its "
+                               "random-feature draw")
         identical = all(bool(jnp.array_equal(a, b)) for a, b in zip(
             jax.tree.leaves(run(sparse, eval_batch)), jax.tree.leaves(run(reloaded, eval_batch))))
         if not identical:  # nothing of this call's is kept (staged)

@@ -1374,9 +1374,12 @@ def validate(cfg: Config, *, task_info: Mapping[str, Any] | None = None,
                   f"rank at most {min(V, m.width)}; lower the rank or drop {kind!r} from "
                   "model.lowrank.layers")
     # the heads' products (`head`), now that the classes are known: a classifier's [E, C]; a
-    # dual encoder's MLP over [u, v, u v, u - v], [4 E, mlp_dim], then [mlp_dim, C]
-    heads = {"classifier": [(m.width, C)],
-             "dual_encoder": [(4 * m.width, m.mlp_dim), (m.mlp_dim, C)]}.get(m.kind, [])
+    # dual encoder's MLP over [u, v, u v, u - v], [4 E, mlp_dim], then [mlp_dim, C]; E twice
+    # the width for a bidirectional RNN (a review, session 118: its [2 E, C] head was bounded
+    # by E)
+    enc = m.width * (2 if m.arch in ("lstm", "gru") and cfg.rnn.bidirectional else 1)
+    heads = {"classifier": [(enc, C)],
+             "dual_encoder": [(4 * enc, m.mlp_dim), (m.mlp_dim, C)]}.get(m.kind, [])
     for k, n in heads:
         if lr.rank and lr.applies("head") and C and lr.rank > min(k, n):
             _fail("model.lowrank.rank", lr.rank, f"the head product is [{k}, {n}] (data.task="

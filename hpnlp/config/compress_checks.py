@@ -398,6 +398,12 @@ def check_new_compress_run(cfg: Config) -> None:
         _fail("model.lowrank.layers", lr.layers, f"names no product of this {m.kind} "
               f"({m.arch}), so nothing would be factorized (it has {', '.join(has)}); name "
               "products it has (or 'all')")
+    if lr.ranks:  # a review (session 118): a new run given them (another run's config.json)
+        # skipped the energy's measure and factorized by ranks nothing checked against this
+        # model, a missing path at rank 0 and a rank past a weight's in lowrank's ValueError
+        _fail("model.lowrank.ranks", dict(lr.ranks), "is written by a run that chose them from "
+              "model.lowrank.energy when it was built, and a new run measures its own; leave "
+              "it unset (a fixed rank for every product: model.lowrank.rank)")
     if cfg.train.distill.teacher:
         _check_new_distill(cfg)
     if p.method != "none":

@@ -79,8 +79,11 @@ def saw_validation(mine, theirs) -> bool:
     """Whether a run trained with DataConfig `theirs` may have trained on the examples that
     `mine` (`eval_split='validation'`) holds out: a run that did not hold them out too, or
     generated ListOps drawn or cut otherwise (its held-out examples are a slice of one
-    generated sequence). The shipped corpus holds out the same chapters for every task."""
-    if mine.eval_split != "validation":
+    generated sequence). The shipped corpus holds out the same chapters for every task. A
+    run of a user's file or prepared folder read none of the shipped or generated examples
+    (a review, session 118: it was refused, told to use a run trained with a validation
+    split that such a run cannot take)."""
+    if mine.eval_split != "validation" or theirs.train_path or theirs.prepared:
         return False
     if theirs.eval_split != "validation":
         return True
@@ -185,15 +188,24 @@ def save_text_record(task, cfg, workdir: str) -> None:
     write_json(path, {"field": field, "path": cfg.prepared or cfg.train_path, "sha256": digest})
 
 
-def _kept_text_digest(workdir: str, field: str) -> str | None:
-    """The digest of the `field` text the run in `workdir` trained on (its TEXT_FILE), or
-    None: a run saved before it was kept, or of other text."""
+def kept_text(workdir: str) -> dict | None:
+    """The contents of the run in `workdir`'s TEXT_FILE ({"field", "sha256"}), or None."""
     import json
     try:
         with open(os.path.join(workdir, TEXT_FILE)) as f:
             kept = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) else None
+
+
+def _kept_text_digest(workdir: str, field: str, kept: dict | None = None) -> str | None:
+    """The digest of the `field` text the run in `workdir` trained on (its TEXT_FILE; `kept`:
+    its contents, where given), or None: a run saved before it was kept, or of other text."""
+    kept = kept_text(workdir) if kept is None else kept
+    try:
         digest = kept["sha256"] if kept["field"] == field else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return None
     return digest if isinstance(digest, str) else None
 
@@ -227,6 +239,15 @@ def different_text(mine, theirs, their_workdir: str | None = None,
             or _changed_text(mine, their_workdir, my_text))
 
 
+def _encoder_name(c) -> str:
+    """The encoding a DataConfig's task reads text with ("bytes", "words", a subword kind,
+    or "" for a task of no text): verse_book encodes with word_lm's words, learned from its
+    training chapters (review r2: two splits' runs passed as one)."""
+    if c.task in LM_TASKS:
+        return text_tasks.lm_tokenizer(c, c.task)
+    return "words" if c.task == "verse_book" else c.tokenizer
+
+
 def different_encoding(mine, theirs, their_workdir: str | None = None,
                        my_sha256: str | None = None, my_text: str | None = None) -> str | None:
     """What makes a run trained with DataConfig `theirs` (in `their_workdir`, where given)
@@ -238,10 +259,7 @@ def different_encoding(mine, theirs, their_workdir: str | None = None,
     (`tokenizer_sha256`), else the same text (`different_text`, with `my_text`): a tokenizer
     is trained deterministically, so the same kind, size and text give the same pieces.
     Bytes are bytes whatever the text."""
-    def name(c):  # verse_book encodes with word_lm's words, learned from its training
-        if c.task in LM_TASKS:  # chapters (review r2: two splits' runs passed as one)
-            return text_tasks.lm_tokenizer(c, c.task)
-        return "words" if c.task == "verse_book" else c.tokenizer
+    name = _encoder_name
     first = _first_differing
     why = first([("data.task", mine.task, theirs.task),
                  ("data.tokenizer", name(mine), name(theirs))])
@@ -307,7 +325,7 @@ def check_files_of_run(cfg, workdir: str) -> None:
                                "where it is now")
 
 
-def check_text_of_run(cfg, task, workdir: str) -> None:
+def check_text_of_run(cfg, task, workdir: str, *, kept: dict | None = None) -> None:
     """A run resumed or read (Config `cfg`, its `task` built now) whose vocabulary is learned
     from its training text (words; a subword model not kept with the run) or whose output
     layer is laid out by that text's token counts, with data.train_path's (or
@@ -315,24 +333,32 @@ def check_text_of_run(cfg, task, workdir: str) -> None:
     the field and the fix, before any weights are read. Bytes are bytes whatever the text.
     A bug hunt (session 110): `generate` of a word run whose file had one word replaced by
     another everywhere decoded the new word, its id given to the old one's embedding (the
-    same ids in the same places: the data stream's digest of them passed)."""
+    same ids in the same places: the data stream's digest of them passed).
+
+    `kept`: the run's TEXT_FILE contents as a folder made from it keeps them (a quantized
+    model's quant.json, whose run, `workdir`, is gone: a review, session 118); a vocabulary
+    learned from the text (words: a subword model is refused there without its run's) is then
+    taken as read from it."""
     from hpnlp.compress.distill import counts_shape_output
     from hpnlp.config import config_error
     my_text = task_text_digest(task)
     if not my_text:
         return
     field = "data.prepared" if cfg.data.prepared else "data.train_path"
-    theirs = _kept_text_digest(workdir, field)
+    theirs = _kept_text_digest(workdir, field, kept)
     if theirs is None or theirs == my_text:
         return
+    vocab = (_encoder_name(cfg.data) not in ("", "bytes") if kept is not None else
+             different_encoding(cfg.data, cfg.data, workdir, task_tokenizer_sha256(task), my_text))
     what = [w for w, reads in (
-        ("vocabulary", different_encoding(cfg.data, cfg.data, workdir,
-                                          task_tokenizer_sha256(task), my_text)),
+        ("vocabulary", vocab),
         ("output layer's layout (its token counts)", counts_shape_output(cfg))) if reads]
     if what:
+        where = ("as the quantized folder's quant.json keeps it" if kept is not None
+                 else os.path.join(workdir, TEXT_FILE))
         raise config_error(field, cfg.data.prepared or cfg.data.train_path,
                            f"the run in {workdir} trained on its contents as they were then "
-                           f"(sha256 {theirs[:12]}..., {os.path.join(workdir, TEXT_FILE)}), "
+                           f"(sha256 {theirs[:12]}..., {where}), "
                            f"which changed since (now {my_text[:12]}...), and its "
                            f"{' and '.join(what)} would be built from the new contents under "
                            "its trained weights; restore that file, or train a new run on it")

@@ -62,10 +62,7 @@ def _sample(books: np.ndarray, keep: np.ndarray, rng: np.random.Generator) -> np
 
 
 def make_task(cfg, name: str) -> task_lib.Task:
-    if cfg.train_path or cfg.eval_path:
-        from hpnlp.config import ConfigError
-        raise ConfigError(f"config field `data.train_path` = {cfg.train_path!r} is not allowed for "
-                          f"data.task={name!r}: it is built from the shipped corpus")
+    text_tasks.refuse_user_files(cfg, name)
     text_tasks._check_word_vocab(cfg)
     train_ch, eval_ch = corpus.kjv_splits(cfg.eval_split)
     vocab = text_tasks.WordVocab.build([text_tasks.word_tokens(c.text) for c in train_ch],

@@ -197,12 +197,20 @@ def _pairs(section: np.ndarray, chapter: np.ndarray, rng: np.random.Generator):
     return left, right, label
 
 
-def make_doc_task(cfg, name: str) -> task_lib.Task:
+def refuse_user_files(cfg, name: str) -> None:
+    """A task built from the shipped corpus refuses `data.train_path` / `data.eval_path`,
+    naming the one given (a review, session 118: an eval_path alone was named as
+    `data.train_path` = '')."""
     if cfg.train_path or cfg.eval_path:
         from hpnlp.config import ConfigError
-        raise ConfigError(f"config field `data.train_path` = {cfg.train_path!r} is not allowed for "
-                          f"data.task={name!r}: it is built from the shipped corpus; user files "
-                          "work with 'listops', 'byte_lm' and 'word_lm'")
+        field = "train_path" if cfg.train_path else "eval_path"
+        raise ConfigError(f"config field `data.{field}` = {getattr(cfg, field)!r} is not allowed "
+                          f"for data.task={name!r}: it is built from the shipped corpus; user "
+                          "files work with 'listops', 'byte_lm' and 'word_lm'")
+
+
+def make_doc_task(cfg, name: str) -> task_lib.Task:
+    refuse_user_files(cfg, name)
     splits, chapters = [], {}
     for split, chaps in zip(("train", "eval"), corpus.kjv_splits(cfg.eval_split)):
         tokens, starts, lengths, section, chapter = _windows(chaps, cfg.seq_len)
@@ -233,10 +241,7 @@ def make_pairs_task(cfg, name: str) -> task_lib.Task:
     the bi-encoder (hpnlp.models.bi_encoder). Every pair is a positive (label 1); a chapter's
     odd last verse is left out. Eval pairs come from the held-out chapters, so retrieval is
     measured against a pool of text no model trained on."""
-    if cfg.train_path or cfg.eval_path:
-        from hpnlp.config import ConfigError
-        raise ConfigError(f"config field `data.train_path` = {cfg.train_path!r} is not allowed for "
-                          f"data.task={name!r}: it is built from the shipped corpus")
+    refuse_user_files(cfg, name)
     splits, meta = [], {}
     for split, chaps in zip(("train", "eval"), corpus.kjv_splits(cfg.eval_split)):
         verses, chapter = [], []

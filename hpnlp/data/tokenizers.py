@@ -323,13 +323,18 @@ def for_run(cfg, train_docs: Sequence[str], directory: str | None, *,
             _kept_by_no_checkpoint(directory, cfg, digest):
         pass  # a new run's, whose first run stopped before any checkpoint: trained anew below
     elif directory and os.path.isfile(os.path.join(directory, META_FILE)):
-        tok = Subword.load(directory)
         from hpnlp.train.checkpoint import has_checkpoint
+        kept = not save or has_checkpoint(os.path.dirname(os.path.abspath(directory)))
+        # a damaged folder of a run that keeps it (a resume, a reader) is not trained again:
+        # "delete the folder" left such a run unable to start at all (a review, session 118)
+        tok = Subword.load(directory, fix=(
+            "restore the run's tokenizer folder from a copy: its weights read these ids, and "
+            "a run with checkpoints (or a reader of one) does not train it again"
+            if kept else None))
         # a run of several processes whose first try saved no checkpoint (one process
         # replacing the folder the others read: not done; a review, session 116)
-        anew = ("" if not save or has_checkpoint(os.path.dirname(os.path.abspath(directory)))
-                else f" (the workdir holds no checkpoint: delete {directory} to train one "
-                "anew)")
+        anew = ("" if kept else f" (the workdir holds no checkpoint: delete {directory} to "
+                "train one anew)")
         if (tok.kind, tok.vocab_size) != (cfg.tokenizer, cfg.vocab_size):
             raise _config_error("data.tokenizer", cfg.tokenizer,
                                 f"{directory} holds a {tok.kind} tokenizer of {tok.vocab_size} "

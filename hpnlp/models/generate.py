@@ -652,7 +652,8 @@ def main(argv=None) -> int:
         check_decodes(cfg)
         cfg = with_kv_cache(cfg, out)
         with open(os.path.join(out, "quant.json")) as f:
-            source = json.load(f).get("source", {}).get("workdir")
+            kept = json.load(f).get("source", {})
+        source = kept.get("workdir")
         model_file = os.path.join(source or "", tokenizers.DIRNAME, tokenizers.MODEL_FILE)
         if (cfg.data.tokenizer in tokenizers.SUBWORD and not cfg.data.prepared
                 and not (source and os.path.exists(model_file))):
@@ -665,6 +666,9 @@ def main(argv=None) -> int:
                                   else None, save_tokenizer=False)
         if source and os.path.isdir(source):  # the text its vocabulary came from, as a run's
             data_lib.check_text_of_run(cfg, task, source)  # (review d1: Trainer's only)
+        elif source:  # the run moved: its text's digest as quant.json keeps it (a review,
+            # session 118: a word model decoded under a vocabulary of the file as it is now)
+            data_lib.check_text_of_run(cfg, task, source, kept=kept.get(data_lib.TEXT_FILE) or {})
 
         def weights():
             model = models.build(cfg, deterministic=True, token_counts=task.token_counts)

@@ -55,8 +55,9 @@ def lm_eval_sums(output: nn.Module, hidden_BLE, batch) -> dict:
     argmax and real tokens. Each token's NLL and argmax only (`softmax.nll_and_argmax`),
     over token chunks where the layer walks them (review r2: the whole [B, L, V] was 32 GiB
     at 8K tokens x 1M ids): full, the sampled objectives, class_based, vmf. Adaptive,
-    hierarchical and binary_code still read their whole [B, L, V] `log_prob` here, though
-    their losses chunk: their evaluation needs that much memory. The targets are checked
+    hierarchical and binary_code still read their whole [B, L, V] `log_prob` here (their
+    losses do not: hierarchical's chunks over tokens, adaptive's over its tail clusters,
+    binary_code's is [N, bits]): their evaluation needs that much memory. The targets are checked
     (`check_targets`) where they are concrete: the gather reads an id past the vocabulary
     as NaN (a review, session 114: Transformer-XL's evaluate did not check them)."""
     check_targets(batch["targets"], output.vocab_size)
@@ -77,6 +78,17 @@ def make_trunk(cfg: Config, *, causal: bool, deterministic: bool, decode: bool =
                          f"model.arch={cfg.model.arch!r} has no decode cache yet")
     from hpnlp.models.recurrent import RNNTrunk
     return RNNTrunk(cfg.model, cfg.rnn, deterministic=deterministic)
+
+
+def check_token_losses(output, loss_BL, mask_BL) -> None:
+    """A ValueError naming the output layer where its `loss` is not one value per token (a
+    bug hunt (session 96): a registered layer's scalar mean trained, its gradients scaled down
+    by the token count; a review (session 118): Transformer-XL's loss did not check, and a [B]
+    loss broadcast against [L, L] took row j's loss at each position j)."""
+    if loss_BL.shape != mask_BL.shape:
+        raise ValueError(f"output layer {type(output).__name__}.loss returned shape "
+                         f"{tuple(loss_BL.shape)}; it must return each token's loss, of "
+                         f"the targets' shape {tuple(mask_BL.shape)} (the model sums them)")
 
 
 class TransformerLM(nn.Module):
@@ -105,11 +117,7 @@ class TransformerLM(nn.Module):
         mask_BL = batch["segment_ids"] > 0
         loss_BL = self.output.loss(self.hidden(batch), batch["targets"], mask_BL,
                                    deterministic=self.deterministic)
-        if loss_BL.shape != mask_BL.shape:  # a bug hunt (session 96): a registered layer's
-            # scalar mean trained, its gradients scaled down by the token count
-            raise ValueError(f"output layer {type(self.output).__name__}.loss returned shape "
-                             f"{tuple(loss_BL.shape)}; it must return each token's loss, of "
-                             f"the targets' shape {tuple(mask_BL.shape)} (the model sums them)")
+        check_token_losses(self.output, loss_BL, mask_BL)
         # masked here too, as `lm_eval_sums` does (review r1): a registered layer that leaves
         # a value at padding (NaN included: NaN * 0 is NaN) added padding loss to training
         return {"loss": jnp.sum(jnp.where(mask_BL, loss_BL, 0.0), dtype=jnp.float32),

@@ -491,6 +491,8 @@ class TransformerXLLM(nn.Module):
         mask_BL = batch["segment_ids"] > 0
         h_BLE, new = self.hidden(batch, memory, **reference)
         loss_BL = self.output.loss(h_BLE, batch["targets"], mask_BL, deterministic=self.deterministic)
+        from hpnlp.models.heads import check_token_losses  # heads imports the model registry
+        check_token_losses(self.output, loss_BL, mask_BL)
         return {"loss": jnp.sum(jnp.where(mask_BL, loss_BL, 0.0), dtype=jnp.float32),
                 "weight": jnp.sum(mask_BL, dtype=jnp.float32)}, new
 

@@ -4,9 +4,10 @@ Shape letters as in `routing.py`; F expert width, P token-choice pairs (tokens x
 R padded rows, N blocks of `b` rows.
 
 **Capacity** (GShard, Switch): each expert has C slots per routing group. `gather` builds
-the [G, X, C, M] buffer (an empty slot reads a zero row), the experts run as one batched
-product over it, and `combine` adds each slot's output, times its gate, back to its token
-(a scatter-add; a dropped choice adds nothing, so its token keeps only the residual).
+the [G, X, C, M] buffer (an empty slot reads a zero row), the experts run over it one
+product per expert (`expert_mlp`), and `combine` gathers each token's slots' outputs, times
+their gates (a gather, not a scatter-add; a dropped choice reads no slot, so its token keeps
+only the residual).
 
 **Dropless**: every choice is computed. `jax.lax.ragged_dot` (grouped products) does not
 serve here: on CPU jaxlib 0.10 lowers it to a dense product masked per group, X times the
@@ -90,8 +91,8 @@ class Rows(NamedTuple):
 
 
 def block_rows(pairs: int, experts: int, block: int = 0, tokens: int = 0) -> tuple[int, int]:
-    """(b, R): rows per block (0: automatic, about P / 8X rounded to a power of two in
-    [8, 256], so padding costs ~1/16 of the rows on average; automatic or given, at most
+    """(b, R): rows per block (0: automatic, about P / 8X rounded down to a power of two in
+    [8, 256], so padding costs at most ~1/16 of the rows on average; automatic or given, at most
     `tokens` where given: an expert gets at most one choice per token, so a longer block is
     only padding, as a decoded token's 8 rows for its one choice were) and the static row
     count, an upper bound of sum over experts of their choices rounded up to b.

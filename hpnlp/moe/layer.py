@@ -210,7 +210,8 @@ def _as_float(w):
 
 class MoE(nn.Module):
     """Mixture-of-experts MLP (Shazeer et al. 2017; Switch, GShard): parameters grow with
-    the experts, the compute per token stays that of `top_k` expert MLPs."""
+    the experts, the compute per token stays that of `top_k` expert MLPs (expert choice:
+    `top_k` x `capacity_factor` on average, some tokens taking none)."""
 
     model: ModelConfig
     deterministic: bool = True

@@ -96,8 +96,11 @@ class Index(abc.ABC):
     # caller's; faiss copies into its own)
 
     def __init__(self, dim: int, **options: Any):
-        if int(dim) <= 0:
-            raise RetrievalError(f"index dimension {dim} must be a positive integer")
+        # a review (session 118): int(dim) alone took 128.7 as 128 and True as 1
+        whole = (not isinstance(dim, bool) and float(dim).is_integer()
+                 if isinstance(dim, (int, float, np.integer, np.floating)) else False)
+        if not whole or int(dim) <= 0:
+            raise RetrievalError(f"index dimension {dim!r} must be a positive integer")
         self.dim = int(dim)
         self.options = options
         self.count = 0

@@ -60,10 +60,14 @@ class _Faiss(Index):
     # HNSW's graph on k.k' + |k|^2 |k'|^2, whose links do not follow L2 neighbours (recall@16
     # 0.002 against exact), and IVF's cells likewise; faiss's own L2 on the raw keys instead
     METRICS = ("ip", "l2")
+    AT_LEAST: dict = {}  # each option's least value, checked before `_build` (a review,
+    # session 118: HNSW's m was checked after faiss built with it, and m < 0 made faiss's
+    # level probabilities NaN, so its constructor looped, allocating, without end)
 
     def __init__(self, dim: int, **options):
         super().__init__(dim, **options)
         check_metric_option(self)
+        check_at_least(self, self.AT_LEAST)
         self.faiss = _import("faiss", "faiss-cpu")
         self.index = self._build()
 
@@ -126,9 +130,10 @@ class FaissIVF(_Faiss):
     least 1, for the N vectors of the first add: faiss's k-means asks 39 per cell), `nprobe`
     cells scanned per query, `metric`."""
 
+    AT_LEAST = {"lists": 0, "nprobe": 1}
+
     def __init__(self, dim: int, *, lists: int = 0, nprobe: int = 16, metric: str = "ip"):
         super().__init__(dim, lists=lists, nprobe=nprobe, metric=metric)
-        check_at_least(self, {"lists": 0, "nprobe": 1})
 
     def _build(self):
         return None  # the cell count may depend on the first add
@@ -166,11 +171,12 @@ class FaissHNSW(_Faiss):
     """faiss IndexHNSWFlat (Malkov & Yashunin 2018). Options: `m` links per node,
     `ef_construction`, `ef_search` (the recall/speed knob), `metric`."""
 
+    AT_LEAST = {"m": 2, "ef_construction": 1, "ef_search": 1}
+
     def __init__(self, dim: int, *, m: int = 32, ef_construction: int = 80, ef_search: int = 64,
                  metric: str = "ip"):
         super().__init__(dim, m=m, ef_construction=ef_construction, ef_search=ef_search,
                          metric=metric)
-        check_at_least(self, {"m": 2, "ef_construction": 1, "ef_search": 1})
 
     def _build(self):
         index = self.faiss.IndexHNSWFlat(self.dim, int(self.options["m"]), self._metric())

@@ -86,7 +86,8 @@ def nll_and_argmax(layer, hidden_NE, targets_N):
     `layer`'s `log_prob`, what evaluation reads: `layer.nll_and_argmax` where the layer has
     it (over token chunks, never the whole [N, V] where it would not fit: the VocabLayers,
     vmf), else read off the whole `log_prob` [N, V] (adaptive, hierarchical, binary_code:
-    their losses chunk, their evaluation does not yet)."""
+    hierarchical's loss chunks over tokens, adaptive's its tail clusters, binary_code's needs
+    no chunks ([N, bits]); their evaluation does not chunk yet)."""
     own = getattr(layer, "nll_and_argmax", None)
     if own is not None:
         return own(hidden_NE, targets_N)
@@ -536,7 +537,7 @@ def map_token_chunks(fn, lead: tuple, chunk: int, *arrays, remat: bool = True):
     so each group spreads evenly over the devices that split the batch (a review, session
     116: a chunk held B tokens whatever `chunk` said, 4x the automatic budget's logits at
     V = 2^20 and B = 256). `remat`: the backward recomputes a
-    chunk instead of storing it (`lax.map` of a `jax.checkpoint`). `chunk == 0`, or no fewer
+    chunk instead of storing it (`lax.map` of a `jax.checkpoint`). `chunk == 0`, or no more
     tokens than `chunk`: one call on all tokens. `fn` may return a tuple of per-token arrays
     (each shaped back).
     """

@@ -559,8 +559,10 @@ class HardNegative(VocabLayer):
 
         def search(h_CE, t_C):
             s_CV = score_fn(h_CE)
-            ids_V = jnp.arange(self.vocab_size, dtype=t_C.dtype)
-            s_CV = jnp.where(ids_V[None, :] == t_C[:, None], -jnp.inf, s_CV)
+            # int32 (a review, session 118: in the targets' dtype, a uint8 range past 255
+            # wrapped, and ids 256.. matched targets 0..)
+            ids_V = jnp.arange(self.vocab_size, dtype=jnp.int32)
+            s_CV = jnp.where(ids_V[None, :] == t_C[:, None].astype(jnp.int32), -jnp.inf, s_CV)
             if self.approximate:
                 return jax.lax.approx_max_k(s_CV, self.num_negatives,
                                             recall_target=self.recall_target)[1]

@@ -551,7 +551,7 @@ class Trainer:
                                                  data_lib.task_text_digest(self.task))
                              or gqa.conversion(cfg, source.model, cfg.train.init_from))
             if self._convert is not None and self._convert.calibrate is not None:
-                gqa.check_calibration_source(cfg, source, cfg.train.init_from)
+                gqa.check_calibration_source(self._convert.source, source, cfg.train.init_from)
             if cfg.train.init_params != "trunk":  # its output layer read whole
                 from hpnlp.compress.distill import refuse_other_counts
                 refuse_other_counts(cfg, source, "train.init_from", cfg.train.init_from,
@@ -887,6 +887,15 @@ class Trainer:
             out.update(split_metrics(self.cfg, model, params, self.task, features_key=key))
         return out
 
+    def split_groups(self, step) -> int | None:
+        """The MoE routing groups `split_model(step)` is pinned to (None: not pinned), for a
+        tool that builds its own model of the run's (quantize's: a review, session 118)."""
+        groups = self.routing_groups()
+        if groups is None:
+            return None
+        restored_step, saved = getattr(self, "_restored_groups", (None, None))
+        return saved if saved and restored_step == int(step) else groups
+
     def split_model(self, step) -> nn.Module:
         """The eval model a split's metrics of the state at `step` are measured with (the
         bi-encoder's pool: `evaluate`, and a tool's through `knnlm.load_trained`). With MoE
@@ -901,12 +910,9 @@ class Trainer:
         in a tool or with several processes (outside the mesh); then `python -m
         hpnlp.retrieval encoder` and TextSearch used the unpinned model, and a reader pinned
         its own shard count. Capacity drops differ between groups, and so did recall and MRR."""
-        groups = self.routing_groups()
+        groups = self.split_groups(step)
         if groups is None:
             return self.eval_model
-        restored_step, saved = getattr(self, "_restored_groups", (None, None))
-        if saved and restored_step == int(step):
-            groups = saved
         if getattr(self, "_pinned", (None,))[0] != groups:
             cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(
                 self.cfg.model, moe=dataclasses.replace(self.cfg.model.moe, groups=groups)))
