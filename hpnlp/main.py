@@ -74,6 +74,12 @@ def _valid_coordinator(value: str | None) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
+# An empty folder name (a review, session 118: `--workdir=$OUT` with OUT unset ran in the
+# current directory, or failed creating ''; `--profile=` was ignored)
+for _name in ("workdir", "profile"):
+    flags.register_validator(_name, lambda v: v is None or bool(v.strip()),
+                             "is empty; give a folder (an unset shell variable?)")
+
 # Checked when flags are parsed, so a typo fails at once instead of inside
 # jax.distributed.initialize (which would wait for a coordinator that never answers).
 flags.register_validator(
@@ -234,6 +240,9 @@ def _parse_flags(argv: list[str], *, config_required: bool = True) -> list[str]:
             # found in review: an override without the file it overrides
             msg = (f"--{unknown.group(1)} overrides a field of the experiment, but no --config "
                    "was given: add --config EXPERIMENT_FILE (e.g. experiments/lm.py:bytes)")
+        if msg.startswith("flag --workdir=None:"):  # absl's words for a flag not given
+            msg = ("--workdir is required: the run's output folder (a new one, or a run's to "
+                   "resume it), e.g. --workdir runs/lm")
         # a boolean field given another word: absl says it as a tuple's repr (a README walk)
         bad = re.match(r"flag (--config\.[\w.]+)=(.*): \('Non-boolean argument", msg)
         if bad:
@@ -598,15 +607,20 @@ def text_digests(data) -> dict:
     session 117: one path, another file on each host, a stale copy, and each process built
     its own vocabulary, plan or eval set from its own, unsaid)."""
     from hpnlp.data import sharded, train_text_digest
+
+    def file_sha256(path):
+        try:
+            return sharded.file_sha256(path)
+        except OSError:  # missing on this host: its own error, after the join, names it
+            return None
     out = {}
-    text = train_text_digest(data)
-    if text is not None:
+    text = train_text_digest(data)  # an LM's (a prepared folder's too)
+    if text is None and data.train_path:  # another task's file, ListOps' TSV (a review,
+        text = file_sha256(data.train_path)  # session 118: not compared)
+    if text is not None or data.train_path:
         out[TEXT_KEY] = text
     if data.eval_path:
-        try:
-            out[EVAL_TEXT_KEY] = sharded.file_sha256(data.eval_path)
-        except OSError:  # missing on this host: its own error, after the join, names it
-            out[EVAL_TEXT_KEY] = None
+        out[EVAL_TEXT_KEY] = file_sha256(data.eval_path)
     return out
 
 

@@ -1,7 +1,8 @@
 """The notebooks' settings (colabs/), read from the environment the same way in each.
 
-    HPNLP_NOTEBOOK_QUICK=1   every notebook on its tiny settings (what the test suite runs)
-    HPNLP_NOTEBOOK_STEPS=N   quickstart's training steps (default 300)
+    HPNLP_NOTEBOOK_QUICK=1   every notebook but quickstart on its tiny settings
+    HPNLP_NOTEBOOK_STEPS=N   quickstart's training steps (default 300; the test suite sets
+                             both, STEPS=20)
     HPNLP_NOTEBOOK_STACK=1   parallelism's stacked layers and its pipeline mode (default off)
 
 One variable per meaning (a bug hunt, session 95: HPNLP_NOTEBOOK_STEPS was quickstart's step

@@ -192,8 +192,12 @@ def test_bad_inputs_have_clear_errors():
         A.get("dense")()(q[0], k[0], v[0], None, causal=False)
     with pytest.raises(ValueError, match="segment ids of shape"):
         A.get("dense")()(q, k, v, jnp.ones((B, L, L)), causal=False)
-    with pytest.raises(ValueError, match="block_q=12 must divide"):
+    with pytest.raises(ValueError, match="block_q=12 must be an integer dividing"):
         A.get("chunked")(block_q=12)(q, k, v, None, causal=False)
+    # a float or bool block (a review, session 118: 8.0 failed in jnp.pad, True ran as 1)
+    for bad in (8.0, True):
+        with pytest.raises(ValueError, match=rf"block_k={bad!r} must be an integer dividing"):
+            A.get("chunked")(block_k=bad)(q, k, v, None, causal=False)
     # found by the crash hunt: dense (and xla, kernel...) failed inside a broadcast, or
     # read the query's lengths as the keys'
     for name in ("dense", "xla", "chunked"):

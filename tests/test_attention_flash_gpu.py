@@ -102,6 +102,13 @@ def test_blocks_are_checked():
     q, k, v, _ = _qkv(1, 16, 16, 16)
     with pytest.raises(ValueError, match="fwd_k.*power of two"):
         F.flash_attention(q, k, v, blocks={"fwd_k": 24}, interpret=True)
+    # a float tile, warps or stages below 1 (a review, session 118: a TypeError of `&`, and
+    # Triton's compile)
+    for blocks, match in (({"fwd_q": 32.0}, r"blocks\['fwd_q'\] = 32.0 must be a power of two"),
+                          ({"fwd_warps": 0}, r"blocks\['fwd_warps'\] = 0 must be a positive"),
+                          ({"bwd_stages": True}, r"blocks\['bwd_stages'\] = True must be a")):
+        with pytest.raises(ValueError, match=match):
+            F.flash_attention(q, k, v, blocks=blocks, interpret=True)
 
 
 def test_the_gpu_kernel_is_not_chosen_off_a_gpu():

@@ -91,6 +91,9 @@ for bad in ("2", 2.0, True):
         raise SystemExit(f"expected an error for block={bad!r}")
     except ValueError as e:
         assert "must be an integer dividing each device's 8 positions" in str(e), e
+# no positions: zeros, as chunked's (a review, session 118: max() of an empty range)
+empty = ring_attention(q[:, :0], k[:, :0], v12[:, :0], None, causal=True, mesh=mesh)
+assert empty.shape == (B, 0, H, 12)
 print("RING OK")
 """
 

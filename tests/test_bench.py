@@ -280,6 +280,14 @@ def test_softmax_bench_set_errors_name_the_item(item, message):
         "adaptive": {"chunk_logits": 1024, "div_value": 2.0}, "full": {"dtype": "bfloat16"}}
     with pytest.raises(harness.BenchInputError, match="not a timed output layer"):
         bench_softmax.parse_settings(["adaptive.chunk_logits=1"], ["full"])
+    # the reference, timed always, takes settings beside --methods without it; the torch
+    # peer is built as adaptive is set, which needs cutoffs (a review, session 118)
+    assert bench_softmax.parse_settings(["full.dtype='bfloat16'"], ["sampled"]) == {
+        "full": {"dtype": "bfloat16"}}
+    with pytest.raises(harness.BenchInputError, match="peer is built with adaptive's cutoffs"):
+        bench_softmax.parse_settings(["adaptive.cutoffs=None"])
+    assert bench_softmax.peer_options(8192, {"adaptive": {"div_value": 2.0, "chunk_logits": 9}}) \
+        == {"cutoffs": (64, 512, 2048), "div_value": 2.0}
     assert bench_softmax.parse_settings(["adaptive.cutoffs=(5,300)", "full.dtype='bfloat16'"],
                                         vocabs=[1000, 512]) == {  # built at each V: fine
         "adaptive": {"cutoffs": (5, 300)}, "full": {"dtype": "bfloat16"}}
@@ -592,6 +600,16 @@ def test_a_partial_record_writes_and_lists_no_target_defined_over_a_whole_run(tm
                  {"quick": True}, {"subset": {"variants": ["dense"]}}):
         rec.write_text(json.dumps({**flag, "targets": {"t": good}}))
         assert tt.rows() == [], flag
+    # a record from before the key (session 99), its rows stopped: interrupted too (a review,
+    # session 118: two H100 records counted whole), by the table, sync_readme and the bench
+    stopped = {"targets": {"t": good}, "results": [{"status": "ok"},
+                                                   {"status": harness.INTERRUPTED}]}
+    rec.write_text(json.dumps(stopped))
+    import sync_readme  # (tools/, on the path from _targets_table)
+    assert tt.rows() == [] and sync_readme.interrupted(stopped)
+    assert sync_readme.INTERRUPTED_ROW == harness.INTERRUPTED
+    from hpnlp.bench import __main__ as bench_main
+    assert bench_main._full_report(str(rec.parent), lra) is None
     rec.write_text(json.dumps({"interrupted": False, "quick": False, "targets": {"t": good}}))
     assert [r[:2] for r in tt.rows()] == [("t", "b")]
 
@@ -2772,3 +2790,16 @@ def test_a_distill_recipes_run_of_another_model_into_a_recorded_report_is_refuse
         "--model 'text classifier' run would replace; give another --out")
     bench_main(["distill_recipes", "--model", "byte LM", "--out", str(tmp_path)])
     assert ran == ["byte LM"]
+
+
+def test_side_by_side_runs_no_more_processes_than_the_cgroup_allows(monkeypatch):
+    """A review (session 118): SideBySide counted its cores by affinity alone, so a container
+    limited to 2 CPUs on a 64-CPU host started a training process per host CPU."""
+    from hpnlp import kernels
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(kernels, "cgroup_cpu_limit", lambda *a: 2.0)
+    assert harness.SideBySide().cores == [0, 1]
+    monkeypatch.setattr(kernels, "cgroup_cpu_limit", lambda *a: None)
+    assert len(harness.SideBySide().cores) == 64

@@ -1742,6 +1742,14 @@ def test_a_teacher_of_another_task_is_refused_before_anything_compiles(tmp_path)
     with pytest.raises(ConfigError, match=r"train\.distill\.teacher.*seed ensemble of 3"):
         carry_lib.for_config(validate(from_configdict(tiny("lm", distill=dict(
             teacher=str(tmp_path / "ens"))))))
+    # a student that holds its teacher reads that one, not what the folder holds now (a
+    # review, session 118: refused once the teacher's folder held an ensemble)
+    ens_student = tiny("lm", distill=dict(teacher=str(tmp_path / "ens")))
+    os.makedirs(tmp_path / "ens_student" / "checkpoints" / "1")
+    with open(tmp_path / "ens_student" / distill.TEACHER_CONFIG, "w") as f:
+        json.dump(saved, f)  # the plain run it trained against
+    carry_lib.for_config(validate(from_configdict(ens_student)),
+                         workdir=str(tmp_path / "ens_student"))
     # a teacher trained on a mesh of 4 devices is read on this run's (a bug hunt, session 95:
     # refused here, its mesh named as this run's)
     four = tiny("lm")

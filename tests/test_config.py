@@ -148,7 +148,7 @@ def test_output_folders_are_checked_before_any_work(tmp_path):
 def test_cli_config_mistakes_are_one_line(tmp_path):
     """Found by the crash hunt: each had been a traceback of 40-55 lines (about 1 s each:
     they fail in flag parsing, before JAX is imported)."""
-    cases = []
+    cases, NO_WORKDIR = [], "(no --workdir)"
     (tmp_path / "typo.py").write_text("def get_config():\n    return object().modle\n")
     (tmp_path / "run.json").write_text('{"a": false}\n')
     for argv, match in (
@@ -182,9 +182,17 @@ def test_cli_config_mistakes_are_one_line(tmp_path):
             # parsed, then read only by a multi-process run's join (review r6: ignored)
             (["--config", "experiments/lm.py", "--init_timeout", "30"], "hpnlp: error: "
              "--init_timeout: only for a multi-process run (--coordinator HOST:PORT); drop it"),
+            # an empty folder name, a missing one (a review, session 118: the first ran in
+            # the current directory; absl's "must have a value other than None")
+            (["--config", "experiments/lm.py", "--workdir="],
+             "error: flag --workdir=: is empty; give a folder (an unset shell variable?)"),
+            (["--config", "experiments/lm.py", NO_WORKDIR],
+             "error: --workdir is required: the run's output folder"),
     ):
+        where = [] if any(a.startswith("--workdir") or a == NO_WORKDIR for a in argv) else \
+            ["--workdir", str(tmp_path / "w")]
         cases.append((subprocess.Popen(  # side by side: each is a second of Python's imports
-            [sys.executable, "-m", "hpnlp.main", *argv, "--workdir", str(tmp_path / "w")],
+            [sys.executable, "-m", "hpnlp.main", *[a for a in argv if a != NO_WORKDIR], *where],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), match))
     for proc, match in cases:
         err = proc.communicate(timeout=120)[1].strip()
@@ -512,7 +520,9 @@ def test_bad_fields_name_field_value_and_fix(groups, field, hint):
        "data.batching", "places its blocks from each row's first column")
       for name, options in (("local", {"block_size": 8}), ("bigbird", {"block_size": 8}),
                             ("strided", {"mode": "fixed", "block_size": 8, "stride": 8,
-                                         "num_summary": 2}))],
+                                         "num_summary": 2}),
+                            # and lsh's chunks, cut from the row's sorted order (session 118)
+                            ("lsh", {"chunk_size": 8}))],
     # a review (session 115): no step would mine, and the summary said "mined"
     ({"model": {"kind": "bi_encoder", "encoder": {"mine_every": 10}},
       "data": {"task": "verse_pairs"}, "train": {"steps": 10, "warmup_steps": 1}},
@@ -1390,6 +1400,15 @@ def test_config_values_of_another_kind_are_named_and_json_kinds_taken():
     assert written["output"]["options"]["redundancy"] == 3
     assert written["attention"]["options"]["cutoffs"] == [2, 5]
     assert type(written["output"]["options"]["redundancy"]) is int
+    # and taken by validate as Python's, bucket boundaries too (a review, session 118: refused
+    # as "must be an integer")
+    lm = json.loads(json.dumps(to_json(from_configdict(default_configdict()))))
+    lm["output"].update(name="binary_code", options={"mode": "ecc", "redundancy": np.int64(3)})
+    lm["data"].update(task="byte_lm", batching="bucket",
+                      bucket_boundaries=[np.int64(32), np.int64(64)])
+    cfg = validate(from_configdict(lm))
+    assert type(cfg.output.options["redundancy"]) is int and \
+        [type(b) for b in cfg.data.bucket_boundaries] == [int, int]
     for path, value, kind in ((("model", "dropout"), "0.1", "a number (the default is 0.1)"),
                               (("train", "steps"), 10.0, "an integer (the default is 1000)"),
                               (("train", "steps"), True, "an integer"),

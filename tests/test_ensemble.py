@@ -488,6 +488,16 @@ def test_classifier_members_and_ensemble(tmp_path):
     alone = [Trainer.evaluate(ens, ens.member_state(state, i)) for i in range(3)]
     check_members(report["members"], alone)
     assert len({m["loss"] for m in report["members"]}) == 3  # different seeds
+    # Trainer.evaluate's `batches` taken (a review, session 118: a TypeError)
+    counted, real = [], Trainer.eval_sums
+
+    def eval_sums(self, *args, **kw):
+        counted.append(kw.get("batches"))
+        return real(self, *args, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "eval_sums", eval_sums)
+        check_report(ens.evaluate(state, batches=1), 3)
+    assert counted == [1]
 
 
 def test_checkpoint_ensemble(plain):

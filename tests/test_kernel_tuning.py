@@ -266,6 +266,12 @@ def test_compiler_command_and_a_missing_compiler(tmp_path, monkeypatch):
     reason = kernel.unavailable_reason()
     assert "cannot run the C++ compiler" in reason and "no-such-compiler" in reason
     assert [f for f in os.listdir(tmp_path / "cache") if not f.endswith(".lock")] == []
+    # one a shell cannot split is the kernel's reason too, not a ValueError out of every
+    # `impl="auto"` layer (a review, session 118)
+    monkeypatch.setenv("CXX", 'g++ -DX="a')
+    kernel = kernels.CpuKernel(fused.KERNEL.source, {}, what="a test kernel")
+    assert kernel.unavailable_reason().startswith(
+        "$CXX='g++ -DX=\"a' cannot be split as a shell would (No closing quotation); fix its")
 
 
 def test_a_march_the_compiler_rejects_is_named_not_a_silent_fallback(tmp_path, monkeypatch):

@@ -363,6 +363,11 @@ def test_the_runs_a_run_reads_are_compared_across_processes_as_absolute_paths(tm
     assert text_digests(from_configdict(cd).data) == {TEXT_KEY: sha["train.txt"],
                                                       EVAL_TEXT_KEY: sha["eval.txt"]}
     assert text_digests(from_configdict(default_configdict()).data) == {}  # the shipped corpus
+    # ListOps' TSV too (a review, session 118: only an LM's text was compared)
+    (tmp_path / "lo.tsv").write_text("Source\tTarget\n( [MAX 1 2 ] )\t2\n")
+    cd.data.update(task="listops", train_path=str(tmp_path / "lo.tsv"), eval_path="")
+    assert text_digests(from_configdict(cd).data) == {
+        TEXT_KEY: hashlib.sha256((tmp_path / "lo.tsv").read_bytes()).hexdigest()}
 
 
 # 5.6 s on the 2-core Xeon model 167 (2026-12-06): over the ~8 s a test may take on the Zen 3;

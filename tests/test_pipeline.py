@@ -379,7 +379,7 @@ def test_a_pipelined_run_of_random_features_is_refused_for_decoding(monkeypatch)
     check_decodes(validate(from_configdict(cd), num_devices=2))
 
 
-def test_a_pipelined_run_of_random_features_read_on_one_device_says_so():
+def test_a_pipelined_run_of_random_features_read_on_one_device_says_so(capsys):
     """A review of session 108: laid out for the devices here (`reader_mesh`: pipeline 1), a
     pipelined Performer run's config no longer says it was pipelined, so `generate`'s
     refusal could not see it: the reader's line says what its decodes and evaluations
@@ -400,6 +400,20 @@ def test_a_pipelined_run_of_random_features_read_on_one_device_says_so():
     cd.attention.name, cd.attention.options = "dense", {}  # nothing drawn, nothing said
     _, _, why = reader_mesh(validate(from_configdict(cd), num_devices=2), 1)
     assert "random features" not in why
+    # a -1 pipeline that fits here in another count than its checkpoint trained in (a
+    # review, session 118: kept unsaid): said by the stages the checkpoint records
+    from hpnlp.compress import distill
+    from hpnlp.train.loop import for_these_devices
+    cd.attention.update(name="performer", options={"num_features": 16})
+    cd.mesh.update(data=1, pipeline=-1)
+    cfg = validate(from_configdict(cd), num_devices=1)
+    for trained, said in ((2, True), (1, False), (None, False)):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(distill, "checkpoint_pipeline_stages", lambda workdir: trained)
+            assert for_these_devices(cfg, "RUN").mesh == cfg.mesh
+        err = capsys.readouterr().err
+        assert ("RUN trained in 2 pipeline stage(s) (mesh.pipeline=-1) and is laid out in 1 "
+                "on the 1 device(s) here" in err) == said, err
 
 
 # 8 simulated devices: a student pipelined over 4 stages (2 data shards) built with a teacher

@@ -363,6 +363,19 @@ def test_bad_fields_are_named(field, value, match):
         rnn.RNNLayer(**{"hidden": H, field: value}).init(jax.random.key(0), _x())
 
 
+def test_numpy_sizes_and_rates_are_taken():
+    """A review (session 118): np.int64 sizes and np.float32 rates (a sweep's arange) were
+    refused in messages that asked for exactly such values; shapes only."""
+    layer = rnn.RNNLayer(hidden=np.int64(H), unroll=np.int32(2), dropout=np.float32(0.1),
+                         impl="scan")
+    shapes = jax.eval_shape(lambda k: layer.init(k, _x()), jax.random.key(0))
+    assert max(int(np.max(x.shape)) for x in jax.tree.leaves(shapes)) >= H
+    jax.eval_shape(lambda k: rnn.StackedRNN(hidden=H, num_layers=np.int64(2)).init(k, _x()),
+                   jax.random.key(0))
+    with pytest.raises(ConfigError, match="`hidden` = np.True_"):
+        rnn.RNNLayer(hidden=np.True_).init(jax.random.key(0), _x())
+
+
 def test_bad_combine_and_lengths_are_named():
     with pytest.raises(ConfigError, match="`combine` = 'max'"):
         rnn.StackedRNN(combine="max", hidden=H).init(jax.random.key(0), _x())

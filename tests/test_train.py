@@ -1326,6 +1326,15 @@ def test_a_config_json_edited_by_hand_is_named_with_its_fix(tmp_path):
                        r"disagree \(model.width: shape_signature 32, config 64\), so the file "
                        r"was edited since the run wrote it: restore it, or edit it back"):
         Checkpointer(str(tmp_path), load_run_config(str(tmp_path)), keep=1, read_only=True)
+    # a member count edited to no integer (a review, session 118: a TypeError of `None > 1`)
+    for members, shown in ((None, "unset"), ("two", "'two'")):
+        saved = json.loads(json.dumps(good))
+        saved["shape_signature"]["ensemble.members"] = members
+        json.dump(saved, open(path, "w"))
+        with pytest.raises(CheckpointMismatch, match=rf"^{path}: its shape_signature and its "
+                           rf"config disagree \(ensemble.members: shape_signature "
+                           rf"{shown}, config 1\)"):
+            Checkpointer(str(tmp_path), cfg, keep=1)
     os.remove(path)
     with pytest.raises(NoCheckpoint, match=rf"^{path} is missing, and {tmp_path}/checkpoints "
                        r"holds the run's checkpoints: rerun the command that trained it"):
@@ -1579,6 +1588,16 @@ def test_a_trunk_starts_a_classifier_under_another_exact_attention_or_moe_layout
     for cls in (config("classifier", "chunked", {"block_q": 8, "block_k": 8}),
                 config("classifier", block_size=16, balance_loss=0.1, z_loss=0.0)):
         assert transfer.conversion(cls, lm, "lm").source is lm
+    # a variant's layout options, which a resume may change (a review, session 118: a
+    # Performer's recompute refused)
+    cd = tiny()
+    cd.attention.update(name="performer", options={})
+    cd.model.moe.update(num_experts=2, dispatch="dropless")
+    cd.data.batching = "pad"
+    plm = _trunk_transfer_config(cd, "lm")
+    assert transfer.conversion(config("classifier", "performer", {"recompute": False,
+                                                                   "chunk_size": 16}),
+                               plm, "lm").source is plm
     for cls, shown in ((config("classifier", "performer"),
                         "attention.name='performer' (that run: 'dense')"),
                        (config("classifier", top_k=2, router="top_k"),

@@ -66,6 +66,19 @@ def section(path: str, heading: str | None) -> str:
     return relink("\n".join(lines[start:end]).strip() + "\n", os.path.dirname(path))
 
 
+INTERRUPTED_ROW = "not run: interrupted"  # hpnlp.bench.harness.INTERRUPTED (no hpnlp here)
+
+
+def interrupted(payload: dict) -> bool:
+    """Whether a results.json is of a run stopped part-way: its `interrupted` key, or (a
+    record from before the bench wrote the key, session 99) a row of its `results` that
+    reads `INTERRUPTED_ROW` (a review, session 118: two H100 records stopped by a time limit
+    were counted whole, their targets' rows never run)."""
+    rows = payload.get("results")
+    return bool(payload.get("interrupted")) or isinstance(rows, list) and any(
+        isinstance(r, dict) and r.get("status") == INTERRUPTED_ROW for r in rows)
+
+
 def check_whole(path: str) -> None:
     """SystemExit, naming the results.json beside `path`, where it records a --quick, a
     subset's or an interrupted run, or one of some of its bench's parts (a bug hunt, session
@@ -85,6 +98,8 @@ def check_whole(path: str) -> None:
             f"a run of a part of the rows (`subset`: {json.dumps(payload['subset'])})"
             if payload.get("subset") else
             "an interrupted run (`interrupted` set)" if payload.get("interrupted") else
+            f"an interrupted run (rows that read {INTERRUPTED_ROW!r})" if interrupted(payload)
+            else
             f"a run whose child died (`died`: {payload['died']})" if payload.get("died") else
             f"a run timed under the profiler (`profiled`: {payload['profiled']})"
             if payload.get("profiled") else

@@ -22,7 +22,7 @@ import math
 import os
 import re
 
-from sync_readme import BENCHES, bench_name, write_or_check
+from sync_readme import BENCHES, bench_name, interrupted, write_or_check
 
 from hpnlp.bench import report
 from hpnlp.bench.harness import CPU_IDS, PARTIAL
@@ -180,7 +180,7 @@ def records() -> list[tuple[str, dict]]:
         if name is not None and not (isinstance(name, str) and re.fullmatch(r"\w+", name)):
             raise SystemExit(f"{path}: `benchmark` = {name!r} is not a bench's name; "
                              f"{FIX.replace('PATH', path)}")
-        if targets and not any(payload.get(k) for k in NOT_WHOLE):
+        if targets and not any(payload.get(k) for k in NOT_WHOLE) and not interrupted(payload):
             check_machine(path, payload.get("machine"))
             payload = {**payload, "targets": {n: target(path, n, t) for n, t in targets.items()}}
             out.append((os.path.relpath(os.path.dirname(path),

@@ -41,9 +41,11 @@ Q query block, K key block.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hpnlp.attention import flash_cpu, flash_gpu
 from hpnlp.attention.base import Attention, check_inputs, register
@@ -303,11 +305,18 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
     if blocker is None:
         return flash_cpu.flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL, mask_BL, causal=causal)
     for name, block, n in (("block_q", block_q, L), ("block_k", block_k, S)):
-        if block is not None and (block <= 0 or n % block):
-            raise ValueError(f"chunked attention: {name}={block} must divide the sequence length "
-                             f"{n}; pick a divisor, or leave {name}=None to pad automatically")
-    bq = auto_block(L, DEFAULT_BLOCK_Q) if block_q is None else block_q
-    bk = auto_block(S, DEFAULT_BLOCK_K) if block_k is None else block_k
+        # an integer, NumPy's too, as ring_attention's (a review, session 118: 8.0 passed,
+        # then failed in jnp.pad naming neither; True ran as a block of 1)
+        try:
+            whole = None if isinstance(block, (bool, np.bool_)) else operator.index(block)
+        except TypeError:
+            whole = None
+        if block is not None and (whole is None or whole <= 0 or n % whole):
+            raise ValueError(f"chunked attention: {name}={block!r} must be an integer dividing "
+                             f"the sequence length {n}; pick a divisor, or leave {name}=None "
+                             "to pad automatically")
+    bq = auto_block(L, DEFAULT_BLOCK_Q) if block_q is None else operator.index(block_q)
+    bk = auto_block(S, DEFAULT_BLOCK_K) if block_k is None else operator.index(block_k)
     Lp, Sp = -(-L // bq) * bq, -(-S // bk) * bk
 
     segs = None

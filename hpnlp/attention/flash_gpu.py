@@ -29,10 +29,12 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -384,10 +386,18 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal: bool = Fals
         raise ValueError(f"flash_gpu: blocks has unknown keys {sorted(unknown)}; the keys are "
                          f"{sorted(cfg)}")
     cfg |= dict(blocks or {})
-    for name in ("fwd_q", "fwd_k", "bwd_outer", "bwd_inner"):
-        if cfg[name] < 16 or cfg[name] & (cfg[name] - 1):
-            raise ValueError(f"flash_gpu: blocks[{name!r}] = {cfg[name]} must be a power of two "
-                             ">= 16 (Triton's tile sizes)")
+    for name, value in cfg.items():  # integers, NumPy's too (a review, session 118: 32.0
+        # failed in `&` naming nothing, and warps or stages of 0 inside Triton's compile)
+        try:
+            whole = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+        except TypeError:
+            whole = None
+        tile = name in ("fwd_q", "fwd_k", "bwd_outer", "bwd_inner")
+        if whole is None or (whole < 16 or whole & (whole - 1) if tile else whole < 1):
+            raise ValueError(f"flash_gpu: blocks[{name!r}] = {value!r} must be "
+                             + ("a power of two >= 16 (Triton's tile sizes)" if tile else
+                                "a positive integer"))
+        cfg[name] = whole
     # Short sequences take the smallest blocks that cover them.
     cfg["fwd_q"] = min(cfg["fwd_q"], _pow2(L))
     cfg["fwd_k"] = min(cfg["fwd_k"], _pow2(S))

@@ -24,9 +24,10 @@ What this implementation does, and where it departs from the paper/trax:
 * Padding and packing: the sort key is (segment, bucket, position) with padding
   (segment 0) sorted last, so padding sits in a bucket of its own and is masked as a key.
   Sorting by segment first (our extension; Reformer has no packing) keeps a segment's
-  chunk layout independent of other segments' content, so packed rows are supported. A
-  limit: chunks are cut from the row's sorted order, so in a packed row a segment's chunk
-  boundaries (and so its outputs) depend on the lengths of the segments sorted before it;
+  chunk layout independent of other segments' content. A limit, for which a new run's
+  `data.batching='pack'` is refused (`block_aligned`): chunks are cut from the row's sorted
+  order, so in a packed row a segment's chunk boundaries (and so its outputs) depend on the
+  lengths of the segments sorted before it;
   chunking each segment from its own start would need windows of 4C, twice the cost.
   `num_buckets=0` derives the buckets from the padded length, so it depends on that too.
 * Chunks wrap within a round: the first chunk looks back at the round's last chunk of
@@ -381,6 +382,13 @@ class LSHAttention(Attention):
     the same angular-LSH bucket; sorting by bucket and chunking makes it O(L * chunk)."""
 
     random_features: ClassVar[bool] = True
+
+    @classmethod
+    def block_aligned(cls, options) -> bool:
+        """Its chunks are cut from the row's sorted order, so a packed document's chunk
+        boundaries move with the lengths of those before it (the module's "A limit"): a new
+        packed run is refused, as `local`'s is (a review, session 118)."""
+        return True
 
     num_hashes: int = 2  # hashing rounds R, combined by logsumexp weights
     num_buckets: int = 16  # even; 0 = 2 * number of chunks; 1 = no hashing (exact if N <= 2)

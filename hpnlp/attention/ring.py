@@ -68,6 +68,8 @@ def ring_attention(q_BLHD, k_BLHD, v_BLHD, mask_BL=None, *, causal: bool,
         raise ValueError(f"ring_attention: the key length {k_BLHD.shape[1]} must equal the "
                          f"query length {L} (self-attention over one sharded sequence)")
     local = L // n
+    if not L:  # no queries: zeros, as chunked's (a review, session 118: max() of nothing)
+        return jnp.zeros((B, 0, q_BLHD.shape[2], v_BLHD.shape[-1]), q_BLHD.dtype)
     if block is None:
         block = _divisor_block(local, DEFAULT_BLOCK)
     else:  # a numpy integer (computed from shapes) is an integer too (a bug hunt, session

@@ -13,8 +13,9 @@ no [L, L] array ever exists.
 
 Lengths that `block_size` (and for `strided`, `stride`) does not divide are padded
 inside the call to the next multiple with segment id 0 (so padding is never attended
-to) and the result is sliced back: any length works, and `check_config` does not refuse
-one.
+to) and the result is sliced back: any length works, and `check_config` refuses only a
+length whose padding to lcm(block_size, stride) more than doubles it (`strided`'s
+mode='strided': a review, session 118, read "does not refuse one").
 
 Each pattern also has its "masked dense twin" beside it (`pattern_mask` +
 `masked_dense_twin`): the same pattern written as a boolean [L, L] matrix straight from

@@ -34,7 +34,7 @@ from hpnlp.bench import (attention, compress, data, distill_recipes, gqa, kv_cac
                          softmax, sparse, speculative, train, tricks)
 
 from hpnlp.bench import report  # noqa: E402
-from hpnlp.bench.harness import BenchInputError  # noqa: E402
+from hpnlp.bench.harness import INTERRUPTED, BenchInputError  # noqa: E402
 from hpnlp.paths import WorkdirBusy  # noqa: E402
 
 ENTRIES = {"attention": attention, "softmax": softmax, "train": train, "lra": lra, "rnn": rnn,
@@ -220,6 +220,10 @@ def _full_report(out: str, mod) -> tuple[str, dict] | None:
     if not isinstance(p, dict) or p.get("quick") or p.get("subset") or p.get("interrupted") \
             or p.get("died") or p.get("profiled"):  # (a memory bench whose child died:
         return None  # partial; session 109)
+    rows = p.get("results")  # a record from before `interrupted` was written (session 99)
+    if isinstance(rows, list) and any(isinstance(r, dict) and r.get("status") == INTERRUPTED
+                                      for r in rows):
+        return None
     ran = p.get("parts", p.get("seconds"))
     every = getattr(mod, "PARTS", None)
     if every and isinstance(ran, (list, dict)) and not set(every) <= set(ran):

@@ -729,7 +729,11 @@ class SideBySide:
     (ahead) is waited on, not run again. See `train_side_by_side`."""
 
     def __init__(self, xla_flags: tuple = (), one_batch: bool = False):
-        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+        from hpnlp import kernels
+        # no more than the cgroup's CPU bandwidth allows, as `kernels.cores` counts them (a
+        # review, session 118: a container of 2 CPUs on a 64-CPU host started 64 runs)
+        self.cores = (sorted(os.sched_getaffinity(0))[:kernels.cores()]
+                      if hasattr(os, "sched_setaffinity") else [])
         self.procs: list = []
         self.xla_flags, self.one_batch = tuple(xla_flags), one_batch
         self.queued: list = []  # (key, train, job, the keys it waits on): runs ahead, not

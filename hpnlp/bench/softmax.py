@@ -66,6 +66,16 @@ def bench_options(impl: str, V: int) -> dict:
     }.get(impl, {})
 
 
+PEER_FIELDS = ("cutoffs", "div_value", "head_bias")  # the adaptive options torch's layer takes
+
+
+def peer_options(V: int, settings: dict) -> dict:
+    """The torch peer's layout at V: adaptive's as this run sets it (a review, session 118:
+    `--set adaptive.div_value=2.0` changed hpnlp's tails and not the peer's, unsaid)."""
+    mine = {**bench_options("adaptive", V), **settings.get("adaptive", {})}
+    return {k: mine[k] for k in PEER_FIELDS if k in mine}
+
+
 def _zipf_targets(V: int, N: int, seed: int = 0) -> np.ndarray:
     p = 1.0 / np.arange(1, V + 1)
     return np.random.default_rng(seed).choice(V, size=N, p=p / p.sum()).astype(np.int32)
@@ -108,7 +118,11 @@ def measure(spec: dict) -> dict:
         if torch is None:
             return {**out, "status": "skipped: torch not installed (pip install -e '.[bench]')"}
         device = harness.torch_device(torch)
-        asm = torch.nn.AdaptiveLogSoftmaxWithLoss(E, V, adaptive_cutoffs(V), div_value=4.0).to(device)
+        o = spec["options"]  # adaptive's own (`peer_options`)
+        asm = torch.nn.AdaptiveLogSoftmaxWithLoss(
+            E, V, list(o.get("cutoffs") or adaptive_cutoffs(V)),
+            div_value=float(o.get("div_value", 4.0)),
+            head_bias=bool(o.get("head_bias", False))).to(device)
         h = torch.from_numpy(hidden).to(device).requires_grad_()
         t = torch.from_numpy(targets.astype(np.int64)).to(device)
 
@@ -174,10 +188,13 @@ def parse_settings(items: list[str], methods: list[str] | None = None,
         if not (sep and dot and method and field):
             raise harness.BenchInputError(f"--set {item!r}: write METHOD.FIELD=VALUE, e.g. "
                                           "adaptive.chunk_logits=67108864")
-        if method not in softmax_lib.names() or (methods and method not in methods):
+        # the reference is timed whatever `methods` names (a review, session 118: its
+        # settings were refused beside --methods without it)
+        timed = [REFERENCE, *[m for m in methods if m != REFERENCE]] if methods else None
+        if method not in softmax_lib.names() or (timed and method not in timed):
             raise harness.BenchInputError(
                 f"--set {item!r}: {method!r} is not a timed output layer here; choose "
-                f"from {methods or softmax_lib.names()}")
+                f"from {timed or softmax_lib.names()}")
         try:
             v = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -189,6 +206,11 @@ def parse_settings(items: list[str], methods: list[str] | None = None,
                                  model_set=BENCH_SET)
         except ConfigError as e:
             raise harness.BenchInputError(f"--set {item!r}: {e}") from None
+        if (method, field, v) == ("adaptive", "cutoffs", None):  # the peer's need them
+            raise harness.BenchInputError(
+                f"--set {item!r}: the {TORCH_ADAPTIVE} peer is built with adaptive's cutoffs, "
+                "and None leaves them to the layer's counts; give them (a tuple), or leave "
+                "the bench's own")
         out.setdefault(method, {})[field] = v
         given.setdefault(method, []).append(item)
     for method, options in out.items():
@@ -236,7 +258,8 @@ def run(out_dir: str, *, quick: bool, isolate: bool | None = None, methods: list
     rates = harness.ceiling_rates(quick=quick)
     settings = settings or {}
     configs = [dict(impl=i, V=V, N=N, E=E, repeats=repeats, max_time_s=120.0,
-                    options={**bench_options(i, V), **settings.get(i, {})})
+                    options=(peer_options(V, settings) if i == TORCH_ADAPTIVE else
+                             {**bench_options(i, V), **settings.get(i, {})}))
                for V in vocabs for i in impls]
     def head(spec):
         return {"impl": spec["impl"], "V": spec["V"], "options": spec["options"]}

@@ -23,7 +23,8 @@ the soft term runs over chunks of tokens (`train.distill.chunk_tokens`) inside a
 `jax.checkpoint`ed `lax.map`, so teacher and student [tokens, V] exist one chunk at a time,
 as output `full` chunks its loss. The sums report `loss_hard` and `loss_soft` beside `loss`.
 
-Beside the soft targets (Transformer students of the teacher's width):
+Beside the soft targets (Transformer students; widths may differ: see `hidden` and the
+inits):
 
 - `train.distill.hidden` (TinyBERT / MobileBERT): plus `hidden` times the squared error
   between each student block's output and its teacher block's (`layer_map`), mean over
@@ -538,7 +539,9 @@ class TeacherCarry(Carry):
         # (session 102): a student's own tokenizer, of an edited data.train_path, was not
         # read, and one of other pieces passed)
         my_text = None if held else text_digest or train_text_digest(cfg.data)  # (read once)
-        why = different_encoding(cfg.data, tcfg.data, self.workdir,
+        # (held: not the teacher's folder, which may hold another run now; a review,
+        # session 118: its kept tokenizer was read)
+        why = different_encoding(cfg.data, tcfg.data, None if held else self.workdir,
                                  None if held else tokenizer_sha256, my_text)
         if why:
             raise config_error("train.distill.teacher", self.workdir, f"the teacher was trained "
@@ -584,9 +587,11 @@ class TeacherCarry(Carry):
                                "state crosses the documents), so each document's soft targets "
                                "would hold the others' context, which this run's model does "
                                "not see; use data.batching='pad'")
-        members = run_members(self.workdir)
         # found in review: restored into one model's shapes, deep in Orbax; a 1-member
-        # ensemble too (review, session 105: the Trainer's mismatch, naming no field)
+        # ensemble too (review, session 105: the Trainer's mismatch, naming no field); not
+        # for a student that holds its teacher, whose folder may hold an ensemble now (a
+        # review, session 118)
+        members = 1 if held else run_members(self.workdir)
         if is_stacked(members):
             raise config_error("train.distill.teacher", self.workdir, f"holds a seed ensemble "
                                f"of {members} member{'s' if members > 1 else ''} "

@@ -90,7 +90,9 @@ layer declares the Embed's table as its product, so the lookup reads the pruned 
   are exact) are recomputed at the next step too.
 
 Counts are exact: a target s prunes round(s * n) of a weight's n entries (ties broken by
-position), or round(s * total) of all of them in global scope.
+position), or round(s * total) of all of them in global scope, the product taken in float32
+(a review, session 118: past 2^24 entries it may be one off the exact round(s * n), the
+same count wherever it is computed: the masks and `holds_target` agree).
 """
 
 from __future__ import annotations

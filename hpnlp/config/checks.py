@@ -906,8 +906,9 @@ def check_new_run(cfg: Config) -> None:
     if packs_block_aligned(cfg):
         # a review (session 115): taken; a run saved so is still read and resumed
         _fail("data.batching", "pack",
-              f"attention {cfg.attention.name!r} places its blocks from each row's first column, "
-              "so a document packed mid-row would attend to other tokens than it does alone or "
+              f"attention {cfg.attention.name!r} places its blocks from each row's first column "
+              "(lsh: its chunks from the row's sorted order), so a document packed mid-row "
+              "would attend to other tokens than it does alone or "
               "when decoded (which counts from its own first token); use data.batching='pad' "
               "(a document a row), or a variant whose pattern follows distances alone "
               "('sliding_window', or 'strided' with mode='strided')")

@@ -828,7 +828,7 @@ def from_configdict(cd: ml_collections.ConfigDict | Mapping[str, Any]) -> Config
                 if dataclasses.is_dataclass(f.default) and f.name in value:
                     value[f.name] = _subgroup(f"{key}.{f.name}", type(f.default), value[f.name])
             if "bucket_boundaries" in value:
-                value["bucket_boundaries"] = tuple(value["bucket_boundaries"])
+                value["bucket_boundaries"] = _hashable(tuple(value["bucket_boundaries"]))
             if "options" in value:  # hashable: configs become flax module fields
                 value["options"] = _hashable(dict(value["options"] or {}))
             if key == "mesh" and "rules" in value:  # given rules override the defaults one by one
@@ -915,7 +915,11 @@ def _check_kind(field: str, value: Any, default: Any) -> Any:
 def _hashable(value: Any) -> Any:
     """`value` with every mapping in it a FrozenDict and every list a tuple, all the way down
     (a bug hunt, session 103: a config.json's `output.options.cutoffs` came back a list, the
-    reloaded Config unhashable, and retrieval.knnlm's cached forward raised TypeError)."""
+    reloaded Config unhashable, and retrieval.knnlm's cached forward raised TypeError), and
+    every NumPy scalar its Python number, as `_check_kind` makes a field's (a review, session
+    118: an option's np.int64(3) was refused as "must be an integer")."""
+    if isinstance(value, np.generic):
+        return value.item()
     if isinstance(value, Mapping):
         return flax.core.FrozenDict({k: _hashable(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):

@@ -322,10 +322,22 @@ def with_twin_gradient(kernel, twin, *args):
     return call(*args)
 
 
+def _cxx() -> list[str]:
+    """$CXX split as a shell would; RuntimeError (which every kernel's fallback reads as its
+    reason) where it cannot be (a review, session 118: an unbalanced quote's ValueError
+    escaped the fallbacks, and every `impl="auto"` layer failed naming nothing)."""
+    raw = os.environ.get("CXX", "")
+    try:
+        return shlex.split(raw)
+    except ValueError as e:
+        raise RuntimeError(f"$CXX={raw!r} cannot be split as a shell would ({e}); fix its "
+                           "quoting, or unset it") from None
+
+
 def compiler() -> list[str]:
     """The C++ compiler's command: $CXX split as a shell would (`ccache g++`), else the
     machine's g++ or c++; RuntimeError where there is none."""
-    cxx = shlex.split(os.environ.get("CXX", "")) or [shutil.which("g++") or shutil.which("c++")]
+    cxx = _cxx() or [shutil.which("g++") or shutil.which("c++")]
     if cxx[0] is None:
         raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
     return cxx
@@ -334,7 +346,7 @@ def compiler() -> list[str]:
 def _compiler_name(cxx: list[str]) -> str:
     """The compiler as messages name it: `$CXX=...` where the environment chose it."""
     named = " ".join(cxx)
-    return f"$CXX={named}" if shlex.split(os.environ.get("CXX", "")) else named
+    return f"$CXX={named}" if os.environ.get("CXX", "").strip() else named
 
 
 @functools.lru_cache(maxsize=None)

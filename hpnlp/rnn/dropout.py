@@ -33,7 +33,10 @@ from hpnlp.config import ConfigError
 
 
 def check_rate(field: str, rate) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+    """`rate` as a float, or a ConfigError naming `field` unless it is a number in [0, 1)
+    (NumPy's too: a review, session 118, np.float32(0.1) was refused)."""
+    import numbers
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
         raise ConfigError(f"field `{field}` = {rate!r} is not allowed: a dropout rate must be a "
                           "number in [0, 1)")
     return float(rate)

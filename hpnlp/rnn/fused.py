@@ -4,12 +4,14 @@
 
 is `hpnlp.rnn.cells.run_layer` for the LSTM without layer norm or per-step masks, but the
 L recurrent steps run inside one XLA FFI call forward and one backward instead of an XLA
-`while` loop with several kernel launches per step. The forward computes each step's input
-projection in the same product as its recurrent one ([x_t | h_{t-1}] [W_x; W_h]), and the
-backward each step's input gradient dz_t W_x^T, so neither [L, B, 4H]-sized product runs
-in XLA; the two weight gradients are one product over all steps, one call of the kernel's
-packed product (`lstm_weight_grads`). Each of the kernel's threads owns a
-share of the hidden units, in tiles of one vector (16 with AVX-512, 8 with AVX2), and
+`while` loop with several kernel launches per step. The forward computes the input
+projection x_t W_x itself, for blocks of steps (about 256 rows a block, k over E), whose
+sums start each step's recurrent product h_{t-1} W_h (k over H), and the backward the input
+gradient dz W_x^T by the same blocks of steps, so neither [L, B, 4H]-sized product runs in
+XLA (a review, session 118: this said one product of [x_t | h_{t-1}] [W_x; W_h] a step, the
+kernel's form until 2026-11-30); the two weight gradients are one product over all steps,
+one call of the kernel's packed product (`lstm_weight_grads`). Each of the kernel's threads
+owns a share of the hidden units, in tiles of one vector (16 with AVX-512, 8 with AVX2), and
 computes a tile's four gates in registers, with the gate arithmetic applied straight to
 the accumulators (see the top of `fused_lstm.cc`).
 
@@ -41,9 +43,10 @@ KERNEL = kernels.CpuKernel(
      "hpnlp_lstm_dw": "HpnlpLstmDw"}, what="the fused LSTM")
 
 
-# The products' blocking, per pass: kc (k per cache block: a kc x 64 panel block in L1 at
-# kc = 128 with AVX-512, in L2 at the larger ones; the forward's k runs over E + H, the
-# backward's over 4H) and mr (rows per register block, <= 6). Defaults tuned on a 2-core
+# The products' blocking, per pass: kc (k per cache block of each product: a kc x 64 panel
+# block in L1 at kc = 128 with AVX-512, in L2 at the larger ones; the forward's two products
+# run k over E (the input projection) and over H (the recurrent one), the backward's over
+# 4H) and mr (rows per register block, <= 6). Defaults tuned on a 2-core
 # AVX-512 Xeon; each CPU gets its own choice, measured on first use at the probe shape
 # (the forward's input width E = H) and cached (`hpnlp.kernels.tuning`); `blocking=`
 # overrides.

@@ -8,8 +8,9 @@
 // same share every step, so its part of the matrix stays near its core; taking tiles from
 // a shared counter instead measured 3% slower, and no faster once the input projection
 // joined the product), computes a tile's four gates for a block of rows in registers (a
-// register-blocked product of [x_t | h_{t-1}] with [W_x; W_h], packed once per call so
-// that every step streams it contiguously), applies the
+// register-blocked product of h_{t-1} with W_h, packed once per call so that every step
+// streams it contiguously, its accumulators started from the input projection x_t W_x,
+// which `input_projection` computes for blocks of steps beforehand), applies the
 // gate arithmetic to the accumulators directly, and meets the others at one barrier per
 // step (the next step needs every unit of h). The backward scan does the same with the
 // transposed matrix: a thread turns the incoming gradient of its tiles into their gate

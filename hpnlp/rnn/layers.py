@@ -73,15 +73,21 @@ def _param(module, name, init, names, shape, dtype):
     return param(module, name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
+def _positive(x) -> bool:
+    """A positive integer, Python's or NumPy's (a review, session 118: np.int64(256) was
+    refused as "not a positive integer"); not a bool."""
+    from hpnlp.kernels import is_integer
+    return is_integer(x) and x > 0
+
+
 def _check_fields(m) -> None:
     if m.kind not in KINDS:
         raise ConfigError(f"field `kind` = {m.kind!r} is not allowed: choose from {KINDS}")
-    if isinstance(m.hidden, bool) or not isinstance(m.hidden, int) or m.hidden <= 0:
+    if not _positive(m.hidden):
         raise ConfigError(f"field `hidden` = {m.hidden!r} is not allowed: a positive integer")
-    if isinstance(m.unroll, bool) or not isinstance(m.unroll, int) or m.unroll <= 0:
+    if not _positive(m.unroll):
         raise ConfigError(f"field `unroll` = {m.unroll!r} is not allowed: a positive integer")
-    if m.chunk is not None and (isinstance(m.chunk, bool) or not isinstance(m.chunk, int)
-                                or m.chunk <= 0):
+    if m.chunk is not None and not _positive(m.chunk):
         raise ConfigError(f"field `chunk` = {m.chunk!r} is not allowed: a positive integer "
                           "(steps projected per product) or None (all steps in one product)")
     for f in ("dropout", "variational_dropout", "state_dropout", "recurrent_dropout", "zoneout",
@@ -362,8 +368,7 @@ class StackedRNN(nn.Module):
         if self.combine not in COMBINES:
             raise ConfigError(f"field `combine` = {self.combine!r} is not allowed: choose from "
                               f"{COMBINES}")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \
-                or self.num_layers <= 0:
+        if not _positive(self.num_layers):
             raise ConfigError(f"field `num_layers` = {self.num_layers!r} is not allowed: a "
                               "positive integer")
         # Every RNNLayer setting the stack shares (all of RNNLayer's fields: it declares them).

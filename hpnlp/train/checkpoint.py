@@ -45,8 +45,10 @@ class StackedMembers(int):
 
 
 def is_stacked(members: int) -> bool:
-    """Whether a member count is a seed ensemble's (its arrays stacked member by member)."""
-    return isinstance(members, StackedMembers) or members > 1
+    """Whether a member count is a seed ensemble's (its arrays stacked member by member); an
+    edited file's count that is no integer is not (its config's comparison names it: a
+    review, session 118, `None > 1` was a TypeError)."""
+    return isinstance(members, StackedMembers) or type(members) is int and members > 1
 
 
 def _signature_members(sig: dict) -> int:
@@ -898,8 +900,10 @@ def _signature_edited(saved: dict, diff: dict) -> str:
     "": the file was edited (a bug hunt, session 99: a reader told "saved 128, now 64" to
     read the run with its config.json, the file it had just read)."""
     old = saved.get("shape_signature", {})
-    try:
-        own = _shape_signature(from_configdict(saved["config"]), _signature_members(old))
+    members = _signature_members(old)
+    try:  # (a count that is no integer, edited: its config's own, 1, so the diff names it)
+        own = _shape_signature(from_configdict(saved["config"]),
+                               members if isinstance(members, int) else 1)
     except Exception:  # noqa: BLE001 (a config this version cannot read: the caller's error)
         return ""
     old, own = _resolved(old, own), _resolved(own, old)

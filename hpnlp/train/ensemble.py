@@ -462,8 +462,11 @@ class EnsembleTrainer(Trainer):
         with self._context():
             return self._take(state, jnp.int32(i))
 
-    def evaluate(self, state) -> dict:
-        return _report(self.eval_sums(state, self.ensemble_eval_step), lm=self.lm)
+    def evaluate(self, state, *, batches: int | None = None) -> dict:
+        """`Trainer.evaluate`'s, of the ensemble's averaged prediction (`batches`: the first
+        that many eval batches; a review, session 118: the keyword was not taken)."""
+        return _report(self.eval_sums(state, self.ensemble_eval_step, batches=batches),
+                       lm=self.lm)
 
 
 @jax.jit

@@ -333,6 +333,18 @@ def for_these_devices(cfg: Config, workdir: str, *, fewer_devices: bool = True) 
     n = jax.device_count()
     mesh, k, why = (cfg.mesh, 0, None) if isinstance(cfg.mesh, ReaderMesh) else reader_mesh(
         cfg, n, fewer_devices=fewer_devices)
+    a = cfg.attention
+    if why is None and mesh.pipeline == -1 and draws_features(a.name, a.options):
+        # the saved mesh kept, its -1 stages filled here: another count than it trained in
+        # (a review, session 118: 2 stages trained, 1 read, unsaid)
+        from hpnlp.compress.distill import checkpoint_pipeline_stages
+        trained, here = checkpoint_pipeline_stages(workdir), mesh.axis_sizes(n)["pipeline"]
+        if trained is not None and trained != here and jax.process_index() == 0:
+            print(f"hpnlp: {workdir} trained in {trained} pipeline stage(s) (mesh.pipeline=-1) "
+                  f"and is laid out in {here} on the {n} device(s) here; its attention "
+                  f"({a.name!r}) draws random features per layer otherwise in other stages "
+                  "(hpnlp/parallel/pipeline.py), so its evaluations and decodes here compute "
+                  "another function than its training did", file=sys.stderr, flush=True)
     if why:
         if jax.process_index() == 0:
             print(f"hpnlp: {workdir} {why}", file=sys.stderr, flush=True)

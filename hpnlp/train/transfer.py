@@ -61,8 +61,13 @@ def _trunk_settings(cfg: Config) -> dict:
     moe = cfg.model.moe  # (off: its expert count alone, the other fields read by nothing)
     out.update({f"model.moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)
                 if f.name not in MOE_NOT_TRUNK and (moe.enabled() or f.name == "num_experts")})
+    # without the variant's layout options (chunk sizes, recomputation), which a resume may
+    # change (a review, session 118: performer's recompute refused a trunk transfer)
+    from hpnlp.train.checkpoint import _attention_layout
+    layout = _attention_layout(cfg.attention.name)
     out.update({"attention.name": cfg.attention.name,
-                "attention.options": dict(cfg.attention.options)})
+                "attention.options": {k: v for k, v in cfg.attention.options.items()
+                                      if k not in layout}})
     return out
 
 
