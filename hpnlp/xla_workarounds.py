@@ -134,15 +134,19 @@ def pad_overread_flag() -> str | None:
 def host_devices() -> int:
     """The CPU devices this process asks for: `JAX_NUM_CPU_DEVICES` (JAX's
     `jax_num_cpu_devices`, which JAX gives the CPU client in place of the flag), else
-    XLA_FLAGS' `--xla_force_host_platform_device_count` (where XLA reads it), else 1."""
-    env = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
-    if env.isdigit():
-        return max(int(env), 1)
+    XLA_FLAGS' `--xla_force_host_platform_device_count` (where XLA reads it), else 1. Once
+    JAX is imported its config comes first: it holds the variable as read at import, and a
+    later `jax.config.update` replaces it, which the CPU client then takes (a review,
+    session 118: the variable was read first, so code asking for 8 over an exported 1 kept
+    the cache on for 8 devices)."""
     if "jax" in sys.modules:  # set in code, `jax.config.update("jax_num_cpu_devices", N)`
         # (a review, session 117: read from the environment alone, missed)
         n = getattr(sys.modules["jax"].config, "jax_num_cpu_devices", -1)
         if isinstance(n, int) and not isinstance(n, bool) and n >= 0:  # (JAX's -1: unset)
             return max(n, 1)
+    env = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if env.isdigit():
+        return max(int(env), 1)
     read, _ = xla_reads(os.environ.get("XLA_FLAGS", ""))
     n = 1
     for f in read:

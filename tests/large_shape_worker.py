@@ -107,9 +107,10 @@ def flash(L: int, B: int) -> None:
     from hpnlp.attention.flash_cpu import blocker, flash_attention
 
     reason = blocker(64)
-    if reason:
-        print("skip", reason)
-        return
+    if reason:  # the last line, which the test reads as a skip (not "ok": a review, session
+        # 118, found it reported as a pass)
+        print("skip", reason, flush=True)
+        sys.exit(0)
     for D, H in ((64, 3), (48, 2)):
         k = jax.random.split(jax.random.key(D), 3)
         q, kk, v = (jax.random.normal(x, (B, L, H, D)) for x in k)
@@ -127,8 +128,8 @@ def lstm(H: int) -> None:
     from hpnlp.rnn import fused
 
     if not fused.available() or not fused.supports(H):
-        print("skip", fused.unavailable_reason() or f"hidden {H}")
-        return
+        print("skip", fused.unavailable_reason() or f"hidden {H}", flush=True)
+        sys.exit(0)
     for L, B, E in ((37, 7, 50), (300, 13, 129)):
         k = jax.random.split(jax.random.key(H), 6)
         w_EG, b_G = 0.2 * jax.random.normal(k[0], (E, 4 * H)), 0.1 * jax.random.normal(k[1], (4 * H,))

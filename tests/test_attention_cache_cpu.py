@@ -146,6 +146,19 @@ def test_kernel_equals_its_xla_twin():
     check_kernel_equals_twin()
 
 
+def _oracle(q, k, v, index):
+    """Cached attention written out, independent of the twin (whose gradient the kernel's
+    backward is, so the twin alone could not show a wrong one: a review, session 118): head h
+    reads key/value head h // (H / G); query j at position index + j sees keys 0..index + j."""
+    B, L, H, D = q.shape
+    T, G = k.shape[1], k.shape[2]
+    k, v = jnp.repeat(k, H // G, axis=2), jnp.repeat(v, H // G, axis=2)
+    s = jnp.einsum("blhd,bthd->bhlt", q, k) / np.sqrt(D)
+    seen = jnp.arange(T)[None, :] <= index + jnp.arange(L)[:, None]
+    p = jax.nn.softmax(jnp.where(seen, s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhlt,bthd->blhd", p, v)
+
+
 @needs_kernel
 @pytest.mark.parametrize("G", [None, 1])  # multi-head; multi-query (a grouped cache)
 def test_gradients_equal_the_twins(G):
@@ -157,9 +170,13 @@ def test_gradients_equal_the_twins(G):
 
     got = jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, k, v, jnp.int32(9))
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v, 9)
-    for a, b in zip(got, want):
+    oracle = jax.grad(lambda q, k, v: jnp.sum(_oracle(q, k, v, 9) * w), argnums=(0, 1, 2))(
+        q, k, v)
+    for a, b, c in zip(got, want, oracle):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)  # (another order of sums)
+    assert float(jnp.abs(got[1][:, 11:]).max()) == 0.0  # keys past the last query's: none
     # forward mode too, as impl='xla' (found in review: a custom_vjp refused jax.jvp)
     dirs = tuple(jax.random.normal(jax.random.key(4 + i), x.shape)
                  for i, x in enumerate((q, k, v)))
@@ -184,8 +201,13 @@ def test_int8_gradients_equal_the_twins():
 
     got = jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, ks, vs)
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, ks, vs)
-    for a, b in zip(got, want):
+    # and the oracle's through the codes x scales (a review, session 118: the twin's alone)
+    oracle = jax.grad(lambda q, ks, vs: jnp.sum(_oracle(
+        q, CC.dequantize_kv(kc, ks), CC.dequantize_kv(vc, vs), 9) * w), argnums=(0, 1, 2))(
+        q, ks, vs)
+    for a, b, c in zip(got, want, oracle):
         np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)  # (another order of sums)
     assert float(jnp.abs(got[1]).max()) > 0
     dirs = tuple(jax.random.normal(jax.random.key(4 + i), x.shape)
                  for i, x in enumerate((q, ks, vs)))

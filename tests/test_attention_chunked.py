@@ -119,9 +119,14 @@ def test_cross_attention_lengths_differ():
 @pytest.mark.parametrize("impl", ["auto", "xla"])
 def test_value_head_dim_may_differ(impl):
     """Found by the crash hunt: dense takes values of another head dim, but the XLA path
-    (where the kernel steps aside for them) failed inside its block loop."""
-    q, k, _, _ = _qkv(seed=5, length=16)
-    v, w = (jax.random.normal(jax.random.key(s), (B, 16, H, 2 * D)) for s in (6, 7))
+    (where the kernel steps aside for them) failed inside its block loop. At a head dim of
+    16, which the kernel takes, so that under 'auto' the value dim is what it steps aside
+    for (a review, session 118: at 8 the head dim was, and 'auto' was 'xla' again)."""
+    q, k, v, w = (jax.random.normal(jax.random.key(s), (B, 16, H, d))
+                  for s, d in ((5, 16), (8, 16), (6, 32), (7, 32)))
+    assert "value head dim 32 differs" in C.kernel_blocker(16, 32, "auto", None, None)
+    assert "hpnlp_flash" not in jax.jit(lambda q, k, v: C.chunked_attention(
+        q, k, v, None, causal=True, impl=impl)).lower(q, k, v).as_text()
     _assert_matches_dense(q, k, v, w, _segments(16, seed=5), True, impl=impl)
 
 

@@ -1115,6 +1115,30 @@ def test_recorded_reports_name_only_plots_kept_beside_them():
     assert not missing
 
 
+def test_compress_plot_sizes_a_pruned_row_by_its_pruned_kernels(tmp_path, monkeypatch):
+    """A review (session 118): the quality-against-size plot took a pruned row's sparsity of
+    every parameter (the 95% runs at a third of their nonzeros), and joined two parts'
+    "dense, scratch" baselines in one line."""
+    from hpnlp.bench import compress
+    assert compress.prunable_params("byte LM") == 2 * (128 * 384 + 128 * 128 + 2 * 128 * 512)
+    drawn = []
+    import matplotlib.axes
+    real = matplotlib.axes.Axes.plot
+
+    def plot(self, xs, ys, *a, label=None, **kw):
+        drawn.append((label, list(xs)))
+        return real(self, xs, ys, *a, label=label, **kw)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    row = dict(model="byte LM", params=445184, size_bytes=4 * 445184, value=1.4)
+    compress._plot({"prune": [dict(row, method="prune magnitude", sparsity=0.95)],
+                    "structured": [dict(row, method="dense, scratch")],
+                    "lowrank": [dict(row, method="dense, scratch", params=100)]}, str(tmp_path))
+    got = dict(drawn)
+    assert got["prune magnitude"] == [pytest.approx(4 * (445184 - 0.95 * 393216) / 1024)]
+    assert {"dense, scratch (structured)", "dense, scratch (lowrank)"} <= set(got)
+    assert (tmp_path / "quality_vs_size.png").exists()
+
+
 def test_compress_bench_targets_and_table_from_a_payload():
     from hpnlp.bench import compress
 
@@ -1215,6 +1239,10 @@ def test_moe_bench_targets_and_table_from_a_payload():
     assert t["max_expert_load_vs_mean"]["value"] == 1.7  # the window at step 5 is warmup
     md = moe._markdown(payload)
     assert "-0.0500" in md and "1.20x" in md and "(in experts)" in md and "### Targets" in md
+    # its LM runs reused from --workdir said (a review, session 118: "lm 0", unexplained)
+    md = moe._markdown({**payload, "seconds": {"lm": 0.07, "layer": 30.0}, "reused_runs": 7})
+    assert ("Wall time per part (s): lm 0, layer 30. 7 finished runs were reused from "
+            "--workdir, so their training is not in these times.") in md
 
 
 def test_a_part_left_out_has_no_targets_not_missed_ones():
@@ -2422,6 +2450,18 @@ def test_gqa_bench_quick_run(tmp_path):
         ("converted (SVD, 2 batches) from multi-head, lr 0.003", 4, 64)]
     assert all(np.isfinite(r["loss"]) for r in p["quality"])
     assert os.path.exists(tmp_path / "out" / "gqa_decode.png")
+
+
+def test_moe_convert_scratch_baselines_warm_up_as_their_sources():
+    """A review (session 118): `lm_steps` set --quick's 2-step warmup on the 1000-step
+    from-scratch baselines, whose sources warmed up the experiment's 100; configs only."""
+    from hpnlp.bench import moe_convert
+    full, quick = moe_convert.SIZES["full"], moe_convert.SIZES["quick"]
+    source, total = moe_convert._steps(full)
+    cd, _ = moe_convert._scratch(full, "W", (4, 1))
+    assert cd.train.steps == total and cd.train.warmup_steps == \
+        moe_convert._source(full, "W", 4, 1, "s")[0].train.warmup_steps == 100
+    assert moe_convert._scratch(quick, "W", (4, 1))[0].train.warmup_steps == 2
 
 
 def test_moe_convert_bench_table_from_a_payload():

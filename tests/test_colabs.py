@@ -31,6 +31,10 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # the notebooks' own temporary folders (quickstart's workdirs) go with the test's
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    # this checkout's package, installed or not (a review, session 118: the kernel, started in
+    # tmp_path, imported hpnlp only where it was pip-installed)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -593,10 +593,15 @@ def test_timing_cli_without_the_kernel_says_why(monkeypatch):
 def test_auto_is_the_kernel_and_jit_works():
     x, w8 = _int8_operands(4, 33, 18)
     xf = jnp.asarray(_rng("auto", 4, 33).standard_normal((4, 33)).astype(np.float32))
-    for fn, args in [(qk.int8_matmul, (x, w8)), (qk.int8_linear, (xf, w8)),
-                     (qk.binary_linear, (xf, _binary_operands(4, 33, 18))),
-                     (qk.int4_linear, (xf, _int4_operands(4, 33, 18, 3)))]:
+    for fn, args, target in [
+            (qk.int8_matmul, (x, w8), "hpnlp_int8_matmul"),
+            (qk.int8_linear, (xf, w8), "hpnlp_int8_linear"),
+            (qk.binary_linear, (xf, _binary_operands(4, 33, 18)), "hpnlp_binary_linear"),
+            (qk.int4_linear, (xf, _int4_operands(4, 33, 18, 3)), "hpnlp_int4_linear")]:
         got = jax.jit(fn)(*args)
+        # the kernel's call in auto's program (a review, session 118: its twin gives the same
+        # values, so the values alone could not tell)
+        assert target in jax.jit(fn).lower(*args).as_text(), target
         np.testing.assert_array_equal(got, fn(*args, impl="kernel"))
         _close(fn(*args, impl="xla"), got)
     # int4 over many rows (a prefill): auto is the twin, XLA's GEMM on the dequantized weight
@@ -604,6 +609,7 @@ def test_auto_is_the_kernel_and_jit_works():
     xm = jnp.asarray(_rng("auto", M, 33).standard_normal((M, 33)).astype(np.float32))
     w4 = _int4_operands(M, 33, 18, 3)
     np.testing.assert_array_equal(qk.int4_linear(xm, w4), qk.int4_linear(xm, w4, impl="xla"))
+    assert "hpnlp_int4_linear" not in jax.jit(qk.int4_linear).lower(xm, w4).as_text()
 
 
 @needs_kernel

@@ -28,7 +28,10 @@ def run_case(*args, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
     out = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"{args}: exit status {proc.returncode}\n{out}"
-    assert proc.stdout.strip().splitlines()[-1] == "ok", out
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("skip "):  # the kernel cannot run here: skipped, not passed
+        pytest.skip(f"{args}: {last[5:]}")
+    assert last == "ok", out
 
 
 def test_issue19_sampled_softmax_repeated():

@@ -363,6 +363,23 @@ def test_the_runs_a_run_reads_are_compared_across_processes_as_absolute_paths(tm
     assert text_digests(from_configdict(cd).data) == {TEXT_KEY: sha["train.txt"],
                                                       EVAL_TEXT_KEY: sha["eval.txt"]}
     assert text_digests(from_configdict(default_configdict()).data) == {}  # the shipped corpus
+    # a prepared folder's eval split too, beside its train split (a review, session 118: only
+    # the train split's digest was compared)
+    from hpnlp.data import sharded
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    np.save(folder / sharded.COUNTS_FILE, np.ones(4, np.int64))
+    np.save(folder / sharded.EVAL_TARGET_COUNTS_FILE, np.ones(4, np.int64))
+
+    def digests(eval_split):
+        (folder / sharded.META_FILE).write_text(json.dumps({"splits": {
+            "train": {"shards": ["a"]}, "eval": eval_split}, "tokenizer": {"kind": "bytes"}}))
+        cd.data.update(task="byte_lm", train_path="", eval_path="", prepared=str(folder))
+        return text_digests(from_configdict(cd).data)
+    one, two = digests({"shards": ["e1"]}), digests({"shards": ["e2"]})
+    assert one[TEXT_KEY] == two[TEXT_KEY] and one[EVAL_TEXT_KEY] != two[EVAL_TEXT_KEY]
+    assert None not in (one[TEXT_KEY], one[EVAL_TEXT_KEY])
+    cd.data.prepared = ""
     # ListOps' TSV too (a review, session 118: only an LM's text was compared)
     (tmp_path / "lo.tsv").write_text("Source\tTarget\n( [MAX 1 2 ] )\t2\n")
     cd.data.update(task="listops", train_path=str(tmp_path / "lo.tsv"), eval_path="")

@@ -379,6 +379,30 @@ def test_a_pipelined_run_of_random_features_is_refused_for_decoding(monkeypatch)
     check_decodes(validate(from_configdict(cd), num_devices=2))
 
 
+def test_generate_takes_a_minus_one_pipeline_run_that_trained_in_one_stage(tmp_path, capsys):
+    """A review (session 118): `generate` refused every mesh.pipeline=-1 Performer run as
+    pipelined, though one trained on one device filled a single stage and decodes the draws
+    it trained with; the stages its checkpoint records decide (a config-only workdir: the
+    load fails after the check, at its empty checkpoint)."""
+    import importlib
+
+    from hpnlp.compress import distill
+    from hpnlp.train.checkpoint import Checkpointer
+    generate = importlib.import_module("hpnlp.models.generate")
+    cd = tiny(depth=2)
+    cd.data.batching = "pad"
+    cd.attention.update(name="performer", options={"num_features": 16})
+    cd.mesh.update(data=1, pipeline=-1)
+    Checkpointer(str(tmp_path), validate(from_configdict(cd), num_devices=1), keep=1).close()
+    os.makedirs(tmp_path / "checkpoints" / "1")
+    for stages, refused in ((2, True), (None, True), (1, False)):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(distill, "checkpoint_pipeline_stages", lambda workdir: stages)
+            assert generate.main(["--workdir", str(tmp_path), "--prompt", "a"]) != 0
+        err = capsys.readouterr().err
+        assert ("would draw other random features per layer" in err) == refused, err
+
+
 def test_a_pipelined_run_of_random_features_read_on_one_device_says_so(capsys):
     """A review of session 108: laid out for the devices here (`reader_mesh`: pipeline 1), a
     pipelined Performer run's config no longer says it was pipelined, so `generate`'s
@@ -414,6 +438,13 @@ def test_a_pipelined_run_of_random_features_read_on_one_device_says_so(capsys):
         err = capsys.readouterr().err
         assert ("RUN trained in 2 pipeline stage(s) (mesh.pipeline=-1) and is laid out in 1 "
                 "on the 1 device(s) here" in err) == said, err
+    # a -1 mesh that fits, its run refused here only for what a reader replaces anyway
+    # (cuDNN attention off a GPU): kept, not read as a mesh that does not fit (a review,
+    # session 118)
+    cd.model.dtype = "bfloat16"
+    cd.attention.name, cd.attention.options = "xla", {"implementation": "cudnn"}
+    mesh, _, why = reader_mesh(validate(from_configdict(cd), devices=False), 1)
+    assert why is None and mesh.pipeline == -1
 
 
 # 8 simulated devices: a student pipelined over 4 stages (2 data shards) built with a teacher

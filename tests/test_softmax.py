@@ -368,9 +368,18 @@ def test_lm_eval_sums_chunked_equal_the_log_prob_ones(monkeypatch):
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     correct = float(jnp.sum((jnp.argmax(logp, -1) == t) & mask))
     assert 0 < correct < float(jnp.sum(jnp.argmax(logp, -1) == t))
-    # a chunk's logits budget of 8 tokens: 4 chunks of 4 tokens of each of the 2 rows
+    # a chunk's logits budget of 8 tokens: 4 chunks of 4 tokens of each of the 2 rows, seen
+    # to run (a review, session 118: nothing said the chunked path was the one compared)
+    from hpnlp.softmax import base
     monkeypatch.setattr(full, "CHUNK_LOGITS_BYTES", 8 * 256 * 4)
+    chunks, real = [], base.map_token_chunks
+
+    def spy(fn, lead, chunk, *arrays, **kw):
+        chunks.append(chunk)
+        return real(fn, lead, chunk, *arrays, **kw)
+    monkeypatch.setattr(base, "map_token_chunks", spy)
     got = jax.jit(lambda p, b: model.apply(p, b, method="evaluate"))(params, batch)
+    assert chunks == [8], chunks
     assert float(got["weight"]) == 25.0
     np.testing.assert_allclose(got["loss"], jnp.sum(jnp.where(mask, nll, 0.0)), rtol=1e-6)
     assert float(got["correct"]) == correct

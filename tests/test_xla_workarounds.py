@@ -315,6 +315,10 @@ def test_cache_workaround_only_on_several_simulated_cpu_devices(monkeypatch):
         m.setitem(sys.modules, "jax", types.SimpleNamespace(
             config=types.SimpleNamespace(jax_num_cpu_devices=4)))
         assert xw.host_devices() == 4 and xw.cache_workaround_wanted()
+        # over the variable, which JAX read at import and the code replaced since (a review,
+        # session 118: the variable's 1 was taken, the cache kept on for 4 devices)
+        m.setenv("JAX_NUM_CPU_DEVICES", "1")
+        assert xw.host_devices() == 4 and xw.cache_workaround_wanted()
     monkeypatch.setenv("XLA_FLAGS", count + "4")
     with monkeypatch.context() as m:  # meshes of CPU devices beside an accelerator
         m.setenv("JAX_PLATFORMS", "cuda,cpu")

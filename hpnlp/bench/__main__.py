@@ -1,7 +1,8 @@
 """`python -m hpnlp.bench ENTRY --out DIR [--quick] [--profile DIR]`.
 
 Each entry writes DIR/results.json and DIR/results.md, most also PNG plots (the closing
-line names those it wrote; tricks, quant and data write none). `--quick` runs a small
+line names those it wrote; tricks, quant, data, kv_cache, moe_convert and rnn --quality
+write none). `--quick` runs a small
 version in a few minutes; `--profile DIR` also writes a jax.profiler trace of the run
 (open with TensorBoard's profile plugin or https://ui.perfetto.dev): of this process, so it is
 refused where the measured work runs in worker processes (compress, data, distill_recipes,

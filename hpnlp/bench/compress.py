@@ -1070,9 +1070,23 @@ def _markdown(p: dict) -> str:
     return "\n".join(out)
 
 
+def prunable_params(model: str) -> int:
+    """The entries of `model`'s teacher that the prune part's runs prune (its blocks' qkv,
+    out and MLP kernels: `train.prune.layers`' default on a Transformer; the embedding,
+    biases and norms stay dense)."""
+    from hpnlp.config import from_configdict, validate
+    m = validate(from_configdict(experiment(model, SIZES["full"]))).model
+    E, H, D, G = m.width, m.num_heads, m.dims_per_head(), m.kv_heads()
+    return m.depth * (E * (H * D + 2 * G * D) + H * D * E + 2 * E * m.mlp_dim)
+
+
 def _plot(p: dict, out_dir: str) -> None:
-    """Quality against size per model: one colour and marker per method, its settings
-    (sparsities, ranks) joined by a line, the legend beside the axes."""
+    """Quality against size per model: one colour and marker per method and part, its
+    settings (sparsities, ranks) joined by a line, the legend beside the axes. A pruned
+    row's size is its float32 nonzeros: its sparsity of the pruned kernels only (a review,
+    session 118: taken of every parameter, the 95% runs plotted at a third of their size);
+    rows of one method name in two parts (the structured and low-rank parts' scratch twins)
+    are two lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1081,10 +1095,15 @@ def _plot(p: dict, out_dir: str) -> None:
     markers = "os^vDP*Xph<>"
     for ax, model in zip(axes, MODELS):
         by_method: dict[str, list] = {}
-        for r in _rows(p):
-            if r["model"] == model:
-                size = r["size_bytes"] * (1 - r.get("sparsity", 0.0))  # nonzeros, as float32
-                by_method.setdefault(r["method"], []).append((size / 1024, r["value"]))
+        rows = [(part, r) for part in PARTS for r in p.get(part) or [] if r["model"] == model]
+        parts_of: dict[str, set] = {}
+        for part, r in rows:
+            parts_of.setdefault(r["method"], set()).add(part)
+        for part, r in rows:
+            pruned = r["sparsity"] * prunable_params(model) if r.get("sparsity") else 0.0
+            size = 4 * (r["params"] - pruned) if pruned else r["size_bytes"]
+            label = f"{r['method']} ({part})" if len(parts_of[r["method"]]) > 1 else r["method"]
+            by_method.setdefault(label, []).append((size / 1024, r["value"]))
         for i, (method, pts) in enumerate(by_method.items()):
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker=markers[i % len(markers)],

@@ -354,9 +354,9 @@ def _markdown(p: dict) -> str:
                 "Formula: 4 all-to-alls per MoE layer (dispatch and return, forward and "
                 "backward), each of the device's [1 group, 8 experts, C, width] float32 slot "
                 "buffer; of it, (N - 1) / N leaves the device.", ""]
-    if p.get("seconds"):
-        out += ["Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in p["seconds"].items())
-                + ".", ""]
+    # the runs reused from --workdir said (a review, session 118: "lm 0" read as a part that
+    # took no time)
+    out += report.seconds_md(p)
     out += [report.targets_md(p.get("targets"), p.get("quick"))]
     return "\n".join(out)
 
@@ -404,9 +404,12 @@ def run(out_dir: str, *, quick: bool, parts=PARTS, workdir: str | None = None) -
     s = SIZES["quick" if quick else "full"]
     payload = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
                "layer_shape": LAYER, "machine": harness.machine_info(), "seconds": {}}
+    from hpnlp.bench import compress
+    reused = len(compress.REUSED)
     with tempfile.TemporaryDirectory() as tmp:
         harness.run_parts(payload, {"lm": lambda: lm_rows(s, workdir or tmp),
                                     "layer": lambda: layer_rows(s), "parallel": parallel_rows}, parts)
+    payload["reused_runs"] = len(compress.REUSED) - reused
     report.targets_unless_quick(payload, quick, lambda: _targets(payload))
     report.write(out_dir, "moe", payload, _markdown(payload))
     _plot(payload, out_dir)

@@ -58,6 +58,11 @@ def _config(s: dict, experts: int, top_k: int, steps: int | None, *, init_from: 
     """The byte LM (dense for experts=0) with MoE in both blocks, each expert the dense MLP's
     width, trained `steps` (None: the default run's), from `init_from` when given."""
     cd = compress.experiment("byte LM", dict(lm_steps=steps, eval_batches=s["eval_batches"]))
+    if steps and not init_from:  # the experiment's warmup, where `lm_steps` set --quick's 2
+        # (a review, session 118: the 1000-step scratch baselines warmed up 2 steps, their
+        # sources 100)
+        default = compress.experiment("byte LM", dict(lm_steps=None, eval_batches=None))
+        cd.train.warmup_steps = min(default.train.warmup_steps, max(2, steps // 10))
     if experts:
         cd.model.moe.update(num_experts=experts, every=1, top_k=top_k,
                             router="switch" if top_k == 1 else "top_k")
@@ -128,9 +133,9 @@ def narrow_rows(s: dict, workdir: str, src: str) -> list[dict]:
     width = cd.model.moe.mlp_dim or cd.model.mlp_dim
     sdir = f"{pdir}_shrunk"
     compress._train(cd, pdir)
-    if os.path.exists(sdir):  # shrunk afresh from the pruned run of this config
-        import shutil
-        shutil.rmtree(sdir)
+    # shrunk afresh from the pruned run of this config: `shrink_run` replaces its own
+    # earlier output of that run, and refuses a folder holding anything else (a review,
+    # session 118: removed here whatever it held)
     summ = prune.shrink_run(pdir, sdir)
     narrow = summ["model"]["moe.mlp_dim"][1]
     row = _row(f"half of each expert's neurons, shrunk (of {width})", X, 1,

@@ -48,6 +48,20 @@ def _config(pos_emb: str, s: dict, *, seq_len: int | None = None):
     return cd
 
 
+def _long_config(cd, pos_emb: str, s: dict):
+    """`_config` on rows `s["factor"]` times `cd`'s, its eval of about the same held-out bytes:
+    eval batches of 1 / factor the rows (a review, session 118: the same count of batches
+    of rows twice as long read twice the text, so the long eval's positions under L were
+    another sample than the short eval's)."""
+    long = _config(pos_emb, s, seq_len=s["factor"] * cd.data.seq_len)
+    rows = cd.data.eval_batch_size or cd.train.batch_size
+    if rows % s["factor"]:
+        raise ValueError(f"rope bench: the eval batch of {rows} rows does not split into "
+                         f"{s['factor']} for the long eval")
+    long.data.eval_batch_size = rows // s["factor"]
+    return long
+
+
 def _trainer(cd, workdir: str, *, read_only: bool):
     from hpnlp.config import from_configdict, validate
     from hpnlp.train import Trainer
@@ -106,8 +120,7 @@ def quality_rows(s: dict, workdir: str) -> list[dict]:
             # the same weights on longer rows (a trainer of its own: the run's checkpoint
             # holds a data stream of other rows, which a resume would refuse)
             with tempfile.TemporaryDirectory() as tmp:
-                long_tr = _trainer(_config(pos_emb, s, seq_len=s["factor"] * L), tmp,
-                                   read_only=False)
+                long_tr = _trainer(_long_config(cd, pos_emb, s), tmp, read_only=False)
                 long = _position_eval(long_tr, state)
                 long_tr.checkpointer.close()
             row.update(long=long, loss_long=long["loss"], loss_long_seen=_span(long, 0, L),

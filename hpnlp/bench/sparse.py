@@ -167,14 +167,22 @@ def block_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+NOT_MEASURED = "not measured"  # `breakeven`'s, where the run has no time to judge by
+
+
 def breakeven(blocks: list[dict]) -> dict:
     """Per implementation, the lowest unstructured sparsity from which on it beats `xla
-    dense` on the whole block (None where it never does in the run)."""
+    dense` on the whole block (None where it never does in the run; NOT_MEASURED where a
+    block of it, or of `xla dense`, has no time: a review, session 118, found a skipped
+    implementation reported as "never")."""
     out = {}
     for impl in IMPLS[1:]:
         mine = sorted((b for b in blocks if b["impl"] == impl and b["pattern"] == "unstructured"),
                       key=lambda b: b["sparsity"])
-        wins = [(b["speedup_vs_xla_dense"] or 0) > 1 for b in mine]
+        if not mine or any(b["speedup_vs_xla_dense"] is None for b in mine):
+            out[impl] = NOT_MEASURED
+            continue
+        wins = [b["speedup_vs_xla_dense"] > 1 for b in mine]
         first = next((i for i in range(len(wins)) if all(wins[i:])), None)
         out[impl] = mine[first]["sparsity"] if first is not None and mine else None
     return out
@@ -209,7 +217,8 @@ def _markdown(p: dict) -> str:
     out += [report.table(["sparsity"] + [f"`{i}` ms" for i in impls], body), ""]
     be = p["breakeven"]
     out += ["Lowest sparsity from which on each beats `xla dense` on the whole block: "
-            + "; ".join(f"`{i}` {'never' if v is None else f'{v:.0%}'}" for i, v in be.items())
+            + "; ".join(f"`{i}` " + ("never" if v is None else v if isinstance(v, str) else
+                                     f"{v:.0%}") for i, v in be.items())
             + ".", ""]
     worst = max((r.get("max_rel_err", 0.0) for r in p["rows"]), default=0.0)
     out += [f"Largest relative error against float64 NumPy: {worst:.1e} (bound {TOLERANCE:g}).",

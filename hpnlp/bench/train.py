@@ -151,7 +151,10 @@ def _measure(spec: dict) -> dict:
     flops = (6 * n + attn) * B * L
     out.update(params_non_embedding=n, step_flops=flops, tokens_per_sec=B * L / t.median_s,
                steps_per_sec=1.0 / t.median_s, model_gflops=flops / t.median_s / 1e9,
-               peak_rss_bytes=harness.peak_rss_bytes())
+               peak_rss_bytes=harness.peak_rss_bytes(),
+               # on an accelerator, where attention's buffers live (a review, session 118,
+               # as lra's in session 116: the ratio read the host's RSS there)
+               peak_device_bytes=harness.peak_device_bytes())
     return out
 
 
@@ -233,7 +236,8 @@ def _summarize(payload: dict) -> dict:
     rel = {}
     enc = [r for r in payload["results"] if r["group"] == "encoder"]
     compiled = lambda x: x["compiled_memory"].get("total_bytes")  # noqa: E731
-    mem = lambda x: x.get("peak_rss_bytes") or compiled(x)  # noqa: E731
+    mem = lambda x: (x.get("peak_device_bytes") or x.get("peak_rss_bytes")  # noqa: E731
+                     or compiled(x))
     for r in _ok(enc):
         base = next((b for b in _ok(enc) if b["name"] == "dense" and b["L"] == r["L"]), None)
         if base is None:
@@ -310,7 +314,8 @@ def _markdown(payload: dict) -> str:
                 cells.append("no dense row" if r.get("status") == "ok"
                              else (r.get("status") or "–")[:60])
         rows.append(cells)
-    what = "speed / memory (RSS) / memory (compiled)" if isolated else "speed / memory"
+    peak = "device" if payload["machine"].get("backend", "cpu") != "cpu" else "RSS"
+    what = f"speed / memory ({peak}) / memory (compiled)" if isolated else "speed / memory"
     parts += [report.table(["attention"] + [f"L={L} {what}" for L in lengths], rows), ""]
     if BOUND in enc_names:
         bound = rel.get(BOUND, {})

@@ -619,7 +619,13 @@ def main(argv=None) -> int:
             raise NoCheckpoint(f"{workdir}: a model.kind={cfg.model.kind!r}, model.arch="
                                f"{cfg.model.arch!r} run; generate decodes Transformer LMs "
                                "(model.kind='lm', model.arch='transformer')")
-        check_decodes(cfg)  # before any weights load or compile
+        checked = cfg
+        if cfg.mesh.pipeline == -1:  # the stages its checkpoint trained in (a review,
+            # session 118: a run that filled one stage was refused as pipelined)
+            from hpnlp.compress.distill import checkpoint_pipeline_stages
+            if checkpoint_pipeline_stages(workdir) == 1:
+                checked = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, pipeline=1))
+        check_decodes(checked)  # before any weights load or compile
         cfg = with_kv_cache(cfg, workdir)
         trainer = Trainer(cfg, workdir, read_only=True)
         if trainer.checkpointer.latest_step() is None:

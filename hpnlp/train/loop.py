@@ -240,10 +240,12 @@ def _refused_on(cfg: Config, n: int) -> str:
     """Why `cfg`'s own mesh, its -1 axes filled on `n` devices, cannot lay the run out there
     (its pipeline stages or expert shards against the model), or "" where it can."""
     from hpnlp.config import ConfigError
+    from hpnlp.config.checks import portable_here
     if not any(getattr(cfg.mesh, a) == -1 for a in MESH_AXES if a != "data"):
         return ""
-    try:
-        validate(cfg, num_devices=n)
+    try:  # with what a reader replaces anyway (a review, session 118: cuDNN attention off a
+        # GPU read as the mesh not fitting)
+        validate(portable_here(cfg, n)[0], num_devices=n)
     except ConfigError as e:
         return str(e).splitlines()[0]
     return ""
