@@ -606,7 +606,7 @@ def text_digests(data) -> dict:
     `data` reads a user's file or a prepared folder, for the processes' comparison (a review,
     session 117: one path, another file on each host, a stale copy, and each process built
     its own vocabulary, plan or eval set from its own, unsaid)."""
-    from hpnlp.data import sharded, train_text_digest
+    from hpnlp.data import prepared_eval_digest, sharded, train_text_digest
 
     def file_sha256(path):
         try:
@@ -623,16 +623,7 @@ def text_digests(data) -> dict:
         out[EVAL_TEXT_KEY] = file_sha256(data.eval_path)
     elif data.prepared:  # its eval split, which the train digest leaves out (a review,
         # session 118: a stale copy's held-out shards passed)
-        import hashlib
-        try:
-            with open(os.path.join(data.prepared, sharded.META_FILE)) as f:
-                split = json.load(f)["splits"]["eval"]
-            h = hashlib.sha256(json.dumps(split, sort_keys=True).encode())
-            h.update(file_sha256(os.path.join(data.prepared,
-                                              sharded.EVAL_TARGET_COUNTS_FILE)).encode())
-            out[EVAL_TEXT_KEY] = h.hexdigest()
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            out[EVAL_TEXT_KEY] = None  # (its own error, after the join, names it)
+        out[EVAL_TEXT_KEY] = prepared_eval_digest(data)
     return out
 
 

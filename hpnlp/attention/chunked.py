@@ -45,9 +45,9 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hpnlp.attention import flash_cpu, flash_gpu
+from hpnlp.kernels import is_integer
 from hpnlp.attention.base import Attention, check_inputs, register
 from hpnlp.config import ConfigError
 
@@ -305,13 +305,9 @@ def chunked_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal=False,
     if blocker is None:
         return flash_cpu.flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL, mask_BL, causal=causal)
     for name, block, n in (("block_q", block_q, L), ("block_k", block_k, S)):
-        # an integer, NumPy's too, as ring_attention's (a review, session 118: 8.0 passed,
-        # then failed in jnp.pad naming neither; True ran as a block of 1)
-        try:
-            whole = None if isinstance(block, (bool, np.bool_)) else operator.index(block)
-        except TypeError:
-            whole = None
-        if block is not None and (whole is None or whole <= 0 or n % whole):
+        # an integer, NumPy's too (a review, session 118: 8.0 passed, then failed in jnp.pad
+        # naming neither; True ran as a block of 1)
+        if block is not None and (not is_integer(block) or block <= 0 or n % block):
             raise ValueError(f"chunked attention: {name}={block!r} must be an integer dividing "
                              f"the sequence length {n}; pick a divisor, or leave {name}=None "
                              "to pad automatically")

@@ -34,7 +34,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -388,10 +387,7 @@ def flash_attention(q_BLHD, k_BSHD, v_BSHD, mask_BL=None, *, causal: bool = Fals
     cfg |= dict(blocks or {})
     for name, value in cfg.items():  # integers, NumPy's too (a review, session 118: 32.0
         # failed in `&` naming nothing, and warps or stages of 0 inside Triton's compile)
-        try:
-            whole = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
-        except TypeError:
-            whole = None
+        whole = operator.index(value) if kernels.is_integer(value) else None
         tile = name in ("fwd_q", "fwd_k", "bwd_outer", "bwd_inner")
         if whole is None or (whole < 16 or whole & (whole - 1) if tile else whole < 1):
             raise ValueError(f"flash_gpu: blocks[{name!r}] = {value!r} must be "

@@ -1099,8 +1099,9 @@ def _plot(p: dict, out_dir: str) -> None:
         parts_of: dict[str, set] = {}
         for part, r in rows:
             parts_of.setdefault(r["method"], set()).add(part)
+        prunable = prunable_params(model) if any(r.get("sparsity") for _, r in rows) else 0
         for part, r in rows:
-            pruned = r["sparsity"] * prunable_params(model) if r.get("sparsity") else 0.0
+            pruned = r["sparsity"] * prunable if r.get("sparsity") else 0.0
             size = 4 * (r["params"] - pruned) if pruned else r["size_bytes"]
             label = f"{r['method']} ({part})" if len(parts_of[r["method"]]) > 1 else r["method"]
             by_method.setdefault(label, []).append((size / 1024, r["value"]))

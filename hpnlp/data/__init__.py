@@ -166,6 +166,25 @@ def train_text_digest(cfg) -> str | None:
         return None
 
 
+def prepared_eval_digest(cfg) -> str | None:
+    """A digest of DataConfig `cfg`'s prepared folder's eval split (its meta entry and eval
+    target counts), as `train_text_digest` is of its train split; None where it cannot be
+    read (its reader's own error names it)."""
+    import hashlib
+    import json
+
+    from hpnlp.data import sharded
+    try:
+        with open(os.path.join(cfg.prepared, sharded.META_FILE)) as f:
+            split = json.load(f)["splits"]["eval"]
+        h = hashlib.sha256(json.dumps(split, sort_keys=True).encode())
+        h.update(sharded.file_sha256(os.path.join(cfg.prepared,
+                                                  sharded.EVAL_TARGET_COUNTS_FILE)).encode())
+        return h.hexdigest()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def task_text_digest(task) -> str | None:
     """The `train_text_digest` a built Task was made with (its meta's), or None."""
     digest = task.meta.get("text_digest")
